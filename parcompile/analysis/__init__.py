@@ -1,0 +1,1 @@
+"""Analyses of a compiled graph: typed reports rendered into plan.json and report.md."""

@@ -1,0 +1,105 @@
+"""Communication per step: the collectives each rank of a stage runs, and the bytes the
+busiest rank of each axis sends (SPEC 3 `comm`; docs/internals.md's table).
+
+Entries ``{op, axis, bytes, count, where, stage, phase}``: ``bytes`` is the size of the
+tensor the collective produces on one rank, ``count`` how often it runs per step on one
+rank of ``stage``. Per-micro-batch collectives run ``m`` times (twice with
+``recompute = full`` for the forward collectives of layers, which the recomputed forward
+runs again).
+
+Bytes sent per rank under ring algorithms, group of ``n`` ranks: all-reduce
+``2 (n-1)/n * bytes``; all-gather ``(n-1)/n * bytes`` (bytes = gathered output);
+reduce-scatter ``(n-1) * bytes`` (= ``(n-1)/n`` of the full input); all-to-all
+``(n-1)/n * bytes``; send ``bytes``; recv nothing. ``per_step`` maps each SPEC axis
+(``tp dp pp cp ep``) to the largest, over stages, of those sums; group axes fold into
+them: ``dp_cp``/``expert_dp`` -> dp, ``embedding`` -> pp, ``expert_tp`` -> tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Mapping
+
+from parcompile.ir.graph import Graph
+from parcompile.ir.ops import Collective, op_collectives
+
+AXIS_FAMILY = {"tp": "tp", "expert_tp": "tp", "dp": "dp", "dp_cp": "dp", "expert_dp": "dp",
+               "pp": "pp", "embedding": "pp", "cp": "cp", "ep": "ep"}
+SPEC_AXES = ("tp", "dp", "pp", "cp", "ep")
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    """One row of ``comm.collectives`` (module docstring)."""
+
+    op: str
+    axis: str
+    bytes: int
+    count: int
+    where: str
+    stage: int
+    phase: str
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "axis": self.axis, "bytes": self.bytes, "count": self.count,
+                "where": self.where, "stage": self.stage, "phase": self.phase}
+
+
+@dataclass(frozen=True)
+class CommReport:
+    """``collectives`` in stage then graph order; ``per_step`` bytes sent per SPEC axis;
+    ``raw``: per model chunk, the per-micro-batch collectives (for the time estimate)."""
+
+    collectives: tuple[CollectiveEntry, ...]
+    per_step: dict[str, int]
+    raw: tuple[tuple[int, int, Collective], ...]   # (stage, chunk, collective)
+
+
+def sent_bytes(op: str, nbytes: int, n: int) -> Fraction:
+    """Bytes one rank sends for one collective of ``nbytes`` in a group of ``n`` (ring)."""
+    if n <= 1:
+        return Fraction(0)
+    if op == "all_reduce":
+        return Fraction(2 * (n - 1) * nbytes, n)
+    if op in ("all_gather", "all_to_all"):
+        return Fraction((n - 1) * nbytes, n)
+    if op == "reduce_scatter":
+        return Fraction((n - 1) * nbytes)
+    if op == "send":
+        return Fraction(nbytes)
+    return Fraction(0)
+
+
+def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
+                pp: int) -> CommReport:
+    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`)."""
+    m = num_microbatches
+    counts: dict[tuple, int] = {}
+    order: dict[tuple, int] = {}
+    raw = []
+    for nd in graph.nodes():
+        ins = graph.inputs(nd.name)
+        local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
+        local_out = nd.sharding.local_type(nd.type, degrees)
+        for c in op_collectives(nd, degrees, local_in, local_out):
+            stage = c.stage if c.stage is not None else (nd.stage or 0)
+            if c.per == "microbatch":
+                raw.append((stage, nd.chunk or 0, c))
+            n = m if c.per == "microbatch" else 1
+            phases = [(c.phase, n)]
+            if recompute == "full" and c.phase == "forward" and nd.op.layer is not None and nd.kind != "send_recv":
+                phases.append(("recompute", n))
+            for phase, cnt in phases:
+                key = (c.op, c.axis, c.bytes, c.where, stage, phase)
+                counts[key] = counts.get(key, 0) + cnt
+                order.setdefault(key, len(order))
+    entries = sorted(counts, key=lambda k: (k[4], order[k]))
+    colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph)], w, s, ph)
+                  for (op, axis, b, w, s, ph) in entries)
+    per_stage = [{a: Fraction(0) for a in SPEC_AXES} for _ in range(pp)]
+    for e in colls:
+        fam = AXIS_FAMILY.get(e.axis, e.axis)
+        per_stage[e.stage][fam] += sent_bytes(e.op, e.bytes, degrees.get(e.axis, 1)) * e.count
+    per_step = {a: int(round(max(st[a] for st in per_stage))) for a in SPEC_AXES}
+    return CommReport(colls, per_step, tuple(raw))

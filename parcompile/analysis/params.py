@@ -1,0 +1,87 @@
+"""Parameter counts from the graph.
+
+* ``params``: the model's parameters, with the *unpadded* vocabulary and a tied
+  embedding counted once (the number papers and model cards quote).
+* ``active_params``: the same, counting only ``top_k`` routed experts per MoE layer.
+* per pipeline rank: the parameters one rank of that stage holds, with the padded
+  vocabulary, split by tensor/expert parallelism; a tied head is counted on the first and
+  on the last stage when pp > 1 (the last stage holds a copy), once when pp = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from parcompile.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter elements on one rank of a stage: ``dense`` (reduced over dp_cp),
+    ``expert`` (reduced over expert_dp), ``norm`` (replicated over tp: the ones sequence
+    parallelism must all-reduce), ``embedding`` (local elements of the tied embedding or
+    its head copy, 0 when untied)."""
+
+    stage: int
+    dense: int
+    expert: int
+    norm: int
+    embedding: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class ParamReport:
+    """See module docstring. ``per_stage`` is indexed by pipeline rank."""
+
+    params: int
+    active_params: int
+    per_stage: tuple[StageParams, ...]
+
+
+def model_params(graph: Graph) -> int:
+    """Unique parameters of the model function (unpadded; tied copies excluded)."""
+    seen: dict[str, int] = {}
+    for _, p in graph.params():
+        if p.tied_to is None or p.tied_to == p.name:
+            if p.tied_to == p.name:  # the head reading the embedding itself (pp = 1)
+                continue
+            seen.setdefault(p.name, p.numel)
+    return sum(seen.values())
+
+
+def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool) -> list[StageParams]:
+    """Per pipeline rank, the parameter elements one rank holds (padded, sharded)."""
+    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0} for _ in range(pp)]
+    seen: set[tuple[int, str]] = set()
+    for nd, p in graph.params():
+        s = nd.stage or 0
+        if (s, p.name) in seen:
+            continue
+        seen.add((s, p.name))
+        n = p.sharding.local_type(p.type, degrees).numel
+        acc[s]["expert" if p.expert else "dense"] += n
+        if nd.kind == "norm" and not p.sharding.split:
+            acc[s]["norm"] += n
+        if tied and (p.name == "embedding.weight" or p.tied_to == "embedding.weight"):
+            acc[s]["embedding"] = n
+    return [StageParams(s, **a) for s, a in enumerate(acc)]
+
+
+def param_report(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
+                 experts: int = 0, top_k: int = 0) -> ParamReport:
+    """Build the :class:`ParamReport` (expert weights scale by ``top_k / experts`` for
+    ``active_params``)."""
+    total = model_params(graph)
+    expert = 0
+    seen = set()
+    for _, p in graph.params():
+        if p.expert and p.name not in seen:
+            seen.add(p.name)
+            expert += p.numel
+    active = total - expert + (expert * top_k // experts if experts else 0)
+    return ParamReport(total, active, tuple(stage_params(graph, degrees, pp, tied)))

@@ -1,0 +1,246 @@
+"""The `parcompile` command line (SPEC section 2), on argparse.
+
+Exit status: 0 success, 1 the spec has errors (or a check failed), 2 usage error.
+Diagnostics go to stderr in the SPEC format; results go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from parcompile.diagnostics import Diagnostic, SpecError, render_all
+
+EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
+
+
+class _Usage(Exception):
+    """A usage error: bad arguments or an unreadable spec file (exit 2)."""
+
+
+def _read(path: str) -> tuple[Path, str]:
+    p = Path(path)
+    try:
+        return p, p.read_text()
+    except FileNotFoundError:
+        raise _Usage(f"cannot read {path}: no such file")
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise _Usage(f"cannot read {path}: {e.__class__.__name__}: {e}")
+
+
+def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text") -> None:
+    if not diags:
+        return
+    if fmt == "json":
+        for d in diags:
+            print(d.to_json())
+    else:
+        print(render_all(diags, source), file=sys.stderr)
+
+
+def _compile(path: str):
+    """Parse, check and plan ``path``; returns (plan, source). Raises SpecError."""
+    import parcompile
+
+    p, source = _read(path)
+    try:
+        return parcompile.compile(p), source
+    except SpecError as e:
+        e.source = e.source or source
+        raise
+
+
+def _summary(plan) -> str:
+    d = plan.data
+    deg = d["degrees"]
+    mem = d["memory"]
+    gib = 2**30
+    parts = [f"dp {deg['dp']} x tp {deg['tp']} x pp {deg['pp']}"]
+    if deg.get("cp", 1) > 1:
+        parts.append(f"cp {deg['cp']}")
+    return (f"{plan.config.filename}: ok: {d['world_size']} ranks ({' x '.join(parts)}), "
+            f"{d['model']['params']:,} parameters, {d['schedule']['num_microbatches']} micro-batches, "
+            f"peak memory {mem['peak'] / gib:.2f} GiB of {mem['capacity'] / gib:.2f} GiB per rank"
+            f"{'' if mem['fits'] else ' (does NOT fit)'}")
+
+
+def cmd_check(args) -> int:
+    try:
+        plan, source = _compile(args.spec)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source, args.format)
+        return EXIT_SPEC
+    _print_diags(plan.warnings, source, args.format)
+    if args.format == "text":
+        print(_summary(plan))
+    return EXIT_OK
+
+
+def cmd_plan(args) -> int:
+    fmt = "json" if args.json else args.format
+    try:
+        plan, source = _compile(args.spec)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    _print_diags(plan.warnings, source)
+    if fmt == "json":
+        sys.stdout.write(plan.to_json())
+    elif fmt == "dot":
+        sys.stdout.write(plan.graph_dot())
+    else:
+        sys.stdout.write(plan.report_md())
+    return EXIT_OK
+
+
+def build_outputs(plan, out_dir: Path) -> dict[str, str]:
+    """Every file `compile` writes, name -> text (plan.json, report.md, graph.txt, program, launcher)."""
+    from parcompile.codegen.emit import render_launch, render_program
+
+    files = {
+        "plan.json": plan.to_json(),
+        "report.md": plan.report_md(),
+        "graph.txt": plan.graph_dump(),
+    }
+    if plan.config.workload == "train":
+        files["program.py"] = render_program(plan.config, plan.data, out_dir)
+        files["launch.sh"] = render_launch(plan.config)
+    return files
+
+
+def _compile_to(args) -> tuple[object, Path]:
+    from parcompile.codegen.emit import write_files
+
+    plan, source = _compile(args.spec)
+    _print_diags(plan.warnings, source)
+    out = Path(args.output) if args.output else Path("build") / plan.config.name
+    write_files(out, build_outputs(plan, out), executable=("launch.sh",))
+    return plan, out
+
+
+def cmd_compile(args) -> int:
+    try:
+        plan, out = _compile_to(args)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    print(f"wrote {out}/ ({', '.join(sorted(build_outputs(plan, out)))})")
+    if plan.config.workload == "train":
+        print(f"run it: (cd {out} && ./launch.sh)")
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    try:
+        plan, out = _compile_to(args)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    cfg = plan.config
+    problems = []
+    if not plan.data["memory"]["fits"]:
+        problems.append(Diagnostic(
+            "error", f"the plan needs {plan.data['memory']['peak'] / 2**30:.2f} GiB per rank but "
+            f"{plan.data['memory']['capacity'] / 2**30:.2f} GiB are available", cfg.span("parallel"),
+            help="raise tp or pp, turn on zero or recompute, or lower micro_batch"))
+    if cfg.cluster.nodes > 1:
+        problems.append(Diagnostic(
+            "error", f"`run` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
+            cfg.span("cluster.nodes"), help=f"on the cluster, run {out}/launch.sh on every node"))
+    if cfg.workload != "train":
+        problems.append(Diagnostic("error", "`run` trains; this spec has a `serve` block", cfg.span("serve")))
+    if problems:
+        _print_diags(problems, _read(args.spec)[1])
+        return EXIT_SPEC
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={cfg.cluster.gpus_per_node}", str(out / "program.py")]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {out / 'program.py'}",
+          flush=True)
+    return subprocess.call(cmd)
+
+
+def cmd_verify(args) -> int:
+    from parcompile.verify import verify
+
+    try:
+        plan, source = _compile(args.spec)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    try:
+        result = verify(plan.config, steps=args.steps)
+    except SpecError as e:
+        _print_diags(e.diagnostics, source)
+        return EXIT_SPEC
+    except RuntimeError as e:
+        print(f"error: the miniature's run failed: {e}", file=sys.stderr)
+        return EXIT_SPEC
+    m, p = result.mini.model, result.mini.parallel
+    print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
+          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}, {p.schedule}, "
+          f"{p.num_microbatches} micro-batches, {args.steps} steps; reference: one process")
+    print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
+    print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
+    print(result.table())
+    print("verify: " + ("passed" if result.ok else "FAILED"))
+    return EXIT_OK if result.ok else EXIT_SPEC
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training plans.")
+    from parcompile import __version__
+
+    ap.add_argument("--version", action="version", version=f"parcompile {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", help="validate a spec; print diagnostics or one summary line")
+    p.add_argument("spec")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("plan", help="print the plan report, plan.json or the graph (Graphviz)")
+    p.add_argument("spec")
+    p.add_argument("--format", choices=["text", "json", "dot"], default="text")
+    p.add_argument("--json", action="store_true", help="short for --format json")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("compile", help="write plan.json, report.md, program.py and launch.sh")
+    p.add_argument("spec")
+    p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
+    p.set_defaults(fn=cmd_compile)
+
+    p = sub.add_parser("run", help="compile and launch the program on this machine under torchrun")
+    p.add_argument("spec")
+    p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
+    p.add_argument("--steps", type=int, help="override the number of training steps")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
+    p.add_argument("spec")
+    p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    p.set_defaults(fn=cmd_verify)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `parcompile` console script and `python -m parcompile`."""
+    ap = make_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
+        return int(e.code or 0)
+    try:
+        return args.fn(args)
+    except _Usage as e:
+        print(f"parcompile: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Lowering a plan to files: ``program.py`` (jinja2), ``launch.sh``, ``plan.json``, ``report.md``.
+
+Decisions are made here, in Python, as plain data (local sizes, dtypes, paths); the
+templates only format them (DESIGN: codegen first turns the plan into data). Nothing a
+user typed reaches the program unchecked: strings are written with ``repr`` and numbers
+come from the validated config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from parcompile.config.schema import SpecConfig
+
+TEMPLATES = Path(__file__).parent / "templates"
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def torchrun_command(cfg: SpecConfig, script: str = "program.py") -> str:
+    """The exact torchrun line for this plan (single node: standalone rendezvous)."""
+    c = cfg.cluster
+    if c.nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {c.gpus_per_node} {script}"
+    return (f"torchrun --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} "
+            f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT {script}")
+
+
+def _data_path(cfg: SpecConfig, out_dir: Path | None) -> str:
+    """The training data as the program should open it: a path relative to the program's
+    directory when that is known (so generated files hold no absolute paths).
+
+    The program resolves a relative ``DATA`` against its own directory."""
+    data = cfg.train.data  # the front end resolved it against the spec's directory
+    if data == "synthetic" or data.startswith("builtin:") or out_dir is None:
+        return data
+    return os.path.relpath(Path(data).resolve(), Path(out_dir).resolve())
+
+
+def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
+    """The plain data the program template formats (see module docstring)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    padded = plan["model"]["padded_vocab"]
+    train = {
+        "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
+        "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
+        "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
+        "checkpoint_dir": t.checkpoint_dir,
+    }
+    data = _data_path(cfg, out_dir)
+    rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
+    return {
+        "name": cfg.name,
+        "version": _version(),
+        "spec_file": Path(cfg.filename).name,
+        "world": p.world_size,
+        "torchrun_cmd": torchrun_command(cfg),
+        "m": m,
+        "p": p,
+        "t": t,
+        "num_microbatches": p.num_microbatches,
+        "padded_vocab": padded,
+        "heads_local": m.heads // p.tp,
+        "kv_local": m.kv_heads // p.tp,
+        "ffn_local": m.ffn_hidden // p.tp,
+        "rope_dim": rope_dim,
+        "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
+        "torch_dtype": TORCH_DTYPES[m.dtype],
+        "force_cpu": cfg.cluster.is_cpu,
+        "train_repr": repr(train),
+        "data_repr": repr(data),
+    }
+
+
+def render_program(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> str:
+    """The text of ``program.py`` for a training plan."""
+    return _env.get_template("program.py.j2").render(**program_context(cfg, plan, out_dir))
+
+
+def render_launch(cfg: SpecConfig) -> str:
+    """``launch.sh``: torchrun on one node, or multi-node with rendezvous from the environment
+    (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+    return _env.get_template("launch.sh.j2").render(
+        name=cfg.name, version=_version(), spec_file=Path(cfg.filename).name,
+        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
+    )
+
+
+def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = ()) -> None:
+    """Write ``files`` (name -> text) into ``out_dir`` so that nothing is half-written:
+    all are written to a temporary sibling directory first, then each is moved into place
+    with an atomic rename."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, text in files.items():
+            path = tmp / name
+            path.write_text(text)
+            if name in executable:
+                path.chmod(0o755)
+        out_dir.mkdir(exist_ok=True)
+        for name in files:
+            os.replace(tmp / name, out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _version() -> str:
+    from parcompile import __version__
+
+    return __version__

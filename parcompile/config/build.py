@@ -1,0 +1,590 @@
+"""AST -> :class:`~parcompile.config.schema.SpecConfig`: keys, types, units, presets, defaults.
+
+:func:`build_config` reads every block of a parsed spec, checks each entry on its own
+(known key, given once, right type, unit of the right dimension, in range), applies
+`from` presets and Hugging Face imports (block keys override them), fills defaults,
+resolves ``auto`` degrees and then runs the cross-field checks of
+:mod:`parcompile.config.checks`. Every problem becomes a diagnostic in the bag; none
+stops the others. A value found wrong is left out (its default or a placeholder takes
+its place) and its ``"block.key"`` is marked bad, so that no check built on it adds a
+second, derived error.
+
+The key table :data:`KEYS` is the single list of what each block accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from parcompile.config import checks
+from parcompile.config.checks import AUTO, CheckContext
+from parcompile.config.hf import HFConfigError, load_hf_config
+from parcompile.config.presets import (
+    CLUSTER_PRESET_NAMES,
+    MODEL_PRESET_NAMES,
+    cluster_preset,
+    model_preset,
+)
+from parcompile.config.schema import (
+    BUILTIN_SOURCES,
+    ClusterConfig,
+    ModelConfig,
+    ParallelConfig,
+    ServeConfig,
+    SpecConfig,
+    TrainConfig,
+)
+from parcompile.config.text import and_list, did_you_mean, or_list
+from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
+from parcompile.diagnostics import DiagnosticBag, Span
+from parcompile.frontend import ast
+
+# --------------------------------------------------------------------------------------
+# What each block accepts
+
+Kind = Literal["int", "float", "bool", "enum", "str", "quantity", "fraction", "int_list", "float_list"]
+
+
+@dataclass(frozen=True)
+class KeyType:
+    """The type of one key: its kind and the range or choices its values must meet.
+
+    ``low``/``high`` bound numbers (and list items), open when ``*_open``; ``choices``
+    lists an enum's values; ``dimension`` a quantity's; ``auto`` admits the word
+    ``auto``; ``length`` fixes a list's length.
+    """
+
+    kind: Kind
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+    choices: tuple = ()
+    dimension: str | None = None
+    auto: bool = False
+    length: int | None = None
+
+
+def _choices(model: type[BaseModel], field: str) -> tuple:
+    """The values of a ``Literal`` (or ``Optional[Literal]``) field of the schema."""
+    annotation = model.model_fields[field].annotation
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is not Literal:  # Optional[Literal[...]]
+        args = next(typing.get_args(a) for a in args if typing.get_origin(a) is Literal)
+    return tuple(args)
+
+
+def _enum(model: type[BaseModel], field: str) -> KeyType:
+    return KeyType("enum", choices=_choices(model, field))
+
+
+_COUNT = KeyType("int", low=1)
+_COUNT_OR_AUTO = KeyType("int", low=1, auto=True)
+_NONNEG_INT = KeyType("int", low=0)
+_POSITIVE = KeyType("float", low=0, low_open=True)
+_NONNEG = KeyType("float", low=0)
+_BOOL = KeyType("bool")
+_STR = KeyType("str")
+
+
+def _quantity(dimension: str, low_open: bool = True) -> KeyType:
+    return KeyType("quantity", low=0, low_open=low_open, dimension=dimension)
+
+
+KEYS: dict[str, dict[str, KeyType]] = {
+    "model": {
+        "layers": _COUNT, "hidden": _COUNT, "heads": _COUNT, "kv_heads": _COUNT,
+        "head_dim": _COUNT, "ffn_hidden": _COUNT, "vocab": _COUNT, "seq_len": _COUNT,
+        "norm": _enum(ModelConfig, "norm"),
+        "activation": _enum(ModelConfig, "activation"),
+        "position": _enum(ModelConfig, "position"),
+        "bias": _BOOL, "qkv_bias": _BOOL,
+        "norm_eps": _POSITIVE, "rope_theta": _POSITIVE,
+        "rotary_fraction": KeyType("fraction", low=0, low_open=True, high=1),
+        "parallel_residual": _BOOL,
+        "sliding_window": _NONNEG_INT,
+        "attention": _enum(ModelConfig, "attention"),
+        "dropout": KeyType("fraction", low=0, high=1, high_open=True),
+        "tie_embeddings": _BOOL,
+        "dtype": _enum(ModelConfig, "dtype"),
+        "experts": _NONNEG_INT, "top_k": _COUNT, "expert_ffn_hidden": _COUNT,
+        "shared_experts": _NONNEG_INT, "dense_layers": _NONNEG_INT,
+        "vocab_multiple": _COUNT,
+    },
+    "cluster": {
+        "nodes": _COUNT, "gpus_per_node": _COUNT,
+        "memory": _quantity("memory"),
+        "peak_flops": _quantity("compute"),
+        "hbm_bw": _quantity("bandwidth"),
+        "intra_node_bw": _quantity("bandwidth"),
+        "inter_node_bw": _quantity("bandwidth"),
+        "intra_node_latency": _quantity("time", low_open=False),
+        "inter_node_latency": _quantity("time", low_open=False),
+        "memory_reserve": KeyType("fraction", low=0, high=1, high_open=True),
+    },
+    "parallel": {
+        "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,
+        "cp": _COUNT_OR_AUTO, "ep": _COUNT_OR_AUTO,
+        "expert_tp": _COUNT,
+        "sequence_parallel": _BOOL,
+        "zero": _enum(ParallelConfig, "zero"),
+        "micro_batch": _COUNT_OR_AUTO,
+        "global_batch": _COUNT,
+        "schedule": _enum(ParallelConfig, "schedule"),
+        "virtual_stages": _COUNT,
+        "stage_layers": KeyType("int_list", low=1),
+        "recompute": _enum(ParallelConfig, "recompute"),
+        "order": _STR,
+    },
+    "train": {
+        "optimizer": _enum(TrainConfig, "optimizer"),
+        "lr": _POSITIVE, "weight_decay": _NONNEG, "grad_clip": _NONNEG,
+        "steps": _COUNT, "seed": _NONNEG_INT, "data": _STR,
+        "checkpoint_dir": _STR, "checkpoint_every": _NONNEG_INT, "log_every": _COUNT,
+        "lr_schedule": _enum(TrainConfig, "lr_schedule"),
+        "warmup_steps": _NONNEG_INT, "min_lr": _NONNEG,
+        "betas": KeyType("float_list", low=0, high=1, high_open=True, length=2),
+        "eps": _POSITIVE,
+    },
+    "serve": {
+        "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,
+        "kv_dtype": _enum(ServeConfig, "kv_dtype"),
+        "weights": _STR, "seed": _NONNEG_INT,
+    },
+}
+
+BLOCK_KINDS: tuple[str, ...] = tuple(KEYS)
+#: Blocks a spec must have, with an example for the help line (`parallel` defaults).
+REQUIRED_BLOCKS = {"model": 'model llama from "llama3-8b" { }', "cluster": 'cluster gpus from "h100-sxm" { nodes = 1 }'}
+#: Blocks that take a name and a `from` source.
+NAMED_BLOCKS = ("model", "cluster")
+#: `model` keys without a default (a preset or config.json may supply them).
+REQUIRED_MODEL_KEYS = ("layers", "hidden", "heads", "vocab", "seq_len")
+#: `model` keys whose default derives from others (a default of a bad value is bad too).
+DERIVED_MODEL_KEYS = {
+    "kv_heads": ("heads",),
+    "head_dim": ("hidden", "heads"),
+    "ffn_hidden": ("hidden",),
+    "expert_ffn_hidden": ("ffn_hidden",),
+}
+
+_INVALID = object()  # what a wrong value converts to
+ZERO_HELP = "0 none, 1 shards optimizer states, 2 also gradients, 3 also parameters"
+
+
+# --------------------------------------------------------------------------------------
+# One value
+
+
+def _interval(t: KeyType) -> str:
+    lo = "(" if t.low_open else "["
+    hi = ")" if t.high_open else "]"
+    return f"{lo}{t.low:g}, {t.high:g}{hi}"
+
+
+class _Values:
+    """Converts AST values to Python values of a :class:`KeyType`, reporting mistakes."""
+
+    def __init__(self, bag: DiagnosticBag):
+        self.bag = bag
+
+    def convert(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        """The Python value of ``v`` for ``key`` (SI for quantities), or ``_INVALID``."""
+        if t.auto and isinstance(v, ast.Word) and v.value == "auto":
+            return AUTO
+        method = getattr(self, "_" + t.kind)
+        return method(key, t, v)
+
+    def _expected(self, what: str, v: ast.Value, help: str | None = None) -> object:
+        if isinstance(v, ast.Quantity):
+            help = f"drop the unit `{v.unit}`"
+        self.bag.error(f"expected {what}, got `{v.text}`", v.span, help=help)
+        return _INVALID
+
+    def _in_range(self, key: str, t: KeyType, x: float, v: ast.Value) -> bool:
+        if not math.isfinite(x):
+            self.bag.error(f"expected a finite number, got `{v.text}`", v.span)
+            return False
+        too_low = t.low is not None and (x <= t.low if t.low_open else x < t.low)
+        too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
+        if not (too_low or too_high):
+            return True
+        if t.high is not None:
+            self.bag.error(f"{key} must be in {_interval(t)}, got `{v.text}`", v.span,
+                           help=f"{key} is a fraction: write e.g. `{t.high * 0.1:g}` or `{10 * t.high:g}%`")
+        elif t.low == 0 and t.low_open:
+            self.bag.error(f"{key} must be positive, got `{v.text}`", v.span, help="use a number above 0")
+        elif t.low == 0:
+            self.bag.error(f"{key} must not be negative, got `{v.text}`", v.span, help="use 0 or more")
+        else:
+            self.bag.error(f"{key} must be at least {t.low:g}, got `{v.text}`", v.span,
+                           help=f"use {t.low:g} or more")
+        return False
+
+    def _int(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        if not isinstance(v, ast.Int):
+            help = f"{key} takes a whole number" + (" or `auto`" if t.auto else "")
+            return self._expected("an integer", v, help)
+        return v.value if self._in_range(key, t, v.value, v) else _INVALID
+
+    def _float(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        if not isinstance(v, (ast.Int, ast.Float)):
+            return self._expected("a number", v, help=f"{key} takes a number such as `0.1` or `3e-4`")
+        return float(v.value) if self._in_range(key, t, float(v.value), v) else _INVALID
+
+    def _bool(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        if not isinstance(v, ast.Bool):
+            return self._expected("`true` or `false`", v, help=f"write `{key} = true` or `{key} = false`")
+        return v.value
+
+    def _str(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        if not isinstance(v, (ast.String, ast.Word)):
+            return self._expected("a string", v, help=f'write it in double quotes: `{key} = "..."`')
+        return v.value
+
+    def _enum(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        allowed = or_list(t.choices, quote=True)
+        if isinstance(t.choices[0], int):  # zero = 0..3
+            if isinstance(v, ast.Int) and v.value in t.choices:
+                return v.value
+            self.bag.error(f"{key} must be {or_list(t.choices)}, got `{v.text}`", v.span,
+                           help=ZERO_HELP if key == "zero" else None)
+            return _INVALID
+        if isinstance(v, (ast.Word, ast.String)) and v.value in t.choices:
+            return v.value
+        word = v.value if isinstance(v, (ast.Word, ast.String)) else v.text
+        self.bag.error(f"unknown {key} `{word}`", v.span,
+                       help=f"{did_you_mean(str(word), t.choices)}{key} may be {allowed}")
+        return _INVALID
+
+    def _unit_ok(self, q: ast.Quantity) -> bool:
+        if q.unit in UNITS:
+            return True
+        self.bag.error(f"unknown unit `{q.unit}`", q.unit_span,
+                       help=f"{did_you_mean(q.unit, UNITS)}units are {or_list(UNITS, quote=True)}")
+        return False
+
+    def _quantity(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        dim = t.dimension
+        assert dim is not None
+        wanted = DIMENSION_WORDS[dim]
+        example_unit = SUGGESTED_UNIT[dim]
+        if isinstance(v, (ast.Int, ast.Float)):
+            self.bag.error(f"missing unit: {key} takes {wanted}", v.span,
+                           help=f"write `{v.text} {example_unit}`; {wanted} takes {or_list(units_of(dim), quote=True)}")
+            return _INVALID
+        if not isinstance(v, ast.Quantity):
+            return self._expected(wanted, v, help=f"write e.g. `{key} = 80 {example_unit}`")
+        if not self._unit_ok(v):
+            return _INVALID
+        got = dimension_of(v.unit)
+        if got != dim:
+            self.bag.error(f"expected {wanted}, got {DIMENSION_WORDS[got]}", v.span,
+                           help=f"{key} takes {or_list(units_of(dim), quote=True)}")
+            return _INVALID
+        x = to_si(float(v.number.value), v.unit)
+        if not self._in_range(key, t, x, v):
+            return _INVALID
+        return int(round(x)) if dim == "memory" else x
+
+    def _fraction(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        if isinstance(v, ast.Quantity):
+            if not self._unit_ok(v):
+                return _INVALID
+            if v.unit != "%":
+                self.bag.error(f"expected a fraction, got {DIMENSION_WORDS[dimension_of(v.unit)]}", v.span,
+                               help=f"write a number such as `0.1` or a percentage such as `10%`")
+                return _INVALID
+            x = to_si(float(v.number.value), "%")
+        elif isinstance(v, (ast.Int, ast.Float)):
+            x = float(v.value)
+        else:
+            return self._expected("a fraction", v, help="write a number such as `0.1` or a percentage such as `10%`")
+        return x if self._in_range(key, t, x, v) else _INVALID
+
+    def _list(self, key: str, t: KeyType, v: ast.Value, item: KeyType, example: str) -> Any:
+        if not isinstance(v, ast.List):
+            return self._expected(f"a list", v, help=f"write `{key} = {example}`")
+        if t.length is not None and len(v.items) != t.length:
+            self.bag.error(f"{key} needs {t.length} entries, got {len(v.items)}", v.span,
+                           help=f"write `{key} = {example}`")
+            return _INVALID
+        out = [self.convert(key + " entries", item, x) for x in v.items]
+        return _INVALID if any(x is _INVALID for x in out) else tuple(out)
+
+    def _int_list(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        return self._list(key, t, v, KeyType("int", low=t.low), "[8, 8, 7, 7]")
+
+    def _float_list(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        item = KeyType("float", low=t.low, low_open=t.low_open, high=t.high, high_open=t.high_open)
+        return self._list(key, t, v, item, "[0.9, 0.95]")
+
+
+# --------------------------------------------------------------------------------------
+# The whole spec
+
+
+class _Builder:
+    def __init__(self, spec: ast.Spec, bag: DiagnosticBag, source_dir: str | None):
+        self.spec = spec
+        self.bag = bag
+        self.source_dir = source_dir
+        self.values_of = _Values(bag)
+        self.blocks: dict[str, ast.Block] = {}
+        self.values: dict[str, dict[str, Any]] = {kind: {} for kind in KEYS}
+        self.ctx = CheckContext(bag=bag, filename=spec.filename)
+
+    # -- blocks and entries ------------------------------------------------------------
+
+    def read_blocks(self) -> None:
+        for block in self.spec.blocks:
+            kind = block.kind
+            if kind not in KEYS:
+                self.bag.error(f"unknown block `{kind}`", block.span,
+                               help=f"{did_you_mean(kind, KEYS)}blocks are {or_list(KEYS, quote=True)}")
+                continue
+            if kind in self.blocks:
+                first = self.blocks[kind].span.line
+                self.bag.error(f"block `{kind}` given twice", block.span, note=f"first given at line {first}")
+                continue
+            if kind not in NAMED_BLOCKS:
+                if block.name is not None:
+                    self.bag.error(f"`{kind}` takes no name", block.name_span,
+                                   help=f"write `{kind} {{ ... }}`")
+                if block.source is not None:
+                    self.bag.error(f"`{kind}` takes no `from`", block.source_span,
+                                   help="only `model` and `cluster` import presets")
+            self.blocks[kind] = block
+            self.ctx.spans[kind] = block.span
+            self.read_entries(block)
+        if "train" in self.blocks and "serve" in self.blocks:
+            train, serve = self.blocks["train"], self.blocks["serve"]
+            later, earlier = (serve, train) if serve.span.line >= train.span.line else (train, serve)
+            self.bag.error("a spec has `train` or `serve`, not both", later.span,
+                           note=f"`{earlier.kind}` given at line {earlier.span.line}")
+        for kind, example in REQUIRED_BLOCKS.items():
+            if kind not in self.blocks:
+                self.bag.error(f"missing `{kind}` block", Span.unknown(self.spec.filename),
+                               help=f"add one, e.g. `{example}`")
+
+    def read_entries(self, block: ast.Block) -> None:
+        keys = KEYS[block.kind]
+        seen: dict[str, ast.Entry] = {}
+        for entry in block.entries:
+            key = entry.key
+            if key in seen:
+                self.bag.error(f"key `{key}` given twice", entry.key_span,
+                               note=f"first given at line {seen[key].key_span.line}")
+                continue
+            seen[key] = entry
+            if key not in keys:
+                self.bag.error(f"unknown key `{key}` in `{block.kind}`", entry.key_span,
+                               help=f"{did_you_mean(key, keys)}keys of `{block.kind}` are {', '.join(keys)}")
+                continue
+            path = f"{block.kind}.{key}"
+            self.ctx.spans[path] = entry.value_span
+            value = self.values_of.convert(key, keys[key], entry.value)
+            if value is _INVALID:
+                self.ctx.bad.add(path)
+            else:
+                self.values[block.kind][key] = value
+
+    # -- presets and imports -----------------------------------------------------------
+
+    def _source_error(self, block: ast.Block, message: str, help: str | None = None) -> None:
+        self.bag.error(message, block.source_span or block.span, help=help)
+
+    def model_base(self, block: ast.Block) -> dict[str, Any] | None:
+        """What `from` gives the model block ({} without `from`); None when it failed."""
+        src = block.source
+        if src is None:
+            return {}
+        preset = model_preset(src)
+        if preset is not None:
+            return preset
+        if src.endswith(".json"):
+            path = Path(src) if os.path.isabs(src) else Path(self.source_dir or ".") / src
+            try:
+                return load_hf_config(path)
+            except HFConfigError as e:
+                self._source_error(block, e.message, e.help)
+                return None
+        if src in CLUSTER_PRESET_NAMES:
+            self._source_error(block, f"`{src}` is a cluster preset, not a model preset",
+                               help=f"model presets are {or_list(MODEL_PRESET_NAMES, quote=True)}")
+            return None
+        self._source_error(block, f"unknown model preset `{src}`",
+                           help=f"{did_you_mean(src, MODEL_PRESET_NAMES)}model presets are "
+                                f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
+                                f"`config.json`")
+        return None
+
+    def cluster_base(self, block: ast.Block, dtype: str) -> dict[str, Any] | None:
+        src = block.source
+        if src is None:
+            return {}
+        preset = cluster_preset(src, dtype)
+        if preset is not None:
+            return preset
+        if src in MODEL_PRESET_NAMES:
+            message = f"`{src}` is a model preset, not a cluster preset"
+        else:
+            message = f"unknown cluster preset `{src}`"
+        self._source_error(block, message,
+                           help=f"{did_you_mean(src, CLUSTER_PRESET_NAMES)}cluster presets are "
+                                f"{or_list(CLUSTER_PRESET_NAMES, quote=True)}")
+        return None
+
+    # -- configs -----------------------------------------------------------------------
+
+    def _make(self, cls: type[BaseModel], kind: str, **values: Any) -> Any:
+        """Construct ``cls``; a validation error (a checker gap) becomes a diagnostic."""
+        try:
+            return cls(**values)
+        except ValidationError as e:  # pragma: no cover - every key is checked above
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            self.bag.error(f"invalid `{kind}` {where}: {first['msg']}", self.ctx.span(kind))
+            return None
+
+    def model(self) -> ModelConfig:
+        block = self.blocks.get("model")
+        given = self.values["model"]
+        base = self.model_base(block) if block is not None else None
+        if base is None:  # no block, or `from` failed: what is missing is not the user's slip
+            self.ctx.bad.update(f"model.{k}" for k in REQUIRED_MODEL_KEYS if k not in given)
+            base = {}
+        values = {**base, **given}
+        missing = [k for k in REQUIRED_MODEL_KEYS if k not in values and f"model.{k}" not in self.ctx.bad]
+        if missing:
+            assert block is not None
+            plural = "s" if len(missing) > 1 else ""
+            self.bag.error(f"missing required key{plural} {and_list(missing, quote=True)} in `model`", block.span,
+                           help=f"add `{missing[0]} = ...`, or start from a preset: "
+                                f"`model {block.name or 'llama'} from \"llama3-8b\" {{ ... }}`")
+            self.ctx.bad.update(f"model.{k}" for k in missing)
+        self.ctx.provided.update(f"model.{k}" for k in values)
+        for key, sources in DERIVED_MODEL_KEYS.items():  # in dependency order
+            if key not in values and not self.ctx.ok(*(f"model.{k}" for k in sources)):
+                self.ctx.bad.add(f"model.{key}")
+        placeholders = {k: 1 for k in REQUIRED_MODEL_KEYS}  # for bad keys; checks skip them
+        name = (block.name if block is not None else None) or _preset_name(block) or "model"
+        return (self._make(ModelConfig, "model", name=name, **{**placeholders, **values})
+                or ModelConfig(name=name, **placeholders))
+
+    def cluster(self, dtype: str) -> ClusterConfig:
+        block = self.blocks.get("cluster")
+        if block is None:
+            self.ctx.bad.update({"cluster.nodes", "cluster.gpus_per_node"})
+            return ClusterConfig()
+        base = self.cluster_base(block, dtype)
+        if base is None:
+            base = {}
+        values = {**base, **self.values["cluster"]}
+        self.ctx.provided.update(f"cluster.{k}" for k in values)
+        name = block.name or block.source or "cluster"
+        preset = block.source if block.source in CLUSTER_PRESET_NAMES else None
+        return self._make(ClusterConfig, "cluster", name=name, preset=preset, **values) or ClusterConfig()
+
+    def parallel(self, cluster: ClusterConfig) -> ParallelConfig:
+        values = dict(self.values["parallel"])
+        auto = [k for k, v in values.items() if v is AUTO]
+        for k in auto:
+            if k != "dp":
+                values[k] = 1  # the compiler's choice; `parcompile search` explores it
+        if "global_batch" not in values and "global_batch" not in self.ctx.bad:
+            for k in ("dp", "micro_batch"):
+                if k in auto:
+                    self.bag.error(f"{k} = auto needs `global_batch`", self.ctx.span(f"parallel.{k}"),
+                                   help="add `global_batch = N` (sequences per optimizer step)")
+        if "dp" not in values:
+            auto.insert(0, "dp")  # dp's default is `auto`
+        values["dp"] = checks.resolve_dp(values.get("dp", AUTO), values, cluster, self.ctx)
+        return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
+
+    def _resolve_path(self, path: str) -> str:
+        if os.path.isabs(path) or not self.source_dir:
+            return path
+        return os.path.normpath(os.path.join(self.source_dir, path))
+
+    def train(self) -> TrainConfig:
+        values = dict(self.values["train"])
+        data = values.get("data")
+        if data is not None and data.startswith("builtin:") and data not in BUILTIN_SOURCES:
+            self.bag.error(f"unknown built-in text `{data}`", self.ctx.span("train.data"),
+                           help="built-in texts: " + ", ".join(f'"{b}"' for b in BUILTIN_SOURCES))
+            self.ctx.bad.add("train.data")
+            values.pop("data")
+        elif data is not None and data != "synthetic" and data not in BUILTIN_SOURCES:
+            resolved = self._resolve_path(data)
+            if not os.path.isfile(resolved):
+                where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
+                self.bag.error(f"data file `{data}` does not exist", self.ctx.span("train.data"),
+                               help=f"give a text file ({where}), `data = \"builtin:pydoc\"` "
+                               "(English text every Python carries) or `data = \"synthetic\"`")
+                self.ctx.bad.add("train.data")
+                values.pop("data")
+            else:
+                values["data"] = resolved
+        return self._make(TrainConfig, "train", **values) or TrainConfig()
+
+    def serve(self, model: ModelConfig) -> ServeConfig | None:
+        if "serve" not in self.blocks:
+            return None
+        values = dict(self.values["serve"])
+        values.setdefault("kv_dtype", model.dtype)
+        weights = values.get("weights")
+        if weights is not None:
+            values["weights"] = self._resolve_path(weights)
+            if not os.path.isdir(values["weights"]):
+                self.bag.warning(f"weights directory `{weights}` does not exist yet",
+                                 self.ctx.span("serve.weights"),
+                                 help="it must hold a Hugging Face checkpoint or one written by a training run")
+        return self._make(ServeConfig, "serve", **values) or ServeConfig()
+
+    def build(self, name: str) -> SpecConfig:
+        self.read_blocks()
+        model = self.model()
+        cluster = self.cluster(model.dtype)
+        parallel = self.parallel(cluster)
+        train = self.train()
+        serve = self.serve(model)
+        cfg = SpecConfig(
+            name=name,
+            filename=self.spec.filename,
+            source_dir=self.source_dir,
+            model=model,
+            cluster=cluster,
+            parallel=parallel,
+            workload="serve" if serve is not None and "train" not in self.blocks else "train",
+            train=train,
+            serve=serve,
+            spans=dict(self.ctx.spans),
+        )
+        checks.check_config(cfg, self.ctx)
+        return cfg
+
+
+def _preset_name(block: ast.Block | None) -> str | None:
+    """The `from` source of ``block`` unless it is a file (a default for the block's name)."""
+    if block is None or block.source is None or block.source.endswith(".json"):
+        return None
+    return block.source
+
+
+def build_config(spec: ast.Spec, bag: DiagnosticBag, name: str = "spec",
+                 source_dir: str | None = None) -> SpecConfig:
+    """Build the resolved :class:`SpecConfig` of ``spec``, reporting every mistake into ``bag``.
+
+    ``name`` becomes ``SpecConfig.name``; ``source_dir`` is where `from "x.json"` and
+    `data` paths are resolved (None: the working directory). Always returns a config;
+    when ``bag`` holds errors its values are partly placeholders and must not be used.
+    """
+    return _Builder(spec, bag, source_dir).build(name)

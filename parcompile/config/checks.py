@@ -1,0 +1,335 @@
+"""Cross-field checks of a spec (SPEC 1): degrees, divisibility, batches, schedules, MoE.
+
+Each check reads the resolved :class:`~parcompile.config.schema.SpecConfig`, reports at
+the span of the value to change (or the block header when the value came from a
+default or preset) and prints every number involved, torchtitan-style::
+
+    dp(2) * tp(4) * pp(2) * cp(1) = 16 != world_size(8) = nodes(1) * gpus_per_node(8)
+
+A check is skipped when a value it reads was itself wrong (``CheckContext.bad``), so
+that one mistake gives one error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from parcompile.config.schema import ClusterConfig, SpecConfig
+from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list
+from parcompile.diagnostics import DiagnosticBag, Span
+
+
+class _Auto:
+    """The value of a key written as ``auto`` (before resolution)."""
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+AUTO: Any = _Auto()
+
+#: Axes of ``order`` (SPEC 1, `parallel`).
+AXES = ("tp", "cp", "ep", "dp", "pp")
+#: Longest explicit split a help line proposes.
+_MAX_PROPOSED_CHUNKS = 64
+
+
+@dataclass
+class CheckContext:
+    """Where values are written and which are known wrong, for the builder and the checks.
+
+    ``spans`` maps ``"block.key"`` to the value's span and ``"block"`` to its header;
+    ``bad`` holds the ``"block.key"`` whose value was reported wrong or is missing;
+    ``provided`` those set by the spec, a preset or an import (not a default).
+    """
+
+    bag: DiagnosticBag
+    filename: str = "<spec>"
+    spans: dict[str, Span] = field(default_factory=dict)
+    bad: set[str] = field(default_factory=set)
+    provided: set[str] = field(default_factory=set)
+
+    def ok(self, *keys: str) -> bool:
+        """True when none of ``keys`` was reported wrong (so a check may read them)."""
+        return not any(k in self.bad for k in keys)
+
+    def span(self, *keys: str) -> Span:
+        """The span of the first of ``keys`` written in the spec, else the first key's block."""
+        for k in keys:
+            if k in self.spans:
+                return self.spans[k]
+        block = keys[0].split(".")[0]
+        return self.spans.get(block, Span.unknown(self.filename))
+
+    def given(self, key: str) -> bool:
+        return key in self.spans
+
+
+# --------------------------------------------------------------------------------------
+# Degrees
+
+
+def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: CheckContext) -> int:
+    """The data-parallel degree: ``dp`` itself, or ``world / (tp * pp * cp)`` for ``auto``.
+
+    Reports ``dp * tp * pp * cp != world_size`` (or, for ``auto``, a product that does
+    not divide the world size) and returns 1 in that case.
+    """
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
+    inputs = ("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp")
+    if not ctx.ok(*inputs, "parallel.dp"):
+        return dp if isinstance(dp, int) else 1
+    nodes, gpus = cluster.nodes, cluster.gpus_per_node
+    world = nodes * gpus
+    world_words = f"world_size({world}) = nodes({nodes}) * gpus_per_node({gpus})"
+    rest = tp * pp * cp
+    span = ctx.span("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
+    if dp is AUTO:
+        if world % rest == 0:
+            return world // rest
+        ctx.bag.error(f"dp = auto: tp({tp}) * pp({pp}) * cp({cp}) = {rest} does not divide {world_words}",
+                      span, help=f"choose tp, pp and cp whose product divides {world}")
+        ctx.bad.add("parallel.dp")
+        return 1
+    if dp * rest != world:
+        if world % rest == 0:
+            help = f"dp = {world // rest} (or `dp = auto`) fills the world size"
+        else:
+            help = f"tp * pp * cp = {rest} must divide world_size({world})"
+        ctx.bag.error(f"dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {dp * rest} != {world_words}",
+                      span, help=help)
+    return dp
+
+
+# --------------------------------------------------------------------------------------
+# The checks
+
+
+def _may_be(values: list[int]) -> str:
+    """Valid choices for a help line (``"1, 2, 4 or 8"``); ``"a divisor"`` when too many to compute."""
+    return choices_words(values) if values else "a divisor"
+
+
+def _check_heads(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    tp_span = ctx.span("parallel.tp")
+    kv_ok = ctx.ok("model.heads", "model.kv_heads")
+    if kv_ok and m.heads % m.kv_heads:
+        kv_ok = False
+        ctx.bag.error(f"kv_heads = {m.kv_heads} does not divide heads = {m.heads}", ctx.span("model.kv_heads"),
+                      help=f"kv_heads may be {_may_be(divisors(m.heads))}")
+    if ctx.ok("model.heads", "model.hidden") and not _explicit_head_dim(ctx) and m.hidden % m.heads:
+        ctx.bag.error(f"heads = {m.heads} does not divide hidden = {m.hidden}", ctx.span("model.heads"),
+                      help=f"give `head_dim` explicitly, or use heads = {_may_be(divisors(m.hidden))}")
+    if not ctx.ok("model.heads", "parallel.tp"):
+        return
+    if m.heads % p.tp:
+        ctx.bag.error(f"tp = {p.tp} does not divide heads = {m.heads}", tp_span,
+                      help=f"tp may be {_may_be(divisors(m.heads))}")
+        return
+    if not kv_ok:
+        return
+    kv = m.kv_heads
+    if cfg.workload == "train" and kv % p.tp:
+        ctx.bag.error(f"tp = {p.tp} does not divide kv_heads = {kv}", tp_span,
+                      help=f"for training, tp may be {_may_be(divisors(kv))}",
+                      note="serving may also use a multiple of kv_heads (kv heads replicated)")
+    elif cfg.workload == "serve" and kv % p.tp and p.tp % kv:
+        ok = sorted(set(divisors(kv)) | {kv * k for k in divisors(m.heads // kv)})
+        ctx.bag.error(f"tp = {p.tp} neither divides nor is a multiple of kv_heads = {kv}", tp_span,
+                      help=f"tp may be {_may_be(ok)}")
+
+
+def _explicit_head_dim(ctx: CheckContext) -> bool:
+    return "model.head_dim" in ctx.provided or "model.head_dim" in ctx.bad
+
+
+def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    if ctx.ok("model.ffn_hidden", "parallel.tp") and m.ffn_hidden % p.tp:
+        ctx.bag.error(f"tp = {p.tp} does not divide ffn_hidden = {m.ffn_hidden}", ctx.span("parallel.tp"),
+                      help=f"tp may be {_may_be(divisors(m.ffn_hidden))}")
+    if m.experts > 0 and ctx.ok("model.expert_ffn_hidden", "parallel.expert_tp", "parallel.tp") \
+            and m.expert_ffn_hidden % p.expert_tp:
+        ctx.bag.error(f"expert_tp = {p.expert_tp} does not divide expert_ffn_hidden = {m.expert_ffn_hidden}",
+                      ctx.span("parallel.expert_tp", "parallel.tp"),
+                      help=f"expert_tp may be {_may_be(divisors(m.expert_ffn_hidden))}")
+    head_dim_ok = _explicit_head_dim(ctx) or m.hidden % m.heads == 0
+    if m.position == "rope" and head_dim_ok and ctx.ok("model.rotary_fraction", "model.head_dim", "model.hidden",
+                                                       "model.heads"):
+        rotary = m.head_dim * m.rotary_fraction
+        if rotary != int(rotary) or int(rotary) % 2:
+            ctx.bag.error(f"RoPE needs an even number of dims per head: head_dim({m.head_dim}) * "
+                          f"rotary_fraction({m.rotary_fraction:g}) = {rotary:g}",
+                          ctx.span("model.rotary_fraction", "model.head_dim", "model.heads"))
+
+
+def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not ctx.ok("model.layers", "parallel.pp", "parallel.virtual_stages", "parallel.stage_layers"):
+        return
+    chunks = p.pp * p.virtual_stages
+    chunk_words = f"pp({p.pp}) * virtual_stages({p.virtual_stages}) = {chunks}"
+    split = f"`stage_layers = {even_split(m.layers, chunks)}`".replace("'", "") \
+        if m.layers >= chunks and chunks <= _MAX_PROPOSED_CHUNKS else None
+    if p.stage_layers is None:
+        if m.layers % chunks == 0:
+            return
+        span = ctx.span("parallel.pp", "parallel.virtual_stages")
+        if m.layers < chunks:
+            ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks", span,
+                          help=f"use at most {m.layers} model chunks")
+        else:
+            ctx.bag.error(f"layers = {m.layers} is not divisible by {chunk_words}", span,
+                          help=f"give an uneven split explicitly, e.g. {split}" if split else
+                          f"give `stage_layers` with {chunks} entries that sum to {m.layers}")
+        return
+    span = ctx.span("parallel.stage_layers")
+    if len(p.stage_layers) != chunks:
+        ctx.bag.error(f"stage_layers has {len(p.stage_layers)} entries, expected {chunk_words}", span,
+                      help=f"one entry per model chunk, e.g. {split}" if split else None)
+    elif sum(p.stage_layers) != m.layers:
+        ctx.bag.error(f"stage_layers sum to {sum(p.stage_layers)}, expected layers = {m.layers}", span,
+                      help=f"e.g. {split}" if split else None)
+
+
+def _nearest_multiples(x: int, unit: int) -> list[int]:
+    below = x // unit * unit
+    return [v for v in (below, below + unit) if v > 0]
+
+
+def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not ctx.ok("parallel.global_batch", "parallel.micro_batch", "parallel.dp", "parallel.tp",
+                  "parallel.pp", "parallel.cp", "cluster.nodes", "cluster.gpus_per_node"):
+        return
+    per_step = p.micro_batch * p.dp
+    gb_span = ctx.span("parallel.global_batch")
+    if p.global_batch % per_step:
+        ctx.bag.error(f"global_batch = {p.global_batch} is not divisible by micro_batch({p.micro_batch}) * "
+                      f"dp({p.dp}) = {per_step}", gb_span,
+                      help=f"nearest valid global batches: {or_list(_nearest_multiples(p.global_batch, per_step))}")
+        return
+    num_micro = p.global_batch // per_step
+    if not ctx.ok("parallel.schedule"):
+        return
+    if p.schedule == "interleaved_1f1b" and num_micro % p.pp:
+        ctx.bag.error(f"interleaved_1f1b needs the number of micro-batches to be a multiple of pp = {p.pp}, "
+                      f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
+                      f"dp({p.dp}))", ctx.span("parallel.schedule"),
+                      help=f"global_batch may be "
+                           f"{or_list(_nearest_multiples(p.global_batch, per_step * p.pp))}")
+    if p.schedule == "1f1b" and num_micro < p.pp:
+        ctx.bag.warning(f"1f1b with m = {num_micro} micro-batches on pp = {p.pp} stages: the bubble grows",
+                        gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")
+
+
+def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
+    p = cfg.parallel
+    if ctx.ok("parallel.virtual_stages", "parallel.schedule") and p.virtual_stages > 1 \
+            and p.schedule != "interleaved_1f1b":
+        ctx.bag.error(f"virtual_stages = {p.virtual_stages} needs schedule = interleaved_1f1b, "
+                      f"not {p.schedule}", ctx.span("parallel.virtual_stages"),
+                      help="set `schedule = interleaved_1f1b`, or `virtual_stages = 1`")
+
+
+def _check_sequence(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    if p.sequence_parallel and ctx.ok("parallel.tp"):
+        if p.tp == 1:
+            ctx.bag.error("sequence_parallel needs tp > 1", ctx.span("parallel.sequence_parallel"),
+                          help="set tp > 1, or `sequence_parallel = false`")
+        elif ctx.ok("model.seq_len") and m.seq_len % p.tp:
+            ctx.bag.error(f"sequence_parallel needs tp = {p.tp} to divide seq_len = {m.seq_len}",
+                          ctx.span("parallel.sequence_parallel"))
+    if p.cp > 1 and ctx.ok("parallel.cp", "model.seq_len") and m.seq_len % (2 * p.cp):
+        ctx.bag.error(f"cp = {p.cp} needs seq_len = {m.seq_len} to be divisible by 2 * cp = {2 * p.cp}",
+                      ctx.span("parallel.cp"),
+                      note="context parallelism splits each sequence into 2 * cp chunks to balance causal attention")
+
+
+def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not ctx.ok("parallel.ep", "model.experts"):
+        return
+    ep_span = ctx.span("parallel.ep")
+    if m.experts == 0 and p.ep > 1:
+        ctx.bag.error(f"ep = {p.ep} needs a mixture-of-experts model, but experts = 0", ep_span,
+                      help="set `experts` in the `model` block, or `ep = 1`")
+    if m.experts > 0:
+        if m.experts % p.ep:
+            ctx.bag.error(f"ep = {p.ep} does not divide experts = {m.experts}", ep_span,
+                          help=f"ep may be {_may_be(divisors(m.experts))}")
+        if ctx.ok("model.top_k") and m.top_k > m.experts:
+            ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"))
+    if m.dense_layers > m.layers and ctx.ok("model.dense_layers", "model.layers"):
+        ctx.bag.error(f"dense_layers = {m.dense_layers} exceeds layers = {m.layers}", ctx.span("model.dense_layers"))
+    if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):
+        folded = p.expert_tp * p.ep
+        dense = p.tp * p.cp * p.dp
+        if dense % folded:
+            ctx.bag.error(f"expert_tp({p.expert_tp}) * ep({p.ep}) = {folded} does not divide "
+                          f"tp({p.tp}) * cp({p.cp}) * dp({p.dp}) = {dense}",
+                          ctx.span("parallel.ep", "parallel.expert_tp"),
+                          note="experts fold onto the tp * cp * dp ranks of each stage: "
+                               "expert_dp = tp * cp * dp / (expert_tp * ep)")
+
+
+def _check_order(cfg: SpecConfig, ctx: CheckContext) -> None:
+    order = cfg.parallel.order
+    parts = order.split("-")
+    if sorted(parts) != sorted(AXES):
+        missing = [a for a in AXES if a not in parts]
+        extra = sorted({x for x in parts if x not in AXES or parts.count(x) > 1})
+        notes = ([f"missing {and_list(missing, quote=True)}"] if missing else []) + \
+                ([f"unexpected or repeated {and_list(extra, quote=True)}"] if extra else [])
+        ctx.bag.error(f"order `{order}` is not a permutation of tp, cp, ep, dp and pp",
+                      ctx.span("parallel.order"),
+                      help='the five axes joined by `-`, fastest-varying first, e.g. "tp-cp-ep-dp-pp"',
+                      note="; ".join(notes))
+
+
+def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
+    if cfg.workload != "train":
+        return
+    t = cfg.train
+    if ctx.ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
+        ctx.bag.error(f"min_lr = {t.min_lr:g} exceeds lr = {t.lr:g}", ctx.span("train.min_lr"))
+    if ctx.ok("train.warmup_steps", "train.steps") and t.warmup_steps > t.steps:
+        ctx.bag.warning(f"warmup_steps = {t.warmup_steps} exceeds steps = {t.steps}: the learning rate "
+                        f"never leaves warmup", ctx.span("train.warmup_steps"))
+    if t.checkpoint_every > 0 and t.checkpoint_dir is None:
+        ctx.bag.error(f"checkpoint_every = {t.checkpoint_every} needs `checkpoint_dir`",
+                      ctx.span("train.checkpoint_every"), help='add `checkpoint_dir = "checkpoints"`')
+
+
+def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
+    s, m = cfg.serve, cfg.model
+    if s is None or not ctx.ok("serve.prompt_len", "serve.max_new_tokens", "model.seq_len"):
+        return
+    total = s.prompt_len + s.max_new_tokens
+    if total > m.seq_len:
+        ctx.bag.error(f"prompt_len({s.prompt_len}) + max_new_tokens({s.max_new_tokens}) = {total} "
+                      f"exceeds seq_len = {m.seq_len}", ctx.span("serve.max_new_tokens", "serve.prompt_len"),
+                      help="shorten the request or raise the model's `seq_len`")
+
+
+CHECKS = (
+    _check_heads,
+    _check_widths,
+    _check_layers,
+    _check_batches,
+    _check_schedule,
+    _check_sequence,
+    _check_experts,
+    _check_order,
+    _check_train,
+    _check_serve,
+)
+
+
+def check_config(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Run every cross-field check on ``cfg``, adding diagnostics to ``ctx.bag``."""
+    for check in CHECKS:
+        check(cfg, ctx)

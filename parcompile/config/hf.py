@@ -1,0 +1,163 @@
+"""Import a Hugging Face ``config.json`` as `model` keys (`model NAME from "x.json"`).
+
+Supported ``model_type`` values: ``llama``, ``mistral``, ``mixtral``, ``qwen2`` (the
+Llama family: RMSNorm, gated MLP, RoPE), ``gpt2`` (LayerNorm, GELU, learned positions,
+biases, tied embeddings) and ``gpt_neox`` (LayerNorm, RoPE on ``rotary_pct`` of each head,
+parallel residual). ``max_position_embeddings`` (``n_positions``) becomes ``seq_len``.
+Keys written in the block override what the file gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2")
+_LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2")
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
+
+
+class HFConfigError(Exception):
+    """A ``config.json`` that cannot be imported: ``message`` and an optional ``help``."""
+
+    def __init__(self, message: str, help: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.help = help
+
+
+def _get(cfg: dict, key: str, kind: Callable[[Any], bool], what: str, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    if value is None or kind(value):
+        return value
+    raise HFConfigError(f"`{key}` in the config.json should be {what}, got {json.dumps(value)}")
+
+
+def _int(cfg: dict, key: str, default: Any = None) -> int | None:
+    return _get(cfg, key, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", default)
+
+
+def _float(cfg: dict, key: str, default: Any = None) -> float | None:
+    value = _get(cfg, key, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", default)
+    return float(value) if value is not None else None
+
+
+def _bool(cfg: dict, key: str, default: Any = None) -> bool | None:
+    return _get(cfg, key, lambda v: isinstance(v, bool), "true or false", default)
+
+
+def _str(cfg: dict, key: str, default: Any = None) -> str | None:
+    return _get(cfg, key, lambda v: isinstance(v, str), "a string", default)
+
+
+def _activation(act: str | None, gated: bool) -> str | None:
+    if act is None:
+        return None
+    if act in ("silu", "swish") and gated:
+        return "swiglu"
+    if act in _GELU:
+        return "gelu"
+    if act == "relu":
+        return "relu"
+    raise HFConfigError(f"unsupported activation `{act}` in the config.json",
+                        help="parcompile models gelu, relu and swiglu (silu in a gated MLP)")
+
+
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def from_hf_dict(cfg: dict) -> dict[str, Any]:
+    """`model` keys from a parsed ``config.json``. Raises :class:`HFConfigError`."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConfigError(
+            f"unsupported Hugging Face model_type {json.dumps(model_type)}",
+            help="supported: " + ", ".join(SUPPORTED_MODEL_TYPES),
+        )
+    dtype = _str(cfg, "torch_dtype")
+    common = {"dtype": _DTYPES.get(dtype) if dtype else None, "vocab": _int(cfg, "vocab_size")}
+
+    if model_type == "gpt2":
+        hidden = _int(cfg, "n_embd")
+        return _drop_none({
+            **common,
+            "layers": _int(cfg, "n_layer"),
+            "hidden": hidden,
+            "heads": _int(cfg, "n_head"),
+            "ffn_hidden": _int(cfg, "n_inner"),       # None: 4 * hidden, the default
+            "seq_len": _int(cfg, "n_positions"),
+            "norm": "layernorm",
+            "norm_eps": _float(cfg, "layer_norm_epsilon"),
+            "activation": _activation(_str(cfg, "activation_function", "gelu_new"), gated=False),
+            "position": "learned",
+            "bias": True,
+            "tie_embeddings": _bool(cfg, "tie_word_embeddings", True),
+        })
+
+    base = {
+        **common,
+        "layers": _int(cfg, "num_hidden_layers"),
+        "hidden": _int(cfg, "hidden_size"),
+        "ffn_hidden": _int(cfg, "intermediate_size"),
+        "heads": _int(cfg, "num_attention_heads"),
+        "seq_len": _int(cfg, "max_position_embeddings"),
+        "tie_embeddings": _bool(cfg, "tie_word_embeddings", False),
+    }
+    if model_type == "gpt_neox":
+        return _drop_none({
+            **base,
+            "norm": "layernorm",
+            "norm_eps": _float(cfg, "layer_norm_eps"),
+            "activation": _activation(_str(cfg, "hidden_act", "gelu"), gated=False),
+            "position": "rope",
+            "rotary_fraction": _float(cfg, "rotary_pct"),
+            "rope_theta": _float(cfg, "rotary_emb_base", _float(cfg, "rope_theta")),
+            "parallel_residual": _bool(cfg, "use_parallel_residual", True),
+            "bias": True,
+        })
+
+    # the Llama family
+    sliding = _int(cfg, "sliding_window")
+    if model_type == "qwen2" and not _bool(cfg, "use_sliding_window", False):
+        sliding = None
+    return _drop_none({
+        **base,
+        "kv_heads": _int(cfg, "num_key_value_heads"),
+        "head_dim": _int(cfg, "head_dim"),
+        "norm": "rmsnorm",
+        "norm_eps": _float(cfg, "rms_norm_eps"),
+        "activation": _activation(_str(cfg, "hidden_act", "silu"), gated=True),
+        "position": "rope",
+        "rope_theta": _float(cfg, "rope_theta"),
+        "bias": bool(_bool(cfg, "attention_bias", False) and _bool(cfg, "mlp_bias", False)),
+        "qkv_bias": True if model_type == "qwen2" else _bool(cfg, "attention_bias"),
+        "sliding_window": sliding,
+        "experts": _int(cfg, "num_local_experts"),
+        "top_k": _int(cfg, "num_experts_per_tok"),
+    })
+
+
+def load_hf_config(path: Path) -> dict[str, Any]:
+    """Read ``path`` (a ``config.json``) and return its `model` keys in SI units.
+
+    Raises :class:`HFConfigError` when the file cannot be read, is not JSON, has an
+    unsupported ``model_type`` or a field of the wrong type.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HFConfigError(f"cannot read `{path}`: no such file",
+                            help="a `.json` source is resolved relative to the spec file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HFConfigError(f"cannot read `{path}`: {e}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"`{path}` is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"`{path}` is not a Hugging Face config (expected a JSON object)")
+    return from_hf_dict(cfg)

@@ -1,0 +1,234 @@
+"""The validated, resolved configuration of a spec (pydantic).
+
+This is the contract between the front end (which builds it from a parsed `.par` file,
+with presets, units converted and defaults filled) and everything after it (graph,
+passes, codegen). Every field is in SI base units: bytes, seconds, FLOP/s, bytes/s.
+
+After :func:`parcompile.config.build.build_config` returns, no field is ``None`` where the
+SPEC gives a default, and every parallel degree is a concrete integer (``dp = auto`` is
+resolved to ``world_size / (tp * pp * cp)``); ``ParallelConfig.auto`` remembers which
+keys the user left to the compiler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from parcompile.diagnostics import Span
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+KvDtype = Literal["fp32", "bf16", "fp16", "fp8"]
+
+# `train.data` names for texts that ship with Python itself (read as bytes)
+BUILTIN_SOURCES = ("builtin:pydoc",)
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    """A decoder-only transformer (SPEC 1, `model`). Widths are counts, not bytes."""
+
+    name: str = "model"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    vocab: int
+    seq_len: int
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    activation: Literal["gelu", "relu", "swiglu"] = "swiglu"
+    position: Literal["rope", "learned", "none"] = "rope"
+    bias: bool = False
+    qkv_bias: Optional[bool] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0
+    parallel_residual: bool = False
+    sliding_window: int = 0
+    attention: Literal["flash", "unfused"] = "flash"
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    dtype: Dtype = "bf16"
+    experts: int = 0
+    top_k: Optional[int] = None
+    expert_ffn_hidden: Optional[int] = None
+    shared_experts: int = 0
+    dense_layers: int = 0
+    vocab_multiple: int = 128
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "ModelConfig":
+        # frozen model: use object.__setattr__ to fill the derived defaults once
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim is None and self.heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        if self.top_k is None:
+            object.__setattr__(self, "top_k", 2 if self.experts > 0 else 0)
+        if self.expert_ffn_hidden is None:
+            object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
+        return self
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron-LM's rule: ``ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``."""
+        m = self.vocab_multiple * tp
+        return int(math.ceil(self.vocab / m) * m)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+class ClusterConfig(_Frozen):
+    """The machines (SPEC 1, `cluster`). Bandwidths are per GPU, one direction."""
+
+    name: str = "cluster"
+    preset: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 8
+    memory: int = 80 * 10**9          # bytes
+    peak_flops: float = 989e12        # FLOP/s, dense, model dtype
+    hbm_bw: float = 3.35e12           # bytes/s
+    intra_node_bw: float = 450e9      # bytes/s
+    inter_node_bw: float = 50e9       # bytes/s
+    intra_node_latency: float = 5e-6  # s
+    inter_node_latency: float = 10e-6 # s
+    memory_reserve: float = 0.10      # fraction of memory
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def is_cpu(self) -> bool:
+        """True for the `cpu` preset: programs run with gloo on this machine."""
+        return self.preset == "cpu"
+
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+
+
+class ParallelConfig(_Frozen):
+    """Degrees and layout (SPEC 1, `parallel`), resolved to integers.
+
+    ``auto`` lists the keys that were ``auto`` in the spec (resolved here anyway).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    expert_tp: Optional[int] = None
+    sequence_parallel: bool = False
+    zero: Literal[0, 1, 2, 3] = 0
+    micro_batch: int = 1
+    global_batch: Optional[int] = None
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    stage_layers: Optional[tuple[int, ...]] = None
+    recompute: Literal["none", "selective", "full"] = "none"
+    order: str = "tp-cp-ep-dp-pp"
+    auto: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "ParallelConfig":
+        if self.expert_tp is None:
+            object.__setattr__(self, "expert_tp", self.tp)
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = global_batch / (micro_batch * dp); the checker guarantees it is whole."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel degree: ``tp * cp * dp / (expert_tp * ep)`` (parallel folding)."""
+        return (self.tp * self.cp * self.dp) // (self.expert_tp * self.ep)
+
+    def layers_per_chunk(self, layers: int) -> tuple[int, ...]:
+        """Layers of each model chunk in model order (``pp * virtual_stages`` entries)."""
+        if self.stage_layers is not None:
+            return tuple(self.stage_layers)
+        n = self.pp * self.virtual_stages
+        return tuple([layers // n] * n)
+
+
+class TrainConfig(_Frozen):
+    """The training workload (SPEC 1, `train`). ``lr`` is per step, ``steps`` a count."""
+
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    steps: int = 10
+    seed: int = 1234
+    data: str = "synthetic"
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    log_every: int = 1
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
+class ServeConfig(_Frozen):
+    """The inference workload (SPEC 1, `serve`)."""
+
+    batch: int = 1
+    prompt_len: int = 128
+    max_new_tokens: int = 128
+    kv_dtype: Optional[KvDtype] = None
+    weights: Optional[str] = None
+    seed: int = 1234
+
+
+class SpecConfig(_Frozen):
+    """A whole spec: one model, one cluster, one layout, one workload.
+
+    ``name`` is the spec file's stem (``"spec"`` for source text without a file name);
+    ``source_dir`` the directory `from "x.json"` and `data` paths are resolved against
+    (never written into plan.json). ``spans`` maps ``"block.key"`` (e.g.
+    ``"parallel.tp"``) to the span of that key's value, and ``"block"`` to the block
+    header, so that later stages can report errors at the user's text.
+    """
+
+    name: str = "spec"
+    filename: str = "<spec>"
+    source_dir: Optional[str] = None
+    model: ModelConfig
+    cluster: ClusterConfig
+    parallel: ParallelConfig
+    workload: Literal["train", "serve"] = "train"
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    serve: Optional[ServeConfig] = None
+    spans: dict[str, Span] = Field(default_factory=dict)
+
+    def span(self, key: str) -> Span:
+        """The span of ``"block.key"``, else of ``"block"``, else line 1 of the file."""
+        if key in self.spans:
+            return self.spans[key]
+        block = key.split(".")[0]
+        return self.spans.get(block, Span.unknown(self.filename))

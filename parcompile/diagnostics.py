@@ -1,0 +1,142 @@
+"""Diagnostics: every user mistake is reported with a source span, never a traceback.
+
+The rendered form is fixed by SPEC section 1 ("Diagnostics")::
+
+    llama.par:21:10: error: tp = 3 does not divide heads = 32
+        tp = 3
+             ^
+      help: tp may be 1, 2, 4, 8, 16 or 32
+
+Lines and columns are 1-based; the source line is shown as it stands in the file, so
+the caret sits under column ``col``. A :class:`Diagnostic` carries the span; rendering needs
+the source text to show the offending line and caret.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A region of a spec file. ``line``/``column`` are 1-based; ``end_column`` is exclusive.
+
+    ``file`` is the name shown to the user (as given, never made absolute).
+    """
+
+    file: str
+    line: int
+    column: int
+    end_line: int | None = None
+    end_column: int | None = None
+
+    @classmethod
+    def unknown(cls, file: str = "<spec>") -> "Span":
+        """A span for facts that have no place in the source (line 1, column 1)."""
+        return cls(file, 1, 1)
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One error or warning about a spec.
+
+    ``help`` says what would work; ``note`` adds context. Both are optional.
+    """
+
+    severity: Severity
+    message: str
+    span: Span
+    help: str | None = None
+    note: str | None = None
+
+    def render(self, source: str | None) -> str:
+        """Render in the SPEC format; ``source`` is the spec text (None: no excerpt)."""
+        s = self.span
+        out = [f"{s.file}:{s.line}:{s.column}: {self.severity}: {self.message}"]
+        lines = source.splitlines() if source is not None else []
+        if 1 <= s.line <= len(lines):
+            text = lines[s.line - 1]
+            out.append(text)
+            width = 1
+            if s.end_line == s.line and s.end_column and s.end_column > s.column:
+                width = s.end_column - s.column
+            out.append(" " * (s.column - 1) + "^" * width)
+        if self.help:
+            out.append(f"  help: {self.help}")
+        if self.note:
+            out.append(f"  note: {self.note}")
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        """The JSON-lines form used by ``parcompile check --format json``."""
+        return {
+            "file": self.span.file,
+            "line": self.span.line,
+            "column": self.span.column,
+            "end_line": self.span.end_line,
+            "end_column": self.span.end_column,
+            "severity": self.severity,
+            "message": self.message,
+            "help": self.help,
+            "note": self.note,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass
+class DiagnosticBag:
+    """Collects diagnostics so that all errors of a spec are reported in one run."""
+
+    items: list[Diagnostic] = field(default_factory=list)
+
+    def error(self, message: str, span: Span, help: str | None = None, note: str | None = None) -> None:
+        self.items.append(Diagnostic("error", message, span, help, note))
+
+    def warning(self, message: str, span: Span, help: str | None = None, note: str | None = None) -> None:
+        self.items.append(Diagnostic("warning", message, span, help, note))
+
+    def extend(self, diags: Iterable[Diagnostic]) -> None:
+        self.items.extend(diags)
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.items if d.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.items if d.severity == "warning"]
+
+    def sorted(self) -> list[Diagnostic]:
+        """Diagnostics in source order (stable for equal spans)."""
+        return sorted(self.items, key=lambda d: (d.span.file, d.span.line, d.span.column))
+
+    def raise_if_errors(self, source: str | None = None) -> None:
+        """Raise :class:`SpecError` when any error was collected."""
+        if self.errors:
+            raise SpecError(self.sorted(), source)
+
+
+class SpecError(Exception):
+    """A spec has errors. ``.diagnostics`` lists all of them (warnings included), in source order.
+
+    ``str(err)`` renders them in the SPEC format when the source text is known.
+    """
+
+    def __init__(self, diagnostics: list[Diagnostic], source: str | None = None):
+        self.diagnostics = list(diagnostics)
+        self.source = source
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n".join(d.render(self.source) for d in self.diagnostics)
+
+
+def render_all(diags: Iterable[Diagnostic], source: str | None) -> str:
+    """Render several diagnostics, one block each, separated by newlines."""
+    return "\n".join(d.render(source) for d in diags)

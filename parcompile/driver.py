@@ -1,0 +1,210 @@
+"""The compiler, start to end: SpecConfig -> graph -> passes -> analyses -> Plan.
+
+Reading :func:`compile_config` tells the whole story:
+
+1. ``lower`` the model to the graph of one micro-batch (``ir/lower.py``);
+2. run the passes, verifying the graph after each: ``shard-data-parallel``,
+   ``shard-tensor-parallel``, ``split-pipeline-stages``, ``insert-collectives``,
+   ``schedule-pipeline``;
+3. run the analyses: groups, parameters, compute, communication, memory, the estimate;
+4. render them into the plan.json dict and wrap everything in a :class:`Plan`.
+
+User mistakes the front end could not see (a schedule not supported yet, a layout
+that does not divide) become :class:`SpecError` diagnostics at the spec's span; a plan
+that does not fit memory is a warning (SPEC). Anything else that goes wrong inside a
+pass is a :class:`PassError` naming the pass and the op.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from parcompile.analysis.comm import comm_report
+from parcompile.analysis.compute import ComputeReport
+from parcompile.analysis.estimate import estimate
+from parcompile.analysis.memory import memory_report
+from parcompile.analysis.params import param_report
+from parcompile.config.schema import DTYPE_BYTES, SpecConfig
+from parcompile.diagnostics import Diagnostic, SpecError
+from parcompile.ir.graph import Graph
+from parcompile.ir.lower import lower
+from parcompile.ir.types import ShardingError
+from parcompile.ir.verify import verify
+from parcompile.passes.base import Pass, PassContext, PassError
+from parcompile.passes.groups import rank_groups, stage_ranks
+from parcompile.passes.insert_collectives import InsertCollectives
+from parcompile.passes.schedule_pipeline import ScheduleReport, SchedulePipeline
+from parcompile.passes.shard_data_parallel import ShardDataParallel
+from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
+from parcompile.passes.split_pipeline_stages import SplitPipelineStages
+from parcompile.plan import FORMAT, Plan, version
+
+PASSES: tuple[Pass, ...] = (
+    ShardDataParallel(),
+    ShardTensorParallel(),
+    SplitPipelineStages(),
+    InsertCollectives(),
+    SchedulePipeline(),
+)
+
+
+def run_pass(p: Pass, graph: Graph, ctx: PassContext) -> None:
+    """Apply one pass and verify the graph; internal failures become :class:`PassError`."""
+    try:
+        p.apply(graph, ctx)
+        verify(graph, ctx.degrees)
+    except SpecError:
+        raise
+    except ShardingError as e:
+        axis = e.axis or "tp"
+        raise SpecError([Diagnostic("error", f"{e} (in pass {p.name}, op {ctx.current_op})",
+                                    ctx.cfg.span(f"parallel.{axis}"))]) from None
+    except Exception as e:
+        raise PassError(p.name, ctx.current_op or getattr(e, "op", None), e) from e
+
+
+def kv_heads_per_rank(cfg: SpecConfig) -> int:
+    """kv heads on one rank: ``kv_heads / tp``, or 1 when serving with tp a multiple of kv_heads."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
+
+
+def compile_config(cfg: SpecConfig) -> Plan:
+    """Compile a validated config into a :class:`Plan`.
+
+    Raises:
+        SpecError: something the front end cannot check (a schedule or model feature not
+            supported yet, a sharding that does not divide).
+        PassError: a bug inside a pass (names the pass and the op).
+    """
+    par, model = cfg.parallel, cfg.model
+    ctx = PassContext.of(cfg)
+
+    # 1. lower
+    try:
+        graph = lower(model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
+    except NotImplementedError as e:
+        raise SpecError([Diagnostic("error", f"{e}: not supported yet", cfg.span("model.experts"))]) from None
+    verify(graph, ctx.degrees)
+
+    # 2. passes
+    for p in PASSES:
+        run_pass(p, graph, ctx)
+    sched: ScheduleReport = graph.meta["schedule"]
+    compute: ComputeReport = graph.meta["compute"]
+
+    # 3. analyses
+    groups = rank_groups(par)
+    params = param_report(graph, ctx.degrees, par.pp, model.tie_embeddings, model.experts, model.top_k)
+    comm = comm_report(graph, ctx.degrees, sched.num_microbatches, par.recompute, par.pp)
+    kv_tok = _kv_bytes_per_token(cfg, graph)
+    memory = memory_report(graph, cfg, ctx.degrees, params.per_stage, sched.sim.in_flight, kv_tok)
+    time = estimate(cfg, ctx.degrees, groups, sched, comm, compute.model_flops_per_step)
+
+    warnings = list(ctx.warnings)
+    if not memory.fits:
+        worst = max(memory.per_stage, key=lambda s: s.total)
+        warnings.append(Diagnostic(
+            "warning",
+            f"the plan needs {worst.total / 1e9:.2f} GB per GPU on stage {worst.stage}, "
+            f"more than the {memory.capacity / 1e9:.2f} GB available",
+            cfg.span("cluster.memory"),
+            help="raise tp or pp, shard optimizer states (zero = 1), or set recompute = full",
+        ))
+
+    # 4. plan.json
+    chunks: list[list[int]] = graph.meta["chunks"]
+    stages = []
+    for s in range(par.pp):
+        mine = [chunks[c * par.pp + s] for c in range(par.virtual_stages)]
+        stages.append({
+            "index": s,
+            "layers": sorted(x for c in mine for x in c),
+            "chunks": mine,
+            "ranks": stage_ranks(groups["pp"], s),
+            "params_per_rank": params.per_stage[s].total,
+        })
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "version": version(),
+        "name": cfg.name,
+        "workload": cfg.workload,
+        "world_size": par.world_size,
+        "degrees": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
+                    "expert_tp": par.expert_tp, "expert_dp": par.expert_dp,
+                    "virtual_stages": par.virtual_stages},
+        "order": par.order,
+        "groups": groups,
+        "model": {
+            "params": params.params,
+            "active_params": params.active_params,
+            "padded_vocab": model.padded_vocab(par.tp),
+            "kv_heads_per_rank": kv_heads_per_rank(cfg),
+            "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
+            "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn_hidden": model.ffn_hidden,
+            "vocab": model.vocab, "seq_len": model.seq_len, "dtype": model.dtype,
+            "tie_embeddings": model.tie_embeddings,
+        },
+        "stages": stages,
+        "schedule": {
+            "name": sched.name,
+            "num_microbatches": sched.num_microbatches,
+            "bubble_fraction": sched.bubble_fraction,
+            "in_flight": sched.in_flight,
+            "actions": sched.actions,
+        },
+        "memory": {
+            "per_stage": [{"stage": x.stage, "params": x.params, "grads": x.grads, "optimizer": x.optimizer,
+                           "activations": x.activations, "kv_cache": x.kv_cache, "total": x.total}
+                          for x in memory.per_stage],
+            "peak": memory.peak,
+            "capacity": memory.capacity,
+            "fits": memory.fits,
+        },
+        "comm": {
+            "per_step": comm.per_step,
+            "collectives": [c.to_dict() for c in comm.collectives],
+        },
+        "compute": {
+            "model_flops_per_step": compute.model_flops_per_step,
+            "hardware_flops_per_step": compute.hardware_flops_per_step,
+        },
+        "estimate": {
+            "step_time": time.step_time,
+            "tokens_per_s": time.tokens_per_s,
+            "tflops_per_gpu": time.tflops_per_gpu,
+            "mfu": time.mfu,
+            "breakdown": time.breakdown,
+            "assumptions": time.assumptions,
+        },
+    }
+    if cfg.workload == "serve" and cfg.serve is not None:
+        data["serve"] = _serve_section(cfg, memory, kv_tok)
+    return Plan(cfg, graph, data, warnings, dict(ctx.degrees))
+
+
+def _kv_bytes_per_token(cfg: SpecConfig, graph: Graph) -> list[int]:
+    """Per pipeline rank: KV-cache bytes one token adds on one rank (its layers x 2 x its
+    kv heads x head_dim x kv dtype bytes)."""
+    m = cfg.model
+    kv_dtype = (cfg.serve.kv_dtype if cfg.serve and cfg.serve.kv_dtype else m.dtype)
+    per = 2 * kv_heads_per_rank(cfg) * m.head_dim * DTYPE_BYTES[kv_dtype]
+    chunks = graph.meta["chunks"]
+    pp = cfg.parallel.pp
+    return [per * sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s) for s in range(pp)]
+
+
+def _serve_section(cfg: SpecConfig, memory, kv_tok: list[int]) -> dict[str, Any]:
+    """SPEC 3 ``serve``: the most loaded rank's KV bytes per token and how many tokens fit."""
+    free = [memory.capacity - (s.params + s.activations) for s in memory.per_stage]
+    fits = [max(f, 0) // k if k else 0 for f, k in zip(free, kv_tok)]
+    sv = cfg.serve
+    return {
+        "kv_bytes_per_token": max(kv_tok),
+        "max_concurrent_tokens": int(min(fits)) if fits else 0,
+        "batch": sv.batch,
+        "prompt_len": sv.prompt_len,
+        "max_new_tokens": sv.max_new_tokens,
+        "kv_cache_bytes_per_rank": max(s.kv_cache for s in memory.per_stage),
+    }

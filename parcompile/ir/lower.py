@@ -1,0 +1,114 @@
+"""Lowering: a :class:`ModelConfig` becomes the graph of one micro-batch of the
+decoder-only model (forward ops; backward is implied by the op table).
+
+The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
+
+    tokens -> embedding (+ pos_embedding, when position = learned)
+    per layer i (prefix layers.i):
+        attn_norm -> attn.wq, attn.wk, attn.wv (-> attn.rope_q, attn.rope_k) -> attn.core
+        -> attn.wo -> attn_residual (+ x)
+        mlp_norm (reads attn_residual; reads x with parallel_residual, as GPT-NeoX)
+        -> mlp.w1 (-> mlp.w3) -> mlp.act -> mlp.w2 -> mlp_residual
+    final_norm -> lm_head -> loss (cross-entropy, with labels)
+
+Parameter names equal the runtime's (``layers.3.attn.wq.weight``); a tied LM head reads
+``embedding.weight``. Dims: ``batch``, ``seq``, ``hidden``, ``q`` (heads * head_dim, in
+units of head_dim), ``kv``, ``ffn``, ``vocab`` (unpadded here; the tensor-parallel pass
+pads it).
+"""
+
+from __future__ import annotations
+
+from parcompile.config.schema import ModelConfig
+from parcompile.ir.graph import Graph
+from parcompile.ir.ops import Param
+from parcompile.ir.types import Dim, TensorType
+
+
+def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
+    """Build the forward graph of ``model`` for one micro-batch of ``batch`` sequences
+    (global over data-parallel ranks; the data-parallel pass splits it).
+
+    ``origin`` (a Span) is recorded on every op. MoE layers (``experts > 0``) are not
+    lowered yet (NotImplementedError).
+    """
+    if model.experts > 0:
+        raise NotImplementedError("MoE layers are not lowered yet")
+    m = model
+    g = Graph()
+    dt = m.dtype
+    B, S, H = Dim("batch", batch), Dim("seq", m.seq_len), Dim("hidden", m.hidden)
+    Q = Dim("q", m.heads * m.head_dim, m.head_dim)
+    KV = Dim("kv", m.kv_heads * m.head_dim, m.head_dim)
+    F = Dim("ffn", m.ffn_hidden)
+    V = Dim("vocab", m.vocab)
+    rep = "replicated"
+
+    def T(*dims: Dim) -> TensorType:
+        return TensorType(tuple(dims), dt)
+
+    def norm(name: str, x: str, layer: int | None) -> str:
+        ps = [Param(f"{name}.weight", T(H))]
+        if m.norm == "layernorm":
+            ps.append(Param(f"{name}.bias", T(H)))
+        return g.add_op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual"},
+                        params=ps, layer=layer, origin=origin)
+
+    def linear(name: str, x: str, in_dim: Dim, out_dim: Dim, bias: bool, style: str,
+               layer: int | None, weight_name: str | None = None) -> str:
+        ps = [Param(weight_name or f"{name}.weight", T(out_dim, in_dim))]
+        if bias:
+            ps.append(Param(f"{name}.bias", T(out_dim)))
+        return g.add_op(name, "linear", [x], {"in_dim": in_dim, "out_dim": out_dim, "bias": bias, "tp": style},
+                        params=ps, layer=layer, origin=origin)
+
+    tokens = g.add_op("tokens", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
+    x = g.add_op("embedding", "embedding", [tokens], {"out_dim": H, "dtype": dt, "tp": "vocab_embedding"},
+                 params=[Param("embedding.weight", T(V, H))], origin=origin)
+    if m.position == "learned":
+        pos = g.add_op("pos_embedding", "embedding", [tokens],
+                       {"out_dim": H, "dtype": dt, "tp": rep, "positional": True},
+                       params=[Param("pos_embedding.weight", T(Dim("position", m.seq_len), H))], origin=origin)
+        x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": rep}, origin=origin)
+
+    rope = m.position == "rope"
+    for i in range(m.layers):
+        p = f"layers.{i}"
+        h = norm(f"{p}.attn_norm", x, i)
+        q = linear(f"{p}.attn.wq", h, H, Q, m.qkv_bias, "column", i)
+        k = linear(f"{p}.attn.wk", h, H, KV, m.qkv_bias, "column", i)
+        v = linear(f"{p}.attn.wv", h, H, KV, m.qkv_bias, "column", i)
+        if rope:
+            ra = {"theta": m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last"}
+            q = g.add_op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i, origin=origin)
+            k = g.add_op(f"{p}.attn.rope_k", "rope", [k], ra, layer=i, origin=origin)
+        a = g.add_op(f"{p}.attn.core", "attention", [q, k, v], {
+            "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "seq_len": m.seq_len,
+            "window": m.sliding_window, "impl": m.attention, "dropout": m.dropout, "causal": True,
+            "tp": "shard_last",
+        }, layer=i, origin=origin)
+        o = linear(f"{p}.attn.wo", a, Q, H, m.bias, "row", i)
+        r1 = g.add_op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"},
+                      layer=i, origin=origin)
+        h2 = norm(f"{p}.mlp_norm", x if m.parallel_residual else r1, i)
+        if m.activation == "swiglu":
+            gate = linear(f"{p}.mlp.w1", h2, H, F, m.bias, "column", i)
+            up = linear(f"{p}.mlp.w3", h2, H, F, m.bias, "column", i)
+            act = g.add_op(f"{p}.mlp.act", "swiglu", [gate, up], {"tp": "shard_last"}, layer=i, origin=origin)
+        else:
+            f1 = linear(f"{p}.mlp.w1", h2, H, F, m.bias, "column", i)
+            act = g.add_op(f"{p}.mlp.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"},
+                           layer=i, origin=origin)
+        d = linear(f"{p}.mlp.w2", act, F, H, m.bias, "row", i)
+        x = g.add_op(f"{p}.mlp_residual", "add", [r1, d], {"dropout": m.dropout, "tp": "residual"},
+                     layer=i, origin=origin)
+
+    fn = norm("final_norm", x, None)
+    head_weight = "embedding.weight" if m.tie_embeddings else "lm_head.weight"
+    logits = linear("lm_head", fn, H, V, False, "column", None, weight_name=head_weight)
+    if m.tie_embeddings:
+        nd = g.node(logits)
+        g.set_params(logits, [Param("embedding.weight", nd.params[0].type, tied_to="embedding.weight")])
+    labels = g.add_op("labels", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
+    g.add_op("loss", "cross_entropy", [logits, labels], {"tp": "vocab_loss"}, origin=origin)
+    return g

@@ -1,0 +1,373 @@
+"""The op table: per op kind, its output type rule, FLOPs, bytes saved for backward,
+tensor-parallel layout rule and the collectives it runs inside itself.
+
+Every rule works on *types*: global types for inference, local (per-rank) types for
+cost. FLOPs count matmuls only (SPEC 3: model FLOPs are matmul FLOPs): a linear layer
+``(..., k) -> (..., n)`` costs ``2 * m * n * k`` forward, attention ``4 * b * s * s_kv * d``
+for ``Q K^T`` and ``A V`` (no causal halving). Backward costs twice forward (the
+convention of Narayanan et al. 2021 and Korthikanti et al. 2022).
+
+Bytes saved for backward follow Korthikanti et al. (2022), "Reducing Activation
+Recomputation in Large Transformer Models", section 4: each op names which operands it
+keeps, plus the internal tensors (softmax, dropout masks) it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from parcompile.ir.types import Dim, Sharding, TensorType
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Param:
+    """A trainable parameter held by an op.
+
+    ``type`` is the global type as stored (vocabulary padded); ``logical_numel`` the count
+    the model function has (unpadded; None: ``type.numel``). ``tied_to`` names the
+    parameter this one is a synchronised copy of (the LM head of a tied model on the last
+    pipeline stage). ``expert`` marks MoE expert weights (reduced over ``expert_dp``).
+    """
+
+    name: str
+    type: TensorType
+    sharding: Sharding = Sharding()
+    logical_numel: int | None = None
+    tied_to: str | None = None
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        """The unpadded (model) element count."""
+        return self.type.numel if self.logical_numel is None else self.logical_numel
+
+
+@dataclass(frozen=True)
+class Op:
+    """An operation: a stable hierarchical ``name`` (``layers.3.attn.wq``), a ``kind`` of
+    the table below, hashable ``attrs`` (sorted key/value pairs), the decoder ``layer`` it
+    belongs to (None outside layers) and the spec ``origin`` (a Span) that caused it."""
+
+    name: str
+    kind: str
+    attrs: tuple[tuple[str, Any], ...] = ()
+    layer: int | None = None
+    origin: Any = None
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def attr_map(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    @property
+    def module(self) -> str:
+        """The module the op belongs to: ``layers.3.attn`` for ``layers.3.attn.wq``,
+        ``layers.3.attn_norm`` for itself, ``embedding`` for ``embedding.pos_add``."""
+        parts = self.name.split(".")
+        if parts[0] == "layers" and len(parts) >= 3:
+            return ".".join(parts[:3])
+        return parts[0]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective an op runs per micro-batch (``per = "microbatch"``) or per step.
+
+    ``bytes`` is the size of the tensor the collective produces on one rank (the gathered
+    output for an all-gather, the shard for a reduce-scatter). ``phase`` is
+    ``forward``, ``backward`` or ``step``. ``stage`` overrides the op's stage (a
+    send/recv pair runs on two stages).
+    """
+
+    op: str
+    axis: str
+    bytes: int
+    phase: str
+    where: str
+    per: str = "microbatch"
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class TpRule:
+    """Where tensor parallelism splits an op. Dim names, or None for replicated.
+
+    ``out_split``: dim of the output split over tp; ``out_partial``: output holds partial
+    sums over tp; ``in_split``: per operand, the dim it must arrive split on;
+    ``grad_partial``: per operand, whether the gradient the op returns for it is a partial
+    sum over tp (column-parallel inputs); ``param_split``: param suffix -> dim.
+    """
+
+    out_split: str | None = None
+    out_partial: bool = False
+    in_split: tuple[str | None, ...] = ()
+    grad_partial: tuple[bool, ...] = ()
+    param_split: Mapping[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """The rules of one op kind (see module docstring)."""
+
+    kind: str
+    infer: Callable[[Mapping[str, Any], Sequence[TensorType]], TensorType]
+    fwd_flops: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
+    saves: Callable[[Mapping[str, Any]], tuple[int, ...]] = lambda a: ()
+    saved_extra: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
+    #: number of operands (None: any)
+    arity: int | None = None
+    #: selective recomputation drops ``saved_extra`` and recomputes this op's forward
+    selective_recompute: bool = False
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _same(a, ins):
+    return ins[0]
+
+
+def _input_type(a, ins):
+    return TensorType(tuple(a["dims"]), a["dtype"])
+
+
+def _embedding_type(a, ins):
+    return TensorType(ins[0].dims + (a["out_dim"],), a["dtype"])
+
+
+def _linear_type(a, ins):
+    x = ins[0]
+    if x.dims[-1].name != a["in_dim"].name:
+        raise ValueError(f"linear expects last dim {a['in_dim'].name}, got {x}")
+    return TensorType(x.dims[:-1] + (a["out_dim"],), x.dtype)
+
+
+def _linear_flops(a, ins, out):
+    # 2 * (elements of the output) * (contracted dim): 2 m n k
+    return 2 * out.numel * ins[0].dims[-1].size
+
+
+def _attention_type(a, ins):
+    return ins[0]
+
+
+def _attention_flops(a, ins, out):
+    q = ins[0]
+    b, s = q.shape[0], q.shape[1]
+    s_kv = a["seq_len"]
+    if a.get("window"):
+        s_kv = min(s_kv, a["window"])
+    # Q K^T and A V: 2 * b * s * s_kv * d each, d = local heads * head_dim
+    return 4 * b * s * s_kv * q.dims[-1].size
+
+
+def _attention_extra(a, ins, out):
+    q = ins[0]
+    b, s = q.shape[0], q.shape[1]
+    heads_local = q.dims[-1].size // a["head_dim"]
+    s_kv = min(a["seq_len"], a["window"]) if a.get("window") else a["seq_len"]
+    if a["impl"] == "flash":
+        # output + log-sum-exp (fp32) per query and head
+        return out.nbytes + b * s * heads_local * 4
+    e = q.itemsize
+    scores = b * heads_local * s * s_kv
+    extra = scores * e  # softmax output
+    if a.get("dropout", 0) > 0:
+        extra += scores * 1 + scores * e  # dropout mask + dropout output
+    return extra
+
+
+def _add_extra(a, ins, out):
+    # dropout mask (1 byte per element) on the branch added to the residual stream
+    return out.numel if a.get("dropout", 0) > 0 else 0
+
+
+def _xent_type(a, ins):
+    return TensorType((), "fp32")
+
+
+def _xent_extra(a, ins, out):
+    # the softmax of the (local) logits, kept in fp32 for the gradient
+    return ins[0].numel * 4
+
+
+def _scalar(a, ins):
+    return TensorType((), "fp32")
+
+
+OPS: dict[str, OpSpec] = {
+    s.kind: s
+    for s in [
+        OpSpec("input", _input_type, arity=0),
+        OpSpec("embedding", _embedding_type, arity=1),
+        OpSpec("add", _same, saved_extra=_add_extra, arity=2),
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1),
+        OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
+        OpSpec("rope", _same, arity=1),
+        OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
+               saved_extra=_attention_extra, arity=3, selective_recompute=True),
+        OpSpec("act", _same, saves=lambda a: (0,), arity=1),
+        OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2),
+        OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2),
+        # inserted by passes
+        OpSpec("redistribute", _same, arity=1),
+        OpSpec("send_recv", _same, arity=1),
+        OpSpec("step_collective", _scalar, arity=0),
+    ]
+}
+
+
+def spec(kind: str) -> OpSpec:
+    """The table entry of ``kind``; KeyError names the kind."""
+    try:
+        return OPS[kind]
+    except KeyError:
+        raise KeyError(f"unknown op kind {kind!r}") from None
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+
+def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType], out: TensorType,
+            sequence_parallel: bool) -> TpRule:
+    """The Megatron-LM layout of an op under tensor parallelism, by its ``tp`` style.
+
+    * ``column`` (wq, wk, wv, w1, w3, lm_head): input replicated, its gradient partial;
+      output and weight split on the out dim.
+    * ``row`` (wo, w2): input split on the in dim; output ``partial(tp)``; bias replicated.
+    * ``vocab_embedding``: weight split on vocab; output ``partial(tp)``.
+    * ``shard_last`` (rope, attention core, activations): every tensor split on its last
+      dim (heads or ffn), no communication.
+    * ``residual`` (norms, residual adds): replicated, or split on ``seq`` with sequence
+      parallelism.
+    * ``vocab_loss``: logits arrive split on vocab (vocab-parallel cross-entropy).
+    * ``replicated``: nothing changes.
+    """
+    n = len(in_types)
+    if style == "column":
+        od = attrs["out_dim"].name
+        return TpRule(out_split=od, in_split=(None,), grad_partial=(True,),
+                      param_split={"weight": od, "bias": od})
+    if style == "row":
+        idim = attrs["in_dim"].name
+        return TpRule(out_partial=True, in_split=(idim,), grad_partial=(False,),
+                      param_split={"weight": idim, "bias": None})
+    if style == "vocab_embedding":
+        return TpRule(out_partial=True, in_split=(None,), grad_partial=(False,),
+                      param_split={"weight": "vocab"})
+    if style == "shard_last":
+        return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
+                      grad_partial=(False,) * n)
+    if style == "residual":
+        if sequence_parallel:
+            return TpRule(out_split="seq", in_split=("seq",) * n, grad_partial=(False,) * n,
+                          param_split={"weight": None, "bias": None})
+        return TpRule(in_split=(None,) * n, grad_partial=(False,) * n)
+    if style == "vocab_loss":
+        return TpRule(in_split=("vocab", None), grad_partial=(False, False))
+    if style == "replicated":
+        return TpRule(in_split=(None,) * n, grad_partial=(False,) * n)
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def convert(src: Sharding, dst: Sharding, degrees: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The collectives that turn layout ``src`` into layout ``dst``, one per mesh axis
+    that differs (axes of degree 1 never communicate). The one rule of the compiler:
+
+    ========================  ==========================  ===============
+    src on axis a             dst on axis a               collective
+    ========================  ==========================  ===============
+    partial                   replicated                  ``all_reduce``
+    partial                   split(d)                    ``reduce_scatter``
+    split(d)                  replicated                  ``all_gather``
+    split(d)                  split(d')                   ``all_to_all``
+    replicated                split(d)                    ``split`` (local, free)
+    ========================  ==========================  ===============
+
+    Returns ``[(kind, axis), ...]`` sorted by axis; empty when nothing is needed.
+
+    Raises:
+        ValueError: the conversion is impossible (anything -> partial).
+    """
+    out: list[tuple[str, str]] = []
+    for axis in sorted(src.axes | dst.axes):
+        if degrees.get(axis, 1) == 1:
+            continue
+        s_part, d_part = axis in src.partial, axis in dst.partial
+        s_dim, d_dim = src.dim_of(axis), dst.dim_of(axis)
+        if s_part and d_part:
+            continue
+        if d_part:
+            raise ValueError(f"cannot produce partial({axis}) from {src}")
+        if s_part:
+            out.append(("reduce_scatter" if d_dim else "all_reduce", axis))
+        elif s_dim and d_dim:
+            if s_dim != d_dim:
+                out.append(("all_to_all", axis))
+        elif s_dim:
+            out.append(("all_gather", axis))
+        elif d_dim:
+            out.append(("split", axis))
+    return out
+
+
+def dual(s: Sharding) -> Sharding:
+    """The layout of the gradient a tensor of layout ``s`` needs: the same splits, no
+    partial axes (the gradient of a partial sum is the full gradient on every rank)."""
+    return s.without_partial()
+
+
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorType],
+                   local_out: TensorType) -> list[Collective]:
+    """The collectives one op runs (see :class:`Collective`); ``node`` is a graph Node."""
+    op = node.op
+    a = op.attr_map
+    res: list[Collective] = []
+    if op.kind == "redistribute":
+        where = a["where"]
+        for kind, axis in a["fwd"]:
+            if kind in COMM_KINDS:
+                res.append(Collective(kind, axis, local_out.nbytes, "forward", where))
+        g = node.grads[0].local_type(node.type, degrees) if node.grads else local_out
+        for kind, axis in a["bwd"]:
+            if kind in COMM_KINDS:
+                res.append(Collective(kind, axis, g.nbytes, "backward", where))
+    elif op.kind == "send_recv":
+        where = f"stage {a['src_stage']} -> {a['dst_stage']}"
+        nb = local_out.nbytes
+        res += [
+            Collective("send", "pp", nb, "forward", where, stage=a["src_stage"]),
+            Collective("recv", "pp", nb, "forward", where, stage=a["dst_stage"]),
+            Collective("send", "pp", nb, "backward", where, stage=a["dst_stage"]),
+            Collective("recv", "pp", nb, "backward", where, stage=a["src_stage"]),
+        ]
+    elif op.kind == "step_collective":
+        res.append(Collective(a["op"], a["axis"], a["bytes"], "step", a["where"], per="step"))
+    elif op.kind == "cross_entropy":
+        if node.requires[0].axis_of("vocab") == "tp" and degrees.get("tp", 1) > 1:
+            logits = local_in[0]
+            nb = logits.numel // logits.dims[-1].size * 4  # one fp32 per token
+            # vocab-parallel cross-entropy: max, sum of exp, target logit
+            res += [Collective("all_reduce", "tp", nb, "forward", op.module)] * 3
+    elif op.kind == "attention":
+        if degrees.get("cp", 1) > 1 and node.requires[1].axis_of("seq") == "cp":
+            # context parallelism (approximate: all-gather K and V, reduce-scatter dK, dV)
+            cp = degrees["cp"]
+            for t in local_in[1:3]:
+                res.append(Collective("all_gather", "cp", t.nbytes * cp, "forward", op.module))
+                res.append(Collective("reduce_scatter", "cp", t.nbytes, "backward", op.module))
+    return res

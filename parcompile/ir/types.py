@@ -1,0 +1,204 @@
+"""Types of the IR: named tensor dimensions, tensor types and shardings.
+
+A :class:`TensorType` is the *global, logical* type of a tensor (the shape the
+single-device model would see); a :class:`Sharding` says how that tensor lives on the
+device mesh, in the style of Mesh-TensorFlow layouts and JAX ``PartitionSpec``: each
+tensor dim may be split over one mesh axis, and a set of axes may still hold partial
+sums. Sharding never changes the type; :meth:`Sharding.local_type` derives the
+per-rank type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+#: bytes per element of the dtypes tensors may have
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64": 8, "bool": 1}
+
+#: mesh axes a tensor dim may be split over, or that may hold partial sums
+MESH_AXES = ("dp", "cp", "tp", "ep", "pp", "expert_tp")
+
+
+class ShardingError(ValueError):
+    """A sharding does not fit a tensor: a dim does not divide, or an axis is used twice.
+
+    ``axis`` names the mesh axis at fault (for diagnostics at the user's ``parallel.<axis>``).
+    """
+
+    def __init__(self, message: str, axis: str | None = None):
+        super().__init__(message)
+        self.axis = axis
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named tensor dimension of ``size`` elements.
+
+    ``unit`` is the granularity a split must respect: a ``q`` dim of ``heads * head_dim``
+    elements has ``unit = head_dim``, so it only splits into whole heads.
+    """
+
+    name: str
+    size: int
+    unit: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.size}"
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A tensor's global type: ordered named dims and a dtype (``fp32``, ``bf16``, ``int64`` ...)."""
+
+    dims: tuple[Dim, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.dims]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate dim names in {names}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes: ``numel * itemsize``."""
+        return self.numel * self.itemsize
+
+    def dim(self, name: str) -> Dim:
+        for d in self.dims:
+            if d.name == name:
+                return d
+        raise KeyError(f"no dim {name!r} in {self}")
+
+    def has_dim(self, name: str) -> bool:
+        return any(d.name == name for d in self.dims)
+
+    def replace_dim(self, name: str, new: Dim) -> "TensorType":
+        """The same type with dim ``name`` replaced by ``new``."""
+        return TensorType(tuple(new if d.name == name else d for d in self.dims), self.dtype)
+
+    def with_dtype(self, dtype: str) -> "TensorType":
+        return TensorType(self.dims, dtype)
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(d) for d in self.dims) + f"] {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a tensor lives on the mesh: ``split`` maps dim name -> mesh axis (stored as
+    sorted pairs so the object hashes), ``partial`` is the set of axes whose ranks hold
+    partial sums. An axis splits at most one dim and is never both split and partial.
+
+    Build one with :meth:`make`; :data:`REPLICATED` is the empty sharding.
+    """
+
+    split: tuple[tuple[str, str], ...] = ()
+    partial: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        axes = [a for _, a in self.split]
+        if len(set(axes)) != len(axes):
+            raise ShardingError(f"a mesh axis splits two dims in {self}")
+        dims = [d for d, _ in self.split]
+        if len(set(dims)) != len(dims):
+            raise ShardingError(f"a dim is split twice in {self}")
+        both = set(axes) & set(self.partial)
+        if both:
+            raise ShardingError(f"axis {sorted(both)[0]} is both split and partial in {self}")
+
+    @classmethod
+    def make(cls, split: Mapping[str, str] | None = None, partial: Iterable[str] = ()) -> "Sharding":
+        """``Sharding.make({"seq": "tp"}, partial={"dp"})``."""
+        return cls(tuple(sorted((split or {}).items())), frozenset(partial))
+
+    @property
+    def split_map(self) -> dict[str, str]:
+        """dim name -> axis."""
+        return dict(self.split)
+
+    def axis_of(self, dim: str) -> str | None:
+        return self.split_map.get(dim)
+
+    def dim_of(self, axis: str) -> str | None:
+        """The dim that ``axis`` splits, or None."""
+        for d, a in self.split:
+            if a == axis:
+                return d
+        return None
+
+    @property
+    def axes(self) -> set[str]:
+        """Every axis this sharding mentions (split or partial)."""
+        return {a for _, a in self.split} | set(self.partial)
+
+    def with_split(self, dim: str, axis: str) -> "Sharding":
+        m = self.split_map
+        m[dim] = axis
+        return Sharding.make(m, self.partial)
+
+    def without_split(self, dim: str) -> "Sharding":
+        m = self.split_map
+        m.pop(dim, None)
+        return Sharding.make(m, self.partial)
+
+    def with_partial(self, axis: str) -> "Sharding":
+        return Sharding.make(self.split_map, set(self.partial) | {axis})
+
+    def without_partial(self) -> "Sharding":
+        return Sharding.make(self.split_map, ())
+
+    def restricted_to(self, dims: Iterable[str]) -> "Sharding":
+        """Keep only the splits of ``dims`` (partial axes kept)."""
+        keep = set(dims)
+        return Sharding.make({d: a for d, a in self.split if d in keep}, self.partial)
+
+    def local_type(self, ttype: TensorType, degrees: Mapping[str, int]) -> TensorType:
+        """The per-rank type of ``ttype`` under this sharding on a mesh of ``degrees``.
+
+        Raises:
+            ShardingError: a split dim does not divide by its axis degree (message names
+                both numbers), or a split names a dim the type lacks.
+        """
+        if not self.split:
+            return ttype
+        smap = self.split_map
+        for d in smap:
+            if not ttype.has_dim(d):
+                raise ShardingError(f"sharding {self} splits dim {d!r}, which {ttype} lacks", smap[d])
+        dims = []
+        for d in ttype.dims:
+            axis = smap.get(d.name)
+            n = degrees.get(axis, 1) if axis else 1
+            if n == 1:
+                dims.append(d)
+                continue
+            units = d.size // d.unit
+            if d.size % d.unit or units % n:
+                what = f"{units} units of {d.unit}" if d.unit > 1 else f"{d.size}"
+                raise ShardingError(
+                    f"dim {d.name} of size {what} does not divide by {axis} = {n}", axis
+                )
+            dims.append(Dim(d.name, d.size // n, d.unit))
+        return TensorType(tuple(dims), ttype.dtype)
+
+    def __str__(self) -> str:
+        parts = [f"{d}:{a}" for d, a in self.split]
+        parts += [f"partial:{a}" for a in sorted(self.partial)]
+        return "{" + ",".join(parts) + "}" if parts else "R"
+
+
+REPLICATED = Sharding()

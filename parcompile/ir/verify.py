@@ -1,0 +1,67 @@
+"""Structural checks of the graph, run after lowering and after every pass.
+
+Checks: acyclic; operands numbered 0..n-1 and matching the op table's arity; every
+op's layout fits its type on the mesh (dims divide); one layout requirement and one
+gradient layout per operand; output types agree with the op table. Once
+``graph.meta["collectives_inserted"]`` is set: no edge whose producer layout differs
+from what its consumer requires (:func:`parcompile.ir.ops.convert` finds nothing to
+do) and no edge that crosses model chunks except into a ``send_recv``. Once
+``graph.meta["staged"]`` is set: every op has a stage.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from parcompile.ir.graph import Graph
+from parcompile.ir.ops import convert, spec
+from parcompile.ir.types import ShardingError
+
+
+class VerifyError(ValueError):
+    """The graph breaks an invariant; the message names the op (and edge) at fault."""
+
+    def __init__(self, message: str, op: str | None = None):
+        super().__init__(message)
+        self.op = op
+
+
+def verify(graph: Graph, degrees: Mapping[str, int] | None = None) -> None:
+    """Raise :class:`VerifyError` on the first broken invariant (see module docstring).
+
+    ``degrees`` (axis -> degree) enables the divisibility and layout-equality checks.
+    """
+    if not graph.is_dag():
+        raise VerifyError("the graph has a cycle")
+    deg = dict(degrees or {})
+    inserted = graph.meta.get("collectives_inserted", False)
+    staged = graph.meta.get("staged", False)
+    for name in graph.topological():
+        nd = graph.node(name)
+        s = spec(nd.kind)
+        ins = graph.inputs(name)
+        if s.arity is not None and len(ins) != s.arity:
+            raise VerifyError(f"op {name}: {nd.kind} takes {s.arity} operands, has {len(ins)}", name)
+        if len(nd.requires) != len(ins) or len(nd.grads) != len(ins):
+            raise VerifyError(f"op {name}: {len(ins)} operands but {len(nd.requires)} layout requirements", name)
+        if staged and nd.stage is None:
+            raise VerifyError(f"op {name} has no pipeline stage", name)
+        try:
+            nd.sharding.local_type(nd.type, deg)
+            for u, r in zip(ins, nd.requires):
+                r.local_type(graph.node(u).type, deg)
+            for pr in nd.params:
+                pr.sharding.local_type(pr.type, deg)
+        except ShardingError as e:
+            raise VerifyError(f"op {name}: {e}", name) from e
+        for i, u in enumerate(ins):
+            pu = graph.node(u)
+            if inserted:
+                todo = convert(pu.sharding, nd.requires[i], deg)
+                if todo:
+                    raise VerifyError(
+                        f"edge {u} -> {name} (operand {i}): producer layout {pu.sharding} "
+                        f"!= required {nd.requires[i]} after insert-collectives", name)
+                if staged and pu.chunk != nd.chunk and nd.kind != "send_recv":
+                    raise VerifyError(
+                        f"edge {u} -> {name} crosses model chunks {pu.chunk} -> {nd.chunk} without send/recv", name)

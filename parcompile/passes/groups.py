@@ -1,0 +1,119 @@
+"""Process groups, exactly as Megatron-Core's two ``RankGenerator`` s make them.
+
+Megatron-Core (``megatron/core/parallel_state.py``) lays ranks out on a mesh whose axes
+follow ``order`` fastest-varying first (default ``tp-cp-ep-dp-pp``). A group of the
+axes ``t1-t2...`` holds the ranks that differ only in those coordinates; within a
+group the ranks enumerate the masked coordinates fastest-first, and groups enumerate
+the remaining coordinates fastest-first.
+
+* the dense generator: ``tp, cp, dp, pp`` with ``ep = 1`` -> groups ``tp``, ``cp``,
+  ``dp``, ``pp``, ``dp_cp`` (the ``dp-cp`` group dense gradients are reduced over);
+* the expert generator: ``tp = expert_tp, ep, dp = expert_dp, cp = 1, pp`` -> groups
+  ``ep``, ``expert_tp``, ``expert_dp`` (parallel folding);
+* ``embedding``: the first and last rank of each pp group (one rank when pp = 1).
+"""
+
+from __future__ import annotations
+
+from parcompile.config.schema import ParallelConfig
+
+AXIS_NAMES = ("tp", "cp", "ep", "dp", "pp")
+
+
+def _strides(sizes: list[int]) -> list[int]:
+    out, acc = [], 1
+    for s in sizes:
+        out.append(acc)
+        acc *= s
+    return out
+
+
+def _digits(index: int, sizes: list[int]) -> list[int]:
+    """Mixed-radix digits of ``index``, fastest-varying first."""
+    out = []
+    for s in sizes:
+        out.append(index % s)
+        index //= s
+    return out
+
+
+def masked_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Rank groups over the masked axes of a mesh of ``sizes`` (fastest-varying first).
+
+    Group ``g`` (enumerating the unmasked coordinates) lists, for each rank index ``j``
+    in it (enumerating the masked coordinates), the rank whose masked digits are those
+    of ``j`` and unmasked digits those of ``g``; the same arithmetic as Megatron-Core's
+    ``generate_masked_orthogonal_rank_groups``.
+    """
+    stride = _strides(sizes)
+    m_sizes = [s for s, k in zip(sizes, mask) if k]
+    u_sizes = [s for s, k in zip(sizes, mask) if not k]
+    m_stride = [d for d, k in zip(stride, mask) if k]
+    u_stride = [d for d, k in zip(stride, mask) if not k]
+    group_size = 1
+    for s in m_sizes:
+        group_size *= s
+    world = group_size
+    for s in u_sizes:
+        world *= s
+    groups = []
+    for gi in range(world // group_size):
+        base = sum(d * s for d, s in zip(_digits(gi, u_sizes), u_stride))
+        groups.append([base + sum(d * s for d, s in zip(_digits(j, m_sizes), m_stride))
+                       for j in range(group_size)])
+    return groups
+
+
+class RankGenerator:
+    """Megatron-Core's rank generator for one set of degrees and an ``order`` string.
+
+    Axes missing from ``order`` must have degree 1 (they are appended).
+
+    Raises:
+        ValueError: an axis of degree > 1 is missing from ``order``, or both ``ep`` and
+            ``cp`` exceed 1 (Megatron-Core keeps them in separate generators).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
+        if ep > 1 and cp > 1:
+            raise ValueError("ep and cp cannot both exceed 1 in one rank generator")
+        size = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
+        names = [t for t in order.lower().split("-") if t]
+        for n, s in size.items():
+            if n not in names:
+                if s != 1:
+                    raise ValueError(f"{n} = {s} but order {order!r} does not name {n}")
+                names.append(n)
+        self.order = names
+        self.sizes = [size[n] for n in names]
+        self.world_size = tp * ep * dp * pp * cp
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Groups of the axes in ``token`` (``"dp"``, ``"dp-cp"`` ...)."""
+        want = set(token.split("-"))
+        return masked_groups(self.sizes, [n in want for n in self.order])
+
+
+def rank_groups(par: ParallelConfig) -> dict[str, list[list[int]]]:
+    """Every group of every axis of ``par`` (SPEC 3 ``groups``): ``tp``, ``cp``, ``dp``,
+    ``pp``, ``dp_cp``, ``ep``, ``expert_tp``, ``expert_dp``, ``embedding``. Each group is a
+    sorted rank list; groups of an axis come in Megatron-Core's order."""
+    dense = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
+    expert = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
+    out = {
+        "tp": dense.get_ranks("tp"),
+        "cp": dense.get_ranks("cp"),
+        "dp": dense.get_ranks("dp"),
+        "pp": dense.get_ranks("pp"),
+        "dp_cp": dense.get_ranks("dp-cp"),
+        "ep": expert.get_ranks("ep"),
+        "expert_tp": expert.get_ranks("tp"),
+        "expert_dp": expert.get_ranks("dp"),
+    }
+    out["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in out["pp"]]
+    return {k: [sorted(g) for g in v] for k, v in out.items()}
+
+
+def stage_ranks(pp_groups: list[list[int]], stage: int) -> list[int]:
+    """The ranks of pipeline rank ``stage``: the ``stage``-th member of every pp group."""
+    return sorted(g[stage] for g in pp_groups)

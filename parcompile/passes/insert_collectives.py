@@ -1,0 +1,141 @@
+"""``insert-collectives``: make every edge's layouts agree, with one generic rule.
+
+1. Stage changes: a tensor read on another model chunk than the one producing it goes
+   through one ``send_recv`` op per (tensor, receiving chunk): a send of activations and
+   a receive of their gradient on the producer's pipeline rank, the mirror on the
+   consumer's.
+2. Layout changes: for every edge, the forward conversion ``convert(producer layout,
+   consumer requirement)`` and the backward one ``convert(gradient layout the consumer
+   returns, dual(producer layout))`` (:func:`parcompile.ir.ops.convert`). When either is
+   not empty, one ``redistribute`` op carries both; consumers of the same tensor that
+   need the same conversion share it (wq/wk/wv share one "copy to tensor-parallel
+   region", whose backward is the all-reduce). The op's ``where`` is the producer's
+   module for a forward reduction (``wo``, ``w2``, the embedding) or a local split (the
+   scatter into the sequence-parallel region), the first consumer's otherwise (the QKV
+   and MLP inputs, the head).
+3. Step collectives, once per step per rank of a stage: the gradient reduction over
+   ``dp_cp`` (an all-reduce of the fp32 flat gradient buffer; with ZeRO >= 1 a
+   reduce-scatter of it and an all-gather of the updated parameters), the tied-embedding
+   all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp``, the
+   squared gradient norm over ``tp`` and ``pp``, the logged loss over ``dp_cp``.
+
+Nothing is inserted on an axis of degree 1. Sets ``graph.meta["collectives_inserted"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parcompile.analysis.params import stage_params
+from parcompile.ir.graph import Graph
+from parcompile.ir.ops import COMM_KINDS, convert, dual
+from parcompile.passes.base import PassContext
+
+GRAD_BYTES = 4  # fp32 gradients and reductions
+
+
+def _insert_send_recv(graph: Graph, ctx: PassContext) -> None:
+    for u in ctx.visit(graph.topological()):
+        pu = graph.node(u)
+        by_chunk: dict[int, list[tuple[str, int]]] = {}
+        for v, k in graph.users(u):
+            c = graph.node(v).chunk
+            if c != pu.chunk:
+                by_chunk.setdefault(c, []).append((v, k))
+        for c in sorted(by_chunk):
+            if c != pu.chunk + 1:
+                raise ValueError(f"{u} on model chunk {pu.chunk} is read on chunk {c}: not adjacent")
+            dst = graph.node(by_chunk[c][0][0])
+            graph.insert_between(
+                u, by_chunk[c], graph.unique_name(f"{u}.send_recv"), "send_recv",
+                attrs={"src_stage": pu.stage, "dst_stage": dst.stage, "src_chunk": pu.chunk, "dst_chunk": c},
+                sharding=pu.sharding, requires=pu.sharding, grad=dual(pu.sharding),
+                stage=dst.stage, chunk=c,
+            )
+
+
+def _conversion_name(where: str, fwd, bwd) -> str:
+    f = [k for k, _ in fwd if k in COMM_KINDS]
+    b = [k for k, _ in bwd if k in COMM_KINDS]
+    if f:
+        return f"{where}.{'_'.join(f)}"
+    if b:
+        return f"{where}.bwd_{'_'.join(b)}"
+    return f"{where}.{'_'.join(k for k, _ in fwd) or 'relayout'}"
+
+
+def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
+    deg = ctx.degrees
+    for u in ctx.visit(graph.topological()):
+        pu = graph.node(u)
+        groups: dict[tuple, list[tuple[str, int]]] = {}
+        for v, k in graph.users(u):
+            nv = graph.node(v)
+            req, grad = nv.requires[k], nv.grads[k]
+            fwd = convert(pu.sharding, req, deg)
+            bwd = convert(grad, dual(pu.sharding), deg)
+            if not fwd and not bwd:
+                continue
+            key = (req, grad, tuple(fwd), tuple(bwd))
+            groups.setdefault(key, []).append((v, k))
+        for (req, grad, fwd, bwd), consumers in groups.items():
+            first = graph.node(consumers[0][0])
+            local = pu.sharding.partial or any(kind == "split" for kind, _ in fwd)
+            where = pu.op.module if local else first.op.module
+            name = graph.unique_name(_conversion_name(where, fwd, bwd))
+            graph.insert_between(
+                u, consumers, name, "redistribute",
+                attrs={"fwd": fwd, "bwd": bwd, "where": where},
+                sharding=req, requires=pu.sharding, grad=dual(pu.sharding),
+            )
+            # the consumers now see the converted tensor; its gradient arrives in `grad`
+
+
+def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
+    cfg = ctx.cfg
+    par, deg = cfg.parallel, ctx.degrees
+    pp = par.pp
+    e = cfg.model.dtype_bytes
+    d = deg["dp_cp"]
+    stages = stage_params(graph, deg, pp, cfg.model.tie_embeddings)
+    graph.meta["stage_params"] = stages
+
+    def add(stage: int, key: str, op: str, axis: str, nbytes: int, where: str) -> None:
+        graph.add_op(graph.unique_name(f"step.stage{stage}.{key}"), "step_collective", [],
+                     {"op": op, "axis": axis, "bytes": int(nbytes), "where": where})
+        graph.set_stage(f"step.stage{stage}.{key}", stage, stage)
+
+    for s, sp in enumerate(stages):
+        if d > 1 and sp.dense:
+            if par.zero == 0:
+                add(s, "grads", "all_reduce", "dp_cp", GRAD_BYTES * sp.dense, "grads")
+            else:
+                shard = math.ceil(sp.dense / d)
+                add(s, "grads", "reduce_scatter", "dp_cp", GRAD_BYTES * shard, "grads")
+                add(s, "params", "all_gather", "dp_cp", e * shard * d, "params")
+        if deg["expert_dp"] > 1 and sp.expert:
+            add(s, "expert_grads", "all_reduce", "expert_dp", GRAD_BYTES * sp.expert, "expert_grads")
+        if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
+            add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
+        if par.sequence_parallel and deg["tp"] > 1 and sp.norm:
+            add(s, "sp_norm_grads", "all_reduce", "tp", GRAD_BYTES * sp.norm, "sp_norm_grads")
+        if deg["tp"] > 1:
+            add(s, "grad_norm_tp", "all_reduce", "tp", 4, "grad_norm")
+        if pp > 1:
+            add(s, "grad_norm_pp", "all_reduce", "pp", 4, "grad_norm")
+        if s == pp - 1 and d > 1:
+            add(s, "loss_log", "all_reduce", "dp_cp", 4, "loss_log")
+
+
+@dataclass(frozen=True)
+class InsertCollectives:
+    """Insert send/recv, layout conversions and step collectives (module docstring)."""
+
+    name: str = "insert-collectives"
+
+    def apply(self, graph: Graph, ctx: PassContext) -> None:
+        _insert_send_recv(graph, ctx)
+        _insert_conversions(graph, ctx)
+        _insert_step_collectives(graph, ctx)
+        graph.meta["collectives_inserted"] = True

@@ -1,0 +1,84 @@
+"""``split-pipeline-stages``: place every op on a pipeline rank and model chunk.
+
+The layers are cut into ``pp * virtual_stages`` model chunks in model order
+(``stage_layers`` when given, else an even split; a remainder goes to the first
+chunks). Model chunk ``k`` lives on pipeline rank ``k % pp`` as its local chunk
+``k // pp`` (Megatron-Core's interleaved assignment: local chunk ``c`` of rank ``r``
+holds model chunk ``c * pp + r``). The embedding is on chunk 0; the final norm, LM head
+and loss on the last chunk. A tied LM head on another pipeline rank than the embedding
+gets its own copy, ``lm_head.weight`` (``tied_to = "embedding.weight"``), kept equal by
+an all-reduce over the ``embedding`` group.
+
+Records ``graph.meta["chunks"]`` (layer ids per model chunk) and ``meta["staged"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from parcompile.diagnostics import Diagnostic, SpecError
+from parcompile.ir.graph import Graph
+from parcompile.passes.base import PassContext
+
+FIRST_CHUNK_OPS = {"tokens", "embedding", "pos_embedding", "embedding.pos_add"}
+LAST_CHUNK_OPS = {"final_norm", "lm_head", "labels", "loss"}
+
+
+def chunk_layers(layers: int, pp: int, virtual_stages: int, stage_layers=None) -> list[list[int]]:
+    """Layer ids of each model chunk, in model order (``pp * virtual_stages`` lists).
+
+    Raises:
+        ValueError: ``stage_layers`` has the wrong length or does not sum to ``layers``.
+    """
+    n = pp * virtual_stages
+    if stage_layers is not None:
+        counts = list(stage_layers)
+        if len(counts) != n:
+            raise ValueError(f"stage_layers has {len(counts)} entries, pp * virtual_stages = {n}")
+        if sum(counts) != layers:
+            raise ValueError(f"stage_layers sum to {sum(counts)}, layers = {layers}")
+    else:
+        base, extra = divmod(layers, n)
+        counts = [base + (1 if k < extra else 0) for k in range(n)]
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+@dataclass(frozen=True)
+class SplitPipelineStages:
+    """Assign stages and chunks (module docstring)."""
+
+    name: str = "split-pipeline-stages"
+
+    def apply(self, graph: Graph, ctx: PassContext) -> None:
+        cfg = ctx.cfg
+        par = cfg.parallel
+        pp, v = par.pp, par.virtual_stages
+        try:
+            chunks = chunk_layers(cfg.model.layers, pp, v, par.stage_layers)
+        except ValueError as e:
+            raise SpecError([Diagnostic("error", str(e), cfg.span("parallel.stage_layers"))]) from None
+        layer_chunk = {layer: k for k, ls in enumerate(chunks) for layer in ls}
+        last = pp * v - 1
+        for n in ctx.visit(graph.topological()):
+            nd = graph.node(n)
+            if nd.op.layer is not None:
+                k = layer_chunk[nd.op.layer]
+            elif n in FIRST_CHUNK_OPS:
+                k = 0
+            elif n in LAST_CHUNK_OPS:
+                k = last
+            else:
+                raise ValueError(f"op {n} belongs to no layer and no known chunk")
+            graph.set_stage(n, k % pp, k)
+        if cfg.model.tie_embeddings and pp > 1 and "lm_head" in graph:
+            head = graph.node("lm_head")
+            graph.set_params("lm_head", [
+                replace(p, name="lm_head.weight", tied_to="embedding.weight") if p.name == "embedding.weight" else p
+                for p in head.params
+            ])
+        graph.meta["chunks"] = chunks
+        graph.meta["staged"] = True

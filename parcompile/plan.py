@@ -1,0 +1,118 @@
+"""The compiled plan: config, graph, the ``plan.json`` dict, warnings, and its renderings.
+
+``Plan.to_json()`` is byte-stable: sorted keys, 2-space indent, trailing newline, no
+timestamps and no absolute paths (SPEC 3). ``Plan.report_md()`` is the human-readable
+report ``parcompile compile`` writes next to it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from parcompile.config.schema import SpecConfig
+from parcompile.diagnostics import Diagnostic
+from parcompile.ir.graph import Graph
+from parcompile.ir.printer import dump
+
+FORMAT = "parcompile.plan/1"
+
+
+def version() -> str:
+    """``parcompile.__version__`` when defined, else ``"0.1.0"``."""
+    try:
+        import parcompile
+
+        return str(getattr(parcompile, "__version__", "0.1.0"))
+    except Exception:  # pragma: no cover - partial package during development
+        return "0.1.0"
+
+
+@dataclass
+class Plan:
+    """A compiled spec. ``data`` is the plan.json dict (SPEC 3 plus extensions:
+    ``stages[].chunks``, ``collectives[].stage`` / ``.phase``, ``estimate.assumptions``)."""
+
+    config: SpecConfig
+    graph: Graph
+    data: dict[str, Any]
+    warnings: list[Diagnostic] = field(default_factory=list)
+    degrees: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The plan.json text, byte for byte."""
+        return json.dumps(self.data, sort_keys=True, indent=2) + "\n"
+
+    def graph_dump(self) -> str:
+        """One line per op (see :mod:`parcompile.ir.printer`)."""
+        return dump(self.graph, self.degrees)
+
+    def report_md(self) -> str:
+        """A readable markdown report of the plan."""
+        return render_report(self.data)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
+    shown = " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups[:limit])
+    more = f" ... ({len(groups)} groups)" if len(groups) > limit else ""
+    return shown + more
+
+
+def render_report(d: dict[str, Any]) -> str:
+    """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate."""
+    out = [f"# Plan `{d.get('name', 'spec')}`", "",
+           f"parcompile {d['version']}, {d['world_size']} ranks, order `{d['order']}`, "
+           f"workload `{d.get('workload', 'train')}`.", ""]
+    deg = d["degrees"]
+    out += ["## Degrees", "", "| " + " | ".join(deg) + " |", "|" + "---|" * len(deg),
+            "| " + " | ".join(str(v) for v in deg.values()) + " |", ""]
+    out += ["## Groups", ""]
+    for k, g in d["groups"].items():
+        out.append(f"- `{k}` ({len(g[0]) if g else 0} ranks each): {_groups_line(g)}")
+    mdl = d["model"]
+    out += ["", "## Model", "",
+            f"{mdl['params']:,} parameters ({mdl['active_params']:,} active), padded vocabulary "
+            f"{mdl['padded_vocab']:,}, {mdl['kv_heads_per_rank']} kv heads per rank.", ""]
+    out += ["## Stages", "", "| stage | layers | ranks | params/rank |", "|---|---|---|---|"]
+    for s in d["stages"]:
+        layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
+        ranks = _groups_line([s["ranks"]], 1) if len(s["ranks"]) <= 8 else f"{len(s['ranks'])} ranks"
+        out.append(f"| {s['index']} | {layers} | {ranks} | {s['params_per_rank']:,} |")
+    sch = d["schedule"]
+    out += ["", "## Schedule", "",
+            f"`{sch['name']}`, {sch['num_microbatches']} micro-batches, bubble "
+            f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
+    mem = d["memory"]
+    out += ["## Memory (per rank)", "", "| stage | params | grads | optimizer | activations | kv cache | total |",
+            "|---|---|---|---|---|---|---|"]
+    for s in mem["per_stage"]:
+        out.append(f"| {s['stage']} | {_gb(s['params'])} | {_gb(s['grads'])} | {_gb(s['optimizer'])} | "
+                   f"{_gb(s['activations'])} | {_gb(s['kv_cache'])} | {_gb(s['total'])} |")
+    out += ["", f"Peak {_gb(mem['peak'])} of {_gb(mem['capacity'])}: "
+            + ("fits." if mem["fits"] else "**does not fit**."), ""]
+    cm = d["comm"]
+    out += ["## Communication (per step)", "", "| axis | bytes sent by the busiest rank |", "|---|---|"]
+    for a, b in cm["per_step"].items():
+        out.append(f"| {a} | {_gb(b)} |")
+    agg: dict[tuple, int] = {}
+    for c in cm["collectives"]:
+        key = (c["op"], c["axis"], c["bytes"], c["stage"])
+        agg[key] = agg.get(key, 0) + c["count"]
+    out += ["", "| stage | op | axis | bytes | count |", "|---|---|---|---|---|"]
+    for (op, axis, b, s), n in sorted(agg.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1], kv[0][2])):
+        out.append(f"| {s} | {op} | {axis} | {b:,} | {n} |")
+    comp, est = d["compute"], d["estimate"]
+    out += ["", "## Estimate", "",
+            f"- model FLOPs per step: {comp['model_flops_per_step']:.4g}; hardware: {comp['hardware_flops_per_step']:.4g}",
+            f"- step time: {est['step_time']:.4g} s; {est['tokens_per_s']:.4g} tokens/s; "
+            f"{est['tflops_per_gpu']:.4g} TFLOP/s per GPU; MFU {est['mfu']:.3f}",
+            "- breakdown: " + ", ".join(f"{k} {v:.4g} s" for k, v in est["breakdown"].items()),
+            "- assumptions: " + ", ".join(f"{k} = {v}" for k, v in est.get("assumptions", {}).items()), ""]
+    if "serve" in d:
+        out += ["## Serving", ""] + [f"- {k}: {v}" for k, v in d["serve"].items()] + [""]
+    return "\n".join(out)

@@ -1,0 +1,36 @@
+"""What every generated program imports: process groups, counted and differentiable
+collectives, tensor-parallel layers, the pipeline schedule executor, data, and the
+optimizer step. Generated programs use it as ``from parcompile import runtime as rt``.
+"""
+
+from parcompile.runtime.comm import COUNTER, all_reduce, copy_to_tp, reduce_from_tp
+from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
+from parcompile.runtime.data import GlobalBatches, local_microbatches, resolve_source
+from parcompile.runtime.layers import (
+    ACTIVATIONS,
+    ColumnParallelLinear,
+    LayerNorm,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rope,
+    attention_core,
+    make_param,
+    rope_tables,
+    vocab_parallel_cross_entropy,
+)
+from parcompile.runtime.pipeline import run_schedule
+from parcompile.runtime.train import (
+    build_optimizer,
+    clip_gradients,
+    grad_norm,
+    local_param_count,
+    lr_at,
+    reduce_loss,
+    save_checkpoint,
+    set_lr,
+    shards,
+    sync_gradients,
+    write_metrics,
+    write_state,
+)

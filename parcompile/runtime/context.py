@@ -1,0 +1,155 @@
+"""The process groups of one rank, built from a plan's `groups` (Megatron-Core rank order).
+
+Generated programs create one :class:`ParallelContext` at start-up. With a world of one
+process (the single-process reference) no process group is created and every collective
+is skipped, so the same program runs in-process without torchrun.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding")
+
+
+@dataclass
+class Axis:
+    """This rank's group along one mesh axis.
+
+    ``ranks`` are global ranks in group order; ``index`` is this rank's position in it
+    (the axis rank); ``group`` is the torch process group, or None when ``size == 1`` or
+    when running without torch.distributed.
+    """
+
+    name: str
+    ranks: list[int]
+    index: int
+    group: object | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class ParallelContext:
+    """Where this rank sits in the plan: its axes, its pipeline stage and its device.
+
+    Attributes: ``rank``/``world_size`` (global), ``axes`` (name -> :class:`Axis`),
+    ``stage`` (pipeline rank, = ``axes["pp"].index``), ``device`` and ``backend``.
+    """
+
+    rank: int
+    world_size: int
+    axes: dict[str, Axis]
+    device: torch.device
+    backend: str | None
+    distributed: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def axis(self, name: str) -> Axis:
+        return self.axes[name]
+
+    @property
+    def tp(self) -> Axis:
+        return self.axes["tp"]
+
+    @property
+    def pp(self) -> Axis:
+        return self.axes["pp"]
+
+    @property
+    def dp(self) -> Axis:
+        return self.axes["dp"]
+
+    @property
+    def stage(self) -> int:
+        return self.axes["pp"].index
+
+    @property
+    def num_stages(self) -> int:
+        return self.axes["pp"].size
+
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def choose_backend(force_cpu: bool) -> tuple[str, torch.device]:
+    """NCCL on CUDA GPUs, gloo otherwise; the choice is made at run time, not compile time.
+
+    ``force_cpu`` (the `cpu` cluster preset, or ``PARCOMPILE_DEVICE=cpu``) keeps gloo even
+    where a GPU exists. Per the torch docs, the CUDA device is set before the group exists.
+    """
+    if os.environ.get("PARCOMPILE_DEVICE") == "cpu":
+        force_cpu = True
+    if torch.cuda.is_available() and not force_cpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def _find(groups: list[list[int]], rank: int) -> list[int]:
+    for g in groups:
+        if rank in g:
+            return list(g)
+    return [rank]
+
+
+def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0) -> ParallelContext:
+    """Create the process groups of ``plan["groups"]`` and return this rank's context.
+
+    Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank
+    creates every group of every axis in the same order, as torch requires. Outside
+    torchrun the plan must have a world size of 1.
+
+    Raises:
+        RuntimeError: the plan's world size differs from the launched one.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    planned = int(plan["world_size"])
+    if world != planned:
+        raise RuntimeError(
+            f"the plan needs world_size={planned} processes but {world} were launched; "
+            f"run it with: torchrun --nproc-per-node {planned} ..."
+        )
+    backend, device = choose_backend(force_cpu)
+    groups = plan["groups"]
+    if world == 1:
+        axes = {name: Axis(name, [0], 0, None) for name in AXES}
+        return ParallelContext(0, 1, axes, device, None, distributed=False)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    axes: dict[str, Axis] = {}
+    for name in AXES:
+        lists = groups.get(name) or [[r] for r in range(world)]
+        mine = _find(lists, rank)
+        # every rank takes part in creating every group (torch's rule)
+        pg = None
+        if any(len(g) > 1 for g in lists):
+            cur, _ = dist.new_subgroups_by_enumeration([list(g) for g in lists], backend=backend)
+            pg = cur if len(mine) > 1 else None
+        axes[name] = Axis(name, mine, mine.index(rank), pg)
+    return ParallelContext(rank, world, axes, device, backend, distributed=True)
+
+
+def shutdown(ctx: ParallelContext) -> None:
+    """Tear down cleanly (see DESIGN: drop tensors, gc, barrier, then destroy)."""
+    if not ctx.distributed:
+        return
+    import gc
+
+    gc.collect()
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,255 @@
+"""Tensor-parallel building blocks of generated programs (Megatron-LM's `tensor_parallel`
+layers: column/row-parallel linear, vocab-parallel embedding and cross-entropy).
+
+Initialisation does not depend on the plan: every parameter is drawn as its *global*
+tensor from a generator seeded by ``(seed, parameter name)`` and then sliced to this
+rank's shard, so any two layouts of one spec start from the same global weights.
+Padded vocabulary rows (SPEC: Megatron's padding rule) start at zero and stay out of the
+loss, so they stay zero.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parcompile.runtime.comm import all_reduce, copy_to_tp, reduce_from_tp
+from parcompile.runtime.context import Axis
+
+INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
+
+
+def global_init(name: str, shape: tuple[int, ...], seed: int, std: float | None,
+                valid_rows: int | None = None) -> torch.Tensor:
+    """The global fp32 initial value of parameter ``name`` (shape ``shape``).
+
+    ``std=None`` means ones (norm weights); ``std=0`` zeros (biases); otherwise
+    N(0, std^2) from a CPU generator seeded by ``seed`` and the CRC32 of ``name``.
+    Rows at and past ``valid_rows`` (vocabulary padding) are zero.
+    """
+    if std is None:
+        return torch.ones(shape)
+    if std == 0:
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+    t = torch.empty(shape).normal_(0.0, std, generator=g)
+    if valid_rows is not None:
+        t[valid_rows:] = 0
+    return t
+
+
+def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
+    """This rank's contiguous slice of ``full`` along ``dim`` over ``axis`` (None: replicated).
+
+    Raises:
+        ValueError: the dimension does not divide by the axis size.
+    """
+    if dim is None or axis.size == 1:
+        return full.clone()
+    n = full.shape[dim]
+    if n % axis.size:
+        raise ValueError(f"dimension {dim} of size {n} does not divide by {axis.name}={axis.size}")
+    step = n // axis.size
+    return full.narrow(dim, axis.index * step, step).clone()
+
+
+def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, axis: Axis,
+               dim: int | None, valid_rows: int | None = None) -> nn.Parameter:
+    """A parameter holding this rank's shard of the global initial value.
+
+    The shard layout is recorded on the tensor (``p.shard_dim``, ``p.shard_axis``) so that
+    checkpoints and ``verify`` can reassemble the global tensor.
+    """
+    p = nn.Parameter(shard(global_init(name, shape, seed, std, valid_rows), dim, axis))
+    p.global_name = name
+    p.shard_dim = dim if axis.size > 1 else None
+    p.global_shape = tuple(shape)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W (out, in) split on ``out`` over tp: (..., in) -> (..., out/tp).
+
+    The input must already be in the tensor-parallel region (see :func:`copy_to_tp`).
+    """
+
+    def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
+                 seed: int, std: float = INIT_STD, valid_rows: int | None = None):
+        super().__init__()
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows)
+        self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b with W (out, in) split on ``in`` over tp:
+    (..., in/tp) -> (..., out), replicated. The bias is added once, after the all-reduce.
+    """
+
+    def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
+                 seed: int, std: float = INIT_STD):
+        super().__init__()
+        self.tp = tp
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1)
+        self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with rows (padded vocabulary V') split over tp:
+    ids (B, T) -> (B, T, h). Each rank looks up the ids in its row range; an all-reduce sums.
+    """
+
+    def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int):
+        super().__init__()
+        self.tp = tp
+        self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab)
+        self.start = tp.index * (padded_vocab // tp.size)
+        self.rows = padded_vocab // tp.size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split on the vocabulary (Megatron-LM's
+    `vocab_parallel_cross_entropy`): three fp32 all-reduces of (N,) over tp.
+    Columns at and past ``vocab`` (padding) are masked to -inf.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, tp: Axis, start: int, vocab: int):
+        logits = logits.float()
+        cols = logits.shape[-1]
+        col_ids = torch.arange(start, start + cols, device=logits.device)
+        logits = logits.masked_fill(col_ids >= vocab, float("-inf"))
+        peak = logits.max(dim=-1).values
+        all_reduce(peak, tp, "max")
+        logits = logits - peak.unsqueeze(-1)
+        local_t = target - start
+        inside = (local_t >= 0) & (local_t < cols)
+        local_t = local_t.masked_fill(~inside, 0)
+        picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        all_reduce(picked, tp, "sum")
+        exp = logits.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, tp, "sum")
+        loss = torch.log(sum_exp) - picked
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_t, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Axis, vocab: int) -> torch.Tensor:
+    """Per-token loss (N,) from local logits (N, V'/tp) and global target ids (N,)."""
+    start = tp.index * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, start, vocab)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as Llama computes it: in fp32, then scaled."""
+
+    def __init__(self, name: str, dim: int, eps: float, seed: int, tp: Axis):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param(f"{name}.weight", (dim,), seed, None, tp, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (Ba et al. 2016) with weight and bias."""
+
+    def __init__(self, name: str, dim: int, eps: float, seed: int, tp: Axis):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param(f"{name}.weight", (dim,), seed, None, tp, None)
+        self.bias = make_param(f"{name}.bias", (dim,), seed, 0, tp, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def rope_tables(seq_len: int, rot_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (T, rot_dim) for rotary embeddings (Su et al. 2021), Llama/NeoX layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` dims of each head of x (B, T, H, D) ("rotate half")."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    return torch.cat([xr * c + rotated * s, xp], dim=-1)
+
+
+def causal_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
+    """Boolean (T, T) mask, True where query i may attend key j (j <= i, i - j < window if window)."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    keep = j <= i
+    if window:
+        keep &= (i - j) < window
+    return keep
+
+
+def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v, causal. q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D).
+
+    GQA: each group of Hq/Hkv query heads shares one kv head. ``fused`` uses torch's
+    ``scaled_dot_product_attention`` (flash kernels on GPUs); otherwise the softmax is
+    spelt out and kept, as Megatron-LM 2021-22 did.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    p = dropout if training else 0.0
+    T = q.shape[2]
+    if fused:
+        if window and window < T:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device), dropout_p=p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~causal_mask(T, window, q.device), float("-inf"))
+    probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, training)
+    return probs @ v
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LayerNorm",
+    "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "copy_to_tp",
+    "reduce_from_tp", "global_init", "make_param", "shard", "ACTIVATIONS",
+]

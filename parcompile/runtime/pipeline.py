@@ -1,0 +1,125 @@
+"""The pipeline schedule executor: runs one pipeline rank's action list from plan.json.
+
+Actions (docs/internals.md): ``forward``, ``backward``, ``recv_forward``, ``send_forward``,
+``recv_backward``, ``send_backward``, each with a ``microbatch`` and a local ``chunk``.
+Local chunk ``c`` of pipeline rank ``r`` is model chunk ``c * pp + r`` (Megatron-Core's
+interleaved assignment; with one virtual stage, chunk 0 is stage r). Sends are
+asynchronous and waited for at the end of the step; receives block. A tag per
+(micro-batch, receiving chunk, direction) pairs each send with its receive, so any
+action list the plan's simulator accepted runs without deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from parcompile.runtime.comm import isend, recv
+from parcompile.runtime.context import ParallelContext
+
+FORWARD, BACKWARD = 0, 1
+
+
+@dataclass
+class StepResult:
+    """What one step returns on this rank: the summed loss of its micro-batches (each
+    already divided by the number of micro-batches; None off the last model chunk)."""
+
+    loss: torch.Tensor | None
+
+
+def _tag(microbatch: int, chunk: int, direction: int, num_chunks: int) -> int:
+    return (microbatch * num_chunks + chunk) * 2 + direction
+
+
+def run_schedule(
+    actions: list[dict],
+    ctx: ParallelContext,
+    forward_chunk: Callable[[int, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    microbatches: list[torch.Tensor],
+    num_chunks: int,
+    activation_shape: tuple[int, ...],
+    activation_dtype: torch.dtype,
+) -> StepResult:
+    """Execute ``actions`` for one optimizer step; gradients accumulate into ``.grad``.
+
+    Args:
+        actions: this pipeline rank's ordered actions.
+        forward_chunk: ``(chunk, x) -> y``; x is token ids (b, t) on the model's first
+            chunk, else hidden states (b, t, h); y is logits on the last chunk.
+        loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
+        microbatches: m tensors (b, t + 1) of token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+        num_chunks: virtual stages per pipeline rank.
+        activation_shape: (b, t, h), what crosses a stage boundary.
+
+    Raises:
+        RuntimeError: an action refers to a tensor the schedule has not produced (a bug in
+            the plan's schedule, which its simulator should have caught).
+    """
+    pp = ctx.pp
+    p, r = pp.size, pp.index
+    last_model_chunk = p * num_chunks - 1
+    m = len(microbatches)
+    received: dict[tuple[int, int, int], torch.Tensor] = {}
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    input_grads: dict[tuple[int, int], torch.Tensor] = {}
+    pending = []
+    loss_sum = None
+    device = ctx.device
+
+    def model_chunk(c: int) -> int:
+        return c * p + r
+
+    for a in actions:
+        op, mb, c = a["op"], a["microbatch"], a["chunk"]
+        k = model_chunk(c)
+        if op == "recv_forward":
+            received[(mb, c, FORWARD)] = recv(activation_shape, activation_dtype, device, pp, (r - 1) % p,
+                                              _tag(mb, c, FORWARD, num_chunks))
+        elif op == "forward":
+            if k == 0:
+                x = microbatches[mb][:, :-1].to(device)
+            else:
+                x = received.pop((mb, c, FORWARD)).requires_grad_()
+            y = forward_chunk(c, x)
+            inputs[(mb, c)] = x
+            if k == last_model_chunk:
+                loss = loss_fn(y, microbatches[mb][:, 1:].to(device)) / m
+                outputs[(mb, c)] = loss
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            else:
+                outputs[(mb, c)] = y
+        elif op == "send_forward":
+            peer_chunk = (k + 1) // p
+            pending.append(isend(outputs[(mb, c)].detach(), pp, (r + 1) % p,
+                                 _tag(mb, peer_chunk, FORWARD, num_chunks)))
+        elif op == "recv_backward":
+            received[(mb, c, BACKWARD)] = recv(activation_shape, activation_dtype, device, pp, (r + 1) % p,
+                                               _tag(mb, c, BACKWARD, num_chunks))
+        elif op == "backward":
+            out = outputs.pop((mb, c))
+            if k == last_model_chunk:
+                out.backward()
+            else:
+                torch.autograd.backward(out, received.pop((mb, c, BACKWARD)))
+            x = inputs.pop((mb, c))
+            if k != 0:
+                input_grads[(mb, c)] = x.grad
+        elif op == "send_backward":
+            peer_chunk = (k - 1) // p
+            pending.append(isend(input_grads.pop((mb, c)), pp, (r - 1) % p,
+                                 _tag(mb, peer_chunk, BACKWARD, num_chunks)))
+        else:
+            raise RuntimeError(f"unknown pipeline action {op!r}")
+    for w in pending:
+        w.wait()
+    if outputs or received or input_grads:
+        raise RuntimeError(
+            f"schedule left work undone on pipeline rank {r}: outputs {sorted(outputs)}, "
+            f"received {sorted(received)}, input grads {sorted(input_grads)}"
+        )
+    return StepResult(loss_sum)

@@ -1,0 +1,206 @@
+"""The optimizer side of a training step: gradient reduction, clipping, the update,
+learning-rate schedules, logging, checkpoints and the dumps ``verify`` reads.
+
+Parameters carry their layout (set by :func:`parcompile.runtime.layers.make_param`):
+``global_name``, ``shard_dim`` (None: replicated over tp) and ``global_shape``. A tied
+LM head on the last pipeline stage (pp > 1) is a copy of the embedding marked
+``tied_copy``; its gradient is summed with the embedding's over the `embedding` group
+(Megatron-LM's rule) and it is counted once in the gradient norm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from parcompile.runtime.comm import COUNTER, all_reduce
+from parcompile.runtime.context import ParallelContext
+
+
+def sync_gradients(model: nn.Module, ctx: ParallelContext) -> None:
+    """Average gradients over the data-parallel group (`dp_cp`) in one flat fp32 buffer,
+    then sum tied-embedding gradients over the `embedding` group.
+
+    Megatron-LM reduces the same way (bucketed); bucketing and overlap come with ZeRO.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    dp = ctx.axes["dp_cp"]
+    if dp.size > 1 and params:
+        flat = _flatten_dense_tensors([p.grad.float() for p in params])
+        all_reduce(flat, dp)
+        flat /= dp.size
+        for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+            p.grad.copy_(g)
+    emb = ctx.axes["embedding"]
+    if emb.size > 1:
+        for p in params:
+            if getattr(p, "tied", False):
+                g = p.grad.float()
+                all_reduce(g, emb)
+                p.grad.copy_(g)
+
+
+def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+    """The global L2 norm of all gradients, each parameter counted once over tp and pp.
+
+    Replicated-over-tp parameters count on tp rank 0 only; a tied LM head copy is skipped.
+    """
+    sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "tied_copy", False):
+            continue
+        if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
+            continue
+        sq += p.grad.float().pow(2).sum()
+    sq = sq.reshape(1)
+    all_reduce(sq, ctx.tp)
+    all_reduce(sq, ctx.pp)
+    return sq.sqrt()[0]
+
+
+def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off)."""
+    if max_norm and max_norm > 0:
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+
+def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over the local shards. Weight decay applies to matrices and
+    embeddings (ndim >= 2), not to norms and biases (Megatron-LM and torchtitan's rule).
+    Element-wise updates make the result independent of how parameters are sharded.
+    """
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": train["weight_decay"]},
+              {"params": no_decay, "weight_decay": 0.0}]
+    name, lr = train["optimizer"], train["lr"]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
+    if name == "adam":  # Adam's weight decay is L2 added to the gradient
+        return torch.optim.Adam(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
+    return torch.optim.SGD(groups, lr=lr)
+
+
+def lr_at(step: int, train: dict) -> float:
+    """Learning rate for ``step`` (0-based): linear warm-up over ``warmup_steps``, then
+    constant, cosine or linear decay to ``min_lr`` at the last step."""
+    lr, warm, steps, min_lr = train["lr"], train["warmup_steps"], train["steps"], train["min_lr"]
+    if warm and step < warm:
+        return lr * (step + 1) / warm
+    kind = train["lr_schedule"]
+    if kind == "constant":
+        return lr
+    span = max(steps - warm - 1, 1)
+    frac = min(max((step - warm) / span, 0.0), 1.0)
+    if kind == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+    return lr + (min_lr - lr) * frac
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def reduce_loss(loss: torch.Tensor | None, ctx: ParallelContext) -> float | None:
+    """The step's loss averaged over data-parallel ranks (on the last stage; None elsewhere)."""
+    if loss is None:
+        return None
+    t = loss.detach().float().reshape(1).clone()
+    dp = ctx.axes["dp_cp"]
+    all_reduce(t, dp)
+    return float(t[0]) / dp.size
+
+
+def local_param_count(model: nn.Module) -> int:
+    """Parameters held by this rank (elements), padded vocabulary included."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def shards(model: nn.Module, ctx: ParallelContext, grads: bool) -> dict:
+    """This rank's parameters (or gradients) with their layout, for ``verify`` to reassemble."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        out[name] = {
+            "global_name": getattr(p, "global_name", name),
+            "shard_dim": getattr(p, "shard_dim", None),
+            "tp_index": ctx.tp.index,
+            "tp_size": ctx.tp.size,
+            "tensor": None if t is None else t.detach().float().cpu().clone(),
+        }
+    return out
+
+
+def write_metrics(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict) -> None:
+    """Write ``rank{r}.json`` (losses, collectives of one step, parameter count) atomically."""
+    path = Path(out_dir) / f"rank{ctx.rank}.json"
+    text = json.dumps(record, indent=1, sort_keys=True)
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_state(out_dir: str | os.PathLike, ctx: ParallelContext, state: dict) -> None:
+    """Write ``rank{r}.pt`` (parameter and gradient shards) atomically."""
+    _atomic_write(Path(out_dir) / f"rank{ctx.rank}.pt", lambda tmp: torch.save(state, tmp))
+
+
+def save_checkpoint(directory: str, model: nn.Module, ctx: ParallelContext) -> None:
+    """Save the global weights with torch.distributed.checkpoint (DCP).
+
+    Tensor-parallel shards are saved as DTensors over the tp group, so the checkpoint holds
+    global tensors that any other plan of the same model can load; data-parallel replicas
+    are deduplicated by DCP. A tied LM head copy is not saved (the embedding is).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = {}
+    mesh = None
+    if ctx.distributed and ctx.tp.size > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
+    for _, p in model.named_parameters():
+        if getattr(p, "tied_copy", False):
+            continue
+        name = getattr(p, "global_name")
+        t = p.detach()
+        if mesh is not None and getattr(p, "shard_dim", None) is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            t = DTensor.from_local(t, mesh, [Shard(p.shard_dim)], run_check=False)
+        state[name] = t
+    dcp.save(state, checkpoint_id=directory)
+
+
+__all__ = [
+    "sync_gradients", "grad_norm", "clip_gradients", "build_optimizer", "lr_at", "set_lr",
+    "reduce_loss", "local_param_count", "shards", "write_metrics", "write_state",
+    "save_checkpoint", "COUNTER",
+]

@@ -1,0 +1,316 @@
+"""`parcompile verify`: run a miniature of a plan on CPU and compare it with a
+single-process reference.
+
+The miniature keeps what decides the parallel structure (every degree, the schedule,
+virtual stages, the stage layout's shape, tied embeddings, GQA, vocabulary padding, the
+layer kinds) and shrinks the widths, the sequence and the number of micro-batches. Its
+program runs under torchrun with gloo; the same miniature with every degree 1 runs
+in-process as the reference. They are compared on:
+
+- the loss at every step (the reference sees the same global batches);
+- every parameter's gradient at the first step (after the data-parallel reduction);
+- every parameter after the last step (padded vocabulary rows must still be zero);
+- what the plan predicts: parameters per rank, and each collective (op, axis, bytes,
+  count) that one training step of each rank runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
+from parcompile.diagnostics import Diagnostic, SpecError
+
+MAX_WORLD = 16          # CPU processes verify will start on this machine
+VERIFY_ADAM_EPS = 1e-5  # see Tolerances below
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Absolute + relative tolerances (|a - b| <= atol + rtol * |b|), fp32 miniature.
+
+    Adam's epsilon is raised to 1e-5 in the miniature: with the usual 1e-8, a gradient
+    element whose true value is at rounding level (|g| ~ 1e-9) moves by +-lr in either
+    run depending on summation order, which says nothing about the layout.
+    """
+
+    loss_atol: float = 1e-5
+    loss_rtol: float = 1e-5
+    grad_atol: float = 1e-6
+    grad_rtol: float = 1e-4
+    param_atol: float = 1e-5
+    param_rtol: float = 1e-4
+
+
+@dataclass
+class Check:
+    """One row of the verify table."""
+
+    what: str
+    max_abs: float
+    tol: float
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class VerifyResult:
+    """All checks of one verify run; ``ok`` when every check passed."""
+
+    checks: list[Check] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    ref_losses: list[float] = field(default_factory=list)
+    mini: SpecConfig | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def table(self) -> str:
+        """A fixed-width table of the checks, worst first within each kind."""
+        rows = [("check", "max |diff|", "tolerance", "result")]
+        for c in self.checks:
+            rows.append((c.what, f"{c.max_abs:.3e}", f"{c.tol:.1e}" if c.tol else "exact",
+                         ("ok" if c.ok else "MISMATCH") + (f"  {c.detail}" if c.detail else "")))
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}" for r in rows)
+
+
+def miniature(cfg: SpecConfig, steps: int = 3) -> SpecConfig:
+    """A small model with the same parallel structure as ``cfg`` (see module docstring).
+
+    Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
+    kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16, dropout 0, fp32.
+    Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
+    larger ones; 1 per chunk when even). Micro-batches: at most 2 * pp (a multiple of pp).
+
+    Raises:
+        SpecError: the miniature would need more than ``MAX_WORLD`` processes.
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.world_size > MAX_WORLD:
+        raise SpecError([Diagnostic(
+            "error", f"verify runs every rank as a CPU process; world_size {p.world_size} > {MAX_WORLD}",
+            cfg.span("parallel"), help="verify a smaller layout with the same kinds of parallelism "
+            "(e.g. tp = 2, pp = 2, dp = 2 on a `cpu` cluster)")])
+    tp = p.tp
+    kv = tp if m.kv_heads < m.heads else 2 * tp
+    heads = 2 * tp if m.kv_heads == m.heads else kv * 2
+    kv = min(kv, heads)
+    head_dim = 8
+    hidden = heads * head_dim
+    if p.stage_layers is not None:
+        low = min(p.stage_layers)
+        stage_layers = tuple(1 if x == low else 2 for x in p.stage_layers)
+    else:
+        stage_layers = None
+    chunks = p.pp * p.virtual_stages
+    layers = sum(stage_layers) if stage_layers else chunks * (2 if chunks <= 2 else 1)
+    text = t.data != "synthetic"
+    vocab = 256 if text else min(m.vocab, 512)   # byte-level text needs all 256 byte values
+    mult = m.vocab_multiple
+    if m.vocab % (mult * tp) and not vocab % (mult * tp):
+        vocab += 3 if text else -3                # keep the vocabulary padding of the original
+    num_mb = p.num_microbatches
+    mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
+    if p.schedule == "interleaved_1f1b":
+        mini_m = max(p.pp, mini_m - mini_m % p.pp)
+    model = ModelConfig(
+        name=m.name + "_mini", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
+        ffn_hidden=2 * hidden, vocab=vocab, seq_len=16, norm=m.norm, activation=m.activation,
+        position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
+        sliding_window=min(m.sliding_window, 8), attention=m.attention, dropout=0.0,
+        tie_embeddings=m.tie_embeddings, dtype="fp32", vocab_multiple=mult,
+    )
+    par = p.model_copy(update=dict(
+        stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
+    ))
+    train = TrainConfig(
+        optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
+        betas=t.betas,
+    )
+    cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
+    return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
+                                      cluster=cluster, workload="train", serve=None))
+
+
+def reference(mini: SpecConfig) -> SpecConfig:
+    """The miniature with every degree 1 on one process (same global batch and data)."""
+    p = mini.parallel
+    par = ParallelConfig(micro_batch=p.micro_batch, global_batch=p.global_batch, schedule="1f1b")
+    cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=1)
+    return mini.model_copy(update=dict(name=mini.name + "_reference", parallel=par, cluster=cluster))
+
+
+def _emit(cfg: SpecConfig, out: Path) -> dict:
+    from parcompile.codegen.emit import render_program, write_files
+    from parcompile.driver import compile_config
+
+    plan = compile_config(cfg)
+    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out)})
+    return plan.data
+
+
+def _run_reference(out: Path, metrics: Path, steps: int) -> None:
+    """Run the reference program in this process (no torchrun, world of one)."""
+    spec = importlib.util.spec_from_file_location("parcompile_reference_program", out / "program.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        module.main(["--plan", str(out / "plan.json"), "--metrics-dir", str(metrics), "--steps", str(steps),
+                     "--checkpoint-dir", ""])
+    finally:
+        os.environ.update(saved)
+
+
+def _run_torchrun(out: Path, metrics: Path, world: int, steps: int, timeout_s: float, log) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(out / "program.py"), "--metrics-dir", str(metrics), "--steps", str(steps), "--checkpoint-dir", ""]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if log:
+        log(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def load_global(metrics: Path, kind: str) -> dict[str, list[torch.Tensor]]:
+    """Reassemble global tensors from ``rank*.pt`` shards: global name -> one tensor per
+    holder (a tied LM head copy is a second holder of ``embedding.weight``)."""
+    parts: dict[tuple[str, str], list[dict]] = {}
+    for f in sorted(metrics.glob("rank*.pt")):
+        state = torch.load(f, weights_only=False)
+        for name, e in state.get(kind, {}).items():
+            parts.setdefault((e["global_name"], name), []).append(e)
+    out: dict[str, list[torch.Tensor]] = {}
+    for (gname, _), es in sorted(parts.items()):
+        es.sort(key=lambda e: e["tp_index"])
+        if es[0]["shard_dim"] is None:
+            t = es[0]["tensor"]
+        else:
+            t = torch.cat([e["tensor"] for e in es], dim=es[0]["shard_dim"])
+        out.setdefault(gname, []).append(t)
+    return out
+
+
+def _compare_tensors(what: str, ref: dict, got: dict, vocab: int, atol: float, rtol: float) -> list[Check]:
+    checks = []
+    worst, worst_name, bad = 0.0, "", []
+    for name, (r,) in ref.items():
+        if name not in got:
+            bad.append(f"{name} missing")
+            continue
+        for g in got[name]:
+            a, b = r, g
+            if name in ("embedding.weight", "lm_head.weight"):
+                if b[vocab:].abs().max().item() if b.shape[0] > vocab else 0.0:
+                    bad.append(f"{name}: padded vocabulary rows are not zero")
+                a, b = a[:vocab], b[:vocab]
+            if a.shape != b.shape:
+                bad.append(f"{name}: shape {tuple(b.shape)} != reference {tuple(a.shape)}")
+                continue
+            d = (a - b).abs()
+            excess = (d - (atol + rtol * a.abs())).max().item()
+            if d.max().item() > worst:
+                worst, worst_name = d.max().item(), name
+            if excess > 0:
+                bad.append(name)
+    extra = sorted(set(got) - set(ref))
+    bad += [f"{n} not in reference" for n in extra]
+    checks.append(Check(f"{what} ({len(ref)} tensors)", worst, atol, not bad,
+                        ("worst " + worst_name) if not bad else "; ".join(bad[:4])))
+    return checks
+
+
+def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tolerances) -> VerifyResult:
+    """Compare a run's metrics directory with the reference's (see module docstring)."""
+    res = VerifyResult(mini=mini)
+    ref_rec = json.loads((ref_dir / "rank0.json").read_text())
+    recs = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
+    speakers = [r for r in recs if r["losses"] and r["losses"][0] is not None]
+    res.ref_losses = ref_rec["losses"]
+    res.losses = speakers[0]["losses"] if speakers else []
+    if len(res.losses) != len(res.ref_losses):
+        res.checks.append(Check("loss per step", math.inf, tol.loss_atol, False,
+                                f"{len(res.losses)} losses vs {len(res.ref_losses)} in the reference"))
+    else:
+        diffs = [abs(a - b) for a, b in zip(res.losses, res.ref_losses)]
+        ok = all(d <= tol.loss_atol + tol.loss_rtol * abs(b) for d, b in zip(diffs, res.ref_losses))
+        res.checks.append(Check(f"loss, {len(diffs)} steps", max(diffs, default=0.0), tol.loss_atol, ok))
+    vocab = mini.model.vocab
+    res.checks += _compare_tensors("gradients, step 1", load_global(ref_dir, "grads"), load_global(run_dir, "grads"),
+                                   vocab, tol.grad_atol, tol.grad_rtol)
+    res.checks += _compare_tensors(f"parameters, step {len(res.ref_losses)}", load_global(ref_dir, "params"),
+                                   load_global(run_dir, "params"), vocab, tol.param_atol, tol.param_rtol)
+    res.checks += compare_with_plan(recs, plan)
+    return res
+
+
+def predicted_collectives(plan: dict, stage: int) -> dict[tuple[str, str, int], int]:
+    """The plan's collectives for one rank of ``stage``: (op, axis, bytes) -> count per step."""
+    out: dict[tuple[str, str, int], int] = {}
+    for c in plan["comm"]["collectives"]:
+        if c.get("stage", stage) != stage or c["count"] == 0:
+            continue
+        key = (c["op"], c["axis"], int(c["bytes"]))
+        out[key] = out.get(key, 0) + int(c["count"])
+    return out
+
+
+def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
+    """Measured parameters per rank and collectives per step against the plan's figures."""
+    bad_params, bad_comm = [], []
+    for r in records:
+        stage = r["stage"]
+        want = plan["stages"][stage]["params_per_rank"]
+        if r["params"] != want:
+            bad_params.append(f"rank {r['rank']}: {r['params']} != plan {want}")
+        measured = {(c["op"], c["axis"], c["bytes"]): c["count"] for c in r["comm"]}
+        predicted = predicted_collectives(plan, stage)
+        if measured != predicted:
+            diff = sorted(set(measured.items()) ^ set(predicted.items()))
+            bad_comm.append(f"rank {r['rank']}: " + ", ".join(
+                f"{op} {axis} {b} B x{n} ({'measured' if measured.get((op, axis, b)) == n else 'planned'})"
+                for (op, axis, b), n in diff[:4]))
+    total_calls = sum(c["count"] for r in records for c in r["comm"])
+    return [
+        Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad_params else math.inf, 0.0,
+              not bad_params, "; ".join(bad_params[:3])),
+        Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,
+              not bad_comm, "; ".join(bad_comm[:2])),
+    ]
+
+
+def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = None,
+           tol: Tolerances = Tolerances(), timeout_s: float = 900.0, log=None) -> VerifyResult:
+    """Build the miniature of ``cfg``, run it under torchrun and in-process, compare.
+
+    Raises:
+        SpecError: the spec cannot be verified here (too many ranks, a serve workload).
+        RuntimeError: the torchrun job failed (its output is in the message).
+    """
+    if cfg.workload != "train":
+        raise SpecError([Diagnostic("error", "verify checks training plans; this spec has a `serve` block",
+                                    cfg.span("serve"), help="remove the `serve` block to verify the layout")])
+    mini = miniature(cfg, steps)
+    ref = reference(mini)
+    with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:
+        root = Path(tmp)
+        _emit(ref, root / "reference")
+        plan = _emit(mini, root / "mini")
+        _run_reference(root / "reference", root / "reference" / "metrics", steps)
+        _run_torchrun(root / "mini", root / "mini" / "metrics", mini.parallel.world_size, steps, timeout_s, log)
+        return compare(root / "reference" / "metrics", root / "mini" / "metrics", plan, mini, tol)

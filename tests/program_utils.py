@@ -1,0 +1,41 @@
+"""Helpers for tests that build and import generated programs (no torchrun)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+from parcompile.codegen.emit import render_program, write_files
+from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
+from parcompile.driver import compile_config
+
+_counter = itertools.count()
+
+
+def tiny_config(dp=1, tp=1, pp=1, *, model=None, parallel=None, train=None, name="t") -> SpecConfig:
+    """A small training spec on the `cpu` cluster (world = dp * tp * pp)."""
+    mk = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256, seq_len=16, dtype="fp32")
+    mk.update(model or {})
+    pk = dict(dp=dp, tp=tp, pp=pp, micro_batch=2, global_batch=2 * dp * max(pp, 1) * 2)
+    pk.update(parallel or {})
+    tk = dict(steps=3, lr=1e-2, seed=1)
+    tk.update(train or {})
+    return SpecConfig(
+        name=name, model=ModelConfig(**mk),
+        cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=dp * tp * pp),
+        parallel=ParallelConfig(**pk), train=TrainConfig(**tk),
+    )
+
+
+def build_program(cfg: SpecConfig, out: Path):
+    """Compile ``cfg``, write plan.json and program.py into ``out``, import the program.
+
+    Returns (module, plan dict).
+    """
+    plan = compile_config(cfg)
+    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out)})
+    spec = importlib.util.spec_from_file_location(f"parcompile_test_program_{next(_counter)}", out / "program.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, plan.data

@@ -1,0 +1,370 @@
+"""Cross-field checks (parcompile/config/checks.py): every message pinned, with its place."""
+
+from __future__ import annotations
+
+import pytest
+
+from parcompile.diagnostics import SpecError
+from parcompile.frontend import load_spec
+
+# A valid spec (examples/tiny.par without comments), as block -> key -> value text.
+BASE: dict[str, dict[str, str]] = {
+    "model tiny": {
+        "layers": "4", "hidden": "64", "heads": "4", "kv_heads": "2", "ffn_hidden": "128",
+        "vocab": "256", "seq_len": "64", "dtype": "fp32",
+    },
+    'cluster local from "cpu"': {"nodes": "1", "gpus_per_node": "8"},
+    "parallel": {"dp": "2", "tp": "2", "pp": "2", "micro_batch": "2", "global_batch": "16"},
+    "train": {"optimizer": "adamw", "lr": "3e-3", "steps": "40"},
+}
+
+
+def spec(drop: tuple[str, ...] = (), **blocks: dict[str, str | None]) -> str:
+    """BASE with overrides: ``spec(parallel={"tp": "3"})``; a None value removes the key.
+
+    A block kind not in BASE (``serve``) is added; ``drop`` removes whole blocks.
+    """
+    out = []
+    heads = {h.split()[0]: h for h in BASE}
+    for kind in list(heads) + [k for k in blocks if k not in heads]:
+        if kind in drop:
+            continue
+        values = dict(BASE.get(heads.get(kind, kind), {}))
+        for k, v in blocks.get(kind, {}).items():
+            if v is None:
+                values.pop(k, None)
+            else:
+                values[k] = v
+        out.append(heads.get(kind, kind) + " {")
+        out += [f"    {k} = {v}" for k, v in values.items()]
+        out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def where(text: str, entry: str) -> tuple[int, int]:
+    """(line, column) of the value of the entry line ``entry`` (``"tp = 3"``) in ``text``."""
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip() == entry:
+            return i, line.index("=") + 3
+        if line.startswith(entry):  # a block header
+            return i, 1
+    raise AssertionError(f"{entry!r} not in spec")
+
+
+def diags(text: str) -> list[tuple[str, str, int, int, str | None, str | None]]:
+    """(severity, message, line, column, help, note) of every diagnostic of ``text``."""
+    try:
+        _, warnings = load_spec(text, filename="t.par")
+        found = warnings
+    except SpecError as e:
+        found = e.diagnostics
+    return [(d.severity, d.message, d.span.line, d.span.column, d.help, d.note) for d in found]
+
+
+def one(text: str, entry: str) -> tuple[str, str | None, str | None]:
+    """The single diagnostic of ``text``; asserts it sits at ``entry``. Returns (message, help, note)."""
+    found = diags(text)
+    assert len(found) == 1, found
+    _, message, line, column, help, note = found[0]
+    assert (line, column) == where(text, entry), (found[0], where(text, entry))
+    return message, help, note
+
+
+def test_base_is_valid():
+    cfg, warnings = load_spec(spec())
+    assert warnings == []
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (2, 2, 2)
+
+
+# -- degrees and world size -----------------------------------------------------------------
+
+
+def test_world_size_mismatch_prints_every_number():
+    text = spec(parallel={"dp": "2", "tp": "4"}, model={"kv_heads": "4"})
+    assert one(text, "dp = 2") == (
+        "dp(2) * tp(4) * pp(2) * cp(1) = 16 != world_size(8) = nodes(1) * gpus_per_node(8)",
+        "dp = 1 (or `dp = auto`) fills the world size", None)
+
+
+def test_world_size_mismatch_when_rest_does_not_divide():
+    text = spec(parallel={"dp": "1", "tp": "4", "pp": "3", "global_batch": "12"},
+                model={"layers": "6", "kv_heads": "4"})
+    message, help, _ = one(text, "dp = 1")
+    assert message == "dp(1) * tp(4) * pp(3) * cp(1) = 12 != world_size(8) = nodes(1) * gpus_per_node(8)"
+    assert help == "tp * pp * cp = 12 must divide world_size(8)"
+
+
+def test_dp_auto_resolves():
+    cfg, _ = load_spec(spec(parallel={"dp": "auto", "tp": "4", "pp": "1"}, model={"kv_heads": "4"}))
+    assert cfg.parallel.dp == 2 and "dp" in cfg.parallel.auto
+    cfg, _ = load_spec(spec(parallel={"dp": None, "tp": "1", "pp": "1"}))
+    assert cfg.parallel.dp == 8 and cfg.parallel.auto == ("dp",)
+
+
+def test_dp_auto_does_not_divide():
+    text = spec(parallel={"dp": "auto", "tp": "1", "pp": "3"}, model={"layers": "6"})
+    assert one(text, "dp = auto") == (
+        "dp = auto: tp(1) * pp(3) * cp(1) = 3 does not divide world_size(8) = nodes(1) * gpus_per_node(8)",
+        "choose tp, pp and cp whose product divides 8", None)
+
+
+def test_other_autos_resolve_to_one_and_are_remembered():
+    cfg, _ = load_spec(spec(parallel={"dp": "auto", "tp": "auto", "pp": "auto", "micro_batch": "auto"}))
+    p = cfg.parallel
+    assert (p.dp, p.tp, p.pp, p.micro_batch) == (8, 1, 1, 1)
+    assert p.auto == ("dp", "micro_batch", "pp", "tp")
+
+
+def test_auto_needs_global_batch():
+    text = spec(parallel={"dp": "auto", "pp": "1", "global_batch": None})
+    assert one(text, "dp = auto") == ("dp = auto needs `global_batch`",
+                                      "add `global_batch = N` (sequences per optimizer step)", None)
+
+
+# -- heads and widths -----------------------------------------------------------------------
+
+
+def test_tp_does_not_divide_heads_full_render():
+    text = spec(model={"heads": "32", "kv_heads": "8", "hidden": "256", "ffn_hidden": "96"},
+                parallel={"dp": "auto", "tp": "3", "pp": "1", "global_batch": "8"},
+                **{"cluster": {"gpus_per_node": "6"}})
+    with pytest.raises(SpecError) as e:
+        load_spec(text, filename="llama.par")
+    line, _ = where(text, "tp = 3")
+    assert str(e.value) == (
+        f"llama.par:{line}:10: error: tp = 3 does not divide heads = 32\n"
+        "    tp = 3\n"
+        "         ^\n"
+        "  help: tp may be 1, 2, 4, 8, 16 or 32"
+    )
+
+
+def test_tp_does_not_divide_kv_heads_for_training():
+    text = spec(model={"heads": "8", "kv_heads": "2"}, parallel={"tp": "4", "dp": "1"})
+    assert one(text, "tp = 4") == ("tp = 4 does not divide kv_heads = 2", "for training, tp may be 1 or 2",
+                                   "serving may also use a multiple of kv_heads (kv heads replicated)")
+
+
+def test_serve_allows_tp_multiple_of_kv_heads():
+    text = spec(drop=("train",), model={"heads": "8", "kv_heads": "2"}, parallel={"tp": "4", "dp": "1"},
+                serve={"batch": "1", "prompt_len": "16", "max_new_tokens": "16"})
+    cfg, warnings = load_spec(text)
+    assert cfg.workload == "serve" and warnings == []
+    assert cfg.serve.kv_dtype == "fp32"  # the model dtype
+
+
+def test_serve_tp_neither_divides_nor_multiple():
+    text = spec(drop=("train",), model={"heads": "12", "kv_heads": "4", "hidden": "96", "ffn_hidden": "192"},
+                parallel={"tp": "6", "dp": "auto", "pp": "1", "global_batch": "2"},
+                cluster={"gpus_per_node": "6"}, serve={"prompt_len": "16", "max_new_tokens": "16"})
+    assert one(text, "tp = 6") == ("tp = 6 neither divides nor is a multiple of kv_heads = 4",
+                                   "tp may be 1, 2, 4 or 12", None)
+
+
+def test_kv_heads_must_divide_heads():
+    text = spec(model={"kv_heads": "3"})
+    assert one(text, "kv_heads = 3") == ("kv_heads = 3 does not divide heads = 4", "kv_heads may be 1, 2 or 4", None)
+
+
+def test_heads_must_divide_hidden_without_head_dim():
+    text = spec(model={"hidden": "66"})
+    found = diags(text)
+    assert [(m, l, c) for _, m, l, c, _, _ in found] == [
+        ("heads = 4 does not divide hidden = 66", *where(text, "heads = 4"))]
+    assert found[0][4] == "give `head_dim` explicitly, or use heads = 1, 2, 3, 6, 11, 22, 33 or 66"
+    assert load_spec(spec(model={"hidden": "66", "head_dim": "16"}))[0].model.head_dim == 16
+
+
+def test_tp_must_divide_ffn_hidden():
+    text = spec(model={"ffn_hidden": "129"})
+    assert one(text, "tp = 2") == ("tp = 2 does not divide ffn_hidden = 129", "tp may be 1, 3, 43 or 129", None)
+
+
+def test_rope_needs_even_head_dims():
+    text = spec(model={"hidden": "60", "heads": "4", "kv_heads": "2"})  # head_dim 15
+    found = diags(text)
+    assert [(m, l, c) for _, m, l, c, _, _ in found] == [
+        ("RoPE needs an even number of dims per head: head_dim(15) * rotary_fraction(1) = 15",
+         *where(text, "heads = 4"))]
+
+
+# -- pipeline layers ------------------------------------------------------------------------
+
+
+def test_layers_not_divisible_proposes_stage_layers():
+    text = spec(model={"layers": "30", "heads": "8", "kv_heads": "8"},
+                parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8"})
+    assert one(text, "pp = 4") == ("layers = 30 is not divisible by pp(4) * virtual_stages(1) = 4",
+                                   "give an uneven split explicitly, e.g. `stage_layers = [8, 8, 7, 7]`", None)
+    ok = spec(model={"layers": "30"}, parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8",
+                                                "stage_layers": "[8, 8, 7, 7]"})
+    assert load_spec(ok)[0].parallel.layers_per_chunk(30) == (8, 8, 7, 7)
+
+
+def test_fewer_layers_than_chunks():
+    text = spec(model={"layers": "1"})
+    assert one(text, "pp = 2") == ("layers = 1 cannot fill pp(2) * virtual_stages(1) = 2 model chunks",
+                                   "use at most 1 model chunks", None)
+
+
+def test_stage_layers_wrong_length_and_sum():
+    text = spec(parallel={"stage_layers": "[1, 1, 2]"})
+    assert one(text, "stage_layers = [1, 1, 2]") == (
+        "stage_layers has 3 entries, expected pp(2) * virtual_stages(1) = 2",
+        "one entry per model chunk, e.g. `stage_layers = [2, 2]`", None)
+    text = spec(parallel={"stage_layers": "[2, 3]"})
+    assert one(text, "stage_layers = [2, 3]") == ("stage_layers sum to 5, expected layers = 4",
+                                                  "e.g. `stage_layers = [2, 2]`", None)
+
+
+def test_stage_layers_entries_at_least_one():
+    text = spec(parallel={"stage_layers": "[4, 0]"})
+    found = diags(text)
+    line, col = where(text, "stage_layers = [4, 0]")
+    assert [(m, l, c, h) for _, m, l, c, h, _ in found] == [
+        ("stage_layers entries must be at least 1, got `0`", line, col + 4, "use 1 or more")]
+
+
+# -- batches and schedules ------------------------------------------------------------------
+
+
+def test_global_batch_not_divisible():
+    text = spec(parallel={"global_batch": "18"})
+    assert one(text, "global_batch = 18") == (
+        "global_batch = 18 is not divisible by micro_batch(2) * dp(2) = 4",
+        "nearest valid global batches: 16 or 20", None)
+    text = spec(parallel={"global_batch": "3"})
+    assert one(text, "global_batch = 3")[1] == "nearest valid global batches: 4"
+
+
+def test_interleaved_needs_m_multiple_of_pp():
+    text = spec(model={"layers": "8"},
+                parallel={"schedule": "interleaved_1f1b", "virtual_stages": "2", "global_batch": "12"})
+    assert one(text, "schedule = interleaved_1f1b") == (
+        "interleaved_1f1b needs the number of micro-batches to be a multiple of pp = 2, "
+        "got m = 3 = global_batch(12) / (micro_batch(2) * dp(2))",
+        "global_batch may be 8 or 16", None)
+
+
+def test_virtual_stages_need_interleaved():
+    text = spec(model={"layers": "8"}, parallel={"virtual_stages": "2"})
+    assert one(text, "virtual_stages = 2") == (
+        "virtual_stages = 2 needs schedule = interleaved_1f1b, not 1f1b",
+        "set `schedule = interleaved_1f1b`, or `virtual_stages = 1`", None)
+
+
+def test_1f1b_with_few_microbatches_warns():
+    text = spec(parallel={"global_batch": "4"})
+    cfg, warnings = load_spec(text, filename="t.par")
+    assert [(d.severity, d.message, d.span.line, d.span.column, d.help) for d in warnings] == [
+        ("warning", "1f1b with m = 1 micro-batches on pp = 2 stages: the bubble grows",
+         *where(text, "global_batch = 4"), "global_batch >= 8 gives m >= pp")]
+
+
+def test_sequence_parallel_needs_tp():
+    text = spec(model={"heads": "4"}, parallel={"tp": "1", "dp": "4", "global_batch": "16",
+                                                 "sequence_parallel": "true"})
+    assert one(text, "sequence_parallel = true") == (
+        "sequence_parallel needs tp > 1", "set tp > 1, or `sequence_parallel = false`", None)
+    text = spec(model={"seq_len": "63"}, parallel={"sequence_parallel": "true"})
+    assert one(text, "sequence_parallel = true")[0] == "sequence_parallel needs tp = 2 to divide seq_len = 63"
+
+
+def test_context_parallel_needs_seq_len_multiple_of_2cp():
+    text = spec(model={"seq_len": "66"}, parallel={"cp": "2", "dp": "1"})
+    assert one(text, "cp = 2") == (
+        "cp = 2 needs seq_len = 66 to be divisible by 2 * cp = 4", None,
+        "context parallelism splits each sequence into 2 * cp chunks to balance causal attention")
+
+
+# -- experts ----------------------------------------------------------------------------------
+
+
+def test_ep_without_experts():
+    text = spec(parallel={"ep": "2"})
+    assert one(text, "ep = 2") == ("ep = 2 needs a mixture-of-experts model, but experts = 0",
+                                   "set `experts` in the `model` block, or `ep = 1`", None)
+
+
+def test_ep_must_divide_experts():
+    text = spec(model={"experts": "6"}, parallel={"ep": "4"})
+    found = diags(text)
+    line, col = where(text, "ep = 4")
+    assert [(m, l, c) for _, m, l, c, _, _ in found] == [
+        ("ep = 4 does not divide experts = 6", line, col),
+        ("expert_tp(2) * ep(4) = 8 does not divide tp(2) * cp(1) * dp(2) = 4", line, col),
+    ]
+    assert found[0][4] == "ep may be 1, 2, 3 or 6"
+    assert found[1][5] == ("experts fold onto the tp * cp * dp ranks of each stage: "
+                           "expert_dp = tp * cp * dp / (expert_tp * ep)")
+
+
+def test_moe_ok_and_expert_dp():
+    cfg, _ = load_spec(spec(model={"experts": "4"}, parallel={"ep": "2", "expert_tp": "1"}))
+    assert cfg.parallel.expert_dp == 2 and cfg.model.top_k == 2
+
+
+def test_top_k_and_dense_layers_bounds():
+    text = spec(model={"experts": "2", "top_k": "3"})
+    assert one(text, "top_k = 3")[0] == "top_k = 3 exceeds experts = 2"
+    text = spec(model={"dense_layers": "5"})
+    assert one(text, "dense_layers = 5")[0] == "dense_layers = 5 exceeds layers = 4"
+
+
+def test_expert_tp_must_divide_expert_ffn():
+    text = spec(model={"experts": "2", "expert_ffn_hidden": "33"}, parallel={"expert_tp": "2"})
+    assert one(text, "expert_tp = 2") == ("expert_tp = 2 does not divide expert_ffn_hidden = 33",
+                                          "expert_tp may be 1, 3, 11 or 33", None)
+
+
+# -- order, train, serve ----------------------------------------------------------------------
+
+
+def test_order_must_be_a_permutation():
+    text = spec(parallel={"order": '"tp-dp-dp-pp"'})
+    assert one(text, 'order = "tp-dp-dp-pp"') == (
+        "order `tp-dp-dp-pp` is not a permutation of tp, cp, ep, dp and pp",
+        'the five axes joined by `-`, fastest-varying first, e.g. "tp-cp-ep-dp-pp"',
+        "missing `cp` and `ep`; unexpected or repeated `dp`")
+    assert load_spec(spec(parallel={"order": "tp-dp-pp-cp-ep"}))[0].parallel.order == "tp-dp-pp-cp-ep"
+
+
+def test_train_checks():
+    text = spec(train={"min_lr": "1e-2"})
+    assert one(text, "min_lr = 1e-2")[0] == "min_lr = 0.01 exceeds lr = 0.003"
+    text = spec(train={"checkpoint_every": "10"})
+    assert one(text, "checkpoint_every = 10") == ("checkpoint_every = 10 needs `checkpoint_dir`",
+                                                  'add `checkpoint_dir = "checkpoints"`', None)
+    text = spec(train={"warmup_steps": "50"})
+    assert diags(text) == [("warning", "warmup_steps = 50 exceeds steps = 40: the learning rate never leaves warmup",
+                            *where(text, "warmup_steps = 50"), None, None)]
+
+
+def test_serve_request_longer_than_seq_len():
+    text = spec(drop=("train",), serve={"prompt_len": "48", "max_new_tokens": "32"})
+    assert one(text, "max_new_tokens = 32") == (
+        "prompt_len(48) + max_new_tokens(32) = 80 exceeds seq_len = 64",
+        "shorten the request or raise the model's `seq_len`", None)
+
+
+def test_one_mistake_one_error():
+    """A wrong value is not re-reported by the checks that read it."""
+    text = spec(parallel={"tp": "x"}, model={"heads": "zero"})
+    assert [m for _, m, *_ in diags(text)] == ["expected an integer, got `zero`", "expected an integer, got `x`"]
+
+
+def test_all_errors_in_source_order():
+    text = spec(model={"kv_heads": "3"}, parallel={"global_batch": "18", "order": "tp"})
+    lines = [l for _, _, l, *_ in diags(text)]
+    assert len(lines) == 3 and lines == sorted(lines)
+
+
+def test_help_lists_stay_short():
+    from parcompile.config.text import choices_words, divisors, even_split
+
+    assert choices_words(divisors(32)) == "1, 2, 4, 8, 16 or 32"
+    assert choices_words(divisors(5040)) == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, ... or 5040"
+    assert divisors(10**13) == []  # too large to list in a help line
+    assert even_split(30, 4) == [8, 8, 7, 7] and even_split(8, 4) == [2, 2, 2, 2]
+    text = spec(model={"hidden": str(2**41), "heads": "4", "ffn_hidden": str(2**41 + 1)})
+    assert one(text, "tp = 2") == (f"tp = 2 does not divide ffn_hidden = {2**41 + 1}", "tp may be a divisor", None)

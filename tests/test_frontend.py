@@ -1,0 +1,359 @@
+"""The front end: grammar, parser, AST, syntax and structure diagnostics, load_spec, examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parcompile.config.build import KEYS
+from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, TrainConfig
+from parcompile.diagnostics import Span, SpecError
+from parcompile.frontend import ast, load_spec, parse
+from parcompile.frontend.parser import GRAMMAR_PATH
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+SPEC_EXAMPLE = Path(__file__).resolve().parent / "data" / "spec_example.par"
+
+
+def syntax_error(text: str) -> tuple[str, int, int, str | None]:
+    with pytest.raises(SpecError) as e:
+        parse(text, "s.par")
+    [d] = e.value.diagnostics
+    return d.message, d.span.line, d.span.column, d.help
+
+
+def errors(text: str) -> list[tuple[str, int, int, str | None, str | None]]:
+    with pytest.raises(SpecError) as e:
+        load_spec(text, filename="s.par")
+    return [(d.message, d.span.line, d.span.column, d.help, d.note) for d in e.value.diagnostics
+            if d.severity == "error"]
+
+
+# -- grammar and AST ---------------------------------------------------------------------------
+
+
+def test_grammar_lives_at_the_top_of_the_repo():
+    assert GRAMMAR_PATH == REPO / "grammar" / "par.lark" and GRAMMAR_PATH.exists()
+
+
+def test_ast_values_and_spans():
+    text = ('model m from "llama3-8b" {  # comment\n'
+            '  a = 128_256, b = 3e-4\n'
+            '  c = true\n'
+            '  d = rmsnorm\n'
+            '  e = "x\\"y\\n"\n'
+            '  f = [8, 8,\n'
+            '       7, 7,]\n'
+            '  g = 400 Gb/s\n'
+            '  h = 1f1b\n'
+            '  i = -2\n'
+            '  j = 10%\n'
+            '}\n'
+            'parallel\n{\n}\n')
+    spec = parse(text, "x.par")
+    model, parallel = spec.blocks
+    assert (model.kind, model.name, model.source) == ("model", "m", "llama3-8b")
+    assert model.span == Span("x.par", 1, 1, 1, 25)
+    assert model.name_span == Span("x.par", 1, 7, 1, 8) and model.source_span == Span("x.par", 1, 14, 1, 25)
+    assert (parallel.kind, parallel.name, parallel.source, parallel.entries) == ("parallel", None, None, ())
+    v = {e.key: e.value for e in model.entries}
+    assert v["a"] == ast.Int(128256, "128_256", Span("x.par", 2, 7, 2, 14))
+    assert v["b"] == ast.Float(3e-4, "3e-4", Span("x.par", 2, 20, 2, 24))
+    assert v["c"] == ast.Bool(True, "true", Span("x.par", 3, 7, 3, 11))
+    assert v["d"] == ast.Word("rmsnorm", "rmsnorm", Span("x.par", 4, 7, 4, 14))
+    assert isinstance(v["e"], ast.String) and v["e"].value == 'x"y\n'
+    assert [i.value for i in v["f"].items] == [8, 8, 7, 7] and v["f"].span == Span("x.par", 6, 7, 7, 14)
+    g = v["g"]
+    assert (g.number.value, g.unit, g.text, g.unit_span) == (400, "Gb/s", "400 Gb/s", Span("x.par", 8, 11, 8, 15))
+    assert v["h"] == ast.Word("1f1b", "1f1b", Span("x.par", 9, 7, 9, 11))
+    assert v["i"].value == -2 and v["j"].unit == "%"
+    entry = model.entries[0]
+    assert entry.key_span == Span("x.par", 2, 3, 2, 4) and entry.value_span == v["a"].span
+
+
+def test_separators_and_empty_file():
+    spec = parse("parallel { tp = 2, pp = 2 }  model m {}\n\n\n# end", "x.par")
+    assert [b.kind for b in spec.blocks] == ["parallel", "model"]
+    assert [e.key for e in spec.blocks[0].entries] == ["tp", "pp"]
+    assert parse("", "x.par").blocks == ()
+
+
+# -- syntax errors, in the user's words ---------------------------------------------------------
+
+
+def test_missing_equals_full_render():
+    with pytest.raises(SpecError) as e:
+        load_spec("parallel {\n    tp 8\n}\n", filename="s.par")
+    assert str(e.value) == (
+        "s.par:2:8: error: expected `=` after key `tp`, found `8`\n"
+        "    tp 8\n"
+        "       ^"
+    )
+
+
+def test_unterminated_string_full_render():
+    with pytest.raises(SpecError) as e:
+        load_spec('train {\n    data = "abc\n}\n', filename="s.par")
+    assert str(e.value) == (
+        "s.par:2:12: error: unterminated string\n"
+        '    data = "abc\n'
+        "           ^^^^\n"
+        '  help: close the string with `"` on the same line'
+    )
+
+
+VALUE_HELP = ('a value is a number, a quantity such as `80 GiB`, `true` or `false`, a word, '
+              'a "string" or a [list]')
+SEP_HELP = "write one `key = value` per line, or separate entries with `,`"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("parallel {\n  tp =\n}", ("expected a value after `tp =`, found the end of the line", 2, 7, VALUE_HELP)),
+    ("parallel {\n  tp = }", ("expected a value after `tp =`, found `}`", 2, 8, VALUE_HELP)),
+    ("parallel {\n  tp = @\n}", ("expected a value after `tp =`, found `@`", 2, 8, VALUE_HELP)),
+    ("parallel {\n  tp = 8 pp = 2\n}", ("missing `,` or newline before `pp`", 2, 10, SEP_HELP)),
+    ("parallel {\n  tp = 8 \"x\"\n}",
+     ("expected a newline or `,` after the value of `tp`, found the string \"x\"", 2, 10, SEP_HELP)),
+    ("parallel {\n  tp = 8\n", ("the `parallel` block is not closed", 1, 10, "add `}` after its last entry")),
+    ("parallel {\n  tp = 8\n}\n}", ("unexpected `}`", 4, 1, "no block is open here")),
+    ("tp = 8", ("`tp = ...` is outside of any block", 1, 1,
+                "entries go inside a block, e.g. `parallel { tp = 8 }`")),
+    ("model a b {\n}", ("expected `{` to open the `model` block, found `b`", 1, 9,
+                        'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`')),
+    ("model a", ("expected `{` to open the `model` block, found the end of the file", 1, 8,
+                 'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`')),
+    ("parallel {\n  s = [1, 2\n}", ("expected `,` or `]` in the list, found `}`", 3, 1,
+                                    "list items are separated by `,`: `[8, 8, 7, 7]`")),
+    ("parallel {\n  s = [1, 2", ("unclosed `[`", 2, 7, "close the list with `]`")),
+    ("parallel {\n  = 3\n}", ("expected a key, found `=`", 2, 3, "an entry is `key = value`")),
+    ("parallel {\n  tp = 8 @\n}", ("unexpected character `@`", 2, 10,
+                                   "keys and names are lower_snake_case words; strings go in double quotes")),
+    ("= 3", ("expected a block, found `=`", 1, 1,
+             'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`; '
+             "blocks are model, cluster, parallel, train, serve")),
+    ("parallel { s = " + "[" * 20 + " }", ("lists nested more than 16 deep", 1, 32,
+                                          "values are flat lists such as `[8, 8, 7, 7]`")),
+    ("model a { x = 1" + "0" * 120 + " }", ("integer literal of 121 digits is too long", 1, 15, None)),
+    ("parallel {\n  tp: 8\n}", ("expected `=` after key `tp`, found `:`", 2, 5, None)),
+    ("model m from 3 {}", ("unexpected `3`", 1, 14, "expected a string")),
+    ("model m {\x00}", ("unexpected character `'\\x00'`", 1, 10,
+                        "keys and names are lower_snake_case words; strings go in double quotes")),
+])
+def test_syntax_errors(text, expected):
+    assert syntax_error(text) == expected
+
+
+# -- structure of a spec ----------------------------------------------------------------------
+
+MODEL = 'model m from "llama3-8b" { }\n'
+CLUSTER = 'cluster c from "h100-sxm" { }\n'
+PARALLEL = "parallel { tp = 8 }\n"
+
+
+def test_unknown_block_and_block_given_twice():
+    assert errors(MODEL + CLUSTER + PARALLEL + "paralel { }\nmodel n { }\n") == [
+        ("unknown block `paralel`", 4, 1,
+         "did you mean `parallel`? blocks are `model`, `cluster`, `parallel`, `train` or `serve`", None),
+        ("block `model` given twice", 5, 1, None, "first given at line 1"),
+    ]
+
+
+def test_missing_blocks():
+    assert errors(PARALLEL) == [
+        ("missing `model` block", 1, 1, 'add one, e.g. `model llama from "llama3-8b" { }`', None),
+        ("missing `cluster` block", 1, 1, 'add one, e.g. `cluster gpus from "h100-sxm" { nodes = 1 }`', None),
+    ]
+
+
+def test_missing_parallel_block_means_defaults():
+    cfg, _ = load_spec(MODEL + 'cluster c from "h100-sxm" { gpus_per_node = 1 }\n')
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (1, 1, 1)
+    assert cfg.workload == "train" and cfg.train == TrainConfig()
+
+
+def test_names_and_from_only_on_model_and_cluster():
+    assert errors(MODEL + CLUSTER + 'parallel p from "x" { tp = 8 }\n') == [
+        ("`parallel` takes no name", 3, 10, "write `parallel { ... }`", None),
+        ("`parallel` takes no `from`", 3, 17, "only `model` and `cluster` import presets", None),
+    ]
+
+
+def test_train_and_serve_together():
+    assert errors(MODEL + CLUSTER + PARALLEL + "train { }\nserve { }\n") == [
+        ("a spec has `train` or `serve`, not both", 5, 1, None, "`train` given at line 4")]
+
+
+def test_unknown_key_and_key_twice():
+    found = errors(MODEL + CLUSTER + "parallel {\n  tp = 8\n  tpp = 2\n  tp = 4\n}\n")
+    assert [f[:3] for f in found] == [("unknown key `tpp` in `parallel`", 5, 3), ("key `tp` given twice", 6, 3)]
+    assert found[0][3].startswith("did you mean `tp`? keys of `parallel` are dp, tp, pp, cp, ep, expert_tp, ")
+    assert found[1][4] == "first given at line 4"
+
+
+def test_missing_required_model_keys():
+    assert errors("model m { layers = 2, hidden = 8 }\n" + CLUSTER) == [
+        ("missing required keys `heads`, `vocab` and `seq_len` in `model`", 1, 1,
+         'add `heads = ...`, or start from a preset: `model m from "llama3-8b" { ... }`', None)]
+
+
+def test_value_type_errors():
+    text = (MODEL.replace("{ }", "{\n  layers = abc\n  norm = rmsnrom\n  bias = yes\n  norm_eps = x\n"
+                                 "  dtype = 16\n  zero_x = 1\n}")
+            + CLUSTER + "parallel {\n  tp = 8\n  zero = 4\n  order = 7\n  stage_layers = 4\n}\n"
+            + "train {\n  betas = [0.9]\n  lr = 0\n  steps = 0\n  seed = -1\n}\n")
+    found = errors(text)
+    assert [f[:4] for f in found] == [
+        ("expected an integer, got `abc`", 2, 12, "layers takes a whole number"),
+        ("unknown norm `rmsnrom`", 3, 10, "did you mean `rmsnorm`? norm may be `layernorm` or `rmsnorm`"),
+        ("expected `true` or `false`, got `yes`", 4, 10, "write `bias = true` or `bias = false`"),
+        ("expected a number, got `x`", 5, 14, "norm_eps takes a number such as `0.1` or `3e-4`"),
+        ("unknown dtype `16`", 6, 11, "did you mean `fp16`? dtype may be `fp32`, `bf16` or `fp16`"),
+        ("unknown key `zero_x` in `model`", 7, 3, found[5][3]),
+        ("zero must be 0, 1, 2 or 3, got `4`", 12, 10,
+         "0 none, 1 shards optimizer states, 2 also gradients, 3 also parameters"),
+        ("expected a string, got `7`", 13, 11, 'write it in double quotes: `order = "..."`'),
+        ("expected a list, got `4`", 14, 18, "write `stage_layers = [8, 8, 7, 7]`"),
+        ("betas needs 2 entries, got 1", 17, 11, "write `betas = [0.9, 0.95]`"),
+        ("lr must be positive, got `0`", 18, 8, "use a number above 0"),
+        ("steps must be at least 1, got `0`", 19, 11, "use 1 or more"),
+        ("seed must not be negative, got `-1`", 20, 10, "use 0 or more"),
+    ]
+
+
+def test_auto_only_where_allowed():
+    assert errors(MODEL + CLUSTER + "parallel { tp = 8, virtual_stages = auto }")[0][:4] == (
+        "expected an integer, got `auto`", 3, 37, "virtual_stages takes a whole number")
+
+
+def test_data_path_is_resolved_against_the_spec_dir(tmp_path):
+    (tmp_path / "corpus.txt").write_text("hello")
+    spec = tmp_path / "s.par"
+    spec.write_text(MODEL + CLUSTER + PARALLEL + 'train { data = "corpus.txt" }\n')
+    cfg, _ = load_spec(spec)
+    assert cfg.train.data == str(tmp_path / "corpus.txt")
+    spec.write_text(MODEL + CLUSTER + PARALLEL + 'train { data = "nope.txt" }\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(spec, filename="s.par")
+    [d] = e.value.diagnostics
+    assert (d.message, d.span.line, d.span.column, d.help) == (
+        "data file `nope.txt` does not exist", 4, 16,
+        f'give a text file (relative to `{tmp_path}`), `data = "builtin:pydoc"` '
+        '(English text every Python carries) or `data = "synthetic"`')
+
+
+def test_serve_weights_missing_is_a_warning():
+    cfg, warnings = load_spec(MODEL + CLUSTER + PARALLEL + 'serve { weights = "ckpt" }\n', filename="s.par")
+    assert cfg.workload == "serve" and cfg.serve.kv_dtype == "bf16"
+    assert [(w.severity, w.message) for w in warnings] == [
+        ("warning", "weights directory `ckpt` does not exist yet")]
+
+
+def test_unreadable_file():
+    with pytest.raises(SpecError) as e:
+        load_spec(Path("no/such.par"))
+    [d] = e.value.diagnostics
+    assert (d.message, d.span.file) == ("cannot read `no/such.par`: No such file or directory", "no/such.par")
+
+
+def test_key_table_covers_the_schema():
+    from parcompile.config.build import BLOCK_KINDS
+    from parcompile.frontend.parser import BLOCK_KINDS as PARSER_BLOCK_KINDS
+
+    assert BLOCK_KINDS == PARSER_BLOCK_KINDS
+    internal = {"name", "preset", "auto"}
+    for kind, cls in [("model", ModelConfig), ("cluster", ClusterConfig), ("parallel", ParallelConfig),
+                      ("train", TrainConfig), ("serve", ServeConfig)]:
+        assert set(KEYS[kind]) == set(cls.model_fields) - internal, kind
+
+
+# -- load_spec and the shipped specs ------------------------------------------------------------
+
+
+def test_spec_example_resolves():
+    cfg, warnings = load_spec(SPEC_EXAMPLE)
+    assert warnings == []
+    assert cfg.name == "spec_example" and cfg.filename == str(SPEC_EXAMPLE)
+    m, c, p = cfg.model, cfg.cluster, cfg.parallel
+    assert (m.name, m.layers, m.hidden, m.ffn_hidden, m.heads, m.kv_heads, m.vocab, m.seq_len) == \
+        ("llama3_8b", 32, 4096, 14336, 32, 8, 128256, 8192)
+    assert (m.norm, m.activation, m.position, m.dtype, m.head_dim) == ("rmsnorm", "swiglu", "rope", "bf16", 128)
+    assert (c.name, c.preset, c.nodes, c.gpus_per_node, c.world_size) == ("dgx_h100", "h100-sxm", 2, 8, 16)
+    assert c.inter_node_bw == 50e9 and c.peak_flops == 989e12
+    assert (p.dp, p.tp, p.pp, p.cp, p.ep, p.expert_tp) == (1, 8, 2, 1, 1, 8)
+    assert p.auto == ("dp",) and p.sequence_parallel and p.zero == 1
+    assert (p.schedule, p.virtual_stages, p.recompute) == ("interleaved_1f1b", 2, "selective")
+    assert (p.micro_batch, p.global_batch, p.num_microbatches) == (1, 512, 512)
+    assert p.layers_per_chunk(m.layers) == (8, 8, 8, 8)
+    assert (cfg.train.optimizer, cfg.train.lr, cfg.train.steps) == ("adamw", 3e-4, 100)
+    assert cfg.spans["parallel.tp"] == Span(str(SPEC_EXAMPLE), 23, 10, 23, 11)
+    assert cfg.spans["cluster"].line == 16 and cfg.span("model.norm_eps") == cfg.spans["model"]
+
+
+@pytest.mark.parametrize("name, world, degrees, m", [
+    ("tiny", 8, (2, 2, 2), 4),
+    ("llama3_8b_2x8_h100", 16, (1, 8, 2), 512),
+    ("llama3_70b_8x8_h100", 64, (2, 8, 4), 512),
+    ("gpt3_175b_megatron", 1536, (24, 8, 8), 64),
+])
+def test_examples(name, world, degrees, m):
+    cfg, warnings = load_spec(EXAMPLES / f"{name}.par")
+    p = cfg.parallel
+    assert warnings == [] and cfg.name == name
+    assert (cfg.cluster.world_size, (p.dp, p.tp, p.pp), p.num_microbatches) == (world, degrees, m)
+
+
+def test_tiny_example_in_full(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg, _ = load_spec(Path("examples/tiny.par"))
+    assert cfg.filename == "examples/tiny.par" and cfg.source_dir == "examples"
+    m = cfg.model
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab, m.seq_len, m.dtype) == \
+        (4, 64, 4, 2, 128, 256, 64, "fp32")
+    t = cfg.train
+    assert (t.optimizer, t.lr, t.steps, t.seed, t.data, t.log_every) == ("adamw", 3e-3, 40, 1, "builtin:pydoc", 5)
+    assert cfg.parallel.schedule == "1f1b" and cfg.cluster.is_cpu
+
+
+def test_text_source_names():
+    text = (EXAMPLES / "tiny.par").read_text()
+    cfg, _ = load_spec(text)
+    assert (cfg.name, cfg.filename, cfg.source_dir) == ("spec", "<spec>", None)
+    cfg, _ = load_spec(text, filename="configs/mine.par")
+    assert (cfg.name, cfg.filename, cfg.source_dir) == ("mine", "configs/mine.par", "configs")
+
+
+# -- no user mistake shows a traceback ---------------------------------------------------------
+
+_PIECES = ["model", "cluster", "parallel", "train", "serve", "from", '"cpu"', '"llama3-8b"', "{", "}", "=",
+           ",", "\n", " ", "[", "]", "tp", "dp", "pp", "auto", "0", "-1", "3", "8", "1e999", "0.5", "GiB",
+           "Gb/s", "%", "true", "heads", "layers", "global_batch", "stage_layers", "order", '"x"', "#",
+           "\\", '"', "@", "1f1b", "experts", "ep", "99999999999999999999"]
+_SEEDS = [(EXAMPLES / "tiny.par").read_text(), SPEC_EXAMPLE.read_text()]
+
+
+def _must_not_crash(text: str) -> None:
+    try:
+        load_spec(text, filename="fuzz.par")
+    except SpecError as e:
+        assert e.diagnostics and all(d.render(text) for d in e.diagnostics)
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(_PIECES), max_size=40).map(" ".join) | st.text(max_size=200))
+def test_fuzz_random_text(text):
+    _must_not_crash(text)
+
+
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(_SEEDS), st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 12),
+                                                   st.sampled_from(_PIECES + [""])), min_size=1, max_size=4))
+def test_fuzz_mutated_specs(seed, edits):
+    text = seed
+    for at, cut, piece in edits:
+        at %= len(text) + 1
+        text = text[:at] + piece + text[at + cut:]
+    _must_not_crash(text)

@@ -1,0 +1,45 @@
+import pytest
+
+from parcompile.diagnostics import SpecError
+from parcompile.passes.split_pipeline_stages import chunk_layers
+from tests.plan_factories import run_until, spec, tiny_model
+
+
+def test_chunk_layers():
+    assert chunk_layers(8, 4, 1) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert chunk_layers(7, 2, 1) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert chunk_layers(6, 2, 1, (4, 2)) == [[0, 1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError):
+        chunk_layers(6, 2, 1, (3, 2))
+
+
+def test_even_split_and_ends():
+    g, _ = run_until(spec(pp=2), "split-pipeline-stages")
+    assert g.meta["chunks"] == [[0, 1], [2, 3]]
+    assert g.node("embedding").stage == 0 and g.node("tokens").stage == 0
+    for n in ("final_norm", "lm_head", "loss", "labels"):
+        assert g.node(n).stage == 1
+    assert g.node("layers.1.mlp.w2").stage == 0
+    assert g.node("layers.2.attn_norm").stage == 1
+
+
+def test_interleaved_assignment_megatron():
+    # 8 layers, pp 2, 2 virtual stages: model chunk k lives on rank k % 2
+    g, _ = run_until(spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="gpipe"), "split-pipeline-stages")
+    assert g.meta["chunks"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (g.node("layers.4.attn.wq").stage, g.node("layers.4.attn.wq").chunk) == (0, 2)
+    assert (g.node("layers.7.attn.wq").stage, g.node("layers.7.attn.wq").chunk) == (1, 3)
+    assert g.node("loss").chunk == 3 and g.node("loss").stage == 1
+
+
+def test_tied_head_gets_a_copy_when_pp_exceeds_one():
+    g, _ = run_until(spec(tiny_model(tie_embeddings=True), pp=2), "split-pipeline-stages")
+    head = g.node("lm_head").params[0]
+    assert head.name == "lm_head.weight" and head.tied_to == "embedding.weight"
+    g1, _ = run_until(spec(tiny_model(tie_embeddings=True)), "split-pipeline-stages")
+    assert g1.node("lm_head").params[0].name == "embedding.weight"
+
+
+def test_bad_stage_layers_is_a_spec_error():
+    with pytest.raises(SpecError, match="sum to"):
+        run_until(spec(pp=2, stage_layers=(1, 2)), "split-pipeline-stages")
