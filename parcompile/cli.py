@@ -33,6 +33,7 @@ def _read(path: str) -> tuple[Path, str]:
 def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text") -> None:
     if not diags:
         return
+    diags = sorted(diags, key=lambda d: (d.span.file, d.span.line, d.span.column))
     if fmt == "json":
         for d in diags:
             print(d.to_json())
@@ -113,8 +114,13 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
 def _compile_to(args) -> tuple[object, Path]:
     from parcompile.codegen.emit import write_files
 
+    from parcompile.codegen.emit import program_gaps
+
     plan, source = _compile(args.spec)
-    _print_diags(plan.warnings, source)
+    gaps = program_gaps(plan.config, "error" if args.command == "run" else "warning")
+    if args.command == "run" and gaps:
+        raise SpecError(gaps, source)
+    _print_diags(plan.warnings + gaps, source)
     out = Path(args.output) if args.output else Path("build") / plan.config.name
     write_files(out, build_outputs(plan, out), executable=("launch.sh",))
     return plan, out

@@ -14,7 +14,7 @@ from typing import Any
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
-from parcompile.ir.printer import dump
+from parcompile.ir.printer import dot, dump
 
 FORMAT = "parcompile.plan/1"
 
@@ -48,13 +48,21 @@ class Plan:
         """One line per op (see :mod:`parcompile.ir.printer`)."""
         return dump(self.graph, self.degrees)
 
+    def graph_dot(self) -> str:
+        """The graph in Graphviz DOT (``parcompile plan --format dot``)."""
+        return dot(self.graph, self.degrees)
+
     def report_md(self) -> str:
         """A readable markdown report of the plan."""
         return render_report(self.data)
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """Bytes in binary units, scaled to stay readable (``1.50 MiB``, ``27.51 GiB``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _groups_line(groups: list[list[int]], limit: int = 4) -> str:

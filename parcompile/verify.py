@@ -299,12 +299,18 @@ def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = 
     """Build the miniature of ``cfg``, run it under torchrun and in-process, compare.
 
     Raises:
-        SpecError: the spec cannot be verified here (too many ranks, a serve workload).
+        SpecError: the spec cannot be verified here (too many ranks, a serve workload, a
+            feature the generated program does not run yet).
         RuntimeError: the torchrun job failed (its output is in the message).
     """
     if cfg.workload != "train":
         raise SpecError([Diagnostic("error", "verify checks training plans; this spec has a `serve` block",
                                     cfg.span("serve"), help="remove the `serve` block to verify the layout")])
+    from parcompile.codegen.emit import program_gaps
+
+    gaps = program_gaps(cfg, "error")
+    if gaps:
+        raise SpecError(gaps)
     mini = miniature(cfg, steps)
     ref = reference(mini)
     with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:

@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from parcompile.config.schema import SpecConfig
+from parcompile.diagnostics import Diagnostic
 
 TEMPLATES = Path(__file__).parent / "templates"
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -28,6 +29,34 @@ _env = jinja2.Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
+
+
+# What the plan models but the generated program does not run yet: (config key, test,
+# what the program does instead, the issue that brings it).
+_NOT_IN_PROGRAM = (
+    ("parallel.zero", lambda c: c.parallel.zero > 0,
+     "ZeRO sharding", "the program keeps full optimizer states and all-reduces gradients (zero = 0)", 7),
+    ("parallel.sequence_parallel", lambda c: c.parallel.sequence_parallel,
+     "sequence parallelism", "the program keeps activations replicated over tp", 6),
+    ("parallel.recompute", lambda c: c.parallel.recompute != "none",
+     "activation recomputation", "the program keeps every activation for backward", 7),
+    ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism", "no program is correct for cp > 1", 6),
+)
+
+
+def program_gaps(cfg: SpecConfig, severity: str = "warning") -> list[Diagnostic]:
+    """Features of ``cfg`` that the plan accounts for but the generated program does not run
+    yet, one diagnostic each (a warning for `compile`, an error for `run` and `verify`).
+
+    The plan's memory and traffic figures describe the full feature; the program runs
+    without it, so its measured memory and collectives differ from the plan's.
+    """
+    out = []
+    for key, test, what, instead, issue in _NOT_IN_PROGRAM:
+        if test(cfg):
+            out.append(Diagnostic(severity, f"the generated program does not run {what} yet", cfg.span(key),
+                                  note=f"{instead}; the plan's figures assume {what} (issue {issue})"))
+    return out
 
 
 def torchrun_command(cfg: SpecConfig, script: str = "program.py") -> str:

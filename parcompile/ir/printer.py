@@ -43,3 +43,32 @@ def format_op(graph: Graph, name: str, degrees: Mapping[str, int] | None = None)
 def dump(graph: Graph, degrees: Mapping[str, int] | None = None) -> str:
     """The whole graph, one line per op, with a trailing newline."""
     return "".join(format_op(graph, n, degrees) + "\n" for n in graph.topological())
+
+
+def dot(graph: Graph, degrees: Mapping[str, int] | None = None) -> str:
+    """The graph in Graphviz DOT: one cluster per pipeline stage, an op per node labelled
+    with its kind and local shape, collectives drawn as boxes. Deterministic."""
+    deg = dict(degrees or {})
+    by_stage: dict[object, list[str]] = {}
+    for name in graph.topological():
+        by_stage.setdefault(graph.node(name).stage, []).append(name)
+    ids = {name: f"n{i}" for i, name in enumerate(graph.topological())}
+    out = ["digraph plan {", '  rankdir=TB;', '  node [shape=ellipse, fontsize=10];']
+    for stage in sorted(by_stage, key=lambda s: (s is None, s if s is not None else 0)):
+        indent = "  "
+        if stage is not None:
+            out.append(f'  subgraph cluster_stage{stage} {{')
+            out.append(f'    label="stage {stage}";')
+            indent = "    "
+        for name in by_stage[stage]:
+            nd = graph.node(name)
+            shape = ",".join(str(s) for s in nd.sharding.local_type(nd.type, deg).shape)
+            box = nd.kind in ("redistribute", "step_collective")
+            label = f"{name}\\n{nd.kind} [{shape}]".replace('"', "'")
+            out.append(f'{indent}{ids[name]} [label="{label}"{", shape=box" if box else ""}];')
+        if stage is not None:
+            out.append("  }")
+    for src, dst, idx in sorted(graph.edges(), key=lambda e: (ids[e[1]], e[2], ids[e[0]])):
+        out.append(f"  {ids[src]} -> {ids[dst]};")
+    out.append("}")
+    return "\n".join(out) + "\n"
