@@ -121,7 +121,8 @@ def _compile_to(args) -> tuple[object, Path]:
     if args.command == "run" and gaps:
         raise SpecError(gaps, source)
     _print_diags(plan.warnings + gaps, source)
-    out = Path(args.output) if args.output else Path("build") / plan.config.name
+    name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"
+    out = Path(args.output) if args.output else Path("build") / name
     write_files(out, build_outputs(plan, out), executable=("launch.sh",))
     return plan, out
 

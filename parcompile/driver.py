@@ -20,19 +20,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parcompile.analysis.comm import comm_report
-from parcompile.analysis.compute import ComputeReport
-from parcompile.analysis.estimate import estimate
-from parcompile.analysis.memory import memory_report
-from parcompile.analysis.params import param_report
-from parcompile.config.schema import DTYPE_BYTES, SpecConfig
+from parcompile.analysis.cost import analyze, kv_heads_per_rank
+from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.ir.lower import lower
 from parcompile.ir.types import ShardingError
 from parcompile.ir.verify import verify
 from parcompile.passes.base import Pass, PassContext, PassError
-from parcompile.passes.groups import rank_groups, stage_ranks
+from parcompile.passes.groups import stage_ranks
 from parcompile.passes.insert_collectives import InsertCollectives
 from parcompile.passes.schedule_pipeline import ScheduleReport, SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
@@ -64,10 +60,11 @@ def run_pass(p: Pass, graph: Graph, ctx: PassContext) -> None:
         raise PassError(p.name, ctx.current_op or getattr(e, "op", None), e) from e
 
 
-def kv_heads_per_rank(cfg: SpecConfig) -> int:
-    """kv heads on one rank: ``kv_heads / tp``, or 1 when serving with tp a multiple of kv_heads."""
+def kv_head_replicas(cfg: SpecConfig) -> int:
+    """Ranks of a tp group holding the same kv head: ``tp / kv_heads`` when serving with tp
+    a multiple of kv_heads (vLLM), else 1."""
     m, tp = cfg.model, cfg.parallel.tp
-    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
+    return tp // m.kv_heads if m.kv_heads % tp and tp % m.kv_heads == 0 else 1
 
 
 def compile_config(cfg: SpecConfig) -> Plan:
@@ -80,6 +77,13 @@ def compile_config(cfg: SpecConfig) -> Plan:
     """
     par, model = cfg.parallel, cfg.model
     ctx = PassContext.of(cfg)
+    if par.sequence_parallel and par.tp > 1 and par.cp > 1:
+        # the IR splits a dim over one mesh axis; Megatron-Core's SP x CP splits seq over both
+        raise SpecError([Diagnostic(
+            "error", f"sequence_parallel with cp = {par.cp} is not supported yet",
+            cfg.span("parallel.sequence_parallel"),
+            help="use context parallelism (cp) or sequence parallelism, not both; for long "
+                 "sequences cp alone splits the sequence in every layer")])
 
     # 1. lower
     try:
@@ -92,15 +96,11 @@ def compile_config(cfg: SpecConfig) -> Plan:
     for p in PASSES:
         run_pass(p, graph, ctx)
     sched: ScheduleReport = graph.meta["schedule"]
-    compute: ComputeReport = graph.meta["compute"]
 
-    # 3. analyses
-    groups = rank_groups(par)
-    params = param_report(graph, ctx.degrees, par.pp, model.tie_embeddings, model.experts, model.top_k)
-    comm = comm_report(graph, ctx.degrees, sched.num_microbatches, par.recompute, par.pp)
-    kv_tok = _kv_bytes_per_token(cfg, graph)
-    memory = memory_report(graph, cfg, ctx.degrees, params.per_stage, sched.sim.in_flight, kv_tok)
-    time = estimate(cfg, ctx.degrees, groups, sched, comm, compute.model_flops_per_step)
+    # 3. analyses (parcompile/analysis/cost.py)
+    cost = analyze(cfg, graph, ctx.degrees, sched)
+    groups, params, compute, comm = cost.groups, cost.params, cost.compute, cost.comm
+    memory, time, kv_tok = cost.memory, cost.time, cost.kv_bytes_per_token
 
     warnings = list(ctx.warnings)
     if not memory.fits:
@@ -141,6 +141,7 @@ def compile_config(cfg: SpecConfig) -> Plan:
             "active_params": params.active_params,
             "padded_vocab": model.padded_vocab(par.tp),
             "kv_heads_per_rank": kv_heads_per_rank(cfg),
+            "kv_head_replicas": kv_head_replicas(cfg),
             "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
             "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn_hidden": model.ffn_hidden,
             "vocab": model.vocab, "seq_len": model.seq_len, "dtype": model.dtype,
@@ -150,13 +151,14 @@ def compile_config(cfg: SpecConfig) -> Plan:
         "schedule": {
             "name": sched.name,
             "num_microbatches": sched.num_microbatches,
-            "bubble_fraction": sched.bubble_fraction,
+            "bubble_fraction": time.bubble_fraction,
             "in_flight": sched.in_flight,
             "actions": sched.actions,
         },
         "memory": {
             "per_stage": [{"stage": x.stage, "params": x.params, "grads": x.grads, "optimizer": x.optimizer,
-                           "activations": x.activations, "kv_cache": x.kv_cache, "total": x.total}
+                           "activations": x.activations, "kv_cache": x.kv_cache, "buffers": x.buffers,
+                           "buffer_parts": dict(x.buffer_parts), "total": x.total}
                           for x in memory.per_stage],
             "peak": memory.peak,
             "capacity": memory.capacity,
@@ -184,20 +186,9 @@ def compile_config(cfg: SpecConfig) -> Plan:
     return Plan(cfg, graph, data, warnings, dict(ctx.degrees))
 
 
-def _kv_bytes_per_token(cfg: SpecConfig, graph: Graph) -> list[int]:
-    """Per pipeline rank: KV-cache bytes one token adds on one rank (its layers x 2 x its
-    kv heads x head_dim x kv dtype bytes)."""
-    m = cfg.model
-    kv_dtype = (cfg.serve.kv_dtype if cfg.serve and cfg.serve.kv_dtype else m.dtype)
-    per = 2 * kv_heads_per_rank(cfg) * m.head_dim * DTYPE_BYTES[kv_dtype]
-    chunks = graph.meta["chunks"]
-    pp = cfg.parallel.pp
-    return [per * sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s) for s in range(pp)]
-
-
 def _serve_section(cfg: SpecConfig, memory, kv_tok: list[int]) -> dict[str, Any]:
     """SPEC 3 ``serve``: the most loaded rank's KV bytes per token and how many tokens fit."""
-    free = [memory.capacity - (s.params + s.activations) for s in memory.per_stage]
+    free = [memory.capacity - (s.params + s.activations + s.buffers) for s in memory.per_stage]
     fits = [max(f, 0) // k if k else 0 for f, k in zip(free, kv_tok)]
     sv = cfg.serve
     return {

@@ -71,6 +71,29 @@ def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
     return shown + more
 
 
+def plan_warnings(d: dict[str, Any]) -> list[str]:
+    """Plain-language warnings about a plan.json dict: memory that does not fit, a pipeline
+    bubble above 20% of compute, tensor parallelism across nodes."""
+    out = []
+    mem = d["memory"]
+    if not mem["fits"]:
+        worst = max(mem["per_stage"], key=lambda s: s["total"])
+        out.append(f"The plan does not fit: stage {worst['stage']} needs {_gb(worst['total'])} per GPU, "
+                   f"{_gb(mem['capacity'])} are usable. Raise tp or pp, shard optimizer states (zero = 1), "
+                   "or recompute activations (recompute = selective or full).")
+    bubble = d["schedule"].get("bubble_fraction", 0.0)
+    if bubble > 0.2:
+        sch = d["schedule"]
+        out.append(f"The pipeline idles {bubble:.0%} of its compute time (bubble, {sch['name']} with "
+                   f"{sch['num_microbatches']} micro-batches over {d['degrees']['pp']} stages). More "
+                   "micro-batches per step, fewer stages or virtual stages (interleaved_1f1b) shrink it.")
+    links = d["estimate"].get("assumptions", {}).get("links", {})
+    if links.get("tp") == "inter-node":
+        out.append(f"Tensor parallelism (tp = {d['degrees']['tp']}) crosses nodes: its collectives run every "
+                   "layer on the network instead of NVLink. Keep tp within a node (tp <= gpus_per_node).")
+    return out
+
+
 def render_report(d: dict[str, Any]) -> str:
     """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate."""
     out = [f"# Plan `{d.get('name', 'spec')}`", "",
@@ -85,7 +108,9 @@ def render_report(d: dict[str, Any]) -> str:
     mdl = d["model"]
     out += ["", "## Model", "",
             f"{mdl['params']:,} parameters ({mdl['active_params']:,} active), padded vocabulary "
-            f"{mdl['padded_vocab']:,}, {mdl['kv_heads_per_rank']} kv heads per rank.", ""]
+            f"{mdl['padded_vocab']:,}, {mdl['kv_heads_per_rank']} kv heads per rank"
+            + (f" (each kv head replicated on {mdl['kv_head_replicas']} ranks of its tp group)"
+               if mdl.get("kv_head_replicas", 1) > 1 else "") + ".", ""]
     out += ["## Stages", "", "| stage | layers | ranks | params/rank |", "|---|---|---|---|"]
     for s in d["stages"]:
         layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
@@ -95,18 +120,41 @@ def render_report(d: dict[str, Any]) -> str:
     out += ["", "## Schedule", "",
             f"`{sch['name']}`, {sch['num_microbatches']} micro-batches, bubble "
             f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
+    warns = plan_warnings(d)
+    if warns:
+        out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     mem = d["memory"]
-    out += ["## Memory (per rank)", "", "| stage | params | grads | optimizer | activations | kv cache | total |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["## Memory (per rank)", "",
+            "| stage | params | grads | optimizer | activations | buffers | kv cache | total |",
+            "|---|---|---|---|---|---|---|---|"]
     for s in mem["per_stage"]:
         out.append(f"| {s['stage']} | {_gb(s['params'])} | {_gb(s['grads'])} | {_gb(s['optimizer'])} | "
-                   f"{_gb(s['activations'])} | {_gb(s['kv_cache'])} | {_gb(s['total'])} |")
+                   f"{_gb(s['activations'])} | {_gb(s.get('buffers', 0))} | {_gb(s['kv_cache'])} | "
+                   f"{_gb(s['total'])} |")
     out += ["", f"Peak {_gb(mem['peak'])} of {_gb(mem['capacity'])}: "
-            + ("fits." if mem["fits"] else "**does not fit**."), ""]
+            + ("fits." if mem["fits"] else "**does not fit**.")
+            + (" Activations are what the micro-batches in flight keep for backward; buffers are "
+               "temporary (" + ", ".join(sorted({k for s in mem["per_stage"] for k in s.get("buffer_parts", {})}))
+               + ")." if any(s.get("buffer_parts") for s in mem["per_stage"]) else ""), ""]
+    comp, est = d["compute"], d["estimate"]
+    step = est["step_time"]
+    out += ["## Estimate (time per step)", "",
+            f"**{step:.4g} s** per step: {est['tokens_per_s']:,.0f} tokens/s, "
+            f"{est['tflops_per_gpu']:.4g} TFLOP/s per GPU, MFU {est['mfu']:.1%} "
+            f"(model FLOPs {comp['model_flops_per_step']:.4g} per step; with recomputation "
+            f"{comp['hardware_flops_per_step']:.4g}).", "",
+            "| part | seconds | share |", "|---|---|---|"]
+    for k, v in est["breakdown"].items():
+        if v:
+            out.append(f"| {k} | {v:.4g} | {v / step:.1%} |" if step else f"| {k} | {v:.4g} | - |")
+    out += [""]
+    a = est.get("assumptions", {})
+    if a:
+        out += ["Assumptions:", ""] + [f"- {k}: {v}" for k, v in a.items()] + [""]
     cm = d["comm"]
     out += ["## Communication (per step)", "", "| axis | bytes sent by the busiest rank |", "|---|---|"]
-    for a, b in cm["per_step"].items():
-        out.append(f"| {a} | {_gb(b)} |")
+    for ax, b in cm["per_step"].items():
+        out.append(f"| {ax} | {_gb(b)} |")
     agg: dict[tuple, int] = {}
     for c in cm["collectives"]:
         key = (c["op"], c["axis"], c["bytes"], c["stage"])
@@ -114,13 +162,7 @@ def render_report(d: dict[str, Any]) -> str:
     out += ["", "| stage | op | axis | bytes | count |", "|---|---|---|---|---|"]
     for (op, axis, b, s), n in sorted(agg.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1], kv[0][2])):
         out.append(f"| {s} | {op} | {axis} | {b:,} | {n} |")
-    comp, est = d["compute"], d["estimate"]
-    out += ["", "## Estimate", "",
-            f"- model FLOPs per step: {comp['model_flops_per_step']:.4g}; hardware: {comp['hardware_flops_per_step']:.4g}",
-            f"- step time: {est['step_time']:.4g} s; {est['tokens_per_s']:.4g} tokens/s; "
-            f"{est['tflops_per_gpu']:.4g} TFLOP/s per GPU; MFU {est['mfu']:.3f}",
-            "- breakdown: " + ", ".join(f"{k} {v:.4g} s" for k, v in est["breakdown"].items()),
-            "- assumptions: " + ", ".join(f"{k} = {v}" for k, v in est.get("assumptions", {}).items()), ""]
+    out += [""]
     if "serve" in d:
         out += ["## Serving", ""] + [f"- {k}: {v}" for k, v in d["serve"].items()] + [""]
     return "\n".join(out)

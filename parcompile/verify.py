@@ -16,7 +16,9 @@ in-process as the reference. They are compared on:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -61,6 +63,7 @@ class Check:
     tol: float
     ok: bool
     detail: str = ""
+    rtol: float = 0.0
 
 
 @dataclass
@@ -80,7 +83,8 @@ class VerifyResult:
         """A fixed-width table of the checks, worst first within each kind."""
         rows = [("check", "max |diff|", "tolerance", "result")]
         for c in self.checks:
-            rows.append((c.what, f"{c.max_abs:.3e}", f"{c.tol:.1e}" if c.tol else "exact",
+            tol = "exact" if not c.tol else f"{c.tol:.0e}" + (f" + {c.rtol:.0e}|ref|" if c.rtol else "")
+            rows.append((c.what, f"{c.max_abs:.3e}", tol,
                          ("ok" if c.ok else "MISMATCH") + (f"  {c.detail}" if c.detail else "")))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}" for r in rows)
@@ -170,8 +174,9 @@ def _run_reference(out: Path, metrics: Path, steps: int) -> None:
     spec.loader.exec_module(module)
     saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
     try:
-        module.main(["--plan", str(out / "plan.json"), "--metrics-dir", str(metrics), "--steps", str(steps),
-                     "--checkpoint-dir", ""])
+        with contextlib.redirect_stdout(io.StringIO()):  # the reference's step log is not the user's
+            module.main(["--plan", str(out / "plan.json"), "--metrics-dir", str(metrics), "--steps", str(steps),
+                         "--checkpoint-dir", ""])
     finally:
         os.environ.update(saved)
 
@@ -231,7 +236,7 @@ def _compare_tensors(what: str, ref: dict, got: dict, vocab: int, atol: float, r
     extra = sorted(set(got) - set(ref))
     bad += [f"{n} not in reference" for n in extra]
     checks.append(Check(f"{what} ({len(ref)} tensors)", worst, atol, not bad,
-                        ("worst " + worst_name) if not bad else "; ".join(bad[:4])))
+                        ("worst " + worst_name) if not bad else "; ".join(bad[:4]), rtol))
     return checks
 
 
@@ -249,7 +254,8 @@ def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tol
     else:
         diffs = [abs(a - b) for a, b in zip(res.losses, res.ref_losses)]
         ok = all(d <= tol.loss_atol + tol.loss_rtol * abs(b) for d, b in zip(diffs, res.ref_losses))
-        res.checks.append(Check(f"loss, {len(diffs)} steps", max(diffs, default=0.0), tol.loss_atol, ok))
+        res.checks.append(Check(f"loss, {len(diffs)} steps", max(diffs, default=0.0), tol.loss_atol, ok,
+                                rtol=tol.loss_rtol))
     vocab = mini.model.vocab
     res.checks += _compare_tensors("gradients, step 1", load_global(ref_dir, "grads"), load_global(run_dir, "grads"),
                                    vocab, tol.grad_atol, tol.grad_rtol)

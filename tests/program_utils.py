@@ -21,9 +21,10 @@ def tiny_config(dp=1, tp=1, pp=1, *, model=None, parallel=None, train=None, name
     pk.update(parallel or {})
     tk = dict(steps=3, lr=1e-2, seed=1)
     tk.update(train or {})
+    world = pk["dp"] * pk["tp"] * pk["pp"] * pk.get("cp", 1)
     return SpecConfig(
         name=name, model=ModelConfig(**mk),
-        cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=dp * tp * pp),
+        cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=world),
         parallel=ParallelConfig(**pk), train=TrainConfig(**tk),
     )
 

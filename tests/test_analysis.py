@@ -85,7 +85,8 @@ def test_memory_report_uses_params_per_rank():
     n = plan.data["stages"][0]["params_per_rank"]
     s0 = plan.data["memory"]["per_stage"][0]
     assert (s0["params"], s0["grads"], s0["optimizer"]) == (4 * n, 4 * n, 8 * math.ceil(n / 2))
-    assert s0["total"] == sum(s0[k] for k in ("params", "grads", "optimizer", "activations", "kv_cache"))
+    assert s0["total"] == sum(s0[k] for k in ("params", "grads", "optimizer", "activations", "kv_cache", "buffers"))
+    assert s0["buffers"] == sum(s0["buffer_parts"].values())
     cap = plan.config.cluster.memory * (1 - plan.config.cluster.memory_reserve)
     assert plan.data["memory"]["capacity"] == int(cap)
 

@@ -83,7 +83,8 @@ def test_world_size_mismatch_prints_every_number():
     text = spec(parallel={"dp": "2", "tp": "4"}, model={"kv_heads": "4"})
     assert one(text, "dp = 2") == (
         "dp(2) * tp(4) * pp(2) * cp(1) = 16 != world_size(8) = nodes(1) * gpus_per_node(8)",
-        "dp = 1 (or `dp = auto`) fills the world size", None)
+        "dp = 1 (or `dp = auto`) fills the world size, or give the cluster 16 GPUs (nodes * gpus_per_node)",
+        None)
 
 
 def test_world_size_mismatch_when_rest_does_not_divide():
@@ -91,7 +92,7 @@ def test_world_size_mismatch_when_rest_does_not_divide():
                 model={"layers": "6", "kv_heads": "4"})
     message, help, _ = one(text, "dp = 1")
     assert message == "dp(1) * tp(4) * pp(3) * cp(1) = 12 != world_size(8) = nodes(1) * gpus_per_node(8)"
-    assert help == "tp * pp * cp = 12 must divide world_size(8)"
+    assert help == "tp * pp * cp = 12 must divide world_size(8), or give the cluster 12 GPUs (nodes * gpus_per_node)"
 
 
 def test_dp_auto_resolves():
@@ -135,13 +136,14 @@ def test_tp_does_not_divide_heads_full_render():
         f"llama.par:{line}:10: error: tp = 3 does not divide heads = 32\n"
         "    tp = 3\n"
         "         ^\n"
-        "  help: tp may be 1, 2, 4, 8, 16 or 32"
+        "  help: tp may be 1, 2, 4 or 8 (to divide heads = 32, kv_heads = 8 and ffn_hidden = 96)\n"
+        "  note: tp = 3 does not divide kv_heads = 8 either"
     )
 
 
 def test_tp_does_not_divide_kv_heads_for_training():
     text = spec(model={"heads": "8", "kv_heads": "2"}, parallel={"tp": "4", "dp": "1"})
-    assert one(text, "tp = 4") == ("tp = 4 does not divide kv_heads = 2", "for training, tp may be 1 or 2",
+    assert one(text, "tp = 4") == ("tp = 4 does not divide kv_heads = 2", "for training, tp may be 1 or 2 (to divide heads = 8, kv_heads = 2 and ffn_hidden = 128)",
                                    "serving may also use a multiple of kv_heads (kv heads replicated)")
 
 
@@ -158,7 +160,8 @@ def test_serve_tp_neither_divides_nor_multiple():
                 parallel={"tp": "6", "dp": "auto", "pp": "1", "global_batch": "2"},
                 cluster={"gpus_per_node": "6"}, serve={"prompt_len": "16", "max_new_tokens": "16"})
     assert one(text, "tp = 6") == ("tp = 6 neither divides nor is a multiple of kv_heads = 4",
-                                   "tp may be 1, 2, 4 or 12", None)
+                                   "tp may be 1, 2, 4 or 12 (dividing heads = 12 and ffn_hidden = 192, and dividing "
+                                   "or a multiple of kv_heads = 4)", None)
 
 
 def test_kv_heads_must_divide_heads():
@@ -177,7 +180,8 @@ def test_heads_must_divide_hidden_without_head_dim():
 
 def test_tp_must_divide_ffn_hidden():
     text = spec(model={"ffn_hidden": "129"})
-    assert one(text, "tp = 2") == ("tp = 2 does not divide ffn_hidden = 129", "tp may be 1, 3, 43 or 129", None)
+    assert one(text, "tp = 2") == ("tp = 2 does not divide ffn_hidden = 129",
+                                   "tp may be 1 (to divide heads = 4, kv_heads = 2 and ffn_hidden = 129)", None)
 
 
 def test_rope_needs_even_head_dims():
@@ -195,7 +199,8 @@ def test_layers_not_divisible_proposes_stage_layers():
     text = spec(model={"layers": "30", "heads": "8", "kv_heads": "8"},
                 parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8"})
     assert one(text, "pp = 4") == ("layers = 30 is not divisible by pp(4) * virtual_stages(1) = 4",
-                                   "give an uneven split explicitly, e.g. `stage_layers = [8, 8, 7, 7]`", None)
+                                   "give an uneven split explicitly, `stage_layers = [8, 8, 7, 7]`, or use pp = 2, 3, 5, 6, 10 or 15 "
+                                   "(these divide layers = 30)", None)
     ok = spec(model={"layers": "30"}, parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8",
                                                 "stage_layers": "[8, 8, 7, 7]"})
     assert load_spec(ok)[0].parallel.layers_per_chunk(30) == (8, 8, 7, 7)
@@ -243,7 +248,8 @@ def test_interleaved_needs_m_multiple_of_pp():
     assert one(text, "schedule = interleaved_1f1b") == (
         "interleaved_1f1b needs the number of micro-batches to be a multiple of pp = 2, "
         "got m = 3 = global_batch(12) / (micro_batch(2) * dp(2))",
-        "global_batch may be 8 or 16", None)
+        "global_batch may be 8 or 16 (multiples of micro_batch(2) * dp(2) * pp(2) = 8), or use schedule = 1f1b",
+        None)
 
 
 def test_virtual_stages_need_interleaved():
@@ -273,7 +279,7 @@ def test_sequence_parallel_needs_tp():
 def test_context_parallel_needs_seq_len_multiple_of_2cp():
     text = spec(model={"seq_len": "66"}, parallel={"cp": "2", "dp": "1"})
     assert one(text, "cp = 2") == (
-        "cp = 2 needs seq_len = 66 to be divisible by 2 * cp = 4", None,
+        "cp = 2 needs seq_len = 66 to be divisible by 2 * cp = 4", "seq_len may be 64 or 68 (multiples of 2 * cp = 4)",
         "context parallelism splits each sequence into 2 * cp chunks to balance causal attention")
 
 
@@ -294,7 +300,8 @@ def test_ep_must_divide_experts():
         ("ep = 4 does not divide experts = 6", line, col),
         ("expert_tp(2) * ep(4) = 8 does not divide tp(2) * cp(1) * dp(2) = 4", line, col),
     ]
-    assert found[0][4] == "ep may be 1, 2, 3 or 6"
+    assert found[0][4] == ("ep may be 1 or 2 (dividing experts = 6, with expert_tp(2) * ep dividing "
+                           "tp(2) * cp(1) * dp(2) = 4)")
     assert found[1][5] == ("experts fold onto the tp * cp * dp ranks of each stage: "
                            "expert_dp = tp * cp * dp / (expert_tp * ep)")
 
@@ -367,4 +374,5 @@ def test_help_lists_stay_short():
     assert divisors(10**13) == []  # too large to list in a help line
     assert even_split(30, 4) == [8, 8, 7, 7] and even_split(8, 4) == [2, 2, 2, 2]
     text = spec(model={"hidden": str(2**41), "heads": "4", "ffn_hidden": str(2**41 + 1)})
-    assert one(text, "tp = 2") == (f"tp = 2 does not divide ffn_hidden = {2**41 + 1}", "tp may be a divisor", None)
+    assert one(text, "tp = 2") == (f"tp = 2 does not divide ffn_hidden = {2**41 + 1}",
+                                   f"tp may be 1 (to divide heads = 4, kv_heads = 2 and ffn_hidden = {2**41 + 1})", None)

@@ -72,10 +72,51 @@ def test_pass_stores_schedule_from_the_cost_model():
     assert s.in_flight == [2, 1]
 
 
-@pytest.mark.parametrize("name", ["interleaved_1f1b", "zero_bubble"])
-def test_unsupported_schedules_are_spec_errors(name):
-    cfg = spec(tiny_model(layers=8), pp=2, virtual_stages=2 if name.startswith("inter") else 1,
-               schedule=name, global_batch=4)
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 2), (4, 2, 4)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(p, v, m):
+    """Narayanan et al. 2021: the interleaved schedule's bubble is (p - 1) / (v m)."""
+    acts = build_actions("interleaved_1f1b", p, m, v)
+    sim = simulate(acts, [1.0 / v] * (p * v), [2.0 / v] * (p * v), p, v, num_microbatches=m)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m))
+
+
+def test_interleaved_warmup_follows_megatron():
+    """Rank r warms up with 2 (p - r - 1) + (v - 1) p forwards before its first backward."""
+    p, v, m = 4, 2, 8
+    acts = build_actions("interleaved_1f1b", p, m, v)
+    for r in range(p):
+        compute = [a["op"] for a in acts[r] if a["op"] in ("forward", "backward")]
+        assert compute.index("backward") == 2 * (p - r - 1) + (v - 1) * p + 1  # + the first steady forward
+    # local chunk 0 runs micro-batches 0..p-1 before chunk 1 starts (groups of p)
+    fwd = [(a["microbatch"], a["chunk"]) for a in acts[0] if a["op"] == "forward"]
+    assert fwd[:6] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 5), (4, 2)])
+def test_zero_bubble_beats_1f1b_at_the_same_memory(p, m):
+    f, b = [1.0] * p, [2.0] * p   # B and W take one unit each
+    zb = simulate(build_actions("zero_bubble", p, m, times=(f, [1.0] * p, [1.0] * p)), f, b, p,
+                  num_microbatches=m)
+    one = simulate(build_actions("1f1b", p, m), f, b, p, num_microbatches=m)
+    assert list(zb.in_flight) == list(one.in_flight)           # ZB-H1: 1F1B's activation memory
+    if m >= p:
+        assert zb.bubble_fraction < one.bubble_fraction
+    ops = {a["op"] for r in build_actions("zero_bubble", p, m) for a in r}
+    assert {"backward_input", "backward_weight"} <= ops and "backward" not in ops
+
+
+def test_weight_gradient_before_input_gradient_is_reported():
+    acts = build_actions("zero_bubble", 2, 2)
+    bad = [list(acts[0]), list(acts[1])]
+    i = next(k for k, a in enumerate(bad[1]) if a["op"] == "backward_weight")
+    w = bad[1].pop(i)
+    bad[1].insert(0, w)
+    with pytest.raises(ScheduleError, match="weight gradient before"):
+        simulate(bad, [1, 1], [2, 2], 2)
+
+
+def test_virtual_stages_need_the_interleaved_schedule():
+    cfg = spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="zero_bubble", global_batch=4)
     with pytest.raises(SpecError) as e:
         run_until(cfg, "schedule-pipeline")
-    assert "not supported yet" in str(e.value)
+    assert "interleaved_1f1b" in str(e.value)

@@ -28,6 +28,23 @@ CASES = {
     "tp2_tied_padded_vocab": dict(tp=2, model=dict(vocab=300, tie_embeddings=True)),
     "tp2_pp2_padded_vocab_gpt": dict(tp=2, pp=2, model=dict(vocab=300, norm="layernorm", activation="gelu",
                                                             position="learned", bias=True, attention="unfused")),
+    # issue 6: schedules and sequence dimensions
+    "pp2_interleaved_v2": dict(pp=2, model=dict(layers=8),
+                               parallel=dict(schedule="interleaved_1f1b", virtual_stages=2, global_batch=8)),
+    "pp2_zero_bubble": dict(pp=2, parallel=dict(schedule="zero_bubble")),
+    "pp4_zero_bubble": dict(pp=4, parallel=dict(schedule="zero_bubble")),
+    "tp2_pp2_zero_bubble_tied": dict(tp=2, pp=2, model=dict(tie_embeddings=True),
+                                     parallel=dict(schedule="zero_bubble")),
+    "tp2_sequence_parallel": dict(tp=2, parallel=dict(sequence_parallel=True)),
+    "cp2": dict(parallel=dict(cp=2)),
+    "cp2_tp2": dict(tp=2, parallel=dict(cp=2)),
+    "cp2_tp2_pp2_gpt_window": dict(tp=2, pp=2, parallel=dict(cp=2),
+                                   model=dict(norm="layernorm", activation="gelu", position="learned", bias=True,
+                                              sliding_window=6)),
+    "dp2_cp2_pp2_mqa": dict(dp=2, pp=2, model=dict(heads=4, kv_heads=1), parallel=dict(cp=2)),
+    "dp2_tp2_pp2_sequence_parallel_gpt": dict(
+        dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
+        model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),
 }
 
 
@@ -36,6 +53,7 @@ CASES = {
 def test_layout_matches_single_process(case, tmp_path):
     kw = dict(CASES[case])
     cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
+    assert cfg.parallel.world_size <= 8
     result = verify(cfg, steps=3, workdir=tmp_path)
     print(result.table())
     assert result.ok, result.table()

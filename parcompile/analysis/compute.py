@@ -8,8 +8,9 @@
 * ``hardware_flops_per_step``: the same with the padded vocabulary, plus the forward
   FLOPs recomputed in backward (``recompute = full``: every layer op; ``selective``: the
   attention core).
-* per model chunk: the forward FLOPs of one micro-batch on one rank (the cost model's
-  input).
+* per model chunk: the forward FLOPs of one micro-batch on one rank, and the bytes its
+  non-matmul kernels move (``OpSpec.traffic``; the cost model's inputs), with the part of
+  each that recomputation runs again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def op_fwd_flops(graph: Graph, nd: Node, degrees: Mapping[str, int] | None = Non
     return s.fwd_flops(nd.op.attr_map, local_in, nd.sharding.local_type(nd.type, degrees))
 
 
+def op_fwd_traffic(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> int:
+    """Bytes the op's non-matmul kernels move in the forward of one micro-batch on one rank."""
+    s = spec(nd.kind)
+    local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]
+    return s.traffic(nd.op.attr_map, local_in, nd.sharding.local_type(nd.type, degrees))
+
+
 def recomputed(nd: Node, recompute: str) -> bool:
     """Whether ``recompute`` re-runs this op's forward during backward."""
     if recompute == "full":
@@ -52,6 +60,9 @@ class ComputeReport:
     #: per model chunk: forward FLOPs, and recomputed forward FLOPs, one rank, one micro-batch
     chunk_fwd_flops: tuple[int, ...]
     chunk_recompute_flops: tuple[int, ...]
+    #: per model chunk: forward bytes moved by non-matmul kernels, and the recomputed part
+    chunk_fwd_traffic: tuple[int, ...] = ()
+    chunk_recompute_traffic: tuple[int, ...] = ()
 
 
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
@@ -61,7 +72,14 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     model = hw = 0
     fwd = [0] * num_chunks
     rec = [0] * num_chunks
+    traffic = [0] * num_chunks
+    rec_traffic = [0] * num_chunks
     for nd in graph.nodes():
+        moved = op_fwd_traffic(graph, nd, degrees)
+        if moved:
+            traffic[nd.chunk or 0] += moved
+            if recomputed(nd, recompute):
+                rec_traffic[nd.chunk or 0] += moved
         g = op_fwd_flops(graph, nd)
         if g == 0:
             continue
@@ -73,4 +91,5 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
         fwd[c] += local
         if recomputed(nd, recompute):
             rec[c] += local
-    return ComputeReport(model * num_microbatches, hw * num_microbatches, tuple(fwd), tuple(rec))
+    return ComputeReport(model * num_microbatches, hw * num_microbatches, tuple(fwd), tuple(rec),
+                         tuple(traffic), tuple(rec_traffic))

@@ -1,21 +1,52 @@
-"""Step-time estimate (SPEC 3 `estimate`). Approximate by design; the assumptions are
+"""Step-time estimate (SPEC 3 `estimate`): a chunk-level time model. The assumptions are
 written into plan.json (``estimate.assumptions``).
 
-* Compute: each chunk's matmul FLOPs at ``COMPUTE_EFFICIENCY`` of ``peak_flops``;
-  backward = 2 x forward + recomputed forward. Non-matmul ops cost nothing.
-* Communication, alpha-beta per message under ring algorithms, group of ``n``:
-  all-reduce ``2(n-1) (alpha + bytes/(n beta))``, all-gather / all-to-all
-  ``(n-1)(alpha + bytes/(n beta))``, reduce-scatter ``(n-1)(alpha + bytes/beta)``
-  (bytes = its output shard), send ``alpha + bytes/beta``. ``beta``/``alpha`` are the
-  intra-node link when a group of the axis fits in one node, else the inter-node one.
-  Nothing overlaps with compute (an upper bound).
-* Tensor/context/expert-parallel collectives lengthen each micro-batch's op times; the
-  pipeline schedule is simulated with those times (bubble) and again with the p2p time
-  of a stage boundary as message latency (``pp_comm`` = the difference); the step
-  collectives (gradients, norms) follow the pipeline (``dp_comm``).
+**Compute.** For one micro-batch through one model chunk on one rank, from the graph
+(:mod:`parcompile.analysis.compute`):
+``t = matmul_flops / (eff.matmul * peak_flops) + traffic / (eff.memory * hbm_bw)``:
+matmuls run at an achievable fraction of the dense peak, the non-matmul kernels (norms,
+activations, softmax, dropout, residual adds, the loss) are memory-bound and move
+``traffic`` bytes (``OpSpec.traffic``). Backward costs twice the forward (both terms);
+recomputation adds the forward of the recomputed ops (all of a layer with ``full``, the
+attention core with ``selective``). ``EFFICIENCY`` gives the fractions per GPU preset,
+with their sources; a cluster without a preset takes ``DEFAULT_EFFICIENCY``.
 
-``step_time = makespan + dp_comm``; ``breakdown`` adds up to it: compute + tp_comm +
-cp_comm + ep_comm (the busiest rank's work) + bubble + pp_comm + dp_comm.
+**Communication**, alpha-beta per message under ring algorithms, group of ``n``, link
+bandwidth ``beta`` times ``eff.link`` (NCCL's achieved bus bandwidth):
+all-reduce ``2(n-1) (alpha + bytes/(n beta))``; all-gather / all-to-all
+``(n-1)(alpha + bytes/(n beta))`` (bytes = the gathered output); reduce-scatter
+``(n-1)(alpha + bytes/beta)`` (bytes = the output shard); send ``alpha + bytes/beta``.
+The link is NVLink (``intra_node_*``) when every group of the axis sits inside one node,
+else the network (``inter_node_*``). What overlaps:
+
+* tensor-, context- and expert-parallel collectives do not overlap compute (Megatron-LM
+  2021-22 runs them on the compute stream): they lengthen each chunk's forward and
+  backward (and the recomputed forward with ``recompute = full``);
+* pipeline send/recv are blocking, as Megatron-LM's ``batch_isend_irecv`` steps are:
+  each forward of a chunk that sends on, and each backward that sends back, waits for its
+  transfer (``pp_comm`` = the makespan with transfers minus the makespan without). A
+  tensor-parallel-replicated activation travels as Megatron-LM's scatter/gather
+  optimisation sends it (Narayanan et al. 2021, section 4.1): 1/t per rank over the
+  pipeline link, then an all-gather over the tensor-parallel link;
+* the data-parallel gradient reduction (and ZeRO's parameter all-gather) overlaps the
+  backward of the last micro-batch on the stage, bucket by bucket, as torch DDP and
+  Megatron-Core's ``overlap_grad_reduce`` do; what is longer than that backward is
+  exposed (``dp_comm``); norms and the loss reductions are exposed.
+
+**Pipeline.** With the schedule's action lists the simulator runs them with these chunk
+times (bubble from the actual schedule). Without them (:func:`estimate` with
+``sched=None``) the closed form ``makespan = m W_max + (p - 1)/v * W_mean`` is used,
+``W`` a rank's time for one micro-batch through all its chunks; for equal stages its
+bubble is :func:`closed_form_bubble` ``= (p-1)/(v m)``, what 1F1B and Megatron's
+interleaved 1F1B give.
+
+**Optimizer**: the step after the pipeline drains is memory-bound
+(:func:`optimizer_time`).
+
+``step_time = makespan + dp_comm + optimizer``; ``breakdown`` adds up to it: compute
+(matmuls, forward and backward), memory_bound (non-matmul kernels; backward moves
+``BACKWARD_TRAFFIC`` times the forward's bytes), recompute, tp_comm, cp_comm, ep_comm (the
+busiest rank's work), bubble, pp_comm, dp_comm, optimizer.
 ``tokens_per_s = global_batch * seq_len / step_time``;
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12``;
 ``mfu = tflops_per_gpu * 1e12 / peak_flops``.
@@ -24,10 +55,69 @@ cp_comm + ep_comm (the busiest rank's work) + bubble + pp_comm + dp_comm.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from parcompile.analysis.comm import AXIS_FAMILY, CommReport
-from parcompile.passes.schedule_pipeline import COMPUTE_EFFICIENCY, ScheduleReport, simulate
+from parcompile.analysis.compute import ComputeReport
+
+
+#: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
+#: input and the output gradient and writes the input gradient (3 tensors, forward 2)
+BACKWARD_TRAFFIC = 1.5
+
+#: optimizer-step bytes read + written per parameter held (fp32 gradient, master weight,
+#: two moments, 16-bit weight; see :func:`optimizer_time`)
+OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 + 8)}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of a GPU's datasheet numbers: ``matmul`` of ``peak_flops``
+    for large dense GEMMs in training, ``memory`` of ``hbm_bw`` for elementwise kernels,
+    ``link`` of the NVLink / network bandwidth for NCCL collectives (bus bandwidth)."""
+
+    matmul: float
+    memory: float
+    link: float
+    source: str
+
+
+#: per cluster preset (SPEC 1 names)
+EFFICIENCY: dict[str, Efficiency] = {
+    "a100-80gb": Efficiency(
+        0.72, 0.80, 0.77,
+        "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and "
+        "Korthikanti et al. 2022 (Table 5), max error 6% on the calibration rows (cuBLAS fp16 GEMMs "
+        "of these sizes run at 210-250 of 312 TFLOP/s); "
+        "memory: STREAM-like kernels reach about 80% of 2.0 TB/s; link: nccl-tests all_reduce bus "
+        "bandwidth on DGX A100, about 230 of 300 GB/s"),
+    "a100-40gb": Efficiency(0.70, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)"),
+    "h100-sxm": Efficiency(
+        0.60, 0.80, 0.75,
+        "matmul: large bf16 GEMMs reach 600-700 of 989 TFLOP/s and end-to-end Megatron-Core runs "
+        "report 40-50% MFU (NVIDIA Megatron-Core performance tables, 2024); link: nccl-tests "
+        "all_reduce bus bandwidth on DGX H100, about 340-360 of 450 GB/s"),
+    "h200": Efficiency(0.60, 0.80, 0.75, "as h100-sxm (same compute and NVLink)"),
+    "b200": Efficiency(0.60, 0.80, 0.75, "assumed as h100-sxm until measured"),
+    "mi300x": Efficiency(
+        0.45, 0.75, 0.70,
+        "matmul: published hipBLASLt bf16 GEMM measurements reach 550-650 of 1307 TFLOP/s "
+        "(SemiAnalysis, 2024); memory and link assumed"),
+    "ascend-910b": Efficiency(0.55, 0.75, 0.70, "assumed (no public calibration)"),
+    "cpu": Efficiency(1.0, 1.0, 1.0, "the cpu preset's numbers are already rough effective ones"),
+}
+DEFAULT_EFFICIENCY = Efficiency(0.60, 0.80, 0.75, "default for a cluster without a preset")
+
+
+def efficiency(cluster) -> Efficiency:
+    """The :class:`Efficiency` of ``cluster`` (a ClusterConfig): its preset's, else the default."""
+    return EFFICIENCY.get(getattr(cluster, "preset", None) or "", DEFAULT_EFFICIENCY)
+
+
+def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:
+    """The bubble fraction of 1F1B (``v = 1``) and Megatron-LM's interleaved 1F1B with
+    equal stages: ``(p - 1) / (v m)`` (Narayanan et al. 2021, section 2.2)."""
+    return (pp - 1) / (virtual_stages * num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -40,20 +130,27 @@ class TimeReport:
     mfu: float
     breakdown: dict[str, float]
     assumptions: dict[str, object] = field(default_factory=dict)
+    bubble_fraction: float = 0.0
 
 
-def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) for ``axis``: intra-node when its first group fits in one node."""
+def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency) -> tuple[float, float]:
+    """(alpha seconds, achieved beta bytes/s) for ``axis``: intra-node when every group of
+    the axis fits in one node."""
     gs = groups.get(axis) or [[0]]
-    nodes = {r // cluster.gpus_per_node for r in gs[0]}
-    if len(nodes) <= 1:
-        return cluster.intra_node_latency, cluster.intra_node_bw
-    return cluster.inter_node_latency, cluster.inter_node_bw
+    inside = all(len({r // cluster.gpus_per_node for r in g}) <= 1 for g in gs)
+    if inside:
+        return cluster.intra_node_latency, cluster.intra_node_bw * eff.link
+    return cluster.inter_node_latency, cluster.inter_node_bw * eff.link
+
+
+def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> bool:
+    """Whether some group of ``axis`` has ranks on two nodes."""
+    return any(len({r // cluster.gpus_per_node for r in g}) > 1 for g in groups.get(axis) or [])
 
 
 def collective_time(op: str, nbytes: int, n: int, alpha: float, beta: float) -> float:
     """Seconds for one collective (module docstring); 0 for a group of one and for recv."""
-    if n <= 1:
+    if n <= 1 and op != "send":
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) * (alpha + nbytes / (n * beta))
@@ -66,63 +163,194 @@ def collective_time(op: str, nbytes: int, n: int, alpha: float, beta: float) -> 
     return 0.0
 
 
-def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]], sched: ScheduleReport,
-             comm: CommReport, model_flops_per_step: int) -> TimeReport:
-    """Build the :class:`TimeReport` for ``cfg`` (a SpecConfig)."""
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Seconds for one micro-batch through each model chunk on one rank, by part."""
+
+    matmul_f: tuple[float, ...]
+    memory_f: tuple[float, ...]
+    recompute: tuple[float, ...]
+    comm_f: dict[str, tuple[float, ...]]     # family -> per chunk (forward, incl. recomputed)
+    comm_b: dict[str, tuple[float, ...]]
+    p2p: float
+
+    def fwd(self, k: int) -> float:
+        return self.matmul_f[k] + self.memory_f[k] + sum(c[k] for c in self.comm_f.values())
+
+    def bwd(self, k: int) -> float:
+        return (2 * self.matmul_f[k] + BACKWARD_TRAFFIC * self.memory_f[k] + self.recompute[k]
+                + sum(c[k] for c in self.comm_b.values()))
+
+    def wgrad(self, k: int) -> float:
+        """The weight-gradient part of a backward: the matmuls' forward FLOPs again."""
+        return self.matmul_f[k]
+
+
+def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]],
+                compute: ComputeReport, comm: CommReport) -> ChunkTimes:
+    """The per-chunk times of the module docstring."""
     par, cl = cfg.parallel, cfg.cluster
-    pp, v = par.pp, par.virtual_stages
-    nchunks = pp * v
-    links = {a: _link(cl, groups, a) for a in AXIS_FAMILY}
-
-    def t(c) -> float:
-        al, be = links.get(c.axis, (cl.intra_node_latency, cl.intra_node_bw))
-        return collective_time(c.op, c.bytes, degrees.get(c.axis, 1), al, be)
-
-    fam_f = [dict.fromkeys(("tp", "cp", "ep"), 0.0) for _ in range(nchunks)]
-    fam_b = [dict.fromkeys(("tp", "cp", "ep"), 0.0) for _ in range(nchunks)]
+    eff = efficiency(cl)
+    nchunks = par.pp * par.virtual_stages
+    rate = eff.matmul * cl.peak_flops
+    bw = eff.memory * cl.hbm_bw
+    traffic = compute.chunk_fwd_traffic or (0,) * nchunks
+    rec_traffic = compute.chunk_recompute_traffic or (0,) * nchunks
+    mm = tuple(x / rate for x in compute.chunk_fwd_flops)
+    mem = tuple(x / bw for x in traffic)
+    rec = tuple(x / rate + y / bw for x, y in zip(compute.chunk_recompute_flops, rec_traffic))
+    links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
+    fams = ("tp", "cp", "ep")
+    cf = {f: [0.0] * nchunks for f in fams}
+    cb = {f: [0.0] * nchunks for f in fams}
     p2p = 0.0
-    for stage, chunk, c in comm.raw:
+    for _stage, chunk, c in comm.raw:
         fam = AXIS_FAMILY.get(c.axis, c.axis)
+        al, be = links.get(c.axis, (cl.intra_node_latency, cl.intra_node_bw * eff.link))
+        t = collective_time(c.op, c.bytes, degrees.get(c.axis, 1), al, be)
         if fam == "pp":
             if c.op == "send":
-                p2p = max(p2p, t(c))
+                tp = degrees.get("tp", 1)
+                if tp > 1 and not par.sequence_parallel:
+                    # Megatron-LM's scatter/gather: each tp rank sends 1/t of the
+                    # (tp-replicated) activation, the receivers all-gather it over tp
+                    t = (collective_time("send", c.bytes // tp, 1, al, be)
+                         + collective_time("all_gather", c.bytes, tp, *links["tp"]))
+                p2p = max(p2p, t)
             continue
-        if fam not in fam_f[chunk]:
+        if fam not in cf:
             continue
-        target = fam_f if c.phase == "forward" else fam_b
-        target[chunk][fam] += t(c)
+        (cf if c.phase == "forward" else cb)[fam][chunk] += t
         if c.phase == "forward" and par.recompute == "full":
-            fam_b[chunk][fam] += t(c)
-    f = [sched.fwd_time[k] + sum(fam_f[k].values()) for k in range(nchunks)]
-    b = [sched.bwd_time[k] + sum(fam_b[k].values()) for k in range(nchunks)]
-    m = sched.num_microbatches
-    sim0 = simulate(sched.actions, f, b, pp, v)
-    sim1 = simulate(sched.actions, f, b, pp, v, p2p_time=p2p) if pp > 1 else sim0
-    r = max(range(pp), key=lambda i: (sim0.busy[i], -i))
-    chunks_r = [c * pp + r for c in range(v)]
-    compute = m * sum(sched.fwd_time[k] + sched.bwd_time[k] for k in chunks_r)
-    per_fam = {fam: m * sum(fam_f[k][fam] + fam_b[k][fam] for k in chunks_r) for fam in ("tp", "cp", "ep")}
-    bubble = sim0.makespan - sim0.busy[r]
-    pp_comm = sim1.makespan - sim0.makespan
-    step_colls = [e for e in comm.collectives if e.phase == "step"]
-    dp_comm = 0.0
+            cb[fam][chunk] += t
+    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p)
+
+
+def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
+    """(makespan, busy per rank) of the closed form in the module docstring."""
+    work = [sum(f[c * pp + r] + b[c * pp + r] for c in range(v)) for r in range(pp)]
+    span = m * max(work) + (pp - 1) / v * (sum(work) / pp)
+    return span, [m * w for w in work]
+
+
+def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
+                      with_p2p: bool = True) -> tuple[float, list[float]]:
+    """(makespan, busy seconds per rank) of one step's pipeline: simulated from the action
+    lists when given, else the closed form."""
+    nchunks = pp * v
+    last = nchunks - 1
+    p2p = ct.p2p if (with_p2p and pp > 1) else 0.0
+    f = [ct.fwd(k) + (p2p if k < last else 0.0) for k in range(nchunks)]
+    b = [ct.bwd(k) + (p2p if k > 0 else 0.0) for k in range(nchunks)]
+    if actions is None:
+        return _closed_form_makespan(f, b, pp, v, m)
+    from parcompile.passes.schedule_pipeline import simulate
+
+    kw = {}
+    if any(a["op"] in ("backward_input", "backward_weight") for acts in actions for a in acts):
+        kw["wgrad_time"] = [ct.wgrad(k) for k in range(nchunks)]
+    sim = simulate(actions, f, b, pp, v, **kw)
+    return sim.makespan, list(sim.busy)
+
+
+def _dp_exposed(cfg, degrees, links, comm: CommReport, ct: ChunkTimes) -> float:
+    """Exposed step-collective time of the slowest stage (module docstring)."""
+    par, cl = cfg.parallel, cfg.cluster
+    pp, v = par.pp, par.virtual_stages
+    worst = 0.0
     for s in range(pp):
-        tot = 0.0
-        for e in step_colls:
-            if e.stage == s:
-                al, be = links.get(e.axis, (cl.intra_node_latency, cl.intra_node_bw))
-                tot += e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
-        dp_comm = max(dp_comm, tot)
-    step = sim1.makespan + dp_comm
+        grads = params = exposed = 0.0
+        for e in comm.collectives:
+            if e.phase != "step" or e.stage != s:
+                continue
+            al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
+            t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
+            if e.where in ("grads", "expert_grads"):
+                grads += t
+            elif e.where == "params":
+                params += t
+            else:
+                exposed += t
+        # gradients overlap the last micro-batch's backward; ZeRO's parameter all-gather
+        # the next step's first forward
+        bwd = sum(ct.bwd(c * pp + s) for c in range(v))
+        fwd = sum(ct.fwd(c * pp + s) for c in range(v))
+        worst = max(worst, max(0.0, grads - bwd) + max(0.0, params - fwd) + exposed)
+    return worst
+
+
+def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
+    """Seconds of the optimizer step on the busiest rank: memory-bound, it moves
+    ``OPTIMIZER_BYTES`` per parameter it updates (a ``1/d`` shard with ``zero >= 1``),
+    plus reading the fp32 gradients for the norm and zeroing them (8 bytes per gradient
+    held); at ``eff.memory * hbm_bw``."""
+    if not stage_params or cfg.workload != "train":
+        return 0.0
+    par, cl = cfg.parallel, cfg.cluster
+    eff = efficiency(cl)
+    per = OPTIMIZER_BYTES.get(cfg.train.optimizer, OPTIMIZER_BYTES["adam"])
+    if cfg.model.dtype_bytes < 4:
+        per += 2   # write the 16-bit weights from the fp32 master
+    worst = 0.0
+    for sp in stage_params:
+        d, de = degrees.get("dp_cp", 1), degrees.get("expert_dp", 1)
+        upd = -(-sp.dense // d) if par.zero >= 1 else sp.dense
+        upd += -(-sp.expert // de) if par.zero >= 1 else sp.expert
+        grads = (-(-sp.dense // d) + -(-sp.expert // de)) if par.zero >= 2 else sp.total
+        worst = max(worst, (per * upd + 8 * grads) / (eff.memory * cl.hbm_bw))
+    return worst
+
+
+def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]], sched,
+             comm: CommReport, model_flops_per_step: int, compute: ComputeReport | None = None,
+             stage_params=None) -> TimeReport:
+    """Build the :class:`TimeReport` for ``cfg`` (a SpecConfig). ``sched`` (a
+    ScheduleReport) gives the action lists to simulate; None uses the closed form.
+    ``compute`` defaults to the schedule pass's ``graph.meta["compute"]`` (required when
+    ``sched`` is None)."""
+    par, cl = cfg.parallel, cfg.cluster
+    pp, v = par.pp, par.virtual_stages
+    m = par.num_microbatches if sched is None else sched.num_microbatches
+    if compute is None:
+        raise ValueError("estimate needs the ComputeReport")
+    eff = efficiency(cl)
+    ct = chunk_times(cfg, degrees, groups, compute, comm)
+    actions = sched.actions if sched is not None else None
+    span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
+    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True) if pp > 1 else (span0, busy0)
+    r = max(range(pp), key=lambda i: (busy0[i], -i))
+    mine = [c * pp + r for c in range(v)]
+    parts = {
+        "compute": m * sum(3 * ct.matmul_f[k] for k in mine),
+        "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),
+        "recompute": m * sum(ct.recompute[k] for k in mine),
+    }
+    for fam in ("tp", "cp", "ep"):
+        parts[f"{fam}_comm"] = m * sum(ct.comm_f[fam][k] + ct.comm_b[fam][k] for k in mine)
+    bubble = span0 - busy0[r]
+    pp_comm = span1 - span0
+    links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
+    dp_comm = _dp_exposed(cfg, degrees, links, comm, ct)
+    opt = optimizer_time(cfg, degrees, stage_params)
+    step = span1 + dp_comm + opt
     tokens = par.global_batch * cfg.model.seq_len
     tflops = model_flops_per_step / (step * par.world_size) / 1e12 if step > 0 else 0.0
+    breakdown = {**parts, "bubble": bubble, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt}
     return TimeReport(
         step_time=step,
         tokens_per_s=tokens / step if step > 0 else 0.0,
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cl.peak_flops,
-        breakdown={"compute": compute, "tp_comm": per_fam["tp"], "cp_comm": per_fam["cp"],
-                   "ep_comm": per_fam["ep"], "bubble": bubble, "pp_comm": pp_comm, "dp_comm": dp_comm},
-        assumptions={"compute_efficiency": COMPUTE_EFFICIENCY, "overlap": "none",
-                     "collectives": "ring, alpha-beta", "non_matmul_ops": "free"},
+        breakdown=breakdown,
+        assumptions={
+            "matmul_efficiency": eff.matmul, "memory_efficiency": eff.memory, "link_efficiency": eff.link,
+            "efficiency_source": eff.source,
+            "overlap": "tp/cp/ep collectives and pipeline send/recv on the critical path; dp gradient "
+                       "reduction overlaps the last micro-batch's backward",
+            "collectives": "ring, alpha-beta",
+            "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
+            "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
+                      for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
+        },
+        bubble_fraction=bubble / busy0[r] if busy0[r] > 0 else 0.0,
     )

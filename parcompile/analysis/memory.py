@@ -15,17 +15,39 @@ zero   16-bit model (bf16/fp16)            fp32 model
 (params + fp32 gradients + optimizer: fp32 master weights for 16-bit models and 4 bytes
 per optimizer state: 2 for Adam/AdamW, 0 for SGD.)
 
-Activations (rough): the bytes one micro-batch saves for backward on the rank
-(Korthikanti et al. 2022: the tensors each op keeps, counted once per tensor, plus
-softmax and dropout masks), times the schedule's ``in_flight`` peak. ``recompute = full``
-keeps only each layer's input plus one layer's working set; ``selective`` drops the
-attention core's ``s x s`` tensors.
+Activations: the bytes one micro-batch saves for backward on the rank, per op of the
+graph (:mod:`parcompile.ir.ops`: the operands each op keeps, counted once per tensor,
+plus softmax and dropout masks), times the micro-batches the schedule keeps in flight on
+the stage (``in_flight``: GPipe ``m``; 1F1B ``min(p - s, m)`` on stage s; interleaved
+1F1B ``(2(p-s-1) + (v-1)p + 1)/v`` capped at ``m``, i.e. ``p (1 + (p-1)/(p v))`` on
+stage 0, Korthikanti et al. 2022 section 4.2.3). Rules, after Megatron-LM:
+
+* with sequence parallelism a column-parallel layer keeps the sequence-split input it
+  all-gathers, not the gathered copy (it gathers again in backward; Korthikanti
+  section 4.2.2), so a GPT layer keeps ``34 sbh/t + 5as^2b/t`` (their Table 2);
+* ``recompute = selective`` drops the attention core's ``s x s`` tensors (``34 sbh/t``);
+* ``recompute = full`` keeps only each layer's input (``2sbh``, ``2sbh/t`` with sequence
+  parallelism); the layer rebuilt during its backward is a temporary buffer.
+
+With ``dropout > 0`` the embedding output's dropout mask (1 byte per element of the first
+layer's input) is kept on the first stage, as Megatron-LM's GPT does.
+
+Temporary buffers (``buffers``; not saved for backward, alive for one op or one layer at
+a time, so counted once per stage, not per micro-batch): the working set of the layer
+recomputation rebuilds, the logits before the fp32 loss (last stage), the all-gathered
+input of a column-parallel layer with sequence parallelism, point-to-point receive
+buffers between stages, and with ``zero = 3`` the gathered parameters of two layers (the
+current one and the prefetched next one).
+
+KV cache (``serve``): ``batch * (prompt_len + max_new_tokens)`` tokens times the bytes a
+token adds on the stage's most loaded rank.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from fractions import Fraction
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.analysis.params import StageParams
@@ -33,6 +55,8 @@ from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+#: ops of the output layer (after the last decoder layer)
+OUTPUT_MODULES = ("final_norm", "lm_head", "loss")
 
 
 @dataclass(frozen=True)
@@ -45,10 +69,13 @@ class StageMemory:
     optimizer: int
     activations: int
     kv_cache: int = 0
+    #: temporary buffers (module docstring), and their parts by name
+    buffers: int = 0
+    buffer_parts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache + self.buffers
 
 
 @dataclass(frozen=True)
@@ -73,98 +100,194 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     return params, grads, opt
 
 
-def _alias(graph: Graph, name: str) -> str:
-    """The tensor a name stands for: layout ops without forward communication are views."""
+def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:
+    """The tensor a saved operand stands for: layout ops without forward communication are
+    views; with ``gathered_ok`` an all-gather's output stands for its (sequence-split)
+    input, which is what Megatron-LM keeps for a column-parallel layer."""
     nd = graph.node(name)
-    while nd.kind == "redistribute" and not nd.op.attr("fwd"):
+    while nd.kind == "redistribute":
+        fwd = [k for k, _ in nd.op.attr("fwd")]
+        if fwd and not (gathered_ok and fwd == ["all_gather"]):
+            break   # a split changes the local tensor; other collectives make a new one
         name = graph.inputs(name)[0]
         nd = graph.node(name)
     return name
 
 
-def saved_bytes_per_chunk(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
-                          ) -> list[int]:
-    """Bytes one micro-batch keeps for backward on one rank, per model chunk."""
+def _local_bytes(graph: Graph, name: str, degrees: Mapping[str, int]) -> int:
+    nd = graph.node(name)
+    return nd.sharding.local_type(nd.type, degrees).nbytes
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Per model chunk, bytes one micro-batch keeps for backward on one rank; and per
+    layer, the bytes it keeps without recomputation (what rebuilding it costs)."""
+
+    per_chunk: tuple[int, ...]
+    per_layer: dict[int, int]
+    #: per layer, the attention core's s x s tensors (what selective recomputation rebuilds)
+    per_layer_attention: dict[int, int]
+    #: per model chunk, the part of ``per_chunk`` that the output layer keeps (final norm,
+    #: LM head, loss): the last chunk's backward follows its forward at once, so one
+    #: micro-batch of it is in flight (GPipe: all of them)
+    output_layer: tuple[int, ...]
+
+
+def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
+                embedding_dropout: bool = False) -> SavedBytes:
+    """The activation accounting of the module docstring. ``embedding_dropout``: the
+    embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
+    size of the first layer's input, the first chunk keeps."""
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
-    layer_bytes: dict[int, int] = {}
-    layer_input: dict[int, int] = {}
+    head = [0] * num_chunks
+    layer_own: dict[int, dict[str, int]] = {}
+    layer_extra: dict[int, int] = {}
+    layer_attn: dict[int, int] = {}
+    layer_input: dict[int, tuple[str, int]] = {}
     for nd in graph.nodes():
         s = spec(nd.kind)
         c = nd.chunk or 0
         a = nd.op.attr_map
         ins = graph.inputs(nd.name)
+        keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
+        if s.saves_output(a):
+            keep.append(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
-        local_out = nd.sharding.local_type(nd.type, degrees)
-        own = 0
-        for i in s.saves(a):
-            t = _alias(graph, ins[i])
+        x = s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees))
+        layer = nd.op.layer
+        if layer is not None:
+            own = layer_own.setdefault(layer, {})
+            for t in keep:
+                own.setdefault(t, _local_bytes(graph, t, degrees))
+            layer_extra[layer] = layer_extra.get(layer, 0) + x
+            if s.selective_recompute and a.get("impl") == "unfused":
+                layer_attn[layer] = layer_attn.get(layer, 0) + x
+            if layer not in layer_input and nd.kind == "norm":
+                t = _alias(graph, ins[0])
+                layer_input[layer] = (t, _local_bytes(graph, t, degrees))
+            if recompute == "full":
+                continue   # only the layer input is kept (added below)
+            if recompute == "selective" and s.selective_recompute and a.get("impl") == "unfused":
+                x = 0
+        out_layer = layer is None and nd.op.module in OUTPUT_MODULES
+        for t in keep:
             if t not in tensors[c]:
-                pu = graph.node(t)
-                b = pu.sharding.local_type(pu.type, degrees).nbytes
-                tensors[c][t] = b
-                own += b
-        x = s.saved_extra(a, local_in, local_out)
-        if recompute == "selective" and s.selective_recompute and a.get("impl") == "unfused":
-            x = 0
+                tensors[c][t] = _local_bytes(graph, t, degrees)
+                if out_layer:
+                    head[c] += tensors[c][t]
         extra[c] += x
-        own += x
-        if nd.op.layer is not None:
-            layer_bytes[nd.op.layer] = layer_bytes.get(nd.op.layer, 0) + own
-            if nd.kind == "norm" and nd.name.endswith("attn_norm"):
-                layer_input[nd.op.layer] = local_in[0].nbytes
-    out = [sum(t.values()) + e for t, e in zip(tensors, extra)]
-    if recompute == "full" and layer_bytes:
-        # keep each layer's input; one layer at a time is rebuilt during backward
-        chunk_of_layer = {nd.op.layer: nd.chunk or 0 for nd in graph.nodes() if nd.op.layer is not None}
-        for layer, b in layer_bytes.items():
-            out[chunk_of_layer[layer]] -= b - layer_input.get(layer, 0)
+        if out_layer:
+            head[c] += x
+    chunk_of_layer = {nd.op.layer: nd.chunk or 0 for nd in graph.nodes() if nd.op.layer is not None}
+    if recompute == "full":
+        for layer, (t, b) in layer_input.items():
+            tensors[chunk_of_layer[layer]].setdefault(t, b)
+    if embedding_dropout and layer_input:
+        first = min(layer_input)
+        t, b = layer_input[first]
+        extra[chunk_of_layer[first]] += graph.node(t).sharding.local_type(graph.node(t).type, degrees).numel
+    per_layer = {layer: sum(own.values()) + layer_extra.get(layer, 0) for layer, own in layer_own.items()}
+    out = tuple(sum(t.values()) + e for t, e in zip(tensors, extra))
+    return SavedBytes(out, per_layer, layer_attn, tuple(head))
+
+
+def saved_bytes_per_chunk(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
+                          ) -> list[int]:
+    """Bytes one micro-batch keeps for backward on one rank, per model chunk."""
+    return list(saved_bytes(graph, degrees, num_chunks, recompute).per_chunk)
+
+
+def closed_form_in_flight(schedule: str, pp: int, v: int, m: int) -> list[Fraction]:
+    """Peak micro-batches (through all of a stage's layers) whose activations stage s keeps,
+    from the schedule's warm-up (module docstring); what the simulator finds for
+    Megatron-LM's schedules, without needing the action lists."""
+    out = []
+    for s in range(pp):
+        if schedule == "gpipe":
+            out.append(Fraction(m))
+        elif schedule == "interleaved_1f1b" and v > 1:
+            warm = min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v)
+            out.append(Fraction(warm, v))
+        else:
+            out.append(Fraction(min(pp - s, m)))
     return out
 
 
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
-                  in_flight: Sequence, kv_bytes_per_token: Sequence[int] | None = None) -> MemoryReport:
-    """Build the :class:`MemoryReport` for ``cfg`` (a SpecConfig)."""
+                  in_flight: Sequence | None = None,
+                  kv_bytes_per_token: Sequence[int] | None = None) -> MemoryReport:
+    """Build the :class:`MemoryReport` for ``cfg`` (a SpecConfig). ``in_flight`` per
+    stage comes from the simulated schedule; None takes :func:`closed_form_in_flight`."""
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
     e = model.dtype_bytes
     serve = cfg.workload == "serve"
-    per_chunk = saved_bytes_per_chunk(graph, degrees, pp * v, par.recompute)
-    full_layer = 0
-    if par.recompute == "full":
-        full_layer = _one_layer_bytes(graph, degrees)
+    if in_flight is None:
+        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches)
+    saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0)
+    bufs = buffer_bytes(graph, cfg, degrees, saved)
     stages = []
     for s, sp in enumerate(stage_params):
+        kv = 0
         if serve:
             params, grads, opt = e * sp.total, 0, 0
             acts = 0
-            kv = 0
             if kv_bytes_per_token is not None and cfg.serve is not None:
                 kv = cfg.serve.batch * (cfg.serve.prompt_len + cfg.serve.max_new_tokens) * kv_bytes_per_token[s]
         else:
             pd = state_bytes(sp.dense, e, par.zero, degrees["dp_cp"], cfg.train.optimizer)
             pe = state_bytes(sp.expert, e, par.zero, degrees["expert_dp"], cfg.train.optimizer)
             params, grads, opt = (x + y for x, y in zip(pd, pe))
-            mb = sum(per_chunk[c * pp + s] for c in range(v))
-            acts = int(in_flight[s] * mb) + full_layer
-            kv = 0
-        stages.append(StageMemory(s, params, grads, opt, acts, kv))
+            ks = [c * pp + s for c in range(v)]
+            body = sum(saved.per_chunk[k] - saved.output_layer[k] for k in ks)
+            out_layer = sum(saved.output_layer[k] for k in ks)
+            n_out = par.num_microbatches if par.schedule == "gpipe" else 1
+            acts = int(Fraction(in_flight[s]) * body) + n_out * out_layer
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), bufs[s]))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     return MemoryReport(tuple(stages), peak, cap, peak <= cap)
 
 
-def _one_layer_bytes(graph: Graph, degrees: Mapping[str, int]) -> int:
-    """Saved bytes of layer 0 without recomputation (the working set of one rebuilt layer)."""
-    total = 0
+def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedBytes) -> list[dict[str, int]]:
+    """Per pipeline stage, the temporary buffers of the module docstring, by name."""
+    par = cfg.parallel
+    pp = par.pp
+    serve = cfg.workload == "serve"
+    out: list[dict[str, int]] = [{} for _ in range(pp)]
+
+    def bump(s: int, key: str, b: int) -> None:
+        if b > 0:
+            out[s][key] = max(out[s].get(key, 0), b)
+
+    layer_stage: dict[int, int] = {}
+    layer_params: dict[int, int] = {}
     for nd in graph.nodes():
-        if nd.op.layer != 0:
-            continue
-        s = spec(nd.kind)
-        ins = graph.inputs(nd.name)
-        for i in s.saves(nd.op.attr_map):
-            pu = graph.node(ins[i])
-            total += pu.sharding.local_type(pu.type, degrees).nbytes
-        local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
-        total += s.saved_extra(nd.op.attr_map, local_in, nd.sharding.local_type(nd.type, degrees))
-    return total
+        s = nd.stage or 0
+        if nd.op.layer is not None:
+            layer_stage[nd.op.layer] = s
+            for p in nd.params:
+                layer_params[nd.op.layer] = layer_params.get(nd.op.layer, 0) + \
+                    p.sharding.local_type(p.type, degrees).numel
+        if nd.kind == "cross_entropy" and not serve:
+            # the 16-bit logits live until the loss has made its fp32 copy
+            bump(s, "logits", _local_bytes(graph, graph.inputs(nd.name)[0], degrees))
+        elif nd.kind == "redistribute" and [k for k, _ in nd.op.attr("fwd")] == ["all_gather"]:
+            bump(s, "tp_gather", _local_bytes(graph, nd.name, degrees))
+        elif nd.kind == "send_recv":
+            b = _local_bytes(graph, nd.name, degrees)
+            bump(nd.op.attr("src_stage"), "p2p", 2 * b)
+            bump(nd.op.attr("dst_stage"), "p2p", 2 * b)
+    if not serve:
+        for layer, s in layer_stage.items():
+            if par.recompute == "full":
+                bump(s, "recompute", saved.per_layer.get(layer, 0))
+            elif par.recompute == "selective":
+                bump(s, "recompute", saved.per_layer_attention.get(layer, 0))
+        if par.zero >= 3:
+            e = cfg.model.dtype_bytes
+            for layer, s in layer_stage.items():
+                bump(s, "zero3_gather", 2 * e * layer_params.get(layer, 0))
+    return out

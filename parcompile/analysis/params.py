@@ -65,7 +65,10 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool) 
         seen.add((s, p.name))
         n = p.sharding.local_type(p.type, degrees).numel
         acc[s]["expert" if p.expert else "dense"] += n
-        if nd.kind == "norm" and not p.sharding.split:
+        if not p.sharding.split and not p.expert:
+            # replicated over tp (norms, row-parallel biases, learned positions): under
+            # sequence parallelism each tp rank sees part of the sequence, so these
+            # gradients are partial sums that the step all-reduces over tp (Megatron-LM)
             acc[s]["norm"] += n
         if tied and (p.name == "embedding.weight" or p.tied_to == "embedding.weight"):
             acc[s]["embedding"] = n

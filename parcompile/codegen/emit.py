@@ -36,11 +36,8 @@ _env = jinja2.Environment(
 _NOT_IN_PROGRAM = (
     ("parallel.zero", lambda c: c.parallel.zero > 0,
      "ZeRO sharding", "the program keeps full optimizer states and all-reduces gradients (zero = 0)", 7),
-    ("parallel.sequence_parallel", lambda c: c.parallel.sequence_parallel,
-     "sequence parallelism", "the program keeps activations replicated over tp", 6),
     ("parallel.recompute", lambda c: c.parallel.recompute != "none",
      "activation recomputation", "the program keeps every activation for backward", 7),
-    ("parallel.cp", lambda c: c.parallel.cp > 1, "context parallelism", "no program is correct for cp > 1", 6),
 )
 
 
@@ -57,6 +54,18 @@ def program_gaps(cfg: SpecConfig, severity: str = "warning") -> list[Diagnostic]
             out.append(Diagnostic(severity, f"the generated program does not run {what} yet", cfg.span(key),
                                   note=f"{instead}; the plan's figures assume {what} (issue {issue})"))
     return out
+
+
+def comment_text(text: str) -> str:
+    """``text`` made safe inside a Python docstring and a shell comment line.
+
+    Spec names come from file names, which may hold anything but ``/``: a quote, a
+    backslash or a line break could close the program's docstring or start a new line of
+    ``launch.sh``. Those characters (and every other non-printable one) become ``?``;
+    printable unicode stays. String *values* that programs use are never written this
+    way: they go through :func:`repr`.
+    """
+    return "".join("?" if (not ch.isprintable() or ch in '"\\`$') else ch for ch in text)
 
 
 def torchrun_command(cfg: SpecConfig, script: str = "program.py") -> str:
@@ -91,10 +100,18 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
     }
     data = _data_path(cfg, out_dir)
     rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
+    sp = bool(p.sequence_parallel and p.tp > 1)
     return {
-        "name": cfg.name,
+        "sp": sp,
+        "t_attn": m.seq_len // p.cp,
+        "t_local": m.seq_len // p.cp // (p.tp if sp else 1),
+        "enter_comment": ("all-gather the sequence over tp; backward: reduce-scatter" if sp
+                          else "backward: all-reduce over tp" if p.tp > 1 else "tp = 1: no communication"),
+        "leave_comment": ("reduce-scatter the sequence over tp; backward: all-gather" if sp
+                          else "all-reduce over tp" if p.tp > 1 else "tp = 1: no communication"),
+        "name": comment_text(cfg.name),
         "version": _version(),
-        "spec_file": Path(cfg.filename).name,
+        "spec_file": comment_text(Path(cfg.filename).name),
         "world": p.world_size,
         "torchrun_cmd": torchrun_command(cfg),
         "m": m,
@@ -123,24 +140,35 @@ def render_launch(cfg: SpecConfig) -> str:
     """``launch.sh``: torchrun on one node, or multi-node with rendezvous from the environment
     (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
     return _env.get_template("launch.sh.j2").render(
-        name=cfg.name, version=_version(), spec_file=Path(cfg.filename).name,
+        name=comment_text(cfg.name), version=_version(), spec_file=comment_text(Path(cfg.filename).name),
         nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
     )
 
 
 def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = ()) -> None:
-    """Write ``files`` (name -> text) into ``out_dir`` so that nothing is half-written:
-    all are written to a temporary sibling directory first, then each is moved into place
-    with an atomic rename."""
+    """Write ``files`` (name -> text, UTF-8) into ``out_dir`` so that nothing is half-written.
+
+    All files are written to a temporary sibling directory first. A new ``out_dir`` is
+    that directory renamed into place in one atomic step; an existing one gets each file
+    by an atomic rename (a reader sees each file old or new, never partly written). On any
+    failure the temporary directory is removed and ``out_dir`` is left as it was (a
+    directory this call would have created does not appear).
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for name, text in files.items():
             path = tmp / name
-            path.write_text(text)
-            if name in executable:
-                path.chmod(0o755)
+            path.write_text(text, encoding="utf-8")
+            path.chmod(0o755 if name in executable else 0o644)
+        if not out_dir.exists():
+            tmp.chmod(0o755)
+            try:
+                os.rename(tmp, out_dir)
+                return
+            except OSError:  # created meanwhile by someone else: fall back to file by file
+                pass
         out_dir.mkdir(exist_ok=True)
         for name in files:
             os.replace(tmp / name, out_dir / name)

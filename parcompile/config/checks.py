@@ -12,6 +12,7 @@ that one mistake gives one error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,10 +94,11 @@ def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: Che
         ctx.bad.add("parallel.dp")
         return 1
     if dp * rest != world:
+        need = f"or give the cluster {dp * rest} GPUs (nodes * gpus_per_node)"
         if world % rest == 0:
-            help = f"dp = {world // rest} (or `dp = auto`) fills the world size"
+            help = f"dp = {world // rest} (or `dp = auto`) fills the world size, {need}"
         else:
-            help = f"tp * pp * cp = {rest} must divide world_size({world})"
+            help = f"tp * pp * cp = {rest} must divide world_size({world}), {need}"
         ctx.bag.error(f"dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {dp * rest} != {world_words}",
                       span, help=help)
     return dp
@@ -111,7 +113,24 @@ def _may_be(values: list[int]) -> str:
     return choices_words(values) if values else "a divisor"
 
 
+def _tp_choices(cfg: SpecConfig, limits: list[tuple[str, int]]) -> list[int]:
+    """The tp degrees that divide every width in ``limits`` (and, when serving, the kv-head
+    multiples vLLM-style replication allows)."""
+    m = cfg.model
+    serve_kv = cfg.workload == "serve" and any(k == "kv_heads" for k, _ in limits)
+    common = math.gcd(*(v for k, v in limits if not (serve_kv and k == "kv_heads")))
+    if not serve_kv:
+        return divisors(common)
+    kv = m.kv_heads
+    return [t for t in divisors(common) if kv % t == 0 or t % kv == 0]
+
+
 def _check_heads(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """heads, kv_heads, hidden; and tp against every width it splits (heads, kv heads, MLP).
+
+    One wrong tp gives one error: the first width it fails names the message, a note
+    names the others, and the help lists the tp that divide them all.
+    """
     m, p = cfg.model, cfg.parallel
     tp_span = ctx.span("parallel.tp")
     kv_ok = ctx.ok("model.heads", "model.kv_heads")
@@ -122,23 +141,50 @@ def _check_heads(cfg: SpecConfig, ctx: CheckContext) -> None:
     if ctx.ok("model.heads", "model.hidden") and not _explicit_head_dim(ctx) and m.hidden % m.heads:
         ctx.bag.error(f"heads = {m.heads} does not divide hidden = {m.hidden}", ctx.span("model.heads"),
                       help=f"give `head_dim` explicitly, or use heads = {_may_be(divisors(m.hidden))}")
-    if not ctx.ok("model.heads", "parallel.tp"):
+    if not ctx.ok("parallel.tp"):
         return
-    if m.heads % p.tp:
-        ctx.bag.error(f"tp = {p.tp} does not divide heads = {m.heads}", tp_span,
-                      help=f"tp may be {_may_be(divisors(m.heads))}")
-        return
-    if not kv_ok:
+    tp = p.tp
+    limits: list[tuple[str, int]] = []
+    if ctx.ok("model.heads"):
+        limits.append(("heads", m.heads))
+    if kv_ok and m.kv_heads != m.heads:
+        limits.append(("kv_heads", m.kv_heads))
+    if ctx.ok("model.ffn_hidden"):
+        limits.append(("ffn_hidden", m.ffn_hidden))
+    if not limits:
         return
     kv = m.kv_heads
-    if cfg.workload == "train" and kv % p.tp:
-        ctx.bag.error(f"tp = {p.tp} does not divide kv_heads = {kv}", tp_span,
-                      help=f"for training, tp may be {_may_be(divisors(kv))}",
-                      note="serving may also use a multiple of kv_heads (kv heads replicated)")
-    elif cfg.workload == "serve" and kv % p.tp and p.tp % kv:
-        ok = sorted(set(divisors(kv)) | {kv * k for k in divisors(m.heads // kv)})
-        ctx.bag.error(f"tp = {p.tp} neither divides nor is a multiple of kv_heads = {kv}", tp_span,
-                      help=f"tp may be {_may_be(ok)}")
+    serve = cfg.workload == "serve"
+    failed = []
+    for key, value in limits:
+        if key == "kv_heads" and serve:
+            if value % tp and tp % value:
+                failed.append((key, value))
+        elif value % tp:
+            failed.append((key, value))
+    if not failed:
+        return
+    choices = _tp_choices(cfg, limits)
+    widths = and_list(f"{k} = {v}" for k, v in limits)
+    key, value = failed[0]
+    others = [f"{k} = {v}" for k, v in failed[1:]]
+    also = f"tp = {tp} does not divide {and_list(others)} either" if others else None
+    if key == "kv_heads" and serve:
+        message = f"tp = {tp} neither divides nor is a multiple of kv_heads = {kv}"
+        rest = and_list(f"{k} = {v}" for k, v in limits if k != "kv_heads")
+        help = f"tp may be {_may_be(choices)} (dividing {rest}, and dividing or a multiple of kv_heads = {kv})"
+        note = also
+    elif key == "kv_heads":
+        message = f"tp = {tp} does not divide kv_heads = {kv}"
+        help = f"for training, tp may be {_may_be(choices)}"
+        help += f" (to divide {widths})" if len(limits) > 1 else ""
+        serve_note = "serving may also use a multiple of kv_heads (kv heads replicated)"
+        note = f"{also}; {serve_note}" if also else serve_note
+    else:
+        message = f"tp = {tp} does not divide {key} = {value}"
+        help = f"tp may be {_may_be(choices)}" + (f" (to divide {widths})" if len(limits) > 1 else "")
+        note = also
+    ctx.bag.error(message, tp_span, help=help, note=note)
 
 
 def _explicit_head_dim(ctx: CheckContext) -> bool:
@@ -147,9 +193,6 @@ def _explicit_head_dim(ctx: CheckContext) -> bool:
 
 def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
     m, p = cfg.model, cfg.parallel
-    if ctx.ok("model.ffn_hidden", "parallel.tp") and m.ffn_hidden % p.tp:
-        ctx.bag.error(f"tp = {p.tp} does not divide ffn_hidden = {m.ffn_hidden}", ctx.span("parallel.tp"),
-                      help=f"tp may be {_may_be(divisors(m.ffn_hidden))}")
     if m.experts > 0 and ctx.ok("model.expert_ffn_hidden", "parallel.expert_tp", "parallel.tp") \
             and m.expert_ffn_hidden % p.expert_tp:
         ctx.bag.error(f"expert_tp = {p.expert_tp} does not divide expert_ffn_hidden = {m.expert_ffn_hidden}",
@@ -180,10 +223,24 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
         if m.layers < chunks:
             ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks", span,
                           help=f"use at most {m.layers} model chunks")
+            return
+        explicit = (f"give an uneven split explicitly, {split}" if split else
+                    f"give `stage_layers` with {chunks} entries that sum to {m.layers}")
+        note = None
+        if p.virtual_stages == 1:
+            even = [d for d in divisors(m.layers) if 1 < d < m.layers]
+            help = f"{explicit}, or use pp = {_may_be(even)} (these divide layers = {m.layers})" if even \
+                else explicit
+        elif m.layers % p.pp == 0:
+            per_rank = m.layers // p.pp
+            note = (f"layers({m.layers}) / pp({p.pp}) = {per_rank} layers per pipeline rank, which do not "
+                    f"split into virtual_stages = {p.virtual_stages} chunks")
+            vs = divisors(per_rank)
+            help = (f"virtual_stages may be {_may_be(vs)} with pp = {p.pp}, or {explicit}" if vs
+                    else f"with pp = {p.pp}, use virtual_stages = 1 (schedule = 1f1b), or {explicit}")
         else:
-            ctx.bag.error(f"layers = {m.layers} is not divisible by {chunk_words}", span,
-                          help=f"give an uneven split explicitly, e.g. {split}" if split else
-                          f"give `stage_layers` with {chunks} entries that sum to {m.layers}")
+            help = explicit
+        ctx.bag.error(f"layers = {m.layers} is not divisible by {chunk_words}", span, help=help, note=note)
         return
     span = ctx.span("parallel.stage_layers")
     if len(p.stage_layers) != chunks:
@@ -194,9 +251,13 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help=f"e.g. {split}" if split else None)
 
 
-def _nearest_multiples(x: int, unit: int) -> list[int]:
+def _nearest_multiples(x: int, unit: int, at_least: int = 1) -> list[int]:
+    """The multiples of ``unit`` just below and above ``x`` (positive ones; ``at_least`` of them)."""
     below = x // unit * unit
-    return [v for v in (below, below + unit) if v > 0]
+    out = [v for v in (below, below + unit) if v > 0]
+    while len(out) < at_least:
+        out.append(out[-1] + unit)
+    return out
 
 
 def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -219,7 +280,9 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
                       f"dp({p.dp}))", ctx.span("parallel.schedule"),
                       help=f"global_batch may be "
-                           f"{or_list(_nearest_multiples(p.global_batch, per_step * p.pp))}")
+                           f"{or_list(_nearest_multiples(p.global_batch, per_step * p.pp, at_least=2))} "
+                           f"(multiples of micro_batch({p.micro_batch}) * dp({p.dp}) * pp({p.pp}) = "
+                           f"{per_step * p.pp}), or use schedule = 1f1b")
     if p.schedule == "1f1b" and num_micro < p.pp:
         ctx.bag.warning(f"1f1b with m = {num_micro} micro-batches on pp = {p.pp} stages: the bubble grows",
                         gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")
@@ -242,10 +305,15 @@ def _check_sequence(cfg: SpecConfig, ctx: CheckContext) -> None:
                           help="set tp > 1, or `sequence_parallel = false`")
         elif ctx.ok("model.seq_len") and m.seq_len % p.tp:
             ctx.bag.error(f"sequence_parallel needs tp = {p.tp} to divide seq_len = {m.seq_len}",
-                          ctx.span("parallel.sequence_parallel"))
+                          ctx.span("parallel.sequence_parallel"),
+                          help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, p.tp))} (multiples of "
+                               f"tp = {p.tp}), or set `sequence_parallel = false`",
+                          note="sequence parallelism splits each sequence into tp pieces for the norms and dropout")
     if p.cp > 1 and ctx.ok("parallel.cp", "model.seq_len") and m.seq_len % (2 * p.cp):
         ctx.bag.error(f"cp = {p.cp} needs seq_len = {m.seq_len} to be divisible by 2 * cp = {2 * p.cp}",
                       ctx.span("parallel.cp"),
+                      help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, 2 * p.cp))} "
+                           f"(multiples of 2 * cp = {2 * p.cp})",
                       note="context parallelism splits each sequence into 2 * cp chunks to balance causal attention")
 
 
@@ -259,8 +327,18 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set `experts` in the `model` block, or `ep = 1`")
     if m.experts > 0:
         if m.experts % p.ep:
+            eps = divisors(m.experts)
+            fold = ""
+            if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):
+                dense = p.tp * p.cp * p.dp
+                fitting = [e for e in eps if dense % (p.expert_tp * e) == 0]
+                if fitting and fitting != eps:
+                    eps = fitting
+                    fold = (f" (dividing experts = {m.experts}, with expert_tp({p.expert_tp}) * ep dividing "
+                            f"tp({p.tp}) * cp({p.cp}) * dp({p.dp}) = {dense})")
             ctx.bag.error(f"ep = {p.ep} does not divide experts = {m.experts}", ep_span,
-                          help=f"ep may be {_may_be(divisors(m.experts))}")
+                          help=f"ep may be {_may_be(eps)}{fold}",
+                          note="each expert-parallel rank holds experts / ep whole experts")
         if ctx.ok("model.top_k") and m.top_k > m.experts:
             ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"))
     if m.dense_layers > m.layers and ctx.ok("model.dense_layers", "model.layers"):
@@ -269,9 +347,14 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
         folded = p.expert_tp * p.ep
         dense = p.tp * p.cp * p.dp
         if dense % folded:
+            if dense % p.expert_tp == 0:
+                eps = [e for e in divisors(dense // p.expert_tp) if m.experts == 0 or m.experts % e == 0]
+                help = f"with expert_tp = {p.expert_tp}, ep may be {_may_be(eps)}"
+            else:
+                help = f"expert_tp may be {_may_be(divisors(dense))}, and expert_tp * ep must divide {dense}"
             ctx.bag.error(f"expert_tp({p.expert_tp}) * ep({p.ep}) = {folded} does not divide "
                           f"tp({p.tp}) * cp({p.cp}) * dp({p.dp}) = {dense}",
-                          ctx.span("parallel.ep", "parallel.expert_tp"),
+                          ctx.span("parallel.ep", "parallel.expert_tp"), help=help,
                           note="experts fold onto the tp * cp * dp ranks of each stage: "
                                "expert_dp = tp * cp * dp / (expert_tp * ep)")
 

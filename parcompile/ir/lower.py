@@ -67,9 +67,11 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
                  params=[Param("embedding.weight", T(V, H))], origin=origin)
     if m.position == "learned":
         pos = g.add_op("pos_embedding", "embedding", [tokens],
-                       {"out_dim": H, "dtype": dt, "tp": rep, "positional": True},
+                       {"out_dim": H, "dtype": dt, "tp": "residual", "positional": True},
                        params=[Param("pos_embedding.weight", T(Dim("position", m.seq_len), H))], origin=origin)
-        x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": rep}, origin=origin)
+        # positions join the residual stream: split on seq with sequence parallelism, so
+        # the word embedding's partial sum is reduce-scattered once (no all-reduce)
+        x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": "residual"}, origin=origin)
 
     rope = m.position == "rope"
     for i in range(m.layers):

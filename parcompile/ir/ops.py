@@ -9,7 +9,22 @@ convention of Narayanan et al. 2021 and Korthikanti et al. 2022).
 
 Bytes saved for backward follow Korthikanti et al. (2022), "Reducing Activation
 Recomputation in Large Transformer Models", section 4: each op names which operands it
-keeps, plus the internal tensors (softmax, dropout masks) it keeps.
+keeps (``saves``; a tensor kept by several ops is counted once), whether it keeps its own
+output (``saves_output``: the fused attention kernel), plus the internal tensors it keeps
+(``saved_extra``: softmax output, dropout masks, log-sum-exp). For a GPT layer
+(layernorm, gelu, dropout, MHA, ffn 4h, unfused attention, 16-bit) this gives Table 2 of
+the paper exactly, per layer: layer norms ``4sbh`` (their inputs), attention ``11sbh +
+5as^2b`` (QKV input 2sbh, Q K V 6sbh, softmax 2as^2b, its dropout mask as^2b and output
+2as^2b, projection input 2sbh, residual dropout mask sbh), MLP ``19sbh`` (fc1 input 2sbh,
+gelu input 8sbh, fc2 input 8sbh, dropout mask sbh); tensor parallelism divides the
+split tensors by t (``10 + 24/t``), sequence parallelism the rest (the analysis keeps the
+sequence-split input of a column-parallel layer, as Megatron-LM does, and all-gathers it
+again in backward).
+
+``traffic`` is the bytes the op's non-matmul kernels read and write in the forward
+(layer norms, activations, softmax, dropout, residual adds, the loss): what bounds those
+kernels is memory bandwidth, not FLOPs. The cost model prices it at the GPU's memory
+bandwidth; GEMM operands are not counted (their time is their FLOPs).
 """
 
 from __future__ import annotations
@@ -126,6 +141,10 @@ class OpSpec:
     arity: int | None = None
     #: selective recomputation drops ``saved_extra`` and recomputes this op's forward
     selective_recompute: bool = False
+    #: the op keeps its own output for backward (counted once with its consumers' saves)
+    saves_output: Callable[[Mapping[str, Any]], bool] = lambda a: False
+    #: bytes read + written by the op's non-matmul kernels in the forward (module docstring)
+    traffic: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
 
 
 # --------------------------------------------------------------------------- rules
@@ -169,20 +188,51 @@ def _attention_flops(a, ins, out):
     return 4 * b * s * s_kv * q.dims[-1].size
 
 
-def _attention_extra(a, ins, out):
-    q = ins[0]
+def _scores(a, q: TensorType) -> int:
+    """Elements of the local ``s x s_kv`` attention scores of one micro-batch."""
     b, s = q.shape[0], q.shape[1]
     heads_local = q.dims[-1].size // a["head_dim"]
     s_kv = min(a["seq_len"], a["window"]) if a.get("window") else a["seq_len"]
+    return b * heads_local * s * s_kv
+
+
+def _attention_extra(a, ins, out):
+    q = ins[0]
     if a["impl"] == "flash":
-        # output + log-sum-exp (fp32) per query and head
-        return out.nbytes + b * s * heads_local * 4
+        # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
+        # query and head; dropout is replayed from the RNG state, no mask
+        b, s = q.shape[0], q.shape[1]
+        return b * s * (q.dims[-1].size // a["head_dim"]) * 4
     e = q.itemsize
-    scores = b * heads_local * s * s_kv
+    scores = _scores(a, q)
     extra = scores * e  # softmax output
     if a.get("dropout", 0) > 0:
         extra += scores * 1 + scores * e  # dropout mask + dropout output
     return extra
+
+
+def _attention_traffic(a, ins, out):
+    q = ins[0]
+    if a["impl"] == "flash":
+        # one fused kernel streams Q, K, V in and the output out
+        return sum(t.nbytes for t in ins) + out.nbytes
+    e = q.itemsize
+    scores = _scores(a, q)
+    # Q K^T writes the scores; scale-mask-softmax reads and writes them; dropout reads
+    # them and writes output and mask; A V reads the result
+    per = 4 * e + ((2 * e + 1) if a.get("dropout", 0) > 0 else 0)
+    return scores * per
+
+
+def _elementwise_traffic(a, ins, out):
+    """Read every operand, write the output (plus a 1-byte mask with dropout)."""
+    mask = out.numel if a.get("dropout", 0) > 0 else 0
+    return sum(t.nbytes for t in ins) + out.nbytes + mask
+
+
+def _xent_traffic(a, ins, out):
+    # read the logits, write the fp32 softmax, read it again for the reductions
+    return ins[0].nbytes + 2 * 4 * ins[0].numel
 
 
 def _add_extra(a, ins, out):
@@ -207,16 +257,17 @@ OPS: dict[str, OpSpec] = {
     s.kind: s
     for s in [
         OpSpec("input", _input_type, arity=0),
-        OpSpec("embedding", _embedding_type, arity=1),
-        OpSpec("add", _same, saved_extra=_add_extra, arity=2),
-        OpSpec("norm", _same, saves=lambda a: (0,), arity=1),
+        OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
+        OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
-        OpSpec("rope", _same, arity=1),
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
-               saved_extra=_attention_extra, arity=3, selective_recompute=True),
-        OpSpec("act", _same, saves=lambda a: (0,), arity=1),
-        OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2),
-        OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2),
+               saved_extra=_attention_extra, arity=3, selective_recompute=True,
+               saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),
+        OpSpec("act", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
+        OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
+        OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         # inserted by passes
         OpSpec("redistribute", _same, arity=1),
         OpSpec("send_recv", _same, arity=1),

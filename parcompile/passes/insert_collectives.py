@@ -74,7 +74,8 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             nv = graph.node(v)
             req, grad = nv.requires[k], nv.grads[k]
             fwd = convert(pu.sharding, req, deg)
-            bwd = convert(grad, dual(pu.sharding), deg)
+            # integer tensors (token ids, labels) carry no gradient, so nothing flows back
+            bwd = [] if pu.type.dtype.startswith("int") else convert(grad, dual(pu.sharding), deg)
             if not fwd and not bwd:
                 continue
             key = (req, grad, tuple(fwd), tuple(bwd))

@@ -1,16 +1,26 @@
 """``schedule-pipeline``: the action list of every pipeline rank, checked by a simulator.
 
 Actions (docs/internals.md) are ``{"op", "microbatch", "chunk"}`` with ``op`` in
-``forward``, ``backward``, ``recv_forward``, ``send_forward``, ``recv_backward``,
-``send_backward``; ``chunk`` is the rank's local chunk (model chunk ``chunk * pp + rank``).
+``forward``, ``backward`` (input and weight gradients), ``backward_input`` and
+``backward_weight`` (the two halves of a backward, zero-bubble schedules only),
+``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``; ``chunk`` is
+the rank's local chunk (model chunk ``chunk * pp + rank``).
 
 * ``gpipe``: all forwards, then all backwards (torchtitan's ScheduleGPipe order); with
   virtual stages, breadth-first over the local chunks.
 * ``1f1b``: PipeDream-Flush / Megatron's non-interleaved schedule: rank ``r`` runs
   ``min(pp - r - 1, m)`` warm-up forwards, then alternates one forward and one backward,
   then drains the backwards.
-* ``interleaved_1f1b`` and ``zero_bubble`` are not supported yet (a SpecError at
-  ``schedule``).
+* ``interleaved_1f1b``: Megatron-LM's interleaved schedule (Narayanan et al. 2021, and
+  Megatron-Core's ``forward_backward_pipelining_with_interleaving``): the ``m * v``
+  virtual micro-batches run in groups of ``pp``; rank ``r`` warms up with
+  ``2 (pp - r - 1) + (v - 1) pp`` forwards, then alternates. Needs ``m % pp == 0``.
+* ``zero_bubble``: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each
+  backward is split into B (input gradient, on the critical path) and W (weight
+  gradient, deferrable). The order is found by list-scheduling the cost model's F, B
+  and W times: a free rank runs a ready B first, else a forward while fewer than
+  ``pp - r`` micro-batches are between F and B on it (1F1B's activation bound), else a
+  deferred W; at most ``pp - r - 1`` W's wait at once, and the rest drain at the end.
 
 The simulator runs the lists with blocking receives and asynchronous sends, checks
 every dependency (a forward has its input, a backward its forward and its output
@@ -31,7 +41,7 @@ from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
 
-SUPPORTED = ("gpipe", "1f1b")
+SUPPORTED = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 #: fraction of peak FLOP/s the cost model assumes matmuls achieve (stated in plan.json)
 COMPUTE_EFFICIENCY = 0.5
@@ -56,25 +66,149 @@ def _fwd_block(r: int, pp: int, v: int, mb: int, c: int) -> list[dict]:
     return out
 
 
-def _bwd_block(r: int, pp: int, v: int, mb: int, c: int) -> list[dict]:
+def _bwd_block(r: int, pp: int, v: int, mb: int, c: int, op: str = "backward") -> list[dict]:
     k, last = c * pp + r, pp * v - 1
     out = []
     if k < last:
         out.append(_act("recv_backward", mb, c))
-    out.append(_act("backward", mb, c))
+    out.append(_act(op, mb, c))
     if k > 0:
         out.append(_act("send_backward", mb, c))
     return out
 
 
-def build_actions(schedule: str, pp: int, m: int, virtual_stages: int = 1) -> list[list[dict]]:
+def _interleaved_order(r: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank ``r``'s compute order under Megatron's interleaved 1F1B: (F|B, microbatch, chunk).
+
+    Virtual micro-batch ``i`` runs local chunk ``(i // pp) % v`` (reversed for backward) on
+    micro-batch ``(i // (pp v)) pp + i % pp``.
+    """
+    total = m * v
+
+    def which(i: int, forward: bool) -> tuple[int, int]:
+        c = (i % (pp * v)) // pp
+        return (i // (pp * v)) * pp + i % pp, (c if forward else v - 1 - c)
+
+    warm = min(2 * (pp - r - 1) + (v - 1) * pp, total)
+    order = [("F", *which(i, True)) for i in range(warm)]
+    for k in range(total - warm):
+        order.append(("F", *which(warm + k, True)))
+        order.append(("B", *which(k, False)))
+    order += [("B", *which(i, False)) for i in range(total - warm, total)]
+    return order
+
+
+def _zero_bubble_order(pp: int, m: int, f: Sequence[float], b: Sequence[float],
+                       w: Sequence[float]) -> list[list[tuple[str, int, int]]]:
+    """ZB-H1 compute orders of every rank (see module docstring), one chunk per rank.
+
+    A discrete-event list scheduler: ``f[r]``, ``b[r]``, ``w[r]`` are the F, B and W times
+    of rank r's chunk; messages arrive when the producing op ends.
+    """
+    import heapq
+
+    order: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    next_f = [0] * pp
+    between = [0] * pp          # micro-batches after F, before B
+    pending_w: list[list[int]] = [[] for _ in range(pp)]
+    fwd_in: list[dict[int, float]] = [dict() for _ in range(pp)]   # mb -> arrival of its input
+    grad_in: list[dict[int, float]] = [dict() for _ in range(pp)]  # mb -> arrival of its output grad
+    done_b = [0] * pp
+    waiting = [False] * pp
+    clock = [0.0] * pp
+    heap = [(0.0, r) for r in range(pp)]
+    for r in range(pp):
+        if r == 0:
+            for mb in range(m):
+                fwd_in[0][mb] = 0.0
+
+    def post(r: int, box: list[dict[int, float]], mb: int, t: float) -> None:
+        box[r][mb] = t
+        if waiting[r]:
+            waiting[r] = False
+            heapq.heappush(heap, (max(t, clock[r]), r))
+
+    while heap:
+        t, r = heapq.heappop(heap)
+        clock[r] = t
+        ready_b = sorted(mb for mb, at in grad_in[r].items() if at <= t)
+        mb_f = next_f[r]
+        can_f = mb_f < m and fwd_in[r].get(mb_f, float("inf")) <= t and between[r] < pp - r
+        if ready_b:
+            mb = ready_b[0]
+            del grad_in[r][mb]
+            order[r].append(("Bi", mb, 0))
+            between[r] -= 1
+            done_b[r] += 1
+            end = t + b[r]
+            if r > 0:
+                post(r - 1, grad_in, mb, end)
+            pending_w[r].append(mb)
+            if len(pending_w[r]) > pp - r - 1:  # keep at most pp - r - 1 deferred W's
+                order[r].append(("W", pending_w[r].pop(0), 0))
+                end += w[r]
+            heapq.heappush(heap, (end, r))
+        elif can_f:
+            del fwd_in[r][mb_f]
+            order[r].append(("F", mb_f, 0))
+            next_f[r] += 1
+            between[r] += 1
+            end = t + f[r]
+            if r < pp - 1:
+                post(r + 1, fwd_in, mb_f, end)
+            else:
+                grad_in[r][mb_f] = end   # the last stage's loss gives its own output gradient
+            heapq.heappush(heap, (end, r))
+        elif pending_w[r] and done_b[r] < m and not any(t < at < t + w[r] for at in grad_in[r].values()):
+            # fill idle time with a deferred W, unless an announced B would have to wait for it
+            order[r].append(("W", pending_w[r].pop(0), 0))
+            heapq.heappush(heap, (t + w[r], r))
+        elif done_b[r] < m:
+            future = [at for at in list(grad_in[r].values()) + [fwd_in[r].get(mb_f, float("inf"))] if at > t]
+            if future and min(future) < float("inf"):
+                heapq.heappush(heap, (min(future), r))
+            else:
+                waiting[r] = True
+        else:
+            order[r] += [("W", mb, 0) for mb in pending_w[r]]
+            pending_w[r] = []
+    return order
+
+
+def _blocks(order: list[tuple[str, int, int]], r: int, pp: int, v: int) -> list[dict]:
+    """Wrap a compute order with its receives and sends."""
+    acts: list[dict] = []
+    for kind, mb, c in order:
+        if kind == "F":
+            acts += _fwd_block(r, pp, v, mb, c)
+        elif kind == "B":
+            acts += _bwd_block(r, pp, v, mb, c)
+        elif kind == "Bi":
+            acts += _bwd_block(r, pp, v, mb, c, op="backward_input")
+        else:
+            acts.append(_act("backward_weight", mb, c))
+    return acts
+
+
+def build_actions(schedule: str, pp: int, m: int, virtual_stages: int = 1,
+                  times: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None) -> list[list[dict]]:
     """Per pipeline rank, its ordered actions for one step of ``m`` micro-batches.
 
+    ``times`` (F, B, W seconds per model chunk) orders the ``zero_bubble`` schedule; it
+    defaults to equal times (F = B = W).
+
     Raises:
-        NotImplementedError: ``schedule`` is not ``gpipe`` or ``1f1b``, or ``1f1b`` with
-            virtual stages (that is the interleaved schedule).
+        NotImplementedError: ``1f1b`` with virtual stages (that is the interleaved
+            schedule), or ``zero_bubble`` with virtual stages.
     """
     v = virtual_stages
+    if schedule == "interleaved_1f1b":
+        return [_blocks(_interleaved_order(r, pp, v, m), r, pp, v) for r in range(pp)]
+    if schedule == "zero_bubble":
+        if v != 1:
+            raise NotImplementedError(f"schedule zero_bubble with virtual_stages = {v}")
+        f, b, w = times if times is not None else ([1.0] * pp, [1.0] * pp, [1.0] * pp)
+        return [_blocks(o, r, pp, 1) for r, o in enumerate(_zero_bubble_order(pp, m, f, b, w))]
     out = []
     for r in range(pp):
         acts: list[dict] = []
@@ -119,17 +253,23 @@ class SimResult:
 
 def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_time: Sequence[float],
              pp: int, virtual_stages: int = 1, num_microbatches: int | None = None,
-             p2p_time: float = 0.0) -> SimResult:
+             p2p_time: float = 0.0, wgrad_time: Sequence[float] | None = None) -> SimResult:
     """Run the action lists (see module docstring).
 
-    ``fwd_time[k]``/``bwd_time[k]``: seconds for one micro-batch through model chunk ``k``.
-    ``p2p_time``: seconds from a send to its receive being satisfiable.
+    ``fwd_time[k]``/``bwd_time[k]``: seconds for one micro-batch through model chunk ``k``
+    (the backward with both gradients). ``wgrad_time[k]``: the weight-gradient part of
+    it (default: ``fwd_time[k]``, the matmuls' weight-gradient FLOPs equal their forward
+    FLOPs); ``backward_input`` takes the rest. ``p2p_time``: seconds from a send to its
+    receive being satisfiable.
 
     Raises:
         ScheduleError: a missing dependency, a duplicate or missing action, or a deadlock.
     """
     v = virtual_stages
     last = pp * v - 1
+    wgrad = list(wgrad_time) if wgrad_time is not None else list(fwd_time)
+    wgrad_done: set[tuple[int, int]] = set()
+    split: set[tuple[int, int]] = set()     # backward_input done, backward_weight owed
     clock = [0.0] * pp
     busy = [0.0] * pp
     pos = [0] * pp
@@ -171,7 +311,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                     if k == last or (mb, k) not in fwd_done:
                         raise ScheduleError(f"{where}: nothing to send")
                     msgs[("f", mb, k + 1)] = clock[r] + p2p_time
-                elif op == "backward":
+                elif op in ("backward", "backward_input"):
                     if (mb, k) not in fwd_done:
                         raise ScheduleError(f"{where}: backward before forward")
                     if k < last and ("b", mb, k) not in received:
@@ -180,9 +320,21 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                         raise ScheduleError(f"{where}: backward run twice")
                     received.discard(("b", mb, k))
                     bwd_done.add((mb, k))
-                    clock[r] += bwd_time[k]
-                    busy[r] += bwd_time[k]
+                    t = bwd_time[k] if op == "backward" else bwd_time[k] - wgrad[k]
+                    if op == "backward":
+                        wgrad_done.add((mb, k))
+                    else:
+                        split.add((mb, k))
+                    clock[r] += t
+                    busy[r] += t
                     live[r] -= Fraction(1, v)
+                elif op == "backward_weight":
+                    if (mb, k) not in split:
+                        raise ScheduleError(f"{where}: weight gradient before its input gradient")
+                    split.discard((mb, k))
+                    wgrad_done.add((mb, k))
+                    clock[r] += wgrad[k]
+                    busy[r] += wgrad[k]
                 elif op == "send_backward":
                     if k == 0 or (mb, k) not in bwd_done:
                         raise ScheduleError(f"{where}: nothing to send")
@@ -197,9 +349,11 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
             raise ScheduleError("pipeline schedule deadlocks: " + "; ".join(blocked))
     if msgs:
         raise ScheduleError(f"messages never received: {sorted(msgs)[:4]}")
+    if split:
+        raise ScheduleError(f"weight gradients never computed: {sorted(split)[:4]}")
     if num_microbatches is not None:
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
-        if fwd_done != want or bwd_done != want:
+        if fwd_done != want or bwd_done != want or wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
     return SimResult(max(clock), tuple(busy), tuple(clock), tuple(peak))
 
@@ -248,18 +402,18 @@ class SchedulePipeline:
 
         cfg = ctx.cfg
         par = cfg.parallel
-        if par.schedule not in SUPPORTED or (par.schedule == "1f1b" and par.virtual_stages > 1):
-            what = par.schedule if par.schedule not in SUPPORTED else "1f1b with virtual_stages > 1"
+        if par.schedule in ("1f1b", "zero_bubble") and par.virtual_stages > 1:
             raise SpecError([Diagnostic(
-                "error", f"schedule {what} is not supported yet",
-                cfg.span("parallel.schedule"),
-                help="use schedule = 1f1b or gpipe (gpipe runs virtual stages breadth-first)",
+                "error", f"schedule {par.schedule} runs one model chunk per pipeline rank, "
+                f"not virtual_stages = {par.virtual_stages}", cfg.span("parallel.schedule"),
+                help="use schedule = interleaved_1f1b for virtual stages",
             )])
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
                               cfg.model.padded_vocab(par.tp), m, par.recompute)
         graph.meta["compute"] = comp
         f, b = chunk_times(comp.chunk_fwd_flops, comp.chunk_recompute_flops, cfg.cluster.peak_flops)
-        actions = build_actions(par.schedule, par.pp, m, par.virtual_stages)
+        actions = build_actions(par.schedule, par.pp, m, par.virtual_stages,
+                                times=(f, [bi - fi for bi, fi in zip(b, f)], f))
         sim = simulate(actions, f, b, par.pp, par.virtual_stages, m)
         graph.meta["schedule"] = ScheduleReport(par.schedule, m, actions, sim, f, b)

@@ -3,8 +3,9 @@ collectives, tensor-parallel layers, the pipeline schedule executor, data, and t
 optimizer step. Generated programs use it as ``from parcompile import runtime as rt``.
 """
 
-from parcompile.runtime.comm import COUNTER, all_reduce, copy_to_tp, reduce_from_tp
+from parcompile.runtime.comm import COUNTER, all_reduce, copy_to_tp, enter_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
+from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data import GlobalBatches, local_microbatches, resolve_source
 from parcompile.runtime.layers import (
     ACTIVATIONS,
@@ -20,6 +21,8 @@ from parcompile.runtime.layers import (
     vocab_parallel_cross_entropy,
 )
 from parcompile.runtime.pipeline import run_schedule
+from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
+from parcompile.runtime.wgrad import linear
 from parcompile.runtime.train import (
     build_optimizer,
     clip_gradients,

@@ -57,6 +57,24 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (B, T/n, ...) along dim 1 -> (B, T, ...)."""
+    xt = x.transpose(0, 1).contiguous()                       # (T/n, B, ...)
+    out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    COUNTER.record("all_gather", axis.name, _nbytes(out))
+    dist.all_gather_into_tensor(out, xt, group=axis.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum ``x`` (B, T, ...) over the ranks and keep this rank's slice of dim 1 -> (B, T/n, ...)."""
+    xt = x.transpose(0, 1).contiguous()                       # (T, B, ...)
+    out = torch.empty((xt.shape[0] // axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
+    dist.reduce_scatter_tensor(out, xt, group=axis.group)
+    return out.transpose(0, 1).contiguous()
+
+
 def isend(t: torch.Tensor, axis: Axis, peer_index: int, tag: int):
     """Asynchronous send of ``t`` to the rank at ``peer_index`` of ``axis``; returns the work."""
     COUNTER.record("send", axis.name, _nbytes(t))
@@ -94,6 +112,53 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward: all-gather along the sequence. Backward: reduce-scatter the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return all_gather_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_seq(g, ctx.axis), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Forward: reduce-scatter a partial sum along the sequence. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return reduce_scatter_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_seq(g, ctx.axis), None
+
+
+def enter_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a tensor-parallel region before column-parallel layers.
+
+    Without sequence parallelism ``x`` (B, T, h) is replicated and only its gradient is
+    all-reduced; with it, ``x`` (B, T/tp, h) is all-gathered along the sequence and its
+    gradient reduce-scattered (Korthikanti et al. 2022, the `g` operator).
+    """
+    if axis.size == 1:
+        return x
+    return _GatherSeq.apply(x, axis) if sequence_parallel else _CopyToRegion.apply(x, axis)
+
+
+def leave_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
+    """Leave a tensor-parallel region after row-parallel layers: ``x`` is a partial sum;
+    all-reduce it, or reduce-scatter it along the sequence with sequence parallelism
+    (the `g-bar` operator)."""
+    if axis.size == 1:
+        return x
+    return _ReduceScatterSeq.apply(x, axis) if sequence_parallel else _ReduceFromRegion.apply(x, axis)
 
 
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -17,8 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import all_reduce, copy_to_tp, reduce_from_tp
+from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis
+from parcompile.runtime.wgrad import linear
 
 INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
 
@@ -84,34 +85,40 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b with W (out, in) split on ``in`` over tp:
-    (..., in/tp) -> (..., out), replicated. The bias is added once, after the all-reduce.
+    (B, T, in/tp) -> (B, T, out), replicated; with ``sequence_parallel`` the partial sums
+    are reduce-scattered along the sequence instead: -> (B, T/tp, out). The bias is added
+    once, after the reduction.
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
-                 seed: int, std: float = INIT_STD):
+                 seed: int, std: float = INIT_STD, sequence_parallel: bool = False):
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel
         self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        y = leave_tp(linear(x, self.weight), self.tp, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with rows (padded vocabulary V') split over tp:
-    ids (B, T) -> (B, T, h). Each rank looks up the ids in its row range; an all-reduce sums.
+    ids (B, T) -> (B, T, h). Each rank looks up the ids in its row range; an all-reduce
+    sums, or with ``sequence_parallel`` a reduce-scatter along the sequence -> (B, T/tp, h).
     """
 
-    def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int):
+    def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel
         self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab)
         self.start = tp.index * (padded_vocab // tp.size)
         self.rows = padded_vocab // tp.size
@@ -123,7 +130,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return leave_tp(out, self.tp, self.sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -213,35 +220,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * c + rotated * s, xp], dim=-1)
 
 
-def causal_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
-    """Boolean (T, T) mask, True where query i may attend key j (j <= i, i - j < window if window)."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j:
+    j <= i, and i - j < window when a sliding window is set."""
+    i, j = q_pos[:, None], k_pos[None, :]
     keep = j <= i
     if window:
         keep &= (i - j) < window
     return keep
 
 
-def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v, causal. q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D).
+def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
+                   q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v, causal. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
 
-    GQA: each group of Hq/Hkv query heads shares one kv head. ``fused`` uses torch's
-    ``scaled_dot_product_attention`` (flash kernels on GPUs); otherwise the softmax is
-    spelt out and kept, as Megatron-LM 2021-22 did.
+    GQA: each group of Hq/Hkv query heads shares one kv head. ``q_pos``/``k_pos`` are the
+    tokens' positions in the sequence when they are not 0..T-1 (context parallelism).
+    ``fused`` uses torch's ``scaled_dot_product_attention`` (flash kernels on GPUs);
+    otherwise the softmax is spelt out and kept, as Megatron-LM 2021-22 did.
     """
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     p = dropout if training else 0.0
-    T = q.shape[2]
+    plain = q_pos is None and (not window or window >= q.shape[2])
+    if q_pos is None:
+        q_pos = torch.arange(q.shape[2], device=q.device)
+        k_pos = torch.arange(k.shape[2], device=q.device)
     if fused:
-        if window and window < T:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device), dropout_p=p)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if plain:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window), dropout_p=p)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~causal_mask(T, window, q.device), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
     probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, training)
     return probs @ v
 

@@ -1,6 +1,8 @@
 """The pipeline schedule executor: runs one pipeline rank's action list from plan.json.
 
-Actions (docs/internals.md): ``forward``, ``backward``, ``recv_forward``, ``send_forward``,
+Actions (docs/internals.md): ``forward``, ``backward``, ``backward_input`` and
+``backward_weight`` (zero-bubble: the backward split into input and weight gradients,
+see :mod:`parcompile.runtime.wgrad`), ``recv_forward``, ``send_forward``,
 ``recv_backward``, ``send_backward``, each with a ``microbatch`` and a local ``chunk``.
 Local chunk ``c`` of pipeline rank ``r`` is model chunk ``c * pp + r`` (Megatron-Core's
 interleaved assignment; with one virtual stage, chunk 0 is stage r). Sends are
@@ -18,6 +20,7 @@ import torch
 
 from parcompile.runtime.comm import isend, recv
 from parcompile.runtime.context import ParallelContext
+from parcompile.runtime.wgrad import STORE
 
 FORWARD, BACKWARD = 0, 1
 
@@ -39,7 +42,7 @@ def run_schedule(
     ctx: ParallelContext,
     forward_chunk: Callable[[int, torch.Tensor], torch.Tensor],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    microbatches: list[torch.Tensor],
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     num_chunks: int,
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,
@@ -51,7 +54,7 @@ def run_schedule(
         forward_chunk: ``(chunk, x) -> y``; x is token ids (b, t) on the model's first
             chunk, else hidden states (b, t, h); y is logits on the last chunk.
         loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
-        microbatches: m tensors (b, t + 1) of token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+        microbatches: m pairs (inputs, targets) of token ids, (b, t) each.
         num_chunks: virtual stages per pipeline rank.
         activation_shape: (b, t, h), what crosses a stage boundary.
 
@@ -69,6 +72,7 @@ def run_schedule(
     input_grads: dict[tuple[int, int], torch.Tensor] = {}
     pending = []
     loss_sum = None
+    STORE.enabled = any(a["op"] == "backward_input" for a in actions)
     device = ctx.device
 
     def model_chunk(c: int) -> int:
@@ -82,13 +86,13 @@ def run_schedule(
                                               _tag(mb, c, FORWARD, num_chunks))
         elif op == "forward":
             if k == 0:
-                x = microbatches[mb][:, :-1].to(device)
+                x = microbatches[mb][0].to(device)
             else:
                 x = received.pop((mb, c, FORWARD)).requires_grad_()
             y = forward_chunk(c, x)
             inputs[(mb, c)] = x
             if k == last_model_chunk:
-                loss = loss_fn(y, microbatches[mb][:, 1:].to(device)) / m
+                loss = loss_fn(y, microbatches[mb][1].to(device)) / m
                 outputs[(mb, c)] = loss
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             else:
@@ -100,15 +104,19 @@ def run_schedule(
         elif op == "recv_backward":
             received[(mb, c, BACKWARD)] = recv(activation_shape, activation_dtype, device, pp, (r + 1) % p,
                                                _tag(mb, c, BACKWARD, num_chunks))
-        elif op == "backward":
+        elif op in ("backward", "backward_input"):
             out = outputs.pop((mb, c))
-            if k == last_model_chunk:
-                out.backward()
+            grad = None if k == last_model_chunk else received.pop((mb, c, BACKWARD))
+            if op == "backward_input":
+                with STORE.collecting((mb, c)):
+                    torch.autograd.backward(out, grad)
             else:
-                torch.autograd.backward(out, received.pop((mb, c, BACKWARD)))
+                torch.autograd.backward(out, grad)
             x = inputs.pop((mb, c))
             if k != 0:
                 input_grads[(mb, c)] = x.grad
+        elif op == "backward_weight":
+            STORE.flush((mb, c))
         elif op == "send_backward":
             peer_chunk = (k - 1) // p
             pending.append(isend(input_grads.pop((mb, c)), pp, (r - 1) % p,
@@ -117,9 +125,10 @@ def run_schedule(
             raise RuntimeError(f"unknown pipeline action {op!r}")
     for w in pending:
         w.wait()
-    if outputs or received or input_grads:
+    if outputs or received or input_grads or STORE.pending:
         raise RuntimeError(
             f"schedule left work undone on pipeline rank {r}: outputs {sorted(outputs)}, "
-            f"received {sorted(received)}, input grads {sorted(input_grads)}"
+            f"received {sorted(received)}, input grads {sorted(input_grads)}, "
+            f"weight gradients {sorted(STORE.pending)}"
         )
     return StepResult(loss_sum)

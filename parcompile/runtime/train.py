@@ -24,23 +24,24 @@ from parcompile.runtime.comm import COUNTER, all_reduce
 from parcompile.runtime.context import ParallelContext
 
 
-def sync_gradients(model: nn.Module, ctx: ParallelContext) -> None:
+def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool = False) -> None:
     """Average gradients over the data-parallel group (`dp_cp`) in one flat fp32 buffer,
     then sum tied-embedding gradients over the `embedding` group.
 
+    With sequence parallelism, parameters replicated over tp (norms, row-parallel biases,
+    learned positions) saw only this rank's part of the sequence: their gradients are
+    first summed over tp in one flat buffer (Megatron-LM's sequence-parallel grads).
     Megatron-LM reduces the same way (bucketed); bucketing and overlap come with ZeRO.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if sequence_parallel and ctx.tp.size > 1:
+        _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None], ctx.tp)
     dp = ctx.axes["dp_cp"]
-    if dp.size > 1 and params:
-        flat = _flatten_dense_tensors([p.grad.float() for p in params])
-        all_reduce(flat, dp)
-        flat /= dp.size
-        for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
-            p.grad.copy_(g)
+    if dp.size > 1:
+        _all_reduce_flat(params, dp, scale=1.0 / dp.size)
     emb = ctx.axes["embedding"]
     if emb.size > 1:
         for p in params:
@@ -48,6 +49,18 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext) -> None:
                 g = p.grad.float()
                 all_reduce(g, emb)
                 p.grad.copy_(g)
+
+
+def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:
+    """Sum the gradients of ``params`` over ``axis`` as one flat fp32 buffer, times ``scale``."""
+    if not params or axis.size == 1:
+        return
+    flat = _flatten_dense_tensors([p.grad.float() for p in params])
+    all_reduce(flat, axis)
+    if scale != 1.0:
+        flat *= scale
+    for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+        p.grad.copy_(g)
 
 
 def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""All analyses of a compiled graph in one call: parameters, FLOPs, communication,
+memory and the step-time estimate (the driver's step 3).
+
+:func:`analyze` works with or without the schedule pass: given its
+:class:`~parcompile.passes.schedule_pipeline.ScheduleReport`, memory takes the simulated
+``in_flight`` and the estimate simulates the action lists; without it (a graph run up
+to ``insert-collectives``) both use the closed forms of
+:func:`parcompile.analysis.memory.closed_form_in_flight` and
+:func:`parcompile.analysis.estimate.estimate`, so a layout can be costed before (or
+without) building its schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parcompile.analysis.comm import CommReport, comm_report
+from parcompile.analysis.compute import ComputeReport, compute_report
+from parcompile.analysis.estimate import TimeReport, estimate
+from parcompile.analysis.memory import MemoryReport, memory_report
+from parcompile.analysis.params import ParamReport, param_report
+from parcompile.config.schema import DTYPE_BYTES
+from parcompile.ir.graph import Graph
+from parcompile.passes.groups import rank_groups
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The typed reports plan.json and report.md are rendered from."""
+
+    groups: dict
+    params: ParamReport
+    compute: ComputeReport
+    comm: CommReport
+    memory: MemoryReport
+    time: TimeReport
+    kv_bytes_per_token: list[int]
+
+
+def kv_heads_per_rank(cfg) -> int:
+    """kv heads on one rank: ``kv_heads / tp``, or 1 when serving with tp a multiple of kv_heads."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
+
+
+def kv_bytes_per_token(cfg, graph: Graph) -> list[int]:
+    """Per pipeline rank: KV-cache bytes one token adds on one rank (its layers x 2 x its
+    kv heads x head_dim x kv dtype bytes)."""
+    m = cfg.model
+    kv_dtype = (cfg.serve.kv_dtype if cfg.serve and cfg.serve.kv_dtype else m.dtype)
+    per = 2 * kv_heads_per_rank(cfg) * m.head_dim * DTYPE_BYTES[kv_dtype]
+    chunks = graph.meta["chunks"]
+    pp = cfg.parallel.pp
+    return [per * sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s) for s in range(pp)]
+
+
+def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
+    """Run every analysis on ``graph`` (passes up to ``insert-collectives`` at least)."""
+    par, model = cfg.parallel, cfg.model
+    groups = rank_groups(par)
+    params = param_report(graph, degrees, par.pp, model.tie_embeddings, model.experts, model.top_k)
+    m = par.num_microbatches if sched is None else sched.num_microbatches
+    compute = graph.meta.get("compute")
+    if compute is None or not compute.chunk_fwd_traffic:
+        compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
+                                 model.padded_vocab(par.tp), m, par.recompute)
+    comm = comm_report(graph, degrees, m, par.recompute, par.pp)
+    kv_tok = kv_bytes_per_token(cfg, graph)
+    in_flight = sched.sim.in_flight if sched is not None else None
+    memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_tok)
+    time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, params.per_stage)
+    return CostReport(groups, params, compute, comm, memory, time, kv_tok)

@@ -1,0 +1,95 @@
+"""Context parallelism: the sequence split over the `cp` group, with causal load balancing.
+
+The sequence is cut into ``2 cp`` equal chunks; cp rank ``i`` holds chunks ``i`` and
+``2 cp - 1 - i`` (Megatron-Core's and Llama 3's load balancing: every rank then has the
+same share of the causal attention's work). Attention all-gathers keys and values over
+the cp group (Llama 3 training's choice), only the kv heads, never repeated for GQA; the
+backward reduce-scatters their gradients. Each rank computes the loss of its own tokens;
+gradients are averaged over dp x cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parcompile.runtime.comm import COUNTER, _nbytes
+from parcompile.runtime.context import Axis
+
+import torch.distributed as dist
+
+
+@dataclass
+class Positions:
+    """Where a rank's tokens sit in the sequence, for attention.
+
+    ``rope``: (cos, sin) tables at those positions, or None without RoPE; ``q``/``k``: the
+    positions of the queries and of the (gathered) keys, or None when they are simply
+    0..T-1 (no context parallelism).
+    """
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+
+
+def chunk_positions(seq_len: int, index: int, size: int) -> torch.Tensor:
+    """Global positions (T / cp,) held by cp rank ``index`` of ``size``: chunks i and 2cp-1-i."""
+    if size == 1:
+        return torch.arange(seq_len)
+    c = seq_len // (2 * size)
+    first = torch.arange(index * c, (index + 1) * c)
+    second = torch.arange((2 * size - 1 - index) * c, (2 * size - index) * c)
+    return torch.cat([first, second])
+
+
+def gathered_positions(seq_len: int, size: int) -> torch.Tensor:
+    """Positions of the keys after the all-gather (rank order): (T,)."""
+    return torch.cat([chunk_positions(seq_len, i, size) for i in range(size)])
+
+
+def split_microbatch(tokens: torch.Tensor, cp: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (b, T / cp) of this cp rank from a micro-batch (b, T + 1)."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if cp.size == 1:
+        return x, y
+    pos = chunk_positions(x.shape[1], cp.index, cp.size)
+    return x[:, pos], y[:, pos]
+
+
+def _gather(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """All-gather (B, H, t, D) along dim 2 -> (B, H, cp t, D), in cp rank order."""
+    xt = x.permute(2, 0, 1, 3).contiguous()                  # (t, B, H, D)
+    out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    COUNTER.record("all_gather", axis.name, _nbytes(out))
+    dist.all_gather_into_tensor(out, xt, group=axis.group)
+    return out.permute(1, 2, 0, 3).contiguous()
+
+
+def _reduce_scatter(g: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum (B, H, cp t, D) over the cp group and keep this rank's (B, H, t, D)."""
+    gt = g.permute(2, 0, 1, 3).contiguous()
+    out = torch.empty((gt.shape[0] // axis.size,) + tuple(gt.shape[1:]), dtype=g.dtype, device=g.device)
+    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
+    dist.reduce_scatter_tensor(out, gt, group=axis.group)
+    return out.permute(1, 2, 0, 3).contiguous()
+
+
+class _GatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _gather(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.axis), None
+
+
+def gather_kv(x: torch.Tensor, cp: Axis) -> torch.Tensor:
+    """Keys or values (B, Hkv, T / cp, D) of every cp rank -> (B, Hkv, T, D); backward:
+    reduce-scatter."""
+    if cp.size == 1:
+        return x
+    return _GatherKV.apply(x, cp)

@@ -1,0 +1,88 @@
+"""Deferred weight gradients for zero-bubble pipeline schedules (Qi et al. 2023).
+
+A zero-bubble schedule splits each backward into B (input gradients, on the critical
+path of the pipeline) and W (weight gradients, run later to fill the bubble). Linear
+layers route through :func:`linear`: while :data:`STORE` is collecting for a
+(micro-batch, chunk), their backward returns only the input gradient and files a
+closure that computes ``dW = dY^T X``; the schedule's ``backward_weight`` action runs
+the closures of that micro-batch and chunk. Outside a collecting backward, :func:`linear`
+is plain ``F.linear``. Biases, norms and embeddings keep their gradients in B (they are
+cheap, as in the paper's implementation).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """Closures computing weight gradients, filed per (micro-batch, chunk)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.current: tuple[int, int] | None = None
+        self.pending: dict[tuple[int, int], list[Callable[[], None]]] = defaultdict(list)
+
+    @contextmanager
+    def collecting(self, key: tuple[int, int]):
+        """Within this block, linear backward passes defer their weight gradients to ``key``."""
+        self.current = key
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def file(self, fn: Callable[[], None]) -> None:
+        if self.current is None:
+            fn()
+        else:
+            self.pending[self.current].append(fn)
+
+    def flush(self, key: tuple[int, int]) -> int:
+        """Run (and forget) the weight-gradient closures of ``key``; returns how many ran."""
+        fns = self.pending.pop(key, [])
+        for fn in fns:
+            fn()
+        return len(fns)
+
+
+STORE = WeightGradStore()
+
+
+def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    if weight.grad is None:
+        weight.grad = grad.to(weight.dtype)
+    else:
+        weight.grad.add_(grad.to(weight.dtype))
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b; the backward returns dx (and db) and files dW with :data:`STORE`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight.to(grad_out.dtype)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        go = grad_out.reshape(-1, grad_out.shape[-1])
+        xi = x.reshape(-1, x.shape[-1])
+        STORE.file(lambda: _accumulate(weight, go.t().to(xi.dtype) @ xi))
+        return grad_x, None, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, whose weight gradient a zero-bubble schedule may defer (see module doc)."""
+    if STORE.enabled and torch.is_grad_enabled():
+        return _DeferredLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
