@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 from parcompile.diagnostics import Diagnostic, SpecError, render_all
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
@@ -21,13 +23,17 @@ class _Usage(Exception):
 
 
 def _read(path: str) -> tuple[Path, str]:
+    """The spec's path and text. A missing file or a directory is a usage error (exit 2);
+    text that is not UTF-8 is left to the front end, which reports it as a diagnostic."""
     p = Path(path)
-    try:
-        return p, p.read_text()
-    except FileNotFoundError:
+    if not p.exists():
         raise _Usage(f"cannot read {path}: no such file")
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise _Usage(f"cannot read {path}: {e.__class__.__name__}: {e}")
+    if p.is_dir():
+        raise _Usage(f"cannot read {path}: it is a directory; give a .par file")
+    try:
+        return p, p.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise _Usage(f"cannot read {path}: {e.strerror or e}")
 
 
 def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text") -> None:
@@ -57,13 +63,15 @@ def _summary(plan) -> str:
     d = plan.data
     deg = d["degrees"]
     mem = d["memory"]
-    gib = 2**30
+    from parcompile.plan import _gb
+
     parts = [f"dp {deg['dp']} x tp {deg['tp']} x pp {deg['pp']}"]
     if deg.get("cp", 1) > 1:
         parts.append(f"cp {deg['cp']}")
+    m = d["schedule"]["num_microbatches"]
     return (f"{plan.config.filename}: ok: {d['world_size']} ranks ({' x '.join(parts)}), "
-            f"{d['model']['params']:,} parameters, {d['schedule']['num_microbatches']} micro-batches, "
-            f"peak memory {mem['peak'] / gib:.2f} GiB of {mem['capacity'] / gib:.2f} GiB per rank"
+            f"{d['model']['params']:,} parameters, {m} micro-batch{'es' if m != 1 else ''}, "
+            f"peak memory {_gb(mem['peak'])} of {_gb(mem['capacity'])} per rank"
             f"{'' if mem['fits'] else ' (does NOT fit)'}")
 
 
@@ -96,6 +104,10 @@ def cmd_plan(args) -> int:
     return EXIT_OK
 
 
+# every file `compile` may write; ones a new plan does not produce are removed from DIR
+GENERATED = ("plan.json", "report.md", "graph.txt", "program.py", "launch.sh")
+
+
 def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     """Every file `compile` writes, name -> text (plan.json, report.md, graph.txt, program, launcher)."""
     from parcompile.codegen.emit import render_launch, render_program
@@ -123,7 +135,11 @@ def _compile_to(args) -> tuple[object, Path]:
     _print_diags(plan.warnings + gaps, source)
     name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"
     out = Path(args.output) if args.output else Path("build") / name
-    write_files(out, build_outputs(plan, out), executable=("launch.sh",))
+    files = build_outputs(plan, out)
+    try:
+        write_files(out, files, executable=("launch.sh",), stale=GENERATED)
+    except OSError as e:
+        raise _Usage(f"cannot write {out}/: {e.strerror or e}") from None
     return plan, out
 
 
@@ -146,12 +162,8 @@ def cmd_run(args) -> int:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
     cfg = plan.config
-    problems = []
-    if not plan.data["memory"]["fits"]:
-        problems.append(Diagnostic(
-            "error", f"the plan needs {plan.data['memory']['peak'] / 2**30:.2f} GiB per rank but "
-            f"{plan.data['memory']['capacity'] / 2**30:.2f} GiB are available", cfg.span("parallel"),
-            help="raise tp or pp, turn on zero or recompute, or lower micro_batch"))
+    # a plan that does not fit memory is a warning for compile, an error for run (SPEC)
+    problems = [replace(d, severity="error") for d in plan.warnings if d.code == "does-not-fit"]
     if cfg.cluster.nodes > 1:
         problems.append(Diagnostic(
             "error", f"`run` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",

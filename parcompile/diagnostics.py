@@ -52,6 +52,7 @@ class Diagnostic:
     span: Span
     help: str | None = None
     note: str | None = None
+    code: str | None = None  # a stable tag for diagnostics that callers act on ("does-not-fit")
 
     def render(self, source: str | None) -> str:
         """Render in the SPEC format; ``source`` is the spec text (None: no excerpt)."""
@@ -83,6 +84,7 @@ class Diagnostic:
             "message": self.message,
             "help": self.help,
             "note": self.note,
+            "code": self.code,
         }
 
     def to_json(self) -> str:

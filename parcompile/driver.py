@@ -34,7 +34,7 @@ from parcompile.passes.schedule_pipeline import ScheduleReport, SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
-from parcompile.plan import FORMAT, Plan, version
+from parcompile.plan import FORMAT, Plan, _gb, version
 
 PASSES: tuple[Pass, ...] = (
     ShardDataParallel(),
@@ -89,7 +89,10 @@ def compile_config(cfg: SpecConfig) -> Plan:
     try:
         graph = lower(model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
     except NotImplementedError as e:
-        raise SpecError([Diagnostic("error", f"{e}: not supported yet", cfg.span("model.experts"))]) from None
+        raise SpecError([Diagnostic(
+            "error", f"mixture-of-experts models (experts = {model.experts}) are not supported yet",
+            cfg.span("model.experts"), help="set experts = 0 for a dense model",
+            note="MoE layers and expert parallelism come with issue 8")]) from None
     verify(graph, ctx.degrees)
 
     # 2. passes
@@ -107,10 +110,11 @@ def compile_config(cfg: SpecConfig) -> Plan:
         worst = max(memory.per_stage, key=lambda s: s.total)
         warnings.append(Diagnostic(
             "warning",
-            f"the plan needs {worst.total / 1e9:.2f} GB per GPU on stage {worst.stage}, "
-            f"more than the {memory.capacity / 1e9:.2f} GB available",
+            f"the plan needs {_gb(worst.total)} per GPU on stage {worst.stage}, "
+            f"more than the {_gb(memory.capacity)} available",
             cfg.span("cluster.memory"),
             help="raise tp or pp, shard optimizer states (zero = 1), or set recompute = full",
+            code="does-not-fit",
         ))
 
     # 4. plan.json

@@ -376,3 +376,17 @@ def test_help_lists_stay_short():
     text = spec(model={"hidden": str(2**41), "heads": "4", "ffn_hidden": str(2**41 + 1)})
     assert one(text, "tp = 2") == (f"tp = 2 does not divide ffn_hidden = {2**41 + 1}",
                                    f"tp may be 1 (to divide heads = 4, kv_heads = 2 and ffn_hidden = {2**41 + 1})", None)
+
+
+def test_sizes_beyond_what_a_plan_is_built_for():
+    """Limits that keep every compile to seconds (the fuzz tests rely on them: no hangs)."""
+    text = spec(model={"layers": "65536"})
+    assert one(text, "layers = 65536")[0] == "layers = 65536 is more than parcompile plans (at most 512)"
+    text = spec(cluster={"nodes": "65536", "gpus_per_node": "8"}, parallel={"dp": "auto"})
+    assert diags(text)[0][1] == ("world_size(524288) = nodes(65536) * gpus_per_node(8) is more than "
+                                 "parcompile plans (at most 131072 ranks)")
+    text = spec(parallel={"global_batch": "400000"})
+    message, help, _ = one(text, "global_batch = 400000")
+    assert message == ("m(100000) * pp(2) * virtual_stages(1) = 200000 micro-batch steps per optimizer step is "
+                       "more than the pipeline schedule is simulated for (at most 65536)")
+    assert help == "raise micro_batch (m = global_batch / (micro_batch * dp) = 400000 / (2 * 2)) or lower global_batch"

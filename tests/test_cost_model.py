@@ -116,3 +116,44 @@ def test_full_recompute_working_set_is_a_buffer():
     assert st.buffer_parts["recompute"] > 0
     assert st.buffers == sum(st.buffer_parts.values())
     assert st.total == st.params + st.grads + st.optimizer + st.activations + st.kv_cache + st.buffers
+
+
+# ------------------------------------------------------------------ report.md
+
+def test_report_has_memory_time_and_collectives_tables():
+    md = compile_config(spec(tiny_model(), dp=2, tp=2, pp=2, micro_batch=2, global_batch=16)).report_md()
+    assert "| stage | params | grads | optimizer | activations | buffers | kv cache | total |" in md
+    assert "| part | seconds | share |" in md and "| bubble |" in md
+    assert "| stage | op | axis | bytes | count |" in md
+
+
+def test_report_warns_in_plain_language():
+    # does not fit; bubble above 20% (pp 4, m 2); tp across nodes (tp 4 over 2-GPU nodes)
+    cfg = spec(tiny_model(), tp=4, pp=4, micro_batch=1, global_batch=2, nodes=8, gpus_per_node=2,
+               cluster={"memory": 10**5})
+    md = compile_config(cfg).report_md()
+    assert "## Warnings" in md
+    assert "does not fit" in md
+    assert "bubble" in md and "idles" in md
+    assert "crosses nodes" in md
+    ok = compile_config(spec(tiny_model(), tp=2, global_batch=1)).report_md()
+    assert "## Warnings" not in ok
+
+
+def test_link_is_chosen_by_where_the_group_sits():
+    from parcompile.analysis.estimate import axis_crosses_nodes
+    from parcompile.passes.groups import rank_groups
+    cfg = spec(tiny_model(), tp=2, dp=2, nodes=2, gpus_per_node=2)
+    g = rank_groups(cfg.parallel)
+    assert not axis_crosses_nodes(cfg.cluster, g, "tp")
+    assert axis_crosses_nodes(cfg.cluster, g, "dp_cp")
+
+
+def test_simulated_interleaved_schedule_agrees_with_the_closed_form():
+    row = next(r for r in ROWS if r.name == "145.6B")            # interleaved, v = 2
+    cfg = row_config(row)
+    d = compile_config(cfg).data
+    closed = cost_without_schedule(cfg).time
+    assert d["estimate"]["step_time"] == pytest.approx(closed.step_time, rel=0.01)
+    assert d["schedule"]["bubble_fraction"] == pytest.approx(closed_form_bubble(8, 2, 48), rel=0.05)
+    assert d["schedule"]["in_flight"][0] == pytest.approx(8 * (1 + 7 / 16))

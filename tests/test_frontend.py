@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from parcompile.config.build import KEYS
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, TrainConfig
@@ -37,7 +35,8 @@ def errors(text: str) -> list[tuple[str, int, int, str | None, str | None]]:
 
 
 def test_grammar_lives_at_the_top_of_the_repo():
-    assert GRAMMAR_PATH == REPO / "grammar" / "par.lark" and GRAMMAR_PATH.exists()
+    # parcompile/grammar links to grammar/, so wheels carry the grammar as package data
+    assert GRAMMAR_PATH.resolve() == (REPO / "grammar" / "par.lark").resolve() and GRAMMAR_PATH.exists()
 
 
 def test_ast_values_and_spans():
@@ -326,34 +325,5 @@ def test_text_source_names():
     assert (cfg.name, cfg.filename, cfg.source_dir) == ("mine", "configs/mine.par", "configs")
 
 
-# -- no user mistake shows a traceback ---------------------------------------------------------
-
-_PIECES = ["model", "cluster", "parallel", "train", "serve", "from", '"cpu"', '"llama3-8b"', "{", "}", "=",
-           ",", "\n", " ", "[", "]", "tp", "dp", "pp", "auto", "0", "-1", "3", "8", "1e999", "0.5", "GiB",
-           "Gb/s", "%", "true", "heads", "layers", "global_batch", "stage_layers", "order", '"x"', "#",
-           "\\", '"', "@", "1f1b", "experts", "ep", "99999999999999999999"]
-_SEEDS = [(EXAMPLES / "tiny.par").read_text(), SPEC_EXAMPLE.read_text()]
-
-
-def _must_not_crash(text: str) -> None:
-    try:
-        load_spec(text, filename="fuzz.par")
-    except SpecError as e:
-        assert e.diagnostics and all(d.render(text) for d in e.diagnostics)
-
-
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(_PIECES), max_size=40).map(" ".join) | st.text(max_size=200))
-def test_fuzz_random_text(text):
-    _must_not_crash(text)
-
-
-@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(_SEEDS), st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 12),
-                                                   st.sampled_from(_PIECES + [""])), min_size=1, max_size=4))
-def test_fuzz_mutated_specs(seed, edits):
-    text = seed
-    for at, cut, piece in edits:
-        at %= len(text) + 1
-        text = text[:at] + piece + text[at + cut:]
-    _must_not_crash(text)
+# -- no user mistake shows a traceback: tests/test_fuzz.py (random and mutated specs, compiled
+# all the way to a plan, under a timeout)

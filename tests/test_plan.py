@@ -67,7 +67,7 @@ def test_not_fitting_is_a_warning():
     plan = compile_config(cfg)
     assert plan.data["memory"]["fits"] is False
     assert [w.severity for w in plan.warnings] == ["warning"]
-    assert "GB" in plan.warnings[0].message
+    assert "per GPU" in plan.warnings[0].message and "B " in plan.warnings[0].message
 
 
 def test_report_and_graph_dump():

@@ -85,7 +85,8 @@ def _data_path(cfg: SpecConfig, out_dir: Path | None) -> str:
     data = cfg.train.data  # the front end resolved it against the spec's directory
     if data == "synthetic" or data.startswith("builtin:") or out_dir is None:
         return data
-    return os.path.relpath(Path(data).resolve(), Path(out_dir).resolve())
+    # abspath, not resolve: symbolic links in the user's path stay as the user wrote them
+    return os.path.relpath(os.path.abspath(data), os.path.abspath(out_dir))
 
 
 def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
@@ -145,14 +146,20 @@ def render_launch(cfg: SpecConfig) -> str:
     )
 
 
-def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = ()) -> None:
+def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = (),
+                stale: tuple[str, ...] = ()) -> None:
     """Write ``files`` (name -> text, UTF-8) into ``out_dir`` so that nothing is half-written.
 
     All files are written to a temporary sibling directory first. A new ``out_dir`` is
     that directory renamed into place in one atomic step; an existing one gets each file
     by an atomic rename (a reader sees each file old or new, never partly written). On any
     failure the temporary directory is removed and ``out_dir`` is left as it was (a
-    directory this call would have created does not appear).
+    directory this call would have created does not appear). Names in ``stale`` that
+    ``files`` lacks are removed from an existing ``out_dir`` (outputs of an earlier plan
+    that this one does not produce).
+
+    Raises:
+        OSError: the directory cannot be created or written.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +179,9 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
         out_dir.mkdir(exist_ok=True)
         for name in files:
             os.replace(tmp / name, out_dir / name)
+        for name in stale:
+            if name not in files and (out_dir / name).is_file():
+                (out_dir / name).unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

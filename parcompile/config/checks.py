@@ -398,7 +398,39 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="shorten the request or raise the model's `seq_len`")
 
 
+#: What parcompile plans at most (the largest published runs are far below): beyond these,
+#: the graph, the groups or the simulated schedule would take minutes to build.
+MAX_LAYERS = 512
+MAX_WORLD_SIZE = 131_072
+MAX_SCHEDULE_CHUNKS = 65_536
+
+
+def _check_limits(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Sizes beyond what a plan can be built for in seconds: too many layers, ranks or
+    micro-batch x chunk steps of the pipeline schedule."""
+    m, p, c = cfg.model, cfg.parallel, cfg.cluster
+    if ctx.ok("model.layers") and m.layers > MAX_LAYERS:
+        ctx.bag.error(f"layers = {m.layers} is more than parcompile plans (at most {MAX_LAYERS})",
+                      ctx.span("model.layers"), note="the largest published dense models have under 200 layers")
+    if ctx.ok("cluster.nodes", "cluster.gpus_per_node") and c.nodes * c.gpus_per_node > MAX_WORLD_SIZE:
+        ctx.bag.error(f"world_size({c.nodes * c.gpus_per_node}) = nodes({c.nodes}) * gpus_per_node("
+                      f"{c.gpus_per_node}) is more than parcompile plans (at most {MAX_WORLD_SIZE} ranks)",
+                      ctx.span("cluster.gpus_per_node", "cluster.nodes"))
+    if ctx.ok("parallel.global_batch", "parallel.micro_batch", "parallel.dp", "parallel.pp",
+              "parallel.virtual_stages") and p.global_batch % (p.micro_batch * p.dp) == 0:
+        num_micro = p.global_batch // (p.micro_batch * p.dp)
+        chunks = num_micro * p.pp * p.virtual_stages
+        if chunks > MAX_SCHEDULE_CHUNKS:
+            ctx.bag.error(f"m({num_micro}) * pp({p.pp}) * virtual_stages({p.virtual_stages}) = {chunks} "
+                          f"micro-batch steps per optimizer step is more than the pipeline schedule is "
+                          f"simulated for (at most {MAX_SCHEDULE_CHUNKS})",
+                          ctx.span("parallel.global_batch", "parallel.micro_batch"),
+                          help=f"raise micro_batch (m = global_batch / (micro_batch * dp) = "
+                               f"{p.global_batch} / ({p.micro_batch} * {p.dp})) or lower global_batch")
+
+
 CHECKS = (
+    _check_limits,
     _check_heads,
     _check_widths,
     _check_layers,

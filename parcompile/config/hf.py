@@ -122,8 +122,26 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
 
     # the Llama family
     sliding = _int(cfg, "sliding_window")
-    if model_type == "qwen2" and not _bool(cfg, "use_sliding_window", False):
-        sliding = None
+    if model_type == "qwen2":
+        if not _bool(cfg, "use_sliding_window", False):
+            sliding = None
+        else:
+            window_layers = _int(cfg, "max_window_layers")
+            layers = base["layers"]
+            if window_layers is not None and layers is not None and 0 < window_layers < layers:
+                raise HFConfigError(
+                    f"`use_sliding_window` with `max_window_layers` = {window_layers} of "
+                    f"{layers} layers cannot be mapped: parcompile uses one attention window for every layer",
+                    help="set `sliding_window` in the block (0: full attention) after importing a copy "
+                         "of the config.json without `use_sliding_window`")
+    attention_bias = _bool(cfg, "attention_bias", False)
+    mlp_bias = _bool(cfg, "mlp_bias", False)
+    if model_type != "qwen2" and attention_bias and not mlp_bias:
+        raise HFConfigError(
+            "`attention_bias` = true with `mlp_bias` = false cannot be mapped: it puts biases on the "
+            "q, k, v and output projections",
+            help="parcompile models biases on the QKV projection only (`qkv_bias = true`) or on every "
+                 "linear layer (`bias = true`)")
     return _drop_none({
         **base,
         "kv_heads": _int(cfg, "num_key_value_heads"),

@@ -47,6 +47,10 @@ ACT_DTYPE = torch.float32  # activations, and what crosses a stage boundary
 TP = 2
 PP = 2
 VIRTUAL_STAGES = 1
+SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
+CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
+T_ATTN = 64  # tokens per rank inside tp regions (SEQ_LEN / cp)
+T_LOCAL = 64  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
 MICRO_BATCH = 2
 GLOBAL_BATCH = 16
 FORCE_CPU = True  # the `cpu` cluster runs with gloo even where a GPU exists
@@ -63,26 +67,26 @@ class Attention(nn.Module):
     """Causal self-attention; heads split over tp: 4 query / 2 kv heads ->
     2 / 1 per rank. wq, wk, wv column-parallel, wo row-parallel."""
 
-    def __init__(self, i: int, tp: rt.Axis):
+    def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD)
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x, rope):                                 # x: (B, T, 64), replicated over tp
-        B, T, _ = x.shape
-        x = rt.copy_to_tp(x, self.tp)                           # backward: all-reduce over tp
+    def forward(self, x, pos: rt.Positions):                    # x: (B, 64, 64)
+        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
+        B, T, _ = x.shape                                       # (B, 64, 64)
         q = self.wq(x).view(B, T, 2, HEAD_DIM)              # (B, T, 2, 16)
         k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T, 1, 16)
         v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T, 1, 16)
-        q, k = rt.apply_rope(q, *rope), rt.apply_rope(k, *rope)
-        y = rt.attention_core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              fused=True, dropout=DROPOUT, training=self.training,
-                              window=WINDOW)                    # (B, 2, T, 16)
+        q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 16)
+        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
+                              window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 2, T, 16)
         y = y.transpose(1, 2).reshape(B, T, 32)    # (B, T, 32)
-        return self.wo(y)                                       # (B, T, 64): all-reduce over tp
+        return self.wo(y)                                       # (B, 64, 64): all-reduce over tp
 
 
 class MLP(nn.Module):
@@ -94,27 +98,27 @@ class MLP(nn.Module):
         self.tp = tp
         self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
         self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD)
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x):                                       # x: (B, T, 64), replicated over tp
-        x = rt.copy_to_tp(x, self.tp)                           # backward: all-reduce over tp
+    def forward(self, x):                                       # x: (B, 64, 64)
+        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
         h = F.silu(self.w1(x)) * self.w3(x)                     # (B, T, 64)
-        return self.w2(h)                                       # (B, T, 64): all-reduce over tp
+        return self.w2(h)                                       # (B, 64, 64): all-reduce over tp
 
 
 class Block(nn.Module):
     """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x))."""
 
-    def __init__(self, i: int, tp: rt.Axis):
+    def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
         self.attn_norm = Norm(f"layers.{i}.attn_norm", HIDDEN, NORM_EPS, SEED, tp)
-        self.attn = Attention(i, tp)
+        self.attn = Attention(i, tp, cp)
         self.mlp_norm = Norm(f"layers.{i}.mlp_norm", HIDDEN, NORM_EPS, SEED, tp)
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, rope):                                 # (B, T, 64) -> (B, T, 64)
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(self, x, pos: rt.Positions):                    # (B, 64, 64) -> same
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -125,21 +129,24 @@ class Stage(nn.Module):
     def __init__(self, plan: dict, ctx: rt.ParallelContext):
         super().__init__()
         tp = self.tp = ctx.tp
+        cp = ctx.axes["cp"]
         self.stage, self.num_stages = ctx.stage, ctx.num_stages
         self.chunks = plan["stages"][ctx.stage]["chunks"]        # layer ids per local chunk
         self.num_model_chunks = self.num_stages * len(self.chunks)
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED)  # (V'/tp, h)
-        self.layers = nn.ModuleDict({str(i): Block(i, tp) for chunk in self.chunks for i in chunk})
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+        self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
             self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
         self.drop = nn.Dropout(DROPOUT)
+        # positions of this rank's tokens in the sequence (the cp chunks it holds)
+        self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)
         cos, sin = rt.rope_tables(SEQ_LEN, ROPE_DIM, ROPE_THETA)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", cos[self.positions], persistent=False)
+        self.register_buffer("rope_sin", sin[self.positions], persistent=False)
 
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
@@ -148,14 +155,15 @@ class Stage(nn.Module):
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, T, 64): all-reduce over tp
+            x = self.embedding(x)                               # (B, 64, 64): all-reduce over tp
             x = self.drop(x)
-        rope = (self.rope_cos[: x.shape[1]], self.rope_sin[: x.shape[1]])
+        pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
+                           q=None, k=None)
         for i in self.chunks[c]:
-            x = self.layers[str(i)](x, rope)
+            x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            x = rt.copy_to_tp(self.final_norm(x), self.tp)      # backward: all-reduce over tp
-            return F.linear(x, self.head_weight())              # (B, T, 128) logits, vocab split over tp
+            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # backward: all-reduce over tp
+            return rt.linear(x, self.head_weight())             # (B, T, 128) logits, vocab split over tp
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -189,14 +197,15 @@ def main(argv=None) -> dict:
     for step in range(args.steps):
         t0 = time.perf_counter()
         rt.COUNTER.reset()
-        microbatches = rt.local_microbatches(data.batch(step), ctx.dp.index, ctx.dp.size, MICRO_BATCH)
+        microbatches = [rt.split_microbatch(t, ctx.axes["cp"])       # (inputs, targets), (B, T_ATTN) each
+                        for t in rt.local_microbatches(data.batch(step), ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad(set_to_none=True)
         lr = rt.lr_at(step, TRAIN)
         rt.set_lr(opt, lr)
         with autocast:
             result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
-                                     VIRTUAL_STAGES, (MICRO_BATCH, SEQ_LEN, HIDDEN), ACT_DTYPE)
-        rt.sync_gradients(model, ctx)                           # all-reduce over dp (+ tied embedding)
+                                     VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE)
+        rt.sync_gradients(model, ctx, SP)                       # all-reduce over dp (+ tied embedding)
         if step == 0 and args.metrics_dir:
             state["grads"] = rt.shards(model, ctx, grads=True)
         norm = rt.grad_norm(model, ctx)
@@ -213,7 +222,7 @@ def main(argv=None) -> dict:
         rt.save_checkpoint(args.checkpoint_dir, model, ctx)
     if args.metrics_dir:
         rt.write_metrics(args.metrics_dir, ctx, record)
-        if ctx.dp.index == 0:
+        if ctx.dp.index == 0 and ctx.axes["cp"].index == 0:   # one copy of each shard
             state["params"] = rt.shards(model, ctx, grads=False)
             rt.write_state(args.metrics_dir, ctx, state)
     del model, opt
