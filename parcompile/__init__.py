@@ -21,9 +21,12 @@ def compile(source, filename: str | None = None):  # noqa: A001 - SPEC fixes the
 
     Raises:
         SpecError: the spec has errors (all of them in ``.diagnostics``).
+        TypeError: ``source`` is neither a str nor a ``pathlib.Path`` (bytes, None, a number).
     """
     from parcompile.driver import compile_config
-    from parcompile.frontend import load_spec
+    from parcompile.frontend import check_source, load_spec
+
+    check_source(source, filename)
 
     cfg, warnings = load_spec(source, filename)
     plan = compile_config(cfg)

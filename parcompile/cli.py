@@ -7,6 +7,7 @@ Diagnostics go to stderr in the SPEC format; results go to stdout.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from dataclasses import replace
 
 from parcompile.diagnostics import Diagnostic, SpecError, render_all
+from parcompile.frontend.parser import strip_bom
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
 
@@ -31,7 +33,8 @@ def _read(path: str) -> tuple[Path, str]:
     if p.is_dir():
         raise _Usage(f"cannot read {path}: it is a directory; give a .par file")
     try:
-        return p, p.read_bytes().decode("utf-8", errors="replace")
+        # a byte order mark is dropped as the front end drops it, so excerpts line up
+        return p, strip_bom(p.read_bytes().decode("utf-8", errors="replace"))
     except OSError as e:
         raise _Usage(f"cannot read {path}: {e.strerror or e}")
 
@@ -63,16 +66,36 @@ def _summary(plan) -> str:
     d = plan.data
     deg = d["degrees"]
     mem = d["memory"]
+    from parcompile.config.text import plural
     from parcompile.plan import _gb
 
     parts = [f"dp {deg['dp']} x tp {deg['tp']} x pp {deg['pp']}"]
     if deg.get("cp", 1) > 1:
         parts.append(f"cp {deg['cp']}")
     m = d["schedule"]["num_microbatches"]
-    return (f"{plan.config.filename}: ok: {d['world_size']} ranks ({' x '.join(parts)}), "
+    return (f"{plan.config.filename}: ok: {plural(d['world_size'], 'rank')} ({' x '.join(parts)}), "
             f"{d['model']['params']:,} parameters, {m} micro-batch{'es' if m != 1 else ''}, "
             f"peak memory {_gb(mem['peak'])} of {_gb(mem['capacity'])} per rank"
             f"{'' if mem['fits'] else ' (does NOT fit)'}")
+
+
+def _summary_dict(plan) -> dict:
+    """The JSON line `check --format json` prints for a spec without errors."""
+    d = plan.data
+    mem = d["memory"]
+    return {
+        "severity": "ok",
+        "file": plan.config.filename,
+        "message": _summary(plan),
+        "world_size": d["world_size"],
+        "degrees": d["degrees"],
+        "params": d["model"]["params"],
+        "num_microbatches": d["schedule"]["num_microbatches"],
+        "memory_peak": mem["peak"],
+        "memory_capacity": mem["capacity"],
+        "fits": mem["fits"],
+        "warnings": len(plan.warnings),
+    }
 
 
 def cmd_check(args) -> int:
@@ -84,11 +107,21 @@ def cmd_check(args) -> int:
     _print_diags(plan.warnings, source, args.format)
     if args.format == "text":
         print(_summary(plan))
+    else:  # a positive signal for editors and CI: one JSON line, after the warnings
+        print(json.dumps(_summary_dict(plan), sort_keys=True))
     return EXIT_OK
 
 
+def _plan_format(args) -> str:
+    """The format `plan` prints: ``--json`` is short for ``--format json``, so the two may
+    be given together only when they agree (``--json --format dot`` is a usage error)."""
+    if args.json and args.format not in (None, "json"):
+        raise _Usage(f"--json is short for --format json; it cannot be combined with --format {args.format}")
+    return "json" if args.json else (args.format or "text")
+
+
 def cmd_plan(args) -> int:
-    fmt = "json" if args.json else args.format
+    fmt = _plan_format(args)
     try:
         plan, source = _compile(args.spec)
     except SpecError as e:
@@ -105,7 +138,15 @@ def cmd_plan(args) -> int:
 
 
 # every file `compile` may write; ones a new plan does not produce are removed from DIR
-GENERATED = ("plan.json", "report.md", "graph.txt", "program.py", "launch.sh")
+GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "launch.sh")
+TIMELINE_SECTION = """
+## Timeline of one step
+
+![simulated timeline of one step](timeline.svg)
+
+The schedule's actions run by the simulator with the cost model's times; `trace.json` holds
+the same timeline in Chrome trace format (open it in Perfetto or chrome://tracing).
+"""
 
 
 def build_outputs(plan, out_dir: Path) -> dict[str, str]:
@@ -114,8 +155,10 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
 
     files = {
         "plan.json": plan.to_json(),
-        "report.md": plan.report_md(),
+        "report.md": plan.report_md() + TIMELINE_SECTION,
         "graph.txt": plan.graph_dump(),
+        "trace.json": plan.trace_json(),
+        "timeline.svg": plan.timeline_svg(),
     }
     if plan.config.workload == "train":
         files["program.py"] = render_program(plan.config, plan.data, out_dir)
@@ -123,18 +166,29 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     return files
 
 
+def _output_dir(args) -> Path | None:
+    """``-o DIR`` as a path (None: the default). An empty or blank DIR is a usage error:
+    it would otherwise mean the working directory, where `compile` removes stale files."""
+    if args.output is None:
+        return None
+    if not args.output.strip():
+        raise _Usage("-o needs a directory name, got an empty string; omit -o for build/<spec name>/")
+    return Path(args.output)
+
+
 def _compile_to(args) -> tuple[object, Path]:
     from parcompile.codegen.emit import write_files
 
     from parcompile.codegen.emit import program_gaps
 
+    output = _output_dir(args)  # before compiling: a usage error comes first
     plan, source = _compile(args.spec)
     gaps = program_gaps(plan.config, "error" if args.command == "run" else "warning")
     if args.command == "run" and gaps:
         raise SpecError(gaps, source)
     _print_diags(plan.warnings + gaps, source)
     name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"
-    out = Path(args.output) if args.output else Path("build") / name
+    out = output if output is not None else Path("build") / name
     files = build_outputs(plan, out)
     try:
         write_files(out, files, executable=("launch.sh",), stale=GENERATED)
@@ -183,6 +237,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from parcompile.config.text import plural
     from parcompile.verify import verify
 
     try:
@@ -201,7 +256,8 @@ def cmd_verify(args) -> int:
     m, p = result.mini.model, result.mini.parallel
     print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
           f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}, {p.schedule}, "
-          f"{p.num_microbatches} micro-batches, {args.steps} steps; reference: one process")
+          f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
+          f"reference: one process")
     print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
     print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
     print(result.table())
@@ -223,7 +279,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print the plan report, plan.json or the graph (Graphviz)")
     p.add_argument("spec")
-    p.add_argument("--format", choices=["text", "json", "dot"], default="text")
+    p.add_argument("--format", choices=["text", "json", "dot"], default=None,
+                   help="text (the report, default), json (plan.json) or dot (the graph, Graphviz)")
     p.add_argument("--json", action="store_true", help="short for --format json")
     p.set_defaults(fn=cmd_plan)
 

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from parcompile.analysis.cost import analyze, kv_heads_per_rank
+from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
@@ -106,7 +107,12 @@ def compile_config(cfg: SpecConfig) -> Plan:
     memory, time, kv_tok = cost.memory, cost.time, cost.kv_bytes_per_token
 
     warnings = list(ctx.warnings)
-    if not memory.fits:
+    serve = None
+    if cfg.workload == "serve" and cfg.serve is not None:
+        serve = serve_report(cfg, graph.meta["chunks"], params.per_stage, groups)
+        memory = serve.memory()
+        _check_serve_fits(cfg, serve, warnings)
+    elif not memory.fits:
         worst = max(memory.per_stage, key=lambda s: s.total)
         warnings.append(Diagnostic(
             "warning",
@@ -185,21 +191,36 @@ def compile_config(cfg: SpecConfig) -> Plan:
             "assumptions": time.assumptions,
         },
     }
-    if cfg.workload == "serve" and cfg.serve is not None:
-        data["serve"] = _serve_section(cfg, memory, kv_tok)
+    if serve is not None:
+        data["serve"] = serve.to_dict()
+        assert data["serve"]["kv_bytes_per_token"] == max(kv_tok)
     return Plan(cfg, graph, data, warnings, dict(ctx.degrees))
 
 
-def _serve_section(cfg: SpecConfig, memory, kv_tok: list[int]) -> dict[str, Any]:
-    """SPEC 3 ``serve``: the most loaded rank's KV bytes per token and how many tokens fit."""
-    free = [memory.capacity - (s.params + s.activations + s.buffers) for s in memory.per_stage]
-    fits = [max(f, 0) // k if k else 0 for f, k in zip(free, kv_tok)]
-    sv = cfg.serve
-    return {
-        "kv_bytes_per_token": max(kv_tok),
-        "max_concurrent_tokens": int(min(fits)) if fits else 0,
-        "batch": sv.batch,
-        "prompt_len": sv.prompt_len,
-        "max_new_tokens": sv.max_new_tokens,
-        "kv_cache_bytes_per_rank": max(s.kv_cache for s in memory.per_stage),
-    }
+def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
+    """Serving memory: an error when not even one sequence of ``prompt_len +
+    max_new_tokens`` tokens fits beside the weights (with what would fit), a
+    ``does-not-fit`` warning when the whole batch does not."""
+    worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_cache)
+    if not rep.one_sequence_fits:
+        one = max(rep.stages, key=lambda s: s.weights + s.workspace + rep.context * s.kv_bytes_per_token)
+        need = one.weights + one.workspace + rep.context * one.kv_bytes_per_token
+        advice = fit_advice(cfg, rep)
+        raise SpecError([Diagnostic(
+            "error",
+            f"one sequence of {rep.context:,} tokens does not fit: stage {one.stage} needs {_gb(need)} per GPU "
+            f"(weights {_gb(one.weights)}, workspace {_gb(one.workspace)}, KV cache "
+            f"{_gb(rep.context * one.kv_bytes_per_token)}), {_gb(rep.capacity)} are usable",
+            cfg.span("serve.prompt_len"),
+            help=("would fit: " + "; ".join(advice)) if advice else "use GPUs with more memory",
+            code="does-not-fit")])
+    if not rep.batch_fits:
+        seqs = rep.max_concurrent_tokens // rep.context
+        warnings.append(Diagnostic(
+            "warning",
+            f"the KV cache of batch {rep.batch_per_replica} per replica needs {_gb(worst.kv_cache)} per GPU on "
+            f"stage {worst.stage}; {_gb(max(worst.free_for_kv, 0))} are left beside the weights",
+            cfg.span("serve.batch"),
+            help=f"at most {seqs} sequences of {rep.context:,} tokens fit ({rep.max_concurrent_tokens:,} tokens "
+                 f"of cache); lower batch, raise tp or pp, or set kv_dtype = fp8",
+            code="does-not-fit"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parcompile.config.schema import SpecConfig
+from parcompile.config.text import plural
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
@@ -47,6 +48,18 @@ class Plan:
     def graph_dump(self) -> str:
         """One line per op (see :mod:`parcompile.ir.printer`)."""
         return dump(self.graph, self.degrees)
+
+    def trace_json(self) -> str:
+        """``trace.json``: the simulated timeline of one step (Chrome trace format)."""
+        from parcompile.analysis.trace import chrome_trace
+
+        return chrome_trace(self)
+
+    def timeline_svg(self) -> str:
+        """``timeline.svg``: the same timeline as a picture (linked from report.md)."""
+        from parcompile.analysis.trace import timeline_svg
+
+        return timeline_svg(self)
 
     def graph_dot(self) -> str:
         """The graph in Graphviz DOT (``parcompile plan --format dot``)."""
@@ -85,7 +98,8 @@ def plan_warnings(d: dict[str, Any]) -> list[str]:
     if bubble > 0.2:
         sch = d["schedule"]
         out.append(f"The pipeline idles {bubble:.0%} of its compute time (bubble, {sch['name']} with "
-                   f"{sch['num_microbatches']} micro-batches over {d['degrees']['pp']} stages). More "
+                   f"{plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')} over "
+                   f"{plural(d['degrees']['pp'], 'stage')}). More "
                    "micro-batches per step, fewer stages or virtual stages (interleaved_1f1b) shrink it.")
     links = d["estimate"].get("assumptions", {}).get("links", {})
     if links.get("tp") == "inter-node":
@@ -97,14 +111,14 @@ def plan_warnings(d: dict[str, Any]) -> list[str]:
 def render_report(d: dict[str, Any]) -> str:
     """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate."""
     out = [f"# Plan `{d.get('name', 'spec')}`", "",
-           f"parcompile {d['version']}, {d['world_size']} ranks, order `{d['order']}`, "
+           f"parcompile {d['version']}, {plural(d['world_size'], 'rank')}, order `{d['order']}`, "
            f"workload `{d.get('workload', 'train')}`.", ""]
     deg = d["degrees"]
     out += ["## Degrees", "", "| " + " | ".join(deg) + " |", "|" + "---|" * len(deg),
             "| " + " | ".join(str(v) for v in deg.values()) + " |", ""]
     out += ["## Groups", ""]
     for k, g in d["groups"].items():
-        out.append(f"- `{k}` ({len(g[0]) if g else 0} ranks each): {_groups_line(g)}")
+        out.append(f"- `{k}` ({plural(len(g[0]) if g else 0, 'rank')} each): {_groups_line(g)}")
     mdl = d["model"]
     out += ["", "## Model", "",
             f"{mdl['params']:,} parameters ({mdl['active_params']:,} active), padded vocabulary "
@@ -118,7 +132,7 @@ def render_report(d: dict[str, Any]) -> str:
         out.append(f"| {s['index']} | {layers} | {ranks} | {s['params_per_rank']:,} |")
     sch = d["schedule"]
     out += ["", "## Schedule", "",
-            f"`{sch['name']}`, {sch['num_microbatches']} micro-batches, bubble "
+            f"`{sch['name']}`, {plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')}, bubble "
             f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
     warns = plan_warnings(d)
     if warns:

@@ -277,7 +277,8 @@ def predicted_collectives(plan: dict, stage: int) -> dict[tuple[str, str, int], 
 
 
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
-    """Measured parameters per rank and collectives per step against the plan's figures."""
+    """Measured parameters per rank, collectives per step and the executed pipeline
+    actions against the plan."""
     bad_params, bad_comm = [], []
     for r in records:
         stage = r["stage"]
@@ -291,12 +292,22 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             bad_comm.append(f"rank {r['rank']}: " + ", ".join(
                 f"{op} {axis} {b} B x{n} ({'measured' if measured.get((op, axis, b)) == n else 'planned'})"
                 for (op, axis, b), n in diff[:4]))
+    bad_order = []
+    for r in records:
+        planned = [[a["op"], a["microbatch"], a["chunk"]] for a in plan["schedule"]["actions"][r["stage"]]]
+        ran = [list(a) for a in r.get("actions", [])]
+        if ran != planned:
+            first = next((i for i, (x, y) in enumerate(zip(ran, planned)) if x != y), min(len(ran), len(planned)))
+            bad_order.append(f"rank {r['rank']}: action {first} ran {ran[first:first + 1]} "
+                             f"where the plan has {planned[first:first + 1]}")
     total_calls = sum(c["count"] for r in records for c in r["comm"])
     return [
         Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad_params else math.inf, 0.0,
               not bad_params, "; ".join(bad_params[:3])),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,
               not bad_comm, "; ".join(bad_comm[:2])),
+        Check(f"pipeline actions as planned ({sum(len(r.get('actions', [])) for r in records)})",
+              0.0 if not bad_order else math.inf, 0.0, not bad_order, "; ".join(bad_order[:2])),
     ]
 
 

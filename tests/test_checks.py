@@ -227,7 +227,7 @@ def test_stage_layers_entries_at_least_one():
     found = diags(text)
     line, col = where(text, "stage_layers = [4, 0]")
     assert [(m, l, c, h) for _, m, l, c, h, _ in found] == [
-        ("stage_layers entries must be at least 1, got `0`", line, col + 4, "use 1 or more")]
+        ("each stage_layers entry must be at least 1, got `0`", line, col + 4, "use 1 or more")]
 
 
 # -- batches and schedules ------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_1f1b_with_few_microbatches_warns():
     text = spec(parallel={"global_batch": "4"})
     cfg, warnings = load_spec(text, filename="t.par")
     assert [(d.severity, d.message, d.span.line, d.span.column, d.help) for d in warnings] == [
-        ("warning", "1f1b with m = 1 micro-batches on pp = 2 stages: the bubble grows",
+        ("warning", "1f1b with m = 1 micro-batch on pp = 2 stages: the bubble grows",
          *where(text, "global_batch = 4"), "global_batch >= 8 gives m >= pp")]
 
 
@@ -390,3 +390,60 @@ def test_sizes_beyond_what_a_plan_is_built_for():
     assert message == ("m(100000) * pp(2) * virtual_stages(1) = 200000 micro-batch steps per optimizer step is "
                        "more than the pipeline schedule is simulated for (at most 65536)")
     assert help == "raise micro_batch (m = global_batch / (micro_batch * dp) = 400000 / (2 * 2)) or lower global_batch"
+
+
+# -- keys written to no effect are warnings ----------------------------------------------------
+
+
+def test_top_k_on_a_dense_model_warns():
+    text = spec(model={"experts": "0", "top_k": "2"})
+    assert diags(text) == [("warning", "top_k = 2 has no effect: experts = 0 makes a dense model",
+                            *where(text, "top_k = 2"),
+                            "remove `top_k`, or set `experts` for a mixture-of-experts model", None)]
+
+
+def test_rotary_fraction_and_rope_theta_without_rope_warn():
+    text = spec(model={"position": "learned", "rotary_fraction": "0.5", "rope_theta": "500000"})
+    assert diags(text) == [
+        ("warning", "rotary_fraction = 0.5 has no effect with position = learned", *where(text, "rotary_fraction = 0.5"),
+         "remove `rotary_fraction`, or set `position = rope`",
+         "rotary_fraction is the share of each head's dims that get RoPE"),
+        ("warning", "rope_theta = 500000 has no effect with position = learned", *where(text, "rope_theta = 500000"),
+         "remove `rope_theta`, or set `position = rope`", "rope_theta is the base of RoPE's frequencies"),
+    ]
+    assert diags(spec(model={"position": "rope", "rotary_fraction": "0.5"})) == []
+
+
+def test_expert_tp_on_a_dense_model_warns():
+    text = spec(parallel={"expert_tp": "1"})
+    assert diags(text) == [("warning", "expert_tp = 1 has no effect: the model has no experts (experts = 0)",
+                            *where(text, "expert_tp = 1"),
+                            "remove `expert_tp`, or set `experts` in the `model` block", None)]
+
+
+def test_max_positions_without_learned_positions_warns():
+    text = spec(model={"max_positions": "128"})
+    assert diags(text) == [("warning", "max_positions = 128 has no effect with position = rope",
+                            *where(text, "max_positions = 128"),
+                            "remove `max_positions`, or set `position = learned`",
+                            "max_positions is the number of rows of a learned position table")]
+
+
+def test_learned_positions_need_max_positions_at_least_seq_len():
+    cfg, warnings = load_spec(spec(model={"position": "learned"}))
+    assert cfg.model.max_positions == cfg.model.seq_len == 64 and warnings == []
+    cfg, _ = load_spec(spec(model={"position": "learned", "max_positions": "128"}))
+    assert cfg.model.max_positions == 128
+    text = spec(model={"position": "learned", "max_positions": "32"})
+    assert one(text, "seq_len = 64") == (
+        "seq_len = 64 exceeds max_positions = 32, the rows of the learned position table",
+        "use seq_len <= 32, or write `max_positions = 64` (a larger table)", None)
+
+
+def test_list_entries_are_worded_in_the_singular():
+    text = spec(train={"betas": "[0.9, 2]"})
+    [(severity, message, line, column, help, note)] = diags(text)
+    assert message == "each betas entry must be in [0, 1), got `2`"
+    assert help == "each betas entry is a fraction: write e.g. `0.1` or `10%`"
+    found = diags(spec(parallel={"stage_layers": "[1, x]"}))
+    assert [(d[1], d[4]) for d in found] == [("expected an integer, got `x`", "each stage_layers entry takes a whole number")]

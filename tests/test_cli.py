@@ -104,7 +104,7 @@ def test_compile_writes_every_file_identically(tmp_path, monkeypatch, capsys):
     for out in (tmp_path / "a", tmp_path / "b"):
         assert main(["compile", "examples/tiny.par", "-o", str(out)]) == 0
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.md"]
+    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.md", "timeline.svg", "trace.json"]
     for n in names:
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
     py_compile.compile(str(tmp_path / "a" / "program.py"), doraise=True)
@@ -144,3 +144,57 @@ def test_launch_script_and_checkpoint(tmp_path, monkeypatch):
     assert set(state) == set(final)
     for name, t in final.items():
         torch.testing.assert_close(state[name], t, atol=0, rtol=0, msg=name)
+
+
+def test_check_json_says_ok_for_a_valid_spec(monkeypatch, capsys):
+    """Editors and CI get a positive signal: one JSON line, the text summary as its message."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "examples/tiny.par"]) == 0
+    summary = capsys.readouterr().out.strip()
+    assert main(["check", "examples/tiny.par", "--format", "json"]) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert record["severity"] == "ok" and record["file"] == "examples/tiny.par"
+    assert record["message"] == summary and record["world_size"] == 8 and record["warnings"] == 0
+    assert record["degrees"]["tp"] == 2 and record["fits"] is True
+
+
+def test_check_json_lists_warnings_before_the_ok_line(tmp_path, monkeypatch, capsys):
+    spec = tmp_path / "w.par"
+    spec.write_text((REPO / "examples" / "tiny.par").read_text().replace("vocab", "top_k = 2\n    vocab", 1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "w.par", "--format", "json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["severity"] for r in records] == ["warning", "ok"] and records[1]["warnings"] == 1
+
+
+def test_plan_json_and_format_must_agree(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "examples/tiny.par", "--json", "--format", "dot"]) == 2
+    assert "--json is short for --format json; it cannot be combined with --format dot" in capsys.readouterr().err
+    assert main(["plan", "examples/tiny.par", "--json", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 8
+
+
+@pytest.mark.parametrize("output", ["", "  "])
+def test_compile_to_an_empty_output_is_a_usage_error(output, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["compile", str(REPO / "examples" / "tiny.par"), "-o", output]) == 2
+    assert "-o needs a directory name" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_report_and_summary_words_agree_with_their_numbers(tmp_path, monkeypatch, capsys):
+    """`1 rank`, `1 micro-batch`, `(1 rank each)`: no `1 ranks`."""
+    spec = tmp_path / "one.par"
+    spec.write_text('model m { layers = 2, hidden = 64, heads = 4, vocab = 256, seq_len = 16 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "one.par"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: 1 rank (" in out and "1 micro-batch," in out
+    assert main(["plan", "one.par"]) == 0
+    report = capsys.readouterr().out
+    assert "1 rank, order" in report and "(1 rank each)" in report and "1 micro-batch, bubble" in report
+    assert "1 ranks" not in report and "1 micro-batches" not in report

@@ -122,9 +122,9 @@ SEP_HELP = "write one `key = value` per line, or separate entries with `,`"
     ("tp = 8", ("`tp = ...` is outside of any block", 1, 1,
                 "entries go inside a block, e.g. `parallel { tp = 8 }`")),
     ("model a b {\n}", ("expected `{` to open the `model` block, found `b`", 1, 9,
-                        'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`')),
+                        'a block is `KIND NAME [from "SOURCE"] { key = value ... }` (`parallel`, `train` and `serve`: `KIND { ... }`)')),
     ("model a", ("expected `{` to open the `model` block, found the end of the file", 1, 8,
-                 'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`')),
+                 'a block is `KIND NAME [from "SOURCE"] { key = value ... }` (`parallel`, `train` and `serve`: `KIND { ... }`)')),
     ("parallel {\n  s = [1, 2\n}", ("expected `,` or `]` in the list, found `}`", 3, 1,
                                     "list items are separated by `,`: `[8, 8, 7, 7]`")),
     ("parallel {\n  s = [1, 2", ("unclosed `[`", 2, 7, "close the list with `]`")),
@@ -132,7 +132,7 @@ SEP_HELP = "write one `key = value` per line, or separate entries with `,`"
     ("parallel {\n  tp = 8 @\n}", ("unexpected character `@`", 2, 10,
                                    "keys and names are lower_snake_case words; strings go in double quotes")),
     ("= 3", ("expected a block, found `=`", 1, 1,
-             'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`; '
+             'a block is `KIND NAME [from "SOURCE"] { key = value ... }` (`parallel`, `train` and `serve`: `KIND { ... }`); '
              "blocks are model, cluster, parallel, train, serve")),
     ("parallel { s = " + "[" * 20 + " }", ("lists nested more than 16 deep", 1, 32,
                                           "values are flat lists such as `[8, 8, 7, 7]`")),
@@ -327,3 +327,122 @@ def test_text_source_names():
 
 # -- no user mistake shows a traceback: tests/test_fuzz.py (random and mutated specs, compiled
 # all the way to a plan, under a timeout)
+
+
+# -- issues a new user hit (one test per fix) -----------------------------------------------------
+
+
+def test_byte_order_mark_is_ignored_and_columns_stay_right():
+    text = MODEL + CLUSTER + PARALLEL
+    cfg, _ = load_spec("\ufeff" + text, filename="s.par")
+    assert cfg.parallel.tp == 8 and cfg.model.name == "m"
+    # a mistake on the first line is reported at the column a user sees (the BOM is invisible)
+    with pytest.raises(SpecError) as e:
+        load_spec("\ufeffmodel m from \"llama3-7b\" { }\n" + CLUSTER, filename="s.par")
+    [d] = e.value.diagnostics
+    assert (d.span.line, d.span.column) == (1, 14)
+    assert "\ufeff" not in e.value.render()
+    assert parse("\ufeff" + text, "s.par").blocks[0].span == Span("s.par", 1, 1, 1, 25)
+
+
+def test_byte_order_mark_in_a_file(tmp_path):
+    spec = tmp_path / "bom.par"
+    spec.write_bytes(b"\xef\xbb\xbf" + (MODEL + CLUSTER + PARALLEL).encode())
+    cfg, _ = load_spec(spec)
+    assert cfg.parallel.tp == 8
+
+
+@pytest.mark.parametrize("text, expected", [
+    # the key is named whole, the caret sits under the bad character
+    ("model m {\n    läyers = 4\n}", ("invalid character `ä` in key `läyers`", 2, 6,
+                                     "write `layers`; keys are lower_snake_case ASCII words "
+                                     "(letters a-z, digits and `_`)")),
+    ("model m {\n  äyers = 4\n}", ("invalid character `ä` in key `äyers`", 2, 3,
+                                   "write `ayers`; keys are lower_snake_case ASCII words "
+                                   "(letters a-z, digits and `_`)")),
+    ("model mödel { }", ("invalid character `ö` in name `mödel`", 1, 8,
+                         "write `model`; block kinds and names are ASCII words "
+                         "(letters, digits, `_`, `.` and `-`)")),
+    ("model m {\n  norm = rmsnörm\n}", ("invalid character `ö` in value `rmsnörm`", 2, 14,
+                                        "write `rmsnorm`; bare-word values are ASCII; "
+                                        "put other text in double quotes")),
+])
+def test_non_ascii_letters_in_words(text, expected):
+    assert syntax_error(text) == expected
+
+
+@pytest.mark.parametrize("literal, message, help", [
+    ("2__56", "misplaced `_` in the number `2__56`", "`_` goes between two digits, one at a time (`128_256`); write `256`"),
+    ("256_", "misplaced `_` in the number `256_`", "`_` goes between two digits, one at a time (`128_256`); write `256`"),
+    ("1__0.5", "misplaced `_` in the number `1__0.5`",
+     "`_` goes between two digits, one at a time (`128_256`); write `10.5`"),
+    ("0256", "integer `0256` has a leading zero", "write `256`"),
+    ("-007", "integer `-007` has a leading zero", "write `-7`"),
+])
+def test_malformed_integer_literals(literal, message, help):
+    text = f"model m {{\n    layers = {literal}\n}}"
+    with pytest.raises(SpecError) as e:
+        parse(text, "s.par")
+    [d] = e.value.diagnostics
+    assert (d.message, d.span.line, d.span.column, d.help) == (message, 2, 14, help)
+    if "leading zero" in message:
+        assert "octal" in d.note
+
+
+def test_well_formed_integer_literals_still_parse():
+    spec = parse("parallel { a = 0, b = 128_256, c = -1, d = 0.5, e = 00.5, f = 1_000.5, g = 3e-4 }", "s.par")
+    values = [e.value.value for e in spec.blocks[0].entries]
+    assert values == [0, 128256, -1, 0.5, 0.5, 1000.5, 3e-4]
+
+
+def test_model_and_cluster_need_a_name():
+    assert errors('model from "llama3-8b" { }\ncluster { gpus_per_node = 8 }\n' + PARALLEL) == [
+        ("`model` block needs a name", 1, 1,
+         'write `model llama from "llama3-8b" { ... }`; the name is a word such as `llama`', None),
+        ("`cluster` block needs a name", 2, 1, "write `cluster gpus { ... }`; the name is a word such as `gpus`",
+         None),
+    ]
+
+
+def test_suggestions_are_case_aware():
+    found = errors('model m from "llama3-8b" { Layers = 4, norm = RMSNorm }\n'
+                   'cluster c from "H100-sxm" { hbm_bw = 3 tb/s }\n' + PARALLEL + "train { optimizer = adamW }\n")
+    helps = {message: help for message, _, _, help, _ in found}
+    assert helps["unknown key `Layers` in `model`"].startswith(
+        "did you mean `layers` (keys are lower_snake_case)? keys of `model` are ")
+    assert helps["unknown norm `RMSNorm`"] == \
+        "did you mean `rmsnorm` (values are case-sensitive)? norm may be `layernorm` or `rmsnorm`"
+    assert helps["unknown cluster preset `H100-sxm`"].startswith(
+        "did you mean `h100-sxm` (preset names are case-sensitive)? cluster presets are ")
+    assert helps["unknown unit `tb/s`"].startswith("did you mean `TB/s` (units are case-sensitive)? units are ")
+    assert helps["unknown optimizer `adamW`"] == \
+        "did you mean `adamw` (values are case-sensitive)? optimizer may be `adamw`, `adam` or `sgd`"
+
+
+def test_did_you_mean_prefers_a_case_insensitive_match():
+    from parcompile.config.text import close_matches, did_you_mean
+    from parcompile.config.units import UNITS
+
+    assert close_matches("tb/s", UNITS) == ["TB/s"]          # not `Gb/s`, the closest by raw spelling
+    assert close_matches("gb/s", UNITS) == ["GB/s", "Gb/s"]  # both differ only in case
+    assert close_matches("Gib", UNITS) == ["GiB"]
+    assert close_matches("adamW", ["adamw", "adam", "sgd"]) == ["adamw"]
+    assert close_matches("hiden", ["hidden", "heads"]) == ["hidden"]
+    assert close_matches("zzz", ["hidden"]) == []
+    assert did_you_mean("gb/s", UNITS, "units are case-sensitive") == \
+        "did you mean `GB/s` or `Gb/s` (units are case-sensitive)? "
+    assert did_you_mean("hiden", ["hidden"], "keys are lower_snake_case") == "did you mean `hidden`? "
+
+
+@pytest.mark.parametrize("source, word", [(123, "int"), (None, "NoneType"), (b"model m { }", "bytes"),
+                                          (bytearray(b"x"), "bytearray"), (["x"], "list")])
+def test_compile_rejects_what_is_not_a_spec_at_the_boundary(source, word):
+    import parcompile
+
+    with pytest.raises(TypeError) as e:
+        parcompile.compile(source)
+    assert str(e.value).startswith(f"source must be the spec text (str) or a pathlib.Path, got {word}")
+    with pytest.raises(TypeError):
+        load_spec(source)
+    with pytest.raises(TypeError, match="filename must be a str or None, got int"):
+        parcompile.compile(MODEL + CLUSTER, filename=3)

@@ -16,11 +16,15 @@ from parcompile.codegen.emit import render_program
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"
 EXAMPLES = sorted((REPO / "examples").glob("*.par"))
+TRACED = ("tiny", "llama3_8b_zero_bubble_1x8_h100")  # golden timelines (trace.json) for two examples
+README_TIMELINE = ("llama3_8b_zero_bubble_1x8_h100", REPO / "docs" / "timeline.svg")  # the README's picture
 
 
 def _outputs(spec: Path) -> dict[str, str]:
     plan = parcompile.compile(spec.relative_to(REPO))
     out = {"plan.json": plan.to_json(), "graph.txt": plan.graph_dump()}
+    if spec.stem in TRACED:
+        out["trace.json"] = plan.trace_json()
     if plan.config.workload == "train":
         out["program.py"] = render_program(plan.config, plan.data, REPO / "build" / plan.config.name)
     return out
@@ -34,8 +38,11 @@ def test_examples_exist():
 def test_golden(spec, request, monkeypatch):
     monkeypatch.chdir(REPO)  # plans name files relative to where parcompile runs
     update = request.config.getoption("--update-goldens")
-    for name, text in _outputs(spec).items():
-        path = GOLDEN / spec.stem / name
+    outputs = _outputs(spec)
+    if spec.stem == README_TIMELINE[0]:
+        outputs["timeline.svg"] = parcompile.compile(spec.relative_to(REPO)).timeline_svg()
+    for name, text in outputs.items():
+        path = README_TIMELINE[1] if name == "timeline.svg" else GOLDEN / spec.stem / name
         if update:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)

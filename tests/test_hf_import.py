@@ -38,11 +38,10 @@ PUBLISHED = {
 def spec_for(name: str, tmp_path: Path) -> Path:
     """A spec importing ``tests/data/hf/NAME.json`` on one GPU.
 
-    Short sequences keep it quick, except with learned positions: their table has
-    ``seq_len`` rows, so GPT-2 keeps its ``n_positions`` (1024).
+    Short sequences keep it quick; a learned position table keeps its ``n_positions`` rows
+    (``max_positions``) whatever ``seq_len`` is, so GPT-2 still counts 124,439,808.
     """
-    learned = load_hf_config(HF / f"{name}.json").get("position") == "learned"
-    body = "" if learned else "\n    seq_len = 512\n"
+    body = "\n    seq_len = 512\n"
     spec = tmp_path / f"{name}.par"
     spec.write_text(f'model m from "{HF / (name + ".json")}" {{{body}}}\n'
                     'cluster c from "h100-sxm" {\n    gpus_per_node = 1\n}\n')
@@ -105,3 +104,36 @@ def test_import_error_is_a_diagnostic_at_the_from(tmp_path):
     [d] = [d for d in e.value.diagnostics if d.severity == "error"]
     assert (d.span.line, d.span.column) == (1, 14) and "cannot be mapped" in d.message
     assert d.help and "qkv_bias" in d.help
+
+
+def test_gpt2_position_table_is_sized_by_n_positions_not_seq_len(tmp_path):
+    """GPT-2 with n_positions = 64 trained on 32-token sequences: Hugging Face's
+    GPT2LMHeadModel has a 64 x hidden `wpe`, and so does the plan (268,160 parameters)."""
+    cfg = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 64}
+    (tmp_path / "gpt2.json").write_text(json.dumps(cfg))
+    assert from_hf_dict(cfg)["max_positions"] == 64
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "gpt2.json" { seq_len = 32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n')
+    plan = parcompile.compile(spec)
+    assert (plan.config.model.seq_len, plan.config.model.max_positions) == (32, 64)
+    assert plan.data["model"]["params"] == 268_160  # = GPT2LMHeadModel(that config) parameters
+    # the Llama family maps max_position_embeddings the same way
+    llama = json.loads((HF / "llama-2-7b.json").read_text())
+    assert from_hf_dict(llama)["max_positions"] == llama["max_position_embeddings"] == 4096
+
+
+def test_seq_len_beyond_the_learned_position_table_is_an_error(tmp_path):
+    cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 64}
+    (tmp_path / "gpt2.json").write_text(json.dumps(cfg))
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "gpt2.json" { seq_len = 128 }\ncluster c from "cpu" { gpus_per_node = 1 }\n')
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.compile(spec)
+    [d] = e.value.diagnostics
+    assert d.message == "seq_len = 128 exceeds max_positions = 64, the rows of the learned position table"
+    assert (d.span.line, d.span.column) == (1, 38)  # at `128`
+    assert d.help == "use seq_len <= 64, or write `max_positions = 128` (a larger table)"
+    # a larger table in the block fixes it
+    spec.write_text('model m from "gpt2.json" { seq_len = 128, max_positions = 128 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\n')
+    assert parcompile.compile(spec).config.model.max_positions == 128

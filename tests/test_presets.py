@@ -41,7 +41,7 @@ def count_params(m: ModelConfig) -> int:
     total = m.layers * (attn + 2 * norm) + ffn_params + norm
     total += m.vocab * h * (1 if m.tie_embeddings else 2)
     if m.position == "learned":
-        total += m.seq_len * h
+        total += m.max_positions * h
     return total
 
 

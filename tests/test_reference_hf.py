@@ -97,10 +97,11 @@ def test_llama_style_matches_transformers(tmp_path):
 def test_gpt2_style_matches_transformers(tmp_path):
     cfg = tiny_config(model=dict(layers=2, hidden=64, heads=4, kv_heads=4, ffn_hidden=256, vocab=256,
                                  norm="layernorm", activation="gelu", position="learned", bias=True,
-                                 tie_embeddings=True, norm_eps=1e-5, attention="unfused"))
+                                 tie_embeddings=True, norm_eps=1e-5, attention="unfused", max_positions=40))
     m = cfg.model
+    assert m.max_positions > m.seq_len  # the position table is sized by n_positions, not seq_len
     hcfg = transformers.GPT2Config(
-        vocab_size=m.vocab, n_positions=m.seq_len, n_embd=m.hidden, n_layer=m.layers, n_head=m.heads,
+        vocab_size=m.vocab, n_positions=m.max_positions, n_embd=m.hidden, n_layer=m.layers, n_head=m.heads,
         n_inner=m.ffn_hidden, activation_function="gelu", layer_norm_epsilon=m.norm_eps,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
     )

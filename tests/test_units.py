@@ -81,7 +81,19 @@ def test_bare_number_where_quantity_is_needed():
 def test_unknown_unit():
     message, line, col, help = _one(cluster("memory = 80 Gib"))
     assert (message, line, col) == ("unknown unit `Gib`", 2, 13)
-    assert help.startswith("did you mean `GiB`? units are `B`, `KB`")
+    assert help.startswith("did you mean `GiB` (units are case-sensitive)? units are `B`, `KB`")
+
+
+@pytest.mark.parametrize("written, help", [
+    # a case-insensitive match wins over the closest raw spelling (`tb/s` is nearer `Gb/s`)
+    ("hbm_bw = 3 tb/s", "did you mean `TB/s` (units are case-sensitive)? "),
+    ("inter_node_bw = 400 gb/s", "did you mean `GB/s` or `Gb/s` (units are case-sensitive)? "),
+    ("peak_flops = 989 tflops", "did you mean `TFLOPS` (units are case-sensitive)? "),
+    ("peak_flops = 989 TFLOP", "did you mean `TFLOPS`? "),
+])
+def test_unknown_unit_suggestions_are_case_aware(written, help):
+    message, line, col, got = _one(cluster(written))
+    assert message.startswith("unknown unit") and got.startswith(help + "units are `B`, ")
 
 
 def test_word_where_quantity_is_needed():

@@ -58,7 +58,8 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     """Run every analysis on ``graph`` (passes up to ``insert-collectives`` at least)."""
     par, model = cfg.parallel, cfg.model
     groups = rank_groups(par)
-    params = param_report(graph, degrees, par.pp, model.tie_embeddings, model.experts, model.top_k)
+    replicated = model.kv_heads if (par.tp > 1 and model.kv_heads % par.tp) else 0
+    params = param_report(graph, degrees, par.pp, model.tie_embeddings, model.experts, model.top_k, replicated)
     m = par.num_microbatches if sched is None else sched.num_microbatches
     compute = graph.meta.get("compute")
     if compute is None or not compute.chunk_fwd_traffic:

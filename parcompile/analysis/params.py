@@ -5,7 +5,10 @@
 * ``active_params``: the same, counting only ``top_k`` routed experts per MoE layer.
 * per pipeline rank: the parameters one rank of that stage holds, with the padded
   vocabulary, split by tensor/expert parallelism; a tied head is counted on the first and
-  on the last stage when pp > 1 (the last stage holds a copy), once when pp = 1.
+  on the last stage when pp > 1 (the last stage holds a copy), once when pp = 1. When a
+  serving plan replicates kv heads (tp a multiple of kv_heads, vLLM), the graph keeps the
+  kv projections unsplit; each rank still holds only its one (replicated) kv head, so
+  those parameters count ``numel / kv_heads`` per rank.
 """
 
 from __future__ import annotations
@@ -54,8 +57,13 @@ def model_params(graph: Graph) -> int:
     return sum(seen.values())
 
 
-def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool) -> list[StageParams]:
-    """Per pipeline rank, the parameter elements one rank holds (padded, sharded)."""
+def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
+                 replicated_kv_heads: int = 0) -> list[StageParams]:
+    """Per pipeline rank, the parameter elements one rank holds (padded, sharded).
+
+    ``replicated_kv_heads``: the model's kv heads when a serving plan replicates them over
+    tp (each rank then holds one kv head of every parameter with a ``kv`` dim), else 0.
+    """
     acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0} for _ in range(pp)]
     seen: set[tuple[int, str]] = set()
     for nd, p in graph.params():
@@ -64,6 +72,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool) 
             continue
         seen.add((s, p.name))
         n = p.sharding.local_type(p.type, degrees).numel
+        if replicated_kv_heads and p.type.has_dim("kv") and not p.sharding.split:
+            n //= replicated_kv_heads   # one replicated kv head per rank (vLLM)
         acc[s]["expert" if p.expert else "dense"] += n
         if not p.sharding.split and not p.expert:
             # replicated over tp (norms, row-parallel biases, learned positions): under
@@ -76,7 +86,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool) 
 
 
 def param_report(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
-                 experts: int = 0, top_k: int = 0) -> ParamReport:
+                 experts: int = 0, top_k: int = 0, replicated_kv_heads: int = 0) -> ParamReport:
     """Build the :class:`ParamReport` (expert weights scale by ``top_k / experts`` for
     ``active_params``)."""
     total = model_params(graph)
@@ -87,4 +97,4 @@ def param_report(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
             seen.add(p.name)
             expert += p.numel
     active = total - expert + (expert * top_k // experts if experts else 0)
-    return ParamReport(total, active, tuple(stage_params(graph, degrees, pp, tied)))
+    return ParamReport(total, active, tuple(stage_params(graph, degrees, pp, tied, replicated_kv_heads)))

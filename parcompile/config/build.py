@@ -102,6 +102,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
     "model": {
         "layers": _COUNT, "hidden": _COUNT, "heads": _COUNT, "kv_heads": _COUNT,
         "head_dim": _COUNT, "ffn_hidden": _COUNT, "vocab": _COUNT, "seq_len": _COUNT,
+        "max_positions": _COUNT,
         "norm": _enum(ModelConfig, "norm"),
         "activation": _enum(ModelConfig, "activation"),
         "position": _enum(ModelConfig, "position"),
@@ -157,6 +158,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,
         "kv_dtype": _enum(ServeConfig, "kv_dtype"),
         "weights": _STR, "seed": _NONNEG_INT,
+        "temperature": _NONNEG, "top_k": _NONNEG_INT, "prompt": _STR,
     },
 }
 
@@ -173,9 +175,11 @@ DERIVED_MODEL_KEYS = {
     "head_dim": ("hidden", "heads"),
     "ffn_hidden": ("hidden",),
     "expert_ffn_hidden": ("ffn_hidden",),
+    "max_positions": ("seq_len",),
 }
 
 _INVALID = object()  # what a wrong value converts to
+_PRESET_CASE = "preset names are case-sensitive"
 ZERO_HELP = "0 none, 1 shards optimizer states, 2 also gradients, 3 also parameters"
 
 
@@ -261,14 +265,15 @@ class _Values:
             return v.value
         word = v.value if isinstance(v, (ast.Word, ast.String)) else v.text
         self.bag.error(f"unknown {key} `{word}`", v.span,
-                       help=f"{did_you_mean(str(word), t.choices)}{key} may be {allowed}")
+                       help=f"{did_you_mean(str(word), t.choices, case_note='values are case-sensitive')}{key} may be {allowed}")
         return _INVALID
 
     def _unit_ok(self, q: ast.Quantity) -> bool:
         if q.unit in UNITS:
             return True
         self.bag.error(f"unknown unit `{q.unit}`", q.unit_span,
-                       help=f"{did_you_mean(q.unit, UNITS)}units are {or_list(UNITS, quote=True)}")
+                       help=f"{did_you_mean(q.unit, UNITS, case_note='units are case-sensitive')}units are "
+                            f"{or_list(UNITS, quote=True)}")
         return False
 
     def _quantity(self, key: str, t: KeyType, v: ast.Value) -> Any:
@@ -316,7 +321,7 @@ class _Values:
             self.bag.error(f"{key} needs {t.length} entries, got {len(v.items)}", v.span,
                            help=f"write `{key} = {example}`")
             return _INVALID
-        out = [self.convert(key + " entries", item, x) for x in v.items]
+        out = [self.convert(f"each {key} entry", item, x) for x in v.items]
         return _INVALID if any(x is _INVALID for x in out) else tuple(out)
 
     def _int_list(self, key: str, t: KeyType, v: ast.Value) -> Any:
@@ -348,7 +353,8 @@ class _Builder:
             kind = block.kind
             if kind not in KEYS:
                 self.bag.error(f"unknown block `{kind}`", block.span,
-                               help=f"{did_you_mean(kind, KEYS)}blocks are {or_list(KEYS, quote=True)}")
+                               help=f"{did_you_mean(kind, KEYS, case_note='block kinds are lowercase')}blocks are "
+                                    f"{or_list(KEYS, quote=True)}")
                 continue
             if kind in self.blocks:
                 first = self.blocks[kind].span.line
@@ -361,6 +367,10 @@ class _Builder:
                 if block.source is not None:
                     self.bag.error(f"`{kind}` takes no `from`", block.source_span,
                                    help="only `model` and `cluster` import presets")
+            elif block.name is None:
+                self.bag.error(f"`{kind}` block needs a name", block.span,
+                               help=f"write `{_named_example(block)}`; the name is a word such as "
+                                    f"`{_NAME_EXAMPLES[kind]}`")
             self.blocks[kind] = block
             self.ctx.spans[kind] = block.span
             self.read_entries(block)
@@ -386,7 +396,8 @@ class _Builder:
             seen[key] = entry
             if key not in keys:
                 self.bag.error(f"unknown key `{key}` in `{block.kind}`", entry.key_span,
-                               help=f"{did_you_mean(key, keys)}keys of `{block.kind}` are {', '.join(keys)}")
+                               help=f"{did_you_mean(key, keys, case_note='keys are lower_snake_case')}keys of "
+                                    f"`{block.kind}` are {', '.join(keys)}")
                 continue
             path = f"{block.kind}.{key}"
             self.ctx.spans[path] = entry.value_span
@@ -421,7 +432,7 @@ class _Builder:
                                help=f"model presets are {or_list(MODEL_PRESET_NAMES, quote=True)}")
             return None
         self._source_error(block, f"unknown model preset `{src}`",
-                           help=f"{did_you_mean(src, MODEL_PRESET_NAMES)}model presets are "
+                           help=f"{did_you_mean(src, MODEL_PRESET_NAMES, case_note=_PRESET_CASE)}model presets are "
                                 f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
                                 f"`config.json`")
         return None
@@ -438,7 +449,7 @@ class _Builder:
         else:
             message = f"unknown cluster preset `{src}`"
         self._source_error(block, message,
-                           help=f"{did_you_mean(src, CLUSTER_PRESET_NAMES)}cluster presets are "
+                           help=f"{did_you_mean(src, CLUSTER_PRESET_NAMES, case_note=_PRESET_CASE)}cluster presets are "
                                 f"{or_list(CLUSTER_PRESET_NAMES, quote=True)}")
         return None
 
@@ -570,6 +581,15 @@ class _Builder:
         )
         checks.check_config(cfg, self.ctx)
         return cfg
+
+
+_NAME_EXAMPLES = {"model": "llama", "cluster": "gpus"}
+
+
+def _named_example(block: ast.Block) -> str:
+    """``model llama from "llama3-8b" { ... }``: ``block``'s header with an example name."""
+    source = f' from "{block.source}"' if block.source is not None else ""
+    return f"{block.kind} {_NAME_EXAMPLES[block.kind]}{source} {{ ... }}"
 
 
 def _preset_name(block: ast.Block | None) -> str | None:

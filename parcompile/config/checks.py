@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parcompile.config.schema import ClusterConfig, SpecConfig
-from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list
+from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.diagnostics import DiagnosticBag, Span
 
 
@@ -284,7 +284,8 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                            f"(multiples of micro_batch({p.micro_batch}) * dp({p.dp}) * pp({p.pp}) = "
                            f"{per_step * p.pp}), or use schedule = 1f1b")
     if p.schedule == "1f1b" and num_micro < p.pp:
-        ctx.bag.warning(f"1f1b with m = {num_micro} micro-batches on pp = {p.pp} stages: the bubble grows",
+        ctx.bag.warning(f"1f1b with m = {plural(num_micro, 'micro-batch', 'micro-batches')} on pp = {p.pp} "
+                        f"stages: the bubble grows",
                         gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")
 
 
@@ -359,6 +360,33 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                                "expert_dp = tp * cp * dp / (expert_tp * ep)")
 
 
+def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Keys written in the spec that the rest of it makes meaningless: warnings, so that a
+    user who believes they changed something learns that they did not."""
+    m, p = cfg.model, cfg.parallel
+    dense = ctx.ok("model.experts") and m.experts == 0
+    if dense and ctx.given("model.top_k") and ctx.ok("model.top_k"):
+        ctx.bag.warning(f"top_k = {m.top_k} has no effect: experts = 0 makes a dense model",
+                        ctx.span("model.top_k"),
+                        help="remove `top_k`, or set `experts` for a mixture-of-experts model")
+    if dense and ctx.given("parallel.expert_tp") and ctx.ok("parallel.expert_tp"):
+        ctx.bag.warning(f"expert_tp = {p.expert_tp} has no effect: the model has no experts (experts = 0)",
+                        ctx.span("parallel.expert_tp"),
+                        help="remove `expert_tp`, or set `experts` in the `model` block")
+    if ctx.given("model.max_positions") and ctx.ok("model.max_positions", "model.position") \
+            and m.position != "learned":
+        ctx.bag.warning(f"max_positions = {m.max_positions} has no effect with position = {m.position}",
+                        ctx.span("model.max_positions"),
+                        help="remove `max_positions`, or set `position = learned`",
+                        note="max_positions is the number of rows of a learned position table")
+    for key, what in (("rotary_fraction", "the share of each head's dims that get RoPE"),
+                      ("rope_theta", "the base of RoPE's frequencies")):
+        if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.position") and m.position != "rope":
+            ctx.bag.warning(f"{key} = {getattr(m, key):g} has no effect with position = {m.position}",
+                            ctx.span(f"model.{key}"), help=f"remove `{key}`, or set `position = rope`",
+                            note=f"{key} is {what}")
+
+
 def _check_order(cfg: SpecConfig, ctx: CheckContext) -> None:
     order = cfg.parallel.order
     parts = order.split("-")
@@ -387,9 +415,36 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("train.checkpoint_every"), help='add `checkpoint_dir = "checkpoints"`')
 
 
+def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """A learned position table has ``max_positions`` rows: a longer sequence has no row
+    for its last positions (Hugging Face GPT-2 fails the same way past ``n_positions``)."""
+    m = cfg.model
+    if m.position != "learned" or not ctx.ok("model.seq_len", "model.max_positions", "model.position"):
+        return
+    if m.seq_len > m.max_positions:
+        given = ctx.given("model.max_positions")
+        ctx.bag.error(f"seq_len = {m.seq_len} exceeds max_positions = {m.max_positions}, the rows of the "
+                      f"learned position table", ctx.span("model.seq_len", "model.max_positions"),
+                      help=f"use seq_len <= {m.max_positions}, or write `max_positions = {m.seq_len}` "
+                           f"(a larger table)",
+                      note=None if given else "max_positions comes from the model's `from` source "
+                                              "(n_positions / max_position_embeddings)")
+
+
 def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
-    s, m = cfg.serve, cfg.model
-    if s is None or not ctx.ok("serve.prompt_len", "serve.max_new_tokens", "model.seq_len"):
+    s, m, p = cfg.serve, cfg.model, cfg.parallel
+    if s is None:
+        return
+    if cfg.workload == "serve":
+        # what the serve program (prefill + token-by-token decode) does not split
+        if ctx.ok("parallel.cp") and p.cp > 1:
+            ctx.bag.error(f"serving with cp = {p.cp} is not supported", ctx.span("parallel.cp"),
+                          help="split long prompts' KV cache with tp (by kv head) or pp (by layer); set cp = 1")
+        if ctx.ok("parallel.virtual_stages") and p.virtual_stages > 1:
+            ctx.bag.error(f"serving with virtual_stages = {p.virtual_stages} is not supported",
+                          ctx.span("parallel.virtual_stages"),
+                          help="a token passes each pipeline stage once; set virtual_stages = 1")
+    if not ctx.ok("serve.prompt_len", "serve.max_new_tokens", "model.seq_len"):
         return
     total = s.prompt_len + s.max_new_tokens
     if total > m.seq_len:
@@ -438,8 +493,10 @@ CHECKS = (
     _check_schedule,
     _check_sequence,
     _check_experts,
+    _check_no_effect,
     _check_order,
     _check_train,
+    _check_positions,
     _check_serve,
 )
 

@@ -3,7 +3,8 @@
 Supported ``model_type`` values: ``llama``, ``mistral``, ``mixtral``, ``qwen2`` (the
 Llama family: RMSNorm, gated MLP, RoPE), ``gpt2`` (LayerNorm, GELU, learned positions,
 biases, tied embeddings) and ``gpt_neox`` (LayerNorm, RoPE on ``rotary_pct`` of each head,
-parallel residual). ``max_position_embeddings`` (``n_positions``) becomes ``seq_len``.
+parallel residual). ``max_position_embeddings`` (GPT-2: ``n_positions``) becomes
+``max_positions`` (the rows of a learned position table) and the default ``seq_len``.
 Keys written in the block override what the file gives.
 """
 
@@ -90,6 +91,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             "heads": _int(cfg, "n_head"),
             "ffn_hidden": _int(cfg, "n_inner"),       # None: 4 * hidden, the default
             "seq_len": _int(cfg, "n_positions"),
+            "max_positions": _int(cfg, "n_positions"),
             "norm": "layernorm",
             "norm_eps": _float(cfg, "layer_norm_epsilon"),
             "activation": _activation(_str(cfg, "activation_function", "gelu_new"), gated=False),
@@ -105,6 +107,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
         "ffn_hidden": _int(cfg, "intermediate_size"),
         "heads": _int(cfg, "num_attention_heads"),
         "seq_len": _int(cfg, "max_position_embeddings"),
+        "max_positions": _int(cfg, "max_position_embeddings"),
         "tie_embeddings": _bool(cfg, "tie_word_embeddings", False),
     }
     if model_type == "gpt_neox":

@@ -44,6 +44,7 @@ class ModelConfig(_Frozen):
     ffn_hidden: Optional[int] = None
     vocab: int
     seq_len: int
+    max_positions: Optional[int] = None
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     activation: Literal["gelu", "relu", "swiglu"] = "swiglu"
     position: Literal["rope", "learned", "none"] = "rope"
@@ -76,6 +77,8 @@ class ModelConfig(_Frozen):
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.qkv_bias is None:
             object.__setattr__(self, "qkv_bias", self.bias)
+        if self.max_positions is None:
+            object.__setattr__(self, "max_positions", self.seq_len)
         if self.top_k is None:
             object.__setattr__(self, "top_k", 2 if self.experts > 0 else 0)
         if self.expert_ffn_hidden is None:
@@ -202,7 +205,10 @@ class ServeConfig(_Frozen):
     max_new_tokens: int = 128
     kv_dtype: Optional[KvDtype] = None
     weights: Optional[str] = None
-    seed: int = 1234
+    seed: int = 1234          # sampling, and the weights' initialisation when `weights` is not given
+    temperature: float = 0.0  # 0: greedy decoding
+    top_k: int = 0            # sample from the k likeliest tokens (0: all)
+    prompt: Optional[str] = None
 
 
 class SpecConfig(_Frozen):

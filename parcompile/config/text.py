@@ -17,15 +17,49 @@ def or_list(items: Iterable[object], quote: bool = False, conjunction: str = "or
     return ", ".join(words[:-1]) + f" {conjunction} " + words[-1]
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "rank") == "1 rank"``, ``plural(2, "rank") == "2 ranks"``;
+    ``many`` spells an irregular plural (``plural(3, "micro-batch", "micro-batches")``)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
 def and_list(items: Iterable[object], quote: bool = False) -> str:
     """``["a", "b"]`` -> ``"a and b"`` (see :func:`or_list`)."""
     return or_list(items, quote, conjunction="and")
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """``"did you mean `rmsnorm`? "`` when a choice is close to ``word``, else ``""``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean `{close[0]}`? " if close else ""
+def close_matches(word: str, choices: Iterable[str]) -> list[str]:
+    """The choices ``word`` was most likely meant as, best first ([] when none is close).
+
+    A choice equal to ``word`` but for case wins outright (``adamW`` -> ``adamw``,
+    ``tb/s`` -> ``TB/s``; ``gb/s`` -> both ``GB/s`` and ``Gb/s``); otherwise the closest
+    spelling, compared case-insensitively, so ``Gib`` finds ``GiB`` rather than ``Gb/s``.
+    """
+    choices = list(dict.fromkeys(choices))
+    folded = word.casefold()
+    same = [c for c in choices if c.casefold() == folded and c != word]
+    if same:
+        return same
+    by_folded: dict[str, str] = {}
+    for c in choices:
+        by_folded.setdefault(c.casefold(), c)
+    close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=0.6)
+    return [by_folded[c] for c in close]
+
+
+def did_you_mean(word: str, choices: Iterable[str], case_note: str | None = None) -> str:
+    """``"did you mean `rmsnorm`? "`` when a choice is close to ``word``, else ``""``.
+
+    Case-aware (see :func:`close_matches`). When the suggestion differs from ``word`` only
+    in case, ``case_note`` (e.g. ``"units are case-sensitive"``) follows it in brackets.
+    """
+    close = close_matches(word, choices)
+    if not close:
+        return ""
+    suggestion = or_list(close, quote=True)
+    if case_note and all(c.casefold() == word.casefold() for c in close):
+        return f"did you mean {suggestion} ({case_note})? "
+    return f"did you mean {suggestion}? "
 
 
 def divisors(n: int) -> list[int]:

@@ -10,6 +10,8 @@ Parsing stops at the first syntax error; every later check needs a tree.
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,6 +33,9 @@ MAX_LIST_DEPTH = 16
 MAX_INT_DIGITS = 100
 
 BLOCK_KINDS = ("model", "cluster", "parallel", "train", "serve")
+
+#: Digits, optionally grouped by single underscores (`128_256`).
+_DIGIT_GROUPS = re.compile(r"\d+(_\d+)*")
 
 _ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
 
@@ -56,7 +61,7 @@ _VALUE_HELP = (
     "a value is a number, a quantity such as `80 GiB`, `true` or `false`, a word, "
     'a "string" or a [list]'
 )
-_BLOCK_HELP = 'a block is `KIND [NAME] [from "SOURCE"] { key = value ... }`'
+_BLOCK_HELP = 'a block is `KIND NAME [from "SOURCE"] { key = value ... }` (`parallel`, `train` and `serve`: `KIND { ... }`)'
 
 
 @lru_cache(maxsize=1)
@@ -70,12 +75,21 @@ def _parser() -> Lark:
     )
 
 
+def strip_bom(text: str) -> str:
+    """``text`` without a leading UTF-8 byte order mark (U+FEFF), which some Windows
+    editors write; it is invisible, so a column counted with it would be one off."""
+    return text[1:] if text.startswith("\ufeff") else text
+
+
 def parse(text: str, filename: str = "<spec>") -> ast.Spec:
     """Parse spec ``text`` into an :class:`ast.Spec`; ``filename`` is used in spans.
 
     Raises :class:`SpecError` with one diagnostic at the first syntax error, or with
-    one per malformed literal (an integer too long to be meant).
+    one per malformed literal (an integer too long to be meant, a misplaced `_`, a
+    leading zero). A UTF-8 byte order mark at the start is dropped (:func:`strip_bom`), so
+    columns count from the first character a user sees.
     """
+    text = strip_bom(text)
     ctx = _Context(filename, text)
     interactive = _parser().parse_interactive(text)
     try:
@@ -177,6 +191,8 @@ class _Context:
                               help='close the string with `"` on the same line')
         shown = e.char if e.char.isprintable() else repr(e.char)
         span = Span(self.filename, line, col, line, col + 1)
+        if _is_word_char(e.char):
+            return self._bad_word_character(e, shown, span)
         if self.prev is not None and self.prev.type == "EQUAL":
             return Diagnostic("error", f"expected a value after `{self.key} =`, found `{shown}`",
                               span, help=_VALUE_HELP)
@@ -184,6 +200,32 @@ class _Context:
             return Diagnostic("error", f"expected `=` after key `{self.key}`, found `{shown}`", span)
         return Diagnostic("error", f"unexpected character `{shown}`", span,
                           help="keys and names are lower_snake_case words; strings go in double quotes")
+
+    def _bad_word_character(self, e: UnexpectedCharacters, shown: str, span: Span) -> Diagnostic:
+        """A letter outside ASCII (``läyers``, ``modèle``): name the whole word it spoils
+        and what it is (key, name, value), with an ASCII spelling when one is obvious."""
+        pos = e.pos_in_stream
+        prev = self.prev
+        glued = prev is not None and prev.type in ("WORD", "DIGIT_WORD") and prev.end_pos == pos
+        start = prev.start_pos if glued else pos
+        end = pos
+        while end < len(self.text) and (self.text[end].isalnum() or _is_word_char(self.text[end])
+                                        or self.text[end] in "_.-"):
+            end += 1
+        word = self.text[start:end]
+        before = self.lists or (prev is not None and (prev.type == "EQUAL" or (glued and prev is not self.key
+                                                                              and self.key is not None
+                                                                              and self.brace is not None)))
+        if before:
+            what, rule = "value", "bare-word values are ASCII; put other text in double quotes"
+        elif self.brace is not None:
+            what, rule = "key", "keys are lower_snake_case ASCII words (letters a-z, digits and `_`)"
+        else:
+            what, rule = "name", "block kinds and names are ASCII words (letters, digits, `_`, `.` and `-`)"
+        ascii_word = unicodedata.normalize("NFKD", word).encode("ascii", "ignore").decode()
+        fix = f"write `{ascii_word.lower() if what == 'key' else ascii_word}`; " \
+            if ascii_word and len(ascii_word) == len(word) else ""
+        return Diagnostic("error", f"invalid character `{shown}` in {what} `{word}`", span, help=fix + rule)
 
     def _bad_token(self, tok: Token, expected: set[str]) -> tuple[str, Token, str | None]:
         prev = self.prev
@@ -223,6 +265,11 @@ class _Context:
                     _BLOCK_HELP + f"; blocks are {', '.join(BLOCK_KINDS)}")
         words = sorted({_TERMINAL_WORDS.get(t, t) for t in expected})
         return f"unexpected {found}", tok, "expected " + " or ".join(words)
+
+
+def _is_word_char(c: str) -> bool:
+    """A letter or digit outside ASCII, which no `.par` word may hold (``ä``, ``é``, ``٣``)."""
+    return not c.isascii() and (c.isalnum() or unicodedata.category(c).startswith("M"))
 
 
 # --------------------------------------------------------------------------------------
@@ -302,12 +349,33 @@ class _Builder:
     def _number(self, tok: Token) -> ast.Int | ast.Float:
         text, span = str(tok), self._span_tok(tok)
         digits = text.replace("_", "")
+        self._check_digits(text, tok.type == "FLOAT", span)
         if tok.type == "FLOAT":
             return ast.Float(float(digits), text, span)
         if len(digits.lstrip("+-")) > MAX_INT_DIGITS:
             self.errors.append(Diagnostic("error", f"integer literal of {len(digits)} digits is too long", span))
             return ast.Int(0, text, span)
         return ast.Int(int(digits), text, span)
+
+    def _check_digits(self, text: str, is_float: bool, span: Span) -> None:
+        """Report `_` that does not sit between two digits (``2__56``, ``256_``) and, in an
+        integer, a leading zero (``0256``: C and Python 2 read it as octal, Python 3 refuses it)."""
+        body = text.lstrip("+-")
+        sign = text[:len(text) - len(body)]
+        mantissa = re.split(r"[eE]", body)[0]
+        for run in re.split(r"\.", mantissa):
+            if run and not _DIGIT_GROUPS.fullmatch(run):
+                fixed = sign + body.replace("_", "")
+                self.errors.append(Diagnostic(
+                    "error", f"misplaced `_` in the number `{text}`", span,
+                    help=f"`_` goes between two digits, one at a time (`128_256`); write `{fixed}`"))
+                return
+        if not is_float and len(body.replace("_", "")) > 1 and body.startswith("0"):
+            value = sign + (body.replace("_", "").lstrip("0") or "0")
+            self.errors.append(Diagnostic(
+                "error", f"integer `{text}` has a leading zero", span,
+                help=f"write `{value}`",
+                note="`.par` has no octal or zero-padded integers; a leading zero is most likely a typo"))
 
     @staticmethod
     def _string(tok: Token) -> str:

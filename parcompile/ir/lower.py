@@ -68,7 +68,7 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     if m.position == "learned":
         pos = g.add_op("pos_embedding", "embedding", [tokens],
                        {"out_dim": H, "dtype": dt, "tp": "residual", "positional": True},
-                       params=[Param("pos_embedding.weight", T(Dim("position", m.seq_len), H))], origin=origin)
+                       params=[Param("pos_embedding.weight", T(Dim("position", m.max_positions), H))], origin=origin)
         # positions join the residual stream: split on seq with sequence parallelism, so
         # the word embedding's partial sum is reduce-scattered once (no all-reduce)
         x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": "residual"}, origin=origin)

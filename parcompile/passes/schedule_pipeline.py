@@ -243,6 +243,9 @@ class SimResult:
     busy: tuple[float, ...]
     finish: tuple[float, ...]
     in_flight: tuple[Fraction, ...]
+    #: every action as it ran: (rank, op, microbatch, chunk, start s, end s); a receive
+    #: spans the time the rank waited for its message, a send the p2p time
+    events: tuple[tuple[int, str, int, int, float, float], ...] = ()
 
     @property
     def bubble_fraction(self) -> float:
@@ -279,6 +282,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     bwd_done: set[tuple[int, int]] = set()
     live = [Fraction(0)] * pp
     peak = [Fraction(0)] * pp
+    events: list[tuple[int, str, int, int, float, float]] = []
     total = sum(len(a) for a in actions)
     done = 0
     while done < total:
@@ -290,6 +294,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                 op, mb, c = a["op"], a["microbatch"], a["chunk"]
                 k = c * pp + r
                 where = f"pipeline rank {r} action {pos[r]} ({op} microbatch {mb} chunk {c})"
+                start = clock[r]
                 if op in ("recv_forward", "recv_backward"):
                     key = ("f" if op == "recv_forward" else "b", mb, k)
                     if key not in msgs:
@@ -341,6 +346,8 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                     msgs[("b", mb, k - 1)] = clock[r] + p2p_time
                 else:
                     raise ScheduleError(f"{where}: unknown action")
+                end = clock[r] + p2p_time if op.startswith("send") else clock[r]
+                events.append((r, op, mb, c, start, end))
                 pos[r] += 1
                 done += 1
                 progressed = True
@@ -355,7 +362,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
         if fwd_done != want or bwd_done != want or wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
-    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(peak))
+    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(peak), tuple(events))
 
 
 @dataclass(frozen=True)

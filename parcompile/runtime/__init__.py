@@ -17,6 +17,8 @@ from parcompile.runtime.layers import (
     apply_rope,
     attention_core,
     make_param,
+    no_init,
+    shard_part,
     rope_tables,
     vocab_parallel_cross_entropy,
 )

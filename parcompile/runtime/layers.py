@@ -10,6 +10,7 @@ loss, so they stay zero.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -58,17 +59,66 @@ def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
     return full.narrow(dim, axis.index * step, step).clone()
 
 
+_INIT = {"skip": False}
+
+
+@contextlib.contextmanager
+def no_init():
+    """Inside this block :func:`make_param` allocates each shard uninitialised (no global
+    tensor is drawn): for weights that are about to be loaded from a checkpoint."""
+    old = _INIT["skip"]
+    _INIT["skip"] = True
+    try:
+        yield
+    finally:
+        _INIT["skip"] = old
+
+
+def shard_part(full: torch.Tensor, dim: int | None, index: int, parts: int) -> torch.Tensor:
+    """Part ``index`` of ``parts`` equal contiguous slices of ``full`` along ``dim``.
+
+    Raises:
+        ValueError: the dimension does not divide by ``parts``.
+    """
+    if dim is None or parts == 1:
+        return full.clone()
+    n = full.shape[dim]
+    if n % parts:
+        raise ValueError(f"dimension {dim} of size {n} does not divide into {parts} parts")
+    step = n // parts
+    return full.narrow(dim, index * step, step).clone()
+
+
 def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, axis: Axis,
-               dim: int | None, valid_rows: int | None = None) -> nn.Parameter:
+               dim: int | None, valid_rows: int | None = None, *, shard_index: int | None = None,
+               num_shards: int | None = None) -> nn.Parameter:
     """A parameter holding this rank's shard of the global initial value.
 
-    The shard layout is recorded on the tensor (``p.shard_dim``, ``p.shard_axis``) so that
-    checkpoints and ``verify`` can reassemble the global tensor.
+    The shard is part ``axis.index`` of ``axis.size`` along ``dim``, or part
+    ``shard_index`` of ``num_shards`` when those are given (a kv head replicated on several
+    tp ranks: ``num_shards = kv_heads``, ``shard_index = tp.index // replicas``). The layout
+    is recorded on the tensor (``global_name``, ``global_shape``, ``shard_dim``,
+    ``shard_index``, ``num_shards``, ``valid_rows``) so that checkpoints, loaders and
+    ``verify`` can reassemble or cut the global tensor.
     """
-    p = nn.Parameter(shard(global_init(name, shape, seed, std, valid_rows), dim, axis))
+    index = axis.index if shard_index is None else shard_index
+    parts = axis.size if num_shards is None else num_shards
+    if dim is None or parts == 1:
+        local = tuple(shape)
+    else:
+        if shape[dim] % parts:
+            raise ValueError(f"dimension {dim} of {name} ({shape[dim]}) does not divide into {parts} parts")
+        local = tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+    if _INIT["skip"]:
+        p = nn.Parameter(torch.empty(local))
+    else:
+        p = nn.Parameter(shard_part(global_init(name, shape, seed, std, valid_rows), dim, index, parts))
     p.global_name = name
-    p.shard_dim = dim if axis.size > 1 else None
+    p.shard_dim = dim if parts > 1 else None
+    p.shard_index = index if parts > 1 else 0
+    p.num_shards = parts
     p.global_shape = tuple(shape)
+    p.valid_rows = valid_rows
     return p
 
 
@@ -79,10 +129,13 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
-                 seed: int, std: float = INIT_STD, valid_rows: int | None = None):
+                 seed: int, std: float = INIT_STD, valid_rows: int | None = None, *,
+                 shard_index: int | None = None, num_shards: int | None = None):
         super().__init__()
-        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows)
-        self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0) if bias else None
+        # shard_index / num_shards: a part other than tp's own (replicated kv heads, serving)
+        kw = dict(shard_index=shard_index, num_shards=num_shards)
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows, **kw)
+        self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -263,5 +316,5 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LayerNorm",
     "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "copy_to_tp",
-    "reduce_from_tp", "global_init", "make_param", "shard", "ACTIVATIONS",
+    "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

@@ -28,9 +28,11 @@ FORWARD, BACKWARD = 0, 1
 @dataclass
 class StepResult:
     """What one step returns on this rank: the summed loss of its micro-batches (each
-    already divided by the number of micro-batches; None off the last model chunk)."""
+    already divided by the number of micro-batches; None off the last model chunk), and
+    the actions as they ran."""
 
     loss: torch.Tensor | None
+    executed: list[tuple[str, int, int]]  # (op, microbatch, chunk) in the order they ran
 
 
 def _tag(microbatch: int, chunk: int, direction: int, num_chunks: int) -> int:
@@ -78,8 +80,10 @@ def run_schedule(
     def model_chunk(c: int) -> int:
         return c * p + r
 
+    executed: list[tuple[str, int, int]] = []
     for a in actions:
         op, mb, c = a["op"], a["microbatch"], a["chunk"]
+        executed.append((op, mb, c))
         k = model_chunk(c)
         if op == "recv_forward":
             received[(mb, c, FORWARD)] = recv(activation_shape, activation_dtype, device, pp, (r - 1) % p,
@@ -131,4 +135,4 @@ def run_schedule(
             f"received {sorted(received)}, input grads {sorted(input_grads)}, "
             f"weight gradients {sorted(STORE.pending)}"
         )
-    return StepResult(loss_sum)
+    return StepResult(loss_sum, executed)

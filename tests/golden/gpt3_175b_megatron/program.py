@@ -37,6 +37,7 @@ PADDED_VOCAB = 51200  # Megatron's rule: a multiple of 128 * tp; padded rows sta
 SEQ_LEN = 2048
 NORM_EPS = 1e-05
 DROPOUT = 0.0
+MAX_POSITIONS = 2048  # rows of the learned position table (>= SEQ_LEN)
 WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0014433756729740645  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.float16  # activations, and what crosses a stage boundary
@@ -134,7 +135,7 @@ class Stage(nn.Module):
         if self.has_first:
             self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
             self.pos_embedding = nn.Module()
-            self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (SEQ_LEN, HIDDEN), SEED, 0.02, tp, None)
+            self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (MAX_POSITIONS, HIDDEN), SEED, 0.02, tp, None)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
@@ -215,6 +216,7 @@ def main(argv=None) -> dict:
         loss = rt.reduce_loss(result.loss, ctx)
         if step == 0:
             record["comm"] = rt.COUNTER.snapshot()
+            record["actions"] = result.executed
         record["losses"].append(loss)
         if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
             print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "

@@ -214,6 +214,7 @@ def main(argv=None) -> dict:
         loss = rt.reduce_loss(result.loss, ctx)
         if step == 0:
             record["comm"] = rt.COUNTER.snapshot()
+            record["actions"] = result.executed
         record["losses"].append(loss)
         if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
             print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "

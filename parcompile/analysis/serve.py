@@ -1,0 +1,286 @@
+"""The serving analysis (SPEC 1 `serve`, SPEC 3 `serve`): memory and time of a plan that
+prefills ``batch`` prompts and then generates token by token with a KV cache.
+
+Layout. Attention heads and the KV cache split by kv head over tp (``kv_heads / tp`` per
+rank, or one kv head replicated on ``tp / kv_heads`` ranks when tp is a multiple of
+kv_heads, as vLLM does); layers and their cache split over pp; dp makes independent
+replicas, each serving ``ceil(batch / dp)`` of the sequences (``batch_per_replica``).
+
+Memory per rank of pipeline stage ``s`` (bytes):
+
+* weights: ``params_per_rank * dtype_bytes`` (the plan's stage parameters, padded vocab);
+* KV bytes per token: ``2 * layers_s * kv_heads_per_rank * head_dim * kv_bytes`` (K and V;
+  ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8). SPEC 3's ``serve.kv_bytes_per_token`` is
+  the largest over the stages (the most loaded rank);
+* KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``;
+* activation workspace (prefill, the larger phase; nothing is kept for a backward):
+  ``b P e (2 h + (q + 2 kv) d + f)`` for the layer working set, with ``b`` the replica's
+  batch, ``P`` the prompt, ``e`` the model dtype's bytes, ``q``/``kv`` the rank's query /
+  kv heads, ``d`` head_dim and ``f = 2 ffn/tp`` (3 with SwiGLU); ``+ b heads_local P^2 4``
+  when ``attention = unfused`` (the fp32 score matrix); on the last stage the fp32
+  logits of the last position, all-gathered over tp (``b V' 4``); with pp > 1 the
+  received hidden state (``b P h e``);
+* ``max_concurrent_tokens``: ``(capacity - weights - workspace) // kv_bytes_per_token``,
+  the smallest over the stages: how many tokens of context fit the remaining capacity.
+
+Time (one replica; pipeline stages run one after another for a single batch, as every
+token passes through every stage; Pope et al. 2022, "Efficiently Scaling Transformer
+Inference", section 2):
+
+* prefill is compute-bound: per stage ``max(flops / (matmul_eff * peak_flops),
+  weight_bytes / (memory_eff * hbm_bw))`` with ``flops = 2 N_s b P + 2 L_s b P^2 q d``
+  (matmuls of the rank's ``N_s`` matmul weights, and causal attention: ``QK^T`` and
+  ``AV`` halved by the mask), plus 2 tp all-reduces of ``b P h e`` per layer (attention and
+  MLP outputs), one for the vocab-parallel embedding, the logits all-gather, and one pp
+  hop of ``b P h e`` per stage boundary;
+* decode is memory-bandwidth-bound: per token and stage, the weights (the embedding
+  table excepted: a lookup reads b rows) and the cache at the mean context
+  ``P + max_new_tokens / 2`` are read from HBM: ``max(bytes / (memory_eff * hbm_bw),
+  2 N_s b / (matmul_eff * peak_flops))``, plus the same collectives for one token each;
+* ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
+  step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
+  the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
+
+Collectives are ring alpha-beta on the link where the group sits
+(:func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from parcompile.analysis.estimate import _link, collective_time, efficiency
+from parcompile.analysis.memory import MemoryReport, StageMemory
+from parcompile.config.schema import DTYPE_BYTES
+
+#: the largest tp degree suggested in a "does not fit" help line
+_MAX_TP_HINT = 64
+
+
+@dataclass(frozen=True)
+class ServeStage:
+    """One rank of pipeline stage ``stage``: bytes and seconds (module docstring)."""
+
+    stage: int
+    layers: int
+    weights: int
+    kv_bytes_per_token: int
+    kv_cache: int
+    workspace: int
+    free_for_kv: int
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class ServeReport:
+    """The plan's ``serve`` section and the serving memory per stage."""
+
+    stages: tuple[ServeStage, ...]
+    capacity: int
+    batch: int
+    batch_per_replica: int
+    replicas: int
+    prompt_len: int
+    max_new_tokens: int
+    kv_dtype: str
+    kv_heads_per_rank: int
+    kv_head_replicas: int
+    ttft: float
+    tpot: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def context(self) -> int:
+        """Tokens of cache one sequence needs: ``prompt_len + max_new_tokens``."""
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """SPEC 3: the KV bytes one token adds on the most loaded rank."""
+        return max(s.kv_bytes_per_token for s in self.stages)
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        """Tokens of cache that fit beside the weights and workspace on every stage."""
+        return min(max(s.free_for_kv, 0) // s.kv_bytes_per_token if s.kv_bytes_per_token else 0
+                   for s in self.stages)
+
+    @property
+    def one_sequence_fits(self) -> bool:
+        return all(s.free_for_kv >= self.context * s.kv_bytes_per_token for s in self.stages)
+
+    @property
+    def batch_fits(self) -> bool:
+        return all(s.free_for_kv >= s.kv_cache for s in self.stages)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.replicas * self.batch_per_replica / self.tpot if self.tpot > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.ttft + (self.max_new_tokens - 1) * self.tpot
+        return self.replicas * self.batch_per_replica * self.max_new_tokens / total if total > 0 else 0.0
+
+    def memory(self) -> MemoryReport:
+        """The plan's ``memory`` section for serving: weights as ``params``, the workspace as
+        ``activations``, the KV cache as ``kv_cache`` (no gradients or optimizer states)."""
+        per = tuple(StageMemory(s.stage, s.weights, 0, 0, s.workspace, s.kv_cache) for s in self.stages)
+        peak = max(x.total for x in per)
+        return MemoryReport(per, peak, self.capacity, peak <= self.capacity)
+
+    def to_dict(self) -> dict:
+        """The plan.json ``serve`` section (bytes are integers, times seconds)."""
+        return {
+            "batch": self.batch,
+            "batch_per_replica": self.batch_per_replica,
+            "replicas": self.replicas,
+            "prompt_len": self.prompt_len,
+            "max_new_tokens": self.max_new_tokens,
+            "kv_dtype": self.kv_dtype,
+            "kv_heads_per_rank": self.kv_heads_per_rank,
+            "kv_head_replicas": self.kv_head_replicas,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_token_per_stage": [s.kv_bytes_per_token for s in self.stages],
+            "kv_cache_bytes_per_rank": max(s.kv_cache for s in self.stages),
+            "weights_bytes_per_rank": max(s.weights for s in self.stages),
+            "workspace_bytes_per_rank": max(s.workspace for s in self.stages),
+            "max_concurrent_tokens": self.max_concurrent_tokens,
+            "max_concurrent_sequences": self.max_concurrent_tokens // self.context,
+            "fits": self.batch_fits,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "breakdown": dict(self.breakdown),
+        }
+
+
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """``kv_heads / tp``, or 1 when tp is a multiple of kv_heads (replicated kv heads)."""
+    return kv_heads // tp if kv_heads % tp == 0 else 1
+
+
+def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping) -> ServeReport:
+    """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
+
+    ``chunks``: layer ids per model chunk (the graph's ``meta["chunks"]``);
+    ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
+    ``groups``: the plan's rank groups (for which links the collectives use).
+    """
+    m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
+    tp, pp, dp = par.tp, par.pp, par.dp
+    e = m.dtype_bytes
+    kv_dtype = sv.kv_dtype or m.dtype
+    kvb = DTYPE_BYTES[kv_dtype]
+    kv_local = kv_heads_per_rank(m.kv_heads, tp)
+    replicas_kv = tp // m.kv_heads if m.kv_heads % tp and tp % m.kv_heads == 0 else 1
+    q_local = m.heads // tp
+    d, h = m.head_dim, m.hidden
+    ffn_local = m.ffn_hidden // tp
+    padded = m.padded_vocab(tp)
+    b = -(-sv.batch // dp)
+    P, G = sv.prompt_len, sv.max_new_tokens
+    ctx_tokens = P + G
+    mean_ctx = P + G / 2
+    eff = efficiency(cl)
+    capacity = int(cl.memory * (1 - cl.memory_reserve))
+    tp_link = _link(cl, groups, "tp", eff)
+    pp_link = _link(cl, groups, "pp", eff)
+    matmul_rate = eff.matmul * cl.peak_flops
+    mem_rate = eff.memory * cl.hbm_bw
+    gated = m.activation == "swiglu"
+    layer_matmul = h * q_local * d * 2 + 2 * h * kv_local * d + (3 if gated else 2) * h * ffn_local
+    stages = []
+    parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
+                              "decode_weights", "decode_kv", "decode_tp_comm", "decode_pp_comm")}
+    for s in range(pp):
+        layers = sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s)
+        first, last = s == 0, s == pp - 1
+        weights = stage_params[s].total * e
+        kv_tok = 2 * layers * kv_local * d * kvb
+        kv_cache = b * ctx_tokens * kv_tok
+        work = b * P * e * (2 * h + (q_local + 2 * kv_local) * d + (3 if gated else 2) * ffn_local)
+        if m.attention == "unfused":
+            work += b * q_local * P * P * 4
+        if last:
+            work += b * padded * 4
+        if pp > 1:
+            work += b * P * h * e
+        free = capacity - weights - work
+        # time: matmul weights of the rank, and the weight bytes one token reads
+        n_mat = layers * layer_matmul + (h * padded // tp if last else 0)
+        emb_bytes = (padded // tp) * h * e if first and not (last and m.tie_embeddings) else 0
+        read = weights - emb_bytes
+        pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * q_local * d
+        pf_compute = max(pf_flops / matmul_rate, read / mem_rate)
+        ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, *tp_link)  # noqa: E731
+        gather = collective_time("all_gather", b * padded * 4, tp, *tp_link) if last else 0.0
+        n_ar = 2 * layers + (1 if first else 0)
+        pf_tp = n_ar * ar(b * P) + gather
+        pf_pp = collective_time("send", b * P * h * e, 2, *pp_link) if not last else 0.0
+        dec_w = max(read / mem_rate, 2 * n_mat * b / matmul_rate)
+        dec_kv = b * mean_ctx * kv_tok / mem_rate
+        dec_tp = n_ar * ar(b) + gather
+        dec_pp = collective_time("send", b * h * e, 2, *pp_link) if not last else 0.0
+        if pp > 1 and last:  # the sampled token ids go back to the first stage
+            dec_pp += collective_time("send", b * 8, 2, *pp_link)
+            pf_pp += collective_time("send", b * 8, 2, *pp_link)
+        for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
+                     ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_tp_comm", dec_tp),
+                     ("decode_pp_comm", dec_pp)):
+            parts[k] += v
+        stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, work, free,
+                                 pf_compute + pf_tp + pf_pp, dec_w + dec_kv + dec_tp + dec_pp))
+    ttft = sum(x.prefill_s for x in stages)
+    tpot = sum(x.decode_s for x in stages)
+    return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
+                       ttft, tpot, parts)
+
+
+def _gib(n: float) -> str:
+    from parcompile.plan import _gb
+
+    return _gb(n)
+
+
+def fit_advice(cfg, rep: ServeReport) -> list[str]:
+    """What would make one sequence fit (for the error's help): more tp, more pp (the weights
+    and cache split further, estimated by scaling this plan's bytes), a shorter context,
+    an fp8 cache. Each suggestion is checked with the same formulas, scaled."""
+    m, par = cfg.model, cfg.parallel
+    worst = max(rep.stages, key=lambda s: s.weights + s.workspace + rep.context * s.kv_bytes_per_token)
+    out = []
+    cands = []
+    for tp2 in (2 ** i for i in range(1, 8)):
+        t = par.tp * tp2
+        if t > _MAX_TP_HINT or (m.heads % t):
+            break
+        kv_scale = kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
+        n2 = worst.weights / tp2 + worst.workspace / tp2 + rep.context * worst.kv_bytes_per_token * kv_scale
+        if n2 <= rep.capacity:
+            cands.append(f"tp = {t}")
+            break
+    for pp2 in range(2, 65):
+        if par.pp * pp2 > m.layers:
+            break
+        n2 = (worst.weights + rep.context * worst.kv_bytes_per_token) / pp2 + worst.workspace
+        if n2 <= rep.capacity:
+            cands.append(f"pp = {par.pp * pp2}")
+            break
+    if cands:
+        out.append(" or ".join(cands) + " (the weights and the cache split further)")
+    room = rep.capacity - worst.weights - worst.workspace
+    if room > 0 and worst.kv_bytes_per_token:
+        tokens = room // worst.kv_bytes_per_token
+        if tokens >= 1:
+            out.append(f"a context of at most {tokens:,} tokens (prompt_len + max_new_tokens; now {rep.context:,})")
+        kvb = DTYPE_BYTES[rep.kv_dtype]
+        if kvb > 1 and room >= rep.context * worst.kv_bytes_per_token // kvb:
+            out.append("kv_dtype = fp8 (1 byte per value)")
+    elif room <= 0:
+        out.append(f"the weights and workspace alone need {_gib(worst.weights + worst.workspace)} per GPU")
+    return out

@@ -1,0 +1,328 @@
+"""Token-by-token generation for generated serve programs: the KV cache, prompt batches,
+attention over the cache, the pipeline pass of one step, sampling, tokenizers and the end
+token.
+
+The serve program (``parcompile/codegen/templates/serve.py.j2``) builds its model from the
+training runtime's tensor-parallel layers; this module holds what only inference needs.
+Weights come from :mod:`parcompile.runtime.weights`.
+
+Layout (plan.json): attention heads and the cache split by kv head over tp (one kv head
+replicated on ``tp / kv_heads`` ranks when tp is a multiple of kv_heads), layers and their
+cache split over pp, dp replicas independent. One generation step passes the whole batch
+through the stages in order: stage s receives the hidden state (B, T, h) from stage s-1,
+the last stage all-gathers the vocab-split logits of the last position over tp, picks
+the next tokens (the same on every tp rank: greedy, or sampling from a generator seeded
+alike) and broadcasts them over pp, so every rank knows the batch's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parcompile.runtime.comm import COUNTER, _nbytes, isend, recv
+from parcompile.runtime.context import Axis, ParallelContext
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8": getattr(torch, "float8_e4m3fn", torch.float16)}
+
+
+class ServeError(Exception):
+    """A mistake the serve program reports as one ``error:`` line (no traceback): a missing
+    weights directory, a checkpoint of another model, an unreadable tokenizer."""
+
+
+class KVCache:
+    """Keys and values of every local layer: (B, kv_local, max_len, head_dim) each, in
+    ``dtype`` (the spec's ``kv_dtype``). fp8 is stored as ``float8_e4m3fn`` without scaling
+    and widened to the compute dtype when read.
+
+    ``nbytes`` is what the plan predicts: ``B * max_len * 2 * layers * kv_local * head_dim
+    * bytes`` (``serve.kv_bytes_per_token_per_stage[s]`` times the batch's context).
+    """
+
+    def __init__(self, layers: list[int], batch: int, kv_local: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (batch, kv_local, max_len, head_dim)
+        self.max_len = max_len
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self.k.values()) + sum(_nbytes(t) for t in self.v.values())
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, kv_local, T, D) at cache positions ``start..start+T-1``; return the
+        cache up to ``start + T`` (B, kv_local, start+T, D) in k's dtype.
+
+        Raises:
+            ServeError: the cache is full (a request longer than it was sized for).
+        """
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ServeError(f"the KV cache holds {self.max_len} tokens; this step needs {end}")
+        self.k[layer][:, :, start:end] = k.to(self.k[layer].dtype)
+        self.v[layer][:, :, start:end] = v.to(self.v[layer].dtype)
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
+
+
+@dataclass
+class StepInput:
+    """What every layer of one step needs: where the step's tokens sit in the cache
+    (``start``), their positions in their sequences (B, T), and the attention mask
+    (B, 1, T, start+T), True where a query may attend a key."""
+
+    start: int
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+class Requests:
+    """A batch of prompts, left-padded to one length, and the tokens generated so far.
+
+    ``valid`` (B, L) marks real tokens in cache order, ``positions`` (B, L) their positions
+    in their own sequences (a left-padded prompt starts at 0 after its padding).
+    """
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, window: int, device):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ServeError("every prompt needs at least one token")
+        self.batch = len(prompts)
+        self.prompt_len = max(len(p) for p in prompts)
+        self.max_len = self.prompt_len + max_new_tokens
+        self.window = window
+        self.device = device
+        B, L = self.batch, self.max_len
+        self.ids = torch.zeros((B, L), dtype=torch.long)
+        self.valid = torch.zeros((B, L), dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            pad = self.prompt_len - len(p)
+            self.ids[b, pad:self.prompt_len] = torch.tensor(p, dtype=torch.long)
+            self.valid[b, pad:self.prompt_len] = True
+        self.valid[:, self.prompt_len:] = True
+        self.positions = (self.valid.long().cumsum(-1) - 1).clamp(min=0)
+        self.length = self.prompt_len   # tokens in the cache after the next step's input
+
+    def step(self, start: int, end: int) -> StepInput:
+        """Inputs of a step whose tokens sit at cache positions ``start..end-1``."""
+        q_idx = torch.arange(start, end)
+        k_idx = torch.arange(end)
+        keep = self.valid[:, None, :end] & (k_idx[None, None, :] <= q_idx[None, :, None])
+        if self.window:
+            qp, kp = self.positions[:, start:end], self.positions[:, :end]
+            keep &= (qp[:, :, None] - kp[:, None, :]) < self.window
+        # a padding query sees itself only: finite values that no real token attends
+        keep |= k_idx[None, None, :] == q_idx[None, :, None]
+        return StepInput(start, self.positions[:, start:end].to(self.device), keep.unsqueeze(1).to(self.device))
+
+
+def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, T, H, D) at per-sequence positions: cos/sin (B, T, rot)
+    (the tables of :func:`parcompile.runtime.layers.rope_tables` indexed by position)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    c, s = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
+    return torch.cat([xr * c + rotated * s, xp], dim=-1)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, fused: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over the cache: q (B, Hq, T, D), k/v (B, Hkv, L, D), mask
+    (B, 1, T, L) -> (B, Hq, T, D). Each group of Hq/Hkv query heads shares one kv head."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def gather_vocab(logits: torch.Tensor, tp: Axis) -> torch.Tensor:
+    """All-gather vocab-split logits (B, V'/tp) over tp -> (B, V') (counted)."""
+    if tp.size == 1 or tp.group is None:
+        return logits
+    x = logits.t().contiguous()                                  # (V'/tp, B)
+    out = torch.empty((x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype, device=x.device)
+    COUNTER.record("all_gather", tp.name, _nbytes(out))
+    dist.all_gather_into_tensor(out, x, group=tp.group)
+    return out.t().contiguous()
+
+
+def broadcast_from_last(t: torch.Tensor, pp: Axis) -> torch.Tensor:
+    """Broadcast ``t`` from the last rank of the pp group to all of it (counted); in place."""
+    if pp.size == 1 or pp.group is None:
+        return t
+    COUNTER.record("broadcast", pp.name, _nbytes(t))
+    dist.broadcast(t, src=pp.ranks[-1], group=pp.group)
+    return t
+
+
+def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
+    ``temperature == 0`` is greedy (argmax, first on ties); else softmax(logits / T) over
+    the ``top_k`` likeliest (0: all), drawn with ``generator`` (CPU)."""
+    logits = logits[:, :vocab].float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k and top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def pipeline_pass(stage_forward, ctx: ParallelContext, x_ids: torch.Tensor, step: StepInput, hidden: int,
+                  dtype: torch.dtype, tag: int) -> torch.Tensor | None:
+    """One step through this rank's stage: token ids (B, T) on the first stage, the hidden
+    state (B, T, h) received from the previous stage elsewhere; sends the result on, and
+    returns the last position's local logits (B, V'/tp) on the last stage (None elsewhere)."""
+    pp = ctx.pp
+    B, T = x_ids.shape
+    if ctx.is_first_stage():
+        x = x_ids.to(ctx.device)
+    else:
+        x = recv((B, T, hidden), dtype, ctx.device, pp, pp.index - 1, tag)
+    y = stage_forward(x, step)
+    if ctx.is_last_stage():
+        return y
+    isend(y.to(dtype).contiguous(), pp, pp.index + 1, tag).wait()
+    return None
+
+
+# ---- tokenizers ------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """Bytes as tokens (the byte-level models training programs make from text files)."""
+
+    kind = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class IdTokenizer:
+    """No tokenizer: prompts are token ids, output is printed as ids."""
+
+    kind = "ids"
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.replace(",", " ").split()]
+        except ValueError:
+            raise ServeError("this model has no tokenizer.json and a vocabulary under 256 tokens: "
+                             "give prompts as token ids (--prompt-ids 1,2,3)") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` read with the `tokenizers` library."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - a dependency
+            raise ServeError("reading tokenizer.json needs the `tokenizers` package (pip install tokenizers)") from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise ServeError(f"cannot read the tokenizer {path}: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | None, weights: str | None, vocab: int):
+    """The tokenizer: ``path`` (a tokenizer.json or a directory holding one), else the
+    weights directory's ``tokenizer.json``, else bytes when the vocabulary holds all 256
+    byte values, else token ids.
+
+    Raises:
+        ServeError: ``path`` names no tokenizer.json.
+    """
+    if path:
+        p = Path(path)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        if not p.is_file():
+            raise ServeError(f"no tokenizer at {path}: give a tokenizer.json or a directory holding one")
+        return HFTokenizer(p)
+    if weights and (Path(weights) / "tokenizer.json").is_file():
+        return HFTokenizer(Path(weights) / "tokenizer.json")
+    return ByteTokenizer() if vocab >= 256 else IdTokenizer()
+
+
+def end_tokens(weights: str | None) -> list[int]:
+    """End-of-sequence token ids of a Hugging Face checkpoint (``generation_config.json``,
+    else ``config.json``: ``eos_token_id``, an int or a list); none otherwise."""
+    if not weights:
+        return []
+    for name in ("generation_config.json", "config.json"):
+        f = Path(weights) / name
+        if f.is_file():
+            try:
+                eos = json.loads(f.read_text()).get("eos_token_id")
+            except (OSError, ValueError):
+                continue
+            if isinstance(eos, int):
+                return [eos]
+            if isinstance(eos, list):
+                return [int(x) for x in eos if isinstance(x, int)]
+    return []
+
+
+def default_prompts(batch: int, prompt_len: int, vocab: int, seed: int, tokenizer, text: str | None) -> list[list[int]]:
+    """``batch`` prompts when none are given: ``text`` (or a short English line) through the
+    tokenizer; with ids only, ``prompt_len`` tokens drawn from ``seed``."""
+    if tokenizer.kind != "ids":
+        ids = tokenizer.encode(text if text is not None else "The ")
+        return [list(ids) for _ in range(batch)]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def replica_slice(items: list, index: int, size: int) -> list:
+    """The contiguous share of ``items`` that data-parallel replica ``index`` of ``size``
+    serves (the first replicas take one more when the count does not divide)."""
+    n = len(items)
+    per, extra = divmod(n, size)
+    start = index * per + min(index, extra)
+    return items[start:start + per + (1 if index < extra else 0)]
+
+
+def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict) -> None:
+    """Write ``rank{r}.json`` (tokens, cache bytes, collectives) into ``out_dir``."""
+    path = Path(out_dir) / f"rank{ctx.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "ServeError", "KVCache", "StepInput", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
+    "broadcast_from_last", "pick_tokens", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
+    "load_tokenizer", "end_tokens", "default_prompts", "replica_slice", "write_record", "TORCH_DTYPES",
+]
