@@ -138,7 +138,8 @@ def cmd_plan(args) -> int:
 
 
 # every file `compile` may write; ones a new plan does not produce are removed from DIR
-GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "launch.sh")
+GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
+             "launch.sh")
 TIMELINE_SECTION = """
 ## Timeline of one step
 
@@ -151,7 +152,7 @@ the same timeline in Chrome trace format (open it in Perfetto or chrome://tracin
 
 def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     """Every file `compile` writes, name -> text (plan.json, report.md, graph.txt, program, launcher)."""
-    from parcompile.codegen.emit import render_launch, render_program
+    from parcompile.codegen.emit import render_launch, render_program, render_serve
 
     files = {
         "plan.json": plan.to_json(),
@@ -162,7 +163,9 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     }
     if plan.config.workload == "train":
         files["program.py"] = render_program(plan.config, plan.data, out_dir)
-        files["launch.sh"] = render_launch(plan.config)
+    else:
+        files["serve.py"] = render_serve(plan.config, plan.data, out_dir)
+    files["launch.sh"] = render_launch(plan.config)
     return files
 
 
@@ -204,8 +207,7 @@ def cmd_compile(args) -> int:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
     print(f"wrote {out}/ ({', '.join(sorted(build_outputs(plan, out)))})")
-    if plan.config.workload == "train":
-        print(f"run it: (cd {out} && ./launch.sh)")
+    print(f"run it: (cd {out} && ./launch.sh)")
     return EXIT_OK
 
 
@@ -222,17 +224,30 @@ def cmd_run(args) -> int:
         problems.append(Diagnostic(
             "error", f"`run` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
             cfg.span("cluster.nodes"), help=f"on the cluster, run {out}/launch.sh on every node"))
-    if cfg.workload != "train":
-        problems.append(Diagnostic("error", "`run` trains; this spec has a `serve` block", cfg.span("serve")))
+    serve = cfg.workload == "serve"
+    if serve and cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
+        problems.append(Diagnostic(
+            "error", f"weights directory `{cfg.serve.weights}` does not exist", cfg.span("serve.weights"),
+            help="train with `checkpoint_dir` set to it first, or give a Hugging Face checkpoint directory"))
+    if serve and args.steps:
+        raise _Usage("--steps is for training specs; this spec has a `serve` block")
+    if not serve and args.prompt:
+        raise _Usage("--prompt is for serve specs; this spec trains")
+    if serve and args.checkpoint_dir:
+        raise _Usage("--checkpoint-dir is for training specs; a serve spec reads `weights`")
     if problems:
         _print_diags(problems, _read(args.spec)[1])
         return EXIT_SPEC
+    script = out / ("serve.py" if serve else "program.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cfg.cluster.gpus_per_node}", str(out / "program.py")]
+           f"--nproc-per-node={cfg.cluster.gpus_per_node}", str(script)]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
-    print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {out / 'program.py'}",
-          flush=True)
+    if args.checkpoint_dir:   # relative to where `parcompile run` runs, not to the program
+        cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).absolute())]
+    for p in args.prompt or []:
+        cmd += ["--prompt", p]
+    print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
     return subprocess.call(cmd)
 
 
@@ -293,6 +308,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("spec")
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
     p.add_argument("--steps", type=int, help="override the number of training steps")
+    p.add_argument("--checkpoint-dir", help="training specs: save the final weights here (DCP), for serving")
+    p.add_argument("--prompt", action="append", help="serve specs: a prompt (repeat for a batch)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")

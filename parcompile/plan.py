@@ -130,11 +130,15 @@ def render_report(d: dict[str, Any]) -> str:
         layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
         ranks = _groups_line([s["ranks"]], 1) if len(s["ranks"]) <= 8 else f"{len(s['ranks'])} ranks"
         out.append(f"| {s['index']} | {layers} | {ranks} | {s['params_per_rank']:,} |")
+    serve = "serve" in d
+    if serve:
+        out += [""] + _serve_report(d) + [""]
+        return "\n".join(out)
     sch = d["schedule"]
     out += ["", "## Schedule", "",
             f"`{sch['name']}`, {plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')}, bubble "
             f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
-    warns = plan_warnings(d)
+    warns = plan_warnings(d) if "serve" not in d else []
     if warns:
         out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     mem = d["memory"]
@@ -177,6 +181,28 @@ def render_report(d: dict[str, Any]) -> str:
     for (op, axis, b, s), n in sorted(agg.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1], kv[0][2])):
         out.append(f"| {s} | {op} | {axis} | {b:,} | {n} |")
     out += [""]
-    if "serve" in d:
-        out += ["## Serving", ""] + [f"- {k}: {v}" for k, v in d["serve"].items()] + [""]
     return "\n".join(out)
+
+
+def _serve_report(d: dict[str, Any]) -> list[str]:
+    """The serving sections of the report: memory per rank, KV cache, time."""
+    sv, mem = d["serve"], d["memory"]
+    out = ["## Serving", "",
+           f"{plural(sv['batch'], 'sequence')} ({sv['batch_per_replica']} per replica, "
+           f"{plural(sv['replicas'], 'replica')}) of {sv['prompt_len']:,} prompt + {sv['max_new_tokens']:,} new "
+           f"tokens; KV cache in {sv['kv_dtype']}, {sv['kv_heads_per_rank']} kv head(s) per rank"
+           + (f", each replicated on {sv['kv_head_replicas']} ranks" if sv["kv_head_replicas"] > 1 else "") + ".", "",
+           "| stage | weights | workspace | KV cache | KV bytes/token | total |", "|---|---|---|---|---|---|"]
+    for s, k in zip(mem["per_stage"], sv["kv_bytes_per_token_per_stage"]):
+        out.append(f"| {s['stage']} | {_gb(s['params'])} | {_gb(s['activations'])} | {_gb(s['kv_cache'])} | "
+                   f"{k:,} | {_gb(s['total'])} |")
+    out += ["", f"Peak {_gb(mem['peak'])} of {_gb(mem['capacity'])}: " + ("fits." if mem["fits"] else "**does not fit**.")
+            + f" Room for {sv['max_concurrent_tokens']:,} tokens of cache ({sv['max_concurrent_sequences']:,} "
+              f"sequences of {sv['prompt_len'] + sv['max_new_tokens']:,} tokens).", "",
+            "## Estimate (serving)", "",
+            f"Time to first token **{sv['ttft'] * 1e3:.4g} ms** (prefill, compute-bound), time per output token "
+            f"**{sv['tpot'] * 1e3:.4g} ms** (decode, memory-bound); {sv['decode_tokens_per_s']:,.0f} tokens/s while "
+            f"decoding, {sv['tokens_per_s']:,.0f} tokens/s over the whole request.", "",
+            "| part | seconds |", "|---|---|"]
+    out += [f"| {k} | {v:.4g} |" for k, v in sv["breakdown"].items()]
+    return out

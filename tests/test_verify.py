@@ -42,6 +42,11 @@ CASES = {
                                    model=dict(norm="layernorm", activation="gelu", position="learned", bias=True,
                                               sliding_window=6)),
     "dp2_cp2_pp2_mqa": dict(dp=2, pp=2, model=dict(heads=4, kv_heads=1), parallel=dict(cp=2)),
+    # issue 7: activation recomputation (torch.utils.checkpoint; collectives repeat as planned)
+    "tp2_pp2_recompute_full": dict(tp=2, pp=2, parallel=dict(recompute="full")),
+    "dp2_tp2_recompute_selective_unfused": dict(dp=2, tp=2, model=dict(attention="unfused"),
+                                                parallel=dict(recompute="selective")),
+    "tp2_sequence_parallel_recompute_full": dict(tp=2, parallel=dict(sequence_parallel=True, recompute="full")),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),

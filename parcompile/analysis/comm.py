@@ -71,6 +71,15 @@ def sent_bytes(op: str, nbytes: int, n: int) -> Fraction:
     return Fraction(0)
 
 
+def _in_layer(graph: Graph, name: str) -> bool:
+    """Whether a collective runs again when its layer is recomputed: the tensor it converts
+    is produced inside a decoder layer (the embedding's reduction feeds layer 0 but is not
+    part of it, so a layer's recomputation does not repeat it)."""
+    ins = graph.inputs(name)
+    producer = graph.node(ins[0]) if ins else graph.node(name)
+    return producer.op.layer is not None
+
+
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
                 pp: int) -> CommReport:
     """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`)."""
@@ -88,7 +97,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 raw.append((stage, nd.chunk or 0, c))
             n = m if c.per == "microbatch" else 1
             phases = [(c.phase, n)]
-            if recompute == "full" and c.phase == "forward" and nd.op.layer is not None and nd.kind != "send_recv":
+            if recompute == "full" and c.phase == "forward" and nd.kind != "send_recv" and _in_layer(graph, nd.name):
                 phases.append(("recompute", n))
             for phase, cnt in phases:
                 key = (c.op, c.axis, c.bytes, c.where, stage, phase)

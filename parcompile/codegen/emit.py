@@ -36,8 +36,6 @@ _env = jinja2.Environment(
 _NOT_IN_PROGRAM = (
     ("parallel.zero", lambda c: c.parallel.zero > 0,
      "ZeRO sharding", "the program keeps full optimizer states and all-reduces gradients (zero = 0)", 7),
-    ("parallel.recompute", lambda c: c.parallel.recompute != "none",
-     "activation recomputation", "the program keeps every activation for backward", 7),
 )
 
 
@@ -137,13 +135,66 @@ def render_program(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> 
     return _env.get_template("program.py.j2").render(**program_context(cfg, plan, out_dir))
 
 
+def program_name(cfg: SpecConfig) -> str:
+    """The generated program's file name: ``program.py`` (train) or ``serve.py`` (serve)."""
+    return "serve.py" if cfg.workload == "serve" else "program.py"
+
+
 def render_launch(cfg: SpecConfig) -> str:
     """``launch.sh``: torchrun on one node, or multi-node with rendezvous from the environment
     (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+    script = program_name(cfg)
     return _env.get_template("launch.sh.j2").render(
         name=comment_text(cfg.name), version=_version(), spec_file=comment_text(Path(cfg.filename).name),
-        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
+        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=script,
+        example_args=("--prompt 'Once upon a time' --max-new-tokens 32" if script == "serve.py"
+                      else "--steps 10 --metrics-dir out/"),
     )
+
+
+def _relative_to_program(path: str | None, out_dir: Path | None) -> str | None:
+    """``path`` relative to the program's directory when that is known (no absolute paths in
+    generated files); the program resolves it against its own directory."""
+    if path is None or out_dir is None:
+        return path
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
+
+
+def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
+    """The plain data the serve template formats (see module docstring)."""
+    m, p, s = cfg.model, cfg.parallel, cfg.serve
+    sv = plan["serve"]
+    weights = _relative_to_program(s.weights, out_dir)
+    kv_dtype = s.kv_dtype or m.dtype
+    return {
+        "name": comment_text(cfg.name),
+        "version": _version(),
+        "spec_file": comment_text(Path(cfg.filename).name),
+        "world": p.world_size,
+        "torchrun_cmd": torchrun_command(cfg, "serve.py"),
+        "m": m,
+        "p": p,
+        "s": s,
+        "batch_per_replica": sv["batch_per_replica"],
+        "padded_vocab": plan["model"]["padded_vocab"],
+        "heads_local": m.heads // p.tp,
+        "kv_local": plan["model"]["kv_heads_per_rank"],
+        "kv_replicas": plan["model"]["kv_head_replicas"],
+        "kv_bytes_per_token": sv["kv_bytes_per_token"],
+        "kv_dtype": kv_dtype,
+        "ffn_local": m.ffn_hidden // p.tp,
+        "rope_dim": int(m.head_dim * m.rotary_fraction) // 2 * 2,
+        "torch_dtype": TORCH_DTYPES[m.dtype],
+        "force_cpu": cfg.cluster.is_cpu,
+        "prompt_repr": repr(s.prompt),
+        "weights_repr": repr(weights),
+        "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",
+    }
+
+
+def render_serve(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> str:
+    """The text of ``serve.py`` for a serving plan."""
+    return _env.get_template("serve.py.j2").render(**serve_context(cfg, plan, out_dir))
 
 
 def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = (),

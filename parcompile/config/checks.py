@@ -283,7 +283,7 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                            f"{or_list(_nearest_multiples(p.global_batch, per_step * p.pp, at_least=2))} "
                            f"(multiples of micro_batch({p.micro_batch}) * dp({p.dp}) * pp({p.pp}) = "
                            f"{per_step * p.pp}), or use schedule = 1f1b")
-    if p.schedule == "1f1b" and num_micro < p.pp:
+    if p.schedule == "1f1b" and num_micro < p.pp and cfg.workload != "serve":   # serving has no micro-batches
         ctx.bag.warning(f"1f1b with m = {plural(num_micro, 'micro-batch', 'micro-batches')} on pp = {p.pp} "
                         f"stages: the bubble grows",
                         gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")

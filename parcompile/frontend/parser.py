@@ -213,10 +213,9 @@ class _Context:
                                         or self.text[end] in "_.-"):
             end += 1
         word = self.text[start:end]
-        before = self.lists or (prev is not None and (prev.type == "EQUAL" or (glued and prev is not self.key
-                                                                              and self.key is not None
-                                                                              and self.brace is not None)))
-        if before:
+        in_value = bool(self.lists) or (prev is not None and prev.type == "EQUAL") or \
+            (glued and self.brace is not None and self.key is not None and prev is not self.key)
+        if in_value:
             what, rule = "value", "bare-word values are ASCII; put other text in double quotes"
         elif self.brace is not None:
             what, rule = "key", "keys are lower_snake_case ASCII words (letters a-z, digits and `_`)"

@@ -17,6 +17,7 @@ from parcompile.runtime.layers import (
     apply_rope,
     attention_core,
     make_param,
+    recompute,
     no_init,
     shard_part,
     rope_tables,

@@ -156,7 +156,8 @@ def gather_vocab(logits: torch.Tensor, tp: Axis) -> torch.Tensor:
     x = logits.t().contiguous()                                  # (V'/tp, B)
     out = torch.empty((x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype, device=x.device)
     COUNTER.record("all_gather", tp.name, _nbytes(out))
-    dist.all_gather_into_tensor(out, x, group=tp.group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=tp.group)
     return out.t().contiguous()
 
 

@@ -311,6 +311,20 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     return probs @ v
 
 
+def recompute(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs; the backward runs it again
+    (torch.utils.checkpoint, non-reentrant; RNG state is replayed, so dropout masks match).
+    Collectives inside ``fn`` run again in the backward, as the plan counts them."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    # no early stop: the whole forward runs again, collectives included (Megatron-LM's
+    # recomputation; torch would otherwise stop once the saved tensors are rebuilt)
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [

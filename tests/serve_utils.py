@@ -1,0 +1,83 @@
+"""Helpers for serve tests: tiny serve specs, generated serve programs, running them
+in-process (the single-process reference) or several in one torchrun launch."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from parcompile.codegen.emit import render_serve, write_files
+from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig
+from parcompile.driver import compile_config
+
+HERE = Path(__file__).resolve().parent
+MULTI = HERE / "serve_multi.py"
+_counter = itertools.count()
+
+
+def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s") -> SpecConfig:
+    """A small serve spec on the `cpu` cluster (world = dp * tp * pp)."""
+    mk = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256, seq_len=32, dtype="fp32")
+    mk.update(model or {})
+    sk = dict(batch=2, prompt_len=6, max_new_tokens=6, seed=3)
+    sk.update(serve or {})
+    world = dp * tp * pp
+    return SpecConfig(name=name, model=ModelConfig(**mk),
+                      cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=world),
+                      parallel=ParallelConfig(dp=dp, tp=tp, pp=pp), workload="serve", serve=ServeConfig(**sk))
+
+
+def build_serve(cfg: SpecConfig, out: Path) -> dict:
+    """Compile ``cfg`` and write plan.json and serve.py into ``out``; returns the plan dict."""
+    plan = compile_config(cfg)
+    write_files(out, {"plan.json": plan.to_json(), "serve.py": render_serve(cfg, plan.data, out)})
+    return plan.data
+
+
+def run_in_process(out: Path, argv: list[str]) -> dict:
+    """Run ``out/serve.py`` in this process (world of one); returns its record."""
+    spec = importlib.util.spec_from_file_location(f"parcompile_serve_{next(_counter)}", out / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return module.main(["--plan", str(out / "plan.json")] + argv)
+    finally:
+        os.environ.update(saved)
+
+
+def run_torchrun(world: int, jobs: list[tuple[Path, list[str], Path]], timeout_s: float = 600) -> str:
+    """Run several serve programs one after another in one torchrun launch of ``world``
+    processes: each job is (program dir, argv, records dir). Returns stdout."""
+    spec = [{"program": str(d / "serve.py"), "argv": ["--plan", str(d / "plan.json"), "--out", str(o)] + a}
+            for d, a, o in jobs]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(MULTI), json.dumps(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def records(out: Path) -> list[dict]:
+    """The rank<r>.json records a run wrote, by rank."""
+    return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+
+
+def replica_tokens(recs: list[dict]) -> list[list[int]]:
+    """The generated tokens of all sequences, replica by replica (from each replica's last
+    stage, tp rank 0), in prompt order."""
+    last = max(r["stage"] for r in recs)
+    out = []
+    for r in sorted((r for r in recs if r["stage"] == last and r["tp_index"] == 0), key=lambda r: r["dp_index"]):
+        out += r["tokens"]
+    return out

@@ -1,0 +1,229 @@
+"""Serving: the plan's serve section (KV bytes, memory, time, errors) and the generated
+serve program (greedy tokens equal across layouts and to Hugging Face's `generate`, the
+KV cache holds the planned bytes, weights from seed, a training checkpoint or safetensors).
+
+The torchrun tests group several layouts of one world size per launch (about 10 s each).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import parcompile
+from parcompile.diagnostics import SpecError
+from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
+
+PROMPTS = ["--prompt-ids", "5,17,99,3,250,42", "--prompt-ids", "7,7,120,9,31,200"]
+
+
+# ---- plan ----------------------------------------------------------------------------
+
+def _serve_spec(model: str, tp: int, extra: str = "", serve: str = "") -> str:
+    return (f'model m from "{model}" {{ {extra} }}\ncluster c from "h100-sxm" {{ gpus_per_node = {max(tp, 1)} }}\n'
+            f"parallel {{ tp = {tp} }}\nserve {{\n    batch = 1\n    prompt_len = 1024\n    max_new_tokens = 1024\n{serve}}}\n")
+
+
+@pytest.mark.parametrize("model,tp,want", [("llama3-8b", 1, 131_072), ("llama3-70b", 1, 327_680),
+                                           ("llama3-70b", 8, 40_960)])
+def test_known_kv_bytes_per_token(model, tp, want):
+    if tp == 1 and model == "llama3-70b":   # 141 GB of weights: only the per-token figure is asked
+        src = _serve_spec(model, tp).replace('"h100-sxm" {', '"h100-sxm" { memory = 400 GiB,')
+    else:
+        src = _serve_spec(model, tp)
+    d = parcompile.compile(src, filename="s.par").data
+    assert d["serve"]["kv_bytes_per_token"] == want
+
+
+def test_kv_replication_counts_one_kv_head_per_rank():
+    cfg = serve_config(tp=4, model=dict(heads=8, kv_heads=2))
+    d = parcompile.driver.compile_config(cfg).data
+    m = cfg.model
+    assert d["model"]["kv_heads_per_rank"] == 1 and d["model"]["kv_head_replicas"] == 2
+    per_layer = (m.hidden * 8 * 8 // 4 * 2            # wq, wo: 2 query heads of 8 dims per rank
+                 + 2 * m.hidden * 1 * 8                # wk, wv: one (replicated) kv head
+                 + 3 * m.hidden * m.ffn_hidden // 4    # w1, w3, w2
+                 + 2 * m.hidden)                       # norms
+    padded = m.padded_vocab(4)
+    want = m.layers * per_layer + 2 * padded // 4 * m.hidden + m.hidden
+    assert d["stages"][0]["params_per_rank"] == want
+
+
+def test_serve_memory_and_time_70b_tp8():
+    d = parcompile.compile(Path("examples/llama3_70b_serve_8x_h100.par")).data
+    sv, mem = d["serve"], d["memory"]["per_stage"][0]
+    assert sv["kv_bytes_per_token"] == 40_960
+    assert mem["params"] == sv["weights_bytes_per_rank"] == d["stages"][0]["params_per_rank"] * 2
+    ctx = sv["prompt_len"] + sv["max_new_tokens"]
+    assert mem["kv_cache"] == sv["batch"] * ctx * 40_960
+    assert sv["max_concurrent_tokens"] == (d["memory"]["capacity"] - mem["params"] - mem["activations"]) // 40_960
+    # decode is memory-bound: reading ~17.6 GB of weights per token at 0.8 * 3.35 TB/s
+    assert 6e-3 < sv["breakdown"]["decode_weights"] < 7.5e-3
+    assert sv["ttft"] > sv["tpot"] > 0 and sv["tokens_per_s"] > 0
+    assert sv["decode_tokens_per_s"] == pytest.approx(sv["batch"] / sv["tpot"])
+
+
+def test_one_sequence_that_does_not_fit_is_an_error_with_what_would():
+    src = _serve_spec("llama3-70b", 1)
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(src, filename="s.par")
+    d = e.value.diagnostics[0]
+    assert "one sequence of 2,048 tokens does not fit" in d.message
+    assert "tp = 2" in d.help and "pp = 2" in d.help
+
+
+def test_batch_that_does_not_fit_warns():
+    src = _serve_spec("llama3-8b", 1).replace("batch = 1", "batch = 512")
+    plan = parcompile.compile(src, filename="s.par")
+    assert any(w.code == "does-not-fit" and "at most" in w.help for w in plan.warnings)
+    assert plan.data["serve"]["fits"] is False and plan.data["memory"]["fits"] is False
+
+
+def test_serve_rejects_cp_and_virtual_stages():
+    src = _serve_spec("llama3-8b", 2).replace("tp = 2", "tp = 1, cp = 2")
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(src, filename="s.par")
+    assert "serving with cp = 2 is not supported" in e.value.diagnostics[0].message
+
+
+# ---- the program, in one process --------------------------------------------------------
+
+def test_single_process_generation_is_deterministic_and_cache_is_planned(tmp_path):
+    cfg = serve_config()
+    plan = build_serve(cfg, tmp_path / "ref")
+    a = run_in_process(tmp_path / "ref", PROMPTS)
+    b = run_in_process(tmp_path / "ref", PROMPTS)
+    assert a["tokens"] == b["tokens"] and [len(t) for t in a["tokens"]] == [6, 6]
+    assert a["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] == 2 * 12 * 4 * 2 * 2 * 16 * 4
+    # an end token stops its sequence; sampling follows the seed
+    eos = a["tokens"][0][2]
+    c = run_in_process(tmp_path / "ref", PROMPTS + ["--eos", str(eos)])
+    assert c["tokens"][0] == a["tokens"][0][:a["tokens"][0].index(eos) + 1]
+    s1 = run_in_process(tmp_path / "ref", PROMPTS + ["--temperature", "1.0", "--top-k", "20", "--seed", "5"])
+    s2 = run_in_process(tmp_path / "ref", PROMPTS + ["--temperature", "1.0", "--top-k", "20", "--seed", "5"])
+    assert s1["tokens"] == s2["tokens"]
+
+
+def test_left_padded_prompts_generate_as_alone(tmp_path):
+    build_serve(serve_config(), tmp_path / "ref")
+    both = run_in_process(tmp_path / "ref", ["--prompt-ids", "5,17,99,3,250,42", "--prompt-ids", "9,31,200"])
+    alone = run_in_process(tmp_path / "ref", ["--prompt-ids", "9,31,200"])
+    assert both["tokens"][1] == alone["tokens"][0]
+
+
+def test_tokenizer_json_and_bytes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from parcompile.runtime.generate import ByteTokenizer, load_tokenizer
+
+    words = {f"w{i}": i for i in range(300)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(None, str(tmp_path), 300)
+    assert t.encode("w5 w17") == [5, 17] and t.kind == "tokenizer.json"
+    b = load_tokenizer(None, None, 256)
+    assert isinstance(b, ByteTokenizer) and b.decode(b.encode("héllo")) == "héllo"
+
+
+def test_serve_program_errors_are_one_line(tmp_path):
+    build_serve(serve_config(), tmp_path / "ref")
+    from parcompile.runtime.generate import ServeError
+
+    with pytest.raises(ServeError, match="does not exist"):
+        run_in_process(tmp_path / "ref", PROMPTS + ["--weights", str(tmp_path / "nowhere")])
+    with pytest.raises(ServeError, match="exceeds seq_len"):
+        run_in_process(tmp_path / "ref", PROMPTS + ["--max-new-tokens", "40"])
+
+
+# ---- the program under torchrun -------------------------------------------------------------
+
+def _hf_llama(tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    hcfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(7)
+    hf = transformers.LlamaForCausalLM(hcfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    return hf
+
+
+def _hf_spec(tmp_path: Path, tp: int, pp: int) -> SpecConfig:
+    src = (f'model m from "hf/config.json" {{ dtype = fp32 }}\ncluster c from "cpu" {{ gpus_per_node = {tp * pp} }}\n'
+           f'parallel {{ tp = {tp}, pp = {pp} }}\nserve {{ batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }}\n')
+    (tmp_path / f"hf_{tp}_{pp}.par").write_text(src)
+    cfg, _ = parcompile.frontend.load_spec(tmp_path / f"hf_{tp}_{pp}.par")
+    return cfg
+
+
+from parcompile.config.schema import SpecConfig  # noqa: E402
+
+
+@pytest.mark.torchrun
+def test_two_rank_layouts_match_single_process(tmp_path):
+    """tp = 2 and pp = 2 (one launch): the same greedy tokens as one process, and each
+    rank's KV cache holds exactly the planned bytes."""
+    ref_plan = build_serve(serve_config(), tmp_path / "ref")
+    ref = run_in_process(tmp_path / "ref", PROMPTS)["tokens"]
+    jobs, plans = [], {}
+    for name, kw in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
+        plans[name] = build_serve(serve_config(**kw), tmp_path / name)
+        jobs.append((tmp_path / name, PROMPTS, tmp_path / name / "out"))
+    run_torchrun(2, jobs)
+    for name, plan in plans.items():
+        recs = records(tmp_path / name / "out")
+        assert replica_tokens(recs) == ref, name
+        for r in recs:
+            want = plan["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
+            assert r["cache_bytes"] == want, (name, r["rank"])
+            assert r["params"] == plan["stages"][r["stage"]]["params_per_rank"], (name, r["rank"])
+    assert ref_plan["serve"]["kv_cache_bytes_per_rank"] == 2 * 12 * plans["tp2"]["serve"]["kv_bytes_per_token"] * 2
+
+
+@pytest.mark.torchrun
+def test_four_rank_layouts_match_single_process_and_hf(tmp_path):
+    """One launch of 4 ranks: tp 2 x pp 2, kv-head replication (kv_heads 2, tp 4), and a
+    Hugging Face Llama saved with save_pretrained under tp 2 x pp 2 against HF's greedy
+    `generate`."""
+    ref = run_in_process(*_ref(tmp_path))
+    rep_model = dict(heads=8, kv_heads=2)
+    build_serve(serve_config(model=rep_model), tmp_path / "ref_rep")
+    ref_rep = run_in_process(tmp_path / "ref_rep", PROMPTS)["tokens"]
+    hf = _hf_llama(tmp_path)
+    prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120, 9, 31, 299]]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False,
+                           attention_mask=torch.ones(2, 6, dtype=torch.long))[:, 6:].tolist()
+    hf_args = sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), [])
+    plans = {"tp2pp2": build_serve(serve_config(tp=2, pp=2), tmp_path / "tp2pp2"),
+             "kvrep": build_serve(serve_config(tp=4, model=rep_model), tmp_path / "kvrep")}
+    hf_plan = build_serve(_hf_spec(tmp_path, 2, 2), tmp_path / "hfprog")
+    run_torchrun(4, [(tmp_path / "tp2pp2", PROMPTS, tmp_path / "tp2pp2" / "out"),
+                     (tmp_path / "kvrep", PROMPTS, tmp_path / "kvrep" / "out"),
+                     (tmp_path / "hfprog", hf_args, tmp_path / "hfprog" / "out")])
+    for name, expected in (("tp2pp2", ref["tokens"]), ("kvrep", ref_rep)):
+        recs = records(tmp_path / name / "out")
+        assert replica_tokens(recs) == expected, name
+        for r in recs:
+            assert r["cache_bytes"] == plans[name]["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
+            assert r["params"] == plans[name]["stages"][r["stage"]]["params_per_rank"], (name, r["rank"])
+    assert plans["kvrep"]["model"]["kv_head_replicas"] == 2
+    hf_recs = records(tmp_path / "hfprog" / "out")
+    assert all(r["weights"] == "hf" for r in hf_recs)
+    assert replica_tokens(hf_recs) == want
+    assert hf_plan["model"]["padded_vocab"] == 512   # 300 padded for tp = 2
+
+
+def _ref(tmp_path: Path):
+    build_serve(serve_config(), tmp_path / "ref")
+    return tmp_path / "ref", PROMPTS
