@@ -280,8 +280,9 @@ def predicted_collectives(plan: dict, stage: int) -> dict[tuple[str, str, int], 
 
 
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
-    """Measured parameters per rank, collectives per step and the executed pipeline
-    actions against the plan."""
+    """Measured parameters per rank, the bytes of parameters, gradients and optimizer
+    states each rank holds between steps, collectives per step and the executed pipeline
+    actions, against the plan."""
     bad_params, bad_comm = [], []
     for r in records:
         stage = r["stage"]
@@ -295,6 +296,13 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             bad_comm.append(f"rank {r['rank']}: " + ", ".join(
                 f"{op} {axis} {b} B x{n} ({'measured' if measured.get((op, axis, b)) == n else 'planned'})"
                 for (op, axis, b), n in diff[:4]))
+    bad_bytes = []
+    for r in records:
+        want = plan["memory"]["per_stage"][r["stage"]]
+        got = r.get("state_bytes") or {}
+        diff = [f"{k} {got.get(k)} != plan {want[k]}" for k in ("params", "grads", "optimizer") if got.get(k) != want[k]]
+        if diff:
+            bad_bytes.append(f"rank {r['rank']}: " + ", ".join(diff))
     bad_order = []
     for r in records:
         planned = [[a["op"], a["microbatch"], a["chunk"]] for a in plan["schedule"]["actions"][r["stage"]]]
@@ -309,6 +317,8 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
               not bad_params, "; ".join(bad_params[:3])),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,
               not bad_comm, "; ".join(bad_comm[:2])),
+        Check("parameter, gradient, optimizer bytes per rank", 0.0 if not bad_bytes else math.inf, 0.0,
+              not bad_bytes, "; ".join(bad_bytes[:2])),
         Check(f"pipeline actions as planned ({sum(len(r.get('actions', [])) for r in records)})",
               0.0 if not bad_order else math.inf, 0.0, not bad_order, "; ".join(bad_order[:2])),
     ]

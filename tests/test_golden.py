@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import parcompile
-from parcompile.codegen.emit import render_program
+from parcompile.codegen.emit import render_program, render_serve
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"
@@ -27,6 +27,8 @@ def _outputs(spec: Path) -> dict[str, str]:
         out["trace.json"] = plan.trace_json()
     if plan.config.workload == "train":
         out["program.py"] = render_program(plan.config, plan.data, REPO / "build" / plan.config.name)
+    else:
+        out["serve.py"] = render_serve(plan.config, plan.data, REPO / "build" / plan.config.name)
     return out
 
 

@@ -162,7 +162,9 @@ def _hf_spec(tmp_path: Path, tp: int, pp: int) -> SpecConfig:
     src = (f'model m from "hf/config.json" {{ dtype = fp32 }}\ncluster c from "cpu" {{ gpus_per_node = {tp * pp} }}\n'
            f'parallel {{ tp = {tp}, pp = {pp} }}\nserve {{ batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }}\n')
     (tmp_path / f"hf_{tp}_{pp}.par").write_text(src)
-    cfg, _ = parcompile.frontend.load_spec(tmp_path / f"hf_{tp}_{pp}.par")
+    from parcompile.frontend import load_spec
+
+    cfg, _ = load_spec(tmp_path / f"hf_{tp}_{pp}.par")
     return cfg
 
 
@@ -227,3 +229,70 @@ def test_four_rank_layouts_match_single_process_and_hf(tmp_path):
 def _ref(tmp_path: Path):
     build_serve(serve_config(), tmp_path / "ref")
     return tmp_path / "ref", PROMPTS
+
+
+@pytest.mark.torchrun
+def test_readme_train_then_serve(tmp_path):
+    """The README's two commands, verbatim (in a copy of examples/, with fewer steps): a
+    dp 2 x tp 2 x pp 2 training run saves a DCP checkpoint; tp 2 x pp 2 serves it; the
+    same spec at tp = 1 in one process, loading the same checkpoint, writes the same text."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("## Train, then serve"):readme.index("## Use")]
+    commands = re.search(r"```\n(.*?)```", section, re.S).group(1).strip().splitlines()
+    assert commands == ["parcompile run examples/tiny.par --checkpoint-dir build/tiny_ckpt",
+                        "parcompile run examples/tiny_serve.par"]
+    (tmp_path / "examples").mkdir()
+    for name in ("tiny.par", "tiny_serve.par"):
+        shutil.copy(repo / "examples" / name, tmp_path / "examples" / name)
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu")
+    outs = []
+    for cmd, extra in zip(commands, (["--steps", "8"], [])):
+        argv = [sys.executable, "-m", "parcompile"] + cmd.split()[1:] + extra
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    assert (tmp_path / "build" / "tiny_ckpt" / ".metadata").is_file()
+    served = outs[1]
+    assert "[0] The " in served and "(weights: dcp)" in served
+    text = served[served.index("[0] "):served.index("replica 0:")].rstrip("\n")
+    # the same spec in one process (tp = 1, pp = 1) from the same checkpoint
+    cfg, _ = __import__("parcompile.frontend", fromlist=["load_spec"]).load_spec(tmp_path / "examples" / "tiny_serve.par")
+    from parcompile.config.schema import ClusterConfig, ParallelConfig
+
+    one = cfg.model_copy(update=dict(parallel=ParallelConfig(),
+                                     cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=1)))
+    build_serve(one, tmp_path / "one")
+    rec = run_in_process(tmp_path / "one", [])
+    from parcompile.runtime.generate import ByteTokenizer
+
+    assert rec["weights"] == "dcp"
+    assert "[0] " + ByteTokenizer().decode(list(b"The ")) + ByteTokenizer().decode(rec["tokens"][0]) == text
+
+
+def test_fp8_cache_holds_the_planned_bytes(tmp_path):
+    plan = build_serve(serve_config(serve=dict(kv_dtype="fp8")), tmp_path / "p")
+    rec = run_in_process(tmp_path / "p", PROMPTS)
+    assert rec["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] == 2 * 12 * 4 * 2 * 2 * 16 * 1
+    assert [len(t) for t in rec["tokens"]] == [6, 6]
+
+
+def test_cli_compile_and_run_serve_spec(tmp_path, monkeypatch, capsys):
+    from parcompile.cli import main
+
+    spec = tmp_path / "s.par"
+    spec.write_text('model m { layers = 2, hidden = 32, heads = 4, vocab = 256, seq_len = 32, dtype = fp32 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nserve { weights = "nowhere" }\n'
+                    .replace("serve { weights", "serve {\n prompt_len = 8\n max_new_tokens = 8\n weights"))
+    assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 0
+    assert {"serve.py", "launch.sh", "plan.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    assert "serve.py" in (tmp_path / "out" / "launch.sh").read_text()
+    capsys.readouterr()
+    assert main(["run", str(spec), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "weights directory" in err and "does not exist" in err and "Traceback" not in err

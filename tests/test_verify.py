@@ -47,6 +47,13 @@ CASES = {
     "dp2_tp2_recompute_selective_unfused": dict(dp=2, tp=2, model=dict(attention="unfused"),
                                                 parallel=dict(recompute="selective")),
     "tp2_sequence_parallel_recompute_full": dict(tp=2, parallel=dict(sequence_parallel=True, recompute="full")),
+    # issue 7: ZeRO 1-3 over dp (reduce-scatter + all-gather); measured state bytes = plan's
+    "dp2_tp2_pp2_zero1": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1)),
+    "dp4_tp2_zero1": dict(dp=4, tp=2, parallel=dict(zero=1)),
+    "dp2_tp2_pp2_zero2_tied": dict(dp=2, tp=2, pp=2, model=dict(tie_embeddings=True), parallel=dict(zero=2)),
+    "dp4_tp2_zero2": dict(dp=4, tp=2, parallel=dict(zero=2)),
+    "dp2_tp2_zero3": dict(dp=2, tp=2, parallel=dict(zero=3)),
+    "dp4_tp2_zero3": dict(dp=4, tp=2, parallel=dict(zero=3)),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),

@@ -34,8 +34,6 @@ _env = jinja2.Environment(
 # What the plan models but the generated program does not run yet: (config key, test,
 # what the program does instead, the issue that brings it).
 _NOT_IN_PROGRAM = (
-    ("parallel.zero", lambda c: c.parallel.zero > 0,
-     "ZeRO sharding", "the program keeps full optimizer states and all-reduces gradients (zero = 0)", 7),
 )
 
 
@@ -100,7 +98,12 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
     data = _data_path(cfg, out_dir)
     rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
     sp = bool(p.sequence_parallel and p.tp > 1)
+    zero_comment = {0: "replicated over dp: all-reduce of gradients",
+                    1: "ZeRO-1: optimizer states sharded over dp",
+                    2: "ZeRO-2: optimizer states and gradients sharded over dp",
+                    3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero]
     return {
+        "zero_comment": zero_comment,
         "sp": sp,
         "t_attn": m.seq_len // p.cp,
         "t_local": m.seq_len // p.cp // (p.tp if sp else 1),

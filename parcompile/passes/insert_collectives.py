@@ -121,6 +121,8 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:
             add(s, "sp_norm_grads", "all_reduce", "tp", GRAD_BYTES * sp.norm, "sp_norm_grads")
+        if par.zero > 0 and d > 1:   # sharded gradients: the norm's squares are summed over dp too
+            add(s, "grad_norm_dp", "all_reduce", "dp_cp", 4, "grad_norm")
         if deg["tp"] > 1:
             add(s, "grad_norm_tp", "all_reduce", "tp", 4, "grad_norm")
         if pp > 1:

@@ -27,6 +27,8 @@ from parcompile.runtime.pipeline import run_schedule
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear
 from parcompile.runtime.train import (
+    ReplicatedOptimizer,
+    step_optimizer,
     build_optimizer,
     clip_gradients,
     grad_norm,

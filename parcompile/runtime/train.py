@@ -25,13 +25,17 @@ from parcompile.runtime.context import ParallelContext
 
 
 def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool = False) -> None:
-    """Average gradients over the data-parallel group (`dp_cp`) in one flat fp32 buffer,
-    then sum tied-embedding gradients over the `embedding` group.
+    """The model-parallel gradient sums of a step, before the data-parallel reduction:
 
-    With sequence parallelism, parameters replicated over tp (norms, row-parallel biases,
-    learned positions) saw only this rank's part of the sequence: their gradients are
-    first summed over tp in one flat buffer (Megatron-LM's sequence-parallel grads).
-    Megatron-LM reduces the same way (bucketed); bucketing and overlap come with ZeRO.
+    - with sequence parallelism, parameters replicated over tp (norms, row-parallel
+      biases, learned positions) saw only this rank's part of the sequence: their
+      gradients are summed over tp in one flat buffer (Megatron-LM's sequence-parallel
+      gradients);
+    - a tied embedding and its LM-head copy on the last stage (pp > 1) sum their
+      gradients over the `embedding` group (Megatron-LM's rule).
+
+    The data-parallel reduction is the optimizer's (:class:`ReplicatedOptimizer`,
+    :class:`parcompile.runtime.zero.ShardedOptimizer`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -39,9 +43,6 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
             p.grad = torch.zeros_like(p)
     if sequence_parallel and ctx.tp.size > 1:
         _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None], ctx.tp)
-    dp = ctx.axes["dp_cp"]
-    if dp.size > 1:
-        _all_reduce_flat(params, dp, scale=1.0 / dp.size)
     emb = ctx.axes["embedding"]
     if emb.size > 1:
         for p in params:
@@ -91,21 +92,84 @@ def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> Non
                     p.grad.mul_(coef)
 
 
-def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
-    """AdamW / Adam / SGD over the local shards. Weight decay applies to matrices and
-    embeddings (ndim >= 2), not to norms and biases (Megatron-LM and torchtitan's rule).
-    Element-wise updates make the result independent of how parameters are sharded.
-    """
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": train["weight_decay"]},
-              {"params": no_decay, "weight_decay": 0.0}]
+def make_optimizer(groups: list[dict], train: dict) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over parameter groups (each with its ``weight_decay``)."""
     name, lr = train["optimizer"], train["lr"]
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
     if name == "adam":  # Adam's weight decay is L2 added to the gradient
         return torch.optim.Adam(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
     return torch.optim.SGD(groups, lr=lr)
+
+
+def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
+    """The optimizer over the local shards. Weight decay applies to matrices and
+    embeddings (ndim >= 2), not to norms and biases (Megatron-LM and torchtitan's rule).
+    Element-wise updates make the result independent of how parameters are sharded.
+    """
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return make_optimizer([{"params": decay, "weight_decay": train["weight_decay"]},
+                           {"params": no_decay, "weight_decay": 0.0}], train)
+
+
+class ReplicatedOptimizer:
+    """``zero = 0``: every data-parallel rank holds all optimizer states; gradients are
+    averaged over `dp_cp` with one all-reduce of a flat fp32 buffer.
+
+    Same interface as :class:`parcompile.runtime.zero.ShardedOptimizer`.
+    """
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict):
+        self.model, self.ctx = model, ctx
+        self.optimizer = build_optimizer(model, train)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def begin_step(self) -> None:
+        pass
+
+    def reduce_gradients(self) -> None:
+        dp = self.ctx.axes["dp_cp"]
+        _all_reduce_flat([p for p in self.model.parameters() if p.grad is not None], dp, scale=1.0 / dp.size)
+
+    def dump_gradients(self) -> dict:
+        return shards(self.model, self.ctx, grads=True)
+
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.model, self.ctx)
+
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        clip_gradients(self.model, norm, max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def gather_for_export(self) -> None:
+        pass
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
+        ps = list(self.model.parameters())
+        return {
+            "params": sum(p.numel() * p.element_size() for p in ps),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
+            "optimizer": sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                             for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
+        }
+
+
+def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
+    """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp)."""
+    if zero == 0 or ctx.axes["dp_cp"].size == 1:
+        return ReplicatedOptimizer(model, ctx, train)
+    from parcompile.runtime.zero import ShardedOptimizer
+
+    return ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train))
 
 
 def lr_at(step: int, train: dict) -> float:
@@ -213,7 +277,8 @@ def save_checkpoint(directory: str, model: nn.Module, ctx: ParallelContext) -> N
 
 
 __all__ = [
-    "sync_gradients", "grad_norm", "clip_gradients", "build_optimizer", "lr_at", "set_lr",
+    "sync_gradients", "grad_norm", "clip_gradients", "build_optimizer", "make_optimizer", "step_optimizer",
+    "ReplicatedOptimizer", "lr_at", "set_lr",
     "reduce_loss", "local_param_count", "shards", "write_metrics", "write_state",
     "save_checkpoint", "COUNTER",
 ]

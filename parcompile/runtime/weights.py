@@ -131,7 +131,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
             state[name] = DTensor.from_local(buf, mesh, [Shard(p.shard_dim)], run_check=False)
         else:          # vocabulary rows, replicated kv heads, tp = 1: read whole, cut here
             state[name] = torch.empty(size, dtype=dtype)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not ctx.distributed)
     with torch.no_grad():
         for name, ps in groups.items():
             t = state[name]

@@ -47,6 +47,8 @@ ACT_DTYPE = torch.bfloat16  # activations, and what crosses a stage boundary
 TP = 8
 PP = 2
 VIRTUAL_STAGES = 1
+ZERO = 0  # ZeRO stage over the data-parallel group (0: replicated optimizer)
+RECOMPUTE = "none"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
 T_ATTN = 8192  # tokens per rank inside tp regions (SEQ_LEN / cp)
@@ -186,39 +188,44 @@ def main(argv=None) -> dict:
     ctx = rt.init_parallel(plan, force_cpu=FORCE_CPU)
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     model = Stage(plan, ctx).to(ctx.device)
-    opt = rt.build_optimizer(model, TRAIN)
+    num_params = rt.local_param_count(model)
+    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO)            # replicated over dp: all-reduce of gradients
     data = rt.GlobalBatches(args.data, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0
     autocast = (torch.autocast(ctx.device.type, dtype=ACT_DTYPE) if ACT_DTYPE != torch.float32 else nullcontext())
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
-              "params": rt.local_param_count(model), "losses": [], "comm": None}
+              "params": num_params, "losses": [], "comm": None}
     state = {}
     for step in range(args.steps):
         t0 = time.perf_counter()
         rt.COUNTER.reset()
         microbatches = [rt.split_microbatch(t, ctx.axes["cp"])       # (inputs, targets), (B, T_ATTN) each
                         for t in rt.local_microbatches(data.batch(step), ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)
-        rt.set_lr(opt, lr)
+        opt.set_lr(lr)
+        opt.begin_step()                                        # zero 3: all-gather the parameters
         with autocast:
             result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
                                      VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE)
-        rt.sync_gradients(model, ctx, SP)                       # all-reduce over dp (+ tied embedding)
+        rt.sync_gradients(model, ctx, SP)                       # tied embedding gradients
+        opt.reduce_gradients()                                  # over dp: all-reduce
         if step == 0 and args.metrics_dir:
-            state["grads"] = rt.shards(model, ctx, grads=True)
-        norm = rt.grad_norm(model, ctx)
-        rt.clip_gradients(model, norm, TRAIN["grad_clip"])
-        opt.step()
+            state["grads"] = opt.dump_gradients()
+        norm = opt.grad_norm()
+        opt.clip(norm, TRAIN["grad_clip"])
+        opt.step()                                              # 
         loss = rt.reduce_loss(result.loss, ctx)
         if step == 0:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
+            record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
         record["losses"].append(loss)
         if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
             print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
                   f"grad norm {float(norm):.3f} | {time.perf_counter() - t0:.2f} s", flush=True)
+    opt.gather_for_export()                                     # zero 3: full parameters again
     if args.checkpoint_dir:
         rt.save_checkpoint(args.checkpoint_dir, model, ctx)
     if args.metrics_dir:
