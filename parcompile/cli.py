@@ -261,7 +261,7 @@ def cmd_verify(args) -> int:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
     try:
-        result = verify(plan.config, steps=args.steps)
+        result = verify(plan.config, steps=args.steps, dtype=args.dtype)
     except SpecError as e:
         _print_diags(e.diagnostics, source)
         return EXIT_SPEC
@@ -315,6 +315,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
     p.add_argument("spec")
     p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
     return ap
 

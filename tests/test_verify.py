@@ -60,6 +60,24 @@ CASES = {
 }
 
 
+BF16_CASES = {
+    # issue 7: mixed precision (bf16 weights and activations, fp32 gradients and masters)
+    "bf16_dp2_tp2_pp2": dict(dp=2, tp=2, pp=2),
+    "bf16_dp2_tp2_zero1": dict(dp=2, tp=2, parallel=dict(zero=1)),
+}
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_bf16_layout_matches_single_process(case, tmp_path):
+    kw = dict(BF16_CASES[case])
+    cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
+    result = verify(cfg, steps=3, workdir=tmp_path, dtype="bf16")
+    print(result.table())
+    assert result.ok, result.table()
+    assert result.mini.model.dtype == "bf16"
+
+
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_single_process(case, tmp_path):

@@ -186,9 +186,11 @@ class ChunkTimes:
         return self.matmul_f[k]
 
 
-def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]],
-                compute: ComputeReport, comm: CommReport) -> ChunkTimes:
-    """The per-chunk times of the module docstring."""
+def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
+                compute: ComputeReport, comm: CommReport,
+                links: Mapping[str, tuple[float, float]] | None = None) -> ChunkTimes:
+    """The per-chunk times of the module docstring. ``links`` (axis -> (alpha, beta), see
+    :func:`links_inside`) replaces reading the links off ``groups``."""
     par, cl = cfg.parallel, cfg.cluster
     eff = efficiency(cl)
     nchunks = par.pp * par.virtual_stages
@@ -199,7 +201,8 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     mm = tuple(x / rate for x in compute.chunk_fwd_flops)
     mem = tuple(x / bw for x in traffic)
     rec = tuple(x / rate + y / bw for x, y in zip(compute.chunk_recompute_flops, rec_traffic))
-    links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
+    if links is None:
+        links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
     cf = {f: [0.0] * nchunks for f in fams}
     cb = {f: [0.0] * nchunks for f in fams}
@@ -253,14 +256,14 @@ def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
     return sim.makespan, list(sim.busy)
 
 
-def _dp_exposed(cfg, degrees, links, comm: CommReport, ct: ChunkTimes) -> float:
+def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes) -> float:
     """Exposed step-collective time of the slowest stage (module docstring)."""
     par, cl = cfg.parallel, cfg.cluster
     pp, v = par.pp, par.virtual_stages
     worst = 0.0
     for s in range(pp):
         grads = params = exposed = 0.0
-        for e in comm.collectives:
+        for e in collectives:
             if e.phase != "step" or e.stage != s:
                 continue
             al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
@@ -316,26 +319,11 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
     eff = efficiency(cl)
     ct = chunk_times(cfg, degrees, groups, compute, comm)
     actions = sched.actions if sched is not None else None
-    span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
-    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True) if pp > 1 else (span0, busy0)
-    r = max(range(pp), key=lambda i: (busy0[i], -i))
-    mine = [c * pp + r for c in range(v)]
-    parts = {
-        "compute": m * sum(3 * ct.matmul_f[k] for k in mine),
-        "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),
-        "recompute": m * sum(ct.recompute[k] for k in mine),
-    }
-    for fam in ("tp", "cp", "ep"):
-        parts[f"{fam}_comm"] = m * sum(ct.comm_f[fam][k] + ct.comm_b[fam][k] for k in mine)
-    bubble = span0 - busy0[r]
-    pp_comm = span1 - span0
     links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
-    dp_comm = _dp_exposed(cfg, degrees, links, comm, ct)
-    opt = optimizer_time(cfg, degrees, stage_params)
-    step = span1 + dp_comm + opt
+    step, parts = step_time_parts(cfg, degrees, links, ct, m, comm.collectives, stage_params, actions)
     tokens = par.global_batch * cfg.model.seq_len
     tflops = model_flops_per_step / (step * par.world_size) / 1e12 if step > 0 else 0.0
-    breakdown = {**parts, "bubble": bubble, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt}
+    breakdown = {k: v for k, v in parts.items() if k != "bubble_fraction"}
     return TimeReport(
         step_time=step,
         tokens_per_s=tokens / step if step > 0 else 0.0,
@@ -352,5 +340,44 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
                       for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
         },
-        bubble_fraction=bubble / busy0[r] if busy0[r] > 0 else 0.0,
+        bubble_fraction=parts["bubble_fraction"],
     )
+
+
+def links_inside(cluster, inside: Mapping[str, bool], eff: Efficiency) -> dict[str, tuple[float, float]]:
+    """(alpha, achieved beta) per axis of :data:`AXIS_FAMILY` from whether each axis's
+    groups sit inside one node (``inside``; missing axes count as inside): what
+    :func:`_link` finds from the groups, without building them."""
+    intra = (cluster.intra_node_latency, cluster.intra_node_bw * eff.link)
+    inter = (cluster.inter_node_latency, cluster.inter_node_bw * eff.link)
+    return {a: (intra if inside.get(a, True) else inter) for a in AXIS_FAMILY}
+
+
+def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[float, float]], ct: ChunkTimes,
+                    m: int, collectives, stage_params=None, actions=None) -> tuple[float, dict[str, float]]:
+    """(step seconds, breakdown) from the chunk times: the pipeline's makespan (simulated
+    from ``actions``, else the closed form), the exposed step collectives
+    (``collectives``: :class:`~parcompile.analysis.comm.CollectiveEntry` rows, those of
+    phase ``step`` are read) and the optimizer step. The breakdown also holds
+    ``bubble_fraction`` (idle over busy time of the busiest rank)."""
+    par = cfg.parallel
+    pp, v = par.pp, par.virtual_stages
+    span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
+    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True) if pp > 1 else (span0, busy0)
+    r = max(range(pp), key=lambda i: (busy0[i], -i))
+    mine = [c * pp + r for c in range(v)]
+    parts = {
+        "compute": m * sum(3 * ct.matmul_f[k] for k in mine),
+        "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),
+        "recompute": m * sum(ct.recompute[k] for k in mine),
+    }
+    for fam in ("tp", "cp", "ep"):
+        parts[f"{fam}_comm"] = m * sum(ct.comm_f[fam][k] + ct.comm_b[fam][k] for k in mine)
+    bubble = span0 - busy0[r]
+    pp_comm = span1 - span0
+    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct)
+    opt = optimizer_time(cfg, degrees, stage_params)
+    step = span1 + dp_comm + opt
+    parts.update({"bubble": bubble, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt,
+                  "bubble_fraction": bubble / busy0[r] if busy0[r] > 0 else 0.0})
+    return step, parts

@@ -224,10 +224,24 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     pp, v = par.pp, par.virtual_stages
     e = model.dtype_bytes
     serve = cfg.workload == "serve"
-    if in_flight is None:
-        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches)
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
+    return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_token)
+
+
+def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams], saved: SavedBytes,
+                      bufs: Sequence[Mapping[str, int]], in_flight: Sequence | None = None,
+                      kv_bytes_per_token: Sequence[int] | None = None) -> MemoryReport:
+    """The :class:`MemoryReport` from its parts: parameters per stage, the bytes one
+    micro-batch saves per chunk, the buffers per stage and the micro-batches in flight
+    (None: :func:`closed_form_in_flight`). :func:`memory_report` reads the parts off a
+    graph; ``parcompile.search`` builds them from one costed layer."""
+    par, model = cfg.parallel, cfg.model
+    pp, v = par.pp, par.virtual_stages
+    e = model.dtype_bytes
+    serve = cfg.workload == "serve"
+    if in_flight is None:
+        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches)
     stages = []
     for s, sp in enumerate(stage_params):
         kv = 0
@@ -245,7 +259,7 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
             out_layer = sum(saved.output_layer[k] for k in ks)
             n_out = par.num_microbatches if par.schedule == "gpipe" else 1
             acts = int(Fraction(in_flight[s]) * body) + n_out * out_layer
-        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), bufs[s]))
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), dict(bufs[s])))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     return MemoryReport(tuple(stages), peak, cap, peak <= cap)

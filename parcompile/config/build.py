@@ -116,7 +116,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "tie_embeddings": _BOOL,
         "dtype": _enum(ModelConfig, "dtype"),
         "experts": _NONNEG_INT, "top_k": _COUNT, "expert_ffn_hidden": _COUNT,
-        "shared_experts": _NONNEG_INT, "dense_layers": _NONNEG_INT,
+        "shared_experts": _NONNEG_INT, "dense_layers": _NONNEG_INT, "router_aux_loss": _NONNEG,
         "vocab_multiple": _COUNT,
     },
     "cluster": {

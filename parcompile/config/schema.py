@@ -64,6 +64,8 @@ class ModelConfig(_Frozen):
     expert_ffn_hidden: Optional[int] = None
     shared_experts: int = 0
     dense_layers: int = 0
+    #: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. 2021)
+    router_aux_loss: float = 0.01
     vocab_multiple: int = 128
 
     @model_validator(mode="after")

@@ -61,6 +61,13 @@ class Graph:
         self._g = nx.MultiDiGraph()
         self._counter = 0
         self._topo: list[str] | None = None
+        #: operand producers per op (a cache; edits drop the entries they change)
+        self._inputs: dict[str, list[str]] = {}
+        #: ops added or changed since :func:`parcompile.ir.verify.verify` last ran (it
+        #: checks only these and their consumers; see ``mark_verified``)
+        self.dirty: set[str] = set()
+        #: what the last full or incremental verification assumed (degrees, meta flags)
+        self.verified_state: tuple | None = None
         #: facts passes record for later ones (e.g. ``collectives_inserted``)
         self.meta: dict[str, Any] = {}
 
@@ -80,8 +87,15 @@ class Graph:
 
     def inputs(self, name: str) -> list[str]:
         """Producers of ``name``'s operands, in operand order."""
-        edges = sorted(self._g.in_edges(name, keys=True), key=lambda e: e[2])
-        return [u for u, _, _ in edges]
+        got = self._inputs.get(name)
+        if got is None:
+            try:
+                pred = self._g._pred[name]
+            except KeyError:
+                raise GraphError(f"no op named {name!r}") from None
+            got = [u for _, u in sorted((k, u) for u, keys in pred.items() for k in keys)]
+            self._inputs[name] = got
+        return list(got)
 
     def users(self, name: str) -> list[tuple[str, int]]:
         """``(consumer, operand index)`` pairs that read ``name``'s output, in a stable order."""
@@ -119,6 +133,7 @@ class Graph:
 
     def _put(self, node: Node) -> None:
         self._g.nodes[node.name]["node"] = node
+        self.dirty.add(node.name)
 
     def unique_name(self, base: str) -> str:
         """``base`` if free, else ``base.1``, ``base.2`` ... (deterministic)."""
@@ -158,6 +173,8 @@ class Graph:
         for i, u in enumerate(inputs):
             self._g.add_edge(u, name, key=i)
         self._topo = None
+        self._inputs.pop(name, None)
+        self.dirty.add(name)
         return name
 
     def insert_between(self, producer: str, consumers: Sequence[tuple[str, int]], name: str, kind: str,
@@ -189,6 +206,8 @@ class Graph:
         for v, k in consumers:
             self._g.remove_edge(producer, v, key=k)
             self._g.add_edge(name, v, key=k)
+            self._inputs.pop(v, None)
+            self.dirty.add(v)
         self._topo = None
         return name
 

@@ -11,6 +11,19 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
         -> mlp.w1 (-> mlp.w3) -> mlp.act -> mlp.w2 -> mlp_residual
     final_norm -> lm_head -> loss (cross-entropy, with labels)
 
+A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
+replaces the MLP by::
+
+    mlp_norm -> mlp.router (softmax top-k, fp32 probabilities)
+             -> mlp.dispatch (tokens to their top_k experts: all-to-all over ep)
+             -> mlp.experts (grouped expert MLPs) -> mlp.combine (all-to-all back,
+                weighted sum over the top_k) [+ mlp.shared.* (shared experts, one MLP of
+                width shared_experts * expert_ffn_hidden) -> mlp.shared_add] -> mlp_residual
+
+The routed expert weights are stacked parameters ``layers.i.mlp.experts.w1.weight`` of
+dims ``(experts, expert_ffn, hidden)`` marked ``expert`` (the runtime holds them as one
+tensor per expert, ``layers.i.mlp.experts.<e>.w1.weight``, as Hugging Face Mixtral does).
+
 Parameter names equal the runtime's (``layers.3.attn.wq.weight``); a tied LM head reads
 ``embedding.weight``. Dims: ``batch``, ``seq``, ``hidden``, ``q`` (heads * head_dim, in
 units of head_dim), ``kv``, ``ffn``, ``vocab`` (unpadded here; the tensor-parallel pass
@@ -29,11 +42,8 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     """Build the forward graph of ``model`` for one micro-batch of ``batch`` sequences
     (global over data-parallel ranks; the data-parallel pass splits it).
 
-    ``origin`` (a Span) is recorded on every op. MoE layers (``experts > 0``) are not
-    lowered yet (NotImplementedError).
+    ``origin`` (a Span) is recorded on every op.
     """
-    if model.experts > 0:
-        raise NotImplementedError("MoE layers are not lowered yet")
     m = model
     g = Graph()
     dt = m.dtype
@@ -61,6 +71,39 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
             ps.append(Param(f"{name}.bias", T(out_dim)))
         return g.add_op(name, "linear", [x], {"in_dim": in_dim, "out_dim": out_dim, "bias": bias, "tp": style},
                         params=ps, layer=layer, origin=origin)
+
+    def mlp(prefix: str, h2: str, F: Dim, i: int) -> str:
+        if m.activation == "swiglu":
+            gate = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
+            up = linear(f"{prefix}.w3", h2, H, F, m.bias, "column", i)
+            act = g.add_op(f"{prefix}.act", "swiglu", [gate, up], {"tp": "shard_last"}, layer=i, origin=origin)
+        else:
+            f1 = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
+            act = g.add_op(f"{prefix}.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"},
+                           layer=i, origin=origin)
+        return linear(f"{prefix}.w2", act, F, H, m.bias, "row", i)
+
+    def moe(prefix: str, h2: str, i: int) -> str:
+        # token-wise ops: like residual-stream ops, split on seq over tp with sequence
+        # parallelism (Megatron-Core dispatches sequence-parallel tokens)
+        E, K = Dim("experts", m.experts), Dim("topk", m.top_k)
+        FE = Dim("expert_ffn", m.expert_ffn_hidden)
+        common = {"experts": m.experts, "top_k": m.top_k, "tp": "residual"}
+        router = g.add_op(f"{prefix}.router", "router", [h2], {**common, "in_dim": H, "out_dim": E},
+                          params=[Param(f"{prefix}.router.weight", T(E, H))], layer=i, origin=origin)
+        routed = g.add_op(f"{prefix}.dispatch", "moe_dispatch", [h2, router], {**common, "topk_dim": K},
+                          layer=i, origin=origin)
+        mats = ["w1", "w3", "w2"] if m.activation == "swiglu" else ["w1", "w2"]
+        eps = [Param(f"{prefix}.experts.{w}.weight", T(E, H, FE) if w == "w2" else T(E, FE, H), expert=True)
+               for w in mats]
+        out = g.add_op(f"{prefix}.experts", "experts", [routed],
+                       {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation}, params=eps,
+                       layer=i, origin=origin)
+        y = g.add_op(f"{prefix}.combine", "moe_combine", [out, router], common, layer=i, origin=origin)
+        if m.shared_experts:
+            shared = mlp(f"{prefix}.shared", h2, Dim("shared_ffn", m.shared_experts * m.expert_ffn_hidden), i)
+            y = g.add_op(f"{prefix}.shared_add", "add", [y, shared], {"tp": "residual"}, layer=i, origin=origin)
+        return y
 
     tokens = g.add_op("tokens", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
     x = g.add_op("embedding", "embedding", [tokens], {"out_dim": H, "dtype": dt, "tp": "vocab_embedding"},
@@ -93,15 +136,10 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         r1 = g.add_op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"},
                       layer=i, origin=origin)
         h2 = norm(f"{p}.mlp_norm", x if m.parallel_residual else r1, i)
-        if m.activation == "swiglu":
-            gate = linear(f"{p}.mlp.w1", h2, H, F, m.bias, "column", i)
-            up = linear(f"{p}.mlp.w3", h2, H, F, m.bias, "column", i)
-            act = g.add_op(f"{p}.mlp.act", "swiglu", [gate, up], {"tp": "shard_last"}, layer=i, origin=origin)
+        if m.experts > 0 and i >= m.dense_layers:
+            d = moe(f"{p}.mlp", h2, i)
         else:
-            f1 = linear(f"{p}.mlp.w1", h2, H, F, m.bias, "column", i)
-            act = g.add_op(f"{p}.mlp.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"},
-                           layer=i, origin=origin)
-        d = linear(f"{p}.mlp.w2", act, F, H, m.bias, "row", i)
+            d = mlp(f"{p}.mlp", h2, F, i)
         x = g.add_op(f"{p}.mlp_residual", "add", [r1, d], {"dropout": m.dropout, "tp": "residual"},
                      layer=i, origin=origin)
 

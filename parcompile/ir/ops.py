@@ -109,6 +109,9 @@ class Collective:
     where: str
     per: str = "microbatch"
     stage: int | None = None
+    #: > 0: the size depends on the router's choices (MoE token dispatch); ``bytes`` is the
+    #: balanced estimate and ``bytes_per_row`` the bytes of one routed token (h * e)
+    bytes_per_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,48 @@ def _scalar(a, ins):
     return TensorType((), "fp32")
 
 
+# --- mixture of experts (ir/lower.py; runtime/moe.py). Local types assume balanced routing:
+# each rank receives as many (token, expert) rows as it sends, b * s_local * top_k.
+
+def _router_type(a, ins):
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), "fp32")   # softmax probabilities, fp32
+
+
+def _dispatch_type(a, ins):
+    return TensorType(ins[0].dims[:-1] + (a["topk_dim"], ins[0].dims[-1]), ins[0].dtype)
+
+
+def _combine_type(a, ins):
+    return TensorType(ins[0].dims[:-2] + (ins[0].dims[-1],), ins[0].dtype)
+
+
+def _expert_mats(a) -> int:
+    return 3 if a["activation"] == "swiglu" else 2
+
+
+def _experts_flops(a, ins, out):
+    # every routed row runs one expert MLP: 2 * rows * h * ffn per weight matrix; with
+    # expert_tp the rows are gathered and each rank runs ffn / expert_tp: the same FLOPs
+    rows = ins[0].numel // ins[0].dims[-1].size
+    return 2 * rows * ins[0].dims[-1].size * a["ffn"] * _expert_mats(a)
+
+
+def _experts_extra(a, ins, out):
+    # the expert activations kept for backward: gate, up and their product (SwiGLU) or the
+    # pre- and post-activation (gelu/relu), ffn wide per routed row
+    rows = ins[0].numel // ins[0].dims[-1].size
+    return rows * a["ffn"] * ins[0].itemsize * _expert_mats(a)
+
+
+def _experts_traffic(a, ins, out):
+    rows = ins[0].numel // ins[0].dims[-1].size
+    return rows * a["ffn"] * ins[0].itemsize * _expert_mats(a)
+
+
+def _copy_traffic(a, ins, out):
+    return ins[0].nbytes + out.nbytes
+
+
 OPS: dict[str, OpSpec] = {
     s.kind: s
     for s in [
@@ -268,6 +313,12 @@ OPS: dict[str, OpSpec] = {
         OpSpec("act", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
         OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
+        OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: (0,),
+               saved_extra=lambda a, i, o: o.nbytes, arity=1, traffic=lambda a, i, o: 3 * o.nbytes),
+        OpSpec("moe_dispatch", _dispatch_type, arity=2, traffic=_copy_traffic),
+        OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
+               arity=1, traffic=_experts_traffic),
+        OpSpec("moe_combine", _combine_type, saves=lambda a: (0, 1), arity=2, traffic=_copy_traffic),
         # inserted by passes
         OpSpec("redistribute", _same, arity=1),
         OpSpec("send_recv", _same, arity=1),
@@ -414,6 +465,9 @@ def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorTy
             nb = logits.numel // logits.dims[-1].size * 4  # one fp32 per token
             # vocab-parallel cross-entropy: max, sum of exp, target logit
             res += [Collective("all_reduce", "tp", nb, "forward", op.module)] * 3
+    elif op.kind in ("moe_dispatch", "moe_combine"):
+        res += moe_collectives(op.kind, a, degrees, local_out if op.kind == "moe_dispatch" else local_in[0],
+                               op.module)
     elif op.kind == "attention":
         if degrees.get("cp", 1) > 1 and node.requires[1].axis_of("seq") == "cp":
             # context parallelism (approximate: all-gather K and V, reduce-scatter dK, dV)
@@ -422,3 +476,52 @@ def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorTy
                 res.append(Collective("all_gather", "cp", t.nbytes * cp, "forward", op.module))
                 res.append(Collective("reduce_scatter", "cp", t.nbytes, "backward", op.module))
     return res
+
+
+COUNTS_BYTES = 8  # the runtime exchanges token counts as int64
+
+
+def moe_collectives(kind: str, a: Mapping[str, Any], degrees: Mapping[str, int], routed: TensorType,
+                    where: str) -> list[Collective]:
+    """The token dispatch (``moe_dispatch``) or combine (``moe_combine``) of one MoE layer,
+    one micro-batch, one rank (Megatron-Core's all-to-all token dispatcher).
+
+    ``routed`` is the local ``(b, s, top_k, h)`` tensor: the A = b * s_local * top_k
+    (token, expert) rows this rank sends, A * h * e bytes. Under balanced routing a rank
+    also receives A rows (R = A); the sizes marked ``bytes_per_row`` depend on the router
+    (R, or the sum of R over expert_tp) and are that balanced estimate. Forward:
+
+    * dispatch: all-to-all over ep of the token counts per expert (E int64), all-to-all
+      over ep of the rows (R h e); with expert_tp > 1 an all-gather over expert_tp of the
+      counts (expert_tp * E int64) and of the rows (sum of R over expert_tp);
+    * combine: with expert_tp > 1 a reduce-scatter over expert_tp of the experts' partial
+      outputs (R h e), then the all-to-all over ep back to the tokens' ranks (A h e, exact).
+
+    Backward mirrors them: combine: all-to-all (R), all-gather over expert_tp (sum of R);
+    dispatch: reduce-scatter over expert_tp (R), all-to-all (A, exact). No count exchange
+    runs in backward (the forward's splits are reused).
+    """
+    ep, etp = degrees.get("ep", 1), degrees.get("expert_tp", 1)
+    row = routed.dims[-1].size * routed.itemsize
+    nb = routed.nbytes
+    E = a["experts"]
+    out: list[Collective] = []
+    if kind == "moe_dispatch":
+        if ep > 1:
+            out.append(Collective("all_to_all", "ep", E * COUNTS_BYTES, "forward", where))
+            out.append(Collective("all_to_all", "ep", nb, "forward", where, bytes_per_row=row))
+        if etp > 1:
+            out.append(Collective("all_gather", "expert_tp", etp * E * COUNTS_BYTES, "forward", where))
+            out.append(Collective("all_gather", "expert_tp", etp * nb, "forward", where, bytes_per_row=row))
+            out.append(Collective("reduce_scatter", "expert_tp", nb, "backward", where, bytes_per_row=row))
+        if ep > 1:
+            out.append(Collective("all_to_all", "ep", nb, "backward", where))
+    else:
+        if etp > 1:
+            out.append(Collective("reduce_scatter", "expert_tp", nb, "forward", where, bytes_per_row=row))
+        if ep > 1:
+            out.append(Collective("all_to_all", "ep", nb, "forward", where))
+            out.append(Collective("all_to_all", "ep", nb, "backward", where, bytes_per_row=row))
+        if etp > 1:
+            out.append(Collective("all_gather", "expert_tp", etp * nb, "backward", where, bytes_per_row=row))
+    return out

@@ -175,6 +175,17 @@ class Sharding:
         """
         if not self.split:
             return ttype
+        key = (self, ttype, tuple(degrees.get(a, 1) for _, a in self.split))
+        got = _LOCAL_TYPES.get(key)
+        if got is None:
+            got = self._local_type(ttype, degrees)
+            if len(_LOCAL_TYPES) > 200_000:
+                _LOCAL_TYPES.clear()
+            _LOCAL_TYPES[key] = got
+        return got
+
+    def _local_type(self, ttype: TensorType, degrees: Mapping[str, int]) -> TensorType:
+        """:meth:`local_type` without the cache."""
         smap = self.split_map
         for d in smap:
             if not ttype.has_dim(d):
@@ -202,3 +213,7 @@ class Sharding:
 
 
 REPLICATED = Sharding()
+
+#: (sharding, type, degrees of its split axes) -> local type: every pass and analysis
+#: asks the same few questions thousands of times (memoised; failures are not cached)
+_LOCAL_TYPES: dict[tuple, TensorType] = {}

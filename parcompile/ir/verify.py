@@ -7,11 +7,19 @@ gradient layout per operand; output types agree with the op table. Once
 from what its consumer requires (:func:`parcompile.ir.ops.convert` finds nothing to
 do) and no edge that crosses model chunks except into a ``send_recv``. Once
 ``graph.meta["staged"]`` is set: every op has a stage.
+
+Verification is incremental: the graph records the ops its editing methods touched
+(``Graph.dirty``); when the degrees and the meta flags are those of the last successful
+run, only those ops and the ops that read them are checked again (an edge check reads
+both ends). Everything else was checked before and has not changed, so the result is
+the same as a full run, at the cost of the ops a pass changed.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
+
+import networkx as nx
 
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import convert, spec
@@ -31,12 +39,22 @@ def verify(graph: Graph, degrees: Mapping[str, int] | None = None) -> None:
 
     ``degrees`` (axis -> degree) enables the divisibility and layout-equality checks.
     """
-    if not graph.is_dag():
-        raise VerifyError("the graph has a cycle")
+    try:
+        order = graph.topological()   # raises on a cycle
+    except nx.NetworkXUnfeasible:
+        raise VerifyError("the graph has a cycle") from None
     deg = dict(degrees or {})
     inserted = graph.meta.get("collectives_inserted", False)
     staged = graph.meta.get("staged", False)
-    for name in graph.topological():
+    state = (tuple(sorted(deg.items())), inserted, staged)
+    todo: set[str] | None = None
+    if graph.verified_state == state:
+        todo = {n for n in graph.dirty if n in graph}
+        for n in list(todo):
+            todo.update(v for v, _ in graph.users(n))
+    for name in order:
+        if todo is not None and name not in todo:
+            continue
         nd = graph.node(name)
         s = spec(nd.kind)
         ins = graph.inputs(name)
@@ -65,3 +83,5 @@ def verify(graph: Graph, degrees: Mapping[str, int] | None = None) -> None:
                 if staged and pu.chunk != nd.chunk and nd.kind != "send_recv":
                     raise VerifyError(
                         f"edge {u} -> {name} crosses model chunks {pu.chunk} -> {nd.chunk} without send/recv", name)
+    graph.dirty.clear()
+    graph.verified_state = state

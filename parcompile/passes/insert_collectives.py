@@ -93,19 +93,19 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             # the consumers now see the converted tensor; its gradient arrives in `grad`
 
 
-def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
-    cfg = ctx.cfg
-    par, deg = cfg.parallel, ctx.degrees
+def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str]]:
+    """The step collectives of the module docstring (3.), as ``(stage, key, op, axis,
+    bytes, where)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams` per
+    pipeline rank). Shared by the pass and by ``parcompile.search``, which costs layouts
+    without building their graphs."""
+    par = cfg.parallel
     pp = par.pp
     e = cfg.model.dtype_bytes
     d = deg["dp_cp"]
-    stages = stage_params(graph, deg, pp, cfg.model.tie_embeddings)
-    graph.meta["stage_params"] = stages
+    out: list[tuple[int, str, str, str, int, str]] = []
 
     def add(stage: int, key: str, op: str, axis: str, nbytes: int, where: str) -> None:
-        graph.add_op(graph.unique_name(f"step.stage{stage}.{key}"), "step_collective", [],
-                     {"op": op, "axis": axis, "bytes": int(nbytes), "where": where})
-        graph.set_stage(f"step.stage{stage}.{key}", stage, stage)
+        out.append((stage, key, op, axis, int(nbytes), where))
 
     for s, sp in enumerate(stages):
         if d > 1 and sp.dense:
@@ -129,6 +129,17 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
             add(s, "grad_norm_pp", "all_reduce", "pp", 4, "grad_norm")
         if s == pp - 1 and d > 1:
             add(s, "loss_log", "all_reduce", "dp_cp", 4, "loss_log")
+    return out
+
+
+def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
+    cfg = ctx.cfg
+    stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
+    graph.meta["stage_params"] = stages
+    for stage, key, op, axis, nbytes, where in step_collectives(cfg, ctx.degrees, stages):
+        name = graph.unique_name(f"step.stage{stage}.{key}")
+        graph.add_op(name, "step_collective", [], {"op": op, "axis": axis, "bytes": int(nbytes), "where": where})
+        graph.set_stage(name, stage, stage)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parcompile.runtime.comm import COUNTER, all_reduce
 from parcompile.runtime.context import ParallelContext
+from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 
 
 def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool = False) -> None:
@@ -39,29 +40,30 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
     """
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        if main_grad(p) is None:
+            set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
     if sequence_parallel and ctx.tp.size > 1:
         _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None], ctx.tp)
     emb = ctx.axes["embedding"]
     if emb.size > 1:
         for p in params:
             if getattr(p, "tied", False):
-                g = p.grad.float()
+                g = main_grad(p).float()
                 all_reduce(g, emb)
-                p.grad.copy_(g)
+                main_grad(p).copy_(g)
 
 
 def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:
     """Sum the gradients of ``params`` over ``axis`` as one flat fp32 buffer, times ``scale``."""
     if not params or axis.size == 1:
         return
-    flat = _flatten_dense_tensors([p.grad.float() for p in params])
+    grads = [main_grad(p) for p in params]
+    flat = _flatten_dense_tensors([g.float() for g in grads])
     all_reduce(flat, axis)
     if scale != 1.0:
         flat *= scale
-    for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
-        p.grad.copy_(g)
+    for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(new)
 
 
 def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
@@ -71,11 +73,12 @@ def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
     """
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p in model.parameters():
-        if p.grad is None or getattr(p, "tied_copy", False):
+        g = main_grad(p)
+        if g is None or getattr(p, "tied_copy", False):
             continue
         if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
             continue
-        sq += p.grad.float().pow(2).sum()
+        sq += g.float().pow(2).sum()
     sq = sq.reshape(1)
     all_reduce(sq, ctx.tp)
     all_reduce(sq, ctx.pp)
@@ -88,8 +91,8 @@ def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> Non
         coef = float(max_norm) / (float(norm) + 1e-6)
         if coef < 1.0:
             for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+                if main_grad(p) is not None:
+                    main_grad(p).mul_(coef)
 
 
 def make_optimizer(groups: list[dict], train: dict) -> torch.optim.Optimizer:
@@ -122,10 +125,21 @@ class ReplicatedOptimizer:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict):
         self.model, self.ctx = model, ctx
-        self.optimizer = build_optimizer(model, train)
+        self.params = list(model.parameters())
+        enable_main_grads(model)
+        # 16-bit parameters get fp32 master copies that the optimizer updates (SPEC: 4 bytes
+        # of master weights per parameter); fp32 parameters are updated in place
+        self.masters = [nn.Parameter(p.detach().float().clone()) if p.dtype != torch.float32 else p
+                        for p in self.params]
+        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
+        self.optimizer = make_optimizer([{"params": decay, "weight_decay": train["weight_decay"]},
+                                         {"params": no_decay, "weight_decay": 0.0}], train)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+            set_main_grad(p, None)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -135,7 +149,7 @@ class ReplicatedOptimizer:
 
     def reduce_gradients(self) -> None:
         dp = self.ctx.axes["dp_cp"]
-        _all_reduce_flat([p for p in self.model.parameters() if p.grad is not None], dp, scale=1.0 / dp.size)
+        _all_reduce_flat([p for p in self.model.parameters() if main_grad(p) is not None], dp, scale=1.0 / dp.size)
 
     def dump_gradients(self) -> dict:
         return shards(self.model, self.ctx, grads=True)
@@ -147,19 +161,28 @@ class ReplicatedOptimizer:
         clip_gradients(self.model, norm, max_norm)
 
     def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = main_grad(p)
         self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.grad = None
+                    p.copy_(m)                                  # 16-bit weights from the fp32 masters
 
     def gather_for_export(self) -> None:
         pass
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
-        ps = list(self.model.parameters())
+        ps = self.params
+        masters = sum(m.numel() * m.element_size() for p, m in zip(ps, self.masters) if m is not p)
         return {
             "params": sum(p.numel() * p.element_size() for p in ps),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
-            "optimizer": sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                             for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
+            "grads": sum(main_grad(p).numel() * main_grad(p).element_size() for p in ps if main_grad(p) is not None),
+            "optimizer": masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                                       for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
         }
 
 
@@ -225,7 +248,7 @@ def shards(model: nn.Module, ctx: ParallelContext, grads: bool) -> dict:
     """This rank's parameters (or gradients) with their layout, for ``verify`` to reassemble."""
     out = {}
     for name, p in model.named_parameters():
-        t = p.grad if grads else p
+        t = main_grad(p) if grads else p
         out[name] = {
             "global_name": getattr(p, "global_name", name),
             "shard_dim": getattr(p, "shard_dim", None),

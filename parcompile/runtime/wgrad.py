@@ -55,10 +55,9 @@ STORE = WeightGradStore()
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
-    if weight.grad is None:
-        weight.grad = grad.to(weight.dtype)
-    else:
-        weight.grad.add_(grad.to(weight.dtype))
+    from parcompile.runtime.grads import accumulate
+
+    accumulate(weight, grad)
 
 
 class _DeferredLinear(torch.autograd.Function):

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
 from parcompile.runtime.context import ParallelContext
+from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 
 
 class ShardedOptimizer:
@@ -50,6 +51,8 @@ class ShardedOptimizer:
         self.model, self.ctx, self.zero = model, ctx, zero
         self.axis = ctx.axes["dp_cp"]
         self.params = [p for p in model.parameters()]
+        enable_main_grads(model)
+        self.mixed = self.params[0].dtype != torch.float32
         self.numels = [p.numel() for p in self.params]
         self.offsets = [0]
         for n in self.numels:
@@ -65,7 +68,8 @@ class ShardedOptimizer:
             if lo >= hi:
                 continue
             flat = p.data.view(-1)[lo - off:hi - off]
-            seg = nn.Parameter(flat.clone() if zero == 3 else flat)  # zero 3 owns its shard
+            # fp32: a view of the parameter (zero 3: its own copy); 16-bit: an fp32 master copy
+            seg = nn.Parameter(flat.float().clone() if (zero == 3 or self.mixed) else flat)
             seg.counts_in_norm = not getattr(p, "tied_copy", False) and (
                 getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
             self.segments.append((p, lo, hi, seg))
@@ -81,6 +85,7 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+            set_main_grad(p, None)
         for *_, seg in self.segments:
             seg.grad = None
         self._grad_shard = None
@@ -95,8 +100,8 @@ class ShardedOptimizer:
         d = self.axis.size
         flat = torch.zeros(self.shard * d, dtype=torch.float32, device=self.ctx.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            if p.grad is not None:
-                flat[off:off + n] = p.grad.reshape(-1).float()
+            if main_grad(p) is not None:
+                flat[off:off + n] = main_grad(p).reshape(-1).float()
         out = torch.empty(self.shard, dtype=torch.float32, device=self.ctx.device)
         COUNTER.record("reduce_scatter", self.axis.name, _nbytes(out))
         dist.reduce_scatter_tensor(out, flat, group=self.axis.group)
@@ -108,7 +113,7 @@ class ShardedOptimizer:
         self._grad_shard = out
         if self.zero >= 2:
             for p in self.params:
-                p.grad = None
+                set_main_grad(p, None)
 
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm from the shards: all-reduce over dp_cp, then tp and pp."""
@@ -150,7 +155,7 @@ class ShardedOptimizer:
         mine = torch.zeros(self.shard, dtype=dtype, device=self.ctx.device)
         lo_own = self._own[0]
         for _, lo, hi, seg in self.segments:
-            mine[lo - lo_own:hi - lo_own] = seg.data.view(-1)
+            mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
         full = torch.empty(self.shard * d, dtype=dtype, device=self.ctx.device)
         COUNTER.record("all_gather", self.axis.name, _nbytes(full))
         dist.all_gather_into_tensor(full, mine, group=self.axis.group)
@@ -179,11 +184,11 @@ class ShardedOptimizer:
         dump), rebuilt by an all-gather that is not counted as the step's traffic."""
         from parcompile.runtime.train import shards
 
-        saved = [p.grad for p in self.params]
+        saved = [main_grad(p) for p in self.params]
         self._full_gradients()
         out = shards(self.model, self.ctx, grads=True)
         for p, g in zip(self.params, saved):
-            p.grad = g
+            set_main_grad(p, g)
         return out
 
     def _full_gradients(self) -> None:
@@ -196,17 +201,21 @@ class ShardedOptimizer:
             COUNTER.enabled = enabled
         for p, off, n in zip(self.params, self.offsets, self.numels):
             shape = getattr(p, "global_local_shape", tuple(p.shape))
-            p.grad = full[off:off + n].view(shape).clone()
+            set_main_grad(p, full[off:off + n].view(shape).clone())
 
     # -- measurement ----------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
         params = sum(p.data.numel() * p.element_size() for p in self.params)
-        if self.zero == 3:
-            params += sum(seg.numel() * seg.element_size() for *_, seg in self.segments)
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        segs = sum(seg.numel() * seg.element_size() for *_, seg in self.segments)
+        if self.mixed:
+            masters = segs                      # fp32 master shard: an optimizer state
+        else:
+            masters, params = 0, params + (segs if self.zero == 3 else 0)
+        grads = sum(main_grad(p).numel() * main_grad(p).element_size()
+                    for p in self.params if main_grad(p) is not None)
         if self._grad_shard is not None:
             grads += self._grad_shard.numel() * self._grad_shard.element_size()
-        optimizer = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                                  for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -13,8 +13,11 @@ Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
 
 import argparse
 import json
+import os
 import time
-from contextlib import nullcontext
+
+# PyTorch's caching allocator with expandable segments fragments less (set before CUDA starts)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from pathlib import Path
 
 import torch
@@ -41,7 +44,7 @@ ROPE_THETA = 500000.0
 ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
 WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0025  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
-ACT_DTYPE = torch.bfloat16  # activations, and what crosses a stage boundary
+ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 
 # ---- layout ---------------------------------------------------------------------------
 TP = 8
@@ -187,13 +190,12 @@ def main(argv=None) -> dict:
     plan = json.loads(Path(args.plan).read_text())
     ctx = rt.init_parallel(plan, force_cpu=FORCE_CPU)
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
-    model = Stage(plan, ctx).to(ctx.device)
+    model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, ZERO)            # replicated over dp: all-reduce of gradients
     data = rt.GlobalBatches(args.data, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0
-    autocast = (torch.autocast(ctx.device.type, dtype=ACT_DTYPE) if ACT_DTYPE != torch.float32 else nullcontext())
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
               "params": num_params, "losses": [], "comm": None}
     state = {}
@@ -206,9 +208,8 @@ def main(argv=None) -> dict:
         lr = rt.lr_at(step, TRAIN)
         opt.set_lr(lr)
         opt.begin_step()                                        # zero 3: all-gather the parameters
-        with autocast:
-            result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
-                                     VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE)
+        result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
+                                 VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE)
         rt.sync_gradients(model, ctx, SP)                       # tied embedding gradients
         opt.reduce_gradients()                                  # over dp: all-reduce
         if step == 0 and args.metrics_dir:
@@ -221,6 +222,9 @@ def main(argv=None) -> dict:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
+            if ctx.device.type == "cuda":                        # the allocator's peak: used vs kept
+                record["cuda_peak"] = {"allocated": torch.cuda.max_memory_allocated(),
+                                       "reserved": torch.cuda.max_memory_reserved()}
         record["losses"].append(loss)
         if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
             print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
