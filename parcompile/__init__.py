@@ -1,7 +1,8 @@
 """parcompile: a compiler for parallel execution plans of large language models.
 
 ``parcompile.compile(source, filename=None) -> Plan`` parses a `.par` spec (text or a
-``pathlib.Path``), checks it, and returns the plan; ``Plan.to_json()`` is plan.json.
+``pathlib.Path``), checks it, and returns the plan (a spec with ``auto`` layout keys
+compiles the best layout :mod:`parcompile.search` finds); ``Plan.to_json()`` is plan.json.
 A spec with errors raises :class:`SpecError`, whose ``.diagnostics`` lists them all.
 """
 
@@ -25,12 +26,28 @@ def compile(source, filename: str | None = None):  # noqa: A001 - SPEC fixes the
     """
     from parcompile.driver import compile_config
     from parcompile.frontend import check_source, load_spec
+    from parcompile.search import check_layout, needs_search, resolve
 
     check_source(source, filename)
 
     cfg, warnings = load_spec(source, filename)
+    result = None
+    if needs_search(cfg):   # `auto` layout keys: compile the best layout the search finds
+        cfg, result = resolve(cfg)
+        seen = {(d.message, d.span) for d in warnings}
+        warnings = list(warnings) + [d for d in check_layout(cfg) if d.severity == "warning"
+                                     and (d.message, d.span) not in seen]
     plan = compile_config(cfg)
     plan.warnings = list(warnings) + list(plan.warnings)
+    if result is not None:
+        plan.search = result
+        plan.data["search"] = {
+            "auto": sorted(cfg.parallel.auto),
+            "chosen": result.best.degrees_text(),
+            "enumerated": result.enumerated,
+            "valid": result.valid,
+            "fitting": result.fitting,
+        }
     return plan
 
 

@@ -56,10 +56,41 @@ def _compile(path: str):
 
     p, source = _read(path)
     try:
-        return parcompile.compile(p), source
+        plan = parcompile.compile(p)
     except SpecError as e:
         e.source = e.source or source
         raise
+    if plan.search is not None:   # say which layout `auto` became
+        res = plan.search
+        print(f"note: auto: chose {res.best.degrees_text()} (best of {res.fitting} fitting layouts; "
+              f"`parcompile search {path}` ranks them)", file=sys.stderr)
+    return plan, source
+
+
+def cmd_search(args) -> int:
+    """`parcompile search SPEC`: rank the layouts the spec's `auto` keys allow (SPEC 2);
+    exit 1 when none fits memory."""
+    from parcompile.frontend import load_spec
+    from parcompile.search import explain, no_fit_diagnostic, search, stderr_progress, table
+
+    if args.top < 1:
+        raise _Usage("--top must be at least 1")
+    p, source = _read(args.spec)
+    try:
+        cfg, warnings = load_spec(p)
+        res = search(cfg, top=args.top, cross_node_tp=args.cross_node_tp, progress=stderr_progress())
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source or source)
+        return EXIT_SPEC
+    _print_diags(warnings, source)
+    if not res.candidates:
+        _print_diags([no_fit_diagnostic(res)], source)
+        return EXIT_SPEC
+    print(table(res, args.top))
+    if args.explain:
+        print()
+        print(explain(res))
+    return EXIT_OK
 
 
 def _summary(plan) -> str:
@@ -139,7 +170,7 @@ def cmd_plan(args) -> int:
 
 # every file `compile` may write; ones a new plan does not produce are removed from DIR
 GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
-             "launch.sh")
+             "launch.sh", "slurm.sbatch")
 TIMELINE_SECTION = """
 ## Timeline of one step
 
@@ -152,7 +183,7 @@ the same timeline in Chrome trace format (open it in Perfetto or chrome://tracin
 
 def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     """Every file `compile` writes, name -> text (plan.json, report.md, graph.txt, program, launcher)."""
-    from parcompile.codegen.emit import render_launch, render_program, render_serve
+    from parcompile.codegen.emit import render_launch, render_program, render_serve, render_slurm
 
     files = {
         "plan.json": plan.to_json(),
@@ -166,6 +197,7 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
     else:
         files["serve.py"] = render_serve(plan.config, plan.data, out_dir)
     files["launch.sh"] = render_launch(plan.config)
+    files["slurm.sbatch"] = render_slurm(plan.config)
     return files
 
 
@@ -194,7 +226,7 @@ def _compile_to(args) -> tuple[object, Path]:
     out = output if output is not None else Path("build") / name
     files = build_outputs(plan, out)
     try:
-        write_files(out, files, executable=("launch.sh",), stale=GENERATED)
+        write_files(out, files, executable=("launch.sh", "slurm.sbatch"), stale=GENERATED)
     except OSError as e:
         raise _Usage(f"cannot write {out}/: {e.strerror or e}") from None
     return plan, out
@@ -280,6 +312,54 @@ def cmd_verify(args) -> int:
     return EXIT_OK if result.ok else EXIT_SPEC
 
 
+def cmd_export(args) -> int:
+    """`parcompile export SPEC --to megatron|torchtitan|deepspeed [-o FILE]`: the plan as
+    another engine's configuration (stdout, or FILE); notes about what the target cannot
+    express go to stderr as `note:` lines (they are also comments in the Megatron and
+    torchtitan outputs), and for DeepSpeed the launcher line too."""
+    from parcompile.export import export
+
+    if args.output is not None and not args.output.strip():
+        raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
+    try:
+        plan, source = _compile(args.spec)
+        result = export(plan, args.to)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source or _read(args.spec)[1])
+        return EXIT_SPEC
+    _print_diags(plan.warnings, source)
+    commented = args.to != "deepspeed"   # notes already in the text, as comments
+    if args.output is None:
+        sys.stdout.write(result.text)
+    else:
+        try:
+            Path(args.output).write_text(result.text)
+        except OSError as e:
+            raise _Usage(f"cannot write {args.output}: {e.strerror or e}") from None
+        print(f"wrote {args.output} ({args.to})", file=sys.stderr)
+    if args.output is not None or not commented:
+        for n in result.notes:
+            print(f"note: {n}", file=sys.stderr)
+    if not commented:
+        print(f"launch: {result.launch}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_schema(args) -> int:
+    """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json)."""
+    from parcompile.plan_schema import json_schema_text
+
+    text = json_schema_text()
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:
+            raise _Usage(f"cannot write {args.output}: {e.strerror or e}") from None
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training plans.")
     from parcompile import __version__
@@ -312,12 +392,30 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="serve specs: a prompt (repeat for a batch)")
     p.set_defaults(fn=cmd_run)
 
+    p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates")
+    p.add_argument("spec")
+    p.add_argument("--top", type=int, default=10, help="candidates to print (default 10)")
+    p.add_argument("--explain", action="store_true",
+                   help="why the best beats the runner-up, and how far the spec's own layout is from it")
+    p.add_argument("--cross-node-tp", action="store_true", help="also try tensor parallelism across nodes")
+    p.set_defaults(fn=cmd_search)
+
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
     p.add_argument("spec")
     p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
+
+    p = sub.add_parser("export", help="the plan as Megatron-LM arguments, a torchtitan TOML or a DeepSpeed JSON")
+    p.add_argument("spec")
+    p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed"], help="target engine")
+    p.add_argument("-o", "--output", help="write to FILE instead of stdout")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of plan.json (docs/plan.schema.json)")
+    p.add_argument("-o", "--output", help="write to FILE instead of stdout")
+    p.set_defaults(fn=cmd_schema)
     return ap
 
 

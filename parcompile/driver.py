@@ -4,7 +4,7 @@ Reading :func:`compile_config` tells the whole story:
 
 1. ``lower`` the model to the graph of one micro-batch (``ir/lower.py``);
 2. run the passes, verifying the graph after each: ``shard-data-parallel``,
-   ``shard-tensor-parallel``, ``split-pipeline-stages``, ``insert-collectives``,
+   ``shard-tensor-parallel``, ``shard-experts``, ``split-pipeline-stages``, ``insert-collectives``,
    ``schedule-pipeline``;
 3. run the analyses: groups, parameters, compute, communication, memory, the estimate;
 4. render them into the plan.json dict and wrap everything in a :class:`Plan`.
@@ -33,13 +33,20 @@ from parcompile.passes.groups import stage_ranks
 from parcompile.passes.insert_collectives import InsertCollectives
 from parcompile.passes.schedule_pipeline import ScheduleReport, SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
+from parcompile.passes.shard_experts import ShardExperts
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
 from parcompile.plan import FORMAT, Plan, _gb, version
 
+#: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
+MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
+               "micro_batch * seq_len / (cp * tp) * top_k, for the all-to-alls over ep and the "
+               "all-gathers / reduce-scatters over expert_tp; verify measures the rows actually routed")
+
 PASSES: tuple[Pass, ...] = (
     ShardDataParallel(),
     ShardTensorParallel(),
+    ShardExperts(),
     SplitPipelineStages(),
     InsertCollectives(),
     SchedulePipeline(),
@@ -86,14 +93,16 @@ def compile_config(cfg: SpecConfig) -> Plan:
             help="use context parallelism (cp) or sequence parallelism, not both; for long "
                  "sequences cp alone splits the sequence in every layer")])
 
-    # 1. lower
-    try:
-        graph = lower(model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
-    except NotImplementedError as e:
+    if model.experts > 0 and par.tp > 1 and not par.sequence_parallel:
+        # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
         raise SpecError([Diagnostic(
-            "error", f"mixture-of-experts models (experts = {model.experts}) are not supported yet",
-            cfg.span("model.experts"), help="set experts = 0 for a dense model",
-            note="MoE layers and expert parallelism come with issue 8")]) from None
+            "error", f"a mixture-of-experts model with tp = {par.tp} needs sequence_parallel = true",
+            cfg.span("parallel.tp"), help="set sequence_parallel = true in the `parallel` block",
+            note="each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
+                 "parallelism for MoE with tensor parallelism)")])
+
+    # 1. lower
+    graph = lower(model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
     verify(graph, ctx.degrees)
 
     # 2. passes
@@ -188,7 +197,7 @@ def compile_config(cfg: SpecConfig) -> Plan:
             "tflops_per_gpu": time.tflops_per_gpu,
             "mfu": time.mfu,
             "breakdown": time.breakdown,
-            "assumptions": time.assumptions,
+            "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
         },
     }
     if serve is not None:

@@ -40,6 +40,8 @@ class Plan:
     data: dict[str, Any]
     warnings: list[Diagnostic] = field(default_factory=list)
     degrees: dict[str, int] = field(default_factory=dict)
+    #: the search that filled the spec's ``auto`` keys (:class:`parcompile.search.SearchResult`), else None
+    search: Any = None
 
     def to_json(self) -> str:
         """The plan.json text, byte for byte."""

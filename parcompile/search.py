@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterator
 
 from parcompile.analysis.comm import CollectiveEntry, comm_report
 from parcompile.analysis.compute import compute_report
-from parcompile.analysis.estimate import (ChunkTimes, chunk_times, efficiency, links_inside,
-                                          step_time_parts)
+from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, efficiency, links_inside,
+                                          optimizer_time, pipeline_parts, step_time_parts)
 from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
 from parcompile.analysis.params import StageParams, stage_params
@@ -78,7 +78,7 @@ class _Probe:
     saved: dict[str, SavedBytes]
     bufs: dict[tuple[str, int], list[dict[str, int]]]
     params: list[StageParams]
-    model_flops: int        # one micro-batch, dp = 1
+    model_flops: tuple       # per probe chunk: one micro-batch, dp = 1 (global, unpadded)
     hw_flops: dict[str, int]
     degrees: dict[str, int]
     times: dict[tuple, ChunkTimes] = field(default_factory=dict)
@@ -118,11 +118,19 @@ def _build_probe(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, 
         for z in (0, 3):
             zc = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc, "zero": z})})
             bufs[(rc, z)] = buffer_bytes(g, zc, deg, saved[rc])
+    from parcompile.analysis.compute import BACKWARD_FACTOR, op_fwd_flops
+    model_chunk = [0, 0, 0]
+    for nd in g.nodes():
+        fl = op_fwd_flops(g, nd)
+        if fl:
+            fl = fl * m.vocab // m.padded_vocab(tp) if nd.type.has_dim("vocab") else fl
+            model_chunk[nd.chunk or 0] += fl * (1 + BACKWARD_FACTOR)
     comm = comm_report(g, deg, 1, "none", 3)
     comm_full = comm_report(g, deg, 1, "full", 3)
     params = stage_params(g, deg, 3, m.tie_embeddings)
+    assert sum(model_chunk) == comp["none"].model_flops_per_step
     return _Probe(comp, {"none": comm, "selective": comm, "full": comm_full}, saved, bufs, params,
-                  comp["none"].model_flops_per_step, {rc: c.hardware_flops_per_step for rc, c in comp.items()},
+                  tuple(model_chunk), {rc: c.hardware_flops_per_step for rc, c in comp.items()},
                   deg)
 
 
@@ -210,6 +218,7 @@ class Coster:
         self.eff = efficiency(cfg.cluster)
         self.probes: dict[tuple, _Probe] = {}
         self.inside: dict[tuple, dict[str, bool]] = {}
+        self.pipes: dict[tuple, tuple[float, dict]] = {}
 
     def probe(self, par: ParallelConfig) -> _Probe:
         key = (par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp)
@@ -250,6 +259,8 @@ class Coster:
             bufs.append(b)
         sps = _compose_params(pr.params, counts, pp, model.tie_embeddings)
         mem = memory_from_parts(cfg, deg, sps, saved, bufs)
+        if not mem.fits and not with_memory:   # not timed: it will be dropped
+            return Candidate(par, math.inf, 0.0, 0.0, mem.peak, mem.capacity, 0.0, {})
         # time
         inside = self._inside(par)
         links = links_inside(cl, inside, self.eff)
@@ -280,8 +291,20 @@ class Coster:
             b = [ct.bwd(k) for k in range(pp * v)]
             w = [ct.wgrad(k) for k in range(pp * v)]
             actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w))
-        step, parts = step_time_parts(cfg, deg, links, ct, m, steps, sps, actions)
-        flops = pr.model_flops * par.dp * m
+        if actions is None:
+            pkey = (id(pr), tkey, pp, v, par.schedule, m, counts)
+            got = self.pipes.get(pkey)
+            if got is None:
+                got = self.pipes[pkey] = pipeline_parts(cfg, ct, m)
+            span, parts = got
+            parts = dict(parts)
+            dp_comm = _dp_exposed(cfg, deg, links, steps, ct)
+            opt = optimizer_time(cfg, deg, sps)
+            parts.update({"dp_comm": dp_comm, "optimizer": opt})
+            step = span + dp_comm + opt
+        else:
+            step, parts = step_time_parts(cfg, deg, links, ct, m, steps, sps, actions)
+        flops = sum(_compose(pr.model_flops, counts)) * par.dp * m
         tflops = flops / (step * par.world_size) / 1e12 if step > 0 else 0.0
         return Candidate(par, step, tflops * 1e12 / cl.peak_flops, tflops, mem.peak, mem.capacity,
                          parts.pop("bubble_fraction"), parts, mem if with_memory else None, actions is not None)
@@ -394,6 +417,8 @@ class SearchResult:
     closest: Candidate | None = None
     #: the user's own layout, when the spec gives every degree
     user: Candidate | None = None
+    #: valid layouts not costed: the same layout fits with less recomputation (dominated)
+    pruned: int = 0
 
     @property
     def best(self) -> Candidate:
@@ -418,7 +443,8 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
     checked: dict[tuple, bool] = {}
     scored: list[Candidate] = []
     closest: Candidate | None = None
-    valid = 0
+    valid = pruned = 0
+    fitted: set[tuple] = set()
     for i, par in enumerate(all_layouts):
         if progress is not None and i % 256 == 0:
             progress(i, total)
@@ -431,9 +457,15 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
         if not ok:
             continue
         valid += 1
+        # recomputation only adds time: once a layout fits with less of it, more is dominated
+        nr = (ck, par.zero)
+        if nr in fitted:
+            pruned += 1
+            continue
         c = coster.cost(with_parallel(cfg, par))
         if c.fits:
             scored.append(c)
+            fitted.add(nr)
         elif closest is None or c.peak < closest.peak:
             closest = c
     if progress is not None:
@@ -445,7 +477,8 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
     head.sort(key=Candidate.key)
     final = [c for c in head if not any(d.severity == "error" for d in check_layout(with_parallel(cfg, c.parallel)))]
     rest = scored[max(RETIME, top):]
-    result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0, closest)
+    result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0, closest,
+                          pruned=pruned)
     if not needs_search(cfg) or _user_layout_complete(cfg):
         try:
             if not any(d.severity == "error" for d in check_layout(cfg)):
@@ -515,7 +548,7 @@ def table(res: SearchResult, top: int = 10) -> str:
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     head = (f"{res.cfg.name}: {res.enumerated} layouts enumerated, {res.valid} pass the checks, "
-            f"{res.fitting} fit memory ({res.seconds:.2f} s)")
+            f"{res.fitting} fit memory, {res.pruned} dominated by less recomputation ({res.seconds:.2f} s)")
     return "\n".join([head, ""] + lines)
 
 
@@ -553,12 +586,18 @@ def stderr_progress(min_seconds: float = 1.0) -> Callable[[int, int], None]:
     tty = sys.stderr.isatty()
     shown = [False]
 
+    last = [-1]
+
     def report(done: int, total: int) -> None:
         if not (tty or time.perf_counter() - t0 > min_seconds or shown[0]):
             return
         shown[0] = True
         n = 30 * done // max(total, 1)
-        end = "\n" if done >= total else ""
-        print(f"\rsearching [{'#' * n}{'.' * (30 - n)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+        if tty:
+            end = "\n" if done >= total else ""
+            print(f"\rsearching [{'#' * n}{'.' * (30 - n)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+        elif n // 6 != last[0]:   # a log, not a terminal: a line every fifth of the way
+            last[0] = n // 6
+            print(f"searching: {done}/{total} layouts", file=sys.stderr, flush=True)
 
     return report

@@ -11,7 +11,9 @@ in-process as the reference. They are compared on:
 - every parameter's gradient at the first step (after the data-parallel reduction);
 - every parameter after the last step (padded vocabulary rows must still be zero);
 - what the plan predicts: parameters per rank, and each collective (op, axis, bytes,
-  count) that one training step of each rank runs.
+  count) that one training step of each rank runs; MoE token traffic, whose size the
+  router decides, at the plan's bytes per row for the rows actually routed, and summed over
+  the ranks, at the plan's balanced estimate (:func:`check_routed`).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
         rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
         sliding_window=min(m.sliding_window, 8), attention=m.attention, dropout=0.0,
-        tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult,
+        tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
     )
     par = p.model_copy(update=dict(
         stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
@@ -168,6 +170,19 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -> dict:
+    """MoE keys of the miniature: 2 experts per ep rank (ep divides them), top_k kept (at
+    most the experts), expert width = hidden (divisible by expert_tp, as heads are), at most
+    one shared expert and one leading dense layer, and no load-balancing loss (it is
+    computed on each rank's own tokens, so it differs between layouts; runtime/moe.py)."""
+    if m.experts == 0:
+        return {}
+    experts = p.ep * max(1, min(2, m.experts // p.ep))
+    return dict(experts=experts, top_k=min(m.top_k, experts), expert_ffn_hidden=hidden,
+                shared_experts=min(m.shared_experts, 1), dense_layers=min(m.dense_layers, 1, layers - 1),
+                router_aux_loss=0.0)
 
 
 def reference(mini: SpecConfig) -> SpecConfig:
@@ -223,6 +238,7 @@ def load_global(metrics: Path, kind: str) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     for (gname, _), es in sorted(parts.items()):
         es.sort(key=lambda e: e["tp_index"])
+        es = [e for k, e in enumerate(es) if k == 0 or e["tp_index"] != es[k - 1]["tp_index"]]  # replicas: once
         if es[0]["shard_dim"] is None:
             t = es[0]["tensor"]
         else:
@@ -285,11 +301,76 @@ def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tol
     return res
 
 
-def predicted_collectives(plan: dict, stage: int) -> dict[tuple[str, str, int], int]:
-    """The plan's collectives for one rank of ``stage``: (op, axis, bytes) -> count per step."""
+def routed_collectives(plan: dict, stage: int) -> dict[tuple[str, str], dict]:
+    """The plan's MoE token collectives of one rank of ``stage`` (entries marked ``routed``),
+    by (op, axis): ``count`` per step, ``bytes_per_row`` and the ``balanced`` bytes per step."""
+    out: dict[tuple[str, str], dict] = {}
+    for c in plan["comm"]["collectives"]:
+        if c.get("stage", stage) != stage or not c.get("routed") or c["count"] == 0:
+            continue
+        e = out.setdefault((c["op"], c["axis"]), {"count": 0, "bytes_per_row": c["bytes_per_row"], "balanced": 0})
+        assert e["bytes_per_row"] == c["bytes_per_row"], (c, e)
+        e["count"] += int(c["count"])
+        e["balanced"] += int(c["count"]) * int(c["bytes"])
+    return out
+
+
+def check_routed(records: list[dict], plan: dict) -> tuple[list[str], Check | None]:
+    """MoE token traffic, whose size the router decides (docs/internals.md):
+
+    - per rank: the runtime records each such collective with the ``rows`` it produced;
+      each must be ``rows * bytes_per_row`` of the plan (the plan's formula at the tokens
+      the router actually sent), and their number per (op, axis) the plan's count;
+    - per stage: the bytes summed over the stage's ranks equal the plan's balanced estimate
+      summed over them (every row sent is received once: balance holds on average).
+
+    Returns the per-rank mismatches, and one Check showing the balanced estimate and the
+    measured bytes per rank (None when the plan has no MoE traffic).
+    """
+    bad: list[str] = []
+    per_stage: dict[tuple[int, str, str], list] = {}
+    for r in records:
+        plan_r = routed_collectives(plan, r["stage"])
+        got: dict[tuple[str, str], list[int]] = {}
+        for c in r["comm"]:
+            if "rows" not in c:
+                continue
+            key = (c["op"], c["axis"])
+            want = plan_r.get(key)
+            if want is None:
+                bad.append(f"rank {r['rank']}: {c['op']} {c['axis']} of {c['rows']} routed rows, not in the plan")
+                continue
+            if c["bytes"] != c["rows"] * want["bytes_per_row"]:
+                bad.append(f"rank {r['rank']}: {c['op']} {c['axis']} {c['bytes']} B for {c['rows']} rows "
+                           f"!= {c['rows']} x {want['bytes_per_row']} B")
+            got.setdefault(key, []).extend([c["bytes"]] * c["count"])
+        for key, want in plan_r.items():
+            calls = got.get(key, [])
+            if len(calls) != want["count"]:
+                bad.append(f"rank {r['rank']}: {len(calls)} routed {key[0]} over {key[1]}, plan {want['count']}")
+            acc = per_stage.setdefault((r["stage"], *key), [0, 0, []])
+            acc[0] += want["balanced"]
+            acc[1] += sum(calls)
+            acc[2].append(sum(calls))
+    if not per_stage:
+        return bad, None
+    shown, sums_bad = [], []
+    for (stage, op, axis), (balanced, measured, ranks) in sorted(per_stage.items()):
+        per_rank = balanced // len(ranks)
+        shown.append(f"stage {stage} {op} {axis}: plan (balanced) {per_rank:,} B/rank, "
+                     f"measured {min(ranks):,}..{max(ranks):,} B/rank")
+        if balanced != measured:
+            sums_bad.append(f"stage {stage} {op} {axis}: {measured:,} B over the ranks != plan {balanced:,} B")
+    return bad, Check("MoE routed bytes: sum over ranks = plan's balanced sum", 0.0 if not sums_bad else math.inf,
+                      0.0, not sums_bad, "; ".join(sums_bad[:2] or shown))
+
+
+def predicted_collectives(plan: dict, stage: int, routed: bool = True) -> dict[tuple[str, str, int], int]:
+    """The plan's collectives for one rank of ``stage``: (op, axis, bytes) -> count per step
+    (``routed=False``: without the MoE token traffic sized by the router)."""
     out: dict[tuple[str, str, int], int] = {}
     for c in plan["comm"]["collectives"]:
-        if c.get("stage", stage) != stage or c["count"] == 0:
+        if c.get("stage", stage) != stage or c["count"] == 0 or (c.get("routed") and not routed):
             continue
         key = (c["op"], c["axis"], int(c["bytes"]))
         out[key] = out.get(key, 0) + int(c["count"])
@@ -306,8 +387,11 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
         want = plan["stages"][stage]["params_per_rank"]
         if r["params"] != want:
             bad_params.append(f"rank {r['rank']}: {r['params']} != plan {want}")
-        measured = {(c["op"], c["axis"], c["bytes"]): c["count"] for c in r["comm"]}
-        predicted = predicted_collectives(plan, stage)
+        measured: dict[tuple[str, str, int], int] = {}
+        for c in r["comm"]:
+            if "rows" not in c:   # MoE token traffic sized by the router: check_routed
+                measured[(c["op"], c["axis"], c["bytes"])] = measured.get((c["op"], c["axis"], c["bytes"]), 0) + c["count"]
+        predicted = predicted_collectives(plan, stage, routed=False)
         if measured != predicted:
             diff = sorted(set(measured.items()) ^ set(predicted.items()))
             bad_comm.append(f"rank {r['rank']}: " + ", ".join(
@@ -328,8 +412,10 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             first = next((i for i, (x, y) in enumerate(zip(ran, planned)) if x != y), min(len(ran), len(planned)))
             bad_order.append(f"rank {r['rank']}: action {first} ran {ran[first:first + 1]} "
                              f"where the plan has {planned[first:first + 1]}")
+    routed_bad, routed_check = check_routed(records, plan)
+    bad_comm += routed_bad
     total_calls = sum(c["count"] for r in records for c in r["comm"])
-    return [
+    return [c for c in [routed_check] if c is not None] + [
         Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad_params else math.inf, 0.0,
               not bad_params, "; ".join(bad_params[:3])),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,

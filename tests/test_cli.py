@@ -104,7 +104,8 @@ def test_compile_writes_every_file_identically(tmp_path, monkeypatch, capsys):
     for out in (tmp_path / "a", tmp_path / "b"):
         assert main(["compile", "examples/tiny.par", "-o", str(out)]) == 0
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.md", "timeline.svg", "trace.json"]
+    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.md", "slurm.sbatch",
+                     "timeline.svg", "trace.json"]
     for n in names:
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
     py_compile.compile(str(tmp_path / "a" / "program.py"), doraise=True)
@@ -140,7 +141,11 @@ def test_launch_script_and_checkpoint(tmp_path, monkeypatch):
     assert r.returncode == 0, r.stdout + r.stderr
     final = {name: ts[0] for name, ts in load_global(metrics, "params").items()}
     state = {name: torch.zeros_like(t) for name, t in final.items()}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    from parcompile.runtime.checkpoint import newest
+
+    path, step = newest(ckpt)
+    assert step == 2 and path.name == "step_00000002"
+    dcp.load(state, checkpoint_id=str(path))
     assert set(state) == set(final)
     for name, t in final.items():
         torch.testing.assert_close(state[name], t, atol=0, rtol=0, msg=name)

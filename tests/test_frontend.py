@@ -224,8 +224,8 @@ def test_value_type_errors():
 
 
 def test_auto_only_where_allowed():
-    assert errors(MODEL + CLUSTER + "parallel { tp = 8, virtual_stages = auto }")[0][:4] == (
-        "expected an integer, got `auto`", 3, 37, "virtual_stages takes a whole number")
+    assert errors(MODEL + CLUSTER + "parallel { tp = 8, global_batch = auto }")[0][:4] == (
+        "expected an integer, got `auto`", 3, 35, "global_batch takes a whole number")
 
 
 def test_data_path_is_resolved_against_the_spec_dir(tmp_path):

@@ -54,6 +54,16 @@ CASES = {
     "dp4_tp2_zero2": dict(dp=4, tp=2, parallel=dict(zero=2)),
     "dp2_tp2_zero3": dict(dp=2, tp=2, parallel=dict(zero=3)),
     "dp4_tp2_zero3": dict(dp=4, tp=2, parallel=dict(zero=3)),
+    # issue 8: mixture of experts, token all-to-all over ep (uneven splits), experts folded
+    # onto the dense ranks; routed bytes checked at the router's real rows (check_routed)
+    "moe_dp2_ep2": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(ep=2)),
+    "moe_dp4_ep4": dict(dp=4, model=dict(experts=8, top_k=2), parallel=dict(ep=4)),
+    "moe_dp2_tp2_ep2_sequence_parallel": dict(dp=2, tp=2, model=dict(experts=4, top_k=2),
+                                              parallel=dict(ep=2, sequence_parallel=True)),
+    "moe_dp2_pp2_ep2_shared_dense_first": dict(dp=2, pp=2, model=dict(experts=4, top_k=2, shared_experts=1,
+                                                                       dense_layers=1), parallel=dict(ep=2)),
+    "moe_dp4_ep2_expert_tp2": dict(dp=4, model=dict(experts=4, top_k=2), parallel=dict(ep=2, expert_tp=2)),
+    "moe_dp4_ep2_zero1": dict(dp=4, model=dict(experts=4, top_k=2), parallel=dict(ep=2, zero=1)),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),

@@ -10,7 +10,11 @@ runs again).
 Bytes sent per rank under ring algorithms, group of ``n`` ranks: all-reduce
 ``2 (n-1)/n * bytes``; all-gather ``(n-1)/n * bytes`` (bytes = gathered output);
 reduce-scatter ``(n-1) * bytes`` (= ``(n-1)/n`` of the full input); all-to-all
-``(n-1)/n * bytes``; send ``bytes``; recv nothing. ``per_step`` maps each SPEC axis
+``(n-1)/n * bytes``; send ``bytes``; recv nothing.
+
+MoE token all-to-alls (and their all-gathers / reduce-scatters over expert_tp) assume
+balanced routing: every rank receives as many (token, expert) rows as it sends,
+``b * s_local * top_k``; such entries carry ``routed`` and ``bytes_per_row``. ``per_step`` maps each SPEC axis
 (``tp dp pp cp ep``) to the largest, over stages, of those sums; group axes fold into
 them: ``dp_cp``/``expert_dp`` -> dp, ``embedding`` -> pp, ``expert_tp`` -> tp.
 """
@@ -40,10 +44,18 @@ class CollectiveEntry:
     where: str
     stage: int
     phase: str
+    #: > 0 for MoE token traffic whose size depends on the router: ``bytes`` is the balanced
+    #: estimate, ``bytes_per_row`` what one routed token row adds (``verify`` recomputes the
+    #: size from the rows the router actually sent)
+    bytes_per_row: int = 0
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "axis": self.axis, "bytes": self.bytes, "count": self.count,
-                "where": self.where, "stage": self.stage, "phase": self.phase}
+        d = {"op": self.op, "axis": self.axis, "bytes": self.bytes, "count": self.count,
+             "where": self.where, "stage": self.stage, "phase": self.phase}
+        if self.bytes_per_row:
+            d["routed"] = True
+            d["bytes_per_row"] = self.bytes_per_row
+        return d
 
 
 @dataclass(frozen=True)
@@ -100,12 +112,12 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
             if recompute == "full" and c.phase == "forward" and nd.kind != "send_recv" and _in_layer(graph, nd.name):
                 phases.append(("recompute", n))
             for phase, cnt in phases:
-                key = (c.op, c.axis, c.bytes, c.where, stage, phase)
+                key = (c.op, c.axis, c.bytes, c.where, stage, phase, c.bytes_per_row)
                 counts[key] = counts.get(key, 0) + cnt
                 order.setdefault(key, len(order))
     entries = sorted(counts, key=lambda k: (k[4], order[k]))
-    colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph)], w, s, ph)
-                  for (op, axis, b, w, s, ph) in entries)
+    colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r)
+                  for (op, axis, b, w, s, ph, r) in entries)
     per_stage = [{a: Fraction(0) for a in SPEC_AXES} for _ in range(pp)]
     for e in colls:
         fam = AXIS_FAMILY.get(e.axis, e.axis)

@@ -360,6 +360,17 @@ def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[f
     (``collectives``: :class:`~parcompile.analysis.comm.CollectiveEntry` rows, those of
     phase ``step`` are read) and the optimizer step. The breakdown also holds
     ``bubble_fraction`` (idle over busy time of the busiest rank)."""
+    span1, parts = pipeline_parts(cfg, ct, m, actions)
+    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct)
+    opt = optimizer_time(cfg, degrees, stage_params)
+    parts = dict(parts)
+    parts.update({"dp_comm": dp_comm, "optimizer": opt})
+    return span1 + dp_comm + opt, parts
+
+
+def pipeline_parts(cfg, ct: ChunkTimes, m: int, actions=None) -> tuple[float, dict[str, float]]:
+    """(makespan with transfers, breakdown of the busiest rank) of one step's pipeline:
+    the part of :func:`step_time_parts` that does not depend on ZeRO or the optimizer."""
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
     span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
@@ -374,10 +385,6 @@ def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[f
     for fam in ("tp", "cp", "ep"):
         parts[f"{fam}_comm"] = m * sum(ct.comm_f[fam][k] + ct.comm_b[fam][k] for k in mine)
     bubble = span0 - busy0[r]
-    pp_comm = span1 - span0
-    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct)
-    opt = optimizer_time(cfg, degrees, stage_params)
-    step = span1 + dp_comm + opt
-    parts.update({"bubble": bubble, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt,
+    parts.update({"bubble": bubble, "pp_comm": span1 - span0,
                   "bubble_fraction": bubble / busy0[r] if busy0[r] > 0 else 0.0})
-    return step, parts
+    return span1, parts

@@ -95,7 +95,7 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
-        "checkpoint_dir": t.checkpoint_dir,
+        "checkpoint_dir": t.checkpoint_dir, "checkpoint_every": t.checkpoint_every,
     }
     data = _data_path(cfg, out_dir)
     rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
@@ -104,7 +104,12 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
                     1: "ZeRO-1: optimizer states sharded over dp",
                     2: "ZeRO-2: optimizer states and gradients sharded over dp",
                     3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero]
+    moe = m.experts > 0
+    aux = m.router_aux_loss / (p.num_microbatches * (p.tp if sp else 1)) if moe else 0.0
     return {
+        "moe": moe,
+        "experts_local": m.experts // p.ep if moe else 0,
+        "aux_loss_scale": repr(aux),
         "zero_comment": zero_comment,
         "sp": sp,
         "t_attn": m.seq_len // p.cp,
@@ -130,6 +135,10 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
         "torch_dtype": TORCH_DTYPES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,
+        "device": cfg.cluster.device_kind,
+        "device_comment": {"cpu": "gloo on CPU processes, even where a GPU exists",
+                           "cuda": "NCCL on GPUs (gloo on the CPU where none is present)",
+                           "npu": "HCCL on Ascend NPUs through torch_npu"}[cfg.cluster.device_kind],
         "train_repr": repr(train),
         "data_repr": repr(data),
     }
@@ -154,6 +163,20 @@ def render_launch(cfg: SpecConfig) -> str:
         nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=script,
         example_args=("--prompt 'Once upon a time' --max-new-tokens 32" if script == "serve.py"
                       else "--steps 10 --metrics-dir out/"),
+    )
+
+
+def render_slurm(cfg: SpecConfig) -> str:
+    """``slurm.sbatch``: one task per node, ``srun torchrun`` with c10d rendezvous on the
+    allocation's first node (``scontrol show hostnames``)."""
+    kind = cfg.cluster.device_kind
+    gpu_line = {"cuda": f"--gpus-per-node={cfg.cluster.gpus_per_node}",
+                "npu": None, "cpu": None}[kind]
+    job = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cfg.name)[:64] or "parcompile"
+    return _env.get_template("slurm.sbatch.j2").render(
+        name=comment_text(cfg.name), version=_version(), spec_file=comment_text(Path(cfg.filename).name),
+        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=program_name(cfg),
+        gpu_line=gpu_line, job_name=job,
     )
 
 

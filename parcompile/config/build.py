@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,6 +85,9 @@ def _enum(model: type[BaseModel], field: str) -> KeyType:
     return KeyType("enum", choices=_choices(model, field))
 
 
+#: what an `auto` key holds until the search resolves it (``ParallelConfig.auto`` names it)
+AUTO_PLACEHOLDERS = {"zero": 0, "recompute": "none", "schedule": "1f1b", "sequence_parallel": False}
+
 _COUNT = KeyType("int", low=1)
 _COUNT_OR_AUTO = KeyType("int", low=1, auto=True)
 _NONNEG_INT = KeyType("int", low=0)
@@ -134,14 +137,14 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,
         "cp": _COUNT_OR_AUTO, "ep": _COUNT_OR_AUTO,
         "expert_tp": _COUNT,
-        "sequence_parallel": _BOOL,
-        "zero": _enum(ParallelConfig, "zero"),
+        "sequence_parallel": KeyType("bool", auto=True),
+        "zero": replace(_enum(ParallelConfig, "zero"), auto=True),
         "micro_batch": _COUNT_OR_AUTO,
         "global_batch": _COUNT,
-        "schedule": _enum(ParallelConfig, "schedule"),
-        "virtual_stages": _COUNT,
+        "schedule": replace(_enum(ParallelConfig, "schedule"), auto=True),
+        "virtual_stages": _COUNT_OR_AUTO,
         "stage_layers": KeyType("int_list", low=1),
-        "recompute": _enum(ParallelConfig, "recompute"),
+        "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True),
         "order": _STR,
     },
     "train": {
@@ -509,7 +512,9 @@ class _Builder:
         auto = [k for k, v in values.items() if v is AUTO]
         for k in auto:
             if k != "dp":
-                values[k] = 1  # the compiler's choice; `parcompile search` explores it
+                # a placeholder: `parcompile search` (and compile, plan, check) choose the
+                # value; checks that read an `auto` key skip until the search fills it
+                values[k] = AUTO_PLACEHOLDERS.get(k, 1)
         if "global_batch" not in values and "global_batch" not in self.ctx.bad:
             for k in ("dp", "micro_batch"):
                 if k in auto:
@@ -517,7 +522,14 @@ class _Builder:
                                    help="add `global_batch = N` (sequences per optimizer step)")
         if "dp" not in values:
             auto.insert(0, "dp")  # dp's default is `auto`
-        values["dp"] = checks.resolve_dp(values.get("dp", AUTO), values, cluster, self.ctx)
+        dp = values.get("dp", AUTO)
+        if dp is AUTO or not any(k in auto for k in ("tp", "pp", "cp")):
+            values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx)
+        for k in auto:
+            if k != "dp":
+                self.ctx.bad.add(f"parallel.{k}")
+        if any(k != "dp" for k in auto):
+            self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
 
     def _resolve_path(self, path: str) -> str:

@@ -118,6 +118,16 @@ class ClusterConfig(_Frozen):
         return self.nodes * self.gpus_per_node
 
     @property
+    def device_kind(self) -> str:
+        """The accelerator programs run on: ``cpu`` (gloo), ``npu`` (Ascend, HCCL through
+        torch_npu) or ``cuda`` (NVIDIA and AMD GPUs: NCCL/RCCL), from the preset."""
+        if self.preset == "cpu":
+            return "cpu"
+        if self.preset is not None and self.preset.startswith("ascend"):
+            return "npu"
+        return "cuda"
+
+    @property
     def is_cpu(self) -> bool:
         """True for the `cpu` preset: programs run with gloo on this machine."""
         return self.preset == "cpu"

@@ -5,8 +5,9 @@ from parcompile.passes.base import Pass, PassContext, PassError, degrees_of
 from parcompile.passes.insert_collectives import InsertCollectives
 from parcompile.passes.schedule_pipeline import SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
+from parcompile.passes.shard_experts import ShardExperts
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
 
 __all__ = ["Pass", "PassContext", "PassError", "degrees_of", "InsertCollectives", "SchedulePipeline",
-           "ShardDataParallel", "ShardTensorParallel", "SplitPipelineStages"]
+           "ShardDataParallel", "ShardExperts", "ShardTensorParallel", "SplitPipelineStages"]

@@ -15,9 +15,11 @@
    and MLP inputs, the head).
 3. Step collectives, once per step per rank of a stage: the gradient reduction over
    ``dp_cp`` (an all-reduce of the fp32 flat gradient buffer; with ZeRO >= 1 a
-   reduce-scatter of it and an all-gather of the updated parameters), the tied-embedding
+   reduce-scatter of it and an all-gather of the updated parameters), the same over
+   ``expert_dp`` for MoE expert weights, the tied-embedding
    all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp``, the
-   squared gradient norm over ``tp`` and ``pp``, the logged loss over ``dp_cp``.
+   squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
+   ``expert_dp`` with ZeRO, ``ep`` and ``expert_tp``), the logged loss over ``dp_cp``.
 
 Nothing is inserted on an axis of degree 1. Sets ``graph.meta["collectives_inserted"]``.
 """
@@ -115,8 +117,14 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
                 shard = math.ceil(sp.dense / d)
                 add(s, "grads", "reduce_scatter", "dp_cp", GRAD_BYTES * shard, "grads")
                 add(s, "params", "all_gather", "dp_cp", e * shard * d, "params")
-        if deg["expert_dp"] > 1 and sp.expert:
-            add(s, "expert_grads", "all_reduce", "expert_dp", GRAD_BYTES * sp.expert, "expert_grads")
+        ed = deg["expert_dp"]
+        if ed > 1 and sp.expert:   # expert weights: replicated over expert_dp only (runtime/moe.py)
+            if par.zero == 0:
+                add(s, "expert_grads", "all_reduce", "expert_dp", GRAD_BYTES * sp.expert, "expert_grads")
+            else:
+                shard = math.ceil(sp.expert / ed)
+                add(s, "expert_grads", "reduce_scatter", "expert_dp", GRAD_BYTES * shard, "expert_grads")
+                add(s, "expert_params", "all_gather", "expert_dp", e * shard * ed, "expert_params")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:
@@ -125,6 +133,13 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             add(s, "grad_norm_dp", "all_reduce", "dp_cp", 4, "grad_norm")
         if deg["tp"] > 1:
             add(s, "grad_norm_tp", "all_reduce", "tp", 4, "grad_norm")
+        if sp.expert:   # expert squares: summed over their shards (expert_dp with ZeRO, ep, expert_tp)
+            if par.zero > 0 and ed > 1:
+                add(s, "grad_norm_expert_dp", "all_reduce", "expert_dp", 4, "grad_norm")
+            if deg["ep"] > 1:
+                add(s, "grad_norm_ep", "all_reduce", "ep", 4, "grad_norm")
+            if deg["expert_tp"] > 1:
+                add(s, "grad_norm_expert_tp", "all_reduce", "expert_tp", 4, "grad_norm")
         if pp > 1:
             add(s, "grad_norm_pp", "all_reduce", "pp", 4, "grad_norm")
         if s == pp - 1 and d > 1:

@@ -3,6 +3,7 @@ collectives, tensor-parallel layers, the pipeline schedule executor, data, and t
 optimizer step. Generated programs use it as ``from parcompile import runtime as rt``.
 """
 
+from parcompile.runtime import checkpoint
 from parcompile.runtime.comm import COUNTER, all_reduce, copy_to_tp, enter_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
@@ -23,6 +24,7 @@ from parcompile.runtime.layers import (
     rope_tables,
     vocab_parallel_cross_entropy,
 )
+from parcompile.runtime.moe import ExpertAxes, MoELayer
 from parcompile.runtime.pipeline import run_schedule
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear

@@ -20,24 +20,33 @@ from parcompile.runtime.context import Axis
 
 
 class CommCounter:
-    """Counts collectives by ``(op, axis, bytes)``; ``snapshot()`` returns a sorted list."""
+    """Counts collectives by ``(op, axis, bytes)``; ``snapshot()`` returns a sorted list.
+
+    MoE token traffic, whose size the router decides, is recorded with ``rows`` (the
+    (token, expert) rows the collective produced); its snapshot entries carry ``rows`` and
+    stay apart from same-sized fixed collectives, so ``verify`` can recompute the plan's
+    size for the rows the router actually sent.
+    """
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
         self.enabled = True
 
-    def record(self, op: str, axis: str, nbytes: int) -> None:
+    def record(self, op: str, axis: str, nbytes: int, rows: int | None = None) -> None:
         if self.enabled:
-            self.counts[(op, axis, int(nbytes))] += 1
+            self.counts[(op, axis, int(nbytes), -1 if rows is None else int(rows))] += 1
 
     def reset(self) -> None:
         self.counts.clear()
 
     def snapshot(self) -> list[dict]:
-        return [
-            {"op": op, "axis": axis, "bytes": b, "count": c}
-            for (op, axis, b), c in sorted(self.counts.items())
-        ]
+        out = []
+        for (op, axis, b, rows), c in sorted(self.counts.items()):
+            e = {"op": op, "axis": axis, "bytes": b, "count": c}
+            if rows >= 0:
+                e["rows"] = rows
+            out.append(e)
+        return out
 
 
 COUNTER = CommCounter()

@@ -82,16 +82,32 @@ class ParallelContext:
         return self.stage == self.num_stages - 1
 
 
-def choose_backend(force_cpu: bool) -> tuple[str, torch.device]:
-    """NCCL on CUDA GPUs, gloo otherwise; the choice is made at run time, not compile time.
+def choose_backend(force_cpu: bool = False, device: str = "cuda") -> tuple[str, torch.device]:
+    """The process-group backend and device for this rank, chosen at run time:
 
-    ``force_cpu`` (the `cpu` cluster preset, or ``PARCOMPILE_DEVICE=cpu``) keeps gloo even
-    where a GPU exists. Per the torch docs, the CUDA device is set before the group exists.
+    - ``device = "npu"`` (Ascend): HCCL through ``torch_npu``;
+    - ``device = "cuda"``: NCCL when a GPU is present, else gloo on the CPU (so a GPU plan
+      can be tried here);
+    - ``device = "cpu"``, ``force_cpu`` or ``PARCOMPILE_DEVICE=cpu``: gloo on the CPU.
+
+    Per the torch docs, the accelerator is selected before the process group exists.
+
+    Raises:
+        RuntimeError: an Ascend plan without ``torch_npu`` installed.
     """
-    if os.environ.get("PARCOMPILE_DEVICE") == "cpu":
-        force_cpu = True
-    if torch.cuda.is_available() and not force_cpu:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if os.environ.get("PARCOMPILE_DEVICE") == "cpu" or force_cpu:
+        device = "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+        except ImportError:
+            raise RuntimeError("this plan runs on Ascend NPUs (cluster ascend-910b) but torch_npu is not "
+                               "installed: pip install torch-npu, or set PARCOMPILE_DEVICE=cpu to run "
+                               "with gloo on the CPU") from None
+        torch.npu.set_device(local_rank)
+        return "hccl", torch.device("npu", local_rank)
+    if device == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
@@ -104,10 +120,13 @@ def _find(groups: list[list[int]], rank: int) -> list[int]:
     return [rank]
 
 
-def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0) -> ParallelContext:
+def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
+                  device: str = "cuda") -> ParallelContext:
     """Create the process groups of ``plan["groups"]`` and return this rank's context.
 
-    Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank
+    ``device`` is the cluster's accelerator kind (see :func:`choose_backend`); process
+    groups time out after ``timeout_s`` seconds, so a dead rank ends the job instead of
+    hanging it. Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank
     creates every group of every axis in the same order, as torch requires. Outside
     torchrun the plan must have a world size of 1.
 
@@ -121,7 +140,7 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0)
             f"the plan needs world_size={planned} processes but {world} were launched; "
             f"run it with: torchrun --nproc-per-node {planned} ..."
         )
-    backend, device = choose_backend(force_cpu)
+    backend, device = choose_backend(force_cpu, device)
     groups = plan["groups"]
     if world == 1:
         axes = {name: Axis(name, [0], 0, None) for name in AXES}

@@ -43,7 +43,8 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
         if main_grad(p) is None:
             set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
     if sequence_parallel and ctx.tp.size > 1:
-        _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None], ctx.tp)
+        _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None
+                          and not getattr(p, "expert", False)], ctx.tp)   # MoE experts: not tp-replicated
     emb = ctx.axes["embedding"]
     if emb.size > 1:
         for p in params:
@@ -174,6 +175,27 @@ class ReplicatedOptimizer:
     def gather_for_export(self) -> None:
         pass
 
+    def export_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Optimizer states in their parameter's layout, by ``id(param)`` (checkpoints)."""
+        out = {}
+        for p, m in zip(self.params, self.masters):
+            st = {k: v.detach() for k, v in self.optimizer.state.get(m, {}).items() if torch.is_tensor(v) and v.dim() > 0}
+            if m is not p:
+                st["master"] = m.detach()
+            out[id(p)] = st
+        return out
+
+    def import_states(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        """Restore what :meth:`export_states` wrote, after ``step`` optimizer steps."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                st = dict(states.get(id(p), {}))
+                master = st.pop("master", None)
+                if m is not p:
+                    m.copy_(master if master is not None else p.float())
+                if st:
+                    self.optimizer.state[m] = {"step": torch.tensor(float(step)), **{k: v.clone() for k, v in st.items()}}
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
         ps = self.params
@@ -188,6 +210,11 @@ class ReplicatedOptimizer:
 
 def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
     """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp)."""
+    from parcompile.runtime.moe import moe_optimizer
+
+    moe = moe_optimizer(model, ctx, train, zero)   # expert weights: reduced and sharded over expert_dp
+    if moe is not None:
+        return moe
     if zero == 0 or ctx.axes["dp_cp"].size == 1:
         return ReplicatedOptimizer(model, ctx, train)
     from parcompile.runtime.zero import ShardedOptimizer
@@ -252,7 +279,7 @@ def shards(model: nn.Module, ctx: ParallelContext, grads: bool) -> dict:
         out[name] = {
             "global_name": getattr(p, "global_name", name),
             "shard_dim": getattr(p, "shard_dim", None),
-            "tp_index": ctx.tp.index,
+            "tp_index": getattr(p, "shard_index", ctx.tp.index),   # over tp, or expert_tp for experts
             "tp_size": ctx.tp.size,
             "tensor": None if t is None else t.detach().float().cpu().clone(),
         }

@@ -64,6 +64,10 @@ def weights_kind(path: str | None) -> str:
                          "or give a Hugging Face checkpoint directory")
     if (p / ".metadata").is_file():
         return "dcp"
+    from parcompile.runtime.checkpoint import newest
+
+    if newest(p) is not None:   # a training program's checkpoint directory: its newest step
+        return "dcp"
     if any(p.glob("*.safetensors")):
         return "hf"
     raise ServeError(f"{path} holds neither a torch.distributed.checkpoint (.metadata) nor *.safetensors files")
@@ -222,6 +226,10 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext) -> st
     """
     kind = weights_kind(path)
     if kind == "dcp":
+        from parcompile.runtime.checkpoint import newest
+
+        if not (Path(path) / ".metadata").is_file():
+            path = str(newest(path)[0])
         load_dcp(model, path, ctx)
     elif kind == "hf":
         load_hf(model, path)

@@ -203,6 +203,54 @@ class ShardedOptimizer:
             shape = getattr(p, "global_local_shape", tuple(p.shape))
             set_main_grad(p, full[off:off + n].view(shape).clone())
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def export_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Optimizer states gathered into their parameter's layout, by ``id(param)`` (an
+        all-gather per state over dp_cp, not counted as step traffic)."""
+        d, lo_own = self.axis.size, self._own[0]
+        keys = sorted({k for *_, seg in self.segments for k, v in self.optimizer.state.get(seg, {}).items()
+                       if torch.is_tensor(v) and v.dim() > 0})
+        if self.mixed:
+            keys.append("master")
+        if dist.is_initialized() and self.axis.group is not None:   # every rank needs the same keys
+            found = [None] * d
+            dist.all_gather_object(found, keys, group=self.axis.group)
+            keys = sorted(set().union(*map(set, found)))
+        out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
+        enabled, COUNTER.enabled = COUNTER.enabled, False
+        try:
+            for key in keys:
+                mine = torch.zeros(self.shard, dtype=torch.float32, device=self.ctx.device)
+                for _, lo, hi, seg in self.segments:
+                    v = seg.data if key == "master" else self.optimizer.state.get(seg, {}).get(key)
+                    if v is not None:
+                        mine[lo - lo_own:hi - lo_own] = v.reshape(-1).float()
+                full = torch.empty(self.shard * d, dtype=torch.float32, device=self.ctx.device)
+                dist.all_gather_into_tensor(full, mine, group=self.axis.group)
+                for p, off, n in zip(self.params, self.offsets, self.numels):
+                    shape = getattr(p, "global_local_shape", tuple(p.shape))
+                    out[id(p)][key] = full[off:off + n].view(shape).clone()
+        finally:
+            COUNTER.enabled = enabled
+        return out
+
+    def import_states(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        """Restore the owned slices of what :meth:`export_states` wrote (any sharding)."""
+        with torch.no_grad():
+            for p, lo, hi, seg in self.segments:
+                off = self.offsets[self.params.index(p)]
+                st = states.get(id(p), {})
+                part = slice(lo - off, hi - off)
+                if "master" in st:
+                    seg.data.copy_(st["master"].reshape(-1)[part])
+                elif self.mixed or self.zero == 3:
+                    seg.data.copy_(p.data.reshape(-1)[part].float())
+                rest = {k: v.reshape(-1)[part].clone() for k, v in st.items() if k != "master"}
+                if rest:
+                    self.optimizer.state[seg] = {"step": torch.tensor(float(step)), **rest}
+        if self.zero == 3:
+            self._free_params()
+
     # -- measurement ----------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters, gradients, optimizer states."""

@@ -58,10 +58,10 @@ T_ATTN = 4096  # tokens per rank inside tp regions (SEQ_LEN / cp)
 T_LOCAL = 4096  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 8
-FORCE_CPU = False  # the `cpu` cluster runs with gloo even where a GPU exists
+DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
 
 # ---- training -------------------------------------------------------------------------
-TRAIN = {'optimizer': 'adamw', 'lr': 0.0003, 'weight_decay': 0.1, 'grad_clip': 1.0, 'steps': 100, 'lr_schedule': 'constant', 'warmup_steps': 0, 'min_lr': 0.0, 'betas': [0.9, 0.95], 'eps': 1e-08, 'log_every': 1, 'checkpoint_dir': None}
+TRAIN = {'optimizer': 'adamw', 'lr': 0.0003, 'weight_decay': 0.1, 'grad_clip': 1.0, 'steps': 100, 'lr_schedule': 'constant', 'warmup_steps': 0, 'min_lr': 0.0, 'betas': [0.9, 0.95], 'eps': 1e-08, 'log_every': 1, 'checkpoint_dir': None, 'checkpoint_every': 0}
 DATA = 'synthetic'
 SEED = 1234
 
@@ -184,11 +184,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=TRAIN["steps"], help="optimizer steps")
     ap.add_argument("--data", default=rt.resolve_source(DATA, HERE), help='"synthetic", "builtin:pydoc" or a text file')
     ap.add_argument("--metrics-dir", default=None, help="write per-rank losses, collectives and shards here")
-    ap.add_argument("--checkpoint-dir", default=TRAIN["checkpoint_dir"], help="save final weights here (DCP)")
+    ap.add_argument("--checkpoint-dir", default=TRAIN["checkpoint_dir"],
+                    help="save checkpoints here (DCP, every checkpoint_every steps and at the end) and "
+                         "resume from the newest one")
+    ap.add_argument("--no-resume", action="store_true", help="start at step 0 even if a checkpoint exists")
     args = ap.parse_args(argv)
 
     plan = json.loads(Path(args.plan).read_text())
-    ctx = rt.init_parallel(plan, force_cpu=FORCE_CPU)
+    ctx = rt.init_parallel(plan, device=DEVICE)
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     num_params = rt.local_param_count(model)
@@ -199,7 +202,13 @@ def main(argv=None) -> dict:
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
               "params": num_params, "losses": [], "comm": None}
     state = {}
-    for step in range(args.steps):
+    start = 0
+    if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
+        start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
+        if start and speaker:
+            print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
+    for step in range(start, args.steps):
+        rt.checkpoint.maybe_fail(ctx, step)                     # testing hook: PARCOMPILE_FAIL_AT=RANK:STEP
         t0 = time.perf_counter()
         rt.COUNTER.reset()
         microbatches = [rt.split_microbatch(t, ctx.axes["cp"])       # (inputs, targets), (B, T_ATTN) each
@@ -218,7 +227,7 @@ def main(argv=None) -> dict:
         opt.clip(norm, TRAIN["grad_clip"])
         opt.step()                                              # 
         loss = rt.reduce_loss(result.loss, ctx)
-        if step == 0:
+        if step == start:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
@@ -229,9 +238,14 @@ def main(argv=None) -> dict:
         if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
             print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
                   f"grad norm {float(norm):.3f} | {time.perf_counter() - t0:.2f} s", flush=True)
+        done = step + 1
+        if args.checkpoint_dir and TRAIN["checkpoint_every"] and done % TRAIN["checkpoint_every"] == 0 \
+                and done < args.steps:
+            opt.gather_for_export()                             # zero 3: full parameters for the save
+            rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx)
     opt.gather_for_export()                                     # zero 3: full parameters again
-    if args.checkpoint_dir:
-        rt.save_checkpoint(args.checkpoint_dir, model, ctx)
+    if args.checkpoint_dir and start < args.steps:
+        rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx)
     if args.metrics_dir:
         rt.write_metrics(args.metrics_dir, ctx, record)
         if ctx.dp.index == 0 and ctx.axes["cp"].index == 0:   # one copy of each shard

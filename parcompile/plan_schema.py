@@ -1,0 +1,280 @@
+"""Typed models of ``plan.json`` (SPEC 3, with parcompile's extensions) and its JSON Schema.
+
+:class:`PlanJSON` describes the dict that :func:`parcompile.driver.compile_config` builds,
+section by section; ``PlanJSON.model_validate(json.loads(text))`` checks a plan.json file.
+Every model forbids keys it does not know, so a new key in the driver must be added here
+too (``tests/test_plan_schema.py`` validates every example's plan). The extensions beyond
+SPEC 3 are marked "extension" in the field descriptions.
+
+:func:`json_schema` renders the published schema, ``docs/plan.schema.json``
+(``parcompile schema`` prints it; ``pytest tests/test_plan_schema.py --update-goldens``
+rewrites the committed file).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: the ``$id`` of the published schema
+SCHEMA_ID = "https://parcompile.dev/schemas/plan.schema.json"
+
+Axis = Literal["tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding"]
+RankGroups = list[list[int]]
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: the schema describes plan.json exactly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Degrees(_Strict):
+    """``degrees``: every parallel degree, resolved (``expert_tp``, ``expert_dp`` and
+    ``virtual_stages`` are extensions)."""
+
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    cp: int = Field(ge=1)
+    ep: int = Field(ge=1)
+    expert_tp: int = Field(ge=1, description="tensor-parallel degree inside the experts (extension)")
+    expert_dp: int = Field(ge=1, description="data-parallel degree of the experts: tp*cp*dp / (expert_tp*ep) (extension)")
+    virtual_stages: int = Field(ge=1, description="model chunks per pipeline rank (interleaved_1f1b)")
+
+
+class Groups(_Strict):
+    """``groups``: for each axis, every group of that axis as a sorted list of ranks."""
+
+    tp: RankGroups
+    cp: RankGroups
+    dp: RankGroups
+    pp: RankGroups
+    dp_cp: RankGroups
+    ep: RankGroups
+    expert_tp: RankGroups
+    expert_dp: RankGroups
+    embedding: RankGroups = Field(description="first and last pipeline rank of each pipeline (tied embeddings)")
+
+
+class Model(_Strict):
+    """``model``: parameter counts and the model's shape (the shape keys are extensions)."""
+
+    params: int = Field(ge=0)
+    active_params: int = Field(ge=0, description="parameters one token passes through (MoE: top_k experts)")
+    padded_vocab: int = Field(ge=1)
+    kv_heads_per_rank: int = Field(ge=1)
+    kv_head_replicas: int = Field(ge=1, description="ranks of a tp group holding the same kv head (extension)")
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    ffn_hidden: int = Field(ge=1)
+    vocab: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    dtype: Literal["fp32", "bf16", "fp16"]
+    tie_embeddings: bool
+
+
+class Stage(_Strict):
+    """One pipeline rank: ``layers`` of all its chunks; ``chunks`` (extension) one list
+    per virtual stage in model order."""
+
+    index: int = Field(ge=0)
+    layers: list[int]
+    chunks: list[list[int]] = Field(description="layer ids of each model chunk of this stage (extension)")
+    ranks: list[int]
+    params_per_rank: int = Field(ge=0)
+
+
+class Action(_Strict):
+    """One step of a pipeline rank's schedule (``backward_input`` / ``backward_weight``:
+    the zero-bubble schedule's split backward)."""
+
+    op: Literal["forward", "backward", "backward_input", "backward_weight",
+                "recv_forward", "send_forward", "recv_backward", "send_backward"]
+    microbatch: int = Field(ge=0)
+    chunk: int = Field(ge=0)
+
+
+class Schedule(_Strict):
+    """``schedule``: the pipeline schedule and the ordered actions of every pipeline rank."""
+
+    name: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+    num_microbatches: int = Field(ge=1)
+    bubble_fraction: float = Field(ge=0)
+    in_flight: list[int]
+    actions: list[list[Action]]
+
+
+class StageMemory(_Strict):
+    """Bytes per rank of one stage (the maximum over its ranks)."""
+
+    stage: int = Field(ge=0)
+    params: int = Field(ge=0)
+    grads: int = Field(ge=0)
+    optimizer: int = Field(ge=0)
+    activations: int = Field(ge=0)
+    kv_cache: int = Field(ge=0)
+    buffers: int = Field(ge=0, description="temporary buffers, part of total (extension)")
+    buffer_parts: dict[str, int] = Field(description="buffers itemised by what they hold (extension)")
+    total: int = Field(ge=0)
+
+
+class Memory(_Strict):
+    """``memory``: per stage, the peak, the usable capacity and whether the peak fits."""
+
+    per_stage: list[StageMemory]
+    peak: int = Field(ge=0)
+    capacity: int = Field(ge=0)
+    fits: bool
+
+
+class PerStep(_Strict):
+    """Bytes the busiest rank of each axis sends per step (ring algorithms)."""
+
+    tp: int = Field(ge=0)
+    dp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+    cp: int = Field(ge=0)
+    ep: int = Field(ge=0)
+
+
+class Collective(_Strict):
+    """One row of ``comm.collectives`` (``stage``, ``phase``, ``routed`` and
+    ``bytes_per_row`` are extensions)."""
+
+    op: Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
+    axis: Axis
+    bytes: int = Field(ge=0, description="size of the tensor the collective produces")
+    count: int = Field(ge=0, description="runs per step")
+    where: str
+    stage: int = Field(ge=0)
+    phase: Literal["forward", "backward", "recompute", "step"]
+    routed: Optional[bool] = Field(default=None, description="MoE token traffic sized by the router")
+    bytes_per_row: Optional[int] = Field(default=None, ge=0, description="bytes one routed token row adds")
+
+
+class Comm(_Strict):
+    """``comm``: bytes per axis per step and the list of collectives."""
+
+    per_step: PerStep
+    collectives: list[Collective]
+
+
+class Compute(_Strict):
+    """``compute``: FLOPs per step, matmuls only, without (model) and with (hardware)
+    recomputation."""
+
+    model_flops_per_step: int = Field(ge=0)
+    hardware_flops_per_step: int = Field(ge=0)
+
+
+class Breakdown(BaseModel):
+    """Seconds of one step by cause; adds up to ``step_time``. The SPEC's keys are
+    required; further causes (``memory_bound``, ``recompute``, ``optimizer``...) may follow."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, float]
+
+    compute: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    bubble: float
+
+
+class Assumptions(_Strict):
+    """What the time estimate assumed (extension)."""
+
+    matmul_efficiency: float
+    memory_efficiency: float
+    link_efficiency: float
+    efficiency_source: str
+    overlap: str
+    collectives: str
+    pipeline: str
+    links: dict[str, Literal["intra-node", "inter-node"]] = Field(
+        description="for each axis with more than one rank: whether its groups cross nodes")
+    moe_routing: Optional[str] = Field(
+        default=None, description="mixture-of-experts models only: how token routing was costed")
+
+
+class Estimate(_Strict):
+    """``estimate``: step time, throughput, utilisation and the breakdown."""
+
+    step_time: float = Field(ge=0)
+    tokens_per_s: float = Field(ge=0)
+    tflops_per_gpu: float = Field(ge=0)
+    mfu: float = Field(ge=0)
+    breakdown: Breakdown
+    assumptions: Assumptions
+
+
+class Serve(_Strict):
+    """``serve`` (serve specs only): KV cache, memory and latency of the deployment."""
+
+    batch: int = Field(ge=1)
+    batch_per_replica: int = Field(ge=1)
+    replicas: int = Field(ge=1)
+    prompt_len: int = Field(ge=1)
+    max_new_tokens: int = Field(ge=0)
+    kv_dtype: Literal["fp32", "bf16", "fp16", "fp8"]
+    kv_heads_per_rank: int = Field(ge=1)
+    kv_head_replicas: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=0, description="KV cache one token adds on the most loaded rank")
+    kv_bytes_per_token_per_stage: list[int]
+    kv_cache_bytes_per_rank: int = Field(ge=0)
+    weights_bytes_per_rank: int = Field(ge=0)
+    workspace_bytes_per_rank: int = Field(ge=0)
+    max_concurrent_tokens: int = Field(ge=0)
+    max_concurrent_sequences: int = Field(ge=0)
+    fits: bool
+    ttft: float = Field(ge=0, description="time to first token, seconds")
+    tpot: float = Field(ge=0, description="time per output token, seconds")
+    decode_tokens_per_s: float = Field(ge=0)
+    tokens_per_s: float = Field(ge=0)
+    breakdown: dict[str, float]
+
+
+class PlanJSON(_Strict):
+    """A whole ``plan.json`` (format ``parcompile.plan/1``)."""
+
+    model_config = ConfigDict(extra="forbid", title="parcompile plan.json")
+
+    format: Literal["parcompile.plan/1"]
+    version: str
+    name: str = Field(description="the spec file's stem (extension)")
+    workload: Literal["train", "serve"] = Field(description="extension")
+    world_size: int = Field(ge=1)
+    degrees: Degrees
+    order: str = Field(pattern=r"^(tp|cp|ep|dp|pp)(-(tp|cp|ep|dp|pp)){4}$")
+    groups: Groups
+    model: Model
+    stages: list[Stage]
+    schedule: Schedule
+    memory: Memory
+    comm: Comm
+    compute: Compute
+    estimate: Estimate
+    serve: Optional[Serve] = Field(default=None, description="serve specs only")
+
+
+def validate_plan(data: dict) -> PlanJSON:
+    """Validate a plan.json dict; raises :class:`pydantic.ValidationError` naming the path
+    of every key that does not match."""
+    return PlanJSON.model_validate(data, strict=True)
+
+
+def json_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of plan.json, from :class:`PlanJSON`."""
+    schema = PlanJSON.model_json_schema(mode="validation")
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **schema}
+
+
+def json_schema_text() -> str:
+    """``docs/plan.schema.json``, byte for byte: sorted keys, 2-space indent, trailing newline."""
+    return json.dumps(json_schema(), sort_keys=True, indent=2) + "\n"

@@ -1,0 +1,170 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP) that survive faults and
+move between plans.
+
+Layout: ``CHECKPOINT_DIR/step_00000040/`` holds one DCP checkpoint of the state after 40
+optimizer steps:
+
+- every parameter under its global name (``layers.3.attn.wq.weight``), tensor-parallel
+  shards as DTensors over the tp group, so the checkpoint holds global tensors;
+- the optimizer's states in the same layout as their parameter, under
+  ``optim/<state>/<name>`` (``exp_avg``, ``exp_avg_sq``, and ``master`` for the fp32
+  master weights of 16-bit models; ZeRO shards are gathered into that layout first);
+- ``train/step``.
+
+A checkpoint is written to ``step_N.partial`` and renamed to ``step_N`` by rank 0 once
+every rank has finished, so a directory named ``step_N`` is always complete; resuming
+takes the newest one. Loading reads each tensor into this plan's layout: DTensor reads
+when the tp split matches, otherwise the whole tensor, cut here (vocabulary rows padded
+for another tp, a single process). Data-parallel replicas are deduplicated by DCP.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parcompile.runtime.context import ParallelContext
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def newest(directory: str | os.PathLike) -> tuple[Path, int] | None:
+    """The newest complete checkpoint in ``directory`` and its step, or None."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in d.iterdir()
+                   if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
+    return (found[-1][1], found[-1][0]) if found else None
+
+
+def _mesh(ctx: ParallelContext):
+    if ctx.distributed and ctx.tp.size > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
+    return None
+
+
+def _global(t: torch.Tensor, p: torch.Tensor, mesh):
+    if mesh is not None and getattr(p, "shard_dim", None) is not None and getattr(p, "num_shards", None) in (
+            None, mesh.size()):
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(t.contiguous(), mesh, [Shard(p.shard_dim)], run_check=False)
+    return t
+
+
+def _saved_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if not getattr(p, "tied_copy", False)]
+
+
+def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext) -> Path:
+    """Save parameters, optimizer states and the step count (module docstring). Every rank
+    calls it; returns the final directory."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(directory)
+    final, partial = root / f"step_{step:08d}", root / f"step_{step:08d}.partial"
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    if ctx.distributed:
+        dist.barrier()
+    mesh = _mesh(ctx)
+    states = optimizer.export_states()
+    state: dict[str, object] = {"train/step": torch.tensor(step, dtype=torch.int64)}
+    for p in _saved_params(model):
+        name = p.global_name
+        state[name] = _global(p.detach(), p, mesh)
+        for key, t in states.get(id(p), {}).items():
+            state[f"optim/{key}/{name}"] = _global(t, p, mesh)
+    with warnings.catch_warnings():   # one process: DCP warns that it assumes so
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not ctx.distributed)
+    if ctx.distributed:
+        dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    if ctx.distributed:
+        dist.barrier()
+    return final
+
+
+def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: ParallelContext) -> int:
+    """Resume from the newest complete checkpoint in ``directory``; returns its step (0,
+    and nothing loaded, when there is none).
+
+    Raises:
+        RuntimeError: the checkpoint lacks a tensor of this model or has another shape.
+    """
+    import torch.distributed.checkpoint as dcp
+    from parcompile.runtime.weights import _target_slice
+
+    found = newest(directory)
+    if found is None:
+        return 0
+    path, step = found
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    mesh = _mesh(ctx)
+    params = list(model.parameters())
+    keys = ["param"] + sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
+    wanted: dict[str, tuple[nn.Parameter, str]] = {}
+    for p in params:
+        for key in keys:
+            ck = p.global_name if key == "param" else f"optim/{key}/{p.global_name}"
+            if ck in meta:
+                wanted.setdefault(ck, (p, key))
+            elif key == "param":
+                raise RuntimeError(f"checkpoint {path} has no `{ck}`: written for another model?")
+    state: dict[str, object] = {}
+    for ck, (p, _) in wanted.items():
+        size, dtype = tuple(meta[ck].size), meta[ck].properties.dtype
+        same_split = (mesh is not None and getattr(p, "shard_dim", None) is not None
+                      and getattr(p, "valid_rows", None) is None and size == tuple(p.global_shape))
+        if same_split:
+            state[ck] = _global(torch.empty(tuple(p.global_local_shape if hasattr(p, "global_local_shape")
+                                                    else p.shape), dtype=dtype), p, mesh)
+        else:
+            state[ck] = torch.empty(size, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not ctx.distributed)
+
+    def local(ck: str, p: nn.Parameter) -> torch.Tensor:
+        t = state[ck]
+        return t.to_local() if hasattr(t, "to_local") else _target_slice(t, p)
+
+    loaded: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for p in params:
+            name = p.global_name
+            value = local(name, p)
+            if p.data.numel() == 0:   # ZeRO 3 between steps: the optimizer keeps the shard
+                p.data = torch.empty(value.shape, dtype=p.dtype, device=ctx.device)
+            p.data.copy_(value)
+            loaded[id(p)] = {key: local(f"optim/{key}/{name}", p).to(ctx.device)
+                             for key in keys[1:] if f"optim/{key}/{name}" in state}
+    optimizer.import_states(loaded, step)
+    return step
+
+
+def maybe_fail(ctx: ParallelContext, step: int) -> None:
+    """A testing hook: ``PARCOMPILE_FAIL_AT=RANK:STEP`` kills rank RANK (SIGKILL) at the
+    start of step STEP, as a crashed machine would."""
+    spec = os.environ.get("PARCOMPILE_FAIL_AT")
+    if spec:
+        rank, at = (int(x) for x in spec.split(":"))
+        if rank == ctx.rank and step == at:
+            import signal
+
+            print(f"rank {ctx.rank}: PARCOMPILE_FAIL_AT kills this rank at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

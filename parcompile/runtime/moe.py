@@ -1,0 +1,447 @@
+"""Mixture of experts at run time: router, token dispatch and combine over expert
+parallelism, grouped expert MLPs, and the optimizer side of expert weights.
+
+One MoE layer on one rank, for its N local tokens x (N, h) (with sequence parallelism
+each tp rank holds its own part of the sequence; Megatron-Core requires it for MoE with
+tp > 1, and so does parcompile):
+
+1. **Router** (Switch Transformer, Fedus et al. 2021; Mixtral's top-k): fp32 logits
+   ``x W_r^T`` (N, E), ``p = softmax(logits)``, the top_k experts of each token, with
+   weights ``p_top / sum(p_top)`` (renormalised over the k chosen, as Mixtral; with
+   top_k = 1 the weight is p itself, as Switch). **Dropless**: every (token, expert)
+   assignment is computed, no capacity factor, no token dropped.
+2. **Auxiliary load-balancing loss** (Switch Transformer eq. 4, GShard's top-k form):
+   ``aux = alpha * E * sum_e f_e * P_e`` with ``f_e`` the fraction of this rank's N * top_k
+   assignments that chose expert e and ``P_e`` the mean router probability of e over the N
+   tokens; alpha is the model key ``router_aux_loss`` (default 0.01). Its gradient is
+   injected in backward (Megatron-Core's ``MoEAuxLossAutoScaler``) scaled like the main
+   loss, ``alpha / (num_microbatches * tp_sp)``: the mean over micro-batches and over the
+   sequence-parallel ranks, whose router gradients are summed. It is computed on each
+   rank's own tokens, so it depends on the layout; ``verify`` runs with alpha = 0.
+3. **Dispatch** (Megatron-Core's all-to-all token dispatcher): the N * top_k rows are
+   sorted by expert; ep rank r holds experts ``[r E/ep, (r+1) E/ep)``. The per-expert counts
+   are exchanged with one all-to-all over ep (E int64), then the rows with one all-to-all
+   over ep with uneven splits (``all_to_all_single``). With expert_tp > 1 the received
+   rows of the expert_tp group are all-gathered (counts first, expert_tp * E int64), so
+   each expert_tp rank runs its ffn / expert_tp slice of every expert on all of them.
+4. **Experts**: the rows are grouped by local expert and each expert's MLP runs on its
+   group (a grouped GEMM, here a loop); w1/w3 column- and w2 row-parallel over expert_tp.
+5. **Combine**: with expert_tp > 1 a reduce-scatter over expert_tp sums the partial outputs
+   back to the rows each rank received; an all-to-all over ep returns them to their tokens'
+   ranks; each token's output is the router-weighted sum of its top_k rows.
+
+Uneven all-gathers and reduce-scatters over expert_tp run as ``all_to_all_single`` (gloo's
+all-gather needs equal sizes); they are counted as the all-gather / reduce-scatter they are.
+Collectives whose size the router decides are recorded with their ``rows``
+(:class:`parcompile.runtime.comm.CommCounter`).
+
+Gradients of expert weights. Every token of the stage is dispatched from exactly one rank,
+so summing an expert's local gradient over its ``expert_dp`` replicas gives the sum over all
+tokens of the stage of d loss_g / dW, where loss_g is the loss of data-parallel rank g.
+The step's loss is the mean over the dp * cp ranks, so expert gradients are all-reduced
+over expert_dp and divided by dp * cp (not by expert_dp). The gradient norm counts each
+expert shard once: squares summed over expert_dp (when sharded), ep and expert_tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
+from parcompile.runtime.context import Axis, ParallelContext
+from parcompile.runtime.grads import main_grad, set_main_grad
+from parcompile.runtime.layers import INIT_STD, make_param
+
+COUNT_DTYPE = torch.int64
+
+
+@dataclasses.dataclass
+class ExpertAxes:
+    """The expert-parallel groups of this rank (Megatron-Core's expert RankGenerator)."""
+
+    ep: Axis
+    expert_tp: Axis
+    expert_dp: Axis
+
+    @classmethod
+    def of(cls, ctx: ParallelContext) -> "ExpertAxes":
+        return cls(ctx.axes["ep"], ctx.axes["expert_tp"], ctx.axes["expert_dp"])
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], axis: Axis,
+                     routed: bool, op: str = "all_to_all", produced: int | None = None) -> torch.Tensor:
+    """Rows ``x`` (sum(in_splits), h): in_splits[j] rows to rank j of ``axis``; returns the
+    (sum(out_splits), h) rows received, in rank order. Counted as ``op`` producing
+    ``produced`` rows (default: the rows received)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    rows = out.shape[0] if produced is None else produced
+    COUNTER.record(op, axis.name, rows * math.prod(x.shape[1:]) * x.element_size(), rows if routed else None)
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=axis.group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all of rows over ``axis``; backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, axis, routed_fwd, routed_bwd):
+        ctx.meta = (out_splits, in_splits, axis, routed_bwd)
+        return _all_to_all_rows(x, out_splits, in_splits, axis, routed_fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits, axis, routed = ctx.meta
+        return _all_to_all_rows(g, in_splits, out_splits, axis, routed), None, None, None, None, None
+
+
+def _gather_rows(x: torch.Tensor, member_rows: list[int], axis: Axis) -> torch.Tensor:
+    """Uneven all-gather of rows over ``axis`` (member j holds member_rows[j] rows)."""
+    n = axis.size
+    return _all_to_all_rows(x.repeat(n, 1), member_rows, [x.shape[0]] * n, axis, True, op="all_gather")
+
+
+def _scatter_rows(y: torch.Tensor, member_rows: list[int], axis: Axis) -> torch.Tensor:
+    """Uneven reduce-scatter of rows over ``axis``: member j gets the sum of its rows."""
+    n, mine = axis.size, member_rows[axis.index]
+    got = _all_to_all_rows(y, [mine] * n, member_rows, axis, True, op="reduce_scatter", produced=mine)
+    return got.view(n, mine, *y.shape[1:]).sum(0)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: uneven all-gather over expert_tp; backward: uneven reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, member_rows, axis):
+        ctx.meta = (member_rows, axis)
+        return _gather_rows(x, member_rows, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        member_rows, axis = ctx.meta
+        return _scatter_rows(g, member_rows, axis), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Forward: uneven reduce-scatter over expert_tp; backward: uneven all-gather."""
+
+    @staticmethod
+    def forward(ctx, y, member_rows, axis):
+        ctx.meta = (member_rows, axis)
+        return _scatter_rows(y, member_rows, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        member_rows, axis = ctx.meta
+        return _gather_rows(g, member_rows, axis), None, None
+
+
+def _exchange_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """All-to-all of the per-expert counts (E,) over ep: returns, per source rank, its counts
+    for this rank's experts, (ep * E/ep,)."""
+    out = torch.empty_like(counts)
+    COUNTER.record("all_to_all", axis.name, _nbytes(out))
+    dist.all_to_all_single(out, counts.contiguous(), group=axis.group)
+    return out
+
+
+def _gather_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
+    out = counts.new_empty((axis.size * counts.numel(),))
+    COUNTER.record("all_gather", axis.name, _nbytes(out))
+    dist.all_gather_into_tensor(out, counts.contiguous(), group=axis.group)
+    return out
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Forward: identity on ``y``; backward: also a gradient of ``scale`` for ``aux``
+    (Megatron-Core's MoEAuxLossAutoScaler: the aux loss joins the backward of the layer)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=g.device), None
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing of fp32 ``logits`` (N, E): (weights (N, k), experts (N, k),
+    probabilities (N, E)); weights renormalised over the k chosen when k > 1."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if top_k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts, probs
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``E * sum_e f_e P_e`` (Switch Transformer eq. 4; 1 when perfectly balanced), without
+    the coefficient: f_e (no gradient) the share of assignments to e, P_e the mean of p_e."""
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
+    f = counts / max(experts.numel(), 1)
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+class MoELayer(nn.Module):
+    """The routed experts of one MoE layer (module docstring): (B, T, h) -> (B, T, h).
+
+    Parameters: ``{prefix}.router.weight`` (E, h), replicated; per local expert e,
+    ``{prefix}.experts.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``...w2.weight``
+    (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp).
+    """
+
+    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
+                 axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0):
+        super().__init__()
+        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+        self.axes = axes
+        self.aux_loss_scale = aux_loss_scale
+        ep, etp = axes.ep, axes.expert_tp
+        self.local = num_experts // ep.size
+        self.first = ep.index * self.local
+        self.router = nn.Module()
+        self.router.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
+        self.experts = nn.ModuleDict()
+        mats = ("w1", "w3", "w2") if activation == "swiglu" else ("w1", "w2")
+        for e in range(self.first, self.first + self.local):
+            mod = nn.Module()
+            for w in mats:
+                shape, dim, std = ((hidden, ffn), 1, out_std) if w == "w2" else ((ffn, hidden), 0, INIT_STD)
+                p = make_param(f"{prefix}.experts.{e}.{w}.weight", shape, seed, std, etp, dim)
+                p.expert = True
+                setattr(mod, w, p)
+            self.experts[str(e)] = mod
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        mod = self.experts[str(e)]
+        if self.activation == "swiglu":
+            h = F.silu(F.linear(x, mod.w1)) * F.linear(x, mod.w3)
+        elif self.activation == "gelu":
+            h = F.gelu(F.linear(x, mod.w1))
+        else:
+            h = F.relu(F.linear(x, mod.w1))
+        return F.linear(h, mod.w2)                        # partial sums over expert_tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                      # (N, h)
+        N, K, E = x.shape[0], self.top_k, self.num_experts
+        ep, etp = self.axes.ep, self.axes.expert_tp
+        weights, chosen, probs = route(F.linear(x.float(), self.router.weight.float()), K)
+        flat = chosen.reshape(-1)                         # (N k,) expert of each assignment
+        order = torch.argsort(flat, stable=True)
+        token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
+        rows = x.index_select(0, token)                   # (N k, h) sorted by expert
+        counts = torch.bincount(flat, minlength=E).to(COUNT_DTYPE)
+        send = counts.view(ep.size, self.local).sum(1).tolist()
+        if ep.size > 1:
+            recv_counts = _exchange_counts(counts, ep)    # (ep * E/ep,): per source, per local expert
+            recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
+            rows = _AllToAll.apply(rows, recv, send, ep, True, False)   # (R, h); backward exact N k
+        else:
+            recv_counts, recv = counts, send
+        blocks = recv_counts.view(-1, self.local)         # (sources, E/ep)
+        if etp.size > 1:
+            all_counts = _gather_counts(recv_counts, etp)
+            member_rows = all_counts.view(etp.size, -1).sum(1).tolist()
+            rows = _GatherRows.apply(rows, member_rows, etp)   # (sum of R over expert_tp, h)
+            blocks = all_counts.view(-1, self.local)
+        # group the received rows by local expert (they arrive by source, then expert)
+        label = torch.arange(self.local, device=x.device).repeat(blocks.shape[0])
+        label = label.repeat_interleave(blocks.reshape(-1).to(x.device))
+        group = torch.argsort(label, stable=True)
+        per_expert = blocks.sum(0).tolist()
+        grouped = rows.index_select(0, group)
+        outs, start = [], 0
+        for j, n in enumerate(per_expert):
+            if n:
+                outs.append(self._expert(self.first + j, grouped[start:start + n]))
+            start += n
+        y = torch.cat(outs) if outs else grouped.new_zeros((0, shape[-1]))
+        y = y.index_select(0, torch.argsort(group))       # back to arrival order
+        if etp.size > 1:
+            y = _ScatterRows.apply(y, member_rows, etp)   # (R, h): summed over expert_tp
+        if ep.size > 1:
+            y = _AllToAll.apply(y, send, recv, ep, False, True)   # (N k, h) back home; backward routed
+        w = weights.reshape(-1)[order].to(y.dtype)
+        out = torch.zeros_like(x).index_add(0, token, y * w.unsqueeze(-1))
+        if self.aux_loss_scale and self.training:
+            out = _AuxLossScaler.apply(out, load_balancing_loss(probs, chosen, E), self.aux_loss_scale)
+        return out.view(shape)
+
+
+# --------------------------------------------------------------------------- optimizer side
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, "expert", False)
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(is_expert(p) for p in model.parameters())
+
+
+class _Holder(nn.Module):
+    """A module view over some of a model's parameters (the dense or the expert ones)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.held = nn.ParameterList(params)
+
+
+def reduce_expert_gradients(params, ctx: ParallelContext) -> None:
+    """Sum expert gradients over expert_dp and divide by dp * cp (module docstring)."""
+    if not params:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [main_grad(p) for p in params]
+    flat = _flatten_dense_tensors([g.float() for g in grads])
+    all_reduce(flat, ctx.axes["expert_dp"])
+    flat /= ctx.axes["dp_cp"].size
+    for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(new)
+
+
+class MoEOptimizer:
+    """The optimizer of a stage holding expert weights: dense parameters as usual
+    (replicated, or ZeRO over dp_cp), expert parameters over expert_dp (replicated, or
+    ZeRO-sharded over expert_dp: their states are ``ceil(n / expert_dp)`` per rank, as the
+    plan's memory counts them). Same interface as :class:`ReplicatedOptimizer`.
+    """
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
+        from parcompile.runtime.train import ReplicatedOptimizer, make_optimizer
+        from parcompile.runtime.zero import ShardedOptimizer
+
+        self.model, self.ctx = model, ctx
+        params = [p for p in model.parameters()]
+        self.dense_params = [p for p in params if not is_expert(p)]
+        self.expert_params = [p for p in params if is_expert(p)]
+        mk = lambda groups: make_optimizer(groups, train)  # noqa: E731
+        wd = train["weight_decay"]
+        dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
+        if zero and ctx.axes["dp_cp"].size > 1:
+            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk)
+        else:
+            self.dense = ReplicatedOptimizer(dense, ctx, train)
+        self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
+        if self.expert_sharded:
+            # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
+            ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
+            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk)
+        else:
+            self.experts = ReplicatedOptimizer(experts, ctx, train)
+        self.parts = (self.dense, self.experts)
+
+    def zero_grad(self) -> None:
+        for o in self.parts:
+            o.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for o in self.parts:
+            o.set_lr(lr)
+
+    def begin_step(self) -> None:
+        for o in self.parts:
+            o.begin_step()
+
+    def reduce_gradients(self) -> None:
+        self.dense.reduce_gradients()
+        if self.expert_sharded:
+            # the reduce-scatter divides by expert_dp; the step's mean needs dp * cp
+            scale = self.ctx.axes["expert_dp"].size / self.ctx.axes["dp_cp"].size
+            for p in self.expert_params:
+                g = main_grad(p)
+                if g is not None and scale != 1.0:
+                    g.mul_(scale)
+            self.experts.reduce_gradients()
+        else:
+            reduce_expert_gradients([p for p in self.expert_params if main_grad(p) is not None], self.ctx)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Dense squares over [dp_cp with ZeRO] and tp, expert squares over [expert_dp with
+        ZeRO], ep and expert_tp; their sum over pp."""
+        ctx = self.ctx
+        dense = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        if hasattr(self.dense, "segments"):
+            for *_, seg in self.dense.segments:
+                if seg.counts_in_norm:
+                    dense += seg.grad.float().pow(2).sum()
+            all_reduce(dense, ctx.axes["dp_cp"])
+        else:
+            for p in self.dense_params:
+                g = main_grad(p)
+                if g is None or getattr(p, "tied_copy", False):
+                    continue
+                if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
+                    continue
+                dense += g.float().pow(2).sum()
+        all_reduce(dense, ctx.tp)
+        expert = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        if self.expert_sharded:
+            for *_, seg in self.experts.segments:
+                expert += seg.grad.float().pow(2).sum()
+            all_reduce(expert, ctx.axes["expert_dp"])
+        else:
+            for p in self.expert_params:
+                if main_grad(p) is not None:
+                    expert += main_grad(p).float().pow(2).sum()
+        all_reduce(expert, ctx.axes["ep"])
+        all_reduce(expert, ctx.axes["expert_tp"])
+        total = dense + expert
+        all_reduce(total, ctx.pp)
+        return total.sqrt()[0]
+
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        for o in self.parts:
+            o.clip(norm, max_norm)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def gather_for_export(self) -> None:
+        for o in self.parts:
+            o.gather_for_export()
+
+    def dump_gradients(self) -> dict:
+        """Full (reduced) gradients of every parameter with their layout, for ``verify``;
+        sharded parts are all-gathered without being counted (ShardedOptimizer's rule)."""
+        from parcompile.runtime.train import shards
+
+        saved = [(p, main_grad(p)) for p in self.dense_params + self.expert_params]
+        for o in self.parts:
+            if hasattr(o, "_full_gradients"):
+                o._full_gradients()
+        out = shards(self.model, self.ctx, grads=True)
+        for p, g in saved:
+            set_main_grad(p, g)
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        a, b = self.dense.state_bytes(), self.experts.state_bytes()
+        return {k: a[k] + b[k] for k in a}
+
+
+def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
+    """:class:`MoEOptimizer` when this rank holds expert weights, else None."""
+    return MoEOptimizer(model, ctx, train, zero) if has_experts(model) else None
+
+
+__all__ = ["ExpertAxes", "MoELayer", "MoEOptimizer", "route", "load_balancing_loss", "moe_optimizer",
+           "reduce_expert_gradients"]

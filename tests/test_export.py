@@ -1,0 +1,282 @@
+"""`parcompile export`: each target's output, parsed back (shell words, TOML, JSON), names
+the plan's degrees, batch sizes, schedule, recompute and ZeRO stage; every example
+exports (serve specs are refused with a diagnostic); the output is deterministic."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import parcompile
+from parcompile.cli import main
+from parcompile.diagnostics import SpecError
+from parcompile.export import TARGETS, TORCHTITAN_SCHEDULE, export
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.par"))
+TINY = (REPO / "examples" / "tiny.par").read_text()
+TINY_PARALLEL = """parallel {
+    dp = 2
+    tp = 2
+    pp = 2
+    schedule     = 1f1b
+    micro_batch  = 2
+    global_batch = 16      # m = 16 / (2 * 2) = 4 micro-batches
+}"""
+
+
+def _variant(parallel: str, dtype: str = "fp32"):
+    """tiny.par with another `parallel` block (and model dtype)."""
+    assert TINY_PARALLEL in TINY
+    src = TINY.replace(TINY_PARALLEL, parallel).replace("dtype      = fp32", f"dtype      = {dtype}")
+    return parcompile.compile(src, "variant.par")
+
+
+VARIANTS = {
+    "interleaved_zero2_selective": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n schedule = interleaved_1f1b\n"
+                                    " virtual_stages = 2\n zero = 2\n recompute = selective\n micro_batch = 1\n"
+                                    " global_batch = 8\n}", "bf16"),
+    "gpipe_zero3_full": ("parallel {\n dp = 4\n tp = 1\n pp = 2\n schedule = gpipe\n zero = 3\n"
+                         " recompute = full\n micro_batch = 1\n global_batch = 16\n}", "bf16"),
+    "cp_zero1": ("parallel {\n dp = 2\n tp = 2\n pp = 1\n cp = 2\n zero = 1\n micro_batch = 2\n"
+                 " global_batch = 8\n}", "fp16"),
+    "zero_bubble_sp": ("parallel {\n dp = 1\n tp = 2\n pp = 4\n schedule = zero_bubble\n"
+                       " sequence_parallel = true\n micro_batch = 1\n global_batch = 8\n}", "bf16"),
+}
+
+
+def _plans():
+    out = [(p.stem, parcompile.compile(p.relative_to(REPO))) for p in EXAMPLES]
+    out += [(name, _variant(*v)) for name, v in VARIANTS.items()]
+    return [(n, p) for n, p in out if p.config.workload == "train"]
+
+
+@pytest.fixture(scope="module")
+def plans(request):
+    import os
+
+    old = os.getcwd()
+    os.chdir(REPO)   # plans name files relative to where parcompile runs
+    try:
+        return _plans()
+    finally:
+        os.chdir(old)
+
+
+def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
+    """(launcher words, {flag: value or True}) from a Megatron export."""
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    words = shlex.split(body.replace("\\\n", " "))
+    i = words.index("pretrain_gpt.py")
+    launcher, rest = words[: i + 1], words[i + 1:]
+    flags: dict[str, object] = {}
+    k = 0
+    while k < len(rest):
+        flag = rest[k]
+        assert flag.startswith("--"), f"expected a flag, got {flag!r}"
+        assert flag not in flags, f"{flag} given twice"
+        if k + 1 < len(rest) and not rest[k + 1].startswith("--"):
+            flags[flag] = rest[k + 1]
+            k += 2
+        else:
+            flags[flag] = True
+            k += 1
+    return launcher, flags
+
+
+def _expect(plan):
+    d, par = plan.data, plan.config.parallel
+    return d["degrees"], d["schedule"]["name"], d["schedule"]["num_microbatches"], par
+
+
+def test_megatron_names_the_plan(plans):
+    for name, plan in plans:
+        deg, sched, m, par = _expect(plan)
+        ex = export(plan, "megatron")
+        launcher, f = parse_megatron(ex.text)
+        assert launcher[:5] == ["torchrun", "--nnodes", str(plan.config.cluster.nodes), "--nproc-per-node",
+                                str(plan.config.cluster.gpus_per_node)], name
+        assert int(f["--tensor-model-parallel-size"]) == deg["tp"]
+        assert int(f["--pipeline-model-parallel-size"]) == deg["pp"]
+        assert int(f["--context-parallel-size"]) == deg["cp"]
+        # dp is what is left of the world
+        assert plan.data["world_size"] // (deg["tp"] * deg["pp"] * deg["cp"]) == deg["dp"]
+        assert int(f["--micro-batch-size"]) == par.micro_batch
+        assert int(f["--global-batch-size"]) == par.global_batch
+        assert par.global_batch // (par.micro_batch * deg["dp"]) == m
+        assert ("--sequence-parallel" in f) == par.sequence_parallel
+        # schedule: interleaved iff virtual stages; gpipe / zero_bubble become 1F1B with a note
+        if deg["virtual_stages"] > 1:
+            assert int(f["--num-virtual-stages-per-pipeline-rank"]) == deg["virtual_stages"]
+        else:
+            assert "--num-virtual-stages-per-pipeline-rank" not in f
+        if sched in ("gpipe", "zero_bubble"):
+            assert any(n.startswith(f"schedule {sched}:") for n in ex.notes), name
+            assert f"# note: schedule {sched}:" in ex.text
+        # recompute
+        gran = {"none": None, "selective": "selective", "full": "full"}[par.recompute]
+        assert f.get("--recompute-granularity") == gran
+        if par.recompute == "full":
+            assert f["--recompute-method"] == "uniform" and f["--recompute-num-layers"] == "1"
+        # ZeRO
+        assert ("--use-distributed-optimizer" in f) == (par.zero in (1, 2)), name
+        assert ("--use-torch-fsdp2" in f) == (par.zero == 3)
+        if par.zero >= 2:
+            assert any(n.startswith(f"zero {par.zero}:") for n in ex.notes)
+        # model and precision
+        mdl = plan.data["model"]
+        assert int(f["--num-layers"]) == mdl["layers"] and int(f["--hidden-size"]) == mdl["hidden"]
+        assert int(f["--ffn-hidden-size"]) == mdl["ffn_hidden"] and int(f["--num-attention-heads"]) == mdl["heads"]
+        assert int(f["--seq-length"]) == mdl["seq_len"]
+        if mdl["kv_heads"] != mdl["heads"]:
+            assert f["--group-query-attention"] is True and int(f["--num-query-groups"]) == mdl["kv_heads"]
+        assert ("--bf16" in f) == (mdl["dtype"] == "bf16") and ("--fp16" in f) == (mdl["dtype"] == "fp16")
+        assert ("--untie-embeddings-and-output-weights" in f) == (not mdl["tie_embeddings"])
+        assert float(f["--lr"]) == plan.config.train.lr and int(f["--train-iters"]) == plan.config.train.steps
+
+
+def test_torchtitan_names_the_plan(plans):
+    for name, plan in plans:
+        deg, sched, m, par = _expect(plan)
+        ex = export(plan, "torchtitan")
+        t = tomllib.loads(ex.text)
+        p, tr = t["parallelism"], t["training"]
+        assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] == deg["dp"], name
+        assert p["tensor_parallel_degree"] == deg["tp"] and p["pipeline_parallel_degree"] == deg["pp"]
+        assert p["context_parallel_degree"] == deg["cp"] and p["expert_parallel_degree"] == deg["ep"]
+        # ZeRO 0 replicates (DDP); ZeRO >= 1 shards with FSDP2, with a note for 1 and 2
+        if par.zero == 0:
+            assert p["data_parallel_shard_degree"] == 1
+        else:
+            assert p["data_parallel_replicate_degree"] == 1 and p["data_parallel_shard_degree"] == deg["dp"]
+            assert p["fsdp_reshard_after_forward"] == ("always" if par.zero == 3 else "never")
+        if par.zero in (1, 2):
+            assert any(n.startswith(f"zero {par.zero}:") for n in ex.notes)
+        # schedule
+        assert p["pipeline_parallel_schedule"] == TORCHTITAN_SCHEDULE[(sched, deg["virtual_stages"] > 1)]
+        assert p["pipeline_parallel_schedule"] in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                                                   "InterleavedZeroBubble", "ZBVZeroBubble")
+        if sched == "zero_bubble" and deg["virtual_stages"] == 1:
+            assert any(n.startswith("schedule zero_bubble") for n in ex.notes)
+        if deg["pp"] > 1 and par.stage_layers is None:
+            chunks = deg["pp"] * deg["virtual_stages"]
+            assert p["pipeline_parallel_layers_per_stage"] * chunks == plan.data["model"]["layers"]
+        # batch: the global batch, the micro-batch and the micro-batches per step
+        assert tr["global_batch_size"] == par.global_batch
+        assert p["pipeline_parallel_microbatch_size"] == par.micro_batch
+        if deg["pp"] > 1:   # pipeline micro-batches of one local batch
+            assert tr["local_batch_size"] // p["pipeline_parallel_microbatch_size"] == m
+            assert tr["local_batch_size"] * deg["dp"] == par.global_batch
+        else:               # gradient accumulation
+            assert tr["local_batch_size"] == par.micro_batch
+            assert tr["global_batch_size"] // (tr["local_batch_size"] * deg["dp"]) == m
+        assert tr["seq_len"] == plan.data["model"]["seq_len"] and tr["steps"] == plan.config.train.steps
+        assert t["activation_checkpoint"]["mode"] == par.recompute
+        assert t["optimizer"]["lr"] == plan.config.train.lr
+
+
+def test_deepspeed_names_the_plan(plans):
+    for name, plan in plans:
+        deg, sched, m, par = _expect(plan)
+        ex = export(plan, "deepspeed")
+        c = json.loads(ex.text)
+        assert c["train_batch_size"] == par.global_batch, name
+        assert c["train_micro_batch_size_per_gpu"] == par.micro_batch
+        assert c["gradient_accumulation_steps"] == m
+        # DeepSpeed's invariant: train_batch_size = micro * accumulation * data-parallel size
+        assert c["train_batch_size"] == c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] * deg["dp"]
+        assert c["zero_optimization"]["stage"] == par.zero
+        assert c["bf16"]["enabled"] == (plan.data["model"]["dtype"] == "bf16")
+        assert c["fp16"]["enabled"] == (plan.data["model"]["dtype"] == "fp16")
+        assert c["gradient_clipping"] == plan.config.train.grad_clip
+        if deg["pp"] > 1:
+            assert c["pipeline"]["stages"] == deg["pp"]
+            assert c["pipeline"]["activation_checkpoint_interval"] == (1 if par.recompute == "full" else 0)
+            if sched != "1f1b":
+                assert any(n.startswith(f"schedule {sched}:") for n in ex.notes)
+            if par.zero >= 2:
+                assert any(n.startswith(f"zero {par.zero}:") for n in ex.notes)
+        else:
+            assert "pipeline" not in c
+        assert c.get("tensor_parallel", {}).get("autotp_size", 1) == deg["tp"]
+        assert ("activation_checkpointing" in c) == (par.recompute != "none")
+        if deg["cp"] > 1:
+            assert any(n.startswith("cp ") for n in ex.notes)
+        words = shlex.split(ex.launch)
+        assert words[:5] == ["deepspeed", "--num_nodes", str(plan.config.cluster.nodes), "--num_gpus",
+                             str(plan.config.cluster.gpus_per_node)]
+        assert words[-1] == ex.filename
+
+
+def test_variants_cover_every_mapping(plans):
+    """The synthetic variants reach what the examples do not: interleaved, gpipe, zero 2/3,
+    selective recompute, cp, fp16."""
+    seen = {(p.config.parallel.schedule, p.config.parallel.zero, p.config.parallel.recompute) for _, p in plans}
+    assert {s for s, _, _ in seen} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+    assert {z for _, z, _ in seen} == {0, 1, 2, 3}
+    assert {r for _, _, r in seen} == {"none", "selective", "full"}
+    assert any(p.data["degrees"]["cp"] > 1 for _, p in plans)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(stem: str):
+    return parcompile.compile(Path("examples") / f"{stem}.par")
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_example_exports(spec, target, monkeypatch, capsys):
+    """Through the CLI: a training spec exports, the same bytes as the API from another
+    compile (deterministic), and parses; a serve spec is refused with exit 1 and a
+    diagnostic at its `serve` block."""
+    monkeypatch.chdir(REPO)
+    rel = str(spec.relative_to(REPO))
+    plan = _compiled(spec.stem)
+    rc = main(["export", rel, "--to", target])
+    out, err = capsys.readouterr()
+    if plan.config.workload == "serve":
+        assert rc == 1 and out == ""
+        assert f"error: `export --to {target}` needs a training spec; this spec has a `serve` block" in err
+        assert f"{rel}:" in err and "help:" in err
+        return
+    assert rc == 0, err
+    assert out == export(plan, target).text
+    {"megatron": parse_megatron, "torchtitan": tomllib.loads, "deepspeed": json.loads}[target](out)
+    if target == "deepspeed":   # JSON has no comments: notes and the launcher line go to stderr
+        assert "launch: deepspeed --num_nodes" in err and "note: " in err
+    else:
+        assert "note: " not in err
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_export_to_file(target, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(REPO)
+    dest = tmp_path / "out"
+    assert main(["export", "examples/tiny.par", "--to", target, "-o", str(dest)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and dest.read_text() == export(_compiled("tiny"), target).text
+    assert f"wrote {dest} ({target})" in err and "note: " in err
+
+
+def test_export_api_refuses_serve_and_unknown_target(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = parcompile.compile(Path("examples/tiny_serve.par"))
+    with pytest.raises(SpecError) as e:
+        export(plan, "megatron")
+    assert e.value.diagnostics[0].code == "export-serve"
+    with pytest.raises(ValueError, match="unknown export target"):
+        export(parcompile.compile(Path("examples/tiny.par")), "colossalai")
+
+
+def test_export_usage_errors(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["export", "examples/tiny.par"]) == 2                      # --to is required
+    assert main(["export", "examples/tiny.par", "--to", "jax"]) == 2       # not a target
+    assert main(["export", "examples/tiny.par", "--to", "megatron", "-o", " "]) == 2
+    assert main(["export", "examples/missing.par", "--to", "megatron"]) == 2
+    capsys.readouterr()

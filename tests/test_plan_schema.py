@@ -1,0 +1,133 @@
+"""plan.json's published JSON Schema: every example's plan.json validates against the
+pydantic models (parcompile/plan_schema.py) and against docs/plan.schema.json (checked by
+the small validator below: `jsonschema` is not a dependency), and the committed schema
+equals the regenerated one (`pytest tests/test_plan_schema.py --update-goldens` rewrites it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import parcompile
+from parcompile.cli import main
+from parcompile.plan_schema import json_schema_text, validate_plan
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA_FILE = REPO / "docs" / "plan.schema.json"
+EXAMPLES = sorted((REPO / "examples").glob("*.par"))
+
+
+def schema_errors(schema: dict, value, path: str = "$", root: dict | None = None) -> list[str]:
+    """Errors of ``value`` against ``schema``, for the JSON Schema keywords pydantic's
+    schemas use: $ref, anyOf, type, enum, const, properties, required,
+    additionalProperties, items, minimum, pattern."""
+    root = root if root is not None else schema
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/$defs/"), ref
+        return schema_errors(root["$defs"][ref.split("/")[-1]], value, path, root)
+    if "anyOf" in schema:
+        branches = [schema_errors(s, value, path, root) for s in schema["anyOf"]]
+        return [] if any(not b for b in branches) else [f"{path}: matches no branch of anyOf: {branches}"]
+    errs = []
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    t = schema.get("type")
+    if t == "integer":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif t == "number":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif t is not None:
+        ok = isinstance(value, types[t])
+    else:
+        ok = True
+    if not ok:
+        return [f"{path}: {value!r:.60} is not of type {t}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "const" in schema and value != schema["const"]:
+        errs.append(f"{path}: {value!r} != {schema['const']!r}")
+    if "minimum" in schema and value < schema["minimum"]:
+        errs.append(f"{path}: {value} < {schema['minimum']}")
+    if "pattern" in schema and not re.search(schema["pattern"], value):
+        errs.append(f"{path}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        errs += [f"{path}: missing {k}" for k in schema.get("required", []) if k not in value]
+        extra = schema.get("additionalProperties", True)
+        for k, v in value.items():
+            if k in props:
+                errs += schema_errors(props[k], v, f"{path}.{k}", root)
+            elif extra is False:
+                errs.append(f"{path}: unexpected key {k}")
+            elif isinstance(extra, dict):
+                errs += schema_errors(extra, v, f"{path}.{k}", root)
+    if isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            errs += schema_errors(schema["items"], v, f"{path}[{i}]", root)
+    return errs
+
+
+@pytest.fixture(scope="module")
+def plan_jsons():
+    import os
+
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return {p.stem: json.loads(parcompile.compile(p.relative_to(REPO)).to_json()) for p in EXAMPLES}
+    finally:
+        os.chdir(old)
+
+
+def test_schema_file_is_current(request):
+    text = json_schema_text()
+    if request.config.getoption("--update-goldens"):
+        SCHEMA_FILE.write_text(text)
+    assert SCHEMA_FILE.exists(), "docs/plan.schema.json is missing; run pytest --update-goldens"
+    assert SCHEMA_FILE.read_text() == text, (
+        "docs/plan.schema.json differs from parcompile/plan_schema.py; regenerate it with "
+        "`python -m pytest tests/test_plan_schema.py --update-goldens` and review the diff")
+
+
+@pytest.mark.parametrize("name", [p.stem for p in EXAMPLES])
+def test_example_validates(name, plan_jsons):
+    data = plan_jsons[name]
+    model = validate_plan(data)
+    assert model.model_dump(exclude_none=True, mode="json") == data   # the models cover every key
+    assert (model.serve is not None) == (data["workload"] == "serve")
+    schema = json.loads(SCHEMA_FILE.read_text())
+    assert schema_errors(schema, data) == []
+
+
+def test_schema_rejects_wrong_plans(plan_jsons):
+    schema = json.loads(SCHEMA_FILE.read_text())
+    good = plan_jsons["tiny"]
+    bad_cases = {
+        "unknown key": lambda d: d.update(extra=1),
+        "missing section": lambda d: d.pop("memory"),
+        "wrong type": lambda d: d["degrees"].update(tp="2"),
+        "bad schedule": lambda d: d["schedule"].update(name="pipedream"),
+        "bad action": lambda d: d["schedule"]["actions"][0][0].update(op="jump"),
+        "negative bytes": lambda d: d["comm"]["collectives"][0].update(bytes=-1),
+        "bad format": lambda d: d.update(format="parcompile.plan/2"),
+        "bad order": lambda d: d.update(order="tp-dp"),
+    }
+    for what, mutate in bad_cases.items():
+        d = copy.deepcopy(good)
+        mutate(d)
+        with pytest.raises(ValidationError):
+            validate_plan(d)
+        assert schema_errors(schema, d), what
+
+
+def test_schema_command(capsys, tmp_path):
+    assert main(["schema"]) == 0
+    assert capsys.readouterr().out == SCHEMA_FILE.read_text()
+    out = tmp_path / "s.json"
+    assert main(["schema", "-o", str(out)]) == 0
+    assert out.read_text() == SCHEMA_FILE.read_text()

@@ -1,0 +1,113 @@
+"""Checkpoints that survive a killed rank and move between plans (issue 10).
+
+A rank killed mid-run ends the job with a message naming it; `parcompile run` resumes
+from the newest complete checkpoint and continues the same loss curve. A checkpoint
+written under dp 2 x tp 2 x pp 2 loads under tp 4 x pp 2 and under one process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = """model m {{
+    layers = 4
+    hidden = 64
+    heads = 4
+    kv_heads = 4
+    ffn_hidden = 128
+    vocab = 256
+    seq_len = 16
+    dtype = fp32
+}}
+cluster c from "cpu" {{ gpus_per_node = {world} }}
+parallel {{ dp = {dp}, tp = {tp}, pp = {pp}, micro_batch = 2, global_batch = 8 }}
+train {{ steps = {steps}, lr = 1e-2, seed = 5, log_every = 1, checkpoint_every = 2,
+        checkpoint_dir = "{ckpt}", data = "builtin:pydoc" }}
+"""
+LOSS = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
+
+
+def _spec(tmp: Path, name: str, ckpt: Path, dp=2, tp=2, pp=2, steps=6) -> Path:
+    path = tmp / f"{name}.par"
+    path.write_text(SPEC.format(world=dp * tp * pp, dp=dp, tp=tp, pp=pp, steps=steps, ckpt=ckpt))
+    return path
+
+
+def _run(spec: Path, out: Path, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "parcompile", "run", str(spec), "-o", str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=spec.parent,
+                          env=dict(os.environ, **(env or {})))
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in LOSS.findall(text)}
+
+
+@pytest.mark.torchrun
+def test_killed_rank_ends_the_job_and_a_resumed_run_continues_the_curve(tmp_path):
+    full = _run(_spec(tmp_path, "full", tmp_path / "full_ckpt"), tmp_path / "full")
+    assert full.returncode == 0, full.stdout + full.stderr
+    reference = _losses(full.stdout)
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+
+    spec = _spec(tmp_path, "faulty", tmp_path / "ckpt")
+    t0 = time.monotonic()
+    crashed = _run(spec, tmp_path / "faulty", env={"PARCOMPILE_FAIL_AT": "3:5"})
+    assert crashed.returncode != 0
+    assert time.monotonic() - t0 < 120, "a dead rank must end the job, not hang it"
+    said = crashed.stdout + crashed.stderr
+    assert "rank 3" in said or "local_rank: 3" in said, said[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.endswith(".partial")) == [
+        "step_00000002", "step_00000004"]
+
+    resumed = _run(spec, tmp_path / "faulty")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "after step 4" in resumed.stdout
+    after = _losses(resumed.stdout)
+    assert sorted(after) == [5, 6]
+    for step, loss in after.items():
+        assert loss == pytest.approx(reference[step], abs=1e-5), (step, loss, reference[step])
+
+
+@pytest.mark.torchrun
+def test_a_checkpoint_moves_between_plans(tmp_path):
+    """Train 2 steps under dp2 x tp2 x pp2; take step 3 under tp4 x pp2 and in one process."""
+    from parcompile.cli import main
+
+    base = _run(_spec(tmp_path, "base", tmp_path / "base_ckpt", steps=3), tmp_path / "base")
+    assert base.returncode == 0, base.stdout + base.stderr
+    want = _losses(base.stdout)[3]
+
+    ckpt = tmp_path / "ckpt"
+    first = _run(_spec(tmp_path, "first", ckpt, steps=2), tmp_path / "first")
+    assert first.returncode == 0, first.stdout + first.stderr
+    shutil.copytree(ckpt, tmp_path / "ckpt_single")   # the step-2 checkpoint, for the single process
+
+    other = _run(_spec(tmp_path, "other", ckpt, dp=1, tp=4, pp=2, steps=3), tmp_path / "other")
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "after step 2" in other.stdout
+    assert _losses(other.stdout)[3] == pytest.approx(want, abs=1e-5, rel=1e-5)
+
+    # one process, in this process: the generated program imported and run
+    assert main(["compile", str(_spec(tmp_path, "single", tmp_path / "ckpt_single", dp=1, tp=1, pp=1, steps=3)),
+                 "-o", str(tmp_path / "single")]) == 0
+    spec = importlib.util.spec_from_file_location("single_program", tmp_path / "single" / "program.py")
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        record = program.main(["--steps", "3"])
+    finally:
+        os.chdir(cwd)
+    assert record["losses"] == [pytest.approx(want, abs=1e-5, rel=1e-5)]
