@@ -70,22 +70,26 @@ CASES = {
 }
 
 
-BF16_CASES = {
-    # issue 7: mixed precision (bf16 weights and activations, fp32 gradients and masters)
-    "bf16_dp2_tp2_pp2": dict(dp=2, tp=2, pp=2),
-    "bf16_dp2_tp2_zero1": dict(dp=2, tp=2, parallel=dict(zero=1)),
+MIXED_CASES = {
+    # issue 7: mixed precision (16-bit weights and activations, fp32 gradients and masters;
+    # fp16 with dynamic loss scaling), tolerances of verify.BF16_TOLERANCES
+    "bf16_dp2_tp2_pp2": dict(dtype="bf16", dp=2, tp=2, pp=2),
+    "bf16_dp2_tp2_zero1": dict(dtype="bf16", dp=2, tp=2, parallel=dict(zero=1)),
+    "fp16_dp2_tp2_pp2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, pp=2),
+    "fp16_dp2_tp2_zero2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, parallel=dict(zero=2)),
 }
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("case", sorted(BF16_CASES))
-def test_bf16_layout_matches_single_process(case, tmp_path):
-    kw = dict(BF16_CASES[case])
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_mixed_precision_layout_matches_single_process(case, tmp_path):
+    kw = dict(MIXED_CASES[case])
+    dtype = kw.pop("dtype")
     cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
-    result = verify(cfg, steps=3, workdir=tmp_path, dtype="bf16")
+    result = verify(cfg, steps=3, workdir=tmp_path, dtype=dtype)
     print(result.table())
     assert result.ok, result.table()
-    assert result.mini.model.dtype == "bf16"
+    assert result.mini.model.dtype == dtype
 
 
 @pytest.mark.torchrun

@@ -34,8 +34,6 @@ _env = jinja2.Environment(
 # What the plan models but the generated program does not run yet: (config key, test,
 # what the program does instead, the issue that brings it).
 _NOT_IN_PROGRAM = (
-    ("model.dtype", lambda c: c.model.dtype == "fp16",
-     "fp16 dynamic loss scaling", "the program trains fp16 without loss scaling (use bf16)", 7),
 )
 
 

@@ -47,13 +47,13 @@ def verify(graph: Graph, degrees: Mapping[str, int] | None = None) -> None:
     inserted = graph.meta.get("collectives_inserted", False)
     staged = graph.meta.get("staged", False)
     state = (tuple(sorted(deg.items())), inserted, staged)
-    todo: set[str] | None = None
+    changed: set[str] | None = None
     if graph.verified_state == state:
-        todo = {n for n in graph.dirty if n in graph}
-        for n in list(todo):
-            todo.update(v for v, _ in graph.users(n))
+        changed = {n for n in graph.dirty if n in graph}
+        for n in list(changed):
+            changed.update(v for v, _ in graph.users(n))
     for name in order:
-        if todo is not None and name not in todo:
+        if changed is not None and name not in changed:
             continue
         nd = graph.node(name)
         s = spec(nd.kind)

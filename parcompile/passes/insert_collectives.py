@@ -142,6 +142,10 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
                 add(s, "grad_norm_expert_tp", "all_reduce", "expert_tp", 4, "grad_norm")
         if pp > 1:
             add(s, "grad_norm_pp", "all_reduce", "pp", 4, "grad_norm")
+        if cfg.model.dtype == "fp16":   # dynamic loss scaling: did any rank overflow? (max over all)
+            for axis in ("tp", "pp", "dp_cp"):
+                if deg[axis] > 1:
+                    add(s, f"found_inf_{axis}", "all_reduce", axis, 4, "found_inf")
         if s == pp - 1 and d > 1:
             add(s, "loss_log", "all_reduce", "dp_cp", 4, "loss_log")
     return out

@@ -373,6 +373,30 @@ class MoEOptimizer:
         else:
             reduce_expert_gradients([p for p in self.expert_params if main_grad(p) is not None], self.ctx)
 
+    @property
+    def loss_scale(self) -> float:
+        """The dense part's loss scale (fp16; 1 otherwise), shared by the expert gradients."""
+        return self.dense.loss_scale
+
+    def unscale(self) -> bool:
+        """Unscale expert gradients by the same scale, then the dense part decides (fp16:
+        an overflow is detected on the dense gradients only)."""
+        scale = self.dense.loss_scale
+        if scale != 1.0:
+            grads = [seg.grad for *_, seg in self.experts.segments] if self.expert_sharded else \
+                [main_grad(p) for p in self.expert_params]
+            for g in grads:
+                if g is not None:
+                    g.div_(scale)
+        return self.dense.unscale()
+
+    def export_states(self) -> dict:
+        return {**self.dense.export_states(), **self.experts.export_states()}
+
+    def import_states(self, states: dict, step: int) -> None:
+        self.dense.import_states(states, step)
+        self.experts.import_states(states, step)
+
     def grad_norm(self) -> torch.Tensor:
         """Dense squares over [dp_cp with ZeRO] and tp, expert squares over [expert_dp with
         ZeRO], ep and expert_tp; their sum over pp."""

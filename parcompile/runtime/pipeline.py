@@ -48,6 +48,7 @@ def run_schedule(
     num_chunks: int,
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,
+    loss_scale: float = 1.0,
 ) -> StepResult:
     """Execute ``actions`` for one optimizer step; gradients accumulate into ``.grad``.
 
@@ -59,6 +60,8 @@ def run_schedule(
         microbatches: m pairs (inputs, targets) of token ids, (b, t) each.
         num_chunks: virtual stages per pipeline rank.
         activation_shape: (b, t, h), what crosses a stage boundary.
+        loss_scale: the fp16 loss scale the last chunk's loss is multiplied by before its
+            backward (so every gradient, the ones sent between stages too, is scaled).
 
     Raises:
         RuntimeError: an action refers to a tensor the schedule has not produced (a bug in
@@ -111,6 +114,8 @@ def run_schedule(
         elif op in ("backward", "backward_input"):
             out = outputs.pop((mb, c))
             grad = None if k == last_model_chunk else received.pop((mb, c, BACKWARD))
+            if grad is None and loss_scale != 1.0:
+                out = out * loss_scale                          # fp16: scaled loss, scaled gradients
             if op == "backward_input":
                 with STORE.collecting((mb, c)):
                     torch.autograd.backward(out, grad)

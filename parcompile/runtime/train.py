@@ -127,6 +127,7 @@ class ReplicatedOptimizer:
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict):
         self.model, self.ctx = model, ctx
         self.params = list(model.parameters())
+        self.scaler = _scaler_for(self.params)
         enable_main_grads(model)
         # 16-bit parameters get fp32 master copies that the optimizer updates (SPEC: 4 bytes
         # of master weights per parameter); fp32 parameters are updated in place
@@ -151,6 +152,16 @@ class ReplicatedOptimizer:
     def reduce_gradients(self) -> None:
         dp = self.ctx.axes["dp_cp"]
         _all_reduce_flat([p for p in self.model.parameters() if main_grad(p) is not None], dp, scale=1.0 / dp.size)
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before the backward (fp16; 1 otherwise)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    def unscale(self) -> bool:
+        """Divide the gradients by the loss scale; False when one overflowed on some rank
+        (the step is then skipped, its gradients dropped, and the scale halves)."""
+        return _unscale(self.scaler, [main_grad(p) for p in self.params], self.ctx, self.zero_grad)
 
     def dump_gradients(self) -> dict:
         return shards(self.model, self.ctx, grads=True)
@@ -206,6 +217,30 @@ class ReplicatedOptimizer:
             "optimizer": masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                        for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
         }
+
+
+def _scaler_for(params: list):
+    """A dynamic loss scaler for fp16 parameters, else None."""
+    if params and params[0].dtype == torch.float16:
+        from parcompile.runtime.loss_scale import DynamicLossScaler
+
+        return DynamicLossScaler()
+    return None
+
+
+def _unscale(scaler, grads: list, ctx: ParallelContext, drop) -> bool:
+    """Shared by both optimizers: unscale ``grads`` in place, agree on overflow, update."""
+    if scaler is None:
+        return True
+    inv = 1.0 / scaler.scale
+    for g in grads:
+        if g is not None:
+            g.mul_(inv)
+    overflow = scaler.found_inf(grads, ctx)
+    scaler.update(overflow)
+    if overflow:
+        drop()
+    return not overflow
 
 
 def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):

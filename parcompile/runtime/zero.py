@@ -52,6 +52,9 @@ class ShardedOptimizer:
         self.axis = ctx.axes["dp_cp"]
         self.params = [p for p in model.parameters()]
         enable_main_grads(model)
+        from parcompile.runtime.train import _scaler_for
+
+        self.scaler = _scaler_for(self.params)
         self.mixed = self.params[0].dtype != torch.float32
         self.numels = [p.numel() for p in self.params]
         self.offsets = [0]
@@ -114,6 +117,22 @@ class ShardedOptimizer:
         if self.zero >= 2:
             for p in self.params:
                 set_main_grad(p, None)
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before the backward (fp16; 1 otherwise)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    def unscale(self) -> bool:
+        """Unscale the owned gradient shard; False (step skipped) when a rank overflowed."""
+        from parcompile.runtime.train import _unscale
+
+        def drop():
+            self.zero_grad()
+            if self.zero == 3:
+                self._free_params()
+
+        return _unscale(self.scaler, [self._grad_shard], self.ctx, drop)
 
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm from the shards: all-reduce over dp_cp, then tp and pp."""

@@ -245,14 +245,15 @@ def main(argv=None) -> dict:
         opt.set_lr(lr)
         opt.begin_step()                                        # zero 3: all-gather the parameters
         result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
-                                 VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE)
+                                 VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE, opt.loss_scale)
         rt.sync_gradients(model, ctx, SP)                       # tied embedding gradients
         opt.reduce_gradients()                                  # over dp: reduce-scatter
-        if step == 0 and args.metrics_dir:
-            state["grads"] = opt.dump_gradients()
-        norm = opt.grad_norm()
-        opt.clip(norm, TRAIN["grad_clip"])
-        opt.step()                                              # then all-gather the updated shards
+        if opt.unscale():                                       # (fp16 only: skip a step that overflowed)
+            if step == 0 and args.metrics_dir:
+                state["grads"] = opt.dump_gradients()
+            norm = opt.grad_norm()
+            opt.clip(norm, TRAIN["grad_clip"])
+            opt.step()                                              # then all-gather the updated shards
         loss = rt.reduce_loss(result.loss, ctx)
         if step == start:
             record["comm"] = rt.COUNTER.snapshot()

@@ -1,0 +1,48 @@
+"""Dynamic loss scaling for fp16 training (Micikevicius et al. 2018, "Mixed Precision
+Training"; the defaults of Megatron-LM's DynamicGradScaler).
+
+fp16 has 5 exponent bits: small gradients underflow to zero. The loss is multiplied by
+``scale`` before the backward, so every gradient (and every gradient sent between
+pipeline stages) is scaled too; the fp32 main gradients are divided by ``scale`` before
+clipping and the update. If any gradient on any rank is inf or NaN the step is skipped
+and the scale halves; after ``growth_interval`` clean steps it doubles. Whether a rank
+overflowed is agreed with a max all-reduce over tp, pp and dp_cp (which together span
+every rank); the plan lists them as ``found_inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parcompile.runtime.comm import all_reduce
+from parcompile.runtime.context import ParallelContext
+
+
+class DynamicLossScaler:
+    """The scale, and the rule that changes it (module docstring)."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth_interval: int = 1000, minimum: float = 1.0):
+        self.scale = float(initial)
+        self.growth_interval = growth_interval
+        self.minimum = minimum
+        self.good_steps = 0
+
+    def found_inf(self, grads: list[torch.Tensor], ctx: ParallelContext) -> bool:
+        """True when any gradient of any rank is not finite (all ranks agree)."""
+        bad = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        for g in grads:
+            if g is not None and not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+        for axis in ("tp", "pp", "dp_cp"):
+            all_reduce(bad, ctx.axes[axis], "max")
+        return bool(bad.item())
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2, self.minimum)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2
