@@ -24,11 +24,18 @@ def compile(source, filename: str | None = None):  # noqa: A001 - SPEC fixes the
         SpecError: the spec has errors (all of them in ``.diagnostics``).
         TypeError: ``source`` is neither a str nor a ``pathlib.Path`` (bytes, None, a number).
     """
-    from parcompile.driver import compile_config
-    from parcompile.frontend import check_source, load_spec
-    from parcompile.search import check_layout, needs_search, resolve
+    from parcompile.driver import paused_gc
+    from parcompile.frontend import check_source
 
     check_source(source, filename)
+    with paused_gc():
+        return _compile(source, filename)
+
+
+def _compile(source, filename):
+    from parcompile.driver import compile_config
+    from parcompile.frontend import load_spec
+    from parcompile.search import check_layout, needs_search, resolve
 
     cfg, warnings = load_spec(source, filename)
     result = None

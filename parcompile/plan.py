@@ -45,7 +45,7 @@ class Plan:
 
     def to_json(self) -> str:
         """The plan.json text, byte for byte."""
-        return json.dumps(self.data, sort_keys=True, indent=2) + "\n"
+        return dumps_sorted(self.data) + "\n"
 
     def graph_dump(self) -> str:
         """One line per op (see :mod:`parcompile.ir.printer`)."""
@@ -70,6 +70,98 @@ class Plan:
     def report_md(self) -> str:
         """A readable markdown report of the plan."""
         return render_report(self.data)
+
+
+class _Unusual(Exception):
+    """A value :func:`dumps_sorted`'s fast path does not handle (json.dumps does)."""
+
+
+_esc = json.encoder.encode_basestring_ascii
+_INTS = frozenset((int,))
+
+
+def _float(o: float) -> str:
+    if o != o:
+        return "NaN"
+    if o in (float("inf"), float("-inf")):
+        return "Infinity" if o > 0 else "-Infinity"
+    return float.__repr__(o)
+
+
+def _enc(o: Any, ind: str, out: list) -> None:
+    t = type(o)
+    if t is str:
+        out.append(_esc(o))
+    elif t is int:
+        out.append(int.__repr__(o))
+    elif t is float:
+        out.append(_float(o))
+    elif o is True:
+        out.append("true")
+    elif o is False:
+        out.append("false")
+    elif o is None:
+        out.append("null")
+    elif t is list or t is tuple:
+        if not o:
+            out.append("[]")
+            return
+        inner = ind + "  "
+        sep = ",\n" + inner
+        if _INTS.issuperset(map(type, o)):   # rank lists: the bulk of a large plan
+            body = repr(o)[1:-1].replace(", ", sep) if t is list else sep.join(map(int.__repr__, o))
+            out.append("[\n" + inner + body + "\n" + ind + "]")
+            return
+        if type(o[0]) is list:   # lists of rank lists (groups)
+            inner2 = inner + "  "
+            sep2 = ",\n" + inner2
+            parts = []
+            for g in o:
+                if type(g) is not list or not _INTS.issuperset(map(type, g)):
+                    break
+                parts.append("[\n" + inner2 + repr(g)[1:-1].replace(", ", sep2) + "\n" + inner + "]" if g else "[]")
+            else:
+                out.append("[\n" + inner + sep.join(parts) + "\n" + ind + "]")
+                return
+        out.append("[\n" + inner)
+        first = True
+        for x in o:
+            if not first:
+                out.append(sep)
+            first = False
+            _enc(x, inner, out)
+        out.append("\n" + ind + "]")
+    elif t is dict:
+        if not o:
+            out.append("{}")
+            return
+        if not all(type(k) is str for k in o):
+            raise _Unusual
+        inner = ind + "  "
+        sep = ",\n" + inner
+        out.append("{\n" + inner)
+        first = True
+        for k in sorted(o):
+            if not first:
+                out.append(sep)
+            first = False
+            out.append(_esc(k) + ": ")
+            _enc(o[k], inner, out)
+        out.append("\n" + ind + "}")
+    else:
+        raise _Unusual
+
+
+def dumps_sorted(obj: Any) -> str:
+    """``json.dumps(obj, sort_keys=True, indent=2)``, byte for byte, several times faster
+    on plan-sized dicts (the stdlib encodes indented JSON in pure Python). Values it does
+    not know (non-string keys, subclasses) go to ``json.dumps`` itself."""
+    out: list[str] = []
+    try:
+        _enc(obj, "", out)
+    except _Unusual:
+        return json.dumps(obj, sort_keys=True, indent=2)
+    return "".join(out)
 
 
 def _gb(n: float) -> str:

@@ -37,7 +37,7 @@ from parcompile.analysis.comm import CollectiveEntry, comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, efficiency, links_inside,
                                           optimizer_time, pipeline_parts, step_time_parts)
-from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
+from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
@@ -219,6 +219,8 @@ class Coster:
         self.probes: dict[tuple, _Probe] = {}
         self.inside: dict[tuple, dict[str, bool]] = {}
         self.pipes: dict[tuple, tuple[float, dict]] = {}
+        self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
+        self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
 
     def probe(self, par: ParallelConfig) -> _Probe:
         key = (par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp)
@@ -235,6 +237,91 @@ class Coster:
             got = self.inside[key] = {a: axis_inside_node(par, a, gpn) for a in _AXES}
         return got
 
+    def _stage_layers(self, counts: tuple[int, ...], pp: int) -> tuple[int, ...]:
+        """Layers per pipeline rank: the sum of ``counts`` over the rank's chunks."""
+        key = (counts, pp)
+        got = self.stage_layer_sums.get(key)
+        if got is None:
+            got = self.stage_layer_sums[key] = tuple(sum(counts[s::pp]) for s in range(pp))
+        return got
+
+    def _buffer_sums(self, pr: _Probe, rc: str, z3: int, pp: int) -> tuple[int, int, int]:
+        """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
+        composes them), and of the only rank when pp = 1 (returned as the first)."""
+        key = (id(pr), rc, z3, pp == 1)
+        got = self.buf_sums.get(key)
+        if got is None:
+            pb = pr.bufs[(rc, z3)]
+            out = []
+            for extras in ([pb[0]], [], [pb[2]]) if pp > 1 else ([pb[0], pb[2]],):
+                b = dict(pb[1])
+                for extra in extras:
+                    for k2, x in extra.items():
+                        b[k2] = max(b.get(k2, 0), x)
+                if pp == 1:
+                    b.pop("p2p", None)
+                out.append(sum(b.values()))
+            got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
+        return got
+
+    def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
+        """``(peak, capacity)`` of a training layout: exactly what
+        :func:`memory_from_parts` finds for the parts :meth:`cost` composes, in integer
+        arithmetic and time linear in pp (no per-stage reports; most layouts are dropped
+        on this alone)."""
+        par, model = cfg.parallel, cfg.model
+        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+        e, z = model.dtype_bytes, par.zero
+        opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
+
+        def states(n: int, d: int) -> int:
+            shard = -(-n // d) if d > 1 else n
+            return (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else n)
+                    + opt_per * (shard if z >= 1 else n))
+
+        first, mid, last = pr.params
+        tied = model.tie_embeddings
+        sv = pr.saved[par.recompute]
+        (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
+        ba, bb, bc = pa - oa, pb_ - ob, pc - oc
+        nl = self._stage_layers(counts, pp)
+        bufs = self._buffer_sums(pr, par.recompute, 3 if z >= 3 else 0, pp)
+        d, ed = par.dp * par.cp, par.expert_dp
+        sched = par.schedule
+        n_out = m if sched == "gpipe" else 1
+        peak = None
+        for s in range(pp):
+            n = nl[s]
+            dense = n * mid.dense
+            expert = n * mid.expert
+            body = n * bb
+            outl = n * ob
+            if s == 0:
+                dense += first.dense - mid.dense
+                expert += first.expert - mid.expert
+                body += ba - bb
+                outl += oa - ob
+            if s == pp - 1:
+                dense += last.dense - mid.dense
+                expert += last.expert - mid.expert
+                body += bc - bb
+                outl += oc - ob
+                if tied and pp == 1:
+                    dense -= last.embedding
+            if sched == "gpipe":
+                num, den = m, 1
+            elif sched == "interleaved_1f1b" and v > 1:
+                num, den = min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v), v
+            else:
+                num, den = min(pp - s, m), 1
+            q = num * body
+            acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
+            total = (states(dense, d) + states(expert, ed) + acts
+                     + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
+            if peak is None or total > peak:
+                peak = total
+        return peak, int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+
     def cost(self, cfg: SpecConfig, simulate: bool = False, with_memory: bool = False) -> Candidate:
         """Cost ``cfg`` (a spec with every degree given): memory peak, step time, MFU."""
         par, model, cl = cfg.parallel, cfg.model, cfg.cluster
@@ -242,6 +329,10 @@ class Coster:
         rc = par.recompute
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
+        if not with_memory and cfg.workload != "serve":
+            peak, cap = self.peak(cfg, pr, counts)
+            if peak > cap:   # not timed: it will be dropped
+                return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
         deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
                "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
         # memory
@@ -436,6 +527,14 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
     ``progress(done, total)`` is called now and then. Raises :class:`SpecError` for a
     model the compiler cannot lower (MoE, for now).
     """
+    from parcompile.driver import paused_gc
+
+    with paused_gc():
+        return _search(cfg, top, cross_node_tp, progress)
+
+
+def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
+            progress: Callable[[int, int], None] | None) -> SearchResult:
     t0 = time.perf_counter()
     coster = Coster(cfg)
     all_layouts = list(layouts(cfg, cross_node_tp))

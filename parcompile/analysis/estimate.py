@@ -137,7 +137,8 @@ def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Effici
     """(alpha seconds, achieved beta bytes/s) for ``axis``: intra-node when every group of
     the axis fits in one node."""
     gs = groups.get(axis) or [[0]]
-    inside = all(len({r // cluster.gpus_per_node for r in g}) <= 1 for g in gs)
+    n = cluster.gpus_per_node
+    inside = all(min(g) // n == max(g) // n for g in gs if g)
     if inside:
         return cluster.intra_node_latency, cluster.intra_node_bw * eff.link
     return cluster.inter_node_latency, cluster.inter_node_bw * eff.link
@@ -145,7 +146,8 @@ def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Effici
 
 def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> bool:
     """Whether some group of ``axis`` has ranks on two nodes."""
-    return any(len({r // cluster.gpus_per_node for r in g}) > 1 for g in groups.get(axis) or [])
+    n = cluster.gpus_per_node
+    return any(min(g) // n != max(g) // n for g in groups.get(axis) or [] if g)
 
 
 def collective_time(op: str, nbytes: int, n: int, alpha: float, beta: float) -> float:

@@ -146,20 +146,36 @@ class Sharding:
         return {a for _, a in self.split} | set(self.partial)
 
     def with_split(self, dim: str, axis: str) -> "Sharding":
-        m = self.split_map
-        m[dim] = axis
-        return Sharding.make(m, self.partial)
+        key = (self, 0, dim, axis)
+        got = _DERIVED.get(key)
+        if got is None:
+            m = self.split_map
+            m[dim] = axis
+            got = _derived(key, Sharding.make(m, self.partial))
+        return got
 
     def without_split(self, dim: str) -> "Sharding":
-        m = self.split_map
-        m.pop(dim, None)
-        return Sharding.make(m, self.partial)
+        key = (self, 1, dim)
+        got = _DERIVED.get(key)
+        if got is None:
+            m = self.split_map
+            m.pop(dim, None)
+            got = _derived(key, Sharding.make(m, self.partial))
+        return got
 
     def with_partial(self, axis: str) -> "Sharding":
-        return Sharding.make(self.split_map, set(self.partial) | {axis})
+        key = (self, 2, axis)
+        got = _DERIVED.get(key)
+        if got is None:
+            got = _derived(key, Sharding.make(self.split_map, set(self.partial) | {axis}))
+        return got
 
     def without_partial(self) -> "Sharding":
-        return Sharding.make(self.split_map, ())
+        key = (self, 3)
+        got = _DERIVED.get(key)
+        if got is None:
+            got = _derived(key, Sharding.make(self.split_map, ()))
+        return got
 
     def restricted_to(self, dims: Iterable[str]) -> "Sharding":
         """Keep only the splits of ``dims`` (partial axes kept)."""
@@ -216,4 +232,16 @@ REPLICATED = Sharding()
 
 #: (sharding, type, degrees of its split axes) -> local type: every pass and analysis
 #: asks the same few questions thousands of times (memoised; failures are not cached)
+#: memo of Sharding.with_split / without_split / with_partial / without_partial (the
+#: passes derive the same few layouts thousands of times); bounded like _LOCAL_TYPES
+_DERIVED: dict[tuple, "Sharding"] = {}
+
+
+def _derived(key: tuple, value: "Sharding") -> "Sharding":
+    if len(_DERIVED) > 100_000:
+        _DERIVED.clear()
+    _DERIVED[key] = value
+    return value
+
+
 _LOCAL_TYPES: dict[tuple, TensorType] = {}

@@ -48,22 +48,17 @@ def masked_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
     ``generate_masked_orthogonal_rank_groups``.
     """
     stride = _strides(sizes)
-    m_sizes = [s for s, k in zip(sizes, mask) if k]
-    u_sizes = [s for s, k in zip(sizes, mask) if not k]
-    m_stride = [d for d, k in zip(stride, mask) if k]
-    u_stride = [d for d, k in zip(stride, mask) if not k]
-    group_size = 1
-    for s in m_sizes:
-        group_size *= s
-    world = group_size
-    for s in u_sizes:
-        world *= s
-    groups = []
-    for gi in range(world // group_size):
-        base = sum(d * s for d, s in zip(_digits(gi, u_sizes), u_stride))
-        groups.append([base + sum(d * s for d, s in zip(_digits(j, m_sizes), m_stride))
-                       for j in range(group_size)])
-    return groups
+    offsets = [0]   # the masked coordinates' offsets, group index fastest-first
+    bases = [0]     # the unmasked coordinates' offsets, group order
+    for size, st, k in zip(sizes, stride, mask):
+        steps = [c * st for c in range(size)]
+        if k:
+            offsets = [o + x for x in steps for o in offsets]
+        else:
+            bases = [b + x for x in steps for b in bases]
+    # the masked strides grow at least as fast as the digits they weigh, so each group
+    # lists its ranks in increasing order (already sorted)
+    return [[b + o for o in offsets] for b in bases]
 
 
 class RankGenerator:
@@ -113,7 +108,7 @@ def rank_groups(par: ParallelConfig) -> dict[str, list[list[int]]]:
         "expert_dp": expert.get_ranks("dp"),
     }
     out["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in out["pp"]]
-    return {k: [sorted(g) for g in v] for k, v in out.items()}
+    return out   # each group is already sorted (masked_groups)
 
 
 def axis_inside_node(par: ParallelConfig, axis: str, gpus_per_node: int) -> bool:

@@ -66,22 +66,32 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """Concatenate every rank's ``x`` (B, T/n, ...) along dim 1 -> (B, T, ...)."""
-    xt = x.transpose(0, 1).contiguous()                       # (T/n, B, ...)
+def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order): size n along ``dim`` -> n * size."""
+    xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     COUNTER.record("all_gather", axis.name, _nbytes(out))
     dist.all_gather_into_tensor(out, xt, group=axis.group)
-    return out.transpose(0, 1).contiguous()
+    return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """Sum ``x`` (B, T, ...) over the ranks and keep this rank's slice of dim 1 -> (B, T/n, ...)."""
-    xt = x.transpose(0, 1).contiguous()                       # (T, B, ...)
+def reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's 1/n slice of ``dim``."""
+    xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] // axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
     dist.reduce_scatter_tensor(out, xt, group=axis.group)
-    return out.transpose(0, 1).contiguous()
+    return out.movedim(0, dim).contiguous()
+
+
+def all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, T/n, ...) of every rank -> (B, T, ...): the sequence gathered over ``axis``."""
+    return all_gather_dim(x, axis, 1)
+
+
+def reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, T, ...) partial sums -> this rank's summed (B, T/n, ...)."""
+    return reduce_scatter_dim(x, axis, 1)
 
 
 def isend(t: torch.Tensor, axis: Axis, peer_index: int, tag: int):

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parcompile.runtime.comm import COUNTER, _nbytes
+from parcompile.runtime.comm import all_gather_dim, reduce_scatter_dim
 from parcompile.runtime.context import Axis
-
-import torch.distributed as dist
 
 
 @dataclass
@@ -60,20 +58,12 @@ def split_microbatch(tokens: torch.Tensor, cp: Axis) -> tuple[torch.Tensor, torc
 
 def _gather(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """All-gather (B, H, t, D) along dim 2 -> (B, H, cp t, D), in cp rank order."""
-    xt = x.permute(2, 0, 1, 3).contiguous()                  # (t, B, H, D)
-    out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    COUNTER.record("all_gather", axis.name, _nbytes(out))
-    dist.all_gather_into_tensor(out, xt, group=axis.group)
-    return out.permute(1, 2, 0, 3).contiguous()
+    return all_gather_dim(x, axis, 2)
 
 
 def _reduce_scatter(g: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Sum (B, H, cp t, D) over the cp group and keep this rank's (B, H, t, D)."""
-    gt = g.permute(2, 0, 1, 3).contiguous()
-    out = torch.empty((gt.shape[0] // axis.size,) + tuple(gt.shape[1:]), dtype=g.dtype, device=g.device)
-    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
-    dist.reduce_scatter_tensor(out, gt, group=axis.group)
-    return out.permute(1, 2, 0, 3).contiguous()
+    return reduce_scatter_dim(g, axis, 2)
 
 
 class _GatherKV(torch.autograd.Function):
