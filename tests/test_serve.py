@@ -257,7 +257,9 @@ def test_readme_train_then_serve(tmp_path):
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         outs.append(proc.stdout)
-    assert (tmp_path / "build" / "tiny_ckpt" / ".metadata").is_file()
+    from parcompile.runtime.checkpoint import newest
+
+    assert newest(tmp_path / "build" / "tiny_ckpt")[1] == 8   # step_00000008, complete
     served = outs[1]
     assert "[0] The " in served and "(weights: dcp)" in served
     text = served[served.index("[0] "):served.index("replica 0:")].rstrip("\n")

@@ -55,6 +55,18 @@ class TensorType:
     dims: tuple[Dim, ...]
     dtype: str
 
+    def __hash__(self) -> int:
+        # computed once: types key the local-type memo, hashed many times per compile
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # the cached hash depends on the process's string hashing: never pickle it
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self) -> None:
         names = [d.name for d in self.dims]
         if len(set(names)) != len(names):
@@ -108,6 +120,17 @@ class Sharding:
 
     split: tuple[tuple[str, str], ...] = ()
     partial: frozenset[str] = field(default_factory=frozenset)
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.split, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # the cached hash depends on the process's string hashing: never pickle it
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __post_init__(self) -> None:
         axes = [a for _, a in self.split]
