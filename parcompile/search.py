@@ -39,6 +39,7 @@ from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, 
                                           optimizer_time, pipeline_parts, step_time_parts)
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
+from parcompile.analysis.calibration import cost_without_schedule
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -222,6 +223,28 @@ class Coster:
         self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
 
+    @property
+    def unlike_layers(self) -> bool:
+        """Layers of two kinds (an MoE model's leading ``dense_layers``): the one-layer probe
+        does not describe them, so such specs are costed from their whole graph."""
+        return self.cfg.model.experts > 0 and self.cfg.model.dense_layers > 0
+
+    def _cost_exactly(self, cfg: SpecConfig, simulate: bool, with_memory: bool) -> Candidate:
+        """The compiler's own figures for ``cfg``: the whole graph, with the closed-form
+        pipeline, or, with ``simulate``, the full compile and its simulated schedule."""
+        if simulate:
+            from parcompile.driver import compile_config
+
+            d = compile_config(cfg).data
+            mem, est = d["memory"], d["estimate"]
+            return Candidate(cfg.parallel, est["step_time"], est["mfu"], est["tflops_per_gpu"], mem["peak"],
+                             mem["capacity"], d["schedule"]["bubble_fraction"], dict(est["breakdown"]),
+                             None, True)
+        rep = cost_without_schedule(cfg)
+        t = rep.time
+        return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak, rep.memory.capacity,
+                         t.bubble_fraction, dict(t.breakdown), rep.memory if with_memory else None, False)
+
     def probe(self, par: ParallelConfig) -> _Probe:
         key = (par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp)
         got = self.probes.get(key)
@@ -324,6 +347,8 @@ class Coster:
 
     def cost(self, cfg: SpecConfig, simulate: bool = False, with_memory: bool = False) -> Candidate:
         """Cost ``cfg`` (a spec with every degree given): memory peak, step time, MFU."""
+        if self.unlike_layers:
+            return self._cost_exactly(cfg, simulate, with_memory)
         par, model, cl = cfg.parallel, cfg.model, cfg.cluster
         pr = self.probe(par)
         rc = par.recompute

@@ -17,9 +17,11 @@ from parcompile.frontend import load_spec
 from parcompile.search import Coster, check_layout, search, with_parallel
 
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.glob("examples/*.par"))
-# DeepSeek-style MoE (leading dense_layers) makes layers unlike, which the one-layer probe does
-# not model yet; Mixtral (every layer MoE) is costed exactly
-TRAIN = [p for p in EXAMPLES if "serve" not in p.stem and "moe" not in p.stem]
+TRAIN = [p for p in EXAMPLES if "serve" not in p.stem]
+# DeepSeek-style MoE (leading dense_layers) has layers of two kinds, which the one-layer
+# probe does not describe: search costs such specs from their whole graph instead
+# (Coster.unlike_layers), so the probe's exactness is tested on the others
+PROBED = [p for p in TRAIN if "deepseek" not in p.stem]
 
 
 def _errors(cfg) -> list:
@@ -30,7 +32,7 @@ def _auto(cfg, *keys):
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"auto": tuple(sorted(keys))})})
 
 
-@pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", PROBED, ids=lambda p: p.stem)
 def test_fast_cost_equals_the_compilers(path):
     """One probe layer, multiplied, gives exactly what the analyses of the whole graph give."""
     cfg, _ = load_spec(path)
