@@ -133,30 +133,36 @@ class _ReduceFromRegion(torch.autograd.Function):
         return g, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    """Forward: all-gather along the sequence. Backward: reduce-scatter the gradient."""
+class _GatherDim(torch.autograd.Function):
+    """Forward: all-gather along ``dim``. Backward: reduce-scatter the gradient along it."""
 
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_gather_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_seq(g, ctx.axis), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Forward: reduce-scatter a partial sum along the sequence. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return reduce_scatter_seq(x, axis)
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather_dim(x, axis, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return all_gather_seq(g, ctx.axis), None
+        return reduce_scatter_dim(g, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterDim(torch.autograd.Function):
+    """Forward: reduce-scatter a partial sum along ``dim``. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return reduce_scatter_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim(g, ctx.axis, ctx.dim), None, None
+
+
+def gather_along(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Differentiable all-gather of ``x`` along ``dim`` over ``axis`` (backward:
+    reduce-scatter); identity on an axis of one rank."""
+    return x if axis.size == 1 else _GatherDim.apply(x, axis, dim)
 
 
 def enter_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
@@ -168,7 +174,7 @@ def enter_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tens
     """
     if axis.size == 1:
         return x
-    return _GatherSeq.apply(x, axis) if sequence_parallel else _CopyToRegion.apply(x, axis)
+    return _GatherDim.apply(x, axis, 1) if sequence_parallel else _CopyToRegion.apply(x, axis)
 
 
 def leave_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
@@ -177,7 +183,7 @@ def leave_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tens
     (the `g-bar` operator)."""
     if axis.size == 1:
         return x
-    return _ReduceScatterSeq.apply(x, axis) if sequence_parallel else _ReduceFromRegion.apply(x, axis)
+    return _ReduceScatterDim.apply(x, axis, 1) if sequence_parallel else _ReduceFromRegion.apply(x, axis)
 
 
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parcompile.runtime.comm import all_gather_dim, reduce_scatter_dim
+from parcompile.runtime.comm import gather_along
 from parcompile.runtime.context import Axis
 
 
@@ -56,30 +56,7 @@ def split_microbatch(tokens: torch.Tensor, cp: Axis) -> tuple[torch.Tensor, torc
     return x[:, pos], y[:, pos]
 
 
-def _gather(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """All-gather (B, H, t, D) along dim 2 -> (B, H, cp t, D), in cp rank order."""
-    return all_gather_dim(x, axis, 2)
-
-
-def _reduce_scatter(g: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """Sum (B, H, cp t, D) over the cp group and keep this rank's (B, H, t, D)."""
-    return reduce_scatter_dim(g, axis, 2)
-
-
-class _GatherKV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _gather(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.axis), None
-
-
 def gather_kv(x: torch.Tensor, cp: Axis) -> torch.Tensor:
-    """Keys or values (B, Hkv, T / cp, D) of every cp rank -> (B, Hkv, T, D); backward:
-    reduce-scatter."""
-    if cp.size == 1:
-        return x
-    return _GatherKV.apply(x, cp)
+    """Keys or values (B, Hkv, T / cp, D) of every cp rank -> (B, Hkv, T, D), in cp rank
+    order; backward: reduce-scatter."""
+    return gather_along(x, cp, 2)
