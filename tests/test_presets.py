@@ -14,7 +14,7 @@ from parcompile.config.schema import ModelConfig
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import load_spec
 
-SPEC_MD = Path("/work/shared/SPEC.md")
+SPEC_MD = Path(__file__).resolve().parents[2] / "shared" / "SPEC.md"  # ../shared beside the clone
 
 
 def count_params(m: ModelConfig) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +93,15 @@ def test_learning_rate_schedules():
     assert math.isclose(lr_at(4, cos), 1.0) and math.isclose(lr_at(13, cos), 0.1)
     lin = dict(base, lr_schedule="linear")
     assert math.isclose(lr_at(13, lin), 0.1) and math.isclose(lr_at(8, lin), 1.0 - 0.9 * 4 / 9)
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt is not beside this clone")
+def test_shared_corpus_loads_as_bytes():
+    corpus = load_corpus(str(SHAKESPEARE))
+    assert corpus.numel() == SHAKESPEARE.stat().st_size
+    b = GlobalBatches(str(SHAKESPEARE), vocab=256, seq_len=64, global_batch=4, seed=2).batch(0)
+    text = bytes(b[0].tolist()).decode("utf-8", errors="replace")
+    assert b.shape == (4, 65) and any(w in text.lower() for w in (" the ", " and ", " to ", " of ", "\n"))
