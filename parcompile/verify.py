@@ -58,22 +58,20 @@ class Tolerances:
     param_atol: float = 1e-4
     param_rtol: float = 1e-4
 
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "Tolerances":
+        """fp32: the defaults. bf16/fp16 compute (8 or 11 mantissa bits): both runs round
+        every matmul output and every activation to 16 bits, in a different order per
+        layout, so they agree to about 1e-2 relative on losses, and to a few 1e-3 on
+        gradients; parameters (fp32 masters) move by lr-sized Adam steps whose sign can flip
+        where a gradient is near zero, so after 3 steps at the miniature's lr of 1e-2 an
+        element may differ by up to 3e-2: 4e-2 on parameters (measured: 2.7e-2 at
+        dp 2 x tp 2 x pp 2). See :data:`BF16_TOLERANCES`."""
+        return cls() if dtype == "fp32" else BF16_TOLERANCES
+
 
 BF16_TOLERANCES = Tolerances(loss_atol=2e-2, loss_rtol=1e-2, grad_atol=2e-3, grad_rtol=5e-2,
                              param_atol=4e-2, param_rtol=2e-2)
-
-
-def _for_dtype(dtype: str) -> Tolerances:
-    """fp32: the defaults. bf16/fp16 compute (8 or 11 mantissa bits): both runs round
-    every matmul output and every activation to 16 bits, in a different order per layout,
-    so they agree to about 1e-2 relative on losses, and to a few 1e-3 on gradients;
-    parameters (fp32 masters) move by lr-sized Adam steps whose sign can flip where a
-    gradient is near zero, so after 3 steps at the miniature's lr of 1e-2 an element may
-    differ by up to 3e-2: 4e-2 on parameters (measured: 2.7e-2 at dp 2 x tp 2 x pp 2)."""
-    return Tolerances() if dtype == "fp32" else BF16_TOLERANCES
-
-
-Tolerances.for_dtype = staticmethod(_for_dtype)
 
 
 @dataclass

@@ -110,21 +110,17 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         out.append((stage, key, op, axis, int(nbytes), where))
 
     for s, sp in enumerate(stages):
-        if d > 1 and sp.dense:
-            if par.zero == 0:
-                add(s, "grads", "all_reduce", "dp_cp", GRAD_BYTES * sp.dense, "grads")
-            else:
-                shard = math.ceil(sp.dense / d)
-                add(s, "grads", "reduce_scatter", "dp_cp", GRAD_BYTES * shard, "grads")
-                add(s, "params", "all_gather", "dp_cp", e * shard * d, "params")
         ed = deg["expert_dp"]
-        if ed > 1 and sp.expert:   # expert weights: replicated over expert_dp only (runtime/moe.py)
-            if par.zero == 0:
-                add(s, "expert_grads", "all_reduce", "expert_dp", GRAD_BYTES * sp.expert, "expert_grads")
-            else:
-                shard = math.ceil(sp.expert / ed)
-                add(s, "expert_grads", "reduce_scatter", "expert_dp", GRAD_BYTES * shard, "expert_grads")
-                add(s, "expert_params", "all_gather", "expert_dp", e * shard * ed, "expert_params")
+        # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/moe.py):
+        # one all-reduce of fp32 gradients, or with ZeRO a reduce-scatter and an all-gather
+        for prefix, n, axis, size in (("", sp.dense, "dp_cp", d), ("expert_", sp.expert, "expert_dp", ed)):
+            if size > 1 and n:
+                if par.zero == 0:
+                    add(s, f"{prefix}grads", "all_reduce", axis, GRAD_BYTES * n, f"{prefix}grads")
+                else:
+                    shard = math.ceil(n / size)
+                    add(s, f"{prefix}grads", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads")
+                    add(s, f"{prefix}params", "all_gather", axis, e * shard * size, f"{prefix}params")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:

@@ -37,7 +37,6 @@ from parcompile.runtime.train import (
     local_param_count,
     lr_at,
     reduce_loss,
-    save_checkpoint,
     set_lr,
     shards,
     sync_gradients,

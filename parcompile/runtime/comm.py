@@ -84,16 +84,6 @@ def reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """(B, T/n, ...) of every rank -> (B, T, ...): the sequence gathered over ``axis``."""
-    return all_gather_dim(x, axis, 1)
-
-
-def reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """(B, T, ...) partial sums -> this rank's summed (B, T/n, ...)."""
-    return reduce_scatter_dim(x, axis, 1)
-
-
 def isend(t: torch.Tensor, axis: Axis, peer_index: int, tag: int):
     """Asynchronous send of ``t`` to the rank at ``peer_index`` of ``axis``; returns the work."""
     COUNTER.record("send", axis.name, _nbytes(t))

@@ -333,37 +333,9 @@ def write_state(out_dir: str | os.PathLike, ctx: ParallelContext, state: dict) -
     _atomic_write(Path(out_dir) / f"rank{ctx.rank}.pt", lambda tmp: torch.save(state, tmp))
 
 
-def save_checkpoint(directory: str, model: nn.Module, ctx: ParallelContext) -> None:
-    """Save the global weights with torch.distributed.checkpoint (DCP).
-
-    Tensor-parallel shards are saved as DTensors over the tp group, so the checkpoint holds
-    global tensors that any other plan of the same model can load; data-parallel replicas
-    are deduplicated by DCP. A tied LM head copy is not saved (the embedding is).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    state = {}
-    mesh = None
-    if ctx.distributed and ctx.tp.size > 1:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
-    for _, p in model.named_parameters():
-        if getattr(p, "tied_copy", False):
-            continue
-        name = getattr(p, "global_name")
-        t = p.detach()
-        if mesh is not None and getattr(p, "shard_dim", None) is not None:
-            from torch.distributed.tensor import DTensor, Shard
-
-            t = DTensor.from_local(t, mesh, [Shard(p.shard_dim)], run_check=False)
-        state[name] = t
-    dcp.save(state, checkpoint_id=directory)
-
-
 __all__ = [
     "sync_gradients", "grad_norm", "clip_gradients", "build_optimizer", "make_optimizer", "step_optimizer",
     "ReplicatedOptimizer", "lr_at", "set_lr",
     "reduce_loss", "local_param_count", "shards", "write_metrics", "write_state",
-    "save_checkpoint", "COUNTER",
+    "COUNTER",
 ]

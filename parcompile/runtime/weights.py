@@ -6,7 +6,7 @@ Three sources (:func:`weights_kind`):
   (:func:`parcompile.runtime.layers.global_init`), exactly as a training program of the
   same seed starts;
 * ``dcp``: a ``torch.distributed.checkpoint`` directory (it holds ``.metadata``) that a
-  training program of any layout wrote with ``save_checkpoint``: global tensors keyed by
+  training program of any layout wrote with :func:`parcompile.runtime.checkpoint.save`: global tensors keyed by
   parameter name, tensor-parallel shards saved as DTensors. Ordinary tp shards are loaded
   as DTensors over this plan's tp group, so each rank reads its own slice; the vocabulary
   rows (padding differs between layouts) and replicated kv heads are read whole and cut
