@@ -22,6 +22,7 @@ import gc
 import math
 from typing import Any, Iterator
 
+from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import analyze, kv_heads_per_rank
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.config.schema import SpecConfig
@@ -198,7 +199,8 @@ def compile_config(cfg: SpecConfig) -> Plan:
         "memory": {
             "per_stage": [{"stage": x.stage, "params": x.params, "grads": x.grads, "optimizer": x.optimizer,
                            "activations": x.activations, "kv_cache": x.kv_cache, "buffers": x.buffers,
-                           "buffer_parts": dict(x.buffer_parts), "total": x.total}
+                           "buffer_parts": dict(x.buffer_parts), "total": x.total,
+                           "activations_per_layer": [[layer, b] for layer, b in x.layer_activations]}
                           for x in memory.per_stage],
             "peak": memory.peak,
             "capacity": memory.capacity,
@@ -221,6 +223,14 @@ def compile_config(cfg: SpecConfig) -> Plan:
             "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
         },
     }
+    if cfg.workload == "train":
+        # the gradient buckets of each stage (analysis/buckets.py) and how much of their
+        # reduction the backward hides (analysis/estimate.py: grad_overlap)
+        data["comm"]["grad_buckets"] = {
+            "bucket_size": par.bucket_size,
+            "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in params.per_stage],
+        }
+        data["estimate"]["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]
     if serve is not None:
         data["serve"] = serve.to_dict()
         assert data["serve"]["kv_bytes_per_token"] == max(kv_tok)

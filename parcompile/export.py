@@ -28,6 +28,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.plan import Plan
@@ -95,6 +96,12 @@ def _common_notes(plan: Plan, target: str) -> list[str]:
         notes.append(f"data: the spec reads `{cfg.train.data}`; point the {target} run at your own "
                      "tokenized dataset")
     return notes
+
+
+def _reduces_over_dp(plan: Plan) -> bool:
+    """Whether some gradient is reduced over data parallelism (dp * cp or expert_dp > 1)."""
+    deg = plan.data["degrees"]
+    return deg["dp"] * deg["cp"] > 1 or deg.get("expert_dp", 1) > 1
 
 
 def _stage_split(plan: Plan) -> list[int]:
@@ -166,6 +173,18 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
             notes.append("zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states "
                          "sharded); it does not work with pipeline parallelism" if deg["pp"] > 1 else
                          "zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states sharded)")
+    # gradient buckets: Megatron's DDP counts --ddp-bucket-size in elements and overlaps the
+    # reduction with the backward only with --overlap-grad-reduce
+    if _reduces_over_dp(plan) and par.zero <= 2:
+        if par.bucket_size:
+            add("--overlap-grad-reduce")
+            add("--ddp-bucket-size", par.bucket_size // 4)
+        else:
+            notes.append("bucket_size 0: without --overlap-grad-reduce Megatron-LM reduces the gradients after "
+                         "the backward, in one bucket")
+    elif _reduces_over_dp(plan) and par.bucket_size != DEFAULT_BUCKET_SIZE:
+        notes.append(f"bucket_size {par.bucket_size}: torch FSDP2 (zero 3) reduce-scatters each wrapped layer's "
+                     "gradients on its own; --ddp-bucket-size does not apply")
     # recompute
     if par.recompute == "full":
         add("--recompute-granularity", "full")
@@ -370,6 +389,10 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     if par.order != "tp-cp-ep-dp-pp":
         notes.append(f"order {par.order}: torchtitan's device mesh orders pp, dp_replicate, dp_shard, cp, tp "
                      "(tp fastest); other orders are not expressible")
+    if _reduces_over_dp(plan) and par.bucket_size != DEFAULT_BUCKET_SIZE:
+        notes.append(f"bucket_size {par.bucket_size}: torchtitan has no gradient bucket size setting (FSDP2 "
+                     "reduce-scatters each transformer block's gradients as one group; replicate uses PyTorch "
+                     "DDP's 25 MB buckets)")
 
     # batch: with pp, one step's micro-batches are torchtitan's pipeline micro-batches; without pp,
     # torchtitan accumulates gradients over global / (local * dp) forward passes
@@ -465,7 +488,12 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         "gradient_accumulation_steps": plan.data["schedule"]["num_microbatches"],
         "gradient_clipping": tr.grad_clip,
         "steps_per_print": tr.log_every,
-        "zero_optimization": {"stage": par.zero},
+        # reduce_bucket_size counts elements; bucket_size = 0 (one bucket, after the backward):
+        # a bucket as large as the largest stage, without overlap
+        "zero_optimization": {"stage": par.zero,
+                              "reduce_bucket_size": (par.bucket_size // 4 if par.bucket_size else
+                                                     max(s["params_per_rank"] for s in plan.data["stages"])),
+                              "overlap_comm": bool(par.zero >= 1 and par.bucket_size > 0)},
         "bf16": {"enabled": m.dtype == "bf16"},
         "fp16": {"enabled": m.dtype == "fp16"},
     }
@@ -525,6 +553,10 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         notes.append(f"experts: build the MoE layers with deepspeed.moe.layer.MoE(num_experts={m.experts}, "
                      f"ep_size={deg['ep']}, k={m.top_k})" + (f"; expert_tp {deg['expert_tp']} is not expressible"
                                                               if deg["expert_tp"] > 1 else ""))
+    if _reduces_over_dp(plan) and par.zero == 0 and par.bucket_size:
+        notes.append(f"bucket_size {par.bucket_size}: reduce_bucket_size counts elements ({par.bucket_size // 4}); "
+                     "DeepSpeed overlaps the gradient reduction with the backward (overlap_comm) under ZeRO "
+                     "stages 1-3 only")
     if m.dtype == "fp16":
         c["fp16"].update({"loss_scale": 0, "initial_scale_power": 16})
     if par.order != "tp-cp-ep-dp-pp":

@@ -274,8 +274,34 @@ def render_report(d: dict[str, Any]) -> str:
     out += ["", "| stage | op | axis | bytes | count |", "|---|---|---|---|---|"]
     for (op, axis, b, s), n in sorted(agg.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1], kv[0][2])):
         out.append(f"| {s} | {op} | {axis} | {b:,} | {n} |")
-    out += [""]
+    out += [""] + _grad_reduction_report(d)
     return "\n".join(out)
+
+
+def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
+    """The data-parallel gradient reduction: buckets per stage, their sizes, and how much
+    of their reduction the last micro-batch's backward hides (estimate.grad_reduction)."""
+    gb, red = d["comm"].get("grad_buckets"), d["estimate"].get("grad_reduction")
+    if not gb or not red or not any(r["buckets"] for r in red):
+        return []
+    size = gb["bucket_size"]
+    exact = next((f"{size // f:,} {u}" for u, f in (("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20),
+                                                    ("KB", 10**3), ("KiB", 2**10)) if size % f == 0), f"{size:,} B")
+    rule = (f"buckets close at {exact} of fp32 gradients" if size else
+            "bucket_size = 0: one bucket per model chunk, reduced after the backward")
+    out = ["## Gradient reduction (data parallel)", "",
+           f"Each rank reduces its gradients in buckets launched as the backward produces them ({rule}; "
+           "a layer is never split). Time per step from the estimate: the part hidden behind the last "
+           "micro-batch's backward, and the part exposed after it.", "",
+           "| stage | buckets | bucket sizes | reduction | hidden | exposed |", "|---|---|---|---|---|---|"]
+    sizes = {row["stage"]: [4 * b["elements"] for b in row["dense"] + row["expert"]] for row in gb["per_stage"]}
+    for r in red:
+        sz = sizes.get(r["stage"], [])
+        span = (f"{_gb(min(sz))}" + (f" - {_gb(max(sz))}" if max(sz) != min(sz) else "")) if sz else "-"
+        share = f" ({r['hidden'] / r['seconds']:.0%})" if r["seconds"] else ""
+        out.append(f"| {r['stage']} | {r['buckets']} | {span} | {r['seconds']:.4g} s | {r['hidden']:.4g} s{share} | "
+                   f"{r['exposed']:.4g} s |")
+    return out + [""]
 
 
 def _serve_report(d: dict[str, Any]) -> list[str]:

@@ -122,6 +122,11 @@ class StageMemory(_Strict):
     buffers: int = Field(ge=0, description="temporary buffers, part of total (extension)")
     buffer_parts: dict[str, int] = Field(description="buffers itemised by what they hold (extension)")
     total: int = Field(ge=0)
+    activations_per_layer: list[list[int]] = Field(
+        default_factory=list,
+        description="[layer, bytes] per decoder layer of the stage: what one micro-batch keeps for backward "
+                    "on one rank after recomputation, as the program measures it with saved-tensor hooks "
+                    "(extension; empty for serve)")
 
 
 class Memory(_Strict):
@@ -158,11 +163,37 @@ class Collective(_Strict):
     bytes_per_row: Optional[int] = Field(default=None, ge=0, description="bytes one routed token row adds")
 
 
+class GradBucket(_Strict):
+    """One gradient bucket of a rank (parcompile/analysis/buckets.py)."""
+
+    chunk: int = Field(ge=0, description="local chunk (virtual stage) of the pipeline rank")
+    elements: int = Field(ge=1, description="fp32 gradient elements")
+    units: list[str] = Field(description="its layers in gradient-ready order (output, layers.N, embedding, "
+                                         "tied_embedding, tied_head)")
+
+
+class StageBuckets(_Strict):
+    """The gradient buckets of one rank of a stage, in launch order."""
+
+    stage: int = Field(ge=0)
+    dense: list[GradBucket] = Field(description="reduced over dp_cp")
+    expert: list[GradBucket] = Field(description="MoE expert weights, reduced over expert_dp")
+
+
+class GradBuckets(_Strict):
+    """``comm.grad_buckets`` (extension, training only): how each rank's gradients are
+    grouped for the data-parallel reduction."""
+
+    bucket_size: int = Field(ge=0, description="fp32 gradient bytes at which a bucket closes; 0: one per chunk")
+    per_stage: list[StageBuckets]
+
+
 class Comm(_Strict):
     """``comm``: bytes per axis per step and the list of collectives."""
 
     per_step: PerStep
     collectives: list[Collective]
+    grad_buckets: Optional[GradBuckets] = None
 
 
 class Compute(_Strict):
@@ -203,6 +234,16 @@ class Assumptions(_Strict):
         default=None, description="mixture-of-experts models only: how token routing was costed")
 
 
+class GradReduction(_Strict):
+    """One stage's bucketed data-parallel gradient reduction, as the estimate simulates it."""
+
+    stage: int = Field(ge=0)
+    buckets: int = Field(ge=0, description="dense and expert buckets reduced per step")
+    seconds: float = Field(ge=0, description="time of all the buckets' collectives")
+    hidden: float = Field(ge=0, description="the part overlapped with the last micro-batch's backward")
+    exposed: float = Field(ge=0, description="the part after the backward ends")
+
+
 class Estimate(_Strict):
     """``estimate``: step time, throughput, utilisation and the breakdown."""
 
@@ -212,6 +253,9 @@ class Estimate(_Strict):
     mfu: float = Field(ge=0)
     breakdown: Breakdown
     assumptions: Assumptions
+    grad_reduction: Optional[list[GradReduction]] = Field(
+        default=None, description="per stage, the gradient buckets' reduction time, hidden and exposed "
+                                  "(extension, training only)")
 
 
 class Serve(_Strict):

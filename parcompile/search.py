@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from parcompile.analysis.comm import CollectiveEntry, comm_report
@@ -40,6 +40,7 @@ from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, 
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
 from parcompile.analysis.calibration import cost_without_schedule
+from parcompile.analysis.buckets import GradUnit, partition, shard_elements
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -143,13 +144,40 @@ def _compose(probe3: tuple, counts: tuple[int, ...]) -> tuple:
     return tuple(n * b + (a - b if k == 0 else 0) + (c - b if k == last else 0) for k, n in enumerate(counts))
 
 
+def _chunk_units(ps: list[StageParams], first: bool, last: bool, n: int, pp1: bool, tied: bool,
+                 chunk: int = 0, start: int = 0) -> tuple[GradUnit, ...]:
+    """The gradient units (:mod:`parcompile.analysis.buckets`) of one model chunk holding
+    ``n`` layers (ids ``start``..), in ready order, from the probe's three stages: the
+    output units of its last, ``n`` copies of its middle layer, the embedding units of its
+    first. With ``pp1`` (one pipeline rank) a tied embedding is one unit with the other
+    embedding parameters and its head is the embedding itself (no copy)."""
+    pf, pm, pl = (p.units for p in ps)
+    layer = next(u for u in pm if u.name.startswith("layers."))
+    out: list[GradUnit] = []
+    if last:
+        out += [replace(u, chunk=chunk) for u in pl if not u.name.startswith("layers.")
+                and not (pp1 and tied and u.name == "tied_head")]
+    out += [GradUnit(chunk, f"layers.{start + j}", layer.dense, layer.expert) for j in reversed(range(n))]
+    if first:
+        emb = [u for u in pf if not u.name.startswith("layers.")]
+        if pp1 and tied:   # the tied embedding joins the embedding unit
+            out.append(GradUnit(chunk, "embedding", sum(u.dense for u in emb), sum(u.expert for u in emb)))
+        else:
+            out += [replace(u, chunk=chunk) for u in emb]
+    return tuple(out)
+
+
 def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tied: bool) -> list[StageParams]:
     first, mid, last = ps
     out = []
     nchunks = len(counts)
+    starts = [sum(counts[:k]) for k in range(nchunks)]
     for s in range(pp):
         acc = {"dense": 0, "expert": 0, "norm": 0}
         emb = 0
+        units: list[GradUnit] = []
+        for k in reversed(range(s, nchunks, pp)):
+            units += _chunk_units(ps, k == 0, k == nchunks - 1, counts[k], pp == 1, tied, k // pp, starts[k])
         for k in range(s, nchunks, pp):
             for f in acc:
                 acc[f] += counts[k] * getattr(mid, f)
@@ -164,7 +192,7 @@ def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tie
                     acc["dense"] -= last.embedding
                 else:
                     emb = last.embedding
-        out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb))
+        out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units)))
     return out
 
 
@@ -222,6 +250,7 @@ class Coster:
         self.pipes: dict[tuple, tuple[float, dict]] = {}
         self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
+        self.shard_sums: dict[tuple, tuple[int, int]] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -287,6 +316,18 @@ class Coster:
             got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
+    def _chunk_shards(self, pr: _Probe, first: bool, last: bool, n: int, pp1: bool, tied: bool,
+                      bucket_size: int, d: int, ed: int) -> tuple[int, int]:
+        """(dense, expert) elements of sharded state one rank holds for one model chunk of
+        ``n`` layers: the sum over its gradient buckets of ``ceil(n_b / d)``."""
+        key = (id(pr), first, last, n, pp1, tied, bucket_size, d, ed)
+        got = self.shard_sums.get(key)
+        if got is None:
+            units = _chunk_units(pr.params, first, last, n, pp1, tied)
+            got = self.shard_sums[key] = (shard_elements(partition(units, bucket_size, "dense"), d),
+                                          shard_elements(partition(units, bucket_size, "expert"), ed))
+        return got
+
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
         """``(peak, capacity)`` of a training layout: exactly what
         :func:`memory_from_parts` finds for the parts :meth:`cost` composes, in integer
@@ -297,8 +338,7 @@ class Coster:
         e, z = model.dtype_bytes, par.zero
         opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
 
-        def states(n: int, d: int) -> int:
-            shard = -(-n // d) if d > 1 else n
+        def states(n: int, shard: int) -> int:
             return (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else n)
                     + opt_per * (shard if z >= 1 else n))
 
@@ -312,8 +352,15 @@ class Coster:
         d, ed = par.dp * par.cp, par.expert_dp
         sched = par.schedule
         n_out = m if sched == "gpipe" else 1
+        nchunks = len(counts)
         peak = None
         for s in range(pp):
+            shard, eshard = 0, 0   # ZeRO: sharded per gradient bucket; buckets close at chunk ends
+            for k in range(s, nchunks, pp):
+                a, b = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k], pp == 1, tied,
+                                          par.bucket_size, d, ed)
+                shard += a
+                eshard += b
             n = nl[s]
             dense = n * mid.dense
             expert = n * mid.expert
@@ -339,7 +386,7 @@ class Coster:
                 num, den = min(pp - s, m), 1
             q = num * body
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
-            total = (states(dense, d) + states(expert, ed) + acts
+            total = (states(dense, shard) + states(expert, eshard) + acts
                      + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
             if peak is None or total > peak:
                 peak = total
@@ -414,7 +461,7 @@ class Coster:
                 got = self.pipes[pkey] = pipeline_parts(cfg, ct, m)
             span, parts = got
             parts = dict(parts)
-            dp_comm = _dp_exposed(cfg, deg, links, steps, ct)
+            dp_comm = _dp_exposed(cfg, deg, links, steps, ct, sps)
             opt = optimizer_time(cfg, deg, sps)
             parts.update({"dp_comm": dp_comm, "optimizer": opt})
             step = span + dp_comm + opt

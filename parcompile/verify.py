@@ -296,7 +296,53 @@ def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tol
     res.checks += _compare_tensors(f"parameters, step {len(res.ref_losses)}", load_global(ref_dir, "params"),
                                    load_global(run_dir, "params"), vocab, tol.param_atol, tol.param_rtol)
     res.checks += compare_with_plan(recs, plan)
+    act = compare_activations(recs, plan, mini)
+    if act is not None:
+        res.checks.append(act)
     return res
+
+
+#: measured bytes saved for backward per layer may differ from the plan's by this fraction
+#: (the plan leaves out the norms' fp32 statistics, 4-8 bytes per token and norm)
+ACTIVATION_RTOL = 0.05
+
+
+def activation_check_gap(cfg: SpecConfig) -> str | None:
+    """Why the saved-activation bytes of ``cfg``'s program are not held to the plan's
+    within :data:`ACTIVATION_RTOL` (None: they are)."""
+    m = cfg.model
+    if m.experts and cfg.parallel.ep > 1:
+        return ("MoE layers with ep > 1: the rows each rank's experts receive follow the router "
+                "(the plan assumes balanced routing)")
+    if m.dropout > 0:
+        return ("dropout on CPU keeps its mask in the activation dtype and runs attention unfused "
+                "(the plan counts CUDA's 1-byte masks and flash kernels)")
+    return None
+
+
+def compare_activations(records: list[dict], plan: dict, cfg: SpecConfig) -> Check | None:
+    """Bytes each rank saved for backward per decoder layer (one micro-batch, measured with
+    saved-tensor hooks; :mod:`parcompile.runtime.memory`) against the plan's
+    ``activations_per_layer``: relative difference within :data:`ACTIVATION_RTOL`.
+    Returns None for a program without measurements; a passing informational row where
+    :func:`activation_check_gap` names a known difference."""
+    worst, bad, n = 0.0, [], 0
+    for r in records:
+        got = r.get("saved_per_layer")
+        if got is None:
+            return None
+        for layer, want in plan["memory"]["per_stage"][r["stage"]].get("activations_per_layer", []):
+            g = got.get(str(layer))
+            n += 1
+            dev = math.inf if g is None else abs(g - want) / max(want, 1)
+            worst = max(worst, dev)
+            if dev > ACTIVATION_RTOL:
+                bad.append(f"rank {r['rank']} layer {layer}: {g} B measured, {want} B planned")
+    gap = activation_check_gap(cfg)
+    what = f"saved activations per layer, relative ({n} layer-ranks)"
+    if gap:
+        return Check(what, worst, ACTIVATION_RTOL, True, f"not checked: {gap}")
+    return Check(what, worst, ACTIVATION_RTOL, not bad, "; ".join(bad[:2]))
 
 
 def routed_collectives(plan: dict, stage: int) -> dict[tuple[str, str], dict]:
@@ -423,6 +469,25 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
         Check(f"pipeline actions as planned ({sum(len(r.get('actions', [])) for r in records)})",
               0.0 if not bad_order else math.inf, 0.0, not bad_order, "; ".join(bad_order[:2])),
     ]
+
+
+def measure(cfg: SpecConfig, workdir: str | os.PathLike, steps: int = 1, timeout_s: float = 900.0,
+            log=None) -> tuple[dict, list[dict]]:
+    """Compile ``cfg`` as it is (no miniature), run its program for ``steps`` steps under
+    torchrun on this machine and return ``(plan.json dict, per-rank records)``: each record
+    holds the measured ``state_bytes`` (parameters, gradients, optimizer states),
+    ``saved_per_layer`` (bytes saved for backward per layer, one micro-batch), the
+    collectives of one step and, on a GPU, ``cuda_peak``.
+
+    Raises:
+        RuntimeError: the torchrun job failed (its output is in the message).
+    """
+    out = Path(workdir)
+    plan = _emit(cfg, out)
+    _run_torchrun(out, out / "metrics", cfg.parallel.world_size, steps, timeout_s, log)
+    recs = [json.loads(f.read_text()) for f in sorted((out / "metrics").glob("rank*.json"),
+                                                      key=lambda f: int(f.stem[4:]))]
+    return plan, recs
 
 
 def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = None,

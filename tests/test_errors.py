@@ -37,6 +37,7 @@ RULES = {
     "context_parallel_seq_len": "seq_len not divisible by 2 * cp",
     "kv_heads_8_tp_16_train": "kv_heads = 8, tp = 16 rejected for training",
     "serve_kv_heads_8_tp_12": "serving: tp neither a divisor nor a multiple of kv_heads",
+    "bucket_size_megatron_elements": "bucket_size given in elements, as Megatron-LM's --ddp-bucket-size",
 }
 
 #: Words each golden must contain: the numbers of the rule and what would work.
@@ -56,6 +57,7 @@ MUST_SAY = {
     "context_parallel_seq_len": ["seq_len = 6100", "2 * cp = 16", "6096 or 6112"],
     "kv_heads_8_tp_16_train": ["tp = 16 does not divide kv_heads = 8", "1, 2, 4 or 8", "serving may"],
     "serve_kv_heads_8_tp_12": ["tp = 12 neither divides nor is a multiple of kv_heads = 8", "16, 24 or 48"],
+    "bucket_size_megatron_elements": ["bucket_size takes a memory size", "40000000 fp32 elements write `160 MB`", "count elements"],
 }
 
 

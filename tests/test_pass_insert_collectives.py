@@ -70,10 +70,12 @@ def test_sequence_parallel_uses_gather_and_scatter():
     b, t, h, e = 1, 64, 64, 4
     full, shard = b * t * h * e, b * t * h * e // 2
     c = st[0]
-    # per layer: all-gather before attention and MLP (fwd) and after them (bwd of the
-    # reduce-scatter); reduce-scatters likewise; plus the head's gather and the embedding's scatter
+    # per layer: all-gather before attention and MLP (fwd), again in their backward (the
+    # kept sequence-split input, Megatron-LM) and after them (bwd of the reduce-scatter);
+    # reduce-scatters: fwd after and bwd before each; plus the head's gather (and its
+    # backward re-gather) and the embedding's scatter
     layers = 4
-    assert c[("all_gather", "tp", full)] == 4 * layers + 1 + 1
+    assert c[("all_gather", "tp", full)] == 6 * layers + 2 + 1
     assert c[("reduce_scatter", "tp", shard)] == 4 * layers + 1 + 1
     assert c[("all_reduce", "tp", full)] == 0
 

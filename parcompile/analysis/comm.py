@@ -21,6 +21,8 @@ them: ``dp_cp``/``expert_dp`` -> dp, ``embedding`` -> pp, ``expert_tp`` -> tp.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
@@ -109,8 +111,13 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 raw.append((stage, nd.chunk or 0, c))
             n = m if c.per == "microbatch" else 1
             phases = [(c.phase, n)]
-            if recompute == "full" and c.phase == "forward" and nd.kind != "send_recv" and _in_layer(graph, nd.name):
+            recomputed = recompute == "full" and nd.kind != "send_recv" and _in_layer(graph, nd.name)
+            if recomputed and c.phase == "forward":
                 phases.append(("recompute", n))
+            if nd.op.attr("regather") and c.phase == "forward" and not recomputed:
+                # sequence parallelism: the kept split input is all-gathered again in backward
+                phases.append(("backward", n))
+                raw.append((stage, nd.chunk or 0, dataclasses.replace(c, phase="backward")))
             for phase, cnt in phases:
                 key = (c.op, c.axis, c.bytes, c.where, stage, phase, c.bytes_per_row)
                 counts[key] = counts.get(key, 0) + cnt

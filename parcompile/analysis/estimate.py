@@ -28,10 +28,14 @@ else the network (``inter_node_*``). What overlaps:
   tensor-parallel-replicated activation travels as Megatron-LM's scatter/gather
   optimisation sends it (Narayanan et al. 2021, section 4.1): 1/t per rank over the
   pipeline link, then an all-gather over the tensor-parallel link;
-* the data-parallel gradient reduction (and ZeRO's parameter all-gather) overlaps the
-  backward of the last micro-batch on the stage, bucket by bucket, as torch DDP and
-  Megatron-Core's ``overlap_grad_reduce`` do; what is longer than that backward is
-  exposed (``dp_comm``); norms and the loss reductions are exposed.
+* the data-parallel gradient reduction overlaps the backward of the last micro-batch on
+  the stage, bucket by bucket, as torch DDP and Megatron-Core's ``overlap_grad_reduce``
+  do (:func:`grad_overlap`): one communication stream; a bucket
+  (:mod:`parcompile.analysis.buckets`) starts when the backward has produced its last
+  unit's gradients and the previous bucket is done; what runs past the end of the
+  backward is exposed (``dp_comm``). ZeRO's parameter all-gathers overlap the next
+  step's first forward; norms, the model-parallel gradient sums and the loss reductions
+  are exposed.
 
 **Pipeline.** With the schedule's action lists the simulator runs them with these chunk
 times (bubble from the actual schedule). Without them (:func:`estimate` with
@@ -131,6 +135,8 @@ class TimeReport:
     breakdown: dict[str, float]
     assumptions: dict[str, object] = field(default_factory=dict)
     bubble_fraction: float = 0.0
+    #: per stage, the bucketed gradient reduction (:func:`grad_overlap`; training only)
+    grad_reduction: tuple[GradOverlap, ...] = ()
 
 
 def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency) -> tuple[float, float]:
@@ -258,8 +264,88 @@ def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
     return sim.makespan, list(sim.busy)
 
 
-def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes) -> float:
-    """Exposed step-collective time of the slowest stage (module docstring)."""
+@dataclass(frozen=True)
+class GradOverlap:
+    """The data-parallel gradient reduction of one stage, simulated bucket by bucket
+    (module docstring): ``seconds`` of collectives in all, the part ``hidden`` behind the
+    last micro-batch's backward and the part ``exposed`` after it; ``buckets`` counts the
+    dense and expert buckets."""
+
+    stage: int
+    buckets: int
+    seconds: float
+    hidden: float
+    exposed: float
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "buckets": self.buckets, "seconds": self.seconds, "hidden": self.hidden,
+                "exposed": self.exposed}
+
+
+def _unit_weight(u, model_chunk: int) -> int:
+    """How much of its chunk's backward a unit's gradients take, in parameters: a layer's
+    (and the LM head's) backward FLOPs scale with its parameters; the embedding's backward
+    is a scatter-add, so its gradient arrives when the chunk's backward ends."""
+    if u.name in ("embedding", "tied_embedding") or (u.name == "stage" and model_chunk == 0):
+        return 0
+    return u.dense + u.expert
+
+
+def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> GradOverlap:
+    """Simulate one stage's bucketed gradient reduction on one communication stream.
+
+    The last micro-batch's backward visits the stage's chunks from its last to its first
+    (``bwd`` seconds each, :class:`ChunkTimes`); inside a chunk, a unit's gradients are
+    ready after the share of the backward its parameters take (:func:`_unit_weight`). A
+    bucket (:mod:`parcompile.analysis.buckets`) is ready with its last unit and starts at
+    ``max(ready, end of the previous bucket)``; with ``bucket_size = 0`` every bucket is
+    ready when the backward ends. ``exposed = end of the last bucket - end of the
+    backward``. Buckets are all-reduces (reduce-scatters with ZeRO) over dp_cp (experts:
+    expert_dp), timed by :func:`collective_time`.
+    """
+    from parcompile.analysis.buckets import GradUnit, partition
+
+    par, cl = cfg.parallel, cfg.cluster
+    pp, v, s = par.pp, par.virtual_stages, sp.stage
+    units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
+    # ready time of each unit: chunks in ready order, back to back
+    ready: dict[tuple[int, str], float] = {}
+    t = 0.0
+    for c in sorted({u.chunk for u in units}, reverse=True):
+        mine = [u for u in units if u.chunk == c]
+        k = c * pp + s
+        total = sum(_unit_weight(u, k) for u in mine)
+        b = ct.bwd(k) if k < len(ct.matmul_f) else 0.0
+        done = 0
+        for u in mine:
+            done += _unit_weight(u, k)
+            ready[(c, u.name)] = t + (b * done / total if total else b)
+        t += b
+    bwd_end = sum(ct.bwd(c * pp + s) for c in range(v) if c * pp + s < len(ct.matmul_f))
+    op = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    events = []
+    for kind, axis in (("dense", "dp_cp"), ("expert", "expert_dp")):
+        n = degrees.get(axis, 1)
+        if n <= 1:
+            continue
+        al, be = links[axis] if axis in links else (cl.intra_node_latency, cl.intra_node_bw)
+        for b in partition(units, par.bucket_size, kind):
+            nbytes = 4 * (b.elements if par.zero == 0 else -(-b.elements // n))
+            r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
+            events.append((r, kind != "dense", collective_time(op, nbytes, n, al, be)))
+    end, busy = 0.0, 0.0
+    for r, _, dur in sorted(events):
+        end = max(end, r) + dur
+        busy += dur
+    exposed = min(busy, max(0.0, end - bwd_end)) if events else 0.0
+    return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
+
+
+def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=None) -> float:
+    """Exposed step-collective time of the slowest stage (module docstring): the gradient
+    buckets' exposure (:func:`grad_overlap`; without ``stage_params``, the step's
+    gradient collectives against the last micro-batch's backward), ZeRO's parameter
+    all-gathers beyond the next step's first forward, and every other step collective."""
     par, cl = cfg.parallel, cfg.cluster
     pp, v = par.pp, par.virtual_stages
     worst = 0.0
@@ -272,15 +358,19 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes) -> float:
             t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
             if e.where in ("grads", "expert_grads"):
                 grads += t
-            elif e.where == "params":
+            elif e.where in ("params", "expert_params"):
                 params += t
             else:
                 exposed += t
-        # gradients overlap the last micro-batch's backward; ZeRO's parameter all-gather
-        # the next step's first forward
+        # gradients overlap the last micro-batch's backward bucket by bucket; ZeRO's
+        # parameter all-gathers the next step's first forward
         bwd = sum(ct.bwd(c * pp + s) for c in range(v))
         fwd = sum(ct.fwd(c * pp + s) for c in range(v))
-        worst = max(worst, max(0.0, grads - bwd) + max(0.0, params - fwd) + exposed)
+        if stage_params is not None:
+            grad_exposed = grad_overlap(cfg, degrees, links, ct, stage_params[s]).exposed
+        else:
+            grad_exposed = max(0.0, grads - bwd)
+        worst = max(worst, grad_exposed + max(0.0, params - fwd) + exposed)
     return worst
 
 
@@ -323,6 +413,8 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
     actions = sched.actions if sched is not None else None
     links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
     step, parts = step_time_parts(cfg, degrees, links, ct, m, comm.collectives, stage_params, actions)
+    overlap = tuple(grad_overlap(cfg, degrees, links, ct, sp) for sp in stage_params) \
+        if stage_params is not None and cfg.workload == "train" else ()
     tokens = par.global_batch * cfg.model.seq_len
     tflops = model_flops_per_step / (step * par.world_size) / 1e12 if step > 0 else 0.0
     breakdown = {k: v for k, v in parts.items() if k != "bubble_fraction"}
@@ -336,13 +428,16 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "matmul_efficiency": eff.matmul, "memory_efficiency": eff.memory, "link_efficiency": eff.link,
             "efficiency_source": eff.source,
             "overlap": "tp/cp/ep collectives and pipeline send/recv on the critical path; dp gradient "
-                       "reduction overlaps the last micro-batch's backward",
+                       "reduction overlaps the last micro-batch's backward bucket by bucket"
+                       + (f" (buckets of {par.bucket_size:,} bytes)" if par.bucket_size else
+                          " (bucket_size = 0: one bucket per chunk, after the backward)"),
             "collectives": "ring, alpha-beta",
             "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
                       for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
         },
         bubble_fraction=parts["bubble_fraction"],
+        grad_reduction=overlap,
     )
 
 
@@ -363,7 +458,7 @@ def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[f
     phase ``step`` are read) and the optimizer step. The breakdown also holds
     ``bubble_fraction`` (idle over busy time of the busiest rank)."""
     span1, parts = pipeline_parts(cfg, ct, m, actions)
-    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct)
+    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct, stage_params)
     opt = optimizer_time(cfg, degrees, stage_params)
     parts = dict(parts)
     parts.update({"dp_comm": dp_comm, "optimizer": opt})

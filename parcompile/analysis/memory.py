@@ -25,9 +25,20 @@ stage 0, Korthikanti et al. 2022 section 4.2.3). Rules, after Megatron-LM:
 * with sequence parallelism a column-parallel layer keeps the sequence-split input it
   all-gathers, not the gathered copy (it gathers again in backward; Korthikanti
   section 4.2.2), so a GPT layer keeps ``34 sbh/t + 5as^2b/t`` (their Table 2);
-* ``recompute = selective`` drops the attention core's ``s x s`` tensors (``34 sbh/t``);
+* ``recompute = selective`` drops what the attention core keeps inside itself: the
+  ``s x s`` tensors of the unfused core (``34 sbh/t``), the log-sum-exp and mask of the
+  fused one; the checkpoint holds the core's inputs (with context parallelism the
+  all-gathered k and v) and the output projection keeps its output;
 * ``recompute = full`` keeps only each layer's input (``2sbh``, ``2sbh/t`` with sequence
   parallelism); the layer rebuilt during its backward is a temporary buffer.
+
+Per layer (``activations_per_layer`` in ``plan.json``) these are the bytes the generated
+program keeps, as :mod:`parcompile.runtime.memory` measures them with saved-tensor hooks:
+the program's layers keep what Megatron-LM's fused kernels keep (RMSNorm: input and
+per-token statistics; SwiGLU: its two inputs; RoPE: nothing; softmax: 16-bit
+probabilities; GQA: k and v never expanded). Left out, as in Korthikanti's accounting:
+the norms' fp32 per-token statistics (4-8 bytes per token and norm, under 1% of a
+layer at h >= 64).
 
 With ``dropout > 0`` the embedding output's dropout mask (1 byte per element of the first
 layer's input) is kept on the first stage, as Megatron-LM's GPT does.
@@ -50,9 +61,10 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from parcompile.analysis.buckets import stage_state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import spec
+from parcompile.ir.ops import attention_gathered_kv, spec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: ops of the output layer (after the last decoder layer)
@@ -72,6 +84,10 @@ class StageMemory:
     #: temporary buffers (module docstring), and their parts by name
     buffers: int = 0
     buffer_parts: Mapping[str, int] = field(default_factory=dict)
+    #: per decoder layer of the stage, in layer order: ``(layer id, bytes)`` one micro-batch
+    #: keeps for backward on this rank after recomputation (what a generated program
+    #: measures with saved-tensor hooks; :mod:`parcompile.runtime.memory`)
+    layer_activations: tuple[tuple[int, int], ...] = ()
 
     @property
     def total(self) -> int:
@@ -89,10 +105,15 @@ class MemoryReport:
     fits: bool
 
 
-def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw") -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table)."""
+def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
+                shard: int | None = None) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
+    ``shard``: the elements of sharded state per rank when the parameters form several
+    sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
+    :func:`parcompile.analysis.buckets.stage_state_bytes`); default ``ceil(n / d)``."""
     k = OPTIMIZER_STATES[optimizer]
-    shard = math.ceil(n / d) if d > 1 else n
+    if shard is None:
+        shard = math.ceil(n / d) if d > 1 else n
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if zero >= 3 else n)
     grads = 4 * (shard if zero >= 2 else n)
@@ -132,6 +153,12 @@ class SavedBytes:
     #: LM head, loss): the last chunk's backward follows its forward at once, so one
     #: micro-batch of it is in flight (GPipe: all of them)
     output_layer: tuple[int, ...]
+    #: per layer, the bytes one micro-batch keeps for backward after recomputation
+    #: (``recompute = none``: ``per_layer``; ``selective``: without the attention core's
+    #: internal tensors; ``full``: the layer's input only)
+    kept_per_layer: dict[int, int] = field(default_factory=dict)
+    #: the model chunk of each layer
+    chunk_of_layer: dict[int, int] = field(default_factory=dict)
 
 
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
@@ -146,6 +173,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     layer_extra: dict[int, int] = {}
     layer_attn: dict[int, int] = {}
     layer_input: dict[int, tuple[str, int]] = {}
+    kept_own: dict[int, dict[str, int]] = {}
+    kept_extra: dict[int, int] = {}
     for nd in graph.nodes():
         s = spec(nd.kind)
         c = nd.chunk or 0
@@ -169,8 +198,15 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            if recompute == "selective" and s.selective_recompute and a.get("impl") == "unfused":
-                x = 0
+            if recompute == "selective" and s.selective_recompute:
+                # the recomputed attention core keeps its inputs only: no softmax (unfused)
+                # and no log-sum-exp (flash); its output is kept by the output projection
+                x = attention_gathered_kv(a, local_in)   # the checkpoint holds the gathered k, v
+                keep = [t for t in keep if t != nd.name]
+            kown = kept_own.setdefault(layer, {})
+            for t in keep:
+                kown.setdefault(t, _local_bytes(graph, t, degrees))
+            kept_extra[layer] = kept_extra.get(layer, 0) + x
         out_layer = layer is None and nd.op.module in OUTPUT_MODULES
         for t in keep:
             if t not in tensors[c]:
@@ -189,8 +225,12 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         t, b = layer_input[first]
         extra[chunk_of_layer[first]] += graph.node(t).sharding.local_type(graph.node(t).type, degrees).numel
     per_layer = {layer: sum(own.values()) + layer_extra.get(layer, 0) for layer, own in layer_own.items()}
+    if recompute == "full":
+        kept = {layer: b for layer, (t, b) in layer_input.items()}
+    else:
+        kept = {layer: sum(own.values()) + kept_extra.get(layer, 0) for layer, own in kept_own.items()}
     out = tuple(sum(t.values()) + e for t, e in zip(tensors, extra))
-    return SavedBytes(out, per_layer, layer_attn, tuple(head))
+    return SavedBytes(out, per_layer, layer_attn, tuple(head), kept, chunk_of_layer)
 
 
 def saved_bytes_per_chunk(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
@@ -251,15 +291,15 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             if kv_bytes_per_token is not None and cfg.serve is not None:
                 kv = cfg.serve.batch * (cfg.serve.prompt_len + cfg.serve.max_new_tokens) * kv_bytes_per_token[s]
         else:
-            pd = state_bytes(sp.dense, e, par.zero, degrees["dp_cp"], cfg.train.optimizer)
-            pe = state_bytes(sp.expert, e, par.zero, degrees["expert_dp"], cfg.train.optimizer)
-            params, grads, opt = (x + y for x, y in zip(pd, pe))
+            params, grads, opt = stage_state_bytes(cfg, degrees, sp)   # ZeRO: sharded per gradient bucket
             ks = [c * pp + s for c in range(v)]
             body = sum(saved.per_chunk[k] - saved.output_layer[k] for k in ks)
             out_layer = sum(saved.output_layer[k] for k in ks)
             n_out = par.num_microbatches if par.schedule == "gpipe" else 1
             acts = int(Fraction(in_flight[s]) * body) + n_out * out_layer
-        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), dict(bufs[s])))
+        layers = tuple(sorted((layer, b) for layer, b in saved.kept_per_layer.items()
+                              if saved.chunk_of_layer.get(layer) in range(s, pp * v, pp))) if not serve else ()
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), dict(bufs[s]), layers))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     return MemoryReport(tuple(stages), peak, cap, peak <= cap)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from parcompile.analysis.buckets import GradUnit, unit_order_key
 from parcompile.ir.graph import Graph
 
 
@@ -24,13 +25,16 @@ class StageParams:
     """Parameter elements on one rank of a stage: ``dense`` (reduced over dp_cp),
     ``expert`` (reduced over expert_dp), ``norm`` (replicated over tp: the ones sequence
     parallelism must all-reduce), ``embedding`` (local elements of the tied embedding or
-    its head copy, 0 when untied)."""
+    its head copy, 0 when untied); ``units``: the same elements by layer, in
+    gradient-ready order (:class:`~parcompile.analysis.buckets.GradUnit`, the input of the
+    bucket rule; empty when not derived)."""
 
     stage: int
     dense: int
     expert: int
     norm: int
     embedding: int
+    units: tuple[GradUnit, ...] = ()
 
     @property
     def total(self) -> int:
@@ -65,6 +69,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
     tp (each rank then holds one kv head of every parameter with a ``kv`` dim), else 0.
     """
     acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0} for _ in range(pp)]
+    units: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(pp)]   # (chunk, name) -> [dense, expert]
     seen: set[tuple[int, str]] = set()
     for nd, p in graph.params():
         s = nd.stage or 0
@@ -75,6 +80,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         if replicated_kv_heads and p.type.has_dim("kv") and not p.sharding.split:
             n //= replicated_kv_heads   # one replicated kv head per rank (vLLM)
         acc[s]["expert" if p.expert else "dense"] += n
+        units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0])[
+            1 if p.expert else 0] += n
         if not p.sharding.split and not p.expert:
             # replicated over tp (norms, row-parallel biases, learned positions): under
             # sequence parallelism each tp rank sees part of the sequence, so these
@@ -82,7 +89,25 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
             acc[s]["norm"] += n
         if tied and (p.name == "embedding.weight" or p.tied_to == "embedding.weight"):
             acc[s]["embedding"] = n
-    return [StageParams(s, **a) for s, a in enumerate(acc)]
+    out = []
+    for s, a in enumerate(acc):
+        nchunks = 1 + max((c for c, _ in units[s]), default=0)
+        keys = sorted(units[s], key=lambda k: unit_order_key(k[0], k[1], nchunks))
+        us = tuple(GradUnit(c, name, *units[s][(c, name)], alone=name in ("tied_embedding", "tied_head"))
+                   for c, name in keys)
+        out.append(StageParams(s, **a, units=us))
+    return out
+
+
+def _unit_name(nd, p, tied_copies: bool) -> str:
+    """The bucket unit of parameter ``p`` of op ``nd`` (:mod:`parcompile.analysis.buckets`):
+    its decoder layer, the output layer, the embedding; with ``tied_copies`` (tied
+    embeddings and pp > 1) the embedding and its head copy are units of their own."""
+    if tied_copies and (p.name == "embedding.weight" or p.tied_to == "embedding.weight"):
+        return "tied_embedding" if nd.op.module == "embedding" else "tied_head"
+    if nd.op.layer is not None:
+        return f"layers.{nd.op.layer}"
+    return "output" if nd.op.module in ("final_norm", "lm_head") else "embedding"
 
 
 def param_report(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,

@@ -110,6 +110,9 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "aux_loss_scale": repr(aux),
         "zero_comment": zero_comment,
         "sp": sp,
+        # sequence parallelism: column-parallel layers keep the sequence-split input and
+        # gather it again in backward (under full recomputation the layer keeps its input only)
+        "keep_split": sp and p.recompute != "full",
         "t_attn": m.seq_len // p.cp,
         "t_local": m.seq_len // p.cp // (p.tp if sp else 1),
         "enter_comment": ("all-gather the sequence over tp; backward: reduce-scatter" if sp

@@ -70,6 +70,8 @@ class KeyType:
     dimension: str | None = None
     auto: bool = False
     length: int | None = None
+    #: a quantity that also takes a bare ``0`` (no unit needed for nothing)
+    zero_ok: bool = False
 
 
 def _choices(model: type[BaseModel], field: str) -> tuple:
@@ -146,6 +148,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "stage_layers": KeyType("int_list", low=1),
         "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True),
         "order": _STR,
+        "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
@@ -184,6 +187,14 @@ DERIVED_MODEL_KEYS = {
 _INVALID = object()  # what a wrong value converts to
 _PRESET_CASE = "preset names are case-sensitive"
 ZERO_HELP = "0 none, 1 shards optimizer states, 2 also gradients, 3 also parameters"
+#: what a bare number given to a quantity key most likely meant, by key
+QUANTITY_NOTES = {
+    "bucket_size": ("bucket_size counts bytes of fp32 gradients (4 per element); Megatron-LM's "
+                    "--ddp-bucket-size and DeepSpeed's reduce_bucket_size count elements; `0` means one "
+                    "bucket per model chunk, reduced after the backward"),
+}
+#: the example a help line writes for a bare number, by key (default: the number itself)
+QUANTITY_EXAMPLES = {"bucket_size": "40 MB"}
 
 
 # --------------------------------------------------------------------------------------
@@ -285,11 +296,22 @@ class _Values:
         wanted = DIMENSION_WORDS[dim]
         example_unit = SUGGESTED_UNIT[dim]
         if isinstance(v, (ast.Int, ast.Float)):
-            self.bag.error(f"missing unit: {key} takes {wanted}", v.span,
-                           help=f"write `{v.text} {example_unit}`; {wanted} takes {or_list(units_of(dim), quote=True)}")
+            if t.zero_ok and v.value == 0:
+                return 0
+            if t.zero_ok and v.value < 0:
+                self.bag.error(f"{key} must not be negative, got `{v.text}`", v.span,
+                               help=f"use 0 or a size such as `{QUANTITY_EXAMPLES.get(key, '1 GiB')}`")
+                return _INVALID
+            example = QUANTITY_EXAMPLES.get(key, f"{v.text} {example_unit}")
+            help = f"write `{example}`; {wanted} takes {or_list(units_of(dim), quote=True)}"
+            if key == "bucket_size" and isinstance(v, ast.Int):   # most likely elements, as Megatron-LM counts
+                b = 4 * v.value
+                size = f"{b // 10**6} MB" if b % 10**6 == 0 else f"{b} B"
+                help = f"for {v.text} fp32 elements write `{size}`; or a size such as `{example}`"
+            self.bag.error(f"missing unit: {key} takes {wanted}", v.span, help=help, note=QUANTITY_NOTES.get(key))
             return _INVALID
         if not isinstance(v, ast.Quantity):
-            return self._expected(wanted, v, help=f"write e.g. `{key} = 80 {example_unit}`")
+            return self._expected(wanted, v, help=f"write e.g. `{key} = {QUANTITY_EXAMPLES.get(key, '80 ' + example_unit)}`")
         if not self._unit_ok(v):
             return _INVALID
         got = dimension_of(v.unit)

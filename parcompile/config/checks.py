@@ -379,6 +379,13 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
                         ctx.span("model.max_positions"),
                         help="remove `max_positions`, or set `position = learned`",
                         note="max_positions is the number of rows of a learned position table")
+    if ctx.given("parallel.bucket_size") and ctx.ok("parallel.bucket_size", "parallel.dp", "parallel.cp") \
+            and (cfg.workload == "serve" or (p.dp * p.cp == 1 and p.expert_dp <= 1)):
+        why = ("a `serve` spec computes no gradients" if cfg.workload == "serve" else
+               "with dp * cp = 1 no gradient is reduced over data parallelism")
+        ctx.bag.warning(f"bucket_size has no effect: {why}", ctx.span("parallel.bucket_size"),
+                        help="remove `bucket_size`",
+                        note="bucket_size sizes the buckets in which data-parallel ranks reduce gradients")
     for key, what in (("rotary_fraction", "the share of each head's dims that get RoPE"),
                       ("rope_theta", "the base of RoPE's frequencies")):
         if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.position") and m.position != "rope":

@@ -135,6 +135,9 @@ class ClusterConfig(_Frozen):
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
+#: ``parallel.bucket_size`` default: 160 MB of fp32 gradients = 40M elements (Megatron-LM)
+DEFAULT_BUCKET_SIZE = 160 * 10**6
+
 
 class ParallelConfig(_Frozen):
     """Degrees and layout (SPEC 1, `parallel`), resolved to integers.
@@ -157,6 +160,11 @@ class ParallelConfig(_Frozen):
     stage_layers: Optional[tuple[int, ...]] = None
     recompute: Literal["none", "selective", "full"] = "none"
     order: str = "tp-cp-ep-dp-pp"
+    #: fp32 gradient bytes per data-parallel reduction bucket (``parallel.bucket_size``):
+    #: a bucket closes once it holds at least this many; 0 means one bucket per model
+    #: chunk, reduced after the backward (no overlap). The default, 160 MB, is 40M fp32
+    #: elements, Megatron-LM's ``--ddp-bucket-size`` default (:mod:`parcompile.analysis.buckets`)
+    bucket_size: int = DEFAULT_BUCKET_SIZE
     auto: tuple[str, ...] = ()
 
     @model_validator(mode="after")

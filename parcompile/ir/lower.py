@@ -89,7 +89,9 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         E, K = Dim("experts", m.experts), Dim("topk", m.top_k)
         FE = Dim("expert_ffn", m.expert_ffn_hidden)
         common = {"experts": m.experts, "top_k": m.top_k, "tp": "residual"}
-        router = g.add_op(f"{prefix}.router", "router", [h2], {**common, "in_dim": H, "out_dim": E},
+        # the router runs in fp32: a 16-bit model's router keeps an fp32 copy of its input
+        router = g.add_op(f"{prefix}.router", "router", [h2],
+                          {**common, "in_dim": H, "out_dim": E, "fp32_input": m.dtype != "fp32"},
                           params=[Param(f"{prefix}.router.weight", T(E, H))], layer=i, origin=origin)
         routed = g.add_op(f"{prefix}.dispatch", "moe_dispatch", [h2, router], {**common, "topk_dim": K},
                           layer=i, origin=origin)

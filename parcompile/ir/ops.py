@@ -199,16 +199,34 @@ def _scores(a, q: TensorType) -> int:
     return b * heads_local * s * s_kv
 
 
+def attention_gathered_kv(a, ins) -> int:
+    """Bytes the attention core keeps beyond its local k and v with context parallelism:
+    this rank's queries are s < seq_len tokens, k and v are all-gathered over cp, and the
+    gathered copies are what the kernel (or a recomputed core) keeps."""
+    s = ins[0].shape[1]
+    cp = a["seq_len"] // s if s < a["seq_len"] else 1
+    return (cp - 1) * (ins[1].nbytes + ins[2].nbytes)
+
+
 def _attention_extra(a, ins, out):
     q = ins[0]
+    b, s = q.shape[0], q.shape[1]
+    e = q.itemsize
+    cp = a["seq_len"] // s if s < a["seq_len"] else 1
+    extra = attention_gathered_kv(a, ins)
     if a["impl"] == "flash":
         # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
-        # query and head; dropout is replayed from the RNG state, no mask
-        b, s = q.shape[0], q.shape[1]
-        return b * s * (q.dims[-1].size // a["head_dim"]) * 4
-    e = q.itemsize
-    scores = _scores(a, q)
-    extra = scores * e  # softmax output
+        # query and head; dropout is replayed from the RNG state, no mask. torch's kernels
+        # take a sliding window or context-parallel positions as an explicit (s, seq_len)
+        # mask, which they keep too
+        extra += b * s * (q.dims[-1].size // a["head_dim"]) * 4
+        window = a.get("window") or 0
+        if cp > 1 or 0 < window < a["seq_len"]:
+            extra += s * a["seq_len"] * e
+        return extra
+    # the unfused path materialises every s x s_kv score; a sliding window only masks them
+    scores = _scores({**a, "window": 0}, q)
+    extra += scores * e  # softmax output
     if a.get("dropout", 0) > 0:
         extra += scores * 1 + scores * e  # dropout mask + dropout output
     return extra
@@ -271,6 +289,33 @@ def _combine_type(a, ins):
     return TensorType(ins[0].dims[:-2] + (ins[0].dims[-1],), ins[0].dtype)
 
 
+INDEX_BYTES = 8   # int64 token / row indices
+
+
+def _router_extra(a, ins, out):
+    # the fp32 softmax probabilities are the router's output (saves_output); the top-k
+    # keeps its int64 indices, the renormalisation the k weights and their sum (fp32);
+    # a 16-bit model's router runs in fp32 and keeps fp32 copies of its input and weight
+    n = ins[0].numel // ins[0].dims[-1].size
+    k = a["top_k"]
+    extra = n * k * (INDEX_BYTES + 4) + n * 4
+    if a.get("fp32_input"):
+        extra += ins[0].numel * 4 + a["experts"] * ins[0].dims[-1].size * 4
+    return extra
+
+
+def _dispatch_extra(a, ins, out):
+    # two row gathers (tokens to sorted rows, arrivals grouped by expert) keep their indices
+    return 2 * INDEX_BYTES * (out.numel // out.dims[-1].size)
+
+
+def _combine_extra(a, ins, out):
+    # the gather back to (token, choice) order keeps its indices (two permutations); the
+    # weighted sum keeps the k router weights per token (fp32)
+    rows = ins[0].numel // ins[0].dims[-1].size
+    return 2 * INDEX_BYTES * rows + 4 * rows
+
+
 def _expert_mats(a) -> int:
     return 3 if a["activation"] == "swiglu" else 2
 
@@ -310,15 +355,19 @@ OPS: dict[str, OpSpec] = {
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, arity=3, selective_recompute=True,
                saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),
-        OpSpec("act", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
+        # gelu keeps its input; relu its output (the backward needs only the sign)
+        OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
+               saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic),
         OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
-        OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: (0,),
-               saved_extra=lambda a, i, o: o.nbytes, arity=1, traffic=lambda a, i, o: 3 * o.nbytes),
-        OpSpec("moe_dispatch", _dispatch_type, arity=2, traffic=_copy_traffic),
+        OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
+               saved_extra=_router_extra, saves_output=lambda a: True, arity=1,
+               traffic=lambda a, i, o: 3 * o.nbytes),
+        OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
                arity=1, traffic=_experts_traffic),
-        OpSpec("moe_combine", _combine_type, saves=lambda a: (0, 1), arity=2, traffic=_copy_traffic),
+        OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
+               traffic=_copy_traffic),
         # inserted by passes
         OpSpec("redistribute", _same, arity=1),
         OpSpec("send_recv", _same, arity=1),

@@ -14,8 +14,9 @@
    scatter into the sequence-parallel region), the first consumer's otherwise (the QKV
    and MLP inputs, the head).
 3. Step collectives, once per step per rank of a stage: the gradient reduction over
-   ``dp_cp`` (an all-reduce of the fp32 flat gradient buffer; with ZeRO >= 1 a
-   reduce-scatter of it and an all-gather of the updated parameters), the same over
+   ``dp_cp``, one per gradient bucket (:mod:`parcompile.analysis.buckets`; an all-reduce
+   of the bucket's fp32 gradients; with ZeRO >= 1 a reduce-scatter of it and an
+   all-gather of the updated parameters), the same over
    ``expert_dp`` for MoE expert weights, the tied-embedding
    all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp``, the
    squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parcompile.analysis.buckets import stage_buckets
 from parcompile.analysis.params import stage_params
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
@@ -87,9 +89,17 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             local = pu.sharding.partial or any(kind == "split" for kind, _ in fwd)
             where = pu.op.module if local else first.op.module
             name = graph.unique_name(_conversion_name(where, fwd, bwd))
+            attrs = {"fwd": fwd, "bwd": bwd, "where": where}
+            # sequence parallelism: column-parallel layers keep the sequence-split input and
+            # all-gather it again in backward (Megatron-LM; Korthikanti et al. 2022, 4.2.2);
+            # analysis/comm.py counts that all-gather unless full recomputation rebuilds the
+            # layer anyway
+            if (ctx.cfg.workload == "train" and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
+                    and all(graph.node(v).kind == "linear" for v, _ in consumers)):
+                attrs["regather"] = True
             graph.insert_between(
                 u, consumers, name, "redistribute",
-                attrs={"fwd": fwd, "bwd": bwd, "where": where},
+                attrs=attrs,
                 sharding=req, requires=pu.sharding, grad=dual(pu.sharding),
             )
             # the consumers now see the converted tensor; its gradient arrives in `grad`
@@ -112,15 +122,19 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     for s, sp in enumerate(stages):
         ed = deg["expert_dp"]
         # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/moe.py):
-        # one all-reduce of fp32 gradients, or with ZeRO a reduce-scatter and an all-gather
-        for prefix, n, axis, size in (("", sp.dense, "dp_cp", d), ("expert_", sp.expert, "expert_dp", ed)):
-            if size > 1 and n:
+        # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
+        # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
+        dense, expert = stage_buckets(sp, par.bucket_size)
+        for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
+            if size <= 1:
+                continue
+            for i, b in enumerate(buckets):
                 if par.zero == 0:
-                    add(s, f"{prefix}grads", "all_reduce", axis, GRAD_BYTES * n, f"{prefix}grads")
+                    add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
                 else:
-                    shard = math.ceil(n / size)
-                    add(s, f"{prefix}grads", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads")
-                    add(s, f"{prefix}params", "all_gather", axis, e * shard * size, f"{prefix}params")
+                    shard = math.ceil(b.elements / size)
+                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads")
+                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:

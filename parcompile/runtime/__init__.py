@@ -4,7 +4,8 @@ optimizer step. Generated programs use it as ``from parcompile import runtime as
 """
 
 from parcompile.runtime import checkpoint
-from parcompile.runtime.comm import COUNTER, all_reduce, copy_to_tp, enter_tp, leave_tp, reduce_from_tp
+from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, keep_split_input, leave_tp,
+                                     reduce_from_tp)
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data import GlobalBatches, local_microbatches, resolve_source
@@ -22,8 +23,10 @@ from parcompile.runtime.layers import (
     no_init,
     shard_part,
     rope_tables,
+    swiglu,
     vocab_parallel_cross_entropy,
 )
+from parcompile.runtime.memory import METER
 from parcompile.runtime.moe import ExpertAxes, MoELayer
 from parcompile.runtime.pipeline import run_schedule
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS

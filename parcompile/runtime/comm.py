@@ -66,6 +66,26 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def all_reduce_async(t: torch.Tensor, axis: Axis):
+    """Start an in-place sum of ``t`` over ``axis`` (counted now); returns the work to
+    ``wait()`` on, or None when there is nothing to do (an axis of one rank)."""
+    if axis.size == 1 or axis.group is None:
+        return None
+    COUNTER.record("all_reduce", axis.name, _nbytes(t))
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, axis: Axis):
+    """Start a reduce-scatter of ``t`` (``axis.size`` equal slices, summed) into ``out``,
+    this rank's slice (counted now, by the size of ``out``); returns the work, or None on
+    an axis of one rank (``out`` is then ``t`` copied)."""
+    if axis.size == 1 or axis.group is None:
+        out.copy_(t)
+        return None
+    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
+    return dist.reduce_scatter_tensor(out, t, group=axis.group, async_op=True)
+
+
 def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order): size n along ``dim`` -> n * size."""
     xt = x.movedim(dim, 0).contiguous()
@@ -165,6 +185,51 @@ def enter_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tens
     if axis.size == 1:
         return x
     return _GatherDim.apply(x, axis, 1) if sequence_parallel else _CopyToRegion.apply(x, axis)
+
+
+def keep_split_input(split: torch.Tensor, full: torch.Tensor, axis: Axis, dim: int = 1):
+    """Within this block, layers that save ``full`` (the all-gather of ``split`` along
+    ``dim`` over ``axis``, made by :func:`enter_tp` with sequence parallelism) for
+    backward keep ``split`` instead, and the backward all-gathers it again, once for all
+    of them (Megatron-LM's sequence-parallel column-parallel linear; Korthikanti et al.
+    2022, section 4.2.2): activation memory of a column-parallel input drops by ``tp``
+    for one more all-gather per micro-batch. A no-op on an axis of one rank.
+
+    Use it around the column-parallel linears only: saved-tensor hooks do not nest, so
+    other tensors saved inside are handed to :data:`parcompile.runtime.memory.METER`.
+    """
+    import contextlib
+
+    from parcompile.runtime.memory import METER
+
+    if axis.size == 1 or full is split:
+        return contextlib.nullcontext()
+    ptr = full.untyped_storage().data_ptr()
+    state = {"full": None, "left": 0}
+    if METER.active:
+        METER.hold(split)
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() == ptr:
+            state["left"] += 1
+            return ("regather", tuple(t.shape), t.stride(), t.storage_offset())
+        if METER.active:
+            METER.saved(t)
+        return t
+
+    def unpack(obj):
+        if not isinstance(obj, tuple):
+            return obj
+        if state["full"] is None:
+            with torch.no_grad():
+                state["full"] = all_gather_dim(split.detach(), axis, dim)
+        out = state["full"].as_strided(obj[1], obj[2], obj[3])
+        state["left"] -= 1
+        if state["left"] == 0:
+            state["full"] = None
+        return out
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def leave_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:

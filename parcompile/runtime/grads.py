@@ -6,6 +6,15 @@ parameter of gradients). For a 16-bit parameter a post-accumulate hook adds each
 ``p.grad`` into ``p.main_grad`` (fp32) and frees ``p.grad``; for an fp32 parameter the
 gradient simply is ``p.grad``. Everything on the optimizer side reads and writes
 gradients through :func:`main_grad` and :func:`set_main_grad`.
+
+Every gradient that reaches a parameter is announced to the parameter's
+``_grad_listener`` (set by :class:`parcompile.runtime.buckets.GradBuckets`, which launches
+a bucket's reduction once the last of its gradients has arrived): from the
+post-accumulate hook for gradients autograd accumulates, and from :func:`accumulate` for
+the weight gradients a zero-bubble schedule computes later (:mod:`parcompile.runtime.wgrad`).
+Autograd also runs the hook of a weight whose deferred backward returned no gradient;
+the listener is told all the same and decides (it knows which weights have gradients
+still pending).
 """
 
 from __future__ import annotations
@@ -33,23 +42,41 @@ def set_main_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
 
 
 def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    """Add ``g`` to the gradient of ``p`` (in fp32 for 16-bit parameters)."""
+    """Add ``g`` to the gradient of ``p`` (in fp32 for 16-bit parameters), and tell the
+    parameter's listener (module docstring)."""
     cur = main_grad(p)
     if cur is None:
         set_main_grad(p, g.float() if is_mixed(p) else g.to(p.dtype))
     else:
         cur.add_(g.to(cur.dtype))
+    _announce(p)
+
+
+def _announce(p: torch.Tensor) -> None:
+    listener = getattr(p, "_grad_listener", None)
+    if listener is not None:
+        listener(p)
 
 
 def _hook(p: torch.Tensor) -> None:
+    """16-bit parameters: move the new ``p.grad`` into ``main_grad`` (none when a deferred
+    backward returned no weight gradient)."""
     g, p.grad = p.grad, None
-    accumulate(p, g)
+    if g is None:
+        _announce(p)
+    else:
+        accumulate(p, g)
 
 
 def enable_main_grads(model: nn.Module) -> None:
-    """Route the gradients of the model's 16-bit parameters into fp32 ``main_grad``."""
+    """Route the gradients of the model's 16-bit parameters into fp32 ``main_grad``, and
+    announce every parameter's gradients to its listener (module docstring)."""
     for p in model.parameters():
-        if is_mixed(p) and not getattr(p, "_main_grad_hooked", False):
+        if getattr(p, "_main_grad_hooked", False):
+            continue
+        p._main_grad_hooked = True
+        if is_mixed(p):
             p.register_post_accumulate_grad_hook(_hook)
-            p._main_grad_hooked = True
             p.main_grad = None
+        else:
+            p.register_post_accumulate_grad_hook(_announce)

@@ -228,8 +228,37 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
     return _VocabParallelCrossEntropy.apply(logits, target, tp, start, vocab)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least fp32 (16-bit tensors are computed in fp32; fp64 stays fp64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * (x / rms(x))`` normalised in fp32 and cast back, as Llama computes it,
+    keeping only the input and the fp32 reciprocal rms per token for backward (what
+    fused RMSNorm kernels keep: Apex/Megatron-LM ``FusedRMSNorm``); torch's composite
+    version would also keep the fp32 copy and the normalised tensor."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = _wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        n = _wide(x) * rstd                                      # normalised input, fp32
+        grad_w = (grad_out * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gn = _wide(grad_out * weight)
+        grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w, None
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) as Llama computes it: in fp32, then scaled."""
+    """RMSNorm (Zhang & Sennrich 2019) as Llama computes it: in fp32, then scaled.
+    (..., dim) -> (..., dim); keeps the input and one fp32 scalar per token for backward."""
 
     def __init__(self, name: str, dim: int, eps: float, seed: int, tp: Axis):
         super().__init__()
@@ -237,9 +266,7 @@ class RMSNorm(nn.Module):
         self.weight = make_param(f"{name}.weight", (dim,), seed, None, tp, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -263,14 +290,64 @@ def rope_tables(seq_len: int, rot_dim: int, theta: float, device=None) -> tuple[
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rot_dim`` dims of each head of x (B, T, H, D) ("rotate half")."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
     rotated = torch.cat([-x2, x1], dim=-1)
     c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
     return torch.cat([xr * c + rotated * s, xp], dim=-1)
+
+
+class _RopeFunction(torch.autograd.Function):
+    """A rotation whose backward is the rotation by minus the angle: nothing is kept for
+    backward but the (shared) cos/sin tables, as Megatron-LM's fused RoPE kernel does."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.tables = (cos, sin)      # module buffers shared by every layer, not activations
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.tables
+        return _rotate(grad_out, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` dims of each head of x (B, T, H, D) ("rotate half");
+    cos/sin are (T, rot_dim) (:func:`rope_tables`)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RopeFunction.apply(x, cos, sin)
+    return _rotate(x, cos, sin)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """``silu(gate) * up``, keeping only ``gate`` and ``up`` for backward and recomputing
+    the SiLU there (Megatron-LM's ``bias_swiglu`` fusion); autograd would keep a third
+    ffn-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        g = _wide(gate)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        go = _wide(grad_out)
+        grad_gate = go * _wide(up) * sig * (1 + g * (1 - sig))
+        return grad_gate.to(gate.dtype), (go * silu).to(up.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): ``silu(gate) * up``, (..., f) x (..., f) -> (..., f)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLUFunction.apply(gate, up)
+    return F.silu(gate) * up
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -283,32 +360,57 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return keep
 
 
+class _Softmax(torch.autograd.Function):
+    """Softmax over the last dim computed in fp32, returned and kept for backward in the
+    input's dtype (Megatron-LM's fused scale-mask-softmax keeps 16-bit probabilities)."""
+
+    @staticmethod
+    def forward(ctx, scores):
+        probs = torch.softmax(_wide(scores), dim=-1).to(scores.dtype)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (probs,) = ctx.saved_tensors
+        p, g = _wide(probs), _wide(grad_out)
+        return (p * (g - (g * p).sum(-1, keepdim=True))).to(probs.dtype)
+
+
 def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v, causal. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
 
-    GQA: each group of Hq/Hkv query heads shares one kv head. ``q_pos``/``k_pos`` are the
-    tokens' positions in the sequence when they are not 0..T-1 (context parallelism).
-    ``fused`` uses torch's ``scaled_dot_product_attention`` (flash kernels on GPUs);
-    otherwise the softmax is spelt out and kept, as Megatron-LM 2021-22 did.
+    GQA: each group of Hq/Hkv query heads shares one kv head; k and v are never expanded
+    to Hq heads (the fused kernel's ``enable_gqa``; the unfused path multiplies each kv head
+    with its group of query heads at once), so backward keeps them at their own size.
+    ``q_pos``/``k_pos`` are the tokens' positions in the sequence when they are not 0..T-1
+    (context parallelism). ``fused`` uses torch's ``scaled_dot_product_attention`` (flash
+    kernels: it keeps q, k, v, its output and an fp32 log-sum-exp per query and head);
+    otherwise the softmax is spelt out and its (B, Hq, Tq, Tk) probabilities are kept, as
+    Megatron-LM 2021-22 did.
     """
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
     p = dropout if training else 0.0
     plain = q_pos is None and (not window or window >= q.shape[2])
     if q_pos is None:
         q_pos = torch.arange(q.shape[2], device=q.device)
         k_pos = torch.arange(k.shape[2], device=q.device)
+    gqa = {"enable_gqa": True} if rep > 1 else {}
     if fused:
         if plain:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window), dropout_p=p)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
-    probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, training)
-    return probs @ v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window),
+                                              dropout_p=p, **gqa)
+    B, _, Tq, D = q.shape
+    Tk = k.shape[2]
+    qg = q.reshape(B, hkv, rep * Tq, D)                          # query heads grouped by kv head
+    scores = (qg @ k.transpose(-2, -1)).view(B, hkv, rep, Tq, Tk) / math.sqrt(D)
+    bias = torch.zeros((Tq, Tk), dtype=scores.dtype, device=q.device)
+    bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
+    probs = F.dropout(_Softmax.apply(scores + bias), p, training)          # (B, Hkv, rep, Tq, Tk)
+    return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, D)
 
 
 def recompute(fn, *args, **kwargs):
@@ -319,6 +421,10 @@ def recompute(fn, *args, **kwargs):
 
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    from parcompile.runtime.memory import METER
+
+    if METER.active:   # the checkpoint keeps its inputs by reference, outside saved-tensor hooks
+        METER.hold(*args, *kwargs.values())
     # no early stop: the whole forward runs again, collectives included (Megatron-LM's
     # recomputation; torch would otherwise stop once the saved tensors are rebuilt)
     with set_checkpoint_early_stop(False):
@@ -329,6 +435,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "swiglu", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.grads import main_grad, set_main_grad
-from parcompile.runtime.layers import INIT_STD, make_param
+from parcompile.runtime.layers import INIT_STD, make_param, swiglu
 
 COUNT_DTYPE = torch.int64
 
@@ -229,7 +229,7 @@ class MoELayer(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         mod = self.experts[str(e)]
         if self.activation == "swiglu":
-            h = F.silu(F.linear(x, mod.w1)) * F.linear(x, mod.w3)
+            h = swiglu(F.linear(x, mod.w1), F.linear(x, mod.w3))
         elif self.activation == "gelu":
             h = F.gelu(F.linear(x, mod.w1))
         else:
@@ -277,8 +277,10 @@ class MoELayer(nn.Module):
             y = _ScatterRows.apply(y, member_rows, etp)   # (R, h): summed over expert_tp
         if ep.size > 1:
             y = _AllToAll.apply(y, send, recv, ep, False, True)   # (N k, h) back home; backward routed
-        w = weights.reshape(-1)[order].to(y.dtype)
-        out = torch.zeros_like(x).index_add(0, token, y * w.unsqueeze(-1))
+        # back to (token, choice) order, then the router-weighted sum over the k choices
+        # (backward keeps y and the weights, not a second (N k, h) product)
+        y = y.index_select(0, torch.argsort(order)).view(N, K, -1)
+        out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
         if self.aux_loss_scale and self.training:
             out = _AuxLossScaler.apply(out, load_balancing_loss(probs, chosen, E), self.aux_loss_scale)
         return out.view(shape)
@@ -303,28 +305,18 @@ class _Holder(nn.Module):
         self.held = nn.ParameterList(params)
 
 
-def reduce_expert_gradients(params, ctx: ParallelContext) -> None:
-    """Sum expert gradients over expert_dp and divide by dp * cp (module docstring)."""
-    if not params:
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    grads = [main_grad(p) for p in params]
-    flat = _flatten_dense_tensors([g.float() for g in grads])
-    all_reduce(flat, ctx.axes["expert_dp"])
-    flat /= ctx.axes["dp_cp"].size
-    for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(new)
-
-
 class MoEOptimizer:
     """The optimizer of a stage holding expert weights: dense parameters as usual
     (replicated, or ZeRO over dp_cp), expert parameters over expert_dp (replicated, or
-    ZeRO-sharded over expert_dp: their states are ``ceil(n / expert_dp)`` per rank, as the
-    plan's memory counts them). Same interface as :class:`ReplicatedOptimizer`.
+    ZeRO-sharded over expert_dp: their states are ``sum ceil(n_b / expert_dp)`` per rank
+    over their gradient buckets, as the plan's memory counts them). Each part reduces its
+    gradients in its own buckets (:class:`parcompile.runtime.buckets.GradBuckets`), expert
+    sums scaled by ``1 / (dp * cp)`` (module docstring). Same interface as
+    :class:`ReplicatedOptimizer`.
     """
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                 sequence_parallel: bool = False):
         from parcompile.runtime.train import ReplicatedOptimizer, make_optimizer
         from parcompile.runtime.zero import ShardedOptimizer
 
@@ -334,19 +326,32 @@ class MoEOptimizer:
         self.expert_params = [p for p in params if is_expert(p)]
         mk = lambda groups: make_optimizer(groups, train)  # noqa: E731
         wd = train["weight_decay"]
+        chunks = getattr(model, "chunks", None)
         dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
         if zero and ctx.axes["dp_cp"].size > 1:
-            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk)
+            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks)
         else:
-            self.dense = ReplicatedOptimizer(dense, ctx, train)
+            self.dense = ReplicatedOptimizer(dense, ctx, train, bucket_size, sequence_parallel, chunks)
         self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
+        expert_scale = 1.0 / ctx.axes["dp_cp"].size   # summed over expert_dp, averaged over dp * cp
         if self.expert_sharded:
             # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
             ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
-            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk)
+            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk, bucket_size, False, chunks, expert_scale)
         else:
-            self.experts = ReplicatedOptimizer(experts, ctx, train)
+            self.experts = ReplicatedOptimizer(experts, ctx, train, bucket_size, False, chunks,
+                                               ctx.axes["expert_dp"], expert_scale)
         self.parts = (self.dense, self.experts)
+
+    @property
+    def grad_sync(self):
+        """Both parts' gradient buckets, told when a chunk's last backward runs."""
+        from parcompile.runtime.buckets import GradSync
+
+        return GradSync([self.dense.buckets, self.experts.buckets])
+
+    def bucket_report(self) -> list[dict]:
+        return self.dense.bucket_report() + self.experts.bucket_report()
 
     def zero_grad(self) -> None:
         for o in self.parts:
@@ -362,16 +367,7 @@ class MoEOptimizer:
 
     def reduce_gradients(self) -> None:
         self.dense.reduce_gradients()
-        if self.expert_sharded:
-            # the reduce-scatter divides by expert_dp; the step's mean needs dp * cp
-            scale = self.ctx.axes["expert_dp"].size / self.ctx.axes["dp_cp"].size
-            for p in self.expert_params:
-                g = main_grad(p)
-                if g is not None and scale != 1.0:
-                    g.mul_(scale)
-            self.experts.reduce_gradients()
-        else:
-            reduce_expert_gradients([p for p in self.expert_params if main_grad(p) is not None], self.ctx)
+        self.experts.reduce_gradients()
 
     @property
     def loss_scale(self) -> float:
@@ -462,10 +458,10 @@ class MoEOptimizer:
         return {k: a[k] + b[k] for k in a}
 
 
-def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
+def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                  sequence_parallel: bool = False):
     """:class:`MoEOptimizer` when this rank holds expert weights, else None."""
-    return MoEOptimizer(model, ctx, train, zero) if has_experts(model) else None
+    return MoEOptimizer(model, ctx, train, zero, bucket_size, sequence_parallel) if has_experts(model) else None
 
 
-__all__ = ["ExpertAxes", "MoELayer", "MoEOptimizer", "route", "load_balancing_loss", "moe_optimizer",
-           "reduce_expert_gradients"]
+__all__ = ["ExpertAxes", "MoELayer", "MoEOptimizer", "route", "load_balancing_loss", "moe_optimizer"]

@@ -49,6 +49,7 @@ def run_schedule(
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,
     loss_scale: float = 1.0,
+    grad_sync=None,
 ) -> StepResult:
     """Execute ``actions`` for one optimizer step; gradients accumulate into ``.grad``.
 
@@ -62,6 +63,10 @@ def run_schedule(
         activation_shape: (b, t, h), what crosses a stage boundary.
         loss_scale: the fp16 loss scale the last chunk's loss is multiplied by before its
             backward (so every gradient, the ones sent between stages too, is scaled).
+        grad_sync: the optimizer's :class:`parcompile.runtime.buckets.GradSync`, told
+            around every backward action (the last one of a chunk makes its gradients
+            final, and their buckets' data-parallel reduction starts during it); None:
+            the optimizer reduces after the step.
 
     Raises:
         RuntimeError: an action refers to a tensor the schedule has not produced (a bug in
@@ -84,7 +89,9 @@ def run_schedule(
         return c * p + r
 
     executed: list[tuple[str, int, int]] = []
-    for a in actions:
+    if grad_sync is not None:
+        grad_sync.start(actions)
+    for i, a in enumerate(actions):
         op, mb, c = a["op"], a["microbatch"], a["chunk"]
         executed.append((op, mb, c))
         k = model_chunk(c)
@@ -116,16 +123,24 @@ def run_schedule(
             grad = None if k == last_model_chunk else received.pop((mb, c, BACKWARD))
             if grad is None and loss_scale != 1.0:
                 out = out * loss_scale                          # fp16: scaled loss, scaled gradients
+            if grad_sync is not None:
+                grad_sync.begin(i)
             if op == "backward_input":
                 with STORE.collecting((mb, c)):
                     torch.autograd.backward(out, grad)
             else:
                 torch.autograd.backward(out, grad)
+            if grad_sync is not None:
+                grad_sync.end(i)
             x = inputs.pop((mb, c))
             if k != 0:
                 input_grads[(mb, c)] = x.grad
         elif op == "backward_weight":
+            if grad_sync is not None:
+                grad_sync.begin(i)
             STORE.flush((mb, c))
+            if grad_sync is not None:
+                grad_sync.end(i)
         elif op == "send_backward":
             peer_chunk = (k - 1) // p
             pending.append(isend(input_grads.pop((mb, c)), pp, (r - 1) % p,

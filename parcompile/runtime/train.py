@@ -26,7 +26,9 @@ from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 
 
 def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool = False) -> None:
-    """The model-parallel gradient sums of a step, before the data-parallel reduction:
+    """The model-parallel gradient sums of a step, after the data-parallel reduction
+    (Megatron-LM's ``finalize_model_grads`` order; sums over tp or `embedding` and the mean
+    over dp are linear, so they commute):
 
     - with sequence parallelism, parameters replicated over tp (norms, row-parallel
       biases, learned positions) saw only this rank's part of the sequence: their
@@ -35,16 +37,15 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
     - a tied embedding and its LM-head copy on the last stage (pp > 1) sum their
       gradients over the `embedding` group (Megatron-LM's rule).
 
-    The data-parallel reduction is the optimizer's (:class:`ReplicatedOptimizer`,
-    :class:`parcompile.runtime.zero.ShardedOptimizer`).
+    :class:`ReplicatedOptimizer` runs it on the reduced gradients; the sharded optimizer
+    runs the same sums on its owned shards (:class:`parcompile.runtime.zero.ShardedOptimizer`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if main_grad(p) is None:
             set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
     if sequence_parallel and ctx.tp.size > 1:
-        _all_reduce_flat([p for p in params if getattr(p, "shard_dim", None) is None
-                          and not getattr(p, "expert", False)], ctx.tp)   # MoE experts: not tp-replicated
+        _all_reduce_flat(sp_replicated(params), ctx.tp)
     emb = ctx.axes["embedding"]
     if emb.size > 1:
         for p in params:
@@ -52,6 +53,12 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
                 g = main_grad(p).float()
                 all_reduce(g, emb)
                 main_grad(p).copy_(g)
+
+
+def sp_replicated(params: list) -> list:
+    """The parameters whose gradients sequence parallelism sums over tp: replicated over tp
+    (no ``shard_dim``) and not MoE experts (those are split over expert_tp)."""
+    return [p for p in params if getattr(p, "shard_dim", None) is None and not getattr(p, "expert", False)]
 
 
 def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:
@@ -119,16 +126,36 @@ def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
 
 class ReplicatedOptimizer:
     """``zero = 0``: every data-parallel rank holds all optimizer states; gradients are
-    averaged over `dp_cp` with one all-reduce of a flat fp32 buffer.
+    averaged over `dp_cp` (``axis``) with one all-reduce per gradient bucket, launched
+    during the backward (:class:`parcompile.runtime.buckets.GradBuckets`), then summed
+    over the model-parallel groups that need it (:func:`sync_gradients`).
+
+    Args:
+        model: the rank's stage (or a view of some of its parameters).
+        ctx: the rank's groups.
+        train: the spec's ``train`` block.
+        bucket_size: fp32 bytes per gradient bucket (``parallel.bucket_size``).
+        sequence_parallel: sum tp-replicated parameters' gradients over tp.
+        chunks: layer ids per local chunk (default ``model.chunks``), for the buckets.
+        axis: the data-parallel group (default ``dp_cp``; ``expert_dp`` for expert weights).
+        grad_scale: what the summed gradients are multiplied by (default ``1 / dp_cp``).
 
     Same interface as :class:`parcompile.runtime.zero.ShardedOptimizer`.
     """
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict):
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, bucket_size: int = 0,
+                 sequence_parallel: bool = False, chunks=None, axis=None, grad_scale: float | None = None):
         self.model, self.ctx = model, ctx
         self.params = list(model.parameters())
         self.scaler = _scaler_for(self.params)
+        self.sequence_parallel = sequence_parallel
         enable_main_grads(model)
+        from parcompile.runtime.buckets import GradBuckets
+
+        axis = axis or ctx.axes["dp_cp"]
+        scale = grad_scale if grad_scale is not None else 1.0 / ctx.axes["dp_cp"].size
+        self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
+                                   axis, bucket_size, sharded=False, scale=scale)
         # 16-bit parameters get fp32 master copies that the optimizer updates (SPEC: 4 bytes
         # of master weights per parameter); fp32 parameters are updated in place
         self.masters = [nn.Parameter(p.detach().float().clone()) if p.dtype != torch.float32 else p
@@ -142,6 +169,7 @@ class ReplicatedOptimizer:
         for p in self.params:
             p.grad = None
             set_main_grad(p, None)
+        self.buckets.reset()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -149,9 +177,22 @@ class ReplicatedOptimizer:
     def begin_step(self) -> None:
         pass
 
+    @property
+    def grad_sync(self):
+        """What the pipeline executor tells when a chunk's last backward runs
+        (:class:`parcompile.runtime.buckets.GradSync`)."""
+        from parcompile.runtime.buckets import GradSync
+
+        return GradSync([self.buckets])
+
     def reduce_gradients(self) -> None:
-        dp = self.ctx.axes["dp_cp"]
-        _all_reduce_flat([p for p in self.model.parameters() if main_grad(p) is not None], dp, scale=1.0 / dp.size)
+        """Finish the bucketed data-parallel reduction, then the model-parallel sums."""
+        self.buckets.finish()
+        sync_gradients(self.model, self.ctx, self.sequence_parallel)
+
+    def bucket_report(self) -> list[dict]:
+        """Per gradient bucket of the last step: axis, elements, launched early."""
+        return self.buckets.report()
 
     @property
     def loss_scale(self) -> float:
@@ -243,18 +284,22 @@ def _unscale(scaler, grads: list, ctx: ParallelContext, drop) -> bool:
     return not overflow
 
 
-def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int):
-    """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp)."""
+def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                   sequence_parallel: bool = False):
+    """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
+    reducing gradients in buckets of ``bucket_size`` fp32 bytes (0: one per chunk, after
+    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp."""
     from parcompile.runtime.moe import moe_optimizer
 
-    moe = moe_optimizer(model, ctx, train, zero)   # expert weights: reduced and sharded over expert_dp
+    moe = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel)   # experts: over expert_dp
     if moe is not None:
         return moe
     if zero == 0 or ctx.axes["dp_cp"].size == 1:
-        return ReplicatedOptimizer(model, ctx, train)
+        return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
     from parcompile.runtime.zero import ShardedOptimizer
 
-    return ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train))
+    return ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
+                            bucket_size, sequence_parallel)
 
 
 def lr_at(step: int, train: dict) -> float:
@@ -334,7 +379,7 @@ def write_state(out_dir: str | os.PathLike, ctx: ParallelContext, state: dict) -
 
 
 __all__ = [
-    "sync_gradients", "grad_norm", "clip_gradients", "build_optimizer", "make_optimizer", "step_optimizer",
+    "sync_gradients", "sp_replicated", "grad_norm", "clip_gradients", "build_optimizer", "make_optimizer", "step_optimizer",
     "ReplicatedOptimizer", "lr_at", "set_lr",
     "reduce_loss", "local_param_count", "shards", "write_metrics", "write_state",
     "COUNTER",

@@ -12,7 +12,7 @@ cheap, as in the paper's implementation).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from typing import Callable
 
@@ -26,7 +26,9 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.enabled = False
         self.current: tuple[int, int] | None = None
-        self.pending: dict[tuple[int, int], list[Callable[[], None]]] = defaultdict(list)
+        self.pending: dict[tuple[int, int], list[tuple[int, Callable[[], None]]]] = defaultdict(list)
+        #: per weight (``id``), closures filed and not run yet
+        self.waiting: Counter = Counter()
 
     @contextmanager
     def collecting(self, key: tuple[int, int]):
@@ -37,17 +39,26 @@ class WeightGradStore:
         finally:
             self.current = None
 
-    def file(self, fn: Callable[[], None]) -> None:
+    def file(self, fn: Callable[[], None], weight: torch.Tensor | None = None) -> None:
+        """Run ``fn`` now, or, while collecting, file it under the current key (``weight``:
+        the parameter whose gradient it computes)."""
         if self.current is None:
             fn()
         else:
-            self.pending[self.current].append(fn)
+            self.pending[self.current].append((id(weight), fn))
+            self.waiting[id(weight)] += 1
+
+    def has_pending(self, weight: torch.Tensor) -> bool:
+        """Whether a weight-gradient closure of ``weight`` is filed and not run yet."""
+        return self.waiting[id(weight)] > 0
 
     def flush(self, key: tuple[int, int]) -> int:
         """Run (and forget) the weight-gradient closures of ``key``; returns how many ran."""
         fns = self.pending.pop(key, [])
-        for fn in fns:
-            fn()
+        with torch.no_grad():   # a gradient, not part of any graph
+            for wid, fn in fns:
+                self.waiting[wid] -= 1   # before it runs: its gradient then announces the last one
+                fn()
         return len(fns)
 
 
@@ -65,18 +76,22 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # the parameter itself, not a saved copy: under saved-tensor hooks (the activation
+        # meter) ``saved_tensors`` hands back another tensor object, and the deferred
+        # gradient must reach the parameter (and its bucket)
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad_out @ weight.to(grad_out.dtype)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         go = grad_out.reshape(-1, grad_out.shape[-1])
         xi = x.reshape(-1, x.shape[-1])
-        STORE.file(lambda: _accumulate(weight, go.t().to(xi.dtype) @ xi))
+        STORE.file(lambda: _accumulate(weight, go.t().to(xi.dtype) @ xi), weight)
         return grad_x, None, grad_b
 
 

@@ -2,23 +2,30 @@
 optimizer; torchtitan's FSDP + PP shape: parameters stay gathered across the
 micro-batches of a step).
 
-A pipeline stage's parameters, in module order, form one flat buffer of N elements,
-padded to ``S * d`` with ``S = ceil(N / d)`` over the ``dp_cp`` group of d ranks; rank i
-owns elements ``[i S, (i + 1) S)``. One step:
+A pipeline stage's parameters are grouped into gradient buckets
+(:mod:`parcompile.analysis.buckets`); each bucket of N elements is its own sharded buffer,
+padded to ``S * d`` with ``S = ceil(N / d)`` over the ``dp_cp`` group of d ranks, and rank
+i owns elements ``[i S, (i + 1) S)`` of every bucket (Megatron-LM's
+``param_and_grad_buffer.py`` layout). One step:
 
-1. the backward accumulates full gradients (fp32) into ``p.grad`` over the micro-batches;
-2. one reduce-scatter of the flat gradient gives each rank the sum of its shard (divided
-   by d, the data-parallel average);
+1. the backward accumulates full gradients (fp32) over the micro-batches; each bucket is
+   reduce-scattered as soon as its gradients are final, overlapping the rest of the
+   backward (:class:`parcompile.runtime.buckets.GradBuckets`), giving each rank the sum
+   of its slice (divided by d: the data-parallel average);
+2. the model-parallel sums (sequence-parallel parameters over tp, the tied embedding over
+   `embedding`) run on the owned slices: every rank of those groups has the same bucket
+   layout, so its slices line up (Megatron-LM's ``finalize_model_grads`` after the
+   reduce-scatter);
 3. the gradient norm is summed over the shards (all-reduce over dp_cp, then tp and pp);
-4. the optimizer updates the owned shard only: its states are ``S`` elements;
-5. one all-gather of the updated shards rebuilds the parameters.
+4. the optimizer updates the owned slices only: its states are ``sum S`` elements;
+5. one all-gather per bucket of the updated slices rebuilds the parameters.
 
 Stages: ``zero = 1`` keeps full gradients and parameters between steps; ``zero = 2``
-frees the full gradients after the reduce-scatter (only the shard's gradient is kept);
+frees the full gradients after the reduce-scatter (only the slices' gradients are kept);
 ``zero = 3`` also frees the full parameters after the update and all-gathers them at the
-start of the next step (the one all-gather of the step moves from its end to its start).
-The collectives are the plan's ``grads`` reduce-scatter and ``params`` all-gather
-(``comm.collectives``), one each per step.
+start of the next step (the all-gathers of the step move from its end to its start).
+The collectives are the plan's ``grads`` reduce-scatters and ``params`` all-gathers
+(``comm.collectives``), one each per bucket per step.
 
 fp32 models update their parameters in place through views (no master copy); the
 optimizer's states are then 8 bytes per owned element (Adam), as SPEC accounts.
@@ -26,12 +33,11 @@ optimizer's states are then 8 bytes per owned element (Adam), as SPEC accounts.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parcompile.runtime.buckets import BucketLayout, GradBuckets, GradSync
 from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
@@ -42,47 +48,53 @@ class ShardedOptimizer:
 
     ``make_optimizer(groups)`` builds the torch optimizer from parameter groups
     (``[{"params": [...], "weight_decay": wd}, ...]``); the groups hold this rank's
-    segments of the parameters (one segment per parameter that overlaps the shard), so
-    the update of every element equals the unsharded optimizer's.
+    segments of the parameters (one segment per parameter and bucket that overlaps the
+    owned slice), so the update of every element equals the unsharded optimizer's.
+    ``bucket_size``, ``sequence_parallel``, ``chunks`` and ``grad_scale`` (default 1/d) are
+    :class:`parcompile.runtime.train.ReplicatedOptimizer`'s.
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, zero: int, weight_decay: float,
-                 make_optimizer):
+                 make_optimizer, bucket_size: int = 0, sequence_parallel: bool = False, chunks=None,
+                 grad_scale: float | None = None):
         self.model, self.ctx, self.zero = model, ctx, zero
         self.axis = ctx.axes["dp_cp"]
+        self.sequence_parallel = sequence_parallel
         self.params = [p for p in model.parameters()]
         enable_main_grads(model)
         from parcompile.runtime.train import _scaler_for
 
         self.scaler = _scaler_for(self.params)
         self.mixed = self.params[0].dtype != torch.float32
-        self.numels = [p.numel() for p in self.params]
-        self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
-        total = self.offsets[-1]
         d = self.axis.size
-        self.shard = math.ceil(total / d)
-        lo_own, hi_own = self.axis.index * self.shard, (self.axis.index + 1) * self.shard
-        self.segments: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (param, lo, hi, segment)
+        self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
+                                   self.axis, bucket_size, sharded=True,
+                                   scale=grad_scale if grad_scale is not None else 1.0 / d)
+        # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
+        self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            lo, hi = max(off, lo_own), min(off + n, hi_own)
-            if lo >= hi:
-                continue
-            flat = p.data.view(-1)[lo - off:hi - off]
-            # fp32: a view of the parameter (zero 3: its own copy); 16-bit: an fp32 master copy
-            seg = nn.Parameter(flat.float().clone() if (zero == 3 or self.mixed) else flat)
-            seg.counts_in_norm = not getattr(p, "tied_copy", False) and (
-                getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
-            self.segments.append((p, lo, hi, seg))
-            (decay if p.ndim >= 2 else no_decay).append(seg)
+        for b in self.buckets.buckets:
+            lo_own, hi_own = self.axis.index * b.shard, (self.axis.index + 1) * b.shard
+            for p, off in zip(b.params, b.offsets):
+                n = p.numel()
+                lo, hi = max(off, lo_own), min(off + n, hi_own)
+                if lo >= hi:
+                    continue
+                flat = p.data.view(-1)[lo - off:hi - off]
+                # fp32: a view of the parameter (zero 3: its own copy); 16-bit: an fp32 master copy
+                seg = nn.Parameter(flat.float().clone() if (zero == 3 or self.mixed) else flat)
+                seg.counts_in_norm = not getattr(p, "tied_copy", False) and (
+                    getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
+                self.segments.append((b, p, lo, hi, seg))
+                (decay if p.ndim >= 2 else no_decay).append(seg)
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
-        self._own = (lo_own, hi_own)
-        self._grad_shard = None
+        self._grad_shards: list[torch.Tensor] | None = None
         if zero == 3:
             self._free_params()
+
+    def _own_lo(self, b: BucketLayout) -> int:
+        return self.axis.index * b.shard
 
     # -- the step -------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -91,32 +103,63 @@ class ShardedOptimizer:
             set_main_grad(p, None)
         for *_, seg in self.segments:
             seg.grad = None
-        self._grad_shard = None
+        self._grad_shards = None
+        self.buckets.reset()
 
     def begin_step(self) -> None:
         """Before the first forward of a step: rebuild full parameters (zero 3)."""
         if self.zero == 3:
             self._all_gather_params()
 
+    @property
+    def grad_sync(self) -> GradSync:
+        """What the pipeline executor tells when a chunk's last backward runs."""
+        return GradSync([self.buckets])
+
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the flat gradient; attach the owned shard to the segments."""
-        d = self.axis.size
-        flat = torch.zeros(self.shard * d, dtype=torch.float32, device=self.ctx.device)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            if main_grad(p) is not None:
-                flat[off:off + n] = main_grad(p).reshape(-1).float()
-        out = torch.empty(self.shard, dtype=torch.float32, device=self.ctx.device)
-        COUNTER.record("reduce_scatter", self.axis.name, _nbytes(out))
-        dist.reduce_scatter_tensor(out, flat, group=self.axis.group)
-        out /= d
-        del flat
-        lo_own = self._own[0]
-        for p, lo, hi, seg in self.segments:
-            seg.grad = out[lo - lo_own:hi - lo_own].view_as(seg)
-        self._grad_shard = out
+        """Finish the buckets' reduce-scatters, attach the owned slices to the segments,
+        run the model-parallel sums on them."""
+        self._grad_shards = self.buckets.finish()
+        for b, p, lo, hi, seg in self.segments:
+            lo_own = self._own_lo(b)
+            seg.grad = self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg)
+        self._sync_model_parallel()
         if self.zero >= 2:
             for p in self.params:
                 set_main_grad(p, None)
+
+    def _sync_model_parallel(self) -> None:
+        """:func:`parcompile.runtime.train.sync_gradients` on the owned slices: one flat
+        all-reduce over tp of the sequence-parallel parameters (the plan's full
+        ``sp_norm_grads`` size; slices not owned here are zeros), and one over `embedding`
+        of the tied embedding (alone in its bucket on both stages, so both own the same
+        slice)."""
+        from parcompile.runtime.train import sp_replicated
+
+        def reduce(params: list, axis) -> None:
+            if not params or axis.size == 1:
+                return
+            start, off = {}, 0
+            for p in params:
+                start[id(p)] = off
+                off += _numel(p)
+            flat = torch.zeros(off, dtype=torch.float32, device=self.ctx.device)
+            mine = [(b, p, lo, hi, seg) for b, p, lo, hi, seg in self.segments if id(p) in start]
+            for b, p, lo, hi, seg in mine:
+                at = start[id(p)] + lo - self.buckets.offset_of[id(p)]
+                flat[at:at + hi - lo] = seg.grad.reshape(-1)
+            all_reduce(flat, axis)
+            for b, p, lo, hi, seg in mine:
+                at = start[id(p)] + lo - self.buckets.offset_of[id(p)]
+                seg.grad.reshape(-1).copy_(flat[at:at + hi - lo])
+
+        if self.sequence_parallel and self.ctx.tp.size > 1:
+            reduce(sp_replicated(self.params), self.ctx.tp)
+        reduce([p for p in self.params if getattr(p, "tied", False)], self.ctx.axes["embedding"])
+
+    def bucket_report(self) -> list[dict]:
+        """Per gradient bucket of the last step: axis, elements, launched early."""
+        return self.buckets.report()
 
     @property
     def loss_scale(self) -> float:
@@ -124,7 +167,7 @@ class ShardedOptimizer:
         return self.scaler.scale if self.scaler else 1.0
 
     def unscale(self) -> bool:
-        """Unscale the owned gradient shard; False (step skipped) when a rank overflowed."""
+        """Unscale the owned gradient slices; False (step skipped) when a rank overflowed."""
         from parcompile.runtime.train import _unscale
 
         def drop():
@@ -132,12 +175,12 @@ class ShardedOptimizer:
             if self.zero == 3:
                 self._free_params()
 
-        return _unscale(self.scaler, [self._grad_shard], self.ctx, drop)
+        return _unscale(self.scaler, list(self._grad_shards or []), self.ctx, drop)
 
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm from the shards: all-reduce over dp_cp, then tp and pp."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
-        for _, _, _, seg in self.segments:
+        for *_, seg in self.segments:
             if seg.counts_in_norm:
                 sq += seg.grad.float().pow(2).sum()
         all_reduce(sq, self.axis)
@@ -149,15 +192,16 @@ class ShardedOptimizer:
         if max_norm and max_norm > 0:
             coef = float(max_norm) / (float(norm) + 1e-6)
             if coef < 1.0:
-                self._grad_shard.mul_(coef)
+                for g in self._grad_shards or []:
+                    g.mul_(coef)
 
     def step(self) -> None:
-        """Update the owned shard, then rebuild the parameters (zero 1, 2) or free them (3)."""
+        """Update the owned slices, then rebuild the parameters (zero 1, 2) or free them (3)."""
         self.optimizer.step()
         for *_, seg in self.segments:
             seg.grad = None
         if self.zero < 2:
-            self._grad_shard = None   # zero 1 keeps full gradients; the shard was a scratch copy
+            self._grad_shards = None   # zero 1 keeps full gradients; the slices were scratch copies
         if self.zero == 3:
             self._free_params()
         else:
@@ -168,20 +212,42 @@ class ShardedOptimizer:
             g["lr"] = lr
 
     # -- parameters -----------------------------------------------------------------------
-    def _all_gather_params(self) -> None:
+    def _gather(self, fill, dtype: torch.dtype, counted: bool = True) -> list[torch.Tensor]:
+        """Per bucket, all-gather this rank's slice (``fill(bucket, mine)`` writes it) into
+        the full padded buffer; returns the buffers."""
         d = self.axis.size
+        out = []
+        enabled = COUNTER.enabled
+        COUNTER.enabled = enabled and counted
+        try:
+            for b in self.buckets.buckets:
+                mine = torch.zeros(b.shard, dtype=dtype, device=self.ctx.device)
+                fill(b, mine)
+                full = torch.empty(b.shard * d, dtype=dtype, device=self.ctx.device)
+                COUNTER.record("all_gather", self.axis.name, _nbytes(full))
+                dist.all_gather_into_tensor(full, mine, group=self.axis.group)
+                out.append(full)
+        finally:
+            COUNTER.enabled = enabled
+        return out
+
+    def _segments_of(self, b: BucketLayout):
+        return [(p, lo, hi, seg) for bb, p, lo, hi, seg in self.segments if bb is b]
+
+    def _all_gather_params(self) -> None:
         dtype = self.params[0].dtype
-        mine = torch.zeros(self.shard, dtype=dtype, device=self.ctx.device)
-        lo_own = self._own[0]
-        for _, lo, hi, seg in self.segments:
-            mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
-        full = torch.empty(self.shard * d, dtype=dtype, device=self.ctx.device)
-        COUNTER.record("all_gather", self.axis.name, _nbytes(full))
-        dist.all_gather_into_tensor(full, mine, group=self.axis.group)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            if p.data.numel() != n:
-                p.data = torch.empty(p.global_local_shape, dtype=dtype, device=self.ctx.device)
-            p.data.view(-1).copy_(full[off:off + n])
+
+        def fill(b: BucketLayout, mine: torch.Tensor) -> None:
+            lo_own = self._own_lo(b)
+            for p, lo, hi, seg in self._segments_of(b):
+                mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
+
+        for b, full in zip(self.buckets.buckets, self._gather(fill, dtype)):
+            for p, off in zip(b.params, b.offsets):
+                n = _numel(p)
+                if p.data.numel() != n:
+                    p.data = torch.empty(p.global_local_shape, dtype=dtype, device=self.ctx.device)
+                p.data.view(-1).copy_(full[off:off + n])
 
     def _free_params(self) -> None:
         for p in self.params:
@@ -200,7 +266,7 @@ class ShardedOptimizer:
 
     def dump_gradients(self) -> dict:
         """The data-parallel-averaged full gradients with their layout (verify's first-step
-        dump), rebuilt by an all-gather that is not counted as the step's traffic."""
+        dump), rebuilt by all-gathers that are not counted as the step's traffic."""
         from parcompile.runtime.train import shards
 
         saved = [main_grad(p) for p in self.params]
@@ -211,22 +277,19 @@ class ShardedOptimizer:
         return out
 
     def _full_gradients(self) -> None:
-        d = self.axis.size
-        enabled, COUNTER.enabled = COUNTER.enabled, False
-        try:
-            full = torch.empty(self.shard * d, dtype=torch.float32, device=self.ctx.device)
-            dist.all_gather_into_tensor(full, self._grad_shard.contiguous(), group=self.axis.group)
-        finally:
-            COUNTER.enabled = enabled
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            shape = getattr(p, "global_local_shape", tuple(p.shape))
-            set_main_grad(p, full[off:off + n].view(shape).clone())
+        def fill(b: BucketLayout, mine: torch.Tensor) -> None:
+            mine.copy_(self._grad_shards[b.index])
+
+        for b, full in zip(self.buckets.buckets, self._gather(fill, torch.float32, counted=False)):
+            for p, off in zip(b.params, b.offsets):
+                shape = getattr(p, "global_local_shape", tuple(p.shape))
+                set_main_grad(p, full[off:off + _numel(p)].view(shape).clone())
 
     # -- checkpoints ----------------------------------------------------------------------
     def export_states(self) -> dict[int, dict[str, torch.Tensor]]:
         """Optimizer states gathered into their parameter's layout, by ``id(param)`` (an
-        all-gather per state over dp_cp, not counted as step traffic)."""
-        d, lo_own = self.axis.size, self._own[0]
+        all-gather per state and bucket over dp_cp, not counted as step traffic)."""
+        d = self.axis.size
         keys = sorted({k for *_, seg in self.segments for k, v in self.optimizer.state.get(seg, {}).items()
                        if torch.is_tensor(v) and v.dim() > 0})
         if self.mixed:
@@ -236,28 +299,25 @@ class ShardedOptimizer:
             dist.all_gather_object(found, keys, group=self.axis.group)
             keys = sorted(set().union(*map(set, found)))
         out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
-        enabled, COUNTER.enabled = COUNTER.enabled, False
-        try:
-            for key in keys:
-                mine = torch.zeros(self.shard, dtype=torch.float32, device=self.ctx.device)
-                for _, lo, hi, seg in self.segments:
+        for key in keys:
+            def fill(b: BucketLayout, mine: torch.Tensor, key=key) -> None:
+                lo_own = self._own_lo(b)
+                for p, lo, hi, seg in self._segments_of(b):
                     v = seg.data if key == "master" else self.optimizer.state.get(seg, {}).get(key)
                     if v is not None:
                         mine[lo - lo_own:hi - lo_own] = v.reshape(-1).float()
-                full = torch.empty(self.shard * d, dtype=torch.float32, device=self.ctx.device)
-                dist.all_gather_into_tensor(full, mine, group=self.axis.group)
-                for p, off, n in zip(self.params, self.offsets, self.numels):
+
+            for b, full in zip(self.buckets.buckets, self._gather(fill, torch.float32, counted=False)):
+                for p, off in zip(b.params, b.offsets):
                     shape = getattr(p, "global_local_shape", tuple(p.shape))
-                    out[id(p)][key] = full[off:off + n].view(shape).clone()
-        finally:
-            COUNTER.enabled = enabled
+                    out[id(p)][key] = full[off:off + _numel(p)].view(shape).clone()
         return out
 
     def import_states(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
         """Restore the owned slices of what :meth:`export_states` wrote (any sharding)."""
         with torch.no_grad():
-            for p, lo, hi, seg in self.segments:
-                off = self.offsets[self.params.index(p)]
+            for b, p, lo, hi, seg in self.segments:
+                off = self.buckets.offset_of[id(p)]
                 st = states.get(id(p), {})
                 part = slice(lo - off, hi - off)
                 if "master" in st:
@@ -276,13 +336,22 @@ class ShardedOptimizer:
         params = sum(p.data.numel() * p.element_size() for p in self.params)
         segs = sum(seg.numel() * seg.element_size() for *_, seg in self.segments)
         if self.mixed:
-            masters = segs                      # fp32 master shard: an optimizer state
+            masters = segs                      # fp32 master slices: an optimizer state
         else:
             masters, params = 0, params + (segs if self.zero == 3 else 0)
         grads = sum(main_grad(p).numel() * main_grad(p).element_size()
                     for p in self.params if main_grad(p) is not None)
-        if self._grad_shard is not None:
-            grads += self._grad_shard.numel() * self._grad_shard.element_size()
+        grads += sum(g.numel() * g.element_size() for g in self._grad_shards or [])
         optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _numel(p: nn.Parameter) -> int:
+    """Elements of ``p``, also while zero 3 has freed its storage."""
+    if p.data.numel() == 0 and hasattr(p, "global_local_shape"):
+        n = 1
+        for x in p.global_local_shape:
+            n *= x
+        return n
+    return p.numel()

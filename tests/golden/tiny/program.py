@@ -12,6 +12,7 @@ Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -51,6 +52,7 @@ TP = 2
 PP = 2
 VIRTUAL_STAGES = 1
 ZERO = 0  # ZeRO stage over the data-parallel group (0: replicated optimizer)
+BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 RECOMPUTE = "none"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
@@ -107,7 +109,7 @@ class MLP(nn.Module):
 
     def forward(self, x):                                       # x: (B, 64, 64)
         x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
-        h = F.silu(self.w1(x)) * self.w3(x)                     # (B, T, 64)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T, 64): silu(gate) * up
         return self.w2(h)                                       # (B, 64, 64): all-reduce over tp
 
 
@@ -165,7 +167,8 @@ class Stage(nn.Module):
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
         for i in self.chunks[c]:
-            x = self.layers[str(i)](x, pos)
+            with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
+                x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
             x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # backward: all-reduce over tp
             return rt.linear(x, self.head_weight())             # (B, T, 128) logits, vocab split over tp
@@ -195,7 +198,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # fp32 weights
     num_params = rt.local_param_count(model)
-    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO)            # replicated over dp: all-reduce of gradients
+    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP)  # replicated over dp: all-reduce of gradients
     data = rt.GlobalBatches(args.data, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0
@@ -217,10 +220,11 @@ def main(argv=None) -> dict:
         lr = rt.lr_at(step, TRAIN)
         opt.set_lr(lr)
         opt.begin_step()                                        # zero 3: all-gather the parameters
-        result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
-                                 VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE, opt.loss_scale)
-        rt.sync_gradients(model, ctx, SP)                       # tied embedding gradients
-        opt.reduce_gradients()                                  # over dp: all-reduce
+        with rt.METER.measuring(model) if step == start else contextlib.nullcontext():
+            result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
+                                     VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE, opt.loss_scale,
+                                     grad_sync=opt.grad_sync)   # gradient buckets start reducing in the backward
+        opt.reduce_gradients()                                  # finish the buckets' all-reduces over dp; then tied embedding gradients
         if opt.unscale():                                       # (fp16 only: skip a step that overflowed)
             if step == 0 and args.metrics_dir:
                 state["grads"] = opt.dump_gradients()
@@ -232,6 +236,8 @@ def main(argv=None) -> dict:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
+            record["grad_buckets"] = opt.bucket_report()        # per bucket: launched during the backward?
+            record["saved_per_layer"] = rt.METER.snapshot()     # activations kept for backward, one micro-batch
             if ctx.device.type == "cuda":                        # the allocator's peak: used vs kept
                 record["cuda_peak"] = {"allocated": torch.cuda.max_memory_allocated(),
                                        "reserved": torch.cuda.max_memory_reserved()}

@@ -1,0 +1,125 @@
+"""Predicted against measured memory per rank (issue 7). Prints figures; not a timed test.
+
+For every spec in ``examples/``:
+
+* a training spec on the ``cpu`` cluster (``tiny.par``) is compiled as it is and its
+  program runs one step under torchrun here;
+* a training spec for GPUs runs its ``parcompile verify`` miniature (same degrees,
+  schedule, ZeRO stage, recomputation, dtype kinds; small widths) when its world fits
+  this machine (``verify.MAX_WORLD`` processes); larger worlds are skipped, saying so;
+* serve specs are skipped (their memory is weights and KV cache, checked by
+  ``tests/test_serve.py``).
+
+Per rank it prints the plan's parameter, gradient and optimizer bytes next to what the
+program held (``state_bytes``), and the bytes one micro-batch saves for backward summed
+over the rank's layers (plan ``activations_per_layer`` against the saved-tensor hooks of
+``parcompile.runtime.memory``), with the largest per-layer deviation. On a GPU it adds
+the allocator's peak (allocated / reserved) against the plan's ``total``; a CPU run has
+no allocator to ask (process RSS is mostly Python and torch, not the model).
+
+Run: ``python benchmarks/memory.py [--only NAME] [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from parcompile.diagnostics import SpecError
+from parcompile.frontend import load_spec
+from parcompile.verify import MAX_WORLD, measure, miniature
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024:,.1f}"
+
+
+def rows(plan: dict, records: list[dict]) -> list[tuple]:
+    """One row per rank: (rank, stage, (kind, planned, measured) x 4, worst layer deviation,
+    cuda peak or None)."""
+    out = []
+    for r in records:
+        st = plan["memory"]["per_stage"][r["stage"]]
+        got = r.get("state_bytes") or {}
+        layers = st.get("activations_per_layer", [])
+        measured = r.get("saved_per_layer") or {}
+        plan_acts = sum(b for _, b in layers)
+        meas_acts = sum(measured.get(str(layer), 0) for layer, _ in layers)
+        worst = max((abs(measured.get(str(layer), 0) - b) / b for layer, b in layers if b), default=0.0)
+        out.append((r["rank"], r["stage"],
+                    [(k, st[k], got.get(k)) for k in ("params", "grads", "optimizer")]
+                    + [("saved/layer", plan_acts, meas_acts)],
+                    worst, r.get("cuda_peak"), st["total"]))
+    return out
+
+
+def report(name: str, how: str, plan: dict, records: list[dict]) -> str:
+    lines = [f"== {name}: {how}",
+             f"{'rank':>4} {'stage':>5}  {'params KiB plan/meas':>22}  {'grads KiB':>19}  "
+             f"{'optimizer KiB':>19}  {'saved act KiB (1 mb)':>21}  {'worst layer':>11}"]
+    exact = True
+    table = rows(plan, records)
+    for rank, stage, parts, worst, peak, total in table:
+        cells = []
+        for kind, p, m in parts:
+            cells.append(f"{_kib(p):>10}/{_kib(m):<10}")
+            if kind != "saved/layer" and p != m:
+                exact = False
+        line = f"{rank:>4} {stage:>5}  " + "  ".join(cells) + f"  {100 * worst:>10.2f}%"
+        if peak:
+            line += f"  cuda peak {peak['allocated'] / 2**20:,.0f}/{peak['reserved'] / 2**20:,.0f} MiB " \
+                    f"(plan total {total / 2**20:,.0f} MiB)"
+        lines.append(line)
+    worst_all = max((row[3] for row in table), default=0.0)
+    planned = sum(row[2][3][1] for row in table)
+    measured = sum(row[2][3][2] for row in table)
+    lines.append(f"   model states {'equal the plan exactly' if exact else 'DIFFER from the plan'}; "
+                 f"saved activations per layer within {100 * worst_all:.2f}% of the plan on every rank, "
+                 f"{100 * (measured - planned) / max(planned, 1):+.2f}% summed over ranks")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run only the example with this file stem")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (state bytes are read after step 1)")
+    args = ap.parse_args(argv)
+    for path in sorted((ROOT / "examples").glob("*.par")):
+        if args.only and path.stem != args.only:
+            continue
+        try:
+            cfg, _ = load_spec(path)
+        except SpecError as e:
+            print(f"== {path.stem}: does not compile ({e})")
+            continue
+        if cfg.workload != "train":
+            print(f"== {path.stem}: skipped (serve spec: weights and KV cache, see tests/test_serve.py)\n")
+            continue
+        world = cfg.parallel.world_size
+        if cfg.cluster.preset == "cpu":
+            run_cfg, how = cfg, f"the spec itself, {world} CPU ranks"
+        elif world <= MAX_WORLD:
+            run_cfg, how = miniature(cfg, args.steps), (f"its verify miniature ({world} CPU ranks; "
+                                                         f"{cfg.model.name} is too large for this machine)")
+        else:
+            print(f"== {path.stem}: skipped ({world} ranks; this machine runs at most {MAX_WORLD})\n")
+            continue
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="parcompile-mem-") as tmp:
+            try:
+                plan, records = measure(run_cfg, tmp, steps=args.steps)
+            except (RuntimeError, SpecError) as e:
+                print(f"== {path.stem}: run failed: {str(e)[:400]}\n")
+                continue
+        print(report(path.stem, how, plan, records))
+        print(f"   ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Gradient buckets: how a rank's gradients are grouped for the data-parallel reduction
+(``parallel.bucket_size``), one rule shared by the plan and the generated program.
+
+Data-parallel ranks reduce their fp32 gradients in *buckets* launched as soon as the
+backward has produced all of a bucket's gradients, so the reduction of the first buckets
+runs while the backward computes the next ones: PyTorch DDP's bucketing (Li et al. 2020,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", section 3.2.3)
+and Megatron-LM's ``--overlap-grad-reduce`` (``core/distributed/param_and_grad_buffer.py``
+and ``distributed_data_parallel.py``). The rule, per pipeline rank:
+
+1. **Units** (:class:`GradUnit`), per local model chunk, in gradient-ready order, the
+   reverse of the forward: the output layer (final norm + LM head) when the chunk is the
+   model's last, then the decoder layers from last to first, then the embedding (with
+   learned positions) when the chunk is the model's first. A unit is all of one layer's
+   parameters on the rank: a layer is never split over two buckets.
+2. **Chunks** are taken from the rank's last local chunk to its first: in every schedule
+   the last micro-batch's backward visits them in that order.
+3. **Buckets**: units are appended to the open bucket, which closes as soon as its fp32
+   bytes (4 per element) reach ``bucket_size``, and at the end of each chunk. ``bucket_size
+   = 0`` makes one bucket per chunk, reduced after the backward (no overlap).
+4. **A tied embedding** (and its LM-head copy on the last stage, pp > 1) is a bucket of its
+   own, as Megatron-LM's buffer gives the shared embedding one: with ZeRO both copies are
+   then sharded alike, so the sum over the `embedding` group can run on the shards.
+5. **Expert weights** (MoE) are reduced over ``expert_dp``, not ``dp_cp``: they form their
+   own buckets by the same rule, from the expert part of each unit.
+
+Model-parallel sums of gradients (the sequence-parallel all-reduce over tp of parameters
+replicated over tp, the tied embedding's all-reduce over `embedding`) run after the
+data-parallel reduction, on reduced gradients (Megatron-LM's ``finalize_model_grads``
+order): summing over tp or `embedding` and averaging over dp are linear and commute, so
+those parameters stay in their layer's bucket and overlap like the others. With ZeRO the
+sums run on the owned shards, whose offsets agree on every rank of the group (identical
+bucket layouts over tp; the tied embedding alone in its bucket on both stages).
+
+ZeRO >= 1 shards each bucket on its own (Megatron-LM's distributed optimizer): a bucket of
+n elements is padded to ``ceil(n / d) * d`` and rank i owns slice i, so a rank holds
+``sum over buckets of ceil(n_b / d)`` elements of sharded state (:func:`shard_elements`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+#: bytes per gradient element in a bucket (fp32 gradients)
+GRAD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class GradUnit:
+    """One unit of the bucket rule: the parameters of one layer (or the output layer, or
+    the embedding) on one rank, as element counts.
+
+    ``chunk`` is the local chunk (virtual stage) index on the pipeline rank; ``name`` is
+    ``"output"``, ``"layers.N"``, ``"embedding"`` or ``"tied_embedding"``; ``dense``
+    elements are reduced over dp_cp, ``expert`` elements over expert_dp; ``alone`` units
+    (the tied embedding or its head copy) form a bucket of their own.
+    """
+
+    chunk: int
+    name: str
+    dense: int
+    expert: int = 0
+    alone: bool = False
+
+    def size(self, kind: str) -> int:
+        """Elements of ``kind`` (``"dense"`` or ``"expert"``)."""
+        return self.dense if kind == "dense" else self.expert
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One gradient bucket: its local chunk, its units in ready order, its elements."""
+
+    chunk: int
+    units: tuple[str, ...]
+    elements: int
+
+    @property
+    def bytes(self) -> int:
+        """fp32 gradient bytes."""
+        return GRAD_BYTES * self.elements
+
+
+def unit_order_key(chunk: int, name: str, num_chunks: int) -> tuple:
+    """Sort key putting units in gradient-ready order (module docstring, rules 1-2): chunks
+    from the last to the first; in a chunk the LM-head copy, the output layer, the layers
+    from last to first, the embedding, the tied embedding."""
+    if name.startswith("layers."):
+        rank, sub = 2, -int(name.split(".")[1])
+    else:
+        rank, sub = {"tied_head": 0, "output": 1, "embedding": 3, "tied_embedding": 4}[name], 0
+    return (num_chunks - 1 - chunk, rank, sub)
+
+
+def partition(units: Sequence[GradUnit], bucket_size: int, kind: str = "dense") -> list[Bucket]:
+    """The buckets of one rank: ``units`` in ready order (chunk by chunk), closed by the
+    rule of the module docstring. Units with no element of ``kind`` are skipped.
+
+    Args:
+        units: the rank's units in gradient-ready order.
+        bucket_size: fp32 bytes at which a bucket closes; 0: one bucket per chunk.
+        kind: ``"dense"`` (reduced over dp_cp) or ``"expert"`` (over expert_dp).
+
+    Returns:
+        The buckets in launch order; their elements sum to the units' elements of ``kind``.
+    """
+    out: list[Bucket] = []
+    names: list[str] = []
+    n = 0
+    chunk: int | None = None
+
+    def close() -> None:
+        nonlocal names, n
+        if names:
+            out.append(Bucket(chunk, tuple(names), n))
+        names, n = [], 0
+
+    for u in units:
+        size = u.size(kind)
+        if size <= 0:
+            continue
+        if u.chunk != chunk:
+            close()
+            chunk = u.chunk
+        if u.alone:
+            close()
+            out.append(Bucket(u.chunk, (u.name,), size))
+            continue
+        names.append(u.name)
+        n += size
+        if bucket_size > 0 and GRAD_BYTES * n >= bucket_size:
+            close()
+    close()
+    return out
+
+
+def stage_buckets(sp, bucket_size: int) -> tuple[list[Bucket], list[Bucket]]:
+    """(dense buckets, expert buckets) of one rank of a stage, from its
+    :class:`~parcompile.analysis.params.StageParams` (``units`` in ready order; a
+    StageParams without units counts as one unit per kind)."""
+    units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
+    return partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+
+
+def shard_elements(buckets: Iterable[Bucket], d: int) -> int:
+    """Elements of the sharded state one rank holds under ZeRO: ``sum ceil(n_b / d)``
+    (each bucket padded to a multiple of ``d``); all of them when ``d == 1``."""
+    return sum(math.ceil(b.elements / d) if d > 1 else b.elements for b in buckets)
+
+
+def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on one rank of a stage: SPEC's per-parameter rule
+    (:func:`parcompile.analysis.memory.state_bytes`) with the sharded buffers being the
+    buckets, so a sharded state rounds up per bucket (``sum ceil(n_b / d)``)."""
+    from parcompile.analysis.memory import state_bytes
+
+    par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d))
+    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed))
+    return tuple(x + y for x, y in zip(pd, pe))
+
+
+def buckets_to_dict(sp, bucket_size: int) -> dict:
+    """One stage's entry of plan.json ``comm.grad_buckets.per_stage``."""
+    dense, expert = stage_buckets(sp, bucket_size)
+
+    def rows(bs: list[Bucket]) -> list[dict]:
+        return [{"chunk": b.chunk, "elements": b.elements, "units": list(b.units)} for b in bs]
+
+    return {"stage": sp.stage, "dense": rows(dense), "expert": rows(expert)}
+
+
+__all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
+           "stage_state_bytes", "buckets_to_dict", "unit_order_key"]

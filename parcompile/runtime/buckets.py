@@ -1,0 +1,320 @@
+"""Data-parallel gradient reduction in buckets, overlapped with the backward pass.
+
+PyTorch DDP (Li et al. 2020, "PyTorch Distributed", section 3.2.3) and Megatron-LM
+(``core/distributed/param_and_grad_buffer.py``, ``distributed_data_parallel.py`` with
+``overlap_grad_reduce``) reduce gradients in buckets: a bucket's collective starts as soon
+as the backward has produced all of its gradients, so it runs while the backward computes
+the gradients of earlier layers. The partition is :func:`parcompile.analysis.buckets.partition`,
+the same function the plan uses, applied to this rank's parameters grouped into units
+(a decoder layer, the output layer, the embedding; :func:`param_units`), so the
+collectives the program runs match the plan's ``comm.collectives`` byte for byte.
+
+**When is a gradient final?** The pipeline executor
+(:func:`parcompile.runtime.pipeline.run_schedule`) tells :class:`GradSync` which
+backward action is the last of each local chunk (the last micro-batch's). During that
+action every gradient a parameter of the chunk receives is its last one of the step
+(autograd sums all uses of a parameter within one backward before its accumulate hook
+runs), so the parameter is *ready* when :mod:`parcompile.runtime.grads` announces it.
+Zero-bubble schedules split a backward into B (input gradients) and W (weight
+gradients, :mod:`parcompile.runtime.wgrad`): a linear weight whose gradient is still
+filed for a later W is not ready in B (autograd runs its hook with no gradient); it is
+when its last W closure has run. When the chunk's last backward (or W) action ends,
+every parameter of the chunk still waiting is ready: one that got no gradient in the
+last micro-batch, such as an expert no token was routed to, has its final gradient (or
+none, which counts as zeros). Counting accumulations instead would break on exactly
+these cases (a weight announced twice per micro-batch under zero-bubble, an expert
+announced fewer than m times).
+
+**Launch order.** Buckets are launched strictly in bucket order (bucket k + 1 waits for
+k), so every rank of the group issues the same collectives in the same order, whatever
+order their gradients became ready in (expert buckets depend on the router). A bucket's
+gradients are copied into one flat fp32 buffer and reduced asynchronously
+(:func:`parcompile.runtime.comm.all_reduce_async` or ``reduce_scatter_async``, counted
+when launched): ``zero = 0`` all-reduces it; ZeRO pads it to a multiple of ``d`` and
+reduce-scatters it, so rank i receives slice i (Megatron-LM's distributed optimizer).
+:meth:`GradBuckets.finish`, after the backward, launches what is left, waits for all and
+scales the sums (1/d, the data-parallel mean; 1/(dp*cp) for expert weights).
+
+``bucket_size = 0``: one bucket per chunk, launched by ``finish`` (no overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from parcompile.analysis.buckets import GradUnit, partition, unit_order_key
+from parcompile.runtime.comm import all_reduce_async, reduce_scatter_async
+from parcompile.runtime.context import Axis
+from parcompile.runtime.grads import main_grad, set_main_grad
+from parcompile.runtime.wgrad import STORE
+
+
+def unit_of(p: nn.Parameter, chunk_of_layer: dict[int, int], last_chunk: int) -> tuple[int, str]:
+    """(local chunk, unit name) of parameter ``p`` (:mod:`parcompile.analysis.buckets`),
+    from its ``global_name`` and tied-embedding marks (``tied``: a tied embedding summed
+    over the `embedding` group, ``tied_copy``: its LM-head copy on the last stage)."""
+    name = getattr(p, "global_name", "")
+    if getattr(p, "tied", False):
+        return (last_chunk, "tied_head") if getattr(p, "tied_copy", False) else (0, "tied_embedding")
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return chunk_of_layer.get(layer, 0), f"layers.{layer}"
+    if name.startswith(("final_norm", "lm_head")):
+        return last_chunk, "output"
+    return 0, "embedding"
+
+
+def param_units(params: list[nn.Parameter], chunks: list[list[int]] | None) -> list[tuple[GradUnit, list]]:
+    """This rank's parameters grouped into units, in gradient-ready order: ``(unit,
+    params)`` with the unit's element count in ``unit.dense``; ``chunks`` lists the layer
+    ids of each local chunk (None: one chunk)."""
+    chunks = chunks or [[]]
+    chunk_of_layer = {layer: c for c, ids in enumerate(chunks) for layer in ids}
+    groups: dict[tuple[int, str], list] = {}
+    for p in params:
+        groups.setdefault(unit_of(p, chunk_of_layer, len(chunks) - 1), []).append(p)
+    keys = sorted(groups, key=lambda k: unit_order_key(k[0], k[1], len(chunks)))
+    return [(GradUnit(c, name, sum(p.numel() for p in groups[(c, name)]),
+                      alone=name in ("tied_embedding", "tied_head")), groups[(c, name)]) for c, name in keys]
+
+
+@dataclass
+class BucketLayout:
+    """One bucket: its parameters in order, their offsets in the flat buffer, its
+    ``elements`` and, sharded, ``shard`` = ceil(elements / d) per rank (the buffer is
+    padded to ``shard * d``)."""
+
+    index: int
+    chunk: int
+    units: tuple[str, ...]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    elements: int
+    shard: int
+    #: per step: gradients not final yet, the flat buffer, the output, the work
+    waiting: int = 0
+    flat: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    work: object = None
+    launched: bool = False
+    early: bool = False
+
+
+def _numel(p: nn.Parameter) -> int:
+    """Elements of ``p``, also while ZeRO-3 has freed its storage."""
+    return math.prod(getattr(p, "global_local_shape", tuple(p.shape))) if p.data.numel() == 0 else p.numel()
+
+
+class GradBuckets:
+    """The gradient buckets of one set of parameters reduced over one axis (module
+    docstring): dense parameters over ``dp_cp``, or expert weights over ``expert_dp``.
+
+    Args:
+        params: the parameters, in module order.
+        chunks: layer ids per local chunk (``Stage.chunks``), for the units.
+        axis: the group to reduce over.
+        bucket_size: fp32 bytes at which a bucket closes (0: one bucket per chunk, no overlap).
+        sharded: ZeRO (reduce-scatter into padded shards) instead of an all-reduce.
+        scale: what the sums are multiplied by (``1 / d``: the mean over data-parallel ranks).
+    """
+
+    def __init__(self, params: list[nn.Parameter], chunks: list[list[int]] | None, axis: Axis,
+                 bucket_size: int, sharded: bool, scale: float):
+        self.axis, self.sharded, self.scale = axis, sharded, scale
+        self.overlap = bucket_size > 0
+        units = param_units(params, chunks)
+        by_name = {(u.chunk, u.name): ps for u, ps in units}
+        d = axis.size
+        self.buckets: list[BucketLayout] = []
+        for i, b in enumerate(partition([u for u, _ in units], bucket_size, "dense")):
+            ps = [p for name in b.units for p in by_name[(b.chunk, name)]]
+            offsets, off = [], 0
+            for p in ps:
+                offsets.append(off)
+                off += _numel(p)
+            assert off == b.elements, (off, b)
+            shard = math.ceil(off / d) if sharded else off
+            self.buckets.append(BucketLayout(i, b.chunk, b.units, ps, offsets, off, shard))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        #: each parameter's offset in its bucket's flat buffer
+        self.offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
+        self.chunk_params: dict[int, list[nn.Parameter]] = {}
+        for b in self.buckets:
+            self.chunk_params.setdefault(b.chunk, []).extend(b.params)
+        self.active = d > 1
+        self.sync: GradSync | None = None
+        self.armed: dict[int, str] = {}
+        self.ready: set[int] = set()
+        self.next = 0
+        for p in params:
+            p._grad_listener = self.listen
+        self.reset()
+
+    # -- per step -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the last step (called with ``zero_grad``)."""
+        self.armed.clear()
+        self.ready.clear()
+        self.next = 0
+        for b in self.buckets:
+            b.waiting = len(b.params)
+            b.flat = b.out = b.work = None
+            b.launched = b.early = False
+
+    def begin(self, chunk: int, phase: str) -> None:
+        """The last backward action of ``chunk`` starts; ``phase`` is ``full`` (a whole
+        backward), ``input`` (zero-bubble B) or ``weight`` (zero-bubble W)."""
+        self.armed[chunk] = phase
+
+    def end(self, chunk: int, phase: str) -> None:
+        """The last backward action of ``chunk`` ended: its parameters are ready (in B,
+        those with no weight gradient still filed)."""
+        self.armed.pop(chunk, None)
+        for p in self.chunk_params.get(chunk, []):
+            if phase != "input" or not STORE.has_pending(p):
+                self._mark(p)
+
+    def listen(self, p: nn.Parameter) -> None:
+        """A gradient reached ``p`` (:mod:`parcompile.runtime.grads`)."""
+        b = self.bucket_of.get(id(p))
+        if b is None:
+            return
+        phase = self.armed.get(b.chunk)
+        if phase is None:
+            return
+        if phase == "input" and STORE.has_pending(p):
+            return   # its weight gradient comes in a later W
+        self._mark(p)
+
+    def _mark(self, p: nn.Parameter) -> None:
+        if id(p) in self.ready:
+            return
+        self.ready.add(id(p))
+        b = self.bucket_of[id(p)]
+        b.waiting -= 1
+        if b.waiting == 0 and self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.buckets) and self.buckets[self.next].waiting == 0:
+            self._launch(self.buckets[self.next])
+            self.next += 1
+
+    def _launch(self, b: BucketLayout) -> None:
+        b.launched = True
+        b.early = self.sync is not None and self.sync.in_backward()
+        if not self.active:
+            return
+        d = self.axis.size
+        device = b.params[0].device
+        flat = torch.zeros(b.shard * d if self.sharded else b.elements, dtype=torch.float32, device=device)
+        for p, off in zip(b.params, b.offsets):
+            g = main_grad(p)
+            if g is not None:
+                flat[off:off + g.numel()].copy_(g.reshape(-1))
+        b.flat = flat
+        if self.sharded:
+            b.out = torch.empty(b.shard, dtype=torch.float32, device=device)
+            b.work = reduce_scatter_async(b.out, flat, self.axis)
+        else:
+            b.out = flat
+            b.work = all_reduce_async(flat, self.axis)
+
+    def finish(self) -> list[torch.Tensor | None]:
+        """After the backward: launch every bucket not launched yet (in order), wait for
+        all, scale the sums. ``zero = 0``: each parameter's gradient becomes the reduced
+        one (zeros for a parameter that got none). Sharded: returns each bucket's owned
+        slice of the reduced gradient (``shard`` elements); the full gradients are left
+        as they are."""
+        for b in self.buckets:
+            for p in b.params:
+                if main_grad(p) is None and not self.sharded:
+                    set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+                self.ready.add(id(p))
+            b.waiting = 0
+        while self.next < len(self.buckets):
+            self._launch(self.buckets[self.next])
+            self.next += 1
+        shards: list[torch.Tensor | None] = []
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            if not self.active:   # nothing to reduce over: scale in place (expert weights: 1 / (dp * cp))
+                if self.scale != 1.0:
+                    for p in b.params:
+                        if main_grad(p) is not None:
+                            main_grad(p).mul_(self.scale)
+                shards.append(None)
+                continue
+            out = b.out
+            if self.scale != 1.0:
+                out.mul_(self.scale)
+            if self.sharded:
+                shards.append(out)
+            else:
+                for p, off in zip(b.params, b.offsets):
+                    g = main_grad(p)
+                    g.copy_(out[off:off + g.numel()].view_as(g))
+                shards.append(None)
+            b.flat = b.work = None
+            b.out = out if self.sharded else None
+        return shards
+
+    def report(self) -> list[dict]:
+        """Per bucket of the last step: its axis, elements, and whether it was launched
+        before the last backward action of the step ended (``early``: overlapped)."""
+        return [{"axis": self.axis.name, "chunk": b.chunk, "elements": b.elements, "early": b.early}
+                for b in self.buckets]
+
+
+class GradSync:
+    """What the pipeline executor tells the gradient buckets of an optimizer: which
+    backward action of a chunk is its last (module docstring). ``start(actions)`` at the
+    beginning of a step; ``begin(i)`` / ``end(i)`` around each gradient action ``i``."""
+
+    OPS = {"backward": "full", "backward_input": "input", "backward_weight": "weight"}
+
+    def __init__(self, parts: list[GradBuckets]):
+        self.parts = [p for p in parts if p.buckets]
+        for p in self.parts:
+            p.sync = self
+        self.final: dict[int, tuple[int, str]] = {}
+        self.left = 0
+        self.running = False
+
+    def start(self, actions: list[dict]) -> None:
+        """Find the last backward (and W) action of each local chunk in this rank's list."""
+        last: dict[tuple[int, str], int] = {}
+        for i, a in enumerate(actions):
+            phase = self.OPS.get(a["op"])
+            if phase is not None:
+                last[(a["chunk"], "weight" if phase == "weight" else "grad")] = i
+        self.final = {i: (chunk, self.OPS[actions[i]["op"]]) for (chunk, _), i in last.items()}
+        self.left = sum(1 for a in actions if a["op"] in self.OPS)
+        self.running = False
+
+    def in_backward(self) -> bool:
+        """True while a backward action runs or one is still to come."""
+        return self.running or self.left > 0
+
+    def begin(self, i: int) -> None:
+        self.running = True
+        f = self.final.get(i)
+        if f is not None:
+            for p in self.parts:
+                p.begin(*f)
+
+    def end(self, i: int) -> None:
+        self.running = False
+        self.left -= 1
+        f = self.final.get(i)
+        if f is not None:
+            for p in self.parts:
+                p.end(*f)
+
+
+__all__ = ["GradBuckets", "GradSync", "BucketLayout", "param_units", "unit_of"]

@@ -1,0 +1,140 @@
+"""Issue 7: the bytes a generated program saves for backward, per decoder layer, measured
+with saved-tensor hooks (parcompile/runtime/memory.py), against the plan's
+``memory.per_stage[].activations_per_layer`` (within verify.ACTIVATION_RTOL = 5%), for
+every recompute mode and both attention kinds; and the autograd functions the program
+uses to keep what Megatron-LM's fused kernels keep."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parcompile.runtime.memory import SavedTensorMeter
+from parcompile.verify import ACTIVATION_RTOL
+from tests.program_utils import build_program, tiny_config
+
+LLAMA = dict()   # tiny_config's default: RMSNorm, SwiGLU, RoPE, GQA (4 query / 2 kv heads)
+GPT = dict(norm="layernorm", activation="gelu", position="learned", bias=True, kv_heads=4)
+
+
+def _measure(tmp_path: Path, model: dict, parallel: dict) -> tuple[dict[int, int], dict[int, int]]:
+    """Run the program of a one-rank tiny spec for one step in this process; return
+    (planned, measured) bytes per layer."""
+    cfg = tiny_config(model=model, parallel=parallel)
+    module, plan = build_program(cfg, tmp_path)
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        record = module.main(["--plan", str(tmp_path / "plan.json"), "--steps", "1", "--checkpoint-dir", ""])
+    finally:
+        os.environ.update(saved)
+    planned = {layer: b for layer, b in plan["memory"]["per_stage"][0]["activations_per_layer"]}
+    measured = {int(k): v for k, v in record["saved_per_layer"].items()}
+    return planned, measured
+
+
+CASES = {
+    f"{name}_{attention}_{recompute}_{dtype}": (dict(kind, attention=attention, dtype=dtype), dict(recompute=recompute))
+    for name, kind in (("llama", LLAMA), ("gpt", GPT))
+    for attention in ("flash", "unfused")
+    for recompute in ("none", "selective", "full")
+    for dtype in (("fp32", "bf16") if name == "llama" else ("fp32",))
+}
+
+
+MOE = dict(experts=4, top_k=2, expert_ffn_hidden=64)
+CASES.update({
+    "moe_fp32": (dict(MOE), {}),
+    "moe_shared_bf16": (dict(MOE, shared_experts=1, dtype="bf16"), {}),
+    "moe_gpt_bf16_selective": (dict(MOE, **GPT, dtype="bf16"), dict(recompute="selective")),
+    "relu_parallel_residual_window": (dict(activation="relu", parallel_residual=True, sliding_window=8), {}),
+})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_saved_activations_per_layer_match_the_plan(tmp_path, case):
+    model, parallel = CASES[case]
+    planned, measured = _measure(tmp_path, model, parallel)
+    assert sorted(measured) == sorted(planned) == [0, 1, 2, 3]
+    for layer, want in planned.items():
+        assert want > 0
+        assert abs(measured[layer] - want) <= ACTIVATION_RTOL * want, (layer, measured[layer], want)
+
+
+def test_the_comparison_tells_recompute_modes_apart(tmp_path):
+    """The three modes keep clearly different amounts (so the 5% check above can fail):
+    full keeps one hidden-sized input, selective drops the unfused softmax."""
+    got = {rc: _measure(tmp_path / rc, dict(attention="unfused", seq_len=32), dict(recompute=rc))
+           for rc in ("none", "selective", "full")}
+    none, sel, full = (got[rc][1][0] for rc in ("none", "selective", "full"))
+    assert full < 0.2 * sel and sel < (1 - 2 * ACTIVATION_RTOL) * none
+    # full recomputation keeps exactly the layer input: micro_batch x seq x hidden x 4 bytes
+    assert full == 2 * 32 * 64 * 4
+
+
+def test_meter_counts_each_storage_once_and_skips_weights():
+    lin = torch.nn.Linear(8, 8)
+    meter = SavedTensorMeter()
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring(lin):
+        with meter.layer(0):
+            h = lin(x)                      # keeps x (and the weight: not counted)
+            y = h * h                       # keeps h twice: one storage
+            z = (h.view(2, 16) * 3).sum()   # a view of h: same storage, kept by nothing new
+        with meter.layer(0):                # a later micro-batch through layer 0: not counted
+            lin(x * 2).exp()
+    assert meter.per_layer == {0: 2 * 4 * 8 * 4}
+    (y.sum() + z).backward()   # the hooks hand tensors back unchanged
+    assert x.grad is not None
+
+
+def test_meter_counts_tensors_a_checkpoint_holds():
+    from parcompile.runtime.layers import recompute
+
+    lin = torch.nn.Linear(8, 8)
+    meter = SavedTensorMeter()
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring(lin), meter.layer(3):
+        y = recompute(lambda t: torch.tanh(lin(t)) * 2, x * 1)
+    assert meter.per_layer == {3: 4 * 8 * 4}   # only the checkpoint's input
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])
+def test_rmsnorm_swiglu_rope_softmax_gradients(dtype):
+    from parcompile.runtime import layers as L
+
+    x = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(8, dtype=dtype, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: L._RMSNormFunction.apply(a, b, 1e-6), (x, w))
+    g, u = torch.randn(3, 6, dtype=dtype, requires_grad=True), torch.randn(3, 6, dtype=dtype, requires_grad=True)
+    assert torch.autograd.gradcheck(L.swiglu, (g, u))
+    assert torch.allclose(L.swiglu(g, u), F.silu(g) * u)
+    cos, sin = L.rope_tables(5, 4, 10000.0)
+    q = torch.randn(2, 5, 3, 6, dtype=dtype, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: L.apply_rope(t, cos.to(dtype), sin.to(dtype)), (q,))
+    s = torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)
+    assert torch.autograd.gradcheck(L._Softmax.apply, (s,))
+
+
+def test_unfused_gqa_attention_equals_the_fused_kernel():
+    from parcompile.runtime.layers import attention_core
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 7, 8, requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, requires_grad=True)
+    v = torch.randn(2, 2, 7, 8, requires_grad=True)
+    for window in (0, 3):
+        a = attention_core(q, k, v, fused=False, dropout=0.0, training=True, window=window)
+        b = attention_core(q, k, v, fused=True, dropout=0.0, training=True, window=window)
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                             attn_mask=torch.ones(7, 7, dtype=torch.bool).tril()
+                                             & ~torch.ones(7, 7, dtype=torch.bool).tril(-window) if window else None,
+                                             is_causal=not window)
+        assert torch.allclose(a, ref, atol=1e-5) and torch.allclose(b, ref, atol=1e-5)
+        ga = torch.autograd.grad(a.sum(), (q, k, v))
+        gr = torch.autograd.grad(ref.sum(), (q, k, v))
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(ga, gr))
