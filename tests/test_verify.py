@@ -75,6 +75,8 @@ MIXED_CASES = {
     # fp16 with dynamic loss scaling), tolerances of verify.BF16_TOLERANCES
     "bf16_dp2_tp2_pp2": dict(dtype="bf16", dp=2, tp=2, pp=2),
     "bf16_dp2_tp2_zero1": dict(dtype="bf16", dp=2, tp=2, parallel=dict(zero=1)),
+    # zero 3 with 16-bit weights keeps a 16-bit slice per bucket (SPEC: 2/d bytes of parameters)
+    "bf16_dp2_tp2_zero3": dict(dtype="bf16", dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024)),
     "fp16_dp2_tp2_pp2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, pp=2),
     "fp16_dp2_tp2_zero2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, parallel=dict(zero=2)),
 }

@@ -87,11 +87,40 @@ class ShardedOptimizer:
                     getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
                 self.segments.append((b, p, lo, hi, seg))
                 (decay if p.ndim >= 2 else no_decay).append(seg)
+        # the owned slice of a bucket past its last element (padding to ceil(n / d) * d) is a
+        # zero segment with optimizer states of its own, so that every rank holds ceil(n / d)
+        # elements of sharded state, as DeepSpeed's padded partitions do and the plan counts;
+        # its gradient is the (zero) padding of the reduce-scatter output
+        self.padding: list[tuple[BucketLayout, int, nn.Parameter]] = []
+        for b in self.buckets.buckets:
+            lo_own, hi_own = self.axis.index * b.shard, (self.axis.index + 1) * b.shard
+            lo = max(b.elements, lo_own)
+            if lo < hi_own:
+                pad = nn.Parameter(torch.zeros(hi_own - lo, dtype=torch.float32, device=ctx.device))
+                self.padding.append((b, lo, pad))
+                no_decay.append(pad)
+        # zero 3 with 16-bit weights: the rank keeps its 16-bit slice of every bucket, which the
+        # next step's all-gather sends (SPEC: 2/d bytes of parameters per element)
+        self.low_shards: list[torch.Tensor] | None = None
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
         self._grad_shards: list[torch.Tensor] | None = None
         if zero == 3:
+            self._keep_low_shards()
             self._free_params()
+
+    def _keep_low_shards(self) -> None:
+        """zero 3, 16-bit weights: refresh this rank's 16-bit slices from the fp32 masters."""
+        if not self.mixed:
+            return
+        dtype = self.params[0].dtype
+        self.low_shards = []
+        for b in self.buckets.buckets:
+            mine = torch.zeros(b.shard, dtype=dtype, device=self.ctx.device)
+            lo_own = self._own_lo(b)
+            for p, lo, hi, seg in self._segments_of(b):
+                mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
+            self.low_shards.append(mine)
 
     def _own_lo(self, b: BucketLayout) -> int:
         return self.axis.index * b.shard
@@ -123,6 +152,8 @@ class ShardedOptimizer:
         for b, p, lo, hi, seg in self.segments:
             lo_own = self._own_lo(b)
             seg.grad = self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg)
+        for b, lo, pad in self.padding:
+            pad.grad = self._grad_shards[b.index][lo - self._own_lo(b):]
         self._sync_model_parallel()
         if self.zero >= 2:
             for p in self.params:
@@ -200,6 +231,10 @@ class ShardedOptimizer:
         self.optimizer.step()
         for *_, seg in self.segments:
             seg.grad = None
+        for *_, pad in self.padding:
+            pad.grad = None
+        if self.zero == 3:
+            self._keep_low_shards()
         if self.zero < 2:
             self._grad_shards = None   # zero 1 keeps full gradients; the slices were scratch copies
         if self.zero == 3:
@@ -238,6 +273,9 @@ class ShardedOptimizer:
         dtype = self.params[0].dtype
 
         def fill(b: BucketLayout, mine: torch.Tensor) -> None:
+            if self.low_shards is not None:
+                mine.copy_(self.low_shards[b.index])
+                return
             lo_own = self._own_lo(b)
             for p, lo, hi, seg in self._segments_of(b):
                 mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
@@ -328,6 +366,7 @@ class ShardedOptimizer:
                 if rest:
                     self.optimizer.state[seg] = {"step": torch.tensor(float(step)), **rest}
         if self.zero == 3:
+            self._keep_low_shards()
             self._free_params()
 
     # -- measurement ----------------------------------------------------------------------
@@ -335,6 +374,9 @@ class ShardedOptimizer:
         """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
         params = sum(p.data.numel() * p.element_size() for p in self.params)
         segs = sum(seg.numel() * seg.element_size() for *_, seg in self.segments)
+        segs += sum(pad.numel() * pad.element_size() for *_, pad in self.padding)
+        if self.low_shards is not None:         # zero 3, 16-bit: the kept 16-bit slices
+            params += sum(t.numel() * t.element_size() for t in self.low_shards)
         if self.mixed:
             masters = segs                      # fp32 master slices: an optimizer state
         else:
