@@ -248,6 +248,17 @@ def render_report(d: dict[str, Any]) -> str:
             + (" Activations are what the micro-batches in flight keep for backward; buffers are "
                "temporary (" + ", ".join(sorted({k for s in mem["per_stage"] for k in s.get("buffer_parts", {})}))
                + ")." if any(s.get("buffer_parts") for s in mem["per_stage"]) else ""), ""]
+    per_layer = [(s["stage"], s.get("activations_per_layer", [])) for s in mem["per_stage"]]
+    if any(layers for _, layers in per_layer):
+        parts = []
+        for stage, layers in per_layer:
+            sizes = sorted({b for _, b in layers})
+            if sizes:
+                span = _gb(sizes[0]) if len(sizes) == 1 else f"{_gb(sizes[0])} to {_gb(sizes[-1])}"
+                parts.append(f"stage {stage}: {span} x {len(layers)} layers")
+        out += ["Saved for backward per decoder layer and micro-batch, after recomputation: "
+                + "; ".join(parts) + ". Generated programs measure this with saved-tensor hooks "
+                "(`saved_per_layer` in their metrics).", ""]
     comp, est = d["compute"], d["estimate"]
     step = est["step_time"]
     out += ["## Estimate (time per step)", "",

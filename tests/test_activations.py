@@ -138,3 +138,17 @@ def test_unfused_gqa_attention_equals_the_fused_kernel():
         ga = torch.autograd.grad(a.sum(), (q, k, v))
         gr = torch.autograd.grad(ref.sum(), (q, k, v))
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(ga, gr))
+
+
+def test_plan_lists_saved_bytes_per_layer_and_the_report_says_so():
+    """Every decoder layer of a stage appears once in ``activations_per_layer``; full
+    recomputation keeps exactly the layer input (B x T x h x dtype bytes); the report
+    prints the per-layer figure."""
+    from parcompile.driver import compile_config
+
+    plan = compile_config(tiny_config(pp=2, parallel=dict(recompute="full")))
+    stages = plan.data["stages"]
+    for st, mem in zip(stages, plan.data["memory"]["per_stage"]):
+        assert [layer for layer, _ in mem["activations_per_layer"]] == st["layers"]
+        assert all(b == 2 * 16 * 64 * 4 for _, b in mem["activations_per_layer"])
+    assert "Saved for backward per decoder layer" in plan.report_md()
