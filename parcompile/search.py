@@ -386,7 +386,8 @@ class Coster:
                 num, den = min(pp - s, m), 1
             q = num * body
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
-            total = (states(dense, shard) + states(expert, eshard) + acts
+            gathered = e * ((dense if d > 1 else 0) + (expert if ed > 1 else 0)) if z >= 3 else 0
+            total = (states(dense, shard) + states(expert, eshard) + acts + gathered
                      + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
             if peak is None or total > peak:
                 peak = total

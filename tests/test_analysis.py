@@ -128,3 +128,17 @@ def test_estimate_formulas():
     assert est["mfu"] == pytest.approx(est["tflops_per_gpu"] * 1e12 / cfg.cluster.peak_flops)
     assert est["tokens_per_s"] == pytest.approx(16 * 64 / est["step_time"])
     assert 0 < est["mfu"] < 1
+
+
+def test_zero3_counts_the_parameters_it_gathers_for_the_step():
+    """ZeRO-3 all-gathers a stage's parameters at the step's start and frees them after the
+    update (torchtitan FSDP + PP): during the step the full 16-bit parameters sit beside
+    the rank's slice, a buffer of e * (local parameters); none without sharding."""
+    from parcompile.driver import compile_config
+    from tests.program_utils import tiny_config
+
+    for dp, want_gather in ((2, True), (1, False)):
+        plan = compile_config(tiny_config(dp=dp, pp=2, model=dict(dtype="bf16"), parallel=dict(zero=3)))
+        for st, mem in zip(plan.data["stages"], plan.data["memory"]["per_stage"]):
+            got = mem["buffer_parts"].get("zero3_gather", 0)
+            assert got == (2 * st["params_per_rank"] if want_gather else 0)

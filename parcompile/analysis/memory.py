@@ -47,8 +47,9 @@ Temporary buffers (``buffers``; not saved for backward, alive for one op or one 
 a time, so counted once per stage, not per micro-batch): the working set of the layer
 recomputation rebuilds, the logits before the fp32 loss (last stage), the all-gathered
 input of a column-parallel layer with sequence parallelism, point-to-point receive
-buffers between stages, and with ``zero = 3`` the gathered parameters of two layers (the
-current one and the prefetched next one).
+buffers between stages, and with ``zero = 3`` the stage's gathered parameters (the program
+all-gathers them at the start of a step and frees them after the update, torchtitan's
+FSDP + PP shape: :func:`zero3_gathered_bytes`).
 
 KV cache (``serve``): ``batch * (prompt_len + max_new_tokens)`` tokens times the bytes a
 token adds on the stage's most loaded rank.
@@ -299,7 +300,11 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             acts = int(Fraction(in_flight[s]) * body) + n_out * out_layer
         layers = tuple(sorted((layer, b) for layer, b in saved.kept_per_layer.items()
                               if saved.chunk_of_layer.get(layer) in range(s, pp * v, pp))) if not serve else ()
-        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(bufs[s].values()), dict(bufs[s]), layers))
+        parts = dict(bufs[s])
+        gathered = zero3_gathered_bytes(cfg, degrees, sp)
+        if gathered:
+            parts["zero3_gather"] = gathered
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(parts.values()), parts, layers))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     return MemoryReport(tuple(stages), peak, cap, peak <= cap)
@@ -317,14 +322,10 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             out[s][key] = max(out[s].get(key, 0), b)
 
     layer_stage: dict[int, int] = {}
-    layer_params: dict[int, int] = {}
     for nd in graph.nodes():
         s = nd.stage or 0
         if nd.op.layer is not None:
             layer_stage[nd.op.layer] = s
-            for p in nd.params:
-                layer_params[nd.op.layer] = layer_params.get(nd.op.layer, 0) + \
-                    p.sharding.local_type(p.type, degrees).numel
         if nd.kind == "cross_entropy" and not serve:
             # the 16-bit logits live until the loss has made its fp32 copy
             bump(s, "logits", _local_bytes(graph, graph.inputs(nd.name)[0], degrees))
@@ -340,8 +341,17 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
                 bump(s, "recompute", saved.per_layer.get(layer, 0))
             elif par.recompute == "selective":
                 bump(s, "recompute", saved.per_layer_attention.get(layer, 0))
-        if par.zero >= 3:
-            e = cfg.model.dtype_bytes
-            for layer, s in layer_stage.items():
-                bump(s, "zero3_gather", 2 * e * layer_params.get(layer, 0))
     return out
+
+
+def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
+    """Bytes of the full (tp-local) parameters a ZeRO-3 rank holds during a step: the
+    program gathers every bucket at the step's start and frees them after the update
+    (torchtitan's FSDP + PP with ``reshard_after_forward = False``; SPEC ``parallel``),
+    so during the step they sit beside the rank's own slice. 0 without ZeRO-3 or when the
+    group of the parameters has one rank (nothing is sharded)."""
+    par = cfg.parallel
+    if cfg.workload == "serve" or par.zero < 3:
+        return 0
+    e = cfg.model.dtype_bytes
+    return e * ((sp.dense if degrees["dp_cp"] > 1 else 0) + (sp.expert if degrees["expert_dp"] > 1 else 0))
