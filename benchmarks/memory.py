@@ -89,7 +89,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="run only the example with this file stem")
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (state bytes are read after step 1)")
     args = ap.parse_args(argv)
-    for path in sorted((ROOT / "examples").glob("*.par")):
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    paths = sorted((ROOT / "examples").glob("*.par"))
+    if args.only and args.only not in {p.stem for p in paths}:
+        ap.error(f"no example named {args.only!r}; examples: {', '.join(p.stem for p in paths)}")
+    for path in paths:
         if args.only and path.stem != args.only:
             continue
         try:

@@ -302,7 +302,8 @@ def cmd_verify(args) -> int:
         return EXIT_SPEC
     m, p = result.mini.model, result.mini.parallel
     print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
-          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}, {p.schedule}, "
+          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+          + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
           f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
           f"reference: one process")
     print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
@@ -360,6 +361,19 @@ def cmd_schema(args) -> int:
     return EXIT_OK
 
 
+
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (usage error otherwise)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training plans.")
     from parcompile import __version__
@@ -387,14 +401,14 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="compile and launch the program on this machine under torchrun")
     p.add_argument("spec")
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
-    p.add_argument("--steps", type=int, help="override the number of training steps")
+    p.add_argument("--steps", type=_at_least_one, help="override the number of training steps")
     p.add_argument("--checkpoint-dir", help="training specs: save the final weights here (DCP), for serving")
     p.add_argument("--prompt", action="append", help="serve specs: a prompt (repeat for a batch)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates")
     p.add_argument("spec")
-    p.add_argument("--top", type=int, default=10, help="candidates to print (default 10)")
+    p.add_argument("--top", type=_at_least_one, default=10, help="candidates to print (default 10)")
     p.add_argument("--explain", action="store_true",
                    help="why the best beats the runner-up, and how far the spec's own layout is from it")
     p.add_argument("--cross-node-tp", action="store_true", help="also try tensor parallelism across nodes")
@@ -402,7 +416,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
     p.add_argument("spec")
-    p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    p.add_argument("--steps", type=_at_least_one, default=3, help="training steps to compare (default 3)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)

@@ -178,7 +178,7 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     if _reduces_over_dp(plan) and par.zero <= 2:
         if par.bucket_size:
             add("--overlap-grad-reduce")
-            add("--ddp-bucket-size", par.bucket_size // 4)
+            add("--ddp-bucket-size", -(-par.bucket_size // 4))   # elements, rounded up
         else:
             notes.append("bucket_size 0: without --overlap-grad-reduce Megatron-LM reduces the gradients after "
                          "the backward, in one bucket")
@@ -491,7 +491,7 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         # reduce_bucket_size counts elements; bucket_size = 0 (one bucket, after the backward):
         # a bucket as large as the largest stage, without overlap
         "zero_optimization": {"stage": par.zero,
-                              "reduce_bucket_size": (par.bucket_size // 4 if par.bucket_size else
+                              "reduce_bucket_size": (-(-par.bucket_size // 4) if par.bucket_size else
                                                      max(s["params_per_rank"] for s in plan.data["stages"])),
                               "overlap_comm": bool(par.zero >= 1 and par.bucket_size > 0)},
         "bf16": {"enabled": m.dtype == "bf16"},
@@ -554,7 +554,7 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
                      f"ep_size={deg['ep']}, k={m.top_k})" + (f"; expert_tp {deg['expert_tp']} is not expressible"
                                                               if deg["expert_tp"] > 1 else ""))
     if _reduces_over_dp(plan) and par.zero == 0 and par.bucket_size:
-        notes.append(f"bucket_size {par.bucket_size}: reduce_bucket_size counts elements ({par.bucket_size // 4}); "
+        notes.append(f"bucket_size {par.bucket_size}: reduce_bucket_size counts elements ({-(-par.bucket_size // 4)}); "
                      "DeepSpeed overlaps the gradient reduction with the backward (overlap_comm) under ZeRO "
                      "stages 1-3 only")
     if m.dtype == "fp16":

@@ -300,12 +300,17 @@ def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
                                                     ("KB", 10**3), ("KiB", 2**10)) if size % f == 0), f"{size:,} B")
     rule = (f"buckets close at {exact} of fp32 gradients" if size else
             "bucket_size = 0: one bucket per model chunk, reduced after the backward")
+    how = (f"in buckets launched as the backward produces them ({rule}; a layer is never split)" if size
+           else "in one bucket per model chunk, reduced after the backward (bucket_size = 0)")
     out = ["## Gradient reduction (data parallel)", "",
-           f"Each rank reduces its gradients in buckets launched as the backward produces them ({rule}; "
-           "a layer is never split). Time per step from the estimate: the part hidden behind the last "
-           "micro-batch's backward, and the part exposed after it.", "",
+           f"Each rank reduces its gradients {how}. Time per step from the estimate: the part hidden "
+           "behind the last micro-batch's backward, and the part exposed after it.", "",
            "| stage | buckets | bucket sizes | reduction | hidden | exposed |", "|---|---|---|---|---|---|"]
-    sizes = {row["stage"]: [4 * b["elements"] for b in row["dense"] + row["expert"]] for row in gb["per_stage"]}
+    deg = d["degrees"]
+    # only buckets that are reduced: dense ones over dp_cp, expert ones over expert_dp
+    reduced = {"dense": deg["dp"] * deg["cp"] > 1, "expert": deg.get("expert_dp", 1) > 1}
+    sizes = {row["stage"]: [4 * b["elements"] for kind in ("dense", "expert") if reduced[kind] for b in row[kind]]
+             for row in gb["per_stage"]}
     for r in red:
         sz = sizes.get(r["stage"], [])
         span = (f"{_gb(min(sz))}" + (f" - {_gb(max(sz))}" if max(sz) != min(sz) else "")) if sz else "-"

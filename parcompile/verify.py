@@ -35,6 +35,9 @@ import torch
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 
+#: the miniature's gradient bucket size: a miniature layer holds a few KiB of gradients, so
+#: with the spec's own size (160 MB by default) it would reduce one bucket per chunk
+MINI_BUCKET_SIZE = 16 * 1024
 MAX_WORLD = 16          # CPU processes verify will start on this machine
 VERIFY_ADAM_EPS = 1e-5  # see Tolerances below
 
@@ -117,6 +120,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16, dropout 0, fp32.
     Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
     larger ones; 1 per chunk when even). Micro-batches: at most 2 * pp (a multiple of pp).
+    Gradient buckets: at most :data:`MINI_BUCKET_SIZE` (``bucket_size = 0`` stays 0), so a
+    miniature reduces several buckets per rank, as the full model does with its own size.
 
     Raises:
         SpecError: the miniature would need more than ``MAX_WORLD`` processes.
@@ -159,6 +164,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     )
     par = p.model_copy(update=dict(
         stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
+        bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
     ))
     train = TrainConfig(
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,

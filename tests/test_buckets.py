@@ -97,6 +97,8 @@ def test_bucket_size_parses_sizes_and_zero():
     ("40000000", "missing unit: bucket_size takes a memory size", "write `160 MB`"),
     ("40 GB/s", "expected a memory size, got a bandwidth", "`MB`"),
     ("auto", "expected a memory size, got `auto`", "bucket_size = 40 MB"),
+    # below one fp32 gradient: rounding would silently make it 0 (no overlap)
+    ("0.5 B", "bucket_size must be 0 or at least 4 B (one fp32 gradient), got `0.5 B`", "use 0"),
 ])
 def test_bucket_size_mistakes(value, message, help_has):
     found = [d for d in diags(spec(parallel={"bucket_size": value})) if d[0] == "error"]
@@ -320,3 +322,14 @@ def test_program_records_the_buckets(tmp_path):
     want = [b["elements"] for b in plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]]
     assert [b["elements"] for b in rec["grad_buckets"]] == want and len(want) > 1
     assert all(b["early"] for b in rec["grad_buckets"][:-1])
+
+
+def test_export_rounds_bucket_bytes_up_to_elements():
+    """Megatron and DeepSpeed count elements; a bucket closes at >= bucket_size bytes, so
+    10 B is 3 elements, not 2."""
+    from parcompile.export import export
+
+    cfg = tiny_config(dp=2, parallel=dict(bucket_size=10))
+    plan = compile_config(cfg)
+    assert "--ddp-bucket-size 3" in " ".join(export(plan, "megatron").text.split())
+    assert '"reduce_bucket_size": 3' in export(plan, "deepspeed").text

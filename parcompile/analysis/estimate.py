@@ -278,8 +278,12 @@ class GradOverlap:
     exposed: float
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "buckets": self.buckets, "seconds": self.seconds, "hidden": self.hidden,
-                "exposed": self.exposed}
+        # float noise of the bucket simulation (1e-20 s) reads as exactly 0
+        def clean(t: float) -> float:
+            return t if t > 1e-12 * max(self.seconds, 1e-9) else 0.0
+
+        return {"stage": self.stage, "buckets": self.buckets, "seconds": self.seconds, "hidden": clean(self.hidden),
+                "exposed": clean(self.exposed)}
 
 
 def _unit_weight(u, model_chunk: int) -> int:

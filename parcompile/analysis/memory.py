@@ -65,7 +65,7 @@ from typing import Mapping, Sequence
 from parcompile.analysis.buckets import stage_state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import attention_gathered_kv, spec
+from parcompile.ir.ops import attention_gathered_kv, experts_gathered_extra, spec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: ops of the output layer (after the last decoder layer)
@@ -186,6 +186,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             keep.append(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
         x = s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees))
+        if nd.kind == "experts":
+            x += experts_gathered_extra(a, local_in, degrees)
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})

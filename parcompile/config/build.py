@@ -322,6 +322,11 @@ class _Values:
         x = to_si(float(v.number.value), v.unit)
         if not self._in_range(key, t, x, v):
             return _INVALID
+        if key == "bucket_size" and 0 < x < 4:
+            # below one fp32 gradient; rounding would silently turn it into 0 (no overlap)
+            self.bag.error(f"bucket_size must be 0 or at least 4 B (one fp32 gradient), got `{v.text}`", v.span,
+                           help="use 0 for one bucket per model chunk, or a size such as `40 MB`")
+            return _INVALID
         return int(round(x)) if dim == "memory" else x
 
     def _fraction(self, key: str, t: KeyType, v: ast.Value) -> Any:

@@ -316,6 +316,16 @@ def _combine_extra(a, ins, out):
     return 2 * INDEX_BYTES * rows + 4 * rows
 
 
+def experts_gathered_extra(a, ins, degrees: Mapping[str, int]) -> int:
+    """Bytes the experts keep beyond their local input with ``expert_tp > 1``: the routed
+    rows are all-gathered over expert_tp (runtime/moe.py), and the experts keep the
+    gathered rows, plus the two int64 indices that group them by expert and restore their
+    order, over the gathered rows."""
+    etp = degrees.get("expert_tp", 1)
+    rows = ins[0].numel // ins[0].dims[-1].size
+    return (etp - 1) * (ins[0].nbytes + 2 * INDEX_BYTES * rows)
+
+
 def _expert_mats(a) -> int:
     return 3 if a["activation"] == "swiglu" else 2
 

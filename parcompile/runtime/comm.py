@@ -51,6 +51,10 @@ class CommCounter:
 
 COUNTER = CommCounter()
 
+# torch >= 2.10 names the single-tensor collectives `*_single` and deprecates the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -83,7 +87,7 @@ def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, axis: Axis):
         out.copy_(t)
         return None
     COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
-    return dist.reduce_scatter_tensor(out, t, group=axis.group, async_op=True)
+    return reduce_scatter_single(out, t, group=axis.group, async_op=True)
 
 
 def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
@@ -91,7 +95,7 @@ def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     COUNTER.record("all_gather", axis.name, _nbytes(out))
-    dist.all_gather_into_tensor(out, xt, group=axis.group)
+    all_gather_single(out, xt, group=axis.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -100,7 +104,7 @@ def reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] // axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
-    dist.reduce_scatter_tensor(out, xt, group=axis.group)
+    reduce_scatter_single(out, xt, group=axis.group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import COUNTER, _nbytes, isend, recv
+from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, isend, recv
 from parcompile.runtime.context import Axis, ParallelContext
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -156,8 +156,7 @@ def gather_vocab(logits: torch.Tensor, tp: Axis) -> torch.Tensor:
     x = logits.t().contiguous()                                  # (V'/tp, B)
     out = torch.empty((x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype, device=x.device)
     COUNTER.record("all_gather", tp.name, _nbytes(out))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=tp.group)
+    all_gather_single(out, x, group=tp.group)
     return out.t().contiguous()
 
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
+from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, all_reduce
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.grads import main_grad, set_main_grad
 from parcompile.runtime.layers import INIT_STD, make_param, swiglu
@@ -156,7 +156,7 @@ def _exchange_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
 def _gather_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = counts.new_empty((axis.size * counts.numel(),))
     COUNTER.record("all_gather", axis.name, _nbytes(out))
-    dist.all_gather_into_tensor(out, counts.contiguous(), group=axis.group)
+    all_gather_single(out, counts.contiguous(), group=axis.group)
     return out
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parcompile.runtime.buckets import BucketLayout, GradBuckets, GradSync
-from parcompile.runtime.comm import COUNTER, _nbytes, all_reduce
+from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, all_reduce
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 
@@ -260,7 +260,7 @@ class ShardedOptimizer:
                 fill(b, mine)
                 full = torch.empty(b.shard * d, dtype=dtype, device=self.ctx.device)
                 COUNTER.record("all_gather", self.axis.name, _nbytes(full))
-                dist.all_gather_into_tensor(full, mine, group=self.axis.group)
+                all_gather_single(full, mine, group=self.axis.group)
                 out.append(full)
         finally:
             COUNTER.enabled = enabled

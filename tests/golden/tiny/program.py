@@ -210,6 +210,8 @@ def main(argv=None) -> dict:
         start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
         if start and speaker:
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
+            if start >= args.steps:
+                print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)
     for step in range(start, args.steps):
         rt.checkpoint.maybe_fail(ctx, step)                     # testing hook: PARCOMPILE_FAIL_AT=RANK:STEP
         t0 = time.perf_counter()
