@@ -65,7 +65,7 @@ from typing import Mapping, Sequence
 from parcompile.analysis.buckets import stage_state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import attention_gathered_kv, experts_gathered_extra, spec
+from parcompile.ir.ops import spec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: ops of the output layer (after the last decoder layer)
@@ -185,9 +185,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if s.saves_output(a):
             keep.append(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
-        x = s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees))
-        if nd.kind == "experts":
-            x += experts_gathered_extra(a, local_in, degrees)
+        gathered = s.saved_gathered(a, local_in, degrees)
+        x = s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})
@@ -204,7 +203,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             if recompute == "selective" and s.selective_recompute:
                 # the recomputed attention core keeps its inputs only: no softmax (unfused)
                 # and no log-sum-exp (flash); its output is kept by the output projection
-                x = attention_gathered_kv(a, local_in)   # the checkpoint holds the gathered k, v
+                x = gathered   # the checkpoint holds the gathered operands
                 keep = [t for t in keep if t != nd.name]
             kown = kept_own.setdefault(layer, {})
             for t in keep:

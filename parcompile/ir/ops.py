@@ -140,6 +140,11 @@ class OpSpec:
     fwd_flops: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
     saves: Callable[[Mapping[str, Any]], tuple[int, ...]] = lambda a: ()
     saved_extra: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
+    #: bytes the op keeps in copies of its operands all-gathered inside it (context-parallel
+    #: k and v, expert_tp rows), beyond the local operands: ``(attrs, local inputs,
+    #: degrees)``; kept under selective recomputation too (the checkpoint holds them)
+    saved_gathered: Callable[[Mapping[str, Any], Sequence[TensorType], Mapping[str, int]], int] = \
+        lambda a, i, d: 0
     #: number of operands (None: any)
     arity: int | None = None
     #: selective recomputation drops ``saved_extra`` and recomputes this op's forward
@@ -199,21 +204,18 @@ def _scores(a, q: TensorType) -> int:
     return b * heads_local * s * s_kv
 
 
-def attention_gathered_kv(a, ins) -> int:
-    """Bytes the attention core keeps beyond its local k and v with context parallelism:
-    this rank's queries are s < seq_len tokens, k and v are all-gathered over cp, and the
-    gathered copies are what the kernel (or a recomputed core) keeps."""
-    s = ins[0].shape[1]
-    cp = a["seq_len"] // s if s < a["seq_len"] else 1
-    return (cp - 1) * (ins[1].nbytes + ins[2].nbytes)
+def _attention_gathered(a, ins, degrees) -> int:
+    # context parallelism: k and v are all-gathered over cp, and the gathered copies are
+    # what the kernel (or a recomputed core) keeps
+    return (degrees.get("cp", 1) - 1) * (ins[1].nbytes + ins[2].nbytes)
 
 
 def _attention_extra(a, ins, out):
     q = ins[0]
     b, s = q.shape[0], q.shape[1]
     e = q.itemsize
-    cp = a["seq_len"] // s if s < a["seq_len"] else 1
-    extra = attention_gathered_kv(a, ins)
+    cp = a["seq_len"] // s if s < a["seq_len"] else 1   # this rank holds s of seq_len queries
+    extra = 0
     if a["impl"] == "flash":
         # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
         # query and head; dropout is replayed from the RNG state, no mask. torch's kernels
@@ -316,11 +318,10 @@ def _combine_extra(a, ins, out):
     return 2 * INDEX_BYTES * rows + 4 * rows
 
 
-def experts_gathered_extra(a, ins, degrees: Mapping[str, int]) -> int:
-    """Bytes the experts keep beyond their local input with ``expert_tp > 1``: the routed
-    rows are all-gathered over expert_tp (runtime/moe.py), and the experts keep the
-    gathered rows, plus the two int64 indices that group them by expert and restore their
-    order, over the gathered rows."""
+def _experts_gathered(a, ins, degrees: Mapping[str, int]) -> int:
+    # expert_tp > 1: the routed rows are all-gathered over expert_tp (runtime/moe.py); the
+    # experts keep the gathered rows, plus the two int64 indices that group them by expert
+    # and restore their order, over the gathered rows
     etp = degrees.get("expert_tp", 1)
     rows = ins[0].numel // ins[0].dims[-1].size
     return (etp - 1) * (ins[0].nbytes + 2 * INDEX_BYTES * rows)
@@ -363,7 +364,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
-               saved_extra=_attention_extra, arity=3, selective_recompute=True,
+               saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
@@ -375,6 +376,7 @@ OPS: dict[str, OpSpec] = {
                traffic=lambda a, i, o: 3 * o.nbytes),
         OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
+               saved_gathered=_experts_gathered,
                arity=1, traffic=_experts_traffic),
         OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
                traffic=_copy_traffic),
