@@ -78,7 +78,7 @@ class _Probe:
     compute: dict[str, Any]
     comm: Any
     saved: dict[str, SavedBytes]
-    bufs: dict[tuple[str, int], list[dict[str, int]]]
+    bufs: dict[str, list[dict[str, int]]]
     params: list[StageParams]
     model_flops: tuple       # per probe chunk: one micro-batch, dp = 1 (global, unpadded)
     hw_flops: dict[str, int]
@@ -117,9 +117,8 @@ def _build_probe(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, 
     for rc in ("none", "selective", "full"):
         comp[rc] = compute_report(g, deg, 3, m.vocab, m.padded_vocab(tp), 1, rc)
         saved[rc] = saved_bytes(g, deg, 3, rc, m.dropout > 0)
-        for z in (0, 3):
-            zc = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc, "zero": z})})
-            bufs[(rc, z)] = buffer_bytes(g, zc, deg, saved[rc])
+        rcfg = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
+        bufs[rc] = buffer_bytes(g, rcfg, deg, saved[rc])
     from parcompile.analysis.compute import BACKWARD_FACTOR, op_fwd_flops
     model_chunk = [0, 0, 0]
     for nd in g.nodes():
@@ -297,13 +296,13 @@ class Coster:
             got = self.stage_layer_sums[key] = tuple(sum(counts[s::pp]) for s in range(pp))
         return got
 
-    def _buffer_sums(self, pr: _Probe, rc: str, z3: int, pp: int) -> tuple[int, int, int]:
+    def _buffer_sums(self, pr: _Probe, rc: str, pp: int) -> tuple[int, int, int]:
         """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
         composes them), and of the only rank when pp = 1 (returned as the first)."""
-        key = (id(pr), rc, z3, pp == 1)
+        key = (id(pr), rc, pp == 1)
         got = self.buf_sums.get(key)
         if got is None:
-            pb = pr.bufs[(rc, z3)]
+            pb = pr.bufs[rc]
             out = []
             for extras in ([pb[0]], [], [pb[2]]) if pp > 1 else ([pb[0], pb[2]],):
                 b = dict(pb[1])
@@ -348,7 +347,7 @@ class Coster:
         (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
         ba, bb, bc = pa - oa, pb_ - ob, pc - oc
         nl = self._stage_layers(counts, pp)
-        bufs = self._buffer_sums(pr, par.recompute, 3 if z >= 3 else 0, pp)
+        bufs = self._buffer_sums(pr, par.recompute, pp)
         d, ed = par.dp * par.cp, par.expert_dp
         sched = par.schedule
         n_out = m if sched == "gpipe" else 1
@@ -411,7 +410,7 @@ class Coster:
         # memory
         sv = pr.saved[rc]
         saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
-        pb = pr.bufs[(rc, 3 if par.zero >= 3 else 0)]
+        pb = pr.bufs[rc]
         bufs = []
         for s in range(pp):
             b = dict(pb[1])

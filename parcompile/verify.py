@@ -320,9 +320,6 @@ def activation_check_gap(cfg: SpecConfig) -> str | None:
     if m.experts and cfg.parallel.ep > 1:
         return ("MoE layers with ep > 1: the rows each rank's experts receive follow the router "
                 "(the plan assumes balanced routing)")
-    if m.dropout > 0:
-        return ("dropout on CPU keeps its mask in the activation dtype and runs attention unfused "
-                "(the plan counts CUDA's 1-byte masks and flash kernels)")
     return None
 
 

@@ -104,7 +104,7 @@ class BucketLayout:
     early: bool = False
 
 
-def _numel(p: nn.Parameter) -> int:
+def local_numel(p: nn.Parameter) -> int:
     """Elements of ``p``, also while ZeRO-3 has freed its storage."""
     return math.prod(getattr(p, "global_local_shape", tuple(p.shape))) if p.data.numel() == 0 else p.numel()
 
@@ -135,7 +135,7 @@ class GradBuckets:
             offsets, off = [], 0
             for p in ps:
                 offsets.append(off)
-                off += _numel(p)
+                off += local_numel(p)
             assert off == b.elements, (off, b)
             shard = math.ceil(off / d) if sharded else off
             self.buckets.append(BucketLayout(i, b.chunk, b.units, ps, offsets, off, shard))
@@ -317,4 +317,21 @@ class GradSync:
                 p.end(*f)
 
 
-__all__ = ["GradBuckets", "GradSync", "BucketLayout", "param_units", "unit_of"]
+class BucketedReduction:
+    """What every optimizer that reduces its gradients through ``self.buckets`` (a
+    :class:`GradBuckets`) offers the program: ``grad_sync`` for the pipeline executor and
+    ``bucket_report`` for the metrics."""
+
+    buckets: GradBuckets
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """What the pipeline executor tells when a chunk's last backward runs."""
+        return GradSync([self.buckets])
+
+    def bucket_report(self) -> list[dict]:
+        """Per gradient bucket of the last step: axis, elements, launched early."""
+        return self.buckets.report()
+
+
+__all__ = ["GradBuckets", "GradSync", "BucketLayout", "BucketedReduction", "param_units", "unit_of", "local_numel"]

@@ -11,12 +11,14 @@ A collective over an axis of size one is skipped and not counted.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 from parcompile.runtime.context import Axis
+from parcompile.runtime.memory import METER
 
 
 class CommCounter:
@@ -202,10 +204,6 @@ def keep_split_input(split: torch.Tensor, full: torch.Tensor, axis: Axis, dim: i
     Use it around the column-parallel linears only: saved-tensor hooks do not nest, so
     other tensors saved inside are handed to :data:`parcompile.runtime.memory.METER`.
     """
-    import contextlib
-
-    from parcompile.runtime.memory import METER
-
     if axis.size == 1 or full is split:
         return contextlib.nullcontext()
     ptr = full.untyped_storage().data_ptr()

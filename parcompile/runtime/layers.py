@@ -317,9 +317,7 @@ class _RopeFunction(torch.autograd.Function):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``rot_dim`` dims of each head of x (B, T, H, D) ("rotate half");
     cos/sin are (T, rot_dim) (:func:`rope_tables`)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeFunction.apply(x, cos, sin)
-    return _rotate(x, cos, sin)
+    return _RopeFunction.apply(x, cos, sin)
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -345,9 +343,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU (Shazeer 2020): ``silu(gate) * up``, (..., f) x (..., f) -> (..., f)."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SwiGLUFunction.apply(gate, up)
-    return F.silu(gate) * up
+    return _SwiGLUFunction.apply(gate, up)
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -37,8 +37,6 @@ class SavedTensorMeter:
     def __init__(self) -> None:
         self.active = False
         self.per_layer: dict[int, int] = {}
-        #: per layer, (shape, dtype, storage bytes) of every storage counted, in save order
-        self.detail: dict[int, list[tuple[tuple[int, ...], str, int]]] = {}
         self._seen: dict[int, set[int]] = {}
         self._layer: int | None = None
         self._exclude: set[int] = set()
@@ -87,7 +85,6 @@ class SavedTensorMeter:
             return
         self._seen[self._layer].add(ptr)
         self.per_layer[self._layer] += nbytes
-        self.detail.setdefault(self._layer, []).append((tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes))
 
     def saved(self, t: torch.Tensor) -> None:
         """Count ``t`` as saved for backward (for saved-tensor hooks nested inside the
@@ -105,7 +102,6 @@ class SavedTensorMeter:
 
     def reset(self) -> None:
         self.per_layer.clear()
-        self.detail.clear()
         self._seen.clear()
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parcompile.runtime.buckets import BucketedReduction, GradBuckets
 from parcompile.runtime.comm import COUNTER, all_reduce
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
@@ -124,7 +125,7 @@ def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
                            {"params": no_decay, "weight_decay": 0.0}], train)
 
 
-class ReplicatedOptimizer:
+class ReplicatedOptimizer(BucketedReduction):
     """``zero = 0``: every data-parallel rank holds all optimizer states; gradients are
     averaged over `dp_cp` (``axis``) with one all-reduce per gradient bucket, launched
     during the backward (:class:`parcompile.runtime.buckets.GradBuckets`), then summed
@@ -150,8 +151,6 @@ class ReplicatedOptimizer:
         self.scaler = _scaler_for(self.params)
         self.sequence_parallel = sequence_parallel
         enable_main_grads(model)
-        from parcompile.runtime.buckets import GradBuckets
-
         axis = axis or ctx.axes["dp_cp"]
         scale = grad_scale if grad_scale is not None else 1.0 / ctx.axes["dp_cp"].size
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
@@ -177,22 +176,10 @@ class ReplicatedOptimizer:
     def begin_step(self) -> None:
         pass
 
-    @property
-    def grad_sync(self):
-        """What the pipeline executor tells when a chunk's last backward runs
-        (:class:`parcompile.runtime.buckets.GradSync`)."""
-        from parcompile.runtime.buckets import GradSync
-
-        return GradSync([self.buckets])
-
     def reduce_gradients(self) -> None:
         """Finish the bucketed data-parallel reduction, then the model-parallel sums."""
         self.buckets.finish()
         sync_gradients(self.model, self.ctx, self.sequence_parallel)
-
-    def bucket_report(self) -> list[dict]:
-        """Per gradient bucket of the last step: axis, elements, launched early."""
-        return self.buckets.report()
 
     @property
     def loss_scale(self) -> float:

@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parcompile.runtime.buckets import BucketLayout, GradBuckets, GradSync
+from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, local_numel
 from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, all_reduce
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(BucketedReduction):
     """The optimizer of a stage under ``zero`` 1, 2 or 3 (see module docstring).
 
     ``make_optimizer(groups)`` builds the torch optimizer from parameter groups
@@ -140,11 +140,6 @@ class ShardedOptimizer:
         if self.zero == 3:
             self._all_gather_params()
 
-    @property
-    def grad_sync(self) -> GradSync:
-        """What the pipeline executor tells when a chunk's last backward runs."""
-        return GradSync([self.buckets])
-
     def reduce_gradients(self) -> None:
         """Finish the buckets' reduce-scatters, attach the owned slices to the segments,
         run the model-parallel sums on them."""
@@ -173,7 +168,7 @@ class ShardedOptimizer:
             start, off = {}, 0
             for p in params:
                 start[id(p)] = off
-                off += _numel(p)
+                off += local_numel(p)
             flat = torch.zeros(off, dtype=torch.float32, device=self.ctx.device)
             mine = [(b, p, lo, hi, seg) for b, p, lo, hi, seg in self.segments if id(p) in start]
             for b, p, lo, hi, seg in mine:
@@ -187,10 +182,6 @@ class ShardedOptimizer:
         if self.sequence_parallel and self.ctx.tp.size > 1:
             reduce(sp_replicated(self.params), self.ctx.tp)
         reduce([p for p in self.params if getattr(p, "tied", False)], self.ctx.axes["embedding"])
-
-    def bucket_report(self) -> list[dict]:
-        """Per gradient bucket of the last step: axis, elements, launched early."""
-        return self.buckets.report()
 
     @property
     def loss_scale(self) -> float:
@@ -282,7 +273,7 @@ class ShardedOptimizer:
 
         for b, full in zip(self.buckets.buckets, self._gather(fill, dtype)):
             for p, off in zip(b.params, b.offsets):
-                n = _numel(p)
+                n = local_numel(p)
                 if p.data.numel() != n:
                     p.data = torch.empty(p.global_local_shape, dtype=dtype, device=self.ctx.device)
                 p.data.view(-1).copy_(full[off:off + n])
@@ -321,7 +312,7 @@ class ShardedOptimizer:
         for b, full in zip(self.buckets.buckets, self._gather(fill, torch.float32, counted=False)):
             for p, off in zip(b.params, b.offsets):
                 shape = getattr(p, "global_local_shape", tuple(p.shape))
-                set_main_grad(p, full[off:off + _numel(p)].view(shape).clone())
+                set_main_grad(p, full[off:off + local_numel(p)].view(shape).clone())
 
     # -- checkpoints ----------------------------------------------------------------------
     def export_states(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -348,7 +339,7 @@ class ShardedOptimizer:
             for b, full in zip(self.buckets.buckets, self._gather(fill, torch.float32, counted=False)):
                 for p, off in zip(b.params, b.offsets):
                     shape = getattr(p, "global_local_shape", tuple(p.shape))
-                    out[id(p)][key] = full[off:off + _numel(p)].view(shape).clone()
+                    out[id(p)][key] = full[off:off + local_numel(p)].view(shape).clone()
         return out
 
     def import_states(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
@@ -388,12 +379,3 @@ class ShardedOptimizer:
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optimizer}
 
-
-def _numel(p: nn.Parameter) -> int:
-    """Elements of ``p``, also while zero 3 has freed its storage."""
-    if p.data.numel() == 0 and hasattr(p, "global_local_shape"):
-        n = 1
-        for x in p.global_local_shape:
-            n *= x
-        return n
-    return p.numel()
