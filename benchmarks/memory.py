@@ -17,7 +17,12 @@ over the rank's layers (plan ``activations_per_layer`` against the saved-tensor 
 the allocator's peak (allocated / reserved) against the plan's ``total``; a CPU run has
 no allocator to ask (process RSS is mostly Python and torch, not the model).
 
-Run: ``python benchmarks/memory.py [--only NAME] [--steps N]``.
+With ZeRO-3 it adds, per stage, the most gathered parameter bytes a rank held at once
+(layer buckets are gathered just in time) against the plan's ``zero3_gather`` buffer and
+against the stage's parameters gathered whole. ``--zero 3 --bucket-size 4`` runs every
+example that way (one bucket per layer).
+
+Run: ``python benchmarks/memory.py [--only NAME] [--steps N] [--zero Z] [--bucket-size B]``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import load_spec
+from parcompile.search import with_parallel
 from parcompile.verify import MAX_WORLD, measure, miniature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,16 +87,37 @@ def report(name: str, how: str, plan: dict, records: list[dict]) -> str:
     lines.append(f"   model states {'equal the plan exactly' if exact else 'DIFFER from the plan'}; "
                  f"saved activations per layer within {100 * worst_all:.2f}% of the plan on every rank, "
                  f"{100 * (measured - planned) / max(planned, 1):+.2f}% summed over ranks")
+    gathered = [(r["stage"], r["zero3_gathered"]) for r in records if "zero3_gathered" in r]
+    for stage in sorted({s for s, _ in gathered}):
+        st = plan["memory"]["per_stage"][stage]
+        got = sorted({g for s, g in gathered if s == stage})
+        lines.append(f"   stage {stage}: ZeRO-3 gathered parameters at most {_kib(st['buffer_parts'].get('zero3_gather', 0))} "
+                     f"KiB planned, {'/'.join(_kib(g) for g in got)} KiB held; the stage's parameters "
+                     f"are {_kib(_full_params(plan, stage))} KiB gathered")
     return "\n".join(lines)
+
+
+def _full_params(plan: dict, stage: int) -> int:
+    """Bytes of the stage's parameters on one rank if all were gathered at once (padded
+    buckets, the model's dtype), from the plan's bucket listing."""
+    e = {"fp32": 4}.get(plan["model"].get("dtype", "fp32"), 2)
+    d, ed = plan["degrees"]["dp"] * plan["degrees"]["cp"], plan["degrees"]["expert_dp"]
+    row = plan["comm"]["grad_buckets"]["per_stage"][stage]
+    pad = lambda n, k: -(-n // k) * k if k > 1 else 0   # noqa: E731
+    return e * (sum(pad(b["elements"], d) for b in row["dense"]) + sum(pad(b["elements"], ed) for b in row["expert"]))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run only the example with this file stem")
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (state bytes are read after step 1)")
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="run every example with this ZeRO stage instead")
+    ap.add_argument("--bucket-size", type=int, help="... and this bucket_size in bytes (ZeRO-3 gathers per bucket)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.bucket_size is not None and (args.bucket_size < 0 or 0 < args.bucket_size < 4):
+        ap.error(f"--bucket-size must be 0 (one bucket per chunk) or at least 4 bytes, got {args.bucket_size}")
     paths = sorted((ROOT / "examples").glob("*.par"))
     if args.only and args.only not in {p.stem for p in paths}:
         ap.error(f"no example named {args.only!r}; examples: {', '.join(p.stem for p in paths)}")
@@ -102,6 +129,9 @@ def main(argv=None) -> int:
         except SpecError as e:
             print(f"== {path.stem}: does not compile ({e})")
             continue
+        if cfg.workload == "train" and (args.zero is not None or args.bucket_size is not None):
+            update = {k: v for k, v in (("zero", args.zero), ("bucket_size", args.bucket_size)) if v is not None}
+            cfg = with_parallel(cfg, cfg.parallel.model_copy(update=update))
         if cfg.workload != "train":
             print(f"== {path.stem}: skipped (serve spec: weights and KV cache, see tests/test_serve.py)\n")
             continue

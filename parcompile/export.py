@@ -346,7 +346,9 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
         notes.append("tie_embeddings: torchtitan's llama3 keeps the output projection separate")
 
     # ZeRO: FSDP2 shards over data_parallel_shard_degree
-    replicate, shard, reshard = (deg["dp"], 1, "default") if par.zero == 0 else (1, deg["dp"], "always")
+    # zero 3: "default" is parcompile's own policy (analysis/buckets.reshard_after_forward):
+    # layers resharded after forward without PP, kept across micro-batches with PP
+    replicate, shard, reshard = (deg["dp"], 1, "default") if par.zero == 0 else (1, deg["dp"], "default")
     if par.zero in (1, 2):
         reshard = "never"
         notes.append(f"zero {par.zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "

@@ -40,7 +40,7 @@ from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, 
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
 from parcompile.analysis.calibration import cost_without_schedule
-from parcompile.analysis.buckets import GradUnit, partition, shard_elements
+from parcompile.analysis.buckets import GradUnit, partition, reshard_after_forward, shard_elements, zero3_gathered
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -249,7 +249,7 @@ class Coster:
         self.pipes: dict[tuple, tuple[float, dict]] = {}
         self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
-        self.shard_sums: dict[tuple, tuple[int, int]] = {}
+        self.shard_sums: dict[tuple, tuple] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -316,15 +316,18 @@ class Coster:
         return got
 
     def _chunk_shards(self, pr: _Probe, first: bool, last: bool, n: int, pp1: bool, tied: bool,
-                      bucket_size: int, d: int, ed: int) -> tuple[int, int]:
-        """(dense, expert) elements of sharded state one rank holds for one model chunk of
-        ``n`` layers: the sum over its gradient buckets of ``ceil(n_b / d)``."""
+                      bucket_size: int, d: int, ed: int) -> tuple[int, int, tuple[int, int]]:
+        """(dense, expert, zero3) for one model chunk of ``n`` layers on one rank: elements
+        of sharded state (the sum over its gradient buckets of ``ceil(n_b / d)``), and the
+        ZeRO-3 gathered elements ``(step_long, just_in_time)`` of
+        :func:`parcompile.analysis.buckets.zero3_gathered`."""
         key = (id(pr), first, last, n, pp1, tied, bucket_size, d, ed)
         got = self.shard_sums.get(key)
         if got is None:
             units = _chunk_units(pr.params, first, last, n, pp1, tied)
-            got = self.shard_sums[key] = (shard_elements(partition(units, bucket_size, "dense"), d),
-                                          shard_elements(partition(units, bucket_size, "expert"), ed))
+            dense, expert = partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+            got = self.shard_sums[key] = (shard_elements(dense, d), shard_elements(expert, ed),
+                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2)))
         return got
 
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
@@ -355,11 +358,14 @@ class Coster:
         peak = None
         for s in range(pp):
             shard, eshard = 0, 0   # ZeRO: sharded per gradient bucket; buckets close at chunk ends
+            step_long, jit = 0, 0  # ZeRO-3: gathered buckets (analysis/buckets.zero3_gathered)
             for k in range(s, nchunks, pp):
-                a, b = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k], pp == 1, tied,
-                                          par.bucket_size, d, ed)
+                a, b, (g_step, g_jit) = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k], pp == 1, tied,
+                                                           par.bucket_size, d, ed)
                 shard += a
                 eshard += b
+                step_long += g_step
+                jit = max(jit, g_jit)
             n = nl[s]
             dense = n * mid.dense
             expert = n * mid.expert
@@ -385,7 +391,7 @@ class Coster:
                 num, den = min(pp - s, m), 1
             q = num * body
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
-            gathered = e * ((dense if d > 1 else 0) + (expert if ed > 1 else 0)) if z >= 3 else 0
+            gathered = e * (step_long + jit) if z >= 3 else 0
             total = (states(dense, shard) + states(expert, eshard) + acts + gathered
                      + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
             if peak is None or total > peak:
@@ -444,8 +450,8 @@ class Coster:
                         {f: _compose(ct3.comm_f[f], counts) for f in fams},
                         {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p)
         from parcompile.passes.insert_collectives import step_collectives
-        steps = [CollectiveEntry(op, axis, nb, 1, where, s, "step")
-                 for s, _key, op, axis, nb, where in step_collectives(cfg, deg, sps)]
+        steps = [CollectiveEntry(op, axis, nb, count, where, s, "step")
+                 for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, sps)]
         m = par.num_microbatches
         actions = None
         if simulate and pp > 1:

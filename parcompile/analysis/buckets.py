@@ -35,6 +35,22 @@ bucket layouts over tp; the tied embedding alone in its bucket on both stages).
 ZeRO >= 1 shards each bucket on its own (Megatron-LM's distributed optimizer): a bucket of
 n elements is padded to ``ceil(n / d) * d`` and rank i owns slice i, so a rank holds
 ``sum over buckets of ceil(n_b / d)`` elements of sharded state (:func:`shard_elements`).
+
+ZeRO-3 also gathers the parameters bucket by bucket, into one padded buffer per bucket
+(``ceil(n / d) * d`` elements; :func:`zero3_gathered`). A bucket of decoder layers only
+(:func:`is_layer_bucket`) is gathered just in time, before the forward of its first layer;
+a bucket holding the embedding or the output layer is gathered at the step's start and
+kept for the step. When the layer bucket is freed again follows torchtitan's FSDP policy
+(``reshard_after_forward``; :func:`reshard_after_forward`):
+
+- ``pp = 1``: freed after the forward of its last layer, gathered again before the backward
+  reaches it (from a hook on the gradient of its last layer's output) and freed once the
+  gradient of its first layer's input is complete: two all-gathers per micro-batch, so a
+  rank holds the step-long buckets plus the buckets of one layer at a time (FSDP,
+  DeepSpeed ZeRO-3);
+- ``pp > 1``: kept across the micro-batches of the step (SPEC: as torchtitan's FSDP + PP,
+  which sets ``reshard_after_forward = False`` there) and freed when the bucket's
+  gradients are final (when its reduce-scatter starts): one all-gather per step.
 """
 
 from __future__ import annotations
@@ -150,6 +166,60 @@ def shard_elements(buckets: Iterable[Bucket], d: int) -> int:
     return sum(math.ceil(b.elements / d) if d > 1 else b.elements for b in buckets)
 
 
+def is_layer_bucket(b) -> bool:
+    """True for a bucket (a :class:`Bucket`, or anything with ``units``) of decoder layers
+    only, which ZeRO-3 gathers just in time."""
+    return all(u.startswith("layers.") for u in b.units)
+
+
+def bucket_layers(b: Bucket) -> tuple[int, ...]:
+    """The decoder layer ids of a bucket's units, ascending (forward order)."""
+    return tuple(sorted(int(u.split(".")[1]) for u in b.units if u.startswith("layers.")))
+
+
+def reshard_after_forward(pp: int) -> bool:
+    """ZeRO-3's policy for layer buckets (module docstring): freed after each micro-batch's
+    forward and backward when ``pp == 1``; kept across the step's micro-batches with
+    pipeline parallelism (torchtitan's ``apply_fsdp``, ``reshard_after_forward_policy =
+    "default"``: True without PP, False with PP "to avoid per-microbatch all-gathers")."""
+    return pp == 1
+
+
+def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch: bool) -> tuple[int, int]:
+    """Elements of gathered ZeRO-3 parameters one rank holds during a step, as
+    ``(step_long, just_in_time)``: the buckets kept for the whole step, and the most the
+    just-in-time layer buckets hold at once. The peak is their sum.
+
+    Args:
+        kinds: ``(buckets, d)`` per parameter kind (dense over dp_cp, experts over
+            expert_dp); a kind with ``d == 1`` is not sharded and gathers nothing.
+        per_microbatch: :func:`reshard_after_forward`: layer buckets hold their layer's
+            forward or backward only, so the most held at once is, over the layers, the
+            sum of the layer buckets that contain the layer; otherwise every bucket is
+            gathered at some point before the first backward, all at once.
+
+    Each gathered bucket is a padded buffer of ``ceil(n / d) * d`` elements.
+    """
+    step_long, per_layer = 0, {}
+    for buckets, d in kinds:
+        if d <= 1:
+            continue
+        for b in buckets:
+            full = math.ceil(b.elements / d) * d
+            if per_microbatch and is_layer_bucket(b):
+                for layer in bucket_layers(b):
+                    per_layer[layer] = per_layer.get(layer, 0) + full
+            else:
+                step_long += full
+    return step_long, max(per_layer.values(), default=0)
+
+
+def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
+    """All-gathers per step of each bucket's parameters under ZeRO-3: ``2 m`` for a layer
+    bucket resharded after every forward and backward (``per_microbatch``), else 1."""
+    return [2 * microbatches if per_microbatch and is_layer_bucket(b) else 1 for b in buckets]
+
+
 def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on one rank of a stage: SPEC's per-parameter rule
     (:func:`parcompile.analysis.memory.state_bytes`) with the sharded buffers being the
@@ -175,4 +245,5 @@ def buckets_to_dict(sp, bucket_size: int) -> dict:
 
 
 __all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
-           "stage_state_bytes", "buckets_to_dict", "unit_order_key"]
+           "stage_state_bytes", "buckets_to_dict", "unit_order_key", "is_layer_bucket", "bucket_layers",
+           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts"]

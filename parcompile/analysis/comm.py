@@ -109,7 +109,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
             stage = c.stage if c.stage is not None else (nd.stage or 0)
             if c.per == "microbatch":
                 raw.append((stage, nd.chunk or 0, c))
-            n = m if c.per == "microbatch" else 1
+            n = m if c.per == "microbatch" else c.count
             phases = [(c.phase, n)]
             recomputed = recompute == "full" and nd.kind != "send_recv" and _in_layer(graph, nd.name)
             if recomputed and c.phase == "forward":

@@ -61,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from parcompile.analysis.buckets import reshard_after_forward
 from parcompile.analysis.comm import AXIS_FAMILY, CommReport
 from parcompile.analysis.compute import ComputeReport
 
@@ -349,7 +350,9 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
     """Exposed step-collective time of the slowest stage (module docstring): the gradient
     buckets' exposure (:func:`grad_overlap`; without ``stage_params``, the step's
     gradient collectives against the last micro-batch's backward), ZeRO's parameter
-    all-gathers beyond the next step's first forward, and every other step collective."""
+    all-gathers beyond the next step's first forward (ZeRO-3 with ``pp = 1``: beyond all of
+    the step's forwards and backwards, which regather the layers), and every other step
+    collective."""
     par, cl = cfg.parallel, cfg.cluster
     pp, v = par.pp, par.virtual_stages
     worst = 0.0
@@ -367,9 +370,13 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
             else:
                 exposed += t
         # gradients overlap the last micro-batch's backward bucket by bucket; ZeRO's
-        # parameter all-gathers the next step's first forward
+        # parameter all-gathers the next step's first forward, or, ZeRO-3 regathering
+        # layers in every micro-batch (pp = 1), every forward and backward (prefetched
+        # one bucket ahead, as FSDP does)
         bwd = sum(ct.bwd(c * pp + s) for c in range(v))
         fwd = sum(ct.fwd(c * pp + s) for c in range(v))
+        if par.zero >= 3 and reshard_after_forward(pp):
+            fwd = par.num_microbatches * (fwd + bwd)
         if stage_params is not None:
             grad_exposed = grad_overlap(cfg, degrees, links, ct, stage_params[s]).exposed
         else:

@@ -47,9 +47,10 @@ Temporary buffers (``buffers``; not saved for backward, alive for one op or one 
 a time, so counted once per stage, not per micro-batch): the working set of the layer
 recomputation rebuilds, the logits before the fp32 loss (last stage), the all-gathered
 input of a column-parallel layer with sequence parallelism, point-to-point receive
-buffers between stages, and with ``zero = 3`` the stage's gathered parameters (the program
-all-gathers them at the start of a step and frees them after the update, torchtitan's
-FSDP + PP shape: :func:`zero3_gathered_bytes`).
+buffers between stages, and with ``zero = 3`` the most gathered parameters a rank holds at
+once (buckets of decoder layers gathered just in time, per layer with ``pp = 1`` and kept
+across the micro-batches with ``pp > 1``, as torchtitan's FSDP does; buckets with the
+embedding or output layer for the whole step: :func:`zero3_gathered_bytes`).
 
 KV cache (``serve``): ``batch * (prompt_len + max_new_tokens)`` tokens times the bytes a
 token adds on the stage's most loaded rank.
@@ -62,7 +63,7 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import stage_state_bytes
+from parcompile.analysis.buckets import reshard_after_forward, stage_buckets, stage_state_bytes, zero3_gathered
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -346,13 +347,17 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
 
 
 def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
-    """Bytes of the full (tp-local) parameters a ZeRO-3 rank holds during a step: the
-    program gathers every bucket at the step's start and frees them after the update
-    (torchtitan's FSDP + PP with ``reshard_after_forward = False``; SPEC ``parallel``),
-    so during the step they sit beside the rank's own slice. 0 without ZeRO-3 or when the
-    group of the parameters has one rank (nothing is sharded)."""
+    """Most bytes of full (tp-local) parameters a ZeRO-3 rank holds at once during a step,
+    beside its own slice: :func:`parcompile.analysis.buckets.zero3_gathered` over the
+    stage's gradient buckets (each gathered into a buffer padded to ``ceil(n / d) * d``
+    elements). With ``pp = 1`` that is the buckets kept for the step (embedding, output
+    layer) plus the layer buckets of one decoder layer; with ``pp > 1`` every bucket (all
+    are gathered before the first backward and kept across the micro-batches). 0 without
+    ZeRO-3 or when the parameters' group has one rank (nothing is sharded)."""
     par = cfg.parallel
     if cfg.workload == "serve" or par.zero < 3:
         return 0
-    e = cfg.model.dtype_bytes
-    return e * ((sp.dense if degrees["dp_cp"] > 1 else 0) + (sp.expert if degrees["expert_dp"] > 1 else 0))
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
+                                    reshard_after_forward(par.pp))
+    return cfg.model.dtype_bytes * (step_long + jit)

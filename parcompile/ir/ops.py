@@ -112,6 +112,8 @@ class Collective:
     #: > 0: the size depends on the router's choices (MoE token dispatch); ``bytes`` is the
     #: balanced estimate and ``bytes_per_row`` the bytes of one routed token (h * e)
     bytes_per_row: int = 0
+    #: runs per step of a ``per = "step"`` collective (ZeRO-3 regathers a layer bucket 2 m times)
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -519,7 +521,8 @@ def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorTy
             Collective("recv", "pp", nb, "backward", where, stage=a["src_stage"]),
         ]
     elif op.kind == "step_collective":
-        res.append(Collective(a["op"], a["axis"], a["bytes"], "step", a["where"], per="step"))
+        res.append(Collective(a["op"], a["axis"], a["bytes"], "step", a["where"], per="step",
+                              count=int(a.get("count", 1))))
     elif op.kind == "cross_entropy":
         if node.requires[0].axis_of("vocab") == "tp" and degrees.get("tp", 1) > 1:
             logits = local_in[0]

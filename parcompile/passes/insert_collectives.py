@@ -16,7 +16,8 @@
 3. Step collectives, once per step per rank of a stage: the gradient reduction over
    ``dp_cp``, one per gradient bucket (:mod:`parcompile.analysis.buckets`; an all-reduce
    of the bucket's fp32 gradients; with ZeRO >= 1 a reduce-scatter of it and an
-   all-gather of the updated parameters), the same over
+   all-gather of the updated parameters, which ZeRO-3 runs before their use instead:
+   ``2 m`` times per step for a bucket of decoder layers with ``pp = 1``), the same over
    ``expert_dp`` for MoE expert weights, the tied-embedding
    all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp``, the
    squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parcompile.analysis.buckets import stage_buckets
+from parcompile.analysis.buckets import reshard_after_forward, stage_buckets, zero3_gather_counts
 from parcompile.analysis.params import stage_params
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
@@ -105,19 +106,21 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             # the consumers now see the converted tensor; its gradient arrives in `grad`
 
 
-def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str]]:
+def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str, int]]:
     """The step collectives of the module docstring (3.), as ``(stage, key, op, axis,
-    bytes, where)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams` per
-    pipeline rank). Shared by the pass and by ``parcompile.search``, which costs layouts
-    without building their graphs."""
+    bytes, where, count)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams`
+    per pipeline rank); ``count`` is runs per step (1, but ``2 m`` for the all-gathers of a
+    ZeRO-3 layer bucket resharded after every forward and backward with ``pp = 1``:
+    :func:`parcompile.analysis.buckets.zero3_gather_counts`). Shared by the pass and by
+    ``parcompile.search``, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
     e = cfg.model.dtype_bytes
     d = deg["dp_cp"]
-    out: list[tuple[int, str, str, str, int, str]] = []
+    out: list[tuple[int, str, str, str, int, str, int]] = []
 
-    def add(stage: int, key: str, op: str, axis: str, nbytes: int, where: str) -> None:
-        out.append((stage, key, op, axis, int(nbytes), where))
+    def add(stage: int, key: str, op: str, axis: str, nbytes: int, where: str, count: int = 1) -> None:
+        out.append((stage, key, op, axis, int(nbytes), where, count))
 
     for s, sp in enumerate(stages):
         ed = deg["expert_dp"]
@@ -128,13 +131,16 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
             if size <= 1:
                 continue
+            gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp)) \
+                if par.zero >= 3 else [1] * len(buckets)
             for i, b in enumerate(buckets):
                 if par.zero == 0:
                     add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
                 else:
                     shard = math.ceil(b.elements / size)
                     add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads")
-                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params")
+                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
+                        gathers[i])
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:
@@ -165,9 +171,12 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
     cfg = ctx.cfg
     stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
     graph.meta["stage_params"] = stages
-    for stage, key, op, axis, nbytes, where in step_collectives(cfg, ctx.degrees, stages):
+    for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, stages):
         name = graph.unique_name(f"step.stage{stage}.{key}")
-        graph.add_op(name, "step_collective", [], {"op": op, "axis": axis, "bytes": int(nbytes), "where": where})
+        attrs = {"op": op, "axis": axis, "bytes": int(nbytes), "where": where}
+        if count != 1:
+            attrs["count"] = count
+        graph.add_op(name, "step_collective", [], attrs)
         graph.set_stage(name, stage, stage)
 
 

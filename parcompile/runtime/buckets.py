@@ -147,6 +147,9 @@ class GradBuckets:
             self.chunk_params.setdefault(b.chunk, []).extend(b.params)
         self.active = d > 1
         self.sync: GradSync | None = None
+        #: called with each bucket as it launches (its gradients are final; ZeRO-3 frees
+        #: the bucket's gathered parameters)
+        self.on_launch = None
         self.armed: dict[int, str] = {}
         self.ready: set[int] = set()
         self.next = 0
@@ -207,6 +210,8 @@ class GradBuckets:
     def _launch(self, b: BucketLayout) -> None:
         b.launched = True
         b.early = self.sync is not None and self.sync.in_backward()
+        if self.on_launch is not None:
+            self.on_launch(b)
         if not self.active:
             return
         d = self.axis.size
@@ -332,6 +337,11 @@ class BucketedReduction:
     def bucket_report(self) -> list[dict]:
         """Per gradient bucket of the last step: axis, elements, launched early."""
         return self.buckets.report()
+
+    @property
+    def zero3_gathered_peak(self) -> int:
+        """Most bytes of ZeRO-3 gathered parameters held at once this step (0: not ZeRO-3)."""
+        return 0
 
 
 __all__ = ["GradBuckets", "GradSync", "BucketLayout", "BucketedReduction", "param_units", "unit_of", "local_numel"]

@@ -23,13 +23,22 @@ class Axis:
 
     ``ranks`` are global ranks in group order; ``index`` is this rank's position in it
     (the axis rank); ``group`` is the torch process group, or None when ``size == 1`` or
-    when running without torch.distributed.
+    when running without torch.distributed. ``gather_group`` is a second group of the
+    same ranks (ZeRO-3 parameter all-gathers on ``dp_cp`` and ``expert_dp``), or None.
     """
 
     name: str
     ranks: list[int]
     index: int
     group: object | None = None
+    gather_group: object | None = None
+
+    @property
+    def param_group(self) -> object | None:
+        """The group ZeRO-3 all-gathers parameters over: their own communicator, so they
+        never interleave with the gradient reduce-scatters in flight on ``group`` (which
+        start in an order the router can change; FSDP likewise keeps them apart)."""
+        return self.gather_group if self.gather_group is not None else self.group
 
     @property
     def size(self) -> int:
@@ -120,13 +129,18 @@ def _find(groups: list[list[int]], rank: int) -> list[int]:
     return [rank]
 
 
+#: the axes ZeRO-3 all-gathers parameters over, which get a second group (Axis.gather_group)
+GATHER_AXES = ("dp_cp", "expert_dp")
+
+
 def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
-                  device: str = "cuda") -> ParallelContext:
+                  device: str = "cuda", gather_groups: bool = False) -> ParallelContext:
     """Create the process groups of ``plan["groups"]`` and return this rank's context.
 
     ``device`` is the cluster's accelerator kind (see :func:`choose_backend`); process
     groups time out after ``timeout_s`` seconds, so a dead rank ends the job instead of
-    hanging it. Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank
+    hanging it. ``gather_groups`` (ZeRO-3) adds a second group for each of
+    :data:`GATHER_AXES` (:attr:`Axis.param_group`). Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank
     creates every group of every axis in the same order, as torch requires. Outside
     torchrun the plan must have a world size of 1.
 
@@ -158,6 +172,13 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
             cur, _ = dist.new_subgroups_by_enumeration([list(g) for g in lists], backend=backend)
             pg = cur if len(mine) > 1 else None
         axes[name] = Axis(name, mine, mine.index(rank), pg)
+    if gather_groups:
+        for name in GATHER_AXES:
+            lists = groups.get(name) or [[r] for r in range(world)]
+            if any(len(g) > 1 for g in lists):
+                cur, _ = dist.new_subgroups_by_enumeration([list(g) for g in lists], backend=backend)
+                if axes[name].size > 1:
+                    axes[name].gather_group = cur
     return ParallelContext(rank, world, axes, device, backend, distributed=True)
 
 

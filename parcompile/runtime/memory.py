@@ -40,13 +40,14 @@ class SavedTensorMeter:
         self._seen: dict[int, set[int]] = {}
         self._layer: int | None = None
         self._exclude: set[int] = set()
-        self._hooks = None
+        self._model: nn.Module | None = None
 
     @contextlib.contextmanager
     def measuring(self, model: nn.Module):
         """Count saved tensors within this block (parameters and buffers of ``model`` excluded)."""
         self.reset()
-        self._exclude = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        self._model = model
+        self._exclude = self._state_storages()
         self.active = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             try:
@@ -54,6 +55,7 @@ class SavedTensorMeter:
             finally:
                 self.active = False
                 self._layer = None
+                self._model = None
 
     @contextlib.contextmanager
     def layer(self, index: int):
@@ -71,6 +73,11 @@ class SavedTensorMeter:
             self._layer = None
             del self._seen[index]
 
+    def _state_storages(self) -> set[int]:
+        """Data pointers of the model's parameters and buffers now."""
+        model = self._model
+        return {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+
     def hold(self, *tensors) -> None:
         """Count tensors kept alive for backward outside the hooks (checkpoint inputs)."""
         for t in tensors:
@@ -81,8 +88,10 @@ class SavedTensorMeter:
         if self._layer is None:
             return
         ptr, nbytes = _storage(t)
-        if ptr in self._exclude or ptr in self._seen[self._layer]:
+        if ptr in self._seen[self._layer]:
             return
+        if ptr in self._exclude or (self._model is not None and ptr in self._state_storages()):
+            return   # a weight (ZeRO-3 gathers them during the step, into new storages)
         self._seen[self._layer].add(ptr)
         self.per_layer[self._layer] += nbytes
 

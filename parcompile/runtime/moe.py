@@ -353,6 +353,12 @@ class MoEOptimizer:
     def bucket_report(self) -> list[dict]:
         return self.dense.bucket_report() + self.experts.bucket_report()
 
+    @property
+    def zero3_gathered_peak(self) -> int:
+        """ZeRO-3: the most gathered parameter bytes held at once this step (the sharded
+        parts share one meter, so either part's peak is the stage's)."""
+        return max(o.zero3_gathered_peak for o in self.parts)
+
     def zero_grad(self) -> None:
         for o in self.parts:
             o.zero_grad()

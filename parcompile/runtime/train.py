@@ -275,18 +275,23 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: in
                    sequence_parallel: bool = False):
     """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
     reducing gradients in buckets of ``bucket_size`` fp32 bytes (0: one per chunk, after
-    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp."""
+    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp. With
+    ``zero = 3`` the buckets of decoder layers are gathered just in time by hooks on
+    ``model.layers`` (:class:`parcompile.runtime.zero.LayerGather`)."""
+    from parcompile.analysis.buckets import reshard_after_forward
     from parcompile.runtime.moe import moe_optimizer
+    from parcompile.runtime.zero import LayerGather, ShardedOptimizer
 
-    moe = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel)   # experts: over expert_dp
-    if moe is not None:
-        return moe
-    if zero == 0 or ctx.axes["dp_cp"].size == 1:
-        return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
-    from parcompile.runtime.zero import ShardedOptimizer
-
-    return ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
-                            bucket_size, sequence_parallel)
+    opt = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel)   # experts: over expert_dp
+    if opt is None:
+        if zero == 0 or ctx.axes["dp_cp"].size == 1:
+            return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
+        opt = ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
+                               bucket_size, sequence_parallel)
+    parts = [o for o in getattr(opt, "parts", (opt,)) if isinstance(o, ShardedOptimizer) and o.zero == 3]
+    if parts and hasattr(model, "layers"):   # ZeRO-3: decoder-layer buckets gathered just in time
+        LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
+    return opt
 
 
 def lr_at(step: int, train: dict) -> float:

@@ -22,16 +22,30 @@ i owns elements ``[i S, (i + 1) S)`` of every bucket (Megatron-LM's
 
 Stages: ``zero = 1`` keeps full gradients and parameters between steps; ``zero = 2``
 frees the full gradients after the reduce-scatter (only the slices' gradients are kept);
-``zero = 3`` also frees the full parameters after the update and all-gathers them at the
-start of the next step (the all-gathers of the step move from its end to its start).
+``zero = 3`` also frees the full parameters after the update and all-gathers them, bucket
+by bucket, where the step needs them (:class:`LayerGather`; the rule and the plan's side
+are in :mod:`parcompile.analysis.buckets`): a bucket holding the embedding or the output
+layer at the step's start, a bucket of decoder layers just in time, before the forward
+of its first layer. With ``pp = 1`` a layer bucket is freed after its forward and
+gathered again before its backward in every micro-batch (FSDP's ``reshard_after_forward``,
+DeepSpeed ZeRO-3); with ``pp > 1`` it is kept across the micro-batches (torchtitan's
+FSDP + PP). Every gathered bucket is freed once its gradients are final (when its
+reduce-scatter starts), so the optimizer step runs with shards only. A gathered bucket is
+one padded buffer the bucket's parameters are views of; freeing it resizes the buffer's
+storage to zero, so what autograd saved (the same storage) sees the data again once it
+is gathered back (FSDP's ``resize_`` of the unsharded storage).
 The collectives are the plan's ``grads`` reduce-scatters and ``params`` all-gathers
-(``comm.collectives``), one each per bucket per step.
+(``comm.collectives``): one reduce-scatter per bucket per step, one all-gather per
+bucket per step (``2 m`` for layer buckets with ``pp = 1`` under ZeRO-3). ZeRO-3's
+all-gathers run on a group of their own (:attr:`parcompile.runtime.context.Axis.param_group`).
 
 fp32 models update their parameters in place through views (no master copy); the
 optimizer's states are then 8 bytes per owned element (Adam), as SPEC accounts.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -102,6 +116,13 @@ class ShardedOptimizer(BucketedReduction):
         # zero 3 with 16-bit weights: the rank keeps its 16-bit slice of every bucket, which the
         # next step's all-gather sends (SPEC: 2/d bytes of parameters per element)
         self.low_shards: list[torch.Tensor] | None = None
+        # zero 3: the gathered buffer of each bucket (by index), the buckets LayerGather
+        # gathers just in time, and the bytes of gathered buffers held (shared by a stage's parts)
+        self._full: dict[int, torch.Tensor] = {}
+        self.just_in_time: set[int] = set()
+        self.gathered = GatherMeter()
+        if zero == 3:
+            self.buckets.on_launch = self._release_bucket   # gradients final: no further use
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
         self._grad_shards: list[torch.Tensor] | None = None
@@ -136,9 +157,14 @@ class ShardedOptimizer(BucketedReduction):
         self.buckets.reset()
 
     def begin_step(self) -> None:
-        """Before the first forward of a step: rebuild full parameters (zero 3)."""
+        """Before the first forward of a step (zero 3): start from shards only, then gather
+        the buckets not gathered just in time (embedding, output layer)."""
         if self.zero == 3:
-            self._all_gather_params()
+            self._free_params()
+            self.gathered.reset()
+            for b in self.buckets.buckets:
+                if b.index not in self.just_in_time:
+                    self._gather_bucket(b)
 
     def reduce_gradients(self) -> None:
         """Finish the buckets' reduce-scatters, attach the owned slices to the segments,
@@ -261,6 +287,10 @@ class ShardedOptimizer(BucketedReduction):
         return [(p, lo, hi, seg) for bb, p, lo, hi, seg in self.segments if bb is b]
 
     def _all_gather_params(self) -> None:
+        if self.zero == 3:
+            for b in self.buckets.buckets:
+                self._gather_bucket(b)
+            return
         dtype = self.params[0].dtype
 
         def fill(b: BucketLayout, mine: torch.Tensor) -> None:
@@ -278,15 +308,60 @@ class ShardedOptimizer(BucketedReduction):
                     p.data = torch.empty(p.global_local_shape, dtype=dtype, device=self.ctx.device)
                 p.data.view(-1).copy_(full[off:off + n])
 
+    def _fill_shard(self, b: BucketLayout) -> torch.Tensor:
+        """This rank's slice of bucket ``b`` in the parameters' dtype (``shard`` elements)."""
+        if self.low_shards is not None:
+            return self.low_shards[b.index]
+        mine = torch.zeros(b.shard, dtype=self.params[0].dtype, device=self.ctx.device)
+        lo_own = self._own_lo(b)
+        for p, lo, hi, seg in self._segments_of(b):
+            mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(mine.dtype)
+        return mine
+
+    def _gather_bucket(self, b: BucketLayout) -> None:
+        """zero 3: all-gather bucket ``b`` into its padded buffer (``shard * d`` elements),
+        the storage of its parameters; nothing if it is gathered already."""
+        dtype = self.params[0].dtype
+        n = b.shard * self.axis.size
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        full = self._full.get(b.index)
+        if full is not None and full.untyped_storage().nbytes() == nbytes:
+            return
+        if full is None:
+            full = self._full[b.index] = torch.empty(n, dtype=dtype, device=self.ctx.device)
+            for p, off in zip(b.params, b.offsets):
+                p.data = full[off:off + local_numel(p)].view(p.global_local_shape)
+        else:   # freed after an earlier use this step: the same storage, and views, again
+            full.untyped_storage().resize_(nbytes)
+        COUNTER.record("all_gather", self.axis.name, nbytes)
+        all_gather_single(full, self._fill_shard(b), group=self.axis.param_group)
+        self.gathered.add(nbytes)
+
+    def _release_bucket(self, b: BucketLayout) -> None:
+        """zero 3: free bucket ``b``'s gathered buffer (its storage; the views stay)."""
+        full = self._full.get(b.index)
+        if full is not None and full.untyped_storage().nbytes() > 0:
+            self.gathered.add(-full.untyped_storage().nbytes())
+            full.untyped_storage().resize_(0)
+
     def _free_params(self) -> None:
         for p in self.params:
             if not hasattr(p, "global_local_shape"):
                 p.global_local_shape = tuple(p.shape)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for full in self._full.values():
+            self.gathered.add(-full.untyped_storage().nbytes())
+        self._full.clear()
+
+    @property
+    def zero3_gathered_peak(self) -> int:
+        """zero 3: the most bytes of gathered parameter buffers held at once since the
+        step began (the plan's ``zero3_gather`` buffer); 0 otherwise."""
+        return self.gathered.peak if self.zero == 3 else 0
 
     def gather_for_export(self) -> None:
         """Rebuild full parameters outside the measured step (checkpoints, verify dumps)."""
-        if self.zero == 3 and self.params[0].data.numel() == 0:
+        if self.zero == 3:
             enabled, COUNTER.enabled = COUNTER.enabled, False
             try:
                 self._all_gather_params()
@@ -379,3 +454,107 @@ class ShardedOptimizer(BucketedReduction):
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optimizer}
 
+
+class GatherMeter:
+    """Bytes of ZeRO-3 gathered parameter buffers held now (``now``) and at most since
+    :meth:`reset` (``peak``); one per pipeline rank, shared by its sharded parts."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def reset(self) -> None:
+        self.peak = self.now
+
+
+class LayerGather:
+    """ZeRO-3 just-in-time gathering of the buckets of decoder layers (module docstring),
+    driven by hooks on the stage's decoder layers (``model.layers``, chunks ``model.chunks``).
+
+    - before a layer's forward: gather the layer buckets containing the layer;
+    - ``per_microbatch`` (``pp = 1``; :func:`parcompile.analysis.buckets.reshard_after_forward`):
+      after a layer's forward, free the buckets it ends (in forward order); a hook on the
+      gradient of the chunk's last layer output gathers that layer's buckets before its
+      backward, and a hook on the gradient of each layer's input, complete once the
+      layer's backward has run, frees the buckets the layer starts and gathers those of
+      the layer before it (freeing first: one layer's buckets at a time);
+    - otherwise buckets stay gathered for the step and are freed when their gradients are
+      final (:meth:`ShardedOptimizer._release_bucket` on the bucket's launch).
+
+    Recomputation runs a layer's forward again inside the backward: its pre-hook finds the
+    buckets gathered (or gathers them); nothing is freed or hooked from inside a backward.
+
+    Args:
+        model: the stage (``layers``: ModuleDict by layer id; ``chunks``: layer ids per chunk).
+        parts: the stage's ZeRO-3 optimizers (dense, and experts with expert_dp > 1).
+        per_microbatch: free layer buckets after every forward and backward.
+    """
+
+    def __init__(self, model: nn.Module, parts: list[ShardedOptimizer], per_microbatch: bool):
+        from parcompile.analysis.buckets import is_layer_bucket
+
+        self.per_microbatch = per_microbatch
+        self.of_layer: dict[int, list] = {}
+        self.starts: dict[int, list] = {}
+        self.ends: dict[int, list] = {}
+        meter = GatherMeter()
+        for part in parts:
+            part.gathered = meter
+            for b in part.buckets.buckets:
+                if not is_layer_bucket(b):
+                    continue
+                part.just_in_time.add(b.index)
+                layers = sorted(int(u.split(".")[1]) for u in b.units)
+                for layer in layers:
+                    self.of_layer.setdefault(layer, []).append((part, b))
+                self.starts.setdefault(layers[0], []).append((part, b))
+                self.ends.setdefault(layers[-1], []).append((part, b))
+        self.prev: dict[int, int] = {}
+        self.chunk_last: set[int] = set()
+        for ids in getattr(model, "chunks", None) or []:
+            self.prev.update({b: a for a, b in zip(ids, ids[1:])})
+            if ids:
+                self.chunk_last.add(ids[-1])
+        for name, layer in model.layers.items():
+            layer.register_forward_pre_hook(functools.partial(self._pre, int(name)))
+            layer.register_forward_hook(functools.partial(self._post, int(name)))
+
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    @staticmethod
+    def _gather(pairs) -> None:
+        for part, b in pairs:
+            part._gather_bucket(b)
+
+    @staticmethod
+    def _release(pairs) -> None:
+        for part, b in pairs:
+            part._release_bucket(b)
+
+    def _pre(self, layer: int, module: nn.Module, args) -> None:
+        self._gather(self.of_layer.get(layer, ()))
+        x = args[0] if args else None
+        if (self.per_microbatch and not self._in_backward() and torch.is_tensor(x) and x.requires_grad
+                and torch.is_grad_enabled()):
+            x.register_hook(functools.partial(self._after_backward, layer))
+
+    def _post(self, layer: int, module: nn.Module, args, out) -> None:
+        if not self.per_microbatch or self._in_backward():
+            return
+        self._release(self.ends.get(layer, ()))
+        if layer in self.chunk_last and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(functools.partial(self._before_backward, layer))
+
+    def _before_backward(self, layer: int, grad: torch.Tensor) -> None:
+        self._gather(self.of_layer.get(layer, ()))
+
+    def _after_backward(self, layer: int, grad: torch.Tensor) -> None:
+        self._release(self.starts.get(layer, ()))
+        if layer in self.prev:
+            self._gather(self.of_layer.get(self.prev[layer], ()))

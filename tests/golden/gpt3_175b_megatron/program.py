@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)
         opt.set_lr(lr)
-        opt.begin_step()                                        # zero 3: all-gather the parameters
+        opt.begin_step()
         with rt.METER.measuring(model) if step == start else contextlib.nullcontext():
             result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
                                      VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE, opt.loss_scale,
