@@ -14,8 +14,10 @@ Per rank it prints the plan's parameter, gradient and optimizer bytes next to wh
 program held (``state_bytes``), and the bytes one micro-batch saves for backward summed
 over the rank's layers (plan ``activations_per_layer`` against the saved-tensor hooks of
 ``parcompile.runtime.memory``), with the largest per-layer deviation. On a GPU it adds
-the allocator's peak (allocated / reserved) against the plan's ``total``; a CPU run has
-no allocator to ask (process RSS is mostly Python and torch, not the model).
+the allocator's peak (allocated / reserved) against the plan's ``total``, and how much
+the allocator reserved beyond what was allocated against ``memory_reserve`` (the share
+of memory the plan sets aside for fragmentation); a CPU run has no allocator to ask
+(process RSS is mostly Python and torch, not the model).
 
 With ZeRO-3 it adds, per stage, the most gathered parameter bytes a rank held at once
 (layer buckets are gathered just in time) against the plan's ``zero3_gather`` buffer and
@@ -64,7 +66,20 @@ def rows(plan: dict, records: list[dict]) -> list[tuple]:
     return out
 
 
-def report(name: str, how: str, plan: dict, records: list[dict]) -> str:
+def fragmentation(records: list[dict], reserve: float) -> str | None:
+    """On a GPU: the share of reserved memory the caching allocator held beyond what was
+    allocated at the peak (fragmentation and cached blocks), worst rank, against the
+    spec's ``memory_reserve``; None without CUDA peaks (CPU runs)."""
+    peaks = [r["cuda_peak"] for r in records if r.get("cuda_peak")]
+    if not peaks:
+        return None
+    worst = max(1 - p["allocated"] / p["reserved"] for p in peaks if p["reserved"])
+    verdict = "within" if worst <= reserve else "MORE than"
+    return (f"   allocator: reserved exceeds allocated by up to {100 * worst:.1f}% of reserved at the peak, "
+            f"{verdict} memory_reserve = {100 * reserve:.0f}%")
+
+
+def report(name: str, how: str, plan: dict, records: list[dict], reserve: float | None = None) -> str:
     lines = [f"== {name}: {how}",
              f"{'rank':>4} {'stage':>5}  {'params KiB plan/meas':>22}  {'grads KiB':>19}  "
              f"{'optimizer KiB':>19}  {'saved act KiB (1 mb)':>21}  {'worst layer':>11}"]
@@ -87,6 +102,9 @@ def report(name: str, how: str, plan: dict, records: list[dict]) -> str:
     lines.append(f"   model states {'equal the plan exactly' if exact else 'DIFFER from the plan'}; "
                  f"saved activations per layer within {100 * worst_all:.2f}% of the plan on every rank, "
                  f"{100 * (measured - planned) / max(planned, 1):+.2f}% summed over ranks")
+    frag = fragmentation(records, reserve) if reserve is not None else None
+    if frag:
+        lines.append(frag)
     gathered = [(r["stage"], r["zero3_gathered"]) for r in records if "zero3_gathered" in r]
     for stage in sorted({s for s, _ in gathered}):
         st = plan["memory"]["per_stage"][stage]
@@ -151,7 +169,7 @@ def main(argv=None) -> int:
             except (RuntimeError, SpecError) as e:
                 print(f"== {path.stem}: run failed: {str(e)[:400]}\n")
                 continue
-        print(report(path.stem, how, plan, records))
+        print(report(path.stem, how, plan, records, run_cfg.cluster.memory_reserve))
         print(f"   ({time.perf_counter() - t0:.1f} s)\n", flush=True)
     return 0
 

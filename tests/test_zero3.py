@@ -25,9 +25,12 @@ def test_rule_pp1_holds_step_long_buckets_and_one_layer():
     expert = [Bucket(0, ("layers.3",), 3), Bucket(0, ("layers.1",), 6)]
     # d = 2: output+3 -> 10, embedding -> 4 (step long); layers 2,1 -> 8, layer 0 -> 6;
     # experts (ed = 4): layer 3 -> 4 (with the step-long dense bucket: still only the expert
-    # part is just in time), layer 1 -> 8. Layer 1 holds 8 + 8 = 16, the most.
+    # part is just in time), layer 1 -> 8. A layer runs while the next one is prefetched:
+    # layers 0 and 1 hold 6 + 8 + 8 = 22 (1 and 2: 16; 2 and 3: 12), the most.
     step_long, jit = zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=True)
-    assert (step_long, jit) == (14, 16)
+    assert (step_long, jit) == (14, 22)
+    # one layer in the chunk: no neighbour
+    assert zero3_gathered([([Bucket(0, ("layers.0",), 6)], 2)], per_microbatch=True) == (0, 6)
     # kept across micro-batches (pp > 1): every bucket at once
     assert zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=False) == (10 + 8 + 6 + 4 + 4 + 8, 0)
     # one rank in the group: nothing sharded, nothing gathered
@@ -45,11 +48,22 @@ def _layer_only(row) -> bool:
     return all(u.startswith("layers.") for u in row["units"])
 
 
+def _held_pp1(buckets: list[dict], d: int) -> int:
+    """Elements a pp = 1 rank holds at most, from the plan's bucket listing when every
+    layer bucket holds one layer: the step-long buckets plus two adjacent layers' (one
+    runs while the next is prefetched)."""
+    full = _padded(buckets, d)
+    step_long = sum(f for b, f in zip(buckets, full) if not _layer_only(b))
+    per_layer = {int(b["units"][0].split(".")[1]): f for b, f in zip(buckets, full) if _layer_only(b)}
+    assert all(len(b["units"]) == 1 for b in buckets if _layer_only(b))
+    return step_long + max(per_layer[i] + per_layer.get(i + 1, 0) for i in per_layer)
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 def test_plan_counts_the_gathers_and_the_buffer(pp):
     """From the plan's own bucket listing (comm.grad_buckets): with pp = 1 each layer-only
     bucket is all-gathered 2 m times per step and the buffer is the step-long buckets plus
-    one layer's; with pp = 2 once per step and every bucket."""
+    two adjacent layers'; with pp = 2 once per step and every bucket."""
     cfg = tiny_config(dp=2, pp=pp, model=dict(dtype="bf16"), parallel=dict(zero=3, bucket_size=4))
     plan = compile_config(cfg).data
     m = cfg.parallel.num_microbatches
@@ -65,9 +79,7 @@ def test_plan_counts_the_gathers_and_the_buffer(pp):
         assert gathers == want
         got = plan["memory"]["per_stage"][s]["buffer_parts"]["zero3_gather"]
         if pp == 1:
-            step_long = sum(f for b, f in zip(buckets, full) if not _layer_only(b))
-            one_layer = max(f for b, f in zip(buckets, full) if _layer_only(b))
-            assert got == 2 * (step_long + one_layer) < 2 * sum(full)
+            assert got == 2 * _held_pp1(buckets, 2) < 2 * sum(full)
         else:
             assert got == 2 * sum(full)
 
@@ -91,15 +103,41 @@ def test_program_holds_one_layer_at_a_time(tmp_path):
     """dp 2, pp 1, one bucket per layer, full recomputation (the layer's forward runs again
     inside its backward): the program's most gathered bytes equal the plan's buffer, which
     is less than the stage's parameters, and it runs the plan's 2 m all-gathers per layer
-    bucket (every collective is compared with the plan)."""
+    bucket (every collective is compared with the plan), prefetches included."""
     from parcompile.verify import compare_with_plan, measure
 
     cfg = tiny_config(dp=2, parallel=dict(zero=3, bucket_size=4, recompute="full"))
     plan, records = measure(cfg, tmp_path, steps=1)
     want = plan["memory"]["per_stage"][0]["buffer_parts"]["zero3_gather"]
-    total = 4 * sum(_padded(plan["comm"]["grad_buckets"]["per_stage"][0]["dense"], 2))
-    assert want < total / 2   # 4 layers: the embedding, output and one layer, not all four
+    buckets = plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]
+    # 4 layers: the embedding, the output layer and two layers, not all four
+    assert want == 4 * _held_pp1(buckets, 2) < 4 * sum(_padded(buckets, 2))
     for r in records:
         assert r["zero3_gathered"] == want
     checks = compare_with_plan(records, plan)
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+
+
+VERIFY_CASES = {
+    # MoE: dense and expert layer buckets (one per layer), each gathered and prefetched on
+    # its own group, with the layer's forward run again inside its backward
+    "moe_dp2_full": (tiny_config(2, model=dict(experts=4, top_k=2),
+                                 parallel=dict(zero=3, bucket_size=4, recompute="full")), "fp32"),
+    # 16-bit slices gathered, tensor and sequence parallel inside the gathered layers
+    "bf16_dp2_tp2_sp": (tiny_config(2, 2, model=dict(dtype="bf16"),
+                                    parallel=dict(zero=3, bucket_size=4, sequence_parallel=True)), "bf16"),
+}
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", sorted(VERIFY_CASES))
+def test_just_in_time_layouts_match_single_process(case, tmp_path):
+    """``parcompile verify`` with one bucket per layer (every layer gathered just in time,
+    prefetched, freed): losses, gradients and parameters match the single-process
+    reference, and the gathered bytes, collectives and state bytes match the plan."""
+    from parcompile.verify import verify
+
+    cfg, dtype = VERIFY_CASES[case]
+    result = verify(cfg, steps=3, workdir=tmp_path, dtype=dtype)
+    assert result.ok, result.table()
+    assert any(c.what.startswith("ZeRO-3 gathered") and c.ok for c in result.checks), result.table()

@@ -44,10 +44,10 @@ kept for the step. When the layer bucket is freed again follows torchtitan's FSD
 (``reshard_after_forward``; :func:`reshard_after_forward`):
 
 - ``pp = 1``: freed after the forward of its last layer, gathered again before the backward
-  reaches it (from a hook on the gradient of its last layer's output) and freed once the
-  gradient of its first layer's input is complete: two all-gathers per micro-batch, so a
-  rank holds the step-long buckets plus the buckets of one layer at a time (FSDP,
-  DeepSpeed ZeRO-3);
+  reaches it and freed once the gradient of its first layer's input is complete: two
+  all-gathers per micro-batch. The next layer's buckets are prefetched while a layer runs
+  (FSDP's forward and backward prefetch), so a rank holds the step-long buckets plus the
+  buckets of two adjacent layers at a time (FSDP, DeepSpeed ZeRO-3);
 - ``pp > 1``: kept across the micro-batches of the step (SPEC: as torchtitan's FSDP + PP,
   which sets ``reshard_after_forward = False`` there) and freed when the bucket's
   gradients are final (when its reduce-scatter starts): one all-gather per step.
@@ -193,25 +193,35 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
     Args:
         kinds: ``(buckets, d)`` per parameter kind (dense over dp_cp, experts over
             expert_dp); a kind with ``d == 1`` is not sharded and gathers nothing.
-        per_microbatch: :func:`reshard_after_forward`: layer buckets hold their layer's
-            forward or backward only, so the most held at once is, over the layers, the
-            sum of the layer buckets that contain the layer; otherwise every bucket is
-            gathered at some point before the first backward, all at once.
+        per_microbatch: :func:`reshard_after_forward`: while a layer runs (forward or
+            backward) the rank holds the layer buckets that contain it and prefetches
+            those of the layer that runs next (the next one in the chunk going forward,
+            the one before going backward; FSDP's forward and backward prefetch), so the
+            most held at once is, over adjacent layers of a chunk, their buckets' union;
+            otherwise every bucket is gathered before the first backward, all at once.
 
     Each gathered bucket is a padded buffer of ``ceil(n / d) * d`` elements.
     """
-    step_long, per_layer = 0, {}
-    for buckets, d in kinds:
-        if d <= 1:
-            continue
-        for b in buckets:
+    step_long = 0
+    held: dict[int, dict[tuple[int, int], int]] = {}   # layer -> {(kind, bucket): elements}
+    chunk_layers: dict[int, set[int]] = {}
+    for k, (buckets, d) in enumerate(kinds):
+        for i, b in enumerate(buckets):
+            chunk_layers.setdefault(b.chunk, set()).update(bucket_layers(b))
+            if d <= 1:
+                continue
             full = math.ceil(b.elements / d) * d
             if per_microbatch and is_layer_bucket(b):
                 for layer in bucket_layers(b):
-                    per_layer[layer] = per_layer.get(layer, 0) + full
+                    held.setdefault(layer, {})[(k, i)] = full
             else:
                 step_long += full
-    return step_long, max(per_layer.values(), default=0)
+    jit = 0
+    for layers in chunk_layers.values():
+        ids = sorted(layers)
+        for a, b in zip(ids, ids[1:] or ids):
+            jit = max(jit, sum({**held.get(a, {}), **held.get(b, {})}.values()))
+    return step_long, jit
 
 
 def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:

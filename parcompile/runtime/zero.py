@@ -119,6 +119,7 @@ class ShardedOptimizer(BucketedReduction):
         # zero 3: the gathered buffer of each bucket (by index), the buckets LayerGather
         # gathers just in time, and the bytes of gathered buffers held (shared by a stage's parts)
         self._full: dict[int, torch.Tensor] = {}
+        self._inflight: dict[int, tuple] = {}   # prefetched buckets: (work, input slice)
         self.just_in_time: set[int] = set()
         self.gathered = GatherMeter()
         if zero == 3:
@@ -318,9 +319,15 @@ class ShardedOptimizer(BucketedReduction):
             mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(mine.dtype)
         return mine
 
-    def _gather_bucket(self, b: BucketLayout) -> None:
+    def _gather_bucket(self, b: BucketLayout, prefetch: bool = False) -> None:
         """zero 3: all-gather bucket ``b`` into its padded buffer (``shard * d`` elements),
-        the storage of its parameters; nothing if it is gathered already."""
+        the storage of its parameters. ``prefetch``: start it asynchronously (a later call
+        without ``prefetch`` waits for it); nothing if it is gathered or in flight already,
+        except that a call without ``prefetch`` waits for one in flight."""
+        if b.index in self._inflight:
+            if not prefetch:
+                self._wait(b)
+            return
         dtype = self.params[0].dtype
         n = b.shard * self.axis.size
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
@@ -334,17 +341,29 @@ class ShardedOptimizer(BucketedReduction):
         else:   # freed after an earlier use this step: the same storage, and views, again
             full.untyped_storage().resize_(nbytes)
         COUNTER.record("all_gather", self.axis.name, nbytes)
-        all_gather_single(full, self._fill_shard(b), group=self.axis.param_group)
+        mine = self._fill_shard(b)
+        work = all_gather_single(full, mine, group=self.axis.param_group, async_op=prefetch)
         self.gathered.add(nbytes)
+        if prefetch:
+            self._inflight[b.index] = (work, mine)   # keep the input alive until it is done
+
+    def _wait(self, b: BucketLayout) -> None:
+        work, _ = self._inflight.pop(b.index)
+        work.wait()
 
     def _release_bucket(self, b: BucketLayout) -> None:
         """zero 3: free bucket ``b``'s gathered buffer (its storage; the views stay)."""
+        if b.index in self._inflight:
+            self._wait(b)
         full = self._full.get(b.index)
         if full is not None and full.untyped_storage().nbytes() > 0:
             self.gathered.add(-full.untyped_storage().nbytes())
             full.untyped_storage().resize_(0)
 
     def _free_params(self) -> None:
+        for work, _ in self._inflight.values():
+            work.wait()
+        self._inflight.clear()
         for p in self.params:
             if not hasattr(p, "global_local_shape"):
                 p.global_local_shape = tuple(p.shape)
@@ -475,18 +494,23 @@ class LayerGather:
     """ZeRO-3 just-in-time gathering of the buckets of decoder layers (module docstring),
     driven by hooks on the stage's decoder layers (``model.layers``, chunks ``model.chunks``).
 
-    - before a layer's forward: gather the layer buckets containing the layer;
+    - before a layer's forward: gather the layer buckets containing the layer (waiting
+      for a prefetch in flight), then prefetch those of the next layer of the chunk
+      (asynchronous, so it runs while this layer computes: FSDP's forward prefetch);
     - ``per_microbatch`` (``pp = 1``; :func:`parcompile.analysis.buckets.reshard_after_forward`):
       after a layer's forward, free the buckets it ends (in forward order); a hook on the
       gradient of the chunk's last layer output gathers that layer's buckets before its
       backward, and a hook on the gradient of each layer's input, complete once the
-      layer's backward has run, frees the buckets the layer starts and gathers those of
-      the layer before it (freeing first: one layer's buckets at a time);
+      layer's backward has run, frees the buckets the layer starts, gathers those of the
+      layer before it and prefetches the one before that (FSDP's backward prefetch). A
+      rank so holds the buckets of two adjacent layers at most, as the plan counts
+      (:func:`parcompile.analysis.buckets.zero3_gathered`);
     - otherwise buckets stay gathered for the step and are freed when their gradients are
       final (:meth:`ShardedOptimizer._release_bucket` on the bucket's launch).
 
     Recomputation runs a layer's forward again inside the backward: its pre-hook finds the
-    buckets gathered (or gathers them); nothing is freed or hooked from inside a backward.
+    buckets gathered (or gathers them); nothing is prefetched, freed or hooked from inside
+    a backward.
 
     Args:
         model: the stage (``layers``: ModuleDict by layer id; ``chunks``: layer ids per chunk).
@@ -514,9 +538,11 @@ class LayerGather:
                 self.starts.setdefault(layers[0], []).append((part, b))
                 self.ends.setdefault(layers[-1], []).append((part, b))
         self.prev: dict[int, int] = {}
+        self.next: dict[int, int] = {}
         self.chunk_last: set[int] = set()
         for ids in getattr(model, "chunks", None) or []:
             self.prev.update({b: a for a, b in zip(ids, ids[1:])})
+            self.next.update({a: b for a, b in zip(ids, ids[1:])})
             if ids:
                 self.chunk_last.add(ids[-1])
         for name, layer in model.layers.items():
@@ -527,10 +553,9 @@ class LayerGather:
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    @staticmethod
-    def _gather(pairs) -> None:
-        for part, b in pairs:
-            part._gather_bucket(b)
+    def _gather(self, layer: int | None, prefetch: bool = False) -> None:
+        for part, b in self.of_layer.get(layer, ()) if layer is not None else ():
+            part._gather_bucket(b, prefetch)
 
     @staticmethod
     def _release(pairs) -> None:
@@ -538,10 +563,12 @@ class LayerGather:
             part._release_bucket(b)
 
     def _pre(self, layer: int, module: nn.Module, args) -> None:
-        self._gather(self.of_layer.get(layer, ()))
+        self._gather(layer)
+        if self._in_backward():
+            return
+        self._gather(self.next.get(layer), prefetch=True)
         x = args[0] if args else None
-        if (self.per_microbatch and not self._in_backward() and torch.is_tensor(x) and x.requires_grad
-                and torch.is_grad_enabled()):
+        if self.per_microbatch and torch.is_tensor(x) and x.requires_grad and torch.is_grad_enabled():
             x.register_hook(functools.partial(self._after_backward, layer))
 
     def _post(self, layer: int, module: nn.Module, args, out) -> None:
@@ -552,9 +579,11 @@ class LayerGather:
             out.register_hook(functools.partial(self._before_backward, layer))
 
     def _before_backward(self, layer: int, grad: torch.Tensor) -> None:
-        self._gather(self.of_layer.get(layer, ()))
+        self._gather(layer)
+        self._gather(self.prev.get(layer), prefetch=True)
 
     def _after_backward(self, layer: int, grad: torch.Tensor) -> None:
         self._release(self.starts.get(layer, ()))
-        if layer in self.prev:
-            self._gather(self.of_layer.get(self.prev[layer], ()))
+        before = self.prev.get(layer)
+        self._gather(before)
+        self._gather(self.prev.get(before), prefetch=True)
