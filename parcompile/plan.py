@@ -259,6 +259,22 @@ def render_report(d: dict[str, Any]) -> str:
         out += ["Saved for backward per decoder layer and micro-batch, after recomputation: "
                 + "; ".join(parts) + ". Generated programs measure this with saved-tensor hooks "
                 "(`saved_per_layer` in their metrics).", ""]
+    gathered = [(s["stage"], s["buffer_parts"]["zero3_gather"]) for s in mem["per_stage"]
+                if s.get("buffer_parts", {}).get("zero3_gather")]
+    if gathered:
+        gathers = {}
+        for c in d["comm"]["collectives"]:
+            if c["where"] in ("params", "expert_params"):
+                gathers[c["stage"]] = gathers.get(c["stage"], 0) + c["count"]
+        when = ("freed after each micro-batch's forward and gathered again for its backward (pp = 1, "
+                "FSDP's reshard after forward)" if d["degrees"]["pp"] == 1 else
+                "kept across the step's micro-batches (pp > 1, as torchtitan's FSDP + PP)")
+        out += ["ZeRO-3 gathers parameters per gradient bucket where they are used: the embedding and "
+                "output buckets for the step, each bucket of decoder layers just before its first layer, "
+                f"prefetched one layer ahead, {when}, and freed once its gradients are reduced. Held at "
+                "most at once (`zero3_gather`): " + "; ".join(
+                    f"stage {st}: {_gb(b)}, {gathers.get(st, 0):,} all-gathers per step" for st, b in gathered)
+                + ".", ""]
     comp, est = d["compute"], d["estimate"]
     step = est["step_time"]
     out += ["## Estimate (time per step)", "",

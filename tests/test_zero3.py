@@ -141,3 +141,18 @@ def test_just_in_time_layouts_match_single_process(case, tmp_path):
     result = verify(cfg, steps=3, workdir=tmp_path, dtype=dtype)
     assert result.ok, result.table()
     assert any(c.what.startswith("ZeRO-3 gathered") and c.ok for c in result.checks), result.table()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_report_says_how_zero3_gathers(pp):
+    cfg = tiny_config(dp=2, pp=pp, parallel=dict(zero=3, bucket_size=4))
+    plan = compile_config(cfg)
+    line = next(x for x in plan.report_md().splitlines() if x.startswith("ZeRO-3 gathers"))
+    assert ("pp = 1" in line) == (pp == 1) and ("pp > 1" in line) == (pp > 1)
+    for st in plan.data["memory"]["per_stage"]:
+        n = sum(c["count"] for c in plan.data["comm"]["collectives"]
+                if c["stage"] == st["stage"] and c["where"] == "params")
+        assert f"stage {st['stage']}: " in line and f"{n:,} all-gathers per step" in line
+    # without ZeRO-3 (or with one data-parallel rank) nothing is gathered, nothing said
+    for other in (tiny_config(dp=2, pp=pp, parallel=dict(zero=2)), tiny_config(dp=1, pp=pp, parallel=dict(zero=3))):
+        assert "ZeRO-3 gathers" not in compile_config(other).report_md()
