@@ -105,6 +105,12 @@ def report(name: str, how: str, plan: dict, records: list[dict], reserve: float 
     frag = fragmentation(records, reserve) if reserve is not None else None
     if frag:
         lines.append(frag)
+    full = [(r["stage"], r["full_grads"]) for r in records if "full_grads" in r]
+    for stage in sorted({s for s, _ in full}):
+        want = plan["memory"]["per_stage"][stage]["buffer_parts"].get("full_grads", 0)
+        got = sorted({g for s, g in full if s == stage})
+        lines.append(f"   stage {stage}: full fp32 gradient buffers during the step {_kib(want)} KiB planned, "
+                     f"{'/'.join(_kib(g) for g in got)} KiB held (ZeRO 2/3 reduce once per step)")
     gathered = [(r["stage"], r["zero3_gathered"]) for r in records if "zero3_gathered" in r]
     for stage in sorted({s for s, _ in gathered}):
         st = plan["memory"]["per_stage"][stage]

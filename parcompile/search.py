@@ -340,8 +340,8 @@ class Coster:
         e, z = model.dtype_bytes, par.zero
         opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
 
-        def states(n: int, shard: int) -> int:
-            return (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else n)
+        def states(n: int, shard: int, dd: int) -> int:   # memory.state_bytes
+            return (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else shard * dd if z == 1 and dd > 1 else n)
                     + opt_per * (shard if z >= 1 else n))
 
         first, mid, last = pr.params
@@ -392,7 +392,9 @@ class Coster:
             q = num * body
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
             gathered = e * (step_long + jit) if z >= 3 else 0
-            total = (states(dense, shard) + states(expert, eshard) + acts + gathered
+            # ZeRO 2, 3: the full gradient buffers during the step (memory.full_grad_bytes)
+            full_grads = 4 * ((shard * d if d > 1 else 0) + (eshard * ed if ed > 1 else 0)) if z >= 2 else 0
+            total = (states(dense, shard, d) + states(expert, eshard, ed) + acts + gathered + full_grads
                      + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
             if peak is None or total > peak:
                 peak = total

@@ -427,8 +427,9 @@ def predicted_collectives(plan: dict, stage: int, routed: bool = True) -> dict[t
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     """Measured parameters per rank, the bytes of parameters, gradients and optimizer
     states each rank holds between steps, collectives per step, the executed pipeline
-    actions and, under ZeRO-3, the most gathered parameter bytes held at once (the plan's
-    ``zero3_gather`` buffer), against the plan."""
+    actions, under ZeRO 2 and 3 the full gradient buffers held during the step (the plan's
+    ``full_grads``) and under ZeRO-3 the most gathered parameter bytes held at once (the
+    plan's ``zero3_gather`` buffer), against the plan."""
     bad_params, bad_comm = [], []
     for r in records:
         stage = r["stage"]
@@ -460,6 +461,14 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             first = next((i for i, (x, y) in enumerate(zip(ran, planned)) if x != y), min(len(ran), len(planned)))
             bad_order.append(f"rank {r['rank']}: action {first} ran {ran[first:first + 1]} "
                              f"where the plan has {planned[first:first + 1]}")
+    full = [r for r in records if "full_grads" in r]           # ZeRO 2, 3 programs
+    bad_full = [f"rank {r['rank']}: {r['full_grads']:,} B != plan {want:,} B"
+                for r in full
+                for want in [plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get("full_grads", 0)]
+                if r["full_grads"] != want]
+    full_check = Check(f"full gradient buffers during the step ({len(full)} ranks)",
+                       0.0 if not bad_full else math.inf, 0.0, not bad_full,
+                       "; ".join(bad_full[:2])) if full else None
     gathered = [r for r in records if "zero3_gathered" in r]   # ZeRO-3 programs
     bad_gather = [f"rank {r['rank']}: {r['zero3_gathered']:,} B != plan {want:,} B"
                   for r in gathered
@@ -471,7 +480,7 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     routed_bad, routed_check = check_routed(records, plan)
     bad_comm += routed_bad
     total_calls = sum(c["count"] for r in records for c in r["comm"])
-    return [c for c in [routed_check, gather_check] if c is not None] + [
+    return [c for c in [routed_check, gather_check, full_check] if c is not None] + [
         Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad_params else math.inf, 0.0,
               not bad_params, "; ".join(bad_params[:3])),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,

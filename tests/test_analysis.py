@@ -76,7 +76,9 @@ def test_fp32_state_bytes(zero, per_param):
 
 def test_sharded_buffers_round_up_and_split_into_parts():
     p, g, o = state_bytes(10, 2, 1, 4)
-    assert (p, g, o) == (20, 40, 12 * 3)
+    # zero 1: the full fp32 gradient buffer is padded to a multiple of d = 4 (12 elements)
+    # so it is reduce-scattered as it is; the optimizer states are the ceil(10 / 4) = 3 shard
+    assert (p, g, o) == (20, 4 * 12, 12 * 3)
     assert state_bytes(10, 4, 0, 1, "sgd") == (40, 40, 0)
 
 

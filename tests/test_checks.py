@@ -421,6 +421,19 @@ def test_expert_tp_on_a_dense_model_warns():
                             "remove `expert_tp`, or set `experts` in the `model` block", None)]
 
 
+def test_zero_without_data_parallelism_warns():
+    text = spec(parallel={"dp": "1", "tp": "2", "pp": "2", "global_batch": "8", "zero": "3"},
+                cluster={"gpus_per_node": "4"})
+    assert diags(text) == [("warning", "zero = 3 has no effect: with dp * cp = 1 there is no data-parallel "
+                            "group to shard over", *where(text, "zero = 3"),
+                            "remove `zero`, or give dp (or cp) more than one rank",
+                            "ZeRO shards optimizer states, gradients and (zero = 3) parameters over the "
+                            "dp * cp ranks that hold the same weights")]
+    # with a data-parallel (or context-parallel) group there is something to shard
+    assert diags(spec(parallel={"dp": "2", "tp": "2", "pp": "1", "global_batch": "8", "zero": "3"},
+                      cluster={"gpus_per_node": "4"})) == []
+
+
 def test_max_positions_without_learned_positions_warns():
     text = spec(model={"max_positions": "128"})
     assert diags(text) == [("warning", "max_positions = 128 has no effect with position = rope",

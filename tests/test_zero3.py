@@ -112,8 +112,10 @@ def test_program_holds_one_layer_at_a_time(tmp_path):
     buckets = plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]
     # 4 layers: the embedding, the output layer and two layers, not all four
     assert want == 4 * _held_pp1(buckets, 2) < 4 * sum(_padded(buckets, 2))
+    grads = plan["memory"]["per_stage"][0]["buffer_parts"]["full_grads"]
     for r in records:
         assert r["zero3_gathered"] == want
+        assert r["full_grads"] == grads == 4 * sum(_padded(buckets, 2))   # fp32, padded buckets
     checks = compare_with_plan(records, plan)
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
 
@@ -156,3 +158,20 @@ def test_report_says_how_zero3_gathers(pp):
     # without ZeRO-3 (or with one data-parallel rank) nothing is gathered, nothing said
     for other in (tiny_config(dp=2, pp=pp, parallel=dict(zero=2)), tiny_config(dp=1, pp=pp, parallel=dict(zero=3))):
         assert "ZeRO-3 gathers" not in compile_config(other).report_md()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_plan_counts_gradient_buffers(zero):
+    """Gradients live in one fp32 buffer per bucket, padded to a multiple of d with ZeRO:
+    kept as state at zero 0 and 1, held during the step only (``full_grads``) at 2 and 3,
+    whose state is the owned slices."""
+    cfg = tiny_config(dp=3, parallel=dict(zero=zero, bucket_size=4096))
+    plan = compile_config(cfg).data
+    st = plan["memory"]["per_stage"][0]
+    buckets = plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]
+    padded = sum(_padded(buckets, 3))
+    n = sum(b["elements"] for b in buckets)
+    assert padded > n   # some bucket is not a multiple of 3: the padding shows
+    want_state = {0: 4 * n, 1: 4 * padded, 2: 4 * padded // 3, 3: 4 * padded // 3}[zero]
+    assert st["grads"] == want_state
+    assert st["buffer_parts"].get("full_grads", 0) == (4 * padded if zero >= 2 else 0)

@@ -376,7 +376,9 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
         bwd = sum(ct.bwd(c * pp + s) for c in range(v))
         fwd = sum(ct.fwd(c * pp + s) for c in range(v))
         if par.zero >= 3 and reshard_after_forward(pp):
-            fwd = par.num_microbatches * (fwd + bwd)
+            # the gathers share the data-parallel link with the gradient reductions: what
+            # the gradients occupy of the step's compute is not there for the gathers
+            fwd = max(0.0, par.num_microbatches * (fwd + bwd) - grads)
         if stage_params is not None:
             grad_exposed = grad_overlap(cfg, degrees, links, ct, stage_params[s]).exposed
         else:

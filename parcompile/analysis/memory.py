@@ -13,7 +13,13 @@ zero   16-bit model (bf16/fp16)            fp32 model
 =====  ==================================  ==================================
 
 (params + fp32 gradients + optimizer: fp32 master weights for 16-bit models and 4 bytes
-per optimizer state: 2 for Adam/AdamW, 0 for SGD.)
+per optimizer state: 2 for Adam/AdamW, 0 for SGD.) Gradients live in one fp32 buffer per
+gradient bucket (Megatron-LM's grad buffer), which ZeRO pads to a multiple of d so it can
+be reduce-scattered as it is: at ``zero = 1`` the full gradients are ``4 * sum ceil(n_b / d)
+* d`` bytes. Gradients are reduced once per step, after the last micro-batch's backward
+(Megatron-LM), so at ``zero = 2`` and ``3`` the full buffers exist during the step too,
+from its first backward until their reduce-scatters are done: the ``full_grads`` buffer
+(the ``4/d`` of the table is what stays, and what the optimizer step works on).
 
 Activations: the bytes one micro-batch saves for backward on the rank, per op of the
 graph (:mod:`parcompile.ir.ops`: the operands each op keeps, counted once per tensor,
@@ -63,7 +69,8 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import reshard_after_forward, stage_buckets, stage_state_bytes, zero3_gathered
+from parcompile.analysis.buckets import (GRAD_BYTES, reshard_after_forward, shard_elements, stage_buckets,
+                                        stage_state_bytes, zero3_gathered)
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -112,13 +119,14 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
     ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
-    :func:`parcompile.analysis.buckets.stage_state_bytes`); default ``ceil(n / d)``."""
+    :func:`parcompile.analysis.buckets.stage_state_bytes`); default ``ceil(n / d)``. At
+    ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``."""
     k = OPTIMIZER_STATES[optimizer]
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if zero >= 3 else n)
-    grads = 4 * (shard if zero >= 2 else n)
+    grads = 4 * (shard if zero >= 2 else shard * d if zero == 1 and d > 1 else n)
     opt = opt_per * (shard if zero >= 1 else n)
     return params, grads, opt
 
@@ -306,6 +314,9 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         gathered = zero3_gathered_bytes(cfg, degrees, sp)
         if gathered:
             parts["zero3_gather"] = gathered
+        full = full_grad_bytes(cfg, degrees, sp)
+        if full:
+            parts["full_grads"] = full
         stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(parts.values()), parts, layers))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
@@ -361,3 +372,16 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
                                     reshard_after_forward(par.pp))
     return cfg.model.dtype_bytes * (step_long + jit)
+
+
+def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
+    """ZeRO 2 and 3: bytes of the full fp32 gradient buffers a rank holds during a step
+    (module docstring): every gradient bucket padded to a multiple of its group's size,
+    ``4 * sum ceil(n_b / d) * d``, for the kinds sharded over more than one rank (an
+    unsharded kind keeps its gradients as state). 0 otherwise."""
+    par = cfg.parallel
+    if cfg.workload == "serve" or par.zero < 2:
+        return 0
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    return GRAD_BYTES * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

@@ -386,6 +386,13 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.warning(f"bucket_size has no effect: {why}", ctx.span("parallel.bucket_size"),
                         help="remove `bucket_size`",
                         note="bucket_size sizes the buckets in which data-parallel ranks reduce gradients")
+    if ctx.given("parallel.zero") and ctx.ok("parallel.zero", "parallel.dp", "parallel.cp") \
+            and cfg.workload == "train" and p.zero > 0 and p.dp * p.cp == 1:
+        ctx.bag.warning(f"zero = {p.zero} has no effect: with dp * cp = 1 there is no data-parallel group "
+                        "to shard over", ctx.span("parallel.zero"),
+                        help="remove `zero`, or give dp (or cp) more than one rank",
+                        note="ZeRO shards optimizer states, gradients and (zero = 3) parameters over "
+                             "the dp * cp ranks that hold the same weights")
     for key, what in (("rotary_fraction", "the share of each head's dims that get RoPE"),
                       ("rope_theta", "the base of RoPE's frequencies")):
         if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.position") and m.position != "rope":

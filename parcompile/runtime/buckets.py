@@ -28,7 +28,8 @@ announced fewer than m times).
 **Launch order.** Buckets are launched strictly in bucket order (bucket k + 1 waits for
 k), so every rank of the group issues the same collectives in the same order, whatever
 order their gradients became ready in (expert buckets depend on the router). A bucket's
-gradients are copied into one flat fp32 buffer and reduced asynchronously
+gradients are views of one flat fp32 buffer (:meth:`GradBuckets.allocate`; Megatron-LM's
+grad buffer), which is reduced asynchronously in place
 (:func:`parcompile.runtime.comm.all_reduce_async` or ``reduce_scatter_async``, counted
 when launched): ``zero = 0`` all-reduces it; ZeRO pads it to a multiple of ``d`` and
 reduce-scatters it, so rank i receives slice i (Megatron-LM's distributed optimizer).
@@ -49,7 +50,7 @@ import torch.nn as nn
 from parcompile.analysis.buckets import GradUnit, partition, unit_order_key
 from parcompile.runtime.comm import all_reduce_async, reduce_scatter_async
 from parcompile.runtime.context import Axis
-from parcompile.runtime.grads import main_grad, set_main_grad
+from parcompile.runtime.grads import is_mixed, main_grad, set_main_grad
 from parcompile.runtime.wgrad import STORE
 
 
@@ -157,15 +158,55 @@ class GradBuckets:
             p._grad_listener = self.listen
         self.reset()
 
+    # -- gradient buffers -------------------------------------------------------------------
+    def allocate(self) -> None:
+        """Give every bucket a zeroed fp32 gradient buffer (``shard * d`` elements when
+        sharded, so it can be reduce-scattered as it is; ``elements`` otherwise) and make
+        each parameter's gradient (``main_grad``) a view of it: autograd and
+        :func:`parcompile.runtime.grads.accumulate` then add into the buffer in place, and
+        the bucket is reduced without a copy (Megatron-LM's ``param_and_grad_buffer``,
+        DDP's ``gradient_as_bucket_view``)."""
+        for b in self.buckets:
+            if b.flat is None:
+                n = b.shard * self.axis.size if self.sharded else b.elements
+                b.flat = torch.zeros(n, dtype=torch.float32, device=b.params[0].device)
+            else:
+                b.flat.zero_()
+            self.attach(b)
+
+    def attach(self, b: BucketLayout) -> None:
+        """Point the gradients of bucket ``b``'s parameters at its buffer. An fp32
+        parameter ZeRO-3 holds no data for (between steps) cannot take a gradient of its
+        full shape: it is attached when gathered (:meth:`ShardedOptimizer._gather_bucket`)."""
+        if b.flat is None:
+            return
+        for p, off in zip(b.params, b.offsets):
+            if not is_mixed(p) and p.data.numel() == 0:
+                continue
+            shape = getattr(p, "global_local_shape", tuple(p.shape))
+            set_main_grad(p, b.flat[off:off + local_numel(p)].view(shape))
+
+    def release(self) -> None:
+        """Drop the gradient buffers (ZeRO 2 and 3, once the reduce-scatters are done)."""
+        for b in self.buckets:
+            for p in b.params:
+                set_main_grad(p, None)
+            b.flat = None
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the gradient buffers held now."""
+        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None)
+
     # -- per step -------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget the last step (called with ``zero_grad``)."""
+        """Start a step (called with ``zero_grad``): zeroed gradient buffers, nothing ready."""
         self.armed.clear()
         self.ready.clear()
         self.next = 0
+        self.allocate()
         for b in self.buckets:
             b.waiting = len(b.params)
-            b.flat = b.out = b.work = None
+            b.out = b.work = None
             b.launched = b.early = False
 
     def begin(self, chunk: int, phase: str) -> None:
@@ -214,16 +255,9 @@ class GradBuckets:
             self.on_launch(b)
         if not self.active:
             return
-        d = self.axis.size
-        device = b.params[0].device
-        flat = torch.zeros(b.shard * d if self.sharded else b.elements, dtype=torch.float32, device=device)
-        for p, off in zip(b.params, b.offsets):
-            g = main_grad(p)
-            if g is not None:
-                flat[off:off + g.numel()].copy_(g.reshape(-1))
-        b.flat = flat
+        flat = b.flat   # the parameters' gradients are views of it (allocate)
         if self.sharded:
-            b.out = torch.empty(b.shard, dtype=torch.float32, device=device)
+            b.out = torch.empty(b.shard, dtype=torch.float32, device=flat.device)
             b.work = reduce_scatter_async(b.out, flat, self.axis)
         else:
             b.out = flat
@@ -232,13 +266,11 @@ class GradBuckets:
     def finish(self) -> list[torch.Tensor | None]:
         """After the backward: launch every bucket not launched yet (in order), wait for
         all, scale the sums. ``zero = 0``: each parameter's gradient becomes the reduced
-        one (zeros for a parameter that got none). Sharded: returns each bucket's owned
-        slice of the reduced gradient (``shard`` elements); the full gradients are left
-        as they are."""
+        one in place (zeros for a parameter that got none). Sharded: returns each bucket's
+        owned slice of the reduced gradient (``shard`` elements); the full gradients are
+        left as they are."""
         for b in self.buckets:
             for p in b.params:
-                if main_grad(p) is None and not self.sharded:
-                    set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
                 self.ready.add(id(p))
             b.waiting = 0
         while self.next < len(self.buckets):
@@ -257,15 +289,9 @@ class GradBuckets:
                 continue
             out = b.out
             if self.scale != 1.0:
-                out.mul_(self.scale)
-            if self.sharded:
-                shards.append(out)
-            else:
-                for p, off in zip(b.params, b.offsets):
-                    g = main_grad(p)
-                    g.copy_(out[off:off + g.numel()].view_as(g))
-                shards.append(None)
-            b.flat = b.work = None
+                out.mul_(self.scale)   # unsharded: the buffer itself, so the gradients
+            shards.append(out if self.sharded else None)
+            b.work = None
             b.out = out if self.sharded else None
         return shards
 
@@ -342,6 +368,9 @@ class BucketedReduction:
     def zero3_gathered_peak(self) -> int:
         """Most bytes of ZeRO-3 gathered parameters held at once this step (0: not ZeRO-3)."""
         return 0
+
+    #: ZeRO 2, 3: bytes of full gradient buffers held during the step (0: kept as state)
+    full_grad_bytes = 0
 
 
 __all__ = ["GradBuckets", "GradSync", "BucketLayout", "BucketedReduction", "param_units", "unit_of", "local_numel"]

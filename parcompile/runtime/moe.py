@@ -354,6 +354,12 @@ class MoEOptimizer:
         return self.dense.bucket_report() + self.experts.bucket_report()
 
     @property
+    def full_grad_bytes(self) -> int:
+        """ZeRO 2, 3: the full gradient buffers both parts held during the step (allocated
+        together at its start, freed after the reduce-scatters)."""
+        return sum(o.full_grad_bytes for o in self.parts)
+
+    @property
     def zero3_gathered_peak(self) -> int:
         """ZeRO-3: the most gathered parameter bytes held at once this step (the sharded
         parts share one meter, so either part's peak is the stage's)."""

@@ -241,7 +241,7 @@ class ReplicatedOptimizer(BucketedReduction):
         masters = sum(m.numel() * m.element_size() for p, m in zip(ps, self.masters) if m is not p)
         return {
             "params": sum(p.numel() * p.element_size() for p in ps),
-            "grads": sum(main_grad(p).numel() * main_grad(p).element_size() for p in ps if main_grad(p) is not None),
+            "grads": self.buckets.buffer_bytes(),   # every gradient is a view of its bucket's buffer
             "optimizer": masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                        for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
         }

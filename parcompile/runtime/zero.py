@@ -122,6 +122,9 @@ class ShardedOptimizer(BucketedReduction):
         self._inflight: dict[int, tuple] = {}   # prefetched buckets: (work, input slice)
         self.just_in_time: set[int] = set()
         self.gathered = GatherMeter()
+        #: zero 2, 3: bytes of the full fp32 gradient buffers the step held until its
+        #: reduce-scatters were done (the plan's ``full_grads`` buffer)
+        self.full_grad_bytes = 0
         if zero == 3:
             self.buckets.on_launch = self._release_bucket   # gradients final: no further use
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
@@ -177,9 +180,9 @@ class ShardedOptimizer(BucketedReduction):
         for b, lo, pad in self.padding:
             pad.grad = self._grad_shards[b.index][lo - self._own_lo(b):]
         self._sync_model_parallel()
-        if self.zero >= 2:
-            for p in self.params:
-                set_main_grad(p, None)
+        if self.zero >= 2:   # the full gradients are reduced: only the owned slices stay
+            self.full_grad_bytes = self.buckets.buffer_bytes()
+            self.buckets.release()
 
     def _sync_model_parallel(self) -> None:
         """:func:`parcompile.runtime.train.sync_gradients` on the owned slices: one flat
@@ -338,6 +341,7 @@ class ShardedOptimizer(BucketedReduction):
             full = self._full[b.index] = torch.empty(n, dtype=dtype, device=self.ctx.device)
             for p, off in zip(b.params, b.offsets):
                 p.data = full[off:off + local_numel(p)].view(p.global_local_shape)
+            self.buckets.attach(b)   # fp32 gradients can be views of the bucket's buffer now
         else:   # freed after an earlier use this step: the same storage, and views, again
             full.untyped_storage().resize_(nbytes)
         COUNTER.record("all_gather", self.axis.name, nbytes)
@@ -466,8 +470,7 @@ class ShardedOptimizer(BucketedReduction):
             masters = segs                      # fp32 master slices: an optimizer state
         else:
             masters, params = 0, params + (segs if self.zero == 3 else 0)
-        grads = sum(main_grad(p).numel() * main_grad(p).element_size()
-                    for p in self.params if main_grad(p) is not None)
+        grads = self.buckets.buffer_bytes()   # zero 1: the full (padded) buffers; 2, 3: none
         grads += sum(g.numel() * g.element_size() for g in self._grad_shards or [])
         optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
