@@ -429,8 +429,11 @@ def test_zero_without_data_parallelism_warns():
                             "remove `zero`, or give dp (or cp) more than one rank",
                             "ZeRO shards optimizer states, gradients and (zero = 3) parameters over the "
                             "dp * cp ranks that hold the same weights")]
-    # with a data-parallel (or context-parallel) group there is something to shard
+    # with a data-parallel (or context-parallel) group there is something to shard; with
+    # dp = auto the spec leaves dp to the cluster (SPEC's own example: zero = 1, dp = auto = 1)
     assert diags(spec(parallel={"dp": "2", "tp": "2", "pp": "1", "global_batch": "8", "zero": "3"},
+                      cluster={"gpus_per_node": "4"})) == []
+    assert diags(spec(parallel={"dp": "auto", "tp": "2", "pp": "2", "global_batch": "8", "zero": "3"},
                       cluster={"gpus_per_node": "4"})) == []
 
 

@@ -387,7 +387,8 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
                         help="remove `bucket_size`",
                         note="bucket_size sizes the buckets in which data-parallel ranks reduce gradients")
     if ctx.given("parallel.zero") and ctx.ok("parallel.zero", "parallel.dp", "parallel.cp") \
-            and cfg.workload == "train" and p.zero > 0 and p.dp * p.cp == 1:
+            and cfg.workload == "train" and p.zero > 0 and p.dp * p.cp == 1 \
+            and not {"dp", "cp"} & set(p.auto):   # dp = auto may grow with the cluster: no warning
         ctx.bag.warning(f"zero = {p.zero} has no effect: with dp * cp = 1 there is no data-parallel group "
                         "to shard over", ctx.span("parallel.zero"),
                         help="remove `zero`, or give dp (or cp) more than one rank",
