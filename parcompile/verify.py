@@ -424,6 +424,19 @@ def predicted_collectives(plan: dict, stage: int, routed: bool = True) -> dict[t
     return out
 
 
+def _buffer_check(records: list[dict], plan: dict, key: str, part: str, what: str) -> Check | None:
+    """The bytes each rank recorded under ``key`` against its stage's plan buffer
+    ``buffer_parts[part]``, exactly; None when no rank recorded it (not that kind of program)."""
+    measured = [r for r in records if key in r]
+    bad = [f"rank {r['rank']}: {r[key]:,} B != plan {want:,} B"
+           for r in measured
+           for want in [plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get(part, 0)]
+           if r[key] != want]
+    if not measured:
+        return None
+    return Check(f"{what} ({len(measured)} ranks)", 0.0 if not bad else math.inf, 0.0, not bad, "; ".join(bad[:2]))
+
+
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     """Measured parameters per rank, the bytes of parameters, gradients and optimizer
     states each rank holds between steps, collectives per step, the executed pipeline
@@ -461,22 +474,10 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             first = next((i for i, (x, y) in enumerate(zip(ran, planned)) if x != y), min(len(ran), len(planned)))
             bad_order.append(f"rank {r['rank']}: action {first} ran {ran[first:first + 1]} "
                              f"where the plan has {planned[first:first + 1]}")
-    full = [r for r in records if "full_grads" in r]           # ZeRO 2, 3 programs
-    bad_full = [f"rank {r['rank']}: {r['full_grads']:,} B != plan {want:,} B"
-                for r in full
-                for want in [plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get("full_grads", 0)]
-                if r["full_grads"] != want]
-    full_check = Check(f"full gradient buffers during the step ({len(full)} ranks)",
-                       0.0 if not bad_full else math.inf, 0.0, not bad_full,
-                       "; ".join(bad_full[:2])) if full else None
-    gathered = [r for r in records if "zero3_gathered" in r]   # ZeRO-3 programs
-    bad_gather = [f"rank {r['rank']}: {r['zero3_gathered']:,} B != plan {want:,} B"
-                  for r in gathered
-                  for want in [plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get("zero3_gather", 0)]
-                  if r["zero3_gathered"] != want]
-    gather_check = Check(f"ZeRO-3 gathered parameters at most at once ({len(gathered)} ranks)",
-                         0.0 if not bad_gather else math.inf, 0.0, not bad_gather,
-                         "; ".join(bad_gather[:2])) if gathered else None
+    # ZeRO 2, 3: full gradient buffers during the step; ZeRO-3: gathered parameters at once
+    full_check = _buffer_check(records, plan, "full_grads", "full_grads", "full gradient buffers during the step")
+    gather_check = _buffer_check(records, plan, "zero3_gathered", "zero3_gather",
+                                 "ZeRO-3 gathered parameters at most at once")
     routed_bad, routed_check = check_routed(records, plan)
     bad_comm += routed_bad
     total_calls = sum(c["count"] for r in records for c in r["comm"])

@@ -175,3 +175,18 @@ def test_plan_counts_gradient_buffers(zero):
     want_state = {0: 4 * n, 1: 4 * padded, 2: 4 * padded // 3, 3: 4 * padded // 3}[zero]
     assert st["grads"] == want_state
     assert st["buffer_parts"].get("full_grads", 0) == (4 * padded if zero >= 2 else 0)
+
+
+def test_verify_flags_a_rank_that_holds_more_than_the_plan():
+    """The verify rows for the ZeRO buffers fail on any difference, name the rank, and are
+    absent for programs that do not record them."""
+    from parcompile.verify import _buffer_check
+
+    plan = compile_config(tiny_config(dp=2, parallel=dict(zero=3, bucket_size=4))).data
+    want = plan["memory"]["per_stage"][0]["buffer_parts"]["zero3_gather"]
+    ok = _buffer_check([{"rank": 0, "stage": 0, "zero3_gathered": want}], plan, "zero3_gathered", "zero3_gather", "g")
+    bad = _buffer_check([{"rank": 0, "stage": 0, "zero3_gathered": want},
+                         {"rank": 1, "stage": 0, "zero3_gathered": want + 2}], plan,
+                        "zero3_gathered", "zero3_gather", "g")
+    assert ok.ok and not bad.ok and bad.detail.startswith("rank 1:")
+    assert _buffer_check([{"rank": 0, "stage": 0}], plan, "full_grads", "full_grads", "f") is None
