@@ -119,7 +119,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
     kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16, dropout 0, fp32.
     Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
-    larger ones; 1 per chunk when even). Micro-batches: at most 2 * pp (a multiple of pp).
+    larger ones; 1 per chunk when even; 3 for ZeRO-3 with pp = 1, so that the two adjacent
+    layers it holds at once are not all of them). Micro-batches: at most 2 * pp (a multiple of pp).
     Gradient buckets: at most :data:`MINI_BUCKET_SIZE` (``bucket_size = 0`` stays 0), so a
     miniature reduces several buckets per rank, as the full model does with its own size.
 
@@ -145,6 +146,9 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         stage_layers = None
     chunks = p.pp * p.virtual_stages
     layers = sum(stage_layers) if stage_layers else chunks * (2 if chunks <= 2 else 1)
+    if p.zero >= 3 and chunks == 1 and not stage_layers:
+        layers = 3   # ZeRO-3, pp = 1: a layer runs while the next is prefetched; 3 shows it is not all
+
     text = t.data != "synthetic"
     vocab = 256 if text else min(m.vocab, 512)   # byte-level text needs all 256 byte values
     mult = m.vocab_multiple
