@@ -38,6 +38,7 @@ RULES = {
     "kv_heads_8_tp_16_train": "kv_heads = 8, tp = 16 rejected for training",
     "serve_kv_heads_8_tp_12": "serving: tp neither a divisor nor a multiple of kv_heads",
     "bucket_size_megatron_elements": "bucket_size given in elements, as Megatron-LM's --ddp-bucket-size",
+    "vocab_250_with_text_data": "a vocabulary below 256 with text read as bytes",
 }
 
 #: Words each golden must contain: the numbers of the rule and what would work.
@@ -53,6 +54,7 @@ MUST_SAY = {
     "experts_ep_8_on_4_gpus": ["expert_tp(1) * ep(8) = 8", "tp(4) * cp(1) * dp(1) = 4", "ep may be 1, 2 or 4"],
     "experts_256_ep_3": ["ep = 3 does not divide experts = 256", "ep may be"],
     "sequence_parallel_tp_1": ["sequence_parallel needs tp > 1"],
+    "vocab_250_with_text_data": ['data = "builtin:pydoc"', "vocab >= 256", "vocab = 250", 'data = "synthetic"'],
     "sequence_parallel_seq_len": ["tp = 8", "seq_len = 4100", "4096 or 4104"],
     "context_parallel_seq_len": ["seq_len = 6100", "2 * cp = 16", "6096 or 6112"],
     "kv_heads_8_tp_16_train": ["tp = 16 does not divide kv_heads = 8", "1, 2, 4 or 8", "serving may"],

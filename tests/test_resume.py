@@ -138,3 +138,31 @@ def test_zero3_bf16_buckets_resume_the_same_curve(tmp_path):
     assert sorted(got) == [3, 4]
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], abs=1e-6), (step, loss, want[step])
+
+
+@pytest.mark.torchrun
+def test_fp16_resume_keeps_the_loss_scale_and_the_optimizer_steps(tmp_path):
+    """fp16 with dynamic loss scaling: the first steps overflow at the initial scale and are
+    skipped. A run stopped after step 2 resumes with the scaler's state (scale, clean steps,
+    skipped steps) and the optimizer's own step count (Adam's bias correction counts only
+    the updates it made), so it continues the uninterrupted run's losses exactly."""
+    def spec(name: str, ckpt: Path, steps: int) -> Path:
+        text = SPEC.format(world=2, dp=2, tp=1, pp=1, steps=steps, ckpt=ckpt)
+        text = text.replace("dtype = fp32", "dtype = fp16").replace("lr = 1e-2,", "lr = 1e-2, grad_clip = 0.01,")
+        path = tmp_path / f"{name}.par"
+        path.write_text(text)
+        return path
+
+    whole = _run(spec("whole", tmp_path / "whole_ckpt", 5), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    skipped = re.findall(r"^step\s+(\d+)/\d+ \|.*grad norm nan", whole.stdout, re.M)
+    assert skipped and int(skipped[0]) <= 2, whole.stdout   # an overflow before the checkpoint
+    want = _losses(whole.stdout)
+    first = _run(spec("part", tmp_path / "ckpt", 2), tmp_path / "part")
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = _run(spec("part", tmp_path / "ckpt", 5), tmp_path / "part")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    got = _losses(resumed.stdout)
+    assert sorted(got) == [3, 4, 5]
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], abs=1e-6), (step, loss, want[step])

@@ -428,6 +428,12 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
     if t.checkpoint_every > 0 and t.checkpoint_dir is None:
         ctx.bag.error(f"checkpoint_every = {t.checkpoint_every} needs `checkpoint_dir`",
                       ctx.span("train.checkpoint_every"), help='add `checkpoint_dir = "checkpoints"`')
+    if ctx.ok("train.data", "model.vocab") and t.data != "synthetic" and cfg.model.vocab < 256:
+        # the program reads text as bytes: token ids 0..255 (runtime/data.py)
+        ctx.bag.error(f'data = "{t.data}" is read as bytes'
+                      f", which needs vocab >= 256; the model has "
+                      f"vocab = {cfg.model.vocab}", ctx.span("train.data", "model.vocab"),
+                      help='use vocab >= 256, or data = "synthetic" (random tokens below vocab)')
 
 
 def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:

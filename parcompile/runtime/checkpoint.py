@@ -9,7 +9,11 @@ optimizer steps:
 - the optimizer's states in the same layout as their parameter, under
   ``optim/<state>/<name>`` (``exp_avg``, ``exp_avg_sq``, and ``master`` for the fp32
   master weights of 16-bit models; ZeRO shards are gathered into that layout first);
-- ``train/step``.
+- ``train/step``;
+- fp16: the dynamic loss scaler (``train/loss_scale``, ``train/good_steps``,
+  ``train/skipped_steps``), so a resumed run scales its loss as the uninterrupted run
+  would, and its optimizer counts the steps it really took (skipped steps do not update
+  Adam's bias correction).
 
 A checkpoint is written to ``step_N.partial`` and renamed to ``step_N`` by rank 0 once
 every rank has finished, so a directory named ``step_N`` is always complete; resuming
@@ -81,6 +85,9 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
     mesh = _mesh(ctx)
     states = optimizer.export_states()
     state: dict[str, object] = {"train/step": torch.tensor(step, dtype=torch.int64)}
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None:   # fp16
+        state.update({f"train/{k}": v for k, v in scaler.state_dict().items()})
     for p in _saved_params(model):
         name = p.global_name
         state[name] = _global(p.detach(), p, mesh)
@@ -153,7 +160,18 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
             p.data.copy_(value)
             loaded[id(p)] = {key: local(f"optim/{key}/{name}", p).to(ctx.device)
                              for key in keys[1:] if f"optim/{key}/{name}" in state}
-    optimizer.import_states(loaded, step)
+    scaler = getattr(optimizer, "scaler", None)
+    skipped = 0
+    if scaler is not None and "train/loss_scale" in meta:   # fp16, saved by an fp16 run
+        saved = {k: torch.empty((), dtype=torch.float64 if k == "loss_scale" else torch.int64)
+                 for k in ("loss_scale", "good_steps", "skipped_steps")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({f"train/{k}": v for k, v in saved.items()}, checkpoint_id=str(path),
+                     no_dist=not ctx.distributed)
+        scaler.load_state_dict(saved)
+        skipped = scaler.skipped
+    optimizer.import_states(loaded, step - skipped)   # the optimizer's own step count
     return step
 
 

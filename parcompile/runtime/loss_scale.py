@@ -26,6 +26,7 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self.minimum = minimum
         self.good_steps = 0
+        self.skipped = 0   # steps skipped for an overflow (the optimizer did not step)
 
     def found_inf(self, grads: list[torch.Tensor], ctx: ParallelContext) -> bool:
         """True when any gradient of any rank is not finite (all ranks agree)."""
@@ -42,7 +43,19 @@ class DynamicLossScaler:
         if overflow:
             self.scale = max(self.scale / 2, self.minimum)
             self.good_steps = 0
+            self.skipped += 1
         else:
             self.good_steps += 1
             if self.good_steps % self.growth_interval == 0:
                 self.scale *= 2
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps so a resumed run scales and steps as an uninterrupted one."""
+        return {"loss_scale": torch.tensor(self.scale, dtype=torch.float64),
+                "good_steps": torch.tensor(self.good_steps, dtype=torch.int64),
+                "skipped_steps": torch.tensor(self.skipped, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["loss_scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped_steps"])

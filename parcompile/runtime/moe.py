@@ -382,6 +382,11 @@ class MoEOptimizer:
         self.experts.reduce_gradients()
 
     @property
+    def scaler(self):
+        """The dense part's dynamic loss scaler (fp16; None otherwise), which checkpoints keep."""
+        return self.dense.scaler
+
+    @property
     def loss_scale(self) -> float:
         """The dense part's loss scale (fp16; 1 otherwise), shared by the expert gradients."""
         return self.dense.loss_scale
