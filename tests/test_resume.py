@@ -113,29 +113,34 @@ def test_a_checkpoint_moves_between_plans(tmp_path):
     assert record["losses"] == [pytest.approx(want, abs=1e-5, rel=1e-5)]
 
 
+def _whole_and_resumed(tmp_path: Path, edit, steps: int) -> tuple[str, dict[int, float], dict[int, float]]:
+    """dp 2, one process pair: SPEC changed by ``edit(text)``, run for ``steps`` steps
+    uninterrupted, and again stopped after step 2 and resumed to ``steps``. Returns the
+    uninterrupted run's output, its losses, and the resumed run's losses (steps 3..)."""
+    def spec(name: str, ckpt: Path, n: int) -> Path:
+        path = tmp_path / f"{name}.par"
+        path.write_text(edit(SPEC.format(world=2, dp=2, tp=1, pp=1, steps=n, ckpt=ckpt)))
+        return path
+
+    whole = _run(spec("whole", tmp_path / "whole_ckpt", steps), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    first = _run(spec("part", tmp_path / "ckpt", 2), tmp_path / "part")
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = _run(spec("part", tmp_path / "ckpt", steps), tmp_path / "part")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "after step 2" in resumed.stdout
+    got = _losses(resumed.stdout)
+    assert sorted(got) == list(range(3, steps + 1))
+    return whole.stdout, _losses(whole.stdout), got
+
+
 @pytest.mark.torchrun
 def test_zero3_bf16_buckets_resume_the_same_curve(tmp_path):
     """ZeRO 3, 16-bit weights, several gradient buckets: a run stopped after step 2 and
     resumed from its checkpoint (fp32 master slices, Adam states, the kept 16-bit
     slices rebuilt from the masters) continues the uninterrupted run's losses exactly."""
-    def spec(name: str, ckpt: Path, steps: int) -> Path:
-        text = SPEC.format(world=2, dp=2, tp=1, pp=1, steps=steps, ckpt=ckpt)
-        text = text.replace("dtype = fp32", "dtype = bf16").replace(
-            "global_batch = 8 }", "global_batch = 8, zero = 3, bucket_size = 64 KiB }")
-        path = tmp_path / f"{name}.par"
-        path.write_text(text)
-        return path
-
-    whole = _run(spec("whole", tmp_path / "whole_ckpt", 4), tmp_path / "whole")
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    want = _losses(whole.stdout)
-    first = _run(spec("part", tmp_path / "ckpt", 2), tmp_path / "part")
-    assert first.returncode == 0, first.stdout + first.stderr
-    resumed = _run(spec("part", tmp_path / "ckpt", 4), tmp_path / "part")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "after step 2" in resumed.stdout
-    got = _losses(resumed.stdout)
-    assert sorted(got) == [3, 4]
+    _, want, got = _whole_and_resumed(tmp_path, lambda text: text.replace("dtype = fp32", "dtype = bf16").replace(
+        "global_batch = 8 }", "global_batch = 8, zero = 3, bucket_size = 64 KiB }"), 4)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], abs=1e-6), (step, loss, want[step])
 
@@ -146,23 +151,9 @@ def test_fp16_resume_keeps_the_loss_scale_and_the_optimizer_steps(tmp_path):
     skipped. A run stopped after step 2 resumes with the scaler's state (scale, clean steps,
     skipped steps) and the optimizer's own step count (Adam's bias correction counts only
     the updates it made), so it continues the uninterrupted run's losses exactly."""
-    def spec(name: str, ckpt: Path, steps: int) -> Path:
-        text = SPEC.format(world=2, dp=2, tp=1, pp=1, steps=steps, ckpt=ckpt)
-        text = text.replace("dtype = fp32", "dtype = fp16").replace("lr = 1e-2,", "lr = 1e-2, grad_clip = 0.01,")
-        path = tmp_path / f"{name}.par"
-        path.write_text(text)
-        return path
-
-    whole = _run(spec("whole", tmp_path / "whole_ckpt", 5), tmp_path / "whole")
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    skipped = re.findall(r"^step\s+(\d+)/\d+ \|.*grad norm nan", whole.stdout, re.M)
-    assert skipped and int(skipped[0]) <= 2, whole.stdout   # an overflow before the checkpoint
-    want = _losses(whole.stdout)
-    first = _run(spec("part", tmp_path / "ckpt", 2), tmp_path / "part")
-    assert first.returncode == 0, first.stdout + first.stderr
-    resumed = _run(spec("part", tmp_path / "ckpt", 5), tmp_path / "part")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    got = _losses(resumed.stdout)
-    assert sorted(got) == [3, 4, 5]
+    out, want, got = _whole_and_resumed(tmp_path, lambda text: text.replace("dtype = fp32", "dtype = fp16").replace(
+        "lr = 1e-2,", "lr = 1e-2, grad_clip = 0.01,"), 5)
+    skipped = re.findall(r"^step\s+(\d+)/\d+ \|.*grad norm nan", out, re.M)
+    assert skipped and int(skipped[0]) <= 2, out   # an overflow before the checkpoint
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], abs=1e-6), (step, loss, want[step])

@@ -417,7 +417,6 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
     ``compute`` defaults to the schedule pass's ``graph.meta["compute"]`` (required when
     ``sched`` is None)."""
     par, cl = cfg.parallel, cfg.cluster
-    pp, v = par.pp, par.virtual_stages
     m = par.num_microbatches if sched is None else sched.num_microbatches
     if compute is None:
         raise ValueError("estimate needs the ComputeReport")

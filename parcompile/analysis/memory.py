@@ -273,8 +273,6 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     stage comes from the simulated schedule; None takes :func:`closed_form_in_flight`."""
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
-    e = model.dtype_bytes
-    serve = cfg.workload == "serve"
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_token)
