@@ -360,7 +360,8 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     beside its own slice: :func:`parcompile.analysis.buckets.zero3_gathered` over the
     stage's gradient buckets (each gathered into a buffer padded to ``ceil(n / d) * d``
     elements). With ``pp = 1`` that is the buckets kept for the step (embedding, output
-    layer) plus the layer buckets of one decoder layer; with ``pp > 1`` every bucket (all
+    layer) plus the layer buckets of two adjacent decoder layers (one runs while the next is
+    prefetched); with ``pp > 1`` every bucket (all
     are gathered before the first backward and kept across the micro-batches). 0 without
     ZeRO-3 or when the parameters' group has one rank (nothing is sharded)."""
     par = cfg.parallel
