@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from parcompile.diagnostics import Diagnostic, SpecError, render_all
+from parcompile.diagnostics import Diagnostic, Span, SpecError, render_all
 from parcompile.frontend.parser import strip_bom
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
@@ -211,13 +211,13 @@ def _output_dir(args) -> Path | None:
     return Path(args.output)
 
 
-def _compile_to(args) -> tuple[object, Path]:
-    from parcompile.codegen.emit import write_files
-
-    from parcompile.codegen.emit import program_gaps
+def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Path]:
+    """Compile ``args.spec`` (or take ``plan``, already compiled) and write its files."""
+    from parcompile.codegen.emit import program_gaps, write_files
 
     output = _output_dir(args)  # before compiling: a usage error comes first
-    plan, source = _compile(args.spec)
+    if plan is None:
+        plan, source = _compile(args.spec)
     gaps = program_gaps(plan.config, "error" if args.command == "run" else "warning")
     if args.command == "run" and gaps:
         raise SpecError(gaps, source)
@@ -243,9 +243,52 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
+def prepare_data(cfg) -> list[Diagnostic]:
+    """Tokenize a training spec's `data` and `eval_data` into the token cache (once; a
+    cache that exists is reused), before any rank starts, and check the samples: at least
+    one global batch of training samples. Returns the diagnostics: errors at the data
+    file's path and line (a note names the spec key), warnings (truncated examples, chat
+    examples without an assistant turn). Nothing is cached from data with errors."""
+    from parcompile.runtime import dataset
+
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    out: list[Diagnostic] = []
+    for key in ("data", "eval_data"):
+        source = getattr(t, key)
+        if source in (None, "synthetic"):
+            continue
+        where = cfg.span(f"train.{key}")
+        note = f"reading `{key}` ({where.file}:{where.line}:{where.column})"
+        try:
+            cache = dataset.prepare(source, tokenizer=t.tokenizer, data_format=t.data_format,
+                                    text_field=t.text_field)
+            if key == "data":
+                dataset.TrainBatches(cache, m.seq_len, p.global_batch, t.seed)
+            else:
+                dataset.EvalBatches(cache, m.seq_len, p.global_batch, t.eval_batches)
+        except dataset.DataError as e:
+            span = Span(str(e.path), e.line or 1, 1) if e.path else where
+            out.append(Diagnostic("error", e.message, span, help=e.help, note=note))
+            continue
+        if cache.max_token_id >= m.vocab:
+            out.append(Diagnostic("error", f"token id {cache.max_token_id} is outside the model's vocab = {m.vocab}",
+                                  cfg.span("train.tokenizer", "model.vocab"),
+                                  help=f"set `vocab = {cache.max_token_id + 1}` or more"))
+        for w in cache.sample_warnings(m.seq_len):
+            out.append(Diagnostic("warning", w, where, note=note))
+    return out
+
+
 def cmd_run(args) -> int:
+    _output_dir(args)  # a usage error comes first
     try:
-        plan, out = _compile_to(args)
+        plan, source = _compile(args.spec)
+        if plan.config.workload == "train":
+            data = prepare_data(plan.config)   # before anything is written or any rank starts
+            if any(d.severity == "error" for d in data):
+                raise SpecError(data, None)    # spans in data files: no spec excerpt
+            _print_diags(data, None)
+        plan, out = _compile_to(args, plan, source)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
@@ -289,6 +332,10 @@ def cmd_verify(args) -> int:
 
     try:
         plan, source = _compile(args.spec)
+        if plan.config.workload == "train":
+            data = prepare_data(plan.config)   # data errors as diagnostics, before any rank starts
+            if any(d.severity == "error" for d in data):
+                raise SpecError(data, None)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
@@ -343,6 +390,42 @@ def cmd_export(args) -> int:
             print(f"note: {n}", file=sys.stderr)
     if not commented:
         print(f"launch: {result.launch}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_export_weights(args) -> int:
+    """`parcompile export-weights SPEC CKPT_DIR -o DIR`: the newest checkpoint a training
+    program of SPEC wrote in CKPT_DIR (or a `step_N` directory) as a Hugging Face
+    checkpoint in DIR (config.json of the family, safetensors shards with an index, the
+    spec's tokenizer files), written atomically. Any layout's checkpoint: DCP holds
+    global tensors."""
+    from parcompile.runtime.dataset import DataError
+    from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
+    from parcompile.runtime.weights import WeightsError
+
+    if not args.output.strip():
+        raise _Usage("-o needs a directory name, got an empty string")
+    if not Path(args.ckpt_dir).is_dir():
+        raise _Usage(f"cannot read {args.ckpt_dir}: no such directory (a `checkpoint_dir` a training run wrote)")
+    try:
+        plan, source = _compile(args.spec)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    cfg = plan.config
+    if cfg.workload != "train":
+        raise _Usage("export-weights takes a training spec (its model and tokenizer)")
+    try:
+        files, generation = tokenizer_outputs(cfg.train.tokenizer)
+    except DataError as e:
+        print(f"error: tokenizer: {e}", file=sys.stderr)
+        return EXIT_SPEC
+    try:
+        export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation)
+    except (WeightsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SPEC
+    print(f"wrote {args.output}/ (Hugging Face checkpoint of {args.ckpt_dir})")
     return EXIT_OK
 
 
@@ -426,6 +509,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed"], help="target engine")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("export-weights", help="a training checkpoint as a Hugging Face checkpoint directory")
+    p.add_argument("spec")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint_dir a training program wrote (or a step_N)")
+    p.add_argument("-o", "--output", required=True, help="the Hugging Face checkpoint directory to write")
+    p.set_defaults(fn=cmd_export_weights)
 
     p = sub.add_parser("schema", help="print the JSON Schema of plan.json (docs/plan.schema.json)")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")

@@ -117,7 +117,9 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     """A small model with the same parallel structure as ``cfg`` (see module docstring).
 
     Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
-    kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16, dropout 0, fp32.
+    kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16 (at most 64 for
+    prompt_completion and chat samples), dropout 0, fp32; the spec's data and tokenizer
+    (a Hugging Face tokenizer sets the vocabulary), its own random weights.
     Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
     larger ones; 1 per chunk when even; 3 for ZeRO-3 with pp = 1, so that the two adjacent
     layers it holds at once are not all of them). Micro-batches: at most 2 * pp (a multiple of pp).
@@ -150,17 +152,21 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         layers = 3   # ZeRO-3, pp = 1: a layer runs while the next is prefetched; 3 shows it is not all
 
     text = t.data != "synthetic"
-    vocab = 256 if text else min(m.vocab, 512)   # byte-level text needs all 256 byte values
+    # byte-level text needs all 256 byte values; a Hugging Face tokenizer all of its own
+    vocab = (tokenizer_vocab(t.tokenizer) if t.tokenizer != "bytes" else 256) if text else min(m.vocab, 512)
     mult = m.vocab_multiple
     if m.vocab % (mult * tp) and not vocab % (mult * tp):
         vocab += 3 if text else -3                # keep the vocabulary padding of the original
+    # prompt_completion / chat: one example is one sample, its loss on the completion or
+    # the assistant turns only; a longer miniature sequence keeps some of them
+    seq_len = 16 if t.data_format == "text" else min(m.seq_len, 64)
     num_mb = p.num_microbatches
     mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
     if p.schedule == "interleaved_1f1b":
         mini_m = max(p.pp, mini_m - mini_m % p.pp)
     model = ModelConfig(
         name=m.name + "_mini", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
-        ffn_hidden=2 * hidden, vocab=vocab, seq_len=16, norm=m.norm, activation=m.activation,
+        ffn_hidden=2 * hidden, vocab=vocab, seq_len=seq_len, norm=m.norm, activation=m.activation,
         position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
         rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
         sliding_window=min(m.sliding_window, 8), attention=m.attention, dropout=0.0,
@@ -173,11 +179,18 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     train = TrainConfig(
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
-        betas=t.betas,
-    )
+        betas=t.betas, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field,
+    )   # the miniature's own random weights (not init_from: other shapes), no eval, no hf_output
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def tokenizer_vocab(tokenizer: str) -> int:
+    """The vocabulary a model needs for ``tokenizer`` (its largest id + 1)."""
+    from parcompile.runtime.dataset import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -> dict:
@@ -300,6 +313,9 @@ def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tol
         ok = all(d <= tol.loss_atol + tol.loss_rtol * abs(b) for d, b in zip(diffs, res.ref_losses))
         res.checks.append(Check(f"loss, {len(diffs)} steps", max(diffs, default=0.0), tol.loss_atol, ok,
                                 rtol=tol.loss_rtol))
+    if res.ref_losses and all(x == 0 for x in res.ref_losses):   # every target masked: nothing compared
+        res.checks.append(Check("unmasked targets in the miniature's samples", 0.0, 0.0, False,
+                                "every target is masked (prompts longer than the miniature's seq_len?)"))
     vocab = mini.model.vocab
     res.checks += _compare_tensors("gradients, step 1", load_global(ref_dir, "grads"), load_global(run_dir, "grads"),
                                    vocab, tol.grad_atol, tol.grad_rtol)

@@ -239,9 +239,19 @@ def test_data_path_is_resolved_against_the_spec_dir(tmp_path):
         load_spec(spec, filename="s.par")
     [d] = e.value.diagnostics
     assert (d.message, d.span.line, d.span.column, d.help) == (
-        "data file `nope.txt` does not exist", 4, 16,
-        f'give a text file (relative to `{tmp_path}`), `data = "builtin:pydoc"` '
-        '(English text every Python carries) or `data = "synthetic"`')
+        "data `nope.txt` does not exist", 4, 16,
+        f"give a file, a directory of .txt/.jsonl/.parquet files or a glob (relative to `{tmp_path}`), "
+        '`"builtin:pydoc"` (English text every Python carries) or `"synthetic"`')
+    # a directory and a glob are data sources too
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.jsonl").write_text('{"text": "hi"}\n')
+    for source, want in (("docs", tmp_path / "docs"), ("docs/*.jsonl", tmp_path / "docs" / "*.jsonl")):
+        spec.write_text(MODEL + CLUSTER + PARALLEL + f'train {{ data = "{source}" }}\n')
+        assert load_spec(spec)[0].train.data == str(want)
+    spec.write_text(MODEL + CLUSTER + PARALLEL + 'train { eval_data = "docs/*.parquet" }\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(spec, filename="s.par")
+    assert e.value.diagnostics[0].message == "eval_data `docs/*.parquet` matches no file"
 
 
 def test_serve_weights_missing_is_a_warning():

@@ -73,13 +73,15 @@ def torchrun_command(cfg: SpecConfig, script: str = "program.py") -> str:
             f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT {script}")
 
 
-def _data_path(cfg: SpecConfig, out_dir: Path | None) -> str:
-    """The training data as the program should open it: a path relative to the program's
-    directory when that is known (so generated files hold no absolute paths).
+def _data_path(data: str | None, out_dir: Path | None) -> str | None:
+    """A data source, tokenizer or checkpoint path as the program should open it: relative
+    to the program's directory when that is known (so generated files hold no absolute
+    paths); names (``synthetic``, ``bytes``, ``builtin:...``) stay as they are.
 
-    The program resolves a relative ``DATA`` against its own directory."""
-    data = cfg.train.data  # the front end resolved it against the spec's directory
-    if data == "synthetic" or data.startswith("builtin:") or out_dir is None:
+    The program resolves a relative path against its own directory
+    (:func:`parcompile.runtime.data.resolve_source`); the front end resolved the spec's
+    paths against the spec's directory."""
+    if data is None or data in ("synthetic", "bytes") or data.startswith("builtin:") or out_dir is None:
         return data
     # abspath, not resolve: symbolic links in the user's path stay as the user wrote them
     return os.path.relpath(os.path.abspath(data), os.path.abspath(out_dir))
@@ -94,8 +96,11 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
         "checkpoint_dir": t.checkpoint_dir, "checkpoint_every": t.checkpoint_every,
+        "eval_every": t.eval_every, "eval_batches": t.eval_batches,
     }
-    data = _data_path(cfg, out_dir)
+    data = _data_path(cfg.train.data, out_dir)
+    data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,
+                   "text_field": t.text_field}
     rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
     sp = bool(p.sequence_parallel and p.tp > 1)
     zero_comment = {0: "replicated over dp: all-reduce of gradients",
@@ -142,7 +147,18 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
                            "npu": "HCCL on Ascend NPUs through torch_npu"}[cfg.cluster.device_kind],
         "train_repr": repr(train),
         "data_repr": repr(data),
+        "eval_data_repr": repr(_data_path(t.eval_data, out_dir)),
+        "data_format_repr": repr(data_format),
+        "init_from_repr": repr(_data_path(t.init_from, out_dir)),
+        "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
+        "model_keys_repr": repr(_model_keys(m)),
+        "peak_flops_repr": repr(cfg.cluster.peak_flops),
     }
+
+
+def _model_keys(m) -> dict:
+    """The resolved model block as plain values (``hf_output`` builds its config.json from it)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in m.model_dump().items()}
 
 
 def render_program(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> str:
@@ -181,19 +197,11 @@ def render_slurm(cfg: SpecConfig) -> str:
     )
 
 
-def _relative_to_program(path: str | None, out_dir: Path | None) -> str | None:
-    """``path`` relative to the program's directory when that is known (no absolute paths in
-    generated files); the program resolves it against its own directory."""
-    if path is None or out_dir is None:
-        return path
-    return os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
-
-
 def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
     """The plain data the serve template formats (see module docstring)."""
     m, p, s = cfg.model, cfg.parallel, cfg.serve
     sv = plan["serve"]
-    weights = _relative_to_program(s.weights, out_dir)
+    weights = _data_path(s.weights, out_dir)
     kv_dtype = s.kv_dtype or m.dtype
     return {
         "name": comment_text(cfg.name),

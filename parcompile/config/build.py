@@ -14,6 +14,7 @@ The key table :data:`KEYS` is the single list of what each block accepts.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import typing
@@ -72,6 +73,8 @@ class KeyType:
     length: int | None = None
     #: a quantity that also takes a bare ``0`` (no unit needed for nothing)
     zero_ok: bool = False
+    #: bare words also accepted, returned as themselves (``eval_batches = all``)
+    words: tuple[str, ...] = ()
 
 
 def _choices(model: type[BaseModel], field: str) -> tuple:
@@ -159,6 +162,10 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "warmup_steps": _NONNEG_INT, "min_lr": _NONNEG,
         "betas": KeyType("float_list", low=0, high=1, high_open=True, length=2),
         "eps": _POSITIVE,
+        "tokenizer": _STR, "eval_data": _STR, "text_field": _STR,
+        "data_format": _enum(TrainConfig, "data_format"),
+        "init_from": _STR, "eval_every": _NONNEG_INT,
+        "eval_batches": KeyType("int", low=1, words=("all",)), "hf_output": _STR,
     },
     "serve": {
         "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,
@@ -217,6 +224,8 @@ class _Values:
         """The Python value of ``v`` for ``key`` (SI for quantities), or ``_INVALID``."""
         if t.auto and isinstance(v, ast.Word) and v.value == "auto":
             return AUTO
+        if isinstance(v, ast.Word) and v.value in t.words:
+            return v.value
         method = getattr(self, "_" + t.kind)
         return method(key, t, v)
 
@@ -248,7 +257,8 @@ class _Values:
 
     def _int(self, key: str, t: KeyType, v: ast.Value) -> Any:
         if not isinstance(v, ast.Int):
-            help = f"{key} takes a whole number" + (" or `auto`" if t.auto else "")
+            help = f"{key} takes a whole number" + (" or `auto`" if t.auto else "") \
+                + "".join(f" or `{w}`" for w in t.words)
             return self._expected("an integer", v, help)
         return v.value if self._in_range(key, t, v.value, v) else _INVALID
 
@@ -564,25 +574,56 @@ class _Builder:
             return path
         return os.path.normpath(os.path.join(self.source_dir, path))
 
+    def _data_source(self, values: dict, key: str) -> None:
+        """Resolve the `data`/`eval_data` value ``values[key]`` in place: a built-in name, or
+        a file, directory or glob relative to the spec's directory; a source that names
+        nothing is an error (and is dropped)."""
+        data = values.get(key)
+        if data is None or data == "synthetic":
+            return
+        if data.startswith("builtin:"):
+            if data not in BUILTIN_SOURCES:
+                self.bag.error(f"unknown built-in text `{data}`", self.ctx.span(f"train.{key}"),
+                               help="built-in texts: " + ", ".join(f'"{b}"' for b in BUILTIN_SOURCES))
+                self.ctx.bad.add(f"train.{key}")
+                values.pop(key)
+            return
+        resolved = self._resolve_path(data)
+        if os.path.exists(resolved) or (glob.has_magic(resolved) and glob.glob(resolved)):
+            values[key] = resolved
+            return
+        where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
+        what = "matches no file" if glob.has_magic(data) else "does not exist"
+        self.bag.error(f"{key} `{data}` {what}", self.ctx.span(f"train.{key}"),
+                       help=f"give a file, a directory of .txt/.jsonl/.parquet files or a glob ({where}), "
+                            '`"builtin:pydoc"` (English text every Python carries) or `"synthetic"`')
+        self.ctx.bad.add(f"train.{key}")
+        values.pop(key)
+
     def train(self) -> TrainConfig:
         values = dict(self.values["train"])
-        data = values.get("data")
-        if data is not None and data.startswith("builtin:") and data not in BUILTIN_SOURCES:
-            self.bag.error(f"unknown built-in text `{data}`", self.ctx.span("train.data"),
-                           help="built-in texts: " + ", ".join(f'"{b}"' for b in BUILTIN_SOURCES))
-            self.ctx.bad.add("train.data")
-            values.pop("data")
-        elif data is not None and data != "synthetic" and data not in BUILTIN_SOURCES:
-            resolved = self._resolve_path(data)
-            if not os.path.isfile(resolved):
-                where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
-                self.bag.error(f"data file `{data}` does not exist", self.ctx.span("train.data"),
-                               help=f"give a text file ({where}), `data = \"builtin:pydoc\"` "
-                               "(English text every Python carries) or `data = \"synthetic\"`")
-                self.ctx.bad.add("train.data")
-                values.pop("data")
-            else:
-                values["data"] = resolved
+        for key in ("data", "eval_data"):
+            self._data_source(values, key)
+        if values.get("eval_batches") == "all":
+            values["eval_batches"] = None
+        for key in ("init_from", "hf_output"):
+            if values.get(key) is not None:
+                values[key] = self._resolve_path(values[key])
+        init_from = values.get("init_from")
+        if init_from is not None and not os.path.isdir(init_from):
+            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` does not exist",
+                           self.ctx.span("train.init_from"),
+                           help="give a Hugging Face checkpoint directory (config.json and *.safetensors) "
+                                "or a `checkpoint_dir` a training run wrote")
+            self.ctx.bad.add("train.init_from")
+            values.pop("init_from")
+            init_from = None
+        tok = values.get("tokenizer")
+        if tok is not None and tok != "bytes":
+            values["tokenizer"] = self._resolve_path(tok)
+        elif tok is None:   # SPEC: the init_from directory's tokenizer if it has one
+            has = init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json"))
+            values["tokenizer"] = init_from if has else "bytes"
         return self._make(TrainConfig, "train", **values) or TrainConfig()
 
     def serve(self, model: ModelConfig) -> ServeConfig | None:

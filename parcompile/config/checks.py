@@ -428,12 +428,69 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
     if t.checkpoint_every > 0 and t.checkpoint_dir is None:
         ctx.bag.error(f"checkpoint_every = {t.checkpoint_every} needs `checkpoint_dir`",
                       ctx.span("train.checkpoint_every"), help='add `checkpoint_dir = "checkpoints"`')
-    if ctx.ok("train.data", "model.vocab") and t.data != "synthetic" and cfg.model.vocab < 256:
-        # the program reads text as bytes: token ids 0..255 (runtime/data.py)
+    if ctx.ok("train.data", "model.vocab", "train.tokenizer") and t.data != "synthetic" \
+            and t.tokenizer == "bytes" and cfg.model.vocab < 256:
+        # the bytes tokenizer: token ids 0..255 (runtime/dataset.py)
         ctx.bag.error(f'data = "{t.data}" is read as bytes'
                       f", which needs vocab >= 256; the model has "
                       f"vocab = {cfg.model.vocab}", ctx.span("train.data", "model.vocab"),
-                      help='use vocab >= 256, or data = "synthetic" (random tokens below vocab)')
+                      help='use vocab >= 256, a Hugging Face `tokenizer`, or data = "synthetic" '
+                           '(random tokens below vocab)')
+    _check_tokenizer(cfg, ctx)
+    _check_init_from(cfg, ctx)
+
+
+def _check_tokenizer(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """The tokenizer loads, fits the model's vocabulary, and has a chat template for `chat`."""
+    t = cfg.train
+    uses_text = any(d not in (None, "synthetic") for d in (t.data, t.eval_data))
+    if t.data_format == "chat" and t.tokenizer == "bytes" and ctx.ok("train.data_format", "train.tokenizer"):
+        ctx.bag.error("data_format = chat needs a Hugging Face tokenizer with a chat template",
+                      ctx.span("train.data_format"),
+                      help='set `tokenizer = "path/to/tokenizer.json"` (or a directory holding one)')
+        return
+    if t.tokenizer == "bytes" or not ctx.ok("train.tokenizer") or not uses_text:
+        return
+    from parcompile.runtime.dataset import DataError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(t.tokenizer)
+    except DataError as e:
+        ctx.bag.error(f"tokenizer `{t.tokenizer}`: {e.message}", ctx.span("train.tokenizer"), help=e.help)
+        ctx.bad.add("train.tokenizer")
+        return
+    if ctx.ok("model.vocab") and tok.vocab_size > cfg.model.vocab:
+        ctx.bag.error(f"the tokenizer has {tok.vocab_size} tokens, more than the model's vocab = {cfg.model.vocab}",
+                      ctx.span("train.tokenizer"),
+                      help=f"set `vocab = {tok.vocab_size}` (or more) in the model block, or use the "
+                           "tokenizer the model was trained with")
+    if t.data_format == "chat" and tok.chat_template is None:
+        ctx.bag.error(f"data_format = chat, but the tokenizer `{t.tokenizer}` has no chat template",
+                      ctx.span("train.data_format"),
+                      help="add `chat_template` to the tokenizer_config.json beside tokenizer.json "
+                           "(or a chat_template.jinja), as transformers reads it")
+
+
+def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Global parameter shapes of ``model`` by our parameter name, vocabulary unpadded, a
+    tied head left out: what a checkpoint loaded with ``init_from`` must hold. Taken from
+    the model's graph (:func:`parcompile.ir.lower.lower`), the one place they are defined."""
+    from parcompile.ir.lower import lower
+
+    return {p.name: tuple(d.size for d in p.type.dims) for _, p in lower(model, batch=1).params()
+            if p.tied_to is None}
+
+
+def _check_init_from(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """A checkpoint to start from holds this model's tensors, each of this model's shape."""
+    t = cfg.train
+    if t.init_from is None or not ctx.ok("train.init_from", "model.layers", "model.hidden", "model.vocab"):
+        return
+    from parcompile.config.hf_weights import check_checkpoint
+
+    for problem in check_checkpoint(t.init_from, expected_shapes(cfg.model), cfg.model):
+        ctx.bag.error(f"init_from: {problem.message}", ctx.span("train.init_from"), help=problem.help,
+                      note=getattr(problem, "note", None))
 
 
 def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:

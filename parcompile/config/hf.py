@@ -67,6 +67,19 @@ def _activation(act: str | None, gated: bool) -> str | None:
                         help="parcompile models gelu, relu and swiglu (silu in a gated MLP)")
 
 
+def _rope_param(cfg: dict, key: str) -> float | None:
+    """``rope_parameters[key]``: where transformers 5 keeps RoPE's settings (None: absent)."""
+    params = cfg.get("rope_parameters")
+    return _float(params, key) if isinstance(params, dict) else None
+
+
+def _rope_theta(cfg: dict) -> float | None:
+    """The RoPE base: ``rope_theta`` (transformers 4), or ``rope_parameters.rope_theta``
+    (transformers 5 moved it there)."""
+    theta = _rope_param(cfg, "rope_theta")
+    return theta if theta is not None else _float(cfg, "rope_theta")
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -79,7 +92,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             f"unsupported Hugging Face model_type {json.dumps(model_type)}",
             help="supported: " + ", ".join(SUPPORTED_MODEL_TYPES),
         )
-    dtype = _str(cfg, "torch_dtype")
+    dtype = _str(cfg, "torch_dtype") or _str(cfg, "dtype")   # transformers 5 writes `dtype`
     common = {"dtype": _DTYPES.get(dtype) if dtype else None, "vocab": _int(cfg, "vocab_size")}
 
     if model_type == "gpt2":
@@ -117,8 +130,8 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             "norm_eps": _float(cfg, "layer_norm_eps"),
             "activation": _activation(_str(cfg, "hidden_act", "gelu"), gated=False),
             "position": "rope",
-            "rotary_fraction": _float(cfg, "rotary_pct"),
-            "rope_theta": _float(cfg, "rotary_emb_base", _float(cfg, "rope_theta")),
+            "rotary_fraction": _float(cfg, "rotary_pct", _rope_param(cfg, "partial_rotary_factor")),
+            "rope_theta": _float(cfg, "rotary_emb_base", _rope_theta(cfg)),
             "parallel_residual": _bool(cfg, "use_parallel_residual", True),
             "bias": True,
         })
@@ -153,7 +166,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
         "norm_eps": _float(cfg, "rms_norm_eps"),
         "activation": _activation(_str(cfg, "hidden_act", "silu"), gated=True),
         "position": "rope",
-        "rope_theta": _float(cfg, "rope_theta"),
+        "rope_theta": _rope_theta(cfg),
         "bias": bool(_bool(cfg, "attention_bias", False) and _bool(cfg, "mlp_bias", False)),
         "qkv_bias": True if model_type == "qwen2" else _bool(cfg, "attention_bias"),
         "sliding_window": sliding,

@@ -215,6 +215,18 @@ class TrainConfig(_Frozen):
     min_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    # real training jobs (SPEC "Real training jobs"); paths are absolute once built
+    #: "bytes" or a Hugging Face tokenizer (tokenizer.json or a directory holding one); a
+    #: spec that names none gets its init_from directory's tokenizer when it has one
+    tokenizer: str = "bytes"
+    eval_data: Optional[str] = None
+    text_field: str = "text"
+    data_format: Literal["text", "prompt_completion", "chat"] = "text"
+    init_from: Optional[str] = None
+    eval_every: int = 0
+    #: global batches of eval samples per evaluation; None: all of them
+    eval_batches: Optional[int] = None
+    hf_output: Optional[str] = None
 
 
 class ServeConfig(_Frozen):

@@ -8,7 +8,7 @@ from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, 
                                      reduce_from_tp)
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
-from parcompile.runtime.data import GlobalBatches, local_microbatches, resolve_source
+from parcompile.runtime.data import GlobalBatches, batch_digest, eval_data, local_microbatches, local_rows, resolve_source, training_data
 from parcompile.runtime.layers import (
     ACTIVATIONS,
     ColumnParallelLinear,
@@ -28,7 +28,9 @@ from parcompile.runtime.layers import (
 )
 from parcompile.runtime.memory import METER
 from parcompile.runtime.moe import ExpertAxes, MoELayer
-from parcompile.runtime.pipeline import run_schedule
+from parcompile.runtime.metrics import RunLog, peak_memory
+from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
+from parcompile.runtime.weights import load_weights
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear
 from parcompile.runtime.train import (

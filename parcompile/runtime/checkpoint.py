@@ -71,8 +71,8 @@ def _saved_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext) -> Path:
-    """Save parameters, optimizer states and the step count (module docstring). Every rank
-    calls it; returns the final directory."""
+    """Save parameters, optimizer states (none when ``optimizer`` is None) and the step
+    count (module docstring). Every rank calls it; returns the final directory."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
@@ -83,7 +83,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
     if ctx.distributed:
         dist.barrier()
     mesh = _mesh(ctx)
-    states = optimizer.export_states()
+    states = optimizer.export_states() if optimizer is not None else {}
     state: dict[str, object] = {"train/step": torch.tensor(step, dtype=torch.int64)}
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None:   # fp16
@@ -186,3 +186,30 @@ def maybe_fail(ctx: ParallelContext, step: int) -> None:
 
             print(f"rank {ctx.rank}: PARCOMPILE_FAIL_AT kills this rank at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx: ParallelContext,
+                    model_keys: dict, tokenizer: str | None) -> None:
+    """Write a Hugging Face checkpoint of the trained weights to ``out_dir`` (``hf_output``):
+    every rank saves its shards as a parameters-only DCP checkpoint in a temporary
+    sibling directory, then rank 0 reads the global tensors back and writes config.json,
+    safetensors shards and the tokenizer files (:func:`parcompile.runtime.hf_export.export_weights`,
+    atomic: a temporary directory renamed into place). One rule for every layout (tp, pp,
+    ZeRO-3, tied heads), the same that ``parcompile export-weights`` runs on a checkpoint.
+    ZeRO-3 parameters must be gathered first (``opt.gather_for_export()``).
+    """
+    from parcompile.config.schema import ModelConfig
+
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.dcp"
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    final = save(tmp, step, model, None, ctx)
+    if ctx.rank == 0:
+        from parcompile.runtime import hf_export
+
+        files, generation = hf_export.tokenizer_outputs(tokenizer)
+        hf_export.export_weights(final, ModelConfig(**model_keys), out, files, generation_config=generation)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if ctx.distributed:
+        dist.barrier()

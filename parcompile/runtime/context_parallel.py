@@ -47,9 +47,12 @@ def gathered_positions(seq_len: int, size: int) -> torch.Tensor:
     return torch.cat([chunk_positions(seq_len, i, size) for i in range(size)])
 
 
-def split_microbatch(tokens: torch.Tensor, cp: Axis) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets (b, T / cp) of this cp rank from a micro-batch (b, T + 1)."""
-    x, y = tokens[:, :-1], tokens[:, 1:]
+def split_microbatch(tokens: torch.Tensor, cp: Axis, targets: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (b, T / cp) of this cp rank from a micro-batch of tokens
+    (b, T + 1); ``targets`` (b, T), with -100 where the loss is masked, default
+    ``tokens[:, 1:]``."""
+    x, y = tokens[:, :-1], (tokens[:, 1:] if targets is None else targets)
     if cp.size == 1:
         return x, y
     pos = chunk_positions(x.shape[1], cp.index, cp.size)

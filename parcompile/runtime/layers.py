@@ -186,44 +186,65 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp(out, self.tp, self.sequence_parallel)
 
 
+IGNORE_INDEX = -100  # targets equal to it (prompt tokens, padding) add no loss and no gradient
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split on the vocabulary (Megatron-LM's
     `vocab_parallel_cross_entropy`): three fp32 all-reduces of (N,) over tp.
-    Columns at and past ``vocab`` (padding) are masked to -inf.
+    Columns at and past ``vocab`` (padding) are masked to -inf. Targets equal to
+    :data:`IGNORE_INDEX` get a loss of 0 and no gradient. Keeps the fp32 softmax (N, V'/tp)
+    for backward (overwritten in place there: the backward runs once).
     """
 
     @staticmethod
     def forward(ctx, logits, target, tp: Axis, start: int, vocab: int):
-        logits = logits.float()
         cols = logits.shape[-1]
-        col_ids = torch.arange(start, start + cols, device=logits.device)
-        logits = logits.masked_fill(col_ids >= vocab, float("-inf"))
-        peak = logits.max(dim=-1).values
+        x = logits.float()
+        if start + cols > vocab:                                  # padded columns on this rank
+            col_ids = torch.arange(start, start + cols, device=logits.device)
+            x = x.masked_fill(col_ids >= vocab, float("-inf"))
+        peak = x.max(dim=-1).values
         all_reduce(peak, tp, "max")
-        logits = logits - peak.unsqueeze(-1)
+        # in place on a copy of ours; fp32 logits unpadded are the input itself: a new tensor
+        x = x - peak.unsqueeze(-1) if x is logits else x.sub_(peak.unsqueeze(-1))
+        ignored = target == IGNORE_INDEX
         local_t = target - start
         inside = (local_t >= 0) & (local_t < cols)
         local_t = local_t.masked_fill(~inside, 0)
-        picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
         all_reduce(picked, tp, "sum")
-        exp = logits.exp()
+        exp = x.exp_()
         sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, tp, "sum")
-        loss = torch.log(sum_exp) - picked
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_t, inside)
+        loss = (torch.log(sum_exp) - picked).masked_fill_(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, inside, ignored)
+        ctx.in_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_t, inside = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        softmax, local_t, inside, ignored = ctx.saved_tensors
+        g = grad_loss.to(softmax.dtype).masked_fill(ignored, 0.0).unsqueeze(-1)   # (N, 1)
+        grad = softmax.mul_(g)                                    # d loss / d logits = (softmax - onehot) * g
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(g * inside.unsqueeze(-1)))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def _cross_entropy_one_rank(logits: torch.Tensor, target: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tp = 1: ``F.cross_entropy`` per token (log-softmax in fp32 over the first ``vocab``
+    columns, so padded columns take no probability and get no gradient; targets equal to
+    :data:`IGNORE_INDEX` give 0 and no gradient). Keeps the fp32 log-softmax (N, vocab)."""
+    x = logits if logits.shape[-1] == vocab else logits[..., :vocab]
+    return F.cross_entropy(_wide(x), target, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Axis, vocab: int) -> torch.Tensor:
-    """Per-token loss (N,) from local logits (N, V'/tp) and global target ids (N,)."""
+    """Per-token loss (N,) from local logits (N, V'/tp) and global target ids (N,); a target
+    of -100 (:data:`IGNORE_INDEX`) is ignored: loss 0, no gradient."""
+    if tp.size == 1:
+        return _cross_entropy_one_rank(logits, target, vocab)
     start = tp.index * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, tp, start, vocab)
 
@@ -291,12 +312,22 @@ def rope_tables(seq_len: int, rot_dim: int, theta: float, device=None) -> tuple[
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``rot`` dims of each head (the rest
+    pass through), as one multiply and two fused multiply-adds on the halves."""
     rot = cos.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
+    half = rot // 2
     c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
-    return torch.cat([xr * c + rotated * s, xp], dim=-1)
+    if rot == x.shape[-1]:
+        out = x * c
+        xr = x
+    else:                                   # partial rotary: the dims past rot are copied
+        out = x.clone()
+        out[..., :rot].mul_(c)
+        xr = x[..., :rot]
+    o = out[..., :rot]
+    o[..., :half].addcmul_(xr[..., half:], s[..., :half], value=-1.0)    # x1 c - x2 s
+    o[..., half:].addcmul_(xr[..., :half], s[..., half:])                # x2 c + x1 s
+    return out
 
 
 class _RopeFunction(torch.autograd.Function):
@@ -328,17 +359,17 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        g = _wide(gate)
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        go = _wide(grad_out)
-        grad_gate = go * _wide(up) * sig * (1 + g * (1 - sig))
-        return grad_gate.to(gate.dtype), (go * silu).to(up.dtype)
+        g = _wide(gate)                                           # 16-bit: computed in fp32
+        grad_up = F.silu(g).mul_(grad_out)                        # silu(gate) * dy
+        t = _wide(grad_out) * up                                  # dy * up, a new tensor
+        # aten's fused SiLU derivative: t * sig * (1 + gate * (1 - sig)), written into t
+        grad_gate = torch.ops.aten.silu_backward.grad_input(t, g, grad_input=t)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

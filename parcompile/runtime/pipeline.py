@@ -27,9 +27,9 @@ FORWARD, BACKWARD = 0, 1
 
 @dataclass
 class StepResult:
-    """What one step returns on this rank: the summed loss of its micro-batches (each
-    already divided by the number of micro-batches; None off the last model chunk), and
-    the actions as they ran."""
+    """What one step returns on this rank: the sum of its micro-batches' losses as
+    ``loss_fn`` returned them (already normalised by the step's unmasked target count;
+    None off the last model chunk), and the actions as they ran."""
 
     loss: torch.Tensor | None
     executed: list[tuple[str, int, int]]  # (op, microbatch, chunk) in the order they ran
@@ -57,7 +57,10 @@ def run_schedule(
         actions: this pipeline rank's ordered actions.
         forward_chunk: ``(chunk, x) -> y``; x is token ids (b, t) on the model's first
             chunk, else hidden states (b, t, h); y is logits on the last chunk.
-        loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
+        loss_fn: ``(logits, targets) -> loss`` of one micro-batch, normalised so that the
+            micro-batches of all data-parallel ranks add up to the step's loss (the sum of
+            token losses over the unmasked targets of the global batch divided by their
+            count, times the data-parallel size the gradient average divides by again).
         microbatches: m pairs (inputs, targets) of token ids, (b, t) each.
         num_chunks: virtual stages per pipeline rank.
         activation_shape: (b, t, h), what crosses a stage boundary.
@@ -75,7 +78,6 @@ def run_schedule(
     pp = ctx.pp
     p, r = pp.size, pp.index
     last_model_chunk = p * num_chunks - 1
-    m = len(microbatches)
     received: dict[tuple[int, int, int], torch.Tensor] = {}
     inputs: dict[tuple[int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -106,7 +108,7 @@ def run_schedule(
             y = forward_chunk(c, x)
             inputs[(mb, c)] = x
             if k == last_model_chunk:
-                loss = loss_fn(y, microbatches[mb][1].to(device)) / m
+                loss = loss_fn(y, microbatches[mb][1].to(device))
                 outputs[(mb, c)] = loss
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             else:
@@ -156,3 +158,78 @@ def run_schedule(
             f"weight gradients {sorted(STORE.pending)}"
         )
     return StepResult(loss_sum, executed)
+
+
+@torch.no_grad()
+def run_forward(ctx: ParallelContext, forward_chunk: Callable[[int, torch.Tensor], torch.Tensor],
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                microbatches: list[tuple[torch.Tensor, torch.Tensor]], num_chunks: int,
+                activation_shape: tuple[int, ...], activation_dtype: torch.dtype) -> torch.Tensor | None:
+    """Forward only (evaluation): every micro-batch through this rank's chunks in model
+    order, hidden states received from the previous pipeline rank and sent to the next
+    (blocking receives, asynchronous sends: each receive waits for a send that comes
+    earlier in model order, so no rank waits on a later one). Returns the sum of
+    ``loss_fn`` over the micro-batches on the rank holding the last model chunk, else None.
+    """
+    pp = ctx.pp
+    p, r = pp.size, pp.index
+    last = p * num_chunks - 1
+    total, pending = None, []
+    for mb, (x_ids, targets) in enumerate(microbatches):
+        for c in range(num_chunks):
+            k = c * p + r
+            if k == 0:
+                x = x_ids.to(ctx.device)
+            else:
+                x = recv(activation_shape, activation_dtype, ctx.device, pp, (r - 1) % p,
+                         _tag(mb, c, FORWARD, num_chunks))
+            y = forward_chunk(c, x)
+            if k == last:
+                loss = loss_fn(y, targets.to(ctx.device)).detach()
+                total = loss if total is None else total + loss
+            else:
+                y = y.contiguous()
+                pending.append((y, isend(y, pp, (r + 1) % p, _tag(mb, (k + 1) // p, FORWARD, num_chunks))))
+    for _, w in pending:
+        w.wait()
+    return total
+
+
+def loss_normaliser(targets: torch.Tensor, ctx: ParallelContext) -> tuple[float, int]:
+    """(factor, count) for a global batch's targets (n, T), -100 where masked: ``count`` is
+    its unmasked targets and ``factor = dp_cp / count``, what a micro-batch's summed token
+    losses are multiplied by so that the data-parallel gradient average (which divides by
+    dp_cp again) and the loss average over dp_cp give sum / count (SPEC: the loss of a step
+    is the sum of token losses over the global batch divided by its unmasked targets; so
+    every layout and micro-batch split gives the same loss and gradients)."""
+    count = int((targets != -100).sum())
+    return ctx.axes["dp_cp"].size / max(count, 1), count
+
+
+def evaluate(batches, ctx: ParallelContext, model, micro_batch: int, num_chunks: int,
+             activation_shape: tuple[int, ...], activation_dtype: torch.dtype) -> tuple[float | None, int]:
+    """Mean cross-entropy over every unmasked target of ``batches`` (global batches of
+    (tokens, targets), in order), forward only with the model in eval mode (no dropout, no
+    router loss). Returns (loss on the ranks of the last model chunk, else None; the count
+    of targets it averages)."""
+    from parcompile.runtime.context_parallel import split_microbatch
+    from parcompile.runtime.data import local_rows
+    from parcompile.runtime.train import reduce_loss
+
+    batches = [batches.batch(b) for b in range(len(batches))] if hasattr(batches, "batch") else list(batches)
+    count = sum(int((t != -100).sum()) for _, t in batches)
+    factor = ctx.axes["dp_cp"].size / max(count, 1)
+    was = model.training
+    model.eval()
+    total = None
+    try:
+        for tokens, targets in batches:
+            mbs = [split_microbatch(x, ctx.axes["cp"], y)
+                   for x, y in local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, micro_batch)]
+            part = run_forward(ctx, model.forward_chunk, lambda y, t: model.loss(y, t) * factor, mbs,
+                               num_chunks, activation_shape, activation_dtype)
+            if part is not None:
+                total = part if total is None else total + part
+    finally:
+        model.train(was)
+    return reduce_loss(total, ctx), count

@@ -75,42 +75,64 @@ def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:
         g.copy_(new)
 
 
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in groups of one device and dtype (what a foreach kernel takes at once)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
 def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
     """The global L2 norm of all gradients, each parameter counted once over tp and pp.
 
     Replicated-over-tp parameters count on tp rank 0 only; a tied LM head copy is skipped.
+    The local sum of squares comes from ``torch._foreach_norm`` (one fused pass over every
+    gradient of a device and dtype, as ``torch.nn.utils.clip_grad_norm_``), in fp32; it is
+    then all-reduced over tp and pp.
     """
-    sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    grads = []
     for p in model.parameters():
         g = main_grad(p)
         if g is None or getattr(p, "tied_copy", False):
             continue
         if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
             continue
-        sq += g.float().pow(2).sum()
-    sq = sq.reshape(1)
+        grads.append(g)
+    sq = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    for group in _by_device_and_dtype(grads):
+        norms = torch._foreach_norm(group, 2.0)
+        sq += torch.stack(norms).to(device=ctx.device, dtype=torch.float32).pow(2).sum()
     all_reduce(sq, ctx.tp)
     all_reduce(sq, ctx.pp)
     return sq.sqrt()[0]
 
 
 def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off)."""
+    """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off),
+    with ``torch._foreach_mul_`` (one call per device and dtype)."""
     if max_norm and max_norm > 0:
         coef = float(max_norm) / (float(norm) + 1e-6)
         if coef < 1.0:
-            for p in model.parameters():
-                if main_grad(p) is not None:
-                    main_grad(p).mul_(coef)
+            grads = [g for g in (main_grad(p) for p in model.parameters()) if g is not None]
+            for group in _by_device_and_dtype(grads):
+                torch._foreach_mul_(group, coef)
 
 
 def make_optimizer(groups: list[dict], train: dict) -> torch.optim.Optimizer:
-    """AdamW / Adam / SGD over parameter groups (each with its ``weight_decay``)."""
+    """AdamW / Adam / SGD over parameter groups (each with its ``weight_decay``). Adam and
+    AdamW use torch's fused kernel (one pass over all parameters, on CPU and CUDA; the
+    optimizer states and the update are the same as the per-parameter loop's up to rounding)
+    when every parameter is a floating tensor on one device type, as the fp32 masters are."""
     name, lr = train["optimizer"], train["lr"]
+    params = [p for g in groups for p in g["params"]]
+    fused = bool(params) and all(p.is_floating_point() for p in params) \
+        and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cpu", "cuda")
+    kw = {"fused": True} if fused else {}
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"], **kw)
     if name == "adam":  # Adam's weight decay is L2 added to the gradient
-        return torch.optim.Adam(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"])
+        return torch.optim.Adam(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"], **kw)
     return torch.optim.SGD(groups, lr=lr)
 
 

@@ -1,4 +1,4 @@
-"""Loading a serve program's weights, each rank reading only its shard where it can.
+"""Loading weights into a program's shards, each rank reading only its shard where it can.
 
 Three sources (:func:`weights_kind`):
 
@@ -6,31 +6,53 @@ Three sources (:func:`weights_kind`):
   (:func:`parcompile.runtime.layers.global_init`), exactly as a training program of the
   same seed starts;
 * ``dcp``: a ``torch.distributed.checkpoint`` directory (it holds ``.metadata``) that a
-  training program of any layout wrote with :func:`parcompile.runtime.checkpoint.save`: global tensors keyed by
-  parameter name, tensor-parallel shards saved as DTensors. Ordinary tp shards are loaded
-  as DTensors over this plan's tp group, so each rank reads its own slice; the vocabulary
-  rows (padding differs between layouts) and replicated kv heads are read whole and cut
-  here. A tied LM head is not in the checkpoint: it reads ``embedding.weight``;
-* ``hf``: a Hugging Face Llama-family directory (``*.safetensors``, optionally an
-  ``model.safetensors.index.json``): each rank reads its slice of every tensor through
-  ``safetensors``' ``get_slice`` (split on load).
+  training program of any layout wrote with :func:`parcompile.runtime.checkpoint.save`
+  (or its root, whose newest ``step_N`` is read): global tensors keyed by parameter name,
+  tensor-parallel shards saved as DTensors. Ordinary tp shards are loaded as DTensors
+  over this plan's tp group, so each rank reads its own slice; the vocabulary rows
+  (padding differs between layouts) and replicated kv heads are read whole and cut here.
+  A tied LM head is not in the checkpoint: it reads ``embedding.weight``;
+* ``hf``: a Hugging Face checkpoint (``config.json`` + ``*.safetensors``, optionally a
+  ``model.safetensors.index.json``) of any family of :mod:`parcompile.config.hf_weights`
+  (gpt2, gpt_neox, llama, mistral, mixtral, qwen2): each rank reads the rows or columns
+  of its shards through ``safetensors``' ``get_slice``; fused HF tensors (GPT-2
+  ``c_attn``, GPT-NeoX ``query_key_value``, Mixtral ``gate_up_proj``) are read at the
+  offsets of our tensor; GPT-2's ``Conv1D`` weights are transposed; vocabulary rows past
+  ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding.
 
 Every parameter carries its layout (``global_name``, ``global_shape``, ``shard_dim``,
 ``shard_index``, ``num_shards``, ``valid_rows``; see :func:`parcompile.runtime.layers.make_param`).
+
+Errors are :class:`WeightsError` (a :class:`~parcompile.runtime.generate.ServeError`, so
+the serve program reports them as one line): ``message`` and an optional ``help``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from parcompile.config.hf_weights import (HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
+                                          scan_checkpoint, tensor_map)
+from parcompile.config.schema import ModelConfig
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.generate import ServeError
 
-#: our parameter names -> Hugging Face Llama names ({i}: layer)
+
+class WeightsError(ServeError):
+    """Weights that cannot be loaded (a missing tensor, a shape of another model, a
+    directory that holds no checkpoint): ``message`` and an optional ``help``."""
+
+    def __init__(self, message: str, help: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.help = help
+
+
+#: our parameter names -> Hugging Face Llama names ({i}: layer); kept for callers of the
+#: serve loader of old (the full mapping of every family: hf_weights.tensor_map)
 HF_LLAMA = {
     "embedding.weight": "model.embed_tokens.weight",
     "lm_head.weight": "lm_head.weight",
@@ -54,23 +76,24 @@ def weights_kind(path: str | None) -> str:
     """``seed`` (no path), ``dcp`` or ``hf`` for a directory.
 
     Raises:
-        ServeError: the directory is missing or holds neither kind of checkpoint.
+        WeightsError: the directory is missing or holds neither kind of checkpoint.
     """
     if not path:
         return "seed"
     p = Path(path)
     if not p.is_dir():
-        raise ServeError(f"weights directory {path} does not exist; train with `checkpoint_dir` set, "
-                         "or give a Hugging Face checkpoint directory")
+        raise WeightsError(f"weights directory {path} does not exist; train with `checkpoint_dir` set, "
+                           "or give a Hugging Face checkpoint directory")
     if (p / ".metadata").is_file():
         return "dcp"
     from parcompile.runtime.checkpoint import newest
 
     if newest(p) is not None:   # a training program's checkpoint directory: its newest step
         return "dcp"
-    if any(p.glob("*.safetensors")):
+    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file():
         return "hf"
-    raise ServeError(f"{path} holds neither a torch.distributed.checkpoint (.metadata) nor *.safetensors files")
+    raise WeightsError(f"{path} holds neither a torch.distributed.checkpoint (.metadata) nor *.safetensors files",
+                       "give a Hugging Face checkpoint directory or a training program's checkpoint directory")
 
 
 def _target_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -86,8 +109,8 @@ def _target_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         full = full.clone()
         full[p.valid_rows:] = 0
     if tuple(full.shape) != tuple(shape):
-        raise ServeError(f"{p.global_name}: the checkpoint's shape {tuple(full.shape)} differs from this "
-                         f"model's {tuple(shape)}; was it written for another model?")
+        raise WeightsError(f"{p.global_name}: the checkpoint's shape {tuple(full.shape)} differs from this "
+                           f"model's {tuple(shape)}; was it written for another model?")
     if p.shard_dim is None:
         return full
     n = shape[p.shard_dim] // p.num_shards
@@ -102,7 +125,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     """Load a training program's DCP checkpoint into this rank's shards (module docstring).
 
     Raises:
-        ServeError: a parameter is missing from the checkpoint, or its shape differs.
+        WeightsError: a parameter is missing from the checkpoint, or its shape differs.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -120,12 +143,12 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     for name, ps in groups.items():
         p = ps[0]
         if name not in meta:
-            raise ServeError(f"the checkpoint {path} has no `{name}`; was it written for another model?")
+            raise WeightsError(f"the checkpoint {path} has no `{name}`; was it written for another model?")
         size = tuple(meta[name].size)
         dtype = meta[name].properties.dtype
         if p.valid_rows is None and size != tuple(p.global_shape):
-            raise ServeError(f"{name}: the checkpoint's shape {size} differs from this model's "
-                             f"{tuple(p.global_shape)}; was it written for another model?")
+            raise WeightsError(f"{name}: the checkpoint's shape {size} differs from this model's "
+                               f"{tuple(p.global_shape)}; was it written for another model?")
         standard = (len(ps) == 1 and mesh is not None and p.shard_dim is not None and p.valid_rows is None
                     and p.num_shards == ctx.tp.size and p.shard_index == ctx.tp.index)
         if standard:   # read only this rank's slice
@@ -147,82 +170,155 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
 
 
 def _hf_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a Hugging Face checkpoint directory."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ServeError(f"cannot read {index}: {e}") from None
-        return {k: path / v for k, v in wm.items()}
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                out[k] = f
-    return out
-
-
-def _hf_name(name: str) -> str | None:
-    parts = name.split(".")
-    if parts[0] == "layers":
-        key = ".".join(["layers", "{i}"] + parts[2:])
-        hf = HF_LLAMA.get(key)
-        return hf.format(i=parts[1]) if hf else None
-    return HF_LLAMA.get(name)
-
-
-def load_hf(model: nn.Module, path: str) -> None:
-    """Load a Hugging Face Llama-family safetensors checkpoint, each rank reading only the
-    rows or columns of its shards (module docstring). A missing ``lm_head.weight`` (tied
-    word embeddings) reads ``model.embed_tokens.weight``.
+    """Tensor name -> safetensors file of a Hugging Face checkpoint directory.
 
     Raises:
-        ServeError: a tensor is missing or its shape differs from the model's.
+        WeightsError: the index cannot be read or names a missing file, a file is truncated.
     """
-    from safetensors import safe_open
+    names, _, problems, _ = scan_checkpoint(path)
+    if problems:
+        raise WeightsError(problems[0].message, problems[0].help)
+    return {k: path / v for k, v in names.items()}
 
+
+def _layout(root: Path, config: ModelConfig | None) -> tuple[str, dict[str, list[Source]]]:
+    """The family and tensor map of a checkpoint: from its config.json (its own layout),
+    else from ``config`` (this model's family)."""
+    cfg, problems = read_config(root)
+    if problems:
+        raise WeightsError(problems[0].message, problems[0].help)
+    try:
+        if cfg is not None:
+            from parcompile.config.hf import HFConfigError
+
+            family = cfg["model_type"]
+            try:
+                layout_model = model_from_checkpoint_config(cfg)
+            except (HFConfigError, ValueError) as e:
+                if config is None:
+                    raise WeightsError(f"cannot read the layout of {root / 'config.json'}: "
+                                       f"{getattr(e, 'message', e)}") from None
+                layout_model = config
+            return family, tensor_map(layout_model, family)
+        if config is None:
+            raise WeightsError(f"{root} has no config.json: its layout is unknown",
+                               "add the checkpoint's config.json")
+        family = hf_family(config)
+        return family, tensor_map(config, family)
+    except HFWeightsError as e:
+        raise WeightsError(e.message, e.help) from None
+
+
+class _Reader:
+    """Open safetensors files of one directory, each opened once."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.handles: dict[Path, object] = {}
+
+    def slice(self, name: str):
+        from safetensors import safe_open
+
+        f = self.files[name]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), framework="pt").__enter__()
+        return self.handles[f].get_slice(name)
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.__exit__(None, None, None)
+        self.handles.clear()
+
+
+def read_region(sl, src: Source, rows: tuple[int, int], cols: tuple[int, int] | None) -> torch.Tensor:
+    """Our rows ``[rows)`` (and columns ``[cols)`` of a 2-D tensor) read from the HF
+    tensor slice ``sl`` (``get_slice``) at ``src``: (rows, cols) or (rows,), our orientation."""
+    parts = []
+    for _, hf_row, n in src.runs(*rows):
+        r = slice(hf_row, hf_row + n)
+        if cols is None:
+            idx = src.lead + (r,)
+        elif src.transpose:
+            idx = src.lead + (slice(*cols), r)
+        else:
+            idx = src.lead + (r, slice(*cols))
+        t = sl[idx]
+        parts.append(t.t() if src.transpose and cols is not None else t)
+    if not parts:
+        width = () if cols is None else (cols[1] - cols[0],)
+        return torch.empty((0,) + width)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _shard_range(p: torch.Tensor, dim: int) -> tuple[int, int]:
+    size = p.global_shape[dim]
+    if p.shard_dim != dim:
+        return 0, size
+    n = size // p.num_shards
+    return p.shard_index * n, (p.shard_index + 1) * n
+
+
+def load_hf(model: nn.Module, path: str, config: ModelConfig | None = None) -> None:
+    """Load a Hugging Face safetensors checkpoint of any supported family (module
+    docstring) into ``model``'s shards, each rank reading only its rows or columns.
+
+    The HF layout (family, fused tensors' offsets) is that of the checkpoint's
+    ``config.json``; ``config`` (this model) is used when the directory has none.
+
+    Raises:
+        WeightsError: a tensor is missing or its shape differs from the model's; a
+            truncated file; an index naming a missing file; an unsupported model_type.
+    """
     root = Path(path)
+    family, tmap = _layout(root, config)
     files = _hf_files(root)
-    handles: dict[Path, object] = {}
+    reader = _Reader(files)
     try:
         with torch.no_grad():
             for p in _params(model):
-                hf = _hf_name(p.global_name)
-                if hf == "lm_head.weight" and hf not in files:
-                    hf = "model.embed_tokens.weight"
-                if hf is None or hf not in files:
-                    raise ServeError(f"the checkpoint {path} has no tensor for `{p.global_name}`"
-                                     + (f" (`{hf}`)" if hf else "") + "; only Llama-family models load")
-                f = files[hf]
-                if f not in handles:
-                    handles[f] = safe_open(str(f), framework="pt").__enter__()
-                sl = handles[f].get_slice(hf)
-                shape = tuple(sl.get_shape())
+                srcs = tmap.get(p.global_name)
+                if not srcs:
+                    raise WeightsError(f"a Hugging Face `{family}` checkpoint has no tensor for `{p.global_name}`",
+                                       "the spec's model has a parameter the checkpoint's family does not hold")
+                src = next((s for s in srcs if s.name in files), None)
+                if src is None:
+                    raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
+                                       f"`{p.global_name}`; was it written for another model?")
+                sl = reader.slice(src.name)
+                got = tuple(sl.get_shape())
                 want = tuple(p.global_shape)
-                rows_differ = p.valid_rows is not None and shape[1:] == want[1:]
-                if shape != want and not rows_differ:
-                    raise ServeError(f"{hf}: the checkpoint's shape {shape} differs from this model's "
-                                     f"{want} for `{p.global_name}`; does the spec match config.json?")
-                if p.shard_dim is None or rows_differ:
-                    p.copy_(_target_slice(sl[:], p))
-                    continue
-                n = want[p.shard_dim] // p.num_shards
-                a, b = p.shard_index * n, (p.shard_index + 1) * n
-                p.copy_(sl[a:b] if p.shard_dim == 0 else sl[:, a:b])
+                if p.valid_rows is not None:
+                    want = (p.valid_rows,) + want[1:]
+                if got != tuple(src.shape):
+                    raise WeightsError(f"{src.name}: the checkpoint's shape {got} differs from the "
+                                       f"{tuple(src.shape)} its config.json gives; is the file of another model?")
+                if tuple(src.ours) != want:
+                    raise WeightsError(
+                        f"{src.name}: the checkpoint holds `{p.global_name}` as {tuple(src.ours)} but this "
+                        f"model's is {want}; does the spec match config.json?",
+                        "import the model from the checkpoint's config.json (`model m from \"DIR/config.json\"`)")
+                r0, r1 = _shard_range(p, 0)
+                cols = _shard_range(p, 1) if len(want) == 2 else None
+                real = min(r1, p.valid_rows) if p.valid_rows is not None else r1
+                t = read_region(sl, src, (r0, max(r0, real)), cols)
+                if real < r1:   # padded vocabulary rows
+                    pad = torch.zeros((r1 - max(r0, real),) + tuple(t.shape[1:]), dtype=t.dtype)
+                    t = torch.cat([t, pad])
+                if tuple(t.shape) != tuple(p.shape):
+                    raise WeightsError(f"{src.name}: read {tuple(t.shape)} for `{p.global_name}`'s shard "
+                                       f"{tuple(p.shape)}")
+                p.copy_(t)
     finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+        reader.close()
 
 
-def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext) -> str:
+def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
+                 config: ModelConfig | None = None) -> str:
     """Fill ``model``'s shards from ``path`` (None: keep the seeded initialisation);
-    returns the kind loaded (``seed``, ``dcp`` or ``hf``).
+    returns the kind loaded (``seed``, ``dcp`` or ``hf``). ``config``: see :func:`load_hf`.
 
     Raises:
-        ServeError: see :func:`weights_kind`, :func:`load_dcp`, :func:`load_hf`.
+        WeightsError: see :func:`weights_kind`, :func:`load_dcp`, :func:`load_hf`.
     """
     kind = weights_kind(path)
     if kind == "dcp":
@@ -232,8 +328,8 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext) -> st
             path = str(newest(path)[0])
         load_dcp(model, path, ctx)
     elif kind == "hf":
-        load_hf(model, path)
+        load_hf(model, path, config)
     return kind
 
 
-__all__ = ["weights_kind", "load_weights", "load_dcp", "load_hf", "HF_LLAMA"]
+__all__ = ["WeightsError", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA"]

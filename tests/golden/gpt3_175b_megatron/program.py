@@ -62,8 +62,13 @@ GLOBAL_BATCH = 1536
 DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
 
 # ---- training -------------------------------------------------------------------------
-TRAIN = {'optimizer': 'adam', 'lr': 6e-05, 'weight_decay': 0.1, 'grad_clip': 1.0, 'steps': 10, 'lr_schedule': 'constant', 'warmup_steps': 0, 'min_lr': 0.0, 'betas': [0.9, 0.95], 'eps': 1e-08, 'log_every': 1, 'checkpoint_dir': None, 'checkpoint_every': 0}
-DATA = 'synthetic'
+TRAIN = {'optimizer': 'adam', 'lr': 6e-05, 'weight_decay': 0.1, 'grad_clip': 1.0, 'steps': 10, 'lr_schedule': 'constant', 'warmup_steps': 0, 'min_lr': 0.0, 'betas': [0.9, 0.95], 'eps': 1e-08, 'log_every': 1, 'checkpoint_dir': None, 'checkpoint_every': 0, 'eval_every': 0, 'eval_batches': None}
+DATA = 'synthetic'  # training samples (paths relative to this file)
+EVAL_DATA = None  # evaluation samples (None: no evaluation)
+DATA_FORMAT = {'tokenizer': 'bytes', 'data_format': 'text', 'text_field': 'text'}  # tokenizer, sample format and text field
+INIT_FROM = None  # starting weights (None: drawn from SEED)
+HF_OUTPUT = None  # Hugging Face checkpoint written after the last step (None: none)
+PEAK_FLOPS = 312000000000000.0  # FLOP/s per GPU, dense, for the model dtype (MFU's denominator)
 SEED = 1234
 
 Norm = rt.LayerNorm
@@ -177,9 +182,9 @@ class Stage(nn.Module):
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of a micro-batch; vocab-parallel (3 fp32 all-reduces over tp)."""
+        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel (3 fp32 all-reduces over tp)."""
         per_token = rt.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp, VOCAB)
-        return per_token.mean()
+        return per_token.sum()
 
 
 def main(argv=None) -> dict:
@@ -187,8 +192,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default=str(HERE / "plan.json"), help="plan.json of this program")
     ap.add_argument("--steps", type=int, default=TRAIN["steps"], help="optimizer steps")
-    ap.add_argument("--data", default=rt.resolve_source(DATA, HERE), help='"synthetic", "builtin:pydoc" or a text file')
-    ap.add_argument("--metrics-dir", default=None, help="write per-rank losses, collectives and shards here")
+    ap.add_argument("--data", default=rt.resolve_source(DATA, HERE),
+                    help='"synthetic", "builtin:pydoc", or a file, directory or glob of .txt/.jsonl/.parquet')
+    ap.add_argument("--eval-data", default=EVAL_DATA and rt.resolve_source(EVAL_DATA, HERE), help="evaluation samples")
+    ap.add_argument("--metrics", default=str(HERE / "metrics.jsonl"), help="metrics as JSON lines ('' for none)")
+    ap.add_argument("--metrics-dir", default=None, help="write per-rank losses, collectives and shards here (verify)")
     ap.add_argument("--checkpoint-dir", default=TRAIN["checkpoint_dir"],
                     help="save checkpoints here (DCP, every checkpoint_every steps and at the end) and "
                          "resume from the newest one")
@@ -198,14 +206,27 @@ def main(argv=None) -> dict:
     plan = json.loads(Path(args.plan).read_text())
     ctx = rt.init_parallel(plan, device=DEVICE)
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
-    model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
+    data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
+    data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED, ctx)  # batch(step): (tokens, targets)
+    evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"], ctx)
+    with rt.no_init() if INIT_FROM else contextlib.nullcontext():   # weights about to be loaded: not drawn
+        model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
+    if INIT_FROM:                                               # each rank reads only its slices
+        rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP)  # replicated over dp: all-reduce of gradients
-    data = rt.GlobalBatches(args.data, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0
+    log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
+    act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
+
+    def evaluate(done: int) -> None:
+        if evals is not None:
+            opt.begin_step()                                    # ZeRO-3: the embedding/output buckets
+            loss, tokens = rt.evaluate(evals, ctx, model, MICRO_BATCH, VIRTUAL_STAGES, act_shape, ACT_DTYPE)
+            log.eval(done, loss, tokens)
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
-              "params": num_params, "losses": [], "comm": None}
+              "params": num_params, "losses": [], "comm": None, "batches": []}
     state = {}
     start = 0
     if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
@@ -214,28 +235,32 @@ def main(argv=None) -> dict:
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
             if start >= args.steps:
                 print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)
+    if start < args.steps:
+        evaluate(start)                                         # before the first step
     for step in range(start, args.steps):
         rt.checkpoint.maybe_fail(ctx, step)                     # testing hook: PARCOMPILE_FAIL_AT=RANK:STEP
         t0 = time.perf_counter()
+        tokens, targets = data.batch(step)                      # (GLOBAL_BATCH, SEQ_LEN + 1), (GLOBAL_BATCH, SEQ_LEN)
+        norm, _ = rt.loss_normaliser(targets, ctx)              # dp_cp / unmasked targets of the global batch
         rt.COUNTER.reset()
-        microbatches = [rt.split_microbatch(t, ctx.axes["cp"])       # (inputs, targets), (B, T_ATTN) each
-                        for t in rt.local_microbatches(data.batch(step), ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
+        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, T_ATTN) each
+                        for x, y in rt.local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)
         opt.set_lr(lr)
         opt.begin_step()
         with rt.METER.measuring(model) if step == start else contextlib.nullcontext():
-            result = rt.run_schedule(actions, ctx, model.forward_chunk, model.loss, microbatches,
-                                     VIRTUAL_STAGES, (MICRO_BATCH, T_LOCAL, HIDDEN), ACT_DTYPE, opt.loss_scale,
+            result = rt.run_schedule(actions, ctx, model.forward_chunk, lambda y, t: model.loss(y, t) * norm,
+                                     microbatches, VIRTUAL_STAGES, act_shape, ACT_DTYPE, opt.loss_scale,
                                      grad_sync=opt.grad_sync)   # gradient buckets start reducing in the backward
         opt.reduce_gradients()                                  # finish the buckets' all-reduces over dp; then tied embedding gradients
         if not opt.unscale():                                   # fp16: a gradient overflowed on some rank
-            norm = float("nan")                                 # the step is skipped, the loss scale halves
+            grad = float("nan")                                 # the step is skipped, the loss scale halves
         else:
             if step == 0 and args.metrics_dir:
                 state["grads"] = opt.dump_gradients()
-            norm = opt.grad_norm()
-            opt.clip(norm, TRAIN["grad_clip"])
+            grad = opt.grad_norm()
+            opt.clip(grad, TRAIN["grad_clip"])
             opt.step()                                              # 
         loss = rt.reduce_loss(result.loss, ctx)
         if step == start:
@@ -248,17 +273,25 @@ def main(argv=None) -> dict:
                 record["cuda_peak"] = {"allocated": torch.cuda.max_memory_allocated(),
                                        "reserved": torch.cuda.max_memory_reserved()}
         record["losses"].append(loss)
-        if speaker and (step % TRAIN["log_every"] == 0 or step == args.steps - 1):
-            print(f"step {step + 1:>5}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"grad norm {float(norm):.3f} | {time.perf_counter() - t0:.2f} s", flush=True)
+        record["batches"].append(rt.batch_digest(tokens, targets))   # which samples the step trained on
+        if step % TRAIN["log_every"] == 0 or step == args.steps - 1:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+            log.step(step + 1, args.steps, loss, lr, float(grad), step_time, rt.peak_memory(ctx))
         done = step + 1
+        if TRAIN["eval_every"] and done % TRAIN["eval_every"] == 0 and done < args.steps:
+            evaluate(done)
         if args.checkpoint_dir and TRAIN["checkpoint_every"] and done % TRAIN["checkpoint_every"] == 0 \
                 and done < args.steps:
             opt.gather_for_export()                             # zero 3: full parameters for the save
             rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx)
+    if start < args.steps:
+        evaluate(args.steps)                                    # after the last step
     opt.gather_for_export()                                     # zero 3: full parameters again
     if args.checkpoint_dir and start < args.steps:
         rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx)
+    log.close()
     if args.metrics_dir:
         rt.write_metrics(args.metrics_dir, ctx, record)
         if ctx.dp.index == 0 and ctx.axes["cp"].index == 0:   # one copy of each shard

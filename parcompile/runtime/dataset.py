@@ -1,0 +1,1118 @@
+"""Real training data: tokenizers, corpora, a memory-mapped token cache, batches.
+
+The pipeline is ``prepare`` (tokenize a corpus once into a cache directory) ->
+``TokenCache`` (read-only, memory-mapped samples) -> ``TrainBatches`` / ``EvalBatches``
+(the global batch of a step) -> ``local_rows`` (this data-parallel rank's micro-batches).
+
+Shapes and conventions (design15 "Loss convention"): a batch is ``tokens`` (n, seq_len + 1)
+int64 and ``targets`` (n, seq_len) int64 where ``targets[i, j] = tokens[i, j + 1]`` or
+``-100`` (ignored: prompt tokens, non-assistant chat turns, padding).
+
+Sources (the ``data`` / ``eval_data`` keys, see ``resolve_files``): a file, a directory
+(its ``.txt``, ``.jsonl``, ``.parquet`` files, recursively, sorted by path), a glob, or
+``"builtin:pydoc"`` (the text of Python's ``pydoc_data/topics.py``). A ``.txt`` file (or
+any other explicitly named file) is one document, a ``.jsonl`` line is one, a
+``.parquet`` row is one. ``"synthetic"`` is not handled here (see ``data.GlobalBatches``).
+
+Every user mistake raises ``DataError`` naming the data file and its 1-based line (jsonl
+line, parquet row) where there is one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob as globmod
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = "parcompile.tokens/1"
+DATA_FORMATS = ("text", "prompt_completion", "chat")
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+KNOWN_EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+IGNORE = -100
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_BATCH_CHARS = 1 << 20   # characters of text per encode_batch call
+_BATCH_DOCS = 8192       # documents per encode_batch call
+_PROGRESS_BYTES = 5_000_000
+
+
+class DataError(Exception):
+    """A mistake in the training data or tokenizer.
+
+    Attributes: ``message`` (str), ``path`` (str | None: the data or tokenizer file),
+    ``line`` (int | None: 1-based jsonl line or parquet row), ``help`` (str | None: how to
+    fix it). ``str(e)`` is ``"path:line: message"``, ``"path: message"`` or ``"message"``.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
+                 help: str | None = None):
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.line = line
+        self.help = help
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return self.message
+        if self.line is None:
+            return f"{self.path}: {self.message}"
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+# ----------------------------------------------------------------------------------------
+# Tokenizers
+
+_TOKENIZER_HELP = ('tokenizer may be "bytes", a tokenizer.json file, or a directory holding one '
+                   "(a Hugging Face checkpoint directory)")
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """A tokenizer: ``"bytes"`` (a token is a byte) or a Hugging Face ``tokenizers`` one.
+
+    Attributes:
+        name: ``"bytes"`` or the tokenizer.json path.
+        vocab_size: the largest token id + 1 (added tokens counted); 256 for bytes.
+        eos_id: the end-of-text token (tokenizer_config.json ``eos_token``, else a known end
+            token present in the vocabulary); None for bytes.
+        bos_id, pad_id: from tokenizer_config.json (``bos_token``, ``pad_token``), or None.
+        special_tokens: named special tokens (``eos_token``: "...", ...) as chat template
+            variables, as transformers passes them.
+        chat_template: the chat template (str) or None.
+        files: the tokenizer files to copy into a Hugging Face output directory
+            (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+            chat_template.jinja, those present); empty for bytes.
+    """
+
+    def __init__(self, name: str, backend=None, *, config: dict | None = None, files: list[Path] = (),
+                 chat_template: str | None = None):
+        self.name = name
+        self.backend = backend
+        self.files = list(files)
+        self.chat_template = chat_template
+        config = config or {}
+        self.special_tokens: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            tok = _token_str(config.get(key))
+            if tok is not None:
+                self.special_tokens[key] = tok
+        if backend is None:
+            self.vocab_size = 256
+            self.eos_id = self.bos_id = self.pad_id = None
+            return
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.eos_id = self._id(self.special_tokens.get("eos_token"))
+        if self.eos_id is None:
+            for tok in KNOWN_EOS:
+                if tok in vocab:
+                    self.eos_id = vocab[tok]
+                    break
+        self.bos_id = self._id(self.special_tokens.get("bos_token"))
+        self.pad_id = self._id(self.special_tokens.get("pad_token"))
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.backend is None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added (multi-threaded in tokenizers)."""
+        if self.backend is None:
+            return [list(t.encode("utf-8")) for t in texts]
+        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def digest(self) -> str:
+        """A hash of the tokenizer files' content ("bytes" for the byte tokenizer)."""
+        if self.backend is None:
+            return "bytes"
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f.name.encode() + b"\0")
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _read_json_file(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read: {e}", path) from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"not valid JSON: {e.msg}", path, e.lineno) from None
+    if not isinstance(value, dict):
+        raise DataError(f"expected a JSON object, found {_json_type(value)}", path)
+    return value
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer named by the ``tokenizer`` key.
+
+    ``spec`` is ``"bytes"``, a ``tokenizer.json`` file, or a directory holding one. The
+    tokenizer_config.json (and special_tokens_map.json, chat_template.jinja) next to it
+    give the special tokens and the chat template (chat_template.jinja wins over the
+    config's ``chat_template``; a list of named templates gives its ``"default"``).
+
+    Raises:
+        DataError: the file or directory does not exist, holds no tokenizer.json, or a
+            file there cannot be parsed (help says what ``tokenizer`` may be).
+    """
+    if spec == "bytes":
+        return Tokenizer("bytes")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = Path(spec)
+    if p.is_dir():
+        tj = p / "tokenizer.json"
+        if not tj.is_file():
+            raise DataError("directory holds no tokenizer.json", p, help=_TOKENIZER_HELP)
+    elif p.is_file():
+        tj = p
+    else:
+        raise DataError("tokenizer not found", p, help=_TOKENIZER_HELP)
+    try:
+        backend = HFTokenizer.from_file(str(tj))
+    except Exception as e:  # tokenizers raises a plain Exception on a malformed file
+        raise DataError(f"not a Hugging Face tokenizer file: {e}", tj, help=_TOKENIZER_HELP) from None
+    folder = tj.parent
+    files = [tj] + [folder / n for n in _TOKENIZER_FILES[1:] if (folder / n).is_file()]
+    config: dict = {}
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        config = _read_json_file(cfg_path)
+    stm_path = folder / "special_tokens_map.json"
+    if stm_path.is_file():
+        for key, value in _read_json_file(stm_path).items():
+            if key in SPECIAL_TOKEN_KEYS and _token_str(config.get(key)) is None:
+                config[key] = value
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    elif isinstance(template, dict):
+        template = template.get("default")
+    jinja_path = folder / "chat_template.jinja"
+    if jinja_path.is_file():
+        template = jinja_path.read_text(encoding="utf-8")
+    if not isinstance(template, str):
+        template = None
+    return Tokenizer(str(tj), backend, config=config, files=files, chat_template=template)
+
+
+# ----------------------------------------------------------------------------------------
+# Chat templates (rendered as transformers' apply_chat_template renders them)
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    class _Generation(jinja2.ext.Extension):
+        # `{% generation %}...{% endgeneration %}` renders its body (transformers' tracker tag)
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The text of ``messages`` under the tokenizer's chat template, as transformers'
+    ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`` gives it.
+
+    Raises: jinja2.TemplateError (the template's ``raise_exception`` or a template error).
+    """
+    template = _compile_template(tokenizer.chat_template)
+    return template.render(messages=messages, tools=None, documents=None,
+                           add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens)
+
+
+def chat_spans(tokenizer: Tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, character spans [start, end) of the assistant turns).
+
+    An assistant turn's span is the text between the conversation before it rendered with
+    ``add_generation_prompt=True`` and the conversation including it.
+
+    Raises: ValueError when the template does not render prefixes stably;
+        jinja2.TemplateError.
+    """
+    full = render_chat(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = full if i == len(messages) - 1 else render_chat(tokenizer, messages[:i + 1])
+        if not upto.startswith(before) or not full.startswith(upto):
+            raise ValueError(f"the chat template renders the conversation before message {i + 1} "
+                             "differently from the whole conversation, so its assistant turn cannot be found")
+        if len(upto) > len(before):
+            spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def _offsets_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens overlapping a span (transformers' assistant-mask rule), else 0."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    k = 0
+    for t, (a, b) in enumerate(offsets):
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if b > spans[k][0]:
+            mask[t] = 1
+    return mask
+
+
+# ----------------------------------------------------------------------------------------
+# Files and records
+
+def _pydoc_path() -> Path:
+    spec = importlib.util.find_spec("pydoc_data.topics")
+    return Path(spec.origin)
+
+
+def resolve_files(source: str) -> list[Path]:
+    """The data files of a source: a file; a directory (its ``.txt``, ``.jsonl``,
+    ``.parquet`` files, recursively, hidden ones skipped, sorted by path); a glob
+    (its matching files, directories among them expanded as above, sorted); or
+    ``"builtin:pydoc"`` (Python's ``pydoc_data/topics.py``, read as one text document).
+
+    Raises: DataError when nothing matches (or a directory holds no data file).
+    """
+    if source == "builtin:pydoc":
+        return [_pydoc_path()]
+    p = Path(source)
+    if p.is_file():
+        return [p]
+
+    def expand(d: Path) -> list[Path]:
+        out = []
+        for f in d.rglob("*"):
+            rel = f.relative_to(d).parts
+            if f.is_file() and f.suffix in DATA_SUFFIXES and not any(s.startswith(".") for s in rel):
+                out.append(f)
+        return out
+
+    if p.is_dir():
+        files = sorted(expand(p))
+        if not files:
+            raise DataError("directory holds no .txt, .jsonl or .parquet file", p,
+                            help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
+        return files
+    if globmod.has_magic(source):
+        found: set[Path] = set()
+        for m in globmod.glob(source, recursive=True):
+            mp = Path(m)
+            if mp.is_file():
+                found.add(mp)
+            elif mp.is_dir():
+                found.update(expand(mp))
+        if not found:
+            raise DataError("no file matches this pattern", source,
+                            help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
+        return sorted(found)
+    raise DataError("data file not found", source,
+                    help="data may be \"synthetic\", \"builtin:pydoc\", a file, a directory or a glob")
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _fields(obj: dict) -> str:
+    names = list(obj)
+    return ", ".join(f"`{n}`" for n in names[:12]) + (", ..." if len(names) > 12 else "") if names else "none"
+
+
+def _field(obj: Any, name: str, path: Path, line: int, kind: str) -> Any:
+    if not isinstance(obj, dict):
+        raise DataError(f"expected a JSON object, found {_json_type(obj)}", path, line)
+    if name not in obj:
+        help = None
+        if kind == "text":
+            help = "set text_field to the field that holds the documents"
+        raise DataError(f"no field `{name}` (the {_kind_word(path)} has: {_fields(obj)})", path, line, help=help)
+    return obj[name]
+
+
+def _kind_word(path: Path) -> str:
+    return "row" if path.suffix == ".parquet" else "line"
+
+
+def _check_str(value: Any, name: str, path: Path, line: int) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line)
+    return value
+
+
+def _check_messages(value: Any, path: Path, line: int) -> list[dict]:
+    if not isinstance(value, list):
+        raise DataError(f"field `messages` is {_json_type(value)}, not a list of {{role, content}} objects",
+                        path, line)
+    if not value:
+        raise DataError("field `messages` is an empty list", path, line)
+    out = []
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, dict):
+            raise DataError(f"message {i} is {_json_type(m)}, not a {{role, content}} object", path, line)
+        for key in ("role", "content"):
+            if key not in m:
+                raise DataError(f"message {i} has no `{key}` (it has: {_fields(m)})", path, line)
+            if not isinstance(m[key], str):
+                raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line)
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def _record(obj: Any, data_format: str, text_field: str, path: Path, line: int):
+    """Validate one jsonl/parquet record: a str (text), (prompt, completion) or messages."""
+    if data_format == "text":
+        return _check_str(_field(obj, text_field, path, line, "text"), text_field, path, line)
+    if data_format == "prompt_completion":
+        p = _check_str(_field(obj, "prompt", path, line, "pc"), "prompt", path, line)
+        c = _check_str(_field(obj, "completion", path, line, "pc"), "completion", path, line)
+        return p, c
+    return _check_messages(_field(obj, "messages", path, line, "chat"), path, line)
+
+
+def _iter_records(path: Path, data_format: str, text_field: str, raw_bytes: bool
+                  ) -> Iterator[tuple[int | None, Any, int]]:
+    """(line | None, record, bytes consumed) of one data file."""
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        try:
+            fh = open(path, "rb")
+        except OSError as e:
+            raise DataError(f"cannot read: {e.strerror}", path) from None
+        with fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    yield lineno, None, len(raw)
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"not valid JSON: {e.msg} (column {e.colno})", path, lineno,
+                                    help="a .jsonl file holds one JSON object per line") from None
+                except UnicodeDecodeError as e:
+                    raise DataError(f"not UTF-8 text: {e.reason}", path, lineno) from None
+                yield lineno, _record(obj, data_format, text_field, path, lineno), len(raw)
+    elif suffix == ".parquet":
+        yield from _iter_parquet(path, data_format, text_field)
+    else:
+        if data_format != "text":
+            raise DataError(f"a {suffix or 'plain'} file holds one text document; data_format = "
+                            f"{data_format} needs .jsonl or .parquet records", path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read: {e.strerror}", path) from None
+        if raw_bytes:
+            yield None, data, len(data)
+            return
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise DataError(f"not UTF-8 text: {e.reason} at byte {e.start}", path, line,
+                            help="convert the file to UTF-8") from None
+        yield None, text, len(data)
+
+
+def _iter_parquet(path: Path, data_format: str, text_field: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading .parquet files needs pyarrow", path, help="pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"not a parquet file: {e}", path) from None
+    columns = {"text": [text_field], "prompt_completion": ["prompt", "completion"], "chat": ["messages"]}[data_format]
+    names = pf.schema_arrow.names
+    for c in columns:
+        if c not in names:
+            help = "set text_field to the column that holds the documents" if data_format == "text" else None
+            raise DataError(f"no column `{c}` (the file has: {', '.join(f'`{n}`' for n in names) or 'none'})",
+                            path, help=help)
+    size = path.stat().st_size
+    total_rows = max(pf.metadata.num_rows, 1)
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096, columns=columns):
+        cols = [batch.column(c).to_pylist() for c in columns]
+        n = batch.num_rows
+        per_row = size / total_rows
+        for k in range(n):
+            row += 1
+            obj = {c: col[k] for c, col in zip(columns, cols)}
+            yield row, _record(obj, data_format, text_field, path, row), per_row
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.digest()
+
+
+def default_cache_dir() -> Path:
+    """``$PARCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/parcompile/tokens``, else
+    ``~/.cache/parcompile/tokens``."""
+    if os.environ.get("PARCOMPILE_CACHE"):
+        return Path(os.environ["PARCOMPILE_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "parcompile" / "tokens"
+    return Path.home() / ".cache" / "parcompile" / "tokens"
+
+
+def cache_key(files: list[Path], tokenizer: Tokenizer, data_format: str, text_field: str) -> str:
+    """The cache subdirectory name: a hash of the format version, data_format, text_field,
+    the tokenizer files' content, the file list and every file's content."""
+    h = hashlib.sha256()
+    for part in (FORMAT_VERSION, data_format, text_field, tokenizer.digest()):
+        h.update(part.encode() + b"\0")
+    for f in files:
+        h.update(str(f.resolve()).encode() + b"\0")
+        h.update(_file_digest(f))
+    return h.hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------------------
+# The token cache
+
+class TokenCache:
+    """A tokenized corpus on disk, opened read-only and memory-mapped.
+
+    Files in ``path``: ``tokens.bin`` (uint32, all tokens), for ``prompt_completion`` and
+    ``chat`` also ``mask.bin`` (uint8, 1 where the token is a loss target) and
+    ``offsets.bin`` (int64, num_examples + 1 example starts), and ``meta.json`` (format,
+    data_format, files, tokenizer, counts, warnings).
+
+    Attributes: ``path``, ``meta`` (dict), ``data_format``, ``num_tokens``,
+    ``num_examples`` (documents for text, examples kept otherwise), ``max_token_id``,
+    ``reused`` (True when ``prepare`` found the cache already built), ``warnings``
+    (prepare-time warnings, e.g. chat examples skipped).
+
+    Raises: DataError when ``path`` is not a complete cache of this format.
+    """
+
+    def __init__(self, path: str | os.PathLike, reused: bool = False):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise DataError("not a token cache (no meta.json)", self.path)
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format") != FORMAT_VERSION:
+            raise DataError(f"token cache format {self.meta.get('format')!r}, expected {FORMAT_VERSION!r}", self.path)
+        self.data_format = self.meta["data_format"]
+        self.num_tokens = int(self.meta["num_tokens"])
+        self.num_examples = int(self.meta["num_examples"])
+        self.max_token_id = int(self.meta["max_token_id"])
+        self.warnings = list(self.meta.get("warnings", []))
+        self.reused = reused
+        self.source = self.meta.get("source")   # the data key it was prepared from
+        self._tokens = self._mask = self._offsets = None
+
+    @property
+    def masked(self) -> bool:
+        """True for prompt_completion and chat (one example = one sample, loss masks)."""
+        return self.data_format != "text"
+
+    def _open(self):
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path / "tokens.bin", dtype=np.uint32, mode="r")
+            if self.masked:
+                self._mask = np.memmap(self.path / "mask.bin", dtype=np.uint8, mode="r")
+                self._offsets = np.memmap(self.path / "offsets.bin", dtype=np.int64, mode="r")
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All tokens, (num_tokens,) uint32, memory-mapped read-only."""
+        self._open()
+        return self._tokens
+
+    @property
+    def mask(self) -> np.ndarray | None:
+        """(num_tokens,) uint8 loss mask (masked formats), else None."""
+        self._open()
+        return self._mask
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        """(num_examples + 1,) int64 example starts (masked formats), else None."""
+        self._open()
+        return self._offsets
+
+    def num_samples(self, seq_len: int) -> int:
+        """Samples of ``seq_len + 1`` tokens: ``num_tokens // (seq_len + 1)`` for text (the
+        last partial one dropped), one per example otherwise."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        return self.num_examples if self.masked else self.num_tokens // (seq_len + 1)
+
+    def truncated(self, seq_len: int) -> int:
+        """How many examples are longer than ``seq_len + 1`` tokens (cut in ``sample``); 0 for text."""
+        if not self.masked:
+            return 0
+        return int((np.diff(self.offsets) > seq_len + 1).sum())
+
+    def sample_warnings(self, seq_len: int) -> list[str]:
+        """Prepare-time warnings plus the truncation count for this ``seq_len``."""
+        out = list(self.warnings)
+        n = self.truncated(seq_len)
+        if n:
+            out.append(f"{n} of {self.num_examples} examples are longer than seq_len + 1 = {seq_len + 1} "
+                       "tokens and were truncated")
+        return out
+
+    @property
+    def pad_id(self) -> int:
+        """The padding token of masked samples: the tokenizer's pad, else eos, else 0."""
+        p = self.meta.get("pad_id")
+        if p is None:
+            p = self.meta.get("eos_id")
+        return 0 if p is None else int(p)
+
+    def sample(self, i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``i``: (tokens (seq_len + 1,) int64, targets (seq_len,) int64) with
+        ``targets[j] = tokens[j + 1]``, or -100 where the token at ``j + 1`` is not a loss
+        token (masked formats: prompt, non-assistant turns, padding). Reads only its slice.
+
+        Raises: IndexError for ``i`` outside ``[0, num_samples(seq_len))``.
+        """
+        toks, tgts = self._sample_np(i, seq_len)
+        return torch.from_numpy(toks), torch.from_numpy(tgts)
+
+    def _sample_np(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.num_samples(seq_len)
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range: there are {n} samples of seq_len + 1 = {seq_len + 1} tokens")
+        t = seq_len + 1
+        self._open()
+        if not self.masked:
+            toks = self._tokens[i * t:(i + 1) * t].astype(np.int64)
+            return toks, toks[1:].copy()
+        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        b = min(b, a + t)
+        toks = np.full(t, self.pad_id, dtype=np.int64)
+        mask = np.zeros(t, dtype=bool)
+        toks[:b - a] = self._tokens[a:b]
+        mask[:b - a] = self._mask[a:b] != 0
+        tgts = np.where(mask[1:], toks[1:], IGNORE)
+        return toks, tgts
+
+    def batch(self, indices: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``indices`` stacked: (tokens (n, seq_len + 1), targets (n, seq_len)) int64.
+        An index of -1 is a fully masked row (tokens 0, targets -100)."""
+        t = seq_len + 1
+        n = len(indices)
+        idx = np.asarray(indices, dtype=np.int64)
+        if not self.masked and n and (idx >= 0).all():
+            limit = self.num_samples(seq_len)
+            if (idx >= limit).any():
+                raise IndexError(f"sample {int(idx.max())} out of range: there are {limit} samples")
+            self._open()
+            toks = self._tokens[(idx * t)[:, None] + np.arange(t)[None, :]].astype(np.int64)
+            return torch.from_numpy(toks), torch.from_numpy(toks[:, 1:].copy())
+        toks = np.zeros((n, t), dtype=np.int64)
+        tgts = np.full((n, seq_len), IGNORE, dtype=np.int64)
+        for r, i in enumerate(idx.tolist()):
+            if i >= 0:
+                toks[r], tgts[r] = self._sample_np(i, seq_len)
+        return torch.from_numpy(toks), torch.from_numpy(tgts)
+
+    def __repr__(self) -> str:
+        return (f"TokenCache({str(self.path)!r}, {self.data_format}, tokens={self.num_tokens}, "
+                f"examples={self.num_examples}, reused={self.reused})")
+
+
+class _Writer:
+    """Streams tokens (and masks, offsets) into a temporary cache directory."""
+
+    def __init__(self, tmp: Path, masked: bool):
+        self.tmp = tmp
+        self.masked = masked
+        self.tok = open(tmp / "tokens.bin", "wb")
+        self.mask = open(tmp / "mask.bin", "wb") if masked else None
+        self.offsets = [0] if masked else None
+        self.n = 0
+        self.max_id = -1
+        self.examples = 0
+
+    def add(self, arrays: list[np.ndarray], masks: list[np.ndarray] | None = None):
+        if not arrays:
+            return
+        flat = np.concatenate(arrays).astype(np.uint32, copy=False)
+        if flat.size:
+            self.max_id = max(self.max_id, int(flat.max()))
+        self.tok.write(flat.tobytes())
+        self.n += flat.size
+        self.examples += len(arrays)
+        if self.masked:
+            self.mask.write(np.concatenate(masks).astype(np.uint8, copy=False).tobytes())
+            for a in arrays:
+                self.offsets.append(self.offsets[-1] + a.size)
+
+    def close(self):
+        self.tok.close()
+        if self.masked:
+            self.mask.close()
+            np.asarray(self.offsets, dtype=np.int64).tofile(self.tmp / "offsets.bin")
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """An exclusive advisory lock, so concurrent preparers tokenize once (best effort)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    try:
+        fh = open(path, "a+")
+    except OSError:
+        yield
+        return
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def _remove_stale(root: Path, key: str, age_s: float = 86400.0):
+    """Delete temporary directories of ``key`` left by preparers that died a day ago or more."""
+    now = time.time()
+    for d in root.glob(f".tmp-{key}-*"):
+        with contextlib.suppress(OSError):
+            if now - d.stat().st_mtime > age_s:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def prepare(source: str, *, tokenizer: str | Tokenizer, data_format: str = "text", text_field: str = "text",
+            cache_dir: str | os.PathLike | None = None, progress: bool | None = None) -> TokenCache:
+    """Tokenize ``source`` once into a memory-mapped cache and open it.
+
+    The cache lives in ``cache_dir`` (default ``default_cache_dir()``) under a subdirectory
+    named by ``cache_key`` (the data files' content, their list, the tokenizer files,
+    data_format, text_field, the format version): a second call with the same inputs
+    reuses it (``TokenCache.reused`` is True, nothing is tokenized); editing a data file
+    makes a new one. It is written into a temporary directory and renamed into place, so
+    a reader never sees a partial cache; of concurrent preparers, one tokenizes (a file
+    lock) and, should two race anyway, the loser of the rename uses the winner's cache.
+
+    ``text``: every document's tokens followed by eos (none for bytes). ``prompt_completion``:
+    ``prompt`` tokens (not loss) + ``completion`` tokens + eos (loss). ``chat``: the
+    ``messages`` rendered by the chat template; loss on the assistant turns only; an
+    example without an assistant turn is skipped (counted in ``warnings``). Examples with
+    no loss token at all are skipped and counted the same way.
+
+    ``text_field`` names the document field/column of ``text`` data; ``prompt_completion``
+    reads the fields ``prompt`` and ``completion``, ``chat`` the field ``messages``.
+
+    ``progress``: a tqdm bar on stderr (bytes read, tokens/s); None: when the corpus is
+    over ~5 MB and stderr is a terminal.
+
+    Raises:
+        DataError: missing files or tokenizer, bad records (with the file and 1-based
+            line/row), an empty dataset, a chat template that fails or is missing.
+    """
+    if data_format not in DATA_FORMATS:
+        raise DataError(f"data_format = {data_format!r}; expected one of {', '.join(DATA_FORMATS)}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    if data_format == "chat" and tok.chat_template is None:
+        where = "the bytes tokenizer" if tok.is_bytes else "the tokenizer"
+        raise DataError(f"data_format = chat needs a chat template; {where} has none",
+                        None if tok.is_bytes else tok.name,
+                        help="add chat_template to tokenizer_config.json (or a chat_template.jinja), "
+                             "or use data_format = prompt_completion")
+    files = resolve_files(source)
+    key = cache_key(files, tok, data_format, text_field)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / key
+    if (final / "meta.json").is_file():
+        return _opened(final, True, source)
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock(root / f".{key}.lock"):
+        if (final / "meta.json").is_file():
+            return _opened(final, True, source)
+        _remove_stale(root, key)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        try:
+            os.chmod(tmp, 0o755)   # mkdtemp makes it private; the cache is for every reader
+            meta = _tokenize(files, tok, data_format, text_field, tmp, progress)
+            meta.update(format=FORMAT_VERSION, data_format=data_format, text_field=text_field,
+                        source=source, files=[str(f) for f in files], tokenizer=tok.name,
+                        vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, key=key)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "meta.json").is_file():
+                    raise
+                return _opened(final, True, source)  # another preparer won the race
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return _opened(final, False, source)
+
+
+def _opened(path: Path, reused: bool, source: str) -> TokenCache:
+    cache = TokenCache(path, reused=reused)
+    cache.source = source
+    return cache
+
+
+def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
+              progress: bool | None) -> dict:
+    total_bytes = sum(f.stat().st_size for f in files)
+    if progress is None:
+        progress = total_bytes > _PROGRESS_BYTES and sys.stderr.isatty()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, desc="tokenizing",
+                   dynamic_ncols=True)
+    writer = _Writer(tmp, masked=data_format != "text")
+    start = time.perf_counter()
+    counts = {"documents": 0, "skipped_no_assistant": 0, "skipped_no_loss": 0, "content_tokens": 0}
+    eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=np.uint32)
+    raw_bytes = tok.is_bytes and data_format == "text"
+    pending: list[tuple[Path, int | None, Any]] = []
+    pending_chars = 0
+    pending_bytes = 0.0
+    # Pipelined: tokenizers encodes batch k on a worker thread (it releases the GIL and
+    # runs its own threads) while this thread converts and writes batch k - 1 and reads,
+    # parses (and for chat renders) batch k + 1.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parcompile-tokenize")
+    in_flight = None   # (future of encodings, finish(encodings), bytes)
+
+    def encode(texts: list, offsets: bool) -> list:
+        if tok.is_bytes:
+            return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        if offsets:
+            return tok.backend.encode_batch(texts, add_special_tokens=False)
+        return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
+
+    def ids(e) -> np.ndarray:
+        return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)
+
+    def finish_text(encs):
+        arrays = [ids(e) for e in encs]
+        counts["content_tokens"] += sum(a.size for a in arrays)
+        if eos is not None:
+            arrays = [x for a in arrays for x in (a, eos)]
+        writer.add(arrays)
+
+    def finish_pc(encs):
+        n = len(encs) // 2
+        arrays, masks = [], []
+        for k in range(n):
+            p, c = ids(encs[k]).astype(np.uint32), ids(encs[n + k]).astype(np.uint32)
+            if eos is not None:
+                c = np.concatenate([c, eos])
+            if c.size == 0:
+                counts["skipped_no_loss"] += 1
+                continue
+            arrays.append(np.concatenate([p, c]))
+            masks.append(np.concatenate([np.zeros(p.size, np.uint8), np.ones(c.size, np.uint8)]))
+        writer.add(arrays, masks)
+
+    def complete():
+        nonlocal in_flight
+        if in_flight is None:
+            return
+        fut, finish, nbytes = in_flight
+        in_flight = None
+        finish(fut.result())
+        if bar is not None:
+            bar.update(nbytes)
+            el = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{writer.n / el / 1e6:.2f}M tok/s", refresh=False)
+
+    def flush():
+        nonlocal pending, pending_chars, pending_bytes, in_flight
+        if not pending:
+            return
+        recs = [r for _, _, r in pending]
+        counts["documents"] += len(recs)
+        offsets = False
+        if data_format == "text":
+            texts, finish = recs, finish_text
+        elif data_format == "prompt_completion":
+            texts, finish = [p for p, _ in recs] + [c for _, c in recs], finish_pc
+        else:
+            texts, spans = _render_chats(pending, tok, counts)
+            offsets = True
+
+            def finish(encs, spans=spans):
+                _finish_chat(encs, spans, writer, counts)
+        fut = executor.submit(encode, texts, offsets)
+        complete()
+        in_flight = (fut, finish, pending_bytes)
+        pending, pending_chars, pending_bytes = [], 0, 0.0
+
+    try:
+        for f in files:
+            for line, rec, nbytes in _iter_records(f, data_format, text_field, raw_bytes):
+                pending_bytes += nbytes
+                if rec is None:
+                    continue
+                pending.append((f, line, rec))
+                pending_chars += len(rec) if isinstance(rec, (str, bytes)) else 256
+                if pending_chars >= _BATCH_CHARS or len(pending) >= _BATCH_DOCS:
+                    flush()
+        flush()
+        complete()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+        writer.close()
+        if bar is not None:
+            bar.close()
+    if writer.n == 0 or writer.examples == 0 or (data_format == "text" and counts["content_tokens"] == 0):
+        src = files[0] if len(files) == 1 else None
+        what = "examples with a loss token" if data_format != "text" else "tokens"
+        raise DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))",
+                        src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""))
+    warnings = []
+    if counts["skipped_no_assistant"]:
+        warnings.append(f"{counts['skipped_no_assistant']} chat examples have no assistant turn and were skipped")
+    if counts["skipped_no_loss"]:
+        warnings.append(f"{counts['skipped_no_loss']} examples have no loss token and were skipped")
+    elapsed = time.perf_counter() - start
+    return dict(num_tokens=writer.n, num_examples=writer.examples if data_format != "text" else counts["documents"],
+                max_token_id=writer.max_id, bytes=total_bytes, seconds=round(elapsed, 3),
+                warnings=warnings, **counts)
+
+
+def _render_chats(pending, tok: Tokenizer, counts: dict) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """Render each conversation; returns (texts, assistant spans). Skips (and counts)
+    conversations without an assistant turn."""
+    import jinja2
+
+    texts, spans_all = [], []
+    for path, line, messages in pending:
+        if not any(m["role"] == "assistant" for m in messages):
+            counts["skipped_no_assistant"] += 1
+            continue
+        try:
+            text, spans = chat_spans(tok, messages)
+        except jinja2.TemplateError as e:
+            raise DataError(f"the chat template failed on this conversation: {e}", path, line) from None
+        except ValueError as e:
+            raise DataError(str(e), path, line,
+                            help="loss masks need a template that renders a conversation's prefix as the "
+                                 "start of the whole; use another chat template") from None
+        texts.append(text)
+        spans_all.append(spans)
+    return texts, spans_all
+
+
+def _finish_chat(encs, spans_all, writer: _Writer, counts: dict):
+    arrays, masks = [], []
+    for e, spans in zip(encs, spans_all):
+        m = _offsets_mask(e.offsets, spans)
+        if not m.any():
+            counts["skipped_no_loss"] += 1
+            continue
+        arrays.append(np.array(e.ids, dtype=np.uint32))
+        masks.append(m)
+    writer.add(arrays, masks)
+
+
+# ----------------------------------------------------------------------------------------
+# Batches
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The permutation seed of ``epoch``: the first 8 bytes (little-endian) of
+    ``sha256(f"parcompile.data/1:{seed}:{epoch}")``, masked to 63 bits."""
+    d = hashlib.sha256(f"parcompile.data/1:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
+
+
+class TrainBatches:
+    """Deterministic training batches over a token cache.
+
+    Epoch e visits the ``num_samples(seq_len)`` samples in the order
+    ``torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, e)))``;
+    step k takes positions ``[k * global_batch, (k + 1) * global_batch)`` of the
+    concatenation of epochs 0, 1, 2, ... (a batch may cross an epoch boundary). Step k's
+    samples are a pure function of (cache, seq_len, global_batch, seed, k), so a resumed
+    run sees exactly what an uninterrupted one would.
+
+    Raises: DataError (in the constructor) when there are fewer samples than one global
+        batch needs.
+    """
+
+    def __init__(self, cache: TokenCache, seq_len: int, global_batch: int, seed: int):
+        self.cache = cache
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.num_samples = cache.num_samples(seq_len)
+        if self.num_samples < global_batch:
+            unit = (f"samples of seq_len + 1 = {seq_len + 1} tokens ({cache.num_tokens} tokens in all)"
+                    if not cache.masked else "examples")
+            raise DataError(f"the training data has {self.num_samples} {unit}; one global batch needs "
+                            f"{global_batch}", cache.source,
+                            help="add data, or lower global_batch or seq_len")
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """(num_samples,) int64: the order in which ``epoch`` visits the samples."""
+        p = self._perms.get(epoch)
+        if p is None:
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            p = torch.randperm(self.num_samples, generator=g)
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = p
+        return p
+
+    def epoch(self, step: int) -> float:
+        """Epochs completed at the start of ``step`` (fractional)."""
+        return step * self.global_batch / self.num_samples
+
+    def indices(self, step: int) -> list[int]:
+        """The sample indices of ``step`` (``global_batch`` of them)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        n = self.num_samples
+        out = []
+        pos = step * self.global_batch
+        end = pos + self.global_batch
+        while pos < end:
+            e, off = divmod(pos, n)
+            take = min(end - pos, n - off)
+            out.extend(self.permutation(e)[off:off + take].tolist())
+            pos += take
+        return out
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (global_batch, seq_len + 1), targets (global_batch, seq_len)) int64."""
+        return self.cache.batch(self.indices(step), self.seq_len)
+
+
+class EvalBatches:
+    """Evaluation batches: the samples in order, never shuffled.
+
+    ``len(self)`` global batches: ``ceil(num_samples / global_batch)`` when
+    ``eval_batches`` is None (all), else ``min(eval_batches, that)`` (fewer than asked is
+    noted in ``warnings``). The last batch is padded with fully masked rows (tokens 0,
+    targets -100).
+
+    Raises: DataError when the cache has no sample of ``seq_len + 1`` tokens.
+    """
+
+    def __init__(self, cache: TokenCache, seq_len: int, global_batch: int, eval_batches: int | None = None):
+        self.cache = cache
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.num_samples = cache.num_samples(seq_len)
+        self.warnings: list[str] = []
+        if self.num_samples == 0:
+            raise DataError(f"the eval data has no sample of seq_len + 1 = {seq_len + 1} tokens "
+                            f"({cache.num_tokens} tokens in all)", cache.source)
+        available = -(-self.num_samples // global_batch)
+        if eval_batches is None:
+            self.num_batches = available
+        else:
+            if eval_batches < 1:
+                raise ValueError(f"eval_batches must be >= 1 or None, got {eval_batches}")
+            self.num_batches = min(eval_batches, available)
+            if eval_batches > available:
+                self.warnings.append(f"eval_batches = {eval_batches} but the eval data has {self.num_samples} "
+                                     f"samples, {available} global batches of {global_batch}; using {available}")
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def indices(self, b: int) -> list[int]:
+        """Sample indices of eval batch ``b``; -1 marks a padding row."""
+        if not 0 <= b < self.num_batches:
+            raise IndexError(f"eval batch {b} out of range: there are {self.num_batches}")
+        lo = b * self.global_batch
+        return [i if i < self.num_samples else -1 for i in range(lo, lo + self.global_batch)]
+
+    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (global_batch, seq_len + 1), targets (global_batch, seq_len)) int64."""
+        return self.cache.batch(self.indices(b), self.seq_len)
+
+    def __iter__(self):
+        return (self.batch(b) for b in range(self.num_batches))
+
+
+def local_rows(tokens: torch.Tensor, targets: torch.Tensor, dp_index: int, dp_size: int,
+               micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's contiguous rows of a global batch, split into
+    micro-batches of ``micro_batch`` rows: a list of (tokens (micro_batch, seq_len + 1),
+    targets (micro_batch, seq_len)) (the rule of ``data.local_microbatches``)."""
+    rows = tokens.shape[0] // dp_size
+    sl = slice(dp_index * rows, (dp_index + 1) * rows)
+    return list(zip(tokens[sl].split(micro_batch), targets[sl].split(micro_batch)))
