@@ -25,7 +25,6 @@ installed (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _program import build as build_program
 
 MODELS = {
     # meta-llama/Llama-3.2-1B config.json: 16 layers, tied embeddings
@@ -100,22 +101,6 @@ def preset_for(name: str, memory: int) -> str:
         return "mi300x"
     print(f"note: no cluster preset for {name!r}; using h100-sxm's numbers (pass --cluster)")
     return "h100-sxm"
-
-
-def build(text: str, out: Path):
-    """Compile ``text``, write plan.json and program.py into ``out``, import the program."""
-    from parcompile.codegen.emit import render_program, write_files
-    from parcompile.driver import compile_config
-    from parcompile.frontend import load_spec
-
-    cfg, _ = load_spec(text, "gpu_bench.par")
-    plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out),
-                      "bench.par": text})
-    spec = importlib.util.spec_from_file_location("parcompile_gpu_bench_program", out / "program.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return cfg, plan.data, module
 
 
 def run(module, steps: int, sync) -> tuple[list[float], dict]:
@@ -187,7 +172,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep) if args.keep else Path(tmp)
         t0 = time.perf_counter()
-        cfg, plan, module = build(text, out)
+        cfg, plan, module = build_program(text, out, "gpu_bench")
         print(f"compiled in {time.perf_counter() - t0:.1f} s: {plan['model']['params'] / 1e9:.2f} B parameters; "
               f"program in {out}", flush=True)
         t0 = time.perf_counter()

@@ -21,7 +21,6 @@ Run: ``python benchmarks/overhead.py [--threads 1] [--steps 12] [--repeats 3] [-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from _program import build as build_program
 
 SPEC = """
 model bench {{
@@ -75,19 +76,10 @@ def build(args, out: Path):
     """Compile the spec, write plan.json and program.py into ``out``, import the program.
 
     Returns (module, plan dict)."""
-    from parcompile.codegen.emit import render_program, write_files
-    from parcompile.driver import compile_config
-    from parcompile.frontend import load_spec
-
     text = SPEC.format(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                        ffn=args.ffn, vocab=args.vocab, seq=args.seq, batch=args.batch, steps=args.steps)
-    cfg, _ = load_spec(text, "overhead.par")
-    plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out)})
-    spec = importlib.util.spec_from_file_location("parcompile_overhead_program", out / "program.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, plan.data
+    _, plan, module = build_program(text, out, "overhead")
+    return module, plan
 
 
 # ---- the plain PyTorch model ------------------------------------------------------------

@@ -121,10 +121,10 @@ def write_data(out: Path, texts: list[str] | None = None) -> None:
     for i, t in enumerate(train[:400]):
         words = t.split()
         a = 3 + i % 5
-        pairs.append((" ".join(words[:a]), " ".join(words[a:a + 8 + i % 13])))
+        pairs.append((" ".join(words[:a]), " " + " ".join(words[a:a + 8 + i % 13])))   # the space starts the completion
     dump("sft.jsonl", [{"prompt": "Explain: " + a, "completion": b} for a, b in pairs])
     dump("chat.jsonl", [{"messages": [{"role": "user", "content": a},
-                                      {"role": "assistant", "content": b}]} for a, b in pairs])
+                                      {"role": "assistant", "content": b.strip()}]} for a, b in pairs])
 
 
 SPEC = """\

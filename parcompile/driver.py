@@ -25,6 +25,7 @@ from typing import Any, Iterator
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import analyze, kv_heads_per_rank
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
+from parcompile.config.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
@@ -150,7 +151,7 @@ def compile_config(cfg: SpecConfig) -> Plan:
             f"the plan needs {_gb(worst.total)} per GPU on stage {worst.stage}, "
             f"more than the {_gb(memory.capacity)} available",
             cfg.span("cluster.memory"),
-            help="raise tp or pp, shard optimizer states (zero = 1), or set recompute = full",
+            help=does_not_fit_help(par),
             code="does-not-fit",
         ))
 

@@ -69,7 +69,9 @@ class Plan:
 
     def report_md(self) -> str:
         """A readable markdown report of the plan."""
-        return render_report(self.data)
+        from parcompile.config.checks import does_not_fit_help
+
+        return render_report(self.data, does_not_fit_help(self.config.parallel))
 
 
 class _Unusual(Exception):
@@ -178,16 +180,17 @@ def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
     return shown + more
 
 
-def plan_warnings(d: dict[str, Any]) -> list[str]:
-    """Plain-language warnings about a plan.json dict: memory that does not fit, a pipeline
-    bubble above 20% of compute, tensor parallelism across nodes."""
+def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
+    """Plain-language warnings about a plan.json dict: memory that does not fit (with
+    ``advice``: what the layout could change, :func:`parcompile.config.checks.does_not_fit_help`),
+    a pipeline bubble above 20% of compute, tensor parallelism across nodes."""
     out = []
     mem = d["memory"]
     if not mem["fits"]:
         worst = max(mem["per_stage"], key=lambda s: s["total"])
+        advice = advice or "raise tp or pp, shard optimizer states (zero = 1) or recompute activations"
         out.append(f"The plan does not fit: stage {worst['stage']} needs {_gb(worst['total'])} per GPU, "
-                   f"{_gb(mem['capacity'])} are usable. Raise tp or pp, shard optimizer states (zero = 1), "
-                   "or recompute activations (recompute = selective or full).")
+                   f"{_gb(mem['capacity'])} are usable. {advice[0].upper() + advice[1:]}.")
     bubble = d["schedule"].get("bubble_fraction", 0.0)
     if bubble > 0.2:
         sch = d["schedule"]
@@ -202,8 +205,9 @@ def plan_warnings(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_report(d: dict[str, Any]) -> str:
-    """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate."""
+def render_report(d: dict[str, Any], advice: str | None = None) -> str:
+    """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate
+    (``advice``: what a plan that does not fit could change, see :func:`plan_warnings`)."""
     out = [f"# Plan `{d.get('name', 'spec')}`", "",
            f"parcompile {d['version']}, {plural(d['world_size'], 'rank')}, order `{d['order']}`, "
            f"workload `{d.get('workload', 'train')}`.", ""]
@@ -232,7 +236,7 @@ def render_report(d: dict[str, Any]) -> str:
     out += ["", "## Schedule", "",
             f"`{sch['name']}`, {plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')}, bubble "
             f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
-    warns = plan_warnings(d) if "serve" not in d else []
+    warns = plan_warnings(d, advice) if "serve" not in d else []
     if warns:
         out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     mem = d["memory"]

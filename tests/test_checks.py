@@ -463,3 +463,22 @@ def test_list_entries_are_worded_in_the_singular():
     assert help == "each betas entry is a fraction: write e.g. `0.1` or `10%`"
     found = diags(spec(parallel={"stage_layers": "[1, x]"}))
     assert [(d[1], d[4]) for d in found] == [("expected an integer, got `x`", "each stage_layers entry takes a whole number")]
+
+
+def test_does_not_fit_help_suggests_only_what_is_not_set():
+    """Issue 16: a spec already at zero = 1 is not told to shard optimizer states (zero = 1)."""
+    import parcompile
+
+    base = ('model m from "llama3-70b" {{ seq_len = 4096 }}\ncluster c from "h100-sxm" {{ nodes = 1 }}\n'
+            'parallel {{ tp = 8, micro_batch = 1, global_batch = 8{extra} }}\ntrain {{ }}\n')
+    helps = {}
+    for extra in ("", ", zero = 1", ", zero = 3, recompute = full"):
+        plan = parcompile.compile(base.format(extra=extra))
+        [d] = [w for w in plan.warnings if w.code == "does-not-fit"]
+        helps[extra] = d.help
+        assert d.help[0].upper() + d.help[1:] + "." in plan.report_md()   # report.md says the same
+    assert helps[""] == "raise tp or pp, shard optimizer states (zero = 1) or recompute activations " \
+                        "(recompute = selective or full)"
+    assert helps[", zero = 1"] == "raise tp or pp, also shard gradients (zero = 2) or recompute activations " \
+                                  "(recompute = selective or full)"
+    assert helps[", zero = 3, recompute = full"] == "raise tp or pp"

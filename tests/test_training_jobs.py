@@ -59,16 +59,16 @@ def assets(tmp_path_factory):
     return root
 
 
-def _spec(root: Path, name: str, family: str, *, dp=2, tp=2, pp=2, parallel="", train="", dtype="fp32",
+def _spec(root: Path, name: str, family: str, *, dp=2, tp=2, pp=2, cp=1, parallel="", train="", dtype="fp32",
           data="train.jsonl", eval_data='"eval.jsonl"', steps=5, seq=SEQ) -> Path:
-    world = dp * tp * pp
+    world = dp * tp * pp * cp
     text = f"""model m from "{family}/config.json" {{
     seq_len = {seq}
     dtype = {dtype}
 }}
 cluster c from "cpu" {{ gpus_per_node = {world} }}
 parallel {{
-    dp = {dp}, tp = {tp}, pp = {pp}, micro_batch = 1, global_batch = 8
+    dp = {dp}, tp = {tp}, pp = {pp}, cp = {cp}, micro_batch = 1, global_batch = 8
     {parallel}
 }}
 train {{
@@ -213,9 +213,9 @@ def test_llama_bf16(assets):
 def test_resume_after_step_3_sees_the_same_samples_and_losses(assets):
     from parcompile.runtime import dataset
 
-    ckpt = assets / "resume_ckpt"
-    spec = _spec(assets, "resume", "llama", dp=2, tp=1, pp=1, eval_data=None, steps=6,
-                 train=f'checkpoint_dir = "{ckpt}"\n    checkpoint_every = 3')
+    ckpt = assets / "resume_ckpt"                # checkpoint_dir is relative to the spec, as data is
+    spec = _spec(assets, "resume", "llama", dp=1, tp=1, pp=1, cp=2, eval_data=None, steps=6,
+                 train='checkpoint_dir = "resume_ckpt"\n    checkpoint_every = 3')
     plan = parcompile.compile(spec)
     out = assets / "run_resume"
     _write(plan, out)
@@ -238,6 +238,13 @@ def test_resume_after_step_3_sees_the_same_samples_and_losses(assets):
     assert len(set(full["batches"])) == 6
     torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]), torch.tensor(full["losses"]),
                                atol=1e-6, rtol=1e-6)
+    # one reporting rank under cp = 2: one metrics line per step of the three runs
+    assert len(_metrics(out)) == 6 + 3 + 3
+    # the checkpoint keeps the run's tokenizer, so init_from = the checkpoint finds it
+    assert (ckpt / "step_00000006" / ".metadata").is_file() and (ckpt / "tokenizer.json").is_file()
+    again = _spec(assets, "from_ckpt", "llama", dp=1, tp=1, pp=1, eval_data=None)
+    again.write_text(again.read_text().replace('init_from = "llama"', 'init_from = "resume_ckpt"'))
+    assert parcompile.compile(again).config.train.tokenizer == str(ckpt)
     # `parcompile export-weights` turns the checkpoint into the same Hugging Face checkpoint
     # that hf_output wrote at the end of the run
     from parcompile.cli import main
@@ -390,3 +397,35 @@ def test_readme_fine_tuning_workflow(tmp_path, monkeypatch):
     tok = transformers.AutoTokenizer.from_pretrained(str(out / "finetuned"))
     ids = tok("The for statement", return_tensors="pt").input_ids
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size == len(tok)
+
+
+def test_dcp_checkpoint_of_another_model_at_init_from(assets, tmp_path, capsys):
+    """A training program's checkpoint (DCP) as init_from: its shapes are checked at the key."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt" / "step_00000004"
+    state = {"embedding.weight": torch.zeros(512, 32), "layers.0.attn.wq.weight": torch.zeros(48, 32)}
+    dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+    spec = tmp_path / "dcp.par"
+    spec.write_text('model m { layers = 1, hidden = 32, heads = 4, vocab = 400, seq_len = 32, dtype = fp32 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nparallel { global_batch = 8 }\n'
+                    f'train {{ init_from = "{tmp_path / "ckpt"}" }}\n')
+    code, err = _run_cli(spec, capsys)
+    assert code == 1 and "dcp.par:4:21: error: init_from: `layers.0.attn.wq.weight`" in err, err
+    assert "(48, 32)" in err and "(32, 32)" in err                    # both shapes
+    assert "has no `layers.0.mlp.w1.weight`" in err                   # and what it lacks
+    assert "embedding.weight" not in err                             # padded vocabulary rows are fine
+
+
+def test_dcp_checkpoint_without_tokenizer_warns_that_data_is_read_as_bytes(assets, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "ck" / "step_00000001"), no_dist=True)
+    spec = tmp_path / "bytes.par"
+    spec.write_text('model m { layers = 1, hidden = 32, heads = 4, vocab = 400, seq_len = 32, dtype = fp32 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nparallel { global_batch = 8 }\n'
+                    f'train {{ init_from = "{tmp_path / "ck"}", data = "{assets / "train.jsonl"}" }}\n')
+    with pytest.raises(parcompile.SpecError) as e:     # the checkpoint lacks this model's tensors
+        parcompile.compile(spec)
+    [w] = [d for d in e.value.diagnostics if d.severity == "warning"]
+    assert w.message.endswith("holds no tokenizer.json: the data is read as bytes") and "tokenizer =" in w.help

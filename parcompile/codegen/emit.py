@@ -95,7 +95,7 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
-        "checkpoint_dir": t.checkpoint_dir, "checkpoint_every": t.checkpoint_every,
+        "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
     }
     data = _data_path(cfg.train.data, out_dir)

@@ -606,7 +606,7 @@ class _Builder:
             self._data_source(values, key)
         if values.get("eval_batches") == "all":
             values["eval_batches"] = None
-        for key in ("init_from", "hf_output"):
+        for key in ("init_from", "hf_output", "checkpoint_dir"):   # relative to the spec, as `data`
             if values.get(key) is not None:
                 values[key] = self._resolve_path(values[key])
         init_from = values.get("init_from")
@@ -622,8 +622,7 @@ class _Builder:
         if tok is not None and tok != "bytes":
             values["tokenizer"] = self._resolve_path(tok)
         elif tok is None:   # SPEC: the init_from directory's tokenizer if it has one
-            has = init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json"))
-            values["tokenizer"] = init_from if has else "bytes"
+            values["tokenizer"] = _tokenizer_beside(init_from) or "bytes"
         return self._make(TrainConfig, "train", **values) or TrainConfig()
 
     def serve(self, model: ModelConfig) -> ServeConfig | None:
@@ -664,6 +663,21 @@ class _Builder:
 
 
 _NAME_EXAMPLES = {"model": "llama", "cluster": "gpus"}
+
+
+def _tokenizer_beside(init_from: str | None) -> str | None:
+    """The directory holding the tokenizer of an ``init_from`` checkpoint: the directory
+    itself (a Hugging Face checkpoint; a training program's `checkpoint_dir`, where
+    checkpoints keep a copy of the run's tokenizer), or for a ``step_N`` directory its
+    `checkpoint_dir`. None when there is none."""
+    if init_from is None:
+        return None
+    for d in (init_from, os.path.dirname(os.path.normpath(init_from))):
+        if os.path.isfile(os.path.join(d, "tokenizer.json")):
+            return d
+        if not os.path.basename(os.path.normpath(init_from)).startswith("step_"):
+            break
+    return None
 
 
 def _named_example(block: ast.Block) -> str:

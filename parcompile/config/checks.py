@@ -449,6 +449,11 @@ def _check_tokenizer(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("train.data_format"),
                       help='set `tokenizer = "path/to/tokenizer.json"` (or a directory holding one)')
         return
+    if t.tokenizer == "bytes" and t.init_from is not None and uses_text and "train.tokenizer" not in ctx.spans:
+        ctx.bag.warning(f"init_from `{t.init_from}` holds no tokenizer.json: the data is read as bytes",
+                        ctx.span("train.init_from"),
+                        help='set `tokenizer = "path"` to the tokenizer the checkpoint was trained with, '
+                             'or `tokenizer = "bytes"` to mean it')
     if t.tokenizer == "bytes" or not ctx.ok("train.tokenizer") or not uses_text:
         return
     from parcompile.runtime.dataset import DataError, load_tokenizer
@@ -486,11 +491,50 @@ def _check_init_from(cfg: SpecConfig, ctx: CheckContext) -> None:
     t = cfg.train
     if t.init_from is None or not ctx.ok("train.init_from", "model.layers", "model.hidden", "model.vocab"):
         return
-    from parcompile.config.hf_weights import check_checkpoint
+    from parcompile.config.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
 
-    for problem in check_checkpoint(t.init_from, expected_shapes(cfg.model), cfg.model):
-        ctx.bag.error(f"init_from: {problem.message}", ctx.span("train.init_from"), help=problem.help,
-                      note=getattr(problem, "note", None))
+    expected = expected_shapes(cfg.model)
+    try:
+        kind = init_from_kind(t.init_from)
+    except HFWeightsError:
+        kind = "hf"   # check_checkpoint reports what the directory lacks
+    problems = _dcp_problems(t.init_from, expected) if kind == "dcp" else \
+        check_checkpoint(t.init_from, expected, cfg.model)
+    for problem in problems:
+        ctx.bag.error(f"init_from: {problem.message}", ctx.span("train.init_from"), help=problem.help)
+
+
+def _dcp_problems(directory: str, expected: dict[str, tuple[int, ...]]) -> list:
+    """A training program's checkpoint (DCP) against this model's global shapes: a missing
+    parameter or another shape (the vocabulary rows may be padded for another tp: only
+    at least ``vocab`` rows are needed). Reads the checkpoint's metadata (a pickle, hence
+    torch), not its tensors."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from parcompile.config.hf_weights import Problem
+
+    root = Path(directory)
+    if not (root / ".metadata").is_file():
+        steps = sorted(p for p in root.glob("step_*") if (p / ".metadata").is_file() and not p.name.endswith(".partial"))
+        root = steps[-1]
+    try:
+        meta = dcp.FileSystemReader(str(root)).read_metadata().state_dict_metadata
+    except Exception as e:   # a damaged .metadata: torch raises pickle or OS errors
+        return [Problem(f"cannot read the checkpoint {root}: {e}")]
+    help = "was the checkpoint written for another model? the spec's model must be the one that trained it"
+    out = []
+    for name, shape in expected.items():
+        if name not in meta:
+            out.append(Problem(f"the checkpoint {root} has no `{name}` (this model's {shape})", help))
+            continue
+        got = tuple(meta[name].size)
+        vocab_rows = name in ("embedding.weight", "lm_head.weight")
+        ok = got == shape or (vocab_rows and got[1:] == shape[1:] and got[0] >= shape[0])
+        if not ok:
+            out.append(Problem(f"`{name}`: the checkpoint {root} has shape {got}, this model {shape}", help))
+    return out[:8] + ([Problem(f"... and {len(out) - 8} more")] if len(out) > 8 else [])
 
 
 def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -583,3 +627,16 @@ def check_config(cfg: SpecConfig, ctx: CheckContext) -> None:
     """Run every cross-field check on ``cfg``, adding diagnostics to ``ctx.bag``."""
     for check in CHECKS:
         check(cfg, ctx)
+
+
+def does_not_fit_help(p: ParallelConfig) -> str:
+    """What a plan that does not fit memory could change, leaving out what the layout
+    already does (ZeRO at its stage, full recomputation)."""
+    steps = ["raise tp or pp"]
+    if p.zero < 3:
+        steps.append({0: "shard optimizer states (zero = 1)", 1: "also shard gradients (zero = 2)",
+                      2: "also shard parameters (zero = 3)"}[p.zero])
+    if p.recompute != "full":
+        steps.append("recompute activations (recompute = " + ("selective or full" if p.recompute == "none"
+                                                             else "full") + ")")
+    return steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " or " + steps[-1]

@@ -632,8 +632,9 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     """Whether ``directory`` can initialise a model of ``model`` with global parameters
     ``expected`` (our name -> global shape, vocabulary unpadded), reading only headers.
 
-    A DCP directory (:func:`init_from_kind`) is accepted as it is (its shapes are checked
-    when it is loaded). For a Hugging Face directory the problems are: a ``config.json``
+    A DCP directory (:func:`init_from_kind`) is accepted here: its metadata is a pickle
+    that needs torch, and :func:`parcompile.config.checks._check_init_from` checks its
+    shapes. For a Hugging Face directory the problems are: a ``config.json``
     whose ``model_type`` we do not import; an index naming a missing file; a truncated
     safetensors file (header or data past the end: the file and both sizes); a tensor
     missing (the HF name and ours); a shape that differs (the HF tensor, the shape it

@@ -70,9 +70,12 @@ def _saved_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if not getattr(p, "tied_copy", False)]
 
 
-def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext) -> Path:
+def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext,
+         tokenizer: str | None = None) -> Path:
     """Save parameters, optimizer states (none when ``optimizer`` is None) and the step
-    count (module docstring). Every rank calls it; returns the final directory."""
+    count (module docstring). Every rank calls it; returns the final directory. A Hugging
+    Face ``tokenizer``'s files are copied beside the steps (``directory/tokenizer.json``...),
+    so that ``init_from = directory`` and ``export-weights`` find the run's tokenizer."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
@@ -101,6 +104,13 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
     if ctx.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        if tokenizer and tokenizer != "bytes":
+            from parcompile.runtime.dataset import load_tokenizer
+
+            for f in load_tokenizer(tokenizer).files:
+                tmp = root / f".{f.name}.tmp"
+                shutil.copy2(f, tmp)
+                os.replace(tmp, root / f.name)
     if ctx.distributed:
         dist.barrier()
     return final

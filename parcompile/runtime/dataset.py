@@ -49,6 +49,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _BATCH_CHARS = 1 << 20   # characters of text per encode_batch call
 _BATCH_DOCS = 8192       # documents per encode_batch call
 _PROGRESS_BYTES = 5_000_000
+#: what one record of each field looks like, for help lines
+_EXAMPLE = {"text": '{"text": "a document"}', "prompt": '{"prompt": "Question?", "completion": " The answer."}',
+            "completion": '{"prompt": "Question?", "completion": " The answer."}',
+            "messages": '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}'}
 
 
 class DataError(Exception):
@@ -390,7 +394,8 @@ def _fields(obj: dict) -> str:
 
 def _field(obj: Any, name: str, path: Path, line: int, kind: str) -> Any:
     if not isinstance(obj, dict):
-        raise DataError(f"expected a JSON object, found {_json_type(obj)}", path, line)
+        raise DataError(f"expected a JSON object, found {_json_type(obj)}", path, line,
+                        help=f"each {_kind_word(path)} is one object, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
     if name not in obj:
         help = None
         if kind == "text":
@@ -405,25 +410,29 @@ def _kind_word(path: Path) -> str:
 
 def _check_str(value: Any, name: str, path: Path, line: int) -> str:
     if not isinstance(value, str):
-        raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line)
+        raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line,
+                        help=f"write it as a string, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
     return value
 
 
 def _check_messages(value: Any, path: Path, line: int) -> list[dict]:
     if not isinstance(value, list):
         raise DataError(f"field `messages` is {_json_type(value)}, not a list of {{role, content}} objects",
-                        path, line)
+                        path, line, help=f"e.g. {_EXAMPLE['messages']}")
     if not value:
-        raise DataError("field `messages` is an empty list", path, line)
+        raise DataError("field `messages` is an empty list", path, line, help=f"e.g. {_EXAMPLE['messages']}")
     out = []
     for i, m in enumerate(value, 1):
         if not isinstance(m, dict):
-            raise DataError(f"message {i} is {_json_type(m)}, not a {{role, content}} object", path, line)
+            raise DataError(f"message {i} is {_json_type(m)}, not a {{role, content}} object", path, line,
+                            help=f"e.g. {_EXAMPLE['messages']}")
         for key in ("role", "content"):
             if key not in m:
-                raise DataError(f"message {i} has no `{key}` (it has: {_fields(m)})", path, line)
+                raise DataError(f"message {i} has no `{key}` (it has: {_fields(m)})", path, line,
+                                help=f"e.g. {_EXAMPLE['messages']}")
             if not isinstance(m[key], str):
-                raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line)
+                raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line,
+                                help=f"e.g. {_EXAMPLE['messages']}")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -459,7 +468,8 @@ def _iter_records(path: Path, data_format: str, text_field: str, raw_bytes: bool
                     raise DataError(f"not valid JSON: {e.msg} (column {e.colno})", path, lineno,
                                     help="a .jsonl file holds one JSON object per line") from None
                 except UnicodeDecodeError as e:
-                    raise DataError(f"not UTF-8 text: {e.reason}", path, lineno) from None
+                    raise DataError(f"not UTF-8 text: {e.reason}", path, lineno,
+                                    help="convert the file to UTF-8") from None
                 yield lineno, _record(obj, data_format, text_field, path, lineno), len(raw)
     elif suffix == ".parquet":
         yield from _iter_parquet(path, data_format, text_field)
@@ -491,7 +501,8 @@ def _iter_parquet(path: Path, data_format: str, text_field: str):
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
-        raise DataError(f"not a parquet file: {e}", path) from None
+        raise DataError(f"not a parquet file: {e}", path,
+                        help="a .parquet file must be Apache Parquet (e.g. written by pandas.to_parquet)") from None
     columns = {"text": [text_field], "prompt_completion": ["prompt", "completion"], "chat": ["messages"]}[data_format]
     names = pf.schema_arrow.names
     for c in columns:
@@ -829,6 +840,16 @@ def _opened(path: Path, reused: bool, source: str) -> TokenCache:
     return cache
 
 
+def _skip_notes(counts: dict) -> list[str]:
+    """The examples ``prepare`` skipped, as warning texts."""
+    out = []
+    if counts["skipped_no_assistant"]:
+        out.append(f"{counts['skipped_no_assistant']} chat examples have no assistant turn and were skipped")
+    if counts["skipped_no_loss"]:
+        out.append(f"{counts['skipped_no_loss']} examples have no loss token and were skipped")
+    return out
+
+
 def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
               progress: bool | None) -> dict:
     total_bytes = sum(f.stat().st_size for f in files)
@@ -938,13 +959,14 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
     if writer.n == 0 or writer.examples == 0 or (data_format == "text" and counts["content_tokens"] == 0):
         src = files[0] if len(files) == 1 else None
         what = "examples with a loss token" if data_format != "text" else "tokens"
-        raise DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))",
-                        src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""))
-    warnings = []
-    if counts["skipped_no_assistant"]:
-        warnings.append(f"{counts['skipped_no_assistant']} chat examples have no assistant turn and were skipped")
-    if counts["skipped_no_loss"]:
-        warnings.append(f"{counts['skipped_no_loss']} examples have no loss token and were skipped")
+        skipped = "; ".join(_skip_notes(counts)) or None
+        raise DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))"
+                        + (f": {skipped}" if skipped else ""),
+                        src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""),
+                        help={"text": "the files hold no text", "prompt_completion": "every example needs a "
+                              "non-empty `completion`", "chat": "every example needs an assistant turn to train on"}
+                        [data_format])
+    warnings = _skip_notes(counts)
     elapsed = time.perf_counter() - start
     return dict(num_tokens=writer.n, num_examples=writer.examples if data_format != "text" else counts["documents"],
                 max_token_id=writer.max_id, bytes=total_bytes, seconds=round(elapsed, 3),

@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-data", default=EVAL_DATA and rt.resolve_source(EVAL_DATA, HERE), help="evaluation samples")
     ap.add_argument("--metrics", default=str(HERE / "metrics.jsonl"), help="metrics as JSON lines ('' for none)")
     ap.add_argument("--metrics-dir", default=None, help="write per-rank losses, collectives and shards here (verify)")
-    ap.add_argument("--checkpoint-dir", default=TRAIN["checkpoint_dir"],
+    ap.add_argument("--checkpoint-dir", default=TRAIN["checkpoint_dir"] and rt.resolve_source(TRAIN["checkpoint_dir"], HERE),
                     help="save checkpoints here (DCP, every checkpoint_every steps and at the end) and "
                          "resume from the newest one")
     ap.add_argument("--no-resume", action="store_true", help="start at step 0 even if a checkpoint exists")
@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP)  # replicated over dp: all-reduce of gradients
     actions = plan["schedule"]["actions"][ctx.stage]
-    speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0
+    speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
     act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
 
@@ -281,12 +281,12 @@ def main(argv=None) -> dict:
         if args.checkpoint_dir and TRAIN["checkpoint_every"] and done % TRAIN["checkpoint_every"] == 0 \
                 and done < args.steps:
             opt.gather_for_export()                             # zero 3: full parameters for the save
-            rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx)
+            rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx, data_format["tokenizer"])
     if start < args.steps:
         evaluate(args.steps)                                    # after the last step
     opt.gather_for_export()                                     # zero 3: full parameters again
     if args.checkpoint_dir and start < args.steps:
-        rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx)
+        rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx, data_format["tokenizer"])
     log.close()
     if args.metrics_dir:
         rt.write_metrics(args.metrics_dir, ctx, record)
