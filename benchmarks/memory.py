@@ -105,12 +105,14 @@ def report(name: str, how: str, plan: dict, records: list[dict], reserve: float 
     frag = fragmentation(records, reserve) if reserve is not None else None
     if frag:
         lines.append(frag)
-    full = [(r["stage"], r["full_grads"]) for r in records if "full_grads" in r]
+    full = [(r["stage"], r["grad_buckets_in_flight"]) for r in records if "grad_buckets_in_flight" in r]
     for stage in sorted({s for s, _ in full}):
-        want = plan["memory"]["per_stage"][stage]["buffer_parts"].get("full_grads", 0)
+        bp = plan["memory"]["per_stage"][stage]["buffer_parts"]
+        want = bp.get("grad_buckets_in_flight", 0) + bp.get("full_grads", 0)
         got = sorted({g for s, g in full if s == stage})
-        lines.append(f"   stage {stage}: full fp32 gradient buffers during the step {_kib(want)} KiB planned, "
-                     f"{'/'.join(_kib(g) for g in got)} KiB held (ZeRO 2/3 reduce once per step)")
+        lines.append(f"   stage {stage}: full fp32 gradient buffers at most at once {_kib(want)} KiB planned, "
+                     f"{'/'.join(_kib(g) for g in got)} KiB held (ZeRO 2/3: "
+                     + ("reduced once per step)" if "full_grads" in bp else "buckets in flight)"))
     gathered = [(r["stage"], r["zero3_gathered"]) for r in records if "zero3_gathered" in r]
     for stage in sorted({s for s, _ in gathered}):
         st = plan["memory"]["per_stage"][stage]

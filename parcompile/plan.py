@@ -311,7 +311,7 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
 
 def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
     """The data-parallel gradient reduction: buckets per stage, their sizes, and how much
-    of their reduction the last micro-batch's backward hides (estimate.grad_reduction)."""
+    of their reduction the backward hides (estimate.grad_reduction)."""
     gb, red = d["comm"].get("grad_buckets"), d["estimate"].get("grad_reduction")
     if not gb or not red or not any(r["buckets"] for r in red):
         return []
@@ -323,8 +323,9 @@ def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
     how = (f"in buckets launched as the backward produces them ({rule}; a layer is never split)" if size
            else "in one bucket per model chunk, reduced after the backward (bucket_size = 0)")
     out = ["## Gradient reduction (data parallel)", "",
-           f"Each rank reduces its gradients {how}. Time per step from the estimate: the part hidden "
-           "behind the last micro-batch's backward, and the part exposed after it.", "",
+           f"Each rank reduces its gradients {how}; with zero = 2 or 3 every bucket is reduce-scattered "
+           "in each micro-batch's backward, otherwise once, in the last micro-batch's. Time per step from "
+           "the estimate: the part hidden behind the backward, and the part exposed after it.", "",
            "| stage | buckets | bucket sizes | reduction | hidden | exposed |", "|---|---|---|---|---|---|"]
     deg = d["degrees"]
     # only buckets that are reduced: dense ones over dp_cp, expert ones over expert_dp

@@ -40,7 +40,8 @@ from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, 
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
                                         saved_bytes)
 from parcompile.analysis.calibration import cost_without_schedule
-from parcompile.analysis.buckets import GradUnit, partition, reshard_after_forward, shard_elements, zero3_gathered
+from parcompile.analysis.buckets import (GradUnit, buckets_in_flight, partition, reduces_per_microbatch,
+                                        reshard_after_forward, shard_elements, zero3_gathered)
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -316,18 +317,21 @@ class Coster:
         return got
 
     def _chunk_shards(self, pr: _Probe, first: bool, last: bool, n: int, pp1: bool, tied: bool,
-                      bucket_size: int, d: int, ed: int) -> tuple[int, int, tuple[int, int]]:
-        """(dense, expert, zero3) for one model chunk of ``n`` layers on one rank: elements
-        of sharded state (the sum over its gradient buckets of ``ceil(n_b / d)``), and the
-        ZeRO-3 gathered elements ``(step_long, just_in_time)`` of
-        :func:`parcompile.analysis.buckets.zero3_gathered`."""
+                      bucket_size: int, d: int, ed: int) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+        """(dense, expert, zero3, in_flight) for one model chunk of ``n`` layers on one rank:
+        elements of sharded state (the sum over its gradient buckets of ``ceil(n_b / d)``),
+        the ZeRO-3 gathered elements ``(step_long, just_in_time)`` of
+        :func:`parcompile.analysis.buckets.zero3_gathered`, and the full gradient elements
+        in flight ``(dense, expert)`` of :func:`parcompile.analysis.buckets.buckets_in_flight`
+        (buckets close at chunk ends, so a stage's is the largest of its chunks')."""
         key = (id(pr), first, last, n, pp1, tied, bucket_size, d, ed)
         got = self.shard_sums.get(key)
         if got is None:
             units = _chunk_units(pr.params, first, last, n, pp1, tied)
             dense, expert = partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
             got = self.shard_sums[key] = (shard_elements(dense, d), shard_elements(expert, ed),
-                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2)))
+                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2)),
+                                          (buckets_in_flight(dense, d), buckets_in_flight(expert, ed)))
         return got
 
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
@@ -354,18 +358,21 @@ class Coster:
         d, ed = par.dp * par.cp, par.expert_dp
         sched = par.schedule
         n_out = m if sched == "gpipe" else 1
+        per_mb = reduces_per_microbatch(z, sched)
         nchunks = len(counts)
         peak = None
         for s in range(pp):
             shard, eshard = 0, 0   # ZeRO: sharded per gradient bucket; buckets close at chunk ends
             step_long, jit = 0, 0  # ZeRO-3: gathered buckets (analysis/buckets.zero3_gathered)
+            fly, efly = 0, 0       # ZeRO 2, 3 per micro-batch: full buckets in flight (buckets_in_flight)
             for k in range(s, nchunks, pp):
-                a, b, (g_step, g_jit) = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k], pp == 1, tied,
-                                                           par.bucket_size, d, ed)
+                a, b, (g_step, g_jit), (f_d, f_e) = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k],
+                                                                       pp == 1, tied, par.bucket_size, d, ed)
                 shard += a
                 eshard += b
                 step_long += g_step
                 jit = max(jit, g_jit)
+                fly, efly = max(fly, f_d), max(efly, f_e)
             n = nl[s]
             dense = n * mid.dense
             expert = n * mid.expert
@@ -392,8 +399,14 @@ class Coster:
             q = num * body
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
             gathered = e * (step_long + jit) if z >= 3 else 0
-            # ZeRO 2, 3: the full gradient buffers during the step (memory.full_grad_bytes)
-            full_grads = 4 * ((shard * d if d > 1 else 0) + (eshard * ed if ed > 1 else 0)) if z >= 2 else 0
+            # ZeRO 2, 3: the full gradient buffers during the step (memory.full_grad_bytes): the
+            # buckets in flight when reduced per micro-batch, else all of them
+            if z < 2:
+                full_grads = 0
+            elif per_mb:
+                full_grads = 4 * (fly + efly)
+            else:
+                full_grads = 4 * ((shard * d if d > 1 else 0) + (eshard * ed if ed > 1 else 0))
             total = (states(dense, shard, d) + states(expert, eshard, ed) + acts + gathered + full_grads
                      + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
             if peak is None or total > peak:

@@ -444,13 +444,15 @@ def predicted_collectives(plan: dict, stage: int, routed: bool = True) -> dict[t
     return out
 
 
-def _buffer_check(records: list[dict], plan: dict, key: str, part: str, what: str) -> Check | None:
+def _buffer_check(records: list[dict], plan: dict, key: str, part: str | tuple[str, ...], what: str) -> Check | None:
     """The bytes each rank recorded under ``key`` against its stage's plan buffer
-    ``buffer_parts[part]``, exactly; None when no rank recorded it (not that kind of program)."""
+    ``buffer_parts[part]`` (the sum of the parts, for a tuple), exactly; None when no rank
+    recorded it (not that kind of program)."""
+    parts = (part,) if isinstance(part, str) else part
     measured = [r for r in records if key in r]
     bad = [f"rank {r['rank']}: {r[key]:,} B != plan {want:,} B"
            for r in measured
-           for want in [plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get(part, 0)]
+           for want in [sum(plan["memory"]["per_stage"][r["stage"]]["buffer_parts"].get(k, 0) for k in parts)]
            if r[key] != want]
     if not measured:
         return None
@@ -460,8 +462,8 @@ def _buffer_check(records: list[dict], plan: dict, key: str, part: str, what: st
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     """Measured parameters per rank, the bytes of parameters, gradients and optimizer
     states each rank holds between steps, collectives per step, the executed pipeline
-    actions, under ZeRO 2 and 3 the full gradient buffers held during the step (the plan's
-    ``full_grads``) and under ZeRO-3 the most gathered parameter bytes held at once (the
+    actions, under ZeRO 2 and 3 the most full gradient buffers held at once during the step
+    (the plan's ``grad_buckets_in_flight``, or ``full_grads`` when reduced once per step) and under ZeRO-3 the most gathered parameter bytes held at once (the
     plan's ``zero3_gather`` buffer), against the plan."""
     bad_params, bad_comm = [], []
     for r in records:
@@ -495,7 +497,8 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
             bad_order.append(f"rank {r['rank']}: action {first} ran {ran[first:first + 1]} "
                              f"where the plan has {planned[first:first + 1]}")
     # ZeRO 2, 3: full gradient buffers during the step; ZeRO-3: gathered parameters at once
-    full_check = _buffer_check(records, plan, "full_grads", "full_grads", "full gradient buffers during the step")
+    full_check = _buffer_check(records, plan, "grad_buckets_in_flight", ("grad_buckets_in_flight", "full_grads"),
+                               "full gradient buffers at most at once during the step")
     gather_check = _buffer_check(records, plan, "zero3_gathered", "zero3_gather",
                                  "ZeRO-3 gathered parameters at most at once")
     routed_bad, routed_check = check_routed(records, plan)

@@ -43,10 +43,10 @@ def test_zero3_line_compares_gathered_bytes_with_the_plan():
     bench = _bench()
     plan = compile_config(tiny_config(2, parallel=dict(zero=3, bucket_size=4))).data
     want = plan["memory"]["per_stage"][0]["buffer_parts"]["zero3_gather"]
-    full = plan["memory"]["per_stage"][0]["buffer_parts"]["full_grads"]
-    text = bench.report("t", "test", plan, _records(plan, zero3_gathered=want, full_grads=full))
-    assert f"full fp32 gradient buffers during the step {full / 1024:,.1f} KiB planned, " \
-           f"{full / 1024:,.1f} KiB held" in text
+    full = plan["memory"]["per_stage"][0]["buffer_parts"]["grad_buckets_in_flight"]
+    text = bench.report("t", "test", plan, _records(plan, zero3_gathered=want, grad_buckets_in_flight=full))
+    assert f"full fp32 gradient buffers at most at once {full / 1024:,.1f} KiB planned, " \
+           f"{full / 1024:,.1f} KiB held (ZeRO 2/3: buckets in flight)" in text
     line = next(x for x in text.splitlines() if "ZeRO-3" in x)
     kib = f"{want / 1024:,.1f}"
     assert f"at most {kib} KiB planned, {kib} KiB held" in line

@@ -38,7 +38,7 @@ def test_fast_cost_equals_the_compilers(path):
     cfg, _ = load_spec(path)
     coster = Coster(cfg)
     p = cfg.parallel
-    for z, rc in itertools.product([0, 1, 3], ["none", "selective", "full"]):
+    for z, rc in itertools.product([0, 1, 2, 3], ["none", "selective", "full"]):
         c = with_parallel(cfg, p.model_copy(update={"zero": z, "recompute": rc}))
         if _errors(c):
             continue

@@ -7,8 +7,10 @@ backward runs.
 Each case is one torchrun launch (2 to 8 processes); the cases combine features so that
 few launches cover: dp2 zero 0 (overlap), dp2 x tp2 x pp2 1f1b zero 1 with sequence
 parallelism, tied embeddings and learned positions, dp2 x tp2 zero 3 tied (pp = 1),
-zero-bubble with pp = 2 (zero 2, tied) and pp = 1 (tied: one weight with a B and a W
-gradient), and an MoE interleaved pipeline whose expert buckets shard over expert_dp.
+zero-bubble with pp = 2 (zero 2, tied; once per step) and pp = 1 (tied: one weight with a
+B and a W gradient), an MoE interleaved pipeline whose expert buckets shard over
+expert_dp, and dp4 x pp2 with m = 4 micro-batches at zero 2 and zero 3 (issue 16: every
+bucket reduce-scattered in each micro-batch's backward, two buckets in flight at most).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ CASES = {
     "dp2_pp2_zero_bubble_zero2_tied": dict(dp=2, pp=2, model=dict(tie_embeddings=True),
                                            parallel=dict(schedule="zero_bubble", zero=2)),
     "dp2_zero_bubble_tied": dict(dp=2, model=dict(tie_embeddings=True), parallel=dict(schedule="zero_bubble")),
+    # m = 4 (tiny_config: global batch 2 * dp * pp * 2, micro-batch 2)
+    "dp4_pp2_zero2_m4": dict(dp=4, pp=2, parallel=dict(zero=2)),
+    "dp4_pp2_zero3_m4_tied": dict(dp=4, pp=2, model=dict(tie_embeddings=True), parallel=dict(zero=3)),
+    # interleaved: two chunks per rank, each with its own rounds of reduce-scatters
+    "dp2_pp2_interleaved_zero2_m4": dict(dp=2, pp=2, model=dict(layers=4),
+                                         parallel=dict(schedule="interleaved_1f1b", virtual_stages=2,
+                                                       global_batch=16, zero=2)),
     "moe_dp2_pp2_interleaved_zero1": dict(dp=2, pp=2, model=dict(layers=4, experts=4, top_k=2),
                                           parallel=dict(schedule="interleaved_1f1b", virtual_stages=2,
                                                         global_batch=8, zero=1)),
@@ -75,6 +84,18 @@ def test_bucketed_layout_matches_single_process(case, tmp_path):
         for rec in records:
             early = [b["early"] for b in rec["grad_buckets"]]
             assert len(early) >= 3 and all(early[:-1]), early
+    if "_m4" in case:
+        # ZeRO 2/3 per micro-batch: m reduce-scatters per bucket (verify compared every
+        # collective), and the most full buckets held at once equal the plan's, which is
+        # less than all of a stage's buckets when it has more than two
+        assert plan["schedule"]["num_microbatches"] == 4
+        for rec in records:
+            st = plan["memory"]["per_stage"][rec["stage"]]
+            dense = rows[rec["stage"]]["dense"]
+            d = plan["degrees"]["dp"]
+            whole = 4 * sum(-(-b["elements"] // d) * d for b in dense)
+            got = rec["grad_buckets_in_flight"]
+            assert got == st["buffer_parts"]["grad_buckets_in_flight"] and (got < whole if len(dense) > 2 else got <= whole)
     if case.startswith("moe"):
         assert any(r["expert"] for r in rows)
         assert any(b["axis"] == "expert_dp" for rec in records for b in rec["grad_buckets"])

@@ -86,11 +86,13 @@ def test_plan_counts_the_gathers_and_the_buffer(pp):
 
 @pytest.mark.parametrize("layout", ["dense", "moe", "tied_full"])
 def test_search_peak_equals_plan_with_zero3_pp1(layout):
-    """The search's integer memory path mirrors the plan's just-in-time buffer."""
+    """The search's integer memory path mirrors the plan's just-in-time buffer and the
+    gradient buckets in flight (ZeRO 2 and 3), and the full buffers of zero-bubble."""
     model = {"dense": {}, "moe": dict(experts=4, top_k=2), "tied_full": dict(tie_embeddings=True)}[layout]
-    for bucket_size, rc in itertools.product([4, 64 * 1024, 160 * 10**6], ["none", "full"]):
-        cfg = tiny_config(dp=4, model=dict(model, dtype="bf16"),
-                          parallel=dict(zero=3, bucket_size=bucket_size, recompute=rc))
+    for bucket_size, rc, zero, pp in itertools.product([4, 64 * 1024, 160 * 10**6], ["none", "full"], [2, 3], [1, 2]):
+        extra = dict(schedule="zero_bubble") if pp == 2 and bucket_size == 4 else {}
+        cfg = tiny_config(dp=4, pp=pp, model=dict(model, dtype="bf16"),
+                          parallel=dict(zero=zero, bucket_size=bucket_size, recompute=rc, **extra))
         plan = compile_config(cfg).data
         coster = Coster(cfg)
         counts = cfg.parallel.layers_per_chunk(cfg.model.layers)
@@ -112,10 +114,11 @@ def test_program_holds_one_layer_at_a_time(tmp_path):
     buckets = plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]
     # 4 layers: the embedding, the output layer and two layers, not all four
     assert want == 4 * _held_pp1(buckets, 2) < 4 * sum(_padded(buckets, 2))
-    grads = plan["memory"]["per_stage"][0]["buffer_parts"]["full_grads"]
+    grads = plan["memory"]["per_stage"][0]["buffer_parts"]["grad_buckets_in_flight"]
     for r in records:
         assert r["zero3_gathered"] == want
-        assert r["full_grads"] == grads == 4 * sum(_padded(buckets, 2))   # fp32, padded buckets
+        # fp32, padded buckets: two adjacent ones in flight, not all of them
+        assert r["grad_buckets_in_flight"] == grads == 4 * _in_flight(buckets, 2) < 4 * sum(_padded(buckets, 2))
     checks = compare_with_plan(records, plan)
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
 
@@ -160,11 +163,22 @@ def test_report_says_how_zero3_gathers(pp):
         assert "ZeRO-3 gathers" not in compile_config(other).report_md()
 
 
+def _in_flight(buckets, d):
+    """ZeRO 2/3 reducing per micro-batch: the most full buckets held at once, the largest
+    sum of two adjacent (padded) buckets of a chunk (one alone in a chunk of one)."""
+    best = 0
+    for c in {b["chunk"] for b in buckets}:
+        sizes = [-(-b["elements"] // d) * d for b in buckets if b["chunk"] == c]
+        best = max([best, sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
+    return best
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_plan_counts_gradient_buffers(zero):
     """Gradients live in one fp32 buffer per bucket, padded to a multiple of d with ZeRO:
-    kept as state at zero 0 and 1, held during the step only (``full_grads``) at 2 and 3,
-    whose state is the owned slices."""
+    kept as state at zero 0 and 1; at 2 and 3, whose state is the owned slices, each bucket
+    is reduce-scattered in every micro-batch and only the buckets in flight are held in
+    full (``grad_buckets_in_flight``): two adjacent ones at most, m reduce-scatters each."""
     cfg = tiny_config(dp=3, parallel=dict(zero=zero, bucket_size=4096))
     plan = compile_config(cfg).data
     st = plan["memory"]["per_stage"][0]
@@ -174,7 +188,25 @@ def test_plan_counts_gradient_buffers(zero):
     assert padded > n   # some bucket is not a multiple of 3: the padding shows
     want_state = {0: 4 * n, 1: 4 * padded, 2: 4 * padded // 3, 3: 4 * padded // 3}[zero]
     assert st["grads"] == want_state
-    assert st["buffer_parts"].get("full_grads", 0) == (4 * padded if zero >= 2 else 0)
+    assert "full_grads" not in st["buffer_parts"]
+    assert st["buffer_parts"].get("grad_buckets_in_flight", 0) == (4 * _in_flight(buckets, 3) if zero >= 2 else 0)
+    assert zero < 2 or 0 < 4 * _in_flight(buckets, 3) < 4 * padded
+    m = plan["schedule"]["num_microbatches"]
+    counts = [c["count"] for c in plan["comm"]["collectives"] if c["where"] == "grads"]
+    assert sum(counts) == len(buckets) * (m if zero >= 2 else 1)
+
+
+def test_zero_bubble_keeps_one_reduction_per_step():
+    """The zero-bubble schedule (B before W) keeps ZeRO-2's once-per-step reduction, and
+    its full buffers (``full_grads``)."""
+    cfg = tiny_config(dp=2, pp=2, parallel=dict(zero=2, bucket_size=4096, schedule="zero_bubble"))
+    plan = compile_config(cfg).data
+    for st in plan["memory"]["per_stage"]:
+        buckets = plan["comm"]["grad_buckets"]["per_stage"][st["stage"]]["dense"]
+        assert st["buffer_parts"]["full_grads"] == 4 * sum(_padded(buckets, 2))
+        assert "grad_buckets_in_flight" not in st["buffer_parts"]
+    n = sum(len(x["dense"]) for x in plan["comm"]["grad_buckets"]["per_stage"])
+    assert sum(c["count"] for c in plan["comm"]["collectives"] if c["where"] == "grads") == n
 
 
 def test_verify_flags_a_rank_that_holds_more_than_the_plan():
@@ -189,4 +221,5 @@ def test_verify_flags_a_rank_that_holds_more_than_the_plan():
                          {"rank": 1, "stage": 0, "zero3_gathered": want + 2}], plan,
                         "zero3_gathered", "zero3_gather", "g")
     assert ok.ok and not bad.ok and bad.detail.startswith("rank 1:")
-    assert _buffer_check([{"rank": 0, "stage": 0}], plan, "full_grads", "full_grads", "f") is None
+    assert _buffer_check([{"rank": 0, "stage": 0}], plan, "grad_buckets_in_flight",
+                         ("grad_buckets_in_flight", "full_grads"), "f") is None

@@ -50,7 +50,30 @@ kept for the step. When the layer bucket is freed again follows torchtitan's FSD
   buckets of two adjacent layers at a time (FSDP, DeepSpeed ZeRO-3);
 - ``pp > 1``: kept across the micro-batches of the step (SPEC: as torchtitan's FSDP + PP,
   which sets ``reshard_after_forward = False`` there) and freed when the bucket's
-  gradients are final (when its reduce-scatter starts): one all-gather per step.
+  gradients are final (when its last reduce-scatter starts): one all-gather per step.
+
+**When gradients are reduced** (:func:`reduces_per_microbatch`). ``zero = 0`` and ``1``
+reduce every bucket once per step, after the last micro-batch has produced its gradients
+(Megatron-LM: the full fp32 buffers are kept between steps anyway). ``zero = 2`` and
+``3`` reduce-scatter each bucket during *every* micro-batch's backward, as soon as that
+micro-batch's gradients of the bucket are complete, add the result into the rank's fp32
+gradient shard (kept across the step) and free the full bucket buffer (DeepSpeed ZeRO-2's
+``reduce_bucket``, FSDP2's per-backward reduce-scatter): ``m`` reduce-scatters per bucket
+per step, and only the buckets in flight exist in full (:func:`buckets_in_flight`). The
+zero-bubble schedule keeps the once-per-step reduction: its B actions write the norms'
+gradients of every layer of a chunk before the W actions complete them, so streaming
+would hold every bucket anyway.
+
+**Buckets in flight** (the program's rule, :class:`parcompile.runtime.buckets.GradBuckets`):
+a bucket's full buffer is allocated when the first gradient of the micro-batch reaches
+it; before that, every earlier bucket of the chunk is launched (its gradients of the
+micro-batch are complete: gradients arrive in bucket order) and every reduce-scatter but
+the most recent one is waited for and its buffer freed; each backward action starts by
+waiting for all. So a rank holds at most two full buckets at once, the one being filled
+and the one before it whose reduce-scatter may still run, and it does hold them when the
+second is allocated: the peak is, over the chunks, the largest sum of two adjacent
+buckets of a chunk (one bucket alone if the chunk has one), each padded to
+``ceil(n / d) * d`` elements.
 """
 
 from __future__ import annotations
@@ -224,6 +247,34 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
     return step_long, jit
 
 
+def reduces_per_microbatch(zero: int, schedule: str) -> bool:
+    """True when gradient buckets are reduce-scattered in every micro-batch's backward
+    (module docstring: ``zero >= 2``, except the zero-bubble schedule); False: once per step."""
+    return zero >= 2 and schedule != "zero_bubble"
+
+
+def reduce_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
+    """Reductions per step of each bucket: ``m`` when :func:`reduces_per_microbatch`, else 1."""
+    return [microbatches if per_microbatch else 1 for _ in buckets]
+
+
+def buckets_in_flight(buckets: Sequence[Bucket], d: int) -> int:
+    """Elements of full (padded) gradient buckets a rank holds at most at once when it
+    reduce-scatters per micro-batch (module docstring, "Buckets in flight"): over the
+    chunks, the largest sum of two adjacent buckets of a chunk (one bucket alone when the
+    chunk has one), each padded to ``ceil(n / d) * d``. 0 when ``d == 1`` (nothing is
+    sharded: the gradients are state)."""
+    if d <= 1:
+        return 0
+    per_chunk: dict[int, list[int]] = {}
+    for b in buckets:
+        per_chunk.setdefault(b.chunk, []).append(math.ceil(b.elements / d) * d)
+    best = 0
+    for sizes in per_chunk.values():
+        best = max(best, max(x + y for x, y in zip(sizes, sizes[1:])) if len(sizes) > 1 else sizes[0])
+    return best
+
+
 def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
     """All-gathers per step of each bucket's parameters under ZeRO-3: ``2 m`` for a layer
     bucket resharded after every forward and backward (``per_microbatch``), else 1."""
@@ -256,4 +307,5 @@ def buckets_to_dict(sp, bucket_size: int) -> dict:
 
 __all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
            "stage_state_bytes", "buckets_to_dict", "unit_order_key", "is_layer_bucket", "bucket_layers",
-           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts"]
+           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts", "reduces_per_microbatch",
+           "reduce_counts", "buckets_in_flight"]

@@ -33,7 +33,9 @@ else the network (``inter_node_*``). What overlaps:
   do (:func:`grad_overlap`): one communication stream; a bucket
   (:mod:`parcompile.analysis.buckets`) starts when the backward has produced its last
   unit's gradients and the previous bucket is done; what runs past the end of the
-  backward is exposed (``dp_comm``). ZeRO's parameter all-gathers overlap the next
+  backward is exposed (``dp_comm``). ZeRO 2 and 3 reduce-scatter the buckets in every
+  micro-batch's backward; all but the last micro-batch's hide under the compute that
+  follows them, the last one's is simulated as above. ZeRO's parameter all-gathers overlap the next
   step's first forward; norms, the model-parallel gradient sums and the loss reductions
   are exposed.
 
@@ -61,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import reshard_after_forward
+from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.comm import AXIS_FAMILY, CommReport
 from parcompile.analysis.compute import ComputeReport
 
@@ -307,6 +309,13 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     ready when the backward ends. ``exposed = end of the last bucket - end of the
     backward``. Buckets are all-reduces (reduce-scatters with ZeRO) over dp_cp (experts:
     expert_dp), timed by :func:`collective_time`.
+
+    ZeRO 2 and 3 reduce-scatter every bucket in each of the ``m`` micro-batches' backwards
+    (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the earlier micro-batches'
+    reduce-scatters run under the compute that follows them (the next forwards and
+    backwards; the program waits for them only when the next backward starts), so only the
+    last micro-batch's can be exposed, as simulated; ``seconds`` counts all ``m`` rounds and
+    ``hidden`` the rest.
     """
     from parcompile.analysis.buckets import GradUnit, partition
 
@@ -343,6 +352,8 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
         end = max(end, r) + dur
         busy += dur
     exposed = min(busy, max(0.0, end - bwd_end)) if events else 0.0
+    if reduces_per_microbatch(par.zero, par.schedule):
+        busy *= par.num_microbatches   # m rounds; all but the last micro-batch's hide (docstring)
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
 
@@ -381,6 +392,8 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
             fwd = max(0.0, par.num_microbatches * (fwd + bwd) - grads)
         if stage_params is not None:
             grad_exposed = grad_overlap(cfg, degrees, links, ct, stage_params[s]).exposed
+        elif reduces_per_microbatch(par.zero, par.schedule):   # m rounds: the last one's against the last backward
+            grad_exposed = max(0.0, grads / par.num_microbatches - bwd)
         else:
             grad_exposed = max(0.0, grads - bwd)
         worst = max(worst, grad_exposed + max(0.0, params - fwd) + exposed)
@@ -440,7 +453,10 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "matmul_efficiency": eff.matmul, "memory_efficiency": eff.memory, "link_efficiency": eff.link,
             "efficiency_source": eff.source,
             "overlap": "tp/cp/ep collectives and pipeline send/recv on the critical path; dp gradient "
-                       "reduction overlaps the last micro-batch's backward bucket by bucket"
+                       + ("reduce-scatters run in every micro-batch's backward bucket by bucket (ZeRO 2/3), "
+                          "the last micro-batch's overlapping its backward"
+                          if reduces_per_microbatch(par.zero, par.schedule) else
+                          "reduction overlaps the last micro-batch's backward bucket by bucket")
                        + (f" (buckets of {par.bucket_size:,} bytes)" if par.bucket_size else
                           " (bucket_size = 0: one bucket per chunk, after the backward)"),
             "collectives": "ring, alpha-beta",

@@ -16,10 +16,14 @@ zero   16-bit model (bf16/fp16)            fp32 model
 per optimizer state: 2 for Adam/AdamW, 0 for SGD.) Gradients live in one fp32 buffer per
 gradient bucket (Megatron-LM's grad buffer), which ZeRO pads to a multiple of d so it can
 be reduce-scattered as it is: at ``zero = 1`` the full gradients are ``4 * sum ceil(n_b / d)
-* d`` bytes. Gradients are reduced once per step, after the last micro-batch's backward
-(Megatron-LM), so at ``zero = 2`` and ``3`` the full buffers exist during the step too,
-from its first backward until their reduce-scatters are done: the ``full_grads`` buffer
-(the ``4/d`` of the table is what stays, and what the optimizer step works on).
+* d`` bytes, reduced once per step after the last micro-batch's backward (Megatron-LM).
+At ``zero = 2`` and ``3`` each bucket is reduce-scattered in every micro-batch's backward
+and accumulated into the rank's fp32 shard (the ``4/d`` of the table, kept across the
+step; DeepSpeed ZeRO-2, FSDP2), so only the full buckets in flight exist during the step:
+the ``grad_buckets_in_flight`` buffer, at most two adjacent buckets of a chunk
+(:func:`parcompile.analysis.buckets.buckets_in_flight`). The zero-bubble schedule keeps
+the once-per-step reduction, and its full buffers live from the step's first backward
+until their reduce-scatters are done: the ``full_grads`` buffer.
 
 Activations: the bytes one micro-batch saves for backward on the rank, per op of the
 graph (:mod:`parcompile.ir.ops`: the operands each op keeps, counted once per tensor,
@@ -69,7 +73,8 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import (GRAD_BYTES, reshard_after_forward, shard_elements, stage_buckets,
+from parcompile.analysis.buckets import (GRAD_BYTES, buckets_in_flight, reduces_per_microbatch, reshard_after_forward,
+                                        shard_elements, stage_buckets,
                                         stage_state_bytes, zero3_gathered)
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
@@ -314,7 +319,7 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             parts["zero3_gather"] = gathered
         full = full_grad_bytes(cfg, degrees, sp)
         if full:
-            parts["full_grads"] = full
+            parts["grad_buckets_in_flight" if reduces_per_microbatch(par.zero, par.schedule) else "full_grads"] = full
         stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(parts.values()), parts, layers))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
@@ -374,13 +379,18 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
 
 
 def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
-    """ZeRO 2 and 3: bytes of the full fp32 gradient buffers a rank holds during a step
-    (module docstring): every gradient bucket padded to a multiple of its group's size,
-    ``4 * sum ceil(n_b / d) * d``, for the kinds sharded over more than one rank (an
-    unsharded kind keeps its gradients as state). 0 otherwise."""
+    """ZeRO 2 and 3: bytes of full fp32 gradient buffers a rank holds at once during a step
+    (module docstring), for the kinds sharded over more than one rank (an unsharded kind
+    keeps its gradients as state); 0 otherwise. Reduced per micro-batch
+    (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the buckets in flight,
+    ``4 * buckets_in_flight`` per kind (two adjacent buckets of a chunk at most); once per
+    step (zero-bubble): every bucket padded to a multiple of its group's size,
+    ``4 * sum ceil(n_b / d) * d``."""
     par = cfg.parallel
     if cfg.workload == "serve" or par.zero < 2:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    if reduces_per_microbatch(par.zero, par.schedule):
+        return GRAD_BYTES * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
     return GRAD_BYTES * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parcompile.analysis.buckets import reshard_after_forward, stage_buckets, zero3_gather_counts
+from parcompile.analysis.buckets import (reduce_counts, reduces_per_microbatch, reshard_after_forward, stage_buckets,
+                                        zero3_gather_counts)
 from parcompile.analysis.params import stage_params
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
@@ -111,7 +112,9 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     bytes, where, count)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams`
     per pipeline rank); ``count`` is runs per step (1, but ``2 m`` for the all-gathers of a
     ZeRO-3 layer bucket resharded after every forward and backward with ``pp = 1``:
-    :func:`parcompile.analysis.buckets.zero3_gather_counts`). Shared by the pass and by
+    :func:`parcompile.analysis.buckets.zero3_gather_counts`; ``m`` for the gradient
+    reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward:
+    :func:`parcompile.analysis.buckets.reduce_counts`). Shared by the pass and by
     ``parcompile.search``, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
@@ -133,12 +136,14 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
                 continue
             gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp)) \
                 if par.zero >= 3 else [1] * len(buckets)
+            reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
             for i, b in enumerate(buckets):
                 if par.zero == 0:
                     add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
                 else:
                     shard = math.ceil(b.elements / size)
-                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads")
+                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads",
+                        reduces[i])
                     add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
                         gathers[i])
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:

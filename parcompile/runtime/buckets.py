@@ -37,6 +37,30 @@ reduce-scatters it, so rank i receives slice i (Megatron-LM's distributed optimi
 scales the sums (1/d, the data-parallel mean; 1/(dp*cp) for expert weights).
 
 ``bucket_size = 0``: one bucket per chunk, launched by ``finish`` (no overlap).
+
+**ZeRO 2 and 3: every micro-batch** (``per_microbatch``;
+:func:`parcompile.analysis.buckets.reduces_per_microbatch`; DeepSpeed ZeRO-2's
+``reduce_independent_p_g_buckets_and_remove_grads``, FSDP2's post-backward
+reduce-scatter). Every backward action of a chunk (a whole ``backward``; the zero-bubble
+schedule keeps the once-per-step mode) completes that micro-batch's gradients of the
+chunk, so :class:`GradSync` arms the chunk during each of them, not only the last. A
+bucket's full fp32 buffer is allocated when the micro-batch's first gradient reaches one
+of its parameters (``_grad_prepare``, :mod:`parcompile.runtime.grads`); before that,
+every earlier bucket of the chunk not yet launched in this micro-batch is launched (its
+gradients are complete: they arrive in bucket order; a bucket with none, an expert bucket
+no token reached, is launched as zeros) and every reduce-scatter but the most recent is
+waited for, its output added into the bucket's fp32 shard ``acc`` (``shard`` elements,
+kept across the step) and its buffer freed. A bucket is reduce-scattered as soon as its
+last gradient arrives (in bucket order within the chunk), its parameters' gradients are
+detached from the buffer (the next micro-batch allocates a new one), and the end of the
+action launches what is left. Each armed action starts by waiting for all. So the
+collectives are ``m`` reduce-scatters per bucket per step, in the same order on every rank
+of the group (the action list, then bucket order), at most two full buckets are held at
+once (the one being filled and the one before it, reducing), and they are held when the
+second is allocated: :attr:`GradBuckets.peak_bytes`, the plan's
+``grad_buckets_in_flight`` (:func:`parcompile.analysis.buckets.buckets_in_flight`). The
+last action's last reduce-scatters overlap whatever follows (forwards, sends) until the
+next armed action or :meth:`GradBuckets.finish`.
 """
 
 from __future__ import annotations
@@ -103,6 +127,8 @@ class BucketLayout:
     work: object = None
     launched: bool = False
     early: bool = False
+    #: per micro-batch (ZeRO 2, 3): this rank's slice of the bucket's gradient summed over the step
+    acc: torch.Tensor | None = None
 
 
 def local_numel(p: nn.Parameter) -> int:
@@ -121,11 +147,22 @@ class GradBuckets:
         bucket_size: fp32 bytes at which a bucket closes (0: one bucket per chunk, no overlap).
         sharded: ZeRO (reduce-scatter into padded shards) instead of an all-reduce.
         scale: what the sums are multiplied by (``1 / d``: the mean over data-parallel ranks).
+        per_microbatch: ZeRO 2, 3 (sharded only): reduce-scatter every bucket in each
+            micro-batch's backward into the fp32 shard ``acc`` (module docstring).
     """
 
     def __init__(self, params: list[nn.Parameter], chunks: list[list[int]] | None, axis: Axis,
-                 bucket_size: int, sharded: bool, scale: float):
+                 bucket_size: int, sharded: bool, scale: float, per_microbatch: bool = False):
         self.axis, self.sharded, self.scale = axis, sharded, scale
+        self.per_microbatch = per_microbatch and sharded and axis.size > 1
+        #: this step reduces per micro-batch (False for a zero-bubble action list: GradSync.start)
+        self.stream = self.per_microbatch
+        #: bytes of full gradient buffers held now, and at most since the step began
+        self.held = 0
+        self.peak_bytes = 0
+        #: per micro-batch: reduce-scatters in flight, (bucket, output, buffer, work) in launch order
+        self.flight: list[tuple] = []
+        self.final = True   # the armed action is its chunk's last of the step (ZeRO-3 frees at launch)
         self.overlap = bucket_size > 0
         units = param_units(params, chunks)
         by_name = {(u.chunk, u.name): ps for u, ps in units}
@@ -144,8 +181,12 @@ class GradBuckets:
         #: each parameter's offset in its bucket's flat buffer
         self.offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
         self.chunk_params: dict[int, list[nn.Parameter]] = {}
+        self.chunk_buckets: dict[int, list[BucketLayout]] = {}
         for b in self.buckets:
             self.chunk_params.setdefault(b.chunk, []).extend(b.params)
+            self.chunk_buckets.setdefault(b.chunk, []).append(b)
+        #: per micro-batch: per chunk, the position of its next bucket to launch
+        self.pos: dict[int, int] = {}
         self.active = d > 1
         self.sync: GradSync | None = None
         #: called with each bucket as it launches (its gradients are final; ZeRO-3 frees
@@ -156,6 +197,8 @@ class GradBuckets:
         self.next = 0
         for p in params:
             p._grad_listener = self.listen
+            if self.per_microbatch:
+                p._grad_prepare = self.prepare
         self.reset()
 
     # -- gradient buffers -------------------------------------------------------------------
@@ -168,11 +211,16 @@ class GradBuckets:
         DDP's ``gradient_as_bucket_view``)."""
         for b in self.buckets:
             if b.flat is None:
-                n = b.shard * self.axis.size if self.sharded else b.elements
-                b.flat = torch.zeros(n, dtype=torch.float32, device=b.params[0].device)
+                self._new_buffer(b)
             else:
                 b.flat.zero_()
             self.attach(b)
+
+    def _new_buffer(self, b: BucketLayout) -> None:
+        n = b.shard * self.axis.size if self.sharded else b.elements
+        b.flat = torch.zeros(n, dtype=torch.float32, device=b.params[0].device)
+        self.held += 4 * n
+        self.peak_bytes = max(self.peak_bytes, self.held)
 
     def attach(self, b: BucketLayout) -> None:
         """Point the gradients of bucket ``b``'s parameters at its buffer. An fp32
@@ -191,11 +239,64 @@ class GradBuckets:
         for b in self.buckets:
             for p in b.params:
                 set_main_grad(p, None)
+            if b.flat is not None:
+                self.held -= b.flat.numel() * b.flat.element_size()
             b.flat = None
 
     def buffer_bytes(self) -> int:
-        """Bytes of the gradient buffers held now."""
-        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None)
+        """Bytes of the full gradient buffers held now (reduce-scatters in flight included)."""
+        return self.held
+
+    # -- per micro-batch (ZeRO 2, 3) ------------------------------------------------------
+    def prepare(self, p: nn.Parameter) -> None:
+        """A gradient of ``p`` is about to be added (:mod:`parcompile.runtime.grads`): give
+        its bucket a buffer if it has none in this micro-batch (module docstring)."""
+        if not self.stream:
+            return
+        b = self.bucket_of.get(id(p))
+        if b is None or b.flat is not None:
+            return
+        if self.armed.get(b.chunk) is not None:   # the earlier buckets of the chunk are complete
+            order = self.chunk_buckets[b.chunk]
+            at = order.index(b)
+            if self.pos.get(b.chunk, 0) > at:
+                raise RuntimeError(f"a gradient of {getattr(p, 'global_name', 'a parameter')} arrived after its "
+                                   f"bucket {b.index} was reduce-scattered in this micro-batch (gradients must "
+                                   "arrive in bucket order)")
+            while self.pos.get(b.chunk, 0) < at:
+                self._launch_round(order[self.pos.get(b.chunk, 0)])
+        self.drain(keep=1)
+        self._new_buffer(b)
+        self.attach(b)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait for the reduce-scatters in flight but the last ``keep``, add each output into
+        its bucket's shard ``acc`` and free the buffer."""
+        while len(self.flight) > keep:
+            b, out, flat, work = self.flight.pop(0)
+            if work is not None:
+                work.wait()
+            b.acc.add_(out)
+            self.held -= flat.numel() * flat.element_size()
+
+    def _launch_round(self, b: BucketLayout) -> None:
+        """Per micro-batch: reduce-scatter bucket ``b`` (the next of its chunk) now; its
+        parameters' gradients leave the buffer and wait for a new one."""
+        if b.flat is None:   # no gradient reached it in this micro-batch: zeros
+            self._new_buffer(b)
+        self._launch(b)
+        self.flight.append((b, b.out, b.flat, b.work))
+        for p in b.params:
+            set_main_grad(p, None)
+            self.ready.discard(id(p))
+        b.flat = b.out = b.work = None
+        b.waiting = len(b.params)
+        self.pos[b.chunk] = self.pos.get(b.chunk, 0) + 1
+
+    def _launch_chunk_ready(self, chunk: int) -> None:
+        order = self.chunk_buckets[chunk]
+        while self.pos.get(chunk, 0) < len(order) and order[self.pos.get(chunk, 0)].waiting == 0:
+            self._launch_round(order[self.pos.get(chunk, 0)])
 
     # -- per step -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -203,21 +304,51 @@ class GradBuckets:
         self.armed.clear()
         self.ready.clear()
         self.next = 0
-        self.allocate()
+        self.drain()
+        self.pos.clear()
+        self.stream = self.per_microbatch
+        if self.stream:   # buffers per micro-batch, on demand; the shards accumulate the step
+            self.release()
+            for b in self.buckets:
+                if b.acc is None:
+                    b.acc = torch.zeros(b.shard, dtype=torch.float32, device=b.params[0].device)
+                else:
+                    b.acc.zero_()
+        else:
+            self.allocate()
+        self.peak_bytes = self.held
         for b in self.buckets:
             b.waiting = len(b.params)
             b.out = b.work = None
             b.launched = b.early = False
 
-    def begin(self, chunk: int, phase: str) -> None:
-        """The last backward action of ``chunk`` starts; ``phase`` is ``full`` (a whole
+    def start_step(self, split_backward: bool) -> None:
+        """The step's action list is known (:meth:`GradSync.start`): a zero-bubble list
+        (``split_backward``) reduces once per step (module docstring): full buffers now."""
+        if self.stream and split_backward:
+            self.stream = False
+            self.allocate()
+
+    def begin(self, chunk: int, phase: str, last: bool = True) -> None:
+        """A backward action of ``chunk`` that completes gradients starts: the chunk's last
+        of the step (``last``), or, per micro-batch, any; ``phase`` is ``full`` (a whole
         backward), ``input`` (zero-bubble B) or ``weight`` (zero-bubble W)."""
+        if self.stream:
+            self.drain()
+            self.final = last
         self.armed[chunk] = phase
 
-    def end(self, chunk: int, phase: str) -> None:
-        """The last backward action of ``chunk`` ended: its parameters are ready (in B,
-        those with no weight gradient still filed)."""
+    def end(self, chunk: int, phase: str, last: bool = True) -> None:
+        """That action ended: the chunk's parameters are ready (in B, those with no weight
+        gradient still filed); per micro-batch, every bucket of the chunk not launched in
+        this micro-batch is launched (in order), and the next micro-batch starts afresh."""
         self.armed.pop(chunk, None)
+        if self.stream:
+            order = self.chunk_buckets.get(chunk, [])
+            while self.pos.get(chunk, 0) < len(order):
+                self._launch_round(order[self.pos.get(chunk, 0)])
+            self.pos[chunk] = 0
+            return
         for p in self.chunk_params.get(chunk, []):
             if phase != "input" or not STORE.has_pending(p):
                 self._mark(p)
@@ -241,7 +372,10 @@ class GradBuckets:
         b = self.bucket_of[id(p)]
         b.waiting -= 1
         if b.waiting == 0 and self.overlap:
-            self._launch_ready()
+            if self.stream:
+                self._launch_chunk_ready(b.chunk)
+            else:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next < len(self.buckets) and self.buckets[self.next].waiting == 0:
@@ -251,7 +385,7 @@ class GradBuckets:
     def _launch(self, b: BucketLayout) -> None:
         b.launched = True
         b.early = self.sync is not None and self.sync.in_backward()
-        if self.on_launch is not None:
+        if self.on_launch is not None and (not self.stream or self.final):
             self.on_launch(b)
         if not self.active:
             return
@@ -268,7 +402,18 @@ class GradBuckets:
         all, scale the sums. ``zero = 0``: each parameter's gradient becomes the reduced
         one in place (zeros for a parameter that got none). Sharded: returns each bucket's
         owned slice of the reduced gradient (``shard`` elements); the full gradients are
-        left as they are."""
+        left as they are. Per micro-batch: waits for the reduce-scatters in flight and
+        returns the scaled shards ``acc``."""
+        if self.stream:
+            for b in self.buckets:   # without a GradSync: reduce what is held, once
+                if b.flat is not None:
+                    self._launch_round(b)
+            self.drain()
+            for b in self.buckets:
+                if self.scale != 1.0:
+                    b.acc.mul_(self.scale)
+                b.launched = True
+            return [b.acc for b in self.buckets]
         for b in self.buckets:
             for p in b.params:
                 self.ready.add(id(p))
@@ -314,17 +459,23 @@ class GradSync:
         for p in self.parts:
             p.sync = self
         self.final: dict[int, tuple[int, str]] = {}
+        self.every: dict[int, tuple[int, str]] = {}
         self.left = 0
         self.running = False
 
     def start(self, actions: list[dict]) -> None:
-        """Find the last backward (and W) action of each local chunk in this rank's list."""
+        """Find the last backward (and W) action of each local chunk in this rank's list,
+        and, for the parts that reduce per micro-batch, every whole backward action."""
+        split = any(a["op"] == "backward_input" for a in actions)
+        for p in self.parts:
+            p.start_step(split)
         last: dict[tuple[int, str], int] = {}
         for i, a in enumerate(actions):
             phase = self.OPS.get(a["op"])
             if phase is not None:
                 last[(a["chunk"], "weight" if phase == "weight" else "grad")] = i
         self.final = {i: (chunk, self.OPS[actions[i]["op"]]) for (chunk, _), i in last.items()}
+        self.every = {i: (a["chunk"], "full") for i, a in enumerate(actions) if a["op"] == "backward"}
         self.left = sum(1 for a in actions if a["op"] in self.OPS)
         self.running = False
 
@@ -332,20 +483,20 @@ class GradSync:
         """True while a backward action runs or one is still to come."""
         return self.running or self.left > 0
 
+    def _tell(self, i: int, what: str) -> None:
+        for p in self.parts:
+            f = (self.every if p.stream else self.final).get(i)
+            if f is not None:
+                getattr(p, what)(*f, last=i in self.final)
+
     def begin(self, i: int) -> None:
         self.running = True
-        f = self.final.get(i)
-        if f is not None:
-            for p in self.parts:
-                p.begin(*f)
+        self._tell(i, "begin")
 
     def end(self, i: int) -> None:
         self.running = False
         self.left -= 1
-        f = self.final.get(i)
-        if f is not None:
-            for p in self.parts:
-                p.end(*f)
+        self._tell(i, "end")
 
 
 class BucketedReduction:
@@ -369,7 +520,8 @@ class BucketedReduction:
         """Most bytes of ZeRO-3 gathered parameters held at once this step (0: not ZeRO-3)."""
         return 0
 
-    #: ZeRO 2, 3: bytes of full gradient buffers held during the step (0: kept as state)
+    #: ZeRO 2, 3: the most bytes of full gradient buffers held at once during the step (the
+    #: plan's ``grad_buckets_in_flight``, or ``full_grads`` when reduced once per step)
     full_grad_bytes = 0
 
 

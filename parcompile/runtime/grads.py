@@ -15,9 +15,17 @@ the weight gradients a zero-bubble schedule computes later (:mod:`parcompile.run
 Autograd also runs the hook of a weight whose deferred backward returned no gradient;
 the listener is told all the same and decides (it knows which weights have gradients
 still pending).
+
+Before a gradient is added to a parameter, the parameter's ``_grad_prepare`` (if any) is
+called with it: from a tensor hook, which autograd runs before it accumulates, and from
+:func:`accumulate`. :class:`parcompile.runtime.buckets.GradBuckets` uses it under ZeRO 2/3
+to allocate a bucket's fp32 buffer only when the micro-batch's first gradient reaches it
+(the parameter's gradient then is a view of that buffer, so autograd adds into it).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -44,12 +52,24 @@ def set_main_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
 def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``g`` to the gradient of ``p`` (in fp32 for 16-bit parameters), and tell the
     parameter's listener (module docstring)."""
+    _prepare(p)
     cur = main_grad(p)
     if cur is None:
         set_main_grad(p, g.float() if is_mixed(p) else g.to(p.dtype))
     else:
         cur.add_(g.to(cur.dtype))
     _announce(p)
+
+
+def _prepare(p: torch.Tensor) -> None:
+    prepare = getattr(p, "_grad_prepare", None)
+    if prepare is not None:
+        prepare(p)
+
+
+def _prepare_hook(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Tensor hook: a gradient of ``p`` is about to be accumulated (module docstring)."""
+    _prepare(p)
 
 
 def _announce(p: torch.Tensor) -> None:
@@ -75,6 +95,7 @@ def enable_main_grads(model: nn.Module) -> None:
         if getattr(p, "_main_grad_hooked", False):
             continue
         p._main_grad_hooked = True
+        p.register_hook(functools.partial(_prepare_hook, p))
         if is_mixed(p):
             p.register_post_accumulate_grad_hook(_hook)
             p.main_grad = None

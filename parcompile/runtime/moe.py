@@ -355,8 +355,9 @@ class MoEOptimizer:
 
     @property
     def full_grad_bytes(self) -> int:
-        """ZeRO 2, 3: the full gradient buffers both parts held during the step (allocated
-        together at its start, freed after the reduce-scatters)."""
+        """ZeRO 2, 3: the full gradient buffers of both parts, each part's most held at once
+        during the step, summed (each part waits for its own reduce-scatters; the plan's
+        ``grad_buckets_in_flight`` sums the kinds alike)."""
         return sum(o.full_grad_bytes for o in self.parts)
 
     @property

@@ -8,10 +8,14 @@ padded to ``S * d`` with ``S = ceil(N / d)`` over the ``dp_cp`` group of d ranks
 i owns elements ``[i S, (i + 1) S)`` of every bucket (Megatron-LM's
 ``param_and_grad_buffer.py`` layout). One step:
 
-1. the backward accumulates full gradients (fp32) over the micro-batches; each bucket is
-   reduce-scattered as soon as its gradients are final, overlapping the rest of the
-   backward (:class:`parcompile.runtime.buckets.GradBuckets`), giving each rank the sum
-   of its slice (divided by d: the data-parallel average);
+1. ``zero = 1``: the backward accumulates full gradients (fp32) over the micro-batches;
+   each bucket is reduce-scattered as soon as its gradients are final, overlapping the
+   rest of the backward (:class:`parcompile.runtime.buckets.GradBuckets`), giving each
+   rank the sum of its slice (divided by d: the data-parallel average). ``zero = 2, 3``:
+   each bucket is reduce-scattered in every micro-batch's backward as soon as that
+   micro-batch's gradients of it are complete, added into the rank's fp32 slice (kept
+   across the step) and its full buffer freed (DeepSpeed ZeRO-2, FSDP2), so at most two
+   full buckets exist at once (the zero-bubble schedule reduces once per step);
 2. the model-parallel sums (sequence-parallel parameters over tp, the tied embedding over
    `embedding`) run on the owned slices: every rank of those groups has the same bucket
    layout, so its slices line up (Megatron-LM's ``finalize_model_grads`` after the
@@ -21,7 +25,7 @@ i owns elements ``[i S, (i + 1) S)`` of every bucket (Megatron-LM's
 5. one all-gather per bucket of the updated slices rebuilds the parameters.
 
 Stages: ``zero = 1`` keeps full gradients and parameters between steps; ``zero = 2``
-frees the full gradients after the reduce-scatter (only the slices' gradients are kept);
+holds full gradients only for the buckets in flight (only the slices' gradients are kept);
 ``zero = 3`` also frees the full parameters after the update and all-gathers them, bucket
 by bucket, where the step needs them (:class:`LayerGather`; the rule and the plan's side
 are in :mod:`parcompile.analysis.buckets`): a bucket holding the embedding or the output
@@ -30,12 +34,12 @@ of its first layer. With ``pp = 1`` a layer bucket is freed after its forward an
 gathered again before its backward in every micro-batch (FSDP's ``reshard_after_forward``,
 DeepSpeed ZeRO-3); with ``pp > 1`` it is kept across the micro-batches (torchtitan's
 FSDP + PP). Every gathered bucket is freed once its gradients are final (when its
-reduce-scatter starts), so the optimizer step runs with shards only. A gathered bucket is
+last reduce-scatter of the step starts), so the optimizer step runs with shards only. A gathered bucket is
 one padded buffer the bucket's parameters are views of; freeing it resizes the buffer's
 storage to zero, so what autograd saved (the same storage) sees the data again once it
 is gathered back (FSDP's ``resize_`` of the unsharded storage).
 The collectives are the plan's ``grads`` reduce-scatters and ``params`` all-gathers
-(``comm.collectives``): one reduce-scatter per bucket per step, one all-gather per
+(``comm.collectives``): one reduce-scatter per bucket per step (``m`` at zero 2, 3), one all-gather per
 bucket per step (``2 m`` for layer buckets with ``pp = 1`` under ZeRO-3). ZeRO-3's
 all-gathers run on a group of their own (:attr:`parcompile.runtime.context.Axis.param_group`).
 
@@ -83,7 +87,8 @@ class ShardedOptimizer(BucketedReduction):
         d = self.axis.size
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
-                                   scale=grad_scale if grad_scale is not None else 1.0 / d)
+                                   scale=grad_scale if grad_scale is not None else 1.0 / d,
+                                   per_microbatch=zero >= 2)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
@@ -122,8 +127,8 @@ class ShardedOptimizer(BucketedReduction):
         self._inflight: dict[int, tuple] = {}   # prefetched buckets: (work, input slice)
         self.just_in_time: set[int] = set()
         self.gathered = GatherMeter()
-        #: zero 2, 3: bytes of the full fp32 gradient buffers the step held until its
-        #: reduce-scatters were done (the plan's ``full_grads`` buffer)
+        #: zero 2, 3: the most bytes of full fp32 gradient buffers the step held at once (the
+        #: plan's ``grad_buckets_in_flight``; ``full_grads`` when reduced once per step)
         self.full_grad_bytes = 0
         if zero == 3:
             self.buckets.on_launch = self._release_bucket   # gradients final: no further use
@@ -181,7 +186,7 @@ class ShardedOptimizer(BucketedReduction):
             pad.grad = self._grad_shards[b.index][lo - self._own_lo(b):]
         self._sync_model_parallel()
         if self.zero >= 2:   # the full gradients are reduced: only the owned slices stay
-            self.full_grad_bytes = self.buckets.buffer_bytes()
+            self.full_grad_bytes = self.buckets.peak_bytes
             self.buckets.release()
 
     def _sync_model_parallel(self) -> None:
