@@ -215,22 +215,15 @@ def run_plain(module, plan, steps: int, on_step=None) -> tuple[list[float], list
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": train["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], foreach=True)
-    if hasattr(rt, "training_data"):       # batch(step) -> (tokens, targets with -100 where masked)
-        data = rt.training_data(module.DATA, getattr(module, "DATA_FORMAT", {}), module.VOCAB, module.SEQ_LEN,
-                                module.GLOBAL_BATCH, module.SEED, ctx)
-    else:
-        data = rt.GlobalBatches(module.DATA, module.VOCAB, module.SEQ_LEN, module.GLOBAL_BATCH, module.SEED)
+    data = rt.training_data(module.DATA, module.DATA_FORMAT, module.VOCAB, module.SEQ_LEN, module.GLOBAL_BATCH,
+                            module.SEED)           # batch(step) -> (tokens, targets with -100 where masked)
     times, losses = [], []
     for step in range(steps):
         if on_step is not None:
             on_step(step)
         t0 = CLOCK()
-        tokens = data.batch(step)
-        if isinstance(tokens, tuple):        # (tokens, targets) with -100 for ignored targets
-            tokens, targets = tokens
-            x = tokens[:, :-1]
-        else:
-            x, targets = tokens[:, :-1], tokens[:, 1:]
+        tokens, targets = data.batch(step)   # targets: -100 where ignored
+        x = tokens[:, :-1]
         opt.zero_grad(set_to_none=True)
         for g in opt.param_groups:
             g["lr"] = rt.lr_at(step, train)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from parcompile.runtime.context import Axis
-from parcompile.runtime.data import GlobalBatches, load_corpus, local_microbatches
+from parcompile.runtime.data import SyntheticBatches
+from parcompile.runtime.dataset import TrainBatches, local_rows, prepare
 from parcompile.runtime.layers import apply_rope, global_init, shard, vocab_parallel_cross_entropy
 from parcompile.runtime.train import lr_at
 
@@ -65,25 +66,21 @@ def test_rope_rotates_pairs_and_keeps_norms():
     torch.testing.assert_close(y[..., :4].norm(dim=-1), x[..., :4].norm(dim=-1))
 
 
-def test_global_batches_are_deterministic_and_split_by_rank():
-    b = GlobalBatches("synthetic", vocab=50, seq_len=8, global_batch=8, seed=3)
-    assert torch.equal(b.batch(2), b.batch(2)) and not torch.equal(b.batch(2), b.batch(3))
-    assert b.batch(0).shape == (8, 9) and int(b.batch(0).max()) < 50
-    parts = [mb for d in range(2) for mb in local_microbatches(b.batch(0), d, 2, 2)]
-    assert torch.equal(torch.cat(parts), b.batch(0))
+def test_synthetic_batches_are_deterministic_and_split_by_rank():
+    b = SyntheticBatches(vocab=50, seq_len=8, global_batch=8, seed=3)
+    (x2, y2), (x3, _) = b.batch(2), b.batch(3)
+    assert torch.equal(x2, b.batch(2)[0]) and not torch.equal(x2, x3)
+    assert x2.shape == (8, 9) and int(x2.max()) < 50 and torch.equal(y2, x2[:, 1:])
+    parts = local_rows(x2, y2, 0, 2, 2) + local_rows(x2, y2, 1, 2, 2)
+    assert torch.equal(torch.cat([t for t, _ in parts]), x2) and torch.equal(torch.cat([t for _, t in parts]), y2)
 
 
-def test_builtin_text_is_real_english_bytes():
-    corpus = load_corpus("builtin:pydoc")
-    text = bytes(corpus[:20000].tolist()).decode("utf-8", errors="replace")
-    assert corpus.numel() > 100_000 and " the " in text
-    b = GlobalBatches("builtin:pydoc", vocab=256, seq_len=32, global_batch=4, seed=1).batch(0)
-    assert b.dtype == torch.int64 and int(b.max()) < 256
-
-
-def test_text_needs_a_byte_vocabulary():
-    with pytest.raises(ValueError, match="vocab >= 256"):
-        GlobalBatches("builtin:pydoc", vocab=100, seq_len=8, global_batch=2, seed=1)
+def test_builtin_text_is_real_english_bytes(tmp_path):
+    cache = prepare("builtin:pydoc", tokenizer="bytes", cache_dir=tmp_path)
+    x, y = TrainBatches(cache, 32, 4, 1).batch(0)
+    text = bytes(cache.tokens[:20000].tolist()).decode("utf-8", errors="replace")
+    assert cache.num_tokens > 100_000 and " the " in text
+    assert x.dtype == torch.int64 and int(x.max()) < 256 and torch.equal(y, x[:, 1:])
 
 
 def test_learning_rate_schedules():
@@ -99,9 +96,9 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt is not beside this clone")
-def test_shared_corpus_loads_as_bytes():
-    corpus = load_corpus(str(SHAKESPEARE))
-    assert corpus.numel() == SHAKESPEARE.stat().st_size
-    b = GlobalBatches(str(SHAKESPEARE), vocab=256, seq_len=64, global_batch=4, seed=2).batch(0)
-    text = bytes(b[0].tolist()).decode("utf-8", errors="replace")
-    assert b.shape == (4, 65) and any(w in text.lower() for w in (" the ", " and ", " to ", " of ", "\n"))
+def test_shared_corpus_loads_as_bytes(tmp_path):
+    cache = prepare(str(SHAKESPEARE), tokenizer="bytes", cache_dir=tmp_path)
+    assert cache.num_tokens == SHAKESPEARE.stat().st_size      # one document, no end-of-text token for bytes
+    x, _ = TrainBatches(cache, 64, 4, 2).batch(0)
+    text = bytes(x[0].tolist()).decode("utf-8", errors="replace")
+    assert x.shape == (4, 65) and any(w in text.lower() for w in (" the ", " and ", " to ", " of ", "\n"))

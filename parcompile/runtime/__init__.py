@@ -8,7 +8,7 @@ from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, 
                                      reduce_from_tp)
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
-from parcompile.runtime.data import GlobalBatches, batch_digest, eval_data, local_microbatches, local_rows, resolve_source, training_data
+from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
 from parcompile.runtime.layers import (
     ACTIVATIONS,
     ColumnParallelLinear,

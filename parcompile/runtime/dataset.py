@@ -12,7 +12,7 @@ Sources (the ``data`` / ``eval_data`` keys, see ``resolve_files``): a file, a di
 (its ``.txt``, ``.jsonl``, ``.parquet`` files, recursively, sorted by path), a glob, or
 ``"builtin:pydoc"`` (the text of Python's ``pydoc_data/topics.py``). A ``.txt`` file (or
 any other explicitly named file) is one document, a ``.jsonl`` line is one, a
-``.parquet`` row is one. ``"synthetic"`` is not handled here (see ``data.GlobalBatches``).
+``.parquet`` row is one. ``"synthetic"`` is not handled here (see ``data.SyntheticBatches``).
 
 Every user mistake raises ``DataError`` naming the data file and its 1-based line (jsonl
 line, parquet row) where there is one.
@@ -1134,7 +1134,7 @@ def local_rows(tokens: torch.Tensor, targets: torch.Tensor, dp_index: int, dp_si
                micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's contiguous rows of a global batch, split into
     micro-batches of ``micro_batch`` rows: a list of (tokens (micro_batch, seq_len + 1),
-    targets (micro_batch, seq_len)) (the rule of ``data.local_microbatches``)."""
+    targets (micro_batch, seq_len)); every program's data-parallel split."""
     rows = tokens.shape[0] // dp_size
     sl = slice(dp_index * rows, (dp_index + 1) * rows)
     return list(zip(tokens[sl].split(micro_batch), targets[sl].split(micro_batch)))

@@ -213,7 +213,7 @@ def evaluate(batches, ctx: ParallelContext, model, micro_batch: int, num_chunks:
     router loss). Returns (loss on the ranks of the last model chunk, else None; the count
     of targets it averages)."""
     from parcompile.runtime.context_parallel import split_microbatch
-    from parcompile.runtime.data import local_rows
+    from parcompile.runtime.dataset import local_rows
     from parcompile.runtime.train import reduce_loss
 
     batches = [batches.batch(b) for b in range(len(batches))] if hasattr(batches, "batch") else list(batches)

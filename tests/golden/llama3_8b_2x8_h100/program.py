@@ -205,8 +205,8 @@ def main(argv=None) -> dict:
     ctx = rt.init_parallel(plan, device=DEVICE)
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
-    data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED, ctx)  # batch(step): (tokens, targets)
-    evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"], ctx)
+    data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
+    evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
     with rt.no_init() if INIT_FROM else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     if INIT_FROM:                                               # each rank reads only its slices
