@@ -8,7 +8,7 @@ A spec with errors raises :class:`SpecError`, whose ``.diagnostics`` lists them 
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from parcompile.core.version import VERSION as __version__  # noqa: E402
 
 from parcompile.diagnostics import Diagnostic, SpecError, Span  # noqa: E402
 
@@ -35,7 +35,7 @@ def compile(source, filename: str | None = None):  # noqa: A001 - SPEC fixes the
 def _compile(source, filename):
     from parcompile.driver import compile_config
     from parcompile.frontend import load_spec
-    from parcompile.search import check_layout, needs_search, resolve
+    from parcompile.search import check_layout, needs_search, resolve, settle_split
 
     cfg, warnings = load_spec(source, filename)
     result = None
@@ -44,6 +44,9 @@ def _compile(source, filename):
         seen = {(d.message, d.span) for d in warnings}
         warnings = list(warnings) + [d for d in check_layout(cfg) if d.severity == "warning"
                                      and (d.message, d.span) not in seen]
+    cfg, split_note = settle_split(cfg)   # layers that do not divide into the chunks: the uneven split
+    if split_note is not None:
+        warnings = list(warnings) + [split_note]
     plan = compile_config(cfg)
     plan.warnings = list(warnings) + list(plan.warnings)
     if result is not None:

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
-Severity = Literal["error", "warning"]
+#: ``note`` reports a decision the compiler made for the user (an automatic split), not a problem
+Severity = Literal["error", "warning", "note"]
 
 
 @dataclass(frozen=True, order=True)

@@ -23,10 +23,12 @@ import math
 from typing import Any, Iterator
 
 from parcompile.analysis.buckets import buckets_to_dict
-from parcompile.analysis.cost import analyze, kv_heads_per_rank
+from parcompile.analysis.cost import analyze
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.config.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
+from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.ir.lower import lower
@@ -40,7 +42,7 @@ from parcompile.passes.shard_data_parallel import ShardDataParallel
 from parcompile.passes.shard_experts import ShardExperts
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
-from parcompile.plan import FORMAT, Plan, _gb, version
+from parcompile.plan import FORMAT, Plan, _gb
 
 #: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
 MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
@@ -91,13 +93,6 @@ def run_pass(p: Pass, graph: Graph, ctx: PassContext, check: bool = True) -> Non
         raise PassError(p.name, ctx.current_op or getattr(e, "op", None), e) from e
 
 
-def kv_head_replicas(cfg: SpecConfig) -> int:
-    """Ranks of a tp group holding the same kv head: ``tp / kv_heads`` when serving with tp
-    a multiple of kv_heads (vLLM), else 1."""
-    m, tp = cfg.model, cfg.parallel.tp
-    return tp // m.kv_heads if m.kv_heads % tp and tp % m.kv_heads == 0 else 1
-
-
 def compile_config(cfg: SpecConfig) -> Plan:
     """Compile a validated config into a :class:`Plan`.
 
@@ -108,14 +103,6 @@ def compile_config(cfg: SpecConfig) -> Plan:
     """
     par, model = cfg.parallel, cfg.model
     ctx = PassContext.of(cfg)
-    if par.sequence_parallel and par.tp > 1 and par.cp > 1:
-        # the IR splits a dim over one mesh axis; Megatron-Core's SP x CP splits seq over both
-        raise SpecError([Diagnostic(
-            "error", f"sequence_parallel with cp = {par.cp} is not supported yet",
-            cfg.span("parallel.sequence_parallel"),
-            help="use context parallelism (cp) or sequence parallelism, not both; for long "
-                 "sequences cp alone splits the sequence in every layer")])
-
     if model.experts > 0 and par.tp > 1 and not par.sequence_parallel:
         # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
         raise SpecError([Diagnostic(
@@ -151,7 +138,7 @@ def compile_config(cfg: SpecConfig) -> Plan:
             f"the plan needs {_gb(worst.total)} per GPU on stage {worst.stage}, "
             f"more than the {_gb(memory.capacity)} available",
             cfg.span("cluster.memory"),
-            help=does_not_fit_help(par),
+            help=does_not_fit_help(par, cfg.model.dtype),
             code="does-not-fit",
         ))
 
@@ -182,8 +169,8 @@ def compile_config(cfg: SpecConfig) -> Plan:
             "params": params.params,
             "active_params": params.active_params,
             "padded_vocab": model.padded_vocab(par.tp),
-            "kv_heads_per_rank": kv_heads_per_rank(cfg),
-            "kv_head_replicas": kv_head_replicas(cfg),
+            "kv_heads_per_rank": kv_heads_per_rank(model.kv_heads, par.tp),
+            "kv_head_replicas": kv_head_replicas(model.kv_heads, par.tp),
             "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
             "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn_hidden": model.ffn_hidden,
             "vocab": model.vocab, "seq_len": model.seq_len, "dtype": model.dtype,
@@ -229,6 +216,7 @@ def compile_config(cfg: SpecConfig) -> Plan:
         # reduction the backward hides (analysis/estimate.py: grad_overlap)
         data["comm"]["grad_buckets"] = {
             "bucket_size": par.bucket_size,
+            "reduce_dtype": par.reduce_dtype,
             "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in params.per_stage],
         }
         data["estimate"]["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]

@@ -29,6 +29,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
+from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.config.text import plural
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.plan import Plan
@@ -43,7 +44,6 @@ TORCHTITAN_SCHEDULE = {
     ("interleaved_1f1b", True): "Interleaved1F1B", ("zero_bubble", True): "InterleavedZeroBubble",
     ("interleaved_1f1b", False): "1F1B",
 }
-TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 @dataclass
@@ -102,6 +102,16 @@ def _reduces_over_dp(plan: Plan) -> bool:
     """Whether some gradient is reduced over data parallelism (dp * cp or expert_dp > 1)."""
     deg = plan.data["degrees"]
     return deg["dp"] * deg["cp"] > 1 or deg.get("expert_dp", 1) > 1
+
+
+def _reduce_dtype(plan: Plan) -> str:
+    """The dtype the plan reduce-scatters gradient buckets in: ``parallel.reduce_dtype`` where
+    it applies (zero 2, 3 reducing per micro-batch), else fp32
+    (:func:`parcompile.analysis.buckets.bucket_element_bytes`)."""
+    from parcompile.analysis.buckets import bucket_element_bytes
+
+    par = plan.config.parallel
+    return "fp32" if bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
 
 
 def _stage_split(plan: Plan) -> list[int]:
@@ -253,6 +263,14 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         add("--bf16")
     elif m.dtype == "fp16":
         add("--fp16")
+    if _reduce_dtype(plan) == "bf16":
+        add("--grad-reduce-in-bf16")
+        notes.append("reduce_dtype bf16: --grad-reduce-in-bf16 also keeps Megatron-LM's gradient buffer in bf16 "
+                     "across the micro-batches; parcompile adds each micro-batch's reduced bf16 gradients into "
+                     "fp32 shards")
+    elif _reduce_dtype(plan) == "fp16":
+        notes.append("reduce_dtype fp16: Megatron-LM reduces fp16 models' gradients in fp32 (its main_grad "
+                     "buffer); not expressible")
     # optimizer and schedule
     if tr.optimizer == "sgd":
         add("--optimizer", "sgd")
@@ -406,11 +424,12 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
         "steps": tr.steps,
         "max_norm": tr.grad_clip,
         "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
-        "mixed_precision_reduce": "float32",
+        "mixed_precision_reduce": "bfloat16" if _reduce_dtype(plan) == "bf16" else "float32",
         "dataset": "c4_test",
     }
     if m.dtype == "fp16":
-        notes.append("dtype fp16: torchtitan's FSDP mixed precision takes bfloat16 or float32; exported as float32")
+        notes.append("dtype fp16: torchtitan's FSDP mixed precision takes bfloat16 or float32; exported as float32"
+                     + (" (reduce_dtype fp16 too)" if _reduce_dtype(plan) == "fp16" else ""))
     if m.dtype == "bf16" and shard == 1:
         notes.append("dtype bf16: torchtitan applies mixed_precision_param through FSDP only; without sharding "
                      "(zero = 0) training runs in float32")
@@ -499,6 +518,9 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         "bf16": {"enabled": m.dtype == "bf16"},
         "fp16": {"enabled": m.dtype == "fp16"},
     }
+    if m.dtype != "fp32" and _reduces_over_dp(plan):
+        # DeepSpeed reduces in the model's dtype unless told; the plan's reduce dtype
+        c["communication_data_type"] = _reduce_dtype(plan)
     if tr.optimizer == "sgd":
         c["optimizer"] = {"type": "SGD", "params": {"lr": tr.lr, "weight_decay": tr.weight_decay}}
     else:

@@ -20,16 +20,6 @@ from parcompile.ir.printer import dot, dump
 FORMAT = "parcompile.plan/1"
 
 
-def version() -> str:
-    """``parcompile.__version__`` when defined, else ``"0.1.0"``."""
-    try:
-        import parcompile
-
-        return str(getattr(parcompile, "__version__", "0.1.0"))
-    except Exception:  # pragma: no cover - partial package during development
-        return "0.1.0"
-
-
 @dataclass
 class Plan:
     """A compiled spec. ``data`` is the plan.json dict (SPEC 3 plus extensions:
@@ -71,7 +61,7 @@ class Plan:
         """A readable markdown report of the plan."""
         from parcompile.config.checks import does_not_fit_help
 
-        return render_report(self.data, does_not_fit_help(self.config.parallel))
+        return render_report(self.data, does_not_fit_help(self.config.parallel, self.config.model.dtype))
 
 
 class _Unusual(Exception):
@@ -270,12 +260,15 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
         for c in d["comm"]["collectives"]:
             if c["where"] in ("params", "expert_params"):
                 gathers[c["stage"]] = gathers.get(c["stage"], 0) + c["count"]
-        when = ("freed after each micro-batch's forward and gathered again for its backward (pp = 1, "
-                "FSDP's reshard after forward)" if d["degrees"]["pp"] == 1 else
-                "kept across the step's micro-batches (pp > 1, as torchtitan's FSDP + PP)")
-        out += ["ZeRO-3 gathers parameters per gradient bucket where they are used: the embedding and "
-                "output buckets for the step, each bucket of decoder layers just before its first layer, "
-                f"prefetched one layer ahead, {when}, and freed once its gradients are reduced. Held at "
+        when = ("every bucket just before its first unit (embedding, decoder layers, output layer), prefetched "
+                "one unit ahead, freed after each micro-batch's forward and gathered again for its backward "
+                "(pp = 1, FSDP's reshard after forward; the output layer's kept through its backward, the "
+                "embedding's not regathered, a tied embedding's kept for the step)" if d["degrees"]["pp"] == 1 else
+                "the embedding and output buckets for the step, each bucket of decoder layers just before its "
+                "first layer, prefetched one layer ahead, kept across the step's micro-batches (pp > 1, as "
+                "torchtitan's FSDP + PP)")
+        out += ["ZeRO-3 gathers parameters per gradient bucket where they are used: "
+                f"{when}, and frees each once its gradients are reduced. Held at "
                 "most at once (`zero3_gather`): " + "; ".join(
                     f"stage {st}: {_gb(b)}, {gathers.get(st, 0):,} all-gathers per step" for st, b in gathered)
                 + ".", ""]
@@ -324,7 +317,9 @@ def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
            else "in one bucket per model chunk, reduced after the backward (bucket_size = 0)")
     out = ["## Gradient reduction (data parallel)", "",
            f"Each rank reduces its gradients {how}; with zero = 2 or 3 every bucket is reduce-scattered "
-           "in each micro-batch's backward, otherwise once, in the last micro-batch's. Time per step from "
+           "in each micro-batch's backward" + (f", in {gb['reduce_dtype']} (reduce_dtype), into fp32 shards"
+                                               if gb.get("reduce_dtype", "fp32") != "fp32" else "") +
+           ", otherwise once, in the last micro-batch's. Time per step from "
            "the estimate: the part hidden behind the backward, and the part exposed after it.", "",
            "| stage | buckets | bucket sizes | reduction | hidden | exposed |", "|---|---|---|---|---|---|"]
     deg = d["degrees"]

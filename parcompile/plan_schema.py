@@ -18,10 +18,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from parcompile.core.axes import GROUP_AXES
+
 #: the ``$id`` of the published schema
 SCHEMA_ID = "https://parcompile.dev/schemas/plan.schema.json"
 
-Axis = Literal["tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding"]
+Axis = Literal[GROUP_AXES]  # every group of the plan (parcompile.core.axes)
 RankGroups = list[list[int]]
 
 
@@ -119,7 +121,8 @@ class StageMemory(_Strict):
     optimizer: int = Field(ge=0)
     activations: int = Field(ge=0)
     kv_cache: int = Field(ge=0)
-    buffers: int = Field(ge=0, description="temporary buffers, part of total (extension)")
+    buffers: int = Field(ge=0, description="temporary buffers at their peak, part of total (extension): the sum "
+                                           "of buffer_parts, the larger of logits and recompute (never alive at once)")
     buffer_parts: dict[str, int] = Field(description="buffers itemised by what they hold (extension)")
     total: int = Field(ge=0)
     activations_per_layer: list[list[int]] = Field(
@@ -185,6 +188,9 @@ class GradBuckets(_Strict):
     grouped for the data-parallel reduction."""
 
     bucket_size: int = Field(ge=0, description="fp32 gradient bytes at which a bucket closes; 0: one per chunk")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="parallel.reduce_dtype: the dtype of the full buckets reduce-scattered per "
+                            "micro-batch (zero 2, 3), added into the fp32 gradient shard")
     per_stage: list[StageBuckets]
 
 

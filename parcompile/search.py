@@ -27,27 +27,30 @@ candidate's layout, compiled as if the user had written it.
 
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 import time
+from fractions import Fraction
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from parcompile.analysis.comm import CollectiveEntry, comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, efficiency, links_inside,
-                                          optimizer_time, pipeline_parts, step_time_parts)
-from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, memory_from_parts,
-                                        saved_bytes)
+                                          optimizer_time, pipeline_parts)
+from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, buffer_total,
+                                        memory_from_parts, saved_bytes)
 from parcompile.analysis.calibration import cost_without_schedule
-from parcompile.analysis.buckets import (GradUnit, buckets_in_flight, partition, reduces_per_microbatch,
-                                        reshard_after_forward, shard_elements, zero3_gathered)
+from parcompile.analysis.buckets import (GradUnit, bucket_element_bytes, buckets_in_flight, partition,
+                                        reduces_per_microbatch, reshard_after_forward, shard_elements, zero3_gathered)
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
 from parcompile.passes.groups import axis_inside_node
+from parcompile.passes.split_pipeline_stages import candidate_splits
 
 #: keys `auto` may stand for (SPEC 1 `parallel`, extended)
 SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "zero", "recompute",
@@ -56,6 +59,9 @@ SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "z
 MAX_MICRO_BATCH = 16
 #: candidates re-timed with their simulated schedule
 RETIME = 24
+#: step times within this fraction of the fastest split's count as ties (Coster.choose_split):
+#: below the estimate's own resolution
+SPLIT_TIME_TIE = 0.01
 #: the order ties are broken in (simpler first)
 _SCHEDULE_RANK = {"1f1b": 0, "interleaved_1f1b": 1, "zero_bubble": 2, "gpipe": 3}
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
@@ -72,19 +78,92 @@ def needs_search(cfg: SpecConfig) -> bool:
 # Costing one layout from a probe
 
 
-@dataclass
-class _Probe:
-    """What one three-layer probe graph gives, per recompute mode (module docstring)."""
+class _PerMode(dict):
+    """``recompute mode -> value``, each computed the first time it is read."""
 
-    compute: dict[str, Any]
-    comm: Any
-    saved: dict[str, SavedBytes]
-    bufs: dict[str, list[dict[str, int]]]
-    params: list[StageParams]
-    model_flops: tuple       # per probe chunk: one micro-batch, dp = 1 (global, unpadded)
-    hw_flops: dict[str, int]
-    degrees: dict[str, int]
-    times: dict[tuple, ChunkTimes] = field(default_factory=dict)
+    def __init__(self, make: Callable[[str], Any]):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, rc: str) -> Any:
+        got = self[rc] = self._make(rc)
+        return got
+
+
+class _Probe:
+    """What one three-layer probe graph gives (module docstring). The graph is built and
+    run through the passes once; each analysis runs the first time a layout reads it, per
+    recompute mode (``compute``, ``comm``, ``saved``, ``bufs``: mappings ``rc -> report``),
+    so a family of layouts the search bounds out early costs the passes and the reports it
+    read only."""
+
+    def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int):
+        from parcompile.driver import PASSES, run_pass
+        from parcompile.ir.lower import lower
+        from parcompile.passes.base import PassContext
+
+        pcfg = self.pcfg = _probe_config(cfg, tp, cp, sp, mb, ep, expert_tp)
+        ctx = PassContext.of(pcfg)
+        try:
+            g = lower(pcfg.model, batch=mb, origin=cfg.span("model"))
+        except NotImplementedError:
+            raise SpecError([Diagnostic(
+                "error", f"mixture-of-experts models (experts = {cfg.model.experts}) cannot be searched yet",
+                cfg.span("model.experts"), help="set experts = 0 for a dense model",
+                note="MoE layers are not lowered yet (issue 8)")]) from None
+        for p in PASSES:
+            if p.name == "schedule-pipeline":
+                break
+            run_pass(p, g, ctx, check=False)
+        self.graph = g
+        self.degrees: dict[str, int] = ctx.degrees
+        self.compute = _PerMode(self._compute)
+        self.comm = _PerMode(self._comm)
+        self.saved = _PerMode(self._saved)
+        self.bufs = _PerMode(self._bufs)
+        self.times: dict[tuple, ChunkTimes] = {}
+        self._params: list[StageParams] | None = None
+        self._model_flops: tuple | None = None
+
+    def _compute(self, rc: str):
+        m, tp = self.pcfg.model, self.pcfg.parallel.tp
+        return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc)
+
+    def _comm(self, rc: str):
+        if rc == "selective":   # the same collectives as without recomputation
+            return self.comm["none"]
+        return comm_report(self.graph, self.degrees, 1, rc, 3)
+
+    def _saved(self, rc: str) -> SavedBytes:
+        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0)
+
+    def _bufs(self, rc: str) -> list[dict[str, int]]:
+        pcfg = self.pcfg
+        rcfg = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
+        return buffer_bytes(self.graph, rcfg, self.degrees, self.saved[rc])
+
+    @property
+    def params(self) -> list[StageParams]:
+        if self._params is None:
+            self._params = stage_params(self.graph, self.degrees, 3, self.pcfg.model.tie_embeddings)
+        return self._params
+
+    @property
+    def model_flops(self) -> tuple:
+        """Per probe chunk: model FLOPs of one micro-batch, dp = 1 (global, unpadded vocabulary)."""
+        if self._model_flops is None:
+            from parcompile.analysis.compute import BACKWARD_FACTOR, op_fwd_flops
+
+            g, m, tp = self.graph, self.pcfg.model, self.pcfg.parallel.tp
+            chunk = [0, 0, 0]
+            for nd in g.nodes():
+                fl = op_fwd_flops(g, nd)
+                if fl:
+                    fl = fl * m.vocab // m.padded_vocab(tp) if nd.type.has_dim("vocab") else fl
+                    chunk[nd.chunk or 0] += fl * (1 + BACKWARD_FACTOR)
+            assert sum(chunk) == self.compute["none"].model_flops_per_step
+            self._model_flops = tuple(chunk)
+        return self._model_flops
 
 
 def _probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int) -> SpecConfig:
@@ -95,45 +174,7 @@ def _probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int,
 
 
 def _build_probe(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int) -> _Probe:
-    from parcompile.driver import PASSES, run_pass
-    from parcompile.ir.lower import lower
-    from parcompile.passes.base import PassContext
-
-    pcfg = _probe_config(cfg, tp, cp, sp, mb, ep, expert_tp)
-    ctx = PassContext.of(pcfg)
-    try:
-        g = lower(pcfg.model, batch=mb, origin=cfg.span("model"))
-    except NotImplementedError:
-        raise SpecError([Diagnostic(
-            "error", f"mixture-of-experts models (experts = {cfg.model.experts}) cannot be searched yet",
-            cfg.span("model.experts"), help="set experts = 0 for a dense model",
-            note="MoE layers are not lowered yet (issue 8)")]) from None
-    for p in PASSES:
-        if p.name == "schedule-pipeline":
-            break
-        run_pass(p, g, ctx, check=False)
-    deg = ctx.degrees
-    m = pcfg.model
-    comp, saved, bufs = {}, {}, {}
-    for rc in ("none", "selective", "full"):
-        comp[rc] = compute_report(g, deg, 3, m.vocab, m.padded_vocab(tp), 1, rc)
-        saved[rc] = saved_bytes(g, deg, 3, rc, m.dropout > 0)
-        rcfg = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
-        bufs[rc] = buffer_bytes(g, rcfg, deg, saved[rc])
-    from parcompile.analysis.compute import BACKWARD_FACTOR, op_fwd_flops
-    model_chunk = [0, 0, 0]
-    for nd in g.nodes():
-        fl = op_fwd_flops(g, nd)
-        if fl:
-            fl = fl * m.vocab // m.padded_vocab(tp) if nd.type.has_dim("vocab") else fl
-            model_chunk[nd.chunk or 0] += fl * (1 + BACKWARD_FACTOR)
-    comm = comm_report(g, deg, 1, "none", 3)
-    comm_full = comm_report(g, deg, 1, "full", 3)
-    params = stage_params(g, deg, 3, m.tie_embeddings)
-    assert sum(model_chunk) == comp["none"].model_flops_per_step
-    return _Probe(comp, {"none": comm, "selective": comm, "full": comm_full}, saved, bufs, params,
-                  tuple(model_chunk), {rc: c.hardware_flops_per_step for rc, c in comp.items()},
-                  deg)
+    return _Probe(cfg, tp, cp, sp, mb, ep, expert_tp)
 
 
 def _compose(probe3: tuple, counts: tuple[int, ...]) -> tuple:
@@ -196,6 +237,23 @@ def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tie
     return out
 
 
+def _step_entries(cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+    """The step's collectives of layout ``cfg`` (:func:`~parcompile.passes.insert_collectives.step_collectives`)
+    as the rows :func:`~parcompile.analysis.estimate._dp_exposed` reads."""
+    from parcompile.passes.insert_collectives import step_collectives
+
+    return [CollectiveEntry(op, axis, nb, count, where, s, "step")
+            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, sps)]
+
+
+@dataclass(frozen=True)
+class _ScaledComm:
+    """A :class:`~parcompile.analysis.comm.CommReport` reduced to what
+    :func:`~parcompile.analysis.estimate.chunk_times` reads (:meth:`Coster.family_floor`)."""
+
+    raw: tuple
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One costed layout: its :class:`ParallelConfig` and what the cost model says."""
@@ -230,6 +288,8 @@ class Candidate:
             parts.append(f"schedule={p.schedule}")
         if p.sequence_parallel:
             parts.append("sp")
+        if p.stage_layers is not None and len(set(p.stage_layers)) > 1:
+            parts.append("split=" + "/".join(map(str, p.stage_layers)))
         return " ".join(parts)
 
     def key(self) -> tuple:
@@ -247,10 +307,19 @@ class Coster:
         self.eff = efficiency(cfg.cluster)
         self.probes: dict[tuple, _Probe] = {}
         self.inside: dict[tuple, dict[str, bool]] = {}
-        self.pipes: dict[tuple, tuple[float, dict]] = {}
+        self.pipes: dict[tuple, tuple[ChunkTimes, float, dict]] = {}
         self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
         self.shard_sums: dict[tuple, tuple] = {}
+        self.state_floors: dict[tuple, int] = {}
+        self.param_probes: dict[tuple, _Probe] = {}
+        self.base_works: dict[tuple, float] = {}
+        self.sims: dict[tuple, tuple[float, dict]] = {}
+        self.action_lists: dict[tuple, list] = {}
+        self.exposed: dict[ParallelConfig, tuple[float, float]] = {}
+        self.stage_param_sets: dict[tuple, list[StageParams]] = {}
+        self.step_sets: dict[tuple, list[CollectiveEntry]] = {}
+        self.dp_groups: dict[tuple, tuple[SpecConfig, list[CollectiveEntry]]] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -275,7 +344,10 @@ class Coster:
                          t.bubble_fraction, dict(t.breakdown), rep.memory if with_memory else None, False)
 
     def probe(self, par: ParallelConfig) -> _Probe:
-        key = (par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp)
+        return self.probe_of((par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp))
+
+    def probe_of(self, key: tuple) -> _Probe:
+        """The probe of ``(tp, cp, sequence_parallel, micro_batch, ep, expert_tp)``, built once."""
         got = self.probes.get(key)
         if got is None:
             got = self.probes[key] = _build_probe(self.cfg, *key)
@@ -289,6 +361,159 @@ class Coster:
             got = self.inside[key] = {a: axis_inside_node(par, a, gpn) for a in _AXES}
         return got
 
+    def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:
+        """The probe's three chunk times under ``par``'s links (whether each axis's groups
+        sit inside a node), its recompute mode's, with the links and the cache key."""
+        inside = self._inside(par)
+        rc = par.recompute
+        key = (rc, tuple(sorted(inside.items())))
+        ct3 = pr.times.get(key)
+        if ct3 is None:
+            links = links_inside(self.cfg.cluster, inside, self.eff)
+            tcfg = pr.pcfg.model_copy(update={"parallel": ParallelConfig(
+                dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=par.micro_batch,
+                global_batch=par.micro_batch, recompute=rc, sequence_parallel=par.sequence_parallel)})
+            ct3 = pr.times[key] = chunk_times(tcfg, pr.degrees, None, pr.compute[rc], pr.comm[rc], links)
+        return ct3, links_inside(self.cfg.cluster, inside, self.eff), key
+
+    def _pipeline(self, cfg: SpecConfig, pr: _Probe, ct3: ChunkTimes, tkey: tuple,
+                  counts: tuple[int, ...]) -> tuple[ChunkTimes, float, dict]:
+        """The candidate's chunk times (the probe's, :func:`_compose`\\ d over ``counts``) and
+        its closed-form pipeline (:func:`~parcompile.analysis.estimate.pipeline_parts`:
+        makespan with transfers, breakdown), cached: they depend on neither ZeRO nor the
+        schedule."""
+        par = cfg.parallel
+        m = par.num_microbatches
+        key = (id(pr), tkey, par.pp, par.virtual_stages, m, counts)
+        got = self.pipes.get(key)
+        if got is None:
+            fams = ("tp", "cp", "ep")
+            ct = ChunkTimes(_compose(ct3.matmul_f, counts), _compose(ct3.memory_f, counts),
+                            _compose(ct3.recompute, counts),
+                            {f: _compose(ct3.comm_f[f], counts) for f in fams},
+                            {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p)
+            span, parts = pipeline_parts(cfg, ct, m)
+            got = self.pipes[key] = (ct, span, parts)
+        return got
+
+    def span_floor(self, par: ParallelConfig) -> float:
+        """A lower bound on the estimated step time of layout ``par``, whatever its split: the
+        closed-form makespan
+        (:func:`~parcompile.analysis.estimate._closed_form_makespan`, ``m * max(work) +
+        (pp - 1) / v * mean(work)``, where ``work`` is a rank's forward and backward of one
+        micro-batch through its chunks, transfers included) is at least ``(m + (pp - 1) / v)
+        * mean(work)``, and the ranks' work summed over all chunks does not depend on the
+        split: ``layers * middle + (first - middle) + (last - middle)`` of the probe's chunks
+        (:func:`_compose` summed), plus a transfer each way between adjacent chunks; the
+        step adds the (non-negative) exposed data-parallel time and optimizer step. Reduced by a
+        relative 1e-9 for rounding (the estimate sums in another order)."""
+        pr = self.probe(par)
+        ct3, _links, _key = self._chunk_times3(pr, par)
+        pp, v, m, layers = par.pp, par.virtual_stages, par.num_microbatches, self.cfg.model.layers
+        fb = [ct3.fwd(k) + ct3.bwd(k) for k in range(3)]
+        work = layers * fb[1] + (fb[0] - fb[1]) + (fb[2] - fb[1])
+        if pp > 1:
+            work += 2 * (pp * v - 1) * ct3.p2p
+        return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
+
+    def family_floor(self, reps: dict[int, ParallelConfig], groups: Iterable[tuple[int, int, int, str]]) -> float:
+        """A lower bound on the closed-form step time of every layout of ``par``'s probe
+        family (its ``tp, cp, sequence_parallel, micro_batch, ep, expert_tp``), without
+        building that family's probe: ``groups`` are the family's ``(pp, virtual_stages,
+        num_microbatches, recompute)`` to bound, ``reps`` a layout of the family per ``pp``
+        (for its links).
+
+        From the probe of the same ``tp, sequence_parallel, ep, expert_tp`` at micro-batch 1
+        and ``cp0 = min(cp, 2)``, whose FLOPs, bytes moved and collective sizes are scaled by
+        ``micro_batch * cp0 / cp``. This rests on two facts of the probe graphs:
+
+        * the passes do not read the micro-batch nor cp's value beyond ``cp > 1``: the
+          graphs of one ``tp, sequence_parallel, ep, expert_tp`` and ``cp > 1`` have the
+          same ops, shardings and collectives, and differ in the local sizes only;
+        * each FLOP count, byte count and collective size of a chunk is a sum of products
+          of local dims in which the batch dim (local size ``micro_batch``: the probe has
+          ``dp = 1``) appears once in every term, and ``seq`` split over cp (local size
+          ``seq / cp``) at most once; so each is ``micro_batch`` times its value at
+          micro-batch 1, and at least ``cp0 / cp`` times its value at ``cp0``.
+
+        Collective times (:func:`~parcompile.analysis.estimate.collective_time`) do not
+        decrease with the bytes or the group size, so the scaled probe's chunk times, with
+        the family's own group sizes and links, are at most the family's; the step is then
+        at least ``(m + (pp - 1) / v) * mean(work)`` (:meth:`span_floor`, without the
+        transfers). ``tests/test_search.py`` checks the bound against the families' own
+        probes. Reduced by a relative 1e-9 for rounding."""
+        par = next(iter(reps.values()))
+        tp, cp, mb, sp = par.tp, par.cp, par.micro_batch, par.sequence_parallel
+        cp0 = min(cp, 2)
+        base = self.probe_of((tp, cp0, sp, 1, par.ep, par.expert_tp))
+        r = mb * cp0 / cp
+        layers = self.cfg.model.layers
+        works: dict[tuple, float] = {}
+        best = math.inf
+        for pp, v, m, rc in groups:
+            inside = self._inside(reps[pp])
+            w = works.get((pp, rc))
+            if w is None:
+                comm = base.comm[rc]
+                axes = sorted({c.axis for _s, _k, c in comm.raw} - {"pp"})
+                key = (id(base), rc, cp, mb, tuple((a, inside.get(a, True)) for a in axes))
+                w = self.base_works.get(key)
+                if w is None:
+                    comp = base.compute[rc]
+                    scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
+                                     chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
+                                     chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
+                                     chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
+                    raw = _ScaledComm(tuple((s, k, replace(c, bytes=c.bytes * r)) for s, k, c in comm.raw
+                                            if c.axis != "pp"))
+                    tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
+                        dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
+                        global_batch=mb, recompute=rc, sequence_parallel=sp)})
+                    ct = chunk_times(tcfg, dict(base.degrees, cp=cp), None, scaled, raw,
+                                     links_inside(self.cfg.cluster, inside, self.eff))
+                    fb = [ct.fwd(k) + ct.bwd(k) for k in range(3)]
+                    w = self.base_works[key] = layers * fb[1] + (fb[0] - fb[1]) + (fb[2] - fb[1])
+                works[(pp, rc)] = w
+            best = min(best, (m + (pp - 1) / v) * w / pp)
+        return best * (1 - 1e-9)
+
+    def state_floor(self, par: ParallelConfig) -> int:
+        """A lower bound on the memory peak of training layout ``par`` from its model states
+        alone (parameters, fp32 gradients and optimizer states; :meth:`peak`'s
+        ``states``), whatever its split, micro-batch, schedule or recomputation: every
+        other term of a stage's total is a byte count, so the peak is at least the largest
+        stage's states, hence their mean over the ``pp`` stages. Summed over the stages the
+        parameters are the probe's ``layers * middle + first + last - 2 middle`` (a tied
+        head read by the embedding on one rank counted once), and each stage's sharded
+        elements (``sum ceil(n_b / d)`` over its buckets) are at least ``n / d``, so the
+        sum is at least the table of :mod:`parcompile.analysis.memory` applied to the whole
+        model's elements with exact division. Needs only the parameters of a probe with
+        the same ``tp, ep, expert_tp`` (they depend on nothing else). Cached."""
+        model = self.cfg.model
+        d, ed, z, pp = par.dp * par.cp, par.expert_dp, par.zero, par.pp
+        key = (par.tp, par.ep, par.expert_tp, pp, d, ed, z)
+        got = self.state_floors.get(key)
+        if got is None:
+            pkey = (par.tp, par.ep, par.expert_tp)
+            pr = self.param_probes.get(pkey)
+            if pr is None:
+                pr = self.param_probes[pkey] = next(
+                    (p for k, p in self.probes.items() if (k[0], k[4], k[5]) == pkey), None) or self.probe(par)
+            first, mid, last = pr.params
+            e = model.dtype_bytes
+            opt_per = 4 * OPTIMIZER_STATES[self.cfg.train.optimizer] + (4 if e < 4 else 0)
+            total = Fraction(0)
+            for kind, dd in (("dense", d), ("expert", ed)):
+                n = model.layers * getattr(mid, kind) + getattr(first, kind) + getattr(last, kind) \
+                    - 2 * getattr(mid, kind)
+                if kind == "dense" and model.tie_embeddings and pp == 1:
+                    n -= last.embedding
+                shard = Fraction(n, dd)
+                total += (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else n)
+                          + opt_per * (shard if z >= 1 else n))
+            got = self.state_floors[key] = math.ceil(total / pp)
+        return got
+
     def _stage_layers(self, counts: tuple[int, ...], pp: int) -> tuple[int, ...]:
         """Layers per pipeline rank: the sum of ``counts`` over the rank's chunks."""
         key = (counts, pp)
@@ -299,7 +524,9 @@ class Coster:
 
     def _buffer_sums(self, pr: _Probe, rc: str, pp: int) -> tuple[int, int, int]:
         """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
-        composes them), and of the only rank when pp = 1 (returned as the first)."""
+        composes them; :func:`parcompile.analysis.memory.buffer_total`: the logits and the
+        recomputation's working set are never alive at once), and of the only rank when
+        pp = 1 (returned as the first)."""
         key = (id(pr), rc, pp == 1)
         got = self.buf_sums.get(key)
         if got is None:
@@ -312,7 +539,7 @@ class Coster:
                         b[k2] = max(b.get(k2, 0), x)
                 if pp == 1:
                     b.pop("p2p", None)
-                out.append(sum(b.values()))
+                out.append(buffer_total(b))
             got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
@@ -321,7 +548,8 @@ class Coster:
         """(dense, expert, zero3, in_flight) for one model chunk of ``n`` layers on one rank:
         elements of sharded state (the sum over its gradient buckets of ``ceil(n_b / d)``),
         the ZeRO-3 gathered elements ``(step_long, just_in_time)`` of
-        :func:`parcompile.analysis.buckets.zero3_gathered`, and the full gradient elements
+        :func:`parcompile.analysis.buckets.zero3_gathered` (with ``pp1`` every bucket just in
+        time, but a tied embedding's, which the LM head reads too), and the full gradient elements
         in flight ``(dense, expert)`` of :func:`parcompile.analysis.buckets.buckets_in_flight`
         (buckets close at chunk ends, so a stage's is the largest of its chunks')."""
         key = (id(pr), first, last, n, pp1, tied, bucket_size, d, ed)
@@ -330,7 +558,8 @@ class Coster:
             units = _chunk_units(pr.params, first, last, n, pp1, tied)
             dense, expert = partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
             got = self.shard_sums[key] = (shard_elements(dense, d), shard_elements(expert, ed),
-                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2)),
+                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2),
+                                                         pp1 and tied),
                                           (buckets_in_flight(dense, d), buckets_in_flight(expert, ed)))
         return got
 
@@ -400,11 +629,11 @@ class Coster:
             acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
             gathered = e * (step_long + jit) if z >= 3 else 0
             # ZeRO 2, 3: the full gradient buffers during the step (memory.full_grad_bytes): the
-            # buckets in flight when reduced per micro-batch, else all of them
+            # buckets in flight when reduced per micro-batch (in the reduce dtype), else all of them
             if z < 2:
                 full_grads = 0
             elif per_mb:
-                full_grads = 4 * (fly + efly)
+                full_grads = bucket_element_bytes(z, sched, par.reduce_dtype) * (fly + efly)
             else:
                 full_grads = 4 * ((shard * d if d > 1 else 0) + (eshard * ed if ed > 1 else 0))
             total = (states(dense, shard, d) + states(expert, eshard, ed) + acts + gathered + full_grads
@@ -413,8 +642,299 @@ class Coster:
                 peak = total
         return peak, int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
 
-    def cost(self, cfg: SpecConfig, simulate: bool = False, with_memory: bool = False) -> Candidate:
-        """Cost ``cfg`` (a spec with every degree given): memory peak, step time, MFU."""
+    def memory_floor(self, cfg: SpecConfig, splits: list[tuple[int, ...]]) -> int:
+        """A lower bound on :meth:`peak` of training layout ``cfg`` over ``splits`` (its
+        candidate splits, or its one split), from its probe without composing any split:
+        the first pipeline rank's total with the fewest layers any split gives it. That
+        total is, as :meth:`peak` adds it up, the model states of its parameters (at
+        least the table of :mod:`parcompile.analysis.memory` with exact division, its
+        sharded elements being at least ``n / d``), the activations of its in-flight
+        micro-batches (``num * body // den``, at least ``num * body / den - 1``), its
+        buffers (:meth:`_buffer_sums`) and byte counts that are not negative (the output
+        layer's activations, ZeRO-3's gathered parameters, gradient buckets in flight);
+        each grows with the rank's layers. ``tests/test_search.py`` checks the bound
+        against :meth:`peak`."""
+        par, model = cfg.parallel, cfg.model
+        pr = self.probe(par)
+        pp, v, m, z, rc = par.pp, par.virtual_stages, par.num_microbatches, par.zero, par.recompute
+        e = model.dtype_bytes
+        opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
+        first, mid, last = pr.params
+        n = min(sum(c[0::pp]) for c in splits)   # the first rank's layers
+        total = Fraction(0)
+        for kind, dd in (("dense", par.dp * par.cp), ("expert", par.expert_dp)):
+            x = n * getattr(mid, kind) + getattr(first, kind) - getattr(mid, kind)
+            if pp == 1:
+                x += getattr(last, kind) - getattr(mid, kind)
+                if kind == "dense" and model.tie_embeddings:
+                    x -= last.embedding
+            shard = Fraction(x, dd)
+            total += e * (shard if z >= 3 else x) + 4 * (shard if z >= 2 else x) + opt_per * (shard if z >= 1 else x)
+        sv = pr.saved[rc]
+        (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
+        body = n * (pb_ - ob) + (pa - oa) - (pb_ - ob)
+        if pp == 1:
+            body += (pc - oc) - (pb_ - ob)
+        if par.schedule == "gpipe":
+            num, den = m, 1
+        elif par.schedule == "interleaved_1f1b" and v > 1:
+            num, den = min(2 * (pp - 1) + (v - 1) * pp + 1, m * v), v
+        else:
+            num, den = min(pp, m), 1
+        total += max(0, Fraction(num * body, den) - 1)
+        total += self._buffer_sums(pr, rc, pp)[0]
+        return math.floor(total)
+
+    def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
+        """The layers per model chunk ``cfg`` may get: its split, or, when the layers do
+        not divide into its chunks and it gives none, every candidate split."""
+        par = cfg.parallel
+        layers, chunks = cfg.model.layers, par.pp * par.virtual_stages
+        if par.stage_layers is None and layers % chunks:
+            return candidate_splits(layers, chunks)
+        return [par.layers_per_chunk(layers)]
+
+    def fits(self, cfg: SpecConfig) -> bool:
+        """Whether layout ``cfg`` fits memory, untimed (:meth:`peak`): with layers that do
+        not divide into its chunks and no split given, whether one of its candidate splits
+        does (:meth:`choose_split` takes a fitting one when there is one)."""
+        par = cfg.parallel
+        if self.unlike_layers or cfg.workload == "serve":
+            return self.cost(cfg).fits
+        splits = self.splits(cfg)
+        cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+        if self.memory_floor(cfg, splits) > cap:
+            return False
+        pr = self.probe(par)
+        return any(p <= cap for p, cap in (self.peak(cfg, pr, counts) for counts in splits))
+
+    def choose_split(self, cfg: SpecConfig, simulate: bool = False) -> tuple[tuple[int, ...], int]:
+        """The default uneven split of ``cfg``'s layers into its ``pp * virtual_stages``
+        model chunks (issue 16), and how many splits were compared.
+
+        Among :func:`~parcompile.passes.split_pipeline_stages.candidate_splits`, those that
+        fit memory (all of them when none does) are timed (:meth:`cost`: each chunk's
+        layers, the embedding on the first chunk, the output layer and the loss on the
+        last); the split with the smallest estimated step time wins, splits within
+        :data:`SPLIT_TIME_TIE` of it counting as ties that the smaller memory peak breaks,
+        then the earlier candidate (the plain even split first). A 1F1B pipeline's first
+        stage holds the most micro-batches in flight, so among equally fast splits the one
+        with a layer fewer there wins: Meta's Llama 3.1 405B split. ``simulate`` times the
+        candidates with their simulated schedules (a compile, :func:`settle_split`);
+        without it, with the closed-form pipeline (the search's first pass; it re-chooses
+        with ``simulate`` for the layouts it re-times). A split whose step time cannot come
+        within the tie window of one already timed is not timed (:meth:`_choose_split`).
+        """
+        counts, n, _ = self._choose_split(cfg, simulate)
+        return counts, n
+
+    def _choose_split(self, cfg: SpecConfig, simulate: bool = False,
+                      bound: float | None = None) -> tuple[tuple[int, ...], int, Candidate | None]:
+        """:meth:`choose_split`'s split, the number compared and the split's own candidate
+        (:meth:`cost` with ``simulate`` and ``with_memory = simulate``).
+
+        The same choice without timing every split: each split has a lower bound on its
+        step time (:meth:`_split_floors`), and splits are timed in the order of their
+        bounds; once one that fits is timed at ``t``, a split whose bound exceeds ``t *
+        (1 + SPLIT_TIME_TIE)`` is slower than every split in the tie window of the fastest
+        (which is at most ``t``), so it can neither be the fastest nor a tie. ``bound`` (the
+        search, closed form only): the candidate is wanted only when its step time is at most
+        ``bound``; splits whose lower bound exceeds ``bound * (1 + SPLIT_TIME_TIE)`` are not
+        timed either (if the chosen split is that fast, so is every split of its tie window,
+        and none of those is skipped), and the candidate is None when the chosen split is
+        slower than ``bound`` or when no split timed fits (the one not timed that fits is then
+        slower than ``bound`` too)."""
+        par = cfg.parallel
+        cands = candidate_splits(cfg.model.layers, par.pp * par.virtual_stages)
+        if self.unlike_layers or cfg.workload == "serve":
+            floors = [0.0] * len(cands)
+        else:
+            floors = self._split_floors(par, cands, simulate)
+            if simulate and par.pp > 1:   # the simulation is what costs: add what needs none
+                floors = [self._sim_floor(with_parallel(cfg, par.model_copy(update={"stage_layers": c})), f)
+                          for c, f in zip(cands, floors)]
+        window = 1 + SPLIT_TIME_TIE
+        limit = None if bound is None else bound * window
+        costed = []
+        fastest = math.inf   # among the fitting splits timed
+        complete = True      # every split costed (none skipped, none found slower than the limit)
+        for i in sorted(range(len(cands)), key=lambda j: (floors[j], j)):
+            if floors[i] > min(fastest * window, math.inf if limit is None else limit):
+                complete = False
+                break   # the floors only grow from here
+            sub = with_parallel(cfg, par.model_copy(update={"stage_layers": cands[i]}))
+            # with a limit, a split slower than it is neither the fastest nor a tie of a
+            # fastest split within the bound: None (it may fit), not timed
+            c = self.cost(sub, simulate=simulate, with_memory=simulate, bound=limit)
+            if c is None:
+                complete = False
+                continue
+            costed.append((c, i, cands[i]))
+            if c.fits:
+                fastest = min(fastest, c.step_time)
+        costed.sort(key=lambda x: x[1])
+        fitting = [x for x in costed if x[0].fits]
+        if not fitting and not complete:   # every split that fits is slower than the bound
+            return cands[0], len(cands), None
+        if not fitting and not simulate:   # the search drops this layout: report its smallest peak
+            best = min(costed, key=lambda x: (x[0].peak, x[1]))
+            return best[2], len(cands), best[0]
+        pool = fitting or costed
+        fastest = min(x[0].step_time for x in pool)
+        ties = [x for x in pool if x[0].step_time <= fastest * (1 + SPLIT_TIME_TIE)]
+        best = min(ties, key=lambda x: (x[0].peak, x[1]))
+        if bound is not None and best[0].step_time > bound:
+            return best[2], len(cands), None
+        return best[2], len(cands), best[0]
+
+    def _split_floors(self, par: ParallelConfig, splits: list[tuple[int, ...]], simulate: bool) -> list[float]:
+        """Per split of layout ``par``, a lower bound on :meth:`cost`'s step time (the step
+        adds the non-negative exposed data-parallel time and optimizer step to the
+        pipeline's makespan), from the probe's chunk times :func:`_compose`\ d over the
+        split, with the transfers (:func:`~parcompile.analysis.estimate.pipeline_makespan`'s
+        ``f`` and ``b``):
+
+        * closed form: the makespan itself, ``m * max(work) + (pp - 1) / v * mean(work)``,
+          ``work`` a rank's forward and backward of one micro-batch through its chunks;
+        * simulated: for every rank ``r``, ``sum_{k < r} (f_k + b_k) + m * work_r``. Each of
+          ``r``'s chunks is model chunk ``r`` or later, so its first forward waits for
+          micro-batch 0's forwards through chunks ``0 .. r - 1``; it then runs its
+          ``m * work_r`` seconds of actions one at a time; its last action is a backward
+          (each forward's backward follows it on the same rank), after which that
+          micro-batch's backwards through chunks below ``r`` follow one after another.
+          Zero-bubble splits the backward and may end a rank on a weight gradient, which
+          nothing waits for: there, ``sum_{k < r} f_k + m * work_r``.
+
+        Each reduced by a relative 1e-9 for rounding (the estimate sums in another order)."""
+        pr = self.probe(par)
+        ct3, _links, _key = self._chunk_times3(pr, par)
+        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+        n = pp * v
+        p2p = ct3.p2p if pp > 1 else 0.0
+        f3 = [ct3.fwd(k) for k in range(3)]
+        fb3 = [ct3.fwd(k) + ct3.bwd(k) for k in range(3)]
+        sim = simulate and pp > 1
+        zb = par.schedule == "zero_bubble"
+        out = []
+        for counts in splits:
+            fb = [c * fb3[1] for c in counts]
+            fb[0] += fb3[0] - fb3[1]
+            fb[-1] += fb3[2] - fb3[1]
+            if pp > 1:
+                for k in range(n):
+                    fb[k] += p2p * ((k < n - 1) + (k > 0))
+            work = [sum(fb[c * pp + r] for c in range(v)) for r in range(pp)]
+            if not sim:
+                out.append((m * max(work) + (pp - 1) / v * (sum(work) / pp)) * (1 - 1e-9))
+                continue
+            if zb:
+                f = [c * f3[1] for c in counts]
+                f[0] += f3[0] - f3[1]
+                f[-1] += f3[2] - f3[1]
+                lead = [x + (p2p if k < n - 1 else 0.0) for k, x in enumerate(f)]
+            else:
+                lead = fb
+            before, best = 0.0, 0.0
+            for r in range(pp):
+                best = max(best, before + m * work[r])
+                before += lead[r]
+            out.append(best * (1 - 1e-9))
+        return out
+
+    def _stage_params(self, pr: _Probe, counts: tuple[int, ...], pp: int) -> list[StageParams]:
+        """:func:`_compose_params` of the probe over ``counts``, cached (the layouts of one
+        split that differ in anything else but the probe share them)."""
+        key = (id(pr), counts, pp)
+        got = self.stage_param_sets.get(key)
+        if got is None:
+            got = self.stage_param_sets[key] = _compose_params(pr.params, counts, pp, self.cfg.model.tie_embeddings)
+        return got
+
+    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+        """:func:`_step_entries`, cached by what
+        :func:`~parcompile.passes.insert_collectives.step_collectives` reads: the stage
+        parameters, the degrees and the layout's ZeRO stage, schedule, micro-batches,
+        bucket size, reduce dtype and sequence parallelism (the model is the spec's)."""
+        par = cfg.parallel
+        key = (id(sps), tuple(sorted(deg.items())), par.zero, par.schedule, par.num_microbatches, par.pp,
+               par.bucket_size, par.reduce_dtype, par.sequence_parallel)
+        got = self.step_sets.get(key)
+        if got is None:
+            got = self.step_sets[key] = _step_entries(cfg, deg, sps)
+        return got
+
+    def _dp_floor(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...], ct: ChunkTimes, links: dict,
+                  deg: dict) -> float:
+        """A lower bound on the exposed data-parallel time of layout ``cfg`` (split
+        ``counts``, chunk times ``ct``) that :meth:`cost` adds to the pipeline, without
+        simulating its gradient buckets: :func:`~parcompile.analysis.estimate._dp_exposed`
+        without the stage parameters, which counts each stage's gradient reductions against
+        its last backward as one block. The bucket-by-bucket simulation
+        (:func:`~parcompile.analysis.estimate.grad_overlap`) runs the same reductions on one
+        stream, so its last one ends no earlier than their sum: it exposes at least as
+        much; the parameter all-gathers and the other step collectives count alike.
+
+        The step collectives are built once per group of layouts that differ in nothing
+        they and this reading depend on but the number of micro-batches ``m``: a gradient
+        reduced per micro-batch runs ``m`` times and is divided by ``m`` again (one round),
+        others run once (ZeRO-3 regathering per micro-batch, ``pp = 1``, keeps ``m`` in the
+        group). Reduced by a relative 1e-9 for rounding."""
+        par = cfg.parallel
+        jit = par.zero >= 3 and reshard_after_forward(par.pp)
+        key = (id(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
+               par.num_microbatches if jit else 0, tuple(sorted(deg.items())), par.bucket_size,
+               par.reduce_dtype, par.sequence_parallel)
+        got = self.dp_groups.get(key)
+        if got is None:
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)))
+        cfg0, steps = got
+        return _dp_exposed(cfg0, deg, links, steps, ct, None) * (1 - 1e-9)
+
+    def _data_parallel(self, cfg: SpecConfig, pr: _Probe, ct: ChunkTimes, links: dict, deg: dict,
+                       sps: list[StageParams]) -> tuple[float, float]:
+        """(exposed data-parallel seconds, optimizer seconds) of layout ``cfg``
+        (:func:`~parcompile.analysis.estimate._dp_exposed`, :func:`~parcompile.analysis.estimate.optimizer_time`):
+        what :func:`~parcompile.analysis.estimate.step_time_parts` adds to the pipeline,
+        which needs no schedule. Cached per layout."""
+        key = cfg.parallel
+        got = self.exposed.get(key)
+        if got is None:
+            got = self.exposed[key] = (_dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps),
+                                       optimizer_time(cfg, deg, sps))
+        return got
+
+    def _sim_floor(self, cfg: SpecConfig, floor: float) -> float:
+        """A lower bound on the simulated step time of ``cfg`` (a layout with its split)
+        from ``floor``, one on its simulated pipeline (:meth:`_split_floors`): plus the
+        exposed data-parallel time and the optimizer step, exactly (:meth:`_data_parallel`)."""
+        par, model = cfg.parallel, cfg.model
+        pr = self.probe(par)
+        counts = par.layers_per_chunk(model.layers)
+        ct3, links, tkey = self._chunk_times3(pr, par)
+        ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
+        pp = par.pp
+        deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
+               "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
+        dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
+                                           self._stage_params(pr, counts, pp))
+        return floor + dp_comm + opt
+
+    def cost(self, cfg: SpecConfig, simulate: bool = False, with_memory: bool = False,
+             bound: float | None = None) -> Candidate | None:
+        """Cost ``cfg`` (a spec with every degree given): memory peak, step time, MFU.
+        Layers that do not divide into the model chunks, with no ``stage_layers``, are
+        split by :meth:`choose_split` first; the candidate's layout carries the split.
+
+        ``bound`` (the search): a candidate that fits memory is wanted only when its step
+        time is at most ``bound``; None is returned instead when it cannot be (its pipeline
+        alone takes longer, :meth:`_choose_split`). A layout that does not fit is returned
+        untimed (step time inf)."""
+        par = cfg.parallel
+        if par.stage_layers is None and cfg.model.layers % (par.pp * par.virtual_stages):
+            if not (simulate or with_memory or self.unlike_layers):   # the search: the chosen split's own figures
+                return self._choose_split(cfg, bound=bound)[2]
+            counts, _ = self.choose_split(cfg, simulate=simulate)
+            cfg = with_parallel(cfg, par.model_copy(update={"stage_layers": counts}))
         if self.unlike_layers:
             return self._cost_exactly(cfg, simulate, with_memory)
         par, model, cl = cfg.parallel, cfg.model, cfg.cluster
@@ -422,76 +942,77 @@ class Coster:
         rc = par.recompute
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
+        deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
+               "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
+        mem = None
         if not with_memory and cfg.workload != "serve":
+            # the integer path, exactly memory_from_parts's peak (most layouts end here)
             peak, cap = self.peak(cfg, pr, counts)
             if peak > cap:   # not timed: it will be dropped
                 return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
-        deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
-               "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
-        # memory
-        sv = pr.saved[rc]
-        saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
-        pb = pr.bufs[rc]
-        bufs = []
-        for s in range(pp):
-            b = dict(pb[1])
-            for extra in ([pb[0]] if s == 0 else []) + ([pb[2]] if s == pp - 1 else []):
-                for k2, x in extra.items():
-                    b[k2] = max(b.get(k2, 0), x)
-            if pp == 1:
-                b.pop("p2p", None)
-            bufs.append(b)
-        sps = _compose_params(pr.params, counts, pp, model.tie_embeddings)
-        mem = memory_from_parts(cfg, deg, sps, saved, bufs)
-        if not mem.fits and not with_memory:   # not timed: it will be dropped
-            return Candidate(par, math.inf, 0.0, 0.0, mem.peak, mem.capacity, 0.0, {})
+        sps = None
+        if with_memory or cfg.workload == "serve":
+            sps = self._stage_params(pr, counts, pp)
+            sv = pr.saved[rc]
+            saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
+            pb = pr.bufs[rc]
+            bufs = []
+            for s in range(pp):
+                b = dict(pb[1])
+                for extra in ([pb[0]] if s == 0 else []) + ([pb[2]] if s == pp - 1 else []):
+                    for k2, x in extra.items():
+                        b[k2] = max(b.get(k2, 0), x)
+                if pp == 1:
+                    b.pop("p2p", None)
+                bufs.append(b)
+            mem = memory_from_parts(cfg, deg, sps, saved, bufs)
+            peak, cap = mem.peak, mem.capacity
+            if not mem.fits and not with_memory:   # not timed: it will be dropped
+                return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
         # time
-        inside = self._inside(par)
-        links = links_inside(cl, inside, self.eff)
-        tkey = (rc, tuple(sorted(inside.items())))
-        ct3 = pr.times.get(tkey)
-        if ct3 is None:
-            ct3 = pr.times[tkey] = chunk_times(_probe_config(cfg, par.tp, par.cp, par.sequence_parallel,
-                                                             par.micro_batch, par.ep, par.expert_tp)
-                                               .model_copy(update={"parallel": ParallelConfig(
-                                                   dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep,
-                                                   expert_tp=par.expert_tp, micro_batch=par.micro_batch,
-                                                   global_batch=par.micro_batch, recompute=rc,
-                                                   sequence_parallel=par.sequence_parallel)}),
-                                               pr.degrees, None, pr.compute[rc], pr.comm[rc], links)
-        fams = ("tp", "cp", "ep")
-        ct = ChunkTimes(_compose(ct3.matmul_f, counts), _compose(ct3.memory_f, counts),
-                        _compose(ct3.recompute, counts),
-                        {f: _compose(ct3.comm_f[f], counts) for f in fams},
-                        {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p)
-        from parcompile.passes.insert_collectives import step_collectives
-        steps = [CollectiveEntry(op, axis, nb, count, where, s, "step")
-                 for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, sps)]
-        m = par.num_microbatches
-        actions = None
-        if simulate and pp > 1:
-            from parcompile.passes.schedule_pipeline import build_actions
-            f = [ct.fwd(k) for k in range(pp * v)]
-            b = [ct.bwd(k) for k in range(pp * v)]
-            w = [ct.wgrad(k) for k in range(pp * v)]
-            actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w))
-        if actions is None:
-            pkey = (id(pr), tkey, pp, v, par.schedule, m, counts)
-            got = self.pipes.get(pkey)
-            if got is None:
-                got = self.pipes[pkey] = pipeline_parts(cfg, ct, m)
-            span, parts = got
-            parts = dict(parts)
-            dp_comm = _dp_exposed(cfg, deg, links, steps, ct, sps)
+        ct3, links, tkey = self._chunk_times3(pr, par)
+        ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
+        if bound is not None and not simulate and span > bound:
+            return None   # slower than the bound whatever its data-parallel time
+        if sps is None:
+            sps = self._stage_params(pr, counts, pp)
+        if bound is not None and not simulate:
             opt = optimizer_time(cfg, deg, sps)
-            parts.update({"dp_comm": dp_comm, "optimizer": opt})
-            step = span + dp_comm + opt
+            if span + opt > bound:
+                return None   # slower than the bound whatever its data-parallel time
+            if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
+                return None
+            dp_comm = _dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
         else:
-            step, parts = step_time_parts(cfg, deg, links, ct, m, steps, sps, actions)
+            dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg, sps)
+        m = par.num_microbatches
+        simulated = simulate and pp > 1
+        if simulated:
+            # the simulated pipeline (step_time_parts's), shared by the layouts that differ in
+            # ZeRO only: the same chunk times, schedule and micro-batches
+            skey = (id(pr), tkey, pp, v, m, counts, par.schedule)
+            got = self.sims.get(skey)
+            if got is None:
+                from parcompile.passes.schedule_pipeline import build_actions
+                akey = (par.schedule, pp, m, v)   # only zero-bubble orders its actions by the times
+                actions = self.action_lists.get(akey)
+                if actions is None:
+                    f = [ct.fwd(k) for k in range(pp * v)]
+                    b = [ct.bwd(k) for k in range(pp * v)]
+                    w = [ct.wgrad(k) for k in range(pp * v)]
+                    actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w))
+                    if par.schedule != "zero_bubble":
+                        self.action_lists[akey] = actions
+                got = self.sims[skey] = pipeline_parts(cfg, ct, m, actions)
+            span, parts = got
+        # step_time_parts: the pipeline, the exposed data-parallel time, the optimizer step
+        parts = dict(parts)
+        parts.update({"dp_comm": dp_comm, "optimizer": opt})
+        step = span + dp_comm + opt
         flops = sum(_compose(pr.model_flops, counts)) * par.dp * m
         tflops = flops / (step * par.world_size) / 1e12 if step > 0 else 0.0
-        return Candidate(par, step, tflops * 1e12 / cl.peak_flops, tflops, mem.peak, mem.capacity,
-                         parts.pop("bubble_fraction"), parts, mem if with_memory else None, actions is not None)
+        return Candidate(par, step, tflops * 1e12 / cl.peak_flops, tflops, peak, cap,
+                         parts.pop("bubble_fraction"), parts, mem if with_memory else None, simulated)
 
 
 # --------------------------------------------------------------------------------------
@@ -507,6 +1028,25 @@ def layouts(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[ParallelCo
     product is the world size, tp inside a node (unless ``cross_node_tp`` or tp is
     given), the rest from their natural ranges. Candidates the checker rejects are
     filtered by :func:`search`, not here."""
+    for r in _layout_rows(cfg, cross_node_tp):
+        yield _row_parallel(cfg, r)
+
+
+def _row_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
+    """The :class:`ParallelConfig` of a row of :func:`_layout_rows` (the spec's own values
+    for every key the search does not vary)."""
+    p = cfg.parallel
+    dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero=z,
+                          micro_batch=mb, global_batch=gb, schedule=sched, virtual_stages=v,
+                          stage_layers=p.stage_layers, recompute=rc, order=p.order, bucket_size=p.bucket_size,
+                          reduce_dtype=p.reduce_dtype, auto=p.auto)
+
+
+def _layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]:
+    """:func:`layouts` as plain tuples ``(dp, tp, pp, cp, ep, expert_tp, sequence_parallel,
+    zero, micro_batch, global_batch, schedule, virtual_stages, recompute)``, in the same
+    order (the search builds a :class:`ParallelConfig` only for the rows it costs)."""
     p, m, cl = cfg.parallel, cfg.model, cfg.cluster
     auto = set(p.auto)
     world = cl.world_size
@@ -518,6 +1058,7 @@ def layouts(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[ParallelCo
     zeros = _values(cfg, "zero", auto, [0, 1, 2, 3])
     recs = _values(cfg, "recompute", auto, ["none", "selective", "full"])
     sps = _values(cfg, "sequence_parallel", auto, [False, True])
+    etp_given = "parallel.expert_tp" in cfg.spans
     for tp in tps:
         for cp in cps:
             if world % (tp * cp):
@@ -534,9 +1075,13 @@ def layouts(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[ParallelCo
                 else:
                     mbs = [p.micro_batch] if "micro_batch" not in auto else [1]
                 if "virtual_stages" in auto:
-                    vs = [x for x in divisors(m.layers // pp) if pp > 1 or x == 1] if m.layers % pp == 0 else [1]
+                    # chunks per rank: divisors of the layers per rank (rounded up when they
+                    # do not divide: an uneven split, Coster.choose_split), each chunk a layer at least
+                    vs = [x for x in divisors(-(-m.layers // pp)) if (pp > 1 or x == 1) and pp * x <= m.layers]
                 else:
                     vs = [p.virtual_stages]
+                zs = zeros if dp * cp > 1 else zeros[:1] if "zero" in auto else zeros
+                etp = p.expert_tp if etp_given else tp
                 for v in vs:
                     if "schedule" in auto:
                         scheds = ["interleaved_1f1b"] if v > 1 else (
@@ -546,19 +1091,13 @@ def layouts(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[ParallelCo
                     for sched in scheds:
                         for ep in eps:
                             for mb in mbs:
+                                gb = p.global_batch if gb_given else mb * dp
                                 for sp in sps:
-                                    if sp and (tp == 1 or cp > 1) and "sequence_parallel" in auto:
+                                    if sp and tp == 1 and "sequence_parallel" in auto:
                                         continue
-                                    for z in (zeros if dp * cp > 1 else zeros[:1] if "zero" in auto else zeros):
+                                    for z in zs:
                                         for rc in recs:
-                                            yield ParallelConfig(
-                                                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
-                                                expert_tp=(p.expert_tp if "parallel.expert_tp" in cfg.spans else tp),
-                                                sequence_parallel=sp, zero=z, micro_batch=mb,
-                                                global_batch=p.global_batch if gb_given else mb * dp,
-                                                schedule=sched, virtual_stages=v,
-                                                stage_layers=p.stage_layers, recompute=rc, order=p.order,
-                                                auto=p.auto)
+                                            yield (dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
 
 
 def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
@@ -568,8 +1107,7 @@ def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
 
 def check_layout(cfg: SpecConfig) -> list[Diagnostic]:
     """The checker's diagnostics for ``cfg`` (every rule of
-    :func:`parcompile.config.checks.check_config`), plus the layouts the compiler
-    rejects after the checker (sequence parallelism with cp > 1)."""
+    :func:`parcompile.config.checks.check_config`)."""
     bag = DiagnosticBag()
     provided = {k for k in cfg.spans}
     m = cfg.model
@@ -577,9 +1115,6 @@ def check_layout(cfg: SpecConfig) -> list[Diagnostic]:
         provided.add("model.head_dim")
     ctx = CheckContext(bag=bag, filename=cfg.filename, spans=dict(cfg.spans), provided=provided)
     check_config(cfg, ctx)
-    p = cfg.parallel
-    if p.sequence_parallel and p.tp > 1 and p.cp > 1:
-        bag.error("sequence_parallel with cp > 1 is not supported yet", cfg.span("parallel.sequence_parallel"))
     return bag.items
 
 
@@ -603,6 +1138,13 @@ class SearchResult:
     user: Candidate | None = None
     #: valid layouts not costed: the same layout fits with less recomputation (dominated)
     pruned: int = 0
+    #: valid layouts not costed: their model states alone exceed the memory (they do not fit)
+    unfit: int = 0
+    #: valid layouts not costed: provably slower than the best ``max(RETIME, top)``
+    #: (:func:`_rank`); ``candidates`` past those holds only the layouts costed
+    bounded: int = 0
+    #: probe graphs built (module docstring)
+    probes: int = 0
 
     @property
     def best(self) -> Candidate:
@@ -630,47 +1172,41 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
             progress: Callable[[int, int], None] | None) -> SearchResult:
     t0 = time.perf_counter()
     coster = Coster(cfg)
-    all_layouts = list(layouts(cfg, cross_node_tp))
-    total = len(all_layouts)
+    rows = list(_layout_rows(cfg, cross_node_tp))
+    total = len(rows)
+    # the checker, once per layout up to zero and recompute (they have no cross-field rules)
     checked: dict[tuple, bool] = {}
-    scored: list[Candidate] = []
-    closest: Candidate | None = None
-    valid = pruned = 0
-    fitted: set[tuple] = set()
-    for i, par in enumerate(all_layouts):
-        if progress is not None and i % 256 == 0:
-            progress(i, total)
-        # zero and recompute have no cross-field rules: check a layout once for all of them
-        ck = (par.tp, par.pp, par.dp, par.cp, par.ep, par.micro_batch, par.virtual_stages, par.schedule,
-              par.sequence_parallel, par.global_batch)
+    families: dict[tuple, list[int]] = {}
+    valid = 0
+    for i, r in enumerate(rows):
+        if progress is not None and i % 4096 == 0:
+            progress(i // 2, total)
+        ck = _check_key(r)
         ok = checked.get(ck)
         if ok is None:
-            ok = checked[ck] = not any(d.severity == "error" for d in check_layout(with_parallel(cfg, par)))
-        if not ok:
-            continue
-        valid += 1
-        # recomputation only adds time: once a layout fits with less of it, more is dominated
-        nr = (ck, par.zero)
-        if nr in fitted:
-            pruned += 1
-            continue
-        c = coster.cost(with_parallel(cfg, par))
-        if c.fits:
-            scored.append(c)
-            fitted.add(nr)
-        elif closest is None or c.peak < closest.peak:
-            closest = c
+            ok = checked[ck] = not any(d.severity == "error"
+                                       for d in check_layout(with_parallel(cfg, _row_parallel(cfg, r))))
+        if ok:
+            valid += 1
+            families.setdefault(_family(r), []).append(i)
+    keep = max(RETIME, top)
+    bounds = not coster.unlike_layers and cfg.workload == "train"
+    ranked = _rank(cfg, coster, rows, families, keep, bounds, progress, total)
+    if not ranked.scored and ranked.unfit:
+        # none fits: the closest layout may be one the state bound dropped; rank them all
+        ranked = _rank(cfg, coster, rows, families, keep, False, progress, total)
     if progress is not None:
         progress(total, total)
-    scored.sort(key=Candidate.key)
+    scored = [c for c, _i in sorted(ranked.scored, key=lambda x: (x[0].key(), x[1]))]
     # re-time the best with their simulated schedules, then confirm each with the full checker
-    head = [coster.cost(with_parallel(cfg, c.parallel), simulate=True, with_memory=True)
-            for c in scored[:max(RETIME, top)]]
+    head = [coster.cost(with_parallel(cfg, _own_split(cfg, c.parallel)), simulate=True, with_memory=True)
+            for c in scored[:keep]]
     head.sort(key=Candidate.key)
     final = [c for c in head if not any(d.severity == "error" for d in check_layout(with_parallel(cfg, c.parallel)))]
-    rest = scored[max(RETIME, top):]
-    result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0, closest,
-                          pruned=pruned)
+    rest = scored[keep:]
+    result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0,
+                          ranked.closest[1] if ranked.closest else None, pruned=ranked.pruned,
+                          unfit=ranked.unfit, bounded=ranked.bounded, probes=len(coster.probes))
     if not needs_search(cfg) or _user_layout_complete(cfg):
         try:
             if not any(d.severity == "error" for d in check_layout(cfg)):
@@ -680,8 +1216,217 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
     return result
 
 
+#: a layout row of :func:`_layout_rows`: the fields of :class:`ParallelConfig` the search varies
+_Row = tuple   # (dp, tp, pp, cp, ep, expert_tp, sequence_parallel, zero, micro_batch, global_batch,
+#                 schedule, virtual_stages, recompute)
+
+
+def _check_key(r: _Row) -> tuple:
+    dp, tp, pp, cp, ep, _etp, sp, _z, mb, gb, sched, v, _rc = r
+    return (tp, pp, dp, cp, ep, mb, v, sched, sp, gb)
+
+
+def _family(r: _Row) -> tuple:
+    """The probe a row is costed from (:meth:`Coster.probe`'s key)."""
+    _dp, tp, _pp, cp, ep, etp, sp, _z, mb, _gb, _sched, _v, _rc = r
+    return (tp, cp, sp, mb, ep, etp)
+
+
+@dataclass
+class _Ranked:
+    """What :func:`_rank` found: the fitting candidates costed (with their row index), the
+    closest one that does not fit (``(peak, row)``, candidate) and the counts."""
+
+    scored: list = field(default_factory=list)
+    closest: tuple | None = None
+    pruned: int = 0
+    unfit: int = 0
+    bounded: int = 0
+
+
+def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, list[int]], keep: int,
+          bounds: bool, progress: Callable[[int, int], None] | None, total: int) -> _Ranked:
+    """Cost the valid rows (``families``: probe key -> row indices), best first, by branch
+    and bound.
+
+    Every row the unbounded search would cost is costed but for these, each proven not to
+    change the ``keep`` best candidates nor their order:
+
+    * ``pruned`` (dominated): the same layout with less recomputation fits, as before;
+    * ``unfit``: its model states alone exceed the memory (:meth:`Coster.state_floor`);
+    * ``bounded``: once ``keep`` candidates fit, a row whose step time is provably above
+      the ``keep``-th smallest cannot be among the ``keep`` best, and is not costed (the
+      ranking past the ``keep`` best holds the rows costed only).
+
+    With ``bounds``, a priority queue holds the families (keyed by
+    :meth:`Coster.family_floor`, no probe of their own needed) and the rows of the families
+    opened so far (keyed by the larger of that and :meth:`Coster.span_floor`); the lowest
+    comes out first, a family opening into its rows, a row being costed (with the bound of
+    the moment, :meth:`Coster.cost`). Once the lowest key exceeds the bound, every entry
+    left is bounded. The dominance rule reads whether the rows with less recomputation fit,
+    working it out (:meth:`Coster.fits`) for those not costed yet. Ties are broken by
+    enumeration order, as before. Without ``bounds`` (a spec costed from its whole graph,
+    serving, or when no layout fits and the closest is wanted) every row is costed."""
+    out = _Ranked()
+    worst: list[float] = []   # max-heap (negated) of the `keep` smallest rounded step times
+    fit_row: dict[int, bool] = {}            # row -> it fits (costed, or worked out for dominance)
+    same: dict[tuple, list[int]] = {}        # (check key, zero) -> its rows, less recomputation first
+    floors: dict[tuple, float] = {}
+    states: dict[tuple, int] = {}
+    cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+    done = total - sum(len(v) for v in families.values())
+
+    def state_floor(fam: tuple, i: int) -> int:
+        if not bounds:
+            return 0
+        r = rows[i]
+        skey = (fam, r[2], r[7])   # pp, zero
+        sf = states.get(skey)
+        if sf is None:
+            sf = states[skey] = coster.state_floor(_row_parallel(cfg, r))
+        return sf
+
+    def row_fits(j: int) -> bool:
+        got = fit_row.get(j)
+        if got is None:
+            got = fit_row[j] = (state_floor(_family(rows[j]), j) <= cap
+                                and coster.fits(with_parallel(cfg, _row_parallel(cfg, rows[j]))))
+        return got
+
+    heap: list[tuple] = []
+    for fam, idxs in families.items():
+        floor = 0.0
+        if bounds:   # the family's own probe not needed (Coster.family_floor)
+            groups, reps = set(), {}
+            for i in idxs:
+                dp, _tp, pp, _cp, _ep, _etp, _sp, _z, mb, gb, _sched, v, rc = rows[i]
+                if state_floor(fam, i) <= cap:
+                    groups.add((pp, v, gb // (mb * dp), rc))
+                    reps.setdefault(pp, i)
+            floor = coster.family_floor({pp: _row_parallel(cfg, rows[i]) for pp, i in reps.items()},
+                                        sorted(groups)) if groups else math.inf
+        heapq.heappush(heap, (floor, 0, idxs[0], fam))
+    while heap:
+        floor, kind, i, fam = heapq.heappop(heap)
+        tau = _bound(worst, keep)
+        if tau is not None and floor > tau:   # so is every entry left
+            heapq.heappush(heap, (floor, kind, i, fam))
+            break
+        if kind == 0:   # a family: its rows, with their own floors
+            for j in families[fam]:
+                r = rows[j]
+                dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
+                same.setdefault((_check_key(r), z), []).append(j)
+                if state_floor(fam, j) > cap:
+                    out.unfit += 1
+                    done += 1
+                    continue
+                lb = 0.0
+                if bounds:
+                    fkey = (fam, pp, v, gb, rc)
+                    lb = floors.get(fkey)
+                    if lb is None:
+                        lb = floors[fkey] = max(floor, coster.span_floor(_row_parallel(cfg, r)))
+                heapq.heappush(heap, (lb, 1, j, fam))
+            continue
+        done += 1
+        if progress is not None and done % 1024 == 0:
+            progress(total // 2 + done // 2, total)
+        r = rows[i]
+        nr = (_check_key(r), r[7])
+        # dominance: the same layout with less recomputation fits
+        if any(row_fits(j) for j in same[nr] if j < i):
+            out.pruned += 1
+            continue
+        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        if bounds and coster.memory_floor(rcfg, coster.splits(rcfg)) > cap:
+            fit_row[i] = False
+            out.unfit += 1
+            continue
+        c = coster.cost(rcfg, bound=tau)
+        if c is None:   # its pipeline alone is slower than the bound
+            out.bounded += 1
+            continue
+        fit_row[i] = c.fits
+        if c.fits:
+            out.scored.append((c, i))
+            t = round(c.step_time, 9)
+            if len(worst) < keep:
+                heapq.heappush(worst, -t)
+            elif t < -worst[0]:
+                heapq.heapreplace(worst, -t)
+        elif out.closest is None or (c.peak, i) < out.closest[0]:
+            out.closest = ((c.peak, i), c)
+    for floor, kind, i, fam in heap:   # bounded, without being costed
+        if kind == 1:
+            out.bounded += 1
+        else:
+            for j in families[fam]:
+                if state_floor(fam, j) > cap:
+                    out.unfit += 1
+                else:
+                    out.bounded += 1
+    return out
+
+
+def _bound(worst: list[float], keep: int) -> float | None:
+    """With ``keep`` candidates costed, a step time above which a candidate cannot be among
+    the ``keep`` best (its rounded key would exceed the ``keep``-th smallest); None before."""
+    if len(worst) < keep:
+        return None
+    return -worst[0] + 1e-9
+
+
+def _own_split(cfg: SpecConfig, par: ParallelConfig) -> ParallelConfig:
+    """``par`` without the split the closed-form pass chose for it (re-chosen with the
+    simulated schedule when re-timed); a split the spec gives is kept."""
+    if "parallel.stage_layers" in cfg.spans or par.stage_layers is None:
+        return par
+    return par.model_copy(update={"stage_layers": None})
+
+
 def _user_layout_complete(cfg: SpecConfig) -> bool:
     return not needs_search(cfg)
+
+
+def split_text(counts) -> str:
+    """Layers per model chunk, a run of more than three equal counts shortened:
+    ``(7, 8, 8, 8, 8, 7)`` -> ``"7, 8 (4 chunks), 7"``, ``(2, 2, 2, 1)`` -> ``"2, 2, 2, 1"``."""
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ", ".join(f"{c} ({n} chunks)" if n > 3 else ", ".join([str(c)] * n) for c, n in runs)
+
+
+def settle_split(cfg: SpecConfig, coster: Coster | None = None) -> tuple[SpecConfig, Diagnostic | None]:
+    """``cfg`` with the split of an uneven layout fixed, and the ``note`` that says so.
+
+    When ``layers`` does not divide into ``pp * virtual_stages`` model chunks and the spec
+    gives no ``stage_layers``, the split is :meth:`Coster.choose_split`'s (the smallest
+    estimated step time; the search's candidates carry theirs already). The note is at
+    ``pp``, gives the split and how to override it. A layout that divides, or a spec's own
+    ``stage_layers``, is returned as it is, with no note."""
+    par, layers = cfg.parallel, cfg.model.layers
+    chunks = par.pp * par.virtual_stages
+    if "parallel.stage_layers" in cfg.spans or layers < chunks or layers % chunks == 0:
+        return cfg, None
+    compared = None
+    if par.stage_layers is None:
+        counts, compared = (coster or Coster(cfg)).choose_split(cfg, simulate=True)
+        cfg = with_parallel(cfg, par.model_copy(update={"stage_layers": counts}))
+    counts = cfg.parallel.stage_layers
+    words = f"pp({par.pp})" + (f" * virtual_stages({par.virtual_stages})" if par.virtual_stages > 1 else "")
+    among = f" of {compared} splits compared" if compared else ""
+    return cfg, Diagnostic(
+        "note", f"layers = {layers} do not divide into {words} = {chunks} model chunks: "
+                f"split [{split_text(counts)}] in model order, the smallest estimated step time{among} "
+                f"(within {SPLIT_TIME_TIE:.0%}: then the smallest memory peak)",
+        cfg.span("parallel.pp"),
+        help="give `stage_layers` to choose another split",
+        note="the first chunk also holds the embedding, the last the output layer and the loss")
 
 
 def resolve(cfg: SpecConfig) -> tuple[SpecConfig, SearchResult]:

@@ -175,6 +175,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     par = p.model_copy(update=dict(
         stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
         bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
+        # a 16-bit reduce dtype is the model's: the miniature's 16-bit dtype, fp32 in an fp32 miniature
+        reduce_dtype="fp32" if p.reduce_dtype == "fp32" or dtype == "fp32" else dtype,
     ))
     train = TrainConfig(
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,

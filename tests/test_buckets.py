@@ -333,3 +333,56 @@ def test_export_rounds_bucket_bytes_up_to_elements():
     plan = compile_config(cfg)
     assert "--ddp-bucket-size 3" in " ".join(export(plan, "megatron").text.split())
     assert '"reduce_bucket_size": 3' in export(plan, "deepspeed").text
+
+
+# --------------------------------------------------------------------------------------
+# issue 16: the reduce dtype and the order ZeRO-3 gathers units in
+
+
+def test_bucket_element_bytes_follow_the_reduce_dtype_where_it_applies():
+    """``reduce_dtype`` sets the bytes of the buckets reduced per micro-batch (zero 2, 3, not
+    zero-bubble); buckets reduced once per step stay fp32."""
+    from parcompile.analysis.buckets import bucket_element_bytes
+
+    for zero in range(4):
+        for schedule in ("1f1b", "zero_bubble"):
+            per_mb = zero >= 2 and schedule != "zero_bubble"
+            assert bucket_element_bytes(zero, schedule, "fp32") == GRAD_BYTES
+            for rd in ("bf16", "fp16"):
+                assert bucket_element_bytes(zero, schedule, rd) == (2 if per_mb else GRAD_BYTES)
+
+
+def test_units_in_forward_order_and_what_the_backward_reads():
+    """ZeRO-3's just-in-time rule walks a chunk's units in forward order: the embedding,
+    the layers by id (not by name), the output layer; the embedding's backward reads no
+    weight, the output layer's bucket is kept through its backward."""
+    from parcompile.analysis.buckets import (Bucket, bucket_positions, holds_output, needed_in_backward,
+                                            unit_position, zero3_just_in_time)
+
+    names = ["output", "layers.10", "layers.9", "layers.0", "embedding"]
+    assert sorted(names, key=unit_position) == ["embedding", "layers.0", "layers.9", "layers.10", "output"]
+    emb, mixed, out = Bucket(0, ("embedding",), 4), Bucket(0, ("layers.0", "embedding"), 9), Bucket(0, ("output",), 3)
+    assert [needed_in_backward(b) for b in (emb, mixed, out)] == [False, True, True]
+    assert [holds_output(b) for b in (emb, mixed, out)] == [False, False, True]
+    assert bucket_positions(mixed) == (unit_position("embedding"), unit_position("layers.0"))
+    # pp = 1: all just in time but a tied embedding's; pp > 1: layer buckets only
+    assert [zero3_just_in_time(b, True) for b in (emb, mixed, out)] == [True, True, True]
+    assert [zero3_just_in_time(b, True, head_reads_embedding=True) for b in (emb, mixed, out)] == [False, False, True]
+    assert [zero3_just_in_time(b, False) for b in (emb, mixed, out)] == [False, False, False]
+
+
+def test_16_bit_buckets_need_16_bit_parameters():
+    """The runtime refuses a 16-bit reduce dtype for fp32 parameters (their gradients could
+    not be views of a 16-bit bucket); the checker refuses such a spec first."""
+    layer = nn.Linear(4, 4, bias=False)
+    layer.weight.global_name = "layers.0.w"
+    axis = Axis("dp_cp", [0, 1], 0)
+    with pytest.raises(ValueError, match="reduce_dtype bf16 needs bf16 parameters"):
+        GradBuckets([layer.weight], [[0]], axis, 64, sharded=True, scale=0.5, per_microbatch=True, reduce_dtype="bf16")
+    layer = layer.to(torch.bfloat16)
+    layer.weight.global_name = "layers.0.w"
+    gb = GradBuckets([layer.weight], [[0]], axis, 64, sharded=True, scale=0.5, per_microbatch=True,
+                     reduce_dtype="bf16")
+    gb.prepare(layer.weight)
+    assert gb.buckets[0].flat.dtype == torch.bfloat16 and gb.peak_bytes == 2 * 16
+    assert gb.buckets[0].acc.dtype == torch.float32

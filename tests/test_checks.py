@@ -195,12 +195,12 @@ def test_rope_needs_even_head_dims():
 # -- pipeline layers ------------------------------------------------------------------------
 
 
-def test_layers_not_divisible_proposes_stage_layers():
+def test_layers_not_divisible_are_accepted():
+    """Issue 16: the compiler splits them unevenly (tests/test_uneven.py); `stage_layers`
+    still gives a split by hand."""
     text = spec(model={"layers": "30", "heads": "8", "kv_heads": "8"},
                 parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8"})
-    assert one(text, "pp = 4") == ("layers = 30 is not divisible by pp(4) * virtual_stages(1) = 4",
-                                   "give an uneven split explicitly, `stage_layers = [8, 8, 7, 7]`, or use pp = 2, 3, 5, 6, 10 or 15 "
-                                   "(these divide layers = 30)", None)
+    assert not [d for d in load_spec(text)[1] if d.severity == "error"]
     ok = spec(model={"layers": "30"}, parallel={"pp": "4", "tp": "2", "dp": "1", "global_batch": "8",
                                                 "stage_layers": "[8, 8, 7, 7]"})
     assert load_spec(ok)[0].parallel.layers_per_chunk(30) == (8, 8, 7, 7)

@@ -114,7 +114,9 @@ def test_full_recompute_working_set_is_a_buffer():
     row = next(r for r in ROWS if r.name == "22B full recompute")
     st = cost_without_schedule(row_config(row)).memory.per_stage[0]
     assert st.buffer_parts["recompute"] > 0
-    assert st.buffers == sum(st.buffer_parts.values())
+    # the logits and the recomputation's working set are never alive at once: the larger counts (issue 16)
+    parts = dict(st.buffer_parts)
+    assert st.buffers == sum(parts.values()) - min(parts.pop("logits", 0), parts["recompute"])
     assert st.total == st.params + st.grads + st.optimizer + st.activations + st.kv_cache + st.buffers
 
 

@@ -456,3 +456,14 @@ def test_compile_rejects_what_is_not_a_spec_at_the_boundary(source, word):
         load_spec(source)
     with pytest.raises(TypeError, match="filename must be a str or None, got int"):
         parcompile.compile(MODEL + CLUSTER, filename=3)
+
+
+def test_a_key_after_a_number_on_one_line_is_not_read_as_its_unit():
+    """`nodes = 1  gpus_per_node = 8`: `gpus` must not be taken as the unit of `1`."""
+    from parcompile.frontend import load_spec
+
+    src = 'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1  gpus_per_node = 8 }\n'
+    with pytest.raises(SpecError) as e:
+        load_spec(src)
+    d = e.value.diagnostics[0]
+    assert "`gpus_per_node`" in d.message and (d.span.line, d.span.column) == (2, 40)

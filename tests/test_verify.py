@@ -23,7 +23,7 @@ CASES = {
     "tp2_pp2_1f1b": dict(tp=2, pp=2),
     "dp2_tp2_pp2_1f1b": dict(dp=2, tp=2, pp=2),
     "dp2_tp2_pp2_gpipe": dict(dp=2, tp=2, pp=2, parallel=dict(schedule="gpipe")),
-    "tp2_pp2_uneven_stage_layers": dict(tp=2, pp=2, model=dict(layers=5), parallel=dict(stage_layers=(2, 3))),
+    # uneven chunks: tests/test_uneven.py (an automatic split, interleaved)
     "dp2_tp2_pp2_tied_embeddings": dict(dp=2, tp=2, pp=2, model=dict(tie_embeddings=True)),
     "tp2_tied_padded_vocab": dict(tp=2, model=dict(vocab=300, tie_embeddings=True)),
     "tp2_pp2_padded_vocab_gpt": dict(tp=2, pp=2, model=dict(vocab=300, norm="layernorm", activation="gelu",

@@ -17,25 +17,33 @@ from parcompile.search import Coster
 from tests.program_utils import tiny_config
 
 
-def test_rule_pp1_holds_step_long_buckets_and_one_layer():
-    """pp = 1: buckets with the embedding or output layer for the step, layer buckets only
-    while their layer runs; padded to a multiple of d."""
+def test_rule_pp1_gathers_every_bucket_just_in_time():
+    """pp = 1: every bucket only while its units run (issue 16: the embedding and the output
+    layer too, as torchtitan's FSDP2 does), the most held at once being the buckets of two
+    units adjacent in forward order [embedding, layers, output]; padded to a multiple of d.
+    A tied embedding (the LM head reads it) is kept for the step."""
     dense = [Bucket(0, ("output", "layers.3"), 10), Bucket(0, ("layers.2", "layers.1"), 7),
              Bucket(0, ("layers.0",), 5), Bucket(0, ("embedding",), 4)]
     expert = [Bucket(0, ("layers.3",), 3), Bucket(0, ("layers.1",), 6)]
-    # d = 2: output+3 -> 10, embedding -> 4 (step long); layers 2,1 -> 8, layer 0 -> 6;
-    # experts (ed = 4): layer 3 -> 4 (with the step-long dense bucket: still only the expert
-    # part is just in time), layer 1 -> 8. A layer runs while the next one is prefetched:
-    # layers 0 and 1 hold 6 + 8 + 8 = 22 (1 and 2: 16; 2 and 3: 12), the most.
-    step_long, jit = zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=True)
-    assert (step_long, jit) == (14, 22)
+    # d = 2: output+3 -> 10, layers 2,1 -> 8, layer 0 -> 6, embedding -> 4; experts (ed = 4):
+    # layer 3 -> 4, layer 1 -> 8. Neighbours in forward order hold: embedding + 0: 4 + 6 = 10;
+    # 0 + 1: 6 + 8 + 8 = 22; 1 + 2: 8 + 8 = 16; 2 + 3: 8 + 10 + 4 = 22; 3 + output: 10 + 4 = 14.
+    assert zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=True) == (0, 22)
+    # tied embedding (pp = 1): its bucket for the step; the neighbours' sums are the same
+    assert zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=True, head_reads_embedding=True) == (4, 22)
     # one layer in the chunk: no neighbour
     assert zero3_gathered([([Bucket(0, ("layers.0",), 6)], 2)], per_microbatch=True) == (0, 6)
+    # the output layer next to the last layer: 10 + 6 (not the embedding's 4 + 6)
+    assert zero3_gathered([([Bucket(0, ("output",), 10), Bucket(0, ("layers.0",), 6),
+                             Bucket(0, ("embedding",), 4)], 2)], per_microbatch=True) == (0, 16)
     # kept across micro-batches (pp > 1): every bucket at once
     assert zero3_gathered([(dense, 2), (expert, 4)], per_microbatch=False) == (10 + 8 + 6 + 4 + 4 + 8, 0)
     # one rank in the group: nothing sharded, nothing gathered
     assert zero3_gathered([(dense, 1), (expert, 1)], per_microbatch=True) == (0, 0)
-    assert zero3_gather_counts(dense, 3, True) == [1, 6, 6, 1]
+    # m = 3: a layer bucket 2 m (forward, backward); the output layer's m (kept from its forward
+    # through its backward); the embedding's m (its backward reads the token ids only)
+    assert zero3_gather_counts(dense, 3, True) == [3, 6, 6, 3]
+    assert zero3_gather_counts(dense, 3, True, head_reads_embedding=True) == [3, 6, 6, 1]
     assert zero3_gather_counts(dense, 3, False) == [1, 1, 1, 1]
     assert reshard_after_forward(1) and not reshard_after_forward(2)
 
@@ -50,20 +58,30 @@ def _layer_only(row) -> bool:
 
 def _held_pp1(buckets: list[dict], d: int) -> int:
     """Elements a pp = 1 rank holds at most, from the plan's bucket listing when every
-    layer bucket holds one layer: the step-long buckets plus two adjacent layers' (one
-    runs while the next is prefetched)."""
+    bucket holds one unit: over the units in forward order (embedding, layers by id,
+    output layer), the largest sum of two neighbours' (one runs while the next is
+    prefetched; the output layer's backward while the last layer is)."""
     full = _padded(buckets, d)
-    step_long = sum(f for b, f in zip(buckets, full) if not _layer_only(b))
-    per_layer = {int(b["units"][0].split(".")[1]): f for b, f in zip(buckets, full) if _layer_only(b)}
-    assert all(len(b["units"]) == 1 for b in buckets if _layer_only(b))
-    return step_long + max(per_layer[i] + per_layer.get(i + 1, 0) for i in per_layer)
+    assert all(len(b["units"]) == 1 for b in buckets)
+    order = {"embedding": -1, "output": 10**9}
+    by_pos = sorted((order.get(b["units"][0]) if b["units"][0] in order else int(b["units"][0].split(".")[1]), f)
+                    for b, f in zip(buckets, full))
+    return max(x + y for (_, x), (_, y) in zip(by_pos, by_pos[1:]))
+
+
+def _gathers_pp1(row, m: int) -> int:
+    """All-gathers per step of a one-unit bucket with pp = 1: a layer's twice per micro-batch
+    (forward, backward), the output layer's once (kept from its forward through its
+    backward), the embedding's once (its backward reads no weight)."""
+    return 2 * m if _layer_only(row) else m
 
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_plan_counts_the_gathers_and_the_buffer(pp):
     """From the plan's own bucket listing (comm.grad_buckets): with pp = 1 each layer-only
-    bucket is all-gathered 2 m times per step and the buffer is the step-long buckets plus
-    two adjacent layers'; with pp = 2 once per step and every bucket."""
+    bucket is all-gathered 2 m times per step, the embedding's and the output layer's m
+    times, and the buffer is two neighbouring units' buckets; with pp = 2 once per step and
+    every bucket."""
     cfg = tiny_config(dp=2, pp=pp, model=dict(dtype="bf16"), parallel=dict(zero=3, bucket_size=4))
     plan = compile_config(cfg).data
     m = cfg.parallel.num_microbatches
@@ -75,7 +93,7 @@ def test_plan_counts_the_gathers_and_the_buffer(pp):
             if c["stage"] == s and c["where"] == "params":
                 gathers[c["bytes"]] += c["count"]
         for b, f in zip(buckets, full):
-            want[2 * f] += 2 * m if pp == 1 and _layer_only(b) else 1
+            want[2 * f] += _gathers_pp1(b, m) if pp == 1 else 1
         assert gathers == want
         got = plan["memory"]["per_stage"][s]["buffer_parts"]["zero3_gather"]
         if pp == 1:
@@ -105,14 +123,15 @@ def test_program_holds_one_layer_at_a_time(tmp_path):
     """dp 2, pp 1, one bucket per layer, full recomputation (the layer's forward runs again
     inside its backward): the program's most gathered bytes equal the plan's buffer, which
     is less than the stage's parameters, and it runs the plan's 2 m all-gathers per layer
-    bucket (every collective is compared with the plan), prefetches included."""
+    bucket and m per embedding and output bucket (every collective is compared with the
+    plan), prefetches included."""
     from parcompile.verify import compare_with_plan, measure
 
     cfg = tiny_config(dp=2, parallel=dict(zero=3, bucket_size=4, recompute="full"))
     plan, records = measure(cfg, tmp_path, steps=1)
     want = plan["memory"]["per_stage"][0]["buffer_parts"]["zero3_gather"]
     buckets = plan["comm"]["grad_buckets"]["per_stage"][0]["dense"]
-    # 4 layers: the embedding, the output layer and two layers, not all four
+    # 4 layers, an embedding and an output layer: two neighbouring units' buckets, not all six
     assert want == 4 * _held_pp1(buckets, 2) < 4 * sum(_padded(buckets, 2))
     grads = plan["memory"]["per_stage"][0]["buffer_parts"]["grad_buckets_in_flight"]
     for r in records:

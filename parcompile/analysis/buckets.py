@@ -37,20 +37,35 @@ n elements is padded to ``ceil(n / d) * d`` and rank i owns slice i, so a rank h
 ``sum over buckets of ceil(n_b / d)`` elements of sharded state (:func:`shard_elements`).
 
 ZeRO-3 also gathers the parameters bucket by bucket, into one padded buffer per bucket
-(``ceil(n / d) * d`` elements; :func:`zero3_gathered`). A bucket of decoder layers only
-(:func:`is_layer_bucket`) is gathered just in time, before the forward of its first layer;
-a bucket holding the embedding or the output layer is gathered at the step's start and
-kept for the step. When the layer bucket is freed again follows torchtitan's FSDP policy
-(``reshard_after_forward``; :func:`reshard_after_forward`):
+(``ceil(n / d) * d`` elements; :func:`zero3_gathered`). Units run in a chunk's forward in
+the order of :func:`unit_position`: the embedding, the decoder layers by id, the output
+layer. Which buckets are gathered when follows torchtitan's FSDP2 policy
+(``reshard_after_forward``; :func:`reshard_after_forward`, :func:`zero3_just_in_time`):
 
-- ``pp = 1``: freed after the forward of its last layer, gathered again before the backward
-  reaches it and freed once the gradient of its first layer's input is complete: two
-  all-gathers per micro-batch. The next layer's buckets are prefetched while a layer runs
-  (FSDP's forward and backward prefetch), so a rank holds the step-long buckets plus the
-  buckets of two adjacent layers at a time (FSDP, DeepSpeed ZeRO-3);
-- ``pp > 1``: kept across the micro-batches of the step (SPEC: as torchtitan's FSDP + PP,
-  which sets ``reshard_after_forward = False`` there) and freed when the bucket's
-  gradients are final (when its last reduce-scatter starts): one all-gather per step.
+- ``pp = 1``: every bucket is gathered just in time, before the forward of its first unit,
+  with the next unit's buckets prefetched while a unit runs (FSDP's forward and backward
+  prefetch), and freed after the forward of its last unit: the embedding (torchtitan's
+  ``tok_embeddings``, resharded after forward), each layer bucket, and the output layer's
+  bucket, which is the exception: it holds the forward's last module, whose backward
+  follows at once, so it is kept from its forward through its backward (torchtitan's
+  ``fully_shard([norm, output], reshard_after_forward=False)`` under the default policy)
+  and freed after it. A bucket is gathered again for the backward when a unit of it other
+  than the embedding is in it (:func:`needed_in_backward`: the embedding's backward reads
+  the token ids only, never the table), before the backward of its last such unit, and
+  freed once the gradient of its first such unit's input is complete. So a layer bucket
+  is all-gathered ``2 m`` times per step, the output layer's and an embedding-only bucket
+  ``m`` times (:func:`zero3_gather_counts`), and a rank holds, at most, the buckets of two
+  units adjacent in forward order (one runs while the next is prefetched; the output
+  layer's backward runs while the last layer is prefetched): over ``[embedding, layer 0,
+  ..., layer N-1, output]``, the largest union of two neighbours' buckets. The one
+  bucket kept for the step is a tied embedding's with ``pp = 1`` (the LM head reads the
+  embedding table: used at both ends of the forward);
+- ``pp > 1``: a bucket of decoder layers only (:func:`is_layer_bucket`) is gathered
+  before the forward of its first layer, the others (embedding, output layer, tied
+  copies) at the step's start; all are kept across the micro-batches of the step (SPEC:
+  as torchtitan's FSDP + PP, which sets ``reshard_after_forward = False`` there) and freed
+  when the bucket's gradients are final (when its last reduce-scatter starts): one
+  all-gather per step, every bucket held at once before the first backward.
 
 **When gradients are reduced** (:func:`reduces_per_microbatch`). ``zero = 0`` and ``1``
 reduce every bucket once per step, after the last micro-batch has produced its gradients
@@ -64,6 +79,18 @@ zero-bubble schedule keeps the once-per-step reduction: its B actions write the 
 gradients of every layer of a chunk before the W actions complete them, so streaming
 would hold every bucket anyway.
 
+**Reduce dtype** (``parallel.reduce_dtype``; :func:`bucket_element_bytes`). Buckets
+reduce-scattered per micro-batch are held, and reduced, in the reduce dtype: fp32 by
+default (Megatron-LM's and torchtitan's default, ``mixed_precision_reduce = "float32"``),
+or the model's 16-bit dtype (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
+Megatron-LM's ``--grad-reduce-in-bf16``, DeepSpeed's ``communication_data_type``): a
+micro-batch's 16-bit gradients go into a 16-bit bucket, which is reduce-scattered in 16
+bits and added into the rank's fp32 shard, so the gradient state stays ``4/d`` bytes per
+element and only the buckets in flight and the reduce-scatter traffic halve. Buckets
+reduced once per step (zero 0 and 1, zero-bubble) accumulate the micro-batches in their
+fp32 buffers and are reduced in fp32 (config/checks.py refuses a 16-bit reduce dtype
+there).
+
 **Buckets in flight** (the program's rule, :class:`parcompile.runtime.buckets.GradBuckets`):
 a bucket's full buffer is allocated when the first gradient of the micro-batch reaches
 it; before that, every earlier bucket of the chunk is launched (its gradients of the
@@ -73,7 +100,7 @@ waiting for all. So a rank holds at most two full buckets at once, the one being
 and the one before it whose reduce-scatter may still run, and it does hold them when the
 second is allocated: the peak is, over the chunks, the largest sum of two adjacent
 buckets of a chunk (one bucket alone if the chunk has one), each padded to
-``ceil(n / d) * d`` elements.
+``ceil(n / d) * d`` elements of the reduce dtype.
 """
 
 from __future__ import annotations
@@ -82,8 +109,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-#: bytes per gradient element in a bucket (fp32 gradients)
-GRAD_BYTES = 4
+from parcompile.core.dtypes import DTYPE_BYTES, GRAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -191,7 +217,7 @@ def shard_elements(buckets: Iterable[Bucket], d: int) -> int:
 
 def is_layer_bucket(b) -> bool:
     """True for a bucket (a :class:`Bucket`, or anything with ``units``) of decoder layers
-    only, which ZeRO-3 gathers just in time."""
+    only, which ZeRO-3 gathers before its first layer with ``pp > 1``."""
     return all(u.startswith("layers.") for u in b.units)
 
 
@@ -200,50 +226,99 @@ def bucket_layers(b: Bucket) -> tuple[int, ...]:
     return tuple(sorted(int(u.split(".")[1]) for u in b.units if u.startswith("layers.")))
 
 
+#: unit names of the embedding side and the output side of a chunk
+EMBEDDING_UNITS = ("embedding", "tied_embedding")
+OUTPUT_UNITS = ("output", "tied_head")
+
+
+def unit_position(name: str) -> tuple[int, int]:
+    """Where unit ``name`` runs in its chunk's forward, as a sort key: the embedding (or a
+    tied embedding) first, the decoder layers by id, the output layer (or a tied LM-head
+    copy) last."""
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]))
+    return (0, 0) if name in EMBEDDING_UNITS else (2, 0)
+
+
+def bucket_positions(b) -> tuple[tuple[int, int], ...]:
+    """The forward positions (:func:`unit_position`) of a bucket's units, ascending."""
+    return tuple(sorted({unit_position(u) for u in b.units}))
+
+
 def reshard_after_forward(pp: int) -> bool:
-    """ZeRO-3's policy for layer buckets (module docstring): freed after each micro-batch's
-    forward and backward when ``pp == 1``; kept across the step's micro-batches with
-    pipeline parallelism (torchtitan's ``apply_fsdp``, ``reshard_after_forward_policy =
+    """ZeRO-3's policy (module docstring): buckets freed after each micro-batch's forward
+    and backward when ``pp == 1``; kept across the step's micro-batches with pipeline
+    parallelism (torchtitan's ``apply_fsdp``, ``reshard_after_forward_policy =
     "default"``: True without PP, False with PP "to avoid per-microbatch all-gathers")."""
     return pp == 1
 
 
-def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch: bool) -> tuple[int, int]:
+def zero3_just_in_time(b, per_microbatch: bool, head_reads_embedding: bool = False) -> bool:
+    """True when ZeRO-3 gathers bucket ``b`` where the forward first needs it rather than
+    at the step's start (module docstring). ``per_microbatch``
+    (:func:`reshard_after_forward`, ``pp = 1``): every bucket, except one holding the
+    embedding when the LM head reads the embedding table too (``head_reads_embedding``:
+    tied embeddings with ``pp = 1``); otherwise the buckets of decoder layers only."""
+    if not per_microbatch:
+        return is_layer_bucket(b)
+    return not (head_reads_embedding and any(u in EMBEDDING_UNITS for u in b.units))
+
+
+def needed_in_backward(b) -> bool:
+    """True when the backward reads the parameters of bucket ``b``: it holds a unit other
+    than the embedding (whose backward reads the token ids only)."""
+    return any(u not in EMBEDDING_UNITS for u in b.units)
+
+
+def holds_output(b) -> bool:
+    """True when bucket ``b`` holds the output layer, the forward's last module, whose
+    backward follows at once: with ``pp = 1`` it is kept from its forward through its
+    backward instead of being freed and gathered again (module docstring)."""
+    return any(u in OUTPUT_UNITS for u in b.units)
+
+
+def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch: bool,
+                   head_reads_embedding: bool = False) -> tuple[int, int]:
     """Elements of gathered ZeRO-3 parameters one rank holds during a step, as
     ``(step_long, just_in_time)``: the buckets kept for the whole step, and the most the
-    just-in-time layer buckets hold at once. The peak is their sum.
+    buckets gathered and freed per micro-batch hold at once. The peak is their sum.
 
     Args:
         kinds: ``(buckets, d)`` per parameter kind (dense over dp_cp, experts over
             expert_dp); a kind with ``d == 1`` is not sharded and gathers nothing.
-        per_microbatch: :func:`reshard_after_forward`: while a layer runs (forward or
-            backward) the rank holds the layer buckets that contain it and prefetches
-            those of the layer that runs next (the next one in the chunk going forward,
-            the one before going backward; FSDP's forward and backward prefetch), so the
-            most held at once is, over adjacent layers of a chunk, their buckets' union;
-            otherwise every bucket is gathered before the first backward, all at once.
+        per_microbatch: :func:`reshard_after_forward` (``pp = 1``): while a unit runs
+            (forward or backward) the rank holds the buckets that contain it and
+            prefetches those of the unit that runs next (the next one in forward order
+            going forward, the one before going backward; the output layer, kept from its
+            forward through its backward, with the last layer prefetched for the
+            backward), so the most held at once is, over units adjacent in forward order
+            (:func:`unit_position`) within a chunk, their buckets' union; otherwise
+            (``pp > 1``) every bucket is gathered before the first backward, all at once.
+        head_reads_embedding: tied embeddings with ``pp = 1`` (:func:`zero3_just_in_time`):
+            the embedding's bucket is kept for the step.
 
     Each gathered bucket is a padded buffer of ``ceil(n / d) * d`` elements.
     """
     step_long = 0
-    held: dict[int, dict[tuple[int, int], int]] = {}   # layer -> {(kind, bucket): elements}
-    chunk_layers: dict[int, set[int]] = {}
+    held: dict[tuple, dict[tuple[int, int], int]] = {}   # (chunk, position) -> {(kind, bucket): elements}
+    chunk_positions: dict[int, set[tuple[int, int]]] = {}
     for k, (buckets, d) in enumerate(kinds):
         for i, b in enumerate(buckets):
-            chunk_layers.setdefault(b.chunk, set()).update(bucket_layers(b))
+            pos = bucket_positions(b)
+            chunk_positions.setdefault(b.chunk, set()).update(pos)
             if d <= 1:
                 continue
             full = math.ceil(b.elements / d) * d
-            if per_microbatch and is_layer_bucket(b):
-                for layer in bucket_layers(b):
-                    held.setdefault(layer, {})[(k, i)] = full
+            if per_microbatch and zero3_just_in_time(b, True, head_reads_embedding):
+                for at in pos:
+                    held.setdefault((b.chunk, at), {})[(k, i)] = full
             else:
                 step_long += full
     jit = 0
-    for layers in chunk_layers.values():
-        ids = sorted(layers)
+    for chunk, positions in chunk_positions.items():
+        ids = sorted(positions)
         for a, b in zip(ids, ids[1:] or ids):
-            jit = max(jit, sum({**held.get(a, {}), **held.get(b, {})}.values()))
+            jit = max(jit, sum({**held.get((chunk, a), {}), **held.get((chunk, b), {})}.values()))
     return step_long, jit
 
 
@@ -275,10 +350,34 @@ def buckets_in_flight(buckets: Sequence[Bucket], d: int) -> int:
     return best
 
 
-def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
-    """All-gathers per step of each bucket's parameters under ZeRO-3: ``2 m`` for a layer
-    bucket resharded after every forward and backward (``per_microbatch``), else 1."""
-    return [2 * microbatches if per_microbatch and is_layer_bucket(b) else 1 for b in buckets]
+def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool,
+                        head_reads_embedding: bool = False) -> list[int]:
+    """All-gathers per step of each bucket's parameters under ZeRO-3 (module docstring):
+    with ``per_microbatch`` (``pp = 1``) a bucket gathered just in time is gathered in
+    every micro-batch's forward and, when the backward reads it and it was freed after
+    the forward (not the output layer's), again for the backward: ``2 m`` for a layer
+    bucket, ``m`` for the output layer's and an embedding-only bucket; 1 for a bucket kept
+    for the step (every bucket with ``pp > 1``, a tied embedding's with ``pp = 1``)."""
+    out = []
+    for b in buckets:
+        if not (per_microbatch and zero3_just_in_time(b, True, head_reads_embedding)):
+            out.append(1)
+        else:
+            out.append(microbatches * (2 if needed_in_backward(b) and not holds_output(b) else 1))
+    return out
+
+
+def bucket_element_bytes(zero: int, schedule: str, reduce_dtype: str = "fp32") -> int:
+    """Bytes per element of a full gradient bucket and of its reduction (module docstring,
+    "Reduce dtype"): the reduce dtype's when buckets are reduce-scattered per micro-batch
+    (:func:`reduces_per_microbatch`), else 4 (fp32: the buffers accumulate the step)."""
+    return DTYPE_BYTES[reduce_dtype] if reduces_per_microbatch(zero, schedule) else GRAD_BYTES
+
+
+def head_reads_embedding(cfg) -> bool:
+    """Tied embeddings on one pipeline rank: the LM head reads the embedding table
+    (:func:`zero3_just_in_time`)."""
+    return bool(cfg.model.tie_embeddings) and cfg.parallel.pp == 1
 
 
 def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
@@ -308,4 +407,6 @@ def buckets_to_dict(sp, bucket_size: int) -> dict:
 __all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
            "stage_state_bytes", "buckets_to_dict", "unit_order_key", "is_layer_bucket", "bucket_layers",
            "reshard_after_forward", "zero3_gathered", "zero3_gather_counts", "reduces_per_microbatch",
-           "reduce_counts", "buckets_in_flight"]
+           "reduce_counts", "buckets_in_flight", "bucket_element_bytes", "unit_position",
+           "bucket_positions", "zero3_just_in_time", "needed_in_backward", "holds_output", "head_reads_embedding",
+           "EMBEDDING_UNITS", "OUTPUT_UNITS"]

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
+from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, op_collectives
-
-AXIS_FAMILY = {"tp": "tp", "expert_tp": "tp", "dp": "dp", "dp_cp": "dp", "expert_dp": "dp",
-               "pp": "pp", "embedding": "pp", "cp": "cp", "ep": "ep"}
-SPEC_AXES = ("tp", "dp", "pp", "cp", "ep")
 
 
 @dataclass(frozen=True)
@@ -125,9 +122,9 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
     entries = sorted(counts, key=lambda k: (k[4], order[k]))
     colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r)
                   for (op, axis, b, w, s, ph, r) in entries)
-    per_stage = [{a: Fraction(0) for a in SPEC_AXES} for _ in range(pp)]
+    per_stage = [{a: Fraction(0) for a in DEGREE_AXES} for _ in range(pp)]
     for e in colls:
         fam = AXIS_FAMILY.get(e.axis, e.axis)
         per_stage[e.stage][fam] += sent_bytes(e.op, e.bytes, degrees.get(e.axis, 1)) * e.count
-    per_step = {a: int(round(max(st[a] for st in per_stage))) for a in SPEC_AXES}
+    per_step = {a: int(round(max(st[a] for st in per_stage))) for a in DEGREE_AXES}
     return CommReport(colls, per_step, tuple(raw))

@@ -19,7 +19,8 @@ from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
-from parcompile.config.schema import DTYPE_BYTES
+from parcompile.core.dtypes import DTYPE_BYTES
+from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
 from parcompile.ir.graph import Graph
 from parcompile.passes.groups import rank_groups
 
@@ -37,18 +38,12 @@ class CostReport:
     kv_bytes_per_token: list[int]
 
 
-def kv_heads_per_rank(cfg) -> int:
-    """kv heads on one rank: ``kv_heads / tp``, or 1 when serving with tp a multiple of kv_heads."""
-    m, tp = cfg.model, cfg.parallel.tp
-    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
-
-
 def kv_bytes_per_token(cfg, graph: Graph) -> list[int]:
     """Per pipeline rank: KV-cache bytes one token adds on one rank (its layers x 2 x its
     kv heads x head_dim x kv dtype bytes)."""
     m = cfg.model
     kv_dtype = (cfg.serve.kv_dtype if cfg.serve and cfg.serve.kv_dtype else m.dtype)
-    per = 2 * kv_heads_per_rank(cfg) * m.head_dim * DTYPE_BYTES[kv_dtype]
+    per = 2 * kv_heads_per_rank(m.kv_heads, cfg.parallel.tp) * m.head_dim * DTYPE_BYTES[kv_dtype]
     chunks = graph.meta["chunks"]
     pp = cfg.parallel.pp
     return [per * sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s) for s in range(pp)]
@@ -58,7 +53,7 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     """Run every analysis on ``graph`` (passes up to ``insert-collectives`` at least)."""
     par, model = cfg.parallel, cfg.model
     groups = rank_groups(par)
-    replicated = model.kv_heads if (par.tp > 1 and model.kv_heads % par.tp) else 0
+    replicated = model.kv_heads if kv_heads_replicated(model.kv_heads, par.tp) else 0
     params = param_report(graph, degrees, par.pp, model.tie_embeddings, model.experts, model.top_k, replicated)
     m = par.num_microbatches if sched is None else sched.num_microbatches
     compute = graph.meta.get("compute")

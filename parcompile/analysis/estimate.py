@@ -64,8 +64,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
-from parcompile.analysis.comm import AXIS_FAMILY, CommReport
+from parcompile.analysis.comm import CommReport
 from parcompile.analysis.compute import ComputeReport
+from parcompile.core.axes import AXIS_FAMILY
 
 
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
@@ -317,7 +318,7 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     last micro-batch's can be exposed, as simulated; ``seconds`` counts all ``m`` rounds and
     ``hidden`` the rest.
     """
-    from parcompile.analysis.buckets import GradUnit, partition
+    from parcompile.analysis.buckets import GradUnit, bucket_element_bytes, partition
 
     par, cl = cfg.parallel, cfg.cluster
     pp, v, s = par.pp, par.virtual_stages, sp.stage
@@ -344,7 +345,8 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
             continue
         al, be = links[axis] if axis in links else (cl.intra_node_latency, cl.intra_node_bw)
         for b in partition(units, par.bucket_size, kind):
-            nbytes = 4 * (b.elements if par.zero == 0 else -(-b.elements // n))
+            nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) * (
+                b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (fp32 but at zero 2, 3)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
             events.append((r, kind != "dense", collective_time(op, nbytes, n, al, be)))
     end, busy = 0.0, 0.0
@@ -367,11 +369,13 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
     par, cl = cfg.parallel, cfg.cluster
     pp, v = par.pp, par.virtual_stages
     worst = 0.0
+    per_stage: dict[int, list] = {}   # each stage's step collectives, in order
+    for e in collectives:
+        if e.phase == "step":
+            per_stage.setdefault(e.stage, []).append(e)
     for s in range(pp):
         grads = params = exposed = 0.0
-        for e in collectives:
-            if e.phase != "step" or e.stage != s:
-                continue
+        for e in per_stage.get(s, ()):
             al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
             t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
             if e.where in ("grads", "expert_grads"):

@@ -21,7 +21,10 @@ At ``zero = 2`` and ``3`` each bucket is reduce-scattered in every micro-batch's
 and accumulated into the rank's fp32 shard (the ``4/d`` of the table, kept across the
 step; DeepSpeed ZeRO-2, FSDP2), so only the full buckets in flight exist during the step:
 the ``grad_buckets_in_flight`` buffer, at most two adjacent buckets of a chunk
-(:func:`parcompile.analysis.buckets.buckets_in_flight`). The zero-bubble schedule keeps
+(:func:`parcompile.analysis.buckets.buckets_in_flight`), in the reduce dtype
+(``parallel.reduce_dtype``: 4 bytes per element, or 2 with bf16 or fp16, the model's
+16-bit gradients reduce-scattered in 16 bits and added into the fp32 shard;
+:func:`parcompile.analysis.buckets.bucket_element_bytes`). The zero-bubble schedule keeps
 the once-per-step reduction, and its full buffers live from the step's first backward
 until their reduce-scatters are done: the ``full_grads`` buffer.
 
@@ -58,9 +61,15 @@ a time, so counted once per stage, not per micro-batch): the working set of the 
 recomputation rebuilds, the logits before the fp32 loss (last stage), the all-gathered
 input of a column-parallel layer with sequence parallelism, point-to-point receive
 buffers between stages, and with ``zero = 3`` the most gathered parameters a rank holds at
-once (buckets of decoder layers gathered just in time, per layer with ``pp = 1`` and kept
-across the micro-batches with ``pp > 1``, as torchtitan's FSDP does; buckets with the
-embedding or output layer for the whole step: :func:`zero3_gathered_bytes`).
+once (with ``pp = 1`` every bucket gathered just in time, two units adjacent in forward
+order at most, the embedding and the output layer included; with ``pp > 1`` every bucket,
+kept across the micro-batches, as torchtitan's FSDP does: :func:`zero3_gathered_bytes`).
+The buffers are summed (:func:`buffer_total`), except the logits and the recomputation's
+working set, of which the larger counts: the logits live from the LM head's forward
+until the loss has its fp32 copy, and their gradient from the loss's backward through
+the LM head's, while a layer is rebuilt only inside its own backward, after the output
+layer's (a rank runs one action at a time, and the program drops the logits once the
+loss is computed: :func:`parcompile.runtime.pipeline.run_schedule`).
 
 KV cache (``serve``): ``batch * (prompt_len + max_new_tokens)`` tokens times the bytes a
 token adds on the stage's most loaded rank.
@@ -73,14 +82,16 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import (GRAD_BYTES, buckets_in_flight, reduces_per_microbatch, reshard_after_forward,
-                                        shard_elements, stage_buckets,
-                                        stage_state_bytes, zero3_gathered)
+from parcompile.analysis.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
+                                        reduces_per_microbatch, reshard_after_forward, shard_elements,
+                                        stage_buckets, stage_state_bytes, zero3_gathered)
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+#: temporary buffers never alive at once (module docstring): of each group the largest counts
+EXCLUSIVE_BUFFERS = (("logits", "recompute"),)
 #: ops of the output layer (after the last decoder layer)
 OUTPUT_MODULES = ("final_norm", "lm_head", "loss")
 
@@ -320,10 +331,21 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         full = full_grad_bytes(cfg, degrees, sp)
         if full:
             parts["grad_buckets_in_flight" if reduces_per_microbatch(par.zero, par.schedule) else "full_grads"] = full
-        stages.append(StageMemory(s, params, grads, opt, acts, kv, sum(parts.values()), parts, layers))
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, buffer_total(parts), parts, layers))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     return MemoryReport(tuple(stages), peak, cap, peak <= cap)
+
+
+def buffer_total(parts: Mapping[str, int]) -> int:
+    """Bytes of a stage's temporary buffers at their peak, from its ``buffer_parts``: their
+    sum, with each group of :data:`EXCLUSIVE_BUFFERS` (never alive at once: the logits and
+    the recomputation's working set) counted by its largest member."""
+    total = sum(parts.values())
+    for group in EXCLUSIVE_BUFFERS:
+        sizes = [parts.get(k, 0) for k in group]
+        total -= sum(sizes) - max(sizes)
+    return total
 
 
 def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedBytes) -> list[dict[str, int]]:
@@ -364,27 +386,28 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     """Most bytes of full (tp-local) parameters a ZeRO-3 rank holds at once during a step,
     beside its own slice: :func:`parcompile.analysis.buckets.zero3_gathered` over the
     stage's gradient buckets (each gathered into a buffer padded to ``ceil(n / d) * d``
-    elements). With ``pp = 1`` that is the buckets kept for the step (embedding, output
-    layer) plus the layer buckets of two adjacent decoder layers (one runs while the next is
-    prefetched); with ``pp > 1`` every bucket (all
-    are gathered before the first backward and kept across the micro-batches). 0 without
-    ZeRO-3 or when the parameters' group has one rank (nothing is sharded)."""
+    elements). With ``pp = 1`` that is the buckets of two units adjacent in forward order
+    (embedding, layers, output layer: one runs while the next is prefetched), plus a tied
+    embedding's bucket, kept for the step; with ``pp > 1`` every bucket (all are gathered
+    before the first backward and kept across the micro-batches). 0 without ZeRO-3 or when
+    the parameters' group has one rank (nothing is sharded)."""
     par = cfg.parallel
     if cfg.workload == "serve" or par.zero < 3:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
-                                    reshard_after_forward(par.pp))
+                                    reshard_after_forward(par.pp), head_reads_embedding(cfg))
     return cfg.model.dtype_bytes * (step_long + jit)
 
 
 def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
-    """ZeRO 2 and 3: bytes of full fp32 gradient buffers a rank holds at once during a step
+    """ZeRO 2 and 3: bytes of full gradient buffers a rank holds at once during a step
     (module docstring), for the kinds sharded over more than one rank (an unsharded kind
     keeps its gradients as state); 0 otherwise. Reduced per micro-batch
     (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the buckets in flight,
-    ``4 * buckets_in_flight`` per kind (two adjacent buckets of a chunk at most); once per
-    step (zero-bubble): every bucket padded to a multiple of its group's size,
+    ``buckets_in_flight`` per kind (two adjacent buckets of a chunk at most) times the
+    reduce dtype's bytes (:func:`parcompile.analysis.buckets.bucket_element_bytes`); once
+    per step (zero-bubble): every fp32 bucket padded to a multiple of its group's size,
     ``4 * sum ceil(n_b / d) * d``."""
     par = cfg.parallel
     if cfg.workload == "serve" or par.zero < 2:
@@ -392,5 +415,6 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     if reduces_per_microbatch(par.zero, par.schedule):
-        return GRAD_BYTES * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
+        nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype)
+        return nbytes * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
     return GRAD_BYTES * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

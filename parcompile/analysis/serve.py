@@ -53,7 +53,8 @@ from typing import Mapping, Sequence
 
 from parcompile.analysis.estimate import _link, collective_time, efficiency
 from parcompile.analysis.memory import MemoryReport, StageMemory
-from parcompile.config.schema import DTYPE_BYTES
+from parcompile.core.dtypes import DTYPE_BYTES
+from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -159,11 +160,6 @@ class ServeReport:
         }
 
 
-def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
-    """``kv_heads / tp``, or 1 when tp is a multiple of kv_heads (replicated kv heads)."""
-    return kv_heads // tp if kv_heads % tp == 0 else 1
-
-
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
 
@@ -177,7 +173,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_dtype = sv.kv_dtype or m.dtype
     kvb = DTYPE_BYTES[kv_dtype]
     kv_local = kv_heads_per_rank(m.kv_heads, tp)
-    replicas_kv = tp // m.kv_heads if m.kv_heads % tp and tp % m.kv_heads == 0 else 1
+    replicas_kv = kv_head_replicas(m.kv_heads, tp)
     q_local = m.heads // tp
     d, h = m.head_dim, m.hidden
     ffn_local = m.ffn_hidden // tp

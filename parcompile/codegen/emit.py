@@ -17,10 +17,12 @@ from pathlib import Path
 import jinja2
 
 from parcompile.config.schema import SpecConfig
+from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.heads import kv_heads_per_rank
+from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 
 TEMPLATES = Path(__file__).parent / "templates"
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATES)),
@@ -125,7 +127,7 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "leave_comment": ("reduce-scatter the sequence over tp; backward: all-gather" if sp
                           else "all-reduce over tp" if p.tp > 1 else "tp = 1: no communication"),
         "name": comment_text(cfg.name),
-        "version": _version(),
+        "version": version(),
         "spec_file": comment_text(Path(cfg.filename).name),
         "world": p.world_size,
         "torchrun_cmd": torchrun_command(cfg),
@@ -135,11 +137,11 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "num_microbatches": p.num_microbatches,
         "padded_vocab": padded,
         "heads_local": m.heads // p.tp,
-        "kv_local": m.kv_heads // p.tp,
+        "kv_local": kv_heads_per_rank(m.kv_heads, p.tp),
         "ffn_local": m.ffn_hidden // p.tp,
         "rope_dim": rope_dim,
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
-        "torch_dtype": TORCH_DTYPES[m.dtype],
+        "torch_dtype": TORCH_NAMES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,
         "device": cfg.cluster.device_kind,
         "device_comment": {"cpu": "gloo on CPU processes, even where a GPU exists",
@@ -176,7 +178,7 @@ def render_launch(cfg: SpecConfig) -> str:
     (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
     script = program_name(cfg)
     return _env.get_template("launch.sh.j2").render(
-        name=comment_text(cfg.name), version=_version(), spec_file=comment_text(Path(cfg.filename).name),
+        name=comment_text(cfg.name), version=version(), spec_file=comment_text(Path(cfg.filename).name),
         nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=script,
         example_args=("--prompt 'Once upon a time' --max-new-tokens 32" if script == "serve.py"
                       else "--steps 10 --metrics-dir out/"),
@@ -191,7 +193,7 @@ def render_slurm(cfg: SpecConfig) -> str:
                 "npu": None, "cpu": None}[kind]
     job = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cfg.name)[:64] or "parcompile"
     return _env.get_template("slurm.sbatch.j2").render(
-        name=comment_text(cfg.name), version=_version(), spec_file=comment_text(Path(cfg.filename).name),
+        name=comment_text(cfg.name), version=version(), spec_file=comment_text(Path(cfg.filename).name),
         nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=program_name(cfg),
         gpu_line=gpu_line, job_name=job,
     )
@@ -205,7 +207,7 @@ def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> d
     kv_dtype = s.kv_dtype or m.dtype
     return {
         "name": comment_text(cfg.name),
-        "version": _version(),
+        "version": version(),
         "spec_file": comment_text(Path(cfg.filename).name),
         "world": p.world_size,
         "torchrun_cmd": torchrun_command(cfg, "serve.py"),
@@ -221,7 +223,7 @@ def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> d
         "kv_dtype": kv_dtype,
         "ffn_local": m.ffn_hidden // p.tp,
         "rope_dim": int(m.head_dim * m.rotary_fraction) // 2 * 2,
-        "torch_dtype": TORCH_DTYPES[m.dtype],
+        "torch_dtype": TORCH_NAMES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,
         "prompt_repr": repr(s.prompt),
         "weights_repr": repr(weights),
@@ -272,9 +274,3 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
                 (out_dir / name).unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _version() -> str:
-    from parcompile import __version__
-
-    return __version__

@@ -152,6 +152,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True),
         "order": _STR,
         "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
+        "reduce_dtype": _enum(ParallelConfig, "reduce_dtype"),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),

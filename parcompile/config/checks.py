@@ -18,6 +18,7 @@ from typing import Any
 
 from parcompile.config.schema import ClusterConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
+from parcompile.core.axes import DEGREE_AXES
 from parcompile.diagnostics import DiagnosticBag, Span
 
 
@@ -30,8 +31,6 @@ class _Auto:
 
 AUTO: Any = _Auto()
 
-#: Axes of ``order`` (SPEC 1, `parallel`).
-AXES = ("tp", "cp", "ep", "dp", "pp")
 #: Longest explicit split a help line proposes.
 _MAX_PROPOSED_CHUNKS = 64
 
@@ -217,30 +216,12 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     split = f"`stage_layers = {even_split(m.layers, chunks)}`".replace("'", "") \
         if m.layers >= chunks and chunks <= _MAX_PROPOSED_CHUNKS else None
     if p.stage_layers is None:
-        if m.layers % chunks == 0:
-            return
-        span = ctx.span("parallel.pp", "parallel.virtual_stages")
+        # layers that do not divide into the chunks are split unevenly by the compiler
+        # (parcompile.search.settle_split, with a note); fewer layers than chunks cannot be
         if m.layers < chunks:
-            ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks", span,
+            ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks",
+                          ctx.span("parallel.pp", "parallel.virtual_stages"),
                           help=f"use at most {m.layers} model chunks")
-            return
-        explicit = (f"give an uneven split explicitly, {split}" if split else
-                    f"give `stage_layers` with {chunks} entries that sum to {m.layers}")
-        note = None
-        if p.virtual_stages == 1:
-            even = [d for d in divisors(m.layers) if 1 < d < m.layers]
-            help = f"{explicit}, or use pp = {_may_be(even)} (these divide layers = {m.layers})" if even \
-                else explicit
-        elif m.layers % p.pp == 0:
-            per_rank = m.layers // p.pp
-            note = (f"layers({m.layers}) / pp({p.pp}) = {per_rank} layers per pipeline rank, which do not "
-                    f"split into virtual_stages = {p.virtual_stages} chunks")
-            vs = divisors(per_rank)
-            help = (f"virtual_stages may be {_may_be(vs)} with pp = {p.pp}, or {explicit}" if vs
-                    else f"with pp = {p.pp}, use virtual_stages = 1 (schedule = 1f1b), or {explicit}")
-        else:
-            help = explicit
-        ctx.bag.error(f"layers = {m.layers} is not divisible by {chunk_words}", span, help=help, note=note)
         return
     span = ctx.span("parallel.stage_layers")
     if len(p.stage_layers) != chunks:
@@ -310,6 +291,16 @@ def _check_sequence(cfg: SpecConfig, ctx: CheckContext) -> None:
                           help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, p.tp))} (multiples of "
                                f"tp = {p.tp}), or set `sequence_parallel = false`",
                           note="sequence parallelism splits each sequence into tp pieces for the norms and dropout")
+        elif p.cp > 1 and ctx.ok("model.seq_len", "parallel.cp") and m.seq_len % (2 * p.cp) == 0 \
+                and (m.seq_len // p.cp) % p.tp:
+            unit = math.lcm(2 * p.cp, p.cp * p.tp)
+            ctx.bag.error(f"sequence_parallel with cp = {p.cp} needs tp = {p.tp} to divide the "
+                          f"seq_len / cp = {m.seq_len // p.cp} tokens of each cp rank",
+                          ctx.span("parallel.sequence_parallel"),
+                          help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, unit))} (multiples of "
+                               f"{unit}), or set `sequence_parallel = false`",
+                          note="each cp rank's part of the sequence is split again into tp pieces for the norms "
+                               "and dropout (Megatron-Core's sequence parallelism with context parallelism)")
     if p.cp > 1 and ctx.ok("parallel.cp", "model.seq_len") and m.seq_len % (2 * p.cp):
         ctx.bag.error(f"cp = {p.cp} needs seq_len = {m.seq_len} to be divisible by 2 * cp = {2 * p.cp}",
                       ctx.span("parallel.cp"),
@@ -402,12 +393,51 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
                             note=f"{key} is {what}")
 
 
+def _check_reduce_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """``parallel.reduce_dtype`` (:func:`parcompile.analysis.buckets.bucket_element_bytes`):
+    a 16-bit value must be the model's dtype (its gradients are what the buckets hold; an
+    error), and takes effect only where buckets are reduce-scattered per micro-batch (zero
+    2 and 3, not zero-bubble) over more than one rank (a warning otherwise: there the fp32
+    buffers accumulate the step and are reduced in fp32)."""
+    m, p = cfg.model, cfg.parallel
+    rd = p.reduce_dtype
+    if rd == "fp32" or not ctx.ok("parallel.reduce_dtype"):
+        return
+    span = ctx.span("parallel.reduce_dtype")
+    if ctx.ok("model.dtype") and rd != m.dtype:
+        ctx.bag.error(f"reduce_dtype = {rd} needs a {rd} model; the model's dtype is {m.dtype}", span,
+                      help="`reduce_dtype = fp32`" + (f", or `reduce_dtype = {m.dtype}`" if m.dtype != "fp32" else
+                                                       " (an fp32 model reduces its fp32 gradients)"),
+                      note="a 16-bit reduce dtype holds the model's 16-bit gradients in 16-bit buckets, "
+                           "reduce-scatters them in 16 bits and adds them into the fp32 gradient shard")
+        return
+    if not ctx.ok("parallel.zero", "parallel.schedule", "parallel.dp", "parallel.cp"):
+        return
+    if cfg.workload == "serve":
+        why, help = "a `serve` spec computes no gradients", "remove `reduce_dtype`"
+    elif "zero" not in p.auto and p.zero < 2:
+        why = (f"with zero = {p.zero} gradients accumulate in fp32 buffers over the step's micro-batches "
+               "and are reduced once, in fp32")
+        help = ("set `zero = 2` or `3` (gradient buckets reduce-scattered in every micro-batch's backward), "
+                "or remove `reduce_dtype`")
+    elif "schedule" not in p.auto and p.schedule == "zero_bubble":
+        why = "the zero-bubble schedule accumulates gradients in fp32 buffers and reduces them once per step, in fp32"
+        help = "use another schedule (`1f1b`, `interleaved_1f1b`, `gpipe`), or remove `reduce_dtype`"
+    elif p.dp * p.cp == 1 and p.expert_dp <= 1 and not {"dp", "cp"} & set(p.auto):
+        why, help = "with dp * cp = 1 no gradient is reduced over data parallelism", "remove `reduce_dtype`"
+    else:
+        return
+    ctx.bag.warning(f"reduce_dtype = {rd} has no effect: {why}", span, help=help,
+                    note="reduce_dtype applies to the gradient buckets ZeRO 2 and 3 reduce-scatter in every "
+                         "micro-batch's backward")
+
+
 def _check_order(cfg: SpecConfig, ctx: CheckContext) -> None:
     order = cfg.parallel.order
     parts = order.split("-")
-    if sorted(parts) != sorted(AXES):
-        missing = [a for a in AXES if a not in parts]
-        extra = sorted({x for x in parts if x not in AXES or parts.count(x) > 1})
+    if sorted(parts) != sorted(DEGREE_AXES):   # SPEC 1 `parallel.order`: a permutation of them
+        missing = [a for a in DEGREE_AXES if a not in parts]
+        extra = sorted({x for x in parts if x not in DEGREE_AXES or parts.count(x) > 1})
         notes = ([f"missing {and_list(missing, quote=True)}"] if missing else []) + \
                 ([f"unexpected or repeated {and_list(extra, quote=True)}"] if extra else [])
         ctx.bag.error(f"order `{order}` is not a permutation of tp, cp, ep, dp and pp",
@@ -616,6 +646,7 @@ CHECKS = (
     _check_sequence,
     _check_experts,
     _check_no_effect,
+    _check_reduce_dtype,
     _check_order,
     _check_train,
     _check_positions,
@@ -629,13 +660,18 @@ def check_config(cfg: SpecConfig, ctx: CheckContext) -> None:
         check(cfg, ctx)
 
 
-def does_not_fit_help(p: ParallelConfig) -> str:
+def does_not_fit_help(p: ParallelConfig, model_dtype: str = "fp32") -> str:
     """What a plan that does not fit memory could change, leaving out what the layout
-    already does (ZeRO at its stage, full recomputation)."""
+    already does (ZeRO at its stage, a 16-bit reduce dtype, full recomputation).
+    ``model_dtype``: the model's dtype (a 16-bit model at zero >= 2 may reduce its
+    gradient buckets in 16 bits, ``reduce_dtype``)."""
     steps = ["raise tp or pp"]
     if p.zero < 3:
         steps.append({0: "shard optimizer states (zero = 1)", 1: "also shard gradients (zero = 2)",
                       2: "also shard parameters (zero = 3)"}[p.zero])
+    if p.zero >= 2 and p.schedule != "zero_bubble" and p.dp * p.cp > 1 and p.reduce_dtype == "fp32" \
+            and model_dtype in ("bf16", "fp16"):
+        steps.append(f"hold and reduce-scatter the gradient buckets in {model_dtype} (reduce_dtype = {model_dtype})")
     if p.recompute != "full":
         steps.append("recompute activations (recompute = " + ("selective or full" if p.recompute == "none"
                                                              else "full") + ")")

@@ -14,10 +14,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from parcompile.core.dtypes import TORCH_NAMES
+
 SUPPORTED_MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2")
 _LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2")
 
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPES = {v: k for k, v in TORCH_NAMES.items()}  # config.json's torch_dtype -> ours
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
 
 

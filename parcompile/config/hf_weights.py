@@ -44,6 +44,7 @@ from pathlib import Path
 
 from parcompile.config.hf import SUPPORTED_MODEL_TYPES
 from parcompile.config.schema import ModelConfig
+from parcompile.core.dtypes import TORCH_NAMES
 
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2")
 
@@ -57,7 +58,7 @@ ARCHITECTURES = {
 }
 
 #: our dtype names -> the config.json / safetensors names
-HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+HF_DTYPES = TORCH_NAMES  # config.json's torch_dtype is torch's name
 #: bytes per element of the safetensors dtypes
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
                      "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

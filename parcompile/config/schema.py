@@ -17,6 +17,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from parcompile.config.text import even_split
+from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.diagnostics import Span
 
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -24,8 +26,6 @@ KvDtype = Literal["fp32", "bf16", "fp16", "fp8"]
 
 # `train.data` names for texts that ship with Python itself (read as bytes)
 BUILTIN_SOURCES = ("builtin:pydoc",)
-
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 class _Frozen(BaseModel):
@@ -165,6 +165,11 @@ class ParallelConfig(_Frozen):
     #: chunk, reduced after the backward (no overlap). The default, 160 MB, is 40M fp32
     #: elements, Megatron-LM's ``--ddp-bucket-size`` default (:mod:`parcompile.analysis.buckets`)
     bucket_size: int = DEFAULT_BUCKET_SIZE
+    #: dtype gradient buckets are held and reduce-scattered in when reduced per micro-batch
+    #: (``parallel.reduce_dtype``; zero 2, 3): fp32 (Megatron-LM's and torchtitan's default),
+    #: or the model's 16-bit dtype, added into the fp32 gradient shard
+    #: (:func:`parcompile.analysis.buckets.bucket_element_bytes`)
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     auto: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -190,11 +195,14 @@ class ParallelConfig(_Frozen):
         return (self.tp * self.cp * self.dp) // (self.expert_tp * self.ep)
 
     def layers_per_chunk(self, layers: int) -> tuple[int, ...]:
-        """Layers of each model chunk in model order (``pp * virtual_stages`` entries)."""
+        """Layers of each model chunk in model order (``pp * virtual_stages`` entries):
+        ``stage_layers`` when set, else the even split (larger chunks first when ``layers``
+        does not divide, as :func:`parcompile.passes.split_pipeline_stages.chunk_layers`
+        cuts it; the compiler normally sets ``stage_layers`` for such a layout first,
+        :func:`parcompile.search.settle_split`)."""
         if self.stage_layers is not None:
             return tuple(self.stage_layers)
-        n = self.pp * self.virtual_stages
-        return tuple([layers // n] * n)
+        return tuple(even_split(layers, self.pp * self.virtual_stages))
 
 
 class TrainConfig(_Frozen):

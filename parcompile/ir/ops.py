@@ -460,6 +460,13 @@ def convert(src: Sharding, dst: Sharding, degrees: Mapping[str, int]) -> list[tu
     replicated                split(d)                    ``split`` (local, free)
     ========================  ==========================  ===============
 
+    A nested split (``seq: cp*tp``) is one split per axis, each inside the ones before it:
+    ``seq: cp*tp -> seq: cp`` is an all-gather over tp of the cp rank's part, ``seq: cp
+    -> seq: cp*tp`` a local split, ``partial(tp), seq: cp -> seq: cp*tp`` a
+    reduce-scatter over tp (Megatron-Core's sequence parallelism inside context
+    parallelism). The same dim split over ``a`` inside different outer axes is an
+    ``all_to_all`` over ``a``.
+
     Returns ``[(kind, axis), ...]`` sorted by axis; empty when nothing is needed.
 
     Raises:
@@ -478,13 +485,20 @@ def convert(src: Sharding, dst: Sharding, degrees: Mapping[str, int]) -> list[tu
         if s_part:
             out.append(("reduce_scatter" if d_dim else "all_reduce", axis))
         elif s_dim and d_dim:
-            if s_dim != d_dim:
+            # the same dim, split inside the same outer axes (a nested split, ``seq: cp*tp``):
+            # the same slices; otherwise the slices move between ranks
+            if s_dim != d_dim or _outer(src, axis, degrees) != _outer(dst, axis, degrees):
                 out.append(("all_to_all", axis))
         elif s_dim:
             out.append(("all_gather", axis))
         elif d_dim:
             out.append(("split", axis))
     return out
+
+
+def _outer(s: Sharding, axis: str, degrees: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of more than one rank that a nested split puts outside ``axis``."""
+    return tuple(a for a in s.outer_axes(axis) if degrees.get(a, 1) > 1)
 
 
 def dual(s: Sharding) -> Sharding:
@@ -533,7 +547,7 @@ def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorTy
         res += moe_collectives(op.kind, a, degrees, local_out if op.kind == "moe_dispatch" else local_in[0],
                                op.module)
     elif op.kind == "attention":
-        if degrees.get("cp", 1) > 1 and node.requires[1].axis_of("seq") == "cp":
+        if degrees.get("cp", 1) > 1 and "cp" in node.requires[1].axes_of("seq"):
             # context parallelism (approximate: all-gather K and V, reduce-scatter dK, dV)
             cp = degrees["cp"]
             for t in local_in[1:3]:

@@ -3,9 +3,11 @@
 A :class:`TensorType` is the *global, logical* type of a tensor (the shape the
 single-device model would see); a :class:`Sharding` says how that tensor lives on the
 device mesh, in the style of Mesh-TensorFlow layouts and JAX ``PartitionSpec``: each
-tensor dim may be split over one mesh axis, and a set of axes may still hold partial
-sums. Sharding never changes the type; :meth:`Sharding.local_type` derives the
-per-rank type.
+tensor dim may be split over one mesh axis or over several nested ones (JAX's
+``P(("cp", "tp"))``: ``seq`` over cp, each cp rank's part again over tp, as
+Megatron-Core's sequence parallelism with context parallelism keeps the residual
+stream), and a set of axes may still hold partial sums. Sharding never changes the
+type; :meth:`Sharding.local_type` derives the per-rank type.
 """
 
 from __future__ import annotations
@@ -14,11 +16,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-#: bytes per element of the dtypes tensors may have
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64": 8, "bool": 1}
+from parcompile.core.dtypes import DTYPE_BYTES
 
-#: mesh axes a tensor dim may be split over, or that may hold partial sums
-MESH_AXES = ("dp", "cp", "tp", "ep", "pp", "expert_tp")
+#: how one dim is split: one mesh axis (``"tp"``), or several nested, outermost first
+#: (``("cp", "tp")``: cp rank i holds its part of the dim, split again over tp; the local
+#: size is ``size / (cp * tp)``). A one-axis split is always the plain string.
+SplitAxes = str | tuple[str, ...]
+
+
+def split_axes(a: SplitAxes | None) -> tuple[str, ...]:
+    """The axes of a dim's split, outermost first: ``"tp"`` -> ``("tp",)``, None -> ``()``."""
+    if a is None:
+        return ()
+    return (a,) if isinstance(a, str) else tuple(a)
+
+
+def _split_value(axes: tuple[str, ...]) -> SplitAxes:
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 class ShardingError(ValueError):
@@ -111,9 +125,10 @@ class TensorType:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How a tensor lives on the mesh: ``split`` maps dim name -> mesh axis (stored as
-    sorted pairs so the object hashes), ``partial`` is the set of axes whose ranks hold
-    partial sums. An axis splits at most one dim and is never both split and partial.
+    """How a tensor lives on the mesh: ``split`` maps dim name -> mesh axis, or a tuple
+    of nested axes (:data:`SplitAxes`; stored as sorted pairs so the object hashes),
+    ``partial`` is the set of axes whose ranks hold partial sums. An axis splits at most
+    one dim (once) and is never both split and partial.
 
     Build one with :meth:`make`; :data:`REPLICATED` is the empty sharding.
     """
@@ -133,7 +148,7 @@ class Sharding:
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __post_init__(self) -> None:
-        axes = [a for _, a in self.split]
+        axes = [a for _, v in self.split for a in split_axes(v)]
         if len(set(axes)) != len(axes):
             raise ShardingError(f"a mesh axis splits two dims in {self}")
         dims = [d for d, _ in self.split]
@@ -144,36 +159,57 @@ class Sharding:
             raise ShardingError(f"axis {sorted(both)[0]} is both split and partial in {self}")
 
     @classmethod
-    def make(cls, split: Mapping[str, str] | None = None, partial: Iterable[str] = ()) -> "Sharding":
-        """``Sharding.make({"seq": "tp"}, partial={"dp"})``."""
-        return cls(tuple(sorted((split or {}).items())), frozenset(partial))
+    def make(cls, split: Mapping[str, SplitAxes] | None = None, partial: Iterable[str] = ()) -> "Sharding":
+        """``Sharding.make({"seq": "tp"}, partial={"dp"})``; ``{"seq": ("cp", "tp")}``
+        splits seq over cp and then over tp (a one-axis tuple is the plain axis)."""
+        items = ((d, _split_value(split_axes(a))) for d, a in (split or {}).items() if split_axes(a))
+        return cls(tuple(sorted(items)), frozenset(partial))
 
     @property
-    def split_map(self) -> dict[str, str]:
-        """dim name -> axis."""
+    def split_map(self) -> dict[str, SplitAxes]:
+        """dim name -> axis (a tuple for a nested split)."""
         return dict(self.split)
 
-    def axis_of(self, dim: str) -> str | None:
+    def axis_of(self, dim: str) -> SplitAxes | None:
+        """The axis splitting ``dim`` (a tuple, outermost first, when nested), or None."""
         return self.split_map.get(dim)
 
+    def axes_of(self, dim: str) -> tuple[str, ...]:
+        """The axes splitting ``dim``, outermost first (``()``: not split)."""
+        return split_axes(self.split_map.get(dim))
+
     def dim_of(self, axis: str) -> str | None:
-        """The dim that ``axis`` splits, or None."""
+        """The dim that ``axis`` splits (alone or nested with others), or None."""
         for d, a in self.split:
-            if a == axis:
+            if axis in split_axes(a):
                 return d
         return None
+
+    def outer_axes(self, axis: str) -> tuple[str, ...]:
+        """The axes a nested split puts outside ``axis`` on its dim (``seq: cp*tp``:
+        ``("cp",)`` for tp, ``()`` for cp); ``()`` when ``axis`` splits nothing."""
+        d = self.dim_of(axis)
+        if d is None:
+            return ()
+        axes = self.axes_of(d)
+        return axes[:axes.index(axis)]
 
     @property
     def axes(self) -> set[str]:
         """Every axis this sharding mentions (split or partial)."""
-        return {a for _, a in self.split} | set(self.partial)
+        return {a for _, v in self.split for a in split_axes(v)} | set(self.partial)
 
     def with_split(self, dim: str, axis: str) -> "Sharding":
+        """This sharding with ``dim`` split over ``axis`` too: a dim not split yet is split
+        over ``axis``; a dim already split over other axes is split again inside them
+        (``{seq:cp}.with_split("seq", "tp")`` is ``seq: cp*tp``, tp innermost); a dim
+        already split over ``axis`` stays as it is."""
         key = (self, 0, dim, axis)
         got = _DERIVED.get(key)
         if got is None:
             m = self.split_map
-            m[dim] = axis
+            have = split_axes(m.get(dim))
+            m[dim] = have if axis in have else have + (axis,)
             got = _derived(key, Sharding.make(m, self.partial))
         return got
 
@@ -214,7 +250,7 @@ class Sharding:
         """
         if not self.split:
             return ttype
-        key = (self, ttype, tuple(degrees.get(a, 1) for _, a in self.split))
+        key = (self, ttype, tuple(degrees.get(a, 1) for _, v in self.split for a in split_axes(v)))
         got = _LOCAL_TYPES.get(key)
         if got is None:
             got = self._local_type(ttype, degrees)
@@ -231,22 +267,30 @@ class Sharding:
                 raise ShardingError(f"sharding {self} splits dim {d!r}, which {ttype} lacks", smap[d])
         dims = []
         for d in ttype.dims:
-            axis = smap.get(d.name)
-            n = degrees.get(axis, 1) if axis else 1
+            axes = [a for a in split_axes(smap.get(d.name)) if degrees.get(a, 1) > 1]
+            n = math.prod(degrees[a] for a in axes)
             if n == 1:
                 dims.append(d)
                 continue
             units = d.size // d.unit
             if d.size % d.unit or units % n:
                 what = f"{units} units of {d.unit}" if d.unit > 1 else f"{d.size}"
-                raise ShardingError(
-                    f"dim {d.name} of size {what} does not divide by {axis} = {n}", axis
-                )
+                by = " * ".join(f"{a} = {degrees[a]}" for a in axes)
+                if len(axes) > 1:
+                    by += f" ({n})"
+                # the axis at fault: the innermost whose cumulative split no longer divides
+                cum, bad = 1, axes[-1]
+                for a in axes:
+                    cum *= degrees[a]
+                    if d.size % d.unit or units % cum:
+                        bad = a
+                        break
+                raise ShardingError(f"dim {d.name} of size {what} does not divide by {by}", bad)
             dims.append(Dim(d.name, d.size // n, d.unit))
         return TensorType(tuple(dims), ttype.dtype)
 
     def __str__(self) -> str:
-        parts = [f"{d}:{a}" for d, a in self.split]
+        parts = [f"{d}:{'*'.join(split_axes(a))}" for d, a in self.split]
         parts += [f"partial:{a}" for a in sorted(self.partial)]
         return "{" + ",".join(parts) + "}" if parts else "R"
 

@@ -19,8 +19,6 @@ import math
 
 from parcompile.config.schema import ParallelConfig
 
-AXIS_NAMES = ("tp", "cp", "ep", "dp", "pp")
-
 
 def _strides(sizes: list[int]) -> list[int]:
     out, acc = [], 1

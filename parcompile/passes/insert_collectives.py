@@ -31,14 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parcompile.analysis.buckets import (reduce_counts, reduces_per_microbatch, reshard_after_forward, stage_buckets,
+from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedding, reduce_counts,
+                                        reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
 from parcompile.analysis.params import stage_params
+from parcompile.core.axes import FOUND_INF_AXES
+from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
 from parcompile.passes.base import PassContext
-
-GRAD_BYTES = 4  # fp32 gradients and reductions
 
 
 def _insert_send_recv(graph: Graph, ctx: PassContext) -> None:
@@ -110,11 +111,13 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
 def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str, int]]:
     """The step collectives of the module docstring (3.), as ``(stage, key, op, axis,
     bytes, where, count)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams`
-    per pipeline rank); ``count`` is runs per step (1, but ``2 m`` for the all-gathers of a
-    ZeRO-3 layer bucket resharded after every forward and backward with ``pp = 1``:
+    per pipeline rank); ``count`` is runs per step (1, but with ``pp = 1`` ``2 m`` for the
+    all-gathers of a ZeRO-3 layer bucket resharded after every forward and backward and
+    ``m`` for the output layer's and the embedding's:
     :func:`parcompile.analysis.buckets.zero3_gather_counts`; ``m`` for the gradient
-    reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward:
-    :func:`parcompile.analysis.buckets.reduce_counts`). Shared by the pass and by
+    reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward, in the
+    reduce dtype: :func:`parcompile.analysis.buckets.reduce_counts`,
+    :func:`parcompile.analysis.buckets.bucket_element_bytes`). Shared by the pass and by
     ``parcompile.search``, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
@@ -134,15 +137,16 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
             if size <= 1:
                 continue
-            gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp)) \
-                if par.zero >= 3 else [1] * len(buckets)
+            gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
+                                          head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
+            grad_bytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype)
             reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
             for i, b in enumerate(buckets):
                 if par.zero == 0:
                     add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
                 else:
                     shard = math.ceil(b.elements / size)
-                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, GRAD_BYTES * shard, f"{prefix}grads",
+                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
                         reduces[i])
                     add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
                         gathers[i])
@@ -164,7 +168,7 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         if pp > 1:
             add(s, "grad_norm_pp", "all_reduce", "pp", 4, "grad_norm")
         if cfg.model.dtype == "fp16":   # dynamic loss scaling: did any rank overflow? (max over all)
-            for axis in ("tp", "pp", "dp_cp"):
+            for axis in FOUND_INF_AXES:
                 if deg[axis] > 1:
                     add(s, f"found_inf_{axis}", "all_reduce", axis, 4, "found_inf")
         if s == pp - 1 and d > 1:

@@ -254,6 +254,10 @@ class SimResult:
         return (self.makespan - c) / c if c > 0 else 0.0
 
 
+def _where(r: int, i: int, op: str, mb: int, c: int) -> str:
+    return f"pipeline rank {r} action {i} ({op} microbatch {mb} chunk {c})"
+
+
 def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_time: Sequence[float],
              pp: int, virtual_stages: int = 1, num_microbatches: int | None = None,
              p2p_time: float = 0.0, wgrad_time: Sequence[float] | None = None) -> SimResult:
@@ -280,8 +284,8 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     received: set[tuple[str, int, int]] = set()
     fwd_done: set[tuple[int, int]] = set()
     bwd_done: set[tuple[int, int]] = set()
-    live = [Fraction(0)] * pp
-    peak = [Fraction(0)] * pp
+    live = [0] * pp   # forwards whose backward has not run, each 1/v micro-batch
+    peak = [0] * pp
     events: list[tuple[int, str, int, int, float, float]] = []
     total = sum(len(a) for a in actions)
     done = 0
@@ -293,7 +297,6 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                 a = acts[pos[r]]
                 op, mb, c = a["op"], a["microbatch"], a["chunk"]
                 k = c * pp + r
-                where = f"pipeline rank {r} action {pos[r]} ({op} microbatch {mb} chunk {c})"
                 start = clock[r]
                 if op in ("recv_forward", "recv_backward"):
                     key = ("f" if op == "recv_forward" else "b", mb, k)
@@ -303,26 +306,27 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                     received.add(key)
                 elif op == "forward":
                     if k > 0 and ("f", mb, k) not in received:
-                        raise ScheduleError(f"{where}: input not received")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: input not received")
                     if (mb, k) in fwd_done:
-                        raise ScheduleError(f"{where}: forward run twice")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: forward run twice")
                     received.discard(("f", mb, k))
                     fwd_done.add((mb, k))
                     clock[r] += fwd_time[k]
                     busy[r] += fwd_time[k]
-                    live[r] += Fraction(1, v)
-                    peak[r] = max(peak[r], live[r])
+                    live[r] += 1
+                    if live[r] > peak[r]:
+                        peak[r] = live[r]
                 elif op == "send_forward":
                     if k == last or (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{where}: nothing to send")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: nothing to send")
                     msgs[("f", mb, k + 1)] = clock[r] + p2p_time
                 elif op in ("backward", "backward_input"):
                     if (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{where}: backward before forward")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: backward before forward")
                     if k < last and ("b", mb, k) not in received:
-                        raise ScheduleError(f"{where}: output gradient not received")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: output gradient not received")
                     if (mb, k) in bwd_done:
-                        raise ScheduleError(f"{where}: backward run twice")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: backward run twice")
                     received.discard(("b", mb, k))
                     bwd_done.add((mb, k))
                     t = bwd_time[k] if op == "backward" else bwd_time[k] - wgrad[k]
@@ -332,20 +336,20 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                         split.add((mb, k))
                     clock[r] += t
                     busy[r] += t
-                    live[r] -= Fraction(1, v)
+                    live[r] -= 1
                 elif op == "backward_weight":
                     if (mb, k) not in split:
-                        raise ScheduleError(f"{where}: weight gradient before its input gradient")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: weight gradient before its input gradient")
                     split.discard((mb, k))
                     wgrad_done.add((mb, k))
                     clock[r] += wgrad[k]
                     busy[r] += wgrad[k]
                 elif op == "send_backward":
                     if k == 0 or (mb, k) not in bwd_done:
-                        raise ScheduleError(f"{where}: nothing to send")
+                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: nothing to send")
                     msgs[("b", mb, k - 1)] = clock[r] + p2p_time
                 else:
-                    raise ScheduleError(f"{where}: unknown action")
+                    raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: unknown action")
                 end = clock[r] + p2p_time if op.startswith("send") else clock[r]
                 events.append((r, op, mb, c, start, end))
                 pos[r] += 1
@@ -362,7 +366,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
         if fwd_done != want or bwd_done != want or wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
-    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(peak), tuple(events))
+    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(Fraction(x, v) for x in peak), tuple(events))
 
 
 @dataclass(frozen=True)

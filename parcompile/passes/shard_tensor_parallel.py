@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import TpRule, tp_rule
 from parcompile.ir.types import Dim, Sharding
@@ -61,7 +62,7 @@ class ShardTensorParallel:
         sp = cfg.parallel.sequence_parallel
         # serving with tp a multiple of kv_heads: every rank keeps the kv projections whole
         # (vLLM replicates each kv head on tp / kv_heads ranks; counted here as replicated)
-        kv_replicated = cfg.model.kv_heads % tp != 0
+        kv_replicated = kv_heads_replicated(cfg.model.kv_heads, tp)
         for n in ctx.visit(graph.topological()):
             nd = graph.node(n)
             style = nd.op.attr("tp")

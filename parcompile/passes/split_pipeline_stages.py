@@ -1,8 +1,11 @@
 """``split-pipeline-stages``: place every op on a pipeline rank and model chunk.
 
 The layers are cut into ``pp * virtual_stages`` model chunks in model order
-(``stage_layers`` when given, else an even split; a remainder goes to the first
-chunks). Model chunk ``k`` lives on pipeline rank ``k % pp`` as its local chunk
+(``stage_layers`` when given, else an even split). When ``layers`` does not divide
+into the chunks and no ``stage_layers`` is given, the compiler chooses the split before
+this pass (:func:`parcompile.search.settle_split`, among :func:`candidate_splits`, by the
+smallest estimated step time); this pass cuts a plain remainder-to-the-first-chunks split
+(:func:`parcompile.config.text.even_split`) only for a config that skipped that step. Model chunk ``k`` lives on pipeline rank ``k % pp`` as its local chunk
 ``k // pp`` (Megatron-Core's interleaved assignment: local chunk ``c`` of rank ``r``
 holds model chunk ``c * pp + r``). The embedding is on chunk 0; the final norm, LM head
 and loss on the last chunk. A tied LM head on another pipeline rank than the embedding
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from parcompile.config.text import even_split
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
@@ -38,12 +42,55 @@ def chunk_layers(layers: int, pp: int, virtual_stages: int, stage_layers=None) -
         if sum(counts) != layers:
             raise ValueError(f"stage_layers sum to {sum(counts)}, layers = {layers}")
     else:
-        base, extra = divmod(layers, n)
-        counts = [base + (1 if k < extra else 0) for k in range(n)]
+        counts = even_split(layers, n)
     out, start = [], 0
     for c in counts:
         out.append(list(range(start, start + c)))
         start += c
+    return out
+
+
+#: how many layers fewer than ``layers // chunks`` (and one more) the first and the last
+#: chunk of a candidate split may hold
+SPLIT_REACH = 2
+
+
+def candidate_splits(layers: int, chunks: int) -> list[tuple[int, ...]]:
+    """The uneven splits the compiler considers when ``layers`` does not divide into
+    ``chunks`` model chunks (issue 16), in model order, each chunk holding at least one
+    layer.
+
+    The first chunk also holds the embedding and the last one the output layer and the
+    loss, so the candidates vary those two: each holds ``q - SPLIT_REACH .. q + 1`` layers
+    (``q = layers // chunks``) and the chunks between share the rest as evenly as possible,
+    larger ones first (:func:`parcompile.config.text.even_split`). The first candidate is
+    the plain even split of all chunks, so a tie keeps it. Meta's Llama 3.1 405B split,
+    126 layers on 16 stages with one layer fewer on the first and the last (Llama 3 paper,
+    section 3.3.2), is ``(7, 8, ..., 8, 7)``, one of them.
+
+    Returns:
+        Distinct tuples of ``chunks`` positive counts summing to ``layers``; ``[]`` when
+        ``layers < chunks``.
+    """
+    if layers < chunks:
+        return []
+    out = [tuple(even_split(layers, chunks))]
+    if chunks == 1:
+        return out
+    q = layers // chunks
+    reach = range(max(1, q - SPLIT_REACH), q + 2)
+    for first in reach:
+        for last in reach:
+            rest = layers - first - last
+            if chunks == 2:
+                mid = [] if rest == 0 else None
+            else:
+                mid = even_split(rest, chunks - 2) if rest >= chunks - 2 else None
+            if mid is None:
+                continue
+            cand = (first, *mid, last)
+            if cand not in out:
+                out.append(cand)
     return out
 
 

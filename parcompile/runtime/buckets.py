@@ -61,6 +61,16 @@ second is allocated: :attr:`GradBuckets.peak_bytes`, the plan's
 ``grad_buckets_in_flight`` (:func:`parcompile.analysis.buckets.buckets_in_flight`). The
 last action's last reduce-scatters overlap whatever follows (forwards, sends) until the
 next armed action or :meth:`GradBuckets.finish`.
+
+**Reduce dtype** (``parallel.reduce_dtype``; :func:`parcompile.analysis.buckets.bucket_element_bytes`).
+Per micro-batch, a bucket's full buffer is allocated in the reduce dtype: fp32, or the
+model's 16-bit dtype (FSDP2's ``MixedPrecisionPolicy(reduce_dtype)``, Megatron-LM's
+``--grad-reduce-in-bf16``, DeepSpeed's ``communication_data_type``). The parameters'
+16-bit gradients of the micro-batch land in it (each parameter receives one gradient per
+micro-batch: autograd sums its uses within one backward), it is reduce-scattered in that
+dtype, and the output slice is added into the fp32 shard ``acc``, which the step's
+micro-batches accumulate in fp32 and :meth:`GradBuckets.finish` scales by 1/d (DeepSpeed's
+post-division). Buffers reduced once per step stay fp32.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ import torch.nn as nn
 from parcompile.analysis.buckets import GradUnit, partition, unit_order_key
 from parcompile.runtime.comm import all_reduce_async, reduce_scatter_async
 from parcompile.runtime.context import Axis
+from parcompile.runtime.dtypes import TORCH_DTYPES
 from parcompile.runtime.grads import is_mixed, main_grad, set_main_grad
 from parcompile.runtime.wgrad import STORE
 
@@ -149,12 +160,21 @@ class GradBuckets:
         scale: what the sums are multiplied by (``1 / d``: the mean over data-parallel ranks).
         per_microbatch: ZeRO 2, 3 (sharded only): reduce-scatter every bucket in each
             micro-batch's backward into the fp32 shard ``acc`` (module docstring).
+        reduce_dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype of the per-micro-batch
+            buffers and their reduce-scatters (module docstring, "Reduce dtype").
     """
 
     def __init__(self, params: list[nn.Parameter], chunks: list[list[int]] | None, axis: Axis,
-                 bucket_size: int, sharded: bool, scale: float, per_microbatch: bool = False):
+                 bucket_size: int, sharded: bool, scale: float, per_microbatch: bool = False,
+                 reduce_dtype: str = "fp32"):
         self.axis, self.sharded, self.scale = axis, sharded, scale
         self.per_microbatch = per_microbatch and sharded and axis.size > 1
+        #: dtype of the buffers reduce-scattered per micro-batch
+        self.reduce_dtype = TORCH_DTYPES[reduce_dtype]  # parallel.reduce_dtype
+        if self.per_microbatch and self.reduce_dtype != torch.float32 and \
+                any(p.dtype != self.reduce_dtype for p in params):
+            raise ValueError(f"reduce_dtype {reduce_dtype} needs {reduce_dtype} parameters (their gradients "
+                             "fill the buckets); config/checks.py refuses other specs")
         #: this step reduces per micro-batch (False for a zero-bubble action list: GradSync.start)
         self.stream = self.per_microbatch
         #: bytes of full gradient buffers held now, and at most since the step began
@@ -216,10 +236,10 @@ class GradBuckets:
                 b.flat.zero_()
             self.attach(b)
 
-    def _new_buffer(self, b: BucketLayout) -> None:
+    def _new_buffer(self, b: BucketLayout, dtype: torch.dtype = torch.float32) -> None:
         n = b.shard * self.axis.size if self.sharded else b.elements
-        b.flat = torch.zeros(n, dtype=torch.float32, device=b.params[0].device)
-        self.held += 4 * n
+        b.flat = torch.zeros(n, dtype=dtype, device=b.params[0].device)
+        self.held += n * b.flat.element_size()
         self.peak_bytes = max(self.peak_bytes, self.held)
 
     def attach(self, b: BucketLayout) -> None:
@@ -266,7 +286,7 @@ class GradBuckets:
             while self.pos.get(b.chunk, 0) < at:
                 self._launch_round(order[self.pos.get(b.chunk, 0)])
         self.drain(keep=1)
-        self._new_buffer(b)
+        self._new_buffer(b, self.reduce_dtype)
         self.attach(b)
 
     def drain(self, keep: int = 0) -> None:
@@ -276,14 +296,14 @@ class GradBuckets:
             b, out, flat, work = self.flight.pop(0)
             if work is not None:
                 work.wait()
-            b.acc.add_(out)
+            b.acc.add_(out)   # into the fp32 shard (from the reduce dtype)
             self.held -= flat.numel() * flat.element_size()
 
     def _launch_round(self, b: BucketLayout) -> None:
         """Per micro-batch: reduce-scatter bucket ``b`` (the next of its chunk) now; its
         parameters' gradients leave the buffer and wait for a new one."""
         if b.flat is None:   # no gradient reached it in this micro-batch: zeros
-            self._new_buffer(b)
+            self._new_buffer(b, self.reduce_dtype)
         self._launch(b)
         self.flight.append((b, b.out, b.flat, b.work))
         for p in b.params:
@@ -391,7 +411,7 @@ class GradBuckets:
             return
         flat = b.flat   # the parameters' gradients are views of it (allocate)
         if self.sharded:
-            b.out = torch.empty(b.shard, dtype=torch.float32, device=flat.device)
+            b.out = torch.empty(b.shard, dtype=flat.dtype, device=flat.device)
             b.work = reduce_scatter_async(b.out, flat, self.axis)
         else:
             b.out = flat

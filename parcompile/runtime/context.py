@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-AXES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding")
+from parcompile.core.axes import GROUP_AXES as AXES  # every group of a plan, in creation order
 
 
 @dataclass

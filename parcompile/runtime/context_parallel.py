@@ -6,6 +6,13 @@ same share of the causal attention's work). Attention all-gathers keys and value
 the cp group (Llama 3 training's choice), only the kv heads, never repeated for GQA; the
 backward reduce-scatters their gradients. Each rank computes the loss of its own tokens;
 gradients are averaged over dp x cp.
+
+With sequence parallelism as well (Megatron-Core's SP x CP), a cp rank's T / cp tokens
+(its two chunks, in this order) are split again, contiguously, over tp outside the tensor-
+parallel regions: the embedding reduce-scatters them to T / (cp * tp) per rank, the
+column-parallel regions all-gather them back to T / cp, so attention, RoPE and the loss
+always see this rank's :func:`chunk_positions`, and learned positions are sliced to the tp
+rank's part of them.
 """
 
 from __future__ import annotations

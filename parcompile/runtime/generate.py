@@ -29,9 +29,7 @@ import torch.nn.functional as F
 
 from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, isend, recv
 from parcompile.runtime.context import Axis, ParallelContext
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                "fp8": getattr(torch, "float8_e4m3fn", torch.float16)}
+from parcompile.runtime.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
 
 
 class ServeError(Exception):

@@ -19,8 +19,12 @@ still pending).
 Before a gradient is added to a parameter, the parameter's ``_grad_prepare`` (if any) is
 called with it: from a tensor hook, which autograd runs before it accumulates, and from
 :func:`accumulate`. :class:`parcompile.runtime.buckets.GradBuckets` uses it under ZeRO 2/3
-to allocate a bucket's fp32 buffer only when the micro-batch's first gradient reaches it
-(the parameter's gradient then is a view of that buffer, so autograd adds into it).
+to allocate a bucket's buffer only when the micro-batch's first gradient reaches it
+(the parameter's gradient then is a view of that buffer, so autograd adds into it). That
+buffer is in the reduce dtype (``parallel.reduce_dtype``): fp32, or with a 16-bit reduce
+dtype the parameter's own dtype, so that during the micro-batch ``main_grad`` is a
+16-bit view holding that micro-batch's gradient; the step's fp32 sum is the bucket's
+shard (:class:`parcompile.runtime.buckets.GradBuckets`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ def is_mixed(p: torch.Tensor) -> bool:
 
 
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 gradient of ``p`` accumulated so far (None before any)."""
+    """The gradient of ``p`` accumulated so far (None before any): fp32, but a view of a
+    16-bit bucket during a micro-batch under ZeRO 2/3 with a 16-bit reduce dtype (module
+    docstring)."""
     return getattr(p, "main_grad", None) if is_mixed(p) else p.grad
 
 

@@ -28,9 +28,8 @@ import torch
 from parcompile.config.hf_weights import (HF_DTYPES, VOCAB_PARAMS, HFWeightsError, Source, expected_shapes,
                                           hf_config, hf_family, tensor_map)
 from parcompile.config.schema import ModelConfig
+from parcompile.runtime.dtypes import TORCH_DTYPES
 from parcompile.runtime.weights import WeightsError
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _dtype_name(dtype) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.runtime.comm import all_reduce
 from parcompile.runtime.context import ParallelContext
 
@@ -35,7 +36,7 @@ class DynamicLossScaler:
             if g is not None and not torch.isfinite(g).all():
                 bad.fill_(1.0)
                 break
-        for axis in ("tp", "pp", "dp_cp"):
+        for axis in FOUND_INF_AXES:
             all_reduce(bad, ctx.axes[axis], "max")
         return bool(bad.item())
 

@@ -316,7 +316,7 @@ class MoEOptimizer:
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
         from parcompile.runtime.train import ReplicatedOptimizer, make_optimizer
         from parcompile.runtime.zero import ShardedOptimizer
 
@@ -329,7 +329,8 @@ class MoEOptimizer:
         chunks = getattr(model, "chunks", None)
         dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
         if zero and ctx.axes["dp_cp"].size > 1:
-            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks)
+            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks,
+                                          reduce_dtype=reduce_dtype)
         else:
             self.dense = ReplicatedOptimizer(dense, ctx, train, bucket_size, sequence_parallel, chunks)
         self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
@@ -337,7 +338,8 @@ class MoEOptimizer:
         if self.expert_sharded:
             # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
             ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
-            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk, bucket_size, False, chunks, expert_scale)
+            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk, bucket_size, False, chunks, expert_scale,
+                                            reduce_dtype=reduce_dtype)
         else:
             self.experts = ReplicatedOptimizer(experts, ctx, train, bucket_size, False, chunks,
                                                ctx.axes["expert_dp"], expert_scale)
@@ -477,9 +479,10 @@ class MoEOptimizer:
 
 
 def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
-                  sequence_parallel: bool = False):
+                  sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
     """:class:`MoEOptimizer` when this rank holds expert weights, else None."""
-    return MoEOptimizer(model, ctx, train, zero, bucket_size, sequence_parallel) if has_experts(model) else None
+    return MoEOptimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype) \
+        if has_experts(model) else None
 
 
 __all__ = ["ExpertAxes", "MoELayer", "MoEOptimizer", "route", "load_balancing_loss", "moe_optimizer"]

@@ -109,6 +109,7 @@ def run_schedule(
             inputs[(mb, c)] = x
             if k == last_model_chunk:
                 loss = loss_fn(y, microbatches[mb][1].to(device))
+                del y   # the 16-bit logits: the loss keeps its fp32 copy (never alive with a recomputed layer)
                 outputs[(mb, c)] = loss
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             else:

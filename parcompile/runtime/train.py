@@ -294,24 +294,25 @@ def _unscale(scaler, grads: list, ctx: ParallelContext, drop) -> bool:
 
 
 def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
-                   sequence_parallel: bool = False):
+                   sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
     """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
     reducing gradients in buckets of ``bucket_size`` fp32 bytes (0: one per chunk, after
-    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp. With
-    ``zero = 3`` the buckets of decoder layers are gathered just in time by hooks on
-    ``model.layers`` (:class:`parcompile.runtime.zero.LayerGather`)."""
+    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp;
+    ``reduce_dtype`` (``parallel.reduce_dtype``): the dtype zero 2 and 3 hold and
+    reduce-scatter each micro-batch's buckets in. With ``zero = 3`` buckets are gathered
+    just in time by hooks on the stage's units (:class:`parcompile.runtime.zero.LayerGather`)."""
     from parcompile.analysis.buckets import reshard_after_forward
     from parcompile.runtime.moe import moe_optimizer
     from parcompile.runtime.zero import LayerGather, ShardedOptimizer
 
-    opt = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel)   # experts: over expert_dp
+    opt = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype)   # experts: over expert_dp
     if opt is None:
         if zero == 0 or ctx.axes["dp_cp"].size == 1:
             return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
         opt = ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
-                               bucket_size, sequence_parallel)
+                               bucket_size, sequence_parallel, reduce_dtype=reduce_dtype)
     parts = [o for o in getattr(opt, "parts", (opt,)) if isinstance(o, ShardedOptimizer) and o.zero == 3]
-    if parts and hasattr(model, "layers"):   # ZeRO-3: decoder-layer buckets gathered just in time
+    if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time
         LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
     return opt
 

@@ -28,19 +28,26 @@ Stages: ``zero = 1`` keeps full gradients and parameters between steps; ``zero =
 holds full gradients only for the buckets in flight (only the slices' gradients are kept);
 ``zero = 3`` also frees the full parameters after the update and all-gathers them, bucket
 by bucket, where the step needs them (:class:`LayerGather`; the rule and the plan's side
-are in :mod:`parcompile.analysis.buckets`): a bucket holding the embedding or the output
-layer at the step's start, a bucket of decoder layers just in time, before the forward
-of its first layer. With ``pp = 1`` a layer bucket is freed after its forward and
-gathered again before its backward in every micro-batch (FSDP's ``reshard_after_forward``,
-DeepSpeed ZeRO-3); with ``pp > 1`` it is kept across the micro-batches (torchtitan's
-FSDP + PP). Every gathered bucket is freed once its gradients are final (when its
-last reduce-scatter of the step starts), so the optimizer step runs with shards only. A gathered bucket is
+are in :mod:`parcompile.analysis.buckets`). With ``pp = 1`` every bucket is gathered just
+in time, before the forward of its first unit (the embedding, a decoder layer, the output
+layer) with the next unit's prefetched, and freed after the forward of its last unit;
+gathered again before the backward of its last unit the backward reads (not the
+embedding: its backward reads the token ids) and freed once the input gradient of its
+first such unit is complete (FSDP's ``reshard_after_forward``, DeepSpeed ZeRO-3). The output
+layer's bucket is kept from its forward through its backward, which follows at once
+(torchtitan does not reshard the last module after forward); a tied embedding's bucket,
+which the LM head reads too, is gathered at the step's start. With ``pp > 1`` a bucket of
+decoder layers is gathered before the forward of its first layer, the others at the
+step's start, and all are kept across the micro-batches (torchtitan's FSDP + PP). Every
+gathered bucket is freed once its gradients are final (when its last reduce-scatter of
+the step starts), so the optimizer step runs with shards only. A gathered bucket is
 one padded buffer the bucket's parameters are views of; freeing it resizes the buffer's
 storage to zero, so what autograd saved (the same storage) sees the data again once it
 is gathered back (FSDP's ``resize_`` of the unsharded storage).
 The collectives are the plan's ``grads`` reduce-scatters and ``params`` all-gathers
-(``comm.collectives``): one reduce-scatter per bucket per step (``m`` at zero 2, 3), one all-gather per
-bucket per step (``2 m`` for layer buckets with ``pp = 1`` under ZeRO-3). ZeRO-3's
+(``comm.collectives``): one reduce-scatter per bucket per step (``m`` at zero 2, 3, in the
+reduce dtype, ``parallel.reduce_dtype``), one all-gather per bucket per step (with ``pp = 1``
+under ZeRO-3, ``2 m`` for layer buckets, ``m`` for the embedding's and the output layer's). ZeRO-3's
 all-gathers run on a group of their own (:attr:`parcompile.runtime.context.Axis.param_group`).
 
 fp32 models update their parameters in place through views (no master copy); the
@@ -69,12 +76,14 @@ class ShardedOptimizer(BucketedReduction):
     segments of the parameters (one segment per parameter and bucket that overlaps the
     owned slice), so the update of every element equals the unsharded optimizer's.
     ``bucket_size``, ``sequence_parallel``, ``chunks`` and ``grad_scale`` (default 1/d) are
-    :class:`parcompile.runtime.train.ReplicatedOptimizer`'s.
+    :class:`parcompile.runtime.train.ReplicatedOptimizer`'s; ``reduce_dtype``
+    (``parallel.reduce_dtype``): the dtype of the buckets reduce-scattered per micro-batch
+    (zero 2, 3; :class:`parcompile.runtime.buckets.GradBuckets`).
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, zero: int, weight_decay: float,
                  make_optimizer, bucket_size: int = 0, sequence_parallel: bool = False, chunks=None,
-                 grad_scale: float | None = None):
+                 grad_scale: float | None = None, reduce_dtype: str = "fp32"):
         self.model, self.ctx, self.zero = model, ctx, zero
         self.axis = ctx.axes["dp_cp"]
         self.sequence_parallel = sequence_parallel
@@ -88,7 +97,7 @@ class ShardedOptimizer(BucketedReduction):
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
                                    scale=grad_scale if grad_scale is not None else 1.0 / d,
-                                   per_microbatch=zero >= 2)
+                                   per_microbatch=zero >= 2, reduce_dtype=reduce_dtype)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
@@ -127,7 +136,7 @@ class ShardedOptimizer(BucketedReduction):
         self._inflight: dict[int, tuple] = {}   # prefetched buckets: (work, input slice)
         self.just_in_time: set[int] = set()
         self.gathered = GatherMeter()
-        #: zero 2, 3: the most bytes of full fp32 gradient buffers the step held at once (the
+        #: zero 2, 3: the most bytes of full gradient buffers the step held at once (the
         #: plan's ``grad_buckets_in_flight``; ``full_grads`` when reduced once per step)
         self.full_grad_bytes = 0
         if zero == 3:
@@ -167,7 +176,8 @@ class ShardedOptimizer(BucketedReduction):
 
     def begin_step(self) -> None:
         """Before the first forward of a step (zero 3): start from shards only, then gather
-        the buckets not gathered just in time (embedding, output layer)."""
+        the buckets not gathered just in time (:class:`LayerGather`: with ``pp > 1`` the
+        embedding's and the output layer's, with ``pp = 1`` a tied embedding's)."""
         if self.zero == 3:
             self._free_params()
             self.gathered.reset()
@@ -498,71 +508,113 @@ class GatherMeter:
         self.peak = self.now
 
 
-class LayerGather:
-    """ZeRO-3 just-in-time gathering of the buckets of decoder layers (module docstring),
-    driven by hooks on the stage's decoder layers (``model.layers``, chunks ``model.chunks``).
+def head_reads_embedding(model: nn.Module) -> bool:
+    """The stage's LM head reads its embedding table (tied embeddings on one pipeline rank;
+    :func:`parcompile.analysis.buckets.head_reads_embedding`)."""
+    emb, head = getattr(model, "embedding", None), getattr(model, "head_weight", None)
+    return emb is not None and callable(head) and bool(getattr(model, "has_last", False)) and head() is emb.weight
 
-    - before a layer's forward: gather the layer buckets containing the layer (waiting
-      for a prefetch in flight), then prefetch those of the next layer of the chunk
-      (asynchronous, so it runs while this layer computes: FSDP's forward prefetch);
-    - ``per_microbatch`` (``pp = 1``; :func:`parcompile.analysis.buckets.reshard_after_forward`):
-      after a layer's forward, free the buckets it ends (in forward order); a hook on the
-      gradient of the chunk's last layer output gathers that layer's buckets before its
-      backward, and a hook on the gradient of each layer's input, complete once the
-      layer's backward has run, frees the buckets the layer starts, gathers those of the
-      layer before it and prefetches the one before that (FSDP's backward prefetch). A
-      rank so holds the buckets of two adjacent layers at most, as the plan counts
-      (:func:`parcompile.analysis.buckets.zero3_gathered`);
-    - otherwise buckets stay gathered for the step and are freed when their gradients are
-      final (:meth:`ShardedOptimizer._release_bucket` on the bucket's launch).
+
+class LayerGather:
+    """ZeRO-3 just-in-time gathering (module docstring; the rule is
+    :mod:`parcompile.analysis.buckets`), driven by hooks on the stage's units: its decoder
+    layers (``model.layers``, chunks ``model.chunks``) and, with ``per_microbatch``
+    (``pp = 1``; :func:`parcompile.analysis.buckets.reshard_after_forward`), the embedding
+    (``model.embedding``) and the output layer (``model.final_norm``, whose forward starts
+    it). Units are visited in forward order (:func:`parcompile.analysis.buckets.unit_position`).
+
+    - before a unit's forward: free the embedding's buckets if the unit follows it (freed
+      here, not after the embedding module, because the learned positions are added after
+      it), gather the buckets containing the unit (waiting for a prefetch in flight), then
+      prefetch those of the next unit of the chunk (asynchronous, so it runs while this
+      unit computes: FSDP's forward prefetch);
+    - ``per_microbatch``: after a unit's forward, free the buckets it ends (in forward
+      order), except at the chunk's last unit (the output layer), whose buckets are kept
+      for its backward, which follows at once; a hook on the gradient of that unit's output
+      prefetches the unit before it for the backward; a hook on the gradient of each unit's
+      input, complete once the unit's backward has run, frees the buckets whose first unit
+      read by the backward it is, gathers those of the unit before it and prefetches the one
+      before that (FSDP's backward prefetch). The embedding's backward reads the token ids
+      only: a bucket of the embedding alone is not gathered for the backward
+      (:func:`parcompile.analysis.buckets.needed_in_backward`). A rank so holds the buckets
+      of two neighbouring units at most, as the plan counts
+      (:func:`parcompile.analysis.buckets.zero3_gathered`); a tied embedding's bucket (the
+      LM head reads it too) is gathered at the step's start and kept;
+    - otherwise (``pp > 1``) layer buckets are gathered before their first layer and stay
+      gathered for the step, the others from the step's start, all freed when their
+      gradients are final (:meth:`ShardedOptimizer._release_bucket` on the bucket's launch).
 
     Recomputation runs a layer's forward again inside the backward: its pre-hook finds the
     buckets gathered (or gathers them); nothing is prefetched, freed or hooked from inside
     a backward.
 
     Args:
-        model: the stage (``layers``: ModuleDict by layer id; ``chunks``: layer ids per chunk).
+        model: the stage (``layers``: ModuleDict by layer id; ``chunks``: layer ids per
+            chunk; ``embedding``, ``final_norm``, ``head_weight()`` where it has them).
         parts: the stage's ZeRO-3 optimizers (dense, and experts with expert_dp > 1).
-        per_microbatch: free layer buckets after every forward and backward.
+        per_microbatch: free buckets after every forward and backward.
     """
 
     def __init__(self, model: nn.Module, parts: list[ShardedOptimizer], per_microbatch: bool):
-        from parcompile.analysis.buckets import is_layer_bucket
+        from parcompile.analysis.buckets import (bucket_positions, needed_in_backward, unit_position,
+                                                zero3_just_in_time)
 
         self.per_microbatch = per_microbatch
-        self.of_layer: dict[int, list] = {}
-        self.starts: dict[int, list] = {}
-        self.ends: dict[int, list] = {}
+        emb, out = unit_position("embedding"), unit_position("output")
+        tied = per_microbatch and head_reads_embedding(model)
+        self.of_pos: dict[tuple, list] = {}       # unit -> buckets containing it (forward)
+        self.of_pos_bwd: dict[tuple, list] = {}   # unit -> buckets its backward reads
+        self.ends: dict[tuple, list] = {}         # unit -> buckets whose last unit it is
+        self.bwd_starts: dict[tuple, list] = {}   # unit -> buckets whose first unit read by the backward it is
         meter = GatherMeter()
         for part in parts:
             part.gathered = meter
             for b in part.buckets.buckets:
-                if not is_layer_bucket(b):
+                if not zero3_just_in_time(b, per_microbatch, tied):
                     continue
                 part.just_in_time.add(b.index)
-                layers = sorted(int(u.split(".")[1]) for u in b.units)
-                for layer in layers:
-                    self.of_layer.setdefault(layer, []).append((part, b))
-                self.starts.setdefault(layers[0], []).append((part, b))
-                self.ends.setdefault(layers[-1], []).append((part, b))
-        self.prev: dict[int, int] = {}
-        self.next: dict[int, int] = {}
-        self.chunk_last: set[int] = set()
-        for ids in getattr(model, "chunks", None) or []:
-            self.prev.update({b: a for a, b in zip(ids, ids[1:])})
-            self.next.update({a: b for a, b in zip(ids, ids[1:])})
-            if ids:
-                self.chunk_last.add(ids[-1])
+                pos = bucket_positions(b)
+                for at in pos:
+                    self.of_pos.setdefault(at, []).append((part, b))
+                self.ends.setdefault(pos[-1], []).append((part, b))
+                if needed_in_backward(b):
+                    back = [at for at in pos if at != emb]
+                    for at in back:
+                        self.of_pos_bwd.setdefault(at, []).append((part, b))
+                    self.bwd_starts.setdefault(back[0], []).append((part, b))
+        self.emb = emb
+        self.prev: dict[tuple, tuple] = {}
+        self.next: dict[tuple, tuple] = {}
+        self.chunk_last: set[tuple] = set()
+        chunks = getattr(model, "chunks", None) or []
+        has_emb = per_microbatch and getattr(model, "has_first", True) and hasattr(model, "embedding")
+        has_out = per_microbatch and getattr(model, "has_last", True) and hasattr(model, "final_norm")
+        for c, ids in enumerate(chunks):
+            order = [unit_position(f"layers.{i}") for i in ids]
+            if c == 0 and has_emb:
+                order.insert(0, emb)
+            if c == len(chunks) - 1 and has_out:
+                order.append(out)
+            self.prev.update({b: a for a, b in zip(order, order[1:])})
+            self.next.update({a: b for a, b in zip(order, order[1:])})
+            if order:
+                self.chunk_last.add(order[-1])
         for name, layer in model.layers.items():
-            layer.register_forward_pre_hook(functools.partial(self._pre, int(name)))
-            layer.register_forward_hook(functools.partial(self._post, int(name)))
+            at = unit_position(f"layers.{name}")
+            layer.register_forward_pre_hook(functools.partial(self._pre, at))
+            layer.register_forward_hook(functools.partial(self._post, at))
+        if has_emb:
+            model.embedding.register_forward_pre_hook(functools.partial(self._pre, emb))
+        if has_out:
+            model.final_norm.register_forward_pre_hook(functools.partial(self._pre, out))
+            model.final_norm.register_forward_hook(functools.partial(self._post, out))
 
     @staticmethod
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def _gather(self, layer: int | None, prefetch: bool = False) -> None:
-        for part, b in self.of_layer.get(layer, ()) if layer is not None else ():
+    def _gather(self, at: tuple | None, prefetch: bool = False, backward: bool = False) -> None:
+        for part, b in (self.of_pos_bwd if backward else self.of_pos).get(at, ()) if at is not None else ():
             part._gather_bucket(b, prefetch)
 
     @staticmethod
@@ -570,28 +622,33 @@ class LayerGather:
         for part, b in pairs:
             part._release_bucket(b)
 
-    def _pre(self, layer: int, module: nn.Module, args) -> None:
-        self._gather(layer)
-        if self._in_backward():
+    def _pre(self, at: tuple, module: nn.Module, args) -> None:
+        if self._in_backward():   # recomputation: the unit's buckets are gathered for its backward
+            self._gather(at, backward=True)
             return
-        self._gather(self.next.get(layer), prefetch=True)
+        if self.per_microbatch and self.prev.get(at) == self.emb:
+            self._release(self.ends.get(self.emb, ()))
+        self._gather(at)
+        self._gather(self.next.get(at), prefetch=True)
         x = args[0] if args else None
         if self.per_microbatch and torch.is_tensor(x) and x.requires_grad and torch.is_grad_enabled():
-            x.register_hook(functools.partial(self._after_backward, layer))
+            x.register_hook(functools.partial(self._after_backward, at))
 
-    def _post(self, layer: int, module: nn.Module, args, out) -> None:
+    def _post(self, at: tuple, module: nn.Module, args, out) -> None:
         if not self.per_microbatch or self._in_backward():
             return
-        self._release(self.ends.get(layer, ()))
-        if layer in self.chunk_last and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(functools.partial(self._before_backward, layer))
+        backward_follows = torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled()
+        if at in self.chunk_last and backward_follows:   # kept for its backward, which follows at once
+            out.register_hook(functools.partial(self._before_backward, at))
+        else:
+            self._release(self.ends.get(at, ()))
 
-    def _before_backward(self, layer: int, grad: torch.Tensor) -> None:
-        self._gather(layer)
-        self._gather(self.prev.get(layer), prefetch=True)
+    def _before_backward(self, at: tuple, grad: torch.Tensor) -> None:
+        self._gather(at, backward=True)
+        self._gather(self.prev.get(at), prefetch=True, backward=True)
 
-    def _after_backward(self, layer: int, grad: torch.Tensor) -> None:
-        self._release(self.starts.get(layer, ()))
-        before = self.prev.get(layer)
-        self._gather(before)
-        self._gather(self.prev.get(before), prefetch=True)
+    def _after_backward(self, at: tuple, grad: torch.Tensor) -> None:
+        self._release(self.bwd_starts.get(at, ()))
+        before = self.prev.get(at)
+        self._gather(before, backward=True)
+        self._gather(self.prev.get(before), prefetch=True, backward=True)

@@ -60,6 +60,7 @@ PP = 4
 VIRTUAL_STAGES = 1
 ZERO = 1  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
+REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
 RECOMPUTE = "full"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = True  # sequence parallelism: outside tp regions activations are split along the sequence
 CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
@@ -236,7 +237,7 @@ def main(argv=None) -> dict:
     if INIT_FROM:                                               # each rank reads only its slices
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
-    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP)  # ZeRO-1: optimizer states sharded over dp
+    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP, REDUCE_DTYPE)  # ZeRO-1: optimizer states sharded over dp
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
@@ -244,7 +245,7 @@ def main(argv=None) -> dict:
 
     def evaluate(done: int) -> None:
         if evals is not None:
-            opt.begin_step()                                    # ZeRO-3: the embedding/output buckets
+            opt.begin_step()                                    # ZeRO-3: start from the shards
             loss, tokens = rt.evaluate(evals, ctx, model, MICRO_BATCH, VIRTUAL_STAGES, act_shape, ACT_DTYPE)
             log.eval(done, loss, tokens)
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,

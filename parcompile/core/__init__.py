@@ -1,0 +1,12 @@
+"""The ground floor of parcompile: the rules every layer uses, written once.
+
+This package may import only the standard library (``tests/test_layers_import.py``
+enforces it): no torch, pydantic, networkx, lark or jinja2, and nothing from parcompile
+outside ``parcompile.core``. The config, the IR, the passes, the analyses, the search,
+export, codegen and the runtime import it; none of them re-derives what it decides.
+
+- :mod:`parcompile.core.axes`: the mesh axes and process-group names (:class:`MeshAxis`).
+- :mod:`parcompile.core.dtypes`: bytes per element, gradient bytes, torch's dtype names.
+- :mod:`parcompile.core.heads`: how tensor parallelism splits or replicates kv heads.
+- :mod:`parcompile.core.version`: the compiler's version.
+"""
