@@ -18,8 +18,23 @@ output``; memory and time are then the same functions the compiler uses
 :func:`~parcompile.analysis.estimate.step_time_parts`, the closed-form pipeline), and
 whether an axis's groups cross nodes comes from
 :func:`~parcompile.passes.groups.axis_inside_node`. Nothing per candidate grows with the
-world size; probes are cached. The best few candidates are then re-timed with their
-simulated schedules (action lists), which is what separates zero-bubble from 1F1B.
+world size; probes are cached, and each of their analyses runs when a layout first needs
+it. The best few candidates are then re-timed with their simulated schedules (action
+lists), which is what separates zero-bubble from 1F1B.
+
+Only those best few (``max(RETIME, top)``) must be exact, so the layouts are costed best
+first by branch and bound (:func:`_rank`): lower bounds on a layout's step time and memory
+peak, each cheaper than the costing it bounds and each proven below what it bounds
+(:meth:`Coster.family_floor` from a few probes for whole families of layouts,
+:meth:`Coster.span_floor` and :meth:`Coster._split_floors` from the layout's own probe,
+:meth:`Coster.state_floor` and :meth:`Coster.memory_floor` for memory,
+:meth:`Coster._dp_floor` for the data-parallel time) skip the layouts that cannot fit or
+cannot be among the best (``tests/test_search.py`` holds each bound against what it bounds,
+and the search against costing every layout, :data:`BOUNDS` off). The best few, their
+figures and their order are those of costing every layout; the ranking past them holds
+the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
+them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
+about 2,000 of 118,000 valid layouts are costed and 100 of 430 probes built.
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -33,12 +48,12 @@ import sys
 import time
 from fractions import Fraction
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from parcompile.analysis.comm import CollectiveEntry, comm_report
+from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, efficiency, links_inside,
-                                          optimizer_time, pipeline_parts)
+                                          optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, buffer_total,
                                         memory_from_parts, saved_bytes)
 from parcompile.analysis.calibration import cost_without_schedule
@@ -59,6 +74,9 @@ SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "z
 MAX_MICRO_BATCH = 16
 #: candidates re-timed with their simulated schedule
 RETIME = 24
+#: rank by branch and bound (:func:`_rank`); off, every layout is costed (the same best
+#: ``max(RETIME, top)`` candidates, in the same order: ``tests/test_search.py``)
+BOUNDS = True
 #: step times within this fraction of the fastest split's count as ties (Coster.choose_split):
 #: below the estimate's own resolution
 SPLIT_TIME_TIE = 0.01
@@ -117,6 +135,7 @@ class _Probe:
             run_pass(p, g, ctx, check=False)
         self.graph = g
         self.degrees: dict[str, int] = ctx.degrees
+        self.params_of = (tp, ep, expert_tp)
         self.compute = _PerMode(self._compute)
         self.comm = _PerMode(self._comm)
         self.saved = _PerMode(self._saved)
@@ -237,13 +256,52 @@ def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tie
     return out
 
 
-def _step_entries(cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+class _Step(NamedTuple):
+    """A step collective as :func:`~parcompile.analysis.estimate._dp_exposed` reads it
+    (the fields of :class:`~parcompile.analysis.comm.CollectiveEntry` it reads; a tuple
+    builds faster)."""
+
+    op: str
+    axis: str
+    bytes: int
+    count: int
+    where: str
+    stage: int
+    phase: str
+
+
+def _step_entries(cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
     """The step's collectives of layout ``cfg`` (:func:`~parcompile.passes.insert_collectives.step_collectives`)
     as the rows :func:`~parcompile.analysis.estimate._dp_exposed` reads."""
     from parcompile.passes.insert_collectives import step_collectives
 
-    return [CollectiveEntry(op, axis, nb, count, where, s, "step")
+    return [_Step(op, axis, nb, count, where, s, "step")
             for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, sps)]
+
+
+#: the axes of the step collectives (:func:`~parcompile.passes.insert_collectives.step_collectives`)
+_STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
+
+
+def _first_layers(splits: list[tuple[int, ...]], pp: int) -> int:
+    """The fewest layers any of ``splits`` gives the first pipeline rank."""
+    return min(sum(c[0::pp]) for c in splits)
+
+
+def _step_degrees(deg: dict) -> tuple:
+    """The degrees :func:`~parcompile.passes.insert_collectives.step_collectives` reads."""
+    return tuple(deg[a] for a in ("dp_cp", "expert_dp", "tp", "ep", "expert_tp", "pp"))
+
+
+class _Coll(NamedTuple):
+    """A per-micro-batch collective as :func:`~parcompile.analysis.estimate.chunk_times`
+    reads it (:class:`~parcompile.ir.ops.Collective`'s fields; :meth:`Coster.family_floor`
+    scales its bytes)."""
+
+    op: str
+    axis: str
+    bytes: float
+    phase: str
 
 
 @dataclass(frozen=True)
@@ -318,8 +376,10 @@ class Coster:
         self.action_lists: dict[tuple, list] = {}
         self.exposed: dict[ParallelConfig, tuple[float, float]] = {}
         self.stage_param_sets: dict[tuple, list[StageParams]] = {}
-        self.step_sets: dict[tuple, list[CollectiveEntry]] = {}
-        self.dp_groups: dict[tuple, tuple[SpecConfig, list[CollectiveEntry]]] = {}
+        self.step_sets: dict[tuple, list[_Step]] = {}
+        self.dp_groups: dict[tuple, tuple[SpecConfig, list[_Step]]] = {}
+        self.param_owner: dict[tuple, _Probe] = {}
+        self.state_parts: dict[tuple, float] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -378,7 +438,7 @@ class Coster:
 
     def _pipeline(self, cfg: SpecConfig, pr: _Probe, ct3: ChunkTimes, tkey: tuple,
                   counts: tuple[int, ...]) -> tuple[ChunkTimes, float, dict]:
-        """The candidate's chunk times (the probe's, :func:`_compose`\\ d over ``counts``) and
+        """The candidate's chunk times (the probe's composed over ``counts``, :func:`_compose`) and
         its closed-form pipeline (:func:`~parcompile.analysis.estimate.pipeline_parts`:
         makespan with transfers, breakdown), cached: they depend on neither ZeRO nor the
         schedule."""
@@ -416,12 +476,13 @@ class Coster:
             work += 2 * (pp * v - 1) * ct3.p2p
         return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
 
-    def family_floor(self, reps: dict[int, ParallelConfig], groups: Iterable[tuple[int, int, int, str]]) -> float:
-        """A lower bound on the closed-form step time of every layout of ``par``'s probe
-        family (its ``tp, cp, sequence_parallel, micro_batch, ep, expert_tp``), without
-        building that family's probe: ``groups`` are the family's ``(pp, virtual_stages,
-        num_microbatches, recompute)`` to bound, ``reps`` a layout of the family per ``pp``
-        (for its links).
+    def family_floor(self, reps: dict[int, ParallelConfig],
+                     groups: Iterable[tuple[int, int, int, str]]) -> dict[tuple[int, int, int, str], float]:
+        """Lower bounds on the closed-form step time of the layouts of one probe family (one
+        ``tp, cp, sequence_parallel, micro_batch, ep, expert_tp``), without building that
+        family's probe: per group ``(pp, virtual_stages, num_microbatches, recompute)`` of
+        ``groups``, one bound for all its layouts (any ZeRO stage, schedule or split);
+        ``reps``: a layout of the family per ``pp`` (for its links).
 
         From the probe of the same ``tp, sequence_parallel, ep, expert_tp`` at micro-batch 1
         and ``cp0 = min(cp, 2)``, whose FLOPs, bytes moved and collective sizes are scaled by
@@ -449,7 +510,7 @@ class Coster:
         r = mb * cp0 / cp
         layers = self.cfg.model.layers
         works: dict[tuple, float] = {}
-        best = math.inf
+        out = {}
         for pp, v, m, rc in groups:
             inside = self._inside(reps[pp])
             w = works.get((pp, rc))
@@ -464,7 +525,7 @@ class Coster:
                                      chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
                                      chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
                                      chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
-                    raw = _ScaledComm(tuple((s, k, replace(c, bytes=c.bytes * r)) for s, k, c in comm.raw
+                    raw = _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in comm.raw
                                             if c.axis != "pp"))
                     tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
                         dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
@@ -474,8 +535,8 @@ class Coster:
                     fb = [ct.fwd(k) + ct.bwd(k) for k in range(3)]
                     w = self.base_works[key] = layers * fb[1] + (fb[0] - fb[1]) + (fb[2] - fb[1])
                 works[(pp, rc)] = w
-            best = min(best, (m + (pp - 1) / v) * w / pp)
-        return best * (1 - 1e-9)
+            out[(pp, v, m, rc)] = (m + (pp - 1) / v) * w / pp * (1 - 1e-9)
+        return out
 
     def state_floor(self, par: ParallelConfig) -> int:
         """A lower bound on the memory peak of training layout ``par`` from its model states
@@ -642,34 +703,50 @@ class Coster:
                 peak = total
         return peak, int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
 
-    def memory_floor(self, cfg: SpecConfig, splits: list[tuple[int, ...]]) -> int:
-        """A lower bound on :meth:`peak` of training layout ``cfg`` over ``splits`` (its
-        candidate splits, or its one split), from its probe without composing any split:
-        the first pipeline rank's total with the fewest layers any split gives it. That
-        total is, as :meth:`peak` adds it up, the model states of its parameters (at
+    def memory_floor(self, par: ParallelConfig, first_layers: int, base: bool = False) -> float:
+        """A lower bound on :meth:`peak` of training layout ``par`` over its splits, from a
+        probe without composing any split: the first pipeline rank's total when it holds
+        ``first_layers`` (the fewest any of its splits gives it, :func:`_first_layers`).
+        That total is, as :meth:`peak` adds it up, the model states of its parameters (at
         least the table of :mod:`parcompile.analysis.memory` with exact division, its
         sharded elements being at least ``n / d``), the activations of its in-flight
         micro-batches (``num * body // den``, at least ``num * body / den - 1``), its
         buffers (:meth:`_buffer_sums`) and byte counts that are not negative (the output
         layer's activations, ZeRO-3's gathered parameters, gradient buckets in flight);
-        each grows with the rank's layers. ``tests/test_search.py`` checks the bound
-        against :meth:`peak`."""
-        par, model = cfg.parallel, cfg.model
-        pr = self.probe(par)
+        each grows with the rank's layers.
+
+        With ``base``, no probe of ``par``'s own family is needed: the activations and
+        buffers are those of the probe :meth:`family_floor` scales, at micro-batch 1 and
+        ``cp0 = min(cp, 2)``, times ``cp0 / cp`` (by the same two facts, each byte count is
+        at least ``cp0 / cp`` times its value at ``cp0`` and does not shrink with the
+        micro-batch). In floating point, reduced by a relative 1e-12. ``tests/test_search.py``
+        checks the bound against :meth:`peak`."""
+        model = self.cfg.model
         pp, v, m, z, rc = par.pp, par.virtual_stages, par.num_microbatches, par.zero, par.recompute
-        e = model.dtype_bytes
-        opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
-        first, mid, last = pr.params
-        n = min(sum(c[0::pp]) for c in splits)   # the first rank's layers
-        total = Fraction(0)
-        for kind, dd in (("dense", par.dp * par.cp), ("expert", par.expert_dp)):
-            x = n * getattr(mid, kind) + getattr(first, kind) - getattr(mid, kind)
-            if pp == 1:
-                x += getattr(last, kind) - getattr(mid, kind)
-                if kind == "dense" and model.tie_embeddings:
-                    x -= last.embedding
-            shard = Fraction(x, dd)
-            total += e * (shard if z >= 3 else x) + 4 * (shard if z >= 2 else x) + opt_per * (shard if z >= 1 else x)
+        d, ed, n = par.dp * par.cp, par.expert_dp, first_layers
+        if base:
+            cp0 = min(par.cp, 2)
+            pr = self.probe_of((par.tp, cp0, par.sequence_parallel, 1, par.ep, par.expert_tp))
+            scale = cp0 / par.cp
+        else:
+            pr = self.probe(par)
+            scale = 1.0
+        skey = (self._params_key(pr), pp, n, z, d, ed)
+        states = self.state_parts.get(skey)
+        if states is None:
+            e = model.dtype_bytes
+            opt_per = 4 * OPTIMIZER_STATES[self.cfg.train.optimizer] + (4 if e < 4 else 0)
+            first, mid, last = pr.params
+            states = 0.0
+            for kind, dd in (("dense", d), ("expert", ed)):
+                x = n * getattr(mid, kind) + getattr(first, kind) - getattr(mid, kind)
+                if pp == 1:
+                    x += getattr(last, kind) - getattr(mid, kind)
+                    if kind == "dense" and model.tie_embeddings:
+                        x -= last.embedding
+                shard = x / dd
+                states += e * (shard if z >= 3 else x) + 4 * (shard if z >= 2 else x) + opt_per * (shard if z >= 1 else x)
+            self.state_parts[skey] = states
         sv = pr.saved[rc]
         (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
         body = n * (pb_ - ob) + (pa - oa) - (pb_ - ob)
@@ -681,9 +758,8 @@ class Coster:
             num, den = min(2 * (pp - 1) + (v - 1) * pp + 1, m * v), v
         else:
             num, den = min(pp, m), 1
-        total += max(0, Fraction(num * body, den) - 1)
-        total += self._buffer_sums(pr, rc, pp)[0]
-        return math.floor(total)
+        acts = max(0.0, num * body * scale / den - 1)
+        return (states + acts + self._buffer_sums(pr, rc, pp)[0] * scale) * (1 - 1e-12)
 
     def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
         """The layers per model chunk ``cfg`` may get: its split, or, when the layers do
@@ -703,7 +779,7 @@ class Coster:
             return self.cost(cfg).fits
         splits = self.splits(cfg)
         cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
-        if self.memory_floor(cfg, splits) > cap:
+        if self.memory_floor(par, _first_layers(splits, par.pp)) > cap:
             return False
         pr = self.probe(par)
         return any(p <= cap for p, cap in (self.peak(cfg, pr, counts) for counts in splits))
@@ -739,11 +815,13 @@ class Coster:
         (1 + SPLIT_TIME_TIE)`` is slower than every split in the tie window of the fastest
         (which is at most ``t``), so it can neither be the fastest nor a tie. ``bound`` (the
         search, closed form only): the candidate is wanted only when its step time is at most
-        ``bound``; splits whose lower bound exceeds ``bound * (1 + SPLIT_TIME_TIE)`` are not
-        timed either (if the chosen split is that fast, so is every split of its tie window,
-        and none of those is skipped), and the candidate is None when the chosen split is
-        slower than ``bound`` or when no split timed fits (the one not timed that fits is then
-        slower than ``bound`` too)."""
+        ``bound``; a split that cannot be within ``bound * (1 + SPLIT_TIME_TIE)`` (its lower
+        bound, or :meth:`cost`'s with that limit) is not timed either (if the chosen split is
+        within ``bound``, every split of its tie window is within the limit, and none of
+        those is skipped), and the candidate is None when the chosen split is slower than
+        ``bound`` or when no split timed fits (a split not timed that fits is then slower
+        than ``bound`` too). Simulated, a split's bound adds its exposed data-parallel time
+        and optimizer step, which need no simulation (:meth:`_sim_floor`)."""
         par = cfg.parallel
         cands = candidate_splits(cfg.model.layers, par.pp * par.virtual_stages)
         if self.unlike_layers or cfg.workload == "serve":
@@ -790,7 +868,7 @@ class Coster:
     def _split_floors(self, par: ParallelConfig, splits: list[tuple[int, ...]], simulate: bool) -> list[float]:
         """Per split of layout ``par``, a lower bound on :meth:`cost`'s step time (the step
         adds the non-negative exposed data-parallel time and optimizer step to the
-        pipeline's makespan), from the probe's chunk times :func:`_compose`\ d over the
+        pipeline's makespan), from the probe's chunk times composed (:func:`_compose`) over the
         split, with the transfers (:func:`~parcompile.analysis.estimate.pipeline_makespan`'s
         ``f`` and ``b``):
 
@@ -841,22 +919,30 @@ class Coster:
             out.append(best * (1 - 1e-9))
         return out
 
+    def _params_key(self, pr: _Probe) -> tuple:
+        """What the probe's parameters are keyed by in the caches: its ``tp, ep,
+        expert_tp`` when they equal the first probe's of those (parameters are sharded by
+        those degrees only), else the probe itself."""
+        key = pr.params_of
+        got = self.param_owner.setdefault(key, pr)
+        return key if got is pr or got.params == pr.params else (id(pr),)
+
     def _stage_params(self, pr: _Probe, counts: tuple[int, ...], pp: int) -> list[StageParams]:
         """:func:`_compose_params` of the probe over ``counts``, cached (the layouts of one
         split that differ in anything else but the probe share them)."""
-        key = (id(pr), counts, pp)
+        key = (self._params_key(pr), counts, pp)
         got = self.stage_param_sets.get(key)
         if got is None:
             got = self.stage_param_sets[key] = _compose_params(pr.params, counts, pp, self.cfg.model.tie_embeddings)
         return got
 
-    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
         """:func:`_step_entries`, cached by what
         :func:`~parcompile.passes.insert_collectives.step_collectives` reads: the stage
         parameters, the degrees and the layout's ZeRO stage, schedule, micro-batches,
         bucket size, reduce dtype and sequence parallelism (the model is the spec's)."""
         par = cfg.parallel
-        key = (id(sps), tuple(sorted(deg.items())), par.zero, par.schedule, par.num_microbatches, par.pp,
+        key = (id(sps), _step_degrees(deg), par.zero, par.schedule, par.num_microbatches, par.pp,
                par.bucket_size, par.reduce_dtype, par.sequence_parallel)
         got = self.step_sets.get(key)
         if got is None:
@@ -881,14 +967,18 @@ class Coster:
         group). Reduced by a relative 1e-9 for rounding."""
         par = cfg.parallel
         jit = par.zero >= 3 and reshard_after_forward(par.pp)
-        key = (id(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
-               par.num_microbatches if jit else 0, tuple(sorted(deg.items())), par.bucket_size,
+        key = (self._params_key(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
+               par.num_microbatches if jit else 0, _step_degrees(deg), par.bucket_size,
                par.reduce_dtype, par.sequence_parallel)
         got = self.dp_groups.get(key)
         if got is None:
-            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)))
-        cfg0, steps = got
-        return _dp_exposed(cfg0, deg, links, steps, ct, None) * (1 - 1e-9)
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)), {})
+        cfg0, steps, sums = got
+        lkey = (tuple(links.get(a) for a in _STEP_AXES), deg["embedding"])
+        got = sums.get(lkey)
+        if got is None:
+            got = sums[lkey] = step_sums(cfg0, deg, links, steps)
+        return _dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
 
     def _data_parallel(self, cfg: SpecConfig, pr: _Probe, ct: ChunkTimes, links: dict, deg: dict,
                        sps: list[StageParams]) -> tuple[float, float]:
@@ -925,10 +1015,12 @@ class Coster:
         Layers that do not divide into the model chunks, with no ``stage_layers``, are
         split by :meth:`choose_split` first; the candidate's layout carries the split.
 
-        ``bound`` (the search): a candidate that fits memory is wanted only when its step
-        time is at most ``bound``; None is returned instead when it cannot be (its pipeline
-        alone takes longer, :meth:`_choose_split`). A layout that does not fit is returned
-        untimed (step time inf)."""
+        ``bound`` (the search, closed form): a candidate that fits memory is wanted only when
+        its step time is at most ``bound``; None is returned instead when it is shown not to
+        be (its pipeline, with the optimizer step and a lower bound on its exposed
+        data-parallel time, :meth:`_dp_floor`, already takes longer; for a layout to split,
+        :meth:`_choose_split`); else the candidate, whatever its time. A layout that does not
+        fit is returned untimed (step time inf)."""
         par = cfg.parallel
         if par.stage_layers is None and cfg.model.layers % (par.pp * par.virtual_stages):
             if not (simulate or with_memory or self.unlike_layers):   # the search: the chosen split's own figures
@@ -1143,6 +1235,8 @@ class SearchResult:
     #: valid layouts not costed: provably slower than the best ``max(RETIME, top)``
     #: (:func:`_rank`); ``candidates`` past those holds only the layouts costed
     bounded: int = 0
+    #: valid layouts costed (:meth:`Coster.cost`; a bound may still have dropped them there)
+    costed: int = 0
     #: probe graphs built (module docstring)
     probes: int = 0
 
@@ -1190,7 +1284,7 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
             valid += 1
             families.setdefault(_family(r), []).append(i)
     keep = max(RETIME, top)
-    bounds = not coster.unlike_layers and cfg.workload == "train"
+    bounds = BOUNDS and not coster.unlike_layers and cfg.workload == "train"
     ranked = _rank(cfg, coster, rows, families, keep, bounds, progress, total)
     if not ranked.scored and ranked.unfit:
         # none fits: the closest layout may be one the state bound dropped; rank them all
@@ -1206,7 +1300,7 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
     rest = scored[keep:]
     result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0,
                           ranked.closest[1] if ranked.closest else None, pruned=ranked.pruned,
-                          unfit=ranked.unfit, bounded=ranked.bounded, probes=len(coster.probes))
+                          unfit=ranked.unfit, bounded=ranked.bounded, costed=ranked.costed, probes=len(coster.probes))
     if not needs_search(cfg) or _user_layout_complete(cfg):
         try:
             if not any(d.severity == "error" for d in check_layout(cfg)):
@@ -1242,6 +1336,7 @@ class _Ranked:
     pruned: int = 0
     unfit: int = 0
     bounded: int = 0
+    costed: int = 0
 
 
 def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, list[int]], keep: int,
@@ -1293,41 +1388,61 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
                                 and coster.fits(with_parallel(cfg, _row_parallel(cfg, rows[j]))))
         return got
 
+    firsts: dict[tuple, int] = {}
+
+    def first_layers(r: tuple) -> int:   # the fewest layers a split of row r gives the first rank
+        key = (r[2], r[11])   # pp, virtual_stages
+        got = firsts.get(key)
+        if got is None:
+            got = firsts[key] = _first_layers(coster.splits(with_parallel(cfg, _row_parallel(cfg, r))), r[2])
+        return got
+
+    # entries (key, kind, row, family): kind 0 a family, 1 a row keyed by its family's bound
+    # for its group, 2 a row keyed by its own probe's bound as well (then costed)
     heap: list[tuple] = []
+    group_floors: dict[tuple, dict] = {}
+    unfit_rows: set[int] = set()   # the model states alone exceed the memory
     for fam, idxs in families.items():
         floor = 0.0
         if bounds:   # the family's own probe not needed (Coster.family_floor)
             groups, reps = set(), {}
             for i in idxs:
                 dp, _tp, pp, _cp, _ep, _etp, _sp, _z, mb, gb, _sched, v, rc = rows[i]
-                if state_floor(fam, i) <= cap:
-                    groups.add((pp, v, gb // (mb * dp), rc))
-                    reps.setdefault(pp, i)
-            floor = coster.family_floor({pp: _row_parallel(cfg, rows[i]) for pp, i in reps.items()},
-                                        sorted(groups)) if groups else math.inf
+                if state_floor(fam, i) > cap:
+                    unfit_rows.add(i)
+                    continue
+                groups.add((pp, v, gb // (mb * dp), rc))
+                reps.setdefault(pp, i)
+            got = group_floors[fam] = coster.family_floor({pp: _row_parallel(cfg, rows[i]) for pp, i in reps.items()},
+                                                          sorted(groups)) if groups else {}
+            floor = min(got.values(), default=math.inf)
         heapq.heappush(heap, (floor, 0, idxs[0], fam))
     while heap:
         floor, kind, i, fam = heapq.heappop(heap)
-        tau = _bound(worst, keep)
+        tau = _bound(worst, keep) if bounds else None
         if tau is not None and floor > tau:   # so is every entry left
             heapq.heappush(heap, (floor, kind, i, fam))
             break
-        if kind == 0:   # a family: its rows, with their own floors
+        if kind == 0:   # a family: its rows, each with its group's bound
             for j in families[fam]:
                 r = rows[j]
                 dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
                 same.setdefault((_check_key(r), z), []).append(j)
-                if state_floor(fam, j) > cap:
+                if j in unfit_rows:
+                    fit_row[j] = False
                     out.unfit += 1
                     done += 1
                     continue
-                lb = 0.0
-                if bounds:
-                    fkey = (fam, pp, v, gb, rc)
-                    lb = floors.get(fkey)
-                    if lb is None:
-                        lb = floors[fkey] = max(floor, coster.span_floor(_row_parallel(cfg, r)))
+                lb = group_floors[fam][(pp, v, gb // (mb * dp), rc)] if bounds else 0.0
                 heapq.heappush(heap, (lb, 1, j, fam))
+            continue
+        if kind == 1 and bounds:   # the row's own probe: a bound of its own, then back in the queue
+            r = rows[i]
+            fkey = (fam, r[2], r[11], r[9], r[12])   # pp, virtual_stages, global_batch, recompute
+            lb = floors.get(fkey)
+            if lb is None:
+                lb = floors[fkey] = coster.span_floor(_row_parallel(cfg, r))
+            heapq.heappush(heap, (max(floor, lb), 2, i, fam))
             continue
         done += 1
         if progress is not None and done % 1024 == 0:
@@ -1339,10 +1454,11 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
             out.pruned += 1
             continue
         rcfg = with_parallel(cfg, _row_parallel(cfg, r))
-        if bounds and coster.memory_floor(rcfg, coster.splits(rcfg)) > cap:
+        if bounds and coster.memory_floor(rcfg.parallel, first_layers(r)) > cap:
             fit_row[i] = False
             out.unfit += 1
             continue
+        out.costed += 1
         c = coster.cost(rcfg, bound=tau)
         if c is None:   # its pipeline alone is slower than the bound
             out.bounded += 1
@@ -1358,11 +1474,11 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
         elif out.closest is None or (c.peak, i) < out.closest[0]:
             out.closest = ((c.peak, i), c)
     for floor, kind, i, fam in heap:   # bounded, without being costed
-        if kind == 1:
+        if kind > 0:
             out.bounded += 1
         else:
             for j in families[fam]:
-                if state_floor(fam, j) > cap:
+                if j in unfit_rows:
                     out.unfit += 1
                 else:
                     out.bounded += 1
@@ -1484,8 +1600,12 @@ def table(res: SearchResult, top: int = 10) -> str:
                      f"{c.bubble_fraction * 100:.1f}%", why))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    skipped = ""
+    if res.unfit or res.bounded:
+        skipped = (f"; not costed: {res.unfit} shown not to fit memory, {res.bounded} shown slower than the "
+                   f"best {max(RETIME, top)}")
     head = (f"{res.cfg.name}: {res.enumerated} layouts enumerated, {res.valid} pass the checks, "
-            f"{res.fitting} fit memory, {res.pruned} dominated by less recomputation ({res.seconds:.2f} s)")
+            f"{res.fitting} fit memory, {res.pruned} dominated by less recomputation{skipped} ({res.seconds:.2f} s)")
     return "\n".join([head, ""] + lines)
 
 

@@ -110,3 +110,157 @@ def test_search_cli_table_and_no_fit(tmp_path, capsys):
                     'parallel {\n    tp = auto\n    pp = auto\n    global_batch = 16\n}\n')
     assert main(["search", str(spec)]) == 1
     assert "no layout fits" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the search's bounds (issue 16)
+# The search costs layouts best first and skips those it proves cannot be among the best
+# max(RETIME, top) or cannot fit (search._rank). Each bound is checked here against what
+# it bounds, computed by the costing it skips, and the search against the search that
+# costs every layout (search.BOUNDS off).
+
+import parcompile.search as search_module
+from parcompile.search import RETIME, _family, _first_layers, _layout_rows, _row_parallel
+
+_AUTO_KEYS = """    pp = auto
+    virtual_stages = auto
+    micro_batch = auto
+    zero = auto
+    recompute = auto
+    schedule = auto
+"""
+# 30 layers: pp 4, 8 and 16 split them unevenly (Coster.choose_split)
+THIRTY_AUTO = """model deep {
+    layers   = 30
+    hidden   = 1024
+    heads    = 16
+    vocab    = 32000
+    seq_len  = 2048
+}
+cluster node from "h100-sxm" { nodes = 1 }
+parallel {
+    tp = auto
+%s    global_batch = 32
+}
+""" % _AUTO_KEYS
+# context and sequence parallelism, two nodes (links inside and across them)
+EIGHT_B_AUTO = """model m from "llama3-8b" { }
+cluster c from "h100-sxm" { nodes = 2 }
+parallel {
+    tp = auto
+    cp = auto
+    sequence_parallel = auto
+%s    global_batch = 64
+}
+""" % _AUTO_KEYS
+
+
+def _figures(c) -> tuple:
+    return (c.parallel, c.step_time, c.mfu, c.tflops_per_gpu, c.peak, c.capacity, c.bubble_fraction,
+            tuple(sorted(c.breakdown.items())), c.simulated)
+
+
+def _valid_rows(cfg, every: int = 1) -> list:
+    rows, checked = [], {}
+    for i, r in enumerate(_layout_rows(cfg)):
+        key = search_module._check_key(r)
+        if key not in checked:
+            checked[key] = not _errors(with_parallel(cfg, _row_parallel(cfg, r)))
+        if checked[key] and i % every == 0:
+            rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("text,top,unfit", [(THIRTY_AUTO, 3, False), (EIGHT_B_AUTO, 30, True)],
+                         ids=["thirty", "llama3-8b"])
+def test_bounded_search_ranks_the_best_as_costing_every_layout(text, top, unfit, monkeypatch):
+    cfg, _ = load_spec(text)
+    bounded = search(cfg, top=top)
+    monkeypatch.setattr(search_module, "BOUNDS", False)
+    full = search(cfg, top=top)
+    assert bounded.bounded > 0 and (bounded.unfit > 0) == unfit   # the bounds did skip layouts
+    assert full.bounded == full.unfit == 0
+    assert (bounded.enumerated, bounded.valid) == (full.enumerated, full.valid)
+    keep = max(RETIME, top)
+    assert [_figures(c) for c in bounded.candidates[:keep]] == [_figures(c) for c in full.candidates[:keep]]
+    # past those: the layouts costed, each with the figures costing every layout gives it
+    everything = {_figures(c) for c in full.candidates}
+    assert all(_figures(c) in everything for c in bounded.candidates[keep:])
+    assert bounded.fitting <= full.fitting and bounded.probes < full.probes
+
+
+@pytest.mark.parametrize("text,every,unfit", [(THIRTY_AUTO, 23, False), (EIGHT_B_AUTO, 211, True)],
+                         ids=["thirty", "llama3-8b"])
+def test_each_bound_is_below_what_it_bounds(text, every, unfit):
+    """Memory: the state floor and the first rank's floors are at most the peak of every
+    split. Time: the row's, the family's and each split's floors are at most the step time
+    of every split (closed form, and simulated for the simulated floors), the data-parallel
+    floor at most the exposed data-parallel time; a bounded cost drops a layout only when
+    its step time exceeds the bound."""
+    cfg, _ = load_spec(text)
+    coster = Coster(cfg)
+    rows = _valid_rows(cfg, every)
+    assert len(rows) > 15
+    cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+    fam_times: dict = {}
+    for r in rows:
+        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        par = rcfg.parallel
+        splits = coster.splits(rcfg)
+        pr = coster.probe(par)
+        peaks = [coster.peak(rcfg, pr, counts)[0] for counts in splits]
+        assert coster.state_floor(par) <= min(peaks)
+        first = _first_layers(splits, par.pp)
+        assert coster.memory_floor(par, first) <= min(peaks)
+        assert coster.memory_floor(par, first, base=True) <= min(peaks)   # from another family's probe
+        closed = coster._split_floors(par, splits, False)
+        sim = coster._split_floors(par, splits, True)
+        span = coster.span_floor(par)
+        for counts, fc, fs in zip(splits, closed, sim):
+            sub = with_parallel(rcfg, par.model_copy(update={"stage_layers": counts}))
+            exact = coster.cost(sub, with_memory=True)   # timed whether it fits or not
+            simulated = coster.cost(sub, simulate=True, with_memory=True)
+            assert span <= exact.step_time and fc <= exact.step_time
+            ct3, links, tkey = coster._chunk_times3(pr, par)
+            ct, _span, _parts = coster._pipeline(sub, pr, ct3, tkey, counts)
+            deg = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
+                   "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if par.pp > 1 else 1}
+            assert coster._dp_floor(sub, pr, counts, ct, links, deg) <= exact.breakdown["dp_comm"]
+            assert fs <= simulated.step_time and coster._sim_floor(sub, fs) <= simulated.step_time
+            fam_times.setdefault(_family(r), []).append((r, exact.step_time))
+            if exact.fits:   # a bound at its own step time keeps it, figures and all
+                for b in (exact.step_time, exact.step_time * 1.01):
+                    got = coster.cost(sub, bound=b)
+                    assert got is not None and _figures(got) == _figures(coster.cost(sub))
+        chosen = coster.cost(rcfg)
+        if chosen.fits:   # the split a bound chooses is the one choosing among all gives
+            got = coster.cost(rcfg, bound=chosen.step_time)
+            assert got is not None and _figures(got) == _figures(chosen)
+            # below it: dropped, or, when the bounds cannot tell, the same figures
+            got = coster.cost(rcfg, bound=chosen.step_time * 0.999)
+            assert got is None or _figures(got) == _figures(chosen)
+    for fam, timed in fam_times.items():   # the family's bound, from another family's probe
+        reps, groups = {}, {}
+        for r, t in timed:
+            dp, _tp, pp, _cp, _ep, _etp, _sp, _z, mb, gb, _sched, v, rc = r
+            reps.setdefault(pp, _row_parallel(cfg, r))
+            group = (pp, v, gb // (mb * dp), rc)
+            groups[group] = min(t, groups.get(group, t))
+        floors = coster.family_floor(reps, sorted(groups))
+        assert all(floors[g] <= t for g, t in groups.items())
+    assert any(len(coster.splits(with_parallel(cfg, _row_parallel(cfg, r)))) > 1 for r in rows) != unfit
+    if unfit:   # some layouts the floors alone show do not fit
+        assert any(coster.state_floor(_row_parallel(cfg, r)) > cap for r in rows)
+        assert any(coster.memory_floor(c.parallel, _first_layers(coster.splits(c), c.parallel.pp), base=True)
+                   > cap >= coster.state_floor(c.parallel)
+                   for c in (with_parallel(cfg, _row_parallel(cfg, r)) for r in rows))
+
+
+def test_probe_parameters_depend_on_tp_only():
+    """The state floor and the caches share one probe's parameters among the probes of
+    one tp (cp, sequence parallelism and the micro-batch do not shard parameters)."""
+    cfg, _ = load_spec(EIGHT_B_AUTO)
+    coster = Coster(cfg)
+    for tp in (1, 2, 8):
+        params = [coster.probe_of((tp, cp, sp, mb, 1, tp)).params
+                  for cp in (1, 2, 4) for sp in ({False, tp > 1}) for mb in (1, 2)]
+        assert all(p == params[0] for p in params)

@@ -359,21 +359,17 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
 
-def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=None) -> float:
-    """Exposed step-collective time of the slowest stage (module docstring): the gradient
-    buckets' exposure (:func:`grad_overlap`; without ``stage_params``, the step's
-    gradient collectives against the last micro-batch's backward), ZeRO's parameter
-    all-gathers beyond the next step's first forward (ZeRO-3 with ``pp = 1``: beyond all of
-    the step's forwards and backwards, which regather the layers), and every other step
-    collective."""
+def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, float]]:
+    """Per pipeline stage, seconds of its step collectives (``count`` runs each, timed by
+    :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest)``,
+    what :func:`_dp_exposed` sets against the stage's backward and forward."""
     par, cl = cfg.parallel, cfg.cluster
-    pp, v = par.pp, par.virtual_stages
-    worst = 0.0
     per_stage: dict[int, list] = {}   # each stage's step collectives, in order
     for e in collectives:
         if e.phase == "step":
             per_stage.setdefault(e.stage, []).append(e)
-    for s in range(pp):
+    out = []
+    for s in range(par.pp):
         grads = params = exposed = 0.0
         for e in per_stage.get(s, ()):
             al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
@@ -384,6 +380,22 @@ def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=N
                 params += t
             else:
                 exposed += t
+        out.append((grads, params, exposed))
+    return out
+
+
+def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=None, sums=None) -> float:
+    """Exposed step-collective time of the slowest stage (module docstring): the gradient
+    buckets' exposure (:func:`grad_overlap`; without ``stage_params``, the step's
+    gradient collectives against the last micro-batch's backward), ZeRO's parameter
+    all-gathers beyond the next step's first forward (ZeRO-3 with ``pp = 1``: beyond all of
+    the step's forwards and backwards, which regather the layers), and every other step
+    collective. ``sums``: :func:`step_sums` of ``collectives``, when known."""
+    par = cfg.parallel
+    pp, v = par.pp, par.virtual_stages
+    worst = 0.0
+    for s, (grads, params, exposed) in enumerate(sums if sums is not None
+                                                 else step_sums(cfg, degrees, links, collectives)):
         # gradients overlap the last micro-batch's backward bucket by bucket; ZeRO's
         # parameter all-gathers the next step's first forward, or, ZeRO-3 regathering
         # layers in every micro-batch (pp = 1), every forward and backward (prefetched

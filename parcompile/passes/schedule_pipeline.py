@@ -289,72 +289,80 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     events: list[tuple[int, str, int, int, float, float]] = []
     total = sum(len(a) for a in actions)
     done = 0
+    received_add, received_discard = received.add, received.discard
+    fwd_add, bwd_add, wgrad_add, events_append = fwd_done.add, bwd_done.add, wgrad_done.add, events.append
     while done < total:
         progressed = False
         for r in range(pp):
             acts = actions[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
+            n, i = len(acts), pos[r]
+            if i >= n:
+                continue
+            # this rank's state in locals while it runs (written back when it blocks or ends)
+            t, bz, lv, pk = clock[r], busy[r], live[r], peak[r]
+            while i < n:
+                a = acts[i]
                 op, mb, c = a["op"], a["microbatch"], a["chunk"]
                 k = c * pp + r
-                start = clock[r]
-                if op in ("recv_forward", "recv_backward"):
+                start = t
+                if op == "recv_forward" or op == "recv_backward":
                     key = ("f" if op == "recv_forward" else "b", mb, k)
                     if key not in msgs:
                         break  # blocked
-                    clock[r] = max(clock[r], msgs.pop(key))
-                    received.add(key)
+                    t = max(t, msgs.pop(key))
+                    received_add(key)
                 elif op == "forward":
                     if k > 0 and ("f", mb, k) not in received:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: input not received")
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: input not received")
                     if (mb, k) in fwd_done:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: forward run twice")
-                    received.discard(("f", mb, k))
-                    fwd_done.add((mb, k))
-                    clock[r] += fwd_time[k]
-                    busy[r] += fwd_time[k]
-                    live[r] += 1
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: forward run twice")
+                    received_discard(("f", mb, k))
+                    fwd_add((mb, k))
+                    t += fwd_time[k]
+                    bz += fwd_time[k]
+                    lv += 1
+                    if lv > pk:
+                        pk = lv
                 elif op == "send_forward":
                     if k == last or (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: nothing to send")
-                    msgs[("f", mb, k + 1)] = clock[r] + p2p_time
-                elif op in ("backward", "backward_input"):
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
+                    msgs[("f", mb, k + 1)] = t + p2p_time
+                elif op == "backward" or op == "backward_input":
                     if (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: backward before forward")
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward before forward")
                     if k < last and ("b", mb, k) not in received:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: output gradient not received")
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: output gradient not received")
                     if (mb, k) in bwd_done:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: backward run twice")
-                    received.discard(("b", mb, k))
-                    bwd_done.add((mb, k))
-                    t = bwd_time[k] if op == "backward" else bwd_time[k] - wgrad[k]
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward run twice")
+                    received_discard(("b", mb, k))
+                    bwd_add((mb, k))
                     if op == "backward":
-                        wgrad_done.add((mb, k))
+                        d = bwd_time[k]
+                        wgrad_add((mb, k))
                     else:
+                        d = bwd_time[k] - wgrad[k]
                         split.add((mb, k))
-                    clock[r] += t
-                    busy[r] += t
-                    live[r] -= 1
+                    t += d
+                    bz += d
+                    lv -= 1
                 elif op == "backward_weight":
                     if (mb, k) not in split:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: weight gradient before its input gradient")
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: weight gradient before its input gradient")
                     split.discard((mb, k))
-                    wgrad_done.add((mb, k))
-                    clock[r] += wgrad[k]
-                    busy[r] += wgrad[k]
+                    wgrad_add((mb, k))
+                    t += wgrad[k]
+                    bz += wgrad[k]
                 elif op == "send_backward":
                     if k == 0 or (mb, k) not in bwd_done:
-                        raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: nothing to send")
-                    msgs[("b", mb, k - 1)] = clock[r] + p2p_time
+                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
+                    msgs[("b", mb, k - 1)] = t + p2p_time
                 else:
-                    raise ScheduleError(f"{_where(r, pos[r], op, mb, c)}: unknown action")
-                end = clock[r] + p2p_time if op.startswith("send") else clock[r]
-                events.append((r, op, mb, c, start, end))
-                pos[r] += 1
+                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: unknown action")
+                events_append((r, op, mb, c, start, t + p2p_time if op.startswith("send") else t))
+                i += 1
                 done += 1
                 progressed = True
+            pos[r], clock[r], busy[r], live[r], peak[r] = i, t, bz, lv, pk
         if not progressed:
             blocked = [f"rank {r} at {actions[r][pos[r]]}" for r in range(pp) if pos[r] < len(actions[r])]
             raise ScheduleError("pipeline schedule deadlocks: " + "; ".join(blocked))

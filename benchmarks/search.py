@@ -1,0 +1,95 @@
+"""Search time of issue 16's case: Llama 3.1 405B (126 layers, seq 8192) on 16,384 H100s,
+global batch 2,048, every layout key ``auto``; the best layout beside the hand layout
+(tp 8, pp 16, dp 128, the uneven split [7, 8 x 14, 7] the compiler chooses itself).
+
+Prints the search's counts (layouts enumerated, valid, costed, skipped by each rule; probe
+graphs built), its wall and CPU seconds (best of ``--repeat``; wall includes whatever else
+the machine runs, CPU is this process's own work), the best layout and its estimate, and
+the hand layout's. The issue's goal is a search under 5 s on the 2-core CI machine.
+
+Exits 1 when the best layout found is estimated slower than the hand layout (or nothing
+fits memory).
+
+Run: ``python benchmarks/search.py [--repeat N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import parcompile  # noqa: E402
+from parcompile.frontend import load_spec  # noqa: E402
+from parcompile.search import RETIME, search  # noqa: E402
+
+AUTO = """model m from "llama3.1-405b" { seq_len = 8192 }
+cluster c from "h100-sxm" { nodes = 2048 }
+parallel {
+    tp = auto
+    pp = auto
+    dp = auto
+    cp = auto
+    virtual_stages = auto
+    micro_batch = auto
+    zero = auto
+    recompute = auto
+    schedule = auto
+    sequence_parallel = auto
+    global_batch = 2048
+}
+train { optimizer = adamw }
+"""
+
+HAND = """model m from "llama3.1-405b" { seq_len = 8192 }
+cluster c from "h100-sxm" { nodes = 2048 }
+parallel {
+    tp = 8
+    pp = 16
+    dp = auto
+    global_batch = 2048
+}
+train { optimizer = adamw }
+"""
+
+GOAL_SECONDS = 5.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=1, help="searches to run (the best time is reported)")
+    args = ap.parse_args(argv)
+    cfg, _ = load_spec(AUTO)
+    wall = cpu = float("inf")
+    for _ in range(max(1, args.repeat)):
+        t, c = time.perf_counter(), time.process_time()
+        res = search(cfg)
+        wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    print(f"search Llama 3.1 405B on 16,384 H100s, every layout key auto: {wall:.2f} s wall, {cpu:.2f} s CPU"
+          f" (best of {max(1, args.repeat)}; goal {GOAL_SECONDS:.0f} s: {'met' if wall < GOAL_SECONDS else 'not met'})")
+    print(f"  {res.enumerated} layouts enumerated, {res.valid} valid, {res.costed} costed, {res.fitting} fit "
+          f"(of those costed); not costed: {res.pruned} dominated by less recomputation, {res.unfit} shown "
+          f"not to fit, {res.bounded} shown slower than the best {RETIME}; {res.probes} probes built")
+    if not res.candidates:
+        print("  no layout fits memory")
+        return 1
+    best = res.best
+    print(f"  best: {best.degrees_text()}: {best.step_time:.3f} s per step, MFU {best.mfu * 100:.1f}%, "
+          f"peak {best.peak / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB")
+    plan = parcompile.compile(HAND)
+    est, mem, deg = plan.data["estimate"], plan.data["memory"], plan.data["degrees"]
+    split = [len(c) for s in plan.data["stages"] for c in s["chunks"]]
+    print(f"  hand: tp={deg['tp']} pp={deg['pp']} dp={deg['dp']} split={'/'.join(map(str, split))}: "
+          f"{est['step_time']:.3f} s per step, MFU {est['mfu'] * 100:.1f}%, peak {mem['peak'] / 2**30:.1f} GiB"
+          f"{'' if mem['fits'] else ' (does not fit)'}")
+    faster = best.fits and best.step_time <= est["step_time"]
+    print(f"  best vs hand: {(best.step_time / est['step_time'] - 1) * 100:+.1f}% step time: "
+          f"{'at least as fast' if faster else 'SLOWER'}")
+    return 0 if faster else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
