@@ -264,3 +264,28 @@ def test_probe_parameters_depend_on_tp_only():
         params = [coster.probe_of((tp, cp, sp, mb, 1, tp)).params
                   for cp in (1, 2, 4) for sp in ({False, tp > 1}) for mb in (1, 2)]
         assert all(p == params[0] for p in params)
+
+
+def test_step_rows_are_the_collective_entries_fields():
+    """`search._Step` is a speed copy of `analysis.comm.CollectiveEntry` (the fields the
+    estimate's `_dp_exposed` reads): pinned to the original, field for field, and to its
+    rows for a real layout."""
+    import dataclasses
+
+    from parcompile.analysis.comm import CollectiveEntry
+    from parcompile.search import _Step, _step_entries
+    from parcompile.passes.insert_collectives import step_collectives
+
+    entry = [f.name for f in dataclasses.fields(CollectiveEntry) if f.name != "bytes_per_row"]
+    assert list(_Step._fields) == entry
+    plan = parcompile.compile(
+        'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
+        "parallel {\n tp = 2\n pp = 2\n dp = 2\n zero = 2\n global_batch = 16\n}\n")
+    cfg = plan.config
+    deg = {**plan.data["degrees"], "dp_cp": 2, "embedding": 2}
+    from parcompile.analysis.params import stage_params
+
+    sps = stage_params(plan.graph, deg, cfg.parallel.pp, cfg.model.tie_embeddings)
+    want = [(op, axis, nb, count, where, s, "step") for s, _k, op, axis, nb, where, count in
+            step_collectives(cfg, deg, sps)]
+    assert [tuple(r) for r in _step_entries(cfg, deg, sps)] == want
