@@ -15,7 +15,7 @@ def build(text: str, out: Path, name: str):
 
     cfg, _ = load_spec(text, f"{name}.par")
     plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out),
+    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out),
                       f"{name}.par": text})
     spec = importlib.util.spec_from_file_location(f"parcompile_{name}_program", out / "program.py")
     module = importlib.util.module_from_spec(spec)

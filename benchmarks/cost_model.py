@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parcompile.analysis.calibration import ROWS, cost_without_schedule, row_config, stage_activation_bytes  # noqa: E402
+from parcompile.analysis.calibration import ROWS, row_config, stage_activation_bytes  # noqa: E402
+from parcompile.passes.manager import cost_without_schedule  # noqa: E402
 from parcompile.analysis.memory import closed_form_in_flight  # noqa: E402
 
 

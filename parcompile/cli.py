@@ -98,7 +98,7 @@ def _summary(plan) -> str:
     deg = d["degrees"]
     mem = d["memory"]
     from parcompile.config.text import plural
-    from parcompile.plan import _gb
+    from parcompile.core.units import bytes_text
 
     parts = [f"dp {deg['dp']} x tp {deg['tp']} x pp {deg['pp']}"]
     if deg.get("cp", 1) > 1:
@@ -106,7 +106,7 @@ def _summary(plan) -> str:
     m = d["schedule"]["num_microbatches"]
     return (f"{plan.config.filename}: ok: {plural(d['world_size'], 'rank')} ({' x '.join(parts)}), "
             f"{d['model']['params']:,} parameters, {m} micro-batch{'es' if m != 1 else ''}, "
-            f"peak memory {_gb(mem['peak'])} of {_gb(mem['capacity'])} per rank"
+            f"peak memory {bytes_text(mem['peak'])} of {bytes_text(mem['capacity'])} per rank"
             f"{'' if mem['fits'] else ' (does NOT fit)'}")
 
 
@@ -193,9 +193,9 @@ def build_outputs(plan, out_dir: Path) -> dict[str, str]:
         "timeline.svg": plan.timeline_svg(),
     }
     if plan.config.workload == "train":
-        files["program.py"] = render_program(plan.config, plan.data, out_dir)
+        files["program.py"] = render_program(plan.config, plan, out_dir)
     else:
-        files["serve.py"] = render_serve(plan.config, plan.data, out_dir)
+        files["serve.py"] = render_serve(plan.config, plan, out_dir)
     files["launch.sh"] = render_launch(plan.config)
     files["slurm.sbatch"] = render_slurm(plan.config)
     return files

@@ -61,7 +61,9 @@ class Diagnostic:
         out = [f"{s.file}:{s.line}:{s.column}: {self.severity}: {self.message}"]
         lines = source.splitlines() if source is not None else []
         if 1 <= s.line <= len(lines):
-            text = lines[s.line - 1]
+            # control bytes (terminal escapes in a pasted or binary file) shown as `?`, one
+            # column each, so the excerpt cannot drive the terminal and the caret stays put
+            text = "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in lines[s.line - 1])
             out.append(text)
             width = 1
             if s.end_line == s.line and s.end_column and s.end_column > s.column:

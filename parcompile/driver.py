@@ -1,230 +1,221 @@
-"""The compiler, start to end: SpecConfig -> graph -> passes -> analyses -> Plan.
+"""The compiler, start to end: spec text -> SpecConfig -> graph -> passes -> analyses -> Plan.
 
-Reading :func:`compile_config` tells the whole story:
+Reading this module top to bottom tells the whole story. :func:`compile_source` (what
+``parcompile.compile`` calls) runs:
 
-1. ``lower`` the model to the graph of one micro-batch (``ir/lower.py``);
-2. run the passes, verifying the graph after each: ``shard-data-parallel``,
+1. **parse** the spec's text into its AST (:func:`parcompile.frontend.parse_spec`);
+2. **check**: build the resolved :class:`SpecConfig` and run every rule of the checks
+   table, :data:`parcompile.config.checks.CHECKS` (:func:`parcompile.frontend.check_spec`);
+   every error of the spec is raised at once, each at its span with a fix;
+3. **search** the layouts when the spec writes ``auto`` layout keys
+   (:func:`parcompile.search.resolve`: the best layout the checks accept), adding the
+   checks' warnings of the chosen layout;
+4. **settle the split** of layers that do not divide into the model chunks
+   (:func:`parcompile.search.settle_split`, with a note);
+
+then :func:`compile_config`, for a checked config:
+
+5. ``lower`` the model to the graph of one micro-batch (``ir/lower.py``);
+6. run the **passes**, verifying the graph after each: ``shard-data-parallel``,
    ``shard-tensor-parallel``, ``shard-experts``, ``split-pipeline-stages``, ``insert-collectives``,
    ``schedule-pipeline``;
-3. run the analyses: groups, parameters, compute, communication, memory, the estimate;
-4. render them into the plan.json dict and wrap everything in a :class:`Plan`.
+7. run the **analyses**: groups, parameters, compute, communication, memory, the estimate
+   (and for ``serve`` specs the serving memory and latency);
+8. build **plan.json** from the models of :mod:`parcompile.plan_schema` (those that also
+   publish its schema) and wrap everything in a :class:`Plan`.
 
-User mistakes the front end could not see (a schedule not supported yet, a layout
-that does not divide) become :class:`SpecError` diagnostics at the spec's span; a plan
-that does not fit memory is a warning (SPEC). Anything else that goes wrong inside a
-pass is a :class:`PassError` naming the pass and the op.
+Warnings come in that order: the checks', the search's, the split's note, the passes',
+then the plan's (a plan that does not fit memory is a ``does-not-fit`` warning, SPEC).
+Every user rule about the spec is a row of the checks table; the errors found later are
+about results (serving memory that cannot hold one sequence) or a layout a pass cannot
+shard, each a :class:`SpecError` at the spec's span. Anything else that goes wrong inside
+a pass is a :class:`PassError` naming the pass and the op.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import math
-from typing import Any, Iterator
+from typing import Any
 
 from parcompile.analysis.buckets import buckets_to_dict
-from parcompile.analysis.cost import analyze
+from parcompile.analysis.cost import CostReport
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.config.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
 from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.core.units import bytes_text
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
-from parcompile.ir.graph import Graph
-from parcompile.ir.lower import lower
-from parcompile.ir.types import ShardingError
-from parcompile.ir.verify import verify
-from parcompile.passes.base import Pass, PassContext, PassError
+from parcompile.frontend import check_source, check_spec, parse_spec
 from parcompile.passes.groups import stage_ranks
-from parcompile.passes.insert_collectives import InsertCollectives
-from parcompile.passes.schedule_pipeline import ScheduleReport, SchedulePipeline
-from parcompile.passes.shard_data_parallel import ShardDataParallel
-from parcompile.passes.shard_experts import ShardExperts
-from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
-from parcompile.passes.split_pipeline_stages import SplitPipelineStages
-from parcompile.plan import FORMAT, Plan, _gb
+from parcompile.passes.manager import compile_graph, paused_gc
+from parcompile.passes.schedule_pipeline import ScheduleReport
+from parcompile.plan import FORMAT, Plan
+from parcompile.plan_schema import (Comm, Compute, Degrees, Estimate, Memory, Model, PlanJSON, Schedule, Search,
+                                    Serve, Stage, StageMemory, plan_dict)
+from parcompile.search import check_layout, needs_search, resolve, settle_split
 
 #: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
 MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
                "micro_batch * seq_len / (cp * tp) * top_k, for the all-to-alls over ep and the "
                "all-gathers / reduce-scatters over expert_tp; verify measures the rows actually routed")
 
-PASSES: tuple[Pass, ...] = (
-    ShardDataParallel(),
-    ShardTensorParallel(),
-    ShardExperts(),
-    SplitPipelineStages(),
-    InsertCollectives(),
-    SchedulePipeline(),
-)
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a compile or a search. They allocate a few
-    hundred thousand small, acyclic objects (graph nodes, types, rank lists), each
-    allocation burst triggering full collections that scan all of them again (about a
-    fifth of a large compile's time); reference counting frees them all the same. The
-    collector's previous state is restored on exit."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def run_pass(p: Pass, graph: Graph, ctx: PassContext, check: bool = True) -> None:
-    """Apply one pass and verify the graph (unless ``check`` is false: the search's
-    probes, whose passes a real compile of the chosen layout verifies); internal
-    failures become :class:`PassError`."""
-    try:
-        p.apply(graph, ctx)
-        if check:
-            verify(graph, ctx.degrees)
-    except SpecError:
-        raise
-    except ShardingError as e:
-        axis = e.axis or "tp"
-        raise SpecError([Diagnostic("error", f"{e} (in pass {p.name}, op {ctx.current_op})",
-                                    ctx.cfg.span(f"parallel.{axis}"))]) from None
-    except Exception as e:
-        raise PassError(p.name, ctx.current_op or getattr(e, "op", None), e) from e
-
-
-def compile_config(cfg: SpecConfig) -> Plan:
-    """Compile a validated config into a :class:`Plan`.
+def compile_source(source, filename: str | None = None) -> Plan:
+    """Compile a spec, text or a ``pathlib.Path``, to its :class:`Plan` (steps 1-8 of the
+    module docstring); ``filename`` names text sources in diagnostics.
 
     Raises:
-        SpecError: something the front end cannot check (a schedule or model feature not
-            supported yet, a sharding that does not divide).
+        SpecError: the spec has errors (all of them in ``.diagnostics``), or no layout
+            of its ``auto`` keys fits memory (code ``does-not-fit``).
+        TypeError: ``source`` is neither a str nor a ``pathlib.Path``.
         PassError: a bug inside a pass (names the pass and the op).
     """
-    par, model = cfg.parallel, cfg.model
-    ctx = PassContext.of(cfg)
-    if model.experts > 0 and par.tp > 1 and not par.sequence_parallel:
-        # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
-        raise SpecError([Diagnostic(
-            "error", f"a mixture-of-experts model with tp = {par.tp} needs sequence_parallel = true",
-            cfg.span("parallel.tp"), help="set sequence_parallel = true in the `parallel` block",
-            note="each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
-                 "parallelism for MoE with tensor parallelism)")])
+    check_source(source, filename)
+    with paused_gc():
+        # 1. parse
+        parsed = parse_spec(source, filename)
+        # 2. check: the config, every rule of the checks table
+        cfg, warnings = check_spec(parsed)
+        # 3. search: the `auto` layout keys filled with the best layout the checks accept
+        result = None
+        if needs_search(cfg):
+            cfg, result = resolve(cfg)
+            seen = {(d.message, d.span) for d in warnings}
+            warnings += [d for d in check_layout(cfg) if d.severity == "warning" and (d.message, d.span) not in seen]
+        # 4. settle the split: layers that do not divide into the chunks are split unevenly
+        cfg, split_note = settle_split(cfg)
+        if split_note is not None:
+            warnings.append(split_note)
+        # 5-8. lower, passes, analyses, plan.json
+        return compile_config(cfg, warnings=warnings, search=result)
 
-    # 1. lower
-    graph = lower(model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
-    verify(graph, ctx.degrees)
 
-    # 2. passes
-    for p in PASSES:
-        run_pass(p, graph, ctx)
+def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), search: Any = None) -> Plan:
+    """Compile a checked config into a :class:`Plan` (steps 5-8 of the module docstring).
+
+    ``warnings`` (the front end's, the search's, the split's note) come first in the plan's
+    warnings; ``search`` (a :class:`parcompile.search.SearchResult`) is the search that
+    chose the layout, recorded as plan.json's ``search`` section.
+
+    Raises:
+        SpecError: what only the analyses show (serving memory that cannot hold one
+            sequence) or a sharding a pass cannot make.
+        PassError: a bug inside a pass (names the pass and the op).
+    """
+    par = cfg.parallel
+    # 5. lower, 6. passes, 7. analyses (parcompile/passes/manager.py: the graph of one
+    # micro-batch through PASSES, verified after each; parcompile/analysis/cost.py)
+    compiled = compile_graph(cfg)
+    graph, ctx, cost = compiled.graph, compiled.ctx, compiled.cost
     sched: ScheduleReport = graph.meta["schedule"]
 
-    # 3. analyses (parcompile/analysis/cost.py)
-    cost = analyze(cfg, graph, ctx.degrees, sched)
-    groups, params, compute, comm = cost.groups, cost.params, cost.compute, cost.comm
-    memory, time, kv_tok = cost.memory, cost.time, cost.kv_bytes_per_token
-
-    warnings = list(ctx.warnings)
+    # 7. serving: parcompile/analysis/serve.py
+    warnings = list(warnings) + list(ctx.warnings)
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
-        serve = serve_report(cfg, graph.meta["chunks"], params.per_stage, groups)
-        memory = serve.memory()
+        serve = serve_report(cfg, graph.meta["chunks"], cost.params.per_stage, cost.groups)
         _check_serve_fits(cfg, serve, warnings)
-    elif not memory.fits:
-        worst = max(memory.per_stage, key=lambda s: s.total)
+    elif not cost.memory.fits:
+        worst = max(cost.memory.per_stage, key=lambda s: s.total)
         warnings.append(Diagnostic(
             "warning",
-            f"the plan needs {_gb(worst.total)} per GPU on stage {worst.stage}, "
-            f"more than the {_gb(memory.capacity)} available",
+            f"the plan needs {bytes_text(worst.total)} per GPU on stage {worst.stage}, "
+            f"more than the {bytes_text(cost.memory.capacity)} available",
             cfg.span("cluster.memory"),
             help=does_not_fit_help(par, cfg.model.dtype),
             code="does-not-fit",
         ))
 
-    # 4. plan.json
-    chunks: list[list[int]] = graph.meta["chunks"]
+    # 8. plan.json
+    data = plan_data(cfg, graph.meta["chunks"], sched, cost, serve, search)
+    plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees))
+    plan.search = search
+    return plan
+
+
+def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, cost: CostReport,
+              serve: ServeReport | None = None, search: Any = None) -> dict[str, Any]:
+    """The plan.json dict of a compiled config, built section by section from the models
+    of :mod:`parcompile.plan_schema` (validated as they are built) and dumped by
+    :func:`~parcompile.plan_schema.plan_dict`.
+
+    ``chunks``: the layer ids of each model chunk in model order (``graph.meta["chunks"]``);
+    ``sched``, ``cost``: the schedule pass's report and the analyses; ``serve``: the serving
+    report of a ``serve`` spec (its memory replaces the training memory); ``search``: the
+    search that chose the layout, if any.
+    """
+    par, model = cfg.parallel, cfg.model
+    groups, params, compute, comm = cost.groups, cost.params, cost.compute, cost.comm
+    memory, time = (serve.memory() if serve is not None else cost.memory), cost.time
     stages = []
     for s in range(par.pp):
         mine = [chunks[c * par.pp + s] for c in range(par.virtual_stages)]
-        stages.append({
-            "index": s,
-            "layers": sorted(x for c in mine for x in c),
-            "chunks": mine,
-            "ranks": stage_ranks(groups["pp"], s),
-            "params_per_rank": params.per_stage[s].total,
-        })
-    data: dict[str, Any] = {
-        "format": FORMAT,
-        "version": version(),
-        "name": cfg.name,
-        "workload": cfg.workload,
-        "world_size": par.world_size,
-        "degrees": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
-                    "expert_tp": par.expert_tp, "expert_dp": par.expert_dp,
-                    "virtual_stages": par.virtual_stages},
-        "order": par.order,
-        "groups": groups,
-        "model": {
-            "params": params.params,
-            "active_params": params.active_params,
-            "padded_vocab": model.padded_vocab(par.tp),
-            "kv_heads_per_rank": kv_heads_per_rank(model.kv_heads, par.tp),
-            "kv_head_replicas": kv_head_replicas(model.kv_heads, par.tp),
-            "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
-            "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn_hidden": model.ffn_hidden,
-            "vocab": model.vocab, "seq_len": model.seq_len, "dtype": model.dtype,
-            "tie_embeddings": model.tie_embeddings,
-        },
-        "stages": stages,
-        "schedule": {
-            "name": sched.name,
-            "num_microbatches": sched.num_microbatches,
-            "bubble_fraction": time.bubble_fraction,
-            "in_flight": sched.in_flight,
-            "actions": sched.actions,
-        },
-        "memory": {
-            "per_stage": [{"stage": x.stage, "params": x.params, "grads": x.grads, "optimizer": x.optimizer,
-                           "activations": x.activations, "kv_cache": x.kv_cache, "buffers": x.buffers,
-                           "buffer_parts": dict(x.buffer_parts), "total": x.total,
-                           "activations_per_layer": [[layer, b] for layer, b in x.layer_activations]}
-                          for x in memory.per_stage],
-            "peak": memory.peak,
-            "capacity": memory.capacity,
-            "fits": memory.fits,
-        },
-        "comm": {
-            "per_step": comm.per_step,
-            "collectives": [c.to_dict() for c in comm.collectives],
-        },
-        "compute": {
-            "model_flops_per_step": compute.model_flops_per_step,
-            "hardware_flops_per_step": compute.hardware_flops_per_step,
-        },
-        "estimate": {
-            "step_time": time.step_time,
-            "tokens_per_s": time.tokens_per_s,
-            "tflops_per_gpu": time.tflops_per_gpu,
-            "mfu": time.mfu,
-            "breakdown": time.breakdown,
-            "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
-        },
+        stages.append(Stage(
+            index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
+            ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))
+    comm_section: dict[str, Any] = {"per_step": comm.per_step, "collectives": [c.to_dict() for c in comm.collectives]}
+    estimate: dict[str, Any] = {
+        "step_time": time.step_time,
+        "tokens_per_s": time.tokens_per_s,
+        "tflops_per_gpu": time.tflops_per_gpu,
+        "mfu": time.mfu,
+        "breakdown": time.breakdown,
+        "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
     }
     if cfg.workload == "train":
         # the gradient buckets of each stage (analysis/buckets.py) and how much of their
         # reduction the backward hides (analysis/estimate.py: grad_overlap)
-        data["comm"]["grad_buckets"] = {
+        comm_section["grad_buckets"] = {
             "bucket_size": par.bucket_size,
             "reduce_dtype": par.reduce_dtype,
             "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in params.per_stage],
         }
-        data["estimate"]["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]
+        estimate["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]
+    extra: dict[str, Any] = {}
     if serve is not None:
-        data["serve"] = serve.to_dict()
-        assert data["serve"]["kv_bytes_per_token"] == max(kv_tok)
-    return Plan(cfg, graph, data, warnings, dict(ctx.degrees))
-
+        extra["serve"] = Serve(**serve.to_dict())
+        assert extra["serve"].kv_bytes_per_token == max(cost.kv_bytes_per_token)
+    if search is not None:
+        extra["search"] = Search(auto=sorted(par.auto), chosen=search.best.degrees_text(),
+                                 enumerated=search.enumerated, valid=search.valid, fitting=search.fitting)
+    plan = PlanJSON(
+        format=FORMAT,
+        version=version(),
+        name=cfg.name,
+        workload=cfg.workload,
+        world_size=par.world_size,
+        degrees=Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp,
+                        expert_dp=par.expert_dp, virtual_stages=par.virtual_stages),
+        order=par.order,
+        groups=groups,
+        model=Model(
+            params=params.params,
+            active_params=params.active_params,
+            padded_vocab=model.padded_vocab(par.tp),
+            kv_heads_per_rank=kv_heads_per_rank(model.kv_heads, par.tp),
+            kv_head_replicas=kv_head_replicas(model.kv_heads, par.tp),
+            layers=model.layers, hidden=model.hidden, heads=model.heads,
+            kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
+            vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
+            tie_embeddings=model.tie_embeddings),
+        stages=stages,
+        schedule=Schedule(name=sched.name, num_microbatches=sched.num_microbatches,
+                          bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight, actions=sched.actions),
+        memory=Memory(
+            per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
+                                   activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
+                                   buffer_parts=dict(x.buffer_parts), total=x.total,
+                                   activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
+                       for x in memory.per_stage],
+            peak=memory.peak, capacity=memory.capacity, fits=memory.fits),
+        comm=Comm(**comm_section),
+        compute=Compute(model_flops_per_step=compute.model_flops_per_step,
+                        hardware_flops_per_step=compute.hardware_flops_per_step),
+        estimate=Estimate(**estimate),
+        **extra,
+    )
+    # the maps whose keys the analyses order keep that order (report.md lists them so)
+    return plan_dict(plan, {("comm", "per_step"): list(comm.per_step),
+                            ("estimate", "breakdown"): list(time.breakdown)})
 
 def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
     """Serving memory: an error when not even one sequence of ``prompt_len +
@@ -237,9 +228,9 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
         advice = fit_advice(cfg, rep)
         raise SpecError([Diagnostic(
             "error",
-            f"one sequence of {rep.context:,} tokens does not fit: stage {one.stage} needs {_gb(need)} per GPU "
-            f"(weights {_gb(one.weights)}, workspace {_gb(one.workspace)}, KV cache "
-            f"{_gb(rep.context * one.kv_bytes_per_token)}), {_gb(rep.capacity)} are usable",
+            f"one sequence of {rep.context:,} tokens does not fit: stage {one.stage} needs {bytes_text(need)} per GPU "
+            f"(weights {bytes_text(one.weights)}, workspace {bytes_text(one.workspace)}, KV cache "
+            f"{bytes_text(rep.context * one.kv_bytes_per_token)}), {bytes_text(rep.capacity)} are usable",
             cfg.span("serve.prompt_len"),
             help=("would fit: " + "; ".join(advice)) if advice else "use GPUs with more memory",
             code="does-not-fit")])
@@ -247,8 +238,8 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
         seqs = rep.max_concurrent_tokens // rep.context
         warnings.append(Diagnostic(
             "warning",
-            f"the KV cache of batch {rep.batch_per_replica} per replica needs {_gb(worst.kv_cache)} per GPU on "
-            f"stage {worst.stage}; {_gb(max(worst.free_for_kv, 0))} are left beside the weights",
+            f"the KV cache of batch {rep.batch_per_replica} per replica needs {bytes_text(worst.kv_cache)} per GPU on "
+            f"stage {worst.stage}; {bytes_text(max(worst.free_for_kv, 0))} are left beside the weights",
             cfg.span("serve.batch"),
             help=f"at most {seqs} sequences of {rep.context:,} tokens fit ({rep.max_concurrent_tokens:,} tokens "
                  f"of cache); lower batch, raise tp or pp, or set kv_dtype = fp8",

@@ -245,6 +245,8 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         notes.append("parallel_residual: pretrain_gpt.py has no parallel attention/MLP residual flag")
     if m.sliding_window:
         notes.append(f"sliding_window {m.sliding_window}: set --window-size for Transformer Engine attention")
+    if m.qk_norm:   # Megatron-Core's q_layernorm / k_layernorm over head_dim, of --normalization's kind
+        add("--qk-layernorm")
     if m.experts > 0:
         add("--num-experts", m.experts)
         add("--moe-router-topk", m.top_k)
@@ -362,6 +364,8 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
                      f"{m.activation}, {m.position} positions")
     if m.tie_embeddings:
         notes.append("tie_embeddings: torchtitan's llama3 keeps the output projection separate")
+    if m.qk_norm:
+        notes.append("qk_norm: torchtitan's llama3 has no q/k norm; its qwen3 model has one (register a flavor there)")
 
     # ZeRO: FSDP2 shards over data_parallel_shard_degree
     # zero 3: "default" is parcompile's own policy (analysis/buckets.reshard_after_forward):

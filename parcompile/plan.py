@@ -13,6 +13,7 @@ from typing import Any
 
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
+from parcompile.core.units import bytes_text
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
@@ -156,14 +157,6 @@ def dumps_sorted(obj: Any) -> str:
     return "".join(out)
 
 
-def _gb(n: float) -> str:
-    """Bytes in binary units, scaled to stay readable (``1.50 MiB``, ``27.51 GiB``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
     shown = " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups[:limit])
     more = f" ... ({len(groups)} groups)" if len(groups) > limit else ""
@@ -179,8 +172,8 @@ def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
     if not mem["fits"]:
         worst = max(mem["per_stage"], key=lambda s: s["total"])
         advice = advice or "raise tp or pp, shard optimizer states (zero = 1) or recompute activations"
-        out.append(f"The plan does not fit: stage {worst['stage']} needs {_gb(worst['total'])} per GPU, "
-                   f"{_gb(mem['capacity'])} are usable. {advice[0].upper() + advice[1:]}.")
+        out.append(f"The plan does not fit: stage {worst['stage']} needs {bytes_text(worst['total'])} per GPU, "
+                   f"{bytes_text(mem['capacity'])} are usable. {advice[0].upper() + advice[1:]}.")
     bubble = d["schedule"].get("bubble_fraction", 0.0)
     if bubble > 0.2:
         sch = d["schedule"]
@@ -234,10 +227,10 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
             "| stage | params | grads | optimizer | activations | buffers | kv cache | total |",
             "|---|---|---|---|---|---|---|---|"]
     for s in mem["per_stage"]:
-        out.append(f"| {s['stage']} | {_gb(s['params'])} | {_gb(s['grads'])} | {_gb(s['optimizer'])} | "
-                   f"{_gb(s['activations'])} | {_gb(s.get('buffers', 0))} | {_gb(s['kv_cache'])} | "
-                   f"{_gb(s['total'])} |")
-    out += ["", f"Peak {_gb(mem['peak'])} of {_gb(mem['capacity'])}: "
+        out.append(f"| {s['stage']} | {bytes_text(s['params'])} | {bytes_text(s['grads'])} | {bytes_text(s['optimizer'])} | "
+                   f"{bytes_text(s['activations'])} | {bytes_text(s.get('buffers', 0))} | {bytes_text(s['kv_cache'])} | "
+                   f"{bytes_text(s['total'])} |")
+    out += ["", f"Peak {bytes_text(mem['peak'])} of {bytes_text(mem['capacity'])}: "
             + ("fits." if mem["fits"] else "**does not fit**.")
             + (" Activations are what the micro-batches in flight keep for backward; buffers are "
                "temporary (" + ", ".join(sorted({k for s in mem["per_stage"] for k in s.get("buffer_parts", {})}))
@@ -248,7 +241,7 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
         for stage, layers in per_layer:
             sizes = sorted({b for _, b in layers})
             if sizes:
-                span = _gb(sizes[0]) if len(sizes) == 1 else f"{_gb(sizes[0])} to {_gb(sizes[-1])}"
+                span = bytes_text(sizes[0]) if len(sizes) == 1 else f"{bytes_text(sizes[0])} to {bytes_text(sizes[-1])}"
                 parts.append(f"stage {stage}: {span} x {len(layers)} layers")
         out += ["Saved for backward per decoder layer and micro-batch, after recomputation: "
                 + "; ".join(parts) + ". Generated programs measure this with saved-tensor hooks "
@@ -270,7 +263,7 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
         out += ["ZeRO-3 gathers parameters per gradient bucket where they are used: "
                 f"{when}, and frees each once its gradients are reduced. Held at "
                 "most at once (`zero3_gather`): " + "; ".join(
-                    f"stage {st}: {_gb(b)}, {gathers.get(st, 0):,} all-gathers per step" for st, b in gathered)
+                    f"stage {st}: {bytes_text(b)}, {gathers.get(st, 0):,} all-gathers per step" for st, b in gathered)
                 + ".", ""]
     comp, est = d["compute"], d["estimate"]
     step = est["step_time"]
@@ -290,7 +283,7 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
     cm = d["comm"]
     out += ["## Communication (per step)", "", "| axis | bytes sent by the busiest rank |", "|---|---|"]
     for ax, b in cm["per_step"].items():
-        out.append(f"| {ax} | {_gb(b)} |")
+        out.append(f"| {ax} | {bytes_text(b)} |")
     agg: dict[tuple, int] = {}
     for c in cm["collectives"]:
         key = (c["op"], c["axis"], c["bytes"], c["stage"])
@@ -329,7 +322,7 @@ def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
              for row in gb["per_stage"]}
     for r in red:
         sz = sizes.get(r["stage"], [])
-        span = (f"{_gb(min(sz))}" + (f" - {_gb(max(sz))}" if max(sz) != min(sz) else "")) if sz else "-"
+        span = (f"{bytes_text(min(sz))}" + (f" - {bytes_text(max(sz))}" if max(sz) != min(sz) else "")) if sz else "-"
         share = f" ({r['hidden'] / r['seconds']:.0%})" if r["seconds"] else ""
         out.append(f"| {r['stage']} | {r['buckets']} | {span} | {r['seconds']:.4g} s | {r['hidden']:.4g} s{share} | "
                    f"{r['exposed']:.4g} s |")
@@ -346,9 +339,9 @@ def _serve_report(d: dict[str, Any]) -> list[str]:
            + (f", each replicated on {sv['kv_head_replicas']} ranks" if sv["kv_head_replicas"] > 1 else "") + ".", "",
            "| stage | weights | workspace | KV cache | KV bytes/token | total |", "|---|---|---|---|---|---|"]
     for s, k in zip(mem["per_stage"], sv["kv_bytes_per_token_per_stage"]):
-        out.append(f"| {s['stage']} | {_gb(s['params'])} | {_gb(s['activations'])} | {_gb(s['kv_cache'])} | "
-                   f"{k:,} | {_gb(s['total'])} |")
-    out += ["", f"Peak {_gb(mem['peak'])} of {_gb(mem['capacity'])}: " + ("fits." if mem["fits"] else "**does not fit**.")
+        out.append(f"| {s['stage']} | {bytes_text(s['params'])} | {bytes_text(s['activations'])} | {bytes_text(s['kv_cache'])} | "
+                   f"{k:,} | {bytes_text(s['total'])} |")
+    out += ["", f"Peak {bytes_text(mem['peak'])} of {bytes_text(mem['capacity'])}: " + ("fits." if mem["fits"] else "**does not fit**.")
             + f" Room for {sv['max_concurrent_tokens']:,} tokens of cache ({sv['max_concurrent_sequences']:,} "
               f"sequences of {sv['prompt_len'] + sv['max_new_tokens']:,} tokens).", "",
             "## Estimate (serving)", "",

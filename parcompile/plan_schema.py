@@ -1,10 +1,10 @@
 """Typed models of ``plan.json`` (SPEC 3, with parcompile's extensions) and its JSON Schema.
 
-:class:`PlanJSON` describes the dict that :func:`parcompile.driver.compile_config` builds,
-section by section; ``PlanJSON.model_validate(json.loads(text))`` checks a plan.json file.
-Every model forbids keys it does not know, so a new key in the driver must be added here
-too (``tests/test_plan_schema.py`` validates every example's plan). The extensions beyond
-SPEC 3 are marked "extension" in the field descriptions.
+:class:`PlanJSON` is what :func:`parcompile.driver.compile_config` builds plan.json from,
+section by section (:func:`plan_dict` turns it into the dict ``Plan.data`` holds and
+``Plan.to_json`` writes); ``validate_plan(json.loads(text))`` checks a plan.json file. Every
+model forbids keys it does not know, so a new key of the plan is a field here first. The
+extensions beyond SPEC 3 are marked "extension" in the field descriptions.
 
 :func:`json_schema` renders the published schema, ``docs/plan.schema.json``
 (``parcompile schema`` prints it; ``pytest tests/test_plan_schema.py --update-goldens``
@@ -14,7 +14,7 @@ rewrites the committed file).
 from __future__ import annotations
 
 import json
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -108,7 +108,9 @@ class Schedule(_Strict):
     name: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
     num_microbatches: int = Field(ge=1)
     bubble_fraction: float = Field(ge=0)
-    in_flight: list[int]
+    in_flight: list[Union[int, float]] = Field(
+        description="per pipeline rank, the micro-batches in flight at its peak, counted through all of "
+                    "the rank's layers (fractional with virtual stages)")
     actions: list[list[Action]]
 
 
@@ -290,6 +292,17 @@ class Serve(_Strict):
     breakdown: dict[str, float]
 
 
+class Search(_Strict):
+    """``search`` (extension, specs with ``auto`` layout keys only): the search that chose
+    the layout (:func:`parcompile.search.resolve`)."""
+
+    auto: list[str] = Field(description="the parallel keys written `auto`, sorted")
+    chosen: str = Field(description="the chosen layout's degrees, as `parcompile search` prints them")
+    enumerated: int = Field(ge=0, description="layouts enumerated")
+    valid: int = Field(ge=0, description="layouts the checks accept")
+    fitting: int = Field(ge=0, description="valid layouts that fit memory")
+
+
 class PlanJSON(_Strict):
     """A whole ``plan.json`` (format ``parcompile.plan/1``)."""
 
@@ -311,6 +324,29 @@ class PlanJSON(_Strict):
     compute: Compute
     estimate: Estimate
     serve: Optional[Serve] = Field(default=None, description="serve specs only")
+    search: Optional[Search] = Field(default=None, description="specs with `auto` layout keys only (extension)")
+
+
+def plan_dict(plan: PlanJSON, key_order: dict[tuple[str, ...], list[str]] | None = None) -> dict:
+    """The plan.json dict of ``plan``: the keys it was built with (a default not given,
+    such as ``serve`` of a training plan or ``routed`` of a dense collective, is left out),
+    each section in its model's field order, each value as its model holds it (a number
+    given to a ``float`` field is a float).
+
+    ``key_order`` maps the path of a map whose keys an analysis orders (``("comm",
+    "per_step")``, ``("estimate", "breakdown")``: report.md lists them in that order) to
+    that order; those maps keep it (keys it does not name follow, in the model's order).
+    """
+    data = plan.model_dump(exclude_unset=True)
+    for path, keys in (key_order or {}).items():
+        *outer, last = path
+        node = data
+        for k in outer:
+            node = node[k]
+        ordered = {k: node[last][k] for k in keys if k in node[last]}
+        ordered.update((k, v) for k, v in node[last].items() if k not in ordered)
+        node[last] = ordered
+    return data
 
 
 def validate_plan(data: dict) -> PlanJSON:

@@ -25,16 +25,17 @@ lists), which is what separates zero-bubble from 1F1B.
 Only those best few (``max(RETIME, top)``) must be exact, so the layouts are costed best
 first by branch and bound (:func:`_rank`): lower bounds on a layout's step time and memory
 peak, each cheaper than the costing it bounds and each proven below what it bounds
-(:meth:`Coster.family_floor` from a few probes for whole families of layouts,
-:meth:`Coster.span_floor` and :meth:`Coster._split_floors` from the layout's own probe,
-:meth:`Coster.state_floor` and :meth:`Coster.memory_floor` for memory,
-:meth:`Coster._dp_floor` for the data-parallel time) skip the layouts that cannot fit or
+(:meth:`Coster.family_floor` and :meth:`Coster.family_layout_floor` from a few probes for
+whole families of layouts, :meth:`Coster.layout_floor` and :meth:`Coster._split_floors` from
+the layout's own probe, :meth:`Coster.step_floor` and :meth:`Coster._dp_floor` for what the
+step adds to the pipeline (the data-parallel time, the optimizer), :meth:`Coster.state_floor`
+and :meth:`Coster.memory_floor` for memory) skip the layouts that cannot fit or
 cannot be among the best (``tests/test_search.py`` holds each bound against what it bounds,
 and the search against costing every layout, :data:`BOUNDS` off). The best few, their
 figures and their order are those of costing every layout; the ranking past them holds
 the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
 them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
-about 2,000 of 118,000 valid layouts are costed and 100 of 430 probes built.
+about 70 of 118,000 valid layouts are costed and 32 probes built.
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -52,18 +53,19 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
-from parcompile.analysis.estimate import (ChunkTimes, _dp_exposed, chunk_times, efficiency, links_inside,
+from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_inside,
                                           optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, buffer_total,
                                         memory_from_parts, saved_bytes)
-from parcompile.analysis.calibration import cost_without_schedule
 from parcompile.analysis.buckets import (GradUnit, bucket_element_bytes, buckets_in_flight, partition,
                                         reduces_per_microbatch, reshard_after_forward, shard_elements, zero3_gathered)
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors
+from parcompile.core.axes import GROUP_AXES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
+from parcompile.passes.manager import PASSES, compile_graph, cost_without_schedule, paused_gc, run_pass
 from parcompile.passes.groups import axis_inside_node
 from parcompile.passes.split_pipeline_stages import candidate_splits
 
@@ -83,7 +85,6 @@ SPLIT_TIME_TIE = 0.01
 #: the order ties are broken in (simpler first)
 _SCHEDULE_RANK = {"1f1b": 0, "interleaved_1f1b": 1, "zero_bubble": 2, "gpipe": 3}
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
-_AXES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding")
 
 
 def needs_search(cfg: SpecConfig) -> bool:
@@ -116,7 +117,6 @@ class _Probe:
     read only."""
 
     def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int):
-        from parcompile.driver import PASSES, run_pass
         from parcompile.ir.lower import lower
         from parcompile.passes.base import PassContext
 
@@ -233,7 +233,7 @@ def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tie
     nchunks = len(counts)
     starts = [sum(counts[:k]) for k in range(nchunks)]
     for s in range(pp):
-        acc = {"dense": 0, "expert": 0, "norm": 0}
+        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0}
         emb = 0
         units: list[GradUnit] = []
         for k in reversed(range(s, nchunks, pp)):
@@ -252,12 +252,13 @@ def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tie
                     acc["dense"] -= last.embedding
                 else:
                     emb = last.embedding
-        out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units)))
+        out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units),
+                               tp_partial=acc["tp_partial"]))
     return out
 
 
 class _Step(NamedTuple):
-    """A step collective as :func:`~parcompile.analysis.estimate._dp_exposed` reads it
+    """A step collective as :func:`~parcompile.analysis.estimate.dp_exposed` reads it
     (the fields of :class:`~parcompile.analysis.comm.CollectiveEntry` it reads; a tuple
     builds faster)."""
 
@@ -272,7 +273,7 @@ class _Step(NamedTuple):
 
 def _step_entries(cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
     """The step's collectives of layout ``cfg`` (:func:`~parcompile.passes.insert_collectives.step_collectives`)
-    as the rows :func:`~parcompile.analysis.estimate._dp_exposed` reads."""
+    as the rows :func:`~parcompile.analysis.estimate.dp_exposed` reads."""
     from parcompile.passes.insert_collectives import step_collectives
 
     return [_Step(op, axis, nb, count, where, s, "step")
@@ -286,6 +287,12 @@ _STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
 def _first_layers(splits: list[tuple[int, ...]], pp: int) -> int:
     """The fewest layers any of ``splits`` gives the first pipeline rank."""
     return min(sum(c[0::pp]) for c in splits)
+
+
+def _degrees(par: ParallelConfig) -> dict[str, int]:
+    """The group size of every mesh axis of layout ``par`` (the pass context's degrees)."""
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
+            "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if par.pp > 1 else 1}
 
 
 def _step_degrees(deg: dict) -> tuple:
@@ -332,7 +339,8 @@ class Candidate:
         return self.peak <= self.capacity
 
     def degrees_text(self) -> str:
-        """``tp 8 pp 4 dp 32 ...``: the layout in one line (only what differs from defaults)."""
+        """``tp=8 pp=4 dp=32 ...``: the layout in one line (only what differs from defaults; an
+        uneven split as :func:`split_text`'s compact form, ``split=7/8x14/7``)."""
         p = self.parallel
         parts = [f"tp={p.tp}", f"pp={p.pp}", f"dp={p.dp}"]
         if p.cp > 1:
@@ -347,7 +355,7 @@ class Candidate:
         if p.sequence_parallel:
             parts.append("sp")
         if p.stage_layers is not None and len(set(p.stage_layers)) > 1:
-            parts.append("split=" + "/".join(map(str, p.stage_layers)))
+            parts.append("split=" + split_text(p.stage_layers, compact=True))
         return " ".join(parts)
 
     def key(self) -> tuple:
@@ -380,6 +388,11 @@ class Coster:
         self.dp_groups: dict[tuple, tuple[SpecConfig, list[_Step]]] = {}
         self.param_owner: dict[tuple, _Probe] = {}
         self.state_parts: dict[tuple, float] = {}
+        self.step_floor_parts: dict[tuple, tuple] = {}
+        self.family_works: dict[tuple, tuple] = {}
+        self.comm_axes: dict[tuple, list[str]] = {}
+        self.base_p2p: dict[tuple, float] = {}
+        self.step_floor_memo: dict[tuple, float] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -391,13 +404,10 @@ class Coster:
         """The compiler's own figures for ``cfg``: the whole graph, with the closed-form
         pipeline, or, with ``simulate``, the full compile and its simulated schedule."""
         if simulate:
-            from parcompile.driver import compile_config
-
-            d = compile_config(cfg).data
-            mem, est = d["memory"], d["estimate"]
-            return Candidate(cfg.parallel, est["step_time"], est["mfu"], est["tflops_per_gpu"], mem["peak"],
-                             mem["capacity"], d["schedule"]["bubble_fraction"], dict(est["breakdown"]),
-                             None, True)
+            rep = compile_graph(cfg).cost   # what compile_config puts in plan.json
+            t = rep.time
+            return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak,
+                             rep.memory.capacity, t.bubble_fraction, dict(t.breakdown), None, True)
         rep = cost_without_schedule(cfg)
         t = rep.time
         return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak, rep.memory.capacity,
@@ -418,7 +428,7 @@ class Coster:
         got = self.inside.get(key)
         if got is None:
             gpn = self.cfg.cluster.gpus_per_node
-            got = self.inside[key] = {a: axis_inside_node(par, a, gpn) for a in _AXES}
+            got = self.inside[key] = {a: axis_inside_node(par, a, gpn) for a in GROUP_AXES}
         return got
 
     def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:
@@ -476,6 +486,100 @@ class Coster:
             work += 2 * (pp * v - 1) * ct3.p2p
         return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
 
+    def layout_floor(self, par: ParallelConfig) -> float:
+        """A lower bound on the estimated step time of layout ``par``, whatever its split:
+        :meth:`span_floor` (the pipeline) plus :meth:`step_floor` (what the step adds), from
+        the layout's own probe."""
+        pr = self.probe(par)
+        ct3, links, _key = self._chunk_times3(pr, par)
+        layers = self.cfg.model.layers
+        fwd, bwd = ([ct3.fwd(k) for k in range(3)], [ct3.bwd(k) for k in range(3)])
+        f = layers * fwd[1] + (fwd[0] - fwd[1]) + (fwd[2] - fwd[1])
+        b = layers * bwd[1] + (bwd[0] - bwd[1]) + (bwd[2] - bwd[1])
+        return self.span_floor(par) + self.step_floor(par, f, b, links, pr)
+
+    def step_floor(self, par: ParallelConfig, fwd: float, bwd: float, links: dict, pr: _Probe) -> float:
+        """A lower bound on what the step adds to the pipeline of layout ``par`` (the exposed
+        data-parallel time and the optimizer step, :func:`~parcompile.analysis.estimate.step_time_parts`),
+        whatever its split; ``fwd`` and ``bwd``: a micro-batch's forward and backward through
+        all model chunks, summed (at most the layout's own), ``links`` its links, ``pr`` a
+        probe with its parameters (any of the same ``tp, ep, expert_tp``).
+
+        Both terms are maxima over the stages, so at least their means. The mean stage:
+        ``pp`` stages of ``1/pp`` of the model's parameters each, rounded down to a multiple
+        of the shard count, one gradient bucket each, passed to the estimate's own
+        :func:`~parcompile.passes.insert_collectives.step_collectives`,
+        :func:`~parcompile.analysis.estimate.step_sums`,
+        :func:`~parcompile.analysis.estimate.dp_exposed` (against ``fwd / pp`` and ``bwd /
+        pp``) and :func:`~parcompile.analysis.estimate.optimizer_time`. This is a lower bound
+        because:
+
+        * a collective's time is affine in its bytes with non-negative coefficients
+          (:func:`~parcompile.analysis.estimate.collective_time`) and every stage has a
+          bucket at least (each holds a layer), so the mean over the stages of a stage's
+          bucket times is at least the time of one bucket of the mean bytes, and the padded
+          shards (``ceil(n / d)``) only add bytes; reductions run ``m`` or one times per
+          bucket alike, and with ZeRO-3 at ``pp = 1`` (per micro-batch gathers, some
+          buckets gathered fewer times) the all-gathers are counted as none;
+        * the optimizer's bytes are linear in the stage's parameters (the shards rounded up);
+        * a stage's exposed time is a sum of ``max(0, x)`` of its reductions less its
+          backward and its gathers less its forward, plus its other step collectives (the
+          bucket simulation exposes at least the reductions' sum less the backward:
+          :meth:`_dp_floor`); ``max(0, x)`` is convex and increasing, so its mean over the
+          stages is at least its value at the mean stage (Jensen), where the mean stage
+          has no more bytes and the same ``fwd / pp``, ``bwd / pp``. The tied
+          embedding's and sequence parallelism's all-reduces, which the mean stage lacks,
+          are not negative.
+
+        The mean stage is costed as a layout of one chunk per rank, and its step collectives
+        are cached by what they depend on: not ``fwd``, ``bwd``, the virtual stages (which
+        the step collectives do not read), nor the micro-batches (a reduction run per
+        micro-batch counts ``m`` times and is set against the backward as one round, ``m``
+        divided out again; ZeRO-3's per micro-batch gathers are counted as none), the bound
+        by those and ``fwd``, ``bwd``. Reduced by a relative 1e-9 for rounding."""
+        pp = par.pp
+        key = (self._params_key(pr), pp, par.zero, par.schedule, par.dp * par.cp, par.expert_dp, par.tp, par.ep,
+               par.expert_tp, par.sequence_parallel, par.bucket_size, par.reduce_dtype,
+               tuple(links.get(a) for a in _STEP_AXES))
+        got = self.step_floor_parts.get(key)
+        if got is None:
+            model = self.cfg.model
+            deg = _degrees(par)
+            cfg = with_parallel(self.cfg, par.model_copy(update={"virtual_stages": 1}))
+            ps = pr.params
+            first, mid, last = ps
+            tied, pp1 = model.tie_embeddings, pp == 1
+            # the whole model's elements: in the gradient units, and in the stages' parameters
+            layer = next(u for u in ps[1].units if u.name.startswith("layers."))
+            ends = _chunk_units(ps, True, False, 0, pp1, tied) + _chunk_units(ps, False, True, 0, pp1, tied)
+            fake_units, fake_params = [], []
+            for kind, dd in (("dense", deg["dp_cp"]), ("expert", deg["expert_dp"])):
+                n_units = model.layers * layer.size(kind) + sum(u.size(kind) for u in ends)
+                n_params = model.layers * getattr(mid, kind) + getattr(first, kind) + getattr(last, kind) \
+                    - 2 * getattr(mid, kind)
+                if kind == "dense" and tied and pp1:
+                    n_params -= last.embedding
+                dd = max(dd, 1)
+                fake_units.append(dd * (n_units // (pp * dd)))
+                fake_params.append(dd * (n_params // (pp * dd)))
+            stages = [StageParams(s, fake_units[0], fake_units[1], 0, 0) for s in range(pp)]
+            sums: dict[tuple, int] = {}
+            for grads, params, other in step_sums(cfg, deg, links, _step_entries(cfg, deg, stages)):
+                if par.zero >= 3 and reshard_after_forward(pp):
+                    params = 0.0   # gathered per micro-batch, some buckets fewer times: counted as none
+                sums[(grads, params, other)] = sums.get((grads, params, other), 0) + 1
+            opt = optimizer_time(cfg, deg, [StageParams(0, fake_params[0], fake_params[1], 0, 0)])
+            got = self.step_floor_parts[key] = (cfg, deg, tuple(sums.items()), opt)
+        mkey = (key, fwd, bwd)
+        out = self.step_floor_memo.get(mkey)
+        if out is None:
+            cfg, deg, sums, opt = got
+            # one stage of one chunk (chunk 0 is all dp_exposed reads of it): fwd / pp, bwd / pp
+            ct = ChunkTimes((0.0,), (0.0,), (bwd / pp,), {"tp": (fwd / pp,)}, {}, 0.0)
+            dp = sum(k * dp_exposed(cfg, deg, links, None, ct, None, [t]) for t, k in sums) / pp
+            out = self.step_floor_memo[mkey] = (dp + opt) * (1 - 1e-9)
+        return out
+
     def family_floor(self, reps: dict[int, ParallelConfig],
                      groups: Iterable[tuple[int, int, int, str]]) -> dict[tuple[int, int, int, str], float]:
         """Lower bounds on the closed-form step time of the layouts of one probe family (one
@@ -486,7 +590,39 @@ class Coster:
 
         From the probe of the same ``tp, sequence_parallel, ep, expert_tp`` at micro-batch 1
         and ``cp0 = min(cp, 2)``, whose FLOPs, bytes moved and collective sizes are scaled by
-        ``micro_batch * cp0 / cp``. This rests on two facts of the probe graphs:
+        ``micro_batch * cp0 / cp`` (:meth:`_family_work`): a micro-batch's forward ``F`` and
+        backward ``B`` through all chunks and a transfer between chunks, at most the
+        family's. The step is then at least :meth:`span_floor` of those.
+        ``tests/test_search.py`` checks the bound against the families' own probes. Reduced
+        by a relative 1e-9 for rounding."""
+        out = {}
+        for pp, v, m, rc in groups:
+            f, b, p2p = self._family_work(reps[pp], rc)[:3]
+            transfers = 2 * (pp * v - 1) * p2p if pp > 1 else 0.0
+            out[(pp, v, m, rc)] = (m + (pp - 1) / v) * (f + b + transfers) / pp * (1 - 1e-9)
+        return out
+
+    def family_layout_floor(self, par: ParallelConfig) -> float:
+        """A lower bound on the closed-form step time of layout ``par``, whatever its split,
+        without building its own probe: :meth:`family_floor`'s bound plus :meth:`step_floor`
+        of the scaled ``F`` and ``B`` (the parameters depend on ``tp, ep, expert_tp``
+        only, so the scaled probe's are the layout's). The sum does not decrease with ``F``
+        nor ``B`` (the pipeline grows by at least ``1 / pp`` of each, since ``m >= 1``; the
+        step's exposed time falls by at most ``1 / pp`` of each), so ``F`` and ``B`` at
+        most the layout's give a lower bound. ``tests/test_search.py`` checks it against
+        the layouts' costs."""
+        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+        f, b, p2p, base, links = self._family_work(par, par.recompute)
+        transfers = 2 * (pp * v - 1) * p2p if pp > 1 else 0.0
+        return (m + (pp - 1) / v) * (f + b + transfers) / pp * (1 - 1e-9) + self.step_floor(par, f, b, links, base)
+
+    def _family_work(self, par: ParallelConfig, rc: str) -> tuple[float, float, float, _Probe, dict]:
+        """``(F, B, p2p, probe, links)`` of :meth:`family_floor` for the family of layout
+        ``par`` and recompute mode ``rc``: a micro-batch's forward and backward seconds
+        through all chunks, and one transfer between adjacent chunks (``ChunkTimes.p2p``), of
+        the probe of the same ``tp, sequence_parallel, ep, expert_tp`` at micro-batch 1 and
+        ``cp0 = min(cp, 2)``, scaled by ``micro_batch * cp0 / cp``, with ``par``'s group sizes
+        and links; that probe; the links. This rests on two facts of the probe graphs:
 
         * the passes do not read the micro-batch nor cp's value beyond ``cp > 1``: the
           graphs of one ``tp, sequence_parallel, ep, expert_tp`` and ``cp > 1`` have the
@@ -499,44 +635,51 @@ class Coster:
 
         Collective times (:func:`~parcompile.analysis.estimate.collective_time`) do not
         decrease with the bytes or the group size, so the scaled probe's chunk times, with
-        the family's own group sizes and links, are at most the family's; the step is then
-        at least ``(m + (pp - 1) / v) * mean(work)`` (:meth:`span_floor`, without the
-        transfers). ``tests/test_search.py`` checks the bound against the families' own
-        probes. Reduced by a relative 1e-9 for rounding."""
-        par = next(iter(reps.values()))
+        the family's own group sizes and links, are at most the family's. Cached."""
         tp, cp, mb, sp = par.tp, par.cp, par.micro_batch, par.sequence_parallel
+        wkey = (tp, cp, sp, mb, par.ep, par.expert_tp, par.dp, par.pp, par.order, rc)
+        got = self.family_works.get(wkey)
+        if got is not None:
+            return got
         cp0 = min(cp, 2)
         base = self.probe_of((tp, cp0, sp, 1, par.ep, par.expert_tp))
-        r = mb * cp0 / cp
-        layers = self.cfg.model.layers
-        works: dict[tuple, float] = {}
-        out = {}
-        for pp, v, m, rc in groups:
-            inside = self._inside(reps[pp])
-            w = works.get((pp, rc))
-            if w is None:
-                comm = base.comm[rc]
-                axes = sorted({c.axis for _s, _k, c in comm.raw} - {"pp"})
-                key = (id(base), rc, cp, mb, tuple((a, inside.get(a, True)) for a in axes))
-                w = self.base_works.get(key)
-                if w is None:
-                    comp = base.compute[rc]
-                    scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
-                                     chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
-                                     chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
-                                     chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
-                    raw = _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in comm.raw
-                                            if c.axis != "pp"))
-                    tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
-                        dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
-                        global_batch=mb, recompute=rc, sequence_parallel=sp)})
-                    ct = chunk_times(tcfg, dict(base.degrees, cp=cp), None, scaled, raw,
-                                     links_inside(self.cfg.cluster, inside, self.eff))
-                    fb = [ct.fwd(k) + ct.bwd(k) for k in range(3)]
-                    w = self.base_works[key] = layers * fb[1] + (fb[0] - fb[1]) + (fb[2] - fb[1])
-                works[(pp, rc)] = w
-            out[(pp, v, m, rc)] = (m + (pp - 1) / v) * w / pp * (1 - 1e-9)
-        return out
+        inside = self._inside(par)
+        links = links_inside(self.cfg.cluster, inside, self.eff)
+        akey = (id(base), rc)
+        axes = self.comm_axes.get(akey)
+        if axes is None:   # the probe's collectives' axes, for what their times read of the links
+            axes = self.comm_axes[akey] = sorted({c.axis for _s, _k, c in base.comm[rc].raw} - {"pp"})
+        key = (id(base), rc, cp, mb, tuple((a, inside.get(a, True)) for a in axes))
+        fb = self.base_works.get(key)
+        pkey = (id(base), rc, cp, mb, inside.get("pp", True), inside.get("tp", True))
+        p2p = self.base_p2p.get(pkey)
+        if fb is None or p2p is None:
+            r = mb * cp0 / cp
+            comp = base.compute[rc]
+            scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
+                             chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
+                             chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
+                             chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
+            tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
+                dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
+                global_batch=mb, recompute=rc, sequence_parallel=sp)})
+            degrees = dict(base.degrees, cp=cp)
+            # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
+            pp_raw = [(s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in base.comm[rc].raw
+                      if c.axis == "pp"]
+            if fb is None:
+                raw = _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase))
+                                        for s, k, c in base.comm[rc].raw if c.axis != "pp"))
+                ct = chunk_times(tcfg, degrees, None, scaled, raw, links)
+                f3, b3 = [ct.fwd(k) for k in range(3)], [ct.bwd(k) for k in range(3)]
+                layers = self.cfg.model.layers
+                fb = self.base_works[key] = (layers * f3[1] + (f3[0] - f3[1]) + (f3[2] - f3[1]),
+                                             layers * b3[1] + (b3[0] - b3[1]) + (b3[2] - b3[1]))
+            if p2p is None:
+                p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, _ScaledComm(tuple(pp_raw)),
+                                                        links).p2p
+        got = self.family_works[wkey] = (fb[0], fb[1], p2p, base, links)
+        return got
 
     def state_floor(self, par: ParallelConfig) -> int:
         """A lower bound on the memory peak of training layout ``par`` from its model states
@@ -828,19 +971,25 @@ class Coster:
             floors = [0.0] * len(cands)
         else:
             floors = self._split_floors(par, cands, simulate)
-            if simulate and par.pp > 1:   # the simulation is what costs: add what needs none
-                floors = [self._sim_floor(with_parallel(cfg, par.model_copy(update={"stage_layers": c})), f)
-                          for c, f in zip(cands, floors)]
+        # simulated, the simulation is what costs: a split's bound then adds what needs none
+        # (_sim_floor), worked out when the split's own bound comes up (it only grows)
+        rough = simulate and par.pp > 1 and not (self.unlike_layers or cfg.workload == "serve")
         window = 1 + SPLIT_TIME_TIE
         limit = None if bound is None else bound * window
         costed = []
         fastest = math.inf   # among the fitting splits timed
         complete = True      # every split costed (none skipped, none found slower than the limit)
-        for i in sorted(range(len(cands)), key=lambda j: (floors[j], j)):
-            if floors[i] > min(fastest * window, math.inf if limit is None else limit):
+        queue = [(f, i, rough) for i, f in enumerate(floors)]
+        heapq.heapify(queue)
+        while queue:
+            floor, i, unrefined = heapq.heappop(queue)
+            if floor > min(fastest * window, math.inf if limit is None else limit):
                 complete = False
                 break   # the floors only grow from here
             sub = with_parallel(cfg, par.model_copy(update={"stage_layers": cands[i]}))
+            if unrefined:
+                heapq.heappush(queue, (self._sim_floor(sub, floor), i, False))
+                continue
             # with a limit, a split slower than it is neither the fastest nor a tie of a
             # fastest split within the bound: None (it may fit), not timed
             c = self.cost(sub, simulate=simulate, with_memory=simulate, bound=limit)
@@ -953,7 +1102,7 @@ class Coster:
                   deg: dict) -> float:
         """A lower bound on the exposed data-parallel time of layout ``cfg`` (split
         ``counts``, chunk times ``ct``) that :meth:`cost` adds to the pipeline, without
-        simulating its gradient buckets: :func:`~parcompile.analysis.estimate._dp_exposed`
+        simulating its gradient buckets: :func:`~parcompile.analysis.estimate.dp_exposed`
         without the stage parameters, which counts each stage's gradient reductions against
         its last backward as one block. The bucket-by-bucket simulation
         (:func:`~parcompile.analysis.estimate.grad_overlap`) runs the same reductions on one
@@ -978,18 +1127,18 @@ class Coster:
         got = sums.get(lkey)
         if got is None:
             got = sums[lkey] = step_sums(cfg0, deg, links, steps)
-        return _dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
+        return dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
 
     def _data_parallel(self, cfg: SpecConfig, pr: _Probe, ct: ChunkTimes, links: dict, deg: dict,
                        sps: list[StageParams]) -> tuple[float, float]:
         """(exposed data-parallel seconds, optimizer seconds) of layout ``cfg``
-        (:func:`~parcompile.analysis.estimate._dp_exposed`, :func:`~parcompile.analysis.estimate.optimizer_time`):
+        (:func:`~parcompile.analysis.estimate.dp_exposed`, :func:`~parcompile.analysis.estimate.optimizer_time`):
         what :func:`~parcompile.analysis.estimate.step_time_parts` adds to the pipeline,
         which needs no schedule. Cached per layout."""
         key = cfg.parallel
         got = self.exposed.get(key)
         if got is None:
-            got = self.exposed[key] = (_dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps),
+            got = self.exposed[key] = (dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps),
                                        optimizer_time(cfg, deg, sps))
         return got
 
@@ -1003,8 +1152,7 @@ class Coster:
         ct3, links, tkey = self._chunk_times3(pr, par)
         ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
         pp = par.pp
-        deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
-               "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
+        deg = _degrees(par)
         dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
                                            self._stage_params(pr, counts, pp))
         return floor + dp_comm + opt
@@ -1034,8 +1182,7 @@ class Coster:
         rc = par.recompute
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
-        deg = {"dp": par.dp, "tp": par.tp, "pp": pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
-               "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if pp > 1 else 1}
+        deg = _degrees(par)
         mem = None
         if not with_memory and cfg.workload != "serve":
             # the integer path, exactly memory_from_parts's peak (most layouts end here)
@@ -1074,7 +1221,7 @@ class Coster:
                 return None   # slower than the bound whatever its data-parallel time
             if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
                 return None
-            dp_comm = _dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
+            dp_comm = dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
         else:
             dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg, sps)
         m = par.num_microbatches
@@ -1256,7 +1403,6 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
     ``progress(done, total)`` is called now and then. Raises :class:`SpecError` for a
     model the compiler cannot lower (MoE, for now).
     """
-    from parcompile.driver import paused_gc
 
     with paused_gc():
         return _search(cfg, top, cross_node_tp, progress)
@@ -1355,9 +1501,13 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
 
     With ``bounds``, a priority queue holds the families (keyed by
     :meth:`Coster.family_floor`, no probe of their own needed) and the rows of the families
-    opened so far (keyed by the larger of that and :meth:`Coster.span_floor`); the lowest
-    comes out first, a family opening into its rows, a row being costed (with the bound of
-    the moment, :meth:`Coster.cost`). Once the lowest key exceeds the bound, every entry
+    opened so far, each keyed by the largest bound worked out for it so far: its group's
+    family floor, then :meth:`Coster.family_layout_floor` (with what the step adds; still no
+    probe of its own), then :meth:`Coster.layout_floor` (its own probe; a row the family's
+    probe already shows not to fit, :meth:`Coster.memory_floor` with ``base``, is dropped
+    before). The lowest comes out first: a family opens into its rows, a row gets its next
+    bound and goes back, or, with all of them, is costed (with the bound of the moment,
+    :meth:`Coster.cost`). Once the lowest key exceeds the bound, every entry
     left is bounded. The dominance rule reads whether the rows with less recomputation fit,
     working it out (:meth:`Coster.fits`) for those not costed yet. Ties are broken by
     enumeration order, as before. Without ``bounds`` (a spec costed from its whole graph,
@@ -1398,7 +1548,8 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
         return got
 
     # entries (key, kind, row, family): kind 0 a family, 1 a row keyed by its family's bound
-    # for its group, 2 a row keyed by its own probe's bound as well (then costed)
+    # for its group, 2 by its family's bound for the layout (Coster.family_layout_floor), 3 by
+    # its own probe's bound as well (Coster.layout_floor; then costed)
     heap: list[tuple] = []
     group_floors: dict[tuple, dict] = {}
     unfit_rows: set[int] = set()   # the model states alone exceed the memory
@@ -1436,13 +1587,19 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
                 lb = group_floors[fam][(pp, v, gb // (mb * dp), rc)] if bounds else 0.0
                 heapq.heappush(heap, (lb, 1, j, fam))
             continue
-        if kind == 1 and bounds:   # the row's own probe: a bound of its own, then back in the queue
+        if kind < 3 and bounds:   # a bound of the row's own (kind 1: the family's probe; 2: its own), then back
             r = rows[i]
-            fkey = (fam, r[2], r[11], r[9], r[12])   # pp, virtual_stages, global_batch, recompute
+            if kind == 2 and coster.memory_floor(_row_parallel(cfg, r), first_layers(r), base=True) > cap:
+                fit_row[i] = False   # shown not to fit without building its own probe
+                out.unfit += 1
+                done += 1
+                continue
+            fkey = (kind, fam, r[2], r[11], r[9], r[12], r[7], r[10])   # pp, v, global_batch, recompute, zero, schedule
             lb = floors.get(fkey)
             if lb is None:
-                lb = floors[fkey] = coster.span_floor(_row_parallel(cfg, r))
-            heapq.heappush(heap, (max(floor, lb), 2, i, fam))
+                par = _row_parallel(cfg, r)
+                lb = floors[fkey] = coster.family_layout_floor(par) if kind == 1 else coster.layout_floor(par)
+            heapq.heappush(heap, (max(floor, lb), kind + 1, i, fam))
             continue
         done += 1
         if progress is not None and done % 1024 == 0:
@@ -1505,16 +1662,18 @@ def _user_layout_complete(cfg: SpecConfig) -> bool:
     return not needs_search(cfg)
 
 
-def split_text(counts) -> str:
+def split_text(counts, compact: bool = False) -> str:
     """Layers per model chunk, a run of more than three equal counts shortened:
-    ``(7, 8, 8, 8, 8, 7)`` -> ``"7, 8 (4 chunks), 7"``, ``(2, 2, 2, 1)`` -> ``"2, 2, 2, 1"``."""
+    ``(7, 8, 8, 8, 8, 7)`` -> ``"7, 8 (4 chunks), 7"``, ``(2, 2, 2, 1)`` -> ``"2, 2, 2, 1"``;
+    ``compact`` (one word, :meth:`Candidate.degrees_text`): ``"7/8x4/7"``, ``"2/2/2/1"``."""
     runs: list[list[int]] = []
     for c in counts:
         if runs and runs[-1][0] == c:
             runs[-1][1] += 1
         else:
             runs.append([c, 1])
-    return ", ".join(f"{c} ({n} chunks)" if n > 3 else ", ".join([str(c)] * n) for c, n in runs)
+    sep, run = ("/", "{c}x{n}") if compact else (", ", "{c} ({n} chunks)")
+    return sep.join(run.format(c=c, n=n) if n > 3 else sep.join([str(c)] * n) for c, n in runs)
 
 
 def settle_split(cfg: SpecConfig, coster: Coster | None = None) -> tuple[SpecConfig, Diagnostic | None]:
@@ -1557,13 +1716,13 @@ def resolve(cfg: SpecConfig) -> tuple[SpecConfig, SearchResult]:
 
 def no_fit_diagnostic(res: SearchResult) -> Diagnostic:
     """The error when no candidate fits (SPEC: ``search`` exits 1)."""
-    from parcompile.plan import _gb
+    from parcompile.core.units import bytes_text
 
     cfg = res.cfg
     if res.closest is not None:
         c = res.closest
-        help = (f"the smallest peak, {_gb(c.peak)} per GPU ({c.degrees_text()}), exceeds the "
-                f"{_gb(c.capacity)} available; use more GPUs, GPUs with more memory, or a smaller global_batch")
+        help = (f"the smallest peak, {bytes_text(c.peak)} per GPU ({c.degrees_text()}), exceeds the "
+                f"{bytes_text(c.capacity)} available; use more GPUs, GPUs with more memory, or a smaller global_batch")
     else:
         help = "no layout passes the checks; give more of the degrees explicitly to see why"
     return Diagnostic("error", f"no layout fits: {res.valid} valid of {res.enumerated} enumerated, none fits memory",
@@ -1590,13 +1749,13 @@ def _why(best: Candidate, other: Candidate) -> str:
 
 def table(res: SearchResult, top: int = 10) -> str:
     """The ranked candidates as a text table."""
-    from parcompile.plan import _gb
+    from parcompile.core.units import bytes_text
 
     rows = [("#", "layout", "peak mem", "step", "MFU", "bubble", "vs best")]
     best = res.candidates[0] if res.candidates else None
     for i, c in enumerate(res.candidates[:top]):
         why = "best" if i == 0 else f"+{(c.step_time / best.step_time - 1) * 100:.1f}%: {_why(best, c)}"
-        rows.append((str(i + 1), c.degrees_text(), _gb(c.peak), f"{c.step_time:.3f} s", f"{c.mfu * 100:.1f}%",
+        rows.append((str(i + 1), c.degrees_text(), bytes_text(c.peak), f"{c.step_time:.3f} s", f"{c.mfu * 100:.1f}%",
                      f"{c.bubble_fraction * 100:.1f}%", why))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]

@@ -91,12 +91,15 @@ class Check:
 
 @dataclass
 class VerifyResult:
-    """All checks of one verify run; ``ok`` when every check passed."""
+    """All checks of one verify run; ``ok`` when every check passed. ``plan`` is the
+    miniature's plan.json and ``records`` the run's per-rank records (rank order)."""
 
     checks: list[Check] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     ref_losses: list[float] = field(default_factory=list)
     mini: SpecConfig | None = None
+    plan: dict = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -169,7 +172,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         ffn_hidden=2 * hidden, vocab=vocab, seq_len=seq_len, norm=m.norm, activation=m.activation,
         position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
         rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
-        sliding_window=min(m.sliding_window, 8), attention=m.attention, dropout=0.0,
+        sliding_window=min(m.sliding_window, 8), qk_norm=m.qk_norm, attention=m.attention, dropout=0.0,
         tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
     )
     par = p.model_copy(update=dict(
@@ -221,7 +224,7 @@ def _emit(cfg: SpecConfig, out: Path) -> dict:
     from parcompile.driver import compile_config
 
     plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out)})
+    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out)})
     return plan.data
 
 
@@ -301,9 +304,9 @@ def _compare_tensors(what: str, ref: dict, got: dict, vocab: int, atol: float, r
 
 def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tolerances) -> VerifyResult:
     """Compare a run's metrics directory with the reference's (see module docstring)."""
-    res = VerifyResult(mini=mini)
     ref_rec = json.loads((ref_dir / "rank0.json").read_text())
-    recs = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
+    recs = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+    res = VerifyResult(mini=mini, plan=plan, records=recs)
     speakers = [r for r in recs if r["losses"] and r["losses"][0] is not None]
     res.ref_losses = ref_rec["losses"]
     res.losses = speakers[0]["losses"] if speakers else []
@@ -537,14 +540,14 @@ def measure(cfg: SpecConfig, workdir: str | os.PathLike, steps: int = 1, timeout
     return plan, recs
 
 
-def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = None,
-           tol: Tolerances | None = None, timeout_s: float = 900.0, log=None, dtype: str = "fp32") -> VerifyResult:
-    """Build the miniature of ``cfg``, run it under torchrun and in-process, compare.
+def _prepare(cfg: SpecConfig, steps: int, dtype: str, root: Path) -> tuple[SpecConfig, dict]:
+    """Check ``cfg`` can be verified, emit its miniature under ``root/mini`` and the
+    reference under ``root/reference``, and run the reference in this process.
+
+    Returns ``(miniature, its plan.json dict)``.
 
     Raises:
-        SpecError: the spec cannot be verified here (too many ranks, a serve workload, a
-            feature the generated program does not run yet).
-        RuntimeError: the torchrun job failed (its output is in the message).
+        SpecError: as :func:`verify`.
     """
     if cfg.workload != "train":
         raise SpecError([Diagnostic("error", "verify checks training plans; this spec has a `serve` block",
@@ -554,13 +557,110 @@ def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = 
     gaps = program_gaps(cfg, "error")
     if gaps:
         raise SpecError(gaps)
-    tol = tol or Tolerances.for_dtype(dtype)
     mini = miniature(cfg, steps, dtype)
-    ref = reference(mini)
+    _emit(reference(mini), root / "reference")
+    plan = _emit(mini, root / "mini")
+    _run_reference(root / "reference", root / "reference" / "metrics", steps)
+    return mini, plan
+
+
+def _program_argv(out: Path, steps: int) -> list[str]:
+    return ["--metrics-dir", str(out / "metrics"), "--steps", str(steps), "--checkpoint-dir", ""]
+
+
+def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = None,
+           tol: Tolerances | None = None, timeout_s: float = 900.0, log=None, dtype: str = "fp32") -> VerifyResult:
+    """Build the miniature of ``cfg``, run it under torchrun and in-process, compare.
+
+    Raises:
+        SpecError: the spec cannot be verified here (too many ranks, a serve workload, a
+            feature the generated program does not run yet).
+        RuntimeError: the torchrun job failed (its output is in the message).
+    """
+    tol = tol or Tolerances.for_dtype(dtype)
     with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:
         root = Path(tmp)
-        _emit(ref, root / "reference")
-        plan = _emit(mini, root / "mini")
-        _run_reference(root / "reference", root / "reference" / "metrics", steps)
+        mini, plan = _prepare(cfg, steps, dtype, root)
         _run_torchrun(root / "mini", root / "mini" / "metrics", mini.parallel.world_size, steps, timeout_s, log)
         return compare(root / "reference" / "metrics", root / "mini" / "metrics", plan, mini, tol)
+
+
+def verify_many(cfgs: dict[str, SpecConfig], steps: int = 3, workdir: str | os.PathLike | None = None,
+                tols: dict[str, Tolerances] | None = None, dtypes: dict[str, str] | None = None,
+                timeout_s: float = 900.0) -> dict[str, VerifyResult | Exception]:
+    """:func:`verify` for many specs with one torchrun launch per world size.
+
+    Each miniature and its reference are built as :func:`verify` builds them; the
+    miniatures of one world size run one after another in one launch
+    (:mod:`parcompile.runtime.batch`), which saves a process start and a torch import per
+    layout. A layout whose run fails gets its ``RuntimeError`` (the launch's output) as its
+    result; the layouts after it in that launch are run again in a new launch, so one
+    failure does not hide the others.
+
+    Returns: name -> :class:`VerifyResult`, or the exception (``SpecError``,
+    ``RuntimeError``) that layout raised.
+    """
+    dtypes = dtypes or {}
+    tols = tols or {}
+    results: dict[str, VerifyResult | Exception] = {}
+    with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:
+        ready: dict[int, list[tuple[str, Path, SpecConfig, dict]]] = {}
+        for i, (name, cfg) in enumerate(cfgs.items()):
+            root = Path(tmp) / f"{i:03d}"
+            try:
+                mini, plan = _prepare(cfg, steps, dtypes.get(name, "fp32"), root)
+            except (SpecError, RuntimeError) as e:
+                results[name] = e
+                continue
+            ready.setdefault(mini.parallel.world_size, []).append((name, root, mini, plan))
+        for world, todo in sorted(ready.items()):
+            failures = run_batched([root / "mini" for _, root, _, _ in todo], world, steps, timeout_s, Path(tmp))
+            for (name, root, mini, plan), failure in zip(todo, failures):
+                try:
+                    results[name] = failure or compare(
+                        root / "reference" / "metrics", root / "mini" / "metrics", plan, mini,
+                        tols.get(name) or Tolerances.for_dtype(dtypes.get(name, "fp32")))
+                except (OSError, ValueError, KeyError) as e:   # a run that wrote incomplete metrics
+                    results[name] = RuntimeError(f"comparing {name}: {e!r}")
+    return {name: results[name] for name in cfgs}
+
+
+def run_batched(outs: list[Path], world: int, steps: int, timeout_s: float, tmp: Path) -> list[RuntimeError | None]:
+    """Run the generated programs in the directories ``outs`` (plans of world size
+    ``world``; metrics go to ``out/metrics``) in as few torchrun launches as they allow:
+    one, unless a program fails; then the programs after it run in the next launch.
+
+    Returns one entry per program: ``None`` when it completed, else the ``RuntimeError``
+    holding its launch's output."""
+    failures: list[RuntimeError | None] = [None] * len(outs)
+    first, launch = 0, 0
+    while first < len(outs):
+        done, failure = _run_batch(outs[first:], world, steps, timeout_s, tmp / f"jobs_{world}_{launch}.json")
+        launch += 1
+        if failure is None or first + done >= len(outs):
+            break
+        failures[first + done] = failure
+        first += done + 1
+    return failures
+
+
+def _run_batch(outs: list[Path], world: int, steps: int, timeout_s: float,
+               jobs_file: Path) -> tuple[int, RuntimeError | None]:
+    """One torchrun launch of the programs in ``outs`` (:mod:`parcompile.runtime.batch`).
+
+    Returns ``(how many completed, the failure of the next one or None)``."""
+    jobs_file.write_text(json.dumps([{"program": str(out / "program.py"), "argv": _program_argv(out, steps)}
+                                     for out in outs]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "parcompile.runtime.batch", str(jobs_file)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * len(outs))
+        code, output = proc.returncode, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
+    except subprocess.TimeoutExpired as e:
+        code, output = "a timeout", str(e)
+    done_file = jobs_file.with_name(jobs_file.name + ".done")
+    done = int(done_file.read_text()) if done_file.exists() else 0
+    if code == 0 and done == len(outs):
+        return done, None
+    return done, RuntimeError(f"torchrun exited with {code} running {outs[min(done, len(outs) - 1)]}:\n{output}")

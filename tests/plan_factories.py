@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig
-from parcompile.driver import PASSES, run_pass
+from parcompile.passes.manager import PASSES, run_pass
 from parcompile.ir.lower import lower
 from parcompile.passes.base import PassContext
 

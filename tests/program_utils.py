@@ -35,7 +35,7 @@ def build_program(cfg: SpecConfig, out: Path):
     Returns (module, plan dict).
     """
     plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan.data, out)})
+    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out)})
     spec = importlib.util.spec_from_file_location(f"parcompile_test_program_{next(_counter)}", out / "program.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

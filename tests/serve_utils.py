@@ -37,7 +37,7 @@ def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s") -> SpecC
 def build_serve(cfg: SpecConfig, out: Path) -> dict:
     """Compile ``cfg`` and write plan.json and serve.py into ``out``; returns the plan dict."""
     plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "serve.py": render_serve(cfg, plan.data, out)})
+    write_files(out, {"plan.json": plan.to_json(), "serve.py": render_serve(cfg, plan, out)})
     return plan.data
 
 

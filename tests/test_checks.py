@@ -293,7 +293,7 @@ def test_ep_without_experts():
 
 
 def test_ep_must_divide_experts():
-    text = spec(model={"experts": "6"}, parallel={"ep": "4"})
+    text = spec(model={"experts": "6"}, parallel={"ep": "4", "sequence_parallel": "true"})
     found = diags(text)
     line, col = where(text, "ep = 4")
     assert [(m, l, c) for _, m, l, c, _, _ in found] == [
@@ -307,21 +307,76 @@ def test_ep_must_divide_experts():
 
 
 def test_moe_ok_and_expert_dp():
-    cfg, _ = load_spec(spec(model={"experts": "4"}, parallel={"ep": "2", "expert_tp": "1"}))
+    cfg, _ = load_spec(spec(model={"experts": "4"}, parallel={"ep": "2", "expert_tp": "1", "sequence_parallel": "true"}))
     assert cfg.parallel.expert_dp == 2 and cfg.model.top_k == 2
 
 
 def test_top_k_and_dense_layers_bounds():
-    text = spec(model={"experts": "2", "top_k": "3"})
+    text = spec(model={"experts": "2", "top_k": "3"}, parallel={"sequence_parallel": "true"})
     assert one(text, "top_k = 3")[0] == "top_k = 3 exceeds experts = 2"
     text = spec(model={"dense_layers": "5"})
     assert one(text, "dense_layers = 5")[0] == "dense_layers = 5 exceeds layers = 4"
 
 
 def test_expert_tp_must_divide_expert_ffn():
-    text = spec(model={"experts": "2", "expert_ffn_hidden": "33"}, parallel={"expert_tp": "2"})
+    text = spec(model={"experts": "2", "expert_ffn_hidden": "33"}, parallel={"expert_tp": "2", "sequence_parallel": "true"})
     assert one(text, "expert_tp = 2") == ("expert_tp = 2 does not divide expert_ffn_hidden = 33",
                                           "expert_tp may be 1, 3, 11 or 33", None)
+
+
+def test_moe_with_tp_needs_sequence_parallel():
+    text = spec(model={"experts": "4"}, parallel={"ep": "2"})
+    assert one(text, "tp = 2") == (
+        "a mixture-of-experts model with tp = 2 needs sequence_parallel = true",
+        "set sequence_parallel = true in the `parallel` block",
+        "each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
+        "parallelism for MoE with tensor parallelism)")
+    # a rule of the checks table: `check` reports it together with the spec's other errors
+    text = spec(model={"experts": "4"}, parallel={"ep": "2", "global_batch": "10"})
+    found = diags(text)
+    assert [(m, (l, c)) for _, m, l, c, _, _ in found] == [
+        ("a mixture-of-experts model with tp = 2 needs sequence_parallel = true", where(text, "tp = 2")),
+        ("global_batch = 10 is not divisible by micro_batch(2) * dp(2) = 4", where(text, "global_batch = 10")),
+    ]
+    assert diags(spec(model={"experts": "4"}, parallel={"ep": "2", "sequence_parallel": "true"})) == []
+    assert diags(spec(model={"experts": "4"}, parallel={"ep": "2", "tp": "1", "dp": "4"})) == []
+
+
+def test_moe_sequence_parallel_rule_reaches_compile_through_the_checks(monkeypatch):
+    """`parcompile.compile` reports the rule from the checks run, with the spec's other
+    errors in one SpecError, before any pass runs."""
+    import parcompile
+    import parcompile.passes.manager as manager
+
+    monkeypatch.setattr(manager, "lower", lambda *a, **k: pytest.fail("compile lowered a spec with errors"))
+    text = spec(model={"experts": "4"}, parallel={"ep": "2", "global_batch": "10"})
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(text, filename="t.par")
+    assert [d.message for d in e.value.diagnostics] == [
+        "a mixture-of-experts model with tp = 2 needs sequence_parallel = true",
+        "global_batch = 10 is not divisible by micro_batch(2) * dp(2) = 4"]
+
+
+def test_virtual_stages_with_1f1b_or_zero_bubble_come_from_the_checks(monkeypatch):
+    """1f1b and zero_bubble run one model chunk per rank: the checks table says so at
+    `virtual_stages` with a fix, together with the spec's other errors, before the
+    schedule pass (whose own refusal is only an internal assertion) runs."""
+    import parcompile
+    import parcompile.passes.manager as manager
+
+    monkeypatch.setattr(manager, "lower", lambda *a, **k: pytest.fail("compile lowered a spec with errors"))
+    for sched in ("1f1b", "zero_bubble"):
+        text = spec(model={"layers": "8"}, parallel={"virtual_stages": "2", "schedule": sched,
+                                                     "global_batch": "10"})
+        with pytest.raises(SpecError) as e:
+            parcompile.compile(text, filename="t.par")
+        found = [(d.message, (d.span.line, d.span.column), d.help) for d in e.value.diagnostics]
+        assert found == [   # in source order: global_batch is written before virtual_stages
+            ("global_batch = 10 is not divisible by micro_batch(2) * dp(2) = 4", where(text, "global_batch = 10"),
+             "nearest valid global batches: 8 or 12"),
+            (f"virtual_stages = 2 needs schedule = interleaved_1f1b, not {sched}", where(text, "virtual_stages = 2"),
+             "set `schedule = interleaved_1f1b`, or `virtual_stages = 1`"),
+        ]
 
 
 # -- order, train, serve ----------------------------------------------------------------------

@@ -6,11 +6,11 @@ from fractions import Fraction
 
 import pytest
 
-from parcompile.analysis.calibration import (ROWS, cost_without_schedule, layer_activation_bytes, row_config,
-                                             stage_activation_bytes)
+from parcompile.analysis.calibration import ROWS, layer_activation_bytes, row_config, stage_activation_bytes
 from parcompile.analysis.estimate import closed_form_bubble
 from parcompile.analysis.memory import closed_form_in_flight, saved_bytes_per_chunk
 from parcompile.driver import compile_config
+from parcompile.passes.manager import cost_without_schedule
 from tests.plan_factories import run_until, spec, tiny_model
 
 S, B, H, A = 32, 2, 64, 4

@@ -105,6 +105,19 @@ def test_unterminated_string_full_render():
     )
 
 
+
+def test_control_bytes_of_the_source_line_are_not_echoed_to_the_terminal():
+    """A line with terminal escapes (clear screen, set title) is shown with `?` for each
+    control character, one column each, so the caret still points at the error."""
+    with pytest.raises(SpecError) as e:
+        load_spec("model m {\n    x\x1b[2J = \x1b]0;t\x07 1\n}\n", filename="s.par")
+    text = str(e.value)
+    assert not any(ord(ch) < 32 and ch != "\n" for ch in text), repr(text)
+    line, caret = text.split("\n")[1:3]
+    assert line == "    x?[2J = ?]0;t? 1"
+    d = e.value.diagnostics[0]
+    assert caret.index("^") == d.span.column - 1
+
 VALUE_HELP = ('a value is a number, a quantity such as `80 GiB`, `true` or `false`, a word, '
               'a "string" or a [list]')
 SEP_HELP = "write one `key = value` per line, or separate entries with `,`"

@@ -26,9 +26,9 @@ def _outputs(spec: Path) -> dict[str, str]:
     if spec.stem in TRACED:
         out["trace.json"] = plan.trace_json()
     if plan.config.workload == "train":
-        out["program.py"] = render_program(plan.config, plan.data, REPO / "build" / plan.config.name)
+        out["program.py"] = render_program(plan.config, plan, REPO / "build" / plan.config.name)
     else:
-        out["serve.py"] = render_serve(plan.config, plan.data, REPO / "build" / plan.config.name)
+        out["serve.py"] = render_serve(plan.config, plan, REPO / "build" / plan.config.name)
     return out
 
 

@@ -88,10 +88,30 @@ def test_fields_that_cannot_be_mapped_are_errors():
         from_hf_dict({**llama, "attention_bias": True})
     assert from_hf_dict({**llama, "attention_bias": True, "mlp_bias": True})["bias"] is True
     qwen = json.loads((HF / "qwen2-7b.json").read_text())
-    with pytest.raises(HFConfigError, match="`max_window_layers` = 21 of 28 layers cannot be mapped"):
+    with pytest.raises(HFConfigError, match=r"the window on 7 of 28 layers \(`max_window_layers` = 21\) cannot be"):
         from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 21})
-    assert from_hf_dict({**qwen, "use_sliding_window": True, "sliding_window": 4096,
-                         "max_window_layers": 28})["sliding_window"] == 4096
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("layers, extra", [
+    (4, {"max_window_layers": 0}), (4, {"max_window_layers": 4}), (4, {"max_window_layers": 28}), (4, {}),
+    (32, {}), (4, {"max_window_layers": 0, "use_sliding_window": False}),
+    (4, {"layer_types": ["sliding_attention"] * 4}), (4, {"layer_types": ["full_attention"] * 4})])
+def test_qwen_sliding_window_is_on_exactly_where_transformers_puts_it(model_type, layers, extra):
+    """The window of every layer as transformers' own config class decides it (the layers
+    i >= max_window_layers, default 28; or `layer_types`); a mix is refused."""
+    transformers = pytest.importorskip("transformers")
+    raw = {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "use_sliding_window": True,
+           "sliding_window": 16, "head_dim": 16, **extra}
+    kls = transformers.Qwen3Config if model_type == "qwen3" else transformers.Qwen2Config
+    hf = kls(**{k: v for k, v in raw.items() if k != "model_type"})
+    windows = {hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types}
+    if len(windows) > 1:
+        with pytest.raises(HFConfigError, match="cannot be mapped"):
+            from_hf_dict(raw)
+        return
+    assert (from_hf_dict(raw).get("sliding_window") or None) == windows.pop()
 
 
 def test_import_error_is_a_diagnostic_at_the_from(tmp_path):

@@ -3,7 +3,7 @@
 For each family (llama, qwen2 with q/k/v biases and tied embeddings, gpt2 with Conv1D,
 fused c_attn, learned positions and tied head, mistral with a sliding window, gpt_neox
 with per-head interleaved query_key_value, partial rotary and parallel residual, mixtral
-with routed experts): a tiny random transformers model is saved with ``save_pretrained``;
+with routed experts, qwen3 with qk-norm and its own head_dim): a tiny random transformers model is saved with ``save_pretrained``;
 its config.json imported with ``from_hf_dict``; ``load_hf`` fills a single-process
 program whose logits must equal transformers'; ``write_hf_checkpoint`` of that program's
 parameters loads back with ``from_pretrained`` into the same state and logits; a tp = 2
@@ -45,6 +45,8 @@ def _hf_config(family: str):
         return transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}, **llama)
     if family == "mistral":
         return transformers.MistralConfig(**common, **llama, sliding_window=5, head_dim=32)   # heads * head_dim != hidden
+    if family == "qwen3":   # qk-norm (q_norm, k_norm over head_dim); heads * head_dim != hidden
+        return transformers.Qwen3Config(**common, **llama, head_dim=32, use_sliding_window=False)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, **llama, num_local_experts=4, num_experts_per_tok=2,
                                           router_jitter_noise=0.0)
@@ -62,7 +64,7 @@ def _hf_config(family: str):
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral"]
+FAMILIES = ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral", "qwen3"]
 
 
 def _import(cfg: dict) -> dict:
@@ -275,7 +277,7 @@ def test_check_checkpoint_index_missing_file_and_foreign_model_type(llama_dir, t
     d, m = llama_dir
     from safetensors.torch import load_file
 
-    from parcompile.runtime.weights import _hf_files
+    from parcompile.runtime.weights import hf_files
 
     state = {}
     for name, shape in expected_shapes(m).items():
@@ -295,7 +297,7 @@ def test_check_checkpoint_index_missing_file_and_foreign_model_type(llama_dir, t
     text = _messages(check_checkpoint(out, expected_shapes(m), m))
     assert f"names `{files[1]}`, which is not in" in text
     with pytest.raises(WeightsError, match=files[1]):
-        _hf_files(out)
+        hf_files(out)
 
     cfg = json.loads((d / "config.json").read_text())
     bert = tmp_path / "bert"
@@ -382,6 +384,7 @@ def test_read_dcp_global_and_export(tmp_path):
     dict(experts=4, shared_experts=1, dense_layers=1, layers=3),
     dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True, max_positions=32),
     dict(qkv_bias=True, vocab=300),
+    dict(qk_norm=True, head_dim=32),
 ])
 def test_expected_shapes_are_the_programs_parameters(model, tmp_path):
     cfg = tiny_config(model=model)

@@ -81,7 +81,7 @@ def _assert_no_injection(program: str) -> None:
 @pytest.mark.parametrize("name", HOSTILE, ids=range(len(HOSTILE)))
 def test_spec_names_cannot_break_out_of_the_docstring(name, tmp_path):
     plan = parcompile.compile(TINY, filename=f"{name}.par")
-    program = render_program(plan.config, plan.data, tmp_path)
+    program = render_program(plan.config, plan, tmp_path)
     _assert_no_injection(program)
     launch = render_launch(plan.config)
     for line in launch.splitlines()[:4]:  # the comment header stays comment lines
@@ -95,7 +95,7 @@ def test_checkpoint_dir_is_kept_exactly_and_never_run(value, tmp_path):
     text = _spec_text(checkpoint_dir=_par_string(value))
     plan = parcompile.compile(text, filename="t.par")
     assert plan.config.train.checkpoint_dir == value
-    program = render_program(plan.config, plan.data, tmp_path)
+    program = render_program(plan.config, plan, tmp_path)
     _assert_no_injection(program)
     # relative to the program's directory (as every path is), naming the same place
     got = _assigned(program, "TRAIN")["checkpoint_dir"]
@@ -111,7 +111,7 @@ def test_data_paths_are_kept_exactly_and_never_run(value, tmp_path):
     spec.write_text(_spec_text(data=_par_string(value)), encoding="utf-8")
     plan = parcompile.compile(spec)
     out = tmp_path / "build"
-    program = render_program(plan.config, plan.data, out)
+    program = render_program(plan.config, plan, out)
     _assert_no_injection(program)
     assert (out / _assigned(program, "DATA")).resolve() == data.resolve()
 
@@ -123,7 +123,7 @@ def test_path_tricks_in_data_resolve_as_paths(tmp_path):
     spec.write_text(_spec_text(data='"../corpus.txt"'))
     plan = parcompile.compile(spec)
     assert Path(plan.config.train.data).resolve() == (tmp_path / "corpus.txt").resolve()
-    program = render_program(plan.config, plan.data, tmp_path / "out")
+    program = render_program(plan.config, plan, tmp_path / "out")
     _assert_no_injection(program)
     assert _assigned(program, "DATA") == "../corpus.txt"
 

@@ -41,7 +41,7 @@ def test_each_cluster_runs_on_its_accelerator():
     cfg = tiny_config(1, 1, 1)
     from parcompile.driver import compile_config
 
-    program = render_program(cfg, compile_config(cfg).data)
+    program = render_program(cfg, compile_config(cfg))
     assert 'DEVICE = "cpu"' in program and "rt.init_parallel(plan, device=DEVICE)" in program
 
 

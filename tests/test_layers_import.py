@@ -1,13 +1,17 @@
 """The import layers of parcompile (docs/internals.md, "Layers"), read from the source with ``ast``.
 
+- No import cycle anywhere in ``parcompile`` (imports at module level: those a module
+  runs when it is imported).
 - ``parcompile.core`` is the ground floor: it imports only the standard library and itself.
-- ``parcompile.runtime`` does not import ``parcompile.analysis`` (generated programs import
-  the runtime; the compiler's analyses must not come with it). Not true yet (issue 17):
-  the known offenders are listed, a new one fails, and the strict xfail turns red once
-  they are gone so the mark is removed.
+- ``parcompile.runtime`` (what generated programs import) imports only ``parcompile.core``,
+  itself, torch and the third-party libraries of :data:`RUNTIME_THIRD_PARTY`: never the
+  compiler (``parcompile.analysis``, ``parcompile.config``, pydantic, ...); importing it
+  loads none of them.
+- :data:`MAY_NOT_IMPORT`: arrows that must not exist (one row per rule).
 
-Every import counts, at module level or inside a function, ``from x import y`` and
-``import x`` alike, relative ones resolved against the module's package.
+Every import counts for the layer rules, at module level or inside a function, ``from x
+import y`` and ``import x`` alike, relative ones resolved against the module's package.
+To add a rule, add a row to :data:`MAY_IMPORT` or :data:`MAY_NOT_IMPORT`.
 """
 
 from __future__ import annotations
@@ -23,12 +27,21 @@ PKG = Path(__file__).resolve().parents[1] / "parcompile"
 #: third-party packages the ground floor must never import (also caught as non-stdlib)
 FORBIDDEN = {"torch", "pydantic", "networkx", "lark", "jinja2", "numpy"}
 
-#: runtime modules that import parcompile.analysis today (issue 17: to be removed)
-RUNTIME_IMPORTS_ANALYSIS = {
-    "parcompile/runtime/buckets.py": {"parcompile.analysis.buckets"},   # partition, GradUnit, unit_order_key
-    "parcompile/runtime/train.py": {"parcompile.analysis.buckets"},     # reshard_after_forward
-    "parcompile/runtime/zero.py": {"parcompile.analysis.buckets"},      # bucket_positions, needed_in_backward, ...
+#: per package: the parcompile packages it may import (any other parcompile import fails)
+MAY_IMPORT = {
+    "parcompile.core": ("parcompile.core",),
+    "parcompile.runtime": ("parcompile.core", "parcompile.runtime"),
 }
+#: (importer, imported) package pairs that must not be imported, even inside a function
+MAY_NOT_IMPORT: list[tuple[str, str]] = [
+]
+#: modules of import cycles hidden by a function-level import that are tolerated: none
+#: (the driver calls the search; both run the passes through parcompile/passes/manager.py)
+KNOWN_HIDDEN_CYCLE_MODULES: set[str] = set()
+#: private names (``_x``) imported from another module that are tolerated: none
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
+#: third-party packages the runtime may import (at run time: torch and its helpers)
+RUNTIME_THIRD_PARTY = {"torch", "torch_npu", "numpy", "safetensors", "tokenizers", "jinja2", "pyarrow", "tqdm"}
 
 
 def _module_name(path: Path, root: Path = PKG.parent) -> str:
@@ -37,14 +50,17 @@ def _module_name(path: Path, root: Path = PKG.parent) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, root: Path = PKG.parent) -> set[str]:
+def imports_of(path: Path, root: Path = PKG.parent, module_level: bool = False) -> set[str]:
     """Every module ``path`` (under ``root``, the folder holding ``parcompile``) imports:
-    ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (c may be a module)."""
+    ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (c may be a module). With
+    ``module_level``, only the imports run when the module is imported (not those inside
+    a function, nor under ``if TYPE_CHECKING``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(tree):
+    nodes = _module_level_nodes(tree) if module_level else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -59,6 +75,29 @@ def imports_of(path: Path, root: Path = PKG.parent) -> set[str]:
             out.add(mod)
             out.update(f"{mod}.{a.name}" for a in node.names if a.name != "*")
     return out
+
+
+def _module_level_nodes(tree: ast.Module):
+    """The statements a module runs on import: its body, into ``if``/``try``/``with``
+    blocks, not into functions or classes' methods; ``if TYPE_CHECKING:`` is skipped."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If):
+            test = node.test
+            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+                todo.extend(node.orelse)
+                continue
+            todo.extend(node.body + node.orelse)
+        elif isinstance(node, (ast.Try, ast.With)):
+            for part in ("body", "orelse", "finalbody", "handlers"):
+                todo.extend(getattr(node, part, []))
+        elif isinstance(node, ast.ExceptHandler):
+            todo.extend(node.body)
+        elif isinstance(node, ast.ClassDef):
+            todo.extend(n for n in node.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
 def _modules(sub: str) -> list[Path]:
@@ -107,27 +146,172 @@ def test_core_loads_without_third_party_packages():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def _runtime_analysis_imports() -> dict[str, set[str]]:
-    got = {}
-    for path in _modules("runtime"):
-        mods = {m for m in imports_of(path)
-                if m == "parcompile.analysis" or m.startswith("parcompile.analysis.")}
-        # ``from parcompile.analysis.buckets import x`` also yields ``...buckets.x``: keep modules
-        mods = {m for m in mods if not any(m.startswith(o + ".") for o in mods)}
-        if mods:
-            got[_rel(path)] = mods
-    return got
+def _package_modules() -> dict[str, Path]:
+    """Every module of parcompile by dotted name."""
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def test_runtime_imports_of_analysis_are_only_the_known_ones():
-    got = _runtime_analysis_imports()
-    new = {f: m - RUNTIME_IMPORTS_ANALYSIS.get(f, set()) for f, m in got.items()}
-    new = {f: m for f, m in new.items() if m}
-    assert not new, f"new imports of parcompile.analysis in the runtime: {new}"
+def import_graph(module_level: bool = True) -> dict[str, set[str]]:
+    """module -> the parcompile modules it imports (``from a import b`` with b a module:
+    ``a.b``; else ``a``). A package's ``__init__`` run before a submodule is not an edge."""
+    mods = _package_modules()
+    graph = {}
+    for name, path in mods.items():
+        got = {m for m in imports_of(path, module_level=module_level) if m in mods}
+        # ``from a.b import c`` yields a.b and a.b.c: when c is a module keep only a.b.c
+        # (the package a.b then counts only if something else is taken from it)
+        graph[name] = {m for m in got if m != name and not (
+            any(o.startswith(m + ".") and o.rpartition(".")[0] == m for o in got) and _only_modules_from(path, m, mods))}
+    return graph
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: runtime/buckets.py, runtime/train.py and runtime/zero.py "
-                                       "import parcompile.analysis.buckets (the bucket rules belong in "
-                                       "parcompile.core)")
+def _only_modules_from(path: Path, package: str, mods: dict[str, Path]) -> bool:
+    """True when every ``from package import x`` of ``path`` names a submodule."""
+    tree = ast.parse(path.read_text())
+    name = _module_name(path)
+    own = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = own.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod == package and any(f"{mod}.{a.name}" not in mods for a in node.names):
+                return False
+        elif isinstance(node, ast.Import) and any(a.name == package for a in node.names):
+            return False
+    return True
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_find_cycles_finds_one():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(g) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_graph_reads_module_level_only(tmp_path, monkeypatch):
+    pkg = tmp_path / "parcompile"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "sub/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "sub" / "a.py").write_text("from parcompile.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from parcompile.sub import a\n")
+    assert imports_of(pkg / "sub" / "b.py", root=tmp_path, module_level=True) == set()
+    assert "parcompile.sub.a" in imports_of(pkg / "sub" / "b.py", root=tmp_path)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, f"import cycles (module level) in parcompile: {cycles}"
+
+
+def test_no_cycles_hidden_in_functions():
+    """Counting the imports inside functions too: no cycle but among the known modules."""
+    cycles = find_cycles(import_graph(module_level=False))
+    new = [c for c in cycles if not set(c) <= KNOWN_HIDDEN_CYCLE_MODULES]
+    assert not new, f"import cycles through function-level imports: {new}"
+
+
+def test_no_private_names_across_modules():
+    """No ``from parcompile.x import _name`` (dunders aside) but the known ones."""
+    found = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for mod in imports_of(path):
+            last = mod.rpartition(".")[2]
+            if mod.startswith("parcompile.") and last.startswith("_") and not last.startswith("__"):
+                found.add((_rel(path), mod))
+    assert found == KNOWN_PRIVATE_IMPORTS, (f"new: {sorted(found - KNOWN_PRIVATE_IMPORTS)}, "
+                                            f"gone (remove from KNOWN_PRIVATE_IMPORTS): {sorted(KNOWN_PRIVATE_IMPORTS - found)}")
+
+
+def _bad_imports(package: str, allowed_parcompile: tuple[str, ...], third_party: set[str]) -> dict[str, set[str]]:
+    bad = {}
+    for path in _modules(package.split(".", 1)[1].replace(".", "/")):
+        for mod in imports_of(path):
+            top = mod.split(".")[0]
+            if top == "parcompile":
+                ok = mod == "parcompile" or any(mod == a or mod.startswith(a + ".") for a in allowed_parcompile)
+            else:
+                ok = (top in sys.stdlib_module_names or top in third_party) and top not in (FORBIDDEN - third_party)
+            if not ok:
+                bad.setdefault(_rel(path), set()).add(mod)
+    return bad
+
+
+def test_runtime_imports_only_core_runtime_and_its_libraries():
+    bad = _bad_imports("parcompile.runtime", MAY_IMPORT["parcompile.runtime"], RUNTIME_THIRD_PARTY)
+    assert not bad, ("parcompile.runtime may import only parcompile.core, itself, the standard library and "
+                     f"{sorted(RUNTIME_THIRD_PARTY)}: {bad}")
+
+
 def test_runtime_does_not_import_analysis():
-    assert _runtime_analysis_imports() == {}
+    got = {_rel(p): {m for m in imports_of(p) if m.startswith("parcompile.analysis")} for p in _modules("runtime")}
+    assert not {f: m for f, m in got.items() if m}
+
+
+def test_layer_rules():
+    """Every row of :data:`MAY_IMPORT` (besides core and runtime, tested above with their
+    third-party rules) and :data:`MAY_NOT_IMPORT`."""
+    bad = {}
+    for package, allowed in MAY_IMPORT.items():
+        for path in _modules(package.split(".", 1)[1].replace(".", "/")):
+            for mod in imports_of(path):
+                if mod.startswith("parcompile.") and not any(mod == a or mod.startswith(a + ".") for a in allowed):
+                    bad.setdefault(_rel(path), set()).add(mod)
+    for importer, imported in MAY_NOT_IMPORT:
+        for path in _modules(importer.split(".", 1)[1].replace(".", "/")):
+            for mod in imports_of(path):
+                if mod == imported or mod.startswith(imported + "."):
+                    bad.setdefault(_rel(path), set()).add(mod)
+    assert not bad, f"imports across the layers: {bad}"
+
+
+def test_runtime_loads_no_compiler_module():
+    """A fresh interpreter importing the runtime (as every generated program does) loads
+    neither pydantic nor any compiler module."""
+    compiler = ("parcompile.analysis", "parcompile.config", "parcompile.passes", "parcompile.ir",
+                "parcompile.search", "parcompile.driver", "parcompile.frontend", "parcompile.codegen")
+    code = ("import sys\nimport parcompile.runtime\nfrom parcompile import runtime as rt\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'networkx', 'lark') "
+            f"or m.startswith({compiler!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -6,11 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pytest
 import torch
 
 import parcompile
-from parcompile.diagnostics import SpecError
 from parcompile.driver import compile_config
 from parcompile.runtime.moe import load_balancing_loss, route
 from tests.program_utils import tiny_config
@@ -63,9 +61,15 @@ def test_expert_states_sharded_over_expert_dp():
 
 
 def test_moe_with_tp_needs_sequence_parallel():
+    # a rule of the checks table (parcompile.config.checks): `check`, compile and the search see it
+    from parcompile.search import check_layout
+
     cfg = tiny_config(1, 2, 1, model=dict(experts=4), parallel=dict(ep=2))
-    with pytest.raises(SpecError, match="sequence_parallel"):
-        compile_config(cfg)
+    errors = [d.message for d in check_layout(cfg) if d.severity == "error"]
+    assert "a mixture-of-experts model with tp = 2 needs sequence_parallel = true" in errors
+    ok = tiny_config(1, 2, 1, model=dict(experts=4), parallel=dict(ep=2, sequence_parallel=True))
+    assert "a mixture-of-experts model with tp = 2 needs sequence_parallel = true" not in \
+        [d.message for d in check_layout(ok)]
 
 
 def test_router_top_k_and_load_balancing_loss():

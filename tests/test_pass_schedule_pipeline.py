@@ -1,5 +1,7 @@
 import pytest
 
+from parcompile.analysis.estimate import chunk_times, efficiency
+from parcompile.core.groups import rank_groups
 from parcompile.diagnostics import SpecError
 from parcompile.passes.schedule_pipeline import ScheduleError, build_actions, simulate
 from tests.plan_factories import run_until, spec, tiny_model
@@ -64,12 +66,38 @@ def test_deadlock_and_missing_dependencies_are_reported():
 
 
 def test_pass_stores_schedule_from_the_cost_model():
+    """One compute-time model (issue 17): the schedule's chunk times are the estimate's,
+    here derived from the chunk's FLOPs and bytes by hand (tp = 1: no collective on a chunk,
+    no recomputation)."""
     cfg = spec(pp=2, global_batch=4)
     g, _ = run_until(cfg, "schedule-pipeline")
     s = g.meta["schedule"]
     assert s.num_microbatches == 4 and len(s.actions) == 2
-    assert all(b == pytest.approx(2 * f) for f, b in zip(s.fwd_time, s.bwd_time))
+    comp, cl, eff = g.meta["compute"], cfg.cluster, efficiency(cfg.cluster)
+    for k in range(2):
+        mm = comp.chunk_fwd_flops[k] / (eff.matmul * cl.peak_flops)    # matmuls at the achieved peak
+        mem = comp.chunk_fwd_traffic[k] / (eff.memory * cl.hbm_bw)    # memory-bound kernels
+        assert mm > 0 and mem > 0
+        assert s.fwd_time[k] == pytest.approx(mm + mem, rel=1e-12)
+        assert s.bwd_time[k] == pytest.approx(2 * mm + 1.5 * mem, rel=1e-12)   # backward traffic 3 tensors / 2
+        assert s.wgrad_time[k] == pytest.approx(mm, rel=1e-12)
     assert s.in_flight == [2, 1]
+
+
+def test_zero_bubble_is_ordered_by_the_estimates_chunk_times():
+    """The compiled zero-bubble order is the one the estimate's chunk times give (what the
+    search simulates), not one of a second time model: rebuilt here from chunk_times."""
+    cfg = spec(tiny_model(layers=8), pp=4, tp=2, global_batch=16, schedule="zero_bubble")
+    g, ctx = run_until(cfg, "schedule-pipeline")
+    s = g.meta["schedule"]
+    ct = chunk_times(cfg, ctx.degrees, rank_groups(cfg.parallel), g.meta["compute"], g.meta["comm"])
+    f = [ct.matmul_f[k] + ct.memory_f[k] + sum(c[k] for c in ct.comm_f.values()) for k in range(4)]
+    w = list(ct.matmul_f)
+    b = [2 * ct.matmul_f[k] + 1.5 * ct.memory_f[k] + ct.recompute[k] + sum(c[k] for c in ct.comm_b.values())
+         for k in range(4)]
+    assert any(c[0] > 0 for c in ct.comm_f.values())   # tp = 2: the collectives are in the times
+    assert list(s.fwd_time) == pytest.approx(f) and list(s.bwd_time) == pytest.approx(b)
+    assert s.actions == build_actions("zero_bubble", 4, 16, times=(f, [bi - wi for bi, wi in zip(b, w)], w))
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 2), (4, 2, 4)])

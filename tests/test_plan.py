@@ -107,7 +107,7 @@ def test_large_plans_compile(model, nodes, par):
 def test_a_crash_inside_a_pass_names_the_pass_and_op():
     from dataclasses import dataclass
 
-    from parcompile.driver import run_pass
+    from parcompile.passes.manager import run_pass
     from parcompile.ir.lower import lower
     from parcompile.passes.base import PassContext, PassError
 

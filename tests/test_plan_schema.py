@@ -104,6 +104,33 @@ def test_example_validates(name, plan_jsons):
     assert schema_errors(schema, data) == []
 
 
+def test_searched_plan_validates():
+    """A spec with `auto` layout keys: plan.json's `search` section is part of the schema."""
+    text = (REPO / "examples" / "tiny.par").read_text()
+    assert "    tp = 2\n" in text
+    plan = parcompile.compile(text.replace("    tp = 2\n", "    tp = auto\n"), filename="tiny.par")
+    data = json.loads(plan.to_json())
+    assert set(data["search"]) == {"auto", "chosen", "enumerated", "valid", "fitting"}
+    assert data["search"]["auto"] == sorted(plan.config.parallel.auto) and "tp" in data["search"]["auto"]
+    assert data["search"]["valid"] <= data["search"]["enumerated"]
+    assert validate_plan(data).search is not None
+    assert schema_errors(json.loads(SCHEMA_FILE.read_text()), data) == []
+
+
+def test_plan_data_is_the_models_dump():
+    """The driver builds plan.json through the models (parcompile.driver.plan_data): a key
+    outside them fails there; its data round-trips through them unchanged, in order."""
+    from parcompile.plan_schema import plan_dict
+
+    plan = parcompile.compile(REPO / "examples" / "tiny.par")
+    again = plan_dict(validate_plan(plan.data),
+                      {("comm", "per_step"): list(plan.data["comm"]["per_step"]),
+                       ("estimate", "breakdown"): list(plan.data["estimate"]["breakdown"])})
+    assert again == plan.data and list(again) == list(plan.data)
+    assert list(plan.data["comm"]["per_step"]) == ["tp", "cp", "ep", "dp", "pp"]   # the analysis's order
+    assert "serve" not in plan.data and "search" not in plan.data   # unset sections are left out
+
+
 def test_schema_rejects_wrong_plans(plan_jsons):
     schema = json.loads(SCHEMA_FILE.read_text())
     good = plan_jsons["tiny"]

@@ -50,6 +50,27 @@ def _compare(model, hf, vocab: int):
     assert ref.std() > 1e-3
 
 
+def _llama_state(sd: dict, m, qk_norm: bool = False) -> dict:
+    """Our parameter names for a transformers Llama-style ``state_dict`` (written out here,
+    independently of parcompile's own mapping), the vocabulary padded with zero rows."""
+    padded = m.padded_vocab(1)
+
+    def pad(w):
+        return torch.cat([w, torch.zeros(padded - w.shape[0], w.shape[1])])
+
+    names = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+             "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+             "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj"}
+    if qk_norm:
+        names.update({"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"})
+    state = {"embedding.weight": pad(sd["model.embed_tokens.weight"]), "lm_head.weight": pad(sd["lm_head.weight"]),
+             "final_norm.weight": sd["model.norm.weight"]}
+    for i in range(m.layers):
+        state.update({f"layers.{i}.{ours}.weight": sd[f"model.layers.{i}.{theirs}.weight"]
+                      for ours, theirs in names.items()})
+    return state
+
+
 def test_llama_style_matches_transformers(tmp_path):
     cfg = tiny_config(model=dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=300,
                                  norm="rmsnorm", activation="swiglu", position="rope", rope_theta=500000.0,
@@ -69,28 +90,8 @@ def test_llama_style_matches_transformers(tmp_path):
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
     sd = hf.state_dict()
-    padded = m.padded_vocab(1)
-    assert padded > m.vocab  # 300 -> 384: the test covers vocabulary padding too
-
-    def pad(w):
-        return torch.cat([w, torch.zeros(padded - w.shape[0], w.shape[1])])
-
-    state = {"embedding.weight": pad(sd["model.embed_tokens.weight"]), "lm_head.weight": pad(sd["lm_head.weight"]),
-             "final_norm.weight": sd["model.norm.weight"]}
-    for i in range(m.layers):
-        h = f"model.layers.{i}."
-        state.update({
-            f"layers.{i}.attn_norm.weight": sd[h + "input_layernorm.weight"],
-            f"layers.{i}.attn.wq.weight": sd[h + "self_attn.q_proj.weight"],
-            f"layers.{i}.attn.wk.weight": sd[h + "self_attn.k_proj.weight"],
-            f"layers.{i}.attn.wv.weight": sd[h + "self_attn.v_proj.weight"],
-            f"layers.{i}.attn.wo.weight": sd[h + "self_attn.o_proj.weight"],
-            f"layers.{i}.mlp_norm.weight": sd[h + "post_attention_layernorm.weight"],
-            f"layers.{i}.mlp.w1.weight": sd[h + "mlp.gate_proj.weight"],
-            f"layers.{i}.mlp.w3.weight": sd[h + "mlp.up_proj.weight"],
-            f"layers.{i}.mlp.w2.weight": sd[h + "mlp.down_proj.weight"],
-        })
-    model = _ours(cfg, tmp_path, state)
+    assert m.padded_vocab(1) > m.vocab  # 300 -> 384: the test covers vocabulary padding too
+    model = _ours(cfg, tmp_path, _llama_state(sd, m))
     _compare(model, hf, m.vocab)
 
 
@@ -133,4 +134,43 @@ def test_gpt2_style_matches_transformers(tmp_path):
             f"layers.{i}.mlp.w2.bias": sd[p + "mlp.c_proj.bias"],
         })
     model = _ours(cfg, tmp_path, state)
+    _compare(model, hf, m.vocab)
+
+
+def _qwen3(m, seed: int = 7):
+    """transformers' Qwen3ForCausalLM of the tiny model ``m`` (fp32, eager attention),
+    every norm weight (the per-head q_norm and k_norm included) drawn away from 1."""
+    hcfg = transformers.Qwen3Config(
+        vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.ffn_hidden, num_hidden_layers=m.layers,
+        num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim,
+        max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_parameters={"rope_theta": m.rope_theta, "rope_type": "default"},
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+    )
+    hcfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3ForCausalLM(hcfg).float()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return hf
+
+
+def test_qwen3_qk_norm_matches_transformers(tmp_path):
+    """qk-norm (issue 17's added op): Qwen3's per-head RMSNorm of q and k before RoPE, with
+    a head_dim that is not hidden / heads (Qwen3's own head_dim key); logits, loss and the
+    plan's parameter count against transformers' Qwen3ForCausalLM."""
+    from parcompile.driver import compile_config
+
+    cfg = tiny_config(model=dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn_hidden=96, vocab=300,
+                                 norm="rmsnorm", activation="swiglu", position="rope", rope_theta=1e6,
+                                 norm_eps=1e-6, qk_norm=True))
+    m = cfg.model
+    hf = _qwen3(m)
+    sd = hf.state_dict()
+    assert sd["model.layers.0.self_attn.q_norm.weight"].shape == (m.head_dim,)
+    # parameters: transformers' count (2 * head_dim per layer for qk-norm)
+    assert compile_config(cfg).data["model"]["params"] == sum(p.numel() for p in hf.parameters())
+    model = _ours(cfg, tmp_path, _llama_state(sd, m, qk_norm=True))
     _compare(model, hf, m.vocab)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import parcompile
-from parcompile.analysis.calibration import cost_without_schedule
 from parcompile.cli import main
 from parcompile.driver import compile_config
+from parcompile.passes.manager import cost_without_schedule
 from parcompile.frontend import load_spec
 from parcompile.search import Coster, check_layout, search, with_parallel
 
@@ -215,11 +215,14 @@ def test_each_bound_is_below_what_it_bounds(text, every, unfit):
         closed = coster._split_floors(par, splits, False)
         sim = coster._split_floors(par, splits, True)
         span = coster.span_floor(par)
+        layout = coster.layout_floor(par)   # the pipeline and what the step adds, whatever the split
+        family = coster.family_layout_floor(par)   # the same from another family's probe
+        assert span <= layout and family <= layout * (1 + 1e-9)
         for counts, fc, fs in zip(splits, closed, sim):
             sub = with_parallel(rcfg, par.model_copy(update={"stage_layers": counts}))
             exact = coster.cost(sub, with_memory=True)   # timed whether it fits or not
             simulated = coster.cost(sub, simulate=True, with_memory=True)
-            assert span <= exact.step_time and fc <= exact.step_time
+            assert span <= exact.step_time and fc <= exact.step_time and max(family, layout) <= exact.step_time
             ct3, links, tkey = coster._chunk_times3(pr, par)
             ct, _span, _parts = coster._pipeline(sub, pr, ct3, tkey, counts)
             deg = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
@@ -268,7 +271,7 @@ def test_probe_parameters_depend_on_tp_only():
 
 def test_step_rows_are_the_collective_entries_fields():
     """`search._Step` is a speed copy of `analysis.comm.CollectiveEntry` (the fields the
-    estimate's `_dp_exposed` reads): pinned to the original, field for field, and to its
+    estimate's `dp_exposed` reads): pinned to the original, field for field, and to its
     rows for a real layout."""
     import dataclasses
 
@@ -289,3 +292,18 @@ def test_step_rows_are_the_collective_entries_fields():
     want = [(op, axis, nb, count, where, s, "step") for s, _k, op, axis, nb, where, count in
             step_collectives(cfg, deg, sps)]
     assert [tuple(r) for r in _step_entries(cfg, deg, sps)] == want
+
+
+def test_split_text_one_run_length_form_for_the_note_and_the_layout_line():
+    """An uneven split prints as runs: in the note's words and, compact, in the one-line
+    layout (`Candidate.degrees_text`), both from `split_text`."""
+    from parcompile.config.schema import ParallelConfig
+    from parcompile.search import Candidate, split_text
+
+    meta = (7,) + (8,) * 14 + (7,)
+    assert split_text(meta) == "7, 8 (14 chunks), 7"
+    assert split_text(meta, compact=True) == "7/8x14/7"
+    assert split_text((2, 2, 2, 1), compact=True) == "2/2/2/1"   # runs of three or fewer stay written out
+    par = ParallelConfig(tp=8, pp=16, dp=128, global_batch=2048, stage_layers=meta)
+    text = Candidate(par, 1.0, 0.5, 100.0, 1, 2, 0.1, {}).degrees_text()
+    assert text.split()[-1] == "split=7/8x14/7"

@@ -16,15 +16,15 @@ from collections import Counter
 import pytest
 
 import parcompile
-from parcompile.analysis.calibration import cost_without_schedule
 from parcompile.analysis.memory import saved_bytes_per_chunk
 from parcompile.diagnostics import SpecError
 from parcompile.driver import compile_config
+from parcompile.passes.manager import cost_without_schedule
 from parcompile.frontend import load_spec
 from parcompile.ir.ops import convert
 from parcompile.ir.types import Dim, Sharding, ShardingError, TensorType
 from parcompile.search import Coster, check_layout, search, with_parallel
-from parcompile.verify import verify
+from tests.verify_batch import result_of, verify_fixture
 from tests.plan_factories import run_until, spec, tiny_model
 from tests.program_utils import tiny_config
 
@@ -251,15 +251,23 @@ train { optimizer = adamw, lr = 3e-4, steps = 100 }
 
 # ------------------------------------------------------------------ the program (one launch)
 
+def _build(test: str, case: str) -> tuple:
+    assert case == "cp2_tp2_sp_learned_tied"
+    return tiny_config(1, 2, 1, model=dict(norm="layernorm", activation="gelu", position="learned", bias=True,
+                                           tie_embeddings=True),
+                       parallel=dict(cp=2, sequence_parallel=True)), "fp32"
+
+
+verified = verify_fixture(__name__, _build)   # one launch with the other verify cases of 4 ranks
+
+
 @pytest.mark.torchrun
-def test_sp_with_cp2_tp2_matches_the_single_process_reference(tmp_path):
+@pytest.mark.parametrize("case", ["cp2_tp2_sp_learned_tied"])
+def test_sp_with_cp2_tp2_matches_the_single_process_reference(case, verified, request):
     """cp = 2, tp = 2, sequence parallel, learned positions (each rank adds its own
     s/(cp*tp) positions) and tied embeddings: losses, gradients, weights, collectives
     (exact bytes) and activations per layer as the plan says."""
-    cfg = tiny_config(1, 2, 1, model=dict(norm="layernorm", activation="gelu", position="learned", bias=True,
-                                          tie_embeddings=True),
-                      parallel=dict(cp=2, sequence_parallel=True))
-    result = verify(cfg, steps=3, workdir=tmp_path)
+    result = result_of(verified, request, case)
     print(result.table())
     assert result.ok, result.table()
     names = [c.what for c in result.checks]

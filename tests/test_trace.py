@@ -24,10 +24,13 @@ def test_trace_follows_the_planned_actions(schedule, v):
         ran = sorted((e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == r and e["tid"] == 0),
                      key=lambda e: e["ts"])
         assert [(e["args"]["op"], e["args"]["microbatch"], e["args"]["chunk"]) for e in ran] == planned
-        for e in ran:   # forwards last as long as the cost model says
+        for e in ran:   # forwards and weight gradients last as long as the cost model says
+            k = e["args"]["chunk"] * 2 + r
             if e["args"]["op"] == "forward":
-                k = e["args"]["chunk"] * 2 + r
                 assert e["dur"] == pytest.approx(sched.fwd_time[k] * 1e6, abs=1e-3)
+            elif e["args"]["op"] == "backward_weight":
+                assert sched.wgrad_time[k] < sched.fwd_time[k]   # the matmuls only, not the memory-bound kernels
+                assert e["dur"] == pytest.approx(sched.wgrad_time[k] * 1e6, abs=1e-3)
         starts = [e["ts"] for e in ran]
         ends = [e["ts"] + e["dur"] for e in ran]
         assert all(s >= prev - 1e-3 for s, prev in zip(starts[1:], ends)), "compute overlaps on one rank"

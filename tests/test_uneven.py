@@ -16,7 +16,7 @@ from parcompile.config.text import even_split
 from parcompile.frontend import load_spec
 from parcompile.passes.split_pipeline_stages import candidate_splits
 from parcompile.search import search
-from parcompile.verify import verify
+from tests.verify_batch import result_of, verify_fixture
 
 LLAMA_405B = """
 model m from "llama3.1-405b" { seq_len = 8192 }
@@ -139,10 +139,7 @@ def test_search_considers_uneven_splits_and_costs_them_as_the_compiler_does():
         assert plan.data["estimate"]["step_time"] == pytest.approx(c.step_time, rel=1e-9)
 
 
-@pytest.mark.torchrun
-def test_verify_passes_with_an_automatic_uneven_split(tmp_path):
-    """The issue's case: 7 layers, pp 2, virtual stages 2 (4 model chunks), no stage_layers."""
-    src = """
+SEVEN_LAYERS = """
 model tiny {
     layers = 7, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128, vocab = 256
     seq_len = 16, dtype = fp32
@@ -157,10 +154,24 @@ parallel {
 }
 train { optimizer = adamw, steps = 3, lr = 1e-2 }
 """
-    plan = parcompile.compile(src)
+
+
+def _build(test: str, case: str) -> tuple:
+    assert case == "7_layers_pp2_v2"
+    return parcompile.compile(SEVEN_LAYERS).config, "fp32"
+
+
+verified = verify_fixture(__name__, _build)   # one launch with the other verify cases of 4 ranks
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", ["7_layers_pp2_v2"])
+def test_verify_passes_with_an_automatic_uneven_split(case, verified, request):
+    """The issue's case: 7 layers, pp 2, virtual stages 2 (4 model chunks), no stage_layers."""
+    plan = parcompile.compile(SEVEN_LAYERS)
     split = plan.config.parallel.stage_layers          # model order
     assert sum(split) == 7 and len(split) == 4 and len(_notes(plan)) == 1
-    result = verify(plan.config, steps=3, workdir=tmp_path)
+    result = result_of(verified, request, case)
     print(result.table())
     assert result.ok, result.table()
     assert result.mini.model.layers == 7   # 1 layer for the smallest chunk, 2 for the others

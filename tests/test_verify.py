@@ -2,19 +2,20 @@
 single-process reference computes (losses, first-step gradients, final weights), and its
 measured parameters per rank and collectives per step equal the plan's.
 
-Each case is one torchrun launch (2 to 8 processes, 10-30 s on 2 cores).
+The cases of one world size share one torchrun launch (``verify.verify_many``; a launch of
+2 to 8 processes costs 10-30 s to start on 2 cores).
 """
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from parcompile.verify import Tolerances, compare, miniature, reference, verify
+from parcompile.verify import Tolerances, compare, miniature, reference
 from tests.program_utils import tiny_config
+from tests.verify_batch import result_of, verify_fixture
 
 CASES = {
     "dp2": dict(dp=2),
@@ -64,6 +65,10 @@ CASES = {
                                                                        dense_layers=1), parallel=dict(ep=2)),
     "moe_dp4_ep2_expert_tp2": dict(dp=4, model=dict(experts=4, top_k=2), parallel=dict(ep=2, expert_tp=2)),
     "moe_dp4_ep2_zero1": dict(dp=4, model=dict(experts=4, top_k=2), parallel=dict(ep=2, zero=1)),
+    # issue 17: qk-norm (Qwen3): a per-head RMSNorm whose replicated weight's gradient sums over tp
+    "tp2_pp2_qk_norm": dict(tp=2, pp=2, model=dict(qk_norm=True)),
+    "tp2_sequence_parallel_qk_norm": dict(tp=2, model=dict(qk_norm=True), parallel=dict(sequence_parallel=True)),
+    "dp2_tp2_zero1_qk_norm": dict(dp=2, tp=2, model=dict(qk_norm=True), parallel=dict(zero=1)),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),
@@ -82,25 +87,29 @@ MIXED_CASES = {
 }
 
 
+def _build(test: str, case: str) -> tuple:
+    kw = dict((MIXED_CASES if test.startswith("test_mixed") else CASES)[case])
+    dtype = kw.pop("dtype", "fp32")
+    return tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw), dtype
+
+
+verified = verify_fixture(__name__, _build)
+
+
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", sorted(MIXED_CASES))
-def test_mixed_precision_layout_matches_single_process(case, tmp_path):
-    kw = dict(MIXED_CASES[case])
-    dtype = kw.pop("dtype")
-    cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
-    result = verify(cfg, steps=3, workdir=tmp_path, dtype=dtype)
+def test_mixed_precision_layout_matches_single_process(case, verified, request):
+    result = result_of(verified, request, case)
     print(result.table())
     assert result.ok, result.table()
-    assert result.mini.model.dtype == dtype
+    assert result.mini.model.dtype == MIXED_CASES[case]["dtype"]
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_layout_matches_single_process(case, tmp_path):
-    kw = dict(CASES[case])
-    cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
-    assert cfg.parallel.world_size <= 8
-    result = verify(cfg, steps=3, workdir=tmp_path)
+def test_layout_matches_single_process(case, verified, request):
+    result = result_of(verified, request, case)
+    assert result.mini.parallel.world_size <= 8
     print(result.table())
     assert result.ok, result.table()
     assert len(result.losses) == 3

@@ -4,8 +4,8 @@ reference computes, runs exactly the plan's per-bucket collectives and holds exa
 plan's state bytes (ZeRO: sharded per bucket); and buckets really are launched while the
 backward runs.
 
-Each case is one torchrun launch (2 to 8 processes); the cases combine features so that
-few launches cover: dp2 zero 0 (overlap), dp2 x tp2 x pp2 1f1b zero 1 with sequence
+The cases of one world size share one torchrun launch (``verify.verify_many``); they
+combine features to cover: dp2 zero 0 (overlap), dp2 x tp2 x pp2 1f1b zero 1 with sequence
 parallelism, tied embeddings and learned positions, dp2 x tp2 zero 3 tied (pp = 1),
 zero-bubble with pp = 2 (zero 2, tied; once per step) and pp = 1 (tied: one weight with a
 B and a W gradient), an MoE interleaved pipeline whose expert buckets shard over
@@ -15,14 +15,10 @@ bucket reduce-scattered in each micro-batch's backward, two buckets in flight at
 
 from __future__ import annotations
 
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from parcompile.verify import Tolerances, _emit, _run_reference, _run_torchrun, compare, miniature, reference
 from tests.program_utils import tiny_config
+from tests.verify_batch import result_of, verify_fixture
 
 BUCKET = 16 * 1024
 
@@ -49,27 +45,20 @@ CASES = {
 }
 
 
-def run_case(case: str, workdir: Path):
-    """``parcompile verify`` of the case, keeping the run's per-rank records."""
+def _build(test: str, case: str) -> tuple:
     kw = dict(CASES[case])
     par = dict(kw.pop("parallel", {}), bucket_size=BUCKET)
-    cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), parallel=par, **kw)
-    mini = miniature(cfg, 3)
-    with tempfile.TemporaryDirectory(prefix="buckets-", dir=workdir) as tmp:
-        root = Path(tmp)
-        _emit(reference(mini), root / "reference")
-        plan = _emit(mini, root / "mini")
-        _run_reference(root / "reference", root / "reference" / "metrics", 3)
-        _run_torchrun(root / "mini", root / "mini" / "metrics", mini.parallel.world_size, 3, 900.0, None)
-        result = compare(root / "reference" / "metrics", root / "mini" / "metrics", plan, mini, Tolerances())
-        records = [json.loads(f.read_text()) for f in sorted((root / "mini" / "metrics").glob("rank*.json"))]
-    return result, plan, records
+    return tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), parallel=par, **kw), "fp32"
+
+
+verified = verify_fixture(__name__, _build)
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bucketed_layout_matches_single_process(case, tmp_path):
-    result, plan, records = run_case(case, tmp_path)
+def test_bucketed_layout_matches_single_process(case, verified, request):
+    result = result_of(verified, request, case)
+    plan, records = result.plan, result.records
     print(result.table())
     assert result.ok, result.table()
     # the plan has several buckets somewhere, and each rank reduced exactly the plan's

@@ -15,6 +15,7 @@ from parcompile.analysis.buckets import Bucket, reshard_after_forward, zero3_gat
 from parcompile.driver import compile_config
 from parcompile.search import Coster
 from tests.program_utils import tiny_config
+from tests.verify_batch import result_of, verify_fixture
 
 
 def test_rule_pp1_gathers_every_bucket_just_in_time():
@@ -153,16 +154,16 @@ VERIFY_CASES = {
 }
 
 
+verified = verify_fixture(__name__, lambda test, case: VERIFY_CASES[case])   # launches shared with other modules
+
+
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", sorted(VERIFY_CASES))
-def test_just_in_time_layouts_match_single_process(case, tmp_path):
+def test_just_in_time_layouts_match_single_process(case, verified, request):
     """``parcompile verify`` with one bucket per layer (every layer gathered just in time,
     prefetched, freed): losses, gradients and parameters match the single-process
     reference, and the gathered bytes, collectives and state bytes match the plan."""
-    from parcompile.verify import verify
-
-    cfg, dtype = VERIFY_CASES[case]
-    result = verify(cfg, steps=3, workdir=tmp_path, dtype=dtype)
+    result = result_of(verified, request, case)
     assert result.ok, result.table()
     assert any(c.what.startswith("ZeRO-3 gathered") and c.ok for c in result.checks), result.table()
 

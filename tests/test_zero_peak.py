@@ -25,6 +25,7 @@ from parcompile.analysis.memory import buffer_total
 from parcompile.driver import compile_config
 from parcompile.search import Coster
 from tests.program_utils import tiny_config
+from tests.verify_batch import result_of, verify_fixture
 
 
 def _llama3_8b(tp: int, zero: int) -> str:
@@ -326,18 +327,25 @@ def test_does_not_fit_help_suggests_a_16_bit_reduce():
     assert d.help == "raise tp or pp or " + want
 
 
+def _build_16_bit(test: str, case: tuple[int, int]) -> tuple:
+    zero, pp = case
+    return tiny_config(dp=4, pp=pp, model=dict(dtype="bf16"),
+                       parallel=dict(zero=zero, reduce_dtype="bf16",
+                                     global_batch=4 * 4 * 2 if pp == 1 else 32)), "bf16"
+
+
+verified = verify_fixture(__name__, _build_16_bit)   # launches shared with other modules
+
+
 @pytest.mark.torchrun
-@pytest.mark.parametrize("zero,pp", [(3, 1), (2, 2)])
-def test_verify_16_bit_reduces(zero, pp, tmp_path):
+@pytest.mark.parametrize("case", [(3, 1), (2, 2)], ids=["zero3_pp1", "zero2_pp2"])
+def test_verify_16_bit_reduces(case, verified, request):
     """``parcompile verify`` of a bf16 miniature with ``reduce_dtype = bf16``, dp 4 and m = 4
     micro-batches: losses, gradients and parameters match the single-process reference, and
     the measured 16-bit buckets in flight (and, at zero 3 with pp = 1, the gathered
     parameters, embedding and output layer just in time) equal the plan's."""
-    from parcompile.verify import verify
-
-    cfg = tiny_config(dp=4, pp=pp, model=dict(dtype="bf16"),
-                      parallel=dict(zero=zero, reduce_dtype="bf16", global_batch=4 * 4 * 2 if pp == 1 else 32))
-    result = verify(cfg, steps=3, workdir=tmp_path, dtype="bf16")
+    zero, pp = case
+    result = result_of(verified, request, case)
     assert result.ok, result.table()
     rows = {c.what.split(" (")[0]: c for c in result.checks}
     assert rows["full gradient buffers at most at once during the step"].ok, result.table()

@@ -13,7 +13,9 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
   parallelism + selective recomputation (configurations from their Table 3).
 
 ``calibration`` rows are what the efficiencies of :mod:`parcompile.analysis.estimate`
-were tuned to; ``held_out`` rows were not looked at while tuning.
+were tuned to; ``held_out`` rows were not looked at while tuning. A row's spec is
+:func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
+passes belongs to the driver: the analyses import no pass).
 
 :func:`layer_activation_bytes` is Korthikanti's Table 2 (bytes per layer, 16-bit);
 :func:`stage_activation_bytes` their whole-stage value (section 4.3: the layers of the
@@ -26,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from parcompile.analysis.cost import CostReport, analyze
 from parcompile.config.presets import cluster_preset
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
 
@@ -102,22 +103,6 @@ def row_config(row: PublishedRow) -> SpecConfig:
                          schedule="interleaved_1f1b" if row.virtual_stages > 1 else "1f1b")
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
                       train=TrainConfig(optimizer="adam"))
-
-
-def cost_without_schedule(cfg: SpecConfig) -> CostReport:
-    """Lower ``cfg``, run the passes up to ``insert-collectives`` and every analysis with
-    the closed-form pipeline (no action lists: works for any schedule)."""
-    from parcompile.driver import PASSES, run_pass
-    from parcompile.ir.lower import lower
-    from parcompile.passes.base import PassContext
-
-    ctx = PassContext.of(cfg)
-    g = lower(cfg.model, batch=cfg.parallel.micro_batch * cfg.parallel.dp)
-    for p in PASSES:
-        if p.name == "schedule-pipeline":
-            break
-        run_pass(p, g, ctx)
-    return analyze(cfg, g, ctx.degrees, None)
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,

@@ -2,7 +2,7 @@
 memory and the step-time estimate (the driver's step 3).
 
 :func:`analyze` works with or without the schedule pass: given its
-:class:`~parcompile.passes.schedule_pipeline.ScheduleReport`, memory takes the simulated
+:class:`~parcompile.core.schedule.ScheduleReport`, memory takes the simulated
 ``in_flight`` and the estimate simulates the action lists; without it (a graph run up
 to ``insert-collectives``) both use the closed forms of
 :func:`parcompile.analysis.memory.closed_form_in_flight` and
@@ -20,9 +20,9 @@ from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.dtypes import DTYPE_BYTES
+from parcompile.core.groups import rank_groups
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
 from parcompile.ir.graph import Graph
-from parcompile.passes.groups import rank_groups
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute)
-    comm = comm_report(graph, degrees, m, par.recompute, par.pp)
+    comm = graph.meta.get("comm") if sched is not None else None   # the schedule pass's (same arguments)
+    if comm is None:
+        comm = comm_report(graph, degrees, m, par.recompute, par.pp)
     kv_tok = kv_bytes_per_token(cfg, graph)
     in_flight = sched.sim.in_flight if sched is not None else None
     memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_tok)

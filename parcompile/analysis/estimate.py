@@ -2,7 +2,8 @@
 written into plan.json (``estimate.assumptions``).
 
 **Compute.** For one micro-batch through one model chunk on one rank, from the graph
-(:mod:`parcompile.analysis.compute`):
+(:mod:`parcompile.analysis.compute`; :func:`chunk_times`, the one compute-time model: the
+``schedule-pipeline`` pass orders and simulates its schedule with the same times):
 ``t = matmul_flops / (eff.matmul * peak_flops) + traffic / (eff.memory * hbm_bw)``:
 matmuls run at an achievable fraction of the dense peak, the non-matmul kernels (norms,
 activations, softmax, dropout, residual adds, the loss) are memory-bound and move
@@ -63,10 +64,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.compute import ComputeReport
 from parcompile.core.axes import AXIS_FAMILY
+from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
+                                     reshard_after_forward)
+from parcompile.core.schedule import simulate
 
 
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
@@ -143,7 +146,7 @@ class TimeReport:
     grad_reduction: tuple[GradOverlap, ...] = ()
 
 
-def _link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency) -> tuple[float, float]:
+def axis_link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency) -> tuple[float, float]:
     """(alpha seconds, achieved beta bytes/s) for ``axis``: intra-node when every group of
     the axis fits in one node."""
     gs = groups.get(axis) or [[0]]
@@ -197,6 +200,13 @@ class ChunkTimes:
         """The weight-gradient part of a backward: the matmuls' forward FLOPs again."""
         return self.matmul_f[k]
 
+    def per_chunk(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """(forward, backward, weight-gradient) seconds of every model chunk, without the
+        pipeline's p2p time: :meth:`fwd`, :meth:`bwd` and :meth:`wgrad` of each, what the
+        schedule pass orders and simulates its action lists with."""
+        ks = range(len(self.matmul_f))
+        return (tuple(self.fwd(k) for k in ks), tuple(self.bwd(k) for k in ks), tuple(self.wgrad(k) for k in ks))
+
 
 def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
                 compute: ComputeReport, comm: CommReport,
@@ -214,7 +224,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     mem = tuple(x / bw for x in traffic)
     rec = tuple(x / rate + y / bw for x, y in zip(compute.chunk_recompute_flops, rec_traffic))
     if links is None:
-        links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
+        links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
     cf = {f: [0.0] * nchunks for f in fams}
     cb = {f: [0.0] * nchunks for f in fams}
@@ -255,15 +265,14 @@ def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
     nchunks = pp * v
     last = nchunks - 1
     p2p = ct.p2p if (with_p2p and pp > 1) else 0.0
-    f = [ct.fwd(k) + (p2p if k < last else 0.0) for k in range(nchunks)]
-    b = [ct.bwd(k) + (p2p if k > 0 else 0.0) for k in range(nchunks)]
+    f0, b0, w0 = ct.per_chunk()   # the schedule pass's times; blocking sends add the p2p
+    f = [f0[k] + (p2p if k < last else 0.0) for k in range(nchunks)]
+    b = [b0[k] + (p2p if k > 0 else 0.0) for k in range(nchunks)]
     if actions is None:
         return _closed_form_makespan(f, b, pp, v, m)
-    from parcompile.passes.schedule_pipeline import simulate
-
     kw = {}
     if any(a["op"] in ("backward_input", "backward_weight") for acts in actions for a in acts):
-        kw["wgrad_time"] = [ct.wgrad(k) for k in range(nchunks)]
+        kw["wgrad_time"] = list(w0[:nchunks])
     sim = simulate(actions, f, b, pp, v, **kw)
     return sim.makespan, list(sim.busy)
 
@@ -318,8 +327,6 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     last micro-batch's can be exposed, as simulated; ``seconds`` counts all ``m`` rounds and
     ``hidden`` the rest.
     """
-    from parcompile.analysis.buckets import GradUnit, bucket_element_bytes, partition
-
     par, cl = cfg.parallel, cfg.cluster
     pp, v, s = par.pp, par.virtual_stages, sp.stage
     units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
@@ -362,7 +369,7 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
 def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, float]]:
     """Per pipeline stage, seconds of its step collectives (``count`` runs each, timed by
     :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest)``,
-    what :func:`_dp_exposed` sets against the stage's backward and forward."""
+    what :func:`dp_exposed` sets against the stage's backward and forward."""
     par, cl = cfg.parallel, cfg.cluster
     per_stage: dict[int, list] = {}   # each stage's step collectives, in order
     for e in collectives:
@@ -384,7 +391,7 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     return out
 
 
-def _dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=None, sums=None) -> float:
+def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=None, sums=None) -> float:
     """Exposed step-collective time of the slowest stage (module docstring): the gradient
     buckets' exposure (:func:`grad_overlap`; without ``stage_params``, the step's
     gradient collectives against the last micro-batch's backward), ZeRO's parameter
@@ -452,7 +459,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
     eff = efficiency(cl)
     ct = chunk_times(cfg, degrees, groups, compute, comm)
     actions = sched.actions if sched is not None else None
-    links = {a: _link(cl, groups, a, eff) for a in AXIS_FAMILY}
+    links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     step, parts = step_time_parts(cfg, degrees, links, ct, m, comm.collectives, stage_params, actions)
     overlap = tuple(grad_overlap(cfg, degrees, links, ct, sp) for sp in stage_params) \
         if stage_params is not None and cfg.workload == "train" else ()
@@ -488,7 +495,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
 def links_inside(cluster, inside: Mapping[str, bool], eff: Efficiency) -> dict[str, tuple[float, float]]:
     """(alpha, achieved beta) per axis of :data:`AXIS_FAMILY` from whether each axis's
     groups sit inside one node (``inside``; missing axes count as inside): what
-    :func:`_link` finds from the groups, without building them."""
+    :func:`axis_link` finds from the groups, without building them."""
     intra = (cluster.intra_node_latency, cluster.intra_node_bw * eff.link)
     inter = (cluster.inter_node_latency, cluster.inter_node_bw * eff.link)
     return {a: (intra if inside.get(a, True) else inter) for a in AXIS_FAMILY}
@@ -502,7 +509,7 @@ def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[f
     phase ``step`` are read) and the optimizer step. The breakdown also holds
     ``bubble_fraction`` (idle over busy time of the busiest rank)."""
     span1, parts = pipeline_parts(cfg, ct, m, actions)
-    dp_comm = _dp_exposed(cfg, degrees, links, collectives, ct, stage_params)
+    dp_comm = dp_exposed(cfg, degrees, links, collectives, ct, stage_params)
     opt = optimizer_time(cfg, degrees, stage_params)
     parts = dict(parts)
     parts.update({"dp_comm": dp_comm, "optimizer": opt})

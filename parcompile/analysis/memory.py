@@ -82,9 +82,9 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
-                                        reduces_per_microbatch, reshard_after_forward, shard_elements,
-                                        stage_buckets, stage_state_bytes, zero3_gathered)
+from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
+                                    reduces_per_microbatch, reshard_after_forward, shard_elements,
+                                    stage_buckets, zero3_gathered)
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -135,7 +135,7 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
     ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
-    :func:`parcompile.analysis.buckets.stage_state_bytes`); default ``ceil(n / d)``. At
+    :func:`stage_state_bytes`); default ``ceil(n / d)``. At
     ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``."""
     k = OPTIMIZER_STATES[optimizer]
     if shard is None:
@@ -145,6 +145,19 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     grads = 4 * (shard if zero >= 2 else shard * d if zero == 1 and d > 1 else n)
     opt = opt_per * (shard if zero >= 1 else n)
     return params, grads, opt
+
+
+def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on one rank of a stage: SPEC's per-parameter rule
+    (:func:`state_bytes`) with the sharded buffers being the gradient buckets
+    (:func:`parcompile.core.buckets.stage_buckets`), so a sharded state rounds up per
+    bucket (``sum ceil(n_b / d)``)."""
+    par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d))
+    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed))
+    return tuple(x + y for x, y in zip(pd, pe))
 
 
 def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:

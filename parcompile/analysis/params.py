@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from parcompile.analysis.buckets import GradUnit, unit_order_key
+from parcompile.core.buckets import GradUnit, unit_order_key
 from parcompile.ir.graph import Graph
 
 
@@ -25,7 +25,9 @@ class StageParams:
     """Parameter elements on one rank of a stage: ``dense`` (reduced over dp_cp),
     ``expert`` (reduced over expert_dp), ``norm`` (replicated over tp: the ones sequence
     parallelism must all-reduce), ``embedding`` (local elements of the tied embedding or
-    its head copy, 0 when untied); ``units``: the same elements by layer, in
+    its head copy, 0 when untied), ``tp_partial`` (replicated elements whose gradients
+    are partial sums over tp without sequence parallelism too: qk-norm weights, shared by
+    heads tp splits; ``Param.grad_partial``); ``units``: the same elements by layer, in
     gradient-ready order (:class:`~parcompile.analysis.buckets.GradUnit`, the input of the
     bucket rule; empty when not derived)."""
 
@@ -35,6 +37,7 @@ class StageParams:
     norm: int
     embedding: int
     units: tuple[GradUnit, ...] = ()
+    tp_partial: int = 0
 
     @property
     def total(self) -> int:
@@ -68,7 +71,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
     ``replicated_kv_heads``: the model's kv heads when a serving plan replicates them over
     tp (each rank then holds one kv head of every parameter with a ``kv`` dim), else 0.
     """
-    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0} for _ in range(pp)]
+    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0, "tp_partial": 0} for _ in range(pp)]
     units: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(pp)]   # (chunk, name) -> [dense, expert]
     seen: set[tuple[int, str]] = set()
     for nd, p in graph.params():
@@ -87,6 +90,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
             # sequence parallelism each tp rank sees part of the sequence, so these
             # gradients are partial sums that the step all-reduces over tp (Megatron-LM)
             acc[s]["norm"] += n
+        if "tp" in p.grad_partial:
+            acc[s]["tp_partial"] += n
         if tied and (p.name == "embedding.weight" or p.tied_to == "embedding.weight"):
             acc[s]["embedding"] = n
     out = []

@@ -47,14 +47,14 @@ Collectives are ring alpha-beta on the link where the group sits
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.estimate import _link, collective_time, efficiency
+from parcompile.analysis.estimate import axis_link, collective_time, efficiency
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.core.units import bytes_text
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -184,8 +184,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     mean_ctx = P + G / 2
     eff = efficiency(cl)
     capacity = int(cl.memory * (1 - cl.memory_reserve))
-    tp_link = _link(cl, groups, "tp", eff)
-    pp_link = _link(cl, groups, "pp", eff)
+    tp_link = axis_link(cl, groups, "tp", eff)
+    pp_link = axis_link(cl, groups, "pp", eff)
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
     gated = m.activation == "swiglu"
@@ -237,12 +237,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                        ttft, tpot, parts)
 
 
-def _gib(n: float) -> str:
-    from parcompile.plan import _gb
-
-    return _gb(n)
-
-
 def fit_advice(cfg, rep: ServeReport) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
@@ -278,5 +272,5 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
         if kvb > 1 and room >= rep.context * worst.kv_bytes_per_token // kvb:
             out.append("kv_dtype = fp8 (1 byte per value)")
     elif room <= 0:
-        out.append(f"the weights and workspace alone need {_gib(worst.weights + worst.workspace)} per GPU")
+        out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")
     return out

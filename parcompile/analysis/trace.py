@@ -3,9 +3,10 @@ opens in Perfetto or chrome://tracing) and ``timeline.svg`` (the picture in repo
 
 The timeline is the plan's own pipeline schedule (``schedule.actions``) run by the
 schedule simulator with the cost model's forward, backward and weight-gradient times per
-model chunk, plus the point-to-point time of one activation message between stages
-(alpha-beta: the link's latency plus bytes over the link's bandwidth, NVLink when the
-pipeline group stays inside a node). One process row per pipeline rank, two tracks each:
+model chunk (the schedule pass's, :meth:`parcompile.analysis.estimate.ChunkTimes.per_chunk`),
+plus the point-to-point time of one activation message between stages (alpha-beta: the
+link's latency plus bytes over the link's bandwidth, NVLink when the pipeline group stays
+inside a node). One process row per pipeline rank, two tracks each:
 compute (forward, backward, input/weight gradient) and communication (sends, and the
 time a receive waits for its message).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from xml.sax.saxutils import escape
 
-from parcompile.passes.schedule_pipeline import SimResult, simulate
+from parcompile.core.schedule import SimResult, simulate
 
 COMPUTE_OPS = ("forward", "backward", "backward_input", "backward_weight")
 LABEL = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W",
@@ -42,7 +43,7 @@ def timeline(plan) -> SimResult:
     sched = plan.graph.meta["schedule"]
     p = plan.config.parallel
     return simulate(sched.actions, sched.fwd_time, sched.bwd_time, p.pp, p.virtual_stages,
-                    sched.num_microbatches, p2p_time=p2p_seconds(plan))
+                    sched.num_microbatches, p2p_time=p2p_seconds(plan), wgrad_time=sched.wgrad_time or None)
 
 
 def _us(t: float) -> float:

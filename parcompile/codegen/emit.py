@@ -1,9 +1,12 @@
 """Lowering a plan to files: ``program.py`` (jinja2), ``launch.sh``, ``plan.json``, ``report.md``.
 
-Decisions are made here, in Python, as plain data (local sizes, dtypes, paths); the
-templates only format them (DESIGN: codegen first turns the plan into data). Nothing a
-user typed reaches the program unchecked: strings are written with ``repr`` and numbers
-come from the validated config.
+Decisions are made here, in Python, as plain data; the templates only format them
+(DESIGN: codegen first turns the plan into data). Everything about the layout (local
+sizes, shape comments, which collective runs where, by the plan's name for it) comes from
+the sharded graph after the passes (:mod:`parcompile.codegen.program_data`); settings
+(dtypes, paths, optimizer) from the validated config. Nothing a user typed reaches the
+program unchecked: strings are written with ``repr`` and numbers come from the validated
+config or the graph.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import jinja2
 
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.heads import kv_heads_per_rank
+from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
+from parcompile.plan import Plan
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -89,10 +93,60 @@ def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     return os.path.relpath(os.path.abspath(data), os.path.abspath(out_dir))
 
 
-def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
-    """The plain data the program template formats (see module docstring)."""
+def _graph_data(plan: Plan) -> tuple[ProgramData, dict]:
+    """The sharded graph of ``plan`` (after the passes) as :class:`ProgramData`, and the
+    plan.json dict.
+
+    Raises:
+        TypeError: ``plan`` is not a compiled :class:`~parcompile.plan.Plan` (a plan.json
+            dict has no graph to generate from).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"codegen needs the compiled Plan (its sharded graph), not {type(plan).__name__}")
+    return program_data(plan.graph, plan.degrees), plan.data
+
+
+def _calls(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
+    """A conversion's collectives for a comment, by the plan's name for it:
+    ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
+    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
+    if op is None or not op.collectives:
+        return none
+    name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
+    return f"{name}: " + _describe(op.collectives)
+
+
+def _describe(calls) -> str:
+    """``forward all_reduce(tp) x 3, backward ...``: runs of equal collectives counted."""
+    out: list[list] = []
+    for c in calls:
+        if out and out[-1][0] == c.describe():
+            out[-1][1] += 1
+        else:
+            out.append([c.describe(), 1])
+    return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
+
+
+def _layer_table(layer: LayerData | None) -> list[str]:
+    """The ops of one decoder layer in graph order, one line each: name (``{i}`` for the
+    layer), kind, local shape, layout and collectives (the Block docstring)."""
+    if layer is None:
+        return []
+    prefix = f"layers.{layer.index}."
+    rows = [(o.name.removeprefix(prefix), o.kind, o.shape_comment(), o.sharding,
+             _describe(o.collectives)) for o in layer.ops]
+    w = [max(len(r[k]) for r in rows) for k in range(4)]
+    return [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d:<{w[3]}}  {e}".rstrip() for a, b, c, d, e in rows]
+
+
+def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> dict:
+    """The plain data the program template formats (see module docstring): local sizes,
+    shapes and collectives from the sharded graph (:mod:`parcompile.codegen.program_data`),
+    the training settings from the config."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    padded = plan["model"]["padded_vocab"]
+    pd, data_dict = _graph_data(plan)
+    z = pd.sizes
+    padded = data_dict["model"]["padded_vocab"]
     train = {
         "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
@@ -104,28 +158,68 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
     data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,
                    "text_field": t.text_field}
     rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
-    sp = bool(p.sequence_parallel and p.tp > 1)
+    sp = pd.sequence_parallel
     zero_comment = {0: "replicated over dp: all-reduce of gradients",
                     1: "ZeRO-1: optimizer states sharded over dp",
                     2: "ZeRO-2: optimizer states and gradients sharded over dp",
                     3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero]
     moe = m.experts > 0
-    aux = m.router_aux_loss / (p.num_microbatches * (p.tp if sp else 1)) if moe else 0.0
+    # the ranks that split one sequence's tokens outside the tensor-parallel region
+    # (sequence parallelism): each routes its own tokens, so its aux-loss gradient is scaled down
+    seq_ranks = z.t_attn // z.t_residual
+    aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
+    layer = pd.dense_layer or pd.moe_layer
+    i = layer.index
+    attn_in, attn_out = layer.conversion_into("attn.wq"), layer.conversion_after("attn.wo")
+    mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
+    mlp_in = mlp.conversion_into("mlp.w1") or mlp.conversion_into("mlp.shared.w1")
+    mlp_out = mlp.conversion_after("mlp.w2") or mlp.conversion_after("mlp.shared.w2")
+    core = layer.op("attn.core")
+    wq, wk, wo = layer.op("attn.wq"), layer.op("attn.wk"), layer.op("attn.wo")
+    w1 = mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")
+    norm = layer.op("attn_norm")
+    head = pd.ops["lm_head"]
+    tp_one = "no collective (tp = 1)"
+    q_norm = layer.op("attn.q_norm")
     return {
+        "qk_norm": q_norm is not None,
+        "qk_norm_calls": _calls(q_norm, i),
+        "qk_norm_grads": _qk_norm_grads(plan, q_norm, sp),
         "moe": moe,
-        "experts_local": m.experts // p.ep if moe else 0,
+        "has_mlp": w1 is not None,              # a dense MLP (dense layers or shared experts)
+        "has_dense": pd.dense_layer is not None,
+        "experts_local": z.experts or 0,
+        "expert_ffn_local": z.expert_ffn or 0,
         "aux_loss_scale": repr(aux),
+        "seq_ranks": seq_ranks,
         "zero_comment": zero_comment,
         "sp": sp,
         # sequence parallelism: column-parallel layers keep the sequence-split input and
         # gather it again in backward (under full recomputation the layer keeps its input only)
-        "keep_split": sp and p.recompute != "full",
-        "t_attn": m.seq_len // p.cp,
-        "t_local": m.seq_len // p.cp // (p.tp if sp else 1),
-        "enter_comment": ("all-gather the sequence over tp; backward: reduce-scatter" if sp
-                          else "backward: all-reduce over tp" if p.tp > 1 else "tp = 1: no communication"),
-        "leave_comment": ("reduce-scatter the sequence over tp; backward: all-gather" if sp
-                          else "all-reduce over tp" if p.tp > 1 else "tp = 1: no communication"),
+        "keep_split": bool(attn_in is not None and attn_in.regather and p.recompute != "full"),
+        "t_attn": z.t_attn,
+        "t_local": z.t_residual,
+        "act_shape": ", ".join(str(n) for n in z.boundary),
+        "x_shape": norm.shape_comment(),
+        "x_tp_shape": (attn_in or norm).shape_comment(),
+        "q_shape": wq.shape_comment(),
+        "k_shape": wk.shape_comment(),
+        "y_shape": core.shape_comment(),
+        "out_shape": (attn_out or wo).shape_comment(),
+        "ffn_shape": w1.shape_comment() if w1 is not None else "",
+        "logits_shape": head.shape_comment(),
+        "attn_enter": _calls(attn_in, i, tp_one),
+        "attn_leave": _calls(attn_out, i, tp_one),
+        "mlp_enter": _calls(mlp_in, mlp.index, tp_one),
+        "mlp_leave": _calls(mlp_out, mlp.index, tp_one),
+        "kv_gather": _calls(core, i),
+        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
+        "head_enter": _calls(pd.conversion_into("lm_head"), none=tp_one),
+        "loss_calls": _calls(pd.ops.get("loss"), none="no collective (tp = 1)"),
+        "layer_table": _layer_table(pd.dense_layer),
+        "moe_table": _layer_table(pd.moe_layer),
+        "dense_index": pd.dense_layer.index if pd.dense_layer else None,
+        "moe_index": pd.moe_layer.index if pd.moe_layer else None,
         "name": comment_text(cfg.name),
         "version": version(),
         "spec_file": comment_text(Path(cfg.filename).name),
@@ -136,9 +230,10 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
         "t": t,
         "num_microbatches": p.num_microbatches,
         "padded_vocab": padded,
-        "heads_local": m.heads // p.tp,
-        "kv_local": kv_heads_per_rank(m.kv_heads, p.tp),
-        "ffn_local": m.ffn_hidden // p.tp,
+        "vocab_local": z.vocab,
+        "heads_local": z.heads,
+        "kv_local": z.kv_heads,
+        "ffn_local": z.ffn,
         "rope_dim": rope_dim,
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
         "torch_dtype": TORCH_NAMES[m.dtype],
@@ -158,13 +253,25 @@ def program_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) ->
     }
 
 
+def _qk_norm_grads(plan: Plan, q_norm: OpData | None, sp: bool) -> str:
+    """How the qk-norm weight's gradient is made whole, for a comment: the step's
+    all-reduce over tp when the graph marks it partial (``Param.grad_partial``)."""
+    if q_norm is None:
+        return ""
+    if "tp" not in plan.graph.node(q_norm.name).params[0].grad_partial:
+        return "its gradient is whole on every rank"
+    key = "sp_norm_grads" if sp else "tp_partial_grads"
+    return f"each rank's gradient sums its own heads: all-reduced over tp with the step ({key})"
+
+
 def _model_keys(m) -> dict:
     """The resolved model block as plain values (``hf_output`` builds its config.json from it)."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in m.model_dump().items()}
 
 
-def render_program(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> str:
-    """The text of ``program.py`` for a training plan."""
+def render_program(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> str:
+    """The text of ``program.py`` for a training plan (a :class:`~parcompile.plan.Plan`:
+    its sharded graph gives every local size and collective; see :func:`program_context`)."""
     return _env.get_template("program.py.j2").render(**program_context(cfg, plan, out_dir))
 
 
@@ -199,9 +306,15 @@ def render_slurm(cfg: SpecConfig) -> str:
     )
 
 
-def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> dict:
-    """The plain data the serve template formats (see module docstring)."""
+def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> dict:
+    """The plain data the serve template formats (see module docstring); local sizes from
+    the sharded graph, the kv heads a rank holds from the plan (a replicated kv head is
+    unsplit in the graph: ``core/heads.py``)."""
     m, p, s = cfg.model, cfg.parallel, cfg.serve
+    pd, plan = _graph_data(plan)
+    z = pd.sizes
+    layer = pd.dense_layer or pd.moe_layer
+    tp_one = "no collective (tp = 1)"
     sv = plan["serve"]
     weights = _data_path(s.weights, out_dir)
     kv_dtype = s.kv_dtype or m.dtype
@@ -216,12 +329,16 @@ def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> d
         "s": s,
         "batch_per_replica": sv["batch_per_replica"],
         "padded_vocab": plan["model"]["padded_vocab"],
-        "heads_local": m.heads // p.tp,
+        "heads_local": z.heads,
+        "vocab_local": z.vocab,
+        "attn_leave": _calls(layer.conversion_after("attn.wo"), layer.index, tp_one),
+        "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
+        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
-        "ffn_local": m.ffn_hidden // p.tp,
+        "ffn_local": z.ffn,
         "rope_dim": int(m.head_dim * m.rotary_fraction) // 2 * 2,
         "torch_dtype": TORCH_NAMES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,
@@ -231,7 +348,7 @@ def serve_context(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> d
     }
 
 
-def render_serve(cfg: SpecConfig, plan: dict, out_dir: Path | None = None) -> str:
+def render_serve(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> str:
     """The text of ``serve.py`` for a serving plan."""
     return _env.get_template("serve.py.j2").render(**serve_context(cfg, plan, out_dir))
 

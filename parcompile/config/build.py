@@ -119,6 +119,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "rotary_fraction": KeyType("fraction", low=0, low_open=True, high=1),
         "parallel_residual": _BOOL,
         "sliding_window": _NONNEG_INT,
+        "qk_norm": _BOOL,
         "attention": _enum(ModelConfig, "attention"),
         "dropout": KeyType("fraction", low=0, high=1, high_open=True),
         "tie_embeddings": _BOOL,

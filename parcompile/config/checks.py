@@ -207,6 +207,13 @@ def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
                           ctx.span("model.rotary_fraction", "model.head_dim", "model.heads"))
 
 
+    if m.qk_norm and m.norm != "rmsnorm" and ctx.ok("model.qk_norm", "model.norm"):
+        # transformers' qk-norm families (Qwen3, Gemma 3, OLMo 2) all use RMSNorm there
+        ctx.bag.error(f"qk_norm is an RMSNorm over head_dim; norm = {m.norm}",
+                      ctx.span("model.qk_norm", "model.norm"),
+                      help="set norm = rmsnorm (Qwen3, Gemma 3 and OLMo 2 use RMSNorm), or qk_norm = false")
+
+
 def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     m, p = cfg.model, cfg.parallel
     if not ctx.ok("model.layers", "parallel.pp", "parallel.virtual_stages", "parallel.stage_layers"):
@@ -333,6 +340,12 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                           note="each expert-parallel rank holds experts / ep whole experts")
         if ctx.ok("model.top_k") and m.top_k > m.experts:
             ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"))
+        if ctx.ok("parallel.tp", "parallel.sequence_parallel") and p.tp > 1 and not p.sequence_parallel:
+            # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
+            ctx.bag.error(f"a mixture-of-experts model with tp = {p.tp} needs sequence_parallel = true",
+                          ctx.span("parallel.tp"), help="set sequence_parallel = true in the `parallel` block",
+                          note="each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
+                               "parallelism for MoE with tensor parallelism)")
     if m.dense_layers > m.layers and ctx.ok("model.dense_layers", "model.layers"):
         ctx.bag.error(f"dense_layers = {m.dense_layers} exceeds layers = {m.layers}", ctx.span("model.dense_layers"))
     if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):

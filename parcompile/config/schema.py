@@ -12,20 +12,18 @@ keys the user left to the compiler.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parcompile.config.text import even_split
 from parcompile.core.dtypes import DTYPE_BYTES
+from parcompile.core.model import derived_defaults, padded_vocab
+from parcompile.core.sources import BUILTIN_SOURCES  # `train.data` texts that ship with Python (the runtime reads them too)
 from parcompile.diagnostics import Span
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 KvDtype = Literal["fp32", "bf16", "fp16", "fp8"]
-
-# `train.data` names for texts that ship with Python itself (read as bytes)
-BUILTIN_SOURCES = ("builtin:pydoc",)
 
 
 class _Frozen(BaseModel):
@@ -55,6 +53,8 @@ class ModelConfig(_Frozen):
     rotary_fraction: float = 1.0
     parallel_residual: bool = False
     sliding_window: int = 0
+    #: RMSNorm over head_dim on q and k, per head, before RoPE (Qwen3, Gemma 3): `layers.i.attn.q_norm`
+    qk_norm: bool = False
     attention: Literal["flash", "unfused"] = "flash"
     dropout: float = 0.0
     tie_embeddings: bool = False
@@ -71,26 +71,14 @@ class ModelConfig(_Frozen):
     @model_validator(mode="after")
     def _fill_defaults(self) -> "ModelConfig":
         # frozen model: use object.__setattr__ to fill the derived defaults once
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
-        if self.head_dim is None and self.heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if self.ffn_hidden is None:
-            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
-        if self.qkv_bias is None:
-            object.__setattr__(self, "qkv_bias", self.bias)
-        if self.max_positions is None:
-            object.__setattr__(self, "max_positions", self.seq_len)
-        if self.top_k is None:
-            object.__setattr__(self, "top_k", 2 if self.experts > 0 else 0)
-        if self.expert_ffn_hidden is None:
-            object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
+        # (the rule: parcompile.core.model.derived_defaults, shared with the runtime's ModelKeys)
+        for k, v in derived_defaults(self.__dict__).items():
+            object.__setattr__(self, k, v)
         return self
 
     def padded_vocab(self, tp: int) -> int:
-        """Megatron-LM's rule: ``ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``."""
-        m = self.vocab_multiple * tp
-        return int(math.ceil(self.vocab / m) * m)
+        """Megatron-LM's rule (:func:`parcompile.core.model.padded_vocab`)."""
+        return padded_vocab(self.vocab, self.vocab_multiple, tp)
 
     @property
     def dtype_bytes(self) -> int:

@@ -6,7 +6,15 @@ outside ``parcompile.core``. The config, the IR, the passes, the analyses, the s
 export, codegen and the runtime import it; none of them re-derives what it decides.
 
 - :mod:`parcompile.core.axes`: the mesh axes and process-group names (:class:`MeshAxis`).
+- :mod:`parcompile.core.buckets`: gradient buckets (units, partition, ZeRO-3's gathers, reductions).
 - :mod:`parcompile.core.dtypes`: bytes per element, gradient bytes, torch's dtype names.
+- :mod:`parcompile.core.groups`: process groups (Megatron-Core's rank generators).
 - :mod:`parcompile.core.heads`: how tensor parallelism splits or replicates kv heads.
+- :mod:`parcompile.core.model`: the model block as plain data (:class:`ModelKeys`), its derived
+  defaults and the padded vocabulary.
+- :mod:`parcompile.core.hf`, :mod:`parcompile.core.hf_weights`: Hugging Face config.json keys
+  and where our tensors live in a checkpoint.
+- :mod:`parcompile.core.sources`: the built-in training texts.
+- :mod:`parcompile.core.schedule`: pipeline schedules (action lists) and their simulator.
 - :mod:`parcompile.core.version`: the compiler's version.
 """

@@ -12,7 +12,7 @@ DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64
 
 #: bytes per element of gradients and their data-parallel reductions (fp32 main grads,
 #: Megatron-LM's grad buffer, whatever the model dtype; ``reduce_dtype`` may narrow the
-#: ZeRO 2/3 per-micro-batch buffers: ``analysis/buckets.py: bucket_element_bytes``)
+#: ZeRO 2/3 per-micro-batch buffers: ``core/buckets.py: bucket_element_bytes``)
 GRAD_BYTES = 4
 
 #: the model dtypes (``model.dtype``, ``parallel.reduce_dtype``) -> torch's names, which are

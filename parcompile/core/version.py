@@ -1,5 +1,6 @@
 """The compiler's version: plan.json's ``version``, the header of every generated program,
-``parcompile --version`` and ``parcompile.__version__``. Keep it equal to pyproject.toml's."""
+``parcompile --version`` and ``parcompile.__version__``. pyproject.toml reads it (``[tool.setuptools.dynamic]``,
+``attr``): the one place the version is written."""
 
 from __future__ import annotations
 

@@ -1,18 +1,28 @@
 """The front end: `.par` text -> AST -> :class:`~parcompile.config.schema.SpecConfig`.
 
-:func:`load_spec` is the entry point the driver and the command line use.
+Its two steps, which :func:`parcompile.driver.compile_source` runs first:
+
+1. :func:`parse_spec`: read the source and parse it into the AST (:class:`ParsedSpec`);
+2. :func:`check_spec`: build the resolved config from the AST and run every rule of
+   the checks table (:data:`parcompile.config.checks.CHECKS`), raising all the errors
+   at once.
+
+:func:`load_spec` is the two together, for the commands that stop at the config
+(``parcompile check``, ``search``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, Span, SpecError
+from parcompile.frontend import ast
 from parcompile.frontend.parser import parse, strip_bom
 
-__all__ = ["check_source", "load_spec", "parse"]
+__all__ = ["ParsedSpec", "check_source", "check_spec", "load_spec", "parse", "parse_spec"]
 
 
 def check_source(source: object, filename: object = None) -> None:
@@ -30,22 +40,30 @@ def check_source(source: object, filename: object = None) -> None:
         raise TypeError(f"filename must be a str or None, got {type(filename).__name__}")
 
 
-def load_spec(source: str | Path, filename: str | None = None) -> tuple[SpecConfig, list[Diagnostic]]:
-    """Parse, resolve and check a spec; return its config and its warnings.
+@dataclass(frozen=True)
+class ParsedSpec:
+    """A spec read and parsed: its text (BOM stripped), the AST, the file name diagnostics
+    show, and the config's ``name`` (the file's stem, ``"spec"`` for text without a file
+    name) and ``source_dir`` (the directory `from "x.json"` and `data` paths are resolved
+    against; None for text without a file name)."""
 
-    ``source`` is the spec's text, or a :class:`pathlib.Path` to read. Diagnostics name
-    the file ``filename``, else the path as given (``examples/tiny.par``), else
-    ``<spec>``. ``SpecConfig.name`` is the file's stem (``"spec"`` for text without a
-    file name) and ``source_dir`` its directory as given, against which `from "x.json"`
-    and `data` paths are resolved.
+    text: str
+    spec: ast.Spec
+    shown: str
+    name: str
+    source_dir: str | None
 
-    Raises :class:`SpecError` with every diagnostic (warnings included, in source order)
-    when the spec has an error, or when the file cannot be read.
+
+def parse_spec(source: str | Path, filename: str | None = None) -> ParsedSpec:
+    """Read ``source`` (the spec's text, or a :class:`pathlib.Path` to read) and parse it.
+
+    Diagnostics name the file ``filename``, else the path as given
+    (``examples/tiny.par``), else ``<spec>``.
+
+    Raises :class:`SpecError` for a syntax error or a file that cannot be read, and
+    :class:`TypeError` for a source that is neither text nor a path (:func:`check_source`).
     """
     check_source(source, filename)
-    # imported here: parcompile.config.build imports this package's AST
-    from parcompile.config.build import build_config
-
     if isinstance(source, Path):
         shown = filename or str(source)
         try:
@@ -60,8 +78,36 @@ def load_spec(source: str | Path, filename: str | None = None) -> tuple[SpecConf
     text = strip_bom(text)
     name = path.stem if path is not None else "spec"
     source_dir = str(path.parent) if path is not None else None
-    spec = parse(text, shown)
+    return ParsedSpec(text, parse(text, shown), shown, name, source_dir)
+
+
+def check_spec(parsed: ParsedSpec) -> tuple[SpecConfig, list[Diagnostic]]:
+    """Build the resolved config of a parsed spec and check it (every rule of
+    :data:`parcompile.config.checks.CHECKS`); return the config and its warnings.
+
+    Raises :class:`SpecError` with every diagnostic (warnings included, in source order)
+    when the spec has an error.
+    """
+    # imported here: parcompile.config.build imports this package's AST
+    from parcompile.config.build import build_config
+
     bag = DiagnosticBag()
-    config = build_config(spec, bag, name=name, source_dir=source_dir)
-    bag.raise_if_errors(text)
+    config = build_config(parsed.spec, bag, name=parsed.name, source_dir=parsed.source_dir)
+    bag.raise_if_errors(parsed.text)
     return config, bag.sorted()
+
+
+def load_spec(source: str | Path, filename: str | None = None) -> tuple[SpecConfig, list[Diagnostic]]:
+    """Parse, resolve and check a spec (:func:`parse_spec`, then :func:`check_spec`);
+    return its config and its warnings.
+
+    ``source`` is the spec's text, or a :class:`pathlib.Path` to read. Diagnostics name
+    the file ``filename``, else the path as given (``examples/tiny.par``), else
+    ``<spec>``. ``SpecConfig.name`` is the file's stem (``"spec"`` for text without a
+    file name) and ``source_dir`` its directory as given, against which `from "x.json"`
+    and `data` paths are resolved.
+
+    Raises :class:`SpecError` with every diagnostic (warnings included, in source order)
+    when the spec has an error, or when the file cannot be read.
+    """
+    return check_spec(parse_spec(source, filename))

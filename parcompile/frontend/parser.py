@@ -18,14 +18,13 @@ from pathlib import Path
 from lark import Lark, Token, Tree
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-import parcompile
 from parcompile.diagnostics import Diagnostic, Span, SpecError
 from parcompile.frontend import ast
 
 #: Where the reference grammar lives (the package is installed editable).
 # grammar/par.lark at the top of the repository is the language's reference;
 # parcompile/grammar links to it so that wheels carry it as package data
-GRAMMAR_PATH = Path(parcompile.__file__).resolve().parent / "grammar" / "par.lark"
+GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammar" / "par.lark"   # parcompile/grammar
 
 #: Deepest nesting of lists accepted (keeps the tree walk far from Python's recursion limit).
 MAX_LIST_DEPTH = 16

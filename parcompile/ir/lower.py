@@ -5,7 +5,8 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
 
     tokens -> embedding (+ pos_embedding, when position = learned)
     per layer i (prefix layers.i):
-        attn_norm -> attn.wq, attn.wk, attn.wv (-> attn.rope_q, attn.rope_k) -> attn.core
+        attn_norm -> attn.wq, attn.wk, attn.wv (-> attn.q_norm, attn.k_norm: qk_norm)
+        (-> attn.rope_q, attn.rope_k) -> attn.core
         -> attn.wo -> attn_residual (+ x)
         mlp_norm (reads attn_residual; reads x with parallel_residual, as GPT-NeoX)
         -> mlp.w1 (-> mlp.w3) -> mlp.act -> mlp.w2 -> mlp_residual
@@ -63,6 +64,12 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
             ps.append(Param(f"{name}.bias", T(H)))
         return g.add_op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual"},
                         params=ps, layer=layer, origin=origin)
+
+    def qk_norm(name: str, x: str, layer: int) -> str:
+        # one (head_dim,) RMSNorm weight shared by every head of q (or k): tp-local
+        return g.add_op(name, "qk_norm", [x], {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "per_head"},
+                        params=[Param(f"{name}.weight", T(Dim("head_dim", m.head_dim)))], layer=layer,
+                        origin=origin)
 
     def linear(name: str, x: str, in_dim: Dim, out_dim: Dim, bias: bool, style: str,
                layer: int | None, weight_name: str | None = None) -> str:
@@ -125,6 +132,8 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         q = linear(f"{p}.attn.wq", h, H, Q, m.qkv_bias, "column", i)
         k = linear(f"{p}.attn.wk", h, H, KV, m.qkv_bias, "column", i)
         v = linear(f"{p}.attn.wv", h, H, KV, m.qkv_bias, "column", i)
+        if m.qk_norm:
+            q, k = qk_norm(f"{p}.attn.q_norm", q, i), qk_norm(f"{p}.attn.k_norm", k, i)
         if rope:
             ra = {"theta": m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last"}
             q = g.add_op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i, origin=origin)

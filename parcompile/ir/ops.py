@@ -53,6 +53,10 @@ class Param:
     logical_numel: int | None = None
     tied_to: str | None = None
     expert: bool = False
+    #: mesh axes over which the gradient is a partial sum though the value is replicated
+    #: (a qk-norm weight under tp: each rank sums it over its own heads); set by the
+    #: tensor-parallel pass from :attr:`TpRule.param_grad_partial`
+    grad_partial: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -131,6 +135,9 @@ class TpRule:
     in_split: tuple[str | None, ...] = ()
     grad_partial: tuple[bool, ...] = ()
     param_split: Mapping[str, str | None] = field(default_factory=dict)
+    #: param suffixes whose gradient is a partial sum over tp although the param is
+    #: replicated (a weight shared by the heads tp splits: qk-norm)
+    param_grad_partial: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,11 @@ def _xent_extra(a, ins, out):
     return ins[0].numel * 4
 
 
+def _head_norm_extra(a, ins, out):
+    # the fp32 reciprocal rms per token and (local) head (runtime/layers.py's RMSNorm)
+    return out.numel // a["head_dim"] * 4
+
+
 def _scalar(a, ins):
     return TensorType((), "fp32")
 
@@ -365,6 +377,9 @@ OPS: dict[str, OpSpec] = {
         OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
+        # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
+        OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
+               traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),
@@ -411,6 +426,10 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
     * ``vocab_embedding``: weight split on vocab; output ``partial(tp)``.
     * ``shard_last`` (rope, attention core, activations): every tensor split on its last
       dim (heads or ffn), no communication.
+    * ``per_head`` (qk-norm): ``shard_last`` with a weight shared by every head, so
+      replicated, and its gradient (summed over this rank's heads) a partial sum over tp,
+      all-reduced with the step (Megatron-Core all-reduces ``q_layernorm`` and
+      ``k_layernorm`` gradients over tp in ``finalize_model_grads``).
     * ``residual`` (norms, residual adds): replicated, or split on ``seq`` with sequence
       parallelism.
     * ``vocab_loss``: logits arrive split on vocab (vocab-parallel cross-entropy).
@@ -431,6 +450,9 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
     if style == "shard_last":
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
                       grad_partial=(False,) * n)
+    if style == "per_head":
+        return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
+                      grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))
     if style == "residual":
         if sequence_parallel:
             return TpRule(out_split="seq", in_split=("seq",) * n, grad_partial=(False,) * n,

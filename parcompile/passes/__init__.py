@@ -1,5 +1,5 @@
 """Graph passes, one per module (xDSL's shape): a frozen class with a kebab-case ``name``
-and ``apply(graph, ctx)``. :data:`parcompile.driver.PASSES` lists them in order."""
+and ``apply(graph, ctx)``. :data:`parcompile.passes.manager.PASSES` lists them in order."""
 
 from parcompile.passes.base import Pass, PassContext, PassError, degrees_of
 from parcompile.passes.insert_collectives import InsertCollectives

@@ -19,7 +19,8 @@
    all-gather of the updated parameters, which ZeRO-3 runs before their use instead:
    ``2 m`` times per step for a bucket of decoder layers with ``pp = 1``), the same over
    ``expert_dp`` for MoE expert weights, the tied-embedding
-   all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp``, the
+   all-reduce over ``embedding``, sequence-parallel norm gradients over ``tp`` (without
+   sequence parallelism: the qk-norm gradients, partial over ``tp``), the
    squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
    ``expert_dp`` with ZeRO, ``ep`` and ``expert_tp``), the logged loss over ``dp_cp``.
 
@@ -154,6 +155,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:
             add(s, "sp_norm_grads", "all_reduce", "tp", GRAD_BYTES * sp.norm, "sp_norm_grads")
+        elif deg["tp"] > 1 and sp.tp_partial:   # qk-norm weights (sequence parallelism: in sp_norm_grads)
+            add(s, "tp_partial_grads", "all_reduce", "tp", GRAD_BYTES * sp.tp_partial, "tp_partial_grads")
         if par.zero > 0 and d > 1:   # sharded gradients: the norm's squares are summed over dp too
             add(s, "grad_norm_dp", "all_reduce", "dp_cp", 4, "grad_norm")
         if deg["tp"] > 1:

@@ -8,7 +8,8 @@
   wq/wk/wv/w1/w3 and the LM head column-parallel, wo/w2 row-parallel (output
   ``partial(tp)``), a vocab-parallel embedding (output ``partial(tp)``), attention and
   activations split on heads/ffn, a vocab-parallel cross-entropy; norms and residual
-  adds replicated, or split on ``seq`` with sequence parallelism.
+  adds replicated, or split on ``seq`` with sequence parallelism; qk-norm split on heads
+  with its weight replicated and its gradient ``partial(tp)`` (``Param.grad_partial``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def _without_kv_split(rule: TpRule) -> TpRule:
         in_split=tuple(None if d == "kv" else d for d in rule.in_split),
         grad_partial=rule.grad_partial,
         param_split={k: (None if d == "kv" else d) for k, d in rule.param_split.items()},
+        # a kv op left whole: every rank holds all its heads, so nothing is partial
+        param_grad_partial=() if rule.out_split == "kv" else rule.param_grad_partial,
     )
 
 
@@ -87,9 +90,14 @@ class ShardTensorParallel:
                 reqs.append(r)
                 grads.append(gr)
             graph.set_sharding(n, out=out, requires=reqs, grads=grads)
-            if nd.params and rule.param_split:
+            if nd.params and (rule.param_split or rule.param_grad_partial):
                 ps = []
                 for p in nd.params:
-                    d = rule.param_split.get(p.name.rsplit(".", 1)[-1])
-                    ps.append(replace(p, sharding=p.sharding.with_split(d, "tp")) if d else p)
+                    suffix = p.name.rsplit(".", 1)[-1]
+                    d = rule.param_split.get(suffix)
+                    if d:
+                        p = replace(p, sharding=p.sharding.with_split(d, "tp"))
+                    if suffix in rule.param_grad_partial:
+                        p = replace(p, grad_partial=p.grad_partial + ("tp",))
+                    ps.append(p)
                 graph.set_params(n, ps)

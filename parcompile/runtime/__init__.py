@@ -13,6 +13,7 @@ from parcompile.runtime.layers import (
     ACTIVATIONS,
     ColumnParallelLinear,
     LayerNorm,
+    QKNorm,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -33,18 +34,14 @@ from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear
-from parcompile.runtime.train import (
+from parcompile.runtime.optim import (
     ReplicatedOptimizer,
     step_optimizer,
     build_optimizer,
     clip_gradients,
     grad_norm,
-    local_param_count,
-    lr_at,
-    reduce_loss,
     set_lr,
     shards,
     sync_gradients,
-    write_metrics,
-    write_state,
 )
+from parcompile.runtime.train import local_param_count, lr_at, reduce_loss, write_metrics, write_state

@@ -4,7 +4,7 @@ PyTorch DDP (Li et al. 2020, "PyTorch Distributed", section 3.2.3) and Megatron-
 (``core/distributed/param_and_grad_buffer.py``, ``distributed_data_parallel.py`` with
 ``overlap_grad_reduce``) reduce gradients in buckets: a bucket's collective starts as soon
 as the backward has produced all of its gradients, so it runs while the backward computes
-the gradients of earlier layers. The partition is :func:`parcompile.analysis.buckets.partition`,
+the gradients of earlier layers. The partition is :func:`parcompile.core.buckets.partition`,
 the same function the plan uses, applied to this rank's parameters grouped into units
 (a decoder layer, the output layer, the embedding; :func:`param_units`), so the
 collectives the program runs match the plan's ``comm.collectives`` byte for byte.
@@ -39,7 +39,7 @@ scales the sums (1/d, the data-parallel mean; 1/(dp*cp) for expert weights).
 ``bucket_size = 0``: one bucket per chunk, launched by ``finish`` (no overlap).
 
 **ZeRO 2 and 3: every micro-batch** (``per_microbatch``;
-:func:`parcompile.analysis.buckets.reduces_per_microbatch`; DeepSpeed ZeRO-2's
+:func:`parcompile.core.buckets.reduces_per_microbatch`; DeepSpeed ZeRO-2's
 ``reduce_independent_p_g_buckets_and_remove_grads``, FSDP2's post-backward
 reduce-scatter). Every backward action of a chunk (a whole ``backward``; the zero-bubble
 schedule keeps the once-per-step mode) completes that micro-batch's gradients of the
@@ -58,11 +58,11 @@ collectives are ``m`` reduce-scatters per bucket per step, in the same order on 
 of the group (the action list, then bucket order), at most two full buckets are held at
 once (the one being filled and the one before it, reducing), and they are held when the
 second is allocated: :attr:`GradBuckets.peak_bytes`, the plan's
-``grad_buckets_in_flight`` (:func:`parcompile.analysis.buckets.buckets_in_flight`). The
+``grad_buckets_in_flight`` (:func:`parcompile.core.buckets.buckets_in_flight`). The
 last action's last reduce-scatters overlap whatever follows (forwards, sends) until the
 next armed action or :meth:`GradBuckets.finish`.
 
-**Reduce dtype** (``parallel.reduce_dtype``; :func:`parcompile.analysis.buckets.bucket_element_bytes`).
+**Reduce dtype** (``parallel.reduce_dtype``; :func:`parcompile.core.buckets.bucket_element_bytes`).
 Per micro-batch, a bucket's full buffer is allocated in the reduce dtype: fp32, or the
 model's 16-bit dtype (FSDP2's ``MixedPrecisionPolicy(reduce_dtype)``, Megatron-LM's
 ``--grad-reduce-in-bf16``, DeepSpeed's ``communication_data_type``). The parameters'
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from parcompile.analysis.buckets import GradUnit, partition, unit_order_key
+from parcompile.core.buckets import GradUnit, partition, unit_order_key
 from parcompile.runtime.comm import all_reduce_async, reduce_scatter_async
 from parcompile.runtime.context import Axis
 from parcompile.runtime.dtypes import TORCH_DTYPES
@@ -90,7 +90,7 @@ from parcompile.runtime.wgrad import STORE
 
 
 def unit_of(p: nn.Parameter, chunk_of_layer: dict[int, int], last_chunk: int) -> tuple[int, str]:
-    """(local chunk, unit name) of parameter ``p`` (:mod:`parcompile.analysis.buckets`),
+    """(local chunk, unit name) of parameter ``p`` (:mod:`parcompile.core.buckets`),
     from its ``global_name`` and tied-embedding marks (``tied``: a tied embedding summed
     over the `embedding` group, ``tied_copy``: its LM-head copy on the last stage)."""
     name = getattr(p, "global_name", "")

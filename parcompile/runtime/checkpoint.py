@@ -25,7 +25,6 @@ for another tp, a single process). Data-parallel replicas are deduplicated by DC
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -34,27 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parcompile.core.model import ModelKeys
+from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
 from parcompile.runtime.context import ParallelContext
-
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def newest(directory: str | os.PathLike) -> tuple[Path, int] | None:
-    """The newest complete checkpoint in ``directory`` and its step, or None."""
-    d = Path(directory)
-    if not d.is_dir():
-        return None
-    found = sorted((int(m.group(1)), p) for p in d.iterdir()
-                   if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
-    return (found[-1][1], found[-1][0]) if found else None
-
-
-def _mesh(ctx: ParallelContext):
-    if ctx.distributed and ctx.tp.size > 1:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
-    return None
+from parcompile.runtime.dataset import load_tokenizer
+from parcompile.runtime.weights import STEP_DIR, newest, target_slice, tp_mesh  # noqa: F401  (newest, STEP_DIR: this module's API)
 
 
 def _global(t: torch.Tensor, p: torch.Tensor, mesh):
@@ -85,7 +68,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
         shutil.rmtree(partial, ignore_errors=True)
     if ctx.distributed:
         dist.barrier()
-    mesh = _mesh(ctx)
+    mesh = tp_mesh(ctx)
     states = optimizer.export_states() if optimizer is not None else {}
     state: dict[str, object] = {"train/step": torch.tensor(step, dtype=torch.int64)}
     scaler = getattr(optimizer, "scaler", None)
@@ -105,8 +88,6 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         if tokenizer and tokenizer != "bytes":
-            from parcompile.runtime.dataset import load_tokenizer
-
             for f in load_tokenizer(tokenizer).files:
                 tmp = root / f".{f.name}.tmp"
                 shutil.copy2(f, tmp)
@@ -124,14 +105,13 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
         RuntimeError: the checkpoint lacks a tensor of this model or has another shape.
     """
     import torch.distributed.checkpoint as dcp
-    from parcompile.runtime.weights import _target_slice
 
     found = newest(directory)
     if found is None:
         return 0
     path, step = found
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    mesh = _mesh(ctx)
+    mesh = tp_mesh(ctx)
     params = list(model.parameters())
     keys = ["param"] + sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
     wanted: dict[str, tuple[nn.Parameter, str]] = {}
@@ -158,7 +138,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
 
     def local(ck: str, p: nn.Parameter) -> torch.Tensor:
         t = state[ck]
-        return t.to_local() if hasattr(t, "to_local") else _target_slice(t, p)
+        return t.to_local() if hasattr(t, "to_local") else target_slice(t, p)
 
     loaded: dict[int, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
@@ -208,18 +188,14 @@ def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx
     ZeRO-3, tied heads), the same that ``parcompile export-weights`` runs on a checkpoint.
     ZeRO-3 parameters must be gathered first (``opt.gather_for_export()``).
     """
-    from parcompile.config.schema import ModelConfig
-
     out = Path(out_dir)
     tmp = out.parent / f".{out.name}.dcp"
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     final = save(tmp, step, model, None, ctx)
     if ctx.rank == 0:
-        from parcompile.runtime import hf_export
-
-        files, generation = hf_export.tokenizer_outputs(tokenizer)
-        hf_export.export_weights(final, ModelConfig(**model_keys), out, files, generation_config=generation)
+        files, generation = tokenizer_outputs(tokenizer)
+        export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation)
         shutil.rmtree(tmp, ignore_errors=True)
     if ctx.distributed:
         dist.barrier()

@@ -58,7 +58,8 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (what the counter records for a collective of ``t``)."""
     return t.numel() * t.element_size()
 
 
@@ -66,7 +67,7 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce of ``t`` over ``axis`` (``op``: sum or max); returns ``t``."""
     if axis.size == 1 or axis.group is None:
         return t
-    COUNTER.record("all_reduce", axis.name, _nbytes(t))
+    COUNTER.record("all_reduce", axis.name, nbytes(t))
     rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     dist.all_reduce(t, op=rop, group=axis.group)
     return t
@@ -77,7 +78,7 @@ def all_reduce_async(t: torch.Tensor, axis: Axis):
     ``wait()`` on, or None when there is nothing to do (an axis of one rank)."""
     if axis.size == 1 or axis.group is None:
         return None
-    COUNTER.record("all_reduce", axis.name, _nbytes(t))
+    COUNTER.record("all_reduce", axis.name, nbytes(t))
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
 
 
@@ -88,7 +89,7 @@ def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, axis: Axis):
     if axis.size == 1 or axis.group is None:
         out.copy_(t)
         return None
-    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
+    COUNTER.record("reduce_scatter", axis.name, nbytes(out))
     return reduce_scatter_single(out, t, group=axis.group, async_op=True)
 
 
@@ -96,7 +97,7 @@ def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order): size n along ``dim`` -> n * size."""
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] * axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    COUNTER.record("all_gather", axis.name, _nbytes(out))
+    COUNTER.record("all_gather", axis.name, nbytes(out))
     all_gather_single(out, xt, group=axis.group)
     return out.movedim(0, dim).contiguous()
 
@@ -105,21 +106,21 @@ def reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     """Sum ``x`` over the ranks and keep this rank's 1/n slice of ``dim``."""
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] // axis.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    COUNTER.record("reduce_scatter", axis.name, _nbytes(out))
+    COUNTER.record("reduce_scatter", axis.name, nbytes(out))
     reduce_scatter_single(out, xt, group=axis.group)
     return out.movedim(0, dim).contiguous()
 
 
 def isend(t: torch.Tensor, axis: Axis, peer_index: int, tag: int):
     """Asynchronous send of ``t`` to the rank at ``peer_index`` of ``axis``; returns the work."""
-    COUNTER.record("send", axis.name, _nbytes(t))
+    COUNTER.record("send", axis.name, nbytes(t))
     return dist.isend(t.contiguous(), dst=axis.ranks[peer_index], tag=tag)
 
 
 def recv(shape: tuple[int, ...], dtype: torch.dtype, device, axis: Axis, peer_index: int, tag: int) -> torch.Tensor:
     """Blocking receive of a tensor of ``shape`` from the rank at ``peer_index`` of ``axis``."""
     buf = torch.empty(shape, dtype=dtype, device=device)
-    COUNTER.record("recv", axis.name, _nbytes(buf))
+    COUNTER.record("recv", axis.name, nbytes(buf))
     dist.irecv(buf, src=axis.ranks[peer_index], tag=tag).wait()
     return buf
 

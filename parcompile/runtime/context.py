@@ -60,6 +60,8 @@ class ParallelContext:
     backend: str | None
     distributed: bool = False
     extra: dict = field(default_factory=dict)
+    owns_world: bool = True   # False: a batch launcher (runtime.batch) holds the default group
+    groups: list = field(default_factory=list)   # the process groups this plan created on this rank
 
     def axis(self, name: str) -> Axis:
         return self.axes[name]
@@ -159,10 +161,12 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
     if world == 1:
         axes = {name: Axis(name, [0], 0, None) for name in AXES}
         return ParallelContext(0, 1, axes, device, None, distributed=False)
-    if not dist.is_initialized():
+    owns_world = not dist.is_initialized()   # else a batch launcher holds it (runtime.batch)
+    if owns_world:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     axes: dict[str, Axis] = {}
+    made: list = []   # this rank's groups, freed by shutdown when the world is not ours
     for name in AXES:
         lists = groups.get(name) or [[r] for r in range(world)]
         mine = _find(lists, rank)
@@ -171,15 +175,18 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
         if any(len(g) > 1 for g in lists):
             cur, _ = dist.new_subgroups_by_enumeration([list(g) for g in lists], backend=backend)
             pg = cur if len(mine) > 1 else None
+            made.append(cur)
         axes[name] = Axis(name, mine, mine.index(rank), pg)
     if gather_groups:
         for name in GATHER_AXES:
             lists = groups.get(name) or [[r] for r in range(world)]
             if any(len(g) > 1 for g in lists):
                 cur, _ = dist.new_subgroups_by_enumeration([list(g) for g in lists], backend=backend)
+                made.append(cur)
                 if axes[name].size > 1:
                     axes[name].gather_group = cur
-    return ParallelContext(rank, world, axes, device, backend, distributed=True)
+    return ParallelContext(rank, world, axes, device, backend, distributed=True,
+                           owns_world=owns_world, groups=made)
 
 
 def shutdown(ctx: ParallelContext) -> None:
@@ -192,4 +199,9 @@ def shutdown(ctx: ParallelContext) -> None:
     try:
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if ctx.owns_world:
+            dist.destroy_process_group()
+        else:   # the world belongs to a batch launcher: free only the groups this plan made
+            for pg in ctx.groups:
+                if pg is not None:
+                    dist.destroy_process_group(pg)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from parcompile.config.schema import BUILTIN_SOURCES
+from parcompile.core.sources import BUILTIN_SOURCES
 from parcompile.runtime.dataset import EvalBatches, TrainBatches, local_rows, prepare
 
 

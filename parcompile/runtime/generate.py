@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, isend, recv
+from parcompile.runtime.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
 
@@ -55,7 +55,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in self.k.values()) + sum(_nbytes(t) for t in self.v.values())
+        return sum(nbytes(t) for t in self.k.values()) + sum(nbytes(t) for t in self.v.values())
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, kv_local, T, D) at cache positions ``start..start+T-1``; return the
@@ -153,7 +153,7 @@ def gather_vocab(logits: torch.Tensor, tp: Axis) -> torch.Tensor:
         return logits
     x = logits.t().contiguous()                                  # (V'/tp, B)
     out = torch.empty((x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype, device=x.device)
-    COUNTER.record("all_gather", tp.name, _nbytes(out))
+    COUNTER.record("all_gather", tp.name, nbytes(out))
     all_gather_single(out, x, group=tp.group)
     return out.t().contiguous()
 
@@ -162,7 +162,7 @@ def broadcast_from_last(t: torch.Tensor, pp: Axis) -> torch.Tensor:
     """Broadcast ``t`` from the last rank of the pp group to all of it (counted); in place."""
     if pp.size == 1 or pp.group is None:
         return t
-    COUNTER.record("broadcast", pp.name, _nbytes(t))
+    COUNTER.record("broadcast", pp.name, nbytes(t))
     dist.broadcast(t, src=pp.ranks[-1], group=pp.group)
     return t
 

@@ -2,12 +2,12 @@
 
 :func:`read_dcp_global` reads a DCP checkpoint (:mod:`parcompile.runtime.checkpoint`) in
 one process into full global tensors; :func:`write_hf_checkpoint` writes global tensors as
-the model's Hugging Face family (:func:`parcompile.config.hf_weights.hf_family`):
+the model's Hugging Face family (:func:`parcompile.core.hf_weights.hf_family`):
 ``config.json``, safetensors shards named as transformers names them
 (``model.safetensors``, or ``model-00001-of-00003.safetensors`` ... with
 ``model.safetensors.index.json``), the tokenizer files, optionally
 ``generation_config.json``. Fused HF tensors are assembled from our tensors at the
-offsets of :func:`parcompile.config.hf_weights.tensor_map`; vocabulary rows are cut to
+offsets of :func:`parcompile.core.hf_weights.tensor_map`; vocabulary rows are cut to
 ``vocab``; a tied model writes no head tensor (the family ties it on load). The output
 appears atomically: everything is written into a temporary sibling directory renamed
 into place at the end (an existing output is replaced only then).
@@ -25,11 +25,12 @@ from typing import Iterable
 
 import torch
 
-from parcompile.config.hf_weights import (HF_DTYPES, VOCAB_PARAMS, HFWeightsError, Source, expected_shapes,
-                                          hf_config, hf_family, tensor_map)
-from parcompile.config.schema import ModelConfig
+from parcompile.core.hf_weights import (HF_DTYPES, VOCAB_PARAMS, HFWeightsError, Source, expected_shapes, hf_config,
+                                        hf_family, tensor_map)
+from parcompile.core.model import ModelKeys
+from parcompile.runtime.dataset import load_tokenizer
 from parcompile.runtime.dtypes import TORCH_DTYPES
-from parcompile.runtime.weights import WeightsError
+from parcompile.runtime.weights import WeightsError, newest
 
 
 def _dtype_name(dtype) -> str:
@@ -48,7 +49,7 @@ def _dtype_name(dtype) -> str:
     raise WeightsError(f"cannot write {dtype} weights", "dtype: fp32, bf16 or fp16")
 
 
-def _layout(model: ModelConfig, family: str) -> dict[str, list[tuple[str, Source]]]:
+def _layout(model: ModelKeys, family: str) -> dict[str, list[tuple[str, Source]]]:
     """HF tensor name -> the (our name, source) pieces it is made of, in layer order."""
     try:
         tmap = tensor_map(model, family)
@@ -100,7 +101,7 @@ def _assemble(pieces: list[tuple[str, Source]], state: dict[str, torch.Tensor], 
     return out
 
 
-def hf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, family: str | None = None,
+def hf_tensors(state: dict[str, torch.Tensor], model: ModelKeys, family: str | None = None,
                dtype=None) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors (HF name -> tensor, in layer order) of our global tensors
     ``state`` (our name -> global tensor; vocabulary rows may be padded: cut to
@@ -115,7 +116,7 @@ def hf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, family: str |
     return {hf: _assemble(pieces, state, td) for hf, pieces in _layout(model, family).items()}
 
 
-def _family(model: ModelConfig) -> str:
+def _family(model: ModelKeys) -> str:
     try:
         return hf_family(model)
     except HFWeightsError as e:
@@ -135,7 +136,7 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelConfig, out_dir: str | os.PathLike,
+def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_dir: str | os.PathLike,
                         tokenizer_files: Iterable[str | os.PathLike] = (), dtype=None,
                         max_shard_bytes: int = 5 * 2**30, *, generation_config: dict | None = None) -> Path:
     """Write our global tensors ``state`` as a Hugging Face checkpoint of ``model``'s
@@ -214,8 +215,6 @@ def read_dcp_global(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from parcompile.runtime.checkpoint import newest
-
     path = Path(ckpt_dir)
     if not (path / ".metadata").is_file():
         found = newest(path)
@@ -242,14 +241,12 @@ def tokenizer_outputs(tokenizer: str | None) -> tuple[list[Path], dict | None]:
     """
     if not tokenizer or tokenizer == "bytes":
         return [], None
-    from parcompile.runtime.dataset import load_tokenizer
-
     tok = load_tokenizer(tokenizer)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     return list(tok.files), {k: v for k, v in ids.items() if v is not None} or None
 
 
-def export_weights(ckpt_dir: str | os.PathLike, model: ModelConfig, out_dir: str | os.PathLike,
+def export_weights(ckpt_dir: str | os.PathLike, model: ModelKeys, out_dir: str | os.PathLike,
                    tokenizer_files: Iterable[str | os.PathLike] = (), **kw) -> Path:
     """:func:`read_dcp_global` then :func:`write_hf_checkpoint` (``kw``: its keywords)."""
     return write_hf_checkpoint(read_dcp_global(ckpt_dir), model, out_dir, tokenizer_files, **kw)

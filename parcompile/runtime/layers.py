@@ -44,21 +44,6 @@ def global_init(name: str, shape: tuple[int, ...], seed: int, std: float | None,
     return t
 
 
-def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
-    """This rank's contiguous slice of ``full`` along ``dim`` over ``axis`` (None: replicated).
-
-    Raises:
-        ValueError: the dimension does not divide by the axis size.
-    """
-    if dim is None or axis.size == 1:
-        return full.clone()
-    n = full.shape[dim]
-    if n % axis.size:
-        raise ValueError(f"dimension {dim} of size {n} does not divide by {axis.name}={axis.size}")
-    step = n // axis.size
-    return full.narrow(dim, axis.index * step, step).clone()
-
-
 _INIT = {"skip": False}
 
 
@@ -87,6 +72,16 @@ def shard_part(full: torch.Tensor, dim: int | None, index: int, parts: int) -> t
         raise ValueError(f"dimension {dim} of size {n} does not divide into {parts} parts")
     step = n // parts
     return full.narrow(dim, index * step, step).clone()
+
+
+def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim`` over ``axis``: :func:`shard_part` at the
+    axis's index and size (None: replicated).
+
+    Raises:
+        ValueError: the dimension does not divide by the axis size.
+    """
+    return shard_part(full, dim, axis.index, axis.size)
 
 
 def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, axis: Axis,
@@ -290,6 +285,27 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
+class QKNorm(nn.Module):
+    """RMSNorm over ``head_dim`` of q or k, each head alone, before RoPE (Qwen3, Gemma 3;
+    transformers' ``q_norm``/``k_norm``): (B, T, heads/tp, head_dim) -> same.
+
+    One ``(head_dim,)`` weight serves every head, so it is replicated over tp while the
+    heads are split: each rank's gradient sums over its own heads only. The weight is
+    marked ``tp_partial_grad`` and the optimizer all-reduces it over tp each step
+    (:func:`parcompile.runtime.optim.tp_partial_grads`; the plan's ``tp_partial_grads``,
+    or ``sp_norm_grads`` with sequence parallelism). Keeps its input and one fp32 scalar
+    per token and head for backward."""
+
+    def __init__(self, name: str, head_dim: int, eps: float, seed: int, tp: Axis):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param(f"{name}.weight", (head_dim,), seed, None, tp, None)
+        self.weight.tp_partial_grad = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm (Ba et al. 2016) with weight and bias."""
 
@@ -461,7 +477,7 @@ def recompute(fn, *args, **kwargs):
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LayerNorm",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
     "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "swiglu", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

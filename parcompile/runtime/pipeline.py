@@ -20,6 +20,9 @@ import torch
 
 from parcompile.runtime.comm import isend, recv
 from parcompile.runtime.context import ParallelContext
+from parcompile.runtime.context_parallel import split_microbatch
+from parcompile.runtime.dataset import local_rows
+from parcompile.runtime.train import reduce_loss
 from parcompile.runtime.wgrad import STORE
 
 FORWARD, BACKWARD = 0, 1
@@ -213,10 +216,6 @@ def evaluate(batches, ctx: ParallelContext, model, micro_batch: int, num_chunks:
     (tokens, targets), in order), forward only with the model in eval mode (no dropout, no
     router loss). Returns (loss on the ranks of the last model chunk, else None; the count
     of targets it averages)."""
-    from parcompile.runtime.context_parallel import split_microbatch
-    from parcompile.runtime.dataset import local_rows
-    from parcompile.runtime.train import reduce_loss
-
     batches = [batches.batch(b) for b in range(len(batches))] if hasattr(batches, "batch") else list(batches)
     count = sum(int((t != -100).sum()) for _, t in batches)
     factor = ctx.axes["dp_cp"].size / max(count, 1)

@@ -13,8 +13,8 @@ Three sources (:func:`weights_kind`):
   (padding differs between layouts) and replicated kv heads are read whole and cut here.
   A tied LM head is not in the checkpoint: it reads ``embedding.weight``;
 * ``hf``: a Hugging Face checkpoint (``config.json`` + ``*.safetensors``, optionally a
-  ``model.safetensors.index.json``) of any family of :mod:`parcompile.config.hf_weights`
-  (gpt2, gpt_neox, llama, mistral, mixtral, qwen2): each rank reads the rows or columns
+  ``model.safetensors.index.json``) of any family of :mod:`parcompile.core.hf_weights`
+  (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3): each rank reads the rows or columns
   of its shards through ``safetensors``' ``get_slice``; fused HF tensors (GPT-2
   ``c_attn``, GPT-NeoX ``query_key_value``, Mixtral ``gate_up_proj``) are read at the
   offsets of our tensor; GPT-2's ``Conv1D`` weights are transposed; vocabulary rows past
@@ -29,16 +29,22 @@ the serve program reports them as one line): ``message`` and an optional ``help`
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from parcompile.config.hf_weights import (HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
-                                          scan_checkpoint, tensor_map)
-from parcompile.config.schema import ModelConfig
+from parcompile.core.hf import HFConfigError
+from parcompile.core.hf_weights import (HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
+                                        scan_checkpoint, tensor_map)
+from parcompile.core.model import ModelKeys
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.generate import ServeError
+
+#: a complete checkpoint of a training program: ``step_NNNNNNNN`` (:mod:`parcompile.runtime.checkpoint`)
+STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 class WeightsError(ServeError):
@@ -72,6 +78,27 @@ HF_LLAMA = {
 }
 
 
+def newest(directory: str | os.PathLike) -> tuple[Path, int] | None:
+    """The newest complete checkpoint (``step_N`` holding ``.metadata``; module docstring
+    of :mod:`parcompile.runtime.checkpoint`) in ``directory`` and its step, or None."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in d.iterdir()
+                   if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
+    return (found[-1][1], found[-1][0]) if found else None
+
+
+def tp_mesh(ctx: ParallelContext):
+    """A one-dimensional DeviceMesh over this rank's tp group (DTensor reads and writes of
+    tensor-parallel shards), or None with tp = 1 or a single process."""
+    if ctx.distributed and ctx.tp.size > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
+    return None
+
+
 def weights_kind(path: str | None) -> str:
     """``seed`` (no path), ``dcp`` or ``hf`` for a directory.
 
@@ -86,8 +113,6 @@ def weights_kind(path: str | None) -> str:
                            "or give a Hugging Face checkpoint directory")
     if (p / ".metadata").is_file():
         return "dcp"
-    from parcompile.runtime.checkpoint import newest
-
     if newest(p) is not None:   # a training program's checkpoint directory: its newest step
         return "dcp"
     if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file():
@@ -96,9 +121,15 @@ def weights_kind(path: str | None) -> str:
                        "give a Hugging Face checkpoint directory or a training program's checkpoint directory")
 
 
-def _target_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a global tensor whose vocabulary rows may be padded differently:
-    rows past ``valid_rows`` are zero, then the rows or columns of the shard."""
+def target_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, a global tensor of parameter ``p`` (its layout
+    attributes: ``global_shape``, ``valid_rows``, ``shard_dim``, ``num_shards``,
+    ``shard_index``) whose vocabulary rows may be padded differently: rows past
+    ``valid_rows`` are zero, then the rows or columns of the shard.
+
+    Raises:
+        WeightsError: ``full`` has another shape than ``p``'s global one.
+    """
     shape = p.global_shape
     if p.valid_rows is not None and tuple(full.shape) != tuple(shape):
         fixed = torch.zeros(shape, dtype=full.dtype)
@@ -131,11 +162,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
 
     reader = dcp.FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
-    mesh = None
-    if ctx.distributed and ctx.tp.size > 1:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(ctx.tp.group, ctx.device.type)
+    mesh = tp_mesh(ctx)
     groups: dict[str, list[nn.Parameter]] = {}
     for p in _params(model):
         groups.setdefault(p.global_name, []).append(p)
@@ -166,10 +193,10 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
                 if hasattr(t, "to_local"):
                     p.copy_(t.to_local())
                 else:
-                    p.copy_(_target_slice(t, p))
+                    p.copy_(target_slice(t, p))
 
 
-def _hf_files(path: Path) -> dict[str, Path]:
+def hf_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of a Hugging Face checkpoint directory.
 
     Raises:
@@ -181,7 +208,7 @@ def _hf_files(path: Path) -> dict[str, Path]:
     return {k: path / v for k, v in names.items()}
 
 
-def _layout(root: Path, config: ModelConfig | None) -> tuple[str, dict[str, list[Source]]]:
+def _layout(root: Path, config: ModelKeys | None) -> tuple[str, dict[str, list[Source]]]:
     """The family and tensor map of a checkpoint: from its config.json (its own layout),
     else from ``config`` (this model's family)."""
     cfg, problems = read_config(root)
@@ -189,12 +216,10 @@ def _layout(root: Path, config: ModelConfig | None) -> tuple[str, dict[str, list
         raise WeightsError(problems[0].message, problems[0].help)
     try:
         if cfg is not None:
-            from parcompile.config.hf import HFConfigError
-
             family = cfg["model_type"]
             try:
                 layout_model = model_from_checkpoint_config(cfg)
-            except (HFConfigError, ValueError) as e:
+            except (HFConfigError, TypeError, ValueError) as e:
                 if config is None:
                     raise WeightsError(f"cannot read the layout of {root / 'config.json'}: "
                                        f"{getattr(e, 'message', e)}") from None
@@ -258,7 +283,7 @@ def _shard_range(p: torch.Tensor, dim: int) -> tuple[int, int]:
     return p.shard_index * n, (p.shard_index + 1) * n
 
 
-def load_hf(model: nn.Module, path: str, config: ModelConfig | None = None) -> None:
+def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> None:
     """Load a Hugging Face safetensors checkpoint of any supported family (module
     docstring) into ``model``'s shards, each rank reading only its rows or columns.
 
@@ -271,7 +296,7 @@ def load_hf(model: nn.Module, path: str, config: ModelConfig | None = None) -> N
     """
     root = Path(path)
     family, tmap = _layout(root, config)
-    files = _hf_files(root)
+    files = hf_files(root)
     reader = _Reader(files)
     try:
         with torch.no_grad():
@@ -313,7 +338,7 @@ def load_hf(model: nn.Module, path: str, config: ModelConfig | None = None) -> N
 
 
 def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
-                 config: ModelConfig | None = None) -> str:
+                 config: ModelKeys | None = None) -> str:
     """Fill ``model``'s shards from ``path`` (None: keep the seeded initialisation);
     returns the kind loaded (``seed``, ``dcp`` or ``hf``). ``config``: see :func:`load_hf`.
 
@@ -322,8 +347,6 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
     """
     kind = weights_kind(path)
     if kind == "dcp":
-        from parcompile.runtime.checkpoint import newest
-
         if not (Path(path) / ".metadata").is_file():
             path = str(newest(path)[0])
         load_dcp(model, path, ctx)
@@ -332,4 +355,5 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
     return kind
 
 
-__all__ = ["WeightsError", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA"]
+__all__ = ["WeightsError", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
+           "tp_mesh", "target_slice", "hf_files", "STEP_DIR"]

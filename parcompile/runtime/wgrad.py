@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from parcompile.runtime.grads import accumulate
+
 
 class WeightGradStore:
     """Closures computing weight gradients, filed per (micro-batch, chunk)."""
@@ -66,8 +68,6 @@ STORE = WeightGradStore()
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
-    from parcompile.runtime.grads import accumulate
-
     accumulate(weight, grad)
 
 

@@ -8,7 +8,9 @@ Run:       torchrun --standalone --nproc-per-node 8 program.py
 
 The process groups, the layers of each pipeline stage and the pipeline action lists come
 from plan.json beside this file. Do not edit: regenerate with `parcompile compile`.
-Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
+Shapes in comments are per rank, read off the sharded graph: B micro-batch, T sequence,
+h hidden, q/kv query/key-value features (heads x head_dim), f ffn, V' padded vocabulary;
+/tp, /cp: split over that axis. Collectives are named as plan.json names them.
 """
 
 import argparse
@@ -30,7 +32,6 @@ from parcompile import runtime as rt
 HERE = Path(__file__).resolve().parent
 
 # ---- model (global sizes, before sharding) -------------------------------------------
-LAYERS = 28
 HIDDEN = 2048  # h
 HEADS = 16  # query heads
 KV_HEADS = 16  # key/value heads
@@ -46,9 +47,9 @@ ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
 WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.002672612419124244  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
-EXPERTS = 64  # routed experts per MoE layer: 8 per ep rank (ep = 8)
+EXPERTS = 64  # routed experts per MoE layer: 8 per ep rank
 TOP_K = 6  # experts per token (softmax top-k router, dropless)
-EXPERT_FFN = 1408  # inner width of one expert: 1408 per expert_tp rank (expert_tp = 1)
+EXPERT_FFN = 1408  # inner width of one expert: 1408 per expert_tp rank
 SHARED_FFN = 2816  # 2 shared (always-on) expert(s), one MLP, tensor parallel over tp
 DENSE_LAYERS = 1  # leading layers with a dense MLP
 # load-balancing loss alpha * E * sum_e f_e P_e (Switch Transformer), alpha = 0.001; its
@@ -56,17 +57,11 @@ DENSE_LAYERS = 1  # leading layers with a dense MLP
 AUX_LOSS_SCALE = 1.5625e-05
 
 # ---- layout ---------------------------------------------------------------------------
-TP = 1
-PP = 1
 VIRTUAL_STAGES = 1
 ZERO = 1  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
-RECOMPUTE = "selective"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
-CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
-T_ATTN = 4096  # tokens per rank inside tp regions (SEQ_LEN / cp)
-T_LOCAL = 4096  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 512
 DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
@@ -77,7 +72,6 @@ DATA = 'synthetic'  # training samples (paths relative to this file)
 EVAL_DATA = None  # evaluation samples (None: no evaluation)
 DATA_FORMAT = {'tokenizer': 'bytes', 'data_format': 'text', 'text_field': 'text'}  # tokenizer, sample format and text field
 INIT_FROM = None  # starting weights (None: drawn from SEED)
-HF_OUTPUT = None  # Hugging Face checkpoint written after the last step (None: none)
 PEAK_FLOPS = 989000000000000.0  # FLOP/s per GPU, dense, for the model dtype (MFU's denominator)
 SEED = 1234
 
@@ -96,20 +90,20 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x, pos: rt.Positions):                    # x: (B, 4096, 2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # tp = 1: no communication
-        B, T, _ = x.shape                                       # (B, 4096, 2048)
-        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T, 16, 128)
-        k = self.wk(x).view(B, T, 16, HEAD_DIM)              # (B, T, 16, 128)
-        v = self.wv(x).view(B, T, 16, HEAD_DIM)              # (B, T, 16, 128)
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
+        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
+        B, T, _ = x.shape                                       # (B, T=4096, h=2048)
+        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q=2048): 16 heads
+        k = self.wk(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
+        v = self.wv(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
         q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         # selective recomputation (Korthikanti et al. 2022): the attention core keeps only
         # its inputs and runs again in backward
         y = rt.recompute(rt.attention_core, q, k, v, fused=True, dropout=DROPOUT,
                          training=self.training, window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, 2048)    # (B, T, 2048)
-        return self.wo(y)                                       # (B, 4096, 2048): tp = 1: no communication
+        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q=2048)
+        return self.wo(y)                                       # (B, T=4096, h=2048): no collective (tp = 1)
 
 
 class MLP(nn.Module):
@@ -123,10 +117,10 @@ class MLP(nn.Module):
         self.w3 = rt.ColumnParallelLinear(f"layers.{i}.{name}.w3", HIDDEN, ffn, False, tp, SEED)
         self.w2 = rt.RowParallelLinear(f"layers.{i}.{name}.w2", ffn, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x):                                       # x: (B, 4096, 2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # tp = 1: no communication
-        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T, 10944): silu(gate) * up
-        return self.w2(h)                                       # (B, 4096, 2048): tp = 1: no communication
+    def forward(self, x):                                       # x: (B, T=4096, h=2048)
+        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=4096, f=10944): silu(gate) * up
+        return self.w2(h)                                       # (B, T=4096, h=2048): no collective (tp = 1)
 
 
 class MoE(nn.Module):
@@ -142,12 +136,52 @@ class MoE(nn.Module):
                                   SEED, OUT_STD, AUX_LOSS_SCALE)
         self.shared = MLP(i, tp, "mlp.shared", SHARED_FFN)
 
-    def forward(self, x):                                       # x: (B, 4096, 2048), this rank's tokens
-        return self.routed(x) + self.shared(x)                  # (B, 4096, 2048)
+    def forward(self, x):                                       # x: (B, T=4096, h=2048), this rank's tokens
+        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048)
 
 
 class Block(nn.Module):
-    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x))."""
+    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x)).
+
+    Its ops on one rank (layer 0 of the sharded graph; every dense layer alike):
+        attn_norm      norm       (B, T=4096, h=2048)   {batch:dp}
+        attn.wq        linear     (B, T=4096, q=2048)   {batch:dp}
+        attn.wk        linear     (B, T=4096, kv=2048)  {batch:dp}
+        attn.wv        linear     (B, T=4096, kv=2048)  {batch:dp}
+        attn.rope_q    rope       (B, T=4096, q=2048)   {batch:dp}
+        attn.rope_k    rope       (B, T=4096, kv=2048)  {batch:dp}
+        attn.core      attention  (B, T=4096, q=2048)   {batch:dp}
+        attn.wo        linear     (B, T=4096, h=2048)   {batch:dp}
+        attn_residual  add        (B, T=4096, h=2048)   {batch:dp}
+        mlp_norm       norm       (B, T=4096, h=2048)   {batch:dp}
+        mlp.w1         linear     (B, T=4096, f=10944)  {batch:dp}
+        mlp.w3         linear     (B, T=4096, f=10944)  {batch:dp}
+        mlp.act        swiglu     (B, T=4096, f=10944)  {batch:dp}
+        mlp.w2         linear     (B, T=4096, h=2048)   {batch:dp}
+        mlp_residual   add        (B, T=4096, h=2048)   {batch:dp}
+
+    A MoE layer's ops (layer 1; every MoE layer alike):
+        attn_norm       norm          (B, T=4096, h=2048)       {batch:dp}
+        attn.wq         linear        (B, T=4096, q=2048)       {batch:dp}
+        attn.wk         linear        (B, T=4096, kv=2048)      {batch:dp}
+        attn.wv         linear        (B, T=4096, kv=2048)      {batch:dp}
+        attn.rope_q     rope          (B, T=4096, q=2048)       {batch:dp}
+        attn.rope_k     rope          (B, T=4096, kv=2048)      {batch:dp}
+        attn.core       attention     (B, T=4096, q=2048)       {batch:dp}
+        attn.wo         linear        (B, T=4096, h=2048)       {batch:dp}
+        attn_residual   add           (B, T=4096, h=2048)       {batch:dp}
+        mlp_norm        norm          (B, T=4096, h=2048)       {batch:dp}
+        mlp.router      router        (B, T=4096, E=64)         {batch:dp}
+        mlp.dispatch    moe_dispatch  (B, T=4096, k=6, h=2048)  {batch:dp}  forward all_to_all(ep) x 2, backward all_to_all(ep)
+        mlp.experts     experts       (B, T=4096, k=6, h=2048)  {batch:dp}
+        mlp.combine     moe_combine   (B, T=4096, h=2048)       {batch:dp}  forward all_to_all(ep), backward all_to_all(ep)
+        mlp.shared.w1   linear        (B, T=4096, fs=2816)      {batch:dp}
+        mlp.shared.w3   linear        (B, T=4096, fs=2816)      {batch:dp}
+        mlp.shared.act  swiglu        (B, T=4096, fs=2816)      {batch:dp}
+        mlp.shared.w2   linear        (B, T=4096, h=2048)       {batch:dp}
+        mlp.shared_add  add           (B, T=4096, h=2048)       {batch:dp}
+        mlp_residual    add           (B, T=4096, h=2048)       {batch:dp}
+    """
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
@@ -157,7 +191,7 @@ class Block(nn.Module):
         self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, 4096, 2048) -> same
+    def forward(self, x, pos: rt.Positions):                    # (B, T=4096, h=2048) -> same
         x = x + self.drop(self.attn(self.attn_norm(x), pos))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
@@ -195,7 +229,7 @@ class Stage(nn.Module):
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, 4096, 2048): tp = 1: no communication
+            x = self.embedding(x)                               # (B, T=4096, h=2048): no collective (tp = 1)
             x = self.drop(x)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
@@ -203,8 +237,8 @@ class Stage(nn.Module):
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # tp = 1: no communication
-            return rt.linear(x, self.head_weight())             # (B, T, 102400) logits, vocab split over tp
+            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # no collective (tp = 1)
+            return rt.linear(x, self.head_weight())             # (B, T=4096, V'=102400) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -244,7 +278,7 @@ def main(argv=None) -> dict:
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
-    act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
+    act_shape = (1, 4096, 2048)  # (B, T=4096, h=2048): what crosses a stage boundary
 
     def evaluate(done: int) -> None:
         if evals is not None:
@@ -269,7 +303,7 @@ def main(argv=None) -> dict:
         tokens, targets = data.batch(step)                      # (GLOBAL_BATCH, SEQ_LEN + 1), (GLOBAL_BATCH, SEQ_LEN)
         norm, _ = rt.loss_normaliser(targets, ctx)              # dp_cp / unmasked targets of the global batch
         rt.COUNTER.reset()
-        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, T_ATTN) each
+        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, 4096) each
                         for x, y in rt.local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)

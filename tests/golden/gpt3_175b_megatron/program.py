@@ -8,7 +8,9 @@ Run:       torchrun --nnodes 192 --nproc-per-node 8 --rdzv-backend c10d --rdzv-e
 
 The process groups, the layers of each pipeline stage and the pipeline action lists come
 from plan.json beside this file. Do not edit: regenerate with `parcompile compile`.
-Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
+Shapes in comments are per rank, read off the sharded graph: B micro-batch, T sequence,
+h hidden, q/kv query/key-value features (heads x head_dim), f ffn, V' padded vocabulary;
+/tp, /cp: split over that axis. Collectives are named as plan.json names them.
 """
 
 import argparse
@@ -30,7 +32,6 @@ from parcompile import runtime as rt
 HERE = Path(__file__).resolve().parent
 
 # ---- model (global sizes, before sharding) -------------------------------------------
-LAYERS = 96
 HIDDEN = 12288  # h
 HEADS = 96  # query heads
 KV_HEADS = 96  # key/value heads
@@ -47,17 +48,12 @@ OUT_STD = 0.0014433756729740645  # 0.02 / sqrt(2 * layers) for output projection
 ACT_DTYPE = torch.float16  # weights, activations, and what crosses a stage boundary
 
 # ---- layout ---------------------------------------------------------------------------
-TP = 8
-PP = 8
 VIRTUAL_STAGES = 1
 ZERO = 0  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
-RECOMPUTE = "full"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
-CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
-T_ATTN = 2048  # tokens per rank inside tp regions (SEQ_LEN / cp)
-T_LOCAL = 2048  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
+T_LOCAL = 2048  # tokens per rank in the residual stream (B, T=2048, h=12288)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 1536
 DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
@@ -68,7 +64,6 @@ DATA = 'synthetic'  # training samples (paths relative to this file)
 EVAL_DATA = None  # evaluation samples (None: no evaluation)
 DATA_FORMAT = {'tokenizer': 'bytes', 'data_format': 'text', 'text_field': 'text'}  # tokenizer, sample format and text field
 INIT_FROM = None  # starting weights (None: drawn from SEED)
-HF_OUTPUT = None  # Hugging Face checkpoint written after the last step (None: none)
 PEAK_FLOPS = 312000000000000.0  # FLOP/s per GPU, dense, for the model dtype (MFU's denominator)
 SEED = 1234
 
@@ -87,17 +82,17 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x, pos: rt.Positions):                    # x: (B, 2048, 12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
-        B, T, _ = x.shape                                       # (B, 2048, 12288)
-        q = self.wq(x).view(B, T, 12, HEAD_DIM)              # (B, T, 12, 128)
-        k = self.wk(x).view(B, T, 12, HEAD_DIM)              # (B, T, 12, 128)
-        v = self.wv(x).view(B, T, 12, HEAD_DIM)              # (B, T, 12, 128)
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
+        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
+        B, T, _ = x.shape                                       # (B, T=2048, h=12288)
+        q = self.wq(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, q/tp=1536): 12 heads
+        k = self.wk(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
+        v = self.wv(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         y = rt.attention_core(q, k, v, fused=False, dropout=DROPOUT, training=self.training,
                               window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 12, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, 1536)    # (B, T, 1536)
-        return self.wo(y)                                       # (B, 2048, 12288): all-reduce over tp
+        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 12)    # (B, T=2048, q/tp=1536)
+        return self.wo(y)                                       # (B, T=2048, h=12288): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
@@ -110,14 +105,33 @@ class MLP(nn.Module):
         self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED)
         self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x):                                       # x: (B, 2048, 12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
-        h = rt.ACTIVATIONS["gelu"](self.w1(x))              # (B, T, 6144)
-        return self.w2(h)                                       # (B, 2048, 12288): all-reduce over tp
+    def forward(self, x):                                       # x: (B, T=2048, h=12288)
+        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        h = rt.ACTIVATIONS["gelu"](self.w1(x))              # (B, T=2048, f/tp=6144)
+        return self.w2(h)                                       # (B, T=2048, h=12288): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
 class Block(nn.Module):
-    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x))."""
+    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x)).
+
+    Its ops on one rank (layer 0 of the sharded graph; every layer alike):
+        attn_norm            norm          (B, T=2048, h=12288)     {batch:dp}
+        attn.bwd_all_reduce  redistribute  (B, T=2048, h=12288)     {batch:dp}             backward all_reduce(tp)
+        attn.wq              linear        (B, T=2048, q/tp=1536)   {batch:dp,q:tp}
+        attn.wk              linear        (B, T=2048, kv/tp=1536)  {batch:dp,kv:tp}
+        attn.wv              linear        (B, T=2048, kv/tp=1536)  {batch:dp,kv:tp}
+        attn.core            attention     (B, T=2048, q/tp=1536)   {batch:dp,q:tp}
+        attn.wo              linear        (B, T=2048, h=12288)     {batch:dp,partial:tp}
+        attn.all_reduce      redistribute  (B, T=2048, h=12288)     {batch:dp}             forward all_reduce(tp)
+        attn_residual        add           (B, T=2048, h=12288)     {batch:dp}
+        mlp_norm             norm          (B, T=2048, h=12288)     {batch:dp}
+        mlp.bwd_all_reduce   redistribute  (B, T=2048, h=12288)     {batch:dp}             backward all_reduce(tp)
+        mlp.w1               linear        (B, T=2048, f/tp=6144)   {batch:dp,ffn:tp}
+        mlp.act              act           (B, T=2048, f/tp=6144)   {batch:dp,ffn:tp}
+        mlp.w2               linear        (B, T=2048, h=12288)     {batch:dp,partial:tp}
+        mlp.all_reduce       redistribute  (B, T=2048, h=12288)     {batch:dp}             forward all_reduce(tp)
+        mlp_residual         add           (B, T=2048, h=12288)     {batch:dp}
+    """
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
@@ -127,7 +141,7 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, 2048, 12288) -> same
+    def forward(self, x, pos: rt.Positions):                    # (B, T=2048, h=12288) -> same
         x = x + self.drop(self.attn(self.attn_norm(x), pos))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
@@ -168,7 +182,7 @@ class Stage(nn.Module):
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, 2048, 12288): all-reduce over tp
+            x = self.embedding(x)                               # (B, T=2048, h=12288): embedding.all_reduce: forward all_reduce(tp)
             start = self.tp.index * T_LOCAL if SP else 0        # this rank's slice of its positions
             x = x + self.pos_embedding.weight[self.positions[start:start + T_LOCAL]]
             x = self.drop(x)
@@ -178,12 +192,12 @@ class Stage(nn.Module):
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = rt.recompute(self.layers[str(i)], x, pos)   # full recomputation: keep the layer's input only
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # backward: all-reduce over tp
-            return rt.linear(x, self.head_weight())             # (B, T, 6400) logits, vocab split over tp
+            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # lm_head.bwd_all_reduce: backward all_reduce(tp)
+            return rt.linear(x, self.head_weight())             # (B, T=2048, V'/tp=6400) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel (3 fp32 all-reduces over tp)."""
+        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel: loss: forward all_reduce(tp) x 3."""
         per_token = rt.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp, VOCAB)
         return per_token.sum()
 
@@ -219,7 +233,7 @@ def main(argv=None) -> dict:
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
-    act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
+    act_shape = (1, 2048, 12288)  # (B, T=2048, h=12288): what crosses a stage boundary
 
     def evaluate(done: int) -> None:
         if evals is not None:
@@ -244,7 +258,7 @@ def main(argv=None) -> dict:
         tokens, targets = data.batch(step)                      # (GLOBAL_BATCH, SEQ_LEN + 1), (GLOBAL_BATCH, SEQ_LEN)
         norm, _ = rt.loss_normaliser(targets, ctx)              # dp_cp / unmasked targets of the global batch
         rt.COUNTER.reset()
-        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, T_ATTN) each
+        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, 2048) each
                         for x, y in rt.local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)

@@ -8,7 +8,9 @@ Run:       torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-end
 
 The process groups, the layers of each pipeline stage and the pipeline action lists come
 from plan.json beside this file. Do not edit: regenerate with `parcompile compile`.
-Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
+Shapes in comments are per rank, read off the sharded graph: B micro-batch, T sequence,
+h hidden, q/kv query/key-value features (heads x head_dim), f ffn, V' padded vocabulary;
+/tp, /cp: split over that axis. Collectives are named as plan.json names them.
 """
 
 import argparse
@@ -30,12 +32,10 @@ from parcompile import runtime as rt
 HERE = Path(__file__).resolve().parent
 
 # ---- model (global sizes, before sharding) -------------------------------------------
-LAYERS = 32
 HIDDEN = 4096  # h
 HEADS = 32  # query heads
 KV_HEADS = 8  # key/value heads (GQA: 4 query heads per kv head)
 HEAD_DIM = 128
-FFN_HIDDEN = 14336
 VOCAB = 32000
 PADDED_VOCAB = 32000  # Megatron's rule: a multiple of 128 * tp; padded rows stay zero
 SEQ_LEN = 4096
@@ -46,26 +46,19 @@ ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
 WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0025  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
-EXPERTS = 8  # routed experts per MoE layer: 1 per ep rank (ep = 8)
+EXPERTS = 8  # routed experts per MoE layer: 1 per ep rank
 TOP_K = 2  # experts per token (softmax top-k router, dropless)
-EXPERT_FFN = 14336  # inner width of one expert: 14336 per expert_tp rank (expert_tp = 1)
-DENSE_LAYERS = 0  # leading layers with a dense MLP
+EXPERT_FFN = 14336  # inner width of one expert: 14336 per expert_tp rank
 # load-balancing loss alpha * E * sum_e f_e P_e (Switch Transformer), alpha = 0.01; its
-# gradient is scaled like the loss: / micro-batches / tp (sequence-parallel ranks)
+# gradient is scaled like the loss: / micro-batches / 2 (the tp ranks splitting a sequence)
 AUX_LOSS_SCALE = 3.90625e-05
 
 # ---- layout ---------------------------------------------------------------------------
-TP = 2
-PP = 4
 VIRTUAL_STAGES = 1
 ZERO = 1  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
-RECOMPUTE = "full"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = True  # sequence parallelism: outside tp regions activations are split along the sequence
-CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
-T_ATTN = 4096  # tokens per rank inside tp regions (SEQ_LEN / cp)
-T_LOCAL = 2048  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 1024
 DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
@@ -76,7 +69,6 @@ DATA = 'synthetic'  # training samples (paths relative to this file)
 EVAL_DATA = None  # evaluation samples (None: no evaluation)
 DATA_FORMAT = {'tokenizer': 'bytes', 'data_format': 'text', 'text_field': 'text'}  # tokenizer, sample format and text field
 INIT_FROM = None  # starting weights (None: drawn from SEED)
-HF_OUTPUT = None  # Hugging Face checkpoint written after the last step (None: none)
 PEAK_FLOPS = 989000000000000.0  # FLOP/s per GPU, dense, for the model dtype (MFU's denominator)
 SEED = 1234
 
@@ -95,35 +87,18 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x, pos: rt.Positions):                    # x: (B, 2048, 4096)
-        x = rt.enter_tp(x, self.tp, SP)                         # all-gather the sequence over tp; backward: reduce-scatter
-        B, T, _ = x.shape                                       # (B, 4096, 4096)
-        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T, 16, 128)
-        k = self.wk(x).view(B, T, 4, HEAD_DIM)              # (B, T, 4, 128)
-        v = self.wv(x).view(B, T, 4, HEAD_DIM)              # (B, T, 4, 128)
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=2048, h=4096)
+        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        B, T, _ = x.shape                                       # (B, T=4096, h=4096)
+        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q/tp=2048): 16 heads
+        k = self.wk(x).view(B, T, 4, HEAD_DIM)              # (B, T=4096, kv/tp=512): 4 heads
+        v = self.wv(x).view(B, T, 4, HEAD_DIM)              # (B, T=4096, kv/tp=512): 4 heads
         q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
                               window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, 2048)    # (B, T, 2048)
-        return self.wo(y)                                       # (B, 2048, 4096): reduce-scatter the sequence over tp; backward: all-gather
-
-
-class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    14336 inner units -> 7168 per rank."""
-
-    def __init__(self, i: int, tp: rt.Axis):
-        super().__init__()
-        self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
-
-    def forward(self, x):                                       # x: (B, 2048, 4096)
-        x = rt.enter_tp(x, self.tp, SP)                         # all-gather the sequence over tp; backward: reduce-scatter
-        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T, 7168): silu(gate) * up
-        return self.w2(h)                                       # (B, 2048, 4096): reduce-scatter the sequence over tp; backward: all-gather
+        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q/tp=2048)
+        return self.wo(y)                                       # (B, T/tp=2048, h=4096): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 
 class MoE(nn.Module):
@@ -137,22 +112,42 @@ class MoE(nn.Module):
         self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp,
                                   SEED, OUT_STD, AUX_LOSS_SCALE)
 
-    def forward(self, x):                                       # x: (B, 2048, 4096), this rank's tokens
-        return self.routed(x)                                   # (B, 2048, 4096)
+    def forward(self, x):                                       # x: (B, T/tp=2048, h=4096), this rank's tokens
+        return self.routed(x)                                   # (B, T/tp=2048, h=4096)
 
 
 class Block(nn.Module):
-    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x))."""
+    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x)).
+
+    A MoE layer's ops (layer 0; every MoE layer alike):
+        attn_norm            norm          (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}
+        attn.all_gather      redistribute  (B, T=4096, h=4096)          {batch:dp}             forward all_gather(tp), backward reduce_scatter(tp)
+        attn.wq              linear        (B, T=4096, q/tp=2048)       {batch:dp,q:tp}
+        attn.wk              linear        (B, T=4096, kv/tp=512)       {batch:dp,kv:tp}
+        attn.wv              linear        (B, T=4096, kv/tp=512)       {batch:dp,kv:tp}
+        attn.rope_q          rope          (B, T=4096, q/tp=2048)       {batch:dp,q:tp}
+        attn.rope_k          rope          (B, T=4096, kv/tp=512)       {batch:dp,kv:tp}
+        attn.core            attention     (B, T=4096, q/tp=2048)       {batch:dp,q:tp}
+        attn.wo              linear        (B, T=4096, h=4096)          {batch:dp,partial:tp}
+        attn.reduce_scatter  redistribute  (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}      forward reduce_scatter(tp), backward all_gather(tp)
+        attn_residual        add           (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}
+        mlp_norm             norm          (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}
+        mlp.router           router        (B, T/tp=2048, E=8)          {batch:dp,seq:tp}
+        mlp.dispatch         moe_dispatch  (B, T/tp=2048, k=2, h=4096)  {batch:dp,seq:tp}      forward all_to_all(ep) x 2, backward all_to_all(ep)
+        mlp.experts          experts       (B, T/tp=2048, k=2, h=4096)  {batch:dp,seq:tp}
+        mlp.combine          moe_combine   (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}      forward all_to_all(ep), backward all_to_all(ep)
+        mlp_residual         add           (B, T/tp=2048, h=4096)       {batch:dp,seq:tp}
+    """
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
         self.attn_norm = Norm(f"layers.{i}.attn_norm", HIDDEN, NORM_EPS, SEED, tp)
         self.attn = Attention(i, tp, cp)
         self.mlp_norm = Norm(f"layers.{i}.mlp_norm", HIDDEN, NORM_EPS, SEED, tp)
-        self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)
+        self.mlp = MoE(i, tp, experts)                          # every layer: no dense MLP in this model
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, 2048, 4096) -> same
+    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=2048, h=4096) -> same
         x = x + self.drop(self.attn(self.attn_norm(x), pos))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
@@ -190,7 +185,7 @@ class Stage(nn.Module):
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, 2048, 4096): reduce-scatter the sequence over tp; backward: all-gather
+            x = self.embedding(x)                               # (B, T/tp=2048, h=4096): embedding.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
             x = self.drop(x)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
@@ -199,13 +194,13 @@ class Stage(nn.Module):
                 x = rt.recompute(self.layers[str(i)], x, pos)   # full recomputation: keep the layer's input only
         if k == self.num_model_chunks - 1:
             xs = self.final_norm(x)
-            x = rt.enter_tp(xs, self.tp, SP)                    # all-gather the sequence over tp; backward: reduce-scatter
+            x = rt.enter_tp(xs, self.tp, SP)                    # lm_head.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
             with rt.keep_split_input(xs, x, self.tp):           # backward keeps xs and gathers it again
-                return rt.linear(x, self.head_weight())         # (B, T, 16000) logits, vocab split over tp
+                return rt.linear(x, self.head_weight())         # (B, T=4096, V'/tp=16000) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel (3 fp32 all-reduces over tp)."""
+        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel: loss: forward all_reduce(tp) x 3."""
         per_token = rt.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp, VOCAB)
         return per_token.sum()
 
@@ -241,7 +236,7 @@ def main(argv=None) -> dict:
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
-    act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
+    act_shape = (1, 2048, 4096)  # (B, T/tp=2048, h=4096): what crosses a stage boundary
 
     def evaluate(done: int) -> None:
         if evals is not None:
@@ -266,7 +261,7 @@ def main(argv=None) -> dict:
         tokens, targets = data.batch(step)                      # (GLOBAL_BATCH, SEQ_LEN + 1), (GLOBAL_BATCH, SEQ_LEN)
         norm, _ = rt.loss_normaliser(targets, ctx)              # dp_cp / unmasked targets of the global batch
         rt.COUNTER.reset()
-        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, T_ATTN) each
+        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, 4096) each
                         for x, y in rt.local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)

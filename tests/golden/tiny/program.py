@@ -8,7 +8,9 @@ Run:       torchrun --standalone --nproc-per-node 8 program.py
 
 The process groups, the layers of each pipeline stage and the pipeline action lists come
 from plan.json beside this file. Do not edit: regenerate with `parcompile compile`.
-Shapes in comments are per rank: B micro-batch, T sequence, h hidden.
+Shapes in comments are per rank, read off the sharded graph: B micro-batch, T sequence,
+h hidden, q/kv query/key-value features (heads x head_dim), f ffn, V' padded vocabulary;
+/tp, /cp: split over that axis. Collectives are named as plan.json names them.
 """
 
 import argparse
@@ -30,7 +32,6 @@ from parcompile import runtime as rt
 HERE = Path(__file__).resolve().parent
 
 # ---- model (global sizes, before sharding) -------------------------------------------
-LAYERS = 4
 HIDDEN = 64  # h
 HEADS = 4  # query heads
 KV_HEADS = 2  # key/value heads (GQA: 2 query heads per kv head)
@@ -48,17 +49,11 @@ OUT_STD = 0.0070710678118654745  # 0.02 / sqrt(2 * layers) for output projection
 ACT_DTYPE = torch.float32  # weights, activations, and what crosses a stage boundary
 
 # ---- layout ---------------------------------------------------------------------------
-TP = 2
-PP = 2
 VIRTUAL_STAGES = 1
 ZERO = 0  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
-RECOMPUTE = "none"  # activation recomputation: none, selective (attention core) or full (whole layer)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
-CP = 1  # context parallelism: each cp rank holds 2 of the 2 * cp sequence chunks
-T_ATTN = 64  # tokens per rank inside tp regions (SEQ_LEN / cp)
-T_LOCAL = 64  # tokens per rank outside tp regions (/ tp more with sequence parallelism)
 MICRO_BATCH = 2
 GLOBAL_BATCH = 16
 DEVICE = "cpu"  # gloo on CPU processes, even where a GPU exists
@@ -69,7 +64,6 @@ DATA = 'builtin:pydoc'  # training samples (paths relative to this file)
 EVAL_DATA = None  # evaluation samples (None: no evaluation)
 DATA_FORMAT = {'tokenizer': 'bytes', 'data_format': 'text', 'text_field': 'text'}  # tokenizer, sample format and text field
 INIT_FROM = None  # starting weights (None: drawn from SEED)
-HF_OUTPUT = None  # Hugging Face checkpoint written after the last step (None: none)
 PEAK_FLOPS = 1000000000000.0  # FLOP/s per GPU, dense, for the model dtype (MFU's denominator)
 SEED = 1
 
@@ -88,18 +82,18 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x, pos: rt.Positions):                    # x: (B, 64, 64)
-        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
-        B, T, _ = x.shape                                       # (B, 64, 64)
-        q = self.wq(x).view(B, T, 2, HEAD_DIM)              # (B, T, 2, 16)
-        k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T, 1, 16)
-        v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T, 1, 16)
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=64, h=64)
+        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
+        B, T, _ = x.shape                                       # (B, T=64, h=64)
+        q = self.wq(x).view(B, T, 2, HEAD_DIM)              # (B, T=64, q/tp=32): 2 heads
+        k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T=64, kv/tp=16): 1 head
+        v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T=64, kv/tp=16): 1 head
         q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 16)
         y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
                               window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 2, T, 16)
-        y = y.transpose(1, 2).reshape(B, T, 32)    # (B, T, 32)
-        return self.wo(y)                                       # (B, 64, 64): all-reduce over tp
+        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 2)    # (B, T=64, q/tp=32)
+        return self.wo(y)                                       # (B, T=64, h=64): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
@@ -113,14 +107,36 @@ class MLP(nn.Module):
         self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
         self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
 
-    def forward(self, x):                                       # x: (B, 64, 64)
-        x = rt.enter_tp(x, self.tp, SP)                         # backward: all-reduce over tp
-        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T, 64): silu(gate) * up
-        return self.w2(h)                                       # (B, 64, 64): all-reduce over tp
+    def forward(self, x):                                       # x: (B, T=64, h=64)
+        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=64, f/tp=64): silu(gate) * up
+        return self.w2(h)                                       # (B, T=64, h=64): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
 class Block(nn.Module):
-    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x))."""
+    """Decoder layer (pre-norm): x += attn(norm(x)); x += mlp(norm(x)).
+
+    Its ops on one rank (layer 0 of the sharded graph; every layer alike):
+        attn_norm            norm          (B, T=64, h=64)      {batch:dp}
+        attn.bwd_all_reduce  redistribute  (B, T=64, h=64)      {batch:dp}             backward all_reduce(tp)
+        attn.wq              linear        (B, T=64, q/tp=32)   {batch:dp,q:tp}
+        attn.wk              linear        (B, T=64, kv/tp=16)  {batch:dp,kv:tp}
+        attn.wv              linear        (B, T=64, kv/tp=16)  {batch:dp,kv:tp}
+        attn.rope_q          rope          (B, T=64, q/tp=32)   {batch:dp,q:tp}
+        attn.rope_k          rope          (B, T=64, kv/tp=16)  {batch:dp,kv:tp}
+        attn.core            attention     (B, T=64, q/tp=32)   {batch:dp,q:tp}
+        attn.wo              linear        (B, T=64, h=64)      {batch:dp,partial:tp}
+        attn.all_reduce      redistribute  (B, T=64, h=64)      {batch:dp}             forward all_reduce(tp)
+        attn_residual        add           (B, T=64, h=64)      {batch:dp}
+        mlp_norm             norm          (B, T=64, h=64)      {batch:dp}
+        mlp.bwd_all_reduce   redistribute  (B, T=64, h=64)      {batch:dp}             backward all_reduce(tp)
+        mlp.w1               linear        (B, T=64, f/tp=64)   {batch:dp,ffn:tp}
+        mlp.w3               linear        (B, T=64, f/tp=64)   {batch:dp,ffn:tp}
+        mlp.act              swiglu        (B, T=64, f/tp=64)   {batch:dp,ffn:tp}
+        mlp.w2               linear        (B, T=64, h=64)      {batch:dp,partial:tp}
+        mlp.all_reduce       redistribute  (B, T=64, h=64)      {batch:dp}             forward all_reduce(tp)
+        mlp_residual         add           (B, T=64, h=64)      {batch:dp}
+    """
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
@@ -130,7 +146,7 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, 64, 64) -> same
+    def forward(self, x, pos: rt.Positions):                    # (B, T=64, h=64) -> same
         x = x + self.drop(self.attn(self.attn_norm(x), pos))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
@@ -168,7 +184,7 @@ class Stage(nn.Module):
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, 64, 64): all-reduce over tp
+            x = self.embedding(x)                               # (B, T=64, h=64): embedding.all_reduce: forward all_reduce(tp)
             x = self.drop(x)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
@@ -176,12 +192,12 @@ class Stage(nn.Module):
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # backward: all-reduce over tp
-            return rt.linear(x, self.head_weight())             # (B, T, 128) logits, vocab split over tp
+            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # lm_head.bwd_all_reduce: backward all_reduce(tp)
+            return rt.linear(x, self.head_weight())             # (B, T=64, V'/tp=128) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel (3 fp32 all-reduces over tp)."""
+        """Summed cross-entropy of a micro-batch's unmasked targets (-100: masked); vocab-parallel: loss: forward all_reduce(tp) x 3."""
         per_token = rt.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.tp, VOCAB)
         return per_token.sum()
 
@@ -217,7 +233,7 @@ def main(argv=None) -> dict:
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
-    act_shape = (MICRO_BATCH, T_LOCAL, HIDDEN)                   # what crosses a stage boundary
+    act_shape = (2, 64, 64)  # (B, T=64, h=64): what crosses a stage boundary
 
     def evaluate(done: int) -> None:
         if evals is not None:
@@ -242,7 +258,7 @@ def main(argv=None) -> dict:
         tokens, targets = data.batch(step)                      # (GLOBAL_BATCH, SEQ_LEN + 1), (GLOBAL_BATCH, SEQ_LEN)
         norm, _ = rt.loss_normaliser(targets, ctx)              # dp_cp / unmasked targets of the global batch
         rt.COUNTER.reset()
-        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, T_ATTN) each
+        microbatches = [rt.split_microbatch(x, ctx.axes["cp"], y)     # (inputs, targets), (B, 64) each
                         for x, y in rt.local_rows(tokens, targets, ctx.dp.index, ctx.dp.size, MICRO_BATCH)]
         opt.zero_grad()
         lr = rt.lr_at(step, TRAIN)

@@ -32,7 +32,6 @@ from parcompile.runtime.weights import load_weights
 HERE = Path(__file__).resolve().parent
 
 # ---- model (global sizes, before sharding) -------------------------------------------
-LAYERS = 4
 HIDDEN = 64  # h
 HEADS = 4  # query heads
 KV_HEADS = 2  # key/value heads
@@ -49,8 +48,6 @@ DTYPE = torch.float32  # weights and activations
 KV_DTYPE = gen.TORCH_DTYPES["fp32"]  # the KV cache
 
 # ---- layout ---------------------------------------------------------------------------
-TP = 2
-PP = 2
 HEADS_LOCAL = 2  # query heads per rank
 KV_LOCAL = 1  # kv heads per rank
 KV_REPLICAS = 1  # tp ranks holding the same kv head (vLLM-style replication when tp > kv_heads)
@@ -94,7 +91,7 @@ class Attention(nn.Module):
         k, v = cache.store(self.i, k, v, step.start)                  # (B, 1, L, 16): the cache so far
         y = gen.cached_attention(q, k, v, step.mask, fused=True)  # (B, 2, T, 16)
         y = y.transpose(1, 2).reshape(B, T, HEADS_LOCAL * HEAD_DIM)   # (B, T, 32)
-        return self.wo(y)                                             # (B, T, 64): all-reduce over tp
+        return self.wo(y)                                             # (B, T, 64): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
@@ -109,7 +106,7 @@ class MLP(nn.Module):
 
     def forward(self, x):                                             # x: (B, T, 64)
         h = F.silu(self.w1(x)) * self.w3(x)                           # (B, T, 64)
-        return self.w2(h)                                             # (B, T, 64): all-reduce over tp
+        return self.w2(h)                                             # (B, T, 64): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
 class Block(nn.Module):
@@ -157,7 +154,7 @@ class Stage(nn.Module):
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage."""
         if self.has_first:
-            x = self.embedding(x).to(DTYPE)                           # (B, T, 64): all-reduce over tp
+            x = self.embedding(x).to(DTYPE)                           # (B, T, 64): embedding.all_reduce: forward all_reduce(tp)
         rope = None if self.rope is None else (self.rope[0].to(x.device), self.rope[1].to(x.device))
         for i in self.layer_ids:
             x = self.layers[str(i)](x, step, self.cache, rope)

@@ -1,9 +1,29 @@
-"""ZeRO over the data-parallel group (Rajbhandari et al. 2020; Megatron-LM's distributed
+"""The optimizer family of a training step, in one module: gradient reduction, the
+model-parallel gradient sums, the gradient norm, clipping, fp16 loss-scale handling and
+the update, for every ``zero`` stage and for expert weights.
+
+- :class:`ReplicatedOptimizer`: ``zero = 0``; every data-parallel rank holds all states.
+- :class:`ShardedOptimizer`: ``zero`` 1, 2 and 3, sharded over ``dp_cp`` (below), with
+  :class:`LayerGather` gathering ZeRO-3's buckets just in time.
+- :class:`MoEOptimizer`: a stage holding expert weights (below): a dense part and an
+  expert part, each one of the two above.
+- :func:`step_optimizer` picks one for a stage; generated programs call it.
+
+The gradient buckets all three reduce in are :class:`parcompile.runtime.buckets.GradBuckets`
+(the rule: :mod:`parcompile.core.buckets`).
+
+Parameters carry their layout (set by :func:`parcompile.runtime.layers.make_param`):
+``global_name``, ``shard_dim`` (None: replicated over tp) and ``global_shape``. A tied
+LM head on the last pipeline stage (pp > 1) is a copy of the embedding marked
+``tied_copy``; its gradient is summed with the embedding's over the `embedding` group
+(Megatron-LM's rule) and it is counted once in the gradient norm.
+
+**ZeRO** over the data-parallel group (:class:`ShardedOptimizer`; Rajbhandari et al. 2020; Megatron-LM's distributed
 optimizer; torchtitan's FSDP + PP shape: parameters stay gathered across the
 micro-batches of a step).
 
 A pipeline stage's parameters are grouped into gradient buckets
-(:mod:`parcompile.analysis.buckets`); each bucket of N elements is its own sharded buffer,
+(:mod:`parcompile.core.buckets`); each bucket of N elements is its own sharded buffer,
 padded to ``S * d`` with ``S = ceil(N / d)`` over the ``dp_cp`` group of d ranks, and rank
 i owns elements ``[i S, (i + 1) S)`` of every bucket (Megatron-LM's
 ``param_and_grad_buffer.py`` layout). One step:
@@ -28,7 +48,7 @@ Stages: ``zero = 1`` keeps full gradients and parameters between steps; ``zero =
 holds full gradients only for the buckets in flight (only the slices' gradients are kept);
 ``zero = 3`` also frees the full parameters after the update and all-gathers them, bucket
 by bucket, where the step needs them (:class:`LayerGather`; the rule and the plan's side
-are in :mod:`parcompile.analysis.buckets`). With ``pp = 1`` every bucket is gathered just
+are in :mod:`parcompile.core.buckets`). With ``pp = 1`` every bucket is gathered just
 in time, before the forward of its first unit (the embedding, a decoder layer, the output
 layer) with the next unit's prefetched, and freed after the forward of its last unit;
 gathered again before the backward of its last unit the backward reads (not the
@@ -52,20 +72,360 @@ all-gathers run on a group of their own (:attr:`parcompile.runtime.context.Axis.
 
 fp32 models update their parameters in place through views (no master copy); the
 optimizer's states are then 8 bytes per owned element (Adam), as SPEC accounts.
+
+**Gradients of expert weights** (:class:`MoEOptimizer`). Every token of the stage is
+dispatched from exactly one rank, so summing an expert's local gradient over its ``expert_dp`` replicas gives the sum over all
+tokens of the stage of d loss_g / dW, where loss_g is the loss of data-parallel rank g.
+The step's loss is the mean over the dp * cp ranks, so expert gradients are all-reduced
+over expert_dp and divided by dp * cp (not by expert_dp). The gradient norm counts each
+expert shard once: squares summed over expert_dp (when sharded), ep and expert_tp.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, local_numel
-from parcompile.runtime.comm import COUNTER, _nbytes, all_gather_single, all_reduce
+from parcompile.core.buckets import (bucket_positions, needed_in_backward, reshard_after_forward, unit_position,
+                                     zero3_just_in_time)
+from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, GradSync, local_numel
+from parcompile.runtime.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
+from parcompile.runtime.loss_scale import DynamicLossScaler
+
+
+# --------------------------------------------------------------------------- shared rules
+
+
+def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool = False) -> None:
+    """The model-parallel gradient sums of a step, after the data-parallel reduction
+    (Megatron-LM's ``finalize_model_grads`` order; sums over tp or `embedding` and the mean
+    over dp are linear, so they commute):
+
+    - with sequence parallelism, parameters replicated over tp (norms, row-parallel
+      biases, learned positions) saw only this rank's part of the sequence: their
+      gradients are summed over tp in one flat buffer (Megatron-LM's sequence-parallel
+      gradients); without it only the qk-norm weights are (shared by the heads tp splits:
+      :func:`tp_partial_grads`);
+    - a tied embedding and its LM-head copy on the last stage (pp > 1) sum their
+      gradients over the `embedding` group (Megatron-LM's rule).
+
+    :class:`ReplicatedOptimizer` runs it on the reduced gradients; the sharded optimizer
+    runs the same sums on its owned shards (:class:`ShardedOptimizer`).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if main_grad(p) is None:
+            set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+    if ctx.tp.size > 1:
+        _all_reduce_flat(tp_partial_grads(params, sequence_parallel), ctx.tp)
+    emb = ctx.axes["embedding"]
+    if emb.size > 1:
+        for p in params:
+            if getattr(p, "tied", False):
+                g = main_grad(p).float()
+                all_reduce(g, emb)
+                main_grad(p).copy_(g)
+
+
+def tp_partial_grads(params: list, sequence_parallel: bool) -> list:
+    """The parameters whose gradients are partial sums over tp, summed over tp each step:
+    with sequence parallelism every tp-replicated one (:func:`sp_replicated`), qk-norm
+    weights included; without it only those marked ``tp_partial_grad`` (a qk-norm weight:
+    each rank sums its gradient over its own heads; Megatron-Core's
+    ``finalize_model_grads`` all-reduces ``q_layernorm``/``k_layernorm`` alike)."""
+    if sequence_parallel:
+        return sp_replicated(params)
+    return [p for p in params if getattr(p, "tp_partial_grad", False)]
+
+
+def sp_replicated(params: list) -> list:
+    """The parameters whose gradients sequence parallelism sums over tp: replicated over tp
+    (no ``shard_dim``) and not MoE experts (those are split over expert_tp)."""
+    return [p for p in params if getattr(p, "shard_dim", None) is None and not getattr(p, "expert", False)]
+
+
+def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:
+    """Sum the gradients of ``params`` over ``axis`` as one flat fp32 buffer, times ``scale``."""
+    if not params or axis.size == 1:
+        return
+    grads = [main_grad(p) for p in params]
+    flat = _flatten_dense_tensors([g.float() for g in grads])
+    all_reduce(flat, axis)
+    if scale != 1.0:
+        flat *= scale
+    for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(new)
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in groups of one device and dtype (what a foreach kernel takes at once)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+    """The global L2 norm of all gradients, each parameter counted once over tp and pp.
+
+    Replicated-over-tp parameters count on tp rank 0 only; a tied LM head copy is skipped.
+    The local sum of squares comes from ``torch._foreach_norm`` (one fused pass over every
+    gradient of a device and dtype, as ``torch.nn.utils.clip_grad_norm_``), in fp32; it is
+    then all-reduced over tp and pp.
+    """
+    grads = []
+    for p in model.parameters():
+        g = main_grad(p)
+        if g is None or getattr(p, "tied_copy", False):
+            continue
+        if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
+            continue
+        grads.append(g)
+    sq = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    for group in _by_device_and_dtype(grads):
+        norms = torch._foreach_norm(group, 2.0)
+        sq += torch.stack(norms).to(device=ctx.device, dtype=torch.float32).pow(2).sum()
+    all_reduce(sq, ctx.tp)
+    all_reduce(sq, ctx.pp)
+    return sq.sqrt()[0]
+
+
+def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off),
+    with ``torch._foreach_mul_`` (one call per device and dtype)."""
+    if max_norm and max_norm > 0:
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            grads = [g for g in (main_grad(p) for p in model.parameters()) if g is not None]
+            for group in _by_device_and_dtype(grads):
+                torch._foreach_mul_(group, coef)
+
+
+def make_optimizer(groups: list[dict], train: dict) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over parameter groups (each with its ``weight_decay``). Adam and
+    AdamW use torch's fused kernel (one pass over all parameters, on CPU and CUDA; the
+    optimizer states and the update are the same as the per-parameter loop's up to rounding)
+    when every parameter is a floating tensor on one device type, as the fp32 masters are."""
+    name, lr = train["optimizer"], train["lr"]
+    params = [p for g in groups for p in g["params"]]
+    fused = bool(params) and all(p.is_floating_point() for p in params) \
+        and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cpu", "cuda")
+    kw = {"fused": True} if fused else {}
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"], **kw)
+    if name == "adam":  # Adam's weight decay is L2 added to the gradient
+        return torch.optim.Adam(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"], **kw)
+    return torch.optim.SGD(groups, lr=lr)
+
+
+def build_optimizer(model: nn.Module, train: dict) -> torch.optim.Optimizer:
+    """The optimizer over the local shards. Weight decay applies to matrices and
+    embeddings (ndim >= 2), not to norms and biases (Megatron-LM and torchtitan's rule).
+    Element-wise updates make the result independent of how parameters are sharded.
+    """
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return make_optimizer([{"params": decay, "weight_decay": train["weight_decay"]},
+                           {"params": no_decay, "weight_decay": 0.0}], train)
+
+
+class ReplicatedOptimizer(BucketedReduction):
+    """``zero = 0``: every data-parallel rank holds all optimizer states; gradients are
+    averaged over `dp_cp` (``axis``) with one all-reduce per gradient bucket, launched
+    during the backward (:class:`parcompile.runtime.buckets.GradBuckets`), then summed
+    over the model-parallel groups that need it (:func:`sync_gradients`).
+
+    Args:
+        model: the rank's stage (or a view of some of its parameters).
+        ctx: the rank's groups.
+        train: the spec's ``train`` block.
+        bucket_size: fp32 bytes per gradient bucket (``parallel.bucket_size``).
+        sequence_parallel: sum tp-replicated parameters' gradients over tp.
+        chunks: layer ids per local chunk (default ``model.chunks``), for the buckets.
+        axis: the data-parallel group (default ``dp_cp``; ``expert_dp`` for expert weights).
+        grad_scale: what the summed gradients are multiplied by (default ``1 / dp_cp``).
+
+    Same interface as :class:`ShardedOptimizer`.
+    """
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, bucket_size: int = 0,
+                 sequence_parallel: bool = False, chunks=None, axis=None, grad_scale: float | None = None):
+        self.model, self.ctx = model, ctx
+        self.params = list(model.parameters())
+        self.scaler = scaler_for(self.params)
+        self.sequence_parallel = sequence_parallel
+        enable_main_grads(model)
+        axis = axis or ctx.axes["dp_cp"]
+        scale = grad_scale if grad_scale is not None else 1.0 / ctx.axes["dp_cp"].size
+        self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
+                                   axis, bucket_size, sharded=False, scale=scale)
+        # 16-bit parameters get fp32 master copies that the optimizer updates (SPEC: 4 bytes
+        # of master weights per parameter); fp32 parameters are updated in place
+        self.masters = [nn.Parameter(p.detach().float().clone()) if p.dtype != torch.float32 else p
+                        for p in self.params]
+        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
+        self.optimizer = make_optimizer([{"params": decay, "weight_decay": train["weight_decay"]},
+                                         {"params": no_decay, "weight_decay": 0.0}], train)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+            set_main_grad(p, None)
+        self.buckets.reset()
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def begin_step(self) -> None:
+        pass
+
+    def reduce_gradients(self) -> None:
+        """Finish the bucketed data-parallel reduction, then the model-parallel sums."""
+        self.buckets.finish()
+        sync_gradients(self.model, self.ctx, self.sequence_parallel)
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before the backward (fp16; 1 otherwise)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    def unscale(self) -> bool:
+        """Divide the gradients by the loss scale; False when one overflowed on some rank
+        (the step is then skipped, its gradients dropped, and the scale halves)."""
+        return unscale_gradients(self.scaler, [main_grad(p) for p in self.params], self.ctx, self.zero_grad)
+
+    def dump_gradients(self) -> dict:
+        return shards(self.model, self.ctx, grads=True)
+
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.model, self.ctx)
+
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        clip_gradients(self.model, norm, max_norm)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = main_grad(p)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.grad = None
+                    p.copy_(m)                                  # 16-bit weights from the fp32 masters
+
+    def gather_for_export(self) -> None:
+        pass
+
+    def export_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Optimizer states in their parameter's layout, by ``id(param)`` (checkpoints)."""
+        out = {}
+        for p, m in zip(self.params, self.masters):
+            st = {k: v.detach() for k, v in self.optimizer.state.get(m, {}).items() if torch.is_tensor(v) and v.dim() > 0}
+            if m is not p:
+                st["master"] = m.detach()
+            out[id(p)] = st
+        return out
+
+    def import_states(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        """Restore what :meth:`export_states` wrote, after ``step`` optimizer steps."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                st = dict(states.get(id(p), {}))
+                master = st.pop("master", None)
+                if m is not p:
+                    m.copy_(master if master is not None else p.float())
+                if st:
+                    self.optimizer.state[m] = {"step": torch.tensor(float(step)), **{k: v.clone() for k, v in st.items()}}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
+        ps = self.params
+        masters = sum(m.numel() * m.element_size() for p, m in zip(ps, self.masters) if m is not p)
+        return {
+            "params": sum(p.numel() * p.element_size() for p in ps),
+            "grads": self.buckets.buffer_bytes(),   # every gradient is a view of its bucket's buffer
+            "optimizer": masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                                       for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
+        }
+
+
+def scaler_for(params: list):
+    """A :class:`parcompile.runtime.loss_scale.DynamicLossScaler` when ``params`` are fp16
+    (their first one decides: a stage has one dtype), else None."""
+    if params and params[0].dtype == torch.float16:
+        return DynamicLossScaler()
+    return None
+
+
+def unscale_gradients(scaler, grads: list, ctx: ParallelContext, drop) -> bool:
+    """fp16: divide ``grads`` (fp32 tensors, None skipped) in place by the loss scale of
+    ``scaler`` (a :class:`parcompile.runtime.loss_scale.DynamicLossScaler`; None: nothing to
+    do, True), agree with every rank on an overflow (inf or nan), update the scale, and
+    call ``drop()`` (drop the step's gradients) on an overflow. Returns False when the step
+    is to be skipped. Shared by every optimizer of this module."""
+    if scaler is None:
+        return True
+    inv = 1.0 / scaler.scale
+    for g in grads:
+        if g is not None:
+            g.mul_(inv)
+    overflow = scaler.found_inf(grads, ctx)
+    scaler.update(overflow)
+    if overflow:
+        drop()
+    return not overflow
+
+
+def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                   sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+    """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
+    reducing gradients in buckets of ``bucket_size`` fp32 bytes (0: one per chunk, after
+    the backward); ``sequence_parallel`` sums tp-replicated gradients over tp;
+    ``reduce_dtype`` (``parallel.reduce_dtype``): the dtype zero 2 and 3 hold and
+    reduce-scatter each micro-batch's buckets in. With ``zero = 3`` buckets are gathered
+    just in time by hooks on the stage's units (:class:`LayerGather`)."""
+    opt = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype)   # experts: over expert_dp
+    if opt is None:
+        if zero == 0 or ctx.axes["dp_cp"].size == 1:
+            return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
+        opt = ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
+                               bucket_size, sequence_parallel, reduce_dtype=reduce_dtype)
+    parts = [o for o in getattr(opt, "parts", (opt,)) if isinstance(o, ShardedOptimizer) and o.zero == 3]
+    if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time
+        LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
+    return opt
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def shards(model: nn.Module, ctx: ParallelContext, grads: bool) -> dict:
+    """This rank's parameters (or gradients) with their layout, for ``verify`` to reassemble."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = main_grad(p) if grads else p
+        out[name] = {
+            "global_name": getattr(p, "global_name", name),
+            "shard_dim": getattr(p, "shard_dim", None),
+            "tp_index": getattr(p, "shard_index", ctx.tp.index),   # over tp, or expert_tp for experts
+            "tp_size": ctx.tp.size,
+            "tensor": None if t is None else t.detach().float().cpu().clone(),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- ZeRO
 
 
 class ShardedOptimizer(BucketedReduction):
@@ -76,7 +436,7 @@ class ShardedOptimizer(BucketedReduction):
     segments of the parameters (one segment per parameter and bucket that overlaps the
     owned slice), so the update of every element equals the unsharded optimizer's.
     ``bucket_size``, ``sequence_parallel``, ``chunks`` and ``grad_scale`` (default 1/d) are
-    :class:`parcompile.runtime.train.ReplicatedOptimizer`'s; ``reduce_dtype``
+    :class:`ReplicatedOptimizer`'s; ``reduce_dtype``
     (``parallel.reduce_dtype``): the dtype of the buckets reduce-scattered per micro-batch
     (zero 2, 3; :class:`parcompile.runtime.buckets.GradBuckets`).
     """
@@ -89,9 +449,7 @@ class ShardedOptimizer(BucketedReduction):
         self.sequence_parallel = sequence_parallel
         self.params = [p for p in model.parameters()]
         enable_main_grads(model)
-        from parcompile.runtime.train import _scaler_for
-
-        self.scaler = _scaler_for(self.params)
+        self.scaler = scaler_for(self.params)
         self.mixed = self.params[0].dtype != torch.float32
         d = self.axis.size
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
@@ -200,13 +558,11 @@ class ShardedOptimizer(BucketedReduction):
             self.buckets.release()
 
     def _sync_model_parallel(self) -> None:
-        """:func:`parcompile.runtime.train.sync_gradients` on the owned slices: one flat
+        """:func:`sync_gradients` on the owned slices: one flat
         all-reduce over tp of the sequence-parallel parameters (the plan's full
         ``sp_norm_grads`` size; slices not owned here are zeros), and one over `embedding`
         of the tied embedding (alone in its bucket on both stages, so both own the same
         slice)."""
-        from parcompile.runtime.train import sp_replicated
-
         def reduce(params: list, axis) -> None:
             if not params or axis.size == 1:
                 return
@@ -224,8 +580,8 @@ class ShardedOptimizer(BucketedReduction):
                 at = start[id(p)] + lo - self.buckets.offset_of[id(p)]
                 seg.grad.reshape(-1).copy_(flat[at:at + hi - lo])
 
-        if self.sequence_parallel and self.ctx.tp.size > 1:
-            reduce(sp_replicated(self.params), self.ctx.tp)
+        if self.ctx.tp.size > 1:
+            reduce(tp_partial_grads(self.params, self.sequence_parallel), self.ctx.tp)
         reduce([p for p in self.params if getattr(p, "tied", False)], self.ctx.axes["embedding"])
 
     @property
@@ -235,14 +591,12 @@ class ShardedOptimizer(BucketedReduction):
 
     def unscale(self) -> bool:
         """Unscale the owned gradient slices; False (step skipped) when a rank overflowed."""
-        from parcompile.runtime.train import _unscale
-
         def drop():
             self.zero_grad()
             if self.zero == 3:
                 self._free_params()
 
-        return _unscale(self.scaler, list(self._grad_shards or []), self.ctx, drop)
+        return unscale_gradients(self.scaler, list(self._grad_shards or []), self.ctx, drop)
 
     def grad_norm(self) -> torch.Tensor:
         """Global gradient norm from the shards: all-reduce over dp_cp, then tp and pp."""
@@ -295,7 +649,7 @@ class ShardedOptimizer(BucketedReduction):
                 mine = torch.zeros(b.shard, dtype=dtype, device=self.ctx.device)
                 fill(b, mine)
                 full = torch.empty(b.shard * d, dtype=dtype, device=self.ctx.device)
-                COUNTER.record("all_gather", self.axis.name, _nbytes(full))
+                COUNTER.record("all_gather", self.axis.name, nbytes(full))
                 all_gather_single(full, mine, group=self.axis.group)
                 out.append(full)
         finally:
@@ -409,16 +763,17 @@ class ShardedOptimizer(BucketedReduction):
     def dump_gradients(self) -> dict:
         """The data-parallel-averaged full gradients with their layout (verify's first-step
         dump), rebuilt by all-gathers that are not counted as the step's traffic."""
-        from parcompile.runtime.train import shards
-
         saved = [main_grad(p) for p in self.params]
-        self._full_gradients()
+        self.full_gradients()
         out = shards(self.model, self.ctx, grads=True)
         for p, g in zip(self.params, saved):
             set_main_grad(p, g)
         return out
 
-    def _full_gradients(self) -> None:
+    def full_gradients(self) -> None:
+        """Set every parameter's gradient to the full data-parallel-averaged gradient,
+        all-gathered (not counted as step traffic) from the owned slices."""
+
         def fill(b: BucketLayout, mine: torch.Tensor) -> None:
             mine.copy_(self._grad_shards[b.index])
 
@@ -510,18 +865,18 @@ class GatherMeter:
 
 def head_reads_embedding(model: nn.Module) -> bool:
     """The stage's LM head reads its embedding table (tied embeddings on one pipeline rank;
-    :func:`parcompile.analysis.buckets.head_reads_embedding`)."""
+    :func:`parcompile.core.buckets.head_reads_embedding`)."""
     emb, head = getattr(model, "embedding", None), getattr(model, "head_weight", None)
     return emb is not None and callable(head) and bool(getattr(model, "has_last", False)) and head() is emb.weight
 
 
 class LayerGather:
     """ZeRO-3 just-in-time gathering (module docstring; the rule is
-    :mod:`parcompile.analysis.buckets`), driven by hooks on the stage's units: its decoder
+    :mod:`parcompile.core.buckets`), driven by hooks on the stage's units: its decoder
     layers (``model.layers``, chunks ``model.chunks``) and, with ``per_microbatch``
-    (``pp = 1``; :func:`parcompile.analysis.buckets.reshard_after_forward`), the embedding
+    (``pp = 1``; :func:`parcompile.core.buckets.reshard_after_forward`), the embedding
     (``model.embedding``) and the output layer (``model.final_norm``, whose forward starts
-    it). Units are visited in forward order (:func:`parcompile.analysis.buckets.unit_position`).
+    it). Units are visited in forward order (:func:`parcompile.core.buckets.unit_position`).
 
     - before a unit's forward: free the embedding's buckets if the unit follows it (freed
       here, not after the embedding module, because the learned positions are added after
@@ -536,9 +891,9 @@ class LayerGather:
       read by the backward it is, gathers those of the unit before it and prefetches the one
       before that (FSDP's backward prefetch). The embedding's backward reads the token ids
       only: a bucket of the embedding alone is not gathered for the backward
-      (:func:`parcompile.analysis.buckets.needed_in_backward`). A rank so holds the buckets
+      (:func:`parcompile.core.buckets.needed_in_backward`). A rank so holds the buckets
       of two neighbouring units at most, as the plan counts
-      (:func:`parcompile.analysis.buckets.zero3_gathered`); a tied embedding's bucket (the
+      (:func:`parcompile.core.buckets.zero3_gathered`); a tied embedding's bucket (the
       LM head reads it too) is gathered at the step's start and kept;
     - otherwise (``pp > 1``) layer buckets are gathered before their first layer and stay
       gathered for the step, the others from the step's start, all freed when their
@@ -556,9 +911,6 @@ class LayerGather:
     """
 
     def __init__(self, model: nn.Module, parts: list[ShardedOptimizer], per_microbatch: bool):
-        from parcompile.analysis.buckets import (bucket_positions, needed_in_backward, unit_position,
-                                                zero3_just_in_time)
-
         self.per_microbatch = per_microbatch
         emb, out = unit_position("embedding"), unit_position("output")
         tied = per_microbatch and head_reads_embedding(model)
@@ -652,3 +1004,203 @@ class LayerGather:
         before = self.prev.get(at)
         self._gather(before, backward=True)
         self._gather(self.prev.get(before), prefetch=True, backward=True)
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, "expert", False)
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(is_expert(p) for p in model.parameters())
+
+
+class _Holder(nn.Module):
+    """A module view over some of a model's parameters (the dense or the expert ones)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.held = nn.ParameterList(params)
+
+
+class MoEOptimizer:
+    """The optimizer of a stage holding expert weights: dense parameters as usual
+    (replicated, or ZeRO over dp_cp), expert parameters over expert_dp (replicated, or
+    ZeRO-sharded over expert_dp: their states are ``sum ceil(n_b / expert_dp)`` per rank
+    over their gradient buckets, as the plan's memory counts them). Each part reduces its
+    gradients in its own buckets (:class:`parcompile.runtime.buckets.GradBuckets`), expert
+    sums scaled by ``1 / (dp * cp)`` (module docstring). Same interface as
+    :class:`ReplicatedOptimizer`.
+    """
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                 sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+        self.model, self.ctx = model, ctx
+        params = [p for p in model.parameters()]
+        self.dense_params = [p for p in params if not is_expert(p)]
+        self.expert_params = [p for p in params if is_expert(p)]
+        mk = lambda groups: make_optimizer(groups, train)  # noqa: E731
+        wd = train["weight_decay"]
+        chunks = getattr(model, "chunks", None)
+        dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
+        if zero and ctx.axes["dp_cp"].size > 1:
+            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks,
+                                          reduce_dtype=reduce_dtype)
+        else:
+            self.dense = ReplicatedOptimizer(dense, ctx, train, bucket_size, sequence_parallel, chunks)
+        self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
+        expert_scale = 1.0 / ctx.axes["dp_cp"].size   # summed over expert_dp, averaged over dp * cp
+        if self.expert_sharded:
+            # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
+            ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
+            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk, bucket_size, False, chunks, expert_scale,
+                                            reduce_dtype=reduce_dtype)
+        else:
+            self.experts = ReplicatedOptimizer(experts, ctx, train, bucket_size, False, chunks,
+                                               ctx.axes["expert_dp"], expert_scale)
+        self.parts = (self.dense, self.experts)
+
+    @property
+    def grad_sync(self):
+        """Both parts' gradient buckets, told when a chunk's last backward runs."""
+        return GradSync([self.dense.buckets, self.experts.buckets])
+
+    def bucket_report(self) -> list[dict]:
+        return self.dense.bucket_report() + self.experts.bucket_report()
+
+    @property
+    def full_grad_bytes(self) -> int:
+        """ZeRO 2, 3: the full gradient buffers of both parts, each part's most held at once
+        during the step, summed (each part waits for its own reduce-scatters; the plan's
+        ``grad_buckets_in_flight`` sums the kinds alike)."""
+        return sum(o.full_grad_bytes for o in self.parts)
+
+    @property
+    def zero3_gathered_peak(self) -> int:
+        """ZeRO-3: the most gathered parameter bytes held at once this step (the sharded
+        parts share one meter, so either part's peak is the stage's)."""
+        return max(o.zero3_gathered_peak for o in self.parts)
+
+    def zero_grad(self) -> None:
+        for o in self.parts:
+            o.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for o in self.parts:
+            o.set_lr(lr)
+
+    def begin_step(self) -> None:
+        for o in self.parts:
+            o.begin_step()
+
+    def reduce_gradients(self) -> None:
+        self.dense.reduce_gradients()
+        self.experts.reduce_gradients()
+
+    @property
+    def scaler(self):
+        """The dense part's dynamic loss scaler (fp16; None otherwise), which checkpoints keep."""
+        return self.dense.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The dense part's loss scale (fp16; 1 otherwise), shared by the expert gradients."""
+        return self.dense.loss_scale
+
+    def unscale(self) -> bool:
+        """Unscale expert gradients by the same scale, then the dense part decides (fp16:
+        an overflow is detected on the dense gradients only)."""
+        scale = self.dense.loss_scale
+        if scale != 1.0:
+            grads = [seg.grad for *_, seg in self.experts.segments] if self.expert_sharded else \
+                [main_grad(p) for p in self.expert_params]
+            for g in grads:
+                if g is not None:
+                    g.div_(scale)
+        return self.dense.unscale()
+
+    def export_states(self) -> dict:
+        return {**self.dense.export_states(), **self.experts.export_states()}
+
+    def import_states(self, states: dict, step: int) -> None:
+        self.dense.import_states(states, step)
+        self.experts.import_states(states, step)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Dense squares over [dp_cp with ZeRO] and tp, expert squares over [expert_dp with
+        ZeRO], ep and expert_tp; their sum over pp."""
+        ctx = self.ctx
+        dense = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        if hasattr(self.dense, "segments"):
+            for *_, seg in self.dense.segments:
+                if seg.counts_in_norm:
+                    dense += seg.grad.float().pow(2).sum()
+            all_reduce(dense, ctx.axes["dp_cp"])
+        else:
+            for p in self.dense_params:
+                g = main_grad(p)
+                if g is None or getattr(p, "tied_copy", False):
+                    continue
+                if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
+                    continue
+                dense += g.float().pow(2).sum()
+        all_reduce(dense, ctx.tp)
+        expert = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        if self.expert_sharded:
+            for *_, seg in self.experts.segments:
+                expert += seg.grad.float().pow(2).sum()
+            all_reduce(expert, ctx.axes["expert_dp"])
+        else:
+            for p in self.expert_params:
+                if main_grad(p) is not None:
+                    expert += main_grad(p).float().pow(2).sum()
+        all_reduce(expert, ctx.axes["ep"])
+        all_reduce(expert, ctx.axes["expert_tp"])
+        total = dense + expert
+        all_reduce(total, ctx.pp)
+        return total.sqrt()[0]
+
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        for o in self.parts:
+            o.clip(norm, max_norm)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def gather_for_export(self) -> None:
+        for o in self.parts:
+            o.gather_for_export()
+
+    def dump_gradients(self) -> dict:
+        """Full (reduced) gradients of every parameter with their layout, for ``verify``;
+        sharded parts are all-gathered without being counted (ShardedOptimizer's rule)."""
+        saved = [(p, main_grad(p)) for p in self.dense_params + self.expert_params]
+        for o in self.parts:
+            if isinstance(o, ShardedOptimizer):
+                o.full_gradients()
+        out = shards(self.model, self.ctx, grads=True)
+        for p, g in saved:
+            set_main_grad(p, g)
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        a, b = self.dense.state_bytes(), self.experts.state_bytes()
+        return {k: a[k] + b[k] for k in a}
+
+
+def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+                  sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+    """:class:`MoEOptimizer` when this rank holds expert weights, else None."""
+    return MoEOptimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype) \
+        if has_experts(model) else None
+
+
+__all__ = [
+    "sync_gradients", "sp_replicated", "tp_partial_grads", "grad_norm", "clip_gradients", "make_optimizer", "build_optimizer",
+    "ReplicatedOptimizer", "ShardedOptimizer", "LayerGather", "GatherMeter", "MoEOptimizer", "step_optimizer",
+    "moe_optimizer", "scaler_for", "unscale_gradients", "set_lr", "shards", "is_expert", "has_experts",
+    "head_reads_embedding",
+]

@@ -1,0 +1,287 @@
+"""The sharded graph as plain data per pipeline stage: what the program templates format.
+
+After the passes, every op of the graph has its global type, its layout (``Sharding``)
+and its pipeline stage and chunk, and ``insert-collectives`` has put a ``redistribute``
+op on every edge whose layouts differ (named by the plan: ``layers.3.attn.all_gather``).
+:func:`program_data` reads that graph and nothing else:
+
+* per stage, per decoder layer in model order, the layer's ops in graph order
+  (:class:`OpData`): kind, module, local shape with its dim symbols, layout, and the
+  collectives it runs (a conversion's forward and backward collectives by the plan's
+  name for it; the ones an op runs inside itself: vocab-parallel cross-entropy, the
+  context-parallel gather of K and V, the MoE token all-to-alls);
+* the local sizes the program's shape comments and constructors show
+  (:class:`LocalSizes`), each read off one op's local type.
+
+No degree arithmetic happens here: a local size is ``Sharding.local_type`` of the op
+the number describes (:mod:`parcompile.ir.types`), and which collectives run is
+``op_collectives`` (:mod:`parcompile.ir.ops`), the rule the plan's ``comm`` uses too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from parcompile.ir.graph import Graph, Node
+from parcompile.ir.ops import op_collectives
+from parcompile.ir.types import TensorType, split_axes
+
+#: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
+SYMBOLS = {"batch": "B", "seq": "T", "hidden": "h", "q": "q", "kv": "kv", "ffn": "f", "vocab": "V'",
+           "experts": "E", "topk": "k", "expert_ffn": "fe", "shared_ffn": "fs", "position": "P"}
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective an op runs per micro-batch: ``op`` over ``axis`` in ``phase``
+    (forward or backward), the plan's ``where`` and the name of the op running it
+    (``layers.3.attn.all_gather`` for a conversion insert-collectives placed)."""
+
+    name: str
+    op: str
+    axis: str
+    phase: str
+    where: str
+
+    def describe(self) -> str:
+        """``backward all_reduce(tp)``."""
+        return f"{self.phase} {self.op}({self.axis})"
+
+
+@dataclass(frozen=True)
+class OpData:
+    """One op of the sharded graph as the program sees it."""
+
+    name: str
+    kind: str
+    module: str
+    #: per-rank shape and the dims' names (``Sharding.local_type``)
+    local_shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    #: the dims' split axes, outermost first (``("cp", "tp")`` for ``seq: cp*tp``), degree > 1 only
+    splits: tuple[tuple[str, ...], ...]
+    sharding: str
+    collectives: tuple[CollectiveCall, ...] = ()
+    #: the ops it reads, in operand order
+    inputs: tuple[str, ...] = ()
+    #: a conversion into the tensor-parallel region whose split input column-parallel
+    #: layers keep, all-gathering it again in backward (insert-collectives' ``regather``)
+    regather: bool = False
+
+    def size(self, dim: str) -> int:
+        """The local size of ``dim``."""
+        return self.local_shape[self.dims.index(dim)]
+
+    def shape_comment(self, skip: tuple[str, ...] = ()) -> str:
+        """``(B=2, T/tp=8, h=64)``: each dim's symbol, the axes splitting it, its local size."""
+        parts = []
+        for d, n, axes in zip(self.dims, self.local_shape, self.splits):
+            if d in skip:
+                continue
+            sym = SYMBOLS.get(d, d) + "".join(f"/{a}" for a in axes if a != "dp")
+            parts.append("B" if d == "batch" else f"{sym}={n}")
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class LayerData:
+    """One decoder layer: its ops in graph order (conversions included)."""
+
+    index: int
+    stage: int
+    chunk: int
+    ops: tuple[OpData, ...]
+
+    def op(self, suffix: str) -> OpData | None:
+        """The op named ``layers.<index>.<suffix>``, or None."""
+        name = f"layers.{self.index}.{suffix}"
+        return next((o for o in self.ops if o.name == name), None)
+
+    def conversion_into(self, suffix: str) -> OpData | None:
+        """The conversion insert-collectives put on the input edge of ``layers.<index>.<suffix>``."""
+        op = self.op(suffix)
+        got = [o for o in self.ops if op is not None and o.name in op.inputs and o.kind == "redistribute"]
+        return got[0] if got else None
+
+    def conversion_after(self, suffix: str) -> OpData | None:
+        """The conversion insert-collectives put on the output edge of ``layers.<index>.<suffix>``."""
+        name = f"layers.{self.index}.{suffix}"
+        return next((o for o in self.ops if o.kind == "redistribute" and name in o.inputs), None)
+
+    @property
+    def collectives(self) -> tuple[CollectiveCall, ...]:
+        """Every collective the layer's ops run per micro-batch, in graph order."""
+        return tuple(c for o in self.ops for c in o.collectives)
+
+    @property
+    def moe(self) -> bool:
+        return any(o.kind == "experts" for o in self.ops)
+
+    def signature(self) -> tuple:
+        """What the program's classes must do alike for every layer of one kind: each op's
+        name inside the layer, kind, local shape, layout and collectives."""
+        prefix = f"layers.{self.index}."
+        return tuple((o.name.removeprefix(prefix), o.kind, o.local_shape, o.sharding,
+                      tuple((c.op, c.axis, c.phase) for c in o.collectives)) for o in self.ops)
+
+
+@dataclass(frozen=True)
+class StageData:
+    """One pipeline rank: its decoder layers, model chunk by model chunk, and the ops
+    outside layers it holds (embedding on the first chunk, final norm, head and loss on
+    the last)."""
+
+    index: int
+    layers: tuple[LayerData, ...]
+    outside: tuple[OpData, ...]
+
+
+@dataclass(frozen=True)
+class LocalSizes:
+    """Per-rank sizes of one layer's tensors, each read off the op it describes; None
+    where the model has no such op. ``t_*`` are tokens per sequence, ``*_heads`` whole
+    heads, the rest elements."""
+
+    t_residual: int          # the residual stream (a layer's input and output; what crosses stages)
+    t_attn: int              # inside the tensor-parallel region (q, k, v)
+    heads: int               # query heads (wq's output / head_dim)
+    kv_heads: int            # kv heads (wk's output / head_dim)
+    ffn: int | None          # a dense MLP's inner width (w1's output)
+    vocab: int               # logit columns (the LM head's output)
+    experts: int | None      # routed experts held (the experts' stacked weights)
+    expert_ffn: int | None   # one expert's inner width held (expert_tp splits it)
+    boundary: tuple[int, ...]    # the activation a stage sends or receives (B, T, h)
+
+
+@dataclass(frozen=True)
+class ProgramData:
+    """The plain data of a whole program (module docstring)."""
+
+    stages: tuple[StageData, ...]
+    sizes: LocalSizes
+    #: sequence parallelism: the residual stream is split on seq over tp
+    sequence_parallel: bool
+    #: representative layers the program's classes are written from: a dense one and a MoE one
+    dense_layer: LayerData | None
+    moe_layer: LayerData | None
+    #: every op by name (decoder layers and the ops outside them)
+    ops: Mapping[str, OpData]
+
+    @property
+    def layers(self) -> tuple[LayerData, ...]:
+        return tuple(layer for s in self.stages for layer in s.layers)
+
+    def conversion_into(self, name: str) -> OpData | None:
+        """The conversion on the (first) input edge of op ``name``, or None."""
+        op = self.ops.get(name)
+        if op is None or not op.inputs:
+            return None
+        src = self.ops.get(op.inputs[0])
+        return src if src is not None and src.kind == "redistribute" else None
+
+    def conversion_after(self, name: str) -> OpData | None:
+        """The conversion on the output edge of op ``name``, or None."""
+        return next((o for o in self.ops.values() if o.kind == "redistribute" and name in o.inputs), None)
+
+
+def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
+    local = nd.sharding.local_type(nd.type, degrees)
+    ins = graph.inputs(nd.name)
+    local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
+    calls = tuple(CollectiveCall(nd.name, c.op, c.axis, c.phase, c.where)
+                  for c in op_collectives(nd, degrees, local_in, local)
+                  if c.per == "microbatch" and nd.kind != "send_recv")
+    splits = tuple(tuple(a for a in split_axes(nd.sharding.axis_of(d.name)) if degrees.get(a, 1) > 1)
+                   for d in nd.type.dims)
+    return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
+                  str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")))
+
+
+def _layer_of(nd: Node) -> int | None:
+    """The decoder layer an op belongs to by its module (a conversion carries the module
+    it is named after: ``embedding.all_reduce`` feeds layer 0 but is the embedding's)."""
+    parts = nd.name.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _param_local(graph: Graph, op: str, param_suffix: str, dim: str, degrees: Mapping[str, int]) -> int | None:
+    if op not in graph:
+        return None
+    for p in graph.node(op).params:
+        if p.name.endswith(param_suffix):
+            t: TensorType = p.sharding.local_type(p.type, degrees)
+            return t.dim(dim).size
+    return None
+
+
+def program_data(graph: Graph, degrees: Mapping[str, int]) -> ProgramData:
+    """The sharded ``graph`` (after every pass) as :class:`ProgramData`.
+
+    Raises:
+        KeyError: the graph lacks an op every decoder has (``layers.<i>.attn.wq``,
+            ``lm_head``): a graph not lowered by :func:`parcompile.ir.lower.lower`.
+        ValueError: two decoder layers of one kind (dense, MoE) differ in an op, a local
+            shape, a layout or a collective (the program writes each kind's classes once).
+    """
+    by_layer: dict[int, list[OpData]] = {}
+    where: dict[int, tuple[int, int]] = {}
+    outside: dict[int, list[OpData]] = {}
+    nodes = {}
+    for nd in graph.nodes():
+        if nd.kind in ("step_collective", "input"):
+            continue
+        od = _op_data(graph, nd, degrees)
+        nodes[nd.name] = od
+        i = _layer_of(nd)
+        if nd.kind == "send_recv":   # a stage boundary, not part of a layer
+            continue
+        if i is None:
+            outside.setdefault(nd.stage or 0, []).append(od)
+            continue
+        by_layer.setdefault(i, []).append(od)
+        if nd.kind != "redistribute":
+            where.setdefault(i, (nd.stage or 0, nd.chunk or 0))
+    layers = {i: LayerData(i, where[i][0], where[i][1], tuple(ops)) for i, ops in by_layer.items()}
+    num_stages = 1 + max([s for s, _ in where.values()] + list(outside))
+    stages = tuple(
+        StageData(s, tuple(layers[i] for i in sorted(layers, key=lambda i: (layers[i].chunk, i))
+                           if layers[i].stage == s), tuple(outside.get(s, ())))
+        for s in range(num_stages))
+    ordered = [layers[i] for i in sorted(layers)]
+    dense = next((x for x in ordered if not x.moe), None)
+    moe = next((x for x in ordered if x.moe), None)
+    for x in ordered:
+        rep = moe if x.moe else dense
+        if x.signature() != rep.signature():
+            raise ValueError(f"layer {x.index} of the sharded graph differs from layer {rep.index}; the "
+                             "program's classes are written once for every layer of a kind")
+    first = ordered[0]
+    norm = first.op("attn_norm")
+    wq, wk = first.op("attn.wq"), first.op("attn.wk")
+    head = nodes["lm_head"]
+    sends = [o for o in nodes.values() if o.kind == "send_recv"]
+    boundary = sends[0] if sends else ordered[-1].op("mlp_residual")
+    w1 = dense.op("mlp.w1") if dense is not None else None
+    moe_name = f"layers.{moe.index}.mlp.experts" if moe is not None else ""
+    q_unit = graph.node(wq.name).type.dim("q").unit
+    kv_unit = graph.node(wk.name).type.dim("kv").unit
+    sizes = LocalSizes(
+        t_residual=norm.size("seq"),
+        t_attn=wq.size("seq"),
+        heads=wq.size("q") // q_unit,
+        kv_heads=wk.size("kv") // kv_unit,
+        ffn=w1.size("ffn") if w1 is not None else None,
+        vocab=head.size("vocab"),
+        experts=_param_local(graph, moe_name, "w1.weight", "experts", degrees),
+        expert_ffn=_param_local(graph, moe_name, "w1.weight", "expert_ffn", degrees),
+        boundary=tuple(n for d, n in zip(boundary.dims, boundary.local_shape)),
+    )
+    sp = "tp" in norm.splits[norm.dims.index("seq")]
+    return ProgramData(stages, sizes, sp, dense, moe, nodes)
+
+
+__all__ = ["CollectiveCall", "OpData", "LayerData", "StageData", "LocalSizes", "ProgramData", "program_data",
+           "SYMBOLS"]

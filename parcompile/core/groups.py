@@ -1,0 +1,153 @@
+"""Process groups, exactly as Megatron-Core's two ``RankGenerator`` s make them (the ground
+floor: standard library only).
+
+Megatron-Core (``megatron/core/parallel_state.py``) lays ranks out on a mesh whose axes
+follow ``order`` fastest-varying first (default ``tp-cp-ep-dp-pp``). A group of the
+axes ``t1-t2...`` holds the ranks that differ only in those coordinates; within a
+group the ranks enumerate the masked coordinates fastest-first, and groups enumerate
+the remaining coordinates fastest-first.
+
+* the dense generator: ``tp, cp, dp, pp`` with ``ep = 1`` -> groups ``tp``, ``cp``,
+  ``dp``, ``pp``, ``dp_cp`` (the ``dp-cp`` group dense gradients are reduced over);
+* the expert generator: ``tp = expert_tp, ep, dp = expert_dp, cp = 1, pp`` -> groups
+  ``ep``, ``expert_tp``, ``expert_dp`` (parallel folding);
+* ``embedding``: the first and last rank of each pp group (one rank when pp = 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+
+class Layout(Protocol):
+    """What the groups read of a layout (a ``parcompile.config.schema.ParallelConfig``, or
+    any object with these attributes): the degrees and Megatron-Core's ``order`` string."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    expert_tp: int
+    expert_dp: int
+    order: str
+
+
+def _strides(sizes: list[int]) -> list[int]:
+    out, acc = [], 1
+    for s in sizes:
+        out.append(acc)
+        acc *= s
+    return out
+
+
+def masked_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Rank groups over the masked axes of a mesh of ``sizes`` (fastest-varying first).
+
+    Group ``g`` (enumerating the unmasked coordinates) lists, for each rank index ``j``
+    in it (enumerating the masked coordinates), the rank whose masked digits are those
+    of ``j`` and unmasked digits those of ``g``; the same arithmetic as Megatron-Core's
+    ``generate_masked_orthogonal_rank_groups``.
+    """
+    stride = _strides(sizes)
+    offsets = [0]   # the masked coordinates' offsets, group index fastest-first
+    bases = [0]     # the unmasked coordinates' offsets, group order
+    for size, st, k in zip(sizes, stride, mask):
+        steps = [c * st for c in range(size)]
+        if k:
+            offsets = [o + x for x in steps for o in offsets]
+        else:
+            bases = [b + x for x in steps for b in bases]
+    # the masked strides grow at least as fast as the digits they weigh, so each group
+    # lists its ranks in increasing order (already sorted)
+    return [[b + o for o in offsets] for b in bases]
+
+
+class RankGenerator:
+    """Megatron-Core's rank generator for one set of degrees and an ``order`` string.
+
+    Axes missing from ``order`` must have degree 1 (they are appended).
+
+    Raises:
+        ValueError: an axis of degree > 1 is missing from ``order``, or both ``ep`` and
+            ``cp`` exceed 1 (Megatron-Core keeps them in separate generators).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
+        if ep > 1 and cp > 1:
+            raise ValueError("ep and cp cannot both exceed 1 in one rank generator")
+        size = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
+        names = [t for t in order.lower().split("-") if t]
+        for n, s in size.items():
+            if n not in names:
+                if s != 1:
+                    raise ValueError(f"{n} = {s} but order {order!r} does not name {n}")
+                names.append(n)
+        self.order = names
+        self.sizes = [size[n] for n in names]
+        self.world_size = tp * ep * dp * pp * cp
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Groups of the axes in ``token`` (``"dp"``, ``"dp-cp"`` ...)."""
+        want = set(token.split("-"))
+        return masked_groups(self.sizes, [n in want for n in self.order])
+
+
+def rank_groups(par: Layout) -> dict[str, list[list[int]]]:
+    """Every group of every axis of ``par`` (SPEC 3 ``groups``): ``tp``, ``cp``, ``dp``,
+    ``pp``, ``dp_cp``, ``ep``, ``expert_tp``, ``expert_dp``, ``embedding``. Each group is a
+    sorted rank list; groups of an axis come in Megatron-Core's order."""
+    dense = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
+    expert = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
+    out = {
+        "tp": dense.get_ranks("tp"),
+        "cp": dense.get_ranks("cp"),
+        "dp": dense.get_ranks("dp"),
+        "pp": dense.get_ranks("pp"),
+        "dp_cp": dense.get_ranks("dp-cp"),
+        "ep": expert.get_ranks("ep"),
+        "expert_tp": expert.get_ranks("tp"),
+        "expert_dp": expert.get_ranks("dp"),
+    }
+    out["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in out["pp"]]
+    return out   # each group is already sorted (masked_groups)
+
+
+def axis_inside_node(par: Layout, axis: str, gpus_per_node: int) -> bool:
+    """Whether every group of ``axis`` (a key of :func:`rank_groups`) lies inside one
+    node of ``gpus_per_node`` ranks, without building the groups: exact, in time that
+    does not grow with the world size.
+
+    A group is a base rank plus a fixed set of offsets (the group axes' coordinates
+    times their strides, largest offset ``M``); the bases are the ranks whose group
+    coordinates are 0. Every group is inside a node iff ``base mod gpus_per_node + M <
+    gpus_per_node`` for every base, and the residues of the bases mod
+    ``gpus_per_node`` are at most ``gpus_per_node`` values, built axis by axis.
+    """
+    if axis == "embedding":
+        axis = "pp"   # the first and last rank of a pp group: inside iff the pp group is
+    if axis in ("ep", "expert_tp", "expert_dp"):
+        gen = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
+        token = {"ep": ("ep",), "expert_tp": ("tp",), "expert_dp": ("dp",)}[axis]
+    else:
+        gen = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
+        token = ("dp", "cp") if axis == "dp_cp" else (axis,)
+    stride = _strides(gen.sizes)
+    n = gpus_per_node
+    span = sum((size - 1) * st for name, size, st in zip(gen.order, gen.sizes, stride) if name in token)
+    if span == 0:
+        return True
+    residues = {0}
+    for name, size, st in zip(gen.order, gen.sizes, stride):
+        if name in token or size == 1:
+            continue
+        period = n // math.gcd(st, n)
+        steps = [(c * st) % n for c in range(min(size, period))]
+        residues = {(r + x) % n for r in residues for x in steps}
+    return max(residues) + span < n
+
+
+def stage_ranks(pp_groups: list[list[int]], stage: int) -> list[int]:
+    """The ranks of pipeline rank ``stage``: the ``stage``-th member of every pp group."""
+    return sorted(g[stage] for g in pp_groups)

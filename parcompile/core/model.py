@@ -1,0 +1,116 @@
+"""A model block as plain data, for the parts that must not import pydantic (the runtime,
+generated programs): :class:`ModelKeys`, with the derived defaults of SPEC 1's `model`
+block written once (:func:`derived_defaults`) and the padded vocabulary
+(:func:`padded_vocab`). The compiler's validated model is
+:class:`parcompile.config.schema.ModelConfig`, which fills its derived defaults with
+:func:`derived_defaults` and pads with :func:`padded_vocab`; ``tests/test_core.py`` pins
+:class:`ModelKeys`' fields and defaults to ``ModelConfig``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+from parcompile.core.dtypes import DTYPE_BYTES
+
+
+def derived_defaults(keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The model keys left None that follow from the others (SPEC 1, `model`):
+    ``kv_heads = heads``, ``head_dim = hidden // heads``, ``ffn_hidden = 4 hidden``,
+    ``qkv_bias = bias``, ``max_positions = seq_len``, ``top_k = 2`` with experts (else 0),
+    ``expert_ffn_hidden = ffn_hidden``. Returns only the keys it fills."""
+    out: dict[str, Any] = {}
+
+    def get(k: str) -> Any:
+        return out[k] if k in out else keys.get(k)
+
+    if get("kv_heads") is None:
+        out["kv_heads"] = keys["heads"]
+    if get("head_dim") is None and keys["heads"] > 0:
+        out["head_dim"] = keys["hidden"] // keys["heads"]
+    if get("ffn_hidden") is None:
+        out["ffn_hidden"] = 4 * keys["hidden"]
+    if get("qkv_bias") is None:
+        out["qkv_bias"] = keys.get("bias", False)
+    if get("max_positions") is None:
+        out["max_positions"] = keys["seq_len"]
+    if get("top_k") is None:
+        out["top_k"] = 2 if keys.get("experts", 0) > 0 else 0
+    if get("expert_ffn_hidden") is None:
+        out["expert_ffn_hidden"] = get("ffn_hidden")
+    return out
+
+
+def padded_vocab(vocab: int, vocab_multiple: int, tp: int) -> int:
+    """Megatron-LM's rule: ``ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``
+    rows of the embedding and LM head, so that every tp rank holds the same number."""
+    m = vocab_multiple * tp
+    return int(math.ceil(vocab / m) * m)
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """The keys of a model block (SPEC 1, `model`; the fields of
+    :class:`parcompile.config.schema.ModelConfig`, same names, defaults and derived
+    defaults), unvalidated: what the runtime reads a model's layout from (a generated
+    program's ``MODEL_KEYS``, a checkpoint's config.json). Widths are counts, not bytes.
+
+    Raises:
+        TypeError: an unknown key, or a required one (layers, hidden, heads, vocab,
+            seq_len) missing.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    name: str = "model"
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    max_positions: Optional[int] = None
+    norm: str = "rmsnorm"
+    activation: str = "swiglu"
+    position: str = "rope"
+    bias: bool = False
+    qkv_bias: Optional[bool] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0
+    parallel_residual: bool = False
+    sliding_window: int = 0
+    qk_norm: bool = False
+    attention: str = "flash"
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    dtype: str = "bf16"
+    experts: int = 0
+    top_k: Optional[int] = None
+    expert_ffn_hidden: Optional[int] = None
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router_aux_loss: float = 0.01
+    vocab_multiple: int = 128
+
+    def __post_init__(self) -> None:
+        for k, v in derived_defaults(self.as_dict()).items():
+            object.__setattr__(self, k, v)   # frozen: filled once, as ModelConfig does
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every key and its value."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def padded_vocab(self, tp: int) -> int:
+        """:func:`padded_vocab` of this model for ``tp``."""
+        return padded_vocab(self.vocab, self.vocab_multiple, tp)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the model's dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+
+__all__ = ["ModelKeys", "derived_defaults", "padded_vocab"]
