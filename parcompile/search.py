@@ -55,10 +55,9 @@ from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_inside,
                                           optimizer_time, pipeline_parts, step_sums)
-from parcompile.analysis.memory import (OPTIMIZER_STATES, MemoryReport, SavedBytes, buffer_bytes, buffer_total,
-                                        memory_from_parts, saved_bytes)
-from parcompile.analysis.buckets import (GradUnit, bucket_element_bytes, buckets_in_flight, partition,
-                                        reduces_per_microbatch, reshard_after_forward, shard_elements, zero3_gathered)
+from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total, memory_from_parts,
+                                        saved_bytes, state_bytes)
+from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -374,9 +373,7 @@ class Coster:
         self.probes: dict[tuple, _Probe] = {}
         self.inside: dict[tuple, dict[str, bool]] = {}
         self.pipes: dict[tuple, tuple[ChunkTimes, float, dict]] = {}
-        self.stage_layer_sums: dict[tuple, tuple[int, ...]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
-        self.shard_sums: dict[tuple, tuple] = {}
         self.state_floors: dict[tuple, int] = {}
         self.param_probes: dict[tuple, _Probe] = {}
         self.base_works: dict[tuple, float] = {}
@@ -704,26 +701,15 @@ class Coster:
                 pr = self.param_probes[pkey] = next(
                     (p for k, p in self.probes.items() if (k[0], k[4], k[5]) == pkey), None) or self.probe(par)
             first, mid, last = pr.params
-            e = model.dtype_bytes
-            opt_per = 4 * OPTIMIZER_STATES[self.cfg.train.optimizer] + (4 if e < 4 else 0)
             total = Fraction(0)
             for kind, dd in (("dense", d), ("expert", ed)):
                 n = model.layers * getattr(mid, kind) + getattr(first, kind) + getattr(last, kind) \
                     - 2 * getattr(mid, kind)
                 if kind == "dense" and model.tie_embeddings and pp == 1:
                     n -= last.embedding
-                shard = Fraction(n, dd)
-                total += (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else n)
-                          + opt_per * (shard if z >= 1 else n))
+                # the memory table with exact division: each rank shards at least n / d
+                total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd)))
             got = self.state_floors[key] = math.ceil(total / pp)
-        return got
-
-    def _stage_layers(self, counts: tuple[int, ...], pp: int) -> tuple[int, ...]:
-        """Layers per pipeline rank: the sum of ``counts`` over the rank's chunks."""
-        key = (counts, pp)
-        got = self.stage_layer_sums.get(key)
-        if got is None:
-            got = self.stage_layer_sums[key] = tuple(sum(counts[s::pp]) for s in range(pp))
         return got
 
     def _buffer_sums(self, pr: _Probe, rc: str, pp: int) -> tuple[int, int, int]:
@@ -747,110 +733,36 @@ class Coster:
             got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
-    def _chunk_shards(self, pr: _Probe, first: bool, last: bool, n: int, pp1: bool, tied: bool,
-                      bucket_size: int, d: int, ed: int) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
-        """(dense, expert, zero3, in_flight) for one model chunk of ``n`` layers on one rank:
-        elements of sharded state (the sum over its gradient buckets of ``ceil(n_b / d)``),
-        the ZeRO-3 gathered elements ``(step_long, just_in_time)`` of
-        :func:`parcompile.analysis.buckets.zero3_gathered` (with ``pp1`` every bucket just in
-        time, but a tied embedding's, which the LM head reads too), and the full gradient elements
-        in flight ``(dense, expert)`` of :func:`parcompile.analysis.buckets.buckets_in_flight`
-        (buckets close at chunk ends, so a stage's is the largest of its chunks')."""
-        key = (id(pr), first, last, n, pp1, tied, bucket_size, d, ed)
-        got = self.shard_sums.get(key)
-        if got is None:
-            units = _chunk_units(pr.params, first, last, n, pp1, tied)
-            dense, expert = partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
-            got = self.shard_sums[key] = (shard_elements(dense, d), shard_elements(expert, ed),
-                                          zero3_gathered([(dense, d), (expert, ed)], reshard_after_forward(1 if pp1 else 2),
-                                                         pp1 and tied),
-                                          (buckets_in_flight(dense, d), buckets_in_flight(expert, ed)))
-        return got
+    def memory(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]):
+        """The memory report of a layout from its probe: the analysis's own
+        :func:`memory_from_parts` on the stage parameters, saved activations and buffers that
+        :meth:`cost` composes (one rule: no copy of the memory analysis here)."""
+        pp, rc = cfg.parallel.pp, cfg.parallel.recompute
+        sps = self._stage_params(pr, counts, pp)
+        sv = pr.saved[rc]
+        saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
+        pb = pr.bufs[rc]
+        bufs = []
+        for s in range(pp):
+            b = dict(pb[1])
+            for extra in ([pb[0]] if s == 0 else []) + ([pb[2]] if s == pp - 1 else []):
+                for k2, x in extra.items():
+                    b[k2] = max(b.get(k2, 0), x)
+            if pp == 1:
+                b.pop("p2p", None)
+            bufs.append(b)
+        return memory_from_parts(cfg, _degrees(cfg.parallel), sps, saved, bufs), sps
 
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
-        """``(peak, capacity)`` of a training layout: exactly what
-        :func:`memory_from_parts` finds for the parts :meth:`cost` composes, in integer
-        arithmetic and time linear in pp (no per-stage reports; most layouts are dropped
-        on this alone)."""
-        par, model = cfg.parallel, cfg.model
-        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-        e, z = model.dtype_bytes, par.zero
-        opt_per = 4 * OPTIMIZER_STATES[cfg.train.optimizer] + (4 if e < 4 else 0)
-
-        def states(n: int, shard: int, dd: int) -> int:   # memory.state_bytes
-            return (e * (shard if z >= 3 else n) + 4 * (shard if z >= 2 else shard * dd if z == 1 and dd > 1 else n)
-                    + opt_per * (shard if z >= 1 else n))
-
-        first, mid, last = pr.params
-        tied = model.tie_embeddings
-        sv = pr.saved[par.recompute]
-        (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
-        ba, bb, bc = pa - oa, pb_ - ob, pc - oc
-        nl = self._stage_layers(counts, pp)
-        bufs = self._buffer_sums(pr, par.recompute, pp)
-        d, ed = par.dp * par.cp, par.expert_dp
-        sched = par.schedule
-        n_out = m if sched == "gpipe" else 1
-        per_mb = reduces_per_microbatch(z, sched)
-        nchunks = len(counts)
-        peak = None
-        for s in range(pp):
-            shard, eshard = 0, 0   # ZeRO: sharded per gradient bucket; buckets close at chunk ends
-            step_long, jit = 0, 0  # ZeRO-3: gathered buckets (analysis/buckets.zero3_gathered)
-            fly, efly = 0, 0       # ZeRO 2, 3 per micro-batch: full buckets in flight (buckets_in_flight)
-            for k in range(s, nchunks, pp):
-                a, b, (g_step, g_jit), (f_d, f_e) = self._chunk_shards(pr, k == 0, k == nchunks - 1, counts[k],
-                                                                       pp == 1, tied, par.bucket_size, d, ed)
-                shard += a
-                eshard += b
-                step_long += g_step
-                jit = max(jit, g_jit)
-                fly, efly = max(fly, f_d), max(efly, f_e)
-            n = nl[s]
-            dense = n * mid.dense
-            expert = n * mid.expert
-            body = n * bb
-            outl = n * ob
-            if s == 0:
-                dense += first.dense - mid.dense
-                expert += first.expert - mid.expert
-                body += ba - bb
-                outl += oa - ob
-            if s == pp - 1:
-                dense += last.dense - mid.dense
-                expert += last.expert - mid.expert
-                body += bc - bb
-                outl += oc - ob
-                if tied and pp == 1:
-                    dense -= last.embedding
-            if sched == "gpipe":
-                num, den = m, 1
-            elif sched == "interleaved_1f1b" and v > 1:
-                num, den = min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v), v
-            else:
-                num, den = min(pp - s, m), 1
-            q = num * body
-            acts = (q // den if q >= 0 else -(-q // den)) + n_out * outl
-            gathered = e * (step_long + jit) if z >= 3 else 0
-            # ZeRO 2, 3: the full gradient buffers during the step (memory.full_grad_bytes): the
-            # buckets in flight when reduced per micro-batch (in the reduce dtype), else all of them
-            if z < 2:
-                full_grads = 0
-            elif per_mb:
-                full_grads = bucket_element_bytes(z, sched, par.reduce_dtype) * (fly + efly)
-            else:
-                full_grads = 4 * ((shard * d if d > 1 else 0) + (eshard * ed if ed > 1 else 0))
-            total = (states(dense, shard, d) + states(expert, eshard, ed) + acts + gathered + full_grads
-                     + (bufs[0] if s == 0 else bufs[2] if s == pp - 1 else bufs[1]))
-            if peak is None or total > peak:
-                peak = total
-        return peak, int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+        """``(peak, capacity)`` of a training layout (:meth:`memory`)."""
+        mem, _ = self.memory(cfg, pr, counts)
+        return mem.peak, mem.capacity
 
     def memory_floor(self, par: ParallelConfig, first_layers: int, base: bool = False) -> float:
         """A lower bound on :meth:`peak` of training layout ``par`` over its splits, from a
         probe without composing any split: the first pipeline rank's total when it holds
         ``first_layers`` (the fewest any of its splits gives it, :func:`_first_layers`).
-        That total is, as :meth:`peak` adds it up, the model states of its parameters (at
+        That total is, as :func:`memory_from_parts` adds it up, the model states of its parameters (at
         least the table of :mod:`parcompile.analysis.memory` with exact division, its
         sharded elements being at least ``n / d``), the activations of its in-flight
         micro-batches (``num * body // den``, at least ``num * body / den - 1``), its
@@ -877,8 +789,6 @@ class Coster:
         skey = (self._params_key(pr), pp, n, z, d, ed)
         states = self.state_parts.get(skey)
         if states is None:
-            e = model.dtype_bytes
-            opt_per = 4 * OPTIMIZER_STATES[self.cfg.train.optimizer] + (4 if e < 4 else 0)
             first, mid, last = pr.params
             states = 0.0
             for kind, dd in (("dense", d), ("expert", ed)):
@@ -887,8 +797,7 @@ class Coster:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
-                shard = x / dd
-                states += e * (shard if z >= 3 else x) + 4 * (shard if z >= 2 else x) + opt_per * (shard if z >= 1 else x)
+                states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd))
             self.state_parts[skey] = states
         sv = pr.saved[rc]
         (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
@@ -1179,35 +1088,13 @@ class Coster:
             return self._cost_exactly(cfg, simulate, with_memory)
         par, model, cl = cfg.parallel, cfg.model, cfg.cluster
         pr = self.probe(par)
-        rc = par.recompute
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
         deg = _degrees(par)
-        mem = None
-        if not with_memory and cfg.workload != "serve":
-            # the integer path, exactly memory_from_parts's peak (most layouts end here)
-            peak, cap = self.peak(cfg, pr, counts)
-            if peak > cap:   # not timed: it will be dropped
-                return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
-        sps = None
-        if with_memory or cfg.workload == "serve":
-            sps = self._stage_params(pr, counts, pp)
-            sv = pr.saved[rc]
-            saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
-            pb = pr.bufs[rc]
-            bufs = []
-            for s in range(pp):
-                b = dict(pb[1])
-                for extra in ([pb[0]] if s == 0 else []) + ([pb[2]] if s == pp - 1 else []):
-                    for k2, x in extra.items():
-                        b[k2] = max(b.get(k2, 0), x)
-                if pp == 1:
-                    b.pop("p2p", None)
-                bufs.append(b)
-            mem = memory_from_parts(cfg, deg, sps, saved, bufs)
-            peak, cap = mem.peak, mem.capacity
-            if not mem.fits and not with_memory:   # not timed: it will be dropped
-                return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
+        mem, sps = self.memory(cfg, pr, counts)
+        peak, cap = mem.peak, mem.capacity
+        if not mem.fits and not with_memory:   # not timed: it will be dropped
+            return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
         # time
         ct3, links, tkey = self._chunk_times3(pr, par)
         ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
