@@ -61,7 +61,7 @@ from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshar
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
-from parcompile.config.text import divisors
+from parcompile.config.text import divisors, plural
 from parcompile.core.axes import GROUP_AXES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
 from parcompile.passes.manager import PASSES, compile_graph, cost_without_schedule, paused_gc, run_pass
@@ -1649,8 +1649,8 @@ def table(res: SearchResult, top: int = 10) -> str:
     skipped = ""
     if res.unfit or res.bounded:
         skipped = (f"; not costed: {res.unfit} shown not to fit memory, {res.bounded} shown slower than the "
-                   f"best {max(RETIME, top)}")
-    head = (f"{res.cfg.name}: {res.enumerated} layouts enumerated, {res.valid} pass the checks, "
+                   f"{max(RETIME, top)} best (the candidates re-timed with their simulated schedules)")
+    head = (f"{res.cfg.name}: {plural(res.enumerated, 'layout')} enumerated, {res.valid} pass the checks, "
             f"{res.fitting} fit memory, {res.pruned} dominated by less recomputation{skipped} ({res.seconds:.2f} s)")
     return "\n".join([head, ""] + lines)
 

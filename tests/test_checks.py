@@ -209,7 +209,8 @@ def test_layers_not_divisible_are_accepted():
 def test_fewer_layers_than_chunks():
     text = spec(model={"layers": "1"})
     assert one(text, "pp = 2") == ("layers = 1 cannot fill pp(2) * virtual_stages(1) = 2 model chunks",
-                                   "use at most 1 model chunks", None)
+                                   "use at most 1 model chunk: lower pp or virtual_stages so that "
+                                   "pp * virtual_stages <= layers", None)
 
 
 def test_stage_layers_wrong_length_and_sum():

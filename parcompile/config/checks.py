@@ -228,7 +228,8 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
         if m.layers < chunks:
             ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks",
                           ctx.span("parallel.pp", "parallel.virtual_stages"),
-                          help=f"use at most {m.layers} model chunks")
+                          help=f"use at most {plural(m.layers, 'model chunk')}: lower pp or virtual_stages so that "
+                               f"pp * virtual_stages <= layers")
         return
     span = ctx.span("parallel.stage_layers")
     if len(p.stage_layers) != chunks:
