@@ -118,6 +118,18 @@ def test_control_bytes_of_the_source_line_are_not_echoed_to_the_terminal():
     d = e.value.diagnostics[0]
     assert caret.index("^") == d.span.column - 1
 
+
+def test_names_from_other_tools_and_keys_of_another_block_get_a_fix():
+    text = ('model m {\n layers = 2\n hidden = 64\n heads = 4\n vocab = 256\n seq_len = 16\n'
+            ' dtype = float32\n tp = 2\n}\ncluster c from "cpu" { gpus_per_node = 1 }\n'
+            'parallel { global_batch = 2 }\ntrain { learning_rate = 1e-3 }\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(text, filename="s.par")
+    helps = {d.message: d.help for d in e.value.diagnostics}
+    assert helps["unknown dtype `float32`"].startswith("did you mean `fp32`?")
+    assert helps["unknown key `tp` in `model`"].startswith("`tp` is a key of the `parallel` block; move it there.")
+    assert helps["unknown key `learning_rate` in `train`"].startswith("did you mean `lr`?")
+
 VALUE_HELP = ('a value is a number, a quantity such as `80 GiB`, `true` or `false`, a word, '
               'a "string" or a [list]')
 SEP_HELP = "write one `key = value` per line, or separate entries with `,`"

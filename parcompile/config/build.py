@@ -437,9 +437,11 @@ class _Builder:
                 continue
             seen[key] = entry
             if key not in keys:
+                elsewhere = [kind for kind, ks in KEYS.items() if key in ks and kind != block.kind]
+                hint = (f"`{key}` is a key of the `{elsewhere[0]}` block; move it there. " if elsewhere else
+                        did_you_mean(key, keys, case_note='keys are lower_snake_case'))
                 self.bag.error(f"unknown key `{key}` in `{block.kind}`", entry.key_span,
-                               help=f"{did_you_mean(key, keys, case_note='keys are lower_snake_case')}keys of "
-                                    f"`{block.kind}` are {', '.join(keys)}")
+                               help=f"{hint}keys of `{block.kind}` are {', '.join(keys)}")
                 continue
             path = f"{block.kind}.{key}"
             self.ctx.spans[path] = entry.value_span

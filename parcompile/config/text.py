@@ -47,12 +47,32 @@ def close_matches(word: str, choices: Iterable[str]) -> list[str]:
     return [by_folded[c] for c in close]
 
 
+#: names users bring from transformers' config.json, Megatron-LM flags and torch dtypes ->
+#: the spec's own key or value (suggested only where that name is one of the choices)
+ALIASES = {
+    "learning_rate": "lr", "num_layers": "layers", "num_hidden_layers": "layers", "n_layer": "layers",
+    "hidden_size": "hidden", "n_embd": "hidden", "num_attention_heads": "heads", "n_head": "heads",
+    "num_key_value_heads": "kv_heads", "num_query_groups": "kv_heads", "intermediate_size": "ffn_hidden",
+    "ffn_hidden_size": "ffn_hidden", "vocab_size": "vocab", "seq_length": "seq_len", "max_seq_len": "seq_len",
+    "micro_batch_size": "micro_batch", "global_batch_size": "global_batch", "tensor_parallel": "tp",
+    "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep", "train_iters": "steps",
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32",
+}
+
+
 def did_you_mean(word: str, choices: Iterable[str], case_note: str | None = None) -> str:
-    """``"did you mean `rmsnorm`? "`` when a choice is close to ``word``, else ``""``.
+    """``"did you mean `rmsnorm`? "`` when a choice is close to ``word`` (or ``word`` is
+    another tool's name for a choice, :data:`ALIASES`: ``float32`` -> ``fp32``,
+    ``learning_rate`` -> ``lr``), else ``""``.
 
     Case-aware (see :func:`close_matches`). When the suggestion differs from ``word`` only
     in case, ``case_note`` (e.g. ``"units are case-sensitive"``) follows it in brackets.
     """
+    choices = list(choices)
+    alias = ALIASES.get(word)
+    if alias is not None and alias != word and alias in choices:
+        return f"did you mean `{alias}`? "
     close = close_matches(word, choices)
     if not close:
         return ""
