@@ -5,7 +5,7 @@ Reading this module top to bottom tells the whole story. :func:`compile_source` 
 
 1. **parse** the spec's text into its AST (:func:`parcompile.frontend.parse_spec`);
 2. **check**: build the resolved :class:`SpecConfig` and run every rule of the checks
-   table, :data:`parcompile.config.checks.CHECKS` (:func:`parcompile.frontend.check_spec`);
+   table, :data:`parcompile.frontend.checks.CHECKS` (:func:`parcompile.frontend.check_spec`);
    every error of the spec is raised at once, each at its span with a fix;
 3. **search** the layouts when the spec writes ``auto`` layout keys
    (:func:`parcompile.search.resolve`: the best layout the checks accept), adding the
@@ -39,7 +39,7 @@ from typing import Any
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
-from parcompile.config.checks import does_not_fit_help
+from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
 from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
 from parcompile.core.units import bytes_text

@@ -60,7 +60,7 @@ class Plan:
 
     def report_md(self) -> str:
         """A readable markdown report of the plan."""
-        from parcompile.config.checks import does_not_fit_help
+        from parcompile.frontend.checks import does_not_fit_help
 
         return render_report(self.data, does_not_fit_help(self.config.parallel, self.config.model.dtype))
 
@@ -165,7 +165,7 @@ def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
 
 def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
     """Plain-language warnings about a plan.json dict: memory that does not fit (with
-    ``advice``: what the layout could change, :func:`parcompile.config.checks.does_not_fit_help`),
+    ``advice``: what the layout could change, :func:`parcompile.frontend.checks.does_not_fit_help`),
     a pipeline bubble above 20% of compute, tensor parallelism across nodes."""
     out = []
     mem = d["memory"]

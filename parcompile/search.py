@@ -2,7 +2,7 @@
 
 :func:`search` enumerates the layouts the spec leaves open (``dp tp pp cp ep
 virtual_stages micro_batch zero recompute schedule sequence_parallel``), keeps those the
-checker accepts (:func:`parcompile.config.checks.check_config`, the same rules as for a
+checker accepts (:func:`parcompile.frontend.checks.check_config`, the same rules as for a
 hand-written spec), drops those that do not fit memory and ranks the rest by estimated
 step time.
 
@@ -59,7 +59,7 @@ from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, 
                                         saved_bytes, state_bytes)
 from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
-from parcompile.config.checks import CheckContext, check_config
+from parcompile.frontend.checks import CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors, plural
 from parcompile.core.axes import GROUP_AXES
@@ -1233,7 +1233,7 @@ def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
 
 def check_layout(cfg: SpecConfig) -> list[Diagnostic]:
     """The checker's diagnostics for ``cfg`` (every rule of
-    :func:`parcompile.config.checks.check_config`)."""
+    :func:`parcompile.frontend.checks.check_config`)."""
     bag = DiagnosticBag()
     provided = {k for k in cfg.spans}
     m = cfg.model

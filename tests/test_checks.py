@@ -1,4 +1,4 @@
-"""Cross-field checks (parcompile/config/checks.py): every message pinned, with its place."""
+"""Cross-field checks (parcompile/frontend/checks.py): every message pinned, with its place."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from parcompile.config.build import KEYS
+from parcompile.frontend.build import KEYS
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, TrainConfig
 from parcompile.diagnostics import Span, SpecError
 from parcompile.frontend import ast, load_spec, parse
@@ -294,7 +294,7 @@ def test_unreadable_file():
 
 
 def test_key_table_covers_the_schema():
-    from parcompile.config.build import BLOCK_KINDS
+    from parcompile.frontend.build import BLOCK_KINDS
     from parcompile.frontend.parser import BLOCK_KINDS as PARSER_BLOCK_KINDS
 
     assert BLOCK_KINDS == PARSER_BLOCK_KINDS

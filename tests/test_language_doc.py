@@ -1,6 +1,6 @@
 """docs/language.md, the user's reference, stays true to the compiler.
 
-- every key the checker knows (``KEYS`` in parcompile/config/build.py) has a row in the
+- every key the checker knows (``KEYS`` in parcompile/frontend/build.py) has a row in the
   table of its block's section, and no row documents a key the checker does not know;
 - every preset and unit the compiler knows is named;
 - every ```par block compiles (``parcompile.compile``), and every ```par error: MESSAGE
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import parcompile
-from parcompile.config.build import KEYS
+from parcompile.frontend.build import KEYS
 from parcompile.config.presets import CLUSTER_PRESET_NAMES, MODEL_PRESET_NAMES
 from parcompile.config.units import UNITS
 from parcompile.diagnostics import SpecError

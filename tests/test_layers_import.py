@@ -251,6 +251,27 @@ def test_no_cycles_hidden_in_functions():
     assert not new, f"import cycles through function-level imports: {new}"
 
 
+
+def _package_of(module: str) -> str:
+    """The floor a module stands on: its subpackage (``parcompile.passes``), or itself for
+    a top-level module (``parcompile.driver``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_packages_stand_on_floors():
+    """Subpackages and top-level modules, with every import (function-level too) between
+    them: no cycle, so each sits on a floor above what it imports (docs/internals.md)."""
+    floors: dict[str, set[str]] = {}
+    for module, imported in import_graph(module_level=False).items():
+        a = _package_of(module)
+        floors.setdefault(a, set()).update(b for b in map(_package_of, imported) if b != a)
+    cycles = find_cycles(floors)
+    assert not cycles, f"packages that import each other: {cycles}"
+    # the floors the picture in docs/internals.md shows
+    assert "parcompile.passes" in floors["parcompile.search"] and "parcompile.analysis" in floors["parcompile.passes"]
+    assert not floors["parcompile.core"] and floors["parcompile.runtime"] == {"parcompile.core"}
+
 def test_no_private_names_across_modules():
     """No ``from parcompile.x import _name`` (dunders aside) but the known ones."""
     found = set()

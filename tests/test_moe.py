@@ -61,7 +61,7 @@ def test_expert_states_sharded_over_expert_dp():
 
 
 def test_moe_with_tp_needs_sequence_parallel():
-    # a rule of the checks table (parcompile.config.checks): `check`, compile and the search see it
+    # a rule of the checks table (parcompile.frontend.checks): `check`, compile and the search see it
     from parcompile.search import check_layout
 
     cfg = tiny_config(1, 2, 1, model=dict(experts=4), parallel=dict(ep=2))

@@ -314,7 +314,7 @@ def test_reduce_dtype_checks():
 def test_does_not_fit_help_suggests_a_16_bit_reduce():
     """A plan that does not fit at zero >= 2 with fp32 reduces of a 16-bit model is told it
     may reduce in 16 bits, and not once it does (or at zero 1, where it would not apply)."""
-    from parcompile.config.checks import does_not_fit_help
+    from parcompile.frontend.checks import does_not_fit_help
     from parcompile.config.schema import ParallelConfig
 
     want = "hold and reduce-scatter the gradient buckets in bf16 (reduce_dtype = bf16)"

@@ -1,8 +1,9 @@
-"""The resolved configuration of a spec: schema, units, presets, building and checks.
+"""The resolved configuration of a spec, as data: schema, units, presets, text helpers and
+the Hugging Face tables.
 
-``schema`` defines :class:`SpecConfig`; ``build`` turns a parsed spec into one (with
-``presets`` and ``hf`` imports and ``units`` conversion); ``checks`` holds the
-cross-field checks.
+``schema`` defines :class:`SpecConfig`. Building one from a parsed spec and checking it are
+the front end's (:mod:`parcompile.frontend.build`, :mod:`parcompile.frontend.checks`), which
+sits above this package and above ``ir``.
 """
 
 from parcompile.config.schema import (

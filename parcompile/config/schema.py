@@ -4,7 +4,7 @@ This is the contract between the front end (which builds it from a parsed `.par`
 with presets, units converted and defaults filled) and everything after it (graph,
 passes, codegen). Every field is in SI base units: bytes, seconds, FLOP/s, bytes/s.
 
-After :func:`parcompile.config.build.build_config` returns, no field is ``None`` where the
+After :func:`parcompile.frontend.build.build_config` returns, no field is ``None`` where the
 SPEC gives a default, and every parallel degree is a concrete integer (``dp = auto`` is
 resolved to ``world_size / (tp * pp * cp)``); ``ParallelConfig.auto`` remembers which
 keys the user left to the compiler.

@@ -91,7 +91,7 @@ micro-batch's 16-bit gradients go into a 16-bit bucket, which is reduce-scattere
 bits and added into the rank's fp32 shard, so the gradient state stays ``4/d`` bytes per
 element and only the buckets in flight and the reduce-scatter traffic halve. Buckets
 reduced once per step (zero 0 and 1, zero-bubble) accumulate the micro-batches in their
-fp32 buffers and are reduced in fp32 (config/checks.py refuses a 16-bit reduce dtype
+fp32 buffers and are reduced in fp32 (frontend/checks.py refuses a 16-bit reduce dtype
 there).
 
 **Buckets in flight** (the program's rule, :class:`parcompile.runtime.buckets.GradBuckets`):

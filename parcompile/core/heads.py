@@ -6,7 +6,7 @@ rule, ``vllm/model_executor/layers/linear.py: QKVParallelLinear``: ``num_kv_head
 tp / kv_heads``): every rank then holds one kv head, each kv head replicated on ``tp /
 kv_heads`` consecutive ranks of the tp group (rank r holds kv head ``r // replicas``), and
 the graph keeps the k/v projections unsplit. Any other pair is rejected by the checks
-(``config/checks.py``), so the functions below assume one of the two cases.
+(``frontend/checks.py``), so the functions below assume one of the two cases.
 """
 
 from __future__ import annotations

@@ -656,7 +656,7 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     ``expected`` (our name -> global shape, vocabulary unpadded), reading only headers.
 
     A DCP directory (:func:`init_from_kind`) is accepted here: its metadata is a pickle
-    that needs torch, and :func:`parcompile.config.checks._check_init_from` checks its
+    that needs torch, and :func:`parcompile.frontend.checks._check_init_from` checks its
     shapes. For a Hugging Face directory the problems are: a ``config.json``
     whose ``model_type`` we do not import; an index naming a missing file; a truncated
     safetensors file (header or data past the end: the file and both sizes); a tensor

@@ -4,7 +4,7 @@ Its two steps, which :func:`parcompile.driver.compile_source` runs first:
 
 1. :func:`parse_spec`: read the source and parse it into the AST (:class:`ParsedSpec`);
 2. :func:`check_spec`: build the resolved config from the AST and run every rule of
-   the checks table (:data:`parcompile.config.checks.CHECKS`), raising all the errors
+   the checks table (:data:`parcompile.frontend.checks.CHECKS`), raising all the errors
    at once.
 
 :func:`load_spec` is the two together, for the commands that stop at the config
@@ -83,13 +83,13 @@ def parse_spec(source: str | Path, filename: str | None = None) -> ParsedSpec:
 
 def check_spec(parsed: ParsedSpec) -> tuple[SpecConfig, list[Diagnostic]]:
     """Build the resolved config of a parsed spec and check it (every rule of
-    :data:`parcompile.config.checks.CHECKS`); return the config and its warnings.
+    :data:`parcompile.frontend.checks.CHECKS`); return the config and its warnings.
 
     Raises :class:`SpecError` with every diagnostic (warnings included, in source order)
     when the spec has an error.
     """
-    # imported here: parcompile.config.build imports this package's AST
-    from parcompile.config.build import build_config
+    # imported here: parcompile.frontend.build imports this package's AST
+    from parcompile.frontend.build import build_config
 
     bag = DiagnosticBag()
     config = build_config(parsed.spec, bag, name=parsed.name, source_dir=parsed.source_dir)

@@ -1,7 +1,7 @@
 """The syntax tree of a `.par` spec: what was written, with a source span on every node.
 
 Produced by :func:`parcompile.frontend.parser.parse`; consumed by
-:mod:`parcompile.config.build`. Nothing here is validated beyond syntax: unknown block
+:mod:`parcompile.frontend.build`. Nothing here is validated beyond syntax: unknown block
 kinds or keys, wrong types and units are all representable, so that the builder can
 report every one of them with its span.
 """

@@ -174,7 +174,7 @@ class GradBuckets:
         if self.per_microbatch and self.reduce_dtype != torch.float32 and \
                 any(p.dtype != self.reduce_dtype for p in params):
             raise ValueError(f"reduce_dtype {reduce_dtype} needs {reduce_dtype} parameters (their gradients "
-                             "fill the buckets); config/checks.py refuses other specs")
+                             "fill the buckets); frontend/checks.py refuses other specs")
         #: this step reduces per micro-batch (False for a zero-bubble action list: GradSync.start)
         self.stream = self.per_microbatch
         #: bytes of full gradient buffers held now, and at most since the step began

@@ -4,7 +4,7 @@
 (known key, given once, right type, unit of the right dimension, in range), applies
 `from` presets and Hugging Face imports (block keys override them), fills defaults,
 resolves ``auto`` degrees and then runs the cross-field checks of
-:mod:`parcompile.config.checks`. Every problem becomes a diagnostic in the bag; none
+:mod:`parcompile.frontend.checks`. Every problem becomes a diagnostic in the bag; none
 stops the others. A value found wrong is left out (its default or a placeholder takes
 its place) and its ``"block.key"`` is marked bad, so that no check built on it adds a
 second, derived error.
@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from parcompile.config import checks
-from parcompile.config.checks import AUTO, CheckContext
+from parcompile.frontend import checks
+from parcompile.frontend.checks import AUTO, CheckContext
 from parcompile.config.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
