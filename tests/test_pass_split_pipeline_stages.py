@@ -1,6 +1,6 @@
 import pytest
 
-from parcompile.diagnostics import SpecError
+from parcompile.passes.base import PassError
 from parcompile.passes.split_pipeline_stages import chunk_layers
 from tests.plan_factories import run_until, spec, tiny_model
 
@@ -40,6 +40,9 @@ def test_tied_head_gets_a_copy_when_pp_exceeds_one():
     assert g1.node("lm_head").params[0].name == "embedding.weight"
 
 
-def test_bad_stage_layers_is_a_spec_error():
-    with pytest.raises(SpecError, match="sum to"):
+def test_bad_stage_layers_is_the_checks_tables_error():
+    """The user's rule is the checks table's (tests/test_checks.py:
+    test_stage_layers_wrong_length_and_sum); an unchecked config that reaches the pass
+    anyway is a bug, reported as the pass's failure."""
+    with pytest.raises(PassError, match="pass split-pipeline-stages failed: ValueError: .*sum to"):
         run_until(spec(pp=2, stage_layers=(1, 2)), "split-pipeline-stages")

@@ -16,7 +16,6 @@ from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
 from parcompile.core.groups import rank_groups
 from parcompile.core.schedule import SUPPORTED, ScheduleError, ScheduleReport, SimResult, build_actions, simulate
-from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
 
@@ -32,8 +31,9 @@ class SchedulePipeline:
     reuses them). Runs after ``insert-collectives`` (the chunk times include the
     tensor-, context- and expert-parallel collectives on each chunk's critical path).
 
-    Raises:
-        SpecError: ``1f1b`` or ``zero_bubble`` with ``virtual_stages > 1``.
+    ``1f1b`` and ``zero_bubble`` with ``virtual_stages > 1`` are a rule of the checks table
+    (``frontend/checks.py: _check_schedule``); an unchecked config that has them fails in
+    :func:`~parcompile.core.schedule.build_actions` (a ``PassError`` naming this pass).
     """
 
     name: str = "schedule-pipeline"
@@ -41,12 +41,6 @@ class SchedulePipeline:
     def apply(self, graph: Graph, ctx: PassContext) -> None:
         cfg = ctx.cfg
         par = cfg.parallel
-        if par.schedule in ("1f1b", "zero_bubble") and par.virtual_stages > 1:
-            raise SpecError([Diagnostic(
-                "error", f"schedule {par.schedule} runs one model chunk per pipeline rank, "
-                f"not virtual_stages = {par.virtual_stages}", cfg.span("parallel.schedule"),
-                help="use schedule = interleaved_1f1b for virtual stages",
-            )])
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
                               cfg.model.padded_vocab(par.tp), m, par.recompute)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parcompile.config.text import even_split
-from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
 
@@ -104,10 +103,9 @@ class SplitPipelineStages:
         cfg = ctx.cfg
         par = cfg.parallel
         pp, v = par.pp, par.virtual_stages
-        try:
-            chunks = chunk_layers(cfg.model.layers, pp, v, par.stage_layers)
-        except ValueError as e:
-            raise SpecError([Diagnostic("error", str(e), cfg.span("parallel.stage_layers"))]) from None
+        # a `stage_layers` of the wrong length or sum is a rule of the checks table
+        # (frontend/checks.py: _check_layers); here it can only be a bug (a PassError)
+        chunks = chunk_layers(cfg.model.layers, pp, v, par.stage_layers)
         layer_chunk = {layer: k for k, ls in enumerate(chunks) for layer in ls}
         last = pp * v - 1
         for n in ctx.visit(graph.topological()):
