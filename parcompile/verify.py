@@ -29,6 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Hashable
 
 import torch
 
@@ -242,11 +243,17 @@ def _run_reference(out: Path, metrics: Path, steps: int) -> None:
         os.environ.update(saved)
 
 
-def _run_torchrun(out: Path, metrics: Path, world: int, steps: int, timeout_s: float, log) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(out / "program.py"), "--metrics-dir", str(metrics), "--steps", str(steps), "--checkpoint-dir", ""]
+def _torchrun(world: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node world ARGS`` on this machine's CPUs (gloo,
+    one thread per rank); its output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _run_torchrun(out: Path, metrics: Path, world: int, steps: int, timeout_s: float, log) -> None:
+    proc = _torchrun(world, [str(out / "program.py"), "--metrics-dir", str(metrics), "--steps", str(steps),
+                             "--checkpoint-dir", ""], timeout_s)
     if log:
         log(proc.stdout)
     if proc.returncode != 0:
@@ -585,9 +592,9 @@ def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = 
         return compare(root / "reference" / "metrics", root / "mini" / "metrics", plan, mini, tol)
 
 
-def verify_many(cfgs: dict[str, SpecConfig], steps: int = 3, workdir: str | os.PathLike | None = None,
-                tols: dict[str, Tolerances] | None = None, dtypes: dict[str, str] | None = None,
-                timeout_s: float = 900.0) -> dict[str, VerifyResult | Exception]:
+def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str | os.PathLike | None = None,
+                tols: dict[Hashable, Tolerances] | None = None, dtypes: dict[Hashable, str] | None = None,
+                timeout_s: float = 900.0) -> dict[Hashable, VerifyResult | Exception]:
     """:func:`verify` for many specs with one torchrun launch per world size.
 
     Each miniature and its reference are built as :func:`verify` builds them; the
@@ -602,9 +609,9 @@ def verify_many(cfgs: dict[str, SpecConfig], steps: int = 3, workdir: str | os.P
     """
     dtypes = dtypes or {}
     tols = tols or {}
-    results: dict[str, VerifyResult | Exception] = {}
+    results: dict[Hashable, VerifyResult | Exception] = {}
     with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:
-        ready: dict[int, list[tuple[str, Path, SpecConfig, dict]]] = {}
+        ready: dict[int, list[tuple[Hashable, Path, SpecConfig, dict]]] = {}
         for i, (name, cfg) in enumerate(cfgs.items()):
             root = Path(tmp) / f"{i:03d}"
             try:
@@ -651,11 +658,8 @@ def _run_batch(outs: list[Path], world: int, steps: int, timeout_s: float,
     Returns ``(how many completed, the failure of the next one or None)``."""
     jobs_file.write_text(json.dumps([{"program": str(out / "program.py"), "argv": _program_argv(out, steps)}
                                      for out in outs]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "parcompile.runtime.batch", str(jobs_file)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu")
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * len(outs))
+        proc = _torchrun(world, ["-m", "parcompile.runtime.batch", str(jobs_file)], timeout_s * len(outs))
         code, output = proc.returncode, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
     except subprocess.TimeoutExpired as e:
         code, output = "a timeout", str(e)

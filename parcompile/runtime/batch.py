@@ -7,7 +7,8 @@ many layouts of one world size (the project's tests) launches once and runs them
     torchrun --standalone --nproc-per-node W -m parcompile.runtime.batch JOBS.json
 
 ``JOBS.json`` is a list of ``{"program": path, "argv": [...]}`` whose plans all have world
-size ``W``. This module initialises the default process group once; each program's
+size ``W``. This module initialises the default process group once (gloo: verify runs its
+miniatures on CPU); each program's
 ``main(argv)`` then runs on it (``init_parallel`` finds the group initialised and creates
 only its own subgroups; ``shutdown`` frees those and leaves the world). After job ``i``
 finishes on every rank, rank 0 writes ``JOBS.json.done`` with ``i + 1`` (the number of
