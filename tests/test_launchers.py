@@ -90,8 +90,8 @@ def test_slurm_sbatch_runs_one_torchrun_per_node(tmp_path):
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
     # srun: drop its own options, run the command once (one node, one task)
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
-    torchrun = Path(sys.executable).parent / "torchrun"
-    (bin_dir / "torchrun").write_text(f'#!/usr/bin/env bash\nexec "{torchrun}" "$@"\n')
+    # torchrun of this interpreter (a venv over system packages has no torchrun script of its own)
+    (bin_dir / "torchrun").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node001",
