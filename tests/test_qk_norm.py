@@ -75,8 +75,10 @@ def test_the_program_normalises_q_and_k_before_rope(tmp_path):
     cfg = tiny_config(tp=2, model=dict(qk_norm=True))
     text = render_program(cfg, compile_config(cfg))
     assert text.count("rt.QKNorm(") == 2
-    assert text.index("self.q_norm(q), self.k_norm(k)") < text.index("rt.apply_rope(q")
-    assert "all-reduced over tp with the step (tp_partial_grads)" in text
+    # written from the op table's Code rows, in graph order: the norms before RoPE
+    assert text.index("q = self.q_norm(q)") < text.index("k = self.k_norm(k)") < text.index("q = rt.apply_rope(q")
+    assert 'rt.QKNorm(f"layers.{i}.attn.q_norm", head_dim=16, eps=1e-05, seed=SEED, tp=tp)' in text
+    assert "all-reduced over tp with the step (tp_partial_grads)" in text  # its tp-partial gradient
     plain = tiny_config(tp=2)
     assert "QKNorm" not in render_program(plain, compile_config(plain))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
+from parcompile.ir.ops import spec
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.plan import Plan
@@ -180,11 +182,8 @@ def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) ->
     norm = layer.op("attn_norm")
     head = pd.ops["lm_head"]
     tp_one = "no collective (tp = 1)"
-    q_norm = layer.op("attn.q_norm")
     return {
-        "qk_norm": q_norm is not None,
-        "qk_norm_calls": _calls(q_norm, i),
-        "qk_norm_grads": _qk_norm_grads(plan, q_norm, sp),
+        "head_ops": _head_statements(layer, sp),
         "moe": moe,
         "has_mlp": w1 is not None,              # a dense MLP (dense layers or shared experts)
         "has_dense": pd.dense_layer is not None,
@@ -253,15 +252,46 @@ def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) ->
     }
 
 
-def _qk_norm_grads(plan: Plan, q_norm: OpData | None, sp: bool) -> str:
-    """How the qk-norm weight's gradient is made whole, for a comment: the step's
-    all-reduce over tp when the graph marks it partial (``Param.grad_partial``)."""
-    if q_norm is None:
-        return ""
-    if "tp" not in plan.graph.node(q_norm.name).params[0].grad_partial:
-        return "its gradient is whole on every rank"
-    key = "sp_norm_grads" if sp else "tp_partial_grads"
-    return f"each rank's gradient sums its own heads: all-reduced over tp with the step ({key})"
+@dataclass(frozen=True)
+class HeadStatement:
+    """One per-head op of the attention module as the program writes it
+    (:meth:`LayerData.head_ops`, formatted by its kind's :class:`~parcompile.ir.ops.Code`
+    row): ``build`` the module's ``__init__`` line (None: a plain function), ``call`` the
+    forward statement, each with its comment."""
+
+    build: str | None
+    build_comment: str
+    call: str
+    call_comment: str
+
+
+def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[HeadStatement]:
+    """The attention module's per-head ops (qk-norm, RoPE, ...) of ``layer`` as program
+    lines, from the op table's :class:`~parcompile.ir.ops.Code` rows alone; ``serve``: the
+    serving program's calls. The layer index in names is written ``{i}``."""
+    out = []
+    prefix = f"layers.{layer.index}.attn."
+    for op, var in layer.head_ops():
+        code = spec(op.kind).code
+        attr = op.name.removeprefix(prefix)
+        build = None
+        comment = ""
+        if code.module is not None:
+            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args)
+            build = f'self.{attr} = rt.{code.module}(f"layers.{{i}}.attn.{attr}"{args}, seed=SEED, tp=tp)'
+            partial = sorted({a for axes in op.grad_partial for a in axes})
+            if "tp" in partial:
+                key = "sp_norm_grads" if sp else "tp_partial_grads"
+                comment = (f"replicated weight; each rank sums its own heads' gradient, all-reduced "
+                           f"over tp with the step ({key})")
+            elif op.grad_partial:
+                comment = "its gradient is whole on every rank"
+        call = (code.serve_call if serve and code.serve_call else code.call).format(self=f"self.{attr}", x=var)
+        what = code.comment or op.kind
+        if op.collectives:
+            what += "; " + _calls(op, layer.index)
+        out.append(HeadStatement(build, comment, f"{var} = {call}", what))
+    return out
 
 
 def _model_keys(m) -> dict:
@@ -334,6 +364,7 @@ def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> d
         "attn_leave": _calls(layer.conversion_after("attn.wo"), layer.index, tp_one),
         "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
+        "head_ops": _head_statements(layer, pd.sequence_parallel, serve=True),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import op_collectives
+from parcompile.ir.ops import op_collectives, spec
 from parcompile.ir.types import TensorType, split_axes
 
 #: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
@@ -68,6 +68,15 @@ class OpData:
     #: a conversion into the tensor-parallel region whose split input column-parallel
     #: layers keep, all-gathering it again in backward (insert-collectives' ``regather``)
     regather: bool = False
+    #: the op's attributes (``Op.attrs``): what a :class:`~parcompile.ir.ops.Code` row passes on
+    attrs: tuple[tuple[str, object], ...] = ()
+    #: mesh axes over which a parameter's gradient is a partial sum though its value is
+    #: replicated (``Param.grad_partial``; a qk-norm weight under tp), per parameter
+    grad_partial: tuple[tuple[str, ...], ...] = ()
+
+    def attr(self, key: str):
+        """The op attribute ``key`` (KeyError when the op has none)."""
+        return dict(self.attrs)[key]
 
     def size(self, dim: str) -> int:
         """The local size of ``dim``."""
@@ -113,6 +122,25 @@ class LayerData:
     def collectives(self) -> tuple[CollectiveCall, ...]:
         """Every collective the layer's ops run per micro-batch, in graph order."""
         return tuple(c for o in self.ops for c in o.collectives)
+
+    def head_ops(self) -> tuple[tuple[OpData, str], ...]:
+        """The attention module's ops on per-head q, k or v, between the projections and
+        the core, in graph order: those whose kind has a :class:`~parcompile.ir.ops.Code`
+        row (qk-norm, RoPE), each with the tensor it transforms (``q``, ``k`` or ``v``: the
+        projection ``attn.wq``, ``attn.wk`` or ``attn.wv`` its input chain starts at)."""
+        by_name = {o.name: o for o in self.ops}
+        roots = {f"layers.{self.index}.attn.w{v}": v for v in "qkv"}
+        out = []
+        for o in self.ops:
+            if spec(o.kind).code is None:
+                continue
+            src = o
+            while src.name not in roots:
+                if not src.inputs or src.inputs[0] not in by_name:
+                    raise ValueError(f"{o.name} ({o.kind}) does not read a projection's per-head output")
+                src = by_name[src.inputs[0]]
+            out.append((o, roots[src.name]))
+        return tuple(out)
 
     @property
     def moe(self) -> bool:
@@ -195,7 +223,8 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
     splits = tuple(tuple(a for a in split_axes(nd.sharding.axis_of(d.name)) if degrees.get(a, 1) > 1)
                    for d in nd.type.dims)
     return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
-                  str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")))
+                  str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
+                  tuple(p.grad_partial for p in nd.params))
 
 
 def _layer_of(nd: Node) -> int | None:

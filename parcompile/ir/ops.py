@@ -141,6 +141,29 @@ class TpRule:
 
 
 @dataclass(frozen=True)
+class Code:
+    """How a generated program runs an op of this kind on the per-head q, k or v of an
+    attention module (between the projections and the attention core): what codegen
+    writes for it, with no code of its own per kind.
+
+    ``module`` names the runtime class the module's ``__init__`` builds, as
+    ``self.<attr> = rt.<module>(f"layers.{i}.attn.<attr>", <arg>=<op attr>, ..., seed=SEED,
+    tp=tp)`` (``<attr>`` is the op's name in its module: ``q_norm``; ``args`` the op
+    attributes passed by keyword, in order); None: the op is a plain function. ``call``
+    is the forward expression in the training program, ``serve_call`` in the serving
+    program (None: the same): ``{self}`` is the built module (``self.q_norm``), ``{x}``
+    the per-head tensor, (B, T, heads, head_dim) in both. ``comment`` says what the call
+    does, beside it.
+    """
+
+    module: str | None = None
+    args: tuple[str, ...] = ()
+    call: str = "{self}({x})"
+    serve_call: str | None = None
+    comment: str = ""
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """The rules of one op kind (see module docstring)."""
 
@@ -162,6 +185,9 @@ class OpSpec:
     saves_output: Callable[[Mapping[str, Any]], bool] = lambda a: False
     #: bytes read + written by the op's non-matmul kernels in the forward (module docstring)
     traffic: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
+    #: how a generated program runs it on per-head tensors (:class:`Code`); None: the
+    #: templates write the op themselves (projections, attention core, MLP, ...)
+    code: Code | None = None
 
 
 # --------------------------------------------------------------------------- rules
@@ -376,10 +402,14 @@ OPS: dict[str, OpSpec] = {
         OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
         OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
-        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
+        # rotary position embedding at the tokens' global positions (the program's tables)
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic,
+               code=Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *rope)",
+                         comment="RoPE at the tokens' global positions")),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
-               traffic=_elementwise_traffic),
+               traffic=_elementwise_traffic,
+               code=Code("QKNorm", ("head_dim", "eps"), comment="RMSNorm over head_dim, each head alone")),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),

@@ -96,7 +96,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q=2048): 16 heads
         k = self.wk(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
         v = self.wv(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
-        q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
+        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         # selective recomputation (Korthikanti et al. 2022): the attention core keeps only
         # its inputs and runs again in backward

@@ -85,8 +85,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, HEADS_LOCAL, HEAD_DIM)              # (B, T, 8, 128)
         k = self.wk(x).view(B, T, KV_LOCAL, HEAD_DIM)                 # (B, T, 1, 128)
         v = self.wv(x).view(B, T, KV_LOCAL, HEAD_DIM)                 # (B, T, 1, 128)
-        cos, sin = rope[0][step.positions], rope[1][step.positions]   # (B, T, 128) at each sequence's positions
-        q, k = gen.apply_rope_at(q, cos, sin), gen.apply_rope_at(k, cos, sin)
+        rope = rope[0][step.positions], rope[1][step.positions]       # cos, sin (B, T, 128) at each sequence's positions
+        q = gen.apply_rope_at(q, *rope)                               # RoPE at the tokens' global positions
+        k = gen.apply_rope_at(k, *rope)                               # RoPE at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         k, v = cache.store(self.i, k, v, step.start)                  # (B, 1, L, 128): the cache so far
         y = gen.cached_attention(q, k, v, step.mask, fused=True)  # (B, 8, T, 128)

@@ -88,7 +88,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, 4, HEAD_DIM)              # (B, T=8192, q/tp=512): 4 heads
         k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T=8192, kv/tp=128): 1 head
         v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T=8192, kv/tp=128): 1 head
-        q, k = rt.apply_rope(q, *pos.rope), rt.apply_rope(k, *pos.rope)   # at the tokens' global positions
+        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
                               window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 4, T, 128)
