@@ -223,14 +223,14 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
     ``does-not-fit`` warning when the whole batch does not."""
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_cache)
     if not rep.one_sequence_fits:
-        one = max(rep.stages, key=lambda s: s.weights + s.workspace + rep.context * s.kv_bytes_per_token)
-        need = one.weights + one.workspace + rep.context * one.kv_bytes_per_token
+        one = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
+        need = one.weights + one.workspace + one.kv_per_sequence
         advice = fit_advice(cfg, rep)
         raise SpecError([Diagnostic(
             "error",
             f"one sequence of {rep.context:,} tokens does not fit: stage {one.stage} needs {bytes_text(need)} per GPU "
             f"(weights {bytes_text(one.weights)}, workspace {bytes_text(one.workspace)}, KV cache "
-            f"{bytes_text(rep.context * one.kv_bytes_per_token)}), {bytes_text(rep.capacity)} are usable",
+            f"{bytes_text(one.kv_per_sequence)}), {bytes_text(rep.capacity)} are usable",
             cfg.span("serve.prompt_len"),
             help=("would fit: " + "; ".join(advice)) if advice else "use GPUs with more memory",
             code="does-not-fit")])

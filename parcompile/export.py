@@ -221,6 +221,8 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     add("--norm-epsilon", m.norm_eps)
     if m.activation == "swiglu":
         add("--swiglu")
+    elif m.activation == "geglu":
+        notes.append("activation geglu: pretrain_gpt.py's arguments have no GeGLU (--swiglu is the only gated MLP)")
     elif m.activation == "relu":
         notes.append("activation relu: pretrain_gpt.py's arguments have no plain ReLU (GeLU is the default)")
     if m.position == "rope":
@@ -252,6 +254,8 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         add("--moe-router-topk", m.top_k)
         add("--moe-ffn-hidden-size", m.expert_ffn_hidden)
         add("--moe-aux-loss-coeff", m.router_aux_loss)
+        if not m.norm_topk_prob and m.top_k > 1:   # softmax over all experts, then top-k, not renormalised
+            add("--moe-router-pre-softmax")
         if m.shared_experts:
             add("--moe-shared-expert-intermediate-size", m.shared_experts * m.expert_ffn_hidden)
         if m.dense_layers:

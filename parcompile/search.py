@@ -35,7 +35,9 @@ and the search against costing every layout, :data:`BOUNDS` off). The best few, 
 figures and their order are those of costing every layout; the ranking past them holds
 the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
 them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
-about 70 of 118,000 valid layouts are costed and 32 probes built.
+about 70 of 118,000 valid layouts are costed and 33 probes built; on Llama-3 70B on 1,024
+H100s, 290 of 90,000 and 28 probes (52 before :meth:`Coster.memory_floor` bounded the
+larger micro-batches from the probes of micro-batch 1 and 2).
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -55,8 +57,8 @@ from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_inside,
                                           optimizer_time, pipeline_parts, step_sums)
-from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total, memory_from_parts,
-                                        saved_bytes, state_bytes)
+from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total,
+                                        closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
 from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.frontend.checks import CheckContext, check_config
@@ -299,6 +301,29 @@ def _step_degrees(deg: dict) -> tuple:
     return tuple(deg[a] for a in ("dp_cp", "expert_dp", "tp", "ep", "expert_tp", "pp"))
 
 
+class _RowLayout(NamedTuple):
+    """A row of :func:`_layout_rows` read as the :class:`ParallelConfig` fields the memory
+    floors read (:meth:`Coster.state_floor`, :meth:`Coster.memory_floor`), without
+    building one; ``num_microbatches`` and ``expert_dp`` are ParallelConfig's own."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    expert_tp: int
+    sequence_parallel: bool
+    zero: int
+    micro_batch: int
+    global_batch: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+
+    num_microbatches = property(ParallelConfig.num_microbatches.fget)
+    expert_dp = property(ParallelConfig.expert_dp.fget)
+
+
 class _Coll(NamedTuple):
     """A per-micro-batch collective as :func:`~parcompile.analysis.estimate.chunk_times`
     reads it (:class:`~parcompile.ir.ops.Collective`'s fields; :meth:`Coster.family_floor`
@@ -390,6 +415,9 @@ class Coster:
         self.comm_axes: dict[tuple, list[str]] = {}
         self.base_p2p: dict[tuple, float] = {}
         self.step_floor_memo: dict[tuple, float] = {}
+        self.in_flight_firsts: dict[tuple, Fraction] = {}
+        self.scaled_bases: dict[tuple, tuple] = {}
+        self.params_keys: dict[int, tuple] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -410,7 +438,7 @@ class Coster:
         return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak, rep.memory.capacity,
                          t.bubble_fraction, dict(t.breakdown), rep.memory if with_memory else None, False)
 
-    def probe(self, par: ParallelConfig) -> _Probe:
+    def probe(self, par: ParallelConfig | _RowLayout) -> _Probe:
         return self.probe_of((par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp))
 
     def probe_of(self, key: tuple) -> _Probe:
@@ -421,27 +449,32 @@ class Coster:
         return got
 
     def _inside(self, par: ParallelConfig) -> dict[str, bool]:
+        """Whether each axis's groups of layout ``par`` sit inside a node, cached."""
+        return self._inside_links(par)[0]
+
+    def _inside_links(self, par: ParallelConfig) -> tuple[dict[str, bool], dict]:
+        """:meth:`_inside` and the links it gives (:func:`~parcompile.analysis.estimate.links_inside`), cached."""
         key = (par.tp, par.cp, par.dp, par.pp, par.ep, par.expert_tp, par.order)
         got = self.inside.get(key)
         if got is None:
             gpn = self.cfg.cluster.gpus_per_node
-            got = self.inside[key] = {a: axis_inside_node(par, a, gpn) for a in GROUP_AXES}
+            inside = {a: axis_inside_node(par, a, gpn) for a in GROUP_AXES}
+            got = self.inside[key] = (inside, links_inside(self.cfg.cluster, inside, self.eff))
         return got
 
     def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:
         """The probe's three chunk times under ``par``'s links (whether each axis's groups
         sit inside a node), its recompute mode's, with the links and the cache key."""
-        inside = self._inside(par)
+        inside, links = self._inside_links(par)
         rc = par.recompute
         key = (rc, tuple(sorted(inside.items())))
         ct3 = pr.times.get(key)
         if ct3 is None:
-            links = links_inside(self.cfg.cluster, inside, self.eff)
             tcfg = pr.pcfg.model_copy(update={"parallel": ParallelConfig(
                 dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=par.micro_batch,
                 global_batch=par.micro_batch, recompute=rc, sequence_parallel=par.sequence_parallel)})
             ct3 = pr.times[key] = chunk_times(tcfg, pr.degrees, None, pr.compute[rc], pr.comm[rc], links)
-        return ct3, links_inside(self.cfg.cluster, inside, self.eff), key
+        return ct3, links, key
 
     def _pipeline(self, cfg: SpecConfig, pr: _Probe, ct3: ChunkTimes, tkey: tuple,
                   counts: tuple[int, ...]) -> tuple[ChunkTimes, float, dict]:
@@ -592,9 +625,12 @@ class Coster:
         family's. The step is then at least :meth:`span_floor` of those.
         ``tests/test_search.py`` checks the bound against the families' own probes. Reduced
         by a relative 1e-9 for rounding."""
-        out = {}
+        out, works = {}, {}
         for pp, v, m, rc in groups:
-            f, b, p2p = self._family_work(reps[pp], rc)[:3]
+            got = works.get((pp, rc))
+            if got is None:
+                got = works[(pp, rc)] = self._family_work(reps[pp], rc)
+            f, b, p2p = got[:3]
             transfers = 2 * (pp * v - 1) * p2p if pp > 1 else 0.0
             out[(pp, v, m, rc)] = (m + (pp - 1) / v) * (f + b + transfers) / pp * (1 - 1e-9)
         return out
@@ -616,7 +652,8 @@ class Coster:
     def _family_work(self, par: ParallelConfig, rc: str) -> tuple[float, float, float, _Probe, dict]:
         """``(F, B, p2p, probe, links)`` of :meth:`family_floor` for the family of layout
         ``par`` and recompute mode ``rc``: a micro-batch's forward and backward seconds
-        through all chunks, and one transfer between adjacent chunks (``ChunkTimes.p2p``), of
+        through all chunks, and one transfer between adjacent chunks (``ChunkTimes.p2p``; 0 with
+        ``pp = 1``, where the floors add none), of
         the probe of the same ``tp, sequence_parallel, ep, expert_tp`` at micro-batch 1 and
         ``cp0 = min(cp, 2)``, scaled by ``micro_batch * cp0 / cp``, with ``par``'s group sizes
         and links; that probe; the links. This rests on two facts of the probe graphs:
@@ -640,8 +677,7 @@ class Coster:
             return got
         cp0 = min(cp, 2)
         base = self.probe_of((tp, cp0, sp, 1, par.ep, par.expert_tp))
-        inside = self._inside(par)
-        links = links_inside(self.cfg.cluster, inside, self.eff)
+        inside, links = self._inside_links(par)
         akey = (id(base), rc)
         axes = self.comm_axes.get(akey)
         if axes is None:   # the probe's collectives' axes, for what their times read of the links
@@ -649,36 +685,42 @@ class Coster:
         key = (id(base), rc, cp, mb, tuple((a, inside.get(a, True)) for a in axes))
         fb = self.base_works.get(key)
         pkey = (id(base), rc, cp, mb, inside.get("pp", True), inside.get("tp", True))
-        p2p = self.base_p2p.get(pkey)
+        p2p = self.base_p2p.get(pkey) if par.pp > 1 else 0.0   # one rank: no transfers
         if fb is None or p2p is None:
-            r = mb * cp0 / cp
-            comp = base.compute[rc]
-            scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
-                             chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
-                             chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
-                             chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
-            tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
-                dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
-                global_batch=mb, recompute=rc, sequence_parallel=sp)})
-            degrees = dict(base.degrees, cp=cp)
-            # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
-            pp_raw = [(s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in base.comm[rc].raw
-                      if c.axis == "pp"]
+            skey = (id(base), rc, cp, mb)
+            sc = self.scaled_bases.get(skey)
+            if sc is None:   # the scaled probe, whatever the links
+                r = mb * cp0 / cp
+                comp = base.compute[rc]
+                scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
+                                 chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
+                                 chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
+                                 chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
+                tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
+                    dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
+                    global_batch=mb, recompute=rc, sequence_parallel=sp)})
+                degrees = dict(base.degrees, cp=cp)
+                # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
+                raw = base.comm[rc].raw
+                sc = self.scaled_bases[skey] = (
+                    scaled, tcfg, degrees,
+                    _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
+                                      if c.axis != "pp")),
+                    _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
+                                      if c.axis == "pp")))
+            scaled, tcfg, degrees, raw, pp_raw = sc
             if fb is None:
-                raw = _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase))
-                                        for s, k, c in base.comm[rc].raw if c.axis != "pp"))
                 ct = chunk_times(tcfg, degrees, None, scaled, raw, links)
                 f3, b3 = [ct.fwd(k) for k in range(3)], [ct.bwd(k) for k in range(3)]
                 layers = self.cfg.model.layers
                 fb = self.base_works[key] = (layers * f3[1] + (f3[0] - f3[1]) + (f3[2] - f3[1]),
                                              layers * b3[1] + (b3[0] - b3[1]) + (b3[2] - b3[1]))
             if p2p is None:
-                p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, _ScaledComm(tuple(pp_raw)),
-                                                        links).p2p
+                p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, pp_raw, links).p2p
         got = self.family_works[wkey] = (fb[0], fb[1], p2p, base, links)
         return got
 
-    def state_floor(self, par: ParallelConfig) -> int:
+    def state_floor(self, par: ParallelConfig | _RowLayout) -> int:
         """A lower bound on the memory peak of training layout ``par`` from its model states
         alone (parameters, fp32 gradients and optimizer states; :meth:`peak`'s
         ``states``), whatever its split, micro-batch, schedule or recomputation: every
@@ -758,30 +800,58 @@ class Coster:
         mem, _ = self.memory(cfg, pr, counts)
         return mem.peak, mem.capacity
 
-    def memory_floor(self, par: ParallelConfig, first_layers: int, base: bool = False) -> float:
+    def memory_floor(self, par: ParallelConfig | _RowLayout, first_layers: int, base: bool = False,
+                     build: bool = True) -> float:
         """A lower bound on :meth:`peak` of training layout ``par`` over its splits, from a
         probe without composing any split: the first pipeline rank's total when it holds
         ``first_layers`` (the fewest any of its splits gives it, :func:`_first_layers`).
         That total is, as :func:`memory_from_parts` adds it up, the model states of its parameters (at
         least the table of :mod:`parcompile.analysis.memory` with exact division, its
         sharded elements being at least ``n / d``), the activations of its in-flight
-        micro-batches (``num * body // den``, at least ``num * body / den - 1``), its
-        buffers (:meth:`_buffer_sums`) and byte counts that are not negative (the output
-        layer's activations, ZeRO-3's gathered parameters, gradient buckets in flight);
-        each grows with the rank's layers.
+        micro-batches (``in_flight * body`` rounded down, at least ``in_flight * body - 1``;
+        ``in_flight`` the first stage's of
+        :func:`~parcompile.analysis.memory.closed_form_in_flight`), its buffers
+        (:meth:`_buffer_sums`) and byte counts that are not negative (the output layer's
+        activations, ZeRO-3's gathered parameters, gradient buckets in flight); each grows
+        with the rank's layers.
 
         With ``base``, no probe of ``par``'s own family is needed: the activations and
-        buffers are those of the probe :meth:`family_floor` scales, at micro-batch 1 and
-        ``cp0 = min(cp, 2)``, times ``cp0 / cp`` (by the same two facts, each byte count is
-        at least ``cp0 / cp`` times its value at ``cp0`` and does not shrink with the
-        micro-batch). In floating point, reduced by a relative 1e-12. ``tests/test_search.py``
-        checks the bound against :meth:`peak`."""
+        buffers come from the probes :meth:`family_floor` scales, at ``cp0 = min(cp, 2)``
+        and micro-batch 1 (and 2, for ``micro_batch > 1``), times ``cp0 / cp``. By the two
+        facts of :meth:`_family_work`, each byte count is at least ``cp0 / cp`` times its
+        value at ``cp0``, and as a function of the micro-batch ``b``:
+
+        * the bytes one micro-batch saves per chunk (``per_chunk``, ``output_layer`` of
+          :class:`~parcompile.analysis.memory.SavedBytes`, so the rank's ``body``) are a
+          sum, over the tensors and op extras of a fixed graph, of terms each either
+          ``b`` times a constant (a tensor with the batch dim, a mask or log-sum-exp per
+          token, the cp-gathered k and v) or independent of ``b`` (the ``(s, seq_len)``
+          mask of a windowed or cp attention kernel): affine in ``b``, so the line through
+          its values at ``b = 1`` and ``2`` gives it exactly;
+        * the buffers (:func:`~parcompile.analysis.memory.buffer_bytes`) are maxima, per
+          name, of such affine byte counts (the largest logits, all-gather, receive buffer
+          or rebuilt layer), summed, with each group of
+          :data:`~parcompile.analysis.memory.EXCLUSIVE_BUFFERS` counted by its largest
+          (:func:`~parcompile.analysis.memory.buffer_total`): sums and maxima of affine
+          functions, so convex in ``b``, and a convex function is at least, for ``b >=
+          2``, the line through its values at 1 and 2 (its secant slopes do not decrease);
+        * the micro-batches in flight are the layout's own (its ``num_microbatches``).
+
+        So the bound extrapolates the probes' ``body`` and buffers along that line; without
+        it (the micro-batch 1 values for every micro-batch) more than half the probes of
+        the Llama-3 70B search were for micro-batches that then did not fit. Without
+        ``build`` the micro-batch 2 probe is used only when it is built already; else the
+        micro-batch 1 values stand for every micro-batch (no byte count shrinks with it).
+        ``tests/test_search.py`` checks the extrapolated bytes against the probes of every
+        micro-batch and the bound against :meth:`peak`. In floating point, reduced by a
+        relative 1e-12."""
         model = self.cfg.model
         pp, v, m, z, rc = par.pp, par.virtual_stages, par.num_microbatches, par.zero, par.recompute
         d, ed, n = par.dp * par.cp, par.expert_dp, first_layers
         if base:
             cp0 = min(par.cp, 2)
-            pr = self.probe_of((par.tp, cp0, par.sequence_parallel, 1, par.ep, par.expert_tp))
+            key = (par.tp, cp0, par.sequence_parallel, 1, par.ep, par.expert_tp)
+            pr = self.probe_of(key)
             scale = cp0 / par.cp
         else:
             pr = self.probe(par)
@@ -799,19 +869,36 @@ class Coster:
                         x -= last.embedding
                 states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd))
             self.state_parts[skey] = states
+        body, bufs = self._first_rank_bytes(pr, rc, pp, n)
+        key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None
+        if key2 is not None and (build or key2 in self.probes):   # the line through micro-batches 1 and 2
+            body2, bufs2 = self._first_rank_bytes(self.probe_of(key2), rc, pp, n)
+            k = par.micro_batch - 1
+            body, bufs = body + k * (body2 - body), bufs + k * (bufs2 - bufs)
+        inf = self._in_flight_first(par.schedule, pp, v, m)
+        acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
+        return (states + acts + bufs * scale) * (1 - 1e-12)
+
+    def _first_rank_bytes(self, pr: _Probe, rc: str, pp: int, n: int) -> tuple[int, int]:
+        """``(body, buffers)`` of :meth:`memory_floor`: the bytes one micro-batch saves on a
+        first pipeline rank of ``n`` layers outside the output layer (``n * middle + first
+        - middle``, plus ``last - middle`` with ``pp = 1``, of the probe's
+        ``per_chunk - output_layer``), and its buffers (:meth:`_buffer_sums`)."""
         sv = pr.saved[rc]
-        (pa, pb_, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
-        body = n * (pb_ - ob) + (pa - oa) - (pb_ - ob)
+        (pa, pb, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
+        body = n * (pb - ob) + (pa - oa) - (pb - ob)
         if pp == 1:
-            body += (pc - oc) - (pb_ - ob)
-        if par.schedule == "gpipe":
-            num, den = m, 1
-        elif par.schedule == "interleaved_1f1b" and v > 1:
-            num, den = min(2 * (pp - 1) + (v - 1) * pp + 1, m * v), v
-        else:
-            num, den = min(pp, m), 1
-        acts = max(0.0, num * body * scale / den - 1)
-        return (states + acts + self._buffer_sums(pr, rc, pp)[0] * scale) * (1 - 1e-12)
+            body += (pc - oc) - (pb - ob)
+        return body, self._buffer_sums(pr, rc, pp)[0]
+
+    def _in_flight_first(self, schedule: str, pp: int, v: int, m: int) -> Fraction:
+        """The first stage's micro-batches in flight,
+        :func:`~parcompile.analysis.memory.closed_form_in_flight`'s, cached."""
+        key = (schedule, pp, v, m)
+        got = self.in_flight_firsts.get(key)
+        if got is None:
+            got = self.in_flight_firsts[key] = closed_form_in_flight(schedule, pp, v, m)[0]
+        return got
 
     def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
         """The layers per model chunk ``cfg`` may get: its split, or, when the layers do
@@ -980,10 +1067,13 @@ class Coster:
     def _params_key(self, pr: _Probe) -> tuple:
         """What the probe's parameters are keyed by in the caches: its ``tp, ep,
         expert_tp`` when they equal the first probe's of those (parameters are sharded by
-        those degrees only), else the probe itself."""
-        key = pr.params_of
-        got = self.param_owner.setdefault(key, pr)
-        return key if got is pr or got.params == pr.params else (id(pr),)
+        those degrees only), else the probe itself. Cached per probe."""
+        got = self.params_keys.get(id(pr))
+        if got is None:
+            key = pr.params_of
+            owner = self.param_owner.setdefault(key, pr)
+            got = self.params_keys[id(pr)] = key if owner is pr or owner.params == pr.params else (id(pr),)
+        return got
 
     def _stage_params(self, pr: _Probe, counts: tuple[int, ...], pp: int) -> list[StageParams]:
         """:func:`_compose_params` of the probe over ``counts``, cached (the layouts of one
@@ -1076,8 +1166,9 @@ class Coster:
         its step time is at most ``bound``; None is returned instead when it is shown not to
         be (its pipeline, with the optimizer step and a lower bound on its exposed
         data-parallel time, :meth:`_dp_floor`, already takes longer; for a layout to split,
-        :meth:`_choose_split`); else the candidate, whatever its time. A layout that does not
-        fit is returned untimed (step time inf)."""
+        :meth:`_choose_split`), whether it fits or not (those bounds come first: they cost
+        less than the memory report); else the candidate, whatever its time. A layout that
+        does not fit is returned untimed (step time inf)."""
         par = cfg.parallel
         if par.stage_layers is None and cfg.model.layers % (par.pp * par.virtual_stages):
             if not (simulate or with_memory or self.unlike_layers):   # the search: the chosen split's own figures
@@ -1091,25 +1182,27 @@ class Coster:
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
         deg = _degrees(par)
-        mem, sps = self.memory(cfg, pr, counts)
-        peak, cap = mem.peak, mem.capacity
-        if not mem.fits and not with_memory:   # not timed: it will be dropped
-            return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
-        # time
-        ct3, links, tkey = self._chunk_times3(pr, par)
-        ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
-        if bound is not None and not simulate and span > bound:
-            return None   # slower than the bound whatever its data-parallel time
-        if sps is None:
+        bounded = bound is not None and not simulate
+        if bounded:   # time: the pipeline, the optimizer step, a floor on the data-parallel time
+            ct3, links, tkey = self._chunk_times3(pr, par)
+            ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
+            if span > bound:
+                return None   # slower than the bound whatever its data-parallel time
             sps = self._stage_params(pr, counts, pp)
-        if bound is not None and not simulate:
             opt = optimizer_time(cfg, deg, sps)
             if span + opt > bound:
                 return None   # slower than the bound whatever its data-parallel time
             if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
                 return None
+        mem, sps = self.memory(cfg, pr, counts)
+        peak, cap = mem.peak, mem.capacity
+        if not mem.fits and not with_memory:   # not timed: it will be dropped
+            return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
+        if bounded:
             dp_comm = dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
         else:
+            ct3, links, tkey = self._chunk_times3(pr, par)
+            ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
             dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg, sps)
         m = par.num_microbatches
         simulated = simulate and pp > 1
@@ -1173,6 +1266,14 @@ def _layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple
     """:func:`layouts` as plain tuples ``(dp, tp, pp, cp, ep, expert_tp, sequence_parallel,
     zero, micro_batch, global_batch, schedule, virtual_stages, recompute)``, in the same
     order (the search builds a :class:`ParallelConfig` only for the rows it costs)."""
+    for block in _layout_blocks(cfg, cross_node_tp):
+        yield from block
+
+
+def _layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list[tuple]]:
+    """:func:`_layout_rows` in blocks of consecutive rows that differ in ZeRO stage and
+    recomputation only, so share their :func:`_check_key` and :func:`_family` (the search
+    checks a block once)."""
     p, m, cl = cfg.parallel, cfg.model, cfg.cluster
     auto = set(p.auto)
     world = cl.world_size
@@ -1221,9 +1322,8 @@ def _layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple
                                 for sp in sps:
                                     if sp and tp == 1 and "sequence_parallel" in auto:
                                         continue
-                                    for z in zs:
-                                        for rc in recs:
-                                            yield (dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
+                                    yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
+                                           for z in zs for rc in recs]
 
 
 def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
@@ -1299,23 +1399,30 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
             progress: Callable[[int, int], None] | None) -> SearchResult:
     t0 = time.perf_counter()
     coster = Coster(cfg)
-    rows = list(_layout_rows(cfg, cross_node_tp))
+    blocks = list(_layout_blocks(cfg, cross_node_tp))
+    rows = [r for block in blocks for r in block]
     total = len(rows)
-    # the checker, once per layout up to zero and recompute (they have no cross-field rules)
+    # the checker, once per layout up to zero and recompute (they have no cross-field rules):
+    # once per block of rows (_layout_blocks)
     checked: dict[tuple, bool] = {}
     families: dict[tuple, list[int]] = {}
-    valid = 0
-    for i, r in enumerate(rows):
-        if progress is not None and i % 4096 == 0:
+    valid = i = 0
+    for block in blocks:
+        if progress is not None and i % 4096 < len(block):
             progress(i // 2, total)
+        r = block[0]
         ck = _check_key(r)
         ok = checked.get(ck)
         if ok is None:
             ok = checked[ck] = not any(d.severity == "error"
                                        for d in check_layout(with_parallel(cfg, _row_parallel(cfg, r))))
         if ok:
-            valid += 1
-            families.setdefault(_family(r), []).append(i)
+            valid += len(block)
+            fam = families.get(_family(r))
+            if fam is None:
+                fam = families[_family(r)] = []
+            fam.extend(range(i, i + len(block)))
+        i += len(block)
     keep = max(RETIME, top)
     bounds = BOUNDS and not coster.unlike_layers and cfg.workload == "train"
     ranked = _rank(cfg, coster, rows, families, keep, bounds, progress, total)
@@ -1390,9 +1497,9 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
     :meth:`Coster.family_floor`, no probe of their own needed) and the rows of the families
     opened so far, each keyed by the largest bound worked out for it so far: its group's
     family floor, then :meth:`Coster.family_layout_floor` (with what the step adds; still no
-    probe of its own), then :meth:`Coster.layout_floor` (its own probe; a row the family's
-    probe already shows not to fit, :meth:`Coster.memory_floor` with ``base``, is dropped
-    before). The lowest comes out first: a family opens into its rows, a row gets its next
+    probe of its own), then :meth:`Coster.layout_floor` (its own probe). A row the
+    family's probes already show not to fit (:meth:`Coster.memory_floor` with ``base``) is
+    dropped before its first bound of its own. The lowest comes out first: a family opens into its rows, a row gets its next
     bound and goes back, or, with all of them, is costed (with the bound of the moment,
     :meth:`Coster.cost`). Once the lowest key exceeds the bound, every entry
     left is bounded. The dominance rule reads whether the rows with less recomputation fit,
@@ -1415,7 +1522,7 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
         skey = (fam, r[2], r[7])   # pp, zero
         sf = states.get(skey)
         if sf is None:
-            sf = states[skey] = coster.state_floor(_row_parallel(cfg, r))
+            sf = states[skey] = coster.state_floor(_RowLayout._make(r))
         return sf
 
     def row_fits(j: int) -> bool:
@@ -1443,10 +1550,13 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
     for fam, idxs in families.items():
         floor = 0.0
         if bounds:   # the family's own probe not needed (Coster.family_floor)
-            groups, reps = set(), {}
+            groups, reps, fam_states = set(), {}, {}
             for i in idxs:
-                dp, _tp, pp, _cp, _ep, _etp, _sp, _z, mb, gb, _sched, v, rc = rows[i]
-                if state_floor(fam, i) > cap:
+                dp, _tp, pp, _cp, _ep, _etp, _sp, z, mb, gb, _sched, v, rc = rows[i]
+                sf = fam_states.get((pp, z))
+                if sf is None:
+                    sf = fam_states[(pp, z)] = state_floor(fam, i)
+                if sf > cap:
                     unfit_rows.add(i)
                     continue
                 groups.add((pp, v, gb // (mb * dp), rc))
@@ -1476,8 +1586,11 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
             continue
         if kind < 3 and bounds:   # a bound of the row's own (kind 1: the family's probe; 2: its own), then back
             r = rows[i]
-            if kind == 2 and coster.memory_floor(_row_parallel(cfg, r), first_layers(r), base=True) > cap:
-                fit_row[i] = False   # shown not to fit without building its own probe
+            # shown not to fit without its own probe: before its first bound of its own with
+            # the probes built (kind 1), before building its own with one more (kind 2)
+            if (kind == 1 or fam not in coster.probes) and coster.memory_floor(
+                    _RowLayout._make(r), first_layers(r), base=True, build=kind == 2) > cap:
+                fit_row[i] = False
                 out.unfit += 1
                 done += 1
                 continue
@@ -1498,7 +1611,7 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
             out.pruned += 1
             continue
         rcfg = with_parallel(cfg, _row_parallel(cfg, r))
-        if bounds and coster.memory_floor(rcfg.parallel, first_layers(r)) > cap:
+        if bounds and coster.memory_floor(_RowLayout._make(r), first_layers(r)) > cap:
             fit_row[i] = False
             out.unfit += 1
             continue

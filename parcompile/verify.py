@@ -174,6 +174,13 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
         rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
         sliding_window=min(m.sliding_window, 8), qk_norm=m.qk_norm, attention=m.attention, dropout=0.0,
+        # local and global layers both present in the miniature (Gemma 3's 6 -> at most its layers)
+        sliding_window_pattern=min(m.sliding_window_pattern, max(layers, 2)) if m.sliding_window_pattern else 0,
+        rope_local_base_freq=m.rope_local_base_freq,
+        **{k: getattr(m, k) for k in ROPE_SCALING_KEYS},
+        zero_centered_gamma=m.zero_centered_gamma, sandwich_norm=m.sandwich_norm,
+        scale_embeddings=m.scale_embeddings, query_pre_attn_scalar=m.query_pre_attn_scalar,
+        attention_sinks=m.attention_sinks,
         tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
     )
     par = p.model_copy(update=dict(
@@ -190,6 +197,11 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+#: the model keys of RoPE scaling, kept by the miniature (its tables are the model's)
+ROPE_SCALING_KEYS = ("rope_type", "rope_scaling_factor", "rope_original_max_positions", "rope_beta_fast",
+                     "rope_beta_slow", "rope_truncate", "rope_low_freq_factor", "rope_high_freq_factor")
 
 
 def tokenizer_vocab(tokenizer: str) -> int:
@@ -209,7 +221,8 @@ def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -
     experts = p.ep * max(1, min(2, m.experts // p.ep))
     return dict(experts=experts, top_k=min(m.top_k, experts), expert_ffn_hidden=hidden,
                 shared_experts=min(m.shared_experts, 1), dense_layers=min(m.dense_layers, 1, layers - 1),
-                router_aux_loss=0.0)
+                router_aux_loss=0.0, norm_topk_prob=m.norm_topk_prob, router_bias=m.router_bias,
+                swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit)
 
 
 def reference(mini: SpecConfig) -> SpecConfig:

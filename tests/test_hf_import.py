@@ -32,6 +32,11 @@ PUBLISHED = {
                            "tie_embeddings": True, "seq_len": 1024}),
     "pythia-160m": (162_322_944, {"parallel_residual": True, "rotary_fraction": 0.25, "bias": True,
                                   "tie_embeddings": False, "dtype": "fp16"}),
+    # Qwen/Qwen3-30B-A3B (qwen3_moe: `num_experts`, no dense layers, norm_topk_prob true)
+    "qwen3-30b-a3b": (30_532_122_624, {"experts": 128, "top_k": 8, "expert_ffn_hidden": 768, "ffn_hidden": 6144,
+                                       "dense_layers": 0, "norm_topk_prob": True, "router_aux_loss": 0.001,
+                                       "qk_norm": True, "head_dim": 128, "kv_heads": 4, "sliding_window": 0,
+                                       "qkv_bias": False, "dtype": "bf16", "seq_len": 40960}),
 }
 
 
@@ -79,6 +84,7 @@ def test_mixtral_import_counts_46_7b():
     values = load_hf_config(HF / "mixtral-8x7b-v0.1.json")
     m = ModelConfig(**values)
     assert (m.experts, m.top_k, m.expert_ffn_hidden, m.kv_heads, m.sliding_window) == (8, 2, 14336, 8, 0)
+    assert m.norm_topk_prob is True   # Mixtral renormalises its top-2 weights
     assert count_params(m) == 46_702_792_704
 
 

@@ -3,7 +3,8 @@
 For each family (llama, qwen2 with q/k/v biases and tied embeddings, gpt2 with Conv1D,
 fused c_attn, learned positions and tied head, mistral with a sliding window, gpt_neox
 with per-head interleaved query_key_value, partial rotary and parallel residual, mixtral
-with routed experts, qwen3 with qk-norm and its own head_dim): a tiny random transformers model is saved with ``save_pretrained``;
+with routed experts, qwen3 with qk-norm and its own head_dim, qwen3_moe with a dense first layer and
+unnormalised top-k weights): a tiny random transformers model is saved with ``save_pretrained``;
 its config.json imported with ``from_hf_dict``; ``load_hf`` fills a single-process
 program whose logits must equal transformers'; ``write_hf_checkpoint`` of that program's
 parameters loads back with ``from_pretrained`` into the same state and logits; a tp = 2
@@ -50,6 +51,10 @@ def _hf_config(family: str):
     if family == "mixtral":
         return transformers.MixtralConfig(**common, **llama, num_local_experts=4, num_experts_per_tok=2,
                                           router_jitter_noise=0.0)
+    if family == "qwen3_moe":   # a dense first layer (mlp_only_layers), top-k weights not renormalised
+        return transformers.Qwen3MoeConfig(**common, **llama, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+                                           use_sliding_window=False)
     if family == "gpt2":
         return transformers.GPT2Config(**{**common, "tie_word_embeddings": True}, n_embd=64, n_layer=2, n_head=4,
                                        n_inner=128, n_positions=40, activation_function="gelu",
@@ -64,7 +69,7 @@ def _hf_config(family: str):
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral", "qwen3"]
+FAMILIES = ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral", "qwen3", "qwen3_moe"]
 
 
 def _import(cfg: dict) -> dict:
@@ -342,6 +347,11 @@ def test_models_without_a_family_are_refused():
         hf_family(base.model_copy(update={"activation": "gelu"}))
     with pytest.raises(HFWeightsError, match="shared_experts"):
         hf_family(base.model_copy(update={"experts": 4, "shared_experts": 1}))
+    with pytest.raises(HFWeightsError, match="norm_topk_prob = false"):   # Mixtral renormalises
+        hf_family(base.model_copy(update={"experts": 4, "top_k": 2, "norm_topk_prob": False}))
+    with pytest.raises(HFWeightsError, match="shared_experts"):
+        hf_family(base.model_copy(update={"experts": 4, "shared_experts": 1, "qk_norm": True}))
+    assert hf_family(base.model_copy(update={"experts": 4, "qk_norm": True, "dense_layers": 1})) == "qwen3_moe"
     assert hf_config(base)["rope_parameters"]["rope_theta"] == base.rope_theta
     assert set(tensor_map(base, "llama")) == set(expected_shapes(base)) | {"lm_head.weight"}
 

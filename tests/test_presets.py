@@ -21,7 +21,7 @@ def count_params(m: ModelConfig) -> int:
     """The standard parameter count of a decoder-only transformer (unpadded vocabulary)."""
     h, d = m.hidden, m.head_dim
     q, kv = m.heads * d, m.kv_heads * d
-    attn = 2 * h * q + 2 * h * kv
+    attn = 2 * h * q + 2 * h * kv + (2 * d if m.qk_norm else 0)
     if m.bias:
         attn += q + 2 * kv + h
     elif m.qkv_bias:
@@ -59,6 +59,10 @@ def preset_model(name: str) -> ModelConfig:
     ("mistral-7b", 7_241_732_096),
     ("mixtral-8x7b", 46_702_792_704),
     ("qwen2-7b", 7_615_616_512),
+    # Qwen3: the model cards' safetensors totals (tests/test_qwen3_moe.py counts them with transformers)
+    ("qwen3-8b", 8_190_735_360),
+    ("qwen3-30b-a3b", 30_532_122_624),
+    ("qwen3-235b-a22b", 235_093_634_560),
 ])
 def test_model_preset_parameter_counts(name, params):
     assert count_params(preset_model(name)) == params
@@ -123,7 +127,8 @@ def test_unknown_model_preset_lists_valid_names():
     assert (message, line, col) == ("unknown model preset `llama3-7b`", 1, 14)
     assert help == ("did you mean `llama3-70b`? model presets are `llama2-7b`, `llama2-13b`, `llama2-70b`, "
                     "`llama3-8b`, `llama3-70b`, `llama3.1-405b`, `mistral-7b`, `mixtral-8x7b`, `mixtral-8x22b`, "
-                    "`qwen2-7b`, `qwen2-72b` or `gpt3-175b`, or a path to a Hugging Face `config.json`")
+                    "`qwen2-7b`, `qwen2-72b`, `qwen3-8b`, `qwen3-30b-a3b`, `qwen3-235b-a22b`, `gemma3-27b`, `gpt-oss-20b`, `gpt-oss-120b` or `gpt3-175b`, or a path "
+                    "to a Hugging Face `config.json`")
 
 
 def test_unknown_cluster_preset_and_swapped_kinds():

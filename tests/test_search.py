@@ -307,3 +307,59 @@ def test_split_text_one_run_length_form_for_the_note_and_the_layout_line():
     par = ParallelConfig(tp=8, pp=16, dp=128, global_batch=2048, stage_layers=meta)
     text = Candidate(par, 1.0, 0.5, 100.0, 1, 2, 0.1, {}).degrees_text()
     assert text.split()[-1] == "split=7/8x14/7"
+
+
+def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
+    """`Coster.memory_floor` with ``base`` bounds a layout of micro-batch ``b > 1`` from the
+    probes at micro-batch 1 and 2 (of ``cp0 = min(cp, 2)``), along the line through them.
+
+    The two facts it rests on, on the probes of every micro-batch: the bytes one micro-batch
+    saves (``saved_bytes``, per chunk and for the output layer) are exactly that line, and
+    the buffers (``buffer_bytes``, maxima of such byte counts) are at least it. Then the
+    bound against the exact peak (the analysis's own memory functions: the probe's
+    composition, itself pinned to the whole graph by
+    `test_fast_cost_equals_the_compilers`, and the whole graph's for a few layouts) of
+    every 37th valid layout of micro-batch > 1: at most the peak, and equal to it (within
+    rounding) for some, so a bound inflated by even 1% would fail here."""
+    from parcompile.search import _RowLayout
+
+    cfg, _ = load_spec(EIGHT_B_AUTO)
+    coster = Coster(cfg)
+    for tp, cp, sp in ((1, 1, False), (2, 2, False), (8, 2, True)):
+        for rc in ("none", "selective", "full"):
+            p1, p2 = (coster.probe_of((tp, cp, sp, b, 1, tp)) for b in (1, 2))
+            for b in (3, 4, 8):
+                pb = coster.probe_of((tp, cp, sp, b, 1, tp))
+                for field in ("per_chunk", "output_layer"):
+                    one, two, got = (getattr(p.saved[rc], field) for p in (p1, p2, pb))
+                    assert got == tuple(x + (b - 1) * (y - x) for x, y in zip(one, two))
+                for pp in (1, 4):
+                    one, two, got = (coster._buffer_sums(p, rc, pp) for p in (p1, p2, pb))
+                    assert all(g >= x + (b - 1) * (y - x) for x, y, g in zip(one, two, got))
+    rows = [r for r in _valid_rows(cfg) if r[8] > 1][::37]
+    assert len(rows) > 100 and {r[8] for r in rows} >= {2, 4, 8, 16} and max(r[3] for r in rows) >= 4
+    ratios = []
+    weak = Coster(cfg)   # builds no micro-batch 2 probe: micro-batch 1's bytes stand for all
+    for r in rows:
+        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        par = rcfg.parallel
+        splits = coster.splits(rcfg)
+        peak = min(coster.peak(rcfg, coster.probe(par), counts)[0] for counts in splits)
+        first = _first_layers(splits, par.pp)
+        bound = coster.memory_floor(par, first, base=True)
+        assert bound == coster.memory_floor(_RowLayout._make(r), first, base=True)   # the search's reading
+        assert bound <= peak
+        # the line is no weaker than micro-batch 1's bytes alone (no micro-batch 2 probe used)
+        assert weak.memory_floor(par, first, base=True, build=False) <= bound
+        ratios.append((bound / peak, r))
+    assert max(x for x, _ in ratios) > 0.99
+    # the whole graph's peak (no probe) for the tightest few and a context-parallel one
+    whole = 0
+    for _x, r in sorted(ratios)[-3:] + [next(x for x in ratios if x[1][3] >= 4)]:
+        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        if len(coster.splits(rcfg)) == 1:
+            par = rcfg.parallel
+            bound = coster.memory_floor(par, _first_layers(coster.splits(rcfg), par.pp), base=True)
+            assert bound <= cost_without_schedule(rcfg).memory.peak
+            whole += 1
+    assert whole >= 2

@@ -69,6 +69,31 @@ CASES = {
     "tp2_pp2_qk_norm": dict(tp=2, pp=2, model=dict(qk_norm=True)),
     "tp2_sequence_parallel_qk_norm": dict(tp=2, model=dict(qk_norm=True), parallel=dict(sequence_parallel=True)),
     "dp2_tp2_zero1_qk_norm": dict(dp=2, tp=2, model=dict(qk_norm=True), parallel=dict(zero=1)),
+    # issue 18: Qwen3-MoE (qk-norm, routed experts over ep, a dense first layer, top-k weights not renormalised)
+    "qwen3_moe_tp2_pp2_ep2": dict(tp=2, pp=2, model=dict(qk_norm=True, experts=4, top_k=2, dense_layers=1,
+                                                         norm_topk_prob=False),
+                                  parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
+    # issue 18: Gemma 3 (sandwich (1 + w) norms, GeGLU, qk-norm, scaled embeddings, local and global
+    # layers with their own RoPE tables; tied embeddings across pp), plain tp and sequence parallel
+    "gemma3_tp2_pp2": dict(tp=2, pp=2, model=dict(
+        qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
+        sliding_window=4, sliding_window_pattern=2, rope_local_base_freq=100.0, rope_scaling_factor=2.0,
+        query_pre_attn_scalar=24.0, tie_embeddings=True)),
+    "gemma3_dp2_tp2_sequence_parallel": dict(dp=2, tp=2, model=dict(
+        qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
+        sliding_window=4, sliding_window_pattern=2, rope_local_base_freq=100.0, tie_embeddings=True),
+        parallel=dict(sequence_parallel=True)),
+    # issue 18: gpt-oss's attention: sinks split over tp with the heads, local and global layers
+    # alternating, YaRN RoPE, biases on every linear layer
+    "sinks_tp2_pp2_yarn": dict(tp=2, pp=2, model=dict(
+        attention_sinks=True, sliding_window=4, sliding_window_pattern=2, bias=True, rope_type="yarn",
+        rope_scaling_factor=32.0, rope_original_max_positions=8, rope_truncate=False)),
+    # gpt-oss: every layer MoE over ep with a biased router, biased experts and the clamped SwiGLU
+    "gpt_oss_tp2_pp2_ep2": dict(tp=2, pp=2, model=dict(
+        attention_sinks=True, sliding_window=4, sliding_window_pattern=2, bias=True, rope_type="yarn",
+        rope_scaling_factor=4.0, rope_original_max_positions=8, rope_truncate=False, experts=4, top_k=2,
+        router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0),
+        parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
 from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
-from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.groups import rank_groups
-from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
+from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
 
 
@@ -39,14 +39,9 @@ class CostReport:
 
 
 def kv_bytes_per_token(cfg, graph: Graph) -> list[int]:
-    """Per pipeline rank: KV-cache bytes one token adds on one rank (its layers x 2 x its
-    kv heads x head_dim x kv dtype bytes)."""
-    m = cfg.model
-    kv_dtype = (cfg.serve.kv_dtype if cfg.serve and cfg.serve.kv_dtype else m.dtype)
-    per = 2 * kv_heads_per_rank(m.kv_heads, cfg.parallel.tp) * m.head_dim * DTYPE_BYTES[kv_dtype]
-    chunks = graph.meta["chunks"]
-    pp = cfg.parallel.pp
-    return [per * sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s) for s in range(pp)]
+    """Per pipeline rank: KV-cache bytes one token adds on one rank
+    (:func:`parcompile.analysis.kv.kv_bytes_per_token` of the graph's chunks)."""
+    return kv.kv_bytes_per_token(cfg, graph.meta["chunks"])
 
 
 def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
@@ -65,6 +60,8 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)
     kv_tok = kv_bytes_per_token(cfg, graph)
     in_flight = sched.sim.in_flight if sched is not None else None
-    memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_tok)
+    kv_seq = (kv.kv_bytes_per_sequence(cfg, graph.meta["chunks"], cfg.serve.prompt_len + cfg.serve.max_new_tokens)
+              if cfg.serve is not None else None)
+    memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_seq)
     time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, params.per_stage)
     return CostReport(groups, params, compute, comm, memory, time, kv_tok)

@@ -297,19 +297,19 @@ def closed_form_in_flight(schedule: str, pp: int, v: int, m: int) -> list[Fracti
 
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
                   in_flight: Sequence | None = None,
-                  kv_bytes_per_token: Sequence[int] | None = None) -> MemoryReport:
+                  kv_bytes_per_sequence: Sequence[int] | None = None) -> MemoryReport:
     """Build the :class:`MemoryReport` for ``cfg`` (a SpecConfig). ``in_flight`` per
     stage comes from the simulated schedule; None takes :func:`closed_form_in_flight`."""
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
-    return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_token)
+    return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 
 
 def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams], saved: SavedBytes,
                       bufs: Sequence[Mapping[str, int]], in_flight: Sequence | None = None,
-                      kv_bytes_per_token: Sequence[int] | None = None) -> MemoryReport:
+                      kv_bytes_per_sequence: Sequence[int] | None = None) -> MemoryReport:
     """The :class:`MemoryReport` from its parts: parameters per stage, the bytes one
     micro-batch saves per chunk, the buffers per stage and the micro-batches in flight
     (None: :func:`closed_form_in_flight`). :func:`memory_report` reads the parts off a
@@ -326,8 +326,8 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         if serve:
             params, grads, opt = e * sp.total, 0, 0
             acts = 0
-            if kv_bytes_per_token is not None and cfg.serve is not None:
-                kv = cfg.serve.batch * (cfg.serve.prompt_len + cfg.serve.max_new_tokens) * kv_bytes_per_token[s]
+            if kv_bytes_per_sequence is not None and cfg.serve is not None:
+                kv = cfg.serve.batch * kv_bytes_per_sequence[s]   # one sequence's cache (analysis/kv.py)
         else:
             params, grads, opt = stage_state_bytes(cfg, degrees, sp)   # ZeRO: sharded per gradient bucket
             ks = [c * pp + s for c in range(v)]

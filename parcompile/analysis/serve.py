@@ -12,7 +12,8 @@ Memory per rank of pipeline stage ``s`` (bytes):
 * KV bytes per token: ``2 * layers_s * kv_heads_per_rank * head_dim * kv_bytes`` (K and V;
   ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8). SPEC 3's ``serve.kv_bytes_per_token`` is
   the largest over the stages (the most loaded rank);
-* KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``;
+* KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``,
+  less where a sliding-window layer keeps only its window (:mod:`parcompile.analysis.kv`);
 * activation workspace (prefill, the larger phase; nothing is kept for a backward):
   ``b P e (2 h + (q + 2 kv) d + f)`` for the layer working set, with ``b`` the replica's
   batch, ``P`` the prompt, ``e`` the model dtype's bytes, ``q``/``kv`` the rank's query /
@@ -41,6 +42,24 @@ Inference", section 2):
   step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
   the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
 
+Mixture of experts (``experts > 0``; layers ``i >= dense_layers``), served tensor parallel
+as vLLM does by default (no expert parallelism: every rank holds every expert, each
+expert's inner width ``f_x`` split over tp, the router replicated; tokens routed on every
+rank alike and the layer's partial sums all-reduced once over tp, as a dense MLP's):
+
+* weights: the plan's stage parameters as above (all E experts ``/ tp``, the router whole);
+* time: a token multiplies the router (``h E``), its ``top_k`` experts and the shared
+  experts (``(3|2) h f_x / tp`` each) instead of the dense MLP; a decode step reads only
+  the experts its tokens chose: at most ``min(E, b top_k)`` of the E per layer (and a
+  prefill ``min(E, b P top_k)``), the balanced worst case, so the expert bytes read are
+  ``expert_bytes_s * min(E, b top_k) / E`` (decode is bound by the weight bytes read per
+  step: Pope et al. 2022, section 2; vLLM's fused MoE kernel reads only the experts that
+  received tokens);
+* workspace of a MoE layer: ``b P (e (4 h + (q + 2 kv) d + (3|2) (1 + shared_experts) f_x / tp)
+  + 8 E)``: the dense layer's set with one expert's inner rows at a time beside the shared
+  MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
+  probabilities (``8 E``); a stage's workspace is its larger layer kind's.
+
 Collectives are ring alpha-beta on the link where the group sits
 (:func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
 """
@@ -51,9 +70,12 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.analysis.estimate import axis_link, collective_time, efficiency
+from parcompile.analysis.kv import kv_bytes_per_sequence, kv_bytes_per_token
+from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.core.units import bytes_text
 
 #: the largest tp degree suggested in a "does not fit" help line
@@ -69,6 +91,9 @@ class ServeStage:
     weights: int
     kv_bytes_per_token: int
     kv_cache: int
+    #: the cache of one sequence of the plan's context (sliding-window layers hold at most
+    #: their window: :func:`parcompile.analysis.kv.kv_bytes_per_sequence`)
+    kv_per_sequence: int
     workspace: int
     free_for_kv: int
     prefill_s: float
@@ -111,7 +136,7 @@ class ServeReport:
 
     @property
     def one_sequence_fits(self) -> bool:
-        return all(s.free_for_kv >= self.context * s.kv_bytes_per_token for s in self.stages)
+        return all(s.free_for_kv >= s.kv_per_sequence for s in self.stages)
 
     @property
     def batch_fits(self) -> bool:
@@ -150,7 +175,8 @@ class ServeReport:
             "weights_bytes_per_rank": max(s.weights for s in self.stages),
             "workspace_bytes_per_rank": max(s.workspace for s in self.stages),
             "max_concurrent_tokens": self.max_concurrent_tokens,
-            "max_concurrent_sequences": self.max_concurrent_tokens // self.context,
+            "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
+                                            for s in self.stages),
             "fits": self.batch_fits,
             "ttft": self.ttft,
             "tpot": self.tpot,
@@ -170,8 +196,9 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
     tp, pp, dp = par.tp, par.pp, par.dp
     e = m.dtype_bytes
-    kv_dtype = sv.kv_dtype or m.dtype
-    kvb = DTYPE_BYTES[kv_dtype]
+    kv_dtype = cache_dtype(cfg)
+    kv_tokens = kv_bytes_per_token(cfg, chunks)
+    kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
     kv_local = kv_heads_per_rank(m.kv_heads, tp)
     replicas_kv = kv_head_replicas(m.kv_heads, tp)
     q_local = m.heads // tp
@@ -180,7 +207,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     padded = m.padded_vocab(tp)
     b = -(-sv.batch // dp)
     P, G = sv.prompt_len, sv.max_new_tokens
-    ctx_tokens = P + G
     mean_ctx = P + G / 2
     eff = efficiency(cl)
     capacity = int(cl.memory * (1 - cl.memory_reserve))
@@ -188,18 +214,32 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     pp_link = axis_link(cl, groups, "pp", eff)
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
-    gated = m.activation == "swiglu"
+    gated = m.activation in GATED_ACTIVATIONS
     layer_matmul = h * q_local * d * 2 + 2 * h * kv_local * d + (3 if gated else 2) * h * ffn_local
+    # mixture of experts (module docstring): what one token multiplies in a MoE layer, and
+    # the share of the expert weights a step reads
+    moe = m.experts > 0
+    mats = 3 if gated else 2
+    expert_local = m.expert_ffn_hidden // tp if moe else 0
+    moe_matmul = (h * q_local * d * 2 + 2 * h * kv_local * d + h * m.experts
+                  + mats * h * expert_local * (m.top_k + m.shared_experts)) if moe else 0
+    read_share = lambda tokens: min(m.experts, tokens * m.top_k) / m.experts  # noqa: E731
     stages = []
     parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
                               "decode_weights", "decode_kv", "decode_tp_comm", "decode_pp_comm")}
     for s in range(pp):
         layers = sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s)
+        moe_layers = sum(1 for k in range(len(chunks)) if k % pp == s for i in chunks[k]
+                         if moe and i >= m.dense_layers)
         first, last = s == 0, s == pp - 1
         weights = stage_params[s].total * e
-        kv_tok = 2 * layers * kv_local * d * kvb
-        kv_cache = b * ctx_tokens * kv_tok
+        kv_tok = kv_tokens[s]
+        kv_cache = b * kv_seqs[s]
         work = b * P * e * (2 * h + (q_local + 2 * kv_local) * d + (3 if gated else 2) * ffn_local)
+        if moe_layers:   # a MoE layer's working set (module docstring), if larger
+            f_moe = mats * expert_local * (1 + m.shared_experts)
+            moe_work = b * P * (e * (4 * h + (q_local + 2 * kv_local) * d + f_moe) + 8 * m.experts)
+            work = max(moe_work, work) if moe_layers < layers else moe_work
         if m.attention == "unfused":
             work += b * q_local * P * P * 4
         if last:
@@ -208,18 +248,22 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
             work += b * P * h * e
         free = capacity - weights - work
         # time: matmul weights of the rank, and the weight bytes one token reads
-        n_mat = layers * layer_matmul + (h * padded // tp if last else 0)
+        n_mat = (layers - moe_layers) * layer_matmul + moe_layers * moe_matmul + (h * padded // tp if last else 0)
         emb_bytes = (padded // tp) * h * e if first and not (last and m.tie_embeddings) else 0
         read = weights - emb_bytes
+        expert_bytes = stage_params[s].expert * e if moe_layers else 0
+        pf_read = read - expert_bytes * (1 - read_share(b * P)) if moe_layers else read
         pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * q_local * d
-        pf_compute = max(pf_flops / matmul_rate, read / mem_rate)
+        pf_compute = max(pf_flops / matmul_rate, pf_read / mem_rate)
         ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, *tp_link)  # noqa: E731
         gather = collective_time("all_gather", b * padded * 4, tp, *tp_link) if last else 0.0
         n_ar = 2 * layers + (1 if first else 0)
         pf_tp = n_ar * ar(b * P) + gather
         pf_pp = collective_time("send", b * P * h * e, 2, *pp_link) if not last else 0.0
+        if moe_layers:   # the experts this step's b tokens chose, at most
+            read -= expert_bytes * (1 - read_share(b))
         dec_w = max(read / mem_rate, 2 * n_mat * b / matmul_rate)
-        dec_kv = b * mean_ctx * kv_tok / mem_rate
+        dec_kv = b * mean_ctx * kv_tok / mem_rate   # (sliding-window layers read less: not modelled)
         dec_tp = n_ar * ar(b) + gather
         dec_pp = collective_time("send", b * h * e, 2, *pp_link) if not last else 0.0
         if pp > 1 and last:  # the sampled token ids go back to the first stage
@@ -229,7 +273,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                      ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_tp_comm", dec_tp),
                      ("decode_pp_comm", dec_pp)):
             parts[k] += v
-        stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, work, free,
+        stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, kv_seqs[s], work, free,
                                  pf_compute + pf_tp + pf_pp, dec_w + dec_kv + dec_tp + dec_pp))
     ttft = sum(x.prefill_s for x in stages)
     tpot = sum(x.decode_s for x in stages)
@@ -242,7 +286,7 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
     an fp8 cache. Each suggestion is checked with the same formulas, scaled."""
     m, par = cfg.model, cfg.parallel
-    worst = max(rep.stages, key=lambda s: s.weights + s.workspace + rep.context * s.kv_bytes_per_token)
+    worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
     out = []
     cands = []
     for tp2 in (2 ** i for i in range(1, 8)):
@@ -250,14 +294,14 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
         if t > _MAX_TP_HINT or (m.heads % t):
             break
         kv_scale = kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
-        n2 = worst.weights / tp2 + worst.workspace / tp2 + rep.context * worst.kv_bytes_per_token * kv_scale
+        n2 = worst.weights / tp2 + worst.workspace / tp2 + worst.kv_per_sequence * kv_scale
         if n2 <= rep.capacity:
             cands.append(f"tp = {t}")
             break
     for pp2 in range(2, 65):
         if par.pp * pp2 > m.layers:
             break
-        n2 = (worst.weights + rep.context * worst.kv_bytes_per_token) / pp2 + worst.workspace
+        n2 = (worst.weights + worst.kv_per_sequence) / pp2 + worst.workspace
         if n2 <= rep.capacity:
             cands.append(f"pp = {par.pp * pp2}")
             break
@@ -269,7 +313,7 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
         if tokens >= 1:
             out.append(f"a context of at most {tokens:,} tokens (prompt_len + max_new_tokens; now {rep.context:,})")
         kvb = DTYPE_BYTES[rep.kv_dtype]
-        if kvb > 1 and room >= rep.context * worst.kv_bytes_per_token // kvb:
+        if kvb > 1 and room >= worst.kv_per_sequence // kvb:
             out.append("kv_dtype = fp8 (1 byte per value)")
     elif room <= 0:
         out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")

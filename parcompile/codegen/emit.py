@@ -40,9 +40,9 @@ _env = jinja2.Environment(
 
 
 # What the plan models but the generated program does not run yet: (config key, test,
-# what the program does instead, the issue that brings it).
-_NOT_IN_PROGRAM = (
-)
+# what the program does instead, the issue that brings it). Empty: serving runs the
+# routed experts since issue 18 (runtime/moe.py: TensorParallelMoE).
+_NOT_IN_PROGRAM: tuple = ()
 
 
 def program_gaps(cfg: SpecConfig, severity: str = "warning") -> list[Diagnostic]:
@@ -183,6 +183,7 @@ def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) ->
     head = pd.ops["lm_head"]
     tp_one = "no collective (tp = 1)"
     return {
+        **_layer_kinds(pd),
         "head_ops": _head_statements(layer, sp),
         "moe": moe,
         "has_mlp": w1 is not None,              # a dense MLP (dense layers or shared experts)
@@ -277,7 +278,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
         build = None
         comment = ""
         if code.module is not None:
-            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args)
+            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args if a in dict(op.attrs))
             build = f'self.{attr} = rt.{code.module}(f"layers.{{i}}.attn.{attr}"{args}, seed=SEED, tp=tp)'
             partial = sorted({a for axes in op.grad_partial for a in axes})
             if "tp" in partial:
@@ -291,6 +292,58 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
         if op.collectives:
             what += "; " + _calls(op, layer.index)
         out.append(HeadStatement(build, comment, f"{var} = {call}", what))
+    return out
+
+
+def _layer_kinds(pd: ProgramData) -> dict:
+    """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
+    gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
+    (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
+    embedding's scale, the attention's score scale, sandwich norms."""
+    layers = sorted(pd.layers, key=lambda x: x.index)
+    windows = tuple(x.op("attn.core").attr("window") for x in layers)
+    ropes = [x.op("attn.rope_q") for x in layers]
+    bases = [(r.attr("theta"), dict(r.attrs).get("scaling")) for r in ropes if r is not None]
+    thetas = tuple(dict.fromkeys(bases))
+    several = len(thetas) > 1 or any(s is not None for _, s in thetas)
+    first = layers[0]
+    norm = first.op("attn_norm")
+    emb = pd.ops["embedding"]
+    core = first.op("attn.core")
+    gated = next((o.kind for x in layers for o in x.ops if o.kind in ("swiglu", "geglu")), "")
+    return {
+        "window": windows[0],
+        "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
+        "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
+        "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
+        "norm_extra": ", zero_centered=True" if dict(norm.attrs).get("zero_centered") else "",
+        "embed_scale": (", scale=%r" % dict(emb.attrs)["scale"]) if "scale" in dict(emb.attrs) else "",
+        "score_scale": ((", scale=%r" % dict(core.attrs)["scale"]) if "scale" in dict(core.attrs) else "")
+                       + (", sinks=self.sinks" if dict(core.attrs).get("sinks") else ""),
+        "sandwich": first.op("attn_post_norm") is not None,
+        "sinks": bool(dict(core.attrs).get("sinks")),
+        "moe_extra": _moe_extra(pd),
+        "gated_fn": f"rt.{gated}" if gated else "",
+        "gated_name": {"swiglu": "SwiGLU", "geglu": "GeGLU"}.get(gated, ""),
+        "gated_what": {"swiglu": "silu(gate) * up", "geglu": "gelu_tanh(gate) * up"}.get(gated, ""),
+    }
+
+
+def _moe_extra(pd: ProgramData) -> str:
+    """The MoE layer's constructor arguments beyond the common ones, from the graph's
+    experts and router ops (gpt-oss: expert and router biases, the clamped SwiGLU)."""
+    layer = pd.moe_layer
+    if layer is None:
+        return ""
+    experts, router = layer.op("mlp.experts"), layer.op("mlp.router")
+    a = dict(experts.attrs)
+    out = ""
+    if any(n.endswith(".bias") for n in experts.param_names):
+        out += ", bias=True"
+    if any(n.endswith(".bias") for n in router.param_names):
+        out += ", router_bias=True"
+    if a.get("swiglu_limit") is not None:
+        out += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
     return out
 
 
@@ -364,12 +417,22 @@ def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> d
         "attn_leave": _calls(layer.conversion_after("attn.wo"), layer.index, tp_one),
         "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
+        **_layer_kinds(pd),
         "head_ops": _head_statements(layer, pd.sequence_parallel, serve=True),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
         "ffn_local": z.ffn,
+        # mixture of experts (runtime/moe.py: TensorParallelMoE): every expert on every rank,
+        # its inner width split over tp (a serve layout has expert_tp = tp, ep = 1: frontend/checks.py)
+        "moe": m.experts > 0,
+        "has_dense": pd.dense_layer is not None,
+        "expert_ffn_local": z.expert_ffn or 0,
+        "moe_args": ("" if m.norm_topk_prob else ", norm_topk_prob=False")
+                    + (f", shared_ffn=SHARED_FFN, shared_bias={m.bias}" if m.shared_experts else "")
+                    + _moe_extra(pd),   # the training MoE's own arguments (gpt-oss: biases, clamp)
+        "moe_leave": "all_reduce(tp) of the partial sums" if p.tp > 1 else tp_one,
         "rope_dim": int(m.head_dim * m.rotary_fraction) // 2 * 2,
         "torch_dtype": TORCH_NAMES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,

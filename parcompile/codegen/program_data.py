@@ -73,6 +73,8 @@ class OpData:
     #: mesh axes over which a parameter's gradient is a partial sum though its value is
     #: replicated (``Param.grad_partial``; a qk-norm weight under tp), per parameter
     grad_partial: tuple[tuple[str, ...], ...] = ()
+    #: the op's parameters' global names, in order
+    param_names: tuple[str, ...] = ()
 
     def attr(self, key: str):
         """The op attribute ``key`` (KeyError when the op has none)."""
@@ -224,7 +226,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
                    for d in nd.type.dims)
     return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
-                  tuple(p.grad_partial for p in nd.params))
+                  tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params))
 
 
 def _layer_of(nd: Node) -> int | None:

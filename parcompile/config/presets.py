@@ -23,7 +23,7 @@ from parcompile.config.units import quantity as q
 # --------------------------------------------------------------------------------------
 # Models
 
-# Shared by the Llama family and its descendants (Mistral, Mixtral, Qwen2): pre-RMSNorm,
+# Shared by the Llama family and its descendants (Mistral, Mixtral, Qwen2, Qwen3): pre-RMSNorm,
 # SwiGLU MLP, RoPE, no biases, untied embeddings.
 _LLAMA_STYLE: dict[str, Any] = {
     "norm": "rmsnorm",
@@ -37,6 +37,14 @@ _LLAMA_STYLE: dict[str, Any] = {
 def _llama_style(**values: Any) -> dict[str, Any]:
     return {**_LLAMA_STYLE, **values}
 
+
+_GPT_OSS = dict(
+    hidden=2880, ffn_hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088, seq_len=131072, norm_eps=1e-5,
+    rope_theta=150000.0, rope_type="yarn", rope_scaling_factor=32.0, rope_original_max_positions=4096,
+    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, sliding_window=128, sliding_window_pattern=2,
+    bias=True, qkv_bias=True, attention_sinks=True, top_k=4, expert_ffn_hidden=2880, router_bias=True,
+    norm_topk_prob=True, swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss=0.001,
+)
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-2-7b-hf config.json (6,738,415,616 parameters)
@@ -94,6 +102,44 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         layers=80, hidden=8192, ffn_hidden=29568, heads=64, kv_heads=8, vocab=152064,
         seq_len=32768, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
     ),
+    # Qwen/Qwen3-8B config.json (qk-norm, head_dim 128, no biases; use_sliding_window false;
+    # 8,190,735,360 parameters)
+    "qwen3-8b": _llama_style(
+        layers=36, hidden=4096, ffn_hidden=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
+        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json (qwen3_moe: 128 experts top-8, moe_intermediate_size 768,
+    # norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers [], router_aux_loss_coef
+    # 0.001; intermediate_size 6144 is the dense width no layer uses; 30,532,122,624 parameters)
+    "qwen3-30b-a3b": _llama_style(
+        layers=48, hidden=2048, ffn_hidden=6144, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, experts=128, top_k=8,
+        expert_ffn_hidden=768, norm_topk_prob=True, router_aux_loss=0.001,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json (qwen3_moe as above, moe_intermediate_size 1536,
+    # 64 heads, 4 kv heads; 235,093,634,560 parameters)
+    "qwen3-235b-a22b": _llama_style(
+        layers=94, hidden=4096, ffn_hidden=12288, heads=64, kv_heads=4, head_dim=128, vocab=151936,
+        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, experts=128, top_k=8,
+        expert_ffn_hidden=1536, norm_topk_prob=True, router_aux_loss=0.001,
+    ),
+    # google/gemma-3-27b-it config.json, its text_config (gemma3_text): 62 layers, five local
+    # (window 1024, RoPE base 10,000) then one global (RoPE base 1e6, linear scaling 8),
+    # query_pre_attn_scalar 168, GeGLU, sandwich (1 + w) RMSNorms, qk-norm, embeddings x
+    # sqrt(hidden), tied; vocab 262,208
+    "gemma3-27b": _llama_style(
+        layers=62, hidden=5376, ffn_hidden=21504, heads=32, kv_heads=16, head_dim=128, vocab=262208,
+        seq_len=131072, norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4, rope_type="linear",
+        rope_scaling_factor=8.0,
+        sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=168.0, activation="geglu",
+        qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, tie_embeddings=True,
+    ),
+    # openai/gpt-oss-20b and -120b config.json (gpt_oss): every layer MoE (32 / 128 experts,
+    # top-4, width 2880) with a biased router and biased experts, clamped SwiGLU (alpha
+    # 1.702, limit 7), biases on q, k, v, o, attention sinks, 128-token sliding-window and
+    # full layers alternating, YaRN RoPE (factor 32 over 4,096 positions, theta 150,000)
+    "gpt-oss-20b": _llama_style(**{**_GPT_OSS, "layers": 24, "experts": 32}),
+    "gpt-oss-120b": _llama_style(**{**_GPT_OSS, "layers": 36, "experts": 128}),
     # GPT-3 175B: Brown et al. 2020, Table 2.1 (96 layers, d_model 12288, 96 heads,
     # context 2048), GPT-2 architecture (pre-LayerNorm, GELU, learned positions, biases,
     # tied embeddings, d_ff = 4 d_model); vocab 51200 is GPT-2's 50257 padded as in

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parcompile.config.text import even_split
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.model import derived_defaults, padded_vocab
+from parcompile.core.model import derived_defaults, layer_windows, padded_vocab
 from parcompile.core.sources import BUILTIN_SOURCES  # `train.data` texts that ship with Python (the runtime reads them too)
 from parcompile.diagnostics import Span
 
@@ -44,7 +44,7 @@ class ModelConfig(_Frozen):
     seq_len: int
     max_positions: Optional[int] = None
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    activation: Literal["gelu", "relu", "swiglu"] = "swiglu"
+    activation: Literal["gelu", "relu", "swiglu", "geglu"] = "swiglu"
     position: Literal["rope", "learned", "none"] = "rope"
     bias: bool = False
     qkv_bias: Optional[bool] = None
@@ -55,6 +55,36 @@ class ModelConfig(_Frozen):
     sliding_window: int = 0
     #: RMSNorm over head_dim on q and k, per head, before RoPE (Qwen3, Gemma 3): `layers.i.attn.q_norm`
     qk_norm: bool = False
+    #: every Nth layer attends to the whole context, the others within `sliding_window`
+    #: (Gemma 2/3 6, gpt-oss 2; HF `sliding_window_pattern` / `layer_types`); 0: every layer alike
+    sliding_window_pattern: int = 0
+    #: the RoPE base of the sliding-window layers (Gemma 3: HF `rope_local_base_freq`); None: rope_theta
+    rope_local_base_freq: Optional[float] = None
+    #: RoPE scaling of the layers that take rope_theta (HF `rope_parameters.rope_type`):
+    #: linear (Gemma 3 4B-27B: factor 8 on the global layers), yarn (gpt-oss, DeepSeek-V3),
+    #: llama3 (Llama 3.1); the parameters are HF's, `rope_` before each
+    rope_type: Literal["default", "linear", "yarn", "llama3"] = "default"
+    rope_scaling_factor: float = 1.0
+    #: the context the model was pretrained with (HF `original_max_position_embeddings`): yarn, llama3
+    rope_original_max_positions: Optional[int] = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    #: RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma; Megatron-Core's
+    #: `layernorm_zero_centered_gamma`)
+    zero_centered_gamma: bool = False
+    #: a norm on each sub-layer's output before its residual add (Gemma 2/3's
+    #: post_attention_layernorm, post_feedforward_layernorm): `layers.i.attn_post_norm`, `mlp_post_norm`
+    sandwich_norm: bool = False
+    #: the embedding's output times sqrt(hidden), rounded to the model dtype (Gemma)
+    scale_embeddings: bool = False
+    #: attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma; HF field); None: head_dim
+    query_pre_attn_scalar: Optional[float] = None
+    #: one learned logit per query head joins each softmax's denominator (gpt-oss's `sinks`):
+    #: `layers.i.attn.sinks`, split over tp with the heads
+    attention_sinks: bool = False
     attention: Literal["flash", "unfused"] = "flash"
     dropout: float = 0.0
     tie_embeddings: bool = False
@@ -66,6 +96,15 @@ class ModelConfig(_Frozen):
     dense_layers: int = 0
     #: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. 2021)
     router_aux_loss: float = 0.01
+    #: renormalise the top_k router weights to sum to 1 (Mixtral; HF `norm_topk_prob`); false: the
+    #: softmax probabilities themselves (Qwen3-MoE's transformers default)
+    norm_topk_prob: bool = True
+    #: the router's logits have a bias (gpt-oss: `mlp.router.bias`)
+    router_bias: bool = False
+    #: gpt-oss's clamped SwiGLU (HF `swiglu_alpha`, `swiglu_limit`): gate <= limit, |up| <= limit,
+    #: (up + 1) * gate * sigmoid(alpha * gate); None: silu(gate) * up
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
     vocab_multiple: int = 128
 
     @model_validator(mode="after")
@@ -83,6 +122,11 @@ class ModelConfig(_Frozen):
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens, 0: full (:func:`parcompile.core.model.layer_windows`)."""
+        return layer_windows(self.layers, self.sliding_window, self.sliding_window_pattern)
 
 
 class ClusterConfig(_Frozen):

@@ -2,7 +2,8 @@
 
 Supported ``model_type`` values: ``llama``, ``mistral``, ``mixtral``, ``qwen2`` (the
 Llama family: RMSNorm, gated MLP, RoPE), ``qwen3`` (the same with qk-norm, its own
-``head_dim`` and no QKV bias: ``qk_norm = true``), ``gpt2`` (LayerNorm, GELU, learned positions,
+``head_dim`` and no QKV bias: ``qk_norm = true``), ``qwen3_moe`` (Qwen3 with routed
+experts, :func:`_qwen3_moe_keys`), ``gpt2`` (LayerNorm, GELU, learned positions,
 biases, tied embeddings) and ``gpt_neox`` (LayerNorm, RoPE on ``rotary_pct`` of each head,
 parallel residual). ``max_position_embeddings`` (GPT-2: ``n_positions``) becomes
 ``max_positions`` (the rows of a learned position table) and the default ``seq_len``.
@@ -21,10 +22,16 @@ from typing import Any, Callable
 
 from parcompile.core.dtypes import TORCH_NAMES
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3")
-_LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
+                         "qwen3", "qwen3_moe")
+_LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 #: transformers' default `max_window_layers` of Qwen2Config and Qwen3Config
 QWEN_MAX_WINDOW_LAYERS = 28
+#: transformers 5.24's Qwen3MoeConfig defaults of the MoE fields (what it loads when a
+#: config.json leaves one out); `num_experts` is also written `num_local_experts`
+QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
+                      "mlp_only_layers": []}
 
 _DTYPES = {v: k for k, v in TORCH_NAMES.items()}  # config.json's torch_dtype -> ours
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
@@ -89,6 +96,227 @@ def _rope_theta(cfg: dict) -> float | None:
     return theta if theta is not None else _float(cfg, "rope_theta")
 
 
+#: transformers' RoPE scaling parameters -> our keys
+_ROPE_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_positions",
+              "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "truncate": "rope_truncate",
+              "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor"}
+
+
+def _rope_scaling_keys(params: dict | None) -> dict[str, Any]:
+    """Our RoPE scaling keys from transformers' ``rope_parameters`` (or transformers 4's
+    ``rope_scaling``) dict: ``rope_type`` default, linear, yarn or llama3 and their
+    parameters (:data:`_ROPE_KEYS`). Raises :class:`HFConfigError` for another type
+    (dynamic, longrope) or a YaRN ``attention_factor`` / ``mscale`` parcompile does not model."""
+    if not isinstance(params, dict):
+        return {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return {}
+    if kind not in ("linear", "yarn", "llama3"):
+        raise HFConfigError(f"RoPE scaling `{kind}` is not modelled",
+                            help="parcompile models rope_type default, linear, yarn and llama3")
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) not in (None, 1, 1.0, 0):
+            raise HFConfigError(f"YaRN `{key}` = {json.dumps(params[key])} is not modelled",
+                                help="parcompile's yarn scales cos and sin by 0.1 ln(factor) + 1 (the paper's)")
+    out: dict[str, Any] = {"rope_type": kind}
+    for hf_key, ours in _ROPE_KEYS.items():
+        if hf_key in params and params[hf_key] is not None:
+            value = params[hf_key]
+            out[ours] = value if isinstance(value, bool) else (int(value) if ours == "rope_original_max_positions"
+                                                               else float(value))
+    return out
+
+
+def _qwen3_moe_keys(cfg: dict, layers: int | None) -> dict[str, Any]:
+    """The MoE keys of a ``qwen3_moe`` config.json (transformers' Qwen3MoeConfig; absent
+    fields take its defaults, :data:`QWEN3_MOE_DEFAULTS`): ``num_experts`` -> ``experts``,
+    ``num_experts_per_tok`` -> ``top_k``, ``moe_intermediate_size`` ->
+    ``expert_ffn_hidden``, ``norm_topk_prob``, ``router_aux_loss_coef`` ->
+    ``router_aux_loss``, and ``dense_layers`` from the layer placement.
+
+    Qwen3MoeDecoderLayer makes layer i MoE when i is not in ``mlp_only_layers`` and
+    ``(i + 1) % decoder_sparse_step == 0``; parcompile's MoE models have their first
+    ``dense_layers`` layers dense and every later one MoE, so any other placement is an
+    :class:`HFConfigError` naming the layers.
+    """
+    d = QWEN3_MOE_DEFAULTS
+    experts = _int(cfg, "num_experts", _int(cfg, "num_local_experts", d["num_experts"]))
+    step = _int(cfg, "decoder_sparse_step", d["decoder_sparse_step"])
+    step = d["decoder_sparse_step"] if step is None else step
+    only = cfg.get("mlp_only_layers")
+    only = d["mlp_only_layers"] if only is None else only
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise HFConfigError(f"`mlp_only_layers` in the config.json should be a list of layer indices, "
+                            f"got {json.dumps(only)}")
+    if step < 1:
+        raise HFConfigError(f"`decoder_sparse_step` in the config.json should be at least 1, got {step}")
+    dense_layers = None
+    if layers is not None and experts:
+        moe = [i not in only and (i + 1) % step == 0 for i in range(layers)]
+        first = next((i for i, x in enumerate(moe) if x), layers)   # the leading dense layers
+        dense_after = [i for i in range(first, layers) if not moe[i]]
+        if dense_after:
+            moe_layers = [i for i in range(layers) if moe[i]]
+            raise HFConfigError(
+                f"`decoder_sparse_step` = {step} with `mlp_only_layers` = {json.dumps(sorted(only))} makes "
+                f"{'layers' if len(dense_after) > 1 else 'layer'} {', '.join(map(str, dense_after[:8]))}"
+                f"{' ...' if len(dense_after) > 8 else ''} dense after the "
+                f"mixture-of-experts layer {moe_layers[0]}: parcompile's MoE models have their first "
+                "`dense_layers` layers dense and every later one mixture-of-experts",
+                help="a qwen3_moe config.json parcompile imports has `decoder_sparse_step` = 1 and "
+                     "`mlp_only_layers` = [0, 1, ..., N - 1] (or []), which is `dense_layers = N`")
+        dense_layers = first
+    return {
+        "experts": experts,
+        "top_k": _int(cfg, "num_experts_per_tok", d["num_experts_per_tok"]),
+        "expert_ffn_hidden": _int(cfg, "moe_intermediate_size", d["moe_intermediate_size"]),
+        "norm_topk_prob": _bool(cfg, "norm_topk_prob", d["norm_topk_prob"]),
+        "router_aux_loss": _float(cfg, "router_aux_loss_coef", d["router_aux_loss_coef"]),
+        "dense_layers": dense_layers,
+    }
+
+
+#: transformers 5.24's Gemma3TextConfig defaults of the fields that shape the model
+GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                   "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "rms_norm_eps": 1e-6,
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+
+
+def _window_pattern(kinds: list, what: str) -> int:
+    """``sliding_window_pattern`` N of a ``layer_types`` list (layer i full when ``(i + 1) %
+    N == 0``, :func:`parcompile.core.model.layer_windows`); 0 when every layer is a
+    sliding one. Raises :class:`HFConfigError` for another arrangement."""
+    full = [i for i, k in enumerate(kinds) if k == "full_attention"]
+    if any(k not in ("full_attention", "sliding_attention") for k in kinds):
+        raise HFConfigError(f"`layer_types` in the config.json should hold \"full_attention\" and "
+                            f"\"sliding_attention\", got {json.dumps(sorted(set(map(str, kinds))))}")
+    if not full:
+        return 0
+    n = full[0] + 1
+    if n >= 2 and all((k == "full_attention") == ((i + 1) % n == 0) for i, k in enumerate(kinds)):
+        return n
+    raise HFConfigError(
+        f"{what}: `layer_types` puts full attention on layers {', '.join(map(str, full[:8]))}"
+        f"{' ...' if len(full) > 8 else ''}, not on every Nth layer",
+        help="parcompile's `sliding_window_pattern` = N makes layers N-1, 2N-1, ... full attention; "
+             "write the block's keys by hand for another arrangement")
+
+
+def _gemma3_keys(cfg: dict, base: dict[str, Any]) -> dict[str, Any]:
+    """`model` keys of a ``gemma3_text`` config.json (transformers' Gemma3TextConfig;
+    absent fields take its defaults, :data:`GEMMA3_DEFAULTS`): RMSNorm scaled by ``1 +
+    w`` (``zero_centered_gamma``) before and after each sub-layer (``sandwich_norm``),
+    embeddings times sqrt(hidden), GeGLU (``gelu_pytorch_tanh``), qk-norm, scores scaled by
+    ``query_pre_attn_scalar ** -0.5``, local (``sliding_attention``) and global layers
+    (``layer_types`` or ``sliding_window_pattern``) with their own RoPE bases
+    (``rope_parameters.sliding_attention`` / ``full_attention``, or ``rope_local_base_freq``
+    / ``rope_theta``); linear RoPE scaling of the global layers (``rope_type = linear``).
+    """
+    d = GEMMA3_DEFAULTS
+    act = _str(cfg, "hidden_activation", _str(cfg, "hidden_act", d["hidden_activation"]))
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        raise HFConfigError(f"unsupported activation `{act}` in a gemma3_text config.json",
+                            help="parcompile models Gemma's GeGLU with the tanh GELU (gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise HFConfigError(f"`{key}` = {json.dumps(cfg[key])}: logit soft-capping is not modelled",
+                                help=f"set `{key}` to null in a copy of the config.json (Gemma 3 has none)")
+    if _bool(cfg, "use_bidirectional_attention", False):
+        raise HFConfigError("`use_bidirectional_attention` = true: parcompile models causal decoders only")
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list):
+        pattern = _window_pattern(kinds, "gemma3_text")
+    else:
+        pattern = _int(cfg, "sliding_window_pattern", d["sliding_window_pattern"])
+    window = _int(cfg, "sliding_window", d["sliding_window"])
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    full = params.get("full_attention") if isinstance(params.get("full_attention"), dict) else {}
+    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else {}
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    full = {**scaling, **full}
+    if local.get("rope_type", "default") != "default":
+        raise HFConfigError(f"RoPE scaling `{local.get('rope_type')}` of the sliding-window layers is not modelled")
+    theta = _float(full, "rope_theta", _float(cfg, "rope_theta", d["rope_theta"]))
+    local_theta = _float(local, "rope_theta", _float(cfg, "rope_local_base_freq", d["rope_local_base_freq"]))
+    has_local = bool(window)           # some layer attends within the window
+    return _drop_none({
+        **base,
+        "tie_embeddings": _bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
+        "kv_heads": _int(cfg, "num_key_value_heads"),
+        "head_dim": _int(cfg, "head_dim", d["head_dim"]),
+        "norm": "rmsnorm",
+        "norm_eps": _float(cfg, "rms_norm_eps", d["rms_norm_eps"]),
+        "zero_centered_gamma": True,
+        "sandwich_norm": True,
+        "scale_embeddings": True,
+        "activation": "geglu",
+        "position": "rope",
+        "rope_theta": theta,
+        "rope_local_base_freq": local_theta if has_local else None,
+        **_rope_scaling_keys(full),
+        "qk_norm": True,
+        "query_pre_attn_scalar": _float(cfg, "query_pre_attn_scalar", d["query_pre_attn_scalar"]),
+        "sliding_window": window or 0,
+        "sliding_window_pattern": pattern if window and pattern else None,
+        "bias": False,
+        "qkv_bias": _bool(cfg, "attention_bias", False),
+    })
+
+
+#: transformers 5.24's GptOssConfig defaults of the fields that shape the model
+GPT_OSS_DEFAULTS = {"num_local_experts": 128, "num_experts_per_tok": 4, "head_dim": 64, "sliding_window": 128,
+                    "rms_norm_eps": 1e-5, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001,
+                    "attention_bias": True,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 4096,
+                                        "rope_theta": 150000.0}}
+
+
+def _gpt_oss_keys(cfg: dict, base: dict[str, Any]) -> dict[str, Any]:
+    """`model` keys of a ``gpt_oss`` config.json (transformers' GptOssConfig; absent fields
+    take its defaults, :data:`GPT_OSS_DEFAULTS`): every layer a MoE layer of
+    ``num_local_experts`` experts of width ``intermediate_size``, top ``num_experts_per_tok``
+    by a biased router (softmax over the top-k logits: ``norm_topk_prob``), experts with
+    biases and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), biases on q, k, v, o,
+    attention sinks, sliding-window and full layers alternating (``layer_types``), YaRN RoPE."""
+    d = GPT_OSS_DEFAULTS
+    kinds = cfg.get("layer_types")
+    pattern = _window_pattern(kinds, "gpt_oss") if isinstance(kinds, list) else 2
+    window = _int(cfg, "sliding_window", d["sliding_window"])
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else d["rope_parameters"]
+    theta = _float(rope, "rope_theta", _float(cfg, "rope_theta", 150000.0))
+    if not _bool(cfg, "attention_bias", d["attention_bias"]):
+        raise HFConfigError("`attention_bias` = false in a gpt_oss config.json cannot be mapped: its experts have "
+                            "biases, and parcompile's `bias` puts them on every linear layer")
+    ffn = _int(cfg, "intermediate_size")
+    return _drop_none({
+        **base,
+        "kv_heads": _int(cfg, "num_key_value_heads"),
+        "head_dim": _int(cfg, "head_dim", d["head_dim"]),
+        "norm": "rmsnorm",
+        "norm_eps": _float(cfg, "rms_norm_eps", d["rms_norm_eps"]),
+        "activation": "swiglu",
+        "swiglu_alpha": _float(cfg, "swiglu_alpha", d["swiglu_alpha"]),
+        "swiglu_limit": _float(cfg, "swiglu_limit", d["swiglu_limit"]),
+        "position": "rope",
+        "rope_theta": theta,
+        **_rope_scaling_keys(rope),
+        "bias": True,
+        "qkv_bias": True,
+        "attention_sinks": True,
+        "sliding_window": window or 0,
+        "sliding_window_pattern": pattern if window and pattern else None,
+        "experts": _int(cfg, "num_local_experts", d["num_local_experts"]),
+        "top_k": _int(cfg, "num_experts_per_tok", d["num_experts_per_tok"]),
+        "expert_ffn_hidden": ffn,
+        "ffn_hidden": ffn,
+        "router_bias": True,
+        "norm_topk_prob": True,
+        "router_aux_loss": _float(cfg, "router_aux_loss_coef", d["router_aux_loss_coef"]),
+    })
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -144,9 +372,15 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             "parallel_residual": _bool(cfg, "use_parallel_residual", True),
             "bias": True,
         })
+    if model_type == "gemma3_text":
+        return _gemma3_keys(cfg, base)
+    if model_type == "gpt_oss":
+        return _gpt_oss_keys(cfg, base)
 
     # the Llama family
     sliding = _int(cfg, "sliding_window")
+    if model_type == "qwen3_moe" and not _bool(cfg, "use_sliding_window", False):
+        sliding = None   # Qwen3MoeConfig: the window (on every layer) only with `use_sliding_window`
     if model_type in ("qwen2", "qwen3"):
         # transformers (Qwen2Config / Qwen3Config): the window is on only with
         # `use_sliding_window`, and then only for the layers in `layer_types` marked
@@ -177,6 +411,8 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             "q, k, v and output projections",
             help="parcompile models biases on the QKV projection only (`qkv_bias = true`) or on every "
                  "linear layer (`bias = true`)")
+    moe = _qwen3_moe_keys(cfg, base["layers"]) if model_type == "qwen3_moe" else {
+        "experts": _int(cfg, "num_local_experts"), "top_k": _int(cfg, "num_experts_per_tok")}
     return _drop_none({
         **base,
         "kv_heads": _int(cfg, "num_key_value_heads"),
@@ -186,12 +422,12 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
         "activation": _activation(_str(cfg, "hidden_act", "silu"), gated=True),
         "position": "rope",
         "rope_theta": _rope_theta(cfg),
+        **_rope_scaling_keys(cfg.get("rope_parameters") or cfg.get("rope_scaling")),
         "bias": bool(_bool(cfg, "attention_bias", False) and _bool(cfg, "mlp_bias", False)),
         "qkv_bias": True if model_type == "qwen2" else _bool(cfg, "attention_bias"),
         "sliding_window": sliding,
-        "qk_norm": True if model_type == "qwen3" else None,
-        "experts": _int(cfg, "num_local_experts"),
-        "top_k": _int(cfg, "num_experts_per_tok"),
+        "qk_norm": True if model_type in ("qwen3", "qwen3_moe") else None,
+        **moe,
     })
 
 

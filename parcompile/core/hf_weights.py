@@ -22,7 +22,25 @@ mixtral    routed experts (SwiGLU, no shared experts, no dense layers). Written 
 qwen2      Llama with biases on q, k, v only (``qkv_bias`` and not ``bias``)
 qwen3      Llama with qk-norm (``qk_norm``: ``self_attn.q_norm``/``k_norm``, one
            ``(head_dim,)`` weight each), no biases
+qwen3_moe  qwen3 with routed experts (no shared experts; the first ``dense_layers``
+           layers dense: ``mlp_only_layers`` = [0, ..., dense_layers - 1]; top-k
+           weights renormalised or not: ``norm_topk_prob``). Written as ``save_pretrained``
+           of transformers 5.24 writes it: ``mlp.experts.{e}.gate_proj/up_proj/down_proj
+           .weight``, router ``mlp.gate.weight``; the fused in-memory layout
+           (``mlp.experts.gate_up_proj`` (E, 2f, h), ``mlp.experts.down_proj`` (E, h, f),
+           as mixtral's) is read too
 mistral    Llama with a sliding attention window
+gpt_oss    every layer MoE: biased router (``mlp.router.weight``/``bias``), experts with
+           biases and the clamped SwiGLU in transformers' fused layout, stored (in, out):
+           ``mlp.experts.gate_up_proj`` (E, h, 2f), gate and up interleaved (columns
+           0, 2, 4, ... are w1's rows, 1, 3, 5, ... w3's), ``gate_up_proj_bias`` (E, 2f),
+           ``down_proj`` (E, f, h), ``down_proj_bias`` (E, h); q, k, v, o with biases;
+           attention sinks ``self_attn.sinks`` (heads,)
+gemma3_text  RMSNorm (1 + w) before and after each sub-layer, GeGLU, qk-norm, scaled
+           embeddings, local and global layers (``sliding_window_pattern``):
+           ``input_layernorm`` (our ``attn_norm``), ``post_attention_layernorm``
+           (``attn_post_norm``), ``pre_feedforward_layernorm`` (``mlp_norm``),
+           ``post_feedforward_layernorm`` (``mlp_post_norm``)
 llama      RMSNorm, SwiGLU, RoPE; no biases or biases on every linear layer
 =========  ==========================================================================
 
@@ -52,18 +70,22 @@ from pathlib import Path
 
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, from_hf_dict
-from parcompile.core.model import ModelKeys
+from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, rope_scaling
 
-FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3")
+FAMILIES = ("gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2", "qwen3",
+            "qwen3_moe")
 
 ARCHITECTURES = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 #: our dtype names -> the config.json / safetensors names
@@ -103,13 +125,21 @@ class HFWeightsError(Exception):
 # --------------------------------------------------------------------------- families
 
 
+#: the keys only Gemma 3 sets, with the value it has
+_GEMMA_KEYS = {"zero_centered_gamma": True, "sandwich_norm": True, "scale_embeddings": True, "activation": "geglu"}
+
+
 def _family_guess(m: ModelKeys) -> str:
+    if m.attention_sinks or m.router_bias or m.swiglu_limit is not None:
+        return "gpt_oss"
+    if any(getattr(m, k) == v for k, v in _GEMMA_KEYS.items()):
+        return "gemma3_text"
     if m.position == "learned" and m.norm == "layernorm":
         return "gpt2"
     if m.norm == "layernorm" and m.position == "rope":
         return "gpt_neox"
     if m.qk_norm:
-        return "qwen3"
+        return "qwen3_moe" if m.experts > 0 else "qwen3"
     if m.experts > 0 and m.activation == "swiglu":
         return "mixtral"
     if m.qkv_bias and not m.bias:
@@ -129,12 +159,49 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
     out: list[str] = []
     if family not in FAMILIES:
         return [Problem(f"unknown Hugging Face family `{family}`", "families: " + ", ".join(FAMILIES))]
-    llama_like = family in ("llama", "mistral", "mixtral", "qwen2", "qwen3")
-    if family == "qwen3" and not m.qk_norm:
+    llama_like = family in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+    qk_family = family in ("qwen3", "qwen3_moe", "gemma3_text")
+    gemma = family == "gemma3_text"
+    for key, value in _GEMMA_KEYS.items():
+        if (getattr(m, key) == value) != gemma:
+            out.append(f"{key} = {'true' if value is True else value}" if not gemma
+                       else f"{key} = {getattr(m, key)} (Gemma 3 has {'true' if value is True else value})")
+    if family not in ("gemma3_text", "gpt_oss") and m.sliding_window_pattern:
+        out.append(f"sliding_window_pattern = {m.sliding_window_pattern}")
+    if not gemma and m.rope_local_base_freq is not None:
+        out.append("rope_local_base_freq")
+    if gemma:
+        if m.norm != "rmsnorm" or m.position != "rope" or rope_dim(m) != m.head_dim:
+            out.append("a norm or position other than RMSNorm and RoPE on the whole head")
+        if m.bias or m.parallel_residual or m.experts:
+            out.append("biases, parallel_residual or experts")
+        if m.sliding_window_pattern == 0 and m.sliding_window:
+            out.append("sliding_window on every layer (Gemma 3 alternates: sliding_window_pattern)")
+    if qk_family and not m.qk_norm:
         out.append("qk_norm = false (it has q_norm and k_norm)")
-    elif family != "qwen3" and m.qk_norm:
+    elif not qk_family and m.qk_norm:
         out.append("qk_norm = true")
-    if llama_like:
+    oss = family == "gpt_oss"
+    if not oss:
+        for key in ("attention_sinks", "router_bias"):
+            if getattr(m, key):
+                out.append(f"{key} = true")
+        if m.swiglu_limit is not None or m.swiglu_alpha is not None:
+            out.append("swiglu_alpha / swiglu_limit")
+    if gemma:
+        pass
+    elif oss:
+        want = {"attention_sinks": True, "router_bias": True, "bias": True, "qkv_bias": True, "norm": "rmsnorm",
+                "activation": "swiglu", "position": "rope", "qk_norm": False, "parallel_residual": False,
+                "shared_experts": 0, "dense_layers": 0, "norm_topk_prob": True}
+        out += [f"{k} = {getattr(m, k)} (gpt-oss has {v})" for k, v in want.items() if getattr(m, k) != v]
+        if m.experts <= 0:
+            out.append("no experts (every gpt-oss layer is a MoE layer)")
+        if m.swiglu_limit is None or m.swiglu_alpha is None:
+            out.append("no swiglu_alpha / swiglu_limit (gpt-oss clamps its SwiGLU)")
+        if m.sliding_window and m.sliding_window_pattern == 0:
+            out.append("sliding_window on every layer (gpt-oss alternates: sliding_window_pattern = 2)")
+    elif llama_like:
         if m.norm != "rmsnorm":
             out.append(f"norm = {m.norm} (it has RMSNorm)")
         if m.activation != "swiglu":
@@ -147,19 +214,21 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
             out.append("parallel_residual = true")
         if family == "llama" and m.qkv_bias != m.bias:
             out.append("biases on q, k, v only (Llama has none or biases on every linear layer)")
-        if family in ("mistral", "mixtral", "qwen3") and (m.bias or m.qkv_bias):
+        if family in ("mistral", "mixtral", "qwen3", "qwen3_moe") and (m.bias or m.qkv_bias):
             out.append("biases")
         if family == "qwen2" and (m.bias or not m.qkv_bias):
             out.append("biases other than on q, k, v")
         if family == "llama" and m.sliding_window:
             out.append("sliding_window")
-        if family == "mixtral":
+        if family in ("mixtral", "qwen3_moe"):
             if m.experts <= 0:
                 out.append("no experts")
             if m.shared_experts:
                 out.append(f"shared_experts = {m.shared_experts}")
-            if m.dense_layers:
+            if family == "mixtral" and m.dense_layers:
                 out.append(f"dense_layers = {m.dense_layers}")
+            if family == "mixtral" and not m.norm_topk_prob and m.top_k > 1:
+                out.append("norm_topk_prob = false (Mixtral renormalises the top_k weights)")
         elif m.experts:
             out.append(f"experts = {m.experts}")
     else:
@@ -188,7 +257,9 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
     return [Problem(f"the model cannot be written as a Hugging Face `{family}` checkpoint: " + "; ".join(out),
                     "families: gpt2 (learned positions, LayerNorm, biases), gpt_neox (LayerNorm, RoPE, biases), "
                     "llama/mistral/qwen2 (RMSNorm, SwiGLU, RoPE), qwen3 (the same with qk_norm), mixtral (the "
-                    "same with routed experts)")]
+                    "same with routed experts), qwen3_moe (qwen3 with routed experts, leading dense layers), "
+                    "gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
+                    "global layers)")]
 
 
 def hf_family(model: ModelKeys) -> str:
@@ -275,7 +346,7 @@ def expected_shapes(model: ModelKeys, tp: int | None = None) -> dict[str, tuple[
 
     def mlp(prefix: str, f: int) -> None:
         linear(f"{prefix}.w1", f, h, m.bias)
-        if m.activation == "swiglu":
+        if m.activation in GATED_ACTIVATIONS:
             linear(f"{prefix}.w3", f, h, m.bias)
         out[f"{prefix}.w2.weight"] = (h, f)
         if m.bias:
@@ -293,19 +364,32 @@ def expected_shapes(model: ModelKeys, tp: int | None = None) -> dict[str, tuple[
         out[f"{p}.attn.wo.weight"] = (h, q)
         if m.bias:
             out[f"{p}.attn.wo.bias"] = (h,)
+        if m.attention_sinks:
+            out[f"{p}.attn.sinks"] = (m.heads,)
+        if m.sandwich_norm:
+            norm(f"{p}.attn_post_norm")
         norm(f"{p}.mlp_norm")
         if _layer_mlp_is_moe(m, i):
             f = m.expert_ffn_hidden
             out[f"{p}.mlp.router.weight"] = (m.experts, h)
+            if m.router_bias:
+                out[f"{p}.mlp.router.bias"] = (m.experts,)
             for e in range(m.experts):
                 out[f"{p}.mlp.experts.{e}.w1.weight"] = (f, h)
-                if m.activation == "swiglu":
+                if m.activation in GATED_ACTIVATIONS:
                     out[f"{p}.mlp.experts.{e}.w3.weight"] = (f, h)
                 out[f"{p}.mlp.experts.{e}.w2.weight"] = (h, f)
+                if m.bias:
+                    out[f"{p}.mlp.experts.{e}.w1.bias"] = (f,)
+                    if m.activation in GATED_ACTIVATIONS:
+                        out[f"{p}.mlp.experts.{e}.w3.bias"] = (f,)
+                    out[f"{p}.mlp.experts.{e}.w2.bias"] = (h,)
             if m.shared_experts:
                 mlp(f"{p}.mlp.shared", m.shared_experts * f)
         else:
             mlp(f"{p}.mlp", m.ffn_hidden)
+        if m.sandwich_norm:
+            norm(f"{p}.mlp_post_norm")
     norm("final_norm")
     if not m.tie_embeddings:
         out["lm_head.weight"] = (v, h)
@@ -339,14 +423,75 @@ def _llama_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Sour
         return [Source(base + "block_sparse_moe.gate.weight", shape), Source(base + "mlp.gate.weight", shape)]
     if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
         e, w = int(parts[4]), parts[5]
-        f, h, E = m.expert_ffn_hidden, m.hidden, m.experts
         legacy = Source(f"{base}block_sparse_moe.experts.{e}.{w}.weight", shape)
-        if w == "w2":
-            fused = Source(base + "mlp.experts.down_proj", (E, h, f), lead=(e,))
-        else:
-            fused = Source(base + "mlp.experts.gate_up_proj", (E, 2 * f, h), lead=(e,), offset=0 if w == "w1" else f)
-        return [legacy, fused]
+        return [legacy, _fused_expert_source(m, base, e, w)]
     return []
+
+
+def _gemma3_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
+    """Llama's names, with Gemma's four norms per layer (module docstring)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "layers":
+        base = f"model.layers.{parts[1]}."
+        norms = {"attn_norm.weight": "input_layernorm.weight", "attn_post_norm.weight": "post_attention_layernorm.weight",
+                 "mlp_norm.weight": "pre_feedforward_layernorm.weight",
+                 "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
+        rest = ".".join(parts[2:])
+        if rest in norms:
+            return [Source(base + norms[rest], shape)]
+    return _llama_sources(m, name, shape)
+
+
+def _gpt_oss_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
+    """Llama's names, with gpt-oss's router, sinks and fused, transposed, interleaved experts
+    (module docstring)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "layers":
+        base = f"model.layers.{parts[1]}."
+        rest = ".".join(parts[2:])
+        f, h, E = m.expert_ffn_hidden, m.hidden, m.experts
+        if rest in ("mlp.router.weight", "mlp.router.bias"):
+            return [Source(base + rest, shape)]
+        if rest == "attn.sinks":
+            return [Source(base + "self_attn.sinks", shape)]
+        if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
+            e, w, kind = int(parts[4]), parts[5], parts[6]
+            if w == "w2":
+                if kind == "weight":
+                    return [Source(base + "mlp.experts.down_proj", (E, f, h), lead=(e,), transpose=True)]
+                return [Source(base + "mlp.experts.down_proj_bias", (E, h), lead=(e,))]
+            offset = 0 if w == "w1" else 1
+            if kind == "weight":
+                return [Source(base + "mlp.experts.gate_up_proj", (E, h, 2 * f), lead=(e,), transpose=True,
+                               block=1, stride=2, offset=offset)]
+            return [Source(base + "mlp.experts.gate_up_proj_bias", (E, 2 * f), lead=(e,), block=1, stride=2,
+                           offset=offset)]
+    return _llama_sources(m, name, shape)
+
+
+def _fused_expert_source(m: ModelKeys, base: str, e: int, w: str) -> Source:
+    """Expert ``e``'s ``w`` (w1, w3, w2) in transformers 5's fused in-memory layout (Mixtral,
+    Qwen3-MoE): ``mlp.experts.gate_up_proj`` (E, 2f, h), w1 rows ``[0, f)``, w3 rows
+    ``[f, 2f)``; ``mlp.experts.down_proj`` (E, h, f)."""
+    f, h, E = m.expert_ffn_hidden, m.hidden, m.experts
+    if w == "w2":
+        return Source(base + "mlp.experts.down_proj", (E, h, f), lead=(e,))
+    return Source(base + "mlp.experts.gate_up_proj", (E, 2 * f, h), lead=(e,), offset=0 if w == "w1" else f)
+
+
+def _qwen3_moe_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
+    """Llama's names, with Qwen3-MoE's router and experts (module docstring): saved
+    per-expert tensors first (what is written), the fused 3-D layout second."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "layers":
+        base = f"model.layers.{parts[1]}."
+        if ".".join(parts[2:]) == "mlp.router.weight":
+            return [Source(base + "mlp.gate.weight", shape)]
+        if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
+            e, w = int(parts[4]), parts[5]
+            hf = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[w]
+            return [Source(f"{base}mlp.experts.{e}.{hf}.weight", shape), _fused_expert_source(m, base, e, w)]
+    return _llama_sources(m, name, shape)
 
 
 def _gpt2_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
@@ -413,7 +558,8 @@ def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
     if family not in FAMILIES:
         raise HFWeightsError(f"unsupported Hugging Face model_type `{family}`",
                              "supported: " + ", ".join(FAMILIES))
-    fn = {"gpt2": _gpt2_sources, "gpt_neox": _neox_sources}.get(family, _llama_sources)
+    fn = {"gpt2": _gpt2_sources, "gpt_neox": _neox_sources, "qwen3_moe": _qwen3_moe_sources,
+          "gemma3_text": _gemma3_sources, "gpt_oss": _gpt_oss_sources}.get(family, _llama_sources)
     shapes = expected_shapes(model)
     v, h = model.vocab, model.hidden
     shapes.setdefault("lm_head.weight", (v, h))
@@ -433,8 +579,17 @@ def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
 # --------------------------------------------------------------------------- config.json
 
 
+def _whole(x: float) -> float | int:
+    """``x`` as an int when it is whole (config fields transformers types ``int``)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def _rope(m: ModelKeys, family: str) -> dict:
     params = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+    scaling = rope_scaling(m)
+    if scaling is not None:   # transformers' names (core/hf.py reads them back)
+        params.update({{"original_max_positions": "original_max_position_embeddings"}.get(k, k): v
+                       for k, v in scaling.items()})
     if family == "gpt_neox":
         params["partial_rotary_factor"] = rope_dim(m) / m.head_dim
     return params
@@ -465,7 +620,7 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
               "use_cache": True, "transformers_version": TRANSFORMERS_VERSION,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     common.update({k: v for k, v in (tokens or {}).items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-    act = {"gelu": "gelu", "relu": "relu", "swiglu": "silu"}[m.activation]
+    act = {"gelu": "gelu", "relu": "relu", "swiglu": "silu", "geglu": "gelu_pytorch_tanh"}[m.activation]
     if family == "gpt2":
         return {**common, "n_embd": m.hidden, "n_layer": m.layers, "n_head": m.heads, "n_inner": m.ffn_hidden,
                 "n_positions": m.max_positions, "layer_norm_epsilon": m.norm_eps, "activation_function": act,
@@ -481,7 +636,29 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
                 "hidden_dropout": m.dropout}
     cfg = {**base, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "rms_norm_eps": m.norm_eps,
            "rope_theta": float(m.rope_theta), "attention_dropout": m.dropout}
-    if family == "llama":
+    if family == "gemma3_text":
+        windows = m.layer_windows
+        global_rope = _rope(m, family)
+        local = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
+        cfg.update(hidden_activation=act, attention_bias=bool(m.qkv_bias),
+                   query_pre_attn_scalar=_whole(m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None
+                                                else m.head_dim),   # Gemma3TextConfig types it int
+                   sliding_window=m.sliding_window or None,
+                   layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+                   rope_parameters={"full_attention": global_rope,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": float(local)}},
+                   final_logit_softcapping=None, attn_logit_softcapping=None)
+        cfg.pop("hidden_act")
+        cfg.pop("rope_theta")
+    elif family == "gpt_oss":
+        cfg.update(attention_bias=True, intermediate_size=m.expert_ffn_hidden, num_local_experts=m.experts,
+                   num_experts_per_tok=m.top_k, router_aux_loss_coef=m.router_aux_loss,
+                   swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit, sliding_window=m.sliding_window or None,
+                   layer_types=["sliding_attention" if w else "full_attention" for w in m.layer_windows],
+                   output_router_logits=False)
+        cfg.pop("hidden_act")
+        cfg.pop("rope_theta")
+    elif family == "llama":
         cfg.update(attention_bias=bool(m.bias), mlp_bias=bool(m.bias))
     elif family == "mistral":
         cfg.update(sliding_window=m.sliding_window or None)
@@ -491,6 +668,12 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
             cfg.update(attention_bias=False)
         cfg.update(use_sliding_window=bool(window), sliding_window=window or None,
                    max_window_layers=0 if window else m.layers)
+    elif family == "qwen3_moe":
+        cfg.update(attention_bias=False, use_sliding_window=bool(m.sliding_window),
+                   sliding_window=m.sliding_window or None, moe_intermediate_size=m.expert_ffn_hidden,
+                   num_experts=m.experts, num_experts_per_tok=m.top_k, norm_topk_prob=bool(m.norm_topk_prob),
+                   router_aux_loss_coef=m.router_aux_loss, decoder_sparse_step=1,
+                   mlp_only_layers=list(range(m.dense_layers)), output_router_logits=False)
     elif family == "mixtral":
         cfg.update(intermediate_size=m.expert_ffn_hidden, num_local_experts=m.experts,
                    num_experts_per_tok=m.top_k, router_aux_loss_coef=m.router_aux_loss,

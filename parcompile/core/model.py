@@ -43,6 +43,38 @@ def derived_defaults(keys: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: activations whose MLP is gated, act(x W1) * (x W3): three matrices (w1 gate, w3 up, w2 down)
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+def rope_scaling(keys) -> dict | None:
+    """The RoPE scaling of a model (``rope_type`` and its parameters, transformers' names)
+    as the runtime's ``rope_tables`` takes it; None for ``rope_type = default``."""
+    kind = keys.rope_type
+    if kind == "default":
+        return None
+    out = {"rope_type": kind, "factor": float(keys.rope_scaling_factor)}
+    if kind == "yarn":
+        out.update(original_max_positions=keys.rope_original_max_positions, beta_fast=float(keys.rope_beta_fast),
+                   beta_slow=float(keys.rope_beta_slow), truncate=bool(keys.rope_truncate))
+    elif kind == "llama3":
+        out.update(original_max_positions=keys.rope_original_max_positions,
+                   low_freq_factor=float(keys.rope_low_freq_factor), high_freq_factor=float(keys.rope_high_freq_factor))
+    return out
+
+
+def layer_windows(layers: int, sliding_window: int, pattern: int) -> tuple[int, ...]:
+    """The attention window of each decoder layer, in tokens (0: the whole causal context).
+
+    ``pattern`` 0: every layer uses ``sliding_window``; ``pattern`` N >= 2: layer i (from 0)
+    attends to the whole context when ``(i + 1) % N == 0`` and within the window otherwise,
+    transformers' rule for Gemma 2/3 (``sliding_window_pattern``; 6: five local layers,
+    then one global) and gpt-oss (2: local and global alternate, from a local one)."""
+    if pattern < 2 or not sliding_window:
+        return (sliding_window,) * layers
+    return tuple(0 if (i + 1) % pattern == 0 else sliding_window for i in range(layers))
+
+
 def padded_vocab(vocab: int, vocab_multiple: int, tp: int) -> int:
     """Megatron-LM's rule: ``ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``
     rows of the embedding and LM head, so that every tp rank holds the same number."""
@@ -83,6 +115,21 @@ class ModelKeys:
     parallel_residual: bool = False
     sliding_window: int = 0
     qk_norm: bool = False
+    sliding_window_pattern: int = 0
+    rope_local_base_freq: Optional[float] = None
+    rope_type: str = "default"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_positions: Optional[int] = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    zero_centered_gamma: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    attention_sinks: bool = False
     attention: str = "flash"
     dropout: float = 0.0
     tie_embeddings: bool = False
@@ -93,6 +140,10 @@ class ModelKeys:
     shared_experts: int = 0
     dense_layers: int = 0
     router_aux_loss: float = 0.01
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
     vocab_multiple: int = 128
 
     def __post_init__(self) -> None:
@@ -112,5 +163,10 @@ class ModelKeys:
         """Bytes per element of the model's dtype."""
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens, 0: full (:func:`layer_windows`)."""
+        return layer_windows(self.layers, self.sliding_window, self.sliding_window_pattern)
 
-__all__ = ["ModelKeys", "derived_defaults", "padded_vocab"]
+
+__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]

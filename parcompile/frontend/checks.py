@@ -214,6 +214,68 @@ def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set norm = rmsnorm (Qwen3, Gemma 3 and OLMo 2 use RMSNorm), or qk_norm = false")
 
 
+def _check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Local and global layers (Gemma 2/3, gpt-oss) and Gemma's norm: the window and its
+    pattern, the local RoPE base, the zero-centred RMSNorm."""
+    m = cfg.model
+    if m.sliding_window_pattern == 1 and ctx.ok("model.sliding_window_pattern"):
+        ctx.bag.error("sliding_window_pattern = 1 makes every layer a full-attention layer",
+                      ctx.span("model.sliding_window_pattern"),
+                      help="use 0 (every layer takes sliding_window) or N >= 2 (every Nth layer full: Gemma 3 "
+                           "uses 6, gpt-oss 2), or set sliding_window = 0")
+    elif m.sliding_window_pattern >= 2 and not m.sliding_window \
+            and ctx.ok("model.sliding_window_pattern", "model.sliding_window"):
+        ctx.bag.error(f"sliding_window_pattern = {m.sliding_window_pattern} needs a window: sliding_window = 0",
+                      ctx.span("model.sliding_window_pattern", "model.sliding_window"),
+                      help="set sliding_window to the local layers' window in tokens (Gemma 3: 1024, "
+                           "gpt-oss: 128), or remove sliding_window_pattern")
+    if m.sliding_window > m.seq_len and ctx.ok("model.sliding_window", "model.seq_len"):
+        ctx.bag.warning(f"sliding_window = {m.sliding_window} is larger than seq_len = {m.seq_len}: "
+                        "no sequence is long enough for the window to matter",
+                        ctx.span("model.sliding_window", "model.seq_len"),
+                        help=f"lower sliding_window to at most {m.seq_len}, or 0 for full attention")
+    if m.rope_local_base_freq is not None and ctx.ok("model.rope_local_base_freq", "model.sliding_window",
+                                                     "model.position"):
+        if m.position != "rope":
+            ctx.bag.error(f"rope_local_base_freq is a RoPE base; position = {m.position}",
+                          ctx.span("model.rope_local_base_freq", "model.position"),
+                          help="set position = rope, or remove rope_local_base_freq")
+        elif not any(m.layer_windows):
+            ctx.bag.error("rope_local_base_freq is the RoPE base of the sliding-window layers; this model has "
+                          "none (sliding_window = 0)",
+                          ctx.span("model.rope_local_base_freq", "model.sliding_window"),
+                          help="set sliding_window (and sliding_window_pattern), or remove rope_local_base_freq")
+    if m.rope_type in ("yarn", "llama3") and m.rope_original_max_positions is None \
+            and ctx.ok("model.rope_type", "model.rope_original_max_positions"):
+        ctx.bag.error(f"rope_type = {m.rope_type} needs rope_original_max_positions, the context the model was "
+                      "pretrained with", ctx.span("model.rope_type"),
+                      help="set rope_original_max_positions (Hugging Face `original_max_position_embeddings`: "
+                           "gpt-oss 4096, Llama 3.1 8192)")
+    if m.rope_type == "default" and m.rope_scaling_factor != 1.0 and ctx.given("model.rope_scaling_factor") \
+            and ctx.ok("model.rope_scaling_factor", "model.rope_type"):
+        ctx.bag.warning(f"rope_scaling_factor = {m.rope_scaling_factor:g} has no effect with rope_type = default",
+                        ctx.span("model.rope_scaling_factor"),
+                        help="set rope_type = linear, yarn or llama3, or remove rope_scaling_factor")
+    clamp = m.swiglu_alpha is not None or m.swiglu_limit is not None
+    if clamp and ctx.ok("model.swiglu_alpha", "model.swiglu_limit", "model.activation", "model.experts",
+                        "model.dense_layers", "model.shared_experts"):
+        key = "model.swiglu_limit" if m.swiglu_limit is not None else "model.swiglu_alpha"
+        if m.swiglu_alpha is None or m.swiglu_limit is None:
+            ctx.bag.error("gpt-oss's clamped SwiGLU needs both swiglu_alpha and swiglu_limit", ctx.span(key),
+                          help="set swiglu_alpha = 1.702 and swiglu_limit = 7.0 (gpt-oss), or neither")
+        elif m.activation != "swiglu" or m.experts == 0 or m.dense_layers or m.shared_experts:
+            ctx.bag.error("swiglu_alpha and swiglu_limit clamp the routed experts' SwiGLU (gpt-oss); this model "
+                          "has " + ("no experts" if m.experts == 0 else f"activation = {m.activation}"
+                                    if m.activation != "swiglu" else "dense layers or shared experts"),
+                          ctx.span(key, "model.activation", "model.experts"),
+                          help="use them with activation = swiglu on a model whose every layer is a MoE layer "
+                               "without shared experts, or remove them")
+    if m.zero_centered_gamma and m.norm != "rmsnorm" and ctx.ok("model.zero_centered_gamma", "model.norm"):
+        ctx.bag.error(f"zero_centered_gamma is Gemma's RMSNorm, (1 + weight); norm = {m.norm}",
+                      ctx.span("model.zero_centered_gamma", "model.norm"),
+                      help="set norm = rmsnorm, or zero_centered_gamma = false")
+
+
 def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     m, p = cfg.model, cfg.parallel
     if not ctx.ok("model.layers", "parallel.pp", "parallel.virtual_stages", "parallel.stage_layers"):
@@ -322,6 +384,11 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
     if not ctx.ok("parallel.ep", "model.experts"):
         return
     ep_span = ctx.span("parallel.ep")
+    if m.experts > 0 and m.bias and p.expert_tp > 1 and ctx.ok("parallel.expert_tp", "model.bias") \
+            and cfg.workload != "serve":   # serving adds w2's bias after the reduction (TensorParallelMoE)
+        ctx.bag.error(f"expert_tp = {p.expert_tp} with expert biases (bias = true) is not supported: each "
+                      "expert_tp rank would add w2's bias to its partial sum", ctx.span("parallel.expert_tp", "parallel.tp"),
+                      help="split the experts over ep instead (expert_tp = 1), as gpt-oss deployments do")
     if m.experts == 0 and p.ep > 1:
         ctx.bag.error(f"ep = {p.ep} needs a mixture-of-experts model, but experts = 0", ep_span,
                       help="set `experts` in the `model` block, or `ep = 1`")
@@ -341,7 +408,8 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                           note="each expert-parallel rank holds experts / ep whole experts")
         if ctx.ok("model.top_k") and m.top_k > m.experts:
             ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"))
-        if ctx.ok("parallel.tp", "parallel.sequence_parallel") and p.tp > 1 and not p.sequence_parallel:
+        if ctx.ok("parallel.tp", "parallel.sequence_parallel") and p.tp > 1 and not p.sequence_parallel \
+                and cfg.workload != "serve":   # serving routes replicated tokens on every tp rank (vLLM)
             # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
             ctx.bag.error(f"a mixture-of-experts model with tp = {p.tp} needs sequence_parallel = true",
                           ctx.span("parallel.tp"), help="set sequence_parallel = true in the `parallel` block",
@@ -374,6 +442,10 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.warning(f"top_k = {m.top_k} has no effect: experts = 0 makes a dense model",
                         ctx.span("model.top_k"),
                         help="remove `top_k`, or set `experts` for a mixture-of-experts model")
+    if dense and ctx.given("model.norm_topk_prob") and ctx.ok("model.norm_topk_prob"):
+        ctx.bag.warning(f"norm_topk_prob = {str(m.norm_topk_prob).lower()} has no effect: experts = 0 makes a "
+                        "dense model", ctx.span("model.norm_topk_prob"),
+                        help="remove `norm_topk_prob`, or set `experts` for a mixture-of-experts model")
     if dense and ctx.given("parallel.expert_tp") and ctx.ok("parallel.expert_tp"):
         ctx.bag.warning(f"expert_tp = {p.expert_tp} has no effect: the model has no experts (experts = 0)",
                         ctx.span("parallel.expert_tp"),
@@ -610,6 +682,16 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"serving with virtual_stages = {p.virtual_stages} is not supported",
                           ctx.span("parallel.virtual_stages"),
                           help="a token passes each pipeline stage once; set virtual_stages = 1")
+        # the serve program's experts are tensor parallel (vLLM's default): every expert on
+        # every rank, split over tp (runtime/moe.py: TensorParallelMoE)
+        if m.experts > 0 and ctx.ok("parallel.ep") and p.ep > 1:
+            ctx.bag.error(f"serving with ep = {p.ep} is not supported", ctx.span("parallel.ep"),
+                          help="set ep = 1: serving holds every expert on every rank, each expert's inner "
+                               "width split over tp")
+        elif m.experts > 0 and ctx.ok("parallel.expert_tp", "parallel.tp") and p.expert_tp != p.tp:
+            ctx.bag.error(f"serving with expert_tp = {p.expert_tp} is not supported: the experts split over "
+                          f"tp = {p.tp}", ctx.span("parallel.expert_tp"),
+                          help="remove `expert_tp` (serving splits each expert's inner width over tp)")
     if not ctx.ok("serve.prompt_len", "serve.max_new_tokens", "model.seq_len"):
         return
     total = s.prompt_len + s.max_new_tokens
@@ -654,6 +736,7 @@ CHECKS = (
     _check_limits,
     _check_heads,
     _check_widths,
+    _check_attention_kinds,
     _check_layers,
     _check_batches,
     _check_schedule,

@@ -10,6 +10,9 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
         -> attn.wo -> attn_residual (+ x)
         mlp_norm (reads attn_residual; reads x with parallel_residual, as GPT-NeoX)
         -> mlp.w1 (-> mlp.w3) -> mlp.act -> mlp.w2 -> mlp_residual
+    sandwich_norm (Gemma 2/3) adds attn_post_norm after attn.wo and mlp_post_norm after the
+    MLP, each before its residual add; a layer's attention window and RoPE base follow
+    ``layer_windows`` (sliding-window layers take ``rope_local_base_freq``)
     final_norm -> lm_head -> loss (cross-entropy, with labels)
 
 A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
@@ -34,6 +37,7 @@ pads it).
 from __future__ import annotations
 
 from parcompile.config.schema import ModelConfig
+from parcompile.core.model import GATED_ACTIVATIONS, rope_scaling
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Param
 from parcompile.ir.types import Dim, TensorType
@@ -54,6 +58,11 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     F = Dim("ffn", m.ffn_hidden)
     V = Dim("vocab", m.vocab)
     rep = "replicated"
+    # Gemma's RMSNorm: x / rms(x) * (1 + w) (an attribute only where set: other graphs print as before)
+    centered = {"zero_centered": True} if m.zero_centered_gamma else {}
+    # gpt-oss's clamped SwiGLU
+    clamp = ({"swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit}
+             if m.swiglu_limit is not None or m.swiglu_alpha is not None else {})
 
     def T(*dims: Dim) -> TensorType:
         return TensorType(tuple(dims), dt)
@@ -62,12 +71,13 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         ps = [Param(f"{name}.weight", T(H))]
         if m.norm == "layernorm":
             ps.append(Param(f"{name}.bias", T(H)))
-        return g.add_op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual"},
+        return g.add_op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual", **centered},
                         params=ps, layer=layer, origin=origin)
 
     def qk_norm(name: str, x: str, layer: int) -> str:
         # one (head_dim,) RMSNorm weight shared by every head of q (or k): tp-local
-        return g.add_op(name, "qk_norm", [x], {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "per_head"},
+        return g.add_op(name, "qk_norm", [x], {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "per_head",
+                                               **centered},
                         params=[Param(f"{name}.weight", T(Dim("head_dim", m.head_dim)))], layer=layer,
                         origin=origin)
 
@@ -80,10 +90,11 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
                         params=ps, layer=layer, origin=origin)
 
     def mlp(prefix: str, h2: str, F: Dim, i: int) -> str:
-        if m.activation == "swiglu":
+        if m.activation in GATED_ACTIVATIONS:   # act(gate) * up
             gate = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
             up = linear(f"{prefix}.w3", h2, H, F, m.bias, "column", i)
-            act = g.add_op(f"{prefix}.act", "swiglu", [gate, up], {"tp": "shard_last"}, layer=i, origin=origin)
+            act = g.add_op(f"{prefix}.act", m.activation, [gate, up], {"tp": "shard_last", **clamp}, layer=i,
+                           origin=origin)
         else:
             f1 = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
             act = g.add_op(f"{prefix}.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"},
@@ -97,16 +108,21 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         FE = Dim("expert_ffn", m.expert_ffn_hidden)
         common = {"experts": m.experts, "top_k": m.top_k, "tp": "residual"}
         # the router runs in fp32: a 16-bit model's router keeps an fp32 copy of its input
+        rps = [Param(f"{prefix}.router.weight", T(E, H))] + ([Param(f"{prefix}.router.bias", T(E))]
+                                                              if m.router_bias else [])
         router = g.add_op(f"{prefix}.router", "router", [h2],
                           {**common, "in_dim": H, "out_dim": E, "fp32_input": m.dtype != "fp32"},
-                          params=[Param(f"{prefix}.router.weight", T(E, H))], layer=i, origin=origin)
+                          params=rps, layer=i, origin=origin)
         routed = g.add_op(f"{prefix}.dispatch", "moe_dispatch", [h2, router], {**common, "topk_dim": K},
                           layer=i, origin=origin)
-        mats = ["w1", "w3", "w2"] if m.activation == "swiglu" else ["w1", "w2"]
+        mats = ["w1", "w3", "w2"] if m.activation in GATED_ACTIVATIONS else ["w1", "w2"]
         eps = [Param(f"{prefix}.experts.{w}.weight", T(E, H, FE) if w == "w2" else T(E, FE, H), expert=True)
                for w in mats]
+        if m.bias:   # gpt-oss: every expert matrix has a bias
+            eps += [Param(f"{prefix}.experts.{w}.bias", T(E, H) if w == "w2" else T(E, FE), expert=True)
+                    for w in mats]
         out = g.add_op(f"{prefix}.experts", "experts", [routed],
-                       {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation}, params=eps,
+                       {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation, **clamp}, params=eps,
                        layer=i, origin=origin)
         y = g.add_op(f"{prefix}.combine", "moe_combine", [out, router], common, layer=i, origin=origin)
         if m.shared_experts:
@@ -115,7 +131,8 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         return y
 
     tokens = g.add_op("tokens", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
-    x = g.add_op("embedding", "embedding", [tokens], {"out_dim": H, "dtype": dt, "tp": "vocab_embedding"},
+    scale = {"scale": m.hidden ** 0.5} if m.scale_embeddings else {}   # Gemma: times sqrt(hidden)
+    x = g.add_op("embedding", "embedding", [tokens], {"out_dim": H, "dtype": dt, "tp": "vocab_embedding", **scale},
                  params=[Param("embedding.weight", T(V, H))], origin=origin)
     if m.position == "learned":
         pos = g.add_op("pos_embedding", "embedding", [tokens],
@@ -126,6 +143,11 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": "residual"}, origin=origin)
 
     rope = m.position == "rope"
+    windows = m.layer_windows
+    # Gemma 3: the sliding-window layers have a RoPE base of their own
+    local_theta = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
+    scaling = rope_scaling(m)
+    scores = {"scale": m.query_pre_attn_scalar ** -0.5} if m.query_pre_attn_scalar is not None else {}
     for i in range(m.layers):
         p = f"layers.{i}"
         h = norm(f"{p}.attn_norm", x, i)
@@ -135,15 +157,22 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         if m.qk_norm:
             q, k = qk_norm(f"{p}.attn.q_norm", q, i), qk_norm(f"{p}.attn.k_norm", k, i)
         if rope:
-            ra = {"theta": m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last"}
+            local = bool(windows[i]) and m.rope_local_base_freq is not None
+            ra = {"theta": local_theta if windows[i] else m.rope_theta, "fraction": m.rotary_fraction,
+                  "tp": "shard_last"}
+            if scaling is not None and not local:   # scaling of the rope_theta layers
+                ra["scaling"] = tuple(sorted(scaling.items()))
             q = g.add_op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i, origin=origin)
             k = g.add_op(f"{p}.attn.rope_k", "rope", [k], ra, layer=i, origin=origin)
+        sinks = [Param(f"{p}.attn.sinks", T(Dim("heads", m.heads)))] if m.attention_sinks else []
         a = g.add_op(f"{p}.attn.core", "attention", [q, k, v], {
             "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "seq_len": m.seq_len,
-            "window": m.sliding_window, "impl": m.attention, "dropout": m.dropout, "causal": True,
-            "tp": "shard_last",
-        }, layer=i, origin=origin)
+            "window": windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
+            "tp": "shard_last", **scores, **({"sinks": True} if sinks else {}),
+        }, params=sinks, layer=i, origin=origin)
         o = linear(f"{p}.attn.wo", a, Q, H, m.bias, "row", i)
+        if m.sandwich_norm:
+            o = norm(f"{p}.attn_post_norm", o, i)
         r1 = g.add_op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"},
                       layer=i, origin=origin)
         h2 = norm(f"{p}.mlp_norm", x if m.parallel_residual else r1, i)
@@ -151,6 +180,8 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
             d = moe(f"{p}.mlp", h2, i)
         else:
             d = mlp(f"{p}.mlp", h2, F, i)
+        if m.sandwich_norm:
+            d = norm(f"{p}.mlp_post_norm", d, i)
         x = g.add_op(f"{p}.mlp_residual", "add", [r1, d], {"dropout": m.dropout, "tp": "residual"},
                      layer=i, origin=origin)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.types import Dim, Sharding, TensorType
 
 # --------------------------------------------------------------------------- records
@@ -245,13 +246,20 @@ def _attention_gathered(a, ins, degrees) -> int:
     return (degrees.get("cp", 1) - 1) * (ins[1].nbytes + ins[2].nbytes)
 
 
+def _fused(a) -> bool:
+    """The attention core runs as one fused kernel: ``attention = flash`` and no sinks
+    (torch's fused kernels take no sink logits: with sinks the runtime spells the softmax
+    out, runtime/layers.py attention_core)."""
+    return a["impl"] == "flash" and not a.get("sinks")
+
+
 def _attention_extra(a, ins, out):
     q = ins[0]
     b, s = q.shape[0], q.shape[1]
     e = q.itemsize
     cp = a["seq_len"] // s if s < a["seq_len"] else 1   # this rank holds s of seq_len queries
     extra = 0
-    if a["impl"] == "flash":
+    if _fused(a):
         # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
         # query and head; dropout is replayed from the RNG state, no mask. torch's kernels
         # take a sliding window or context-parallel positions as an explicit (s, seq_len)
@@ -262,7 +270,10 @@ def _attention_extra(a, ins, out):
             extra += s * a["seq_len"] * e
         return extra
     # the unfused path materialises every s x s_kv score; a sliding window only masks them
+    # (a sink is one more column of the softmax's output: s x (s_kv + 1))
     scores = _scores({**a, "window": 0}, q)
+    if a.get("sinks"):
+        scores += scores // a["seq_len"]
     extra += scores * e  # softmax output
     if a.get("dropout", 0) > 0:
         extra += scores * 1 + scores * e  # dropout mask + dropout output
@@ -271,7 +282,7 @@ def _attention_extra(a, ins, out):
 
 def _attention_traffic(a, ins, out):
     q = ins[0]
-    if a["impl"] == "flash":
+    if _fused(a):
         # one fused kernel streams Q, K, V in and the output out
         return sum(t.nbytes for t in ins) + out.nbytes
     e = q.itemsize
@@ -368,7 +379,7 @@ def _experts_gathered(a, ins, degrees: Mapping[str, int]) -> int:
 
 
 def _expert_mats(a) -> int:
-    return 3 if a["activation"] == "swiglu" else 2
+    return 3 if a["activation"] in GATED_ACTIVATIONS else 2
 
 
 def _experts_flops(a, ins, out):
@@ -409,14 +420,16 @@ OPS: dict[str, OpSpec] = {
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic,
-               code=Code("QKNorm", ("head_dim", "eps"), comment="RMSNorm over head_dim, each head alone")),
+               code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone")),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
-               saves_output=lambda a: a.get("impl") == "flash", traffic=_attention_traffic),
+               saves_output=_fused, traffic=_attention_traffic),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
                saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic),
         OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
+        # gelu(gate, tanh approximation) * up (Gemma's GeGLU): the same saves as SwiGLU
+        OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
                saved_extra=_router_extra, saves_output=lambda a: True, arity=1,
@@ -478,8 +491,9 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
         return TpRule(out_partial=True, in_split=(None,), grad_partial=(False,),
                       param_split={"weight": "vocab"})
     if style == "shard_last":
+        # attention sinks (gpt-oss): one logit per query head, split with the heads
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
-                      grad_partial=(False,) * n)
+                      grad_partial=(False,) * n, param_split={"sinks": "heads"} if attrs.get("sinks") else {})
     if style == "per_head":
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
                       grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))

@@ -41,7 +41,7 @@ class ShardExperts:
                     s = p.sharding
                     if ep > 1:
                         s = s.with_split("experts", "ep")
-                    if etp > 1:
+                    if etp > 1 and any(d.name == "expert_ffn" for d in p.type.dims):   # not w2's bias
                         s = s.with_split("expert_ffn", "expert_tp")
                     p = replace(p, sharding=s)
                 ps.append(p)

@@ -11,6 +11,7 @@ from parcompile.runtime.context_parallel import Positions, chunk_positions, gath
 from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
 from parcompile.runtime.layers import (
     ACTIVATIONS,
+    GATED,
     ColumnParallelLinear,
     LayerNorm,
     QKNorm,
@@ -25,10 +26,11 @@ from parcompile.runtime.layers import (
     shard_part,
     rope_tables,
     swiglu,
+    geglu,
     vocab_parallel_cross_entropy,
 )
 from parcompile.runtime.memory import METER
-from parcompile.runtime.moe import ExpertAxes, MoELayer
+from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
 from parcompile.runtime.metrics import RunLog, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights

@@ -38,20 +38,26 @@ class ServeError(Exception):
 
 
 class KVCache:
-    """Keys and values of every local layer: (B, kv_local, max_len, head_dim) each, in
-    ``dtype`` (the spec's ``kv_dtype``). fp8 is stored as ``float8_e4m3fn`` without scaling
-    and widened to the compute dtype when read.
+    """Keys and values of every local layer: (B, kv_local, C, head_dim) each, in ``dtype``
+    (the spec's ``kv_dtype``), C = ``max_len`` for a full-attention layer and
+    ``min(window, max_len)`` for a sliding-window one, which keeps only the last
+    ``window`` tokens (vLLM, transformers' sliding-window cache). fp8 is stored as
+    ``float8_e4m3fn`` without scaling and widened to the compute dtype when read.
 
-    ``nbytes`` is what the plan predicts: ``B * max_len * 2 * layers * kv_local * head_dim
-    * bytes`` (``serve.kv_bytes_per_token_per_stage[s]`` times the batch's context).
+    ``windows``: one attention window for every layer, or a sequence indexed by layer id
+    (0: full causal). ``nbytes`` is what the plan predicts: ``B * 2 * kv_local * head_dim
+    * bytes * sum_layers C`` (``serve.kv_cache_bytes_per_rank``; :mod:`parcompile.analysis.kv`).
     """
 
     def __init__(self, layers: list[int], batch: int, kv_local: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        shape = (batch, kv_local, max_len, head_dim)
+                 dtype: torch.dtype, device, windows=0):
         self.max_len = max_len
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        win = {i: (windows[i] if isinstance(windows, (tuple, list)) else windows) for i in layers}
+        self.capacity = {i: min(w, max_len) if w else max_len for i, w in win.items()}
+        self.k = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
+                  for i, c in self.capacity.items()}
+        self.v = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
+                  for i, c in self.capacity.items()}
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +65,10 @@ class KVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, kv_local, T, D) at cache positions ``start..start+T-1``; return the
-        cache up to ``start + T`` (B, kv_local, start+T, D) in k's dtype.
+        keys and values the step's queries may attend, in k's dtype: the cache up to
+        ``start + T`` (B, kv_local, start+T, D), or for a sliding-window layer the last
+        ``n + T`` of them (``n = min(start, C)`` held before the step; the mask's last
+        ``n + T`` columns match them).
 
         Raises:
             ServeError: the cache is full (a request longer than it was sized for).
@@ -67,6 +76,15 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.max_len:
             raise ServeError(f"the KV cache holds {self.max_len} tokens; this step needs {end}")
+        cap = self.capacity[layer]
+        if cap < self.max_len:     # sliding window: [0, n) holds tokens start-n .. start-1, in order
+            n = min(start, cap)
+            keys = torch.cat([self.k[layer][:, :, :n].to(k.dtype), k], dim=2)
+            values = torch.cat([self.v[layer][:, :, :n].to(v.dtype), v], dim=2)
+            kept = min(keys.shape[2], cap)
+            self.k[layer][:, :, :kept] = keys[:, :, -kept:].to(self.k[layer].dtype)
+            self.v[layer][:, :, :kept] = values[:, :, -kept:].to(self.v[layer].dtype)
+            return keys, values
         self.k[layer][:, :, start:end] = k.to(self.k[layer].dtype)
         self.v[layer][:, :, start:end] = v.to(self.v[layer].dtype)
         return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
@@ -76,11 +94,13 @@ class KVCache:
 class StepInput:
     """What every layer of one step needs: where the step's tokens sit in the cache
     (``start``), their positions in their sequences (B, T), and the attention mask
-    (B, 1, T, start+T), True where a query may attend a key."""
+    (B, 1, T, start+T), True where a query may attend a key; ``masks``: the mask of each
+    attention window the model's layers use (0: full causal), ``mask`` the first's."""
 
     start: int
     positions: torch.Tensor
     mask: torch.Tensor
+    masks: dict
 
 
 class Requests:
@@ -90,13 +110,14 @@ class Requests:
     in their own sequences (a left-padded prompt starts at 0 after its padding).
     """
 
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, window: int, device):
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, window, device):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ServeError("every prompt needs at least one token")
         self.batch = len(prompts)
         self.prompt_len = max(len(p) for p in prompts)
         self.max_len = self.prompt_len + max_new_tokens
-        self.window = window
+        # one window for every layer, or each layer's (local and global layers: Gemma, gpt-oss)
+        self.windows = tuple(dict.fromkeys(window)) if isinstance(window, (tuple, list)) else (window,)
         self.device = device
         B, L = self.batch, self.max_len
         self.ids = torch.zeros((B, L), dtype=torch.long)
@@ -113,13 +134,17 @@ class Requests:
         """Inputs of a step whose tokens sit at cache positions ``start..end-1``."""
         q_idx = torch.arange(start, end)
         k_idx = torch.arange(end)
-        keep = self.valid[:, None, :end] & (k_idx[None, None, :] <= q_idx[None, :, None])
-        if self.window:
-            qp, kp = self.positions[:, start:end], self.positions[:, :end]
-            keep &= (qp[:, :, None] - kp[:, None, :]) < self.window
-        # a padding query sees itself only: finite values that no real token attends
-        keep |= k_idx[None, None, :] == q_idx[None, :, None]
-        return StepInput(start, self.positions[:, start:end].to(self.device), keep.unsqueeze(1).to(self.device))
+        causal = self.valid[:, None, :end] & (k_idx[None, None, :] <= q_idx[None, :, None])
+        masks = {}
+        for window in self.windows:
+            keep = causal.clone()
+            if window:
+                qp, kp = self.positions[:, start:end], self.positions[:, :end]
+                keep &= (qp[:, :, None] - kp[:, None, :]) < window
+            # a padding query sees itself only: finite values that no real token attends
+            keep |= k_idx[None, None, :] == q_idx[None, :, None]
+            masks[window] = keep.unsqueeze(1).to(self.device)
+        return StepInput(start, self.positions[:, start:end].to(self.device), masks[self.windows[0]], masks)
 
 
 def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,17 +158,27 @@ def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat([xr * c + rotated * s, xp], dim=-1)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, fused: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over the cache: q (B, Hq, T, D), k/v (B, Hkv, L, D), mask
-    (B, 1, T, L) -> (B, Hq, T, D). Each group of Hq/Hkv query heads shares one kv head."""
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, fused: bool,
+                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the cache (``scale`` None: 1 / sqrt(d)): q (B, Hq, T, D),
+    k/v (B, Hkv, L, D), mask (B, 1, T, L) -> (B, Hq, T, D). Each group of Hq/Hkv query
+    heads shares one kv head. ``sinks`` (Hq,): one more logit per head in the softmax's
+    denominator, dropped after it (gpt-oss; the training core's rule,
+    :func:`parcompile.runtime.layers.attention_core`)."""
     rep = q.shape[1] // k.shape[1]
+    mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    if fused:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if fused and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        B, H, T, _ = scores.shape
+        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+        return probs.to(q.dtype) @ v
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 

@@ -163,9 +163,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, scale: float | None = None):
         super().__init__()
         self.tp = tp
+        self.scale = scale   # Gemma: the output times sqrt(hidden), the factor rounded to the weight's dtype
         self.sequence_parallel = sequence_parallel
         self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab)
         self.start = tp.index * (padded_vocab // tp.size)
@@ -173,12 +174,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._scaled(F.embedding(ids, self.weight))
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return leave_tp(out, self.tp, self.sequence_parallel)
+        return self._scaled(leave_tp(out, self.tp, self.sequence_parallel))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return out
+        return out * torch.tensor(self.scale, dtype=self.weight.dtype, device=out.device)
 
 
 IGNORE_INDEX = -100  # targets equal to it (prompt tokens, padding) add no loss and no gradient
@@ -256,10 +262,13 @@ class _RMSNormFunction(torch.autograd.Function):
     version would also keep the fp32 copy and the normalised tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, zero_centered: bool = False):
         xf = _wide(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered = zero_centered
+        if zero_centered:   # Gemma: (x / rms(x)) * (1 + w), all in fp32, then cast
+            return ((xf * rstd) * (1.0 + _wide(weight))).to(x.dtype)
         return weight * (xf * rstd).to(x.dtype)
 
     @staticmethod
@@ -267,22 +276,25 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         n = _wide(x) * rstd                                      # normalised input, fp32
         grad_w = (grad_out * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = _wide(grad_out * weight)
+        gn = _wide(grad_out) * (1.0 + _wide(weight)) if ctx.zero_centered else _wide(grad_out * weight)
         grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w, None
+        return grad_x.to(x.dtype), grad_w, None, None
 
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) as Llama computes it: in fp32, then scaled.
-    (..., dim) -> (..., dim); keeps the input and one fp32 scalar per token for backward."""
+    (..., dim) -> (..., dim); keeps the input and one fp32 scalar per token for backward.
+    ``zero_centered``: scaled by ``1 + weight``, the weight starting at 0, all in fp32
+    (Gemma's RMSNorm; Megatron-Core's ``layernorm_zero_centered_gamma``)."""
 
-    def __init__(self, name: str, dim: int, eps: float, seed: int, tp: Axis):
+    def __init__(self, name: str, dim: int, eps: float, seed: int, tp: Axis, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(f"{name}.weight", (dim,), seed, None, tp, None)
+        self.zero_centered = zero_centered
+        self.weight = make_param(f"{name}.weight", (dim,), seed, 0 if zero_centered else None, tp, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.zero_centered)
 
 
 class QKNorm(nn.Module):
@@ -296,14 +308,15 @@ class QKNorm(nn.Module):
     or ``sp_norm_grads`` with sequence parallelism). Keeps its input and one fp32 scalar
     per token and head for backward."""
 
-    def __init__(self, name: str, head_dim: int, eps: float, seed: int, tp: Axis):
+    def __init__(self, name: str, head_dim: int, eps: float, seed: int, tp: Axis, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(f"{name}.weight", (head_dim,), seed, None, tp, None)
+        self.zero_centered = zero_centered
+        self.weight = make_param(f"{name}.weight", (head_dim,), seed, 0 if zero_centered else None, tp, None)
         self.weight.tp_partial_grad = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.zero_centered)
 
 
 class LayerNorm(nn.Module):
@@ -319,12 +332,59 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def rope_tables(seq_len: int, rot_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (T, rot_dim) for rotary embeddings (Su et al. 2021), Llama/NeoX layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies (rot_dim / 2,) fp32 and the factor cos and sin are scaled
+    by, for ``scaling`` None (Su et al. 2021) or a dict of the model's rope keys:
+    ``rope_type`` ``linear`` (positions / factor), ``yarn`` (Peng et al. 2023, "YaRN":
+    interpolated and extrapolated frequencies blended over a ramp between the dims of
+    ``beta_fast`` and ``beta_slow`` rotations at ``original_max_positions``; cos/sin times
+    ``0.1 ln(factor) + 1``) or ``llama3`` (Llama 3.1: low frequencies / factor, a smooth
+    ramp between ``low_freq_factor`` and ``high_freq_factor``). The formulas and their fp32
+    arithmetic are transformers' ``modeling_rope_utils`` (``_compute_*_parameters``)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    old = scaling["original_max_positions"]
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind != "yarn":
+        raise ValueError(f"unknown rope_type {kind!r}")
+
+    def correction_dim(rotations: float) -> float:
+        return (rot_dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(rot_dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, float(attention_factor)
+
+
+def rope_tables(seq_len: int, rot_dim: int, theta: float, device=None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (T, rot_dim) for rotary embeddings (Su et al. 2021), Llama/NeoX
+    layout, with the model's RoPE scaling (:func:`rope_inv_freq`; None: none)."""
+    inv_freq, attention_factor = rope_inv_freq(rot_dim, theta, scaling)
+    freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return (emb.cos() * attention_factor).to(device), (emb.sin() * attention_factor).to(device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -393,6 +453,65 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLUFunction.apply(gate, up)
 
 
+class _GeGLUFunction(torch.autograd.Function):
+    """``gelu_tanh(gate) * up``, keeping only ``gate`` and ``up`` (as :class:`_SwiGLUFunction`)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        g = _wide(gate)
+        grad_up = F.gelu(g, approximate="tanh").mul_(grad_out)
+        t = _wide(grad_out) * up
+        grad_gate = torch.ops.aten.gelu_backward(t, g, approximate="tanh")
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Shazeer 2020) with the tanh GELU, as Gemma: ``gelu_tanh(gate) * up``,
+    (..., f) x (..., f) -> (..., f)."""
+    return _GeGLUFunction.apply(gate, up)
+
+
+class _ClampedSwiGLUFunction(torch.autograd.Function):
+    """gpt-oss's SwiGLU: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)`` (transformers' ``GptOssExperts._apply_gate``),
+    keeping only ``gate`` and ``up``; the backward runs the forward again under autograd."""
+
+    @staticmethod
+    def _f(gate, up, alpha: float, limit: float):
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+    @staticmethod
+    def forward(ctx, gate, up, alpha: float, limit: float):
+        ctx.save_for_backward(gate, up)
+        ctx.alpha, ctx.limit = alpha, limit
+        return _ClampedSwiGLUFunction._f(gate, up, alpha, limit)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            out = _ClampedSwiGLUFunction._f(g, u, ctx.alpha, ctx.limit)
+            dg, du = torch.autograd.grad(out, (g, u), grad_out)
+        return dg, du, None, None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (:class:`_ClampedSwiGLUFunction`): (..., f) x (..., f) -> (..., f)."""
+    return _ClampedSwiGLUFunction.apply(gate, up, alpha, limit)
+
+
+#: the gated MLP activations by model key (``activation``)
+GATED = {"swiglu": swiglu, "geglu": geglu}
+
+
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j:
     j <= i, and i - j < window when a sliding window is set."""
@@ -421,8 +540,15 @@ class _Softmax(torch.autograd.Function):
 
 
 def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
-                   q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v, causal. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
+                   q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                   scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v, causal; ``scale`` None: 1 / sqrt(d) (Gemma's is
+    ``query_pre_attn_scalar ** -0.5``). q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
+
+    ``sinks`` (Hq,): one logit per query head added to each softmax's denominator and
+    dropped after it (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
+    Attention Sinks"). torch's fused kernels take no sinks, so with sinks the softmax is
+    spelt out whatever ``fused`` says (the plan counts it so: ir/ops.py ``_fused``).
 
     GQA: each group of Hq/Hkv query heads shares one kv head; k and v are never expanded
     to Hq heads (the fused kernel's ``enable_gqa``; the unfused path multiplies each kv head
@@ -441,7 +567,9 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
         q_pos = torch.arange(q.shape[2], device=q.device)
         k_pos = torch.arange(k.shape[2], device=q.device)
     gqa = {"enable_gqa": True} if rep > 1 else {}
-    if fused:
+    if scale is not None:
+        gqa["scale"] = scale
+    if fused and sinks is None:
         if plain:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window),
@@ -449,10 +577,14 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     B, _, Tq, D = q.shape
     Tk = k.shape[2]
     qg = q.reshape(B, hkv, rep * Tq, D)                          # query heads grouped by kv head
-    scores = (qg @ k.transpose(-2, -1)).view(B, hkv, rep, Tq, Tk) / math.sqrt(D)
+    scores = (qg @ k.transpose(-2, -1)).view(B, hkv, rep, Tq, Tk) * (scale if scale is not None else D ** -0.5)
     bias = torch.zeros((Tq, Tk), dtype=scores.dtype, device=q.device)
     bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
-    probs = F.dropout(_Softmax.apply(scores + bias), p, training)          # (B, Hkv, rep, Tq, Tk)
+    if sinks is not None:   # one more column per query head, dropped after the softmax
+        sink = sinks.to(scores.dtype).view(1, hkv, rep, 1, 1).expand(B, hkv, rep, Tq, 1)
+        probs = F.dropout(_Softmax.apply(torch.cat([scores + bias, sink], dim=-1))[..., :-1], p, training)
+    else:
+        probs = F.dropout(_Softmax.apply(scores + bias), p, training)      # (B, Hkv, rep, Tq, Tk)
     return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, D)
 
 
@@ -478,6 +610,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "apply_rope", "attention_core", "swiglu", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention_core", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

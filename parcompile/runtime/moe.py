@@ -7,8 +7,10 @@ tp > 1, and so does parcompile):
 
 1. **Router** (Switch Transformer, Fedus et al. 2021; Mixtral's top-k): fp32 logits
    ``x W_r^T`` (N, E), ``p = softmax(logits)``, the top_k experts of each token, with
-   weights ``p_top / sum(p_top)`` (renormalised over the k chosen, as Mixtral; with
-   top_k = 1 the weight is p itself, as Switch). **Dropless**: every (token, expert)
+   weights ``p_top / sum(p_top)`` (renormalised over the k chosen, as Mixtral, when the
+   model key ``norm_topk_prob`` is true, its default) or ``p_top`` itself
+   (``norm_topk_prob = false``: Qwen3-MoE's ``Qwen3MoeTopKRouter`` without normalisation;
+   with top_k = 1 the weight is p itself either way, as Switch). **Dropless**: every (token, expert)
    assignment is computed, no capacity factor, no token dropped.
 2. **Auxiliary load-balancing loss** (Switch Transformer eq. 4, GShard's top-k form):
    ``aux = alpha * E * sum_e f_e * P_e`` with ``f_e`` the fraction of this rank's N * top_k
@@ -49,9 +51,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import COUNTER, all_gather_single, nbytes
+from parcompile.runtime.comm import COUNTER, all_gather_single, nbytes, reduce_from_tp
 from parcompile.runtime.context import Axis, ParallelContext
-from parcompile.runtime.layers import INIT_STD, make_param, swiglu
+from parcompile.runtime.layers import ACTIVATIONS, GATED, INIT_STD, clamped_swiglu, make_param, swiglu
 
 COUNT_DTYPE = torch.int64
 
@@ -173,12 +175,16 @@ class _AuxLossScaler(torch.autograd.Function):
 # --------------------------------------------------------------------------- the layer
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int,
+          norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax top-k routing of fp32 ``logits`` (N, E): (weights (N, k), experts (N, k),
-    probabilities (N, E)); weights renormalised over the k chosen when k > 1."""
+    probabilities (N, E)). The weights are the chosen probabilities, renormalised over the
+    k chosen when ``norm_topk_prob`` and k > 1 (Mixtral; transformers' ``norm_topk_prob``
+    of Qwen3-MoE), else as they are (Switch for k = 1; Qwen3-MoE with ``norm_topk_prob``
+    false)."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
-    if top_k > 1:
+    if norm_topk_prob and top_k > 1:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts, probs
 
@@ -197,12 +203,17 @@ class MoELayer(nn.Module):
     Parameters: ``{prefix}.router.weight`` (E, h), replicated; per local expert e,
     ``{prefix}.experts.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``...w2.weight``
     (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp).
+    ``norm_topk_prob``: renormalise the top_k router weights (:func:`route`).
     """
 
     def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
-                 axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0):
+                 axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0,
+                 norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
+                 swiglu_clamp: tuple[float, float] | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+        self.norm_topk_prob = norm_topk_prob
+        self.swiglu_clamp = swiglu_clamp   # gpt-oss: (alpha, limit) of its clamped SwiGLU
         self.axes = axes
         self.aux_loss_scale = aux_loss_scale
         ep, etp = axes.ep, axes.expert_tp
@@ -210,6 +221,11 @@ class MoELayer(nn.Module):
         self.first = ep.index * self.local
         self.router = nn.Module()
         self.router.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
+        # gpt-oss: a biased router, and a bias on every expert matrix (zeros, as transformers starts them)
+        self.router.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias \
+            else None
+        if bias and etp.size > 1:
+            raise ValueError("expert biases with expert_tp > 1 are not supported (w2's bias would be added per rank)")
         self.experts = nn.ModuleDict()
         mats = ("w1", "w3", "w2") if activation == "swiglu" else ("w1", "w2")
         for e in range(self.first, self.first + self.local):
@@ -219,24 +235,32 @@ class MoELayer(nn.Module):
                 p = make_param(f"{prefix}.experts.{e}.{w}.weight", shape, seed, std, etp, dim)
                 p.expert = True
                 setattr(mod, w, p)
+                b = None
+                if bias:
+                    b = make_param(f"{prefix}.experts.{e}.{w}.bias", (shape[0],), seed, 0, etp, None)
+                    b.expert = True
+                setattr(mod, f"{w}_bias", b)
             self.experts[str(e)] = mod
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         mod = self.experts[str(e)]
-        if self.activation == "swiglu":
-            h = swiglu(F.linear(x, mod.w1), F.linear(x, mod.w3))
+        if self.activation == "swiglu" and self.swiglu_clamp is not None:
+            h = clamped_swiglu(F.linear(x, mod.w1, mod.w1_bias), F.linear(x, mod.w3, mod.w3_bias), *self.swiglu_clamp)
+        elif self.activation == "swiglu":
+            h = swiglu(F.linear(x, mod.w1, mod.w1_bias), F.linear(x, mod.w3, mod.w3_bias))
         elif self.activation == "gelu":
-            h = F.gelu(F.linear(x, mod.w1))
+            h = F.gelu(F.linear(x, mod.w1, mod.w1_bias))
         else:
-            h = F.relu(F.linear(x, mod.w1))
-        return F.linear(h, mod.w2)                        # partial sums over expert_tp
+            h = F.relu(F.linear(x, mod.w1, mod.w1_bias))
+        return F.linear(h, mod.w2, mod.w2_bias)          # partial sums over expert_tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])                      # (N, h)
         N, K, E = x.shape[0], self.top_k, self.num_experts
         ep, etp = self.axes.ep, self.axes.expert_tp
-        weights, chosen, probs = route(F.linear(x.float(), self.router.weight.float()), K)
+        rb = None if self.router.bias is None else self.router.bias.float()
+        weights, chosen, probs = route(F.linear(x.float(), self.router.weight.float(), rb), K, self.norm_topk_prob)
         flat = chosen.reshape(-1)                         # (N k,) expert of each assignment
         order = torch.argsort(flat, stable=True)
         token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
@@ -266,7 +290,10 @@ class MoELayer(nn.Module):
             if n:
                 outs.append(self._expert(self.first + j, grouped[start:start + n]))
             start += n
-        y = torch.cat(outs) if outs else grouped.new_zeros((0, shape[-1]))
+        # no rows at all: an empty y that still hangs off the received rows, so that the
+        # backward runs this rank's half of the all-to-all the other ranks run (a fresh tensor
+        # would cut the graph and leave them waiting)
+        y = torch.cat(outs) if outs else grouped * 0
         y = y.index_select(0, torch.argsort(group))       # back to arrival order
         if etp.size > 1:
             y = _ScatterRows.apply(y, member_rows, etp)   # (R, h): summed over expert_tp
@@ -281,7 +308,108 @@ class MoELayer(nn.Module):
         return out.view(shape)
 
 
+# --------------------------------------------------------------------------- serving
+
+
+class TensorParallelMoE(nn.Module):
+    """The routed experts of one MoE layer in a serve program: (B, T, h) -> (B, T, h).
+
+    Tensor parallel as vLLM shards a ``FusedMoE`` layer without expert parallelism (its
+    default): every tp rank holds every expert, each expert's inner width split over tp
+    (w1 [and w3] column-parallel, ``(ffn/tp, h)``; w2 row-parallel, ``(h, ffn/tp)``), the
+    router replicated. The tokens, replicated over tp, are routed alike on every rank
+    (:func:`route`: fp32 logits, softmax top-k; no all-to-all); each rank runs its slice of
+    every chosen expert on that expert's tokens and adds the router-weighted partial sums
+    per token; ``shared_ffn`` > 0 adds the always-on shared experts (one MLP of
+    ``shared_ffn`` units, split the same way) to the same partial sums, which one
+    all-reduce over tp (counted, ``B*T*h`` elements) completes per layer. Dropless: every
+    (token, expert) pair is computed.
+
+    Parameters keep :class:`MoELayer`'s names (``{prefix}.router.weight`` (E, h) [and
+    ``.bias`` (E,)], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
+    (h, ffn) [and their ``.bias``]) and the training program's shared MLP's
+    (``{prefix}.shared.w1/w3/w2``), global shapes as written, split dims 0 (w1, w3 and
+    their biases) and 1 (w2) over tp: Hugging Face and DCP checkpoints load through
+    :func:`parcompile.runtime.weights.load_weights` unchanged.
+    ``activation``: ``swiglu`` / ``geglu`` (gated: w1 the gate, w3 the up projection),
+    ``gelu`` or ``relu``; ``swiglu_clamp`` (alpha, limit): gpt-oss's clamped SwiGLU.
+    ``bias``: every expert matrix has a bias (gpt-oss; w2's, replicated, is added after
+    the reduction, weighted by the router as the expert's output); ``router_bias``: a
+    biased router; ``shared_bias``: the shared MLP's biases (w2's added after the reduction).
+    """
+
+    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
+                 tp: Axis, seed: int, std: float = INIT_STD, norm_topk_prob: bool = True, shared_ffn: int = 0,
+                 shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
+                 swiglu_clamp: tuple[float, float] | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+        self.norm_topk_prob = norm_topk_prob
+        self.swiglu_clamp = swiglu_clamp
+        self.tp = tp
+        self.router = nn.Module()
+        self.router.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
+        self.router.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias \
+            else None
+        self.experts = nn.ModuleDict({str(e): self._mlp(f"{prefix}.experts.{e}", hidden, ffn, seed, std, bias)
+                                      for e in range(num_experts)})
+        self.shared = self._mlp(f"{prefix}.shared", hidden, shared_ffn, seed, std, shared_bias) if shared_ffn else None
+
+    def _mlp(self, name: str, hidden: int, ffn: int, seed: int, std: float, bias: bool) -> nn.Module:
+        """One expert's (or the shared experts') w1 [w3] (ffn/tp, h) and w2 (h, ffn/tp)."""
+        mod = nn.Module()
+        for w in (("w1", "w3", "w2") if self.activation in GATED else ("w1", "w2")):
+            shape, dim = ((hidden, ffn), 1) if w == "w2" else ((ffn, hidden), 0)
+            setattr(mod, w, make_param(f"{name}.{w}.weight", shape, seed, std, self.tp, dim))
+            b = None
+            if bias:   # column-parallel biases split like their rows; w2's replicated
+                b = make_param(f"{name}.{w}.bias", (shape[0],), seed, 0, self.tp, None if w == "w2" else 0)
+            setattr(mod, f"{w}_bias", b)
+        return mod
+
+    def _partial(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """(n, h) -> (n, h): this rank's partial sum of one MLP (w2's bias not added)."""
+        up = F.linear(x, mod.w1, mod.w1_bias)
+        if self.activation == "swiglu" and self.swiglu_clamp is not None:
+            h = clamped_swiglu(up, F.linear(x, mod.w3, mod.w3_bias), *self.swiglu_clamp)
+        elif self.activation in GATED:
+            h = GATED[self.activation](up, F.linear(x, mod.w3, mod.w3_bias))
+        else:
+            h = ACTIVATIONS[self.activation](up)
+        return F.linear(h, mod.w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                      # (N, h), the same on every tp rank
+        N, K = x.shape[0], self.top_k
+        rb = None if self.router.bias is None else self.router.bias.float()
+        weights, chosen, _ = route(F.linear(x.float(), self.router.weight.float(), rb), K, self.norm_topk_prob)
+        flat = chosen.reshape(-1)                         # (N k,) expert of each (token, choice)
+        order = torch.argsort(flat, stable=True)          # grouped by expert
+        token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
+        weight = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)                         # partial sums over tp
+        whole = torch.zeros_like(x)                       # replicated terms, added after the reduction
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows, w = token[start:start + n], weight[start:start + n, None]
+                mod = self.experts[str(e)]
+                y = self._partial(mod, x.index_select(0, rows))
+                out.index_add_(0, rows, y * w.to(y.dtype))
+                if mod.w2_bias is not None:
+                    whole.index_add_(0, rows, (w * mod.w2_bias.float()).to(x.dtype))
+            start += n
+        if self.shared is not None:
+            out = out + self._partial(self.shared, x)
+            if self.shared.w2_bias is not None:
+                whole = whole + self.shared.w2_bias
+        out = reduce_from_tp(out, self.tp)                # all-reduce over tp: (N, h)
+        return (out + whole).view(shape)
+
+
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "MoELayer", "route", "load_balancing_loss"]
+__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "route", "load_balancing_loss"]

@@ -85,6 +85,7 @@ class Attention(nn.Module):
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
         self.tp, self.cp = tp, cp
+        self.window = WINDOW  # attention window (0: full causal)
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         # selective recomputation (Korthikanti et al. 2022): the attention core keeps only
         # its inputs and runs again in backward
         y = rt.recompute(rt.attention_core, q, k, v, fused=True, dropout=DROPOUT,
-                         training=self.training, window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
+                         training=self.training, window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
         y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q=2048)
         return self.wo(y)                                       # (B, T=4096, h=2048): no collective (tp = 1)
 

@@ -77,6 +77,7 @@ class Attention(nn.Module):
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
         self.tp, self.cp = tp, cp
+        self.window = WINDOW  # attention window (0: full causal)
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED)
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         y = rt.attention_core(q, k, v, fused=False, dropout=DROPOUT, training=self.training,
-                              window=WINDOW, q_pos=pos.q, k_pos=pos.k)  # (B, 12, T, 128)
+                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 12, T, 128)
         y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 12)    # (B, T=2048, q/tp=1536)
         return self.wo(y)                                       # (B, T=2048, h=12288): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 

@@ -73,6 +73,7 @@ class Attention(nn.Module):
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.i = i
+        self.window = WINDOW  # attention window (0: full causal)
         # with replicated kv heads, tp rank r holds kv head r // KV_REPLICAS
         kv = dict(shard_index=tp.index // KV_REPLICAS, num_shards=KV_HEADS) if KV_REPLICAS > 1 else {}
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         k = gen.apply_rope_at(k, *rope)                               # RoPE at the tokens' global positions
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
         k, v = cache.store(self.i, k, v, step.start)                  # (B, 1, L, 128): the cache so far
-        y = gen.cached_attention(q, k, v, step.mask, fused=True)  # (B, 8, T, 128)
+        y = gen.cached_attention(q, k, v, step.masks[self.window], fused=True)  # (B, 8, T, 128)
         y = y.transpose(1, 2).reshape(B, T, HEADS_LOCAL * HEAD_DIM)   # (B, T, 1024)
         return self.wo(y)                                             # (B, T, 8192): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
@@ -106,7 +107,7 @@ class MLP(nn.Module):
         self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED)
 
     def forward(self, x):                                             # x: (B, T, 8192)
-        h = F.silu(self.w1(x)) * self.w3(x)                           # (B, T, 3584)
+        h = rt.swiglu(self.w1(x), self.w3(x))                           # (B, T, 3584): silu(gate) * up
         return self.w2(h)                                             # (B, T, 8192): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
@@ -148,7 +149,8 @@ class Stage(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device) -> gen.KVCache:
         """The KV cache of this rank's layers: 2 x 1 kv head(s) x 128 values per layer and token."""
-        self.cache = gen.KVCache(self.layer_ids, batch, KV_LOCAL, max_len, HEAD_DIM, KV_DTYPE, device)
+        self.cache = gen.KVCache(self.layer_ids, batch, KV_LOCAL, max_len, HEAD_DIM, KV_DTYPE, device,
+                                 WINDOW)
         return self.cache
 
     def forward(self, x: torch.Tensor, step: gen.StepInput) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""The KV cache, one rule for the plan's memory, its serving report and the serve program.
+
+A decoder layer keeps, per token of a sequence and per rank, its keys and values:
+``2 * kv_heads_per_rank * head_dim * kv_bytes`` bytes (K and V; kv heads split over tp, or
+one replicated on ``tp / kv_heads`` ranks: :mod:`parcompile.core.heads`; ``kv_bytes`` the
+``kv_dtype``'s, 4/2/2/1 for fp32/bf16/fp16/fp8). A sliding-window layer attends to the last
+``window`` tokens only, so it keeps at most ``window`` of them (vLLM and transformers'
+sliding-window caches): a sequence of L tokens costs ``min(L, window)`` tokens there and
+L in a full-attention layer (:func:`parcompile.core.model.layer_windows`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from parcompile.core.dtypes import DTYPE_BYTES
+from parcompile.core.heads import kv_heads_per_rank
+
+
+def kv_dtype(cfg) -> str:
+    """The cache's dtype: ``serve.kv_dtype``, else the model's."""
+    return cfg.serve.kv_dtype if cfg.serve is not None and cfg.serve.kv_dtype else cfg.model.dtype
+
+
+def kv_token_bytes(cfg) -> int:
+    """Bytes one token adds to one layer's cache on one rank: ``2 * kv_heads_per_rank *
+    head_dim * kv_bytes``."""
+    m = cfg.model
+    return 2 * kv_heads_per_rank(m.kv_heads, cfg.parallel.tp) * m.head_dim * DTYPE_BYTES[kv_dtype(cfg)]
+
+
+def stage_layers(chunks: Sequence[Sequence[int]], pp: int) -> list[list[int]]:
+    """The layer ids of each pipeline rank: model chunk k sits on rank ``k % pp``."""
+    return [[i for k in range(len(chunks)) if k % pp == s for i in chunks[k]] for s in range(pp)]
+
+
+def cached_tokens(window: int, tokens: int) -> int:
+    """Tokens a layer of attention window ``window`` (0: full) keeps of a ``tokens``-long sequence."""
+    return min(window, tokens) if window else tokens
+
+
+def kv_bytes_per_token(cfg, chunks: Sequence[Sequence[int]]) -> list[int]:
+    """Per pipeline rank: the bytes one more token adds while no window is full (every
+    layer of the rank keeps it): ``layers_s * kv_token_bytes``."""
+    return [kv_token_bytes(cfg) * len(ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
+
+
+def kv_bytes_per_sequence(cfg, chunks: Sequence[Sequence[int]], tokens: int) -> list[int]:
+    """Per pipeline rank: the cache of one sequence of ``tokens`` tokens, each layer keeping
+    :func:`cached_tokens` of them (equal to ``tokens * kv_bytes_per_token`` without sliding
+    windows)."""
+    windows = cfg.model.layer_windows
+    per = kv_token_bytes(cfg)
+    return [per * sum(cached_tokens(windows[i], tokens) for i in ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
+
+
+__all__ = ["kv_dtype", "kv_token_bytes", "stage_layers", "cached_tokens", "kv_bytes_per_token",
+           "kv_bytes_per_sequence"]

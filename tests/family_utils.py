@@ -1,0 +1,80 @@
+"""What the model-family tests share (Qwen3-MoE, Gemma 3, gpt-oss against transformers):
+import a saved ``config.json``, build a single-process program filled from the Hugging
+Face checkpoint, its logits, and a short fine-tune that writes ``hf_output``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from parcompile import runtime as rt
+from parcompile.config.hf import from_hf_dict
+from parcompile.runtime.context import init_parallel
+from parcompile.runtime.weights import load_hf
+from tests.program_utils import build_program
+
+B, T = 2, 16   # the batch and the tokens the families' logits are compared on
+
+
+def import_keys(directory: Path, seq_len: int = T) -> dict:
+    """The `model` keys of ``directory/config.json`` (None dropped), fp32, ``seq_len`` tokens."""
+    keys = {k: v for k, v in from_hf_dict(json.loads((directory / "config.json").read_text())).items()
+            if v is not None}
+    keys.update(seq_len=seq_len, dtype="fp32")
+    return keys
+
+
+def stage_from_hf(cfg, hf_dir: Path, out: Path):
+    """The single-process program of ``cfg`` written into ``out``, its Stage filled from the
+    checkpoint ``hf_dir`` (``load_hf``); returns (stage, plan dict)."""
+    module, plan = build_program(cfg, out)
+    with rt.no_init():
+        stage = module.Stage(plan, init_parallel(plan))
+    load_hf(stage, str(hf_dir))
+    return stage, plan
+
+
+def token_ids(vocab: int) -> torch.Tensor:
+    """(B, T) token ids, the same in every family test."""
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0))
+
+
+def logits(stage, ids: torch.Tensor) -> torch.Tensor:
+    """The stage's (B, T, V') logits in eval mode, no gradient."""
+    stage.eval()
+    with torch.no_grad():
+        return stage.forward_chunk(0, ids)
+
+
+def fine_tune(cfg, init_from: Path, out: Path, steps: int = 2) -> Path:
+    """``steps`` steps of ``cfg``'s single-process program from ``init_from`` with
+    ``hf_output``: the program's own ``main()`` in this process (as verify runs its
+    reference). Returns the written Hugging Face directory."""
+    hf_out = out / "hf_out"
+    cfg = cfg.model_copy(update=dict(train=cfg.train.model_copy(update=dict(
+        init_from=str(init_from), hf_output=str(hf_out), steps=steps, lr=1e-2))))
+    module, _ = build_program(cfg, out / "prog")
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            module.main(["--plan", str(out / "prog" / "plan.json"), "--metrics-dir", str(out / "metrics"),
+                         "--steps", str(steps), "--checkpoint-dir", ""])
+    finally:
+        os.environ.update(saved)
+    return hf_out
+
+
+def assert_logits_equal(stage, hf, vocab: int) -> None:
+    """The stage's logits of :func:`token_ids` equal the transformers model ``hf``'s (fp32,
+    1e-5), which must not be flat (a model whose outputs barely vary proves nothing)."""
+    ids = token_ids(vocab)
+    ours = logits(stage, ids)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    assert ref.std() > 1e-3
+    torch.testing.assert_close(ours[..., :vocab], ref, atol=1e-5, rtol=1e-5)
