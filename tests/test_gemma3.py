@@ -166,3 +166,28 @@ def test_gemma3_27b_preset_counts_as_transformers_and_plans(tmp_path):
     windows = plan.config.model.layer_windows
     assert windows.count(0) == 10 and set(windows) == {0, 1024}   # layers 5, 11, ..., 59 global
     assert plan.data["memory"]["fits"]
+
+
+def test_the_preset_made_all_global_plans_and_a_written_local_base_without_windows_is_an_error(tmp_path):
+    """`sliding_window = 0` on the preset: every layer global, its cache 4.75x the
+    five-in-six local one at 17k tokens; rope_local_base_freq written by the user on a model
+    without windows is a spanned error."""
+    import parcompile
+
+    def kv(extra: str) -> int:
+        spec = tmp_path / "s.par"
+        spec.write_text(f'model g from "gemma3-27b" {{ {extra} }}\ncluster c from "h100-sxm" {{ }}\n'
+                        'parallel { tp = 8 }\nserve { batch = 32, prompt_len = 16384, max_new_tokens = 1024 }\n')
+        return parcompile.compile(spec).data["serve"]["kv_cache_bytes_per_rank"]
+
+    per_layer_token = 2 * 2 * 128 * 2       # K, V; 16 kv heads / tp 8; head_dim 128; bf16
+    tokens = 16384 + 1024
+    assert kv("") == 32 * per_layer_token * (10 * tokens + 52 * 1024)
+    assert kv("sliding_window = 0") == 32 * per_layer_token * 62 * tokens
+    spec = tmp_path / "e.par"
+    spec.write_text('model g from "gemma3-27b" { sliding_window = 0, rope_local_base_freq = 1e4 }\n'
+                    'cluster c from "h100-sxm" { }\nparallel { tp = 8 }\n')
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.compile(spec)
+    [d] = [d for d in e.value.diagnostics if "rope_local_base_freq" in d.message]
+    assert d.span.line == 1 and "sliding-window" in d.message

@@ -223,8 +223,8 @@ def _check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("model.sliding_window_pattern"),
                       help="use 0 (every layer takes sliding_window) or N >= 2 (every Nth layer full: Gemma 3 "
                            "uses 6, gpt-oss 2), or set sliding_window = 0")
-    elif m.sliding_window_pattern >= 2 and not m.sliding_window \
-            and ctx.ok("model.sliding_window_pattern", "model.sliding_window"):
+    elif m.sliding_window_pattern >= 2 and not m.sliding_window and ctx.given("model.sliding_window_pattern") \
+            and ctx.ok("model.sliding_window_pattern", "model.sliding_window"):   # a preset's: moot
         ctx.bag.error(f"sliding_window_pattern = {m.sliding_window_pattern} needs a window: sliding_window = 0",
                       ctx.span("model.sliding_window_pattern", "model.sliding_window"),
                       help="set sliding_window to the local layers' window in tokens (Gemma 3: 1024, "
@@ -234,8 +234,9 @@ def _check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
                         "no sequence is long enough for the window to matter",
                         ctx.span("model.sliding_window", "model.seq_len"),
                         help=f"lower sliding_window to at most {m.seq_len}, or 0 for full attention")
-    if m.rope_local_base_freq is not None and ctx.ok("model.rope_local_base_freq", "model.sliding_window",
-                                                     "model.position"):
+    # (only where the spec writes it: a preset's local base on a model made all-global is moot)
+    if m.rope_local_base_freq is not None and ctx.given("model.rope_local_base_freq") \
+            and ctx.ok("model.rope_local_base_freq", "model.sliding_window", "model.position"):
         if m.position != "rope":
             ctx.bag.error(f"rope_local_base_freq is a RoPE base; position = {m.position}",
                           ctx.span("model.rope_local_base_freq", "model.position"),
