@@ -109,6 +109,37 @@ def test_greedy_serving_equals_generate(case, tmp_path):
     assert got["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] == 2 * per * (3 * WINDOW + 14)
 
 
+PROMPTS = [[5, 17, 99, 3, 250, 42], [7, 7, 120, 9, 31, 299]]
+
+
+def _serve_spec(root: Path, tp: int):
+    from parcompile.frontend import load_spec
+
+    spec = root / f"serve_tp{tp}.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\n'
+                    f'cluster c from "cpu" {{ gpus_per_node = {tp} }}\nparallel {{ tp = {tp} }}\n'
+                    'serve { batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }\n')
+    cfg, _ = load_spec(spec)
+    return cfg
+
+
+@pytest.mark.torchrun
+def test_tp2_greedy_serving_equals_generate(case, tmp_path):
+    """tp 2 (one launch): heads, kv heads, the GeGLU and the sandwich norms split as
+    planned; the tokens equal transformers' generate and each rank's cache the plan's."""
+    from tests.serve_utils import records, replica_tokens, run_torchrun
+
+    plan = build_serve(_serve_spec(case["tmp"], 2), tmp_path / "tp2")
+    args = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
+    run_torchrun(2, [(tmp_path / "tp2", args, tmp_path / "tp2" / "out")])
+    with torch.no_grad():
+        want = case["hf"].generate(torch.tensor(PROMPTS), max_new_tokens=8, do_sample=False,
+                                   attention_mask=torch.ones(2, 6, dtype=torch.long))[:, 6:].tolist()
+    recs = records(tmp_path / "tp2" / "out")
+    assert replica_tokens(recs) == want
+    assert all(r["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] for r in recs)
+
+
 def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
     cfg = case["cfg"]
     out = fine_tune(cfg, case["tmp"] / "hf", tmp_path)
