@@ -78,3 +78,30 @@ def assert_logits_equal(stage, hf, vocab: int) -> None:
         ref = hf(input_ids=ids).logits
     assert ref.std() > 1e-3
     torch.testing.assert_close(ours[..., :vocab], ref, atol=1e-5, rtol=1e-5)
+
+
+def check_written_back(cfg, out: Path, ref_hf, prog: Path, moved: tuple[str, ...]):
+    """The Hugging Face directory ``out`` a fine-tune of ``cfg`` wrote: transformers loads
+    it (eager attention) with ``ref_hf``'s tensor names and layer kinds, the tensors whose
+    names hold each of ``moved`` changed, parcompile reads it back (written into ``prog``)
+    with the logits transformers gives, its config.json imports as the same model, and
+    its safetensors headers hold every expected shape. Returns the loaded model."""
+    import transformers
+
+    from parcompile.config.hf_weights import check_checkpoint, expected_shapes
+    from tests.program_utils import tiny_config
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    back.config._attn_implementation = "eager"
+    ref_sd, got_sd = ref_hf.state_dict(), back.state_dict()
+    assert set(ref_sd) == set(got_sd)
+    changed = [k for k in ref_sd if not torch.equal(ref_sd[k], got_sd[k])]
+    for part in moved:
+        assert any(part in k for k in changed), part
+    for attr in ("layer_types", "rope_parameters"):
+        assert getattr(back.config, attr, None) == getattr(ref_hf.config, attr, None), attr
+    stage, _ = stage_from_hf(cfg, out, prog)
+    assert_logits_equal(stage, back, cfg.model.vocab)
+    assert tiny_config(model=import_keys(out)).model == cfg.model
+    assert not check_checkpoint(out, expected_shapes(cfg.model), cfg.model)
+    return back
