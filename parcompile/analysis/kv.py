@@ -15,6 +15,7 @@ from typing import Sequence
 
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank
+from parcompile.core.model import cached_tokens
 
 
 def kv_dtype(cfg) -> str:
@@ -34,11 +35,6 @@ def stage_layers(chunks: Sequence[Sequence[int]], pp: int) -> list[list[int]]:
     return [[i for k in range(len(chunks)) if k % pp == s for i in chunks[k]] for s in range(pp)]
 
 
-def cached_tokens(window: int, tokens: int) -> int:
-    """Tokens a layer of attention window ``window`` (0: full) keeps of a ``tokens``-long sequence."""
-    return min(window, tokens) if window else tokens
-
-
 def kv_bytes_per_token(cfg, chunks: Sequence[Sequence[int]]) -> list[int]:
     """Per pipeline rank: the bytes one more token adds while no window is full (every
     layer of the rank keeps it): ``layers_s * kv_token_bytes``."""
@@ -54,5 +50,5 @@ def kv_bytes_per_sequence(cfg, chunks: Sequence[Sequence[int]], tokens: int) -> 
     return [per * sum(cached_tokens(windows[i], tokens) for i in ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
 
 
-__all__ = ["kv_dtype", "kv_token_bytes", "stage_layers", "cached_tokens", "kv_bytes_per_token",
+__all__ = ["kv_dtype", "kv_token_bytes", "stage_layers", "kv_bytes_per_token",
            "kv_bytes_per_sequence"]

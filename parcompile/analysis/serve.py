@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.analysis.estimate import axis_link, collective_time, efficiency
-from parcompile.analysis.kv import kv_bytes_per_sequence, kv_bytes_per_token
+from parcompile.analysis.kv import kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
@@ -227,10 +227,9 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     stages = []
     parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
                               "decode_weights", "decode_kv", "decode_tp_comm", "decode_pp_comm")}
-    for s in range(pp):
-        layers = sum(len(chunks[k]) for k in range(len(chunks)) if k % pp == s)
-        moe_layers = sum(1 for k in range(len(chunks)) if k % pp == s for i in chunks[k]
-                         if moe and i >= m.dense_layers)
+    for s, ids in enumerate(stage_layers(chunks, pp)):
+        layers = len(ids)
+        moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
         first, last = s == 0, s == pp - 1
         weights = stage_params[s].total * e
         kv_tok = kv_tokens[s]

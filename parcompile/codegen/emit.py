@@ -278,7 +278,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
         build = None
         comment = ""
         if code.module is not None:
-            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args if a in dict(op.attrs))
+            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args if op.attr(a, None) is not None)
             build = f'self.{attr} = rt.{code.module}(f"layers.{{i}}.attn.{attr}"{args}, seed=SEED, tp=tp)'
             partial = sorted({a for axes in op.grad_partial for a in axes})
             if "tp" in partial:
@@ -303,7 +303,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
-    bases = [(r.attr("theta"), dict(r.attrs).get("scaling")) for r in ropes if r is not None]
+    bases = [(r.attr("theta"), r.attr("scaling", None)) for r in ropes if r is not None]
     thetas = tuple(dict.fromkeys(bases))
     several = len(thetas) > 1 or any(s is not None for _, s in thetas)
     first = layers[0]
@@ -316,12 +316,12 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
         "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
-        "norm_extra": ", zero_centered=True" if dict(norm.attrs).get("zero_centered") else "",
-        "embed_scale": (", scale=%r" % dict(emb.attrs)["scale"]) if "scale" in dict(emb.attrs) else "",
-        "score_scale": ((", scale=%r" % dict(core.attrs)["scale"]) if "scale" in dict(core.attrs) else "")
-                       + (", sinks=self.sinks" if dict(core.attrs).get("sinks") else ""),
+        "norm_extra": ", zero_centered=True" if norm.attr("zero_centered", False) else "",
+        "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
+        "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
+                       + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
         "sandwich": first.op("attn_post_norm") is not None,
-        "sinks": bool(dict(core.attrs).get("sinks")),
+        "sinks": bool(core.attr("sinks", False)),
         "moe_extra": _moe_extra(pd),
         "gated_fn": f"rt.{gated}" if gated else "",
         "gated_name": {"swiglu": "SwiGLU", "geglu": "GeGLU"}.get(gated, ""),
@@ -336,14 +336,13 @@ def _moe_extra(pd: ProgramData) -> str:
     if layer is None:
         return ""
     experts, router = layer.op("mlp.experts"), layer.op("mlp.router")
-    a = dict(experts.attrs)
     out = ""
     if any(n.endswith(".bias") for n in experts.param_names):
         out += ", bias=True"
     if any(n.endswith(".bias") for n in router.param_names):
         out += ", router_bias=True"
-    if a.get("swiglu_limit") is not None:
-        out += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
+    if experts.attr("swiglu_limit", None) is not None:
+        out += f", swiglu_clamp=({experts.attr('swiglu_alpha')!r}, {experts.attr('swiglu_limit')!r})"
     return out
 
 

@@ -76,9 +76,14 @@ class OpData:
     #: the op's parameters' global names, in order
     param_names: tuple[str, ...] = ()
 
-    def attr(self, key: str):
-        """The op attribute ``key`` (KeyError when the op has none)."""
-        return dict(self.attrs)[key]
+    def attr(self, key: str, default=KeyError):
+        """The op attribute ``key``; ``default`` when the op has none (KeyError if not given)."""
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        if default is KeyError:
+            raise KeyError(f"{self.name} has no attribute {key!r}")
+        return default
 
     def size(self, dim: str) -> int:
         """The local size of ``dim``."""

@@ -63,6 +63,14 @@ def rope_scaling(keys) -> dict | None:
     return out
 
 
+def cached_tokens(window: int, tokens: int) -> int:
+    """Tokens a layer of attention window ``window`` (0: full causal) keeps in its KV cache
+    of a ``tokens``-long sequence: a sliding-window layer at most its window (vLLM,
+    transformers' sliding-window cache). The plan (:mod:`parcompile.analysis.kv`) and the
+    serve program's cache (:class:`parcompile.runtime.generate.KVCache`) size by it."""
+    return min(window, tokens) if window else tokens
+
+
 def layer_windows(layers: int, sliding_window: int, pattern: int) -> tuple[int, ...]:
     """The attention window of each decoder layer, in tokens (0: the whole causal context).
 
@@ -169,4 +177,4 @@ class ModelKeys:
         return layer_windows(self.layers, self.sliding_window, self.sliding_window_pattern)
 
 
-__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]
+__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "cached_tokens", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]

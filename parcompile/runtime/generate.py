@@ -18,7 +18,6 @@ alike) and broadcasts them over pp, so every rank knows the batch's tokens.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parcompile.core.model import cached_tokens
 from parcompile.runtime.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
@@ -53,7 +53,7 @@ class KVCache:
                  dtype: torch.dtype, device, windows=0):
         self.max_len = max_len
         win = {i: (windows[i] if isinstance(windows, (tuple, list)) else windows) for i in layers}
-        self.capacity = {i: min(w, max_len) if w else max_len for i, w in win.items()}
+        self.capacity = {i: cached_tokens(w, max_len) for i, w in win.items()}
         self.k = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
                   for i, c in self.capacity.items()}
         self.v = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
@@ -93,13 +93,12 @@ class KVCache:
 @dataclass
 class StepInput:
     """What every layer of one step needs: where the step's tokens sit in the cache
-    (``start``), their positions in their sequences (B, T), and the attention mask
-    (B, 1, T, start+T), True where a query may attend a key; ``masks``: the mask of each
-    attention window the model's layers use (0: full causal), ``mask`` the first's."""
+    (``start``), their positions in their sequences (B, T), and per attention window the
+    model's layers use (0: full causal) the mask (B, 1, T, start+T), True where a query
+    may attend a key (a sliding-window cache attends only the mask's last columns)."""
 
     start: int
     positions: torch.Tensor
-    mask: torch.Tensor
     masks: dict
 
 
@@ -144,7 +143,7 @@ class Requests:
             # a padding query sees itself only: finite values that no real token attends
             keep |= k_idx[None, None, :] == q_idx[None, :, None]
             masks[window] = keep.unsqueeze(1).to(self.device)
-        return StepInput(start, self.positions[:, start:end].to(self.device), masks[self.windows[0]], masks)
+        return StepInput(start, self.positions[:, start:end].to(self.device), masks)
 
 
 def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
