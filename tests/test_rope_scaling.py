@@ -27,12 +27,12 @@ def _reference(kind: str, params: dict):
     ("linear", {"factor": 8.0}, {"factor": 8.0}),
     ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192},
-     {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positions": 8192}),
+     {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     ("yarn", {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
               "original_max_position_embeddings": 4096},
-     {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_positions": 4096}),
+     {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
     ("yarn", {"factor": 4.0, "original_max_position_embeddings": 8192},
-     {"factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "original_max_positions": 8192}),
+     {"factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 8192}),
 ])
 def test_inverse_frequencies_equal_transformers(kind, params, ours):
     want, factor = _reference(kind, params)

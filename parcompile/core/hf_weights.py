@@ -587,9 +587,8 @@ def _whole(x: float) -> float | int:
 def _rope(m: ModelKeys, family: str) -> dict:
     params = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
     scaling = rope_scaling(m)
-    if scaling is not None:   # transformers' names (core/hf.py reads them back)
-        params.update({{"original_max_positions": "original_max_position_embeddings"}.get(k, k): v
-                       for k, v in scaling.items()})
+    if scaling is not None:   # transformers' names already (core/hf.py reads them back)
+        params.update(scaling)
     if family == "gpt_neox":
         params["partial_rotary_factor"] = rope_dim(m) / m.head_dim
     return params

@@ -55,10 +55,10 @@ def rope_scaling(keys) -> dict | None:
         return None
     out = {"rope_type": kind, "factor": float(keys.rope_scaling_factor)}
     if kind == "yarn":
-        out.update(original_max_positions=keys.rope_original_max_positions, beta_fast=float(keys.rope_beta_fast),
+        out.update(original_max_position_embeddings=keys.rope_original_max_positions, beta_fast=float(keys.rope_beta_fast),
                    beta_slow=float(keys.rope_beta_slow), truncate=bool(keys.rope_truncate))
     elif kind == "llama3":
-        out.update(original_max_positions=keys.rope_original_max_positions,
+        out.update(original_max_position_embeddings=keys.rope_original_max_positions,
                    low_freq_factor=float(keys.rope_low_freq_factor), high_freq_factor=float(keys.rope_high_freq_factor))
     return out
 

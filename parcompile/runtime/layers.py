@@ -337,7 +337,7 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> tu
     by, for ``scaling`` None (Su et al. 2021) or a dict of the model's rope keys:
     ``rope_type`` ``linear`` (positions / factor), ``yarn`` (Peng et al. 2023, "YaRN":
     interpolated and extrapolated frequencies blended over a ramp between the dims of
-    ``beta_fast`` and ``beta_slow`` rotations at ``original_max_positions``; cos/sin times
+    ``beta_fast`` and ``beta_slow`` rotations at ``original_max_position_embeddings``; cos/sin times
     ``0.1 ln(factor) + 1``) or ``llama3`` (Llama 3.1: low frequencies / factor, a smooth
     ramp between ``low_freq_factor`` and ``high_freq_factor``). The formulas and their fp32
     arithmetic are transformers' ``modeling_rope_utils`` (``_compute_*_parameters``)."""
@@ -348,7 +348,7 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> tu
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
-    old = scaling["original_max_positions"]
+    old = scaling["original_max_position_embeddings"]
     if kind == "llama3":
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
