@@ -81,8 +81,19 @@ def test_preset_names_are_the_specs():
     section = text[text.index("Preset names"):text.index("### `parallel`")]
     models = section[section.index("models"):section.index("clusters")]
     clusters = section[section.index("clusters"):]
-    assert list(MODEL_PRESETS) == re.findall(r"`([^`]+)`", models)
-    assert list(CLUSTER_PRESETS) == re.findall(r"`([^`]+)`", clusters.split("(")[0])
+    # SPEC fixes these names (extending is welcome, renaming is not): every name it lists is a
+    # preset, spelt so; presets added since (issue 14's families) are listed in docs/language.md.
+    spec_models = re.findall(r"`([^`]+)`", models)
+    assert spec_models and [m for m in MODEL_PRESETS if m in spec_models] == spec_models
+    spec_clusters = re.findall(r"`([^`]+)`", clusters.split("(")[0])
+    assert spec_clusters and [c for c in CLUSTER_PRESETS if c in spec_clusters] == spec_clusters
+
+
+def test_every_preset_is_documented():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "language.md").read_text()
+    section = docs[docs.index("## Presets and Hugging Face configs"):docs.index("- Clusters:")]
+    listed = set(re.findall(r"`([^`]+)`", section))
+    assert set(MODEL_PRESETS) <= listed, set(MODEL_PRESETS) - listed
 
 
 def test_cluster_presets():
