@@ -210,7 +210,7 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     add("--hidden-size", m.hidden)
     add("--ffn-hidden-size", m.ffn_hidden)
     add("--num-attention-heads", m.heads)
-    if m.head_dim != m.hidden // m.heads:
+    if m.head_dim != m.hidden // m.heads and not m.kv_lora_rank:   # (MLA's head widths: below)
         add("--kv-channels", m.head_dim)
     if m.kv_heads != m.heads:
         add("--group-query-attention")
@@ -249,13 +249,46 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         notes.append(f"sliding_window {m.sliding_window}: set --window-size for Transformer Engine attention")
     if m.qk_norm:   # Megatron-Core's q_layernorm / k_layernorm over head_dim, of --normalization's kind
         add("--qk-layernorm")
+    if m.kv_lora_rank:   # Megatron-Core's MLASelfAttention; its --qk-layernorm is the latents' norms
+        add("--multi-latent-attention")
+        if m.q_lora_rank:
+            add("--q-lora-rank", m.q_lora_rank)
+        add("--kv-lora-rank", m.kv_lora_rank)
+        add("--qk-head-dim", m.qk_nope_head_dim)
+        add("--qk-pos-emb-head-dim", m.qk_rope_head_dim)
+        add("--v-head-dim", m.v_head_dim)
+        add("--qk-layernorm")
+        if m.rope_type == "yarn":
+            add("--rotary-scaling-factor", _num(m.rope_scaling_factor))
+            if m.rope_mscale:
+                add("--mscale", _num(m.rope_mscale))
+            if m.rope_mscale_all_dim:
+                add("--mscale-all-dim", _num(m.rope_mscale_all_dim))
+        if m.rope_interleave:
+            notes.append("rope_interleave: Megatron-Core's MLA rotates the halves; a DeepSeek checkpoint's "
+                         "interleaved RoPE rows are permuted by Megatron-Bridge's converter")
     if m.experts > 0:
         add("--num-experts", m.experts)
         add("--moe-router-topk", m.top_k)
         add("--moe-ffn-hidden-size", m.expert_ffn_hidden)
         add("--moe-aux-loss-coeff", m.router_aux_loss)
-        if not m.norm_topk_prob and m.top_k > 1:   # softmax over all experts, then top-k, not renormalised
+        if m.scoring_func == "sigmoid":
+            # Megatron-Core: sigmoid scores, the top-k renormalised whenever k > 1
+            add("--moe-router-score-function", "sigmoid")
+            if not m.norm_topk_prob and m.top_k > 1:
+                notes.append("norm_topk_prob = false with sigmoid scores: Megatron-Core always renormalises "
+                             "the top-k sigmoid scores")
+        elif not m.norm_topk_prob and m.top_k > 1:   # softmax over all experts, then top-k, not renormalised
             add("--moe-router-pre-softmax")
+        if m.topk_method == "noaux_tc":   # DeepSeek-V3: the correction bias and group-limited top-k
+            add("--moe-router-enable-expert-bias")
+            notes.append("topk_method noaux_tc: --moe-router-enable-expert-bias also updates the bias between "
+                         "steps (--moe-router-bias-update-rate); parcompile holds it fixed")
+            if m.n_group > 1:
+                add("--moe-router-num-groups", m.n_group)
+                add("--moe-router-group-topk", m.topk_group)
+        if m.routed_scaling_factor != 1.0:
+            add("--moe-router-topk-scaling-factor", _num(m.routed_scaling_factor))
         if m.shared_experts:
             add("--moe-shared-expert-intermediate-size", m.shared_experts * m.expert_ffn_hidden)
         if m.dense_layers:

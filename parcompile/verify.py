@@ -168,7 +168,12 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
     if p.schedule == "interleaved_1f1b":
         mini_m = max(p.pp, mini_m - mini_m % p.pp)
-    model = ModelConfig(
+    # multi-head latent attention: one kv per query head, a latent narrower than the heads
+    mla = dict(kv_lora_rank=16, q_lora_rank=16 if m.q_lora_rank else 0, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=8, rope_interleave=m.rope_interleave, head_dim=12) if m.kv_lora_rank else {}
+    if mla:
+        kv = heads
+    keys = dict(
         name=m.name + "_mini", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
         ffn_hidden=2 * hidden, vocab=vocab, seq_len=seq_len, norm=m.norm, activation=m.activation,
         position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
@@ -183,6 +188,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         attention_sinks=m.attention_sinks,
         tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
     )
+    model = ModelConfig(**{**keys, **mla})
     par = p.model_copy(update=dict(
         stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
         bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
@@ -201,7 +207,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
 
 #: the model keys of RoPE scaling, kept by the miniature (its tables are the model's)
 ROPE_SCALING_KEYS = ("rope_type", "rope_scaling_factor", "rope_original_max_positions", "rope_beta_fast",
-                     "rope_beta_slow", "rope_truncate", "rope_low_freq_factor", "rope_high_freq_factor")
+                     "rope_beta_slow", "rope_truncate", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_mscale", "rope_mscale_all_dim")
 
 
 def tokenizer_vocab(tokenizer: str) -> int:
@@ -214,15 +221,25 @@ def tokenizer_vocab(tokenizer: str) -> int:
 def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -> dict:
     """MoE keys of the miniature: 2 experts per ep rank (ep divides them), top_k kept (at
     most the experts), expert width = hidden (divisible by expert_tp, as heads are), at most
-    one shared expert and one leading dense layer, and no load-balancing loss (it is
+    one shared expert and one leading dense layer, the router's kind kept (two expert groups
+    for group-limited routing), and no load-balancing loss (it is
     computed on each rank's own tokens, so it differs between layouts; runtime/moe.py)."""
     if m.experts == 0:
         return {}
     experts = p.ep * max(1, min(2, m.experts // p.ep))
-    return dict(experts=experts, top_k=min(m.top_k, experts), expert_ffn_hidden=hidden,
+    top_k = min(m.top_k, experts)
+    # DeepSeek-V3's group-limited routing: two groups (of at least two experts) when the
+    # model has groups, the kept groups enough for top_k
+    groups = 2 if m.n_group > 1 and experts >= 4 else 1
+    kept = min(m.topk_group, groups)
+    if top_k > kept * experts // groups:
+        kept = groups
+    return dict(experts=experts, top_k=top_k, expert_ffn_hidden=hidden,
                 shared_experts=min(m.shared_experts, 1), dense_layers=min(m.dense_layers, 1, layers - 1),
                 router_aux_loss=0.0, norm_topk_prob=m.norm_topk_prob, router_bias=m.router_bias,
-                swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit)
+                swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit, scoring_func=m.scoring_func,
+                topk_method=m.topk_method, n_group=groups, topk_group=kept,
+                routed_scaling_factor=m.routed_scaling_factor)
 
 
 def reference(mini: SpecConfig) -> SpecConfig:

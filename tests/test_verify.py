@@ -94,6 +94,19 @@ CASES = {
         rope_scaling_factor=4.0, rope_original_max_positions=8, rope_truncate=False, experts=4, top_k=2,
         router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0),
         parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
+    # DeepSeek-V3: multi-head latent attention (down projections replicated, up projections by
+    # heads, the shared RoPE key's gradient summed over tp; interleaved YaRN RoPE with mscale)
+    # and group-limited sigmoid routing with a correction bias over ep, a shared expert, a dense
+    # first layer; and MLA without the query latent, selective recomputation of the padded core
+    "deepseek_v3_tp2_pp2_ep2": dict(tp=2, pp=2, model=dict(
+        kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4,
+        rope_interleave=True, rope_type="yarn", rope_scaling_factor=4.0, rope_original_max_positions=8,
+        rope_mscale=0.707, rope_mscale_all_dim=1.0, experts=4, top_k=2, shared_experts=1, dense_layers=1,
+        scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1, routed_scaling_factor=2.5),
+        parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
+    "mla_dp2_tp2_no_q_lora_selective": dict(dp=2, tp=2, model=dict(
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4),
+        parallel=dict(recompute="selective")),
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),

@@ -6,7 +6,8 @@ one replicated on ``tp / kv_heads`` ranks: :mod:`parcompile.core.heads`; ``kv_by
 ``kv_dtype``'s, 4/2/2/1 for fp32/bf16/fp16/fp8). A sliding-window layer attends to the last
 ``window`` tokens only, so it keeps at most ``window`` of them (vLLM and transformers'
 sliding-window caches): a sequence of L tokens costs ``min(L, window)`` tokens there and
-L in a full-attention layer (:func:`parcompile.core.model.layer_windows`).
+L in a full-attention layer (:func:`parcompile.core.model.layer_windows`). Multi-head
+latent attention caches one latent per token instead (:func:`kv_token_bytes`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ def kv_dtype(cfg) -> str:
 
 def kv_token_bytes(cfg) -> int:
     """Bytes one token adds to one layer's cache on one rank: ``2 * kv_heads_per_rank *
-    head_dim * kv_bytes``."""
+    head_dim * kv_bytes``; multi-head latent attention (``kv_lora_rank > 0``) keeps the
+    latent and the RoPE key instead, ``(kv_lora_rank + qk_rope_head_dim) * kv_bytes`` on
+    every tp rank (replicated, as vLLM and SGLang keep it; DeepSeek-V2 section 2.1.2)."""
     m = cfg.model
+    if m.kv_lora_rank:
+        return (m.kv_lora_rank + m.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype(cfg)]
     return 2 * kv_heads_per_rank(m.kv_heads, cfg.parallel.tp) * m.head_dim * DTYPE_BYTES[kv_dtype(cfg)]
 
 

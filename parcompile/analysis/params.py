@@ -85,10 +85,12 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         acc[s]["expert" if p.expert else "dense"] += n
         units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0])[
             1 if p.expert else 0] += n
-        if not p.sharding.split and not p.expert:
+        if not p.sharding.split and not p.expert and nd.op.attr("tp") != "replicated":
             # replicated over tp (norms, row-parallel biases, learned positions): under
             # sequence parallelism each tp rank sees part of the sequence, so these
-            # gradients are partial sums that the step all-reduces over tp (Megatron-LM)
+            # gradients are partial sums that the step all-reduces over tp (Megatron-LM).
+            # Not the ops of tp style `replicated` (MLA's down projections and latent norms):
+            # they run on the whole gathered sequence, their gradients whole on every rank
             acc[s]["norm"] += n
         if "tp" in p.grad_partial:
             acc[s]["tp_partial"] += n

@@ -202,7 +202,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_local = kv_heads_per_rank(m.kv_heads, tp)
     replicas_kv = kv_head_replicas(m.kv_heads, tp)
     q_local = m.heads // tp
-    d, h = m.head_dim, m.hidden
+    h = m.hidden
     ffn_local = m.ffn_hidden // tp
     padded = m.padded_vocab(tp)
     b = -(-sv.batch // dp)
@@ -215,14 +215,14 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
     gated = m.activation in GATED_ACTIVATIONS
-    layer_matmul = h * q_local * d * 2 + 2 * h * kv_local * d + (3 if gated else 2) * h * ffn_local
+    attn_matmul, score_width, attn_work = attention_geometry(m, tp)
+    layer_matmul = attn_matmul + (3 if gated else 2) * h * ffn_local
     # mixture of experts (module docstring): what one token multiplies in a MoE layer, and
     # the share of the expert weights a step reads
     moe = m.experts > 0
     mats = 3 if gated else 2
     expert_local = m.expert_ffn_hidden // tp if moe else 0
-    moe_matmul = (h * q_local * d * 2 + 2 * h * kv_local * d + h * m.experts
-                  + mats * h * expert_local * (m.top_k + m.shared_experts)) if moe else 0
+    moe_matmul = (attn_matmul + h * m.experts + mats * h * expert_local * (m.top_k + m.shared_experts)) if moe else 0
     read_share = lambda tokens: min(m.experts, tokens * m.top_k) / m.experts  # noqa: E731
     stages = []
     parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
@@ -234,10 +234,10 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         weights = stage_params[s].total * e
         kv_tok = kv_tokens[s]
         kv_cache = b * kv_seqs[s]
-        work = b * P * e * (2 * h + (q_local + 2 * kv_local) * d + (3 if gated else 2) * ffn_local)
+        work = b * P * e * (2 * h + attn_work + (3 if gated else 2) * ffn_local)
         if moe_layers:   # a MoE layer's working set (module docstring), if larger
             f_moe = mats * expert_local * (1 + m.shared_experts)
-            moe_work = b * P * (e * (4 * h + (q_local + 2 * kv_local) * d + f_moe) + 8 * m.experts)
+            moe_work = b * P * (e * (4 * h + attn_work + f_moe) + 8 * m.experts)
             work = max(moe_work, work) if moe_layers < layers else moe_work
         if m.attention == "unfused":
             work += b * q_local * P * P * 4
@@ -252,7 +252,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         read = weights - emb_bytes
         expert_bytes = stage_params[s].expert * e if moe_layers else 0
         pf_read = read - expert_bytes * (1 - read_share(b * P)) if moe_layers else read
-        pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * q_local * d
+        pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * score_width
         pf_compute = max(pf_flops / matmul_rate, pf_read / mem_rate)
         ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, *tp_link)  # noqa: E731
         gather = collective_time("all_gather", b * padded * 4, tp, *tp_link) if last else 0.0
@@ -280,6 +280,30 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                        ttft, tpot, parts)
 
 
+def attention_geometry(m, tp: int) -> tuple[int, float, int]:
+    """One decoder layer's attention on one rank of ``tp``, for the serving estimate:
+    (matmul weight elements a token multiplies, the width ``w`` of its causal attention
+    FLOPs ``2 b P^2 w`` over a prompt of P, the activation elements per token of its
+    working set).
+
+    Multi-head attention: ``2 h q d + 2 h kv d``, ``w = q d`` (``QK^T`` and ``AV``, each
+    halved by the mask), ``(q + 2 kv) d``; ``q``/``kv`` the rank's heads, ``d`` head_dim.
+    Multi-head latent attention (``kv_lora_rank`` c > 0), as the serve program computes it
+    (runtime/mla.py: wkv_b absorbed into the query and the output, DeepSeek-V2 appendix
+    B): every weight of the layer once, ``h (c_q + c + r) + c_q H (n + r) + H c (n + v) +
+    H v h`` (``c_q`` q_lora_rank, 0: ``h H (n + r)``; H the rank's heads, n/r/v the
+    nope/rope/value dims); the scores over ``c + r`` dims and the weighted latents over c,
+    ``w = H (2 c + r) / 2``; the working set ``c_q + H (n + r) + c + r + H (2 c + r)``."""
+    if m.kv_lora_rank:
+        H, c, r = m.heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
+        n, v, cq, h = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.hidden
+        q_proj = h * cq + cq * H * (n + r) if cq else h * H * (n + r)
+        matmul = q_proj + h * (c + r) + H * c * (n + v) + H * v * h
+        return matmul, H * (2 * c + r) / 2, cq + H * (n + r) + c + r + H * (2 * c + r)
+    q, kv, d = m.heads // tp, kv_heads_per_rank(m.kv_heads, tp), m.head_dim
+    return 2 * m.hidden * q * d + 2 * m.hidden * kv * d, q * d, (q + 2 * kv) * d
+
+
 def fit_advice(cfg, rep: ServeReport) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
@@ -292,7 +316,8 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
         t = par.tp * tp2
         if t > _MAX_TP_HINT or (m.heads % t):
             break
-        kv_scale = kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
+        # (an MLA cache is the same on every tp rank: more tp does not shrink it)
+        kv_scale = 1 if m.kv_lora_rank else kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
         n2 = worst.weights / tp2 + worst.workspace / tp2 + worst.kv_per_sequence * kv_scale
         if n2 <= rep.capacity:
             cands.append(f"tp = {t}")

@@ -22,6 +22,7 @@ import jinja2
 
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
 from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
 from parcompile.ir.ops import spec
 from parcompile.core.version import version
@@ -159,7 +160,7 @@ def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) ->
     data = _data_path(cfg.train.data, out_dir)
     data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,
                    "text_field": t.text_field}
-    rope_dim = int(m.head_dim * m.rotary_fraction) // 2 * 2
+    rope_dim = rotary_dim(m)
     sp = pd.sequence_parallel
     zero_comment = {0: "replicated over dp: all-reduce of gradients",
                     1: "ZeRO-1: optimizer states sharded over dp",
@@ -172,19 +173,32 @@ def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) ->
     aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
     layer = pd.dense_layer or pd.moe_layer
     i = layer.index
-    attn_in, attn_out = layer.conversion_into("attn.wq"), layer.conversion_after("attn.wo")
+    mla = layer.op("attn.wkv_a") is not None   # multi-head latent attention (runtime/mla.py)
+    attn_in = layer.conversion_into("attn.wq") or layer.conversion_into("attn.wkv_a")
+    attn_out = layer.conversion_after("attn.wo")
     mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
     mlp_in = mlp.conversion_into("mlp.w1") or mlp.conversion_into("mlp.shared.w1")
     mlp_out = mlp.conversion_after("mlp.w2") or mlp.conversion_after("mlp.shared.w2")
     core = layer.op("attn.core")
-    wq, wk, wo = layer.op("attn.wq"), layer.op("attn.wk"), layer.op("attn.wo")
+    wq = layer.op("attn.wq") or layer.op("attn.wq_b")
+    wk = layer.op("attn.wk") or layer.op("attn.key")
+    wo = layer.op("attn.wo")
+    # MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
+    mla_grads = "; ".join(_calls(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
+                          if layer.conversion_into(n) is not None)
+    key_in = layer.op("attn.key")
+    if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
+            and pd.ops[key_in.inputs[1]].kind == "redistribute":
+        mla_grads += ("; " if mla_grads else "") + _calls(pd.ops[key_in.inputs[1]], i)
     w1 = mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")
     norm = layer.op("attn_norm")
     head = pd.ops["lm_head"]
     tp_one = "no collective (tp = 1)"
     return {
         **_layer_kinds(pd),
-        "head_ops": _head_statements(layer, sp),
+        "head_ops": [] if mla else _head_statements(layer, sp),   # MLA's RoPE is runtime/mla.py's
+        "mla": mla,
+        "mla_grads": mla_grads or "none (tp = 1)",
         "moe": moe,
         "has_mlp": w1 is not None,              # a dense MLP (dense layers or shared experts)
         "has_dense": pd.dense_layer is not None,
@@ -331,7 +345,8 @@ def _layer_kinds(pd: ProgramData) -> dict:
 
 def _moe_extra(pd: ProgramData) -> str:
     """The MoE layer's constructor arguments beyond the common ones, from the graph's
-    experts and router ops (gpt-oss: expert and router biases, the clamped SwiGLU)."""
+    experts and router ops (gpt-oss: expert and router biases, the clamped SwiGLU;
+    DeepSeek-V3: the router's scoring, group-limited choice and scaling)."""
     layer = pd.moe_layer
     if layer is None:
         return ""
@@ -343,6 +358,11 @@ def _moe_extra(pd: ProgramData) -> str:
         out += ", router_bias=True"
     if experts.attr("swiglu_limit", None) is not None:
         out += f", swiglu_clamp=({experts.attr('swiglu_alpha')!r}, {experts.attr('swiglu_limit')!r})"
+    # DeepSeek-V3's router (ir/lower.py sets these attributes only where not the default)
+    for key, default in ROUTER_DEFAULTS.items():
+        value = router.attr(key, default)
+        if value != default:
+            out += f", {key}={value!r}"
     return out
 
 
@@ -417,7 +437,9 @@ def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> d
         "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
-        "head_ops": _head_statements(layer, pd.sequence_parallel, serve=True),
+        "mla": layer.op("attn.wkv_a") is not None,
+        "head_ops": [] if layer.op("attn.wkv_a") is not None else _head_statements(layer, pd.sequence_parallel,
+                                                                                     serve=True),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
@@ -432,7 +454,7 @@ def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> d
                     + (f", shared_ffn=SHARED_FFN, shared_bias={m.bias}" if m.shared_experts else "")
                     + _moe_extra(pd),   # the training MoE's own arguments (gpt-oss: biases, clamp)
         "moe_leave": "all_reduce(tp) of the partial sums" if p.tp > 1 else tp_one,
-        "rope_dim": int(m.head_dim * m.rotary_fraction) // 2 * 2,
+        "rope_dim": rotary_dim(m),
         "torch_dtype": TORCH_NAMES[m.dtype],
         "force_cpu": cfg.cluster.is_cpu,
         "prompt_repr": repr(s.prompt),

@@ -296,19 +296,22 @@ def program_data(graph: Graph, degrees: Mapping[str, int]) -> ProgramData:
                              "program's classes are written once for every layer of a kind")
     first = ordered[0]
     norm = first.op("attn_norm")
-    wq, wk = first.op("attn.wq"), first.op("attn.wk")
+    # MLA: the query heads leave wq_b (or wq), the per-head keys attn.key
+    wq = first.op("attn.wq") or first.op("attn.wq_b")
+    wk = first.op("attn.wk") or first.op("attn.key")
+    kv_dim = "kv" if first.op("attn.wk") else "k"
     head = nodes["lm_head"]
     sends = [o for o in nodes.values() if o.kind == "send_recv"]
     boundary = sends[0] if sends else ordered[-1].op("mlp_residual")
     w1 = dense.op("mlp.w1") if dense is not None else None
     moe_name = f"layers.{moe.index}.mlp.experts" if moe is not None else ""
     q_unit = graph.node(wq.name).type.dim("q").unit
-    kv_unit = graph.node(wk.name).type.dim("kv").unit
+    kv_unit = graph.node(wk.name).type.dim(kv_dim).unit
     sizes = LocalSizes(
         t_residual=norm.size("seq"),
         t_attn=wq.size("seq"),
         heads=wq.size("q") // q_unit,
-        kv_heads=wk.size("kv") // kv_unit,
+        kv_heads=wk.size(kv_dim) // kv_unit,
         ffn=w1.size("ffn") if w1 is not None else None,
         vocab=head.size("vocab"),
         experts=_param_local(graph, moe_name, "w1.weight", "experts", degrees),

@@ -123,6 +123,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, experts=128, top_k=8,
         expert_ffn_hidden=1536, norm_topk_prob=True, router_aux_loss=0.001,
     ),
+    # deepseek-ai/DeepSeek-V3 config.json (deepseek_v3): multi-head latent attention (q_lora
+    # 1536, kv_lora 512, nope 128 + rope 64 per q/k head, v 128; interleaved RoPE, YaRN factor
+    # 40 over 4,096 positions with mscale 1, mscale_all_dim 1), 256 routed experts of width
+    # 2048 top-8 by sigmoid scores with a correction bias within 4 of 8 groups (noaux_tc),
+    # weights normalised and times 2.5, one shared expert, the first 3 layers dense (18,432);
+    # vocab 129,280, untied. seq_len 4,096 is the pre-training context (DeepSeek-V3 report,
+    # section 4.2; max_position_embeddings 163,840 after the long-context extension). The
+    # multi-token-prediction module (num_nextn_predict_layers = 1) is left out:
+    # 671,026,404,352 parameters (transformers counts the same), 37,552,282,624 active per token
+    "deepseek-v3": _llama_style(
+        layers=61, hidden=7168, ffn_hidden=18432, heads=128, kv_heads=128, vocab=129280, seq_len=4096,
+        max_positions=163840, norm_eps=1e-6, rope_theta=10000.0, rope_type="yarn", rope_scaling_factor=40.0,
+        rope_original_max_positions=4096, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
+        rope_mscale_all_dim=1.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_interleave=True, experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1,
+        dense_layers=3, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss=0.001,
+    ),
     # google/gemma-3-27b-it config.json, its text_config (gemma3_text): 62 layers, five local
     # (window 1024, RoPE base 10,000) then one global (RoPE base 1e6, linear scaling 8),
     # query_pre_attn_scalar 168, GeGLU, sandwich (1 + w) RMSNorms, qk-norm, embeddings x

@@ -72,6 +72,24 @@ class ModelConfig(_Frozen):
     rope_truncate: bool = True
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
+    #: YaRN's attention factor from HF `mscale` / `mscale_all_dim` (DeepSeek-V3): cos and sin
+    #: times mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), and MLA's
+    #: softmax scale times mscale(factor, rope_mscale_all_dim) ** 2; 0: absent (the paper's
+    #: 0.1 ln(factor) + 1 on cos and sin)
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    #: multi-head latent attention (DeepSeek-V2/V3; HF names): keys and values are one
+    #: `kv_lora_rank`-wide latent per token (plus a `qk_rope_head_dim` RoPE key shared by the
+    #: heads), up-projected per head; queries through a `q_lora_rank` latent (0: one
+    #: projection). `kv_lora_rank` 0: not MLA. With MLA `head_dim` is qk_nope + qk_rope
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    #: MLA's RoPE dims are interleaved pairs (x0, x1), (x2, x3), ... (HF `rope_interleave`,
+    #: DeepSeek's checkpoints); false: the halves (x_j, x_{j + d/2}), as Llama
+    rope_interleave: bool = False
     #: RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma; Megatron-Core's
     #: `layernorm_zero_centered_gamma`)
     zero_centered_gamma: bool = False
@@ -101,6 +119,16 @@ class ModelConfig(_Frozen):
     norm_topk_prob: bool = True
     #: the router's logits have a bias (gpt-oss: `mlp.router.bias`)
     router_bias: bool = False
+    #: DeepSeek-V3's router (HF names): scores softmax or sigmoid of the logits;
+    #: `noaux_tc`: experts chosen on the scores plus a per-expert `e_score_correction_bias`
+    #: (a fixed fp32 buffer), within the `topk_group` of `n_group` groups whose two best
+    #: corrected scores sum highest; weights from the uncorrected scores, times
+    #: `routed_scaling_factor` (runtime/moe.py: route)
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+    topk_method: Literal["greedy", "noaux_tc"] = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     #: gpt-oss's clamped SwiGLU (HF `swiglu_alpha`, `swiglu_limit`): gate <= limit, |up| <= limit,
     #: (up + 1) * gate * sigmoid(alpha * gate); None: silu(gate) * up
     swiglu_alpha: Optional[float] = None

@@ -5,7 +5,10 @@ Llama family: RMSNorm, gated MLP, RoPE), ``qwen3`` (the same with qk-norm, its o
 ``head_dim`` and no QKV bias: ``qk_norm = true``), ``qwen3_moe`` (Qwen3 with routed
 experts, :func:`_qwen3_moe_keys`), ``gpt2`` (LayerNorm, GELU, learned positions,
 biases, tied embeddings) and ``gpt_neox`` (LayerNorm, RoPE on ``rotary_pct`` of each head,
-parallel residual). ``max_position_embeddings`` (GPT-2: ``n_positions``) becomes
+parallel residual), ``gemma3_text`` (:func:`_gemma3_keys`), ``gpt_oss`` (:func:`_gpt_oss_keys`)
+and ``deepseek_v3`` (multi-head latent attention and DeepSeek's sigmoid group-limited
+router, :func:`_deepseek_v3_keys`; its multi-token-prediction layers are left out).
+``max_position_embeddings`` (GPT-2: ``n_positions``) becomes
 ``max_positions`` (the rows of a learned position table) and the default ``seq_len``.
 Keys written in the block override what the file gives.
 
@@ -22,8 +25,8 @@ from typing import Any, Callable
 
 from parcompile.core.dtypes import TORCH_NAMES
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
-                         "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral",
+                         "qwen2", "qwen3", "qwen3_moe")
 _LLAMA_FAMILY = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 #: transformers' default `max_window_layers` of Qwen2Config and Qwen3Config
 QWEN_MAX_WINDOW_LAYERS = 28
@@ -102,11 +105,15 @@ _ROPE_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings
               "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor"}
 
 
-def _rope_scaling_keys(params: dict | None) -> dict[str, Any]:
+def _rope_scaling_keys(params: dict | None, mscale: bool = False) -> dict[str, Any]:
     """Our RoPE scaling keys from transformers' ``rope_parameters`` (or transformers 4's
     ``rope_scaling``) dict: ``rope_type`` default, linear, yarn or llama3 and their
-    parameters (:data:`_ROPE_KEYS`). Raises :class:`HFConfigError` for another type
-    (dynamic, longrope) or a YaRN ``attention_factor`` / ``mscale`` parcompile does not model."""
+    parameters (:data:`_ROPE_KEYS`). ``mscale`` (DeepSeek-V3, whose YaRN sets them): YaRN's
+    ``mscale`` / ``mscale_all_dim`` become ``rope_mscale`` / ``rope_mscale_all_dim`` (absent:
+    0), as transformers' ``_compute_yarn_parameters`` and DeepseekV3Attention read them.
+    Raises :class:`HFConfigError` for another type (dynamic, longrope), a YaRN
+    ``attention_factor``, or (``mscale`` false, or a type other than yarn) an ``mscale`` /
+    ``mscale_all_dim`` parcompile does not model."""
     if not isinstance(params, dict):
         return {}
     kind = params.get("rope_type", params.get("type", "default"))
@@ -115,8 +122,9 @@ def _rope_scaling_keys(params: dict | None) -> dict[str, Any]:
     if kind not in ("linear", "yarn", "llama3"):
         raise HFConfigError(f"RoPE scaling `{kind}` is not modelled",
                             help="parcompile models rope_type default, linear, yarn and llama3")
+    modelled = ("mscale", "mscale_all_dim") if mscale and kind == "yarn" else ()
     for key in ("attention_factor", "mscale", "mscale_all_dim"):
-        if params.get(key) not in (None, 1, 1.0, 0):
+        if key not in modelled and params.get(key) not in (None, 1, 1.0, 0):
             raise HFConfigError(f"YaRN `{key}` = {json.dumps(params[key])} is not modelled",
                                 help="parcompile's yarn scales cos and sin by 0.1 ln(factor) + 1 (the paper's)")
     out: dict[str, Any] = {"rope_type": kind}
@@ -125,6 +133,8 @@ def _rope_scaling_keys(params: dict | None) -> dict[str, Any]:
             value = params[hf_key]
             out[ours] = value if isinstance(value, bool) else (int(value) if ours == "rope_original_max_positions"
                                                                else float(value))
+    for key in modelled:
+        out[f"rope_{key}"] = _float(params, key, 0.0) or 0.0
     return out
 
 
@@ -317,6 +327,123 @@ def _gpt_oss_keys(cfg: dict, base: dict[str, Any]) -> dict[str, Any]:
     })
 
 
+#: transformers 5.24's DeepseekV3Config defaults of the fields that shape the model (what it
+#: loads when a config.json leaves one out); `n_routed_experts` is also written
+#: `num_local_experts`, `num_nextn_predict_layers` also `num_mtp_layers`
+DEEPSEEK_V3_DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                        "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+                        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                        "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                        "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+                        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                        "rope_interleave": True, "attention_bias": False, "rope_theta": 10000.0}
+#: what transformers' DeepseekV3TopkRouter always does, whatever the config.json says
+#: (these fields come from DeepSeek's own modelling code, which transformers ignores)
+_DEEPSEEK_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _deepseek_v3_keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
+    """`model` keys of a ``deepseek_v3`` config.json (transformers' DeepseekV3Config; absent
+    fields take its defaults, :data:`DEEPSEEK_V3_DEFAULTS`).
+
+    Multi-head latent attention: ``q_lora_rank`` (null: one query projection, our 0),
+    ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+    ``rope_interleave``; our ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``
+    (derived: the file's ``head_dim`` is transformers' RoPE width, ``qk_rope_head_dim``).
+    ``num_key_value_heads`` must equal the heads (DeepseekV3Attention up-projects a key and a
+    value per head). YaRN RoPE with ``mscale`` / ``mscale_all_dim`` (:func:`_rope_scaling_keys`).
+
+    Mixture of experts: the first ``first_k_dense_replace`` layers dense (``dense_layers``;
+    all of them: ``experts = 0``), then ``n_routed_experts`` experts of width
+    ``moe_intermediate_size``, top ``num_experts_per_tok``, ``n_shared_experts`` shared
+    experts of that width, and DeepseekV3TopkRouter's sigmoid scores with the per-expert
+    ``e_score_correction_bias`` for choosing (``scoring_func = "sigmoid"``,
+    ``topk_method = "noaux_tc"``; a config.json naming another is refused: transformers does
+    not run it), ``n_group`` / ``topk_group``, ``norm_topk_prob``,
+    ``routed_scaling_factor``. ``router_aux_loss`` is DeepSeek's ``aux_loss_alpha`` (the
+    published config.json's 0.001, the weight of its complementary balance loss), 0 when the
+    file has none: transformers' DeepseekV3 computes no auxiliary loss (DeepSeek-V3 balances
+    by the bias).
+
+    Left out: the multi-token-prediction layers (``num_nextn_predict_layers``, or
+    ``num_mtp_layers``; DeepSeek-V3's checkpoint holds one, ``model.layers.61.*``), which
+    transformers' DeepseekV3ForCausalLM does not run either: the field is ignored.
+
+    Raises :class:`HFConfigError`: ``attention_bias`` true (biases on q_a_proj,
+    kv_a_proj_with_mqa and o_proj only), ``num_key_value_heads`` != heads, an activation
+    other than silu, another ``scoring_func`` / ``topk_method``.
+    """
+    c = {**DEEPSEEK_V3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}}
+    if "n_routed_experts" not in cfg and cfg.get("num_local_experts") is not None:
+        c["n_routed_experts"] = cfg["num_local_experts"]
+    heads = _int(c, "num_attention_heads")
+    kv_heads = _int(c, "num_key_value_heads", heads)
+    if kv_heads != heads:
+        raise HFConfigError(f"`num_key_value_heads` = {kv_heads} with {heads} heads in a deepseek_v3 config.json "
+                            "cannot be mapped: multi-head latent attention up-projects a key and a value for "
+                            "every head", help="set `num_key_value_heads` to `num_attention_heads` (or remove it)")
+    if _bool(c, "attention_bias"):
+        raise HFConfigError("`attention_bias` = true in a deepseek_v3 config.json cannot be mapped: it puts biases "
+                            "on q_a_proj, kv_a_proj_with_mqa and o_proj only",
+                            help="parcompile models biases on the QKV projections only (`qkv_bias = true`) or "
+                                 "on every linear layer (`bias = true`)")
+    for key, value in _DEEPSEEK_ROUTER.items():
+        got = _str(c, key, value)
+        if got != value:
+            raise HFConfigError(f"`{key}` = {json.dumps(got)} in a deepseek_v3 config.json: transformers' "
+                                f"DeepseekV3 router always runs `{key}` = \"{value}\"",
+                                help=f"remove `{key}` from a copy of the config.json to import the model as "
+                                     "transformers runs it")
+    layers = _int(c, "num_hidden_layers")
+    dense = _int(c, "first_k_dense_replace")
+    experts = _int(c, "n_routed_experts")
+    moe = bool(experts) and (layers is None or dense is None or dense < layers)
+    q_lora = _int(c, "q_lora_rank")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    theta = _rope_theta(cfg)
+    max_pos = _int(c, "max_position_embeddings")
+    return _drop_none({
+        **common,
+        "vocab": _int(c, "vocab_size"),
+        "layers": layers,
+        "hidden": _int(c, "hidden_size"),
+        "ffn_hidden": _int(c, "intermediate_size"),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "seq_len": max_pos,
+        "max_positions": max_pos,
+        "tie_embeddings": _bool(c, "tie_word_embeddings"),
+        "norm": "rmsnorm",
+        "norm_eps": _float(c, "rms_norm_eps"),
+        "activation": _activation(_str(c, "hidden_act"), gated=True),
+        "position": "rope",
+        "rope_theta": theta if theta is not None else DEEPSEEK_V3_DEFAULTS["rope_theta"],
+        **_rope_scaling_keys(rope, mscale=True),
+        "bias": False,
+        "qkv_bias": False,
+        "q_lora_rank": q_lora or 0,
+        "kv_lora_rank": _int(c, "kv_lora_rank"),
+        "qk_nope_head_dim": _int(c, "qk_nope_head_dim"),
+        "qk_rope_head_dim": _int(c, "qk_rope_head_dim"),
+        "v_head_dim": _int(c, "v_head_dim"),
+        "rope_interleave": _bool(c, "rope_interleave"),
+        **({
+            "experts": experts,
+            "top_k": _int(c, "num_experts_per_tok"),
+            "expert_ffn_hidden": _int(c, "moe_intermediate_size"),
+            "shared_experts": _int(c, "n_shared_experts"),
+            "dense_layers": dense,
+            "norm_topk_prob": _bool(c, "norm_topk_prob"),
+            "router_aux_loss": _float(cfg, "aux_loss_alpha", 0.0) or 0.0,
+            **_DEEPSEEK_ROUTER,
+            "n_group": _int(c, "n_group"),
+            "topk_group": _int(c, "topk_group"),
+            "routed_scaling_factor": _float(c, "routed_scaling_factor"),
+        } if moe else {"experts": 0}),
+    })
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
@@ -376,6 +503,8 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
         return _gemma3_keys(cfg, base)
     if model_type == "gpt_oss":
         return _gpt_oss_keys(cfg, base)
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_keys(cfg, {"dtype": common["dtype"]})
 
     # the Llama family
     sliding = _int(cfg, "sliding_window")

@@ -41,6 +41,20 @@ gemma3_text  RMSNorm (1 + w) before and after each sub-layer, GeGLU, qk-norm, sc
            ``input_layernorm`` (our ``attn_norm``), ``post_attention_layernorm``
            (``attn_post_norm``), ``pre_feedforward_layernorm`` (``mlp_norm``),
            ``post_feedforward_layernorm`` (``mlp_post_norm``)
+deepseek_v3  multi-head latent attention (``kv_lora_rank > 0``) and DeepSeek's router
+           (sigmoid scores, ``e_score_correction_bias``, groups), shared experts, the
+           first ``dense_layers`` layers dense. ``self_attn.q_a_proj`` (our ``attn.wq_a``),
+           ``q_a_layernorm`` (``attn.q_a_norm``), ``q_b_proj`` (``attn.wq_b``) or, with
+           ``q_lora_rank`` 0 (HF null), ``q_proj`` (``attn.wq``); ``kv_a_proj_with_mqa``
+           (``attn.wkv_a``: the latent rows, then the RoPE key's), ``kv_a_layernorm``
+           (``attn.kv_a_norm``), ``kv_b_proj`` (``attn.wkv_b``: per head nope then v rows),
+           ``o_proj`` (``attn.wo``), all one to one (the RoPE rows are not permuted: the
+           runtime rotates interleaved pairs when ``rope_interleave``); router
+           ``mlp.gate.weight`` and the buffer ``mlp.gate.e_score_correction_bias``
+           (``mlp.router.e_score_correction_bias``, fp32); experts as qwen3_moe's (saved
+           ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, fused layout read too); shared
+           experts ``mlp.shared_experts.gate_proj/up_proj/down_proj`` (``mlp.shared.w1/w3/w2``).
+           The multi-token-prediction layers (``model.layers.{layers}.*`` on) are not read
 llama      RMSNorm, SwiGLU, RoPE; no biases or biases on every linear layer
 =========  ==========================================================================
 
@@ -70,12 +84,13 @@ from pathlib import Path
 
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, from_hf_dict
-from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, rope_scaling
+from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, ModelKeys, rope_scaling, rotary_dim
 
-FAMILIES = ("gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2", "qwen3",
-            "qwen3_moe")
+FAMILIES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
+            "qwen3", "qwen3_moe")
 
 ARCHITECTURES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -98,6 +113,17 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_
 VOCAB_PARAMS = ("embedding.weight", "lm_head.weight")
 
 TRANSFORMERS_VERSION = "5.24.0"   # the version the written files were checked against
+
+#: persistent buffers a checkpoint holds beside the parameters, by the last part of our
+#: name: not parameters (no gradient; transformers' ``parameters()`` and every parameter
+#: count leave them out), listed by :func:`expected_shapes` only with ``buffers=True``.
+#: DeepSeek's router bias for choosing experts, (experts,) fp32 in HF files
+BUFFERS = ("e_score_correction_bias",)
+
+
+def is_buffer(name: str) -> bool:
+    """Whether our global tensor ``name`` is a buffer (:data:`BUFFERS`), not a parameter."""
+    return name.rpartition(".")[2] in BUFFERS
 
 
 @dataclass(frozen=True)
@@ -129,7 +155,21 @@ class HFWeightsError(Exception):
 _GEMMA_KEYS = {"zero_centered_gamma": True, "sandwich_norm": True, "scale_embeddings": True, "activation": "geglu"}
 
 
+#: the router keys of DeepSeek-V3 (the ROUTER keys of ModelKeys) and the value every other
+#: family has (a router those families' transformers classes run)
+_ROUTER_DEFAULTS = ROUTER_DEFAULTS
+#: what transformers' DeepseekV3TopkRouter runs
+_DEEPSEEK_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _router(m: ModelKeys, key: str):
+    """``m``'s router key ``key`` (its default where the model has no such key)."""
+    return getattr(m, key, _ROUTER_DEFAULTS[key])
+
+
 def _family_guess(m: ModelKeys) -> str:
+    if m.kv_lora_rank > 0:
+        return "deepseek_v3"
     if m.attention_sinks or m.router_bias or m.swiglu_limit is not None:
         return "gpt_oss"
     if any(getattr(m, k) == v for k, v in _GEMMA_KEYS.items()):
@@ -150,8 +190,8 @@ def _family_guess(m: ModelKeys) -> str:
 
 
 def rope_dim(m: ModelKeys) -> int:
-    """Rotary dims per head, as the generated program computes them."""
-    return int(m.head_dim * m.rotary_fraction) // 2 * 2
+    """Rotary dims per head, as the generated program computes them (:func:`parcompile.core.model.rotary_dim`)."""
+    return rotary_dim(m)
 
 
 def family_problems(m: ModelKeys, family: str) -> list[Problem]:
@@ -182,14 +222,24 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
     elif not qk_family and m.qk_norm:
         out.append("qk_norm = true")
     oss = family == "gpt_oss"
+    deepseek = family == "deepseek_v3"
     if not oss:
         for key in ("attention_sinks", "router_bias"):
             if getattr(m, key):
                 out.append(f"{key} = true")
         if m.swiglu_limit is not None or m.swiglu_alpha is not None:
             out.append("swiglu_alpha / swiglu_limit")
+    if not deepseek:
+        if m.kv_lora_rank > 0:
+            out.append(f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)")
+        if m.rope_interleave:
+            out.append("rope_interleave = true")
+        out += [f"{k} = {_router(m, k)} (DeepSeek's router: deepseek_v3)" for k, v in _ROUTER_DEFAULTS.items()
+                if m.experts and _router(m, k) != v]
     if gemma:
         pass
+    elif deepseek:
+        out += _deepseek_v3_problems(m)
     elif oss:
         want = {"attention_sinks": True, "router_bias": True, "bias": True, "qkv_bias": True, "norm": "rmsnorm",
                 "activation": "swiglu", "position": "rope", "qk_norm": False, "parallel_residual": False,
@@ -259,7 +309,30 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
                     "llama/mistral/qwen2 (RMSNorm, SwiGLU, RoPE), qwen3 (the same with qk_norm), mixtral (the "
                     "same with routed experts), qwen3_moe (qwen3 with routed experts, leading dense layers), "
                     "gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
-                    "global layers)")]
+                    "global layers), deepseek_v3 (multi-head latent attention, sigmoid group-limited "
+                    "router, shared experts)")]
+
+
+def _deepseek_v3_problems(m: ModelKeys) -> list[str]:
+    """Why transformers' DeepseekV3ForCausalLM cannot run ``m`` (family_problems' part)."""
+    out: list[str] = []
+    if m.kv_lora_rank <= 0:
+        out.append("kv_lora_rank = 0 (it has multi-head latent attention)")
+    want = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "qkv_bias": False,
+            "parallel_residual": False, "sliding_window": 0, "rotary_fraction": 1.0}   # qk_norm: family_problems
+    out += [f"{k} = {getattr(m, k)} (DeepSeek-V3 has {v})" for k, v in want.items() if getattr(m, k) != v]
+    if m.kv_heads != m.heads:
+        out.append(f"kv_heads = {m.kv_heads} != heads (multi-head latent attention has a key and value per head)")
+    if m.kv_lora_rank > 0 and m.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+        out.append(f"head_dim = {m.head_dim} != qk_nope_head_dim + qk_rope_head_dim")
+    if m.kv_lora_rank > 0 and (m.v_head_dim <= 0 or m.qk_rope_head_dim <= 0):
+        out.append("v_head_dim or qk_rope_head_dim 0")
+    if m.experts:
+        out += [f"{k} = {_router(m, k)} (transformers' DeepSeek-V3 router has {v})"
+                for k, v in _DEEPSEEK_ROUTER.items() if _router(m, k) != v]
+        if m.dense_layers >= m.layers:
+            out.append(f"dense_layers = {m.dense_layers} with experts (no mixture-of-experts layer)")
+    return out
 
 
 def hf_family(model: ModelKeys) -> str:
@@ -323,10 +396,22 @@ def _layer_mlp_is_moe(m: ModelKeys, i: int) -> bool:
     return m.experts > 0 and i >= m.dense_layers
 
 
-def expected_shapes(model: ModelKeys, tp: int | None = None) -> dict[str, tuple[int, ...]]:
+def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """Our global parameter names -> global shapes, in layer order, as a training program
     of ``model`` holds them: the vocabulary unpadded (``tp = None``) or padded for ``tp``
-    (``model.padded_vocab(tp)`` rows). A tied model has no ``lm_head.weight``."""
+    (``model.padded_vocab(tp)`` rows). A tied model has no ``lm_head.weight``.
+
+    ``buffers``: also the persistent buffers a checkpoint holds (:data:`BUFFERS`: the
+    DeepSeek router's ``layers.{i}.mlp.router.e_score_correction_bias`` (experts,) with
+    ``topk_method = "noaux_tc"``). Without it the shapes are the parameters alone, whose
+    elements add up to transformers' ``sum(p.numel() for p in model.parameters())``.
+
+    Multi-head latent attention (``kv_lora_rank > 0``; H heads, ``nope``, ``rope``, ``v``
+    the qk_nope, qk_rope and v head dims): ``attn.wq_a`` (q_lora_rank, hidden),
+    ``attn.q_a_norm`` (q_lora_rank,), ``attn.wq_b`` (H (nope + rope), q_lora_rank), or
+    ``attn.wq`` (H (nope + rope), hidden) when ``q_lora_rank`` is 0; ``attn.wkv_a``
+    (kv_lora_rank + rope, hidden), ``attn.kv_a_norm`` (kv_lora_rank,), ``attn.wkv_b``
+    (H (nope + v), kv_lora_rank), ``attn.wo`` (hidden, H v)."""
     m = model
     h, v = m.hidden, m.vocab if tp is None else m.padded_vocab(tp)
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
@@ -352,18 +437,34 @@ def expected_shapes(model: ModelKeys, tp: int | None = None) -> dict[str, tuple[
         if m.bias:
             out[f"{prefix}.w2.bias"] = (h,)
 
+    def mla(p: str) -> None:   # biases as ir/lower.py's mla(): qkv_bias on the down projections
+        heads, nope, rd, vd = m.heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        if m.q_lora_rank:
+            linear(f"{p}.attn.wq_a", m.q_lora_rank, h, m.qkv_bias)
+            out[f"{p}.attn.q_a_norm.weight"] = (m.q_lora_rank,)
+            linear(f"{p}.attn.wq_b", heads * (nope + rd), m.q_lora_rank, False)
+        else:
+            linear(f"{p}.attn.wq", heads * (nope + rd), h, False)
+        linear(f"{p}.attn.wkv_a", m.kv_lora_rank + rd, h, m.qkv_bias)
+        out[f"{p}.attn.kv_a_norm.weight"] = (m.kv_lora_rank,)
+        linear(f"{p}.attn.wkv_b", heads * (nope + vd), m.kv_lora_rank, False)
+        linear(f"{p}.attn.wo", h, heads * vd, m.bias)
+
     for i in range(m.layers):
         p = f"layers.{i}"
         norm(f"{p}.attn_norm")
-        linear(f"{p}.attn.wq", q, h, m.qkv_bias)
-        linear(f"{p}.attn.wk", kv, h, m.qkv_bias)
-        linear(f"{p}.attn.wv", kv, h, m.qkv_bias)
-        if m.qk_norm:
-            out[f"{p}.attn.q_norm.weight"] = (m.head_dim,)
-            out[f"{p}.attn.k_norm.weight"] = (m.head_dim,)
-        out[f"{p}.attn.wo.weight"] = (h, q)
-        if m.bias:
-            out[f"{p}.attn.wo.bias"] = (h,)
+        if m.kv_lora_rank:
+            mla(p)
+        else:
+            linear(f"{p}.attn.wq", q, h, m.qkv_bias)
+            linear(f"{p}.attn.wk", kv, h, m.qkv_bias)
+            linear(f"{p}.attn.wv", kv, h, m.qkv_bias)
+            if m.qk_norm:
+                out[f"{p}.attn.q_norm.weight"] = (m.head_dim,)
+                out[f"{p}.attn.k_norm.weight"] = (m.head_dim,)
+            out[f"{p}.attn.wo.weight"] = (h, q)
+            if m.bias:
+                out[f"{p}.attn.wo.bias"] = (h,)
         if m.attention_sinks:
             out[f"{p}.attn.sinks"] = (m.heads,)
         if m.sandwich_norm:
@@ -374,6 +475,8 @@ def expected_shapes(model: ModelKeys, tp: int | None = None) -> dict[str, tuple[
             out[f"{p}.mlp.router.weight"] = (m.experts, h)
             if m.router_bias:
                 out[f"{p}.mlp.router.bias"] = (m.experts,)
+            if buffers and _router(m, "topk_method") == "noaux_tc":
+                out[f"{p}.mlp.router.e_score_correction_bias"] = (m.experts,)
             for e in range(m.experts):
                 out[f"{p}.mlp.experts.{e}.w1.weight"] = (f, h)
                 if m.activation in GATED_ACTIVATIONS:
@@ -494,6 +597,28 @@ def _qwen3_moe_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[
     return _llama_sources(m, name, shape)
 
 
+#: our MLA names (after ``layers.{i}.attn.``) -> DeepseekV3Attention's (after ``self_attn.``)
+_MLA_NAMES = {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj",
+              "wkv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+_GATED_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _deepseek_v3_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
+    """DeepseekV3ForCausalLM's names (module docstring): MLA one to one, the router and its
+    bias buffer, shared experts; routed experts as Qwen3-MoE's (saved per expert first, the
+    fused 3-D layout second)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "layers":
+        base = f"model.layers.{parts[1]}."
+        if parts[2] == "attn" and len(parts) == 5 and parts[3] in _MLA_NAMES:
+            return [Source(f"{base}self_attn.{_MLA_NAMES[parts[3]]}.{parts[4]}", shape)]
+        if parts[2:4] == ["mlp", "router"] and len(parts) == 5:
+            return [Source(f"{base}mlp.gate.{parts[4]}", shape)]
+        if parts[2:4] == ["mlp", "shared"] and len(parts) == 6 and parts[4] in _GATED_MLP:
+            return [Source(f"{base}mlp.shared_experts.{_GATED_MLP[parts[4]]}.{parts[5]}", shape)]
+    return _qwen3_moe_sources(m, name, shape)
+
+
 def _gpt2_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
     def both(hf: str, **kw) -> list[Source]:   # hub GPT-2 files predate the `transformer.` prefix
         sh = kw.pop("shape", shape)
@@ -549,8 +674,9 @@ def _neox_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Sourc
 def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
     """Our global parameter name -> the :class:`Source` s it can be read from, preferred
     first (the first is what :mod:`parcompile.runtime.hf_export` writes). Covers every
-    name of :func:`expected_shapes` and always ``lm_head.weight``, whose last source is the
-    embedding tensor (a checkpoint with tied embeddings has no head tensor).
+    name of :func:`expected_shapes` with its buffers (``buffers=True``) and always
+    ``lm_head.weight``, whose last source is the embedding tensor (a checkpoint with tied
+    embeddings has no head tensor).
 
     Raises:
         HFWeightsError: ``family`` is not one of :data:`FAMILIES`.
@@ -559,8 +685,9 @@ def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
         raise HFWeightsError(f"unsupported Hugging Face model_type `{family}`",
                              "supported: " + ", ".join(FAMILIES))
     fn = {"gpt2": _gpt2_sources, "gpt_neox": _neox_sources, "qwen3_moe": _qwen3_moe_sources,
-          "gemma3_text": _gemma3_sources, "gpt_oss": _gpt_oss_sources}.get(family, _llama_sources)
-    shapes = expected_shapes(model)
+          "gemma3_text": _gemma3_sources, "gpt_oss": _gpt_oss_sources,
+          "deepseek_v3": _deepseek_v3_sources}.get(family, _llama_sources)
+    shapes = expected_shapes(model, buffers=True)
     v, h = model.vocab, model.hidden
     shapes.setdefault("lm_head.weight", (v, h))
     out: dict[str, list[Source]] = {}
@@ -589,6 +716,8 @@ def _rope(m: ModelKeys, family: str) -> dict:
     scaling = rope_scaling(m)
     if scaling is not None:   # transformers' names already (core/hf.py reads them back)
         params.update(scaling)
+        if params.get("truncate") is True:
+            del params["truncate"]   # transformers' default (DeepSeek-V3's config.json has none)
     if family == "gpt_neox":
         params["partial_rotary_factor"] = rope_dim(m) / m.head_dim
     return params
@@ -677,7 +806,28 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
         cfg.update(intermediate_size=m.expert_ffn_hidden, num_local_experts=m.experts,
                    num_experts_per_tok=m.top_k, router_aux_loss_coef=m.router_aux_loss,
                    sliding_window=m.sliding_window or None, output_router_logits=False)
+    elif family == "deepseek_v3":
+        cfg.update(_deepseek_v3_config(m))
     return cfg
+
+
+def _deepseek_v3_config(m: ModelKeys) -> dict:
+    """hf_config's DeepseekV3Config fields: ``head_dim`` is transformers' RoPE width
+    (``qk_rope_head_dim``), ``q_lora_rank`` null for 0, no multi-token-prediction layers
+    (``num_nextn_predict_layers`` 0); a model without experts has every layer dense
+    (``first_k_dense_replace`` = layers), which imports back as ``experts = 0``;
+    ``router_aux_loss`` as DeepSeek's ``aux_loss_alpha`` (transformers keeps it unused)."""
+    moe = m.experts > 0
+    return dict(
+        head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        rope_interleave=bool(m.rope_interleave), attention_bias=False,
+        n_routed_experts=m.experts, num_experts_per_tok=m.top_k if moe else 0,
+        moe_intermediate_size=m.expert_ffn_hidden, n_shared_experts=m.shared_experts,
+        first_k_dense_replace=m.dense_layers if moe else m.layers, norm_topk_prob=bool(m.norm_topk_prob),
+        routed_scaling_factor=float(_router(m, "routed_scaling_factor")), n_group=_router(m, "n_group"),
+        topk_group=_router(m, "topk_group"), num_nextn_predict_layers=0, output_router_logits=False,
+        aux_loss_alpha=float(m.router_aux_loss) if moe else 0.0)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -844,7 +994,10 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     safetensors file (header or data past the end: the file and both sizes); a tensor
     missing (the HF name and ours); a shape that differs (the HF tensor, the shape it
     needs for our tensor and the checkpoint's). The layout is the family of the
-    ``config.json`` (else :func:`hf_family` of ``model``).
+    ``config.json`` (else :func:`hf_family` of ``model``). The model's buffers
+    (:data:`BUFFERS`, e.g. DeepSeek's ``e_score_correction_bias``) are checked beside
+    ``expected``; tensors the model does not read (DeepSeek-V3's multi-token-prediction
+    layers, ``model.layers.61.*``) are not reported.
     """
     try:
         if init_from_kind(directory) == "dcp":
@@ -866,7 +1019,8 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     missing: list[Problem] = []
     shapes: list[Problem] = []
     reported: set[str] = set()
-    for name, ours in expected.items():
+    buffers = {k: v for k, v in expected_shapes(model, buffers=True).items() if is_buffer(k)}
+    for name, ours in {**expected, **buffers}.items():
         srcs = tmap.get(name)
         if not srcs:
             missing.append(Problem(f"a Hugging Face `{family}` checkpoint has no tensor for `{name}`",
@@ -926,5 +1080,5 @@ def model_from_checkpoint_config(cfg: dict, **overrides) -> ModelKeys:
 __all__ = [
     "FAMILIES", "Problem", "HFWeightsError", "Source", "hf_family", "family_problems", "tensor_map",
     "expected_shapes", "hf_config", "init_from_kind", "check_checkpoint", "read_header", "scan_checkpoint", "checkpoint_files",
-    "read_config", "model_from_checkpoint_config", "rope_dim", "VOCAB_PARAMS", "HF_DTYPES",
+    "read_config", "model_from_checkpoint_config", "rope_dim", "VOCAB_PARAMS", "HF_DTYPES", "BUFFERS", "is_buffer",
 ]

@@ -18,7 +18,8 @@ from parcompile.core.dtypes import DTYPE_BYTES
 
 def derived_defaults(keys: Mapping[str, Any]) -> dict[str, Any]:
     """The model keys left None that follow from the others (SPEC 1, `model`):
-    ``kv_heads = heads``, ``head_dim = hidden // heads``, ``ffn_hidden = 4 hidden``,
+    ``kv_heads = heads``, ``head_dim = hidden // heads`` (MLA, ``kv_lora_rank > 0``:
+    ``qk_nope_head_dim + qk_rope_head_dim``), ``ffn_hidden = 4 hidden``,
     ``qkv_bias = bias``, ``max_positions = seq_len``, ``top_k = 2`` with experts (else 0),
     ``expert_ffn_hidden = ffn_hidden``. Returns only the keys it fills."""
     out: dict[str, Any] = {}
@@ -28,6 +29,8 @@ def derived_defaults(keys: Mapping[str, Any]) -> dict[str, Any]:
 
     if get("kv_heads") is None:
         out["kv_heads"] = keys["heads"]
+    if get("head_dim") is None and keys.get("kv_lora_rank"):   # MLA: q and k heads are nope + rope wide
+        out["head_dim"] = keys.get("qk_nope_head_dim", 0) + keys.get("qk_rope_head_dim", 0)
     if get("head_dim") is None and keys["heads"] > 0:
         out["head_dim"] = keys["hidden"] // keys["heads"]
     if get("ffn_hidden") is None:
@@ -57,10 +60,40 @@ def rope_scaling(keys) -> dict | None:
     if kind == "yarn":
         out.update(original_max_position_embeddings=keys.rope_original_max_positions, beta_fast=float(keys.rope_beta_fast),
                    beta_slow=float(keys.rope_beta_slow), truncate=bool(keys.rope_truncate))
+        if keys.rope_mscale or keys.rope_mscale_all_dim:   # DeepSeek-V3's (absent elsewhere)
+            out.update(mscale=float(keys.rope_mscale), mscale_all_dim=float(keys.rope_mscale_all_dim))
     elif kind == "llama3":
         out.update(original_max_position_embeddings=keys.rope_original_max_positions,
                    low_freq_factor=float(keys.rope_low_freq_factor), high_freq_factor=float(keys.rope_high_freq_factor))
     return out
+
+
+def rotary_dim(keys) -> int:
+    """Rotary dims per head: MLA's ``qk_rope_head_dim``, else ``head_dim * rotary_fraction``
+    rounded down to even (GPT-NeoX's ``rotary_pct``). The width of the programs' RoPE tables."""
+    if keys.kv_lora_rank:
+        return keys.qk_rope_head_dim
+    return int(keys.head_dim * keys.rotary_fraction) // 2 * 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 mscale ln(factor) + 1`` (1 for factor <= 1): Peng et
+    al. 2023, eq. 4 (sqrt(1/t)); DeepSeek-V2/V3's ``yarn_get_mscale``, transformers'
+    ``get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_scale(keys) -> float | None:
+    """The softmax scale of the attention scores when it is not ``1 / sqrt(head_dim)``
+    (None then): Gemma's ``query_pre_attn_scalar ** -0.5``; MLA's ``(qk_nope + qk_rope) **
+    -0.5``, times ``yarn_mscale(factor, rope_mscale_all_dim) ** 2`` under YaRN with
+    ``rope_mscale_all_dim`` (transformers' DeepseekV3Attention ``yarn_apply_mscale``)."""
+    if keys.query_pre_attn_scalar is not None:
+        return keys.query_pre_attn_scalar ** -0.5
+    if keys.kv_lora_rank and keys.rope_type != "default" and keys.rope_mscale_all_dim:
+        m = yarn_mscale(keys.rope_scaling_factor, keys.rope_mscale_all_dim)
+        return (keys.qk_nope_head_dim + keys.qk_rope_head_dim) ** -0.5 * m * m
+    return None
 
 
 def cached_tokens(window: int, tokens: int) -> int:
@@ -133,6 +166,14 @@ class ModelKeys:
     rope_truncate: bool = True
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     zero_centered_gamma: bool = False
     sandwich_norm: bool = False
     scale_embeddings: bool = False
@@ -150,6 +191,11 @@ class ModelKeys:
     router_aux_loss: float = 0.01
     norm_topk_prob: bool = True
     router_bias: bool = False
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     swiglu_alpha: Optional[float] = None
     swiglu_limit: Optional[float] = None
     vocab_multiple: int = 128
@@ -177,4 +223,11 @@ class ModelKeys:
         return layer_windows(self.layers, self.sliding_window, self.sliding_window_pattern)
 
 
-__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "cached_tokens", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]
+#: DeepSeek-V3's router keys and their defaults (ModelKeys'), the softmax top-k every other
+#: family has: the plan's router op and the programs' MoE constructors carry only the keys
+#: set otherwise (runtime/moe.py: route)
+ROUTER_DEFAULTS = {f.name: f.default for f in fields(ModelKeys)
+                   if f.name in ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")}
+
+
+__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "ROUTER_DEFAULTS", "attention_scale", "cached_tokens", "rotary_dim", "yarn_mscale", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from parcompile.config.schema import ClusterConfig, SpecConfig
+from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
 from parcompile.diagnostics import DiagnosticBag, Span
@@ -137,7 +137,8 @@ def _check_heads(cfg: SpecConfig, ctx: CheckContext) -> None:
         kv_ok = False
         ctx.bag.error(f"kv_heads = {m.kv_heads} does not divide heads = {m.heads}", ctx.span("model.kv_heads"),
                       help=f"kv_heads may be {_may_be(divisors(m.heads))}")
-    if ctx.ok("model.heads", "model.hidden") and not _explicit_head_dim(ctx) and m.hidden % m.heads:
+    if ctx.ok("model.heads", "model.hidden") and not _explicit_head_dim(ctx) and not m.kv_lora_rank \
+            and m.hidden % m.heads:   # (MLA's head_dim is qk_nope + qk_rope, not hidden / heads)
         ctx.bag.error(f"heads = {m.heads} does not divide hidden = {m.hidden}", ctx.span("model.heads"),
                       help=f"give `head_dim` explicitly, or use heads = {_may_be(divisors(m.hidden))}")
     if not ctx.ok("parallel.tp"):
@@ -198,8 +199,8 @@ def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("parallel.expert_tp", "parallel.tp"),
                       help=f"expert_tp may be {_may_be(divisors(m.expert_ffn_hidden))}")
     head_dim_ok = _explicit_head_dim(ctx) or m.hidden % m.heads == 0
-    if m.position == "rope" and head_dim_ok and ctx.ok("model.rotary_fraction", "model.head_dim", "model.hidden",
-                                                       "model.heads"):
+    if m.position == "rope" and head_dim_ok and not m.kv_lora_rank and ctx.ok(
+            "model.rotary_fraction", "model.head_dim", "model.hidden", "model.heads"):
         rotary = m.head_dim * m.rotary_fraction
         if rotary != int(rotary) or int(rotary) % 2:
             ctx.bag.error(f"RoPE needs an even number of dims per head: head_dim({m.head_dim}) * "
@@ -277,6 +278,60 @@ def _check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set norm = rmsnorm, or zero_centered_gamma = false")
 
 
+#: the model keys that describe multi-head latent attention (with kv_lora_rank)
+_MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
+
+
+def _check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank > 0``): its widths, what
+    it replaces (kv heads, head_dim, rotary_fraction) and what it is not built with."""
+    m, p = cfg.model, cfg.parallel
+    if not m.kv_lora_rank:
+        for key in _MLA_KEYS:
+            if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.kv_lora_rank"):
+                ctx.bag.error(f"{key} describes multi-head latent attention, which this model does not use "
+                              "(kv_lora_rank = 0)", ctx.span(f"model.{key}"),
+                              help="set kv_lora_rank (DeepSeek-V3: 512) with qk_nope_head_dim, qk_rope_head_dim "
+                                   f"and v_head_dim, or remove {key}")
+                return
+        return
+    keys = tuple(f"model.{k}" for k in ("kv_lora_rank",) + _MLA_KEYS)
+    if not ctx.ok(*keys):
+        return
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) <= 0:
+            ctx.bag.error(f"multi-head latent attention needs {key} > 0", ctx.span(f"model.{key}", "model.kv_lora_rank"),
+                          help="DeepSeek-V3 has qk_nope_head_dim = 128, qk_rope_head_dim = 64, v_head_dim = 128")
+            return
+    if m.qk_rope_head_dim % 2:
+        ctx.bag.error(f"RoPE needs an even number of dims per head: qk_rope_head_dim = {m.qk_rope_head_dim}",
+                      ctx.span("model.qk_rope_head_dim"), help=f"use {m.qk_rope_head_dim + 1}")
+    if m.position != "rope" and ctx.ok("model.position"):
+        ctx.bag.error(f"multi-head latent attention rotates its shared key with RoPE; position = {m.position}",
+                      ctx.span("model.position", "model.kv_lora_rank"), help="set position = rope")
+    if m.kv_heads != m.heads and ctx.ok("model.kv_heads", "model.heads"):
+        ctx.bag.error(f"multi-head latent attention has one key and value per query head: kv_heads = {m.kv_heads} "
+                      f"!= heads = {m.heads}", ctx.span("model.kv_heads"),
+                      help=f"remove kv_heads (it defaults to heads), or set kv_heads = {m.heads}")
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.head_dim != qk and ctx.ok("model.head_dim"):
+        ctx.bag.error(f"with multi-head latent attention a query/key head is qk_nope_head_dim + qk_rope_head_dim = "
+                      f"{qk} wide; head_dim = {m.head_dim}", ctx.span("model.head_dim"),
+                      help=f"remove head_dim, or set head_dim = {qk}")
+    for key, what in (("qk_norm", "qk-norm"), ("attention_sinks", "attention sinks"),
+                      ("sliding_window", "a sliding window"), ("rotary_fraction", "rotary_fraction")):
+        value = getattr(m, key)
+        if (value != 1.0 if key == "rotary_fraction" else bool(value)) and ctx.ok(f"model.{key}"):
+            ctx.bag.error(f"{what} with multi-head latent attention is not built "
+                          + ("(its RoPE dims are qk_rope_head_dim)" if key == "rotary_fraction" else
+                             "(no DeepSeek model has it)"),
+                          ctx.span(f"model.{key}", "model.kv_lora_rank"), help=f"remove {key}")
+    if p.cp > 1 and ctx.ok("parallel.cp"):
+        ctx.bag.error(f"context parallelism (cp = {p.cp}) with multi-head latent attention is not built",
+                      ctx.span("parallel.cp"), note=f"the model uses MLA (kv_lora_rank = {m.kv_lora_rank})",
+                      help="use cp = 1 (split the sequence with sequence_parallel = true inside tp instead)")
+
+
 def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     m, p = cfg.model, cfg.parallel
     if not ctx.ok("model.layers", "parallel.pp", "parallel.virtual_stages", "parallel.stage_layers"):
@@ -313,7 +368,7 @@ def _nearest_multiples(x: int, unit: int, at_least: int = 1) -> list[int]:
 
 
 def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
-    m, p = cfg.model, cfg.parallel
+    p = cfg.parallel
     if not ctx.ok("parallel.global_batch", "parallel.micro_batch", "parallel.dp", "parallel.tp",
                   "parallel.pp", "parallel.cp", "cluster.nodes", "cluster.gpus_per_node"):
         return
@@ -434,6 +489,66 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                                "expert_dp = tp * cp * dp / (expert_tp * ep)")
 
 
+#: the model keys of the router (runtime/moe.py: route); a dense model warns for each written
+ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def _value_words(v: Any) -> str:
+    """A key's value as the spec writes it (``true``, ``sigmoid``, ``2.5``)."""
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _check_router(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """DeepSeek-V3's router keys (runtime/moe.py: route): ``noaux_tc`` scores by sigmoid
+    (DeepSeek-V3's modeling_deepseek.py supports no other; transformers' DeepseekV3TopkRouter
+    hard-codes both); its groups split the experts evenly, each of at least two (a group
+    scores the sum of its top 2); ``topk_group <= n_group``; the kept groups hold at least
+    ``top_k`` experts. With ``greedy`` the groups have no effect (a warning where written)."""
+    m = cfg.model
+    if m.experts == 0 or not ctx.ok("model.experts", "model.scoring_func", "model.topk_method"):
+        return
+    E, G, TG = m.experts, m.n_group, m.topk_group
+    if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
+        ctx.bag.error(f"topk_method = noaux_tc needs scoring_func = sigmoid, got scoring_func = {m.scoring_func}",
+                      ctx.span("model.topk_method", "model.scoring_func"),
+                      help="set scoring_func = sigmoid (DeepSeek-V3), or topk_method = greedy for a softmax router",
+                      note="noaux_tc adds a per-expert correction bias to sigmoid scores to choose the experts "
+                           "(DeepSeek-V3's auxiliary-loss-free balancing)")
+    if m.topk_method == "greedy":
+        for key in ("n_group", "topk_group"):
+            if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}") and getattr(m, key) != 1:
+                ctx.bag.warning(f"{key} = {getattr(m, key)} has no effect with topk_method = greedy",
+                                ctx.span(f"model.{key}"),
+                                help=f"set topk_method = noaux_tc (DeepSeek-V3's group-limited routing), "
+                                     f"or remove `{key}`",
+                                note="the experts are chosen within groups only with topk_method = noaux_tc")
+        return
+    if not ctx.ok("model.n_group"):
+        return
+    groups_ok = [d for d in divisors(E) if E // d >= 2]
+    if E % G or E // G < 2:
+        why = (f"n_group = {G} does not divide experts = {E}" if E % G else
+               f"n_group = {G} leaves experts({E}) / n_group({G}) = {E // G} expert per group")
+        ctx.bag.error(why, ctx.span("model.n_group"),
+                      help=f"n_group may be {_may_be(groups_ok)}" if groups_ok else "use at least 2 experts",
+                      note="noaux_tc splits the experts into n_group equal groups and scores each by the sum "
+                           "of its 2 best corrected scores")
+        return
+    if not ctx.ok("model.topk_group"):
+        return
+    if TG > G:
+        ctx.bag.error(f"topk_group = {TG} exceeds n_group = {G}", ctx.span("model.topk_group"),
+                      help=f"topk_group may be 1 to {G} (the groups each token may choose from)")
+        return
+    kept = TG * E // G
+    if ctx.ok("model.top_k") and kept < m.top_k <= E:   # (top_k > experts: _check_experts)
+        need = -(-m.top_k * G // E)
+        ctx.bag.error(f"top_k = {m.top_k} exceeds the experts of the kept groups: topk_group({TG}) * "
+                      f"experts({E}) / n_group({G}) = {kept}", ctx.span("model.top_k", "model.topk_group"),
+                      help=f"lower top_k to at most {kept}, or raise topk_group to {need}",
+                      note="each token chooses its top_k experts within its topk_group best groups")
+
+
 def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
     """Keys written in the spec that the rest of it makes meaningless: warnings, so that a
     user who believes they changed something learns that they did not."""
@@ -443,10 +558,11 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.warning(f"top_k = {m.top_k} has no effect: experts = 0 makes a dense model",
                         ctx.span("model.top_k"),
                         help="remove `top_k`, or set `experts` for a mixture-of-experts model")
-    if dense and ctx.given("model.norm_topk_prob") and ctx.ok("model.norm_topk_prob"):
-        ctx.bag.warning(f"norm_topk_prob = {str(m.norm_topk_prob).lower()} has no effect: experts = 0 makes a "
-                        "dense model", ctx.span("model.norm_topk_prob"),
-                        help="remove `norm_topk_prob`, or set `experts` for a mixture-of-experts model")
+    for key in ROUTER_KEYS:   # the router's keys (_check_router)
+        if dense and ctx.given(f"model.{key}") and ctx.ok(f"model.{key}"):
+            ctx.bag.warning(f"{key} = {_value_words(getattr(m, key))} has no effect: experts = 0 makes a "
+                            "dense model", ctx.span(f"model.{key}"),
+                            help=f"remove `{key}`, or set `experts` for a mixture-of-experts model")
     if dense and ctx.given("parallel.expert_tp") and ctx.ok("parallel.expert_tp"):
         ctx.bag.warning(f"expert_tp = {p.expert_tp} has no effect: the model has no experts (experts = 0)",
                         ctx.span("parallel.expert_tp"),
@@ -596,11 +712,23 @@ def _check_tokenizer(cfg: SpecConfig, ctx: CheckContext) -> None:
 def expected_shapes(model) -> dict[str, tuple[int, ...]]:
     """Global parameter shapes of ``model`` by our parameter name, vocabulary unpadded, a
     tied head left out: what a checkpoint loaded with ``init_from`` must hold. Taken from
-    the model's graph (:func:`parcompile.ir.lower.lower`), the one place they are defined."""
+    the model's graph (:func:`parcompile.ir.lower.lower`), the one place they are defined;
+    the graph's stacked expert weights ``layers.i.mlp.experts.w1.weight`` (E, f, h) are one
+    tensor per expert, ``layers.i.mlp.experts.<e>.w1.weight`` (f, h), as programs hold them."""
     from parcompile.ir.lower import lower
 
-    return {p.name: tuple(d.size for d in p.type.dims) for _, p in lower(model, batch=1).params()
-            if p.tied_to is None}
+    out: dict[str, tuple[int, ...]] = {}
+    for _, p in lower(model, batch=1).params():
+        if p.tied_to is not None:
+            continue
+        shape = tuple(d.size for d in p.type.dims)
+        if p.expert:   # the graph stacks the experts; programs and checkpoints hold one tensor each
+            stem, rest = p.name.split(".experts.", 1)
+            for e in range(shape[0]):
+                out[f"{stem}.experts.{e}.{rest}"] = shape[1:]
+        else:
+            out[p.name] = shape
+    return out
 
 
 def _check_init_from(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -738,11 +866,13 @@ CHECKS = (
     _check_heads,
     _check_widths,
     _check_attention_kinds,
+    _check_mla,
     _check_layers,
     _check_batches,
     _check_schedule,
     _check_sequence,
     _check_experts,
+    _check_router,
     _check_no_effect,
     _check_reduce_dtype,
     _check_order,
@@ -750,6 +880,31 @@ CHECKS = (
     _check_positions,
     _check_serve,
 )
+
+#: The layout fields (:class:`ParallelConfig`'s, its properties spelled out) each check of
+#: :data:`CHECKS` reads, for a caller that checks many layouts of one spec:
+#: :func:`parcompile.search.search` runs a check once per distinct value of its fields. A
+#: check without an entry is taken to read every field. ``tests/test_search_checks.py``
+#: derives each entry from the check's source (a new check needs its row there).
+LAYOUT_READS = {
+    _check_limits: ("dp", "global_batch", "micro_batch", "pp", "virtual_stages"),
+    _check_heads: ("tp",),
+    _check_widths: ("expert_tp",),
+    _check_attention_kinds: (),
+    _check_mla: ("cp",),
+    _check_layers: ("pp", "stage_layers", "virtual_stages"),
+    _check_batches: ("dp", "global_batch", "micro_batch", "pp", "schedule"),
+    _check_schedule: ("schedule", "virtual_stages"),
+    _check_sequence: ("cp", "sequence_parallel", "tp"),
+    _check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
+    _check_router: (),
+    _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
+    _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
+    _check_order: ("order",),
+    _check_train: (),
+    _check_positions: (),
+    _check_serve: ("cp", "ep", "expert_tp", "tp", "virtual_stages"),
+}
 
 
 def check_config(cfg: SpecConfig, ctx: CheckContext) -> None:

@@ -15,6 +15,20 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
     ``layer_windows`` (sliding-window layers take ``rope_local_base_freq``)
     final_norm -> lm_head -> loss (cross-entropy, with labels)
 
+Multi-head latent attention (MLA, DeepSeek-V2/V3: ``kv_lora_rank > 0``) replaces the
+attention between ``attn_norm`` and ``attn.wo``::
+
+    attn_norm -> attn.wq_a -> attn.q_a_norm -> attn.wq_b (or attn.wq alone: q_lora_rank 0)
+              -> attn.rope_q (RoPE on the last qk_rope_head_dim of each head)
+    attn_norm -> attn.wkv_a (kv_lora_rank + qk_rope_head_dim: the latent and the RoPE key)
+              -> attn.kv_a_norm (RMSNorm of the latent) -> attn.wkv_b (per head nope + v)
+              -> attn.rope_k (RoPE on the key part, one head shared by all)
+    attn.key (per head [k_nope, rope key]), attn.value -> attn.core -> attn.wo
+
+wq_a, wkv_a and the latent norms are replicated over tp; wq_b, wkv_b column-parallel by
+heads, wo row-parallel (Megatron-Core's MLASelfAttention). What a serving cache keeps is
+the normed latent and the RoPE key (:mod:`parcompile.analysis.kv`).
+
 A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
 replaces the MLP by::
 
@@ -37,7 +51,7 @@ pads it).
 from __future__ import annotations
 
 from parcompile.config.schema import ModelConfig
-from parcompile.core.model import GATED_ACTIVATIONS, rope_scaling
+from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, attention_scale, rope_scaling
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Param
 from parcompile.ir.types import Dim, TensorType
@@ -63,6 +77,10 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     # gpt-oss's clamped SwiGLU
     clamp = ({"swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit}
              if m.swiglu_limit is not None or m.swiglu_alpha is not None else {})
+    # DeepSeek-V3's router (runtime/moe.py: route), attributes only where not the softmax top-k's;
+    # the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer: no parameter)
+    router_kind = {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default
+                   and (m.topk_method == "noaux_tc" or k not in ("n_group", "topk_group"))}
 
     def T(*dims: Dim) -> TensorType:
         return TensorType(tuple(dims), dt)
@@ -111,7 +129,7 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
         rps = [Param(f"{prefix}.router.weight", T(E, H))] + ([Param(f"{prefix}.router.bias", T(E))]
                                                               if m.router_bias else [])
         router = g.add_op(f"{prefix}.router", "router", [h2],
-                          {**common, "in_dim": H, "out_dim": E, "fp32_input": m.dtype != "fp32"},
+                          {**common, "in_dim": H, "out_dim": E, "fp32_input": m.dtype != "fp32", **router_kind},
                           params=rps, layer=i, origin=origin)
         routed = g.add_op(f"{prefix}.dispatch", "moe_dispatch", [h2, router], {**common, "topk_dim": K},
                           layer=i, origin=origin)
@@ -147,10 +165,51 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     # Gemma 3: the sliding-window layers have a RoPE base of their own
     local_theta = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
     scaling = rope_scaling(m)
-    scores = {"scale": m.query_pre_attn_scalar ** -0.5} if m.query_pre_attn_scalar is not None else {}
-    for i in range(m.layers):
-        p = f"layers.{i}"
-        h = norm(f"{p}.attn_norm", x, i)
+    scale = attention_scale(m)
+    scores = {"scale": scale} if scale is not None else {}
+
+    def mla(p: str, h: str, i: int) -> str:
+        # multi-head latent attention (DeepSeek-V2/V3; module docstring): the down projections
+        # and their norms replicated over tp, the up projections column-parallel by heads,
+        # the RoPE key shared by every head (its gradient a partial sum over tp)
+        nope, rd, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        QK = Dim("q", m.heads * (nope + rd), nope + rd)
+        latent_norm = {"eps": m.norm_eps, "tp": "replicated"}
+        if m.q_lora_rank:
+            QL = Dim("q_lora", m.q_lora_rank)
+            qa = linear(f"{p}.attn.wq_a", h, H, QL, m.qkv_bias, "replicated", i)
+            qa = g.add_op(f"{p}.attn.q_a_norm", "norm", [qa], {"norm": "rmsnorm", **latent_norm},
+                          params=[Param(f"{p}.attn.q_a_norm.weight", T(QL))], layer=i, origin=origin)
+            q = linear(f"{p}.attn.wq_b", qa, QL, QK, False, "column", i)
+        else:
+            q = linear(f"{p}.attn.wq", h, H, QK, False, "column", i)
+        KVA = Dim("kv_a", m.kv_lora_rank + rd)
+        KVL = Dim("kv_lora", m.kv_lora_rank)
+        KVB = Dim("kv_b", m.heads * (nope + vd), nope + vd)
+        kva = linear(f"{p}.attn.wkv_a", h, H, KVA, m.qkv_bias, "replicated", i)
+        c = g.add_op(f"{p}.attn.kv_a_norm", "latent_norm", [kva], {"out_dim": KVL, **latent_norm},
+                     params=[Param(f"{p}.attn.kv_a_norm.weight", T(KVL))], layer=i, origin=origin)
+        ra = {"theta": m.rope_theta, "rope_dim": rd, "tp": "replicated", **interleave}
+        if scaling is not None:
+            ra["scaling"] = tuple(sorted(scaling.items()))
+        kr = g.add_op(f"{p}.attn.rope_k", "latent_rope", [kva], {**ra, "out_dim": Dim("rope_k", rd)},
+                      layer=i, origin=origin)
+        q = g.add_op(f"{p}.attn.rope_q", "rope", [q], {**ra, "tp": "shard_last", "start": nope}, layer=i,
+                     origin=origin)
+        kv = linear(f"{p}.attn.wkv_b", c, KVL, KVB, False, "column", i)
+        k = g.add_op(f"{p}.attn.key", "mla_key", [kv, kr], {"nope": nope, "out_dim": Dim("k", QK.size, QK.unit),
+                                                          "tp": "mla_key"}, layer=i, origin=origin)
+        v = g.add_op(f"{p}.attn.value", "mla_value", [kv], {"nope": nope, "out_dim": Dim("v", m.heads * vd, vd),
+                                                          "tp": "shard_last"}, layer=i, origin=origin)
+        a = g.add_op(f"{p}.attn.core", "attention", [q, k, v], {
+            "heads": m.heads, "kv_heads": m.heads, "head_dim": nope + rd, "v_head_dim": vd, "seq_len": m.seq_len,
+            "window": windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
+            "tp": "shard_last", **scores,
+        }, layer=i, origin=origin)
+        return linear(f"{p}.attn.wo", a, Dim("v", m.heads * vd, vd), H, m.bias, "row", i)
+
+    def mha(p: str, h: str, i: int) -> str:
+        # multi-head (grouped-query) attention: wq, wk, wv column-parallel, wo row-parallel
         q = linear(f"{p}.attn.wq", h, H, Q, m.qkv_bias, "column", i)
         k = linear(f"{p}.attn.wk", h, H, KV, m.qkv_bias, "column", i)
         v = linear(f"{p}.attn.wv", h, H, KV, m.qkv_bias, "column", i)
@@ -170,7 +229,13 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
             "window": windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
             "tp": "shard_last", **scores, **({"sinks": True} if sinks else {}),
         }, params=sinks, layer=i, origin=origin)
-        o = linear(f"{p}.attn.wo", a, Q, H, m.bias, "row", i)
+        return linear(f"{p}.attn.wo", a, Q, H, m.bias, "row", i)
+
+    interleave = {"interleave": True} if m.rope_interleave else {}
+    for i in range(m.layers):
+        p = f"layers.{i}"
+        h = norm(f"{p}.attn_norm", x, i)
+        o = mla(p, h, i) if m.kv_lora_rank else mha(p, h, i)
         if m.sandwich_norm:
             o = norm(f"{p}.attn_post_norm", o, i)
         r1 = g.add_op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"},

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from parcompile.core.model import GATED_ACTIVATIONS
-from parcompile.ir.types import Dim, Sharding, TensorType
+from parcompile.ir.types import Sharding, TensorType
 
 # --------------------------------------------------------------------------- records
 
@@ -219,7 +219,8 @@ def _linear_flops(a, ins, out):
 
 
 def _attention_type(a, ins):
-    return ins[0]
+    # MLA: the output has v_head_dim per head (v's features), not q's
+    return TensorType(ins[0].dims[:-1] + (ins[2].dims[-1],), ins[0].dtype) if a.get("v_head_dim") else ins[0]
 
 
 def _attention_flops(a, ins, out):
@@ -228,8 +229,10 @@ def _attention_flops(a, ins, out):
     s_kv = a["seq_len"]
     if a.get("window"):
         s_kv = min(s_kv, a["window"])
-    # Q K^T and A V: 2 * b * s * s_kv * d each, d = local heads * head_dim
-    return 4 * b * s * s_kv * q.dims[-1].size
+    # Q K^T: 2 * b * s * s_kv * (local heads * head_dim); A V: the same with v's head width
+    # (MLA: v_head_dim; otherwise head_dim, so 4 * b * s * s_kv * d in all)
+    heads_local = q.dims[-1].size // a["head_dim"]
+    return 2 * b * s * s_kv * heads_local * (a["head_dim"] + a.get("v_head_dim", a["head_dim"]))
 
 
 def _scores(a, q: TensorType) -> int:
@@ -264,7 +267,13 @@ def _attention_extra(a, ins, out):
         # query and head; dropout is replayed from the RNG state, no mask. torch's kernels
         # take a sliding window or context-parallel positions as an explicit (s, seq_len)
         # mask, which they keep too
-        extra += b * s * (q.dims[-1].size // a["head_dim"]) * 4
+        heads_local = q.dims[-1].size // a["head_dim"]
+        extra += b * s * heads_local * 4
+        pad = a["head_dim"] - a.get("v_head_dim", a["head_dim"])
+        if pad > 0:
+            # MLA: the kernel takes v padded to head_dim and keeps it and its padded output; the
+            # output cut to v_head_dim is a copy, the one wo keeps (runtime/mla.py mla_core)
+            extra += b * s * heads_local * (pad + a["head_dim"]) * e
         window = a.get("window") or 0
         if cp > 1 or 0 < window < a["seq_len"]:
             extra += s * a["seq_len"] * e
@@ -327,11 +336,37 @@ def _scalar(a, ins):
     return TensorType((), "fp32")
 
 
+# --- multi-head latent attention (ir/lower.py ``mla``; runtime/mla.py)
+
+def _latent_type(a, ins):
+    """A part of the ``kv_a`` projection: the latent (``kv_lora``) or the RoPE key (``rope_k``)."""
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), ins[0].dtype)
+
+
+def _latent_norm_extra(a, ins, out):
+    # the fp32 reciprocal rms per token (runtime/layers.py's RMSNorm)
+    return out.numel // out.dims[-1].size * 4
+
+
+def _mla_key_type(a, ins):
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), ins[0].dtype)
+
+
+def _mla_value_type(a, ins):
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), ins[0].dtype)
+
+
+def _mla_key_traffic(a, ins, out):
+    # read k_nope of every local head and the shared RoPE key, write the keys
+    return out.nbytes * 2
+
+
 # --- mixture of experts (ir/lower.py; runtime/moe.py). Local types assume balanced routing:
 # each rank receives as many (token, expert) rows as it sends, b * s_local * top_k.
 
 def _router_type(a, ins):
-    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), "fp32")   # softmax probabilities, fp32
+    # fp32 scores: softmax probabilities, or sigmoid scores (DeepSeek-V3: scoring_func)
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), "fp32")
 
 
 def _dispatch_type(a, ins):
@@ -346,15 +381,24 @@ INDEX_BYTES = 8   # int64 token / row indices
 
 
 def _router_extra(a, ins, out):
-    # the fp32 softmax probabilities are the router's output (saves_output); the top-k
-    # keeps its int64 indices, the renormalisation the k weights and their sum (fp32);
-    # a 16-bit model's router runs in fp32 and keeps fp32 copies of its input and weight
+    # the fp32 scores are the router's output (saves_output: softmax's and sigmoid's backward
+    # both read their output); the top-k (or the gather of the chosen scores) keeps its int64
+    # indices, the renormalisation the k weights and their sum (fp32); a 16-bit model's
+    # router runs in fp32 and keeps fp32 copies of its input and weight. DeepSeek-V3's
+    # choice (correction bias, group mask: topk_method noaux_tc) runs without gradient and
+    # keeps nothing; routed_scaling_factor is a constant factor (nothing kept)
     n = ins[0].numel // ins[0].dims[-1].size
     k = a["top_k"]
     extra = n * k * (INDEX_BYTES + 4) + n * 4
     if a.get("fp32_input"):
         extra += ins[0].numel * 4 + a["experts"] * ins[0].dims[-1].size * 4
     return extra
+
+
+def _router_traffic(a, ins, out):
+    # the fp32 logits written and read, the scores written; noaux_tc also writes and reads
+    # the corrected scores and their group-masked copy (runtime/moe.py: route)
+    return (7 if a.get("topk_method") == "noaux_tc" else 3) * out.nbytes
 
 
 def _dispatch_extra(a, ins, out):
@@ -424,6 +468,13 @@ OPS: dict[str, OpSpec] = {
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=_fused, traffic=_attention_traffic),
+        # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
+        # each head's key [k_nope, rope key] and value cut from wkv_b's
+        OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
+               traffic=_elementwise_traffic),
+        OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic),
+        OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic),
+        OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
                saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic),
@@ -432,8 +483,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
-               saved_extra=_router_extra, saves_output=lambda a: True, arity=1,
-               traffic=lambda a, i, o: 3 * o.nbytes),
+               saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),
         OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
                saved_gathered=_experts_gathered,
@@ -469,6 +519,8 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
     * ``vocab_embedding``: weight split on vocab; output ``partial(tp)``.
     * ``shard_last`` (rope, attention core, activations): every tensor split on its last
       dim (heads or ffn), no communication.
+    * ``mla_key`` (MLA's keys): the per-head part split on its heads, the shared RoPE key
+      replicated with its gradient partial over tp.
     * ``per_head`` (qk-norm): ``shard_last`` with a weight shared by every head, so
       replicated, and its gradient (summed over this rank's heads) a partial sum over tp,
       all-reduced with the step (Megatron-Core all-reduces ``q_layernorm`` and
@@ -494,6 +546,11 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
         # attention sinks (gpt-oss): one logit per query head, split with the heads
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
                       grad_partial=(False,) * n, param_split={"sinks": "heads"} if attrs.get("sinks") else {})
+    if style == "mla_key":
+        # MLA's per-head keys: k_nope split with the heads, the RoPE key shared by all of them
+        # (replicated, so its gradient, summed over this rank's heads, is a partial sum)
+        return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None),
+                      grad_partial=(False, True))
     if style == "per_head":
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
                       grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))

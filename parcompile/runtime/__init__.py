@@ -30,6 +30,7 @@ from parcompile.runtime.layers import (
     vocab_parallel_cross_entropy,
 )
 from parcompile.runtime.memory import METER
+from parcompile.runtime.mla import MLAttention
 from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
 from parcompile.runtime.metrics import RunLog, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule

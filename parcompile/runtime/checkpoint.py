@@ -5,7 +5,8 @@ Layout: ``CHECKPOINT_DIR/step_00000040/`` holds one DCP checkpoint of the state 
 optimizer steps:
 
 - every parameter under its global name (``layers.3.attn.wq.weight``), tensor-parallel
-  shards as DTensors over the tp group, so the checkpoint holds global tensors;
+  shards as DTensors over the tp group, so the checkpoint holds global tensors; so are the
+  persistent buffers with a layout (DeepSeek-V3's ``layers.3.mlp.router.e_score_correction_bias``);
 - the optimizer's states in the same layout as their parameter, under
   ``optim/<state>/<name>`` (``exp_avg``, ``exp_avg_sq``, and ``master`` for the fp32
   master weights of 16-bit models; ZeRO shards are gathered into that layout first);
@@ -37,7 +38,7 @@ from parcompile.core.model import ModelKeys
 from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.dataset import load_tokenizer
-from parcompile.runtime.weights import STEP_DIR, newest, target_slice, tp_mesh  # noqa: F401  (newest, STEP_DIR: this module's API)
+from parcompile.runtime.weights import STEP_DIR, layout_tensors, newest, target_slice, tp_mesh  # noqa: F401  (newest, STEP_DIR: this module's API)
 
 
 def _global(t: torch.Tensor, p: torch.Tensor, mesh):
@@ -50,7 +51,10 @@ def _global(t: torch.Tensor, p: torch.Tensor, mesh):
 
 
 def _saved_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if not getattr(p, "tied_copy", False)]
+    """Parameters (a tied copy once), then the persistent buffers with a layout
+    (:func:`parcompile.runtime.weights.layout_tensors`)."""
+    buffers = [b for b in layout_tensors(model) if not isinstance(b, nn.Parameter)]
+    return [p for p in model.parameters() if not getattr(p, "tied_copy", False)] + buffers
 
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext,
@@ -112,7 +116,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
     path, step = found
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     mesh = tp_mesh(ctx)
-    params = list(model.parameters())
+    params = list(model.parameters()) + [b for b in layout_tensors(model) if not isinstance(b, nn.Parameter)]
     keys = ["param"] + sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
     wanted: dict[str, tuple[nn.Parameter, str]] = {}
     for p in params:

@@ -194,6 +194,28 @@ def enter_tp(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tens
     return _GatherDim.apply(x, axis, 1) if sequence_parallel else _CopyToRegion.apply(x, axis)
 
 
+class _GatherSplitBack(torch.autograd.Function):
+    """Forward: all-gather along ``dim``. Backward: this rank's slice of the (whole) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.index].contiguous(), None, None
+
+
+def gather_replicated(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a replicated computation (MLA's down projections): with sequence parallelism
+    ``x`` (B, T/tp, h) is all-gathered along the sequence and, its gradient being whole on
+    every rank, the backward keeps this rank's slice (no collective); otherwise identity."""
+    if axis.size == 1 or not sequence_parallel:
+        return x
+    return _GatherSplitBack.apply(x, axis, 1)
+
+
 def keep_split_input(split: torch.Tensor, full: torch.Tensor, axis: Axis, dim: int = 1):
     """Within this block, layers that save ``full`` (the all-gather of ``split`` along
     ``dim`` over ``axis``, made by :func:`enter_tp` with sequence parallelism) for

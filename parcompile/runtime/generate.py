@@ -45,19 +45,21 @@ class KVCache:
     ``float8_e4m3fn`` without scaling and widened to the compute dtype when read.
 
     ``windows``: one attention window for every layer, or a sequence indexed by layer id
-    (0: full causal). ``nbytes`` is what the plan predicts: ``B * 2 * kv_local * head_dim
+    (0: full causal). ``v_dim``: the values' width when it is not ``head_dim`` (MLA keeps
+    its latent as the keys, ``kv_local = 1`` x kv_lora_rank, and the RoPE key as the values,
+    qk_rope_head_dim wide: :meth:`parcompile.runtime.mla.MLAttention.serve`). ``nbytes`` is what the plan predicts: ``B * 2 * kv_local * head_dim
     * bytes * sum_layers C`` (``serve.kv_cache_bytes_per_rank``; :mod:`parcompile.analysis.kv`).
     """
 
     def __init__(self, layers: list[int], batch: int, kv_local: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device, windows=0):
+                 dtype: torch.dtype, device, windows=0, v_dim: int | None = None):
         self.max_len = max_len
         win = {i: (windows[i] if isinstance(windows, (tuple, list)) else windows) for i in layers}
         self.capacity = {i: cached_tokens(w, max_len) for i, w in win.items()}
         self.k = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
                   for i, c in self.capacity.items()}
-        self.v = {i: torch.zeros((batch, kv_local, c, head_dim), dtype=dtype, device=device)
-                  for i, c in self.capacity.items()}
+        self.v = {i: torch.zeros((batch, kv_local, c, head_dim if v_dim is None else v_dim), dtype=dtype,
+                                 device=device) for i, c in self.capacity.items()}
 
     @property
     def nbytes(self) -> int:

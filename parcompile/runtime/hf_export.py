@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from parcompile.core.hf_weights import (HF_DTYPES, VOCAB_PARAMS, HFWeightsError, Source, expected_shapes, hf_config,
-                                        hf_family, tensor_map)
+                                        hf_family, is_buffer, tensor_map)
 from parcompile.core.model import ModelKeys
 from parcompile.runtime.dataset import load_tokenizer
 from parcompile.runtime.dtypes import TORCH_DTYPES
@@ -56,10 +56,20 @@ def _layout(model: ModelKeys, family: str) -> dict[str, list[tuple[str, Source]]
     except HFWeightsError as e:
         raise WeightsError(e.message, e.help) from None
     out: dict[str, list[tuple[str, Source]]] = {}
-    for name in expected_shapes(model):
+    names = list(expected_shapes(model))
+    # and the buffers the map names beside the parameters (DeepSeek-V3's correction bias)
+    names += [n for n in tmap if n not in names and n != "lm_head.weight"]
+    for name in names:
         src = tmap[name][0]
         out.setdefault(src.name, []).append((name, src))
     return out
+
+
+def _written_dtype(pieces: list[tuple[str, Source]], td: torch.dtype) -> torch.dtype:
+    """The dtype an HF tensor is written in: ``td``, or fp32 for a buffer
+    (:func:`parcompile.core.hf_weights.is_buffer`: DeepSeek-V3's correction bias, fp32 in
+    the program and in transformers, its ``_keep_in_fp32_modules_strict``)."""
+    return torch.float32 if any(is_buffer(ours) for ours, _ in pieces) else td
 
 
 def _ours(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -84,6 +94,7 @@ def _ours(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> 
 
 def _assemble(pieces: list[tuple[str, Source]], state: dict[str, torch.Tensor], td: torch.dtype) -> torch.Tensor:
     """One HF tensor from our tensors (transposed, placed at their offsets)."""
+    td = _written_dtype(pieces, td)
     name, src = pieces[0]
     whole = tuple(src.ours[::-1]) if src.transpose else tuple(src.ours)
     if len(pieces) == 1 and tuple(src.shape) == whole and not src.lead and not src.offset and not src.block:
@@ -160,8 +171,8 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_di
     for pieces in layout.values():   # every tensor there, of its shape, before anything is written
         for ours, src in pieces:
             _ours(state, ours, src.ours)
-    itemsize = torch.empty((), dtype=td).element_size()
-    sizes = {hf: math.prod(pieces[0][1].shape) * itemsize for hf, pieces in layout.items()}
+    sizes = {hf: math.prod(pieces[0][1].shape) * torch.empty((), dtype=_written_dtype(pieces, td)).element_size()
+             for hf, pieces in layout.items()}
     tok = [Path(f) for f in tokenizer_files]
     for f in tok:
         if not f.is_file():

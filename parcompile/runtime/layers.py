@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parcompile.core.model import yarn_mscale
 from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis
 from parcompile.runtime.wgrad import linear
@@ -373,7 +374,10 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> tu
     pos_freqs = theta ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    attention_factor = scaling.get("attention_factor")
+    if not attention_factor and scaling.get("mscale") and scaling.get("mscale_all_dim"):   # DeepSeek-V3
+        attention_factor = yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+    attention_factor = attention_factor or yarn_mscale(factor)
     return inv, float(attention_factor)
 
 
@@ -585,7 +589,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
         probs = F.dropout(_Softmax.apply(torch.cat([scores + bias, sink], dim=-1))[..., :-1], p, training)
     else:
         probs = F.dropout(_Softmax.apply(scores + bias), p, training)      # (B, Hkv, rep, Tq, Tk)
-    return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, D)
+    return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, v.shape[-1])   # MLA: v's head width
 
 
 def recompute(fn, *args, **kwargs):

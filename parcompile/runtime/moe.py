@@ -5,17 +5,30 @@ One MoE layer on one rank, for its N local tokens x (N, h) (with sequence parall
 each tp rank holds its own part of the sequence; Megatron-Core requires it for MoE with
 tp > 1, and so does parcompile):
 
-1. **Router** (Switch Transformer, Fedus et al. 2021; Mixtral's top-k): fp32 logits
-   ``x W_r^T`` (N, E), ``p = softmax(logits)``, the top_k experts of each token, with
-   weights ``p_top / sum(p_top)`` (renormalised over the k chosen, as Mixtral, when the
-   model key ``norm_topk_prob`` is true, its default) or ``p_top`` itself
-   (``norm_topk_prob = false``: Qwen3-MoE's ``Qwen3MoeTopKRouter`` without normalisation;
-   with top_k = 1 the weight is p itself either way, as Switch). **Dropless**: every (token, expert)
-   assignment is computed, no capacity factor, no token dropped.
+1. **Router** (:class:`Router`, :func:`route`; Switch Transformer, Fedus et al. 2021;
+   Mixtral's top-k): fp32 logits ``x W_r^T`` (N, E), ``p = softmax(logits)``, the top_k
+   experts of each token, with weights ``p_top / sum(p_top)`` (renormalised over the k
+   chosen, as Mixtral, when the model key ``norm_topk_prob`` is true, its default) or
+   ``p_top`` itself (``norm_topk_prob = false``: Qwen3-MoE's ``Qwen3MoeTopKRouter`` without
+   normalisation; with top_k = 1 the weight is p itself either way, as Switch).
+   DeepSeek-V3 (``scoring_func = sigmoid``, ``topk_method = noaux_tc``; transformers'
+   ``DeepseekV3TopkRouter``): scores ``s = sigmoid(logits)``; the experts are chosen on
+   ``s + b`` with ``b`` the per-expert ``e_score_correction_bias`` (an fp32 buffer, held
+   fixed: DeepSeek's auxiliary-loss-free bias update, Megatron-Core's
+   ``--moe-router-enable-expert-bias``, is not modelled), among the ``topk_group`` of
+   ``n_group`` expert groups whose two best ``s + b`` sum highest; the weights are the
+   chosen ``s`` (without b), divided by their sum + 1e-20 when ``norm_topk_prob``, times
+   ``routed_scaling_factor``. **Dropless**: every (token, expert) assignment is computed,
+   no capacity factor, no token dropped.
 2. **Auxiliary load-balancing loss** (Switch Transformer eq. 4, GShard's top-k form):
    ``aux = alpha * E * sum_e f_e * P_e`` with ``f_e`` the fraction of this rank's N * top_k
    assignments that chose expert e and ``P_e`` the mean router probability of e over the N
-   tokens; alpha is the model key ``router_aux_loss`` (default 0.01). Its gradient is
+   tokens (sigmoid scores: each token's scores divided by their sum + 1e-20 first, as
+   DeepSeek-V3's balance loss, eq. 19-20 of its report, and Megatron-Core's sigmoid aux
+   loss normalise them; ``f_e`` counts the experts chosen, with bias and groups, where those
+   count the top_k of the plain scores: the same while the bias is 0 and the groups do not
+   bind; over the rank's tokens, not per sequence); alpha is the model key
+   ``router_aux_loss`` (default 0.01). Its gradient is
    injected in backward (Megatron-Core's ``MoEAuxLossAutoScaler``) scaled like the main
    loss, ``alpha / (num_microbatches * tp_sp)``: the mean over micro-batches and over the
    sequence-parallel ranks, whose router gradients are summed. It is computed on each
@@ -175,55 +188,186 @@ class _AuxLossScaler(torch.autograd.Function):
 # --------------------------------------------------------------------------- the layer
 
 
-def route(logits: torch.Tensor, top_k: int,
-          norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing of fp32 ``logits`` (N, E): (weights (N, k), experts (N, k),
-    probabilities (N, E)). The weights are the chosen probabilities, renormalised over the
-    k chosen when ``norm_topk_prob`` and k > 1 (Mixtral; transformers' ``norm_topk_prob``
-    of Qwen3-MoE), else as they are (Switch for k = 1; Qwen3-MoE with ``norm_topk_prob``
-    false)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if norm_topk_prob and top_k > 1:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts, probs
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True, scoring_func: str = "softmax",
+          correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing of fp32 ``logits`` (N, E): (weights (N, k) fp32, experts (N, k) int64,
+    balance scores (N, E) fp32, the ``P`` of :func:`load_balancing_loss`).
+
+    ``scoring_func = "softmax"``: ``p = softmax(logits)``, the k largest, weights the chosen p
+    renormalised over the k when ``norm_topk_prob`` and k > 1 (Mixtral; transformers'
+    ``norm_topk_prob`` of Qwen3-MoE), else as they are (Switch for k = 1; Qwen3-MoE with
+    ``norm_topk_prob`` false); balance scores p.
+
+    ``scoring_func = "sigmoid"`` (DeepSeek-V3; transformers 5's ``DeepseekV3TopkRouter``,
+    operation for operation): ``s = sigmoid(logits)``; the experts are chosen on ``s + b``
+    (``correction_bias`` b (E,) fp32, None: 0) and only there: with ``n_group`` > 1 the E
+    experts form n_group groups of E / n_group (E / n_group >= 2), each scored by the sum of
+    its two largest ``s + b``; the ``topk_group`` best groups are kept, the others' experts
+    masked to -inf; then the k largest (unsorted, as transformers). Weights: the chosen
+    ``s``, divided by their sum + 1e-20 when ``norm_topk_prob`` (any k). Balance scores:
+    ``s / (sum_e s + 1e-20)`` (DeepSeek-V3's balance loss; Megatron-Core's sigmoid aux loss).
+
+    Either way the weights are then times ``routed_scaling_factor``. The choice takes no
+    gradient; the weights' gradient reaches the logits through the chosen scores only.
+    Nothing depends on the rank: each rank routes its own tokens with the same replicated
+    router (ep and tp ranks alike).
+    """
+    logits = logits.float()
+    if scoring_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"scoring_func must be softmax or sigmoid, got {scoring_func!r}")
+    if correction_bias is None and n_group == 1:
+        weights, experts = scores.topk(top_k, dim=-1)
+    else:
+        E = scores.shape[-1]
+        with torch.no_grad():
+            choice = scores.detach()
+            if correction_bias is not None:
+                choice = choice + correction_bias
+            if n_group > 1:   # group-limited: keep the topk_group groups of the best top-2 sums
+                grouped = choice.view(-1, n_group, E // n_group)
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                      # (N, n_group)
+                group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+                group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+                score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+                choice = choice.masked_fill(~score_mask, float("-inf"))
+            experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+    if scoring_func == "sigmoid":
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        balance = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        if norm_topk_prob and top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        balance = scores
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, experts, balance
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``E * sum_e f_e P_e`` (Switch Transformer eq. 4; 1 when perfectly balanced), without
-    the coefficient: f_e (no gradient) the share of assignments to e, P_e the mean of p_e."""
+    the coefficient: f_e (no gradient) the share of assignments to e, P_e the mean of p_e
+    (``probs`` (N, E): :func:`route`'s balance scores, summing to 1 per token)."""
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
     f = counts / max(experts.numel(), 1)
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
+#: the layout attributes of a tensor (:func:`parcompile.runtime.layers.make_param`)
+_LAYOUT = ("global_name", "shard_dim", "shard_index", "num_shards", "global_shape", "valid_rows")
+
+
+class Router(nn.Module):
+    """The router of one MoE layer (module docstring, step 1), the same in training
+    (:class:`MoELayer`) and serving (:class:`TensorParallelMoE`): (N, h) -> :func:`route`'s
+    (weights (N, k), experts (N, k), balance scores (N, E)).
+
+    Tensors, replicated: ``{prefix}.router.weight`` (E, h) parameter; ``.bias`` (E,) with
+    ``router_bias`` (gpt-oss); with ``topk_method = "noaux_tc"`` the persistent buffer
+    ``{prefix}.router.e_score_correction_bias`` (E,), fp32 under any model dtype, zeros
+    until loaded (HF weights, DCP checkpoints: it carries the layout attributes that
+    :func:`parcompile.runtime.weights.layout_tensors` finds). It is not a parameter: no
+    gradient, no optimizer, held fixed in training (DeepSeek-V3's bias update between steps
+    is not modelled). ``n_group``/``topk_group`` apply with ``noaux_tc`` only (``greedy``:
+    a plain top-k).
+    """
+
+    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, tp: Axis, seed: int,
+                 norm_topk_prob: bool = True, router_bias: bool = False, scoring_func: str = "softmax",
+                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0):
+        super().__init__()
+        if topk_method not in ("greedy", "noaux_tc"):
+            raise ValueError(f"topk_method must be greedy or noaux_tc, got {topk_method!r}")
+        if topk_method == "noaux_tc" and (num_experts % n_group or num_experts // n_group < 2
+                                          or not 1 <= topk_group <= n_group):
+            raise ValueError(f"noaux_tc needs n_group ({n_group}) dividing experts ({num_experts}) into groups "
+                             f"of 2 or more, and 1 <= topk_group ({topk_group}) <= n_group")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.scoring_func, self.topk_method = scoring_func, topk_method
+        grouped = topk_method == "noaux_tc"
+        self.n_group, self.topk_group = (n_group, topk_group) if grouped else (1, 1)
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
+        self.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias else None
+        if grouped:
+            b = torch.zeros(num_experts, dtype=torch.float32)
+            _set_layout(b, f"{prefix}.router.e_score_correction_bias")
+            self.register_buffer("e_score_correction_bias", b, persistent=True)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rb = None if self.bias is None else self.bias.float()
+        return route(F.linear(x.float(), self.weight.float(), rb), self.top_k, self.norm_topk_prob,
+                     self.scoring_func, self.e_score_correction_bias, self.n_group, self.topk_group,
+                     self.routed_scaling_factor)
+
+    def _apply(self, fn, recurse=True):
+        # module.to(dtype=bf16) would cast the buffer (and drop its layout attributes with the
+        # old tensor): it follows the device only, stays fp32 and keeps its layout
+        b = self._buffers.get("e_score_correction_bias")
+        out = super()._apply(fn, recurse)
+        if b is not None:
+            kept = b.to(device=self._buffers["e_score_correction_bias"].device)   # b itself if unmoved
+            if kept is not b:
+                _copy_layout(b, kept)
+            self._buffers["e_score_correction_bias"] = kept
+        return out
+
+
+#: MoELayer's and TensorParallelMoE's ``norm_topk_prob``: their router's (settable)
+_NORM_TOPK_PROB = property(lambda self: self.router.norm_topk_prob,
+                           lambda self, v: setattr(self.router, "norm_topk_prob", v))
+
+
+def _set_layout(t: torch.Tensor, name: str) -> None:
+    """The layout attributes of a replicated global tensor ``name`` on ``t``."""
+    t.global_name, t.shard_dim, t.shard_index, t.num_shards = name, None, 0, 1
+    t.global_shape, t.valid_rows = tuple(t.shape), None
+
+
+def _copy_layout(src: torch.Tensor, dst: torch.Tensor) -> None:
+    for a in _LAYOUT:
+        setattr(dst, a, getattr(src, a))
+
+
 class MoELayer(nn.Module):
     """The routed experts of one MoE layer (module docstring): (B, T, h) -> (B, T, h).
 
-    Parameters: ``{prefix}.router.weight`` (E, h), replicated; per local expert e,
+    Parameters: ``{prefix}.router.weight`` (E, h), replicated (:class:`Router`, with its
+    ``e_score_correction_bias`` buffer under ``noaux_tc``); per local expert e,
     ``{prefix}.experts.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``...w2.weight``
     (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp).
-    ``norm_topk_prob``: renormalise the top_k router weights (:func:`route`).
+    ``norm_topk_prob``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``,
+    ``routed_scaling_factor``: the router (:func:`route`).
     """
+
+    norm_topk_prob = _NORM_TOPK_PROB
 
     def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
                  axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0,
                  norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None):
+                 swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
+                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-        self.norm_topk_prob = norm_topk_prob
         self.swiglu_clamp = swiglu_clamp   # gpt-oss: (alpha, limit) of its clamped SwiGLU
         self.axes = axes
         self.aux_loss_scale = aux_loss_scale
         ep, etp = axes.ep, axes.expert_tp
         self.local = num_experts // ep.size
         self.first = ep.index * self.local
-        self.router = nn.Module()
-        self.router.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
         # gpt-oss: a biased router, and a bias on every expert matrix (zeros, as transformers starts them)
-        self.router.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias \
-            else None
+        self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
+                             scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
         if bias and etp.size > 1:
             raise ValueError("expert biases with expert_tp > 1 are not supported (w2's bias would be added per rank)")
         self.experts = nn.ModuleDict()
@@ -259,8 +403,7 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])                      # (N, h)
         N, K, E = x.shape[0], self.top_k, self.num_experts
         ep, etp = self.axes.ep, self.axes.expert_tp
-        rb = None if self.router.bias is None else self.router.bias.float()
-        weights, chosen, probs = route(F.linear(x.float(), self.router.weight.float(), rb), K, self.norm_topk_prob)
+        weights, chosen, probs = self.router(x)
         flat = chosen.reshape(-1)                         # (N k,) expert of each assignment
         order = torch.argsort(flat, stable=True)
         token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
@@ -318,7 +461,7 @@ class TensorParallelMoE(nn.Module):
     default): every tp rank holds every expert, each expert's inner width split over tp
     (w1 [and w3] column-parallel, ``(ffn/tp, h)``; w2 row-parallel, ``(h, ffn/tp)``), the
     router replicated. The tokens, replicated over tp, are routed alike on every rank
-    (:func:`route`: fp32 logits, softmax top-k; no all-to-all); each rank runs its slice of
+    (:class:`Router`: fp32 logits, softmax or DeepSeek-V3's sigmoid top-k; no all-to-all); each rank runs its slice of
     every chosen expert on that expert's tokens and adds the router-weighted partial sums
     per token; ``shared_ffn`` > 0 adds the always-on shared experts (one MLP of
     ``shared_ffn`` units, split the same way) to the same partial sums, which one
@@ -326,7 +469,7 @@ class TensorParallelMoE(nn.Module):
     (token, expert) pair is computed.
 
     Parameters keep :class:`MoELayer`'s names (``{prefix}.router.weight`` (E, h) [and
-    ``.bias`` (E,)], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
+    ``.bias`` (E,), the ``.e_score_correction_bias`` (E,) buffer of ``noaux_tc``], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
     (h, ffn) [and their ``.bias``]) and the training program's shared MLP's
     (``{prefix}.shared.w1/w3/w2``), global shapes as written, split dims 0 (w1, w3 and
     their biases) and 1 (w2) over tp: Hugging Face and DCP checkpoints load through
@@ -338,19 +481,20 @@ class TensorParallelMoE(nn.Module):
     biased router; ``shared_bias``: the shared MLP's biases (w2's added after the reduction).
     """
 
+    norm_topk_prob = _NORM_TOPK_PROB
+
     def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
                  tp: Axis, seed: int, std: float = INIT_STD, norm_topk_prob: bool = True, shared_ffn: int = 0,
                  shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None):
+                 swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
+                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-        self.norm_topk_prob = norm_topk_prob
         self.swiglu_clamp = swiglu_clamp
         self.tp = tp
-        self.router = nn.Module()
-        self.router.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
-        self.router.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias \
-            else None
+        self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
+                             scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
         self.experts = nn.ModuleDict({str(e): self._mlp(f"{prefix}.experts.{e}", hidden, ffn, seed, std, bias)
                                       for e in range(num_experts)})
         self.shared = self._mlp(f"{prefix}.shared", hidden, shared_ffn, seed, std, shared_bias) if shared_ffn else None
@@ -382,8 +526,7 @@ class TensorParallelMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                      # (N, h), the same on every tp rank
         N, K = x.shape[0], self.top_k
-        rb = None if self.router.bias is None else self.router.bias.float()
-        weights, chosen, _ = route(F.linear(x.float(), self.router.weight.float(), rb), K, self.norm_topk_prob)
+        weights, chosen, _ = self.router(x)
         flat = chosen.reshape(-1)                         # (N k,) expert of each (token, choice)
         order = torch.argsort(flat, stable=True)          # grouped by expert
         token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
@@ -412,4 +555,4 @@ class TensorParallelMoE(nn.Module):
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "route", "load_balancing_loss"]
+__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "Router", "route", "load_balancing_loss"]

@@ -147,8 +147,11 @@ def tp_partial_grads(params: list, sequence_parallel: bool) -> list:
 
 def sp_replicated(params: list) -> list:
     """The parameters whose gradients sequence parallelism sums over tp: replicated over tp
-    (no ``shard_dim``) and not MoE experts (those are split over expert_tp)."""
-    return [p for p in params if getattr(p, "shard_dim", None) is None and not getattr(p, "expert", False)]
+    (no ``shard_dim``), not MoE experts (those are split over expert_tp) and not marked
+    ``tp_whole_grad`` (MLA's down projections and latent norms, which run on the whole
+    gathered sequence: runtime/mla.py)."""
+    return [p for p in params if getattr(p, "shard_dim", None) is None and not getattr(p, "expert", False)
+            and not getattr(p, "tp_whole_grad", False)]
 
 
 def _all_reduce_flat(params: list, axis, scale: float = 1.0) -> None:

@@ -148,8 +148,15 @@ def target_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return full.narrow(p.shard_dim, p.shard_index * n, n)
 
 
-def _params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if hasattr(p, "global_name")]
+def layout_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a checkpoint holds: every parameter with a layout (``global_name``...),
+    then every persistent buffer with one (DeepSeek-V3's ``router.e_score_correction_bias``:
+    :class:`parcompile.runtime.moe.Router`), loaded and saved alike."""
+    return ([p for p in model.parameters() if hasattr(p, "global_name")]
+            + [b for b in model.buffers() if hasattr(b, "global_name")])
+
+
+_params = layout_tensors
 
 
 def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
@@ -355,5 +362,5 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
     return kind
 
 
-__all__ = ["WeightsError", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
+__all__ = ["WeightsError", "layout_tensors", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
            "tp_mesh", "target_slice", "hf_files", "STEP_DIR"]
