@@ -41,7 +41,7 @@ from parcompile.analysis.cost import CostReport
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
-from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.analysis.kv import cache_heads
 from parcompile.core.units import bytes_text
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
@@ -191,8 +191,8 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
             params=params.params,
             active_params=params.active_params,
             padded_vocab=model.padded_vocab(par.tp),
-            kv_heads_per_rank=kv_heads_per_rank(model.kv_heads, par.tp),
-            kv_head_replicas=kv_head_replicas(model.kv_heads, par.tp),
+            kv_heads_per_rank=cache_heads(model, par.tp)[0],
+            kv_head_replicas=cache_heads(model, par.tp)[1],
             layers=model.layers, hidden=model.hidden, heads=model.heads,
             kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
             vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,

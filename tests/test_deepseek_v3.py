@@ -202,6 +202,8 @@ def test_the_preset_serves_on_two_h200_nodes(tmp_path):
                                            'serve { batch = 8, prompt_len = 2048, max_new_tokens = 512 }\n'))
     sv = plan.data["serve"]
     assert sv["fits"] and sv["kv_bytes_per_token_per_stage"] == [31 * 1152, 30 * 1152]
+    # one latent "kv head", the same on all 8 ranks of a tp group (vLLM's MLA cache)
+    assert (sv["kv_heads_per_rank"], sv["kv_head_replicas"]) == (1, 8)
 
 
 MLA = "kv_lora_rank = 16, q_lora_rank = 32, qk_nope_head_dim = 8, qk_rope_head_dim = 4, v_head_dim = 8"

@@ -92,3 +92,23 @@ def test_model_flops_of_local_layers_are_bounded_by_the_window(tmp_path):
 
     b, s, w, heads, d = 2, 64, 16, 4, 16
     assert flops(0, 0) - flops(w, 3) == 4 * 3 * 4 * b * s * (s - w) * heads * d
+
+
+def test_a_decode_step_reads_at_most_the_window_of_a_local_layer(tmp_path):
+    """The serving estimate's cache read per decode step (``breakdown.decode_kv``) at the mean
+    context P + G / 2 = 1,100 tokens: a sliding-window layer reads its 128, a global layer all
+    1,100 (pattern 2: layers 1 and 3 global of 4), against the same model without windows."""
+    from parcompile.driver import compile_config
+    from parcompile.frontend import load_spec
+
+    def decode_kv(window: str) -> float:
+        src = (f"model m {{ layers = 4, hidden = 64, heads = 4, vocab = 256, seq_len = 2048{window}, dtype = bf16 }}\n"
+               'cluster c from "h100-sxm" { gpus_per_node = 1 }\nparallel { }\n'
+               "serve { batch = 2, prompt_len = 1000, max_new_tokens = 200 }\n")
+        (tmp_path / "d.par").write_text(src)
+        cfg, _ = load_spec(tmp_path / "d.par")
+        return compile_config(cfg).data["serve"]["breakdown"]["decode_kv"]
+
+    full = decode_kv("")
+    local = decode_kv(", sliding_window = 128, sliding_window_pattern = 2")
+    assert local / full == pytest.approx((2 * 1100 + 2 * 128) / (4 * 1100), rel=1e-12)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.heads import kv_heads_per_rank
+from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
 from parcompile.core.model import cached_tokens
 
 
@@ -33,6 +33,15 @@ def kv_token_bytes(cfg) -> int:
     if m.kv_lora_rank:
         return (m.kv_lora_rank + m.qk_rope_head_dim) * DTYPE_BYTES[kv_dtype(cfg)]
     return 2 * kv_heads_per_rank(m.kv_heads, cfg.parallel.tp) * m.head_dim * DTYPE_BYTES[kv_dtype(cfg)]
+
+
+def cache_heads(m, tp: int) -> tuple[int, int]:
+    """(kv heads one rank's cache holds, tp ranks holding the same one), as plan.json
+    reports them: :mod:`parcompile.core.heads`'s rule, or for multi-head latent attention
+    one latent "kv head" on every tp rank (``(1, tp)``, vLLM's MLA cache)."""
+    if m.kv_lora_rank:
+        return 1, tp
+    return kv_heads_per_rank(m.kv_heads, tp), kv_head_replicas(m.kv_heads, tp)
 
 
 def stage_layers(chunks: Sequence[Sequence[int]], pp: int) -> list[list[int]]:
@@ -55,5 +64,5 @@ def kv_bytes_per_sequence(cfg, chunks: Sequence[Sequence[int]], tokens: int) -> 
     return [per * sum(cached_tokens(windows[i], tokens) for i in ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
 
 
-__all__ = ["kv_dtype", "kv_token_bytes", "stage_layers", "kv_bytes_per_token",
+__all__ = ["cache_heads", "kv_dtype", "kv_token_bytes", "stage_layers", "kv_bytes_per_token",
            "kv_bytes_per_sequence"]

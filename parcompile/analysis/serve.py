@@ -36,7 +36,7 @@ Inference", section 2):
   hop of ``b P h e`` per stage boundary;
 * decode is memory-bandwidth-bound: per token and stage, the weights (the embedding
   table excepted: a lookup reads b rows) and the cache at the mean context
-  ``P + max_new_tokens / 2`` are read from HBM: ``max(bytes / (memory_eff * hbm_bw),
+  ``P + max_new_tokens / 2`` (a sliding-window layer's at most its window) are read from HBM: ``max(bytes / (memory_eff * hbm_bw),
   2 N_s b / (matmul_eff * peak_flops))``, plus the same collectives for one token each;
 * ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
   step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
@@ -70,11 +70,11 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.analysis.estimate import axis_link, collective_time, efficiency
-from parcompile.analysis.kv import kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
+from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_bytes, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
+from parcompile.core.heads import kv_heads_per_rank
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.core.units import bytes_text
 
@@ -199,8 +199,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_dtype = cache_dtype(cfg)
     kv_tokens = kv_bytes_per_token(cfg, chunks)
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
-    kv_local = kv_heads_per_rank(m.kv_heads, tp)
-    replicas_kv = kv_head_replicas(m.kv_heads, tp)
+    kv_local, replicas_kv = cache_heads(m, tp)
     q_local = m.heads // tp
     h = m.hidden
     ffn_local = m.ffn_hidden // tp
@@ -227,6 +226,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     stages = []
     parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
                               "decode_weights", "decode_kv", "decode_tp_comm", "decode_pp_comm")}
+    windows, kv_layer = m.layer_windows, kv_token_bytes(cfg)
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
         moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
@@ -262,7 +262,10 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         if moe_layers:   # the experts this step's b tokens chose, at most
             read -= expert_bytes * (1 - read_share(b))
         dec_w = max(read / mem_rate, 2 * n_mat * b / matmul_rate)
-        dec_kv = b * mean_ctx * kv_tok / mem_rate   # (sliding-window layers read less: not modelled)
+        # the cache a decode step reads at the mean context; a sliding-window layer reads at
+        # most its window (core/model.cached_tokens), the rest every token
+        beyond = sum(max(0.0, mean_ctx - windows[i]) for i in ids if windows[i])
+        dec_kv = b * (mean_ctx * kv_tok - beyond * kv_layer) / mem_rate
         dec_tp = n_ar * ar(b) + gather
         dec_pp = collective_time("send", b * h * e, 2, *pp_link) if not last else 0.0
         if pp > 1 and last:  # the sampled token ids go back to the first stage
