@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import sys
 import time
 from fractions import Fraction
@@ -61,7 +62,7 @@ from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, 
                                         closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
 from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
-from parcompile.frontend.checks import CheckContext, check_config
+from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors, plural
 from parcompile.core.axes import GROUP_AXES
@@ -343,6 +344,13 @@ class _ScaledComm:
     raw: tuple
 
 
+def _scaled_comm(raw: tuple, r: float, pp: bool) -> _ScaledComm:
+    """The collectives ``raw`` (a CommReport's) of the pipeline axis (``pp``) or of every
+    other axis, their bytes times ``r`` (:meth:`Coster._family_work`)."""
+    return _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
+                             if (c.axis == "pp") == pp))
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One costed layout: its :class:`ParallelConfig` and what the cost model says."""
@@ -417,7 +425,11 @@ class Coster:
         self.step_floor_memo: dict[tuple, float] = {}
         self.in_flight_firsts: dict[tuple, Fraction] = {}
         self.scaled_bases: dict[tuple, tuple] = {}
+        self.scaled_comms: dict[tuple, _ScaledComm] = {}
+        #: time every micro-batch's scaled probe (:meth:`_base_work`), not the line (tests)
+        self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
+        self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
 
     @property
     def unlike_layers(self) -> bool:
@@ -682,42 +694,73 @@ class Coster:
         axes = self.comm_axes.get(akey)
         if axes is None:   # the probe's collectives' axes, for what their times read of the links
             axes = self.comm_axes[akey] = sorted({c.axis for _s, _k, c in base.comm[rc].raw} - {"pp"})
-        key = (id(base), rc, cp, mb, tuple((a, inside.get(a, True)) for a in axes))
-        fb = self.base_works.get(key)
+        lkey = tuple((a, inside.get(a, True)) for a in axes)
+        fb = self._base_work(base, rc, cp, mb, par, lkey, links)
         pkey = (id(base), rc, cp, mb, inside.get("pp", True), inside.get("tp", True))
         p2p = self.base_p2p.get(pkey) if par.pp > 1 else 0.0   # one rank: no transfers
-        if fb is None or p2p is None:
-            skey = (id(base), rc, cp, mb)
-            sc = self.scaled_bases.get(skey)
-            if sc is None:   # the scaled probe, whatever the links
-                r = mb * cp0 / cp
-                comp = base.compute[rc]
-                scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
-                                 chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
-                                 chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
-                                 chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
-                tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
-                    dp=1, tp=tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
-                    global_batch=mb, recompute=rc, sequence_parallel=sp)})
-                degrees = dict(base.degrees, cp=cp)
-                # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
-                raw = base.comm[rc].raw
-                sc = self.scaled_bases[skey] = (
-                    scaled, tcfg, degrees,
-                    _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
-                                      if c.axis != "pp")),
-                    _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
-                                      if c.axis == "pp")))
-            scaled, tcfg, degrees, raw, pp_raw = sc
-            if fb is None:
-                ct = chunk_times(tcfg, degrees, None, scaled, raw, links)
-                f3, b3 = [ct.fwd(k) for k in range(3)], [ct.bwd(k) for k in range(3)]
-                layers = self.cfg.model.layers
-                fb = self.base_works[key] = (layers * f3[1] + (f3[0] - f3[1]) + (f3[2] - f3[1]),
-                                             layers * b3[1] + (b3[0] - b3[1]) + (b3[2] - b3[1]))
-            if p2p is None:
-                p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, pp_raw, links).p2p
+        if p2p is None:
+            scaled, tcfg, degrees = self._scaled_base(base, rc, cp, mb, par)
+            pp_raw = self.scaled_comms.get((id(base), rc, cp, mb, True))
+            if pp_raw is None:
+                pp_raw = self.scaled_comms[(id(base), rc, cp, mb, True)] = _scaled_comm(
+                    base.comm[rc].raw, mb * min(cp, 2) / cp, True)
+            p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, pp_raw, links).p2p
         got = self.family_works[wkey] = (fb[0], fb[1], p2p, base, links)
+        return got
+
+    def _scaled_base(self, base: _Probe, rc: str, cp: int, mb: int, par: ParallelConfig) -> tuple:
+        """``(compute report, config, degrees)`` of :meth:`_family_work`'s scaled probe: ``base``'s
+        FLOPs and bytes moved times ``mb * cp0 / cp``, its layout with ``par``'s ``cp`` and
+        micro-batch ``mb``. Cached, whatever the links."""
+        skey = (id(base), rc, cp, mb)
+        got = self.scaled_bases.get(skey)
+        if got is None:
+            r = mb * min(cp, 2) / cp
+            comp = base.compute[rc]
+            scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
+                             chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
+                             chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
+                             chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
+            tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
+                dp=1, tp=par.tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
+                global_batch=mb, recompute=rc, sequence_parallel=par.sequence_parallel)})
+            got = self.scaled_bases[skey] = (scaled, tcfg, dict(base.degrees, cp=cp))
+        return got
+
+    def _base_work(self, base: _Probe, rc: str, cp: int, mb: int, par: ParallelConfig, lkey: tuple,
+                   links: dict) -> tuple[float, float]:
+        """``(F, B)`` of :meth:`_family_work`: the scaled probe's (:meth:`_scaled_base`) forward
+        and backward seconds of one micro-batch through all chunks, under ``links`` (``lkey``:
+        the inside-a-node flags of the axes its collectives use), the transfers left out.
+        Cached.
+
+        For micro-batches above 2, the line through the values at micro-batches 1 and 2:
+        every term of ``F`` and ``B`` is affine in the scale ``r = mb * cp0 / cp`` (a FLOP
+        or byte count times ``r`` over a rate; a collective's latency plus its bytes times
+        ``r`` over a bandwidth, :func:`~parcompile.analysis.estimate.collective_time`, with
+        the group sizes of ``cp``), so in ``mb`` for a given ``cp``: the line gives them
+        but for rounding, which the floors' relative 1e-9 covers
+        (``tests/test_search.py`` holds the line against the scaled probes' own times)."""
+        key = (id(base), rc, cp, mb, lkey)
+        got = self.base_works.get(key)
+        if got is not None:
+            return got
+        if mb > 2 and not self.direct_works:
+            f1, b1 = self._base_work(base, rc, cp, 1, par, lkey, links)
+            f2, b2 = self._base_work(base, rc, cp, 2, par, lkey, links)
+            k = mb - 1
+            got = self.base_works[key] = (f1 + k * (f2 - f1), b1 + k * (b2 - b1))
+            return got
+        scaled, tcfg, degrees = self._scaled_base(base, rc, cp, mb, par)
+        raw = self.scaled_comms.get((id(base), rc, cp, mb, False))
+        if raw is None:   # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
+            raw = self.scaled_comms[(id(base), rc, cp, mb, False)] = _scaled_comm(
+                base.comm[rc].raw, mb * min(cp, 2) / cp, False)
+        ct = chunk_times(tcfg, degrees, None, scaled, raw, links)
+        f3, b3 = [ct.fwd(k) for k in range(3)], [ct.bwd(k) for k in range(3)]
+        layers = self.cfg.model.layers
+        got = self.base_works[key] = (layers * f3[1] + (f3[0] - f3[1]) + (f3[2] - f3[1]),
+                                      layers * b3[1] + (b3[0] - b3[1]) + (b3[2] - b3[1]))
         return got
 
     def state_floor(self, par: ParallelConfig | _RowLayout) -> int:
@@ -778,7 +821,12 @@ class Coster:
     def memory(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]):
         """The memory report of a layout from its probe: the analysis's own
         :func:`memory_from_parts` on the stage parameters, saved activations and buffers that
-        :meth:`cost` composes (one rule: no copy of the memory analysis here)."""
+        :meth:`cost` composes (one rule: no copy of the memory analysis here). Cached per
+        layout (``cfg`` is the spec's with a layout)."""
+        mkey = (cfg.parallel, id(pr), counts)
+        got = self.memories.get(mkey)
+        if got is not None:
+            return got
         pp, rc = cfg.parallel.pp, cfg.parallel.recompute
         sps = self._stage_params(pr, counts, pp)
         sv = pr.saved[rc]
@@ -793,7 +841,8 @@ class Coster:
             if pp == 1:
                 b.pop("p2p", None)
             bufs.append(b)
-        return memory_from_parts(cfg, _degrees(cfg.parallel), sps, saved, bufs), sps
+        got = self.memories[mkey] = (memory_from_parts(cfg, _degrees(cfg.parallel), sps, saved, bufs), sps)
+        return got
 
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
         """``(peak, capacity)`` of a training layout (:meth:`memory`)."""
@@ -1198,8 +1247,9 @@ class Coster:
         peak, cap = mem.peak, mem.capacity
         if not mem.fits and not with_memory:   # not timed: it will be dropped
             return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
-        if bounded:
+        if bounded:   # what _data_parallel gives (and keeps, for the re-timing)
             dp_comm = dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
+            self.exposed.setdefault(par, (dp_comm, opt))
         else:
             ct3, links, tkey = self._chunk_times3(pr, par)
             ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
@@ -1334,14 +1384,70 @@ def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
 def check_layout(cfg: SpecConfig) -> list[Diagnostic]:
     """The checker's diagnostics for ``cfg`` (every rule of
     :func:`parcompile.frontend.checks.check_config`)."""
-    bag = DiagnosticBag()
+    ctx = _check_context(cfg)
+    check_config(cfg, ctx)
+    return ctx.bag.items
+
+
+def _check_context(cfg: SpecConfig) -> CheckContext:
+    """A fresh checker context for ``cfg`` (its spans; nothing reported wrong yet)."""
     provided = {k for k in cfg.spans}
     m = cfg.model
     if m.heads and m.head_dim != m.hidden // m.heads:
         provided.add("model.head_dim")
-    ctx = CheckContext(bag=bag, filename=cfg.filename, spans=dict(cfg.spans), provided=provided)
-    check_config(cfg, ctx)
-    return bag.items
+    return CheckContext(bag=DiagnosticBag(), filename=cfg.filename, spans=dict(cfg.spans), provided=provided)
+
+
+#: the fields of a layout row (:func:`_layout_rows`), in order
+_ROW_FIELDS = ("dp", "tp", "pp", "cp", "ep", "expert_tp", "sequence_parallel", "zero", "micro_batch",
+               "global_batch", "schedule", "virtual_stages", "recompute")
+
+
+class _LayoutChecker:
+    """Whether the checker accepts the layouts of one spec, given as rows of
+    :func:`_layout_rows`: :func:`check_layout`'s verdict (no error), with each check of
+    :data:`~parcompile.frontend.checks.CHECKS` run once per distinct value of the row fields
+    it reads (:data:`~parcompile.frontend.checks.LAYOUT_READS`; the other fields of the
+    layout are the spec's, the same in every row), a check without an entry once per
+    :func:`_check_key`. Each check runs with a context of its own: no check reads a key
+    another marks bad (``tests/test_search_checks.py`` holds that, the table against the
+    checks' source, and this verdict against :func:`check_layout`'s). ``runs``: the checks
+    run so far."""
+
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+        #: per check: its number, the check, what picks its fields out of a row
+        self.plan: list[tuple[int, Callable, Callable[[tuple], Any]]] = []
+        for n, check in enumerate(CHECKS):
+            reads = LAYOUT_READS.get(check)
+            idx = None if reads is None else [_ROW_FIELDS.index(f) for f in reads if f in _ROW_FIELDS]
+            pick = _check_key if idx is None else (lambda r: ()) if not idx else operator.itemgetter(*idx)
+            self.plan.append((n, check, pick))
+        self.failed: dict[tuple, bool] = {}   # (check number, the fields it reads) -> it reports an error
+        self.runs = 0
+
+    def ok(self, r: tuple) -> bool:
+        """True when no check reports an error for the layout of row ``r``."""
+        failed = self.failed
+        todo = []
+        for n, check, pick in self.plan:
+            key = (n, pick(r))
+            got = failed.get(key)
+            if got is None:
+                todo.append((key, check))
+            elif got:
+                return False
+        if not todo:
+            return True
+        rcfg = with_parallel(self.cfg, _row_parallel(self.cfg, r))
+        ok = True
+        for key, check in todo:
+            ctx = _check_context(rcfg)
+            check(rcfg, ctx)
+            self.runs += 1
+            bad = failed[key] = any(d.severity == "error" for d in ctx.bag.items)
+            ok = ok and not bad
+        return ok
 
 
 # --------------------------------------------------------------------------------------
@@ -1403,7 +1509,8 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
     rows = [r for block in blocks for r in block]
     total = len(rows)
     # the checker, once per layout up to zero and recompute (they have no cross-field rules):
-    # once per block of rows (_layout_blocks)
+    # once per block of rows (_layout_blocks), each check once per value of what it reads
+    checker = _LayoutChecker(cfg)
     checked: dict[tuple, bool] = {}
     families: dict[tuple, list[int]] = {}
     valid = i = 0
@@ -1414,8 +1521,7 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
         ck = _check_key(r)
         ok = checked.get(ck)
         if ok is None:
-            ok = checked[ck] = not any(d.severity == "error"
-                                       for d in check_layout(with_parallel(cfg, _row_parallel(cfg, r))))
+            ok = checked[ck] = checker.ok(r)
         if ok:
             valid += len(block)
             fam = families.get(_family(r))

@@ -363,3 +363,32 @@ def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
             assert bound <= cost_without_schedule(rcfg).memory.peak
             whole += 1
     assert whole >= 2
+
+
+def test_family_work_line_through_micro_batches_1_and_2_is_the_scaled_probes_own():
+    """`Coster._base_work` gives the scaled probe's forward and backward seconds of a
+    micro-batch above 2 by the line through micro-batches 1 and 2 (every term affine in
+    the scale): pinned to timing that micro-batch's scaled probe itself (``direct_works``),
+    for every 7th valid layout and each recompute mode, within rounding, and exactly at
+    micro-batches 1 and 2."""
+    cfg, _ = load_spec(EIGHT_B_AUTO)
+    line, direct = Coster(cfg), Coster(cfg)
+    direct.direct_works = True
+    rows = _valid_rows(cfg, 7)
+    assert {r[8] for r in rows} >= {1, 2, 4, 8, 16} and {r[3] for r in rows} >= {1, 2, 4}
+    extrapolated = 0
+    for r in rows:
+        par = _row_parallel(cfg, r)
+        for rc in ("none", "selective", "full"):
+            got, want = line._family_work(par, rc), direct._family_work(par, rc)
+            assert got[2] == want[2]   # the transfer: timed, not extrapolated
+            if par.micro_batch <= 2:
+                assert got[:2] == want[:2]
+            else:
+                extrapolated += 1
+                assert got[:2] == pytest.approx(want[:2], rel=1e-12, abs=0)
+                assert got[:2] != pytest.approx((want[0] * 1.001, want[1]), rel=1e-6, abs=0)
+    assert extrapolated > 100
+    # and only the micro-batch 1 and 2 scaled probes were timed (but for their transfers)
+    timed = {k[3] for k in line.scaled_comms if not k[4]}
+    assert timed == {1, 2} < {k[3] for k in direct.scaled_comms if not k[4]}
