@@ -1,34 +1,130 @@
 """parcompile: a compiler for parallel execution plans of large language models.
 
-``parcompile.compile(source, filename=None) -> Plan`` parses a `.par` spec (text or a
-``pathlib.Path``), checks it, and returns the plan (a spec with ``auto`` layout keys
-compiles the best layout :mod:`parcompile.search` finds); ``Plan.to_json()`` is plan.json.
+The Python API (docs/python.md; :mod:`parcompile.api` holds it, the command line is a
+thin layer over it):
+
+- ``parcompile.compile(source, filename=None, *, overrides=None) -> Plan``: parse a `.par`
+  spec (text or a ``pathlib.Path``), check it and plan it; ``overrides={"parallel.tp": 4}``
+  applies values as if written in the spec. ``plan.to_json()`` is plan.json,
+  ``plan.write(directory)`` writes what ``parcompile compile -o`` writes, and plan.json's
+  sections are typed attributes (``plan.memory.peak``, ``plan.estimate.step_time``).
+- ``parcompile.search(source, top=10, ...) -> SearchReport``: ranked layouts of the
+  spec's ``auto`` keys, with their estimates.
+- ``parcompile.verify(source, ...) -> VerifyReport``: a miniature run against a
+  single-process reference (``.rows``, ``.passed``).
+- ``parcompile.export(plan, target) -> Export``: Megatron-LM, torchtitan or DeepSpeed
+  configuration.
+- ``parcompile.diff(old, new, fail_on=()) -> PlanDiff``: what changed between two plans;
+  ``parcompile.load_plan(path) -> PlanJSON`` reads a plan.json file, typed.
+- :mod:`parcompile.testing`: hold a spec's plan against a golden plan.json in tests.
+
 A spec with errors raises :class:`SpecError`, whose ``.diagnostics`` lists them all.
+
+``search``, ``verify`` and ``export`` are also the names of the modules that implement
+them (``from parcompile.search import table`` keeps working): the package makes those
+three modules callable, so ``parcompile.search(...)`` calls :func:`parcompile.api.search`
+however and whenever the module was imported. ``import parcompile`` stays light (no
+torch, no pydantic): everything loads on first use.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 from parcompile.core.version import VERSION as __version__  # noqa: E402
 
 from parcompile.diagnostics import Diagnostic, SpecError, Span  # noqa: E402
 
 
-def compile(source, filename: str | None = None):  # noqa: A001 - SPEC fixes the name
-    """Compile a spec to a :class:`parcompile.plan.Plan` (the steps are
-    :func:`parcompile.driver.compile_source`'s).
+def compile(source, filename: str | None = None, *, overrides=None):  # noqa: A001 - SPEC fixes the name
+    """Compile a spec to a :class:`parcompile.plan.Plan` (:func:`parcompile.api.compile`:
+    the arguments, what it returns and raises).
 
     Args:
         source: the spec's text, or a ``pathlib.Path`` to a `.par` file.
         filename: the name shown in diagnostics for text sources.
+        overrides: ``{"block.key": value}`` applied as if written in the spec.
 
     Raises:
         SpecError: the spec has errors (all of them in ``.diagnostics``).
         TypeError: ``source`` is neither a str nor a ``pathlib.Path`` (bytes, None, a number).
     """
     # imported here: `import parcompile` stays light (no torch, no pydantic models)
-    from parcompile.driver import compile_source
+    from parcompile.api import compile as compile_spec
 
-    return compile_source(source, filename)
+    return compile_spec(source, filename, overrides=overrides)
 
 
-__all__ = ["compile", "SpecError", "Diagnostic", "Span", "__version__"]
+def diff(old, new, *, fail_on=()):
+    """What changed from plan ``old`` to ``new`` (:func:`parcompile.api.diff`): each a Plan,
+    a plan.json dict, or a path to a plan.json, a ``compile -o`` directory or a `.par` spec."""
+    from parcompile.api import diff as diff_plans
+
+    return diff_plans(old, new, fail_on=fail_on)
+
+
+def load_plan(path):
+    """A plan.json file as its typed model, :class:`parcompile.plan_schema.PlanJSON`
+    (:func:`parcompile.api.load_plan`)."""
+    from parcompile.api import load_plan as load
+
+    return load(path)
+
+
+#: modules that are also API functions: module name -> the :mod:`parcompile.api` function
+CALLABLE_MODULES = ("search", "verify", "export")
+#: names loaded on first use: name -> the module that defines it
+_LAZY = {
+    "Plan": "parcompile.plan", "PlanJSON": "parcompile.plan_schema", "SearchReport": "parcompile.api",
+    "VerifyReport": "parcompile.api", "PlanFileError": "parcompile.api", "PlanDiff": "parcompile.plandiff",
+    "Change": "parcompile.plandiff", "BoundError": "parcompile.plandiff", "Export": "parcompile.export",
+}
+
+
+class CallableModule(types.ModuleType):
+    """A module of parcompile that is also the API function of its name: calling
+    ``parcompile.search`` calls :func:`parcompile.api.search`."""
+
+    def __call__(self, *args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module("parcompile.api"), self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+    @property
+    def __signature__(self):   # inspect.signature / help show the function's
+        import importlib
+        import inspect
+
+        return inspect.signature(getattr(importlib.import_module("parcompile.api"), self.__name__.rpartition(".")[2]))
+
+
+class _Package(types.ModuleType):
+    """The ``parcompile`` package: a submodule in :data:`CALLABLE_MODULES` becomes a
+    :class:`CallableModule` when the import system binds it here (on its first import)."""
+
+    def __setattr__(self, name, value):
+        if name in CALLABLE_MODULES and type(value) is types.ModuleType:
+            value.__class__ = CallableModule
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+for _name in CALLABLE_MODULES:   # imported before this package finished (never, but cheap to be sure)
+    if f"{__name__}.{_name}" in sys.modules:
+        setattr(sys.modules[__name__], _name, sys.modules[f"{__name__}.{_name}"])
+
+
+def __getattr__(name: str):
+    """``parcompile.search`` and the classes of :data:`_LAZY`, loaded on first use (PEP 562)."""
+    import importlib
+
+    if name in CALLABLE_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")   # binding it makes it callable
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["compile", "search", "verify", "export", "diff", "load_plan", "SpecError", "Diagnostic", "Span",
+           "Plan", "PlanJSON", "SearchReport", "VerifyReport", "PlanDiff", "__version__"]

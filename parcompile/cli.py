@@ -1,4 +1,6 @@
-"""The `parcompile` command line (SPEC section 2), on argparse.
+"""The `parcompile` command line (SPEC section 2), on argparse: a thin layer over the
+Python API, :mod:`parcompile.api` (each command reads its arguments, calls the API and
+prints what it returns).
 
 Exit status: 0 success, 1 the spec has errors (or a check failed), 2 usage error.
 Diagnostics go to stderr in the SPEC format; results go to stdout.
@@ -14,8 +16,11 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from parcompile.diagnostics import Diagnostic, Span, SpecError, render_all
+from parcompile import api
+from parcompile.api import prepare_data  # noqa: F401 - `run` reads the data first; tests import it here
+from parcompile.diagnostics import Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import strip_bom
+from parcompile.plan import GENERATED, TIMELINE_SECTION  # noqa: F401 - what `compile` writes (Plan.write)
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
 
@@ -52,11 +57,9 @@ def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text")
 
 def _compile(path: str):
     """Parse, check and plan ``path``; returns (plan, source). Raises SpecError."""
-    import parcompile
-
     p, source = _read(path)
     try:
-        plan = parcompile.compile(p)
+        plan = api.compile(p)
     except SpecError as e:
         e.source = e.source or source
         raise
@@ -70,26 +73,21 @@ def _compile(path: str):
 def cmd_search(args) -> int:
     """`parcompile search SPEC`: rank the layouts the spec's `auto` keys allow (SPEC 2);
     exit 1 when none fits memory."""
-    from parcompile.frontend import load_spec
-    from parcompile.search import explain, no_fit_diagnostic, search, stderr_progress, table
+    from parcompile.search import stderr_progress
 
     if args.top < 1:
         raise _Usage("--top must be at least 1")
     p, source = _read(args.spec)
     try:
-        cfg, warnings = load_spec(p)
-        res = search(cfg, top=args.top, cross_node_tp=args.cross_node_tp, progress=stderr_progress())
-    except SpecError as e:
+        report = api.search(p, top=args.top, cross_node_tp=args.cross_node_tp, progress=stderr_progress())
+    except SpecError as e:   # with no layout that fits: the warnings, then the error
         _print_diags(e.diagnostics, e.source or source)
         return EXIT_SPEC
-    _print_diags(warnings, source)
-    if not res.candidates:
-        _print_diags([no_fit_diagnostic(res)], source)
-        return EXIT_SPEC
-    print(table(res, args.top))
+    _print_diags(report.warnings, source)
+    print(report.text())
     if args.explain:
         print()
-        print(explain(res))
+        print(report.explain())
     return EXIT_OK
 
 
@@ -168,37 +166,9 @@ def cmd_plan(args) -> int:
     return EXIT_OK
 
 
-# every file `compile` may write; ones a new plan does not produce are removed from DIR
-GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
-             "launch.sh", "slurm.sbatch")
-TIMELINE_SECTION = """
-## Timeline of one step
-
-![simulated timeline of one step](timeline.svg)
-
-The schedule's actions run by the simulator with the cost model's times; `trace.json` holds
-the same timeline in Chrome trace format (open it in Perfetto or chrome://tracing).
-"""
-
-
 def build_outputs(plan, out_dir: Path) -> dict[str, str]:
-    """Every file `compile` writes, name -> text (plan.json, report.md, graph.txt, program, launcher)."""
-    from parcompile.codegen.emit import render_launch, render_program, render_serve, render_slurm
-
-    files = {
-        "plan.json": plan.to_json(),
-        "report.md": plan.report_md() + TIMELINE_SECTION,
-        "graph.txt": plan.graph_dump(),
-        "trace.json": plan.trace_json(),
-        "timeline.svg": plan.timeline_svg(),
-    }
-    if plan.config.workload == "train":
-        files["program.py"] = render_program(plan.config, plan, out_dir)
-    else:
-        files["serve.py"] = render_serve(plan.config, plan, out_dir)
-    files["launch.sh"] = render_launch(plan.config)
-    files["slurm.sbatch"] = render_slurm(plan.config)
-    return files
+    """Every file `compile` writes, name -> text: :meth:`parcompile.plan.Plan.outputs`."""
+    return plan.outputs(out_dir)
 
 
 def _output_dir(args) -> Path | None:
@@ -211,9 +181,10 @@ def _output_dir(args) -> Path | None:
     return Path(args.output)
 
 
-def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Path]:
-    """Compile ``args.spec`` (or take ``plan``, already compiled) and write its files."""
-    from parcompile.codegen.emit import program_gaps, write_files
+def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Path, list[str]]:
+    """Compile ``args.spec`` (or take ``plan``, already compiled) and write its files
+    (:meth:`parcompile.plan.Plan.write`); returns the plan, the directory, the names written."""
+    from parcompile.codegen.emit import program_gaps
 
     output = _output_dir(args)  # before compiling: a usage error comes first
     if plan is None:
@@ -224,59 +195,22 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     _print_diags(plan.warnings + gaps, source)
     name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"
     out = output if output is not None else Path("build") / name
-    files = build_outputs(plan, out)
     try:
-        write_files(out, files, executable=("launch.sh", "slurm.sbatch"), stale=GENERATED)
+        written = plan.write(out)
     except OSError as e:
         raise _Usage(f"cannot write {out}/: {e.strerror or e}") from None
-    return plan, out
+    return plan, out, written
 
 
 def cmd_compile(args) -> int:
     try:
-        plan, out = _compile_to(args)
+        plan, out, written = _compile_to(args)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
-    print(f"wrote {out}/ ({', '.join(sorted(build_outputs(plan, out)))})")
+    print(f"wrote {out}/ ({', '.join(written)})")
     print(f"run it: (cd {out} && ./launch.sh)")
     return EXIT_OK
-
-
-def prepare_data(cfg) -> list[Diagnostic]:
-    """Tokenize a training spec's `data` and `eval_data` into the token cache (once; a
-    cache that exists is reused), before any rank starts, and check the samples: at least
-    one global batch of training samples. Returns the diagnostics: errors at the data
-    file's path and line (a note names the spec key), warnings (truncated examples, chat
-    examples without an assistant turn). Nothing is cached from data with errors."""
-    from parcompile.runtime import dataset
-
-    t, m, p = cfg.train, cfg.model, cfg.parallel
-    out: list[Diagnostic] = []
-    for key in ("data", "eval_data"):
-        source = getattr(t, key)
-        if source in (None, "synthetic"):
-            continue
-        where = cfg.span(f"train.{key}")
-        note = f"reading `{key}` ({where.file}:{where.line}:{where.column})"
-        try:
-            cache = dataset.prepare(source, tokenizer=t.tokenizer, data_format=t.data_format,
-                                    text_field=t.text_field)
-            if key == "data":
-                dataset.TrainBatches(cache, m.seq_len, p.global_batch, t.seed)
-            else:
-                dataset.EvalBatches(cache, m.seq_len, p.global_batch, t.eval_batches)
-        except dataset.DataError as e:
-            span = Span(str(e.path), e.line or 1, 1) if e.path else where
-            out.append(Diagnostic("error", e.message, span, help=e.help, note=note))
-            continue
-        if cache.max_token_id >= m.vocab:
-            out.append(Diagnostic("error", f"token id {cache.max_token_id} is outside the model's vocab = {m.vocab}",
-                                  cfg.span("train.tokenizer", "model.vocab"),
-                                  help=f"set `vocab = {cache.max_token_id + 1}` or more"))
-        for w in cache.sample_warnings(m.seq_len):
-            out.append(Diagnostic("warning", w, where, note=note))
-    return out
 
 
 def cmd_run(args) -> int:
@@ -288,7 +222,7 @@ def cmd_run(args) -> int:
             if any(d.severity == "error" for d in data):
                 raise SpecError(data, None)    # spans in data files: no spec excerpt
             _print_diags(data, None)
-        plan, out = _compile_to(args, plan, source)
+        plan, out, _ = _compile_to(args, plan, source)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
@@ -327,37 +261,17 @@ def cmd_run(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from parcompile.config.text import plural
-    from parcompile.verify import verify
-
     try:
-        plan, source = _compile(args.spec)
-        if plan.config.workload == "train":
-            data = prepare_data(plan.config)   # data errors as diagnostics, before any rank starts
-            if any(d.severity == "error" for d in data):
-                raise SpecError(data, None)
+        plan, _ = _compile(args.spec)
+        report = api.verify(plan, steps=args.steps, dtype=args.dtype)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
-        return EXIT_SPEC
-    try:
-        result = verify(plan.config, steps=args.steps, dtype=args.dtype)
-    except SpecError as e:
-        _print_diags(e.diagnostics, source)
         return EXIT_SPEC
     except RuntimeError as e:
         print(f"error: the miniature's run failed: {e}", file=sys.stderr)
         return EXIT_SPEC
-    m, p = result.mini.model, result.mini.parallel
-    print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
-          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
-          + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
-          f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
-          f"reference: one process")
-    print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
-    print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
-    print(result.table())
-    print("verify: " + ("passed" if result.ok else "FAILED"))
-    return EXIT_OK if result.ok else EXIT_SPEC
+    sys.stdout.write(report.text())
+    return EXIT_OK if report.passed else EXIT_SPEC
 
 
 def cmd_export(args) -> int:
@@ -365,13 +279,11 @@ def cmd_export(args) -> int:
     another engine's configuration (stdout, or FILE); notes about what the target cannot
     express go to stderr as `note:` lines (they are also comments in the Megatron and
     torchtitan outputs), and for DeepSpeed the launcher line too."""
-    from parcompile.export import export
-
     if args.output is not None and not args.output.strip():
         raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
     try:
         plan, source = _compile(args.spec)
-        result = export(plan, args.to)
+        result = api.export(plan, args.to)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source or _read(args.spec)[1])
         return EXIT_SPEC
@@ -427,6 +339,43 @@ def cmd_export_weights(args) -> int:
         return EXIT_SPEC
     print(f"wrote {args.output}/ (Hugging Face checkpoint of {args.ckpt_dir})")
     return EXIT_OK
+
+
+def _diff_side(path: str) -> tuple[dict, str]:
+    """One side of `diff`: a .par spec compiled (its diagnostics printed), else a plan.json
+    file or a directory `compile -o` wrote. Raises SpecError, _Usage."""
+    if Path(path).suffix == ".par":
+        plan, source = _compile(path)
+        _print_diags(plan.warnings, plan.source or source)
+        return plan.data, path
+    try:
+        return api.plan_data(Path(path))[0], path
+    except api.PlanFileError as e:
+        raise _Usage(str(e)) from None
+
+
+def cmd_diff(args) -> int:
+    """`parcompile diff OLD NEW [--format text|markdown|json] [--fail-on BOUND ...]`: what
+    changed between two plans (specs, plan.json files or `compile -o` directories); exit 1
+    when a --fail-on bound is crossed (:mod:`parcompile.plandiff`), 2 on bad usage."""
+    from parcompile.plandiff import BoundError, PlanDiff, diff_plans, parse_bound
+
+    try:
+        bounds = [parse_bound(b) for b in args.fail_on or []]   # bad usage first, before compiling
+    except BoundError as e:
+        raise _Usage(str(e)) from None
+    try:
+        (old, old_name), (new, new_name) = _diff_side(args.old), _diff_side(args.new)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    result = PlanDiff(old, new, diff_plans(old, new), old_name, new_name)
+    try:
+        result.check(bounds)
+    except BoundError as e:
+        raise _Usage(str(e)) from None
+    sys.stdout.write(result.render(args.format))
+    return EXIT_SPEC if result.failed else EXIT_OK
 
 
 def cmd_schema(args) -> int:
@@ -515,6 +464,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint_dir a training program wrote (or a step_N)")
     p.add_argument("-o", "--output", required=True, help="the Hugging Face checkpoint directory to write")
     p.set_defaults(fn=cmd_export_weights)
+
+    p = sub.add_parser("diff", help="what changed between two plans (specs, plan.json files or compile -o directories)",
+                       description="Compare two plans: degrees, groups, stages, memory per stage, communication, "
+                                   "collectives and the estimate. Exit 1 when a --fail-on bound is crossed.")
+    p.add_argument("old", metavar="OLD", help="a .par spec, a plan.json, or a directory `compile -o` wrote")
+    p.add_argument("new", metavar="NEW", help="the same kinds as OLD")
+    p.add_argument("--format", choices=["text", "markdown", "json"], default="text",
+                   help="text (default), markdown (a pull-request comment) or json")
+    p.add_argument("--fail-on", action="append", metavar="BOUND",
+                   help="exit 1 when crossed: METRIC=+N%% (a rise of more than N%%), -N%% (a fall), N%% (either "
+                        "way), an amount (+2GiB, +50ms), or a bare METRIC (any change); METRIC is peak_memory, "
+                        "step_time, tokens_per_s, tflops_per_gpu, mfu, bubble, comm_bytes, ttft, tpot, world_size "
+                        "or a plan.json path (estimate.breakdown.dp_comm, degrees); repeatable")
+    p.set_defaults(fn=cmd_diff)
 
     p = sub.add_parser("schema", help="print the JSON Schema of plan.json (docs/plan.schema.json)")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Mapping, Union
 
 #: ``note`` reports a decision the compiler made for the user (an automatic split), not a problem
 Severity = Literal["error", "warning", "note"]
+
+#: the text diagnostics quote: one spec's text, or file name -> text when the spans lie in
+#: several (a spec and the overrides applied to it, ``<override parallel.tp>``)
+Sources = Union[str, Mapping[str, str], None]
 
 
 @dataclass(frozen=True, order=True)
@@ -55,10 +59,13 @@ class Diagnostic:
     note: str | None = None
     code: str | None = None  # a stable tag for diagnostics that callers act on ("does-not-fit")
 
-    def render(self, source: str | None) -> str:
-        """Render in the SPEC format; ``source`` is the spec text (None: no excerpt)."""
+    def render(self, source: Sources) -> str:
+        """Render in the SPEC format; ``source`` is the spec text, or a mapping from file
+        name to text (the excerpt is taken from ``source[span.file]``), or None (no excerpt)."""
         s = self.span
         out = [f"{s.file}:{s.line}:{s.column}: {self.severity}: {self.message}"]
+        if source is not None and not isinstance(source, str):
+            source = source.get(s.file)
         lines = source.splitlines() if source is not None else []
         if 1 <= s.line <= len(lines):
             # control bytes (terminal escapes in a pasted or binary file) shown as `?`, one
@@ -121,7 +128,7 @@ class DiagnosticBag:
         """Diagnostics in source order (stable for equal spans)."""
         return sorted(self.items, key=lambda d: (d.span.file, d.span.line, d.span.column))
 
-    def raise_if_errors(self, source: str | None = None) -> None:
+    def raise_if_errors(self, source: Sources = None) -> None:
         """Raise :class:`SpecError` when any error was collected."""
         if self.errors:
             raise SpecError(self.sorted(), source)
@@ -130,10 +137,11 @@ class DiagnosticBag:
 class SpecError(Exception):
     """A spec has errors. ``.diagnostics`` lists all of them (warnings included), in source order.
 
-    ``str(err)`` renders them in the SPEC format when the source text is known.
+    ``str(err)`` renders them in the SPEC format when the source text is known
+    (``source``: the spec's text, or file name -> text, see :data:`Sources`).
     """
 
-    def __init__(self, diagnostics: list[Diagnostic], source: str | None = None):
+    def __init__(self, diagnostics: list[Diagnostic], source: Sources = None):
         self.diagnostics = list(diagnostics)
         self.source = source
         super().__init__(self.render())
@@ -141,7 +149,10 @@ class SpecError(Exception):
     def render(self) -> str:
         return "\n".join(d.render(self.source) for d in self.diagnostics)
 
+    def __str__(self) -> str:   # rendered now: ``source`` may have been set after raising
+        return self.render()
 
-def render_all(diags: Iterable[Diagnostic], source: str | None) -> str:
+
+def render_all(diags: Iterable[Diagnostic], source: Sources) -> str:
     """Render several diagnostics, one block each, separated by newlines."""
     return "\n".join(d.render(source) for d in diags)

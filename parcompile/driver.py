@@ -34,7 +34,7 @@ a pass is a :class:`PassError` naming the pass and the op.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
@@ -59,34 +59,44 @@ MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it 
                "micro_batch * seq_len / (cp * tp) * top_k, for the all-to-alls over ep and the "
                "all-gathers / reduce-scatters over expert_tp; verify measures the rows actually routed")
 
-def compile_source(source, filename: str | None = None) -> Plan:
+def compile_source(source, filename: str | None = None, overrides: Mapping[str, Any] | None = None) -> Plan:
     """Compile a spec, text or a ``pathlib.Path``, to its :class:`Plan` (steps 1-8 of the
-    module docstring); ``filename`` names text sources in diagnostics.
+    module docstring); ``filename`` names text sources in diagnostics; ``overrides``
+    (``{"parallel.tp": 4}``) are applied as if written in the spec
+    (:mod:`parcompile.frontend.overrides`).
 
     Raises:
-        SpecError: the spec has errors (all of them in ``.diagnostics``), or no layout
-            of its ``auto`` keys fits memory (code ``does-not-fit``).
-        TypeError: ``source`` is neither a str nor a ``pathlib.Path``.
+        SpecError: the spec has errors (all of them in ``.diagnostics``; ``.source`` holds
+            the text they quote), or no layout of its ``auto`` keys fits memory (code
+            ``does-not-fit``).
+        TypeError: ``source`` is neither a str nor a ``pathlib.Path``, or ``overrides``
+            not a mapping.
         PassError: a bug inside a pass (names the pass and the op).
     """
     check_source(source, filename)
     with paused_gc():
-        # 1. parse
-        parsed = parse_spec(source, filename)
-        # 2. check: the config, every rule of the checks table
-        cfg, warnings = check_spec(parsed)
-        # 3. search: the `auto` layout keys filled with the best layout the checks accept
-        result = None
-        if needs_search(cfg):
-            cfg, result = resolve(cfg)
-            seen = {(d.message, d.span) for d in warnings}
-            warnings += [d for d in check_layout(cfg) if d.severity == "warning" and (d.message, d.span) not in seen]
-        # 4. settle the split: layers that do not divide into the chunks are split unevenly
-        cfg, split_note = settle_split(cfg)
-        if split_note is not None:
-            warnings.append(split_note)
-        # 5-8. lower, passes, analyses, plan.json
-        return compile_config(cfg, warnings=warnings, search=result)
+        # 1. parse (and apply the overrides)
+        parsed = parse_spec(source, filename, overrides)
+        try:
+            # 2. check: the config, every rule of the checks table
+            cfg, warnings = check_spec(parsed)
+            # 3. search: the `auto` layout keys filled with the best layout the checks accept
+            result = None
+            if needs_search(cfg):
+                cfg, result = resolve(cfg)
+                seen = {(d.message, d.span) for d in warnings}
+                warnings += [d for d in check_layout(cfg) if d.severity == "warning" and (d.message, d.span) not in seen]
+            # 4. settle the split: layers that do not divide into the chunks are split unevenly
+            cfg, split_note = settle_split(cfg)
+            if split_note is not None:
+                warnings.append(split_note)
+            # 5-8. lower, passes, analyses, plan.json
+            plan = compile_config(cfg, warnings=warnings, search=result)
+        except SpecError as e:   # errors found after the front end quote the spec too
+            e.source = e.source or parsed.sources
+            raise
+        plan.source = parsed.sources
+        return plan
 
 
 def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), search: Any = None) -> Plan:

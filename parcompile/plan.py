@@ -2,23 +2,45 @@
 
 ``Plan.to_json()`` is byte-stable: sorted keys, 2-space indent, trailing newline, no
 timestamps and no absolute paths (SPEC 3). ``Plan.report_md()`` is the human-readable
-report ``parcompile compile`` writes next to it.
+report ``parcompile compile`` writes next to it; ``Plan.write(directory)`` writes every
+file ``parcompile compile -o DIR`` writes (``compile`` calls it). The sections of
+plan.json are typed attributes (``plan.memory.peak``, ``plan.estimate.step_time``): the
+models of :mod:`parcompile.plan_schema`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional
 
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
 from parcompile.core.units import bytes_text
-from parcompile.diagnostics import Diagnostic
+from parcompile.diagnostics import Diagnostic, Sources
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
+from parcompile.plan_schema import (Comm, Compute, Estimate, Groups, Memory, Model, PlanJSON, Schedule, Serve,
+                                    Stage, validate_plan)
 
 FORMAT = "parcompile.plan/1"
+
+#: every file ``compile`` may write (:meth:`Plan.write`); ones a new plan does not produce
+#: are removed from the directory
+GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
+             "launch.sh", "slurm.sbatch")
+#: the files :meth:`Plan.write` marks executable
+EXECUTABLE = ("launch.sh", "slurm.sbatch")
+TIMELINE_SECTION = """
+## Timeline of one step
+
+![simulated timeline of one step](timeline.svg)
+
+The schedule's actions run by the simulator with the cost model's times; `trace.json` holds
+the same timeline in Chrome trace format (open it in Perfetto or chrome://tracing).
+"""
 
 
 @dataclass
@@ -33,10 +55,129 @@ class Plan:
     degrees: dict[str, int] = field(default_factory=dict)
     #: the search that filled the spec's ``auto`` keys (:class:`parcompile.search.SearchResult`), else None
     search: Any = None
+    #: the text the warnings quote (:data:`parcompile.diagnostics.Sources`: the spec's, and its overrides')
+    source: Sources = None
 
     def to_json(self) -> str:
         """The plan.json text, byte for byte."""
         return dumps_sorted(self.data) + "\n"
+
+    # -- plan.json, typed ----------------------------------------------------------------
+
+    @cached_property
+    def typed(self) -> PlanJSON:
+        """plan.json as its pydantic model (:class:`parcompile.plan_schema.PlanJSON`),
+        validated once on first use. Its sections are also attributes of the plan
+        (``plan.memory``); ``plan.typed.degrees`` and ``plan.typed.search`` are the typed
+        forms of the two that :attr:`degrees` and :attr:`search` name otherwise."""
+        return validate_plan(self.data)
+
+    @property
+    def name(self) -> str:
+        """plan.json ``name``: the spec file's stem."""
+        return self.typed.name
+
+    @property
+    def workload(self) -> str:
+        """plan.json ``workload``: ``"train"`` or ``"serve"``."""
+        return self.typed.workload
+
+    @property
+    def world_size(self) -> int:
+        """plan.json ``world_size``: ranks."""
+        return self.typed.world_size
+
+    @property
+    def order(self) -> str:
+        """plan.json ``order``: rank order, fastest-varying first."""
+        return self.typed.order
+
+    @property
+    def groups(self) -> Groups:
+        """plan.json ``groups``: each axis's rank groups (``plan.groups.tp``)."""
+        return self.typed.groups
+
+    @property
+    def model(self) -> Model:
+        """plan.json ``model``: parameter counts and shape (``plan.model.params``)."""
+        return self.typed.model
+
+    @property
+    def stages(self) -> list[Stage]:
+        """plan.json ``stages``: one per pipeline rank (``plan.stages[0].layers``)."""
+        return self.typed.stages
+
+    @property
+    def schedule(self) -> Schedule:
+        """plan.json ``schedule`` (``plan.schedule.bubble_fraction``)."""
+        return self.typed.schedule
+
+    @property
+    def memory(self) -> Memory:
+        """plan.json ``memory``, bytes per rank (``plan.memory.peak``, ``plan.memory.per_stage[0].total``)."""
+        return self.typed.memory
+
+    @property
+    def comm(self) -> Comm:
+        """plan.json ``comm`` (``plan.comm.per_step.tp``: bytes per step)."""
+        return self.typed.comm
+
+    @property
+    def compute(self) -> Compute:
+        """plan.json ``compute`` (``plan.compute.model_flops_per_step``)."""
+        return self.typed.compute
+
+    @property
+    def estimate(self) -> Estimate:
+        """plan.json ``estimate`` (``plan.estimate.step_time``: seconds; ``.mfu``)."""
+        return self.typed.estimate
+
+    @property
+    def serve(self) -> Optional[Serve]:
+        """plan.json ``serve`` (serve specs; None for training): ``plan.serve.tpot``."""
+        return self.typed.serve
+
+    # -- the files compile writes --------------------------------------------------------
+
+    def outputs(self, directory: str | Path) -> dict[str, str]:
+        """Every file :meth:`write` writes into ``directory``, name -> text: plan.json,
+        report.md, graph.txt, trace.json, timeline.svg, the program (program.py or
+        serve.py), launch.sh and slurm.sbatch. ``directory`` matters to the program
+        (it names the spec's data files relative to it)."""
+        from parcompile.codegen.emit import render_launch, render_program, render_serve, render_slurm
+
+        out_dir = Path(directory)
+        files = {
+            "plan.json": self.to_json(),
+            "report.md": self.report_md() + TIMELINE_SECTION,
+            "graph.txt": self.graph_dump(),
+            "trace.json": self.trace_json(),
+            "timeline.svg": self.timeline_svg(),
+        }
+        if self.config.workload == "train":
+            files["program.py"] = render_program(self.config, self, out_dir)
+        else:
+            files["serve.py"] = render_serve(self.config, self, out_dir)
+        files["launch.sh"] = render_launch(self.config)
+        files["slurm.sbatch"] = render_slurm(self.config)
+        return files
+
+    def write(self, directory: str | Path) -> list[str]:
+        """Write the plan's files into ``directory`` (created if needed), exactly what
+        ``parcompile compile SPEC -o DIRECTORY`` writes, byte for byte (:meth:`outputs`):
+        atomically (each file old or new, never half-written; a new directory appears
+        whole), launch.sh and slurm.sbatch executable, and the files of
+        :data:`GENERATED` that this plan does not produce removed (a serve plan's
+        directory loses an earlier program.py). Returns the names written, sorted.
+
+        Raises:
+            OSError: the directory cannot be created or written (nothing is left half-written).
+        """
+        from parcompile.codegen.emit import write_files
+
+        files = self.outputs(directory)
+        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED)
+        return sorted(files)
 
     def graph_dump(self) -> str:
         """One line per op (see :mod:`parcompile.ir.printer`)."""

@@ -1,6 +1,6 @@
-"""Shared pytest options: `--update-goldens` regenerates tests/golden/."""
+"""Shared pytest setup: parcompile's own pytest plugin (:mod:`parcompile.testing`), which
+adds `--update-goldens` (regenerate tests/golden/ and the other golden files instead of
+comparing; PARCOMPILE_UPDATE_GOLDENS=1 does the same for the golden helpers) and the
+`parcompile_golden` fixture."""
 
-
-def pytest_addoption(parser):
-    parser.addoption("--update-goldens", action="store_true", default=False,
-                     help="rewrite tests/golden/ from the current compiler instead of comparing")
+pytest_plugins = ["parcompile.testing"]

@@ -1,7 +1,11 @@
 """Golden files: plan.json, the graph dump and program.py of every shipped example.
 
-Goldens show change, not truth (the equivalence tests show truth). A missing golden file
-fails; `python -m pytest tests/test_golden.py --update-goldens` rewrites them all.
+Goldens show change, not truth (the equivalence tests show truth). They are held with
+parcompile's own golden helpers (:mod:`parcompile.testing`, the `parcompile_golden`
+fixture): a plan.json that differs fails with `parcompile diff` of the golden and the new
+plan; other files with the first lines of a unified diff. A missing golden file fails;
+`python -m pytest tests/test_golden.py --update-goldens` (or PARCOMPILE_UPDATE_GOLDENS=1)
+rewrites them all.
 """
 
 from __future__ import annotations
@@ -20,16 +24,18 @@ TRACED = ("tiny", "llama3_8b_zero_bubble_1x8_h100")  # golden timelines (trace.j
 README_TIMELINE = ("llama3_8b_zero_bubble_1x8_h100", REPO / "docs" / "timeline.svg")  # the README's picture
 
 
-def _outputs(spec: Path) -> dict[str, str]:
+def _outputs(spec: Path) -> tuple[parcompile.plan.Plan, dict[str, str]]:
     plan = parcompile.compile(spec.relative_to(REPO))
-    out = {"plan.json": plan.to_json(), "graph.txt": plan.graph_dump()}
+    out = {"graph.txt": plan.graph_dump()}
     if spec.stem in TRACED:
         out["trace.json"] = plan.trace_json()
     if plan.config.workload == "train":
         out["program.py"] = render_program(plan.config, plan, REPO / "build" / plan.config.name)
     else:
         out["serve.py"] = render_serve(plan.config, plan, REPO / "build" / plan.config.name)
-    return out
+    if spec.stem == README_TIMELINE[0]:
+        out["timeline.svg"] = plan.timeline_svg()
+    return plan, out
 
 
 def test_examples_exist():
@@ -37,19 +43,10 @@ def test_examples_exist():
 
 
 @pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_golden(spec, request, monkeypatch):
+def test_golden(spec, parcompile_golden, monkeypatch):
     monkeypatch.chdir(REPO)  # plans name files relative to where parcompile runs
-    update = request.config.getoption("--update-goldens")
-    outputs = _outputs(spec)
-    if spec.stem == README_TIMELINE[0]:
-        outputs["timeline.svg"] = parcompile.compile(spec.relative_to(REPO)).timeline_svg()
+    plan, outputs = _outputs(spec)
+    parcompile_golden(plan, GOLDEN / spec.stem / "plan.json")
     for name, text in outputs.items():
         path = README_TIMELINE[1] if name == "timeline.svg" else GOLDEN / spec.stem / name
-        if update:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            continue
-        assert path.exists(), f"golden file {path.relative_to(REPO)} is missing; run pytest --update-goldens"
-        assert text == path.read_text(), (
-            f"{spec.name}: {name} differs from {path.relative_to(REPO)}; if the change is intended, "
-            "regenerate with pytest --update-goldens and review the diff")
+        parcompile_golden.text(text, path, what=f"{spec.name}: {name}")

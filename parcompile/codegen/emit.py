@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Protocol
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,7 +28,7 @@ from parcompile.codegen.program_data import LayerData, OpData, ProgramData, prog
 from parcompile.ir.ops import spec
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
-from parcompile.plan import Plan
+from parcompile.ir.graph import Graph
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -96,7 +97,17 @@ def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     return os.path.relpath(os.path.abspath(data), os.path.abspath(out_dir))
 
 
-def _graph_data(plan: Plan) -> tuple[ProgramData, dict]:
+class CompiledPlan(Protocol):
+    """What codegen reads of a compiled :class:`parcompile.plan.Plan` (not imported here:
+    ``Plan.write`` renders its files through this module, so plan.py sits above codegen)."""
+
+    config: SpecConfig
+    graph: Graph
+    data: dict
+    degrees: dict[str, int]
+
+
+def _graph_data(plan: CompiledPlan) -> tuple[ProgramData, dict]:
     """The sharded graph of ``plan`` (after the passes) as :class:`ProgramData`, and the
     plan.json dict.
 
@@ -104,7 +115,7 @@ def _graph_data(plan: Plan) -> tuple[ProgramData, dict]:
         TypeError: ``plan`` is not a compiled :class:`~parcompile.plan.Plan` (a plan.json
             dict has no graph to generate from).
     """
-    if not isinstance(plan, Plan):
+    if not isinstance(getattr(plan, "graph", None), Graph):
         raise TypeError(f"codegen needs the compiled Plan (its sharded graph), not {type(plan).__name__}")
     return program_data(plan.graph, plan.degrees), plan.data
 
@@ -142,7 +153,7 @@ def _layer_table(layer: LayerData | None) -> list[str]:
     return [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d:<{w[3]}}  {e}".rstrip() for a, b, c, d, e in rows]
 
 
-def program_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> dict:
+def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> dict:
     """The plain data the program template formats (see module docstring): local sizes,
     shapes and collectives from the sharded graph (:mod:`parcompile.codegen.program_data`),
     the training settings from the config."""
@@ -371,7 +382,7 @@ def _model_keys(m) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in m.model_dump().items()}
 
 
-def render_program(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> str:
+def render_program(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:
     """The text of ``program.py`` for a training plan (a :class:`~parcompile.plan.Plan`:
     its sharded graph gives every local size and collective; see :func:`program_context`)."""
     return _env.get_template("program.py.j2").render(**program_context(cfg, plan, out_dir))
@@ -408,7 +419,7 @@ def render_slurm(cfg: SpecConfig) -> str:
     )
 
 
-def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> dict:
+def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> dict:
     """The plain data the serve template formats (see module docstring); local sizes from
     the sharded graph, the kv heads a rank holds from the plan (a replicated kv head is
     unsplit in the graph: ``core/heads.py``)."""
@@ -463,7 +474,7 @@ def serve_context(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> d
     }
 
 
-def render_serve(cfg: SpecConfig, plan: Plan, out_dir: Path | None = None) -> str:
+def render_serve(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:
     """The text of ``serve.py`` for a serving plan."""
     return _env.get_template("serve.py.j2").render(**serve_context(cfg, plan, out_dir))
 

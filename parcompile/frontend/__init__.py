@@ -14,11 +14,12 @@ Its two steps, which :func:`parcompile.driver.compile_source` runs first:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 from parcompile.config.schema import SpecConfig
-from parcompile.diagnostics import Diagnostic, DiagnosticBag, Span, SpecError
+from parcompile.diagnostics import Diagnostic, DiagnosticBag, Sources, Span, SpecError
 from parcompile.frontend import ast
 from parcompile.frontend.parser import parse, strip_bom
 
@@ -52,16 +53,28 @@ class ParsedSpec:
     shown: str
     name: str
     source_dir: str | None
+    #: the line of each override applied (:mod:`parcompile.frontend.overrides`), by its file name
+    override_lines: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def sources(self) -> Sources:
+        """What diagnostics of this spec quote: its text, or with overrides, file name -> text."""
+        return {self.shown: self.text, **self.override_lines} if self.override_lines else self.text
 
 
-def parse_spec(source: str | Path, filename: str | None = None) -> ParsedSpec:
-    """Read ``source`` (the spec's text, or a :class:`pathlib.Path` to read) and parse it.
+def parse_spec(source: str | Path, filename: str | None = None,
+               overrides: Mapping[str, Any] | None = None) -> ParsedSpec:
+    """Read ``source`` (the spec's text, or a :class:`pathlib.Path` to read) and parse it;
+    apply ``overrides`` (``{"parallel.tp": 4}``) as if written in it
+    (:func:`parcompile.frontend.overrides.apply_overrides`).
 
     Diagnostics name the file ``filename``, else the path as given
-    (``examples/tiny.par``), else ``<spec>``.
+    (``examples/tiny.par``), else ``<spec>``; an override's name its own,
+    ``<override parallel.tp>``.
 
-    Raises :class:`SpecError` for a syntax error or a file that cannot be read, and
-    :class:`TypeError` for a source that is neither text nor a path (:func:`check_source`).
+    Raises :class:`SpecError` for a syntax error, a file that cannot be read or an
+    override that cannot be written in a spec, and :class:`TypeError` for a source that
+    is neither text nor a path (:func:`check_source`) or overrides that are not a mapping.
     """
     check_source(source, filename)
     if isinstance(source, Path):
@@ -78,7 +91,19 @@ def parse_spec(source: str | Path, filename: str | None = None) -> ParsedSpec:
     text = strip_bom(text)
     name = path.stem if path is not None else "spec"
     source_dir = str(path.parent) if path is not None else None
-    return ParsedSpec(text, parse(text, shown), shown, name, source_dir)
+    spec = parse(text, shown)
+    if not overrides:
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"overrides must be a mapping of \"block.key\" to a value, got {type(overrides).__name__}")
+        return ParsedSpec(text, spec, shown, name, source_dir)
+    from parcompile.frontend.overrides import apply_overrides
+
+    try:
+        spec, lines = apply_overrides(spec, overrides)
+    except SpecError as e:
+        e.source = {shown: text, **e.source}
+        raise
+    return ParsedSpec(text, spec, shown, name, source_dir, lines)
 
 
 def check_spec(parsed: ParsedSpec) -> tuple[SpecConfig, list[Diagnostic]]:
@@ -93,13 +118,15 @@ def check_spec(parsed: ParsedSpec) -> tuple[SpecConfig, list[Diagnostic]]:
 
     bag = DiagnosticBag()
     config = build_config(parsed.spec, bag, name=parsed.name, source_dir=parsed.source_dir)
-    bag.raise_if_errors(parsed.text)
+    bag.raise_if_errors(parsed.sources)
     return config, bag.sorted()
 
 
-def load_spec(source: str | Path, filename: str | None = None) -> tuple[SpecConfig, list[Diagnostic]]:
+def load_spec(source: str | Path, filename: str | None = None,
+              overrides: Mapping[str, Any] | None = None) -> tuple[SpecConfig, list[Diagnostic]]:
     """Parse, resolve and check a spec (:func:`parse_spec`, then :func:`check_spec`);
-    return its config and its warnings.
+    return its config and its warnings. ``overrides`` are applied as :func:`parse_spec`
+    applies them.
 
     ``source`` is the spec's text, or a :class:`pathlib.Path` to read. Diagnostics name
     the file ``filename``, else the path as given (``examples/tiny.par``), else
@@ -110,4 +137,4 @@ def load_spec(source: str | Path, filename: str | None = None) -> tuple[SpecConf
     Raises :class:`SpecError` with every diagnostic (warnings included, in source order)
     when the spec has an error, or when the file cannot be read.
     """
-    return check_spec(parse_spec(source, filename))
+    return check_spec(parse_spec(source, filename, overrides))
