@@ -73,6 +73,16 @@ class Plan:
         return validate_plan(self.data)
 
     @property
+    def format(self) -> str:
+        """plan.json ``format``: ``"parcompile.plan/1"``."""
+        return self.typed.format
+
+    @property
+    def version(self) -> str:
+        """plan.json ``version``: the parcompile version that compiled it."""
+        return self.typed.version
+
+    @property
     def name(self) -> str:
         """plan.json ``name``: the spec file's stem."""
         return self.typed.name

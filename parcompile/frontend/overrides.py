@@ -76,7 +76,7 @@ def value_text(value: Any, takes_string: bool = False) -> str:
         return value.strip()
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(value_text(v, takes_string) for v in value) + "]"
-    raise _BadValue(f"got {type(value).__name__}; an override value is {VALUE_TYPES}")
+    raise _BadValue(f"a {type(value).__name__} cannot be written in a spec")
 
 
 def _entry(kind: str, key: str, text: str, file: str) -> tuple[ast.Entry | None, str, list[Diagnostic]]:
@@ -151,6 +151,12 @@ def apply_overrides(spec: ast.Spec, overrides: Mapping[str, Any]) -> tuple[ast.S
         sources[file] = line
         if entry is None:
             errors += problems
+            continue
+        other = {"train": "serve", "serve": "train"}.get(kind)
+        if i is None and other is not None and any(b.kind == other for b in blocks):
+            errors.append(Diagnostic(
+                "error", f"override `{name}` adds a `{kind}` block, but the spec has a `{other}` block",
+                entry.key_span, help=f"a spec has `train` or `serve`, not both; override keys of `{other}`"))
             continue
         if i is None:   # the spec lacks the block: add it, at the override
             blocks.append(ast.Block(kind, None, None, (entry,), Span(file, 1, 1, 1, len(kind) + 1)))

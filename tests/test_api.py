@@ -1,0 +1,171 @@
+"""The Python API (issue 22, docs/python.md): overrides equal hand edits, bad overrides are
+diagnostics, Plan.write equals `compile -o`, typed plan.json fields, search/verify/export
+reports, and the package's callable modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import parcompile
+from parcompile.cli import main
+from parcompile.plan_schema import PlanJSON
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA8B = REPO / "examples" / "llama3_8b_2x8_h100.par"
+TINY = REPO / "examples" / "tiny.par"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_overrides_equal_the_spec_edited_by_hand(tp, monkeypatch):
+    """The tp sweep of the Llama-3 8B example with overrides gives plan.json byte for
+    byte as the spec with `tp = N` written in it (same file name, so same name and paths)."""
+    monkeypatch.chdir(REPO)
+    path = LLAMA8B.relative_to(REPO)
+    text = path.read_text()
+    assert text.count("    tp = 8\n") == 1
+    by_hand = parcompile.compile(text.replace("    tp = 8\n", f"    tp = {tp}\n"), filename=str(path))
+    by_override = parcompile.compile(path, overrides={"parallel.tp": tp})
+    assert by_override.degrees["tp"] == tp
+    assert by_override.to_json() == by_hand.to_json()
+    assert [d.message for d in by_override.warnings] == [d.message for d in by_hand.warnings]
+
+
+def test_overrides_add_keys_and_blocks_remove_keys_and_take_python_values():
+    spec = 'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
+    base = parcompile.compile(spec, overrides={"parallel.tp": 8, "model.seq_len": 4096, "train.lr": 1e-4,
+                                               "parallel.sequence_parallel": True, "cluster.memory": "40 GiB",
+                                               "parallel.order": "tp-cp-ep-dp-pp"})
+    assert (base.degrees["tp"], base.model.seq_len, base.config.train.lr) == (8, 4096, 1e-4)
+    assert base.config.parallel.sequence_parallel and base.config.cluster.memory == 40 * 2**30
+    hand = parcompile.compile(spec.replace("nodes = 1 }", "nodes = 1, memory = 40 GiB }")
+                              + "parallel {\n tp = 8\n sequence_parallel = true\n order = \"tp-cp-ep-dp-pp\"\n}\n"
+                              + "train { lr = 0.0001 }\n", overrides={"model.seq_len": 4096})
+    assert base.to_json() == hand.to_json()
+    # None removes a key: the default (tp = 1) as if never written
+    assert parcompile.compile(LLAMA8B, overrides={"parallel.tp": None}).degrees["tp"] == 1
+
+
+@pytest.mark.parametrize("overrides, where, message", [
+    ({"parallel.tp": 3}, "<override parallel.tp>:1:17", "tp = 3 does not divide heads = 32"),
+    ({"parallel.tpp": 2}, "<override parallel.tpp>:1:12", "unknown key `tpp` in `parallel`"),
+    ({"tp": 2}, "<override tp>:1:1", "override `tp` is not `block.key`"),
+    ({"paralel.tp": 2}, "<override paralel.tp>:1:1", "unknown block `paralel`"),
+    ({"parallel.tp": "4, pp = 1"}, "<override parallel.tp>:1:17", "must be one value"),
+    ({"parallel.tp": {"x": 1}}, "<override parallel.tp>:1:1", "a dict cannot be written in a spec"),
+    ({"cluster.memory": 80}, "<override cluster.memory>:1:20", "missing unit"),
+    ({"serve.batch": 2}, "<override serve.batch>:1:9", "adds a `serve` block, but the spec has a `train` block"),
+])
+def test_a_bad_override_is_a_diagnostic_at_the_override(overrides, where, message):
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.compile(LLAMA8B, overrides=overrides)
+    rendered = str(e.value)
+    first = next(d for d in e.value.diagnostics if d.span.file.startswith("<override"))
+    assert f"{first.span.file}:{first.span.line}:{first.span.column}" == where
+    assert message in first.message
+    # the excerpt is the override's own line, with the caret under its value or key
+    lines = rendered.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith(where)))
+    assert lines[at + 1].startswith(tuple(overrides)[0].split(".")[0]), rendered
+    assert lines[at + 2].index("^") == first.span.column - 1
+
+
+def test_api_argument_errors_are_type_errors():
+    with pytest.raises(TypeError, match="pass overrides by keyword"):
+        parcompile.compile(LLAMA8B, {"parallel.tp": 4})
+    with pytest.raises(TypeError, match="overrides must be a mapping"):
+        parcompile.compile(LLAMA8B, overrides=[("parallel.tp", 4)])
+    with pytest.raises(TypeError, match="compiled Plan"):
+        parcompile.export(LLAMA8B, "megatron")
+
+
+def test_plan_write_is_compile_o_byte_for_byte(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["compile", "examples/tiny.par", "-o", str(tmp_path / "cli")]) == 0
+    written = parcompile.compile(Path("examples/tiny.par")).write(tmp_path / "api")
+    names = sorted(os.listdir(tmp_path / "cli"))
+    assert written == names and "program.py" in names and "plan.json" in names
+    for name in names:
+        a, b = tmp_path / "cli" / name, tmp_path / "api" / name
+        assert a.read_bytes() == b.read_bytes(), name
+        assert a.stat().st_mode == b.stat().st_mode, name
+    assert f"({', '.join(names)})" in capsys.readouterr().out
+
+
+def test_typed_plan_fields_are_plan_json():
+    plan = parcompile.compile(TINY)
+    assert isinstance(plan.typed, PlanJSON)
+    assert plan.memory.peak == plan.data["memory"]["peak"]
+    assert plan.estimate.step_time == plan.data["estimate"]["step_time"]
+    assert plan.memory.per_stage[1].total == plan.data["memory"]["per_stage"][1]["total"]
+    assert plan.typed.degrees.tp == plan.degrees["tp"] == 2
+    assert plan.serve is None and plan.workload == "train"
+    # every section of plan.json is an attribute, but the two older names (degrees, search)
+    shadowed = {"degrees", "search"}
+    for name in PlanJSON.model_fields:
+        if name in shadowed:
+            continue
+        assert getattr(plan, name) == getattr(plan.typed, name), name
+
+
+def test_search_report_ranks_typed_candidates():
+    report = parcompile.search(LLAMA8B, top=3, overrides={"parallel.tp": "auto", "parallel.pp": "auto"})
+    assert len(report.candidates) == 3
+    times = [c.step_time for c in report.candidates]
+    assert times == sorted(times) and all(c.fits for c in report.candidates)
+    assert report.best.parallel.tp * report.best.parallel.pp * report.best.parallel.dp == 16
+    # the best layout compiled as a spec gives the candidate's estimate
+    best = parcompile.compile(LLAMA8B, overrides={"parallel.tp": report.best.parallel.tp,
+                                                  "parallel.pp": report.best.parallel.pp})
+    assert best.estimate.step_time == pytest.approx(report.best.step_time, rel=1e-6)
+    assert report.text().splitlines()[3].split()[1] == report.best.degrees_text().split()[0]
+
+
+def test_search_with_no_fitting_layout_raises_with_the_closest():
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.search(LLAMA8B, overrides={"parallel.tp": "auto", "cluster.memory": "1 GiB"})
+    assert e.value.diagnostics[-1].code == "does-not-fit"
+
+
+def test_export_api_is_the_cli_export(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    plan = parcompile.compile(Path("examples/llama3_70b_8x8_h100.par"))
+    assert main(["export", "examples/llama3_70b_8x8_h100.par", "--to", "torchtitan"]) == 0
+    assert capsys.readouterr().out == parcompile.export(plan, "torchtitan").text
+
+
+def test_search_verify_export_are_callable_modules_in_any_import_order():
+    """`import parcompile` loads no torch or pydantic; the modules imported first (as the
+    driver and the CLI do) are still the API functions when called."""
+    code = (
+        "import sys, inspect, pathlib\n"
+        "import parcompile\n"
+        "assert not {'torch', 'pydantic'} & set(sys.modules), sorted(sys.modules)\n"
+        "import parcompile.search as module\n"
+        "from parcompile.search import table\n"
+        "assert parcompile.search is module and callable(module)\n"
+        "assert 'top' in inspect.signature(parcompile.search).parameters\n"
+        "from parcompile import export\n"
+        "plan = parcompile.compile(pathlib.Path('examples/tiny.par'))\n"
+        "assert export(plan, 'megatron').text == parcompile.export.export(plan, 'megatron').text\n"
+        "print(type(parcompile.verify).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "CallableModule"
+
+
+def test_load_plan_reads_plan_json_typed(tmp_path):
+    plan = parcompile.compile(TINY)
+    plan.write(tmp_path)
+    loaded = parcompile.load_plan(tmp_path / "plan.json")
+    assert loaded == plan.typed and parcompile.load_plan(tmp_path).memory.peak == plan.memory.peak
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "parcompile.plan/1", "memory": {}}))
+    with pytest.raises(parcompile.PlanFileError, match="schema"):
+        parcompile.load_plan(tmp_path / "bad.json")
