@@ -1,6 +1,6 @@
 """Shared pytest setup: parcompile's own pytest plugin (:mod:`parcompile.testing`), which
 adds `--update-goldens` (regenerate tests/golden/ and the other golden files instead of
 comparing; PARCOMPILE_UPDATE_GOLDENS=1 does the same for the golden helpers) and the
-`parcompile_golden` fixture."""
+`parcompile_golden` fixture; and pytester, which runs a user's suite with that plugin."""
 
-pytest_plugins = ["parcompile.testing"]
+pytest_plugins = ["parcompile.testing", "pytester"]
