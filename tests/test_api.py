@@ -169,3 +169,46 @@ def test_load_plan_reads_plan_json_typed(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"format": "parcompile.plan/1", "memory": {}}))
     with pytest.raises(parcompile.PlanFileError, match="schema"):
         parcompile.load_plan(tmp_path / "bad.json")
+
+
+# --------------------------------------------------------------------------------------
+# verify: the report of a real miniature run (batched with the other 2-rank verify cases)
+
+from tests.verify_batch import result_of, verify_fixture  # noqa: E402
+
+#: the tiny example on 2 ranks (tp 2), through overrides; its data is read (builtin:pydoc)
+VERIFY_OVERRIDES = {"cluster.gpus_per_node": 2, "parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 1,
+                    "parallel.global_batch": 8}
+
+
+def _build(test: str, case: str) -> tuple:
+    return parcompile.compile(TINY, overrides=VERIFY_OVERRIDES).config, "fp32"
+
+
+verified = verify_fixture(__name__, _build)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", ["tiny_tp2"])
+def test_verify_report_and_the_cli_print_the_run(case, verified, request, monkeypatch, capsys):
+    """parcompile.verify compiles with the overrides, reads the data, runs verify on that
+    config and reports its rows; the CLI prints the report. The run itself is the batched
+    one of the same config (verify.verify_many builds it as verify.verify does)."""
+    result = result_of(verified, request, case)
+    calls = []
+
+    def run(cfg, steps, dtype, timeout_s):
+        calls.append((cfg, steps, dtype))
+        return result
+
+    monkeypatch.setattr("parcompile.verify.verify", run)
+    report = parcompile.verify(TINY, overrides=VERIFY_OVERRIDES)
+    assert calls == [(_build("", case)[0], 3, "fp32")]
+    assert report.passed and report.rows == result.checks and len(report.losses) == 3
+    assert report.plan.world_size == 2
+    text = report.text()
+    assert result.table() in text and text.endswith("verify: passed\n")
+    assert text.startswith("miniature: ") and "dp 1 x tp 2 x pp 1" in text
+    monkeypatch.chdir(REPO)
+    assert main(["verify", "examples/tiny.par"]) == 0     # the CLI prints the API's report
+    assert capsys.readouterr().out == parcompile.verify(TINY, overrides=None).text()
