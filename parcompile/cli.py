@@ -348,13 +348,22 @@ def cmd_verify(args) -> int:
         print(f"error: the miniature's run failed: {e}", file=sys.stderr)
         return EXIT_SPEC
     m, p = result.mini.model, result.mini.parallel
-    print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
-          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
-          + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
-          f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
-          f"reference: one process")
-    print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
-    print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
+    if result.mini.workload == "serve":   # greedy requests through the serve program
+        s, replicas = result.mini.serve, result.plan["model"]["kv_head_replicas"]
+        print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}; "
+              f"dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f", each kv head on {replicas} tp ranks" if replicas > 1 else "")
+              + f"; {plural(s.batch, 'greedy sequence')}, prompts of up to {s.prompt_len} tokens + "
+              f"{s.max_new_tokens} new; reference: one process")
+        print("tokens:    " + " | ".join(" ".join(map(str, t)) for t in result.tokens))
+        print("reference: " + " | ".join(" ".join(map(str, t)) for t in result.ref_tokens))
+    else:
+        print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
+              f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+              + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
+              f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
+              f"reference: one process")
+        print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
+        print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
     print(result.table())
     print("verify: " + ("passed" if result.ok else "FAILED"))
     return EXIT_OK if result.ok else EXIT_SPEC
@@ -499,7 +508,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
     p.add_argument("spec")
-    p.add_argument("--steps", type=_at_least_one, default=3, help="training steps to compare (default 3)")
+    p.add_argument("--steps", type=_at_least_one, default=3,
+                   help="training steps to compare (default 3; a serve spec runs greedy requests instead)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)

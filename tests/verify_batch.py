@@ -37,22 +37,26 @@ def verify_fixture(module: str, build: Callable[[str, object], tuple], param: st
     """Register ``build`` for the test module ``module`` (pass ``__name__``) and return a
     fixture giving the results ``{(module, test name, case): VerifyResult | Exception}``.
 
-    ``build(test name, case)`` gives ``(SpecConfig, dtype)`` or ``(SpecConfig, dtype,
-    Tolerances)``; cases of modules with the same ``steps`` share launches."""
+    ``build(test name, case)`` gives ``(SpecConfig, dtype)``, ``(SpecConfig, dtype,
+    Tolerances)`` or ``(SpecConfig, dtype, Tolerances or None, edit)`` (``edit``: a function
+    given the miniature's directory before it runs, ``verify_many``'s ``edits``); cases of
+    modules with the same ``steps`` share launches (training and serve specs alike)."""
     _BUILDERS[module] = (build, param, steps)
 
     @pytest.fixture
     def fixture(request, tmp_path_factory):
         todo = [k for k in _selected(request.session) if _BUILDERS[k[0]][2] == steps]
         if todo:
-            cfgs, dtypes, tols = {}, {}, {}
+            cfgs, dtypes, tols, edits = {}, {}, {}, {}
             for key in todo:
-                cfg, dtype, *tol = _BUILDERS[key[0]][0](key[1], key[2])
+                cfg, dtype, *more = _BUILDERS[key[0]][0](key[1], key[2])
                 cfgs[key], dtypes[key] = cfg, dtype
-                if tol:
-                    tols[key] = tol[0]
+                if more and more[0] is not None:
+                    tols[key] = more[0]
+                if len(more) > 1:
+                    edits[key] = more[1]
             _RESULTS.update(verify_many(cfgs, steps=steps, workdir=tmp_path_factory.mktemp("verify"),
-                                        dtypes=dtypes, tols=tols))
+                                        dtypes=dtypes, tols=tols, edits=edits))
         return _RESULTS
 
     return fixture
