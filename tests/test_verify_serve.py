@@ -66,7 +66,7 @@ def _build(test: str, case: str) -> tuple:
     return _config(CASES[case]), "fp32"
 
 
-verified = verify_fixture(__name__, _build)
+verified = verify_fixture(__name__, _build, per_test=False)   # tp2_pp2 serves three tests: run once
 
 
 def _row(result, start: str):
