@@ -40,6 +40,8 @@ CASES = {
     "tp2_pp2": dict(tp=2, pp=2),
     # kv-head replication: 2 kv heads on tp 4, each on 2 ranks (vLLM)
     "tp4_kv2_replicated": dict(tp=4, model=dict(heads=8, kv_heads=2)),
+    # dp: independent replicas, each its own share of the sequences (tokens and logits joined in order)
+    "dp2_tp2": dict(dp=2, tp=2),
     # DeepSeek-V3: multi-head latent attention (the latent cache on every tp rank), MoE
     "deepseek_v3_mla_tp2": dict(tp=2, model=DEEPSEEK_V3),
     # Gemma 3: local sliding-window layers (a cache of the window) and global ones, tied embeddings
@@ -80,9 +82,9 @@ def test_serve_layout_matches_single_process(case, verified, request):
     print(result.table())
     assert result.ok, result.table()
     tol = Tolerances()
-    assert result.tokens == result.ref_tokens and len(result.tokens) == 2
+    assert result.tokens == result.ref_tokens and len(result.tokens) == 2 * result.mini.parallel.dp
     assert all(len(t) == SERVE_NEW_TOKENS for t in result.tokens)
-    assert len({tuple(t) for t in result.tokens}) == 2        # two different sequences, not one repeated
+    assert len({tuple(t) for t in result.tokens}) == len(result.tokens)   # different sequences, not one repeated
     for row in ("prefill logits", "decode logits"):
         assert _row(result, row).max_abs <= tol.logits_atol
     kv = _row(result, "KV cache bytes per rank")
