@@ -356,14 +356,16 @@ def cmd_verify(args) -> int:
               f"{s.max_new_tokens} new; reference: one process")
         print("tokens:    " + " | ".join(" ".join(map(str, t)) for t in result.tokens))
         print("reference: " + " | ".join(" ".join(map(str, t)) for t in result.ref_tokens))
-    else:
-        print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
-              f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
-              + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
-              f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
-              f"reference: one process")
-        print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
-        print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
+        print(result.table())
+        print("verify: " + ("passed" if result.ok else "FAILED"))
+        return EXIT_OK if result.ok else EXIT_SPEC
+    print(f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
+          f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+          + (f" (ep {p.ep})" if p.ep > 1 else "") + f", {p.schedule}, "
+          f"{plural(p.num_microbatches, 'micro-batch', 'micro-batches')}, {plural(args.steps, 'step')}; "
+          f"reference: one process")
+    print("losses:    " + " ".join(f"{x:.6f}" for x in result.losses))
+    print("reference: " + " ".join(f"{x:.6f}" for x in result.ref_losses))
     print(result.table())
     print("verify: " + ("passed" if result.ok else "FAILED"))
     return EXIT_OK if result.ok else EXIT_SPEC
