@@ -235,7 +235,21 @@ class VerifyReport:
         """What ``parcompile verify`` prints: the miniature, both losses, the table, the verdict."""
         from parcompile.config.text import plural
 
-        m, p = self.result.mini.model, self.result.mini.parallel
+        r = self.result
+        m, p = r.mini.model, r.mini.parallel
+        if r.mini.workload == "serve":   # greedy requests through the serve program
+            s, replicas = r.mini.serve, r.plan["model"]["kv_head_replicas"]
+            return "\n".join([
+                f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}; "
+                f"dp {p.dp} x tp {p.tp} x pp {p.pp}"
+                + (f", each kv head on {replicas} tp ranks" if replicas > 1 else "")
+                + f"; {plural(s.batch, 'greedy sequence')}, prompts of up to {s.prompt_len} tokens + "
+                f"{s.max_new_tokens} new; reference: one process",
+                "tokens:    " + " | ".join(" ".join(map(str, t)) for t in r.tokens),
+                "reference: " + " | ".join(" ".join(map(str, t)) for t in r.ref_tokens),
+                r.table(),
+                "verify: " + ("passed" if self.passed else "FAILED"),
+            ]) + "\n"
         return "\n".join([
             f"miniature: {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}, "
             f"seq {m.seq_len}; dp {p.dp} x tp {p.tp} x pp {p.pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")

@@ -448,7 +448,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")
     p.add_argument("spec")
-    p.add_argument("--steps", type=_at_least_one, default=3, help="training steps to compare (default 3)")
+    p.add_argument("--steps", type=_at_least_one, default=3,
+                   help="training steps to compare (default 3; a serve spec runs greedy requests instead)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)

@@ -14,6 +14,11 @@ in-process as the reference. They are compared on:
   count) that one training step of each rank runs; MoE token traffic, whose size the
   router decides, at the plan's bytes per row for the rows actually routed, and summed over
   the ranks, at the plan's balanced estimate (:func:`check_routed`).
+
+A `serve` spec's miniature (:func:`serve_miniature`: the same model and layout rule, a few
+greedy requests) runs its generated serve program instead, compared with the same program
+in one process (:func:`compare_serve`) on the greedy tokens, the logits of the prefill and
+of every decode step, the KV cache bytes each rank holds and the parameters per rank.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
-from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
+from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
+                                      TrainConfig)
 from parcompile.diagnostics import Diagnostic, SpecError
 
 #: the miniature's gradient bucket size: a miniature layer holds a few KiB of gradients, so
@@ -61,6 +67,11 @@ class Tolerances:
     grad_rtol: float = 1e-4
     param_atol: float = 1e-4
     param_rtol: float = 1e-4
+    #: serving: logits (a serve miniature's are O(1e-1)) differ by summation order only, a few
+    #: fp32 ulps through a few layers (measured: at most 1.8e-7); a wrong layout moves them by
+    #: their own size
+    logits_atol: float = 1e-5
+    logits_rtol: float = 1e-4
 
     @classmethod
     def for_dtype(cls, dtype: str) -> "Tolerances":
@@ -101,6 +112,9 @@ class VerifyResult:
     mini: SpecConfig | None = None
     plan: dict = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
+    #: a serve miniature's greedy tokens per sequence, and the reference's
+    tokens: list[list[int]] = field(default_factory=list)
+    ref_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -121,7 +135,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     """A small model with the same parallel structure as ``cfg`` (see module docstring).
 
     Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
-    kv head per tp rank), head_dim 8, ffn = 2 * hidden, seq_len 16 (at most 64 for
+    kv head per tp rank; a serving layout with fewer kv heads than tp ranks keeps its kv
+    heads, each replicated on tp / kv_heads ranks), head_dim 8, ffn = 2 * hidden, seq_len 16 (at most 64 for
     prompt_completion and chat samples), dropout 0, fp32; the spec's data and tokenizer
     (a Hugging Face tokenizer sets the vocabulary), its own random weights.
     Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
@@ -141,7 +156,9 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
             "(e.g. tp = 2, pp = 2, dp = 2 on a `cpu` cluster)")])
     tp = p.tp
     kv = tp if m.kv_heads < m.heads else 2 * tp
-    heads = 2 * tp if m.kv_heads == m.heads else kv * 2
+    if cfg.workload == "serve" and m.kv_heads < tp and not m.kv_lora_rank:
+        kv = m.kv_heads   # serving replicates each kv head on tp / kv_heads ranks (vLLM): kept
+    heads = 2 * tp if m.kv_heads == m.heads or kv < tp else kv * 2
     kv = min(kv, heads)
     head_dim = 8
     hidden = heads * head_dim
@@ -250,26 +267,72 @@ def reference(mini: SpecConfig) -> SpecConfig:
     return mini.model_copy(update=dict(name=mini.name + "_reference", parallel=par, cluster=cluster))
 
 
+#: a serve miniature's requests: sequences per dp replica, the longest prompt, new tokens
+#: (prompt + new = the miniature's seq_len of 16, so a sliding window of 8 fills and slides)
+SERVE_BATCH_PER_REPLICA = 2
+SERVE_PROMPT_LEN = 8
+SERVE_NEW_TOKENS = 8
+
+
+def serve_miniature(cfg: SpecConfig, dtype: str = "fp32") -> SpecConfig:
+    """The miniature of a `serve` spec: :func:`miniature`'s model and layout (its own random
+    weights, not the spec's checkpoint), serving :data:`SERVE_BATCH_PER_REPLICA` greedy
+    sequences per dp replica, prompts of up to :data:`SERVE_PROMPT_LEN` tokens and
+    :data:`SERVE_NEW_TOKENS` new ones, the KV cache in the model's dtype.
+
+    Raises:
+        SpecError: as :func:`miniature`; a compute dtype other than fp32 (greedy tokens are
+            compared exactly, so both runs must round alike to a few ulps).
+    """
+    if dtype != "fp32":
+        raise SpecError([Diagnostic(
+            "error", f"verify runs the miniature of a `serve` spec in fp32 only (--dtype {dtype} was given)",
+            cfg.span("serve"), help="drop `--dtype`: greedy tokens are compared exactly, and 16-bit rounding "
+                                    "in a different order per layout can flip a near tie")])
+    mini = miniature(cfg, 1, dtype)
+    serve = ServeConfig(batch=SERVE_BATCH_PER_REPLICA * mini.parallel.dp, prompt_len=SERVE_PROMPT_LEN,
+                        max_new_tokens=SERVE_NEW_TOKENS, seed=cfg.serve.seed, temperature=0.0)
+    return mini.model_copy(update=dict(workload="serve", serve=serve, train=cfg.train))
+
+
+def serve_prompts(plan: dict) -> list[list[int]]:
+    """The serve miniature's prompts, from its plan.json: ``serve.batch`` sequences of token
+    ids drawn from seed 0 below the vocabulary, even ones ``serve.prompt_len`` long and odd
+    ones 2 shorter (left padding in every replica, whose longest prompt sizes the cache as
+    the plan does)."""
+    sv, vocab = plan["serve"], plan["model"]["vocab"]
+    g = torch.Generator().manual_seed(0)
+    lens = [sv["prompt_len"] - (2 if b % 2 else 0) for b in range(sv["batch"])]
+    return [torch.randint(0, vocab, (max(n, 1),), generator=g).tolist() for n in lens]
+
+
 def _emit(cfg: SpecConfig, out: Path) -> dict:
-    from parcompile.codegen.emit import render_program, write_files
+    from parcompile.codegen.emit import program_name, render_program, render_serve, write_files
     from parcompile.driver import compile_config
 
     plan = compile_config(cfg)
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out)})
+    render = render_serve if cfg.workload == "serve" else render_program
+    write_files(out, {"plan.json": plan.to_json(), program_name(cfg): render(cfg, plan, out)})
     return plan.data
 
 
 def _run_reference(out: Path, metrics: Path, steps: int) -> None:
-    """Run the reference program in this process (no torchrun, world of one)."""
-    spec = importlib.util.spec_from_file_location("parcompile_reference_program", out / "program.py")
+    """Run the reference program in ``out`` in this process (no torchrun, world of one),
+    its records written to ``metrics``; on one intra-op thread, as :func:`_torchrun` runs
+    each rank (a miniature's matrices are far too small to gain from threads, and on a busy
+    machine spinning threads made a serve reference 10x slower)."""
+    job = _job(out, steps, metrics)
+    spec = importlib.util.spec_from_file_location("parcompile_reference_program", job["program"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the reference's step log is not the user's
-            module.main(["--plan", str(out / "plan.json"), "--metrics-dir", str(metrics), "--steps", str(steps),
-                         "--checkpoint-dir", ""])
+            module.main(["--plan", str(out / "plan.json"), *job["argv"]])
     finally:
+        torch.set_num_threads(threads)
         os.environ.update(saved)
 
 
@@ -282,8 +345,8 @@ def _torchrun(world: int, args: list[str], timeout_s: float) -> subprocess.Compl
 
 
 def _run_torchrun(out: Path, metrics: Path, world: int, steps: int, timeout_s: float, log) -> None:
-    proc = _torchrun(world, [str(out / "program.py"), "--metrics-dir", str(metrics), "--steps", str(steps),
-                             "--checkpoint-dir", ""], timeout_s)
+    job = _job(out, steps, metrics)
+    proc = _torchrun(world, [job["program"], *job["argv"]], timeout_s)
     if log:
         log(proc.stdout)
     if proc.returncode != 0:
@@ -340,7 +403,10 @@ def _compare_tensors(what: str, ref: dict, got: dict, vocab: int, atol: float, r
 
 
 def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tolerances) -> VerifyResult:
-    """Compare a run's metrics directory with the reference's (see module docstring)."""
+    """Compare a run's metrics directory with the reference's (see module docstring); a
+    serve miniature's with :func:`compare_serve`."""
+    if mini.workload == "serve":
+        return compare_serve(ref_dir, run_dir, plan, mini, tol)
     ref_rec = json.loads((ref_dir / "rank0.json").read_text())
     recs = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
     res = VerifyResult(mini=mini, plan=plan, records=recs)
@@ -368,6 +434,100 @@ def compare(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tol
     if act is not None:
         res.checks.append(act)
     return res
+
+
+def _rank_records(metrics: Path) -> list[dict]:
+    """The ``rank<r>.json`` records of a run, in rank order."""
+    return [json.loads(f.read_text()) for f in sorted(metrics.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+
+
+def serve_outputs(records: list[dict], metrics: Path) -> tuple[list[list[int]], torch.Tensor | None]:
+    """A serve run's greedy tokens and logits, replica after replica (each replica's last
+    stage, tp rank 0; its ``rank<r>.pt``): ``(tokens per sequence, logits (steps, B, vocab))``,
+    logits None when not recorded."""
+    last = max(r["stage"] for r in records)
+    speakers = sorted((r for r in records if r["stage"] == last and r["tp_index"] == 0), key=lambda r: r["dp_index"])
+    tokens = [t for r in speakers for t in r["tokens"]]
+    parts = [metrics / f"rank{r['rank']}.pt" for r in speakers]
+    if not parts or not all(f.is_file() for f in parts):
+        return tokens, None
+    return tokens, torch.cat([torch.load(f)["logits"] for f in parts], dim=1)
+
+
+def compare_serve(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tolerances) -> VerifyResult:
+    """A serve miniature's run against its one-process reference (the same prompts, greedy):
+
+    - the new tokens of every sequence, exactly;
+    - the prefill's logits (the last prompt position's, which pick the first token) and each
+      decode step's, within ``tol.logits_atol + tol.logits_rtol * |ref|`` (decode steps
+      compared only when the tokens agree: they are their inputs);
+    - the KV cache bytes each rank allocated, exactly the plan's
+      ``memory.per_stage[s].kv_cache`` (:mod:`parcompile.analysis.kv`: the replica's
+      sequences x the cached tokens x ``serve.kv_bytes_per_token_per_stage[s]``);
+    - the parameters each rank holds, the plan's ``params_per_rank``.
+    """
+    recs = _rank_records(run_dir)
+    ref_tokens, ref_logits = serve_outputs(_rank_records(ref_dir), ref_dir)
+    tokens, logits = serve_outputs(recs, run_dir)
+    res = VerifyResult(mini=mini, plan=plan, records=recs)
+    res.tokens, res.ref_tokens = tokens, ref_tokens
+    n_seq, n_new = len(ref_tokens), max((len(t) for t in ref_tokens), default=0)
+    wrong = [(b, next((i for i, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r))))
+             for b, (a, r) in enumerate(zip(tokens, ref_tokens)) if a != r]
+    differing = sum(x != y for a, r in zip(tokens, ref_tokens) for x, y in zip(a, r)) \
+        + sum(abs(len(a) - len(r)) for a, r in zip(tokens, ref_tokens)) + abs(len(tokens) - len(ref_tokens)) * n_new
+    detail = "; ".join(f"sequence {b} from new token {i}: {tokens[b][i:i + 4]} vs reference {ref_tokens[b][i:i + 4]}"
+                       for b, i in wrong[:2])
+    if len(tokens) != len(ref_tokens):
+        detail = f"{len(tokens)} sequences vs {len(ref_tokens)} in the reference"
+    res.checks.append(Check(f"greedy tokens ({n_seq} sequences x {n_new} new; differing)", float(differing), 0.0,
+                            not differing and bool(ref_tokens), detail))
+    for what, rows in (("prefill logits", slice(0, 1)), ("decode logits", slice(1, None))):
+        if logits is None or ref_logits is None:
+            res.checks.append(Check(what, math.inf, tol.logits_atol, False, "no logits recorded", tol.logits_rtol))
+            continue
+        a, b = logits[rows], ref_logits[rows]
+        if a.shape != b.shape:
+            res.checks.append(Check(what, math.inf, tol.logits_atol, False,
+                                    f"shape {tuple(a.shape)} != reference {tuple(b.shape)}", tol.logits_rtol))
+            continue
+        if what == "decode logits" and differing:
+            res.checks.append(Check(what, math.inf, tol.logits_atol, False, "not compared: the tokens differ",
+                                    tol.logits_rtol))
+            continue
+        d = (a - b).abs()
+        ok = bool((d <= tol.logits_atol + tol.logits_rtol * b.abs()).all())
+        shape = " x ".join(map(str, (a.shape[1], a.shape[2]) if what == "prefill logits" else tuple(a.shape)))
+        res.checks.append(Check(f"{what} ({shape})", d.max().item() if d.numel() else 0.0, tol.logits_atol, ok,
+                                f"max |ref| {b.abs().max().item():.2e}", tol.logits_rtol))
+    res.checks.append(kv_cache_check(recs, plan))
+    res.checks.append(params_check(recs, plan))
+    return res
+
+
+def kv_cache_check(records: list[dict], plan: dict) -> Check:
+    """The KV cache bytes each rank of a serve run allocated (``cache_bytes``) against the
+    plan's ``memory.per_stage[stage].kv_cache``, exactly; max |diff| in bytes. The detail
+    shows the plan's figure per stage as ``sequences x tokens x kv_bytes_per_token`` (less
+    where sliding-window layers keep only their window)."""
+    sv = plan["serve"]
+    b, tokens = sv["batch_per_replica"], sv["prompt_len"] + sv["max_new_tokens"]
+    worst, bad, shown = 0, [], {}
+    for r in records:
+        want = plan["memory"]["per_stage"][r["stage"]]["kv_cache"]
+        got = r.get("cache_bytes", 0)
+        worst = max(worst, abs(got - want))
+        if got != want:
+            bad.append(f"rank {r['rank']}: {got:,} B != plan {want:,} B")
+        per_token = sv["kv_bytes_per_token_per_stage"][r["stage"]]
+        full = b * tokens * per_token
+        formula = f"{b} seq x {tokens} tok x {per_token:,} B/tok" + (
+            "" if want == full else f" ({full:,} B) less what sliding windows drop")
+        shown.setdefault(r["stage"], f"stage {r['stage']}: plan {want:,} B = {formula}")
+    measured = sorted({r.get("cache_bytes", 0) for r in records})
+    detail = "; ".join(bad[:2]) if bad else (
+        "; ".join(shown[s] for s in sorted(shown)) + f"; measured {', '.join(f'{x:,}' for x in measured)} B")
+    return Check(f"KV cache bytes per rank ({len(records)} ranks)", float(worst), 0.0, not bad, detail)
 
 
 #: measured bytes saved for backward per layer may differ from the plan's by this fraction
@@ -501,18 +661,23 @@ def _buffer_check(records: list[dict], plan: dict, key: str, part: str | tuple[s
     return Check(f"{what} ({len(measured)} ranks)", 0.0 if not bad else math.inf, 0.0, not bad, "; ".join(bad[:2]))
 
 
+def params_check(records: list[dict], plan: dict) -> Check:
+    """The parameters each rank holds (``params``) against its stage's ``params_per_rank``."""
+    bad = [f"rank {r['rank']}: {r['params']} != plan {want}" for r in records
+           for want in [plan["stages"][r["stage"]]["params_per_rank"]] if r["params"] != want]
+    return Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad else math.inf, 0.0, not bad,
+                 "; ".join(bad[:3]))
+
+
 def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     """Measured parameters per rank, the bytes of parameters, gradients and optimizer
     states each rank holds between steps, collectives per step, the executed pipeline
     actions, under ZeRO 2 and 3 the most full gradient buffers held at once during the step
     (the plan's ``grad_buckets_in_flight``, or ``full_grads`` when reduced once per step) and under ZeRO-3 the most gathered parameter bytes held at once (the
     plan's ``zero3_gather`` buffer), against the plan."""
-    bad_params, bad_comm = [], []
+    bad_comm = []
     for r in records:
         stage = r["stage"]
-        want = plan["stages"][stage]["params_per_rank"]
-        if r["params"] != want:
-            bad_params.append(f"rank {r['rank']}: {r['params']} != plan {want}")
         measured: dict[tuple[str, str, int], int] = {}
         for c in r["comm"]:
             if "rows" not in c:   # MoE token traffic sized by the router: check_routed
@@ -547,8 +712,7 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     bad_comm += routed_bad
     total_calls = sum(c["count"] for r in records for c in r["comm"])
     return [c for c in [routed_check, gather_check, full_check] if c is not None] + [
-        Check(f"parameters per rank ({len(records)} ranks)", 0.0 if not bad_params else math.inf, 0.0,
-              not bad_params, "; ".join(bad_params[:3])),
+        params_check(records, plan),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,
               not bad_comm, "; ".join(bad_comm[:2])),
         Check("parameter, gradient, optimizer bytes per rank", 0.0 if not bad_bytes else math.inf, 0.0,
@@ -586,32 +750,42 @@ def _prepare(cfg: SpecConfig, steps: int, dtype: str, root: Path) -> tuple[SpecC
     Raises:
         SpecError: as :func:`verify`.
     """
-    if cfg.workload != "train":
-        raise SpecError([Diagnostic("error", "verify checks training plans; this spec has a `serve` block",
-                                    cfg.span("serve"), help="remove the `serve` block to verify the layout")])
     from parcompile.codegen.emit import program_gaps
 
     gaps = program_gaps(cfg, "error")
     if gaps:
         raise SpecError(gaps)
-    mini = miniature(cfg, steps, dtype)
+    mini = serve_miniature(cfg, dtype) if cfg.workload == "serve" else miniature(cfg, steps, dtype)
     _emit(reference(mini), root / "reference")
     plan = _emit(mini, root / "mini")
     _run_reference(root / "reference", root / "reference" / "metrics", steps)
     return mini, plan
 
 
-def _program_argv(out: Path, steps: int) -> list[str]:
-    return ["--metrics-dir", str(out / "metrics"), "--steps", str(steps), "--checkpoint-dir", ""]
+def _job(out: Path, steps: int, metrics: Path | None = None) -> dict:
+    """How to run the program generated in ``out`` for verify: ``{"program": path, "argv":
+    [...]}``, its records written to ``metrics`` (default ``out/metrics``); a training
+    program for ``steps`` steps, a serve program on :func:`serve_prompts` with its logits
+    recorded."""
+    metrics = out / "metrics" if metrics is None else metrics
+    if (out / "serve.py").is_file():
+        prompts = serve_prompts(json.loads((out / "plan.json").read_text()))
+        return {"program": str(out / "serve.py"),
+                "argv": ["--out", str(metrics), "--record-logits", "--temperature", "0",
+                         *[a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]]}
+    return {"program": str(out / "program.py"),
+            "argv": ["--metrics-dir", str(metrics), "--steps", str(steps), "--checkpoint-dir", ""]}
 
 
 def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = None,
            tol: Tolerances | None = None, timeout_s: float = 900.0, log=None, dtype: str = "fp32") -> VerifyResult:
     """Build the miniature of ``cfg``, run it under torchrun and in-process, compare.
 
+    A `serve` spec runs its serve miniature (:func:`serve_miniature`; ``steps`` unused).
+
     Raises:
-        SpecError: the spec cannot be verified here (too many ranks, a serve workload, a
-            feature the generated program does not run yet).
+        SpecError: the spec cannot be verified here (too many ranks, a feature the
+            generated program does not run yet, a serve spec in 16-bit).
         RuntimeError: the torchrun job failed (its output is in the message).
     """
     tol = tol or Tolerances.for_dtype(dtype)
@@ -624,7 +798,8 @@ def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = 
 
 def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str | os.PathLike | None = None,
                 tols: dict[Hashable, Tolerances] | None = None, dtypes: dict[Hashable, str] | None = None,
-                timeout_s: float = 900.0) -> dict[Hashable, VerifyResult | Exception]:
+                timeout_s: float = 900.0, edits: dict[Hashable, Callable[[Path], None]] | None = None,
+                ) -> dict[Hashable, VerifyResult | Exception]:
     """:func:`verify` for many specs with one torchrun launch per world size.
 
     Each miniature and its reference are built as :func:`verify` builds them; the
@@ -632,7 +807,9 @@ def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str |
     (:mod:`parcompile.runtime.batch`), which saves a process start and a torch import per
     layout. A layout whose run fails gets its ``RuntimeError`` (the launch's output) as its
     result; the layouts after it in that launch are run again in a new launch, so one
-    failure does not hide the others.
+    failure does not hide the others. Training and serve miniatures of one world size share
+    a launch. ``edits``: name -> a function given the miniature's program directory after it
+    is generated, before it runs (tests corrupt a program or plan to show verify catches it).
 
     Returns: name -> :class:`VerifyResult`, or the exception (``SpecError``,
     ``RuntimeError``) that layout raised.
@@ -649,6 +826,9 @@ def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str |
             except (SpecError, RuntimeError) as e:
                 results[name] = e
                 continue
+            if name in (edits or {}):
+                edits[name](root / "mini")
+                plan = json.loads((root / "mini" / "plan.json").read_text())
             ready.setdefault(mini.parallel.world_size, []).append((name, root, mini, plan))
         for world, todo in sorted(ready.items()):
             failures = run_batched([root / "mini" for _, root, _, _ in todo], world, steps, timeout_s, Path(tmp))
@@ -686,8 +866,7 @@ def _run_batch(outs: list[Path], world: int, steps: int, timeout_s: float,
     """One torchrun launch of the programs in ``outs`` (:mod:`parcompile.runtime.batch`).
 
     Returns ``(how many completed, the failure of the next one or None)``."""
-    jobs_file.write_text(json.dumps([{"program": str(out / "program.py"), "argv": _program_argv(out, steps)}
-                                     for out in outs]))
+    jobs_file.write_text(json.dumps([_job(out, steps) for out in outs]))
     try:
         proc = _torchrun(world, ["-m", "parcompile.runtime.batch", str(jobs_file)], timeout_s * len(outs))
         code, output = proc.returncode, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]

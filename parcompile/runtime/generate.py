@@ -347,11 +347,17 @@ def replica_slice(items: list, index: int, size: int) -> list:
 
 
 def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict) -> None:
-    """Write ``rank{r}.json`` (tokens, cache bytes, collectives) into ``out_dir``."""
+    """Write ``rank{r}.json`` (tokens, cache bytes, collectives) into ``out_dir``; the
+    record's tensors (``logits`` with ``--record-logits``) go to ``rank{r}.pt`` beside it."""
     path = Path(out_dir) / f"rank{ctx.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in record.items() if isinstance(v, torch.Tensor)}
+    if tensors:
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(tensors, tmp)
+        os.replace(tmp, path.with_suffix(".pt"))
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps({k: v for k, v in record.items() if k not in tensors}, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 

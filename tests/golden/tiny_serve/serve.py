@@ -168,17 +168,18 @@ class Stage(nn.Module):
 
 
 def generate(model: Stage, ctx: rt.ParallelContext, prompts: list[list[int]], max_new: int, temperature: float,
-             top_k: int, seed: int, eos: list[int]) -> dict:
+             top_k: int, seed: int, eos: list[int], record_logits: bool = False) -> dict:
     """Prefill ``prompts`` (token ids, left-padded into one batch), then decode one token per
     step for every sequence until ``max_new`` tokens or an end token; returns the new tokens
-    and timings. Every rank of the replica runs the same steps."""
+    and timings (``record_logits``: also each step's logits, (steps, B, VOCAB) fp32, on the
+    last stage). Every rank of the replica runs the same steps."""
     req = gen.Requests(prompts, max_new, WINDOW, ctx.device)         # ids (B, L), L = prompt + max_new
     cache = model.new_cache(req.batch, req.max_len, ctx.device)
     sampler = torch.Generator().manual_seed(seed + 1000 * ctx.dp.index)   # alike on every tp and pp rank
     new = [[] for _ in range(req.batch)]
     done = torch.zeros(req.batch, dtype=torch.bool)
     start, end = 0, req.prompt_len
-    times = []
+    times, seen = [], []
     for step in range(max_new):
         t0 = time.perf_counter()
         x = req.ids[:, start:end]                                     # (B, T): the prompt, then the last token
@@ -186,6 +187,8 @@ def generate(model: Stage, ctx: rt.ParallelContext, prompts: list[list[int]], ma
         tokens = torch.zeros(req.batch, dtype=torch.long, device=ctx.device)
         if ctx.is_last_stage():
             full = gen.gather_vocab(logits, ctx.tp)                   # (B, 256): all-gather over tp
+            if record_logits:
+                seen.append(full[:, :VOCAB].float().cpu())            # (B, 256): parcompile verify compares them
             tokens = gen.pick_tokens(full, VOCAB, temperature, top_k, sampler)
         tokens = gen.broadcast_from_last(tokens, ctx.pp).cpu()        # (B,): every stage knows them
         times.append(time.perf_counter() - t0)
@@ -199,7 +202,7 @@ def generate(model: Stage, ctx: rt.ParallelContext, prompts: list[list[int]], ma
         req.ids[:, end] = tokens
         start, end = end, end + 1
     return {"tokens": new, "cache_bytes": cache.nbytes, "ttft_s": times[0],
-            "tpot_s": sum(times[1:]) / max(len(times) - 1, 1)}
+            "tpot_s": sum(times[1:]) / max(len(times) - 1, 1), **({"logits": torch.stack(seen)} if seen else {})}
 
 
 def main(argv=None) -> dict:
@@ -217,6 +220,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=SEED, help="sampling seed")
     ap.add_argument("--eos", type=int, action="append", default=None, help="end token id(s)")
     ap.add_argument("--out", default=None, help="write rank<r>.json (tokens, cache bytes, collectives) here")
+    ap.add_argument("--record-logits", action="store_true",
+                    help="with --out: also each step's logits into rank<r>.pt (parcompile verify)")
     ap.add_argument("--keep-process-group", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
@@ -250,7 +255,8 @@ def main(argv=None) -> dict:
               "params": sum(p.numel() for p in model.parameters()), "weights": kind, "tokens": [], "cache_bytes": 0}
     if mine:
         with torch.no_grad():
-            result = generate(model, ctx, mine, args.max_new_tokens, args.temperature, args.top_k, args.seed, eos)
+            result = generate(model, ctx, mine, args.max_new_tokens, args.temperature, args.top_k, args.seed, eos,
+                              args.record_logits)
         record.update(result)
         if speaker:
             sep = " -> " if tokenizer.kind == "ids" else ""          # ids: prompt -> new tokens; text: one piece
