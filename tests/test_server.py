@@ -1,0 +1,323 @@
+"""`parcompile serve` (SPEC 4): one server, tp 2 x pp 2 with the tiny model, launched once
+for the module and talked to with the official `openai` client over loopback.
+
+Truth: greedy tokens equal the single-process serve program's (tests/serve_utils.py:
+run_in_process, a world of one), for completions and chat, plain and streamed, and for 32
+concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens, so the
+32 streams queue (seen in /metrics) and all complete; every block is free afterwards and
+after a client leaves mid-stream. The last test kills a rank: 503, then a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from parcompile.runtime import generate as gen  # noqa: E402
+from parcompile.runtime import paged  # noqa: E402
+from tests.serve_utils import build_serve, run_in_process  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = """model tiny {
+    layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
+    vocab = 256, seq_len = 64, dtype = fp32, norm = rmsnorm, activation = swiglu, position = rope
+}
+cluster local from "cpu" { gpus_per_node = WORLD }
+parallel { tp = TP, pp = PP }
+serve {
+    batch = 8
+    prompt_len = 16
+    max_new_tokens = 48
+    seed = 1
+    block_size = 16
+    kv_cache_tokens = 256
+}
+"""
+BLOCKS = 16
+
+
+def _spec(tp: int, pp: int) -> str:
+    return SPEC.replace("WORLD", str(tp * pp)).replace("TP", str(tp)).replace("PP", str(pp))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "s.par").write_text(_spec(2, 2))
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(tmp / "s.par"), "-o", str(tmp / "out"),
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    yield {"proc": proc, "base": base, "client": openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
+           "tmp": tmp}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy tokens of the single-process serve program: prompt ids -> 48 new tokens."""
+    from parcompile.frontend import load_spec
+
+    tmp = tmp_path_factory.mktemp("ref")
+    (tmp / "one.par").write_text(_spec(1, 1))
+    cfg, _ = load_spec(tmp / "one.par")
+    build_serve(cfg, tmp / "one")
+    cache = {}
+
+    def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
+        todo = [p for p in prompts if tuple(p) not in cache]
+        if todo:
+            argv = ["--temperature", "0", "--max-new-tokens", str(64 - max(map(len, todo))), "--weights", "seed"]
+            for p in todo:
+                argv += ["--prompt-ids", ",".join(map(str, p))]
+            rec = run_in_process(tmp / "one", argv)
+            cache.update({tuple(p): t for p, t in zip(todo, rec["tokens"])})
+        return [cache[tuple(p)][:n] for p in prompts]
+
+    return tokens
+
+
+def _metrics(base: str) -> dict:
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("parcompile_") and "{" in line:
+            name = line.split("{")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _extra(obj, key):
+    return (obj.model_extra or {}).get(key) if hasattr(obj, "model_extra") else getattr(obj, key)
+
+
+def _chat_ids(text: str) -> list[int]:
+    return list(f"user: {text}\nassistant:".encode())   # api.PLAIN_CHAT_TEMPLATE, bytes
+
+
+def test_completions_and_chat_equal_single_process(server, reference):
+    c = server["client"]
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    prompt = [84, 104, 101, 32, 7, 200]
+    want = reference([prompt], 12)[0]
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                             extra_body={"return_token_ids": True})
+    assert _extra(r.choices[0], "token_ids") == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 6
+    assert r.choices[0].text == gen.ByteTokenizer().decode(want)
+    ids, text = [], ""
+    for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                   extra_body={"return_token_ids": True}):
+        ids += _extra(ch.choices[0], "token_ids")
+        text += ch.choices[0].text
+    assert ids == want and text == r.choices[0].text
+    # chat: the plain template of a byte-level model
+    msgs = [{"role": "user", "content": "hi"}]
+    want = reference([_chat_ids("hi")], 10)[0]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert _extra(r.choices[0], "token_ids") == want
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == gen.ByteTokenizer().decode(want)
+    ids, text, reasons = [], "", []
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                        extra_body={"return_token_ids": True}):
+        ids += _extra(ch.choices[0], "token_ids") or []
+        text += ch.choices[0].delta.content or ""
+        reasons.append(ch.choices[0].finish_reason)
+    assert ids == want and text == r.choices[0].message.content and reasons[-1] == "length"
+
+
+def test_sampling_seed_stop_and_text_prompt(server):
+    c = server["client"]
+    a = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                             extra_body={"top_k": 20, "return_token_ids": True})
+    b = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                             extra_body={"top_k": 20, "return_token_ids": True})
+    assert _extra(a.choices[0], "token_ids") == _extra(b.choices[0], "token_ids")    # same seed, same draws
+    g = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0)
+    text = g.choices[0].text
+    cut = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
+    s = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0, stop=[text[cut]])
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == text[:text.index(text[cut])]
+
+
+def test_32_concurrent_streams_queue_complete_and_free_every_block(server, reference):
+    c, base = server["client"], server["base"]
+    g = torch.Generator().manual_seed(0)
+    jobs = []
+    for i in range(32):
+        n_prompt = 1 + i % 16
+        prompt = torch.randint(0, 256, (n_prompt,), generator=g).tolist()
+        jobs.append((prompt, 4 + (7 * i) % 21))
+    t0 = time.monotonic()
+    full = reference([p for p, _ in jobs], 48)      # one left-padded batch (as alone: tests/test_serve.py)
+    print(f"reference {time.monotonic() - t0:.1f} s")
+    want = [t[:n] for t, (_, n) in zip(full, jobs)]
+    seen = {"waiting": 0.0, "free_min": BLOCKS}
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            m = _metrics(base)
+            seen["waiting"] = max(seen["waiting"], m.get("parcompile_requests_waiting", 0))
+            seen["free_min"] = min(seen["free_min"], m.get("parcompile_kv_cache_blocks_free", BLOCKS))
+            time.sleep(0.05)
+
+    def run(job):
+        prompt, n = job
+        ids, reason = [], None
+        for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True}):
+            ids += _extra(ch.choices[0], "token_ids")
+            reason = ch.choices[0].finish_reason or reason
+        return ids, reason
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as ex:
+        got = list(ex.map(run, jobs))
+    print(f"streams {time.monotonic() - t0:.1f} s")
+    done.set()
+    poller.join()
+    assert [r for _, r in got] == ["length"] * 32
+    assert [ids for ids, _ in got] == want
+    assert seen["waiting"] > 0                 # the cache was full: requests waited, then completed
+    assert seen["free_min"] < 4
+    m = _metrics(base)
+    assert m["parcompile_kv_cache_blocks_used"] == 0 and m["parcompile_kv_cache_blocks_free"] == BLOCKS
+    assert m["parcompile_requests_waiting"] == 0 and m["parcompile_requests_running"] == 0
+
+
+def test_client_leaving_mid_stream_frees_its_blocks(server):
+    base = server["base"]
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert got[0].startswith("data: ")
+        assert _metrics(base)["parcompile_kv_cache_blocks_used"] == 4   # ceil((3 + 60) / 16)
+    deadline = time.monotonic() + 10
+    while _metrics(base)["parcompile_kv_cache_blocks_used"] != 0:
+        assert time.monotonic() < deadline, "the blocks of a closed stream were not freed"
+        time.sleep(0.1)
+    assert _metrics(base)["parcompile_kv_cache_blocks_free"] == BLOCKS
+
+
+def test_bad_requests_get_openai_errors(server):
+    c, base = server["client"], server["base"]
+
+    def err(r, status):
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        return e
+
+    e = err(httpx.post(base + "/v1/completions", content=b"{not json", timeout=10), 400)
+    assert "not valid JSON" in e["message"]
+    e = err(httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": "ten"}, timeout=10), 400)
+    assert e["param"] == "max_tokens" and "integer" in e["message"]
+    e = err(httpx.post(base + "/v1/chat/completions", json={"messages": "hi"}, timeout=10), 400)
+    assert e["param"] == "messages"
+    e = err(httpx.post(base + "/v1/completions", json={"max_tokens": 3}, timeout=10), 400)
+    assert "`prompt` is required" in e["message"]
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=1)
+    assert "context is 64 tokens" in x.value.message and "69 tokens" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="hello", max_tokens=60)
+    assert "at most 59 new tokens fit" in x.value.message and x.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="", max_tokens=3)
+    assert "empty" in x.value.message
+    with pytest.raises(openai.NotFoundError) as x:
+        c.completions.create(model="gpt-4", prompt="hi", max_tokens=3)
+    assert "`gpt-4` does not exist" in x.value.message
+    # and it keeps serving
+    assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
+    """Last: it ends the module's server."""
+    proc, base = server["proc"], server["base"]
+    children = lambda pid: [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                            text=True).stdout.split()]
+    ranks = [p for t in children(proc.pid) for p in children(t)]
+    assert len(ranks) == 4, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "no 503 after a rank died"
+        try:
+            r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        except httpx.HTTPError:
+            pytest.fail("the server went away without answering 503")
+        if r.status_code == 503:
+            break
+        time.sleep(0.1)
+    assert r.json()["error"]["code"] == "service_unavailable"
+    assert proc.wait(60) != 0
+
+
+# ---- in-process ----------------------------------------------------------------------
+
+def test_scheduler_admits_in_order_reserves_whole_contexts_and_frees():
+    s = paged.Scheduler(blocks=4, block_size=16, max_seqs=2)
+    s.add("a", [1] * 10, {"max_tokens": 30})          # 40 tokens: 3 blocks
+    s.add("b", [1] * 5, {"max_tokens": 20})           # 25 tokens: 2 blocks: waits (no overtaking)
+    s.add("c", [1], {"max_tokens": 1})
+    assert [q.rid for q in s.admit()] == ["a"] and s.stats()["waiting"] == 2
+    s.abort("a")
+    assert [q.rid for q in s.admit()] == ["b", "c"] and s.stats() == {"blocks_used": 3, "blocks_free": 1,
+                                                                       "waiting": 0, "running": 2}
+    s.finish("b")
+    assert s.stats()["blocks_free"] == 3 and s.freed == ["a", "b"]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.7)) for _ in range(200)}
+    assert draws == {0, 1}
+    assert {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.5)) for _ in range(50)} == {0}
