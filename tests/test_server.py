@@ -322,3 +322,17 @@ def test_top_p_keeps_the_smallest_nucleus():
     draws = {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.7)) for _ in range(200)}
     assert draws == {0, 1}
     assert {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.5)) for _ in range(50)} == {0}
+
+
+def test_kv_cache_tokens_caps_the_paged_cache_and_must_hold_one_request():
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    d = parcompile.compile(_spec(2, 2), filename="s.par").data["serve"]
+    assert (d["block_size"], d["kv_cache_tokens"], d["kv_blocks"]) == (16, 256, BLOCKS)
+    free = parcompile.compile(_spec(2, 2).replace("    kv_cache_tokens = 256\n", ""), filename="s.par").data["serve"]
+    assert free["kv_cache_tokens"] == free["max_concurrent_tokens"] // 16 * 16
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(_spec(2, 2).replace("kv_cache_tokens = 256", "kv_cache_tokens = 48"), filename="s.par")
+    d = e.value.diagnostics[0]
+    assert "holds no request" in d.message and d.help == "set kv_cache_tokens >= 64" and d.span.line == 13
