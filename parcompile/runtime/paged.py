@@ -164,6 +164,24 @@ def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators
     return torch.cat(out).to(logits.device)
 
 
+def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], params: list[dict],
+             generators: list[torch.Generator], vocab: int, hidden: int, dtype: torch.dtype, windows,
+             tag: int = 0) -> list[int]:
+    """One engine step on this rank: lay out ``rows`` (:func:`paged_step`), bind the cache,
+    pass the step through the pipeline (:func:`parcompile.runtime.generate.pipeline_pass`),
+    sample each row on the last stage (:func:`sample_rows`) and broadcast the tokens over
+    pp; returns each row's next token (known on every rank of the tp-0 pipeline and on every
+    last-stage rank)."""
+    ids, step, write, read = paged_step(rows, cache.block_size, windows, ctx.device)
+    cache.bind(write, read)
+    with torch.no_grad():
+        logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=tag)
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
+    if ctx.is_last_stage():
+        tokens = sample_rows(gen.gather_vocab(logits, ctx.tp), vocab, params, generators)
+    return gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
+
+
 def replica_ranks(plan: dict) -> list[list[int]]:
     """The ranks of each data-parallel replica (its tp x pp ranks), by replica index."""
     dp_groups = plan["groups"].get("dp") or [[r] for r in range(plan["world_size"])]
@@ -237,6 +255,37 @@ class Scheduler:
         _, prompt, params = self.waiting[0]
         return self.blocks_for(len(prompt) + params["max_tokens"]) <= len(self.free)
 
+    def next_step(self) -> dict:
+        """Free, admit and lay out the next step: ``free`` (sequences finished or cancelled
+        since the last step), ``new`` (the admitted requests' sampling parameters) and
+        ``rows`` (``Row`` fields: a new request's prompt at context 0, else the running
+        sequence's last token after its context)."""
+        freed, self.freed = self.freed, []
+        new = self.admit()
+        new_ids = {s.rid for s in new}
+        rows = []
+        for s in self.running.values():
+            if s.rid in new_ids:
+                rows.append((s.rid, s.prompt, 0, s.table))
+            else:
+                rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
+        return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows}
+
+    def collect(self, rows: list[Row], tokens: list[int]) -> list[tuple]:
+        """Append each row's token; finish a sequence at ``max_tokens`` or one of its end
+        tokens (``params["eos"]``); returns ``(rid, token, finish_reason or None)`` per row."""
+        out = []
+        for r, tok in zip(rows, tokens):
+            seq = self.running.get(r.rid)
+            if seq is None:
+                continue
+            seq.out.append(tok)
+            reason = "stop" if tok in seq.params.get("eos", ()) else ("length" if len(seq.out) >= seq.limit else None)
+            if reason:
+                self.finish(r.rid)
+            out.append((r.rid, tok, reason))
+        return out
+
     def stats(self) -> dict:
         return {"blocks_used": self.total - len(self.free), "blocks_free": len(self.free),
                 "waiting": len(self.waiting), "running": len(self.running)}
@@ -304,18 +353,11 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             if is_leader:
                 conn.send(("stats", sched.stats()))
             continue
-        ids, step, write, read = paged_step(rows, block_size, windows, ctx.device)
-        cache.bind(write, read)
-        with torch.no_grad():
-            logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=step_no % 1024)
+        tokens = run_step(model, ctx, cache, rows, [params[r.rid] for r in rows], [generators[r.rid] for r in rows],
+                          vocab, hidden, dtype, windows, tag=step_no % 1024)
         step_no += 1
-        tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
-        if ctx.is_last_stage():
-            full = gen.gather_vocab(logits, ctx.tp)
-            tokens = sample_rows(full, vocab, [params[r.rid] for r in rows], [generators[r.rid] for r in rows])
-        tokens = gen.broadcast_from_last(tokens, ctx.pp).cpu()
         if is_leader:
-            _leader_collect(conn, sched, rows, tokens.tolist())
+            _leader_collect(conn, sched, rows, tokens)
     if conn is not None:
         conn.close()
 
@@ -336,37 +378,13 @@ def _leader_plan(conn, sched: Scheduler) -> dict:
             sched.abort(m[1])
         elif m[0] == "stop":
             return {"stop": True}
-    freed, sched.freed = sched.freed, []
-    new = sched.admit()
-    new_ids = {s.rid for s in new}
-    rows = []
-    for s in sched.running.values():
-        if s.rid in new_ids:
-            rows.append((s.rid, s.prompt, 0, s.table))
-        else:
-            rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
-    return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows}
+    return sched.next_step()
 
 
 def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int]) -> None:
-    """Append each row's token; finish sequences at ``max_tokens`` or an end token; send the
-    tokens and the cache's state to the front."""
-    out = []
-    for r, tok in zip(rows, tokens):
-        seq = sched.running.get(r.rid)
-        if seq is None:
-            continue
-        seq.out.append(tok)
-        reason = None
-        if tok in seq.params.get("eos", ()):
-            reason = "stop"
-        elif len(seq.out) >= seq.limit:
-            reason = "length"
-        if reason:
-            sched.finish(r.rid)
-        out.append((r.rid, tok, reason))
-    conn.send(("out", out, sched.stats()))
+    """Record the step's tokens; send them and the cache's state to the front."""
+    conn.send(("out", sched.collect(rows, tokens), sched.stats()))
 
 
-__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "replica_ranks", "Scheduler", "serve_requests",
+__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "run_step", "replica_ranks", "Scheduler", "serve_requests",
            "IDLE_HEARTBEAT_S", "KEY_ENV"]
