@@ -409,3 +409,15 @@ def test_paged_continuous_batching_equals_one_shot_generation(kind, model, tmp_p
     finally:
         torch.set_num_threads(threads)
     assert peak == 3
+
+
+def test_cli_serve_refuses_a_training_spec_and_missing_weights(tmp_path, monkeypatch, capsys):
+    from parcompile.cli import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["serve", "examples/tiny.par", "-o", str(tmp_path / "a")]) == 2
+    assert "this spec trains" in capsys.readouterr().err
+    (tmp_path / "w.par").write_text(_spec(1, 1).replace("seed = 1", 'seed = 1\n    weights = "nowhere"'))
+    assert main(["serve", str(tmp_path / "w.par"), "-o", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "weights directory" in err and "nowhere` does not exist" in err and "Traceback" not in err

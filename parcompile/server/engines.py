@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-from parcompile.runtime.paged import KEY_ENV
+from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV
+
+#: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
+#: declares it hung and fails (a rank stuck in a collective): far above one step's time
+SILENCE_TIMEOUT_S = 120.0
 
 
 class EngineFailed(Exception):
@@ -37,6 +41,7 @@ class Replica:
     info: dict
     stats: dict = field(default_factory=dict)
     outstanding: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -49,8 +54,10 @@ class Engines:
     """
 
     def __init__(self, program: Path, world: int, replicas: int, startup_timeout_s: float = 600.0,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, silence_timeout_s: float | None = None):
         self.program, self.world, self.replicas_wanted = program, world, replicas
+        self.silence_timeout_s = max(SILENCE_TIMEOUT_S if silence_timeout_s is None else silence_timeout_s,
+                                     5 * IDLE_HEARTBEAT_S)
         self.key = secrets.token_bytes(16)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.replicas: list[Replica] = []
@@ -69,6 +76,7 @@ class Engines:
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self._accept(startup_timeout_s)
         threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._watchdog, daemon=True).start()
 
     def _accept(self, timeout_s: float) -> None:
         """Wait for every replica's leader to connect and say ready (or the job to end)."""
@@ -98,6 +106,7 @@ class Engines:
             raise EngineFailed(f"the serve program did not connect: {err[0]}")
         self.replicas = sorted(got, key=lambda r: r.index)
         for r in self.replicas:
+            r.last_seen = time.monotonic()
             r.stats = {"blocks_used": 0, "blocks_free": r.info["kv_blocks"], "waiting": 0, "running": 0}
             threading.Thread(target=self._read, args=(r,), daemon=True).start()
 
@@ -116,6 +125,16 @@ class Engines:
         self.proc.wait()
         self._fail(f"the serve program exited with status {self.proc.returncode}")
 
+    def _watchdog(self) -> None:
+        """Fail when a replica has been silent too long: a rank hung in a collective (a dead
+        one closes its sockets and torchrun ends the job; a hung one must be noticed)."""
+        while not self.failed and not self.stopping:
+            time.sleep(1.0)
+            for r in self.replicas:
+                silent = time.monotonic() - r.last_seen
+                if silent > self.silence_timeout_s and not self.stopping:
+                    self._fail(f"replica {r.index} has not answered for {silent:.0f} s (a rank hangs)")
+
     def _read(self, r: Replica) -> None:
         while True:
             try:
@@ -123,6 +142,7 @@ class Engines:
             except (EOFError, OSError):
                 self._fail(f"replica {r.index} disconnected (a rank died)")
                 return
+            r.last_seen = time.monotonic()
             if msg[0] == "out":
                 for rid, tok, reason in msg[1]:
                     target = self.queues.get(rid)
@@ -197,7 +217,7 @@ class Engines:
             except (OSError, EOFError, ValueError):
                 pass
         try:
-            return self.proc.wait(timeout_s)
+            return self.proc.wait(2.0 if self.failed else timeout_s)   # a failed job is ended at once
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 15)
             try:
