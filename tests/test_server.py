@@ -139,6 +139,7 @@ def _chat_ids(text: str) -> list[int]:
     return list(f"user: {text}\nassistant:".encode())   # api.PLAIN_CHAT_TEMPLATE, bytes
 
 
+@pytest.mark.torchrun
 def test_completions_and_chat_equal_single_process(server, reference):
     c = server["client"]
     models = c.models.list()
@@ -172,6 +173,7 @@ def test_completions_and_chat_equal_single_process(server, reference):
     assert ids == want and text == r.choices[0].message.content and reasons[-1] == "length"
 
 
+@pytest.mark.torchrun
 def test_sampling_seed_stop_and_text_prompt(server):
     c = server["client"]
     a = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
@@ -186,6 +188,7 @@ def test_sampling_seed_stop_and_text_prompt(server):
     assert s.choices[0].finish_reason == "stop" and s.choices[0].text == text[:text.index(text[cut])]
 
 
+@pytest.mark.torchrun
 def test_32_concurrent_streams_queue_complete_and_free_every_block(server, reference):
     c, base = server["client"], server["base"]
     g = torch.Generator().manual_seed(0)
@@ -230,6 +233,7 @@ def test_32_concurrent_streams_queue_complete_and_free_every_block(server, refer
     assert m["parcompile_requests_waiting"] == 0 and m["parcompile_requests_running"] == 0
 
 
+@pytest.mark.torchrun
 def test_client_leaving_mid_stream_frees_its_blocks(server):
     base = server["base"]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
@@ -246,6 +250,7 @@ def test_client_leaving_mid_stream_frees_its_blocks(server):
     assert _metrics(base)["parcompile_kv_cache_blocks_free"] == BLOCKS
 
 
+@pytest.mark.torchrun
 def test_bad_requests_get_openai_errors(server):
     c, base = server["client"], server["base"]
 
@@ -279,6 +284,7 @@ def test_bad_requests_get_openai_errors(server):
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
+@pytest.mark.torchrun
 def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
     """Last: it ends the module's server."""
     proc, base = server["proc"], server["base"]
@@ -421,3 +427,17 @@ def test_cli_serve_refuses_a_training_spec_and_missing_weights(tmp_path, monkeyp
     assert main(["serve", str(tmp_path / "w.par"), "-o", str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err
     assert "weights directory" in err and "nowhere` does not exist" in err and "Traceback" not in err
+
+
+def test_replica_ranks_are_the_tp_x_pp_ranks_of_each_dp_index():
+    from tests.serve_utils import serve_config
+
+    from parcompile.driver import compile_config
+
+    plan = compile_config(serve_config(dp=2, tp=2, pp=2)).data
+    reps = paged.replica_ranks(plan)
+    assert len(reps) == 2 and sorted(r for g in reps for r in g) == list(range(8))
+    for rep in reps:   # a replica holds every (tp, pp) coordinate once, and no two ranks of one dp group
+        assert {tuple(g) for g in plan["groups"]["dp"] if set(g) & set(rep)} == {tuple(g) for g in plan["groups"]["dp"]}
+        assert all(len(set(g) & set(rep)) == 1 for g in plan["groups"]["dp"])
+    assert paged.replica_ranks(compile_config(serve_config(tp=2, pp=2)).data) == [[0, 1, 2, 3]]
