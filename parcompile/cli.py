@@ -260,6 +260,35 @@ def cmd_run(args) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_serve(args) -> int:
+    """`parcompile serve`: compile a serve spec and answer OpenAI's API on it (SPEC 4)."""
+    _output_dir(args)
+    try:
+        plan, source = _compile(args.spec)
+        cfg = plan.config
+        if cfg.workload != "serve":
+            raise _Usage("`serve` takes a spec with a `serve` block; this spec trains (use `parcompile run`)")
+        problems = [replace(d, severity="error") for d in plan.warnings if d.code == "does-not-fit"]
+        if cfg.cluster.nodes > 1:
+            problems.append(Diagnostic(
+                "error", f"`serve` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
+                cfg.span("cluster.nodes"), help="serve from one node, or with vLLM: parcompile export --to vllm"))
+        if cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
+            problems.append(Diagnostic(
+                "error", f"weights directory `{cfg.serve.weights}` does not exist", cfg.span("serve.weights"),
+                help="train with `checkpoint_dir` set to it first, or give a Hugging Face checkpoint directory"))
+        if problems:
+            raise SpecError(problems, source)
+        args.command = "run"     # the program must be complete, as for `run`
+        plan, out = _compile_to(args, plan, source)
+    except SpecError as e:
+        _print_diags(e.diagnostics, e.source)
+        return EXIT_SPEC
+    from parcompile.server import run_server
+
+    return run_server(plan, out / "serve.py", args.host, args.port)
+
+
 def cmd_verify(args) -> int:
     try:
         plan, _ = _compile(args.spec)
@@ -437,6 +466,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", help="training specs: save the final weights here (DCP), for serving")
     p.add_argument("--prompt", action="append", help="serve specs: a prompt (repeat for a batch)")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("serve", help="start the serve program as an OpenAI-compatible HTTP server")
+    p.add_argument("spec")
+    p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates")
     p.add_argument("spec")

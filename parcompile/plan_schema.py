@@ -284,6 +284,9 @@ class Serve(_Strict):
     workspace_bytes_per_rank: int = Field(ge=0)
     max_concurrent_tokens: int = Field(ge=0)
     max_concurrent_sequences: int = Field(ge=0)
+    block_size: int = Field(ge=1, description="tokens per block of the server's paged KV cache")
+    kv_cache_tokens: int = Field(ge=0, description="tokens the server's paged KV cache holds (whole blocks)")
+    kv_blocks: int = Field(ge=0, description="blocks of the server's paged KV cache: kv_cache_tokens / block_size")
     fits: bool
     ttft: float = Field(ge=0, description="time to first token, seconds")
     tpot: float = Field(ge=0, description="time per output token, seconds")

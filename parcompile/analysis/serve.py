@@ -117,6 +117,17 @@ class ServeReport:
     ttft: float
     tpot: float
     breakdown: dict[str, float] = field(default_factory=dict)
+    block_size: int = 16
+    kv_cache_cap: int | None = None
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the server's paged KV cache holds (``parcompile serve``; SPEC 4): the
+        spec's ``kv_cache_tokens`` when given, at most ``max_concurrent_tokens``, rounded
+        down to whole blocks of ``block_size``."""
+        cap = self.max_concurrent_tokens if self.kv_cache_cap is None else min(self.kv_cache_cap,
+                                                                               self.max_concurrent_tokens)
+        return cap // self.block_size * self.block_size
 
     @property
     def context(self) -> int:
@@ -175,6 +186,9 @@ class ServeReport:
             "weights_bytes_per_rank": max(s.weights for s in self.stages),
             "workspace_bytes_per_rank": max(s.workspace for s in self.stages),
             "max_concurrent_tokens": self.max_concurrent_tokens,
+            "block_size": self.block_size,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "kv_blocks": self.kv_cache_tokens // self.block_size,
             "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
                                             for s in self.stages),
             "fits": self.batch_fits,
@@ -280,7 +294,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     ttft = sum(x.prefill_s for x in stages)
     tpot = sum(x.decode_s for x in stages)
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
-                       ttft, tpot, parts)
+                       ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens)
 
 
 def attention_geometry(m, tp: int) -> tuple[int, float, int]:

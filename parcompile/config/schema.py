@@ -309,6 +309,8 @@ class ServeConfig(_Frozen):
     temperature: float = 0.0  # 0: greedy decoding
     top_k: int = 0            # sample from the k likeliest tokens (0: all)
     prompt: Optional[str] = None
+    block_size: int = 16      # tokens per block of the server's paged KV cache
+    kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: all that fits)
 
 
 class SpecConfig(_Frozen):

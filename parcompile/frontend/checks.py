@@ -828,6 +828,12 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.error(f"prompt_len({s.prompt_len}) + max_new_tokens({s.max_new_tokens}) = {total} "
                       f"exceeds seq_len = {m.seq_len}", ctx.span("serve.max_new_tokens", "serve.prompt_len"),
                       help="shorten the request or raise the model's `seq_len`")
+    if s.kv_cache_tokens is not None and ctx.ok("serve.kv_cache_tokens", "serve.block_size"):
+        need = -(-total // s.block_size) * s.block_size   # one longest request, in whole blocks
+        if s.kv_cache_tokens < need:
+            ctx.bag.error(f"kv_cache_tokens = {s.kv_cache_tokens} holds no request of prompt_len({s.prompt_len}) + "
+                          f"max_new_tokens({s.max_new_tokens}) = {total} tokens in blocks of {s.block_size}",
+                          ctx.span("serve.kv_cache_tokens"), help=f"set kv_cache_tokens >= {need}")
 
 
 #: What parcompile plans at most (the largest published runs are far below): beyond these,

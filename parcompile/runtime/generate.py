@@ -204,10 +204,12 @@ def broadcast_from_last(t: torch.Tensor, pp: Axis) -> torch.Tensor:
 
 
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
-                generator: torch.Generator | None) -> torch.Tensor:
+                generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
     """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
     ``temperature == 0`` is greedy (argmax, first on ties); else softmax(logits / T) over
-    the ``top_k`` likeliest (0: all), drawn with ``generator`` (CPU)."""
+    the ``top_k`` likeliest (0: all), then over the smallest set of the likeliest whose
+    probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019; 1: all; the
+    order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU)."""
     logits = logits[:, :vocab].float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -215,6 +217,10 @@ def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int
     if top_k and top_k < vocab:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+        drop = probs.cumsum(dim=-1) - probs >= top_p          # the mass before a token already reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1).cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from parcompile import runtime as rt
 from parcompile.runtime import generate as gen
+from parcompile.runtime import paged
 from parcompile.runtime.weights import load_weights
 
 HERE = Path(__file__).resolve().parent
@@ -153,6 +154,11 @@ class Stage(nn.Module):
                                  WINDOW)
         return self.cache
 
+    def new_paged_cache(self, blocks: int, block_size: int, device) -> paged.PagedKVCache:
+        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/paged.py)."""
+        self.cache = paged.PagedKVCache(self.layer_ids, blocks, block_size, KV_LOCAL, HEAD_DIM, KV_DTYPE, device)
+        return self.cache
+
     def forward(self, x: torch.Tensor, step: gen.StepInput) -> torch.Tensor:
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage."""
@@ -223,6 +229,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--record-logits", action="store_true",
                     help="with --out: also each step's logits into rank<r>.pt (parcompile verify)")
     ap.add_argument("--keep-process-group", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default=None, metavar="HOST:PORT",
+                    help="answer the requests of `parcompile serve`'s front at HOST:PORT (continuous batching)")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         raise gen.ServeError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
@@ -249,6 +257,11 @@ def main(argv=None) -> dict:
     for p in model.parameters():
         p.data = p.data.to(ctx.device, DTYPE)
     model.eval()
+    if args.engine:   # `parcompile serve`: continuous batching over a paged KV cache until the front stops it
+        paged.serve_requests(model, ctx, plan, args.engine, VOCAB, HIDDEN, DTYPE, WINDOW)
+        del model
+        rt.shutdown(ctx)
+        return {"rank": ctx.rank, "engine": args.engine}
     speaker = ctx.is_last_stage() and ctx.tp.index == 0
     rt.COUNTER.reset()
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,

@@ -3,7 +3,7 @@
 
 Spec:      tiny_serve.par
 Layout:    dp=1 (independent replicas) x tp=2 x pp=2 = 4 ranks, order "tp-cp-ep-dp-pp"
-Requests:  1 sequence(s) (1 per replica), prompt 16 + 48 new tokens, temperature 0.7, top_k 10
+Requests:  16 sequence(s) (16 per replica), prompt 16 + 48 new tokens, temperature 0.7, top_k 10
 KV cache:  fp32, 1 kv head(s) per rank; 256 bytes per token on the most loaded rank
 Weights:   ../tiny_ckpt
 Run:       torchrun --standalone --nproc-per-node 4 serve.py
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from parcompile import runtime as rt
 from parcompile.runtime import generate as gen
+from parcompile.runtime import paged
 from parcompile.runtime.weights import load_weights
 
 HERE = Path(__file__).resolve().parent
@@ -54,7 +55,7 @@ KV_REPLICAS = 1  # tp ranks holding the same kv head (vLLM-style replication whe
 FORCE_CPU = True  # the `cpu` cluster runs with gloo even where a GPU exists
 
 # ---- requests -------------------------------------------------------------------------
-BATCH = 1
+BATCH = 16
 PROMPT_LEN = 16
 MAX_NEW_TOKENS = 48
 TEMPERATURE = 0.7  # 0: greedy
@@ -153,6 +154,11 @@ class Stage(nn.Module):
                                  WINDOW)
         return self.cache
 
+    def new_paged_cache(self, blocks: int, block_size: int, device) -> paged.PagedKVCache:
+        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/paged.py)."""
+        self.cache = paged.PagedKVCache(self.layer_ids, blocks, block_size, KV_LOCAL, HEAD_DIM, KV_DTYPE, device)
+        return self.cache
+
     def forward(self, x: torch.Tensor, step: gen.StepInput) -> torch.Tensor:
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage."""
@@ -223,6 +229,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--record-logits", action="store_true",
                     help="with --out: also each step's logits into rank<r>.pt (parcompile verify)")
     ap.add_argument("--keep-process-group", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default=None, metavar="HOST:PORT",
+                    help="answer the requests of `parcompile serve`'s front at HOST:PORT (continuous batching)")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         raise gen.ServeError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
@@ -249,6 +257,11 @@ def main(argv=None) -> dict:
     for p in model.parameters():
         p.data = p.data.to(ctx.device, DTYPE)
     model.eval()
+    if args.engine:   # `parcompile serve`: continuous batching over a paged KV cache until the front stops it
+        paged.serve_requests(model, ctx, plan, args.engine, VOCAB, HIDDEN, DTYPE, WINDOW)
+        del model
+        rt.shutdown(ctx)
+        return {"rank": ctx.rank, "engine": args.engine}
     speaker = ctx.is_last_stage() and ctx.tp.index == 0
     rt.COUNTER.reset()
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,

@@ -1,0 +1,390 @@
+"""Continuous batching over a paged KV cache: the engine behind `parcompile serve` (SPEC 4).
+
+The generated serve program (``serve.py``) builds its model as for one-shot generation and,
+started with ``--engine HOST:PORT`` by `parcompile serve`, hands it to :func:`serve_requests`
+instead of prefilling one batch. The same ``Stage.forward`` runs: its attention layers call
+``cache.store(layer, k, v, start)`` and :func:`parcompile.runtime.generate.cached_attention`
+with ``step.masks``, and here the cache is a :class:`PagedKVCache` bound to the step's
+block tables (as vLLM's attention reads the forward context's slot mapping).
+
+Scheduling (iteration level, as vLLM's scheduler): the leader of a replica (its lowest
+rank) holds the waiting queue, the running sequences and the free blocks. Every engine step
+it frees the blocks of finished and cancelled sequences, admits waiting requests in arrival
+order while at most ``batch`` sequences run and the blocks of their whole context
+(``prompt + max_tokens``, ``ceil(. / block_size)`` blocks, reserved at admission so that no
+sequence is ever preempted) are free, and runs ONE forward pass holding the new requests'
+prompts (prefill) beside one token of every running sequence (decode). The step's plan
+(token ids, context lengths and block tables per row, the new requests' sampling
+parameters) is broadcast to every rank of the replica over torch.distributed; the last
+stage samples each row with its own parameters and generator and broadcasts the tokens
+over pp (:func:`parcompile.runtime.generate.broadcast_from_last`), so the leader knows them.
+
+Rows of a step are left-padded to the longest row's new tokens T (the last position of
+every row is its last real token: ``Stage.forward`` samples ``x[:, -1]``). A row's
+attention reads its cached context, gathered from its blocks (B, kv, C, D), C the longest
+context of the step, followed by the step's own keys (B, kv, T, D): the mask
+(B, 1, T, C + T) lets a real query see its context and the real new keys up to itself
+(and, for a sliding-window layer, only those within the window); a padding query sees
+itself only (finite values no real token reads). Padding keys are never written.
+
+The leader talks to the HTTP front (``parcompile.server``) through a
+``multiprocessing.connection`` socket whose authentication key comes in the environment
+(``PARCOMPILE_ENGINE_KEY``, hex). Messages front -> engine: ``("add", rid, prompt_ids,
+params)``, ``("abort", rid)``, ``("stop",)``; engine -> front: ``("ready", info)``,
+``("out", [(rid, token, finish_reason or None)], stats)``, ``("error", message)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parcompile.runtime import generate as gen
+from parcompile.runtime.comm import nbytes
+from parcompile.runtime.context import ParallelContext
+
+#: seconds an idle leader waits for a request before it sends its replica an empty step
+#: (a heartbeat: the other ranks never wait on a collective longer than this when idle)
+IDLE_HEARTBEAT_S = 1.0
+#: the environment variable holding the front's authentication key (hex)
+KEY_ENV = "PARCOMPILE_ENGINE_KEY"
+
+
+class PagedKVCache:
+    """Keys and values of every local layer in ``blocks`` blocks of ``block_size`` tokens:
+    (blocks * block_size, kv_local, head_dim) per layer, in ``dtype`` (the spec's
+    ``kv_dtype``; widened to the compute dtype when read). A token at position p of a
+    sequence sits in slot ``table[p // block_size] * block_size + p % block_size``.
+
+    :meth:`bind` sets the step's slots; :meth:`store` has :class:`parcompile.runtime.
+    generate.KVCache`'s interface, so the program's attention layers run unchanged. A
+    sliding-window layer keeps every token (its mask drops the old ones). ``v_dim``: the
+    values' width when it is not ``head_dim`` (MLA's latent and RoPE key).
+    """
+
+    def __init__(self, layers: list[int], blocks: int, block_size: int, kv_local: int, head_dim: int,
+                 dtype: torch.dtype, device, v_dim: int | None = None):
+        if blocks < 1 or block_size < 1:
+            raise gen.ServeError(f"a paged KV cache needs blocks >= 1 and block_size >= 1, not {blocks}, {block_size}")
+        self.blocks, self.block_size = blocks, block_size
+        slots = blocks * block_size
+        self.k = {i: torch.zeros((slots, kv_local, head_dim), dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros((slots, kv_local, head_dim if v_dim is None else v_dim), dtype=dtype, device=device)
+                  for i in layers}
+        self.write_slots = self.read_slots = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(t) for t in self.k.values()) + sum(nbytes(t) for t in self.v.values())
+
+    def bind(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
+        """The step's slots: ``write_slots`` (B, T), where each new token goes (-1: padding,
+        not written); ``read_slots`` (B, C), the context each row attends (padding columns
+        point anywhere: the mask hides them)."""
+        self.write_slots, self.read_slots = write_slots, read_slots
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's k, v (B, kv_local, T, D) into their slots; return the keys and
+        values the step's queries attend: the context (B, kv_local, C, D) followed by the
+        step's own (B, kv_local, C + T, D), in k's dtype. ``start`` is unused (the bound
+        slots say where each row's tokens go)."""
+        B, H, T, _ = k.shape
+        flat = self.write_slots.reshape(-1)
+        real = flat >= 0
+        idx = flat[real]
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            rows = new.transpose(1, 2).reshape(B * T, H, new.shape[-1])[real]
+            cache.index_copy_(0, idx, rows.to(cache.dtype))
+        keys = self.k[layer][self.read_slots].transpose(1, 2).to(k.dtype)      # (B, H, C, D)
+        values = self.v[layer][self.read_slots].transpose(1, 2).to(v.dtype)
+        return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+
+
+@dataclass
+class Row:
+    """One sequence in a step: its new token ids, the tokens it has in the cache before the
+    step (``context``), and its block table."""
+
+    rid: str
+    tokens: list[int]
+    context: int
+    table: list[int]
+
+
+def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch.Tensor, gen.StepInput,
+                                                                           torch.Tensor, torch.Tensor]:
+    """The inputs of one step over ``rows`` (module docstring): token ids (B, T) left-padded,
+    the :class:`parcompile.runtime.generate.StepInput` (positions (B, T), a mask
+    (B, 1, T, C + T) per attention window, 0: full causal) and the write (B, T) and read
+    (B, C) slots for :meth:`PagedKVCache.bind`."""
+    B = len(rows)
+    T = max(len(r.tokens) for r in rows)
+    C = max(r.context for r in rows)
+    ids = torch.zeros((B, T), dtype=torch.long)
+    n = torch.tensor([len(r.tokens) for r in rows])
+    c = torch.tensor([r.context for r in rows])
+    write = torch.full((B, T), -1, dtype=torch.long)
+    read = torch.zeros((B, max(C, 0)), dtype=torch.long)
+    for b, r in enumerate(rows):
+        table = torch.tensor(r.table, dtype=torch.long)
+        ids[b, T - len(r.tokens):] = torch.tensor(r.tokens, dtype=torch.long)
+        pos = torch.arange(r.context, r.context + len(r.tokens))
+        write[b, T - len(r.tokens):] = table[pos // block_size] * block_size + pos % block_size
+        ctx_pos = torch.arange(r.context)
+        read[b, :r.context] = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
+    t = torch.arange(T)
+    first = (T - n)[:, None]                                   # (B, 1): the first real column
+    real_q = t[None, :] >= first                               # (B, T)
+    q_pos = torch.where(real_q, c[:, None] + t[None, :] - first, torch.zeros((), dtype=torch.long))
+    j = torch.arange(C)
+    ctx_ok = (j[None, None, :] < c[:, None, None]) & real_q[:, :, None]                     # (B, T, C)
+    new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]) & real_q[:, :, None]
+    wins = tuple(dict.fromkeys(windows)) if isinstance(windows, (tuple, list)) else (windows,)
+    masks = {}
+    for w in wins:
+        a, b_ = ctx_ok, new_ok
+        if w:
+            a = a & ((q_pos[:, :, None] - j[None, None, :]) < w)
+            b_ = b_ & ((t[None, :, None] - t[None, None, :]) < w)
+        b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
+        masks[w] = torch.cat([a, b_], dim=2).unsqueeze(1).to(device)
+    return ids, gen.StepInput(0, q_pos.to(device), masks), write.to(device), read.to(device)
+
+
+def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators: list[torch.Generator]) -> torch.Tensor:
+    """Each row's next token from logits (B, V') with its own ``temperature``, ``top_k`` and
+    ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`)."""
+    out = [gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"])
+           for b, (p, g) in enumerate(zip(params, generators))]
+    return torch.cat(out).to(logits.device)
+
+
+def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], params: list[dict],
+             generators: list[torch.Generator], vocab: int, hidden: int, dtype: torch.dtype, windows,
+             tag: int = 0) -> list[int]:
+    """One engine step on this rank: lay out ``rows`` (:func:`paged_step`), bind the cache,
+    pass the step through the pipeline (:func:`parcompile.runtime.generate.pipeline_pass`),
+    sample each row on the last stage (:func:`sample_rows`) and broadcast the tokens over
+    pp; returns each row's next token (known on every rank of the tp-0 pipeline and on every
+    last-stage rank)."""
+    ids, step, write, read = paged_step(rows, cache.block_size, windows, ctx.device)
+    cache.bind(write, read)
+    with torch.no_grad():
+        logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=tag)
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
+    if ctx.is_last_stage():
+        tokens = sample_rows(gen.gather_vocab(logits, ctx.tp), vocab, params, generators)
+    return gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
+
+
+def replica_ranks(plan: dict) -> list[list[int]]:
+    """The ranks of each data-parallel replica (its tp x pp ranks), by replica index."""
+    dp_groups = plan["groups"].get("dp") or [[r] for r in range(plan["world_size"])]
+    size = len(dp_groups[0])
+    if size == 1:
+        return [sorted(r for g in dp_groups for r in g)]
+    return [sorted(g[i] for g in dp_groups) for i in range(size)]
+
+
+@dataclass
+class Sequence:
+    """A request the leader admitted: its prompt, generated tokens and blocks."""
+
+    rid: str
+    prompt: list[int]
+    params: dict
+    table: list[int]
+    out: list[int] = field(default_factory=list)
+
+    @property
+    def limit(self) -> int:
+        return self.params["max_tokens"]
+
+
+class Scheduler:
+    """The leader's queue, running set and block pool (module docstring)."""
+
+    def __init__(self, blocks: int, block_size: int, max_seqs: int):
+        self.block_size, self.max_seqs = block_size, max_seqs
+        self.free = deque(range(blocks))
+        self.total = blocks
+        self.waiting: deque = deque()
+        self.running: dict[str, Sequence] = {}
+        self.freed: list[str] = []     # sequences whose generators the last stage may drop
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def add(self, rid: str, prompt: list[int], params: dict) -> None:
+        self.waiting.append((rid, prompt, params))
+
+    def abort(self, rid: str) -> None:
+        """Cancel ``rid``: a waiting request leaves the queue; a running one frees its blocks."""
+        self.waiting = deque(w for w in self.waiting if w[0] != rid)
+        if rid in self.running:
+            self.finish(rid)
+
+    def finish(self, rid: str) -> None:
+        seq = self.running.pop(rid)
+        self.free.extend(seq.table)
+        self.freed.append(rid)
+
+    def admit(self) -> list[Sequence]:
+        """Admit waiting requests in arrival order while they fit (no overtaking)."""
+        new = []
+        while self.waiting and len(self.running) < self.max_seqs:
+            rid, prompt, params = self.waiting[0]
+            need = self.blocks_for(len(prompt) + params["max_tokens"])
+            if need > len(self.free):
+                break
+            self.waiting.popleft()
+            seq = Sequence(rid, prompt, params, [self.free.popleft() for _ in range(need)])
+            self.running[rid] = seq
+            new.append(seq)
+        return new
+
+    def admissible(self) -> bool:
+        """Whether the first waiting request could be admitted now."""
+        if not self.waiting or len(self.running) >= self.max_seqs:
+            return False
+        _, prompt, params = self.waiting[0]
+        return self.blocks_for(len(prompt) + params["max_tokens"]) <= len(self.free)
+
+    def next_step(self) -> dict:
+        """Free, admit and lay out the next step: ``free`` (sequences finished or cancelled
+        since the last step), ``new`` (the admitted requests' sampling parameters) and
+        ``rows`` (``Row`` fields: a new request's prompt at context 0, else the running
+        sequence's last token after its context)."""
+        freed, self.freed = self.freed, []
+        new = self.admit()
+        new_ids = {s.rid for s in new}
+        rows = []
+        for s in self.running.values():
+            if s.rid in new_ids:
+                rows.append((s.rid, s.prompt, 0, s.table))
+            else:
+                rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
+        return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows}
+
+    def collect(self, rows: list[Row], tokens: list[int]) -> list[tuple]:
+        """Append each row's token; finish a sequence at ``max_tokens`` or one of its end
+        tokens (``params["eos"]``); returns ``(rid, token, finish_reason or None)`` per row."""
+        out = []
+        for r, tok in zip(rows, tokens):
+            seq = self.running.get(r.rid)
+            if seq is None:
+                continue
+            seq.out.append(tok)
+            reason = "stop" if tok in seq.params.get("eos", ()) else ("length" if len(seq.out) >= seq.limit else None)
+            if reason:
+                self.finish(r.rid)
+            out.append((r.rid, tok, reason))
+        return out
+
+    def stats(self) -> dict:
+        return {"blocks_used": self.total - len(self.free), "blocks_free": len(self.free),
+                "waiting": len(self.waiting), "running": len(self.running)}
+
+
+def _connect(address: str):
+    from multiprocessing.connection import Client
+
+    host, _, port = address.rpartition(":")
+    key = bytes.fromhex(os.environ.get(KEY_ENV, ""))
+    return Client((host, int(port)), authkey=key)
+
+
+def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab: int, hidden: int,
+                   dtype: torch.dtype, windows) -> None:
+    """Run the engine of this rank's replica until the front says stop (module docstring).
+
+    ``model`` is the program's ``Stage`` (with ``new_paged_cache`` and ``forward``), ``plan``
+    its plan.json (``serve.kv_blocks``, ``block_size``, ``batch``), ``address`` the front's
+    ``host:port``, ``windows`` the program's attention window(s).
+
+    Raises:
+        ServeError: the front cannot be reached.
+    """
+    sv = plan["serve"]
+    block_size, blocks, max_seqs = sv["block_size"], sv["kv_blocks"], sv["batch_per_replica"]
+    cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    group, leader = None, 0
+    if ctx.distributed:
+        for ranks in replica_ranks(plan):    # every rank creates every group, in order
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if ctx.rank in ranks:
+                group, leader = g, ranks[0]
+    is_leader = ctx.rank == leader
+    conn = sched = None
+    if is_leader:
+        try:
+            conn = _connect(address)
+        except OSError as e:
+            raise gen.ServeError(f"cannot reach the server's front at {address}: {e}") from None
+        sched = Scheduler(blocks, block_size, max_seqs)
+        conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
+                             "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
+    generators: dict[str, torch.Generator] = {}
+    params: dict[str, dict] = {}
+    step_no = 0
+    while True:
+        msg = None
+        if is_leader:
+            msg = _leader_plan(conn, sched)
+        if group is not None:
+            box = [msg]
+            dist.broadcast_object_list(box, src=leader, group=group)
+            msg = box[0]
+        if msg["stop"]:
+            break
+        for rid in msg["free"]:
+            generators.pop(rid, None)
+            params.pop(rid, None)
+        for rid, p in msg["new"].items():
+            params[rid] = p
+            generators[rid] = torch.Generator().manual_seed(p["seed"])
+        rows = [Row(*r) for r in msg["rows"]]
+        if not rows:
+            if is_leader:
+                conn.send(("stats", sched.stats()))
+            continue
+        tokens = run_step(model, ctx, cache, rows, [params[r.rid] for r in rows], [generators[r.rid] for r in rows],
+                          vocab, hidden, dtype, windows, tag=step_no % 1024)
+        step_no += 1
+        if is_leader:
+            _leader_collect(conn, sched, rows, tokens)
+    if conn is not None:
+        conn.close()
+
+
+def _leader_plan(conn, sched: Scheduler) -> dict:
+    """Read the front's messages (waiting up to :data:`IDLE_HEARTBEAT_S` when idle), then
+    free, admit and lay out the next step."""
+    deadline = time.monotonic() + IDLE_HEARTBEAT_S
+    while True:
+        idle = not sched.running and not sched.admissible()
+        timeout = max(deadline - time.monotonic(), 0) if idle else 0
+        if not conn.poll(timeout):
+            break
+        m = conn.recv()
+        if m[0] == "add":
+            sched.add(m[1], m[2], m[3])
+        elif m[0] == "abort":
+            sched.abort(m[1])
+        elif m[0] == "stop":
+            return {"stop": True}
+    return sched.next_step()
+
+
+def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int]) -> None:
+    """Record the step's tokens; send them and the cache's state to the front."""
+    conn.send(("out", sched.collect(rows, tokens), sched.stats()))
+
+
+__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "run_step", "replica_ranks", "Scheduler", "serve_requests",
+           "IDLE_HEARTBEAT_S", "KEY_ENV"]

@@ -1,0 +1,116 @@
+"""`parcompile serve`: the compiled serve program as an OpenAI-compatible HTTP server
+(SPEC 4).
+
+One front process (this one) runs the FastAPI application on uvicorn (:mod:`.api`) and
+launches the serve program under torchrun on the plan's ranks (:mod:`.engines`); each
+data-parallel replica's leader rank runs the continuous-batching engine
+(:mod:`parcompile.runtime.paged`) and broadcasts every step to the other tp x pp ranks of
+its replica. vLLM splits its OpenAI server the same way (an API process, engine-core
+processes). When a rank dies the front answers 503 for :data:`FAIL_GRACE_S` seconds and
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from pathlib import Path
+
+#: seconds the front keeps answering 503 after the engines failed, before it exits
+FAIL_GRACE_S = 3.0
+
+
+def _chat_template(weights: str | None) -> tuple[str | None, dict]:
+    """The weights' chat template (``tokenizer_config.json``: ``chat_template``, a string or
+    a list of named ones, "default" first) and its special tokens (bos_token, eos_token)."""
+    if not weights:
+        return None, {}
+    f = Path(weights) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return None, {}
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    special = {}
+    for k in ("bos_token", "eos_token"):
+        v = cfg.get(k)
+        special[k] = v.get("content", "") if isinstance(v, dict) else (v or "")
+    return (tpl if isinstance(tpl, str) else None), special
+
+
+def model_info(plan) -> "api.ModelInfo":
+    """What the API needs from the plan: name, vocabulary, context, default sampling, end
+    tokens, tokenizer and chat template (module :mod:`.api`)."""
+    from parcompile.runtime import generate as gen
+    from parcompile.server import api
+
+    cfg = plan.config
+    sv = cfg.serve
+    weights = sv.weights
+    tpl, special = _chat_template(weights)
+    return api.ModelInfo(name=cfg.model.name, vocab=cfg.model.vocab, context=sv.prompt_len + sv.max_new_tokens,
+        temperature=sv.temperature, top_k=sv.top_k, eos=gen.end_tokens(weights),
+        tokenizer=gen.load_tokenizer(None, weights, cfg.model.vocab),
+        chat_template=tpl or api.PLAIN_CHAT_TEMPLATE, special=special)
+
+
+def port_free(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be bound, else why not."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return str(e)
+    return None
+
+
+def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, log=print) -> int:
+    """Launch ``program`` (the compiled serve.py of ``plan``) and answer HTTP on
+    ``host:port`` until interrupted; returns the exit status (1 when a rank died)."""
+    import uvicorn
+
+    from parcompile.server.api import build_app
+    from parcompile.server.engines import EngineFailed, Engines
+    from parcompile.server.metrics import Metrics
+
+    info = model_info(plan)
+    why = port_free(host, port)
+    if why:
+        print(f"error: cannot listen on {host}:{port}: {why}", file=sys.stderr)
+        return 1
+    d = plan.data
+    log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
+        f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
+        f"per replica, at most {d['serve']['batch_per_replica']} sequences decoded at once", flush=True)
+    try:
+        engines = Engines(program, d["world_size"], d["degrees"]["dp"])
+    except EngineFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    app = build_app(info, engines, Metrics(info.name))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+    def on_fail(reason: str) -> None:
+        print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr, flush=True)
+        threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+    engines.on_fail = on_fail
+    if engines.failed:
+        on_fail(engines.failed)
+    log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+    try:
+        server.run()
+    finally:
+        status = engines.stop()
+    if engines.failed:
+        return 1
+    return 0 if status in (0, None) else 1
+
+
+__all__ = ["run_server", "model_info", "port_free", "FAIL_GRACE_S"]

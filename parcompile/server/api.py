@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP API of `parcompile serve` (SPEC 4), on FastAPI, as vLLM's
+``vllm.entrypoints.openai.api_server``: ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (``"stream": true``: server-sent events of OpenAI's chunk objects,
+ended by ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text).
+
+Requests. ``prompt`` is a string, a list of token ids, or a list holding one of either;
+``messages`` go through the tokenizer's chat template (``chat_template`` of the weights'
+``tokenizer_config.json``, rendered with jinja2 as transformers does); a model without one
+(the byte-level models) uses :data:`PLAIN_CHAT_TEMPLATE`: one ``role: content`` line per
+message, then ``assistant:``. Omitted sampling fields take the spec's ``serve`` values
+(``temperature``, ``top_k``); ``top_p`` defaults to 1, ``max_tokens`` to the room left in
+the context (``prompt_len + max_new_tokens`` of the spec, vLLM's default), ``seed`` to a
+random one. ``stop`` (a string or up to 4) ends the text before the first match
+(``finish_reason: "stop"``), as do the model's end tokens; ``max_tokens`` ends it with
+``"length"``. Extension (vLLM's): ``"return_token_ids": true`` adds ``prompt_token_ids``
+and ``token_ids`` to each choice.
+
+Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 400 for
+malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
+``max_tokens`` beyond the context (the message gives the limits); 404 for another model;
+503 once a rank has died (the server then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from parcompile.server.engines import EngineFailed
+
+#: the chat template of a tokenizer that has none (a byte-level model): one line per message
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"the server is unavailable: {reason}", code="service_unavailable", kind="server_error")
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    n: StrictInt = Field(1, ge=1, le=1)
+    return_token_ids: StrictBool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: Union[StrictStr, list[dict[str, Any]], None] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+@dataclass
+class ModelInfo:
+    """What the API needs of the compiled serve program."""
+
+    name: str
+    vocab: int
+    context: int                    # prompt_len + max_new_tokens: the longest request
+    temperature: float              # the spec's defaults
+    top_k: int
+    eos: list[int]
+    tokenizer: Any                  # runtime.generate's ByteTokenizer / HFTokenizer / IdTokenizer
+    chat_template: str
+    special: dict                   # bos_token, eos_token for the chat template
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    param = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == "missing":
+        return f"`{loc}` is required", param
+    return f"`{loc}`: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})", param
+
+
+def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
+    """The FastAPI application over ``engines`` (:class:`parcompile.server.engines.Engines`),
+    recording into ``metrics`` (:class:`parcompile.server.metrics.Metrics`)."""
+    app = FastAPI(title=f"parcompile serve: {info.name}", docs_url=None, redoc_url=None)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    chat_template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(info.chat_template)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return e.response()
+
+    async def parse(request: Request, model_cls):
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            req = model_cls.model_validate(body)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            raise ApiError(400, message, param=param, code="invalid_value") from None
+        if req.model is not None and req.model != info.name:
+            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{info.name}`",
+                           param="model", code="model_not_found")
+        return req
+
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
+        ids = info.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+        bad = [i for i in ids if not 0 <= i < info.vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab})", param="prompt")
+        return ids
+
+    def sampling(req: _Sampling, n_prompt: int, param: str) -> dict:
+        room = info.context - n_prompt
+        if room < 1:
+            raise ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); "
+                                f"the prompt has {n_prompt} tokens, leaving no room for output",
+                           param=param, code="context_length_exceeded")
+        max_tokens = req.max_tokens or req.max_completion_tokens or room
+        if max_tokens > room:
+            raise ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); "
+                                f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}: at most "
+                                f"{room} new tokens fit", param="max_tokens", code="context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise ApiError(400, "`stop` takes up to 4 non-empty strings", param="stop")
+        top_k = info.top_k if req.top_k is None else max(req.top_k, 0)
+        return {"max_tokens": max_tokens, "temperature": info.temperature if req.temperature is None
+                else req.temperature, "top_k": top_k, "top_p": 1.0 if req.top_p is None else req.top_p,
+                "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63), "eos": info.eos,
+                "stop": stop}
+
+    async def generate(request: Request, prompt: list[int], params: dict, watch: bool):
+        """Yield (text delta, token ids so far, finish_reason) as tokens arrive; the request
+        is cancelled in the engine when the client goes away or a stop string matches."""
+        rid = uuid.uuid4().hex
+        stop = params.pop("stop")
+        hold = max((len(s) for s in stop), default=1) - 1   # text that may begin a stop string
+        t0 = time.perf_counter()
+        try:
+            q = engines.submit(rid, prompt, params)
+        except EngineFailed as e:
+            raise unavailable(str(e)) from None
+        metrics.request_started(len(prompt))
+        ids: list[int] = []
+        sent = ""
+        last = None
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(q.get(), 1.0)
+                except asyncio.TimeoutError:
+                    # a streamed response is cancelled by Starlette when its client goes away
+                    if watch and await request.is_disconnected():
+                        return
+                    continue
+                if isinstance(item, EngineFailed):
+                    raise unavailable(str(item))
+                tok, reason = item
+                now = time.perf_counter()
+                metrics.token(now - (last if last is not None else t0), first=last is None)
+                last = now
+                if reason == "stop" and tok in info.eos:
+                    text = info.tokenizer.decode(ids)      # the end token is not text
+                else:
+                    ids.append(tok)
+                    text = info.tokenizer.decode(ids)
+                if reason is None:
+                    hit = min((i for i in (text.find(s, max(len(sent) - hold, 0)) for s in stop) if i >= 0),
+                              default=-1)
+                    if hit >= 0:
+                        text, reason = text[:hit], "stop"
+                        engines.abort(rid)
+                if reason is None:
+                    keep = len(text) - hold if stop else len(text)
+                    while keep > len(sent) and text[keep - 1] == "\ufffd":   # an unfinished UTF-8 character
+                        keep -= 1
+                    if keep > len(sent) and text.startswith(sent):
+                        delta, sent = text[len(sent):keep], text[:keep]
+                        yield delta, ids, None
+                    continue
+                finished = True
+                metrics.request_finished(reason, len(ids))
+                yield (text[len(sent):] if text.startswith(sent) else ""), ids, reason
+                return
+        finally:
+            if not finished:
+                engines.abort(rid)
+                metrics.request_finished("abort", len(ids))
+
+    def usage(n_prompt: int, n_out: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    async def respond(request: Request, req: _Sampling, prompt: list[int], chat: bool):
+        params = sampling(req, len(prompt), "messages" if chat else "prompt")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        base = {"id": rid, "created": created, "model": info.name}
+        stream = generate(request, prompt, params, watch=not req.stream)
+        if not req.stream:
+            text, ids, reason = "", [], None
+            async for delta, ids, reason in stream:
+                text += delta
+            if reason is None:        # the client went away: nobody reads this
+                return JSONResponse({}, status_code=499)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": reason} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompt, token_ids=list(ids))
+            return JSONResponse({**base, "object": obj, "choices": [choice], "usage": usage(len(prompt), len(ids))})
+        # streamed: the first token must arrive (or fail) before the 200 status goes out
+        first = await anext(stream, None)
+        include_usage = bool((getattr(req, "stream_options", None) or {}).get("include_usage"))
+
+        def chunk(delta: str, ids: list[int], reason, n_ids: int, role: bool = False) -> dict:
+            if chat:
+                d = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            else:
+                c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            if req.return_token_ids:
+                c["token_ids"] = ids[n_ids:]
+            return {**base, "object": obj + ".chunk" if chat else obj, "choices": [c]}
+
+        async def events():
+            n_ids = 0
+            ids: list[int] = []
+            if first is None:
+                return
+            if chat:
+                yield sse(chunk("", [], None, 0, role=True))
+            item = first
+            try:
+                while item is not None:
+                    delta, ids, reason = item
+                    yield sse(chunk(delta, ids, reason, n_ids))
+                    n_ids = len(ids)
+                    item = await anext(stream, None)
+            except ApiError as e:      # a rank died mid-stream: the error as the last event
+                yield sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}})
+                return
+            finally:
+                await stream.aclose()
+            if include_usage:
+                yield sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
+                           "usage": usage(len(prompt), len(ids))})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        return await respond(request, req, encode(req.prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatRequest)
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):    # content parts: the text ones
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = chat_template.render(messages=messages, add_generation_prompt=True, **info.special)
+        except Exception as e:   # a template that rejects these messages (roles out of order)
+            raise ApiError(400, f"the chat template rejects these messages: {e}", param="messages") from None
+        return await respond(request, req, encode(text), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
+                                            "owned_by": "parcompile", "max_model_len": info.context}]}
+
+    @app.get("/health")
+    async def health():
+        if engines.failed:
+            return unavailable(engines.failed).response()
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render(engines.totals())
+        return PlainTextResponse(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,229 @@
+"""The front's side of the engines: launch the serve program under torchrun with
+``--engine HOST:PORT``, accept one connection per data-parallel replica (its leader rank,
+:mod:`parcompile.runtime.paged`), send requests to the least loaded replica and route the
+tokens that come back to the waiting HTTP handlers.
+
+A replica that goes away (a rank died: torchrun ends the job, the leader's socket closes)
+marks the whole server failed: every pending request is answered 503 and the front exits
+non-zero (:attr:`Engines.failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV
+
+#: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
+#: declares it hung and fails (a rank stuck in a collective): far above one step's time
+SILENCE_TIMEOUT_S = 120.0
+
+
+class EngineFailed(Exception):
+    """The engines are gone (a rank died, torchrun exited): the server answers 503."""
+
+
+@dataclass
+class Replica:
+    """One replica's leader connection and what the front knows of its cache."""
+
+    index: int
+    conn: object
+    info: dict
+    stats: dict = field(default_factory=dict)
+    outstanding: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Engines:
+    """The torchrun job and its replicas' connections.
+
+    ``program`` is the compiled ``serve.py``, ``world`` the ranks to launch and ``replicas``
+    the plan's dp degree. Tokens come back as ``(token, finish_reason)`` items on each
+    request's asyncio queue; a failure puts an :class:`EngineFailed` there.
+    """
+
+    def __init__(self, program: Path, world: int, replicas: int, startup_timeout_s: float = 600.0,
+                 extra_env: dict | None = None, silence_timeout_s: float | None = None):
+        self.program, self.world, self.replicas_wanted = program, world, replicas
+        self.silence_timeout_s = max(SILENCE_TIMEOUT_S if silence_timeout_s is None else silence_timeout_s,
+                                     5 * IDLE_HEARTBEAT_S)
+        self.key = secrets.token_bytes(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
+        self.replicas: list[Replica] = []
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.owner: dict[str, Replica] = {}
+        self.failed: str | None = None
+        self.stopping = False        # stop() was called: the engines' going away is no failure
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_fail = None          # called once (from any thread) when the engines fail
+        self.on_stats = None         # called with each replica's stats
+        host, port = self.listener.address
+        env = dict(os.environ, **(extra_env or {}))
+        env[KEY_ENV] = self.key.hex()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(program), "--engine", f"{host}:{port}"]
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self._accept(startup_timeout_s)
+        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def _accept(self, timeout_s: float) -> None:
+        """Wait for every replica's leader to connect and say ready (or the job to end)."""
+        got: list = []
+        err: list = []
+
+        def accept():
+            try:
+                while len(got) < self.replicas_wanted:
+                    conn = self.listener.accept()
+                    msg = conn.recv()
+                    got.append(Replica(msg[1]["replica"], conn, msg[1]))
+            except Exception as e:   # the listener closed: startup failed
+                err.append(e)
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive():
+            if self.proc.poll() is not None:
+                raise EngineFailed(f"the serve program exited with status {self.proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineFailed(f"the serve program did not start within {timeout_s:.0f} s")
+            t.join(0.1)
+        if err:
+            raise EngineFailed(f"the serve program did not connect: {err[0]}")
+        self.replicas = sorted(got, key=lambda r: r.index)
+        for r in self.replicas:
+            r.last_seen = time.monotonic()
+            r.stats = {"blocks_used": 0, "blocks_free": r.info["kv_blocks"], "waiting": 0, "running": 0}
+            threading.Thread(target=self._read, args=(r,), daemon=True).start()
+
+    # ---- failure ------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        if self.failed or self.stopping:
+            return
+        self.failed = reason
+        for rid, (loop, q) in list(self.queues.items()):
+            loop.call_soon_threadsafe(q.put_nowait, EngineFailed(reason))
+        if self.on_fail:
+            self.on_fail(reason)
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self._fail(f"the serve program exited with status {self.proc.returncode}")
+
+    def _watchdog(self) -> None:
+        """Fail when a replica has been silent too long: a rank hung in a collective (a dead
+        one closes its sockets and torchrun ends the job; a hung one must be noticed)."""
+        while not self.failed and not self.stopping:
+            time.sleep(1.0)
+            for r in self.replicas:
+                silent = time.monotonic() - r.last_seen
+                if silent > self.silence_timeout_s and not self.stopping:
+                    self._fail(f"replica {r.index} has not answered for {silent:.0f} s (a rank hangs)")
+
+    def _read(self, r: Replica) -> None:
+        while True:
+            try:
+                msg = r.conn.recv()
+            except (EOFError, OSError):
+                self._fail(f"replica {r.index} disconnected (a rank died)")
+                return
+            r.last_seen = time.monotonic()
+            if msg[0] == "out":
+                for rid, tok, reason in msg[1]:
+                    target = self.queues.get(rid)
+                    if target:
+                        target[0].call_soon_threadsafe(target[1].put_nowait, (tok, reason))
+                    if reason:
+                        self._release(rid)
+                r.stats = msg[2]
+            elif msg[0] == "stats":
+                r.stats = msg[1]
+            elif msg[0] == "error":
+                self._fail(f"replica {r.index}: {msg[1]}")
+                return
+            if self.on_stats:
+                self.on_stats()
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(self, rid: str, prompt: list[int], params: dict) -> asyncio.Queue:
+        """Send a request to the replica with the fewest outstanding ones; returns the queue
+        its ``(token, finish_reason)`` items arrive on.
+
+        Raises:
+            EngineFailed: the engines are gone.
+        """
+        if self.failed:
+            raise EngineFailed(self.failed)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        r = min(self.replicas, key=lambda x: (x.outstanding, x.index))
+        self.queues[rid] = (loop, q)
+        self.owner[rid] = r
+        r.outstanding += 1
+        self._send(r, ("add", rid, prompt, params))
+        return q
+
+    def abort(self, rid: str) -> None:
+        """Cancel ``rid`` (its client went away, or a stop string ended it): its blocks are
+        freed at the replica's next step."""
+        r = self._release(rid)
+        if r is not None and not self.failed:
+            self._send(r, ("abort", rid))
+
+    def _release(self, rid: str):
+        self.queues.pop(rid, None)
+        r = self.owner.pop(rid, None)
+        if r is not None:
+            r.outstanding -= 1
+        return r
+
+    def _send(self, r: Replica, msg) -> None:
+        try:
+            with r.lock:
+                r.conn.send(msg)
+        except (OSError, EOFError, ValueError):
+            self._fail(f"replica {r.index} disconnected (a rank died)")
+            raise EngineFailed(self.failed) from None
+
+    def totals(self) -> dict:
+        """The cache and queue summed over the replicas."""
+        keys = ("blocks_used", "blocks_free", "waiting", "running")
+        return {k: sum(r.stats.get(k, 0) for r in self.replicas) for k in keys}
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """Tell the replicas to stop, wait for torchrun (terminate it after ``timeout_s``);
+        returns its exit status."""
+        self.stopping = True
+        for r in self.replicas:
+            try:
+                with r.lock:
+                    r.conn.send(("stop",))
+            except (OSError, EOFError, ValueError):
+                pass
+        try:
+            return self.proc.wait(2.0 if self.failed else timeout_s)   # a failed job is ended at once
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 15)
+            try:
+                return self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                return self.proc.wait()
+        finally:
+            self.listener.close()

@@ -1,0 +1,58 @@
+"""`GET /metrics` of `parcompile serve`: Prometheus text from ``prometheus_client`` (vLLM's
+metric set under the ``parcompile_`` prefix): requests by finish reason, prompt and
+generated tokens, time to first token and per output token (histograms, seconds), KV cache
+blocks used and free, requests waiting and running (summed over the dp replicas)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    """The server's counters, histograms and gauges, in a registry of their own."""
+
+    def __init__(self, model: str):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("parcompile_requests", "finished requests, by finish reason",
+                                ["model", "finish_reason"], registry=r)
+        self.running_requests = Gauge("parcompile_requests_in_flight", "requests the front is answering",
+                                      ["model"], registry=r)
+        self.prompt_tokens = Counter("parcompile_prompt_tokens", "prompt tokens of admitted requests", ["model"],
+                                     registry=r)
+        self.generation_tokens = Counter("parcompile_generation_tokens", "generated tokens", ["model"], registry=r)
+        self.ttft = Histogram("parcompile_time_to_first_token_seconds", "time from a request to its first token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("parcompile_time_per_output_token_seconds", "time between two output tokens",
+                              ["model"], buckets=_TPOT_BUCKETS, registry=r)
+        self.blocks_used = Gauge("parcompile_kv_cache_blocks_used", "KV cache blocks held by requests", ["model"],
+                                 registry=r)
+        self.blocks_free = Gauge("parcompile_kv_cache_blocks_free", "KV cache blocks free", ["model"], registry=r)
+        self.waiting = Gauge("parcompile_requests_waiting", "requests queued for KV cache blocks or a batch slot",
+                             ["model"], registry=r)
+        self.running = Gauge("parcompile_requests_running", "sequences in the running batch", ["model"], registry=r)
+        self.model = model
+
+    def request_started(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.running_requests.labels(self.model).inc()
+
+    def token(self, seconds: float, first: bool) -> None:
+        """One output token, ``seconds`` after the request (first) or the previous token."""
+        (self.ttft if first else self.tpot).labels(self.model).observe(seconds)
+        self.generation_tokens.labels(self.model).inc()
+
+    def request_finished(self, reason: str, tokens: int) -> None:
+        self.requests.labels(self.model, reason).inc()
+        self.running_requests.labels(self.model).dec()
+
+    def render(self, totals: dict) -> tuple[bytes, str]:
+        """The Prometheus text, with the engines' ``totals`` (blocks_used, blocks_free,
+        waiting, running) as the gauges."""
+        self.blocks_used.labels(self.model).set(totals["blocks_used"])
+        self.blocks_free.labels(self.model).set(totals["blocks_free"])
+        self.waiting.labels(self.model).set(totals["waiting"])
+        self.running.labels(self.model).set(totals["running"])
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

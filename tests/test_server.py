@@ -1,0 +1,443 @@
+"""`parcompile serve` (SPEC 4): one server, tp 2 x pp 2 with the tiny model, launched once
+for the module and talked to with the official `openai` client over loopback.
+
+Truth: greedy tokens equal the single-process serve program's (tests/serve_utils.py:
+run_in_process, a world of one), for completions and chat, plain and streamed, and for 32
+concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens, so the
+32 streams queue (seen in /metrics) and all complete; every block is free afterwards and
+after a client leaves mid-stream. The last test kills a rank: 503, then a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from parcompile.runtime import generate as gen  # noqa: E402
+from parcompile.runtime import paged  # noqa: E402
+from tests.serve_utils import build_serve, run_in_process  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = """model tiny {
+    layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
+    vocab = 256, seq_len = 64, dtype = fp32, norm = rmsnorm, activation = swiglu, position = rope
+}
+cluster local from "cpu" { gpus_per_node = WORLD }
+parallel { tp = TP, pp = PP }
+serve {
+    batch = 8
+    prompt_len = 16
+    max_new_tokens = 48
+    seed = 1
+    block_size = 16
+    kv_cache_tokens = 256
+}
+"""
+BLOCKS = 16
+
+
+def _spec(tp: int, pp: int) -> str:
+    return SPEC.replace("WORLD", str(tp * pp)).replace("TP", str(tp)).replace("PP", str(pp))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "s.par").write_text(_spec(2, 2))
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(tmp / "s.par"), "-o", str(tmp / "out"),
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    yield {"proc": proc, "base": base, "client": openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
+           "tmp": tmp}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy tokens of the single-process serve program: prompt ids -> 48 new tokens."""
+    from parcompile.frontend import load_spec
+
+    tmp = tmp_path_factory.mktemp("ref")
+    (tmp / "one.par").write_text(_spec(1, 1))
+    cfg, _ = load_spec(tmp / "one.par")
+    build_serve(cfg, tmp / "one")
+    cache = {}
+
+    def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
+        todo = [p for p in prompts if tuple(p) not in cache]
+        if todo:
+            argv = ["--temperature", "0", "--max-new-tokens", str(64 - max(map(len, todo))), "--weights", "seed"]
+            for p in todo:
+                argv += ["--prompt-ids", ",".join(map(str, p))]
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)     # ten times faster beside the server's ranks on a few cores
+            try:
+                rec = run_in_process(tmp / "one", argv)
+            finally:
+                torch.set_num_threads(threads)
+            cache.update({tuple(p): t for p, t in zip(todo, rec["tokens"])})
+        return [cache[tuple(p)][:n] for p in prompts]
+
+    return tokens
+
+
+def _metrics(base: str) -> dict:
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("parcompile_") and "{" in line:
+            name = line.split("{")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _extra(obj, key):
+    return (obj.model_extra or {}).get(key) if hasattr(obj, "model_extra") else getattr(obj, key)
+
+
+def _chat_ids(text: str) -> list[int]:
+    return list(f"user: {text}\nassistant:".encode())   # api.PLAIN_CHAT_TEMPLATE, bytes
+
+
+@pytest.mark.torchrun
+def test_completions_and_chat_equal_single_process(server, reference):
+    c = server["client"]
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    prompt = [84, 104, 101, 32, 7, 200]
+    want = reference([prompt], 12)[0]
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                             extra_body={"return_token_ids": True})
+    assert _extra(r.choices[0], "token_ids") == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 6
+    assert r.choices[0].text == gen.ByteTokenizer().decode(want)
+    ids, text = [], ""
+    for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                   extra_body={"return_token_ids": True}):
+        ids += _extra(ch.choices[0], "token_ids")
+        text += ch.choices[0].text
+    assert ids == want and text == r.choices[0].text
+    # chat: the plain template of a byte-level model
+    msgs = [{"role": "user", "content": "hi"}]
+    want = reference([_chat_ids("hi")], 10)[0]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert _extra(r.choices[0], "token_ids") == want
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == gen.ByteTokenizer().decode(want)
+    ids, text, reasons = [], "", []
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                        extra_body={"return_token_ids": True}):
+        ids += _extra(ch.choices[0], "token_ids") or []
+        text += ch.choices[0].delta.content or ""
+        reasons.append(ch.choices[0].finish_reason)
+    assert ids == want and text == r.choices[0].message.content and reasons[-1] == "length"
+
+
+@pytest.mark.torchrun
+def test_sampling_seed_stop_and_text_prompt(server):
+    c = server["client"]
+    a = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                             extra_body={"top_k": 20, "return_token_ids": True})
+    b = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                             extra_body={"top_k": 20, "return_token_ids": True})
+    assert _extra(a.choices[0], "token_ids") == _extra(b.choices[0], "token_ids")    # same seed, same draws
+    g = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0)
+    text = g.choices[0].text
+    cut = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
+    s = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0, stop=[text[cut]])
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == text[:text.index(text[cut])]
+
+
+@pytest.mark.torchrun
+def test_32_concurrent_streams_queue_complete_and_free_every_block(server, reference):
+    c, base = server["client"], server["base"]
+    g = torch.Generator().manual_seed(0)
+    jobs = []
+    for i in range(32):
+        n_prompt = 1 + i % 16
+        prompt = torch.randint(0, 256, (n_prompt,), generator=g).tolist()
+        jobs.append((prompt, 4 + (7 * i) % 21))
+    full = reference([p for p, _ in jobs], 48)      # one left-padded batch (as alone: tests/test_serve.py)
+    want = [t[:n] for t, (_, n) in zip(full, jobs)]
+    seen = {"waiting": 0.0, "free_min": BLOCKS}
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            m = _metrics(base)
+            seen["waiting"] = max(seen["waiting"], m.get("parcompile_requests_waiting", 0))
+            seen["free_min"] = min(seen["free_min"], m.get("parcompile_kv_cache_blocks_free", BLOCKS))
+            time.sleep(0.05)
+
+    def run(job):
+        prompt, n = job
+        ids, reason = [], None
+        for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True}):
+            ids += _extra(ch.choices[0], "token_ids")
+            reason = ch.choices[0].finish_reason or reason
+        return ids, reason
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    with ThreadPoolExecutor(32) as ex:
+        got = list(ex.map(run, jobs))
+    done.set()
+    poller.join()
+    assert [r for _, r in got] == ["length"] * 32
+    assert [ids for ids, _ in got] == want
+    assert seen["waiting"] > 0                 # the cache was full: requests waited, then completed
+    assert seen["free_min"] < 4
+    m = _metrics(base)
+    assert m["parcompile_kv_cache_blocks_used"] == 0 and m["parcompile_kv_cache_blocks_free"] == BLOCKS
+    assert m["parcompile_requests_waiting"] == 0 and m["parcompile_requests_running"] == 0
+
+
+@pytest.mark.torchrun
+def test_client_leaving_mid_stream_frees_its_blocks(server):
+    base = server["base"]
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert got[0].startswith("data: ")
+        assert _metrics(base)["parcompile_kv_cache_blocks_used"] == 4   # ceil((3 + 60) / 16)
+    deadline = time.monotonic() + 10
+    while _metrics(base)["parcompile_kv_cache_blocks_used"] != 0:
+        assert time.monotonic() < deadline, "the blocks of a closed stream were not freed"
+        time.sleep(0.1)
+    assert _metrics(base)["parcompile_kv_cache_blocks_free"] == BLOCKS
+
+
+@pytest.mark.torchrun
+def test_bad_requests_get_openai_errors(server):
+    c, base = server["client"], server["base"]
+
+    def err(r, status):
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        return e
+
+    e = err(httpx.post(base + "/v1/completions", content=b"{not json", timeout=10), 400)
+    assert "not valid JSON" in e["message"]
+    e = err(httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": "ten"}, timeout=10), 400)
+    assert e["param"] == "max_tokens" and "integer" in e["message"]
+    e = err(httpx.post(base + "/v1/chat/completions", json={"messages": "hi"}, timeout=10), 400)
+    assert e["param"] == "messages"
+    e = err(httpx.post(base + "/v1/completions", json={"max_tokens": 3}, timeout=10), 400)
+    assert "`prompt` is required" in e["message"]
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=1)
+    assert "context is 64 tokens" in x.value.message and "69 tokens" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="hello", max_tokens=60)
+    assert "at most 59 new tokens fit" in x.value.message and x.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="", max_tokens=3)
+    assert "empty" in x.value.message
+    with pytest.raises(openai.NotFoundError) as x:
+        c.completions.create(model="gpt-4", prompt="hi", max_tokens=3)
+    assert "`gpt-4` does not exist" in x.value.message
+    # and it keeps serving
+    assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+@pytest.mark.torchrun
+def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
+    """Last: it ends the module's server."""
+    proc, base = server["proc"], server["base"]
+    children = lambda pid: [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                            text=True).stdout.split()]
+    ranks = [p for t in children(proc.pid) for p in children(t)]
+    assert len(ranks) == 4, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "no 503 after a rank died"
+        try:
+            r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        except httpx.HTTPError:
+            pytest.fail("the server went away without answering 503")
+        if r.status_code == 503:
+            break
+        time.sleep(0.1)
+    assert r.json()["error"]["code"] == "service_unavailable"
+    assert proc.wait(60) != 0
+
+
+# ---- in-process ----------------------------------------------------------------------
+
+def test_scheduler_admits_in_order_reserves_whole_contexts_and_frees():
+    s = paged.Scheduler(blocks=4, block_size=16, max_seqs=2)
+    s.add("a", [1] * 10, {"max_tokens": 30})          # 40 tokens: 3 blocks
+    s.add("b", [1] * 5, {"max_tokens": 20})           # 25 tokens: 2 blocks: waits (no overtaking)
+    s.add("c", [1], {"max_tokens": 1})
+    assert [q.rid for q in s.admit()] == ["a"] and s.stats()["waiting"] == 2
+    s.abort("a")
+    assert [q.rid for q in s.admit()] == ["b", "c"] and s.stats() == {"blocks_used": 3, "blocks_free": 1,
+                                                                       "waiting": 0, "running": 2}
+    s.finish("b")
+    assert s.stats()["blocks_free"] == 3 and s.freed == ["a", "b"]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.7)) for _ in range(200)}
+    assert draws == {0, 1}
+    assert {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.5)) for _ in range(50)} == {0}
+
+
+def test_kv_cache_tokens_caps_the_paged_cache_and_must_hold_one_request():
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    d = parcompile.compile(_spec(2, 2), filename="s.par").data["serve"]
+    assert (d["block_size"], d["kv_cache_tokens"], d["kv_blocks"]) == (16, 256, BLOCKS)
+    free = parcompile.compile(_spec(2, 2).replace("    kv_cache_tokens = 256\n", ""), filename="s.par").data["serve"]
+    assert free["kv_cache_tokens"] == free["max_concurrent_tokens"] // 16 * 16
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(_spec(2, 2).replace("kv_cache_tokens = 256", "kv_cache_tokens = 48"), filename="s.par")
+    d = e.value.diagnostics[0]
+    assert "holds no request" in d.message and d.help == "set kv_cache_tokens >= 64" and d.span.line == 13
+
+
+def _paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, blocks: int, block_size: int):
+    """The engine's scheduler and step (runtime/paged.py) in this process (a world of one),
+    on the program's own Stage: requests arrive one per step and join the running batch."""
+    import importlib.util
+    import itertools
+
+    from parcompile import runtime as rt
+    from parcompile.runtime.weights import load_weights
+
+    spec = importlib.util.spec_from_file_location(f"paged_prog_{out.name}", out / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    plan = json.loads((out / "plan.json").read_text())
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        ctx = rt.init_parallel(plan, force_cpu=True)
+    finally:
+        os.environ.update(saved)
+    model = mod.Stage(plan, ctx)
+    load_weights(model, None, ctx)
+    model.eval()
+    cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
+    sched = paged.Scheduler(blocks, block_size, max_seqs)
+    params = {"max_tokens": n, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": []}
+    pending = list(enumerate(prompts))
+    got = {i: [] for i in range(len(prompts))}
+    peak = 0
+    for step in itertools.count():
+        if pending:
+            i, p = pending.pop(0)
+            sched.add(str(i), p, params)
+        plan_ = sched.next_step()
+        rows = [paged.Row(*r) for r in plan_["rows"]]
+        if not rows and not pending and not sched.waiting:
+            break
+        peak = max(peak, len(rows))
+        gens = [torch.Generator() for _ in rows]
+        tokens = paged.run_step(model, ctx, cache, rows, [params] * len(rows), gens, mod.VOCAB, mod.HIDDEN,
+                                mod.DTYPE, windows)
+        for rid, tok, _ in sched.collect(rows, tokens):
+            got[int(rid)].append(tok)
+    assert sched.stats()["blocks_free"] == blocks
+    return [got[i] for i in range(len(prompts))], peak
+
+
+@pytest.mark.parametrize("kind,model", [
+    ("gqa", {}),
+    ("sliding_window", {"sliding_window": 5}),
+    ("mla", {"heads": 4, "kv_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8,
+             "qk_rope_head_dim": 4, "v_head_dim": 8}),
+])
+def test_paged_continuous_batching_equals_one_shot_generation(kind, model, tmp_path):
+    """Prompts of different lengths join a running batch of 3 one step apart, over a cache
+    of blocks of 4 tokens: each one's greedy tokens equal the one-shot program's."""
+    from tests.serve_utils import serve_config
+
+    cfg = serve_config(model=model, serve=dict(batch=3, prompt_len=6, max_new_tokens=10, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120], [9], [31, 200, 4, 4, 8]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, peak = _paged_generate(tmp_path / "p", prompts, 10, max_seqs=3, blocks=12, block_size=4)
+        for p, toks in zip(prompts, got):
+            rec = run_in_process(tmp_path / "p", ["--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", "10",
+                                                  "--temperature", "0"])
+            assert toks == rec["tokens"][0], kind
+    finally:
+        torch.set_num_threads(threads)
+    assert peak == 3
+
+
+def test_cli_serve_refuses_a_training_spec_and_missing_weights(tmp_path, monkeypatch, capsys):
+    from parcompile.cli import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["serve", "examples/tiny.par", "-o", str(tmp_path / "a")]) == 2
+    assert "this spec trains" in capsys.readouterr().err
+    (tmp_path / "w.par").write_text(_spec(1, 1).replace("seed = 1", 'seed = 1\n    weights = "nowhere"'))
+    assert main(["serve", str(tmp_path / "w.par"), "-o", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "weights directory" in err and "nowhere` does not exist" in err and "Traceback" not in err
+
+
+def test_replica_ranks_are_the_tp_x_pp_ranks_of_each_dp_index():
+    from tests.serve_utils import serve_config
+
+    from parcompile.driver import compile_config
+
+    plan = compile_config(serve_config(dp=2, tp=2, pp=2)).data
+    reps = paged.replica_ranks(plan)
+    assert len(reps) == 2 and sorted(r for g in reps for r in g) == list(range(8))
+    for rep in reps:   # a replica holds every (tp, pp) coordinate once, and no two ranks of one dp group
+        assert {tuple(g) for g in plan["groups"]["dp"] if set(g) & set(rep)} == {tuple(g) for g in plan["groups"]["dp"]}
+        assert all(len(set(g) & set(rep)) == 1 for g in plan["groups"]["dp"])
+    assert paged.replica_ranks(compile_config(serve_config(tp=2, pp=2)).data) == [[0, 1, 2, 3]]
