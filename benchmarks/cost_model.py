@@ -40,7 +40,7 @@ def _layout(par) -> str:
 
 
 def main() -> int:
-    head = (f"{'row':22s} {'set':3s} {'source':38s} {'layout':34s} {'published s':>11s} {'estimate s':>10s} "
+    head = (f"{'row':22s} {'set':3s} {'source':46s} {'layout':34s} {'published s':>11s} {'estimate s':>10s} "
             f"{'error':>7s} {'TFLOP/s':>7s} {'MFU':>5s} {'bubble':>6s}")
     print(head)
     print("-" * len(head))
@@ -60,7 +60,7 @@ def main() -> int:
         memory_lines.append(f"{row.name:26s} first-stage activations {act / 1e9:7.2f} GB, Korthikanti's formula "
                             f"{want / 1e9:7.2f} GB ({100 * (act / want - 1):+.2f}%)")
         src = row.source.split(" (")[0]
-        print(f"{row.name:22s} {kind:3s} {src + ' (A100)':38s} {_layout(par):34s} {row.step_time:11.2f} "
+        print(f"{row.name:22s} {kind:3s} {src + ' (A100)':46s} {_layout(par):34s} {row.step_time:11.2f} "
               f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
     for row in H100_ROWS:
         cfg = h100_config(row)
@@ -70,7 +70,7 @@ def main() -> int:
         pub = row.published_step_time(flops)
         err = t.step_time / pub - 1
         errs["H100"].append(err)
-        print(f"{row.name:22s} {'C':3s} {row.source + ' (H100)':38s} {_layout(cfg.parallel):34s} {pub:11.2f} "
+        print(f"{row.name:22s} {'C':3s} {row.source + ' (H100)':46s} {_layout(cfg.parallel):34s} {pub:11.2f} "
               f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
         rate = (f"{t.tokens_per_s / cfg.parallel.world_size:,.0f} tokens/s per GPU (published "
                 f"{row.tokens_per_s_per_gpu:,.0f})" if row.tokens_per_s_per_gpu else
