@@ -1,9 +1,11 @@
 """Print the cost model's estimates beside published measurements (not a timed test).
 
-Rows: Megatron-LM 2021 Table 1 and Korthikanti et al. 2022 Table 5 (see
-parcompile/analysis/calibration.py for sources and configurations). ``C`` rows were used
-to fit the efficiencies of parcompile/analysis/estimate.py; ``H`` rows are held out. Also
-prints the first stage's activation memory beside Korthikanti's whole-stage formula.
+A100 rows: Megatron-LM 2021 Table 1 and Korthikanti et al. 2022 Table 5; H100 rows:
+torchtitan's Llama 3.1 8B FSDP row, Megatron-Bridge's GPT-OSS 120B row and the Llama 3
+paper's 405B row (parcompile/analysis/calibration.py gives every source, configuration and
+assumption). ``C`` rows were used to fit the efficiencies of parcompile/analysis/estimate.py;
+``H`` rows are held out. Also prints the first stage's activation memory beside
+Korthikanti's whole-stage formula (A100) and the peak memory beside the published one (H100).
 
     python benchmarks/cost_model.py
 """
@@ -15,33 +17,76 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parcompile.analysis.calibration import ROWS, row_config, stage_activation_bytes  # noqa: E402
+from parcompile.analysis.calibration import (H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
+                                             stage_activation_bytes)
+from parcompile.analysis.estimate import engine  # noqa: E402
 from parcompile.passes.manager import cost_without_schedule  # noqa: E402
 from parcompile.analysis.memory import closed_form_in_flight  # noqa: E402
 
+GIB = 2 ** 30
+
+
+def _layout(par) -> str:
+    parts = [f"dp{par.dp}"] + [f"{k}{getattr(par, k)}" for k in ("tp", "pp", "ep") if getattr(par, k) > 1]
+    if par.virtual_stages > 1:
+        parts.append(f"v{par.virtual_stages}")
+    parts += [f"mb{par.micro_batch}", f"gbs{par.global_batch}"]
+    if par.zero:
+        parts.append(f"zero{par.zero}")
+    parts.append({"none": "", "selective": "sel", "full": "full"}[par.recompute])
+    if par.sequence_parallel:
+        parts.append("sp")
+    return " ".join(p for p in parts if p)
+
 
 def main() -> int:
-    head = (f"{'row':26s} {'set':3s} {'source':34s} {'published s':>11s} {'estimate s':>10s} {'error':>7s} "
-            f"{'TFLOP/s':>7s} {'MFU':>5s} {'bubble':>6s} {'act GB':>7s} {'formula GB':>10s} {'act err':>7s}")
+    head = (f"{'row':22s} {'set':3s} {'source':46s} {'layout':34s} {'published s':>11s} {'estimate s':>10s} "
+            f"{'error':>7s} {'TFLOP/s':>7s} {'MFU':>5s} {'bubble':>6s}")
     print(head)
     print("-" * len(head))
-    worst = {"C": 0.0, "H": 0.0}
+    errs: dict[str, list[float]] = {"A100": [], "H100": []}
+    memory_lines = []
     for row in ROWS:
         cfg = row_config(row)
         cost = cost_without_schedule(cfg)
         t = cost.time
         err = t.step_time / row.step_time - 1
+        errs["A100"].append(err)
         kind = "H" if row.held_out else "C"
-        worst[kind] = max(worst[kind], abs(err))
         par = cfg.parallel
         flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches)
         act = cost.memory.per_stage[0].activations
         want = float(stage_activation_bytes(cfg, 0, flight[0]))
+        memory_lines.append(f"{row.name:26s} first-stage activations {act / 1e9:7.2f} GB, Korthikanti's formula "
+                            f"{want / 1e9:7.2f} GB ({100 * (act / want - 1):+.2f}%)")
         src = row.source.split(" (")[0]
-        print(f"{row.name:26s} {kind:3s} {src:34s} {row.step_time:11.2f} {t.step_time:10.2f} {100 * err:+6.1f}% "
-              f"{t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f} {act / 1e9:7.2f} {want / 1e9:10.2f} "
-              f"{100 * (act / want - 1):+6.2f}%")
-    print(f"\nlargest error: calibration rows {100 * worst['C']:.1f}%, held-out rows {100 * worst['H']:.1f}%")
+        print(f"{row.name:22s} {kind:3s} {src + ' (A100)':46s} {_layout(par):34s} {row.step_time:11.2f} "
+              f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
+    for row in H100_ROWS:
+        cfg = h100_config(row)
+        cost = cost_without_schedule(cfg)
+        t = cost.time
+        flops = t.tflops_per_gpu * 1e12 * t.step_time * cfg.parallel.world_size
+        pub = row.published_step_time(flops)
+        err = t.step_time / pub - 1
+        errs["H100"].append(err)
+        print(f"{row.name:22s} {'C':3s} {row.source + ' (H100)':46s} {_layout(cfg.parallel):34s} {pub:11.2f} "
+              f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
+        rate = (f"{t.tokens_per_s / cfg.parallel.world_size:,.0f} tokens/s per GPU (published "
+                f"{row.tokens_per_s_per_gpu:,.0f})" if row.tokens_per_s_per_gpu else
+                f"{t.tflops_per_gpu:.0f} TFLOP/s per GPU (published {row.tflops_per_gpu:.0f})")
+        line = f"{row.name:26s} engine {engine(cfg.cluster).name}: {rate}; peak {cost.memory.peak / GIB:.1f} GiB"
+        if row.peak_gib:
+            reserved = cost.memory.peak / (1 - cfg.cluster.memory_reserve) / GIB
+            line += (f" ({100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}% of the published "
+                     f"{row.peak_gib} GiB max reserved); with the cluster's {cfg.cluster.memory_reserve:.0%} "
+                     f"allocator reserve {reserved:.1f} GiB ({100 * (reserved / row.peak_gib - 1):+.1f}%)")
+        memory_lines.append(line)
+    print()
+    for k, e in errs.items():
+        print(f"{k} rows: mean |error| {100 * sum(map(abs, e)) / len(e):.2f}%, largest {100 * max(map(abs, e)):.1f}%")
+    print()
+    print("\n".join(memory_lines))
     return 0
 
 

@@ -240,6 +240,22 @@ class Assumptions(_Strict):
         description="for each axis with more than one rank: whether its groups cross nodes")
     moe_routing: Optional[str] = Field(
         default=None, description="mixture-of-experts models only: how token routing was costed")
+    engine: Optional[Literal["megatron", "eager"]] = Field(
+        default=None, description="the training engine whose kernels the estimate assumes (`cluster.engine`): "
+                                  "megatron = Megatron-Core with Transformer Engine, eager = eager PyTorch with "
+                                  "FSDP2 (torchtitan)")
+    kernels: Optional[str] = Field(default=None, description="what the engine runs, in words")
+    attention_efficiency: Optional[float] = Field(
+        default=None, description="fraction of the dense peak the engine's fused attention kernel reaches at "
+                                  "head dim 128 (forward and backward; causal kernels skip the masked blocks)")
+    elementwise_traffic: Optional[float] = Field(
+        default=None, description="bytes the engine's non-matmul kernels move over the fused count")
+    overlap_slowdown: Optional[float] = Field(
+        default=None, description="share of an overlapped data-parallel collective's time the compute beneath "
+                                  "it loses (NCCL's kernels take streaming multiprocessors)")
+    expert_rows: Optional[float] = Field(
+        default=None, description="mixture-of-experts models only: a grouped GEMM's fixed cost per local expert, "
+                                  "in rows of that expert's GEMMs")
 
 
 class GradReduction(_Strict):

@@ -148,7 +148,7 @@ class _Probe:
 
     def _compute(self, rc: str):
         m, tp = self.pcfg.model, self.pcfg.parallel.tp
-        return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc)
+        return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine)
 
     def _comm(self, rc: str):
         if rc == "selective":   # the same collectives as without recomputation
@@ -156,7 +156,7 @@ class _Probe:
         return comm_report(self.graph, self.degrees, 1, rc, 3)
 
     def _saved(self, rc: str) -> SavedBytes:
-        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0)
+        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine)
 
     def _bufs(self, rc: str) -> list[dict[str, int]]:
         pcfg = self.pcfg
@@ -503,7 +503,8 @@ class Coster:
             ct = ChunkTimes(_compose(ct3.matmul_f, counts), _compose(ct3.memory_f, counts),
                             _compose(ct3.recompute, counts),
                             {f: _compose(ct3.comm_f[f], counts) for f in fams},
-                            {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p)
+                            {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p,
+                            _compose(ct3.weighted_f, counts) if ct3.weighted_f else ())
             span, parts = pipeline_parts(cfg, ct, m)
             got = self.pipes[key] = (ct, span, parts)
         return got
@@ -606,10 +607,11 @@ class Coster:
                 fake_params.append(dd * (n_params // (pp * dd)))
             stages = [StageParams(s, fake_units[0], fake_units[1], 0, 0) for s in range(pp)]
             sums: dict[tuple, int] = {}
-            for grads, params, other in step_sums(cfg, deg, links, _step_entries(cfg, deg, stages)):
+            for grads, params, other, _copies in step_sums(cfg, deg, links, _step_entries(cfg, deg, stages)):
+                # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch: left out of the floor
                 if par.zero >= 3 and reshard_after_forward(pp):
                     params = 0.0   # gathered per micro-batch, some buckets fewer times: counted as none
-                sums[(grads, params, other)] = sums.get((grads, params, other), 0) + 1
+                sums[(grads, params, other, 0.0)] = sums.get((grads, params, other, 0.0), 0) + 1
             opt = optimizer_time(cfg, deg, [StageParams(0, fake_params[0], fake_params[1], 0, 0)])
             got = self.step_floor_parts[key] = (cfg, deg, tuple(sums.items()), opt)
         mkey = (key, fwd, bwd)
@@ -678,6 +680,10 @@ class Coster:
           ``dp = 1``) appears once in every term, and ``seq`` split over cp (local size
           ``seq / cp``) at most once; so each is ``micro_batch`` times its value at
           micro-batch 1, and at least ``cp0 / cp`` times its value at ``cp0``.
+        * the weights the GEMMs read and the grouped GEMMs' per-expert rows
+          (``ComputeReport.chunk_weight_traffic``, ``chunk_expert_row_flops``) do not
+          depend on the tokens at all: they are the probe's, unscaled (the fields that grow
+          with the tokens are ``ComputeReport.PER_TOKEN``).
 
         Collective times (:func:`~parcompile.analysis.estimate.collective_time`) do not
         decrease with the bytes or the group size, so the scaled probe's chunk times, with
@@ -717,10 +723,8 @@ class Coster:
         if got is None:
             r = mb * min(cp, 2) / cp
             comp = base.compute[rc]
-            scaled = replace(comp, chunk_fwd_flops=tuple(x * r for x in comp.chunk_fwd_flops),
-                             chunk_recompute_flops=tuple(x * r for x in comp.chunk_recompute_flops),
-                             chunk_fwd_traffic=tuple(x * r for x in comp.chunk_fwd_traffic),
-                             chunk_recompute_traffic=tuple(x * r for x in comp.chunk_recompute_traffic))
+            # what grows with the tokens (ComputeReport.PER_TOKEN); the weights read are the same
+            scaled = replace(comp, **{k: tuple(x * r for x in getattr(comp, k)) for k in comp.PER_TOKEN})
             tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
                 dp=1, tp=par.tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
                 global_batch=mb, recompute=rc, sequence_parallel=par.sequence_parallel)})
@@ -1174,7 +1178,9 @@ class Coster:
         lkey = (tuple(links.get(a) for a in _STEP_AXES), deg["embedding"])
         got = sums.get(lkey)
         if got is None:
-            got = sums[lkey] = step_sums(cfg0, deg, links, steps)
+            # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch, which this group
+            # does not fix: left out of the floor (they are not negative)
+            got = sums[lkey] = [(g, p, o, 0.0) for g, p, o, _c in step_sums(cfg0, deg, links, steps)]
         return dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
 
     def _data_parallel(self, cfg: SpecConfig, pr: _Probe, ct: ChunkTimes, links: dict, deg: dict,

@@ -1,13 +1,18 @@
-"""The cost model against Korthikanti et al. 2022 (Table 2 formulas, exact per layer) and
-the published step times of Megatron-LM 2021 Table 1 and Korthikanti Table 5
-(parcompile/analysis/calibration.py; `python benchmarks/cost_model.py` prints them all)."""
+"""The cost model against Korthikanti et al. 2022 (Table 2 formulas, exact per layer), the
+published step times of Megatron-LM 2021 Table 1 and Korthikanti Table 5 (A100) and the
+H100-era rows: torchtitan's Llama 3.1 8B FSDP, Megatron-Bridge's GPT-OSS 120B, the Llama 3
+paper's 405B (parcompile/analysis/calibration.py; `python benchmarks/cost_model.py` prints
+them all)."""
 
 from fractions import Fraction
+from functools import lru_cache
 
 import pytest
 
-from parcompile.analysis.calibration import ROWS, layer_activation_bytes, row_config, stage_activation_bytes
-from parcompile.analysis.estimate import closed_form_bubble
+from parcompile.analysis.calibration import (H100_ROWS, ROWS, h100_config, layer_activation_bytes, row_config,
+                                             stage_activation_bytes)
+from parcompile.analysis.compute import causal_share, compute_report, op_sac
+from parcompile.analysis.estimate import chunk_times, closed_form_bubble, efficiency
 from parcompile.analysis.memory import closed_form_in_flight, saved_bytes_per_chunk
 from parcompile.driver import compile_config
 from parcompile.passes.manager import cost_without_schedule
@@ -87,16 +92,54 @@ def test_closed_form_and_simulated_pipeline_agree():
 CALIBRATION = [r for r in ROWS if not r.held_out]
 
 
-@pytest.mark.parametrize("row", CALIBRATION, ids=[r.name for r in CALIBRATION])
-def test_step_time_within_10_percent_of_published(row):
-    est = cost_without_schedule(row_config(row)).time.step_time
-    assert est == pytest.approx(row.step_time, rel=0.10), f"{row.name}: {est:.2f} s vs {row.step_time} s"
+@lru_cache(maxsize=None)
+def _cost(row):
+    return cost_without_schedule(row_config(row))
+
+
+def test_a100_step_times_mean_error_at_most_3_5_percent():
+    # every A100 row, calibration and held out: each calibration row within 10%, the mean of
+    # all 18 within 3.5% (issue 19: the H100-era model keeps the A100 fit). Costed by the
+    # search's probes, which give the compiler's figures (test_search.py
+    # test_fast_cost_equals_the_compilers) in a tenth of the time; one row checked here too
+    from parcompile.search import Coster
+
+    def fast(r):
+        cfg = row_config(r)
+        return Coster(cfg).cost(cfg).step_time
+
+    errs = {r.name: fast(r) / r.step_time - 1 for r in ROWS}
+    first = CALIBRATION[0]
+    assert fast(first) == pytest.approx(_cost(first).time.step_time, rel=1e-9)
+    for r in CALIBRATION:
+        assert abs(errs[r.name]) <= 0.10, (r.name, errs[r.name])
+    assert sum(map(abs, errs.values())) / len(errs) <= 0.035, errs
+
+
+@pytest.mark.parametrize("row", H100_ROWS, ids=[r.name for r in H100_ROWS])
+def test_h100_rows_within_5_percent_of_published(row):
+    cfg = h100_config(row)
+    t = cost_without_schedule(cfg).time
+    flops = t.tflops_per_gpu * 1e12 * t.step_time * cfg.parallel.world_size
+    want = row.published_step_time(flops)
+    assert t.step_time == pytest.approx(want, rel=0.05), f"{row.name}: {t.step_time:.2f} s vs {want:.2f} s"
+
+
+def test_torchtitan_peak_memory_within_10_percent_with_the_allocator_reserve():
+    # torchtitan reports the largest max_reserved; the estimate's peak is what is allocated,
+    # which the plan checks against memory * (1 - memory_reserve)
+    row = next(r for r in H100_ROWS if r.peak_gib)
+    cfg = h100_config(row)
+    mem = cost_without_schedule(cfg).memory
+    reserved = mem.peak / (1 - cfg.cluster.memory_reserve) / 2**30
+    assert reserved == pytest.approx(row.peak_gib, rel=0.10)
+    assert mem.peak / 2**30 < row.peak_gib   # allocated is below what the allocator reserved
 
 
 @pytest.mark.parametrize("row", CALIBRATION, ids=[r.name for r in CALIBRATION])
 def test_stage_activations_within_2_percent_of_korthikanti(row):
     cfg = row_config(row)
-    cost = cost_without_schedule(cfg)
+    cost = _cost(row)
     par = cfg.parallel
     flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches)
     for s in {0, par.pp - 1}:
@@ -112,7 +155,7 @@ def test_stage_activations_within_2_percent_of_korthikanti(row):
 
 def test_full_recompute_working_set_is_a_buffer():
     row = next(r for r in ROWS if r.name == "22B full recompute")
-    st = cost_without_schedule(row_config(row)).memory.per_stage[0]
+    st = _cost(row).memory.per_stage[0]
     assert st.buffer_parts["recompute"] > 0
     # the logits and the recomputation's working set are never alive at once: the larger counts (issue 16)
     parts = dict(st.buffer_parts)
@@ -159,3 +202,97 @@ def test_simulated_interleaved_schedule_agrees_with_the_closed_form():
     assert d["estimate"]["step_time"] == pytest.approx(closed.step_time, rel=0.01)
     assert d["schedule"]["bubble_fraction"] == pytest.approx(closed_form_bubble(8, 2, 48), rel=0.05)
     assert d["schedule"]["in_flight"][0] == pytest.approx(8 * (1 + 7 / 16))
+
+
+# ------------------------------------------------------------------ engines and kernels (issue 19)
+
+def _llama(**kw):
+    return tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn_hidden=512, seq_len=256, vocab=512,
+                      dtype="bf16", **kw)
+
+
+def _report(cfg, engine="megatron"):
+    g, ctx = run_until(cfg, "insert-collectives")
+    par = cfg.parallel
+    return compute_report(g, ctx.degrees, par.pp, cfg.model.vocab, cfg.model.padded_vocab(par.tp), 1,
+                          par.recompute, engine), g
+
+
+def test_causal_fused_attention_runs_half_the_scores():
+    comp, _ = _report(spec(_llama(), micro_batch=2, global_batch=2))
+    S = 256
+    assert causal_share({"seq_len": S}) == (S + 1) / (2 * S)
+    assert causal_share({"seq_len": S, "window": 16}) == 1 - 15 / (2 * S)
+    # 2 layers x 4 b s^2 heads head_dim (no causal halving), the work the kernel runs (S+1)/2S of it
+    want = 2 * 4 * 2 * S * S * 4 * 64
+    assert comp.chunk_attn_flops == (want,)
+    assert comp.chunk_attn_work == (pytest.approx(want * (S + 1) / (2 * S)),)
+    assert comp.chunk_attn_scores == (pytest.approx(want * (S + 1) / (2 * S) / 64),)
+    # unfused attention is costed as its matmuls and the scores' traffic: no kernel
+    unfused, _ = _report(spec(_llama(attention="unfused"), micro_batch=2, global_batch=2))
+    assert unfused.chunk_attn_flops == (0,) and unfused.chunk_fwd_flops == comp.chunk_fwd_flops
+
+
+def test_gemm_operands_scale_with_tokens_and_weights_do_not():
+    one, _ = _report(spec(_llama(), micro_batch=1, global_batch=1))
+    four, _ = _report(spec(_llama(), micro_batch=4, global_batch=4))
+    assert four.chunk_gemm_traffic == tuple(4 * x for x in one.chunk_gemm_traffic)
+    assert four.chunk_weight_traffic == one.chunk_weight_traffic
+    # the weights read are the model's matmul weights, 16-bit: wq wk wv wo w1 w3 w2 per layer + the head
+    m = _llama()
+    per_layer = 256 * (256 + 2 * 128 + 256) + 3 * 256 * 512
+    assert one.chunk_weight_traffic == (2 * (2 * per_layer + 256 * 512),)
+
+
+def test_small_gemms_and_few_tokens_per_expert_run_below_the_gemm_rate():
+    # seconds per FLOP of the matmuls falls with the micro-batch (operands amortise the
+    # weights); experts pay Engine.expert_rows rows each
+    moe = _llama(experts=8, top_k=2, expert_ffn_hidden=256)
+    rates = []
+    for mb in (1, 8):
+        cfg = spec(moe, micro_batch=mb, global_batch=mb)
+        comp, _ = _report(cfg)
+        ct = chunk_times(cfg, {"tp": 1}, None, comp, type("C", (), {"raw": ()})(),
+                         links={a: (0.0, 1.0) for a in ("tp", "cp", "ep", "dp", "dp_cp", "pp")})
+        rates.append(comp.chunk_fwd_flops[0] / ct.matmul_f[0])
+    eff = efficiency(cfg.cluster)
+    assert rates[0] < rates[1] < eff.matmul * cfg.cluster.peak_flops
+
+
+def test_eager_engine_is_slower_and_says_so_in_plan_json():
+    text = """
+model m { layers = 2, hidden = 256, heads = 4, kv_heads = 2, ffn_hidden = 512, vocab = 512, seq_len = 256 }
+cluster c from "h100-sxm" { nodes = 1, gpus_per_node = 2 %s }
+parallel { dp = 2, zero = 3, recompute = selective, micro_batch = 2, global_batch = 4 }
+"""
+    from parcompile import compile as compile_spec
+    meg = compile_spec(text % "").data["estimate"]
+    eag = compile_spec(text % ", engine = eager").data["estimate"]
+    assert meg["assumptions"]["engine"] == "megatron" and eag["assumptions"]["engine"] == "eager"
+    assert eag["assumptions"]["elementwise_traffic"] > meg["assumptions"]["elementwise_traffic"] == 1.0
+    assert eag["assumptions"]["attention_efficiency"] < meg["assumptions"]["attention_efficiency"]
+    assert eag["step_time"] > meg["step_time"]
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+    with pytest.raises(SpecError) as e:
+        load_spec(text % ", engine = deepspeed")
+    assert "engine" in str(e.value) and "megatron" in str(e.value)
+
+
+def test_eager_selective_is_torchtitans_op_level_policy():
+    # every other linear of a layer (forward order) is recomputed, with every elementwise op;
+    # a layer keeps its input, the other linears' outputs and the attention kernel's output
+    cfg = spec(_llama(), micro_batch=2, global_batch=2, recompute="selective")
+    _, g = _report(cfg, "eager")
+    sac = op_sac(g, "selective", "eager")
+    assert op_sac(g, "selective", "megatron") is None and op_sac(g, "full", "eager") is None
+    assert sac == {f"layers.{i}.{n}" for i in range(2) for n in ("attn.wk", "attn.wo", "mlp.w3")}
+    eager, _ = _report(cfg, "eager")
+    meg, _ = _report(cfg, "megatron")
+    assert eager.chunk_recompute_flops[0] > meg.chunk_recompute_flops[0]
+    from parcompile.analysis.memory import saved_bytes
+    g2, ctx = run_until(cfg, "insert-collectives")
+    kept = saved_bytes(g2, ctx.degrees, 1, "selective", engine="eager").kept_per_layer[0]
+    T, e = 2 * 256, 2
+    # input h + wq h + wv kv + attention out h + its fp32 log-sum-exp + w1 ffn + w2 h
+    assert kept == T * e * (256 + 256 + 128 + 256 + 512 + 256) + T * 4 * 4

@@ -68,19 +68,24 @@ def test_deadlock_and_missing_dependencies_are_reported():
 def test_pass_stores_schedule_from_the_cost_model():
     """One compute-time model (issue 17): the schedule's chunk times are the estimate's,
     here derived from the chunk's FLOPs and bytes by hand (tp = 1: no collective on a chunk,
-    no recomputation)."""
+    no recomputation; issue 19's terms: GEMM operand and weight bytes, the causal fused
+    attention kernel and its exponentials, the engine's elementwise traffic)."""
     cfg = spec(pp=2, global_batch=4)
     g, _ = run_until(cfg, "schedule-pipeline")
     s = g.meta["schedule"]
     assert s.num_microbatches == 4 and len(s.actions) == 2
     comp, cl, eff = g.meta["compute"], cfg.cluster, efficiency(cfg.cluster)
+    bw = eff.memory * cl.hbm_bw
     for k in range(2):
-        mm = comp.chunk_fwd_flops[k] / (eff.matmul * cl.peak_flops)    # matmuls at the achieved peak
-        mem = comp.chunk_fwd_traffic[k] / (eff.memory * cl.hbm_bw)    # memory-bound kernels
-        assert mm > 0 and mem > 0
-        assert s.fwd_time[k] == pytest.approx(mm + mem, rel=1e-12)
-        assert s.bwd_time[k] == pytest.approx(2 * mm + 1.5 * mem, rel=1e-12)   # backward traffic 3 tensors / 2
-        assert s.wgrad_time[k] == pytest.approx(mm, rel=1e-12)
+        gemm = ((comp.chunk_fwd_flops[k] - comp.chunk_attn_flops[k]) / (eff.matmul * cl.peak_flops)   # arithmetic
+                + (comp.chunk_gemm_traffic[k] + comp.chunk_weight_traffic[k]) / bw)               # operands, weights
+        attn = ((comp.chunk_attn_work[k] + eff.softmax_dim * comp.chunk_attn_scores[k])
+                / (eff.attention * cl.peak_flops * (1 + eff.softmax_dim / 128)))     # fused kernel at head dim 128
+        mem = comp.chunk_fwd_traffic[k] / bw    # memory-bound kernels (megatron: the fused count)
+        assert gemm > 0 and attn > 0 and mem > 0
+        assert s.fwd_time[k] == pytest.approx(gemm + attn + mem, rel=1e-12)
+        assert s.bwd_time[k] == pytest.approx(2 * (gemm + attn) + 1.5 * mem, rel=1e-12)   # backward traffic 3 / 2
+        assert s.wgrad_time[k] == pytest.approx(gemm, rel=1e-12)   # the weighted matmuls again
     assert s.in_flight == [2, 1]
 
 

@@ -13,7 +13,45 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
   parallelism + selective recomputation (configurations from their Table 3).
 
 ``calibration`` rows are what the efficiencies of :mod:`parcompile.analysis.estimate`
-were tuned to; ``held_out`` rows were not looked at while tuning. A row's spec is
+were tuned to; ``held_out`` rows were not looked at while tuning.
+
+H100-era rows (:data:`H100_ROWS`, bf16, :func:`h100_config`), what the H100 numbers and the
+engines of :mod:`parcompile.analysis.estimate` were calibrated on (each fits one number:
+the torchtitan row none, the Megatron-Bridge row ``Engine.expert_rows``, the Llama 3 row
+the H100's ``matmul``):
+
+1. torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (commit 31a17bf), Table 1,
+   row "FSDP": Llama 3.1 8B, 8 GPUs, FSDP 8, local batch 2, global batch 16, seq 8192,
+   selective activation checkpointing (torchtitan's op-level policy), eager (no
+   torch.compile): 5,762 tokens/s per GPU, 82.4 GiB (the largest ``max_reserved`` of the
+   GPUs). The GPUs are Grand Teton's H100 with 96 GB of HBM2e at 2.4 TB/s and a 500 W
+   power limit, not the SXM5 80 GB part of the ``h100-sxm`` preset: modelled with
+   cluster overrides (``memory = 96 GB``, ``hbm_bw = 2.4 TB/s``, ``engine = eager``) and a
+   peak for the power limit: the page's footnote 2 puts it "between SXM and NVL" (989 and
+   835 TFLOPS dense bf16) without a value; with dynamic power ``~ f V^2`` and the voltage
+   following the clock, the clock scales as the cube root of the power: ``989 x (500 /
+   700)^(1/3) = 884 TFLOPS``.
+2. Megatron-Bridge performance summary, release 26.04.01, GPT-OSS 120B on DGX-H100, BF16:
+   64 GPUs, GBS 1280, MBS 1, seq 4096, TP 1, PP 4, EP 8 (``scripts/performance/configs/
+   gpt_oss``: ``GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2``: distributed optimizer with
+   overlapped gradient reduce-scatter and parameter all-gather, gradients reduced in bf16,
+   forced load balancing, no virtual pipeline): 5,824 tokens/s per GPU (158 TFLOP/s per
+   GPU by Megatron's count). Its recomputation of the norms and the expert activation
+   (``recompute_modules = ["layernorm", "moe_act"]``, elementwise work) is not modelled:
+   ``recompute = none``.
+3. Llama 3 paper (Llama Team, "The Llama 3 Herd of Models", 2024), Table 4, first row:
+   405B on 8,192 H100 SXM, TP 8, CP 1, PP 16, DP 64, seq 8192, 16M tokens per batch (32
+   sequences per data-parallel rank): 430 TFLOP/s per GPU. Not published, assumed here:
+   micro-batch 1 (m = 32 micro-batches), interleaved 1F1B with 4 virtual stages
+   (parcompile's even split of 126 layers over 64 chunks), sequence parallelism, no
+   recomputation, ZeRO-1 (the paper's FSDP shards optimizer states and gradients and does
+   not reshard parameters after the forward: one gradient reduce-scatter and one parameter
+   all-gather per step, as Megatron's distributed optimizer). The published step time is
+   the row's model FLOPs per step (parcompile's count, ``compute.model_flops_per_step``:
+   ``6 N`` plus attention without causal halving, the convention of Megatron's and
+   torchtitan's MFU) over ``8192 x 430 TFLOP/s``. With 4 virtual stages the estimated peak
+   (about 99 GiB) exceeds the 80 GB part: the paper's memory balancing of the schedule is
+   not modelled. A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
 passes belongs to the driver: the analyses import no pass).
 
@@ -28,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from parcompile.config.presets import cluster_preset
+from parcompile.config.presets import cluster_preset, model_preset
 from parcompile.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SpecConfig, TrainConfig
 
 
@@ -141,3 +179,67 @@ def stage_activation_bytes(row_cfg: SpecConfig, stage: int, in_flight: Fraction 
     if stage == par.pp - 1:
         total += Fraction(4 * s * b * h, split) + Fraction(4 * s * b * m.padded_vocab(t), t)
     return total
+
+
+@dataclass(frozen=True)
+class H100Row:
+    """One published H100-era measurement (module docstring): the spec's blocks as keys
+    (``model`` a preset and its overrides, ``cluster`` overrides of ``h100-sxm``,
+    ``parallel``), and what was published: tokens per second per GPU, or TFLOP/s per GPU
+    (then the step time comes from the row's own model FLOPs), and the peak memory (GiB)."""
+
+    name: str
+    source: str
+    model: str
+    model_keys: tuple[tuple[str, object], ...]
+    cluster: tuple[tuple[str, object], ...]
+    parallel: tuple[tuple[str, object], ...]
+    tokens_per_s_per_gpu: float | None = None
+    tflops_per_gpu: float | None = None
+    peak_gib: float | None = None
+
+    def layout(self) -> str:
+        """The layout in words: ``dp=8 zero=3 mb=2 gbs=16 recompute=selective``."""
+        return " ".join(f"{k}={v}" for k, v in self.parallel if k != "sequence_parallel" or v)
+
+    def published_step_time(self, model_flops_per_step: float) -> float:
+        """Seconds per step from the published rate: tokens per second per GPU, or TFLOP/s
+        per GPU over ``model_flops_per_step`` (the row's own count)."""
+        par = dict(self.parallel)
+        world = dict(self.cluster)["nodes"] * 8
+        tokens = par["global_batch"] * dict(self.model_keys)["seq_len"]
+        if self.tokens_per_s_per_gpu is not None:
+            return tokens / (self.tokens_per_s_per_gpu * world)
+        return model_flops_per_step / (world * self.tflops_per_gpu * 1e12)
+
+
+H100_ROWS: tuple[H100Row, ...] = (
+    H100Row("Llama 3.1 8B FSDP", "torchtitan llama3_h100_202412 Table 1", "llama3-8b", (("seq_len", 8192),),
+            (("nodes", 1), ("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12), ("engine", "eager")),
+            (("dp", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 16), ("recompute", "selective")),
+            tokens_per_s_per_gpu=5762, peak_gib=82.4),
+    H100Row("GPT-OSS 120B", "Megatron-Bridge 26.04.01 perf summary", "gpt-oss-120b", (("seq_len", 4096),),
+            (("nodes", 8),),
+            (("tp", 1), ("pp", 4), ("ep", 8), ("dp", 16), ("zero", 1), ("micro_batch", 1), ("global_batch", 1280),
+             ("recompute", "none"), ("reduce_dtype", "bf16")),
+            tokens_per_s_per_gpu=5824),
+    H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
+            (("nodes", 1024),),
+            (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 1), ("micro_batch", 1), ("global_batch", 2048),
+             ("schedule", "interleaved_1f1b"), ("virtual_stages", 4), ("sequence_parallel", True),
+             ("recompute", "none")),
+            tflops_per_gpu=430),
+)
+
+
+def h100_config(row: H100Row) -> SpecConfig:
+    """The spec of an H100-era row: its model preset with ``model_keys``, the ``h100-sxm``
+    cluster preset (bf16) with ``cluster``, and ``parallel`` (module docstring)."""
+    values = {**model_preset(row.model), **dict(row.model_keys)}
+    values.setdefault("max_positions", values["seq_len"])
+    model = ModelConfig(name=row.model.replace("-", "_").replace(".", "_"), **values)
+    cl = {**cluster_preset("h100-sxm", "bf16"), **dict(row.cluster)}
+    cluster = ClusterConfig(name="h100", preset="h100-sxm", **cl)
+    par = ParallelConfig(**dict(row.parallel))
+    return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
+                      train=TrainConfig(optimizer="adamw"))

@@ -11,15 +11,27 @@
 * per model chunk: the forward FLOPs of one micro-batch on one rank, and the bytes its
   non-matmul kernels move (``OpSpec.traffic``; the cost model's inputs), with the part of
   each that recomputation runs again.
+* per model chunk, what the time model (:mod:`parcompile.analysis.estimate`) reads beyond
+  the FLOPs: the fused attention kernels' FLOPs and the work they run (a causal kernel
+  skips the masked blocks, :func:`causal_share`), the bytes the matmuls' operands and
+  results move (proportional to the tokens) and the weights they read (the same whatever
+  the tokens: the expert weights a grouped GEMM reads once per micro-batch), each with its
+  recomputed part. ``engine`` (``cluster.engine``) decides which attention cores are one
+  fused kernel: :func:`fused_attention`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
+from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import spec
+
+#: matmul kinds whose operands and weights the time model's GEMM roofline reads
+#: (:func:`gemm_bytes`); ``attention`` is costed as its own kernel
+GEMM_KINDS = ("linear", "router", "experts")
 
 BACKWARD_FACTOR = 2  # backward FLOPs = 2 x forward
 
@@ -42,11 +54,89 @@ def op_fwd_traffic(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> int:
     return s.traffic(nd.op.attr_map, local_in, nd.sharding.local_type(nd.type, degrees))
 
 
-def recomputed(nd: Node, recompute: str) -> bool:
-    """Whether ``recompute`` re-runs this op's forward during backward."""
+def fused_attention(attrs: Mapping, engine: str = "megatron") -> bool:
+    """Whether an attention core runs as one fused kernel under ``engine``: ``attention =
+    flash`` without sinks (torch's SDPA takes no sink logits), or with sinks under
+    ``megatron`` (Transformer Engine's fused attention takes a learnable softmax offset,
+    ``softmax_type = "learnable"``, which Megatron-Core's gpt-oss recipes use)."""
+    if attrs.get("impl") != "flash":
+        return False
+    return not attrs.get("sinks") or engine == "megatron"
+
+
+def causal_share(attrs: Mapping) -> float:
+    """The share of an attention core's ``s x s_kv`` score blocks a causal fused kernel
+    computes (FlashAttention skips the blocks above the diagonal): ``(S + 1) / 2S`` for full
+    attention over ``S = seq_len`` positions, ``1 - (w - 1) / 2S`` for a sliding window of
+    ``w`` (the first ``w`` queries see fewer keys). Context parallelism balances the
+    causal work over its ranks (Megatron-Core's zig-zag split), so the share is the same."""
+    seq = attrs["seq_len"]
+    w = attrs.get("window") or 0
+    if 0 < w < seq:
+        return 1 - (w - 1) / (2 * seq)
+    return (seq + 1) / (2 * seq)
+
+
+def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int, int]:
+    """(operand bytes, weight bytes) one forward of a matmul op (:data:`GEMM_KINDS`) moves
+    on one rank: each matrix reads its ``M x K`` input and writes its ``M x N`` output
+    (proportional to the tokens), and reads its ``K x N`` weight once (the op's local
+    parameters: a grouped GEMM reads each local expert's weights once per micro-batch).
+    0, 0 for other ops."""
+    if nd.kind not in GEMM_KINDS:
+        return 0, 0
+    local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]
+    out = nd.sharding.local_type(nd.type, degrees)
+    weights = sum(p.sharding.local_type(p.type, degrees).nbytes for p in nd.params)
+    x = local_in[0]
+    if nd.kind == "experts":
+        a = nd.op.attr_map
+        rows, h = x.numel // x.dims[-1].size, x.dims[-1].size
+        mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
+        return rows * (h + a["ffn"]) * mats * x.itemsize, weights
+    return x.nbytes + out.nbytes, weights
+
+
+def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[str] | None:
+    """``recompute = selective`` under the ``eager`` engine is torchtitan's op-level
+    selective activation checkpointing (``selective_ac_option = "op"``,
+    ``torchtitan/models/llama3/infra/parallelize.py``: the outputs of the matmuls and of
+    the attention kernel are saved, every other matmul of a layer, counted in forward
+    order, and every other op are recomputed): the names of the recomputed linears (the
+    2nd, 4th, ... of each layer). None for every other recompute mode and engine
+    (``selective`` is then Megatron-LM's: the attention core, Korthikanti et al. 2022)."""
+    if recompute != "selective" or engine != "eager":
+        return None
+    count: dict[int, int] = {}
+    out = set()
+    for nd in graph.nodes():
+        if nd.op.layer is None or nd.kind != "linear":
+            continue
+        k = count[nd.op.layer] = count.get(nd.op.layer, 0) + 1
+        if k % 2 == 0:
+            out.add(nd.name)
+    return frozenset(out)
+
+
+def expert_row_flops(nd: Node, degrees: Mapping[str, int]) -> int:
+    """FLOPs of one row through every local expert's weight matrices of an ``experts`` op:
+    2 x the local expert weight elements (biases left out)."""
+    return 2 * sum(p.sharding.local_type(p.type, degrees).numel for p in nd.params if p.name.endswith(".weight"))
+
+
+def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> bool:
+    """Whether ``recompute`` re-runs this op's forward during backward; ``sac``: the
+    recomputed linears of torchtitan's op-level policy (:func:`op_sac`), which recomputes
+    every op of a layer but the other matmuls and the attention core."""
     if recompute == "full":
         return nd.op.layer is not None and nd.kind not in ("send_recv", "step_collective")
     if recompute == "selective":
+        if sac is not None:
+            if nd.op.layer is None or nd.kind in ("send_recv", "step_collective"):
+                return False
+            if nd.kind == "linear":
+                return nd.name in sac
+            return not (spec(nd.kind).selective_recompute or nd.kind in GEMM_KINDS)
         return spec(nd.kind).selective_recompute
     return False
 
@@ -63,33 +153,91 @@ class ComputeReport:
     #: per model chunk: forward bytes moved by non-matmul kernels, and the recomputed part
     chunk_fwd_traffic: tuple[int, ...] = ()
     chunk_recompute_traffic: tuple[int, ...] = ()
+    #: per model chunk, one rank, one micro-batch (module docstring): fused attention cores'
+    #: FLOPs (part of ``chunk_fwd_flops``) and the FLOPs their causal kernels run
+    #: (:func:`causal_share`); matmul operand bytes; weight bytes; and the recomputed parts
+    chunk_attn_flops: tuple[float, ...] = ()
+    chunk_attn_work: tuple[float, ...] = ()
+    #: per model chunk: ``chunk_attn_work`` over the head dim (4 x the score elements the
+    #: kernels compute: one exponential each, :func:`parcompile.analysis.estimate.chunk_times`)
+    chunk_attn_scores: tuple[float, ...] = ()
+    chunk_gemm_traffic: tuple[int, ...] = ()
+    chunk_weight_traffic: tuple[int, ...] = ()
+    #: per model chunk: the FLOPs of one row through every local expert's matrices (2 x the
+    #: local expert weights): a grouped GEMM's fixed cost per expert is a number of such rows
+    #: (:attr:`parcompile.analysis.estimate.Engine.expert_rows`), whatever the tokens
+    chunk_expert_row_flops: tuple[int, ...] = ()
+    chunk_recompute_attn_flops: tuple[float, ...] = ()
+    chunk_recompute_attn_work: tuple[float, ...] = ()
+    chunk_recompute_attn_scores: tuple[float, ...] = ()
+    chunk_recompute_gemm_traffic: tuple[int, ...] = ()
+    chunk_recompute_weight_traffic: tuple[int, ...] = ()
+    chunk_recompute_expert_row_flops: tuple[int, ...] = ()
+
+    #: the fields that grow with the tokens of a micro-batch (the search scales them)
+    PER_TOKEN = ("chunk_fwd_flops", "chunk_recompute_flops", "chunk_fwd_traffic", "chunk_recompute_traffic",
+                 "chunk_attn_flops", "chunk_attn_work", "chunk_attn_scores", "chunk_gemm_traffic",
+                 "chunk_recompute_attn_flops", "chunk_recompute_attn_work", "chunk_recompute_attn_scores",
+                 "chunk_recompute_gemm_traffic")
 
 
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
-                   num_microbatches: int, recompute: str) -> ComputeReport:
+                   num_microbatches: int, recompute: str, engine: str = "megatron") -> ComputeReport:
     """Build the :class:`ComputeReport`. The graph's batch dim is one micro-batch over all
-    data-parallel ranks, so a step is ``num_microbatches`` graphs."""
+    data-parallel ranks, so a step is ``num_microbatches`` graphs. ``engine``:
+    ``cluster.engine`` (:func:`fused_attention`)."""
     model = hw = 0
     fwd = [0] * num_chunks
     rec = [0] * num_chunks
     traffic = [0] * num_chunks
     rec_traffic = [0] * num_chunks
+    parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "ef")}
+    rparts = {k: [0] * num_chunks for k in parts}
+    sac = op_sac(graph, recompute, engine)
     for nd in graph.nodes():
+        c = nd.chunk or 0
+        again = recomputed(nd, recompute, sac)
+        if nd.kind == "attention" and fused_attention(nd.op.attr_map, engine):
+            a = nd.op.attr_map
+            if not _fused_spec(a):
+                # the program spells the softmax out (sinks), the engine's kernel fuses it:
+                # time the fused kernel's traffic
+                nd = replace(nd, op=replace(nd.op, attrs=tuple((k, v) for k, v in nd.op.attrs if k != "sinks")))
+            local = op_fwd_flops(graph, nd, degrees)
+            work = local * causal_share(a)
+            got = {"af": local, "aw": work, "as": work / a["head_dim"]}
+            for k, v in got.items():
+                parts[k][c] += v
+                if again:
+                    rparts[k][c] += v
+        else:
+            gt, wt = gemm_bytes(graph, nd, degrees)
+            ef = expert_row_flops(nd, degrees) if nd.kind == "experts" else 0
+            for k, v in (("gt", gt), ("wt", wt), ("ef", ef)):
+                parts[k][c] += v
+                if again:
+                    rparts[k][c] += v
         moved = op_fwd_traffic(graph, nd, degrees)
         if moved:
-            traffic[nd.chunk or 0] += moved
-            if recomputed(nd, recompute):
-                rec_traffic[nd.chunk or 0] += moved
+            traffic[c] += moved
+            if again:
+                rec_traffic[c] += moved
         g = op_fwd_flops(graph, nd)
         if g == 0:
             continue
         unpadded = g * vocab // padded_vocab if nd.type.has_dim("vocab") else g
         model += unpadded * (1 + BACKWARD_FACTOR)
-        hw += g * (1 + BACKWARD_FACTOR) + (g if recomputed(nd, recompute) else 0)
+        hw += g * (1 + BACKWARD_FACTOR) + (g if again else 0)
         local = op_fwd_flops(graph, nd, degrees)
-        c = nd.chunk or 0
         fwd[c] += local
-        if recomputed(nd, recompute):
+        if again:
             rec[c] += local
     return ComputeReport(model * num_microbatches, hw * num_microbatches, tuple(fwd), tuple(rec),
-                         tuple(traffic), tuple(rec_traffic))
+                         tuple(traffic), tuple(rec_traffic),
+                         *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
+                         *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")))
+
+
+def _fused_spec(attrs: Mapping) -> bool:
+    """Whether the program itself runs the core fused (``ir.ops``' rule: flash, no sinks)."""
+    return attrs.get("impl") == "flash" and not attrs.get("sinks")

@@ -54,7 +54,7 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     compute = graph.meta.get("compute")
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
-                                 model.padded_vocab(par.tp), m, par.recompute)
+                                 model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine)
     comm = graph.meta.get("comm") if sched is not None else None   # the schedule pass's (same arguments)
     if comm is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)

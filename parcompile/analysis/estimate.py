@@ -3,14 +3,29 @@ written into plan.json (``estimate.assumptions``).
 
 **Compute.** For one micro-batch through one model chunk on one rank, from the graph
 (:mod:`parcompile.analysis.compute`; :func:`chunk_times`, the one compute-time model: the
-``schedule-pipeline`` pass orders and simulates its schedule with the same times):
-``t = matmul_flops / (eff.matmul * peak_flops) + traffic / (eff.memory * hbm_bw)``:
-matmuls run at an achievable fraction of the dense peak, the non-matmul kernels (norms,
-activations, softmax, dropout, residual adds, the loss) are memory-bound and move
-``traffic`` bytes (``OpSpec.traffic``). Backward costs twice the forward (both terms);
-recomputation adds the forward of the recomputed ops (all of a layer with ``full``, the
-attention core with ``selective``). ``EFFICIENCY`` gives the fractions per GPU preset,
-with their sources; a cluster without a preset takes ``DEFAULT_EFFICIENCY``.
+``schedule-pipeline`` pass orders and simulates its schedule with the same times). With
+``P = peak_flops``, ``BW = eff.memory * hbm_bw``:
+
+* GEMMs (linear, router, experts): ``(flops + expert_rows * expert_row_flops) / (eff.matmul
+  * P) + (operand bytes + weight bytes) / BW``: the arithmetic at an achievable fraction of
+  the peak, plus the bytes each GEMM's inputs, outputs and weights move (a roofline summed,
+  so the rate depends on the shape: skinny GEMMs run well below ``eff.matmul``), plus, for
+  grouped expert GEMMs, a fixed cost per local expert of ``Engine.expert_rows`` rows;
+* fused attention cores: the FLOPs the causal kernel runs (:func:`~parcompile.analysis.
+  compute.causal_share`) plus ``softmax_dim`` FLOPs per score for its exponentials, at
+  ``attention * P * (1 + softmax_dim / 128)`` (the kernel's measured fraction at head dim
+  128; :func:`attention_efficiency` picks the engine's kernel); an unfused core is its
+  matmuls at the GEMM rate and its scores' traffic;
+* the non-matmul kernels (norms, activations, RoPE, dropout, residual adds, the loss) are
+  memory-bound and move ``traffic * Engine.elementwise`` bytes (``OpSpec.traffic`` is the
+  fused count) at ``BW``.
+
+Backward costs twice the forward (every term); recomputation adds the forward of the
+recomputed ops (all of a layer with ``full``; the attention core with ``selective``, or
+torchtitan's op-level policy under the ``eager`` engine). ``EFFICIENCY`` gives the
+fractions per GPU preset, ``ENGINES`` what each engine (``cluster.engine``) changes, with
+their sources (``docs/clusters.md``); a cluster without a preset takes
+``DEFAULT_EFFICIENCY``.
 
 **Communication**, alpha-beta per message under ring algorithms, group of ``n``, link
 bandwidth ``beta`` times ``eff.link`` (NCCL's achieved bus bandwidth):
@@ -39,6 +54,10 @@ else the network (``inter_node_*``). What overlaps:
   follows them, the last one's is simulated as above. ZeRO's parameter all-gathers overlap the next
   step's first forward; norms, the model-parallel gradient sums and the loss reductions
   are exposed.
+  Overlapped is not free: the hidden part slows the compute beneath it by
+  ``eff.overlap`` of its time (NCCL's kernels occupy streaming multiprocessors), counted in
+  ``dp_comm``; under the ``eager`` engine with ZeRO-3, FSDP2's copies into and out of its
+  flat buffers are exposed too (:func:`step_sums`).
 
 **Pipeline.** With the schedule's action lists the simulator runs them with these chunk
 times (bubble from the actual schedule). Without them (:func:`estimate` with
@@ -84,40 +103,143 @@ OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 
 @dataclass(frozen=True)
 class Efficiency:
     """Achievable fractions of a GPU's datasheet numbers: ``matmul`` of ``peak_flops``
-    for large dense GEMMs in training, ``memory`` of ``hbm_bw`` for elementwise kernels,
-    ``link`` of the NVLink / network bandwidth for NCCL collectives (bus bandwidth)."""
+    for the arithmetic of large dense GEMMs in training (the operand and weight traffic is
+    timed apart, :func:`chunk_times`), ``memory`` of ``hbm_bw`` for streaming kernels,
+    ``link`` of the NVLink / network bandwidth for NCCL collectives (bus bandwidth);
+    ``attention`` and ``attention_fa2`` of ``peak_flops`` for a causal fused attention
+    core, forward and backward together (three times the forward's FLOPs over their
+    time): the fused kernel Megatron-Core runs (Transformer Engine's cuDNN / FlashAttention-3
+    kernels) and PyTorch's SDPA (FlashAttention-2), what eager engines run."""
 
     matmul: float
     memory: float
     link: float
     source: str
+    attention: float = 0.45
+    attention_fa2: float = 0.45
+    #: the share of an overlapped collective's time the compute beneath it loses: NCCL's
+    #: ring kernels occupy up to 32 channels, one streaming multiprocessor each, and
+    #: the GEMMs run on the others meanwhile (:func:`dp_exposed`)
+    overlap: float = 0.24
+    #: ``peak_flops / (4 x exponentials per second)``: the head dim at which a fused
+    #: attention kernel's softmax exponentials (one per score, on the special-function
+    #: units) take as long as its matmuls (4 x head_dim FLOPs per score); ``attention``
+    #: and ``attention_fa2`` are measured at head dim 128 (:func:`chunk_times`)
+    softmax_dim: float = 63.0
 
 
-#: per cluster preset (SPEC 1 names)
+@dataclass(frozen=True)
+class Engine:
+    """What the training engine the estimate assumes does beyond the GPU's rates
+    (``cluster.engine``; plan.json ``estimate.assumptions.engine``):
+
+    * ``elementwise``: bytes its non-matmul kernels move over the fused count of
+      ``OpSpec.traffic`` (1: one kernel per norm, activation, RoPE, residual add and loss);
+    * ``attention``: which attention kernel it runs (``"fused"``: :attr:`Efficiency.attention`,
+      ``"fa2"``: :attr:`Efficiency.attention_fa2`);
+    * ``expert_rows``: a grouped GEMM's fixed cost per local expert, in rows of that
+      expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
+      per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
+      run at ``M / (M + expert_rows)`` of the dense GEMM rate;
+    * ``description`` and ``source``: what it stands for, and why these numbers."""
+
+    name: str
+    elementwise: float
+    attention: str
+    expert_rows: float
+    description: str
+    source: str
+
+
+#: ``cluster.engine`` -> :class:`Engine`
+ENGINES: dict[str, Engine] = {
+    "megatron": Engine(
+        "megatron", 1.0, "fused", 1700.0,
+        "Megatron-Core with Transformer Engine: fused norms, RoPE, SwiGLU / GeLU and cross-entropy, "
+        "cuDNN fused attention (sinks too), grouped GEMMs for experts, the distributed optimizer "
+        "overlapping its gradient reduce-scatters and parameter all-gathers",
+        "elementwise: TE / Megatron fused kernels read their inputs and write their outputs once "
+        "(the fused count of OpSpec.traffic); expert_rows: fitted to the Megatron-Bridge GPT-OSS 120B row "
+        "(the only mixture-of-experts row of analysis/calibration.py): TE's grouped GEMM on Hopper with "
+        "Megatron's all-to-all dispatcher costs about 1,700 rows of each local expert's GEMMs beyond its "
+        "arithmetic (at 1,024 rows per expert the experts run at 38% of the dense GEMM rate)"),
+    "eager": Engine(
+        "eager", 2.8, "fa2", 1700.0,
+        "eager PyTorch with FSDP2 (torchtitan without torch.compile): one kernel per elementwise op "
+        "with fp32 upcasts in the norms, RoPE and the loss, SDPA's FlashAttention-2, FSDP2 all-gathers "
+        "and reduce-scatters overlapped with compute",
+        "elementwise: an eager RMSNorm moves about 36 bytes per element (float, pow, mean, rsqrt, "
+        "two muls, type_as) against 4 fused, RoPE through complex fp32 about 20 against 4, SwiGLU 10 "
+        "against 6, the fp32 loss about 2.5x, residual adds and the attention kernel's operands the "
+        "same: weighted by a Llama 3 8B layer's fused bytes (norms 32 KB per token, RoPE 20, SwiGLU 86, "
+        "adds 49, attention 20, loss 40) about 2.8x; FSDP2 copies each all-gather's output and "
+        "reduce-scatter's input through its flat buffer (step_sums); "
+        "attention: FlashAttention-2 on Hopper (Shah et al. 2024, FlashAttention-3, Fig. 5-7); "
+        "expert_rows: as megatron (no eager MoE row was measured); selective recomputation is "
+        "torchtitan's op-level policy (analysis/compute.py op_sac)"),
+}
+DEFAULT_ENGINE = "megatron"
+
+
+def engine(cluster) -> Engine:
+    """The :class:`Engine` of ``cluster`` (a ClusterConfig): ``cluster.engine``."""
+    return ENGINES[getattr(cluster, "engine", None) or DEFAULT_ENGINE]
+
+
+def attention_efficiency(cluster) -> float:
+    """The fraction of ``peak_flops`` the engine's attention kernel reaches on ``cluster``."""
+    eff, eng = efficiency(cluster), engine(cluster)
+    return eff.attention if eng.attention == "fused" else eff.attention_fa2
+
+
+#: per cluster preset (SPEC 1 names). ``matmul`` of the H100 is fitted to the Llama 3 405B
+#: row of :mod:`parcompile.analysis.calibration` (its only dense Megatron-style H100 row),
+#: the A100's to the Megatron-LM and Korthikanti rows; every other number is a measurement or
+#: a datasheet ratio named in ``source``.
+_A100_SRC = (
+    "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and Korthikanti et al. "
+    "2022 (Table 5), with the GEMM operand traffic timed apart (cuBLAS fp16 GEMMs of these sizes run at "
+    "240-270 of 312 TFLOP/s); memory: STREAM-like kernels reach about 80% of the HBM bandwidth; link: "
+    "nccl-tests all_reduce bus bandwidth on DGX A100, about 230 of 300 GB/s; attention: FlashAttention-2 "
+    "(Dao 2023, Fig. 4-6: about 190 of 312 TFLOP/s forward, 155 backward at head dim 128, causal) for both "
+    "kernels; softmax_dim: 312 TFLOP/s / (4 x 16 exponentials per clock x 108 SMs x 1.41 GHz); overlap: "
+    "NCCL's ring kernels take up to 32 channels, one SM each, of 108")
+_H100_SRC = (
+    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart "
+    "(cuBLAS bf16 GEMMs of 8k-16k sizes sustain 650-750 of 989 TFLOP/s at 700 W); link: nccl-tests all_reduce bus "
+    "bandwidth on DGX H100, about 340-360 of 450 GB/s; attention: FlashAttention-3 / cuDNN "
+    "(Shah et al. 2024, FlashAttention-3, Fig. 5 and 7: about 640 TFLOP/s forward, 500 backward at head dim "
+    "128, causal, 8k), attention_fa2: FlashAttention-2 on the same plots (about 350 forward, 300 backward); "
+    "softmax_dim: 989 TFLOP/s / (4 x 3.9 T exponentials/s, the multi-function units' rate FlashAttention-3 "
+    "quotes); overlap: NCCL's up to 32 channels of 132 SMs")
 EFFICIENCY: dict[str, Efficiency] = {
-    "a100-80gb": Efficiency(
-        0.72, 0.80, 0.77,
-        "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and "
-        "Korthikanti et al. 2022 (Table 5), max error 6% on the calibration rows (cuBLAS fp16 GEMMs "
-        "of these sizes run at 210-250 of 312 TFLOP/s); "
-        "memory: STREAM-like kernels reach about 80% of 2.0 TB/s; link: nccl-tests all_reduce bus "
-        "bandwidth on DGX A100, about 230 of 300 GB/s"),
-    "a100-40gb": Efficiency(0.70, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)"),
-    "h100-sxm": Efficiency(
-        0.60, 0.80, 0.75,
-        "matmul: large bf16 GEMMs reach 600-700 of 989 TFLOP/s and end-to-end Megatron-Core runs "
-        "report 40-50% MFU (NVIDIA Megatron-Core performance tables, 2024); link: nccl-tests "
-        "all_reduce bus bandwidth on DGX H100, about 340-360 of 450 GB/s"),
-    "h200": Efficiency(0.60, 0.80, 0.75, "as h100-sxm (same compute and NVLink)"),
-    "b200": Efficiency(0.60, 0.80, 0.75, "assumed as h100-sxm until measured"),
+    "a100-80gb": Efficiency(0.83, 0.80, 0.77, _A100_SRC, attention=0.45, attention_fa2=0.45, softmax_dim=32.0,
+                            overlap=0.30),
+    "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
+                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.30),
+    "h100-sxm": Efficiency(0.70, 0.80, 0.75, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
+                           overlap=0.24),
+    "h200": Efficiency(0.70, 0.80, 0.75, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
+                       attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24),
+    "b200": Efficiency(
+        0.76, 0.80, 0.75,
+        "fractions assumed as h100-sxm until measured; softmax_dim: 2,250 TFLOP/s / (4 x 16 exponentials "
+        "per clock x 148 SMs x 1.965 GHz); overlap: 32 channels of 148 SMs",
+        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22),
     "mi300x": Efficiency(
         0.45, 0.75, 0.70,
         "matmul: published hipBLASLt bf16 GEMM measurements reach 550-650 of 1307 TFLOP/s "
-        "(SemiAnalysis, 2024); memory and link assumed"),
-    "ascend-910b": Efficiency(0.55, 0.75, 0.70, "assumed (no public calibration)"),
-    "cpu": Efficiency(1.0, 1.0, 1.0, "the cpu preset's numbers are already rough effective ones"),
+        "(SemiAnalysis, 2024); attention: CK / AITER flash attention assumed at the FlashAttention-2 level; "
+        "softmax_dim: 1,307 TFLOP/s / (4 x 16 transcendentals per clock x 304 CUs x 2.1 GHz); overlap: "
+        "RCCL's 32 channels of 304 CUs; memory and link assumed",
+        attention=0.35, attention_fa2=0.35, softmax_dim=32.0, overlap=0.11),
+    "ascend-910b": Efficiency(0.55, 0.75, 0.70, "assumed (no public calibration)", attention=0.35,
+                              attention_fa2=0.35, softmax_dim=63.0, overlap=0.2),
+    "cpu": Efficiency(1.0, 1.0, 1.0, "the cpu preset's numbers are already rough effective ones", attention=1.0,
+                      attention_fa2=1.0, softmax_dim=0.0, overlap=0.0),
 }
-DEFAULT_EFFICIENCY = Efficiency(0.60, 0.80, 0.75, "default for a cluster without a preset")
+DEFAULT_EFFICIENCY = Efficiency(0.76, 0.80, 0.75, "default for a cluster without a preset: as h100-sxm",
+                                attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24)
 
 
 def efficiency(cluster) -> Efficiency:
@@ -188,6 +310,9 @@ class ChunkTimes:
     comm_f: dict[str, tuple[float, ...]]     # family -> per chunk (forward, incl. recomputed)
     comm_b: dict[str, tuple[float, ...]]
     p2p: float
+    #: per chunk, the forward seconds of the matmuls that have weights (the weight gradient
+    #: repeats them); empty: all of ``matmul_f``
+    weighted_f: tuple[float, ...] = ()
 
     def fwd(self, k: int) -> float:
         return self.matmul_f[k] + self.memory_f[k] + sum(c[k] for c in self.comm_f.values())
@@ -197,8 +322,8 @@ class ChunkTimes:
                 + sum(c[k] for c in self.comm_b.values()))
 
     def wgrad(self, k: int) -> float:
-        """The weight-gradient part of a backward: the matmuls' forward FLOPs again."""
-        return self.matmul_f[k]
+        """The weight-gradient part of a backward: the weighted matmuls' forward again."""
+        return self.weighted_f[k] if self.weighted_f else self.matmul_f[k]
 
     def per_chunk(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
         """(forward, backward, weight-gradient) seconds of every model chunk, without the
@@ -214,15 +339,40 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     """The per-chunk times of the module docstring. ``links`` (axis -> (alpha, beta), see
     :func:`links_inside`) replaces reading the links off ``groups``."""
     par, cl = cfg.parallel, cfg.cluster
-    eff = efficiency(cl)
+    eff, eng = efficiency(cl), engine(cl)
     nchunks = par.pp * par.virtual_stages
     rate = eff.matmul * cl.peak_flops
+    # the attention kernels: matmuls plus one exponential per score; at head dim 128 they
+    # run at the measured fraction, at another head dim d the exponentials weigh
+    # softmax_dim / d against the matmuls (FlashAttention-3, Shah et al. 2024, section 3.1)
+    arate = attention_efficiency(cl) * cl.peak_flops * (1 + eff.softmax_dim / 128)
     bw = eff.memory * cl.hbm_bw
-    traffic = compute.chunk_fwd_traffic or (0,) * nchunks
-    rec_traffic = compute.chunk_recompute_traffic or (0,) * nchunks
-    mm = tuple(x / rate for x in compute.chunk_fwd_flops)
-    mem = tuple(x / bw for x in traffic)
-    rec = tuple(x / rate + y / bw for x, y in zip(compute.chunk_recompute_flops, rec_traffic))
+    ebw = bw / eng.elementwise
+    z = (0,) * nchunks
+    traffic = compute.chunk_fwd_traffic or z
+    rec_traffic = compute.chunk_recompute_traffic or z
+
+    def gemms(flops, attn, work, operands, weights, expert_row):
+        # GEMM arithmetic at the GEMM rate, plus the grouped GEMMs' fixed cost per expert
+        # (Engine.expert_rows rows each), plus the operands' and weights' traffic (a
+        # roofline summed, not maxed: neither hides the other fully at these shapes)
+        return (flops - attn + eng.expert_rows * expert_row) / rate + (operands + weights) / bw
+
+    def attention(work, scores):
+        return (work + eff.softmax_dim * scores) / arate
+
+    fwd = list(zip(compute.chunk_fwd_flops, compute.chunk_attn_flops or z, compute.chunk_attn_work or z,
+                   compute.chunk_gemm_traffic or z, compute.chunk_weight_traffic or z,
+                   compute.chunk_expert_row_flops or z))
+    scores = compute.chunk_attn_scores or z
+    again = zip(compute.chunk_recompute_flops, compute.chunk_recompute_attn_flops or z,
+                compute.chunk_recompute_attn_work or z, compute.chunk_recompute_gemm_traffic or z,
+                compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z)
+    weighted = tuple(gemms(*t) for t in fwd)
+    mm = tuple(w + attention(t[2], sc) for w, t, sc in zip(weighted, fwd, scores))
+    mem = tuple(x / ebw for x in traffic)
+    rec = tuple(gemms(*t) + attention(t[2], sc) + y / ebw
+                for t, sc, y in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic))
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
@@ -248,7 +398,8 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         (cf if c.phase == "forward" else cb)[fam][chunk] += t
         if c.phase == "forward" and par.recompute == "full":
             cb[fam][chunk] += t
-    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p)
+    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
+                      weighted)
 
 
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
@@ -366,28 +517,40 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
 
-def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, float]]:
+def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, float, float]]:
     """Per pipeline stage, seconds of its step collectives (``count`` runs each, timed by
-    :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest)``,
-    what :func:`dp_exposed` sets against the stage's backward and forward."""
+    :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest, buffer
+    copies)``,
+    what :func:`dp_exposed` sets against the stage's backward and forward. The buffer copies
+    are FSDP2's under the ``eager`` engine with ZeRO-3 (2 x the unsharded bytes of each
+    parameter all-gather and gradient reduce-scatter, at ``eff.memory * hbm_bw``, on the
+    compute stream: exposed); 0 otherwise."""
     par, cl = cfg.parallel, cfg.cluster
     per_stage: dict[int, list] = {}   # each stage's step collectives, in order
     for e in collectives:
         if e.phase == "step":
             per_stage.setdefault(e.stage, []).append(e)
+    # FSDP2 (the eager engine, ZeRO-3) copies each all-gather's output out of, and each
+    # reduce-scatter's input into, its flat communication buffer on the compute stream:
+    # read and write the full (unsharded) bytes once each
+    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).name == "eager" and par.zero >= 3 else 0.0
     out = []
     for s in range(par.pp):
-        grads = params = exposed = 0.0
+        grads = params = exposed = copies = 0.0
         for e in per_stage.get(s, ()):
             al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
             t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
+            if copy_bw and e.op in ("all_gather", "reduce_scatter") and e.where in (
+                    "grads", "expert_grads", "params", "expert_params"):
+                full = e.bytes * (degrees.get(e.axis, 1) if e.op == "reduce_scatter" else 1)
+                copies += e.count * 2 * full / copy_bw
             if e.where in ("grads", "expert_grads"):
                 grads += t
             elif e.where in ("params", "expert_params"):
                 params += t
             else:
                 exposed += t
-        out.append((grads, params, exposed))
+        out.append((grads, params, exposed, copies))
     return out
 
 
@@ -397,11 +560,16 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
     gradient collectives against the last micro-batch's backward), ZeRO's parameter
     all-gathers beyond the next step's first forward (ZeRO-3 with ``pp = 1``: beyond all of
     the step's forwards and backwards, which regather the layers), and every other step
-    collective. ``sums``: :func:`step_sums` of ``collectives``, when known."""
+    collective. ``sums``: :func:`step_sums` of ``collectives``, when known.
+
+    The hidden part of the gradient reductions and parameter all-gathers is not free: it
+    slows the compute beneath it by :attr:`Efficiency.overlap` of its own time (NCCL's kernels
+    share the GPU), which this adds."""
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
+    tax = efficiency(cfg.cluster).overlap
     worst = 0.0
-    for s, (grads, params, exposed) in enumerate(sums if sums is not None
+    for s, (grads, params, exposed, copies) in enumerate(sums if sums is not None
                                                  else step_sums(cfg, degrees, links, collectives)):
         # gradients overlap the last micro-batch's backward bucket by bucket; ZeRO's
         # parameter all-gathers the next step's first forward, or, ZeRO-3 regathering
@@ -419,7 +587,14 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
             grad_exposed = max(0.0, grads / par.num_microbatches - bwd)
         else:
             grad_exposed = max(0.0, grads - bwd)
-        worst = max(worst, grad_exposed + max(0.0, params - fwd) + exposed)
+        params_exposed = max(0.0, params - fwd)
+        # what the step's collectives run under compute: the gradient reductions' one round
+        # set against the last backward (ZeRO 2/3's earlier per-micro-batch rounds are not
+        # taxed) and the parameter gathers; the step collectives' sums, as the search's
+        # floors read them (the total grows by at most ``tax`` per second less exposed)
+        rounds = par.num_microbatches if reduces_per_microbatch(par.zero, par.schedule) else 1
+        hidden = max(0.0, grads / rounds - grad_exposed) + (params - params_exposed)
+        worst = max(worst, grad_exposed + params_exposed + exposed + copies + tax * hidden)
     return worst
 
 
@@ -486,10 +661,26 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
                       for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
+            **engine_assumptions(cfg),
         },
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,
     )
+
+
+def engine_assumptions(cfg) -> dict[str, object]:
+    """plan.json ``estimate.assumptions``' engine keys for ``cfg`` (a SpecConfig): the engine
+    (``cluster.engine``), what it runs, its attention efficiency, elementwise traffic and
+    the overlap slowdown of the cluster; ``expert_rows`` for mixture-of-experts models."""
+    cl = cfg.cluster
+    eng = engine(cl)
+    out: dict[str, object] = {
+        "engine": eng.name, "kernels": eng.description, "attention_efficiency": attention_efficiency(cl),
+        "elementwise_traffic": eng.elementwise, "overlap_slowdown": efficiency(cl).overlap,
+    }
+    if cfg.model.experts:
+        out["expert_rows"] = eng.expert_rows
+    return out
 
 
 def links_inside(cluster, inside: Mapping[str, bool], eff: Efficiency) -> dict[str, tuple[float, float]]:

@@ -85,6 +85,7 @@ from typing import Mapping, Sequence
 from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
+from parcompile.analysis.compute import op_sac
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -201,10 +202,14 @@ class SavedBytes:
 
 
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
-                embedding_dropout: bool = False) -> SavedBytes:
+                embedding_dropout: bool = False, engine: str = "megatron") -> SavedBytes:
     """The activation accounting of the module docstring. ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
-    size of the first layer's input, the first chunk keeps."""
+    size of the first layer's input, the first chunk keeps. ``engine``
+    (``cluster.engine``): with ``eager``, ``selective`` is torchtitan's op-level policy
+    (:func:`parcompile.analysis.compute.op_sac`): a layer keeps its input, the outputs of
+    the linears it does not recompute, and the attention kernel's output and log-sum-exp."""
+    sac = op_sac(graph, recompute, engine)
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
     head = [0] * num_chunks
@@ -238,7 +243,14 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            if recompute == "selective" and s.selective_recompute:
+            if sac is not None:
+                if s.selective_recompute:
+                    keep = [nd.name]               # the attention kernel's output (and its extra)
+                elif nd.kind == "linear" and nd.name not in sac:
+                    keep, x = [nd.name], gathered  # a saved matmul's output
+                elif nd.kind not in ("router", "experts"):
+                    keep, x = [], 0                # recomputed from what is kept
+            elif recompute == "selective" and s.selective_recompute:
                 # the recomputed attention core keeps its inputs only: no softmax (unfused)
                 # and no log-sum-exp (flash); its output is kept by the output projection
                 x = gathered   # the checkpoint holds the gathered operands
@@ -257,7 +269,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if out_layer:
             head[c] += x
     chunk_of_layer = {nd.op.layer: nd.chunk or 0 for nd in graph.nodes() if nd.op.layer is not None}
-    if recompute == "full":
+    if recompute == "full" or sac is not None:
         for layer, (t, b) in layer_input.items():
             tensors[chunk_of_layer[layer]].setdefault(t, b)
     if embedding_dropout and layer_input:
@@ -269,6 +281,10 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         kept = {layer: b for layer, (t, b) in layer_input.items()}
     else:
         kept = {layer: sum(own.values()) + kept_extra.get(layer, 0) for layer, own in kept_own.items()}
+        if sac is not None:
+            for layer, (t, b) in layer_input.items():
+                if t not in kept_own.get(layer, {}):
+                    kept[layer] = kept.get(layer, 0) + b
     out = tuple(sum(t.values()) + e for t, e in zip(tensors, extra))
     return SavedBytes(out, per_layer, layer_attn, tuple(head), kept, chunk_of_layer)
 
@@ -302,7 +318,7 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     stage comes from the simulated schedule; None takes :func:`closed_form_in_flight`."""
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
-    saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0)
+    saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 
@@ -378,8 +394,15 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
         if nd.op.layer is not None:
             layer_stage[nd.op.layer] = s
         if nd.kind == "cross_entropy" and not serve:
-            # the 16-bit logits live until the loss has made its fp32 copy
-            bump(s, "logits", _local_bytes(graph, graph.inputs(nd.name)[0], degrees))
+            # the 16-bit logits live until the loss has made its fp32 copy; an eager loss
+            # (torchtitan: cross_entropy(pred.float(), ...)) holds that fp32 copy beside its
+            # log-softmax output, a fused one (Megatron's vocab-parallel loss) does not
+            t = graph.inputs(nd.name)[0]
+            extra = 0
+            if cfg.cluster.engine == "eager":
+                lt = graph.node(t).sharding.local_type(graph.node(t).type, degrees)
+                extra = 4 * lt.numel if lt.itemsize < 4 else 0
+            bump(s, "logits", _local_bytes(graph, t, degrees) + extra)
         elif nd.kind == "redistribute" and [k for k, _ in nd.op.attr("fwd")] == ["all_gather"]:
             bump(s, "tp_gather", _local_bytes(graph, nd.name, degrees))
         elif nd.kind == "send_recv":
@@ -388,8 +411,10 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             bump(nd.op.attr("dst_stage"), "p2p", 2 * b)
     if not serve:
         for layer, s in layer_stage.items():
-            if par.recompute == "full":
-                bump(s, "recompute", saved.per_layer.get(layer, 0))
+            if par.recompute == "full" or (par.recompute == "selective" and cfg.cluster.engine == "eager"):
+                # the layer's recomputed tensors (torchtitan's op-level policy rebuilds all but the kept)
+                bump(s, "recompute", saved.per_layer.get(layer, 0) - (
+                    0 if par.recompute == "full" else saved.kept_per_layer.get(layer, 0)))
             elif par.recompute == "selective":
                 bump(s, "recompute", saved.per_layer_attention.get(layer, 0))
     return out

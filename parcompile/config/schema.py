@@ -172,6 +172,9 @@ class ClusterConfig(_Frozen):
     intra_node_latency: float = 5e-6  # s
     inter_node_latency: float = 10e-6 # s
     memory_reserve: float = 0.10      # fraction of memory
+    #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
+    #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)
+    engine: Literal["megatron", "eager"] = "megatron"
 
     @property
     def world_size(self) -> int:

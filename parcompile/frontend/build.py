@@ -149,6 +149,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "intra_node_latency": _quantity("time", low_open=False),
         "inter_node_latency": _quantity("time", low_open=False),
         "memory_reserve": KeyType("fraction", low=0, high=1, high_open=True),
+        "engine": _enum(ClusterConfig, "engine"),
     },
     "parallel": {
         "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,

@@ -43,7 +43,7 @@ class SchedulePipeline:
         par = cfg.parallel
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
-                              cfg.model.padded_vocab(par.tp), m, par.recompute)
+                              cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine)
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         graph.meta["compute"], graph.meta["comm"] = comp, comm
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
