@@ -15,7 +15,7 @@ import pytest
 import parcompile
 from parcompile.cli import main
 from parcompile.diagnostics import SpecError
-from parcompile.export import TARGETS, TORCHTITAN_SCHEDULE, export
+from parcompile.export import SERVE_TARGETS, TARGETS, TORCHTITAN_SCHEDULE, TRAIN_TARGETS, export
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.par"))
@@ -68,11 +68,16 @@ def plans(request):
         os.chdir(old)
 
 
-def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
-    """(launcher words, {flag: value or True}) from a Megatron export."""
+def parse_command(text: str, program: str) -> tuple[dict[str, str], list[str], dict[str, object]]:
+    """(environment, launcher words, {flag: value or True}) from an exported shell command
+    whose arguments follow the word ``program``."""
     body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     words = shlex.split(body.replace("\\\n", " "))
-    i = words.index("pretrain_gpt.py")
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    i = words.index(program)
     launcher, rest = words[: i + 1], words[i + 1:]
     flags: dict[str, object] = {}
     k = 0
@@ -86,7 +91,12 @@ def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
         else:
             flags[flag] = True
             k += 1
-    return launcher, flags
+    return env, launcher, flags
+
+
+def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
+    """(launcher words, {flag: value or True}) from a Megatron export."""
+    return parse_command(text, "pretrain_gpt.py")[1:]
 
 
 def _expect(plan):
@@ -98,7 +108,21 @@ def test_megatron_names_the_plan(plans):
     for name, plan in plans:
         deg, sched, m, par = _expect(plan)
         ex = export(plan, "megatron")
-        launcher, f = parse_megatron(ex.text)
+        env, launcher, f = parse_command(ex.text, "pretrain_gpt.py")
+        # Megatron-LM core_v0.19.0 megatron/training/arguments.py validate_args: tp > 1 or cp > 1
+        # asserts CUDA_DEVICE_MAX_CONNECTIONS == "1" before Blackwell (H100, A100 here) unless
+        # --use-torch-fsdp2, which asserts it is not "1" and needs --no-gradient-accumulation-fusion
+        fsdp2 = "--use-torch-fsdp2" in f
+        if (deg["tp"] > 1 or deg["cp"] > 1) and not fsdp2:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", name
+        if fsdp2:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
+            assert "--no-gradient-accumulation-fusion" in f
+            # the rest of the `if args.use_torch_fsdp2:` block: refused with errors otherwise
+            assert bool(ex.errors) == (deg["pp"] > 1 or deg["ep"] > 1 or plan.data["model"]["dtype"] == "fp16"
+                                       or plan.data["model"]["tie_embeddings"]), name
+        else:
+            assert not ex.errors, name
         assert launcher[:5] == ["torchrun", "--nnodes", str(plan.config.cluster.nodes), "--nproc-per-node",
                                 str(plan.config.cluster.gpus_per_node)], name
         assert int(f["--tensor-model-parallel-size"]) == deg["tp"]
@@ -143,15 +167,17 @@ def test_megatron_names_the_plan(plans):
 def test_torchtitan_names_the_plan(plans):
     for name, plan in plans:
         deg, sched, m, par = _expect(plan)
-        ex = export(plan, "torchtitan")
+        ex = export(plan, "torchtitan", torchtitan_version="0.2")
         t = tomllib.loads(ex.text)
         p, tr = t["parallelism"], t["training"]
         assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] == deg["dp"], name
         assert p["tensor_parallel_degree"] == deg["tp"] and p["pipeline_parallel_degree"] == deg["pp"]
         assert p["context_parallel_degree"] == deg["cp"] and p["expert_parallel_degree"] == deg["ep"]
         # ZeRO 0 replicates (DDP); ZeRO >= 1 shards with FSDP2, with a note for 1 and 2
-        if par.zero == 0:
+        if par.zero == 0 and deg["tp"] == deg["pp"] == deg["cp"] == 1:
             assert p["data_parallel_shard_degree"] == 1
+        elif par.zero == 0:   # 0.2's DDP takes no other parallelism: FSDP over dp, with a note
+            assert p["data_parallel_shard_degree"] == deg["dp"] and any(n.startswith("zero 0 with") for n in ex.notes)
         else:
             assert p["data_parallel_replicate_degree"] == 1 and p["data_parallel_shard_degree"] == deg["dp"]
             # zero 3: torchtitan's "default" is the program's own policy (reshard after forward
@@ -168,6 +194,8 @@ def test_torchtitan_names_the_plan(plans):
         if deg["pp"] > 1 and par.stage_layers is None:
             chunks = deg["pp"] * deg["virtual_stages"]
             assert p["pipeline_parallel_layers_per_stage"] * chunks == plan.data["model"]["layers"]
+            # torchtitan would count the embedding and the output as layers: both 0
+            assert p["pipeline_parallel_first_stage_less_layers"] == p["pipeline_parallel_last_stage_less_layers"] == 0
         # batch: the global batch, the micro-batch and the micro-batches per step
         assert tr["global_batch_size"] == par.global_batch
         assert p["pipeline_parallel_microbatch_size"] == par.micro_batch
@@ -187,6 +215,7 @@ def test_deepspeed_names_the_plan(plans):
         deg, sched, m, par = _expect(plan)
         ex = export(plan, "deepspeed")
         c = json.loads(ex.text)
+        assert bool(ex.errors) == (deg["cp"] > 1), name
         assert c["train_batch_size"] == par.global_batch, name
         assert c["train_micro_batch_size_per_gpu"] == par.micro_batch
         assert c["gradient_accumulation_steps"] == m
@@ -205,10 +234,10 @@ def test_deepspeed_names_the_plan(plans):
                 assert any(n.startswith(f"zero {par.zero}:") for n in ex.notes)
         else:
             assert "pipeline" not in c
-        assert c.get("tensor_parallel", {}).get("autotp_size", 1) == deg["tp"]
+        assert c.get("tensor_parallel", {}).get("autotp_size", 1) == (deg["tp"] if deg["pp"] == 1 else 1)
         assert ("activation_checkpointing" in c) == (par.recompute != "none")
         if deg["cp"] > 1:
-            assert any(n.startswith("cp ") for n in ex.notes)
+            assert any(e.startswith("cp ") for e in ex.errors)
         words = shlex.split(ex.launch)
         assert words[:5] == ["deepspeed", "--num_nodes", str(plan.config.cluster.nodes), "--num_gpus",
                              str(plan.config.cluster.gpus_per_node)]
@@ -233,29 +262,41 @@ def _compiled(stem: str):
 @pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_example_exports(spec, target, monkeypatch, capsys):
-    """Through the CLI: a training spec exports, the same bytes as the API from another
-    compile (deterministic), and parses; a serve spec is refused with exit 1 and a
-    diagnostic at its `serve` block."""
+    """Through the CLI: a spec of the target's kind (training for Megatron-LM, torchtitan,
+    DeepSpeed; serving for vLLM, SGLang) exports, the same bytes as the API from another
+    compile (deterministic), and parses; exit 1 with `error:` lines exactly when the export
+    has errors (another model or layout); a spec of the other kind is refused with exit 1
+    and a diagnostic at its `serve` / `train` block."""
     monkeypatch.chdir(REPO)
     rel = str(spec.relative_to(REPO))
     plan = _compiled(spec.stem)
     rc = main(["export", rel, "--to", target])
     out, err = capsys.readouterr()
-    if plan.config.workload == "serve":
+    serving = target in SERVE_TARGETS
+    if (plan.config.workload == "serve") != serving:
+        block, kind = ("train", "serve") if serving else ("serve", "training")
         assert rc == 1 and out == ""
-        assert f"error: `export --to {target}` needs a training spec; this spec has a `serve` block" in err
+        assert f"error: `export --to {target}` needs a {kind} spec; this spec has a `{block}` block" in err
         assert f"{rel}:" in err and "help:" in err
         return
-    assert rc == 0, err
-    assert out == export(plan, target).text
-    {"megatron": parse_megatron, "torchtitan": tomllib.loads, "deepspeed": json.loads}[target](out)
+    ex = export(plan, target)
+    assert out == ex.text
+    assert rc == (1 if ex.errors else 0), err
+    assert all(f"error: {e}" in err for e in ex.errors)
+    if target == "torchtitan":
+        compile(out, ex.filename, "exec")   # a Python module
+    elif target in ("megatron", "vllm", "sglang"):
+        parse_command(out, {"megatron": "pretrain_gpt.py", "vllm": plan.config.serve and plan.config.serve.weights,
+                            "sglang": "sglang.launch_server"}[target])
+    else:
+        json.loads(out)
     if target == "deepspeed":   # JSON has no comments: notes and the launcher line go to stderr
         assert "launch: deepspeed --num_nodes" in err and "note: " in err
     else:
         assert "note: " not in err
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", TRAIN_TARGETS)
 def test_export_to_file(target, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(REPO)
     dest = tmp_path / "out"
@@ -271,6 +312,11 @@ def test_export_api_refuses_serve_and_unknown_target(monkeypatch):
     with pytest.raises(SpecError) as e:
         export(plan, "megatron")
     assert e.value.diagnostics[0].code == "export-serve"
+    with pytest.raises(SpecError) as e:
+        export(parcompile.compile(Path("examples/tiny.par")), "vllm")
+    assert e.value.diagnostics[0].code == "export-train"
+    with pytest.raises(ValueError, match="unknown torchtitan version"):
+        export(parcompile.compile(Path("examples/tiny.par")), "torchtitan", torchtitan_version="0.1")
     with pytest.raises(ValueError, match="unknown export target"):
         export(parcompile.compile(Path("examples/tiny.par")), "colossalai")
 
