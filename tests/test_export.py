@@ -47,6 +47,15 @@ VARIANTS = {
                  " global_batch = 8\n}", "fp16"),
     "zero_bubble_sp": ("parallel {\n dp = 1\n tp = 2\n pp = 4\n schedule = zero_bubble\n"
                        " sequence_parallel = true\n micro_batch = 1\n global_batch = 8\n}", "bf16"),
+    "interleaved_zero1_full": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n schedule = interleaved_1f1b\n"
+                               " virtual_stages = 2\n zero = 1\n recompute = full\n micro_batch = 1\n"
+                               " global_batch = 8\n}", "bf16"),
+    "zero3_tp_no_pp": ("parallel {\n dp = 4\n tp = 2\n pp = 1\n zero = 3\n recompute = selective\n"
+                       " micro_batch = 2\n global_batch = 16\n}", "bf16"),
+    "uneven_stages_zero2": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n stage_layers = [3, 1]\n zero = 2\n"
+                            " micro_batch = 1\n global_batch = 8\n}", "fp32"),
+    "zero0_cp_pp": ("parallel {\n dp = 2\n tp = 1\n pp = 2\n cp = 2\n micro_batch = 1\n global_batch = 8\n}",
+                    "bf16"),
 }
 
 
