@@ -337,3 +337,81 @@ def test_export_usage_errors(monkeypatch, capsys):
     assert main(["export", "examples/tiny.par", "--to", "megatron", "-o", " "]) == 2
     assert main(["export", "examples/missing.par", "--to", "megatron"]) == 2
     capsys.readouterr()
+
+
+# Flags read from the engines' own argument parsers, which run on this CPU box only with
+# their sources at hand (not installable here: megatron-core 0.19 wants Python 3.12 and its
+# wheel has no megatron/training; vLLM ships CUDA wheels and an sdist that does not build on
+# CPU; SGLang's parser imports Triton). Each set was produced by parsing (and validating)
+# these exports with the release's real parser: Megatron-LM core_v0.19.0
+# megatron/training/arguments.py parse_args + validate_args (15 plans, 14 accepted, the
+# zero-3-with-pp one refused as the export's error says); vLLM 0.33.0 `vllm serve`
+# (vllm/entrypoints/cli/serve.py subparser_init + validate_parsed_serve_args, option
+# strings from vllm/engine/arg_utils.py); SGLang 0.5.23 sglang/srt/server_args.py
+# ServerArgs.add_cli_args.
+MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
+--adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
+--ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
+--expert-model-parallel-size --expert-tensor-parallel-size --ffn-hidden-size
+--fp16 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --log-interval --lr --lr-decay-style
+--lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size --min-lr --mock-data
+--moe-aux-loss-coeff --moe-ffn-hidden-size --moe-layer-freq --moe-router-topk --moe-shared-expert-intermediate-size
+--no-gradient-accumulation-fusion --norm-epsilon --normalization --num-attention-heads --num-experts --num-layers
+--num-query-groups --num-virtual-stages-per-pipeline-rank --optimizer --overlap-grad-reduce
+--pipeline-model-parallel-size --position-embedding-type --recompute-granularity --recompute-method
+--recompute-num-layers --rotary-base --seed --seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
+--tokenizer-type --train-iters --untie-embeddings-and-output-weights --use-distributed-optimizer --use-torch-fsdp2
+--vocab-size --weight-decay""".split())
+VLLM_0_33_0_FLAGS = frozenset("""--tensor-parallel-size --pipeline-parallel-size --data-parallel-size
+--enable-expert-parallel --max-model-len --max-num-seqs --kv-cache-dtype --gpu-memory-utilization --dtype
+--seed""".split())
+#: vllm/config/cache.py CacheDType (0.33.0), the part parcompile writes
+VLLM_0_33_0_KV_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+VLLM_0_33_0_DTYPES = frozenset({"auto", "bfloat16", "float", "float16", "float32", "half"})
+SGLANG_0_5_23_FLAGS = frozenset("""--model-path --tp-size --pp-size --dp-size --ep-size --context-length
+--max-running-requests --kv-cache-dtype --mem-fraction-static --dtype --random-seed""".split())
+SGLANG_0_5_23_KV_CACHE_DTYPES = frozenset({"auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
+                                           "fp4_mx_block16"})
+SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
+
+
+def test_megatron_flags_are_core_v0_19_flags(plans):
+    for name, plan in plans:
+        _, _, f = parse_command(export(plan, "megatron").text, "pretrain_gpt.py")
+        assert set(f) <= MEGATRON_CORE_V0_19_0_FLAGS, (name, set(f) - MEGATRON_CORE_V0_19_0_FLAGS)
+
+
+@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+def test_serve_exports_name_the_plan(target, monkeypatch):
+    """vLLM 0.33.0 / SGLang 0.5.23 flags (pinned above) carrying the plan's tp, pp, dp,
+    context, concurrent sequences, KV dtype and memory fraction."""
+    monkeypatch.chdir(REPO)
+    for spec in EXAMPLES:
+        plan = _compiled(spec.stem)
+        if plan.config.workload != "serve":
+            continue
+        ex = export(plan, target)
+        sv, s, deg = plan.config.serve, plan.data["serve"], plan.data["degrees"]
+        words = ["--model-path"] if target == "sglang" else []
+        env, launcher, f = parse_command(ex.text, "sglang.launch_server" if target == "sglang" else sv.weights)
+        assert not env and not ex.errors
+        if target == "vllm":
+            assert launcher == ["vllm", "serve", sv.weights] and set(f) <= VLLM_0_33_0_FLAGS
+            tp, pp, ctx, seqs = "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs"
+            kvs, dts, frac = VLLM_0_33_0_KV_CACHE_DTYPES, VLLM_0_33_0_DTYPES, "--gpu-memory-utilization"
+            used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"] + s["workspace_bytes_per_rank"]
+        else:
+            assert launcher == ["python", "-m", "sglang.launch_server"] and set(f) <= SGLANG_0_5_23_FLAGS
+            assert f[words[0]] == sv.weights
+            tp, pp, ctx, seqs = "--tp-size", "--pp-size", "--context-length", "--max-running-requests"
+            kvs, dts, frac = SGLANG_0_5_23_KV_CACHE_DTYPES, SGLANG_0_5_23_DTYPES, "--mem-fraction-static"
+            used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"]
+        assert (int(f[tp]), int(f[pp])) == (deg["tp"], deg["pp"]), spec.stem
+        assert int(f.get("--data-parallel-size", f.get("--dp-size", 1))) == deg["dp"] == s["replicas"]
+        assert int(f[ctx]) == sv.prompt_len + sv.max_new_tokens
+        assert int(f[seqs]) == s["batch_per_replica"]
+        assert f["--kv-cache-dtype"] in kvs and (f["--kv-cache-dtype"] == "auto") == (sv.kv_dtype == plan.config.model.dtype)
+        assert f["--dtype"] in dts
+        # the memory fraction covers what the plan's memory model puts on a GPU, rounded up to 0.01
+        fraction = float(f[frac])
+        assert used <= fraction * plan.config.cluster.memory < used + 0.01 * plan.config.cluster.memory, spec.stem
