@@ -435,6 +435,10 @@ def _layout(plan: Plan) -> str:
     d = _degrees(plan)
     s = plan.data["schedule"]
     ep = f" x ep {d['ep']}" if d["ep"] > 1 else ""
+    if plan.config.workload == "serve":
+        sv = plan.data["serve"]
+        return (f"{plan.data['world_size']} ranks, dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}{ep}, "
+                f"{sv['replicas']} x {sv['batch_per_replica']} concurrent sequences")
     return (f"{plan.data['world_size']} ranks, dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}{ep}, "
             f"{s['name']}, {s['num_microbatches']} micro-batches")
 
