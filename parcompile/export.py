@@ -525,8 +525,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     if deg["pp"] > 1 and len(set(split)) == 1:
         par_t["pipeline_parallel_layers_per_stage"] = split[0]
     elif deg["pp"] > 1:
-        notes.append(f"stage_layers {split}: torchtitan splits layers evenly (pipeline_parallel_layers_per_stage); "
-                     "set module_fqns_per_model_part for this split")
+        par_t["module_fqns_per_model_part"] = torchtitan_model_parts(split, "output")
     if deg["tp"] > 1 and not par.sequence_parallel:
         notes.append("sequence_parallel = false: torchtitan's tensor parallelism always splits norms along the "
                      "sequence (Megatron-style sequence parallelism)")
@@ -677,14 +676,7 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
         if len(set(split)) == 1:
             parallelism["pipeline_parallel_layers_per_stage"] = split[0]
         else:
-            parts, first = [], 0
-            for i, n in enumerate(split):
-                part = ["tok_embeddings"] if i == 0 else []
-                part += [f"layers.{k}" for k in range(first, first + n)]
-                part += ["norm", "lm_head"] if i == len(split) - 1 else []
-                parts.append(part)
-                first += n
-            parallelism["module_fqns_per_model_part"] = parts
+            parallelism["module_fqns_per_model_part"] = torchtitan_model_parts(split, "lm_head")
     if par.order != "tp-cp-ep-dp-pp":
         notes.append(f"order {par.order}: torchtitan's device mesh orders pp, dp_replicate, dp_shard, cp, tp "
                      "(tp fastest); other orders are not expressible")
@@ -743,6 +735,20 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     if tr.checkpoint_dir and tr.checkpoint_every:
         config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
     return config, notes
+
+
+def torchtitan_model_parts(split: list[int], output: str) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part`` for chunks of ``split`` layers in model
+    order: the embedding (``tok_embeddings``) on the first chunk, the final norm and the
+    output projection (``output``: ``lm_head`` in 0.3, ``output`` in 0.2) on the last."""
+    parts, first = [], 0
+    for i, n in enumerate(split):
+        part = ["tok_embeddings"] if i == 0 else []
+        part += [f"layers.{k}" for k in range(first, first + n)]
+        part += ["norm", output] if i == len(split) - 1 else []
+        parts.append(part)
+        first += n
+    return parts
 
 
 def _py_name(name: str) -> str:
@@ -854,12 +860,20 @@ def _toml_value(x) -> str:
         return str(x)
     if isinstance(x, float):
         return repr(x) if x == x and x not in (float("inf"), float("-inf")) else "nan"
+    if isinstance(x, list):      # (nested) arrays of strings: JSON's arrays are valid TOML arrays
+        return json.dumps(x)
     return json.dumps(str(x))   # a JSON string is a valid TOML basic string
 
 
 def _torchtitan(plan: Plan) -> Export:
     cfg = plan.config
     config, notes = torchtitan_config(plan)
+    errors = torchtitan_errors(plan)
+    if config["model"]["flavor"] == "debugmodel" and not cfg.model.experts:
+        errors.append(f"model: torchtitan 0.2 takes the model's shape from a registered flavor and this shape "
+                      f"({cfg.model.layers} layers, hidden {cfg.model.hidden}) is none of llama3's 8B, 70B, 405B; "
+                      "export for torchtitan 0.3, which registers the spec's own flavor")
+    notes = [n for n in notes if not n.startswith("model: torchtitan takes the model's shape")]
     cl = cfg.cluster
     launch = (f"CONFIG_FILE={cfg.name}_torchtitan.toml NGPU={cl.gpus_per_node} ./run_train.sh"
               if cl.nodes == 1 else
@@ -868,10 +882,11 @@ def _torchtitan(plan: Plan) -> Export:
               f"--job.config_file {cfg.name}_torchtitan.toml")
     lines = [f"# torchtitan 0.2 job config for `{cfg.name}` (exported by parcompile)",
              f"# launch: {launch}"]
+    lines += [f"# error: {e}" for e in errors]
     lines += [f"# note: {n}" for n in notes]
     for table, keys in config.items():
         lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
-    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_torchtitan.toml")
+    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_torchtitan.toml", errors)
 
 
 # ---------------------------------------------------------------------------------------------
