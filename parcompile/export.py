@@ -956,8 +956,9 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
             notes.append(f"schedule {sched}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
                          "(TrainSchedule)" + ("; virtual stages are not expressible" if deg["virtual_stages"] > 1
                                               else ""))
-        if par.zero >= 2:
-            notes.append(f"zero {par.zero}: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only")
+        if par.zero >= 2:   # deepspeed/runtime/pipe/engine.py PipelineEngine.__init__ asserts it
+            errors.append(f"zero {par.zero} with pp {deg['pp']}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
+                          "(\"incompatible with pipeline parallelism\"); use zero 0 or 1")
         if par.stage_layers is not None and len(set(_stage_split(plan))) > 1:
             notes.append(f"stage_layers {_stage_split(plan)}: give PipelineModule partition_method=\"custom\" "
                          "boundaries for this split")
