@@ -4,6 +4,7 @@
     python tests/check_engine_parsers.py megatron /path/to/Megatron-LM   # core_v0.19.0 checkout
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=/path/to/vllm-0.33.0-sdist:DEPS python tests/check_engine_parsers.py vllm
     PYTHONPATH=/path/to/sglang-0.5.23-wheel:DEPS python tests/check_engine_parsers.py sglang
+    python tests/check_engine_parsers.py torchtitan0.2 /path/to/torchtitan-0.2.2-wheel   # unpacked
 
 - Megatron-LM: ``megatron.training.arguments.parse_args`` and ``validate_args`` with each
   export's arguments and environment, WORLD_SIZE from the plan, an H100 (Hopper) device
@@ -16,6 +17,9 @@
   openai-harmony, msgspec, pybase64, cachetools, uvloop, xgrammar, apache-tvm-ffi,
   partial-json-parser, llguidance, watchfiles).
 - SGLang: ``ServerArgs.add_cli_args``; DEPS are pybase64, msgspec, pyzmq and triton.
+- torchtitan 0.2.2 (the ``--torchtitan-version 0.2`` TOML): its ``ConfigManager`` with
+  ``--job.config_file``, ``ParallelDims`` and ``generate_llm_fqn_per_model_part``; its MoE
+  Triton kernels module is stubbed.
 """
 
 from __future__ import annotations
@@ -140,7 +144,53 @@ def sglang() -> int:
     return bad
 
 
+def torchtitan02(wheel_dir: str) -> int:
+    import math
+    import tempfile
+
+    class _Kernels(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+
+    sys.modules["torchtitan.models.moe.kernels"] = _Kernels("torchtitan.models.moe.kernels")
+    sys.path.insert(0, wheel_dir)
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import pipeline_parallel as tt_pp
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from parcompile.export import export
+    from tests.test_export import _plans
+
+    bad, out = 0, tempfile.mkdtemp()
+    for name, plan in _plans():
+        ex = export(plan, "torchtitan", torchtitan_version="0.2")
+        path = os.path.join(out, ex.filename)
+        Path(path).write_text(ex.text)
+        p = ConfigManager().parse_args(["--job.config_file", path]).parallelism
+        dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                            ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
+                            world_size=plan.data["world_size"])
+        deg, layers = plan.data["degrees"], plan.config.model.layers
+        got = [dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp]
+        if dims.pp > 1:
+            first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+            parts = p.module_fqns_per_model_part or tt_pp.generate_llm_fqn_per_model_part(
+                math.ceil((layers + first + last) / p.pipeline_parallel_layers_per_stage), layers, first, last)
+            got.append([sum(m.startswith("layers.") for m in part) for part in parts])
+        want = [deg["dp"], deg["tp"], deg["pp"], deg["cp"]]
+        if dims.pp > 1:
+            want.append(list(plan.config.parallel.layers_per_chunk(layers)))
+        print(f"{name}: {'the plan' if got == want else f'DIFFERS {got} != {want}'}; export errors: {ex.errors}")
+        bad += got != want
+    return bad
+
+
 if __name__ == "__main__":
     os.chdir(REPO)
     engine = sys.argv[1]
-    sys.exit(1 if {"megatron": lambda: megatron(sys.argv[2]), "vllm": vllm, "sglang": sglang}[engine]() else 0)
+    checks = {"megatron": lambda: megatron(sys.argv[2]), "vllm": vllm, "sglang": sglang,
+              "torchtitan0.2": lambda: torchtitan02(sys.argv[2])}
+    sys.exit(1 if checks[engine]() else 0)

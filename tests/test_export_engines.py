@@ -107,6 +107,8 @@ def test_torchtitan_accepts_and_derives_the_plan(plans, torchtitan, tmp_path, mo
         assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == \
             (deg["dp"], deg["tp"], deg["pp"], deg["cp"]), name
         assert cfg.parallelism.expert_parallel_degree == deg["ep"] and cfg.training.steps == 3
+        # torchtitan splits norms along the sequence under tp exactly when the plan does
+        assert cfg.parallelism.enable_sequence_parallel == (par.sequence_parallel or deg["tp"] == 1), name
         # batch: the Trainer's own arithmetic (trainer.py: batch degree = dp_replicate * dp_shard)
         tr, pa = cfg.training, cfg.parallelism
         accumulation = tr.global_batch_size // (tr.local_batch_size * deg["dp"])
