@@ -1,25 +1,29 @@
-"""``parcompile export``: the same training plan for the engines people already run.
+"""``parcompile export``: the same plan for the engines people already run.
 
-Three targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its
-config and plan.json dict), each returning an :class:`Export`: the text, the notes about
-what the target cannot express (or expresses differently), and a launch line.
+Five targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
+and plan.json dict), each returning an :class:`Export`: the text, the notes about what the
+target expresses differently, the errors (what it cannot run without training or serving a
+different model or layout: the CLI exits 1), and a launch line.
 
-- ``megatron``: a shell command, ``torchrun ... pretrain_gpt.py`` followed by Megatron-LM's
-  arguments (``--tensor-model-parallel-size`` ...), one per line; notes are ``#`` comments.
-- ``torchtitan``: a torchtitan 0.2 job config (TOML: ``[parallelism]``, ``[training]``,
-  ``[activation_checkpoint]``...); notes are ``#`` comments.
-- ``deepspeed``: a DeepSpeed JSON config (``train_batch_size``, ``zero_optimization``,
-  ``pipeline``...); JSON has no comments, so the notes and the ``deepspeed`` launcher line
-  are in :attr:`Export.notes` / :attr:`Export.launch` (the CLI prints them on stderr).
+Training specs:
 
-Only training specs export: the three targets are training engines, so a ``serve`` spec
-is refused with a :class:`~parcompile.diagnostics.SpecError` at its ``serve`` block
-(:func:`export`). The output is deterministic: the same spec gives the same bytes.
+- ``megatron`` (Megatron-LM core_v0.19): a shell command, the environment
+  ``validate_args`` requires (:func:`megatron_env`), ``torchrun ... pretrain_gpt.py`` and
+  Megatron-LM's arguments, one per line; notes and errors are ``#`` comments.
+- ``torchtitan``: for torchtitan 0.3 (the default) a config registry module (Python) that
+  registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run with
+  ``torchtitan.train --module ... --config ...``; for 0.2 a TOML job config.
+- ``deepspeed`` (0.19): a DeepSpeed JSON config; JSON has no comments, so the notes (with
+  the topology / mpu that makes DeepSpeed's data-parallel size the plan's) and the
+  ``deepspeed`` launcher line are in :attr:`Export.notes` / :attr:`Export.launch`.
 
-What maps to what (``docs/export.md`` has the full table): ZeRO 1 is Megatron's
-``--use-distributed-optimizer``, DeepSpeed's ``zero_optimization.stage`` takes the stage
-as is, and torchtitan shards with FSDP2 (``data_parallel_shard_degree = dp``) for any
-stage >= 1 (FSDP shards parameters too, so it is ZeRO-3 storage; the note says so).
+Serve specs: ``vllm`` (a ``vllm serve`` command) and ``sglang`` (``python -m
+sglang.launch_server``), with the plan's parallel sizes, context, concurrent sequences, KV
+cache dtype and memory fraction (:func:`serve_memory_fraction`).
+
+A serve spec for a training engine, or a training spec for a serving one, is refused with a
+:class:`~parcompile.diagnostics.SpecError` (:func:`export`). The output is deterministic:
+the same spec gives the same bytes. ``docs/export.md`` has the full mapping.
 """
 
 from __future__ import annotations
