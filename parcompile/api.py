@@ -307,10 +307,13 @@ def verify(source: str | Path | Plan, *, filename: str | None = None, overrides:
 # export
 
 
-def export(plan: Plan, target: str) -> "Export":
+def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> "Export":
     """The plan as another engine's configuration (``parcompile export --to TARGET``;
     :func:`parcompile.export.export`): ``.text`` (the file), ``.notes`` (what the target
-    cannot express), ``.launch`` (the command that runs it), ``.filename``.
+    expresses differently), ``.errors`` (where it would train or serve another model or
+    layout: the CLI exits 1), ``.launch`` (the command that runs it), ``.filename``.
+    ``target``: megatron, torchtitan, deepspeed (training specs), vllm, sglang (serve
+    specs); ``torchtitan_version``: ``"0.3"`` (a config registry module) or ``"0.2"`` (TOML).
 
     Raises:
         TypeError: ``plan`` is not a compiled :class:`~parcompile.plan.Plan`.
@@ -322,7 +325,7 @@ def export(plan: Plan, target: str) -> "Export":
     if not isinstance(plan, Plan):
         raise TypeError(f"export needs a compiled Plan, got {type(plan).__name__}; "
                         "parcompile.export(parcompile.compile(pathlib.Path(\"spec.par\")), \"megatron\")")
-    return export_plan(plan, target)
+    return export_plan(plan, target, torchtitan_version)
 
 
 # --------------------------------------------------------------------------------------

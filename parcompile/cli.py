@@ -304,7 +304,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """`parcompile export SPEC --to megatron|torchtitan|deepspeed [-o FILE]`: the plan as
+    """`parcompile export SPEC --to megatron|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
     another engine's configuration (stdout, or FILE); notes about what the target cannot
     express go to stderr as `note:` lines (they are also comments in the Megatron and
     torchtitan outputs), and for DeepSpeed the launcher line too."""
@@ -312,12 +312,12 @@ def cmd_export(args) -> int:
         raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
     try:
         plan, source = _compile(args.spec)
-        result = api.export(plan, args.to)
+        result = api.export(plan, args.to, args.torchtitan_version)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source or _read(args.spec)[1])
         return EXIT_SPEC
     _print_diags(plan.warnings, source)
-    commented = args.to != "deepspeed"   # notes already in the text, as comments
+    commented = args.to != "deepspeed"   # notes (and errors) already in the text, as comments
     if args.output is None:
         sys.stdout.write(result.text)
     else:
@@ -331,7 +331,9 @@ def cmd_export(args) -> int:
             print(f"note: {n}", file=sys.stderr)
     if not commented:
         print(f"launch: {result.launch}", file=sys.stderr)
-    return EXIT_OK
+    for e in result.errors:   # the export would train or serve another model or layout
+        print(f"error: {e}", file=sys.stderr)
+    return EXIT_SPEC if result.errors else EXIT_OK
 
 
 def cmd_export_weights(args) -> int:
@@ -490,9 +492,13 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
 
-    p = sub.add_parser("export", help="the plan as Megatron-LM arguments, a torchtitan TOML or a DeepSpeed JSON")
+    p = sub.add_parser("export", help="the plan for Megatron-LM, torchtitan, DeepSpeed (training) or vLLM, SGLang "
+                                      "(serving)")
     p.add_argument("spec")
-    p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed"], help="target engine")
+    p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed", "vllm", "sglang"],
+                   help="target engine")
+    p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default="0.3",
+                   help="torchtitan release: 0.3 (a config registry module, default) or 0.2 (a TOML job config)")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(fn=cmd_export)
 

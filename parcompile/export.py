@@ -1,25 +1,29 @@
-"""``parcompile export``: the same training plan for the engines people already run.
+"""``parcompile export``: the same plan for the engines people already run.
 
-Three targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its
-config and plan.json dict), each returning an :class:`Export`: the text, the notes about
-what the target cannot express (or expresses differently), and a launch line.
+Five targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
+and plan.json dict), each returning an :class:`Export`: the text, the notes about what the
+target expresses differently, the errors (what it cannot run without training or serving a
+different model or layout: the CLI exits 1), and a launch line.
 
-- ``megatron``: a shell command, ``torchrun ... pretrain_gpt.py`` followed by Megatron-LM's
-  arguments (``--tensor-model-parallel-size`` ...), one per line; notes are ``#`` comments.
-- ``torchtitan``: a torchtitan 0.2 job config (TOML: ``[parallelism]``, ``[training]``,
-  ``[activation_checkpoint]``...); notes are ``#`` comments.
-- ``deepspeed``: a DeepSpeed JSON config (``train_batch_size``, ``zero_optimization``,
-  ``pipeline``...); JSON has no comments, so the notes and the ``deepspeed`` launcher line
-  are in :attr:`Export.notes` / :attr:`Export.launch` (the CLI prints them on stderr).
+Training specs:
 
-Only training specs export: the three targets are training engines, so a ``serve`` spec
-is refused with a :class:`~parcompile.diagnostics.SpecError` at its ``serve`` block
-(:func:`export`). The output is deterministic: the same spec gives the same bytes.
+- ``megatron`` (Megatron-LM core_v0.19): a shell command, the environment
+  ``validate_args`` requires (:func:`megatron_env`), ``torchrun ... pretrain_gpt.py`` and
+  Megatron-LM's arguments, one per line; notes and errors are ``#`` comments.
+- ``torchtitan``: for torchtitan 0.3 (the default) a config registry module (Python) that
+  registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run with
+  ``torchtitan.train --module ... --config ...``; for 0.2 a TOML job config.
+- ``deepspeed`` (0.19): a DeepSpeed JSON config; JSON has no comments, so the notes (with
+  the topology / mpu that makes DeepSpeed's data-parallel size the plan's) and the
+  ``deepspeed`` launcher line are in :attr:`Export.notes` / :attr:`Export.launch`.
 
-What maps to what (``docs/export.md`` has the full table): ZeRO 1 is Megatron's
-``--use-distributed-optimizer``, DeepSpeed's ``zero_optimization.stage`` takes the stage
-as is, and torchtitan shards with FSDP2 (``data_parallel_shard_degree = dp``) for any
-stage >= 1 (FSDP shards parameters too, so it is ZeRO-3 storage; the note says so).
+Serve specs: ``vllm`` (a ``vllm serve`` command) and ``sglang`` (``python -m
+sglang.launch_server``), with the plan's parallel sizes, context, concurrent sequences, KV
+cache dtype and memory fraction (:func:`serve_memory_fraction`).
+
+A serve spec for a training engine, or a training spec for a serving one, is refused with a
+:class:`~parcompile.diagnostics.SpecError` (:func:`export`). The output is deterministic:
+the same spec gives the same bytes. ``docs/export.md`` has the full mapping.
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ from parcompile.config.text import plural
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.plan import Plan
 
-TARGETS = ("megatron", "torchtitan", "deepspeed")
+#: training engines
+TRAIN_TARGETS = ("megatron", "torchtitan", "deepspeed")
+#: serving engines, and their names for messages
+SERVE_TARGETS = {"vllm": "vLLM", "sglang": "SGLang"}
+TARGETS = TRAIN_TARGETS + tuple(SERVE_TARGETS)
+#: torchtitan releases the export writes for: 0.3 (config registry, what pip installs), 0.2 (TOML)
+TORCHTITAN_VERSIONS = ("0.3", "0.2")
 
 #: parcompile schedule -> torch.distributed.pipelining schedule name (torchtitan), for one
 #: stage per rank (``virtual_stages == 1``) and for several
@@ -50,34 +60,57 @@ TORCHTITAN_SCHEDULE = {
 class Export:
     """One export: ``text`` (the file), ``notes`` (what the target cannot express or
     expresses differently, one sentence each), ``launch`` (the command that runs it),
-    ``filename`` (a conventional name for the file)."""
+    ``filename`` (a conventional name for the file), ``errors`` (what the target cannot
+    express without training a different model or layout: the export is then refused)."""
 
     target: str
     text: str
     notes: list[str] = field(default_factory=list)
     launch: str = ""
     filename: str = ""
+    #: what would make the export train a different model or layout than the plan (the CLI
+    #: prints them as ``error:`` lines and exits 1; the text is still written, as a start)
+    errors: list[str] = field(default_factory=list)
 
 
-def export(plan: Plan, target: str) -> Export:
-    """Export ``plan`` for ``target`` (one of :data:`TARGETS`).
+def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
+    """Export ``plan`` for ``target`` (one of :data:`TARGETS`): a training spec for
+    Megatron-LM, torchtitan or DeepSpeed; a serve spec for vLLM or SGLang.
+    ``torchtitan_version``: ``"0.3"`` (a config registry module, the default) or ``"0.2"``
+    (a TOML job config).
 
     Raises:
-        ValueError: an unknown target.
-        SpecError: a ``serve`` spec (the targets are training engines).
+        ValueError: an unknown target or torchtitan version.
+        SpecError: a ``serve`` spec for a training engine, or a training spec for a serving one.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
+    if torchtitan_version not in TORCHTITAN_VERSIONS:
+        raise ValueError(f"unknown torchtitan version {torchtitan_version!r}; choose one of "
+                         f"{', '.join(TORCHTITAN_VERSIONS)}")
     cfg = plan.config
+    if target in SERVE_TARGETS:
+        if cfg.workload != "serve":
+            raise SpecError([Diagnostic(
+                "error", f"`export --to {target}` needs a serve spec; this spec has a `train` block",
+                cfg.span("train"),
+                help="export the spec that serves the model (a `serve` block), or export this one --to "
+                     "megatron, torchtitan or deepspeed",
+                note=f"{SERVE_TARGETS[target]} is an inference server: it has no training run to map this plan to",
+                code="export-train")])
+        return _serve(plan, target)
     if cfg.workload != "train":
         raise SpecError([Diagnostic(
             "error", f"`export --to {target}` needs a training spec; this spec has a `serve` block",
             cfg.span("serve"),
-            help=f"export the spec that trains the model (a `train` block); serve it with `parcompile run`",
+            help="export it --to vllm or --to sglang (the serving engines), or export the spec that trains "
+                 "the model",
             note="Megatron-LM's pretrain_gpt.py, torchtitan's train config and DeepSpeed's JSON config "
                  "describe training runs; none of them has an inference deployment to map this plan to",
             code="export-serve")])
-    return {"megatron": _megatron, "torchtitan": _torchtitan, "deepspeed": _deepspeed}[target](plan)
+    if target == "torchtitan":
+        return _torchtitan3(plan) if torchtitan_version == "0.3" else _torchtitan(plan)
+    return {"megatron": _megatron, "deepspeed": _deepspeed}[target](plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +212,10 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
             notes.append("zero 2: Megatron's distributed optimizer shards optimizer states and reduce-scatters "
                          "gradients, but keeps a full gradient buffer per rank (ZeRO-1 memory)")
         if par.zero == 3:
+            # core_v0.19.0 validate_args: FSDP2 needs no gradient-accumulation fusion, a
+            # torch_dist / torch_dcp checkpoint format (torch_dist is the default)
             add("--use-torch-fsdp2")
+            add("--no-gradient-accumulation-fusion")
             notes.append("zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states "
                          "sharded); it does not work with pipeline parallelism" if deg["pp"] > 1 else
                          "zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states sharded)")
@@ -347,24 +383,66 @@ def _megatron(plan: Plan) -> Export:
     cfg = plan.config
     args, notes = megatron_args(plan)
     cl = cfg.cluster
-    launch = f"torchrun --nnodes {cl.nodes} --nproc-per-node {cl.gpus_per_node}"
+    env = megatron_env(plan)
+    launch = "".join(f"{k}={v} " for k, v in env.items())
+    launch += f"torchrun --nnodes {cl.nodes} --nproc-per-node {cl.gpus_per_node}"
     if cl.nodes > 1:
         launch += ' --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
         notes.append("multi-node: run the same command on every node with MASTER_ADDR/MASTER_PORT set")
     launch += " pretrain_gpt.py"
-    lines = [f"# Megatron-LM arguments for `{cfg.name}`: {_layout(plan)}",
+    errors = megatron_errors(plan)
+    lines = [f"# Megatron-LM (core_v0.19) arguments for `{cfg.name}`: {_layout(plan)}",
              "# (exported by parcompile; run from a Megatron-LM checkout)"]
+    lines += [f"# error: {e}" for e in errors]
     lines += [f"# note: {n}" for n in notes]
     lines.append(launch + " \\")
     body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
     lines += [b + " \\" for b in body[:-1]] + [body[-1]]
-    return Export("megatron", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_megatron.sh")
+    return Export("megatron", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_megatron.sh", errors)
+
+
+def megatron_env(plan: Plan) -> dict[str, str]:
+    """The environment Megatron-LM's ``validate_args`` (core_v0.19.0,
+    megatron/training/arguments.py) requires as launched: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    with tensor or context parallelism on GPUs before Blackwell (it asserts it there; on
+    Blackwell it is harmless), except under ``--use-torch-fsdp2`` (zero 3), which asserts the
+    opposite (the variable not ``1``) and only warns about tp/cp."""
+    deg = _degrees(plan)
+    if (deg["tp"] > 1 or deg["cp"] > 1) and plan.config.parallel.zero != 3:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def megatron_errors(plan: Plan) -> list[str]:
+    """What Megatron-LM core_v0.19's ``validate_args`` refuses for this plan (so the export
+    cannot run the plan's layout): ``--use-torch-fsdp2`` (zero 3) with pipeline or expert
+    parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
+    the ``if args.use_torch_fsdp2:`` block)."""
+    cfg = plan.config
+    deg = _degrees(plan)
+    errors = []
+    if cfg.parallel.zero == 3:
+        if deg["pp"] > 1:
+            errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "
+                          "pipeline parallelism (validate_args); use zero 1 or 2 (--use-distributed-optimizer)")
+        if deg["ep"] > 1:
+            errors.append(f"zero 3 with ep {deg['ep']}: --use-torch-fsdp2 is not supported with expert parallelism")
+        if cfg.model.dtype == "fp16":
+            errors.append("zero 3 with dtype fp16: --use-torch-fsdp2 does not support fp16; use bf16")
+        if cfg.model.tie_embeddings:
+            errors.append("zero 3 with tie_embeddings: --use-torch-fsdp2 requires "
+                          "--untie-embeddings-and-output-weights, a different model")
+    return errors
 
 
 def _layout(plan: Plan) -> str:
     d = _degrees(plan)
     s = plan.data["schedule"]
     ep = f" x ep {d['ep']}" if d["ep"] > 1 else ""
+    if plan.config.workload == "serve":
+        sv = plan.data["serve"]
+        return (f"{plan.data['world_size']} ranks, dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}{ep}, "
+                f"{sv['replicas']} x {sv['batch_per_replica']} concurrent sequences")
     return (f"{plan.data['world_size']} ranks, dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}{ep}, "
             f"{s['name']}, {s['num_microbatches']} micro-batches")
 
@@ -408,6 +486,12 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     # zero 3: "default" is parcompile's own policy (analysis/buckets.reshard_after_forward):
     # layers resharded after forward without PP, kept across micro-batches with PP
     replicate, shard, reshard = (deg["dp"], 1, "default") if par.zero == 0 else (1, deg["dp"], "default")
+    if par.zero == 0 and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
+        # torchtitan 0.2 refuses data_parallel_replicate alone with other parallelism ("DDP has not
+        # supported > 1D parallelism"); FSDP over dp trains the same model, sharding the states
+        replicate, shard = 1, deg["dp"]
+        notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other parallelism; "
+                     "exported as FSDP over dp (data_parallel_shard_degree = dp), which shards the states")
     if par.zero in (1, 2):
         reshard = "never"
         notes.append(f"zero {par.zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
@@ -439,11 +523,13 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     if m.experts > 0:
         par_t["expert_tensor_parallel_degree"] = deg["expert_tp"]
     split = _stage_split(plan)
+    if deg["pp"] > 1:   # torchtitan counts the embedding and the output as a layer each by default
+        par_t["pipeline_parallel_first_stage_less_layers"] = 0
+        par_t["pipeline_parallel_last_stage_less_layers"] = 0
     if deg["pp"] > 1 and len(set(split)) == 1:
         par_t["pipeline_parallel_layers_per_stage"] = split[0]
     elif deg["pp"] > 1:
-        notes.append(f"stage_layers {split}: torchtitan splits layers evenly (pipeline_parallel_layers_per_stage); "
-                     "set module_fqns_per_model_part for this split")
+        par_t["module_fqns_per_model_part"] = torchtitan_model_parts(split, "output")
     if deg["tp"] > 1 and not par.sequence_parallel:
         notes.append("sequence_parallel = false: torchtitan's tensor parallelism always splits norms along the "
                      "sequence (Megatron-style sequence parallelism)")
@@ -471,7 +557,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     if m.dtype == "fp16":
         notes.append("dtype fp16: torchtitan's FSDP mixed precision takes bfloat16 or float32; exported as float32"
                      + (" (reduce_dtype fp16 too)" if _reduce_dtype(plan) == "fp16" else ""))
-    if m.dtype == "bf16" and shard == 1:
+    if m.dtype == "bf16" and shard == 1 and replicate > 1:
         notes.append("dtype bf16: torchtitan applies mixed_precision_param through FSDP only; without sharding "
                      "(zero = 0) training runs in float32")
     notes.append("dataset: c4_test is torchtitan's bundled sample; set training.dataset to yours")
@@ -505,6 +591,271 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     return config, notes
 
 
+# torchtitan 0.3: a config registry module (Python), run with --module/--config
+
+
+def torchtitan_errors(plan: Plan) -> list[str]:
+    """What torchtitan 0.3's llama3 model (``torchtitan.models.llama3``: RMSNorm, SwiGLU,
+    RoPE, no biases, head_dim = dim / n_heads) cannot express without training a different
+    model; the export is refused with these reasons."""
+    m = plan.config.model
+    errors = []
+    if m.experts > 0:
+        errors.append(f"experts {m.experts}: parcompile exports dense llama3-family models to torchtitan; its MoE "
+                      "models (deepseek_v3, qwen3) need a flavor registered by hand")
+    if m.norm != "rmsnorm" or m.activation != "swiglu" or m.position != "rope":
+        errors.append(f"model: torchtitan's llama3 is RMSNorm + SwiGLU + RoPE; this model has {m.norm}, "
+                      f"{m.activation}, {m.position} positions")
+    if m.bias or m.qkv_bias:
+        errors.append("bias: torchtitan's llama3 linear layers have no biases")
+    if m.qk_norm:
+        errors.append("qk_norm: torchtitan's llama3 has no q/k norm (its qwen3 model has one)")
+    if m.kv_lora_rank:
+        errors.append("multi-head latent attention: torchtitan's llama3 has none (its deepseek_v3 model has)")
+    if m.sliding_window:
+        errors.append(f"sliding_window {m.sliding_window}: torchtitan's llama3 attends to the whole context")
+    if m.parallel_residual:
+        errors.append("parallel_residual: torchtitan's llama3 block is sequential")
+    if m.head_dim != m.hidden // m.heads:
+        errors.append(f"head_dim {m.head_dim}: torchtitan's llama3 uses dim / n_heads = {m.hidden // m.heads}")
+    if m.position == "rope" and m.rope_type not in ("default", "llama3"):
+        errors.append(f"rope_type {m.rope_type}: torchtitan's llama3 RoPE scales as none or llama (Llama 3.1)")
+    return errors
+
+
+def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
+    """The torchtitan 0.3 settings for ``plan`` and the notes: ``{"model": {...},
+    "training": {...}, "parallelism": {...}, "activation_checkpoint": ..., ...}``, the field
+    names of torchtitan 0.3's ``Trainer.Config`` sections (``torchtitan/config/configs.py``).
+
+    Layers: torchtitan counts the embedding and the output as layers of the first and last
+    stage (``pipeline_parallel_first/last_stage_less_layers``, 1 each by default); parcompile
+    places them beside the stage's transformer layers, so both are 0 and
+    ``pipeline_parallel_layers_per_stage`` is the plan's chunk (or, for uneven chunks,
+    ``module_fqns_per_model_part`` names each chunk's modules)."""
+    cfg = plan.config
+    par, m, tr = cfg.parallel, cfg.model, cfg.train
+    deg = _degrees(plan)
+    sched = plan.data["schedule"]["name"]
+    mb = plan.data["schedule"]["num_microbatches"]
+    v = deg["virtual_stages"]
+    notes = _common_notes(plan, "torchtitan")
+
+    # ZeRO: torchtitan 0.3's llama3 applies fully_shard over dp_replicate x dp_shard always:
+    # dp_shard = 1 replicates the states (HSDP without sharding: DDP's memory and reduction)
+    if par.zero == 0:
+        replicate, shard, reshard = deg["dp"], 1, "default"
+    elif par.zero in (1, 2):
+        replicate, shard, reshard = 1, deg["dp"], "never"
+        notes.append(f"zero {par.zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
+                     "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
+                     "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
+    else:
+        # "default": reshard after forward without pp, keep across micro-batches with pp:
+        # parcompile's own zero-3 policy (parcompile.core.buckets.reshard_after_forward)
+        replicate, shard, reshard = 1, deg["dp"], "default"
+    schedule = TORCHTITAN_SCHEDULE[(sched, v > 1)]
+    if sched == "zero_bubble" and v == 1:
+        notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
+                     "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
+                     "rank; exported as 1F1B")
+    if sched == "gpipe" and v > 1:
+        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    parallelism: dict = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "fsdp_reshard_after_forward": reshard,
+        "tensor_parallel_degree": deg["tp"],
+        "enable_sequence_parallel": bool(par.sequence_parallel or deg["tp"] == 1),
+        "pipeline_parallel_degree": deg["pp"],
+        "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_microbatch_size": par.micro_batch,
+        "context_parallel_degree": deg["cp"],
+        "expert_parallel_degree": deg["ep"],
+    }
+    split = _stage_split(plan)
+    if deg["pp"] > 1:
+        parallelism["pipeline_parallel_first_stage_less_layers"] = 0
+        parallelism["pipeline_parallel_last_stage_less_layers"] = 0
+        if len(set(split)) == 1:
+            parallelism["pipeline_parallel_layers_per_stage"] = split[0]
+        else:
+            parallelism["module_fqns_per_model_part"] = torchtitan_model_parts(split, "lm_head")
+    if par.order != "tp-cp-ep-dp-pp":
+        notes.append(f"order {par.order}: torchtitan's device mesh orders pp, dp_replicate, dp_shard, cp, tp "
+                     "(tp fastest); other orders are not expressible")
+    if _reduces_over_dp(plan) and par.bucket_size != DEFAULT_BUCKET_SIZE:
+        notes.append(f"bucket_size {par.bucket_size}: torchtitan has no gradient bucket size setting (FSDP2 "
+                     "reduce-scatters each transformer block's gradients as one group)")
+
+    # batch: with pp, one step's micro-batches are the pipeline micro-batches of one local
+    # batch; without pp, torchtitan accumulates global / (local * dp) local batches
+    training = {
+        "local_batch_size": par.micro_batch * mb if deg["pp"] > 1 else par.micro_batch,
+        "global_batch_size": par.global_batch,
+        "seq_len": m.seq_len,
+        "steps": tr.steps,
+        "max_norm": tr.grad_clip,
+        "dtype": "float32",
+        "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
+        "mixed_precision_reduce": "float32",
+    }
+    if deg["pp"] > 1:   # Trainer.Config: "CUDA graphs do not support pipeline parallelism yet"
+        training["disable_cuda_graphs"] = True
+    if m.dtype == "fp16":
+        notes.append("dtype fp16: torchtitan's mixed precision takes bfloat16 or float32; exported as float32")
+    if _reduce_dtype(plan) != "fp32":
+        notes.append(f"reduce_dtype {_reduce_dtype(plan)}: torchtitan 0.3 reduces gradients in float32 only "
+                     "(training.mixed_precision_reduce)")
+    if par.recompute == "selective":
+        notes.append("recompute selective: torchtitan's op-level selective checkpointing (SelectiveAC) saves "
+                     "matmul outputs and recomputes the rest, not only the attention core")
+    if tr.optimizer == "sgd":
+        notes.append("optimizer sgd: exported as torch.optim.SGD in torchtitan's param group")
+    if m.dropout:
+        notes.append(f"dropout {m.dropout}: torchtitan's llama3 has no dropout")
+    if cfg.train.data == "synthetic":
+        notes.append("dataset: c4_test is torchtitan's bundled sample; parcompile's spec trains on synthetic tokens")
+    rope = {"theta": float(m.rope_theta), "max_seq_len": m.max_positions, "scaling": "none"}
+    if m.rope_type == "llama3":
+        rope.update(scaling="llama", scaling_factor=float(m.rope_scaling_factor),
+                    low_freq_factor=float(m.rope_low_freq_factor), high_freq_factor=float(m.rope_high_freq_factor),
+                    original_max_position_embeddings=m.rope_original_max_positions or m.max_positions)
+    model = {"n_layers": m.layers, "dim": m.hidden, "n_heads": m.heads, "n_kv_heads": m.kv_heads,
+             "hidden_dim": m.ffn_hidden, "vocab_size": m.vocab, "norm_eps": float(m.norm_eps),
+             "tie_embeddings": bool(m.tie_embeddings), "rope": rope}
+    if tr.optimizer == "sgd":
+        opt = ("SGD", {"lr": tr.lr, "weight_decay": tr.weight_decay})
+    else:
+        opt = ("AdamW" if tr.optimizer == "adamw" else "Adam",
+               {"lr": tr.lr, "betas": tuple(tr.betas), "eps": tr.eps, "weight_decay": tr.weight_decay})
+    lr = {"warmup_steps": tr.warmup_steps,
+          "decay_ratio": None if tr.lr_schedule != "constant" else 0.0,
+          "decay_type": "cosine" if tr.lr_schedule == "cosine" else "linear",
+          "min_lr_factor": tr.min_lr / tr.lr if tr.lr else 0.0}
+    config = {"model": model, "training": training, "parallelism": parallelism,
+              "activation_checkpoint": {"none": None, "full": "FullAC", "selective": "SelectiveAC"}[par.recompute],
+              "optimizer": opt, "lr_scheduler": lr, "log_freq": tr.log_every, "seed": tr.seed}
+    if tr.checkpoint_dir and tr.checkpoint_every:
+        config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
+    return config, notes
+
+
+def torchtitan_model_parts(split: list[int], output: str) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part`` for chunks of ``split`` layers in model
+    order: the embedding (``tok_embeddings``) on the first chunk, the final norm and the
+    output projection (``output``: ``lm_head`` in 0.3, ``output`` in 0.2) on the last."""
+    parts, first = [], 0
+    for i, n in enumerate(split):
+        part = ["tok_embeddings"] if i == 0 else []
+        part += [f"layers.{k}" for k in range(first, first + n)]
+        part += ["norm", output] if i == len(split) - 1 else []
+        parts.append(part)
+        first += n
+    return parts
+
+
+def _py_name(name: str) -> str:
+    """A Python identifier from a spec name (``llama3-8b`` -> ``llama3_8b``)."""
+    out = "".join(c if c.isalnum() else "_" for c in name)
+    return out if out and not out[0].isdigit() else f"spec_{out}"
+
+
+def _torchtitan3(plan: Plan) -> Export:
+    cfg = plan.config
+    config, notes = torchtitan_registry(plan)
+    errors = torchtitan_errors(plan)
+    fn = _py_name(cfg.name)
+    module = f"{fn}_torchtitan"
+    cl = cfg.cluster
+    launch = (f"PYTHONPATH=. torchrun --nnodes {cl.nodes} --nproc-per-node {cl.gpus_per_node}"
+              + (' --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' if cl.nodes > 1 else "")
+              + f" -m torchtitan.train --module {module} --config {fn}")
+    md, tr_, pa = config["model"], config["training"], config["parallelism"]
+    r = md["rope"]
+    opt_name, opt_kwargs = config["optimizer"]
+    ac = config["activation_checkpoint"]
+    lines = [
+        f'"""torchtitan 0.3 config registry for `{cfg.name}` (exported by parcompile): {_layout(plan)}.',
+        "",
+        f"Launch from the directory holding this file: {launch}",
+        "(command-line overrides such as --training.steps 20 go after --config).",
+    ]
+    lines += [""] + [f"error: {e}" for e in errors] if errors else []
+    lines += [""] + [f"note: {n}" for n in notes] if notes else []
+    lines += [
+        '"""',
+        "",
+        "from torchtitan.components.checkpoint import CheckpointManager",
+        "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
+        "from torchtitan.components.metrics import MetricsProcessor",
+        "from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer",
+        "from torchtitan.components.optimizer.optimizer import ParamGroupConfig",
+        "from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig",
+        "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
+        "from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader",
+        "from torchtitan.models import llama3",
+        "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
+        "from torchtitan.trainer import Trainer",
+        "",
+        f"FLAVOR = {cfg.name!r}",
+        "",
+        "",
+        'def _model(attn_backend: str = "flex", tp_gemm_backend: str = "default") -> llama3.Llama3Model.Config:',
+        f'    """The model of `{cfg.name}`: torchtitan\'s llama3 with this spec\'s shape."""',
+        f"    dim, vocab_size = {md['dim']}, {md['vocab_size']}",
+        "    layers = llama3._build_llama3_layers(",
+        f"        fuse_qkv=True, n_layers={md['n_layers']}, dim=dim, n_heads={md['n_heads']}, "
+        f"n_kv_heads={md['n_kv_heads']}, hidden_dim={md['hidden_dim']},",
+        f"        rope=ComplexRoPE.Config(dim=dim // {md['n_heads']}, max_seq_len={r['max_seq_len']}, "
+        f"theta={r['theta']!r}, scaling={r['scaling']!r}"
+        + "".join(f", {k}={r[k]!r}" for k in ("scaling_factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings") if k in r) + "),",
+        "        attn_backend=attn_backend, tp_gemm_backend=tp_gemm_backend)",
+        "    for block in layers:",
+        f"        block.attention_norm.eps = block.ffn_norm.eps = {md['norm_eps']!r}",
+        "    return llama3.Llama3Model.Config(",
+        "        dim=dim, vocab_size=vocab_size," + (" enable_weight_tying=True," if md["tie_embeddings"] else ""),
+        "        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, "
+        "param_init=llama3._EMBEDDING_INIT),",
+        f"        norm=RMSNorm.Config(normalized_shape=dim, eps={md['norm_eps']!r}, param_init=llama3._NORM_INIT),",
+        "        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, "
+        "param_init=llama3._output_linear_init(dim)),",
+        "        layers=layers)",
+        "",
+        "",
+        "llama3.llama3_configs[FLAVOR] = _model   # a registered flavor, as torchtitan's own are",
+        "",
+        "",
+        f"def {fn}() -> Trainer.Config:",
+        f'    """`{cfg.name}` for torchtitan.train (--module {module} --config {fn})."""',
+        "    model_spec = llama3.model_registry(FLAVOR)",
+        "    return Trainer.Config(",
+        "        model_spec=model_spec,",
+        "        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size="
+        f"{md['vocab_size']})),",
+        "        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(",
+        f"            pattern=r\".*\", optimizer_name={opt_name!r}, optimizer_kwargs={opt_kwargs!r})]),",
+        "        lr_scheduler=LRSchedulersContainer.Config(" + ", ".join(
+            f"{k}={v!r}" for k, v in config["lr_scheduler"].items()) + "),",
+        "        training=TrainingConfig(" + ", ".join(f"{k}={v!r}" for k, v in tr_.items()) + "),",
+        "        parallelism=ParallelismConfig(",
+    ]
+    lines += [f"            {k}={v!r}," for k, v in pa.items()]
+    lines += [
+        "        ),",
+        f"        activation_checkpoint={'None' if ac is None else ac + '.Config()'},",
+        '        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),',
+        f"        metrics=MetricsProcessor.Config(log_freq={config['log_freq']}),",
+        f"        debug=DebugConfig(seed={config['seed']}),",
+    ]
+    ck = config.get("checkpoint")
+    lines.append("        checkpoint=CheckpointManager.Config(" + (
+        f"enable=True, folder={ck['folder']!r}, interval={ck['interval']}" if ck else "enable=False") + "),")
+    lines.append("    )")
+    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{module}.py", errors)
+
+
 def _toml_value(x) -> str:
     """A TOML scalar (booleans, integers, floats, strings)."""
     if isinstance(x, bool):
@@ -513,12 +864,20 @@ def _toml_value(x) -> str:
         return str(x)
     if isinstance(x, float):
         return repr(x) if x == x and x not in (float("inf"), float("-inf")) else "nan"
+    if isinstance(x, list):      # (nested) arrays of strings: JSON's arrays are valid TOML arrays
+        return json.dumps(x)
     return json.dumps(str(x))   # a JSON string is a valid TOML basic string
 
 
 def _torchtitan(plan: Plan) -> Export:
     cfg = plan.config
     config, notes = torchtitan_config(plan)
+    errors = torchtitan_errors(plan)
+    if config["model"]["flavor"] == "debugmodel" and not cfg.model.experts:
+        errors.append(f"model: torchtitan 0.2 takes the model's shape from a registered flavor and this shape "
+                      f"({cfg.model.layers} layers, hidden {cfg.model.hidden}) is none of llama3's 8B, 70B, 405B; "
+                      "export for torchtitan 0.3, which registers the spec's own flavor")
+    notes = [n for n in notes if not n.startswith("model: torchtitan takes the model's shape")]
     cl = cfg.cluster
     launch = (f"CONFIG_FILE={cfg.name}_torchtitan.toml NGPU={cl.gpus_per_node} ./run_train.sh"
               if cl.nodes == 1 else
@@ -527,23 +886,26 @@ def _torchtitan(plan: Plan) -> Export:
               f"--job.config_file {cfg.name}_torchtitan.toml")
     lines = [f"# torchtitan 0.2 job config for `{cfg.name}` (exported by parcompile)",
              f"# launch: {launch}"]
+    lines += [f"# error: {e}" for e in errors]
     lines += [f"# note: {n}" for n in notes]
     for table, keys in config.items():
         lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
-    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_torchtitan.toml")
+    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_torchtitan.toml", errors)
 
 
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed
 
 
-def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
-    """The DeepSpeed JSON config for ``plan`` and the notes."""
+def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
+    """The DeepSpeed (0.19) JSON config for ``plan``, the notes and the errors (what DeepSpeed
+    would run as another layout)."""
     cfg = plan.config
     par, m, tr = cfg.parallel, cfg.model, cfg.train
     deg = _degrees(plan)
     sched = plan.data["schedule"]["name"]
     notes = _common_notes(plan, "DeepSpeed")
+    errors: list[str] = []
     c: dict = {
         "train_batch_size": par.global_batch,
         "train_micro_batch_size_per_gpu": par.micro_batch,
@@ -588,21 +950,34 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     if deg["pp"] > 1:
         c["pipeline"] = {"stages": deg["pp"], "partition": "uniform",
                          "activation_checkpoint_interval": 1 if par.recompute == "full" else 0}
-        notes.append(f"pipeline: wrap the model in deepspeed.pipe.PipelineModule(num_stages={deg['pp']}, "
-                     "partition_method=\"uniform\") and train with engine.train_batch()")
+        # PipelineModule(num_stages=pp) alone makes dp = world / pp (deepspeed/runtime/pipe/module.py),
+        # every tp rank a data-parallel replica; the topology gives DeepSpeed dp = world / (pp * tp)
+        notes.append(f"pipeline: build deepspeed.pipe.PipelineModule(layers, topology="
+                     f"deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology(num_pp={deg['pp']}, "
+                     f"num_mp={deg['tp']}, num_dp={deg['dp']}), partition_method=\"uniform\") and train with "
+                     "engine.train_batch(); DeepSpeed then takes dp from the topology's data axis")
         if sched != "1f1b":
             notes.append(f"schedule {sched}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
                          "(TrainSchedule)" + ("; virtual stages are not expressible" if deg["virtual_stages"] > 1
                                               else ""))
-        if par.zero >= 2:
-            notes.append(f"zero {par.zero}: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only")
+        if par.zero >= 2:   # deepspeed/runtime/pipe/engine.py PipelineEngine.__init__ asserts it
+            errors.append(f"zero {par.zero} with pp {deg['pp']}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
+                          "(\"incompatible with pipeline parallelism\"); use zero 0 or 1")
         if par.stage_layers is not None and len(set(_stage_split(plan))) > 1:
             notes.append(f"stage_layers {_stage_split(plan)}: give PipelineModule partition_method=\"custom\" "
                          "boundaries for this split")
     if deg["tp"] > 1:
-        c["tensor_parallel"] = {"autotp_size": deg["tp"]}
-        notes.append(f"tp {deg['tp']}: DeepSpeed AutoTP training (tensor_parallel.autotp_size, DeepSpeed 0.16.4+) "
-                     "splits the linear layers; Megatron-DeepSpeed takes tp from its own arguments instead")
+        if deg["pp"] == 1:
+            c["tensor_parallel"] = {"autotp_size": deg["tp"]}
+            # without an mpu DeepSpeedConfig counts every rank as data parallel (runtime/config.py)
+            notes.append(f"tp {deg['tp']}: DeepSpeed AutoTP training (tensor_parallel.autotp_size) splits the linear "
+                         "layers; call deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size="
+                         f"{deg['tp']}) and pass mpu=deepspeed.utils.groups to deepspeed.initialize, so that "
+                         f"DeepSpeed's data-parallel size is world / tp = {deg['dp']} (without an mpu it counts "
+                         "every rank)")
+        else:
+            notes.append(f"tp {deg['tp']} with pp: the model code splits the layers over the topology's model axis "
+                         "(Megatron-DeepSpeed style); AutoTP does not combine with PipelineModule")
         if par.sequence_parallel:
             notes.append("sequence_parallel: AutoTP has no Megatron-style sequence parallelism")
     if par.recompute != "none":
@@ -612,8 +987,9 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
                      + ("; selective (attention-core) recomputation is not expressible in the config"
                         if par.recompute == "selective" else ""))
     if deg["cp"] > 1:
-        notes.append(f"cp {deg['cp']}: DeepSpeed has no context parallelism with all-gathered keys and values "
-                     "(DeepSpeed-Ulysses splits the sequence with all-to-all over heads instead)")
+        errors.append(f"cp {deg['cp']}: DeepSpeed has no context parallelism with all-gathered keys and values "
+                      "(DeepSpeed-Ulysses splits the sequence with all-to-all over heads instead); it would make "
+                      "the cp ranks data-parallel replicas")
     if m.experts > 0:
         notes.append(f"experts: build the MoE layers with deepspeed.moe.layer.MoE(num_experts={m.experts}, "
                      f"ep_size={deg['ep']}, k={m.top_k})" + (f"; expert_tp {deg['expert_tp']} is not expressible"
@@ -627,12 +1003,12 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     if par.order != "tp-cp-ep-dp-pp":
         notes.append(f"order {par.order}: DeepSpeed places pp outermost and dp inside it; other orders are not "
                      "expressible")
-    return c, notes
+    return c, notes, errors
 
 
 def _deepspeed(plan: Plan) -> Export:
     cfg = plan.config
-    c, notes = deepspeed_config(plan)
+    c, notes, errors = deepspeed_config(plan)
     cl = cfg.cluster
     name = f"{cfg.name}_deepspeed.json"
     launch = (f"deepspeed --num_nodes {cl.nodes} --num_gpus {cl.gpus_per_node}"
@@ -640,4 +1016,91 @@ def _deepspeed(plan: Plan) -> Export:
               + f" train.py --deepspeed --deepspeed_config {name}")
     notes.append(f"model: train.py builds the {cfg.model.layers}-layer model ({plan.data['model']['params']:,} "
                  "parameters) and calls deepspeed.initialize with this config")
-    return Export("deepspeed", json.dumps(c, sort_keys=True, indent=2) + "\n", notes, launch, name)
+    return Export("deepspeed", json.dumps(c, sort_keys=True, indent=2) + "\n", notes, launch, name, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM and SGLang (serve specs)
+
+#: the plan's KV-cache dtype -> the servers' --kv-cache-dtype when it differs from the model's
+#: ("auto": the model's dtype); both take fp8_e4m3 and fp8_e5m2 (vLLM: CacheDType in
+#: vllm/config/cache.py; SGLang: --kv-cache-dtype in sglang/srt/server_args.py)
+KV_CACHE_DTYPE = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+#: the model dtype -> the servers' --dtype
+SERVE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def serve_memory_fraction(plan: Plan, with_workspace: bool) -> float:
+    """The fraction of one GPU's memory the plan's memory model gives the server: weights,
+    KV cache and (``with_workspace``) the activation workspace per rank over the GPU's memory
+    (``plan.json`` ``serve``), rounded up to 0.01. vLLM's ``--gpu-memory-utilization`` bounds
+    everything vLLM allocates (weights, activations at its profiling run, KV cache); SGLang's
+    ``--mem-fraction-static`` bounds weights and the KV pool (its activations come on top)."""
+    s = plan.data["serve"]
+    used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"]
+    if with_workspace:
+        used += s["workspace_bytes_per_rank"]
+    return min(1.0, -(-100 * used // plan.config.cluster.memory) / 100)
+
+
+def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
+    """The server arguments for a serve ``plan`` (``target`` ``vllm`` or ``sglang``) as
+    ``(flag, value or None)`` pairs, the notes and the errors."""
+    cfg = plan.config
+    m, sv = cfg.model, cfg.serve
+    deg = _degrees(plan)
+    s = plan.data["serve"]
+    notes, errors = [], []
+    kv = "auto" if sv.kv_dtype == m.dtype else KV_CACHE_DTYPE.get(sv.kv_dtype)
+    if kv is None:
+        errors.append(f"kv_dtype {sv.kv_dtype}: {SERVE_TARGETS[target]} keeps the KV cache in the model's dtype "
+                      f"({m.dtype}) or fp8; not {sv.kv_dtype}")
+        kv = "auto"
+    max_len = sv.prompt_len + sv.max_new_tokens
+    if deg["cp"] > 1:
+        errors.append(f"cp {deg['cp']}: {SERVE_TARGETS[target]} has no context parallelism for decoding")
+    if deg["ep"] > 1 and deg["ep"] != deg["tp"] * deg["dp"]:
+        errors.append(f"ep {deg['ep']}: expert parallelism spans tp x dp ({deg['tp'] * deg['dp']}) ranks in "
+                      f"{SERVE_TARGETS[target]}")
+    a: list[tuple[str, str | None]] = []
+    if target == "vllm":
+        a += [("--tensor-parallel-size", str(deg["tp"])), ("--pipeline-parallel-size", str(deg["pp"]))]
+        if deg["dp"] > 1:
+            a.append(("--data-parallel-size", str(deg["dp"])))
+        if deg["ep"] > 1:
+            a.append(("--enable-expert-parallel", None))
+        a += [("--max-model-len", str(max_len)), ("--max-num-seqs", str(s["batch_per_replica"])),
+              ("--kv-cache-dtype", kv), ("--gpu-memory-utilization", f"{serve_memory_fraction(plan, True):.2f}"),
+              ("--dtype", SERVE_DTYPE[m.dtype]), ("--seed", str(sv.seed))]
+    else:
+        a += [("--tp-size", str(deg["tp"])), ("--pp-size", str(deg["pp"]))]
+        if deg["dp"] > 1:
+            a.append(("--dp-size", str(deg["dp"])))
+        if deg["ep"] > 1:
+            a.append(("--ep-size", str(deg["ep"])))
+        a += [("--context-length", str(max_len)), ("--max-running-requests", str(s["batch_per_replica"])),
+              ("--kv-cache-dtype", kv), ("--mem-fraction-static", f"{serve_memory_fraction(plan, False):.2f}"),
+              ("--dtype", SERVE_DTYPE[m.dtype]), ("--random-seed", str(sv.seed))]
+    if s.get("max_concurrent_sequences", 0) > s["batch_per_replica"]:
+        notes.append(f"the KV cache the memory fraction leaves holds {s['max_concurrent_sequences']} sequences of "
+                     f"{max_len} tokens; the plan serves {s['batch_per_replica']} at once per replica")
+    if cfg.cluster.nodes > 1:
+        notes.append("multi-node: see the server's multi-node launch (Ray for vLLM, --nnodes/--node-rank for SGLang)")
+    return a, notes, errors
+
+
+def _serve(plan: Plan, target: str) -> Export:
+    cfg = plan.config
+    args, notes, errors = serve_args(plan, target)
+    weights = cfg.serve.weights or "MODEL"
+    if not cfg.serve.weights:
+        notes.append("weights: the spec names no checkpoint; put the model's Hugging Face directory for MODEL")
+    head = (["vllm", "serve", weights] if target == "vllm" else
+            ["python", "-m", "sglang.launch_server", "--model-path", weights])
+    launch = " ".join(shlex.quote(w) for w in head)
+    lines = [f"# {SERVE_TARGETS[target]} server for `{cfg.name}`: {_layout(plan)} (exported by parcompile)"]
+    lines += [f"# error: {e}" for e in errors] + [f"# note: {n}" for n in notes]
+    lines.append(launch + " \\")
+    body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
+    lines += [b + " \\" for b in body[:-1]] + [body[-1]]
+    return Export(target, "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_{target}.sh", errors)

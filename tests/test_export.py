@@ -15,7 +15,7 @@ import pytest
 import parcompile
 from parcompile.cli import main
 from parcompile.diagnostics import SpecError
-from parcompile.export import TARGETS, TORCHTITAN_SCHEDULE, export
+from parcompile.export import SERVE_TARGETS, TARGETS, TORCHTITAN_SCHEDULE, TRAIN_TARGETS, export
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.par"))
@@ -47,13 +47,23 @@ VARIANTS = {
                  " global_batch = 8\n}", "fp16"),
     "zero_bubble_sp": ("parallel {\n dp = 1\n tp = 2\n pp = 4\n schedule = zero_bubble\n"
                        " sequence_parallel = true\n micro_batch = 1\n global_batch = 8\n}", "bf16"),
+    "interleaved_zero1_full": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n schedule = interleaved_1f1b\n"
+                               " virtual_stages = 2\n zero = 1\n recompute = full\n micro_batch = 1\n"
+                               " global_batch = 8\n}", "bf16"),
+    "zero3_tp_no_pp": ("parallel {\n dp = 4\n tp = 2\n pp = 1\n zero = 3\n recompute = selective\n"
+                       " micro_batch = 2\n global_batch = 16\n}", "bf16"),
+    "uneven_stages_zero2": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n stage_layers = [3, 1]\n zero = 2\n"
+                            " micro_batch = 1\n global_batch = 8\n}", "fp32"),
+    "zero0_cp_pp": ("parallel {\n dp = 2\n tp = 1\n pp = 2\n cp = 2\n micro_batch = 1\n global_batch = 8\n}",
+                    "bf16"),
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _plans():
     out = [(p.stem, parcompile.compile(p.relative_to(REPO))) for p in EXAMPLES]
     out += [(name, _variant(*v)) for name, v in VARIANTS.items()]
-    return [(n, p) for n, p in out if p.config.workload == "train"]
+    return tuple((n, p) for n, p in out if p.config.workload == "train")
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +78,16 @@ def plans(request):
         os.chdir(old)
 
 
-def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
-    """(launcher words, {flag: value or True}) from a Megatron export."""
+def parse_command(text: str, program: str) -> tuple[dict[str, str], list[str], dict[str, object]]:
+    """(environment, launcher words, {flag: value or True}) from an exported shell command
+    whose arguments follow the word ``program``."""
     body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     words = shlex.split(body.replace("\\\n", " "))
-    i = words.index("pretrain_gpt.py")
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    i = words.index(program)
     launcher, rest = words[: i + 1], words[i + 1:]
     flags: dict[str, object] = {}
     k = 0
@@ -86,7 +101,12 @@ def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
         else:
             flags[flag] = True
             k += 1
-    return launcher, flags
+    return env, launcher, flags
+
+
+def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
+    """(launcher words, {flag: value or True}) from a Megatron export."""
+    return parse_command(text, "pretrain_gpt.py")[1:]
 
 
 def _expect(plan):
@@ -98,7 +118,21 @@ def test_megatron_names_the_plan(plans):
     for name, plan in plans:
         deg, sched, m, par = _expect(plan)
         ex = export(plan, "megatron")
-        launcher, f = parse_megatron(ex.text)
+        env, launcher, f = parse_command(ex.text, "pretrain_gpt.py")
+        # Megatron-LM core_v0.19.0 megatron/training/arguments.py validate_args: tp > 1 or cp > 1
+        # asserts CUDA_DEVICE_MAX_CONNECTIONS == "1" before Blackwell (H100, A100 here) unless
+        # --use-torch-fsdp2, which asserts it is not "1" and needs --no-gradient-accumulation-fusion
+        fsdp2 = "--use-torch-fsdp2" in f
+        if (deg["tp"] > 1 or deg["cp"] > 1) and not fsdp2:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", name
+        if fsdp2:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
+            assert "--no-gradient-accumulation-fusion" in f
+            # the rest of the `if args.use_torch_fsdp2:` block: refused with errors otherwise
+            assert bool(ex.errors) == (deg["pp"] > 1 or deg["ep"] > 1 or plan.data["model"]["dtype"] == "fp16"
+                                       or plan.data["model"]["tie_embeddings"]), name
+        else:
+            assert not ex.errors, name
         assert launcher[:5] == ["torchrun", "--nnodes", str(plan.config.cluster.nodes), "--nproc-per-node",
                                 str(plan.config.cluster.gpus_per_node)], name
         assert int(f["--tensor-model-parallel-size"]) == deg["tp"]
@@ -143,15 +177,17 @@ def test_megatron_names_the_plan(plans):
 def test_torchtitan_names_the_plan(plans):
     for name, plan in plans:
         deg, sched, m, par = _expect(plan)
-        ex = export(plan, "torchtitan")
+        ex = export(plan, "torchtitan", torchtitan_version="0.2")
         t = tomllib.loads(ex.text)
         p, tr = t["parallelism"], t["training"]
         assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] == deg["dp"], name
         assert p["tensor_parallel_degree"] == deg["tp"] and p["pipeline_parallel_degree"] == deg["pp"]
         assert p["context_parallel_degree"] == deg["cp"] and p["expert_parallel_degree"] == deg["ep"]
         # ZeRO 0 replicates (DDP); ZeRO >= 1 shards with FSDP2, with a note for 1 and 2
-        if par.zero == 0:
+        if par.zero == 0 and deg["tp"] == deg["pp"] == deg["cp"] == 1:
             assert p["data_parallel_shard_degree"] == 1
+        elif par.zero == 0:   # 0.2's DDP takes no other parallelism: FSDP over dp, with a note
+            assert p["data_parallel_shard_degree"] == deg["dp"] and any(n.startswith("zero 0 with") for n in ex.notes)
         else:
             assert p["data_parallel_replicate_degree"] == 1 and p["data_parallel_shard_degree"] == deg["dp"]
             # zero 3: torchtitan's "default" is the program's own policy (reshard after forward
@@ -168,6 +204,8 @@ def test_torchtitan_names_the_plan(plans):
         if deg["pp"] > 1 and par.stage_layers is None:
             chunks = deg["pp"] * deg["virtual_stages"]
             assert p["pipeline_parallel_layers_per_stage"] * chunks == plan.data["model"]["layers"]
+            # torchtitan would count the embedding and the output as layers: both 0
+            assert p["pipeline_parallel_first_stage_less_layers"] == p["pipeline_parallel_last_stage_less_layers"] == 0
         # batch: the global batch, the micro-batch and the micro-batches per step
         assert tr["global_batch_size"] == par.global_batch
         assert p["pipeline_parallel_microbatch_size"] == par.micro_batch
@@ -187,6 +225,7 @@ def test_deepspeed_names_the_plan(plans):
         deg, sched, m, par = _expect(plan)
         ex = export(plan, "deepspeed")
         c = json.loads(ex.text)
+        assert bool(ex.errors) == (deg["cp"] > 1 or (deg["pp"] > 1 and par.zero >= 2)), name
         assert c["train_batch_size"] == par.global_batch, name
         assert c["train_micro_batch_size_per_gpu"] == par.micro_batch
         assert c["gradient_accumulation_steps"] == m
@@ -202,13 +241,13 @@ def test_deepspeed_names_the_plan(plans):
             if sched != "1f1b":
                 assert any(n.startswith(f"schedule {sched}:") for n in ex.notes)
             if par.zero >= 2:
-                assert any(n.startswith(f"zero {par.zero}:") for n in ex.notes)
+                assert any(e.startswith(f"zero {par.zero} with pp") for e in ex.errors)
         else:
             assert "pipeline" not in c
-        assert c.get("tensor_parallel", {}).get("autotp_size", 1) == deg["tp"]
+        assert c.get("tensor_parallel", {}).get("autotp_size", 1) == (deg["tp"] if deg["pp"] == 1 else 1)
         assert ("activation_checkpointing" in c) == (par.recompute != "none")
         if deg["cp"] > 1:
-            assert any(n.startswith("cp ") for n in ex.notes)
+            assert any(e.startswith("cp ") for e in ex.errors)
         words = shlex.split(ex.launch)
         assert words[:5] == ["deepspeed", "--num_nodes", str(plan.config.cluster.nodes), "--num_gpus",
                              str(plan.config.cluster.gpus_per_node)]
@@ -230,32 +269,55 @@ def _compiled(stem: str):
     return parcompile.compile(Path("examples") / f"{stem}.par")
 
 
-@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-@pytest.mark.parametrize("target", TARGETS)
+def _example_targets():
+    """Every example with every target of its kind; the other kind's targets (refused) on the
+    two tiny examples only (each CLI call compiles its spec)."""
+    out = []
+    for spec in EXAMPLES:
+        serving = spec.stem.endswith("_serve") or "_serve_" in spec.stem
+        for target in TARGETS:
+            if (target in SERVE_TARGETS) == serving or spec.stem in ("tiny", "tiny_serve"):
+                out.append(pytest.param(spec, target, id=f"{target}-{spec.stem}"))
+    return out
+
+
+@pytest.mark.parametrize("spec, target", _example_targets())
 def test_every_example_exports(spec, target, monkeypatch, capsys):
-    """Through the CLI: a training spec exports, the same bytes as the API from another
-    compile (deterministic), and parses; a serve spec is refused with exit 1 and a
-    diagnostic at its `serve` block."""
+    """Through the CLI: a spec of the target's kind (training for Megatron-LM, torchtitan,
+    DeepSpeed; serving for vLLM, SGLang) exports, the same bytes as the API from another
+    compile (deterministic), and parses; exit 1 with `error:` lines exactly when the export
+    has errors (another model or layout); a spec of the other kind is refused with exit 1
+    and a diagnostic at its `serve` / `train` block."""
     monkeypatch.chdir(REPO)
     rel = str(spec.relative_to(REPO))
     plan = _compiled(spec.stem)
     rc = main(["export", rel, "--to", target])
     out, err = capsys.readouterr()
-    if plan.config.workload == "serve":
+    serving = target in SERVE_TARGETS
+    if (plan.config.workload == "serve") != serving:
+        block, kind = ("train", "serve") if serving else ("serve", "training")
         assert rc == 1 and out == ""
-        assert f"error: `export --to {target}` needs a training spec; this spec has a `serve` block" in err
+        assert f"error: `export --to {target}` needs a {kind} spec; this spec has a `{block}` block" in err
         assert f"{rel}:" in err and "help:" in err
         return
-    assert rc == 0, err
-    assert out == export(plan, target).text
-    {"megatron": parse_megatron, "torchtitan": tomllib.loads, "deepspeed": json.loads}[target](out)
+    ex = export(plan, target)
+    assert out == ex.text
+    assert rc == (1 if ex.errors else 0), err
+    assert all(f"error: {e}" in err for e in ex.errors)
+    if target == "torchtitan":
+        compile(out, ex.filename, "exec")   # a Python module
+    elif target in ("megatron", "vllm", "sglang"):
+        parse_command(out, {"megatron": "pretrain_gpt.py", "vllm": plan.config.serve and plan.config.serve.weights,
+                            "sglang": "sglang.launch_server"}[target])
+    else:
+        json.loads(out)
     if target == "deepspeed":   # JSON has no comments: notes and the launcher line go to stderr
         assert "launch: deepspeed --num_nodes" in err and "note: " in err
     else:
         assert "note: " not in err
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", TRAIN_TARGETS)
 def test_export_to_file(target, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(REPO)
     dest = tmp_path / "out"
@@ -271,6 +333,11 @@ def test_export_api_refuses_serve_and_unknown_target(monkeypatch):
     with pytest.raises(SpecError) as e:
         export(plan, "megatron")
     assert e.value.diagnostics[0].code == "export-serve"
+    with pytest.raises(SpecError) as e:
+        export(parcompile.compile(Path("examples/tiny.par")), "vllm")
+    assert e.value.diagnostics[0].code == "export-train"
+    with pytest.raises(ValueError, match="unknown torchtitan version"):
+        export(parcompile.compile(Path("examples/tiny.par")), "torchtitan", torchtitan_version="0.1")
     with pytest.raises(ValueError, match="unknown export target"):
         export(parcompile.compile(Path("examples/tiny.par")), "colossalai")
 
@@ -282,3 +349,81 @@ def test_export_usage_errors(monkeypatch, capsys):
     assert main(["export", "examples/tiny.par", "--to", "megatron", "-o", " "]) == 2
     assert main(["export", "examples/missing.par", "--to", "megatron"]) == 2
     capsys.readouterr()
+
+
+# Flags read from the engines' own argument parsers, which run on this CPU box only with
+# their sources at hand (not installable here: megatron-core 0.19 wants Python 3.12 and its
+# wheel has no megatron/training; vLLM ships CUDA wheels and an sdist that does not build on
+# CPU; SGLang's parser imports Triton). Each set was produced by parsing (and validating)
+# these exports with the release's real parser: Megatron-LM core_v0.19.0
+# megatron/training/arguments.py parse_args + validate_args (15 plans, 14 accepted, the
+# zero-3-with-pp one refused as the export's error says); vLLM 0.33.0 `vllm serve`
+# (vllm/entrypoints/cli/serve.py subparser_init + validate_parsed_serve_args, option
+# strings from vllm/engine/arg_utils.py); SGLang 0.5.23 sglang/srt/server_args.py
+# ServerArgs.add_cli_args.
+MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
+--adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
+--ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
+--expert-model-parallel-size --expert-tensor-parallel-size --ffn-hidden-size
+--fp16 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --log-interval --lr --lr-decay-style
+--lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size --min-lr --mock-data
+--moe-aux-loss-coeff --moe-ffn-hidden-size --moe-layer-freq --moe-router-topk --moe-shared-expert-intermediate-size
+--no-gradient-accumulation-fusion --norm-epsilon --normalization --num-attention-heads --num-experts --num-layers
+--num-query-groups --num-virtual-stages-per-pipeline-rank --optimizer --overlap-grad-reduce
+--pipeline-model-parallel-size --position-embedding-type --recompute-granularity --recompute-method
+--recompute-num-layers --rotary-base --seed --seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
+--tokenizer-type --train-iters --untie-embeddings-and-output-weights --use-distributed-optimizer --use-torch-fsdp2
+--vocab-size --weight-decay""".split())
+VLLM_0_33_0_FLAGS = frozenset("""--tensor-parallel-size --pipeline-parallel-size --data-parallel-size
+--enable-expert-parallel --max-model-len --max-num-seqs --kv-cache-dtype --gpu-memory-utilization --dtype
+--seed""".split())
+#: vllm/config/cache.py CacheDType (0.33.0), the part parcompile writes
+VLLM_0_33_0_KV_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
+VLLM_0_33_0_DTYPES = frozenset({"auto", "bfloat16", "float", "float16", "float32", "half"})
+SGLANG_0_5_23_FLAGS = frozenset("""--model-path --tp-size --pp-size --dp-size --ep-size --context-length
+--max-running-requests --kv-cache-dtype --mem-fraction-static --dtype --random-seed""".split())
+SGLANG_0_5_23_KV_CACHE_DTYPES = frozenset({"auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
+                                           "fp4_mx_block16"})
+SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
+
+
+def test_megatron_flags_are_core_v0_19_flags(plans):
+    for name, plan in plans:
+        _, _, f = parse_command(export(plan, "megatron").text, "pretrain_gpt.py")
+        assert set(f) <= MEGATRON_CORE_V0_19_0_FLAGS, (name, set(f) - MEGATRON_CORE_V0_19_0_FLAGS)
+
+
+@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+def test_serve_exports_name_the_plan(target, monkeypatch):
+    """vLLM 0.33.0 / SGLang 0.5.23 flags (pinned above) carrying the plan's tp, pp, dp,
+    context, concurrent sequences, KV dtype and memory fraction."""
+    monkeypatch.chdir(REPO)
+    for spec in EXAMPLES:
+        plan = _compiled(spec.stem)
+        if plan.config.workload != "serve":
+            continue
+        ex = export(plan, target)
+        sv, s, deg = plan.config.serve, plan.data["serve"], plan.data["degrees"]
+        words = ["--model-path"] if target == "sglang" else []
+        env, launcher, f = parse_command(ex.text, "sglang.launch_server" if target == "sglang" else sv.weights)
+        assert not env and not ex.errors
+        if target == "vllm":
+            assert launcher == ["vllm", "serve", sv.weights] and set(f) <= VLLM_0_33_0_FLAGS
+            tp, pp, ctx, seqs = "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs"
+            kvs, dts, frac = VLLM_0_33_0_KV_CACHE_DTYPES, VLLM_0_33_0_DTYPES, "--gpu-memory-utilization"
+            used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"] + s["workspace_bytes_per_rank"]
+        else:
+            assert launcher == ["python", "-m", "sglang.launch_server"] and set(f) <= SGLANG_0_5_23_FLAGS
+            assert f[words[0]] == sv.weights
+            tp, pp, ctx, seqs = "--tp-size", "--pp-size", "--context-length", "--max-running-requests"
+            kvs, dts, frac = SGLANG_0_5_23_KV_CACHE_DTYPES, SGLANG_0_5_23_DTYPES, "--mem-fraction-static"
+            used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"]
+        assert (int(f[tp]), int(f[pp])) == (deg["tp"], deg["pp"]), spec.stem
+        assert int(f.get("--data-parallel-size", f.get("--dp-size", 1))) == deg["dp"] == s["replicas"]
+        assert int(f[ctx]) == sv.prompt_len + sv.max_new_tokens
+        assert int(f[seqs]) == s["batch_per_replica"]
+        assert f["--kv-cache-dtype"] in kvs and (f["--kv-cache-dtype"] == "auto") == (sv.kv_dtype == plan.config.model.dtype)
+        assert f["--dtype"] in dts
+        # the memory fraction covers what the plan's memory model puts on a GPU, rounded up to 0.01
+        fraction = float(f[frac])
+        assert used <= fraction * plan.config.cluster.memory < used + 0.01 * plan.config.cluster.memory, spec.stem

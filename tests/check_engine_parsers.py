@@ -1,0 +1,196 @@
+"""Run the exports through engines' own argument parsers that do not install on this CPU box
+(not collected by pytest; the flag sets in tests/test_export.py were taken from this run):
+
+    python tests/check_engine_parsers.py megatron /path/to/Megatron-LM   # core_v0.19.0 checkout
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=/path/to/vllm-0.33.0-sdist:DEPS python tests/check_engine_parsers.py vllm
+    PYTHONPATH=/path/to/sglang-0.5.23-wheel:DEPS python tests/check_engine_parsers.py sglang
+    python tests/check_engine_parsers.py torchtitan0.2 /path/to/torchtitan-0.2.2-wheel   # unpacked
+
+- Megatron-LM: ``megatron.training.arguments.parse_args`` and ``validate_args`` with each
+  export's arguments and environment, WORLD_SIZE from the plan, an H100 (Hopper) device
+  architecture; prints the world, dp, tp, pp, cp, micro-batch, global batch, layers and virtual
+  stages Megatron derives and whether they are the plan's. Python 3.11 needs
+  ``typing.override`` (3.12) and the CPU torch has no Triton, so the one Triton kernel module
+  on the import path (``megatron.core.transformer.moe.ops.paged_stash``) is stubbed.
+- vLLM: the ``vllm serve`` subparser (``ServeSubcommand().subparser_init``) and
+  ``validate_parsed_serve_args``; DEPS are its pure-Python imports (cbor2, pyzmq,
+  openai-harmony, msgspec, pybase64, cachetools, uvloop, xgrammar, apache-tvm-ffi,
+  partial-json-parser, llguidance, watchfiles).
+- SGLang: ``ServerArgs.add_cli_args``; DEPS are pybase64, msgspec, pyzmq and triton.
+- torchtitan 0.2.2 (the ``--torchtitan-version 0.2`` TOML): its ``ConfigManager`` with
+  ``--job.config_file``, ``ParallelDims`` and ``generate_llm_fqn_per_model_part``; its MoE
+  Triton kernels module is stubbed.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _words(text: str) -> list[str]:
+    return shlex.split("\n".join(line for line in text.splitlines() if not line.startswith("#")).replace("\\\n", " "))
+
+
+def megatron(checkout: str) -> int:
+    import typing
+
+    import typing_extensions
+
+    typing.override = typing_extensions.override
+
+    class _Kernels(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+
+    stub = "megatron.core.transformer.moe.ops.paged_stash"
+    sys.modules[stub] = _Kernels(stub)
+    sys.path.insert(0, checkout)
+    import megatron.training.arguments as arguments
+
+    from parcompile.export import export, megatron_env
+    from tests.test_export import _plans
+
+    arguments.get_device_arch_version = lambda: 9   # H100 (Hopper), as the examples
+    bad = 0
+    for name, plan in _plans():
+        ex = export(plan, "megatron")
+        words = _words(ex.text)
+        saved = dict(os.environ)
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        os.environ.update(megatron_env(plan), WORLD_SIZE=str(plan.data["world_size"]), RANK="0")
+        try:
+            sys.argv = ["pretrain_gpt.py"] + words[words.index("pretrain_gpt.py") + 1:]
+            a = arguments.validate_args(arguments.parse_args())
+            deg, par = plan.data["degrees"], plan.config.parallel
+            got = (a.world_size, a.data_parallel_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                   a.context_parallel_size, a.micro_batch_size, a.global_batch_size, a.num_layers,
+                   a.virtual_pipeline_model_parallel_size)
+            want = (plan.data["world_size"], deg["dp"], deg["tp"], deg["pp"], deg["cp"], par.micro_batch,
+                    par.global_batch, plan.config.model.layers,
+                    deg["virtual_stages"] if deg["virtual_stages"] > 1 else None)
+            ok = got == want and not ex.errors
+            print(f"{name}: {'accepted, the plan' if ok else f'DIFFERS {got} != {want}'}")
+            bad += not ok
+        except BaseException as e:   # validate_args asserts
+            refused = bool(ex.errors)
+            print(f"{name}: rejected ({e}); export {'refused it too' if refused else 'DID NOT refuse it'}")
+            bad += not refused
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return bad
+
+
+def _serve_plans():
+    import parcompile
+
+    for spec in sorted((REPO / "examples").glob("*.par")):
+        plan = parcompile.compile(spec.relative_to(REPO))
+        if plan.config.workload == "serve":
+            yield spec.stem, plan
+
+
+def vllm() -> int:
+    from vllm.entrypoints.cli.serve import ServeSubcommand, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from parcompile.export import export
+
+    parser = ServeSubcommand().subparser_init(FlexibleArgumentParser().add_subparsers())
+    bad = 0
+    for name, plan in _serve_plans():
+        ns = parser.parse_args(_words(export(plan, "vllm").text)[2:])
+        validate_parsed_serve_args(ns)
+        deg = plan.data["degrees"]
+        got = (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.data_parallel_size, ns.max_model_len,
+               ns.max_num_seqs)
+        want = (deg["tp"], deg["pp"], deg["dp"], plan.config.serve.prompt_len + plan.config.serve.max_new_tokens,
+                plan.data["serve"]["batch_per_replica"])
+        print(f"{name}: {got} {'the plan' if got == want else f'DIFFERS from {want}'}; kv {ns.kv_cache_dtype}, "
+              f"memory {ns.gpu_memory_utilization}")
+        bad += got != want
+    return bad
+
+
+def sglang() -> int:
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from parcompile.export import export
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    bad = 0
+    for name, plan in _serve_plans():
+        words = _words(export(plan, "sglang").text)
+        ns = parser.parse_args(words[words.index("sglang.launch_server") + 1:])
+        deg = plan.data["degrees"]
+        got = (ns.tp_size, ns.pp_size, ns.dp_size, ns.context_length, ns.max_running_requests)
+        want = (deg["tp"], deg["pp"], deg["dp"], plan.config.serve.prompt_len + plan.config.serve.max_new_tokens,
+                plan.data["serve"]["batch_per_replica"])
+        print(f"{name}: {got} {'the plan' if got == want else f'DIFFERS from {want}'}; kv {ns.kv_cache_dtype}, "
+              f"memory {ns.mem_fraction_static}")
+        bad += got != want
+    return bad
+
+
+def torchtitan02(wheel_dir: str) -> int:
+    import math
+    import tempfile
+
+    class _Kernels(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+
+    sys.modules["torchtitan.models.moe.kernels"] = _Kernels("torchtitan.models.moe.kernels")
+    sys.path.insert(0, wheel_dir)
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import pipeline_parallel as tt_pp
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from parcompile.export import export
+    from tests.test_export import _plans
+
+    bad, out = 0, tempfile.mkdtemp()
+    for name, plan in _plans():
+        ex = export(plan, "torchtitan", torchtitan_version="0.2")
+        path = os.path.join(out, ex.filename)
+        Path(path).write_text(ex.text)
+        p = ConfigManager().parse_args(["--job.config_file", path]).parallelism
+        dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                            ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
+                            world_size=plan.data["world_size"])
+        deg, layers = plan.data["degrees"], plan.config.model.layers
+        got = [dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp]
+        if dims.pp > 1:
+            first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+            parts = p.module_fqns_per_model_part or tt_pp.generate_llm_fqn_per_model_part(
+                math.ceil((layers + first + last) / p.pipeline_parallel_layers_per_stage), layers, first, last)
+            got.append([sum(m.startswith("layers.") for m in part) for part in parts])
+        want = [deg["dp"], deg["tp"], deg["pp"], deg["cp"]]
+        if dims.pp > 1:
+            want.append(list(plan.config.parallel.layers_per_chunk(layers)))
+        print(f"{name}: {'the plan' if got == want else f'DIFFERS {got} != {want}'}; export errors: {ex.errors}")
+        bad += got != want
+    return bad
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    engine = sys.argv[1]
+    checks = {"megatron": lambda: megatron(sys.argv[2]), "vllm": vllm, "sglang": sglang,
+              "torchtitan0.2": lambda: torchtitan02(sys.argv[2])}
+    sys.exit(1 if checks[engine]() else 0)

@@ -1,0 +1,199 @@
+"""The training exports run through the engines' own code, in-process and without a GPU:
+
+- torchtitan 0.3.0 (what pip installs): its ``ConfigManager`` loads the exported config
+  registry module with ``--module``/``--config`` as the launch line gives them (plus a
+  command-line override), ``ParallelDims.from_config`` takes the launch line's world, and its
+  pipeline split (``_get_pipeline_metadata``, ``_generate_llm_fqn_per_model_part``,
+  ``_get_pp_rank_to_stage_indices_mapping``) cuts the model into the chunks it would build.
+- DeepSpeed 0.19.8: ``DeepSpeedConfig`` validates the JSON with the data-parallel size
+  DeepSpeed's own pipeline topology (``PipeModelDataParallelTopology``) gives for the launch
+  line's world and the stages and tensor-parallel size the export names, as
+  ``PipelineParallelGrid`` would hand it (``mpu.get_data_parallel_world_size``).
+
+For every example and the variants of ``tests/test_export.py`` (every schedule, ZeRO stage,
+recompute mode, virtual stages, cp, fp16/bf16) each engine either accepts the export and
+derives the plan's world, dp, tp, pp, cp, ep, micro-batch, micro-batches per step, global
+batch, layers per chunk and per rank, ZeRO/FSDP stage, recompute and dtype, or the export
+was refused with its reasons (``Export.errors``: a model or layout the engine cannot run).
+Megatron-LM (not installable with its argument parser here: megatron-core 0.19 needs
+Python 3.12 and its wheel has no megatron/training) is pinned in tests/test_export.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import types
+
+import pytest
+
+from parcompile.core.buckets import reshard_after_forward
+from parcompile.export import export
+from tests.test_export import REPO, _plans
+
+ACCEPTED: dict[str, list[str]] = {"torchtitan": [], "deepspeed": []}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    import os
+
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return _plans()
+    finally:
+        os.chdir(old)
+
+
+def _launch_world(words: list[str], nodes_flag: str, gpus_flag: str) -> int:
+    return int(words[words.index(nodes_flag) + 1]) * int(words[words.index(gpus_flag) + 1])
+
+
+@pytest.fixture(scope="module")
+def torchtitan():
+    """torchtitan 0.3.0's config code. Its trainer module imports the Triton kernels of its
+    MinimalAsyncEP token dispatcher (torchtitan/distributed/minimal_async_ep/kernels.py),
+    GPU-only code that no config path runs; that one module is stubbed so that the CPU torch
+    wheel (no triton) can import the trainer's config."""
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+
+    class _Kernels(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+
+            def kernel(*args, **kwargs):
+                raise RuntimeError("a Triton kernel; not available on CPU")
+            return kernel
+
+    added = name not in sys.modules
+    sys.modules.setdefault(name, _Kernels(name))
+    import torchtitan
+    from torchtitan.config import ConfigManager
+
+    assert torchtitan.__version__.startswith("0.3"), torchtitan.__version__
+    yield ConfigManager
+    if added:
+        sys.modules.pop(name, None)
+
+
+def test_torchtitan_accepts_and_derives_the_plan(plans, torchtitan, tmp_path, monkeypatch):
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+    from torchtitan.distributed import pipeline_parallel as tt_pp
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refused = []
+    for name, plan in plans:
+        deg, par = plan.data["degrees"], plan.config.parallel
+        m = plan.data["schedule"]["num_microbatches"]
+        ex = export(plan, "torchtitan")
+        if ex.errors:   # another model: torchtitan's llama3 cannot express it
+            refused.append(name)
+            assert plan.config.model.experts or plan.config.model.norm != "rmsnorm", (name, ex.errors)
+            continue
+        (tmp_path / ex.filename).write_text(ex.text)
+        words = shlex.split(ex.launch)
+        args = words[words.index("--module"):] + ["--training.steps", "3"]   # plus an override
+        cfg = torchtitan().parse_args(args)
+        world = _launch_world(words, "--nnodes", "--nproc-per-node")
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+        assert world == plan.data["world_size"], name
+        assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == \
+            (deg["dp"], deg["tp"], deg["pp"], deg["cp"]), name
+        assert cfg.parallelism.expert_parallel_degree == deg["ep"] and cfg.training.steps == 3
+        # torchtitan splits norms along the sequence under tp exactly when the plan does
+        assert cfg.parallelism.enable_sequence_parallel == (par.sequence_parallel or deg["tp"] == 1), name
+        # batch: the Trainer's own arithmetic (trainer.py: batch degree = dp_replicate * dp_shard)
+        tr, pa = cfg.training, cfg.parallelism
+        accumulation = tr.global_batch_size // (tr.local_batch_size * deg["dp"])
+        assert tr.global_batch_size % (tr.local_batch_size * deg["dp"]) == 0
+        assert tr.global_batch_size == par.global_batch and pa.pipeline_parallel_microbatch_size == par.micro_batch
+        if dims.pp > 1:
+            assert (tr.local_batch_size // pa.pipeline_parallel_microbatch_size, accumulation) == (m, 1), name
+        else:
+            assert (tr.local_batch_size, accumulation) == (par.micro_batch, m), name
+        # layers per chunk and per rank, through torchtitan's pipeline split
+        model = cfg.model_spec.model
+        assert (len(model.layers), model.dim, model.vocab_size) == \
+            (plan.data["model"]["layers"], plan.data["model"]["hidden"], plan.data["model"]["vocab"])
+        if dims.pp > 1:
+            stages, layers, first, last = tt_pp._get_pipeline_metadata(dims, pa, model)
+            parts = pa.module_fqns_per_model_part or tt_pp._generate_llm_fqn_per_model_part(
+                stages, layers, first, last)
+            per_chunk = [sum(mod.startswith("layers.") for mod in part) for part in parts]
+            assert per_chunk == list(par.layers_per_chunk(plan.config.model.layers)), name
+            assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
+            looped = issubclass(get_schedule_class(pa.pipeline_parallel_schedule), PipelineScheduleMulti)
+            assert looped == (deg["virtual_stages"] > 1) and len(parts) == dims.pp * deg["virtual_stages"], name
+            for rank in range(dims.pp):
+                chunks = tt_pp._get_pp_rank_to_stage_indices_mapping(rank, dims.pp, pa.pipeline_parallel_schedule,
+                                                                     len(parts))
+                assert chunks == tuple(rank + k * dims.pp for k in range(deg["virtual_stages"]))
+        # ZeRO: FSDP shards over dp for zero >= 1; the reshard policy torchtitan resolves
+        assert dims.dp_shard == (1 if par.zero == 0 else deg["dp"]), name
+        reshard = get_fsdp_reshard_after_forward_policy(pa.fsdp_reshard_after_forward, dims.pp > 1)
+        if par.zero == 3:
+            assert reshard == reshard_after_forward(deg["pp"]), name
+        elif par.zero in (1, 2):
+            assert reshard is False
+        ac = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}[par.recompute]
+        assert type(cfg.activation_checkpoint) is ac, name
+        dtype = {"bf16": "bfloat16"}.get(plan.data["model"]["dtype"], "float32")
+        assert tr.mixed_precision_param == dtype and tr.dtype == "float32"
+        sys.modules.pop(ex.filename[:-3], None)
+        ACCEPTED["torchtitan"].append(name)
+    assert len(ACCEPTED["torchtitan"]) + len(refused) == len(plans)
+    assert len(ACCEPTED["torchtitan"]) >= len(plans) - 3, refused   # gpt3 (LayerNorm/GeLU) and the two MoE
+
+
+def test_deepspeed_accepts_and_derives_the_plan(plans, monkeypatch):
+    import deepspeed
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    assert deepspeed.__version__ == "0.19.8", deepspeed.__version__
+    # DeepSpeedConfig asks deepspeed.comm for this rank only; the world comes through the mpu
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    refused = []
+    for name, plan in plans:
+        deg, par = plan.data["degrees"], plan.config.parallel
+        ex = export(plan, "deepspeed")
+        if ex.errors:   # cp; ZeRO-2/3 with pp, which DeepSpeed's PipelineEngine asserts against
+            refused.append(name)
+            assert deg["cp"] > 1 or (deg["pp"] > 1 and par.zero >= 2), (name, ex.errors)
+            continue
+        c = json.loads(ex.text)
+        world = _launch_world(shlex.split(ex.launch), "--num_nodes", "--num_gpus")
+        pp = c.get("pipeline", {}).get("stages", 1)
+        if pp > 1:   # the topology the note tells train.py to give PipelineModule
+            note = next(n for n in ex.notes if "PipeModelDataParallelTopology(" in n)
+            tp = int(re.search(r"num_mp=(\d+)", note).group(1))
+        else:        # AutoTP: deepspeed.utils.groups._init_tp_mesh_device makes dp = world // tp
+            tp = c.get("tensor_parallel", {}).get("autotp_size", 1)
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+        assert topo.world_size() == world == plan.data["world_size"], name
+
+        class Grid:   # what PipelineParallelGrid / groups answer DeepSpeedConfig
+            def get_data_parallel_world_size(self):
+                return max(topo.get_dim("data"), 1)
+
+        ds = ds_config.DeepSpeedConfig(c, mpu=Grid())
+        assert (ds.world_size, tp, pp) == (deg["dp"], deg["tp"], deg["pp"]), name
+        assert ds.train_batch_size == par.global_batch and ds.train_micro_batch_size_per_gpu == par.micro_batch
+        assert ds.gradient_accumulation_steps == plan.data["schedule"]["num_microbatches"], name
+        assert ds.zero_optimization_stage == par.zero, name
+        assert ds.bfloat16_config.enabled == (plan.data["model"]["dtype"] == "bf16"), name
+        assert ds.float16_config.enabled == (plan.data["model"]["dtype"] == "fp16"), name
+        if pp > 1:
+            assert ds.pipeline["activation_checkpoint_interval"] == (1 if par.recompute == "full" else 0)
+        assert ("activation_checkpointing" in c) == (par.recompute != "none")
+        ACCEPTED["deepspeed"].append(name)
+    assert len(ACCEPTED["deepspeed"]) + len(refused) == len(plans)
+    assert refused == [n for n, p in plans if p.data["degrees"]["cp"] > 1
+                       or (p.data["degrees"]["pp"] > 1 and p.config.parallel.zero >= 2)]
