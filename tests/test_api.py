@@ -149,7 +149,7 @@ def test_search_verify_export_are_callable_modules_in_any_import_order():
         "import parcompile.export as module\n"
         "from parcompile.export import TARGETS\n"
         "assert parcompile.export is module and callable(module)\n"
-        "assert list(inspect.signature(parcompile.export).parameters) == ['plan', 'target']\n"
+        "assert list(inspect.signature(parcompile.export).parameters) == ['plan', 'target', 'torchtitan_version']\n"
         "print(type(parcompile.export).__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
