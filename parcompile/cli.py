@@ -280,7 +280,7 @@ def cmd_serve(args) -> int:
         if problems:
             raise SpecError(problems, source)
         args.command = "run"     # the program must be complete, as for `run`
-        plan, out = _compile_to(args, plan, source)
+        plan, out, _ = _compile_to(args, plan, source)
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC

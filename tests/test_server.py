@@ -441,3 +441,18 @@ def test_replica_ranks_are_the_tp_x_pp_ranks_of_each_dp_index():
         assert {tuple(g) for g in plan["groups"]["dp"] if set(g) & set(rep)} == {tuple(g) for g in plan["groups"]["dp"]}
         assert all(len(set(g) & set(rep)) == 1 for g in plan["groups"]["dp"])
     assert paged.replica_ranks(compile_config(serve_config(tp=2, pp=2)).data) == [[0, 1, 2, 3]]
+
+
+def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path, monkeypatch):
+    """`parcompile serve` in-process up to the launch: the plan and serve.py are written
+    and run_server gets them (the launch itself is the module's server fixture)."""
+    import parcompile.server as server_mod
+    from parcompile.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_mod, "run_server",
+                        lambda plan, program, host, port: seen.update(program=program, host=host, port=port) or 0)
+    (tmp_path / "s.par").write_text(_spec(2, 2))
+    assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--port", "9"]) == 0
+    assert seen == {"program": tmp_path / "out" / "serve.py", "host": "127.0.0.1", "port": 9}
+    assert (tmp_path / "out" / "serve.py").is_file() and (tmp_path / "out" / "plan.json").is_file()
