@@ -13,6 +13,7 @@ exits with status 1.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import threading
@@ -88,11 +89,20 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
         f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
         f"per replica, at most {d['serve']['batch_per_replica']} sequences decoded at once", flush=True)
+    def interrupted(signum, frame):      # SIGTERM while the ranks start: as Ctrl-C (uvicorn's own later)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         engines = Engines(program, d["world_size"], d["degrees"]["dp"])
     except EngineFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:        # Engines has ended the ranks it started
+        print("interrupted while the ranks started; stopped them", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     app = build_app(info, engines, Metrics(info.name))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
 
