@@ -607,3 +607,41 @@ def test_ctrl_c_while_the_ranks_start_ends_them(tmp_path, monkeypatch):
         if launched[0].poll() is None:
             os.killpg(launched[0].pid, signal.SIGKILL)
             launched[0].wait()
+
+
+def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkeypatch):
+    """uvicorn re-raises the SIGTERM it shut down on; `serve` must then tell the ranks to
+    stop (Engines.stop) rather than die by the signal's default action and leave them."""
+    import uvicorn
+
+    import parcompile.server as server_mod
+    from parcompile.server import engines as engines_mod
+    from tests.serve_utils import serve_config
+
+    from parcompile.driver import compile_config
+
+    guard = lambda signum, frame: None      # noqa: E731 - this test's own: never the default (death)
+    previous = signal.signal(signal.SIGTERM, guard)
+    stopped = []
+
+    class Fake(_FakeEngines):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def stop(self):
+            stopped.append(True)
+            return 0
+
+    def run(self):
+        assert signal.getsignal(signal.SIGTERM) is not guard   # serve's handler is in force
+        signal.raise_signal(signal.SIGTERM)                    # as uvicorn does after its graceful shutdown
+
+    monkeypatch.setattr(engines_mod, "Engines", Fake)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    try:
+        status = server_mod.run_server(compile_config(serve_config()), tmp_path / "serve.py", port=_free_port(),
+                                       log=lambda *a, **k: None)
+        assert stopped == [True] and status == 0
+        assert signal.getsignal(signal.SIGTERM) is guard                # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -89,38 +89,44 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
         f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
         f"per replica, at most {d['serve']['batch_per_replica']} sequences decoded at once", flush=True)
-    def interrupted(signum, frame):      # SIGTERM while the ranks start: as Ctrl-C (uvicorn's own later)
+    def interrupted(signum, frame):
+        # SIGTERM as Ctrl-C: while the ranks start, and when uvicorn, having shut down
+        # gracefully on it, raises it again (its default action would kill this process
+        # before the ranks are told to stop: they would see EOF and fail)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        engines = Engines(program, d["world_size"], d["degrees"]["dp"])
-    except EngineFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:        # Engines has ended the ranks it started
-        print("interrupted while the ranks started; stopped them", file=sys.stderr)
-        return 130
+        try:
+            engines = Engines(program, d["world_size"], d["degrees"]["dp"])
+        except EngineFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:        # Engines has ended the ranks it started
+            print("interrupted while the ranks started; stopped them", file=sys.stderr)
+            return 130
+        app = build_app(info, engines, Metrics(info.name))
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+        def on_fail(reason: str) -> None:
+            print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr,
+                  flush=True)
+            threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+        engines.on_fail = on_fail
+        if engines.failed:
+            on_fail(engines.failed)
+        log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+        try:
+            server.run()
+        except KeyboardInterrupt:        # Ctrl-C or SIGTERM, re-raised by uvicorn after its shutdown
+            pass
+        finally:
+            status = engines.stop()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    app = build_app(info, engines, Metrics(info.name))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-
-    def on_fail(reason: str) -> None:
-        print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr, flush=True)
-        threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
-
-    engines.on_fail = on_fail
-    if engines.failed:
-        on_fail(engines.failed)
-    log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
-    try:
-        server.run()
-    finally:
-        status = engines.stop()
     if engines.failed:
         return 1
     return 0 if status in (0, None) else 1
-
 
 __all__ = ["run_server", "model_info", "port_free", "FAIL_GRACE_S"]
