@@ -622,7 +622,7 @@ def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkey
 
     guard = lambda signum, frame: None      # noqa: E731 - this test's own: never the default (death)
     previous = signal.signal(signal.SIGTERM, guard)
-    stopped = []
+    stopped, logged = [], []
 
     class Fake(_FakeEngines):
         def __init__(self, *a, **k):
@@ -640,8 +640,9 @@ def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkey
     monkeypatch.setattr(uvicorn.Server, "run", run)
     try:
         status = server_mod.run_server(compile_config(serve_config()), tmp_path / "serve.py", port=_free_port(),
-                                       log=lambda *a, **k: None)
+                                       log=lambda *a, **k: logged.append(a[0]))
         assert stopped == [True] and status == 0
+        assert any("no `weights`: the model answers with random weights" in line for line in logged)
         assert signal.getsignal(signal.SIGTERM) is guard                # restored
     finally:
         signal.signal(signal.SIGTERM, previous)

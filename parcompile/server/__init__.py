@@ -89,6 +89,11 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
         f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
         f"per replica, at most {d['serve']['batch_per_replica']} sequences decoded at once", flush=True)
+    if not plan.config.serve.weights:
+        log(f"note: the `serve` block has no `weights`: the model answers with random weights (seed "
+            f"{plan.config.serve.seed}); train with `checkpoint_dir` and set `weights` to it, or give a Hugging Face "
+            f"checkpoint directory", flush=True)
+
     def interrupted(signum, frame):
         # SIGTERM as Ctrl-C: while the ranks start, and when uvicorn, having shut down
         # gracefully on it, raises it again (its default action would kill this process
