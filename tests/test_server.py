@@ -646,3 +646,30 @@ def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkey
         assert signal.getsignal(signal.SIGTERM) is guard                # restored
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_second_ctrl_c_while_stopping_still_ends_the_job(tmp_path, monkeypatch):
+    from parcompile.server import engines as engines_mod
+
+    monkeypatch.setattr(engines_mod.Engines, "_accept", lambda self, timeout_s: None)
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(120)\n")
+    e = engines_mod.Engines(tmp_path / "slow.py", 1, 1)
+    wait, calls = e.proc.wait, []
+
+    def impatient(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt        # Ctrl-C again during the graceful wait
+        return wait(timeout)
+
+    monkeypatch.setattr(e.proc, "wait", impatient)
+    try:
+        try:
+            e.stop()
+        except KeyboardInterrupt:
+            pytest.fail("the second Ctrl-C escaped Engines.stop and left torchrun running")
+        assert wait(0) is not None and len(calls) == 2      # SIGTERMed at once, not left running
+    finally:
+        if e.proc.poll() is None:
+            os.killpg(e.proc.pid, signal.SIGKILL)
+            wait()

@@ -229,10 +229,11 @@ class Engines:
 
     def _end_job(self, grace_s: float) -> int:
         """Wait ``grace_s`` for torchrun to exit, then SIGTERM its process group (torchrun
-        and the ranks), then SIGKILL it; returns torchrun's exit status."""
+        and the ranks), then SIGKILL it; returns torchrun's exit status. An impatient
+        Ctrl-C while it waits moves on to the next signal at once (never leaves the job)."""
         try:
             return self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
             pass
         for sig, wait_s in ((15, 10.0), (9, None)):
             try:
@@ -241,6 +242,6 @@ class Engines:
                 pass
             try:
                 return self.proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 continue
         return self.proc.wait()
