@@ -461,6 +461,17 @@ def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path,
     assert (tmp_path / "out" / "serve.py").is_file() and (tmp_path / "out" / "plan.json").is_file()
 
 
+def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
+    from parcompile.cli import main
+
+    (tmp_path / "s.par").write_text(_spec(1, 1))
+    for flags, why in ((["--port", "99999"], "the port must be 1-65535, got 99999"), (["--port", "0"], "got 0"),
+                       (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000")):
+        assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out")] + flags) == 1
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+
+
 # ---- the HTTP front in-process, over a fake engine (no ranks) ---------------------------
 
 class _FakeEngines:

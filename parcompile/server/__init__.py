@@ -61,12 +61,15 @@ def model_info(plan) -> "api.ModelInfo":
 
 
 def port_free(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be bound, else why not."""
+    """None when ``host:port`` can be bound, else why not (a port outside 1-65535, a host
+    that does not resolve, an address in use)."""
+    if not 1 <= port <= 65535:
+        return f"the port must be 1-65535, got {port}"
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as e:
+        except (OSError, OverflowError) as e:
             return str(e)
     return None
 
