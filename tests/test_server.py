@@ -505,12 +505,13 @@ class _FakeEngines:
         return {"blocks_used": 0, "blocks_free": 1, "waiting": 0, "running": 0}
 
 
-def _front(engines):
+def _front(engines, chat_template=None):
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.metrics import Metrics
 
     info = ModelInfo(name="tiny", vocab=256, context=512, temperature=0.0, top_k=0, eos=[],
-                     tokenizer=gen.load_tokenizer(None, None, 256), chat_template=PLAIN_CHAT_TEMPLATE, special={})
+                     tokenizer=gen.load_tokenizer(None, None, 256),
+                     chat_template=chat_template or PLAIN_CHAT_TEMPLATE, special={})
     return build_app(info, engines, Metrics("tiny"))
 
 
@@ -684,3 +685,27 @@ def test_a_second_ctrl_c_while_stopping_still_ends_the_job(tmp_path, monkeypatch
         if e.proc.poll() is None:
             os.killpg(e.proc.pid, signal.SIGKILL)
             wait()
+
+
+def test_front_gives_chat_templates_transformers_globals():
+    """HF templates call raise_exception (Mistral's, on roles out of order) and strftime_now
+    (Llama 3.1's date): the refusal is the template's own message, a 400."""
+    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user "
+                "message') }}{% endif %}{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, template)
+        async def chat(first):
+            return await _asgi(app, "POST", "/v1/chat/completions", json.dumps(
+                {"messages": [{"role": first, "content": "hi"}], "max_tokens": 1}).encode())
+
+        code, raw = await chat("assistant")
+        assert code == 400 and json.loads(raw)["error"]["message"].endswith(
+            "Conversations must start with a user message"), raw
+        code, raw = await chat("user")
+        assert code == 200 and engines.params, raw
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())

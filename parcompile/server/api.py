@@ -143,7 +143,16 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
     app = FastAPI(title=f"parcompile serve: {info.name}", docs_url=None, redoc_url=None)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    chat_template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(info.chat_template)
+    from jinja2.exceptions import TemplateError
+
+    def raise_exception(message):      # what a template calls on messages it refuses
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # the globals transformers' apply_chat_template gives templates (chat_template_utils.py)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: time.strftime(fmt, time.localtime()))
+    chat_template = env.from_string(info.chat_template)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
