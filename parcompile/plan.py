@@ -178,7 +178,9 @@ class Plan:
         atomically (each file old or new, never half-written; a new directory appears
         whole), launch.sh and slurm.sbatch executable, and the files of
         :data:`GENERATED` that this plan does not produce removed (a serve plan's
-        directory loses an earlier program.py). Returns the names written, sorted.
+        directory loses an earlier program.py) when the directory holds an earlier
+        plan's plan.json: a directory parcompile did not write keeps its own files (a
+        user's program.py). Returns the names written, sorted.
 
         Raises:
             OSError: the directory cannot be created or written (nothing is left half-written).
@@ -186,7 +188,8 @@ class Plan:
         from parcompile.codegen.emit import write_files
 
         files = self.outputs(directory)
-        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED)
+        ours = _holds_a_plan(Path(directory) / "plan.json")
+        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED if ours else ())
         return sorted(files)
 
     def graph_dump(self) -> str:
@@ -214,6 +217,15 @@ class Plan:
         from parcompile.frontend.checks import does_not_fit_help
 
         return render_report(self.data, does_not_fit_help(self.config.parallel, self.config.model.dtype))
+
+
+def _holds_a_plan(path: Path) -> bool:
+    """Whether ``path`` is a plan.json parcompile wrote (its ``format`` key)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return '"format": "parcompile.plan/' in f.read()     # keys sorted: "format" follows "comm"
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 class _Unusual(Exception):

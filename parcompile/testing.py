@@ -168,7 +168,7 @@ def pytest_addoption(parser) -> None:
 class GoldenPlans:
     """The ``parcompile_golden`` fixture: ``parcompile_golden(spec, golden, overrides=...)``
     is :func:`assert_plan_matches` with the run's update switch, failing the test with
-    the diff and no traceback; ``parcompile_golden.text(text, golden)`` holds any text."""
+    the diff (or the spec's diagnostics) and no traceback; ``parcompile_golden.text(text, golden)`` holds any text."""
 
     def __init__(self, update: bool):
         self.update = update
@@ -177,18 +177,23 @@ class GoldenPlans:
                  filename: str | None = None):
         import pytest
 
+        from parcompile.diagnostics import SpecError
+
         try:
             return assert_plan_matches(spec, golden, overrides=overrides, filename=filename, update=self.update)
-        except GoldenMismatch as e:
-            pytest.fail(str(e), pytrace=False)
+        except (GoldenMismatch, SpecError) as e:
+            message = str(e)     # failed outside the handler: no "during handling of ..." chain
+        pytest.fail(message, pytrace=False)
 
     def text(self, text: str, golden: str | os.PathLike, what: str | None = None) -> None:
         import pytest
 
         try:
             assert_text_matches(text, golden, update=self.update, what=what)
+            return
         except GoldenMismatch as e:
-            pytest.fail(str(e), pytrace=False)
+            message = str(e)
+        pytest.fail(message, pytrace=False)
 
 
 def _update_switch(config) -> bool:

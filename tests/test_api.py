@@ -97,6 +97,22 @@ def test_plan_write_is_compile_o_byte_for_byte(tmp_path, monkeypatch, capsys):
     assert f"({', '.join(names)})" in capsys.readouterr().out
 
 
+def test_plan_write_replaces_an_earlier_plans_files_but_not_a_users(tmp_path):
+    from tests.serve_utils import serve_config
+
+    from parcompile.driver import compile_config
+
+    train, serve = parcompile.compile(TINY), compile_config(serve_config())
+    train.write(tmp_path / "out")
+    serve.write(tmp_path / "out")           # an earlier compile's program.py goes: the directory is a plan's
+    assert "program.py" not in os.listdir(tmp_path / "out") and "serve.py" in os.listdir(tmp_path / "out")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "program.py").write_text("a user's own program")
+    serve.write(mine)                       # a directory parcompile never wrote keeps its files
+    assert (mine / "program.py").read_text() == "a user's own program" and (mine / "serve.py").is_file()
+
+
 def test_typed_plan_fields_are_plan_json():
     plan = parcompile.compile(TINY)
     assert isinstance(plan.typed, PlanJSON)

@@ -10,6 +10,7 @@ after a client leaves mid-stream. The last test kills a rank: 503, then a non-ze
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -186,6 +187,8 @@ def test_sampling_seed_stop_and_text_prompt(server):
     cut = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
     s = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0, stop=[text[cut]])
     assert s.choices[0].finish_reason == "stop" and s.choices[0].text == text[:text.index(text[cut])]
+    tiny_t = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=1e-300)   # greedy, no NaN
+    assert tiny_t.choices[0].text == text
 
 
 @pytest.mark.torchrun
@@ -441,3 +444,268 @@ def test_replica_ranks_are_the_tp_x_pp_ranks_of_each_dp_index():
         assert {tuple(g) for g in plan["groups"]["dp"] if set(g) & set(rep)} == {tuple(g) for g in plan["groups"]["dp"]}
         assert all(len(set(g) & set(rep)) == 1 for g in plan["groups"]["dp"])
     assert paged.replica_ranks(compile_config(serve_config(tp=2, pp=2)).data) == [[0, 1, 2, 3]]
+
+
+def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path, monkeypatch):
+    """`parcompile serve` in-process up to the launch: the plan and serve.py are written
+    and run_server gets them (the launch itself is the module's server fixture)."""
+    import parcompile.server as server_mod
+    from parcompile.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_mod, "run_server",
+                        lambda plan, program, host, port: seen.update(program=program, host=host, port=port) or 0)
+    (tmp_path / "s.par").write_text(_spec(2, 2))
+    assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--port", "9"]) == 0
+    assert seen == {"program": tmp_path / "out" / "serve.py", "host": "127.0.0.1", "port": 9}
+    assert (tmp_path / "out" / "serve.py").is_file() and (tmp_path / "out" / "plan.json").is_file()
+
+
+def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
+    from parcompile.cli import main
+
+    (tmp_path / "s.par").write_text(_spec(1, 1))
+    for flags, why in ((["--port", "99999"], "the port must be 1-65535, got 99999"), (["--port", "0"], "got 0"),
+                       (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000")):
+        assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out")] + flags) == 1
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+
+
+# ---- the HTTP front in-process, over a fake engine (no ranks) ---------------------------
+
+class _FakeEngines:
+    """Engines' interface: one token every ``every_s`` seconds after ``first_s``, up to
+    max_tokens; records aborts and how many tokens each request was sent."""
+
+    def __init__(self, first_s=0.0, every_s=0.02):
+        self.first_s, self.every_s, self.failed = first_s, every_s, None
+        self.aborted, self.sent, self.tasks, self.params = [], {}, [], []
+
+    def submit(self, rid, prompt, params):
+        self.params.append(params)
+        q = asyncio.Queue()
+
+        async def produce():
+            await asyncio.sleep(self.first_s)
+            for i in range(params["max_tokens"]):
+                if rid in self.aborted:
+                    return
+                self.sent[rid] = i + 1
+                q.put_nowait((65, "length" if i + 1 == params["max_tokens"] else None))
+                await asyncio.sleep(self.every_s)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(produce()))
+        return q
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def totals(self):
+        return {"blocks_used": 0, "blocks_free": 1, "waiting": 0, "running": 0}
+
+
+def _front(engines, chat_template=None):
+    from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
+    from parcompile.server.metrics import Metrics
+
+    info = ModelInfo(name="tiny", vocab=256, context=512, temperature=0.0, top_k=0, eos=[],
+                     tokenizer=gen.load_tokenizer(None, None, 256),
+                     chat_template=chat_template or PLAIN_CHAT_TEMPLATE, special={})
+    return build_app(info, engines, Metrics("tiny"))
+
+
+async def _asgi(app, method, path, body: bytes = b"", disconnect_after_s=None, timeout_s=10.0):
+    """One request through the ASGI app; the client goes away ``disconnect_after_s`` seconds
+    in (uvicorn then answers every receive() with http.disconnect). Returns (status, body)."""
+    loop = asyncio.get_running_loop()
+    t0, pending, sent = loop.time(), [{"type": "http.request", "body": body, "more_body": False}], []
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        while disconnect_after_s is None or loop.time() < t0 + disconnect_after_s:
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), timeout_s)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_front_aborts_a_plain_request_and_a_queued_stream_whose_client_left():
+    """A plain (non-streamed) request's client that times out while tokens keep coming, and
+    a stream's client that leaves while its request waits for a first token, are aborted
+    at once (their KV blocks freed), not generated to max_tokens."""
+    async def main():
+        engines = _FakeEngines(every_s=0.02)
+        app = _front(engines)
+        t0 = time.monotonic()
+        status, _ = await _asgi(app, "POST", "/v1/completions", json.dumps(
+            {"prompt": "hi", "max_tokens": 400}).encode(), disconnect_after_s=0.3)
+        assert len(engines.aborted) == 1 and engines.sent[engines.aborted[0]] < 100, engines.sent
+        assert time.monotonic() - t0 < 4
+        queued = _FakeEngines(first_s=3.0)
+        status, _ = await _asgi(_front(queued), "POST", "/v1/completions", json.dumps(
+            {"prompt": "hi", "max_tokens": 5, "stream": True}).encode(), disconnect_after_s=0.3)
+        assert len(queued.aborted) == 1 and not queued.sent     # aborted before its first token
+        for t in engines.tasks + queued.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_in_openai_form():
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines)
+
+        async def post(body, path="/v1/completions"):
+            status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
+            return status, json.loads(raw)
+
+        for key, value in (("logprobs", 2), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5),
+                           ("logit_bias", {"65": 100})):
+            status, body = await post({"prompt": "hi", "max_tokens": 2, key: value})
+            assert status == 400 and body["error"]["param"] == key and "not supported" in body["error"]["message"]
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                   "max_tokens": 2}, "/v1/chat/completions")
+        assert status == 400 and body["error"]["param"] == "logprobs"
+        for key, value in (("temperature", "0.5"), ("temperature", True), ("top_p", "1")):
+            status, body = await post({"prompt": "hi", "max_tokens": 2, key: value})
+            assert status == 400 and body["error"]["param"] == key, body
+        # neutral values (what clients send by default) and integer numbers are accepted
+        status, body = await post({"prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 1, "logprobs": None,
+                                   "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0, "best_of": 1})
+        assert status == 200 and body["choices"][0]["text"] == "AA"
+        status, body = await post({"prompt": "hi", "max_tokens": 1, "temperature": 1e-300})
+        assert status == 200 and engines.params[-1]["temperature"] == 0.0     # greedy: logits / 1e-300 is inf
+        for method, path, code in (("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
+            status, raw = await _asgi(app, method, path)
+            err = json.loads(raw)["error"]
+            assert status == code and set(err) == {"message", "type", "param", "code"} and path in err["message"]
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_ctrl_c_while_the_ranks_start_ends_them(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which `serve` turns into one) before every replica connected:
+    torchrun's process group is ended (torchrun ends its ranks on SIGTERM), no orphans."""
+    from parcompile.server import engines as engines_mod
+
+    launched = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(engines_mod.subprocess, "Popen", lambda *a, **k: launched.append(popen(*a, **k)) or launched[-1])
+
+    def interrupted(self, timeout_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engines_mod.Engines, "_accept", interrupted)
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(120)\n")
+    with pytest.raises(KeyboardInterrupt):
+        engines_mod.Engines(tmp_path / "slow.py", 1, 1)
+    try:
+        assert launched[0].poll() is not None          # torchrun ended, not left running
+    finally:
+        if launched[0].poll() is None:
+            os.killpg(launched[0].pid, signal.SIGKILL)
+            launched[0].wait()
+
+
+def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkeypatch):
+    """uvicorn re-raises the SIGTERM it shut down on; `serve` must then tell the ranks to
+    stop (Engines.stop) rather than die by the signal's default action and leave them."""
+    import uvicorn
+
+    import parcompile.server as server_mod
+    from parcompile.server import engines as engines_mod
+    from tests.serve_utils import serve_config
+
+    from parcompile.driver import compile_config
+
+    guard = lambda signum, frame: None      # noqa: E731 - this test's own: never the default (death)
+    previous = signal.signal(signal.SIGTERM, guard)
+    stopped, logged = [], []
+
+    class Fake(_FakeEngines):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def stop(self):
+            stopped.append(True)
+            return 0
+
+    def run(self):
+        assert signal.getsignal(signal.SIGTERM) is not guard   # serve's handler is in force
+        signal.raise_signal(signal.SIGTERM)                    # as uvicorn does after its graceful shutdown
+
+    monkeypatch.setattr(engines_mod, "Engines", Fake)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    try:
+        status = server_mod.run_server(compile_config(serve_config()), tmp_path / "serve.py", port=_free_port(),
+                                       log=lambda *a, **k: logged.append(a[0]))
+        assert stopped == [True] and status == 0
+        assert any("no `weights`: the model answers with random weights" in line for line in logged)
+        assert signal.getsignal(signal.SIGTERM) is guard                # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_second_ctrl_c_while_stopping_still_ends_the_job(tmp_path, monkeypatch):
+    from parcompile.server import engines as engines_mod
+
+    monkeypatch.setattr(engines_mod.Engines, "_accept", lambda self, timeout_s: None)
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(120)\n")
+    e = engines_mod.Engines(tmp_path / "slow.py", 1, 1)
+    wait, calls = e.proc.wait, []
+
+    def impatient(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt        # Ctrl-C again during the graceful wait
+        return wait(timeout)
+
+    monkeypatch.setattr(e.proc, "wait", impatient)
+    try:
+        try:
+            e.stop()
+        except KeyboardInterrupt:
+            pytest.fail("the second Ctrl-C escaped Engines.stop and left torchrun running")
+        assert wait(0) is not None and len(calls) == 2      # SIGTERMed at once, not left running
+    finally:
+        if e.proc.poll() is None:
+            os.killpg(e.proc.pid, signal.SIGKILL)
+            wait()
+
+
+def test_front_gives_chat_templates_transformers_globals():
+    """HF templates call raise_exception (Mistral's, on roles out of order) and strftime_now
+    (Llama 3.1's date): the refusal is the template's own message, a 400."""
+    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user "
+                "message') }}{% endif %}{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, template)
+        async def chat(first):
+            return await _asgi(app, "POST", "/v1/chat/completions", json.dumps(
+                {"messages": [{"role": first, "content": "hi"}], "max_tokens": 1}).encode())
+
+        code, raw = await chat("assistant")
+        assert code == 400 and json.loads(raw)["error"]["message"].endswith(
+            "Conversations must start with a user message"), raw
+        code, raw = await chat("user")
+        assert code == 200 and engines.params, raw
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())

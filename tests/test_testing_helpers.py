@@ -84,6 +84,7 @@ def test_the_pytest_plugin_fixture_as_a_user_runs_it(pytester, monkeypatch):
     result = pytester.runpytest_inprocess("-p", "parcompile.testing")
     result.assert_outcomes(failed=1)
     assert "golden plan golden/tiny.plan.json is missing" in result.stdout.str()
+    assert "During handling of the above exception" not in result.stdout.str()
     result = pytester.runpytest_inprocess("-p", "parcompile.testing", "--update-goldens")
     result.assert_outcomes(passed=1)
     assert golden.read_text() == parcompile.compile(TINY, overrides=TP1).to_json()
@@ -93,3 +94,9 @@ def test_the_pytest_plugin_fixture_as_a_user_runs_it(pytester, monkeypatch):
     out = result.stdout.str()
     assert "differs from its golden golden/tiny.plan.json" in out and "parcompile diff" in out
     assert "def test_layout" not in out    # failed with the diff, not a traceback
+    pytester.makepyfile(test_user=USER_TEST.replace(repr(TP1), repr({"parallel.tp": 3})))   # a bad override
+    result = pytester.runpytest_inprocess("-p", "parcompile.testing")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "<override parallel.tp>:1:" in out and "error: tp = 3" in out
+    assert "def test_layout" not in out and "raise_if_errors" not in out   # the diagnostics, no traceback

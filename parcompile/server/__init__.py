@@ -13,6 +13,7 @@ exits with status 1.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import threading
@@ -60,12 +61,15 @@ def model_info(plan) -> "api.ModelInfo":
 
 
 def port_free(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be bound, else why not."""
+    """None when ``host:port`` can be bound, else why not (a port outside 1-65535, a host
+    that does not resolve, an address in use)."""
+    if not 1 <= port <= 65535:
+        return f"the port must be 1-65535, got {port}"
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as e:
+        except (OSError, OverflowError) as e:
             return str(e)
     return None
 
@@ -88,29 +92,49 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
         f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
         f"per replica, at most {d['serve']['batch_per_replica']} sequences decoded at once", flush=True)
-    try:
-        engines = Engines(program, d["world_size"], d["degrees"]["dp"])
-    except EngineFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    app = build_app(info, engines, Metrics(info.name))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    if not plan.config.serve.weights:
+        log(f"note: the `serve` block has no `weights`: the model answers with random weights (seed "
+            f"{plan.config.serve.seed}); train with `checkpoint_dir` and set `weights` to it, or give a Hugging Face "
+            f"checkpoint directory", flush=True)
 
-    def on_fail(reason: str) -> None:
-        print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr, flush=True)
-        threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+    def interrupted(signum, frame):
+        # SIGTERM as Ctrl-C: while the ranks start, and when uvicorn, having shut down
+        # gracefully on it, raises it again (its default action would kill this process
+        # before the ranks are told to stop: they would see EOF and fail)
+        raise KeyboardInterrupt
 
-    engines.on_fail = on_fail
-    if engines.failed:
-        on_fail(engines.failed)
-    log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+    previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        server.run()
+        try:
+            engines = Engines(program, d["world_size"], d["degrees"]["dp"])
+        except EngineFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:        # Engines has ended the ranks it started
+            print("interrupted while the ranks started; stopped them", file=sys.stderr)
+            return 130
+        app = build_app(info, engines, Metrics(info.name))
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+        def on_fail(reason: str) -> None:
+            print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr,
+                  flush=True)
+            threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+        engines.on_fail = on_fail
+        if engines.failed:
+            on_fail(engines.failed)
+        log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+        try:
+            server.run()
+        except KeyboardInterrupt:        # Ctrl-C or SIGTERM, re-raised by uvicorn after its shutdown
+            pass
+        finally:
+            status = engines.stop()
     finally:
-        status = engines.stop()
+        signal.signal(signal.SIGTERM, previous)
     if engines.failed:
         return 1
     return 0 if status in (0, None) else 1
-
 
 __all__ = ["run_server", "model_info", "port_free", "FAIL_GRACE_S"]

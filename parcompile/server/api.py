@@ -18,8 +18,12 @@ and ``token_ids`` to each choice.
 
 Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
-``max_tokens`` beyond the context (the message gives the limits); 404 for another model;
-503 once a rank has died (the server then exits non-zero).
+``max_tokens`` beyond the context (the message gives the limits), a field this server does
+not implement (:data:`UNSUPPORTED`: ``logprobs``, ``echo``, penalties, ``tools``...) set to
+anything but its neutral value; 404 for another model or path; 503 once a rank has died
+(the server then exits non-zero). A client that goes away, while its plain request is
+being generated or its stream waits for a first token, has its request aborted within
+:data:`DISCONNECT_POLL_S` seconds (its KV blocks are freed).
 """
 
 from __future__ import annotations
@@ -34,13 +38,21 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from parcompile.server.engines import EngineFailed
 
 #: the chat template of a tokenizer that has none (a byte-level model): one line per message
 PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                        "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``, vllm/sampling_params.py)
+SAMPLING_EPS = 1e-5
+
+#: seconds between two checks that a waiting client is still connected
+DISCONNECT_POLL_S = 0.25
 
 
 class ApiError(Exception):
@@ -66,14 +78,24 @@ class _Sampling(BaseModel):
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    temperature: Optional[StrictFloat] = Field(None, ge=0, le=2)     # OpenAI's "number": "0.5" is refused
+    top_p: Optional[StrictFloat] = Field(None, gt=0, le=1)
     top_k: Optional[StrictInt] = Field(None, ge=-1)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
     n: StrictInt = Field(1, ge=1, le=1)
     return_token_ids: StrictBool = False
+
+
+#: OpenAI (and vLLM) request fields this server does not implement, with the values that
+#: ask for nothing (the client libraries' defaults): any other value is refused with 400
+#: rather than silently ignored (a user asking for logprobs must not get ``null`` back)
+UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty":
+               (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
+               "functions": (None, []), "response_format": (None, {"type": "text"}), "guided_json": (None,),
+               "guided_regex": (None,), "guided_choice": (None,), "prompt_logprobs": (None,)}
 
 
 class CompletionRequest(_Sampling):
@@ -121,11 +143,25 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
     app = FastAPI(title=f"parcompile serve: {info.name}", docs_url=None, redoc_url=None)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    chat_template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(info.chat_template)
+    from jinja2.exceptions import TemplateError
+
+    def raise_exception(message):      # what a template calls on messages it refuses
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # the globals transformers' apply_chat_template gives templates (chat_template_utils.py)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: time.strftime(fmt, time.localtime()))
+    chat_template = env.from_string(info.chat_template)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):   # an unknown path, a wrong method
+        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        code="not_found" if e.status_code == 404 else None).response()
 
     async def parse(request: Request, model_cls):
         try:
@@ -139,6 +175,12 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         except ValidationError as e:
             message, param = _validation_message(e)
             raise ApiError(400, message, param=param, code="invalid_value") from None
+        for key, neutral in UNSUPPORTED.items():
+            value = body.get(key)
+            if not any(value is v if isinstance(value, bool) or isinstance(v, bool) or v is None else value == v
+                       for v in neutral):
+                raise ApiError(400, f"`{key}` is not supported by this server (got {json.dumps(value)[:80]}); "
+                                    f"omit it", param=key, code="unsupported_parameter")
         if req.model is not None and req.model != info.name:
             raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{info.name}`",
                            param="model", code="model_not_found")
@@ -172,14 +214,21 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         if len(stop) > 4 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 4 non-empty strings", param="stop")
         top_k = info.top_k if req.top_k is None else max(req.top_k, 0)
-        return {"max_tokens": max_tokens, "temperature": info.temperature if req.temperature is None
-                else req.temperature, "top_k": top_k, "top_p": 1.0 if req.top_p is None else req.top_p,
+        temperature = info.temperature if req.temperature is None else req.temperature
+        if temperature < SAMPLING_EPS:    # logits / 1e-300 overflow to inf: NaN probabilities kill the rank
+            temperature = 0.0
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": 1.0 if req.top_p is None else req.top_p,
                 "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63), "eos": info.eos,
                 "stop": stop}
 
-    async def generate(request: Request, prompt: list[int], params: dict, watch: bool):
+    async def generate(request: Request, prompt: list[int], params: dict, watch: str):
         """Yield (text delta, token ids so far, finish_reason) as tokens arrive; the request
-        is cancelled in the engine when the client goes away or a stop string matches."""
+        is cancelled in the engine when the client goes away or a stop string matches.
+
+        ``watch``: "all" polls the connection every :data:`DISCONNECT_POLL_S` seconds while
+        tokens arrive (a plain response: nothing is written until the end); "first" until
+        the first token only (a stream: once it is writing, Starlette cancels it when the
+        client goes away)."""
         rid = uuid.uuid4().hex
         stop = params.pop("stop")
         hold = max((len(s) for s in stop), default=1) - 1   # text that may begin a stop string
@@ -193,14 +242,18 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         sent = ""
         last = None
         finished = False
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(q.get(), 1.0)
+                    item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    # a streamed response is cancelled by Starlette when its client goes away
-                    if watch and await request.is_disconnected():
-                        return
+                    item = None
+                if (watch == "all" or (watch == "first" and last is None)) and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        return           # the finally aborts it: its blocks are freed
+                if item is None:
                     continue
                 if isinstance(item, EngineFailed):
                     raise unavailable(str(item))
@@ -248,7 +301,7 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         base = {"id": rid, "created": created, "model": info.name}
-        stream = generate(request, prompt, params, watch=not req.stream)
+        stream = generate(request, prompt, params, watch="first" if req.stream else "all")
         if not req.stream:
             text, ids, reason = "", [], None
             async for delta, ids, reason in stream:

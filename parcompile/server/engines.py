@@ -74,7 +74,13 @@ class Engines:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(program), "--engine", f"{host}:{port}"]
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        self._accept(startup_timeout_s)
+        try:
+            self._accept(startup_timeout_s)
+        except BaseException:   # Ctrl-C (or a failure) while the ranks start: end them, leave no orphans
+            self.stopping = True
+            self._end_job(0.0)
+            self.listener.close()
+            raise
         threading.Thread(target=self._watch, daemon=True).start()
         threading.Thread(target=self._watchdog, daemon=True).start()
 
@@ -217,13 +223,25 @@ class Engines:
             except (OSError, EOFError, ValueError):
                 pass
         try:
-            return self.proc.wait(2.0 if self.failed else timeout_s)   # a failed job is ended at once
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 15)
-            try:
-                return self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                return self.proc.wait()
+            return self._end_job(2.0 if self.failed else timeout_s)   # a failed job is ended at once
         finally:
             self.listener.close()
+
+    def _end_job(self, grace_s: float) -> int:
+        """Wait ``grace_s`` for torchrun to exit, then SIGTERM its process group (torchrun
+        and the ranks), then SIGKILL it; returns torchrun's exit status. An impatient
+        Ctrl-C while it waits moves on to the next signal at once (never leaves the job)."""
+        try:
+            return self.proc.wait(grace_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            pass
+        for sig, wait_s in ((15, 10.0), (9, None)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                return self.proc.wait(wait_s)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                continue
+        return self.proc.wait()
