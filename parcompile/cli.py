@@ -209,7 +209,11 @@ def cmd_compile(args) -> int:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
     print(f"wrote {out}/ ({', '.join(written)})")
-    print(f"run it: (cd {out} && ./launch.sh)")
+    if plan.config.cluster.nodes == 1:
+        print(f"run it: {out / 'launch.sh'}")
+    else:   # launch.sh's own comment says what each node sets
+        print(f"run it: NODE_RANK=<0..{plan.config.cluster.nodes - 1}> MASTER_ADDR=<node 0> {out / 'launch.sh'} "
+              f"on each node, or sbatch {out / 'slurm.sbatch'}")
     return EXIT_OK
 
 

@@ -116,35 +116,31 @@ def test_compile_writes_every_file_identically(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.torchrun
-def test_run_trains_the_tiny_example_on_real_text(tmp_path):
-    """The README's main job: 8 processes, gloo, real text; the loss falls."""
-    r = _cli("run", "examples/tiny.par", "-o", tmp_path / "tiny", "--steps", "12")
-    assert r.returncode == 0, r.stdout + r.stderr
-    losses = [float(line.split("loss")[1].split("|")[0]) for line in r.stdout.splitlines() if line.startswith("step")]
-    assert len(losses) >= 3
-    assert losses[-1] < losses[0] - 0.5, losses
-
-
-@pytest.mark.torchrun
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_launch_script_and_checkpoint(tmp_path, monkeypatch):
-    """launch.sh runs the program; its DCP checkpoint holds the global weights of the run."""
+def test_launch_script_trains_the_tiny_example_and_checkpoints(tmp_path, monkeypatch):
+    """The README's main job (examples/tiny.par: 8 processes, gloo, real text) through the
+    launch.sh `compile` writes, run from another directory: the loss falls over 12 steps,
+    and its DCP checkpoint holds the global weights of the run. (`parcompile run` is this
+    torchrun line after `compile`: test_training_jobs' README workflow and test_resume run it.)"""
     import torch.distributed.checkpoint as dcp
 
     from parcompile.verify import load_global
 
     monkeypatch.chdir(REPO)
     assert main(["compile", "examples/tiny.par", "-o", str(tmp_path / "p")]) == 0
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"
-    r = subprocess.run(["bash", str(tmp_path / "p" / "launch.sh"), "--steps", "2", "--checkpoint-dir", str(ckpt),
-                        "--metrics-dir", str(metrics)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(["bash", str(tmp_path / "p" / "launch.sh"), "--steps", "12", "--checkpoint-dir", "ckpt",
+                        "--metrics-dir", "metrics"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    losses = [float(line.split("loss")[1].split("|")[0]) for line in r.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) >= 3
+    assert losses[-1] < losses[0] - 0.5, losses
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"   # relative arguments: the caller's directory
     final = {name: ts[0] for name, ts in load_global(metrics, "params").items()}
     state = {name: torch.zeros_like(t) for name, t in final.items()}
     from parcompile.runtime.checkpoint import newest
 
     path, step = newest(ckpt)
-    assert step == 2 and path.name == "step_00000002"
+    assert step == 12 and path.name == "step_00000012"
     dcp.load(state, checkpoint_id=str(path))
     assert set(state) == set(final)
     for name, t in final.items():

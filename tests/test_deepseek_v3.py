@@ -128,15 +128,29 @@ def test_greedy_serving_equals_generate(case, tmp_path):
     assert got["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] == 2 * 14 * LAYERS * (16 + 4) * 4
 
 
-@pytest.mark.torchrun
-def test_tp2_greedy_serving_equals_generate(case, tmp_path):
-    """tp 2: the heads' up projections split, the latent cache replicated on both ranks."""
-    from tests.serve_utils import records, replica_tokens, run_torchrun
+@pytest.fixture(scope="module")
+def tp2_served(tmp_path_factory):
+    """Both cases served under tp 2 in one torchrun launch of 2 ranks (a launch costs more
+    than both runs on CI's 2 cores): q_lora_rank -> (plan, each rank's record)."""
+    from tests.serve_utils import records, run_torchrun
 
-    plan = build_serve(_serve_spec(case["tmp"], 2), tmp_path / "tp2")
     args = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
-    run_torchrun(2, [(tmp_path / "tp2", args, tmp_path / "tp2" / "out")])
-    recs = records(tmp_path / "tp2" / "out")
+    plans, dirs = {}, {}
+    for q_lora in (32, None):   # the params of `case`, built the same way (the same seed)
+        tmp = tmp_path_factory.mktemp("deepseek_v3_tp2")
+        _save(q_lora, tmp / "hf")
+        plans[q_lora], dirs[q_lora] = build_serve(_serve_spec(tmp, 2), tmp / "tp2"), tmp / "tp2"
+    run_torchrun(2, [(d, args, d / "out") for d in dirs.values()])
+    return {q_lora: (plans[q_lora], records(dirs[q_lora] / "out")) for q_lora in dirs}
+
+
+@pytest.mark.torchrun
+def test_tp2_greedy_serving_equals_generate(case, tp2_served):
+    """tp 2 (one launch for both cases): the heads' up projections split, the latent cache
+    replicated on both ranks."""
+    from tests.serve_utils import replica_tokens
+
+    plan, recs = tp2_served[case["q_lora"]]
     assert replica_tokens(recs) == _generate(case["hf"])
     assert all(r["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] == 2 * 14 * LAYERS * 20 * 4
                for r in recs)

@@ -123,19 +123,32 @@ def _serve_spec(root: Path, tp: int):
     return cfg
 
 
-@pytest.mark.torchrun
-def test_tp2_greedy_serving_equals_generate(case, tmp_path):
-    """tp 2 (one launch): heads, kv heads, the GeGLU and the sandwich norms split as
-    planned; the tokens equal transformers' generate and each rank's cache the plan's."""
-    from tests.serve_utils import records, replica_tokens, run_torchrun
+@pytest.fixture(scope="module")
+def tp2_served(tmp_path_factory):
+    """Both cases served under tp 2 in one torchrun launch of 2 ranks (a launch costs more
+    than both runs on CI's 2 cores): rope scaling -> (plan, each rank's record)."""
+    from tests.serve_utils import records, run_torchrun
 
-    plan = build_serve(_serve_spec(case["tmp"], 2), tmp_path / "tp2")
     args = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
-    run_torchrun(2, [(tmp_path / "tp2", args, tmp_path / "tp2" / "out")])
+    plans, dirs = {}, {}
+    for scaling in (None, 2.0):   # the params of `case`, built the same way (the same seed)
+        tmp = tmp_path_factory.mktemp("gemma3_tp2")
+        _save(scaling, tmp / "hf")
+        plans[scaling], dirs[scaling] = build_serve(_serve_spec(tmp, 2), tmp / "tp2"), tmp / "tp2"
+    run_torchrun(2, [(d, args, d / "out") for d in dirs.values()])
+    return {scaling: (plans[scaling], records(dirs[scaling] / "out")) for scaling in dirs}
+
+
+@pytest.mark.torchrun
+def test_tp2_greedy_serving_equals_generate(case, tp2_served):
+    """tp 2 (one launch for both cases): heads, kv heads, the GeGLU and the sandwich norms
+    split as planned; the tokens equal transformers' generate and each rank's cache the plan's."""
+    from tests.serve_utils import replica_tokens
+
+    plan, recs = tp2_served[case["scaling"]]
     with torch.no_grad():
         want = case["hf"].generate(torch.tensor(PROMPTS), max_new_tokens=8, do_sample=False,
                                    attention_mask=torch.ones(2, 6, dtype=torch.long))[:, 6:].tolist()
-    recs = records(tmp_path / "tp2" / "out")
     assert replica_tokens(recs) == want
     assert all(r["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] for r in recs)
 

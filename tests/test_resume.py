@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.program_utils import run_in_one_launch
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = """model m {{
@@ -56,32 +59,6 @@ def _losses(text: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in LOSS.findall(text)}
 
 
-@pytest.mark.torchrun
-def test_killed_rank_ends_the_job_and_a_resumed_run_continues_the_curve(tmp_path):
-    full = _run(_spec(tmp_path, "full", tmp_path / "full_ckpt"), tmp_path / "full")
-    assert full.returncode == 0, full.stdout + full.stderr
-    reference = _losses(full.stdout)
-    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
-
-    spec = _spec(tmp_path, "faulty", tmp_path / "ckpt")
-    t0 = time.monotonic()
-    crashed = _run(spec, tmp_path / "faulty", env={"PARCOMPILE_FAIL_AT": "3:5"})
-    assert crashed.returncode != 0
-    assert time.monotonic() - t0 < 120, "a dead rank must end the job, not hang it"
-    said = crashed.stdout + crashed.stderr
-    assert "rank 3" in said or "local_rank: 3" in said, said[-3000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.endswith(".partial")) == [
-        "step_00000002", "step_00000004"]
-
-    resumed = _run(spec, tmp_path / "faulty")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "after step 4" in resumed.stdout
-    after = _losses(resumed.stdout)
-    assert sorted(after) == [5, 6]
-    for step, loss in after.items():
-        assert loss == pytest.approx(reference[step], abs=1e-5), (step, loss, reference[step])
-
-
 def _in_process(tmp_path: Path, name: str, ckpt: Path, steps: int) -> dict:
     """Compile a one-process plan of SPEC and run its program in this process."""
     from parcompile.cli import main
@@ -100,47 +77,102 @@ def _in_process(tmp_path: Path, name: str, ckpt: Path, steps: int) -> dict:
         os.chdir(cwd)
 
 
+@pytest.fixture(scope="module")
+def curve(tmp_path_factory) -> dict[int, float]:
+    """step -> loss of SPEC's uninterrupted 6 steps, run in one process: the curve every
+    layout follows (the equivalence tests hold tp x pp to one process within 1e-5 here)."""
+    tmp = tmp_path_factory.mktemp("curve")
+    return dict(enumerate(_in_process(tmp, "base", tmp / "base_ckpt", 6)["losses"], start=1))
+
+
+def _compiled(tmp_path: Path, spec: Path) -> Path:
+    """``parcompile compile`` of ``spec`` into tmp_path/<its stem>, its data prepared (as
+    `parcompile run` does before a launch); returns program.py."""
+    import parcompile
+    from parcompile.cli import main, prepare_data
+
+    assert main(["compile", str(spec), "-o", str(tmp_path / spec.stem)]) == 0
+    assert not [d for d in prepare_data(parcompile.compile(spec).config) if d.severity == "error"]
+    return tmp_path / spec.stem / "program.py"
+
+
+def _metric_losses(metrics: Path) -> list[float]:
+    """The losses a job's last pipeline stage recorded (``--metrics-dir``)."""
+    records = [json.loads(p.read_text()) for p in sorted(metrics.glob("rank*.json"))]
+    return max((r["losses"] for r in records), key=len)
+
+
 @pytest.mark.torchrun
-def test_a_checkpoint_moves_between_plans(tmp_path):
+def test_killed_rank_ends_the_job_and_a_resumed_run_continues_the_curve(tmp_path, curve):
+    """`parcompile run` under tp 2 x pp 2 with rank 3 killed at step 5: the job ends (no
+    hang) naming the rank, two checkpoints are complete, and `parcompile run` again resumes
+    after step 4 and continues the uninterrupted curve."""
+    spec = _spec(tmp_path, "faulty", tmp_path / "ckpt")
+    t0 = time.monotonic()
+    crashed = _run(spec, tmp_path / "faulty", env={"PARCOMPILE_FAIL_AT": "3:5"})
+    assert crashed.returncode != 0
+    assert time.monotonic() - t0 < 120, "a dead rank must end the job, not hang it"
+    said = crashed.stdout + crashed.stderr
+    assert "rank 3" in said or "local_rank: 3" in said, said[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.endswith(".partial")) == [
+        "step_00000002", "step_00000004"]
+    before = _losses(crashed.stdout)
+    assert sorted(before)[:4] == [1, 2, 3, 4]
+    for step, loss in before.items():   # the printed losses (4 decimals) are the curve's
+        assert loss == pytest.approx(curve[step], abs=6e-5), (step, loss, curve[step])
+
+    resumed = _run(spec, tmp_path / "faulty")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "after step 4" in resumed.stdout
+    after = _losses(resumed.stdout)
+    assert sorted(after) == [5, 6]
+    for step, loss in after.items():
+        assert loss == pytest.approx(curve[step], abs=6e-5), (step, loss, curve[step])
+
+
+@pytest.mark.torchrun
+def test_a_checkpoint_moves_between_plans(tmp_path, curve):
     """Train 2 steps under tp2 x pp2; take step 3 under dp2 x tp2 (another tp layout of
     each rank's slices, no pipeline) and in one process; both give the uninterrupted run's
-    step-3 loss (one process: the equivalence tests hold the layouts to it)."""
-    want = _in_process(tmp_path, "base", tmp_path / "base_ckpt", 3)["losses"][2]
-
+    step-3 loss (one process: the equivalence tests hold the layouts to it). Both 4-rank
+    runs share one torchrun launch, in order."""
+    want = curve[3]
     ckpt = tmp_path / "ckpt"
-    first = _run(_spec(tmp_path, "first", ckpt, steps=2), tmp_path / "first")
-    assert first.returncode == 0, first.stdout + first.stderr
-    shutil.copytree(ckpt, tmp_path / "ckpt_single")   # the step-2 checkpoint, for the single process
+    first = _compiled(tmp_path, _spec(tmp_path, "first", ckpt, steps=2))
+    other = _compiled(tmp_path, _spec(tmp_path, "other", ckpt, dp=2, tp=2, pp=1, steps=3))
+    log = run_in_one_launch(4, [(first, ["--metrics-dir", tmp_path / "m_first"]),
+                                (other, ["--metrics-dir", tmp_path / "m_other"])], tmp_path / "jobs.json")
+    assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
+    assert _metric_losses(tmp_path / "m_other") == [pytest.approx(want, abs=1e-5, rel=1e-5)]
 
-    other = _run(_spec(tmp_path, "other", ckpt, dp=2, tp=2, pp=1, steps=3), tmp_path / "other")
-    assert other.returncode == 0, other.stdout + other.stderr
-    assert "after step 2" in other.stdout
-    assert _losses(other.stdout)[3] == pytest.approx(want, abs=1e-5, rel=1e-5)
-
-    # one process, in this process: the generated program imported and run
+    # one process, in this process: the generated program imported and run, from the step-2
+    # checkpoint of tp2 x pp2 (the dp2 x tp2 run added step 3 beside it)
+    shutil.copytree(ckpt, tmp_path / "ckpt_single", ignore=shutil.ignore_patterns("step_00000003"))
     record = _in_process(tmp_path, "single", tmp_path / "ckpt_single", 3)
     assert record["losses"] == [pytest.approx(want, abs=1e-5, rel=1e-5)]
 
 
 def _whole_and_resumed(tmp_path: Path, edit, steps: int) -> tuple[str, dict[int, float], dict[int, float]]:
     """dp 2, one process pair: SPEC changed by ``edit(text)``, run for ``steps`` steps
-    uninterrupted, and again stopped after step 2 and resumed to ``steps``. Returns the
-    uninterrupted run's output, its losses, and the resumed run's losses (steps 3..)."""
+    uninterrupted, and again stopped after step 2 and resumed to ``steps`` (the three runs
+    in one torchrun launch, in order). Returns the launch's output, the uninterrupted
+    run's losses, and the resumed run's losses (steps 3..)."""
     def spec(name: str, ckpt: Path, n: int) -> Path:
         path = tmp_path / f"{name}.par"
         path.write_text(edit(SPEC.format(world=2, dp=2, tp=1, pp=1, steps=n, ckpt=ckpt)))
         return path
 
-    whole = _run(spec("whole", tmp_path / "whole_ckpt", steps), tmp_path / "whole")
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    first = _run(spec("part", tmp_path / "ckpt", 2), tmp_path / "part")
-    assert first.returncode == 0, first.stdout + first.stderr
-    resumed = _run(spec("part", tmp_path / "ckpt", steps), tmp_path / "part")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "after step 2" in resumed.stdout
-    got = _losses(resumed.stdout)
-    assert sorted(got) == list(range(3, steps + 1))
-    return whole.stdout, _losses(whole.stdout), got
+    whole = _compiled(tmp_path, spec("whole", tmp_path / "whole_ckpt", steps))
+    part = _compiled(tmp_path, spec("part", tmp_path / "ckpt", steps))
+    m = tmp_path / "metrics"
+    log = run_in_one_launch(2, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
+                                (part, ["--steps", 2, "--metrics-dir", m / "first"]),     # stops after step 2
+                                (part, ["--metrics-dir", m / "resumed"])], tmp_path / "jobs.json")
+    assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
+    want = dict(enumerate(_metric_losses(m / "whole"), start=1))
+    got = dict(enumerate(_metric_losses(m / "resumed"), start=3))
+    assert sorted(want) == list(range(1, steps + 1)) and sorted(got) == list(range(3, steps + 1))
+    return log, want, got
 
 
 @pytest.mark.torchrun

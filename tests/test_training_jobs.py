@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 import parcompile
 from parcompile.cli import build_outputs, prepare_data
 from parcompile.codegen.emit import write_files
-from parcompile.verify import Tolerances, _run_reference, _run_torchrun, compare, reference
+from parcompile.verify import Tolerances, _run_reference, _run_torchrun, compare, reference, run_batched
+from tests.program_utils import run_in_one_launch
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 pytest.importorskip("tokenizers", reason="tokenizers is a test dependency")
@@ -90,22 +92,78 @@ def _write(plan, out: Path) -> None:
     write_files(out, build_outputs(plan, out))
 
 
-def _job(spec: Path, out: Path):
-    """Compile ``spec``, prepare its data, run it under torchrun (metrics in out/metrics)
-    and its world-1 reference in this process (out/ref). Returns (plan, verify result)."""
+def _prepared(spec: Path, out: Path):
+    """Compile ``spec``, prepare its data, write the program to out/prog and run its world-1
+    reference in this process (metrics in out/ref_metrics). Returns the plan."""
     plan = parcompile.compile(spec)
     cfg = plan.config
     assert not [d for d in prepare_data(cfg) if d.severity == "error"]
     _write(plan, out / "prog")
-    _run_torchrun(out / "prog", out / "metrics", cfg.parallel.world_size, cfg.train.steps, 600, None)
     ref_cfg = reference(cfg)
     ref_cfg = ref_cfg.model_copy(update=dict(train=cfg.train.model_copy(update=dict(
         hf_output=str(out / "ref_hf")))))
     ref_plan = parcompile.driver.compile_config(ref_cfg)
     _write(ref_plan, out / "ref")
     _run_reference(out / "ref", out / "ref_metrics", cfg.train.steps)
-    tol = Tolerances.for_dtype(cfg.model.dtype)
-    return plan, compare(out / "ref_metrics", out / "metrics", plan.data, cfg, tol)
+    return plan
+
+
+def _compared(plan, out: Path):
+    """The run in out/prog/metrics against its reference, as `parcompile verify` compares."""
+    cfg = plan.config
+    return compare(out / "ref_metrics", out / "prog" / "metrics", plan.data, cfg, Tolerances.for_dtype(cfg.model.dtype))
+
+
+def _job(spec: Path, out: Path):
+    """Compile ``spec``, prepare its data, run it under torchrun (metrics in out/prog/metrics)
+    and its world-1 reference in this process (out/ref). Returns (plan, verify result)."""
+    plan = _prepared(spec, out)
+    _run_torchrun(out / "prog", out / "prog" / "metrics", plan.config.parallel.world_size, plan.config.train.steps,
+                  600, None)
+    return plan, _compared(plan, out)
+
+
+# The 4-rank jobs: (test, spec keywords). They run one after another in ONE torchrun launch
+# (runtime.batch, through verify.run_batched: a failing job is its own failure and the rest
+# still run); starting torchrun costs more than each of these runs on CI's 2 cores.
+FOUR_RANK = {
+    "qwen2": ("test_qwen2_qkv_bias_tied_zero1",
+              dict(family="qwen2", dp=2, tp=2, pp=1, parallel="zero = 1", steps=3)),
+    "gpt2": ("test_gpt2_bias_tied_learned_positions_zero3",
+             dict(family="gpt2", dp=2, tp=1, pp=2, parallel="zero = 3", steps=3)),
+    "llama_bf16": ("test_llama_bf16", dict(family="llama", dp=2, tp=2, pp=1, dtype="bf16", steps=3)),
+    "sft": ("test_prompt_completion_loss_and_gradients_dp2_pp2_four_microbatches",
+            dict(family="llama", dp=2, tp=1, pp=2, data="sft.jsonl", eval_data=None, steps=3,
+                 train="data_format = prompt_completion", seq=48)),
+    "chat": ("test_chat_loss_and_gradients_dp2_pp2_four_microbatches",
+             dict(family="llama", dp=2, tp=1, pp=2, data="chat.jsonl", eval_data=None, steps=3,
+                  train="data_format = chat", seq=48)),
+}
+
+
+@pytest.fixture(scope="module")
+def four_rank(assets, request):
+    """name -> (plan, verify result, or the exception its run raised) of the FOUR_RANK jobs
+    whose tests are selected in this session, run in one launch."""
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    names = [n for n, (test, _) in FOUR_RANK.items() if test in selected]
+    plans = {n: _prepared(_spec(assets, n, **FOUR_RANK[n][1]), assets / f"run_{n}") for n in names}
+    failures = run_batched([assets / f"run_{n}" / "prog" for n in names], 4, 3, 600, assets) if names else []
+    out = {}
+    for n, failure in zip(names, failures):
+        try:
+            out[n] = (plans[n], failure or _compared(plans[n], assets / f"run_{n}"))
+        except (OSError, ValueError, KeyError) as e:   # a run that wrote incomplete metrics
+            out[n] = (plans[n], RuntimeError(f"comparing {n}: {e!r}"))
+    return out
+
+
+def _batched(four_rank, name: str):
+    plan, result = four_rank[name]
+    if isinstance(result, Exception):
+        raise result
+    return plan, result
 
 
 def _metrics(prog: Path) -> list[dict]:
@@ -141,9 +199,14 @@ def _same_weights(a: Path, b: Path, atol: float, rtol: float) -> None:
         torch.testing.assert_close(sa[k].float(), sb[k].float(), atol=atol, rtol=rtol, msg=k)
 
 
-def _check_job(assets: Path, name: str, family: str, **kw):
-    spec = _spec(assets, name, family, **kw)
-    plan, result = _job(spec, assets / f"run_{name}")
+def _check_job(assets: Path, name: str, family: str | None = None, four_rank=None, **kw):
+    """A job's run against its reference, transformers' eval losses and the written
+    checkpoint; a FOUR_RANK job's run comes from the shared launch (``four_rank``)."""
+    if four_rank is not None:
+        plan, result = _batched(four_rank, name)
+        family = FOUR_RANK[name][1]["family"]
+    else:
+        plan, result = _job(_spec(assets, name, family, **kw), assets / f"run_{name}")
     assert result.ok, result.table()
     cfg = plan.config
     evals = [r for r in _metrics(assets / f"run_{name}" / "prog") if "eval_loss" in r]
@@ -196,20 +259,20 @@ def test_llama_fine_tune_dp2_tp2_pp2_matches_one_process_and_transformers(assets
 # CI's 2 cores); together with the test above they split every kind of layer over tp and pp
 
 @pytest.mark.torchrun
-def test_qwen2_qkv_bias_tied_zero1(assets):
-    _check_job(assets, "qwen2", "qwen2", dp=2, tp=2, pp=1, parallel="zero = 1", steps=3)
+def test_qwen2_qkv_bias_tied_zero1(assets, four_rank):
+    _check_job(assets, "qwen2", four_rank=four_rank)
 
 
 @pytest.mark.torchrun
-def test_gpt2_bias_tied_learned_positions_zero3(assets):
-    _check_job(assets, "gpt2", "gpt2", dp=2, tp=1, pp=2, parallel="zero = 3", steps=3)
+def test_gpt2_bias_tied_learned_positions_zero3(assets, four_rank):
+    _check_job(assets, "gpt2", four_rank=four_rank)
 
 
 @pytest.mark.torchrun
-def test_llama_bf16(assets):
+def test_llama_bf16(assets, four_rank):
     # bf16 tolerances (Tolerances.for_dtype("bf16")): loss 2e-2 + 1e-2|ref|, grads
     # 2e-3 + 5e-2|ref|, params 4e-2 + 2e-2|ref|; eval losses within 2% of transformers'
-    _check_job(assets, "llama_bf16", "llama", dp=2, tp=2, pp=1, dtype="bf16", steps=3)
+    _check_job(assets, "llama_bf16", four_rank=four_rank)
 
 
 @pytest.mark.torchrun
@@ -222,19 +285,13 @@ def test_resume_after_step_3_sees_the_same_samples_and_losses(assets):
     plan = parcompile.compile(spec)
     out = assets / "run_resume"
     _write(plan, out)
-    _run_torchrun(out, out / "full", 2, 6, 600, None)       # --checkpoint-dir "": no checkpoints
-    import subprocess
-
-    def run(steps, metrics):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(out / "program.py"), "--steps", str(steps), "--metrics-dir", str(metrics)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc.stdout
-
-    run(3, out / "first")                                   # stops after step 3 (checkpoint step_3)
-    assert "resumed from" in run(6, out / "second")         # continues at step 4
+    # three runs in one launch, in order: uninterrupted (--checkpoint-dir "": no checkpoints),
+    # stopped after step 3 (checkpoint step_3), and again to step 6 (continues at step 4)
+    log = run_in_one_launch(2, [(out / "program.py", ["--metrics-dir", out / "full", "--checkpoint-dir", ""]),
+                                (out / "program.py", ["--steps", 3, "--metrics-dir", out / "first"]),
+                                (out / "program.py", ["--steps", 6, "--metrics-dir", out / "second"])],
+                            out / "jobs.json")
+    assert re.search(r"^resumed from \S+ after step 3$", log, re.M), log
     rec = lambda d: json.loads((d / "rank0.json").read_text())
     full, first, second = rec(out / "full"), rec(out / "first"), rec(out / "second")
     assert first["batches"] + second["batches"] == full["batches"]
@@ -263,10 +320,8 @@ def test_resume_after_step_3_sees_the_same_samples_and_losses(assets):
     assert len(seen) == len(set(seen)) == 48
 
 
-def _masked_job(assets, name: str, data: str, data_format: str):
-    spec = _spec(assets, name, "llama", dp=2, tp=1, pp=2, data=data, eval_data=None, steps=2,
-                 train=f"data_format = {data_format}", seq=48)
-    plan, result = _job(spec, assets / f"run_{name}")
+def _masked_job(assets, four_rank, name: str, data_format: str):
+    plan, result = _batched(four_rank, name)
     assert result.ok, result.table()
     assert plan.config.parallel.num_microbatches == 4
     # the first step's loss is transformers' cross-entropy over the unmasked targets of the
@@ -290,13 +345,13 @@ def _masked_job(assets, name: str, data: str, data_format: str):
 
 
 @pytest.mark.torchrun
-def test_prompt_completion_loss_and_gradients_dp2_pp2_four_microbatches(assets):
-    _masked_job(assets, "sft", "sft.jsonl", "prompt_completion")
+def test_prompt_completion_loss_and_gradients_dp2_pp2_four_microbatches(assets, four_rank):
+    _masked_job(assets, four_rank, "sft", "prompt_completion")
 
 
 @pytest.mark.torchrun
-def test_chat_loss_and_gradients_dp2_pp2_four_microbatches(assets):
-    _masked_job(assets, "chat", "chat.jsonl", "chat")
+def test_chat_loss_and_gradients_dp2_pp2_four_microbatches(assets, four_rank):
+    _masked_job(assets, four_rank, "chat", "chat")
 
 
 # ---- bad input: a diagnostic before any rank starts, nothing written ---------------------
@@ -384,14 +439,14 @@ def test_chat_without_assistant_turn_is_counted_in_a_warning(assets):
 
 @pytest.mark.torchrun
 def test_readme_fine_tuning_workflow(tmp_path, monkeypatch):
-    """README: `python examples/make_tiny_hf.py DIR` then `parcompile run DIR/finetune.par`."""
+    """README: `python examples/make_tiny_hf.py DIR` then `parcompile run DIR/finetune.par`
+    (the script's `main` run here: a second Python importing torch and transformers proves
+    nothing more)."""
     import subprocess
 
     monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "tiny_hf"
-    made = subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_hf.py"), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
+    _load_make_tiny().main([str(out)])   # the script's main, in this process (torch and transformers loaded)
     run = subprocess.run([sys.executable, "-m", "parcompile", "run", str(out / "finetune.par"), "--steps", "2"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -393,30 +393,46 @@ def program_name(cfg: SpecConfig) -> str:
     return "serve.py" if cfg.workload == "serve" else "program.py"
 
 
-def render_launch(cfg: SpecConfig) -> str:
-    """``launch.sh``: torchrun on one node, or multi-node with rendezvous from the environment
-    (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+def _launcher_context(cfg: SpecConfig) -> dict:
+    """What ``launch.sh`` and ``slurm.sbatch`` both say: the header, the program and its
+    layout on the nodes (``world = nodes * gpus_per_node``, one process per device;
+    ``devices`` names them, None on CPUs)."""
+    c = cfg.cluster
     script = program_name(cfg)
-    return _env.get_template("launch.sh.j2").render(
+    return dict(
         name=comment_text(cfg.name), version=version(), spec_file=comment_text(Path(cfg.filename).name),
-        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=script,
+        nodes=c.nodes, gpus_per_node=c.gpus_per_node, world=c.world_size, script=script,
+        devices={"cuda": "GPUs", "npu": "NPUs", "cpu": None}[c.device_kind],
         example_args=("--prompt 'Once upon a time' --max-new-tokens 32" if script == "serve.py"
                       else "--steps 10 --metrics-dir out/"),
     )
 
 
+def render_launch(cfg: SpecConfig) -> str:
+    """``launch.sh``: torchrun on one node; for a multi-node plan, one node of the
+    rendezvous per run (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` from the
+    environment) or, with ``NNODES=1``, every process of the plan on this machine.
+
+    The program is found beside the script (``BASH_SOURCE``) and runs in the caller's
+    directory; torchrun missing from ``PATH``, or a Python without parcompile, stops it with
+    a one-line message (``_python_env.sh.j2``)."""
+    return _env.get_template("launch.sh.j2").render(**_launcher_context(cfg))
+
+
 def render_slurm(cfg: SpecConfig) -> str:
     """``slurm.sbatch``: one task per node, ``srun torchrun`` with c10d rendezvous on the
-    allocation's first node (``scontrol show hostnames``)."""
+    allocation's first node (``scontrol show hostnames``).
+
+    sbatch runs a copy of the script from its spool directory, so the program's directory
+    is, in order: ``PARCOMPILE_DIR``; the script's own directory (run outside sbatch); the
+    directory of the script as submitted (``scontrol show job``'s ``Command=``, relative to
+    ``SLURM_SUBMIT_DIR``, checked on SLURM 22.05); the job's working directory. The job
+    keeps sbatch's working directory (``--chdir``). Generated files hold no absolute path."""
     kind = cfg.cluster.device_kind
     gpu_line = {"cuda": f"--gpus-per-node={cfg.cluster.gpus_per_node}",
                 "npu": None, "cpu": None}[kind]
     job = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cfg.name)[:64] or "parcompile"
-    return _env.get_template("slurm.sbatch.j2").render(
-        name=comment_text(cfg.name), version=version(), spec_file=comment_text(Path(cfg.filename).name),
-        nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node, script=program_name(cfg),
-        gpu_line=gpu_line, job_name=job,
-    )
+    return _env.get_template("slurm.sbatch.j2").render(**_launcher_context(cfg), gpu_line=gpu_line, job_name=job)
 
 
 def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> dict:
