@@ -482,31 +482,11 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     if m.qk_norm:
         notes.append("qk_norm: torchtitan's llama3 has no q/k norm; its qwen3 model has one (register a flavor there)")
 
-    # ZeRO: FSDP2 shards over data_parallel_shard_degree
-    # zero 3: "default" is parcompile's own policy (analysis/buckets.reshard_after_forward):
-    # layers resharded after forward without PP, kept across micro-batches with PP
-    replicate, shard, reshard = (deg["dp"], 1, "default") if par.zero == 0 else (1, deg["dp"], "default")
-    if par.zero == 0 and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
-        # torchtitan 0.2 refuses data_parallel_replicate alone with other parallelism ("DDP has not
-        # supported > 1D parallelism"); FSDP over dp trains the same model, sharding the states
-        replicate, shard = 1, deg["dp"]
-        notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other parallelism; "
-                     "exported as FSDP over dp (data_parallel_shard_degree = dp), which shards the states")
-    if par.zero in (1, 2):
-        reshard = "never"
-        notes.append(f"zero {par.zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
-                     "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
-                     "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
+    replicate, shard, reshard = _torchtitan_fsdp(par.zero, deg, notes, "0.2")
     if deg["cp"] > 1 and par.zero == 0:
         notes.append("cp: torchtitan's context parallelism runs under FSDP; parameters are sharded over dp x cp")
 
-    schedule = TORCHTITAN_SCHEDULE[(sched, v > 1)]
-    if sched == "zero_bubble" and v == 1:
-        notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
-                     "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
-                     "rank; exported as 1F1B")
-    if sched == "gpipe" and v > 1:
-        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    schedule = _torchtitan_schedule(sched, v, notes)
 
     par_t: dict = {
         "data_parallel_replicate_degree": replicate,
@@ -623,6 +603,43 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     return errors
 
 
+def _torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tuple[int, int, str]:
+    """torchtitan's FSDP2 settings for ZeRO stage ``zero``: (data_parallel_replicate_degree,
+    data_parallel_shard_degree, fsdp_reshard_after_forward); appends the notes.
+
+    zero 0 replicates the states over dp (0.3's llama3 applies fully_shard over
+    dp_replicate x dp_shard, so dp_shard = 1 is DDP's memory and reduction); torchtitan 0.2
+    refuses data_parallel_replicate alone with tp, pp or cp ("DDP has not supported > 1D
+    parallelism"), so there it is FSDP over dp. zero 1 and 2 shard with FSDP2 and keep the
+    parameters gathered from forward to backward ("never"); zero 3 uses "default": parcompile's
+    own policy (parcompile.core.buckets.reshard_after_forward: resharded after forward
+    without pp, kept across micro-batches with pp)."""
+    if zero == 0:
+        if version == "0.2" and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
+            notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other "
+                         "parallelism; exported as FSDP over dp (data_parallel_shard_degree = dp), which shards "
+                         "the states")
+            return 1, deg["dp"], "default"
+        return deg["dp"], 1, "default"
+    if zero in (1, 2):
+        notes.append(f"zero {zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
+                     "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
+                     "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
+        return 1, deg["dp"], "never"
+    return 1, deg["dp"], "default"
+
+
+def _torchtitan_schedule(sched: str, v: int, notes: list[str]) -> str:
+    """torchtitan's ``pipeline_parallel_schedule`` for the plan's schedule with ``v`` model
+    chunks per rank; appends a note where torch.distributed.pipelining runs another one."""
+    if sched == "zero_bubble" and v == 1:
+        notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
+                     "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
+                     "rank; exported as 1F1B")
+    if sched == "gpipe" and v > 1:
+        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    return TORCHTITAN_SCHEDULE[(sched, v > 1)]
+
 def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     """The torchtitan 0.3 settings for ``plan`` and the notes: ``{"model": {...},
     "training": {...}, "parallelism": {...}, "activation_checkpoint": ..., ...}``, the field
@@ -641,26 +658,8 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     v = deg["virtual_stages"]
     notes = _common_notes(plan, "torchtitan")
 
-    # ZeRO: torchtitan 0.3's llama3 applies fully_shard over dp_replicate x dp_shard always:
-    # dp_shard = 1 replicates the states (HSDP without sharding: DDP's memory and reduction)
-    if par.zero == 0:
-        replicate, shard, reshard = deg["dp"], 1, "default"
-    elif par.zero in (1, 2):
-        replicate, shard, reshard = 1, deg["dp"], "never"
-        notes.append(f"zero {par.zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
-                     "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
-                     "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
-    else:
-        # "default": reshard after forward without pp, keep across micro-batches with pp:
-        # parcompile's own zero-3 policy (parcompile.core.buckets.reshard_after_forward)
-        replicate, shard, reshard = 1, deg["dp"], "default"
-    schedule = TORCHTITAN_SCHEDULE[(sched, v > 1)]
-    if sched == "zero_bubble" and v == 1:
-        notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
-                     "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
-                     "rank; exported as 1F1B")
-    if sched == "gpipe" and v > 1:
-        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    replicate, shard, reshard = _torchtitan_fsdp(par.zero, deg, notes, "0.3")
+    schedule = _torchtitan_schedule(sched, v, notes)
     parallelism: dict = {
         "data_parallel_replicate_degree": replicate,
         "data_parallel_shard_degree": shard,
