@@ -68,6 +68,21 @@ def run_torchrun(world: int, jobs: list[tuple[Path, list[str], Path]], timeout_s
     return proc.stdout
 
 
+def serve_cases_in_one_launch(tmp_path_factory, name: str, keys, save, spec, prompts, tp: int = 2) -> dict:
+    """Serve every case of a family test under ``tp`` ranks in one torchrun launch (a launch
+    costs more than the runs on CI's 2 cores): for each key, ``save(key, dir)`` writes its
+    Hugging Face checkpoint and ``spec(root, tp)`` its serve spec; greedy tokens for
+    ``prompts``. Returns key -> (plan.json dict, each rank's record)."""
+    args = sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), [])
+    plans, dirs = {}, {}
+    for key in keys:   # the params of the test's `case`, built the same way (the same seed)
+        tmp = tmp_path_factory.mktemp(name)
+        save(key, tmp / "hf")
+        plans[key], dirs[key] = build_serve(spec(tmp, tp), tmp / f"tp{tp}"), tmp / f"tp{tp}"
+    run_torchrun(tp, [(d, args, d / "out") for d in dirs.values()])
+    return {key: (plans[key], records(dirs[key] / "out")) for key in dirs}
+
+
 def records(out: Path) -> list[dict]:
     """The rank<r>.json records a run wrote, by rank."""
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]

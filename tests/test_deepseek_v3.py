@@ -132,16 +132,9 @@ def test_greedy_serving_equals_generate(case, tmp_path):
 def tp2_served(tmp_path_factory):
     """Both cases served under tp 2 in one torchrun launch of 2 ranks (a launch costs more
     than both runs on CI's 2 cores): q_lora_rank -> (plan, each rank's record)."""
-    from tests.serve_utils import records, run_torchrun
+    from tests.serve_utils import serve_cases_in_one_launch
 
-    args = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
-    plans, dirs = {}, {}
-    for q_lora in (32, None):   # the params of `case`, built the same way (the same seed)
-        tmp = tmp_path_factory.mktemp("deepseek_v3_tp2")
-        _save(q_lora, tmp / "hf")
-        plans[q_lora], dirs[q_lora] = build_serve(_serve_spec(tmp, 2), tmp / "tp2"), tmp / "tp2"
-    run_torchrun(2, [(d, args, d / "out") for d in dirs.values()])
-    return {q_lora: (plans[q_lora], records(dirs[q_lora] / "out")) for q_lora in dirs}
+    return serve_cases_in_one_launch(tmp_path_factory, "deepseek_v3_tp2", (32, None), _save, _serve_spec, PROMPTS)
 
 
 @pytest.mark.torchrun

@@ -127,16 +127,9 @@ def _serve_spec(root: Path, tp: int):
 def tp2_served(tmp_path_factory):
     """Both cases served under tp 2 in one torchrun launch of 2 ranks (a launch costs more
     than both runs on CI's 2 cores): rope scaling -> (plan, each rank's record)."""
-    from tests.serve_utils import records, run_torchrun
+    from tests.serve_utils import serve_cases_in_one_launch
 
-    args = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
-    plans, dirs = {}, {}
-    for scaling in (None, 2.0):   # the params of `case`, built the same way (the same seed)
-        tmp = tmp_path_factory.mktemp("gemma3_tp2")
-        _save(scaling, tmp / "hf")
-        plans[scaling], dirs[scaling] = build_serve(_serve_spec(tmp, 2), tmp / "tp2"), tmp / "tp2"
-    run_torchrun(2, [(d, args, d / "out") for d in dirs.values()])
-    return {scaling: (plans[scaling], records(dirs[scaling] / "out")) for scaling in dirs}
+    return serve_cases_in_one_launch(tmp_path_factory, "gemma3_tp2", (None, 2.0), _save, _serve_spec, PROMPTS)
 
 
 @pytest.mark.torchrun
