@@ -336,6 +336,36 @@ def test_slurm_sbatch_finds_its_program_or_says_how(tmp_path):
         assert r.stderr.startswith("slurm.sbatch: torchrun is not on PATH: activate the Python environment")
 
 
+
+def test_launchers_through_a_symbolic_link(tmp_path):
+    """Both scripts run through a symbolic link (``ln -s build/launch.sh ~/bin/train``;
+    ``sbatch ~/jobs/train.sbatch`` linking to build/slurm.sbatch) find the program beside the
+    file the link names, not beside the link; a launch.sh copied away from its program says
+    so in one line instead of starting torchrun's processes on a missing file."""
+    out = _compile(tmp_path, nodes=1, gpus=2, tp=2, pp=1)
+    program = str(out / "program.py")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "train").symlink_to(out / "launch.sh")
+    (links / "train.sbatch").symlink_to(out / "slurm.sbatch")
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    _executable(rec / "torchrun", f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    env = dict(os.environ, PATH=f"{rec}:/usr/bin:/bin")
+    r = subprocess.run([str(links / "train"), "--steps", "1"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[-3:] == [program, "--steps", "1"]
+    r = _submit_with_stubs(out, tmp_path, str(links / "train.sbatch"), [], torchrun="record")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[-1] == program
+    shutil.copy(out / "launch.sh", links / "copied.sh")
+    r = subprocess.run([str(links / "copied.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr == (f"launch.sh: no program.py beside this script in {links}: run the launch.sh that "
+                        "parcompile compile wrote, in its output directory\n")
+
+
 # --- slurm.sbatch under a real SLURM --------------------------------------------------------
 
 def _slurm_missing() -> str | None:

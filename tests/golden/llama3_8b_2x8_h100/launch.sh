@@ -11,7 +11,12 @@
 # source /path/to/venv/bin/activate
 # conda activate <env>
 set -euo pipefail
-here="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+# the directory of program.py: this script's own, through any symbolic link to it
+here="$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")" && pwd)"
+if [ ! -f "$here/program.py" ]; then
+    echo "launch.sh: no program.py beside this script in $here: run the launch.sh that parcompile compile wrote, in its output directory" >&2
+    exit 2
+fi
 if ! command -v torchrun >/dev/null 2>&1; then
     echo "launch.sh: torchrun is not on PATH: activate the Python environment with torch and parcompile 0.1.0 (see the top of this script)" >&2
     exit 127
