@@ -947,14 +947,18 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
                                                                 "total_num_steps": tr.steps,
                                                                 "cos_min_ratio": tr.min_lr / tr.lr if tr.lr else 0.0}}
     if deg["pp"] > 1:
-        c["pipeline"] = {"stages": deg["pp"], "partition": "uniform",
+        # no "partition": DeepSpeed's engine never reads it; PipelineModule's partition_method splits
+        c["pipeline"] = {"stages": deg["pp"],
                          "activation_checkpoint_interval": 1 if par.recompute == "full" else 0}
         # PipelineModule(num_stages=pp) alone makes dp = world / pp (deepspeed/runtime/pipe/module.py),
         # every tp rank a data-parallel replica; the topology gives DeepSpeed dp = world / (pp * tp)
         notes.append(f"pipeline: build deepspeed.pipe.PipelineModule(layers, topology="
                      f"deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology(num_pp={deg['pp']}, "
-                     f"num_mp={deg['tp']}, num_dp={deg['dp']}), partition_method=\"uniform\") and train with "
-                     "engine.train_batch(); DeepSpeed then takes dp from the topology's data axis")
+                     f"num_mp={deg['tp']}, num_dp={deg['dp']}), partition_method=\"type:<your block class>\") "
+                     f"with layers = [embedding, {plan.config.model.layers} blocks, final norm, output head] and train "
+                     "with engine.train_batch(); DeepSpeed then takes dp from the topology's data axis, and "
+                     "\"type:\" balances the blocks alone (\"uniform\" counts the embedding, norm and head as "
+                     "layers and splits the blocks unevenly)")
         if sched != "1f1b":
             notes.append(f"schedule {sched}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
                          "(TrainSchedule)" + ("; virtual stages are not expressible" if deg["virtual_stages"] > 1
@@ -963,8 +967,9 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
             errors.append(f"zero {par.zero} with pp {deg['pp']}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
                           "(\"incompatible with pipeline parallelism\"); use zero 0 or 1")
         if par.stage_layers is not None and len(set(_stage_split(plan))) > 1:
-            notes.append(f"stage_layers {_stage_split(plan)}: give PipelineModule partition_method=\"custom\" "
-                         "boundaries for this split")
+            notes.append(f"stage_layers {_stage_split(plan)}: DeepSpeed's PipelineModule has no partition method "
+                         "for given boundaries (only uniform, parameters and type:REGEX); subclass it and override "
+                         "_partition_layers to set self.parts to these layer counts")
     if deg["tp"] > 1:
         if deg["pp"] == 1:
             c["tensor_parallel"] = {"autotp_size": deg["tp"]}

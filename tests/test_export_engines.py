@@ -152,6 +152,31 @@ def test_torchtitan_accepts_and_derives_the_plan(plans, torchtitan, tmp_path, mo
     assert len(ACCEPTED["torchtitan"]) >= len(plans) - 3, refused   # gpt3 (LayerNorm/GeLU) and the two MoE
 
 
+
+def _deepspeed_blocks_per_stage(note: str, blocks: int, stages: int) -> list[int]:
+    """Transformer blocks per pipeline stage, as DeepSpeed 0.19.8's own
+    ``PipelineModule._partition_layers`` splits the layer list the note describes
+    ([embedding, blocks, final norm, output head]) with the ``partition_method`` it names."""
+    from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+    from torch import nn
+
+    method = re.search(r'partition_method="([^"]+)"', note).group(1).replace("<your block class>", "Block")
+    assert re.search(rf"layers = \[embedding, {blocks} blocks, final norm, output head\]", note), note
+    Block, Embedding, Norm, Head = (type(n, (nn.Module,), {}) for n in ("Block", "Embedding", "Norm", "Head"))
+
+    class Module:   # the attributes _partition_layers reads, without a process group
+        _layer_specs = [LayerSpec(Embedding), *(LayerSpec(Block) for _ in range(blocks)), LayerSpec(Norm),
+                        LayerSpec(Head)]
+        num_stages, global_rank = stages, 1
+        _topo = types.SimpleNamespace(get_coord=lambda rank: types.SimpleNamespace(pipe=0))
+        _find_layer_type = PipelineModule._find_layer_type
+        _set_bounds = PipelineModule._set_bounds
+
+    m = Module()
+    PipelineModule._partition_layers(m, method=method)
+    return [sum(isinstance(s, LayerSpec) and s.typename is Block for s in Module._layer_specs[a:b])
+            for a, b in zip(m.parts, m.parts[1:])]
+
 def test_deepspeed_accepts_and_derives_the_plan(plans, monkeypatch):
     import deepspeed
     from deepspeed.runtime import config as ds_config
@@ -174,6 +199,12 @@ def test_deepspeed_accepts_and_derives_the_plan(plans, monkeypatch):
         if pp > 1:   # the topology the note tells train.py to give PipelineModule
             note = next(n for n in ex.notes if "PipeModelDataParallelTopology(" in n)
             tp = int(re.search(r"num_mp=(\d+)", note).group(1))
+            chunks = list(par.layers_per_chunk(plan.config.model.layers))
+            if len(set(chunks)) == 1:   # blocks per stage (DeepSpeed's stages hold contiguous blocks)
+                assert _deepspeed_blocks_per_stage(note, plan.config.model.layers, pp) == \
+                    [sum(chunks[r::pp]) for r in range(pp)], name
+            else:   # uneven: DeepSpeed has no method for given boundaries; the note says how
+                assert any("override _partition_layers" in n for n in ex.notes), name
         else:        # AutoTP: deepspeed.utils.groups._init_tp_mesh_device makes dp = world // tp
             tp = c.get("tensor_parallel", {}).get("autotp_size", 1)
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
