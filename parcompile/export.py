@@ -1020,6 +1020,11 @@ def _deepspeed(plan: Plan) -> Export:
               + f" train.py --deepspeed --deepspeed_config {name}")
     notes.append(f"model: train.py builds the {cfg.model.layers}-layer model ({plan.data['model']['params']:,} "
                  "parameters) and calls deepspeed.initialize with this config")
+    if cl.nodes > 1:   # deepspeed/launcher/runner.py fetch_hostfile: a missing file means this machine only
+        notes.append(f"hostfile: write `hostfile` in the launch directory, one line per node, "
+                     f"`<hostname> slots={cl.gpus_per_node}` ({cl.nodes} lines, reachable by passwordless ssh); "
+                     f"without it DeepSpeed's runner only warns and trains on this machine alone, not on "
+                     f"{cl.nodes} nodes")
     return Export("deepspeed", json.dumps(c, sort_keys=True, indent=2) + "\n", notes, launch, name, errors)
 
 

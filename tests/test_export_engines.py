@@ -195,6 +195,13 @@ def test_deepspeed_accepts_and_derives_the_plan(plans, monkeypatch):
             continue
         c = json.loads(ex.text)
         world = _launch_world(shlex.split(ex.launch), "--num_nodes", "--num_gpus")
+        nodes = plan.config.cluster.nodes
+        if nodes > 1:   # the hostfile the note describes, read by DeepSpeed's runner's own parser
+            from deepspeed.launcher.runner import _parse_hostfile
+            assert "--hostfile hostfile" in ex.launch, name
+            line = re.search(r"`(<hostname> slots=\d+)`", next(n for n in ex.notes if n.startswith("hostfile:")))
+            pool = _parse_hostfile([line.group(1).replace("<hostname>", f"node{i}") for i in range(nodes)])
+            assert list(pool.values()) == [plan.config.cluster.gpus_per_node] * nodes, name
         pp = c.get("pipeline", {}).get("stages", 1)
         if pp > 1:   # the topology the note tells train.py to give PipelineModule
             note = next(n for n in ex.notes if "PipeModelDataParallelTopology(" in n)
