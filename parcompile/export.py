@@ -777,7 +777,10 @@ def _torchtitan3(plan: Plan) -> Export:
     lines = [
         f'"""torchtitan 0.3 config registry for `{cfg.name}` (exported by parcompile): {_layout(plan)}.',
         "",
-        f"Launch from the directory holding this file: {launch}",
+        "Launch from the root of a torchtitan source checkout with this file copied there (torchtitan reads",
+        "the c4_test sample and the tokenizer from ./tests/assets there, which its pip wheel does not ship;",
+        "with your own data and tokenizer, from any directory holding this file, overriding",
+        f"--hf-assets-path and --dataloader.dataset): {launch}",
         "(command-line overrides such as --training.steps 20 go after --config).",
     ]
     lines += [""] + [f"error: {e}" for e in errors] if errors else []

@@ -153,6 +153,32 @@ def test_torchtitan_accepts_and_derives_the_plan(plans, torchtitan, tmp_path, mo
 
 
 
+
+def test_torchtitan_launch_says_where_its_assets_are(plans, torchtitan, tmp_path, monkeypatch):
+    """The exported module trains on torchtitan's c4_test sample with its test tokenizer,
+    which torchtitan 0.3.0 reads relative to the working directory (``tests/assets``, absent
+    from its pip wheel): the docstring's launch says to run from a torchtitan checkout, or
+    names the overrides for one's own data, and those overrides parse."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+    from torchtitan.trainer import Trainer
+
+    name, plan = next((n, p) for n, p in plans if not export(p, "torchtitan").errors)
+    ex = export(plan, "torchtitan")
+    doc = ex.text.split('"""')[1]
+    import dataclasses
+    default = next(f.default for f in dataclasses.fields(Trainer.Config) if f.name == "hf_assets_path")
+    assert default.startswith("./tests/assets/")   # torchtitan's own defaults
+    assert DATASETS["c4_test"].path.startswith("tests/assets/") and 'dataset="c4_test"' in ex.text
+    assert "root of a torchtitan source checkout" in doc and "./tests/assets" in doc, doc
+    assert f"--hf-assets-path and --dataloader.dataset): {ex.launch}" in " ".join(doc.split()), doc
+    (tmp_path / ex.filename).write_text(ex.text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    words = shlex.split(ex.launch)
+    cfg = torchtitan().parse_args(words[words.index("--module"):] + ["--hf-assets-path", str(tmp_path),
+                                                                      "--dataloader.dataset", "c4"])
+    assert (cfg.hf_assets_path, cfg.dataloader.dataset) == (str(tmp_path), "c4"), name
+    sys.modules.pop(ex.filename[:-3], None)
+
 def _deepspeed_blocks_per_stage(note: str, blocks: int, stages: int) -> list[int]:
     """Transformer blocks per pipeline stage, as DeepSpeed 0.19.8's own
     ``PipelineModule._partition_layers`` splits the layer list the note describes
