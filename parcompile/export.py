@@ -1055,6 +1055,19 @@ def serve_memory_fraction(plan: Plan, with_workspace: bool) -> float:
     return min(1.0, -(-100 * used // plan.config.cluster.memory) / 100)
 
 
+
+def serve_fraction_sequences(plan: Plan, with_workspace: bool) -> int:
+    """Sequences of ``prompt_len + max_new_tokens`` tokens whose KV cache fits in the memory
+    fraction ``serve_memory_fraction`` gives (the same ``with_workspace``): that fraction of
+    the GPU's memory less the weights (and the workspace) per rank, over one sequence's KV
+    cache per rank (``kv_cache_bytes_per_rank / batch_per_replica``)."""
+    s = plan.data["serve"]
+    left = serve_memory_fraction(plan, with_workspace) * plan.config.cluster.memory - s["weights_bytes_per_rank"]
+    if with_workspace:
+        left -= s["workspace_bytes_per_rank"]
+    per_sequence = s["kv_cache_bytes_per_rank"] / s["batch_per_replica"]
+    return int(left // per_sequence) if per_sequence else 0
+
 def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
     """The server arguments for a serve ``plan`` (``target`` ``vllm`` or ``sglang``) as
     ``(flag, value or None)`` pairs, the notes and the errors."""
@@ -1094,8 +1107,12 @@ def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], l
               ("--kv-cache-dtype", kv), ("--mem-fraction-static", f"{serve_memory_fraction(plan, False):.2f}"),
               ("--dtype", SERVE_DTYPE[m.dtype]), ("--random-seed", str(sv.seed))]
     if s.get("max_concurrent_sequences", 0) > s["batch_per_replica"]:
-        notes.append(f"the KV cache the memory fraction leaves holds {s['max_concurrent_sequences']} sequences of "
-                     f"{max_len} tokens; the plan serves {s['batch_per_replica']} at once per replica")
+        flag, fraction = a[[k for k, _ in a].index(
+            "--gpu-memory-utilization" if target == "vllm" else "--mem-fraction-static")]
+        notes.append(f"{flag} {fraction} sizes the KV cache for about {serve_fraction_sequences(plan, target == 'vllm')} "
+                     f"sequences of {max_len} tokens (the plan's {s['batch_per_replica']} per replica, the fraction "
+                     f"rounded up); the GPU's free memory would hold {s['max_concurrent_sequences']}: raise {flag} "
+                     "to serve more at once")
     if cfg.cluster.nodes > 1:
         notes.append("multi-node: see the server's multi-node launch (Ray for vLLM, --nnodes/--node-rank for SGLang)")
     return a, notes, errors

@@ -427,3 +427,12 @@ def test_serve_exports_name_the_plan(target, monkeypatch):
         # the memory fraction covers what the plan's memory model puts on a GPU, rounded up to 0.01
         fraction = float(f[frac])
         assert used <= fraction * plan.config.cluster.memory < used + 0.01 * plan.config.cluster.memory, spec.stem
+        # the note on the KV cache says what that fraction holds, not what the whole GPU would
+        per_sequence = s["kv_cache_bytes_per_rank"] / s["batch_per_replica"]
+        held = int((fraction * plan.config.cluster.memory - used + s["kv_cache_bytes_per_rank"]) // per_sequence)
+        assert s["batch_per_replica"] <= held < s["max_concurrent_sequences"], spec.stem
+        note = next(n for n in ex.notes if "sequences of" in n)
+        assert note.startswith(f"{frac} {f[frac]} sizes the KV cache for about {held} sequences of "
+                               f"{sv.prompt_len + sv.max_new_tokens} tokens (the plan's {s['batch_per_replica']} "
+                               "per replica"), note
+        assert f"the GPU's free memory would hold {s['max_concurrent_sequences']}: raise {frac}" in note, note
