@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -307,6 +308,28 @@ def cmd_verify(args) -> int:
     return EXIT_OK if report.passed else EXIT_SPEC
 
 
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory and ``os.replace``:
+    an interrupted write leaves the old file or none. Raises ``_Usage`` naming the path."""
+    import os
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)   # mkstemp's 0600 would differ from a plain write's mode
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+
 def cmd_export(args) -> int:
     """`parcompile export SPEC --to megatron|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
     another engine's configuration (stdout, or FILE); notes about what the target cannot
@@ -322,19 +345,28 @@ def cmd_export(args) -> int:
         return EXIT_SPEC
     _print_diags(plan.warnings, source)
     commented = args.to != "deepspeed"   # notes (and errors) already in the text, as comments
+    notes, launch = list(result.notes), result.launch
     if args.output is None:
         sys.stdout.write(result.text)
     else:
-        try:
-            Path(args.output).write_text(result.text)
-        except OSError as e:
-            raise _Usage(f"cannot write {args.output}: {e.strerror or e}") from None
+        _write_atomic(Path(args.output), result.text)
         print(f"wrote {args.output} ({args.to})", file=sys.stderr)
+        written = Path(args.output)
+        if written.name != result.filename and args.to == "deepspeed":   # the launch names the file written
+            launch = launch.replace(f"--deepspeed_config {result.filename}",
+                                    f"--deepspeed_config {shlex.quote(args.output)}")
+        elif written.name != result.filename and result.filename.endswith(".py"):   # torchtitan 0.3's module
+            if written.stem.isidentifier() and written.suffix == ".py":
+                notes.append(f"torchtitan imports the config module by its file name: launch this file with "
+                             f"--module {written.stem} (its docstring names {result.filename[:-3]}, the default name)")
+            else:
+                notes.append(f"torchtitan imports the config module by its file name and `{written.name}` is no "
+                             f"importable module name: write it as {result.filename}, the name its launch line uses")
     if args.output is not None or not commented:
-        for n in result.notes:
+        for n in notes:
             print(f"note: {n}", file=sys.stderr)
     if not commented:
-        print(f"launch: {result.launch}", file=sys.stderr)
+        print(f"launch: {launch}", file=sys.stderr)
     for e in result.errors:   # the export would train or serve another model or layout
         print(f"error: {e}", file=sys.stderr)
     return EXIT_SPEC if result.errors else EXIT_OK

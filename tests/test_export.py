@@ -327,6 +327,32 @@ def test_export_to_file(target, monkeypatch, capsys, tmp_path):
     assert f"wrote {dest} ({target})" in err and "note: " in err
 
 
+
+def test_export_to_another_name_launches_that_file(monkeypatch, capsys, tmp_path):
+    """``-o`` under a name other than the export's own: DeepSpeed's launch line names the file
+    written (quoted for the shell), torchtitan 0.3 says which ``--module`` imports it (or that
+    the name cannot be imported); the file is written whole, with a plain write's mode."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.par").write_text((REPO / "examples" / "tiny.par").read_text())
+    import os
+    umask = os.umask(0o022)
+    try:
+        assert main(["export", "tiny.par", "--to", "deepspeed", "-o", "my config.json"]) == 0
+        err = capsys.readouterr().err
+        launch = next(line for line in err.splitlines() if line.startswith("launch: "))
+        assert shlex.split(launch)[-2:] == ["--deepspeed_config", "my config.json"], launch
+        assert (tmp_path / "my config.json").stat().st_mode & 0o777 == 0o644
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left
+        assert main(["export", "tiny.par", "--to", "torchtitan", "-o", "mine.py"]) == 0
+        assert "note: torchtitan imports the config module by its file name: launch this file with --module mine " \
+            in capsys.readouterr().err
+        assert main(["export", "tiny.par", "--to", "torchtitan", "-o", "my-cfg.py"]) == 0
+        assert "`my-cfg.py` is no importable module name: write it as tiny_torchtitan.py" in capsys.readouterr().err
+        assert main(["export", "tiny.par", "--to", "deepspeed", "-o", "tiny_deepspeed.json"]) == 0
+        assert "--deepspeed_config tiny_deepspeed.json" in capsys.readouterr().err
+    finally:
+        os.umask(umask)
+
 def test_export_api_refuses_serve_and_unknown_target(monkeypatch):
     monkeypatch.chdir(REPO)
     plan = parcompile.compile(Path("examples/tiny_serve.par"))
