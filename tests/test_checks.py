@@ -538,3 +538,26 @@ def test_does_not_fit_help_suggests_only_what_is_not_set():
     assert helps[", zero = 1"] == "raise tp or pp, also shard gradients (zero = 2) or recompute activations " \
                                   "(recompute = selective or full)"
     assert helps[", zero = 3, recompute = full"] == "raise tp or pp"
+
+
+def test_engine_on_a_serve_spec_warns_and_changes_nothing():
+    """`cluster.engine` names the training engine of the training estimate: on a serve spec it
+    is a warning at the key, and the serve plan is the same with either engine."""
+    from pathlib import Path
+
+    import parcompile
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tiny_serve.par"
+    base = path.read_text()
+    plans = {}
+    for engine in ("megatron", "eager"):
+        text = base.replace("    gpus_per_node = 4\n", f"    gpus_per_node = 4\n    engine = {engine}\n", 1)
+        assert text != base
+        plan = parcompile.compile(text, filename=str(path))
+        warned = [w for w in plan.warnings if "engine" in w.message]
+        assert [w.message for w in warned] == [f"engine = {engine} has no effect: a `serve` spec's estimate "
+                                                "does not use it"]
+        line = text.splitlines().index(f"    engine = {engine}") + 1
+        assert (warned[0].span.line, warned[0].span.column) == (line, 14) and warned[0].help == "remove `engine`"
+        plans[engine] = plan.data["serve"]
+    assert plans["eager"] == plans["megatron"]

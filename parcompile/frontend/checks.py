@@ -588,6 +588,11 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
                         help="remove `zero`, or give dp (or cp) more than one rank",
                         note="ZeRO shards optimizer states, gradients and (zero = 3) parameters over "
                              "the dp * cp ranks that hold the same weights")
+    if ctx.given("cluster.engine") and ctx.ok("cluster.engine") and cfg.workload == "serve":
+        ctx.bag.warning(f"engine = {cfg.cluster.engine} has no effect: a `serve` spec's estimate does not use it",
+                        ctx.span("cluster.engine"), help="remove `engine`",
+                        note="engine names the training engine (megatron or eager) whose kernels the training "
+                             "time estimate assumes")
     for key, what in (("rotary_fraction", "the share of each head's dims that get RoPE"),
                       ("rope_theta", "the base of RoPE's frequencies")):
         if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.position") and m.position != "rope":
