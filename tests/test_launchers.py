@@ -157,7 +157,8 @@ def test_launchers_say_what_they_run(nodes, gpus):
     launch, sbatch = render_launch(cfg), render_slurm(cfg)
     for text in (launch, sbatch):
         assert subprocess.run(["bash", "-n", "-c", text]).returncode == 0
-        assert "\n# source /path/to/venv/bin/activate\n# conda activate <env>\nset -euo pipefail\n" in text
+        assert "\n# source /path/to/venv/bin/activate\n# conda activate <env>\n" in text
+        assert "\nset -euo pipefail\n" in text
     world, procs = nodes * gpus, "process" if gpus == 1 else "processes"
     if nodes == 1:
         assert f"# One node ({gpus} {procs}): ./launch.sh" in launch
@@ -359,6 +360,11 @@ def test_launchers_through_a_symbolic_link(tmp_path):
     r = _submit_with_stubs(out, tmp_path, str(links / "train.sbatch"), [], torchrun="record")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[-1] == program
+    if shutil.which("sh") and os.path.realpath(shutil.which("sh")) != os.path.realpath(shutil.which("bash") or ""):
+        r = subprocess.run(["sh", str(out / "launch.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)   # another shell: one line that says to use bash, nothing launched
+        assert (r.returncode, r.stdout) == (2, ""), r.stdout + r.stderr
+        assert r.stderr == "launch.sh: run it with bash (./launch.sh or bash launch.sh), not sh\n"
     shutil.copy(out / "launch.sh", links / "copied.sh")
     r = subprocess.run([str(links / "copied.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr

@@ -10,6 +10,10 @@
 # from one environment. Activate it before running this script, or uncomment one of these:
 # source /path/to/venv/bin/activate
 # conda activate <env>
+if [ -z "${BASH_VERSION:-}" ]; then   # `sh launch.sh` runs another shell: say so, not its first error
+    echo "launch.sh: run it with bash (./launch.sh or bash launch.sh), not sh" >&2
+    exit 2
+fi
 set -euo pipefail
 # the directory of program.py: this script's own, through any symbolic link to it
 here="$(cd -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")" && pwd)"
