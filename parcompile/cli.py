@@ -337,9 +337,11 @@ def cmd_export(args) -> int:
     torchtitan outputs), and for DeepSpeed the launcher line too."""
     if args.output is not None and not args.output.strip():
         raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
+    if args.torchtitan_version is not None and args.to != "torchtitan":
+        raise _Usage(f"--torchtitan-version applies to --to torchtitan, not --to {args.to}: drop it")
     try:
         plan, source = _compile(args.spec)
-        result = api.export(plan, args.to, args.torchtitan_version)
+        result = api.export(plan, args.to, args.torchtitan_version or "0.3")
     except SpecError as e:
         _print_diags(e.diagnostics, e.source or _read(args.spec)[1])
         return EXIT_SPEC
@@ -533,7 +535,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("spec")
     p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed", "vllm", "sglang"],
                    help="target engine")
-    p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default="0.3",
+    p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default=None,
                    help="torchtitan release: 0.3 (a config registry module, default) or 0.2 (a TOML job config)")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(fn=cmd_export)

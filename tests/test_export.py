@@ -353,6 +353,7 @@ def test_export_to_another_name_launches_that_file(monkeypatch, capsys, tmp_path
     finally:
         os.umask(umask)
 
+
 def test_export_api_refuses_serve_and_unknown_target(monkeypatch):
     monkeypatch.chdir(REPO)
     plan = parcompile.compile(Path("examples/tiny_serve.par"))
@@ -373,6 +374,9 @@ def test_export_usage_errors(monkeypatch, capsys):
     assert main(["export", "examples/tiny.par"]) == 2                      # --to is required
     assert main(["export", "examples/tiny.par", "--to", "jax"]) == 2       # not a target
     assert main(["export", "examples/tiny.par", "--to", "megatron", "-o", " "]) == 2
+    capsys.readouterr()
+    assert main(["export", "examples/tiny.par", "--to", "megatron", "--torchtitan-version", "0.2"]) == 2
+    assert "--torchtitan-version applies to --to torchtitan, not --to megatron" in capsys.readouterr().err
     assert main(["export", "examples/missing.par", "--to", "megatron"]) == 2
     capsys.readouterr()
 
