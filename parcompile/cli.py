@@ -18,10 +18,9 @@ from pathlib import Path
 from dataclasses import replace
 
 from parcompile import api
-from parcompile.api import prepare_data  # noqa: F401 - `run` reads the data first; tests import it here
+from parcompile.api import prepare_data
 from parcompile.diagnostics import Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import strip_bom
-from parcompile.plan import GENERATED, TIMELINE_SECTION  # noqa: F401 - what `compile` writes (Plan.write)
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
 
@@ -165,11 +164,6 @@ def cmd_plan(args) -> int:
     else:
         sys.stdout.write(plan.report_md())
     return EXIT_OK
-
-
-def build_outputs(plan, out_dir: Path) -> dict[str, str]:
-    """Every file `compile` writes, name -> text: :meth:`parcompile.plan.Plan.outputs`."""
-    return plan.outputs(out_dir)
 
 
 def _output_dir(args) -> Path | None:

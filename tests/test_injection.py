@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 import parcompile
-from parcompile.cli import build_outputs
 from parcompile.codegen.emit import comment_text, render_launch, render_program
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,7 +130,7 @@ def test_path_tricks_in_data_resolve_as_paths(tmp_path):
 def test_compiled_files_are_utf8_and_a_hostile_name_runs_no_shell(tmp_path):
     name = "ünï $(touch PWNED) `touch PWNED`\n touch PWNED"
     plan = parcompile.compile(TINY, filename=f"{name}.par")
-    files = build_outputs(plan, tmp_path)
+    files = plan.outputs(tmp_path)
     compile(files["program.py"], "program.py", "exec")
     proc = subprocess.run(["bash", "-n", "-c", files["launch.sh"]], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import parcompile
-from parcompile.cli import build_outputs, prepare_data
-from parcompile.codegen.emit import write_files
+from parcompile.api import prepare_data
 from parcompile.verify import Tolerances, _run_reference, _run_torchrun, compare, reference, run_batched
 from tests.program_utils import run_in_one_launch
 
@@ -89,7 +88,7 @@ train {{
 
 
 def _write(plan, out: Path) -> None:
-    write_files(out, build_outputs(plan, out))
+    plan.write(out)
 
 
 def _prepared(spec: Path, out: Path):
