@@ -69,7 +69,8 @@ class Export:
     launch: str = ""
     filename: str = ""
     #: what would make the export train a different model or layout than the plan (the CLI
-    #: prints them as ``error:`` lines and exits 1; the text is still written, as a start)
+    #: prints them as ``error:`` lines, writes nothing and exits 1; ``text`` stays here, from
+    #: Python, as a starting point)
     errors: list[str] = field(default_factory=list)
 
 
@@ -264,6 +265,9 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     if m.position == "rope":
         add("--position-embedding-type", "rope")
         add("--rotary-base", _num(m.rope_theta))
+        if m.rope_type == "llama3":   # Megatron-Core RotaryEmbedding._apply_scaling (Llama 3.x)
+            add("--use-rope-scaling")
+            add("--rope-scaling-factor", _num(m.rope_scaling_factor))
         if m.rotary_fraction != 1.0:
             add("--rotary-percent", m.rotary_fraction)
     elif m.position == "learned":
@@ -417,10 +421,24 @@ def megatron_errors(plan: Plan) -> list[str]:
     """What Megatron-LM core_v0.19's ``validate_args`` refuses for this plan (so the export
     cannot run the plan's layout): ``--use-torch-fsdp2`` (zero 3) with pipeline or expert
     parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
-    the ``if args.use_torch_fsdp2:`` block)."""
+    the ``if args.use_torch_fsdp2:`` block); and RoPE scalings its flags cannot state
+    (linear or YaRN outside multi-latent attention, Llama 3 scaling with other than its
+    fixed low/high frequency factors and 8192 original positions)."""
     cfg = plan.config
     deg = _degrees(plan)
     errors = []
+    m = cfg.model
+    if m.position == "rope" and m.rope_type == "llama3" and (
+            float(m.rope_low_freq_factor), float(m.rope_high_freq_factor),
+            m.rope_original_max_positions or 8192) != (1.0, 4.0, 8192):
+        # megatron/core/models/common/embeddings/rotary_pos_embedding.py: _apply_scaling is called
+        # with the factor only; low 1, high 4, original 8192 are fixed
+        errors.append(f"rope_type llama3 with low_freq_factor {_num(m.rope_low_freq_factor)}, high_freq_factor "
+                      f"{_num(m.rope_high_freq_factor)}, original max positions {m.rope_original_max_positions}: "
+                      "Megatron-Core's --use-rope-scaling fixes them at 1, 4 and 8192")
+    if m.position == "rope" and m.rope_type in ("linear", "yarn") and not m.kv_lora_rank:
+        errors.append(f"rope_type {m.rope_type}: pretrain_gpt.py's RoPE flags scale as Llama 3.x "
+                      "(--use-rope-scaling) only for this model; it would train unscaled RoPE")
     if cfg.parallel.zero == 3:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "
@@ -451,6 +469,60 @@ def _layout(plan: Plan) -> str:
 # torchtitan
 
 
+def _torchtitan02_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float) -> int:
+    """torchtitan 0.2.2's SwiGLU width (``FeedForward.__init__``, from ``hidden_dim = 4 * dim``):
+    2/3 of it, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+    hidden = int(ffn_dim_multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+#: torchtitan 0.2's llama3 flavors as the model they build, field by field: torchtitan v0.2.2
+#: (pytorch/torchtitan commit 73a0e6979dd10b6b1904098eb3c8f62c18ab87ce)
+#: torchtitan/models/llama3/__init__.py ``llama3_args`` over the defaults of
+#: model/args.py ``TransformerModelArgs`` (vocab_size 128256, norm_eps 1e-5) and
+#: ``RoPEScalingArgs`` (scaling_factor 8, low_freq_factor 1, high_freq_factor 4,
+#: original_max_position_embeddings 8192), which model/model.py ``precompute_freqs_cis``
+#: always applies (Llama 3.1 RoPE); untied output, head_dim = dim / n_heads. 0.2's TOML names
+#: a flavor and overrides none of it (job_config.py ``Model``: name, flavor, paths, converters).
+TORCHTITAN02_FLAVORS: dict[str, dict] = {
+    name: {"n_layers": layers, "dim": dim, "n_heads": heads, "n_kv_heads": 8,
+           "hidden_dim": _torchtitan02_ffn(dim, multiple_of, mult), "vocab_size": 128256,
+           "rope_theta": 500000.0, "norm_eps": 1e-5, "rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8192),
+           "tie_embeddings": False}
+    for name, layers, dim, heads, multiple_of, mult in (("8B", 32, 4096, 32, 1024, 1.3),
+                                                        ("70B", 80, 8192, 64, 4096, 1.3),
+                                                        ("405B", 126, 16384, 128, 4096, 1.2))
+}
+
+
+def torchtitan02_flavor(plan: Plan) -> tuple[str | None, list[str]]:
+    """The torchtitan 0.2 llama3 flavor (:data:`TORCHTITAN02_FLAVORS`) with the spec's layers
+    and hidden size, and every field where that flavor is another model than the spec's
+    (``"vocab_size 128256 (the spec: 32000)"``); ``(None, [])`` when no flavor has that depth
+    and width."""
+    m = plan.config.model
+    name = next((n for n, f in TORCHTITAN02_FLAVORS.items() if (f["n_layers"], f["dim"]) == (m.layers, m.hidden)),
+                None)
+    if name is None:
+        return None, []
+    f = TORCHTITAN02_FLAVORS[name]
+    rope = (m.rope_type, float(m.rope_scaling_factor), float(m.rope_low_freq_factor),
+            float(m.rope_high_freq_factor), m.rope_original_max_positions)
+    spec = {"n_heads": m.heads, "n_kv_heads": m.kv_heads, "hidden_dim": m.ffn_hidden, "vocab_size": m.vocab,
+            "rope_theta": float(m.rope_theta), "norm_eps": float(m.norm_eps), "rope_scaling": rope,
+            "tie_embeddings": bool(m.tie_embeddings)}
+
+    def show(key, v):
+        if key == "rope_scaling":
+            return ("Llama 3.1 RoPE scaling (factor {1:g}, low_freq_factor {2:g}, high_freq_factor {3:g}, "
+                    "original_max_position_embeddings {4})".format(*v) if v[0] == "llama3" else
+                    f"RoPE scaling {v[0]}" if v[0] != "default" else "no RoPE scaling")
+        return f"{key} {_num(v) if isinstance(v, float) else v}"
+
+    return name, [f"{show(k, f[k])} (the spec: {show(k, v).removeprefix(k + ' ')})" for k, v in spec.items()
+                  if v != f[k]]
+
+
 def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     """The torchtitan 0.2 job config for ``plan`` as nested dicts (TOML tables in order),
     and the notes."""
@@ -462,8 +534,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     notes = _common_notes(plan, "torchtitan")
     v = deg["virtual_stages"]
 
-    flavor = {(32, 4096): ("llama3", "8B"), (80, 8192): ("llama3", "70B"), (126, 16384): ("llama3", "405B")}
-    name, fl = flavor.get((m.layers, m.hidden), ("llama3", "debugmodel"))
+    name, fl = "llama3", torchtitan02_flavor(plan)[0] or "debugmodel"
     if m.experts > 0:   # torchtitan's mixture-of-experts models live under deepseek_v3 (also llama4, qwen3)
         name, fl = "deepseek_v3", "debugmodel"
         notes.append(f"experts: register a deepseek_v3 flavor with {m.experts} routed experts, top_k {m.top_k}, "
@@ -531,15 +602,17 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
         "steps": tr.steps,
         "max_norm": tr.grad_clip,
         "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
-        "mixed_precision_reduce": "bfloat16" if _reduce_dtype(plan) == "bf16" else "float32",
+        # torchtitan 0.2.2 job_config.py: mixed_precision_reduce is Literal["float32"]
+        "mixed_precision_reduce": "float32",
         "dataset": "c4_test",
     }
-    if m.dtype == "fp16":
-        notes.append("dtype fp16: torchtitan's FSDP mixed precision takes bfloat16 or float32; exported as float32"
-                     + (" (reduce_dtype fp16 too)" if _reduce_dtype(plan) == "fp16" else ""))
-    if m.dtype == "bf16" and shard == 1 and replicate > 1:
-        notes.append("dtype bf16: torchtitan applies mixed_precision_param through FSDP only; without sharding "
-                     "(zero = 0) training runs in float32")
+    if _reduce_dtype(plan) != "fp32":
+        notes.append(f"reduce_dtype {_reduce_dtype(plan)}: torchtitan 0.2 reduces gradients in float32 only "
+                     "(training.mixed_precision_reduce)")
+    if m.dtype == "bf16" and shard == 1 and deg["cp"] == 1 and deg["tp"] == deg["pp"] == 1:
+        # torchtitan 0.2.2 distributed/utils.py maybe_enable_amp: DDP or one device: torch.autocast
+        notes.append("dtype bf16 without sharding: torchtitan 0.2 trains under torch.autocast(bfloat16) "
+                     "(parameters kept in float32, matmuls in bfloat16)")
     notes.append("dataset: c4_test is torchtitan's bundled sample; set training.dataset to yours")
 
     ac = {"mode": par.recompute}
@@ -600,6 +673,9 @@ def torchtitan_errors(plan: Plan) -> list[str]:
         errors.append(f"head_dim {m.head_dim}: torchtitan's llama3 uses dim / n_heads = {m.hidden // m.heads}")
     if m.position == "rope" and m.rope_type not in ("default", "llama3"):
         errors.append(f"rope_type {m.rope_type}: torchtitan's llama3 RoPE scales as none or llama (Llama 3.1)")
+    if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
+        errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
+                      "training.dtype); use dtype bf16 or fp32 in the spec")
     return errors
 
 
@@ -701,8 +777,6 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     }
     if deg["pp"] > 1:   # Trainer.Config: "CUDA graphs do not support pipeline parallelism yet"
         training["disable_cuda_graphs"] = True
-    if m.dtype == "fp16":
-        notes.append("dtype fp16: torchtitan's mixed precision takes bfloat16 or float32; exported as float32")
     if _reduce_dtype(plan) != "fp32":
         notes.append(f"reduce_dtype {_reduce_dtype(plan)}: torchtitan 0.3 reduces gradients in float32 only "
                      "(training.mixed_precision_reduce)")
@@ -880,6 +954,22 @@ def _torchtitan(plan: Plan) -> Export:
                       f"({cfg.model.layers} layers, hidden {cfg.model.hidden}) is none of llama3's 8B, 70B, 405B; "
                       "export for torchtitan 0.3, which registers the spec's own flavor")
     notes = [n for n in notes if not n.startswith("model: torchtitan takes the model's shape")]
+    fl, differs = torchtitan02_flavor(plan)
+    if differs and not cfg.model.experts:
+        errors.append(f"model: torchtitan 0.2's llama3 flavor {fl} (torchtitan v0.2.2 models/llama3) is another "
+                      f"model than the spec's: {'; '.join(differs)}; 0.2's TOML names a flavor and overrides none "
+                      "of its fields: export for torchtitan 0.3, which registers the spec's own shape")
+    deg, p = _degrees(plan), config["parallelism"]
+    if (cfg.model.dtype == "bf16" and p["data_parallel_shard_degree"] == 1 and deg["cp"] == 1
+            and (deg["tp"] > 1 or deg["pp"] > 1)):
+        # torchtitan 0.2.2: fully_shard casts to mixed_precision_param only when FSDP is on
+        # (ParallelDims.fsdp_enabled: dp_shard > 1 or cp > 1); distributed/utils.py
+        # maybe_enable_amp turns mixed precision off under tp or pp otherwise
+        errors.append(f"dtype bf16 with dp {deg['dp']} and tp {deg['tp']} x pp {deg['pp']}: torchtitan 0.2 applies "
+                      "mixed_precision_param only through FSDP (data_parallel_shard_degree > 1 or cp > 1) and "
+                      "disables mixed precision under tp or pp without it, so this run would train in float32 "
+                      "(FSDP cannot shard over one data-parallel rank); export for torchtitan 0.3, whose FSDP "
+                      "wrapper installs the bf16 policy at any degree")
     cl = cfg.cluster
     launch = (f"CONFIG_FILE={cfg.name}_torchtitan.toml NGPU={cl.gpus_per_node} ./run_train.sh"
               if cl.nodes == 1 else
@@ -978,13 +1068,23 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
             c["tensor_parallel"] = {"autotp_size": deg["tp"]}
             # without an mpu DeepSpeedConfig counts every rank as data parallel (runtime/config.py)
             notes.append(f"tp {deg['tp']}: DeepSpeed AutoTP training (tensor_parallel.autotp_size) splits the linear "
-                         "layers; call deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size="
+                         "layers of a Hugging Face-style model (nn.Linear projections); call "
+                         "deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size="
                          f"{deg['tp']}) and pass mpu=deepspeed.utils.groups to deepspeed.initialize, so that "
                          f"DeepSpeed's data-parallel size is world / tp = {deg['dp']} (without an mpu it counts "
                          "every rank)")
         else:
-            notes.append(f"tp {deg['tp']} with pp: the model code splits the layers over the topology's model axis "
-                         "(Megatron-DeepSpeed style); AutoTP does not combine with PipelineModule")
+            # deepspeed 0.19.8: AutoTP's groups are a (data, tensor) mesh over every rank
+            # (utils/groups.py _init_tp_mesh_device), with no pipeline axis; a PipelineModule's
+            # tensor parallelism is the model code's own (Megatron-DeepSpeed's mpu)
+            errors.append(f"tp {deg['tp']} with pp {deg['pp']}: DeepSpeed's config cannot state tensor parallelism "
+                          "inside a pipeline: AutoTP (tensor_parallel.autotp_size) builds a data x tensor mesh over "
+                          "every rank (deepspeed.utils.groups._init_tp_mesh_device) with no pipeline axis, so this "
+                          f"config would train tp 1; the model code must provide tensor-parallel layers and an mpu "
+                          f"(Megatron-DeepSpeed's mpu, or PipeModelDataParallelTopology(num_pp={deg['pp']}, "
+                          f"num_mp={deg['tp']}, num_dp={deg['dp']}) handed to PipelineModule) that DeepSpeed only "
+                          "reads the groups from; use Megatron-LM or torchtitan for this layout, or tp 1 with pp, "
+                          "or pp 1 with AutoTP")
         if par.sequence_parallel:
             notes.append("sequence_parallel: AutoTP has no Megatron-style sequence parallelism")
     if par.recompute != "none":
