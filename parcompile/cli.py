@@ -325,7 +325,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
 
 def cmd_export(args) -> int:
-    """`parcompile export SPEC --to megatron|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
+    """`parcompile export SPEC --to megatron|megatron-bridge|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
     another engine's configuration (stdout, or FILE); notes about what the target cannot
     express go to stderr as `note:` lines (they are also comments in the Megatron and
     torchtitan outputs), and for DeepSpeed the launcher line too. An export the engine would
@@ -533,7 +533,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="the plan for Megatron-LM, torchtitan, DeepSpeed (training) or vLLM, SGLang "
                                       "(serving)")
     p.add_argument("spec")
-    p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed", "vllm", "sglang"],
+    p.add_argument("--to", required=True,
+                   choices=["megatron", "megatron-bridge", "torchtitan", "deepspeed", "vllm", "sglang"],
                    help="target engine")
     p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default=None,
                    help="torchtitan release: 0.3 (a config registry module, default) or 0.2 (a TOML job config)")

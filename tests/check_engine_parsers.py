@@ -5,6 +5,7 @@
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=/path/to/vllm-0.33.0-sdist:DEPS python tests/check_engine_parsers.py vllm
     PYTHONPATH=/path/to/sglang-0.5.23-wheel:DEPS python tests/check_engine_parsers.py sglang
     python tests/check_engine_parsers.py torchtitan0.2 /path/to/torchtitan-0.2.2-wheel   # unpacked
+    /path/to/bridge-venv/bin/python tests/check_engine_parsers.py megatron-bridge   # see megatron_bridge()
 
 - Megatron-LM: ``megatron.training.arguments.parse_args`` and ``validate_args`` with each
   export's arguments and environment, WORLD_SIZE from the plan, an H100 (Hopper) device
@@ -239,9 +240,103 @@ def torchtitan02(wheel_dir: str) -> int:
     return bad
 
 
+def megatron_bridge() -> int:
+    """Megatron-Bridge 0.3.1 (megatron-core 0.16.1, its pin), in a separate virtual environment
+    (it pins transformers < 5 and a CUDA Transformer Engine; neither is needed to build and
+    validate a config): ``pip install --no-deps megatron-bridge==0.3.1 'megatron-core>=0.16,<0.17'
+    omegaconf`` into a venv made with ``--system-site-packages`` (torch, transformers); the
+    ``transformer_engine``, ``triton`` and ``modelopt`` (NVIDIA ModelOpt, imported by gpt_step) imports
+    are stubbed. Each export not refused is
+    imported, its ``config()`` built and passed through ``runtime_config_update`` (what
+    ``pretrain`` runs first: the mixed-precision recipe, the data-parallel size from WORLD_SIZE,
+    ``ConfigContainer.validate``)."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import tempfile
+
+    class _Any(type):   # any attribute of a stand-in class is a stand-in class
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stub
+
+    class _Stub(metaclass=_Any):
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, *a, **k):
+            return _Stub()
+
+    class _Module(types.ModuleType):
+        __path__: list = []
+        __version__ = "2.12.0"
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stub
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("transformer_engine", "triton", "modelopt", "nvidia_resiliency_ext"):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            return _Module(spec.name)
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, _Finder())
+    import torch
+    from megatron.bridge.training.config import runtime_config_update
+
+    from parcompile.export import export
+    from tests.test_export import _plans
+
+    bad, out = 0, tempfile.mkdtemp()
+    for name, plan in _plans():
+        ex = export(plan, "megatron-bridge")
+        if ex.errors:
+            print(f"{name}: refused: {ex.errors}")
+            continue
+        path = os.path.join(out, ex.filename)
+        Path(path).write_text(ex.text)
+        spec = importlib.util.spec_from_file_location(ex.filename[:-3], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cfg = module.config()
+        os.environ["WORLD_SIZE"] = str(plan.data["world_size"])
+        try:
+            runtime_config_update(cfg)
+        except BaseException as e:
+            print(f"{name}: REJECTED by Megatron-Bridge ({type(e).__name__}: {e})")
+            bad += 1
+            continue
+        md, deg, par = cfg.model, plan.data["degrees"], plan.config.parallel
+        pp, L = md.pipeline_model_parallel_size, md.num_layers
+        first, last = md.num_layers_in_first_pipeline_stage, md.num_layers_in_last_pipeline_stage
+        inner = pp - (first is not None) - (last is not None)
+        middle = (L - (first or 0) - (last or 0)) // max(inner, 1)
+        stages = ([first] if first is not None else []) + [middle] * inner + ([last] if last is not None else [])
+        chunks = list(par.layers_per_chunk(plan.config.model.layers))
+        got = (cfg.data_parallel_size, md.tensor_model_parallel_size, pp, md.context_parallel_size,
+               md.expert_model_parallel_size, cfg.train.micro_batch_size, cfg.train.global_batch_size, stages,
+               md.virtual_pipeline_model_parallel_size, md.vocab_size, cfg.tokenizer.vocab_size, md.params_dtype)
+        want = (deg["dp"], deg["tp"], deg["pp"], deg["cp"], deg["ep"], par.micro_batch, par.global_batch,
+                [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
+                deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
+                plan.config.model.vocab,
+                {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.config.model.dtype])
+        print(f"{name}: {'accepted, the plan' if got == want else f'DIFFERS {got} != {want}'}")
+        bad += got != want
+    return bad
+
+
 if __name__ == "__main__":
     os.chdir(REPO)
     engine = sys.argv[1]
     checks = {"megatron": lambda: megatron(sys.argv[2]), "vllm": vllm, "sglang": sglang,
-              "torchtitan0.2": lambda: torchtitan02(sys.argv[2])}
+              "torchtitan0.2": lambda: torchtitan02(sys.argv[2]), "megatron-bridge": megatron_bridge}
     sys.exit(1 if checks[engine]() else 0)

@@ -372,7 +372,7 @@ def test_every_example_exports(spec, target, monkeypatch, capsys):
         assert out == "" and "note: " not in err and f"error: `export --to {target}` refused: nothing written" in err
         return
     assert out == ex.text
-    if target == "torchtitan":
+    if target in ("torchtitan", "megatron-bridge"):
         compile(out, ex.filename, "exec")   # a Python module
     elif target in ("megatron", "vllm", "sglang"):
         parse_command(out, {"megatron": "pretrain_gpt.py", "vllm": plan.config.serve and plan.config.serve.weights,
@@ -517,6 +517,92 @@ SGLANG_0_5_23_FLAGS = frozenset("""--model-path --tp-size --pp-size --dp-size --
 SGLANG_0_5_23_KV_CACHE_DTYPES = frozenset({"auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
                                            "fp4_mx_block16"})
 SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
+
+
+#: Megatron-Bridge 0.3.1 (with megatron-core 0.16.1, its pin) ConfigContainer fields the exports
+#: set, each read from its dataclass (GPTModelProvider, TrainingConfig, OptimizerConfig,
+#: SchedulerConfig, DistributedDataParallelConfig, DistributedInitConfig, MockGPTDatasetConfig
+#: (seq_length: an init argument), TokenizerConfig, LoggerConfig, CheckpointConfig, RNGConfig,
+#: ConfigContainer) and every export built and passed through Bridge's own
+#: runtime_config_update + ConfigContainer.validate by `tests/check_engine_parsers.py
+#: megatron-bridge` (18 plans: 17 accepted with the plan's dp, tp, pp, cp, ep, batch sizes,
+#: layers per stage, virtual stages, vocabulary and params dtype; zero 3 with pp refused).
+MEGATRON_BRIDGE_0_3_1_FIELDS = {
+    "model": frozenset("""activation_func add_bias_linear add_qkv_bias attention_backend attention_dropout
+        context_parallel_size expert_model_parallel_size expert_tensor_parallel_size ffn_hidden_size gated_linear_unit
+        gradient_accumulation_fusion hidden_dropout hidden_size kv_channels layernorm_epsilon
+        make_vocab_size_divisible_by moe_aux_loss_coeff moe_ffn_hidden_size moe_layer_freq moe_router_topk
+        moe_shared_expert_intermediate_size normalization num_attention_heads num_layers
+        num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage num_moe_experts num_query_groups
+        pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
+        recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
+        share_embeddings_and_output_weights tensor_model_parallel_size virtual_pipeline_model_parallel_size
+        vocab_size""".split()),
+    "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
+    "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
+                            "use_distributed_optimizer", "weight_decay"}),
+    "scheduler": frozenset({"lr_decay_iters", "lr_decay_style", "lr_warmup_iters"}),
+    "ddp": frozenset({"bucket_size", "overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32"}),
+    "dist": frozenset({"use_torch_fsdp2"}),
+    "dataset": frozenset({"eod_mask_loss", "random_seed", "reset_attention_mask", "reset_position_ids",
+                          "seq_length"}),
+    "tokenizer": frozenset({"tokenizer_type", "vocab_size"}),
+    "logger": frozenset({"log_interval"}),
+    "checkpoint": frozenset({"save", "save_interval"}),
+    "rng": frozenset({"seed"}),
+    "mixed_precision": frozenset(),
+}
+
+
+def _bridge_container(text: str) -> dict[str, object]:
+    """The keyword arguments of the ConfigContainer an exported Megatron-Bridge module's
+    ``config()`` returns: ``{section: {field: value}}`` (literals; expressions as source)."""
+    import ast
+
+    fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "config")
+    call = fn.body[-1].value
+    assert isinstance(call, ast.Call) and call.func.id == "ConfigContainer"
+
+    def lit(node):
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return ast.unparse(node)
+
+    return {kw.arg: ({k.arg: lit(k.value) for k in kw.value.keywords} if isinstance(kw.value, ast.Call)
+                     else lit(kw.value)) for kw in call.keywords}
+
+
+def test_megatron_bridge_names_the_plan(plans):
+    """`--to megatron-bridge`: a Python module whose ConfigContainer holds the plan's sizes in
+    Megatron-Bridge 0.3.1's fields (pinned above); dp is what Bridge derives
+    (ConfigContainer.get_data_parallel_size: world / (tp * pp * cp)); refused exactly where
+    Megatron-LM's are."""
+    for name, plan in plans:
+        ex = export(plan, "megatron-bridge")
+        assert ex.errors == export(plan, "megatron").errors, name
+        compile(ex.text, ex.filename, "exec")
+        c = _bridge_container(ex.text)
+        for section, fields in c.items():
+            got = set(fields) if isinstance(fields, dict) else set()
+            assert got <= MEGATRON_BRIDGE_0_3_1_FIELDS[section], (name, section, got - MEGATRON_BRIDGE_0_3_1_FIELDS[section])
+        deg, par, mdl, md = plan.data["degrees"], plan.config.parallel, plan.data["model"], c["model"]
+        assert (md["tensor_model_parallel_size"], md["pipeline_model_parallel_size"], md["context_parallel_size"]) == \
+            (deg["tp"], deg["pp"], deg["cp"]), name
+        assert plan.data["world_size"] // (deg["tp"] * deg["pp"] * deg["cp"]) == deg["dp"]
+        assert md.get("expert_model_parallel_size", 1) == deg["ep"]
+        assert (c["train"]["micro_batch_size"], c["train"]["global_batch_size"]) == (par.micro_batch, par.global_batch)
+        assert md["num_layers"] == mdl["layers"] and md["vocab_size"] == c["tokenizer"]["vocab_size"] == mdl["vocab"]
+        assert md.get("virtual_pipeline_model_parallel_size", 1) == deg["virtual_stages"], name
+        chunks = list(par.layers_per_chunk(mdl["layers"]))
+        stages = [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])]
+        if len(set(stages)) > 1:
+            assert (md["num_layers_in_first_pipeline_stage"], md["num_layers_in_last_pipeline_stage"]) == \
+                (stages[0], stages[-1]), name
+        assert c["mixed_precision"] == {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": None}[mdl["dtype"]], name
+        assert md["share_embeddings_and_output_weights"] == mdl["tie_embeddings"], name
+        assert c["optimizer"].get("use_distributed_optimizer", False) == (par.zero in (1, 2))
+        assert c["dist"].get("use_torch_fsdp2", False) == (par.zero == 3)
 
 
 def test_megatron_flags_are_core_v0_19_flags(plans):
