@@ -568,8 +568,10 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
     errors = list(megatron_errors(plan))
     m = plan.config.model
     out: dict[str, dict[str, object]] = {k: {} for k in ("container", *MEGATRON_BRIDGE_SECTIONS)}
-    # Megatron-LM's defaults where GPTModelProvider's differ (its arguments state only the change)
-    out["model"].update(share_embeddings_and_output_weights=True, add_bias_linear=True)
+    # Megatron-LM's defaults where GPTModelProvider's differ (its arguments state only the
+    # change); Megatron-LM pads the vocabulary to make_vocab_size_divisible_by x tp, the
+    # provider only with should_pad_vocab (gpt_provider.py provide())
+    out["model"].update(share_embeddings_and_output_weights=True, add_bias_linear=True, should_pad_vocab=True)
     out["dataset"].update(random_seed=plan.config.train.seed, reset_attention_mask=False, reset_position_ids=False,
                           eod_mask_loss=False)
     out["scheduler"]["lr_decay_iters"] = plan.config.train.steps

@@ -88,14 +88,18 @@ def megatron(checkout: str) -> int:
                 inner = pp - (first is not None) - (last is not None)
                 stages = ([first] if first is not None else []) + [middle // max(inner, 1)] * inner + (
                     [last] if last is not None else [])
+            from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
             got = (a.world_size, a.data_parallel_size, a.tensor_model_parallel_size, pp,
                    a.context_parallel_size, a.micro_batch_size, a.global_batch_size, stages,
-                   a.virtual_pipeline_model_parallel_size, a.vocab_size, str(a.params_dtype))
+                   a.virtual_pipeline_model_parallel_size, a.vocab_size, str(a.params_dtype),
+                   vocab_size_with_padding(a.vocab_size, a, logging_enabled=False))
             chunks = list(par.layers_per_chunk(plan.config.model.layers))
             want = (plan.data["world_size"], deg["dp"], deg["tp"], deg["pp"], deg["cp"], par.micro_batch,
                     par.global_batch, [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
                     deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
-                    {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}[plan.config.model.dtype])
+                    {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}[plan.config.model.dtype],
+                    plan.data["model"]["padded_vocab"])
             ok = got == want and not ex.errors
             print(f"{name}: {'accepted, the plan' if ok else f'DIFFERS {got} != {want}'}")
             bad += not ok
@@ -291,6 +295,7 @@ def megatron_bridge() -> int:
     sys.meta_path.insert(0, _Finder())
     import torch
     from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 
     from parcompile.export import export
     from tests.test_export import _plans
@@ -323,12 +328,15 @@ def megatron_bridge() -> int:
         chunks = list(par.layers_per_chunk(plan.config.model.layers))
         got = (cfg.data_parallel_size, md.tensor_model_parallel_size, pp, md.context_parallel_size,
                md.expert_model_parallel_size, cfg.train.micro_batch_size, cfg.train.global_batch_size, stages,
-               md.virtual_pipeline_model_parallel_size, md.vocab_size, cfg.tokenizer.vocab_size, md.params_dtype)
+               md.virtual_pipeline_model_parallel_size, md.vocab_size, cfg.tokenizer.vocab_size, md.params_dtype,
+               calculate_padded_vocab_size(md.vocab_size, md.make_vocab_size_divisible_by,
+                                           md.tensor_model_parallel_size) if md.should_pad_vocab else md.vocab_size)
         want = (deg["dp"], deg["tp"], deg["pp"], deg["cp"], deg["ep"], par.micro_batch, par.global_batch,
                 [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
                 deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
                 plan.config.model.vocab,
-                {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.config.model.dtype])
+                {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.config.model.dtype],
+                plan.data["model"]["padded_vocab"])
         print(f"{name}: {'accepted, the plan' if got == want else f'DIFFERS {got} != {want}'}")
         bad += got != want
     return bad

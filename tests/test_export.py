@@ -536,7 +536,7 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage num_moe_experts num_query_groups
         pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
         recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
-        share_embeddings_and_output_weights tensor_model_parallel_size virtual_pipeline_model_parallel_size
+        share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size virtual_pipeline_model_parallel_size
         vocab_size""".split()),
     "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
     "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
@@ -601,6 +601,9 @@ def test_megatron_bridge_names_the_plan(plans):
                 (stages[0], stages[-1]), name
         assert c["mixed_precision"] == {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": None}[mdl["dtype"]], name
         assert md["share_embeddings_and_output_weights"] == mdl["tie_embeddings"], name
+        # padded as Megatron-LM pads (and the plan counts): to make_vocab_size_divisible_by x tp
+        multiple = md["make_vocab_size_divisible_by"] * deg["tp"]
+        assert md["should_pad_vocab"] and -(-mdl["vocab"] // multiple) * multiple == mdl["padded_vocab"], name
         assert c["optimizer"].get("use_distributed_optimizer", False) == (par.zero in (1, 2))
         assert c["dist"].get("use_torch_fsdp2", False) == (par.zero == 3)
 
