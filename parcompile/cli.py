@@ -530,8 +530,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
 
-    p = sub.add_parser("export", help="the plan for Megatron-LM, torchtitan, DeepSpeed (training) or vLLM, SGLang "
-                                      "(serving)")
+    p = sub.add_parser("export", help="the plan for Megatron-LM, Megatron-Bridge, torchtitan, DeepSpeed (training) "
+                                      "or vLLM, SGLang (serving)")
     p.add_argument("spec")
     p.add_argument("--to", required=True,
                    choices=["megatron", "megatron-bridge", "torchtitan", "deepspeed", "vllm", "sglang"],

@@ -1,6 +1,6 @@
 """``parcompile export``: the same plan for the engines people already run.
 
-Five targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
+Six targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
 and plan.json dict), each returning an :class:`Export`: the text, the notes about what the
 target expresses differently, the errors (what it cannot run without training or serving a
 different model or layout: the CLI exits 1), and a launch line.
@@ -10,6 +10,8 @@ Training specs:
 - ``megatron`` (Megatron-LM core_v0.19): a shell command, the environment
   ``validate_args`` requires (:func:`megatron_env`), ``torchrun ... pretrain_gpt.py`` and
   Megatron-LM's arguments, one per line; notes and errors are ``#`` comments.
+- ``megatron-bridge`` (Megatron-Bridge 0.3.1): a Python module whose ``config()`` returns the
+  ``ConfigContainer``, the Megatron-LM arguments renamed (:data:`MEGATRON_BRIDGE_FIELDS`).
 - ``torchtitan``: for torchtitan 0.3 (the default) a config registry module (Python) that
   registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run with
   ``torchtitan.train --module ... --config ...``; for 0.2 a TOML job config.
@@ -76,7 +78,7 @@ class Export:
 
 def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
     """Export ``plan`` for ``target`` (one of :data:`TARGETS`): a training spec for
-    Megatron-LM, torchtitan or DeepSpeed; a serve spec for vLLM or SGLang.
+    Megatron-LM, Megatron-Bridge, torchtitan or DeepSpeed; a serve spec for vLLM or SGLang.
     ``torchtitan_version``: ``"0.3"`` (a config registry module, the default) or ``"0.2"``
     (a TOML job config).
 
@@ -106,8 +108,9 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
             cfg.span("serve"),
             help="export it --to vllm or --to sglang (the serving engines), or export the spec that trains "
                  "the model",
-            note="Megatron-LM's pretrain_gpt.py, torchtitan's train config and DeepSpeed's JSON config "
-                 "describe training runs; none of them has an inference deployment to map this plan to",
+            note="Megatron-LM's pretrain_gpt.py, Megatron-Bridge's ConfigContainer, torchtitan's train config "
+                 "and DeepSpeed's JSON config describe training runs; none of them has an inference deployment "
+                 "to map this plan to",
             code="export-serve")])
     if target == "torchtitan":
         return _torchtitan3(plan) if torchtitan_version == "0.3" else _torchtitan(plan)
@@ -628,8 +631,9 @@ def _megatron_bridge(plan: Plan) -> Export:
     lines += ['"""', "", "import torch.nn.functional as F", "",
               "from megatron.bridge.models import GPTModelProvider",
               "from megatron.bridge.training.config import (",
-              "    CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,",
-              "    MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig,",
+              "    CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig,",
+              "    LoggerConfig, MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,",
+              "    TrainingConfig,",
               ")",
               "from megatron.bridge.training.gpt_step import forward_step",
               "from megatron.bridge.training.pretrain import pretrain",

@@ -98,7 +98,8 @@ def megatron(checkout: str) -> int:
             want = (plan.data["world_size"], deg["dp"], deg["tp"], deg["pp"], deg["cp"], par.micro_batch,
                     par.global_batch, [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
                     deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
-                    {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}[plan.config.model.dtype],
+                    {"bf16": "torch.bfloat16", "fp16": "torch.float16",
+                     "fp32": "torch.float32"}[plan.config.model.dtype],
                     plan.data["model"]["padded_vocab"])
             ok = got == want and not ex.errors
             print(f"{name}: {'accepted, the plan' if ok else f'DIFFERS {got} != {want}'}")

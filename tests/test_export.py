@@ -503,7 +503,8 @@ MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --no-gradient-accumulation-fusion --norm-epsilon --normalization --num-attention-heads --num-experts --num-layers
 --num-query-groups --num-virtual-stages-per-pipeline-rank --optimizer --overlap-grad-reduce
 --pipeline-model-parallel-size --position-embedding-type --recompute-granularity --recompute-method
---recompute-num-layers --rope-scaling-factor --rotary-base --seed --seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
+--recompute-num-layers --rope-scaling-factor --rotary-base --seed
+--seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
 --tokenizer-type --train-iters --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rope-scaling
 --use-torch-fsdp2 --vocab-size --weight-decay""".split())
 VLLM_0_33_0_FLAGS = frozenset("""--tensor-parallel-size --pipeline-parallel-size --data-parallel-size
@@ -536,7 +537,8 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage num_moe_experts num_query_groups
         pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
         recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
-        share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size virtual_pipeline_model_parallel_size
+        share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size
+        virtual_pipeline_model_parallel_size
         vocab_size""".split()),
     "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
     "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
@@ -585,7 +587,8 @@ def test_megatron_bridge_names_the_plan(plans):
         c = _bridge_container(ex.text)
         for section, fields in c.items():
             got = set(fields) if isinstance(fields, dict) else set()
-            assert got <= MEGATRON_BRIDGE_0_3_1_FIELDS[section], (name, section, got - MEGATRON_BRIDGE_0_3_1_FIELDS[section])
+            known = MEGATRON_BRIDGE_0_3_1_FIELDS[section]
+            assert got <= known, (name, section, got - known)
         deg, par, mdl, md = plan.data["degrees"], plan.config.parallel, plan.data["model"], c["model"]
         assert (md["tensor_model_parallel_size"], md["pipeline_model_parallel_size"], md["context_parallel_size"]) == \
             (deg["tp"], deg["pp"], deg["cp"]), name
