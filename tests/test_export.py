@@ -401,14 +401,15 @@ def test_export_to_file(target, monkeypatch, capsys, tmp_path):
     assert f"wrote {dest} ({target})" in err and "note: " in err
 
 
-@pytest.mark.parametrize("target, version", [("megatron", None), ("deepspeed", None), ("torchtitan", "0.2")])
+@pytest.mark.parametrize("target, version", [("megatron", None), ("megatron-bridge", None), ("deepspeed", None),
+                                             ("torchtitan", "0.2")])
 def test_refused_export_writes_nothing(target, version, monkeypatch, capsys, tmp_path):
-    """An export the engine would run as another model or layout (Megatron-LM: zero 3 with
-    pp; DeepSpeed: tp with pp; torchtitan 0.2: a shape that is no flavor) writes no file and
+    """An export the engine would run as another model or layout (Megatron-LM and
+    Megatron-Bridge: zero 3 with pp; DeepSpeed: tp with pp; torchtitan 0.2: a shape that is no flavor) writes no file and
     prints nothing on stdout: only its `error:` lines, exit 1; a file already at -o is left
     as it was."""
     monkeypatch.chdir(tmp_path)
-    spec = TINY if target != "megatron" else TINY.replace(TINY_PARALLEL, VARIANTS["gpipe_zero3_full"][0])
+    spec = TINY if not target.startswith("megatron") else TINY.replace(TINY_PARALLEL, VARIANTS["gpipe_zero3_full"][0])
     (tmp_path / "tiny.par").write_text(spec)
     errors = export(parcompile.compile(spec, "tiny.par"), target, torchtitan_version=version or "0.3").errors
     assert errors
