@@ -12,7 +12,7 @@ thin layer over it):
   spec's ``auto`` keys, with their estimates.
 - ``parcompile.verify(source, ...) -> VerifyReport``: a miniature run against a
   single-process reference (``.rows``, ``.passed``).
-- ``parcompile.export(plan, target) -> Export``: Megatron-LM, torchtitan or DeepSpeed
+- ``parcompile.export(plan, target) -> Export``: Megatron-LM, Megatron-Bridge, torchtitan, DeepSpeed, vLLM or SGLang
   configuration.
 - ``parcompile.diff(old, new, fail_on=()) -> PlanDiff``: what changed between two plans;
   ``parcompile.load_plan(path) -> PlanJSON`` reads a plan.json file, typed.

@@ -312,7 +312,7 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> "Export"
     :func:`parcompile.export.export`): ``.text`` (the file), ``.notes`` (what the target
     expresses differently), ``.errors`` (where it would train or serve another model or
     layout: the CLI exits 1), ``.launch`` (the command that runs it), ``.filename``.
-    ``target``: megatron, torchtitan, deepspeed (training specs), vllm, sglang (serve
+    ``target``: megatron, megatron-bridge, torchtitan, deepspeed (training specs), vllm, sglang (serve
     specs); ``torchtitan_version``: ``"0.3"`` (a config registry module) or ``"0.2"`` (TOML).
 
     Raises:

@@ -325,10 +325,12 @@ def _write_atomic(path: Path, text: str) -> None:
         raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
 
 def cmd_export(args) -> int:
-    """`parcompile export SPEC --to megatron|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
+    """`parcompile export SPEC --to megatron|megatron-bridge|torchtitan|deepspeed|vllm|sglang [-o FILE]`: the plan as
     another engine's configuration (stdout, or FILE); notes about what the target cannot
     express go to stderr as `note:` lines (they are also comments in the Megatron and
-    torchtitan outputs), and for DeepSpeed the launcher line too."""
+    torchtitan outputs), and for DeepSpeed the launcher line too. An export the engine would
+    run as another model or layout (``Export.errors``) prints only its `error:` lines and
+    writes nothing (no stdout, no FILE): exit 1."""
     if args.output is not None and not args.output.strip():
         raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
     if args.torchtitan_version is not None and args.to != "torchtitan":
@@ -340,7 +342,13 @@ def cmd_export(args) -> int:
         _print_diags(e.diagnostics, e.source or _read(args.spec)[1])
         return EXIT_SPEC
     _print_diags(plan.warnings, source)
-    commented = args.to != "deepspeed"   # notes (and errors) already in the text, as comments
+    if result.errors:   # the engine would train or serve another model or layout: nothing is written
+        for e in result.errors:
+            print(f"error: {e}", file=sys.stderr)
+        print(f"error: `export --to {args.to}` refused: nothing written"
+              + (f" ({args.output} untouched)" if args.output is not None else ""), file=sys.stderr)
+        return EXIT_SPEC
+    commented = args.to != "deepspeed"   # notes already in the text, as comments
     notes, launch = list(result.notes), result.launch
     if args.output is None:
         sys.stdout.write(result.text)
@@ -363,9 +371,7 @@ def cmd_export(args) -> int:
             print(f"note: {n}", file=sys.stderr)
     if not commented:
         print(f"launch: {launch}", file=sys.stderr)
-    for e in result.errors:   # the export would train or serve another model or layout
-        print(f"error: {e}", file=sys.stderr)
-    return EXIT_SPEC if result.errors else EXIT_OK
+    return EXIT_OK
 
 
 def cmd_export_weights(args) -> int:
@@ -524,10 +530,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
 
-    p = sub.add_parser("export", help="the plan for Megatron-LM, torchtitan, DeepSpeed (training) or vLLM, SGLang "
-                                      "(serving)")
+    p = sub.add_parser("export", help="the plan for Megatron-LM, Megatron-Bridge, torchtitan, DeepSpeed (training) "
+                                      "or vLLM, SGLang (serving)")
     p.add_argument("spec")
-    p.add_argument("--to", required=True, choices=["megatron", "torchtitan", "deepspeed", "vllm", "sglang"],
+    p.add_argument("--to", required=True,
+                   choices=["megatron", "megatron-bridge", "torchtitan", "deepspeed", "vllm", "sglang"],
                    help="target engine")
     p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default=None,
                    help="torchtitan release: 0.3 (a config registry module, default) or 0.2 (a TOML job config)")

@@ -1,6 +1,6 @@
 """``parcompile export``: the same plan for the engines people already run.
 
-Five targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
+Six targets, each a pure function of a compiled :class:`~parcompile.plan.Plan` (its config
 and plan.json dict), each returning an :class:`Export`: the text, the notes about what the
 target expresses differently, the errors (what it cannot run without training or serving a
 different model or layout: the CLI exits 1), and a launch line.
@@ -10,6 +10,8 @@ Training specs:
 - ``megatron`` (Megatron-LM core_v0.19): a shell command, the environment
   ``validate_args`` requires (:func:`megatron_env`), ``torchrun ... pretrain_gpt.py`` and
   Megatron-LM's arguments, one per line; notes and errors are ``#`` comments.
+- ``megatron-bridge`` (Megatron-Bridge 0.3.1): a Python module whose ``config()`` returns the
+  ``ConfigContainer``, the Megatron-LM arguments renamed (:data:`MEGATRON_BRIDGE_FIELDS`).
 - ``torchtitan``: for torchtitan 0.3 (the default) a config registry module (Python) that
   registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run with
   ``torchtitan.train --module ... --config ...``; for 0.2 a TOML job config.
@@ -39,7 +41,7 @@ from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.plan import Plan
 
 #: training engines
-TRAIN_TARGETS = ("megatron", "torchtitan", "deepspeed")
+TRAIN_TARGETS = ("megatron", "megatron-bridge", "torchtitan", "deepspeed")
 #: serving engines, and their names for messages
 SERVE_TARGETS = {"vllm": "vLLM", "sglang": "SGLang"}
 TARGETS = TRAIN_TARGETS + tuple(SERVE_TARGETS)
@@ -69,13 +71,14 @@ class Export:
     launch: str = ""
     filename: str = ""
     #: what would make the export train a different model or layout than the plan (the CLI
-    #: prints them as ``error:`` lines and exits 1; the text is still written, as a start)
+    #: prints them as ``error:`` lines, writes nothing and exits 1; ``text`` stays here, from
+    #: Python, as a starting point)
     errors: list[str] = field(default_factory=list)
 
 
 def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
     """Export ``plan`` for ``target`` (one of :data:`TARGETS`): a training spec for
-    Megatron-LM, torchtitan or DeepSpeed; a serve spec for vLLM or SGLang.
+    Megatron-LM, Megatron-Bridge, torchtitan or DeepSpeed; a serve spec for vLLM or SGLang.
     ``torchtitan_version``: ``"0.3"`` (a config registry module, the default) or ``"0.2"``
     (a TOML job config).
 
@@ -95,7 +98,7 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
                 "error", f"`export --to {target}` needs a serve spec; this spec has a `train` block",
                 cfg.span("train"),
                 help="export the spec that serves the model (a `serve` block), or export this one --to "
-                     "megatron, torchtitan or deepspeed",
+                     "megatron, megatron-bridge, torchtitan or deepspeed",
                 note=f"{SERVE_TARGETS[target]} is an inference server: it has no training run to map this plan to",
                 code="export-train")])
         return _serve(plan, target)
@@ -105,12 +108,13 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
             cfg.span("serve"),
             help="export it --to vllm or --to sglang (the serving engines), or export the spec that trains "
                  "the model",
-            note="Megatron-LM's pretrain_gpt.py, torchtitan's train config and DeepSpeed's JSON config "
-                 "describe training runs; none of them has an inference deployment to map this plan to",
+            note="Megatron-LM's pretrain_gpt.py, Megatron-Bridge's ConfigContainer, torchtitan's train config "
+                 "and DeepSpeed's JSON config describe training runs; none of them has an inference deployment "
+                 "to map this plan to",
             code="export-serve")])
     if target == "torchtitan":
         return _torchtitan3(plan) if torchtitan_version == "0.3" else _torchtitan(plan)
-    return {"megatron": _megatron, "deepspeed": _deepspeed}[target](plan)
+    return {"megatron": _megatron, "megatron-bridge": _megatron_bridge, "deepspeed": _deepspeed}[target](plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +268,9 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     if m.position == "rope":
         add("--position-embedding-type", "rope")
         add("--rotary-base", _num(m.rope_theta))
+        if m.rope_type == "llama3":   # Megatron-Core RotaryEmbedding._apply_scaling (Llama 3.x)
+            add("--use-rope-scaling")
+            add("--rope-scaling-factor", _num(m.rope_scaling_factor))
         if m.rotary_fraction != 1.0:
             add("--rotary-percent", m.rotary_fraction)
     elif m.position == "learned":
@@ -417,10 +424,24 @@ def megatron_errors(plan: Plan) -> list[str]:
     """What Megatron-LM core_v0.19's ``validate_args`` refuses for this plan (so the export
     cannot run the plan's layout): ``--use-torch-fsdp2`` (zero 3) with pipeline or expert
     parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
-    the ``if args.use_torch_fsdp2:`` block)."""
+    the ``if args.use_torch_fsdp2:`` block); and RoPE scalings its flags cannot state
+    (linear or YaRN outside multi-latent attention, Llama 3 scaling with other than its
+    fixed low/high frequency factors and 8192 original positions)."""
     cfg = plan.config
     deg = _degrees(plan)
     errors = []
+    m = cfg.model
+    if m.position == "rope" and m.rope_type == "llama3" and (
+            float(m.rope_low_freq_factor), float(m.rope_high_freq_factor),
+            m.rope_original_max_positions or 8192) != (1.0, 4.0, 8192):
+        # megatron/core/models/common/embeddings/rotary_pos_embedding.py: _apply_scaling is called
+        # with the factor only; low 1, high 4, original 8192 are fixed
+        errors.append(f"rope_type llama3 with low_freq_factor {_num(m.rope_low_freq_factor)}, high_freq_factor "
+                      f"{_num(m.rope_high_freq_factor)}, original max positions {m.rope_original_max_positions}: "
+                      "Megatron-Core's --use-rope-scaling fixes them at 1, 4 and 8192")
+    if m.position == "rope" and m.rope_type in ("linear", "yarn") and not m.kv_lora_rank:
+        errors.append(f"rope_type {m.rope_type}: pretrain_gpt.py's RoPE flags scale as Llama 3.x "
+                      "(--use-rope-scaling) only for this model; it would train unscaled RoPE")
     if cfg.parallel.zero == 3:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "
@@ -433,6 +454,207 @@ def megatron_errors(plan: Plan) -> list[str]:
             errors.append("zero 3 with tie_embeddings: --use-torch-fsdp2 requires "
                           "--untie-embeddings-and-output-weights, a different model")
     return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Bridge (0.3.1): the Megatron-LM arguments as its ConfigContainer
+
+
+class _Code(str):
+    """A Python expression written as is in an exported module (``F.silu``)."""
+
+
+#: Megatron-LM argument -> the Megatron-Bridge 0.3.1 ``ConfigContainer`` fields it sets
+#: (``megatron/bridge/training/config.py``; the model's fields are Megatron-Core's
+#: ``TransformerConfig``'s, through ``GPTModelProvider``): ``(section, field, value)`` with
+#: value ``int``/``float``/``str`` (the argument's, converted), a constant for a switch, a
+#: :class:`_Code` expression, ``"AttnBackend"`` (the enum member) or ``"layer-list"`` (the
+#: MoE layer pattern as a list). ``None``: implied by another argument. An argument absent
+#: from this table has no Bridge field in parcompile: the export is refused.
+MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
+    "--tensor-model-parallel-size": [("model", "tensor_model_parallel_size", int)],
+    "--pipeline-model-parallel-size": [("model", "pipeline_model_parallel_size", int)],
+    "--context-parallel-size": [("model", "context_parallel_size", int)],
+    "--expert-model-parallel-size": [("model", "expert_model_parallel_size", int)],
+    "--expert-tensor-parallel-size": [("model", "expert_tensor_parallel_size", int)],
+    "--sequence-parallel": [("model", "sequence_parallel", True)],
+    "--num-virtual-stages-per-pipeline-rank": [("model", "virtual_pipeline_model_parallel_size", int)],
+    "--decoder-first-pipeline-num-layers": [("model", "num_layers_in_first_pipeline_stage", int)],
+    "--decoder-last-pipeline-num-layers": [("model", "num_layers_in_last_pipeline_stage", int)],
+    "--use-distributed-optimizer": [("ddp", "use_distributed_optimizer", True),
+                                    ("optimizer", "use_distributed_optimizer", True)],
+    "--use-torch-fsdp2": [("dist", "use_torch_fsdp2", True)],
+    "--no-gradient-accumulation-fusion": [("model", "gradient_accumulation_fusion", False)],
+    "--overlap-grad-reduce": [("ddp", "overlap_grad_reduce", True)],
+    "--ddp-bucket-size": [("ddp", "bucket_size", int)],
+    "--grad-reduce-in-bf16": [("ddp", "grad_reduce_in_fp32", False)],
+    "--recompute-granularity": [("model", "recompute_granularity", str)],
+    "--recompute-method": [("model", "recompute_method", str)],
+    "--recompute-num-layers": [("model", "recompute_num_layers", int)],
+    "--micro-batch-size": [("train", "micro_batch_size", int)],
+    "--global-batch-size": [("train", "global_batch_size", int)],
+    "--num-layers": [("model", "num_layers", int)],
+    "--hidden-size": [("model", "hidden_size", int)],
+    "--ffn-hidden-size": [("model", "ffn_hidden_size", int)],
+    "--num-attention-heads": [("model", "num_attention_heads", int)],
+    "--kv-channels": [("model", "kv_channels", int)],
+    "--group-query-attention": None,   # num_query_groups
+    "--num-query-groups": [("model", "num_query_groups", int)],
+    "--seq-length": [("model", "seq_length", int), ("dataset", "seq_length", int)],
+    "--max-position-embeddings": None,   # GPTModel takes seq_length (checked in megatron_bridge_config)
+    "--normalization": [("model", "normalization", str)],
+    "--norm-epsilon": [("model", "layernorm_epsilon", float)],
+    "--swiglu": [("model", "gated_linear_unit", True), ("model", "activation_func", _Code("F.silu"))],
+    "--position-embedding-type": [("model", "position_embedding_type", str)],
+    "--rotary-base": [("model", "rotary_base", float)],
+    "--rotary-percent": [("model", "rotary_percent", float)],
+    "--use-rope-scaling": [("model", "rope_scaling", True)],
+    "--rope-scaling-factor": [("model", "rope_scaling_factor", float)],
+    "--disable-bias-linear": [("model", "add_bias_linear", False)],
+    "--add-qkv-bias": [("model", "add_qkv_bias", True)],
+    "--untie-embeddings-and-output-weights": [("model", "share_embeddings_and_output_weights", False)],
+    "--attention-backend": [("model", "attention_backend", "AttnBackend")],
+    "--attention-dropout": [("model", "attention_dropout", float)],
+    "--hidden-dropout": [("model", "hidden_dropout", float)],
+    "--qk-layernorm": [("model", "qk_layernorm", True)],
+    "--num-experts": [("model", "num_moe_experts", int)],
+    "--moe-router-topk": [("model", "moe_router_topk", int)],
+    "--moe-ffn-hidden-size": [("model", "moe_ffn_hidden_size", int)],
+    "--moe-aux-loss-coeff": [("model", "moe_aux_loss_coeff", float)],
+    "--moe-router-score-function": [("model", "moe_router_score_function", str)],
+    "--moe-router-pre-softmax": [("model", "moe_router_pre_softmax", True)],
+    "--moe-router-enable-expert-bias": [("model", "moe_router_enable_expert_bias", True)],
+    "--moe-router-num-groups": [("model", "moe_router_num_groups", int)],
+    "--moe-router-group-topk": [("model", "moe_router_group_topk", int)],
+    "--moe-router-topk-scaling-factor": [("model", "moe_router_topk_scaling_factor", float)],
+    "--moe-shared-expert-intermediate-size": [("model", "moe_shared_expert_intermediate_size", int)],
+    "--moe-layer-freq": [("model", "moe_layer_freq", "layer-list")],
+    "--tokenizer-type": [("tokenizer", "tokenizer_type", str)],
+    "--vocab-size": [("tokenizer", "vocab_size", int), ("model", "vocab_size", int)],
+    "--make-vocab-size-divisible-by": [("model", "make_vocab_size_divisible_by", int)],
+    "--bf16": [("container", "mixed_precision", "bf16_mixed")],
+    "--fp16": [("container", "mixed_precision", "fp16_mixed")],
+    "--optimizer": [("optimizer", "optimizer", str)],
+    "--adam-beta1": [("optimizer", "adam_beta1", float)],
+    "--adam-beta2": [("optimizer", "adam_beta2", float)],
+    "--adam-eps": [("optimizer", "adam_eps", float)],
+    "--lr": [("optimizer", "lr", float)],
+    "--min-lr": [("optimizer", "min_lr", float)],
+    "--weight-decay": [("optimizer", "weight_decay", float)],
+    "--clip-grad": [("optimizer", "clip_grad", float)],
+    "--lr-decay-style": [("scheduler", "lr_decay_style", str)],
+    "--lr-warmup-iters": [("scheduler", "lr_warmup_iters", int)],
+    "--train-iters": [("train", "train_iters", int)],
+    "--seed": [("rng", "seed", int)],
+    "--log-interval": [("logger", "log_interval", int)],
+    "--mock-data": None,   # the dataset is MockGPTDatasetConfig
+    "--save": [("checkpoint", "save", str)],
+    "--save-interval": [("checkpoint", "save_interval", int)],
+}
+#: the ConfigContainer's sections in the order the module writes them, and their classes
+MEGATRON_BRIDGE_SECTIONS = {
+    "model": "GPTModelProvider", "train": "TrainingConfig", "optimizer": "OptimizerConfig",
+    "scheduler": "SchedulerConfig", "ddp": "DistributedDataParallelConfig", "dist": "DistributedInitConfig",
+    "dataset": "MockGPTDatasetConfig", "tokenizer": "TokenizerConfig", "logger": "LoggerConfig",
+    "checkpoint": "CheckpointConfig", "rng": "RNGConfig",
+}
+
+
+def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], list[str], list[str]]:
+    """The Megatron-Bridge 0.3.1 ``ConfigContainer`` for ``plan`` as ``{section: {field:
+    value}}`` (the sections of :data:`MEGATRON_BRIDGE_SECTIONS`, plus ``"container"`` for the
+    container's own ``mixed_precision``), the notes and the errors. It is the Megatron-LM
+    arguments of :func:`megatron_args` (one rule for what Megatron runs) renamed through
+    :data:`MEGATRON_BRIDGE_FIELDS`; an argument with no field there, and what
+    :func:`megatron_errors` refuses, are errors."""
+    args, notes = megatron_args(plan)
+    errors = list(megatron_errors(plan))
+    m = plan.config.model
+    out: dict[str, dict[str, object]] = {k: {} for k in ("container", *MEGATRON_BRIDGE_SECTIONS)}
+    # Megatron-LM's defaults where GPTModelProvider's differ (its arguments state only the
+    # change); Megatron-LM pads the vocabulary to make_vocab_size_divisible_by x tp, the
+    # provider only with should_pad_vocab (gpt_provider.py provide())
+    out["model"].update(share_embeddings_and_output_weights=True, add_bias_linear=True, should_pad_vocab=True)
+    out["dataset"].update(random_seed=plan.config.train.seed, reset_attention_mask=False, reset_position_ids=False,
+                          eod_mask_loss=False)
+    out["scheduler"]["lr_decay_iters"] = plan.config.train.steps
+    out["container"]["mixed_precision"] = None
+    unmapped = []
+    for flag, value in args:
+        if flag not in MEGATRON_BRIDGE_FIELDS:
+            unmapped.append(flag)
+            continue
+        for section, name, kind in MEGATRON_BRIDGE_FIELDS[flag] or ():
+            if kind in (int, float, str):
+                v = kind(value)
+            elif kind == "AttnBackend":
+                v = _Code(f"AttnBackend.{value}")
+            elif kind == "layer-list":   # "([0]*3+[1]*25)": which layers are MoE
+                v = [0] * m.dense_layers + [1] * (m.layers - m.dense_layers)
+            else:
+                v = kind
+            out[section][name] = v
+    if m.position == "learned" and m.max_positions != m.seq_len:
+        errors.append(f"max_positions {m.max_positions}: Megatron-Bridge's GPTModelProvider sizes learned position "
+                      f"embeddings by seq_length ({m.seq_len})")
+    if unmapped:
+        errors.append(f"{', '.join(unmapped)}: parcompile maps no Megatron-Bridge GPTModelProvider field to "
+                      + ("this Megatron-LM argument" if len(unmapped) == 1 else "these Megatron-LM arguments")
+                      + (" (multi-latent attention needs Megatron-Bridge's MLAModelProvider)" if m.kv_lora_rank
+                         else "") + "; export --to megatron")
+    if m.dtype == "fp32":
+        notes.append("dtype fp32: no mixed-precision recipe (mixed_precision=None)")
+    return out, notes, errors
+
+
+def _megatron_bridge(plan: Plan) -> Export:
+    cfg = plan.config
+    sections, notes, errors = megatron_bridge_config(plan)
+    cl = cfg.cluster
+    module = f"{_py_name(cfg.name)}_megatron_bridge"
+    launch = "".join(f"{k}={v} " for k, v in megatron_env(plan).items())
+    launch += f"torchrun --nnodes {cl.nodes} --nproc-per-node {cl.gpus_per_node}"
+    if cl.nodes > 1:
+        launch += ' --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
+    launch += f" {module}.py"
+
+    def value(v) -> str:
+        return str(v) if isinstance(v, _Code) else repr(v)
+
+    lines = [f'"""Megatron-Bridge 0.3.1 recipe for `{cfg.name}` (exported by parcompile): {_layout(plan)}.',
+             "",
+             "A ConfigContainer as NVIDIA's Megatron-Bridge recipes build them, from the arguments of",
+             "`parcompile export --to megatron` (mock data, a NullTokenizer of the spec's vocabulary).",
+             f"Launch: {launch}"]
+    lines += [""] + [f"error: {e}" for e in errors] if errors else []
+    lines += [""] + [f"note: {n}" for n in notes] if notes else []
+    lines += ['"""', "", "import torch.nn.functional as F", "",
+              "from megatron.bridge.models import GPTModelProvider",
+              "from megatron.bridge.training.config import (",
+              "    CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig,",
+              "    LoggerConfig, MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,",
+              "    TrainingConfig,",
+              ")",
+              "from megatron.bridge.training.gpt_step import forward_step",
+              "from megatron.bridge.training.pretrain import pretrain",
+              "from megatron.core.transformer.enums import AttnBackend",
+              "", "",
+              "def config() -> ConfigContainer:",
+              f'    """`{cfg.name}` as a Megatron-Bridge ConfigContainer."""',
+              "    return ConfigContainer("]
+    for section, cls in MEGATRON_BRIDGE_SECTIONS.items():
+        fields = sections[section]
+        if not fields:
+            lines.append(f"        {section}={cls}(),")
+            continue
+        lines.append(f"        {section}={cls}(")
+        lines += [f"            {k}={value(v)}," for k, v in fields.items()]
+        lines.append("        ),")
+    lines += [f"        {k}={value(v)}," for k, v in sections["container"].items()]
+    lines += ["    )", "", "",
+              'if __name__ == "__main__":',
+              "    pretrain(config(), forward_step)"]
+    return Export("megatron-bridge", "\n".join(lines) + "\n", notes, launch, f"{module}.py", errors)
 
 
 def _layout(plan: Plan) -> str:
@@ -451,6 +673,60 @@ def _layout(plan: Plan) -> str:
 # torchtitan
 
 
+def _torchtitan02_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float) -> int:
+    """torchtitan 0.2.2's SwiGLU width (``FeedForward.__init__``, from ``hidden_dim = 4 * dim``):
+    2/3 of it, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+    hidden = int(ffn_dim_multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+#: torchtitan 0.2's llama3 flavors as the model they build, field by field: torchtitan v0.2.2
+#: (pytorch/torchtitan commit 73a0e6979dd10b6b1904098eb3c8f62c18ab87ce)
+#: torchtitan/models/llama3/__init__.py ``llama3_args`` over the defaults of
+#: model/args.py ``TransformerModelArgs`` (vocab_size 128256, norm_eps 1e-5) and
+#: ``RoPEScalingArgs`` (scaling_factor 8, low_freq_factor 1, high_freq_factor 4,
+#: original_max_position_embeddings 8192), which model/model.py ``precompute_freqs_cis``
+#: always applies (Llama 3.1 RoPE); untied output, head_dim = dim / n_heads. 0.2's TOML names
+#: a flavor and overrides none of it (job_config.py ``Model``: name, flavor, paths, converters).
+TORCHTITAN02_FLAVORS: dict[str, dict] = {
+    name: {"n_layers": layers, "dim": dim, "n_heads": heads, "n_kv_heads": 8,
+           "hidden_dim": _torchtitan02_ffn(dim, multiple_of, mult), "vocab_size": 128256,
+           "rope_theta": 500000.0, "norm_eps": 1e-5, "rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8192),
+           "tie_embeddings": False}
+    for name, layers, dim, heads, multiple_of, mult in (("8B", 32, 4096, 32, 1024, 1.3),
+                                                        ("70B", 80, 8192, 64, 4096, 1.3),
+                                                        ("405B", 126, 16384, 128, 4096, 1.2))
+}
+
+
+def torchtitan02_flavor(plan: Plan) -> tuple[str | None, list[str]]:
+    """The torchtitan 0.2 llama3 flavor (:data:`TORCHTITAN02_FLAVORS`) with the spec's layers
+    and hidden size, and every field where that flavor is another model than the spec's
+    (``"vocab_size 128256 (the spec: 32000)"``); ``(None, [])`` when no flavor has that depth
+    and width."""
+    m = plan.config.model
+    name = next((n for n, f in TORCHTITAN02_FLAVORS.items() if (f["n_layers"], f["dim"]) == (m.layers, m.hidden)),
+                None)
+    if name is None:
+        return None, []
+    f = TORCHTITAN02_FLAVORS[name]
+    rope = (m.rope_type, float(m.rope_scaling_factor), float(m.rope_low_freq_factor),
+            float(m.rope_high_freq_factor), m.rope_original_max_positions)
+    spec = {"n_heads": m.heads, "n_kv_heads": m.kv_heads, "hidden_dim": m.ffn_hidden, "vocab_size": m.vocab,
+            "rope_theta": float(m.rope_theta), "norm_eps": float(m.norm_eps), "rope_scaling": rope,
+            "tie_embeddings": bool(m.tie_embeddings)}
+
+    def show(key, v):
+        if key == "rope_scaling":
+            return ("Llama 3.1 RoPE scaling (factor {1:g}, low_freq_factor {2:g}, high_freq_factor {3:g}, "
+                    "original_max_position_embeddings {4})".format(*v) if v[0] == "llama3" else
+                    f"RoPE scaling {v[0]}" if v[0] != "default" else "no RoPE scaling")
+        return f"{key} {_num(v) if isinstance(v, float) else v}"
+
+    return name, [f"{show(k, f[k])} (the spec: {show(k, v).removeprefix(k + ' ')})" for k, v in spec.items()
+                  if v != f[k]]
+
+
 def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     """The torchtitan 0.2 job config for ``plan`` as nested dicts (TOML tables in order),
     and the notes."""
@@ -462,8 +738,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     notes = _common_notes(plan, "torchtitan")
     v = deg["virtual_stages"]
 
-    flavor = {(32, 4096): ("llama3", "8B"), (80, 8192): ("llama3", "70B"), (126, 16384): ("llama3", "405B")}
-    name, fl = flavor.get((m.layers, m.hidden), ("llama3", "debugmodel"))
+    name, fl = "llama3", torchtitan02_flavor(plan)[0] or "debugmodel"
     if m.experts > 0:   # torchtitan's mixture-of-experts models live under deepseek_v3 (also llama4, qwen3)
         name, fl = "deepseek_v3", "debugmodel"
         notes.append(f"experts: register a deepseek_v3 flavor with {m.experts} routed experts, top_k {m.top_k}, "
@@ -531,15 +806,17 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
         "steps": tr.steps,
         "max_norm": tr.grad_clip,
         "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
-        "mixed_precision_reduce": "bfloat16" if _reduce_dtype(plan) == "bf16" else "float32",
+        # torchtitan 0.2.2 job_config.py: mixed_precision_reduce is Literal["float32"]
+        "mixed_precision_reduce": "float32",
         "dataset": "c4_test",
     }
-    if m.dtype == "fp16":
-        notes.append("dtype fp16: torchtitan's FSDP mixed precision takes bfloat16 or float32; exported as float32"
-                     + (" (reduce_dtype fp16 too)" if _reduce_dtype(plan) == "fp16" else ""))
-    if m.dtype == "bf16" and shard == 1 and replicate > 1:
-        notes.append("dtype bf16: torchtitan applies mixed_precision_param through FSDP only; without sharding "
-                     "(zero = 0) training runs in float32")
+    if _reduce_dtype(plan) != "fp32":
+        notes.append(f"reduce_dtype {_reduce_dtype(plan)}: torchtitan 0.2 reduces gradients in float32 only "
+                     "(training.mixed_precision_reduce)")
+    if m.dtype == "bf16" and shard == 1 and deg["cp"] == 1 and deg["tp"] == deg["pp"] == 1:
+        # torchtitan 0.2.2 distributed/utils.py maybe_enable_amp: DDP or one device: torch.autocast
+        notes.append("dtype bf16 without sharding: torchtitan 0.2 trains under torch.autocast(bfloat16) "
+                     "(parameters kept in float32, matmuls in bfloat16)")
     notes.append("dataset: c4_test is torchtitan's bundled sample; set training.dataset to yours")
 
     ac = {"mode": par.recompute}
@@ -600,6 +877,9 @@ def torchtitan_errors(plan: Plan) -> list[str]:
         errors.append(f"head_dim {m.head_dim}: torchtitan's llama3 uses dim / n_heads = {m.hidden // m.heads}")
     if m.position == "rope" and m.rope_type not in ("default", "llama3"):
         errors.append(f"rope_type {m.rope_type}: torchtitan's llama3 RoPE scales as none or llama (Llama 3.1)")
+    if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
+        errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
+                      "training.dtype); use dtype bf16 or fp32 in the spec")
     return errors
 
 
@@ -701,8 +981,6 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     }
     if deg["pp"] > 1:   # Trainer.Config: "CUDA graphs do not support pipeline parallelism yet"
         training["disable_cuda_graphs"] = True
-    if m.dtype == "fp16":
-        notes.append("dtype fp16: torchtitan's mixed precision takes bfloat16 or float32; exported as float32")
     if _reduce_dtype(plan) != "fp32":
         notes.append(f"reduce_dtype {_reduce_dtype(plan)}: torchtitan 0.3 reduces gradients in float32 only "
                      "(training.mixed_precision_reduce)")
@@ -880,6 +1158,22 @@ def _torchtitan(plan: Plan) -> Export:
                       f"({cfg.model.layers} layers, hidden {cfg.model.hidden}) is none of llama3's 8B, 70B, 405B; "
                       "export for torchtitan 0.3, which registers the spec's own flavor")
     notes = [n for n in notes if not n.startswith("model: torchtitan takes the model's shape")]
+    fl, differs = torchtitan02_flavor(plan)
+    if differs and not cfg.model.experts:
+        errors.append(f"model: torchtitan 0.2's llama3 flavor {fl} (torchtitan v0.2.2 models/llama3) is another "
+                      f"model than the spec's: {'; '.join(differs)}; 0.2's TOML names a flavor and overrides none "
+                      "of its fields: export for torchtitan 0.3, which registers the spec's own shape")
+    deg, p = _degrees(plan), config["parallelism"]
+    if (cfg.model.dtype == "bf16" and p["data_parallel_shard_degree"] == 1 and deg["cp"] == 1
+            and (deg["tp"] > 1 or deg["pp"] > 1)):
+        # torchtitan 0.2.2: fully_shard casts to mixed_precision_param only when FSDP is on
+        # (ParallelDims.fsdp_enabled: dp_shard > 1 or cp > 1); distributed/utils.py
+        # maybe_enable_amp turns mixed precision off under tp or pp otherwise
+        errors.append(f"dtype bf16 with dp {deg['dp']} and tp {deg['tp']} x pp {deg['pp']}: torchtitan 0.2 applies "
+                      "mixed_precision_param only through FSDP (data_parallel_shard_degree > 1 or cp > 1) and "
+                      "disables mixed precision under tp or pp without it, so this run would train in float32 "
+                      "(FSDP cannot shard over one data-parallel rank); export for torchtitan 0.3, whose FSDP "
+                      "wrapper installs the bf16 policy at any degree")
     cl = cfg.cluster
     launch = (f"CONFIG_FILE={cfg.name}_torchtitan.toml NGPU={cl.gpus_per_node} ./run_train.sh"
               if cl.nodes == 1 else
@@ -978,13 +1272,23 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
             c["tensor_parallel"] = {"autotp_size": deg["tp"]}
             # without an mpu DeepSpeedConfig counts every rank as data parallel (runtime/config.py)
             notes.append(f"tp {deg['tp']}: DeepSpeed AutoTP training (tensor_parallel.autotp_size) splits the linear "
-                         "layers; call deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size="
+                         "layers of a Hugging Face-style model (nn.Linear projections); call "
+                         "deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size="
                          f"{deg['tp']}) and pass mpu=deepspeed.utils.groups to deepspeed.initialize, so that "
                          f"DeepSpeed's data-parallel size is world / tp = {deg['dp']} (without an mpu it counts "
                          "every rank)")
         else:
-            notes.append(f"tp {deg['tp']} with pp: the model code splits the layers over the topology's model axis "
-                         "(Megatron-DeepSpeed style); AutoTP does not combine with PipelineModule")
+            # deepspeed 0.19.8: AutoTP's groups are a (data, tensor) mesh over every rank
+            # (utils/groups.py _init_tp_mesh_device), with no pipeline axis; a PipelineModule's
+            # tensor parallelism is the model code's own (Megatron-DeepSpeed's mpu)
+            errors.append(f"tp {deg['tp']} with pp {deg['pp']}: DeepSpeed's config cannot state tensor parallelism "
+                          "inside a pipeline: AutoTP (tensor_parallel.autotp_size) builds a data x tensor mesh over "
+                          "every rank (deepspeed.utils.groups._init_tp_mesh_device) with no pipeline axis, so this "
+                          f"config would train tp 1; the model code must provide tensor-parallel layers and an mpu "
+                          f"(Megatron-DeepSpeed's mpu, or PipeModelDataParallelTopology(num_pp={deg['pp']}, "
+                          f"num_mp={deg['tp']}, num_dp={deg['dp']}) handed to PipelineModule) that DeepSpeed only "
+                          "reads the groups from; use Megatron-LM or torchtitan for this layout, or tp 1 with pp, "
+                          "or pp 1 with AutoTP")
         if par.sequence_parallel:
             notes.append("sequence_parallel: AutoTP has no Megatron-style sequence parallelism")
     if par.recompute != "none":

@@ -5,6 +5,7 @@
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=/path/to/vllm-0.33.0-sdist:DEPS python tests/check_engine_parsers.py vllm
     PYTHONPATH=/path/to/sglang-0.5.23-wheel:DEPS python tests/check_engine_parsers.py sglang
     python tests/check_engine_parsers.py torchtitan0.2 /path/to/torchtitan-0.2.2-wheel   # unpacked
+    /path/to/bridge-venv/bin/python tests/check_engine_parsers.py megatron-bridge   # see megatron_bridge()
 
 - Megatron-LM: ``megatron.training.arguments.parse_args`` and ``validate_args`` with each
   export's arguments and environment, WORLD_SIZE from the plan, an H100 (Hopper) device
@@ -17,9 +18,14 @@
   openai-harmony, msgspec, pybase64, cachetools, uvloop, xgrammar, apache-tvm-ffi,
   partial-json-parser, llguidance, watchfiles).
 - SGLang: ``ServerArgs.add_cli_args``; DEPS are pybase64, msgspec, pyzmq and triton.
-- torchtitan 0.2.2 (the ``--torchtitan-version 0.2`` TOML): its ``ConfigManager`` with
-  ``--job.config_file``, ``ParallelDims`` and ``generate_llm_fqn_per_model_part``; its MoE
-  Triton kernels module is stubbed.
+- torchtitan 0.2.2 (the ``--torchtitan-version 0.2`` TOML; pytorch/torchtitan tag v0.2.2,
+  commit 73a0e6979dd10b6b1904098eb3c8f62c18ab87ce: ``git archive v0.2.2 torchtitan`` unpacked
+  does as well as the wheel): for each export it does not refuse, its ``ConfigManager`` with
+  ``--job.config_file``, the flavor's model built on the meta device (layers, dim, heads, kv
+  heads, SwiGLU width, vocabulary, RoPE theta and scaling, norm eps against the spec's), the
+  dtype as 0.2 trains it (mixed_precision_param under FSDP, or autocast without tp/pp), the
+  batch sizes, ``ParallelDims`` and ``generate_llm_fqn_per_model_part``; its MoE Triton
+  kernels module is stubbed.
 """
 
 from __future__ import annotations
@@ -71,12 +77,30 @@ def megatron(checkout: str) -> int:
             sys.argv = ["pretrain_gpt.py"] + words[words.index("pretrain_gpt.py") + 1:]
             a = arguments.validate_args(arguments.parse_args())
             deg, par = plan.data["degrees"], plan.config.parallel
-            got = (a.world_size, a.data_parallel_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                   a.context_parallel_size, a.micro_batch_size, a.global_batch_size, a.num_layers,
-                   a.virtual_pipeline_model_parallel_size)
+            # layers per pipeline stage as Megatron-Core splits them (first/last stage flags, the
+            # rest even), virtual stages, vocabulary and dtype (params_dtype from --bf16/--fp16)
+            pp, L = a.pipeline_model_parallel_size, a.num_layers
+            first, last = a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers
+            if first is None and last is None:
+                stages = [L // pp] * pp
+            else:
+                middle = L - (first or 0) - (last or 0)
+                inner = pp - (first is not None) - (last is not None)
+                stages = ([first] if first is not None else []) + [middle // max(inner, 1)] * inner + (
+                    [last] if last is not None else [])
+            from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+            got = (a.world_size, a.data_parallel_size, a.tensor_model_parallel_size, pp,
+                   a.context_parallel_size, a.micro_batch_size, a.global_batch_size, stages,
+                   a.virtual_pipeline_model_parallel_size, a.vocab_size, str(a.params_dtype),
+                   vocab_size_with_padding(a.vocab_size, a, logging_enabled=False))
+            chunks = list(par.layers_per_chunk(plan.config.model.layers))
             want = (plan.data["world_size"], deg["dp"], deg["tp"], deg["pp"], deg["cp"], par.micro_batch,
-                    par.global_batch, plan.config.model.layers,
-                    deg["virtual_stages"] if deg["virtual_stages"] > 1 else None)
+                    par.global_batch, [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
+                    deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
+                    {"bf16": "torch.bfloat16", "fp16": "torch.float16",
+                     "fp32": "torch.float32"}[plan.config.model.dtype],
+                    plan.data["model"]["padded_vocab"])
             ok = got == want and not ex.errors
             print(f"{name}: {'accepted, the plan' if ok else f'DIFFERS {got} != {want}'}")
             bad += not ok
@@ -163,12 +187,45 @@ def torchtitan02(wheel_dir: str) -> int:
     from parcompile.export import export
     from tests.test_export import _plans
 
+    import torch
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.model import Transformer
+
     bad, out = 0, tempfile.mkdtemp()
     for name, plan in _plans():
         ex = export(plan, "torchtitan", torchtitan_version="0.2")
+        if ex.errors:   # refused: the CLI writes nothing
+            print(f"{name}: refused: {ex.errors}")
+            continue
         path = os.path.join(out, ex.filename)
         Path(path).write_text(ex.text)
-        p = ConfigManager().parse_args(["--job.config_file", path]).parallelism
+        job = ConfigManager().parse_args(["--job.config_file", path])
+        p = job.parallelism
+        # the model the flavor builds (on the meta device), against the spec's
+        args = llama3_args[job.model.flavor]
+        with torch.device("meta"):
+            model = Transformer(args)
+        mdl = plan.config.model
+        block = model.layers["0"]
+        built = (len(model.layers), args.dim, args.n_heads, args.n_kv_heads, block.feed_forward.w1.out_features,
+                 model.tok_embeddings.num_embeddings, float(args.rope_theta), args.norm_eps)
+        spec = (mdl.layers, mdl.hidden, mdl.heads, mdl.kv_heads, mdl.ffn_hidden, mdl.vocab, float(mdl.rope_theta),
+                mdl.norm_eps)
+        rope = args.rope_scaling_args
+        scaling = (rope.scaling_factor, rope.low_freq_factor, rope.high_freq_factor,
+                   rope.original_max_position_embeddings)
+        spec_scaling = (mdl.rope_scaling_factor, mdl.rope_low_freq_factor, mdl.rope_high_freq_factor,
+                        mdl.rope_original_max_positions) if mdl.rope_type == "llama3" else None
+        tr = job.training
+        dtype_ok = tr.mixed_precision_param == {"bf16": "bfloat16", "fp32": "float32"}[mdl.dtype] and (
+            mdl.dtype != "bf16" or p.data_parallel_shard_degree > 1 or p.context_parallel_degree > 1
+            or p.tensor_parallel_degree == p.pipeline_parallel_degree == 1)
+        batch = (tr.global_batch_size, p.pipeline_parallel_microbatch_size)
+        if built != spec or scaling != spec_scaling or not dtype_ok or batch != (plan.config.parallel.global_batch,
+                                                                               plan.config.parallel.micro_batch):
+            print(f"{name}: ANOTHER MODEL/DTYPE/BATCH {built} {scaling} {tr.mixed_precision_param} {batch} != "
+                  f"{spec} {spec_scaling} {mdl.dtype}")
+            bad += 1
         dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
                             cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
                             ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
@@ -188,9 +245,107 @@ def torchtitan02(wheel_dir: str) -> int:
     return bad
 
 
+def megatron_bridge() -> int:
+    """Megatron-Bridge 0.3.1 (megatron-core 0.16.1, its pin), in a separate virtual environment
+    (it pins transformers < 5 and a CUDA Transformer Engine; neither is needed to build and
+    validate a config): ``pip install --no-deps megatron-bridge==0.3.1 'megatron-core>=0.16,<0.17'
+    omegaconf`` into a venv made with ``--system-site-packages`` (torch, transformers); the
+    ``transformer_engine``, ``triton`` and ``modelopt`` (NVIDIA ModelOpt, imported by gpt_step) imports
+    are stubbed. Each export not refused is
+    imported, its ``config()`` built and passed through ``runtime_config_update`` (what
+    ``pretrain`` runs first: the mixed-precision recipe, the data-parallel size from WORLD_SIZE,
+    ``ConfigContainer.validate``)."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import tempfile
+
+    class _Any(type):   # any attribute of a stand-in class is a stand-in class
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stub
+
+    class _Stub(metaclass=_Any):
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, *a, **k):
+            return _Stub()
+
+    class _Module(types.ModuleType):
+        __path__: list = []
+        __version__ = "2.12.0"
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stub
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("transformer_engine", "triton", "modelopt", "nvidia_resiliency_ext"):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            return _Module(spec.name)
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, _Finder())
+    import torch
+    from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+    from parcompile.export import export
+    from tests.test_export import _plans
+
+    bad, out = 0, tempfile.mkdtemp()
+    for name, plan in _plans():
+        ex = export(plan, "megatron-bridge")
+        if ex.errors:
+            print(f"{name}: refused: {ex.errors}")
+            continue
+        path = os.path.join(out, ex.filename)
+        Path(path).write_text(ex.text)
+        spec = importlib.util.spec_from_file_location(ex.filename[:-3], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cfg = module.config()
+        os.environ["WORLD_SIZE"] = str(plan.data["world_size"])
+        try:
+            runtime_config_update(cfg)
+        except BaseException as e:
+            print(f"{name}: REJECTED by Megatron-Bridge ({type(e).__name__}: {e})")
+            bad += 1
+            continue
+        md, deg, par = cfg.model, plan.data["degrees"], plan.config.parallel
+        pp, L = md.pipeline_model_parallel_size, md.num_layers
+        first, last = md.num_layers_in_first_pipeline_stage, md.num_layers_in_last_pipeline_stage
+        inner = pp - (first is not None) - (last is not None)
+        middle = (L - (first or 0) - (last or 0)) // max(inner, 1)
+        stages = ([first] if first is not None else []) + [middle] * inner + ([last] if last is not None else [])
+        chunks = list(par.layers_per_chunk(plan.config.model.layers))
+        got = (cfg.data_parallel_size, md.tensor_model_parallel_size, pp, md.context_parallel_size,
+               md.expert_model_parallel_size, cfg.train.micro_batch_size, cfg.train.global_batch_size, stages,
+               md.virtual_pipeline_model_parallel_size, md.vocab_size, cfg.tokenizer.vocab_size, md.params_dtype,
+               calculate_padded_vocab_size(md.vocab_size, md.make_vocab_size_divisible_by,
+                                           md.tensor_model_parallel_size) if md.should_pad_vocab else md.vocab_size)
+        want = (deg["dp"], deg["tp"], deg["pp"], deg["cp"], deg["ep"], par.micro_batch, par.global_batch,
+                [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])],
+                deg["virtual_stages"] if deg["virtual_stages"] > 1 else None, plan.config.model.vocab,
+                plan.config.model.vocab,
+                {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.config.model.dtype],
+                plan.data["model"]["padded_vocab"])
+        print(f"{name}: {'accepted, the plan' if got == want else f'DIFFERS {got} != {want}'}")
+        bad += got != want
+    return bad
+
+
 if __name__ == "__main__":
     os.chdir(REPO)
     engine = sys.argv[1]
     checks = {"megatron": lambda: megatron(sys.argv[2]), "vllm": vllm, "sglang": sglang,
-              "torchtitan0.2": lambda: torchtitan02(sys.argv[2])}
+              "torchtitan0.2": lambda: torchtitan02(sys.argv[2]), "megatron-bridge": megatron_bridge}
     sys.exit(1 if checks[engine]() else 0)

@@ -56,6 +56,19 @@ VARIANTS = {
                             " micro_batch = 1\n global_batch = 8\n}", "fp32"),
     "zero0_cp_pp": ("parallel {\n dp = 2\n tp = 1\n pp = 2\n cp = 2\n micro_batch = 1\n global_batch = 8\n}",
                     "bf16"),
+    # pipeline without tensor parallelism: what DeepSpeed's PipelineModule runs from its config
+    "pp_zero1": ("parallel {\n dp = 4\n tp = 1\n pp = 2\n zero = 1\n micro_batch = 1\n global_batch = 16\n}",
+                 "bf16"),
+}
+LLAMA3_70B = (REPO / "examples" / "llama3_70b_8x8_h100.par").read_text()
+#: the 70B example's layout with other models: Llama 2 70B (the 70B shape, vocabulary 32,000 and
+#: RoPE theta 10,000: not torchtitan 0.2's llama3 70B) and Llama 3.1 70B (Llama 3 70B with its
+#: RoPE scaling: meta-llama/Llama-3.1-70B config.json rope_scaling, torchtitan 0.2's 70B flavor)
+MODEL_VARIANTS = {
+    "llama2_70b_8x8": LLAMA3_70B.replace('from "llama3-70b" { }', 'from "llama2-70b" { }'),
+    "llama31_70b_8x8": LLAMA3_70B.replace('from "llama3-70b" { }', 'from "llama3-70b" {\n    rope_type = llama3\n'
+                                          '    rope_scaling_factor = 8\n    rope_low_freq_factor = 1\n'
+                                          '    rope_high_freq_factor = 4\n    rope_original_max_positions = 8192\n}'),
 }
 
 
@@ -63,6 +76,9 @@ VARIANTS = {
 def _plans():
     out = [(p.stem, parcompile.compile(p.relative_to(REPO))) for p in EXAMPLES]
     out += [(name, _variant(*v)) for name, v in VARIANTS.items()]
+    for name, src in MODEL_VARIANTS.items():
+        assert src != LLAMA3_70B, name
+        out.append((name, parcompile.compile(src, f"{name}.par")))
     return tuple((n, p) for n, p in out if p.config.workload == "train")
 
 
@@ -220,12 +236,61 @@ def test_torchtitan_names_the_plan(plans):
         assert t["optimizer"]["lr"] == plan.config.train.lr
 
 
+#: Llama 3.1 as published (meta-llama/Llama-3.1-8B, -70B, -405B config.json): layers, hidden,
+#: heads, kv heads, intermediate size; all: vocab 128,256, rope_theta 500,000, rms_norm_eps
+#: 1e-5, rope_scaling llama3 (factor 8, low 1, high 4, original 8192), untied embeddings
+LLAMA31 = {"8B": (32, 4096, 32, 8, 14336), "70B": (80, 8192, 64, 8, 28672), "405B": (126, 16384, 128, 8, 53248)}
+
+
+def test_torchtitan02_exports_only_its_flavors(plans):
+    """torchtitan 0.2's TOML names a llama3 flavor and no field of it: an export is accepted
+    only when the flavor (parcompile.export.TORCHTITAN02_FLAVORS, read from torchtitan v0.2.2)
+    is the spec's model field by field, and its bf16 is bf16 as torchtitan 0.2 runs it (FSDP
+    with dp_shard > 1 or cp > 1, or autocast without tp and pp); else refused with the fields."""
+    from parcompile.export import TORCHTITAN02_FLAVORS
+
+    for flavor, (layers, dim, heads, kv, ffn) in LLAMA31.items():   # the table is Llama 3.1
+        assert TORCHTITAN02_FLAVORS[flavor] == {
+            "n_layers": layers, "dim": dim, "n_heads": heads, "n_kv_heads": kv, "hidden_dim": ffn,
+            "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
+            "rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8192), "tie_embeddings": False}, flavor
+    accepted = []
+    for name, plan in plans:
+        ex = export(plan, "torchtitan", torchtitan_version="0.2")
+        t, m, deg = tomllib.loads(ex.text), plan.config.model, plan.data["degrees"]
+        if ex.errors:
+            continue
+        accepted.append(name)
+        layers, dim, heads, kv, ffn = LLAMA31[t["model"]["flavor"]]
+        assert t["model"]["name"] == "llama3"
+        assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab, m.rope_theta, m.norm_eps) == \
+            (layers, dim, heads, kv, ffn, 128256, 500000.0, 1e-5), name
+        assert (m.rope_type, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                m.rope_original_max_positions, m.tie_embeddings) == ("llama3", 8, 1, 4, 8192, False), name
+        p, tr = t["parallelism"], t["training"]
+        assert tr["mixed_precision_param"] == {"bf16": "bfloat16", "fp32": "float32"}[m.dtype], name
+        assert tr["mixed_precision_reduce"] == "float32"   # 0.2.2: Literal["float32"]
+        if m.dtype == "bf16":   # torchtitan 0.2.2 distributed/utils.py maybe_enable_amp
+            assert p["data_parallel_shard_degree"] > 1 or p["context_parallel_degree"] > 1 or \
+                deg["tp"] == deg["pp"] == 1, name
+    assert accepted == ["llama31_70b_8x8"]
+    llama2 = dict(plans)["llama2_70b_8x8"]
+    (error,) = export(llama2, "torchtitan", torchtitan_version="0.2").errors
+    assert "flavor 70B" in error and "vocab_size 128256 (the spec: 32000)" in error
+    assert "rope_theta 500000 (the spec: 10000)" in error
+    fp32 = dict(plans)["llama3_8b_2x8_h100"]   # dp 1, tp 8, pp 2: no FSDP, so no mixed precision
+    assert any(e.startswith("dtype bf16 with dp 1 and tp 8 x pp 2:") and "float32" in e
+               for e in export(fp32, "torchtitan", torchtitan_version="0.2").errors)
+
+
 def test_deepspeed_names_the_plan(plans):
     for name, plan in plans:
         deg, sched, m, par = _expect(plan)
         ex = export(plan, "deepspeed")
         c = json.loads(ex.text)
-        assert bool(ex.errors) == (deg["cp"] > 1 or (deg["pp"] > 1 and par.zero >= 2)), name
+        assert bool(ex.errors) == (deg["cp"] > 1 or (deg["pp"] > 1 and (par.zero >= 2 or deg["tp"] > 1))), name
+        if deg["tp"] > 1 and deg["pp"] > 1:   # AutoTP has no pipeline axis: the model code's mpu is needed
+            assert any(e.startswith(f"tp {deg['tp']} with pp {deg['pp']}:") and "mpu" in e for e in ex.errors), name
         assert c["train_batch_size"] == par.global_batch, name
         assert c["train_micro_batch_size_per_gpu"] == par.micro_batch
         assert c["gradient_accumulation_steps"] == m
@@ -301,10 +366,13 @@ def test_every_example_exports(spec, target, monkeypatch, capsys):
         assert f"{rel}:" in err and "help:" in err
         return
     ex = export(plan, target)
-    assert out == ex.text
     assert rc == (1 if ex.errors else 0), err
     assert all(f"error: {e}" in err for e in ex.errors)
-    if target == "torchtitan":
+    if ex.errors:   # refused: nothing but the errors, nothing on stdout
+        assert out == "" and "note: " not in err and f"error: `export --to {target}` refused: nothing written" in err
+        return
+    assert out == ex.text
+    if target in ("torchtitan", "megatron-bridge"):
         compile(out, ex.filename, "exec")   # a Python module
     elif target in ("megatron", "vllm", "sglang"):
         parse_command(out, {"megatron": "pretrain_gpt.py", "vllm": plan.config.serve and plan.config.serve.weights,
@@ -317,14 +385,45 @@ def test_every_example_exports(spec, target, monkeypatch, capsys):
         assert "note: " not in err
 
 
+#: tiny.par with pipeline and no tensor parallelism: a layout every training engine runs
+TINY_PP = TINY.replace(TINY_PARALLEL, "parallel {\n    dp = 4\n    tp = 1\n    pp = 2\n    micro_batch  = 2\n"
+                       "    global_batch = 16\n}")
+
+
 @pytest.mark.parametrize("target", TRAIN_TARGETS)
 def test_export_to_file(target, monkeypatch, capsys, tmp_path):
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.par").write_text(TINY_PP)
     dest = tmp_path / "out"
-    assert main(["export", "examples/tiny.par", "--to", target, "-o", str(dest)]) == 0
+    assert main(["export", "tiny.par", "--to", target, "-o", str(dest)]) == 0
     out, err = capsys.readouterr()
-    assert out == "" and dest.read_text() == export(_compiled("tiny"), target).text
+    assert out == "" and dest.read_text() == export(parcompile.compile(TINY_PP, "tiny.par"), target).text
     assert f"wrote {dest} ({target})" in err and "note: " in err
+
+
+@pytest.mark.parametrize("target, version", [("megatron", None), ("megatron-bridge", None), ("deepspeed", None),
+                                             ("torchtitan", "0.2")])
+def test_refused_export_writes_nothing(target, version, monkeypatch, capsys, tmp_path):
+    """An export the engine would run as another model or layout (Megatron-LM and
+    Megatron-Bridge: zero 3 with pp; DeepSpeed: tp with pp; torchtitan 0.2: a shape that is no flavor) writes no file and
+    prints nothing on stdout: only its `error:` lines, exit 1; a file already at -o is left
+    as it was."""
+    monkeypatch.chdir(tmp_path)
+    spec = TINY if not target.startswith("megatron") else TINY.replace(TINY_PARALLEL, VARIANTS["gpipe_zero3_full"][0])
+    (tmp_path / "tiny.par").write_text(spec)
+    errors = export(parcompile.compile(spec, "tiny.par"), target, torchtitan_version=version or "0.3").errors
+    assert errors
+    extra = ["--torchtitan-version", version] if version else []
+    assert main(["export", "tiny.par", "--to", target, *extra]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and [line for line in err.splitlines() if line.startswith("error: ")] == \
+        [f"error: {e}" for e in errors] + [f"error: `export --to {target}` refused: nothing written"]
+    assert main(["export", "tiny.par", "--to", target, *extra, "-o", "new.out"]) == 1
+    assert not (tmp_path / "new.out").exists() and "(new.out untouched)" in capsys.readouterr().err
+    (tmp_path / "old.out").write_text("mine")
+    assert main(["export", "tiny.par", "--to", target, *extra, "-o", "old.out"]) == 1
+    assert (tmp_path / "old.out").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.out", "tiny.par"]   # no temporary left
 
 
 
@@ -333,7 +432,7 @@ def test_export_to_another_name_launches_that_file(monkeypatch, capsys, tmp_path
     written (quoted for the shell), torchtitan 0.3 says which ``--module`` imports it (or that
     the name cannot be imported); the file is written whole, with a plain write's mode."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.par").write_text((REPO / "examples" / "tiny.par").read_text())
+    (tmp_path / "tiny.par").write_text(TINY_PP)   # (tiny.par's tp 2 with pp 2: DeepSpeed refuses it)
     import os
     umask = os.umask(0o022)
     try:
@@ -385,9 +484,13 @@ def test_export_usage_errors(monkeypatch, capsys):
 # their sources at hand (not installable here: megatron-core 0.19 wants Python 3.12 and its
 # wheel has no megatron/training; vLLM ships CUDA wheels and an sdist that does not build on
 # CPU; SGLang's parser imports Triton). Each set was produced by parsing (and validating)
-# these exports with the release's real parser: Megatron-LM core_v0.19.0
-# megatron/training/arguments.py parse_args + validate_args (15 plans, 14 accepted, the
-# zero-3-with-pp one refused as the export's error says); vLLM 0.33.0 `vllm serve`
+# these exports with the release's real parser: Megatron-LM core_v0.19.0 (NVIDIA/Megatron-LM
+# tag core_v0.19.0, commit 5be9626709af2722333bf54797c954c09edeada3),
+# megatron/training/arguments.py parse_args + validate_args, run by
+# `python tests/check_engine_parsers.py megatron CHECKOUT` on that commit's tree (18 plans,
+# 17 accepted with the plan's world, dp, tp, pp, cp, batch sizes, layers per stage, virtual
+# stages, vocabulary and dtype; the zero-3-with-pp one refused as the export's error says;
+# --use-rope-scaling and --rope-scaling-factor: arguments.py lines 2341-2344 there); vLLM 0.33.0 `vllm serve`
 # (vllm/entrypoints/cli/serve.py subparser_init + validate_parsed_serve_args, option
 # strings from vllm/engine/arg_utils.py); SGLang 0.5.23 sglang/srt/server_args.py
 # ServerArgs.add_cli_args.
@@ -401,9 +504,10 @@ MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --no-gradient-accumulation-fusion --norm-epsilon --normalization --num-attention-heads --num-experts --num-layers
 --num-query-groups --num-virtual-stages-per-pipeline-rank --optimizer --overlap-grad-reduce
 --pipeline-model-parallel-size --position-embedding-type --recompute-granularity --recompute-method
---recompute-num-layers --rotary-base --seed --seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
---tokenizer-type --train-iters --untie-embeddings-and-output-weights --use-distributed-optimizer --use-torch-fsdp2
---vocab-size --weight-decay""".split())
+--recompute-num-layers --rope-scaling-factor --rotary-base --seed
+--seq-length --sequence-parallel --swiglu --tensor-model-parallel-size
+--tokenizer-type --train-iters --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rope-scaling
+--use-torch-fsdp2 --vocab-size --weight-decay""".split())
 VLLM_0_33_0_FLAGS = frozenset("""--tensor-parallel-size --pipeline-parallel-size --data-parallel-size
 --enable-expert-parallel --max-model-len --max-num-seqs --kv-cache-dtype --gpu-memory-utilization --dtype
 --seed""".split())
@@ -415,6 +519,97 @@ SGLANG_0_5_23_FLAGS = frozenset("""--model-path --tp-size --pp-size --dp-size --
 SGLANG_0_5_23_KV_CACHE_DTYPES = frozenset({"auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
                                            "fp4_mx_block16"})
 SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
+
+
+#: Megatron-Bridge 0.3.1 (with megatron-core 0.16.1, its pin) ConfigContainer fields the exports
+#: set, each read from its dataclass (GPTModelProvider, TrainingConfig, OptimizerConfig,
+#: SchedulerConfig, DistributedDataParallelConfig, DistributedInitConfig, MockGPTDatasetConfig
+#: (seq_length: an init argument), TokenizerConfig, LoggerConfig, CheckpointConfig, RNGConfig,
+#: ConfigContainer) and every export built and passed through Bridge's own
+#: runtime_config_update + ConfigContainer.validate by `tests/check_engine_parsers.py
+#: megatron-bridge` (18 plans: 17 accepted with the plan's dp, tp, pp, cp, ep, batch sizes,
+#: layers per stage, virtual stages, vocabulary and params dtype; zero 3 with pp refused).
+MEGATRON_BRIDGE_0_3_1_FIELDS = {
+    "model": frozenset("""activation_func add_bias_linear add_qkv_bias attention_backend attention_dropout
+        context_parallel_size expert_model_parallel_size expert_tensor_parallel_size ffn_hidden_size gated_linear_unit
+        gradient_accumulation_fusion hidden_dropout hidden_size kv_channels layernorm_epsilon
+        make_vocab_size_divisible_by moe_aux_loss_coeff moe_ffn_hidden_size moe_layer_freq moe_router_topk
+        moe_shared_expert_intermediate_size normalization num_attention_heads num_layers
+        num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage num_moe_experts num_query_groups
+        pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
+        recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
+        share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size
+        virtual_pipeline_model_parallel_size
+        vocab_size""".split()),
+    "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
+    "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
+                            "use_distributed_optimizer", "weight_decay"}),
+    "scheduler": frozenset({"lr_decay_iters", "lr_decay_style", "lr_warmup_iters"}),
+    "ddp": frozenset({"bucket_size", "overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32"}),
+    "dist": frozenset({"use_torch_fsdp2"}),
+    "dataset": frozenset({"eod_mask_loss", "random_seed", "reset_attention_mask", "reset_position_ids",
+                          "seq_length"}),
+    "tokenizer": frozenset({"tokenizer_type", "vocab_size"}),
+    "logger": frozenset({"log_interval"}),
+    "checkpoint": frozenset({"save", "save_interval"}),
+    "rng": frozenset({"seed"}),
+    "mixed_precision": frozenset(),
+}
+
+
+def _bridge_container(text: str) -> dict[str, object]:
+    """The keyword arguments of the ConfigContainer an exported Megatron-Bridge module's
+    ``config()`` returns: ``{section: {field: value}}`` (literals; expressions as source)."""
+    import ast
+
+    fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "config")
+    call = fn.body[-1].value
+    assert isinstance(call, ast.Call) and call.func.id == "ConfigContainer"
+
+    def lit(node):
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return ast.unparse(node)
+
+    return {kw.arg: ({k.arg: lit(k.value) for k in kw.value.keywords} if isinstance(kw.value, ast.Call)
+                     else lit(kw.value)) for kw in call.keywords}
+
+
+def test_megatron_bridge_names_the_plan(plans):
+    """`--to megatron-bridge`: a Python module whose ConfigContainer holds the plan's sizes in
+    Megatron-Bridge 0.3.1's fields (pinned above); dp is what Bridge derives
+    (ConfigContainer.get_data_parallel_size: world / (tp * pp * cp)); refused exactly where
+    Megatron-LM's are."""
+    for name, plan in plans:
+        ex = export(plan, "megatron-bridge")
+        assert ex.errors == export(plan, "megatron").errors, name
+        compile(ex.text, ex.filename, "exec")
+        c = _bridge_container(ex.text)
+        for section, fields in c.items():
+            got = set(fields) if isinstance(fields, dict) else set()
+            known = MEGATRON_BRIDGE_0_3_1_FIELDS[section]
+            assert got <= known, (name, section, got - known)
+        deg, par, mdl, md = plan.data["degrees"], plan.config.parallel, plan.data["model"], c["model"]
+        assert (md["tensor_model_parallel_size"], md["pipeline_model_parallel_size"], md["context_parallel_size"]) == \
+            (deg["tp"], deg["pp"], deg["cp"]), name
+        assert plan.data["world_size"] // (deg["tp"] * deg["pp"] * deg["cp"]) == deg["dp"]
+        assert md.get("expert_model_parallel_size", 1) == deg["ep"]
+        assert (c["train"]["micro_batch_size"], c["train"]["global_batch_size"]) == (par.micro_batch, par.global_batch)
+        assert md["num_layers"] == mdl["layers"] and md["vocab_size"] == c["tokenizer"]["vocab_size"] == mdl["vocab"]
+        assert md.get("virtual_pipeline_model_parallel_size", 1) == deg["virtual_stages"], name
+        chunks = list(par.layers_per_chunk(mdl["layers"]))
+        stages = [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])]
+        if len(set(stages)) > 1:
+            assert (md["num_layers_in_first_pipeline_stage"], md["num_layers_in_last_pipeline_stage"]) == \
+                (stages[0], stages[-1]), name
+        assert c["mixed_precision"] == {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": None}[mdl["dtype"]], name
+        assert md["share_embeddings_and_output_weights"] == mdl["tie_embeddings"], name
+        # padded as Megatron-LM pads (and the plan counts): to make_vocab_size_divisible_by x tp
+        multiple = md["make_vocab_size_divisible_by"] * deg["tp"]
+        assert md["should_pad_vocab"] and -(-mdl["vocab"] // multiple) * multiple == mdl["padded_vocab"], name
+        assert c["optimizer"].get("use_distributed_optimizer", False) == (par.zero in (1, 2))
+        assert c["dist"].get("use_torch_fsdp2", False) == (par.zero == 3)
 
 
 def test_megatron_flags_are_core_v0_19_flags(plans):
