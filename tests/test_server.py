@@ -288,6 +288,24 @@ def test_bad_requests_get_openai_errors(server):
 
 
 @pytest.mark.torchrun
+def test_a_top_p_that_rounds_to_zero_is_answered_and_kills_no_rank(server):
+    """Issue 30.1: top_p 1e-46 is 0 in float32: every token was masked, torch.multinomial
+    raised and the rank died (503, exit). Now the likeliest token survives: the answer is the
+    greedy one, and the server keeps serving."""
+    base = server["base"]
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 1, "top_p": 1e-46, "return_token_ids": True}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    greedy = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                                                        "return_token_ids": True}, timeout=60).json()
+    assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    r = httpx.post(base + "/v1/completions", json={**body, "top_p": 5e-324, "top_k": 10**30, "temperature": 1e-5},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    assert httpx.get(base + "/health", timeout=10).text == "ok"
+
+
+@pytest.mark.torchrun
 def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
     """Last: it ends the module's server."""
     proc, base = server["proc"], server["base"]
@@ -331,6 +349,31 @@ def test_top_p_keeps_the_smallest_nucleus():
     draws = {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.7)) for _ in range(200)}
     assert draws == {0, 1}
     assert {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.5)) for _ in range(50)} == {0}
+
+
+def test_sampler_keeps_the_likeliest_token_and_fails_only_the_row_with_non_finite_logits():
+    """Issue 30.1, defence in depth in the ranks: whatever sampling values arrive, one token
+    survives top-p / top-k and no finite logits become NaN; NaN / inf logits fail their own
+    request (ERROR_TOKEN, finish_reason "error", blocks freed), not the rank."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
+    for top_p in (1e-46, 0.0, 5e-324):           # all 0 in float32
+        assert int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=top_p)) == 1
+    huge = torch.tensor([[3e38, -3e38, 1e38, 0.0]])    # / 1e-5 overflows unless the max is taken out first
+    assert int(gen.pick_tokens(huge, 4, 1e-5, 2, g, top_p=1e-30)) == 0
+    bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, 5.0, 1.0, 0.0], [float("inf"), 0.0, 0.0, 0.0]])
+    with pytest.raises(gen.NonFiniteLogits) as e:
+        gen.pick_tokens(bad, 4, 0.0, 0, None)
+    assert e.value.rows == [0, 2]
+    p = {"temperature": 1.0, "top_k": 0, "top_p": 1e-46}
+    assert paged.sample_rows(bad, 4, [p] * 3, [torch.Generator() for _ in range(3)]).tolist() == [
+        paged.ERROR_TOKEN, 1, paged.ERROR_TOKEN]
+    s = paged.Scheduler(blocks=4, block_size=16, max_seqs=2)
+    s.add("nan", [1, 2], {"max_tokens": 5})
+    s.add("ok", [1], {"max_tokens": 5})
+    rows = [paged.Row(*r) for r in s.next_step()["rows"]]
+    assert s.collect(rows, [paged.ERROR_TOKEN, 7]) == [("nan", paged.ERROR_TOKEN, "error"), ("ok", 7, None)]
+    assert s.stats() == {"blocks_used": 1, "blocks_free": 3, "waiting": 0, "running": 1}
 
 
 def test_kv_cache_tokens_caps_the_paged_cache_and_must_hold_one_request():

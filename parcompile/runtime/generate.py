@@ -203,23 +203,47 @@ def broadcast_from_last(t: torch.Tensor, pp: Axis) -> torch.Tensor:
     return t
 
 
+class NonFiniteLogits(ServeError):
+    """The model's logits hold NaN or inf for a sequence (its weights or activations
+    overflowed): no token can be drawn for it. ``rows``: the affected rows of the batch."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"the model produced NaN or infinite logits for batch row(s) {rows} (its weights or "
+                         f"activations overflow in this dtype)")
+        self.rows = rows
+
+
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
                 generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
     """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
     ``temperature == 0`` is greedy (argmax, first on ties); else softmax(logits / T) over
     the ``top_k`` likeliest (0: all), then over the smallest set of the likeliest whose
     probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019; 1: all; the
-    order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU)."""
+    order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU).
+
+    Whatever ``temperature`` (> 0), ``top_k`` and ``top_p`` (even one that rounds to 0 in
+    float32) say, the likeliest token always survives (transformers' ``min_tokens_to_keep``,
+    vLLM's sampler), and ``logits / T`` is taken after subtracting each row's maximum, so
+    that no finite logits overflow to inf and the probabilities are never NaN.
+
+    Raises:
+        NonFiniteLogits: a row of ``logits`` holds NaN or inf (a model fault, not a choice of
+            sampling values): the caller answers that sequence with an error.
+    """
     logits = logits[:, :vocab].float()
+    bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteLogits(bad)
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k and top_k < vocab:
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature     # <= 0: never +inf
+    if top_k and 0 < top_k < vocab:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
         drop = probs.cumsum(dim=-1) - probs >= top_p          # the mass before a token already reaches top_p
+        drop[:, 0] = False                                    # the likeliest always survives
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1).cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
@@ -369,6 +393,6 @@ def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict)
 
 __all__ = [
     "ServeError", "KVCache", "StepInput", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
-    "broadcast_from_last", "pick_tokens", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
+    "broadcast_from_last", "pick_tokens", "NonFiniteLogits", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
     "load_tokenizer", "end_tokens", "default_prompts", "replica_slice", "write_record", "TORCH_DTYPES",
 ]

@@ -213,11 +213,16 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 4 non-empty strings", param="stop")
-        top_k = info.top_k if req.top_k is None else max(req.top_k, 0)
+        # what reaches the ranks is made safe here (the sampler keeps the likeliest token too):
+        # top_k in [0, vocab] (0: all), temperature 0 (greedy) or >= SAMPLING_EPS, top_p in
+        # [SAMPLING_EPS, 1] (1e-46 is 0 in float32: every token would be masked), seed in [0, 2**63)
+        top_k = info.top_k if req.top_k is None else req.top_k
+        top_k = 0 if top_k < 0 or top_k >= info.vocab else int(top_k)
         temperature = info.temperature if req.temperature is None else req.temperature
         if temperature < SAMPLING_EPS:    # logits / 1e-300 overflow to inf: NaN probabilities kill the rank
             temperature = 0.0
-        return {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": 1.0 if req.top_p is None else req.top_p,
+        top_p = 1.0 if req.top_p is None else min(max(float(req.top_p), SAMPLING_EPS), 1.0)
+        return {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_k": top_k, "top_p": top_p,
                 "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63), "eos": info.eos,
                 "stop": stop}
 
@@ -258,6 +263,12 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
                 if isinstance(item, EngineFailed):
                     raise unavailable(str(item))
                 tok, reason = item
+                if reason == "error":        # its logits were NaN or inf: this request fails, the server lives
+                    finished = True
+                    metrics.request_finished("abort", len(ids))
+                    raise ApiError(500, "the model produced NaN or infinite logits for this request (its weights "
+                                        "or activations overflow in the serve dtype); no token could be drawn",
+                                   code="non_finite_logits", kind="server_error")
                 now = time.perf_counter()
                 metrics.token(now - (last if last is not None else t0), first=last is None)
                 last = now
