@@ -273,6 +273,8 @@ class ByteTokenizer:
     """Bytes as tokens (the byte-level models training programs make from text files)."""
 
     kind = "bytes"
+    #: the most UTF-8 bytes of text one token stands for (a lower bound on a text's tokens)
+    max_token_bytes: int | None = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -285,6 +287,7 @@ class IdTokenizer:
     """No tokenizer: prompts are token ids, output is printed as ids."""
 
     kind = "ids"
+    max_token_bytes: int | None = None      # whitespace between ids is unbounded
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -311,12 +314,49 @@ class HFTokenizer:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:
             raise ServeError(f"cannot read the tokenizer {path}: {e}") from None
+        self.max_token_bytes = _max_token_bytes(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+#: normalizers and pre-tokenizers that never drop text (so each token stands for at most its
+#: own UTF-8 bytes): `tokenizers`' type names; Replace / Split are checked further
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "NFC", "NFD", "NFKC", "NFKD", "Prepend",
+               "Replace", "Sequence", "UnicodeScripts"}
+
+
+def _max_token_bytes(tok) -> int | None:
+    """The most UTF-8 bytes of input text one token of ``tok`` (a `tokenizers` Tokenizer)
+    covers, over its vocabulary and added tokens: an upper bound for the byte-level and
+    SentencePiece-style tokenizers (a byte-level symbol or ``▁`` is more UTF-8 bytes than
+    the input byte it stands for); None when its normalizer or pre-tokenizer may drop text
+    (whitespace splitting, stripping, removal), where no such bound holds."""
+    import json
+
+    try:
+        d = json.loads(tok.to_str())
+    except Exception:   # pragma: no cover - a tokenizer that cannot be written back
+        return None
+
+    def keeps(node) -> bool:
+        if node is None:
+            return True
+        if not isinstance(node, dict) or node.get("type") not in _KEEPS_TEXT:
+            return False
+        if node["type"] == "Split" and node.get("behavior") == "Removed":
+            return False
+        if node["type"] == "Replace" and not node.get("content"):
+            return False
+        subs = node.get("normalizers") or node.get("pretokenizers") or []
+        return all(keeps(x) for x in subs)
+
+    if not (keeps(d.get("normalizer")) and keeps(d.get("pre_tokenizer"))):
+        return None
+    return max((len(t.encode("utf-8")) for t in tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
 
 def load_tokenizer(path: str | None, weights: str | None, vocab: int):
