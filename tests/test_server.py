@@ -852,6 +852,13 @@ def test_malformed_fields_and_deep_json_are_400_not_500():
         assert "nests deeper" in _openai_error(f.post("/v1/completions", content=deep), 400)["message"]
         e = _openai_error(f.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400)
         assert "NaN is not JSON" in e["message"]
+        # found by the fuzz: a lone surrogate (a valid JSON escape, not text) made the tokenizer raise (500)
+        for raw in (b'{"prompt": "\\ud800x", "max_tokens": 1}', b'{"messages": [{"role": "user", "content": '
+                    b'"\\udc00"}], "max_tokens": 1}', '{"prompt": "\\ud800"}'.encode("utf-16")):
+            path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+            e = _openai_error(f.post(path, content=raw), 400)
+            assert "lone UTF-16 surrogate" in e["message"], raw
+        assert f.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}').status_code == 200
         r = f.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True,
                                        "stream_options": {"include_usage": True}})
         assert r.status_code == 200 and '"usage"' in r.text

@@ -178,7 +178,8 @@ def _load_json(raw: bytes) -> dict:
 
     Raises:
         ApiError: 400 for anything else (invalid UTF-8 or JSON, NaN / Infinity, a body that is
-            not an object, nesting too deep for the parser or past the limit).
+            not an object, nesting too deep for the parser or past the limit, a string holding
+            a lone UTF-16 surrogate).
     """
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
@@ -192,9 +193,23 @@ def _load_json(raw: bytes) -> dict:
     while level:            # breadth first, without recursion
         if depth > MAX_JSON_DEPTH:
             raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        for x in level:     # JSON's \u escapes allow a lone surrogate (\ud800): no text encodes it
+            for v in (list(x) + list(x.values()) if isinstance(x, dict) else x):
+                if isinstance(v, str) and not _is_text(v):
+                    raise ApiError(400, f"the request body holds a lone UTF-16 surrogate (in "
+                                        f"{json.dumps(v)[:40]}): not text", code="invalid_json")
         level = [c for x in level for c in (x.values() if isinstance(x, dict) else x) if isinstance(c, (dict, list))]
         depth += 1
     return body
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` encodes as UTF-8 (no lone surrogate, which JSON's \\u escapes allow)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _error_body(status: int, message: str, code: str | None, kind: str = "invalid_request_error") -> bytes:
