@@ -909,6 +909,22 @@ def test_large_bodies_are_413_long_prompts_400_untokenized_and_tokenizing_blocks
             yield b'"}'
         e = _openai_error(httpx.post(f.base + "/v1/completions", content=chunks(), timeout=10), 413)
         assert e["code"] == "request_too_large"
+        # found by the fuzz: a client that leaves mid-body was a traceback in the log (and a 500 to nobody)
+        import logging
+
+        errors = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = errors.append
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+                time.sleep(0.2)
+            time.sleep(0.3)
+            assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+        assert not errors, [r.getMessage() for r in errors]
         e = _openai_error(f.post("/v1/completions", {"prompt": "a" * 90_000, "max_tokens": 1}), 400)
         assert e["code"] == "context_length_exceeded" and "at least 90000 tokens" in e["message"] and tok.calls == 0
         e = _openai_error(f.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 600}]}), 400)

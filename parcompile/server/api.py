@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
@@ -304,12 +305,16 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
         """The body, refused with 413 past ``max_body`` bytes (a Content-Length above it is
         refused by :class:`Guard` before any byte is read; this counts a chunked one)."""
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise ApiError(413, f"the request body exceeds {max_body:,} bytes (`parcompile serve --max-body`)",
-                               code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise ApiError(413, f"the request body exceeds {max_body:,} bytes (`parcompile serve --max-body`)",
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:     # gone before its body ended: nobody reads the answer (no traceback)
+            raise ApiError(400, "the client disconnected before the end of its body", code="client_disconnected") \
+                from None
         return b"".join(chunks)
 
     async def parse(request: Request, model_cls):
