@@ -20,8 +20,11 @@ Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 
 malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
 ``max_tokens`` beyond the context (the message gives the limits), a field this server does
 not implement (:data:`UNSUPPORTED`: ``logprobs``, ``echo``, penalties, ``tools``...) set to
-anything but its neutral value; 404 for another model or path; 503 once a rank has died
-(the server then exits non-zero). A client that goes away, while its plain request is
+anything but its neutral value, a body that is not JSON text (NaN, nesting deeper than
+:data:`MAX_JSON_DEPTH`, a lone surrogate); 401 without the ``--api-key`` (:class:`Guard`);
+413 for a body past ``--max-body`` (:func:`default_max_body`); 404 for another model or
+path; 500 (``non_finite_logits``) for a request whose logits came out NaN or infinite (the
+server goes on); 503 once a rank has died (the server then exits non-zero). A client that goes away, while its plain request is
 being generated or its stream waits for a first token, has its request aborted within
 :data:`DISCONNECT_POLL_S` seconds (its KV blocks are freed).
 """
