@@ -43,7 +43,7 @@ def test_the_cpu_preset_shares_this_machines_memory_between_the_ranks(monkeypatc
     took about 14 GiB per rank (56 GiB on a 24 GiB machine: the kernel killed the ranks)."""
     monkeypatch.setenv(host.ENV, "memory=24GiB,flops=50GFLOPS,bw=10GB/s")
     plan = parcompile.compile(SERVE, filename="s.par")
-    assert plan.config.cluster.memory == 6 * GiB                    # 24 GiB / 4 ranks
+    assert plan.config.cluster.memory == 6 * GiB - host.PROCESS_BYTES      # 24 GiB / 4 ranks, less each process's torch
     sv = plan.data["serve"]
     paged = sv["kv_cache_tokens"] * sv["kv_bytes_per_token"]       # what each rank's serve engine allocates
     per_rank = paged + sv["weights_bytes_per_rank"] + sv["workspace_bytes_per_rank"]
@@ -52,7 +52,7 @@ def test_the_cpu_preset_shares_this_machines_memory_between_the_ranks(monkeypatc
     share = min(1.0, host.cores() / 4)               # the node's cores shared by 4 single-threaded ranks
     assert cl.peak_flops == pytest.approx(50e9 * share) and cl.hbm_bw == pytest.approx(10e9 * share)
     figures = plan.data["estimate"]["assumptions"]["cluster_figures"]
-    assert "24.0 GiB available / 4 rank(s)" in figures and "pinned by PARCOMPILE_CPU_PROBE" in figures
+    assert "24.0 GiB available / 4 rank(s) - 512 MiB per process" in figures and "pinned by PARCOMPILE_CPU_PROBE" in figures
     assert not cache.exists()                   # nothing probed: every figure was pinned
     # an explicit `memory` in the spec still wins
     own = parcompile.compile(SERVE.replace("gpus_per_node = 4", "gpus_per_node = 4, memory = 2 GiB"), filename="s.par")
@@ -110,7 +110,7 @@ def test_per_rank_figures_divide_the_node():
     f = host.HostFigures(memory=24 * GiB, cores=2, gemm_flops=80e9, copy_bw=30e9, source="test")
     fixed = {"gpus_per_node": 8, "memory": 16 * GiB, "peak_flops": 1e12, "hbm_bw": 20e9}
     one = host.cpu_values(fixed, 1, f)
-    assert one["memory"] == 24 * GiB and one["peak_flops"] == 160e9 and one["hbm_bw"] == 30e9   # one process, 2 cores
+    assert one["memory"] == 24 * GiB - host.PROCESS_BYTES and one["peak_flops"] == 160e9 and one["hbm_bw"] == 30e9   # one process, 2 cores
     eight = host.cpu_values(fixed, 8, f)
-    assert eight["memory"] == 3 * GiB and eight["peak_flops"] == 20e9 and eight["hbm_bw"] == 7.5e9
-    assert "24.0 GiB available / 8 rank(s)" in eight["figures"]
+    assert eight["memory"] == 3 * GiB - host.PROCESS_BYTES and eight["peak_flops"] == 20e9 and eight["hbm_bw"] == 7.5e9
+    assert "24.0 GiB available / 8 rank(s) - 512 MiB per process" in eight["figures"]

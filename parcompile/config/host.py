@@ -7,7 +7,8 @@ step time mean something here:
 
 - ``memory`` per rank: the memory the OS reports available now (``MemAvailable``: psutil,
   else ``/proc/meminfo``, else ``os.sysconf``; within a cgroup v2 ``memory.max``), rounded
-  down to 256 MiB, divided by the ranks of the node;
+  down to 256 MiB, divided by the ranks of the node, less :data:`PROCESS_BYTES` (the
+  process's own Python and torch);
 - ``peak_flops`` per rank: one thread's fp32 GEMM rate (n = 256) times the cores each rank
   gets (``min(1, cores / ranks)`` with several ranks: torchrun starts them with
   ``OMP_NUM_THREADS=1``; all the cores for a single process);
@@ -41,6 +42,9 @@ from pathlib import Path
 ENV = "PARCOMPILE_CPU_PROBE"
 #: the memory figure's granularity (bytes): available memory wanders by megabytes
 MEMORY_STEP = 256 * 2**20
+#: bytes each rank's process takes before the plan's own (Python, torch, gloo: about 350 MB
+#: resident on this kind of machine), left out of its ``memory``
+PROCESS_BYTES = 512 * 2**20
 #: the probe's GEMM size and time budgets (seconds) for each of its two measurements
 GEMM_N = 256
 PROBE_S = 0.08
@@ -252,9 +256,11 @@ def cpu_values(fixed: dict, ranks_per_node: int, figures: HostFigures | None = N
     ranks = max(int(ranks_per_node), 1)
     share = min(1.0, figures.cores / ranks) if ranks > 1 else float(figures.cores)
     bw_share = min(1.0, figures.cores / ranks)
-    return {**fixed, "memory": figures.memory // ranks // 2**20 * 2**20,
+    memory = max(figures.memory // ranks - PROCESS_BYTES, MEMORY_STEP) // 2**20 * 2**20
+    return {**fixed, "memory": memory,
             "peak_flops": figures.gemm_flops * share, "hbm_bw": figures.copy_bw * bw_share,
-            "figures": (f"this machine: {figures.memory / 2**30:.1f} GiB available / {ranks} rank(s), "
+            "figures": (f"this machine: {figures.memory / 2**30:.1f} GiB available / {ranks} rank(s) - "
+                        f"{PROCESS_BYTES // 2**20} MiB per process, "
                         f"{figures.cores} core(s), {figures.gemm_flops / 1e9:.1f} GFLOP/s fp32 GEMM and "
                         f"{figures.copy_bw / 1e9:.1f} GB/s copy per thread ({figures.source})")}
 
