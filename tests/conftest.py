@@ -9,5 +9,6 @@ import os
 
 # The `cpu` preset takes this machine's figures (parcompile/config/host.py); the suite and
 # its golden files pin the preset's fixed, machine-independent ones (subprocesses inherit
-# it). Tests of the host figures set PARCOMPILE_CPU_PROBE themselves.
-os.environ.setdefault("PARCOMPILE_CPU_PROBE", "fixed")
+# it), whatever the developer's shell says. Tests of the host figures set
+# PARCOMPILE_CPU_PROBE themselves.
+os.environ["PARCOMPILE_CPU_PROBE"] = "fixed"
