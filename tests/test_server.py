@@ -361,6 +361,9 @@ def test_sampler_keeps_the_likeliest_token_and_fails_only_the_row_with_non_finit
         assert int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=top_p)) == 1
     huge = torch.tensor([[3e38, -3e38, 1e38, 0.0]])    # / 1e-5 overflows unless the max is taken out first
     assert int(gen.pick_tokens(huge, 4, 1e-5, 2, g, top_p=1e-30)) == 0
+    for t in (float("nan"), 1e-300, float("inf")):            # never NaN probabilities
+        assert int(gen.pick_tokens(logits, 4, t, -3, g, top_p=float("nan"))) in range(4)
+    assert int(gen.pick_tokens(logits, 4, float("nan"), 0, g)) == 1
     bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, 5.0, 1.0, 0.0], [float("inf"), 0.0, 0.0, 0.0]])
     with pytest.raises(gen.NonFiniteLogits) as e:
         gen.pick_tokens(bad, 4, 0.0, 0, None)

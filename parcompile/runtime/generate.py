@@ -216,7 +216,8 @@ class NonFiniteLogits(ServeError):
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
                 generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
     """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
-    ``temperature == 0`` is greedy (argmax, first on ties); else softmax(logits / T) over
+    ``temperature == 0`` is greedy (argmax, first on ties; so are NaN and temperatures below
+    float32's smallest normal number, 1.2e-38); else softmax(logits / T) over
     the ``top_k`` likeliest (0: all), then over the smallest set of the likeliest whose
     probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019; 1: all; the
     order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU).
@@ -234,7 +235,7 @@ def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int
     bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
     if bad:
         raise NonFiniteLogits(bad)
-    if temperature <= 0:
+    if not temperature >= torch.finfo(logits.dtype).tiny:   # 0, NaN, and 1e-300 (0 in float32): greedy
         return logits.argmax(dim=-1)
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature     # <= 0: never +inf
     if top_k and 0 < top_k < vocab:
