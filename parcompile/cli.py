@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -283,9 +284,10 @@ def cmd_serve(args) -> int:
     except SpecError as e:
         _print_diags(e.diagnostics, e.source)
         return EXIT_SPEC
-    from parcompile.server import run_server
+    from parcompile.server import API_KEY_ENV, run_server
 
-    return run_server(plan, out / "serve.py", args.host, args.port)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return run_server(plan, out / "serve.py", args.host, args.port, api_key=api_key, max_body=args.max_body)
 
 
 def cmd_verify(args) -> int:
@@ -512,6 +514,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="answer /v1 requests without `Authorization: Bearer KEY` with 401 (default: "
+                        "$PARCOMPILE_API_KEY; none: open)")
+    p.add_argument("--max-body", type=_at_least_one, default=None, metavar="BYTES",
+                   help="refuse request bodies above BYTES with 413 (default 64 bytes per context token, at least "
+                        "1 MiB)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates")

@@ -256,6 +256,9 @@ class Assumptions(_Strict):
     expert_rows: Optional[float] = Field(
         default=None, description="mixture-of-experts models only: a grouped GEMM's fixed cost per local expert, "
                                   "in rows of that expert's GEMMs")
+    cluster_figures: Optional[str] = Field(
+        default=None, description="`cpu` preset only: where its memory, compute and bandwidth came from (this "
+                                  "machine's probe, pinned by PARCOMPILE_CPU_PROBE, or the fixed figures)")
 
 
 class GradReduction(_Strict):

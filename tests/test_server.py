@@ -288,6 +288,24 @@ def test_bad_requests_get_openai_errors(server):
 
 
 @pytest.mark.torchrun
+def test_a_top_p_that_rounds_to_zero_is_answered_and_kills_no_rank(server):
+    """Issue 30.1: top_p 1e-46 is 0 in float32: every token was masked, torch.multinomial
+    raised and the rank died (503, exit). Now the likeliest token survives: the answer is the
+    greedy one, and the server keeps serving."""
+    base = server["base"]
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 1, "top_p": 1e-46, "return_token_ids": True}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    greedy = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                                                        "return_token_ids": True}, timeout=60).json()
+    assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    r = httpx.post(base + "/v1/completions", json={**body, "top_p": 5e-324, "top_k": 10**30, "temperature": 1e-5},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    assert httpx.get(base + "/health", timeout=10).text == "ok"
+
+
+@pytest.mark.torchrun
 def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
     """Last: it ends the module's server."""
     proc, base = server["proc"], server["base"]
@@ -331,6 +349,56 @@ def test_top_p_keeps_the_smallest_nucleus():
     draws = {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.7)) for _ in range(200)}
     assert draws == {0, 1}
     assert {int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=0.5)) for _ in range(50)} == {0}
+
+
+def test_sampler_keeps_the_likeliest_token_and_fails_only_the_row_with_non_finite_logits():
+    """Issue 30.1, defence in depth in the ranks: whatever sampling values arrive, one token
+    survives top-p / top-k and no finite logits become NaN; NaN / inf logits fail their own
+    request (ERROR_TOKEN, finish_reason "error", blocks freed), not the rank."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
+    for top_p in (1e-46, 0.0, 5e-324):           # all 0 in float32
+        assert int(gen.pick_tokens(logits, 4, 1.0, 0, g, top_p=top_p)) == 1
+    huge = torch.tensor([[3e38, -3e38, 1e38, 0.0]])    # / 1e-5 overflows unless the max is taken out first
+    assert int(gen.pick_tokens(huge, 4, 1e-5, 2, g, top_p=1e-30)) == 0
+    for t in (float("nan"), 1e-300, float("inf")):            # never NaN probabilities
+        assert int(gen.pick_tokens(logits, 4, t, -3, g, top_p=float("nan"))) in range(4)
+    assert int(gen.pick_tokens(logits, 4, float("nan"), 0, g)) == 1
+    bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, 5.0, 1.0, 0.0], [float("inf"), 0.0, 0.0, 0.0]])
+    with pytest.raises(gen.NonFiniteLogits) as e:
+        gen.pick_tokens(bad, 4, 0.0, 0, None)
+    assert e.value.rows == [0, 2]
+    p = {"temperature": 1.0, "top_k": 0, "top_p": 1e-46}
+    assert paged.sample_rows(bad, 4, [p] * 3, [torch.Generator() for _ in range(3)]).tolist() == [
+        paged.ERROR_TOKEN, 1, paged.ERROR_TOKEN]
+    s = paged.Scheduler(blocks=4, block_size=16, max_seqs=2)
+    s.add("nan", [1, 2], {"max_tokens": 5})
+    s.add("ok", [1], {"max_tokens": 5})
+    rows = [paged.Row(*r) for r in s.next_step()["rows"]]
+    assert s.collect(rows, [paged.ERROR_TOKEN, 7]) == [("nan", paged.ERROR_TOKEN, "error"), ("ok", 7, None)]
+    assert s.stats() == {"blocks_used": 1, "blocks_free": 3, "waiting": 0, "running": 1}
+
+
+def test_front_answers_non_finite_logits_to_that_request_and_sends_only_safe_sampling_values():
+    """Issue 30.1 over loopback: the engine's "error" finish becomes a 500 in OpenAI's form
+    for that request (an error event mid-stream); the next request is served; what reaches
+    the engine has top_p >= SAMPLING_EPS and top_k within the vocabulary."""
+    from parcompile.server.api import SAMPLING_EPS
+
+    with _LiveFront(_FakeEngines(every_s=0.001, error_at=0)) as f:
+        e = _openai_error(f.post("/v1/completions", {"prompt": "hi", "max_tokens": 3}), 500)
+        assert e["code"] == "non_finite_logits" and "NaN or infinite logits" in e["message"]
+        f.engines.error_at = 2
+        with httpx.stream("POST", f.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True},
+                          timeout=10) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and json.loads(events[-1][6:])["error"]["code"] == "non_finite_logits"
+        f.engines.error_at = None
+        r = f.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1e-46,
+                                        "top_k": 10**30})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AA"
+        assert f.engines.params[-1]["top_p"] == SAMPLING_EPS and f.engines.params[-1]["top_k"] == 0
+        assert httpx.get(f.base + "/health", timeout=5).text == "ok"
 
 
 def test_kv_cache_tokens_caps_the_paged_cache_and_must_hold_one_request():
@@ -453,12 +521,19 @@ def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path,
     from parcompile.cli import main
 
     seen = {}
-    monkeypatch.setattr(server_mod, "run_server",
-                        lambda plan, program, host, port: seen.update(program=program, host=host, port=port) or 0)
+    monkeypatch.setattr(server_mod, "run_server", lambda plan, program, host, port, api_key, max_body: seen.update(
+        program=program, host=host, port=port, api_key=api_key, max_body=max_body) or 0)
+    monkeypatch.delenv("PARCOMPILE_API_KEY", raising=False)
     (tmp_path / "s.par").write_text(_spec(2, 2))
     assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--port", "9"]) == 0
-    assert seen == {"program": tmp_path / "out" / "serve.py", "host": "127.0.0.1", "port": 9}
+    assert seen == {"program": tmp_path / "out" / "serve.py", "host": "127.0.0.1", "port": 9, "api_key": None,
+                    "max_body": None}
     assert (tmp_path / "out" / "serve.py").is_file() and (tmp_path / "out" / "plan.json").is_file()
+    monkeypatch.setenv("PARCOMPILE_API_KEY", "from-env")
+    assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--max-body", "5000"]) == 0
+    assert seen["api_key"] == "from-env" and seen["max_body"] == 5000
+    assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--api-key", "flag"]) == 0
+    assert seen["api_key"] == "flag"          # the flag wins over the environment
 
 
 def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
@@ -478,8 +553,8 @@ class _FakeEngines:
     """Engines' interface: one token every ``every_s`` seconds after ``first_s``, up to
     max_tokens; records aborts and how many tokens each request was sent."""
 
-    def __init__(self, first_s=0.0, every_s=0.02):
-        self.first_s, self.every_s, self.failed = first_s, every_s, None
+    def __init__(self, first_s=0.0, every_s=0.02, error_at=None):
+        self.first_s, self.every_s, self.failed, self.error_at = first_s, every_s, None, error_at
         self.aborted, self.sent, self.tasks, self.params = [], {}, [], []
 
     def submit(self, rid, prompt, params):
@@ -492,6 +567,9 @@ class _FakeEngines:
                 if rid in self.aborted:
                     return
                 self.sent[rid] = i + 1
+                if i == self.error_at:      # the engine's answer to NaN / inf logits (paged.ERROR_TOKEN)
+                    q.put_nowait((paged.ERROR_TOKEN, "error"))
+                    return
                 q.put_nowait((65, "length" if i + 1 == params["max_tokens"] else None))
                 await asyncio.sleep(self.every_s)
 
@@ -505,14 +583,54 @@ class _FakeEngines:
         return {"blocks_used": 0, "blocks_free": 1, "waiting": 0, "running": 0}
 
 
-def _front(engines, chat_template=None):
+def _front(engines, chat_template=None, tokenizer=None, **kw):
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.metrics import Metrics
 
     info = ModelInfo(name="tiny", vocab=256, context=512, temperature=0.0, top_k=0, eos=[],
-                     tokenizer=gen.load_tokenizer(None, None, 256),
+                     tokenizer=tokenizer or gen.load_tokenizer(None, None, 256),
                      chat_template=chat_template or PLAIN_CHAT_TEMPLATE, special={})
-    return build_app(info, engines, Metrics("tiny"))
+    return build_app(info, engines, Metrics("tiny"), **kw)
+
+
+class _LiveFront:
+    """The HTTP front over fake engines, served by `serve`'s own uvicorn configuration
+    (server/http.py) in a thread on 127.0.0.1: real HTTP over loopback, no ranks."""
+
+    def __init__(self, engines=None, headers_timeout_s=10.0, **kw):
+        import uvicorn
+
+        from parcompile.server.http import uvicorn_config
+
+        self.engines = engines or _FakeEngines(every_s=0.001)
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(_front(self.engines, **kw), "127.0.0.1", self.port,
+                                                   headers_timeout_s=headers_timeout_s))
+        self.server.install_signal_handlers = lambda: None      # uvicorn < 0.29
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the front did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def post(self, path, body=None, content=None, headers=None, timeout=10):
+        return httpx.post(self.base + path, json=body, content=content, headers=headers, timeout=timeout)
+
+
+def _openai_error(r, status):
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"}, e
+    return e
 
 
 async def _asgi(app, method, path, body: bytes = b"", disconnect_after_s=None, timeout_s=10.0):
@@ -709,3 +827,195 @@ def test_front_gives_chat_templates_transformers_globals():
             t.cancel()
 
     asyncio.run(main())
+
+
+# ---- issue 30: hostile requests over loopback ---------------------------------------------
+
+def test_malformed_fields_and_deep_json_are_400_not_500():
+    """Issue 30.2: stream_options "x" (after a token was generated), a content part whose
+    text is a number and a body nested 100,000 deep were 500s; each is a 400 in OpenAI's
+    form before anything is generated, and the server keeps serving."""
+    with _LiveFront() as f:
+        e = _openai_error(f.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True,
+                                                     "stream_options": "x"}), 400)
+        assert e["param"] == "stream_options"
+        e = _openai_error(f.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                     "stream_options": {"include_usage": True}}), 400)
+        assert "only be given with" in e["message"]
+        chat = lambda content: f.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                                               "max_tokens": 2})
+        e = _openai_error(chat([{"type": "text", "text": 5}]), 400)
+        assert "messages.0.content.0.text" in e["message"] and e["param"] == "messages"
+        e = _openai_error(chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400)
+        assert "only text content parts" in e["message"]
+        assert chat([{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]).status_code == 200
+        e = _openai_error(f.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000), 400)
+        assert "nests deeper than 64" in e["message"]
+        deep = b'{"prompt": "x", "max_tokens": 1, "logit_bias": ' + b"[" * 500 + b"]" * 500 + b"}"
+        assert "nests deeper" in _openai_error(f.post("/v1/completions", content=deep), 400)["message"]
+        e = _openai_error(f.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}'), 400)
+        assert "NaN is not JSON" in e["message"]
+        # found by the fuzz: a lone surrogate (a valid JSON escape, not text) made the tokenizer raise (500)
+        for raw in (b'{"prompt": "\\ud800x", "max_tokens": 1}', b'{"messages": [{"role": "user", "content": '
+                    b'"\\udc00"}], "max_tokens": 1}', '{"prompt": "\\ud800"}'.encode("utf-16")):
+            path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+            e = _openai_error(f.post(path, content=raw), 400)
+            assert "lone UTF-16 surrogate" in e["message"], raw
+        assert f.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}').status_code == 200
+        r = f.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True,
+                                       "stream_options": {"include_usage": True}})
+        assert r.status_code == 200 and '"usage"' in r.text
+
+
+class _SlowTokenizer:
+    """Bytes, one second per encode (a long prompt's tokenization); counts its calls."""
+
+    kind, max_token_bytes = "bytes", 1
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, text):
+        self.calls += 1
+        time.sleep(1.0)
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+def test_large_bodies_are_413_long_prompts_400_untokenized_and_tokenizing_blocks_no_one():
+    """Issue 30.3: no body limit, and the tokenizer ran in the event loop before the context
+    check (a 50 MB prompt: 25 s to its 400 while /health stalled). Now a Content-Length past
+    the limit is 413 at once (nothing read), a chunked body is cut at the limit, a text that
+    cannot fit by its bytes is refused without tokenizing, and /health answers while a
+    prompt is tokenized."""
+    import socket as socket_
+
+    tok = _SlowTokenizer()
+    with _LiveFront(tokenizer=tok, max_body=100_000) as f:
+        t0 = time.monotonic()
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 50000000\r\n\r\n" + b'{"prompt": "' + b"a" * 1000)
+            head = b""
+            while chunk := c.recv(65536):     # the answer, then the server closes
+                head += chunk
+            head = head.decode()
+        assert head.startswith("HTTP/1.1 413") and "request_too_large" in head and time.monotonic() - t0 < 5
+        assert "100,000" in head and "--max-body" in head
+
+        def chunks():
+            yield b'{"prompt": "'
+            for _ in range(30):
+                yield b"a" * 10_000
+            yield b'"}'
+        e = _openai_error(httpx.post(f.base + "/v1/completions", content=chunks(), timeout=10), 413)
+        assert e["code"] == "request_too_large"
+        # found by the fuzz: a client that leaves mid-body was a traceback in the log (and a 500 to nobody)
+        import logging
+
+        errors = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = errors.append
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+                time.sleep(0.2)
+            time.sleep(0.3)
+            assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+        assert not errors, [r.getMessage() for r in errors]
+        e = _openai_error(f.post("/v1/completions", {"prompt": "a" * 90_000, "max_tokens": 1}), 400)
+        assert e["code"] == "context_length_exceeded" and "at least 90000 tokens" in e["message"] and tok.calls == 0
+        e = _openai_error(f.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 600}]}), 400)
+        assert e["code"] == "context_length_exceeded" and tok.calls == 0
+        with ThreadPoolExecutor(1) as ex:      # a prompt being tokenized (1 s) does not stall /health
+            slow = ex.submit(f.post, "/v1/completions", {"prompt": "hello", "max_tokens": 1})
+            while tok.calls == 0:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+            assert time.monotonic() - t0 < 0.5
+            assert slow.result().status_code == 200
+
+
+def test_api_key_gives_401_in_openai_form_and_health_stays_open():
+    """Issue 30.4: --api-key (PARCOMPILE_API_KEY) as vLLM's: /v1 needs `Authorization:
+    Bearer KEY`; /health and /metrics stay open."""
+    with _LiveFront(api_key="s3cret") as f:
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cret2"}):
+            e = _openai_error(f.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=headers), 401)
+            assert e["code"] == "invalid_api_key" and "s3cret" not in e["message"]
+        assert httpx.get(f.base + "/v1/models", timeout=5).status_code == 401
+        e = _openai_error(f.post("/v1/completions", content=b"x" * 2_000_000), 401)   # before any body check
+        assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+        assert httpx.get(f.base + "/metrics", timeout=5).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f.base + "/v1", api_key="wrong", max_retries=0).completions.create(
+                model="tiny", prompt="hi", max_tokens=1)
+        good = openai.OpenAI(base_url=f.base + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text == "AA"
+
+
+def test_a_connection_that_never_finishes_its_headers_is_dropped():
+    """Issue 30.4 (slowloris): uvicorn alone keeps a connection that sends a header byte now
+    and then open forever; serve's protocol closes it at the headers deadline, and /health
+    answers meanwhile."""
+    import socket as socket_
+
+    with _LiveFront(headers_timeout_s=1.0) as f:
+        c = socket_.create_connection(("127.0.0.1", f.port), timeout=10)
+        t0 = time.monotonic()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed_after = None
+        try:
+            for i in range(40):             # 8 s of one header byte every 0.2 s
+                assert httpx.get(f.base + "/health", timeout=2).text == "ok" if i % 10 == 0 else True
+                c.sendall(b"X")
+                time.sleep(0.2)
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - t0
+        finally:
+            c.close()
+        assert closed_after is not None and closed_after < 4, closed_after
+        # a kept-alive connection's next request gets the same deadline; a complete request is served
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = c.recv(4096)
+            while not got.endswith(b"\r\n\r\nok"):
+                got += c.recv(4096)
+            assert got.startswith(b"HTTP/1.1 200")
+            c.sendall(b"GET /health HTTP/1.1\r\n")
+            t0 = time.monotonic()
+            assert c.recv(4096) == b"" and time.monotonic() - t0 < 3     # closed, no second answer
+
+
+def test_serving_beyond_loopback_without_a_key_warns(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    import parcompile.server as server_mod
+    from parcompile.driver import compile_config
+    from parcompile.server import engines as engines_mod
+    from tests.serve_utils import serve_config
+
+    class Fake(_FakeEngines):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+        def stop(self):
+            return 0
+
+    monkeypatch.setattr(engines_mod, "Engines", Fake)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    plan = compile_config(serve_config())
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False),
+                              ("localhost", None, False)):
+        assert server_mod.run_server(plan, tmp_path / "serve.py", host=host, port=_free_port(), api_key=key,
+                                     log=lambda *a, **k: None) == 0
+        err = capsys.readouterr().err
+        assert ("not a loopback address, without an API key" in err) == warned, (host, key, err)
+    assert server_mod.is_loopback("::1") and server_mod.is_loopback("127.0.0.2") and not server_mod.is_loopback("10.0.0.1")

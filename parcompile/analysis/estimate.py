@@ -678,6 +678,8 @@ def engine_assumptions(cfg) -> dict[str, object]:
         "engine": eng.name, "kernels": eng.description, "attention_efficiency": attention_efficiency(cl),
         "elementwise_traffic": eng.elementwise, "overlap_slowdown": efficiency(cl).overlap,
     }
+    if getattr(cl, "figures", None):
+        out["cluster_figures"] = cl.figures
     if cfg.model.experts:
         out["expert_rows"] = eng.expert_rows
     return out

@@ -175,6 +175,9 @@ class ClusterConfig(_Frozen):
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)
     engine: Literal["megatron", "eager"] = "megatron"
+    #: where the `cpu` preset's memory, compute and bandwidth came from (config/host.py);
+    #: None for the other presets (their datasheets, presets.py)
+    figures: Optional[str] = None
 
     @property
     def world_size(self) -> int:

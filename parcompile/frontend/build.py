@@ -510,6 +510,20 @@ class _Builder:
                                 f"{or_list(CLUSTER_PRESET_NAMES, quote=True)}")
         return None
 
+    def host_base(self, block: ast.Block, fixed: dict[str, Any]) -> dict[str, Any]:
+        """The `cpu` preset on this machine (:func:`parcompile.config.host.cpu_values`) for
+        the spec's ``gpus_per_node`` ranks; the fixed figures, with an error at the block,
+        when ``PARCOMPILE_CPU_PROBE`` is malformed."""
+        from parcompile.config import host
+
+        ranks = self.values["cluster"].get("gpus_per_node", fixed.get("gpus_per_node", 8))
+        ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else fixed["gpus_per_node"]
+        try:
+            return host.cpu_values(fixed, ranks)
+        except host.HostError as e:
+            self._source_error(block, str(e), f"unset {host.ENV}, or set it to `fixed`, `probe` or figures")
+            return fixed
+
     # -- configs -----------------------------------------------------------------------
 
     def _make(self, cls: type[BaseModel], kind: str, **values: Any) -> Any:
@@ -555,6 +569,8 @@ class _Builder:
         base = self.cluster_base(block, dtype)
         if base is None:
             base = {}
+        if block.source == "cpu":       # this machine's figures, shared by the node's ranks (config/host.py)
+            base = self.host_base(block, base)
         values = {**base, **self.values["cluster"]}
         self.ctx.provided.update(f"cluster.{k}" for k in values)
         name = block.name or block.source or "cluster"

@@ -203,23 +203,48 @@ def broadcast_from_last(t: torch.Tensor, pp: Axis) -> torch.Tensor:
     return t
 
 
+class NonFiniteLogits(ServeError):
+    """The model's logits hold NaN or inf for a sequence (its weights or activations
+    overflowed): no token can be drawn for it. ``rows``: the affected rows of the batch."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"the model produced NaN or infinite logits for batch row(s) {rows} (its weights or "
+                         f"activations overflow in this dtype)")
+        self.rows = rows
+
+
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
                 generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
     """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
-    ``temperature == 0`` is greedy (argmax, first on ties); else softmax(logits / T) over
+    ``temperature == 0`` is greedy (argmax, first on ties; so are NaN and temperatures below
+    float32's smallest normal number, 1.2e-38); else softmax(logits / T) over
     the ``top_k`` likeliest (0: all), then over the smallest set of the likeliest whose
     probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019; 1: all; the
-    order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU)."""
+    order of transformers' and vLLM's samplers), drawn with ``generator`` (CPU).
+
+    Whatever ``temperature`` (> 0), ``top_k`` and ``top_p`` (even one that rounds to 0 in
+    float32) say, the likeliest token always survives (transformers' ``min_tokens_to_keep``,
+    vLLM's sampler), and ``logits / T`` is taken after subtracting each row's maximum, so
+    that no finite logits overflow to inf and the probabilities are never NaN.
+
+    Raises:
+        NonFiniteLogits: a row of ``logits`` holds NaN or inf (a model fault, not a choice of
+            sampling values): the caller answers that sequence with an error.
+    """
     logits = logits[:, :vocab].float()
-    if temperature <= 0:
+    bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteLogits(bad)
+    if not temperature >= torch.finfo(logits.dtype).tiny:   # 0, NaN, and 1e-300 (0 in float32): greedy
         return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k and top_k < vocab:
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature     # <= 0: never +inf
+    if top_k and 0 < top_k < vocab:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
         drop = probs.cumsum(dim=-1) - probs >= top_p          # the mass before a token already reaches top_p
+        drop[:, 0] = False                                    # the likeliest always survives
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1).cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
@@ -249,6 +274,8 @@ class ByteTokenizer:
     """Bytes as tokens (the byte-level models training programs make from text files)."""
 
     kind = "bytes"
+    #: the most UTF-8 bytes of text one token stands for (a lower bound on a text's tokens)
+    max_token_bytes: int | None = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -261,6 +288,7 @@ class IdTokenizer:
     """No tokenizer: prompts are token ids, output is printed as ids."""
 
     kind = "ids"
+    max_token_bytes: int | None = None      # whitespace between ids is unbounded
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -287,12 +315,49 @@ class HFTokenizer:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:
             raise ServeError(f"cannot read the tokenizer {path}: {e}") from None
+        self.max_token_bytes = _max_token_bytes(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+#: normalizers and pre-tokenizers that never drop text (so each token stands for at most its
+#: own UTF-8 bytes): `tokenizers`' type names; Replace / Split are checked further
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "NFC", "NFD", "NFKC", "NFKD", "Prepend",
+               "Replace", "Sequence", "UnicodeScripts"}
+
+
+def _max_token_bytes(tok) -> int | None:
+    """The most UTF-8 bytes of input text one token of ``tok`` (a `tokenizers` Tokenizer)
+    covers, over its vocabulary and added tokens: an upper bound for the byte-level and
+    SentencePiece-style tokenizers (a byte-level symbol or ``▁`` is more UTF-8 bytes than
+    the input byte it stands for); None when its normalizer or pre-tokenizer may drop text
+    (whitespace splitting, stripping, removal), where no such bound holds."""
+    import json
+
+    try:
+        d = json.loads(tok.to_str())
+    except Exception:   # pragma: no cover - a tokenizer that cannot be written back
+        return None
+
+    def keeps(node) -> bool:
+        if node is None:
+            return True
+        if not isinstance(node, dict) or node.get("type") not in _KEEPS_TEXT:
+            return False
+        if node["type"] == "Split" and node.get("behavior") == "Removed":
+            return False
+        if node["type"] == "Replace" and not node.get("content"):
+            return False
+        subs = node.get("normalizers") or node.get("pretokenizers") or []
+        return all(keeps(x) for x in subs)
+
+    if not (keeps(d.get("normalizer")) and keeps(d.get("pre_tokenizer"))):
+        return None
+    return max((len(t.encode("utf-8")) for t in tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
 
 def load_tokenizer(path: str | None, weights: str | None, vocab: int):
@@ -369,6 +434,6 @@ def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict)
 
 __all__ = [
     "ServeError", "KVCache", "StepInput", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
-    "broadcast_from_last", "pick_tokens", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
+    "broadcast_from_last", "pick_tokens", "NonFiniteLogits", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
     "load_tokenizer", "end_tokens", "default_prompts", "replica_slice", "write_record", "TORCH_DTYPES",
 ]

@@ -31,7 +31,8 @@ The leader talks to the HTTP front (``parcompile.server``) through a
 ``multiprocessing.connection`` socket whose authentication key comes in the environment
 (``PARCOMPILE_ENGINE_KEY``, hex). Messages front -> engine: ``("add", rid, prompt_ids,
 params)``, ``("abort", rid)``, ``("stop",)``; engine -> front: ``("ready", info)``,
-``("out", [(rid, token, finish_reason or None)], stats)``, ``("error", message)``.
+``("out", [(rid, token, finish_reason or None)], stats)`` (finish_reason "error": that
+request's logits were not finite, token :data:`ERROR_TOKEN`), ``("error", message)``.
 """
 
 from __future__ import annotations
@@ -156,11 +157,21 @@ def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch
     return ids, gen.StepInput(0, q_pos.to(device), masks), write.to(device), read.to(device)
 
 
+#: the token a row gets when its logits are not finite (:class:`~parcompile.runtime.generate.NonFiniteLogits`):
+#: the leader finishes that sequence with ``finish_reason`` "error", the others go on
+ERROR_TOKEN = -1
+
+
 def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators: list[torch.Generator]) -> torch.Tensor:
     """Each row's next token from logits (B, V') with its own ``temperature``, ``top_k`` and
-    ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`)."""
-    out = [gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"])
-           for b, (p, g) in enumerate(zip(params, generators))]
+    ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`); a row whose
+    logits hold NaN or inf gets :data:`ERROR_TOKEN` (that request fails, the rank lives)."""
+    out = []
+    for b, (p, g) in enumerate(zip(params, generators)):
+        try:
+            out.append(gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"]))
+        except gen.NonFiniteLogits:
+            out.append(torch.full((1,), ERROR_TOKEN, dtype=torch.long, device=logits.device))
     return torch.cat(out).to(logits.device)
 
 
@@ -273,14 +284,19 @@ class Scheduler:
 
     def collect(self, rows: list[Row], tokens: list[int]) -> list[tuple]:
         """Append each row's token; finish a sequence at ``max_tokens`` or one of its end
-        tokens (``params["eos"]``); returns ``(rid, token, finish_reason or None)`` per row."""
+        tokens (``params["eos"]``), or with "error" on :data:`ERROR_TOKEN`; returns ``(rid, token,
+        finish_reason or None)`` per row."""
         out = []
         for r, tok in zip(rows, tokens):
             seq = self.running.get(r.rid)
             if seq is None:
                 continue
-            seq.out.append(tok)
-            reason = "stop" if tok in seq.params.get("eos", ()) else ("length" if len(seq.out) >= seq.limit else None)
+            if tok == ERROR_TOKEN:       # non-finite logits: this request fails, not the replica
+                reason = "error"
+            else:
+                seq.out.append(tok)
+                reason = ("stop" if tok in seq.params.get("eos", ())
+                          else "length" if len(seq.out) >= seq.limit else None)
             if reason:
                 self.finish(r.rid)
             out.append((r.rid, tok, reason))
@@ -386,5 +402,5 @@ def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int]) 
     conn.send(("out", sched.collect(rows, tokens), sched.stats()))
 
 
-__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "run_step", "replica_ranks", "Scheduler", "serve_requests",
+__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "replica_ranks", "Scheduler", "serve_requests",
            "IDLE_HEARTBEAT_S", "KEY_ENV"]

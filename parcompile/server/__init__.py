@@ -74,13 +74,38 @@ def port_free(host: str, port: int) -> str | None:
     return None
 
 
-def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, log=print) -> int:
+#: the environment variable `serve` reads the API key from when --api-key is not given
+API_KEY_ENV = "PARCOMPILE_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) only listens on this machine's loopback."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
+
+
+def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, log=print,
+               api_key: str | None = None, max_body: int | None = None) -> int:
     """Launch ``program`` (the compiled serve.py of ``plan``) and answer HTTP on
-    ``host:port`` until interrupted; returns the exit status (1 when a rank died)."""
+    ``host:port`` until interrupted; returns the exit status (1 when a rank died).
+
+    ``api_key``: requests to /v1 without ``Authorization: Bearer KEY`` get 401 (None: open;
+    a warning when ``host`` is not a loopback address); ``max_body``: the request body
+    limit in bytes (None: :func:`parcompile.server.api.default_max_body` of the context)."""
     import uvicorn
 
-    from parcompile.server.api import build_app
+    from parcompile.server.api import build_app, default_max_body
     from parcompile.server.engines import EngineFailed, Engines
+    from parcompile.server.http import uvicorn_config
     from parcompile.server.metrics import Metrics
 
     info = model_info(plan)
@@ -88,6 +113,10 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     if why:
         print(f"error: cannot listen on {host}:{port}: {why}", file=sys.stderr)
         return 1
+    if not api_key and not is_loopback(host):
+        print(f"warning: serving on {host}, which is not a loopback address, without an API key: anyone who can reach "
+              f"it can use the model; set --api-key KEY (or {API_KEY_ENV})", file=sys.stderr, flush=True)
+    max_body = default_max_body(info.context) if max_body is None else max_body
     d = plan.data
     log(f"starting {d['world_size']} rank(s): dp {d['degrees']['dp']} x tp {d['degrees']['tp']} x pp "
         f"{d['degrees']['pp']}; KV cache {d['serve']['kv_blocks']} blocks of {d['serve']['block_size']} tokens "
@@ -113,8 +142,8 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
         except KeyboardInterrupt:        # Engines has ended the ranks it started
             print("interrupted while the ranks started; stopped them", file=sys.stderr)
             return 130
-        app = build_app(info, engines, Metrics(info.name))
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        app = build_app(info, engines, Metrics(info.name), api_key=api_key, max_body=max_body)
+        server = uvicorn.Server(uvicorn_config(app, host, port))
 
         def on_fail(reason: str) -> None:
             print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr,
@@ -124,7 +153,9 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
         engines.on_fail = on_fail
         if engines.failed:
             on_fail(engines.failed)
-        log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+        log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; "
+            f"{'API key required' if api_key else 'no API key'}; bodies up to {max_body:,} bytes; Ctrl-C stops)",
+            flush=True)
         try:
             server.run()
         except KeyboardInterrupt:        # Ctrl-C or SIGTERM, re-raised by uvicorn after its shutdown
@@ -137,4 +168,4 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
         return 1
     return 0 if status in (0, None) else 1
 
-__all__ = ["run_server", "model_info", "port_free", "FAIL_GRACE_S"]
+__all__ = ["run_server", "model_info", "port_free", "is_loopback", "FAIL_GRACE_S", "API_KEY_ENV"]

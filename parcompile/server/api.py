@@ -20,8 +20,11 @@ Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 
 malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
 ``max_tokens`` beyond the context (the message gives the limits), a field this server does
 not implement (:data:`UNSUPPORTED`: ``logprobs``, ``echo``, penalties, ``tools``...) set to
-anything but its neutral value; 404 for another model or path; 503 once a rank has died
-(the server then exits non-zero). A client that goes away, while its plain request is
+anything but its neutral value, a body that is not JSON text (NaN, nesting deeper than
+:data:`MAX_JSON_DEPTH`, a lone surrogate); 401 without the ``--api-key`` (:class:`Guard`);
+413 for a body past ``--max-body`` (:func:`default_max_body`); 404 for another model or
+path; 500 (``non_finite_logits``) for a request whose logits came out NaN or infinite (the
+server goes on); 503 once a rank has died (the server then exits non-zero). A client that goes away, while its plain request is
 being generated or its stream waits for a first token, has its request aborted within
 :data:`DISCONNECT_POLL_S` seconds (its KV blocks are freed).
 """
@@ -29,6 +32,8 @@ being generated or its stream waits for a first token, has its request aborted w
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -40,7 +45,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
 
 #: the chat template of a tokenizer that has none (a byte-level model): one line per message
@@ -53,6 +60,23 @@ SAMPLING_EPS = 1e-5
 
 #: seconds between two checks that a waiting client is still connected
 DISCONNECT_POLL_S = 0.25
+
+#: the default request body limit: this many bytes per token of the context, and at least
+#: :data:`MIN_BODY_BYTES` (a prompt of the whole context, JSON-escaped, fits with room)
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+
+#: the deepest JSON nesting a request body may have (OpenAI's requests nest a few levels)
+MAX_JSON_DEPTH = 64
+
+#: bodies above this many bytes are parsed off the event loop
+THREAD_PARSE_BYTES = 1 << 16
+
+
+def default_max_body(context: int) -> int:
+    """The request body limit in bytes for a model of ``context`` tokens
+    (:data:`BODY_BYTES_PER_TOKEN` per token, at least :data:`MIN_BODY_BYTES`)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
 
 
 class ApiError(Exception):
@@ -84,8 +108,20 @@ class _Sampling(BaseModel):
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
+    stream_options: Optional["StreamOptions"] = None
     n: StrictInt = Field(1, ge=1, le=1)
     return_token_ids: StrictBool = False
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: Optional[StrictBool] = None
+
+
+_Sampling.model_rebuild()
 
 
 #: OpenAI (and vLLM) request fields this server does not implement, with the values that
@@ -137,10 +173,110 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return f"`{loc}`: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})", param
 
 
-def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _load_json(raw: bytes) -> dict:
+    """The request body as a JSON object, nested at most :data:`MAX_JSON_DEPTH` deep.
+
+    Raises:
+        ApiError: 400 for anything else (invalid UTF-8 or JSON, NaN / Infinity, a body that is
+            not an object, nesting too deep for the parser or past the limit, a string holding
+            a lone UTF-16 surrogate).
+    """
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    level, depth = [body], 1
+    while level:            # breadth first, without recursion
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        for x in level:     # JSON's \u escapes allow a lone surrogate (\ud800): no text encodes it
+            for v in (list(x) + list(x.values()) if isinstance(x, dict) else x):
+                if isinstance(v, str) and not _is_text(v):
+                    raise ApiError(400, f"the request body holds a lone UTF-16 surrogate (in "
+                                        f"{json.dumps(v)[:40]}): not text", code="invalid_json")
+        level = [c for x in level for c in (x.values() if isinstance(x, dict) else x) if isinstance(c, (dict, list))]
+        depth += 1
+    return body
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` encodes as UTF-8 (no lone surrogate, which JSON's \\u escapes allow)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _error_body(status: int, message: str, code: str | None, kind: str = "invalid_request_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+class Guard:
+    """ASGI middleware in front of the API: the API key and the body limit, checked on the
+    headers before any body byte is read or any handler runs.
+
+    ``api_key`` (None: open): requests to ``/v1/...`` without ``Authorization: Bearer KEY``
+    are answered 401 in OpenAI's error form (code ``invalid_api_key``); ``/health`` and
+    ``/metrics`` stay open, as in vLLM (``vllm/entrypoints/openai/api_server.py``,
+    AuthenticationMiddleware). The comparison is constant-time (``hmac.compare_digest`` of
+    SHA-256 digests, so neither content nor length leaks). ``max_body`` (bytes): a
+    ``Content-Length`` above it is answered 413 and the connection closed (a chunked body is
+    counted as it is read, :func:`build_app`).
+    """
+
+    def __init__(self, app, api_key: str | None, max_body: int):
+        self.app, self.max_body = app, max_body
+        self.digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.digest is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = headers.get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not (given and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest)):
+                return await self._reply(send, 401, "Incorrect or missing API key: send the header `Authorization: "
+                                         "Bearer KEY` with the key the server was started with (--api-key)",
+                                         "invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                n = -1
+            if n < 0:
+                return await self._reply(send, 400, "the Content-Length header is not a byte count", "invalid_request")
+            if n > self.max_body:
+                return await self._reply(send, 413, f"the request body is {n:,} bytes; this server takes at most "
+                                         f"{self.max_body:,} (`parcompile serve --max-body`)", "request_too_large")
+        return await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _reply(send, status: int, message: str, code: str, extra=()):
+        body = _error_body(status, message, code)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close"), *extra]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max_body: int | None = None) -> FastAPI:
     """The FastAPI application over ``engines`` (:class:`parcompile.server.engines.Engines`),
-    recording into ``metrics`` (:class:`parcompile.server.metrics.Metrics`)."""
+    recording into ``metrics`` (:class:`parcompile.server.metrics.Metrics`); ``api_key`` and
+    ``max_body`` (bytes; default :func:`default_max_body` of the context) as :class:`Guard`."""
     app = FastAPI(title=f"parcompile serve: {info.name}", docs_url=None, redoc_url=None)
+    max_body = default_max_body(info.context) if max_body is None else max_body
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from jinja2.exceptions import TemplateError
@@ -158,18 +294,38 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
     async def _api_error(request, e: ApiError):
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):         # a bug: still OpenAI's form (and the traceback in the log)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}"[:300], code="internal_error",
+                        kind="server_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):   # an unknown path, a wrong method
         return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                         code="not_found" if e.status_code == 404 else None).response()
 
-    async def parse(request: Request, model_cls):
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 past ``max_body`` bytes (a Content-Length above it is
+        refused by :class:`Guard` before any byte is read; this counts a chunked one)."""
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise ApiError(413, f"the request body exceeds {max_body:,} bytes (`parcompile serve --max-body`)",
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:     # gone before its body ended: nobody reads the answer (no traceback)
+            raise ApiError(400, "the client disconnected before the end of its body", code="client_disconnected") \
+                from None
+        return b"".join(chunks)
+
+    async def parse(request: Request, model_cls):
+        raw = await read_body(request)
+        if len(raw) > THREAD_PARSE_BYTES:
+            body = await asyncio.to_thread(_load_json, raw)
+        else:
+            body = _load_json(raw)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
@@ -181,30 +337,58 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
                        for v in neutral):
                 raise ApiError(400, f"`{key}` is not supported by this server (got {json.dumps(value)[:80]}); "
                                     f"omit it", param=key, code="unsupported_parameter")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "`stream_options` can only be given with `\"stream\": true`", param="stream_options",
+                           code="invalid_value")
         if req.model is not None and req.model != info.name:
             raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{info.name}`",
                            param="model", code="model_not_found")
         return req
 
-    def encode(prompt) -> list[int]:
+    def too_long(n_tokens: int, param: str, at_least: bool = False) -> ApiError:
+        return ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); the prompt "
+                             f"has {'at least ' if at_least else ''}{n_tokens} tokens, leaving no room for output",
+                        param=param, code="context_length_exceeded")
+
+    def encode_sync(prompt, param: str) -> list[int]:
+        """Token ids of ``prompt`` (a string, or ids), checked against the vocabulary and
+        the context; a text that cannot fit by its bytes alone is refused untokenized."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
-        ids = info.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            per_token = getattr(info.tokenizer, "max_token_bytes", None)
+            if per_token:
+                least = -(-len(prompt.encode("utf-8", "surrogatepass")) // per_token)
+                if least >= info.context:
+                    raise too_long(least, param, at_least=True)
+            try:
+                ids = info.tokenizer.encode(prompt)
+            except ServeError as e:      # a model without a tokenizer: ids only
+                raise ApiError(400, str(e), param=param) from None
+        else:
+            ids = list(prompt)
         if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+            raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
+        if len(ids) >= info.context:
+            raise too_long(len(ids), param)
         bad = [i for i in ids if not 0 <= i < info.vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab})", param="prompt")
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab})", param=param)
         return ids
+
+    async def encode(prompt, param: str = "prompt") -> list[int]:
+        """:func:`encode_sync` off the event loop for texts (tokenizing a long one takes
+        time that /health and the streams must not wait for)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+            return await asyncio.to_thread(encode_sync, prompt, param)
+        return encode_sync(prompt, param)
 
     def sampling(req: _Sampling, n_prompt: int, param: str) -> dict:
         room = info.context - n_prompt
         if room < 1:
-            raise ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); "
-                                f"the prompt has {n_prompt} tokens, leaving no room for output",
-                           param=param, code="context_length_exceeded")
+            raise too_long(n_prompt, param)
         max_tokens = req.max_tokens or req.max_completion_tokens or room
         if max_tokens > room:
             raise ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); "
@@ -213,11 +397,16 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 4 non-empty strings", param="stop")
-        top_k = info.top_k if req.top_k is None else max(req.top_k, 0)
+        # what reaches the ranks is made safe here (the sampler keeps the likeliest token too):
+        # top_k in [0, vocab] (0: all), temperature 0 (greedy) or >= SAMPLING_EPS, top_p in
+        # [SAMPLING_EPS, 1] (1e-46 is 0 in float32: every token would be masked), seed in [0, 2**63)
+        top_k = info.top_k if req.top_k is None else req.top_k
+        top_k = 0 if top_k < 0 or top_k >= info.vocab else int(top_k)
         temperature = info.temperature if req.temperature is None else req.temperature
         if temperature < SAMPLING_EPS:    # logits / 1e-300 overflow to inf: NaN probabilities kill the rank
             temperature = 0.0
-        return {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": 1.0 if req.top_p is None else req.top_p,
+        top_p = 1.0 if req.top_p is None else min(max(float(req.top_p), SAMPLING_EPS), 1.0)
+        return {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_k": top_k, "top_p": top_p,
                 "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63), "eos": info.eos,
                 "stop": stop}
 
@@ -258,6 +447,12 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
                 if isinstance(item, EngineFailed):
                     raise unavailable(str(item))
                 tok, reason = item
+                if reason == "error":        # its logits were NaN or inf: this request fails, the server lives
+                    finished = True
+                    metrics.request_finished("abort", len(ids))
+                    raise ApiError(500, "the model produced NaN or infinite logits for this request (its weights "
+                                        "or activations overflow in the serve dtype); no token could be drawn",
+                                   code="non_finite_logits", kind="server_error")
                 now = time.perf_counter()
                 metrics.token(now - (last if last is not None else t0), first=last is None)
                 last = now
@@ -316,7 +511,7 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
             return JSONResponse({**base, "object": obj, "choices": [choice], "usage": usage(len(prompt), len(ids))})
         # streamed: the first token must arrive (or fail) before the 200 status goes out
         first = await anext(stream, None)
-        include_usage = bool((getattr(req, "stream_options", None) or {}).get("include_usage"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: str, ids: list[int], reason, n_ids: int, role: bool = False) -> dict:
             if chat:
@@ -357,22 +552,38 @@ def build_app(info: ModelInfo, engines, metrics) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        return await respond(request, req, encode(req.prompt), chat=False)
+        return await respond(request, req, await encode(req.prompt), chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await parse(request, ChatRequest)
+    def chat_ids(req: ChatRequest) -> list[int]:
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
             content = m.content
-            if isinstance(content, list):    # content parts: the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            if isinstance(content, list):    # content parts: text ones only (a text-only model)
+                texts = []
+                for j, part in enumerate(content):
+                    where = f"messages.{i}.content.{j}"
+                    if part.get("type") != "text":
+                        raise ApiError(400, f"`{where}`: only text content parts are supported by this model (got "
+                                            f"type {json.dumps(part.get('type'))[:40]})", param="messages",
+                                       code="invalid_value")
+                    if not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"`{where}.text`: a text part's `text` must be a string (got "
+                                            f"{json.dumps(part.get('text'), default=str)[:80]})", param="messages",
+                                       code="invalid_value")
+                    texts.append(part["text"])
+                content = "".join(texts)
             messages.append({"role": m.role, "content": content or ""})
         try:
             text = chat_template.render(messages=messages, add_generation_prompt=True, **info.special)
         except Exception as e:   # a template that rejects these messages (roles out of order)
             raise ApiError(400, f"the chat template rejects these messages: {e}", param="messages") from None
-        return await respond(request, req, encode(text), chat=True)
+        return encode_sync(text, "messages")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatRequest)
+        # the template and the tokenizer run off the event loop
+        return await respond(request, req, await asyncio.to_thread(chat_ids, req), chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,116 @@
+"""The `cpu` preset describes the machine it runs on (issue 30.5; parcompile/config/host.py).
+
+The suite pins the fixed figures (tests/conftest.py: PARCOMPILE_CPU_PROBE=fixed); these
+tests set the variable themselves, and point the probe cache at a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import parcompile
+from parcompile.config import host
+from parcompile.diagnostics import SpecError
+
+GiB = 2**30
+
+# the issue's reproducer: a small tp 2 x pp 2 serve spec without kv_cache_tokens
+SERVE = """model tiny {
+    layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
+    vocab = 256, seq_len = 64, dtype = fp32, norm = rmsnorm, activation = swiglu, position = rope
+}
+cluster local from "cpu" { gpus_per_node = 4 }
+parallel { tp = 2, pp = 2 }
+serve {
+    batch = 8
+    prompt_len = 16
+    max_new_tokens = 48
+}
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "parcompile" / "cpu-probe.json"
+
+
+def test_the_cpu_preset_shares_this_machines_memory_between_the_ranks(monkeypatch, cache):
+    """Before: 16 GiB per rank whatever the machine, so the default KV cache of this spec
+    took about 14 GiB per rank (56 GiB on a 24 GiB machine: the kernel killed the ranks)."""
+    monkeypatch.setenv(host.ENV, "memory=24GiB,flops=50GFLOPS,bw=10GB/s")
+    plan = parcompile.compile(SERVE, filename="s.par")
+    assert plan.config.cluster.memory == 6 * GiB - host.PROCESS_BYTES      # 24 GiB / 4 ranks, less each process's torch
+    sv = plan.data["serve"]
+    paged = sv["kv_cache_tokens"] * sv["kv_bytes_per_token"]       # what each rank's serve engine allocates
+    per_rank = paged + sv["weights_bytes_per_rank"] + sv["workspace_bytes_per_rank"]
+    assert 4 * per_rank <= 24 * GiB * 0.9 and paged > 4 * GiB
+    cl = plan.config.cluster
+    share = min(1.0, host.cores() / 4)               # the node's cores shared by 4 single-threaded ranks
+    assert cl.peak_flops == pytest.approx(50e9 * share) and cl.hbm_bw == pytest.approx(10e9 * share)
+    figures = plan.data["estimate"]["assumptions"]["cluster_figures"]
+    assert "24.0 GiB available / 4 rank(s) - 512 MiB per process" in figures and "pinned by PARCOMPILE_CPU_PROBE" in figures
+    assert not cache.exists()                   # nothing probed: every figure was pinned
+    # an explicit `memory` in the spec still wins
+    own = parcompile.compile(SERVE.replace("gpus_per_node = 4", "gpus_per_node = 4, memory = 2 GiB"), filename="s.par")
+    assert own.config.cluster.memory == 2 * GiB
+
+
+def test_fixed_figures_keep_plans_machine_independent_and_a_bad_variable_is_a_spec_error(monkeypatch, cache):
+    monkeypatch.setenv(host.ENV, "fixed")
+    a = parcompile.compile(SERVE, filename="s.par")
+    assert a.config.cluster.memory == 16 * GiB and a.config.cluster.peak_flops == 1e12
+    assert "fixed" in a.data["estimate"]["assumptions"]["cluster_figures"]
+    assert a.to_json() == parcompile.compile(SERVE, filename="s.par").to_json()
+    monkeypatch.setenv(host.ENV, "memory=lots")
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(SERVE, filename="s.par")
+    d = e.value.diagnostics[0]
+    assert "PARCOMPILE_CPU_PROBE: `memory=lots`" in d.message and d.span.line == 5 and "fixed" in d.help
+
+
+def test_the_probe_is_short_cached_atomically_per_machine_and_torch_and_refreshable(monkeypatch, cache):
+    import torch  # noqa: F401 - imported before timing the probe itself
+
+    monkeypatch.delenv(host.ENV, raising=False)
+    t0 = time.perf_counter()
+    first = host.host_figures()
+    assert time.perf_counter() - t0 < 1.0
+    assert first.gemm_flops > 1e8 and first.copy_bw > 1e8 and first.memory >= host.MEMORY_STEP
+    assert first.memory % host.MEMORY_STEP == 0 and first.cores >= 1
+    stored = json.loads(cache.read_text())
+    assert list(stored) == [host._machine_key()] and "torch" in host._machine_key()
+    assert not list(cache.parent.glob(".cpu-probe.*"))          # no temporary file left
+
+    def no_probe():
+        raise AssertionError("probed although the cache holds this machine")
+
+    monkeypatch.setattr(host, "probe", no_probe)
+    again = host.host_figures()
+    assert (again.gemm_flops, again.copy_bw) == (first.gemm_flops, first.copy_bw) and "cached in" in again.source
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 3e9))
+    monkeypatch.setattr(host, "_machine_key", lambda: "other machine|torch 9")
+    other = host.host_figures()
+    assert (other.gemm_flops, other.copy_bw) == (2e9, 3e9) and len(json.loads(cache.read_text())) == 2
+    monkeypatch.setattr(host, "probe", lambda: (4e9, 5e9))
+    assert host.host_figures("probe").gemm_flops == 4e9               # refreshed on request
+    cache.write_text("{not json")
+    assert host.host_figures().gemm_flops == 4e9                      # a damaged cache is probed again
+    blocker = cache.parent.parent.parent / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))        # the cache would be under a file: not writable
+    unwritable = host.host_figures()
+    assert unwritable.gemm_flops == 4e9 and "not cached" in unwritable.source
+
+
+def test_per_rank_figures_divide_the_node():
+    f = host.HostFigures(memory=24 * GiB, cores=2, gemm_flops=80e9, copy_bw=30e9, source="test")
+    fixed = {"gpus_per_node": 8, "memory": 16 * GiB, "peak_flops": 1e12, "hbm_bw": 20e9}
+    one = host.cpu_values(fixed, 1, f)
+    assert one["memory"] == 24 * GiB - host.PROCESS_BYTES and one["peak_flops"] == 160e9 and one["hbm_bw"] == 30e9   # one process, 2 cores
+    eight = host.cpu_values(fixed, 8, f)
+    assert eight["memory"] == 3 * GiB - host.PROCESS_BYTES and eight["peak_flops"] == 20e9 and eight["hbm_bw"] == 7.5e9
+    assert "24.0 GiB available / 8 rank(s) - 512 MiB per process" in eight["figures"]
