@@ -1,0 +1,179 @@
+"""Files and checkpoints (issue 30, items 6-10): no output deletes what parcompile did not
+write, no checkpoint runs code, an untied head is never the embedding by accident, an
+unusable checkpoint_dir is found before training, a failed save keeps the previous
+checkpoint, a NaN loss ends the run naming its step, and a seed is a 63-bit number.
+
+Everything runs in this process (spec checks, the writers, the generated program's
+``main`` at world 1) except one torchrun launch of 2 ranks that shows the run-time stops
+agree across ranks (a NaN loss on the last pipeline stage, a save that fails on rank 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import parcompile
+from parcompile.cli import EXIT_SPEC, main
+from parcompile.core.outputs import HF_MARKER
+from parcompile.diagnostics import SpecError
+from parcompile.runtime.weights import WeightsError
+
+REPO = Path(__file__).resolve().parent.parent
+
+SPEC = """model m {{
+    layers = 2
+    hidden = 32
+    heads = 4
+    kv_heads = 2
+    ffn_hidden = 64
+    vocab = 256
+    seq_len = 16
+    dtype = fp32
+}}
+cluster c from "cpu" {{ gpus_per_node = {world} }}
+parallel {{ pp = {pp}, micro_batch = 2, global_batch = {batch} }}
+train {{
+    steps = {steps}, lr = {lr}, seed = 3, log_every = 1
+{extra}
+}}
+"""
+
+
+def _spec(tmp: Path, extra: str = "", *, name="s", steps=3, lr="1e-2", pp=1) -> Path:
+    path = tmp / f"{name}.par"
+    path.write_text(SPEC.format(extra=extra, steps=steps, lr=lr, pp=pp, world=pp, batch=2 * pp))
+    return path
+
+
+def _check(spec: Path, capsys) -> tuple[int, str]:
+    rc = main(["check", str(spec)])
+    out = capsys.readouterr()
+    return rc, out.err + out.out
+
+
+def _at(spec: Path, key: str) -> str:
+    """``file:line:col`` of ``key``'s value in ``spec``."""
+    for i, line in enumerate(spec.read_text().splitlines(), 1):
+        m = re.search(rf"\b{key} = ", line)
+        if m:
+            return f"{spec}:{i}:{m.end() + 1}"
+    raise AssertionError(key)
+
+
+def _program(tmp: Path, spec: Path):
+    """Compile ``spec`` into tmp/<stem> and import its program.py."""
+    assert main(["compile", str(spec), "-o", str(tmp / spec.stem)]) == 0
+    s = importlib.util.spec_from_file_location(f"files_{spec.stem}_{id(tmp)}", tmp / spec.stem / "program.py")
+    module = importlib.util.module_from_spec(s)
+    s.loader.exec_module(module)
+    return module
+
+
+def _run(module, tmp: Path, *argv) -> dict:
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return module.main([str(a) for a in argv])
+    finally:
+        os.chdir(cwd)
+
+
+def _tiny_model():
+    from parcompile.core.model import ModelKeys
+
+    return ModelKeys(layers=1, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16, dtype="fp32")
+
+
+def _zeros(model) -> dict[str, torch.Tensor]:
+    from parcompile.core.hf_weights import expected_shapes
+
+    return {k: torch.zeros(v) for k, v in expected_shapes(model, buffers=True).items()}
+
+
+def _dcp_checkpoint(root: Path, state: dict[str, torch.Tensor], step: int = 1) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    path = root / f"step_{step:08d}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**state, "train/step": torch.tensor(step)}, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+# ------------------------------------------------------------------ 6. hf_output / export-weights -o
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A spec's directory as a user has it: training data in data/, a tokenizer.json."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("hello world " * 200)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("target, says", [
+    ("data", "holding train.txt, which parcompile did not write"),
+    ("tokenizer.json", "is a file"),
+    (".", "which parcompile did not write"),
+    ("tokenizer.json/out", "is a file"),
+    ("ck", "overlap"),
+])
+def test_hf_output_over_what_parcompile_did_not_write_is_a_check_error(workdir, capsys, target, says):
+    """Before: `check` passed, and the run replaced the directory (the training data gone),
+    the tokenizer by a folder, or crashed every rank (`.`). Now an error at the key."""
+    spec = _spec(workdir, f'    data = "data/train.txt"\n    checkpoint_dir = "ck", checkpoint_every = 1\n'
+                          f'    hf_output = "{target}"')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC, said
+    assert f"{_at(spec, 'hf_output')}: error: hf_output: " in said and says in said, said
+    assert "help: give a new directory" in said
+    assert (workdir / "data" / "train.txt").is_file() and (workdir / "tokenizer.json").read_text() == "{}"
+
+
+def test_hf_writer_replaces_only_its_own_output(tmp_path):
+    """An output parcompile wrote (its marker lists the files) is replaced; one holding
+    anything else, or a file, is refused before anything is written."""
+    from parcompile.runtime.hf_export import write_hf_checkpoint
+
+    m, out = _tiny_model(), tmp_path / "out"
+    write_hf_checkpoint(_zeros(m), m, out)
+    marker = json.loads((out / HF_MARKER).read_text())
+    assert marker["written_by"] == "parcompile" and set(marker["files"]) == {"config.json", "model.safetensors"}
+    write_hf_checkpoint(_zeros(m), m, out)   # again: its own output
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(WeightsError, match="holding notes.txt, which parcompile did not write"):
+        write_hf_checkpoint(_zeros(m), m, out)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(WeightsError, match="is a file"):
+        write_hf_checkpoint(_zeros(m), m, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]   # no temporary left
+
+
+def test_export_weights_into_a_directory_of_other_files_is_refused(workdir, capsys):
+    """Before: `export-weights -o data` deleted the data directory, exit 0."""
+    spec = _spec(workdir)
+    cfg = parcompile.compile(spec).config
+    from parcompile.frontend.checks import expected_shapes
+
+    _dcp_checkpoint(workdir / "ck", {k: torch.ones(v) for k, v in expected_shapes(cfg.model).items()})
+    rc = main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "data")])
+    said = capsys.readouterr().err
+    assert rc == EXIT_SPEC and "which parcompile did not write" in said, said
+    assert (workdir / "data" / "train.txt").is_file()
+    assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0
+    assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0  # its own
