@@ -177,3 +177,91 @@ def test_export_weights_into_a_directory_of_other_files_is_refused(workdir, caps
     assert (workdir / "data" / "train.txt").is_file()
     assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0
     assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0  # its own
+
+
+# ------------------------------------------------------------------ 7. no checkpoint runs code
+
+
+class _Evil:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _poisoned(tmp_path: Path, spec: Path) -> tuple[Path, Path]:
+    """A DCP checkpoint of the spec's model whose .metadata makes a directory when unpickled."""
+    from parcompile.frontend.checks import expected_shapes
+
+    cfg = parcompile.compile(spec).config
+    step = _dcp_checkpoint(tmp_path / "ck", {k: torch.ones(v) for k, v in expected_shapes(cfg.model).items()})
+    canary = tmp_path / "PWNED"
+    (step / ".metadata").write_bytes(pickle.dumps(_Evil(str(canary))))
+    return tmp_path / "ck", canary
+
+
+def test_check_and_loads_never_unpickle_a_dcp_metadata(tmp_path, capsys):
+    """Before: `check` with init_from a DCP checkpoint ran the pickle in .metadata (torch
+    reads it with pickle.load). Now check, export-weights and every loader refuse it,
+    naming the function it calls, and nothing runs."""
+    base = _spec(tmp_path, name="base")
+    ckpt, canary = _poisoned(tmp_path, base)
+    spec = _spec(tmp_path, f'    init_from = "{ckpt}"')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and "refers to `posix.mkdir`" in said and "refusing to read it" in said, said
+    assert f"{_at(spec, 'init_from')}: error: init_from:" in said
+    from parcompile.runtime import checkpoint
+    from parcompile.runtime.hf_export import read_dcp_global
+    from parcompile.runtime.weights import load_dcp
+
+    for load in (lambda: read_dcp_global(ckpt), lambda: load_dcp(torch.nn.Linear(1, 1), str(ckpt / "step_00000001"), None),
+                 lambda: checkpoint.load(ckpt, torch.nn.Linear(1, 1), None, None)):
+        with pytest.raises(WeightsError, match="posix.mkdir"):
+            load()
+    assert main(["export-weights", str(base), str(ckpt), "-o", str(tmp_path / "hf")]) == EXIT_SPEC
+    assert "posix.mkdir" in capsys.readouterr().err
+    assert not canary.exists()
+
+
+def test_a_tensor_stored_as_a_pickled_object_is_refused(tmp_path):
+    """torch reads a BytesStorageMetadata entry with torch.load(weights_only=False): a
+    metadata that calls a weight "bytes" is refused before torch reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    from parcompile.runtime.weights import load_dcp_tensors, read_dcp_metadata
+
+    path = tmp_path / "step_00000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "obj": io.BytesIO(b"x")}, checkpoint_id=str(path), no_dist=True)
+    meta = read_dcp_metadata(path)   # a real checkpoint reads
+    assert tuple(meta.state_dict_metadata["w"].size) == (2,)
+    with pytest.raises(WeightsError, match="stores `obj` as a pickled object"):
+        load_dcp_tensors({"obj": torch.empty(1)}, path, True)
+    state = {"w": torch.zeros(2)}
+    load_dcp_tensors(state, path, True)
+    assert state["w"].tolist() == [1.0, 1.0]
+    (path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(WeightsError, match="is damaged"):
+        read_dcp_metadata(path)
+
+
+UNSAFE = re.compile(r"\bpickle\.loads?\(|\bUnpickler\(|\bdcp\.load\(|\bFileSystemReader\(|\.read_metadata\(|"
+                    r"\btorch\.load\((?![^)]*weights_only=True)")
+
+
+def test_nothing_in_the_package_unpickles_a_users_file():
+    """Every torch.load passes weights_only=True; pickle, DCP's reader and dcp.load are
+    used only in parcompile/runtime/dcp_safe.py, through weights.read_dcp_metadata and
+    weights.load_dcp_tensors (a new unsafe call fails here)."""
+    found = []
+    for f in sorted((REPO / "parcompile").rglob("*")):
+        if f.suffix not in (".py", ".j2") or f.name == "dcp_safe.py":
+            continue
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if UNSAFE.search(line.split("#")[0]):
+                found.append(f"{f.relative_to(REPO)}:{i}: {line.strip()}")
+    assert found == []
+    assert UNSAFE.search("torch.load(f)") and UNSAFE.search("torch.load(f, weights_only=False)")
+    assert not UNSAFE.search("torch.load(f, weights_only=True)")

@@ -38,6 +38,7 @@ from parcompile.core.model import ModelKeys
 from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.dataset import load_tokenizer
+from parcompile.runtime.weights import load_dcp_tensors, read_dcp_metadata
 from parcompile.runtime.weights import STEP_DIR, layout_tensors, newest, target_slice, tp_mesh  # noqa: F401  (newest, STEP_DIR: this module's API)
 
 
@@ -107,14 +108,17 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
 
     Raises:
         RuntimeError: the checkpoint lacks a tensor of this model or has another shape.
+        WeightsError: its ``.metadata`` is damaged or refers to code, or an entry this
+            model reads is a pickled object (:func:`parcompile.runtime.weights.read_dcp_metadata`).
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     found = newest(directory)
     if found is None:
         return 0
     path, step = found
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
+    meta = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     mesh = tp_mesh(ctx)
     params = list(model.parameters()) + [b for b in layout_tensors(model) if not isinstance(b, nn.Parameter)]
     keys = ["param"] + sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
@@ -136,9 +140,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
                                                     else p.shape), dtype=dtype), p, mesh)
         else:
             state[ck] = torch.empty(size, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not ctx.distributed)
+    load_dcp_tensors(state, path, not ctx.distributed, metadata)
 
     def local(ck: str, p: nn.Parameter) -> torch.Tensor:
         t = state[ck]
@@ -159,10 +161,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
     if scaler is not None and "train/loss_scale" in meta:   # fp16, saved by an fp16 run
         saved = {k: torch.empty((), dtype=torch.float64 if k == "loss_scale" else torch.int64)
                  for k in ("loss_scale", "good_steps", "skipped_steps")}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({f"train/{k}": v for k, v in saved.items()}, checkpoint_id=str(path),
-                     no_dist=not ctx.distributed)
+        load_dcp_tensors({f"train/{k}": v for k, v in saved.items()}, path, not ctx.distributed, metadata)
         scaler.load_state_dict(saved)
         skipped = scaler.skipped
     optimizer.import_states(loaded, step - skipped)   # the optimizer's own step count

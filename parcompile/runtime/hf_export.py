@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -34,7 +33,7 @@ from parcompile.core.model import ModelKeys
 from parcompile.core.outputs import HF_MARKER, HF_OUTPUT_HELP, hf_output_problem
 from parcompile.runtime.dataset import load_tokenizer
 from parcompile.runtime.dtypes import TORCH_DTYPES
-from parcompile.runtime.weights import WeightsError, newest
+from parcompile.runtime.weights import WeightsError, dcp_metadata_path, load_dcp_tensors, read_dcp_metadata
 
 
 def _dtype_name(dtype) -> str:
@@ -233,24 +232,16 @@ def read_dcp_global(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     read; a tied model has no ``lm_head.weight``.
 
     Raises:
-        WeightsError: no checkpoint in ``ckpt_dir``.
+        WeightsError: no checkpoint in ``ckpt_dir``; a ``.metadata`` that is damaged or
+            refers to code (:func:`parcompile.runtime.weights.read_dcp_metadata`).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(ckpt_dir)
-    if not (path / ".metadata").is_file():
-        found = newest(path)
-        if found is None:
-            raise WeightsError(f"{ckpt_dir} holds no complete checkpoint (.metadata or step_NNNNNNNN/.metadata)",
-                               "give a training program's checkpoint_dir or one of its step_N directories")
-        path = found[0]
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()
+    path = dcp_metadata_path(ckpt_dir).parent
+    meta = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if "/" not in k and isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():   # one process: DCP warns that it assumes so
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    load_dcp_tensors(state, path, True, meta)
     return state
 
 

@@ -89,6 +89,97 @@ def newest(directory: str | os.PathLike) -> tuple[Path, int] | None:
     return (found[-1][1], found[-1][0]) if found else None
 
 
+def dcp_metadata_path(directory: str | os.PathLike) -> Path:
+    """``directory/.metadata``, or that of the newest complete ``step_N`` of a training
+    program's checkpoint root.
+
+    Raises:
+        WeightsError: neither exists.
+    """
+    d = Path(directory)
+    if (d / ".metadata").is_file():
+        return d / ".metadata"
+    found = newest(d)
+    if found is None:
+        raise WeightsError(f"{directory} holds no complete checkpoint (.metadata or step_NNNNNNNN/.metadata)",
+                           "give a training program's checkpoint_dir or one of its step_N directories")
+    return found[0] / ".metadata"
+
+
+def read_dcp_metadata(directory: str | os.PathLike):
+    """The ``Metadata`` of the DCP checkpoint in ``directory`` (:func:`dcp_metadata_path`),
+    read without running code (:mod:`parcompile.runtime.dcp_safe`: torch itself would
+    ``pickle.load`` it).
+
+    Raises:
+        WeightsError: no checkpoint; a ``.metadata`` that is not a DCP metadata pickle, or
+            that refers to a name a DCP metadata never holds (named: it could run code).
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    from parcompile.runtime.dcp_safe import RefusedName, unpickle_metadata
+
+    path = dcp_metadata_path(directory)
+    try:
+        meta = unpickle_metadata(path.read_bytes())
+    except RefusedName as e:
+        raise WeightsError(f"{path} refers to `{e.name}`, which a torch.distributed.checkpoint's metadata never "
+                           "holds: refusing to read it (a pickle that names a function can run code)",
+                           "use only checkpoints you or a training program of parcompile wrote") from None
+    except OSError as e:
+        raise WeightsError(f"cannot read {path}: {e.strerror or e}") from None
+    except Exception as e:   # a truncated or garbled pickle: UnpicklingError, EOFError, ValueError...
+        raise WeightsError(f"{path} is damaged: not a torch.distributed.checkpoint metadata "
+                           f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    entries = getattr(meta, "state_dict_metadata", None)
+    if not isinstance(meta, Metadata) or not isinstance(entries, dict) or not all(
+            isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
+            for k, v in entries.items()):
+        raise WeightsError(f"{path} is damaged: not a torch.distributed.checkpoint metadata")
+    return meta
+
+
+def dcp_tensor(meta, name: str, path: str | os.PathLike):
+    """The ``TensorStorageMetadata`` of ``name`` in ``meta`` (:func:`read_dcp_metadata`),
+    or None when absent.
+
+    Raises:
+        WeightsError: ``name`` is stored as a pickled object (torch would read it with
+            torch.load with weights_only=False), not as a tensor.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = meta.state_dict_metadata.get(name)
+    if md is not None and not isinstance(md, TensorStorageMetadata):
+        raise WeightsError(f"the checkpoint {path} stores `{name}` as a pickled object, not a tensor: refusing "
+                           "to read it (it could run code)")
+    return md
+
+
+def load_dcp_tensors(state: dict, directory: str | os.PathLike, no_dist: bool, meta=None) -> None:
+    """Fill the tensors ``state`` (name -> tensor or DTensor) from the DCP checkpoint in
+    ``directory`` (a ``step_N``), its metadata read by :func:`read_dcp_metadata` (or
+    ``meta`` already read so), never unpickled by torch.
+
+    Raises:
+        WeightsError: see :func:`read_dcp_metadata`; a name missing or not a tensor; a
+            data file that cannot be read (truncated, damaged), on every rank.
+    """
+    from parcompile.runtime import dcp_safe
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    meta = meta if meta is not None else read_dcp_metadata(directory)
+    for name in state:
+        if dcp_tensor(meta, name, directory) is None:
+            raise WeightsError(f"the checkpoint {directory} has no `{name}`; was it written for another model?")
+    try:
+        dcp_safe.load(state, directory, no_dist, meta)
+    except (CheckpointException, OSError, RuntimeError, ValueError) as e:   # a truncated or damaged data file
+        raise WeightsError(f"cannot read the checkpoint {directory}: {dcp_safe.failure_reason(e)}",
+                           "its files are damaged or incomplete: copy the checkpoint again") from None
+
+
 def tp_mesh(ctx: ParallelContext):
     """A one-dimensional DeviceMesh over this rank's tp group (DTensor reads and writes of
     tensor-parallel shards), or None with tp = 1 or a single process."""
@@ -165,10 +256,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     Raises:
         WeightsError: a parameter is missing from the checkpoint, or its shape differs.
     """
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
     mesh = tp_mesh(ctx)
     groups: dict[str, list[nn.Parameter]] = {}
     for p in _params(model):
@@ -176,10 +264,11 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     state = {}
     for name, ps in groups.items():
         p = ps[0]
-        if name not in meta:
+        md = dcp_tensor(metadata, name, path)
+        if md is None:
             raise WeightsError(f"the checkpoint {path} has no `{name}`; was it written for another model?")
-        size = tuple(meta[name].size)
-        dtype = meta[name].properties.dtype
+        size = tuple(md.size)
+        dtype = md.properties.dtype
         if p.valid_rows is None and size != tuple(p.global_shape):
             raise WeightsError(f"{name}: the checkpoint's shape {size} differs from this model's "
                                f"{tuple(p.global_shape)}; was it written for another model?")
@@ -192,7 +281,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
             state[name] = DTensor.from_local(buf, mesh, [Shard(p.shard_dim)], run_check=False)
         else:          # vocabulary rows, replicated kv heads, tp = 1: read whole, cut here
             state[name] = torch.empty(size, dtype=dtype)
-    dcp.load(state, checkpoint_id=path, no_dist=not ctx.distributed)
+    load_dcp_tensors(state, path, not ctx.distributed, metadata)
     with torch.no_grad():
         for name, ps in groups.items():
             t = state[name]
@@ -362,5 +451,5 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
     return kind
 
 
-__all__ = ["WeightsError", "layout_tensors", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
+__all__ = ["WeightsError", "dcp_metadata_path", "read_dcp_metadata", "dcp_tensor", "load_dcp_tensors", "layout_tensors", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
            "tp_mesh", "target_slice", "hf_files", "STEP_DIR"]
