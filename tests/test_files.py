@@ -265,3 +265,52 @@ def test_nothing_in_the_package_unpickles_a_users_file():
     assert found == []
     assert UNSAFE.search("torch.load(f)") and UNSAFE.search("torch.load(f, weights_only=False)")
     assert not UNSAFE.search("torch.load(f, weights_only=True)")
+
+
+# ------------------------------------------------------------------ 8. an untied head is never the embedding
+
+
+def _untied_without_head(tmp_path: Path, family: str, tied: bool = False):
+    """A Hugging Face checkpoint of ``family`` (config from tests/test_hf_weights.py) with
+    ``tie_word_embeddings: tied`` and no head tensor; returns (dir, its ModelKeys)."""
+    from safetensors.torch import load_file, save_file
+
+    from parcompile.core.hf_weights import model_from_checkpoint_config
+    from parcompile.runtime.hf_export import write_hf_checkpoint
+    from tests.test_hf_weights import _hf_config
+
+    cfg = _hf_config(family).to_dict()
+    cfg["tie_word_embeddings"] = False
+    m = model_from_checkpoint_config(cfg, seq_len=16, dtype="fp32")
+    d = tmp_path / family
+    write_hf_checkpoint(_zeros(m), m, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    head = [k for k in tensors if k in ("lm_head.weight", "embed_out.weight")]
+    assert len(head) == 1
+    save_file({k: v for k, v in tensors.items() if k not in head}, str(d / "model.safetensors"))
+    written = json.loads((d / "config.json").read_text())
+    written["tie_word_embeddings"] = tied
+    (d / "config.json").write_text(json.dumps(written))
+    return d, m, head[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral", "qwen3", "qwen3_moe"])
+def test_untied_checkpoint_without_its_head_is_an_error(tmp_path, family):
+    """Before: the embedding silently became the head. Now the check and the loader name
+    the missing tensor; a tied checkpoint still reads its head from the embedding."""
+    from parcompile.core.hf_weights import check_checkpoint, expected_shapes
+    from parcompile.runtime.weights import load_hf
+
+    d, m, head = _untied_without_head(tmp_path, family)
+    problems = check_checkpoint(d, expected_shapes(m), m)
+    assert any(f"no tensor `{head}`" in p.message and "lm_head.weight" in p.message
+               and "tie_word_embeddings" in p.help for p in problems), [p.message for p in problems]
+    p = torch.nn.Parameter(torch.empty(m.vocab, m.hidden))
+    p.global_name, p.global_shape, p.shard_dim, p.valid_rows = "lm_head.weight", (m.vocab, m.hidden), None, None
+    holder = torch.nn.Module()
+    holder.head = p
+    with pytest.raises(WeightsError, match=f"no tensor `{head}` for `lm_head.weight`"):
+        load_hf(holder, str(d))
+    tied, _, _ = _untied_without_head(tmp_path / "tied", family, tied=True)
+    assert check_checkpoint(tied, expected_shapes(m), m) == []
+    load_hf(holder, str(tied))

@@ -83,7 +83,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.hf import SUPPORTED_MODEL_TYPES, from_hf_dict
+from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
 from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, ModelKeys, rope_scaling, rotary_dim
 
 FAMILIES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
@@ -671,12 +671,14 @@ def _neox_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Sourc
     return []
 
 
-def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
+def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[str, list[Source]]:
     """Our global parameter name -> the :class:`Source` s it can be read from, preferred
     first (the first is what :mod:`parcompile.runtime.hf_export` writes). Covers every
     name of :func:`expected_shapes` with its buffers (``buffers=True``) and always
-    ``lm_head.weight``, whose last source is the embedding tensor (a checkpoint with tied
-    embeddings has no head tensor).
+    ``lm_head.weight``. The embedding tensor is the head's last source only when the
+    checkpoint ties them (``tied``, default ``model.tie_embeddings``: a checkpoint of
+    ``tie_word_embeddings: true`` holds no head tensor); an untied checkpoint without its
+    head tensor lacks ``lm_head.weight`` (transformers would draw it at random).
 
     Raises:
         HFWeightsError: ``family`` is not one of :data:`FAMILIES`.
@@ -695,7 +697,8 @@ def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
         if name == "lm_head.weight":
             head = {"gpt2": ["lm_head.weight"], "gpt_neox": ["embed_out.weight", "lm_head.weight"]}.get(
                 family, ["lm_head.weight"])
-            srcs = [Source(n, shape) for n in head] + out["embedding.weight"]
+            tie = bool(model.tie_embeddings) if tied is None else tied
+            srcs = [Source(n, shape) for n in head] + (out["embedding.weight"] if tie else [])
         else:
             srcs = fn(model, name, shape)
         if srcs:
@@ -1015,7 +1018,7 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
         except HFWeightsError as e:
             return [e.problem]
     names, headers, problems, complete = scan_checkpoint(d)
-    tmap = tensor_map(model, family)
+    tmap = tensor_map(model, family, tied=_checkpoint_tied(cfg, model))
     missing: list[Problem] = []
     shapes: list[Problem] = []
     reported: set[str] = set()
@@ -1029,6 +1032,7 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
         src = next((s for s in srcs if s.name in names or s.name in headers), None)
         if src is None and complete:
             missing.append(Problem(f"`{d}` has no tensor `{srcs[0].name}` (for this model's `{name}` {tuple(ours)})",
+                                   UNTIED_HEAD_HELP if name == "lm_head.weight" else
                                    "was the checkpoint written for another model? the spec's model must match "
                                    "its config.json"))
             continue
@@ -1053,6 +1057,24 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
                 "the spec's model differs from the checkpoint's config.json (hidden, heads, kv_heads, "
                 "ffn_hidden, vocab?)"))
     return problems + _cap(missing, 8, "missing tensors") + _cap(shapes, 8, "shape mismatches")
+
+
+#: the fix for an untied checkpoint without its head tensor
+UNTIED_HEAD_HELP = ("the checkpoint does not tie its head to the embedding (tie_word_embeddings is false or its "
+                    "family's default), so the head is a tensor of its own: copy the complete checkpoint, or set "
+                    "\"tie_word_embeddings\": true in its config.json if the head is the embedding")
+
+
+def _checkpoint_tied(cfg: dict | None, model: ModelKeys) -> bool:
+    """Whether a checkpoint of config.json ``cfg`` ties its head to the embedding
+    (``tie_word_embeddings``, else its family's default: :func:`parcompile.core.hf.from_hf_dict`);
+    ``model``'s own when there is no readable config.json."""
+    if cfg is None:
+        return bool(model.tie_embeddings)
+    try:
+        return bool(from_hf_dict(cfg).get("tie_embeddings", False))
+    except (HFConfigError, TypeError, ValueError, AttributeError):
+        return bool(model.tie_embeddings)
 
 
 def model_from_checkpoint_config(cfg: dict, **overrides) -> ModelKeys:
@@ -1081,4 +1103,5 @@ __all__ = [
     "FAMILIES", "Problem", "HFWeightsError", "Source", "hf_family", "family_problems", "tensor_map",
     "expected_shapes", "hf_config", "init_from_kind", "check_checkpoint", "read_header", "scan_checkpoint", "checkpoint_files",
     "read_config", "model_from_checkpoint_config", "rope_dim", "VOCAB_PARAMS", "HF_DTYPES", "BUFFERS", "is_buffer",
+    "UNTIED_HEAD_HELP",
 ]

@@ -18,7 +18,8 @@ Three sources (:func:`weights_kind`):
   of its shards through ``safetensors``' ``get_slice``; fused HF tensors (GPT-2
   ``c_attn``, GPT-NeoX ``query_key_value``, Mixtral ``gate_up_proj``) are read at the
   offsets of our tensor; GPT-2's ``Conv1D`` weights are transposed; vocabulary rows past
-  ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding.
+  ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding (an
+  untied one's is an error naming ``lm_head.weight``).
 
 Every parameter carries its layout (``global_name``, ``global_shape``, ``shard_dim``,
 ``shard_index``, ``num_shards``, ``valid_rows``; see :func:`parcompile.runtime.layers.make_param`).
@@ -37,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from parcompile.core.hf import HFConfigError
-from parcompile.core.hf_weights import (HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
+from parcompile.core.hf_weights import (UNTIED_HEAD_HELP, HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
                                         scan_checkpoint, tensor_map)
 from parcompile.core.model import ModelKeys
 from parcompile.runtime.context import ParallelContext
@@ -404,7 +405,9 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> Non
                 src = next((s for s in srcs if s.name in files), None)
                 if src is None:
                     raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
-                                       f"`{p.global_name}`; was it written for another model?")
+                                       f"`{p.global_name}`" + ("" if p.global_name == "lm_head.weight" else
+                                                               "; was it written for another model?"),
+                                       UNTIED_HEAD_HELP if p.global_name == "lm_head.weight" else None)
                 sl = reader.slice(src.name)
                 got = tuple(sl.get_shape())
                 want = tuple(p.global_shape)
