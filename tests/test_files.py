@@ -27,6 +27,7 @@ import parcompile
 from parcompile.cli import EXIT_SPEC, main
 from parcompile.core.outputs import HF_MARKER
 from parcompile.diagnostics import SpecError
+from parcompile.runtime.train import TrainError
 from parcompile.runtime.weights import WeightsError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,3 +315,51 @@ def test_untied_checkpoint_without_its_head_is_an_error(tmp_path, family):
     tied, _, _ = _untied_without_head(tmp_path / "tied", family, tied=True)
     assert check_checkpoint(tied, expected_shapes(m), m) == []
     load_hf(holder, str(tied))
+
+
+# ------------------------------------------------------------------ 9. checkpoint_dir
+
+
+def test_unusable_checkpoint_dir_is_a_check_error(tmp_path, capsys, monkeypatch):
+    """Before: found after every step had run, with a traceback. Now `check` says so at
+    the key: a path under a file, a file, a file system without room for one checkpoint."""
+    (tmp_path / "afile").write_text("x")
+    for target, says in (("afile/ck", "is a file, so"), ("afile", "is a file, not a directory")):
+        spec = _spec(tmp_path, f'    checkpoint_dir = "{target}", checkpoint_every = 1')
+        rc, said = _check(spec, capsys)
+        assert rc == EXIT_SPEC and f"{_at(spec, 'checkpoint_dir')}: error: checkpoint_dir: " in said, said
+        assert says in said, said
+    import shutil
+
+    from parcompile.core import outputs
+
+    spec = _spec(tmp_path, '    checkpoint_dir = "ck", checkpoint_every = 1')
+    need = outputs.checkpoint_bytes(parcompile.compile(spec).data["model"]["params"], "fp32", "adamw")
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: real._replace(free=need - 1))
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(spec)
+    d = e.value.diagnostics[0]
+    assert f"{d.span.file}:{d.span.line}:{d.span.column}" == _at(spec, "checkpoint_dir")
+    assert "one checkpoint of this plan needs" in d.message and "free on its file system" in d.message
+
+
+def test_program_checks_its_checkpoint_dir_before_training(tmp_path, monkeypatch):
+    """--checkpoint-dir may name another directory: the program looks before step 1."""
+    module = _program(tmp_path, _spec(tmp_path, '    checkpoint_dir = "ck", checkpoint_every = 1'))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(TrainError, match=r"checkpoint_dir: `\S+/afile` is a file, so"):
+        _run(module, tmp_path, "--checkpoint-dir", tmp_path / "afile" / "ck")
+    assert not (tmp_path / "metrics.jsonl").exists() or "step" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Before: an OSError traceback and a step_N.partial left. Now one TrainError line
+    naming the step, why, and the checkpoint kept; the partial step is removed."""
+    module = _program(tmp_path, _spec(tmp_path, '    checkpoint_dir = "ck", checkpoint_every = 1', steps=3))
+    monkeypatch.setenv("PARCOMPILE_FAIL_SAVE", "0:2")
+    with pytest.raises(TrainError) as e:
+        _run(module, tmp_path)
+    assert re.fullmatch(r"cannot save the checkpoint of step 2 in \S+/ck: No space left on device: \S+; the newest "
+                        r"complete checkpoint, \S+/ck/step_00000001, is kept", e.value.message), e.value.message
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001"]

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 # PyTorch's caching allocator with expandable segments fragments less (set before CUDA starts)
@@ -241,6 +242,8 @@ def main(argv=None) -> dict:
             opt.begin_step()                                    # ZeRO-3: start from the shards
             loss, tokens = rt.evaluate(evals, ctx, model, MICRO_BATCH, VIRTUAL_STAGES, act_shape, ACT_DTYPE)
             log.eval(done, loss, tokens)
+    # before the first step: the checkpoint directory is writable with room for a checkpoint
+    rt.checkpoint.preflight(args.checkpoint_dir, None, plan, TRAIN["optimizer"], ctx)
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
               "params": num_params, "losses": [], "comm": None, "batches": []}
     state = {}
@@ -319,4 +322,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except rt.TrainError as e:                                  # every rank stops together; rank 0 says why
+        if e.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
