@@ -363,3 +363,73 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert re.fullmatch(r"cannot save the checkpoint of step 2 in \S+/ck: No space left on device: \S+; the newest "
                         r"complete checkpoint, \S+/ck/step_00000001, is kept", e.value.message), e.value.message
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001"]
+
+
+# ------------------------------------------------------------------ 10. NaN loss, seed
+
+
+def test_nan_loss_stops_the_run_naming_the_step(tmp_path):
+    """Before: training went on and wrote NaN weights, exit 0. Now the step whose loss or
+    gradient norm is not finite ends the run before anything of it is saved; the
+    checkpoints before it hold finite weights; hf_output is not written."""
+    from parcompile.runtime.hf_export import read_dcp_global
+
+    module = _program(tmp_path, _spec(tmp_path, '    checkpoint_dir = "ck", checkpoint_every = 1\n'
+                                                '    hf_output = "hf", grad_clip = 0', steps=8, lr="1e30"))
+    with pytest.raises(TrainError) as e:
+        _run(module, tmp_path)
+    m = re.match(r"step (\d+): the (loss|gradient norm) is (nan|inf); training stopped before saving anything of "
+                 r"this step \((the newest checkpoint, \S+, is kept|no checkpoint was saved)\)", e.value.message)
+    assert m, e.value.message
+    step = int(m.group(1))
+    assert 1 < step <= 8
+    kept = sorted(int(p.name[5:]) for p in (tmp_path / "ck").glob("step_*"))
+    assert kept == list(range(1, step))
+    for t in read_dcp_global(tmp_path / "ck").values():
+        assert torch.isfinite(t).all()
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("value", ["9223372036854775808", "-1"])
+def test_seed_outside_63_bits_is_a_spec_error(tmp_path, capsys, value):
+    spec = _spec(tmp_path)
+    spec.write_text(spec.read_text().replace("seed = 3", f"seed = {value}"))
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and f"{_at(spec, 'seed')}: error: seed must " in said, said
+    spec.write_text(spec.read_text().replace(f"seed = {value}", "seed = 9223372036854775807"))
+    assert _check(spec, capsys)[0] == 0
+
+
+# ------------------------------------------------------------------ ranks agree (one launch)
+
+
+@pytest.mark.torchrun
+def test_run_time_stops_agree_across_ranks(tmp_path):
+    """pp 2 in one torchrun launch: a NaN loss (computed on the last stage only) and a save
+    that fails on rank 1 only end the job on both ranks together, rank 0 saying why in
+    one line, no rank left waiting; the checkpoint before the failed save is kept."""
+    from tests.program_utils import run_in_one_launch
+
+    nan = _program(tmp_path, _spec(tmp_path, "    grad_clip = 0", name="nan", steps=8, lr="1e30", pp=2))
+    save = _program(tmp_path, _spec(tmp_path, f'    checkpoint_dir = "{tmp_path}/ck", checkpoint_every = 1',
+                                    name="save", steps=3, pp=2))
+    jobs = [(Path(nan.__file__), []), (Path(save.__file__), [])]
+    os.environ["PARCOMPILE_FAIL_SAVE"] = "1:2"
+    try:
+        log = _launch_expecting_errors(jobs, tmp_path / "jobs.json")
+    finally:
+        del os.environ["PARCOMPILE_FAIL_SAVE"]
+    assert re.search(r"^job 0: error: step \d+: the (loss|gradient norm) is (nan|inf)", log, re.M), log
+    assert re.search(r"^job 1: error: cannot save the checkpoint of step 2 in \S+/ck: No space left on device",
+                     log, re.M), log
+    assert "Traceback" not in log
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001"]
+
+
+def _launch_expecting_errors(jobs, jobs_file: Path) -> str:
+    from parcompile.verify import _torchrun
+
+    jobs_file.write_text(json.dumps([{"program": str(p), "argv": a, "expect_error": True} for p, a in jobs]))
+    proc = _torchrun(2, ["-m", "parcompile.runtime.batch", str(jobs_file)], 300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr

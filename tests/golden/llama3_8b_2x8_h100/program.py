@@ -249,8 +249,10 @@ def main(argv=None) -> dict:
               "params": num_params, "losses": [], "comm": None, "batches": []}
     state = {}
     start = 0
+    saved = None                                                # the newest checkpoint of this run (a NaN loss names it)
     if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
         start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
+        saved = rt.checkpoint.newest(args.checkpoint_dir)[0] if start else None
         if start and speaker:
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
             if start >= args.steps:
@@ -278,9 +280,11 @@ def main(argv=None) -> dict:
             if step == 0 and args.metrics_dir:
                 state["grads"] = opt.dump_gradients()
             grad = opt.grad_norm()
+            rt.check_grad_norm(grad, step + 1, ctx, saved)      # NaN or inf: stop before it reaches the weights
             opt.clip(grad, TRAIN["grad_clip"])
             opt.step()                                              # 
         loss = rt.reduce_loss(result.loss, ctx)
+        rt.check_loss(loss, step + 1, ctx, saved)               # NaN or inf: every rank stops, nothing of the step saved
         if step == start:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
@@ -303,7 +307,7 @@ def main(argv=None) -> dict:
         if args.checkpoint_dir and TRAIN["checkpoint_every"] and done % TRAIN["checkpoint_every"] == 0 \
                 and done < args.steps:
             opt.gather_for_export()                             # zero 3: full parameters for the save
-            rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx, data_format["tokenizer"])
+            saved = rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx, data_format["tokenizer"])
     if start < args.steps:
         evaluate(args.steps)                                    # after the last step
     opt.gather_for_export()                                     # zero 3: full parameters again
