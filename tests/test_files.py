@@ -433,3 +433,55 @@ def _launch_expecting_errors(jobs, jobs_file: Path) -> str:
     proc = _torchrun(2, ["-m", "parcompile.runtime.batch", str(jobs_file)], 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ what a fuzz of bad files found
+
+
+def test_bad_files_found_by_fuzzing_are_diagnostics(tmp_path):
+    """Each was a traceback: a tokenizer.json that loads but cannot encode (WordLevel
+    without its [UNK]); a DCP data file cut short; a safetensors header that safetensors
+    refuses (a gap between tensors, an unknown dtype) while the check passed; a
+    config.json with vocab_size -1 (a pydantic error inside the plan)."""
+    from safetensors.torch import save_file
+
+    from parcompile.api import prepare_data
+    from parcompile.core.hf_weights import read_header
+    from parcompile.runtime.hf_export import read_dcp_global
+
+    (tmp_path / "d.txt").write_text("hello world " * 100)
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {
+        "type": "WordLevel", "vocab": {"a": 0}, "unk_token": "b"}}))
+    spec = _spec(tmp_path, '    data = "d.txt"\n    tokenizer = "tokenizer.json"')
+    diags = prepare_data(parcompile.compile(spec).config)
+    assert [d.severity for d in diags] == ["error"] and "cannot encode the data" in diags[0].message, diags
+
+    step = _dcp_checkpoint(tmp_path / "ck", {"embedding.weight": torch.zeros(3, 3)})
+    data = next(step.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:20])
+    with pytest.raises(WeightsError, match="cannot read the checkpoint"):
+        read_dcp_global(tmp_path / "ck")
+
+    f = tmp_path / "m.safetensors"
+    save_file({"a": torch.zeros(2), "b": torch.zeros(2)}, str(f))
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    for edit, says in ((lambda h: h["b"].update(data_offsets=[12, 20]), "gap or overlap"),
+                       (lambda h: h["a"].update(dtype="x"), "dtype 'x'")):
+        h = json.loads(json.dumps(header))
+        edit(h)
+        hb = json.dumps(h).encode()
+        f.write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n:] + (b"\0" * 4 if "gap" in says else b""))
+        _, problems = read_header(f)
+        assert problems and says in problems[0].message, problems
+
+    (tmp_path / "cfg").mkdir()
+    cfg = json.loads((REPO / "tests" / "data" / "hf" / "llama-2-7b.json").read_text())
+    cfg["vocab_size"] = -1
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "cfg" / "s.par").write_text('model m from "config.json" { seq_len = 16 }\n'
+                                            'cluster c from "cpu" { gpus_per_node = 1 }\n')
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(tmp_path / "cfg" / "s.par")
+    assert any("gives vocab = -1" in d.message for d in e.value.diagnostics), e.value.diagnostics

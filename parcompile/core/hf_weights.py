@@ -109,6 +109,10 @@ HF_DTYPES = TORCH_NAMES  # config.json's torch_dtype is torch's name
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
                      "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
+#: every dtype name a safetensors header may hold (safetensors' ``Dtype``; sub-byte ones have no width above)
+SAFETENSORS_DTYPES = frozenset(SAFETENSORS_BYTES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ",
+                                                     "F8_E5M2FNUZ", "U16", "U32", "U64", "C64"}
+
 #: parameters whose rows are the (padded) vocabulary
 VOCAB_PARAMS = ("embedding.weight", "lm_head.weight")
 
@@ -899,6 +903,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
         except (KeyError, TypeError, ValueError):
             return tensors, [Problem(f"`{p}` has a malformed header entry for `{name}`")]
         width = SAFETENSORS_BYTES.get(dtype)
+        if dtype not in SAFETENSORS_DTYPES:
+            return tensors, [Problem(f"`{p}` has a malformed header: `{name}` has dtype {dtype!r}, which safetensors "
+                                     "does not know", "download or copy the file again")]
         count = 1
         for x in shape:
             count *= x
@@ -910,6 +917,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
     if 8 + n + end > size:
         return tensors, [Problem(f"`{p}` is truncated: its tensors need {8 + n + end} bytes but the file has {size}",
                                  "download or copy the file again")]
+    spans = sorted((int(info["data_offsets"][0]), int(info["data_offsets"][1])) for k, info in header.items()
+                   if k != "__metadata__" and isinstance(info, dict))
+    at = 0
+    for start, stop in spans:   # safetensors' own rule: the tensors tile the data, no gap, no overlap
+        if start != at:
+            return tensors, [Problem(f"`{p}` has a malformed header: its tensors leave a gap or overlap at byte "
+                                     f"{min(start, at)} of the data", "download or copy the file again")]
+        at = stop
+    if 8 + n + at != size:
+        return tensors, [Problem(f"`{p}` has {size - 8 - n - at} bytes after its last tensor, which safetensors "
+                                 "refuses", "download or copy the file again")]
     return tensors, []
 
 

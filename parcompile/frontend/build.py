@@ -487,7 +487,7 @@ class _Builder:
         if src.endswith(".json"):
             path = Path(src) if os.path.isabs(src) else Path(self.source_dir or ".") / src
             try:
-                return load_hf_config(path)
+                return self._imported_in_range(block, load_hf_config(path))
             except HFConfigError as e:
                 self._source_error(block, e.message, e.help)
                 return None
@@ -500,6 +500,25 @@ class _Builder:
                                 f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
                                 f"`config.json`")
         return None
+
+    def _imported_in_range(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
+        """``base`` (imported from a config.json) without the numbers outside their key's
+        range (:data:`KEYS`), each reported at the `from` source as if written in the spec
+        (a config.json with ``vocab_size: -1`` must not reach the plan)."""
+        out = dict(base)
+        for key, v in base.items():
+            t = KEYS["model"].get(key)
+            if t is None or t.kind not in ("int", "float") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            too_low = t.low is not None and (v <= t.low if t.low_open else v < t.low)
+            too_high = t.high is not None and (v >= t.high if t.high_open else v > t.high)
+            if too_low or too_high or (isinstance(v, float) and not math.isfinite(v)):
+                bound = f"above {t.low:g}" if t.low_open else f"at least {t.low:g}" if t.low is not None else "in range"
+                self._source_error(block, f"`{block.source}` gives {key} = {v}, which must be {bound}",
+                                   help=f"fix the config.json, or write `{key} = ...` in the model block")
+                self.ctx.bad.add(f"model.{key}")
+                out.pop(key)
+        return out
 
     def cluster_base(self, block: ast.Block, dtype: str) -> dict[str, Any] | None:
         src = block.source

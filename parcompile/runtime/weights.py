@@ -342,9 +342,13 @@ class _Reader:
         from safetensors import safe_open
 
         f = self.files[name]
-        if f not in self.handles:
-            self.handles[f] = safe_open(str(f), framework="pt").__enter__()
-        return self.handles[f].get_slice(name)
+        try:
+            if f not in self.handles:
+                self.handles[f] = safe_open(str(f), framework="pt").__enter__()
+            return self.handles[f].get_slice(name)
+        except Exception as e:   # safetensors' own header validation (SafetensorError), an OSError
+            raise WeightsError(f"cannot read `{name}` from {f}: {str(e).splitlines()[0] if str(e) else e!r}",
+                               "the file is damaged or incomplete: download or copy it again") from None
 
     def close(self) -> None:
         for h in self.handles.values():
