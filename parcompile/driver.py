@@ -42,6 +42,7 @@ from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.schema import SpecConfig
 from parcompile.analysis.kv import cache_heads
+from parcompile.core.outputs import checkpoint_bytes, space_problem
 from parcompile.core.units import bytes_text
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
@@ -135,11 +136,28 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
             code="does-not-fit",
         ))
 
+    if cfg.workload == "train":
+        _check_checkpoint_space(cfg, cost.params.params)
+
     # 8. plan.json
     data = plan_data(cfg, graph.meta["chunks"], sched, cost, serve, search)
     plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees))
     plan.search = search
     return plan
+
+
+def _check_checkpoint_space(cfg: SpecConfig, params: int) -> None:
+    """The file system of ``checkpoint_dir`` holds one checkpoint of ``params`` parameters
+    (:func:`parcompile.core.outputs.checkpoint_bytes`): else the first save, after the
+    steps it follows, would fail. Raises :class:`SpecError` at the key."""
+    t = cfg.train
+    if t.checkpoint_dir is None:
+        return
+    need = checkpoint_bytes(params, cfg.model.dtype, t.optimizer)
+    problem = space_problem(t.checkpoint_dir, need)
+    if problem:
+        raise SpecError([Diagnostic("error", f"checkpoint_dir: {problem}", cfg.span("train.checkpoint_dir"),
+                                    help="free space there, or give a directory on a larger file system")])
 
 
 def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, cost: CostReport,

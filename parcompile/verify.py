@@ -358,7 +358,7 @@ def load_global(metrics: Path, kind: str) -> dict[str, list[torch.Tensor]]:
     holder (a tied LM head copy is a second holder of ``embedding.weight``)."""
     parts: dict[tuple[str, str], list[dict]] = {}
     for f in sorted(metrics.glob("rank*.pt")):
-        state = torch.load(f, weights_only=False)
+        state = torch.load(f, weights_only=True)   # tensors, numbers and names only: never unpickle code
         for name, e in state.get(kind, {}).items():
             parts.setdefault((e["global_name"], name), []).append(e)
     out: dict[str, list[torch.Tensor]] = {}
@@ -451,7 +451,7 @@ def serve_outputs(records: list[dict], metrics: Path) -> tuple[list[list[int]], 
     parts = [metrics / f"rank{r['rank']}.pt" for r in speakers]
     if not parts or not all(f.is_file() for f in parts):
         return tokens, None
-    return tokens, torch.cat([torch.load(f)["logits"] for f in parts], dim=1)
+    return tokens, torch.cat([torch.load(f, weights_only=True)["logits"] for f in parts], dim=1)
 
 
 def compare_serve(ref_dir: Path, run_dir: Path, plan: dict, mini: SpecConfig, tol: Tolerances) -> VerifyResult:

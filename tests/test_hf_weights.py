@@ -27,6 +27,7 @@ from parcompile.config.hf_weights import (HFWeightsError, check_checkpoint, expe
                                           init_from_kind, tensor_map)
 from parcompile.runtime.context import AXES, Axis, ParallelContext, _find, init_parallel
 from parcompile.runtime.hf_export import export_weights, read_dcp_global, write_hf_checkpoint
+from parcompile.core.outputs import HF_MARKER
 from parcompile.runtime.weights import WeightsError, load_hf
 from tests.program_utils import build_program, tiny_config
 
@@ -321,10 +322,11 @@ def test_init_from_kind_and_atomic_replace(llama_dir, tmp_path):
     assert "neither" in check_checkpoint(tmp_path / "empty", {}, m)[0].message
     with pytest.raises(HFWeightsError, match="not a directory"):
         init_from_kind(tmp_path / "nowhere")
-    # a failed export leaves an existing output as it was
+    # a failed export leaves an existing output (one parcompile wrote: its marker lists it) as it was
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep").write_text("x")
+    (out / HF_MARKER).write_text(json.dumps({"written_by": "parcompile", "files": ["keep"]}))
     with pytest.raises(WeightsError, match="no `embedding.weight`"):
         write_hf_checkpoint({}, m, out)
     assert (out / "keep").is_file() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

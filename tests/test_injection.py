@@ -90,7 +90,11 @@ def test_spec_names_cannot_break_out_of_the_docstring(name, tmp_path):
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
-def test_checkpoint_dir_is_kept_exactly_and_never_run(value, tmp_path):
+def test_checkpoint_dir_is_kept_exactly_and_never_run(value, tmp_path, monkeypatch):
+    # from deep inside tmp_path, so `../../../etc/passwd` names no real file (a file there is
+    # an error: the checkpoint_dir must be a writable directory)
+    (tmp_path / "a" / "b" / "c" / "d").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b" / "c" / "d")
     text = _spec_text(checkpoint_dir=_par_string(value))
     plan = parcompile.compile(text, filename="t.par")
     assert plan.config.train.checkpoint_dir == value

@@ -82,6 +82,7 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
@@ -90,7 +91,6 @@ from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: temporary buffers never alive at once (module docstring): of each group the largest counts
 EXCLUSIVE_BUFFERS = (("logits", "recompute"),)
 #: ops of the output layer (after the last decoder layer)

@@ -15,6 +15,10 @@ DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64
 #: ZeRO 2/3 per-micro-batch buffers: ``core/buckets.py: bucket_element_bytes``)
 GRAD_BYTES = 4
 
+#: fp32 states the optimizer keeps per parameter (Adam's two moments; SGD none), beside the
+#: fp32 master weights of a 16-bit model: the memory analysis and a checkpoint's size
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0}
+
 #: the model dtypes (``model.dtype``, ``parallel.reduce_dtype``) -> torch's names, which are
 #: also Hugging Face's ``torch_dtype`` in config.json
 TORCH_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -23,4 +27,4 @@ TORCH_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "f
 #: torch builds without it fall back to fp16 (:mod:`parcompile.runtime.dtypes`)
 FP8_TORCH_NAME = "float8_e4m3fn"
 
-__all__ = ["DTYPE_BYTES", "GRAD_BYTES", "TORCH_NAMES", "FP8_TORCH_NAME"]
+__all__ = ["DTYPE_BYTES", "GRAD_BYTES", "OPTIMIZER_STATES", "TORCH_NAMES", "FP8_TORCH_NAME"]

@@ -83,7 +83,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.hf import SUPPORTED_MODEL_TYPES, from_hf_dict
+from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
 from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, ModelKeys, rope_scaling, rotary_dim
 
 FAMILIES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
@@ -108,6 +108,10 @@ HF_DTYPES = TORCH_NAMES  # config.json's torch_dtype is torch's name
 #: bytes per element of the safetensors dtypes
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
                      "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+#: every dtype name a safetensors header may hold (safetensors' ``Dtype``; sub-byte ones have no width above)
+SAFETENSORS_DTYPES = frozenset(SAFETENSORS_BYTES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ",
+                                                     "F8_E5M2FNUZ", "U16", "U32", "U64", "C64"}
 
 #: parameters whose rows are the (padded) vocabulary
 VOCAB_PARAMS = ("embedding.weight", "lm_head.weight")
@@ -671,12 +675,14 @@ def _neox_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Sourc
     return []
 
 
-def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
+def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[str, list[Source]]:
     """Our global parameter name -> the :class:`Source` s it can be read from, preferred
     first (the first is what :mod:`parcompile.runtime.hf_export` writes). Covers every
     name of :func:`expected_shapes` with its buffers (``buffers=True``) and always
-    ``lm_head.weight``, whose last source is the embedding tensor (a checkpoint with tied
-    embeddings has no head tensor).
+    ``lm_head.weight``. The embedding tensor is the head's last source only when the
+    checkpoint ties them (``tied``, default ``model.tie_embeddings``: a checkpoint of
+    ``tie_word_embeddings: true`` holds no head tensor); an untied checkpoint without its
+    head tensor lacks ``lm_head.weight`` (transformers would draw it at random).
 
     Raises:
         HFWeightsError: ``family`` is not one of :data:`FAMILIES`.
@@ -695,7 +701,8 @@ def tensor_map(model: ModelKeys, family: str) -> dict[str, list[Source]]:
         if name == "lm_head.weight":
             head = {"gpt2": ["lm_head.weight"], "gpt_neox": ["embed_out.weight", "lm_head.weight"]}.get(
                 family, ["lm_head.weight"])
-            srcs = [Source(n, shape) for n in head] + out["embedding.weight"]
+            tie = bool(model.tie_embeddings) if tied is None else tied
+            srcs = [Source(n, shape) for n in head] + (out["embedding.weight"] if tie else [])
         else:
             srcs = fn(model, name, shape)
         if srcs:
@@ -896,6 +903,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
         except (KeyError, TypeError, ValueError):
             return tensors, [Problem(f"`{p}` has a malformed header entry for `{name}`")]
         width = SAFETENSORS_BYTES.get(dtype)
+        if dtype not in SAFETENSORS_DTYPES:
+            return tensors, [Problem(f"`{p}` has a malformed header: `{name}` has dtype {dtype!r}, which safetensors "
+                                     "does not know", "download or copy the file again")]
         count = 1
         for x in shape:
             count *= x
@@ -907,6 +917,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
     if 8 + n + end > size:
         return tensors, [Problem(f"`{p}` is truncated: its tensors need {8 + n + end} bytes but the file has {size}",
                                  "download or copy the file again")]
+    spans = sorted((int(info["data_offsets"][0]), int(info["data_offsets"][1])) for k, info in header.items()
+                   if k != "__metadata__" and isinstance(info, dict))
+    at = 0
+    for start, stop in spans:   # safetensors' own rule: the tensors tile the data, no gap, no overlap
+        if start != at:
+            return tensors, [Problem(f"`{p}` has a malformed header: its tensors leave a gap or overlap at byte "
+                                     f"{min(start, at)} of the data", "download or copy the file again")]
+        at = stop
+    if 8 + n + at != size:
+        return tensors, [Problem(f"`{p}` has {size - 8 - n - at} bytes after its last tensor, which safetensors "
+                                 "refuses", "download or copy the file again")]
     return tensors, []
 
 
@@ -1015,7 +1036,7 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
         except HFWeightsError as e:
             return [e.problem]
     names, headers, problems, complete = scan_checkpoint(d)
-    tmap = tensor_map(model, family)
+    tmap = tensor_map(model, family, tied=_checkpoint_tied(cfg, model))
     missing: list[Problem] = []
     shapes: list[Problem] = []
     reported: set[str] = set()
@@ -1029,6 +1050,7 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
         src = next((s for s in srcs if s.name in names or s.name in headers), None)
         if src is None and complete:
             missing.append(Problem(f"`{d}` has no tensor `{srcs[0].name}` (for this model's `{name}` {tuple(ours)})",
+                                   UNTIED_HEAD_HELP if name == "lm_head.weight" else
                                    "was the checkpoint written for another model? the spec's model must match "
                                    "its config.json"))
             continue
@@ -1053,6 +1075,24 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
                 "the spec's model differs from the checkpoint's config.json (hidden, heads, kv_heads, "
                 "ffn_hidden, vocab?)"))
     return problems + _cap(missing, 8, "missing tensors") + _cap(shapes, 8, "shape mismatches")
+
+
+#: the fix for an untied checkpoint without its head tensor
+UNTIED_HEAD_HELP = ("the checkpoint does not tie its head to the embedding (tie_word_embeddings is false or its "
+                    "family's default), so the head is a tensor of its own: copy the complete checkpoint, or set "
+                    "\"tie_word_embeddings\": true in its config.json if the head is the embedding")
+
+
+def _checkpoint_tied(cfg: dict | None, model: ModelKeys) -> bool:
+    """Whether a checkpoint of config.json ``cfg`` ties its head to the embedding
+    (``tie_word_embeddings``, else its family's default: :func:`parcompile.core.hf.from_hf_dict`);
+    ``model``'s own when there is no readable config.json."""
+    if cfg is None:
+        return bool(model.tie_embeddings)
+    try:
+        return bool(from_hf_dict(cfg).get("tie_embeddings", False))
+    except (HFConfigError, TypeError, ValueError, AttributeError):
+        return bool(model.tie_embeddings)
 
 
 def model_from_checkpoint_config(cfg: dict, **overrides) -> ModelKeys:
@@ -1081,4 +1121,5 @@ __all__ = [
     "FAMILIES", "Problem", "HFWeightsError", "Source", "hf_family", "family_problems", "tensor_map",
     "expected_shapes", "hf_config", "init_from_kind", "check_checkpoint", "read_header", "scan_checkpoint", "checkpoint_files",
     "read_config", "model_from_checkpoint_config", "rope_dim", "VOCAB_PARAMS", "HF_DTYPES", "BUFFERS", "is_buffer",
+    "UNTIED_HEAD_HELP",
 ]

@@ -96,6 +96,9 @@ AUTO_PLACEHOLDERS = {"zero": 0, "recompute": "none", "schedule": "1f1b", "sequen
 _COUNT = KeyType("int", low=1)
 _COUNT_OR_AUTO = KeyType("int", low=1, auto=True)
 _NONNEG_INT = KeyType("int", low=0)
+#: a seed: torch.manual_seed takes a signed 64-bit value; 0 .. 2**63 - 1 is the range every
+#: consumer (torch generators, the data permutation) reads the same way
+_SEED = KeyType("int", low=0, high=2**63 - 1)
 _POSITIVE = KeyType("float", low=0, low_open=True)
 _NONNEG = KeyType("float", low=0)
 _BOOL = KeyType("bool")
@@ -170,7 +173,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
         "lr": _POSITIVE, "weight_decay": _NONNEG, "grad_clip": _NONNEG,
-        "steps": _COUNT, "seed": _NONNEG_INT, "data": _STR,
+        "steps": _COUNT, "seed": _SEED, "data": _STR,
         "checkpoint_dir": _STR, "checkpoint_every": _NONNEG_INT, "log_every": _COUNT,
         "lr_schedule": _enum(TrainConfig, "lr_schedule"),
         "warmup_steps": _NONNEG_INT, "min_lr": _NONNEG,
@@ -184,7 +187,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
     "serve": {
         "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,
         "kv_dtype": _enum(ServeConfig, "kv_dtype"),
-        "weights": _STR, "seed": _NONNEG_INT,
+        "weights": _STR, "seed": _SEED,
         "temperature": _NONNEG, "top_k": _NONNEG_INT, "prompt": _STR,
         "block_size": _COUNT, "kv_cache_tokens": _COUNT,
     },
@@ -258,7 +261,11 @@ class _Values:
         too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
         if not (too_low or too_high):
             return True
-        if t.high is not None:
+        if t.kind == "int" and too_high:   # a whole-number range (seed): exact bounds
+            self.bag.error(f"{key} must be in [{t.low}, {t.high}], got `{v.text}`", v.span,
+                           help=f"use a whole number from {t.low} to {t.high}"
+                                + (" (2**63 - 1)" if t.high == 2**63 - 1 else ""))
+        elif t.high is not None and t.kind != "int":
             self.bag.error(f"{key} must be in {_interval(t)}, got `{v.text}`", v.span,
                            help=f"{key} is a fraction: write e.g. `{t.high * 0.1:g}` or `{10 * t.high:g}%`")
         elif t.low == 0 and t.low_open:
@@ -480,7 +487,7 @@ class _Builder:
         if src.endswith(".json"):
             path = Path(src) if os.path.isabs(src) else Path(self.source_dir or ".") / src
             try:
-                return load_hf_config(path)
+                return self._imported_in_range(block, load_hf_config(path))
             except HFConfigError as e:
                 self._source_error(block, e.message, e.help)
                 return None
@@ -493,6 +500,25 @@ class _Builder:
                                 f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
                                 f"`config.json`")
         return None
+
+    def _imported_in_range(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
+        """``base`` (imported from a config.json) without the numbers outside their key's
+        range (:data:`KEYS`), each reported at the `from` source as if written in the spec
+        (a config.json with ``vocab_size: -1`` must not reach the plan)."""
+        out = dict(base)
+        for key, v in base.items():
+            t = KEYS["model"].get(key)
+            if t is None or t.kind not in ("int", "float") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            too_low = t.low is not None and (v <= t.low if t.low_open else v < t.low)
+            too_high = t.high is not None and (v >= t.high if t.high_open else v > t.high)
+            if too_low or too_high or (isinstance(v, float) and not math.isfinite(v)):
+                bound = f"above {t.low:g}" if t.low_open else f"at least {t.low:g}" if t.low is not None else "in range"
+                self._source_error(block, f"`{block.source}` gives {key} = {v}, which must be {bound}",
+                                   help=f"fix the config.json, or write `{key} = ...` in the model block")
+                self.ctx.bad.add(f"model.{key}")
+                out.pop(key)
+        return out
 
     def cluster_base(self, block: ast.Block, dtype: str) -> dict[str, Any] | None:
         src = block.source

@@ -676,6 +676,32 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                            '(random tokens below vocab)')
     _check_tokenizer(cfg, ctx)
     _check_init_from(cfg, ctx)
+    _check_outputs(cfg, ctx)
+
+
+def _check_outputs(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Where the run writes (:mod:`parcompile.core.outputs`): ``hf_output`` replaces only an
+    empty directory or an earlier output of parcompile, never the checkpoints; the
+    ``checkpoint_dir`` can be created and written. Its free space needs the plan's bytes:
+    :func:`parcompile.driver.compile_config` checks it."""
+    from parcompile.core.outputs import HF_OUTPUT_HELP, hf_output_problem, overlaps, write_problem
+
+    t = cfg.train
+    if t.hf_output is not None and ctx.ok("train.hf_output"):
+        problem = hf_output_problem(t.hf_output)
+        if problem is None and t.checkpoint_dir is not None and overlaps(t.hf_output, t.checkpoint_dir):
+            problem = (f"hf_output `{t.hf_output}` and checkpoint_dir `{t.checkpoint_dir}` overlap: writing "
+                       "the output would replace the checkpoints")
+        if problem:
+            ctx.bag.error(f"hf_output: {problem}", ctx.span("train.hf_output"), help=HF_OUTPUT_HELP)
+            ctx.bad.add("train.hf_output")
+    if t.checkpoint_dir is not None and ctx.ok("train.checkpoint_dir"):
+        problem = write_problem(t.checkpoint_dir)
+        if problem:
+            ctx.bag.error(f"checkpoint_dir: {problem}", ctx.span("train.checkpoint_dir"),
+                          help="give a directory that can be created and written (checkpoints are saved there "
+                               "during training)")
+            ctx.bad.add("train.checkpoint_dir")
 
 
 def _check_tokenizer(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -757,22 +783,20 @@ def _check_init_from(cfg: SpecConfig, ctx: CheckContext) -> None:
 def _dcp_problems(directory: str, expected: dict[str, tuple[int, ...]]) -> list:
     """A training program's checkpoint (DCP) against this model's global shapes: a missing
     parameter or another shape (the vocabulary rows may be padded for another tp: only
-    at least ``vocab`` rows are needed). Reads the checkpoint's metadata (a pickle, hence
-    torch), not its tensors."""
-    from pathlib import Path
-
-    import torch.distributed.checkpoint as dcp
+    at least ``vocab`` rows are needed). Reads the checkpoint's metadata, a pickle, with
+    a reader that resolves only the names a DCP metadata holds and never runs code
+    (:func:`parcompile.runtime.weights.read_dcp_metadata`); not its tensors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from parcompile.config.hf_weights import Problem
+    from parcompile.runtime.weights import WeightsError, dcp_metadata_path, read_dcp_metadata
 
-    root = Path(directory)
-    if not (root / ".metadata").is_file():
-        steps = sorted(p for p in root.glob("step_*") if (p / ".metadata").is_file() and not p.name.endswith(".partial"))
-        root = steps[-1]
     try:
-        meta = dcp.FileSystemReader(str(root)).read_metadata().state_dict_metadata
-    except Exception as e:   # a damaged .metadata: torch raises pickle or OS errors
-        return [Problem(f"cannot read the checkpoint {root}: {e}")]
+        root = dcp_metadata_path(directory).parent
+        meta = {k: v for k, v in read_dcp_metadata(root).state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)}
+    except WeightsError as e:
+        return [Problem(e.message, e.help)]
     help = "was the checkpoint written for another model? the spec's model must be the one that trained it"
     out = []
     for name, shape in expected.items():

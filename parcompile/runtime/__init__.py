@@ -47,4 +47,5 @@ from parcompile.runtime.optim import (
     shards,
     sync_gradients,
 )
-from parcompile.runtime.train import local_param_count, lr_at, reduce_loss, write_metrics, write_state
+from parcompile.runtime.train import (TrainError, check_grad_norm, check_loss, fail_together, local_param_count, lr_at, reduce_loss,
+                                     write_metrics, write_state)

@@ -14,7 +14,10 @@ only its own subgroups; ``shutdown`` frees those and leaves the world). After jo
 finishes on every rank, rank 0 writes ``JOBS.json.done`` with ``i + 1`` (the number of
 jobs completed), so a caller can tell a failing job from those that never ran. A job that
 raises ends the launch with a non-zero exit (the other ranks may be waiting in one of its
-collectives; the process-group timeout ends them).
+collectives; the process-group timeout ends them), except a job marked
+``"expect_error": true`` that stops with :class:`parcompile.runtime.train.TrainError`
+(raised on every rank together): rank 0 prints ``job I: error: MESSAGE`` as the program
+would, and the next job runs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+
+from parcompile.runtime.train import TrainError
 
 
 def _load(path: Path, index: int):
@@ -49,7 +54,13 @@ def run(jobs_file: str | os.PathLike, timeout_s: float = 600.0) -> int:
     dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         for i, job in enumerate(jobs):
-            _load(Path(job["program"]), i).main(list(job["argv"]))
+            try:
+                _load(Path(job["program"]), i).main(list(job["argv"]))
+            except TrainError as e:
+                if not job.get("expect_error"):
+                    raise
+                if dist.get_rank() == 0:
+                    print(f"job {i}: error: {e}", flush=True)
             dist.barrier()
             if dist.get_rank() == 0:
                 tmp = done_path.with_suffix(".tmp")

@@ -31,13 +31,16 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from parcompile.core.model import ModelKeys
+from parcompile.core.outputs import HF_OUTPUT_HELP, checkpoint_bytes, hf_output_problem, space_problem, write_problem
 from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.dataset import load_tokenizer
+from parcompile.runtime.dcp_safe import failure_reason
+from parcompile.runtime.train import fail_together
+from parcompile.runtime.weights import WeightsError, load_dcp_tensors, read_dcp_metadata
 from parcompile.runtime.weights import STEP_DIR, layout_tensors, newest, target_slice, tp_mesh  # noqa: F401  (newest, STEP_DIR: this module's API)
 
 
@@ -57,21 +60,73 @@ def _saved_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if not getattr(p, "tied_copy", False)] + buffers
 
 
+def preflight(directory: str | os.PathLike | None, hf_output: str | os.PathLike | None, plan: dict,
+              optimizer: str, ctx: ParallelContext) -> None:
+    """Before the first step: ``directory`` (the checkpoint_dir, None: no checkpoints) can
+    be created and written and its file system holds one checkpoint of the plan's
+    parameters (plan.json ``model.params`` and ``model.dtype``, trained with
+    ``optimizer``: :func:`parcompile.core.outputs.checkpoint_bytes`); ``hf_output`` may be written (:mod:`parcompile.core.outputs`, the rules the
+    spec's checks apply; ``--checkpoint-dir`` may name another directory, and files change
+    between check and run). Rank 0 looks; every rank raises together.
+
+    Raises:
+        TrainError: naming the path and why.
+    """
+    problem = help = None
+    if ctx.rank == 0:
+        if directory:
+            problem = write_problem(directory) or space_problem(
+                directory, checkpoint_bytes(plan["model"]["params"], plan["model"]["dtype"], optimizer))
+            problem = problem and f"checkpoint_dir: {problem}"
+            help = "give a writable directory with room for a checkpoint (--checkpoint-dir, or the spec's key)"
+        if not problem and hf_output:
+            problem = hf_output_problem(hf_output)
+            problem, help = problem and f"hf_output: {problem}", HF_OUTPUT_HELP
+    fail_together(ctx, problem, help)
+
+
+def _newest_text(root: Path) -> str | None:
+    found = newest(root)
+    return str(found[0]) if found else None
+
+
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, ctx: ParallelContext,
          tokenizer: str | None = None) -> Path:
     """Save parameters, optimizer states (none when ``optimizer`` is None) and the step
     count (module docstring). Every rank calls it; returns the final directory. A Hugging
     Face ``tokenizer``'s files are copied beside the steps (``directory/tokenizer.json``...),
-    so that ``init_from = directory`` and ``export-weights`` find the run's tokenizer."""
-    import torch.distributed.checkpoint as dcp
+    so that ``init_from = directory`` and ``export-weights`` find the run's tokenizer.
 
-    root = Path(directory)
+    Raises:
+        TrainError: on every rank, when the checkpoint cannot be written (a full disk, a
+            directory that became read-only or a file): the partial step is removed, the
+            newer complete checkpoints are kept, the message says why in one line.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root = Path(os.path.normpath(directory))
     final, partial = root / f"step_{step:08d}", root / f"step_{step:08d}.partial"
+
+    def failed(e: BaseException | None) -> None:   # every rank, together
+        message = None
+        if e is not None:
+            kept = _newest_text(root) if ctx.rank == 0 else None
+            message = (f"cannot save the checkpoint of step {step} in {root}: {failure_reason(e)}; "
+                       + (f"the newest complete checkpoint, {kept}, is kept" if kept else "no checkpoint was saved"))
+            if ctx.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+        fail_together(ctx, message, "free space or fix the directory, then run again: it resumes from the "
+                                    "newest complete checkpoint")
+
+    error = None
     if ctx.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-    if ctx.distributed:
-        dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        except OSError as e:
+            error = e
+    failed(error)
     mesh = tp_mesh(ctx)
     states = optimizer.export_states() if optimizer is not None else {}
     state: dict[str, object] = {"train/step": torch.tensor(step, dtype=torch.int64)}
@@ -83,21 +138,27 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer, c
         state[name] = _global(p.detach(), p, mesh)
         for key, t in states.get(id(p), {}).items():
             state[f"optim/{key}/{name}"] = _global(t, p, mesh)
-    with warnings.catch_warnings():   # one process: DCP warns that it assumes so
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not ctx.distributed)
-    if ctx.distributed:
-        dist.barrier()
+    error = None
+    try:
+        with warnings.catch_warnings():   # one process: DCP warns that it assumes so
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=_writer(str(partial), ctx, step), no_dist=not ctx.distributed)
+    except (Exception, CheckpointException) as e:   # OSError; DCP's gathers every rank's (a BaseException)
+        error = e
+    failed(error)
+    error = None
     if ctx.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        if tokenizer and tokenizer != "bytes":
-            for f in load_tokenizer(tokenizer).files:
-                tmp = root / f".{f.name}.tmp"
-                shutil.copy2(f, tmp)
-                os.replace(tmp, root / f.name)
-    if ctx.distributed:
-        dist.barrier()
+        try:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            if tokenizer and tokenizer != "bytes":
+                for f in load_tokenizer(tokenizer).files:
+                    tmp = root / f".{f.name}.tmp"
+                    shutil.copy2(f, tmp)
+                    os.replace(tmp, root / f.name)
+        except OSError as e:
+            error = e
+    failed(error)
     return final
 
 
@@ -107,14 +168,17 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
 
     Raises:
         RuntimeError: the checkpoint lacks a tensor of this model or has another shape.
+        WeightsError: its ``.metadata`` is damaged or refers to code, or an entry this
+            model reads is a pickled object (:func:`parcompile.runtime.weights.read_dcp_metadata`).
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     found = newest(directory)
     if found is None:
         return 0
     path, step = found
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
+    meta = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     mesh = tp_mesh(ctx)
     params = list(model.parameters()) + [b for b in layout_tensors(model) if not isinstance(b, nn.Parameter)]
     keys = ["param"] + sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
@@ -136,9 +200,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
                                                     else p.shape), dtype=dtype), p, mesh)
         else:
             state[ck] = torch.empty(size, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not ctx.distributed)
+    load_dcp_tensors(state, path, not ctx.distributed, metadata)
 
     def local(ck: str, p: nn.Parameter) -> torch.Tensor:
         t = state[ck]
@@ -159,10 +221,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer, ctx: Paralle
     if scaler is not None and "train/loss_scale" in meta:   # fp16, saved by an fp16 run
         saved = {k: torch.empty((), dtype=torch.float64 if k == "loss_scale" else torch.int64)
                  for k in ("loss_scale", "good_steps", "skipped_steps")}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({f"train/{k}": v for k, v in saved.items()}, checkpoint_id=str(path),
-                     no_dist=not ctx.distributed)
+        load_dcp_tensors({f"train/{k}": v for k, v in saved.items()}, path, not ctx.distributed, metadata)
         scaler.load_state_dict(saved)
         skipped = scaler.skipped
     optimizer.import_states(loaded, step - skipped)   # the optimizer's own step count
@@ -182,6 +241,25 @@ def maybe_fail(ctx: ParallelContext, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _writer(path: str, ctx: ParallelContext, step: int):
+    """DCP's file-system writer of ``path``. A testing hook: ``PARCOMPILE_FAIL_SAVE=RANK:STEP``
+    makes rank RANK's writes of the step-STEP checkpoint fail inside DCP as on a full disk
+    (``ENOSPC``), while the other ranks' succeed."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    spec = os.environ.get("PARCOMPILE_FAIL_SAVE")
+    if not spec or tuple(int(x) for x in spec.split(":")) != (ctx.rank, step):
+        return dcp.FileSystemWriter(path)
+
+    class _Full(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    return _Full(path)
+
+
 def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx: ParallelContext,
                     model_keys: dict, tokenizer: str | None) -> None:
     """Write a Hugging Face checkpoint of the trained weights to ``out_dir`` (``hf_output``):
@@ -197,9 +275,13 @@ def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     final = save(tmp, step, model, None, ctx)
+    problem = None
     if ctx.rank == 0:
-        files, generation = tokenizer_outputs(tokenizer)
-        export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if ctx.distributed:
-        dist.barrier()
+        try:
+            files, generation = tokenizer_outputs(tokenizer)
+            export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation)
+        except (WeightsError, OSError) as e:   # e.g. hf_output became a directory of other files
+            problem = f"hf_output: {failure_reason(e) if isinstance(e, OSError) else e.message}"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    fail_together(ctx, problem, HF_OUTPUT_HELP)

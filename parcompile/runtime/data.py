@@ -42,7 +42,7 @@ class SyntheticBatches:
         self.vocab, self.seq_len, self.global_batch, self.seed = vocab, seq_len, global_batch, seed
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 7919 + step)
+        g = torch.Generator().manual_seed((self.seed * 7919 + step) % (2**63 - 1))   # any seed of the spec
         n, t = self.global_batch, self.seq_len + 1
         start = torch.randint(0, self.vocab, (n, 1), generator=g)
         stride = torch.randint(1, 4, (n, 1), generator=g)

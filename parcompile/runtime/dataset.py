@@ -877,9 +877,14 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
     def encode(texts: list, offsets: bool) -> list:
         if tok.is_bytes:
             return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        if offsets:
-            return tok.backend.encode_batch(texts, add_special_tokens=False)
-        return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
+        try:
+            if offsets:
+                return tok.backend.encode_batch(texts, add_special_tokens=False)
+            return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
+        except Exception as e:   # tokenizers raises a bare Exception for a broken model (a missing [UNK])
+            raise DataError(f"the tokenizer cannot encode the data: {e}", tok.files[0] if tok.files else None,
+                            help="the tokenizer.json is broken or incomplete: use the tokenizer the model was "
+                                 "trained with") from None
 
     def ids(e) -> np.ndarray:
         return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)

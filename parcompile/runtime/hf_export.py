@@ -6,11 +6,14 @@ the model's Hugging Face family (:func:`parcompile.core.hf_weights.hf_family`):
 ``config.json``, safetensors shards named as transformers names them
 (``model.safetensors``, or ``model-00001-of-00003.safetensors`` ... with
 ``model.safetensors.index.json``), the tokenizer files, optionally
-``generation_config.json``. Fused HF tensors are assembled from our tensors at the
+``generation_config.json``, and :data:`parcompile.core.outputs.HF_MARKER` listing what was
+written. Fused HF tensors are assembled from our tensors at the
 offsets of :func:`parcompile.core.hf_weights.tensor_map`; vocabulary rows are cut to
 ``vocab``; a tied model writes no head tensor (the family ties it on load). The output
 appears atomically: everything is written into a temporary sibling directory renamed
-into place at the end (an existing output is replaced only then).
+into place at the end (an existing output is replaced only then, and only when it is
+empty or holds nothing but an earlier output of parcompile:
+:func:`parcompile.core.outputs.hf_output_problem`, checked before anything is written).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -28,9 +30,10 @@ import torch
 from parcompile.core.hf_weights import (HF_DTYPES, VOCAB_PARAMS, HFWeightsError, Source, expected_shapes, hf_config,
                                         hf_family, is_buffer, tensor_map)
 from parcompile.core.model import ModelKeys
+from parcompile.core.outputs import HF_MARKER, HF_OUTPUT_HELP, hf_output_problem
 from parcompile.runtime.dataset import load_tokenizer
 from parcompile.runtime.dtypes import TORCH_DTYPES
-from parcompile.runtime.weights import WeightsError, newest
+from parcompile.runtime.weights import WeightsError, dcp_metadata_path, load_dcp_tensors, read_dcp_metadata
 
 
 def _dtype_name(dtype) -> str:
@@ -160,9 +163,15 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_di
     ``eos_token_id``, ``pad_token_id`` go into config.json too; else they are null).
 
     Raises:
-        WeightsError: see :func:`hf_tensors`; a tokenizer file that does not exist.
+        WeightsError: see :func:`hf_tensors`; a tokenizer file that does not exist;
+            ``out_dir`` holds something parcompile did not write (a file, a directory of
+            other files: :func:`parcompile.core.outputs.hf_output_problem`).
     """
     from safetensors.torch import save_file
+
+    problem = hf_output_problem(out_dir)
+    if problem:
+        raise WeightsError(problem, HF_OUTPUT_HELP)
 
     family = _family(model)
     name = _dtype_name(dtype) or model.dtype
@@ -201,6 +210,8 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_di
         if generation_config is not None:
             gen = {"_from_model_config": False, **generation_config}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        marker = {"written_by": "parcompile", "files": sorted(f.name for f in tmp.iterdir())}
+        (tmp / HF_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
@@ -221,24 +232,16 @@ def read_dcp_global(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     read; a tied model has no ``lm_head.weight``.
 
     Raises:
-        WeightsError: no checkpoint in ``ckpt_dir``.
+        WeightsError: no checkpoint in ``ckpt_dir``; a ``.metadata`` that is damaged or
+            refers to code (:func:`parcompile.runtime.weights.read_dcp_metadata`).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(ckpt_dir)
-    if not (path / ".metadata").is_file():
-        found = newest(path)
-        if found is None:
-            raise WeightsError(f"{ckpt_dir} holds no complete checkpoint (.metadata or step_NNNNNNNN/.metadata)",
-                               "give a training program's checkpoint_dir or one of its step_N directories")
-        path = found[0]
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.items()
+    path = dcp_metadata_path(ckpt_dir).parent
+    meta = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if "/" not in k and isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():   # one process: DCP warns that it assumes so
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    load_dcp_tensors(state, path, True, meta)
     return state
 
 

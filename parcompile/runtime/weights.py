@@ -18,7 +18,8 @@ Three sources (:func:`weights_kind`):
   of its shards through ``safetensors``' ``get_slice``; fused HF tensors (GPT-2
   ``c_attn``, GPT-NeoX ``query_key_value``, Mixtral ``gate_up_proj``) are read at the
   offsets of our tensor; GPT-2's ``Conv1D`` weights are transposed; vocabulary rows past
-  ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding.
+  ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding (an
+  untied one's is an error naming ``lm_head.weight``).
 
 Every parameter carries its layout (``global_name``, ``global_shape``, ``shard_dim``,
 ``shard_index``, ``num_shards``, ``valid_rows``; see :func:`parcompile.runtime.layers.make_param`).
@@ -37,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from parcompile.core.hf import HFConfigError
-from parcompile.core.hf_weights import (HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
+from parcompile.core.hf_weights import (UNTIED_HEAD_HELP, HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
                                         scan_checkpoint, tensor_map)
 from parcompile.core.model import ModelKeys
 from parcompile.runtime.context import ParallelContext
@@ -87,6 +88,97 @@ def newest(directory: str | os.PathLike) -> tuple[Path, int] | None:
     found = sorted((int(m.group(1)), p) for p in d.iterdir()
                    if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
     return (found[-1][1], found[-1][0]) if found else None
+
+
+def dcp_metadata_path(directory: str | os.PathLike) -> Path:
+    """``directory/.metadata``, or that of the newest complete ``step_N`` of a training
+    program's checkpoint root.
+
+    Raises:
+        WeightsError: neither exists.
+    """
+    d = Path(directory)
+    if (d / ".metadata").is_file():
+        return d / ".metadata"
+    found = newest(d)
+    if found is None:
+        raise WeightsError(f"{directory} holds no complete checkpoint (.metadata or step_NNNNNNNN/.metadata)",
+                           "give a training program's checkpoint_dir or one of its step_N directories")
+    return found[0] / ".metadata"
+
+
+def read_dcp_metadata(directory: str | os.PathLike):
+    """The ``Metadata`` of the DCP checkpoint in ``directory`` (:func:`dcp_metadata_path`),
+    read without running code (:mod:`parcompile.runtime.dcp_safe`: torch itself would
+    ``pickle.load`` it).
+
+    Raises:
+        WeightsError: no checkpoint; a ``.metadata`` that is not a DCP metadata pickle, or
+            that refers to a name a DCP metadata never holds (named: it could run code).
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    from parcompile.runtime.dcp_safe import RefusedName, unpickle_metadata
+
+    path = dcp_metadata_path(directory)
+    try:
+        meta = unpickle_metadata(path.read_bytes())
+    except RefusedName as e:
+        raise WeightsError(f"{path} refers to `{e.name}`, which a torch.distributed.checkpoint's metadata never "
+                           "holds: refusing to read it (a pickle that names a function can run code)",
+                           "use only checkpoints you or a training program of parcompile wrote") from None
+    except OSError as e:
+        raise WeightsError(f"cannot read {path}: {e.strerror or e}") from None
+    except Exception as e:   # a truncated or garbled pickle: UnpicklingError, EOFError, ValueError...
+        raise WeightsError(f"{path} is damaged: not a torch.distributed.checkpoint metadata "
+                           f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    entries = getattr(meta, "state_dict_metadata", None)
+    if not isinstance(meta, Metadata) or not isinstance(entries, dict) or not all(
+            isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
+            for k, v in entries.items()):
+        raise WeightsError(f"{path} is damaged: not a torch.distributed.checkpoint metadata")
+    return meta
+
+
+def dcp_tensor(meta, name: str, path: str | os.PathLike):
+    """The ``TensorStorageMetadata`` of ``name`` in ``meta`` (:func:`read_dcp_metadata`),
+    or None when absent.
+
+    Raises:
+        WeightsError: ``name`` is stored as a pickled object (torch would read it with
+            torch.load with weights_only=False), not as a tensor.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = meta.state_dict_metadata.get(name)
+    if md is not None and not isinstance(md, TensorStorageMetadata):
+        raise WeightsError(f"the checkpoint {path} stores `{name}` as a pickled object, not a tensor: refusing "
+                           "to read it (it could run code)")
+    return md
+
+
+def load_dcp_tensors(state: dict, directory: str | os.PathLike, no_dist: bool, meta=None) -> None:
+    """Fill the tensors ``state`` (name -> tensor or DTensor) from the DCP checkpoint in
+    ``directory`` (a ``step_N``), its metadata read by :func:`read_dcp_metadata` (or
+    ``meta`` already read so), never unpickled by torch.
+
+    Raises:
+        WeightsError: see :func:`read_dcp_metadata`; a name missing or not a tensor; a
+            data file that cannot be read (truncated, damaged), on every rank.
+    """
+    from parcompile.runtime import dcp_safe
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    meta = meta if meta is not None else read_dcp_metadata(directory)
+    for name in state:
+        if dcp_tensor(meta, name, directory) is None:
+            raise WeightsError(f"the checkpoint {directory} has no `{name}`; was it written for another model?")
+    try:
+        dcp_safe.load(state, directory, no_dist, meta)
+    except (CheckpointException, OSError, RuntimeError, ValueError) as e:   # a truncated or damaged data file
+        raise WeightsError(f"cannot read the checkpoint {directory}: {dcp_safe.failure_reason(e)}",
+                           "its files are damaged or incomplete: copy the checkpoint again") from None
 
 
 def tp_mesh(ctx: ParallelContext):
@@ -165,10 +257,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     Raises:
         WeightsError: a parameter is missing from the checkpoint, or its shape differs.
     """
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path)   # .metadata is a pickle: read without running code
     mesh = tp_mesh(ctx)
     groups: dict[str, list[nn.Parameter]] = {}
     for p in _params(model):
@@ -176,10 +265,11 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
     state = {}
     for name, ps in groups.items():
         p = ps[0]
-        if name not in meta:
+        md = dcp_tensor(metadata, name, path)
+        if md is None:
             raise WeightsError(f"the checkpoint {path} has no `{name}`; was it written for another model?")
-        size = tuple(meta[name].size)
-        dtype = meta[name].properties.dtype
+        size = tuple(md.size)
+        dtype = md.properties.dtype
         if p.valid_rows is None and size != tuple(p.global_shape):
             raise WeightsError(f"{name}: the checkpoint's shape {size} differs from this model's "
                                f"{tuple(p.global_shape)}; was it written for another model?")
@@ -192,7 +282,7 @@ def load_dcp(model: nn.Module, path: str, ctx: ParallelContext) -> None:
             state[name] = DTensor.from_local(buf, mesh, [Shard(p.shard_dim)], run_check=False)
         else:          # vocabulary rows, replicated kv heads, tp = 1: read whole, cut here
             state[name] = torch.empty(size, dtype=dtype)
-    dcp.load(state, checkpoint_id=path, no_dist=not ctx.distributed)
+    load_dcp_tensors(state, path, not ctx.distributed, metadata)
     with torch.no_grad():
         for name, ps in groups.items():
             t = state[name]
@@ -252,9 +342,13 @@ class _Reader:
         from safetensors import safe_open
 
         f = self.files[name]
-        if f not in self.handles:
-            self.handles[f] = safe_open(str(f), framework="pt").__enter__()
-        return self.handles[f].get_slice(name)
+        try:
+            if f not in self.handles:
+                self.handles[f] = safe_open(str(f), framework="pt").__enter__()
+            return self.handles[f].get_slice(name)
+        except Exception as e:   # safetensors' own header validation (SafetensorError), an OSError
+            raise WeightsError(f"cannot read `{name}` from {f}: {str(e).splitlines()[0] if str(e) else e!r}",
+                               "the file is damaged or incomplete: download or copy it again") from None
 
     def close(self) -> None:
         for h in self.handles.values():
@@ -315,7 +409,9 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> Non
                 src = next((s for s in srcs if s.name in files), None)
                 if src is None:
                     raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
-                                       f"`{p.global_name}`; was it written for another model?")
+                                       f"`{p.global_name}`" + ("" if p.global_name == "lm_head.weight" else
+                                                               "; was it written for another model?"),
+                                       UNTIED_HEAD_HELP if p.global_name == "lm_head.weight" else None)
                 sl = reader.slice(src.name)
                 got = tuple(sl.get_shape())
                 want = tuple(p.global_shape)
@@ -362,5 +458,5 @@ def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
     return kind
 
 
-__all__ = ["WeightsError", "layout_tensors", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
+__all__ = ["WeightsError", "dcp_metadata_path", "read_dcp_metadata", "dcp_tensor", "load_dcp_tensors", "layout_tensors", "weights_kind", "load_weights", "load_dcp", "load_hf", "read_region", "HF_LLAMA", "newest",
            "tp_mesh", "target_slice", "hf_files", "STEP_DIR"]

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 # PyTorch's caching allocator with expandable segments fragments less (set before CUDA starts)
@@ -287,12 +288,16 @@ def main(argv=None) -> dict:
             opt.begin_step()                                    # ZeRO-3: start from the shards
             loss, tokens = rt.evaluate(evals, ctx, model, MICRO_BATCH, VIRTUAL_STAGES, act_shape, ACT_DTYPE)
             log.eval(done, loss, tokens)
+    # before the first step: the checkpoint directory is writable with room for a checkpoint
+    rt.checkpoint.preflight(args.checkpoint_dir, None, plan, TRAIN["optimizer"], ctx)
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
               "params": num_params, "losses": [], "comm": None, "batches": []}
     state = {}
     start = 0
+    saved = None                                                # the newest checkpoint of this run (a NaN loss names it)
     if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
         start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
+        saved = rt.checkpoint.newest(args.checkpoint_dir)[0] if start else None
         if start and speaker:
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
             if start >= args.steps:
@@ -320,9 +325,11 @@ def main(argv=None) -> dict:
             if step == 0 and args.metrics_dir:
                 state["grads"] = opt.dump_gradients()
             grad = opt.grad_norm()
+            rt.check_grad_norm(grad, step + 1, ctx, saved)      # NaN or inf: stop before it reaches the weights
             opt.clip(grad, TRAIN["grad_clip"])
             opt.step()                                              # then all-gather the updated shards
         loss = rt.reduce_loss(result.loss, ctx)
+        rt.check_loss(loss, step + 1, ctx, saved)               # NaN or inf: every rank stops, nothing of the step saved
         if step == start:
             record["comm"] = rt.COUNTER.snapshot()
             record["actions"] = result.executed
@@ -345,7 +352,7 @@ def main(argv=None) -> dict:
         if args.checkpoint_dir and TRAIN["checkpoint_every"] and done % TRAIN["checkpoint_every"] == 0 \
                 and done < args.steps:
             opt.gather_for_export()                             # zero 3: full parameters for the save
-            rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx, data_format["tokenizer"])
+            saved = rt.checkpoint.save(args.checkpoint_dir, done, model, opt, ctx, data_format["tokenizer"])
     if start < args.steps:
         evaluate(args.steps)                                    # after the last step
     opt.gather_for_export()                                     # zero 3: full parameters again
@@ -363,4 +370,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except rt.TrainError as e:                                  # every rank stops together; rank 0 says why
+        if e.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,158 @@
+"""Where parcompile may write: the rules the checks, the generated programs and
+``export-weights`` share, so that no output deletes what the tool did not write.
+
+- A Hugging Face output (``hf_output``, ``export-weights -o``) is a directory written into
+  a temporary sibling and renamed into place, replacing what was there. It may be absent,
+  an empty directory, or a directory that holds only what an earlier output of parcompile
+  wrote: :data:`HF_MARKER` lists those files (:func:`hf_output_problem`). Anything else
+  (a file, a directory holding the training data, the spec's own directory) is refused
+  before anything is written.
+- A checkpoint directory (``checkpoint_dir``) must be creatable and writable: no file in
+  its place or above it, and a real write probe succeeds (permission bits say nothing to
+  root; a read-only mount or a file in the way does) (:func:`write_problem`); and its
+  file system must hold one checkpoint (:func:`space_problem`, with
+  :func:`checkpoint_bytes`).
+
+Standard library only (:mod:`parcompile.core`). Each function returns None when the path
+is usable, else one sentence saying why not, naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from parcompile.core.dtypes import DTYPE_BYTES, OPTIMIZER_STATES
+from parcompile.core.units import bytes_text
+
+#: the file a Hugging Face output of parcompile holds beside its tensors: JSON
+#: ``{"written_by": "parcompile", "files": [the names written]}``
+HF_MARKER = ".parcompile-output.json"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (``/`` at worst)."""
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        p = p.parent
+    return p
+
+
+def write_problem(path: str | os.PathLike) -> str | None:
+    """Why a directory cannot be created at ``path`` and written into, or None.
+
+    Refused: ``path`` exists and is not a directory; an ancestor is a file (nothing can be
+    created under it); the nearest existing directory refuses a write probe (a file
+    created and removed at once: read-only file systems, permissions for non-root users).
+    A path holding a NUL byte names nothing and is refused too.
+    """
+    base = path
+    try:
+        p = Path(os.path.abspath(path))
+        if os.path.lexists(p) and not p.is_dir():
+            return f"`{path}` is {_kind(p)}, not a directory"
+        base = _nearest_existing(p)
+        if not base.is_dir():
+            return f"`{base}` is {_kind(base)}, so `{path}` cannot be created under it"
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".parcompile-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except ValueError:   # an embedded NUL byte
+        return f"`{path!r}` is not a path (it holds a NUL byte)"
+    except OSError as e:
+        return f"`{path}` cannot be written: a test file in `{base}` failed ({e.strerror or e})"
+    return None
+
+
+def _kind(p: Path) -> str:
+    if p.is_symlink() and not p.exists():
+        return "a broken symbolic link"
+    if p.is_file():
+        return "a file"
+    if p.is_dir():
+        return "a directory"
+    return "a special file (a FIFO, socket or device)"
+
+
+def space_problem(path: str | os.PathLike, need_bytes: int) -> str | None:
+    """Why the file system of ``path`` (its nearest existing ancestor) cannot take
+    ``need_bytes`` more bytes (:func:`shutil.disk_usage`'s ``free``), or None."""
+    try:
+        base = _nearest_existing(Path(os.path.abspath(path)))
+        free = shutil.disk_usage(base if base.is_dir() else base.parent).free
+    except (OSError, ValueError):
+        return None   # write_problem reports a path that cannot be used
+    if free < need_bytes:
+        return (f"`{path}` has {bytes_text(free)} free on its file system; one checkpoint of this plan "
+                f"needs {bytes_text(need_bytes)}")
+    return None
+
+
+def checkpoint_bytes(params: int, dtype: str, optimizer: str) -> int:
+    """Bytes of one training checkpoint (:mod:`parcompile.runtime.checkpoint`) of
+    ``params`` parameters of ``dtype`` (``fp32``, ``bf16``, ``fp16``) trained with
+    ``optimizer``: the weights in their dtype, the optimizer's fp32 states
+    (:data:`parcompile.core.dtypes.OPTIMIZER_STATES`) and the fp32 master weights of a
+    16-bit model. Metadata and the tokenizer copy are small and not counted."""
+    width = DTYPE_BYTES[dtype]
+    master = 4 if width < 4 else 0
+    return params * (width + 4 * OPTIMIZER_STATES[optimizer] + master)
+
+
+def written_files(directory: str | os.PathLike) -> set[str] | None:
+    """The names an earlier Hugging Face output of parcompile wrote in ``directory`` (its
+    :data:`HF_MARKER`), or None when it has no readable marker."""
+    try:
+        data = json.loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
+        files = data["files"] if isinstance(data, dict) and data.get("written_by") == "parcompile" else None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
+
+
+def hf_output_problem(path: str | os.PathLike) -> str | None:
+    """Why a Hugging Face output may not be written at ``path`` (module docstring), or
+    None: absent, an empty directory, or one whose every entry is a file an earlier
+    output of parcompile listed in its :data:`HF_MARKER`; and its parent can be written
+    (the output is renamed into place from a sibling)."""
+    try:
+        p = Path(os.path.abspath(path))
+        if os.path.lexists(p):
+            if p.is_symlink() or not p.is_dir():
+                return f"`{path}` is {'a symbolic link' if p.is_symlink() else _kind(p)}; writing the output " \
+                       "would replace it"
+            entries = sorted(os.listdir(p))
+            if entries:
+                written = written_files(p)
+                foreign = [e for e in entries if e != HF_MARKER and (
+                    written is None or e not in written or not (p / e).is_file() or (p / e).is_symlink())]
+                if foreign:
+                    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+                    return (f"`{path}` is a directory holding {shown}, which parcompile did not write; "
+                            "writing the output would replace it")
+        return write_problem(p.parent)
+    except ValueError:
+        return f"`{path!r}` is not a path (it holds a NUL byte)"
+    except OSError as e:
+        return f"cannot read `{path}`: {e.strerror or e}"
+
+
+def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether the directories ``a`` and ``b`` are the same or one holds the other."""
+    try:
+        x, y = Path(os.path.abspath(a)), Path(os.path.abspath(b))
+    except ValueError:
+        return False
+    return x == y or x in y.parents or y in x.parents
+
+
+HF_OUTPUT_HELP = ("give a new directory (or an empty one, or one an earlier hf_output or export-weights "
+                  "wrote); parcompile replaces only what it wrote")
+
+__all__ = ["HF_MARKER", "HF_OUTPUT_HELP", "write_problem", "space_problem", "checkpoint_bytes", "written_files",
+           "hf_output_problem", "overlaps"]
