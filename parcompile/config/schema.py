@@ -175,6 +175,11 @@ class ClusterConfig(_Frozen):
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)
     engine: Literal["megatron", "eager"] = "megatron"
+    #: PyTorch's caching allocator with expandable segments
+    #: (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as torchtitan's run_train.sh and
+    #: the generated program set it): what it holds beyond the live tensors
+    #: (analysis/memory.py ``allocator_bytes``)
+    expandable_segments: bool = True
 
     @property
     def world_size(self) -> int:
