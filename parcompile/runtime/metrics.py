@@ -2,9 +2,8 @@
 ``grad_norm``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``step_time``,
 ``predicted_step_time`` and ``peak_memory`` (the caching allocator's ``max_memory_allocated``,
 with ``peak_memory_reserved`` its ``max_memory_reserved``, through ``torch.accelerator`` on
-every device type that has them; ``"not available"`` and ``peak_rss`` on the CPU);
-``eval_loss`` lines. One JSON object per
-line in ``metrics.jsonl`` (beside the program unless ``--metrics FILE``), the same as a
+every device type that has them; on the CPU ``peak_rss``, and ``peak_memory_reserved`` is
+``"not available"``); ``eval_loss`` lines. One JSON object per line in ``metrics.jsonl`` (beside the program unless ``--metrics FILE``), the same as a
 printed line, and TensorBoard event files when ``tensorboard`` is installed.
 
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12`` and
@@ -127,7 +126,7 @@ class RunLog:
             mem = f"peak {max(memory['allocated']) / 2**30:.2f} GiB (reserved {max(memory['reserved']) / 2**30:.2f})"
         else:
             rec["peak_rss"] = memory["rss"]
-            rec["peak_memory"] = rec["peak_memory_reserved"] = NOT_AVAILABLE
+            rec["peak_memory_reserved"] = NOT_AVAILABLE   # peak_memory (SPEC: bytes, on GPUs) left out
             mem = (f"peak rss {max(memory['rss']) / 2**30:.2f} GiB (allocated / reserved {NOT_AVAILABLE}: "
                    "no caching allocator on this device)")
         if self.enabled:
