@@ -89,10 +89,11 @@ what PyTorch's CUDA caching allocator holds beyond the live tensors at the peak,
 the largest over the stages). Its blocks are cached, not returned to the driver, and a
 freed block serves a later request only if that fits in it. With expandable segments
 (``cluster.expandable_segments``, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as
-torchtitan's ``run_train.sh`` sets it and the generated program does) freed blocks merge with their neighbours and the segment grows
-only when no free range fits: a gap of the largest temporary buffer stays mapped (the
-logits and their fp32 copies, gathered ZeRO-3 parameters, gradient buckets, ...), so the
-allocator term is the largest ``buffer_parts`` entry. Without them every temporary buffer's
+torchtitan's ``run_train.sh`` sets it and the generated program does) freed blocks merge
+with their neighbours and the segment grows only when no free range fits: a gap of the
+largest temporary buffer stays mapped (the logits and their fp32 copies, gathered ZeRO-3
+parameters, gradient buckets, ...), so the allocator term is the largest ``buffer_parts``
+entry. Without them every temporary buffer's
 block stays cached in its own ``cudaMalloc`` segment (segments never merge): their sum.
 Checked against torchtitan's Llama 3.1 8B FSDP row (82.4 GiB max reserved published,
 :mod:`parcompile.analysis.calibration`). NCCL's own buffers are allocated outside the

@@ -3,8 +3,9 @@
 ``predicted_step_time`` and ``peak_memory`` (the caching allocator's ``max_memory_allocated``,
 with ``peak_memory_reserved`` its ``max_memory_reserved``, through ``torch.accelerator`` on
 every device type that has them; on the CPU ``peak_rss``, and ``peak_memory_reserved`` is
-``"not available"``); ``eval_loss`` lines. One JSON object per line in ``metrics.jsonl`` (beside the program unless ``--metrics FILE``), the same as a
-printed line, and TensorBoard event files when ``tensorboard`` is installed.
+``"not available"``); ``eval_loss`` lines. One JSON object per line in ``metrics.jsonl``
+(beside the program unless ``--metrics FILE``), the same as a printed line, and
+TensorBoard event files when ``tensorboard`` is installed.
 
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12`` and
 ``mfu = tflops_per_gpu * 1e12 / peak_flops`` (SPEC section 3, the plan's own formulas
