@@ -76,11 +76,11 @@ def main() -> int:
                 f"{row.tokens_per_s_per_gpu:,.0f})" if row.tokens_per_s_per_gpu else
                 f"{t.tflops_per_gpu:.0f} TFLOP/s per GPU (published {row.tflops_per_gpu:.0f})")
         line = f"{row.name:26s} engine {engine(cfg.cluster).name}: {rate}; peak {cost.memory.peak / GIB:.1f} GiB"
+        reserved = cost.memory.reserved_peak / GIB
+        line += f", reserved {reserved:.1f} GiB (allocator term)"
         if row.peak_gib:
-            reserved = cost.memory.peak / (1 - cfg.cluster.memory_reserve) / GIB
-            line += (f" ({100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}% of the published "
-                     f"{row.peak_gib} GiB max reserved); with the cluster's {cfg.cluster.memory_reserve:.0%} "
-                     f"allocator reserve {reserved:.1f} GiB ({100 * (reserved / row.peak_gib - 1):+.1f}%)")
+            line += (f" ({100 * (reserved / row.peak_gib - 1):+.1f}% of the published {row.peak_gib} GiB max "
+                     f"reserved; allocated {100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}%)")
         memory_lines.append(line)
     print()
     for k, e in errs.items():
