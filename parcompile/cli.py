@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from parcompile import api
 from parcompile.api import prepare_data
-from parcompile.diagnostics import Diagnostic, SpecError, render_all
+from parcompile.diagnostics import SHOWN, Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import strip_bom
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
@@ -52,7 +52,7 @@ def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text")
         for d in diags:
             print(d.to_json())
     else:
-        print(render_all(diags, source), file=sys.stderr)
+        print(render_all(diags, source, SHOWN), file=sys.stderr)
 
 
 def _compile(path: str):
