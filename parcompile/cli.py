@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -256,7 +255,13 @@ def cmd_run(args) -> int:
     for p in args.prompt or []:
         cmd += ["--prompt", p]
     print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
-    return subprocess.call(cmd)
+    from parcompile import jobs
+
+    def interrupted(name: str) -> None:   # one line, as `serve` says it
+        print(f"interrupted ({name}): stopped torchrun and its {cfg.cluster.gpus_per_node} rank(s)", file=sys.stderr,
+              flush=True)
+
+    return jobs.run(cmd, on_interrupt=interrupted)
 
 
 def cmd_serve(args) -> int:
