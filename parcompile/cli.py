@@ -30,17 +30,22 @@ class _Usage(Exception):
 
 def _read(path: str) -> tuple[Path, str]:
     """The spec's path and text. A missing file or a directory is a usage error (exit 2);
-    text that is not UTF-8 is left to the front end, which reports it as a diagnostic."""
+    text that is not UTF-8 is left to the front end, which reports it as a diagnostic. Only a
+    regular file of at most :data:`~parcompile.core.files.MAX_SPEC_BYTES` is read (a FIFO or
+    ``/dev/zero`` is a usage error, never waited on or read)."""
+    from parcompile.core.files import MAX_SPEC_BYTES, read_bytes
+
     p = Path(path)
-    if not p.exists():
-        raise _Usage(f"cannot read {path}: no such file")
-    if p.is_dir():
-        raise _Usage(f"cannot read {path}: it is a directory; give a .par file")
     try:
         # a byte order mark is dropped as the front end drops it, so excerpts line up
-        return p, strip_bom(p.read_bytes().decode("utf-8", errors="replace"))
-    except OSError as e:
-        raise _Usage(f"cannot read {path}: {e.strerror or e}")
+        return p, strip_bom(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
+    except FileNotFoundError:
+        raise _Usage(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise _Usage(f"cannot read {path}: it is a directory; give a .par file") from None
+    except OSError as e:   # a FIFO, a device, a file over the limit: never waited on nor read
+        fix = "give a .par file" if "regular" in (e.strerror or "") else "a spec is a few kilobytes"
+        raise _Usage(f"cannot read {path}: it {e.strerror or e}; {fix}") from None
 
 
 def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text") -> None:

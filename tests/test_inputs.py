@@ -60,3 +60,78 @@ def test_many_unknown_keys_are_all_found_and_the_cli_prints_a_capped_list(capsys
     # JSON lists every one (editors and CI filter it themselves)
     assert main(["check", str(spec), "--format", "json"]) == 1
     assert capsys.readouterr().out.count('"unknown key `zz_unknown_') == n
+
+
+# -- item 13: only regular files are read, with a size limit ---------------------------------
+
+posix_only = pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs and /dev")
+
+
+def _spec_with(tmp_path, old: str, new: str) -> Path:
+    spec = tmp_path / "s.par"
+    spec.write_text(TINY.replace(old, new))
+    return spec
+
+
+@posix_only
+def test_check_of_a_fifo_or_a_device_is_a_usage_error_at_once(tmp_path, capsys):
+    # was: `check` on a FIFO blocked forever (nothing writes to it), on /dev/zero it read
+    # until the kernel killed it
+    import os
+
+    fifo = tmp_path / "spec.par"
+    os.mkfifo(fifo)
+    assert main(["check", str(fifo)]) == 2
+    assert capsys.readouterr().err == (f"parcompile: error: cannot read {fifo}: it is a FIFO (named pipe), not a "
+                                       f"regular file; give a .par file\n")
+    assert main(["check", "/dev/zero"]) == 2
+    assert "cannot read /dev/zero: it is a character device, not a regular file" in capsys.readouterr().err
+    with pytest.raises(SpecError, match=r"cannot read `.*spec.par`: is a FIFO \(named pipe\), not a regular file"):
+        api.compile(fifo)
+
+
+def test_a_spec_over_the_size_limit_is_not_read(tmp_path, capsys, monkeypatch):
+    from parcompile.core import files
+
+    monkeypatch.setattr(files, "MAX_SPEC_BYTES", 1000)
+    big = tmp_path / "big.par"
+    big.write_text(TINY + "#" * 1000)
+    assert main(["check", str(big)]) == 2
+    assert f"bytes, more than the 1,000 this file may have; a spec is a few kilobytes" in capsys.readouterr().err
+
+
+@posix_only
+def test_a_fifo_or_dev_null_named_by_a_spec_says_what_it_is(tmp_path, capsys):
+    # was: `data = "/dev/null"` or a FIFO passed `check` and `run` said "data file not found";
+    # a FIFO as the imported config.json blocked `check` forever
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for value, what in ((fifo, "a FIFO (named pipe)"), ("/dev/null", "a character device")):
+        spec = _spec_with(tmp_path, '"builtin:pydoc"', f'"{value}"')
+        assert main(["check", str(spec)]) == 1
+        assert f"error: data `{value}` is {what}, not a regular file" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "config.json")
+    spec = _spec_with(tmp_path, "model tiny {", 'model tiny from "config.json" {')
+    assert main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert f"s.par:3:17: error: cannot read `{tmp_path / 'config.json'}`: it is a FIFO (named pipe), not a " \
+           f"regular file" in err
+    spec = _spec_with(tmp_path, "    log_every = 5\n", f'    log_every = 5\n    init_from = "{fifo}"\n')
+    assert main(["check", str(spec)]) == 1
+    assert f"init_from directory `{fifo}` is a FIFO (named pipe), not a directory" in capsys.readouterr().err
+
+
+@posix_only
+def test_the_runtime_names_a_fifo_data_source_and_tokenizer(tmp_path):
+    import os
+
+    from parcompile.runtime.dataset import DataError, load_tokenizer, resolve_files
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"data is a FIFO \(named pipe\), not a regular file"):
+        resolve_files(str(fifo))
+    with pytest.raises(DataError, match=r"tokenizer is a character device, not a regular file"):
+        load_tokenizer("/dev/zero")

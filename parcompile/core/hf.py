@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral",
                          "qwen2", "qwen3", "qwen3_moe")
@@ -567,12 +568,14 @@ def load_hf_config(path: Path) -> dict[str, Any]:
     unsupported ``model_type`` or a field of the wrong type.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, MAX_JSON_BYTES)   # a regular file only, size-limited
     except FileNotFoundError:
         raise HFConfigError(f"cannot read `{path}`: no such file",
                             help="a `.json` source is resolved relative to the spec file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise HFConfigError(f"cannot read `{path}`: {e}") from None
+        raise HFConfigError(f"cannot read `{path}`: it {e.strerror}" if isinstance(e, FileReadError) else
+                            f"cannot read `{path}`: {e}",
+                            help="give the `config.json` file of a Hugging Face checkpoint") from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:

@@ -44,6 +44,7 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
+from parcompile.core.files import what_is
 from parcompile.diagnostics import DiagnosticBag, Span
 from parcompile.frontend import ast
 
@@ -606,11 +607,13 @@ class _Builder:
                 values.pop(key)
             return
         resolved = self._resolve_path(data)
-        if os.path.exists(resolved) or (glob.has_magic(resolved) and glob.glob(resolved)):
+        what = what_is(resolved)   # None: a regular file
+        if what is None or what == "is a directory" or (glob.has_magic(resolved) and glob.glob(resolved)):
             values[key] = resolved
             return
         where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
-        what = "matches no file" if glob.has_magic(data) else "does not exist"
+        if glob.has_magic(data):
+            what = "matches no file"
         self.bag.error(f"{key} `{data}` {what}", self.ctx.span(f"train.{key}"),
                        help=f"give a file, a directory of .txt/.jsonl/.parquet files or a glob ({where}), "
                             '`"builtin:pydoc"` (English text every Python carries) or `"synthetic"`')
@@ -628,7 +631,9 @@ class _Builder:
                 values[key] = self._resolve_path(values[key])
         init_from = values.get("init_from")
         if init_from is not None and not os.path.isdir(init_from):
-            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` does not exist",
+            what = what_is(init_from)
+            what = "is a file, not a directory" if what is None else what.replace("not a regular file", "not a directory")
+            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` {what}",
                            self.ctx.span("train.init_from"),
                            help="give a Hugging Face checkpoint directory (config.json and *.safetensors) "
                                 "or a `checkpoint_dir` a training run wrote")

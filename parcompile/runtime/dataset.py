@@ -39,6 +39,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text, what_is
+
 FORMAT_VERSION = "parcompile.tokens/1"
 DATA_FORMATS = ("text", "prompt_completion", "chat")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -168,9 +170,10 @@ class Tokenizer:
 
 def _read_json_file(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read: {e}", path) from None
+        raise DataError(f"cannot read: it {e.strerror}" if isinstance(e, FileReadError) else f"cannot read: {e}",
+                        path) from None
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON: {e.msg}", path, e.lineno) from None
     if not isinstance(value, dict):
@@ -202,7 +205,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     elif p.is_file():
         tj = p
     else:
-        raise DataError("tokenizer not found", p, help=_TOKENIZER_HELP)
+        what = what_is(p)
+        raise DataError("tokenizer not found" if what == "does not exist" else f"tokenizer {what}", p,
+                        help=_TOKENIZER_HELP)
     try:
         backend = HFTokenizer.from_file(str(tj))
     except Exception as e:  # tokenizers raises a plain Exception on a malformed file
@@ -367,7 +372,8 @@ def resolve_files(source: str) -> list[Path]:
             raise DataError("no file matches this pattern", source,
                             help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
         return sorted(found)
-    raise DataError("data file not found", source,
+    what = what_is(p)
+    raise DataError("data file not found" if what == "does not exist" else f"data {what}", source,
                     help="data may be \"synthetic\", \"builtin:pydoc\", a file, a directory or a glob")
 
 
