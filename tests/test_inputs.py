@@ -135,3 +135,63 @@ def test_the_runtime_names_a_fifo_data_source_and_tokenizer(tmp_path):
         resolve_files(str(fifo))
     with pytest.raises(DataError, match=r"tokenizer is a character device, not a regular file"):
         load_tokenizer("/dev/zero")
+
+
+# -- item 14: an unclosed `{`; seq_len beyond the imported context -----------------------------
+
+@pytest.mark.parametrize("unclosed, line, col, next_block, next_line", [
+    ("    position   = rope\n}\n", 3, 12, "cluster", 17),      # model's `}` missing: `cluster local ...` follows
+    ("    global_batch = 16      # m = 16 / (2 * 2) = 4 micro-batches\n}\n", 22, 10, "train", 31),
+])
+def test_a_missing_brace_points_at_the_block_left_open(unclosed, line, col, next_block, next_line):
+    # was: reported at the next block (`expected `=` after key `cluster`, found `local``)
+    text = TINY.replace(unclosed, unclosed[:-2] + "\n", 1)
+    with pytest.raises(SpecError) as e:
+        api.compile(text, "t.par")
+    (d,) = e.value.diagnostics
+    kind = "model" if line == 3 else "parallel"
+    assert (d.span.line, d.span.column, d.message) == (line, col, f"the `{kind}` block is not closed")
+    assert TINY.splitlines()[line - 1][col - 1] == "{"
+    assert d.help == f"add `}}` after its last entry, before `{next_block}` on line {next_line}, which starts " \
+                     f"another block"
+
+
+def _hf_spec(tmp_path, config: dict, seq_len: int) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return (f'model m from "{tmp_path / "config.json"}" {{\n    seq_len = {seq_len}\n}}\n'
+            'cluster c from "cpu" {\n    gpus_per_node = 1\n}\n'
+            "parallel {\n    micro_batch = 1\n    global_batch = 1\n}\ntrain {\n    lr = 1e-3\n}\n")
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+# Llama 3.1's form (config.json of meta-llama/Llama-3.1-8B: factor 8.0, original 8192, 131072), scaled down
+LLAMA3_SCALED = {**LLAMA, "max_position_embeddings": 128,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 64,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+
+
+def test_seq_len_above_the_imported_context_is_a_warning(tmp_path):
+    # was: seq_len = 256 over max_position_embeddings = 64 passed silently
+    assert not [w for w in api.compile(_hf_spec(tmp_path, LLAMA, 64), "h.par").warnings if "max_positions" in w.message]
+    (w,) = [w for w in api.compile(_hf_spec(tmp_path, LLAMA, 256), "h.par").warnings if "max_positions" in w.message]
+    assert (w.span.line, w.span.column) == (2, 15)
+    assert w.message == ("seq_len = 256 is above the model's max_positions = 64: positions past it were never seen "
+                         "in training")
+    assert "rope_scaling_factor = 4" in w.help
+    # within what llama3 scaling reaches (64 * 2 = 128 = max_position_embeddings): nothing to say
+    assert not [w for w in api.compile(_hf_spec(tmp_path, LLAMA3_SCALED, 128), "h.par").warnings
+                if "max_positions" in w.message]
+
+
+def test_seq_len_beyond_what_rope_scaling_reaches_is_an_error(tmp_path):
+    with pytest.raises(SpecError) as e:
+        api.compile(_hf_spec(tmp_path, LLAMA3_SCALED, 512), "h.par")
+    (d,) = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert (d.span.line, d.span.column) == (2, 15)
+    assert d.message == ("seq_len = 512 is beyond what the model's RoPE scaling reaches: rope_type = llama3 extends "
+                         "rope_original_max_positions = 64 by rope_scaling_factor = 2 to 128 positions")
+    assert d.help == "use seq_len <= 128, or write `rope_scaling_factor = 8` (a longer extension, to be fine-tuned)"
