@@ -13,13 +13,16 @@ One mechanism for both commands, three parts:
 * :func:`end` ends a job: ``grace_s`` to exit by itself, then each signal of ``signals``
   to torchrun's process group in turn.
 
-:func:`run` is `parcompile run`'s whole use: start, wait, and on Ctrl-C or SIGTERM end
+:func:`sigterm_interrupts` makes SIGTERM a ``KeyboardInterrupt`` (:class:`Terminated`)
+for both commands, so one path ends the job on either signal. :func:`run` is `parcompile
+run`'s whole use: start, wait, and on Ctrl-C or SIGTERM end
 the job at once, quietly (SIGKILL to torchrun: its ranks follow by their death signal),
 and return 130 or 143 as a shell does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -98,8 +101,24 @@ def end(proc: subprocess.Popen, grace_s: float = 0.0,
     return proc.wait()
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived (raised by the handler :func:`run` installs)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (raised by :func:`sigterm_interrupts`' handler): a
+    ``KeyboardInterrupt``, so what ends a job on Ctrl-C ends it on SIGTERM too."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Within: SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``) in the main
+    thread instead of killing the process before it has ended its job (`run` and
+    `serve` alike). The previous handler is restored on exit."""
+    def terminated(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(cmd: Sequence[str], env: dict | None = None, on_interrupt=None) -> int:
@@ -107,28 +126,25 @@ def run(cmd: Sequence[str], env: dict | None = None, on_interrupt=None) -> int:
     SIGTERM the job is ended at once (:func:`end` with SIGKILL: torchrun prints nothing,
     its ranks die with it), ``on_interrupt(signal_name)`` is called (one line for the
     user) and 130 (SIGINT) or 143 (SIGTERM) is returned, as a shell reports them."""
-    def terminated(signum, frame):
-        raise _Terminated
-
-    previous = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, terminated)
+    previous_int = signal.getsignal(signal.SIGINT)
     proc = None
     try:
-        try:
-            proc = start(cmd, env)
-            return proc.wait()
-        except (KeyboardInterrupt, _Terminated) as e:
-            # no second signal may stop the cleanup half-way
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if proc is not None:
-                end(proc, 0.0, ((signal.SIGKILL, None),))
-            name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
-            if on_interrupt is not None:
-                on_interrupt(name)
-            return 143 if name == "SIGTERM" else 130
+        with sigterm_interrupts():
+            try:
+                proc = start(cmd, env)
+                return proc.wait()
+            except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM (Terminated)
+                # no second signal may stop the cleanup half-way
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                if proc is not None:
+                    end(proc, 0.0, ((signal.SIGKILL, None),))
+                name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+                if on_interrupt is not None:
+                    on_interrupt(name)
+                return 143 if name == "SIGTERM" else 130
     finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
+        signal.signal(signal.SIGINT, previous_int)
 
 
-__all__ = ["die_with_parent", "start", "end", "run"]
+__all__ = ["Terminated", "die_with_parent", "end", "run", "sigterm_interrupts", "start"]
