@@ -195,3 +195,12 @@ def test_seq_len_beyond_what_rope_scaling_reaches_is_an_error(tmp_path):
     assert d.message == ("seq_len = 512 is beyond what the model's RoPE scaling reaches: rope_type = llama3 extends "
                          "rope_original_max_positions = 64 by rope_scaling_factor = 2 to 128 positions")
     assert d.help == "use seq_len <= 128, or write `rope_scaling_factor = 8` (a longer extension, to be fine-tuned)"
+
+
+def test_a_tokenizer_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
+    from parcompile.runtime import dataset
+
+    monkeypatch.setattr(dataset, "MAX_JSON_BYTES", 10)
+    (tmp_path / "tokenizer.json").write_text("{" + " " * 20 + "}")
+    with pytest.raises(dataset.DataError, match="tokenizer file is 22 bytes, more than the 10 a tokenizer.json"):
+        dataset.load_tokenizer(str(tmp_path))

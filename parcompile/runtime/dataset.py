@@ -208,6 +208,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         what = what_is(p)
         raise DataError("tokenizer not found" if what == "does not exist" else f"tokenizer {what}", p,
                         help=_TOKENIZER_HELP)
+    size = tj.stat().st_size
+    if size > MAX_JSON_BYTES:   # tokenizers reads it whole (Gemma 3's, among the largest: 33 MB)
+        raise DataError(f"tokenizer file is {size:,} bytes, more than the {MAX_JSON_BYTES:,} a tokenizer.json may have",
+                        tj, help=_TOKENIZER_HELP)
     try:
         backend = HFTokenizer.from_file(str(tj))
     except Exception as e:  # tokenizers raises a plain Exception on a malformed file
