@@ -15,6 +15,7 @@ The key table :data:`KEYS` is the single list of what each block accepts.
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import typing
@@ -25,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from parcompile.frontend import checks
+from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
 from parcompile.config.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
@@ -481,7 +483,7 @@ class _Builder:
         if src.endswith(".json"):
             path = Path(src) if os.path.isabs(src) else Path(self.source_dir or ".") / src
             try:
-                return load_hf_config(path)
+                return self._imported_values(block, load_hf_config(path))
             except HFConfigError as e:
                 self._source_error(block, e.message, e.help)
                 return None
@@ -494,6 +496,45 @@ class _Builder:
                                 f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
                                 f"`config.json`")
         return None
+
+    def _imported_values(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
+        """The `model` keys a config.json gave, each checked as if written in the spec (its
+        type, range, choices; integers of at most :data:`MAX_INT_DIGITS` digits, as the
+        parser allows). A bad one is an error at the `from` source, naming the key, and is
+        dropped (the checks that read it skip)."""
+        keys, out = KEYS["model"], {}
+        span = block.source_span or block.span
+        given = self.values["model"]   # keys written in the block replace the file's
+        for key, value in base.items():
+            t = keys.get(key)
+            if t is None or key in given or t.kind not in ("int", "float", "bool", "str", "enum"):
+                out[key] = value
+                continue
+            text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+            if isinstance(value, bool):
+                node: Any = ast.Bool(value, text, span)
+            elif isinstance(value, int):
+                if len(str(abs(value))) > MAX_INT_DIGITS:
+                    self.bag.error(f"`{block.source}` gives {key} an integer of {len(str(abs(value)))} digits",
+                                   span, help=f"{key} takes at most {MAX_INT_DIGITS} digits: fix the config.json")
+                    self.ctx.bad.add(f"model.{key}")
+                    continue
+                node = ast.Int(value, text, span)
+            elif isinstance(value, float):
+                node = ast.Float(value, text, span)
+            else:
+                node = ast.String(str(value), text, span)
+            scratch = DiagnosticBag()
+            converted = _Values(scratch).convert(key, t, node)
+            for d in scratch.items:
+                self.bag.error(f"`{block.source}` gives an invalid {key}: {d.message}", span,
+                               help=(d.help + "; " if d.help else "") + f"fix the config.json, or write `{key} = ...` "
+                                                                         f"in the block")
+            if converted is _INVALID:
+                self.ctx.bad.add(f"model.{key}")
+            else:
+                out[key] = value
+        return out
 
     def cluster_base(self, block: ast.Block, dtype: str) -> dict[str, Any] | None:
         src = block.source

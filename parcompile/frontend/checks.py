@@ -19,6 +19,7 @@ from typing import Any
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
+from parcompile.core.model import MAX_LAYERS as _MAX_LAYERS
 from parcompile.diagnostics import DiagnosticBag, Span
 
 
@@ -874,7 +875,7 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
 
 #: What parcompile plans at most (the largest published runs are far below): beyond these,
 #: the graph, the groups or the simulated schedule would take minutes to build.
-MAX_LAYERS = 512
+MAX_LAYERS = _MAX_LAYERS   # parcompile.core.model: the config.json import holds to it too
 MAX_WORLD_SIZE = 131_072
 MAX_SCHEDULE_CHUNKS = 65_536
 
