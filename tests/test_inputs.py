@@ -204,3 +204,20 @@ def test_a_tokenizer_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
     (tmp_path / "tokenizer.json").write_text("{" + " " * 20 + "}")
     with pytest.raises(dataset.DataError, match="tokenizer file is 22 bytes, more than the 10 a tokenizer.json"):
         dataset.load_tokenizer(str(tmp_path))
+
+
+# -- the fuzz of data files (issue 30): what was a traceback is a diagnostic at path:line -----
+
+@pytest.mark.parametrize("line, message", [
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply to read"),         # RecursionError
+    ('{"text": "ab\\udcff"}', "field `text` holds a lone surrogate (\\udcff) at character 3: not text"),
+], ids=["nested-100000-deep", "lone-surrogate"])
+def test_data_lines_that_crashed_are_diagnostics_at_their_line(tmp_path, monkeypatch, line, message):
+    from parcompile.frontend import load_spec
+
+    monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n' + line + "\n")
+    cfg, _ = load_spec(TINY.replace('"builtin:pydoc"', f'"{data}"'), "t.par")
+    (d,) = [d for d in api.prepare_data(cfg) if d.severity == "error"]
+    assert (d.span.file, d.span.line, d.message) == (str(data), 2, message)

@@ -176,6 +176,8 @@ def _read_json_file(path: Path) -> dict:
                         path) from None
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON: {e.msg}", path, e.lineno) from None
+    except RecursionError:   # json's decoder recurses once per `[` or `{`
+        raise DataError("not valid JSON: nested too deeply to read", path) from None
     if not isinstance(value, dict):
         raise DataError(f"expected a JSON object, found {_json_type(value)}", path)
     return value
@@ -422,6 +424,19 @@ def _check_str(value: Any, name: str, path: Path, line: int) -> str:
     if not isinstance(value, str):
         raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line,
                         help=f"write it as a string, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
+    return _check_text(value, f"field `{name}`", path, line)
+
+
+def _check_text(value: str, what: str, path: Path, line: int) -> str:
+    """``value`` when it is text UTF-8 can hold: JSON's ``\\udc80``-style escapes decode to
+    lone surrogates, which no tokenizer (nor UTF-8) accepts. Raises DataError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{what} holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character {e.start + 1}: "
+                        f"not text", path, line,
+                        help="JSON's \\ud800-\\udfff escapes come in pairs (one character beyond U+FFFF); "
+                             "fix or drop the escape") from None
     return value
 
 
@@ -443,6 +458,7 @@ def _check_messages(value: Any, path: Path, line: int) -> list[dict]:
             if not isinstance(m[key], str):
                 raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line,
                                 help=f"e.g. {_EXAMPLE['messages']}")
+            _check_text(m[key], f"message {i}: `{key}`", path, line)
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -480,6 +496,10 @@ def _iter_records(path: Path, data_format: str, text_field: str, raw_bytes: bool
                 except UnicodeDecodeError as e:
                     raise DataError(f"not UTF-8 text: {e.reason}", path, lineno,
                                     help="convert the file to UTF-8") from None
+                except RecursionError:   # json's decoder recurses once per `[` or `{`
+                    raise DataError("not valid JSON: nested too deeply to read", path, lineno,
+                                    help="a .jsonl file holds one JSON object per line, such as "
+                                         '{"text": "..."}') from None
                 yield lineno, _record(obj, data_format, text_field, path, lineno), len(raw)
     elif suffix == ".parquet":
         yield from _iter_parquet(path, data_format, text_field)
