@@ -24,7 +24,9 @@ With ZeRO-3 it adds, per stage, the most gathered parameter bytes a rank held at
 against the stage's parameters gathered whole. ``--zero 3 --bucket-size 4`` runs every
 example that way (one bucket per layer).
 
-Run: ``python benchmarks/memory.py [--only NAME] [--steps N] [--zero Z] [--bucket-size B]``.
+Run: ``python benchmarks/memory.py [--only NAME] [--steps N] [--zero Z] [--bucket-size B]``;
+``--smoke`` runs one step of a two-layer model on one CPU rank instead of the examples
+(the test suite's run of this script, ``tests/test_benchmarks_smoke.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,29 @@ from parcompile.search import with_parallel
 from parcompile.verify import MAX_WORLD, measure, miniature
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: ``--smoke``: the smallest training spec the report covers (one rank under torchrun)
+SMOKE = """model smoke {
+    layers = 2
+    hidden = 32
+    heads = 2
+    ffn_hidden = 64
+    vocab = 256
+    seq_len = 16
+    dtype = fp32
+}
+cluster local from "cpu" {
+    gpus_per_node = 1
+}
+parallel {
+    micro_batch = 1
+    global_batch = 2
+}
+train {
+    lr = 1e-3
+    steps = 1
+}
+"""
 
 
 def _kib(n: int | None) -> str:
@@ -142,12 +167,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (state bytes are read after step 1)")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="run every example with this ZeRO stage instead")
     ap.add_argument("--bucket-size", type=int, help="... and this bucket_size in bytes (ZeRO-3 gathers per bucket)")
+    ap.add_argument("--smoke", action="store_true", help="one step of a tiny 1-rank spec instead of the examples")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
     if args.bucket_size is not None and (args.bucket_size < 0 or 0 < args.bucket_size < 4):
         ap.error(f"--bucket-size must be 0 (one bucket per chunk) or at least 4 bytes, got {args.bucket_size}")
     paths = sorted((ROOT / "examples").glob("*.par"))
+    if args.smoke:
+        tmp_spec = Path(tempfile.mkdtemp(prefix="parcompile-mem-smoke-")) / "smoke.par"
+        tmp_spec.write_text(SMOKE)
+        paths, args.only = [tmp_spec], None
     if args.only and args.only not in {p.stem for p in paths}:
         ap.error(f"no example named {args.only!r}; examples: {', '.join(p.stem for p in paths)}")
     for path in paths:

@@ -134,12 +134,15 @@ class PlainBlock(nn.Module):
 
 
 class PlainLlama(nn.Module):
-    def __init__(self, m):
+    """The plain model of the program module ``m``'s widths (its constants) with ``layers``
+    blocks (plan.json ``model.layers``: the program holds no layer count of its own)."""
+
+    def __init__(self, m, layers: int):
         super().__init__()
         self.vocab = m.VOCAB
         self.embedding = nn.Embedding(m.VOCAB, m.HIDDEN)
         self.layers = nn.ModuleList(PlainBlock(m.HIDDEN, m.HEADS, m.KV_HEADS, m.HEAD_DIM, m.FFN_HIDDEN, m.NORM_EPS)
-                                    for _ in range(m.LAYERS))
+                                    for _ in range(layers))
         self.final_norm = nn.RMSNorm(m.HIDDEN, eps=m.NORM_EPS)
         self.lm_head = nn.Linear(m.HIDDEN, m.VOCAB, bias=False)
         inv = 1.0 / (m.ROPE_THETA ** (torch.arange(0, m.HEAD_DIM, 2, dtype=torch.float32) / m.HEAD_DIM))
@@ -206,7 +209,7 @@ def run_plain(module, plan, steps: int, on_step=None) -> tuple[list[float], list
 
     ctx = rt.init_parallel(plan, device="cpu")
     stage = module.Stage(plan, ctx)
-    model = PlainLlama(module)
+    model = PlainLlama(module, plan["model"]["layers"])
     copy_weights(model, stage, module.VOCAB)
     del stage
     train = module.TRAIN

@@ -6,11 +6,14 @@
   cannot be searched).
 
 Run: ``python benchmarks/planning.py``. Wall times include whatever else the machine
-runs; the CPU times (``time.process_time``) are this process's own work.
+runs; the CPU times (``time.process_time``) are this process's own work. ``--smoke`` (the
+test suite's run) compiles the 405B plan once and searches Llama-3 70B on 32 GPUs only.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
 import parcompile
@@ -49,10 +52,11 @@ parallel {
 """
 
 
-def bench_compile() -> None:
-    parcompile.compile(LLAMA405B)   # warm imports and caches of the process
+def bench_compile(repeats: int = 3) -> None:
+    if repeats > 1:
+        parcompile.compile(LLAMA405B)   # warm imports and caches of the process
     best = best_cpu = js = js_cpu = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         t, c = time.perf_counter(), time.process_time()
         plan = parcompile.compile(LLAMA405B)
         best, best_cpu = min(best, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
@@ -60,7 +64,7 @@ def bench_compile() -> None:
         plan.to_json()
         js, js_cpu = min(js, time.perf_counter() - t), min(js_cpu, time.process_time() - c)
     print(f"compile Llama-3.1 405B on 16,384 H100s (tp 8, pp 16, dp 128, 126 layers split 8 x 14 + 7 x 2): {best:.3f} s "
-          f"(CPU {best_cpu:.3f} s; best of 3; plan.to_json() {js:.3f} s more, CPU {js_cpu:.3f} s)")
+          f"(CPU {best_cpu:.3f} s; best of {repeats}; plan.to_json() {js:.3f} s more, CPU {js_cpu:.3f} s)")
 
 
 def bench_search(name: str, model: str, nodes: int, batch: int) -> None:
@@ -78,7 +82,19 @@ def bench_search(name: str, model: str, nodes: int, batch: int) -> None:
           f"MFU {res.best.mfu * 100:.1f}%)")
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="one compile and one small search (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        bench_compile(repeats=1)
+        bench_search("Llama-3 70B", "llama3-70b", 4, 64)
+        return 0
     bench_compile()
     bench_search("Llama-3 70B", "llama3-70b", 128, 1024)
     bench_search("Mixtral 8x22B", "mixtral-8x22b", 32, 1024)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

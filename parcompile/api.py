@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from parcompile.core.files import MAX_JSON_BYTES, read_text
 from parcompile.diagnostics import Diagnostic, Sources, Span, SpecError
 from parcompile.plan import Plan
 from parcompile.plan_schema import PlanJSON
@@ -345,7 +346,7 @@ def _read_plan_file(path: Path) -> dict:
                                 "or a directory `parcompile compile -o` wrote")
         path = path / "plan.json"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, MAX_JSON_BYTES)   # a regular file only, size-limited
     except FileNotFoundError:
         raise PlanFileError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:

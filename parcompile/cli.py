@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from dataclasses import replace
 
 from parcompile import api
 from parcompile.api import prepare_data
-from parcompile.diagnostics import Diagnostic, SpecError, render_all
+from parcompile.diagnostics import SHOWN, Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import strip_bom
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
@@ -32,17 +31,22 @@ class _Usage(Exception):
 
 def _read(path: str) -> tuple[Path, str]:
     """The spec's path and text. A missing file or a directory is a usage error (exit 2);
-    text that is not UTF-8 is left to the front end, which reports it as a diagnostic."""
+    text that is not UTF-8 is left to the front end, which reports it as a diagnostic. Only a
+    regular file of at most :data:`~parcompile.core.files.MAX_SPEC_BYTES` is read (a FIFO or
+    ``/dev/zero`` is a usage error, never waited on or read)."""
+    from parcompile.core.files import MAX_SPEC_BYTES, read_bytes
+
     p = Path(path)
-    if not p.exists():
-        raise _Usage(f"cannot read {path}: no such file")
-    if p.is_dir():
-        raise _Usage(f"cannot read {path}: it is a directory; give a .par file")
     try:
         # a byte order mark is dropped as the front end drops it, so excerpts line up
-        return p, strip_bom(p.read_bytes().decode("utf-8", errors="replace"))
-    except OSError as e:
-        raise _Usage(f"cannot read {path}: {e.strerror or e}")
+        return p, strip_bom(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
+    except FileNotFoundError:
+        raise _Usage(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise _Usage(f"cannot read {path}: it is a directory; give a .par file") from None
+    except OSError as e:   # a FIFO, a device, a file over the limit: never waited on nor read
+        fix = "give a .par file" if "regular" in (e.strerror or "") else "a spec is a few kilobytes"
+        raise _Usage(f"cannot read {path}: it {e.strerror or e}; {fix}") from None
 
 
 def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text") -> None:
@@ -53,7 +57,7 @@ def _print_diags(diags: list[Diagnostic], source: str | None, fmt: str = "text")
         for d in diags:
             print(d.to_json())
     else:
-        print(render_all(diags, source), file=sys.stderr)
+        print(render_all(diags, source, SHOWN), file=sys.stderr)
 
 
 def _compile(path: str):
@@ -257,7 +261,13 @@ def cmd_run(args) -> int:
     for p in args.prompt or []:
         cmd += ["--prompt", p]
     print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
-    return subprocess.call(cmd)
+    from parcompile import jobs
+
+    def interrupted(name: str) -> None:   # one line, as `serve` says it
+        print(f"interrupted ({name}): stopped torchrun and its {cfg.cluster.gpus_per_node} rank(s)", file=sys.stderr,
+              flush=True)
+
+    return jobs.run(cmd, on_interrupt=interrupted)
 
 
 def cmd_serve(args) -> int:

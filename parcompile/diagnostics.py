@@ -62,15 +62,18 @@ class Diagnostic:
     def render(self, source: Sources) -> str:
         """Render in the SPEC format; ``source`` is the spec text, or a mapping from file
         name to text (the excerpt is taken from ``source[span.file]``), or None (no excerpt)."""
+        return self._render(_Lines(source))
+
+    def _render(self, lines: "_Lines") -> str:
+        """:meth:`render` with the source already split into lines (:class:`_Lines`): many
+        diagnostics of one file split it once, not once each (linear in their number)."""
         s = self.span
         out = [f"{s.file}:{s.line}:{s.column}: {self.severity}: {self.message}"]
-        if source is not None and not isinstance(source, str):
-            source = source.get(s.file)
-        lines = source.splitlines() if source is not None else []
-        if 1 <= s.line <= len(lines):
+        text = lines.line(s.file, s.line)
+        if text is not None:
             # control bytes (terminal escapes in a pasted or binary file) shown as `?`, one
             # column each, so the excerpt cannot drive the terminal and the caret stays put
-            text = "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in lines[s.line - 1])
+            text = "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
             out.append(text)
             width = 1
             if s.end_line == s.line and s.end_column and s.end_column > s.column:
@@ -144,15 +147,50 @@ class SpecError(Exception):
     def __init__(self, diagnostics: list[Diagnostic], source: Sources = None):
         self.diagnostics = list(diagnostics)
         self.source = source
-        super().__init__(self.render())
+        # rendered when shown (``__str__``), not here: the source may be set later, and
+        # rendering every diagnostic of a large spec on each raise would be wasted
+        super().__init__(self.diagnostics, source)
 
-    def render(self) -> str:
-        return "\n".join(d.render(self.source) for d in self.diagnostics)
+    def render(self, limit: int | None = None) -> str:
+        """The diagnostics in the SPEC format (:func:`render_all`; at most ``limit``)."""
+        return render_all(self.diagnostics, self.source, limit)
 
     def __str__(self) -> str:   # rendered now: ``source`` may have been set after raising
         return self.render()
 
 
-def render_all(diags: Iterable[Diagnostic], source: Sources) -> str:
-    """Render several diagnostics, one block each, separated by newlines."""
-    return "\n".join(d.render(source) for d in diags)
+#: how many diagnostics the CLI prints in text form before "... and N more" (JSON lists all)
+SHOWN = 50
+
+
+class _Lines:
+    """The lines of each file of a :data:`Sources`, split once on first use."""
+
+    def __init__(self, source: Sources):
+        self.source = source
+        self.split: dict[str | None, list[str]] = {}
+
+    def line(self, file: str, line: int) -> str | None:
+        """The text of 1-based ``line`` of ``file`` (None: no source, or no such line)."""
+        key = None if isinstance(self.source, str) else file
+        lines = self.split.get(key)
+        if lines is None:
+            text = self.source if isinstance(self.source, str) or self.source is None else self.source.get(file)
+            lines = self.split[key] = text.splitlines() if text is not None else []
+        return lines[line - 1] if 1 <= line <= len(lines) else None
+
+
+def render_all(diags: Iterable[Diagnostic], source: Sources, limit: int | None = None) -> str:
+    """Render several diagnostics, one block each, separated by newlines; linear in their
+    number (each file's text is split once). With ``limit``, only the first ``limit`` are
+    rendered, then one line ``... and N more (K errors); ...`` counting the rest."""
+    diags = list(diags)
+    lines = _Lines(source)
+    shown = diags if limit is None else diags[:limit]
+    out = [d._render(lines) for d in shown]
+    rest = diags[len(shown):]
+    if rest:
+        errors = sum(d.severity == "error" for d in rest)
+        out.append(f"... and {len(rest):,} more ({errors:,} error{'s' if errors != 1 else ''}); "
+                   f"fix the ones above and check again")
+    return "\n".join(out)

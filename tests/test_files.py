@@ -484,4 +484,4 @@ def test_bad_files_found_by_fuzzing_are_diagnostics(tmp_path):
                                             'cluster c from "cpu" { gpus_per_node = 1 }\n')
     with pytest.raises(SpecError) as e:
         parcompile.compile(tmp_path / "cfg" / "s.par")
-    assert any("gives vocab = -1" in d.message for d in e.value.diagnostics), e.value.diagnostics
+    assert any("gives an invalid vocab" in d.message and "`-1`" in d.message for d in e.value.diagnostics), e.value.diagnostics

@@ -17,6 +17,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -127,3 +128,91 @@ def test_fuzz_values_of_valid_keys(seed, changes):
         kept = [ln for ln in lines if ln.split("=")[0].strip() != key]
         text = text[:brace] + f"\n    {key} = {value}" + "\n".join(kept)
     plan_or_diagnostics(text)
+
+
+# -- config.json imports (issue 30's fuzz): every value a config.json may hold ----------------
+
+HF_BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+           "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 32,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+HF_VALUES = [None, True, 0, -1, 2**70, 10**400, 1e308, float("nan"), 0.5, "", "x", [], {}, [1, 2], "9" * 50]
+HF_SPEC = """model m from "{path}" {{
+}}
+cluster c from "cpu" {{
+    gpus_per_node = 1
+}}
+parallel {{
+    micro_batch = 1
+    global_batch = 1
+}}
+train {{
+    lr = 1e-3
+}}
+"""
+
+
+def import_or_diagnostics(config: dict | str) -> list:
+    """Check a spec importing ``config`` (a dict, or the file's text); only a plan or a
+    SpecError may come out. Returns the error diagnostics."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        text = HF_SPEC.format(path=path)
+        with time_limit(TIMEOUT_S, text + path.read_text()[:2000]):
+            try:
+                parcompile.compile(text, filename="fuzz.par")
+            except SpecError as e:
+                for d in e.diagnostics:
+                    assert d.render(text) and d.span.line >= 1
+                return [d for d in e.diagnostics if d.severity == "error"]
+    return []
+
+
+def _qwen3(**kw):
+    return {**{k: v for k, v in HF_BASE.items() if k != "rope_scaling"}, "model_type": "qwen3", "head_dim": 16, **kw}
+
+
+@pytest.mark.parametrize("config, message", [
+    # each was a traceback (or a hang) found by the fuzz of issue 30
+    ({**HF_BASE, "vocab_size": 10**400}, "`{path}` gives vocab an integer of 401 digits"),
+    ({**HF_BASE, "num_attention_heads": -1}, "`{path}` gives an invalid heads: heads must be at least 1, got `-1`"),
+    ({**HF_BASE, "max_position_embeddings": -1}, "gives an invalid seq_len: seq_len must be at least 1, got `-1`"),
+    ({**HF_BASE, "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": []}},
+     "`original_max_position_embeddings` in the config.json should be an integer, got []"),
+    ({**HF_BASE, "rope_scaling": {"rope_type": "yarn", "factor": "", "original_max_position_embeddings": 32}},
+     '`factor` in the config.json should be a number, got ""'),
+    ({**HF_BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": "silu"}},
+     '`original_max_position_embeddings` in the config.json should be an integer, got "silu"'),
+    ({**HF_BASE, "rope_scaling": {"rope_type": "llama3", "factor": [1, 2], "original_max_position_embeddings": 32}},
+     "`factor` in the config.json should be a number, got [1, 2]"),
+    ({**HF_BASE, "rms_norm_eps": 10**400}, "`rms_norm_eps` in the config.json should be a number a float can hold"),
+    (_qwen3(num_hidden_layers=10**400),      # built a per-layer list of 10**400 entries: never finished
+     "`num_hidden_layers` in the config.json is an integer of 401 digits: more layers than parcompile plans"),
+])
+def test_config_json_values_that_crashed_are_diagnostics(config, message):
+    errors = import_or_diagnostics(config)
+    assert errors, "no error"
+    assert any(message.split("{path}")[-1] in d.message for d in errors), [d.message for d in errors]
+    assert all((d.span.line, d.span.column) == (1, 14) for d in errors)   # at the `from` source
+
+
+@fuzz(40)
+@given(st.sampled_from([HF_BASE, _qwen3()]),
+       st.lists(st.tuples(st.sampled_from(sorted(set(HF_BASE) | {"head_dim", "rope_scaling.factor",
+                                                                  "rope_scaling.original_max_position_embeddings"})),
+                          st.sampled_from(HF_VALUES)), min_size=1, max_size=3))
+def test_fuzz_config_json_values(base, changes):
+    config = {**base, "rope_scaling": dict(base.get("rope_scaling") or {"rope_type": "yarn"})}
+    for key, value in changes:
+        if key.startswith("rope_scaling."):
+            if not isinstance(config["rope_scaling"], dict):
+                config["rope_scaling"] = {"rope_type": "yarn"}
+            config["rope_scaling"][key.split(".", 1)[1]] = value
+        else:
+            config[key] = value
+    import_or_diagnostics(config)

@@ -718,11 +718,12 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
 def test_ctrl_c_while_the_ranks_start_ends_them(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM, which `serve` turns into one) before every replica connected:
     torchrun's process group is ended (torchrun ends its ranks on SIGTERM), no orphans."""
+    from parcompile import jobs
     from parcompile.server import engines as engines_mod
 
     launched = []
     popen = subprocess.Popen
-    monkeypatch.setattr(engines_mod.subprocess, "Popen", lambda *a, **k: launched.append(popen(*a, **k)) or launched[-1])
+    monkeypatch.setattr(jobs.subprocess, "Popen", lambda *a, **k: launched.append(popen(*a, **k)) or launched[-1])
 
     def interrupted(self, timeout_s):
         raise KeyboardInterrupt

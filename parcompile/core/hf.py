@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text
+from parcompile.core.model import MAX_LAYERS
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral",
                          "qwen2", "qwen3", "qwen3_moe")
@@ -60,9 +62,24 @@ def _int(cfg: dict, key: str, default: Any = None) -> int | None:
     return _get(cfg, key, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", default)
 
 
+def _layers(cfg: dict, key: str) -> int | None:
+    """The layer count ``cfg[key]``: an integer of at most :data:`MAX_LAYERS` (per-layer
+    lists are built from it, so a huge count would never finish). Raises HFConfigError."""
+    layers = _int(cfg, key)
+    if layers is not None and layers > MAX_LAYERS:
+        shown = str(layers) if layers < 10**12 else f"an integer of {len(str(layers))} digits"
+        raise HFConfigError(f"`{key}` in the config.json is {shown}: more layers than parcompile plans "
+                            f"(at most {MAX_LAYERS})", help="a config.json of a model of at most that many layers")
+    return layers
+
+
 def _float(cfg: dict, key: str, default: Any = None) -> float | None:
     value = _get(cfg, key, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", default)
-    return float(value) if value is not None else None
+    try:
+        return float(value) if value is not None else None
+    except OverflowError:   # an integer beyond any float (10**400)
+        raise HFConfigError(f"`{key}` in the config.json should be a number a float can hold, got an integer of "
+                            f"{len(str(abs(value)))} digits") from None
 
 
 def _bool(cfg: dict, key: str, default: Any = None) -> bool | None:
@@ -128,11 +145,11 @@ def _rope_scaling_keys(params: dict | None, mscale: bool = False) -> dict[str, A
             raise HFConfigError(f"YaRN `{key}` = {json.dumps(params[key])} is not modelled",
                                 help="parcompile's yarn scales cos and sin by 0.1 ln(factor) + 1 (the paper's)")
     out: dict[str, Any] = {"rope_type": kind}
-    for hf_key, ours in _ROPE_KEYS.items():
-        if hf_key in params and params[hf_key] is not None:
-            value = params[hf_key]
-            out[ours] = value if isinstance(value, bool) else (int(value) if ours == "rope_original_max_positions"
-                                                               else float(value))
+    for hf_key, ours in _ROPE_KEYS.items():   # typed as transformers reads them (HFConfigError otherwise)
+        read = _bool if hf_key == "truncate" else _int if ours == "rope_original_max_positions" else _float
+        value = read(params, hf_key)
+        if value is not None:
+            out[ours] = value
     for key in modelled:
         out[f"rope_{key}"] = _float(params, key, 0.0) or 0.0
     return out
@@ -395,7 +412,7 @@ def _deepseek_v3_keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
                                 f"DeepseekV3 router always runs `{key}` = \"{value}\"",
                                 help=f"remove `{key}` from a copy of the config.json to import the model as "
                                      "transformers runs it")
-    layers = _int(c, "num_hidden_layers")
+    layers = _layers(c, "num_hidden_layers")
     dense = _int(c, "first_k_dense_replace")
     experts = _int(c, "n_routed_experts")
     moe = bool(experts) and (layers is None or dense is None or dense < layers)
@@ -463,7 +480,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
         hidden = _int(cfg, "n_embd")
         return _drop_none({
             **common,
-            "layers": _int(cfg, "n_layer"),
+            "layers": _layers(cfg, "n_layer"),
             "hidden": hidden,
             "heads": _int(cfg, "n_head"),
             "ffn_hidden": _int(cfg, "n_inner"),       # None: 4 * hidden, the default
@@ -479,7 +496,7 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
 
     base = {
         **common,
-        "layers": _int(cfg, "num_hidden_layers"),
+        "layers": _layers(cfg, "num_hidden_layers"),
         "hidden": _int(cfg, "hidden_size"),
         "ffn_hidden": _int(cfg, "intermediate_size"),
         "heads": _int(cfg, "num_attention_heads"),
@@ -567,12 +584,14 @@ def load_hf_config(path: Path) -> dict[str, Any]:
     unsupported ``model_type`` or a field of the wrong type.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, MAX_JSON_BYTES)   # a regular file only, size-limited
     except FileNotFoundError:
         raise HFConfigError(f"cannot read `{path}`: no such file",
                             help="a `.json` source is resolved relative to the spec file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise HFConfigError(f"cannot read `{path}`: {e}") from None
+        raise HFConfigError(f"cannot read `{path}`: it {e.strerror}" if isinstance(e, FileReadError) else
+                            f"cannot read `{path}`: {e}",
+                            help="give the `config.json` file of a Hugging Face checkpoint") from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:

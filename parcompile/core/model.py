@@ -15,6 +15,11 @@ from typing import Any, Mapping, Optional
 
 from parcompile.core.dtypes import DTYPE_BYTES
 
+#: the most layers parcompile plans (the largest published dense models have under 200):
+#: beyond it the graph and the schedule would take minutes to build; a spec's `layers` and an
+#: imported config.json's layer count are both held to it
+MAX_LAYERS = 512
+
 
 def derived_defaults(keys: Mapping[str, Any]) -> dict[str, Any]:
     """The model keys left None that follow from the others (SPEC 1, `model`):

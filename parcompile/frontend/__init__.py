@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from parcompile.core.files import MAX_SPEC_BYTES, read_text
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, Sources, Span, SpecError
 from parcompile.frontend import ast
@@ -80,7 +81,7 @@ def parse_spec(source: str | Path, filename: str | None = None,
     if isinstance(source, Path):
         shown = filename or str(source)
         try:
-            text = source.read_text(encoding="utf-8")
+            text = read_text(source, MAX_SPEC_BYTES)   # a regular file only, size-limited
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise SpecError([Diagnostic("error", f"cannot read `{source}`: {reason}", Span.unknown(shown))]) from None

@@ -15,6 +15,7 @@ The key table :data:`KEYS` is the single list of what each block accepts.
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import typing
@@ -25,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from parcompile.frontend import checks
+from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
 from parcompile.config.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
@@ -44,6 +46,7 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
+from parcompile.core.files import what_is
 from parcompile.diagnostics import DiagnosticBag, Span
 from parcompile.frontend import ast
 
@@ -489,7 +492,7 @@ class _Builder:
         if src.endswith(".json"):
             path = Path(src) if os.path.isabs(src) else Path(self.source_dir or ".") / src
             try:
-                return self._imported_in_range(block, load_hf_config(path))
+                return self._imported_values(block, load_hf_config(path))
             except HFConfigError as e:
                 self._source_error(block, e.message, e.help)
                 return None
@@ -503,23 +506,43 @@ class _Builder:
                                 f"`config.json`")
         return None
 
-    def _imported_in_range(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
-        """``base`` (imported from a config.json) without the numbers outside their key's
-        range (:data:`KEYS`), each reported at the `from` source as if written in the spec
-        (a config.json with ``vocab_size: -1`` must not reach the plan)."""
-        out = dict(base)
-        for key, v in base.items():
-            t = KEYS["model"].get(key)
-            if t is None or t.kind not in ("int", "float") or isinstance(v, bool) or not isinstance(v, (int, float)):
+    def _imported_values(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
+        """The `model` keys a config.json gave, each checked as if written in the spec (its
+        type, range, choices; integers of at most :data:`MAX_INT_DIGITS` digits, as the
+        parser allows). A bad one is an error at the `from` source, naming the key, and is
+        dropped (the checks that read it skip)."""
+        keys, out = KEYS["model"], {}
+        span = block.source_span or block.span
+        given = self.values["model"]   # keys written in the block replace the file's
+        for key, value in base.items():
+            t = keys.get(key)
+            if t is None or key in given or t.kind not in ("int", "float", "bool", "str", "enum"):
+                out[key] = value
                 continue
-            too_low = t.low is not None and (v <= t.low if t.low_open else v < t.low)
-            too_high = t.high is not None and (v >= t.high if t.high_open else v > t.high)
-            if too_low or too_high or (isinstance(v, float) and not math.isfinite(v)):
-                bound = f"above {t.low:g}" if t.low_open else f"at least {t.low:g}" if t.low is not None else "in range"
-                self._source_error(block, f"`{block.source}` gives {key} = {v}, which must be {bound}",
-                                   help=f"fix the config.json, or write `{key} = ...` in the model block")
+            text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+            if isinstance(value, bool):
+                node: Any = ast.Bool(value, text, span)
+            elif isinstance(value, int):
+                if len(str(abs(value))) > MAX_INT_DIGITS:
+                    self.bag.error(f"`{block.source}` gives {key} an integer of {len(str(abs(value)))} digits",
+                                   span, help=f"{key} takes at most {MAX_INT_DIGITS} digits: fix the config.json")
+                    self.ctx.bad.add(f"model.{key}")
+                    continue
+                node = ast.Int(value, text, span)
+            elif isinstance(value, float):
+                node = ast.Float(value, text, span)
+            else:
+                node = ast.String(str(value), text, span)
+            scratch = DiagnosticBag()
+            converted = _Values(scratch).convert(key, t, node)
+            for d in scratch.items:
+                self.bag.error(f"`{block.source}` gives an invalid {key}: {d.message}", span,
+                               help=(d.help + "; " if d.help else "") + f"fix the config.json, or write `{key} = ...` "
+                                                                         f"in the block")
+            if converted is _INVALID:
                 self.ctx.bad.add(f"model.{key}")
-                out.pop(key)
+            else:
+                out[key] = value
         return out
 
     def cluster_base(self, block: ast.Block, dtype: str) -> dict[str, Any] | None:
@@ -650,11 +673,13 @@ class _Builder:
                 values.pop(key)
             return
         resolved = self._resolve_path(data)
-        if os.path.exists(resolved) or (glob.has_magic(resolved) and glob.glob(resolved)):
+        what = what_is(resolved)   # None: a regular file
+        if what is None or what == "is a directory" or (glob.has_magic(resolved) and glob.glob(resolved)):
             values[key] = resolved
             return
         where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
-        what = "matches no file" if glob.has_magic(data) else "does not exist"
+        if glob.has_magic(data):
+            what = "matches no file"
         self.bag.error(f"{key} `{data}` {what}", self.ctx.span(f"train.{key}"),
                        help=f"give a file, a directory of .txt/.jsonl/.parquet files or a glob ({where}), "
                             '`"builtin:pydoc"` (English text every Python carries) or `"synthetic"`')
@@ -672,7 +697,9 @@ class _Builder:
                 values[key] = self._resolve_path(values[key])
         init_from = values.get("init_from")
         if init_from is not None and not os.path.isdir(init_from):
-            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` does not exist",
+            what = what_is(init_from)
+            what = "is a file, not a directory" if what is None else what.replace("not a regular file", "not a directory")
+            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` {what}",
                            self.ctx.span("train.init_from"),
                            help="give a Hugging Face checkpoint directory (config.json and *.safetensors) "
                                 "or a `checkpoint_dir` a training run wrote")

@@ -19,6 +19,7 @@ from typing import Any
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
+from parcompile.core.model import MAX_LAYERS as _MAX_LAYERS
 from parcompile.diagnostics import DiagnosticBag, Span
 
 
@@ -813,8 +814,39 @@ def _dcp_problems(directory: str, expected: dict[str, tuple[int, ...]]) -> list:
 
 def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:
     """A learned position table has ``max_positions`` rows: a longer sequence has no row
-    for its last positions (Hugging Face GPT-2 fails the same way past ``n_positions``)."""
+    for its last positions (Hugging Face GPT-2 fails the same way past ``n_positions``).
+
+    With RoPE, a ``seq_len`` written above the ``max_positions`` the model's source gives
+    (Hugging Face ``max_position_embeddings``: the context the checkpoint was trained or
+    extended to) is a warning; an error when the source's RoPE scaling (``yarn``,
+    ``llama3``) cannot reach it: those reach ``rope_original_max_positions *
+    rope_scaling_factor`` (transformers' ``_compute_yarn_parameters`` /
+    ``_compute_llama3_parameters``: ``original_max_position_embeddings * factor``)."""
     m = cfg.model
+    if m.position == "rope" and m.max_positions is not None and ctx.given("model.seq_len") \
+            and not ctx.given("model.max_positions") \
+            and ctx.ok("model.seq_len", "model.max_positions", "model.rope_type", "model.rope_scaling_factor",
+                       "model.rope_original_max_positions") and m.seq_len > m.max_positions:
+        scaled = m.rope_type in ("yarn", "llama3") and m.rope_original_max_positions is not None
+        reach = int(m.rope_original_max_positions * m.rope_scaling_factor) if scaled else None
+        source = "max_positions comes from the model's `from` source (max_position_embeddings)"
+        if scaled and m.seq_len > reach:
+            factor = -(-m.seq_len // m.rope_original_max_positions)
+            ctx.bag.error(f"seq_len = {m.seq_len} is beyond what the model's RoPE scaling reaches: rope_type = "
+                          f"{m.rope_type} extends rope_original_max_positions = {m.rope_original_max_positions} "
+                          f"by rope_scaling_factor = {m.rope_scaling_factor:g} to {reach} positions",
+                          ctx.span("model.seq_len"),
+                          help=f"use seq_len <= {max(reach, m.max_positions)}, or write `rope_scaling_factor = "
+                               f"{factor}` (a longer extension, to be fine-tuned)", note=source)
+        else:
+            how = (f"RoPE scaling ({m.rope_type}) reaches {reach}, but the checkpoint was not trained past "
+                   f"{m.max_positions}" if scaled else "positions past it were never seen in training")
+            ctx.bag.warning(f"seq_len = {m.seq_len} is above the model's max_positions = {m.max_positions}: {how}",
+                            ctx.span("model.seq_len"),
+                            help=f"use seq_len <= {m.max_positions}, or extend the context with RoPE scaling "
+                                 f"(`rope_type = yarn`, `rope_original_max_positions = {m.max_positions}`, "
+                                 f"`rope_scaling_factor = {-(-m.seq_len // m.max_positions)}`) and fine-tune",
+                            note=source)
     if m.position != "learned" or not ctx.ok("model.seq_len", "model.max_positions", "model.position"):
         return
     if m.seq_len > m.max_positions:
@@ -867,7 +899,7 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
 
 #: What parcompile plans at most (the largest published runs are far below): beyond these,
 #: the graph, the groups or the simulated schedule would take minutes to build.
-MAX_LAYERS = 512
+MAX_LAYERS = _MAX_LAYERS   # parcompile.core.model: the config.json import holds to it too
 MAX_WORLD_SIZE = 131_072
 MAX_SCHEDULE_CHUNKS = 65_536
 

@@ -239,6 +239,11 @@ class _Context:
         if tok.type == "$END" and self.brace is not None:
             return (f"the {self._kind_words()} block is not closed", self.brace,
                     "add `}` after its last entry")
+        if (self.brace is not None and prev is not None and prev is self.key and "EQUAL" in expected
+                and (tok.type in ("LBRACE", "FROM") or prev in BLOCK_KINDS)):
+            # `cluster local from "cpu" {` read as a key: the block before it lacks its `}`
+            return (f"the {self._kind_words()} block is not closed", self.brace,
+                    f"add `}}` after its last entry, before `{prev}` on line {prev.line}, which starts another block")
         if self.brace is None and self.kind is not None:
             if tok.type == "EQUAL" and prev is self.kind:
                 return (f"`{self.kind} = ...` is outside of any block", self.kind,

@@ -39,6 +39,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text, what_is
+
 FORMAT_VERSION = "parcompile.tokens/1"
 DATA_FORMATS = ("text", "prompt_completion", "chat")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -168,11 +170,14 @@ class Tokenizer:
 
 def _read_json_file(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read: {e}", path) from None
+        raise DataError(f"cannot read: it {e.strerror}" if isinstance(e, FileReadError) else f"cannot read: {e}",
+                        path) from None
     except json.JSONDecodeError as e:
         raise DataError(f"not valid JSON: {e.msg}", path, e.lineno) from None
+    except RecursionError:   # json's decoder recurses once per `[` or `{`
+        raise DataError("not valid JSON: nested too deeply to read", path) from None
     if not isinstance(value, dict):
         raise DataError(f"expected a JSON object, found {_json_type(value)}", path)
     return value
@@ -202,7 +207,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     elif p.is_file():
         tj = p
     else:
-        raise DataError("tokenizer not found", p, help=_TOKENIZER_HELP)
+        what = what_is(p)
+        raise DataError("tokenizer not found" if what == "does not exist" else f"tokenizer {what}", p,
+                        help=_TOKENIZER_HELP)
+    size = tj.stat().st_size
+    if size > MAX_JSON_BYTES:   # tokenizers reads it whole (Gemma 3's, among the largest: 33 MB)
+        raise DataError(f"tokenizer file is {size:,} bytes, more than the {MAX_JSON_BYTES:,} a tokenizer.json may have",
+                        tj, help=_TOKENIZER_HELP)
     try:
         backend = HFTokenizer.from_file(str(tj))
     except Exception as e:  # tokenizers raises a plain Exception on a malformed file
@@ -367,7 +378,8 @@ def resolve_files(source: str) -> list[Path]:
             raise DataError("no file matches this pattern", source,
                             help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
         return sorted(found)
-    raise DataError("data file not found", source,
+    what = what_is(p)
+    raise DataError("data file not found" if what == "does not exist" else f"data {what}", source,
                     help="data may be \"synthetic\", \"builtin:pydoc\", a file, a directory or a glob")
 
 
@@ -412,6 +424,19 @@ def _check_str(value: Any, name: str, path: Path, line: int) -> str:
     if not isinstance(value, str):
         raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line,
                         help=f"write it as a string, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
+    return _check_text(value, f"field `{name}`", path, line)
+
+
+def _check_text(value: str, what: str, path: Path, line: int) -> str:
+    """``value`` when it is text UTF-8 can hold: JSON's ``\\udc80``-style escapes decode to
+    lone surrogates, which no tokenizer (nor UTF-8) accepts. Raises DataError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{what} holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character {e.start + 1}: "
+                        f"not text", path, line,
+                        help="JSON's \\ud800-\\udfff escapes come in pairs (one character beyond U+FFFF); "
+                             "fix or drop the escape") from None
     return value
 
 
@@ -433,6 +458,7 @@ def _check_messages(value: Any, path: Path, line: int) -> list[dict]:
             if not isinstance(m[key], str):
                 raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line,
                                 help=f"e.g. {_EXAMPLE['messages']}")
+            _check_text(m[key], f"message {i}: `{key}`", path, line)
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -470,6 +496,10 @@ def _iter_records(path: Path, data_format: str, text_field: str, raw_bytes: bool
                 except UnicodeDecodeError as e:
                     raise DataError(f"not UTF-8 text: {e.reason}", path, lineno,
                                     help="convert the file to UTF-8") from None
+                except RecursionError:   # json's decoder recurses once per `[` or `{`
+                    raise DataError("not valid JSON: nested too deeply to read", path, lineno,
+                                    help="a .jsonl file holds one JSON object per line, such as "
+                                         '{"text": "..."}') from None
                 yield lineno, _record(obj, data_format, text_field, path, lineno), len(raw)
     elif suffix == ".parquet":
         yield from _iter_parquet(path, data_format, text_field)

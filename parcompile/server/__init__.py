@@ -13,7 +13,6 @@ exits with status 1.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import sys
 import threading
@@ -126,14 +125,12 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
             f"{plan.config.serve.seed}); train with `checkpoint_dir` and set `weights` to it, or give a Hugging Face "
             f"checkpoint directory", flush=True)
 
-    def interrupted(signum, frame):
-        # SIGTERM as Ctrl-C: while the ranks start, and when uvicorn, having shut down
-        # gracefully on it, raises it again (its default action would kill this process
-        # before the ranks are told to stop: they would see EOF and fail)
-        raise KeyboardInterrupt
+    from parcompile.jobs import sigterm_interrupts
 
-    previous = signal.signal(signal.SIGTERM, interrupted)
-    try:
+    # SIGTERM as Ctrl-C (parcompile.jobs, as for `run`): while the ranks start, and when
+    # uvicorn, having shut down gracefully on it, raises it again (its default action would
+    # kill this process before the ranks are told to stop: they would see EOF and fail)
+    with sigterm_interrupts():
         try:
             engines = Engines(program, d["world_size"], d["degrees"]["dp"])
         except EngineFailed as e:
@@ -162,8 +159,6 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
             pass
         finally:
             status = engines.stop()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if engines.failed:
         return 1
     return 0 if status in (0, None) else 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 
+from parcompile import jobs
 from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV
 
 #: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
@@ -73,7 +73,7 @@ class Engines:
         env[KEY_ENV] = self.key.hex()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(program), "--engine", f"{host}:{port}"]
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.proc = jobs.start(cmd, env)   # its own session; it and its ranks die with this process
         try:
             self._accept(startup_timeout_s)
         except BaseException:   # Ctrl-C (or a failure) while the ranks start: end them, leave no orphans
@@ -229,19 +229,6 @@ class Engines:
 
     def _end_job(self, grace_s: float) -> int:
         """Wait ``grace_s`` for torchrun to exit, then SIGTERM its process group (torchrun
-        and the ranks), then SIGKILL it; returns torchrun's exit status. An impatient
-        Ctrl-C while it waits moves on to the next signal at once (never leaves the job)."""
-        try:
-            return self.proc.wait(grace_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            pass
-        for sig, wait_s in ((15, 10.0), (9, None)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                return self.proc.wait(wait_s)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                continue
-        return self.proc.wait()
+        stops the ranks), then SIGKILL it (:func:`parcompile.jobs.end`); returns torchrun's
+        exit status."""
+        return jobs.end(self.proc, grace_s)
