@@ -510,6 +510,8 @@ class Candidate:
             parts.append(f"schedule={p.schedule}")
         if p.sequence_parallel:
             parts.append("sp")
+        elif p.tp > 1:   # said either way where it applies: the search may have chosen it
+            parts.append("no-sp")
         if p.stage_layers is not None and len(set(p.stage_layers)) > 1:
             parts.append("split=" + split_text(p.stage_layers, compact=True))
         return " ".join(parts)
@@ -1469,7 +1471,8 @@ def _layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[lis
     eps = [e for e in divisors(m.experts) if e <= world] if ("ep" in auto and m.experts) else [p.ep]
     zeros = _values(cfg, "zero", auto, [0, 1, 2, 3])
     recs = _values(cfg, "recompute", auto, ["none", "selective", "full"])
-    sps = _values(cfg, "sequence_parallel", auto, [False, True])
+    sp_open = searches_sequence_parallel(cfg)
+    sps = [False, True] if sp_open else [p.sequence_parallel]
     etp_given = "parallel.expert_tp" in cfg.spans
     for tp in tps:
         for cp in cps:
@@ -1505,10 +1508,20 @@ def _layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[lis
                             for mb in mbs:
                                 gb = p.global_batch if gb_given else mb * dp
                                 for sp in sps:
-                                    if sp and tp == 1 and "sequence_parallel" in auto:
+                                    if sp and tp == 1 and sp_open:
                                         continue
                                     yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
                                            for z in zs for rc in recs]
+
+
+def searches_sequence_parallel(cfg: SpecConfig) -> bool:
+    """Whether the search tries layouts both with and without sequence parallelism (where
+    tp > 1): ``sequence_parallel = auto``, or left unset. Megatron-Bridge's recipes and
+    torchtitan pair tensor parallelism with sequence parallelism, so a search that kept
+    the unset key at its compile default (``false``, SPEC) would skip the layouts they run
+    (issue 29: Meta's Llama 3.1 405B layout). A spec compiled without a search keeps the
+    default."""
+    return "sequence_parallel" in cfg.parallel.auto or "parallel.sequence_parallel" not in cfg.spans
 
 
 def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:

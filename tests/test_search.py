@@ -447,3 +447,44 @@ def test_family_work_line_through_micro_batches_1_and_2_is_the_scaled_probes_own
     # and only the micro-batch 1 and 2 scaled probes were timed (but for their transfers)
     timed = {k[3] for k in line.scaled_comms if not k[4]}
     assert timed == {1, 2} < {k[3] for k in direct.scaled_comms if not k[4]}
+
+
+# ------------------------------------------------------------------ sequence parallelism (issue 29)
+_SP_SPEC = """model deep {
+    layers   = 4
+    hidden   = 1024
+    heads    = 16
+    vocab    = 32000
+    seq_len  = 2048
+}
+cluster node from "h100-sxm" { nodes = 1 }
+parallel {
+    tp = %s
+%s    global_batch = 32
+}
+"""
+
+
+def test_search_tries_sequence_parallelism_when_the_spec_leaves_it_unset():
+    """Unset, `sequence_parallel` is searched (both where tp > 1, never at tp = 1) and each
+    candidate says which it took; written, it is kept."""
+    res = search(load_spec(_SP_SPEC % ("auto", ""))[0], top=1000)
+    seen = {(c.parallel.tp > 1, c.parallel.sequence_parallel) for c in res.candidates}
+    assert seen == {(False, False), (True, False), (True, True)}
+    for c in res.candidates:
+        words = c.degrees_text().split()
+        assert ("sp" in words) == c.parallel.sequence_parallel
+        assert ("no-sp" in words) == (c.parallel.tp > 1 and not c.parallel.sequence_parallel)
+    for written in (False, True):
+        res = search(load_spec(_SP_SPEC % ("auto", f"    sequence_parallel = {str(written).lower()}\n"))[0],
+                     top=1000)
+        assert {c.parallel.sequence_parallel for c in res.candidates if c.parallel.tp > 1} == {written}
+
+
+def test_compile_keeps_sequence_parallel_false_by_default():
+    """SPEC: `sequence_parallel` defaults to false for a spec compiled without a search."""
+    plan = parcompile.compile(_SP_SPEC % ("4", ""))
+    assert plan.data["degrees"]["tp"] == 4
+    assert plan.config.parallel.sequence_parallel is False
+    sp = parcompile.compile(_SP_SPEC % ("4", "    sequence_parallel = true\n"))
+    assert sp.config.parallel.sequence_parallel is True
