@@ -322,9 +322,9 @@ def _chunk_units(ps: tuple[StageParams, ...], first: bool, last: bool, n: int, p
     if last:
         out += [replace(u, chunk=chunk) for u in pl if not u.name.startswith("layers.")
                 and not (pp1 and tied and u.name == "tied_head")]
-    out += [GradUnit(chunk, f"layers.{start + j}", *((dlayer if start + j < dense else layer).dense,
-                                                    (dlayer if start + j < dense else layer).expert))
-            for j in reversed(range(n))]
+    for j in reversed(range(n)):
+        u = dlayer if start + j < dense else layer
+        out.append(GradUnit(chunk, f"layers.{start + j}", u.dense, u.expert))
     if first:
         emb = [u for u in pf if not u.name.startswith("layers.")]
         if pp1 and tied:   # the tied embedding joins the embedding unit
@@ -633,7 +633,7 @@ class Coster:
         micro-batch through its chunks, transfers included) is at least ``(m + (pp - 1) / v)
         * mean(work)``, and the ranks' work summed over all chunks does not depend on the
         split: ``layers * middle + (first - middle) + (last - middle)`` of the probe's chunks
-        (:func:`_compose` summed), plus a transfer each way between adjacent chunks; the
+        (:func:`_total`: :func:`_compose` summed; dense layers count the dense middle), plus a transfer each way between adjacent chunks; the
         step adds the (non-negative) exposed data-parallel time and optimizer step. Reduced by a
         relative 1e-9 for rounding (the estimate sums in another order)."""
         pr = self.probe(par)
@@ -894,7 +894,8 @@ class Coster:
         ``states``), whatever its split, micro-batch, schedule or recomputation: every
         other term of a stage's total is a byte count, so the peak is at least the largest
         stage's states, hence their mean over the ``pp`` stages. Summed over the stages the
-        parameters are the probe's ``layers * middle + first + last - 2 middle`` (a tied
+        parameters are the probe's ``layers * middle + first + last - 2 middle`` (:func:`_total`;
+        dense layers count the dense middle; a tied
         head read by the embedding on one rank counted once), and each stage's sharded
         elements (``sum ceil(n_b / d)`` over its buckets) are at least ``n / d``, so the
         sum is at least the table of :mod:`parcompile.analysis.memory` applied to the whole
@@ -1520,8 +1521,9 @@ def searches_sequence_parallel(cfg: SpecConfig) -> bool:
     torchtitan pair tensor parallelism with sequence parallelism, so a search that kept
     the unset key at its compile default (``false``, SPEC) would skip the layouts they run
     (issue 29: Meta's Llama 3.1 405B layout). A spec compiled without a search keeps the
-    default."""
-    return "sequence_parallel" in cfg.parallel.auto or "parallel.sequence_parallel" not in cfg.spans
+    default, and so does a serve spec (sequence parallelism is a training layout)."""
+    return "sequence_parallel" in cfg.parallel.auto or (
+        "parallel.sequence_parallel" not in cfg.spans and cfg.workload == "train")
 
 
 def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:

@@ -479,6 +479,11 @@ def test_search_tries_sequence_parallelism_when_the_spec_leaves_it_unset():
         res = search(load_spec(_SP_SPEC % ("auto", f"    sequence_parallel = {str(written).lower()}\n"))[0],
                      top=1000)
         assert {c.parallel.sequence_parallel for c in res.candidates if c.parallel.tp > 1} == {written}
+    # a serve spec keeps the default: sequence parallelism is a training layout
+    from parcompile.search import searches_sequence_parallel
+
+    serve = next(p for p in EXAMPLES if "serve" in p.stem)
+    assert not searches_sequence_parallel(load_spec(serve)[0])
 
 
 def test_compile_keeps_sequence_parallel_false_by_default():
