@@ -163,8 +163,9 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     head_dim = 8
     hidden = heads * head_dim
     if p.stage_layers is not None:
-        low = min(p.stage_layers)
-        stage_layers = tuple(1 if x == low else 2 for x in p.stage_layers)
+        # a layer-less first or last chunk (embedding or output only) stays layer-less
+        low = min((x for x in p.stage_layers if x), default=1)
+        stage_layers = tuple(0 if x == 0 else 1 if x == low else 2 for x in p.stage_layers)
     else:
         stage_layers = None
     chunks = p.pp * p.virtual_stages

@@ -356,6 +356,19 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     elif sum(p.stage_layers) != m.layers:
         ctx.bag.error(f"stage_layers sum to {sum(p.stage_layers)}, expected layers = {m.layers}", span,
                       help=f"e.g. {split}" if split else None)
+    if len(p.stage_layers) == chunks:
+        # a layer-less chunk holds only the embedding (the first) or only the output layer
+        # and the loss (the last): Llama 3 paper section 3.3.2; Megatron-Core's
+        # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split
+        empty = [k for k, n in enumerate(p.stage_layers) if n == 0 and 0 < k < chunks - 1]
+        if empty:
+            k = empty[0]
+            ctx.bag.error(f"stage_layers entry {k + 1} of {chunks} is 0: only the first model chunk (the "
+                          "embedding) and the last one (the output layer and the loss) may hold no layers",
+                          span, note=f"a middle model chunk with no layers would run nothing"
+                          + (f" ({len(empty)} such entries)" if len(empty) > 1 else ""),
+                          help="give every middle model chunk at least one layer"
+                               + (f", e.g. {split}" if split else ""))
 
 
 def _nearest_multiples(x: int, unit: int, at_least: int = 1) -> list[int]:
