@@ -210,7 +210,20 @@ def test_fewer_layers_than_chunks():
     text = spec(model={"layers": "1"})
     assert one(text, "pp = 2") == ("layers = 1 cannot fill pp(2) * virtual_stages(1) = 2 model chunks",
                                    "use at most 1 model chunk: lower pp or virtual_stages so that "
-                                   "pp * virtual_stages <= layers", None)
+                                   "pp * virtual_stages <= layers, or give the first (and the last) chunk no "
+                                   "layer: `stage_layers = [0, 1]`", None)
+
+
+def test_fewer_layers_than_chunks_proposes_layer_less_end_chunks():
+    """Issue 29: with one or two layers fewer than chunks, the help proposes the
+    embedding-only first chunk (and the output-only last one) that fill them."""
+    text = spec(model={"layers": "2"}, parallel={"pp": "4", "dp": "1"})
+    assert one(text, "pp = 4") == ("layers = 2 cannot fill pp(4) * virtual_stages(1) = 4 model chunks",
+                                   "use at most 2 model chunks: lower pp or virtual_stages so that "
+                                   "pp * virtual_stages <= layers, or give the first (and the last) chunk no "
+                                   "layer: `stage_layers = [0, 1, 1, 0]`", None)
+    fixed = spec(model={"layers": "2"}, parallel={"pp": "4", "dp": "1", "stage_layers": "[0, 1, 1, 0]"})
+    assert diags(fixed) == []
 
 
 def test_stage_layers_wrong_length_and_sum():

@@ -344,10 +344,16 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
         # layers that do not divide into the chunks are split unevenly by the compiler
         # (parcompile.search.settle_split, with a note); fewer layers than chunks cannot be
         if m.layers < chunks:
+            ends = None
+            if chunks - 2 <= m.layers and chunks <= _MAX_PROPOSED_CHUNKS:
+                # an embedding-only first chunk (and an output-only last one) fill the rest
+                fill = [0] + [1] * m.layers + ([0] if m.layers == chunks - 2 else [])
+                ends = "`stage_layers = [" + ", ".join(map(str, fill)) + "]`"
             ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks",
                           ctx.span("parallel.pp", "parallel.virtual_stages"),
                           help=f"use at most {plural(m.layers, 'model chunk')}: lower pp or virtual_stages so that "
-                               f"pp * virtual_stages <= layers")
+                               f"pp * virtual_stages <= layers"
+                               + (f", or give the first (and the last) chunk no layer: {ends}" if ends else ""))
         return
     span = ctx.span("parallel.stage_layers")
     if len(p.stage_layers) != chunks:
