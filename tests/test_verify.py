@@ -177,6 +177,15 @@ def test_miniature_keeps_the_parallel_structure():
     assert ref.parallel.world_size == 1 and ref.parallel.global_batch == p.global_batch
 
 
+def test_miniature_keeps_layer_less_end_chunks():
+    """Issue 29: Meta's split (an embedding-only first chunk, an output-only last one) stays
+    so in the miniature; the layered chunks get 1 or 2 layers as usual."""
+    cfg = tiny_config(1, 1, 2, model=dict(layers=129), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 64, 65, 0), global_batch=8))
+    mini = miniature(cfg)
+    assert mini.parallel.stage_layers == (0, 1, 2, 0) and mini.model.layers == 3
+
+
 def test_compare_reports_a_wrong_weight(tmp_path):
     """verify must fail when one parameter of the run differs from the reference's."""
     from parcompile.verify import _emit, _run_reference
