@@ -151,6 +151,46 @@ def _reduce_dtype(plan: Plan) -> str:
     return "fp32" if bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
 
 
+def megatron_accounted_split(split: list[int], pp: int) -> tuple[bool, bool] | None:
+    """``(embedding, loss)``: Megatron-Core's ``--account-for-embedding-in-pipeline-split``
+    and ``--account-for-loss-in-pipeline-split`` that give exactly ``split`` (decoder
+    layers per model chunk, model order, ``pp * v`` entries), or None when no pair does.
+
+    Source: Megatron-LM ``megatron/core/transformer/transformer_block.py``
+    ``get_num_layers_to_build`` (core_v0.16.1, 55ac7082517c3878ae653c07c09c534b8aed49f6; the
+    same at d98e8a64ddf34856e74b24714e3bedb2f5a39553): the embedding (the loss) counts as one
+    layer, ``layers + e + l`` is split evenly over the pipeline ranks and their ``v``
+    virtual stages, and the first (last) model chunk builds one decoder layer fewer, so
+    Llama 3.1 405B's 126 layers on pp 16 x v 8 give ``[0, 1, ..., 1, 0]`` (Llama 3 paper,
+    section 3.3.2). The decoder-first/last flags cannot say 0 (``num_layers_in_first_pipeline_stage
+    must be larger than 0``, transformer_config.py) and with ``v > 1`` set whole stages."""
+    chunks = len(split)
+    if chunks < 2 or chunks % pp:
+        return None
+    for e, l in ((True, True), (True, False), (False, True)):
+        total = sum(split) + e + l
+        if total % chunks:
+            continue
+        q = total // chunks
+        want = [q] * chunks
+        want[0] -= e
+        want[-1] -= l
+        if want == list(split) and min(want) >= 0:
+            return e, l
+    return None
+
+
+def megatron_layout(split: list[int]) -> str:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` string for ``split`` (decoder
+    layers per model chunk, model order): ``E`` the embedding, ``t`` a decoder layer, ``L``
+    the loss (with the final norm and the output layer), chunks split by ``|``
+    (arguments.py's help, d98e8a64ddf34856e74b24714e3bedb2f5a39553)."""
+    parts = ["t" * n for n in split]
+    parts[0] = "E" + parts[0]
+    parts[-1] += "L"
+    return "|".join(parts)
+
+
 def _stage_split(plan: Plan) -> list[int]:
     """Layers per model chunk in model order (``pp * virtual_stages`` entries)."""
     par = plan.config.parallel
@@ -183,10 +223,13 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         add("--expert-tensor-parallel-size", deg["expert_tp"])
     if par.sequence_parallel:
         add("--sequence-parallel")
+    split = _stage_split(plan)
+    accounted = megatron_accounted_split(split, deg["pp"]) if len(set(split)) > 1 else None
     if deg["virtual_stages"] > 1:
         add("--num-virtual-stages-per-pipeline-rank", deg["virtual_stages"])
+        slots = m.layers + sum(accounted or ())   # the embedding and the loss count as layers
         notes.append("Megatron-LM releases before core 0.11 take "
-                     f"--num-layers-per-virtual-pipeline-stage {m.layers // (deg['pp'] * deg['virtual_stages'])} "
+                     f"--num-layers-per-virtual-pipeline-stage {slots // (deg['pp'] * deg['virtual_stages'])} "
                      "instead of --num-virtual-stages-per-pipeline-rank")
     if sched == "gpipe":
         notes.append("schedule gpipe: Megatron-LM has no GPipe schedule; it runs 1F1B (the same bubble, "
@@ -196,15 +239,19 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
                      "zero-bubble fork adds one); exported as 1F1B")
     elif sched == "interleaved_1f1b" and deg["virtual_stages"] == 1:
         notes.append("schedule interleaved_1f1b with one virtual stage is 1F1B")
-    split = _stage_split(plan)
     if par.stage_layers is not None and len(set(split)) > 1:
         middle = split[1:-1]
-        if deg["virtual_stages"] == 1 and len(set(middle)) <= 1 and len(split) > 1:
+        if deg["virtual_stages"] == 1 and len(set(middle)) <= 1 and len(split) > 1 and min(split) > 0:
             add("--decoder-first-pipeline-num-layers", split[0])
             add("--decoder-last-pipeline-num-layers", split[-1])
+        elif accounted is not None:
+            if accounted[0]:
+                add("--account-for-embedding-in-pipeline-split")
+            if accounted[1]:
+                add("--account-for-loss-in-pipeline-split")
         else:
             notes.append(f"stage_layers {split}: express this split with --pipeline-model-parallel-layout "
-                         "(Megatron-Core 0.13+); first/last-stage flags cannot")
+                         f"{megatron_layout(split)!r} (Megatron-Core 0.13+); first/last-stage flags cannot")
     if par.order != "tp-cp-ep-dp-pp":
         notes.append(f"order {par.order}: Megatron-LM's default rank order is tp-cp-ep-dp-pp "
                      "(--use-tp-pp-dp-mapping gives tp-cp-ep-pp-dp); other orders are not expressible")
@@ -481,6 +528,8 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--num-virtual-stages-per-pipeline-rank": [("model", "virtual_pipeline_model_parallel_size", int)],
     "--decoder-first-pipeline-num-layers": [("model", "num_layers_in_first_pipeline_stage", int)],
     "--decoder-last-pipeline-num-layers": [("model", "num_layers_in_last_pipeline_stage", int)],
+    "--account-for-embedding-in-pipeline-split": [("model", "account_for_embedding_in_pipeline_split", True)],
+    "--account-for-loss-in-pipeline-split": [("model", "account_for_loss_in_pipeline_split", True)],
     "--use-distributed-optimizer": [("ddp", "use_distributed_optimizer", True),
                                     ("optimizer", "use_distributed_optimizer", True)],
     "--use-torch-fsdp2": [("dist", "use_torch_fsdp2", True)],

@@ -139,8 +139,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     heads, each replicated on tp / kv_heads ranks), head_dim 8, ffn = 2 * hidden, seq_len 16 (at most 64 for
     prompt_completion and chat samples), dropout 0, fp32; the spec's data and tokenizer
     (a Hugging Face tokenizer sets the vocabulary), its own random weights.
-    Layers: the stage layout's shape (1 layer for the smallest `stage_layers` entries, 2 for
-    larger ones; 1 per chunk when even; 3 for ZeRO-3 with pp = 1, so that the two adjacent
+    Layers: the stage layout's shape (1 layer for the smallest nonzero `stage_layers` entries, 2 for
+    larger ones, 0 for a layer-less first or last chunk; 1 per chunk when even; 3 for ZeRO-3 with pp = 1, so that the two adjacent
     layers it holds at once are not all of them). Micro-batches: at most 2 * pp (a multiple of pp).
     Gradient buckets: at most :data:`MINI_BUCKET_SIZE` (``bucket_size = 0`` stays 0), so a
     miniature reduces several buckets per rank, as the full model does with its own size.
@@ -163,8 +163,9 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     head_dim = 8
     hidden = heads * head_dim
     if p.stage_layers is not None:
-        low = min(p.stage_layers)
-        stage_layers = tuple(1 if x == low else 2 for x in p.stage_layers)
+        # a layer-less first or last chunk (embedding or output only) stays layer-less
+        low = min((x for x in p.stage_layers if x), default=1)
+        stage_layers = tuple(0 if x == 0 else 1 if x == low else 2 for x in p.stage_layers)
     else:
         stage_layers = None
     chunks = p.pp * p.virtual_stages

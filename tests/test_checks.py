@@ -210,7 +210,20 @@ def test_fewer_layers_than_chunks():
     text = spec(model={"layers": "1"})
     assert one(text, "pp = 2") == ("layers = 1 cannot fill pp(2) * virtual_stages(1) = 2 model chunks",
                                    "use at most 1 model chunk: lower pp or virtual_stages so that "
-                                   "pp * virtual_stages <= layers", None)
+                                   "pp * virtual_stages <= layers, or give the first (and the last) chunk no "
+                                   "layer: `stage_layers = [0, 1]`", None)
+
+
+def test_fewer_layers_than_chunks_proposes_layer_less_end_chunks():
+    """Issue 29: with one or two layers fewer than chunks, the help proposes the
+    embedding-only first chunk (and the output-only last one) that fill them."""
+    text = spec(model={"layers": "2"}, parallel={"pp": "4", "dp": "1"})
+    assert one(text, "pp = 4") == ("layers = 2 cannot fill pp(4) * virtual_stages(1) = 4 model chunks",
+                                   "use at most 2 model chunks: lower pp or virtual_stages so that "
+                                   "pp * virtual_stages <= layers, or give the first (and the last) chunk no "
+                                   "layer: `stage_layers = [0, 1, 1, 0]`", None)
+    fixed = spec(model={"layers": "2"}, parallel={"pp": "4", "dp": "1", "stage_layers": "[0, 1, 1, 0]"})
+    assert diags(fixed) == []
 
 
 def test_stage_layers_wrong_length_and_sum():
@@ -223,12 +236,36 @@ def test_stage_layers_wrong_length_and_sum():
                                                   "e.g. `stage_layers = [2, 2]`", None)
 
 
-def test_stage_layers_entries_at_least_one():
-    text = spec(parallel={"stage_layers": "[4, 0]"})
+def test_stage_layers_entries_at_least_zero():
+    text = spec(parallel={"stage_layers": "[5, -1]"})
     found = diags(text)
-    line, col = where(text, "stage_layers = [4, 0]")
+    line, col = where(text, "stage_layers = [5, -1]")
     assert [(m, l, c, h) for _, m, l, c, h, _ in found] == [
-        ("each stage_layers entry must be at least 1, got `0`", line, col + 4, "use 1 or more")]
+        ("each stage_layers entry must not be negative, got `-1`", line, col + 4, "use 0 or more")]
+
+
+def test_stage_layers_layer_less_end_chunks_are_allowed():
+    """Issue 29: an embedding-only first chunk and an output-only last chunk (Llama 3 paper
+    section 3.3.2; Megatron-Core's --account-for-embedding/loss-in-pipeline-split)."""
+    for value in ("[4, 0]", "[0, 4]"):
+        cfg, warnings = load_spec(spec(parallel={"stage_layers": value}))
+        assert list(cfg.parallel.stage_layers) == [int(x) for x in value.strip("[]").split(",")]
+        assert warnings == []
+    cfg, _ = load_spec(spec(parallel={"pp": "4", "dp": "1", "stage_layers": "[0, 2, 2, 0]"}))
+    assert cfg.parallel.layers_per_chunk(4) == (0, 2, 2, 0)
+
+
+def test_stage_layers_zero_in_a_middle_chunk():
+    text = spec(parallel={"pp": "4", "dp": "1", "stage_layers": "[2, 0, 1, 1]"})
+    message, help, note = one(text, "stage_layers = [2, 0, 1, 1]")
+    assert message == ("stage_layers entry 2 of 4 is 0: only the first model chunk (the embedding) and the last "
+                       "one (the output layer and the loss) may hold no layers")
+    assert help == "give every middle model chunk at least one layer, e.g. `stage_layers = [1, 1, 1, 1]`"
+    assert note == "a middle model chunk with no layers would run nothing"
+    # the first of several is named, the count in the note
+    text = spec(parallel={"pp": "4", "dp": "1", "stage_layers": "[0, 0, 0, 4]", "virtual_stages": None})
+    message, help, note = one(text, "stage_layers = [0, 0, 0, 4]")
+    assert message.startswith("stage_layers entry 2 of 4 is 0") and note.endswith("(2 such entries)")
 
 
 # -- batches and schedules ------------------------------------------------------------------

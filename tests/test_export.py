@@ -493,9 +493,12 @@ def test_export_usage_errors(monkeypatch, capsys):
 # --use-rope-scaling and --rope-scaling-factor: arguments.py lines 2341-2344 there); vLLM 0.33.0 `vllm serve`
 # (vllm/entrypoints/cli/serve.py subparser_init + validate_parsed_serve_args, option
 # strings from vllm/engine/arg_utils.py); SGLang 0.5.23 sglang/srt/server_args.py
-# ServerArgs.add_cli_args.
+# ServerArgs.add_cli_args. The --account-for-*-in-pipeline-split pair (issue 29): TransformerConfig
+# fields (transformer_config.py lines 130 and 134 at core_v0.19.0,
+# 5be9626709af2722333bf54797c954c09edeada3) made flags by ArgumentGroupFactory (arguments.py line
+# 2290 there), not run through check_engine_parsers.py.
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
---adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
 --expert-model-parallel-size --expert-tensor-parallel-size --ffn-hidden-size
 --fp16 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --log-interval --lr --lr-decay-style
@@ -536,6 +539,7 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         make_vocab_size_divisible_by moe_aux_loss_coeff moe_ffn_hidden_size moe_layer_freq moe_router_topk
         moe_shared_expert_intermediate_size normalization num_attention_heads num_layers
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage num_moe_experts num_query_groups
+        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
         pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
         recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
         share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size
@@ -600,7 +604,13 @@ def test_megatron_bridge_names_the_plan(plans):
         assert md.get("virtual_pipeline_model_parallel_size", 1) == deg["virtual_stages"], name
         chunks = list(par.layers_per_chunk(mdl["layers"]))
         stages = [sum(chunks[r::deg["pp"]]) for r in range(deg["pp"])]
-        if len(set(stages)) > 1:
+        e, l = (bool(md.get(f"account_for_{x}_in_pipeline_split")) for x in ("embedding", "loss"))
+        if e or l:
+            # Megatron-Core's get_num_layers_to_build: the embedding / loss count as a layer
+            # of the even split; the first / last model chunk builds one decoder layer fewer
+            q, rest = divmod(mdl["layers"] + e + l, len(chunks))
+            assert rest == 0 and [q - e] + [q] * (len(chunks) - 2) + [q - l] == chunks, name
+        elif len(set(stages)) > 1:
             assert (md["num_layers_in_first_pipeline_stage"], md["num_layers_in_last_pipeline_stage"]) == \
                 (stages[0], stages[-1]), name
         assert c["mixed_precision"] == {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": None}[mdl["dtype"]], name
@@ -661,3 +671,35 @@ def test_serve_exports_name_the_plan(target, monkeypatch):
                                f"{sv.prompt_len + sv.max_new_tokens} tokens (the plan's {s['batch_per_replica']} "
                                "per replica"), note
         assert f"the GPU's free memory would hold {s['max_concurrent_sequences']}: raise {frac}" in note, note
+
+
+def test_megatron_layer_less_end_chunks():
+    """A layer-less first / last model chunk (Llama 3 paper section 3.3.2) exports as
+    Megatron-Core's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split
+    where those flags give the split (get_num_layers_to_build, core_v0.16.1), else as a note
+    with the --pipeline-model-parallel-layout string; torchtitan gets the embedding alone and
+    the output alone as model parts."""
+    from parcompile.driver import compile_config
+    from parcompile.export import megatron_accounted_split, megatron_args, megatron_layout, torchtitan_model_parts
+    from tests.program_utils import tiny_config
+    meta = [0] + [1] * 126 + [0]
+    assert megatron_accounted_split(meta, 16) == (True, True)
+    assert megatron_accounted_split([1, 2, 2, 2], 2) == (True, False)   # 7 + 1 = 4 x 2
+    assert megatron_accounted_split([0, 2, 2, 2], 2) is None
+    assert megatron_accounted_split([7, 8, 8, 7], 4) == (True, True)      # 30 + 2 = 4 x 8
+    assert megatron_accounted_split([0, 2, 1, 0], 2) is None             # 3 + 2 slots do not split in 4
+    assert megatron_layout([0, 2, 1, 0]) == "E|tt|t|L"
+    assert torchtitan_model_parts([0, 2, 1, 0], "output") == [
+        ["tok_embeddings"], ["layers.0", "layers.1"], ["layers.2"], ["norm", "output"]]
+    cfg = tiny_config(1, 1, 2, model=dict(layers=3), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 1, 1, 1), global_batch=8))
+    args, _ = megatron_args(compile_config(cfg))
+    flags = [f for f, _ in args]
+    assert "--account-for-embedding-in-pipeline-split" in flags
+    assert "--account-for-loss-in-pipeline-split" not in flags
+    assert "--decoder-first-pipeline-num-layers" not in flags
+    cfg = tiny_config(1, 1, 2, model=dict(layers=3), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 2, 1, 0), global_batch=8))
+    args, notes = megatron_args(compile_config(cfg))
+    assert not any("account-for" in f or "decoder-first" in f for f, _ in args)
+    assert any("--pipeline-model-parallel-layout 'E|tt|t|L'" in n for n in notes)

@@ -1,3 +1,5 @@
+from fractions import Fraction
+
 import pytest
 
 from parcompile.analysis.estimate import chunk_times, efficiency
@@ -154,3 +156,44 @@ def test_virtual_stages_need_the_interleaved_schedule():
     cfg = spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="zero_bubble", global_batch=4)
     with pytest.raises(PassError, match="pass schedule-pipeline failed: NotImplementedError: schedule zero_bubble"):
         run_until(cfg, "schedule-pipeline")
+
+
+def test_in_flight_weighs_chunks_of_unlike_sizes():
+    """Issue 29: with a layer-less end chunk a rank's chunks keep unlike bytes, and the
+    micro-batches in flight are weighed by them. pp 2, v 2, m 4, interleaved 1F1B. Rank 1
+    runs F(mb0, local 0) F(mb1, 0) F(mb0, 1) B(mb0, 1) F(mb1, 1) B(mb1, 1) F(mb2, 0)
+    B(mb0, 0) ...; with its local chunk 1 (model chunk 3, output only) keeping 0 bytes and
+    local chunk 0 keeping 10, three forwards of chunk 0 are outstanding after F(mb2, 0):
+    30 of its 10 + 0 bytes per micro-batch, 3 micro-batches (counting forwards: 3 / 2).
+    Rank 0 (1 and 10 bytes): F F (2) then F(mb0, 1) F(mb1, 1) (22) and F(mb2, 0) (23)."""
+    acts = build_actions("interleaved_1f1b", 2, 4, 2)
+    even = simulate(acts, [1] * 4, [2] * 4, 2, 2, 4)
+    assert list(even.in_flight) == [Fraction(5, 2), Fraction(3, 2)]
+    same = simulate(acts, [1] * 4, [2] * 4, 2, 2, 4, chunk_bytes=[7, 7, 7, 7])
+    assert same.in_flight == even.in_flight and same.makespan == even.makespan
+    weighed = simulate(acts, [1] * 4, [2] * 4, 2, 2, 4, chunk_bytes=[1, 10, 10, 0])
+    assert list(weighed.in_flight) == [Fraction(23, 11), Fraction(3)]
+    assert weighed.makespan == even.makespan
+
+
+def test_layer_less_last_chunk_plans_the_activations_its_rank_keeps():
+    """The plan's activations of the rank holding an output-only last chunk are its layers'
+    bytes per micro-batch times the forwards of its layered chunk outstanding at once (read
+    off its action list), plus the output layer's once."""
+    from parcompile.driver import compile_config
+    cfg = spec(tiny_model(layers=3), pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+               stage_layers=(0, 2, 1, 0), micro_batch=1, global_batch=4)
+    plan = compile_config(cfg)
+    acts = plan.data["schedule"]["actions"][1]
+    live = peak = 0
+    for a in acts:
+        if a["chunk"] == 0:          # local chunk 0 of rank 1: model chunk 1, layers 0 and 1
+            live += {"forward": 1, "backward": -1}.get(a["op"], 0)
+            peak = max(peak, live)
+    assert peak == 3
+    mem = plan.data["memory"]["per_stage"][1]
+    body = sum(b for _, b in mem["activations_per_layer"])    # layers 0 and 1, one micro-batch
+    assert plan.data["schedule"]["in_flight"][1] == peak
+    # the three micro-batches' layer bytes, plus the output layer's (less than one more body);
+    # counting forwards over both local chunks would plan 3 / 2 micro-batches
+    assert peak * body <= mem["activations"] < (peak + 1) * body

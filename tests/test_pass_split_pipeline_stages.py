@@ -46,3 +46,27 @@ def test_bad_stage_layers_is_the_checks_tables_error():
     anyway is a bug, reported as the pass's failure."""
     with pytest.raises(PassError, match="pass split-pipeline-stages failed: ValueError: .*sum to"):
         run_until(spec(pp=2, stage_layers=(1, 2)), "split-pipeline-stages")
+
+
+def test_layer_less_end_chunks_hold_the_embedding_and_the_output_layer():
+    """Issue 29 (Llama 3 paper section 3.3.2): stage_layers 0 for the first and the last
+    model chunk; a 0 anywhere else is refused (the checks table says so for a spec)."""
+    assert chunk_layers(3, 2, 2, (0, 2, 1, 0)) == [[], [0, 1], [2], []]
+    for bad in ((1, 0, 2, 0), (0, 3, -1, 1)):
+        with pytest.raises(ValueError, match="middle chunk"):
+            chunk_layers(3, 2, 2, bad)
+    g, _ = run_until(spec(tiny_model(layers=3), tp=2, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                          stage_layers=(0, 2, 1, 0)), "insert-collectives")
+    assert g.meta["chunks"] == [[], [0, 1], [2], []]
+    assert (g.node("embedding").stage, g.node("embedding").chunk) == (0, 0)
+    for n in ("final_norm", "lm_head", "loss"):
+        assert (g.node(n).stage, g.node(n).chunk) == (1, 3)
+    assert (g.node("layers.0.attn_norm").stage, g.node("layers.0.attn_norm").chunk) == (1, 1)
+    nodes = list(g.nodes())
+    sends = {(nd.op.attr("src_chunk"), nd.op.attr("dst_chunk")) for nd in nodes if nd.kind == "send_recv"}
+    assert sends == {(0, 1), (1, 2), (2, 3)}
+    # the vocab-parallel embedding's tp reduction runs on its own chunk, before the send
+    # (Megatron-LM's embedding reduces before the pipeline send)
+    conv = [nd for nd in nodes if nd.kind == "redistribute" and g.inputs(nd.name) == ["embedding"]]
+    assert len(conv) == 1 and (conv[0].stage, conv[0].chunk, conv[0].op.layer) == (0, 0, None)
+    assert any(k == "all_reduce" for k, _ in conv[0].op.attr("fwd"))

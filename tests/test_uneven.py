@@ -202,3 +202,29 @@ parallel {
     assert sum(chunks) == 80 and min(chunks) >= 1
     assert tuple(model_order) in candidate_splits(80, 32)
     assert len(_notes(plan)) == 1 and "pp(16) * virtual_stages(2) = 32" in _notes(plan)[0].message
+
+
+# -- issue 29: layer-less end chunks (Llama 3 paper section 3.3.2) ---------------------------
+
+
+def test_metas_405b_layout_with_layer_less_end_chunks_fits():
+    """examples/llama3_405b_meta_16k_h100.par: Llama 3 paper Table 4 (tp 8, pp 16, dp 128 on
+    16,384 H100 80GB, seq 8192, sequence parallel, interleaved 1F1B, no recomputation) with
+    section 3.3.2's zero = 2 and its 128 one-layer chunk slots, an embedding-only first
+    chunk and an output-only last one. The layout ran on 80 GB GPUs, so it must plan as
+    fitting with the default memory_reserve."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama3_405b_meta_16k_h100.par"
+    plan = parcompile.compile(path.read_text(), filename=str(path))
+    cfg = plan.config
+    assert "memory_reserve" not in path.read_text()          # the default reserve
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp) == (8, 16, 128, 1)
+    assert cfg.parallel.zero == 2 and cfg.parallel.recompute == "none" and cfg.parallel.sequence_parallel
+    per_stage = [[len(c) for c in s["chunks"]] for s in plan.data["stages"]]
+    model_order = [per_stage[k % 16][k // 16] for k in range(128)]
+    assert model_order == [0] + [1] * 126 + [0], per_stage
+    mem = plan.data["memory"]
+    usable = cfg.cluster.memory * (1 - cfg.cluster.memory_reserve)
+    assert mem["fits"] and 0 < mem["peak"] <= usable
+    assert max(s["total"] for s in mem["per_stage"]) == mem["peak"]
+    assert not [d for d in plan.warnings if d.severity == "warning" and "memory" in d.message.lower()]

@@ -33,6 +33,13 @@ CASES = {
     "pp2_interleaved_v2": dict(pp=2, model=dict(layers=8),
                                parallel=dict(schedule="interleaved_1f1b", virtual_stages=2, global_batch=8)),
     "pp2_zero_bubble": dict(pp=2, parallel=dict(schedule="zero_bubble")),
+    # issue 29: layer-less end chunks (Llama 3 paper section 3.3.2): an embedding-only first
+    # model chunk and an output-only last one, alone on their local chunk of the rank
+    "pp2_interleaved_v2_layerless_ends": dict(pp=2, model=dict(layers=3), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 2, 1, 0), global_batch=8)),
+    "dp2_tp2_pp2_v2_layerless_ends_zero2_sp": dict(dp=2, tp=2, pp=2, parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 2, 2, 0), global_batch=8, zero=2,
+        sequence_parallel=True)),
     "pp4_zero_bubble": dict(pp=4, parallel=dict(schedule="zero_bubble")),
     "tp2_pp2_zero_bubble_tied": dict(tp=2, pp=2, model=dict(tie_embeddings=True),
                                      parallel=dict(schedule="zero_bubble")),
@@ -168,6 +175,15 @@ def test_miniature_keeps_the_parallel_structure():
     assert p.num_microbatches == 4                             # 2 * pp
     ref = reference(mini)
     assert ref.parallel.world_size == 1 and ref.parallel.global_batch == p.global_batch
+
+
+def test_miniature_keeps_layer_less_end_chunks():
+    """Issue 29: Meta's split (an embedding-only first chunk, an output-only last one) stays
+    so in the miniature; the layered chunks get 1 or 2 layers as usual."""
+    cfg = tiny_config(1, 1, 2, model=dict(layers=129), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 64, 65, 0), global_batch=8))
+    mini = miniature(cfg)
+    assert mini.parallel.stage_layers == (0, 1, 2, 0) and mini.model.layers == 3
 
 
 def test_compare_reports_a_wrong_weight(tmp_path):

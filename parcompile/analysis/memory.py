@@ -33,7 +33,10 @@ graph (:mod:`parcompile.ir.ops`: the operands each op keeps, counted once per te
 plus softmax and dropout masks), times the micro-batches the schedule keeps in flight on
 the stage (``in_flight``: GPipe ``m``; 1F1B ``min(p - s, m)`` on stage s; interleaved
 1F1B ``(2(p-s-1) + (v-1)p + 1)/v`` capped at ``m``, i.e. ``p (1 + (p-1)/(p v))`` on
-stage 0, Korthikanti et al. 2022 section 4.2.3). Rules, after Megatron-LM:
+stage 0, Korthikanti et al. 2022 section 4.2.3; when a rank's chunks keep unlike bytes, an
+uneven ``stage_layers`` with virtual stages or a layer-less first or last chunk, the
+simulated schedule weighs each chunk's forwards in flight by its bytes,
+:func:`parcompile.core.schedule.simulate`'s ``chunk_bytes``). Rules, after Megatron-LM:
 
 * with sequence parallelism a column-parallel layer keeps the sequence-split input it
   all-gathers, not the gathered copy (it gathers again in backward; Korthikanti

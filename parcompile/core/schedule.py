@@ -257,14 +257,21 @@ def _where(r: int, i: int, op: str, mb: int, c: int) -> str:
 
 def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_time: Sequence[float],
              pp: int, virtual_stages: int = 1, num_microbatches: int | None = None,
-             p2p_time: float = 0.0, wgrad_time: Sequence[float] | None = None) -> SimResult:
+             p2p_time: float = 0.0, wgrad_time: Sequence[float] | None = None,
+             chunk_bytes: Sequence[int] | None = None) -> SimResult:
     """Run the action lists (see module docstring).
 
     ``fwd_time[k]``/``bwd_time[k]``: seconds for one micro-batch through model chunk ``k``
     (the backward with both gradients). ``wgrad_time[k]``: the weight-gradient part of
     it (default: ``fwd_time[k]``, the matmuls' weight-gradient FLOPs equal their forward
     FLOPs); ``backward_input`` takes the rest. ``p2p_time``: seconds from a send to its
-    receive being satisfiable.
+    receive being satisfiable. ``chunk_bytes[k]``: what one micro-batch keeps for backward
+    in model chunk ``k`` (bytes; default: the same for every chunk). ``in_flight`` of a rank
+    is the peak, over time, of the bytes its forwards not yet backwarded keep, over the
+    bytes of one micro-batch through all of its chunks; with equal chunks that is the peak
+    count of such forwards over ``virtual_stages``. Chunks of unlike sizes (an uneven
+    ``stage_layers``, a layer-less first or last chunk) need the bytes: in an interleaved
+    schedule a rank's first chunks hold more micro-batches than its last ones.
 
     Raises:
         ScheduleError: a missing dependency, a duplicate or missing action, or a deadlock.
@@ -283,6 +290,17 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     bwd_done: set[tuple[int, int]] = set()
     live = [0] * pp   # forwards whose backward has not run, each 1/v micro-batch
     peak = [0] * pp
+    if chunk_bytes is not None:
+        # weights in bytes; a rank whose chunks keep nothing counts forwards instead
+        weight = [int(x) for x in chunk_bytes]
+        whole = [sum(weight[c * pp + r] for c in range(v)) for r in range(pp)]
+        for r in range(pp):
+            if whole[r] <= 0:
+                for c in range(v):
+                    weight[c * pp + r] = 1
+                whole[r] = v
+    else:
+        weight, whole = [1] * (pp * v), [v] * pp
     events: list[tuple[int, str, int, int, float, float]] = []
     total = sum(len(a) for a in actions)
     done = 0
@@ -317,7 +335,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                     fwd_add((mb, k))
                     t += fwd_time[k]
                     bz += fwd_time[k]
-                    lv += 1
+                    lv += weight[k]
                     if lv > pk:
                         pk = lv
                 elif op == "send_forward":
@@ -341,7 +359,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                         split.add((mb, k))
                     t += d
                     bz += d
-                    lv -= 1
+                    lv -= weight[k]
                 elif op == "backward_weight":
                     if (mb, k) not in split:
                         raise ScheduleError(f"{_where(r, i, op, mb, c)}: weight gradient before its input gradient")
@@ -371,7 +389,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
         if fwd_done != want or bwd_done != want or wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
-    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(Fraction(x, v) for x in peak), tuple(events))
+    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(Fraction(x, whole[r]) for r, x in enumerate(peak)), tuple(events))
 
 
 @dataclass(frozen=True)

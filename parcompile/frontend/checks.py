@@ -345,10 +345,16 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
         # layers that do not divide into the chunks are split unevenly by the compiler
         # (parcompile.search.settle_split, with a note); fewer layers than chunks cannot be
         if m.layers < chunks:
+            ends = None
+            if chunks - 2 <= m.layers and chunks <= _MAX_PROPOSED_CHUNKS:
+                # an embedding-only first chunk (and an output-only last one) fill the rest
+                fill = [0] + [1] * m.layers + ([0] if m.layers == chunks - 2 else [])
+                ends = "`stage_layers = [" + ", ".join(map(str, fill)) + "]`"
             ctx.bag.error(f"layers = {m.layers} cannot fill {chunk_words} model chunks",
                           ctx.span("parallel.pp", "parallel.virtual_stages"),
                           help=f"use at most {plural(m.layers, 'model chunk')}: lower pp or virtual_stages so that "
-                               f"pp * virtual_stages <= layers")
+                               f"pp * virtual_stages <= layers"
+                               + (f", or give the first (and the last) chunk no layer: {ends}" if ends else ""))
         return
     span = ctx.span("parallel.stage_layers")
     if len(p.stage_layers) != chunks:
@@ -357,6 +363,19 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
     elif sum(p.stage_layers) != m.layers:
         ctx.bag.error(f"stage_layers sum to {sum(p.stage_layers)}, expected layers = {m.layers}", span,
                       help=f"e.g. {split}" if split else None)
+    if len(p.stage_layers) == chunks:
+        # a layer-less chunk holds only the embedding (the first) or only the output layer
+        # and the loss (the last): Llama 3 paper section 3.3.2; Megatron-Core's
+        # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split
+        empty = [k for k, n in enumerate(p.stage_layers) if n == 0 and 0 < k < chunks - 1]
+        if empty:
+            k = empty[0]
+            ctx.bag.error(f"stage_layers entry {k + 1} of {chunks} is 0: only the first model chunk (the "
+                          "embedding) and the last one (the output layer and the loss) may hold no layers",
+                          span, note=f"a middle model chunk with no layers would run nothing"
+                          + (f" ({len(empty)} such entries)" if len(empty) > 1 else ""),
+                          help="give every middle model chunk at least one layer"
+                               + (f", e.g. {split}" if split else ""))
 
 
 def _nearest_multiples(x: int, unit: int, at_least: int = 1) -> list[int]:

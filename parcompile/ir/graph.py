@@ -180,10 +180,11 @@ class Graph:
     def insert_between(self, producer: str, consumers: Sequence[tuple[str, int]], name: str, kind: str,
                        attrs: Mapping[str, Any] | None = None, sharding: Sharding | None = None,
                        requires: Sharding | None = None, grad: Sharding | None = None,
-                       stage: int | None = None, chunk: int | None = None) -> str:
+                       stage: int | None = None, chunk: int | None = None, on_producer: bool = False) -> str:
         """Insert a one-operand op reading ``producer`` and rewire each ``(consumer,
         operand index)`` to read it instead. The new op has the producer's type; its layout
-        defaults to the producer's; stage/chunk default to the first consumer's.
+        defaults to the producer's; stage/chunk (and decoder layer) default to the first
+        consumer's, or to the producer's with ``on_producer``.
 
         Raises:
             GraphError: a consumer operand does not read ``producer``.
@@ -192,7 +193,7 @@ class Graph:
             if not self._g.has_edge(producer, v, key=k):
                 raise GraphError(f"op {v!r} operand {k} does not read {producer!r}")
         p = self.node(producer)
-        first = self.node(consumers[0][0]) if consumers else p
+        first = self.node(consumers[0][0]) if consumers and not on_producer else p
         self.add_op(name, kind, [producer], attrs, layer=first.op.layer, origin=p.op.origin, type=p.type)
         nd = self.node(name)
         self._put(replace(

@@ -12,7 +12,10 @@
    region", whose backward is the all-reduce). The op's ``where`` is the producer's
    module for a forward reduction (``wo``, ``w2``, the embedding) or a local split (the
    scatter into the sequence-parallel region), the first consumer's otherwise (the QKV
-   and MLP inputs, the head).
+   and MLP inputs, the head). Layout changes are inserted before stage changes, and a
+   producer's conversion (a reduction or a local split) runs on the producer's model
+   chunk: an embedding-only first chunk reduces (or reduce-scatters) the embedding before
+   it sends it, as Megatron-LM's embedding does.
 3. Step collectives, once per step per rank of a stage: the gradient reduction over
    ``dp_cp``, one per gradient bucket (:mod:`parcompile.analysis.buckets`; an all-reduce
    of the bucket's fp32 gradients; with ZeRO >= 1 a reduce-scatter of it and an
@@ -101,10 +104,15 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             if (ctx.cfg.workload == "train" and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
                     and all(graph.node(v).kind == "linear" for v, _ in consumers)):
                 attrs["regather"] = True
+            # a conversion the producer's layout calls for (a partial sum reduced, a split
+            # made) runs where the producer runs: the embedding's reduction stays on the
+            # first model chunk when that chunk holds no decoder layer (Megatron-LM's
+            # embedding reduce-scatters before the pipeline send)
             graph.insert_between(
                 u, consumers, name, "redistribute",
                 attrs=attrs,
                 sharding=req, requires=pu.sharding, grad=dual(pu.sharding),
+                on_producer=local and first.chunk != pu.chunk,
             )
             # the consumers now see the converted tensor; its gradient arrives in `grad`
 
@@ -199,7 +207,7 @@ class InsertCollectives:
     name: str = "insert-collectives"
 
     def apply(self, graph: Graph, ctx: PassContext) -> None:
+        _insert_conversions(graph, ctx)   # first: a producer's conversion precedes its send
         _insert_send_recv(graph, ctx)
-        _insert_conversions(graph, ctx)
         _insert_step_collectives(graph, ctx)
         graph.meta["collectives_inserted"] = True

@@ -31,7 +31,13 @@ def chunk_layers(layers: int, pp: int, virtual_stages: int, stage_layers=None) -
     """Layer ids of each model chunk, in model order (``pp * virtual_stages`` lists).
 
     Raises:
-        ValueError: ``stage_layers`` has the wrong length or does not sum to ``layers``.
+        ValueError: ``stage_layers`` has the wrong length, does not sum to ``layers``, or
+            gives 0 layers (or fewer) to a model chunk other than the first and the last.
+
+    The first chunk may hold no layers (only the embedding) and the last one none (only the
+    final norm, the output layer and the loss), as Meta split Llama 3.1 405B (Llama 3 paper,
+    section 3.3.2) and as Megatron-Core's ``--account-for-embedding-in-pipeline-split`` /
+    ``--account-for-loss-in-pipeline-split`` place them.
     """
     n = pp * virtual_stages
     if stage_layers is not None:
@@ -40,6 +46,9 @@ def chunk_layers(layers: int, pp: int, virtual_stages: int, stage_layers=None) -
             raise ValueError(f"stage_layers has {len(counts)} entries, pp * virtual_stages = {n}")
         if sum(counts) != layers:
             raise ValueError(f"stage_layers sum to {sum(counts)}, layers = {layers}")
+        if any(c < 0 for c in counts) or 0 in counts[1:-1]:
+            raise ValueError(f"stage_layers {counts}: a count is negative or a middle chunk holds no layers "
+                             "(only the first and the last model chunk may hold 0)")
     else:
         counts = even_split(layers, n)
     out, start = [], 0
