@@ -504,7 +504,8 @@ class Coster:
                             _compose(ct3.recompute, counts),
                             {f: _compose(ct3.comm_f[f], counts) for f in fams},
                             {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p,
-                            _compose(ct3.weighted_f, counts) if ct3.weighted_f else ())
+                            _compose(ct3.weighted_f, counts) if ct3.weighted_f else (),
+                            _compose(ct3.overhead_f, counts) if ct3.overhead_f else ())
             span, parts = pipeline_parts(cfg, ct, m)
             got = self.pipes[key] = (ct, span, parts)
         return got
