@@ -11,6 +11,10 @@ target is a ratio measured / predicted within 0.5-2.
 
 A loaded machine inflates the measured times (and the probe's figures, if it runs then):
 the load average is printed before each run; run it on a quiet machine to judge the model.
+``--cpu`` adds a measure less sensitive to other users: the CPU seconds all ranks spend per
+step (this process's children's CPU time, a run of ``steps`` steps less a run of one step,
+over ``steps - 1``), over ``min(ranks, cores)``: the step time of a machine with nothing
+else running if no rank ever waited idle (a floor for pipelines; spin-waiting threads count).
 
 Run: ``python benchmarks/cpu_estimate.py [--steps 6] [--repeats 1] [--only tiny,tp2]``;
 ``--smoke`` compiles every layout and prints the predictions without running (what the
@@ -64,20 +68,26 @@ def predicted(name: str) -> tuple[float, dict, str]:
     return est["step_time"], est["breakdown"], est["assumptions"].get("cluster_figures", "")
 
 
-def measure(name: str, steps: int, work: Path) -> list[float]:
-    """Step seconds of steps 2..``steps`` of layout ``name`` under ``parcompile run``."""
+def measure(name: str, steps: int, work: Path) -> tuple[list[float], float]:
+    """(step seconds of steps 2..``steps``, CPU seconds of every process of the run) of
+    layout ``name`` under ``parcompile run``."""
+    import resource
+
     spec = work / f"{name}.par"
     spec.write_text(spec_text(name))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "parcompile", "run", str(spec), "--steps", str(steps),
                            "-o", str(work / name)], capture_output=True, text=True, cwd=work,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                                           os.environ.get("PYTHONPATH")]))})
     if proc.returncode:
         raise SystemExit(f"{name}: parcompile run failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     times = [float(m.group(3)) for m in map(STEP.match, proc.stdout.splitlines()) if m and int(m.group(1)) > 1]
-    if not times:
+    if not times and steps > 1:
         raise SystemExit(f"{name}: no step lines in the output:\n{proc.stdout[-2000:]}")
-    return times
+    return times, cpu
 
 
 def load() -> str:
@@ -93,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per layout (default 1)")
     ap.add_argument("--only", default="", help="comma-separated layouts (default all: " + ", ".join(LAYOUTS) + ")")
     ap.add_argument("--smoke", action="store_true", help="predictions only, no runs")
+    ap.add_argument("--cpu", action="store_true", help="also the CPU-bound step time (a one-step run more per layout)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if os.environ.get("PARCOMPILE_CPU_PROBE", "").strip() == "fixed" and not args.smoke:
@@ -106,7 +117,7 @@ def main(argv=None) -> int:
     for name in names:
         pred, parts, figures = predicted(name)
         rows.append({"layout": name, "ranks": LAYOUTS[name][0], "predicted": pred, "breakdown": parts,
-                     "measured": [], "loads": []})
+                     "measured": [], "loads": [], "cpu_bound": []})
         print(f"{name}: {figures}")
     print(f"compiled in {time.perf_counter() - t0:.2f} s (with the probe, where it ran)")
     if not args.smoke:
@@ -114,15 +125,23 @@ def main(argv=None) -> int:
             for _ in range(args.repeats):
                 for row in rows:
                     row["loads"].append(load())
-                    row["measured"].append(statistics.median(measure(row["layout"], args.steps, Path(tmp))))
+                    times, cpu = measure(row["layout"], args.steps, Path(tmp))
+                    row["measured"].append(statistics.median(times))
+                    if args.cpu:
+                        _, cpu1 = measure(row["layout"], 1, Path(tmp))
+                        share = min(row["ranks"], os.cpu_count() or 1)
+                        row["cpu_bound"].append((cpu - cpu1) / (args.steps - 1) / share)
     print(f"{'layout':<8} {'ranks':>5} {'predicted s':>12} {'measured s (median of steps 2..)':>34} "
-          f"{'ratio':>6}  load before each run")
+          f"{'ratio':>6} {'cpu-bound s':>12} {'ratio':>6}  load before each run")
     for row in rows:
         meas = row["measured"]
         m = statistics.median(meas) if meas else None
         ratio = f"{m / row['predicted']:6.2f}" if m else "     -"
+        cb = statistics.median(row["cpu_bound"]) if row["cpu_bound"] else None
+        cratio = f"{cb / row['predicted']:6.2f}" if cb else "     -"
         print(f"{row['layout']:<8} {row['ranks']:>5} {row['predicted']:>12.4f} "
-              f"{', '.join(f'{x:.3f}' for x in meas) or '-':>34} {ratio}  {'; '.join(row['loads'])}")
+              f"{', '.join(f'{x:.3f}' for x in meas) or '-':>34} {ratio} "
+              f"{', '.join(f'{x:.3f}' for x in row['cpu_bound']) or '-':>12} {cratio}  {'; '.join(row['loads'])}")
         top = sorted(((v, k) for k, v in row["breakdown"].items() if v > 0), reverse=True)[:4]
         print(f"{'':<8} predicted: " + ", ".join(f"{k} {v:.4f}" for v, k in top))
     if args.json:
