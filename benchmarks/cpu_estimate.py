@@ -11,10 +11,6 @@ target is a ratio measured / predicted within 0.5-2.
 
 A loaded machine inflates the measured times (and the probe's figures, if it runs then):
 the load average is printed before each run; run it on a quiet machine to judge the model.
-``--cpu`` adds a measure less sensitive to other users: the CPU seconds all ranks spend per
-step (this process's children's CPU time, a run of ``steps`` steps less a run of one step,
-over ``steps - 1``), over ``min(ranks, cores)``: the step time of a machine with nothing
-else running if no rank ever waited idle (a floor for pipelines; spin-waiting threads count).
 
 Run: ``python benchmarks/cpu_estimate.py [--steps 6] [--repeats 1] [--only tiny,tp2]``;
 ``--smoke`` compiles every layout and prints the predictions without running (what the
@@ -103,7 +99,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per layout (default 1)")
     ap.add_argument("--only", default="", help="comma-separated layouts (default all: " + ", ".join(LAYOUTS) + ")")
     ap.add_argument("--smoke", action="store_true", help="predictions only, no runs")
-    ap.add_argument("--cpu", action="store_true", help="also the CPU-bound step time (a one-step run more per layout)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if os.environ.get("PARCOMPILE_CPU_PROBE", "").strip() == "fixed" and not args.smoke:
@@ -117,7 +112,7 @@ def main(argv=None) -> int:
     for name in names:
         pred, parts, figures = predicted(name)
         rows.append({"layout": name, "ranks": LAYOUTS[name][0], "predicted": pred, "breakdown": parts,
-                     "measured": [], "loads": [], "cpu_bound": []})
+                     "measured": [], "loads": []})
         print(f"{name}: {figures}")
     print(f"compiled in {time.perf_counter() - t0:.2f} s (with the probe, where it ran)")
     if not args.smoke:
@@ -125,23 +120,16 @@ def main(argv=None) -> int:
             for _ in range(args.repeats):
                 for row in rows:
                     row["loads"].append(load())
-                    times, cpu = measure(row["layout"], args.steps, Path(tmp))
+                    times, _ = measure(row["layout"], args.steps, Path(tmp))
                     row["measured"].append(statistics.median(times))
-                    if args.cpu:
-                        _, cpu1 = measure(row["layout"], 1, Path(tmp))
-                        share = min(row["ranks"], os.cpu_count() or 1)
-                        row["cpu_bound"].append((cpu - cpu1) / (args.steps - 1) / share)
     print(f"{'layout':<8} {'ranks':>5} {'predicted s':>12} {'measured s (median of steps 2..)':>34} "
-          f"{'ratio':>6} {'cpu-bound s':>12} {'ratio':>6}  load before each run")
+          f"{'ratio':>6}  load before each run")
     for row in rows:
         meas = row["measured"]
         m = statistics.median(meas) if meas else None
         ratio = f"{m / row['predicted']:6.2f}" if m else "     -"
-        cb = statistics.median(row["cpu_bound"]) if row["cpu_bound"] else None
-        cratio = f"{cb / row['predicted']:6.2f}" if cb else "     -"
         print(f"{row['layout']:<8} {row['ranks']:>5} {row['predicted']:>12.4f} "
-              f"{', '.join(f'{x:.3f}' for x in meas) or '-':>34} {ratio} "
-              f"{', '.join(f'{x:.3f}' for x in row['cpu_bound']) or '-':>12} {cratio}  {'; '.join(row['loads'])}")
+              f"{', '.join(f'{x:.3f}' for x in meas) or '-':>34} {ratio}  {'; '.join(row['loads'])}")
         top = sorted(((v, k) for k, v in row["breakdown"].items() if v > 0), reverse=True)[:4]
         print(f"{'':<8} predicted: " + ", ".join(f"{k} {v:.4f}" for v, k in top))
     if args.json:
