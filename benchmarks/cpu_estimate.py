@@ -12,7 +12,13 @@ target is a ratio measured / predicted within 0.5-2.
 A loaded machine inflates the measured times (and the probe's figures, if it runs then):
 the load average is printed before each run; run it on a quiet machine to judge the model.
 
-Run: ``python benchmarks/cpu_estimate.py [--steps 6] [--repeats 1] [--only tiny,tp2]``;
+A measure that other users' load disturbs much less: ``--best`` also imports the
+``single`` layout's program in this process and times its step's pipeline (every
+micro-batch's forward and backward, ``rt.run_schedule``) again and again for ``--best``
+seconds, keeping the fastest, against the prediction less its optimizer step; once with
+this process's threads, once with one thread (against the prediction with a core).
+
+Run: ``python benchmarks/cpu_estimate.py [--steps 6] [--repeats 1] [--only tiny,tp2] [--best 2]``;
 ``--smoke`` compiles every layout and prints the predictions without running (what the
 test suite runs).
 """
@@ -86,6 +92,75 @@ def measure(name: str, steps: int, work: Path) -> tuple[list[float], float]:
     return times, cpu
 
 
+def best_single(seconds: float) -> list[tuple[int, float, float]]:
+    """[(threads, fastest seconds of the ``single`` layout's pipeline in this process,
+    predicted seconds of it)] with this process's threads and with one (module docstring)."""
+    import importlib.util
+    import time as _time
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _program import build
+
+    from parcompile import runtime as rt
+
+    out = []
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="cpu-estimate-") as tmp:
+        text = spec_text("single").replace('"builtin:pydoc"', '"synthetic"')
+        _, plan, module = build(text, Path(tmp), "single")
+        captured = {}
+        original = rt.run_schedule
+
+        def capture(*a, **k):
+            captured["args"], captured["kwargs"] = a, k
+            return original(*a, **k)
+
+        module.rt.run_schedule = capture
+        try:
+            module.main(["--steps", "1", "--no-resume"])
+        finally:
+            module.rt.run_schedule = original
+        a = list(captured["args"])
+        stage = a[2].__self__          # the program's loss closure names a variable main() deletes
+        a[3] = lambda y, t: stage.loss(y, t)
+        captured["args"] = tuple(a)
+        for n in sorted({threads, 1}, reverse=True):
+            torch.set_num_threads(n)
+            est = parcompile_estimate(text, cores=n)
+            original(*captured["args"], **captured["kwargs"])      # warm up
+            fastest, end = float("inf"), _time.perf_counter() + seconds
+            while _time.perf_counter() < end:
+                t0 = _time.perf_counter()
+                original(*captured["args"], **captured["kwargs"])
+                fastest = min(fastest, _time.perf_counter() - t0)
+            out.append((n, fastest, est))
+        torch.set_num_threads(threads)
+    return out
+
+
+def parcompile_estimate(text: str, cores: int) -> float:
+    """The predicted step seconds of ``text`` less its optimizer step, with ``cores`` cores."""
+    import parcompile
+    from parcompile.config import host
+
+    figures = host.host_figures()
+    if figures is not None:   # this machine's figures, as many cores as asked
+        from dataclasses import replace
+
+        real = host.host_figures
+        host.host_figures = lambda *a, **k: replace(figures, cores=cores)
+        try:
+            plan = parcompile.compile(text, filename="single.par")
+        finally:
+            host.host_figures = real
+    else:
+        plan = parcompile.compile(text, filename="single.par")
+    est = plan.data["estimate"]
+    return est["step_time"] - est["breakdown"].get("optimizer", 0.0)
+
+
 def load() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -100,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated layouts (default all: " + ", ".join(LAYOUTS) + ")")
     ap.add_argument("--smoke", action="store_true", help="predictions only, no runs")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--best", type=float, default=0.0, metavar="S",
+                    help="also time the single layout's pipeline in this process for S seconds, keeping the fastest")
     args = ap.parse_args(argv)
     if os.environ.get("PARCOMPILE_CPU_PROBE", "").strip() == "fixed" and not args.smoke:
         print("note: PARCOMPILE_CPU_PROBE=fixed: predictions use the preset's fixed figures, not this machine's")
@@ -132,6 +209,10 @@ def main(argv=None) -> int:
               f"{', '.join(f'{x:.3f}' for x in meas) or '-':>34} {ratio}  {'; '.join(row['loads'])}")
         top = sorted(((v, k) for k, v in row["breakdown"].items() if v > 0), reverse=True)[:4]
         print(f"{'':<8} predicted: " + ", ".join(f"{k} {v:.4f}" for v, k in top))
+    if args.best > 0:
+        print(f"single layout in this process, fastest pipeline of {args.best:g} s of repeats (load {load()}):")
+        for n, fastest, est in best_single(args.best):
+            print(f"  {n} thread(s): predicted {est:.4f} s, fastest {fastest:.4f} s, ratio {fastest / est:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
