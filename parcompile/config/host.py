@@ -27,7 +27,7 @@ step time mean something here:
   node's other ranks do: with more ranks than cores a collective waits for its peers to
   be scheduled, a time slice at a time (measured at ``ranks``, not scaled; :func:`gloo_latency`).
 
-The GEMM, copy, per-op and gloo figures come from a probe (about 0.5 s, and 0.1-0.4 s for
+The GEMM, copy, per-op and gloo figures come from a probe (about 0.5 s, and up to about 1 s for
 each new rank count's gloo figure) run once per machine and torch version and cached in ``$XDG_CACHE_HOME/parcompile/cpu-probe.json``
 (default ``~/.cache/parcompile``), written atomically. ``PARCOMPILE_CPU_PROBE`` overrides:
 
@@ -74,6 +74,9 @@ LAYER_OPS = 15
 #: :data:`GLOO_BLOCK` (:func:`gloo_latency`)
 GLOO_ROUNDS = 60
 GLOO_BLOCK = 10
+#: with more ranks than cores the rounds go on for this long at least (seconds): the waits
+#: for a descheduled peer come a time slice apart, and their mean needs many slices
+GLOO_CONTENDED_S = 0.3
 #: the most busy processes the latency probe starts beside its two ranks, per core
 BUSY_PER_CORE = 8
 
@@ -189,7 +192,8 @@ def gloo_latency(ranks: int = 2) -> float | None:
     two-rank ring all-reduce is two steps) over :data:`GLOO_ROUNDS` rounds while ``ranks -
     2`` forked processes (at most :data:`BUSY_PER_CORE` per core) keep the cores busy as the
     node's other ranks would. With more ranks than cores the waits for a descheduled peer
-    (a time slice now and then) are the point: the mean of all rounds; else the mean of the
+    (a time slice now and then) are the point: the mean of all rounds, for at least
+    :data:`GLOO_CONTENDED_S` seconds; else the mean of the
     fastest block of :data:`GLOO_BLOCK` rounds (what else the machine runs meanwhile shows in
     some blocks only). None when gloo cannot run here (no loopback interface, no gloo in this
     torch, no ``fork``)."""
@@ -210,6 +214,7 @@ def gloo_latency(ranks: int = 2) -> float | None:
     if busy and not hasattr(os, "fork"):
         return None
     means: list[float] = []
+    ready = threading.Barrier(3, timeout=15)     # both ranks connected; then the busy processes start
 
     def rank(r: int) -> None:
         try:
@@ -217,18 +222,25 @@ def gloo_latency(ranks: int = 2) -> float | None:
             x = torch.zeros(1)
             for _ in range(3):
                 pg.allreduce([x]).wait()
-            blocks = []
-            for _ in range(GLOO_ROUNDS // GLOO_BLOCK):
+            ready.wait()
+            ready.wait()
+            blocks: list[float] = []
+            until = time.perf_counter() + (GLOO_CONTENDED_S if oversubscribed else 0.0)
+            while len(blocks) < GLOO_ROUNDS // GLOO_BLOCK or (time.perf_counter() < until and len(blocks) < 1000):
                 t0 = time.perf_counter()
                 for _ in range(GLOO_BLOCK):
                     pg.allreduce([x]).wait()
                 blocks.append((time.perf_counter() - t0) / GLOO_BLOCK)
             means.append(sum(blocks) / len(blocks) if oversubscribed else min(blocks))
         except Exception:
-            pass
+            ready.abort()
 
     pids: list[int] = []
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
     try:
+        for th in threads:
+            th.start()
+        ready.wait()                             # connected (gloo's handshake would wait on the busy ones)
         for _ in range(busy):
             pid = os.fork()
             if pid == 0:   # a busy rank: spin, and end by itself should this process die
@@ -237,11 +249,11 @@ def gloo_latency(ranks: int = 2) -> float | None:
                     pass
                 os._exit(0)
             pids.append(pid)
-        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-        for th in threads:
-            th.start()
+        ready.wait()
         for th in threads:
             th.join(timeout=15)
+    except threading.BrokenBarrierError:
+        pass
     finally:
         for pid in pids:
             try:
