@@ -285,7 +285,8 @@ def _quad_times(ct: ChunkTimes, dct: ChunkTimes | None) -> ChunkTimes:
                       q(ct.recompute, d and d.recompute),
                       {f: q(v, d and d.comm_f[f]) for f, v in ct.comm_f.items()},
                       {f: q(v, d and d.comm_b[f]) for f, v in ct.comm_b.items()}, ct.p2p,
-                      q(ct.weighted_f, d and d.weighted_f) if ct.weighted_f else ())
+                      q(ct.weighted_f, d and d.weighted_f) if ct.weighted_f else (),
+                      q(ct.overhead_f, d and d.overhead_f) if ct.overhead_f else ())
 
 
 def _stage_bufs(pq: tuple, dense: bool, moe: bool, first: bool, last: bool, pp1: bool) -> dict[str, int]:
@@ -645,7 +646,8 @@ class Coster:
                             _compose(ct3.recompute, counts, d),
                             {f: _compose(ct3.comm_f[f], counts, d) for f in fams},
                             {f: _compose(ct3.comm_b[f], counts, d) for f in fams}, ct3.p2p,
-                            _compose(ct3.weighted_f, counts, d) if ct3.weighted_f else ())
+                            _compose(ct3.weighted_f, counts, d) if ct3.weighted_f else (),
+                            _compose(ct3.overhead_f, counts, d) if ct3.overhead_f else ())
             span, parts = pipeline_parts(cfg, ct, m)
             got = self.pipes[key] = (ct, span, parts)
         return got

@@ -165,6 +165,12 @@ class ComputeReport:
     chunk_recompute_gemm_traffic: tuple[int, ...] = ()
     chunk_recompute_weight_traffic: tuple[int, ...] = ()
     chunk_recompute_expert_row_flops: tuple[int, ...] = ()
+    #: per model chunk, one rank, one micro-batch: the graph ops the program runs in the
+    #: forward (every node but inputs, pipeline transfers and step collectives: a
+    #: ``redistribute`` is one op too, its collective timed apart), and those recomputation
+    #: runs again; the time model charges each ``cluster.op_overhead`` (:func:`count_ops`)
+    chunk_fwd_ops: tuple[int, ...] = ()
+    chunk_recompute_ops: tuple[int, ...] = ()
 
     #: the fields that grow with the tokens of a micro-batch (the search scales them)
     PER_TOKEN = ("chunk_fwd_flops", "chunk_recompute_flops", "chunk_fwd_traffic", "chunk_recompute_traffic",
@@ -190,10 +196,15 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     rec_traffic = [0] * num_chunks
     parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "ef")}
     rparts = {k: [0] * num_chunks for k in parts}
+    ops = [0] * num_chunks
+    rec_ops = [0] * num_chunks
     sac = op_sac(graph, recompute, engine)
     for nd in graph.nodes():
         c = nd.chunk or 0
         again = recomputed(nd, recompute, sac)
+        if counts_as_op(nd):
+            ops[c] += 1
+            rec_ops[c] += again
         if nd.kind == "attention":
             # the engine's kernel (core/attention.py): its memory and traffic rules read it
             a = with_kernel(nd.op.attr_map, kernels or engine)
@@ -238,4 +249,17 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     return ComputeReport(model * num_microbatches, hw * num_microbatches, tuple(fwd), tuple(rec),
                          tuple(traffic), tuple(rec_traffic),
                          *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
-                         *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")))
+                         *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
+                         tuple(ops), tuple(rec_ops))
+
+
+#: node kinds that are not ops of a micro-batch's forward (:func:`counts_as_op`)
+NOT_OPS = frozenset({"input", "send_recv", "step_collective"})
+
+
+def counts_as_op(nd: Node) -> bool:
+    """Whether ``nd`` is one op of a micro-batch's forward for ``cluster.op_overhead``
+    (``ComputeReport.chunk_fwd_ops``): every kind but :data:`NOT_OPS` (the inputs, the
+    pipeline's transfers, timed as ``pp_comm``, and the step's collectives)."""
+    return nd.kind not in NOT_OPS
+

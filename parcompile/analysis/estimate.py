@@ -20,6 +20,12 @@ written into plan.json (``estimate.assumptions``).
   memory-bound and move ``traffic * Engine.elementwise`` bytes (``OpSpec.traffic`` is the
   fused count) at ``BW``.
 
+* the host's fixed cost per op (``cluster.op_overhead``: the eager program's Python,
+  dispatcher and autograd work per graph op, what dominates a CPU run of a small model;
+  0 on the GPU presets, whose host work runs ahead of the GPU's queue): ``ops *
+  op_overhead`` per chunk, ``ops`` the graph ops of the chunk's forward
+  (:func:`parcompile.analysis.compute.counts_as_op`).
+
 Backward costs twice the forward (every term); recomputation adds the forward of the
 recomputed ops (all of a layer with ``full``; the attention core with ``selective``, or
 torchtitan's op-level policy under the ``eager`` engine). ``EFFICIENCY`` gives the
@@ -73,7 +79,8 @@ interleaved 1F1B give.
 
 ``step_time = makespan + dp_comm + optimizer``; ``breakdown`` adds up to it: compute
 (matmuls, forward and backward), memory_bound (non-matmul kernels; backward moves
-``BACKWARD_TRAFFIC`` times the forward's bytes), recompute, tp_comm, cp_comm, ep_comm (the
+``BACKWARD_TRAFFIC`` times the forward's bytes), op_overhead (only where
+``cluster.op_overhead`` is set), recompute, tp_comm, cp_comm, ep_comm (the
 busiest rank's work), bubble, pp_comm, dp_comm, optimizer.
 ``tokens_per_s = global_batch * seq_len / step_time``;
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12``;
@@ -504,13 +511,19 @@ class ChunkTimes:
     #: per chunk, the forward seconds of the matmuls that have weights (the weight gradient
     #: repeats them); empty: all of ``matmul_f``
     weighted_f: tuple[float, ...] = ()
+    #: per chunk, the host's fixed cost of the forward's ops (``ops * cluster.op_overhead``;
+    #: the backward twice); empty: none
+    overhead_f: tuple[float, ...] = ()
+
+    def _overhead(self, k: int) -> float:
+        return self.overhead_f[k] if self.overhead_f else 0.0
 
     def fwd(self, k: int) -> float:
-        return self.matmul_f[k] + self.memory_f[k] + sum(c[k] for c in self.comm_f.values())
+        return self.matmul_f[k] + self.memory_f[k] + self._overhead(k) + sum(c[k] for c in self.comm_f.values())
 
     def bwd(self, k: int) -> float:
-        return (2 * self.matmul_f[k] + BACKWARD_TRAFFIC * self.memory_f[k] + self.recompute[k]
-                + sum(c[k] for c in self.comm_b.values()))
+        return (2 * self.matmul_f[k] + BACKWARD_TRAFFIC * self.memory_f[k] + 2 * self._overhead(k)
+                + self.recompute[k] + sum(c[k] for c in self.comm_b.values()))
 
     def wgrad(self, k: int) -> float:
         """The weight-gradient part of a backward: the weighted matmuls' forward again."""
@@ -562,8 +575,12 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     weighted = tuple(gemms(*t) for t in fwd)
     mm = tuple(w + attention(t[2], sc) for w, t, sc in zip(weighted, fwd, scores))
     mem = tuple(x / ebw for x in traffic)
-    rec = tuple(gemms(*t) + attention(t[2], sc) + y / ebw
-                for t, sc, y in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic))
+    # the host's fixed cost per op (cluster.op_overhead; 0 but on the cpu preset)
+    per_op = getattr(cl, "op_overhead", 0.0)
+    ovh = tuple(n * per_op for n in compute.chunk_fwd_ops or z) if per_op else ()
+    rec = tuple(gemms(*t) + attention(t[2], sc) + y / ebw + n * per_op
+                for t, sc, y, n in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic,
+                                       compute.chunk_recompute_ops or z))
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
@@ -590,7 +607,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         if c.phase == "forward" and par.recompute == "full":
             cb[fam][chunk] += t
     return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
-                      weighted)
+                      weighted, ovh)
 
 
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
@@ -934,6 +951,8 @@ def pipeline_parts(cfg, ct: ChunkTimes, m: int, actions=None) -> tuple[float, di
         "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),
         "recompute": m * sum(ct.recompute[k] for k in mine),
     }
+    if ct.overhead_f:
+        parts["op_overhead"] = m * sum(3 * ct.overhead_f[k] for k in mine)
     for fam in ("tp", "cp", "ep"):
         parts[f"{fam}_comm"] = m * sum(ct.comm_f[fam][k] + ct.comm_b[fam][k] for k in mine)
     bubble = span0 - busy0[r]

@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -121,6 +122,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
 from parcompile.analysis.compute import op_sac
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
+from parcompile.core.schedule import build_actions, in_flight
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
@@ -356,6 +358,28 @@ def closed_form_in_flight(schedule: str, pp: int, v: int, m: int) -> list[Fracti
     return out
 
 
+def unlike_chunk_bytes(cfg, saved: SavedBytes) -> tuple[int, ...] | None:
+    """Bytes one micro-batch keeps for backward in each model chunk, less the output
+    layer's (which :func:`memory_from_parts` counts once), when some pipeline rank's chunks
+    hold unlike numbers of layers (an uneven ``stage_layers`` with ``virtual_stages > 1``, a
+    layer-less first or last chunk); else None: a rank's forwards in flight then weigh the
+    same, and counting them is exact (:func:`parcompile.core.schedule.in_flight`)."""
+    par = cfg.parallel
+    pp, v = par.pp, par.virtual_stages
+    counts = par.layers_per_chunk(cfg.model.layers)
+    if v == 1 or all(len({counts[c * pp + r] for c in range(v)}) == 1 for r in range(pp)):
+        return None
+    return tuple(a - o for a, o in zip(saved.per_chunk, saved.output_layer))
+
+
+@lru_cache(maxsize=4096)
+def _weighted_in_flight(schedule: str, pp: int, v: int, m: int, chunk_bytes: tuple[int, ...]) -> tuple[Fraction, ...]:
+    """:func:`parcompile.core.schedule.in_flight` of ``schedule``'s own action lists (their
+    order does not depend on the chunk times: only zero-bubble's does, and it runs no
+    virtual stages, so its chunks are never unlike on a rank)."""
+    return in_flight(build_actions(schedule, pp, m, v), pp, v, chunk_bytes)
+
+
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
                   in_flight: Sequence | None = None,
                   kv_bytes_per_sequence: Sequence[int] | None = None) -> MemoryReport:
@@ -382,6 +406,9 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
     serve = cfg.workload == "serve"
     if in_flight is None:
         in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches)
+        unlike = unlike_chunk_bytes(cfg, saved)
+        if unlike is not None and not serve:
+            in_flight = _weighted_in_flight(par.schedule, pp, v, par.num_microbatches, unlike)
     stages = []
     for s, sp in enumerate(stage_params):
         kv = 0

@@ -189,6 +189,10 @@ class ClusterPreset:
     nics_per_node: int = 8
     #: NVLink SHARP on the node's NVSwitches (NCCL's NVLS algorithms)
     nvls: bool = False
+    #: s of host work per graph op of the forward beyond its arithmetic (eager Python,
+    #: dispatcher, autograd; analysis/estimate.py): 0 for the GPU presets, whose host work
+    #: runs ahead of the GPU's queue and is not timed
+    op_overhead: float = 0.0
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -203,6 +207,7 @@ class ClusterPreset:
             "inter_node_latency": self.inter_node_latency,
             "nics_per_node": self.nics_per_node,
             "nvls": self.nvls,
+            "op_overhead": self.op_overhead,
         }
 
 
@@ -269,12 +274,14 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
-    # shared memory / loopback TCP.
+    # shared memory / loopback TCP, 20 us of eager PyTorch per op (config/host.py's probe
+    # measures 15-25 us on a 2-core EPYC VM with torch 2.13). config/host.py replaces them
+    # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed.
     "cpu": ClusterPreset(
         gpus_per_node=8, memory=int(q("16 GiB")),
         peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")},
         hbm_bw=q("20 GB/s"), intra_node_bw=q("2 GB/s"), inter_node_bw=q("1 GB/s"),
-        intra_node_latency=q("50 us"), inter_node_latency=q("100 us"),
+        intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"),
     ),
 }
 

@@ -171,6 +171,10 @@ class ClusterConfig(_Frozen):
     inter_node_bw: float = 50e9       # bytes/s
     intra_node_latency: float = 5e-6  # s
     inter_node_latency: float = 10e-6 # s
+    #: s of host work per graph op of a micro-batch's forward beyond its arithmetic (the
+    #: eager program's Python, dispatcher and autograd; the backward counts twice): the
+    #: `cpu` preset's (config/host.py); 0 elsewhere (analysis/estimate.py)
+    op_overhead: float = 0.0
     memory_reserve: float = 0.10      # fraction of memory
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)

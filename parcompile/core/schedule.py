@@ -266,12 +266,9 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     it (default: ``fwd_time[k]``, the matmuls' weight-gradient FLOPs equal their forward
     FLOPs); ``backward_input`` takes the rest. ``p2p_time``: seconds from a send to its
     receive being satisfiable. ``chunk_bytes[k]``: what one micro-batch keeps for backward
-    in model chunk ``k`` (bytes; default: the same for every chunk). ``in_flight`` of a rank
-    is the peak, over time, of the bytes its forwards not yet backwarded keep, over the
-    bytes of one micro-batch through all of its chunks; with equal chunks that is the peak
-    count of such forwards over ``virtual_stages``. Chunks of unlike sizes (an uneven
-    ``stage_layers``, a layer-less first or last chunk) need the bytes: in an interleaved
-    schedule a rank's first chunks hold more micro-batches than its last ones.
+    in model chunk ``k`` (bytes; default: the same for every chunk); the result's
+    ``in_flight`` is :func:`in_flight` of the action lists (a rank's live activations depend
+    on the order of its own actions only, not on the times).
 
     Raises:
         ScheduleError: a missing dependency, a duplicate or missing action, or a deadlock.
@@ -288,19 +285,6 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     received: set[tuple[str, int, int]] = set()
     fwd_done: set[tuple[int, int]] = set()
     bwd_done: set[tuple[int, int]] = set()
-    live = [0] * pp   # forwards whose backward has not run, each 1/v micro-batch
-    peak = [0] * pp
-    if chunk_bytes is not None:
-        # weights in bytes; a rank whose chunks keep nothing counts forwards instead
-        weight = [int(x) for x in chunk_bytes]
-        whole = [sum(weight[c * pp + r] for c in range(v)) for r in range(pp)]
-        for r in range(pp):
-            if whole[r] <= 0:
-                for c in range(v):
-                    weight[c * pp + r] = 1
-                whole[r] = v
-    else:
-        weight, whole = [1] * (pp * v), [v] * pp
     events: list[tuple[int, str, int, int, float, float]] = []
     total = sum(len(a) for a in actions)
     done = 0
@@ -314,7 +298,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
             if i >= n:
                 continue
             # this rank's state in locals while it runs (written back when it blocks or ends)
-            t, bz, lv, pk = clock[r], busy[r], live[r], peak[r]
+            t, bz = clock[r], busy[r]
             while i < n:
                 a = acts[i]
                 op, mb, c = a["op"], a["microbatch"], a["chunk"]
@@ -335,9 +319,6 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                     fwd_add((mb, k))
                     t += fwd_time[k]
                     bz += fwd_time[k]
-                    lv += weight[k]
-                    if lv > pk:
-                        pk = lv
                 elif op == "send_forward":
                     if k == last or (mb, k) not in fwd_done:
                         raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
@@ -359,7 +340,6 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                         split.add((mb, k))
                     t += d
                     bz += d
-                    lv -= weight[k]
                 elif op == "backward_weight":
                     if (mb, k) not in split:
                         raise ScheduleError(f"{_where(r, i, op, mb, c)}: weight gradient before its input gradient")
@@ -377,7 +357,7 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
                 i += 1
                 done += 1
                 progressed = True
-            pos[r], clock[r], busy[r], live[r], peak[r] = i, t, bz, lv, pk
+            pos[r], clock[r], busy[r] = i, t, bz
         if not progressed:
             blocked = [f"rank {r} at {actions[r][pos[r]]}" for r in range(pp) if pos[r] < len(actions[r])]
             raise ScheduleError("pipeline schedule deadlocks: " + "; ".join(blocked))
@@ -389,7 +369,39 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
         if fwd_done != want or bwd_done != want or wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
-    return SimResult(max(clock), tuple(busy), tuple(clock), tuple(Fraction(x, whole[r]) for r, x in enumerate(peak)), tuple(events))
+    return SimResult(max(clock), tuple(busy), tuple(clock), in_flight(actions, pp, v, chunk_bytes), tuple(events))
+
+
+def in_flight(actions: Sequence[Sequence[dict]], pp: int, virtual_stages: int = 1,
+              chunk_bytes: Sequence[int] | None = None) -> tuple[Fraction, ...]:
+    """Per pipeline rank, the peak over its action list of what its forwards not yet
+    backwarded keep, in units of one micro-batch through all of the rank's chunks (the
+    plan's ``schedule.in_flight``). A forward of model chunk ``k`` adds ``chunk_bytes[k]``,
+    its backward (or ``backward_input``) takes it away; without ``chunk_bytes`` every chunk
+    weighs the same, and the peak is the count of such forwards over ``virtual_stages``.
+    Chunks of unlike sizes (an uneven ``stage_layers``, a layer-less first or last chunk)
+    need the bytes: in an interleaved schedule a rank's first chunks hold more micro-batches
+    than its last ones. A rank whose chunks keep nothing counts forwards. Depends on each
+    rank's own order only, so :func:`simulate` and the closed-form costing (the search,
+    :func:`parcompile.analysis.memory.memory_from_parts`) share it."""
+    v = virtual_stages
+    weight = [int(x) for x in chunk_bytes] if chunk_bytes is not None else [1] * (pp * v)
+    out = []
+    for r in range(pp):
+        w = {c: weight[c * pp + r] for c in range(v)}
+        whole = sum(w.values())
+        if whole <= 0:
+            w, whole = {c: 1 for c in range(v)}, v
+        live = peak = 0
+        for a in actions[r]:
+            op = a["op"]
+            if op == "forward":
+                live += w[a["chunk"]]
+                peak = max(peak, live)
+            elif op == "backward" or op == "backward_input":
+                live -= w[a["chunk"]]
+        out.append(Fraction(peak, whole))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "memory": _quantity("memory"),
         "peak_flops": _quantity("compute"),
         "hbm_bw": _quantity("bandwidth"),
+        "op_overhead": _quantity("time", low_open=False),
         "intra_node_bw": _quantity("bandwidth"),
         "inter_node_bw": _quantity("bandwidth"),
         "intra_node_latency": _quantity("time", low_open=False),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
-from parcompile.analysis.memory import saved_bytes
+from parcompile.analysis.memory import saved_bytes, unlike_chunk_bytes
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
 from parcompile.core.schedule import SUPPORTED, ScheduleError, ScheduleReport, SimResult, build_actions, simulate
@@ -54,21 +54,17 @@ class SchedulePipeline:
         actions = build_actions(par.schedule, par.pp, m, par.virtual_stages,
                                 times=(f, [bi - wi for bi, wi in zip(b, w)], w))
         sim = simulate(actions, f, b, par.pp, par.virtual_stages, m, wgrad_time=w,
-                       chunk_bytes=_unlike_chunk_bytes(graph, cfg, ctx.degrees))
+                       chunk_bytes=_unlike(graph, cfg, ctx.degrees))
         graph.meta["schedule"] = ScheduleReport(par.schedule, m, actions, sim, f, b, w)
 
 
-def _unlike_chunk_bytes(graph: Graph, cfg, degrees) -> list[int] | None:
-    """Bytes one micro-batch keeps for backward in each model chunk, less the output
-    layer's (which :func:`parcompile.analysis.memory.memory_from_parts` counts once), when
-    some pipeline rank's chunks hold unlike numbers of layers (an uneven ``stage_layers``
-    with ``virtual_stages > 1``, a layer-less first or last chunk); else None, and the
-    simulator counts a rank's forwards in flight (its chunks weigh the same)."""
+
+def _unlike(graph: Graph, cfg, degrees) -> tuple[int, ...] | None:
+    """:func:`~parcompile.analysis.memory.unlike_chunk_bytes` of the graph's saved bytes
+    (read only where a rank's chunks are unlike)."""
     par = cfg.parallel
-    pp, v = par.pp, par.virtual_stages
-    counts = par.layers_per_chunk(cfg.model.layers)
-    if v == 1 or all(len({counts[c * pp + r] for c in range(v)}) == 1 for r in range(pp)):
+    if par.virtual_stages == 1:
         return None
-    saved = saved_bytes(graph, degrees, pp * v, par.recompute, cfg.model.dropout > 0, cfg.cluster.engine,
-                        attention_engine(cfg.cluster))
-    return [a - o for a, o in zip(saved.per_chunk, saved.output_layer)]
+    saved = saved_bytes(graph, degrees, par.pp * par.virtual_stages, par.recompute, cfg.model.dropout > 0,
+                        cfg.cluster.engine, attention_engine(cfg.cluster))
+    return unlike_chunk_bytes(cfg, saved)
