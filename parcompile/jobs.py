@@ -23,46 +23,12 @@ and return 130 or 143 as a shell does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 from typing import Sequence
 
-#: linux/prctl.h
-_PR_SET_PDEATHSIG = 1
-
-
-def _libc():
-    """libc with errno, loaded before any fork (a child between fork and exec must not
-    load libraries); None where there is no ``prctl`` (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc if hasattr(libc, "prctl") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies
-    (``prctl(PR_SET_PDEATHSIG)``, Linux; a no-op returning False elsewhere). ``parent`` is
-    the pid the caller expects as its parent (default: the parent now); when the parent is
-    already gone by the time the death signal is set, ``sig`` is sent at once, as the
-    kernel would have. Returns True when the death signal is set."""
-    if _LIBC is None:
-        return False
-    parent = os.getppid() if parent is None else parent
-    if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent:    # the parent died before the death signal was set
-        os.kill(os.getpid(), sig)
-    return True
+from parcompile.core.process import LIBC as _LIBC, die_with_parent
 
 
 def start(cmd: Sequence[str], env: dict | None = None) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parcompile import jobs
+from parcompile.core.process import die_with_parent
 from parcompile.core.axes import GROUP_AXES as AXES  # every group of a plan, in creation order
 
 
@@ -148,14 +148,14 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
     torchrun the plan must have a world size of 1.
 
     A rank started by torchrun (``TORCHELASTIC_RUN_ID`` set) first asks to be killed when
-    torchrun dies (:func:`parcompile.jobs.die_with_parent`): torch starts each rank in a
+    torchrun dies (:func:`parcompile.core.process.die_with_parent`): torch starts each rank in a
     session of its own, so nothing else would end it when torchrun is killed.
 
     Raises:
         RuntimeError: the plan's world size differs from the launched one.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        jobs.die_with_parent()
+        die_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     planned = int(plan["world_size"])
     if world != planned:
