@@ -144,6 +144,35 @@ def test_hf_output_over_what_parcompile_did_not_write_is_a_check_error(workdir, 
     assert (workdir / "data" / "train.txt").is_file() and (workdir / "tokenizer.json").read_text() == "{}"
 
 
+def test_hf_output_and_a_checkpoint_dir_symlinked_into_it_overlap(workdir, capsys):
+    """Before: the overlap of hf_output and checkpoint_dir compared the paths as written, so
+    a checkpoint_dir that is a symbolic link into hf_output passed `check`; the run trained,
+    saved its checkpoints there and then could not write hf_output (a directory of other
+    files). Now the check sees through the link."""
+    (workdir / "out").mkdir()   # an earlier output of parcompile (its marker), to be replaced
+    (workdir / "out" / HF_MARKER).write_text(json.dumps({"written_by": "parcompile", "files": []}))
+    (workdir / "ck").symlink_to(workdir / "out")
+    spec = _spec(workdir, '    checkpoint_dir = "ck", checkpoint_every = 1\n    hf_output = "out"')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and f"{_at(spec, 'hf_output')}: error: hf_output: " in said and "overlap" in said, said
+
+
+def test_preflight_refuses_a_checkpoint_dir_inside_hf_output(tmp_path):
+    """Before: `run --checkpoint-dir out/ckpt` with `hf_output = "out"` (the spec's checks never
+    see --checkpoint-dir) trained every step, saved into out/ckpt, and failed only when
+    hf_output was written. Now preflight refuses it before the first step."""
+    from parcompile.runtime import ParallelContext
+    from parcompile.runtime.checkpoint import preflight
+
+    ctx = ParallelContext(0, 1, {}, torch.device("cpu"), None, distributed=False)
+    plan = {"model": {"params": 10, "dtype": "fp32"}}
+    preflight(tmp_path / "ck", tmp_path / "out", plan, "adamw", ctx)   # apart: fine
+    for ck, out in ((tmp_path / "out" / "ckpt", tmp_path / "out"), (tmp_path / "ck", tmp_path / "ck" / "hf")):
+        with pytest.raises(TrainError, match="overlap"):
+            preflight(ck, out, plan, "adamw", ctx)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
 def test_hf_writer_replaces_only_its_own_output(tmp_path):
     """An output parcompile wrote (its marker lists the files) is replaced; one holding
     anything else, or a file, is refused before anything is written."""
