@@ -661,3 +661,22 @@ def test_serve_exports_name_the_plan(target, monkeypatch):
                                f"{sv.prompt_len + sv.max_new_tokens} tokens (the plan's {s['batch_per_replica']} "
                                "per replica"), note
         assert f"the GPU's free memory would hold {s['max_concurrent_sequences']}: raise {frac}" in note, note
+
+
+def test_export_never_writes_over_the_files_it_reads(monkeypatch, capsys, tmp_path):
+    """Before: `export tiny.par --to megatron -o tiny.par` replaced the spec with Megatron's
+    arguments (exit 0), and `-o` the training data replaced the data. Now a usage error, as
+    gcc's "input file is the same as output file": nothing is written, the files keep their
+    bytes (through a symbolic link too)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.txt").write_text("hello world " * 50)
+    spec = TINY.replace('"builtin:pydoc"', '"train.txt"')
+    assert '"train.txt"' in spec
+    (tmp_path / "tiny.par").write_text(spec)
+    (tmp_path / "link.par").symlink_to(tmp_path / "tiny.par")
+    for out in ("tiny.par", "./tiny.par", str(tmp_path / "tiny.par"), "link.par", "train.txt"):
+        assert main(["export", "tiny.par", "--to", "megatron", "-o", out]) == 2
+        assert "is an input of this export" in capsys.readouterr().err
+    assert (tmp_path / "tiny.par").read_text() == spec and (tmp_path / "link.par").is_symlink()
+    assert (tmp_path / "train.txt").read_text() == "hello world " * 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.par", "tiny.par", "train.txt"]
