@@ -114,3 +114,28 @@ def test_per_rank_figures_divide_the_node():
     eight = host.cpu_values(fixed, 8, f)
     assert eight["memory"] == 3 * GiB - host.PROCESS_BYTES and eight["peak_flops"] == 20e9 and eight["hbm_bw"] == 7.5e9
     assert "24.0 GiB available / 8 rank(s) - 512 MiB per process" in eight["figures"]
+
+
+@pytest.mark.parametrize("value", ["memory=1e400GiB", "flops=1e999GFLOPS", "bw=1e309GB/s"])
+def test_an_infinite_pinned_figure_is_a_spec_error(monkeypatch, cache, value):
+    """Before: `memory=1e400GiB` parsed as inf and `int(inf)` was an OverflowError traceback
+    out of `parcompile check`; an infinite flops or bandwidth planned steps of 0 s. Now the
+    variable's diagnostic, as for any figure that is no positive number."""
+    monkeypatch.setenv(host.ENV, value)
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(SERVE, filename="s.par")
+    assert f"PARCOMPILE_CPU_PROBE: `{value}`" in e.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "nan", "inf", 1e400, "x", None])
+def test_a_damaged_probe_cache_figure_is_probed_again(monkeypatch, cache, bad):
+    """Before: a cached rate of 0, a negative one, NaN or inf (a hand-edited or damaged
+    cpu-probe.json) went into the plan (NaN or infinite step times, or a ZeroDivisionError).
+    Now such an entry is probed again and rewritten."""
+    monkeypatch.delenv(host.ENV, raising=False)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({host._machine_key(): {"gemm_flops": bad, "copy_bw": 3e9, "when": "x"}}))
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9))
+    f = host.host_figures()
+    assert (f.gemm_flops, f.copy_bw) == (2e9, 4e9) and "probed" in f.source
+    assert json.loads(cache.read_text())[host._machine_key()]["gemm_flops"] == 2e9

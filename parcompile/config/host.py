@@ -31,6 +31,7 @@ Where the figures came from is written into plan.json (``estimate.assumptions.cl
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import tempfile
@@ -184,7 +185,9 @@ def probed_rates(refresh: bool = False) -> tuple[float, float, str]:
             cache = {}
         hit = cache.get(key)
         if not refresh and isinstance(hit, dict):
-            return float(hit["gemm_flops"]), float(hit["copy_bw"]), f"probed {hit.get('when', '?')}, cached in {path}"
+            gemm, copy = float(hit["gemm_flops"]), float(hit["copy_bw"])
+            if _usable(gemm) and _usable(copy):   # else damaged (0, NaN, inf): probed again
+                return gemm, copy, f"probed {hit.get('when', '?')}, cached in {path}"
     except (OSError, ValueError, KeyError, TypeError):
         cache = {}
     gemm, copy = probe()
@@ -196,6 +199,11 @@ def probed_rates(refresh: bool = False) -> tuple[float, float, str]:
     except OSError as e:
         where = f"not cached: {e.strerror or e}"
     return gemm, copy, f"probed {when}, {where}"
+
+
+def _usable(x: float) -> bool:
+    """Whether a figure (bytes, FLOP/s, bytes/s) is a positive, finite number."""
+    return math.isfinite(x) and x > 0
 
 
 def _pins(text: str) -> dict[str, float]:
@@ -212,10 +220,11 @@ def _pins(text: str) -> dict[str, float]:
             raise HostError(f"{ENV}: `{part}` is not a figure; give `fixed`, `probe` or figures such as "
                             f"`memory=24GiB,flops=50GFLOPS,bw=10GB/s`")
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/%]+)\s*", value)
-        if not m or dimension_of(m.group(2)) != kinds[name] or not float(m.group(1)) > 0:
-            raise HostError(f"{ENV}: `{part}`: give a positive number and a unit of "
+        si = to_si(float(m.group(1)), m.group(2)) if m and dimension_of(m.group(2)) == kinds[name] else None
+        if si is None or not _usable(si):   # 1e400 parses as inf
+            raise HostError(f"{ENV}: `{part}`: give a positive, finite number and a unit of "
                             f"{', '.join(units_of(kinds[name]))}")
-        out[name] = to_si(float(m.group(1)), m.group(2))
+        out[name] = si
     return out
 
 
