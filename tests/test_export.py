@@ -680,3 +680,28 @@ def test_export_never_writes_over_the_files_it_reads(monkeypatch, capsys, tmp_pa
     assert (tmp_path / "tiny.par").read_text() == spec and (tmp_path / "link.par").is_symlink()
     assert (tmp_path / "train.txt").read_text() == "hello world " * 50
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.par", "tiny.par", "train.txt"]
+
+
+@pytest.mark.parametrize("name", ['a\ntouch PWNED\nb.txt', 'a"""\nimport os; os.mkdir("PWNED")\n""".txt'])
+def test_a_data_path_cannot_break_out_of_an_exports_comments(monkeypatch, tmp_path, name):
+    """Before: the data note quoted the path as written, so a file name with a line break
+    put `touch PWNED` on a line of its own in the Megatron-LM script (a command that runs)
+    and `\"\"\"` closed the docstring of the Megatron-Bridge and torchtitan modules (code that
+    runs on import). Now the path is quoted (escapes): comments stay comments."""
+    import ast
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text("hello world " * 300)
+    escaped = json.dumps(name)[1:-1]
+    spec = TINY_PP.replace('"builtin:pydoc"', f'"{escaped}"')
+    assert escaped in spec
+    plan = parcompile.compile(spec, "tiny.par")
+    sh = export(plan, "megatron").text
+    head = sh[:sh.index("torchrun")].splitlines()
+    assert all(line.startswith("#") for line in head[:-1]), head
+    assert not any(line.lstrip().startswith(("touch", "b.txt", "import os")) for line in sh.splitlines())
+    for target in ("megatron-bridge", "torchtitan"):
+        tree = ast.parse(export(plan, target).text)
+        doc = ast.get_docstring(tree)
+        assert "PWNED" in doc, target
+        assert not any("PWNED" in ast.unparse(node) for node in tree.body[1:]), target
