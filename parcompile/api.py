@@ -355,9 +355,31 @@ def _read_plan_file(path: Path) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+    except RecursionError:
+        raise PlanFileError(f"{path}: nested too deeply to be a plan.json") from None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith("parcompile.plan/"):
         raise PlanFileError(f"{path}: not a parcompile plan.json (no \"format\": \"parcompile.plan/1\")")
+    _check_plan_types(path, data)
     return data
+
+
+def _check_plan_types(path: Path, data: dict) -> None:
+    """A plan.json's values have the types of its schema (:func:`parcompile.plan_schema.validate_plan`),
+    so that no reader meets a string where a table was; keys it lacks are let through (a
+    plan.json an earlier version wrote, before a key was added). Raises PlanFileError naming
+    the keys."""
+    from pydantic import ValidationError
+
+    from parcompile.plan_schema import validate_plan
+
+    try:
+        validate_plan(data)
+    except ValidationError as e:
+        wrong = [err for err in e.errors() if err["type"] != "missing"]
+        if wrong:
+            shown = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in wrong[:5])
+            raise PlanFileError(f"{path}: does not match plan.json's schema ({len(wrong)} problems): {shown}"
+                                + (" ..." if len(wrong) > 5 else "")) from None
 
 
 def plan_data(plan: Any) -> tuple[dict, str]:
