@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from parcompile.core.files import MAX_JSON_BYTES, read_text
+from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text
 from parcompile.diagnostics import Diagnostic, Sources, Span, SpecError
 from parcompile.plan import Plan
 from parcompile.plan_schema import PlanJSON
@@ -352,11 +352,9 @@ def _read_plan_file(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise PlanFileError(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
     try:
-        data = json.loads(text)
+        data = json_loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
-    except RecursionError:
-        raise PlanFileError(f"{path}: nested too deeply to be a plan.json") from None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith("parcompile.plan/"):
         raise PlanFileError(f"{path}: not a parcompile plan.json (no \"format\": \"parcompile.plan/1\")")
     _check_plan_types(path, data)

@@ -144,7 +144,7 @@ def test_damaged_plan_json_files_are_usage_errors_not_tracebacks(plans, capsys, 
     a later version added still diffs."""
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     code, _, err = _run(capsys, plans[0], tmp_path / "deep.json")
-    assert code == 2 and "deep.json: nested too deeply" in err, err
+    assert code == 2 and "deep.json:1:1: not JSON: nested too deeply" in err, err
     data = json.loads(plans[0].read_text())
     for key, value in (("memory", "x"), ("degrees", {"tp": "a"}), ("estimate", [1])):
         (tmp_path / "bad.json").write_text(json.dumps({**data, key: value}))

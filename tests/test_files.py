@@ -514,3 +514,42 @@ def test_bad_files_found_by_fuzzing_are_diagnostics(tmp_path):
     with pytest.raises(SpecError) as e:
         parcompile.compile(tmp_path / "cfg" / "s.par")
     assert any("gives an invalid vocab" in d.message and "`-1`" in d.message for d in e.value.diagnostics), e.value.diagnostics
+
+
+# ------------------------------------------------------------------ JSON nested too deeply
+
+DEEP = "[" * 100_000 + "]" * 100_000   # json's decoder recurses once per `[`: RecursionError
+
+
+def test_json_files_nested_too_deeply_are_bad_files_not_tracebacks(tmp_path, capsys, monkeypatch):
+    """Before: a config.json the spec imports, a damaged cpu-probe cache, an hf_output's
+    marker or a safetensors header nested 100,000 deep was a RecursionError traceback out of
+    `check` (the cache: out of every command). Now each reads as JSON that is not valid:
+    the importer's diagnostic, a cache probed again, a marker that is not parcompile's, a
+    damaged checkpoint file."""
+    from parcompile.config import host
+    from parcompile.core.hf_weights import read_header
+    from parcompile.core.outputs import written_files
+
+    (tmp_path / "cj").mkdir()
+    (tmp_path / "cj" / "config.json").write_text(DEEP)
+    spec = tmp_path / "cj.par"
+    spec.write_text('model m from "cj/config.json" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
+                    'parallel { tp = 1 }\ntrain { steps = 1 }\n')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and "is not valid JSON: nested too deeply" in said, said
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "parcompile").mkdir(parents=True)
+    (tmp_path / "xdg" / "parcompile" / "cpu-probe.json").write_text(DEEP)
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9))
+    assert host.probed_rates()[:2] == (2e9, 4e9)
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / HF_MARKER).write_text(DEEP)
+    assert written_files(tmp_path / "out") is None
+
+    raw = DEEP.encode()
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    _, problems = read_header(tmp_path / "model.safetensors")
+    assert problems and "nested too deeply" in problems[0].message, problems

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from parcompile.core.files import json_loads
+
 #: the environment variable that pins or refreshes the figures (module docstring)
 ENV = "PARCOMPILE_CPU_PROBE"
 #: the memory figure's granularity (bytes): available memory wanders by megabytes
@@ -180,7 +182,7 @@ def probed_rates(refresh: bool = False) -> tuple[float, float, str]:
     path, key = _cache_path(), _machine_key()
     cache: dict = {}
     try:
-        cache = json.loads(path.read_text())
+        cache = json_loads(path.read_text())
         if not isinstance(cache, dict):
             cache = {}
         hit = cache.get(key)

@@ -19,13 +19,13 @@ is usable, else one sentence saying why not, naming the path.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from parcompile.core.dtypes import DTYPE_BYTES, OPTIMIZER_STATES
+from parcompile.core.files import json_loads
 from parcompile.core.units import bytes_text
 
 #: the file a Hugging Face output of parcompile holds beside its tensors: JSON
@@ -106,7 +106,7 @@ def written_files(directory: str | os.PathLike) -> set[str] | None:
     """The names an earlier Hugging Face output of parcompile wrote in ``directory`` (its
     :data:`HF_MARKER`), or None when it has no readable marker."""
     try:
-        data = json.loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
+        data = json_loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
         files = data["files"] if isinstance(data, dict) and data.get("written_by") == "parcompile" else None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None
