@@ -139,3 +139,24 @@ def test_a_damaged_probe_cache_figure_is_probed_again(monkeypatch, cache, bad):
     f = host.host_figures()
     assert (f.gemm_flops, f.copy_bw) == (2e9, 4e9) and "probed" in f.source
     assert json.loads(cache.read_text())[host._machine_key()]["gemm_flops"] == 2e9
+
+
+def test_a_probe_cache_that_is_a_fifo_is_not_waited_on(monkeypatch, cache):
+    """Before: a FIFO at the cache's path (or /dev/zero linked there) blocked every command
+    that plans for the `cpu` preset, forever. Now only a regular, size-limited file is read
+    (parcompile.core.files); anything else is probed again."""
+    import os
+    import threading
+
+    monkeypatch.delenv(host.ENV, raising=False)
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9))
+    got = []
+    t = threading.Thread(target=lambda: got.append(host.probed_rates()), daemon=True)
+    t.start()
+    t.join(10)
+    if not got:   # unblock the reader so that the test process can end
+        with open(cache, "w") as f:
+            f.write("{}")
+    assert got and got[0][:2] == (2e9, 4e9)

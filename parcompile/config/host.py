@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from parcompile.core.files import json_loads
+from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text
 
 #: the environment variable that pins or refreshes the figures (module docstring)
 ENV = "PARCOMPILE_CPU_PROBE"
@@ -182,7 +182,7 @@ def probed_rates(refresh: bool = False) -> tuple[float, float, str]:
     path, key = _cache_path(), _machine_key()
     cache: dict = {}
     try:
-        cache = json_loads(path.read_text())
+        cache = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
         if not isinstance(cache, dict):
             cache = {}
         hit = cache.get(key)
