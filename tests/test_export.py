@@ -705,3 +705,34 @@ def test_a_data_path_cannot_break_out_of_an_exports_comments(monkeypatch, tmp_pa
         doc = ast.get_docstring(tree)
         assert "PWNED" in doc, target
         assert not any("PWNED" in ast.unparse(node) for node in tree.body[1:]), target
+
+
+def test_export_to_a_pipe_or_device_writes_through_it(monkeypatch, tmp_path):
+    """Before: `-o /dev/stdout` (or a FIFO, or bash's `-o >(cmd)`) wrote a temporary file
+    beside it and renamed it over the path: the FIFO (as root: /dev/stdout itself) was
+    replaced by a regular file and the reader got nothing. Now what is not a regular file
+    is written through, as a shell redirection would, and stays what it was."""
+    import os
+    import stat
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.par").write_text(TINY)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+
+    def reader():
+        with open(fifo) as f:
+            got.append(f.read())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    rc = main(["export", "tiny.par", "--to", "megatron", "-o", str(fifo)])
+    t.join(10)
+    if t.is_alive():   # nothing was written into the FIFO: unblock the reader
+        with open(fifo, "w"):
+            pass
+    assert rc == 0 and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert got and got[0].startswith("# Megatron-LM"), got
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "tiny.par"]
