@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from parcompile.core.files import MAX_JSON_BYTES, read_text
+from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text
 from parcompile.diagnostics import Diagnostic, Sources, Span, SpecError
 from parcompile.plan import Plan
 from parcompile.plan_schema import PlanJSON
@@ -352,12 +352,32 @@ def _read_plan_file(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise PlanFileError(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
     try:
-        data = json.loads(text)
+        data = json_loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith("parcompile.plan/"):
         raise PlanFileError(f"{path}: not a parcompile plan.json (no \"format\": \"parcompile.plan/1\")")
+    _check_plan_types(path, data)
     return data
+
+
+def _check_plan_types(path: Path, data: dict) -> None:
+    """A plan.json's values have the types of its schema (:func:`parcompile.plan_schema.validate_plan`),
+    so that no reader meets a string where a table was; keys it lacks are let through (a
+    plan.json an earlier version wrote, before a key was added). Raises PlanFileError naming
+    the keys."""
+    from pydantic import ValidationError
+
+    from parcompile.plan_schema import validate_plan
+
+    try:
+        validate_plan(data)
+    except ValidationError as e:
+        wrong = [err for err in e.errors() if err["type"] != "missing"]
+        if wrong:
+            shown = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in wrong[:5])
+            raise PlanFileError(f"{path}: does not match plan.json's schema ({len(wrong)} problems): {shown}"
+                                + (" ..." if len(wrong) > 5 else "")) from None
 
 
 def plan_data(plan: Any) -> tuple[dict, str]:

@@ -315,12 +315,35 @@ def cmd_verify(args) -> int:
 
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, inputs=()) -> None:
     """Write ``text`` to ``path`` through a temporary file in its directory and ``os.replace``:
-    an interrupted write leaves the old file or none. Raises ``_Usage`` naming the path."""
+    an interrupted write leaves the old file or none. A path that exists and is no regular
+    file (``/dev/stdout``, a FIFO, bash's ``>(cmd)``) is written through, as a shell
+    redirection would, never replaced. ``path`` may not be one of the files ``inputs`` names
+    (the spec, its data: as gcc refuses "input file is the same as output file"), whatever
+    the spelling or symbolic link. Raises ``_Usage`` naming the path."""
     import os
+    import stat
     import tempfile
 
+    for source in inputs:
+        try:
+            same = os.path.samefile(path, source) or os.path.realpath(path) == os.path.realpath(source)
+        except (OSError, ValueError):   # either absent, a NUL byte
+            same = False
+        if same:
+            raise _Usage(f"-o {path} is an input of this export ({source}); nothing written: give another file name")
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+        return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
         try:
@@ -365,7 +388,9 @@ def cmd_export(args) -> int:
     if args.output is None:
         sys.stdout.write(result.text)
     else:
-        _write_atomic(Path(args.output), result.text)
+        t = plan.config.train
+        reads = [args.spec] + ([t.data, t.eval_data, t.tokenizer] if t is not None else [])
+        _write_atomic(Path(args.output), result.text, [r for r in reads if r and r != "bytes"])
         print(f"wrote {args.output} ({args.to})", file=sys.stderr)
         written = Path(args.output)
         if written.name != result.filename and args.to == "deepspeed":   # the launch names the file written

@@ -126,11 +126,13 @@ def _degrees(plan: Plan) -> dict:
 
 
 def _common_notes(plan: Plan, target: str) -> list[str]:
-    """Notes every target shares: data and the model code are the engine's own."""
+    """Notes every target shares: data and the model code are the engine's own. A path is
+    quoted with JSON's escapes: a line break or quotes in a file name cannot end the comment
+    or docstring the note becomes (a command in a shell script, code in a module)."""
     cfg = plan.config
     notes = []
     if cfg.train.data != "synthetic":
-        notes.append(f"data: the spec reads `{cfg.train.data}`; point the {target} run at your own "
+        notes.append(f"data: the spec reads {json.dumps(cfg.train.data)}; point the {target} run at your own "
                      "tokenized dataset")
     return notes
 

@@ -220,10 +220,12 @@ class Plan:
 
 
 def _holds_a_plan(path: Path) -> bool:
-    """Whether ``path`` is a plan.json parcompile wrote (its ``format`` key)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return '"format": "parcompile.plan/' in f.read()     # keys sorted: "format" follows "comm"
+    """Whether ``path`` is a plan.json parcompile wrote (its ``format`` key). Only a
+    regular, size-limited file is read (a FIFO there is not waited on)."""
+    from parcompile.core.files import read_text
+
+    try:   # keys sorted: "format" follows "comm"; a plan of 16,384 ranks is tens of MB
+        return '"format": "parcompile.plan/' in read_text(path, 2**30)
     except (OSError, UnicodeDecodeError):
         return False
 

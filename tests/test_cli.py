@@ -199,3 +199,25 @@ def test_report_and_summary_words_agree_with_their_numbers(tmp_path, monkeypatch
     report = capsys.readouterr().out
     assert "1 rank, order" in report and "(1 rank each)" in report and "1 micro-batch, bubble" in report
     assert "1 ranks" not in report and "1 micro-batches" not in report
+
+
+def test_compile_into_a_directory_whose_plan_json_is_a_fifo_does_not_wait(tmp_path):
+    """Before: `compile -o DIR` read DIR/plan.json whole to learn whether parcompile wrote it:
+    a FIFO there blocked forever (/dev/zero linked there: read until the kernel killed it).
+    Now only a regular, size-limited file is read; the FIFO is no plan of ours."""
+    import threading
+
+    from parcompile.plan import _holds_a_plan
+
+    os.mkfifo(tmp_path / "plan.json")
+    got = []
+    t = threading.Thread(target=lambda: got.append(_holds_a_plan(tmp_path / "plan.json")), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        with open(tmp_path / "plan.json", "w"):
+            pass
+    assert got == [False]
+    (tmp_path / "plan.json").unlink()
+    parcompile.compile(REPO / "examples" / "tiny.par").write(tmp_path)
+    assert _holds_a_plan(tmp_path / "plan.json")   # its own plan.json is still recognised

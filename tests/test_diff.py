@@ -135,3 +135,23 @@ def test_bounds_read_as_documented():
     assert check_bound(parse_bound("peak_memory=4%"), new, old).crossed          # either way
     with pytest.raises(BoundError):
         parse_bound("=+5%")
+
+
+def test_damaged_plan_json_files_are_usage_errors_not_tracebacks(plans, capsys, tmp_path):
+    """Before: a plan.json nested 100,000 deep was a RecursionError traceback, and one whose
+    `memory` is a string (a hand-edited or damaged file) an AttributeError in the diff. Now
+    each is a usage error naming the file (and the key); a plan.json that only lacks keys
+    a later version added still diffs."""
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = _run(capsys, plans[0], tmp_path / "deep.json")
+    assert code == 2 and "deep.json:1:1: not JSON: nested too deeply" in err, err
+    data = json.loads(plans[0].read_text())
+    for key, value in (("memory", "x"), ("degrees", {"tp": "a"}), ("estimate", [1])):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, key: value}))
+        code, _, err = _run(capsys, plans[0], tmp_path / "bad.json")
+        assert code == 2 and "bad.json: does not match plan.json's schema" in err and key in err, (key, err)
+    older = json.loads(plans[0].read_text())
+    older["memory"].pop("reserved_peak")
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    code, out, err = _run(capsys, plans[0], tmp_path / "older.json")
+    assert code == 0 and "Traceback" not in err, err

@@ -703,3 +703,76 @@ def test_megatron_layer_less_end_chunks():
     args, notes = megatron_args(compile_config(cfg))
     assert not any("account-for" in f or "decoder-first" in f for f, _ in args)
     assert any("--pipeline-model-parallel-layout 'E|tt|t|L'" in n for n in notes)
+def test_export_never_writes_over_the_files_it_reads(monkeypatch, capsys, tmp_path):
+    """Before: `export tiny.par --to megatron -o tiny.par` replaced the spec with Megatron's
+    arguments (exit 0), and `-o` the training data replaced the data. Now a usage error, as
+    gcc's "input file is the same as output file": nothing is written, the files keep their
+    bytes (through a symbolic link too)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.txt").write_text("hello world " * 50)
+    spec = TINY.replace('"builtin:pydoc"', '"train.txt"')
+    assert '"train.txt"' in spec
+    (tmp_path / "tiny.par").write_text(spec)
+    (tmp_path / "link.par").symlink_to(tmp_path / "tiny.par")
+    for out in ("tiny.par", "./tiny.par", str(tmp_path / "tiny.par"), "link.par", "train.txt"):
+        assert main(["export", "tiny.par", "--to", "megatron", "-o", out]) == 2
+        assert "is an input of this export" in capsys.readouterr().err
+    assert (tmp_path / "tiny.par").read_text() == spec and (tmp_path / "link.par").is_symlink()
+    assert (tmp_path / "train.txt").read_text() == "hello world " * 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.par", "tiny.par", "train.txt"]
+
+
+@pytest.mark.parametrize("name", ['a\ntouch PWNED\nb.txt', 'a"""\nimport os; os.mkdir("PWNED")\n""".txt'])
+def test_a_data_path_cannot_break_out_of_an_exports_comments(monkeypatch, tmp_path, name):
+    """Before: the data note quoted the path as written, so a file name with a line break
+    put `touch PWNED` on a line of its own in the Megatron-LM script (a command that runs)
+    and `\"\"\"` closed the docstring of the Megatron-Bridge and torchtitan modules (code that
+    runs on import). Now the path is quoted (escapes): comments stay comments."""
+    import ast
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text("hello world " * 300)
+    escaped = json.dumps(name)[1:-1]
+    spec = TINY_PP.replace('"builtin:pydoc"', f'"{escaped}"')
+    assert escaped in spec
+    plan = parcompile.compile(spec, "tiny.par")
+    sh = export(plan, "megatron").text
+    head = sh[:sh.index("torchrun")].splitlines()
+    assert all(line.startswith("#") for line in head[:-1]), head
+    assert not any(line.lstrip().startswith(("touch", "b.txt", "import os")) for line in sh.splitlines())
+    for target in ("megatron-bridge", "torchtitan"):
+        tree = ast.parse(export(plan, target).text)
+        doc = ast.get_docstring(tree)
+        assert "PWNED" in doc, target
+        assert not any("PWNED" in ast.unparse(node) for node in tree.body[1:]), target
+
+
+def test_export_to_a_pipe_or_device_writes_through_it(monkeypatch, tmp_path):
+    """Before: `-o /dev/stdout` (or a FIFO, or bash's `-o >(cmd)`) wrote a temporary file
+    beside it and renamed it over the path: the FIFO (as root: /dev/stdout itself) was
+    replaced by a regular file and the reader got nothing. Now what is not a regular file
+    is written through, as a shell redirection would, and stays what it was."""
+    import os
+    import stat
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.par").write_text(TINY)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+
+    def reader():
+        with open(fifo) as f:
+            got.append(f.read())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    rc = main(["export", "tiny.par", "--to", "megatron", "-o", str(fifo)])
+    t.join(10)
+    if t.is_alive():   # nothing was written into the FIFO: unblock the reader
+        with open(fifo, "w"):
+            pass
+    assert rc == 0 and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert got and got[0].startswith("# Megatron-LM"), got
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "tiny.par"]

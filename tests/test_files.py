@@ -144,6 +144,35 @@ def test_hf_output_over_what_parcompile_did_not_write_is_a_check_error(workdir, 
     assert (workdir / "data" / "train.txt").is_file() and (workdir / "tokenizer.json").read_text() == "{}"
 
 
+def test_hf_output_and_a_checkpoint_dir_symlinked_into_it_overlap(workdir, capsys):
+    """Before: the overlap of hf_output and checkpoint_dir compared the paths as written, so
+    a checkpoint_dir that is a symbolic link into hf_output passed `check`; the run trained,
+    saved its checkpoints there and then could not write hf_output (a directory of other
+    files). Now the check sees through the link."""
+    (workdir / "out").mkdir()   # an earlier output of parcompile (its marker), to be replaced
+    (workdir / "out" / HF_MARKER).write_text(json.dumps({"written_by": "parcompile", "files": []}))
+    (workdir / "ck").symlink_to(workdir / "out")
+    spec = _spec(workdir, '    checkpoint_dir = "ck", checkpoint_every = 1\n    hf_output = "out"')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and f"{_at(spec, 'hf_output')}: error: hf_output: " in said and "overlap" in said, said
+
+
+def test_preflight_refuses_a_checkpoint_dir_inside_hf_output(tmp_path):
+    """Before: `run --checkpoint-dir out/ckpt` with `hf_output = "out"` (the spec's checks never
+    see --checkpoint-dir) trained every step, saved into out/ckpt, and failed only when
+    hf_output was written. Now preflight refuses it before the first step."""
+    from parcompile.runtime import ParallelContext
+    from parcompile.runtime.checkpoint import preflight
+
+    ctx = ParallelContext(0, 1, {}, torch.device("cpu"), None, distributed=False)
+    plan = {"model": {"params": 10, "dtype": "fp32"}}
+    preflight(tmp_path / "ck", tmp_path / "out", plan, "adamw", ctx)   # apart: fine
+    for ck, out in ((tmp_path / "out" / "ckpt", tmp_path / "out"), (tmp_path / "ck", tmp_path / "ck" / "hf")):
+        with pytest.raises(TrainError, match="overlap"):
+            preflight(ck, out, plan, "adamw", ctx)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
 def test_hf_writer_replaces_only_its_own_output(tmp_path):
     """An output parcompile wrote (its marker lists the files) is replaced; one holding
     anything else, or a file, is refused before anything is written."""
@@ -485,3 +514,42 @@ def test_bad_files_found_by_fuzzing_are_diagnostics(tmp_path):
     with pytest.raises(SpecError) as e:
         parcompile.compile(tmp_path / "cfg" / "s.par")
     assert any("gives an invalid vocab" in d.message and "`-1`" in d.message for d in e.value.diagnostics), e.value.diagnostics
+
+
+# ------------------------------------------------------------------ JSON nested too deeply
+
+DEEP = "[" * 100_000 + "]" * 100_000   # json's decoder recurses once per `[`: RecursionError
+
+
+def test_json_files_nested_too_deeply_are_bad_files_not_tracebacks(tmp_path, capsys, monkeypatch):
+    """Before: a config.json the spec imports, a damaged cpu-probe cache, an hf_output's
+    marker or a safetensors header nested 100,000 deep was a RecursionError traceback out of
+    `check` (the cache: out of every command). Now each reads as JSON that is not valid:
+    the importer's diagnostic, a cache probed again, a marker that is not parcompile's, a
+    damaged checkpoint file."""
+    from parcompile.config import host
+    from parcompile.core.hf_weights import read_header
+    from parcompile.core.outputs import written_files
+
+    (tmp_path / "cj").mkdir()
+    (tmp_path / "cj" / "config.json").write_text(DEEP)
+    spec = tmp_path / "cj.par"
+    spec.write_text('model m from "cj/config.json" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
+                    'parallel { tp = 1 }\ntrain { steps = 1 }\n')
+    rc, said = _check(spec, capsys)
+    assert rc == EXIT_SPEC and "is not valid JSON: nested too deeply" in said, said
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "parcompile").mkdir(parents=True)
+    (tmp_path / "xdg" / "parcompile" / "cpu-probe.json").write_text(DEEP)
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9, 2e-5))
+    assert host.probed_rates()[:2] == (2e9, 4e9)
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / HF_MARKER).write_text(DEEP)
+    assert written_files(tmp_path / "out") is None
+
+    raw = DEEP.encode()
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    _, problems = read_header(tmp_path / "model.safetensors")
+    assert problems and "nested too deeply" in problems[0].message, problems

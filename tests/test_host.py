@@ -220,3 +220,51 @@ parallel { tp = 8 }
         parcompile.compile(gpu.replace('from "h100-sxm" { }', 'from "h100-sxm" { op_overhead = 5 }'), filename="g.par")
     assert "op_overhead" in e.value.diagnostics[0].message or "time" in e.value.diagnostics[0].message
 
+@pytest.mark.parametrize("value", ["memory=1e400GiB", "flops=1e999GFLOPS", "bw=1e309GB/s"])
+def test_an_infinite_pinned_figure_is_a_spec_error(monkeypatch, cache, value):
+    """Before: `memory=1e400GiB` parsed as inf and `int(inf)` was an OverflowError traceback
+    out of `parcompile check`; an infinite flops or bandwidth planned steps of 0 s. Now the
+    variable's diagnostic, as for any figure that is no positive number."""
+    monkeypatch.setenv(host.ENV, value)
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(SERVE, filename="s.par")
+    assert f"PARCOMPILE_CPU_PROBE: `{value}`" in e.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "nan", "inf", 1e400, "x", None])
+def test_a_damaged_probe_cache_figure_is_probed_again(monkeypatch, cache, bad):
+    """Before: a cached rate of 0, a negative one, NaN or inf (a hand-edited or damaged
+    cpu-probe.json) went into the plan (NaN or infinite step times, or a ZeroDivisionError).
+    Now such an entry is probed again and rewritten."""
+    monkeypatch.delenv(host.ENV, raising=False)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({host._machine_key(): {"gemm_flops": bad, "copy_bw": 3e9, "op_overhead": 1e-5,
+                                                       "when": "x"}}))
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9, 2e-5))
+    monkeypatch.setattr(host, "gloo_latency", lambda ranks: 1e-4)
+    f = host.host_figures()
+    assert (f.gemm_flops, f.copy_bw) == (2e9, 4e9) and "probed" in f.source
+    assert json.loads(cache.read_text())[host._machine_key()]["gemm_flops"] == 2e9
+
+
+def test_a_probe_cache_that_is_a_fifo_is_not_waited_on(monkeypatch, cache):
+    """Before: a FIFO at the cache's path (or /dev/zero linked there) blocked every command
+    that plans for the `cpu` preset, forever. Now only a regular, size-limited file is read
+    (parcompile.core.files); anything else is probed again."""
+    import os
+    import threading
+
+    monkeypatch.delenv(host.ENV, raising=False)
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    monkeypatch.setattr(host, "probe", lambda: (2e9, 4e9, 2e-5))
+    got = []
+    t = threading.Thread(target=lambda: got.append(host.probed_rates()), daemon=True)
+    t.start()
+    t.join(10)
+    if not got:   # unblock a blocked reader so that the test process can end (never block here)
+        try:
+            os.close(os.open(cache, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert got and got[0][:2] == (2e9, 4e9)

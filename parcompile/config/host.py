@@ -49,12 +49,15 @@ Where the figures came from is written into plan.json (``estimate.assumptions.cl
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text
 
 #: the environment variable that pins or refreshes the figures (module docstring)
 ENV = "PARCOMPILE_CPU_PROBE"
@@ -324,7 +327,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _read_cache(path: Path) -> dict:
     try:
-        cache = json.loads(path.read_text())
+        cache = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
         return cache if isinstance(cache, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -351,6 +354,8 @@ def probed_rates(refresh: bool = False, ranks: int | None = None) -> tuple[float
     try:
         rates = (float(hit["gemm_flops"]), float(hit["copy_bw"]), float(hit["op_overhead"]))
         when = str(hit.get("when", "?"))
+        if not all(map(_usable, rates)):   # damaged (0, NaN, inf): probed again
+            raise ValueError(rates)
     except (KeyError, TypeError, ValueError):
         rates, when, hit = probe(), time.strftime("%Y-%m-%d", time.gmtime()), {}
     gloo = hit.get("gloo_latency") if isinstance(hit.get("gloo_latency"), dict) else {}
@@ -370,6 +375,11 @@ def probed_rates(refresh: bool = False, ranks: int | None = None) -> tuple[float
     return (*rates, latency, f"probed {when}, {_store(path, cache)}")
 
 
+def _usable(x: float) -> bool:
+    """Whether a figure (bytes, FLOP/s, bytes/s) is a positive, finite number."""
+    return math.isfinite(x) and x > 0
+
+
 def _pins(text: str) -> dict[str, float]:
     import re
 
@@ -385,11 +395,11 @@ def _pins(text: str) -> dict[str, float]:
                             f"`memory=24GiB,flops=50GFLOPS,bw=10GB/s,overhead=20us,latency=80us`")
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/%]+)\s*", value)
         zero_ok = kinds[name] == "time"      # no overhead, no latency: fine; no memory or rate: not
-        if not m or dimension_of(m.group(2)) != kinds[name] or not (float(m.group(1)) > 0 or
-                                                                    zero_ok and float(m.group(1)) == 0):
-            raise HostError(f"{ENV}: `{part}`: give a {'non-negative' if zero_ok else 'positive'} number and a "
-                            f"unit of {', '.join(units_of(kinds[name]))}")
-        out[name] = to_si(float(m.group(1)), m.group(2))
+        si = to_si(float(m.group(1)), m.group(2)) if m and dimension_of(m.group(2)) == kinds[name] else None
+        if si is None or not (_usable(si) or zero_ok and si == 0):   # 1e400 parses as inf
+            raise HostError(f"{ENV}: `{part}`: give a {'non-negative' if zero_ok else 'positive'}, finite number "
+                            f"and a unit of {', '.join(units_of(kinds[name]))}")
+        out[name] = si
     return out
 
 

@@ -11,6 +11,7 @@ FIFO (named pipe), not a regular file").
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 
@@ -93,4 +94,18 @@ def read_text(path: str | os.PathLike, limit: int) -> str:
     return read_bytes(path, limit).decode("utf-8")
 
 
-__all__ = ["FileReadError", "MAX_JSON_BYTES", "MAX_SPEC_BYTES", "read_bytes", "read_text", "what_is"]
+def json_loads(text: str | bytes):
+    """``json.loads(text)`` for a user's file, where nesting too deep for the decoder (it
+    recurses once per ``[`` or ``{``: a RecursionError) is bad JSON like any other.
+
+    Raises:
+        json.JSONDecodeError (a ValueError): not JSON, or "nested too deeply" (at 1:1).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else ""
+        raise json.JSONDecodeError("nested too deeply", doc, 0) from None
+
+
+__all__ = ["FileReadError", "MAX_JSON_BYTES", "MAX_SPEC_BYTES", "json_loads", "read_bytes", "read_text", "what_is"]

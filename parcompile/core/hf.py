@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, json_loads, read_text
 from parcompile.core.model import MAX_LAYERS
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral",
@@ -593,7 +593,7 @@ def load_hf_config(path: Path) -> dict[str, Any]:
                             f"cannot read `{path}`: {e}",
                             help="give the `config.json` file of a Hugging Face checkpoint") from None
     try:
-        cfg = json.loads(text)
+        cfg = json_loads(text)
     except json.JSONDecodeError as e:
         raise HFConfigError(f"`{path}` is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     if not isinstance(cfg, dict):

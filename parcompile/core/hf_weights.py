@@ -83,6 +83,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.files import json_loads
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
 from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, ModelKeys, rope_scaling, rotary_dim
 
@@ -886,7 +887,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
     except OSError as e:
         return {}, [Problem(f"cannot read `{p}`: {e.strerror or e}")]
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json_loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("not an object")
     except (UnicodeDecodeError, ValueError) as e:
@@ -942,7 +943,7 @@ def scan_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, str], dict[
     names: dict[str, str] = {}
     if index.is_file():
         try:
-            wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            wm = json_loads(index.read_text(encoding="utf-8"))["weight_map"]
             if not isinstance(wm, dict):
                 raise ValueError("weight_map is not an object")
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
@@ -985,7 +986,7 @@ def read_config(directory: str | os.PathLike) -> tuple[dict | None, list[Problem
     if not f.is_file():
         return None, []
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
+        cfg = json_loads(f.read_text(encoding="utf-8"))
         if not isinstance(cfg, dict):
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:

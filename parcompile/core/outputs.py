@@ -19,13 +19,13 @@ is usable, else one sentence saying why not, naming the path.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from parcompile.core.dtypes import DTYPE_BYTES, OPTIMIZER_STATES
+from parcompile.core.files import json_loads
 from parcompile.core.units import bytes_text
 
 #: the file a Hugging Face output of parcompile holds beside its tensors: JSON
@@ -106,7 +106,7 @@ def written_files(directory: str | os.PathLike) -> set[str] | None:
     """The names an earlier Hugging Face output of parcompile wrote in ``directory`` (its
     :data:`HF_MARKER`), or None when it has no readable marker."""
     try:
-        data = json.loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
+        data = json_loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
         files = data["files"] if isinstance(data, dict) and data.get("written_by") == "parcompile" else None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None
@@ -115,11 +115,22 @@ def written_files(directory: str | os.PathLike) -> set[str] | None:
     return set(files)
 
 
-def hf_output_problem(path: str | os.PathLike) -> str | None:
+def hf_output_problem(path: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None) -> str | None:
     """Why a Hugging Face output may not be written at ``path`` (module docstring), or
     None: absent, an empty directory, or one whose every entry is a file an earlier
     output of parcompile listed in its :data:`HF_MARKER`; and its parent can be written
-    (the output is renamed into place from a sibling)."""
+    (the output is renamed into place from a sibling). With the run's ``checkpoint_dir``
+    (None: no checkpoints), the two must not overlap (:func:`overlaps`): replacing the
+    output would replace the checkpoints, or the checkpoints make it a directory of other
+    files that the end of the run refuses to replace."""
+    problem = _hf_output_problem(path)
+    if problem is None and checkpoint_dir is not None and overlaps(path, checkpoint_dir):
+        problem = (f"hf_output `{path}` and checkpoint_dir `{checkpoint_dir}` overlap: writing the output would "
+                   "replace the checkpoints")
+    return problem
+
+
+def _hf_output_problem(path: str | os.PathLike) -> str | None:
     try:
         p = Path(os.path.abspath(path))
         if os.path.lexists(p):
@@ -143,12 +154,15 @@ def hf_output_problem(path: str | os.PathLike) -> str | None:
 
 
 def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Whether the directories ``a`` and ``b`` are the same or one holds the other."""
+    """Whether the directories ``a`` and ``b`` are the same or one holds the other, as
+    written or once symbolic links are followed (``os.path.realpath``: a link into the
+    other directory overlaps it)."""
     try:
-        x, y = Path(os.path.abspath(a)), Path(os.path.abspath(b))
-    except ValueError:
+        pairs = [(Path(os.path.abspath(a)), Path(os.path.abspath(b))),
+                 (Path(os.path.realpath(a)), Path(os.path.realpath(b)))]
+    except (ValueError, OSError):   # a NUL byte; a symbolic-link loop (realpath raises on some versions)
         return False
-    return x == y or x in y.parents or y in x.parents
+    return any(x == y or x in y.parents or y in x.parents for x, y in pairs)
 
 
 HF_OUTPUT_HELP = ("give a new directory (or an empty one, or one an earlier hf_output or export-weights "

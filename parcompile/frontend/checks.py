@@ -704,14 +704,11 @@ def _check_outputs(cfg: SpecConfig, ctx: CheckContext) -> None:
     empty directory or an earlier output of parcompile, never the checkpoints; the
     ``checkpoint_dir`` can be created and written. Its free space needs the plan's bytes:
     :func:`parcompile.driver.compile_config` checks it."""
-    from parcompile.core.outputs import HF_OUTPUT_HELP, hf_output_problem, overlaps, write_problem
+    from parcompile.core.outputs import HF_OUTPUT_HELP, hf_output_problem, write_problem
 
     t = cfg.train
     if t.hf_output is not None and ctx.ok("train.hf_output"):
-        problem = hf_output_problem(t.hf_output)
-        if problem is None and t.checkpoint_dir is not None and overlaps(t.hf_output, t.checkpoint_dir):
-            problem = (f"hf_output `{t.hf_output}` and checkpoint_dir `{t.checkpoint_dir}` overlap: writing "
-                       "the output would replace the checkpoints")
+        problem = hf_output_problem(t.hf_output, t.checkpoint_dir)
         if problem:
             ctx.bag.error(f"hf_output: {problem}", ctx.span("train.hf_output"), help=HF_OUTPUT_HELP)
             ctx.bad.add("train.hf_output")

@@ -65,7 +65,8 @@ def preflight(directory: str | os.PathLike | None, hf_output: str | os.PathLike 
     """Before the first step: ``directory`` (the checkpoint_dir, None: no checkpoints) can
     be created and written and its file system holds one checkpoint of the plan's
     parameters (plan.json ``model.params`` and ``model.dtype``, trained with
-    ``optimizer``: :func:`parcompile.core.outputs.checkpoint_bytes`); ``hf_output`` may be written (:mod:`parcompile.core.outputs`, the rules the
+    ``optimizer``: :func:`parcompile.core.outputs.checkpoint_bytes`); ``hf_output`` may be
+    written, apart from ``directory`` (:mod:`parcompile.core.outputs`, the rules the
     spec's checks apply; ``--checkpoint-dir`` may name another directory, and files change
     between check and run). Rank 0 looks; every rank raises together.
 
@@ -80,7 +81,7 @@ def preflight(directory: str | os.PathLike | None, hf_output: str | os.PathLike 
             problem = problem and f"checkpoint_dir: {problem}"
             help = "give a writable directory with room for a checkpoint (--checkpoint-dir, or the spec's key)"
         if not problem and hf_output:
-            problem = hf_output_problem(hf_output)
+            problem = hf_output_problem(hf_output, directory or None)
             problem, help = problem and f"hf_output: {problem}", HF_OUTPUT_HELP
     fail_together(ctx, problem, help)
 

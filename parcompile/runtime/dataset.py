@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from parcompile.core.files import MAX_JSON_BYTES, FileReadError, read_text, what_is
+from parcompile.core.files import MAX_JSON_BYTES, FileReadError, json_loads, read_text, what_is
 
 FORMAT_VERSION = "parcompile.tokens/1"
 DATA_FORMATS = ("text", "prompt_completion", "chat")
@@ -170,7 +170,7 @@ class Tokenizer:
 
 def _read_json_file(path: Path) -> dict:
     try:
-        value = json.loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
+        value = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read: it {e.strerror}" if isinstance(e, FileReadError) else f"cannot read: {e}",
                         path) from None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parcompile.core.files import json_loads
 from parcompile.core.model import cached_tokens
 from parcompile.runtime.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.context import Axis, ParallelContext
@@ -388,7 +389,7 @@ def end_tokens(weights: str | None) -> list[int]:
         f = Path(weights) / name
         if f.is_file():
             try:
-                eos = json.loads(f.read_text()).get("eos_token_id")
+                eos = json_loads(f.read_text()).get("eos_token_id")
             except (OSError, ValueError):
                 continue
             if isinstance(eos, int):

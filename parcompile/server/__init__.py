@@ -12,11 +12,12 @@ exits with status 1.
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import threading
 from pathlib import Path
+
+from parcompile.core.files import json_loads
 
 #: seconds the front keeps answering 503 after the engines failed, before it exits
 FAIL_GRACE_S = 3.0
@@ -29,7 +30,7 @@ def _chat_template(weights: str | None) -> tuple[str | None, dict]:
         return None, {}
     f = Path(weights) / "tokenizer_config.json"
     try:
-        cfg = json.loads(f.read_text()) if f.is_file() else {}
+        cfg = json_loads(f.read_text()) if f.is_file() else {}
     except (OSError, ValueError):
         return None, {}
     tpl = cfg.get("chat_template")
