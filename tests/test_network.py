@@ -222,3 +222,23 @@ def test_network_keys_in_a_spec():
     with pytest.raises(SpecError) as e:
         load_spec(spec("nvlink_domain = 0"), filename="n.par")
     assert "n.par:2:" in str(e.value)
+
+
+def test_nics_per_node_decides_what_a_group_with_few_ranks_per_node_drives():
+    """The node's network is inter_node_bw x gpus_per_node over nics_per_node NICs; a group
+    with k ranks per node uses min(k, NICs) of them (was: nics_per_node changed nothing)."""
+    from parcompile.analysis.estimate import nic_share
+
+    base = cluster_preset("h100-sxm", "bf16")
+    share = base["inter_node_bw"]
+
+    def cl(nics):
+        return ClusterConfig(name="c", preset="h100-sxm", **{**base, "nodes": 4, "nics_per_node": nics})
+
+    # one NIC per GPU: every rank drives its own share, whatever k
+    assert [nic_share(cl(8), k) for k in (1, 2, 8)] == [share] * 3
+    # 2 NICs of 4 shares each: one rank drives a whole NIC (4 shares), 8 ranks share 2 NICs
+    assert nic_share(cl(2), 1) == pytest.approx(4 * share)
+    assert nic_share(cl(2), 8) * 8 == pytest.approx(8 * share)
+    # many small NICs: a rank drives one of them
+    assert nic_share(cl(64), 1) == pytest.approx(share / 8)

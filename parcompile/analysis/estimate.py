@@ -470,8 +470,25 @@ def make_link(cluster, k: int, domains: int, eff: Efficiency | None = None) -> L
     domains on ``cluster`` (a ClusterConfig), with its preset's efficiencies."""
     eff = eff or efficiency(cluster)
     return Link(k, domains, cluster.intra_node_latency, cluster.inter_node_latency,
-                cluster.intra_node_bw * eff.link, cluster.inter_node_bw * eff.net,
+                cluster.intra_node_bw * eff.link, nic_share(cluster, k) * eff.net,
                 cluster.intra_node_bw * eff.nvls if getattr(cluster, "nvls", False) else 0.0)
+
+
+def nic_share(cluster, k: int) -> float:
+    """Bytes/s of network (one direction, nominal) each of ``k`` ranks of one group in one
+    NVLink domain drives: the node's network is ``inter_node_bw * gpus_per_node`` (each
+    GPU's share) over ``nics_per_node`` NICs (default one per GPU, rail-optimised); the
+    ``k`` ranks use ``min(k, NICs of the domain)`` of them (NCCL builds a channel per NIC,
+    and with PXN a rank reaches a NIC of another rail through NVLink), shared equally. With
+    one NIC per GPU that is ``inter_node_bw``; with fewer, larger NICs a group with few
+    ranks per node gets more than its GPUs' shares, with more, smaller ones less."""
+    gpn = cluster.gpus_per_node
+    nics = getattr(cluster, "nics_per_node", None) or gpn
+    domain = _domain(cluster)
+    nic_bw = cluster.inter_node_bw * gpn / nics
+    in_domain = max(1, nics * domain // gpn)
+    k = max(1, k)
+    return min(k, in_domain) * nic_bw / k
 
 
 def _domain(cluster) -> int:
