@@ -51,7 +51,36 @@ the H100's ``matmul``):
    ``6 N`` plus attention without causal halving, the convention of Megatron's and
    torchtitan's MFU) over ``8192 x 430 TFLOP/s``. With 4 virtual stages the estimated peak
    (about 99 GiB) exceeds the 80 GB part: the paper's memory balancing of the schedule is
-   not modelled. A row's spec is
+   not modelled.
+
+2025-26 rows (issue 29), each with its source commit (:attr:`H100Row.commit`) and what
+was assumed where the source is silent (:attr:`H100Row.assumed`):
+
+4. torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (added in commit
+   2887250, unchanged since; the runs used torchtitan 820504e): "Llama3 70b on 256 H100s
+   with FSDP=32, TP=8, torch.compile, full AC, local batch size 16", vanilla TP, bf16:
+   597.3 tokens/s (per GPU, torchtitan's ``tps``). Same Grand Teton hardware as row 1
+   (96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU: the page's own hardware list).
+   From torchtitan 820504e: ``llama3_70b.toml`` gives seq 8192; ``global_batch_size``
+   defaults to local x data-parallel (no accumulation): global batch 512;
+   ``parallelize_llama`` pairs TP with sequence parallelism on the norms and loss
+   parallelism; ``apply_compile`` compiles each TransformerBlock and ``components/loss.py``
+   the loss: ``engine = compile``. No memory published.
+5. The same file: "Llama3 8b on 64 H100s with FSDP=8, TP=8, torch.compile, per op SAC,
+   local batch size 12": 4,378 tokens/s per GPU; seq 8192 (``llama3_8b.toml``), global
+   batch 96, ``recompute = selective`` as torchtitan's op-level policy.
+6. NeMo AutoModel ``docs/performance-summary.mdx`` (commit 36044ad; the rows date from
+   89e3a9f, October 2025, Qwen3 re-measured in 8d9bfb9), DGX-H100, BF16: GPT-OSS 20B, 8
+   GPUs, GBS 256, LBS 2, GA 16, seq 4096, FSDP 8: 10.04 s per step. The table leaves EP as
+   "-"; its recipe ``examples/benchmark/configs/gptoss_20b_te_deepep.yaml`` at 8d9bfb9 (the
+   configuration the table links) has ``ep_size 8``, ``activation_checkpointing: true``
+   (whole-block checkpoints: ``recompute = full``), FlexAttention, TE linears and RMSNorm,
+   DeepEP, a fake balanced gate, torch Adam, bf16 loss: ``engine = automodel``.
+7. The same table: Qwen3 MoE 30B (Qwen3-30B-A3B), 8 GPUs, GBS 512, LBS 4, GA 16, seq
+   4096, FSDP 8, EP 8: 21.773 s per step; its recipe (``qwen3_moe_30b_te_deepep.yaml``)
+   as row 6 with TE attention.
+
+A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
 passes belongs to the driver: the analyses import no pass).
 
@@ -197,14 +226,23 @@ class H100Row:
     tokens_per_s_per_gpu: float | None = None
     tflops_per_gpu: float | None = None
     peak_gib: float | None = None
+    #: published seconds per step (rows that give it directly)
+    step_time: float | None = None
+    #: the source's commit (or release) the row was read at
+    commit: str = ""
+    #: what was assumed where the source leaves a value open
+    assumed: str = ""
 
     def layout(self) -> str:
         """The layout in words: ``dp=8 zero=3 mb=2 gbs=16 recompute=selective``."""
         return " ".join(f"{k}={v}" for k, v in self.parallel if k != "sequence_parallel" or v)
 
     def published_step_time(self, model_flops_per_step: float) -> float:
-        """Seconds per step from the published rate: tokens per second per GPU, or TFLOP/s
-        per GPU over ``model_flops_per_step`` (the row's own count)."""
+        """Seconds per step as published (:attr:`step_time`), else from the published rate:
+        tokens per second per GPU, or TFLOP/s per GPU over ``model_flops_per_step`` (the
+        row's own count)."""
+        if self.step_time is not None:
+            return self.step_time
         par = dict(self.parallel)
         world = dict(self.cluster)["nodes"] * 8
         tokens = par["global_batch"] * dict(self.model_keys)["seq_len"]
@@ -213,22 +251,53 @@ class H100Row:
         return model_flops_per_step / (world * self.tflops_per_gpu * 1e12)
 
 
+#: Meta's Grand Teton H100 (rows 1, 4, 5): 96 GB HBM2e at 2.4 TB/s, 500 W (module docstring)
+GRAND_TETON: tuple[tuple[str, object], ...] = (("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12))
+
 H100_ROWS: tuple[H100Row, ...] = (
     H100Row("Llama 3.1 8B FSDP", "torchtitan llama3_h100_202412 Table 1", "llama3-8b", (("seq_len", 8192),),
-            (("nodes", 1), ("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12), ("engine", "eager")),
+            (("nodes", 1), *GRAND_TETON, ("engine", "eager")),
             (("dp", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 16), ("recompute", "selective")),
-            tokens_per_s_per_gpu=5762, peak_gib=82.4),
-    H100Row("GPT-OSS 120B", "Megatron-Bridge 26.04.01 perf summary", "gpt-oss-120b", (("seq_len", 4096),),
+            tokens_per_s_per_gpu=5762, peak_gib=82.4, commit="31a17bf",
+            assumed="peak 884 TFLOPS for the 500 W limit (cube root of the power)"),
+    H100Row("GPT-OSS 120B", "Megatron-Bridge perf summary", "gpt-oss-120b", (("seq_len", 4096),),
             (("nodes", 8),),
             (("tp", 1), ("pp", 4), ("ep", 8), ("dp", 16), ("zero", 1), ("micro_batch", 1), ("global_batch", 1280),
              ("recompute", "none"), ("reduce_dtype", "bf16")),
-            tokens_per_s_per_gpu=5824),
+            tokens_per_s_per_gpu=5824, commit="release 26.04.01",
+            assumed="its norm and expert-activation recomputation (elementwise) not modelled: recompute none"),
     H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
             (("nodes", 1024),),
             (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 1), ("micro_batch", 1), ("global_batch", 2048),
              ("schedule", "interleaved_1f1b"), ("virtual_stages", 4), ("sequence_parallel", True),
              ("recompute", "none")),
-            tflops_per_gpu=430),
+            tflops_per_gpu=430, commit="arXiv 2407.21783",
+            assumed="micro-batch 1, 4 virtual stages, sequence parallel, no recompute, ZeRO-1"),
+    H100Row("Llama 3.1 70B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b", (("seq_len", 8192),),
+            (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),
+             ("global_batch", 512), ("recompute", "full")),
+            tokens_per_s_per_gpu=597.3, commit="2887250 (runs at 820504e)",
+            assumed="seq 8192 and no gradient accumulation (torchtitan 820504e defaults); peak 884 TFLOPS as row 1"),
+    H100Row("Llama 3.1 8B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-8b", (("seq_len", 8192),),
+            (("nodes", 8), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 8), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 12),
+             ("global_batch", 96), ("recompute", "selective")),
+            tokens_per_s_per_gpu=4378, commit="2887250 (runs at 820504e)",
+            assumed="seq 8192 and no gradient accumulation (torchtitan 820504e defaults); peak 884 TFLOPS as row 1"),
+    H100Row("GPT-OSS 20B FSDP+EP", "NeMo AutoModel performance-summary", "gpt-oss-20b", (("seq_len", 4096),),
+            (("nodes", 1), ("engine", "automodel")),
+            (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 256), ("recompute", "full")),
+            step_time=10.04, commit="36044ad (row 89e3a9f)",
+            assumed="EP 8 and full activation checkpointing from its recipe at 8d9bfb9 (the table prints EP '-'); "
+                    "FSDP2 without reshard after forward modelled as zero 3; FlexAttention priced as the engine's "
+                    "fused kernel; balanced routing (its fake balanced gate)"),
+    H100Row("Qwen3-30B-A3B FSDP+EP", "NeMo AutoModel performance-summary", "qwen3-30b-a3b", (("seq_len", 4096),),
+            (("nodes", 1), ("engine", "automodel")),
+            (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 4), ("global_batch", 512), ("recompute", "full")),
+            step_time=21.773, commit="36044ad (row 8d9bfb9)",
+            assumed="full activation checkpointing = whole-block checkpoints (its apply_ac); FSDP2 without "
+                    "reshard after forward modelled as zero 3; balanced routing (its fake balanced gate)"),
 )
 
 

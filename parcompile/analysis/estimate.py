@@ -22,7 +22,7 @@ written into plan.json (``estimate.assumptions``).
 
 Backward costs twice the forward (every term); recomputation adds the forward of the
 recomputed ops (all of a layer with ``full``; the attention core with ``selective``, or
-torchtitan's op-level policy under the ``eager`` engine). ``EFFICIENCY`` gives the
+torchtitan's op-level policy under an engine with ``Engine.sac = "op"``). ``EFFICIENCY`` gives the
 fractions per GPU preset, ``ENGINES`` what each engine (``cluster.engine``) changes, with
 their sources (``docs/clusters.md``); a cluster without a preset takes
 ``DEFAULT_EFFICIENCY``.
@@ -56,7 +56,7 @@ else the network (``inter_node_*``). What overlaps:
   are exposed.
   Overlapped is not free: the hidden part slows the compute beneath it by
   ``eff.overlap`` of its time (NCCL's kernels occupy streaming multiprocessors), counted in
-  ``dp_comm``; under the ``eager`` engine with ZeRO-3, FSDP2's copies into and out of its
+  ``dp_comm``; under an FSDP2 engine (``Engine.fsdp2``) with ZeRO-3, FSDP2's copies into and out of its
   flat buffers are exposed too (:func:`step_sums`).
 
 **Pipeline.** With the schedule's action lists the simulator runs them with these chunk
@@ -141,6 +141,14 @@ class Engine:
       expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
       per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
       run at ``M / (M + expert_rows)`` of the dense GEMM rate;
+    * ``sac``: what ``recompute = selective`` recomputes: ``"core"`` (Megatron-LM's: the
+      attention core, Korthikanti et al. 2022) or ``"op"`` (torchtitan's op-level policy,
+      :func:`parcompile.analysis.compute.op_sac`);
+    * ``fsdp2``: ZeRO-3 runs as FSDP2, which copies each all-gather's output and each
+      reduce-scatter's input through a flat buffer on the compute stream (:func:`step_sums`);
+    * ``fp32_loss``: the loss upcasts the logits to fp32 (torchtitan's
+      ``cross_entropy(pred.float(), ...)``), an fp32 copy beside them
+      (:func:`parcompile.analysis.memory.stage_buffers`);
     * ``description`` and ``source``: what it stands for, and why these numbers."""
 
     name: str
@@ -149,6 +157,9 @@ class Engine:
     expert_rows: float
     description: str
     source: str
+    sac: str = "core"
+    fsdp2: bool = False
+    fp32_loss: bool = False
 
 
 #: ``cluster.engine`` -> :class:`Engine`
@@ -176,7 +187,36 @@ ENGINES: dict[str, Engine] = {
         "reduce-scatter's input through its flat buffer (step_sums); "
         "attention: FlashAttention-2 on Hopper (Shah et al. 2024, FlashAttention-3, Fig. 5-7); "
         "expert_rows: as megatron (no eager MoE row was measured); selective recomputation is "
-        "torchtitan's op-level policy (analysis/compute.py op_sac)"),
+        "torchtitan's op-level policy (analysis/compute.py op_sac)",
+        sac="op", fsdp2=True, fp32_loss=True),
+    "compile": Engine(
+        "compile", 1.0, "fa2", 1700.0,
+        "torchtitan with torch.compile and FSDP2: each transformer block and the loss compiled "
+        "(Inductor fuses their elementwise ops), SDPA's FlashAttention-2, FSDP2 all-gathers and "
+        "reduce-scatters overlapped with compute",
+        "elementwise: torchtitan compiles every TransformerBlock (fullgraph) and the loss "
+        "(torchtitan/models/llama3/parallelize_llama.py apply_compile, components/loss.py, commit "
+        "820504e): Inductor fuses each chain of norms, RoPE, SwiGLU and residual adds between two "
+        "matmuls into kernels that read their inputs and write their outputs once, the fused count "
+        "of OpSpec.traffic; the loss still upcasts to fp32 (an fp32 copy of the logits in memory); "
+        "FSDP2's flat-buffer copies stay eager (step_sums); attention: SDPA's flash backend, "
+        "FlashAttention-2, as eager; expert_rows: as megatron (no compiled MoE row); selective "
+        "recomputation: torchtitan's op-level policy, as eager",
+        sac="op", fsdp2=True, fp32_loss=True),
+    "automodel": Engine(
+        "automodel", 1.4, "fused", 1700.0,
+        "NeMo AutoModel with FSDP2: Transformer Engine linears, RMSNorm and fused RoPE, TE's cuDNN "
+        "fused attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's "
+        "dispatch, eager SwiGLU, router and loss",
+        "elementwise: the Automodel benchmark recipes (examples/llm_benchmark/*_te_deepep.yaml, "
+        "backend rms_norm te, rope_fusion true, linear te) fuse the norms and RoPE; SwiGLU, the "
+        "router's softmax and top-k and the bf16 loss (MaskedCrossEntropy, fp32_upcast false) run "
+        "as eager ops: weighted as the eager engine's (a Llama 3 8B layer's fused bytes: norms 32 KB "
+        "per token, RoPE 20, SwiGLU 86 at 10/6, adds 49, attention 20, loss 40 at about 2x) about "
+        "1.4x; attention: TE's fused attention (cuDNN) as megatron; expert_rows: as megatron; "
+        "selective recomputation: torchtitan's op-level policy (Automodel's apply_ac selective "
+        "reuses it); FSDP2 copies as eager",
+        sac="op", fsdp2=True),
 }
 DEFAULT_ENGINE = "megatron"
 
@@ -522,7 +562,7 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest, buffer
     copies)``,
     what :func:`dp_exposed` sets against the stage's backward and forward. The buffer copies
-    are FSDP2's under the ``eager`` engine with ZeRO-3 (2 x the unsharded bytes of each
+    are FSDP2's under an engine with ``Engine.fsdp2`` and ZeRO-3 (2 x the unsharded bytes of each
     parameter all-gather and gradient reduce-scatter, at ``eff.memory * hbm_bw``, on the
     compute stream: exposed); 0 otherwise."""
     par, cl = cfg.parallel, cfg.cluster
@@ -530,10 +570,10 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     for e in collectives:
         if e.phase == "step":
             per_stage.setdefault(e.stage, []).append(e)
-    # FSDP2 (the eager engine, ZeRO-3) copies each all-gather's output out of, and each
+    # FSDP2 (Engine.fsdp2, ZeRO-3) copies each all-gather's output out of, and each
     # reduce-scatter's input into, its flat communication buffer on the compute stream:
     # read and write the full (unsharded) bytes once each
-    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).name == "eager" and par.zero >= 3 else 0.0
+    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).fsdp2 and par.zero >= 3 else 0.0
     out = []
     for s in range(par.pp):
         grads = params = exposed = copies = 0.0

@@ -86,6 +86,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
+from parcompile.analysis.estimate import engine as engine_of
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -206,7 +207,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     """The activation accounting of the module docstring. ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
     size of the first layer's input, the first chunk keeps. ``engine``
-    (``cluster.engine``): with ``eager``, ``selective`` is torchtitan's op-level policy
+    (``cluster.engine``): where its ``Engine.sac`` is ``"op"``, ``selective`` is torchtitan's op-level policy
     (:func:`parcompile.analysis.compute.op_sac`): a layer keeps its input, the outputs of
     the linears it does not recompute, and the attention kernel's output and log-sum-exp."""
     sac = op_sac(graph, recompute, engine)
@@ -399,7 +400,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             # log-softmax output, a fused one (Megatron's vocab-parallel loss) does not
             t = graph.inputs(nd.name)[0]
             extra = 0
-            if cfg.cluster.engine == "eager":
+            if engine_of(cfg.cluster).fp32_loss:
                 lt = graph.node(t).sharding.local_type(graph.node(t).type, degrees)
                 extra = 4 * lt.numel if lt.itemsize < 4 else 0
             bump(s, "logits", _local_bytes(graph, t, degrees) + extra)
@@ -411,7 +412,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             bump(nd.op.attr("dst_stage"), "p2p", 2 * b)
     if not serve:
         for layer, s in layer_stage.items():
-            if par.recompute == "full" or (par.recompute == "selective" and cfg.cluster.engine == "eager"):
+            if par.recompute == "full" or (par.recompute == "selective" and engine_of(cfg.cluster).sac == "op"):
                 # the layer's recomputed tensors (torchtitan's op-level policy rebuilds all but the kept)
                 bump(s, "recompute", saved.per_layer.get(layer, 0) - (
                     0 if par.recompute == "full" else saved.kept_per_layer.get(layer, 0)))

@@ -173,8 +173,9 @@ class ClusterConfig(_Frozen):
     inter_node_latency: float = 10e-6 # s
     memory_reserve: float = 0.10      # fraction of memory
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
-    #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)
-    engine: Literal["megatron", "eager"] = "megatron"
+    #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
+    #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)
+    engine: Literal["megatron", "eager", "compile", "automodel"] = "megatron"
 
     @property
     def world_size(self) -> int:
