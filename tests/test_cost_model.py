@@ -120,9 +120,7 @@ def test_a100_step_times_mean_error_at_most_3_5_percent():
 
 #: handed rows the estimate does not meet yet (issue 29), each with why; calibration empties it
 _TIME_PENDING = {
-    "GPT-OSS 20B FSDP+EP": "+8.0%: the automodel engine is not calibrated yet (its expert all-to-all as Qwen3's)",
-    "Qwen3-30B-A3B FSDP+EP": "DeepEP sends a token once per destination rank and the fake balanced gate "
-                             "puts a token's experts on one rank: not modelled yet",
+    "Qwen3-30B-A3B FSDP+EP": "+10.3%: the automodel engine is not calibrated yet",
 }
 _FIT_PENDING = {
     "GPT-OSS 120B": "GPT-OSS memory fixes (issue 29, fused sink attention's memory)",
@@ -362,3 +360,25 @@ def test_eager_selective_is_torchtitans_op_level_policy():
     T, e = 2 * 256, 2
     # input h + wq h + wv kv + attention out h + its fp32 log-sum-exp + w1 ffn + w2 h
     assert kept == T * e * (256 + 256 + 128 + 256 + 512 + 256) + T * 4 * 4
+
+
+def test_deepep_sends_a_token_once_per_rank_holding_its_experts():
+    # DeepEP (engine automodel) moves a token to each rank holding some of its top_k
+    # experts, once; balanced routing puts them adjacent (AutoModel's FakeBalancedGate:
+    # token t to experts t k .. t k + k - 1): ceil(k / (E / ep)) ranks of the k rows
+    from parcompile.analysis.estimate import routed_share
+    rows = {r.name: h100_config(r) for r in H100_ROWS}
+    qwen, oss = rows["Qwen3-30B-A3B FSDP+EP"], rows["GPT-OSS 20B FSDP+EP"]
+    assert routed_share(qwen, {"ep": 8}) == 1 / 8          # 128 experts, 16 per rank, top-8: one rank
+    assert routed_share(oss, {"ep": 8}) == 1 / 4           # 32 experts, 4 per rank, top-4: one rank
+    assert routed_share(rows["GPT-OSS 120B"], {"ep": 8}) == 1.0   # Megatron's all-to-all: a row per expert
+    assert routed_share(oss, {"ep": 1}) == 1.0
+    m = tiny_model(experts=16, top_k=4, expert_ffn_hidden=64)
+    cfg = spec(m, dp=8, ep=8, cluster={"engine": "automodel"})
+    assert routed_share(cfg, {"ep": 8}) == 2 / 4           # 2 experts per rank: two ranks
+    # the estimate's expert all-to-all time follows: a quarter of Megatron's bytes for GPT-OSS
+    # 20B, the messages' latency unchanged
+    meg = cost_without_schedule(oss.model_copy(update={"cluster": oss.cluster.model_copy(
+        update={"engine": "megatron"})})).time.breakdown["ep_comm"]
+    deepep = _h100_cost(next(r for r in H100_ROWS if r.name == "GPT-OSS 20B FSDP+EP")).time.breakdown["ep_comm"]
+    assert meg / 4 < deepep < meg / 3

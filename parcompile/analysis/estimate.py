@@ -148,7 +148,9 @@ class Engine:
       reduce-scatter's input through a flat buffer on the compute stream (:func:`step_sums`);
     * ``fp32_loss``: the loss upcasts the logits to fp32 (torchtitan's
       ``cross_entropy(pred.float(), ...)``), an fp32 copy beside them
-      (:func:`parcompile.analysis.memory.stage_buffers`);
+      (:func:`parcompile.analysis.memory.buffer_bytes`);
+    * ``dedup_dispatch``: the expert-parallel all-to-alls move a token once per
+      destination rank (DeepEP), :func:`routed_share` of the per-expert rows;
     * ``description`` and ``source``: what it stands for, and why these numbers."""
 
     name: str
@@ -160,6 +162,9 @@ class Engine:
     sac: str = "core"
     fsdp2: bool = False
     fp32_loss: bool = False
+    #: the token dispatcher sends a token once per destination rank and combines its
+    #: experts' outputs there (DeepEP), not once per chosen expert (:func:`routed_share`)
+    dedup_dispatch: bool = False
 
 
 #: ``cluster.engine`` -> :class:`Engine`
@@ -215,8 +220,10 @@ ENGINES: dict[str, Engine] = {
         "per token, RoPE 20, SwiGLU 86 at 10/6, adds 49, attention 20, loss 40 at about 2x) about "
         "1.4x; attention: TE's fused attention (cuDNN) as megatron; expert_rows: as megatron; "
         "selective recomputation: torchtitan's op-level policy (Automodel's apply_ac selective "
-        "reuses it); FSDP2 copies as eager",
-        sac="op", fsdp2=True),
+        "reuses it); FSDP2 copies as eager; dispatch: DeepEP (deepseek-ai/DeepEP, normal kernels) sends "
+        "each token once to every rank holding some of its experts and combines their outputs there "
+        "(routed_share)",
+        sac="op", fsdp2=True, dedup_dispatch=True),
 }
 DEFAULT_ENGINE = "megatron"
 
@@ -340,6 +347,24 @@ def collective_time(op: str, nbytes: int, n: int, alpha: float, beta: float) -> 
     return 0.0
 
 
+def routed_share(cfg, degrees: Mapping[str, int]) -> float:
+    """The bytes an expert-parallel all-to-all moves over the balanced per-expert count
+    (:func:`parcompile.ir.ops.moe_collectives`: ``top_k`` rows per token): 1, except under
+    an engine whose dispatcher deduplicates (``Engine.dedup_dispatch``, DeepEP), which sends
+    a token once to each rank holding some of its experts. Under the balanced routing the
+    estimate assumes (plan.json ``moe_routing``), a token's ``top_k`` experts are adjacent
+    and aligned, as NeMo AutoModel's fake balanced gate routes (token ``t`` to experts
+    ``t k .. t k + k - 1`` mod ``E``, ``nemo_automodel/components/moe/layers.py``
+    ``FakeBalancedGate``): they sit on ``ceil(k / (E / ep))`` ranks, so the share is that
+    over ``k``."""
+    m = cfg.model
+    ep = degrees.get("ep", 1)
+    if not m.experts or ep <= 1 or not engine(cfg.cluster).dedup_dispatch:
+        return 1.0
+    local = max(1, m.experts // ep)
+    return min(m.top_k, -(-m.top_k // local)) / m.top_k
+
+
 @dataclass(frozen=True)
 class ChunkTimes:
     """Seconds for one micro-batch through each model chunk on one rank, by part."""
@@ -416,13 +441,15 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
+    share = routed_share(cfg, degrees)
     cf = {f: [0.0] * nchunks for f in fams}
     cb = {f: [0.0] * nchunks for f in fams}
     p2p = 0.0
     for _stage, chunk, c in comm.raw:
         fam = AXIS_FAMILY.get(c.axis, c.axis)
         al, be = links.get(c.axis, (cl.intra_node_latency, cl.intra_node_bw * eff.link))
-        t = collective_time(c.op, c.bytes, degrees.get(c.axis, 1), al, be)
+        nbytes = c.bytes * share if fam == "ep" and c.op == "all_to_all" else c.bytes
+        t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), al, be)
         if fam == "pp":
             if c.op == "send":
                 tp = degrees.get("tp", 1)
