@@ -57,9 +57,7 @@ from parcompile.search import check_layout, needs_search, resolve, settle_split
 #: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
 MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
                "micro_batch * seq_len / (cp * tp) * top_k, for the all-to-alls over ep and the "
-               "all-gathers / reduce-scatters over expert_tp; a deduplicating dispatcher (DeepEP, "
-               "engine automodel) sends a token once per rank holding its experts, adjacent as a "
-               "balanced gate routes them (estimate.routed_share); verify measures the rows actually routed")
+               "all-gathers / reduce-scatters over expert_tp; verify measures the rows actually routed")
 
 def compile_source(source, filename: str | None = None, overrides: Mapping[str, Any] | None = None) -> Plan:
     """Compile a spec, text or a ``pathlib.Path``, to its :class:`Plan` (steps 1-8 of the
