@@ -382,3 +382,24 @@ def test_deepep_sends_a_token_once_per_rank_holding_its_experts():
         update={"engine": "megatron"})})).time.breakdown["ep_comm"]
     deepep = _h100_cost(next(r for r in H100_ROWS if r.name == "GPT-OSS 20B FSDP+EP")).time.breakdown["ep_comm"]
     assert meg / 4 < deepep < meg / 3
+
+
+def test_fsdp2_engines_keep_fp32_shards_and_no_master_copy():
+    # FSDP2 (torchtitan, NeMo AutoModel) keeps ZeRO-3's shards in fp32, the optimizer
+    # stepping them in place: 4 + 4 + 8 bytes per parameter over d, against Megatron's 2 + 4 + 12
+    from parcompile.analysis.memory import state_bytes
+    from parcompile.search import Coster
+    n, d = 8000, 8
+    assert state_bytes(n, 2, 3, d, "adamw", fsdp2=True) == (4 * n // d, 4 * n // d, 8 * n // d)
+    assert state_bytes(n, 2, 3, d, "adamw") == (2 * n // d, 4 * n // d, 12 * n // d)
+    assert state_bytes(n, 2, 2, d, "adamw", fsdp2=True) == state_bytes(n, 2, 2, d, "adamw")   # ZeRO-3 only
+    row = next(r for r in H100_ROWS if r.name == "Qwen3-30B-A3B FSDP+EP")
+    cfg = h100_config(row)
+    st = _h100_cost(row).memory.per_stage[0]
+    meg = cost_without_schedule(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+        update={"engine": "megatron"})})).memory.per_stage[0]
+    assert st.params == 2 * meg.params and st.grads == meg.grads and 3 * st.optimizer == 2 * meg.optimizer
+    # the search's fast costing applies the same rule
+    fast = Coster(cfg).cost(cfg, with_memory=True)
+    assert fast.peak == _h100_cost(row).memory.peak
+    assert fast.step_time == pytest.approx(_h100_cost(row).time.step_time, rel=1e-9)
