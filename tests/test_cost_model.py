@@ -336,6 +336,17 @@ parallel { dp = 2, zero = 3, recompute = selective, micro_batch = 2, global_batc
     assert eag["assumptions"]["elementwise_traffic"] > meg["assumptions"]["elementwise_traffic"] == 1.0
     assert eag["assumptions"]["attention_efficiency"] < meg["assumptions"]["attention_efficiency"]
     assert eag["step_time"] > meg["step_time"]
+    # torchtitan with torch.compile: the eager engine with its elementwise ops fused;
+    # NeMo AutoModel: TE's fused attention, eager SwiGLU and loss (estimate.py ENGINES)
+    com = compile_spec(text % ", engine = compile").data["estimate"]
+    auto = compile_spec(text % ", engine = automodel").data["estimate"]
+    assert com["assumptions"]["engine"] == "compile" and auto["assumptions"]["engine"] == "automodel"
+    assert com["assumptions"]["elementwise_traffic"] == 1.0
+    assert com["assumptions"]["attention_efficiency"] == eag["assumptions"]["attention_efficiency"]
+    assert auto["assumptions"]["attention_efficiency"] == meg["assumptions"]["attention_efficiency"]
+    assert com["step_time"] < eag["step_time"]
+    from parcompile.plan_schema import validate_plan
+    validate_plan(compile_spec(text % ", engine = automodel").data)
     from parcompile.diagnostics import SpecError
     from parcompile.frontend import load_spec
     with pytest.raises(SpecError) as e:
