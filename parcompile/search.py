@@ -65,6 +65,7 @@ from parcompile.analysis.params import StageParams, stage_params
 from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors, plural
+from parcompile.core.attention import attention_engine
 from parcompile.core.axes import GROUP_AXES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
 from parcompile.passes.manager import PASSES, compile_graph, cost_without_schedule, paused_gc, run_pass
@@ -148,7 +149,8 @@ class _Probe:
 
     def _compute(self, rc: str):
         m, tp = self.pcfg.model, self.pcfg.parallel.tp
-        return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine)
+        return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine,
+                              attention_engine(self.pcfg.cluster))
 
     def _comm(self, rc: str):
         if rc == "selective":   # the same collectives as without recomputation
@@ -156,7 +158,8 @@ class _Probe:
         return comm_report(self.graph, self.degrees, 1, rc, 3)
 
     def _saved(self, rc: str) -> SavedBytes:
-        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine)
+        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine,
+                           attention_engine(self.pcfg.cluster))
 
     def _bufs(self, rc: str) -> list[dict[str, int]]:
         pcfg = self.pcfg

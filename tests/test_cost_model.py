@@ -123,7 +123,6 @@ _TIME_PENDING = {
     "Qwen3-30B-A3B FSDP+EP": "+10.3%: the automodel engine is not calibrated yet",
 }
 _FIT_PENDING = {
-    "GPT-OSS 120B": "GPT-OSS memory fixes (issue 29, fused sink attention's memory)",
     "Llama 3.1 405B": "memory fixes of issue 29",
     "Qwen3-30B-A3B FSDP+EP": "FSDP2's fp32 sharded parameters and the allocator term (issue 29)",
 }

@@ -16,8 +16,9 @@
   skips the masked blocks, :func:`causal_share`), the bytes the matmuls' operands and
   results move (proportional to the tokens) and the weights they read (the same whatever
   the tokens: the expert weights a grouped GEMM reads once per micro-batch), each with its
-  recomputed part. ``engine`` (``cluster.engine``) decides which attention cores are one
-  fused kernel: :func:`fused_attention`.
+  recomputed part. Which kernel each attention core runs, fused or not, at what relative
+  speed and over which score blocks, is :mod:`parcompile.core.attention`'s table, read for
+  the engine's row (``kernels``: :func:`parcompile.core.attention.attention_engine`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from parcompile.core.attention import attention_kernel, with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import spec
@@ -55,13 +57,10 @@ def op_fwd_traffic(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> int:
 
 
 def fused_attention(attrs: Mapping, engine: str = "megatron") -> bool:
-    """Whether an attention core runs as one fused kernel under ``engine``: ``attention =
-    flash`` without sinks (torch's SDPA takes no sink logits), or with sinks under
-    ``megatron`` (Transformer Engine's fused attention takes a learnable softmax offset,
-    ``softmax_type = "learnable"``, which Megatron-Core's gpt-oss recipes use)."""
-    if attrs.get("impl") != "flash":
-        return False
-    return not attrs.get("sinks") or engine in ("megatron", "automodel")
+    """Whether an attention core runs as one fused kernel under ``engine`` (a row of
+    :data:`parcompile.core.attention.ATTENTION_KERNELS`: ``megatron``, ``eager``,
+    ``compile``, ``automodel`` or ``program``): the kernel that table picks for the core's variant."""
+    return attention_kernel(attrs, engine).fused
 
 
 def causal_share(attrs: Mapping) -> float:
@@ -185,10 +184,15 @@ class ComputeReport:
 
 
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
-                   num_microbatches: int, recompute: str, engine: str = "megatron") -> ComputeReport:
+                   num_microbatches: int, recompute: str, engine: str = "megatron",
+                   kernels: str | None = None) -> ComputeReport:
     """Build the :class:`ComputeReport`. The graph's batch dim is one micro-batch over all
     data-parallel ranks, so a step is ``num_microbatches`` graphs. ``engine``:
-    ``cluster.engine`` (:func:`fused_attention`)."""
+    ``cluster.engine`` (torchtitan's selective recomputation under ``eager``); ``kernels``:
+    the row of the attention kernel table the cores run
+    (:func:`parcompile.core.attention.attention_engine`; None: ``engine``). A fused core's
+    work is the FLOPs its kernel runs (causal blocks; a sliding window's only where the
+    kernel skips the masked blocks) over the kernel's relative ``speed``."""
     model = hw = 0
     fwd = [0] * num_chunks
     rec = [0] * num_chunks
@@ -200,14 +204,20 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     for nd in graph.nodes():
         c = nd.chunk or 0
         again = recomputed(nd, recompute, sac)
-        if nd.kind == "attention" and fused_attention(nd.op.attr_map, engine):
-            a = nd.op.attr_map
-            if not _fused_spec(a):
-                # the program spells the softmax out (sinks), the engine's kernel fuses it:
-                # time the fused kernel's traffic
-                nd = replace(nd, op=replace(nd.op, attrs=tuple((k, v) for k, v in nd.op.attrs if k != "sinks")))
+        if nd.kind == "attention":
+            # the engine's kernel (core/attention.py): its memory and traffic rules read it
+            a = with_kernel(nd.op.attr_map, kernels or engine)
+            nd = replace(nd, op=replace(nd.op, attrs=tuple(a.items())))
+        if nd.kind == "attention" and attention_kernel(a).fused:
+            kernel = attention_kernel(a)
             local = op_fwd_flops(graph, nd, degrees)
-            work = local * causal_share(a)
+            if kernel.skips_masked_blocks:
+                work = local * causal_share(a)
+            else:   # every causal block of the full sequence, the window only masked
+                plain = {**a, "window": 0}
+                full = replace(nd, op=replace(nd.op, attrs=tuple(plain.items())))
+                work = op_fwd_flops(graph, full, degrees) * causal_share(plain)
+            work /= kernel.speed
             got = {"af": local, "aw": work, "as": work / a["head_dim"]}
             for k, v in got.items():
                 parts[k][c] += v
@@ -239,8 +249,3 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
                          tuple(traffic), tuple(rec_traffic),
                          *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
                          *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")))
-
-
-def _fused_spec(attrs: Mapping) -> bool:
-    """Whether the program itself runs the core fused (``ir.ops``' rule: flash, no sinks)."""
-    return attrs.get("impl") == "flash" and not attrs.get("sinks")

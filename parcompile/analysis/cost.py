@@ -20,6 +20,7 @@ from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
+from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
 from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
@@ -54,7 +55,8 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     compute = graph.meta.get("compute")
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
-                                 model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine)
+                                 model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
+                                 attention_engine(cfg.cluster))
     comm = graph.meta.get("comm") if sched is not None else None   # the schedule pass's (same arguments)
     if comm is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)

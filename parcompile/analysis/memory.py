@@ -90,6 +90,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
 from parcompile.analysis.estimate import engine as engine_of
+from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -213,7 +214,7 @@ class SavedBytes:
 
 
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
-                embedding_dropout: bool = False, engine: str = "megatron") -> SavedBytes:
+                embedding_dropout: bool = False, engine: str = "megatron", kernels: str | None = None) -> SavedBytes:
     """The activation accounting of the module docstring. ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
     size of the first layer's input, the first chunk keeps. ``engine``
@@ -234,6 +235,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         s = spec(nd.kind)
         c = nd.chunk or 0
         a = nd.op.attr_map
+        if nd.kind == "attention":
+            a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
         keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
         if s.saves_output(a):
@@ -247,7 +250,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             for t in keep:
                 own.setdefault(t, _local_bytes(graph, t, degrees))
             layer_extra[layer] = layer_extra.get(layer, 0) + x
-            if s.selective_recompute and a.get("impl") == "unfused":
+            if s.selective_recompute and not attention_kernel(a).fused:
                 layer_attn[layer] = layer_attn.get(layer, 0) + x
             if layer not in layer_input and nd.kind == "norm":
                 t = _alias(graph, ins[0])
@@ -329,7 +332,8 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     stage comes from the simulated schedule; None takes :func:`closed_form_in_flight`."""
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
-    saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine)
+    saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine,
+                        attention_engine(cfg.cluster))
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from parcompile.core.attention import attention_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.types import Sharding, TensorType
 
@@ -250,10 +251,12 @@ def _attention_gathered(a, ins, degrees) -> int:
 
 
 def _fused(a) -> bool:
-    """The attention core runs as one fused kernel: ``attention = flash`` and no sinks
-    (torch's fused kernels take no sink logits: with sinks the runtime spells the softmax
-    out, runtime/layers.py attention_core)."""
-    return a["impl"] == "flash" and not a.get("sinks")
+    """The attention core runs as one fused kernel: the ``kernel`` attribute the analysis
+    sets for the engine (:func:`parcompile.core.attention.with_kernel`), else the generated
+    program's own (``attention = flash`` and no sinks: torch's fused kernels take no sink
+    logits, so with sinks the runtime spells the softmax out, runtime/layers.py
+    attention_core)."""
+    return attention_kernel(a).fused
 
 
 def _attention_extra(a, ins, out):
@@ -261,21 +264,26 @@ def _attention_extra(a, ins, out):
     b, s = q.shape[0], q.shape[1]
     e = q.itemsize
     cp = a["seq_len"] // s if s < a["seq_len"] else 1   # this rank holds s of seq_len queries
+    kernel = attention_kernel(a)
     extra = 0
-    if _fused(a):
+    if kernel.fused:
         # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
-        # query and head; dropout is replayed from the RNG state, no mask. torch's kernels
-        # take a sliding window or context-parallel positions as an explicit (s, seq_len)
-        # mask, which they keep too
+        # query and head; dropout is replayed from the RNG state, no mask
         heads_local = q.dims[-1].size // a["head_dim"]
         extra += b * s * heads_local * 4
         pad = a["head_dim"] - a.get("v_head_dim", a["head_dim"])
-        if pad > 0:
+        if pad > 0 and kernel.pads_v:
             # MLA: the kernel takes v padded to head_dim and keeps it and its padded output; the
             # output cut to v_head_dim is a copy, the one wo keeps (runtime/mla.py mla_core)
             extra += b * s * heads_local * (pad + a["head_dim"]) * e
+        if a.get("sinks") and kernel.sink_rescale:
+            # sinks applied after the kernel: output * sigmoid(lse - sink) keeps the kernel's
+            # output beside the rescaled one (torchtitan's gpt-oss)
+            extra += out.nbytes
         window = a.get("window") or 0
-        if cp > 1 or 0 < window < a["seq_len"]:
+        if kernel.explicit_mask and (cp > 1 or 0 < window < a["seq_len"]):
+            # torch SDPA takes a sliding window or context-parallel positions as an explicit
+            # (s, seq_len) mask, which it keeps too
             extra += s * a["seq_len"] * e
         return extra
     # the unfused path materialises every s x s_kv score; a sliding window only masks them

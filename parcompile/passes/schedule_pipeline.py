@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
+from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
 from parcompile.core.schedule import SUPPORTED, ScheduleError, ScheduleReport, SimResult, build_actions, simulate
 from parcompile.ir.graph import Graph
@@ -43,7 +44,8 @@ class SchedulePipeline:
         par = cfg.parallel
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
-                              cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine)
+                              cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
+                              attention_engine(cfg.cluster))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         graph.meta["compute"], graph.meta["comm"] = comp, comm
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
