@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parcompile.analysis.calibration import (H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
+from parcompile.analysis.calibration import (FITTED, H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
                                              stage_activation_bytes)
 from parcompile.analysis.estimate import engine  # noqa: E402
 from parcompile.passes.manager import cost_without_schedule  # noqa: E402
@@ -102,6 +102,9 @@ def main() -> int:
     print("\n".join(memory_lines))
     print()
     print("\n".join(sources))
+    print()
+    for f in FITTED:
+        print(f"fitted: {f.label()} = {f.value():g} to {', '.join(f.rows)}")
     return 0
 
 

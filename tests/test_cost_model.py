@@ -413,3 +413,15 @@ def test_fsdp2_engines_keep_fp32_shards_and_no_master_copy():
     fast = Coster(cfg).cost(cfg, with_memory=True)
     assert fast.peak == _h100_cost(row).memory.peak
     assert fast.step_time == pytest.approx(_h100_cost(row).time.step_time, rel=1e-9)
+
+
+def test_fitted_numbers_name_their_rows():
+    # issue 29: calibrate only on the handed rows, as few numbers as possible, each named
+    # with the rows it was fitted to (benchmarks/cost_model.py prints them)
+    from parcompile.analysis.calibration import FITTED
+    names = {r.name for r in ROWS} | {r.name for r in H100_ROWS}
+    held_out = {r.name for r in ROWS if r.held_out}
+    for f in FITTED:
+        assert f.rows and set(f.rows) <= names - held_out, f
+        assert f.value() > 0
+    assert len({(f.table, f.key, f.field) for f in FITTED}) == len(FITTED)

@@ -312,3 +312,34 @@ def h100_config(row: H100Row) -> SpecConfig:
     par = ParallelConfig(**dict(row.parallel))
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
                       train=TrainConfig(optimizer="adamw"))
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """One number of :mod:`parcompile.analysis.estimate` fitted to published rows (every
+    other number there is a measurement or a datasheet ratio named in its ``source``):
+    where it lives (``table``, ``key``, ``field``: ``EFFICIENCY[key].field`` or
+    ``ENGINES[key].field``) and the rows (:data:`ROWS` / :data:`H100_ROWS` names) it was
+    fitted to."""
+
+    table: str
+    key: str
+    field: str
+    rows: tuple[str, ...]
+
+    def value(self) -> float:
+        """The number as the estimate uses it now."""
+        from parcompile.analysis import estimate
+        return getattr(getattr(estimate, self.table)[self.key], self.field)
+
+    def label(self) -> str:
+        return f"{self.table}[{self.key!r}].{self.field}"
+
+
+#: the fitted numbers (``python benchmarks/cost_model.py`` prints them with their rows)
+FITTED: tuple[Fitted, ...] = (
+    Fitted("EFFICIENCY", "a100-80gb", "matmul", tuple(r.name for r in ROWS if not r.held_out)),
+    Fitted("EFFICIENCY", "h100-sxm", "matmul", ("Llama 3.1 405B",)),
+    Fitted("ENGINES", "megatron", "expert_rows", ("GPT-OSS 120B",)),
+    Fitted("ENGINES", "automodel", "elementwise", ("GPT-OSS 20B FSDP+EP", "Qwen3-30B-A3B FSDP+EP")),
+)
