@@ -226,6 +226,23 @@ class Breakdown(BaseModel):
     bubble: float
 
 
+class NetworkCollective(_Strict):
+    """The algorithm the network model picks for one collective op of an axis."""
+
+    algorithm: Literal["ring", "tree", "nvls", "nvls_tree", "alltoall", "p2p"] = Field(
+        description="NCCL's algorithm: ring, tree (double binary tree across nodes), nvls (NVLink SHARP inside "
+                    "a node), nvls_tree (NVLS inside, tree across nodes), alltoall, p2p (send/recv)")
+    bus_bw: float = Field(ge=0, description="nccl-tests bus bandwidth at large messages, bytes/s per GPU")
+
+
+class NetworkAxis(_Strict):
+    """Where one axis's groups sit and what the network model gives their collectives."""
+
+    ranks_per_node: int = Field(ge=1, description="the fewest ranks of a group on one NVLink domain (node)")
+    nodes: int = Field(ge=1, description="the most NVLink domains (nodes) one group spans")
+    collectives: dict[str, NetworkCollective] = Field(description="per collective op of the axis")
+
+
 class Assumptions(_Strict):
     """What the time estimate assumed (extension)."""
 
@@ -238,6 +255,9 @@ class Assumptions(_Strict):
     pipeline: str
     links: dict[str, Literal["intra-node", "inter-node"]] = Field(
         description="for each axis with more than one rank: whether its groups cross nodes")
+    network: Optional[dict[str, NetworkAxis]] = Field(
+        default=None, description="the network model per axis: ranks per node, nodes spanned, and each collective's "
+                                  "algorithm and bus bandwidth (docs/clusters.md)")
     moe_routing: Optional[str] = Field(
         default=None, description="mixture-of-experts models only: how token routing was costed")
     engine: Optional[Literal["megatron", "eager", "compile", "automodel"]] = Field(

@@ -16,8 +16,8 @@ chunk ``k`` holding ``n_k`` layers costs ``n_k * layer + [k = 0] embedding + [k 
 output``; memory and time are then the same functions the compiler uses
 (:func:`~parcompile.analysis.memory.memory_from_parts`,
 :func:`~parcompile.analysis.estimate.step_time_parts`, the closed-form pipeline), and
-whether an axis's groups cross nodes comes from
-:func:`~parcompile.passes.groups.axis_inside_node`. Nothing per candidate grows with the
+how an axis's groups fall on nodes (the network model's ``k`` ranks per node over
+``domains`` nodes) comes from :func:`~parcompile.passes.groups.axis_placement`. Nothing per candidate grows with the
 world size; probes are cached, and each of their analyses runs when a layout first needs
 it. The best few candidates are then re-timed with their simulated schedules (action
 lists), which is what separates zero-bubble from 1F1B.
@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
-from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_inside,
+from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_of,
                                           optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total,
                                         closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
@@ -69,7 +69,7 @@ from parcompile.core.attention import attention_engine
 from parcompile.core.axes import GROUP_AXES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
 from parcompile.passes.manager import PASSES, compile_graph, cost_without_schedule, paused_gc, run_pass
-from parcompile.passes.groups import axis_inside_node
+from parcompile.passes.groups import axis_placement
 from parcompile.passes.split_pipeline_stages import candidate_splits
 
 #: keys `auto` may stand for (SPEC 1 `parallel`, extended)
@@ -407,7 +407,7 @@ class Coster:
         self.cfg = cfg
         self.eff = efficiency(cfg.cluster)
         self.probes: dict[tuple, _Probe] = {}
-        self.inside: dict[tuple, dict[str, bool]] = {}
+        self.inside: dict[tuple, tuple] = {}
         self.pipes: dict[tuple, tuple[ChunkTimes, float, dict]] = {}
         self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
         self.state_floors: dict[tuple, int] = {}
@@ -463,18 +463,19 @@ class Coster:
             got = self.probes[key] = _build_probe(self.cfg, *key)
         return got
 
-    def _inside(self, par: ParallelConfig) -> dict[str, bool]:
-        """Whether each axis's groups of layout ``par`` sit inside a node, cached."""
+    def _inside(self, par: ParallelConfig) -> dict[str, tuple[int, int]]:
+        """Where each axis's groups of layout ``par`` sit: ``(k, domains)``
+        (:func:`~parcompile.core.groups.axis_placement`; inside a node iff ``domains == 1``), cached."""
         return self._inside_links(par)[0]
 
-    def _inside_links(self, par: ParallelConfig) -> tuple[dict[str, bool], dict]:
-        """:meth:`_inside` and the links it gives (:func:`~parcompile.analysis.estimate.links_inside`), cached."""
+    def _inside_links(self, par: ParallelConfig) -> tuple[dict[str, tuple[int, int]], dict]:
+        """:meth:`_inside` and the links it gives (:func:`~parcompile.analysis.estimate.links_of`), cached."""
         key = (par.tp, par.cp, par.dp, par.pp, par.ep, par.expert_tp, par.order)
         got = self.inside.get(key)
         if got is None:
-            gpn = self.cfg.cluster.gpus_per_node
-            inside = {a: axis_inside_node(par, a, gpn) for a in GROUP_AXES}
-            got = self.inside[key] = (inside, links_inside(self.cfg.cluster, inside, self.eff))
+            domain = self.cfg.cluster.domain_size
+            inside = {a: axis_placement(par, a, domain) for a in GROUP_AXES}
+            got = self.inside[key] = (inside, links_of(self.cfg.cluster, inside, self.eff))
         return got
 
     def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:

@@ -27,13 +27,15 @@ fractions per GPU preset, ``ENGINES`` what each engine (``cluster.engine``) chan
 their sources (``docs/clusters.md``); a cluster without a preset takes
 ``DEFAULT_EFFICIENCY``.
 
-**Communication**, alpha-beta per message under ring algorithms, group of ``n``, link
-bandwidth ``beta`` times ``eff.link`` (NCCL's achieved bus bandwidth):
-all-reduce ``2(n-1) (alpha + bytes/(n beta))``; all-gather / all-to-all
-``(n-1)(alpha + bytes/(n beta))`` (bytes = the gathered output); reduce-scatter
-``(n-1)(alpha + bytes/beta)`` (bytes = the output shard); send ``alpha + bytes/beta``.
-The link is NVLink (``intra_node_*``) when every group of the axis sits inside one node,
-else the network (``inter_node_*``). What overlaps:
+**Communication**, by the network model (:class:`Link`, :func:`collective_algorithm`,
+``docs/clusters.md``): a group of ``n`` ranks with ``k`` on each of ``N`` NVLink domains
+(nodes) runs the algorithm NCCL would pick (ring, tree, NVLS, NVLSTree, all-to-all, p2p) at
+its bus bandwidth ``B``: ``latency + bytes * f / B`` with nccl-tests' factors ``f``
+(all-reduce ``2(n-1)/n`` of the buffer; all-gather / all-to-all ``(n-1)/n`` of the gathered
+output; reduce-scatter ``n-1`` times the output shard; send 1). Inside a domain ``B`` is
+NVLink's (``intra_node_bw * eff.link``, NVLS where the switches reduce); across domains a
+ring drives ``k`` NICs (``k * inter_node_bw * eff.net``, at most NVLink's), an all-to-all
+sends ``(n-k)/n`` of its data through each rank's NIC, a send uses one NIC. What overlaps:
 
 * tensor-, context- and expert-parallel collectives do not overlap compute (Megatron-LM
   2021-22 runs them on the compute stream): they lengthen each chunk's forward and
@@ -80,6 +82,7 @@ busiest rank's work), bubble, pp_comm, dp_comm, optimizer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -88,6 +91,7 @@ from parcompile.analysis.compute import ComputeReport
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
                                      reshard_after_forward)
+from parcompile.core.groups import groups_placement
 from parcompile.core.schedule import simulate
 
 
@@ -105,7 +109,8 @@ class Efficiency:
     """Achievable fractions of a GPU's datasheet numbers: ``matmul`` of ``peak_flops``
     for the arithmetic of large dense GEMMs in training (the operand and weight traffic is
     timed apart, :func:`chunk_times`), ``memory`` of ``hbm_bw`` for streaming kernels,
-    ``link`` of the NVLink / network bandwidth for NCCL collectives (bus bandwidth);
+    ``link`` of the NVLink bandwidth NCCL's rings reach (nccl-tests bus bandwidth), ``net``
+    and ``nvls`` for the network and NVLink SHARP (:class:`Link`);
     ``attention`` and ``attention_fa2`` of ``peak_flops`` for a causal fused attention
     core, forward and backward together (three times the forward's FLOPs over their
     time): the fused kernel Megatron-Core runs (Transformer Engine's cuDNN / FlashAttention-3
@@ -126,6 +131,12 @@ class Efficiency:
     #: units) take as long as its matmuls (4 x head_dim FLOPs per score); ``attention``
     #: and ``attention_fa2`` are measured at head dim 128 (:func:`chunk_times`)
     softmax_dim: float = 63.0
+    #: the network model (:class:`Link`): ``net`` of ``inter_node_bw`` a GPU's rail NIC
+    #: carries in NCCL's collectives (a NDR 400 Gb/s ConnectX-7 46-49 of 50 GB/s); ``nvls``
+    #: of ``intra_node_bw``: the NVLS (NVLink SHARP) all-reduce's algorithm bandwidth where
+    #: the cluster has it (``cluster.nvls``); ``link`` is the ring's bus bandwidth on NVLink
+    net: float = 0.94
+    nvls: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -247,46 +258,50 @@ _A100_SRC = (
     "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and Korthikanti et al. "
     "2022 (Table 5), with the GEMM operand traffic timed apart (cuBLAS fp16 GEMMs of these sizes run at "
     "240-270 of 312 TFLOP/s); memory: STREAM-like kernels reach about 80% of the HBM bandwidth; link: "
-    "nccl-tests all_reduce bus bandwidth on DGX A100, about 230 of 300 GB/s; attention: FlashAttention-2 "
+    "nccl-tests all_reduce bus bandwidth on one DGX A100 node, 231.6 of 300 GB/s (Azure ND A100 v4, 8 GB); net: "
+    "an HDR 200 Gb/s NIC carries 24 of 25 GB/s in NCCL (NVIDIA/nccl#412); attention: FlashAttention-2 "
     "(Dao 2023, Fig. 4-6: about 190 of 312 TFLOP/s forward, 155 backward at head dim 128, causal) for both "
     "kernels; softmax_dim: 312 TFLOP/s / (4 x 16 exponentials per clock x 108 SMs x 1.41 GHz); overlap: "
     "NCCL's ring kernels take up to 32 channels, one SM each, of 108")
 _H100_SRC = (
     "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart "
     "(cuBLAS bf16 GEMMs of 8k-16k sizes sustain 650-750 of 989 TFLOP/s at 700 W); link: nccl-tests all_reduce bus "
-    "bandwidth on DGX H100, about 340-360 of 450 GB/s; attention: FlashAttention-3 / cuDNN "
-    "(Shah et al. 2024, FlashAttention-3, Fig. 5 and 7: about 640 TFLOP/s forward, 500 backward at head dim "
+    "bandwidth without NVLS (ring; all_gather, reduce_scatter), 370 of 450 GB/s (NVIDIA/nccl-tests#212); nvls: "
+    "the NVLS all_reduce on 8 GPUs, bus bandwidth 480 GB/s = algorithm bandwidth 274 GB/s (nccl-tests#212, #347; "
+    "Azure ND H200 v5: 479.98); net: an NDR 400 Gb/s ConnectX-7 carries 46-49 of 50 GB/s (nccl-tests#290, #267); "
+    "attention: FlashAttention-3 / cuDNN (Shah et al. 2024, FlashAttention-3, Fig. 5 and 7: about 640 TFLOP/s forward, 500 backward at head dim "
     "128, causal, 8k), attention_fa2: FlashAttention-2 on the same plots (about 350 forward, 300 backward); "
     "softmax_dim: 989 TFLOP/s / (4 x 3.9 T exponentials/s, the multi-function units' rate FlashAttention-3 "
     "quotes); overlap: NCCL's up to 32 channels of 132 SMs")
 EFFICIENCY: dict[str, Efficiency] = {
     "a100-80gb": Efficiency(0.83, 0.80, 0.77, _A100_SRC, attention=0.45, attention_fa2=0.45, softmax_dim=32.0,
-                            overlap=0.30),
+                            overlap=0.30, net=0.96),
     "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
-                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.30),
-    "h100-sxm": Efficiency(0.70, 0.80, 0.75, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
-                           overlap=0.24),
-    "h200": Efficiency(0.70, 0.80, 0.75, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
-                       attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24),
+                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.30, net=0.96),
+    "h100-sxm": Efficiency(0.70, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
+                           overlap=0.24, net=0.94, nvls=0.61),
+    "h200": Efficiency(0.70, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
+                       attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61),
     "b200": Efficiency(
-        0.76, 0.80, 0.75,
+        0.76, 0.80, 0.82,
         "fractions assumed as h100-sxm until measured; softmax_dim: 2,250 TFLOP/s / (4 x 16 exponentials "
-        "per clock x 148 SMs x 1.965 GHz); overlap: 32 channels of 148 SMs",
-        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22),
+        "per clock x 148 SMs x 1.965 GHz); overlap: 32 channels of 148 SMs; nvls: h100-sxm's 0.61 times "
+        "NCCL's Blackwell / Hopper NVLS efficiency (0.74 / 0.85, NVIDIA/nccl src/graph/tuning.cc)",
+        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22, net=0.94, nvls=0.53),
     "mi300x": Efficiency(
         0.45, 0.75, 0.70,
         "matmul: published hipBLASLt bf16 GEMM measurements reach 550-650 of 1307 TFLOP/s "
         "(SemiAnalysis, 2024); attention: CK / AITER flash attention assumed at the FlashAttention-2 level; "
         "softmax_dim: 1,307 TFLOP/s / (4 x 16 transcendentals per clock x 304 CUs x 2.1 GHz); overlap: "
         "RCCL's 32 channels of 304 CUs; memory and link assumed",
-        attention=0.35, attention_fa2=0.35, softmax_dim=32.0, overlap=0.11),
+        attention=0.35, attention_fa2=0.35, softmax_dim=32.0, overlap=0.11, net=0.70),
     "ascend-910b": Efficiency(0.55, 0.75, 0.70, "assumed (no public calibration)", attention=0.35,
-                              attention_fa2=0.35, softmax_dim=63.0, overlap=0.2),
+                              attention_fa2=0.35, softmax_dim=63.0, overlap=0.2, net=0.70),
     "cpu": Efficiency(1.0, 1.0, 1.0, "the cpu preset's numbers are already rough effective ones", attention=1.0,
-                      attention_fa2=1.0, softmax_dim=0.0, overlap=0.0),
+                      attention_fa2=1.0, softmax_dim=0.0, overlap=0.0, net=1.0),
 }
-DEFAULT_EFFICIENCY = Efficiency(0.76, 0.80, 0.75, "default for a cluster without a preset: as h100-sxm",
-                                attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24)
+DEFAULT_EFFICIENCY = Efficiency(0.76, 0.80, 0.82, "default for a cluster without a preset: as h100-sxm",
+                                attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61)
 
 
 def efficiency(cluster) -> Efficiency:
@@ -315,36 +330,208 @@ class TimeReport:
     grad_reduction: tuple[GradOverlap, ...] = ()
 
 
-def axis_link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency) -> tuple[float, float]:
-    """(alpha seconds, achieved beta bytes/s) for ``axis``: intra-node when every group of
-    the axis fits in one node."""
-    gs = groups.get(axis) or [[0]]
-    n = cluster.gpus_per_node
-    inside = all(min(g) // n == max(g) // n for g in gs if g)
-    if inside:
-        return cluster.intra_node_latency, cluster.intra_node_bw * eff.link
-    return cluster.inter_node_latency, cluster.inter_node_bw * eff.link
+#: NCCL's tree all-reduce reaches 0.92 of the ring's bus bandwidth at large messages
+#: (NVIDIA/nccl src/graph/tuning.cc, ``busBw * .92`` for NCCL_ALGO_TREE, commit 5067397)
+TREE_BANDWIDTH = 0.92
+#: an NVLS (NVLink SHARP) collective's fixed latency in steps of ``intra_node_latency``
+#: (tuning.cc: 25 us NVLS hardware latency against a ring step's 3.4-5 us)
+NVLS_LATENCY_STEPS = 5
+#: the all-reduce message size at which the algorithm is chosen (NCCL chooses per size; one
+#: choice per group keeps every collective's time affine in its bytes, what the search's
+#: bounds rest on): 64 MiB, the order of a gradient bucket, an FSDP unit or a tensor-parallel
+#: activation at 8k tokens
+REFERENCE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    """How the groups of one axis sit on the machines, and what the network gives them
+    (the network model, ``docs/clusters.md``).
+
+    ``k``: the fewest ranks one group has in an NVLink domain (``cluster.domain_size``
+    consecutive ranks: the node, or an NVL72 rack); ``domains``: the most domains one group
+    spans (1: the group is inside NVLink). Bandwidths are bytes/s per GPU, one direction,
+    achieved at large messages: ``nvlink`` NCCL's ring bus bandwidth over NVLink
+    (``intra_node_bw * eff.link``); ``nic`` a GPU's share of the network
+    (``inter_node_bw * eff.net``: each GPU drives its own rail NIC); ``nvls`` the NVLS
+    all-reduce's algorithm bandwidth (``intra_node_bw * eff.nvls``; 0 without NVLink SHARP).
+    Latencies in seconds per step."""
+
+    k: int
+    domains: int
+    intra_latency: float
+    inter_latency: float
+    nvlink: float
+    nic: float
+    nvls: float = 0.0
+
+    @property
+    def crosses(self) -> bool:
+        """Whether a group spans NVLink domains (its traffic leaves through the NICs)."""
+        return self.domains > 1
+
+    def ring_bus_bw(self) -> float:
+        """Ring bus bandwidth (bytes/s): NVLink inside a domain; across domains, ``k`` rails
+        carry a group's ring (one NCCL channel per NIC), bounded by NVLink when ``k > 1``."""
+        if not self.crosses:
+            return self.nvlink
+        net = self.k * self.nic
+        return min(self.nvlink, net) if self.k > 1 else net
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One collective as :func:`collective_algorithm` times it: NCCL's algorithm name
+    (``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``alltoall``, ``p2p``), ``alpha`` seconds of
+    latency, ``per_byte`` seconds per byte of the collective's ``nbytes``, and ``bus_bw``
+    (nccl-tests' bus bandwidth, bytes/s, at large messages)."""
+
+    name: str
+    alpha: float
+    per_byte: float
+    bus_bw: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.per_byte
+
+
+def _bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor (``doc/PERFORMANCE.md``) in bytes per byte of the
+    collective's ``nbytes`` as this module counts them: all-reduce ``2(n-1)/n`` of the
+    buffer; all-gather and all-to-all ``(n-1)/n`` of the gathered output; reduce-scatter
+    ``n-1`` times the output shard; send 1."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "all_to_all"):
+        return (n - 1) / n
+    if op == "reduce_scatter":
+        return float(n - 1)
+    return 1.0
+
+
+def _ring_alpha(op: str, n: int, link: Link) -> float:
+    """The ring's latency: ``2(n-1)`` steps for an all-reduce, ``n-1`` otherwise, of which
+    the ones that cross domains (``2(N-1)`` or ``N-1``) at ``inter_latency`` and the rest at
+    ``intra_latency`` (NCCL tuning.cc, ring latency)."""
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    if not link.crosses:
+        return steps * link.intra_latency
+    inter = min(steps, 2 * (link.domains - 1) if op == "all_reduce" else link.domains - 1)
+    if link.k == 1:
+        inter = steps
+    return (steps - inter) * link.intra_latency + inter * link.inter_latency
+
+
+def collective_algorithms(op: str, n: int, link: Link) -> list[Algorithm]:
+    """The algorithms NCCL has for ``op`` on a group of ``n`` ranks placed as ``link``
+    (empty for a group of one, but for ``send``). Bus bandwidths (``B`` the collective's
+    ``nbytes`` as :func:`_bus_factor` counts them; ``k``, ``N``, bandwidths: :class:`Link`):
+
+    * inside a domain: ``ring`` at ``nvlink``; an all-reduce also ``nvls`` where the
+      switches reduce (algorithm bandwidth ``nvls``, whatever ``n``: each GPU sends and
+      receives its buffer once);
+    * across domains: ``ring`` at :meth:`Link.ring_bus_bw` (``k`` NICs; one NIC when ``k = 1``);
+      an all-reduce also ``tree`` (NCCL's double binary tree between domains, chains inside:
+      0.92 of the ring's bandwidth, latency ``2((k-1) alpha_intra + ceil(log2 N) alpha_inter)``)
+      and, with NVLink SHARP and ``k > 1``, ``nvls_tree`` (NVLS inside, a tree between
+      domains: ``min(nvls * 2(k-1)/k, k * nic * (2 if N = 2 else 1))``, tuning.cc's two-node
+      doubling);
+    * ``all_to_all``: each rank sends ``(n-k)/n`` of its data through its own NIC (PXN
+      routes it to the peer's rail) and ``(k-1)/n`` over NVLink, at once: ``max`` of the two;
+      latency ``(k-1) alpha_intra + (n-k) alpha_inter``;
+    * ``send``: one NIC across domains (``alpha_inter + B / nic``), else NVLink.
+
+    Raises ValueError for an unknown ``op``."""
+    if op == "recv":
+        return [Algorithm("p2p", 0.0, 0.0, 0.0)]
+    if op == "send":
+        if link.crosses:
+            return [Algorithm("p2p", link.inter_latency, 1 / link.nic, link.nic)]
+        return [Algorithm("p2p", link.intra_latency, 1 / link.nvlink, link.nvlink)]
+    if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        raise ValueError(f"unknown collective {op!r}")
+    if n <= 1:
+        return []
+    f = _bus_factor(op, n)
+    k = max(1, min(link.k, n))
+    if op == "all_to_all":
+        if not link.crosses:
+            return [Algorithm("alltoall", (n - 1) * link.intra_latency, f / link.nvlink, link.nvlink)]
+        # seconds per byte of the gathered size: the network share and the NVLink share at once
+        per = max((n - k) / n / link.nic, (k - 1) / n / link.nvlink)
+        alpha = (k - 1) * link.intra_latency + (n - k) * link.inter_latency
+        return [Algorithm("alltoall", alpha, per, f / per)]
+    ring_bw = link.ring_bus_bw()
+    out = [Algorithm("ring", _ring_alpha(op, n, link), f / ring_bw, ring_bw)]
+    if op != "all_reduce":
+        return out
+    if not link.crosses:
+        if link.nvls > 0 and n > 1:
+            out.append(Algorithm("nvls", NVLS_LATENCY_STEPS * link.intra_latency, 1 / link.nvls, f * link.nvls))
+        return out
+    nodes = link.domains
+    log_n = max(1, math.ceil(math.log2(nodes)))
+    tree_bw = TREE_BANDWIDTH * ring_bw
+    out.append(Algorithm("tree", 2 * ((k - 1) * link.intra_latency + log_n * link.inter_latency), f / tree_bw,
+                         tree_bw))
+    if link.nvls > 0 and k > 1:
+        bw = min(link.nvls * 2 * (k - 1) / k, k * link.nic * (2 if nodes == 2 else 1))
+        out.append(Algorithm("nvls_tree", NVLS_LATENCY_STEPS * link.intra_latency + 2 * log_n * link.inter_latency,
+                             f / bw, bw))
+    return out
+
+
+def collective_algorithm(op: str, n: int, link: Link) -> Algorithm | None:
+    """The algorithm NCCL would pick for ``op`` over ``n`` ranks placed as ``link``: the
+    fastest of :func:`collective_algorithms` for a message of :data:`REFERENCE_BYTES` (ties:
+    the first listed, the ring); None for a group of one. One choice per (op, group), so a
+    collective's time is affine in its bytes."""
+    algos = collective_algorithms(op, n, link)
+    if not algos:
+        return None
+    return min(algos, key=lambda a: a.seconds(REFERENCE_BYTES))
+
+
+def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for one collective of ``nbytes`` (as :func:`_bus_factor` counts them) over a
+    group of ``n`` ranks placed as ``link``: the algorithm :func:`collective_algorithm`
+    picks; 0 for a group of one (but ``send``) and for ``recv``. Affine in ``nbytes`` with
+    non-negative coefficients, and not decreasing with ``n``."""
+    a = collective_algorithm(op, n, link)
+    return a.seconds(nbytes) if a is not None else 0.0
+
+
+def make_link(cluster, k: int, domains: int, eff: Efficiency | None = None) -> Link:
+    """The :class:`Link` of groups with ``k`` ranks per NVLink domain spanning ``domains``
+    domains on ``cluster`` (a ClusterConfig), with its preset's efficiencies."""
+    eff = eff or efficiency(cluster)
+    return Link(k, domains, cluster.intra_node_latency, cluster.inter_node_latency,
+                cluster.intra_node_bw * eff.link, cluster.inter_node_bw * eff.net,
+                cluster.intra_node_bw * eff.nvls if getattr(cluster, "nvls", False) else 0.0)
+
+
+def _domain(cluster) -> int:
+    return getattr(cluster, "domain_size", None) or cluster.gpus_per_node
+
+
+def axis_link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency | None = None) -> Link:
+    """The :class:`Link` of ``axis``'s groups (``groups[axis]``; none: one rank) on
+    ``cluster``: where the groups fall on NVLink domains
+    (:func:`~parcompile.core.groups.groups_placement`)."""
+    k, domains = groups_placement(groups.get(axis) or [], _domain(cluster))
+    return make_link(cluster, k, domains, eff)
+
+
+def links_of(cluster, placements: Mapping[str, tuple[int, int]], eff: Efficiency | None = None) -> dict[str, Link]:
+    """:class:`Link` per axis of :data:`AXIS_FAMILY` from each axis's ``(k, domains)``
+    (:func:`~parcompile.core.groups.axis_placement`; missing axes: one rank): what
+    :func:`axis_link` finds from the groups, without building them (the search)."""
+    return {a: make_link(cluster, *placements.get(a, (1, 1)), eff) for a in AXIS_FAMILY}
 
 
 def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> bool:
-    """Whether some group of ``axis`` has ranks on two nodes."""
-    n = cluster.gpus_per_node
-    return any(min(g) // n != max(g) // n for g in groups.get(axis) or [] if g)
-
-
-def collective_time(op: str, nbytes: int, n: int, alpha: float, beta: float) -> float:
-    """Seconds for one collective (module docstring); 0 for a group of one and for recv."""
-    if n <= 1 and op != "send":
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) * (alpha + nbytes / (n * beta))
-    if op in ("all_gather", "all_to_all"):
-        return (n - 1) * (alpha + nbytes / (n * beta))
-    if op == "reduce_scatter":
-        return (n - 1) * (alpha + nbytes / beta)
-    if op == "send":
-        return alpha + nbytes / beta
-    return 0.0
+    """Whether some group of ``axis`` has ranks in two NVLink domains (nodes)."""
+    return groups_placement(groups.get(axis) or [], _domain(cluster))[1] > 1
 
 
 def routed_share(cfg, degrees: Mapping[str, int]) -> float:
@@ -402,7 +589,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
                 compute: ComputeReport, comm: CommReport,
                 links: Mapping[str, tuple[float, float]] | None = None) -> ChunkTimes:
     """The per-chunk times of the module docstring. ``links`` (axis -> (alpha, beta), see
-    :func:`links_inside`) replaces reading the links off ``groups``."""
+    :func:`links_of`) replaces reading the links off ``groups``."""
     par, cl = cfg.parallel, cfg.cluster
     eff, eng = efficiency(cl), engine(cl)
     nchunks = par.pp * par.virtual_stages
@@ -447,17 +634,17 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     p2p = 0.0
     for _stage, chunk, c in comm.raw:
         fam = AXIS_FAMILY.get(c.axis, c.axis)
-        al, be = links.get(c.axis, (cl.intra_node_latency, cl.intra_node_bw * eff.link))
+        link = links.get(c.axis) or make_link(cl, 1, 1, eff)
         nbytes = c.bytes * share if fam == "ep" and c.op == "all_to_all" else c.bytes
-        t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), al, be)
+        t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), link)
         if fam == "pp":
             if c.op == "send":
                 tp = degrees.get("tp", 1)
                 if tp > 1 and not par.sequence_parallel:
                     # Megatron-LM's scatter/gather: each tp rank sends 1/t of the
                     # (tp-replicated) activation, the receivers all-gather it over tp
-                    t = (collective_time("send", c.bytes // tp, 1, al, be)
-                         + collective_time("all_gather", c.bytes, tp, *links["tp"]))
+                    t = (collective_time("send", c.bytes // tp, 1, link)
+                         + collective_time("all_gather", c.bytes, tp, links["tp"]))
                 p2p = max(p2p, t)
             continue
         if fam not in cf:
@@ -568,12 +755,12 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
         n = degrees.get(axis, 1)
         if n <= 1:
             continue
-        al, be = links[axis] if axis in links else (cl.intra_node_latency, cl.intra_node_bw)
+        link = links.get(axis) or make_link(cl, 1, 1)
         for b in partition(units, par.bucket_size, kind):
             nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) * (
                 b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (fp32 but at zero 2, 3)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
-            events.append((r, kind != "dense", collective_time(op, nbytes, n, al, be)))
+            events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
     end, busy = 0.0, 0.0
     for r, _, dur in sorted(events):
         end = max(end, r) + dur
@@ -605,8 +792,8 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     for s in range(par.pp):
         grads = params = exposed = copies = 0.0
         for e in per_stage.get(s, ()):
-            al, be = links[e.axis] if e.axis in links else (cl.intra_node_latency, cl.intra_node_bw)
-            t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), al, be)
+            link = links.get(e.axis) or make_link(cl, 1, 1)
+            t = e.count * collective_time(e.op, e.bytes, degrees.get(e.axis, 1), link)
             if copy_bw and e.op in ("all_gather", "reduce_scatter") and e.where in (
                     "grads", "expert_grads", "params", "expert_params"):
                 full = e.bytes * (degrees.get(e.axis, 1) if e.op == "reduce_scatter" else 1)
@@ -724,15 +911,43 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
                           "reduction overlaps the last micro-batch's backward bucket by bucket")
                        + (f" (buckets of {par.bucket_size:,} bytes)" if par.bucket_size else
                           " (bucket_size = 0: one bucket per chunk, after the backward)"),
-            "collectives": "ring, alpha-beta",
+            "collectives": "network model: NCCL's algorithm per group (ring, tree, NVLS, NVLSTree, all-to-all, "
+                           "p2p) from its ranks per node and nodes, bus bandwidth from nccl-tests (docs/clusters.md)",
             "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
                       for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
+            "network": network_assumptions(degrees, links, comm),
             **engine_assumptions(cfg),
         },
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,
     )
+
+
+def network_assumptions(degrees: Mapping[str, int], links: Mapping[str, Link], comm: CommReport) -> dict[str, dict]:
+    """plan.json ``estimate.assumptions.network``: for each axis with more than one rank whose
+    collectives the plan runs, where its groups sit (``ranks_per_node``: the fewest ranks of a
+    group on one NVLink domain; ``nodes``: the most domains a group spans) and, per collective
+    op, the algorithm :func:`collective_algorithm` picks and its bus bandwidth (bytes/s).
+    Sorted by axis and op (deterministic)."""
+    ops: dict[str, set[str]] = {}
+    for _stage, _chunk, c in comm.raw:
+        ops.setdefault(c.axis, set()).add(c.op)
+    for e in comm.collectives:
+        ops.setdefault(e.axis, set()).add(e.op)
+    out: dict[str, dict] = {}
+    for axis in sorted(ops):
+        n, link = degrees.get(axis, 1), links.get(axis)
+        if link is None or (n <= 1 and "send" not in ops[axis]):
+            continue
+        algos = {}
+        for op in sorted(ops[axis] - {"recv"}):
+            a = collective_algorithm(op, max(n, 2) if op == "send" else n, link)
+            if a is not None:
+                algos[op] = {"algorithm": a.name, "bus_bw": a.bus_bw}
+        if algos:
+            out[axis] = {"ranks_per_node": link.k, "nodes": link.domains, "collectives": algos}
+    return out
 
 
 def engine_assumptions(cfg) -> dict[str, object]:
@@ -748,15 +963,6 @@ def engine_assumptions(cfg) -> dict[str, object]:
     if cfg.model.experts:
         out["expert_rows"] = eng.expert_rows
     return out
-
-
-def links_inside(cluster, inside: Mapping[str, bool], eff: Efficiency) -> dict[str, tuple[float, float]]:
-    """(alpha, achieved beta) per axis of :data:`AXIS_FAMILY` from whether each axis's
-    groups sit inside one node (``inside``; missing axes count as inside): what
-    :func:`axis_link` finds from the groups, without building them."""
-    intra = (cluster.intra_node_latency, cluster.intra_node_bw * eff.link)
-    inter = (cluster.inter_node_latency, cluster.inter_node_bw * eff.link)
-    return {a: (intra if inside.get(a, True) else inter) for a in AXIS_FAMILY}
 
 
 def step_time_parts(cfg, degrees: Mapping[str, int], links: Mapping[str, tuple[float, float]], ct: ChunkTimes,

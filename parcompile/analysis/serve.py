@@ -60,8 +60,8 @@ rank alike and the layer's partial sums all-reduced once over tp, as a dense MLP
   MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
   probabilities (``8 E``); a stage's workspace is its larger layer kind's.
 
-Collectives are ring alpha-beta on the link where the group sits
-(:func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
+Collectives are timed by the network model (algorithm and link where the group sits,
+:func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
 """
 
 from __future__ import annotations
@@ -268,11 +268,11 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         pf_read = read - expert_bytes * (1 - read_share(b * P)) if moe_layers else read
         pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * score_width
         pf_compute = max(pf_flops / matmul_rate, pf_read / mem_rate)
-        ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, *tp_link)  # noqa: E731
-        gather = collective_time("all_gather", b * padded * 4, tp, *tp_link) if last else 0.0
+        ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, tp_link)  # noqa: E731
+        gather = collective_time("all_gather", b * padded * 4, tp, tp_link) if last else 0.0
         n_ar = 2 * layers + (1 if first else 0)
         pf_tp = n_ar * ar(b * P) + gather
-        pf_pp = collective_time("send", b * P * h * e, 2, *pp_link) if not last else 0.0
+        pf_pp = collective_time("send", b * P * h * e, 2, pp_link) if not last else 0.0
         if moe_layers:   # the experts this step's b tokens chose, at most
             read -= expert_bytes * (1 - read_share(b))
         dec_w = max(read / mem_rate, 2 * n_mat * b / matmul_rate)
@@ -281,10 +281,10 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         beyond = sum(max(0.0, mean_ctx - windows[i]) for i in ids if windows[i])
         dec_kv = b * (mean_ctx * kv_tok - beyond * kv_layer) / mem_rate
         dec_tp = n_ar * ar(b) + gather
-        dec_pp = collective_time("send", b * h * e, 2, *pp_link) if not last else 0.0
+        dec_pp = collective_time("send", b * h * e, 2, pp_link) if not last else 0.0
         if pp > 1 and last:  # the sampled token ids go back to the first stage
-            dec_pp += collective_time("send", b * 8, 2, *pp_link)
-            pf_pp += collective_time("send", b * 8, 2, *pp_link)
+            dec_pp += collective_time("send", b * 8, 2, pp_link)
+            pf_pp += collective_time("send", b * 8, 2, pp_link)
         for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
                      ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_tp_comm", dec_tp),
                      ("decode_pp_comm", dec_pp)):

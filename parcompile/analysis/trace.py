@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from xml.sax.saxutils import escape
 
+from parcompile.analysis.estimate import axis_link, collective_time
 from parcompile.core.schedule import SimResult, simulate
 
 COMPUTE_OPS = ("forward", "backward", "backward_input", "backward_weight")
@@ -26,16 +27,15 @@ COLOUR = {"forward": "#4c78a8", "backward": "#54a24b", "backward_input": "#54a24
 
 
 def p2p_seconds(plan) -> float:
-    """Seconds for one activation message between adjacent stages (alpha-beta)."""
+    """Seconds for one activation message between adjacent stages: the largest pp send,
+    timed by the network model (:func:`~parcompile.analysis.estimate.collective_time` on the
+    pp groups' :func:`~parcompile.analysis.estimate.axis_link`)."""
     cfg, data = plan.config, plan.data
     sends = [c["bytes"] for c in data["comm"]["collectives"] if c["op"] == "send" and c["axis"] == "pp"]
     if not sends:
         return 0.0
-    per_node = cfg.cluster.gpus_per_node
-    inter = any(len({r // per_node for r in g}) > 1 for g in data["groups"]["pp"])
-    c = cfg.cluster
-    bw, lat = (c.inter_node_bw, c.inter_node_latency) if inter else (c.intra_node_bw, c.intra_node_latency)
-    return lat + max(sends) / bw
+    link = axis_link(cfg.cluster, data["groups"], "pp")
+    return collective_time("send", max(sends), 2, link)
 
 
 def timeline(plan) -> SimResult:

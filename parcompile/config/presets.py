@@ -185,6 +185,10 @@ class ClusterPreset:
     inter_node_bw: float           # bytes/s per GPU, one direction
     intra_node_latency: float      # s per message
     inter_node_latency: float      # s per message
+    #: network adapters per node (inter_node_bw is each GPU's share of them)
+    nics_per_node: int = 8
+    #: NVLink SHARP on the node's NVSwitches (NCCL's NVLS algorithms)
+    nvls: bool = False
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -197,6 +201,8 @@ class ClusterPreset:
             "inter_node_bw": self.inter_node_bw,
             "intra_node_latency": self.intra_node_latency,
             "inter_node_latency": self.inter_node_latency,
+            "nics_per_node": self.nics_per_node,
+            "nvls": self.nvls,
         }
 
 
@@ -223,30 +229,31 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
     ),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 494.7 TFLOPS TF32 dense, 3.35 TB/s
-    # HBM3; NVLink 4 900 GB/s bidirectional; DGX H100: 8 x 400 Gb/s NDR (ConnectX-7).
+    # HBM3; NVLink 4 900 GB/s bidirectional; DGX H100: 8 x 400 Gb/s NDR (ConnectX-7), one per
+    # GPU on a rail-optimised fabric; four third-generation NVSwitches with NVLink SHARP.
     "h100-sxm": ClusterPreset(
         gpus_per_node=8, memory=int(q("80 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("3.35 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
     ),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, same compute and NVLink as H100;
-    # DGX H200: 8 x 400 Gb/s.
+    # DGX H200: 8 x 400 Gb/s, NVSwitch 3 with NVLink SHARP.
     "h200": ClusterPreset(
         gpus_per_node=8, memory=int(q("141 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("4.8 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
     ),
     # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs (180 GB each) at 8 TB/s,
     # 2.25 PFLOPS bf16 dense, 1.1 PFLOPS TF32 dense per GPU; NVLink 5 1.8 TB/s bidirectional;
-    # 8 x 400 Gb/s ConnectX-7.
+    # 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with NVLink SHARP.
     "b200": ClusterPreset(
         gpus_per_node=8, memory=int(q("180 GiB")), peak_flops=_peaks("2250 TFLOPS", "1100 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
     ),
     # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1307.4 TFLOPS bf16 dense,
     # 653.7 TFLOPS TF32; Infinity Fabric 7 x 64 GB/s per direction to the 7 peers;
-    # typical platforms: one 400 Gb/s NIC per GPU.
+    # typical platforms: one 400 Gb/s NIC per GPU; no in-switch reduction.
     "mi300x": ClusterPreset(
         gpus_per_node=8, memory=int(q("192 GiB")), peak_flops=_peaks("1307.4 TFLOPS", "653.7 TFLOPS"),
         hbm_bw=q("5.3 TB/s"), intra_node_bw=q("448 GB/s"), inter_node_bw=q("400 Gb/s"),

@@ -176,10 +176,23 @@ class ClusterConfig(_Frozen):
     #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
     #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)
     engine: Literal["megatron", "eager", "compile", "automodel"] = "megatron"
+    #: the network model (analysis/estimate.py Link; docs/clusters.md): GPUs that share one
+    #: NVLink / NVSwitch domain (None: the node; 72 for a GB200 NVL72 rack), network adapters
+    #: per node (None: one per GPU, rail-optimised; informative: ``inter_node_bw`` is each GPU's
+    #: share of them), and whether the NVSwitches reduce and multicast (NVLink SHARP: NCCL's
+    #: NVLS algorithms; H100/H200/B200 with third-generation NVSwitch or later)
+    nvlink_domain: Optional[int] = None
+    nics_per_node: Optional[int] = None
+    nvls: bool = False
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def domain_size(self) -> int:
+        """GPUs per NVLink domain: ``nvlink_domain``, else ``gpus_per_node``."""
+        return self.nvlink_domain or self.gpus_per_node
 
     @property
     def device_kind(self) -> str:

@@ -148,6 +148,54 @@ def axis_inside_node(par: Layout, axis: str, gpus_per_node: int) -> bool:
     return max(residues) + span < n
 
 
+def groups_placement(groups: list[list[int]], domain: int) -> tuple[int, int]:
+    """``(k, nodes)`` of a list of rank groups on domains of ``domain`` consecutive ranks
+    (NVLink domains: the node, or a larger NVSwitch domain): ``k`` the fewest ranks one group
+    has on any domain it touches, ``nodes`` the most domains one group spans; ``(1, 1)`` for
+    no groups. What the network model (analysis/estimate.py ``Link``) reads of a layout."""
+    k, nodes = None, 1
+    for g in groups:
+        counts: dict[int, int] = {}
+        for r in g:
+            counts[r // domain] = counts.get(r // domain, 0) + 1
+        if counts:
+            k = min(counts.values()) if k is None else min(k, min(counts.values()))
+            nodes = max(nodes, len(counts))
+    return (k or 1), nodes
+
+
+def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
+    """:func:`groups_placement` of the groups of ``axis`` (a key of :func:`rank_groups`)
+    without building them: each group is a base rank plus fixed offsets, and how a group
+    falls on domains of ``domain`` ranks depends only on its base modulo ``domain``; the
+    bases' residues are built axis by axis as in :func:`axis_inside_node`. Exact; the work
+    is the group size times at most ``domain`` residues."""
+    pp_ends = axis == "embedding"
+    if pp_ends:
+        axis = "pp"
+    if axis in ("ep", "expert_tp", "expert_dp"):
+        gen = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
+        token = {"ep": ("ep",), "expert_tp": ("tp",), "expert_dp": ("dp",)}[axis]
+    else:
+        gen = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
+        token = ("dp", "cp") if axis == "dp_cp" else (axis,)
+    stride = _strides(gen.sizes)
+    offsets = [0]
+    for name, size, st in zip(gen.order, gen.sizes, stride):
+        if name in token:
+            offsets = [o + c * st for c in range(size) for o in offsets]
+    if pp_ends and len(offsets) > 1:
+        offsets = [0, max(offsets)]
+    residues = {0}
+    for name, size, st in zip(gen.order, gen.sizes, stride):
+        if name in token or size == 1:
+            continue
+        period = domain // math.gcd(st, domain)
+        steps = [(c * st) % domain for c in range(min(size, period))]
+        residues = {(r + x) % domain for r in residues for x in steps}
+    return groups_placement([[r + o for o in offsets] for r in sorted(residues)], domain)
+
+
 def stage_ranks(pp_groups: list[list[int]], stage: int) -> list[int]:
     """The ranks of pipeline rank ``stage``: the ``stage``-th member of every pp group."""
     return sorted(g[stage] for g in pp_groups)
