@@ -121,11 +121,6 @@ def test_a100_calibration_rows_within_10_percent():
         assert abs(errs[r.name]) <= 0.10, (r.name, errs[r.name])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "network model (issue 29): a data-parallel ring with k ranks per node now drives k NICs (nccl-tests), so "
-    "the Megatron-LM rows 1.7B, 3.6B and 7.5B (dp 32 with 8, 4, 2 ranks per node) lose the exposed all-reduce "
-    "that the old one-NIC price gave them: mean 3.41% -> 4.01%. Their remaining gap is in the compute fit "
-    "(tp 1-4, hidden 2304-4096), for the calibration owner to refit; see docs/clusters.md, 'Network model'"))
 def test_a100_step_times_mean_error_at_most_3_5_percent():
     # the mean of all 18 within 3.5% (issue 19: the H100-era model keeps the A100 fit)
     errs = _a100_errors()

@@ -7,7 +7,11 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
   GPU Clusters Using Megatron-LM", Table 1 (full recomputation; micro-batch sizes and
   virtual stages from Megatron-LM's ``examples/sc21/run_table_1.sh``). The paper gives
   TFLOP/s per GPU; the step time is derived with its own FLOP count
-  ``F = 96 B s l h^2 (1 + s/6h + V/16lh)``: ``t = F / (n * X)``.
+  ``F = 96 B s l h^2 (1 + s/6h + V/16lh)``: ``t = F / (n * X)``. The same script (commit
+  de7dc40) runs the 1.7B-18B rows with ``--DDP-impl torch`` (torch DDP: gradient buckets
+  overlapping the backward) and the 39B-1T rows with ``--DDP-impl local`` (Megatron-LM's
+  local DDP: ``train_step`` all-reduces the contiguous gradient buffer after the whole
+  backward): ``bucket_size = 0`` (:attr:`PublishedRow.ddp`).
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", Table 5: seconds per iteration with full recomputation and with sequence
   parallelism + selective recomputation (configurations from their Table 3).
@@ -118,17 +122,21 @@ class PublishedRow:
     recompute: str = "full"
     sequence_parallel: bool = False
     held_out: bool = False
+    #: the row's data-parallel gradient reduction: ``torch`` (torch DDP, buckets overlapping
+    #: the backward) or ``local`` (Megatron-LM's local DDP: one all-reduce of the contiguous
+    #: gradient buffer after the whole backward, ``bucket_size = 0``)
+    ddp: str = "torch"
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
 
 
-def _megatron(name, a, h, L, t, p, n, B, b, tflops, v=1, held_out=False) -> PublishedRow:
+def _megatron(name, a, h, L, t, p, n, B, b, tflops, v=1, held_out=False, ddp="torch") -> PublishedRow:
     s, V = 2048, 51200
     flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return PublishedRow(name, f"Megatron-LM 2021 Table 1 ({tflops} TFLOP/s per GPU)", a, h, L, t, p, n, B, b,
-                        flops / (n * tflops * 1e12), v, held_out=held_out)
+                        flops / (n * tflops * 1e12), v, held_out=held_out, ddp=ddp)
 
 
 def _korthikanti(name, a, h, L, p, n, B, full, present, v=1, b=1, held_out=False) -> list[PublishedRow]:
@@ -143,12 +151,12 @@ ROWS: tuple[PublishedRow, ...] = (
     _megatron("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 138, held_out=True),
     _megatron("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 142, held_out=True),
     _megatron("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 135),
-    _megatron("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 138, held_out=True),
-    _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 140, v=3, held_out=True),
-    _megatron("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 148, v=2),
-    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 155, v=2, held_out=True),
-    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 163, v=3, held_out=True),
-    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 163),
+    _megatron("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 138, held_out=True, ddp="local"),
+    _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 140, v=3, held_out=True, ddp="local"),
+    _megatron("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 148, v=2, ddp="local"),
+    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 155, v=2, held_out=True, ddp="local"),
+    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 163, v=3, held_out=True, ddp="local"),
+    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 163, ddp="local"),
     *_korthikanti("22B", 64, 6144, 48, 1, 8, 4, 1.42, 1.10, b=4),
     *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 18.13, 13.75, held_out=True),
     *_korthikanti("530B", 128, 20480, 105, 35, 280, 280, 49.05, 37.83, v=3),
@@ -167,7 +175,8 @@ def row_config(row: PublishedRow) -> SpecConfig:
     par = ParallelConfig(dp=row.dp, tp=row.tp, pp=row.pp, micro_batch=row.micro_batch,
                          global_batch=row.global_batch, recompute=row.recompute,
                          sequence_parallel=row.sequence_parallel, virtual_stages=row.virtual_stages,
-                         schedule="interleaved_1f1b" if row.virtual_stages > 1 else "1f1b")
+                         schedule="interleaved_1f1b" if row.virtual_stages > 1 else "1f1b",
+                         **({"bucket_size": 0} if row.ddp == "local" else {}))
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
                       train=TrainConfig(optimizer="adam"))
 
@@ -339,6 +348,7 @@ class Fitted:
 #: the fitted numbers (``python benchmarks/cost_model.py`` prints them with their rows)
 FITTED: tuple[Fitted, ...] = (
     Fitted("EFFICIENCY", "a100-80gb", "matmul", tuple(r.name for r in ROWS if not r.held_out)),
+    Fitted("EFFICIENCY", "a100-80gb", "overlap", tuple(r.name for r in ROWS if not r.held_out)),
     Fitted("EFFICIENCY", "h100-sxm", "matmul", ("Llama 3.1 405B",)),
     Fitted("ENGINES", "megatron", "expert_rows", ("GPT-OSS 120B",)),
     Fitted("ENGINES", "automodel", "elementwise", ("GPT-OSS 20B FSDP+EP", "Qwen3-30B-A3B FSDP+EP")),
