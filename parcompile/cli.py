@@ -508,7 +508,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates")
+    p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates",
+                       description="Fill every `auto` layout key by searching; print the ranked candidates. "
+                                   "`sequence_parallel` left unset is searched as `auto` (with and without it "
+                                   "where tp > 1; each candidate says `sp` or `no-sp`); compiled without a "
+                                   "search it stays `false`. `cp` left unset stays 1.")
     p.add_argument("spec")
     p.add_argument("--top", type=_at_least_one, default=10, help="candidates to print (default 10)")
     p.add_argument("--explain", action="store_true",

@@ -13,7 +13,11 @@ whose first chunk is the embedding plus one layer, the middle one one layer and 
 one a layer plus the output layer. The analyses of :mod:`parcompile.analysis` run on it
 (FLOPs, traffic, collectives, saved activations, buffers, parameters), and a candidate's
 chunk ``k`` holding ``n_k`` layers costs ``n_k * layer + [k = 0] embedding + [k = last]
-output``; memory and time are then the same functions the compiler uses
+output``. An MoE model whose first ``dense_layers`` layers are dense (DeepSeek's) has a
+second probe of the same key whose three layers are dense (:attr:`_Probe.dense_probe`):
+a chunk's first ``d_k`` layers among those count as the dense probe's middle layer, the
+embedding as its first chunk less that layer (:meth:`_Probe.quad`, :func:`_compose`).
+Memory and time are then the same functions the compiler uses
 (:func:`~parcompile.analysis.memory.memory_from_parts`,
 :func:`~parcompile.analysis.estimate.step_time_parts`, the closed-form pipeline), and
 how an axis's groups fall on nodes (the network model's ``k`` ranks per node over
@@ -68,7 +72,7 @@ from parcompile.config.text import divisors, plural
 from parcompile.core.attention import attention_engine
 from parcompile.core.axes import GROUP_AXES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
-from parcompile.passes.manager import PASSES, compile_graph, cost_without_schedule, paused_gc, run_pass
+from parcompile.passes.manager import PASSES, paused_gc, run_pass
 from parcompile.passes.groups import axis_placement
 from parcompile.passes.split_pipeline_stages import candidate_splits
 
@@ -119,11 +123,16 @@ class _Probe:
     so a family of layouts the search bounds out early costs the passes and the reports it
     read only."""
 
-    def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int):
+    #: an MoE model's leading dense layers (``dense_layers``, fewer than its layers): the probe of
+    #: the same key whose three layers are dense (the probe itself holds MoE layers), else None
+    dense_probe: "_Probe | None" = None
+
+    def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int,
+                 dense: bool = False):
         from parcompile.ir.lower import lower
         from parcompile.passes.base import PassContext
 
-        pcfg = self.pcfg = _probe_config(cfg, tp, cp, sp, mb, ep, expert_tp)
+        pcfg = self.pcfg = _probe_config(cfg, tp, cp, sp, mb, ep, expert_tp, dense)
         ctx = PassContext.of(pcfg)
         try:
             g = lower(pcfg.model, batch=mb, origin=cfg.span("model"))
@@ -145,6 +154,7 @@ class _Probe:
         self.bufs = _PerMode(self._bufs)
         self.times: dict[tuple, ChunkTimes] = {}
         self._params: list[StageParams] | None = None
+        self._qparams: tuple[StageParams, ...] | None = None
         self._model_flops: tuple | None = None
 
     def _compute(self, rc: str):
@@ -166,11 +176,31 @@ class _Probe:
         rcfg = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
         return buffer_bytes(self.graph, rcfg, self.degrees, self.saved[rc])
 
+    def quad(self, get: Callable[["_Probe"], Any]) -> tuple:
+        """``(first, dense middle, middle, last)`` of a per-chunk value ``get(probe)`` (three
+        values, one per probe chunk): the first chunk (embedding and a layer) and the middle
+        layer of the dense probe (:attr:`dense_probe`), the middle layer and the last chunk
+        (a layer and the output layer) of this one; without a dense probe, ``(first,
+        middle, middle, last)`` of this one (:func:`_compose`)."""
+        a, b, c = get(self)
+        d = self.dense_probe
+        if d is None:
+            return (a, b, b, c)
+        da, db, _dc = get(d)
+        return (da, db, b, c)
+
     @property
     def params(self) -> list[StageParams]:
         if self._params is None:
             self._params = stage_params(self.graph, self.degrees, 3, self.pcfg.model.tie_embeddings)
         return self._params
+
+    @property
+    def qparams(self) -> tuple[StageParams, ...]:
+        """:meth:`quad` of the probe stages' parameters: ``(first, dense middle, middle, last)``."""
+        if self._qparams is None:
+            self._qparams = self.quad(lambda p: tuple(p.params))
+        return self._qparams
 
     @property
     def model_flops(self) -> tuple:
@@ -190,39 +220,114 @@ class _Probe:
         return self._model_flops
 
 
-def _probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int) -> SpecConfig:
-    model = cfg.model.model_copy(update={"layers": 3, "dense_layers": min(cfg.model.dense_layers, 0)})
+def _probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int,
+                  dense: bool = False) -> SpecConfig:
+    """The three-layer probe model of ``cfg`` (module docstring) with the given degrees; its
+    layers dense (``dense``: an MoE model's ``dense_layers``) or all of the model's kind."""
+    model = cfg.model.model_copy(update={"layers": 3, "dense_layers": 3 if dense else 0})
     par = ParallelConfig(dp=1, tp=tp, pp=3, cp=cp, ep=ep, expert_tp=expert_tp, sequence_parallel=sp,
                          micro_batch=mb, global_batch=mb, order=cfg.parallel.order)
     return cfg.model_copy(update={"model": model, "parallel": par})
 
 
+def _dense_layers(cfg: SpecConfig) -> int:
+    """How many leading layers of ``cfg``'s model are dense when the others are MoE (its
+    ``dense_layers``; 0 for a model of one kind of layer, all dense or all MoE)."""
+    m = cfg.model
+    return m.dense_layers if m.experts > 0 and 0 < m.dense_layers < m.layers else 0
+
+
 def _build_probe(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int) -> _Probe:
-    return _Probe(cfg, tp, cp, sp, mb, ep, expert_tp)
+    """The probe of ``cfg`` at these degrees; for a model of dense then MoE layers
+    (:func:`_dense_layers`), with its :attr:`_Probe.dense_probe`; a model whose every layer
+    is dense (``dense_layers >= layers``) is probed with dense layers."""
+    m = cfg.model
+    pr = _Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=m.experts > 0 and m.dense_layers >= m.layers)
+    if _dense_layers(cfg):
+        pr.dense_probe = _Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=True)
+    return pr
 
 
-def _compose(probe3: tuple, counts: tuple[int, ...]) -> tuple:
-    """Per candidate chunk ``k`` with ``counts[k]`` layers: ``n_k * middle + [k = 0]
-    (first - middle) + [k = last] (last - middle)`` of the probe's three chunk values."""
-    a, b, c = probe3
+def _dense_counts(counts: tuple[int, ...], dense: int) -> list[int]:
+    """Per model chunk of ``counts`` layers (in model order), how many of the first
+    ``dense`` layers it holds."""
+    out, start = [], 0
+    for n in counts:
+        out.append(min(max(dense - start, 0), n))
+        start += n
+    return out
+
+
+def _compose(probe4: tuple, counts: tuple[int, ...], dense: int = 0) -> tuple:
+    """Per candidate chunk ``k`` with ``counts[k]`` layers, ``d_k`` of them among the first
+    ``dense`` (dense layers of an MoE model): ``d_k * dense middle + (n_k - d_k) * middle
+    + [k = 0] (first - dense middle) + [k = last] (last - middle)`` of a probe's
+    :meth:`_Probe.quad` (the first chunk holds the first layer, dense when ``dense > 0``;
+    the last the last, of the probe's kind)."""
+    a, b, m, c = probe4
     last = len(counts) - 1
-    return tuple(n * b + (a - b if k == 0 else 0) + (c - b if k == last else 0) for k, n in enumerate(counts))
+    if not dense:
+        return tuple(n * m + (a - b if k == 0 else 0) + (c - m if k == last else 0) for k, n in enumerate(counts))
+    return tuple(nd * b + (n - nd) * m + (a - b if k == 0 else 0) + (c - m if k == last else 0)
+                 for k, (n, nd) in enumerate(zip(counts, _dense_counts(counts, dense))))
 
 
-def _chunk_units(ps: list[StageParams], first: bool, last: bool, n: int, pp1: bool, tied: bool,
-                 chunk: int = 0, start: int = 0) -> tuple[GradUnit, ...]:
+def _quad_times(ct: ChunkTimes, dct: ChunkTimes | None) -> ChunkTimes:
+    """The four chunk values of :meth:`_Probe.quad` of a probe's chunk times ``ct`` (and of
+    its dense probe's, ``dct``): a :class:`ChunkTimes` of four chunks that :func:`_compose`
+    composes field by field (the transfers, ``p2p``, are the probe's own)."""
+    def q(x: tuple, y: tuple | None) -> tuple:
+        return (x[0], x[1], x[1], x[2]) if y is None else (y[0], y[1], x[1], x[2])
+
+    d = dct
+    return ChunkTimes(q(ct.matmul_f, d and d.matmul_f), q(ct.memory_f, d and d.memory_f),
+                      q(ct.recompute, d and d.recompute),
+                      {f: q(v, d and d.comm_f[f]) for f, v in ct.comm_f.items()},
+                      {f: q(v, d and d.comm_b[f]) for f, v in ct.comm_b.items()}, ct.p2p,
+                      q(ct.weighted_f, d and d.weighted_f) if ct.weighted_f else ())
+
+
+def _stage_bufs(pq: tuple, dense: bool, moe: bool, first: bool, last: bool, pp1: bool) -> dict[str, int]:
+    """A pipeline rank's buffers (name -> bytes, each the largest of its ops') from the
+    probe's per-chunk buffers ``pq`` (:meth:`_Probe.quad`): those of a middle layer of each
+    kind it holds (``dense``; ``moe``: of the probe's own kind), and of the first and last
+    chunks' when it holds them; with one pipeline rank (``pp1``), no receive buffer."""
+    b = dict(pq[2]) if moe else {}
+    for extra in ([pq[1]] if dense else []) + ([pq[0]] if first else []) + ([pq[3]] if last else []):
+        for k2, x in extra.items():
+            b[k2] = max(b.get(k2, 0), x)
+    if pp1:
+        b.pop("p2p", None)
+    return b
+
+
+def _total(probe4: tuple, layers: int, dense: int = 0):
+    """:func:`_compose` summed over the chunks (whatever the split): ``dense * dense middle +
+    (layers - dense) * middle + (first - dense middle) + (last - middle)``."""
+    a, b, m, c = probe4
+    if not dense:
+        return layers * m + (a - b) + (c - m)
+    return dense * b + (layers - dense) * m + (a - b) + (c - m)
+
+
+def _chunk_units(ps: tuple[StageParams, ...], first: bool, last: bool, n: int, pp1: bool, tied: bool,
+                 chunk: int = 0, start: int = 0, dense: int = 0) -> tuple[GradUnit, ...]:
     """The gradient units (:mod:`parcompile.analysis.buckets`) of one model chunk holding
-    ``n`` layers (ids ``start``..), in ready order, from the probe's three stages: the
-    output units of its last, ``n`` copies of its middle layer, the embedding units of its
-    first. With ``pp1`` (one pipeline rank) a tied embedding is one unit with the other
-    embedding parameters and its head is the embedding itself (no copy)."""
-    pf, pm, pl = (p.units for p in ps)
+    ``n`` layers (ids ``start``..), in ready order, from the probe's stages
+    (:meth:`_Probe.quad`): the output units of its last, a copy of its middle layer per
+    layer (of the dense middle layer for the first ``dense`` layers), the embedding units
+    of its first. With ``pp1`` (one pipeline rank) a tied embedding is one unit with the
+    other embedding parameters and its head is the embedding itself (no copy)."""
+    pf, pd, pm, pl = (p.units for p in ps)
     layer = next(u for u in pm if u.name.startswith("layers."))
+    dlayer = next(u for u in pd if u.name.startswith("layers."))
     out: list[GradUnit] = []
     if last:
         out += [replace(u, chunk=chunk) for u in pl if not u.name.startswith("layers.")
                 and not (pp1 and tied and u.name == "tied_head")]
-    out += [GradUnit(chunk, f"layers.{start + j}", layer.dense, layer.expert) for j in reversed(range(n))]
+    for j in reversed(range(n)):
+        u = dlayer if start + j < dense else layer
+        out.append(GradUnit(chunk, f"layers.{start + j}", u.dense, u.expert))
     if first:
         emb = [u for u in pf if not u.name.startswith("layers.")]
         if pp1 and tied:   # the tied embedding joins the embedding unit
@@ -232,22 +337,28 @@ def _chunk_units(ps: list[StageParams], first: bool, last: bool, n: int, pp1: bo
     return tuple(out)
 
 
-def _compose_params(ps: list[StageParams], counts: tuple[int, ...], pp: int, tied: bool) -> list[StageParams]:
-    first, mid, last = ps
+def _compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int, tied: bool,
+                    dense: int = 0) -> list[StageParams]:
+    """Per pipeline rank, the parameters of a layout of ``counts`` layers per model chunk
+    from the probe's stages (:meth:`_Probe.quad`; ``dense``: the model's leading dense
+    layers, :func:`_compose`)."""
+    first, dmid, mid, last = ps
     out = []
     nchunks = len(counts)
     starts = [sum(counts[:k]) for k in range(nchunks)]
+    dcounts = _dense_counts(counts, dense)
     for s in range(pp):
         acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0}
         emb = 0
         units: list[GradUnit] = []
         for k in reversed(range(s, nchunks, pp)):
-            units += _chunk_units(ps, k == 0, k == nchunks - 1, counts[k], pp == 1, tied, k // pp, starts[k])
+            units += _chunk_units(ps, k == 0, k == nchunks - 1, counts[k], pp == 1, tied, k // pp, starts[k],
+                                  dense)
         for k in range(s, nchunks, pp):
             for f in acc:
-                acc[f] += counts[k] * getattr(mid, f)
+                acc[f] += (counts[k] - dcounts[k]) * getattr(mid, f) + dcounts[k] * getattr(dmid, f)
                 if k == 0:
-                    acc[f] += getattr(first, f) - getattr(mid, f)
+                    acc[f] += getattr(first, f) - getattr(dmid, f)
                 if k == nchunks - 1:
                     acc[f] += getattr(last, f) - getattr(mid, f)
             if tied and k == 0:
@@ -347,10 +458,23 @@ class _ScaledComm:
     raw: tuple
 
 
-def _scaled_comm(raw: tuple, r: float, pp: bool) -> _ScaledComm:
+def _scaled_comm(raw: tuple, r: float, pp: bool, experts: int = 0, fixed_r: float = 1.0) -> _ScaledComm:
     """The collectives ``raw`` (a CommReport's) of the pipeline axis (``pp``) or of every
-    other axis, their bytes times ``r`` (:meth:`Coster._family_work`)."""
-    return _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * r, c.phase)) for s, k, c in raw
+    other axis, their bytes times ``r`` (:meth:`Coster._family_work`). The MoE dispatch's
+    exchanges of token counts (``experts`` int64 per rank over ep, gathered over expert_tp:
+    :func:`~parcompile.ir.ops.moe_collectives`) do not grow with the tokens: times
+    ``fixed_r`` instead (``cp0 / cp``: at most 1 and at most ``r``, whatever the
+    micro-batch, so a collective of another kind that happens to have their size is
+    under-counted, which a lower bound allows, and the line of :meth:`Coster._base_work`
+    holds)."""
+    from parcompile.ir.ops import COUNTS_BYTES
+
+    def scale(c) -> float:
+        fixed = (experts and not c.bytes_per_row and c.axis in ("ep", "expert_tp")
+                 and c.bytes % (experts * COUNTS_BYTES) == 0 and c.bytes // (experts * COUNTS_BYTES) <= 64)
+        return fixed_r if fixed else r
+
+    return _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * scale(c), c.phase)) for s, k, c in raw
                              if (c.axis == "pp") == pp))
 
 
@@ -389,6 +513,8 @@ class Candidate:
             parts.append(f"schedule={p.schedule}")
         if p.sequence_parallel:
             parts.append("sp")
+        elif p.tp > 1:   # said either way where it applies: the search may have chosen it
+            parts.append("no-sp")
         if p.stage_layers is not None and len(set(p.stage_layers)) > 1:
             parts.append("split=" + split_text(p.stage_layers, compact=True))
         return " ".join(parts)
@@ -433,25 +559,8 @@ class Coster:
         self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
         self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
-
-    @property
-    def unlike_layers(self) -> bool:
-        """Layers of two kinds (an MoE model's leading ``dense_layers``): the one-layer probe
-        does not describe them, so such specs are costed from their whole graph."""
-        return self.cfg.model.experts > 0 and self.cfg.model.dense_layers > 0
-
-    def _cost_exactly(self, cfg: SpecConfig, simulate: bool, with_memory: bool) -> Candidate:
-        """The compiler's own figures for ``cfg``: the whole graph, with the closed-form
-        pipeline, or, with ``simulate``, the full compile and its simulated schedule."""
-        if simulate:
-            rep = compile_graph(cfg).cost   # what compile_config puts in plan.json
-            t = rep.time
-            return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak,
-                             rep.memory.capacity, t.bubble_fraction, dict(t.breakdown), None, True)
-        rep = cost_without_schedule(cfg)
-        t = rep.time
-        return Candidate(cfg.parallel, t.step_time, t.mfu, t.tflops_per_gpu, rep.memory.peak, rep.memory.capacity,
-                         t.bubble_fraction, dict(t.breakdown), rep.memory if with_memory else None, False)
+        #: the model's leading dense layers before MoE ones (:func:`_dense_layers`), probed apart
+        self.dense = _dense_layers(cfg)
 
     def probe(self, par: ParallelConfig | _RowLayout) -> _Probe:
         return self.probe_of((par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp))
@@ -479,17 +588,23 @@ class Coster:
         return got
 
     def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:
-        """The probe's three chunk times under ``par``'s links (whether each axis's groups
-        sit inside a node), its recompute mode's, with the links and the cache key."""
+        """The probe's chunk times under ``par``'s links (whether each axis's groups sit inside
+        a node), its recompute mode's, as the four chunks of :meth:`_Probe.quad`
+        (:func:`_quad_times`), with the links and the cache key."""
         inside, links = self._inside_links(par)
         rc = par.recompute
         key = (rc, tuple(sorted(inside.items())))
         ct3 = pr.times.get(key)
         if ct3 is None:
-            tcfg = pr.pcfg.model_copy(update={"parallel": ParallelConfig(
-                dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=par.micro_batch,
-                global_batch=par.micro_batch, recompute=rc, sequence_parallel=par.sequence_parallel)})
-            ct3 = pr.times[key] = chunk_times(tcfg, pr.degrees, None, pr.compute[rc], pr.comm[rc], links)
+            def times(p: _Probe) -> ChunkTimes:
+                tcfg = p.pcfg.model_copy(update={"parallel": ParallelConfig(
+                    dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp,
+                    micro_batch=par.micro_batch, global_batch=par.micro_batch, recompute=rc,
+                    sequence_parallel=par.sequence_parallel)})
+                return chunk_times(tcfg, p.degrees, None, p.compute[rc], p.comm[rc], links)
+
+            d = pr.dense_probe
+            ct3 = pr.times[key] = _quad_times(times(pr), times(d) if d is not None else None)
         return ct3, links, key
 
     def _pipeline(self, cfg: SpecConfig, pr: _Probe, ct3: ChunkTimes, tkey: tuple,
@@ -504,11 +619,12 @@ class Coster:
         got = self.pipes.get(key)
         if got is None:
             fams = ("tp", "cp", "ep")
-            ct = ChunkTimes(_compose(ct3.matmul_f, counts), _compose(ct3.memory_f, counts),
-                            _compose(ct3.recompute, counts),
-                            {f: _compose(ct3.comm_f[f], counts) for f in fams},
-                            {f: _compose(ct3.comm_b[f], counts) for f in fams}, ct3.p2p,
-                            _compose(ct3.weighted_f, counts) if ct3.weighted_f else ())
+            d = self.dense
+            ct = ChunkTimes(_compose(ct3.matmul_f, counts, d), _compose(ct3.memory_f, counts, d),
+                            _compose(ct3.recompute, counts, d),
+                            {f: _compose(ct3.comm_f[f], counts, d) for f in fams},
+                            {f: _compose(ct3.comm_b[f], counts, d) for f in fams}, ct3.p2p,
+                            _compose(ct3.weighted_f, counts, d) if ct3.weighted_f else ())
             span, parts = pipeline_parts(cfg, ct, m)
             got = self.pipes[key] = (ct, span, parts)
         return got
@@ -521,14 +637,13 @@ class Coster:
         micro-batch through its chunks, transfers included) is at least ``(m + (pp - 1) / v)
         * mean(work)``, and the ranks' work summed over all chunks does not depend on the
         split: ``layers * middle + (first - middle) + (last - middle)`` of the probe's chunks
-        (:func:`_compose` summed), plus a transfer each way between adjacent chunks; the
+        (:func:`_total`: :func:`_compose` summed; dense layers count the dense middle), plus a transfer each way between adjacent chunks; the
         step adds the (non-negative) exposed data-parallel time and optimizer step. Reduced by a
         relative 1e-9 for rounding (the estimate sums in another order)."""
         pr = self.probe(par)
         ct3, _links, _key = self._chunk_times3(pr, par)
         pp, v, m, layers = par.pp, par.virtual_stages, par.num_microbatches, self.cfg.model.layers
-        fb = [ct3.fwd(k) + ct3.bwd(k) for k in range(3)]
-        work = layers * fb[1] + (fb[0] - fb[1]) + (fb[2] - fb[1])
+        work = _total([ct3.fwd(k) + ct3.bwd(k) for k in range(4)], layers, self.dense)
         if pp > 1:
             work += 2 * (pp * v - 1) * ct3.p2p
         return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
@@ -540,9 +655,8 @@ class Coster:
         pr = self.probe(par)
         ct3, links, _key = self._chunk_times3(pr, par)
         layers = self.cfg.model.layers
-        fwd, bwd = ([ct3.fwd(k) for k in range(3)], [ct3.bwd(k) for k in range(3)])
-        f = layers * fwd[1] + (fwd[0] - fwd[1]) + (fwd[2] - fwd[1])
-        b = layers * bwd[1] + (bwd[0] - bwd[1]) + (bwd[2] - bwd[1])
+        f = _total([ct3.fwd(k) for k in range(4)], layers, self.dense)
+        b = _total([ct3.bwd(k) for k in range(4)], layers, self.dense)
         return self.span_floor(par) + self.step_floor(par, f, b, links, pr)
 
     def step_floor(self, par: ParallelConfig, fwd: float, bwd: float, links: dict, pr: _Probe) -> float:
@@ -593,17 +707,20 @@ class Coster:
             model = self.cfg.model
             deg = _degrees(par)
             cfg = with_parallel(self.cfg, par.model_copy(update={"virtual_stages": 1}))
-            ps = pr.params
-            first, mid, last = ps
+            ps = pr.qparams
+            first, dmid, mid, last = ps
             tied, pp1 = model.tie_embeddings, pp == 1
+            nd = self.dense
             # the whole model's elements: in the gradient units, and in the stages' parameters
-            layer = next(u for u in ps[1].units if u.name.startswith("layers."))
+            layer = next(u for u in mid.units if u.name.startswith("layers."))
+            dlayer = next(u for u in dmid.units if u.name.startswith("layers."))
             ends = _chunk_units(ps, True, False, 0, pp1, tied) + _chunk_units(ps, False, True, 0, pp1, tied)
             fake_units, fake_params = [], []
             for kind, dd in (("dense", deg["dp_cp"]), ("expert", deg["expert_dp"])):
-                n_units = model.layers * layer.size(kind) + sum(u.size(kind) for u in ends)
-                n_params = model.layers * getattr(mid, kind) + getattr(first, kind) + getattr(last, kind) \
-                    - 2 * getattr(mid, kind)
+                n_units = (model.layers - nd) * layer.size(kind) + nd * dlayer.size(kind) \
+                    + sum(u.size(kind) for u in ends)
+                n_params = (model.layers - nd) * getattr(mid, kind) + nd * getattr(dmid, kind) \
+                    + getattr(first, kind) + getattr(last, kind) - getattr(dmid, kind) - getattr(mid, kind)
                 if kind == "dense" and tied and pp1:
                     n_params -= last.embedding
                 dd = max(dd, 1)
@@ -703,7 +820,8 @@ class Coster:
         akey = (id(base), rc)
         axes = self.comm_axes.get(akey)
         if axes is None:   # the probe's collectives' axes, for what their times read of the links
-            axes = self.comm_axes[akey] = sorted({c.axis for _s, _k, c in base.comm[rc].raw} - {"pp"})
+            axes = self.comm_axes[akey] = sorted({c.axis for p in (base, base.dense_probe) if p is not None
+                                                  for _s, _k, c in p.comm[rc].raw} - {"pp"})
         lkey = tuple((a, inside.get(a, True)) for a in axes)
         fb = self._base_work(base, rc, cp, mb, par, lkey, links)
         pkey = (id(base), rc, cp, mb, inside.get("pp", True), inside.get("tp", True))
@@ -713,7 +831,7 @@ class Coster:
             pp_raw = self.scaled_comms.get((id(base), rc, cp, mb, True))
             if pp_raw is None:
                 pp_raw = self.scaled_comms[(id(base), rc, cp, mb, True)] = _scaled_comm(
-                    base.comm[rc].raw, mb * min(cp, 2) / cp, True)
+                    base.comm[rc].raw, mb * min(cp, 2) / cp, True, self.cfg.model.experts, min(cp, 2) / cp)
             p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, pp_raw, links).p2p
         got = self.family_works[wkey] = (fb[0], fb[1], p2p, base, links)
         return got
@@ -759,16 +877,19 @@ class Coster:
             k = mb - 1
             got = self.base_works[key] = (f1 + k * (f2 - f1), b1 + k * (b2 - b1))
             return got
-        scaled, tcfg, degrees = self._scaled_base(base, rc, cp, mb, par)
-        raw = self.scaled_comms.get((id(base), rc, cp, mb, False))
-        if raw is None:   # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
-            raw = self.scaled_comms[(id(base), rc, cp, mb, False)] = _scaled_comm(
-                base.comm[rc].raw, mb * min(cp, 2) / cp, False)
-        ct = chunk_times(tcfg, degrees, None, scaled, raw, links)
-        f3, b3 = [ct.fwd(k) for k in range(3)], [ct.bwd(k) for k in range(3)]
+        def times(p: _Probe) -> ChunkTimes:
+            scaled, tcfg, degrees = self._scaled_base(p, rc, cp, mb, par)
+            raw = self.scaled_comms.get((id(p), rc, cp, mb, False))
+            if raw is None:   # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
+                raw = self.scaled_comms[(id(p), rc, cp, mb, False)] = _scaled_comm(
+                    p.comm[rc].raw, mb * min(cp, 2) / cp, False, self.cfg.model.experts, min(cp, 2) / cp)
+            return chunk_times(tcfg, degrees, None, scaled, raw, links)
+
+        d = base.dense_probe
+        ct = _quad_times(times(base), times(d) if d is not None else None)
         layers = self.cfg.model.layers
-        got = self.base_works[key] = (layers * f3[1] + (f3[0] - f3[1]) + (f3[2] - f3[1]),
-                                      layers * b3[1] + (b3[0] - b3[1]) + (b3[2] - b3[1]))
+        got = self.base_works[key] = (_total([ct.fwd(k) for k in range(4)], layers, self.dense),
+                                      _total([ct.bwd(k) for k in range(4)], layers, self.dense))
         return got
 
     def state_floor(self, par: ParallelConfig | _RowLayout) -> int:
@@ -777,7 +898,8 @@ class Coster:
         ``states``), whatever its split, micro-batch, schedule or recomputation: every
         other term of a stage's total is a byte count, so the peak is at least the largest
         stage's states, hence their mean over the ``pp`` stages. Summed over the stages the
-        parameters are the probe's ``layers * middle + first + last - 2 middle`` (a tied
+        parameters are the probe's ``layers * middle + first + last - 2 middle`` (:func:`_total`;
+        dense layers count the dense middle; a tied
         head read by the embedding on one rank counted once), and each stage's sharded
         elements (``sum ceil(n_b / d)`` over its buckets) are at least ``n / d``, so the
         sum is at least the table of :mod:`parcompile.analysis.memory` applied to the whole
@@ -793,11 +915,11 @@ class Coster:
             if pr is None:
                 pr = self.param_probes[pkey] = next(
                     (p for k, p in self.probes.items() if (k[0], k[4], k[5]) == pkey), None) or self.probe(par)
-            first, mid, last = pr.params
+            ps = pr.qparams
+            last = ps[3]
             total = Fraction(0)
             for kind, dd in (("dense", d), ("expert", ed)):
-                n = model.layers * getattr(mid, kind) + getattr(first, kind) + getattr(last, kind) \
-                    - 2 * getattr(mid, kind)
+                n = _total([getattr(x, kind) for x in ps], model.layers, self.dense)
                 if kind == "dense" and model.tie_embeddings and pp == 1:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
@@ -810,20 +932,23 @@ class Coster:
         """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
         composes them; :func:`parcompile.analysis.memory.buffer_total`: the logits and the
         recomputation's working set are never alive at once), and of the only rank when
-        pp = 1 (returned as the first)."""
+        pp = 1 (returned as the first).
+
+        With dense and MoE layers (:attr:`_Probe.dense_probe`) the first rank's is that of
+        the first chunk (the embedding and dense layers), the middle and last ranks' of MoE
+        layers: each at most the rank's own (buffers are maxima over the rank's ops).
+        """
         key = (id(pr), rc, pp == 1)
         got = self.buf_sums.get(key)
         if got is None:
-            pb = pr.bufs[rc]
+            pq = pr.quad(lambda p: p.bufs[rc])
+            mixed = pr.dense_probe is not None
             out = []
-            for extras in ([pb[0]], [], [pb[2]]) if pp > 1 else ([pb[0], pb[2]],):
-                b = dict(pb[1])
-                for extra in extras:
-                    for k2, x in extra.items():
-                        b[k2] = max(b.get(k2, 0), x)
-                if pp == 1:
-                    b.pop("p2p", None)
-                out.append(buffer_total(b))
+            if pp > 1:
+                for first, last in ((True, False), (False, False), (False, True)):
+                    out.append(buffer_total(_stage_bufs(pq, first and mixed, not (first and mixed), first, last, False)))
+            else:
+                out.append(buffer_total(_stage_bufs(pq, mixed, True, True, True, True)))
             got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
@@ -838,18 +963,16 @@ class Coster:
             return got
         pp, rc = cfg.parallel.pp, cfg.parallel.recompute
         sps = self._stage_params(pr, counts, pp)
-        sv = pr.saved[rc]
-        saved = SavedBytes(_compose(sv.per_chunk, counts), {}, {}, _compose(sv.output_layer, counts))
-        pb = pr.bufs[rc]
+        nd = self.dense
+        saved = SavedBytes(_compose(pr.quad(lambda p: p.saved[rc].per_chunk), counts, nd), {}, {},
+                           _compose(pr.quad(lambda p: p.saved[rc].output_layer), counts, nd))
+        pq = pr.quad(lambda p: p.bufs[rc])
+        dcounts = _dense_counts(counts, nd)
         bufs = []
         for s in range(pp):
-            b = dict(pb[1])
-            for extra in ([pb[0]] if s == 0 else []) + ([pb[2]] if s == pp - 1 else []):
-                for k2, x in extra.items():
-                    b[k2] = max(b.get(k2, 0), x)
-            if pp == 1:
-                b.pop("p2p", None)
-            bufs.append(b)
+            ks = range(s, len(counts), pp)
+            bufs.append(_stage_bufs(pq, any(dcounts[k] for k in ks), any(counts[k] > dcounts[k] for k in ks),
+                                    s == 0, s == pp - 1, pp == 1))
         got = self.memories[mkey] = (memory_from_parts(cfg, _degrees(cfg.parallel), sps, saved, bufs), sps)
         return got
 
@@ -917,10 +1040,11 @@ class Coster:
         skey = (self._params_key(pr), pp, n, z, d, ed)
         states = self.state_parts.get(skey)
         if states is None:
-            first, mid, last = pr.params
+            first, dmid, mid, last = pr.qparams
             states = 0.0
             for kind, dd in (("dense", d), ("expert", ed)):
-                x = n * getattr(mid, kind) + getattr(first, kind) - getattr(mid, kind)
+                # each of the rank's layers has at least the fewer elements of the two kinds'
+                x = n * min(getattr(mid, kind), getattr(dmid, kind)) + getattr(first, kind) - getattr(dmid, kind)
                 if pp == 1:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
@@ -942,10 +1066,12 @@ class Coster:
         """``(body, buffers)`` of :meth:`memory_floor`: the bytes one micro-batch saves on a
         first pipeline rank of ``n`` layers outside the output layer (``n * middle + first
         - middle``, plus ``last - middle`` with ``pp = 1``, of the probe's
-        ``per_chunk - output_layer``), and its buffers (:meth:`_buffer_sums`)."""
-        sv = pr.saved[rc]
-        (pa, pb, pc), (oa, ob, oc) = sv.per_chunk, sv.output_layer
-        body = n * (pb - ob) + (pa - oa) - (pb - ob)
+        ``per_chunk - output_layer``; with dense and MoE layers, :meth:`_Probe.quad`'s,
+        ``middle`` the smaller of the two kinds' per layer: at most the rank's own), and its
+        buffers (:meth:`_buffer_sums`)."""
+        (pa, pd, pb, pc), (oa, od, ob, oc) = (pr.quad(lambda p: p.saved[rc].per_chunk),
+                                              pr.quad(lambda p: p.saved[rc].output_layer))
+        body = n * min(pb - ob, pd - od) + (pa - oa) - (pd - od)
         if pp == 1:
             body += (pc - oc) - (pb - ob)
         return body, self._buffer_sums(pr, rc, pp)[0]
@@ -973,7 +1099,7 @@ class Coster:
         not divide into its chunks and no split given, whether one of its candidate splits
         does (:meth:`choose_split` takes a fitting one when there is one)."""
         par = cfg.parallel
-        if self.unlike_layers or cfg.workload == "serve":
+        if cfg.workload == "serve":
             return self.cost(cfg).fits
         splits = self.splits(cfg)
         cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
@@ -1022,13 +1148,13 @@ class Coster:
         and optimizer step, which need no simulation (:meth:`_sim_floor`)."""
         par = cfg.parallel
         cands = candidate_splits(cfg.model.layers, par.pp * par.virtual_stages)
-        if self.unlike_layers or cfg.workload == "serve":
+        if cfg.workload == "serve":
             floors = [0.0] * len(cands)
         else:
             floors = self._split_floors(par, cands, simulate)
         # simulated, the simulation is what costs: a split's bound then adds what needs none
         # (_sim_floor), worked out when the split's own bound comes up (it only grows)
-        rough = simulate and par.pp > 1 and not (self.unlike_layers or cfg.workload == "serve")
+        rough = simulate and par.pp > 1 and cfg.workload != "serve"
         window = 1 + SPLIT_TIME_TIE
         limit = None if bound is None else bound * window
         costed = []
@@ -1093,15 +1219,24 @@ class Coster:
         pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
         n = pp * v
         p2p = ct3.p2p if pp > 1 else 0.0
-        f3 = [ct3.fwd(k) for k in range(3)]
-        fb3 = [ct3.fwd(k) + ct3.bwd(k) for k in range(3)]
+        f4 = [ct3.fwd(k) for k in range(4)]
+        fb4 = [ct3.fwd(k) + ct3.bwd(k) for k in range(4)]
         sim = simulate and pp > 1
         zb = par.schedule == "zero_bubble"
+        nd = self.dense
         out = []
+
+        def per_chunk(q: list[float], counts: tuple[int, ...]) -> list[float]:
+            if nd:
+                x = [d * q[1] + (c - d) * q[2] for c, d in zip(counts, _dense_counts(counts, nd))]
+            else:
+                x = [c * q[2] for c in counts]
+            x[0] += q[0] - q[1]
+            x[-1] += q[3] - q[2]
+            return x
+
         for counts in splits:
-            fb = [c * fb3[1] for c in counts]
-            fb[0] += fb3[0] - fb3[1]
-            fb[-1] += fb3[2] - fb3[1]
+            fb = per_chunk(fb4, counts)
             if pp > 1:
                 for k in range(n):
                     fb[k] += p2p * ((k < n - 1) + (k > 0))
@@ -1110,9 +1245,7 @@ class Coster:
                 out.append((m * max(work) + (pp - 1) / v * (sum(work) / pp)) * (1 - 1e-9))
                 continue
             if zb:
-                f = [c * f3[1] for c in counts]
-                f[0] += f3[0] - f3[1]
-                f[-1] += f3[2] - f3[1]
+                f = per_chunk(f4, counts)
                 lead = [x + (p2p if k < n - 1 else 0.0) for k, x in enumerate(f)]
             else:
                 lead = fb
@@ -1131,7 +1264,7 @@ class Coster:
         if got is None:
             key = pr.params_of
             owner = self.param_owner.setdefault(key, pr)
-            got = self.params_keys[id(pr)] = key if owner is pr or owner.params == pr.params else (id(pr),)
+            got = self.params_keys[id(pr)] = key if owner is pr or owner.qparams == pr.qparams else (id(pr),)
         return got
 
     def _stage_params(self, pr: _Probe, counts: tuple[int, ...], pp: int) -> list[StageParams]:
@@ -1140,7 +1273,8 @@ class Coster:
         key = (self._params_key(pr), counts, pp)
         got = self.stage_param_sets.get(key)
         if got is None:
-            got = self.stage_param_sets[key] = _compose_params(pr.params, counts, pp, self.cfg.model.tie_embeddings)
+            got = self.stage_param_sets[key] = _compose_params(pr.qparams, counts, pp, self.cfg.model.tie_embeddings,
+                                                               self.dense)
         return got
 
     def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
@@ -1232,12 +1366,10 @@ class Coster:
         does not fit is returned untimed (step time inf)."""
         par = cfg.parallel
         if par.stage_layers is None and cfg.model.layers % (par.pp * par.virtual_stages):
-            if not (simulate or with_memory or self.unlike_layers):   # the search: the chosen split's own figures
+            if not (simulate or with_memory):   # the search: the chosen split's own figures
                 return self._choose_split(cfg, bound=bound)[2]
             counts, _ = self.choose_split(cfg, simulate=simulate)
             cfg = with_parallel(cfg, par.model_copy(update={"stage_layers": counts}))
-        if self.unlike_layers:
-            return self._cost_exactly(cfg, simulate, with_memory)
         par, model, cl = cfg.parallel, cfg.model, cfg.cluster
         pr = self.probe(par)
         pp, v = par.pp, par.virtual_stages
@@ -1290,7 +1422,7 @@ class Coster:
         parts = dict(parts)
         parts.update({"dp_comm": dp_comm, "optimizer": opt})
         step = span + dp_comm + opt
-        flops = sum(_compose(pr.model_flops, counts)) * par.dp * m
+        flops = sum(_compose(pr.quad(lambda p: p.model_flops), counts, self.dense)) * par.dp * m
         tflops = flops / (step * par.world_size) / 1e12 if step > 0 else 0.0
         return Candidate(par, step, tflops * 1e12 / cl.peak_flops, tflops, peak, cap,
                          parts.pop("bubble_fraction"), parts, mem if with_memory else None, simulated)
@@ -1346,7 +1478,8 @@ def _layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[lis
     eps = [e for e in divisors(m.experts) if e <= world] if ("ep" in auto and m.experts) else [p.ep]
     zeros = _values(cfg, "zero", auto, [0, 1, 2, 3])
     recs = _values(cfg, "recompute", auto, ["none", "selective", "full"])
-    sps = _values(cfg, "sequence_parallel", auto, [False, True])
+    sp_open = searches_sequence_parallel(cfg)
+    sps = [False, True] if sp_open else [p.sequence_parallel]
     etp_given = "parallel.expert_tp" in cfg.spans
     for tp in tps:
         for cp in cps:
@@ -1382,10 +1515,21 @@ def _layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[lis
                             for mb in mbs:
                                 gb = p.global_batch if gb_given else mb * dp
                                 for sp in sps:
-                                    if sp and tp == 1 and "sequence_parallel" in auto:
+                                    if sp and tp == 1 and sp_open:
                                         continue
                                     yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
                                            for z in zs for rc in recs]
+
+
+def searches_sequence_parallel(cfg: SpecConfig) -> bool:
+    """Whether the search tries layouts both with and without sequence parallelism (where
+    tp > 1): ``sequence_parallel = auto``, or left unset. Megatron-Bridge's recipes and
+    torchtitan pair tensor parallelism with sequence parallelism, so a search that kept
+    the unset key at its compile default (``false``, SPEC) would skip the layouts they run
+    (issue 29: Meta's Llama 3.1 405B layout). A spec compiled without a search keeps the
+    default, and so does a serve spec (sequence parallelism is a training layout)."""
+    return "sequence_parallel" in cfg.parallel.auto or (
+        "parallel.sequence_parallel" not in cfg.spans and cfg.workload == "train")
 
 
 def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
@@ -1542,7 +1686,7 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
             fam.extend(range(i, i + len(block)))
         i += len(block)
     keep = max(RETIME, top)
-    bounds = BOUNDS and not coster.unlike_layers and cfg.workload == "train"
+    bounds = BOUNDS and cfg.workload == "train"
     ranked = _rank(cfg, coster, rows, families, keep, bounds, progress, total)
     if not ranked.scored and ranked.unfit:
         # none fits: the closest layout may be one the state bound dropped; rank them all

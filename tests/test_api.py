@@ -137,7 +137,8 @@ def test_search_report_ranks_typed_candidates():
     assert report.best.parallel.tp * report.best.parallel.pp * report.best.parallel.dp == 16
     # the best layout compiled as a spec gives the candidate's estimate
     best = parcompile.compile(LLAMA8B, overrides={"parallel.tp": report.best.parallel.tp,
-                                                  "parallel.pp": report.best.parallel.pp})
+                                                  "parallel.pp": report.best.parallel.pp,
+                                                  "parallel.sequence_parallel": report.best.parallel.sequence_parallel})
     assert best.estimate.step_time == pytest.approx(report.best.step_time, rel=1e-6)
     assert report.text().splitlines()[3].split()[1] == report.best.degrees_text().split()[0]
 

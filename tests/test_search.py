@@ -18,10 +18,9 @@ from parcompile.search import Coster, check_layout, search, with_parallel
 
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.glob("examples/*.par"))
 TRAIN = [p for p in EXAMPLES if "serve" not in p.stem]
-# DeepSeek-style MoE (leading dense_layers) has layers of two kinds, which the one-layer
-# probe does not describe: search costs such specs from their whole graph instead
-# (Coster.unlike_layers), so the probe's exactness is tested on the others
-PROBED = [p for p in TRAIN if "deepseek" not in p.stem]
+# DeepSeek-style MoE (leading dense_layers) has layers of two kinds: probed apart (a dense
+# probe beside the MoE one, search._Probe.dense_probe), tested like the others
+PROBED = TRAIN
 
 
 def _errors(cfg) -> list:
@@ -49,6 +48,32 @@ def test_fast_cost_equals_the_compilers(path):
         assert coster.peak(c, coster.probe(c.parallel), counts) == (full.memory.peak, full.memory.capacity)
         assert fast.step_time == pytest.approx(full.time.step_time, rel=1e-9)
         assert fast.mfu == pytest.approx(full.time.mfu, rel=1e-9)
+
+
+def test_fast_cost_equals_the_compilers_with_dense_then_moe_layers():
+    """Dense then MoE layers (DeepSeek's): the two probes composed give what the whole graph
+    gives, with dense layers on one pipeline rank or spread over several, in chunks
+    interleaved or not, closed form and simulated."""
+    from parcompile.passes.manager import compile_graph
+
+    cfg, _ = load_spec(MIXED.replace("%s", ""))
+    coster = Coster(cfg)
+    p = cfg.parallel
+    for upd in ({"pp": 1, "dp": 8, "ep": 8},
+                {"pp": 2, "dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "stage_layers": (1, 9),
+                 "schedule": "zero_bubble", "recompute": "full"},
+                {"pp": 4, "dp": 2, "ep": 2, "stage_layers": (3, 3, 2, 2), "zero": 3, "recompute": "selective"},
+                {"pp": 2, "dp": 4, "ep": 4, "virtual_stages": 2, "schedule": "interleaved_1f1b",
+                 "stage_layers": (1, 3, 3, 3)}):
+        c = with_parallel(cfg, p.model_copy(update=upd))
+        assert not _errors(c), upd
+        fast, full = coster.cost(c, with_memory=True), cost_without_schedule(c)
+        assert fast.peak == full.memory.peak
+        assert fast.step_time == pytest.approx(full.time.step_time, rel=1e-9)
+        assert fast.mfu == pytest.approx(full.time.mfu, rel=1e-9)
+        sim, whole = coster.cost(c, simulate=True, with_memory=True), compile_graph(c).cost
+        assert sim.peak == whole.memory.peak
+        assert sim.step_time == pytest.approx(whole.time.step_time, rel=1e-9)
 
 
 @pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.stem)
@@ -157,6 +182,34 @@ parallel {
 }
 """ % _AUTO_KEYS
 
+# dense then MoE layers (DeepSeek's; search._Probe.dense_probe): 10 layers, pp 4 and 8 split unevenly
+MIXED = """model moe {
+    layers            = 10
+    hidden            = 512
+    heads             = 8
+    ffn_hidden        = 2048
+    vocab             = 32000
+    seq_len           = 1024
+    experts           = 8
+    top_k             = 2
+    expert_ffn_hidden = 512
+    shared_experts    = 1
+    dense_layers      = 2
+}
+cluster node from "h100-sxm" { nodes = 1 }
+parallel {
+    tp = auto
+    ep = auto
+    sequence_parallel = auto
+%s    global_batch = 32
+}
+"""
+MIXED_AUTO = MIXED % """    pp = auto
+    micro_batch = auto
+    recompute = auto
+    schedule = auto
+"""
+
 
 def _figures(c) -> tuple:
     return (c.parallel, c.step_time, c.mfu, c.tflops_per_gpu, c.peak, c.capacity, c.bubble_fraction,
@@ -174,8 +227,9 @@ def _valid_rows(cfg, every: int = 1) -> list:
     return rows
 
 
-@pytest.mark.parametrize("text,top,unfit", [(THIRTY_AUTO, 3, False), (EIGHT_B_AUTO, 30, True)],
-                         ids=["thirty", "llama3-8b"])
+@pytest.mark.parametrize("text,top,unfit", [(THIRTY_AUTO, 3, False), (EIGHT_B_AUTO, 30, True),
+                                             (MIXED_AUTO, 29, False)],
+                         ids=["thirty", "llama3-8b", "dense-then-moe"])
 def test_bounded_search_ranks_the_best_as_costing_every_layout(text, top, unfit, monkeypatch):
     cfg, _ = load_spec(text)
     bounded = search(cfg, top=top)
@@ -192,8 +246,9 @@ def test_bounded_search_ranks_the_best_as_costing_every_layout(text, top, unfit,
     assert bounded.fitting <= full.fitting and bounded.probes < full.probes
 
 
-@pytest.mark.parametrize("text,every,unfit", [(THIRTY_AUTO, 23, False), (EIGHT_B_AUTO, 211, True)],
-                         ids=["thirty", "llama3-8b"])
+@pytest.mark.parametrize("text,every,unfit", [(THIRTY_AUTO, 23, False), (EIGHT_B_AUTO, 211, True),
+                                               (MIXED_AUTO, 29, False)],
+                         ids=["thirty", "llama3-8b", "dense-then-moe"])
 def test_each_bound_is_below_what_it_bounds(text, every, unfit):
     """Memory: the state floor and the first rank's floors are at most the peak of every
     split. Time: the row's, the family's and each split's floors are at most the step time
@@ -396,3 +451,49 @@ def test_family_work_line_through_micro_batches_1_and_2_is_the_scaled_probes_own
     # and only the micro-batch 1 and 2 scaled probes were timed (but for their transfers)
     timed = {k[3] for k in line.scaled_comms if not k[4]}
     assert timed == {1, 2} < {k[3] for k in direct.scaled_comms if not k[4]}
+
+
+# ------------------------------------------------------------------ sequence parallelism (issue 29)
+_SP_SPEC = """model deep {
+    layers   = 4
+    hidden   = 1024
+    heads    = 16
+    vocab    = 32000
+    seq_len  = 2048
+}
+cluster node from "h100-sxm" { nodes = 1 }
+parallel {
+    tp = %s
+%s    global_batch = 32
+}
+"""
+
+
+def test_search_tries_sequence_parallelism_when_the_spec_leaves_it_unset():
+    """Unset, `sequence_parallel` is searched (both where tp > 1, never at tp = 1) and each
+    candidate says which it took; written, it is kept."""
+    res = search(load_spec(_SP_SPEC % ("auto", ""))[0], top=1000)
+    seen = {(c.parallel.tp > 1, c.parallel.sequence_parallel) for c in res.candidates}
+    assert seen == {(False, False), (True, False), (True, True)}
+    for c in res.candidates:
+        words = c.degrees_text().split()
+        assert ("sp" in words) == c.parallel.sequence_parallel
+        assert ("no-sp" in words) == (c.parallel.tp > 1 and not c.parallel.sequence_parallel)
+    for written in (False, True):
+        res = search(load_spec(_SP_SPEC % ("auto", f"    sequence_parallel = {str(written).lower()}\n"))[0],
+                     top=1000)
+        assert {c.parallel.sequence_parallel for c in res.candidates if c.parallel.tp > 1} == {written}
+    # a serve spec keeps the default: sequence parallelism is a training layout
+    from parcompile.search import searches_sequence_parallel
+
+    serve = next(p for p in EXAMPLES if "serve" in p.stem)
+    assert not searches_sequence_parallel(load_spec(serve)[0])
+
+
+def test_compile_keeps_sequence_parallel_false_by_default():
+    """SPEC: `sequence_parallel` defaults to false for a spec compiled without a search."""
+    plan = parcompile.compile(_SP_SPEC % ("4", ""))
+    assert plan.data["degrees"]["tp"] == 4
+    assert plan.config.parallel.sequence_parallel is False
+    sp = parcompile.compile(_SP_SPEC % ("4", "    sequence_parallel = true\n"))
+    assert sp.config.parallel.sequence_parallel is True

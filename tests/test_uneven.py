@@ -132,7 +132,8 @@ def test_search_considers_uneven_splits_and_costs_them_as_the_compiler_does():
     src = THIRTY.replace("global_batch = 64", f"global_batch = 64\n zero = {c.parallel.zero}\n "
                          f"stage_layers = {list(c.parallel.stage_layers)}")
     src = src.replace("tp = 2", f"tp = {c.parallel.tp}\n    dp = {c.parallel.dp}\n micro_batch = {c.parallel.micro_batch}"
-                      f"\n recompute = {c.parallel.recompute}\n schedule = {c.parallel.schedule}")
+                      f"\n recompute = {c.parallel.recompute}\n schedule = {c.parallel.schedule}"
+                      f"\n sequence_parallel = {str(c.parallel.sequence_parallel).lower()}")
     plan = parcompile.compile(src)
     assert plan.data["memory"]["peak"] == c.peak
     if c.simulated:
