@@ -129,7 +129,6 @@ def test_a100_step_times_mean_error_at_most_3_5_percent():
 
 #: handed rows the estimate does not meet yet (issue 29), each with why; calibration empties it
 _TIME_PENDING = {
-    "Qwen3-30B-A3B FSDP+EP": "+10.3%: the automodel engine is not calibrated yet",
 }
 _FIT_PENDING = {
     "Llama 3.1 405B": "memory fixes of issue 29",

@@ -220,20 +220,18 @@ ENGINES: dict[str, Engine] = {
         "recomputation: torchtitan's op-level policy, as eager",
         sac="op", fsdp2=True, fp32_loss=True),
     "automodel": Engine(
-        "automodel", 1.4, "fused", 1700.0,
-        "NeMo AutoModel with FSDP2: Transformer Engine linears, RMSNorm and fused RoPE, TE's cuDNN "
-        "fused attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's "
-        "dispatch, eager SwiGLU, router and loss",
-        "elementwise: the Automodel benchmark recipes (examples/llm_benchmark/*_te_deepep.yaml, "
-        "backend rms_norm te, rope_fusion true, linear te) fuse the norms and RoPE; SwiGLU, the "
-        "router's softmax and top-k and the bf16 loss (MaskedCrossEntropy, fp32_upcast false) run "
-        "as eager ops: weighted as the eager engine's (a Llama 3 8B layer's fused bytes: norms 32 KB "
-        "per token, RoPE 20, SwiGLU 86 at 10/6, adds 49, attention 20, loss 40 at about 2x) about "
-        "1.4x; attention: TE's fused attention (cuDNN) as megatron; expert_rows: as megatron; "
-        "selective recomputation: torchtitan's op-level policy (Automodel's apply_ac selective "
-        "reuses it); FSDP2 copies as eager; dispatch: DeepEP (deepseek-ai/DeepEP, normal kernels) sends "
-        "each token once to every rank holding some of its experts and combines their outputs there "
-        "(routed_share)",
+        "automodel", 1.0, "fused", 1700.0,
+        "NeMo AutoModel with FSDP2: Transformer Engine linears and RMSNorm, TE's cuDNN fused "
+        "attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's dispatch",
+        "elementwise: fitted to the two NeMo AutoModel rows of analysis/calibration.py (GPT-OSS 20B and "
+        "Qwen3-30B-A3B on 8 H100s, docs/performance-summary.mdx): the least-squares value falls to the "
+        "fused count, 1.0 (an estimate from the recipes, examples/benchmark/configs/*_te_deepep.yaml@8d9bfb9: "
+        "TE norms, eager SwiGLU, router and bf16 loss, weighted as the eager engine's, gave about 1.4 and "
+        "+12% on Qwen3); attention: TE's fused attention (cuDNN) as megatron, FlexAttention for sinks "
+        "(core/attention.py); expert_rows: as megatron; selective recomputation: torchtitan's op-level "
+        "policy (Automodel's apply_ac selective reuses it); FSDP2 copies as eager; dispatch: DeepEP "
+        "(deepseek-ai/DeepEP, normal kernels) sends each token once to every rank holding some of its "
+        "experts and combines their outputs there (routed_share)",
         sac="op", fsdp2=True, dedup_dispatch=True),
 }
 DEFAULT_ENGINE = "megatron"
@@ -252,8 +250,9 @@ def attention_efficiency(cluster) -> float:
 
 #: per cluster preset (SPEC 1 names). ``matmul`` of the H100 is fitted to the Llama 3 405B
 #: row of :mod:`parcompile.analysis.calibration` (its only dense Megatron-style H100 row),
-#: the A100's to the Megatron-LM and Korthikanti rows; every other number is a measurement or
-#: a datasheet ratio named in ``source``.
+#: the A100's ``matmul`` and ``overlap`` to the Megatron-LM and Korthikanti rows; every other
+#: number is a measurement or a datasheet ratio named in ``source``
+#: (:data:`parcompile.analysis.calibration.FITTED` lists them with their rows).
 _A100_SRC = (
     "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and Korthikanti et al. "
     "2022 (Table 5), with the GEMM operand traffic timed apart (cuBLAS fp16 GEMMs of these sizes run at "
@@ -266,7 +265,8 @@ _A100_SRC = (
     "no longer paid an exposed one-NIC all-reduce): 0.60, twice the SM share of NCCL's 32 ring channels of "
     "108 SMs (0.30), the rest standing for the HBM bandwidth the concurrent all-reduce takes from the GEMMs")
 _H100_SRC = (
-    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart "
+    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart, "
+    "0.67 with the network model of issue 29 (0.70 before) "
     "(cuBLAS bf16 GEMMs of 8k-16k sizes sustain 650-750 of 989 TFLOP/s at 700 W); link: nccl-tests all_reduce bus "
     "bandwidth without NVLS (ring; all_gather, reduce_scatter), 370 of 450 GB/s (NVIDIA/nccl-tests#212); nvls: "
     "the NVLS all_reduce on 8 GPUs, bus bandwidth 480 GB/s = algorithm bandwidth 274 GB/s (nccl-tests#212, #347; "
@@ -280,9 +280,9 @@ EFFICIENCY: dict[str, Efficiency] = {
                             overlap=0.60, net=0.96),
     "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
                             attention_fa2=0.45, softmax_dim=32.0, overlap=0.60, net=0.96),
-    "h100-sxm": Efficiency(0.70, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
+    "h100-sxm": Efficiency(0.67, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
                            overlap=0.24, net=0.94, nvls=0.61),
-    "h200": Efficiency(0.70, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
+    "h200": Efficiency(0.67, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
                        attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61),
     "b200": Efficiency(
         0.76, 0.80, 0.82,
