@@ -20,9 +20,10 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
 were tuned to; ``held_out`` rows were not looked at while tuning.
 
 H100-era rows (:data:`H100_ROWS`, bf16, :func:`h100_config`), what the H100 numbers and the
-engines of :mod:`parcompile.analysis.estimate` were calibrated on (each fits one number:
-the torchtitan row none, the Megatron-Bridge row ``Engine.expert_rows``, the Llama 3 row
-the H100's ``matmul``):
+engines of :mod:`parcompile.analysis.estimate` were calibrated on (:data:`FITTED` names each
+fitted number and its rows: the torchtitan rows none, the Megatron-Bridge row
+``ENGINES["megatron"].expert_rows``, the Llama 3 row the H100's ``matmul``, the two NeMo
+AutoModel rows ``ENGINES["automodel"].elementwise``):
 
 1. torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (commit 31a17bf), Table 1,
    row "FSDP": Llama 3.1 8B, 8 GPUs, FSDP 8, local batch 2, global batch 16, seq 8192,
