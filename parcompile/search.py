@@ -924,7 +924,7 @@ class Coster:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
                 total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd),
-                                         fsdp2=engine(self.cfg.cluster).fsdp2))
+                                         fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
             got = self.state_floors[key] = math.ceil(total / pp)
         return got
 
@@ -1050,7 +1050,7 @@ class Coster:
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
                 states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd,
-                                          fsdp2=engine(self.cfg.cluster).fsdp2))
+                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
             self.state_parts[skey] = states
         body, bufs = self._first_rank_bytes(pr, rc, pp, n)
         key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None

@@ -157,6 +157,7 @@ class Engine:
       :func:`parcompile.analysis.compute.op_sac`);
     * ``fsdp2``: ZeRO-3 runs as FSDP2, which copies each all-gather's output and each
       reduce-scatter's input through a flat buffer on the compute stream (:func:`step_sums`);
+    * ``fsdp2_shard_bytes``: what FSDP2's shards are kept in (:attr:`fsdp2_state_bytes`);
     * ``fp32_loss``: the loss upcasts the logits to fp32 (torchtitan's
       ``cross_entropy(pred.float(), ...)``), an fp32 copy beside them
       (:func:`parcompile.analysis.memory.buffer_bytes`);
@@ -173,9 +174,19 @@ class Engine:
     sac: str = "core"
     fsdp2: bool = False
     fp32_loss: bool = False
+    #: under FSDP2, bytes per element of the sharded parameters, gradients and optimizer
+    #: states (:func:`parcompile.analysis.memory.state_bytes`): 4 for an fp32 model
+    #: (torchtitan), 2 for a bf16 one (NeMo AutoModel)
+    fsdp2_shard_bytes: int = 4
     #: the token dispatcher sends a token once per destination rank and combines its
     #: experts' outputs there (DeepEP), not once per chosen expert (:func:`routed_share`)
     dedup_dispatch: bool = False
+
+    @property
+    def fsdp2_state_bytes(self) -> int:
+        """Bytes per element of FSDP2's sharded states under this engine, 0 without FSDP2
+        (``state_bytes(..., fsdp2=)``)."""
+        return self.fsdp2_shard_bytes if self.fsdp2 else 0
 
 
 #: ``cluster.engine`` -> :class:`Engine`
@@ -231,8 +242,11 @@ ENGINES: dict[str, Engine] = {
         "(core/attention.py); expert_rows: as megatron; selective recomputation: torchtitan's op-level "
         "policy (Automodel's apply_ac selective reuses it); FSDP2 copies as eager; dispatch: DeepEP "
         "(deepseek-ai/DeepEP, normal kernels) sends each token once to every rank holding some of its "
-        "experts and combines their outputs there (routed_share)",
-        sac="op", fsdp2=True, dedup_dispatch=True),
+        "experts and combines their outputs there (routed_share); fsdp2_shard_bytes: its MoE models are "
+        "cast to bf16 (nemo_automodel/components/models/*/model.py initialize_weights(dtype=torch.bfloat16) "
+        "@8d9bfb9, called by checkpointing.py) and trained with torch.optim.Adam, whose states follow the "
+        "parameters' dtype: parameters, gradients and moments in bf16",
+        sac="op", fsdp2=True, dedup_dispatch=True, fsdp2_shard_bytes=2),
 }
 DEFAULT_ENGINE = "megatron"
 

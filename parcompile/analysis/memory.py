@@ -13,7 +13,8 @@ zero   16-bit model (bf16/fp16)            fp32 model
 =====  ==================================  ==================================
 
 (Under an FSDP2 engine, ``Engine.fsdp2``, ZeRO-3's 16-bit model keeps its shards in fp32
-with no master copy: ``4/d + 4/d + 8/d``, :func:`state_bytes`.)
+with no master copy: ``4/d + 4/d + 8/d``; NeMo AutoModel's models are cast to bf16,
+parameters, gradients and Adam's states alike: ``2/d + 2/d + 4/d``; :func:`state_bytes`.)
 
 (params + fp32 gradients + optimizer: fp32 master weights for 16-bit models and 4 bytes
 per optimizer state: 2 for Adam/AdamW, 0 for SGD.) Gradients live in one fp32 buffer per
@@ -137,21 +138,23 @@ class MemoryReport:
 
 
 def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
-                shard: int | None = None, fsdp2: bool = False) -> tuple[int, int, int]:
+                shard: int | None = None, fsdp2: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
     ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
     :func:`stage_state_bytes`); default ``ceil(n / d)``. At
     ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``.
-    ``fsdp2`` (an engine with ``Engine.fsdp2``) at ``zero = 3``: FSDP2 keeps the sharded
-    parameters in fp32 and the optimizer steps them in place, 16-bit copies existing only
-    all-gathered (``MixedPrecisionPolicy(param_dtype=bfloat16)``: torchtitan,
-    NeMo AutoModel): ``4/d`` of parameters and no master copy, ``16/d`` in all with Adam."""
+    ``fsdp2`` (an engine with ``Engine.fsdp2``: its :func:`fsdp2_state_bytes`) at ``zero =
+    3``: FSDP2 keeps the sharded parameters, their gradients and the optimizer's states in
+    that many bytes per element and steps the parameters in place, 16-bit copies existing
+    only all-gathered (``MixedPrecisionPolicy(param_dtype=bfloat16)``): torchtitan's fp32
+    model, 4: ``16/d`` in all with Adam and no master copy; NeMo AutoModel's bf16 model, 2:
+    ``8/d``."""
     k = OPTIMIZER_STATES[optimizer]
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
     if fsdp2 and zero >= 3 and dtype_bytes < 4:
-        return 4 * shard, 4 * shard, 4 * k * shard
+        return fsdp2 * shard, fsdp2 * shard, fsdp2 * k * shard
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if zero >= 3 else n)
     grads = 4 * (shard if zero >= 2 else shard * d if zero == 1 and d > 1 else n)
@@ -167,7 +170,7 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
-    f2 = engine_of(cfg.cluster).fsdp2
+    f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d), fsdp2=f2)
     pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed), fsdp2=f2)
     return tuple(x + y for x, y in zip(pd, pe))
