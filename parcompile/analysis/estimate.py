@@ -776,12 +776,14 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
             nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) * (
                 b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (fp32 but at zero 2, 3)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
-            events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
-    end, busy = 0.0, 0.0
+            # times from the end of the backward, so that buckets that all start there
+            # (bucket_size = 0) expose exactly what they take
+            events.append((r - bwd_end, kind != "dense", collective_time(op, nbytes, n, link)))
+    end, busy = -bwd_end, 0.0
     for r, _, dur in sorted(events):
         end = max(end, r) + dur
         busy += dur
-    exposed = min(busy, max(0.0, end - bwd_end)) if events else 0.0
+    exposed = min(busy, max(0.0, end)) if events else 0.0
     if reduces_per_microbatch(par.zero, par.schedule):
         busy *= par.num_microbatches   # m rounds; all but the last micro-batch's hide (docstring)
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
