@@ -588,12 +588,17 @@ class Coster:
         return got
 
     def _chunk_times3(self, pr: _Probe, par: ParallelConfig) -> tuple[ChunkTimes, dict, tuple]:
-        """The probe's chunk times under ``par``'s links (whether each axis's groups sit inside
-        a node), its recompute mode's, as the four chunks of :meth:`_Probe.quad`
-        (:func:`_quad_times`), with the links and the cache key."""
+        """The probe's chunk times under ``par``'s links (where each axis's groups sit), its
+        recompute mode's, as the four chunks of :meth:`_Probe.quad` (:func:`_quad_times`), with
+        the links and the cache key: the placements of the axes the probe's collectives use
+        (and tp's, which the pipeline sends read)."""
         inside, links = self._inside_links(par)
         rc = par.recompute
-        key = (rc, tuple(sorted(inside.items())))
+        akey = (id(pr), rc, "chunk")
+        axes = self.comm_axes.get(akey)
+        if axes is None:
+            axes = self.comm_axes[akey] = sorted({c.axis for _s, _k, c in pr.comm[rc].raw} | {"tp", "pp"})
+        key = (rc, tuple((a, inside.get(a, (1, 1))) for a in axes))
         ct3 = pr.times.get(key)
         if ct3 is None:
             def times(p: _Probe) -> ChunkTimes:

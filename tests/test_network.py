@@ -203,3 +203,22 @@ def test_nvlink_domain_larger_than_a_node():
     assert not link.crosses
     assert axis_link(cl.model_copy(update={"nvlink_domain": None}), rank_groups(ParallelConfig(tp=8, dp=9)),
                      "tp").crosses
+
+
+def test_network_keys_in_a_spec():
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    def spec(body: str) -> str:
+        return ('cluster c from "h100-sxm" {\n' + body + '\n}\nmodel m from "llama3-8b" { }\n'
+                "parallel { tp = 8 }\n")
+
+    cl = load_spec(spec(""))[0].cluster
+    assert (cl.nvls, cl.nics_per_node, cl.nvlink_domain, cl.domain_size) == (True, 8, None, 8)
+    cl = load_spec(spec("nodes = 18\ngpus_per_node = 4\nnvlink_domain = 72\nnvls = false\nnics_per_node = 4"))[0].cluster
+    assert (cl.nvls, cl.nics_per_node, cl.domain_size) == (False, 4, 72)
+    assert load_spec('cluster c from "a100-80gb" { }\nmodel m from "llama3-8b" { }\nparallel { tp = 8 }\n'
+                     )[0].cluster.nvls is False
+    with pytest.raises(SpecError) as e:
+        load_spec(spec("nvlink_domain = 0"), filename="n.par")
+    assert "n.par:2:" in str(e.value)

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 from parcompile.analysis.comm import CommReport
@@ -497,6 +498,7 @@ def collective_algorithms(op: str, n: int, link: Link) -> list[Algorithm]:
     return out
 
 
+@lru_cache(maxsize=1 << 16)
 def collective_algorithm(op: str, n: int, link: Link) -> Algorithm | None:
     """The algorithm NCCL would pick for ``op`` over ``n`` ranks placed as ``link``: the
     fastest of :func:`collective_algorithms` for a message of :data:`REFERENCE_BYTES` (ties:
@@ -776,12 +778,11 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
             nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) * (
                 b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (fp32 but at zero 2, 3)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
-            # times from the end of the backward, so that buckets that all start there
-            # (bucket_size = 0) expose exactly what they take
-            events.append((r - bwd_end, kind != "dense", collective_time(op, nbytes, n, link)))
-    end, busy = -bwd_end, 0.0
+            events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
+    # times relative to the end of the backward (buckets all ready then: exposed == busy exactly)
+    end, busy = None, 0.0
     for r, _, dur in sorted(events):
-        end = max(end, r) + dur
+        end = (r - bwd_end if end is None else max(end, r - bwd_end)) + dur
         busy += dur
     exposed = min(busy, max(0.0, end)) if events else 0.0
     if reduces_per_microbatch(par.zero, par.schedule):
