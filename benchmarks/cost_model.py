@@ -86,11 +86,11 @@ def main() -> int:
         fits = "fits" if cost.memory.fits else "DOES NOT FIT"
         line = (f"{row.name:26s} engine {engine(cfg.cluster).name}: {rate}; peak {cost.memory.peak / GIB:.1f} GiB "
                 f"of {cost.memory.capacity / GIB:.1f} usable ({fits})")
+        reserved = cost.memory.reserved_peak / GIB
+        line += f", reserved {reserved:.1f} GiB (allocator term)"
         if row.peak_gib:
-            reserved = cost.memory.peak / (1 - cfg.cluster.memory_reserve) / GIB
-            line += (f"; {100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}% of the published "
-                     f"{row.peak_gib} GiB max reserved; with the cluster's {cfg.cluster.memory_reserve:.0%} "
-                     f"allocator reserve {reserved:.1f} GiB ({100 * (reserved / row.peak_gib - 1):+.1f}%)")
+            line += (f" ({100 * (reserved / row.peak_gib - 1):+.1f}% of the published {row.peak_gib} GiB max "
+                     f"reserved; allocated {100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}%)")
         else:
             line += "; no memory published"
         memory_lines.append(line)

@@ -93,8 +93,11 @@ def report(name: str, how: str, plan: dict, records: list[dict], reserve: float 
                 exact = False
         line = f"{rank:>4} {stage:>5}  " + "  ".join(cells) + f"  {100 * worst:>10.2f}%"
         if peak:
+            alloc = plan["memory"]["per_stage"][stage].get("allocator")
             line += f"  cuda peak {peak['allocated'] / 2**20:,.0f}/{peak['reserved'] / 2**20:,.0f} MiB " \
-                    f"(plan total {total / 2**20:,.0f} MiB)"
+                    f"(plan total {total / 2**20:,.0f} MiB" + (
+                        f", reserved {(total + alloc) / 2**20:,.0f} MiB: allocator {alloc / 2**20:,.0f} planned, "
+                        f"{(peak['reserved'] - peak['allocated']) / 2**20:,.0f} held)" if alloc is not None else ")")
         lines.append(line)
     worst_all = max((row[3] for row in table), default=0.0)
     planned = sum(row[2][3][1] for row in table)

@@ -134,6 +134,20 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
             help=does_not_fit_help(par, cfg.model.dtype),
             code="does-not-fit",
         ))
+    elif cost.memory.reserved_peak > cfg.cluster.memory:   # fits, but not with the allocator's cache
+        worst = max(cost.memory.per_stage, key=lambda s: s.reserved)
+        warnings.append(Diagnostic(
+            "warning",
+            f"the caching allocator would reserve {bytes_text(worst.reserved)} per GPU on stage {worst.stage} "
+            f"({bytes_text(worst.allocator)} beyond the live tensors), more than the GPU's "
+            f"{bytes_text(cfg.cluster.memory)}",
+            cfg.span("cluster.memory"),
+            help=("set expandable_segments = true (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), "
+                  "or leave more of memory free" if not cfg.cluster.expandable_segments
+                  else "leave more of memory free: the largest temporary buffer is "
+                  + max(worst.buffer_parts, key=worst.buffer_parts.get)),
+            code="reserved-exceeds-memory",
+        ))
 
     # 8. plan.json
     data = plan_data(cfg, graph.meta["chunks"], sched, cost, serve, search)
@@ -214,9 +228,13 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
             per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
                                    activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
                                    buffer_parts=dict(x.buffer_parts), total=x.total,
+                                   **({} if cfg.workload == "serve" else {"allocator": x.allocator}),
                                    activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
                        for x in memory.per_stage],
-            peak=memory.peak, capacity=memory.capacity, fits=memory.fits),
+            peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
+            **({} if cfg.workload == "serve" else dict(reserved_peak=memory.reserved_peak,
+                                                        device_memory=cfg.cluster.memory,
+                                                        expandable_segments=cfg.cluster.expandable_segments))),
         comm=Comm(**comm_section),
         compute=Compute(model_flops_per_step=compute.model_flops_per_step,
                         hardware_flops_per_step=compute.hardware_flops_per_step),

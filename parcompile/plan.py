@@ -329,7 +329,8 @@ def _groups_line(groups: list[list[int]], limit: int = 4) -> str:
 def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
     """Plain-language warnings about a plan.json dict: memory that does not fit (with
     ``advice``: what the layout could change, :func:`parcompile.frontend.checks.does_not_fit_help`),
-    a pipeline bubble above 20% of compute, tensor parallelism across nodes."""
+    a modelled reserved peak (``memory.reserved_peak``) above the GPU's memory, a pipeline
+    bubble above 20% of compute, tensor parallelism across nodes."""
     out = []
     mem = d["memory"]
     if not mem["fits"]:
@@ -344,6 +345,13 @@ def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
                    f"{plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')} over "
                    f"{plural(d['degrees']['pp'], 'stage')}). More "
                    "micro-batches per step, fewer stages or virtual stages (interleaved_1f1b) shrink it.")
+    if mem["fits"] and mem.get("device_memory") and mem.get("reserved_peak", 0) > mem["device_memory"]:
+        worst = max(mem["per_stage"], key=lambda s: s["total"] + s.get("allocator", 0))
+        out.append(f"The caching allocator would reserve {bytes_text(worst['total'] + worst.get('allocator', 0))} "
+                   f"per GPU on stage {worst['stage']}, more than the GPU's {bytes_text(mem['device_memory'])}: "
+                   + ("run with expandable segments (cluster.expandable_segments = true)."
+                      if mem.get("expandable_segments") is False else
+                      "leave more memory free (smaller micro-batches, more recomputation or sharding)."))
     links = d["estimate"].get("assumptions", {}).get("links", {})
     if links.get("tp") == "inter-node":
         out.append(f"Tensor parallelism (tp = {d['degrees']['tp']}) crosses nodes: its collectives run every "
@@ -386,18 +394,32 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
     if warns:
         out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     mem = d["memory"]
+    alloc = "reserved_peak" in mem
     out += ["## Memory (per rank)", "",
-            "| stage | params | grads | optimizer | activations | buffers | kv cache | total |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| stage | params | grads | optimizer | activations | buffers | kv cache | total |"
+            + (" allocator | reserved |" if alloc else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|---|" if alloc else "")]
     for s in mem["per_stage"]:
         out.append(f"| {s['stage']} | {bytes_text(s['params'])} | {bytes_text(s['grads'])} | {bytes_text(s['optimizer'])} | "
                    f"{bytes_text(s['activations'])} | {bytes_text(s.get('buffers', 0))} | {bytes_text(s['kv_cache'])} | "
-                   f"{bytes_text(s['total'])} |")
+                   f"{bytes_text(s['total'])} |"
+                   + (f" {bytes_text(s.get('allocator', 0))} | {bytes_text(s['total'] + s.get('allocator', 0))} |"
+                      if alloc else ""))
     out += ["", f"Peak {bytes_text(mem['peak'])} of {bytes_text(mem['capacity'])}: "
             + ("fits." if mem["fits"] else "**does not fit**.")
             + (" Activations are what the micro-batches in flight keep for backward; buffers are "
                "temporary (" + ", ".join(sorted({k for s in mem["per_stage"] for k in s.get("buffer_parts", {})}))
-               + ")." if any(s.get("buffer_parts") for s in mem["per_stage"]) else ""), ""]
+               + ")." if any(s.get("buffer_parts") for s in mem["per_stage"]) else "")]
+    if alloc:
+        mode = "with" if mem.get("expandable_segments", True) else "without"
+        out += [f"PyTorch's caching allocator ({mode} expandable segments) would reserve "
+                f"{bytes_text(mem['reserved_peak'])} at the peak (`torch.cuda.max_memory_reserved`): the allocator "
+                "column is what it holds beyond the live tensors, "
+                + ("the largest temporary buffer (a gap of that size stays mapped)" if mode == "with" else
+                   "every temporary buffer again (each cached in its own segment)")
+                + (f"; more than the GPU's {bytes_text(mem['device_memory'])}."
+                   if mem.get("device_memory") and mem["reserved_peak"] > mem["device_memory"] else ".")]
+    out += [""]
     per_layer = [(s["stage"], s.get("activations_per_layer", [])) for s in mem["per_stage"]]
     if any(layers for _, layers in per_layer):
         parts = []

@@ -127,6 +127,11 @@ class StageMemory(_Strict):
                                            "of buffer_parts, the larger of logits and recompute (never alive at once)")
     buffer_parts: dict[str, int] = Field(description="buffers itemised by what they hold (extension)")
     total: int = Field(ge=0)
+    allocator: Optional[int] = Field(
+        default=None, ge=0,
+        description="what PyTorch's caching allocator holds beyond the live tensors at the stage's peak "
+                    "(extension; not part of total): with expandable segments the largest buffer part, "
+                    "without them the sum of the buffer parts")
     activations_per_layer: list[list[int]] = Field(
         default_factory=list,
         description="[layer, bytes] per decoder layer of the stage: what one micro-batch keeps for backward "
@@ -141,6 +146,14 @@ class Memory(_Strict):
     peak: int = Field(ge=0)
     capacity: int = Field(ge=0)
     fits: bool
+    reserved_peak: Optional[int] = Field(
+        default=None, ge=0,
+        description="the largest total + allocator over the stages: what torch.cuda.max_memory_reserved would "
+                    "show (extension; training plans)")
+    device_memory: Optional[int] = Field(default=None, ge=0, description="cluster.memory, bytes (extension)")
+    expandable_segments: Optional[bool] = Field(
+        default=None, description="cluster.expandable_segments: the allocator mode the allocator term assumes "
+                                  "(extension)")
 
 
 class PerStep(_Strict):

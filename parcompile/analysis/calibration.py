@@ -300,8 +300,9 @@ H100_ROWS: tuple[H100Row, ...] = (
             (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 256), ("recompute", "full")),
             step_time=10.04, commit="36044ad (row 89e3a9f)",
             assumed="EP 8 and full activation checkpointing from its recipe at 8d9bfb9 (the table prints EP '-'); "
-                    "FSDP2 without reshard after forward modelled as zero 3; FlexAttention priced as the engine's "
-                    "fused kernel; balanced routing (its fake balanced gate)"),
+                    "FSDP2 without reshard after forward modelled as zero 3; its sink attention as "
+                    "FlexAttention at 0.87 of the engine's attention rate (core/attention.py); balanced routing "
+                    "(its fake balanced gate)"),
     H100Row("Qwen3-30B-A3B FSDP+EP", "NeMo AutoModel performance-summary", "qwen3-30b-a3b", (("seq_len", 4096),),
             (("nodes", 1), ("engine", "automodel")),
             (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 4), ("global_batch", 512), ("recompute", "full")),

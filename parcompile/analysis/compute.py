@@ -56,13 +56,6 @@ def op_fwd_traffic(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> int:
     return s.traffic(nd.op.attr_map, local_in, nd.sharding.local_type(nd.type, degrees))
 
 
-def fused_attention(attrs: Mapping, engine: str = "megatron") -> bool:
-    """Whether an attention core runs as one fused kernel under ``engine`` (a row of
-    :data:`parcompile.core.attention.ATTENTION_KERNELS`: ``megatron``, ``eager``,
-    ``compile``, ``automodel`` or ``program``): the kernel that table picks for the core's variant."""
-    return attention_kernel(attrs, engine).fused
-
-
 def causal_share(attrs: Mapping) -> float:
     """The share of an attention core's ``s x s_kv`` score blocks a causal fused kernel
     computes (FlashAttention skips the blocks above the diagonal): ``(S + 1) / 2S`` for full

@@ -147,8 +147,9 @@ class Engine:
 
     * ``elementwise``: bytes its non-matmul kernels move over the fused count of
       ``OpSpec.traffic`` (1: one kernel per norm, activation, RoPE, residual add and loss);
-    * ``attention``: which attention kernel it runs (``"fused"``: :attr:`Efficiency.attention`,
-      ``"fa2"``: :attr:`Efficiency.attention_fa2`);
+    * ``attention``: the rate class of its attention kernels (``"fused"``: :attr:`Efficiency.attention`,
+      ``"fa2"``: :attr:`Efficiency.attention_fa2`); which kernel each attention variant runs, and
+      its speed relative to this rate, is :data:`parcompile.core.attention.ATTENTION_KERNELS`;
     * ``expert_rows``: a grouped GEMM's fixed cost per local expert, in rows of that
       expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
       per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
@@ -205,7 +206,8 @@ ENGINES: dict[str, Engine] = {
     "eager": Engine(
         "eager", 2.8, "fa2", 1700.0,
         "eager PyTorch with FSDP2 (torchtitan without torch.compile): one kernel per elementwise op "
-        "with fp32 upcasts in the norms, RoPE and the loss, SDPA's FlashAttention-2, FSDP2 all-gathers "
+        "with fp32 upcasts in the norms, RoPE and the loss, SDPA's FlashAttention-2 (FlexAttention for "
+        "sliding windows and sinks: core/attention.py), FSDP2 all-gathers "
         "and reduce-scatters overlapped with compute",
         "elementwise: an eager RMSNorm moves about 36 bytes per element (float, pow, mean, rsqrt, "
         "two muls, type_as) against 4 fused, RoPE through complex fp32 about 20 against 4, SwiGLU 10 "

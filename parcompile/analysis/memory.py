@@ -75,6 +75,35 @@ the LM head's, while a layer is rebuilt only inside its own backward, after the 
 layer's (a rank runs one action at a time, and the program drops the logits once the
 loss is computed: :func:`parcompile.runtime.pipeline.run_schedule`).
 
+Gradient buckets and the activation peak (:func:`backward_freed`): with ZeRO 2 and 3 the
+full buffers of the buckets in flight (``grad_buckets_in_flight``) exist only inside a
+backward, and a bucket is full only once the backward of its layers is done, which has
+freed what those layers kept for the micro-batch. So the buckets add to the activation
+peak net of those layers' kept bytes: ``buffers`` counts the buckets ``min(buckets,
+freed)`` less (``buffer_parts`` keeps their full size, what the program measures).
+
+Attention: which kernel an attention core runs (fused: its output and an fp32 log-sum-exp
+kept; unfused: the ``s x s`` softmax kept) is :mod:`parcompile.core.attention`'s table, read
+for the engine (``cluster.engine``), or for the generated program itself on the ``cpu``
+preset, whose saved bytes ``verify`` measures.
+
+Allocator (:func:`allocator_bytes`; ``allocator`` per stage, not part of ``total``):
+what PyTorch's CUDA caching allocator holds beyond the live tensors at the peak, so that
+``total + allocator`` is what ``torch.cuda.max_memory_reserved`` shows (``reserved_peak``,
+the largest over the stages). Its blocks are cached, not returned to the driver, and a
+freed block serves a later request only if that fits in it. With expandable segments
+(``cluster.expandable_segments``, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as
+torchtitan's ``run_train.sh`` sets it and the generated program does) freed blocks merge
+with their neighbours and the segment grows only when no free range fits: a gap of the
+largest temporary buffer stays mapped (the logits and their fp32 copies, gathered ZeRO-3
+parameters, gradient buckets, ...), so the allocator term is the largest ``buffer_parts``
+entry. Without them every temporary buffer's
+block stays cached in its own ``cudaMalloc`` segment (segments never merge): their sum.
+Checked against torchtitan's Llama 3.1 8B FSDP row (82.4 GiB max reserved published,
+:mod:`parcompile.analysis.calibration`). NCCL's own buffers are allocated outside the
+caching allocator and are not in it. The flat ``cluster.memory_reserve`` still decides
+``fits`` (SPEC); a reserved peak above ``cluster.memory`` is a warning.
+
 KV cache (``serve``): ``batch * (prompt_len + max_new_tokens)`` tokens times the bytes a
 token adds on the stage's most loaded rank.
 """
@@ -120,21 +149,31 @@ class StageMemory:
     #: keeps for backward on this rank after recomputation (what a generated program
     #: measures with saved-tensor hooks; :mod:`parcompile.runtime.memory`)
     layer_activations: tuple[tuple[int, int], ...] = ()
+    #: what PyTorch's caching allocator holds beyond the live tensors at this stage's peak
+    #: (:func:`allocator_bytes`): not part of ``total``, part of :attr:`reserved`
+    allocator: int = 0
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.kv_cache + self.buffers
 
+    @property
+    def reserved(self) -> int:
+        """The allocator's reserved bytes at the stage's peak (``torch.cuda.max_memory_reserved``):
+        ``total + allocator``."""
+        return self.total + self.allocator
+
 
 @dataclass(frozen=True)
 class MemoryReport:
     """``per_stage``, ``peak`` (largest total), ``capacity`` (memory minus the reserve),
-    ``fits`` (``peak <= capacity``)."""
+    ``fits`` (``peak <= capacity``), ``reserved_peak`` (largest :attr:`StageMemory.reserved`)."""
 
     per_stage: tuple[StageMemory, ...]
     peak: int
     capacity: int
     fits: bool
+    reserved_peak: int = 0
 
 
 def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
@@ -378,10 +417,61 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         full = full_grad_bytes(cfg, degrees, sp)
         if full:
             parts["grad_buckets_in_flight" if reduces_per_microbatch(par.zero, par.schedule) else "full_grads"] = full
-        stages.append(StageMemory(s, params, grads, opt, acts, kv, buffer_total(parts), parts, layers))
+        buffers = buffer_total(parts) - (0 if serve else backward_freed(cfg, degrees, sp, saved, s, parts))
+        stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
+                                  allocator_bytes(parts, getattr(cfg.cluster, "expandable_segments", True))))
     peak = max(x.total for x in stages)
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
-    return MemoryReport(tuple(stages), peak, cap, peak <= cap)
+    return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))
+
+
+def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: SavedBytes, stage: int,
+                   parts: Mapping[str, int]) -> int:
+    """Bytes by which the ``grad_buckets_in_flight`` buffer of pipeline stage ``stage``
+    overlaps its activation peak less than in full (module docstring, "Gradient buckets
+    and the activation peak"). With ZeRO 2 and 3 a bucket's full buffer exists only in a
+    backward, from the backward of its first unit until its reduce-scatter is done; by the
+    time the two buckets in flight are full, the backward of their decoder layers has freed
+    what those layers kept for the micro-batch. The stage's peak is then ``max(activations,
+    activations - freed + buckets)`` beside the other buffers: the buckets count
+    ``min(buckets, freed)`` less. The pair is the largest two adjacent dense buckets of a
+    chunk (:func:`parcompile.core.buckets.buckets_in_flight`'s rule); a layer's kept bytes
+    are its chunk's (``per_chunk - output_layer`` of :class:`SavedBytes`, one micro-batch)
+    over the chunk's decoder layers, the same for the plan and the search's probes. 0 when
+    the buckets are reduced once per step, or nothing is in flight."""
+    full = parts.get("grad_buckets_in_flight", 0)
+    d = degrees["dp_cp"]
+    if not full or d <= 1:
+        return 0
+    dense, _ = stage_buckets(sp, cfg.parallel.bucket_size)
+    per_chunk: dict[int, list] = {}
+    for b in dense:
+        per_chunk.setdefault(b.chunk, []).append(b)
+    best, freed = -1, 0
+    for c, bs in per_chunk.items():
+        k = c * cfg.parallel.pp + stage
+        layers = sum(u.startswith("layers.") for b in bs for u in b.units)
+        if not layers or k >= len(saved.per_chunk):
+            continue
+        per_layer = (saved.per_chunk[k] - saved.output_layer[k]) // layers
+        for pair in list(zip(bs, bs[1:])) or [(bs[0],)]:
+            size = sum(math.ceil(b.elements / d) * d for b in pair)
+            if size > best:
+                best = size
+                freed = per_layer * sum(u.startswith("layers.") for b in pair for u in b.units)
+    return min(full, max(freed, 0))
+
+
+def allocator_bytes(parts: Mapping[str, int], expandable_segments: bool = True) -> int:
+    """What PyTorch's CUDA caching allocator holds beyond the live tensors at a stage's
+    peak (module docstring, "Allocator"), from the stage's temporary buffers
+    (``buffer_parts``, bytes): with expandable segments the largest of them (one gap of
+    its size left mapped), without them their sum (each transient's block cached in its
+    own segment). 0 without temporary buffers."""
+    sizes = [v for v in parts.values() if v > 0]
+    if not sizes:
+        return 0
+    return max(sizes) if expandable_segments else sum(sizes)
 
 
 def buffer_total(parts: Mapping[str, int]) -> int:

@@ -184,6 +184,11 @@ class ClusterConfig(_Frozen):
     nvlink_domain: Optional[int] = None
     nics_per_node: Optional[int] = None
     nvls: bool = False
+    #: PyTorch's caching allocator with expandable segments
+    #: (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as torchtitan's run_train.sh and
+    #: the generated program set it): what it holds beyond the live tensors
+    #: (analysis/memory.py ``allocator_bytes``)
+    expandable_segments: bool = True
 
     @property
     def world_size(self) -> int:

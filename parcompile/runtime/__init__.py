@@ -32,7 +32,7 @@ from parcompile.runtime.layers import (
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import MLAttention
 from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
-from parcompile.runtime.metrics import RunLog, peak_memory
+from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS

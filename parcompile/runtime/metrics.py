@@ -1,8 +1,11 @@
 """What a training run reports (SPEC "Real training jobs"): per logged step ``loss``, ``lr``,
 ``grad_norm``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``step_time``,
-``predicted_step_time`` and ``peak_memory``; ``eval_loss`` lines. One JSON object per
-line in ``metrics.jsonl`` (beside the program unless ``--metrics FILE``), the same as a
-printed line, and TensorBoard event files when ``tensorboard`` is installed.
+``predicted_step_time`` and ``peak_memory`` (the caching allocator's ``max_memory_allocated``,
+with ``peak_memory_reserved`` its ``max_memory_reserved``, through ``torch.accelerator`` on
+every device type that has them; on the CPU ``peak_rss``, and ``peak_memory_reserved`` is
+``"not available"``); ``eval_loss`` lines. One JSON object per line in ``metrics.jsonl``
+(beside the program unless ``--metrics FILE``), the same as a printed line, and
+TensorBoard event files when ``tensorboard`` is installed.
 
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12`` and
 ``mfu = tflops_per_gpu * 1e12 / peak_flops`` (SPEC section 3, the plan's own formulas
@@ -22,12 +25,40 @@ import torch
 import torch.distributed as dist
 
 
+#: what a step record says for the allocator's peaks where the device has no caching
+#: allocator (CPU processes under gloo)
+NOT_AVAILABLE = "not available"
+
+
+def allocator_peaks(device) -> dict[str, int] | None:
+    """This process's peak bytes ``{"allocated": ..., "reserved": ...}`` on ``device`` (a
+    torch.device) from the accelerator's caching allocator: ``torch.accelerator``'s
+    ``max_memory_allocated`` / ``max_memory_reserved`` (every device type that registers
+    them: CUDA, ROCm, XPU, NPU through torch_npu, MPS), else ``torch.cuda``'s on a CUDA
+    device; None on the CPU (no caching allocator) or where the device has no such API."""
+    if device.type == "cpu":
+        return None
+    acc = getattr(torch, "accelerator", None)
+    for mod in (acc, getattr(torch, device.type, None)):
+        alloc = getattr(mod, "max_memory_allocated", None)
+        reserved = getattr(mod, "max_memory_reserved", None)
+        if alloc is None or reserved is None:
+            continue
+        try:
+            return {"allocated": int(alloc(device)), "reserved": int(reserved(device))}
+        except (RuntimeError, TypeError, ValueError, AssertionError):   # not registered for this device
+            continue
+    return None
+
+
 def peak_memory(ctx) -> dict[str, list[int]]:
     """Every rank's peak memory in bytes, gathered to all ranks (a collective: every rank
-    calls it). On GPUs ``allocated`` and ``reserved`` of the CUDA caching allocator; on
-    CPU the process's peak resident set (``rss``), the nearest measure there is."""
-    if ctx.device.type == "cuda":
-        mine = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
+    calls it). On accelerators ``allocated`` and ``reserved`` of the caching allocator
+    (:func:`allocator_peaks`); on the CPU, or a device without those counters, the
+    process's peak resident set (``rss``), the nearest measure there is."""
+    peaks = allocator_peaks(ctx.device)
+    if peaks is not None:
+        mine = [peaks["allocated"], peaks["reserved"]]
         keys = ("allocated", "reserved")
     else:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -96,7 +127,9 @@ class RunLog:
             mem = f"peak {max(memory['allocated']) / 2**30:.2f} GiB (reserved {max(memory['reserved']) / 2**30:.2f})"
         else:
             rec["peak_rss"] = memory["rss"]
-            mem = f"peak rss {max(memory['rss']) / 2**30:.2f} GiB"
+            rec["peak_memory_reserved"] = NOT_AVAILABLE   # peak_memory (SPEC: bytes, on GPUs) left out
+            mem = (f"peak rss {max(memory['rss']) / 2**30:.2f} GiB (allocated / reserved {NOT_AVAILABLE}: "
+                   "no caching allocator on this device)")
         if self.enabled:
             print(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                   f"{rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/GPU | MFU {100 * rec['mfu']:.1f}% | "

@@ -284,9 +284,9 @@ def main(argv=None) -> dict:
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
             record["grad_buckets"] = opt.bucket_report()        # per bucket: launched during the backward?
             record["saved_per_layer"] = rt.METER.snapshot()     # activations kept for backward, one micro-batch
-            if ctx.device.type == "cuda":                        # the allocator's peak: used vs kept
-                record["cuda_peak"] = {"allocated": torch.cuda.max_memory_allocated(),
-                                       "reserved": torch.cuda.max_memory_reserved()}
+            peaks = rt.allocator_peaks(ctx.device)                # the allocator's peak: used vs kept
+            if peaks is not None:
+                record["cuda_peak"] = peaks
         record["losses"].append(loss)
         record["batches"].append(rt.batch_digest(tokens, targets))   # which samples the step trained on
         if step % TRAIN["log_every"] == 0 or step == args.steps - 1:
