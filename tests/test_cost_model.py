@@ -131,7 +131,9 @@ def test_a100_step_times_mean_error_at_most_3_5_percent():
 _TIME_PENDING = {
 }
 _FIT_PENDING = {
-    "Llama 3.1 405B": "memory fixes of issue 29",
+    "Llama 3.1 405B": "88.0 GiB over 72: at m = 32 Megatron's interleaved 1F1B keeps 19.75 micro-batches of the "
+                      "first stage in flight; the Llama 3 paper's own schedule (N contiguous micro-batches, "
+                      "one-layer chunks, embedding and output layer as chunks) is not modelled",
 }
 
 

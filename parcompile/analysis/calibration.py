@@ -49,14 +49,16 @@ AutoModel rows ``ENGINES["automodel"].elementwise``):
    sequences per data-parallel rank): 430 TFLOP/s per GPU. Not published, assumed here:
    micro-batch 1 (m = 32 micro-batches), interleaved 1F1B with 4 virtual stages
    (parcompile's even split of 126 layers over 64 chunks), sequence parallelism, no
-   recomputation, ZeRO-1 (the paper's FSDP shards optimizer states and gradients and does
-   not reshard parameters after the forward: one gradient reduce-scatter and one parameter
-   all-gather per step, as Megatron's distributed optimizer). The published step time is
+   recomputation, ZeRO-2 (section 3.3.2: the paper's FSDP shards optimizer states and
+   gradients, reduce-scattered and accumulated in fp32, and does not reshard parameters
+   after the forward; ZeRO-1 until issue 29). The published step time is
    the row's model FLOPs per step (parcompile's count, ``compute.model_flops_per_step``:
    ``6 N`` plus attention without causal halving, the convention of Megatron's and
    torchtitan's MFU) over ``8192 x 430 TFLOP/s``. With 4 virtual stages the estimated peak
-   (about 99 GiB) exceeds the 80 GB part: the paper's memory balancing of the schedule is
-   not modelled.
+   (about 88 GiB: Megatron's interleaved 1F1B keeps 19.75 micro-batches of the first stage
+   in flight at m = 32) exceeds the 80 GB part: the paper's own schedule (N contiguous
+   micro-batches, one-layer chunks with the embedding and the output layer as chunks of
+   their own) is not modelled.
 
 2025-26 rows (issue 29), each with its source commit (:attr:`H100Row.commit`) and what
 was assumed where the source is silent (:attr:`H100Row.assumed`):
@@ -278,11 +280,12 @@ H100_ROWS: tuple[H100Row, ...] = (
             assumed="its norm and expert-activation recomputation (elementwise) not modelled: recompute none"),
     H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
             (("nodes", 1024),),
-            (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 1), ("micro_batch", 1), ("global_batch", 2048),
+            (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 2), ("micro_batch", 1), ("global_batch", 2048),
              ("schedule", "interleaved_1f1b"), ("virtual_stages", 4), ("sequence_parallel", True),
              ("recompute", "none")),
             tflops_per_gpu=430, commit="arXiv 2407.21783",
-            assumed="micro-batch 1, 4 virtual stages, sequence parallel, no recompute, ZeRO-1"),
+            assumed="micro-batch 1, 4 virtual stages, sequence parallel, no recompute; ZeRO-2 (section 3.3.2: "
+                    "its FSDP shards optimizer states and gradients, parameters not resharded after forward)"),
     H100Row("Llama 3.1 70B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b", (("seq_len", 8192),),
             (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
             (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),
