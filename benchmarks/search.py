@@ -13,8 +13,8 @@ the machine runs, CPU is this process's own work), the best layout and its estim
 the hand layout's. The issue's goal is a search under 5 s on the 2-core CI machine.
 ``--only 405b``, ``--only 70b`` or ``--only dsv3`` runs one of them.
 
-Exits 1 when the best layout found is estimated slower than the hand layout (or nothing
-fits memory).
+Exits 1 when the best layout found is estimated slower than the hand layout or Meta's (or
+nothing fits memory).
 
 Run: ``python benchmarks/search.py [--repeat N] [--only 405b|70b|dsv3]``.
 """

@@ -41,7 +41,8 @@ the layouts costed, and :class:`SearchResult` counts the rest by the rule that s
 them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
 about 70 of 118,000 valid layouts are costed and 33 probes built; on Llama-3 70B on 1,024
 H100s, 290 of 90,000 and 28 probes (52 before :meth:`Coster.memory_floor` bounded the
-larger micro-batches from the probes of micro-batch 1 and 2).
+larger micro-batches from the probes of micro-batch 1 and 2); on DeepSeek-V3 (3 dense then 58
+MoE layers) on 2,048 H100s, 446 of 34,000 and 60 probes (each with its dense probe).
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -299,6 +300,18 @@ def _stage_bufs(pq: tuple, dense: bool, moe: bool, first: bool, last: bool, pp1:
     if pp1:
         b.pop("p2p", None)
     return b
+
+
+def _rank_layers(n: int, dense: int, d, m):
+    """A lower bound on the sum of a per-layer value (``d`` a dense layer's, ``m`` an MoE
+    layer's) over a pipeline rank's ``n`` layers when the model's first ``dense`` layers
+    are dense (``n * m`` when ``dense = 0``): the rank holds ``k <= min(dense, n)`` dense
+    layers, and ``k d + (n - k) m >= K min(d, m) + (n - K) m`` for ``K = min(dense, n) >= k``
+    (and it grows with ``n``, so a rank of ``n`` layers or more)."""
+    if not dense:
+        return n * m
+    k = min(dense, n)
+    return k * min(d, m) + (n - k) * m
 
 
 def _total(probe4: tuple, layers: int, dense: int = 0):
@@ -1048,8 +1061,8 @@ class Coster:
             first, dmid, mid, last = pr.qparams
             states = 0.0
             for kind, dd in (("dense", d), ("expert", ed)):
-                # each of the rank's layers has at least the fewer elements of the two kinds'
-                x = n * min(getattr(mid, kind), getattr(dmid, kind)) + getattr(first, kind) - getattr(dmid, kind)
+                x = _rank_layers(n, self.dense, getattr(dmid, kind), getattr(mid, kind)) \
+                    + getattr(first, kind) - getattr(dmid, kind)
                 if pp == 1:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
@@ -1071,12 +1084,12 @@ class Coster:
         """``(body, buffers)`` of :meth:`memory_floor`: the bytes one micro-batch saves on a
         first pipeline rank of ``n`` layers outside the output layer (``n * middle + first
         - middle``, plus ``last - middle`` with ``pp = 1``, of the probe's
-        ``per_chunk - output_layer``; with dense and MoE layers, :meth:`_Probe.quad`'s,
-        ``middle`` the smaller of the two kinds' per layer: at most the rank's own), and its
-        buffers (:meth:`_buffer_sums`)."""
+        ``per_chunk - output_layer``; with dense and MoE layers, :meth:`_Probe.quad`'s and
+        :func:`_rank_layers`' ``n`` layers: at most the rank's own), and its buffers
+        (:meth:`_buffer_sums`)."""
         (pa, pd, pb, pc), (oa, od, ob, oc) = (pr.quad(lambda p: p.saved[rc].per_chunk),
                                               pr.quad(lambda p: p.saved[rc].output_layer))
-        body = n * min(pb - ob, pd - od) + (pa - oa) - (pd - od)
+        body = _rank_layers(n, self.dense, pd - od, pb - ob) + (pa - oa) - (pd - od)
         if pp == 1:
             body += (pc - oc) - (pb - ob)
         return body, self._buffer_sums(pr, rc, pp)[0]
@@ -1111,7 +1124,9 @@ class Coster:
         if self.memory_floor(par, _first_layers(splits, par.pp)) > cap:
             return False
         pr = self.probe(par)
-        return any(p <= cap for p, cap in (self.peak(cfg, pr, counts) for counts in splits))
+        # a split whose first rank's floor exceeds the memory does not fit: not composed
+        return any(p <= c for p, c in (self.peak(cfg, pr, counts) for counts in splits
+                                       if self.memory_floor(par, sum(counts[0::par.pp])) <= cap))
 
     def choose_split(self, cfg: SpecConfig, simulate: bool = False) -> tuple[tuple[int, ...], int]:
         """The default uneven split of ``cfg``'s layers into its ``pp * virtual_stages``
@@ -1165,6 +1180,10 @@ class Coster:
         costed = []
         fastest = math.inf   # among the fitting splits timed
         complete = True      # every split costed (none skipped, none found slower than the limit)
+        # splits whose first rank alone exceeds the memory (Coster.memory_floor) do not fit: they
+        # matter only when no split fits (the smallest peak), and are costed then
+        cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve)) if cfg.workload == "train" else None
+        unfit: list[int] = []
         queue = [(f, i, rough) for i, f in enumerate(floors)]
         heapq.heapify(queue)
         while queue:
@@ -1176,6 +1195,9 @@ class Coster:
             if unrefined:
                 heapq.heappush(queue, (self._sim_floor(sub, floor), i, False))
                 continue
+            if cap is not None and self.memory_floor(sub.parallel, sum(cands[i][0::par.pp])) > cap:
+                unfit.append(i)
+                continue
             # with a limit, a split slower than it is neither the fastest nor a tie of a
             # fastest split within the bound: None (it may fit), not timed
             c = self.cost(sub, simulate=simulate, with_memory=simulate, bound=limit)
@@ -1185,6 +1207,14 @@ class Coster:
             costed.append((c, i, cands[i]))
             if c.fits:
                 fastest = min(fastest, c.step_time)
+        if unfit and not any(c.fits for c, _i, _s in costed):   # none fits: the smallest peak is wanted
+            for i in unfit:
+                sub = with_parallel(cfg, par.model_copy(update={"stage_layers": cands[i]}))
+                c = self.cost(sub, simulate=simulate, with_memory=simulate, bound=limit)
+                if c is None:
+                    complete = False
+                else:
+                    costed.append((c, i, cands[i]))
         costed.sort(key=lambda x: x[1])
         fitting = [x for x in costed if x[0].fits]
         if not fitting and not complete:   # every split that fits is slower than the bound
