@@ -302,7 +302,8 @@ H100_ROWS: tuple[H100Row, ...] = (
             (("nodes", 1), ("engine", "automodel")),
             (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 256), ("recompute", "full")),
             step_time=10.04, commit="36044ad (row 89e3a9f)",
-            assumed="EP 8 and full activation checkpointing from its recipe at 8d9bfb9 (the table prints EP '-'); "
+            assumed="EP 8 and full activation checkpointing from its recipe at 89e3a9f and 8d9bfb9 (the table "
+                    "prints EP '-'); "
                     "FSDP2 without reshard after forward modelled as zero 3; its sink attention as "
                     "FlexAttention at 0.87 of the engine's attention rate (core/attention.py); balanced routing "
                     "(its fake balanced gate)"),
