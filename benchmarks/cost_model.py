@@ -1,11 +1,14 @@
 """Print the cost model's estimates beside published measurements (not a timed test).
 
 A100 rows: Megatron-LM 2021 Table 1 and Korthikanti et al. 2022 Table 5; H100 rows:
-torchtitan's Llama 3.1 8B FSDP row, Megatron-Bridge's GPT-OSS 120B row and the Llama 3
-paper's 405B row (parcompile/analysis/calibration.py gives every source, configuration and
-assumption). ``C`` rows were used to fit the efficiencies of parcompile/analysis/estimate.py;
+torchtitan's Llama 3.1 8B FSDP row, Megatron-Bridge's GPT-OSS 120B row, the Llama 3
+paper's 405B row, torchtitan's 2025 FSDP + TP rows (Llama 3.1 70B and 8B, torch.compile)
+and NeMo AutoModel's GPT-OSS 20B and Qwen3-30B-A3B rows (parcompile/analysis/calibration.py
+gives every source, configuration and assumption; the last lines print each row's source
+commit and what was assumed). ``C`` rows were used to fit the efficiencies of parcompile/analysis/estimate.py;
 ``H`` rows are held out. Also prints the first stage's activation memory beside
-Korthikanti's whole-stage formula (A100) and the peak memory beside the published one (H100).
+Korthikanti's whole-stage formula (A100) and, per H100 row, the peak memory against what the
+cluster may use (fits or not) and beside the published one where there is one.
 
     python benchmarks/cost_model.py
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parcompile.analysis.calibration import (H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
+from parcompile.analysis.calibration import (FITTED, H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
                                              stage_activation_bytes)
 from parcompile.analysis.estimate import engine  # noqa: E402
 from parcompile.passes.manager import cost_without_schedule  # noqa: E402
@@ -62,6 +65,7 @@ def main() -> int:
         src = row.source.split(" (")[0]
         print(f"{row.name:22s} {kind:3s} {src + ' (A100)':46s} {_layout(par):34s} {row.step_time:11.2f} "
               f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
+    sources = []
     for row in H100_ROWS:
         cfg = h100_config(row)
         cost = cost_without_schedule(cfg)
@@ -72,21 +76,35 @@ def main() -> int:
         errs["H100"].append(err)
         print(f"{row.name:22s} {'C':3s} {row.source + ' (H100)':46s} {_layout(cfg.parallel):34s} {pub:11.2f} "
               f"{t.step_time:10.2f} {100 * err:+6.1f}% {t.tflops_per_gpu:7.1f} {t.mfu:5.3f} {t.bubble_fraction:6.3f}")
-        rate = (f"{t.tokens_per_s / cfg.parallel.world_size:,.0f} tokens/s per GPU (published "
-                f"{row.tokens_per_s_per_gpu:,.0f})" if row.tokens_per_s_per_gpu else
-                f"{t.tflops_per_gpu:.0f} TFLOP/s per GPU (published {row.tflops_per_gpu:.0f})")
-        line = f"{row.name:26s} engine {engine(cfg.cluster).name}: {rate}; peak {cost.memory.peak / GIB:.1f} GiB"
+        if row.tokens_per_s_per_gpu:
+            rate = (f"{t.tokens_per_s / cfg.parallel.world_size:,.0f} tokens/s per GPU (published "
+                    f"{row.tokens_per_s_per_gpu:,.0f})")
+        elif row.tflops_per_gpu:
+            rate = f"{t.tflops_per_gpu:.0f} TFLOP/s per GPU (published {row.tflops_per_gpu:.0f})"
+        else:
+            rate = f"{t.step_time:.2f} s per step (published {row.step_time:.2f})"
+        fits = "fits" if cost.memory.fits else "DOES NOT FIT"
+        line = (f"{row.name:26s} engine {engine(cfg.cluster).name}: {rate}; peak {cost.memory.peak / GIB:.1f} GiB "
+                f"of {cost.memory.capacity / GIB:.1f} usable ({fits})")
         reserved = cost.memory.reserved_peak / GIB
         line += f", reserved {reserved:.1f} GiB (allocator term)"
         if row.peak_gib:
             line += (f" ({100 * (reserved / row.peak_gib - 1):+.1f}% of the published {row.peak_gib} GiB max "
                      f"reserved; allocated {100 * (cost.memory.peak / GIB / row.peak_gib - 1):+.1f}%)")
+        else:
+            line += "; no memory published"
         memory_lines.append(line)
+        sources.append(f"{row.name:26s} {row.source} @ {row.commit}; assumed: {row.assumed}")
     print()
     for k, e in errs.items():
         print(f"{k} rows: mean |error| {100 * sum(map(abs, e)) / len(e):.2f}%, largest {100 * max(map(abs, e)):.1f}%")
     print()
     print("\n".join(memory_lines))
+    print()
+    print("\n".join(sources))
+    print()
+    for f in FITTED:
+        print(f"fitted: {f.label()} = {f.value():g} to {', '.join(f.rows)}")
     return 0
 
 

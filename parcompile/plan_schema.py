@@ -273,10 +273,11 @@ class Assumptions(_Strict):
                                   "algorithm and bus bandwidth (docs/clusters.md)")
     moe_routing: Optional[str] = Field(
         default=None, description="mixture-of-experts models only: how token routing was costed")
-    engine: Optional[Literal["megatron", "eager"]] = Field(
+    engine: Optional[Literal["megatron", "eager", "compile", "automodel"]] = Field(
         default=None, description="the training engine whose kernels the estimate assumes (`cluster.engine`): "
                                   "megatron = Megatron-Core with Transformer Engine, eager = eager PyTorch with "
-                                  "FSDP2 (torchtitan)")
+                                  "FSDP2 (torchtitan), compile = torchtitan with torch.compile, automodel = "
+                                  "NeMo AutoModel (Transformer Engine kernels, FSDP2)")
     kernels: Optional[str] = Field(default=None, description="what the engine runs, in words")
     attention_efficiency: Optional[float] = Field(
         default=None, description="fraction of the dense peak the engine's fused attention kernel reaches at "

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
-from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_of,
+from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_of,
                                           optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total,
                                         closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
@@ -946,7 +946,8 @@ class Coster:
                 if kind == "dense" and model.tie_embeddings and pp == 1:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
-                total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd)))
+                total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd),
+                                         fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
             got = self.state_floors[key] = math.ceil(total / pp)
         return got
 
@@ -1071,7 +1072,8 @@ class Coster:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
-                states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd))
+                states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd,
+                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
             self.state_parts[skey] = states
         body, bufs = self._first_rank_bytes(pr, rc, pp, n)
         key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None

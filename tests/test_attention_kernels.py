@@ -34,6 +34,15 @@ DOCUMENTED = {
     ("eager", "sliding_window"): ("flex", "get_sliding_window_mask_mod"),
     ("eager", "sinks"): ("flex", "sigmoid(lse - sinks)"),
     ("eager", "mla"): ("sdpa_flash", "(N,...,S,Ev)"),
+    # torchtitan with torch.compile runs eager's modules compiled
+    ("compile", "causal"): ("sdpa_flash", "scaled_dot_product_attention"),
+    ("compile", "sinks"): ("flex", "sigmoid(lse - sinks)"),
+    # NeMo AutoModel: TE attention in its Qwen3 / DeepSeek recipes, FlexAttention with the
+    # sinks through the log-sum-exp in its gpt-oss recipe (flex_attention.py)
+    ("automodel", "causal"): ("cudnn", "attn: te"),
+    ("automodel", "sliding_window"): ("cudnn", "sliding window"),
+    ("automodel", "sinks"): ("flex", "sigmoid(lse - sinks)"),
+    ("automodel", "mla"): ("cudnn", "unequal to v's"),
     # the generated program (runtime/layers.py attention_core): SDPA unless sinks
     ("program", "causal"): ("sdpa", "attention_core"),
     ("program", "sliding_window"): ("sdpa", "causal_mask"),
@@ -49,7 +58,8 @@ def test_every_engine_and_variant_has_the_kernel_its_source_documents():
         assert choice.kernel == kernel, key
         assert phrase in choice.source, (key, choice.source)
     # fused everywhere on the GPU engines: no s x s scores kept
-    assert all(KERNELS[ATTENTION_KERNELS[(e, v)].kernel].fused for e in ("megatron", "eager") for v in VARIANTS)
+    assert all(KERNELS[ATTENTION_KERNELS[(e, v)].kernel].fused for e in ("megatron", "eager", "compile", "automodel")
+               for v in VARIANTS)
 
 
 def test_variant_and_engine_row():

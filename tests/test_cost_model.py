@@ -1,8 +1,10 @@
 """The cost model against Korthikanti et al. 2022 (Table 2 formulas, exact per layer), the
 published step times of Megatron-LM 2021 Table 1 and Korthikanti Table 5 (A100) and the
 H100-era rows: torchtitan's Llama 3.1 8B FSDP, Megatron-Bridge's GPT-OSS 120B, the Llama 3
-paper's 405B (parcompile/analysis/calibration.py; `python benchmarks/cost_model.py` prints
-them all)."""
+paper's 405B, torchtitan's 2025 Llama 3.1 70B and 8B FSDP + TP, NeMo AutoModel's GPT-OSS 20B
+and Qwen3-30B-A3B (parcompile/analysis/calibration.py; `python benchmarks/cost_model.py`
+prints them all): time within 8%, layouts planned as fitting, memory within 10% where
+published."""
 
 from fractions import Fraction
 from functools import lru_cache
@@ -119,35 +121,90 @@ def test_a100_calibration_rows_within_10_percent():
         assert abs(errs[r.name]) <= 0.10, (r.name, errs[r.name])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "network model (issue 29): a data-parallel ring with k ranks per node now drives k NICs (nccl-tests), so "
-    "the Megatron-LM rows 1.7B, 3.6B and 7.5B (dp 32 with 8, 4, 2 ranks per node) lose the exposed all-reduce "
-    "that the old one-NIC price gave them: mean 3.41% -> 4.01%. Their remaining gap is in the compute fit "
-    "(tp 1-4, hidden 2304-4096), for the calibration owner to refit; see docs/clusters.md, 'Network model'"))
 def test_a100_step_times_mean_error_at_most_3_5_percent():
     # the mean of all 18 within 3.5% (issue 19: the H100-era model keeps the A100 fit)
     errs = _a100_errors()
     assert sum(map(abs, errs.values())) / len(errs) <= 0.035, errs
 
 
-@pytest.mark.parametrize("row", H100_ROWS, ids=[r.name for r in H100_ROWS])
-def test_h100_rows_within_5_percent_of_published(row):
+#: handed rows the estimate does not meet yet (issue 29), each with why; calibration empties it
+_TIME_PENDING = {
+}
+_FIT_PENDING = {
+    "Llama 3.1 405B": "88.0 GiB over 72: at m = 32 Megatron's interleaved 1F1B keeps 19.75 micro-batches of the "
+                      "first stage in flight; the Llama 3 paper's own schedule (N contiguous micro-batches, "
+                      "one-layer chunks, embedding and output layer as chunks) is not modelled",
+}
+
+
+def _pending(table):
+    return [pytest.param(r, id=r.name, marks=pytest.mark.xfail(strict=True, reason=table[r.name]))
+            if r.name in table else pytest.param(r, id=r.name) for r in H100_ROWS]
+
+
+@lru_cache(maxsize=None)
+def _h100_cost(row):
+    return cost_without_schedule(h100_config(row))
+
+
+@pytest.mark.parametrize("row", _pending(_TIME_PENDING))
+def test_h100_rows_within_8_percent_of_published(row):
+    # every handed H100 row (issue 19's three, issue 29's four): published step time, or
+    # the step time its published rate gives, within 8%
     cfg = h100_config(row)
-    t = cost_without_schedule(cfg).time
+    t = _h100_cost(row).time
     flops = t.tflops_per_gpu * 1e12 * t.step_time * cfg.parallel.world_size
     want = row.published_step_time(flops)
-    assert t.step_time == pytest.approx(want, rel=0.05), f"{row.name}: {t.step_time:.2f} s vs {want:.2f} s"
+    assert t.step_time == pytest.approx(want, rel=0.08), f"{row.name}: {t.step_time:.2f} s vs {want:.2f} s"
 
 
-def test_torchtitan_peak_memory_within_10_percent_with_the_allocator_reserve():
-    # torchtitan reports the largest max_reserved; the estimate's peak is what is allocated,
-    # which the plan checks against memory * (1 - memory_reserve)
-    row = next(r for r in H100_ROWS if r.peak_gib)
-    cfg = h100_config(row)
-    mem = cost_without_schedule(cfg).memory
-    reserved = mem.peak / (1 - cfg.cluster.memory_reserve) / 2**30
-    assert reserved == pytest.approx(row.peak_gib, rel=0.10)
-    assert mem.peak / 2**30 < row.peak_gib   # allocated is below what the allocator reserved
+@pytest.mark.parametrize("row", _pending(_FIT_PENDING))
+def test_h100_rows_plan_as_fitting(row):
+    # each layout ran on its GPUs: the plan must say it fits (peak <= memory - reserve)
+    mem = _h100_cost(row).memory
+    assert mem.fits, f"{row.name}: {mem.peak / 2**30:.1f} GiB over {mem.capacity / 2**30:.1f} GiB"
+
+
+def test_2025_rows_are_read_from_their_sources():
+    # the configurations of issue 29's rows as their sources state them (not copied from
+    # the estimate): torchtitan's asyncTP page and NeMo AutoModel's performance summary
+    rows = {r.name: r for r in H100_ROWS}
+    want = {
+        "Llama 3.1 70B FSDP+TP": ("llama3-70b", 256, 8192, dict(dp=32, tp=8, micro_batch=16, global_batch=512,
+                                                                recompute="full"), "compile"),
+        "Llama 3.1 8B FSDP+TP": ("llama3-8b", 64, 8192, dict(dp=8, tp=8, micro_batch=12, global_batch=96,
+                                                             recompute="selective"), "compile"),
+        "GPT-OSS 20B FSDP+EP": ("gpt-oss-20b", 8, 4096, dict(dp=8, ep=8, micro_batch=2, global_batch=256,
+                                                             recompute="full"), "automodel"),
+        "Qwen3-30B-A3B FSDP+EP": ("qwen3-30b-a3b", 8, 4096, dict(dp=8, ep=8, micro_batch=4, global_batch=512,
+                                                                 recompute="full"), "automodel"),
+    }
+    for name, (model, gpus, seq, par, eng) in want.items():
+        row = rows[name]
+        cfg = h100_config(row)
+        assert row.model == model and cfg.model.seq_len == seq and cfg.parallel.world_size == gpus
+        assert {k: getattr(cfg.parallel, k) for k in par} == par and cfg.cluster.engine == eng
+        assert row.commit and row.assumed
+    # published: 597.3 and 4,378 tokens/s per GPU; 10.04 and 21.773 s per step
+    assert rows["Llama 3.1 70B FSDP+TP"].published_step_time(0) == pytest.approx(512 * 8192 / (597.3 * 256))
+    assert rows["Llama 3.1 8B FSDP+TP"].published_step_time(0) == pytest.approx(96 * 8192 / (4378 * 64))
+    assert rows["GPT-OSS 20B FSDP+EP"].published_step_time(0) == 10.04
+    assert rows["Qwen3-30B-A3B FSDP+EP"].published_step_time(0) == 21.773
+    # the torchtitan rows ran on Grand Teton's 96 GB, 2.4 TB/s, 500 W H100 (the page's hardware list)
+    for name in ("Llama 3.1 70B FSDP+TP", "Llama 3.1 8B FSDP+TP"):
+        cl = h100_config(rows[name]).cluster
+        assert (cl.memory, cl.hbm_bw, cl.peak_flops) == (96 * 10**9, 2.4e12, 884e12)
+        assert h100_config(rows[name]).parallel.sequence_parallel   # torchtitan's TP plan
+
+
+@pytest.mark.parametrize("row", [r for r in H100_ROWS if r.peak_gib], ids=lambda r: r.name)
+def test_published_peak_memory_within_10_percent_with_the_allocator_term(row):
+    # torchtitan reports the largest max_reserved: the plan's reserved peak (allocated plus
+    # the caching allocator's term, memory.reserved_peak) within 10%; the allocated peak,
+    # what the plan checks against memory * (1 - memory_reserve), below it
+    mem = _h100_cost(row).memory
+    assert mem.reserved_peak / 2**30 == pytest.approx(row.peak_gib, rel=0.10)
+    assert mem.peak / 2**30 < row.peak_gib
 
 
 @pytest.mark.parametrize("row", CALIBRATION, ids=[r.name for r in CALIBRATION])
@@ -286,6 +343,17 @@ parallel { dp = 2, zero = 3, recompute = selective, micro_batch = 2, global_batc
     assert eag["assumptions"]["elementwise_traffic"] > meg["assumptions"]["elementwise_traffic"] == 1.0
     assert eag["assumptions"]["attention_efficiency"] < meg["assumptions"]["attention_efficiency"]
     assert eag["step_time"] > meg["step_time"]
+    # torchtitan with torch.compile: the eager engine with its elementwise ops fused;
+    # NeMo AutoModel: TE's fused attention, eager SwiGLU and loss (estimate.py ENGINES)
+    com = compile_spec(text % ", engine = compile").data["estimate"]
+    auto = compile_spec(text % ", engine = automodel").data["estimate"]
+    assert com["assumptions"]["engine"] == "compile" and auto["assumptions"]["engine"] == "automodel"
+    assert com["assumptions"]["elementwise_traffic"] == 1.0
+    assert com["assumptions"]["attention_efficiency"] == eag["assumptions"]["attention_efficiency"]
+    assert auto["assumptions"]["attention_efficiency"] == meg["assumptions"]["attention_efficiency"]
+    assert com["step_time"] < eag["step_time"]
+    from parcompile.plan_schema import validate_plan
+    validate_plan(compile_spec(text % ", engine = automodel").data)
     from parcompile.diagnostics import SpecError
     from parcompile.frontend import load_spec
     with pytest.raises(SpecError) as e:
@@ -310,3 +378,65 @@ def test_eager_selective_is_torchtitans_op_level_policy():
     T, e = 2 * 256, 2
     # input h + wq h + wv kv + attention out h + its fp32 log-sum-exp + w1 ffn + w2 h
     assert kept == T * e * (256 + 256 + 128 + 256 + 512 + 256) + T * 4 * 4
+
+
+def test_deepep_sends_a_token_once_per_rank_holding_its_experts():
+    # DeepEP (engine automodel) moves a token to each rank holding some of its top_k
+    # experts, once; balanced routing puts them adjacent (AutoModel's FakeBalancedGate:
+    # token t to experts t k .. t k + k - 1): ceil(k / (E / ep)) ranks of the k rows
+    from parcompile.analysis.estimate import routed_share
+    rows = {r.name: h100_config(r) for r in H100_ROWS}
+    qwen, oss = rows["Qwen3-30B-A3B FSDP+EP"], rows["GPT-OSS 20B FSDP+EP"]
+    assert routed_share(qwen, {"ep": 8}) == 1 / 8          # 128 experts, 16 per rank, top-8: one rank
+    assert routed_share(oss, {"ep": 8}) == 1 / 4           # 32 experts, 4 per rank, top-4: one rank
+    assert routed_share(rows["GPT-OSS 120B"], {"ep": 8}) == 1.0   # Megatron's all-to-all: a row per expert
+    assert routed_share(oss, {"ep": 1}) == 1.0
+    m = tiny_model(experts=16, top_k=4, expert_ffn_hidden=64)
+    cfg = spec(m, dp=8, ep=8, cluster={"engine": "automodel"})
+    assert routed_share(cfg, {"ep": 8}) == 2 / 4           # 2 experts per rank: two ranks
+    # the estimate's expert all-to-all time follows: a quarter of Megatron's bytes for GPT-OSS
+    # 20B, the messages' latency unchanged
+    meg = cost_without_schedule(oss.model_copy(update={"cluster": oss.cluster.model_copy(
+        update={"engine": "megatron"})})).time.breakdown["ep_comm"]
+    deepep = _h100_cost(next(r for r in H100_ROWS if r.name == "GPT-OSS 20B FSDP+EP")).time.breakdown["ep_comm"]
+    assert meg / 4 < deepep < meg / 3
+
+
+def test_fsdp2_engines_keep_their_shards_in_the_models_dtype_and_no_master_copy():
+    # FSDP2 keeps ZeRO-3's shards in the model's dtype, the optimizer stepping them in
+    # place: torchtitan's fp32 model 4 + 4 + 8 bytes per parameter over d, against
+    # Megatron's 2 + 4 + 12
+    from parcompile.analysis.memory import state_bytes
+    from parcompile.search import Coster
+    n, d = 8000, 8
+    assert state_bytes(n, 2, 3, d, "adamw", fsdp2=4) == (4 * n // d, 4 * n // d, 8 * n // d)
+    assert state_bytes(n, 2, 3, d, "adamw") == (2 * n // d, 4 * n // d, 12 * n // d)
+    assert state_bytes(n, 2, 2, d, "adamw", fsdp2=4) == state_bytes(n, 2, 2, d, "adamw")   # ZeRO-3 only
+    # NeMo AutoModel casts its MoE models to bf16 and steps them with torch Adam: 2 + 2 + 4
+    assert state_bytes(n, 2, 3, d, "adam", fsdp2=2) == (2 * n // d, 2 * n // d, 4 * n // d)
+    row = next(r for r in H100_ROWS if r.name == "Qwen3-30B-A3B FSDP+EP")
+    cfg = h100_config(row)
+    st = _h100_cost(row).memory.per_stage[0]
+
+    def under(engine):
+        return cost_without_schedule(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+            update={"engine": engine})})).memory.per_stage[0]
+    meg, tt = under("megatron"), under("compile")
+    assert tt.params == 2 * meg.params and tt.grads == meg.grads and 3 * tt.optimizer == 2 * meg.optimizer
+    assert st.params == meg.params and 2 * st.grads == meg.grads and 3 * st.optimizer == meg.optimizer
+    # the search's fast costing applies the same rule
+    fast = Coster(cfg).cost(cfg, with_memory=True)
+    assert fast.peak == _h100_cost(row).memory.peak
+    assert fast.step_time == pytest.approx(_h100_cost(row).time.step_time, rel=1e-9)
+
+
+def test_fitted_numbers_name_their_rows():
+    # issue 29: calibrate only on the handed rows, as few numbers as possible, each named
+    # with the rows it was fitted to (benchmarks/cost_model.py prints them)
+    from parcompile.analysis.calibration import FITTED
+    names = {r.name for r in ROWS} | {r.name for r in H100_ROWS}
+    held_out = {r.name for r in ROWS if r.held_out}
+    for f in FITTED:
+        assert f.rows and set(f.rows) <= names - held_out, f
+        assert f.value() > 0
+    assert len({(f.table, f.key, f.field) for f in FITTED}) == len(FITTED)

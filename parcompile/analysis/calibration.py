@@ -7,7 +7,11 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
   GPU Clusters Using Megatron-LM", Table 1 (full recomputation; micro-batch sizes and
   virtual stages from Megatron-LM's ``examples/sc21/run_table_1.sh``). The paper gives
   TFLOP/s per GPU; the step time is derived with its own FLOP count
-  ``F = 96 B s l h^2 (1 + s/6h + V/16lh)``: ``t = F / (n * X)``.
+  ``F = 96 B s l h^2 (1 + s/6h + V/16lh)``: ``t = F / (n * X)``. The same script (commit
+  de7dc40) runs the 1.7B-18B rows with ``--DDP-impl torch`` (torch DDP: gradient buckets
+  overlapping the backward) and the 39B-1T rows with ``--DDP-impl local`` (Megatron-LM's
+  local DDP: ``train_step`` all-reduces the contiguous gradient buffer after the whole
+  backward): ``bucket_size = 0`` (:attr:`PublishedRow.ddp`).
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", Table 5: seconds per iteration with full recomputation and with sequence
   parallelism + selective recomputation (configurations from their Table 3).
@@ -16,9 +20,10 @@ embeddings, unfused attention; fp16, s = 2048, V = 51,200, A100-80GB, Adam):
 were tuned to; ``held_out`` rows were not looked at while tuning.
 
 H100-era rows (:data:`H100_ROWS`, bf16, :func:`h100_config`), what the H100 numbers and the
-engines of :mod:`parcompile.analysis.estimate` were calibrated on (each fits one number:
-the torchtitan row none, the Megatron-Bridge row ``Engine.expert_rows``, the Llama 3 row
-the H100's ``matmul``):
+engines of :mod:`parcompile.analysis.estimate` were calibrated on (:data:`FITTED` names each
+fitted number and its rows: the torchtitan rows none, the Megatron-Bridge row
+``ENGINES["megatron"].expert_rows``, the Llama 3 row the H100's ``matmul``, the two NeMo
+AutoModel rows ``ENGINES["automodel"].elementwise``):
 
 1. torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (commit 31a17bf), Table 1,
    row "FSDP": Llama 3.1 8B, 8 GPUs, FSDP 8, local batch 2, global batch 16, seq 8192,
@@ -44,14 +49,45 @@ the H100's ``matmul``):
    sequences per data-parallel rank): 430 TFLOP/s per GPU. Not published, assumed here:
    micro-batch 1 (m = 32 micro-batches), interleaved 1F1B with 4 virtual stages
    (parcompile's even split of 126 layers over 64 chunks), sequence parallelism, no
-   recomputation, ZeRO-1 (the paper's FSDP shards optimizer states and gradients and does
-   not reshard parameters after the forward: one gradient reduce-scatter and one parameter
-   all-gather per step, as Megatron's distributed optimizer). The published step time is
+   recomputation, ZeRO-2 (section 3.3.2: the paper's FSDP shards optimizer states and
+   gradients, reduce-scattered and accumulated in fp32, and does not reshard parameters
+   after the forward; ZeRO-1 until issue 29). The published step time is
    the row's model FLOPs per step (parcompile's count, ``compute.model_flops_per_step``:
    ``6 N`` plus attention without causal halving, the convention of Megatron's and
    torchtitan's MFU) over ``8192 x 430 TFLOP/s``. With 4 virtual stages the estimated peak
-   (about 99 GiB) exceeds the 80 GB part: the paper's memory balancing of the schedule is
-   not modelled. A row's spec is
+   (about 88 GiB: Megatron's interleaved 1F1B keeps 19.75 micro-batches of the first stage
+   in flight at m = 32) exceeds the 80 GB part: the paper's own schedule (N contiguous
+   micro-batches, one-layer chunks with the embedding and the output layer as chunks of
+   their own) is not modelled.
+
+2025-26 rows (issue 29), each with its source commit (:attr:`H100Row.commit`) and what
+was assumed where the source is silent (:attr:`H100Row.assumed`):
+
+4. torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (added in commit
+   2887250, unchanged since; the runs used torchtitan 820504e): "Llama3 70b on 256 H100s
+   with FSDP=32, TP=8, torch.compile, full AC, local batch size 16", vanilla TP, bf16:
+   597.3 tokens/s (per GPU, torchtitan's ``tps``). Same Grand Teton hardware as row 1
+   (96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU: the page's own hardware list).
+   From torchtitan 820504e: ``llama3_70b.toml`` gives seq 8192; ``global_batch_size``
+   defaults to local x data-parallel (no accumulation): global batch 512;
+   ``parallelize_llama`` pairs TP with sequence parallelism on the norms and loss
+   parallelism; ``apply_compile`` compiles each TransformerBlock and ``components/loss.py``
+   the loss: ``engine = compile``. No memory published.
+5. The same file: "Llama3 8b on 64 H100s with FSDP=8, TP=8, torch.compile, per op SAC,
+   local batch size 12": 4,378 tokens/s per GPU; seq 8192 (``llama3_8b.toml``), global
+   batch 96, ``recompute = selective`` as torchtitan's op-level policy.
+6. NeMo AutoModel ``docs/performance-summary.mdx`` (commit 36044ad; the rows date from
+   89e3a9f, October 2025, Qwen3 re-measured in 8d9bfb9), DGX-H100, BF16: GPT-OSS 20B, 8
+   GPUs, GBS 256, LBS 2, GA 16, seq 4096, FSDP 8: 10.04 s per step. The table leaves EP as
+   "-"; its recipe ``examples/benchmark/configs/gptoss_20b_te_deepep.yaml`` at 8d9bfb9 (the
+   configuration the table links) has ``ep_size 8``, ``activation_checkpointing: true``
+   (whole-block checkpoints: ``recompute = full``), FlexAttention, TE linears and RMSNorm,
+   DeepEP, a fake balanced gate, torch Adam, bf16 loss: ``engine = automodel``.
+7. The same table: Qwen3 MoE 30B (Qwen3-30B-A3B), 8 GPUs, GBS 512, LBS 4, GA 16, seq
+   4096, FSDP 8, EP 8: 21.773 s per step; its recipe (``qwen3_moe_30b_te_deepep.yaml``)
+   as row 6 with TE attention.
+
+A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
 passes belongs to the driver: the analyses import no pass).
 
@@ -89,17 +125,21 @@ class PublishedRow:
     recompute: str = "full"
     sequence_parallel: bool = False
     held_out: bool = False
+    #: the row's data-parallel gradient reduction: ``torch`` (torch DDP, buckets overlapping
+    #: the backward) or ``local`` (Megatron-LM's local DDP: one all-reduce of the contiguous
+    #: gradient buffer after the whole backward, ``bucket_size = 0``)
+    ddp: str = "torch"
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
 
 
-def _megatron(name, a, h, L, t, p, n, B, b, tflops, v=1, held_out=False) -> PublishedRow:
+def _megatron(name, a, h, L, t, p, n, B, b, tflops, v=1, held_out=False, ddp="torch") -> PublishedRow:
     s, V = 2048, 51200
     flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return PublishedRow(name, f"Megatron-LM 2021 Table 1 ({tflops} TFLOP/s per GPU)", a, h, L, t, p, n, B, b,
-                        flops / (n * tflops * 1e12), v, held_out=held_out)
+                        flops / (n * tflops * 1e12), v, held_out=held_out, ddp=ddp)
 
 
 def _korthikanti(name, a, h, L, p, n, B, full, present, v=1, b=1, held_out=False) -> list[PublishedRow]:
@@ -114,12 +154,12 @@ ROWS: tuple[PublishedRow, ...] = (
     _megatron("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 138, held_out=True),
     _megatron("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 142, held_out=True),
     _megatron("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 135),
-    _megatron("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 138, held_out=True),
-    _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 140, v=3, held_out=True),
-    _megatron("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 148, v=2),
-    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 155, v=2, held_out=True),
-    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 163, v=3, held_out=True),
-    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 163),
+    _megatron("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 138, held_out=True, ddp="local"),
+    _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 140, v=3, held_out=True, ddp="local"),
+    _megatron("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 148, v=2, ddp="local"),
+    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 155, v=2, held_out=True, ddp="local"),
+    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 163, v=3, held_out=True, ddp="local"),
+    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 163, ddp="local"),
     *_korthikanti("22B", 64, 6144, 48, 1, 8, 4, 1.42, 1.10, b=4),
     *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 18.13, 13.75, held_out=True),
     *_korthikanti("530B", 128, 20480, 105, 35, 280, 280, 49.05, 37.83, v=3),
@@ -138,7 +178,8 @@ def row_config(row: PublishedRow) -> SpecConfig:
     par = ParallelConfig(dp=row.dp, tp=row.tp, pp=row.pp, micro_batch=row.micro_batch,
                          global_batch=row.global_batch, recompute=row.recompute,
                          sequence_parallel=row.sequence_parallel, virtual_stages=row.virtual_stages,
-                         schedule="interleaved_1f1b" if row.virtual_stages > 1 else "1f1b")
+                         schedule="interleaved_1f1b" if row.virtual_stages > 1 else "1f1b",
+                         **({"bucket_size": 0} if row.ddp == "local" else {}))
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
                       train=TrainConfig(optimizer="adam"))
 
@@ -197,14 +238,23 @@ class H100Row:
     tokens_per_s_per_gpu: float | None = None
     tflops_per_gpu: float | None = None
     peak_gib: float | None = None
+    #: published seconds per step (rows that give it directly)
+    step_time: float | None = None
+    #: the source's commit (or release) the row was read at
+    commit: str = ""
+    #: what was assumed where the source leaves a value open
+    assumed: str = ""
 
     def layout(self) -> str:
         """The layout in words: ``dp=8 zero=3 mb=2 gbs=16 recompute=selective``."""
         return " ".join(f"{k}={v}" for k, v in self.parallel if k != "sequence_parallel" or v)
 
     def published_step_time(self, model_flops_per_step: float) -> float:
-        """Seconds per step from the published rate: tokens per second per GPU, or TFLOP/s
-        per GPU over ``model_flops_per_step`` (the row's own count)."""
+        """Seconds per step as published (:attr:`step_time`), else from the published rate:
+        tokens per second per GPU, or TFLOP/s per GPU over ``model_flops_per_step`` (the
+        row's own count)."""
+        if self.step_time is not None:
+            return self.step_time
         par = dict(self.parallel)
         world = dict(self.cluster)["nodes"] * 8
         tokens = par["global_batch"] * dict(self.model_keys)["seq_len"]
@@ -213,22 +263,56 @@ class H100Row:
         return model_flops_per_step / (world * self.tflops_per_gpu * 1e12)
 
 
+#: Meta's Grand Teton H100 (rows 1, 4, 5): 96 GB HBM2e at 2.4 TB/s, 500 W (module docstring)
+GRAND_TETON: tuple[tuple[str, object], ...] = (("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12))
+
 H100_ROWS: tuple[H100Row, ...] = (
     H100Row("Llama 3.1 8B FSDP", "torchtitan llama3_h100_202412 Table 1", "llama3-8b", (("seq_len", 8192),),
-            (("nodes", 1), ("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12), ("engine", "eager")),
+            (("nodes", 1), *GRAND_TETON, ("engine", "eager")),
             (("dp", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 16), ("recompute", "selective")),
-            tokens_per_s_per_gpu=5762, peak_gib=82.4),
-    H100Row("GPT-OSS 120B", "Megatron-Bridge 26.04.01 perf summary", "gpt-oss-120b", (("seq_len", 4096),),
+            tokens_per_s_per_gpu=5762, peak_gib=82.4, commit="31a17bf",
+            assumed="peak 884 TFLOPS for the 500 W limit (cube root of the power)"),
+    H100Row("GPT-OSS 120B", "Megatron-Bridge perf summary", "gpt-oss-120b", (("seq_len", 4096),),
             (("nodes", 8),),
             (("tp", 1), ("pp", 4), ("ep", 8), ("dp", 16), ("zero", 1), ("micro_batch", 1), ("global_batch", 1280),
              ("recompute", "none"), ("reduce_dtype", "bf16")),
-            tokens_per_s_per_gpu=5824),
+            tokens_per_s_per_gpu=5824, commit="release 26.04.01",
+            assumed="its norm and expert-activation recomputation (elementwise) not modelled: recompute none"),
     H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
             (("nodes", 1024),),
-            (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 1), ("micro_batch", 1), ("global_batch", 2048),
+            (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 2), ("micro_batch", 1), ("global_batch", 2048),
              ("schedule", "interleaved_1f1b"), ("virtual_stages", 4), ("sequence_parallel", True),
              ("recompute", "none")),
-            tflops_per_gpu=430),
+            tflops_per_gpu=430, commit="arXiv 2407.21783",
+            assumed="micro-batch 1, 4 virtual stages, sequence parallel, no recompute; ZeRO-2 (section 3.3.2: "
+                    "its FSDP shards optimizer states and gradients, parameters not resharded after forward)"),
+    H100Row("Llama 3.1 70B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b", (("seq_len", 8192),),
+            (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),
+             ("global_batch", 512), ("recompute", "full")),
+            tokens_per_s_per_gpu=597.3, commit="2887250 (runs at 820504e)",
+            assumed="seq 8192 and no gradient accumulation (torchtitan 820504e defaults); peak 884 TFLOPS as row 1"),
+    H100Row("Llama 3.1 8B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-8b", (("seq_len", 8192),),
+            (("nodes", 8), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 8), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 12),
+             ("global_batch", 96), ("recompute", "selective")),
+            tokens_per_s_per_gpu=4378, commit="2887250 (runs at 820504e)",
+            assumed="seq 8192 and no gradient accumulation (torchtitan 820504e defaults); peak 884 TFLOPS as row 1"),
+    H100Row("GPT-OSS 20B FSDP+EP", "NeMo AutoModel performance-summary", "gpt-oss-20b", (("seq_len", 4096),),
+            (("nodes", 1), ("engine", "automodel")),
+            (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 2), ("global_batch", 256), ("recompute", "full")),
+            step_time=10.04, commit="36044ad (row 89e3a9f)",
+            assumed="EP 8 and full activation checkpointing from its recipe at 89e3a9f and 8d9bfb9 (the table "
+                    "prints EP '-'); "
+                    "FSDP2 without reshard after forward modelled as zero 3; its sink attention as "
+                    "FlexAttention at 0.87 of the engine's attention rate (core/attention.py); balanced routing "
+                    "(its fake balanced gate)"),
+    H100Row("Qwen3-30B-A3B FSDP+EP", "NeMo AutoModel performance-summary", "qwen3-30b-a3b", (("seq_len", 4096),),
+            (("nodes", 1), ("engine", "automodel")),
+            (("dp", 8), ("ep", 8), ("zero", 3), ("micro_batch", 4), ("global_batch", 512), ("recompute", "full")),
+            step_time=21.773, commit="36044ad (row 8d9bfb9)",
+            assumed="full activation checkpointing = whole-block checkpoints (its apply_ac); FSDP2 without "
+                    "reshard after forward modelled as zero 3; balanced routing (its fake balanced gate)"),
 )
 
 
@@ -243,3 +327,35 @@ def h100_config(row: H100Row) -> SpecConfig:
     par = ParallelConfig(**dict(row.parallel))
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
                       train=TrainConfig(optimizer="adamw"))
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """One number of :mod:`parcompile.analysis.estimate` fitted to published rows (every
+    other number there is a measurement or a datasheet ratio named in its ``source``):
+    where it lives (``table``, ``key``, ``field``: ``EFFICIENCY[key].field`` or
+    ``ENGINES[key].field``) and the rows (:data:`ROWS` / :data:`H100_ROWS` names) it was
+    fitted to."""
+
+    table: str
+    key: str
+    field: str
+    rows: tuple[str, ...]
+
+    def value(self) -> float:
+        """The number as the estimate uses it now."""
+        from parcompile.analysis import estimate
+        return getattr(getattr(estimate, self.table)[self.key], self.field)
+
+    def label(self) -> str:
+        return f"{self.table}[{self.key!r}].{self.field}"
+
+
+#: the fitted numbers (``python benchmarks/cost_model.py`` prints them with their rows)
+FITTED: tuple[Fitted, ...] = (
+    Fitted("EFFICIENCY", "a100-80gb", "matmul", tuple(r.name for r in ROWS if not r.held_out)),
+    Fitted("EFFICIENCY", "a100-80gb", "overlap", tuple(r.name for r in ROWS if not r.held_out)),
+    Fitted("EFFICIENCY", "h100-sxm", "matmul", ("Llama 3.1 405B",)),
+    Fitted("ENGINES", "megatron", "expert_rows", ("GPT-OSS 120B",)),
+    Fitted("ENGINES", "automodel", "elementwise", ("GPT-OSS 20B FSDP+EP", "Qwen3-30B-A3B FSDP+EP")),
+)

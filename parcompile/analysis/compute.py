@@ -90,14 +90,17 @@ def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int,
 
 
 def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[str] | None:
-    """``recompute = selective`` under the ``eager`` engine is torchtitan's op-level
+    """``recompute = selective`` under an engine whose ``Engine.sac`` is ``"op"`` (``eager``,
+    ``compile``, ``automodel``: :data:`parcompile.analysis.estimate.ENGINES`) is torchtitan's op-level
     selective activation checkpointing (``selective_ac_option = "op"``,
     ``torchtitan/models/llama3/infra/parallelize.py``: the outputs of the matmuls and of
     the attention kernel are saved, every other matmul of a layer, counted in forward
     order, and every other op are recomputed): the names of the recomputed linears (the
     2nd, 4th, ... of each layer). None for every other recompute mode and engine
     (``selective`` is then Megatron-LM's: the attention core, Korthikanti et al. 2022)."""
-    if recompute != "selective" or engine != "eager":
+    from parcompile.analysis.estimate import ENGINES   # estimate imports this module
+
+    if recompute != "selective" or ENGINES[engine or "megatron"].sac != "op":
         return None
     count: dict[int, int] = {}
     out = set()

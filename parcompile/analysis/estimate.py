@@ -28,7 +28,7 @@ written into plan.json (``estimate.assumptions``).
 
 Backward costs twice the forward (every term); recomputation adds the forward of the
 recomputed ops (all of a layer with ``full``; the attention core with ``selective``, or
-torchtitan's op-level policy under the ``eager`` engine). ``EFFICIENCY`` gives the
+torchtitan's op-level policy under an engine with ``Engine.sac = "op"``). ``EFFICIENCY`` gives the
 fractions per GPU preset, ``ENGINES`` what each engine (``cluster.engine``) changes, with
 their sources (``docs/clusters.md``); a cluster without a preset takes
 ``DEFAULT_EFFICIENCY``.
@@ -64,7 +64,7 @@ sends ``(n-k)/n`` of its data through each rank's NIC, a send uses one NIC. What
   are exposed.
   Overlapped is not free: the hidden part slows the compute beneath it by
   ``eff.overlap`` of its time (NCCL's kernels occupy streaming multiprocessors), counted in
-  ``dp_comm``; under the ``eager`` engine with ZeRO-3, FSDP2's copies into and out of its
+  ``dp_comm``; under an FSDP2 engine (``Engine.fsdp2``) with ZeRO-3, FSDP2's copies into and out of its
   flat buffers are exposed too (:func:`step_sums`).
 
 **Pipeline.** With the schedule's action lists the simulator runs them with these chunk
@@ -161,6 +161,17 @@ class Engine:
       expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
       per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
       run at ``M / (M + expert_rows)`` of the dense GEMM rate;
+    * ``sac``: what ``recompute = selective`` recomputes: ``"core"`` (Megatron-LM's: the
+      attention core, Korthikanti et al. 2022) or ``"op"`` (torchtitan's op-level policy,
+      :func:`parcompile.analysis.compute.op_sac`);
+    * ``fsdp2``: ZeRO-3 runs as FSDP2, which copies each all-gather's output and each
+      reduce-scatter's input through a flat buffer on the compute stream (:func:`step_sums`);
+    * ``fsdp2_shard_bytes``: what FSDP2's shards are kept in (:attr:`fsdp2_state_bytes`);
+    * ``fp32_loss``: the loss upcasts the logits to fp32 (torchtitan's
+      ``cross_entropy(pred.float(), ...)``), an fp32 copy beside them
+      (:func:`parcompile.analysis.memory.buffer_bytes`);
+    * ``dedup_dispatch``: the expert-parallel all-to-alls move a token once per
+      destination rank (DeepEP), :func:`routed_share` of the per-expert rows;
     * ``description`` and ``source``: what it stands for, and why these numbers."""
 
     name: str
@@ -169,6 +180,22 @@ class Engine:
     expert_rows: float
     description: str
     source: str
+    sac: str = "core"
+    fsdp2: bool = False
+    fp32_loss: bool = False
+    #: under FSDP2, bytes per element of the sharded parameters, gradients and optimizer
+    #: states (:func:`parcompile.analysis.memory.state_bytes`): 4 for an fp32 model
+    #: (torchtitan), 2 for a bf16 one (NeMo AutoModel)
+    fsdp2_shard_bytes: int = 4
+    #: the token dispatcher sends a token once per destination rank and combines its
+    #: experts' outputs there (DeepEP), not once per chosen expert (:func:`routed_share`)
+    dedup_dispatch: bool = False
+
+    @property
+    def fsdp2_state_bytes(self) -> int:
+        """Bytes per element of FSDP2's sharded states under this engine, 0 without FSDP2
+        (``state_bytes(..., fsdp2=)``)."""
+        return self.fsdp2_shard_bytes if self.fsdp2 else 0
 
 
 #: ``cluster.engine`` -> :class:`Engine`
@@ -197,7 +224,39 @@ ENGINES: dict[str, Engine] = {
         "reduce-scatter's input through its flat buffer (step_sums); "
         "attention: FlashAttention-2 on Hopper (Shah et al. 2024, FlashAttention-3, Fig. 5-7); "
         "expert_rows: as megatron (no eager MoE row was measured); selective recomputation is "
-        "torchtitan's op-level policy (analysis/compute.py op_sac)"),
+        "torchtitan's op-level policy (analysis/compute.py op_sac)",
+        sac="op", fsdp2=True, fp32_loss=True),
+    "compile": Engine(
+        "compile", 1.0, "fa2", 1700.0,
+        "torchtitan with torch.compile and FSDP2: each transformer block and the loss compiled "
+        "(Inductor fuses their elementwise ops), SDPA's FlashAttention-2, FSDP2 all-gathers and "
+        "reduce-scatters overlapped with compute",
+        "elementwise: torchtitan compiles every TransformerBlock (fullgraph) and the loss "
+        "(torchtitan/models/llama3/parallelize_llama.py apply_compile, components/loss.py, commit "
+        "820504e): Inductor fuses each chain of norms, RoPE, SwiGLU and residual adds between two "
+        "matmuls into kernels that read their inputs and write their outputs once, the fused count "
+        "of OpSpec.traffic; the loss still upcasts to fp32 (an fp32 copy of the logits in memory); "
+        "FSDP2's flat-buffer copies stay eager (step_sums); attention: SDPA's flash backend, "
+        "FlashAttention-2, as eager; expert_rows: as megatron (no compiled MoE row); selective "
+        "recomputation: torchtitan's op-level policy, as eager",
+        sac="op", fsdp2=True, fp32_loss=True),
+    "automodel": Engine(
+        "automodel", 1.0, "fused", 1700.0,
+        "NeMo AutoModel with FSDP2: Transformer Engine linears and RMSNorm, TE's cuDNN fused "
+        "attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's dispatch",
+        "elementwise: fitted to the two NeMo AutoModel rows of analysis/calibration.py (GPT-OSS 20B and "
+        "Qwen3-30B-A3B on 8 H100s, docs/performance-summary.mdx): the least-squares value falls to the "
+        "fused count, 1.0 (an estimate from the recipes, examples/benchmark/configs/*_te_deepep.yaml@8d9bfb9: "
+        "TE norms, eager SwiGLU, router and bf16 loss, weighted as the eager engine's, gave about 1.4 and "
+        "+12% on Qwen3); attention: TE's fused attention (cuDNN) as megatron, FlexAttention for sinks "
+        "(core/attention.py); expert_rows: as megatron; selective recomputation: torchtitan's op-level "
+        "policy (Automodel's apply_ac selective reuses it); FSDP2 copies as eager; dispatch: DeepEP "
+        "(deepseek-ai/DeepEP, normal kernels) sends each token once to every rank holding some of its "
+        "experts and combines their outputs there (routed_share); fsdp2_shard_bytes: its MoE models are "
+        "cast to bf16 (nemo_automodel/components/models/*/model.py initialize_weights(dtype=torch.bfloat16) "
+        "@8d9bfb9, called by checkpointing.py) and trained with torch.optim.Adam, whose states follow the "
+        "parameters' dtype: parameters, gradients and moments in bf16",
+        sac="op", fsdp2=True, dedup_dispatch=True, fsdp2_shard_bytes=2),
 }
 DEFAULT_ENGINE = "megatron"
 
@@ -215,8 +274,9 @@ def attention_efficiency(cluster) -> float:
 
 #: per cluster preset (SPEC 1 names). ``matmul`` of the H100 is fitted to the Llama 3 405B
 #: row of :mod:`parcompile.analysis.calibration` (its only dense Megatron-style H100 row),
-#: the A100's to the Megatron-LM and Korthikanti rows; every other number is a measurement or
-#: a datasheet ratio named in ``source``.
+#: the A100's ``matmul`` and ``overlap`` to the Megatron-LM and Korthikanti rows; every other
+#: number is a measurement or a datasheet ratio named in ``source``
+#: (:data:`parcompile.analysis.calibration.FITTED` lists them with their rows).
 _A100_SRC = (
     "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and Korthikanti et al. "
     "2022 (Table 5), with the GEMM operand traffic timed apart (cuBLAS fp16 GEMMs of these sizes run at "
@@ -225,9 +285,12 @@ _A100_SRC = (
     "an HDR 200 Gb/s NIC carries 24 of 25 GB/s in NCCL (NVIDIA/nccl#412); attention: FlashAttention-2 "
     "(Dao 2023, Fig. 4-6: about 190 of 312 TFLOP/s forward, 155 backward at head dim 128, causal) for both "
     "kernels; softmax_dim: 312 TFLOP/s / (4 x 16 exponentials per clock x 108 SMs x 1.41 GHz); overlap: "
-    "NCCL's ring kernels take up to 32 channels, one SM each, of 108")
+    "fitted to the same rows (issue 29: with the network model the Megatron-LM torch-DDP rows, 1.7B-18.4B, "
+    "no longer paid an exposed one-NIC all-reduce): 0.60, twice the SM share of NCCL's 32 ring channels of "
+    "108 SMs (0.30), the rest standing for the HBM bandwidth the concurrent all-reduce takes from the GEMMs")
 _H100_SRC = (
-    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart "
+    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart, "
+    "0.67 with the network model of issue 29 (0.70 before) "
     "(cuBLAS bf16 GEMMs of 8k-16k sizes sustain 650-750 of 989 TFLOP/s at 700 W); link: nccl-tests all_reduce bus "
     "bandwidth without NVLS (ring; all_gather, reduce_scatter), 370 of 450 GB/s (NVIDIA/nccl-tests#212); nvls: "
     "the NVLS all_reduce on 8 GPUs, bus bandwidth 480 GB/s = algorithm bandwidth 274 GB/s (nccl-tests#212, #347; "
@@ -238,12 +301,12 @@ _H100_SRC = (
     "quotes); overlap: NCCL's up to 32 channels of 132 SMs")
 EFFICIENCY: dict[str, Efficiency] = {
     "a100-80gb": Efficiency(0.83, 0.80, 0.77, _A100_SRC, attention=0.45, attention_fa2=0.45, softmax_dim=32.0,
-                            overlap=0.30, net=0.96),
+                            overlap=0.60, net=0.96),
     "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
-                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.30, net=0.96),
-    "h100-sxm": Efficiency(0.70, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
+                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.60, net=0.96),
+    "h100-sxm": Efficiency(0.67, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
                            overlap=0.24, net=0.94, nvls=0.61),
-    "h200": Efficiency(0.70, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
+    "h200": Efficiency(0.67, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
                        attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61),
     "b200": Efficiency(
         0.76, 0.80, 0.82,
@@ -515,6 +578,24 @@ def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str
     return groups_placement(groups.get(axis) or [], _domain(cluster))[1] > 1
 
 
+def routed_share(cfg, degrees: Mapping[str, int]) -> float:
+    """The bytes an expert-parallel all-to-all moves over the balanced per-expert count
+    (:func:`parcompile.ir.ops.moe_collectives`: ``top_k`` rows per token): 1, except under
+    an engine whose dispatcher deduplicates (``Engine.dedup_dispatch``, DeepEP), which sends
+    a token once to each rank holding some of its experts. Under the balanced routing the
+    estimate assumes (plan.json ``moe_routing``), a token's ``top_k`` experts are adjacent
+    and aligned, as NeMo AutoModel's fake balanced gate routes (token ``t`` to experts
+    ``t k .. t k + k - 1`` mod ``E``, ``nemo_automodel/components/moe/layers.py``
+    ``FakeBalancedGate``): they sit on ``ceil(k / (E / ep))`` ranks, so the share is that
+    over ``k``."""
+    m = cfg.model
+    ep = degrees.get("ep", 1)
+    if not m.experts or ep <= 1 or not engine(cfg.cluster).dedup_dispatch:
+        return 1.0
+    local = max(1, m.experts // ep)
+    return min(m.top_k, -(-m.top_k // local)) / m.top_k
+
+
 @dataclass(frozen=True)
 class ChunkTimes:
     """Seconds for one micro-batch through each model chunk on one rank, by part."""
@@ -601,13 +682,15 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
+    share = routed_share(cfg, degrees)
     cf = {f: [0.0] * nchunks for f in fams}
     cb = {f: [0.0] * nchunks for f in fams}
     p2p = 0.0
     for _stage, chunk, c in comm.raw:
         fam = AXIS_FAMILY.get(c.axis, c.axis)
         link = links.get(c.axis) or make_link(cl, 1, 1, eff)
-        t = collective_time(c.op, c.bytes, degrees.get(c.axis, 1), link)
+        nbytes = c.bytes * share if fam == "ep" and c.op == "all_to_all" else c.bytes
+        t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), link)
         if fam == "pp":
             if c.op == "send":
                 tp = degrees.get("tp", 1)
@@ -748,7 +831,7 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     :func:`collective_time`): ``(gradient reductions, parameter all-gathers, the rest, buffer
     copies)``,
     what :func:`dp_exposed` sets against the stage's backward and forward. The buffer copies
-    are FSDP2's under the ``eager`` engine with ZeRO-3 (2 x the unsharded bytes of each
+    are FSDP2's under an engine with ``Engine.fsdp2`` and ZeRO-3 (2 x the unsharded bytes of each
     parameter all-gather and gradient reduce-scatter, at ``eff.memory * hbm_bw``, on the
     compute stream: exposed); 0 otherwise."""
     par, cl = cfg.parallel, cfg.cluster
@@ -756,10 +839,10 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     for e in collectives:
         if e.phase == "step":
             per_stage.setdefault(e.stage, []).append(e)
-    # FSDP2 (the eager engine, ZeRO-3) copies each all-gather's output out of, and each
+    # FSDP2 (Engine.fsdp2, ZeRO-3) copies each all-gather's output out of, and each
     # reduce-scatter's input into, its flat communication buffer on the compute stream:
     # read and write the full (unsharded) bytes once each
-    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).name == "eager" and par.zero >= 3 else 0.0
+    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).fsdp2 and par.zero >= 3 else 0.0
     out = []
     for s in range(par.pp):
         grads = params = exposed = copies = 0.0

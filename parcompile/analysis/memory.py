@@ -12,6 +12,10 @@ zero   16-bit model (bf16/fp16)            fp32 model
 3      2/d + 4/d + 12/d                    4/d + 4/d + 8/d
 =====  ==================================  ==================================
 
+(Under an FSDP2 engine, ``Engine.fsdp2``, ZeRO-3's 16-bit model keeps its shards in fp32
+with no master copy: ``4/d + 4/d + 8/d``; NeMo AutoModel's models are cast to bf16,
+parameters, gradients and Adam's states alike: ``2/d + 2/d + 4/d``; :func:`state_bytes`.)
+
 (params + fp32 gradients + optimizer: fp32 master weights for 16-bit models and 4 bytes
 per optimizer state: 2 for Adam/AdamW, 0 for SGD.) Gradients live in one fp32 buffer per
 gradient bucket (Megatron-LM's grad buffer), which ZeRO pads to a multiple of d so it can
@@ -120,6 +124,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
+from parcompile.analysis.estimate import engine as engine_of
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.core.schedule import build_actions, in_flight
@@ -177,15 +182,23 @@ class MemoryReport:
 
 
 def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
-                shard: int | None = None) -> tuple[int, int, int]:
+                shard: int | None = None, fsdp2: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
     ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
     :func:`stage_state_bytes`); default ``ceil(n / d)``. At
-    ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``."""
+    ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``.
+    ``fsdp2`` (an engine with ``Engine.fsdp2``: its :func:`fsdp2_state_bytes`) at ``zero =
+    3``: FSDP2 keeps the sharded parameters, their gradients and the optimizer's states in
+    that many bytes per element and steps the parameters in place, 16-bit copies existing
+    only all-gathered (``MixedPrecisionPolicy(param_dtype=bfloat16)``): torchtitan's fp32
+    model, 4: ``16/d`` in all with Adam and no master copy; NeMo AutoModel's bf16 model, 2:
+    ``8/d``."""
     k = OPTIMIZER_STATES[optimizer]
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
+    if fsdp2 and zero >= 3 and dtype_bytes < 4:
+        return fsdp2 * shard, fsdp2 * shard, fsdp2 * k * shard
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if zero >= 3 else n)
     grads = 4 * (shard if zero >= 2 else shard * d if zero == 1 and d > 1 else n)
@@ -201,8 +214,9 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
-    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d))
-    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed))
+    f2 = engine_of(cfg.cluster).fsdp2_state_bytes
+    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d), fsdp2=f2)
+    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed), fsdp2=f2)
     return tuple(x + y for x, y in zip(pd, pe))
 
 
@@ -251,7 +265,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     """The activation accounting of the module docstring. ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
     size of the first layer's input, the first chunk keeps. ``engine``
-    (``cluster.engine``): with ``eager``, ``selective`` is torchtitan's op-level policy
+    (``cluster.engine``): where its ``Engine.sac`` is ``"op"``, ``selective`` is torchtitan's op-level policy
     (:func:`parcompile.analysis.compute.op_sac`): a layer keeps its input, the outputs of
     the linears it does not recompute, and the attention kernel's output and log-sum-exp."""
     sac = op_sac(graph, recompute, engine)
@@ -523,7 +537,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             # log-softmax output, a fused one (Megatron's vocab-parallel loss) does not
             t = graph.inputs(nd.name)[0]
             extra = 0
-            if cfg.cluster.engine == "eager":
+            if engine_of(cfg.cluster).fp32_loss:
                 lt = graph.node(t).sharding.local_type(graph.node(t).type, degrees)
                 extra = 4 * lt.numel if lt.itemsize < 4 else 0
             bump(s, "logits", _local_bytes(graph, t, degrees) + extra)
@@ -535,7 +549,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
             bump(nd.op.attr("dst_stage"), "p2p", 2 * b)
     if not serve:
         for layer, s in layer_stage.items():
-            if par.recompute == "full" or (par.recompute == "selective" and cfg.cluster.engine == "eager"):
+            if par.recompute == "full" or (par.recompute == "selective" and engine_of(cfg.cluster).sac == "op"):
                 # the layer's recomputed tensors (torchtitan's op-level policy rebuilds all but the kept)
                 bump(s, "recompute", saved.per_layer.get(layer, 0) - (
                     0 if par.recompute == "full" else saved.kept_per_layer.get(layer, 0)))

@@ -177,15 +177,16 @@ class ClusterConfig(_Frozen):
     op_overhead: float = 0.0
     memory_reserve: float = 0.10      # fraction of memory
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
-    #: Megatron-Core with Transformer Engine, or eager PyTorch with FSDP2 (torchtitan)
-    engine: Literal["megatron", "eager"] = "megatron"
+    #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
+    #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)
+    engine: Literal["megatron", "eager", "compile", "automodel"] = "megatron"
     #: where the `cpu` preset's memory, compute and bandwidth came from (config/host.py);
     #: None for the other presets (their datasheets, presets.py)
     figures: Optional[str] = None
     #: the network model (analysis/estimate.py Link; docs/clusters.md): GPUs that share one
     #: NVLink / NVSwitch domain (None: the node; 72 for a GB200 NVL72 rack), network adapters
-    #: per node (None: one per GPU, rail-optimised; informative: ``inter_node_bw`` is each GPU's
-    #: share of them), and whether the NVSwitches reduce and multicast (NVLink SHARP: NCCL's
+    #: per node (None: one per GPU, rail-optimised; ``inter_node_bw`` is each GPU's share of
+    #: them: analysis/estimate.py ``nic_share``), and whether the NVSwitches reduce and multicast (NVLink SHARP: NCCL's
     #: NVLS algorithms; H100/H200/B200 with third-generation NVSwitch or later)
     nvlink_domain: Optional[int] = None
     nics_per_node: Optional[int] = None

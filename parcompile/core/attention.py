@@ -3,7 +3,7 @@ memory model (bytes saved for backward, :mod:`parcompile.ir.ops` ``_attention_ex
 the time model (:func:`parcompile.analysis.compute.compute_report`: which cores are one
 fused kernel, at what rate, over which score blocks) read.
 
-Rows (``engine``): ``megatron`` and ``eager`` are ``cluster.engine``
+Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``cluster.engine``
 (:data:`parcompile.analysis.estimate.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
 bytes ``parcompile verify`` measures (:func:`parcompile.verify.compare_activations`), so
@@ -106,6 +106,14 @@ _FLEX = ("torchtitan torchtitan/models/gpt_oss/model/model.py@00b1b07d: FlexAtte
          "get_sliding_window_mask_mod, return_lse=True, sinks as sigmoid(lse - sinks); "
          "torch.nn.attention.flex_attention docs (block_mask, return_lse)")
 _PROGRAM = "parcompile/runtime/layers.py attention_core and runtime/mla.py mla_core (what verify measures)"
+_COMPILE = ("torchtitan with torch.compile runs the same attention modules as eager (820504e "
+            "torchtitan/models/llama3/model.py: SDPA; gpt-oss: FlexAttention, compiled either way)")
+_AUTOMODEL_TE = ("NeMo AutoModel BackendConfig attn: te (Transformer Engine DotProductAttention: cuDNN fused, "
+                 "sliding window and q/k head dims unequal to v's), its Qwen3 MoE and DeepSeek-V3 benchmark "
+                 "recipes (examples/benchmark/configs/*_te_deepep.yaml@8d9bfb9)")
+_AUTOMODEL_FLEX = ("NeMo AutoModel BackendConfig attn: flex, its gpt-oss recipe (gptoss_20b_te_deepep.yaml@8d9bfb9): "
+                   "nemo_automodel/components/attention/flex_attention.py@8d9bfb9 runs flex_attention with "
+                   "return_lse=True and rescales the output by sigmoid(lse - sinks)")
 
 #: (engine, variant) -> the kernel it runs (module docstring)
 ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
@@ -117,6 +125,14 @@ ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
     ("eager", "sliding_window"): KernelChoice("flex", _FLEX),
     ("eager", "sinks"): KernelChoice("flex", _FLEX),
     ("eager", "mla"): KernelChoice("sdpa_flash", _SDPA),
+    ("compile", "causal"): KernelChoice("sdpa_flash", _SDPA + "; " + _COMPILE),
+    ("compile", "sliding_window"): KernelChoice("flex", _FLEX + "; " + _COMPILE),
+    ("compile", "sinks"): KernelChoice("flex", _FLEX + "; " + _COMPILE),
+    ("compile", "mla"): KernelChoice("sdpa_flash", _SDPA + "; " + _COMPILE),
+    ("automodel", "causal"): KernelChoice("cudnn", _AUTOMODEL_TE),
+    ("automodel", "sliding_window"): KernelChoice("cudnn", _AUTOMODEL_TE),
+    ("automodel", "sinks"): KernelChoice("flex", _AUTOMODEL_FLEX),
+    ("automodel", "mla"): KernelChoice("cudnn", _AUTOMODEL_TE),
     ("program", "causal"): KernelChoice("sdpa", _PROGRAM + ": F.scaled_dot_product_attention(is_causal=True)"),
     ("program", "sliding_window"): KernelChoice("sdpa", _PROGRAM + ": SDPA with causal_mask(q_pos, k_pos, window)"),
     ("program", "sinks"): KernelChoice("unfused", _PROGRAM + ": torch's SDPA takes no sinks, the softmax is "
@@ -125,7 +141,7 @@ ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
 }
 
 #: the rows of :data:`ATTENTION_KERNELS`
-KERNEL_ENGINES = ("megatron", "eager", "program")
+KERNEL_ENGINES = ("megatron", "eager", "compile", "automodel", "program")
 #: the variants of :data:`ATTENTION_KERNELS`, in the order :func:`variant` tries them
 VARIANTS = ("sinks", "mla", "sliding_window", "causal")
 
