@@ -228,3 +228,33 @@ def test_metas_405b_layout_with_layer_less_end_chunks_fits():
     assert mem["fits"] and 0 < mem["peak"] <= usable
     assert max(s["total"] for s in mem["per_stage"]) == mem["peak"]
     assert not [d for d in plan.warnings if d.severity == "warning" and "memory" in d.message.lower()]
+
+
+def test_the_all_auto_405b_search_ranks_first_a_layout_at_least_as_fast_as_metas():
+    """Issue 29: the all-auto search for Llama 3.1 405B on 16,384 H100s (seq 8192, global
+    batch 2048) ranks first a fitting layout whose estimated step time is at most that of
+    Meta's own layout (the example above, costed by the same estimate)."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama3_405b_meta_16k_h100.par"
+    meta = parcompile.compile(path.read_text(), filename=str(path))
+    auto = """model m from "llama3.1-405b" { seq_len = 8192 }
+cluster c from "h100-sxm" { nodes = 2048 }
+parallel {
+    tp = auto
+    pp = auto
+    dp = auto
+    cp = auto
+    virtual_stages = auto
+    micro_batch = auto
+    zero = auto
+    recompute = auto
+    schedule = auto
+    sequence_parallel = auto
+    global_batch = 2048
+}
+train { optimizer = adamw }
+"""
+    cfg, _ = load_spec(auto)
+    best = search(cfg, top=1).best
+    assert meta.data["memory"]["fits"] and best.fits
+    assert best.step_time <= meta.data["estimate"]["step_time"], (best.degrees_text(), best.step_time)
