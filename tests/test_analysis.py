@@ -144,3 +144,13 @@ def test_zero3_counts_the_parameters_it_gathers_for_the_step():
         for st, mem in zip(plan.data["stages"], plan.data["memory"]["per_stage"]):
             got = mem["buffer_parts"].get("zero3_gather", 0)
             assert got == (2 * st["params_per_rank"] if want_gather else 0)
+
+
+def test_op_level_selective_recompute_engines_are_the_engine_tables():
+    """analysis/compute.py keeps the engines of torchtitan's op-level selective recompute
+    beside op_sac (estimate imports compute, not the other way): the same set as the
+    engines whose Engine.sac is "op"."""
+    from parcompile.analysis.compute import OP_SAC_ENGINES
+    from parcompile.analysis.estimate import ENGINES
+
+    assert OP_SAC_ENGINES == {name for name, e in ENGINES.items() if e.sac == "op"}

@@ -89,6 +89,12 @@ def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int,
     return x.nbytes + out.nbytes, weights
 
 
+#: the engines whose ``recompute = selective`` is torchtitan's op-level policy: those whose
+#: ``Engine.sac`` is ``"op"`` in :data:`parcompile.analysis.estimate.ENGINES` (which imports
+#: this module; tests/test_analysis.py pins the two equal)
+OP_SAC_ENGINES = frozenset({"eager", "compile", "automodel"})
+
+
 def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[str] | None:
     """``recompute = selective`` under an engine whose ``Engine.sac`` is ``"op"`` (``eager``,
     ``compile``, ``automodel``: :data:`parcompile.analysis.estimate.ENGINES`) is torchtitan's op-level
@@ -98,9 +104,7 @@ def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[
     order, and every other op are recomputed): the names of the recomputed linears (the
     2nd, 4th, ... of each layer). None for every other recompute mode and engine
     (``selective`` is then Megatron-LM's: the attention core, Korthikanti et al. 2022)."""
-    from parcompile.analysis.estimate import ENGINES   # estimate imports this module
-
-    if recompute != "selective" or ENGINES[engine or "megatron"].sac != "op":
+    if recompute != "selective" or (engine or "megatron") not in OP_SAC_ENGINES:
         return None
     count: dict[int, int] = {}
     out = set()
