@@ -114,40 +114,6 @@ def rank_groups(par: Layout) -> dict[str, list[list[int]]]:
     return out   # each group is already sorted (masked_groups)
 
 
-def axis_inside_node(par: Layout, axis: str, gpus_per_node: int) -> bool:
-    """Whether every group of ``axis`` (a key of :func:`rank_groups`) lies inside one
-    node of ``gpus_per_node`` ranks, without building the groups: exact, in time that
-    does not grow with the world size.
-
-    A group is a base rank plus a fixed set of offsets (the group axes' coordinates
-    times their strides, largest offset ``M``); the bases are the ranks whose group
-    coordinates are 0. Every group is inside a node iff ``base mod gpus_per_node + M <
-    gpus_per_node`` for every base, and the residues of the bases mod
-    ``gpus_per_node`` are at most ``gpus_per_node`` values, built axis by axis.
-    """
-    if axis == "embedding":
-        axis = "pp"   # the first and last rank of a pp group: inside iff the pp group is
-    if axis in ("ep", "expert_tp", "expert_dp"):
-        gen = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
-        token = {"ep": ("ep",), "expert_tp": ("tp",), "expert_dp": ("dp",)}[axis]
-    else:
-        gen = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
-        token = ("dp", "cp") if axis == "dp_cp" else (axis,)
-    stride = _strides(gen.sizes)
-    n = gpus_per_node
-    span = sum((size - 1) * st for name, size, st in zip(gen.order, gen.sizes, stride) if name in token)
-    if span == 0:
-        return True
-    residues = {0}
-    for name, size, st in zip(gen.order, gen.sizes, stride):
-        if name in token or size == 1:
-            continue
-        period = n // math.gcd(st, n)
-        steps = [(c * st) % n for c in range(min(size, period))]
-        residues = {(r + x) % n for r in residues for x in steps}
-    return max(residues) + span < n
-
-
 def groups_placement(groups: list[list[int]], domain: int) -> tuple[int, int]:
     """``(k, nodes)`` of a list of rank groups on domains of ``domain`` consecutive ranks
     (NVLink domains: the node, or a larger NVSwitch domain): ``k`` the fewest ranks one group
@@ -168,7 +134,7 @@ def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
     """:func:`groups_placement` of the groups of ``axis`` (a key of :func:`rank_groups`)
     without building them: each group is a base rank plus fixed offsets, and how a group
     falls on domains of ``domain`` ranks depends only on its base modulo ``domain``; the
-    bases' residues are built axis by axis as in :func:`axis_inside_node`. Exact; the work
+    bases' residues are built axis by axis. Exact; the work
     is the group size times at most ``domain`` residues."""
     pp_ends = axis == "embedding"
     if pp_ends:

@@ -6,8 +6,8 @@ new code imports :mod:`parcompile.core.groups`.
 
 from __future__ import annotations
 
-from parcompile.core.groups import (Layout, RankGenerator, axis_inside_node, axis_placement, groups_placement, masked_groups,
+from parcompile.core.groups import (Layout, RankGenerator, axis_placement, groups_placement, masked_groups,
                                     rank_groups, stage_ranks)
 
-__all__ = ["Layout", "RankGenerator", "axis_inside_node", "axis_placement", "groups_placement", "masked_groups", "rank_groups",
+__all__ = ["Layout", "RankGenerator", "axis_placement", "groups_placement", "masked_groups", "rank_groups",
            "stage_ranks"]
