@@ -314,6 +314,11 @@ EFFICIENCY: dict[str, Efficiency] = {
         "per clock x 148 SMs x 1.965 GHz); overlap: 32 channels of 148 SMs; nvls: h100-sxm's 0.61 times "
         "NCCL's Blackwell / Hopper NVLS efficiency (0.74 / 0.85, NVIDIA/nccl src/graph/tuning.cc)",
         attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22, net=0.94, nvls=0.53),
+    "gb200-nvl72": Efficiency(
+        0.76, 0.80, 0.82,
+        "as b200 (the same Blackwell GPU at 1,200 W: its clock raises the matmul and exponential rates alike); "
+        "nvls: b200's, on the NVL72's NVLink switch trays (assumed)",
+        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22, net=0.94, nvls=0.53),
     "mi300x": Efficiency(
         0.45, 0.75, 0.70,
         "matmul: published hipBLASLt bf16 GEMM measurements reach 550-650 of 1307 TFLOP/s "

@@ -262,12 +262,10 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "rope_dim": rope_dim,
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
         "torch_dtype": TORCH_NAMES[m.dtype],
-        "force_cpu": cfg.cluster.is_cpu,
         "expandable_segments": cfg.cluster.expandable_segments,
         "device": cfg.cluster.device_kind,
-        "device_comment": {"cpu": "gloo on CPU processes, even where a GPU exists",
-                           "cuda": "NCCL on GPUs (gloo on the CPU where none is present)",
-                           "npu": "HCCL on Ascend NPUs through torch_npu"}[cfg.cluster.device_kind],
+        "device_comment": _device_comment(cfg.cluster.accelerator),
+        "alloc_conf": cfg.cluster.accelerator.alloc_conf,
         "train_repr": repr(train),
         "data_repr": repr(data),
         "eval_data_repr": repr(_data_path(t.eval_data, out_dir)),
@@ -383,6 +381,14 @@ def _model_keys(m) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in m.model_dump().items()}
 
 
+def _device_comment(acc) -> str:
+    """What ``DEVICE`` means, for its comment in program.py (``acc``: the cluster's
+    :class:`~parcompile.config.presets.Accelerator`)."""
+    if acc.device == "cpu":
+        return "gloo on CPU processes, even where a GPU exists"
+    return f"{acc.collectives} on {acc.name} (gloo on the CPU where none is present)"
+
+
 def render_program(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:
     """The text of ``program.py`` for a training plan (a :class:`~parcompile.plan.Plan`:
     its sharded graph gives every local size and collective; see :func:`program_context`)."""
@@ -406,7 +412,28 @@ def _launcher_context(cfg: SpecConfig) -> dict:
         devices={"cuda": "GPUs", "npu": "NPUs", "cpu": None}[c.device_kind],
         example_args=("--prompt 'Once upon a time' --max-new-tokens 32" if script == "serve.py"
                       else "--steps 10 --metrics-dir out/"),
+        **_accelerator_lines(c.accelerator),
     )
+
+
+def _accelerator_lines(acc) -> dict:
+    """What the launchers say and set for the cluster's software stack (``acc``: an
+    :class:`~parcompile.config.presets.Accelerator`): ``accel_comments`` (header lines: the
+    devices, the variable that restricts them, the stack's setup line, the collective
+    library's settings a site may need), ``accel_exports`` (``export VAR="${VAR:-value}"``
+    lines, a value set by the caller kept) and ``visible_devices`` (the variable launch.sh
+    checks names enough devices; None on the CPU)."""
+    comments = [f"Accelerator: {acc.name}; collectives through {acc.collectives}."]
+    if acc.visible_devices:
+        comments += [f"{acc.visible_devices}, when set, names the devices this node's processes use",
+                     "(local rank i takes the i-th): at least one per process."]
+    if acc.setup:
+        comments.append(f"Load the stack's environment first: {acc.setup}")
+    if acc.comm_env:
+        comments.append(f"{acc.collectives} settings a site may need (not set here):")
+        comments += [f"  {var}: {what}" for var, what in acc.comm_env]
+    exports = [f'export {var}="${{{var}:-{value}}}"   # {why}' for var, value, why in acc.launch_env]
+    return dict(accel_comments=comments, accel_exports=exports, visible_devices=acc.visible_devices)
 
 
 def render_launch(cfg: SpecConfig) -> str:
@@ -429,9 +456,7 @@ def render_slurm(cfg: SpecConfig) -> str:
     directory of the script as submitted (``scontrol show job``'s ``Command=``, relative to
     ``SLURM_SUBMIT_DIR``, checked on SLURM 22.05); the job's working directory. The job
     keeps sbatch's working directory (``--chdir``). Generated files hold no absolute path."""
-    kind = cfg.cluster.device_kind
-    gpu_line = {"cuda": f"--gpus-per-node={cfg.cluster.gpus_per_node}",
-                "npu": None, "cpu": None}[kind]
+    gpu_line = f"--gpus-per-node={cfg.cluster.gpus_per_node}" if cfg.cluster.accelerator.slurm_gpus else None
     job = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cfg.name)[:64] or "parcompile"
     return _env.get_template("slurm.sbatch.j2").render(**_launcher_context(cfg), gpu_line=gpu_line, job_name=job)
 
@@ -484,8 +509,8 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "moe_leave": "all_reduce(tp) of the partial sums" if p.tp > 1 else tp_one,
         "rope_dim": rotary_dim(m),
         "torch_dtype": TORCH_NAMES[m.dtype],
-        "force_cpu": cfg.cluster.is_cpu,
-        "expandable_segments": cfg.cluster.expandable_segments,
+        "device": cfg.cluster.device_kind,
+        "device_comment": _device_comment(cfg.cluster.accelerator),
         "prompt_repr": repr(s.prompt),
         "weights_repr": repr(weights),
         "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",

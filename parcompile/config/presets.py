@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parcompile.config.units import quantity as q
+from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S  # HCCL_CONNECT_TIMEOUT matches it
 
 # --------------------------------------------------------------------------------------
 # Models
@@ -193,6 +194,19 @@ class ClusterPreset:
     #: dispatcher, autograd; analysis/estimate.py): 0 for the GPU presets, whose host work
     #: runs ahead of the GPU's queue and is not timed
     op_overhead: float = 0.0
+    #: GPUs that share one NVLink / NVSwitch domain, when more than a node's
+    #: (``cluster.nvlink_domain``: 72 on a GB200 NVL72 rack of 18 four-GPU trays)
+    nvlink_domain: int | None = None
+    #: the vendor's software stack (:data:`ACCELERATORS`): which torch device type the program
+    #: runs on, which collective library, and what the launchers say
+    stack: str = "cuda"
+    #: dense FP8 tensor-core peak, FLOP/s per GPU (E4M3/E5M2 GEMMs with per-tensor or per-row
+    #: scales: torchao's tensorwise and rowwise recipes run at it); None where the part has no
+    #: FP8 GEMM. Not planned yet (issue 32's FP8 slice reads it)
+    fp8_flops: float | None = None
+    #: dense MXFP8 peak (OCP microscaling: E8M0 scales per 32 elements, block-scaled GEMMs in
+    #: hardware: Blackwell), FLOP/s per GPU; None where the part has none
+    mxfp8_flops: float | None = None
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -208,11 +222,89 @@ class ClusterPreset:
             "nics_per_node": self.nics_per_node,
             "nvls": self.nvls,
             "op_overhead": self.op_overhead,
+            **({"nvlink_domain": self.nvlink_domain} if self.nvlink_domain else {}),
         }
 
 
 def _peaks(half: str, fp32: str) -> dict[str, float]:
     return {"bf16": q(half), "fp16": q(half), "fp32": q(fp32)}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What differs between the vendors' software stacks for a generated program and its
+    launchers (docs/clusters.md, "Accelerators"). The process-group backend of a device type
+    is the runtime's rule (``parcompile/runtime/device.py`` ``BACKENDS``); this says what the
+    compiler writes around it.
+
+    Attributes:
+        device: the torch device type the program runs on (``DEVICE``): ROCm's torch calls
+            its GPUs ``cuda`` too.
+        name: the devices, in words.
+        collectives: the library behind the backend (NCCL, RCCL, HCCL, gloo).
+        visible_devices: the variable that restricts the devices a node's processes see
+            (None on the CPU); launch.sh checks that it names enough of them.
+        alloc_conf: the caching allocator's settings variables the program sets (before
+            torch starts the device), most general first.
+        comm_env: ``(variable, what it does)`` for the collective library's settings a
+            launcher lists (not set: they depend on the site's network).
+        launch_env: ``(variable, value, why)`` the launchers export unless already set.
+        slurm_gpus: SLURM allocates these devices as ``--gpus-per-node`` (gres ``gpu``).
+        setup: the shell line that loads the stack's environment, or None.
+        sources: where the variables are documented.
+    """
+
+    device: str
+    name: str
+    collectives: str
+    visible_devices: str | None
+    alloc_conf: tuple[str, ...]
+    comm_env: tuple[tuple[str, str], ...] = ()
+    launch_env: tuple[tuple[str, str, str], ...] = ()
+    slurm_gpus: bool = False
+    setup: str | None = None
+    sources: str = ""
+
+
+_NCCL_ENV = (
+    ("NCCL_SOCKET_IFNAME", "the network interface of NCCL's bootstrap and socket transport"),
+    ("NCCL_IB_HCA", "the InfiniBand / RoCE adapters NCCL uses"),
+    ("NCCL_DEBUG", "INFO logs the rings, trees and transports it chose"),
+)
+
+#: the software stacks of the cluster presets (``ClusterPreset.stack``)
+ACCELERATORS: dict[str, Accelerator] = {
+    "cuda": Accelerator(
+        device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices="CUDA_VISIBLE_DEVICES",
+        alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",), comm_env=_NCCL_ENV, slurm_gpus=True,
+        sources="NCCL docs, Environment Variables; PyTorch docs, CUDA semantics (PYTORCH_CUDA_ALLOC_CONF)",
+    ),
+    "rocm": Accelerator(
+        device="cuda", name="AMD GPUs (ROCm)", collectives="RCCL", visible_devices="HIP_VISIBLE_DEVICES",
+        alloc_conf=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
+        comm_env=tuple((v, w + " (RCCL reads NCCL's names)") for v, w in _NCCL_ENV), slurm_gpus=True,
+        sources="ROCm docs, RCCL environment variables; torch's c10 reads PYTORCH_HIP_ALLOC_CONF on ROCm builds",
+    ),
+    "cann": Accelerator(
+        device="npu", name="Ascend NPUs (CANN, torch_npu)", collectives="HCCL",
+        visible_devices="ASCEND_RT_VISIBLE_DEVICES", alloc_conf=("PYTORCH_NPU_ALLOC_CONF",),
+        comm_env=(
+            ("HCCL_IF_IP", "the host address HCCL reaches the root node from when it creates a communicator"),
+            ("HCCL_SOCKET_IFNAME", "the host network interface, where HCCL_IF_IP is unset"),
+            ("HCCL_EXEC_TIMEOUT", "s a device waits inside one collective before it reports a failure"),
+        ),
+        launch_env=(("HCCL_CONNECT_TIMEOUT", str(PROCESS_GROUP_TIMEOUT_S),
+                     f"s HCCL waits for every rank when it links a communicator (its default 120, range "
+                     f"120-7200): the {PROCESS_GROUP_TIMEOUT_S} s the program's process groups wait"),),
+        setup="source /usr/local/Ascend/ascend-toolkit/set_env.sh   # CANN's libraries and HCCL, before torch_npu",
+        sources="CANN environment variable reference (HCCL_CONNECT_TIMEOUT, HCCL_IF_IP, HCCL_SOCKET_IFNAME); "
+                "Ascend/pytorch docs/zh/environment_variable_reference/PYTORCH_NPU_ALLOC_CONF.md",
+    ),
+    "cpu": Accelerator(
+        device="cpu", name="CPU processes", collectives="gloo", visible_devices=None,
+        alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",),   # unread on the CPU: kept so a cpu plan's program reads like a GPU one's
+    ),
+}
 
 
 # NVLink/NCCL latencies: a few microseconds in-node, about 10 us across InfiniBand.
@@ -222,6 +314,7 @@ _IB_LATENCY = q("10 us")
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOPS bf16, 156 TFLOPS TF32,
     # 1,555 GB/s HBM2; NVLink 3 600 GB/s bidirectional; DGX A100: 8 x 200 Gb/s HDR per node.
+    # No FP8 (Ampere's tensor cores stop at bf16 / int8).
     "a100-40gb": ClusterPreset(
         gpus_per_node=8, memory=int(q("40 GiB")), peak_flops=_peaks("312 TFLOPS", "156 TFLOPS"),
         hbm_bw=q("1555 GB/s"), intra_node_bw=q("300 GB/s"), inter_node_bw=q("200 Gb/s"),
@@ -233,44 +326,68 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         hbm_bw=q("2039 GB/s"), intra_node_bw=q("300 GB/s"), inter_node_bw=q("200 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
     ),
-    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 494.7 TFLOPS TF32 dense, 3.35 TB/s
-    # HBM3; NVLink 4 900 GB/s bidirectional; DGX H100: 8 x 400 Gb/s NDR (ConnectX-7), one per
-    # GPU on a rail-optimised fabric; four third-generation NVSwitches with NVLink SHARP.
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 494.7 TFLOPS TF32 dense, 1,979
+    # TFLOPS FP8 dense (3,958 with sparsity), 3.35 TB/s HBM3; NVLink 4 900 GB/s bidirectional;
+    # DGX H100: 8 x 400 Gb/s NDR (ConnectX-7), one per GPU on a rail-optimised fabric; four
+    # third-generation NVSwitches with NVLink SHARP.
     "h100-sxm": ClusterPreset(
         gpus_per_node=8, memory=int(q("80 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("3.35 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
+        fp8_flops=q("1979 TFLOPS"),
     ),
-    # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, same compute and NVLink as H100;
-    # DGX H200: 8 x 400 Gb/s, NVSwitch 3 with NVLink SHARP.
+    # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s; the H100's GH100 compute (989
+    # TFLOPS bf16, 494.7 TF32, 1,979 FP8 dense: the sheet prints 1,979 / 3,958 with sparsity)
+    # and NVLink 4 (900 GB/s); DGX H200: 8 x 400 Gb/s ConnectX-7, NVSwitch 3 with NVLink SHARP.
     "h200": ClusterPreset(
         gpus_per_node=8, memory=int(q("141 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("4.8 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
+        fp8_flops=q("1979 TFLOPS"),
     ),
-    # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs (180 GB each) at 8 TB/s,
-    # 2.25 PFLOPS bf16 dense, 1.1 PFLOPS TF32 dense per GPU; NVLink 5 1.8 TB/s bidirectional;
-    # 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with NVLink SHARP.
+    # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs (180 GB each) at 64 TB/s (8 TB/s
+    # each; NVIDIA's HGX B200 page now prints 62 TB/s, 7.7 each), 72 PFLOPS FP8 training per 8
+    # GPUs with sparsity; HGX B200 per GPU: 2.25 PFLOPS bf16 / fp16 dense, 1.1 PFLOPS TF32
+    # dense (2.2 sparse), 4.5 PFLOPS FP8 dense (9 sparse; MXFP8 the same: Blackwell's tensor
+    # cores scale 32-element blocks in hardware at the FP8 rate); NVLink 5 1.8 TB/s
+    # bidirectional; 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with SHARP.
     "b200": ClusterPreset(
         gpus_per_node=8, memory=int(q("180 GiB")), peak_flops=_peaks("2250 TFLOPS", "1100 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
+        fp8_flops=q("4500 TFLOPS"), mxfp8_flops=q("4500 TFLOPS"),
     ),
-    # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1307.4 TFLOPS bf16 dense,
-    # 653.7 TFLOPS TF32; Infinity Fabric 7 x 64 GB/s per direction to the 7 peers;
-    # typical platforms: one 400 Gb/s NIC per GPU; no in-switch reduction.
+    # NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs and 36 Grace CPUs in one NVLink domain
+    # (130 TB/s of NVLink: 1.8 TB/s per GPU both ways, through nine NVLink switch trays with
+    # SHARP); per GPU 186 GB HBM3e at 8 TB/s (13.4 TB and 576 TB/s per rack), 5 PFLOPS FP8 /
+    # MXFP8 dense (720 PFLOPS per rack with sparsity), 2.5 PFLOPS bf16 / fp16 dense, 1.25
+    # PFLOPS TF32 dense (1,200 W against HGX B200's 1,000 W). A node is one compute tray: two
+    # Grace CPUs, four GPUs, four 400 Gb/s ConnectX-7 (one per GPU) to the scale-out network.
+    "gb200-nvl72": ClusterPreset(
+        gpus_per_node=4, memory=int(q("186 GiB")), peak_flops=_peaks("2500 TFLOPS", "1250 TFLOPS"),
+        hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
+        nics_per_node=4, nvlink_domain=72, fp8_flops=q("5000 TFLOPS"), mxfp8_flops=q("5000 TFLOPS"),
+    ),
+    # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1,307.4 TFLOPS bf16 / fp16
+    # dense, 653.7 TFLOPS TF32, 2,614.9 TFLOPS FP8 dense (5,229.8 with sparsity; OCP FP8,
+    # no MX formats: those came with CDNA 4's MI350); Infinity Fabric 7 x 128 GB/s (896 GB/s
+    # peak aggregate), 64 GB/s per direction to each of the 7 peers; typical platforms: one
+    # 400 Gb/s NIC per GPU; no in-switch reduction.
     "mi300x": ClusterPreset(
         gpus_per_node=8, memory=int(q("192 GiB")), peak_flops=_peaks("1307.4 TFLOPS", "653.7 TFLOPS"),
         hbm_bw=q("5.3 TB/s"), intra_node_bw=q("448 GB/s"), inter_node_bw=q("400 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, stack="rocm",
+        fp8_flops=q("2614.9 TFLOPS"),
     ),
     # Huawei Ascend 910B (Atlas 800T A2 server, 8 NPUs): 64 GB HBM2e at about 1.6 TB/s,
     # about 313 TFLOPS fp16/bf16 dense (figures vary by SKU); HCCS about 196 GB/s per
-    # direction; one 200 Gb/s RoCE port per NPU. No TF32: fp32 at the fp16 rate / 4 (assumed).
+    # direction (7 links of 56 GB/s both ways); one 200 Gb/s RoCE port per NPU. No TF32: fp32 at
+    # the fp16 rate / 4 (assumed). No FP8 GEMM (Ascend's FP8 / MXFP8 arrive with the 950 series).
     "ascend-910b": ClusterPreset(
         gpus_per_node=8, memory=int(q("64 GiB")), peak_flops=_peaks("313 TFLOPS", "78 TFLOPS"),
         hbm_bw=q("1.6 TB/s"), intra_node_bw=q("196 GB/s"), inter_node_bw=q("200 Gb/s"),
-        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"),
+        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann",
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
@@ -281,7 +398,7 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         gpus_per_node=8, memory=int(q("16 GiB")),
         peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")},
         hbm_bw=q("20 GB/s"), intra_node_bw=q("2 GB/s"), inter_node_bw=q("1 GB/s"),
-        intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"),
+        intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"), stack="cpu",
     ),
 }
 
@@ -293,6 +410,13 @@ def model_preset(name: str) -> dict[str, Any] | None:
     """A copy of the `model` keys of preset ``name`` (SI units), or None if there is none."""
     values = MODEL_PRESETS.get(name)
     return dict(values) if values is not None else None
+
+
+def accelerator(preset: str | None) -> Accelerator:
+    """The software stack of cluster preset ``preset`` (:data:`ACCELERATORS`); NVIDIA's
+    CUDA for a cluster without a preset (or an unknown name: the spec checks names)."""
+    found = CLUSTER_PRESETS.get(preset) if preset is not None else None
+    return ACCELERATORS[found.stack if found is not None else "cuda"]
 
 
 def cluster_preset(name: str, dtype: str) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from parcompile.config.presets import Accelerator, accelerator
 from parcompile.config.text import even_split
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.model import derived_defaults, layer_windows, padded_vocab
@@ -207,14 +208,16 @@ class ClusterConfig(_Frozen):
         return self.nvlink_domain or self.gpus_per_node
 
     @property
+    def accelerator(self) -> Accelerator:
+        """The preset's software stack (config/presets.py ``ACCELERATORS``): device type,
+        collective library, what the launchers set and say; NVIDIA's without a preset."""
+        return accelerator(self.preset)
+
+    @property
     def device_kind(self) -> str:
-        """The accelerator programs run on: ``cpu`` (gloo), ``npu`` (Ascend, HCCL through
-        torch_npu) or ``cuda`` (NVIDIA and AMD GPUs: NCCL/RCCL), from the preset."""
-        if self.preset == "cpu":
-            return "cpu"
-        if self.preset is not None and self.preset.startswith("ascend"):
-            return "npu"
-        return "cuda"
+        """The torch device type programs run on: ``cpu`` (gloo), ``npu`` (Ascend, HCCL
+        through torch_npu) or ``cuda`` (NVIDIA and AMD GPUs: NCCL / RCCL), from the preset."""
+        return self.accelerator.device
 
     @property
     def is_cpu(self) -> bool:

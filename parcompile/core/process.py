@@ -11,6 +11,11 @@ import sys
 #: linux/prctl.h
 _PR_SET_PDEATHSIG = 1
 
+#: seconds a rank's process groups wait for a peer before the job ends
+#: (``parcompile.runtime.init_parallel``); the Ascend launchers give HCCL's connection
+#: timeout the same (``HCCL_CONNECT_TIMEOUT``, config/presets.py ``ACCELERATORS``)
+PROCESS_GROUP_TIMEOUT_S = 600
+
 
 def _libc():
     """libc with errno, loaded before any fork (a child between fork and exec must not

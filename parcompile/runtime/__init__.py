@@ -29,6 +29,7 @@ from parcompile.runtime.layers import (
     geglu,
     vocab_parallel_cross_entropy,
 )
+from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import MLAttention
 from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE

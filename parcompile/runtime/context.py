@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parcompile.core.process import die_with_parent
 from parcompile.core.axes import GROUP_AXES as AXES  # every group of a plan, in creation order
+from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S, die_with_parent
+from parcompile.runtime.device import choose_backend  # the device type's backend and device (runtime/device.py)
 
 
 @dataclass
@@ -94,37 +95,6 @@ class ParallelContext:
         return self.stage == self.num_stages - 1
 
 
-def choose_backend(force_cpu: bool = False, device: str = "cuda") -> tuple[str, torch.device]:
-    """The process-group backend and device for this rank, chosen at run time:
-
-    - ``device = "npu"`` (Ascend): HCCL through ``torch_npu``;
-    - ``device = "cuda"``: NCCL when a GPU is present, else gloo on the CPU (so a GPU plan
-      can be tried here);
-    - ``device = "cpu"``, ``force_cpu`` or ``PARCOMPILE_DEVICE=cpu``: gloo on the CPU.
-
-    Per the torch docs, the accelerator is selected before the process group exists.
-
-    Raises:
-        RuntimeError: an Ascend plan without ``torch_npu`` installed.
-    """
-    if os.environ.get("PARCOMPILE_DEVICE") == "cpu" or force_cpu:
-        device = "cpu"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
-        except ImportError:
-            raise RuntimeError("this plan runs on Ascend NPUs (cluster ascend-910b) but torch_npu is not "
-                               "installed: pip install torch-npu, or set PARCOMPILE_DEVICE=cpu to run "
-                               "with gloo on the CPU") from None
-        torch.npu.set_device(local_rank)
-        return "hccl", torch.device("npu", local_rank)
-    if device == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")
-
-
 def _find(groups: list[list[int]], rank: int) -> list[int]:
     for g in groups:
         if rank in g:
@@ -136,11 +106,12 @@ def _find(groups: list[list[int]], rank: int) -> list[int]:
 GATHER_AXES = ("dp_cp", "expert_dp")
 
 
-def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = 600.0,
+def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
                   device: str = "cuda", gather_groups: bool = False) -> ParallelContext:
     """Create the process groups of ``plan["groups"]`` and return this rank's context.
 
-    ``device`` is the cluster's accelerator kind (see :func:`choose_backend`); process
+    ``device`` is the plan's device type (``cuda``, ``npu``, ``cpu``: see
+    :func:`parcompile.runtime.device.choose_backend`); process
     groups time out after ``timeout_s`` seconds, so a dead rank ends the job instead of
     hanging it. ``gather_groups`` (ZeRO-3) adds a second group for each of
     :data:`GATHER_AXES` (:attr:`Axis.param_group`). Under torchrun (``WORLD_SIZE`` > 1) this initialises torch.distributed; every rank

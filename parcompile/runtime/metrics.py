@@ -24,31 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parcompile.runtime.device import allocator_peaks  # the caching allocator's peaks, per device type
+
 
 #: what a step record says for the allocator's peaks where the device has no caching
 #: allocator (CPU processes under gloo)
 NOT_AVAILABLE = "not available"
-
-
-def allocator_peaks(device) -> dict[str, int] | None:
-    """This process's peak bytes ``{"allocated": ..., "reserved": ...}`` on ``device`` (a
-    torch.device) from the accelerator's caching allocator: ``torch.accelerator``'s
-    ``max_memory_allocated`` / ``max_memory_reserved`` (every device type that registers
-    them: CUDA, ROCm, XPU, NPU through torch_npu, MPS), else ``torch.cuda``'s on a CUDA
-    device; None on the CPU (no caching allocator) or where the device has no such API."""
-    if device.type == "cpu":
-        return None
-    acc = getattr(torch, "accelerator", None)
-    for mod in (acc, getattr(torch, device.type, None)):
-        alloc = getattr(mod, "max_memory_allocated", None)
-        reserved = getattr(mod, "max_memory_reserved", None)
-        if alloc is None or reserved is None:
-            continue
-        try:
-            return {"allocated": int(alloc(device)), "reserved": int(reserved(device))}
-        except (RuntimeError, TypeError, ValueError, AssertionError):   # not registered for this device
-            continue
-    return None
 
 
 def peak_memory(ctx) -> dict[str, list[int]]:
@@ -64,12 +45,11 @@ def peak_memory(ctx) -> dict[str, list[int]]:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         mine = [rss * (1 if sys.platform == "darwin" else 1024)]   # Linux reports KiB
         keys = ("rss",)
+    if not ctx.distributed:   # one process: nothing to gather, no tensor on the device
+        return {k: [v] for k, v in zip(keys, mine)}
     t = torch.tensor(mine, dtype=torch.int64, device=ctx.device)
-    if ctx.distributed:
-        parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
-        dist.all_gather(parts, t)   # not counted: reporting, outside the plan's collectives
-    else:
-        parts = [t]
+    parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, t)   # not counted: reporting, outside the plan's collectives
     return {k: [int(p[i]) for p in parts] for i, k in enumerate(keys)}
 
 
