@@ -729,7 +729,7 @@ def measure(cfg: SpecConfig, workdir: str | os.PathLike, steps: int = 1, timeout
     torchrun on this machine and return ``(plan.json dict, per-rank records)``: each record
     holds the measured ``state_bytes`` (parameters, gradients, optimizer states),
     ``saved_per_layer`` (bytes saved for backward per layer, one micro-batch), the
-    collectives of one step and, on a GPU, ``cuda_peak``.
+    collectives of one step and, on an accelerator, ``allocator_peak`` (its caching allocator's peaks).
 
     Raises:
         RuntimeError: the torchrun job failed (its output is in the message).

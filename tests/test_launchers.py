@@ -58,7 +58,8 @@ def test_each_cluster_runs_on_its_accelerator():
     kinds = {name: tiny_config(1, 1, 1).cluster.model_copy(update={"preset": name}).device_kind
              for name in CLUSTER_PRESETS}
     assert kinds["cpu"] == "cpu" and kinds["ascend-910b"] == "npu"
-    assert all(kinds[n] == "cuda" for n in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi300x"))
+    assert all(kinds[n] == "cuda" for n in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "gb200-nvl72",
+                                            "mi300x"))
     cfg = tiny_config(1, 1, 1)
     from parcompile.driver import compile_config
 
@@ -172,6 +173,83 @@ def test_launchers_say_what_they_run(nodes, gpus):
     assert f"#SBATCH --nodes={nodes}\n" in sbatch and "#SBATCH --ntasks-per-node=1\n" in sbatch
     assert f"--nnodes {nodes} --nproc-per-node {gpus} " in sbatch
     assert f"# {nodes} node{'s' if nodes > 1 else ''}, one task per node; each runs torchrun with {gpus} {procs}" in sbatch
+
+
+def _preset_cfg(preset: str, nodes: int = 2, gpus: int = 8):
+    """A two-layer spec on ``nodes`` x ``gpus`` devices of cluster preset ``preset``."""
+    text = _spec(nodes, gpus).replace('cluster c from "cpu"', f'cluster c from "{preset}"')
+    cfg, _ = load_spec(text, filename="a.par")
+    return cfg
+
+
+@pytest.mark.parametrize("preset", sorted(CLUSTER_PRESETS))
+def test_launchers_say_what_changes_per_accelerator(preset):
+    """Each preset's launchers name its devices, the variable that restricts them, its
+    collective library's settings and its setup line, export what the stack needs (a value
+    the caller set kept), and ask SLURM for GPUs only where SLURM allocates them as GPUs;
+    the scripts parse. What each stack says is its row of config/presets.py ACCELERATORS."""
+    cfg = _preset_cfg(preset)
+    acc = cfg.cluster.accelerator
+    launch, sbatch = render_launch(cfg), render_slurm(cfg)
+    for text in (launch, sbatch):
+        assert subprocess.run(["bash", "-n", "-c", text]).returncode == 0
+        assert f"# Accelerator: {acc.name}; collectives through {acc.collectives}.\n" in text
+        for var, _ in acc.comm_env:
+            assert f"\n#   {var}: " in text
+        for var, value, _ in acc.launch_env:
+            assert f'\nexport {var}="${{{var}:-{value}}}"   # ' in text
+        visible = [v for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES") if v in text]
+        assert visible == ([acc.visible_devices] if acc.visible_devices else [])
+        assert ("source /usr/local/Ascend/ascend-toolkit/set_env.sh" in text) == (preset == "ascend-910b")
+        assert ("HCCL" in text) == (preset == "ascend-910b") and ("NCCL_" in text) == (acc.collectives in ("NCCL", "RCCL"))
+    assert ("#SBATCH --gpus-per-node=8\n" in sbatch) == (acc.slurm_gpus and preset != "cpu")
+    assert (launch.count("\nneed_devices 8\n"), "    need_devices 16\n" in launch) == \
+        ((1, True) if acc.visible_devices else (0, False))
+
+
+def _fake_torchrun(bin_dir: Path) -> Path:
+    """A ``torchrun`` that prints what it was given instead of starting ranks."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    return _executable(bin_dir / "torchrun", "#!/usr/bin/env bash\n"
+                       'echo "torchrun $* | HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-unset}"\n')
+
+
+@pytest.mark.parametrize("visible, nnodes, code", [
+    (None, "1", 0), ("0,1,2,3,4,5,6,7", None, 0), ("0,1", None, 2), ("0,1,2,3,4,5,6,7", "1", 2),
+])
+def test_ascend_launch_checks_visible_devices_and_sets_hccl(tmp_path, visible, nnodes, code):
+    """launch.sh of a two-node Ascend plan, run (torchrun a stand-in that prints its
+    arguments): ASCEND_RT_VISIBLE_DEVICES, when set, must name a device per process of the
+    node (8 on one of two nodes, 16 with NNODES=1), and HCCL's connection timeout is the
+    program's process-group timeout unless the caller set one."""
+    from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S
+
+    cfg = _preset_cfg("ascend-910b")
+    out = tmp_path / "build"
+    out.mkdir()
+    _executable(out / "launch.sh", render_launch(cfg))
+    (out / "program.py").write_text("")
+    _fake_torchrun(tmp_path / "bin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HCCL_", "ASCEND_", "NNODES", "NODE_RANK"))}
+    env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", PYTHONPATH=str(REPO), NODE_RANK="1", MASTER_ADDR="10.0.0.1")
+    if visible is not None:
+        env["ASCEND_RT_VISIBLE_DEVICES"] = visible
+    if nnodes is not None:
+        env["NNODES"] = nnodes
+    proc = subprocess.run([str(out / "launch.sh"), "--steps", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    if code:
+        n = len(visible.split(","))
+        procs = 16 if nnodes == "1" else 8
+        assert proc.stderr == (f"launch.sh: ASCEND_RT_VISIBLE_DEVICES={visible} names {n} device(s) but this node "
+                               f"runs {procs} processes, one per device: name {procs}, or unset it\n")
+        return
+    assert f"| HCCL_CONNECT_TIMEOUT={PROCESS_GROUP_TIMEOUT_S}\n" in proc.stdout
+    assert ("--standalone --nproc-per-node 16" if nnodes == "1" else "--nnodes 2 --nproc-per-node 8 --node-rank 1") \
+        in proc.stdout
+    env["HCCL_CONNECT_TIMEOUT"] = "1800"   # the caller's own value wins
+    again = subprocess.run([str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert "| HCCL_CONNECT_TIMEOUT=1800\n" in again.stdout
 
 
 # --- launch.sh, run -------------------------------------------------------------------------

@@ -227,3 +227,42 @@ def test_from_json_in_a_spec(tmp_path):
     [d] = e.value.diagnostics
     assert d.message == f"cannot read `{tmp_path / 'missing.json'}`: no such file"
     assert d.help == "a `.json` source is resolved relative to the spec file"
+
+
+# -- accelerators (issue 32) -----------------------------------------------------------------
+
+def test_fp8_peaks_are_twice_the_16_bit_peaks():
+    """FP8 dense runs at twice the bf16 dense rate on every part with FP8 tensor cores (two
+    datasheet figures checked against each other); MXFP8 exists on Blackwell alone."""
+    has_fp8 = {n for n, p in CLUSTER_PRESETS.items() if p.fp8_flops}
+    assert has_fp8 == {"h100-sxm", "h200", "b200", "gb200-nvl72", "mi300x"}
+    for name in has_fp8:
+        preset = CLUSTER_PRESETS[name]
+        assert preset.fp8_flops == pytest.approx(2 * preset.peak_flops["bf16"], rel=1e-3), name
+    assert {n for n, p in CLUSTER_PRESETS.items() if p.mxfp8_flops} == {"b200", "gb200-nvl72"}
+    assert all(p.mxfp8_flops == p.fp8_flops for p in CLUSTER_PRESETS.values() if p.mxfp8_flops)
+
+
+def test_gb200_nvl72_is_one_nvlink_domain_of_18_trays():
+    cfg, _ = load_spec('model m from "llama3-8b" { }\ncluster c from "gb200-nvl72" { nodes = 18 }\n'
+                       'parallel { tp = 8, micro_batch = 1, global_batch = 72 }')
+    c = cfg.cluster
+    assert (c.gpus_per_node, c.world_size, c.domain_size, c.nics_per_node, c.nvls) == (4, 72, 72, 4, True)
+    assert c.peak_flops == 2.5e15 and c.memory == 186 * 2**30
+
+
+def test_nvlink_domain_decides_which_groups_are_inside_a_node():
+    """tp = 8 spans two 4-GPU trays: inside the NVL72 domain it runs on NVLink (NVLS); with
+    the domain cut to a tray (`nvlink_domain = 4`) it crosses the network (NVLS tree), slower."""
+    from parcompile.driver import compile_config
+
+    got = {}
+    for domain in ("", ", nvlink_domain = 4"):
+        cfg, _ = load_spec('model m from "llama3-8b" { }\ncluster c from "gb200-nvl72" { nodes = 18' + domain + ' }\n'
+                           'parallel { tp = 8, micro_batch = 1, global_batch = 72 }')
+        plan = compile_config(cfg).data
+        tp = plan["estimate"]["assumptions"]["network"]["tp"]
+        got[cfg.cluster.domain_size] = (tp["ranks_per_node"], tp["nodes"], tp["collectives"]["all_reduce"]["algorithm"],
+                                        plan["estimate"]["step_time"])
+    assert got[72][:3] == (8, 1, "nvls") and got[4][:3] == (4, 2, "nvls_tree")
+    assert got[72][3] < got[4][3]

@@ -386,7 +386,7 @@ def _device_comment(acc) -> str:
     :class:`~parcompile.config.presets.Accelerator`)."""
     if acc.device == "cpu":
         return "gloo on CPU processes, even where a GPU exists"
-    return f"{acc.collectives} on {acc.name} (gloo on the CPU where none is present)"
+    return f"{acc.collectives} on {acc.name}; gloo on the CPU where none is present"
 
 
 def render_program(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-# PyTorch's caching allocator with expandable segments fragments less (set before CUDA starts)
+# PyTorch's caching allocator with expandable segments fragments less (set before the device starts)
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from pathlib import Path
 
@@ -57,7 +57,7 @@ SP = False  # sequence parallelism: outside tp regions activations are split alo
 T_LOCAL = 2048  # tokens per rank in the residual stream (B, T=2048, h=12288)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 1536
-DEVICE = "cuda"  # NCCL on GPUs (gloo on the CPU where none is present)
+DEVICE = "cuda"  # NCCL on NVIDIA GPUs; gloo on the CPU where none is present
 
 # ---- training -------------------------------------------------------------------------
 TRAIN = {'optimizer': 'adam', 'lr': 6e-05, 'weight_decay': 0.1, 'grad_clip': 1.0, 'steps': 10, 'lr_schedule': 'constant', 'warmup_steps': 0, 'min_lr': 0.0, 'betas': [0.9, 0.95], 'eps': 1e-08, 'log_every': 1, 'checkpoint_dir': None, 'checkpoint_every': 0, 'eval_every': 0, 'eval_batches': None}
@@ -294,12 +294,11 @@ def main(argv=None) -> dict:
             record["saved_per_layer"] = rt.METER.snapshot()     # activations kept for backward, one micro-batch
             peaks = rt.allocator_peaks(ctx.device)                # the allocator's peak: used vs kept
             if peaks is not None:
-                record["cuda_peak"] = peaks
+                record["allocator_peak"] = peaks
         record["losses"].append(loss)
         record["batches"].append(rt.batch_digest(tokens, targets))   # which samples the step trained on
         if step % TRAIN["log_every"] == 0 or step == args.steps - 1:
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            rt.synchronize(ctx.device)                          # the step's queued kernels (nothing on the CPU)
             step_time = time.perf_counter() - t0
             log.step(step + 1, args.steps, loss, lr, float(grad), step_time, rt.peak_memory(ctx))
         done = step + 1

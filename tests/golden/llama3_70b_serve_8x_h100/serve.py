@@ -52,7 +52,7 @@ KV_DTYPE = gen.TORCH_DTYPES["bf16"]  # the KV cache
 HEADS_LOCAL = 8  # query heads per rank
 KV_LOCAL = 1  # kv heads per rank
 KV_REPLICAS = 1  # tp ranks holding the same kv head (vLLM-style replication when tp > kv_heads)
-FORCE_CPU = False  # the `cpu` cluster runs with gloo even where a GPU exists
+DEVICE = "cuda"  # NCCL on NVIDIA GPUs; gloo on the CPU where none is present
 
 # ---- requests -------------------------------------------------------------------------
 BATCH = 32
@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
             raise gen.ServeError(f"a prompt of {len(p)} tokens + {args.max_new_tokens} new tokens exceeds seq_len = {SEQ_LEN}")
     eos = args.eos if args.eos is not None else gen.end_tokens(weights)
 
-    ctx = rt.init_parallel(plan, force_cpu=FORCE_CPU)
+    ctx = rt.init_parallel(plan, device=DEVICE)
     mine = gen.replica_slice(prompts, ctx.dp.index, ctx.dp.size)     # this replica's sequences
     first = sum(len(gen.replica_slice(prompts, r, ctx.dp.size)) for r in range(ctx.dp.index))
     with rt.no_init() if weights else nullcontext():                 # loaded weights need no initial values

@@ -6,6 +6,13 @@
 #   NNODES=1 ./launch.sh
 # Extra arguments go to program.py (e.g. --steps 10 --metrics-dir out/); it is found beside this
 # script and runs in the current directory, so relative paths in them are taken from there.
+# Accelerator: NVIDIA GPUs; collectives through NCCL.
+# CUDA_VISIBLE_DEVICES, when set, names the devices this node's processes use
+# (local rank i takes the i-th): at least one per process.
+# NCCL settings a site may need (not set here):
+#   NCCL_SOCKET_IFNAME: the network interface of NCCL's bootstrap and socket transport
+#   NCCL_IB_HCA: the InfiniBand / RoCE adapters NCCL uses
+#   NCCL_DEBUG: INFO logs the rings, trees and transports it chose
 # Python environment: torchrun and parcompile 0.1.0 (the program imports parcompile.runtime),
 # from one environment. Activate it before running this script, or uncomment one of these:
 # source /path/to/venv/bin/activate
@@ -33,8 +40,18 @@ if ! $python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("
     echo "launch.sh: parcompile is not importable by torchrun's Python ($python): activate the environment with parcompile 0.1.0 (see the top of this script), or pip install parcompile there" >&2
     exit 1
 fi
+need_devices() {   # $1 processes on this node, one per device: CUDA_VISIBLE_DEVICES, when set, names enough
+    local var=CUDA_VISIBLE_DEVICES n
+    [ -n "${!var:-}" ] || return 0
+    n="$(awk -F, '{print NF}' <<< "${!var}")"
+    if [ "$n" -lt "$1" ]; then
+        echo "launch.sh: $var=${!var} names $n device(s) but this node runs $1 processes, one per device: name $1, or unset it" >&2
+        exit 2
+    fi
+}
 NNODES="${NNODES:-2}"
 if [ "$NNODES" = 1 ]; then
+    need_devices 16
     exec torchrun --standalone --nproc-per-node 16 "$here/program.py" "$@"
 fi
 if [ "$NNODES" != 2 ]; then
@@ -49,6 +66,7 @@ if [ -z "${MASTER_ADDR:-}" ]; then
     echo "launch.sh: set MASTER_ADDR to node 0's address (the rendezvous host), the same on every node" >&2
     exit 2
 fi
+need_devices 8
 exec torchrun --nnodes 2 --nproc-per-node 8 --node-rank "$NODE_RANK" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
     "$here/program.py" "$@"

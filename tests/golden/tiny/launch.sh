@@ -3,6 +3,7 @@
 # One node (8 processes): ./launch.sh, or path/to/launch.sh from any directory.
 # Extra arguments go to program.py (e.g. --steps 10 --metrics-dir out/); it is found beside this
 # script and runs in the current directory, so relative paths in them are taken from there.
+# Accelerator: CPU processes; collectives through gloo.
 # Python environment: torchrun and parcompile 0.1.0 (the program imports parcompile.runtime),
 # from one environment. Activate it before running this script, or uncomment one of these:
 # source /path/to/venv/bin/activate

@@ -52,7 +52,7 @@ KV_DTYPE = gen.TORCH_DTYPES["fp32"]  # the KV cache
 HEADS_LOCAL = 2  # query heads per rank
 KV_LOCAL = 1  # kv heads per rank
 KV_REPLICAS = 1  # tp ranks holding the same kv head (vLLM-style replication when tp > kv_heads)
-FORCE_CPU = True  # the `cpu` cluster runs with gloo even where a GPU exists
+DEVICE = "cpu"  # gloo on CPU processes, even where a GPU exists
 
 # ---- requests -------------------------------------------------------------------------
 BATCH = 16
@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
             raise gen.ServeError(f"a prompt of {len(p)} tokens + {args.max_new_tokens} new tokens exceeds seq_len = {SEQ_LEN}")
     eos = args.eos if args.eos is not None else gen.end_tokens(weights)
 
-    ctx = rt.init_parallel(plan, force_cpu=FORCE_CPU)
+    ctx = rt.init_parallel(plan, device=DEVICE)
     mine = gen.replica_slice(prompts, ctx.dp.index, ctx.dp.size)     # this replica's sequences
     first = sum(len(gen.replica_slice(prompts, r, ctx.dp.size)) for r in range(ctx.dp.index))
     with rt.no_init() if weights else nullcontext():                 # loaded weights need no initial values
