@@ -462,11 +462,15 @@ def megatron_env(plan: Plan) -> dict[str, str]:
     megatron/training/arguments.py) requires as launched: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
     with tensor or context parallelism on GPUs before Blackwell (it asserts it there; on
     Blackwell it is harmless), except under ``--use-torch-fsdp2`` (zero 3), which asserts the
-    opposite (the variable not ``1``) and only warns about tp/cp."""
+    opposite (the variable not ``1``) and only warns about tp/cp. Then what the cluster's
+    software stack exports in parcompile's own launchers (config/presets.py ``ACCELERATORS``
+    ``launch_env``: on Ascend, ``HCCL_CONNECT_TIMEOUT``)."""
     deg = _degrees(plan)
+    env = {}
     if (deg["tp"] > 1 or deg["cp"] > 1) and plan.config.parallel.zero != 3:
-        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    return {}
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    env.update({var: value for var, value, _ in plan.config.cluster.accelerator.launch_env})
+    return env
 
 
 def megatron_errors(plan: Plan) -> list[str]:

@@ -184,3 +184,21 @@ def test_every_preset_has_a_stack_whose_device_has_a_backend():
         assert acc.device in BACKENDS, name
     assert ACCELERATORS[CLUSTER_PRESETS["mi300x"].stack].device == "cuda"        # ROCm's torch calls it cuda
     assert ACCELERATORS[CLUSTER_PRESETS["ascend-910b"].stack].device == "npu"
+
+
+def test_exports_launch_with_the_stacks_variables():
+    """`parcompile export --to megatron / megatron-bridge` launch with what the stack's own
+    launchers export: HCCL's connection timeout on Ascend, nothing of HCCL elsewhere."""
+    from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S
+    from parcompile.driver import compile_config
+    from parcompile.export import export
+    from parcompile.frontend import load_spec
+
+    for preset, expected in (("ascend-910b", f"HCCL_CONNECT_TIMEOUT={PROCESS_GROUP_TIMEOUT_S} "), ("h100-sxm", None)):
+        cfg, _ = load_spec(SPEC.format(preset=preset).replace("gpus_per_node = 1", "gpus_per_node = 2")
+                           .replace("micro_batch = 1", "tp = 2, micro_batch = 1"))
+        plan = compile_config(cfg)
+        for target in ("megatron", "megatron-bridge"):
+            launch = export(plan, target).launch
+            assert "CUDA_DEVICE_MAX_CONNECTIONS=1 " in launch   # Megatron asserts it under tp (MindSpeed too)
+            assert (expected in launch) if expected else ("HCCL" not in launch), (preset, target, launch)
