@@ -266,3 +266,30 @@ def test_nvlink_domain_decides_which_groups_are_inside_a_node():
                                         plan["estimate"]["step_time"])
     assert got[72][:3] == (8, 1, "nvls") and got[4][:3] == (4, 2, "nvls_tree")
     assert got[72][3] < got[4][3]
+
+
+def _tflops(x: float) -> str:
+    """``2.25e15`` -> ``2,250``, ``1.3074e15`` -> ``1,307.4``: as docs/clusters.md writes peaks."""
+    t = x / 1e12
+    return f"{t:,.0f}" if t == round(t) else f"{t:,.1f}"
+
+
+def test_docs_clusters_lists_every_preset_with_its_datasheet_figures():
+    """docs/clusters.md's datasheet table has a row per cluster preset that states the
+    preset's own peaks (bf16, TF32, FP8), and every preset has its achievable fractions."""
+    from parcompile.analysis.estimate import EFFICIENCY
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "clusters.md").read_text()
+    table = docs[docs.index("## Datasheet numbers"):docs.index("What each preset's figures were measured against")]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines() if line.startswith("| `")}
+    assert set(rows) == set(CLUSTER_PRESETS)
+    measured = docs[docs.index("What each preset's figures were measured against"):docs.index("The `cpu` preset describes")]
+    for name, preset in CLUSTER_PRESETS.items():
+        assert f"`{name}`" in measured, name
+        assert name in EFFICIENCY, name
+        if name == "cpu":
+            continue
+        cells = rows[name].split("|")
+        assert f"{_tflops(preset.peak_flops['bf16'])} TFLOPS" in cells[3], name
+        assert _tflops(preset.peak_flops["fp32"]) in cells[4], name
+        assert (_tflops(preset.fp8_flops) in cells[5]) if preset.fp8_flops else cells[5].strip().startswith("none"), name
