@@ -94,7 +94,7 @@ def preset_for(name: str, memory: int) -> str:
     if "H100" in n:
         return "h100-sxm"
     if "B200" in n:
-        return "b200"
+        return "b200"   # GB200 (its name says B200 too) plans with `--cluster gb200-nvl72`
     if "A100" in n:
         return "a100-80gb" if memory > 60 * 2**30 else "a100-40gb"
     if "MI300" in n:
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     peak = cfg.cluster.peak_flops
     flops = plan["compute"]["model_flops_per_step"]
     mem_plan = plan["memory"]["per_stage"][0].get("total")
-    cuda_peak = (record.get("cuda_peak") or {}).get("allocated")
+    cuda_peak = (record.get("allocator_peak") or {}).get("allocated")   # the program's record (runtime/device.py allocator_peaks)
     losses = record["losses"]
 
     m = cfg.model
