@@ -87,15 +87,15 @@ def rows(plan: dict, records: list[dict]) -> list[tuple]:
         out.append((r["rank"], r["stage"],
                     [(k, st[k], got.get(k)) for k in ("params", "grads", "optimizer")]
                     + [("saved/layer", plan_acts, meas_acts)],
-                    worst, r.get("cuda_peak"), st["total"]))
+                    worst, r.get("allocator_peak"), st["total"]))
     return out
 
 
 def fragmentation(records: list[dict], reserve: float) -> str | None:
     """On a GPU: the share of reserved memory the caching allocator held beyond what was
     allocated at the peak (fragmentation and cached blocks), worst rank, against the
-    spec's ``memory_reserve``; None without CUDA peaks (CPU runs)."""
-    peaks = [r["cuda_peak"] for r in records if r.get("cuda_peak")]
+    spec's ``memory_reserve``; None without allocator peaks (CPU runs)."""
+    peaks = [r["allocator_peak"] for r in records if r.get("allocator_peak")]
     if not peaks:
         return None
     worst = max(1 - p["allocated"] / p["reserved"] for p in peaks if p["reserved"])

@@ -30,8 +30,8 @@ def test_fragmentation_against_memory_reserve():
     bench = _bench()
     plan = compile_config(tiny_config(2)).data
     # 0.90 allocated of reserved on the worst rank: 10% held beyond what was allocated
-    recs = _records(plan, cuda_peak={"allocated": 900, "reserved": 1000})
-    recs[1]["cuda_peak"] = {"allocated": 950, "reserved": 1000}
+    recs = _records(plan, allocator_peak={"allocated": 900, "reserved": 1000})
+    recs[1]["allocator_peak"] = {"allocated": 950, "reserved": 1000}
     assert "up to 10.0%" in bench.fragmentation(recs, 0.15) and "within" in bench.fragmentation(recs, 0.15)
     assert "MORE than memory_reserve = 5%" in bench.fragmentation(recs, 0.05)
     assert bench.fragmentation(_records(plan), 0.1) is None   # CPU: no allocator peak
