@@ -39,6 +39,12 @@ BACKENDS: dict[str, str] = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu":
 #: ``torch.<type>`` module and its backend): Ascend's torch_npu
 DEVICE_PLUGINS: dict[str, str] = {"npu": "torch_npu"}
 
+#: device types whose Adam / AdamW run torch's fused kernel here (``fused=True``): torch
+#: has it for more (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``), but
+#: these two are the ones the runtime's results are checked on; elsewhere the per-parameter
+#: loop, the same update up to rounding
+FUSED_OPTIMIZER_DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
 #: ``torch.accelerator`` name -> the device module's name for the same call
 _MODULE_NAMES = {"set_device_index": "set_device", "current_device_index": "current_device"}
 

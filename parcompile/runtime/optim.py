@@ -96,6 +96,7 @@ from parcompile.core.buckets import (bucket_positions, needed_in_backward, resha
 from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, GradSync, local_numel
 from parcompile.runtime.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.context import ParallelContext
+from parcompile.runtime.device import FUSED_OPTIMIZER_DEVICES
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 from parcompile.runtime.loss_scale import DynamicLossScaler
 
@@ -213,13 +214,14 @@ def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> Non
 
 def make_optimizer(groups: list[dict], train: dict) -> torch.optim.Optimizer:
     """AdamW / Adam / SGD over parameter groups (each with its ``weight_decay``). Adam and
-    AdamW use torch's fused kernel (one pass over all parameters, on CPU and CUDA; the
+    AdamW use torch's fused kernel (one pass over all parameters, on the device types of
+    ``runtime/device.py`` ``FUSED_OPTIMIZER_DEVICES``: CPU and CUDA; the
     optimizer states and the update are the same as the per-parameter loop's up to rounding)
     when every parameter is a floating tensor on one device type, as the fp32 masters are."""
     name, lr = train["optimizer"], train["lr"]
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.is_floating_point() for p in params) \
-        and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cpu", "cuda")
+        and len({p.device.type for p in params}) == 1 and params[0].device.type in FUSED_OPTIMIZER_DEVICES
     kw = {"fused": True} if fused else {}
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(train["betas"]), eps=train["eps"], **kw)
