@@ -9,9 +9,9 @@ goes through here:
 - :func:`choose_backend`: the process-group backend (:data:`BACKENDS`) and this rank's
   device, selected before the process group exists (torch's rule);
 - :func:`synchronize`, :func:`allocator_peaks`, :func:`device_count`: through
-  ``torch.accelerator`` (torch >= 2.6: synchronize, device index and count; >= 2.8 the
-  caching allocator's statistics) where it serves the device type, else the device type's
-  own module (``torch.cuda``, ``torch.npu`` from torch_npu, ``torch.xpu``, or the module a
+  ``torch.accelerator`` (synchronize, device index and count; the caching allocator's peaks
+  where this torch has ``torch.accelerator.max_memory_allocated``, as 2.13 does) where it
+  serves the device type, else the device type's own module (``torch.cuda``, ``torch.npu`` from torch_npu, ``torch.xpu``, or the module a
   ``privateuse1`` backend registers with ``torch._register_device_module``).
 
 No function here names ``torch.cuda``: a device type reaches its module only by name
@@ -148,8 +148,8 @@ def synchronize(device: torch.device) -> None:
 def allocator_peaks(device: torch.device) -> dict[str, int] | None:
     """This process's peak bytes ``{"allocated": ..., "reserved": ...}`` on ``device`` from
     the accelerator's caching allocator: ``torch.accelerator``'s ``max_memory_allocated`` /
-    ``max_memory_reserved`` (torch >= 2.8, every device type whose allocator registers with
-    it), else the device module's; None on the CPU (no caching allocator) or where the device
+    ``max_memory_reserved`` (every device type whose allocator registers with it, in the
+    torch versions that have them), else the device module's; None on the CPU (no caching allocator) or where the device
     has neither (the caller then reports the process's peak resident set)."""
     if device.type == "cpu":
         return None
