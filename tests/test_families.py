@@ -18,7 +18,6 @@ import pytest
 from parcompile.config.presets import MODEL_PRESETS
 from parcompile.config.schema import ModelConfig
 from parcompile.core import families, hf, hf_weights
-from parcompile.core.families.base import FEATURES
 from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS, ModelKeys
 from parcompile.frontend.build import KEYS
 
@@ -29,7 +28,7 @@ def test_every_model_type_is_one_family_of_one_module():
     assert hf.SUPPORTED_MODEL_TYPES == hf_weights.FAMILIES == families.MODEL_TYPES == tuple(sorted(seen))
     assert hf_weights.ARCHITECTURES == {t: families.get(t).architecture for t in seen}
     for f in (families.get(t) for t in seen):
-        assert f.features <= set(FEATURES), (f.model_type, f.features - set(FEATURES))
+        assert f.features <= set(families.FEATURES), (f.model_type, f.features - set(families.FEATURES))
     assert families.get("bert") is None
 
 
@@ -104,3 +103,17 @@ def test_miniature_keeps_every_key_it_does_not_set():
     assert MINIATURE_KEYS <= set(MODEL_KEY_CHECKS)
     kept = set(MODEL_KEY_CHECKS) - MINIATURE_KEYS
     assert {"norm", "activation", "qk_norm", "zero_centered_gamma", "rope_type", "attention_sinks"} <= kept
+
+
+def test_a_new_family_brings_its_own_keys():
+    """A family's ``owns`` joins the feature table: the other families refuse a model with
+    those keys, the owner does not (how Gemma 2's soft-capping keys would be checked)."""
+    from parcompile.core.families.base import Family, foreign_problems
+
+    own = {"dropping": (lambda m, f: [f"dropout = {m.dropout}"] if m.dropout else [], False)}
+    owner = dataclasses.replace(families.get("llama"), model_type="dropper", owns=own)
+    table = {**families.FEATURES, **own}
+    m = ModelKeys(**{**MODEL_PRESETS["llama3-8b"], "dropout": 0.1})
+    assert foreign_problems(m, families.get("llama"), table) == ["dropout = 0.1"]
+    assert foreign_problems(m, owner, table) == []
+    assert isinstance(owner, Family)

@@ -85,7 +85,7 @@ def family_problems(m: ModelKeys, family: str) -> list[Problem]:
     fam = families.get(family)
     if fam is None:
         return [Problem(f"unknown Hugging Face family `{family}`", "families: " + ", ".join(FAMILIES))]
-    out = foreign_problems(m, fam) + fam.problems(m)
+    out = foreign_problems(m, fam, families.FEATURES) + fam.problems(m)
     if not out:
         return []
     return [Problem(f"the model cannot be written as a Hugging Face `{family}` checkpoint: " + "; ".join(out),

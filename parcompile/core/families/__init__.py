@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parcompile.core.families import deepseek_v3, gemma3, gpt2, gpt_neox, gpt_oss, llama
+from parcompile.core.families import base, deepseek_v3, gemma3, gpt2, gpt_neox, gpt_oss, llama
 from parcompile.core.families.base import Family
 from parcompile.core.model import ModelKeys
 
@@ -37,6 +37,9 @@ _BY_TYPE: dict[str, Family] = {f.model_type: f for mod in MODULES for f in mod.F
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(_BY_TYPE))
 #: model_type -> transformers' architecture class
 ARCHITECTURES: dict[str, str] = {t: _BY_TYPE[t].architecture for t in MODEL_TYPES}
+#: the keys only some families have, by feature (:data:`parcompile.core.families.base.FEATURES`,
+#: then each family's own :attr:`~parcompile.core.families.base.Family.owns`)
+FEATURES: dict = {**base.FEATURES, **{k: v for f in _BY_TYPE.values() for k, v in f.owns.items()}}
 _GUESS_ORDER: tuple[Family, ...] = tuple(sorted(_BY_TYPE.values(), key=lambda f: (f.rank, f.model_type)))
 
 #: the help of a model no family expresses
@@ -65,4 +68,4 @@ def model_presets() -> dict[str, dict[str, Any]]:
     return {name: keys for mod in MODULES for name, keys in mod.PRESETS.items()}
 
 
-__all__ = ["ARCHITECTURES", "FAMILIES_HELP", "MODEL_TYPES", "MODULES", "Family", "for_model", "get", "model_presets"]
+__all__ = ["ARCHITECTURES", "FAMILIES_HELP", "FEATURES", "MODEL_TYPES", "MODULES", "Family", "for_model", "get", "model_presets"]

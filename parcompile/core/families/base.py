@@ -79,6 +79,11 @@ class Family:
     features: frozenset = field(default_factory=frozenset)
     title: str = ""
     head: tuple[str, ...] = ("lm_head.weight",)
+    owns: dict = field(default_factory=dict)
+
+    def has(self, feature: str) -> bool:
+        """Whether this family has ``feature`` (:attr:`features` or :attr:`owns`)."""
+        return feature in self.features or feature in self.owns
 
 
 # --------------------------------------------------------------------------- config.json -> keys
@@ -345,7 +350,7 @@ GEMMA_KEYS = {"zero_centered_gamma": True, "sandwich_norm": True, "scale_embeddi
 
 
 def _gemma(m: ModelKeys, family: Family) -> list[str]:
-    has = "gemma" in family.features
+    has = family.has("gemma")
     return [f"{key} = {_yes(value)}" if not has else f"{key} = {getattr(m, key)} ({family.title} has {_yes(value)})"
             for key, value in GEMMA_KEYS.items() if (getattr(m, key) == value) != has]
 
@@ -359,7 +364,7 @@ def _local_rope(m: ModelKeys, family: Family) -> list[str]:
 
 
 def _qk_norm(m: ModelKeys, family: Family) -> list[str]:
-    has = "qk_norm" in family.features
+    has = family.has("qk_norm")
     if has and not m.qk_norm:
         return ["qk_norm = false (it has q_norm and k_norm)"]
     return ["qk_norm = true"] if m.qk_norm and not has else []
@@ -384,7 +389,9 @@ def _mla(m: ModelKeys, family: Family) -> list[str]:
 
 #: the keys only a few families have, by feature: (what a family without the feature says
 #: about ``m``, whether a family with it checks it here too). A family lists its features
-#: in :attr:`Family.features`; the rest of what it needs is its own ``problems``.
+#: in :attr:`Family.features`; the rest of what it needs is its own ``problems``. A new
+#: family's own keys are its :attr:`Family.owns` (the registry's
+#: :data:`parcompile.core.families.FEATURES` adds them after these).
 FEATURES: dict[str, tuple[Callable[[ModelKeys, Family], list[str]], bool]] = {
     "gemma": (_gemma, True),                  # (1 + w) sandwich RMSNorms, scaled embeddings, GeGLU
     "window_pattern": (_window_pattern, False),   # local and global layers (sliding_window_pattern)
@@ -395,12 +402,13 @@ FEATURES: dict[str, tuple[Callable[[ModelKeys, Family], list[str]], bool]] = {
 }
 
 
-def foreign_problems(m: ModelKeys, family: Family) -> list[str]:
-    """What ``m`` has of the keys only some families have (:data:`FEATURES`) that
+def foreign_problems(m: ModelKeys, family: Family, features: dict | None = None) -> list[str]:
+    """What ``m`` has of the keys only some families have (``features``, default
+    :data:`FEATURES`; the registry's table has every family's :attr:`Family.owns` too) that
     ``family`` lacks, or lacks of those ``family`` requires, each a phrase."""
     out: list[str] = []
-    for feature, (check, symmetric) in FEATURES.items():
-        if symmetric or feature not in family.features:
+    for feature, (check, symmetric) in (FEATURES if features is None else features).items():
+        if symmetric or not family.has(feature):
             out += check(m, family)
     return out
 
