@@ -106,8 +106,8 @@ def _config(m: ModelKeys, common: dict) -> dict:
     return cfg
 
 
-def _sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    """Llama's names, with Gemma's four norms per layer (module docstring)."""
+def gemma_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
+    """Llama's names, with Gemma's four norms per layer (module docstring; Gemma 2's too)."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "layers":
         base = f"model.layers.{parts[1]}."
@@ -120,19 +120,21 @@ def _sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
     return llama_sources(m, name, shape)
 
 
-def _problems(m: ModelKeys) -> list[str]:
+def gemma_problems(m: ModelKeys, title: str = "Gemma 3") -> list[str]:
+    """What a Gemma decoder (RMSNorm and RoPE on the whole head, no biases, no parallel
+    residual, no experts, local and global layers) cannot have, each a phrase."""
     out = []
     if m.norm != "rmsnorm" or m.position != "rope" or rotary_dim(m) != m.head_dim:
         out.append("a norm or position other than RMSNorm and RoPE on the whole head")
     if m.bias or m.parallel_residual or m.experts:
         out.append("biases, parallel_residual or experts")
     if m.sliding_window_pattern == 0 and m.sliding_window:
-        out.append("sliding_window on every layer (Gemma 3 alternates: sliding_window_pattern)")
+        out.append(f"sliding_window on every layer ({title} alternates: sliding_window_pattern)")
     return out
 
 
-FAMILIES = (Family("gemma3_text", "Gemma3ForCausalLM", keys=_keys, config=_config, sources=_sources,
-                   problems=_problems, matches=lambda m: any(getattr(m, k) == v for k, v in GEMMA_KEYS.items()),
+FAMILIES = (Family("gemma3_text", "Gemma3ForCausalLM", keys=_keys, config=_config, sources=gemma_sources,
+                   problems=gemma_problems, matches=lambda m: any(getattr(m, k) == v for k, v in GEMMA_KEYS.items()),
                    rank=30, features=frozenset({"gemma", "window_pattern", "local_rope", "qk_norm"}),
                    title="Gemma 3"),)
 
