@@ -40,6 +40,7 @@ import torch
 
 from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
                                       TrainConfig)
+from parcompile.core.model import MODEL_KEY_CHECKS
 from parcompile.diagnostics import Diagnostic, SpecError
 
 #: the miniature's gradient bucket size: a miniature layer holds a few KiB of gradients, so
@@ -192,19 +193,12 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     if mla:
         kv = heads
     keys = dict(
+        {k: getattr(m, k) for k in MODEL_KEY_CHECKS if k not in MINIATURE_KEYS},   # the model's own
         name=m.name + "_mini", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
-        ffn_hidden=2 * hidden, vocab=vocab, seq_len=seq_len, norm=m.norm, activation=m.activation,
-        position=m.position, bias=m.bias, qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, rotary_fraction=m.rotary_fraction, parallel_residual=m.parallel_residual,
-        sliding_window=min(m.sliding_window, 8), qk_norm=m.qk_norm, attention=m.attention, dropout=0.0,
+        ffn_hidden=2 * hidden, vocab=vocab, seq_len=seq_len, sliding_window=min(m.sliding_window, 8), dropout=0.0,
         # local and global layers both present in the miniature (Gemma 3's 6 -> at most its layers)
         sliding_window_pattern=min(m.sliding_window_pattern, max(layers, 2)) if m.sliding_window_pattern else 0,
-        rope_local_base_freq=m.rope_local_base_freq,
-        **{k: getattr(m, k) for k in ROPE_SCALING_KEYS},
-        zero_centered_gamma=m.zero_centered_gamma, sandwich_norm=m.sandwich_norm,
-        scale_embeddings=m.scale_embeddings, query_pre_attn_scalar=m.query_pre_attn_scalar,
-        attention_sinks=m.attention_sinks,
-        tie_embeddings=m.tie_embeddings, dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
+        dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
     )
     model = ModelConfig(**{**keys, **mla})
     par = p.model_copy(update=dict(
@@ -223,10 +217,20 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
                                       cluster=cluster, workload="train", serve=None))
 
 
-#: the model keys of RoPE scaling, kept by the miniature (its tables are the model's)
-ROPE_SCALING_KEYS = ("rope_type", "rope_scaling_factor", "rope_original_max_positions", "rope_beta_fast",
-                     "rope_beta_slow", "rope_truncate", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_mscale", "rope_mscale_all_dim")
+#: the model keys a miniature sets itself (:func:`miniature`: its widths, depth, vocabulary,
+#: length, window, dtype; its experts, :func:`_mini_experts`; its latent attention); it
+#: keeps every other key of the model (norms, activation, positions and RoPE scaling,
+#: biases, Gemma's and gpt-oss's keys), so that a new key reaches the miniature unasked
+MINIATURE_KEYS = frozenset({
+    "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "seq_len", "max_positions",
+    "sliding_window", "sliding_window_pattern", "dropout", "dtype", "vocab_multiple",
+    # _mini_experts (all of them, or none: a dense model's take their defaults)
+    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "dense_layers", "router_aux_loss", "norm_topk_prob",
+    "router_bias", "swiglu_alpha", "swiglu_limit", "scoring_func", "topk_method", "n_group", "topk_group",
+    "routed_scaling_factor",
+    # multi-head latent attention (`mla` in miniature; a model without it takes the defaults)
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+})
 
 
 def tokenizer_vocab(tokenizer: str) -> int:

@@ -2,9 +2,10 @@
 
 A model preset gives the architecture keys of a published model, taken from its
 Hugging Face ``config.json`` (``seq_len`` is ``max_position_embeddings``, as for an
-imported ``config.json``). A cluster preset gives one node's GPU and links: memory,
-dense peak per model dtype, HBM bandwidth, per-GPU one-direction NVLink (or equivalent)
-and network bandwidth, and message latencies; ``nodes`` and ``gpus_per_node`` may always
+imported ``config.json``); each lives in its family's module
+(:mod:`parcompile.core.families`). A cluster preset gives one node's GPU and links:
+memory, dense peak per model dtype, HBM bandwidth, per-GPU one-direction NVLink (or
+equivalent) and network bandwidth, and message latencies; ``nodes`` and ``gpus_per_node`` may always
 be overridden. Values are in SI units (bytes, FLOP/s, bytes/s, seconds), written with
 :func:`~parcompile.config.units.quantity` so that they read like the datasheets.
 
@@ -19,156 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from parcompile.config.units import quantity as q
+from parcompile.core.families import model_presets
 from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S  # HCCL_CONNECT_TIMEOUT matches it
 
 # --------------------------------------------------------------------------------------
 # Models
 
-# Shared by the Llama family and its descendants (Mistral, Mixtral, Qwen2, Qwen3): pre-RMSNorm,
-# SwiGLU MLP, RoPE, no biases, untied embeddings.
-_LLAMA_STYLE: dict[str, Any] = {
-    "norm": "rmsnorm",
-    "activation": "swiglu",
-    "position": "rope",
-    "bias": False,
-    "tie_embeddings": False,
-}
-
-
-def _llama_style(**values: Any) -> dict[str, Any]:
-    return {**_LLAMA_STYLE, **values}
-
-
-_GPT_OSS = dict(
-    hidden=2880, ffn_hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088, seq_len=131072, norm_eps=1e-5,
-    rope_theta=150000.0, rope_type="yarn", rope_scaling_factor=32.0, rope_original_max_positions=4096,
-    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, sliding_window=128, sliding_window_pattern=2,
-    bias=True, qkv_bias=True, attention_sinks=True, top_k=4, expert_ffn_hidden=2880, router_bias=True,
-    norm_topk_prob=True, swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss=0.001,
-)
-
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # meta-llama/Llama-2-7b-hf config.json (6,738,415,616 parameters)
-    "llama2-7b": _llama_style(
-        layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000,
-        seq_len=4096, norm_eps=1e-5, rope_theta=10000.0,
-    ),
-    # meta-llama/Llama-2-13b-hf config.json
-    "llama2-13b": _llama_style(
-        layers=40, hidden=5120, ffn_hidden=13824, heads=40, kv_heads=40, vocab=32000,
-        seq_len=4096, norm_eps=1e-5, rope_theta=10000.0,
-    ),
-    # meta-llama/Llama-2-70b-hf config.json (GQA, 8 kv heads)
-    "llama2-70b": _llama_style(
-        layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=32000,
-        seq_len=4096, norm_eps=1e-5, rope_theta=10000.0,
-    ),
-    # meta-llama/Meta-Llama-3-8B config.json (8,030,261,248 parameters)
-    "llama3-8b": _llama_style(
-        layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256,
-        seq_len=8192, norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # meta-llama/Meta-Llama-3-70B config.json
-    "llama3-70b": _llama_style(
-        layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256,
-        seq_len=8192, norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # meta-llama/Llama-3.1-405B config.json (its llama3 rope_scaling is not modelled)
-    "llama3.1-405b": _llama_style(
-        layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8, vocab=128256,
-        seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # mistralai/Mistral-7B-v0.1 config.json (sliding window 4096)
-    "mistral-7b": _llama_style(
-        layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000,
-        seq_len=32768, norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
-    ),
-    # mistralai/Mixtral-8x7B-v0.1 config.json (num_local_experts 8, num_experts_per_tok 2)
-    "mixtral-8x7b": _llama_style(
-        layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000,
-        seq_len=32768, norm_eps=1e-5, rope_theta=1e6, experts=8, top_k=2,
-    ),
-    # mistralai/Mixtral-8x22B-v0.1 config.json
-    "mixtral-8x22b": _llama_style(
-        layers=56, hidden=6144, ffn_hidden=16384, heads=48, kv_heads=8, vocab=32768,
-        seq_len=65536, norm_eps=1e-5, rope_theta=1e6, experts=8, top_k=2,
-    ),
-    # Qwen/Qwen2-7B config.json (QKV bias; use_sliding_window false)
-    "qwen2-7b": _llama_style(
-        layers=28, hidden=3584, ffn_hidden=18944, heads=28, kv_heads=4, vocab=152064,
-        seq_len=32768, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
-    ),
-    # Qwen/Qwen2-72B config.json (QKV bias; use_sliding_window false)
-    "qwen2-72b": _llama_style(
-        layers=80, hidden=8192, ffn_hidden=29568, heads=64, kv_heads=8, vocab=152064,
-        seq_len=32768, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
-    ),
-    # Qwen/Qwen3-8B config.json (qk-norm, head_dim 128, no biases; use_sliding_window false;
-    # 8,190,735,360 parameters)
-    "qwen3-8b": _llama_style(
-        layers=36, hidden=4096, ffn_hidden=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
-        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
-    ),
-    # Qwen/Qwen3-30B-A3B config.json (qwen3_moe: 128 experts top-8, moe_intermediate_size 768,
-    # norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers [], router_aux_loss_coef
-    # 0.001; intermediate_size 6144 is the dense width no layer uses; 30,532,122,624 parameters)
-    "qwen3-30b-a3b": _llama_style(
-        layers=48, hidden=2048, ffn_hidden=6144, heads=32, kv_heads=4, head_dim=128, vocab=151936,
-        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, experts=128, top_k=8,
-        expert_ffn_hidden=768, norm_topk_prob=True, router_aux_loss=0.001,
-    ),
-    # Qwen/Qwen3-235B-A22B config.json (qwen3_moe as above, moe_intermediate_size 1536,
-    # 64 heads, 4 kv heads; 235,093,634,560 parameters)
-    "qwen3-235b-a22b": _llama_style(
-        layers=94, hidden=4096, ffn_hidden=12288, heads=64, kv_heads=4, head_dim=128, vocab=151936,
-        seq_len=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, experts=128, top_k=8,
-        expert_ffn_hidden=1536, norm_topk_prob=True, router_aux_loss=0.001,
-    ),
-    # deepseek-ai/DeepSeek-V3 config.json (deepseek_v3): multi-head latent attention (q_lora
-    # 1536, kv_lora 512, nope 128 + rope 64 per q/k head, v 128; interleaved RoPE, YaRN factor
-    # 40 over 4,096 positions with mscale 1, mscale_all_dim 1), 256 routed experts of width
-    # 2048 top-8 by sigmoid scores with a correction bias within 4 of 8 groups (noaux_tc),
-    # weights normalised and times 2.5, one shared expert, the first 3 layers dense (18,432);
-    # vocab 129,280, untied. seq_len 4,096 is the pre-training context (DeepSeek-V3 report,
-    # section 4.2; max_position_embeddings 163,840 after the long-context extension). The
-    # multi-token-prediction module (num_nextn_predict_layers = 1) is left out:
-    # 671,026,404,352 parameters (transformers counts the same), 37,552,282,624 active per token
-    "deepseek-v3": _llama_style(
-        layers=61, hidden=7168, ffn_hidden=18432, heads=128, kv_heads=128, vocab=129280, seq_len=4096,
-        max_positions=163840, norm_eps=1e-6, rope_theta=10000.0, rope_type="yarn", rope_scaling_factor=40.0,
-        rope_original_max_positions=4096, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
-        rope_mscale_all_dim=1.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, rope_interleave=True, experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1,
-        dense_layers=3, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss=0.001,
-    ),
-    # google/gemma-3-27b-it config.json, its text_config (gemma3_text): 62 layers, five local
-    # (window 1024, RoPE base 10,000) then one global (RoPE base 1e6, linear scaling 8),
-    # query_pre_attn_scalar 168, GeGLU, sandwich (1 + w) RMSNorms, qk-norm, embeddings x
-    # sqrt(hidden), tied; vocab 262,208
-    "gemma3-27b": _llama_style(
-        layers=62, hidden=5376, ffn_hidden=21504, heads=32, kv_heads=16, head_dim=128, vocab=262208,
-        seq_len=131072, norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4, rope_type="linear",
-        rope_scaling_factor=8.0,
-        sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=168.0, activation="geglu",
-        qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, tie_embeddings=True,
-    ),
-    # openai/gpt-oss-20b and -120b config.json (gpt_oss): every layer MoE (32 / 128 experts,
-    # top-4, width 2880) with a biased router and biased experts, clamped SwiGLU (alpha
-    # 1.702, limit 7), biases on q, k, v, o, attention sinks, 128-token sliding-window and
-    # full layers alternating, YaRN RoPE (factor 32 over 4,096 positions, theta 150,000)
-    "gpt-oss-20b": _llama_style(**{**_GPT_OSS, "layers": 24, "experts": 32}),
-    "gpt-oss-120b": _llama_style(**{**_GPT_OSS, "layers": 36, "experts": 128}),
-    # GPT-3 175B: Brown et al. 2020, Table 2.1 (96 layers, d_model 12288, 96 heads,
-    # context 2048), GPT-2 architecture (pre-LayerNorm, GELU, learned positions, biases,
-    # tied embeddings, d_ff = 4 d_model); vocab 51200 is GPT-2's 50257 padded as in
-    # Megatron-LM's GPT-3 runs (Narayanan et al. 2021).
-    "gpt3-175b": {
-        "layers": 96, "hidden": 12288, "ffn_hidden": 4 * 12288, "heads": 96, "kv_heads": 96,
-        "vocab": 51200, "seq_len": 2048, "norm": "layernorm", "activation": "gelu",
-        "position": "learned", "bias": True, "tie_embeddings": True, "norm_eps": 1e-5,
-    },
-}
+#: the published models of each family, from its module (:mod:`parcompile.core.families`)
+MODEL_PRESETS: dict[str, dict[str, Any]] = model_presets()
 
 # --------------------------------------------------------------------------------------
 # Clusters

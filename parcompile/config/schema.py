@@ -12,18 +12,19 @@ keys the user left to the compiler.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from parcompile.config.presets import Accelerator, accelerator
 from parcompile.config.text import even_split
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.model import derived_defaults, layer_windows, padded_vocab
+from parcompile.core.model import ModelKeys, derived_defaults, layer_windows, padded_vocab
 from parcompile.core.sources import BUILTIN_SOURCES  # `train.data` texts that ship with Python (the runtime reads them too)
 from parcompile.diagnostics import Span
 
-Dtype = Literal["fp32", "bf16", "fp16"]
 KvDtype = Literal["fp32", "bf16", "fp16", "fp8"]
 
 
@@ -31,110 +32,28 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelConfig(_Frozen):
-    """A decoder-only transformer (SPEC 1, `model`). Widths are counts, not bytes."""
+def _model_fields() -> dict[str, tuple]:
+    """pydantic's ``(type, default)`` of each model key, from the one declaration
+    (:class:`parcompile.core.model.ModelKeys`'s fields, in its order): an enum key
+    (``KeyCheck.choices``) as a ``Literal`` of its choices, ``Optional`` when its default
+    is None; a key without a default required (``...``)."""
+    hints = typing.get_type_hints(ModelKeys)
+    out = {}
+    for f in dataclasses.fields(ModelKeys):
+        check = f.metadata.get("check")
+        kind = Literal[check.choices] if check is not None and check.choices else hints[f.name]
+        out[f.name] = (kind, ... if f.default is dataclasses.MISSING else f.default)
+    return out
 
-    name: str = "model"
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    ffn_hidden: Optional[int] = None
-    vocab: int
-    seq_len: int
-    max_positions: Optional[int] = None
-    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    activation: Literal["gelu", "relu", "swiglu", "geglu"] = "swiglu"
-    position: Literal["rope", "learned", "none"] = "rope"
-    bias: bool = False
-    qkv_bias: Optional[bool] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rotary_fraction: float = 1.0
-    parallel_residual: bool = False
-    sliding_window: int = 0
-    #: RMSNorm over head_dim on q and k, per head, before RoPE (Qwen3, Gemma 3): `layers.i.attn.q_norm`
-    qk_norm: bool = False
-    #: every Nth layer attends to the whole context, the others within `sliding_window`
-    #: (Gemma 2/3 6, gpt-oss 2; HF `sliding_window_pattern` / `layer_types`); 0: every layer alike
-    sliding_window_pattern: int = 0
-    #: the RoPE base of the sliding-window layers (Gemma 3: HF `rope_local_base_freq`); None: rope_theta
-    rope_local_base_freq: Optional[float] = None
-    #: RoPE scaling of the layers that take rope_theta (HF `rope_parameters.rope_type`):
-    #: linear (Gemma 3 4B-27B: factor 8 on the global layers), yarn (gpt-oss, DeepSeek-V3),
-    #: llama3 (Llama 3.1); the parameters are HF's, `rope_` before each
-    rope_type: Literal["default", "linear", "yarn", "llama3"] = "default"
-    rope_scaling_factor: float = 1.0
-    #: the context the model was pretrained with (HF `original_max_position_embeddings`): yarn, llama3
-    rope_original_max_positions: Optional[int] = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    #: YaRN's attention factor from HF `mscale` / `mscale_all_dim` (DeepSeek-V3): cos and sin
-    #: times mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), and MLA's
-    #: softmax scale times mscale(factor, rope_mscale_all_dim) ** 2; 0: absent (the paper's
-    #: 0.1 ln(factor) + 1 on cos and sin)
-    rope_mscale: float = 0.0
-    rope_mscale_all_dim: float = 0.0
-    #: multi-head latent attention (DeepSeek-V2/V3; HF names): keys and values are one
-    #: `kv_lora_rank`-wide latent per token (plus a `qk_rope_head_dim` RoPE key shared by the
-    #: heads), up-projected per head; queries through a `q_lora_rank` latent (0: one
-    #: projection). `kv_lora_rank` 0: not MLA. With MLA `head_dim` is qk_nope + qk_rope
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    #: MLA's RoPE dims are interleaved pairs (x0, x1), (x2, x3), ... (HF `rope_interleave`,
-    #: DeepSeek's checkpoints); false: the halves (x_j, x_{j + d/2}), as Llama
-    rope_interleave: bool = False
-    #: RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma; Megatron-Core's
-    #: `layernorm_zero_centered_gamma`)
-    zero_centered_gamma: bool = False
-    #: a norm on each sub-layer's output before its residual add (Gemma 2/3's
-    #: post_attention_layernorm, post_feedforward_layernorm): `layers.i.attn_post_norm`, `mlp_post_norm`
-    sandwich_norm: bool = False
-    #: the embedding's output times sqrt(hidden), rounded to the model dtype (Gemma)
-    scale_embeddings: bool = False
-    #: attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma; HF field); None: head_dim
-    query_pre_attn_scalar: Optional[float] = None
-    #: one learned logit per query head joins each softmax's denominator (gpt-oss's `sinks`):
-    #: `layers.i.attn.sinks`, split over tp with the heads
-    attention_sinks: bool = False
-    attention: Literal["flash", "unfused"] = "flash"
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    dtype: Dtype = "bf16"
-    experts: int = 0
-    top_k: Optional[int] = None
-    expert_ffn_hidden: Optional[int] = None
-    shared_experts: int = 0
-    dense_layers: int = 0
-    #: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. 2021)
-    router_aux_loss: float = 0.01
-    #: renormalise the top_k router weights to sum to 1 (Mixtral; HF `norm_topk_prob`); false: the
-    #: softmax probabilities themselves (Qwen3-MoE's transformers default)
-    norm_topk_prob: bool = True
-    #: the router's logits have a bias (gpt-oss: `mlp.router.bias`)
-    router_bias: bool = False
-    #: DeepSeek-V3's router (HF names): scores softmax or sigmoid of the logits;
-    #: `noaux_tc`: experts chosen on the scores plus a per-expert `e_score_correction_bias`
-    #: (a fixed fp32 buffer), within the `topk_group` of `n_group` groups whose two best
-    #: corrected scores sum highest; weights from the uncorrected scores, times
-    #: `routed_scaling_factor` (runtime/moe.py: route)
-    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
-    topk_method: Literal["greedy", "noaux_tc"] = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    #: gpt-oss's clamped SwiGLU (HF `swiglu_alpha`, `swiglu_limit`): gate <= limit, |up| <= limit,
-    #: (up + 1) * gate * sigmoid(alpha * gate); None: silu(gate) * up
-    swiglu_alpha: Optional[float] = None
-    swiglu_limit: Optional[float] = None
-    vocab_multiple: int = 128
+
+#: the fields of :class:`ModelConfig`, built from :class:`~parcompile.core.model.ModelKeys`
+ModelFields = create_model("ModelFields", __base__=_Frozen, __module__=__name__, **_model_fields())
+
+
+class ModelConfig(ModelFields):
+    """A decoder-only transformer (SPEC 1, `model`), validated: the keys, their order,
+    defaults and choices are :class:`parcompile.core.model.ModelKeys`' (documented there).
+    Widths are counts, not bytes."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> "ModelConfig":

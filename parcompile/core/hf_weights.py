@@ -3,60 +3,9 @@ compiler's checks (:mod:`parcompile.config.hf_weights` re-exports this module) a
 runtime's loader and exporter (:mod:`parcompile.runtime.weights`,
 :mod:`parcompile.runtime.hf_export`) read the same tables.
 
-A model is written as one Hugging Face ``model_type`` (:func:`hf_family`):
-
-=========  ==========================================================================
-family     our models it expresses
-=========  ==========================================================================
-gpt2       learned positions + LayerNorm; biases everywhere; q, k, v fused in
-           ``c_attn`` and every linear a ``Conv1D`` (weight stored (in, out))
-gpt_neox   LayerNorm + RoPE (``rotary_fraction``; parallel residual or not); biases;
-           ``query_key_value`` interleaves q, k, v per head: rows
-           ``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, ``head_dim`` rows each
-mixtral    routed experts (SwiGLU, no shared experts, no dense layers). Written as
-           ``save_pretrained`` of transformers 5.24 writes it (and vLLM reads it):
-           ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, ``block_sparse_moe.gate``;
-           transformers' own fused layout (``mlp.experts.gate_up_proj`` (E, 2f, h):
-           w1 rows ``[0, f)``, w3 rows ``[f, 2f)``; ``mlp.experts.down_proj`` (E, h, f);
-           ``mlp.gate``) is read too
-qwen2      Llama with biases on q, k, v only (``qkv_bias`` and not ``bias``)
-qwen3      Llama with qk-norm (``qk_norm``: ``self_attn.q_norm``/``k_norm``, one
-           ``(head_dim,)`` weight each), no biases
-qwen3_moe  qwen3 with routed experts (no shared experts; the first ``dense_layers``
-           layers dense: ``mlp_only_layers`` = [0, ..., dense_layers - 1]; top-k
-           weights renormalised or not: ``norm_topk_prob``). Written as ``save_pretrained``
-           of transformers 5.24 writes it: ``mlp.experts.{e}.gate_proj/up_proj/down_proj
-           .weight``, router ``mlp.gate.weight``; the fused in-memory layout
-           (``mlp.experts.gate_up_proj`` (E, 2f, h), ``mlp.experts.down_proj`` (E, h, f),
-           as mixtral's) is read too
-mistral    Llama with a sliding attention window
-gpt_oss    every layer MoE: biased router (``mlp.router.weight``/``bias``), experts with
-           biases and the clamped SwiGLU in transformers' fused layout, stored (in, out):
-           ``mlp.experts.gate_up_proj`` (E, h, 2f), gate and up interleaved (columns
-           0, 2, 4, ... are w1's rows, 1, 3, 5, ... w3's), ``gate_up_proj_bias`` (E, 2f),
-           ``down_proj`` (E, f, h), ``down_proj_bias`` (E, h); q, k, v, o with biases;
-           attention sinks ``self_attn.sinks`` (heads,)
-gemma3_text  RMSNorm (1 + w) before and after each sub-layer, GeGLU, qk-norm, scaled
-           embeddings, local and global layers (``sliding_window_pattern``):
-           ``input_layernorm`` (our ``attn_norm``), ``post_attention_layernorm``
-           (``attn_post_norm``), ``pre_feedforward_layernorm`` (``mlp_norm``),
-           ``post_feedforward_layernorm`` (``mlp_post_norm``)
-deepseek_v3  multi-head latent attention (``kv_lora_rank > 0``) and DeepSeek's router
-           (sigmoid scores, ``e_score_correction_bias``, groups), shared experts, the
-           first ``dense_layers`` layers dense. ``self_attn.q_a_proj`` (our ``attn.wq_a``),
-           ``q_a_layernorm`` (``attn.q_a_norm``), ``q_b_proj`` (``attn.wq_b``) or, with
-           ``q_lora_rank`` 0 (HF null), ``q_proj`` (``attn.wq``); ``kv_a_proj_with_mqa``
-           (``attn.wkv_a``: the latent rows, then the RoPE key's), ``kv_a_layernorm``
-           (``attn.kv_a_norm``), ``kv_b_proj`` (``attn.wkv_b``: per head nope then v rows),
-           ``o_proj`` (``attn.wo``), all one to one (the RoPE rows are not permuted: the
-           runtime rotates interleaved pairs when ``rope_interleave``); router
-           ``mlp.gate.weight`` and the buffer ``mlp.gate.e_score_correction_bias``
-           (``mlp.router.e_score_correction_bias``, fp32); experts as qwen3_moe's (saved
-           ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, fused layout read too); shared
-           experts ``mlp.shared_experts.gate_proj/up_proj/down_proj`` (``mlp.shared.w1/w3/w2``).
-           The multi-token-prediction layers (``model.layers.{layers}.*`` on) are not read
-llama      RMSNorm, SwiGLU, RoPE; no biases or biases on every linear layer
-=========  ==========================================================================
+A model is written as one Hugging Face ``model_type`` (:func:`hf_family`), whose module in
+:mod:`parcompile.core.families` holds what is particular to it (its tensor names, its
+config.json fields, what it cannot express); this module holds what every family shares.
 
 :func:`tensor_map` gives, for every global parameter name of ours
 (``layers.3.attn.wq.weight``), the :class:`Source` s it can be read from: an HF tensor
@@ -79,30 +28,20 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
+from parcompile.core import families
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.families.base import (HFWeightsError, Problem, Source, foreign_problems, router)
 from parcompile.core.files import json_loads
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
-from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, ModelKeys, rope_scaling, rotary_dim
+from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, rotary_dim
 
-FAMILIES = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
-            "qwen3", "qwen3_moe")
-
-ARCHITECTURES = {
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-    "gpt_neox": "GPTNeoXForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+#: every model_type parcompile writes (:data:`parcompile.core.families.MODEL_TYPES`)
+FAMILIES = families.MODEL_TYPES
+#: model_type -> transformers' architecture class
+ARCHITECTURES = families.ARCHITECTURES
 
 #: our dtype names -> the config.json / safetensors names
 HF_DTYPES = TORCH_NAMES  # config.json's torch_dtype is torch's name
@@ -131,67 +70,7 @@ def is_buffer(name: str) -> bool:
     return name.rpartition(".")[2] in BUFFERS
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a checkpoint or a model: ``message`` and an optional ``help``."""
-
-    message: str
-    help: str | None = None
-
-
-class HFWeightsError(Exception):
-    """A model no Hugging Face family expresses, or a directory that is not a checkpoint:
-    ``message`` and an optional ``help`` (like :class:`parcompile.config.hf.HFConfigError`)."""
-
-    def __init__(self, message: str, help: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.help = help
-
-    @property
-    def problem(self) -> Problem:
-        return Problem(self.message, self.help)
-
-
 # --------------------------------------------------------------------------- families
-
-
-#: the keys only Gemma 3 sets, with the value it has
-_GEMMA_KEYS = {"zero_centered_gamma": True, "sandwich_norm": True, "scale_embeddings": True, "activation": "geglu"}
-
-
-#: the router keys of DeepSeek-V3 (the ROUTER keys of ModelKeys) and the value every other
-#: family has (a router those families' transformers classes run)
-_ROUTER_DEFAULTS = ROUTER_DEFAULTS
-#: what transformers' DeepseekV3TopkRouter runs
-_DEEPSEEK_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
-
-
-def _router(m: ModelKeys, key: str):
-    """``m``'s router key ``key`` (its default where the model has no such key)."""
-    return getattr(m, key, _ROUTER_DEFAULTS[key])
-
-
-def _family_guess(m: ModelKeys) -> str:
-    if m.kv_lora_rank > 0:
-        return "deepseek_v3"
-    if m.attention_sinks or m.router_bias or m.swiglu_limit is not None:
-        return "gpt_oss"
-    if any(getattr(m, k) == v for k, v in _GEMMA_KEYS.items()):
-        return "gemma3_text"
-    if m.position == "learned" and m.norm == "layernorm":
-        return "gpt2"
-    if m.norm == "layernorm" and m.position == "rope":
-        return "gpt_neox"
-    if m.qk_norm:
-        return "qwen3_moe" if m.experts > 0 else "qwen3"
-    if m.experts > 0 and m.activation == "swiglu":
-        return "mixtral"
-    if m.qkv_bias and not m.bias:
-        return "qwen2"
-    if m.sliding_window > 0:
-        return "mistral"
-    return "llama"
 
 
 def rope_dim(m: ModelKeys) -> int:
@@ -200,154 +79,27 @@ def rope_dim(m: ModelKeys) -> int:
 
 
 def family_problems(m: ModelKeys, family: str) -> list[Problem]:
-    """Why ``family`` cannot express ``m`` (empty: it can)."""
-    out: list[str] = []
-    if family not in FAMILIES:
+    """Why ``family`` cannot express ``m`` (empty: it can): the keys of other families
+    ``m`` has (:func:`parcompile.core.families.base.foreign_problems`), then the family's
+    own requirements."""
+    fam = families.get(family)
+    if fam is None:
         return [Problem(f"unknown Hugging Face family `{family}`", "families: " + ", ".join(FAMILIES))]
-    llama_like = family in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-    qk_family = family in ("qwen3", "qwen3_moe", "gemma3_text")
-    gemma = family == "gemma3_text"
-    for key, value in _GEMMA_KEYS.items():
-        if (getattr(m, key) == value) != gemma:
-            out.append(f"{key} = {'true' if value is True else value}" if not gemma
-                       else f"{key} = {getattr(m, key)} (Gemma 3 has {'true' if value is True else value})")
-    if family not in ("gemma3_text", "gpt_oss") and m.sliding_window_pattern:
-        out.append(f"sliding_window_pattern = {m.sliding_window_pattern}")
-    if not gemma and m.rope_local_base_freq is not None:
-        out.append("rope_local_base_freq")
-    if gemma:
-        if m.norm != "rmsnorm" or m.position != "rope" or rope_dim(m) != m.head_dim:
-            out.append("a norm or position other than RMSNorm and RoPE on the whole head")
-        if m.bias or m.parallel_residual or m.experts:
-            out.append("biases, parallel_residual or experts")
-        if m.sliding_window_pattern == 0 and m.sliding_window:
-            out.append("sliding_window on every layer (Gemma 3 alternates: sliding_window_pattern)")
-    if qk_family and not m.qk_norm:
-        out.append("qk_norm = false (it has q_norm and k_norm)")
-    elif not qk_family and m.qk_norm:
-        out.append("qk_norm = true")
-    oss = family == "gpt_oss"
-    deepseek = family == "deepseek_v3"
-    if not oss:
-        for key in ("attention_sinks", "router_bias"):
-            if getattr(m, key):
-                out.append(f"{key} = true")
-        if m.swiglu_limit is not None or m.swiglu_alpha is not None:
-            out.append("swiglu_alpha / swiglu_limit")
-    if not deepseek:
-        if m.kv_lora_rank > 0:
-            out.append(f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)")
-        if m.rope_interleave:
-            out.append("rope_interleave = true")
-        out += [f"{k} = {_router(m, k)} (DeepSeek's router: deepseek_v3)" for k, v in _ROUTER_DEFAULTS.items()
-                if m.experts and _router(m, k) != v]
-    if gemma:
-        pass
-    elif deepseek:
-        out += _deepseek_v3_problems(m)
-    elif oss:
-        want = {"attention_sinks": True, "router_bias": True, "bias": True, "qkv_bias": True, "norm": "rmsnorm",
-                "activation": "swiglu", "position": "rope", "qk_norm": False, "parallel_residual": False,
-                "shared_experts": 0, "dense_layers": 0, "norm_topk_prob": True}
-        out += [f"{k} = {getattr(m, k)} (gpt-oss has {v})" for k, v in want.items() if getattr(m, k) != v]
-        if m.experts <= 0:
-            out.append("no experts (every gpt-oss layer is a MoE layer)")
-        if m.swiglu_limit is None or m.swiglu_alpha is None:
-            out.append("no swiglu_alpha / swiglu_limit (gpt-oss clamps its SwiGLU)")
-        if m.sliding_window and m.sliding_window_pattern == 0:
-            out.append("sliding_window on every layer (gpt-oss alternates: sliding_window_pattern = 2)")
-    elif llama_like:
-        if m.norm != "rmsnorm":
-            out.append(f"norm = {m.norm} (it has RMSNorm)")
-        if m.activation != "swiglu":
-            out.append(f"activation = {m.activation} (it has SwiGLU)")
-        if m.position != "rope":
-            out.append(f"position = {m.position} (it has RoPE)")
-        elif rope_dim(m) != m.head_dim:
-            out.append(f"rotary_fraction = {m.rotary_fraction} (it rotates the whole head)")
-        if m.parallel_residual:
-            out.append("parallel_residual = true")
-        if family == "llama" and m.qkv_bias != m.bias:
-            out.append("biases on q, k, v only (Llama has none or biases on every linear layer)")
-        if family in ("mistral", "mixtral", "qwen3", "qwen3_moe") and (m.bias or m.qkv_bias):
-            out.append("biases")
-        if family == "qwen2" and (m.bias or not m.qkv_bias):
-            out.append("biases other than on q, k, v")
-        if family == "llama" and m.sliding_window:
-            out.append("sliding_window")
-        if family in ("mixtral", "qwen3_moe"):
-            if m.experts <= 0:
-                out.append("no experts")
-            if m.shared_experts:
-                out.append(f"shared_experts = {m.shared_experts}")
-            if family == "mixtral" and m.dense_layers:
-                out.append(f"dense_layers = {m.dense_layers}")
-            if family == "mixtral" and not m.norm_topk_prob and m.top_k > 1:
-                out.append("norm_topk_prob = false (Mixtral renormalises the top_k weights)")
-        elif m.experts:
-            out.append(f"experts = {m.experts}")
-    else:
-        if m.norm != "layernorm":
-            out.append(f"norm = {m.norm} (it has LayerNorm)")
-        if m.activation not in ("gelu", "relu"):
-            out.append(f"activation = {m.activation}")
-        if family == "gpt2" and m.position != "learned":
-            out.append(f"position = {m.position} (it has learned positions)")
-        if family == "gpt_neox" and m.position != "rope":
-            out.append(f"position = {m.position} (it has RoPE)")
-        if family == "gpt2" and m.parallel_residual:
-            out.append("parallel_residual = true")
-        if not m.bias or not m.qkv_bias:
-            out.append("no biases (it has biases on every linear layer)")
-        if m.kv_heads != m.heads:
-            out.append(f"kv_heads = {m.kv_heads} != heads (it has no GQA)")
-        if m.head_dim * m.heads != m.hidden:
-            out.append(f"head_dim = {m.head_dim} != hidden / heads")
-        if m.sliding_window:
-            out.append("sliding_window")
-        if m.experts:
-            out.append(f"experts = {m.experts}")
+    out = foreign_problems(m, fam, families.FEATURES) + fam.problems(m)
     if not out:
         return []
     return [Problem(f"the model cannot be written as a Hugging Face `{family}` checkpoint: " + "; ".join(out),
-                    "families: gpt2 (learned positions, LayerNorm, biases), gpt_neox (LayerNorm, RoPE, biases), "
-                    "llama/mistral/qwen2 (RMSNorm, SwiGLU, RoPE), qwen3 (the same with qk_norm), mixtral (the "
-                    "same with routed experts), qwen3_moe (qwen3 with routed experts, leading dense layers), "
-                    "gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
-                    "global layers), deepseek_v3 (multi-head latent attention, sigmoid group-limited "
-                    "router, shared experts)")]
-
-
-def _deepseek_v3_problems(m: ModelKeys) -> list[str]:
-    """Why transformers' DeepseekV3ForCausalLM cannot run ``m`` (family_problems' part)."""
-    out: list[str] = []
-    if m.kv_lora_rank <= 0:
-        out.append("kv_lora_rank = 0 (it has multi-head latent attention)")
-    want = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "qkv_bias": False,
-            "parallel_residual": False, "sliding_window": 0, "rotary_fraction": 1.0}   # qk_norm: family_problems
-    out += [f"{k} = {getattr(m, k)} (DeepSeek-V3 has {v})" for k, v in want.items() if getattr(m, k) != v]
-    if m.kv_heads != m.heads:
-        out.append(f"kv_heads = {m.kv_heads} != heads (multi-head latent attention has a key and value per head)")
-    if m.kv_lora_rank > 0 and m.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
-        out.append(f"head_dim = {m.head_dim} != qk_nope_head_dim + qk_rope_head_dim")
-    if m.kv_lora_rank > 0 and (m.v_head_dim <= 0 or m.qk_rope_head_dim <= 0):
-        out.append("v_head_dim or qk_rope_head_dim 0")
-    if m.experts:
-        out += [f"{k} = {_router(m, k)} (transformers' DeepSeek-V3 router has {v})"
-                for k, v in _DEEPSEEK_ROUTER.items() if _router(m, k) != v]
-        if m.dense_layers >= m.layers:
-            out.append(f"dense_layers = {m.dense_layers} with experts (no mixture-of-experts layer)")
-    return out
+                    families.FAMILIES_HELP)]
 
 
 def hf_family(model: ModelKeys) -> str:
-    """The Hugging Face ``model_type`` to write ``model`` as (module docstring).
+    """The Hugging Face ``model_type`` to write ``model`` as (:func:`parcompile.core.families.for_model`).
 
     Raises:
         HFWeightsError: no family expresses the model (e.g. RMSNorm with GELU, shared
             experts, LayerNorm without biases); the message lists what does not fit.
     """
-    family = _family_guess(model)
+    family = families.for_model(model).model_type
     problems = family_problems(model, family)
     if problems:
         raise HFWeightsError(problems[0].message, problems[0].help)
@@ -355,46 +107,6 @@ def hf_family(model: ModelKeys) -> str:
 
 
 # --------------------------------------------------------------------------- tensor layout
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one of our global tensors (orientation ``(out, in)`` or ``(n,)``) sits in an
-    HF tensor.
-
-    ``name``/``shape``: the HF tensor and its whole shape (HF orientation). ``lead``:
-    fixed leading indices (a fused expert tensor: ``(e,)``). ``transpose``: HF stores our
-    2-D tensor as ``(in, out)`` (GPT-2 ``Conv1D``), so our rows are its columns. Our row
-    ``r`` (dim 0) is the HF row (after ``lead``; column when transposed)
-    ``(r // block) * stride + offset + r % block``; ``block = 0`` means one block
-    (``offset + r``). Our columns are the HF columns (rows when transposed), unchanged.
-    ``ours``: our tensor's global shape (vocabulary unpadded) under the model the map was
-    made for.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    lead: tuple[int, ...] = ()
-    transpose: bool = False
-    block: int = 0
-    stride: int = 0
-    offset: int = 0
-    ours: tuple[int, ...] = ()
-
-    def runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
-        """Our rows ``[start, stop)`` as contiguous HF runs ``(our_row, hf_row, length)``."""
-        if stop <= start:
-            return []
-        if not self.block:
-            return [(start, self.offset + start, stop - start)]
-        out = []
-        r = start
-        while r < stop:
-            k, within = divmod(r, self.block)
-            n = min(self.block - within, stop - r)
-            out.append((r, k * self.stride + self.offset + within, n))
-            r += n
-        return out
 
 
 def _layer_mlp_is_moe(m: ModelKeys, i: int) -> bool:
@@ -480,7 +192,7 @@ def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = Fal
             out[f"{p}.mlp.router.weight"] = (m.experts, h)
             if m.router_bias:
                 out[f"{p}.mlp.router.bias"] = (m.experts,)
-            if buffers and _router(m, "topk_method") == "noaux_tc":
+            if buffers and router(m, "topk_method") == "noaux_tc":
                 out[f"{p}.mlp.router.e_score_correction_bias"] = (m.experts,)
             for e in range(m.experts):
                 out[f"{p}.mlp.experts.{e}.w1.weight"] = (f, h)
@@ -504,178 +216,6 @@ def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = Fal
     return out
 
 
-def _llama_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    parts = name.split(".")
-    simple = {
-        "embedding.weight": "model.embed_tokens.weight",
-        "final_norm.weight": "model.norm.weight",
-    }
-    if name in simple:
-        return [Source(simple[name], shape)]
-    i, rest = parts[1], ".".join(parts[2:])
-    base = f"model.layers.{i}."
-    per_layer = {
-        "attn_norm.weight": "input_layernorm.weight",
-        "mlp_norm.weight": "post_attention_layernorm.weight",
-        "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-        "attn.wo": "self_attn.o_proj",
-        "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
-        "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
-    }
-    if rest in per_layer:
-        return [Source(base + per_layer[rest], shape)]
-    stem, _, kind = rest.rpartition(".")
-    if stem in per_layer:
-        return [Source(base + per_layer[stem] + "." + kind, shape)]
-    if rest == "mlp.router.weight":
-        return [Source(base + "block_sparse_moe.gate.weight", shape), Source(base + "mlp.gate.weight", shape)]
-    if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
-        e, w = int(parts[4]), parts[5]
-        legacy = Source(f"{base}block_sparse_moe.experts.{e}.{w}.weight", shape)
-        return [legacy, _fused_expert_source(m, base, e, w)]
-    return []
-
-
-def _gemma3_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    """Llama's names, with Gemma's four norms per layer (module docstring)."""
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "layers":
-        base = f"model.layers.{parts[1]}."
-        norms = {"attn_norm.weight": "input_layernorm.weight", "attn_post_norm.weight": "post_attention_layernorm.weight",
-                 "mlp_norm.weight": "pre_feedforward_layernorm.weight",
-                 "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
-        rest = ".".join(parts[2:])
-        if rest in norms:
-            return [Source(base + norms[rest], shape)]
-    return _llama_sources(m, name, shape)
-
-
-def _gpt_oss_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    """Llama's names, with gpt-oss's router, sinks and fused, transposed, interleaved experts
-    (module docstring)."""
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "layers":
-        base = f"model.layers.{parts[1]}."
-        rest = ".".join(parts[2:])
-        f, h, E = m.expert_ffn_hidden, m.hidden, m.experts
-        if rest in ("mlp.router.weight", "mlp.router.bias"):
-            return [Source(base + rest, shape)]
-        if rest == "attn.sinks":
-            return [Source(base + "self_attn.sinks", shape)]
-        if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
-            e, w, kind = int(parts[4]), parts[5], parts[6]
-            if w == "w2":
-                if kind == "weight":
-                    return [Source(base + "mlp.experts.down_proj", (E, f, h), lead=(e,), transpose=True)]
-                return [Source(base + "mlp.experts.down_proj_bias", (E, h), lead=(e,))]
-            offset = 0 if w == "w1" else 1
-            if kind == "weight":
-                return [Source(base + "mlp.experts.gate_up_proj", (E, h, 2 * f), lead=(e,), transpose=True,
-                               block=1, stride=2, offset=offset)]
-            return [Source(base + "mlp.experts.gate_up_proj_bias", (E, 2 * f), lead=(e,), block=1, stride=2,
-                           offset=offset)]
-    return _llama_sources(m, name, shape)
-
-
-def _fused_expert_source(m: ModelKeys, base: str, e: int, w: str) -> Source:
-    """Expert ``e``'s ``w`` (w1, w3, w2) in transformers 5's fused in-memory layout (Mixtral,
-    Qwen3-MoE): ``mlp.experts.gate_up_proj`` (E, 2f, h), w1 rows ``[0, f)``, w3 rows
-    ``[f, 2f)``; ``mlp.experts.down_proj`` (E, h, f)."""
-    f, h, E = m.expert_ffn_hidden, m.hidden, m.experts
-    if w == "w2":
-        return Source(base + "mlp.experts.down_proj", (E, h, f), lead=(e,))
-    return Source(base + "mlp.experts.gate_up_proj", (E, 2 * f, h), lead=(e,), offset=0 if w == "w1" else f)
-
-
-def _qwen3_moe_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    """Llama's names, with Qwen3-MoE's router and experts (module docstring): saved
-    per-expert tensors first (what is written), the fused 3-D layout second."""
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "layers":
-        base = f"model.layers.{parts[1]}."
-        if ".".join(parts[2:]) == "mlp.router.weight":
-            return [Source(base + "mlp.gate.weight", shape)]
-        if parts[2:4] == ["mlp", "experts"] and len(parts) == 7:
-            e, w = int(parts[4]), parts[5]
-            hf = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[w]
-            return [Source(f"{base}mlp.experts.{e}.{hf}.weight", shape), _fused_expert_source(m, base, e, w)]
-    return _llama_sources(m, name, shape)
-
-
-#: our MLA names (after ``layers.{i}.attn.``) -> DeepseekV3Attention's (after ``self_attn.``)
-_MLA_NAMES = {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj",
-              "wkv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
-_GATED_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def _deepseek_v3_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    """DeepseekV3ForCausalLM's names (module docstring): MLA one to one, the router and its
-    bias buffer, shared experts; routed experts as Qwen3-MoE's (saved per expert first, the
-    fused 3-D layout second)."""
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "layers":
-        base = f"model.layers.{parts[1]}."
-        if parts[2] == "attn" and len(parts) == 5 and parts[3] in _MLA_NAMES:
-            return [Source(f"{base}self_attn.{_MLA_NAMES[parts[3]]}.{parts[4]}", shape)]
-        if parts[2:4] == ["mlp", "router"] and len(parts) == 5:
-            return [Source(f"{base}mlp.gate.{parts[4]}", shape)]
-        if parts[2:4] == ["mlp", "shared"] and len(parts) == 6 and parts[4] in _GATED_MLP:
-            return [Source(f"{base}mlp.shared_experts.{_GATED_MLP[parts[4]]}.{parts[5]}", shape)]
-    return _qwen3_moe_sources(m, name, shape)
-
-
-def _gpt2_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    def both(hf: str, **kw) -> list[Source]:   # hub GPT-2 files predate the `transformer.` prefix
-        sh = kw.pop("shape", shape)
-        return [Source("transformer." + hf, sh, **kw), Source(hf, sh, **kw)]
-
-    h = m.hidden
-    simple = {"embedding.weight": "wte.weight", "pos_embedding.weight": "wpe.weight",
-              "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
-    if name in simple:
-        return both(simple[name])
-    parts = name.split(".")
-    i, rest = parts[1], ".".join(parts[2:])
-    base = f"h.{i}."
-    norms = {"attn_norm": "ln_1", "mlp_norm": "ln_2"}
-    stem, _, kind = rest.rpartition(".")
-    if stem in norms:
-        return both(f"{base}{norms[stem]}.{kind}")
-    if stem in ("attn.wq", "attn.wk", "attn.wv"):
-        j = ("attn.wq", "attn.wk", "attn.wv").index(stem)
-        if kind == "weight":
-            return both(base + "attn.c_attn.weight", shape=(h, 3 * h), transpose=True, offset=j * h)
-        return both(base + "attn.c_attn.bias", shape=(3 * h,), offset=j * h)
-    convs = {"attn.wo": "attn.c_proj", "mlp.w1": "mlp.c_fc", "mlp.w2": "mlp.c_proj"}
-    if stem in convs:
-        if kind == "weight":
-            return both(f"{base}{convs[stem]}.weight", shape=(shape[1], shape[0]), transpose=True)
-        return both(f"{base}{convs[stem]}.bias")
-    return []
-
-
-def _neox_sources(m: ModelKeys, name: str, shape: tuple[int, ...]) -> list[Source]:
-    simple = {"embedding.weight": "gpt_neox.embed_in.weight",
-              "final_norm.weight": "gpt_neox.final_layer_norm.weight",
-              "final_norm.bias": "gpt_neox.final_layer_norm.bias"}
-    if name in simple:
-        return [Source(simple[name], shape)]
-    parts = name.split(".")
-    i, rest = parts[1], ".".join(parts[2:])
-    base = f"gpt_neox.layers.{i}."
-    stem, _, kind = rest.rpartition(".")
-    d, H = m.head_dim, m.heads
-    renames = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.wo": "attention.dense",
-               "mlp.w1": "mlp.dense_h_to_4h", "mlp.w2": "mlp.dense_4h_to_h"}
-    if stem in renames:
-        return [Source(f"{base}{renames[stem]}.{kind}", shape)]
-    if stem in ("attn.wq", "attn.wk", "attn.wv"):
-        j = ("attn.wq", "attn.wk", "attn.wv").index(stem)
-        full = (3 * H * d,) + tuple(shape[1:])
-        return [Source(f"{base}attention.query_key_value.{kind}", full, block=d, stride=3 * d, offset=j * d)]
-    return []
-
-
 def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[str, list[Source]]:
     """Our global parameter name -> the :class:`Source` s it can be read from, preferred
     first (the first is what :mod:`parcompile.runtime.hf_export` writes). Covers every
@@ -688,47 +228,26 @@ def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[
     Raises:
         HFWeightsError: ``family`` is not one of :data:`FAMILIES`.
     """
-    if family not in FAMILIES:
+    fam = families.get(family)
+    if fam is None:
         raise HFWeightsError(f"unsupported Hugging Face model_type `{family}`",
                              "supported: " + ", ".join(FAMILIES))
-    fn = {"gpt2": _gpt2_sources, "gpt_neox": _neox_sources, "qwen3_moe": _qwen3_moe_sources,
-          "gemma3_text": _gemma3_sources, "gpt_oss": _gpt_oss_sources,
-          "deepseek_v3": _deepseek_v3_sources}.get(family, _llama_sources)
     shapes = expected_shapes(model, buffers=True)
     v, h = model.vocab, model.hidden
     shapes.setdefault("lm_head.weight", (v, h))
     out: dict[str, list[Source]] = {}
     for name, shape in shapes.items():
         if name == "lm_head.weight":
-            head = {"gpt2": ["lm_head.weight"], "gpt_neox": ["embed_out.weight", "lm_head.weight"]}.get(
-                family, ["lm_head.weight"])
             tie = bool(model.tie_embeddings) if tied is None else tied
-            srcs = [Source(n, shape) for n in head] + (out["embedding.weight"] if tie else [])
+            srcs = [Source(n, shape) for n in fam.head] + (out["embedding.weight"] if tie else [])
         else:
-            srcs = fn(model, name, shape)
+            srcs = fam.sources(model, name, shape)
         if srcs:
             out[name] = [replace(s, ours=tuple(shape)) for s in srcs]
     return out
 
 
 # --------------------------------------------------------------------------- config.json
-
-
-def _whole(x: float) -> float | int:
-    """``x`` as an int when it is whole (config fields transformers types ``int``)."""
-    return int(x) if float(x).is_integer() else x
-
-
-def _rope(m: ModelKeys, family: str) -> dict:
-    params = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
-    scaling = rope_scaling(m)
-    if scaling is not None:   # transformers' names already (core/hf.py reads them back)
-        params.update(scaling)
-        if params.get("truncate") is True:
-            del params["truncate"]   # transformers' default (DeepSeek-V3's config.json has none)
-    if family == "gpt_neox":
-        params["partial_rotary_factor"] = rope_dim(m) / m.head_dim
-    return params
 
 
 def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = None,
@@ -740,7 +259,8 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
     biases, ``dtype`` (and ``torch_dtype``; ``dtype``: our name, default the model's),
     ``max_position_embeddings`` = ``max_positions``, ``architectures``; ``tokens``: the
     ``bos_token_id``/``eos_token_id``/``pad_token_id`` to write (default null, not the
-    family's defaults, which may lie outside a small vocabulary).
+    family's defaults, which may lie outside a small vocabulary). The family's fields are
+    its module's (:attr:`parcompile.core.families.base.Family.config`).
 
     Raises:
         HFWeightsError: the family cannot express the model (:func:`family_problems`).
@@ -756,86 +276,7 @@ def hf_config(model: ModelKeys, family: str | None = None, dtype: str | None = N
               "use_cache": True, "transformers_version": TRANSFORMERS_VERSION,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     common.update({k: v for k, v in (tokens or {}).items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-    act = {"gelu": "gelu", "relu": "relu", "swiglu": "silu", "geglu": "gelu_pytorch_tanh"}[m.activation]
-    if family == "gpt2":
-        return {**common, "n_embd": m.hidden, "n_layer": m.layers, "n_head": m.heads, "n_inner": m.ffn_hidden,
-                "n_positions": m.max_positions, "layer_norm_epsilon": m.norm_eps, "activation_function": act,
-                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
-                "initializer_range": 0.02, "scale_attn_weights": True}
-    base = {**common, "hidden_size": m.hidden, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.layers,
-            "num_attention_heads": m.heads, "max_position_embeddings": m.max_positions, "hidden_act": act,
-            "rope_parameters": _rope(m, family), "initializer_range": 0.02}
-    if family == "gpt_neox":
-        return {**base, "layer_norm_eps": m.norm_eps, "use_parallel_residual": bool(m.parallel_residual),
-                "attention_bias": True, "rotary_pct": rope_dim(m) / m.head_dim,
-                "rotary_emb_base": float(m.rope_theta), "attention_dropout": m.dropout,
-                "hidden_dropout": m.dropout}
-    cfg = {**base, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "rms_norm_eps": m.norm_eps,
-           "rope_theta": float(m.rope_theta), "attention_dropout": m.dropout}
-    if family == "gemma3_text":
-        windows = m.layer_windows
-        global_rope = _rope(m, family)
-        local = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
-        cfg.update(hidden_activation=act, attention_bias=bool(m.qkv_bias),
-                   query_pre_attn_scalar=_whole(m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None
-                                                else m.head_dim),   # Gemma3TextConfig types it int
-                   sliding_window=m.sliding_window or None,
-                   layer_types=["sliding_attention" if w else "full_attention" for w in windows],
-                   rope_parameters={"full_attention": global_rope,
-                                    "sliding_attention": {"rope_type": "default", "rope_theta": float(local)}},
-                   final_logit_softcapping=None, attn_logit_softcapping=None)
-        cfg.pop("hidden_act")
-        cfg.pop("rope_theta")
-    elif family == "gpt_oss":
-        cfg.update(attention_bias=True, intermediate_size=m.expert_ffn_hidden, num_local_experts=m.experts,
-                   num_experts_per_tok=m.top_k, router_aux_loss_coef=m.router_aux_loss,
-                   swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit, sliding_window=m.sliding_window or None,
-                   layer_types=["sliding_attention" if w else "full_attention" for w in m.layer_windows],
-                   output_router_logits=False)
-        cfg.pop("hidden_act")
-        cfg.pop("rope_theta")
-    elif family == "llama":
-        cfg.update(attention_bias=bool(m.bias), mlp_bias=bool(m.bias))
-    elif family == "mistral":
-        cfg.update(sliding_window=m.sliding_window or None)
-    elif family in ("qwen2", "qwen3"):
-        window = m.sliding_window
-        if family == "qwen3":
-            cfg.update(attention_bias=False)
-        cfg.update(use_sliding_window=bool(window), sliding_window=window or None,
-                   max_window_layers=0 if window else m.layers)
-    elif family == "qwen3_moe":
-        cfg.update(attention_bias=False, use_sliding_window=bool(m.sliding_window),
-                   sliding_window=m.sliding_window or None, moe_intermediate_size=m.expert_ffn_hidden,
-                   num_experts=m.experts, num_experts_per_tok=m.top_k, norm_topk_prob=bool(m.norm_topk_prob),
-                   router_aux_loss_coef=m.router_aux_loss, decoder_sparse_step=1,
-                   mlp_only_layers=list(range(m.dense_layers)), output_router_logits=False)
-    elif family == "mixtral":
-        cfg.update(intermediate_size=m.expert_ffn_hidden, num_local_experts=m.experts,
-                   num_experts_per_tok=m.top_k, router_aux_loss_coef=m.router_aux_loss,
-                   sliding_window=m.sliding_window or None, output_router_logits=False)
-    elif family == "deepseek_v3":
-        cfg.update(_deepseek_v3_config(m))
-    return cfg
-
-
-def _deepseek_v3_config(m: ModelKeys) -> dict:
-    """hf_config's DeepseekV3Config fields: ``head_dim`` is transformers' RoPE width
-    (``qk_rope_head_dim``), ``q_lora_rank`` null for 0, no multi-token-prediction layers
-    (``num_nextn_predict_layers`` 0); a model without experts has every layer dense
-    (``first_k_dense_replace`` = layers), which imports back as ``experts = 0``;
-    ``router_aux_loss`` as DeepSeek's ``aux_loss_alpha`` (transformers keeps it unused)."""
-    moe = m.experts > 0
-    return dict(
-        head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-        rope_interleave=bool(m.rope_interleave), attention_bias=False,
-        n_routed_experts=m.experts, num_experts_per_tok=m.top_k if moe else 0,
-        moe_intermediate_size=m.expert_ffn_hidden, n_shared_experts=m.shared_experts,
-        first_k_dense_replace=m.dense_layers if moe else m.layers, norm_topk_prob=bool(m.norm_topk_prob),
-        routed_scaling_factor=float(_router(m, "routed_scaling_factor")), n_group=_router(m, "n_group"),
-        topk_group=_router(m, "topk_group"), num_nextn_predict_layers=0, output_router_logits=False,
-        aux_loss_alpha=float(m.router_aux_loss) if moe else 0.0)
+    return families.get(family).config(m, common)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -1106,11 +547,6 @@ def model_from_checkpoint_config(cfg: dict, **overrides) -> ModelKeys:
         TypeError: it lacks a key every model has (layers, hidden, heads, vocab).
     """
     keys = from_hf_dict(cfg)
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict):   # transformers 5 keeps NeoX's rotary fraction here
-        if cfg.get("model_type") == "gpt_neox" and "rotary_pct" not in cfg and isinstance(
-                rp.get("partial_rotary_factor"), (int, float)):
-            keys["rotary_fraction"] = float(rp["partial_rotary_factor"])
     keys.setdefault("seq_len", keys.get("max_positions") or 2048)
     keys = {k: v for k, v in keys.items() if v is not None}
     keys.update(overrides)
@@ -1122,5 +558,5 @@ __all__ = [
     "FAMILIES", "Problem", "HFWeightsError", "Source", "hf_family", "family_problems", "tensor_map",
     "expected_shapes", "hf_config", "init_from_kind", "check_checkpoint", "read_header", "scan_checkpoint", "checkpoint_files",
     "read_config", "model_from_checkpoint_config", "rope_dim", "VOCAB_PARAMS", "HF_DTYPES", "BUFFERS", "is_buffer",
-    "UNTIED_HEAD_HELP",
+    "UNTIED_HEAD_HELP", "ARCHITECTURES",
 ]

@@ -1,16 +1,16 @@
 """A model block as plain data, for the parts that must not import pydantic (the runtime,
-generated programs): :class:`ModelKeys`, with the derived defaults of SPEC 1's `model`
-block written once (:func:`derived_defaults`) and the padded vocabulary
-(:func:`padded_vocab`). The compiler's validated model is
-:class:`parcompile.config.schema.ModelConfig`, which fills its derived defaults with
-:func:`derived_defaults` and pads with :func:`padded_vocab`; ``tests/test_core.py`` pins
-:class:`ModelKeys`' fields and defaults to ``ModelConfig``'s.
+generated programs): :class:`ModelKeys`, the one declaration of SPEC 1's `model` keys
+(names, order, defaults, the values each takes), with the derived defaults written once
+(:func:`derived_defaults`) and the padded vocabulary (:func:`padded_vocab`). The
+compiler's validated model :class:`parcompile.config.schema.ModelConfig` is built from
+its fields and fills its derived defaults with :func:`derived_defaults`; the front end's
+key table reads :data:`MODEL_KEY_CHECKS`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from parcompile.core.dtypes import DTYPE_BYTES
@@ -129,81 +129,154 @@ def padded_vocab(vocab: int, vocab_multiple: int, tp: int) -> int:
 
 
 @dataclass(frozen=True)
+class KeyCheck:
+    """What values a model key takes (the front end's ``KeyType`` of it, same field names):
+    ``kind`` int, float, bool, enum (one of ``choices``) or fraction; numbers within
+    ``low``/``high``, open when ``*_open``."""
+
+    kind: str
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+    choices: tuple = ()
+
+
+COUNT = KeyCheck("int", low=1)
+NONNEG_INT = KeyCheck("int", low=0)
+POSITIVE = KeyCheck("float", low=0, low_open=True)
+NONNEG = KeyCheck("float", low=0)
+BOOL = KeyCheck("bool")
+
+
+def enum(*choices: str) -> KeyCheck:
+    """A key that takes one of ``choices``."""
+    return KeyCheck("enum", choices=choices)
+
+
+def key(default: Any = MISSING, check: KeyCheck | None = None):
+    """A field of :class:`ModelKeys`: its default (none: required) and its :class:`KeyCheck`
+    (None: not a key of the block, the block's name)."""
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelKeys:
-    """The keys of a model block (SPEC 1, `model`; the fields of
-    :class:`parcompile.config.schema.ModelConfig`, same names, defaults and derived
-    defaults), unvalidated: what the runtime reads a model's layout from (a generated
-    program's ``MODEL_KEYS``, a checkpoint's config.json). Widths are counts, not bytes.
+    """The keys of a model block (SPEC 1, `model`), their defaults and the values each
+    takes, declared once: the compiler's validated
+    :class:`parcompile.config.schema.ModelConfig` is built from these fields (same
+    names, order, defaults and derived defaults; enums as ``Literal``), and the front
+    end's key table (:data:`parcompile.frontend.build.KEYS`) from their checks.
+    Unvalidated: what the runtime reads a model's layout from (a generated program's
+    ``MODEL_KEYS``, a checkpoint's config.json). Widths are counts, not bytes.
 
     Raises:
         TypeError: an unknown key, or a required one (layers, hidden, heads, vocab,
             seq_len) missing.
     """
 
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq_len: int
-    name: str = "model"
-    kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    ffn_hidden: Optional[int] = None
-    max_positions: Optional[int] = None
-    norm: str = "rmsnorm"
-    activation: str = "swiglu"
-    position: str = "rope"
-    bias: bool = False
-    qkv_bias: Optional[bool] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rotary_fraction: float = 1.0
-    parallel_residual: bool = False
-    sliding_window: int = 0
-    qk_norm: bool = False
-    sliding_window_pattern: int = 0
-    rope_local_base_freq: Optional[float] = None
-    rope_type: str = "default"
-    rope_scaling_factor: float = 1.0
-    rope_original_max_positions: Optional[int] = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_mscale: float = 0.0
-    rope_mscale_all_dim: float = 0.0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False
-    zero_centered_gamma: bool = False
-    sandwich_norm: bool = False
-    scale_embeddings: bool = False
-    query_pre_attn_scalar: Optional[float] = None
-    attention_sinks: bool = False
-    attention: str = "flash"
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    dtype: str = "bf16"
-    experts: int = 0
-    top_k: Optional[int] = None
-    expert_ffn_hidden: Optional[int] = None
-    shared_experts: int = 0
-    dense_layers: int = 0
-    router_aux_loss: float = 0.01
-    norm_topk_prob: bool = True
-    router_bias: bool = False
-    scoring_func: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    swiglu_alpha: Optional[float] = None
-    swiglu_limit: Optional[float] = None
-    vocab_multiple: int = 128
+    name: str = key("model")
+    layers: int = key(check=COUNT)
+    hidden: int = key(check=COUNT)
+    heads: int = key(check=COUNT)
+    kv_heads: Optional[int] = key(None, COUNT)
+    head_dim: Optional[int] = key(None, COUNT)
+    ffn_hidden: Optional[int] = key(None, COUNT)
+    vocab: int = key(check=COUNT)
+    seq_len: int = key(check=COUNT)
+    max_positions: Optional[int] = key(None, COUNT)
+    norm: str = key("rmsnorm", enum("layernorm", "rmsnorm"))
+    activation: str = key("swiglu", enum("gelu", "relu", "swiglu", "geglu"))
+    position: str = key("rope", enum("rope", "learned", "none"))
+    bias: bool = key(False, BOOL)
+    qkv_bias: Optional[bool] = key(None, BOOL)
+    norm_eps: float = key(1e-5, POSITIVE)
+    rope_theta: float = key(10000.0, POSITIVE)
+    rotary_fraction: float = key(1.0, KeyCheck("fraction", low=0, low_open=True, high=1))
+    parallel_residual: bool = key(False, BOOL)
+    sliding_window: int = key(0, NONNEG_INT)
+    #: RMSNorm over head_dim on q and k, per head, before RoPE (Qwen3, Gemma 3): `layers.i.attn.q_norm`
+    qk_norm: bool = key(False, BOOL)
+    #: every Nth layer attends to the whole context, the others within `sliding_window`
+    #: (Gemma 2/3 6, gpt-oss 2; HF `sliding_window_pattern` / `layer_types`); 0: every layer alike
+    sliding_window_pattern: int = key(0, NONNEG_INT)
+    #: the RoPE base of the sliding-window layers (Gemma 3: HF `rope_local_base_freq`); None: rope_theta
+    rope_local_base_freq: Optional[float] = key(None, POSITIVE)
+    #: RoPE scaling of the layers that take rope_theta (HF `rope_parameters.rope_type`):
+    #: linear (Gemma 3 4B-27B: factor 8 on the global layers), yarn (gpt-oss, DeepSeek-V3),
+    #: llama3 (Llama 3.1); the parameters are HF's, `rope_` before each
+    rope_type: str = key("default", enum("default", "linear", "yarn", "llama3"))
+    rope_scaling_factor: float = key(1.0, KeyCheck("float", low=1))
+    #: the context the model was pretrained with (HF `original_max_position_embeddings`): yarn, llama3
+    rope_original_max_positions: Optional[int] = key(None, COUNT)
+    rope_beta_fast: float = key(32.0, POSITIVE)
+    rope_beta_slow: float = key(1.0, POSITIVE)
+    rope_truncate: bool = key(True, BOOL)
+    rope_low_freq_factor: float = key(1.0, POSITIVE)
+    rope_high_freq_factor: float = key(4.0, POSITIVE)
+    #: YaRN's attention factor from HF `mscale` / `mscale_all_dim` (DeepSeek-V3): cos and sin
+    #: times mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), and MLA's
+    #: softmax scale times mscale(factor, rope_mscale_all_dim) ** 2; 0: absent (the paper's
+    #: 0.1 ln(factor) + 1 on cos and sin)
+    rope_mscale: float = key(0.0, NONNEG)
+    rope_mscale_all_dim: float = key(0.0, NONNEG)
+    #: multi-head latent attention (DeepSeek-V2/V3; HF names): keys and values are one
+    #: `kv_lora_rank`-wide latent per token (plus a `qk_rope_head_dim` RoPE key shared by the
+    #: heads), up-projected per head; queries through a `q_lora_rank` latent (0: one
+    #: projection). `kv_lora_rank` 0: not MLA. With MLA `head_dim` is qk_nope + qk_rope
+    q_lora_rank: int = key(0, NONNEG_INT)
+    kv_lora_rank: int = key(0, NONNEG_INT)
+    qk_nope_head_dim: int = key(0, NONNEG_INT)
+    qk_rope_head_dim: int = key(0, NONNEG_INT)
+    v_head_dim: int = key(0, NONNEG_INT)
+    #: MLA's RoPE dims are interleaved pairs (x0, x1), (x2, x3), ... (HF `rope_interleave`,
+    #: DeepSeek's checkpoints); false: the halves (x_j, x_{j + d/2}), as Llama
+    rope_interleave: bool = key(False, BOOL)
+    #: RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma; Megatron-Core's
+    #: `layernorm_zero_centered_gamma`)
+    zero_centered_gamma: bool = key(False, BOOL)
+    #: a norm on each sub-layer's output before its residual add (Gemma 2/3's
+    #: post_attention_layernorm, post_feedforward_layernorm): `layers.i.attn_post_norm`, `mlp_post_norm`
+    sandwich_norm: bool = key(False, BOOL)
+    #: the embedding's output times sqrt(hidden), rounded to the model dtype (Gemma)
+    scale_embeddings: bool = key(False, BOOL)
+    #: attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma; HF field); None: head_dim
+    query_pre_attn_scalar: Optional[float] = key(None, POSITIVE)
+    #: one learned logit per query head joins each softmax's denominator (gpt-oss's `sinks`):
+    #: `layers.i.attn.sinks`, split over tp with the heads
+    attention_sinks: bool = key(False, BOOL)
+    attention: str = key("flash", enum("flash", "unfused"))
+    dropout: float = key(0.0, KeyCheck("fraction", low=0, high=1, high_open=True))
+    tie_embeddings: bool = key(False, BOOL)
+    dtype: str = key("bf16", enum("fp32", "bf16", "fp16"))
+    experts: int = key(0, NONNEG_INT)
+    top_k: Optional[int] = key(None, COUNT)
+    expert_ffn_hidden: Optional[int] = key(None, COUNT)
+    shared_experts: int = key(0, NONNEG_INT)
+    dense_layers: int = key(0, NONNEG_INT)
+    #: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. 2021)
+    router_aux_loss: float = key(0.01, NONNEG)
+    #: renormalise the top_k router weights to sum to 1 (Mixtral; HF `norm_topk_prob`); false: the
+    #: softmax probabilities themselves (Qwen3-MoE's transformers default)
+    norm_topk_prob: bool = key(True, BOOL)
+    #: the router's logits have a bias (gpt-oss: `mlp.router.bias`)
+    router_bias: bool = key(False, BOOL)
+    #: DeepSeek-V3's router (HF names): scores softmax or sigmoid of the logits;
+    #: `noaux_tc`: experts chosen on the scores plus a per-expert `e_score_correction_bias`
+    #: (a fixed fp32 buffer), within the `topk_group` of `n_group` groups whose two best
+    #: corrected scores sum highest; weights from the uncorrected scores, times
+    #: `routed_scaling_factor` (runtime/moe.py: route)
+    scoring_func: str = key("softmax", enum("softmax", "sigmoid"))
+    topk_method: str = key("greedy", enum("greedy", "noaux_tc"))
+    n_group: int = key(1, COUNT)
+    topk_group: int = key(1, COUNT)
+    routed_scaling_factor: float = key(1.0, POSITIVE)
+    #: gpt-oss's clamped SwiGLU (HF `swiglu_alpha`, `swiglu_limit`): gate <= limit, |up| <= limit,
+    #: (up + 1) * gate * sigmoid(alpha * gate); None: silu(gate) * up
+    swiglu_alpha: Optional[float] = key(None, POSITIVE)
+    swiglu_limit: Optional[float] = key(None, POSITIVE)
+    vocab_multiple: int = key(128, COUNT)
+
 
     def __post_init__(self) -> None:
         for k, v in derived_defaults(self.as_dict()).items():
@@ -234,5 +307,12 @@ class ModelKeys:
 ROUTER_DEFAULTS = {f.name: f.default for f in fields(ModelKeys)
                    if f.name in ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")}
 
+#: every key of a model block in the declared order, the name aside, -> its :class:`KeyCheck`
+MODEL_KEY_CHECKS: dict[str, KeyCheck] = {f.name: f.metadata["check"] for f in fields(ModelKeys)
+                                         if f.metadata.get("check") is not None}
+#: the model keys without a default (a preset or config.json may supply them)
+REQUIRED_MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in fields(ModelKeys) if f.default is MISSING)
 
-__all__ = ["GATED_ACTIVATIONS", "ModelKeys", "ROUTER_DEFAULTS", "attention_scale", "cached_tokens", "rotary_dim", "yarn_mscale", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]
+
+__all__ = ["BOOL", "COUNT", "GATED_ACTIVATIONS", "KeyCheck", "MODEL_KEY_CHECKS", "ModelKeys", "NONNEG", "NONNEG_INT",
+           "POSITIVE", "REQUIRED_MODEL_KEYS", "enum", "key", "ROUTER_DEFAULTS", "attention_scale", "cached_tokens", "rotary_dim", "yarn_mscale", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]

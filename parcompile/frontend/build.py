@@ -19,7 +19,7 @@ import json
 import math
 import os
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ from parcompile.config.schema import (
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
 from parcompile.core.files import what_is
+from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS
 from parcompile.diagnostics import DiagnosticBag, Span
 from parcompile.frontend import ast
 
@@ -113,38 +114,8 @@ def _quantity(dimension: str, low_open: bool = True) -> KeyType:
 
 
 KEYS: dict[str, dict[str, KeyType]] = {
-    "model": {
-        "layers": _COUNT, "hidden": _COUNT, "heads": _COUNT, "kv_heads": _COUNT,
-        "head_dim": _COUNT, "ffn_hidden": _COUNT, "vocab": _COUNT, "seq_len": _COUNT,
-        "max_positions": _COUNT,
-        "norm": _enum(ModelConfig, "norm"),
-        "activation": _enum(ModelConfig, "activation"),
-        "position": _enum(ModelConfig, "position"),
-        "bias": _BOOL, "qkv_bias": _BOOL,
-        "norm_eps": _POSITIVE, "rope_theta": _POSITIVE,
-        "rotary_fraction": KeyType("fraction", low=0, low_open=True, high=1),
-        "parallel_residual": _BOOL,
-        "sliding_window": _NONNEG_INT,
-        "qk_norm": _BOOL, "sliding_window_pattern": _NONNEG_INT, "rope_local_base_freq": _POSITIVE,
-        "rope_type": _enum(ModelConfig, "rope_type"), "rope_scaling_factor": KeyType("float", low=1),
-        "rope_original_max_positions": _COUNT, "rope_beta_fast": _POSITIVE, "rope_beta_slow": _POSITIVE,
-        "rope_truncate": _BOOL, "rope_low_freq_factor": _POSITIVE, "rope_high_freq_factor": _POSITIVE,
-        "rope_mscale": _NONNEG, "rope_mscale_all_dim": _NONNEG,
-        "q_lora_rank": _NONNEG_INT, "kv_lora_rank": _NONNEG_INT, "qk_nope_head_dim": _NONNEG_INT,
-        "qk_rope_head_dim": _NONNEG_INT, "v_head_dim": _NONNEG_INT, "rope_interleave": _BOOL,
-        "zero_centered_gamma": _BOOL, "sandwich_norm": _BOOL, "scale_embeddings": _BOOL,
-        "query_pre_attn_scalar": _POSITIVE, "attention_sinks": _BOOL,
-        "attention": _enum(ModelConfig, "attention"),
-        "dropout": KeyType("fraction", low=0, high=1, high_open=True),
-        "tie_embeddings": _BOOL,
-        "dtype": _enum(ModelConfig, "dtype"),
-        "experts": _NONNEG_INT, "top_k": _COUNT, "expert_ffn_hidden": _COUNT,
-        "shared_experts": _NONNEG_INT, "dense_layers": _NONNEG_INT, "router_aux_loss": _NONNEG,
-        "norm_topk_prob": _BOOL, "router_bias": _BOOL,
-        "scoring_func": _enum(ModelConfig, "scoring_func"), "topk_method": _enum(ModelConfig, "topk_method"),
-        "n_group": _COUNT, "topk_group": _COUNT, "routed_scaling_factor": _POSITIVE,
-        "swiglu_alpha": _POSITIVE, "swiglu_limit": _POSITIVE, "vocab_multiple": _COUNT,
-    },
+    # the model keys are declared once, with their checks, in core.model.ModelKeys
+    "model": {name: KeyType(**asdict(check)) for name, check in MODEL_KEY_CHECKS.items()},
     "cluster": {
         "nodes": _COUNT, "gpus_per_node": _COUNT,
         "memory": _quantity("memory"),
@@ -204,8 +175,6 @@ BLOCK_KINDS: tuple[str, ...] = tuple(KEYS)
 REQUIRED_BLOCKS = {"model": 'model llama from "llama3-8b" { }', "cluster": 'cluster gpus from "h100-sxm" { nodes = 1 }'}
 #: Blocks that take a name and a `from` source.
 NAMED_BLOCKS = ("model", "cluster")
-#: `model` keys without a default (a preset or config.json may supply them).
-REQUIRED_MODEL_KEYS = ("layers", "hidden", "heads", "vocab", "seq_len")
 #: `model` keys whose default derives from others (a default of a bad value is bad too).
 DERIVED_MODEL_KEYS = {
     "kv_heads": ("heads",),
