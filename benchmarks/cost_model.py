@@ -57,7 +57,8 @@ def main() -> int:
         errs["A100"].append(err)
         kind = "H" if row.held_out else "C"
         par = cfg.parallel
-        flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches)
+        flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches,
+                                       par.microbatch_group_size)
         act = cost.memory.per_stage[0].activations
         want = float(stage_activation_bytes(cfg, 0, flight[0]))
         memory_lines.append(f"{row.name:26s} first-stage activations {act / 1e9:7.2f} GB, Korthikanti's formula "
