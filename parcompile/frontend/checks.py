@@ -405,7 +405,7 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
         return
     if p.schedule == "interleaved_1f1b" and p.microbatch_group_size is not None:
         if ctx.ok("parallel.microbatch_group_size", "parallel.virtual_stages"):
-            _check_group(p, num_micro, ctx)
+            _check_group(cfg, num_micro, ctx)
     elif p.schedule == "interleaved_1f1b" and num_micro % p.pp:
         ctx.bag.error(f"interleaved_1f1b needs the number of micro-batches to be a multiple of pp = {p.pp}, "
                       f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
@@ -420,9 +420,10 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                         gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")
 
 
-def _check_group(p: ParallelConfig, num_micro: int, ctx: CheckContext) -> None:
+def _check_group(cfg: SpecConfig, num_micro: int, ctx: CheckContext) -> None:
     """``microbatch_group_size`` as Megatron-Core runs it (:func:`parcompile.core.schedule.group_error`):
     ``pp <= N <= m`` and the last round empty or at least ``pp`` long."""
+    p = cfg.parallel
     why = group_error(p.pp, num_micro, p.microbatch_group_size)
     if why is None:
         return
@@ -448,9 +449,10 @@ def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set `schedule = interleaved_1f1b` and `virtual_stages` > 1, or remove "
                            "`microbatch_group_size`",
                       note="only the interleaved schedule runs micro-batches in rounds per virtual stage")
-    elif p.microbatch_group_size is not None and p.auto:
+    elif p.microbatch_group_size is not None and (searched := [k for k in p.auto if k != "dp"]):
+        # the keys parcompile.search.needs_search searches (dp = auto alone fills the world)
         ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} with `auto` "
-                      f"{or_list(list(p.auto))}: the search keeps Megatron-Core's default (pp)",
+                      f"{or_list(searched)}: the search keeps Megatron-Core's default (pp)",
                       ctx.span("parallel.microbatch_group_size"),
                       help="fix the layout (no `auto`) to set microbatch_group_size, or remove it")
     if ctx.ok("parallel.virtual_stages", "parallel.schedule") and p.virtual_stages > 1 \
