@@ -33,6 +33,10 @@ def _layout(par) -> str:
     parts = [f"dp{par.dp}"] + [f"{k}{getattr(par, k)}" for k in ("tp", "pp", "ep") if getattr(par, k) > 1]
     if par.virtual_stages > 1:
         parts.append(f"v{par.virtual_stages}")
+        if par.microbatch_group_size is not None:
+            parts.append(f"N{par.microbatch_group_size}")
+    if par.stage_layers is not None and 0 in (par.stage_layers[0], par.stage_layers[-1]):
+        parts.append("ends0")   # a layer-less first or last model chunk
     parts += [f"mb{par.micro_batch}", f"gbs{par.global_batch}"]
     if par.zero:
         parts.append(f"zero{par.zero}")
