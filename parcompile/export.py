@@ -134,6 +134,10 @@ def _common_notes(plan: Plan, target: str) -> list[str]:
     if cfg.train.data != "synthetic":
         notes.append(f"data: the spec reads {json.dumps(cfg.train.data)}; point the {target} run at your own "
                      "tokenized dataset")
+    group = cfg.parallel.microbatch_group_size
+    if group is not None and target != "Megatron-LM":
+        notes.append(f"microbatch_group_size {group}: {target} has no round size for its interleaved schedule "
+                     "(Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage); not expressible")
     return notes
 
 
