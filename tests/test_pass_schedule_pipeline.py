@@ -272,3 +272,21 @@ def test_larger_interleaved_rounds_hide_p2p_time():
     span = {n: simulate(build_actions("interleaved_1f1b", p, m, v, group=n), [0.5] * 8, [1.0] * 8, p, v,
                         num_microbatches=m, p2p_time=0.2).makespan for n in (4, 6)}
     assert span[6] < span[4]
+
+
+def test_compiled_plan_runs_the_specs_rounds():
+    """A spec's microbatch_group_size reaches the pass's action lists, the simulated in-flight
+    counts (= the closed form the memory plan reads) and plan.json."""
+    from parcompile.analysis.memory import closed_form_in_flight
+    from parcompile.driver import compile_config
+    cfg = spec(tiny_model(layers=8), pp=2, global_batch=5, micro_batch=1, schedule="interleaved_1f1b",
+               virtual_stages=2, microbatch_group_size=3)
+    g, _ = run_until(cfg, "schedule-pipeline")
+    s = g.meta["schedule"]
+    assert s.actions == build_actions("interleaved_1f1b", 2, 5, 2, group=3) != build_actions(
+        "interleaved_1f1b", 2, 6, 2)
+    assert list(s.sim.in_flight) == closed_form_in_flight("interleaved_1f1b", 2, 2, 5, 3)
+    plan = compile_config(cfg)
+    assert plan.data["schedule"]["microbatch_group_size"] == 3
+    assert plan.data["schedule"]["in_flight"] == [float(x) if x.denominator > 1 else int(x)
+                                                  for x in closed_form_in_flight("interleaved_1f1b", 2, 2, 5, 3)]
