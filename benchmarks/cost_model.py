@@ -33,6 +33,10 @@ def _layout(par) -> str:
     parts = [f"dp{par.dp}"] + [f"{k}{getattr(par, k)}" for k in ("tp", "pp", "ep") if getattr(par, k) > 1]
     if par.virtual_stages > 1:
         parts.append(f"v{par.virtual_stages}")
+        if par.microbatch_group_size is not None:
+            parts.append(f"N{par.microbatch_group_size}")
+    if par.stage_layers is not None and 0 in (par.stage_layers[0], par.stage_layers[-1]):
+        parts.append("ends0")   # a layer-less first or last model chunk
     parts += [f"mb{par.micro_batch}", f"gbs{par.global_batch}"]
     if par.zero:
         parts.append(f"zero{par.zero}")
@@ -57,7 +61,8 @@ def main() -> int:
         errs["A100"].append(err)
         kind = "H" if row.held_out else "C"
         par = cfg.parallel
-        flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches)
+        flight = closed_form_in_flight(par.schedule, par.pp, par.virtual_stages, par.num_microbatches,
+                                       par.microbatch_group_size)
         act = cost.memory.per_stage[0].activations
         want = float(stage_activation_bytes(cfg, 0, flight[0]))
         memory_lines.append(f"{row.name:26s} first-stage activations {act / 1e9:7.2f} GB, Korthikanti's formula "

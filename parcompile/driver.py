@@ -241,7 +241,10 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
             tie_embeddings=model.tie_embeddings),
         stages=stages,
         schedule=Schedule(name=sched.name, num_microbatches=sched.num_microbatches,
-                          bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight, actions=sched.actions),
+                          bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight,
+                          **({"microbatch_group_size": par.microbatch_group_size or par.pp}
+                             if par.schedule == "interleaved_1f1b" and par.virtual_stages > 1 else {}),
+                          actions=sched.actions),
         memory=Memory(
             per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
                                    activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,

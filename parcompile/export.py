@@ -134,6 +134,10 @@ def _common_notes(plan: Plan, target: str) -> list[str]:
     if cfg.train.data != "synthetic":
         notes.append(f"data: the spec reads {json.dumps(cfg.train.data)}; point the {target} run at your own "
                      "tokenized dataset")
+    group = cfg.parallel.microbatch_group_size
+    if group is not None and target != "Megatron-LM":
+        notes.append(f"microbatch_group_size {group}: {target} has no round size for its interleaved schedule "
+                     "(Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage); not expressible")
     return notes
 
 
@@ -233,6 +237,8 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         notes.append("Megatron-LM releases before core 0.11 take "
                      f"--num-layers-per-virtual-pipeline-stage {slots // (deg['pp'] * deg['virtual_stages'])} "
                      "instead of --num-virtual-stages-per-pipeline-rank")
+        if par.microbatch_group_size is not None:
+            add("--microbatch-group-size-per-virtual-pipeline-stage", par.microbatch_group_size)
     if sched == "gpipe":
         notes.append("schedule gpipe: Megatron-LM has no GPipe schedule; it runs 1F1B (the same bubble, "
                      "fewer micro-batches in flight)")
@@ -532,6 +538,9 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--expert-tensor-parallel-size": [("model", "expert_tensor_parallel_size", int)],
     "--sequence-parallel": [("model", "sequence_parallel", True)],
     "--num-virtual-stages-per-pipeline-rank": [("model", "virtual_pipeline_model_parallel_size", int)],
+    # ModelParallelConfig's field (a base of GPTModelProvider): megatron-core 0.16.1
+    # megatron/core/model_parallel_config.py line 343 (NVIDIA/Megatron-LM tag core_v0.16.1)
+    "--microbatch-group-size-per-virtual-pipeline-stage": [("model", "microbatch_group_size_per_vp_stage", int)],
     "--decoder-first-pipeline-num-layers": [("model", "num_layers_in_first_pipeline_stage", int)],
     "--decoder-last-pipeline-num-layers": [("model", "num_layers_in_last_pipeline_stage", int)],
     "--account-for-embedding-in-pipeline-split": [("model", "account_for_embedding_in_pipeline_split", True)],

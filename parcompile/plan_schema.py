@@ -111,6 +111,11 @@ class Schedule(_Strict):
     in_flight: list[Union[int, float]] = Field(
         description="per pipeline rank, the micro-batches in flight at its peak, counted through all of "
                     "the rank's layers (fractional with virtual stages)")
+    microbatch_group_size: Optional[int] = Field(
+        default=None, ge=1,
+        description="interleaved_1f1b with virtual stages only: micro-batches per round through each local "
+                    "chunk (parallel.microbatch_group_size, default pp; Megatron-Core's "
+                    "--microbatch-group-size-per-virtual-pipeline-stage) (extension)")
     actions: list[list[Action]]
 
 

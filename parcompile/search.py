@@ -1443,17 +1443,19 @@ class Coster:
         if simulated:
             # the simulated pipeline (step_time_parts's), shared by the layouts that differ in
             # ZeRO only: the same chunk times, schedule and micro-batches
-            skey = (id(pr), tkey, pp, v, m, counts, par.schedule)
+            skey = (id(pr), tkey, pp, v, m, counts, par.schedule, par.microbatch_group_size)
             got = self.sims.get(skey)
             if got is None:
                 from parcompile.passes.schedule_pipeline import build_actions
-                akey = (par.schedule, pp, m, v)   # only zero-bubble orders its actions by the times
+                group = par.microbatch_group_size
+                akey = (par.schedule, pp, m, v, group)   # only zero-bubble orders its actions by the times
                 actions = self.action_lists.get(akey)
                 if actions is None:
                     f = [ct.fwd(k) for k in range(pp * v)]
                     b = [ct.bwd(k) for k in range(pp * v)]
                     w = [ct.wgrad(k) for k in range(pp * v)]
-                    actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w))
+                    actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w),
+                                            group=group)
                     if par.schedule != "zero_bubble":
                         self.action_lists[akey] = actions
                 got = self.sims[skey] = pipeline_parts(cfg, ct, m, actions)
@@ -1493,7 +1495,7 @@ def _row_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
     return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero=z,
                           micro_batch=mb, global_batch=gb, schedule=sched, virtual_stages=v,
                           stage_layers=p.stage_layers, recompute=rc, order=p.order, bucket_size=p.bucket_size,
-                          reduce_dtype=p.reduce_dtype, auto=p.auto)
+                          reduce_dtype=p.reduce_dtype, microbatch_group_size=p.microbatch_group_size, auto=p.auto)
 
 
 def _layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]:

@@ -41,6 +41,7 @@ import torch
 from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
                                       TrainConfig)
 from parcompile.core.model import MODEL_KEY_CHECKS
+from parcompile.core.schedule import group_error
 from parcompile.diagnostics import Diagnostic, SpecError
 
 #: the miniature's gradient bucket size: a miniature layer holds a few KiB of gradients, so
@@ -142,7 +143,8 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     (a Hugging Face tokenizer sets the vocabulary), its own random weights.
     Layers: the stage layout's shape (1 layer for the smallest nonzero `stage_layers` entries, 2 for
     larger ones, 0 for a layer-less first or last chunk; 1 per chunk when even; 3 for ZeRO-3 with pp = 1, so that the two adjacent
-    layers it holds at once are not all of them). Micro-batches: at most 2 * pp (a multiple of pp).
+    layers it holds at once are not all of them). Micro-batches: at most 2 * pp (a multiple of pp);
+    with ``microbatch_group_size`` N, N kept and at most N + pp (one round and a last of pp).
     Gradient buckets: at most :data:`MINI_BUCKET_SIZE` (``bucket_size = 0`` stays 0), so a
     miniature reduces several buckets per rank, as the full model does with its own size.
 
@@ -185,7 +187,13 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     seq_len = 16 if t.data_format == "text" else min(m.seq_len, 64)
     num_mb = p.num_microbatches
     mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
-    if p.schedule == "interleaved_1f1b":
+    group = p.microbatch_group_size
+    if p.schedule == "interleaved_1f1b" and group is not None:
+        # rounds of N kept: one round and a last one of pp micro-batches (at most the spec's
+        # m; m >= N >= pp there), fewer until Megatron-Core runs it (core.schedule.group_error)
+        mini_m = min(num_mb, max(mini_m, group + p.pp))
+        mini_m = next((k for k in range(mini_m, 0, -1) if group_error(p.pp, k, group) is None), mini_m)
+    elif p.schedule == "interleaved_1f1b":
         mini_m = max(p.pp, mini_m - mini_m % p.pp)
     # multi-head latent attention: one kv per query head, a latent narrower than the heads
     mla = dict(kv_lora_rank=16, q_lora_rank=16 if m.q_lora_rank else 0, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -202,7 +210,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     )
     model = ModelConfig(**{**keys, **mla})
     par = p.model_copy(update=dict(
-        stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(),
+        stage_layers=stage_layers, global_batch=p.micro_batch * p.dp * mini_m, auto=(), microbatch_group_size=group,
         bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
         # a 16-bit reduce dtype is the model's: the miniature's 16-bit dtype, fp32 in an fp32 miniature
         reduce_dtype="fp32" if p.reduce_dtype == "fp32" or dtype == "fp32" else dtype,

@@ -131,12 +131,40 @@ def test_a100_step_times_mean_error_at_most_3_5_percent():
 _TIME_PENDING = {
 }
 _FIT_PENDING = {
-    "Llama 3.1 405B": "88.0 GiB over 72 (78.0 GiB with the paper's v 8 layer-less split, "
-                      "examples/llama3_405b_meta_16k_h100.par at dp 64): at m = 32 Megatron's interleaved 1F1B "
-                      "keeps (pp - s - 1) x 2 + (v - 1) x pp chunk-forwards of stage s in flight; the Llama 3 "
-                      "paper's own schedule (Fig. 6: N micro-batches per round, tunable) keeps fewer and is not "
-                      "modelled (next: Megatron-Core's microbatch group size per virtual stage as a key)",
+    "Llama 3.1 405B": "78.0 GiB over 72 with the paper's v 8 layer-less split and rounds of N = pp = 16 "
+                      "(Megatron-Core's default; the paper does not give N): stage 1 keeps 2 (pp - 2) + (v - 1) N "
+                      "+ 1 = 141 one-layer chunk-forwards in flight at 0.497 GiB each (70.0 GiB) beside 8.0 GiB "
+                      "of state and buffers; 128 would fit. The only other N Megatron-Core accepts at m = 32 "
+                      "(32) keeps more; 1F1B's 15 x 8 would fit (67.6 GiB) with a bubble of 15/32. Meta's own "
+                      "schedule keeps fewer than Megatron-Core's warm-up, by how much the paper does not say "
+                      "(test_405b_row_rounds_cannot_make_it_fit)",
 }
+
+
+def test_405b_row_rounds_cannot_make_it_fit():
+    # why the 405B row's pending fit is not a schedule question: of the round sizes Megatron-Core
+    # runs at pp 16, m 32 (N in [pp, m], m % N 0 or >= pp: 16 and 32), the default keeps the fewest
+    # micro-batches in flight; the worst stage's activations are its chunk-forwards in flight
+    # (Megatron-Core's warm-up, 2 (pp - r - 1) + (v - 1) N, plus one) times the bytes one layer saves
+    from parcompile.core.schedule import group_error
+    row = next(r for r in H100_ROWS if r.name == "Llama 3.1 405B")
+    par = h100_config(row).parallel
+    pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+    assert (pp, v, m, par.microbatch_group_size) == (16, 8, 32, 16)
+    assert [n for n in range(1, m + 1) if group_error(pp, m, n) is None] == [16, 32]
+    mem = _h100_cost(row).memory
+    worst = max(mem.per_stage, key=lambda s: s.total)
+    assert worst.stage == 1 and not mem.fits      # stage 0's first chunk holds no layer
+    one = dict(worst.layer_activations)            # bytes one micro-batch saves in each layer of stage 1
+    assert len(one) == 8 and len(set(one.values())) == 1
+    chunk_forwards = 2 * (pp - 1 - 1) + (v - 1) * 16 + 1
+    assert worst.activations == pytest.approx(chunk_forwards * next(iter(one.values())), rel=1e-6)
+    # rounds of 32 hold more; what does not fit is the interleaved warm-up: the same stage with
+    # 1F1B's pp - 1 = 15 micro-batches through its 8 layers in flight would
+    assert closed_form_in_flight("interleaved_1f1b", pp, v, m, 32)[1] > closed_form_in_flight(
+        "interleaved_1f1b", pp, v, m, 16)[1]
+    rest = worst.total - worst.activations
+    assert rest + closed_form_in_flight("1f1b", pp, 1, m)[1] * 8 * next(iter(one.values())) <= mem.capacity
 
 
 def _pending(table):

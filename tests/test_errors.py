@@ -26,6 +26,7 @@ RULES = {
     "kv_heads_4_tp_8": "28 heads, 4 kv heads with tp = 8",
     "kv_heads_4_tp_7": "28 heads, 4 kv heads with tp = 7 (heads fine, kv heads not)",
     "interleaved_pp_6_m_3": "interleaved_1f1b with pp = 6 and 3 micro-batches",
+    "interleaved_group_1_below_pp_2": "microbatch_group_size = 1 with pp = 2 (Megatron-Core runs pp to m)",
     "world_size_8_on_4_gpus": "dp = 2, tp = 2, pp = 2 on 4 GPUs",
     "global_batch_256_micro_2_dp_7": "global_batch = 256, micro_batch = 2, dp = 7",
     "experts_ep_8_on_4_gpus": "16 experts on 4 GPUs, tp = 4, ep = 8, expert_tp = 1",
@@ -41,6 +42,7 @@ RULES = {
 
 #: Words each golden must contain: the numbers of the rule and what would work.
 MUST_SAY = {
+    "interleaved_group_1_below_pp_2": ["microbatch_group_size = 1", "pp = 2", "m = 5", "3 or 5"],
     "heads_52_tp_3": ["heads = 52", "1, 2, 4, 13, 26 or 52"],
     "kv_heads_4_tp_8": ["heads = 28", "kv_heads = 4", "tp = 8"],
     "kv_heads_4_tp_7": ["tp = 7 does not divide kv_heads = 4", "1, 2 or 4"],

@@ -41,6 +41,11 @@ VARIANTS = {
     "interleaved_zero2_selective": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n schedule = interleaved_1f1b\n"
                                     " virtual_stages = 2\n zero = 2\n recompute = selective\n micro_batch = 1\n"
                                     " global_batch = 8\n}", "bf16"),
+    # interleaved rounds of 3 micro-batches on pp 2 (m = 5): Megatron-Core's own example
+    # (ModelParallelConfig.microbatch_group_size_per_vp_stage's docstring)
+    "interleaved_group3_zero1": ("parallel {\n dp = 2\n tp = 2\n pp = 2\n schedule = interleaved_1f1b\n"
+                                 " virtual_stages = 2\n microbatch_group_size = 3\n zero = 1\n micro_batch = 1\n"
+                                 " global_batch = 10\n}", "bf16"),
     "gpipe_zero3_full": ("parallel {\n dp = 4\n tp = 1\n pp = 2\n schedule = gpipe\n zero = 3\n"
                          " recompute = full\n micro_batch = 1\n global_batch = 16\n}", "bf16"),
     "cp_zero1": ("parallel {\n dp = 2\n tp = 2\n pp = 1\n cp = 2\n zero = 1\n micro_batch = 2\n"
@@ -165,6 +170,11 @@ def test_megatron_names_the_plan(plans):
             assert int(f["--num-virtual-stages-per-pipeline-rank"]) == deg["virtual_stages"]
         else:
             assert "--num-virtual-stages-per-pipeline-rank" not in f
+        # interleaved rounds: written when the spec sets them (Megatron-Core's default is pp)
+        group = f.get("--microbatch-group-size-per-virtual-pipeline-stage")
+        assert group == (None if par.microbatch_group_size is None else str(par.microbatch_group_size)), name
+        if group is not None:
+            assert int(group) == plan.data["schedule"]["microbatch_group_size"] != deg["pp"], name
         if sched in ("gpipe", "zero_bubble"):
             assert any(n.startswith(f"schedule {sched}:") for n in ex.notes), name
             assert f"# note: schedule {sched}:" in ex.text
@@ -496,13 +506,16 @@ def test_export_usage_errors(monkeypatch, capsys):
 # ServerArgs.add_cli_args. The --account-for-*-in-pipeline-split pair (issue 29): TransformerConfig
 # fields (transformer_config.py lines 130 and 134 at core_v0.19.0,
 # 5be9626709af2722333bf54797c954c09edeada3) made flags by ArgumentGroupFactory (arguments.py line
-# 2290 there), not run through check_engine_parsers.py.
+# 2290 there), not run through check_engine_parsers.py; --microbatch-group-size-per-virtual-pipeline-stage
+# the same way (ModelParallelConfig.microbatch_group_size_per_vp_stage, model_parallel_config.py line
+# 431 at 5be9626709af2722333bf54797c954c09edeada3, a field of TransformerConfig's base; not excluded).
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
 --expert-model-parallel-size --expert-tensor-parallel-size --ffn-hidden-size
 --fp16 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --log-interval --lr --lr-decay-style
---lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size --min-lr --mock-data
+--lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size
+--microbatch-group-size-per-virtual-pipeline-stage --min-lr --mock-data
 --moe-aux-loss-coeff --moe-ffn-hidden-size --moe-layer-freq --moe-router-topk --moe-shared-expert-intermediate-size
 --no-gradient-accumulation-fusion --norm-epsilon --normalization --num-attention-heads --num-experts --num-layers
 --num-query-groups --num-virtual-stages-per-pipeline-rank --optimizer --overlap-grad-reduce
@@ -532,6 +545,8 @@ SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float"
 #: runtime_config_update + ConfigContainer.validate by `tests/check_engine_parsers.py
 #: megatron-bridge` (18 plans: 17 accepted with the plan's dp, tp, pp, cp, ep, batch sizes,
 #: layers per stage, virtual stages, vocabulary and params dtype; zero 3 with pp refused).
+#: microbatch_group_size_per_vp_stage: ModelParallelConfig's field at megatron-core 0.16.1
+#: (model_parallel_config.py line 343, tag core_v0.16.1), not run through check_engine_parsers.py.
 MEGATRON_BRIDGE_0_3_1_FIELDS = {
     "model": frozenset("""activation_func add_bias_linear add_qkv_bias attention_backend attention_dropout
         context_parallel_size expert_model_parallel_size expert_tensor_parallel_size ffn_hidden_size gated_linear_unit
@@ -543,7 +558,7 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         pipeline_model_parallel_size position_embedding_type qk_layernorm recompute_granularity recompute_method
         recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
         share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size
-        virtual_pipeline_model_parallel_size
+        virtual_pipeline_model_parallel_size microbatch_group_size_per_vp_stage
         vocab_size""".split()),
     "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
     "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",

@@ -197,3 +197,96 @@ def test_layer_less_last_chunk_plans_the_activations_its_rank_keeps():
     # the three micro-batches' layer bytes, plus the output layer's (less than one more body);
     # counting forwards over both local chunks would plan 3 / 2 micro-batches
     assert peak * body <= mem["activations"] < (peak + 1) * body
+
+
+# Megatron-Core's rounds of N micro-batches per virtual stage (--microbatch-group-size-per-
+# virtual-pipeline-stage): NVIDIA/Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553,
+# megatron/core/model_parallel_config.py (the field's docstring) and
+# megatron/core/pipeline_parallel/schedules.py (get_schedule_table, get_pp_rank_microbatches,
+# the range checks of forward_backward_pipelining_with_interleaving).
+
+def _forward_microbatches(acts):
+    return [a["microbatch"] for a in acts if a["op"] == "forward"]
+
+
+def test_interleaved_rounds_follow_megatron_cores_documented_order():
+    # the docstring's two examples, PP 2 VP 2: "rank 0 | 0 1 0 1 2 3 2 3" (N 2, m 4) and
+    # "rank 0 | 0 1 2 0 1 2 3 4 3 4" (N 3, m 5); the backward runs the same rounds, chunks reversed
+    assert _forward_microbatches(build_actions("interleaved_1f1b", 2, 4, 2, group=2)[0]) == [0, 1, 0, 1, 2, 3, 2, 3]
+    acts = build_actions("interleaved_1f1b", 2, 5, 2, group=3)
+    for r in range(2):
+        assert _forward_microbatches(acts[r]) == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+        fwd = [(a["microbatch"], a["chunk"]) for a in acts[r] if a["op"] == "forward"]
+        bwd = [(a["microbatch"], a["chunk"]) for a in acts[r] if a["op"] == "backward"]
+        assert bwd == [(mb, 1 - c) for mb, c in fwd]
+    # the default (None) is N = pp
+    assert build_actions("interleaved_1f1b", 4, 8, 2) == build_actions("interleaved_1f1b", 4, 8, 2, group=4)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 5), (2, 3, 7), (4, 2, 10), (4, 2, 12), (3, 2, 8)])
+def test_interleaved_rounds_warm_up_and_in_flight(p, v, m):
+    """Every round size Megatron-Core accepts runs without deadlock; rank r runs
+    2 (p - r - 1) + (v - 1) N forwards before its first backward (get_pp_rank_microbatches), so
+    its peak in flight is that plus one chunk-forward, over v; the bubble stays (p - 1) / (v m)
+    with equal chunks and no p2p time."""
+    from parcompile.analysis.memory import closed_form_in_flight
+    from parcompile.core.schedule import group_error
+    groups = [n for n in range(1, m + 1) if group_error(p, m, n) is None]
+    assert groups and min(groups) >= p and m in groups     # below pp Megatron-Core refuses
+    peaks = []
+    for n in groups:
+        acts = build_actions("interleaved_1f1b", p, m, v, group=n)
+        sim = simulate(acts, [1.0 / v] * (p * v), [2.0 / v] * (p * v), p, v, num_microbatches=m)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m))
+        for r in range(p):
+            ops = [a["op"] for a in acts[r] if a["op"] in ("forward", "backward")]
+            warm = min(2 * (p - r - 1) + (v - 1) * n, m * v)
+            assert ops.index("backward") == min(warm + 1, m * v)   # then one forward, one backward
+            assert sim.in_flight[r] == Fraction(min(warm + 1, m * v), v)
+        assert list(sim.in_flight) == closed_form_in_flight("interleaved_1f1b", p, v, m, n)
+        peaks.append(sim.in_flight[0])
+    assert peaks == sorted(peaks)     # larger rounds keep more in flight: N = pp the fewest
+
+
+def test_interleaved_rounds_outside_megatron_cores_range_are_refused():
+    from parcompile.core.schedule import group_error
+    assert "below pp" in group_error(4, 8, 3)
+    assert "above" in group_error(4, 8, 9)
+    assert "last round" in group_error(4, 10, 7)     # 10 % 7 = 3 < pp 4
+    assert "last round" in group_error(2, 5, 4)      # 5 % 4 = 1 < pp 2: dependency bubbles
+    assert group_error(2, 5, 3) is None and group_error(4, 12, 8) is None
+    with pytest.raises(ValueError, match="below pp"):
+        build_actions("interleaved_1f1b", 4, 8, 2, group=2)
+    # why: rounds below pp deadlock in Megatron's order (rank 0 waits for a chunk-1 input
+    # that the last rank sends only after rank 0's own later work)
+    from parcompile.core import schedule as S
+    acts = [S._blocks(S._interleaved_order(r, 4, 2, 8, 2), r, 4, 2) for r in range(4)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(acts, [1.0] * 8, [2.0] * 8, 4, 2, num_microbatches=8)
+
+
+def test_larger_interleaved_rounds_hide_p2p_time():
+    # what Meta's tunable N is for (Llama 3 paper section 3.3.2): with a p2p time per message,
+    # rounds longer than pp leave the next round's input time to arrive
+    p, v, m = 4, 2, 12
+    span = {n: simulate(build_actions("interleaved_1f1b", p, m, v, group=n), [0.5] * 8, [1.0] * 8, p, v,
+                        num_microbatches=m, p2p_time=0.2).makespan for n in (4, 6)}
+    assert span[6] < span[4]
+
+
+def test_compiled_plan_runs_the_specs_rounds():
+    """A spec's microbatch_group_size reaches the pass's action lists, the simulated in-flight
+    counts (= the closed form the memory plan reads) and plan.json."""
+    from parcompile.analysis.memory import closed_form_in_flight
+    from parcompile.driver import compile_config
+    cfg = spec(tiny_model(layers=8), pp=2, global_batch=5, micro_batch=1, schedule="interleaved_1f1b",
+               virtual_stages=2, microbatch_group_size=3)
+    g, _ = run_until(cfg, "schedule-pipeline")
+    s = g.meta["schedule"]
+    assert s.actions == build_actions("interleaved_1f1b", 2, 5, 2, group=3) != build_actions(
+        "interleaved_1f1b", 2, 6, 2)
+    assert list(s.sim.in_flight) == closed_form_in_flight("interleaved_1f1b", 2, 2, 5, 3)
+    plan = compile_config(cfg)
+    assert plan.data["schedule"]["microbatch_group_size"] == 3
+    assert plan.data["schedule"]["in_flight"] == [float(x) if x.denominator > 1 else int(x)
+                                                  for x in closed_form_in_flight("interleaved_1f1b", 2, 2, 5, 3)]

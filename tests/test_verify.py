@@ -33,6 +33,10 @@ CASES = {
     "pp2_interleaved_v2": dict(pp=2, model=dict(layers=8),
                                parallel=dict(schedule="interleaved_1f1b", virtual_stages=2, global_batch=8)),
     "pp2_zero_bubble": dict(pp=2, parallel=dict(schedule="zero_bubble")),
+    # Megatron-Core's rounds of N micro-batches per virtual stage, N = 3 != pp = 2 on m = 5
+    # (its own example: ModelParallelConfig.microbatch_group_size_per_vp_stage)
+    "pp2_interleaved_v2_group3": dict(pp=2, model=dict(layers=8), parallel=dict(
+        schedule="interleaved_1f1b", virtual_stages=2, microbatch_group_size=3, micro_batch=1, global_batch=5)),
     # issue 29: layer-less end chunks (Llama 3 paper section 3.3.2): an embedding-only first
     # model chunk and an output-only last one, alone on their local chunk of the rank
     "pp2_interleaved_v2_layerless_ends": dict(pp=2, model=dict(layers=3), parallel=dict(
@@ -184,6 +188,19 @@ def test_miniature_keeps_layer_less_end_chunks():
         schedule="interleaved_1f1b", virtual_stages=2, stage_layers=(0, 64, 65, 0), global_batch=8))
     mini = miniature(cfg)
     assert mini.parallel.stage_layers == (0, 1, 2, 0) and mini.model.layers == 3
+
+
+def test_miniature_keeps_interleaved_rounds():
+    """microbatch_group_size stays (one round of N and a last of pp micro-batches, at most the
+    spec's m), in Megatron-Core's range (core.schedule.group_error)."""
+    from parcompile.core.schedule import group_error
+    for n, gb, want_m in ((6, 32, 8), (3, 5, 5), (4, 8, 6), (5, 6, 5)):
+        cfg = tiny_config(1, 1, 2, model=dict(layers=8), parallel=dict(
+            schedule="interleaved_1f1b", virtual_stages=2, microbatch_group_size=n, micro_batch=1,
+            global_batch=gb))
+        p = miniature(cfg).parallel
+        assert (p.microbatch_group_size, p.num_microbatches) == (n, want_m), n
+        assert group_error(p.pp, p.num_microbatches, n) is None
 
 
 def test_compare_reports_a_wrong_weight(tmp_path):

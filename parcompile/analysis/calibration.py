@@ -46,19 +46,25 @@ AutoModel rows ``ENGINES["automodel"].elementwise``):
    ``recompute = none``.
 3. Llama 3 paper (Llama Team, "The Llama 3 Herd of Models", 2024), Table 4, first row:
    405B on 8,192 H100 SXM, TP 8, CP 1, PP 16, DP 64, seq 8192, 16M tokens per batch (32
-   sequences per data-parallel rank): 430 TFLOP/s per GPU. Not published, assumed here:
-   micro-batch 1 (m = 32 micro-batches), interleaved 1F1B with 4 virtual stages
-   (parcompile's even split of 126 layers over 64 chunks), sequence parallelism, no
-   recomputation, ZeRO-2 (section 3.3.2: the paper's FSDP shards optimizer states and
-   gradients, reduce-scattered and accumulated in fp32, and does not reshard parameters
-   after the forward; ZeRO-1 until issue 29). The published step time is
-   the row's model FLOPs per step (parcompile's count, ``compute.model_flops_per_step``:
-   ``6 N`` plus attention without causal halving, the convention of Megatron's and
-   torchtitan's MFU) over ``8192 x 430 TFLOP/s``. With 4 virtual stages the estimated peak
-   (about 88 GiB: Megatron's interleaved 1F1B keeps 19.75 micro-batches of the first stage
-   in flight at m = 32) exceeds the 80 GB part: the paper's own schedule (N contiguous
-   micro-batches, one-layer chunks with the embedding and the output layer as chunks of
-   their own) is not modelled.
+   sequences per data-parallel rank): 430 TFLOP/s per GPU. As section 3.3.2 states it:
+   interleaved 1F1B, one-layer model chunks with the embedding and the output layer as
+   chunks of their own (126 layers + 2 = 16 x 8: 8 virtual stages, :data:`META_405B_SPLIT`),
+   sequence parallelism, no recomputation at seq 8192, ZeRO-2 (the paper's FSDP shards
+   optimizer states and gradients, reduce-scattered and accumulated in fp32, and does not
+   reshard parameters after the forward). Not published, assumed here: micro-batch 1 (m =
+   32 micro-batches) and the round size N of its Fig. 6 schedule (N contiguous micro-batches
+   per stage, "tunable"; the figure's N = 5 on 4 ranks is an illustration): N = pp = 16,
+   Megatron-Core's default (``--microbatch-group-size-per-virtual-pipeline-stage``), the
+   fewest micro-batches in flight of the round sizes Megatron-Core accepts (16 or 32 here).
+   The published step time is the row's model FLOPs per step (parcompile's count,
+   ``compute.model_flops_per_step``: ``6 N`` plus attention without causal halving, the
+   convention of Megatron's and torchtitan's MFU) over ``8192 x 430 TFLOP/s``. The plan
+   does not fit the 80 GB part (78.0 GiB of 72 usable; 88.0 GiB with the 4 even virtual
+   stages this row had before): stage 1 keeps 141 one-layer chunk-forwards in flight
+   (``2 (pp - 2) + (v - 1) N + 1``), 0.497 GiB each, where 128 would fit
+   (``tests/test_cost_model.py``). The H100's ``matmul`` was fitted with this row at 4 even
+   virtual stages (+0.1%); with the paper's split (a bubble of ``(pp - 1) / (v m)`` at v = 8
+   instead of 4) the same constant estimates 3.8% under the published time: not refitted.
 
 2025-26 rows (issue 29), each with its source commit (:attr:`H100Row.commit`) and what
 was assumed where the source is silent (:attr:`H100Row.assumed`):
@@ -247,7 +253,8 @@ class H100Row:
 
     def layout(self) -> str:
         """The layout in words: ``dp=8 zero=3 mb=2 gbs=16 recompute=selective``."""
-        return " ".join(f"{k}={v}" for k, v in self.parallel if k != "sequence_parallel" or v)
+        return " ".join(f"{k}={v}" if k != "stage_layers" else f"{k}=[{v[0]}, ..., {v[-1]}]"
+                        for k, v in self.parallel if k != "sequence_parallel" or v)
 
     def published_step_time(self, model_flops_per_step: float) -> float:
         """Seconds per step as published (:attr:`step_time`), else from the published rate:
@@ -262,6 +269,12 @@ class H100Row:
             return tokens / (self.tokens_per_s_per_gpu * world)
         return model_flops_per_step / (world * self.tflops_per_gpu * 1e12)
 
+
+#: Llama 3 paper section 3.3.2: "the first model chunk on the first stage has only the embedding,
+#: and the last model chunk on the last stage has only output projection and loss calculation":
+#: 126 layers in 16 x 8 one-layer chunk slots, the first and the last without a layer (as
+#: examples/llama3_405b_meta_16k_h100.par)
+META_405B_SPLIT: tuple[int, ...] = (0,) + (1,) * 126 + (0,)
 
 #: Meta's Grand Teton H100 (rows 1, 4, 5): 96 GB HBM2e at 2.4 TB/s, 500 W (module docstring)
 GRAND_TETON: tuple[tuple[str, object], ...] = (("memory", 96 * 10**9), ("hbm_bw", 2.4e12), ("peak_flops", 884e12))
@@ -281,11 +294,15 @@ H100_ROWS: tuple[H100Row, ...] = (
     H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
             (("nodes", 1024),),
             (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 2), ("micro_batch", 1), ("global_batch", 2048),
-             ("schedule", "interleaved_1f1b"), ("virtual_stages", 4), ("sequence_parallel", True),
-             ("recompute", "none")),
+             ("schedule", "interleaved_1f1b"), ("virtual_stages", 8), ("stage_layers", META_405B_SPLIT),
+             ("microbatch_group_size", 16), ("sequence_parallel", True), ("recompute", "none")),
             tflops_per_gpu=430, commit="arXiv 2407.21783",
-            assumed="micro-batch 1, 4 virtual stages, sequence parallel, no recompute; ZeRO-2 (section 3.3.2: "
-                    "its FSDP shards optimizer states and gradients, parameters not resharded after forward)"),
+            assumed="micro-batch 1; 8 virtual stages of one layer slot with a layer-less first and last chunk "
+                    "(section 3.3.2: 126 layers + the embedding and output chunks = 16 x 8); rounds of N = pp = 16 "
+                    "micro-batches (the paper tunes N but does not give it: Megatron-Core's default, the fewest in "
+                    "flight of the N it accepts, 16 or 32 at m = 32); sequence parallel, no recompute; ZeRO-2 "
+                    "(section 3.3.2: its FSDP shards optimizer states and gradients, parameters not resharded "
+                    "after forward)"),
     H100Row("Llama 3.1 70B FSDP+TP", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b", (("seq_len", 8192),),
             (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
             (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),

@@ -36,8 +36,9 @@ Activations: the bytes one micro-batch saves for backward on the rank, per op of
 graph (:mod:`parcompile.ir.ops`: the operands each op keeps, counted once per tensor,
 plus softmax and dropout masks), times the micro-batches the schedule keeps in flight on
 the stage (``in_flight``: GPipe ``m``; 1F1B ``min(p - s, m)`` on stage s; interleaved
-1F1B ``(2(p-s-1) + (v-1)p + 1)/v`` capped at ``m``, i.e. ``p (1 + (p-1)/(p v))`` on
-stage 0, Korthikanti et al. 2022 section 4.2.3; when a rank's chunks keep unlike bytes, an
+1F1B ``(2(p-s-1) + (v-1)N + 1)/v`` capped at ``m``, with rounds of ``N``
+micro-batches (``parallel.microbatch_group_size``, default ``p``: then ``p (1 + (p-1)/(p v))``
+on stage 0, Korthikanti et al. 2022 section 4.2.3); when a rank's chunks keep unlike bytes, an
 uneven ``stage_layers`` with virtual stages or a layer-less first or last chunk, the
 simulated schedule weighs each chunk's forwards in flight by its bytes,
 :func:`parcompile.core.schedule.simulate`'s ``chunk_bytes``). Rules, after Megatron-LM:
@@ -127,7 +128,7 @@ from parcompile.analysis.compute import op_sac
 from parcompile.analysis.estimate import engine as engine_of
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
-from parcompile.core.schedule import build_actions, in_flight
+from parcompile.core.schedule import build_actions, in_flight, interleaved_warmup
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
@@ -356,17 +357,19 @@ def saved_bytes_per_chunk(graph: Graph, degrees: Mapping[str, int], num_chunks: 
     return list(saved_bytes(graph, degrees, num_chunks, recompute).per_chunk)
 
 
-def closed_form_in_flight(schedule: str, pp: int, v: int, m: int) -> list[Fraction]:
+def closed_form_in_flight(schedule: str, pp: int, v: int, m: int, group: int | None = None) -> list[Fraction]:
     """Peak micro-batches (through all of a stage's layers) whose activations stage s keeps,
     from the schedule's warm-up (module docstring); what the simulator finds for
-    Megatron-LM's schedules, without needing the action lists."""
+    Megatron-LM's schedules, without needing the action lists. Interleaved 1F1B keeps
+    its warm-up forwards and the one that starts the steady state, of ``v`` chunks each
+    (:func:`parcompile.core.schedule.interleaved_warmup`, rounds of ``group``
+    micro-batches, None: ``pp``)."""
     out = []
     for s in range(pp):
         if schedule == "gpipe":
             out.append(Fraction(m))
         elif schedule == "interleaved_1f1b" and v > 1:
-            warm = min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v)
-            out.append(Fraction(warm, v))
+            out.append(Fraction(min(interleaved_warmup(s, pp, v, m, group) + 1, m * v), v))
         else:
             out.append(Fraction(min(pp - s, m)))
     return out
@@ -387,11 +390,12 @@ def unlike_chunk_bytes(cfg, saved: SavedBytes) -> tuple[int, ...] | None:
 
 
 @lru_cache(maxsize=4096)
-def _weighted_in_flight(schedule: str, pp: int, v: int, m: int, chunk_bytes: tuple[int, ...]) -> tuple[Fraction, ...]:
+def _weighted_in_flight(schedule: str, pp: int, v: int, m: int, chunk_bytes: tuple[int, ...],
+                        group: int | None = None) -> tuple[Fraction, ...]:
     """:func:`parcompile.core.schedule.in_flight` of ``schedule``'s own action lists (their
     order does not depend on the chunk times: only zero-bubble's does, and it runs no
     virtual stages, so its chunks are never unlike on a rank)."""
-    return in_flight(build_actions(schedule, pp, m, v), pp, v, chunk_bytes)
+    return in_flight(build_actions(schedule, pp, m, v, group=group), pp, v, chunk_bytes)
 
 
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
@@ -419,10 +423,11 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
     e = model.dtype_bytes
     serve = cfg.workload == "serve"
     if in_flight is None:
-        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches)
+        group = par.microbatch_group_size
+        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches, group)
         unlike = unlike_chunk_bytes(cfg, saved)
         if unlike is not None and not serve:
-            in_flight = _weighted_in_flight(par.schedule, pp, v, par.num_microbatches, unlike)
+            in_flight = _weighted_in_flight(par.schedule, pp, v, par.num_microbatches, unlike, group)
     stages = []
     for s, sp in enumerate(stage_params):
         kv = 0

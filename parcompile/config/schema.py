@@ -168,6 +168,10 @@ class ParallelConfig(_Frozen):
     global_batch: Optional[int] = None
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1
+    #: interleaved 1F1B: micro-batches per round through each local chunk (Megatron-Core's
+    #: ``--microbatch-group-size-per-virtual-pipeline-stage``); None: ``pp``, its default
+    #: (:mod:`parcompile.core.schedule`)
+    microbatch_group_size: Optional[int] = None
     stage_layers: Optional[tuple[int, ...]] = None
     recompute: Literal["none", "selective", "full"] = "none"
     order: str = "tp-cp-ep-dp-pp"

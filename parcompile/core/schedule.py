@@ -14,9 +14,17 @@ the rank's local chunk (model chunk ``chunk * pp + rank``).
   ``min(pp - r - 1, m)`` warm-up forwards, then alternates one forward and one backward,
   then drains the backwards.
 * ``interleaved_1f1b``: Megatron-LM's interleaved schedule (Narayanan et al. 2021, and
-  Megatron-Core's ``forward_backward_pipelining_with_interleaving``): the ``m * v``
-  virtual micro-batches run in groups of ``pp``; rank ``r`` warms up with
-  ``2 (pp - r - 1) + (v - 1) pp`` forwards, then alternates. Needs ``m % pp == 0``.
+  Megatron-Core's ``forward_backward_pipelining_with_interleaving``): micro-batches run in
+  rounds of ``N`` (``parallel.microbatch_group_size``, Megatron-Core's
+  ``--microbatch-group-size-per-virtual-pipeline-stage``, default ``pp``): each round runs
+  its ``N`` micro-batches through local chunk 0, then chunk 1, ..., forward, and the same
+  rounds with the chunks reversed backward (``get_schedule_table``; the last round takes
+  what is left). Rank ``r`` warms up with ``2 (pp - r - 1) + (v - 1) N`` forwards
+  (``get_pp_rank_microbatches``), then alternates: a larger ``N`` keeps more micro-batches
+  in flight, ``N = pp`` (depth-first) the fewest. Megatron-Core needs ``pp <= N <= m`` and
+  ``m % N`` either 0 or at least ``pp`` (:func:`group_error`). Source: NVIDIA/Megatron-LM
+  ``megatron/core/pipeline_parallel/schedules.py`` and ``megatron/core/model_parallel_config.py``
+  at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553.
 * ``zero_bubble``: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each
   backward is split into B (input gradient, on the critical path) and W (weight
   gradient, deferrable). The order is found by list-scheduling the cost model's F, B
@@ -76,25 +84,60 @@ def _bwd_block(r: int, pp: int, v: int, mb: int, c: int, op: str = "backward") -
     return out
 
 
-def _interleaved_order(r: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
+def group_error(pp: int, m: int, group: int) -> str | None:
+    """Why Megatron-Core refuses interleaved 1F1B rounds of ``group`` micro-batches on ``pp``
+    ranks with ``m`` micro-batches, or None when it runs them: ``pp <= group <= m``, and
+    the last round (``m % group`` micro-batches) empty or at least ``pp`` long (shorter
+    leaves dependency bubbles). Megatron-LM ``megatron/core/pipeline_parallel/schedules.py``
+    (``forward_backward_pipelining_with_interleaving``'s ValueError and RuntimeError),
+    commit d98e8a64ddf34856e74b24714e3bedb2f5a39553."""
+    if group < pp:
+        return f"microbatch_group_size = {group} is below pp = {pp}"
+    if group > m:
+        return f"microbatch_group_size = {group} is above the {m} micro-batches per step"
+    last = m % group
+    if 0 < last < pp:
+        return (f"the last round holds m({m}) % microbatch_group_size({group}) = {last} micro-batches, "
+                f"fewer than pp = {pp}")
+    return None
+
+
+def interleaved_warmup(r: int, pp: int, v: int, m: int, group: int | None = None) -> int:
+    """Forwards rank ``r`` runs before its first backward under interleaved 1F1B with
+    rounds of ``group`` micro-batches (None: ``pp``): ``2 (pp - r - 1) + (v - 1) group``,
+    at most all ``m v`` (Megatron-Core's ``get_pp_rank_microbatches``, module docstring).
+    The one rule :func:`build_actions` orders by and the closed-form in-flight count
+    (:func:`parcompile.analysis.memory.closed_form_in_flight`) reads."""
+    n = pp if group is None else group
+    return min(2 * (pp - r - 1) + (v - 1) * n, m * v)
+
+
+def _interleaved_table(v: int, m: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, local chunk) of each forward in order: rounds of ``group`` micro-batches,
+    each through chunk 0, ..., v - 1; the last round takes every micro-batch left
+    (Megatron-Core's ``get_schedule_table``)."""
+    table: list[tuple[int, int]] = []
+    for lo in range(0, m, group):
+        hi = m if lo + group >= m else lo + group
+        table += [(mb, c) for c in range(v) for mb in range(lo, hi)]
+    return table
+
+
+def _interleaved_order(r: int, pp: int, v: int, m: int, group: int | None = None) -> list[tuple[str, int, int]]:
     """Rank ``r``'s compute order under Megatron's interleaved 1F1B: (F|B, microbatch, chunk).
 
-    Virtual micro-batch ``i`` runs local chunk ``(i // pp) % v`` (reversed for backward) on
-    micro-batch ``(i // (pp v)) pp + i % pp``.
+    The ``i``-th forward runs ``_interleaved_table``'s entry ``i``, the ``i``-th backward the
+    same micro-batch on the mirrored chunk ``v - 1 - c``.
     """
     total = m * v
-
-    def which(i: int, forward: bool) -> tuple[int, int]:
-        c = (i % (pp * v)) // pp
-        return (i // (pp * v)) * pp + i % pp, (c if forward else v - 1 - c)
-
-    warm = min(2 * (pp - r - 1) + (v - 1) * pp, total)
-    order = [("F", *which(i, True)) for i in range(warm)]
+    table = _interleaved_table(v, m, pp if group is None else group)
+    fwd = [("F", mb, c) for mb, c in table]
+    bwd = [("B", mb, v - 1 - c) for mb, c in table]
+    warm = interleaved_warmup(r, pp, v, m, group)
+    order = fwd[:warm]
     for k in range(total - warm):
-        order.append(("F", *which(warm + k, True)))
-        order.append(("B", *which(k, False)))
-    order += [("B", *which(i, False)) for i in range(total - warm, total)]
-    return order
+        order += [fwd[warm + k], bwd[k]]
+    return order + bwd[total - warm:]
 
 
 def _zero_bubble_order(pp: int, m: int, f: Sequence[float], b: Sequence[float],
@@ -188,19 +231,25 @@ def _blocks(order: list[tuple[str, int, int]], r: int, pp: int, v: int) -> list[
 
 
 def build_actions(schedule: str, pp: int, m: int, virtual_stages: int = 1,
-                  times: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None) -> list[list[dict]]:
+                  times: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
+                  group: int | None = None) -> list[list[dict]]:
     """Per pipeline rank, its ordered actions for one step of ``m`` micro-batches.
 
     ``times`` (F, B, W seconds per model chunk) orders the ``zero_bubble`` schedule; it
-    defaults to equal times (F = B = W).
+    defaults to equal times (F = B = W). ``group``: the interleaved schedule's rounds
+    (``parallel.microbatch_group_size``; None: ``pp``, Megatron-Core's default); other
+    schedules ignore it.
 
     Raises:
         NotImplementedError: ``1f1b`` with virtual stages (that is the interleaved
             schedule), or ``zero_bubble`` with virtual stages.
+        ValueError: an interleaved ``group`` Megatron-Core refuses (:func:`group_error`).
     """
     v = virtual_stages
     if schedule == "interleaved_1f1b":
-        return [_blocks(_interleaved_order(r, pp, v, m), r, pp, v) for r in range(pp)]
+        if group is not None and (why := group_error(pp, m, group)):
+            raise ValueError(why)
+        return [_blocks(_interleaved_order(r, pp, v, m, group), r, pp, v) for r in range(pp)]
     if schedule == "zero_bubble":
         if v != 1:
             raise NotImplementedError(f"schedule zero_bubble with virtual_stages = {v}")

@@ -141,6 +141,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "global_batch": _COUNT,
         "schedule": replace(_enum(ParallelConfig, "schedule"), auto=True),
         "virtual_stages": _COUNT_OR_AUTO,
+        "microbatch_group_size": _COUNT,
         "stage_layers": KeyType("int_list", low=0),   # 0: first/last chunk only (checks.py)
         "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True),
         "order": _STR,

@@ -20,6 +20,7 @@ from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
 from parcompile.core.model import MAX_LAYERS as _MAX_LAYERS
+from parcompile.core.schedule import group_error
 from parcompile.diagnostics import DiagnosticBag, Span
 
 
@@ -402,7 +403,10 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
     num_micro = p.global_batch // per_step
     if not ctx.ok("parallel.schedule"):
         return
-    if p.schedule == "interleaved_1f1b" and num_micro % p.pp:
+    if p.schedule == "interleaved_1f1b" and p.microbatch_group_size is not None:
+        if ctx.ok("parallel.microbatch_group_size", "parallel.virtual_stages"):
+            _check_group(cfg, num_micro, ctx)
+    elif p.schedule == "interleaved_1f1b" and num_micro % p.pp:
         ctx.bag.error(f"interleaved_1f1b needs the number of micro-batches to be a multiple of pp = {p.pp}, "
                       f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
                       f"dp({p.dp}))", ctx.span("parallel.schedule"),
@@ -416,8 +420,41 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                         gb_span, help=f"global_batch >= {per_step * p.pp} gives m >= pp")
 
 
+def _check_group(cfg: SpecConfig, num_micro: int, ctx: CheckContext) -> None:
+    """``microbatch_group_size`` as Megatron-Core runs it (:func:`parcompile.core.schedule.group_error`):
+    ``pp <= N <= m`` and the last round empty or at least ``pp`` long."""
+    p = cfg.parallel
+    why = group_error(p.pp, num_micro, p.microbatch_group_size)
+    if why is None:
+        return
+    fits = [n for n in range(p.pp, num_micro + 1) if group_error(p.pp, num_micro, n) is None]
+    near = sorted(fits, key=lambda n: (abs(n - p.microbatch_group_size), n))[:3]
+    ctx.bag.error(f"{why} (m = {num_micro} micro-batches = global_batch({p.global_batch}) / "
+                  f"(micro_batch({p.micro_batch}) * dp({p.dp})))", ctx.span("parallel.microbatch_group_size"),
+                  help=(f"microbatch_group_size may be {or_list(sorted(near))}" if near else
+                        f"raise global_batch to at least micro_batch * dp * pp = {p.micro_batch * p.dp * p.pp}")
+                  + ", or remove it (default: pp)",
+                  note="Megatron-Core's interleaved schedule runs rounds of pp to m micro-batches per "
+                       "virtual stage (--microbatch-group-size-per-virtual-pipeline-stage); a last round "
+                       "shorter than pp leaves dependency bubbles")
+
+
 def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
     p = cfg.parallel
+    if p.microbatch_group_size is not None and ctx.ok("parallel.schedule", "parallel.virtual_stages") \
+            and (p.schedule != "interleaved_1f1b" or p.virtual_stages == 1):
+        ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} needs schedule = interleaved_1f1b "
+                      f"with virtual_stages > 1, not {p.schedule} with virtual_stages = {p.virtual_stages}",
+                      ctx.span("parallel.microbatch_group_size"),
+                      help="set `schedule = interleaved_1f1b` and `virtual_stages` > 1, or remove "
+                           "`microbatch_group_size`",
+                      note="only the interleaved schedule runs micro-batches in rounds per virtual stage")
+    elif p.microbatch_group_size is not None and (searched := [k for k in p.auto if k != "dp"]):
+        # the keys parcompile.search.needs_search searches (dp = auto alone fills the world)
+        ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} with `auto` "
+                      f"{or_list(searched)}: the search keeps Megatron-Core's default (pp)",
+                      ctx.span("parallel.microbatch_group_size"),
+                      help="fix the layout (no `auto`) to set microbatch_group_size, or remove it")
     if ctx.ok("parallel.virtual_stages", "parallel.schedule") and p.virtual_stages > 1 \
             and p.schedule != "interleaved_1f1b":
         ctx.bag.error(f"virtual_stages = {p.virtual_stages} needs schedule = interleaved_1f1b, "
@@ -976,8 +1013,8 @@ LAYOUT_READS = {
     _check_attention_kinds: (),
     _check_mla: ("cp",),
     _check_layers: ("pp", "stage_layers", "virtual_stages"),
-    _check_batches: ("dp", "global_batch", "micro_batch", "pp", "schedule"),
-    _check_schedule: ("schedule", "virtual_stages"),
+    _check_batches: ("dp", "global_batch", "micro_batch", "microbatch_group_size", "pp", "schedule"),
+    _check_schedule: ("auto", "microbatch_group_size", "schedule", "virtual_stages"),
     _check_sequence: ("cp", "sequence_parallel", "tp"),
     _check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
     _check_router: (),
