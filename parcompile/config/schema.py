@@ -340,6 +340,7 @@ class ServeConfig(_Frozen):
     prompt: Optional[str] = None
     block_size: int = 16      # tokens per block of the server's paged KV cache
     kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: all that fits)
+    prefix_caching: bool = True  # the server shares cached prompt prefixes between requests (vLLM v1's default)
 
 
 class SpecConfig(_Frozen):
