@@ -306,6 +306,50 @@ def test_a_top_p_that_rounds_to_zero_is_answered_and_kills_no_rank(server):
 
 
 @pytest.mark.torchrun
+def test_logprobs_under_tp_and_pp_equal_one_process_and_a_repeated_prefix_is_prefilled_once(server, tmp_path):
+    """Issue 33 on the tp 2 x pp 2 server: echo + logprobs (the table broadcast over pp)
+    equal the single-process engine's on the same weights; the same prompt again finds its
+    full block (16 tokens) cached: 16 prefix-cache hits, 4 tokens prefilled, the same
+    generated logprobs; a batch of prompts with n = 2 gives 4 choices, greedy alike."""
+    from parcompile.frontend import load_spec
+    from tests.test_serve_engine import Engine
+
+    base = server["base"]
+    prompt = list(range(40, 60))                      # 20 tokens: one full block of 16
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    m0 = _metrics(base)
+    a = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    m1 = _metrics(base)
+    b = httpx.post(base + "/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]["logprobs"]
+    m2 = _metrics(base)
+    hits, queries, prefill = ("parcompile_prefix_cache_hits_total", "parcompile_prefix_cache_queries_total",
+                              "parcompile_prefill_tokens_total")
+    assert m1[prefill] - m0.get(prefill, 0) == 20 and m1.get(hits, 0) == m0.get(hits, 0)   # echo: prefilled whole
+    assert m2[hits] - m1.get(hits, 0) == 16 and m2[queries] - m1.get(queries, 0) == 20
+    assert m2[prefill] - m1[prefill] == 4
+    assert len(a["tokens"]) == 23 and a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    assert b["token_logprobs"] == pytest.approx(a["token_logprobs"][20:], abs=1e-4)
+    assert b["tokens"] == a["tokens"][20:] and all(len(t) <= 3 for t in b["top_logprobs"])
+    (tmp_path / "one.par").write_text(_spec(1, 1))
+    cfg, _ = load_spec(tmp_path / "one.par")
+    build_serve(cfg, tmp_path / "one")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = Engine(tmp_path / "one", None, blocks=8, block_size=16, max_seqs=2, caching=False).run(
+            [(prompt, {"max_tokens": 3, "logprobs": 2, "prompt_logprobs": True})])[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert a["token_logprobs"][1:20] == pytest.approx([x for x, _ in ref["prompt"]], abs=1e-4)
+    assert a["token_logprobs"][20:] == pytest.approx([x for x, _ in ref["lps"]], abs=1e-4)
+    r = httpx.post(base + "/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 4,
+                                                   "temperature": 0, "return_token_ids": True}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    ids = [c["token_ids"] for c in r["choices"]]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and all(len(t) == 4 for t in ids)
+
+
+@pytest.mark.torchrun
 def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
     """Last: it ends the module's server."""
     proc, base = server["proc"], server["base"]
