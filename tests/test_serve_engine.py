@@ -29,7 +29,8 @@ class Engine:
     """The program in ``out`` (serve.py, plan.json) with its scheduler and paged cache;
     :meth:`run` serves requests, ``arrive`` of them joining per step."""
 
-    def __init__(self, out: Path, weights: str | None, blocks: int, block_size: int, max_seqs: int, caching: bool):
+    def __init__(self, out: Path, weights: str | None, blocks: int, block_size: int, max_seqs: int, caching: bool,
+                 max_prefill_tokens: int | None = None):
         from parcompile import runtime as rt
         from parcompile.runtime.weights import load_weights
 
@@ -50,15 +51,17 @@ class Engine:
         self.model.eval()
         self.cache = self.model.new_paged_cache(blocks, block_size, self.ctx.device)
         self.windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
-        self.sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=caching)
+        self.sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=caching,
+                                     max_prefill_tokens=max_prefill_tokens)
         self.blocks = blocks
+        self.steps: list[list[tuple[str, int, bool]]] = []      # each step's rows: (rid, new tokens, prefill)
 
     def run(self, requests: list[tuple[list[int], dict]], arrive: int = 1) -> dict:
         """Greedy (unless the params say otherwise) tokens and logprobs per request index."""
         base = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": [], "logprobs": None}
         pending = [(str(i), p, {**base, **params}) for i, (p, params) in enumerate(requests)]
         got = {rid: {"tokens": [], "lps": [], "prompt": None} for rid, _, _ in pending}
-        params = {}
+        params, gens = {}, {}
         while True:
             for _ in range(arrive):
                 if pending:
@@ -71,11 +74,16 @@ class Engine:
                 break
             if not rows:
                 continue
+            for rid, pr in step["new"].items():       # as serve_requests: one generator per request
+                gens[rid] = torch.Generator().manual_seed(pr["seed"])
+            self.steps.append([(r.rid, len(r.tokens), r.context < len(self.sched.running[r.rid].prompt))
+                               for r in rows])
             want = set(step["prompt_logprobs"])
             tokens, lps = paged.run_step(self.model, self.ctx, self.cache, rows, [params[r.rid] for r in rows],
-                                         [torch.Generator().manual_seed(0) for _ in rows], self.mod.VOCAB,
+                                         [gens[r.rid] for r in rows], self.mod.VOCAB,
                                          self.mod.HIDDEN, self.mod.DTYPE, self.windows,
-                                         prompt_rows=[r.rid in want for r in rows])
+                                         prompt_rows=[r.rid in want for r in rows],
+                                         partial_next=[step["partial"].get(r.rid) for r in rows])
             for rid, tok, _, lp in self.sched.collect(rows, tokens, lps):
                 got[rid]["tokens"].append(tok)
                 if lp is not None:
@@ -178,3 +186,41 @@ def test_block_pool_counts_references_and_evicts_least_recently_freed():
     assert set(c) == set(range(4)) - set(a) and pool.lookup(keys) == a
     d = pool.take([], 1)
     assert d == [a[1]] and pool.lookup(keys) == [a[0]]
+
+
+@pytest.mark.parametrize("kind,model", [
+    ("gqa", {}),
+    ("sliding_window", {"sliding_window": 5}),
+    ("mla", {"heads": 4, "kv_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8,
+             "qk_rope_head_dim": 4, "v_head_dim": 8}),
+])
+def test_chunked_prefill_splits_a_long_prompt_beside_decoding_and_keeps_tokens_and_logprobs(kind, model, tmp_path,
+                                                                                            one_thread):
+    """A budget of 4 prompt tokens per step: a 19-token prompt arriving while another
+    sequence decodes is prefilled in chunks of at most 4, the other sequence getting a token
+    at every one of those steps; greedy and seeded tokens, logprobs and the prompt's
+    logprobs (echo) equal the whole-prompt engine's (no caching)."""
+    cfg = serve_config(model=model, serve=dict(batch=3, prompt_len=20, max_new_tokens=8, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    long = [(7 * i + 3) % 250 for i in range(19)]
+    reqs = [([5, 17, 99], {"max_tokens": 8, "logprobs": 1}),
+            (long, {"max_tokens": 4, "logprobs": 2, "prompt_logprobs": True}),
+            (long[:9], {"max_tokens": 5, "logprobs": 1, "temperature": 1.0, "seed": 11})]
+    whole_eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=3, caching=False)
+    whole = whole_eng.run(reqs, arrive=1)
+    eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=3, caching=True, max_prefill_tokens=4)
+    chunked = eng.run(reqs, arrive=1)
+    assert [r["tokens"] for r in chunked] == [r["tokens"] for r in whole], kind
+    for a, b in zip(chunked, whole):
+        assert [x for x, _ in a["lps"]] == pytest.approx([x for x, _ in b["lps"]], abs=1e-5)
+    assert len(chunked[1]["prompt"]) == 18
+    assert [x for x, _ in chunked[1]["prompt"]] == pytest.approx([x for x, _ in whole[1]["prompt"]], abs=1e-5)
+    assert [[i for i, _ in t] for _, t in chunked[1]["prompt"]] == [[i for i, _ in t] for _, t in whole[1]["prompt"]]
+    assert [n for rows in whole_eng.steps for rid, n, pre in rows if rid == "1" and pre] == [19]   # one step
+    chunks = [n for rows in eng.steps for rid, n, pre in rows if rid == "1" and pre]
+    assert sum(chunks) == 19 and max(chunks) <= 4 and len(chunks) == 5      # echo: no cached prefix
+    assert all(sum(n for _, n, pre in rows if pre) <= 4 for rows in eng.steps)
+    for rows in eng.steps:                      # request 0 decodes beside every chunk of request 1
+        if any(rid == "1" and pre for rid, _, pre in rows):
+            assert ("0", 1, False) in rows
+    assert eng.sched.stats()["prefix_cache_hits"] == 8       # request 2 shares request 1's first 2 blocks

@@ -24,7 +24,16 @@ shares the longest prefix found: those blocks are reference-counted, and its pre
 starts after them (a row with ``context`` > 0). A block whose last holder finishes stays
 cached among the free blocks, least recently freed first out (LRU), until a new
 allocation takes it. A request that wants its prompt's logprobs (``echo``) is prefilled
-whole (the cached prefix holds no logits), as vLLM does. The step's plan
+whole (the cached prefix holds no logits), as vLLM does.
+
+Chunked prefill (``serve.max_prefill_tokens``, vLLM's ``max_num_batched_tokens`` for the
+prompts; none: a prompt is prefilled in one step): a step holds every running sequence's
+decode token and at most that many prompt tokens, the prefills in progress first, then new
+requests (admitted while budget is left). A sequence whose prompt is not yet whole in the
+cache runs a chunk (a row at ``context`` = its computed tokens); that row's token is not
+sampled from its generator (greedy, thrown away: seeded sampling draws as without chunks)
+and not sent. A long prompt so never stalls the decoding sequences for more than one
+budget's worth of prefill. The step's plan
 (token ids, context lengths and block tables per row, the new requests' sampling
 parameters) is broadcast to every rank of the replica over torch.distributed; the last
 stage samples each row with its own parameters and generator and broadcasts the tokens
@@ -204,12 +213,14 @@ def wants_logprobs(params: list[dict]) -> int | None:
 
 
 def logprob_table(logits: torch.Tensor, vocab: int, rows: list["Row"], params: list[dict], tokens: torch.Tensor,
-                  prompt_rows: list[bool], k: int) -> torch.Tensor:
+                  prompt_rows: list[bool], k: int, partial_next: list[int | None] | None = None) -> torch.Tensor:
     """The step's logprobs, packed for one broadcast: (B, P, 2 + 2k) float64, P the step's T
     when ``logits`` hold every position (B, T, V') else 1 (the last position, (B, V')).
     Column 0 the chosen token's id, 1 its logprob, then the ``k`` likeliest ids and their
     logprobs. The chosen token at the last position is the sampled one (``tokens``, (B,));
-    at a prompt position (a row of ``prompt_rows``) the prompt's next token. Logprobs are
+    at a prompt position (a row of ``prompt_rows``) the prompt's next token, and so at the
+    last position of a chunk of a prompt (``partial_next``: that next token, or None for a
+    row whose prompt is whole after the step). Logprobs are
     ``log_softmax`` of the fp32 logits over the real vocabulary; rows or positions nobody
     asked for are NaN."""
     full = logits if logits.dim() == 3 else logits[:, None, :]
@@ -217,6 +228,9 @@ def logprob_table(logits: torch.Tensor, vocab: int, rows: list["Row"], params: l
     lp = torch.log_softmax(full[..., :vocab].float(), dim=-1)                   # (B, P, vocab)
     chosen = torch.zeros((B, P), dtype=torch.long, device=lp.device)
     chosen[:, -1] = tokens.clamp(min=0)
+    for b, nxt in enumerate(partial_next or ()):
+        if nxt is not None:
+            chosen[b, -1] = nxt
     for b, (r, pr) in enumerate(zip(rows, prompt_rows)):
         if pr and P > 1 and len(r.tokens) > 1:                        # column P - n + j predicts token j + 1
             chosen[b, P - len(r.tokens):P - 1] = torch.tensor(r.tokens[1:], dtype=torch.long)
@@ -231,11 +245,14 @@ def logprob_table(logits: torch.Tensor, vocab: int, rows: list["Row"], params: l
 
 
 def unpack_logprobs(table: torch.Tensor, rows: list["Row"], params: list[dict], prompt_rows: list[bool],
-                    tokens: list[int]) -> list[dict | None]:
+                    tokens: list[int], partial_next: list[int | None] | None = None) -> list[dict | None]:
     """Each row's logprobs from :func:`logprob_table`'s (B, P, 2 + 2k): None for a row that
     asked for none; else ``{"lp": the sampled token's logprob, "top": [(id, logprob)] of its
-    k alternatives}`` and, for a prompt row, ``"prompt"``: one ``(logprob, top)`` per prompt
-    token after the first (the first has no logprob: nothing precedes it)."""
+    k alternatives}`` and, for a prompt row, ``"prompt"``: one ``(logprob, top)`` per token
+    of the row after its first (the prompt's first token has no logprob: nothing precedes
+    it; a later chunk's first token got its own from the chunk before). A chunk of a prompt
+    (``partial_next``) has only ``"prompt"``, its last entry its last column's."""
+    partial_next = partial_next or [None] * len(rows)
     t = table.cpu().tolist()
     K = (table.shape[-1] - 2) // 2
     out: list[dict | None] = []
@@ -253,22 +270,31 @@ def unpack_logprobs(table: torch.Tensor, rows: list["Row"], params: list[dict], 
         if pr:
             P = len(t[b])
             d["prompt"] = [entry(t[b][P - len(r.tokens) + j], k) for j in range(len(r.tokens) - 1)] if P > 1 else []
+        if partial_next[b] is not None:
+            d = {"prompt": d.get("prompt", []) + [(lp, top)]}
         out.append(d)
     return out
 
 
 def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], params: list[dict],
              generators: list[torch.Generator], vocab: int, hidden: int, dtype: torch.dtype, windows,
-             tag: int = 0, prompt_rows: list[bool] | None = None) -> tuple[list[int], list[dict | None] | None]:
+             tag: int = 0, prompt_rows: list[bool] | None = None,
+             partial_next: list[int | None] | None = None) -> tuple[list[int], list[dict | None] | None]:
     """One engine step on this rank: lay out ``rows`` (:func:`paged_step`), bind the cache,
     pass the step through the pipeline (:func:`parcompile.runtime.generate.pipeline_pass`),
     sample each row on the last stage (:func:`sample_rows`) and broadcast the tokens over
     pp; returns each row's next token (known on every rank of the tp-0 pipeline and on every
     last-stage rank) and, when a row's parameters ask for logprobs, each row's
     (:func:`unpack_logprobs`; else None). ``prompt_rows``: the rows whose prompt logprobs
-    are wanted (this step is their whole prefill): the last stage then computes every
-    position's logits."""
+    are wanted (this step computes their prompt, or a chunk of it): the last stage then
+    computes every position's logits. ``partial_next``: per row, the prompt's next token
+    when the row is a chunk of a prompt that stays unfinished (its token is drawn greedily,
+    leaving its generator untouched, and thrown away by the leader), else None."""
     prompt_rows = prompt_rows or [False] * len(rows)
+    partial_next = partial_next or [None] * len(rows)
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    sample_params = [greedy if nxt is not None else p for p, nxt in zip(params, partial_next)]
+    sample_gens = [None if nxt is not None else g for g, nxt in zip(generators, partial_next)]
     k = wants_logprobs(params)
     ids, step, write, read = paged_step(rows, cache.block_size, windows, ctx.device)
     step.all_positions = k is not None and any(prompt_rows) and ids.shape[1] > 1
@@ -285,14 +311,14 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
             last = full[:, -1]
         else:
             full = last = gen.gather_vocab(logits, ctx.tp)
-        tokens = sample_rows(last, vocab, params, generators)
+        tokens = sample_rows(last, vocab, sample_params, sample_gens)
         if k is not None:
-            table = logprob_table(full, vocab, rows, params, tokens, prompt_rows, k)
+            table = logprob_table(full, vocab, rows, params, tokens, prompt_rows, k, partial_next)
     tokens = gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
     if k is None:
         return tokens, None
     table = gen.broadcast_from_last(table, ctx.pp)
-    return tokens, unpack_logprobs(table, rows, params, prompt_rows, tokens)
+    return tokens, unpack_logprobs(table, rows, params, prompt_rows, tokens, partial_next)
 
 
 def replica_ranks(plan: dict) -> list[list[int]]:
@@ -393,6 +419,7 @@ class Sequence:
     out: list[int] = field(default_factory=list)
     computed: int = 0
     keys: list[bytes] = field(default_factory=list)
+    prompt_lps: list = field(default_factory=list)    # prompt logprobs of the chunks so far
 
     @property
     def limit(self) -> int:
@@ -401,10 +428,13 @@ class Sequence:
 
 class Scheduler:
     """The leader's queue, running set and block pool (module docstring); ``prefix_caching``:
-    share cached prompt prefixes (:class:`BlockPool`)."""
+    share cached prompt prefixes (:class:`BlockPool`); ``max_prefill_tokens``: the prompt
+    tokens one step may compute (chunked prefill; None: whole prompts)."""
 
-    def __init__(self, blocks: int, block_size: int, max_seqs: int, prefix_caching: bool = True):
+    def __init__(self, blocks: int, block_size: int, max_seqs: int, prefix_caching: bool = True,
+                 max_prefill_tokens: int | None = None):
         self.block_size, self.max_seqs = block_size, max_seqs
+        self.max_prefill_tokens = max_prefill_tokens or None    # prompt tokens per step (None: no limit)
         self.pool = BlockPool(blocks, prefix_caching)
         self.total = blocks
         self.waiting: deque = deque()
@@ -442,10 +472,11 @@ class Scheduler:
             return None
         return keys, shared, new
 
-    def admit(self) -> list[Sequence]:
-        """Admit waiting requests in arrival order while they fit (no overtaking)."""
+    def admit(self, budget: float = float("inf")) -> list[Sequence]:
+        """Admit waiting requests in arrival order while they fit (no overtaking) and
+        ``budget`` prompt tokens are left to prefill this step."""
         new = []
-        while self.waiting and len(self.running) < self.max_seqs:
+        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
             rid, prompt, params = self.waiting[0]
             fit = self._fit(prompt, params)
             if fit is None:
@@ -458,6 +489,7 @@ class Scheduler:
                 self.pool.queries += len(prompt)
                 self.pool.hits += seq.computed
             self.prefill_tokens += len(prompt) - seq.computed
+            budget -= len(prompt) - seq.computed
             self.running[rid] = seq
             new.append(seq)
         return new
@@ -472,20 +504,31 @@ class Scheduler:
     def next_step(self) -> dict:
         """Free, admit and lay out the next step: ``free`` (sequences finished or cancelled
         since the last step), ``new`` (the admitted requests' sampling parameters), ``rows``
-        (``Row`` fields: a new request's prompt after its cached prefix, else the running
-        sequence's last token after its context) and ``prompt_logprobs`` (the rows, by rid,
-        whose prompt logprobs this step computes)."""
+        (``Row`` fields, in admission order: a decoding sequence's last token after its
+        context; a prefilling one's next prompt tokens after its computed ones, all of them
+        or its share of the step's ``max_prefill_tokens``), ``prompt_logprobs`` (the rows,
+        by rid, whose prompt logprobs this step computes) and ``partial`` (rid -> the
+        prompt's next token, for rows whose prompt stays unfinished after this step)."""
         freed, self.freed = self.freed, []
-        new = self.admit()
-        new_ids = {s.rid for s in new}
-        rows = []
+        budget = self.max_prefill_tokens or float("inf")
+        pending = sum(len(s.prompt) - s.computed for s in self.running.values() if s.computed < len(s.prompt))
+        new = self.admit(budget - pending)
+        rows, partial = [], {}
         for s in self.running.values():
-            if s.rid in new_ids:
-                rows.append((s.rid, s.prompt[s.computed:], s.computed, s.table))
-            else:
+            if s.computed >= len(s.prompt):
                 rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
+                continue
+            n = int(min(len(s.prompt) - s.computed, budget))
+            if n <= 0:
+                continue
+            budget -= n
+            rows.append((s.rid, s.prompt[s.computed:s.computed + n], s.computed, s.table))
+            if s.computed + n < len(s.prompt):
+                partial[s.rid] = s.prompt[s.computed + n]
         return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows,
-                "prompt_logprobs": [s.rid for s in new if s.params.get("prompt_logprobs")]}
+                "prompt_logprobs": [r[0] for r in rows if r[2] < len(self.running[r[0]].prompt)
+                                    and self.running[r[0]].params.get("prompt_logprobs")],
+                "partial": partial}
 
     def _register(self, seq: Sequence) -> None:
         """Cache the sequence's blocks that are now full and computed."""
@@ -507,6 +550,15 @@ class Scheduler:
             seq = self.running.get(r.rid)
             if seq is None:
                 continue
+            lp = logprobs[i] if logprobs else None
+            if tok != ERROR_TOKEN and r.context + len(r.tokens) < len(seq.prompt):   # a chunk of its prompt
+                seq.computed = r.context + len(r.tokens)
+                self._register(seq)
+                if lp is not None and seq.params.get("prompt_logprobs"):
+                    seq.prompt_lps += lp.get("prompt", [])
+                continue
+            if lp is not None and "prompt" in lp and seq.prompt_lps:
+                lp = {**lp, "prompt": seq.prompt_lps + lp["prompt"]}
             if tok == ERROR_TOKEN:       # non-finite logits: this request fails, not the replica
                 reason = "error"
             else:
@@ -517,7 +569,7 @@ class Scheduler:
                           else "length" if len(seq.out) >= seq.limit else None)
             if reason:
                 self.finish(r.rid)
-            out.append((r.rid, tok, reason, logprobs[i] if logprobs else None))
+            out.append((r.rid, tok, reason, lp))
         return out
 
     def stats(self) -> dict:
@@ -564,7 +616,8 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             conn = _connect(address)
         except OSError as e:
             raise gen.ServeError(f"cannot reach the server's front at {address}: {e}") from None
-        sched = Scheduler(blocks, block_size, max_seqs, prefix_caching=sv.get("prefix_caching", True))
+        sched = Scheduler(blocks, block_size, max_seqs, prefix_caching=sv.get("prefix_caching", True),
+                          max_prefill_tokens=sv.get("max_prefill_tokens"))
         conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
                              "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
     generators: dict[str, torch.Generator] = {}
@@ -591,10 +644,11 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             if is_leader:
                 conn.send(("stats", sched.stats()))
             continue
-        want = set(msg.get("prompt_logprobs", ()))
+        want, partial = set(msg.get("prompt_logprobs", ())), msg.get("partial", {})
         tokens, lps = run_step(model, ctx, cache, rows, [params[r.rid] for r in rows],
                                [generators[r.rid] for r in rows], vocab, hidden, dtype, windows, tag=step_no % 1024,
-                               prompt_rows=[r.rid in want for r in rows])
+                               prompt_rows=[r.rid in want for r in rows],
+                               partial_next=[partial.get(r.rid) for r in rows])
         step_no += 1
         if is_leader:
             _leader_collect(conn, sched, rows, tokens, lps)
