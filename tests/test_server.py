@@ -5,7 +5,8 @@ Truth: greedy tokens equal the single-process serve program's (tests/serve_utils
 run_in_process, a world of one), for completions and chat, plain and streamed, and for 32
 concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens, so the
 32 streams queue (seen in /metrics) and all complete; every block is free afterwards and
-after a client leaves mid-stream. The last test kills a rank: 503, then a non-zero exit.
+after a client leaves mid-stream. Prefix caching is on (the default) and prefill is chunked
+(12 prompt tokens per step), so these equalities hold with both. The last test kills a rank: 503, then a non-zero exit.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ serve {
     seed = 1
     block_size = 16
     kv_cache_tokens = 256
+    max_prefill_tokens = 12
 }
 """
 BLOCKS = 16
