@@ -285,6 +285,12 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.NotFoundError) as x:
         c.completions.create(model="gpt-4", prompt="hi", max_tokens=3)
     assert "`gpt-4` does not exist" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=21)
+    assert x.value.body["param"] == "logprobs" and "20" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:           # the spec's batch is 8
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, n=9)
+    assert x.value.body["param"] == "n" and "at most 8 sequences" in x.value.message
     # and it keeps serving
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
