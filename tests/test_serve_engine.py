@@ -224,3 +224,21 @@ def test_chunked_prefill_splits_a_long_prompt_beside_decoding_and_keeps_tokens_a
         if any(rid == "1" and pre for rid, _, pre in rows):
             assert ("0", 1, False) in rows
     assert eng.sched.stats()["prefix_cache_hits"] == 8       # request 2 shares request 1's first 2 blocks
+
+
+def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    src = ('model m { layers = 2, hidden = 32, heads = 2, ffn_hidden = 64, vocab = 256, seq_len = 32 }\n'
+           'cluster c from "cpu" { gpus_per_node = 1 }\n'
+           'serve {\n    prompt_len = 8\n    max_new_tokens = 8\n    kv_cache_tokens = 64\nEXTRA}\n')
+    d = parcompile.compile(src.replace("EXTRA", ""), filename="s.par").data["serve"]
+    assert d["prefix_caching"] is True and "max_prefill_tokens" not in d        # vLLM v1's defaults
+    d = parcompile.compile(src.replace("EXTRA", "    prefix_caching = false\n    max_prefill_tokens = 8\n"),
+                           filename="s.par").data["serve"]
+    assert d["prefix_caching"] is False and d["max_prefill_tokens"] == 8
+    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n"):
+        with pytest.raises(SpecError) as e:
+            parcompile.compile(src.replace("EXTRA", bad), filename="s.par")
+        assert e.value.diagnostics[0].span.line == 7, bad
