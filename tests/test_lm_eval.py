@@ -164,6 +164,7 @@ def test_lm_eval_local_completions_equals_hf_on_the_same_checkpoint(tmp_path):
         want = [float(r[0][0]) for r in b["resps"]]
         assert got == pytest.approx(want, abs=1e-3), a["doc"]
         assert all(x < 0 for x in got) and len(set(got)) == len(got)
+        assert [str(r[0][1]) for r in a["resps"]] == [str(r[0][1]) for r in b["resps"]]     # is_greedy: top_logprobs
     # the generate task: the same greedy text (up to the stop string) as transformers'
     assert [s["filtered_resps"] for s in served_samples["tiny_gen"]] == [s["filtered_resps"] for s in
                                                                          hf_samples["tiny_gen"]]
