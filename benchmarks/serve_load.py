@@ -12,6 +12,11 @@ launches the server on a free port (or give ``--url`` of a running one), waits f
 always generates them all) back to back until the phase's time is up; a request in flight
 then finishes (the phase is bounded by T plus one request). Timings on a shared machine
 are noisy: run it when the machine is quiet.
+
+``--shared-prefix N`` starts every prompt with the same N tokens (a system prompt or
+few-shot prefix) and prints the server's prefix cache hit rate and prefilled tokens
+(/metrics) after the phases; compare with ``prefix_caching = false`` in the spec's serve
+block.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
 
 
-def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int) -> dict:
-    """``clients`` threads sending requests back to back for ``seconds``."""
+def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
+          prefix: list[int] = ()) -> dict:
+    """``clients`` threads sending requests back to back for ``seconds`` (each prompt
+    ``prefix`` then ``prompt_tokens`` random ids)."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
@@ -70,7 +77,7 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
         rng = random.Random(seed * 1000 + i)
         with httpx.Client() as c:
             while time.perf_counter() < stop_at:
-                prompt = [rng.randrange(256) for _ in range(prompt_tokens)]
+                prompt = list(prefix) + [rng.randrange(256) for _ in range(prompt_tokens)]
                 ttft, tpot, n = one_request(c, url, prompt, max_tokens)
                 with lock:
                     stats["ttft"].append(ttft)
@@ -110,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every prompt starts with the same N tokens (prefix caching)")
     args = ap.parse_args(argv)
     proc = None
     url = args.url
@@ -143,10 +152,19 @@ def main(argv=None) -> int:
         one_request(httpx.Client(), url, [1, 2, 3], 2)          # warm up
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
               f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy)")
+        prefix = [random.Random(0).randrange(256) for _ in range(args.shared_prefix)]
         batched = report(f"{args.clients} clients", phase(url, args.clients, args.seconds, args.prompt_tokens,
-                                                           args.max_tokens, 1))
-        single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2))
+                                                           args.max_tokens, 1, prefix))
+        single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2, prefix))
         print(f"continuous batching: {batched / single:.1f}x the output tokens/s of sequential requests")
+        if args.shared_prefix:
+            m = {}
+            for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+                if line.startswith("parcompile_") and "_total{" in line:
+                    m[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+            q, h = m.get("parcompile_prefix_cache_queries_total", 0), m.get("parcompile_prefix_cache_hits_total", 0)
+            print(f"prefix cache: {h:,.0f} of {q:,.0f} prompt tokens hit ({h / q if q else 0:.0%}); "
+                  f"{m.get('parcompile_prefill_tokens_total', 0):,.0f} prompt tokens prefilled")
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)

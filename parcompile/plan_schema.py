@@ -345,6 +345,10 @@ class Serve(_Strict):
     block_size: int = Field(ge=1, description="tokens per block of the server's paged KV cache")
     kv_cache_tokens: int = Field(ge=0, description="tokens the server's paged KV cache holds (whole blocks)")
     kv_blocks: int = Field(ge=0, description="blocks of the server's paged KV cache: kv_cache_tokens / block_size")
+    prefix_caching: bool = Field(True, description="the server shares cached prompt prefixes (full KV blocks) "
+                                                   "between requests")
+    max_prefill_tokens: Optional[int] = Field(None, ge=1, description="prompt tokens one server step may prefill "
+                                              "(chunked prefill); absent: whole prompts")
     fits: bool
     ttft: float = Field(ge=0, description="time to first token, seconds")
     tpot: float = Field(ge=0, description="time per output token, seconds")

@@ -11,6 +11,7 @@ path (``--device cpu --tiny``: the same compile, program import and timing loop)
 
 from __future__ import annotations
 
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -96,6 +97,12 @@ def test_serve_load_smoke(tmp_path, capsys, monkeypatch):
     spec = tmp_path / "tiny.par"
     spec.write_text(SERVE_SPEC)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    out = _run("serve_load", [str(spec), "--clients", "2", "--seconds", "0.5", "--prompt-tokens", "2",
-                              "--max-tokens", "2"], capsys, monkeypatch)
+    out = _run("serve_load", [str(spec), "--clients", "2", "--seconds", "0.5", "--prompt-tokens", "1",
+                              "--max-tokens", "2", "--shared-prefix", "4"], capsys, monkeypatch)
     assert "continuous batching:" in out
+    # every prompt (5 tokens) starts with the same 4, one block of 4: after each client's first
+    # request (they may run together, before the block is cached), each finds it cached; the
+    # warm-up request (3 tokens) finds nothing
+    hit, queried = (int(x.replace(",", "")) for x in re.search(r"prefix cache: ([\d,]+) of ([\d,]+)", out).groups())
+    n = (queried - 3) // 5
+    assert (queried - 3) % 5 == 0 and n > 2 and 4 * (n - 2) <= hit <= 4 * (n - 1)

@@ -5,7 +5,8 @@ Truth: greedy tokens equal the single-process serve program's (tests/serve_utils
 run_in_process, a world of one), for completions and chat, plain and streamed, and for 32
 concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens, so the
 32 streams queue (seen in /metrics) and all complete; every block is free afterwards and
-after a client leaves mid-stream. The last test kills a rank: 503, then a non-zero exit.
+after a client leaves mid-stream. Prefix caching is on (the default) and prefill is chunked
+(12 prompt tokens per step), so these equalities hold with both. The last test kills a rank: 503, then a non-zero exit.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ serve {
     seed = 1
     block_size = 16
     kv_cache_tokens = 256
+    max_prefill_tokens = 12
 }
 """
 BLOCKS = 16
@@ -283,6 +285,12 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.NotFoundError) as x:
         c.completions.create(model="gpt-4", prompt="hi", max_tokens=3)
     assert "`gpt-4` does not exist" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=21)
+    assert x.value.body["param"] == "logprobs" and "20" in x.value.message
+    with pytest.raises(openai.BadRequestError) as x:           # the spec's batch is 8
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, n=9)
+    assert x.value.body["param"] == "n" and "at most 8 sequences" in x.value.message
     # and it keeps serving
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
@@ -303,6 +311,50 @@ def test_a_top_p_that_rounds_to_zero_is_answered_and_kills_no_rank(server):
                    timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
     assert httpx.get(base + "/health", timeout=10).text == "ok"
+
+
+@pytest.mark.torchrun
+def test_logprobs_under_tp_and_pp_equal_one_process_and_a_repeated_prefix_is_prefilled_once(server, tmp_path):
+    """Issue 33 on the tp 2 x pp 2 server: echo + logprobs (the table broadcast over pp)
+    equal the single-process engine's on the same weights; the same prompt again finds its
+    full block (16 tokens) cached: 16 prefix-cache hits, 4 tokens prefilled, the same
+    generated logprobs; a batch of prompts with n = 2 gives 4 choices, greedy alike."""
+    from parcompile.frontend import load_spec
+    from tests.test_serve_engine import Engine
+
+    base = server["base"]
+    prompt = list(range(40, 60))                      # 20 tokens: one full block of 16
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    m0 = _metrics(base)
+    a = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    m1 = _metrics(base)
+    b = httpx.post(base + "/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]["logprobs"]
+    m2 = _metrics(base)
+    hits, queries, prefill = ("parcompile_prefix_cache_hits_total", "parcompile_prefix_cache_queries_total",
+                              "parcompile_prefill_tokens_total")
+    assert m1[prefill] - m0.get(prefill, 0) == 20 and m1.get(hits, 0) == m0.get(hits, 0)   # echo: prefilled whole
+    assert m2[hits] - m1.get(hits, 0) == 16 and m2[queries] - m1.get(queries, 0) == 20
+    assert m2[prefill] - m1[prefill] == 4
+    assert len(a["tokens"]) == 23 and a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    assert b["token_logprobs"] == pytest.approx(a["token_logprobs"][20:], abs=1e-4)
+    assert b["tokens"] == a["tokens"][20:] and all(len(t) <= 3 for t in b["top_logprobs"])
+    (tmp_path / "one.par").write_text(_spec(1, 1))
+    cfg, _ = load_spec(tmp_path / "one.par")
+    build_serve(cfg, tmp_path / "one")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = Engine(tmp_path / "one", None, blocks=8, block_size=16, max_seqs=2, caching=False).run(
+            [(prompt, {"max_tokens": 3, "logprobs": 2, "prompt_logprobs": True})])[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert a["token_logprobs"][1:20] == pytest.approx([x for x, _ in ref["prompt"]], abs=1e-4)
+    assert a["token_logprobs"][20:] == pytest.approx([x for x, _ in ref["lps"]], abs=1e-4)
+    r = httpx.post(base + "/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 4,
+                                                   "temperature": 0, "return_token_ids": True}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    ids = [c["token_ids"] for c in r["choices"]]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and all(len(t) == 4 for t in ids)
 
 
 @pytest.mark.torchrun
@@ -337,8 +389,9 @@ def test_scheduler_admits_in_order_reserves_whole_contexts_and_frees():
     s.add("c", [1], {"max_tokens": 1})
     assert [q.rid for q in s.admit()] == ["a"] and s.stats()["waiting"] == 2
     s.abort("a")
-    assert [q.rid for q in s.admit()] == ["b", "c"] and s.stats() == {"blocks_used": 3, "blocks_free": 1,
-                                                                       "waiting": 0, "running": 2}
+    assert [q.rid for q in s.admit()] == ["b", "c"]
+    assert {k: s.stats()[k] for k in ("blocks_used", "blocks_free", "waiting", "running")} == {
+        "blocks_used": 3, "blocks_free": 1, "waiting": 0, "running": 2}
     s.finish("b")
     assert s.stats()["blocks_free"] == 3 and s.freed == ["a", "b"]
 
@@ -375,8 +428,10 @@ def test_sampler_keeps_the_likeliest_token_and_fails_only_the_row_with_non_finit
     s.add("nan", [1, 2], {"max_tokens": 5})
     s.add("ok", [1], {"max_tokens": 5})
     rows = [paged.Row(*r) for r in s.next_step()["rows"]]
-    assert s.collect(rows, [paged.ERROR_TOKEN, 7]) == [("nan", paged.ERROR_TOKEN, "error"), ("ok", 7, None)]
-    assert s.stats() == {"blocks_used": 1, "blocks_free": 3, "waiting": 0, "running": 1}
+    assert s.collect(rows, [paged.ERROR_TOKEN, 7]) == [("nan", paged.ERROR_TOKEN, "error", None),
+                                                       ("ok", 7, None, None)]
+    assert {k: s.stats()[k] for k in ("blocks_used", "blocks_free", "waiting", "running")} == {
+        "blocks_used": 1, "blocks_free": 3, "waiting": 0, "running": 1}
 
 
 def test_front_answers_non_finite_logits_to_that_request_and_sends_only_safe_sampling_values():
@@ -453,9 +508,9 @@ def _paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, 
             break
         peak = max(peak, len(rows))
         gens = [torch.Generator() for _ in rows]
-        tokens = paged.run_step(model, ctx, cache, rows, [params] * len(rows), gens, mod.VOCAB, mod.HIDDEN,
-                                mod.DTYPE, windows)
-        for rid, tok, _ in sched.collect(rows, tokens):
+        tokens, _ = paged.run_step(model, ctx, cache, rows, [params] * len(rows), gens, mod.VOCAB, mod.HIDDEN,
+                                   mod.DTYPE, windows)
+        for rid, tok, _, _ in sched.collect(rows, tokens):
             got[int(rid)].append(tok)
     assert sched.stats()["blocks_free"] == blocks
     return [got[i] for i in range(len(prompts))], peak
@@ -570,7 +625,12 @@ class _FakeEngines:
                 if i == self.error_at:      # the engine's answer to NaN / inf logits (paged.ERROR_TOKEN)
                     q.put_nowait((paged.ERROR_TOKEN, "error"))
                     return
-                q.put_nowait((65, "length" if i + 1 == params["max_tokens"] else None))
+                lp = None
+                if params.get("logprobs") is not None:     # the engine's entry (paged.unpack_logprobs)
+                    lp = {"lp": -0.5, "top": [(65, -0.5), (66, -1.5)][:params["logprobs"]]}
+                    if i == 0 and params.get("prompt_logprobs"):
+                        lp["prompt"] = [(-1.0 - j, [(66, -0.25)][:params["logprobs"]]) for j in range(len(prompt) - 1)]
+                q.put_nowait((65, "length" if i + 1 == params["max_tokens"] else None, lp))
                 await asyncio.sleep(self.every_s)
 
         self.tasks.append(asyncio.get_running_loop().create_task(produce()))
@@ -689,13 +749,23 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
             status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
             return status, json.loads(raw)
 
-        for key, value in (("logprobs", 2), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5),
-                           ("logit_bias", {"65": 100})):
+        for key, value in (("suffix", "x"), ("presence_penalty", 0.5), ("logit_bias", {"65": 100})):
             status, body = await post({"prompt": "hi", "max_tokens": 2, key: value})
             assert status == 400 and body["error"]["param"] == key and "not supported" in body["error"]["message"]
-        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "echo": True,
                                    "max_tokens": 2}, "/v1/chat/completions")
-        assert status == 400 and body["error"]["param"] == "logprobs"
+        assert status == 400 and body["error"]["param"] == "echo"
+        # what is implemented refuses values beyond its limits (and the server goes on)
+        for extra, param, words in (({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+                                    ({"n": 3, "best_of": 2}, "best_of", "at least `n`"),
+                                    ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+                                    ({"max_tokens": 0}, "max_tokens", "echo"),
+                                    ({"prompt": []}, "prompt", "empty")):
+            status, body = await post({"prompt": "hi", "max_tokens": 2, **extra})
+            assert status == 400 and body["error"]["param"] == param and words in body["error"]["message"], body
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2,
+                                   "max_tokens": 2}, "/v1/chat/completions")
+        assert status == 400 and body["error"]["param"] == "top_logprobs"
         for key, value in (("temperature", "0.5"), ("temperature", True), ("top_p", "1")):
             status, body = await post({"prompt": "hi", "max_tokens": 2, key: value})
             assert status == 400 and body["error"]["param"] == key, body
@@ -1020,3 +1090,54 @@ def test_serving_beyond_loopback_without_a_key_warns(tmp_path, monkeypatch, caps
         err = capsys.readouterr().err
         assert ("not a loopback address, without an API key" in err) == warned, (host, key, err)
     assert server_mod.is_loopback("::1") and server_mod.is_loopback("127.0.0.2") and not server_mod.is_loopback("10.0.0.1")
+
+
+def test_front_batches_prompts_samples_n_and_returns_openai_logprobs():
+    """Issue 33 over a fake engine (each token 'A' = 65 with logprob -0.5, the prompt's
+    tokens -1, -2, ...): a list of prompts and n give prompt-major choices; echo with
+    logprobs gives the prompt's tokens first (the first one null), max_tokens 0 the prompt
+    alone; chat's logprobs give OpenAI's content list; a stream of n choices carries both
+    indices; best_of returns n; the engine is asked for the logprobs it must compute."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines)
+
+        async def post(body, path="/v1/completions"):
+            status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
+            assert status == 200, raw
+            return json.loads(raw) if not body.get("stream") else raw.decode()
+
+        r = await post({"prompt": ["hi", "hi!"], "n": 2, "max_tokens": 2, "temperature": 1, "seed": 5})
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3] and [c["text"] for c in r["choices"]] == ["AA"] * 4
+        assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+        assert sorted(p["seed"] for p in engines.params[-4:]) == [5, 5, 6, 6]
+        r = await post({"prompt": [[104, 105]], "max_tokens": 1, "echo": True, "logprobs": 1})
+        lp = r["choices"][0]["logprobs"]
+        assert r["choices"][0]["text"] == "hiA"
+        assert lp["tokens"] == ["h", "i", "A"] and lp["token_logprobs"] == [None, -1.0, -0.5]
+        assert lp["top_logprobs"] == [None, {"B": -0.25, "i": -1.0}, {"A": -0.5}] and lp["text_offset"] == [0, 1, 2]
+        assert engines.params[-1]["prompt_logprobs"] and engines.params[-1]["logprobs"] == 1
+        r = await post({"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 0})
+        assert r["choices"][0]["text"] == "hi" and r["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
+        assert r["usage"]["completion_tokens"] == 0 and engines.params[-1]["max_tokens"] == 1
+        r = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                        "top_logprobs": 2}, "/v1/chat/completions")
+        content = r["choices"][0]["logprobs"]["content"]
+        assert [c["token"] for c in content] == ["A", "A"] and content[0]["bytes"] == [65]
+        assert [t["token"] for t in content[0]["top_logprobs"]] == ["A", "B"] and content[1]["logprob"] == -0.5
+        raw = await post({"prompt": "hi", "n": 2, "max_tokens": 3, "stream": True, "logprobs": 0})
+        events = [json.loads(x[6:]) for x in raw.split("\n\n") if x.startswith("data: {")]
+        by = {}
+        for e in events:
+            c = e["choices"][0]
+            by.setdefault(c["index"], []).append(c)
+        assert sorted(by) == [0, 1] and all("".join(c["text"] for c in cs) == "AAA" for cs in by.values())
+        assert all(sum(len(c["logprobs"]["tokens"]) for c in cs) == 3 for cs in by.values())
+        assert raw.rstrip().endswith("data: [DONE]")
+        r = await post({"prompt": "hi", "n": 1, "best_of": 3, "max_tokens": 2})
+        assert len(r["choices"]) == 1 and r["choices"][0]["logprobs"] is None
+        assert [p["logprobs"] for p in engines.params[-3:]] == [0, 0, 0]      # ranked by their logprobs
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())

@@ -119,6 +119,8 @@ class ServeReport:
     breakdown: dict[str, float] = field(default_factory=dict)
     block_size: int = 16
     kv_cache_cap: int | None = None
+    prefix_caching: bool = True
+    max_prefill_tokens: int | None = None
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -189,6 +191,8 @@ class ServeReport:
             "block_size": self.block_size,
             "kv_cache_tokens": self.kv_cache_tokens,
             "kv_blocks": self.kv_cache_tokens // self.block_size,
+            "prefix_caching": self.prefix_caching,
+            **({"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}),
             "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
                                             for s in self.stages),
             "fits": self.batch_fits,
@@ -294,7 +298,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     ttft = sum(x.prefill_s for x in stages)
     tpot = sum(x.decode_s for x in stages)
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
-                       ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens)
+                       ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens, sv.prefix_caching,
+                       sv.max_prefill_tokens)
 
 
 def attention_geometry(m, tp: int) -> tuple[int, float, int]:

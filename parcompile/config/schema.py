@@ -266,6 +266,8 @@ class ServeConfig(_Frozen):
     prompt: Optional[str] = None
     block_size: int = 16      # tokens per block of the server's paged KV cache
     kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: all that fits)
+    prefix_caching: bool = True  # the server shares cached prompt prefixes between requests (vLLM v1's default)
+    max_prefill_tokens: Optional[int] = None  # the server's prompt tokens per step (chunked prefill; None: whole prompts)
 
 
 class SpecConfig(_Frozen):

@@ -167,7 +167,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "kv_dtype": _enum(ServeConfig, "kv_dtype"),
         "weights": _STR, "seed": _SEED,
         "temperature": _NONNEG, "top_k": _NONNEG_INT, "prompt": _STR,
-        "block_size": _COUNT, "kv_cache_tokens": _COUNT,
+        "block_size": _COUNT, "kv_cache_tokens": _COUNT, "prefix_caching": _BOOL,
+        "max_prefill_tokens": _COUNT,
     },
 }
 

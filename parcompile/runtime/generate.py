@@ -98,11 +98,14 @@ class StepInput:
     """What every layer of one step needs: where the step's tokens sit in the cache
     (``start``), their positions in their sequences (B, T), and per attention window the
     model's layers use (0: full causal) the mask (B, 1, T, start+T), True where a query
-    may attend a key (a sliding-window cache attends only the mask's last columns)."""
+    may attend a key (a sliding-window cache attends only the mask's last columns).
+    ``all_positions``: the last stage returns the logits of every position (B, T, V'/tp),
+    not only the last one's (B, V'/tp) (prompt logprobs: `parcompile serve`'s ``echo``)."""
 
     start: int
     positions: torch.Tensor
     masks: dict
+    all_positions: bool = False
 
 
 class Requests:
@@ -255,7 +258,8 @@ def pipeline_pass(stage_forward, ctx: ParallelContext, x_ids: torch.Tensor, step
                   dtype: torch.dtype, tag: int) -> torch.Tensor | None:
     """One step through this rank's stage: token ids (B, T) on the first stage, the hidden
     state (B, T, h) received from the previous stage elsewhere; sends the result on, and
-    returns the last position's local logits (B, V'/tp) on the last stage (None elsewhere)."""
+    returns the last position's local logits (B, V'/tp) on the last stage (every position's,
+    (B, T, V'/tp), with ``step.all_positions``; None elsewhere)."""
     pp = ctx.pp
     B, T = x_ids.shape
     if ctx.is_first_stage():

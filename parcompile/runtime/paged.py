@@ -13,7 +13,27 @@ it frees the blocks of finished and cancelled sequences, admits waiting requests
 order while at most ``batch`` sequences run and the blocks of their whole context
 (``prompt + max_tokens``, ``ceil(. / block_size)`` blocks, reserved at admission so that no
 sequence is ever preempted) are free, and runs ONE forward pass holding the new requests'
-prompts (prefill) beside one token of every running sequence (decode). The step's plan
+prompts (prefill) beside one token of every running sequence (decode).
+
+Prefix caching (``serve.prefix_caching``, on by default as in vLLM v1; :class:`BlockPool`):
+a full block, once its keys and values are computed, is registered under the hash of its
+tokens chained to the previous block's hash (SHA-256; vLLM's ``hash_block_tokens``), so
+its key names the whole prefix up to its end. A new request looks up its prompt's full
+blocks (never the block holding the last prompt token, whose logits must be computed) and
+shares the longest prefix found: those blocks are reference-counted, and its prefill
+starts after them (a row with ``context`` > 0). A block whose last holder finishes stays
+cached among the free blocks, least recently freed first out (LRU), until a new
+allocation takes it. A request that wants its prompt's logprobs (``echo``) is prefilled
+whole (the cached prefix holds no logits), as vLLM does.
+
+Chunked prefill (``serve.max_prefill_tokens``, vLLM's ``max_num_batched_tokens`` for the
+prompts; none: a prompt is prefilled in one step): a step holds every running sequence's
+decode token and at most that many prompt tokens, the prefills in progress first, then new
+requests (admitted while budget is left). A sequence whose prompt is not yet whole in the
+cache runs a chunk (a row at ``context`` = its computed tokens); that row's token is not
+sampled from its generator (greedy, thrown away: seeded sampling draws as without chunks)
+and not sent. A long prompt so never stalls the decoding sequences for more than one
+budget's worth of prefill. The step's plan
 (token ids, context lengths and block tables per row, the new requests' sampling
 parameters) is broadcast to every rank of the replica over torch.distributed; the last
 stage samples each row with its own parameters and generator and broadcasts the tokens
@@ -31,15 +51,25 @@ The leader talks to the HTTP front (``parcompile.server``) through a
 ``multiprocessing.connection`` socket whose authentication key comes in the environment
 (``PARCOMPILE_ENGINE_KEY``, hex). Messages front -> engine: ``("add", rid, prompt_ids,
 params)``, ``("abort", rid)``, ``("stop",)``; engine -> front: ``("ready", info)``,
-``("out", [(rid, token, finish_reason or None)], stats)`` (finish_reason "error": that
-request's logits were not finite, token :data:`ERROR_TOKEN`), ``("error", message)``.
+``("out", [(rid, token, finish_reason or None, logprobs or None)], stats)``
+(finish_reason "error": that request's logits were not finite, token
+:data:`ERROR_TOKEN`; ``logprobs``: :func:`unpack_logprobs`), ``("error", message)``.
+
+Logprobs (a request's ``params["logprobs"]``: k >= 0 alternatives; ``prompt_logprobs``:
+also every prompt token's) are the log-softmax, in fp32, of the model's full-vocabulary
+logits (the tp ranks' vocabulary shares gathered, :func:`parcompile.runtime.generate.
+gather_vocab`, padded rows dropped), before temperature, top-k or top-p (vLLM's
+``raw_logprobs``); the last stage packs them (:func:`logprob_table`) and broadcasts them
+over pp beside the tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -175,22 +205,120 @@ def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators
     return torch.cat(out).to(logits.device)
 
 
+def wants_logprobs(params: list[dict]) -> int | None:
+    """The most logprob alternatives any row of a step asks for (``params[i]["logprobs"]``),
+    None when no row wants logprobs."""
+    ks = [p["logprobs"] for p in params if p.get("logprobs") is not None]
+    return max(ks) if ks else None
+
+
+def logprob_table(logits: torch.Tensor, vocab: int, rows: list["Row"], params: list[dict], tokens: torch.Tensor,
+                  prompt_rows: list[bool], k: int, partial_next: list[int | None] | None = None) -> torch.Tensor:
+    """The step's logprobs, packed for one broadcast: (B, P, 2 + 2k) float64, P the step's T
+    when ``logits`` hold every position (B, T, V') else 1 (the last position, (B, V')).
+    Column 0 the chosen token's id, 1 its logprob, then the ``k`` likeliest ids and their
+    logprobs. The chosen token at the last position is the sampled one (``tokens``, (B,));
+    at a prompt position (a row of ``prompt_rows``) the prompt's next token, and so at the
+    last position of a chunk of a prompt (``partial_next``: that next token, or None for a
+    row whose prompt is whole after the step). Logprobs are
+    ``log_softmax`` of the fp32 logits over the real vocabulary; rows or positions nobody
+    asked for are NaN."""
+    full = logits if logits.dim() == 3 else logits[:, None, :]
+    B, P, _ = full.shape
+    lp = torch.log_softmax(full[..., :vocab].float(), dim=-1)                   # (B, P, vocab)
+    chosen = torch.zeros((B, P), dtype=torch.long, device=lp.device)
+    chosen[:, -1] = tokens.clamp(min=0)
+    for b, nxt in enumerate(partial_next or ()):
+        if nxt is not None:
+            chosen[b, -1] = nxt
+    for b, (r, pr) in enumerate(zip(rows, prompt_rows)):
+        if pr and P > 1 and len(r.tokens) > 1:                        # column P - n + j predicts token j + 1
+            chosen[b, P - len(r.tokens):P - 1] = torch.tensor(r.tokens[1:], dtype=torch.long)
+    out = torch.full((B, P, 2 + 2 * k), float("nan"), dtype=torch.float64, device=lp.device)
+    out[..., 0] = chosen.double()
+    out[..., 1] = lp.gather(-1, chosen[..., None])[..., 0].double()
+    if k:
+        top = torch.topk(lp, min(k, vocab), dim=-1)                               # sorted, likeliest first
+        out[..., 2:2 + top.indices.shape[-1]] = top.indices.double()
+        out[..., 2 + k:2 + k + top.values.shape[-1]] = top.values.double()
+    return out
+
+
+def unpack_logprobs(table: torch.Tensor, rows: list["Row"], params: list[dict], prompt_rows: list[bool],
+                    tokens: list[int], partial_next: list[int | None] | None = None) -> list[dict | None]:
+    """Each row's logprobs from :func:`logprob_table`'s (B, P, 2 + 2k): None for a row that
+    asked for none; else ``{"lp": the sampled token's logprob, "top": [(id, logprob)] of its
+    k alternatives}`` and, for a prompt row, ``"prompt"``: one ``(logprob, top)`` per token
+    of the row after its first (the prompt's first token has no logprob: nothing precedes
+    it; a later chunk's first token got its own from the chunk before). A chunk of a prompt
+    (``partial_next``) has only ``"prompt"``, its last entry its last column's."""
+    partial_next = partial_next or [None] * len(rows)
+    t = table.cpu().tolist()
+    K = (table.shape[-1] - 2) // 2
+    out: list[dict | None] = []
+
+    def entry(cell, k):
+        return cell[1], [(int(cell[2 + i]), cell[2 + K + i]) for i in range(k) if cell[2 + i] == cell[2 + i]]
+
+    for b, (r, p, pr) in enumerate(zip(rows, params, prompt_rows)):
+        k = p.get("logprobs")
+        if k is None or tokens[b] == ERROR_TOKEN:
+            out.append(None)
+            continue
+        lp, top = entry(t[b][-1], k)
+        d = {"lp": lp, "top": top}
+        if pr:
+            P = len(t[b])
+            d["prompt"] = [entry(t[b][P - len(r.tokens) + j], k) for j in range(len(r.tokens) - 1)] if P > 1 else []
+        if partial_next[b] is not None:
+            d = {"prompt": d.get("prompt", []) + [(lp, top)]}
+        out.append(d)
+    return out
+
+
 def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], params: list[dict],
              generators: list[torch.Generator], vocab: int, hidden: int, dtype: torch.dtype, windows,
-             tag: int = 0) -> list[int]:
+             tag: int = 0, prompt_rows: list[bool] | None = None,
+             partial_next: list[int | None] | None = None) -> tuple[list[int], list[dict | None] | None]:
     """One engine step on this rank: lay out ``rows`` (:func:`paged_step`), bind the cache,
     pass the step through the pipeline (:func:`parcompile.runtime.generate.pipeline_pass`),
     sample each row on the last stage (:func:`sample_rows`) and broadcast the tokens over
     pp; returns each row's next token (known on every rank of the tp-0 pipeline and on every
-    last-stage rank)."""
+    last-stage rank) and, when a row's parameters ask for logprobs, each row's
+    (:func:`unpack_logprobs`; else None). ``prompt_rows``: the rows whose prompt logprobs
+    are wanted (this step computes their prompt, or a chunk of it): the last stage then
+    computes every position's logits. ``partial_next``: per row, the prompt's next token
+    when the row is a chunk of a prompt that stays unfinished (its token is drawn greedily,
+    leaving its generator untouched, and thrown away by the leader), else None."""
+    prompt_rows = prompt_rows or [False] * len(rows)
+    partial_next = partial_next or [None] * len(rows)
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    sample_params = [greedy if nxt is not None else p for p, nxt in zip(params, partial_next)]
+    sample_gens = [None if nxt is not None else g for g, nxt in zip(generators, partial_next)]
+    k = wants_logprobs(params)
     ids, step, write, read = paged_step(rows, cache.block_size, windows, ctx.device)
+    step.all_positions = k is not None and any(prompt_rows) and ids.shape[1] > 1
     cache.bind(write, read)
     with torch.no_grad():
         logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=tag)
     tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
+    P = ids.shape[1] if step.all_positions else 1
+    table = torch.zeros((len(rows), P, 2 + 2 * (k or 0)), dtype=torch.float64, device=ctx.device)
     if ctx.is_last_stage():
-        tokens = sample_rows(gen.gather_vocab(logits, ctx.tp), vocab, params, generators)
-    return gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
+        if step.all_positions:                                         # (B, T, V'/tp) -> (B, T, V')
+            B, T, V = logits.shape
+            full = gen.gather_vocab(logits.reshape(B * T, V), ctx.tp).reshape(B, T, -1)
+            last = full[:, -1]
+        else:
+            full = last = gen.gather_vocab(logits, ctx.tp)
+        tokens = sample_rows(last, vocab, sample_params, sample_gens)
+        if k is not None:
+            table = logprob_table(full, vocab, rows, params, tokens, prompt_rows, k, partial_next)
+    tokens = gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
+    if k is None:
+        return tokens, None
+    table = gen.broadcast_from_last(table, ctx.pp)
+    return tokens, unpack_logprobs(table, rows, params, prompt_rows, tokens, partial_next)
 
 
 def replica_ranks(plan: dict) -> list[list[int]]:
@@ -202,15 +330,96 @@ def replica_ranks(plan: dict) -> list[list[int]]:
     return [sorted(g[i] for g in dp_groups) for i in range(size)]
 
 
+def block_hashes(tokens: list[int], block_size: int, blocks: int, parent: bytes = b"") -> list[bytes]:
+    """The prefix keys of the first ``blocks`` full blocks of ``tokens``: block i's is
+    SHA-256 of block i - 1's key (``parent`` for the first) and block i's token ids (int64),
+    so equal keys mean equal prefixes (vLLM's ``hash_block_tokens`` chain,
+    ``vllm/v1/core/kv_cache_utils.py``)."""
+    out = []
+    for i in range(blocks):
+        parent = hashlib.sha256(parent + array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()).digest()
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """The leader's KV blocks: reference counts, the free blocks in eviction order (least
+    recently freed first; a block holding no cached prefix goes first of all) and, with
+    ``caching``, the full blocks registered under their prefix key (:func:`block_hashes`).
+    A free block that still holds a cached prefix can be found (and shared) until an
+    allocation evicts it. Counters (tokens): ``queries`` (prompt tokens looked up),
+    ``hits`` (of those, found cached)."""
+
+    def __init__(self, blocks: int, caching: bool = True):
+        self.total, self.caching = blocks, caching
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(blocks))
+        self.ref = [0] * blocks
+        self.key_of: dict[int, bytes] = {}      # block -> its prefix key
+        self.cached: dict[bytes, int] = {}      # prefix key -> block
+        self.queries = self.hits = 0
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest cached prefix of ``keys``."""
+        found = []
+        for key in keys:
+            b = self.cached.get(key)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def available(self, shared: list[int]) -> int:
+        """Blocks an allocation beside ``shared`` (cached blocks it will hold) can take."""
+        return len(self.free) - sum(1 for b in shared if self.ref[b] == 0)
+
+    def take(self, shared: list[int], new: int) -> list[int]:
+        """Hold ``shared`` (one more reference each) and ``new`` fresh blocks, evicting the
+        cached prefixes these held; returns the table (shared first)."""
+        for b in shared:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+        table = list(shared)
+        for _ in range(new):
+            b, _ = self.free.popitem(last=False)
+            key = self.key_of.pop(b, None)
+            if key is not None:
+                del self.cached[key]
+            self.ref[b] = 1
+            table.append(b)
+        return table
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference to each block of ``table``; a block no one holds is free (the
+        table's tail first out, then its head; one holding no prefix before any)."""
+        for b in reversed(table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if b not in self.key_of:
+                    self.free.move_to_end(b, last=False)
+
+    def register(self, block: int, key: bytes) -> None:
+        """Cache ``block`` (computed, full) under ``key`` unless the key is cached already."""
+        if self.caching and key not in self.cached and block not in self.key_of:
+            self.cached[key] = block
+            self.key_of[block] = key
+
+
 @dataclass
 class Sequence:
-    """A request the leader admitted: its prompt, generated tokens and blocks."""
+    """A request the leader admitted: its prompt, generated tokens and blocks; ``computed``
+    tokens have their keys and values in the cache, ``keys`` are the prefix keys of its
+    first full blocks (registered in the pool)."""
 
     rid: str
     prompt: list[int]
     params: dict
     table: list[int]
     out: list[int] = field(default_factory=list)
+    computed: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    prompt_lps: list = field(default_factory=list)    # prompt logprobs of the chunks so far
 
     @property
     def limit(self) -> int:
@@ -218,15 +427,20 @@ class Sequence:
 
 
 class Scheduler:
-    """The leader's queue, running set and block pool (module docstring)."""
+    """The leader's queue, running set and block pool (module docstring); ``prefix_caching``:
+    share cached prompt prefixes (:class:`BlockPool`); ``max_prefill_tokens``: the prompt
+    tokens one step may compute (chunked prefill; None: whole prompts)."""
 
-    def __init__(self, blocks: int, block_size: int, max_seqs: int):
+    def __init__(self, blocks: int, block_size: int, max_seqs: int, prefix_caching: bool = True,
+                 max_prefill_tokens: int | None = None):
         self.block_size, self.max_seqs = block_size, max_seqs
-        self.free = deque(range(blocks))
+        self.max_prefill_tokens = max_prefill_tokens or None    # prompt tokens per step (None: no limit)
+        self.pool = BlockPool(blocks, prefix_caching)
         self.total = blocks
         self.waiting: deque = deque()
         self.running: dict[str, Sequence] = {}
         self.freed: list[str] = []     # sequences whose generators the last stage may drop
+        self.prefill_tokens = 0        # prompt tokens computed (a cached prefix is not)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -242,19 +456,40 @@ class Scheduler:
 
     def finish(self, rid: str) -> None:
         seq = self.running.pop(rid)
-        self.free.extend(seq.table)
+        self.pool.release(seq.table)
         self.freed.append(rid)
 
-    def admit(self) -> list[Sequence]:
-        """Admit waiting requests in arrival order while they fit (no overtaking)."""
+    def _fit(self, prompt: list[int], params: dict):
+        """``(keys, shared blocks, new blocks)`` for a request, None when its blocks do not
+        fit now. The prompt's full blocks before its last token are looked up (its last
+        token's logits must be computed); none for a request wanting prompt logprobs."""
+        keys = []
+        if self.pool.caching and not params.get("prompt_logprobs"):
+            keys = block_hashes(prompt, self.block_size, (len(prompt) - 1) // self.block_size)
+        shared = self.pool.lookup(keys)
+        new = self.blocks_for(len(prompt) + params["max_tokens"]) - len(shared)
+        if new > self.pool.available(shared):
+            return None
+        return keys, shared, new
+
+    def admit(self, budget: float = float("inf")) -> list[Sequence]:
+        """Admit waiting requests in arrival order while they fit (no overtaking) and
+        ``budget`` prompt tokens are left to prefill this step."""
         new = []
-        while self.waiting and len(self.running) < self.max_seqs:
+        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
             rid, prompt, params = self.waiting[0]
-            need = self.blocks_for(len(prompt) + params["max_tokens"])
-            if need > len(self.free):
+            fit = self._fit(prompt, params)
+            if fit is None:
                 break
+            keys, shared, n_new = fit
             self.waiting.popleft()
-            seq = Sequence(rid, prompt, params, [self.free.popleft() for _ in range(need)])
+            seq = Sequence(rid, prompt, params, self.pool.take(shared, n_new), computed=len(shared) * self.block_size,
+                           keys=keys[:len(shared)])
+            if self.pool.caching and not params.get("prompt_logprobs"):
+                self.pool.queries += len(prompt)
+                self.pool.hits += seq.computed
+            self.prefill_tokens += len(prompt) - seq.computed
+            budget -= len(prompt) - seq.computed
             self.running[rid] = seq
             new.append(seq)
         return new
@@ -264,47 +499,86 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_seqs:
             return False
         _, prompt, params = self.waiting[0]
-        return self.blocks_for(len(prompt) + params["max_tokens"]) <= len(self.free)
+        return self._fit(prompt, params) is not None
 
     def next_step(self) -> dict:
         """Free, admit and lay out the next step: ``free`` (sequences finished or cancelled
-        since the last step), ``new`` (the admitted requests' sampling parameters) and
-        ``rows`` (``Row`` fields: a new request's prompt at context 0, else the running
-        sequence's last token after its context)."""
+        since the last step), ``new`` (the admitted requests' sampling parameters), ``rows``
+        (``Row`` fields, in admission order: a decoding sequence's last token after its
+        context; a prefilling one's next prompt tokens after its computed ones, all of them
+        or its share of the step's ``max_prefill_tokens``), ``prompt_logprobs`` (the rows,
+        by rid, whose prompt logprobs this step computes) and ``partial`` (rid -> the
+        prompt's next token, for rows whose prompt stays unfinished after this step)."""
         freed, self.freed = self.freed, []
-        new = self.admit()
-        new_ids = {s.rid for s in new}
-        rows = []
+        budget = self.max_prefill_tokens or float("inf")
+        pending = sum(len(s.prompt) - s.computed for s in self.running.values() if s.computed < len(s.prompt))
+        new = self.admit(budget - pending)
+        rows, partial = [], {}
         for s in self.running.values():
-            if s.rid in new_ids:
-                rows.append((s.rid, s.prompt, 0, s.table))
-            else:
+            if s.computed >= len(s.prompt):
                 rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
-        return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows}
+                continue
+            n = int(min(len(s.prompt) - s.computed, budget))
+            if n <= 0:
+                continue
+            budget -= n
+            rows.append((s.rid, s.prompt[s.computed:s.computed + n], s.computed, s.table))
+            if s.computed + n < len(s.prompt):
+                partial[s.rid] = s.prompt[s.computed + n]
+        return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows,
+                "prompt_logprobs": [r[0] for r in rows if r[2] < len(self.running[r[0]].prompt)
+                                    and self.running[r[0]].params.get("prompt_logprobs")],
+                "partial": partial}
 
-    def collect(self, rows: list[Row], tokens: list[int]) -> list[tuple]:
+    def _register(self, seq: Sequence) -> None:
+        """Cache the sequence's blocks that are now full and computed."""
+        if not self.pool.caching:
+            return
+        bs = self.block_size
+        while (len(seq.keys) + 1) * bs <= seq.computed:
+            i = len(seq.keys)
+            toks = (seq.prompt + seq.out)[i * bs:(i + 1) * bs]
+            seq.keys += block_hashes(toks, bs, 1, seq.keys[-1] if seq.keys else b"")
+            self.pool.register(seq.table[i], seq.keys[-1])
+
+    def collect(self, rows: list[Row], tokens: list[int], logprobs: list | None = None) -> list[tuple]:
         """Append each row's token; finish a sequence at ``max_tokens`` or one of its end
         tokens (``params["eos"]``), or with "error" on :data:`ERROR_TOKEN`; returns ``(rid, token,
-        finish_reason or None)`` per row."""
+        finish_reason or None, logprobs or None)`` per row (``logprobs``: :func:`run_step`'s)."""
         out = []
-        for r, tok in zip(rows, tokens):
+        for i, (r, tok) in enumerate(zip(rows, tokens)):
             seq = self.running.get(r.rid)
             if seq is None:
                 continue
+            lp = logprobs[i] if logprobs else None
+            if tok != ERROR_TOKEN and r.context + len(r.tokens) < len(seq.prompt):   # a chunk of its prompt
+                seq.computed = r.context + len(r.tokens)
+                self._register(seq)
+                if lp is not None and seq.params.get("prompt_logprobs"):
+                    seq.prompt_lps += lp.get("prompt", [])
+                continue
+            if lp is not None and "prompt" in lp and seq.prompt_lps:
+                lp = {**lp, "prompt": seq.prompt_lps + lp["prompt"]}
             if tok == ERROR_TOKEN:       # non-finite logits: this request fails, not the replica
                 reason = "error"
             else:
                 seq.out.append(tok)
+                seq.computed = r.context + len(r.tokens)
+                self._register(seq)
                 reason = ("stop" if tok in seq.params.get("eos", ())
                           else "length" if len(seq.out) >= seq.limit else None)
             if reason:
                 self.finish(r.rid)
-            out.append((r.rid, tok, reason))
+            out.append((r.rid, tok, reason, lp))
         return out
 
     def stats(self) -> dict:
-        return {"blocks_used": self.total - len(self.free), "blocks_free": len(self.free),
-                "waiting": len(self.waiting), "running": len(self.running)}
+        """The cache and queue now, and the counters so far (tokens): ``prefix_cache_queries``,
+        ``prefix_cache_hits``, ``prefill_tokens`` (prompt tokens computed)."""
+        return {"blocks_used": self.total - len(self.pool.free), "blocks_free": len(self.pool.free),
+                "waiting": len(self.waiting), "running": len(self.running),
+                "prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
+                "prefill_tokens": self.prefill_tokens}
 
 
 def _connect(address: str):
@@ -342,7 +616,8 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             conn = _connect(address)
         except OSError as e:
             raise gen.ServeError(f"cannot reach the server's front at {address}: {e}") from None
-        sched = Scheduler(blocks, block_size, max_seqs)
+        sched = Scheduler(blocks, block_size, max_seqs, prefix_caching=sv.get("prefix_caching", True),
+                          max_prefill_tokens=sv.get("max_prefill_tokens"))
         conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
                              "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
     generators: dict[str, torch.Generator] = {}
@@ -369,11 +644,14 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             if is_leader:
                 conn.send(("stats", sched.stats()))
             continue
-        tokens = run_step(model, ctx, cache, rows, [params[r.rid] for r in rows], [generators[r.rid] for r in rows],
-                          vocab, hidden, dtype, windows, tag=step_no % 1024)
+        want, partial = set(msg.get("prompt_logprobs", ())), msg.get("partial", {})
+        tokens, lps = run_step(model, ctx, cache, rows, [params[r.rid] for r in rows],
+                               [generators[r.rid] for r in rows], vocab, hidden, dtype, windows, tag=step_no % 1024,
+                               prompt_rows=[r.rid in want for r in rows],
+                               partial_next=[partial.get(r.rid) for r in rows])
         step_no += 1
         if is_leader:
-            _leader_collect(conn, sched, rows, tokens)
+            _leader_collect(conn, sched, rows, tokens, lps)
     if conn is not None:
         conn.close()
 
@@ -397,10 +675,11 @@ def _leader_plan(conn, sched: Scheduler) -> dict:
     return sched.next_step()
 
 
-def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int]) -> None:
-    """Record the step's tokens; send them and the cache's state to the front."""
-    conn.send(("out", sched.collect(rows, tokens), sched.stats()))
+def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], logprobs=None) -> None:
+    """Record the step's tokens; send them (and their logprobs) and the cache's state to the front."""
+    conn.send(("out", sched.collect(rows, tokens, logprobs), sched.stats()))
 
 
-__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "replica_ranks", "Scheduler", "serve_requests",
-           "IDLE_HEARTBEAT_S", "KEY_ENV"]
+__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
+           "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
+           "serve_requests", "IDLE_HEARTBEAT_S", "KEY_ENV"]

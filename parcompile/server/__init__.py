@@ -57,7 +57,8 @@ def model_info(plan) -> "api.ModelInfo":
     return api.ModelInfo(name=cfg.model.name, vocab=cfg.model.vocab, context=sv.prompt_len + sv.max_new_tokens,
         temperature=sv.temperature, top_k=sv.top_k, eos=gen.end_tokens(weights),
         tokenizer=gen.load_tokenizer(None, weights, cfg.model.vocab),
-        chat_template=tpl or api.PLAIN_CHAT_TEMPLATE, special=special)
+        chat_template=tpl or api.PLAIN_CHAT_TEMPLATE, special=special,
+        max_seqs=plan.data["serve"]["batch_per_replica"])
 
 
 def port_free(host: str, port: int) -> str | None:

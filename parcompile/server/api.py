@@ -4,27 +4,43 @@
 ended by ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 (Prometheus text).
 
-Requests. ``prompt`` is a string, a list of token ids, or a list holding one of either;
-``messages`` go through the tokenizer's chat template (``chat_template`` of the weights'
-``tokenizer_config.json``, rendered with jinja2 as transformers does); a model without one
-(the byte-level models) uses :data:`PLAIN_CHAT_TEMPLATE`: one ``role: content`` line per
-message, then ``assistant:``. Omitted sampling fields take the spec's ``serve`` values
-(``temperature``, ``top_k``); ``top_p`` defaults to 1, ``max_tokens`` to the room left in
-the context (``prompt_len + max_new_tokens`` of the spec, vLLM's default), ``seed`` to a
-random one. ``stop`` (a string or up to 4) ends the text before the first match
-(``finish_reason: "stop"``), as do the model's end tokens; ``max_tokens`` ends it with
-``"length"``. Extension (vLLM's): ``"return_token_ids": true`` adds ``prompt_token_ids``
-and ``token_ids`` to each choice.
+Requests. ``prompt`` is a string, a list of token ids, or a list of either (a batch: one
+choice per prompt, ``index`` in prompt order); ``messages`` go through the tokenizer's chat
+template (``chat_template`` of the weights' ``tokenizer_config.json``, rendered with jinja2
+as transformers does); a model without one (the byte-level models) uses
+:data:`PLAIN_CHAT_TEMPLATE`: one ``role: content`` line per message, then ``assistant:``.
+Omitted sampling fields take the spec's ``serve`` values (``temperature``, ``top_k``);
+``top_p`` defaults to 1, ``max_tokens`` to the room left in the context (``prompt_len +
+max_new_tokens`` of the spec, vLLM's default), ``seed`` to a random one (with ``n`` > 1,
+sample j draws with ``seed + j``). ``stop`` (a string or up to 4) ends the text before the
+first match (``finish_reason: "stop"``), as do the model's end tokens; ``max_tokens`` ends
+it with ``"length"``. ``n`` samples per prompt (choice ``index`` = prompt * n + sample);
+completions' ``best_of`` draws that many and returns the ``n`` of the highest summed
+logprob (not streamed); ``n`` and ``best_of`` are at most the sequences a replica decodes at
+once (:attr:`ModelInfo.max_seqs`), prompts x samples at most :data:`MAX_SEQUENCES`.
+
+Logprobs (fp32 log-softmax of the model's full-vocabulary logits, before temperature and
+top-k/top-p, as vLLM's ``raw_logprobs``; :mod:`parcompile.runtime.paged`): completions'
+``logprobs: k`` (0 to :data:`MAX_LOGPROBS`) gives each choice OpenAI's legacy object as
+vLLM returns it, ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (a
+top-logprobs dict holds the k likeliest tokens' texts and the chosen one's); with
+``"echo": true`` the text and the logprobs begin with the prompt's (the first prompt token's
+logprob and top are null), and ``max_tokens`` may be 0 (the prompt only). Chat's
+``"logprobs": true`` with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) gives
+``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``. Extension (vLLM's):
+``"return_token_ids": true`` adds ``prompt_token_ids`` and ``token_ids`` to each choice.
 
 Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
 ``max_tokens`` beyond the context (the message gives the limits), a field this server does
-not implement (:data:`UNSUPPORTED`: ``logprobs``, ``echo``, penalties, ``tools``...) set to
+not implement (:data:`UNSUPPORTED`: ``suffix``, penalties, ``tools``, chat's ``echo``...) set to
 anything but its neutral value, a body that is not JSON text (NaN, nesting deeper than
 :data:`MAX_JSON_DEPTH`, a lone surrogate); 401 without the ``--api-key`` (:class:`Guard`);
 413 for a body past ``--max-body`` (:func:`default_max_body`); 404 for another model or
 path; 500 (``non_finite_logits``) for a request whose logits came out NaN or infinite (the
-server goes on); 503 once a rank has died (the server then exits non-zero). A client that goes away, while its plain request is
+server goes on); 503 once a rank has died (the server then exits non-zero). ``logprobs`` /
+``top_logprobs`` above :data:`MAX_LOGPROBS`, ``n`` or ``best_of`` above the batch, ``best_of``
+< ``n`` or streamed, ``max_tokens`` 0 without ``echo`` are 400. A client that goes away, while its plain request is
 being generated or its stream waits for a first token, has its request aborted within
 :data:`DISCONNECT_POLL_S` seconds (its KV blocks are freed).
 """
@@ -100,7 +116,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Optional[StrictStr] = None
-    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0)      # 0: only with echo (the prompt's logprobs)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: Optional[StrictFloat] = Field(None, ge=0, le=2)     # OpenAI's "number": "0.5" is refused
     top_p: Optional[StrictFloat] = Field(None, gt=0, le=1)
@@ -109,7 +125,7 @@ class _Sampling(BaseModel):
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
     stream_options: Optional["StreamOptions"] = None
-    n: StrictInt = Field(1, ge=1, le=1)
+    n: StrictInt = Field(1, ge=1)
     return_token_ids: StrictBool = False
 
 
@@ -127,6 +143,7 @@ _Sampling.model_rebuild()
 #: OpenAI (and vLLM) request fields this server does not implement, with the values that
 #: ask for nothing (the client libraries' defaults): any other value is refused with 400
 #: rather than silently ignored (a user asking for logprobs must not get ``null`` back)
+#: (a field a request model declares, e.g. completions' ``echo``, is checked there instead)
 UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
                "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty":
                (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
@@ -134,8 +151,19 @@ UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs":
                "guided_regex": (None,), "guided_choice": (None,), "prompt_logprobs": (None,)}
 
 
+#: the most logprob alternatives a request may ask for (vLLM's default ``max_logprobs``;
+#: OpenAI's legacy completions allow 5)
+MAX_LOGPROBS = 20
+
+#: the most sequences one request may ask for: prompts x ``best_of`` (or ``n``)
+MAX_SEQUENCES = 256
+
+
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    echo: StrictBool = False
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[StrictInt] = Field(None, ge=1)
 
 
 class Message(BaseModel):
@@ -147,6 +175,8 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass
@@ -162,6 +192,7 @@ class ModelInfo:
     tokenizer: Any                  # runtime.generate's ByteTokenizer / HFTokenizer / IdTokenizer
     chat_template: str
     special: dict                   # bos_token, eos_token for the chat template
+    max_seqs: int = 0               # sequences one replica decodes at once: the most `n` / `best_of` (0: no limit)
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -332,6 +363,8 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
             message, param = _validation_message(e)
             raise ApiError(400, message, param=param, code="invalid_value") from None
         for key, neutral in UNSUPPORTED.items():
+            if key in model_cls.model_fields:
+                continue
             value = body.get(key)
             if not any(value is v if isinstance(value, bool) or isinstance(v, bool) or v is None else value == v
                        for v in neutral):
@@ -339,6 +372,27 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
                                     f"omit it", param=key, code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "`stream_options` can only be given with `\"stream\": true`", param="stream_options",
+                           code="invalid_value")
+        samples = getattr(req, "best_of", None) or req.n
+        if samples < req.n:
+            raise ApiError(400, f"`best_of` ({samples}) must be at least `n` ({req.n})", param="best_of",
+                           code="invalid_value")
+        if req.stream and samples > req.n:
+            raise ApiError(400, "`best_of` > `n` cannot be streamed (the best are known at the end)", param="best_of",
+                           code="invalid_value")
+        if info.max_seqs and samples > info.max_seqs:
+            name = "best_of" if samples > req.n else "n"
+            raise ApiError(400, f"`{name}` is {samples}; this server decodes at most {info.max_seqs} sequences at once "
+                                f"per replica (the spec's serve `batch`), so a prompt's samples are at most that",
+                           param=name, code="invalid_value")
+        if req.max_tokens == 0 and not getattr(req, "echo", False):
+            raise ApiError(400, "`max_tokens` 0 asks for no output: it is only taken with `\"echo\": true` (the "
+                                "prompt's logprobs)", param="max_tokens", code="invalid_value")
+        if req.max_tokens == 0 and req.stream:
+            raise ApiError(400, "`max_tokens` 0 (the prompt's logprobs only) is not streamed", param="max_tokens",
+                           code="invalid_value")
+        if isinstance(req, ChatRequest) and req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "`top_logprobs` needs `\"logprobs\": true`", param="top_logprobs",
                            code="invalid_value")
         if req.model is not None and req.model != info.name:
             raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{info.name}`",
@@ -351,12 +405,8 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
                         param=param, code="context_length_exceeded")
 
     def encode_sync(prompt, param: str) -> list[int]:
-        """Token ids of ``prompt`` (a string, or ids), checked against the vocabulary and
+        """Token ids of one ``prompt`` (a string, or ids), checked against the vocabulary and
         the context; a text that cannot fit by its bytes alone is refused untokenized."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            raise ApiError(400, "one prompt per request (a batch of prompts is not supported)", param="prompt")
         if isinstance(prompt, str):
             per_token = getattr(info.tokenizer, "max_token_bytes", None)
             if per_token:
@@ -378,18 +428,28 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab})", param=param)
         return ids
 
-    async def encode(prompt, param: str = "prompt") -> list[int]:
-        """:func:`encode_sync` off the event loop for texts (tokenizing a long one takes
-        time that /health and the streams must not wait for)."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
-            return await asyncio.to_thread(encode_sync, prompt, param)
-        return encode_sync(prompt, param)
+    async def encode(prompt, param: str = "prompt") -> list[list[int]]:
+        """The token ids of each prompt of a completion request's ``prompt``: a string,
+        token ids, or a list of either (OpenAI's batch); :func:`encode_sync` off the event
+        loop for texts (tokenizing a long one takes time that /health and the streams must
+        not wait for)."""
+        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = prompt if many else [prompt]
+        if len(prompts) > MAX_SEQUENCES:
+            raise ApiError(400, f"{len(prompts)} prompts in one request; this server takes at most {MAX_SEQUENCES}",
+                           param=param, code="invalid_value")
+        if any(isinstance(p, str) for p in prompts):
+            return await asyncio.to_thread(lambda: [encode_sync(p, param) for p in prompts])
+        return [encode_sync(p, param) for p in prompts]
 
     def sampling(req: _Sampling, n_prompt: int, param: str) -> dict:
+        """What reaches the ranks for one sequence of ``req`` whose prompt has ``n_prompt``
+        tokens (values made safe here); ``want`` (the tokens asked for: 0 with echo) is
+        taken out by :func:`respond` (the engine makes at least one)."""
         room = info.context - n_prompt
         if room < 1:
             raise too_long(n_prompt, param)
-        max_tokens = req.max_tokens or req.max_completion_tokens or room
+        max_tokens = req.max_tokens if req.max_tokens is not None else (req.max_completion_tokens or room)
         if max_tokens > room:
             raise ApiError(400, f"this model's context is {info.context} tokens (prompt_len + max_new_tokens); "
                                 f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}: at most "
@@ -406,20 +466,34 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
         if temperature < SAMPLING_EPS:    # logits / 1e-300 overflow to inf: NaN probabilities kill the rank
             temperature = 0.0
         top_p = 1.0 if req.top_p is None else min(max(float(req.top_p), SAMPLING_EPS), 1.0)
-        return {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_k": top_k, "top_p": top_p,
-                "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63), "eos": info.eos,
-                "stop": stop}
+        # logprobs: k alternatives per token (None: none); echo: the prompt's too
+        if isinstance(req, ChatRequest):
+            k, prompt_lp = (req.top_logprobs or 0) if req.logprobs else None, False
+        else:
+            k = req.logprobs
+            prompt_lp = bool(req.echo) and k is not None
+            if (req.best_of or 1) > req.n and k is None:
+                k = 0                     # best_of ranks the samples by their summed logprobs
+        return {"max_tokens": max(int(max_tokens), 1), "temperature": float(temperature), "top_k": top_k,
+                "top_p": top_p, "seed": secrets.randbits(62) if req.seed is None else req.seed % (1 << 63),
+                "eos": info.eos, "stop": stop, "logprobs": k, "prompt_logprobs": prompt_lp,
+                "want": int(max_tokens)}
 
     async def generate(request: Request, prompt: list[int], params: dict, watch: str):
-        """Yield (text delta, token ids so far, finish_reason) as tokens arrive; the request
-        is cancelled in the engine when the client goes away or a stop string matches.
+        """Yield (text delta, token ids so far, finish_reason, their logprobs so far, the
+        prompt's logprobs) as tokens arrive; the request is cancelled in the engine when the
+        client goes away or a stop string matches. Logprobs are the engine's entries
+        (:func:`parcompile.runtime.paged.unpack_logprobs`), one per token id (an empty list
+        when the request asked for none).
 
         ``watch``: "all" polls the connection every :data:`DISCONNECT_POLL_S` seconds while
         tokens arrive (a plain response: nothing is written until the end); "first" until
         the first token only (a stream: once it is writing, Starlette cancels it when the
         client goes away)."""
         rid = uuid.uuid4().hex
+        params = dict(params)
         stop = params.pop("stop")
+        params.pop("want", None)
         hold = max((len(s) for s in stop), default=1) - 1   # text that may begin a stop string
         t0 = time.perf_counter()
         try:
@@ -428,6 +502,8 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
             raise unavailable(str(e)) from None
         metrics.request_started(len(prompt))
         ids: list[int] = []
+        lps: list = []
+        prompt_lps = None
         sent = ""
         last = None
         finished = False
@@ -446,13 +522,16 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
                     continue
                 if isinstance(item, EngineFailed):
                     raise unavailable(str(item))
-                tok, reason = item
+                tok, reason, *rest = item
+                lp = rest[0] if rest else None
                 if reason == "error":        # its logits were NaN or inf: this request fails, the server lives
                     finished = True
                     metrics.request_finished("abort", len(ids))
                     raise ApiError(500, "the model produced NaN or infinite logits for this request (its weights "
                                         "or activations overflow in the serve dtype); no token could be drawn",
                                    code="non_finite_logits", kind="server_error")
+                if lp is not None and "prompt" in lp:
+                    prompt_lps = lp["prompt"]
                 now = time.perf_counter()
                 metrics.token(now - (last if last is not None else t0), first=last is None)
                 last = now
@@ -460,6 +539,8 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
                     text = info.tokenizer.decode(ids)      # the end token is not text
                 else:
                     ids.append(tok)
+                    if lp is not None:
+                        lps.append((lp["lp"], lp["top"]))
                     text = info.tokenizer.decode(ids)
                 if reason is None:
                     hit = min((i for i in (text.find(s, max(len(sent) - hold, 0)) for s in stop) if i >= 0),
@@ -473,11 +554,11 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
                         keep -= 1
                     if keep > len(sent) and text.startswith(sent):
                         delta, sent = text[len(sent):keep], text[:keep]
-                        yield delta, ids, None
+                        yield delta, ids, None, lps, prompt_lps
                     continue
                 finished = True
                 metrics.request_finished(reason, len(ids))
-                yield (text[len(sent):] if text.startswith(sent) else ""), ids, reason
+                yield (text[len(sent):] if text.startswith(sent) else ""), ids, reason, lps, prompt_lps
                 return
         finally:
             if not finished:
@@ -490,61 +571,214 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    async def respond(request: Request, req: _Sampling, prompt: list[int], chat: bool):
-        params = sampling(req, len(prompt), "messages" if chat else "prompt")
+    def token_text(tok: int) -> str:
+        return info.tokenizer.decode([tok])
+
+    def completion_logprobs(entries: list[tuple[int, float | None, list | None]], k: int, offset: int = 0) -> dict:
+        """OpenAI's legacy completion logprobs as vLLM returns them: ``tokens`` (each
+        token's text), ``token_logprobs``, ``top_logprobs`` (per token a dict of its ``k``
+        likeliest tokens' texts and the chosen one's to their logprobs; None where the
+        token has no logprob: the first prompt token) and ``text_offset`` (each token's
+        character offset, counted from ``offset``). ``entries``: (token id, logprob, top
+        (id, logprob) pairs)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp, top in entries:
+            t = token_text(tok)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(lp)
+            if lp is None:
+                out["top_logprobs"].append(None)
+            else:
+                d = {token_text(i): v for i, v in top[:k]}
+                d.setdefault(t, lp)
+                out["top_logprobs"].append(d)
+            out["text_offset"].append(offset)
+            offset += len(t)
+        return out
+
+    def chat_logprobs(ids: list[int], lps: list, k: int) -> dict:
+        """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and its ``k``
+        likeliest alternatives (``top_logprobs``)."""
+        def one(tok, lp):
+            t = token_text(tok)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+        return {"content": [{**one(tok, lp), "top_logprobs": [one(i, v) for i, v in top[:k]]}
+                            for tok, (lp, top) in zip(ids, lps)]}
+
+    async def respond(request: Request, req: _Sampling, prompts: list[list[int]], chat: bool):
+        """Answer a completion (one choice per prompt and sample, ``index`` prompt-major)
+        or a chat completion (``n`` choices), plain or streamed."""
+        param = "messages" if chat else "prompt"
+        n = req.n
+        samples = (getattr(req, "best_of", None) or n) if not chat else n
+        if len(prompts) * samples > MAX_SEQUENCES:
+            raise ApiError(400, f"{len(prompts)} prompt(s) x {samples} samples is {len(prompts) * samples} sequences; "
+                                f"this server takes at most {MAX_SEQUENCES} in one request", param=param,
+                           code="invalid_value")
+        base_params = [sampling(req, len(p), param) for p in prompts]
+        echo = bool(getattr(req, "echo", False))
+        k = base_params[0]["logprobs"]
+        want_lp = (req.logprobs is not None) if not chat else bool(req.logprobs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         base = {"id": rid, "created": created, "model": info.name}
-        stream = generate(request, prompt, params, watch="first" if req.stream else "all")
+        # one engine request per prompt and sample; a given seed gives sample j the seed + j
+        jobs = []
+        for i, (p, params) in enumerate(zip(prompts, base_params)):
+            for j in range(samples):
+                pj = dict(params, seed=(params["seed"] + j) % (1 << 63))
+                jobs.append((i, p, pj))
+        streams = [generate(request, p, pj, watch="first" if req.stream else "all") for _, p, pj in jobs]
+
+        def prompt_entries(p: list[int], plps) -> list:
+            out = [(p[0], None, None)]
+            if plps is not None:
+                out += [(tok, lp, top) for tok, (lp, top) in zip(p[1:], plps)]
+            return out
+
+        def choice_logprobs(p, ids, lps, plps, with_prompt: bool, offset: int = 0):
+            if not want_lp:
+                return None
+            if chat:
+                return chat_logprobs(ids, lps, k or 0)
+            entries = (prompt_entries(p, plps) if with_prompt else []) + [
+                (tok, lp, top) for tok, (lp, top) in zip(ids, lps)]
+            return completion_logprobs(entries, k or 0, offset)
+
         if not req.stream:
-            text, ids, reason = "", [], None
-            async for delta, ids, reason in stream:
-                text += delta
-            if reason is None:        # the client went away: nobody reads this
+            async def run(g):
+                text, ids, reason, lps, plps = "", [], None, [], None
+                async for delta, ids, reason, lps, plps in g:
+                    text += delta
+                return text, list(ids), reason, list(lps), plps
+
+            tasks = [asyncio.ensure_future(run(g)) for g in streams]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            if any(r[2] is None for r in results):        # the client went away: nobody reads this
                 return JSONResponse({}, status_code=499)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                       "finish_reason": reason} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-            if req.return_token_ids:
-                choice.update(prompt_token_ids=prompt, token_ids=list(ids))
-            return JSONResponse({**base, "object": obj, "choices": [choice], "usage": usage(len(prompt), len(ids))})
-        # streamed: the first token must arrive (or fail) before the 200 status goes out
-        first = await anext(stream, None)
+            choices, n_out = [], 0
+            for i, p in enumerate(prompts):
+                mine = results[i * samples:(i + 1) * samples]
+                if samples > n:       # best_of: the n samples of the highest summed logprob
+                    order = sorted(range(samples), key=lambda j: -sum(lp for lp, _ in mine[j][3]))
+                    mine = [mine[j] for j in sorted(order[:n])]
+                for j, (text, ids, reason, lps, plps) in enumerate(mine):
+                    if base_params[i]["want"] == 0:       # echo with max_tokens 0: the prompt only
+                        text, ids, lps, reason = "", [], [], "length"
+                    n_out += len(ids)
+                    if chat:
+                        c = {"index": j, "message": {"role": "assistant", "content": text},
+                             "logprobs": choice_logprobs(p, ids, lps, plps, False), "finish_reason": reason}
+                    else:
+                        c = {"index": i * n + j, "text": (info.tokenizer.decode(p) + text) if echo else text,
+                             "logprobs": choice_logprobs(p, ids, lps, plps, echo), "finish_reason": reason}
+                    if req.return_token_ids:
+                        c.update(prompt_token_ids=p, token_ids=list(ids))
+                    choices.append(c)
+            return JSONResponse({**base, "object": obj, "choices": choices,
+                                 "usage": usage(sum(map(len, prompts)), n_out)})
+
+        # streamed: every choice's events through one queue; the first event must arrive (or
+        # fail) before the 200 status goes out
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(idx: int, g):
+            """Forward one choice's events to ``merged``, then None (its end) or its error."""
+            try:
+                async for item in g:
+                    await merged.put((idx, item))
+            except ApiError as e:                  # a rank died, or its logits were not finite
+                await merged.put((idx, e))
+                return
+            except Exception as e:                 # a bug: OpenAI's form to the client, the traceback to the log
+                await merged.put((idx, ApiError(500, f"internal error: {type(e).__name__}: {e}"[:300],
+                                                code="internal_error", kind="server_error")))
+                raise
+            await merged.put((idx, None))
+
+        pumps = [asyncio.ensure_future(pump(idx, g)) for idx, g in enumerate(streams)]
+
+        async def cancel_all():
+            for t in pumps:
+                t.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+        try:
+            first = await merged.get()
+        except BaseException:
+            await cancel_all()
+            raise
+        if isinstance(first[1], ApiError):
+            await cancel_all()
+            raise first[1]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: str, ids: list[int], reason, n_ids: int, role: bool = False) -> dict:
+        def chunk(idx: int, delta: str, new_ids: list[int], reason, lp_obj, role: bool = False) -> dict:
+            index = jobs[idx][0] * n + idx % samples if not chat else idx % samples
             if chat:
                 d = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+                c = {"index": index, "delta": d, "logprobs": lp_obj, "finish_reason": reason}
             else:
-                c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+                c = {"index": index, "text": delta, "logprobs": lp_obj, "finish_reason": reason}
             if req.return_token_ids:
-                c["token_ids"] = ids[n_ids:]
+                c["token_ids"] = new_ids
             return {**base, "object": obj + ".chunk" if chat else obj, "choices": [c]}
 
         async def events():
-            n_ids = 0
-            ids: list[int] = []
-            if first is None:
+            n_ids = [0] * len(jobs)
+            totals = [0] * len(jobs)
+            offsets = [0] * len(jobs)
+            started = [False] * len(jobs)
+            open_ = len(jobs)
+            if first[1] is None and open_ == 1:
+                await cancel_all()
                 return
             if chat:
-                yield sse(chunk("", [], None, 0, role=True))
+                for idx in range(len(jobs)):
+                    yield sse(chunk(idx, "", [], None, None, role=True))
             item = first
             try:
-                while item is not None:
-                    delta, ids, reason = item
-                    yield sse(chunk(delta, ids, reason, n_ids))
-                    n_ids = len(ids)
-                    item = await anext(stream, None)
-            except ApiError as e:      # a rank died mid-stream: the error as the last event
-                yield sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}})
-                return
+                while True:
+                    idx, ev = item
+                    if isinstance(ev, ApiError):      # a rank died mid-stream: the error as the last event
+                        yield sse({"error": {"message": ev.message, "type": ev.kind, "param": None, "code": ev.code}})
+                        return
+                    if ev is None:
+                        open_ -= 1
+                        if open_ == 0:
+                            break
+                    else:
+                        delta, ids, reason, lps, plps = ev
+                        p = jobs[idx][1]
+                        new_ids, new_lps = ids[n_ids[idx]:], lps[n_ids[idx]:]
+                        lp_obj = None
+                        if want_lp:
+                            if chat:
+                                lp_obj = chat_logprobs(new_ids, new_lps, k or 0)
+                            else:
+                                entries = (prompt_entries(p, plps) if echo and not started[idx] else []) + [
+                                    (tok, lp, top) for tok, (lp, top) in zip(new_ids, new_lps)]
+                                lp_obj = completion_logprobs(entries, k or 0, offsets[idx])
+                                offsets[idx] += sum(len(t) for t in lp_obj["tokens"])
+                        if echo and not started[idx]:
+                            delta = info.tokenizer.decode(p) + delta
+                        started[idx] = True
+                        yield sse(chunk(idx, delta, new_ids, reason, lp_obj))
+                        n_ids[idx] = len(ids)
+                        totals[idx] = len(ids)
+                    item = await merged.get()
             finally:
-                await stream.aclose()
+                await cancel_all()
             if include_usage:
                 yield sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
-                           "usage": usage(len(prompt), len(ids))})
+                           "usage": usage(sum(map(len, prompts)), sum(totals))})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -583,7 +817,7 @@ def build_app(info: ModelInfo, engines, metrics, api_key: str | None = None, max
     async def chat_completions(request: Request):
         req = await parse(request, ChatRequest)
         # the template and the tokenizer run off the event loop
-        return await respond(request, req, await asyncio.to_thread(chat_ids, req), chat=True)
+        return await respond(request, req, [await asyncio.to_thread(chat_ids, req)], chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -49,8 +49,10 @@ class Engines:
     """The torchrun job and its replicas' connections.
 
     ``program`` is the compiled ``serve.py``, ``world`` the ranks to launch and ``replicas``
-    the plan's dp degree. Tokens come back as ``(token, finish_reason)`` items on each
-    request's asyncio queue; a failure puts an :class:`EngineFailed` there.
+    the plan's dp degree. Tokens come back as ``(token, finish_reason, logprobs)`` items
+    on each request's asyncio queue (``logprobs``: a
+    :func:`parcompile.runtime.paged.unpack_logprobs` entry, or None); a failure puts an
+    :class:`EngineFailed` there.
     """
 
     def __init__(self, program: Path, world: int, replicas: int, startup_timeout_s: float = 600.0,
@@ -150,10 +152,10 @@ class Engines:
                 return
             r.last_seen = time.monotonic()
             if msg[0] == "out":
-                for rid, tok, reason in msg[1]:
+                for rid, tok, reason, lp in msg[1]:
                     target = self.queues.get(rid)
                     if target:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, (tok, reason))
+                        target[0].call_soon_threadsafe(target[1].put_nowait, (tok, reason, lp))
                     if reason:
                         self._release(rid)
                 r.stats = msg[2]
@@ -169,7 +171,7 @@ class Engines:
 
     def submit(self, rid: str, prompt: list[int], params: dict) -> asyncio.Queue:
         """Send a request to the replica with the fewest outstanding ones; returns the queue
-        its ``(token, finish_reason)`` items arrive on.
+        its ``(token, finish_reason, logprobs)`` items arrive on.
 
         Raises:
             EngineFailed: the engines are gone.
@@ -208,8 +210,9 @@ class Engines:
             raise EngineFailed(self.failed) from None
 
     def totals(self) -> dict:
-        """The cache and queue summed over the replicas."""
-        keys = ("blocks_used", "blocks_free", "waiting", "running")
+        """The cache and queue, and the prefix cache's counters, summed over the replicas."""
+        keys = ("blocks_used", "blocks_free", "waiting", "running", "prefix_cache_queries", "prefix_cache_hits",
+                "prefill_tokens")
         return {k: sum(r.stats.get(k, 0) for r in self.replicas) for k in keys}
 
     def stop(self, timeout_s: float = 20.0) -> int:

@@ -1,7 +1,9 @@
 """`GET /metrics` of `parcompile serve`: Prometheus text from ``prometheus_client`` (vLLM's
 metric set under the ``parcompile_`` prefix): requests by finish reason, prompt and
 generated tokens, time to first token and per output token (histograms, seconds), KV cache
-blocks used and free, requests waiting and running (summed over the dp replicas)."""
+blocks used and free, requests waiting and running, and the prefix cache's queries and hits
+(prompt tokens looked up, found cached: vLLM's ``prefix_cache_queries`` / ``_hits``; the hit
+rate is hits / queries) and the prompt tokens prefilled (summed over the dp replicas)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ class Metrics:
         self.waiting = Gauge("parcompile_requests_waiting", "requests queued for KV cache blocks or a batch slot",
                              ["model"], registry=r)
         self.running = Gauge("parcompile_requests_running", "sequences in the running batch", ["model"], registry=r)
+        self.prefix_queries = Counter("parcompile_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      ["model"], registry=r)
+        self.prefix_hits = Counter("parcompile_prefix_cache_hits", "prompt tokens found in the prefix cache (not "
+                                   "prefilled)", ["model"], registry=r)
+        self.prefill_tokens = Counter("parcompile_prefill_tokens", "prompt tokens prefilled (computed)", ["model"],
+                                      registry=r)
+        self._seen = {}       # the engines' counters at the last render
         self.model = model
 
     def request_started(self, prompt_tokens: int) -> None:
@@ -50,9 +59,16 @@ class Metrics:
 
     def render(self, totals: dict) -> tuple[bytes, str]:
         """The Prometheus text, with the engines' ``totals`` (blocks_used, blocks_free,
-        waiting, running) as the gauges."""
+        waiting, running) as the gauges and their counters (prefix_cache_queries,
+        prefix_cache_hits, prefill_tokens) as counters."""
         self.blocks_used.labels(self.model).set(totals["blocks_used"])
         self.blocks_free.labels(self.model).set(totals["blocks_free"])
         self.waiting.labels(self.model).set(totals["waiting"])
         self.running.labels(self.model).set(totals["running"])
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("prefill_tokens", self.prefill_tokens)):
+            now = totals.get(key, 0)        # the engines count from their start: add what is new
+            if now > self._seen.get(key, 0):
+                counter.labels(self.model).inc(now - self._seen.get(key, 0))
+                self._seen[key] = now
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

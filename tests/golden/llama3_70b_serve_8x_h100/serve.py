@@ -161,13 +161,16 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, step: gen.StepInput) -> torch.Tensor:
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
-        logits (B, V'/tp) on the last stage."""
+        logits (B, V'/tp) on the last stage (every position's, (B, T, V'/tp), when
+        ``step.all_positions``)."""
         if self.has_first:
             x = self.embedding(x).to(DTYPE)                           # (B, T, 8192): embedding.all_reduce: forward all_reduce(tp)
         rope = None if self.rope is None else (self.rope[0].to(x.device), self.rope[1].to(x.device))
         for i in self.layer_ids:
             x = self.layers[str(i)](x, step, self.cache, rope)
         if self.has_last:
+            if step.all_positions:                                    # prompt logprobs (serve's echo): every position
+                return rt.linear(self.final_norm(x), self.head_weight()).float()   # (B, T, 16128)
             x = self.final_norm(x[:, -1:])                            # (B, 1, 8192): only the last position is sampled
             return rt.linear(x, self.head_weight())[:, -1].float()    # (B, 16128) logits, vocab split over tp
         return x

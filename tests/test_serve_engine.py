@@ -1,0 +1,244 @@
+"""The serve engine (runtime/paged.py) in one process (a world of one), on the generated
+program's own Stage: logprobs against transformers' on the same weights, and prefix
+caching (issue 33).
+
+Truth: transformers' LlamaForCausalLM on the checkpoint the program loads (log_softmax of
+its fp32 logits); for prefix caching, the same engine with caching off (greedy tokens and
+logprobs equal), and the scheduler's own counters (a repeated prefix is not prefilled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from parcompile.runtime import paged
+from tests.serve_utils import build_serve, serve_config
+
+_ids = itertools.count()
+
+
+class Engine:
+    """The program in ``out`` (serve.py, plan.json) with its scheduler and paged cache;
+    :meth:`run` serves requests, ``arrive`` of them joining per step."""
+
+    def __init__(self, out: Path, weights: str | None, blocks: int, block_size: int, max_seqs: int, caching: bool,
+                 max_prefill_tokens: int | None = None):
+        from parcompile import runtime as rt
+        from parcompile.runtime.weights import load_weights
+
+        spec = importlib.util.spec_from_file_location(f"engine_prog_{next(_ids)}", out / "serve.py")
+        self.mod = mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        plan = json.loads((out / "plan.json").read_text())
+        saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+        try:
+            self.ctx = rt.init_parallel(plan, force_cpu=True)
+        finally:
+            os.environ.update(saved)
+        with rt.no_init() if weights else contextlib.nullcontext():
+            self.model = mod.Stage(plan, self.ctx)
+        load_weights(self.model, weights, self.ctx)
+        for p in self.model.parameters():
+            p.data = p.data.to(self.ctx.device, mod.DTYPE)
+        self.model.eval()
+        self.cache = self.model.new_paged_cache(blocks, block_size, self.ctx.device)
+        self.windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
+        self.sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=caching,
+                                     max_prefill_tokens=max_prefill_tokens)
+        self.blocks = blocks
+        self.steps: list[list[tuple[str, int, bool]]] = []      # each step's rows: (rid, new tokens, prefill)
+
+    def run(self, requests: list[tuple[list[int], dict]], arrive: int = 1) -> dict:
+        """Greedy (unless the params say otherwise) tokens and logprobs per request index."""
+        base = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": [], "logprobs": None}
+        pending = [(str(i), p, {**base, **params}) for i, (p, params) in enumerate(requests)]
+        got = {rid: {"tokens": [], "lps": [], "prompt": None} for rid, _, _ in pending}
+        params, gens = {}, {}
+        while True:
+            for _ in range(arrive):
+                if pending:
+                    rid, p, pr = pending.pop(0)
+                    params[rid] = pr
+                    self.sched.add(rid, p, pr)
+            step = self.sched.next_step()
+            rows = [paged.Row(*r) for r in step["rows"]]
+            if not rows and not pending and not self.sched.waiting:
+                break
+            if not rows:
+                continue
+            for rid, pr in step["new"].items():       # as serve_requests: one generator per request
+                gens[rid] = torch.Generator().manual_seed(pr["seed"])
+            self.steps.append([(r.rid, len(r.tokens), r.context < len(self.sched.running[r.rid].prompt))
+                               for r in rows])
+            want = set(step["prompt_logprobs"])
+            tokens, lps = paged.run_step(self.model, self.ctx, self.cache, rows, [params[r.rid] for r in rows],
+                                         [gens[r.rid] for r in rows], self.mod.VOCAB,
+                                         self.mod.HIDDEN, self.mod.DTYPE, self.windows,
+                                         prompt_rows=[r.rid in want for r in rows],
+                                         partial_next=[step["partial"].get(r.rid) for r in rows])
+            for rid, tok, _, lp in self.sched.collect(rows, tokens, lps):
+                got[rid]["tokens"].append(tok)
+                if lp is not None:
+                    got[rid]["lps"].append((lp["lp"], lp["top"]))
+                    if "prompt" in lp:
+                        got[rid]["prompt"] = lp["prompt"]
+        assert self.sched.stats()["blocks_free"] == self.blocks     # every block freed (cached ones count free)
+        return [got[str(i)] for i in range(len(requests))]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_logprobs_equal_transformers_on_the_same_weights(tmp_path, one_thread):
+    """Prompt logprobs (echo), the generated tokens' logprobs and their top-k alternatives
+    equal transformers' log_softmax of its logits on the checkpoint the program loads."""
+    from tests.test_serve import _hf_llama, _hf_spec
+
+    hf = _hf_llama(tmp_path)
+    build_serve(_hf_spec(tmp_path, 1, 1), tmp_path / "p")
+    eng = Engine(tmp_path / "p", str(tmp_path / "hf"), blocks=16, block_size=4, max_seqs=4, caching=True)
+    prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120]]
+    k = 3
+    out = eng.run([(p, {"max_tokens": 4, "logprobs": k, "prompt_logprobs": True}) for p in prompts], arrive=2)
+    for p, got in zip(prompts, out):
+        seq = p + got["tokens"]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)      # (L, vocab)
+        want_prompt = [lp[j, p[j + 1]].item() for j in range(len(p) - 1)]
+        assert [x for x, _ in got["prompt"]] == pytest.approx(want_prompt, abs=1e-4)
+        for j, (x, top) in enumerate(got["prompt"]):
+            assert [i for i, _ in top] == lp[j].topk(k).indices.tolist()
+        n = len(p)
+        assert got["tokens"] == [int(lp[n - 1 + j].argmax()) for j in range(4)]          # greedy
+        assert [x for x, _ in got["lps"]] == pytest.approx([lp[n - 1 + j].max().item() for j in range(4)], abs=1e-4)
+        assert [v for _, v in got["lps"][0][1]] == pytest.approx(lp[n - 1].topk(k).values.tolist(), abs=1e-4)
+
+
+def test_prefix_caching_shares_a_repeated_prefix_and_keeps_greedy_tokens(tmp_path, one_thread):
+    """Requests sharing a 10-token prefix over blocks of 4 tokens: with prefix caching the
+    later ones find its 2 full blocks cached (8 tokens each not prefilled) and their greedy
+    tokens and logprobs equal those without caching; every block is free afterwards."""
+    cfg = serve_config(serve=dict(batch=3, prompt_len=14, max_new_tokens=6, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    prefix = [5, 17, 99, 3, 250, 42, 7, 7, 120, 9]
+    reqs = [(prefix + [31, 200], {"max_tokens": 6, "logprobs": 2}), (prefix + [4], {"max_tokens": 5, "logprobs": 2}),
+            (prefix + [4], {"max_tokens": 5, "logprobs": 2}), ([1, 2, 3], {"max_tokens": 6, "logprobs": 2})]
+    results = {}
+    for caching in (False, True):
+        eng = Engine(tmp_path / "p", None, blocks=12, block_size=4, max_seqs=3, caching=caching)
+        results[caching] = (eng.run(reqs, arrive=1), eng.sched.stats())
+    (off, s_off), (on, s_on) = results[False], results[True]
+    assert [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    for a, b in zip(on, off):
+        assert [x for x, _ in a["lps"]] == pytest.approx([x for x, _ in b["lps"]], abs=1e-5)
+    total = sum(len(p) for p, _ in reqs)
+    assert s_off["prefix_cache_hits"] == 0 and s_off["prefill_tokens"] == total
+    # request 1 and 2 each find the prefix's 2 full blocks (8 tokens); request 3 (its own
+    # prompt) and request 0 (first) find none
+    assert s_on["prefix_cache_queries"] == total and s_on["prefix_cache_hits"] == 16
+    assert s_on["prefill_tokens"] == total - 16
+
+
+def test_prompt_logprobs_requests_are_prefilled_whole():
+    """A request wanting its prompt's logprobs does not read the cache (the cached prefix
+    holds no logits), as vLLM; it is not counted as a query."""
+    s = paged.Scheduler(blocks=8, block_size=2, max_seqs=4)
+    s.add("a", [1, 2, 3, 4, 5], {"max_tokens": 1})
+    step = s.next_step()
+    rows = [paged.Row(*r) for r in step["rows"]]
+    s.collect(rows, [9])
+    s.add("b", [1, 2, 3, 4, 6], {"max_tokens": 1, "prompt_logprobs": True})
+    s.add("c", [1, 2, 3, 4, 7], {"max_tokens": 1})
+    step = s.next_step()
+    assert [(r[0], r[2]) for r in step["rows"]] == [("b", 0), ("c", 4)] and step["prompt_logprobs"] == ["b"]
+    assert s.stats()["prefix_cache_queries"] == 10 and s.stats()["prefix_cache_hits"] == 4
+
+
+def test_block_pool_counts_references_and_evicts_least_recently_freed():
+    pool = paged.BlockPool(4)
+    keys = paged.block_hashes(list(range(8)), 4, 2)
+    assert keys == paged.block_hashes(list(range(8)), 4, 2) and keys[1] != paged.block_hashes([9, 1, 2, 3, 4, 5, 6, 7],
+                                                                                               4, 2)[1]
+    a = pool.take([], 2)
+    pool.register(a[0], keys[0])
+    pool.register(a[1], keys[1])
+    b = pool.take(pool.lookup(keys), 1)                 # shares both blocks: 3 used, 1 free
+    assert b[:2] == a and pool.ref[a[0]] == 2 and len(pool.free) == 1
+    pool.release(a)
+    assert pool.ref[a[0]] == 1 and len(pool.free) == 1
+    pool.release(b)                                     # all free; the cached ones stay findable
+    assert len(pool.free) == 4 and pool.lookup(keys) == a
+    assert pool.available(a) == 2
+    c = pool.take([], 2)             # the uncached blocks go first, then the prefix's tail before its head
+    assert set(c) == set(range(4)) - set(a) and pool.lookup(keys) == a
+    d = pool.take([], 1)
+    assert d == [a[1]] and pool.lookup(keys) == [a[0]]
+
+
+@pytest.mark.parametrize("kind,model", [
+    ("gqa", {}),
+    ("sliding_window", {"sliding_window": 5}),
+    ("mla", {"heads": 4, "kv_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8,
+             "qk_rope_head_dim": 4, "v_head_dim": 8}),
+])
+def test_chunked_prefill_splits_a_long_prompt_beside_decoding_and_keeps_tokens_and_logprobs(kind, model, tmp_path,
+                                                                                            one_thread):
+    """A budget of 4 prompt tokens per step: a 19-token prompt arriving while another
+    sequence decodes is prefilled in chunks of at most 4, the other sequence getting a token
+    at every one of those steps; greedy and seeded tokens, logprobs and the prompt's
+    logprobs (echo) equal the whole-prompt engine's (no caching)."""
+    cfg = serve_config(model=model, serve=dict(batch=3, prompt_len=20, max_new_tokens=8, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    long = [(7 * i + 3) % 250 for i in range(19)]
+    reqs = [([5, 17, 99], {"max_tokens": 8, "logprobs": 1}),
+            (long, {"max_tokens": 4, "logprobs": 2, "prompt_logprobs": True}),
+            (long[:9], {"max_tokens": 5, "logprobs": 1, "temperature": 1.0, "seed": 11})]
+    whole_eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=3, caching=False)
+    whole = whole_eng.run(reqs, arrive=1)
+    eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=3, caching=True, max_prefill_tokens=4)
+    chunked = eng.run(reqs, arrive=1)
+    assert [r["tokens"] for r in chunked] == [r["tokens"] for r in whole], kind
+    for a, b in zip(chunked, whole):
+        assert [x for x, _ in a["lps"]] == pytest.approx([x for x, _ in b["lps"]], abs=1e-5)
+    assert len(chunked[1]["prompt"]) == 18
+    assert [x for x, _ in chunked[1]["prompt"]] == pytest.approx([x for x, _ in whole[1]["prompt"]], abs=1e-5)
+    assert [[i for i, _ in t] for _, t in chunked[1]["prompt"]] == [[i for i, _ in t] for _, t in whole[1]["prompt"]]
+    assert [n for rows in whole_eng.steps for rid, n, pre in rows if rid == "1" and pre] == [19]   # one step
+    chunks = [n for rows in eng.steps for rid, n, pre in rows if rid == "1" and pre]
+    assert sum(chunks) == 19 and max(chunks) <= 4 and len(chunks) == 5      # echo: no cached prefix
+    assert all(sum(n for _, n, pre in rows if pre) <= 4 for rows in eng.steps)
+    for rows in eng.steps:                      # request 0 decodes beside every chunk of request 1
+        if any(rid == "1" and pre for rid, _, pre in rows):
+            assert ("0", 1, False) in rows
+    assert eng.sched.stats()["prefix_cache_hits"] == 8       # request 2 shares request 1's first 2 blocks
+
+
+def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    src = ('model m { layers = 2, hidden = 32, heads = 2, ffn_hidden = 64, vocab = 256, seq_len = 32 }\n'
+           'cluster c from "cpu" { gpus_per_node = 1 }\n'
+           'serve {\n    prompt_len = 8\n    max_new_tokens = 8\n    kv_cache_tokens = 64\nEXTRA}\n')
+    d = parcompile.compile(src.replace("EXTRA", ""), filename="s.par").data["serve"]
+    assert d["prefix_caching"] is True and "max_prefill_tokens" not in d        # vLLM v1's defaults
+    d = parcompile.compile(src.replace("EXTRA", "    prefix_caching = false\n    max_prefill_tokens = 8\n"),
+                           filename="s.par").data["serve"]
+    assert d["prefix_caching"] is False and d["max_prefill_tokens"] == 8
+    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n"):
+        with pytest.raises(SpecError) as e:
+            parcompile.compile(src.replace("EXTRA", bad), filename="s.par")
+        assert e.value.diagnostics[0].span.line == 7, bad
