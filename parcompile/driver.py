@@ -34,7 +34,7 @@ a pass is a :class:`PassError` naming the pass and the op.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
@@ -117,13 +117,14 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     # micro-batch through PASSES, verified after each; parcompile/analysis/cost.py)
     compiled = compile_graph(cfg)
     graph, ctx, cost = compiled.graph, compiled.ctx, compiled.cost
-    sched: ScheduleReport = graph.meta["schedule"]
+    results = compiled.results
+    sched: ScheduleReport = results.schedule.report
 
     # 7. serving: parcompile/analysis/serve.py
     warnings = list(warnings) + list(ctx.warnings)
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
-        serve = serve_report(cfg, graph.meta["chunks"], cost.params.per_stage, cost.groups)
+        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups)
         _check_serve_fits(cfg, serve, warnings)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)
@@ -154,8 +155,8 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
         _check_checkpoint_space(cfg, cost.params.params)
 
     # 8. plan.json
-    data = plan_data(cfg, graph.meta["chunks"], sched, cost, serve, search)
-    plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees))
+    data = plan_data(cfg, results.chunks, sched, cost, serve, search)
+    plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees), passes=results)
     plan.search = search
     return plan
 
@@ -174,13 +175,13 @@ def _check_checkpoint_space(cfg: SpecConfig, params: int) -> None:
                                     help="free space there, or give a directory on a larger file system")])
 
 
-def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, cost: CostReport,
+def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleReport, cost: CostReport,
               serve: ServeReport | None = None, search: Any = None) -> dict[str, Any]:
     """The plan.json dict of a compiled config, built section by section from the models
     of :mod:`parcompile.plan_schema` (validated as they are built) and dumped by
     :func:`~parcompile.plan_schema.plan_dict`.
 
-    ``chunks``: the layer ids of each model chunk in model order (``graph.meta["chunks"]``);
+    ``chunks``: the layer ids of each model chunk in model order (the passes' ``results.chunks``);
     ``sched``, ``cost``: the schedule pass's report and the analyses; ``serve``: the serving
     report of a ``serve`` spec (its memory replaces the training memory); ``search``: the
     search that chose the layout, if any.
@@ -190,7 +191,7 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
     memory, time = (serve.memory() if serve is not None else cost.memory), cost.time
     stages = []
     for s in range(par.pp):
-        mine = [chunks[c * par.pp + s] for c in range(par.virtual_stages)]
+        mine = [list(chunks[c * par.pp + s]) for c in range(par.virtual_stages)]
         stages.append(Stage(
             index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
             ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))

@@ -934,8 +934,8 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
              stage_params=None) -> TimeReport:
     """Build the :class:`TimeReport` for ``cfg`` (a SpecConfig). ``sched`` (a
     ScheduleReport) gives the action lists to simulate; None uses the closed form.
-    ``compute`` defaults to the schedule pass's ``graph.meta["compute"]`` (required when
-    ``sched`` is None)."""
+    ``compute``: the compute report the chunk times come from (required; the schedule
+    pass's when ``sched`` is given)."""
     par, cl = cfg.parallel, cfg.cluster
     m = par.num_microbatches if sched is None else sched.num_microbatches
     if compute is None:

@@ -27,7 +27,9 @@
    squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
    ``expert_dp`` with ZeRO, ``ep`` and ``expert_tp``), the logged loss over ``dp_cp``.
 
-Nothing is inserted on an axis of degree 1. Sets ``graph.meta["collectives_inserted"]``.
+Nothing is inserted on an axis of degree 1. Returns a
+:class:`~parcompile.passes.results.CollectivesInserted` (the stages' parameters the step
+collectives were sized from).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
 from parcompile.passes.base import PassContext
+from parcompile.passes.results import CollectivesInserted
 
 
 def _insert_send_recv(graph: Graph, ctx: PassContext) -> None:
@@ -187,10 +190,11 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     return out
 
 
-def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
+def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
+    """Add the step collectives (module docstring, 3); returns the stages' parameters they
+    were sized from."""
     cfg = ctx.cfg
     stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
-    graph.meta["stage_params"] = stages
     for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, stages):
         name = graph.unique_name(f"step.stage{stage}.{key}")
         attrs = {"op": op, "axis": axis, "bytes": int(nbytes), "where": where}
@@ -198,6 +202,7 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
             attrs["count"] = count
         graph.add_op(name, "step_collective", [], attrs)
         graph.set_stage(name, stage, stage)
+    return stages
 
 
 @dataclass(frozen=True)
@@ -206,8 +211,7 @@ class InsertCollectives:
 
     name: str = "insert-collectives"
 
-    def apply(self, graph: Graph, ctx: PassContext) -> None:
+    def apply(self, graph: Graph, ctx: PassContext) -> CollectivesInserted:
         _insert_conversions(graph, ctx)   # first: a producer's conversion precedes its send
         _insert_send_recv(graph, ctx)
-        _insert_step_collectives(graph, ctx)
-        graph.meta["collectives_inserted"] = True
+        return CollectivesInserted(tuple(_insert_step_collectives(graph, ctx)))
