@@ -59,11 +59,11 @@ from fractions import Fraction
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from parcompile.analysis.comm import comm_report
-from parcompile.analysis.compute import compute_report
+from parcompile.analysis.comm import CollectiveEntry, comm_report
+from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_of,
                                           optimizer_time, pipeline_parts, step_sums)
-from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total,
+from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total, merge_buffers,
                                         closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
 from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
@@ -72,7 +72,13 @@ from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors, plural
 from parcompile.core.attention import attention_engine
 from parcompile.core.axes import GROUP_AXES
+from parcompile.core.schedule import build_actions
+from parcompile.core.units import bytes_text
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, SpecError
+from parcompile.ir.lower import lower
+from parcompile.ir.ops import COUNTS_BYTES
+from parcompile.passes.base import PassContext, parallel_degrees
+from parcompile.passes.insert_collectives import STEP_AXES, step_entries
 from parcompile.passes.manager import PASSES, paused_gc, run_pass
 from parcompile.passes.groups import axis_placement
 from parcompile.passes.split_pipeline_stages import candidate_splits
@@ -130,9 +136,6 @@ class _Probe:
 
     def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int,
                  dense: bool = False):
-        from parcompile.ir.lower import lower
-        from parcompile.passes.base import PassContext
-
         pcfg = self.pcfg = _probe_config(cfg, tp, cp, sp, mb, ep, expert_tp, dense)
         ctx = PassContext.of(pcfg)
         try:
@@ -207,8 +210,6 @@ class _Probe:
     def model_flops(self) -> tuple:
         """Per probe chunk: model FLOPs of one micro-batch, dp = 1 (global, unpadded vocabulary)."""
         if self._model_flops is None:
-            from parcompile.analysis.compute import BACKWARD_FACTOR, op_fwd_flops
-
             g, m, tp = self.graph, self.pcfg.model, self.pcfg.parallel.tp
             chunk = [0, 0, 0]
             for nd in g.nodes():
@@ -226,9 +227,16 @@ def _probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int,
     """The three-layer probe model of ``cfg`` (module docstring) with the given degrees; its
     layers dense (``dense``: an MoE model's ``dense_layers``) or all of the model's kind."""
     model = cfg.model.model_copy(update={"layers": 3, "dense_layers": 3 if dense else 0})
-    par = ParallelConfig(dp=1, tp=tp, pp=3, cp=cp, ep=ep, expert_tp=expert_tp, sequence_parallel=sp,
-                         micro_batch=mb, global_batch=mb, order=cfg.parallel.order)
+    par = _probe_parallel(tp, cp, sp, mb, ep, expert_tp, order=cfg.parallel.order)
     return cfg.model_copy(update={"model": model, "parallel": par})
+
+
+def _probe_parallel(tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int, **more: Any) -> ParallelConfig:
+    """A probe's layout (module docstring): one data-parallel rank, three pipeline ranks,
+    one micro-batch of ``mb`` per step, the given degrees; ``more``: other fields (the
+    recompute mode a probe is timed in, the spec's mesh ``order``)."""
+    return ParallelConfig(dp=1, tp=tp, pp=3, cp=cp, ep=ep, expert_tp=expert_tp, sequence_parallel=sp,
+                          micro_batch=mb, global_batch=mb, **more)
 
 
 def _dense_layers(cfg: SpecConfig) -> int:
@@ -296,8 +304,7 @@ def _stage_bufs(pq: tuple, dense: bool, moe: bool, first: bool, last: bool, pp1:
     chunks' when it holds them; with one pipeline rank (``pp1``), no receive buffer."""
     b = dict(pq[2]) if moe else {}
     for extra in ([pq[1]] if dense else []) + ([pq[0]] if first else []) + ([pq[3]] if last else []):
-        for k2, x in extra.items():
-            b[k2] = max(b.get(k2, 0), x)
+        merge_buffers(b, extra)
     if pp1:
         b.pop("p2p", None)
     return b
@@ -387,42 +394,9 @@ def _compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: in
     return out
 
 
-class _Step(NamedTuple):
-    """A step collective as :func:`~parcompile.analysis.estimate.dp_exposed` reads it
-    (the fields of :class:`~parcompile.analysis.comm.CollectiveEntry` it reads; a tuple
-    builds faster)."""
-
-    op: str
-    axis: str
-    bytes: int
-    count: int
-    where: str
-    stage: int
-    phase: str
-
-
-def _step_entries(cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
-    """The step's collectives of layout ``cfg`` (:func:`~parcompile.passes.insert_collectives.step_collectives`)
-    as the rows :func:`~parcompile.analysis.estimate.dp_exposed` reads."""
-    from parcompile.passes.insert_collectives import step_collectives
-
-    return [_Step(op, axis, nb, count, where, s, "step")
-            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, sps)]
-
-
-#: the axes of the step collectives (:func:`~parcompile.passes.insert_collectives.step_collectives`)
-_STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
-
-
 def _first_layers(splits: list[tuple[int, ...]], pp: int) -> int:
     """The fewest layers any of ``splits`` gives the first pipeline rank."""
     return min(sum(c[0::pp]) for c in splits)
-
-
-def _degrees(par: ParallelConfig) -> dict[str, int]:
-    """The group size of every mesh axis of layout ``par`` (the pass context's degrees)."""
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp,
-            "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if par.pp > 1 else 1}
 
 
 def _step_degrees(deg: dict) -> tuple:
@@ -481,8 +455,6 @@ def _scaled_comm(raw: tuple, r: float, pp: bool, experts: int = 0, fixed_r: floa
     micro-batch, so a collective of another kind that happens to have their size is
     under-counted, which a lower bound allows, and the line of :meth:`Coster._base_work`
     holds)."""
-    from parcompile.ir.ops import COUNTS_BYTES
-
     def scale(c) -> float:
         fixed = (experts and not c.bytes_per_row and c.axis in ("ep", "expert_tp")
                  and c.bytes % (experts * COUNTS_BYTES) == 0 and c.bytes // (experts * COUNTS_BYTES) <= 64)
@@ -557,8 +529,8 @@ class Coster:
         self.action_lists: dict[tuple, list] = {}
         self.exposed: dict[ParallelConfig, tuple[float, float]] = {}
         self.stage_param_sets: dict[tuple, list[StageParams]] = {}
-        self.step_sets: dict[tuple, list[_Step]] = {}
-        self.dp_groups: dict[tuple, tuple[SpecConfig, list[_Step]]] = {}
+        self.step_sets: dict[tuple, list[CollectiveEntry]] = {}
+        self.dp_groups: dict[tuple, tuple[SpecConfig, list[CollectiveEntry]]] = {}
         self.param_owner: dict[tuple, _Probe] = {}
         self.state_parts: dict[tuple, float] = {}
         self.step_floor_parts: dict[tuple, tuple] = {}
@@ -619,10 +591,8 @@ class Coster:
         ct3 = pr.times.get(key)
         if ct3 is None:
             def times(p: _Probe) -> ChunkTimes:
-                tcfg = p.pcfg.model_copy(update={"parallel": ParallelConfig(
-                    dp=1, tp=par.tp, pp=3, cp=par.cp, ep=par.ep, expert_tp=par.expert_tp,
-                    micro_batch=par.micro_batch, global_batch=par.micro_batch, recompute=rc,
-                    sequence_parallel=par.sequence_parallel)})
+                tcfg = p.pcfg.model_copy(update={"parallel": _probe_parallel(
+                    par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp, recompute=rc)})
                 return chunk_times(tcfg, p.degrees, None, p.compute[rc], p.comm[rc], links)
 
             d = pr.dense_probe
@@ -724,11 +694,11 @@ class Coster:
         pp = par.pp
         key = (self._params_key(pr), pp, par.zero, par.schedule, par.dp * par.cp, par.expert_dp, par.tp, par.ep,
                par.expert_tp, par.sequence_parallel, par.bucket_size, par.reduce_dtype,
-               tuple(links.get(a) for a in _STEP_AXES))
+               tuple(links.get(a) for a in STEP_AXES))
         got = self.step_floor_parts.get(key)
         if got is None:
             model = self.cfg.model
-            deg = _degrees(par)
+            deg = parallel_degrees(par)
             cfg = with_parallel(self.cfg, par.model_copy(update={"virtual_stages": 1}))
             ps = pr.qparams
             first, dmid, mid, last = ps
@@ -751,7 +721,7 @@ class Coster:
                 fake_params.append(dd * (n_params // (pp * dd)))
             stages = [StageParams(s, fake_units[0], fake_units[1], 0, 0) for s in range(pp)]
             sums: dict[tuple, int] = {}
-            for grads, params, other, _copies in step_sums(cfg, deg, links, _step_entries(cfg, deg, stages)):
+            for grads, params, other, _copies in step_sums(cfg, deg, links, step_entries(cfg, deg, stages)):
                 # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch: left out of the floor
                 if par.zero >= 3 and reshard_after_forward(pp):
                     params = 0.0   # gathered per micro-batch, some buckets fewer times: counted as none
@@ -870,9 +840,8 @@ class Coster:
             comp = base.compute[rc]
             # what grows with the tokens (ComputeReport.PER_TOKEN); the weights read are the same
             scaled = replace(comp, **{k: tuple(x * r for x in getattr(comp, k)) for k in comp.PER_TOKEN})
-            tcfg = base.pcfg.model_copy(update={"parallel": ParallelConfig(
-                dp=1, tp=par.tp, pp=3, cp=cp, ep=par.ep, expert_tp=par.expert_tp, micro_batch=mb,
-                global_batch=mb, recompute=rc, sequence_parallel=par.sequence_parallel)})
+            tcfg = base.pcfg.model_copy(update={"parallel": _probe_parallel(
+                par.tp, cp, par.sequence_parallel, mb, par.ep, par.expert_tp, recompute=rc)})
             got = self.scaled_bases[skey] = (scaled, tcfg, dict(base.degrees, cp=cp))
         return got
 
@@ -996,7 +965,7 @@ class Coster:
             ks = range(s, len(counts), pp)
             bufs.append(_stage_bufs(pq, any(dcounts[k] for k in ks), any(counts[k] > dcounts[k] for k in ks),
                                     s == 0, s == pp - 1, pp == 1))
-        got = self.memories[mkey] = (memory_from_parts(cfg, _degrees(cfg.parallel), sps, saved, bufs), sps)
+        got = self.memories[mkey] = (memory_from_parts(cfg, parallel_degrees(cfg.parallel), sps, saved, bufs), sps)
         return got
 
     def peak(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...]) -> tuple[int, int]:
@@ -1317,8 +1286,8 @@ class Coster:
                                                                self.dense)
         return got
 
-    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[_Step]:
-        """:func:`_step_entries`, cached by what
+    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+        """:func:`~parcompile.passes.insert_collectives.step_entries`, cached by what
         :func:`~parcompile.passes.insert_collectives.step_collectives` reads: the stage
         parameters, the degrees and the layout's ZeRO stage, schedule, micro-batches,
         bucket size, reduce dtype and sequence parallelism (the model is the spec's)."""
@@ -1327,7 +1296,7 @@ class Coster:
                par.bucket_size, par.reduce_dtype, par.sequence_parallel)
         got = self.step_sets.get(key)
         if got is None:
-            got = self.step_sets[key] = _step_entries(cfg, deg, sps)
+            got = self.step_sets[key] = step_entries(cfg, deg, sps)
         return got
 
     def _dp_floor(self, cfg: SpecConfig, pr: _Probe, counts: tuple[int, ...], ct: ChunkTimes, links: dict,
@@ -1355,7 +1324,7 @@ class Coster:
         if got is None:
             got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)), {})
         cfg0, steps, sums = got
-        lkey = (tuple(links.get(a) for a in _STEP_AXES), deg["embedding"])
+        lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
         got = sums.get(lkey)
         if got is None:
             # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch, which this group
@@ -1386,7 +1355,7 @@ class Coster:
         ct3, links, tkey = self._chunk_times3(pr, par)
         ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
         pp = par.pp
-        deg = _degrees(par)
+        deg = parallel_degrees(par)
         dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
                                            self._stage_params(pr, counts, pp))
         return floor + dp_comm + opt
@@ -1414,7 +1383,7 @@ class Coster:
         pr = self.probe(par)
         pp, v = par.pp, par.virtual_stages
         counts = par.layers_per_chunk(model.layers)
-        deg = _degrees(par)
+        deg = parallel_degrees(par)
         bounded = bound is not None and not simulate
         if bounded:   # time: the pipeline, the optimizer step, a floor on the data-parallel time
             ct3, links, tkey = self._chunk_times3(pr, par)
@@ -1446,7 +1415,6 @@ class Coster:
             skey = (id(pr), tkey, pp, v, m, counts, par.schedule)
             got = self.sims.get(skey)
             if got is None:
-                from parcompile.passes.schedule_pipeline import build_actions
                 akey = (par.schedule, pp, m, v)   # only zero-bubble orders its actions by the times
                 actions = self.action_lists.get(akey)
                 if actions is None:
@@ -2018,7 +1986,6 @@ def resolve(cfg: SpecConfig) -> tuple[SpecConfig, SearchResult]:
 
 def no_fit_diagnostic(res: SearchResult) -> Diagnostic:
     """The error when no candidate fits (SPEC: ``search`` exits 1)."""
-    from parcompile.core.units import bytes_text
 
     cfg = res.cfg
     if res.closest is not None:
@@ -2051,8 +2018,6 @@ def _why(best: Candidate, other: Candidate) -> str:
 
 def table(res: SearchResult, top: int = 10) -> str:
     """The ranked candidates as a text table."""
-    from parcompile.core.units import bytes_text
-
     rows = [("#", "layout", "peak mem", "step", "MFU", "bubble", "vs best")]
     best = res.candidates[0] if res.candidates else None
     for i, c in enumerate(res.candidates[:top]):

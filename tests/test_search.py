@@ -329,29 +329,29 @@ def test_probe_parameters_depend_on_tp_only():
         assert all(p == params[0] for p in params)
 
 
-def test_step_rows_are_the_collective_entries_fields():
-    """`search._Step` is a speed copy of `analysis.comm.CollectiveEntry` (the fields the
-    estimate's `dp_exposed` reads): pinned to the original, field for field, and to its
-    rows for a real layout."""
-    import dataclasses
+def test_step_entries_are_the_comm_reports_step_rows():
+    """The search costs a layout's step collectives from `insert_collectives.step_entries`
+    (no graph): the same rows, bytes and counts the communication report reads from the
+    compiled graph's `step_collective` ops (that report merges equal rows, summing their
+    counts)."""
+    from collections import Counter
 
-    from parcompile.analysis.comm import CollectiveEntry
-    from parcompile.search import _Step, _step_entries
-    from parcompile.passes.insert_collectives import step_collectives
+    from parcompile.passes.insert_collectives import step_entries
 
-    entry = [f.name for f in dataclasses.fields(CollectiveEntry) if f.name != "bytes_per_row"]
-    assert list(_Step._fields) == entry
     plan = parcompile.compile(
         'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
         "parallel {\n tp = 2\n pp = 2\n dp = 2\n zero = 2\n global_batch = 16\n}\n")
-    cfg = plan.config
-    deg = {**plan.data["degrees"], "dp_cp": 2, "embedding": 2}
-    from parcompile.analysis.params import stage_params
+    rows = step_entries(plan.config, plan.degrees, plan.passes.collectives.stage_params)
 
-    sps = stage_params(plan.graph, deg, cfg.parallel.pp, cfg.model.tie_embeddings)
-    want = [(op, axis, nb, count, where, s, "step") for s, _k, op, axis, nb, where, count in
-            step_collectives(cfg, deg, sps)]
-    assert [tuple(r) for r in _step_entries(cfg, deg, sps)] == want
+    def weighted(entries):
+        c = Counter()
+        for e in entries:
+            c[(e["op"], e["axis"], e["bytes"], e["where"], e["stage"], e["phase"])] += e["count"]
+        return c
+
+    graph_rows = [e for e in plan.data["comm"]["collectives"] if e["phase"] == "step"]
+    assert len(rows) >= 4 and {r.phase for r in rows} == {"step"}
+    assert weighted(r.to_dict() for r in rows) == weighted(graph_rows)
 
 
 def test_split_text_one_run_length_form_for_the_note_and_the_layout_line():

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedding, reduce_counts,
                                         reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
+from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.dtypes import GRAD_BYTES
@@ -188,6 +189,19 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         if s == pp - 1 and d > 1:
             add(s, "loss_log", "all_reduce", "dp_cp", 4, "loss_log")
     return out
+
+
+#: the axes :func:`step_collectives` runs collectives over
+STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
+
+
+def step_entries(cfg, deg, stages) -> list[CollectiveEntry]:
+    """:func:`step_collectives` as the rows of the communication report
+    (:class:`~parcompile.analysis.comm.CollectiveEntry`, phase ``step``): what
+    :func:`parcompile.analysis.comm.comm_report` reads from the graph's ``step_collective``
+    ops, for ``parcompile.search``, which costs layouts without building their graphs."""
+    return [CollectiveEntry(op, axis, nb, count, where, s, "step")
+            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, stages)]
 
 
 def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
