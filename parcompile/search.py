@@ -61,10 +61,12 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from parcompile.analysis.comm import CollectiveEntry, comm_report
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
-from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_of,
+from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, efficiency,
+                                          engine, links_of,
                                           optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total, merge_buffers,
-                                        closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes)
+                                        closed_form_in_flight, memory_from_parts, saved_bytes, state_bytes,
+                                        usable_memory)
 from parcompile.analysis.buckets import GradUnit, reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
@@ -394,6 +396,14 @@ def _compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: in
     return out
 
 
+def _mean_span(work: float, pp: int, v: int, m: int) -> float:
+    """A lower bound on :func:`~parcompile.analysis.estimate.closed_form_span` from the
+    ranks' ``work`` summed (whatever its spread over the ranks: ``max >= mean``),
+    ``(m + (pp - 1) / v) * work / pp``, reduced by a relative 1e-9 for rounding (the
+    estimate sums in another order)."""
+    return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
+
+
 def _first_layers(splits: list[tuple[int, ...]], pp: int) -> int:
     """The fewest layers any of ``splits`` gives the first pipeline rank."""
     return min(sum(c[0::pp]) for c in splits)
@@ -639,7 +649,7 @@ class Coster:
         work = _total([ct3.fwd(k) + ct3.bwd(k) for k in range(4)], layers, self.dense)
         if pp > 1:
             work += 2 * (pp * v - 1) * ct3.p2p
-        return (m + (pp - 1) / v) * work / pp * (1 - 1e-9)
+        return _mean_span(work, pp, v, m)
 
     def layout_floor(self, par: ParallelConfig) -> float:
         """A lower bound on the estimated step time of layout ``par``, whatever its split:
@@ -760,7 +770,7 @@ class Coster:
                 got = works[(pp, rc)] = self._family_work(reps[pp], rc)
             f, b, p2p = got[:3]
             transfers = 2 * (pp * v - 1) * p2p if pp > 1 else 0.0
-            out[(pp, v, m, rc)] = (m + (pp - 1) / v) * (f + b + transfers) / pp * (1 - 1e-9)
+            out[(pp, v, m, rc)] = _mean_span(f + b + transfers, pp, v, m)
         return out
 
     def family_layout_floor(self, par: ParallelConfig) -> float:
@@ -775,7 +785,7 @@ class Coster:
         pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
         f, b, p2p, base, links = self._family_work(par, par.recompute)
         transfers = 2 * (pp * v - 1) * p2p if pp > 1 else 0.0
-        return (m + (pp - 1) / v) * (f + b + transfers) / pp * (1 - 1e-9) + self.step_floor(par, f, b, links, base)
+        return _mean_span(f + b + transfers, pp, v, m) + self.step_floor(par, f, b, links, base)
 
     def _family_work(self, par: ParallelConfig, rc: str) -> tuple[float, float, float, _Probe, dict]:
         """``(F, B, p2p, probe, links)`` of :meth:`family_floor` for the family of layout
@@ -1094,7 +1104,7 @@ class Coster:
         if cfg.workload == "serve":
             return self.cost(cfg).fits
         splits = self.splits(cfg)
-        cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+        cap = usable_memory(cfg.cluster)
         if self.memory_floor(par, _first_layers(splits, par.pp)) > cap:
             return False
         pr = self.probe(par)
@@ -1156,7 +1166,7 @@ class Coster:
         complete = True      # every split costed (none skipped, none found slower than the limit)
         # splits whose first rank alone exceeds the memory (Coster.memory_floor) do not fit: they
         # matter only when no split fits (the smallest peak), and are costed then
-        cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve)) if cfg.workload == "train" else None
+        cap = usable_memory(cfg.cluster) if cfg.workload == "train" else None
         unfit: list[int] = []
         queue = [(f, i, rough) for i, f in enumerate(floors)]
         heapq.heapify(queue)
@@ -1235,26 +1245,17 @@ class Coster:
         nd = self.dense
         out = []
 
-        def per_chunk(q: list[float], counts: tuple[int, ...]) -> list[float]:
-            if nd:
-                x = [d * q[1] + (c - d) * q[2] for c, d in zip(counts, _dense_counts(counts, nd))]
-            else:
-                x = [c * q[2] for c in counts]
-            x[0] += q[0] - q[1]
-            x[-1] += q[3] - q[2]
-            return x
-
         for counts in splits:
-            fb = per_chunk(fb4, counts)
+            fb = list(_compose(fb4, counts, nd))
             if pp > 1:
                 for k in range(n):
                     fb[k] += p2p * ((k < n - 1) + (k > 0))
             work = [sum(fb[c * pp + r] for c in range(v)) for r in range(pp)]
             if not sim:
-                out.append((m * max(work) + (pp - 1) / v * (sum(work) / pp)) * (1 - 1e-9))
+                out.append(closed_form_span(work, pp, v, m) * (1 - 1e-9))
                 continue
             if zb:
-                f = per_chunk(f4, counts)
+                f = _compose(f4, counts, nd)
                 lead = [x + (p2p if k < n - 1 else 0.0) for k, x in enumerate(f)]
             else:
                 lead = fb
@@ -1782,7 +1783,7 @@ def _rank(cfg: SpecConfig, coster: Coster, rows: list, families: dict[tuple, lis
     same: dict[tuple, list[int]] = {}        # (check key, zero) -> its rows, less recomputation first
     floors: dict[tuple, float] = {}
     states: dict[tuple, int] = {}
-    cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+    cap = usable_memory(cfg.cluster)
     done = total - sum(len(v) for v in families.values())
 
     def state_floor(fam: tuple, i: int) -> int:

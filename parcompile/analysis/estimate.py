@@ -713,8 +713,14 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
     """(makespan, busy per rank) of the closed form in the module docstring."""
     work = [sum(f[c * pp + r] + b[c * pp + r] for c in range(v)) for r in range(pp)]
-    span = m * max(work) + (pp - 1) / v * (sum(work) / pp)
-    return span, [m * w for w in work]
+    return closed_form_span(work, pp, v, m), [m * w for w in work]
+
+
+def closed_form_span(work: Sequence[float], pp: int, v: int, m: int) -> float:
+    """The closed-form makespan of the module docstring, ``m * max(work) + (pp - 1) / v *
+    mean(work)``, from ``work``: per pipeline rank, the seconds of one micro-batch's forward
+    and backward through its ``v`` chunks (transfers included)."""
+    return m * max(work) + (pp - 1) / v * (sum(work) / pp)
 
 
 def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,

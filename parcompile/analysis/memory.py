@@ -451,8 +451,14 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes(parts, getattr(cfg.cluster, "expandable_segments", True))))
     peak = max(x.total for x in stages)
-    cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+    cap = usable_memory(cfg.cluster)
     return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))
+
+
+def usable_memory(cluster) -> int:
+    """Bytes a plan may use per GPU: the GPU's ``memory`` less the ``memory_reserve``
+    fraction (:attr:`MemoryReport.capacity`; the search's memory bounds compare with it)."""
+    return int(cluster.memory * (1 - cluster.memory_reserve))
 
 
 def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: SavedBytes, stage: int,
