@@ -189,12 +189,6 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
     par, model = cfg.parallel, cfg.model
     groups, params, compute, comm = cost.groups, cost.params, cost.compute, cost.comm
     memory, time = (serve.memory() if serve is not None else cost.memory), cost.time
-    stages = []
-    for s in range(par.pp):
-        mine = [list(chunks[c * par.pp + s]) for c in range(par.virtual_stages)]
-        stages.append(Stage(
-            index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
-            ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))
     comm_section: dict[str, Any] = {"per_step": comm.per_step, "collectives": [c.to_dict() for c in comm.collectives]}
     estimate: dict[str, Any] = {
         "step_time": time.step_time,
@@ -230,30 +224,11 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
                         expert_dp=par.expert_dp, virtual_stages=par.virtual_stages),
         order=par.order,
         groups=groups,
-        model=Model(
-            params=params.params,
-            active_params=params.active_params,
-            padded_vocab=model.padded_vocab(par.tp),
-            kv_heads_per_rank=cache_heads(model, par.tp)[0],
-            kv_head_replicas=cache_heads(model, par.tp)[1],
-            layers=model.layers, hidden=model.hidden, heads=model.heads,
-            kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
-            vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
-            tie_embeddings=model.tie_embeddings),
-        stages=stages,
+        model=_model_section(cfg, params),
+        stages=_stages_section(cfg, chunks, groups, params),
         schedule=Schedule(name=sched.name, num_microbatches=sched.num_microbatches,
                           bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight, actions=sched.actions),
-        memory=Memory(
-            per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
-                                   activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
-                                   buffer_parts=dict(x.buffer_parts), total=x.total,
-                                   **({} if cfg.workload == "serve" else {"allocator": x.allocator}),
-                                   activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
-                       for x in memory.per_stage],
-            peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
-            **({} if cfg.workload == "serve" else dict(reserved_peak=memory.reserved_peak,
-                                                        device_memory=cfg.cluster.memory,
-                                                        expandable_segments=cfg.cluster.expandable_segments))),
+        memory=_memory_section(cfg, memory),
         comm=Comm(**comm_section),
         compute=Compute(model_flops_per_step=compute.model_flops_per_step,
                         hardware_flops_per_step=compute.hardware_flops_per_step),
@@ -263,6 +238,50 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
     # the maps whose keys the analyses order keep that order (report.md lists them so)
     return plan_dict(plan, {("comm", "per_step"): list(comm.per_step),
                             ("estimate", "breakdown"): list(time.breakdown)})
+
+
+def _stages_section(cfg: SpecConfig, chunks: Sequence[Sequence[int]], groups: dict, params) -> list[Stage]:
+    """plan.json's ``stages``: per pipeline rank its model chunks' layers, ranks and
+    parameters per rank."""
+    par = cfg.parallel
+    stages = []
+    for s in range(par.pp):
+        mine = [list(chunks[c * par.pp + s]) for c in range(par.virtual_stages)]
+        stages.append(Stage(
+            index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
+            ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))
+    return stages
+
+
+def _model_section(cfg: SpecConfig, params) -> Model:
+    """plan.json's ``model``: the model's dimensions and parameter counts."""
+    par, model = cfg.parallel, cfg.model
+    return Model(
+        params=params.params,
+        active_params=params.active_params,
+        padded_vocab=model.padded_vocab(par.tp),
+        kv_heads_per_rank=cache_heads(model, par.tp)[0],
+        kv_head_replicas=cache_heads(model, par.tp)[1],
+        layers=model.layers, hidden=model.hidden, heads=model.heads,
+        kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
+        vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
+        tie_embeddings=model.tie_embeddings)
+
+
+def _memory_section(cfg: SpecConfig, memory) -> Memory:
+    """plan.json's ``memory`` from the memory report (a serve spec's: no allocator term)."""
+    train = cfg.workload != "serve"
+    return Memory(
+        per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
+                               activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
+                               buffer_parts=dict(x.buffer_parts), total=x.total,
+                               **({"allocator": x.allocator} if train else {}),
+                               activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
+                   for x in memory.per_stage],
+        peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
+        **(dict(reserved_peak=memory.reserved_peak, device_memory=cfg.cluster.memory,
+                expandable_segments=cfg.cluster.expandable_segments) if train else {}))
+
 
 def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
     """Serving memory: an error when not even one sequence of ``prompt_len +
