@@ -21,12 +21,12 @@ from parcompile.ir.lower import lower
 from parcompile.ir.types import ShardingError
 from parcompile.ir.verify import verify
 from parcompile.passes.base import Pass, PassContext, PassError
-from parcompile.passes.results import PassResults
 from parcompile.passes.insert_collectives import InsertCollectives
 from parcompile.passes.schedule_pipeline import SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
 from parcompile.passes.shard_experts import ShardExperts
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
+from parcompile.passes.results import PassResults
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
 
 PASSES: tuple[Pass, ...] = (

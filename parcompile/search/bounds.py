@@ -5,11 +5,12 @@ module docstring of :mod:`parcompile.search`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
-from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
+from parcompile.analysis.comm import CommReport
 from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, engine, optimizer_time,
                                           step_sums)
 from parcompile.analysis.memory import buffer_total, closed_form_in_flight, state_bytes
@@ -41,28 +42,11 @@ def step_degrees(deg: dict) -> tuple:
     return tuple(deg[a] for a in ("dp_cp", "expert_dp", "tp", "ep", "expert_tp", "pp"))
 
 
-class _Coll(NamedTuple):
-    """A per-micro-batch collective as :func:`~parcompile.analysis.estimate.chunk_times`
-    reads it (:class:`~parcompile.ir.ops.Collective`'s fields; :meth:`Coster.family_floor`
-    scales its bytes)."""
-
-    op: str
-    axis: str
-    bytes: float
-    phase: str
-
-
-@dataclass(frozen=True)
-class ScaledComm:
-    """A :class:`~parcompile.analysis.comm.CommReport` reduced to what
-    :func:`~parcompile.analysis.estimate.chunk_times` reads (:meth:`Coster.family_floor`)."""
-
-    raw: tuple
-
-
-def scaled_comm(raw: tuple, r: float, pp: bool, experts: int = 0, fixed_r: float = 1.0) -> ScaledComm:
-    """The collectives ``raw`` (a CommReport's) of the pipeline axis (``pp``) or of every
-    other axis, their bytes times ``r`` (:meth:`Coster._family_work`). The MoE dispatch's
+def scaled_comm(comm: CommReport, r: float, pp: bool, experts: int = 0, fixed_r: float = 1.0) -> CommReport:
+    """The per-micro-batch collectives of ``comm`` (its ``raw``, what
+    :func:`~parcompile.analysis.estimate.chunk_times` reads) of the pipeline axis (``pp``) or
+    of every other axis, their bytes times ``r`` (:meth:`Coster._family_work`), as a report
+    of those only (no per-step rows). The MoE dispatch's
     exchanges of token counts (``experts`` int64 per rank over ep, gathered over expert_tp:
     :func:`~parcompile.ir.ops.moe_collectives`) do not grow with the tokens: times
     ``fixed_r`` instead (``cp0 / cp``: at most 1 and at most ``r``, whatever the
@@ -74,8 +58,8 @@ def scaled_comm(raw: tuple, r: float, pp: bool, experts: int = 0, fixed_r: float
                  and c.bytes % (experts * COUNTS_BYTES) == 0 and c.bytes // (experts * COUNTS_BYTES) <= 64)
         return fixed_r if fixed else r
 
-    return ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * scale(c), c.phase)) for s, k, c in raw
-                             if (c.axis == "pp") == pp))
+    return CommReport((), {}, tuple((s, k, replace(c, bytes=c.bytes * scale(c))) for s, k, c in comm.raw
+                                     if (c.axis == "pp") == pp))
 
 
 class Floors:
@@ -293,7 +277,7 @@ class Floors:
             pp_raw = self.scaled_comms.get((id(base), rc, cp, mb, True))
             if pp_raw is None:
                 pp_raw = self.scaled_comms[(id(base), rc, cp, mb, True)] = scaled_comm(
-                    base.comm[rc].raw, mb * min(cp, 2) / cp, True, self.cfg.model.experts, min(cp, 2) / cp)
+                    base.comm[rc], mb * min(cp, 2) / cp, True, self.cfg.model.experts, min(cp, 2) / cp)
             p2p = self.base_p2p[pkey] = chunk_times(tcfg, degrees, None, scaled, pp_raw, links).p2p
         got = self.family_works[wkey] = (fb[0], fb[1], p2p, base, links)
         return got
@@ -343,7 +327,7 @@ class Floors:
             raw = self.scaled_comms.get((id(p), rc, cp, mb, False))
             if raw is None:   # the transfers (ChunkTimes.p2p) read the pp and tp links only: timed apart
                 raw = self.scaled_comms[(id(p), rc, cp, mb, False)] = scaled_comm(
-                    p.comm[rc].raw, mb * min(cp, 2) / cp, False, self.cfg.model.experts, min(cp, 2) / cp)
+                    p.comm[rc], mb * min(cp, 2) / cp, False, self.cfg.model.experts, min(cp, 2) / cp)
             return chunk_times(tcfg, degrees, None, scaled, raw, links)
 
         d = base.dense_probe

@@ -7,7 +7,7 @@ import heapq
 import math
 from fractions import Fraction
 
-from parcompile.analysis.comm import CollectiveEntry
+from parcompile.analysis.comm import CollectiveEntry, CommReport
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_of, optimizer_time,
                                           pipeline_parts)
 from parcompile.analysis.memory import MemoryReport, SavedBytes, memory_from_parts, usable_memory
@@ -19,7 +19,7 @@ from parcompile.passes.base import parallel_degrees
 from parcompile.passes.groups import axis_placement
 from parcompile.passes.insert_collectives import step_entries
 from parcompile.passes.split_pipeline_stages import candidate_splits
-from parcompile.search.bounds import Floors, ScaledComm, first_rank_layers, step_degrees
+from parcompile.search.bounds import Floors, first_rank_layers, step_degrees
 from parcompile.search.candidate import Candidate
 from parcompile.search.probe import (Probe, build_probe, compose, compose_params, dense_counts, leading_dense_layers,
                                      probe_parallel, quad_times, stage_bufs)
@@ -59,7 +59,7 @@ class Coster(Floors):
         self.step_floor_memo: dict[tuple, float] = {}
         self.in_flight_firsts: dict[tuple, Fraction] = {}
         self.scaled_bases: dict[tuple, tuple] = {}
-        self.scaled_comms: dict[tuple, ScaledComm] = {}
+        self.scaled_comms: dict[tuple, CommReport] = {}
         #: time every micro-batch's scaled probe (:meth:`_base_work`), not the line (tests)
         self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
