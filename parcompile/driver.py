@@ -34,7 +34,7 @@ a pass is a :class:`PassError` naming the pass and the op.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
@@ -117,13 +117,14 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     # micro-batch through PASSES, verified after each; parcompile/analysis/cost.py)
     compiled = compile_graph(cfg)
     graph, ctx, cost = compiled.graph, compiled.ctx, compiled.cost
-    sched: ScheduleReport = graph.meta["schedule"]
+    results = compiled.results
+    sched: ScheduleReport = results.schedule.report
 
     # 7. serving: parcompile/analysis/serve.py
     warnings = list(warnings) + list(ctx.warnings)
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
-        serve = serve_report(cfg, graph.meta["chunks"], cost.params.per_stage, cost.groups)
+        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups)
         _check_serve_fits(cfg, serve, warnings)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)
@@ -154,8 +155,8 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
         _check_checkpoint_space(cfg, cost.params.params)
 
     # 8. plan.json
-    data = plan_data(cfg, graph.meta["chunks"], sched, cost, serve, search)
-    plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees))
+    data = plan_data(cfg, results.chunks, sched, cost, serve, search)
+    plan = Plan(cfg, graph, data, warnings, dict(ctx.degrees), passes=results)
     plan.search = search
     return plan
 
@@ -174,13 +175,13 @@ def _check_checkpoint_space(cfg: SpecConfig, params: int) -> None:
                                     help="free space there, or give a directory on a larger file system")])
 
 
-def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, cost: CostReport,
+def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleReport, cost: CostReport,
               serve: ServeReport | None = None, search: Any = None) -> dict[str, Any]:
     """The plan.json dict of a compiled config, built section by section from the models
     of :mod:`parcompile.plan_schema` (validated as they are built) and dumped by
     :func:`~parcompile.plan_schema.plan_dict`.
 
-    ``chunks``: the layer ids of each model chunk in model order (``graph.meta["chunks"]``);
+    ``chunks``: the layer ids of each model chunk in model order (the passes' ``results.chunks``);
     ``sched``, ``cost``: the schedule pass's report and the analyses; ``serve``: the serving
     report of a ``serve`` spec (its memory replaces the training memory); ``search``: the
     search that chose the layout, if any.
@@ -188,12 +189,6 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
     par, model = cfg.parallel, cfg.model
     groups, params, compute, comm = cost.groups, cost.params, cost.compute, cost.comm
     memory, time = (serve.memory() if serve is not None else cost.memory), cost.time
-    stages = []
-    for s in range(par.pp):
-        mine = [chunks[c * par.pp + s] for c in range(par.virtual_stages)]
-        stages.append(Stage(
-            index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
-            ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))
     comm_section: dict[str, Any] = {"per_step": comm.per_step, "collectives": [c.to_dict() for c in comm.collectives]}
     estimate: dict[str, Any] = {
         "step_time": time.step_time,
@@ -229,33 +224,14 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
                         expert_dp=par.expert_dp, virtual_stages=par.virtual_stages),
         order=par.order,
         groups=groups,
-        model=Model(
-            params=params.params,
-            active_params=params.active_params,
-            padded_vocab=model.padded_vocab(par.tp),
-            kv_heads_per_rank=cache_heads(model, par.tp)[0],
-            kv_head_replicas=cache_heads(model, par.tp)[1],
-            layers=model.layers, hidden=model.hidden, heads=model.heads,
-            kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
-            vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
-            tie_embeddings=model.tie_embeddings),
-        stages=stages,
+        model=_model_section(cfg, params),
+        stages=_stages_section(cfg, chunks, groups, params),
         schedule=Schedule(name=sched.name, num_microbatches=sched.num_microbatches,
                           bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight,
                           **({"microbatch_group_size": par.microbatch_group_size or par.pp}
                              if par.schedule == "interleaved_1f1b" and par.virtual_stages > 1 else {}),
                           actions=sched.actions),
-        memory=Memory(
-            per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
-                                   activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
-                                   buffer_parts=dict(x.buffer_parts), total=x.total,
-                                   **({} if cfg.workload == "serve" else {"allocator": x.allocator}),
-                                   activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
-                       for x in memory.per_stage],
-            peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
-            **({} if cfg.workload == "serve" else dict(reserved_peak=memory.reserved_peak,
-                                                        device_memory=cfg.cluster.memory,
-                                                        expandable_segments=cfg.cluster.expandable_segments))),
+        memory=_memory_section(cfg, memory),
         comm=Comm(**comm_section),
         compute=Compute(model_flops_per_step=compute.model_flops_per_step,
                         hardware_flops_per_step=compute.hardware_flops_per_step),
@@ -265,6 +241,50 @@ def plan_data(cfg: SpecConfig, chunks: list[list[int]], sched: ScheduleReport, c
     # the maps whose keys the analyses order keep that order (report.md lists them so)
     return plan_dict(plan, {("comm", "per_step"): list(comm.per_step),
                             ("estimate", "breakdown"): list(time.breakdown)})
+
+
+def _stages_section(cfg: SpecConfig, chunks: Sequence[Sequence[int]], groups: dict, params) -> list[Stage]:
+    """plan.json's ``stages``: per pipeline rank its model chunks' layers, ranks and
+    parameters per rank."""
+    par = cfg.parallel
+    stages = []
+    for s in range(par.pp):
+        mine = [list(chunks[c * par.pp + s]) for c in range(par.virtual_stages)]
+        stages.append(Stage(
+            index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
+            ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))
+    return stages
+
+
+def _model_section(cfg: SpecConfig, params) -> Model:
+    """plan.json's ``model``: the model's dimensions and parameter counts."""
+    par, model = cfg.parallel, cfg.model
+    return Model(
+        params=params.params,
+        active_params=params.active_params,
+        padded_vocab=model.padded_vocab(par.tp),
+        kv_heads_per_rank=cache_heads(model, par.tp)[0],
+        kv_head_replicas=cache_heads(model, par.tp)[1],
+        layers=model.layers, hidden=model.hidden, heads=model.heads,
+        kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
+        vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
+        tie_embeddings=model.tie_embeddings)
+
+
+def _memory_section(cfg: SpecConfig, memory) -> Memory:
+    """plan.json's ``memory`` from the memory report (a serve spec's: no allocator term)."""
+    train = cfg.workload != "serve"
+    return Memory(
+        per_stage=[StageMemory(stage=x.stage, params=x.params, grads=x.grads, optimizer=x.optimizer,
+                               activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
+                               buffer_parts=dict(x.buffer_parts), total=x.total,
+                               **({"allocator": x.allocator} if train else {}),
+                               activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
+                   for x in memory.per_stage],
+        peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
+        **(dict(reserved_peak=memory.reserved_peak, device_memory=cfg.cluster.memory,
+                expandable_segments=cfg.cluster.expandable_segments) if train else {}))
+
 
 def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
     """Serving memory: an error when not even one sequence of ``prompt_len +

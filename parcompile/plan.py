@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
@@ -22,6 +22,8 @@ from parcompile.core.units import bytes_text
 from parcompile.diagnostics import Diagnostic, Sources
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
+if TYPE_CHECKING:
+    from parcompile.passes.results import PassResults
 from parcompile.plan_schema import (Comm, Compute, Estimate, Groups, Memory, Model, PlanJSON, Schedule, Serve,
                                     Stage, validate_plan)
 
@@ -57,6 +59,9 @@ class Plan:
     search: Any = None
     #: the text the warnings quote (:data:`parcompile.diagnostics.Sources`: the spec's, and its overrides')
     source: Sources = None
+    #: what the passes returned (:class:`parcompile.passes.results.PassResults`: the model
+    #: chunks, the stages' parameters, the simulated schedule)
+    passes: "PassResults | None" = None
 
     def to_json(self) -> str:
         """The plan.json text, byte for byte."""

@@ -170,7 +170,7 @@ def test_zero_states_round_up_per_bucket():
     sharded buffer), which the plan's memory counts."""
     cfg = _cfg("dp2_tp2_pp2_tied_sp_learned", bucket_size=16 * KIB, zero=2)
     plan = compile_config(cfg)
-    for sp, mem in zip(plan.graph.meta["stage_params"], plan.data["memory"]["per_stage"]):
+    for sp, mem in zip(plan.passes.collectives.stage_params, plan.data["memory"]["per_stage"]):
         dense, _ = stage_buckets(sp, cfg.parallel.bucket_size)
         shard = sum(math.ceil(b.elements / 2) for b in dense)
         assert mem["grads"] == 4 * shard

@@ -52,7 +52,7 @@ def test_all_to_all_volume_from_top_k_hidden_and_tokens():
 def test_expert_states_sharded_over_expert_dp():
     cfg = tiny_config(4, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2, zero=1))
     plan = compile_config(cfg)
-    st = plan.graph.meta["stage_params"][0]
+    st = plan.passes.collectives.stage_params[0]
     assert cfg.parallel.expert_dp == 2 and st.expert > 0
     opt = plan.data["memory"]["per_stage"][0]["optimizer"]
     assert opt == 8 * math.ceil(st.dense / 4) + 8 * math.ceil(st.expert / 2)   # fp32 Adam: 8 bytes per state element

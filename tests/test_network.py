@@ -172,7 +172,7 @@ def test_algorithm_choice():
 
 
 def test_times_are_affine_in_bytes_and_grow_with_the_group():
-    # the search's bounds rest on both (search.py step_floor, _base_work)
+    # the search's bounds rest on both (search/bounds.py step_floor, _base_work)
     h = cluster("h100-sxm", 64)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
         for k, nodes in ((8, 1), (4, 1), (1, 16), (8, 16), (2, 2)):

@@ -7,7 +7,7 @@ from tests.plan_factories import run_until, spec, tiny_model
 
 def table(cfg):
     g, ctx = run_until(cfg, "insert-collectives")
-    verify(g, ctx.degrees)
+    verify(g, ctx.degrees, staged=True, inserted=True)
     rep = comm_report(g, ctx.degrees, cfg.parallel.num_microbatches, cfg.parallel.recompute, cfg.parallel.pp)
     per_stage = [Counter() for _ in range(cfg.parallel.pp)]
     for c in rep.collectives:

@@ -73,10 +73,10 @@ def test_pass_stores_schedule_from_the_cost_model():
     no recomputation; issue 19's terms: GEMM operand and weight bytes, the causal fused
     attention kernel and its exponentials, the engine's elementwise traffic)."""
     cfg = spec(pp=2, global_batch=4)
-    g, _ = run_until(cfg, "schedule-pipeline")
-    s = g.meta["schedule"]
+    g, ctx = run_until(cfg, "schedule-pipeline")
+    s = ctx.results.schedule.report
     assert s.num_microbatches == 4 and len(s.actions) == 2
-    comp, cl, eff = g.meta["compute"], cfg.cluster, efficiency(cfg.cluster)
+    comp, cl, eff = ctx.results.schedule.compute, cfg.cluster, efficiency(cfg.cluster)
     bw = eff.memory * cl.hbm_bw
     for k in range(2):
         gemm = ((comp.chunk_fwd_flops[k] - comp.chunk_attn_flops[k]) / (eff.matmul * cl.peak_flops)   # arithmetic
@@ -96,8 +96,9 @@ def test_zero_bubble_is_ordered_by_the_estimates_chunk_times():
     search simulates), not one of a second time model: rebuilt here from chunk_times."""
     cfg = spec(tiny_model(layers=8), pp=4, tp=2, global_batch=16, schedule="zero_bubble")
     g, ctx = run_until(cfg, "schedule-pipeline")
-    s = g.meta["schedule"]
-    ct = chunk_times(cfg, ctx.degrees, rank_groups(cfg.parallel), g.meta["compute"], g.meta["comm"])
+    s = ctx.results.schedule.report
+    ct = chunk_times(cfg, ctx.degrees, rank_groups(cfg.parallel), ctx.results.schedule.compute,
+                     ctx.results.schedule.comm)
     f = [ct.matmul_f[k] + ct.memory_f[k] + sum(c[k] for c in ct.comm_f.values()) for k in range(4)]
     w = list(ct.matmul_f)
     b = [2 * ct.matmul_f[k] + 1.5 * ct.memory_f[k] + ct.recompute[k] + sum(c[k] for c in ct.comm_b.values())

@@ -14,8 +14,8 @@ def test_chunk_layers():
 
 
 def test_even_split_and_ends():
-    g, _ = run_until(spec(pp=2), "split-pipeline-stages")
-    assert g.meta["chunks"] == [[0, 1], [2, 3]]
+    g, ctx = run_until(spec(pp=2), "split-pipeline-stages")
+    assert ctx.results.chunks == ((0, 1), (2, 3))
     assert g.node("embedding").stage == 0 and g.node("tokens").stage == 0
     for n in ("final_norm", "lm_head", "loss", "labels"):
         assert g.node(n).stage == 1
@@ -25,8 +25,8 @@ def test_even_split_and_ends():
 
 def test_interleaved_assignment_megatron():
     # 8 layers, pp 2, 2 virtual stages: model chunk k lives on rank k % 2
-    g, _ = run_until(spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="gpipe"), "split-pipeline-stages")
-    assert g.meta["chunks"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    g, ctx = run_until(spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="gpipe"), "split-pipeline-stages")
+    assert ctx.results.chunks == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert (g.node("layers.4.attn.wq").stage, g.node("layers.4.attn.wq").chunk) == (0, 2)
     assert (g.node("layers.7.attn.wq").stage, g.node("layers.7.attn.wq").chunk) == (1, 3)
     assert g.node("loss").chunk == 3 and g.node("loss").stage == 1
@@ -55,9 +55,9 @@ def test_layer_less_end_chunks_hold_the_embedding_and_the_output_layer():
     for bad in ((1, 0, 2, 0), (0, 3, -1, 1)):
         with pytest.raises(ValueError, match="middle chunk"):
             chunk_layers(3, 2, 2, bad)
-    g, _ = run_until(spec(tiny_model(layers=3), tp=2, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
-                          stage_layers=(0, 2, 1, 0)), "insert-collectives")
-    assert g.meta["chunks"] == [[], [0, 1], [2], []]
+    g, ctx = run_until(spec(tiny_model(layers=3), tp=2, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                            stage_layers=(0, 2, 1, 0)), "insert-collectives")
+    assert ctx.results.chunks == ((), (0, 1), (2,), ())
     assert (g.node("embedding").stage, g.node("embedding").chunk) == (0, 0)
     for n in ("final_norm", "lm_head", "loss"):
         assert (g.node(n).stage, g.node(n).chunk) == (1, 3)

@@ -19,7 +19,7 @@ from parcompile.search import Coster, check_layout, search, with_parallel
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.glob("examples/*.par"))
 TRAIN = [p for p in EXAMPLES if "serve" not in p.stem]
 # DeepSeek-style MoE (leading dense_layers) has layers of two kinds: probed apart (a dense
-# probe beside the MoE one, search._Probe.dense_probe), tested like the others
+# probe beside the MoE one, search.probe.Probe.dense_probe), tested like the others
 PROBED = TRAIN
 
 
@@ -144,12 +144,15 @@ def test_search_cli_table_and_no_fit(tmp_path, capsys):
 
 # ------------------------------------------------------------------ the search's bounds (issue 16)
 # The search costs layouts best first and skips those it proves cannot be among the best
-# max(RETIME, top) or cannot fit (search._rank). Each bound is checked here against what
+# max(RETIME, top) or cannot fit (search.rank.rank_rows). Each bound is checked here against what
 # it bounds, computed by the costing it skips, and the search against the search that
 # costs every layout (search.BOUNDS off).
 
 import parcompile.search as search_module
-from parcompile.search import RETIME, _family, _first_layers, _layout_rows, _row_parallel
+from parcompile.search import RETIME
+from parcompile.search.bounds import first_rank_layers
+from parcompile.search.rank import family_key
+from parcompile.search.space import check_key, layout_rows, row_parallel
 
 _AUTO_KEYS = """    pp = auto
     virtual_stages = auto
@@ -183,7 +186,7 @@ parallel {
 }
 """ % _AUTO_KEYS
 
-# dense then MoE layers (DeepSeek's; search._Probe.dense_probe): 10 layers, pp 4 and 8 split unevenly
+# dense then MoE layers (DeepSeek's; search.probe.Probe.dense_probe): 10 layers, pp 4 and 8 split unevenly
 MIXED = """model moe {
     layers            = 10
     hidden            = 512
@@ -219,10 +222,10 @@ def _figures(c) -> tuple:
 
 def _valid_rows(cfg, every: int = 1) -> list:
     rows, checked = [], {}
-    for i, r in enumerate(_layout_rows(cfg)):
-        key = search_module._check_key(r)
+    for i, r in enumerate(layout_rows(cfg)):
+        key = check_key(r)
         if key not in checked:
-            checked[key] = not _errors(with_parallel(cfg, _row_parallel(cfg, r)))
+            checked[key] = not _errors(with_parallel(cfg, row_parallel(cfg, r)))
         if checked[key] and i % every == 0:
             rows.append(r)
     return rows
@@ -263,13 +266,13 @@ def test_each_bound_is_below_what_it_bounds(text, every, unfit):
     cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
     fam_times: dict = {}
     for r in rows:
-        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        rcfg = with_parallel(cfg, row_parallel(cfg, r))
         par = rcfg.parallel
         splits = coster.splits(rcfg)
         pr = coster.probe(par)
         peaks = [coster.peak(rcfg, pr, counts)[0] for counts in splits]
         assert coster.state_floor(par) <= min(peaks)
-        first = _first_layers(splits, par.pp)
+        first = first_rank_layers(splits, par.pp)
         assert coster.memory_floor(par, first) <= min(peaks)
         assert coster.memory_floor(par, first, base=True) <= min(peaks)   # from another family's probe
         closed = coster._split_floors(par, splits, False)
@@ -289,7 +292,7 @@ def test_each_bound_is_below_what_it_bounds(text, every, unfit):
                    "expert_dp": par.expert_dp, "dp_cp": par.dp * par.cp, "embedding": 2 if par.pp > 1 else 1}
             assert coster._dp_floor(sub, pr, counts, ct, links, deg) <= exact.breakdown["dp_comm"]
             assert fs <= simulated.step_time and coster._sim_floor(sub, fs) <= simulated.step_time
-            fam_times.setdefault(_family(r), []).append((r, exact.step_time))
+            fam_times.setdefault(family_key(r), []).append((r, exact.step_time))
             if exact.fits:   # a bound at its own step time keeps it, figures and all
                 for b in (exact.step_time, exact.step_time * 1.01):
                     got = coster.cost(sub, bound=b)
@@ -305,17 +308,17 @@ def test_each_bound_is_below_what_it_bounds(text, every, unfit):
         reps, groups = {}, {}
         for r, t in timed:
             dp, _tp, pp, _cp, _ep, _etp, _sp, _z, mb, gb, _sched, v, rc = r
-            reps.setdefault(pp, _row_parallel(cfg, r))
+            reps.setdefault(pp, row_parallel(cfg, r))
             group = (pp, v, gb // (mb * dp), rc)
             groups[group] = min(t, groups.get(group, t))
         floors = coster.family_floor(reps, sorted(groups))
         assert all(floors[g] <= t for g, t in groups.items())
-    assert any(len(coster.splits(with_parallel(cfg, _row_parallel(cfg, r)))) > 1 for r in rows) != unfit
+    assert any(len(coster.splits(with_parallel(cfg, row_parallel(cfg, r)))) > 1 for r in rows) != unfit
     if unfit:   # some layouts the floors alone show do not fit
-        assert any(coster.state_floor(_row_parallel(cfg, r)) > cap for r in rows)
-        assert any(coster.memory_floor(c.parallel, _first_layers(coster.splits(c), c.parallel.pp), base=True)
+        assert any(coster.state_floor(row_parallel(cfg, r)) > cap for r in rows)
+        assert any(coster.memory_floor(c.parallel, first_rank_layers(coster.splits(c), c.parallel.pp), base=True)
                    > cap >= coster.state_floor(c.parallel)
-                   for c in (with_parallel(cfg, _row_parallel(cfg, r)) for r in rows))
+                   for c in (with_parallel(cfg, row_parallel(cfg, r)) for r in rows))
 
 
 def test_probe_parameters_depend_on_tp_only():
@@ -329,29 +332,29 @@ def test_probe_parameters_depend_on_tp_only():
         assert all(p == params[0] for p in params)
 
 
-def test_step_rows_are_the_collective_entries_fields():
-    """`search._Step` is a speed copy of `analysis.comm.CollectiveEntry` (the fields the
-    estimate's `dp_exposed` reads): pinned to the original, field for field, and to its
-    rows for a real layout."""
-    import dataclasses
+def test_step_entries_are_the_comm_reports_step_rows():
+    """The search costs a layout's step collectives from `insert_collectives.step_entries`
+    (no graph): the same rows, bytes and counts the communication report reads from the
+    compiled graph's `step_collective` ops (that report merges equal rows, summing their
+    counts)."""
+    from collections import Counter
 
-    from parcompile.analysis.comm import CollectiveEntry
-    from parcompile.search import _Step, _step_entries
-    from parcompile.passes.insert_collectives import step_collectives
+    from parcompile.passes.insert_collectives import step_entries
 
-    entry = [f.name for f in dataclasses.fields(CollectiveEntry) if f.name != "bytes_per_row"]
-    assert list(_Step._fields) == entry
     plan = parcompile.compile(
         'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
         "parallel {\n tp = 2\n pp = 2\n dp = 2\n zero = 2\n global_batch = 16\n}\n")
-    cfg = plan.config
-    deg = {**plan.data["degrees"], "dp_cp": 2, "embedding": 2}
-    from parcompile.analysis.params import stage_params
+    rows = step_entries(plan.config, plan.degrees, plan.passes.collectives.stage_params)
 
-    sps = stage_params(plan.graph, deg, cfg.parallel.pp, cfg.model.tie_embeddings)
-    want = [(op, axis, nb, count, where, s, "step") for s, _k, op, axis, nb, where, count in
-            step_collectives(cfg, deg, sps)]
-    assert [tuple(r) for r in _step_entries(cfg, deg, sps)] == want
+    def weighted(entries):
+        c = Counter()
+        for e in entries:
+            c[(e["op"], e["axis"], e["bytes"], e["where"], e["stage"], e["phase"])] += e["count"]
+        return c
+
+    graph_rows = [e for e in plan.data["comm"]["collectives"] if e["phase"] == "step"]
+    assert len(rows) >= 4 and {r.phase for r in rows} == {"step"}
+    assert weighted(r.to_dict() for r in rows) == weighted(graph_rows)
 
 
 def test_split_text_one_run_length_form_for_the_note_and_the_layout_line():
@@ -381,7 +384,7 @@ def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
     `test_fast_cost_equals_the_compilers`, and the whole graph's for a few layouts) of
     every 37th valid layout of micro-batch > 1: at most the peak, and equal to it (within
     rounding) for some, so a bound inflated by even 1% would fail here."""
-    from parcompile.search import _RowLayout
+    from parcompile.search.space import RowLayout
 
     cfg, _ = load_spec(EIGHT_B_AUTO)
     coster = Coster(cfg)
@@ -401,13 +404,13 @@ def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
     ratios = []
     weak = Coster(cfg)   # builds no micro-batch 2 probe: micro-batch 1's bytes stand for all
     for r in rows:
-        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        rcfg = with_parallel(cfg, row_parallel(cfg, r))
         par = rcfg.parallel
         splits = coster.splits(rcfg)
         peak = min(coster.peak(rcfg, coster.probe(par), counts)[0] for counts in splits)
-        first = _first_layers(splits, par.pp)
+        first = first_rank_layers(splits, par.pp)
         bound = coster.memory_floor(par, first, base=True)
-        assert bound == coster.memory_floor(_RowLayout._make(r), first, base=True)   # the search's reading
+        assert bound == coster.memory_floor(RowLayout._make(r), first, base=True)   # the search's reading
         assert bound <= peak
         # the line is no weaker than micro-batch 1's bytes alone (no micro-batch 2 probe used)
         assert weak.memory_floor(par, first, base=True, build=False) <= bound
@@ -416,10 +419,10 @@ def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
     # the whole graph's peak (no probe) for the tightest few and a context-parallel one
     whole = 0
     for _x, r in sorted(ratios)[-3:] + [next(x for x in ratios if x[1][3] >= 4)]:
-        rcfg = with_parallel(cfg, _row_parallel(cfg, r))
+        rcfg = with_parallel(cfg, row_parallel(cfg, r))
         if len(coster.splits(rcfg)) == 1:
             par = rcfg.parallel
-            bound = coster.memory_floor(par, _first_layers(coster.splits(rcfg), par.pp), base=True)
+            bound = coster.memory_floor(par, first_rank_layers(coster.splits(rcfg), par.pp), base=True)
             assert bound <= cost_without_schedule(rcfg).memory.peak
             whole += 1
     assert whole >= 2
@@ -438,7 +441,7 @@ def test_family_work_line_through_micro_batches_1_and_2_is_the_scaled_probes_own
     assert {r[8] for r in rows} >= {1, 2, 4, 8, 16} and {r[3] for r in rows} >= {1, 2, 4}
     extrapolated = 0
     for r in rows:
-        par = _row_parallel(cfg, r)
+        par = row_parallel(cfg, r)
         for rc in ("none", "selective", "full"):
             got, want = line._family_work(par, rc), direct._family_work(par, rc)
             assert got[2] == want[2]   # the transfer: timed, not extrapolated

@@ -4,7 +4,7 @@ pinning it to the original rule).
 :func:`parcompile.search.search` does not run :func:`~parcompile.frontend.checks.check_config`
 on every layout: it runs each check of :data:`~parcompile.frontend.checks.CHECKS` once per
 distinct value of the layout fields the check reads (:data:`~parcompile.frontend.checks.LAYOUT_READS`,
-``_LayoutChecker`` in the search). That is the checker's verdict when
+``LayoutChecker`` in the search). That is the checker's verdict when
 
 * each check reads no layout field beyond its entry (derived here from the checks' source,
   independently of the table: every ``p.x`` / ``cfg.parallel.x``, through the helpers the
@@ -26,7 +26,8 @@ import pytest
 from parcompile.config.schema import ParallelConfig
 from parcompile.frontend import checks as C
 from parcompile.frontend import load_spec
-from parcompile.search import _LayoutChecker, _layout_blocks, _row_parallel, check_layout, with_parallel
+from parcompile.search import check_layout, with_parallel
+from parcompile.search.space import LayoutChecker, layout_blocks, row_parallel
 
 _CHECKS_SOURCE = ast.parse(inspect.getsource(C))
 _MODULE_FUNCS = {n.name: n for n in _CHECKS_SOURCE.body if isinstance(n, ast.FunctionDef)}
@@ -238,11 +239,11 @@ def test_layout_checker_is_the_checker(name):
     """The search's verdict on every enumerated layout (each block's first row, as the
     search checks it) equals check_layout's, for specs where many layouts fail."""
     cfg, _ = load_spec(_SPECS[name])
-    checker = _LayoutChecker(cfg)
+    checker = LayoutChecker(cfg)
     verdicts = []
-    for block in _layout_blocks(cfg):
+    for block in layout_blocks(cfg):
         r = block[0]
-        want = not any(d.severity == "error" for d in check_layout(with_parallel(cfg, _row_parallel(cfg, r))))
+        want = not any(d.severity == "error" for d in check_layout(with_parallel(cfg, row_parallel(cfg, r))))
         assert checker.ok(r) == want, r
         verdicts.append(want)
     assert any(verdicts) and not all(verdicts)   # both verdicts occur

@@ -18,7 +18,7 @@ def test_trace_follows_the_planned_actions(schedule, v):
                       parallel=dict(schedule=schedule, virtual_stages=v, global_batch=8))
     plan = compile_config(cfg)
     trace = json.loads(plan.trace_json())
-    sched = plan.graph.meta["schedule"]
+    sched = plan.passes.schedule.report
     for r, actions in enumerate(plan.data["schedule"]["actions"]):
         planned = [(a["op"], a["microbatch"], a["chunk"]) for a in actions if a["op"] in COMPUTE_OPS]
         ran = sorted((e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == r and e["tid"] == 0),

@@ -25,16 +25,17 @@ import dataclasses
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, op_collectives
 
 
-@dataclass(frozen=True)
-class CollectiveEntry:
-    """One row of ``comm.collectives`` (module docstring)."""
+class CollectiveEntry(NamedTuple):
+    """One row of ``comm.collectives`` (module docstring). A named tuple: the search
+    builds these rows for every layout it costs
+    (:func:`parcompile.passes.insert_collectives.step_entries`), and a tuple builds faster."""
 
     op: str
     axis: str

@@ -13,6 +13,7 @@ without) building its schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
@@ -39,30 +40,28 @@ class CostReport:
     kv_bytes_per_token: list[int]
 
 
-def kv_bytes_per_token(cfg, graph: Graph) -> list[int]:
-    """Per pipeline rank: KV-cache bytes one token adds on one rank
-    (:func:`parcompile.analysis.kv.kv_bytes_per_token` of the graph's chunks)."""
-    return kv.kv_bytes_per_token(cfg, graph.meta["chunks"])
+def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=None,
+            compute: ComputeReport | None = None, comm: CommReport | None = None) -> CostReport:
+    """Run every analysis on ``graph`` (passes up to ``insert-collectives`` at least).
 
-
-def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
-    """Run every analysis on ``graph`` (passes up to ``insert-collectives`` at least)."""
+    ``chunks``: the layer ids of each model chunk (``split-pipeline-stages``' result);
+    ``sched``: the schedule pass's :class:`~parcompile.core.schedule.ScheduleReport`, or None
+    (the closed forms); ``compute``, ``comm``: the reports the schedule pass timed the chunks
+    with, reused (the same arguments), else computed here."""
     par, model = cfg.parallel, cfg.model
     groups = rank_groups(par)
     replicated = model.kv_heads if kv_heads_replicated(model.kv_heads, par.tp) else 0
     params = param_report(graph, degrees, par.pp, model.tie_embeddings, model.experts, model.top_k, replicated)
     m = par.num_microbatches if sched is None else sched.num_microbatches
-    compute = graph.meta.get("compute")
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
                                  attention_engine(cfg.cluster))
-    comm = graph.meta.get("comm") if sched is not None else None   # the schedule pass's (same arguments)
-    if comm is None:
+    if comm is None or sched is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)
-    kv_tok = kv_bytes_per_token(cfg, graph)
+    kv_tok = kv.kv_bytes_per_token(cfg, chunks)
     in_flight = sched.sim.in_flight if sched is not None else None
-    kv_seq = (kv.kv_bytes_per_sequence(cfg, graph.meta["chunks"], cfg.serve.prompt_len + cfg.serve.max_new_tokens)
+    kv_seq = (kv.kv_bytes_per_sequence(cfg, chunks, cfg.serve.prompt_len + cfg.serve.max_new_tokens)
               if cfg.serve is not None else None)
     memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_seq)
     time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, params.per_stage)

@@ -718,8 +718,14 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
     """(makespan, busy per rank) of the closed form in the module docstring."""
     work = [sum(f[c * pp + r] + b[c * pp + r] for c in range(v)) for r in range(pp)]
-    span = m * max(work) + (pp - 1) / v * (sum(work) / pp)
-    return span, [m * w for w in work]
+    return closed_form_span(work, pp, v, m), [m * w for w in work]
+
+
+def closed_form_span(work: Sequence[float], pp: int, v: int, m: int) -> float:
+    """The closed-form makespan of the module docstring, ``m * max(work) + (pp - 1) / v *
+    mean(work)``, from ``work``: per pipeline rank, the seconds of one micro-batch's forward
+    and backward through its ``v`` chunks (transfers included)."""
+    return m * max(work) + (pp - 1) / v * (sum(work) / pp)
 
 
 def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
@@ -939,8 +945,8 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
              stage_params=None) -> TimeReport:
     """Build the :class:`TimeReport` for ``cfg`` (a SpecConfig). ``sched`` (a
     ScheduleReport) gives the action lists to simulate; None uses the closed form.
-    ``compute`` defaults to the schedule pass's ``graph.meta["compute"]`` (required when
-    ``sched`` is None)."""
+    ``compute``: the compute report the chunk times come from (required; the schedule
+    pass's when ``sched`` is given)."""
     par, cl = cfg.parallel, cfg.cluster
     m = par.num_microbatches if sched is None else sched.num_microbatches
     if compute is None:

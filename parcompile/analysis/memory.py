@@ -456,8 +456,14 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes(parts, getattr(cfg.cluster, "expandable_segments", True))))
     peak = max(x.total for x in stages)
-    cap = int(cfg.cluster.memory * (1 - cfg.cluster.memory_reserve))
+    cap = usable_memory(cfg.cluster)
     return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))
+
+
+def usable_memory(cluster) -> int:
+    """Bytes a plan may use per GPU: the GPU's ``memory`` less the ``memory_reserve``
+    fraction (:attr:`MemoryReport.capacity`; the search's memory bounds compare with it)."""
+    return int(cluster.memory * (1 - cluster.memory_reserve))
 
 
 def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: SavedBytes, stage: int,
@@ -520,6 +526,16 @@ def buffer_total(parts: Mapping[str, int]) -> int:
     return total
 
 
+def merge_buffers(into: dict[str, int], other: Mapping[str, int]) -> dict[str, int]:
+    """Merge the buffers ``other`` (name -> bytes) of more ops of a stage into ``into``, in
+    place, and return it: per name the largest (one buffer of each name is alive at a time,
+    reused from op to op). :func:`buffer_bytes` builds a stage's buffers with it op by op,
+    the search a rank's from its probe's chunks."""
+    for k, b in other.items():
+        into[k] = max(into.get(k, 0), b)
+    return into
+
+
 def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedBytes) -> list[dict[str, int]]:
     """Per pipeline stage, the temporary buffers of the module docstring, by name."""
     par = cfg.parallel
@@ -529,7 +545,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
 
     def bump(s: int, key: str, b: int) -> None:
         if b > 0:
-            out[s][key] = max(out[s].get(key, 0), b)
+            merge_buffers(out[s], {key: b})
 
     layer_stage: dict[int, int] = {}
     for nd in graph.nodes():

@@ -207,7 +207,7 @@ class ServeReport:
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
 
-    ``chunks``: layer ids per model chunk (the graph's ``meta["chunks"]``);
+    ``chunks``: layer ids per model chunk (``split-pipeline-stages``' result);
     ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
     ``groups``: the plan's rank groups (for which links the collectives use).
     """

@@ -40,7 +40,7 @@ def p2p_seconds(plan) -> float:
 
 def timeline(plan) -> SimResult:
     """Simulate the plan's schedule with op times and p2p time (see module docstring)."""
-    sched = plan.graph.meta["schedule"]
+    sched = plan.passes.schedule.report
     p = plan.config.parallel
     return simulate(sched.actions, sched.fwd_time, sched.bwd_time, p.pp, p.virtual_stages,
                     sched.num_microbatches, p2p_time=p2p_seconds(plan), wgrad_time=sched.wgrad_time or None)

@@ -66,10 +66,8 @@ class Graph:
         #: ops added or changed since :func:`parcompile.ir.verify.verify` last ran (it
         #: checks only these and their consumers; see ``mark_verified``)
         self.dirty: set[str] = set()
-        #: what the last full or incremental verification assumed (degrees, meta flags)
+        #: what the last full or incremental verification assumed (degrees, staged, inserted)
         self.verified_state: tuple | None = None
-        #: facts passes record for later ones (e.g. ``collectives_inserted``)
-        self.meta: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ reading
 

@@ -2,14 +2,15 @@
 
 Checks: acyclic; operands numbered 0..n-1 and matching the op table's arity; every
 op's layout fits its type on the mesh (dims divide); one layout requirement and one
-gradient layout per operand; output types agree with the op table. Once
-``graph.meta["collectives_inserted"]`` is set: no edge whose producer layout differs
-from what its consumer requires (:func:`parcompile.ir.ops.convert` finds nothing to
-do) and no edge that crosses model chunks except into a ``send_recv``. Once
-``graph.meta["staged"]`` is set: every op has a stage.
+gradient layout per operand; output types agree with the op table. With ``inserted``
+(``insert-collectives`` has run): no edge whose producer layout differs from what its
+consumer requires (:func:`parcompile.ir.ops.convert` finds nothing to do) and no edge
+that crosses model chunks except into a ``send_recv``. With ``staged``
+(``split-pipeline-stages`` has run): every op has a stage. The pass manager passes both
+from the passes' results (:class:`parcompile.passes.results.PassResults`).
 
 Verification is incremental: the graph records the ops its editing methods touched
-(``Graph.dirty``); when the degrees and the meta flags are those of the last successful
+(``Graph.dirty``); when the degrees and the two flags are those of the last successful
 run, only those ops and the ops that read them are checked again (an edge check reads
 both ends). Everything else was checked before and has not changed, so the result is
 the same as a full run, at the cost of the ops a pass changed.
@@ -34,18 +35,19 @@ class VerifyError(ValueError):
         self.op = op
 
 
-def verify(graph: Graph, degrees: Mapping[str, int] | None = None) -> None:
+def verify(graph: Graph, degrees: Mapping[str, int] | None = None, staged: bool = False,
+           inserted: bool = False) -> None:
     """Raise :class:`VerifyError` on the first broken invariant (see module docstring).
 
-    ``degrees`` (axis -> degree) enables the divisibility and layout-equality checks.
+    ``degrees`` (axis -> degree) enables the divisibility and layout-equality checks;
+    ``staged`` the every-op-has-a-stage check, ``inserted`` the edge checks (layouts agree,
+    chunks change only through ``send_recv``).
     """
     try:
         order = graph.topological()   # raises on a cycle
     except nx.NetworkXUnfeasible:
         raise VerifyError("the graph has a cycle") from None
     deg = dict(degrees or {})
-    inserted = graph.meta.get("collectives_inserted", False)
-    staged = graph.meta.get("staged", False)
     state = (tuple(sorted(deg.items())), inserted, staged)
     changed: set[str] | None = None
     if graph.verified_state == state:

@@ -27,7 +27,9 @@
    squared gradient norm over ``tp`` and ``pp`` (and, for expert weights, over
    ``expert_dp`` with ZeRO, ``ep`` and ``expert_tp``), the logged loss over ``dp_cp``.
 
-Nothing is inserted on an axis of degree 1. Sets ``graph.meta["collectives_inserted"]``.
+Nothing is inserted on an axis of degree 1. Returns a
+:class:`~parcompile.passes.results.CollectivesInserted` (the stages' parameters the step
+collectives were sized from).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from dataclasses import dataclass
 from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedding, reduce_counts,
                                         reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
+from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual
 from parcompile.passes.base import PassContext
+from parcompile.passes.results import CollectivesInserted
 
 
 def _insert_send_recv(graph: Graph, ctx: PassContext) -> None:
@@ -187,10 +191,24 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     return out
 
 
-def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
+#: the axes :func:`step_collectives` runs collectives over
+STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
+
+
+def step_entries(cfg, deg, stages) -> list[CollectiveEntry]:
+    """:func:`step_collectives` as the rows of the communication report
+    (:class:`~parcompile.analysis.comm.CollectiveEntry`, phase ``step``): what
+    :func:`parcompile.analysis.comm.comm_report` reads from the graph's ``step_collective``
+    ops, for ``parcompile.search``, which costs layouts without building their graphs."""
+    return [CollectiveEntry(op, axis, nb, count, where, s, "step")
+            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, stages)]
+
+
+def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
+    """Add the step collectives (module docstring, 3); returns the stages' parameters they
+    were sized from."""
     cfg = ctx.cfg
     stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
-    graph.meta["stage_params"] = stages
     for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, stages):
         name = graph.unique_name(f"step.stage{stage}.{key}")
         attrs = {"op": op, "axis": axis, "bytes": int(nbytes), "where": where}
@@ -198,6 +216,7 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
             attrs["count"] = count
         graph.add_op(name, "step_collective", [], attrs)
         graph.set_stage(name, stage, stage)
+    return stages
 
 
 @dataclass(frozen=True)
@@ -206,8 +225,7 @@ class InsertCollectives:
 
     name: str = "insert-collectives"
 
-    def apply(self, graph: Graph, ctx: PassContext) -> None:
+    def apply(self, graph: Graph, ctx: PassContext) -> CollectivesInserted:
         _insert_conversions(graph, ctx)   # first: a producer's conversion precedes its send
         _insert_send_recv(graph, ctx)
-        _insert_step_collectives(graph, ctx)
-        graph.meta["collectives_inserted"] = True
+        return CollectivesInserted(tuple(_insert_step_collectives(graph, ctx)))

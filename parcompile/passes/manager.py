@@ -26,6 +26,7 @@ from parcompile.passes.schedule_pipeline import SchedulePipeline
 from parcompile.passes.shard_data_parallel import ShardDataParallel
 from parcompile.passes.shard_experts import ShardExperts
 from parcompile.passes.shard_tensor_parallel import ShardTensorParallel
+from parcompile.passes.results import PassResults
 from parcompile.passes.split_pipeline_stages import SplitPipelineStages
 
 PASSES: tuple[Pass, ...] = (
@@ -54,18 +55,21 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def run_pass(p: Pass, graph: Graph, ctx: PassContext, check: bool = True) -> None:
-    """Apply one pass and verify the graph (unless ``check`` is false: the search's
-    probes, whose passes a real compile of the chosen layout verifies).
+def run_pass(p: Pass, graph: Graph, ctx: PassContext, check: bool = True) -> PassResults:
+    """Apply one pass, record its result in ``ctx.results`` and verify the graph with the
+    invariants the results so far switch on (unless ``check`` is false: the search's
+    probes, whose passes a real compile of the chosen layout verifies). Returns
+    ``ctx.results``.
 
     Raises:
         SpecError: a sharding the pass cannot make (at the span of the axis' degree).
         PassError: anything else that fails inside the pass (names the pass and the op).
     """
     try:
-        p.apply(graph, ctx)
+        ctx.results = ctx.results.add(p.apply(graph, ctx))
         if check:
-            verify(graph, ctx.degrees)
+            verify(graph, ctx.degrees, staged=ctx.results.staged, inserted=ctx.results.inserted)
+        return ctx.results
     except SpecError:
         raise
     except ShardingError as e:
@@ -78,11 +82,16 @@ def run_pass(p: Pass, graph: Graph, ctx: PassContext, check: bool = True) -> Non
 
 @dataclass
 class Compiled:
-    """A config lowered, run through the passes and analysed."""
+    """A config lowered, run through the passes and analysed (``ctx.results``: the passes'
+    results, also :attr:`results`)."""
 
     graph: Graph
     ctx: PassContext
     cost: CostReport
+
+    @property
+    def results(self) -> PassResults:
+        return self.ctx.results
 
 
 def compile_graph(cfg: SpecConfig, schedule: bool = True) -> Compiled:
@@ -105,7 +114,10 @@ def compile_graph(cfg: SpecConfig, schedule: bool = True) -> Compiled:
         if not schedule and p.name == "schedule-pipeline":
             break
         run_pass(p, graph, ctx)
-    cost = analyze(cfg, graph, ctx.degrees, graph.meta["schedule"] if schedule else None)
+    res = ctx.results
+    sched = res.schedule
+    cost = analyze(cfg, graph, ctx.degrees, res.chunks, sched.report if sched else None,
+                   sched.compute if sched else None, sched.comm if sched else None)
     return Compiled(graph, ctx, cost)
 
 

@@ -20,17 +20,17 @@ from parcompile.core.groups import rank_groups
 from parcompile.core.schedule import SUPPORTED, ScheduleError, ScheduleReport, SimResult, build_actions, simulate
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
+from parcompile.passes.results import ScheduleResult
 
-__all__ = ["SUPPORTED", "ScheduleError", "ScheduleReport", "SimResult", "build_actions", "simulate",
-           "SchedulePipeline"]
+__all__ = ["SUPPORTED", "ScheduleError", "ScheduleReport", "ScheduleResult", "SimResult", "build_actions",
+           "simulate", "SchedulePipeline"]
 
 
 @dataclass(frozen=True)
 class SchedulePipeline:
-    """Build and simulate the schedule; stores a :class:`ScheduleReport` in
-    ``graph.meta["schedule"]``, and the reports it timed the chunks with in
-    ``graph.meta["compute"]`` and ``graph.meta["comm"]`` (:func:`parcompile.analysis.cost.analyze`
-    reuses them). Runs after ``insert-collectives`` (the chunk times include the
+    """Build and simulate the schedule; returns a
+    :class:`~parcompile.passes.results.ScheduleResult`: the :class:`ScheduleReport` and the
+    reports it timed the chunks with (:func:`parcompile.analysis.cost.analyze` reuses them). Runs after ``insert-collectives`` (the chunk times include the
     tensor-, context- and expert-parallel collectives on each chunk's critical path).
 
     ``1f1b`` and ``zero_bubble`` with ``virtual_stages > 1`` are a rule of the checks table
@@ -40,7 +40,7 @@ class SchedulePipeline:
 
     name: str = "schedule-pipeline"
 
-    def apply(self, graph: Graph, ctx: PassContext) -> None:
+    def apply(self, graph: Graph, ctx: PassContext) -> ScheduleResult:
         cfg = ctx.cfg
         par = cfg.parallel
         m = par.num_microbatches
@@ -48,14 +48,13 @@ class SchedulePipeline:
                               cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
                               attention_engine(cfg.cluster))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
-        graph.meta["compute"], graph.meta["comm"] = comp, comm
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
         # zero-bubble orders by F, the input-gradient part of B, and W
         actions = build_actions(par.schedule, par.pp, m, par.virtual_stages,
                                 times=(f, [bi - wi for bi, wi in zip(b, w)], w), group=par.microbatch_group_size)
         sim = simulate(actions, f, b, par.pp, par.virtual_stages, m, wgrad_time=w,
                        chunk_bytes=_unlike(graph, cfg, ctx.degrees))
-        graph.meta["schedule"] = ScheduleReport(par.schedule, m, actions, sim, f, b, w)
+        return ScheduleResult(ScheduleReport(par.schedule, m, actions, sim, f, b, w), comp, comm)
 
 
 

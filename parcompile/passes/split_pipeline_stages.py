@@ -12,7 +12,7 @@ and loss on the last chunk. A tied LM head on another pipeline rank than the emb
 gets its own copy, ``lm_head.weight`` (``tied_to = "embedding.weight"``), kept equal by
 an all-reduce over the ``embedding`` group.
 
-Records ``graph.meta["chunks"]`` (layer ids per model chunk) and ``meta["staged"]``.
+Returns a :class:`~parcompile.passes.results.StageSplit` (layer ids per model chunk).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from parcompile.config.text import even_split
 from parcompile.ir.graph import Graph
 from parcompile.passes.base import PassContext
+from parcompile.passes.results import StageSplit
 
 FIRST_CHUNK_OPS = {"tokens", "embedding", "pos_embedding", "embedding.pos_add"}
 LAST_CHUNK_OPS = {"final_norm", "lm_head", "labels", "loss"}
@@ -108,7 +109,7 @@ class SplitPipelineStages:
 
     name: str = "split-pipeline-stages"
 
-    def apply(self, graph: Graph, ctx: PassContext) -> None:
+    def apply(self, graph: Graph, ctx: PassContext) -> StageSplit:
         cfg = ctx.cfg
         par = cfg.parallel
         pp, v = par.pp, par.virtual_stages
@@ -134,5 +135,4 @@ class SplitPipelineStages:
                 replace(p, name="lm_head.weight", tied_to="embedding.weight") if p.name == "embedding.weight" else p
                 for p in head.params
             ])
-        graph.meta["chunks"] = chunks
-        graph.meta["staged"] = True
+        return StageSplit(tuple(tuple(c) for c in chunks))

@@ -1,0 +1,200 @@
+"""Automatic planning: fill every ``auto`` of a spec by searching the layouts.
+
+:func:`search` enumerates the layouts the spec leaves open (``dp tp pp cp ep
+virtual_stages micro_batch zero recompute schedule sequence_parallel``), keeps those the
+checker accepts (:func:`parcompile.frontend.checks.check_config`, the same rules as for a
+hand-written spec), drops those that do not fit memory and ranks the rest by estimated
+step time.
+
+A candidate is costed without building its graph. Decoder layers are alike, so one
+*probe* graph per (tp, cp, sequence_parallel, micro_batch) is built and run through the
+real passes up to ``insert-collectives``: a three-layer model on three pipeline ranks,
+whose first chunk is the embedding plus one layer, the middle one one layer and the last
+one a layer plus the output layer. The analyses of :mod:`parcompile.analysis` run on it
+(FLOPs, traffic, collectives, saved activations, buffers, parameters), and a candidate's
+chunk ``k`` holding ``n_k`` layers costs ``n_k * layer + [k = 0] embedding + [k = last]
+output``. An MoE model whose first ``dense_layers`` layers are dense (DeepSeek's) has a
+second probe of the same key whose three layers are dense (:attr:`_Probe.dense_probe`):
+a chunk's first ``d_k`` layers among those count as the dense probe's middle layer, the
+embedding as its first chunk less that layer (:meth:`_Probe.quad`, :func:`_compose`).
+Memory and time are then the same functions the compiler uses
+(:func:`~parcompile.analysis.memory.memory_from_parts`,
+:func:`~parcompile.analysis.estimate.step_time_parts`, the closed-form pipeline), and
+how an axis's groups fall on nodes (the network model's ``k`` ranks per node over
+``domains`` nodes) comes from :func:`~parcompile.passes.groups.axis_placement`. Nothing per candidate grows with the
+world size; probes are cached, and each of their analyses runs when a layout first needs
+it. The best few candidates are then re-timed with their simulated schedules (action
+lists), which is what separates zero-bubble from 1F1B.
+
+Only those best few (``max(RETIME, top)``) must be exact, so the layouts are costed best
+first by branch and bound (:func:`_rank`): lower bounds on a layout's step time and memory
+peak, each cheaper than the costing it bounds and each proven below what it bounds
+(:meth:`Coster.family_floor` and :meth:`Coster.family_layout_floor` from a few probes for
+whole families of layouts, :meth:`Coster.layout_floor` and :meth:`Coster._split_floors` from
+the layout's own probe, :meth:`Coster.step_floor` and :meth:`Coster._dp_floor` for what the
+step adds to the pipeline (the data-parallel time, the optimizer), :meth:`Coster.state_floor`
+and :meth:`Coster.memory_floor` for memory) skip the layouts that cannot fit or
+cannot be among the best (``tests/test_search.py`` holds each bound against what it bounds,
+and the search against costing every layout, :data:`BOUNDS` off). The best few, their
+figures and their order are those of costing every layout; the ranking past them holds
+the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
+them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
+about 70 of 118,000 valid layouts are costed and 33 probes built; on Llama-3 70B on 1,024
+H100s, 290 of 90,000 and 28 probes (52 before :meth:`Coster.memory_floor` bounded the
+larger micro-batches from the probes of micro-batch 1 and 2); on DeepSeek-V3 (3 dense then 58
+MoE layers) on 2,048 H100s, 446 of 34,000 and 60 probes (each with its dense probe).
+
+``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
+candidate's layout, compiled as if the user had written it.
+
+The package, bottom up: :mod:`~parcompile.search.space` (the layouts as rows, the checks
+they pass), :mod:`~parcompile.search.probe` (probes and composing a candidate's chunks from
+them), :mod:`~parcompile.search.candidate`, :mod:`~parcompile.search.bounds` (the lower
+bounds, :class:`~parcompile.search.bounds.Floors`), :mod:`~parcompile.search.coster`
+(:class:`Coster`: costing one layout, choosing a split), :mod:`~parcompile.search.rank`
+(branch and bound over the rows), :mod:`~parcompile.search.report` (tables, explanations);
+this module runs them (:func:`search`, :func:`resolve`, :func:`settle_split`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from parcompile.config.schema import ParallelConfig, SpecConfig
+from parcompile.diagnostics import Diagnostic, SpecError
+from parcompile.passes.manager import paused_gc
+from parcompile.search.candidate import Candidate, split_text
+from parcompile.search.coster import Coster, SPLIT_TIME_TIE
+from parcompile.search.rank import RETIME, SearchResult, family_key, rank_rows
+from parcompile.search.report import no_fit_diagnostic
+from parcompile.search.space import LayoutChecker, check_key, check_layout, layout_blocks, needs_search, with_parallel
+from parcompile.search.report import explain, stderr_progress, table
+from parcompile.search.space import MAX_MICRO_BATCH, SEARCH_KEYS, layouts, searches_sequence_parallel
+
+#: the package's names (``parcompile.search.*``: the CLI's, the API's, the driver's)
+__all__ = ["BOUNDS", "Candidate", "Coster", "MAX_MICRO_BATCH", "RETIME", "SEARCH_KEYS", "SPLIT_TIME_TIE", "SearchResult",
+           "check_layout", "explain", "layouts", "needs_search", "no_fit_diagnostic", "resolve", "search",
+           "searches_sequence_parallel", "settle_split", "split_text", "stderr_progress", "table", "with_parallel"]
+
+
+#: rank by branch and bound (:func:`rank_rows`); off, every layout is costed (the same best
+#: ``max(RETIME, top)`` candidates, in the same order: ``tests/test_search.py``)
+BOUNDS = True
+
+
+def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Enumerate, check, cost and rank the layouts of ``cfg`` (module docstring).
+
+    ``progress(done, total)`` is called now and then. Raises :class:`SpecError` for a
+    model the compiler cannot lower (MoE, for now).
+    """
+
+    with paused_gc():
+        return _search(cfg, top, cross_node_tp, progress)
+
+
+def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
+            progress: Callable[[int, int], None] | None) -> SearchResult:
+    t0 = time.perf_counter()
+    coster = Coster(cfg)
+    blocks = list(layout_blocks(cfg, cross_node_tp))
+    rows = [r for block in blocks for r in block]
+    total = len(rows)
+    # the checker, once per layout up to zero and recompute (they have no cross-field rules):
+    # once per block of rows (layout_blocks), each check once per value of what it reads
+    checker = LayoutChecker(cfg)
+    checked: dict[tuple, bool] = {}
+    families: dict[tuple, list[int]] = {}
+    valid = i = 0
+    for block in blocks:
+        if progress is not None and i % 4096 < len(block):
+            progress(i // 2, total)
+        r = block[0]
+        ck = check_key(r)
+        ok = checked.get(ck)
+        if ok is None:
+            ok = checked[ck] = checker.ok(r)
+        if ok:
+            valid += len(block)
+            fam = families.get(family_key(r))
+            if fam is None:
+                fam = families[family_key(r)] = []
+            fam.extend(range(i, i + len(block)))
+        i += len(block)
+    keep = max(RETIME, top)
+    bounds = BOUNDS and cfg.workload == "train"
+    ranked = rank_rows(cfg, coster, rows, families, keep, bounds, progress, total)
+    if not ranked.scored and ranked.unfit:
+        # none fits: the closest layout may be one the state bound dropped; rank them all
+        ranked = rank_rows(cfg, coster, rows, families, keep, False, progress, total)
+    if progress is not None:
+        progress(total, total)
+    scored = [c for c, _i in sorted(ranked.scored, key=lambda x: (x[0].key(), x[1]))]
+    # re-time the best with their simulated schedules, then confirm each with the full checker
+    head = [coster.cost(with_parallel(cfg, _own_split(cfg, c.parallel)), simulate=True, with_memory=True)
+            for c in scored[:keep]]
+    head.sort(key=Candidate.key)
+    final = [c for c in head if not any(d.severity == "error" for d in check_layout(with_parallel(cfg, c.parallel)))]
+    rest = scored[keep:]
+    result = SearchResult(cfg, final + rest, total, valid, len(scored), time.perf_counter() - t0,
+                          ranked.closest[1] if ranked.closest else None, pruned=ranked.pruned,
+                          unfit=ranked.unfit, bounded=ranked.bounded, costed=ranked.costed, probes=len(coster.probes))
+    if not needs_search(cfg) or _user_layout_complete(cfg):
+        try:
+            if not any(d.severity == "error" for d in check_layout(cfg)):
+                result.user = coster.cost(cfg, simulate=True, with_memory=True)
+        except SpecError:
+            pass
+    return result
+
+
+def _own_split(cfg: SpecConfig, par: ParallelConfig) -> ParallelConfig:
+    """``par`` without the split the closed-form pass chose for it (re-chosen with the
+    simulated schedule when re-timed); a split the spec gives is kept."""
+    if "parallel.stage_layers" in cfg.spans or par.stage_layers is None:
+        return par
+    return par.model_copy(update={"stage_layers": None})
+
+
+def _user_layout_complete(cfg: SpecConfig) -> bool:
+    return not needs_search(cfg)
+
+
+def settle_split(cfg: SpecConfig, coster: Coster | None = None) -> tuple[SpecConfig, Diagnostic | None]:
+    """``cfg`` with the split of an uneven layout fixed, and the ``note`` that says so.
+
+    When ``layers`` does not divide into ``pp * virtual_stages`` model chunks and the spec
+    gives no ``stage_layers``, the split is :meth:`Coster.choose_split`'s (the smallest
+    estimated step time; the search's candidates carry theirs already). The note is at
+    ``pp``, gives the split and how to override it. A layout that divides, or a spec's own
+    ``stage_layers``, is returned as it is, with no note."""
+    par, layers = cfg.parallel, cfg.model.layers
+    chunks = par.pp * par.virtual_stages
+    if "parallel.stage_layers" in cfg.spans or layers < chunks or layers % chunks == 0:
+        return cfg, None
+    compared = None
+    if par.stage_layers is None:
+        counts, compared = (coster or Coster(cfg)).choose_split(cfg, simulate=True)
+        cfg = with_parallel(cfg, par.model_copy(update={"stage_layers": counts}))
+    counts = cfg.parallel.stage_layers
+    words = f"pp({par.pp})" + (f" * virtual_stages({par.virtual_stages})" if par.virtual_stages > 1 else "")
+    among = f" of {compared} splits compared" if compared else ""
+    return cfg, Diagnostic(
+        "note", f"layers = {layers} do not divide into {words} = {chunks} model chunks: "
+                f"split [{split_text(counts)}] in model order, the smallest estimated step time{among} "
+                f"(within {SPLIT_TIME_TIE:.0%}: then the smallest memory peak)",
+        cfg.span("parallel.pp"),
+        help="give `stage_layers` to choose another split",
+        note="the first chunk also holds the embedding, the last the output layer and the loss")
+
+
+def resolve(cfg: SpecConfig) -> tuple[SpecConfig, SearchResult]:
+    """The spec with its ``auto`` keys filled by the best candidate, and the search.
+
+    Raises :class:`SpecError` (code ``does-not-fit``) when no candidate fits memory."""
+    res = search(cfg, top=1)
+    if not res.candidates:
+        raise SpecError([no_fit_diagnostic(res)])
+    return res.config(0), res

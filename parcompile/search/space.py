@@ -1,0 +1,233 @@
+"""The layouts a spec's ``auto`` keys allow, enumerated as rows, and the checks a row must pass
+(:func:`parcompile.frontend.checks.check_config`, run once per value of what each check reads)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Iterator, NamedTuple
+
+from parcompile.config.schema import ParallelConfig, SpecConfig
+from parcompile.config.text import divisors
+from parcompile.diagnostics import Diagnostic, DiagnosticBag
+from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
+
+
+#: keys `auto` may stand for (SPEC 1 `parallel`, extended)
+SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "zero", "recompute",
+               "schedule", "sequence_parallel")
+
+
+#: largest micro-batch the search tries
+MAX_MICRO_BATCH = 16
+
+
+def needs_search(cfg: SpecConfig) -> bool:
+    """True when the spec leaves a layout choice to the compiler (``auto`` on a key other
+    than ``dp``, which alone is fixed by the world size)."""
+    return any(k != "dp" for k in cfg.parallel.auto)
+
+
+class RowLayout(NamedTuple):
+    """A row of :func:`layout_rows` read as the :class:`ParallelConfig` fields the memory
+    floors read (:meth:`Coster.state_floor`, :meth:`Coster.memory_floor`), without
+    building one; ``num_microbatches`` and ``expert_dp`` are ParallelConfig's own."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    expert_tp: int
+    sequence_parallel: bool
+    zero: int
+    micro_batch: int
+    global_batch: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+
+    num_microbatches = property(ParallelConfig.num_microbatches.fget)
+    expert_dp = property(ParallelConfig.expert_dp.fget)
+
+
+def _values(cfg: SpecConfig, key: str, auto: set[str], choices: list) -> list:
+    return choices if key in auto else [getattr(cfg.parallel, key)]
+
+
+def layouts(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[ParallelConfig]:
+    """Every layout the spec's ``auto`` keys allow, before the checker: degrees whose
+    product is the world size, tp inside a node (unless ``cross_node_tp`` or tp is
+    given), the rest from their natural ranges. Candidates the checker rejects are
+    filtered by :func:`search`, not here."""
+    for r in layout_rows(cfg, cross_node_tp):
+        yield row_parallel(cfg, r)
+
+
+def row_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
+    """The :class:`ParallelConfig` of a row of :func:`layout_rows` (the spec's own values
+    for every key the search does not vary)."""
+    p = cfg.parallel
+    dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero=z,
+                          micro_batch=mb, global_batch=gb, schedule=sched, virtual_stages=v,
+                          stage_layers=p.stage_layers, recompute=rc, order=p.order, bucket_size=p.bucket_size,
+                          reduce_dtype=p.reduce_dtype, microbatch_group_size=p.microbatch_group_size, auto=p.auto)
+
+
+def layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]:
+    """:func:`layouts` as plain tuples ``(dp, tp, pp, cp, ep, expert_tp, sequence_parallel,
+    zero, micro_batch, global_batch, schedule, virtual_stages, recompute)``, in the same
+    order (the search builds a :class:`ParallelConfig` only for the rows it costs)."""
+    for block in layout_blocks(cfg, cross_node_tp):
+        yield from block
+
+
+def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list[tuple]]:
+    """:func:`layout_rows` in blocks of consecutive rows that differ in ZeRO stage and
+    recomputation only, so share their :func:`check_key` and :func:`family_key` (the search
+    checks a block once)."""
+    p, m, cl = cfg.parallel, cfg.model, cfg.cluster
+    auto = set(p.auto)
+    world = cl.world_size
+    gb_given = "parallel.global_batch" in cfg.spans
+    tps = [t for t in divisors(world) if cross_node_tp or t <= cl.gpus_per_node] if "tp" in auto else [p.tp]
+    cps = divisors(world) if "cp" in auto else [p.cp]
+    pps = divisors(world) if "pp" in auto else [p.pp]
+    eps = [e for e in divisors(m.experts) if e <= world] if ("ep" in auto and m.experts) else [p.ep]
+    zeros = _values(cfg, "zero", auto, [0, 1, 2, 3])
+    recs = _values(cfg, "recompute", auto, ["none", "selective", "full"])
+    sp_open = searches_sequence_parallel(cfg)
+    sps = [False, True] if sp_open else [p.sequence_parallel]
+    etp_given = "parallel.expert_tp" in cfg.spans
+    for tp in tps:
+        for cp in cps:
+            if world % (tp * cp):
+                continue
+            for pp in pps:
+                if world % (tp * cp * pp) or pp > m.layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                if "dp" not in auto and dp != p.dp:
+                    continue
+                if gb_given:
+                    mbs = [b for b in divisors(p.global_batch // dp) if b <= MAX_MICRO_BATCH] \
+                        if ("micro_batch" in auto and p.global_batch % dp == 0) else [p.micro_batch]
+                else:
+                    mbs = [p.micro_batch] if "micro_batch" not in auto else [1]
+                if "virtual_stages" in auto:
+                    # chunks per rank: divisors of the layers per rank (rounded up when they
+                    # do not divide: an uneven split, Coster.choose_split), each chunk a layer at least
+                    vs = [x for x in divisors(-(-m.layers // pp)) if (pp > 1 or x == 1) and pp * x <= m.layers]
+                else:
+                    vs = [p.virtual_stages]
+                zs = zeros if dp * cp > 1 else zeros[:1] if "zero" in auto else zeros
+                etp = p.expert_tp if etp_given else tp
+                for v in vs:
+                    if "schedule" in auto:
+                        scheds = ["interleaved_1f1b"] if v > 1 else (
+                            ["1f1b"] if pp == 1 else ["1f1b", "zero_bubble", "gpipe"])
+                    else:
+                        scheds = [p.schedule]
+                    for sched in scheds:
+                        for ep in eps:
+                            for mb in mbs:
+                                gb = p.global_batch if gb_given else mb * dp
+                                for sp in sps:
+                                    if sp and tp == 1 and sp_open:
+                                        continue
+                                    yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
+                                           for z in zs for rc in recs]
+
+
+def searches_sequence_parallel(cfg: SpecConfig) -> bool:
+    """Whether the search tries layouts both with and without sequence parallelism (where
+    tp > 1): ``sequence_parallel = auto``, or left unset. Megatron-Bridge's recipes and
+    torchtitan pair tensor parallelism with sequence parallelism, so a search that kept
+    the unset key at its compile default (``false``, SPEC) would skip the layouts they run
+    (issue 29: Meta's Llama 3.1 405B layout). A spec compiled without a search keeps the
+    default, and so does a serve spec (sequence parallelism is a training layout)."""
+    return "sequence_parallel" in cfg.parallel.auto or (
+        "parallel.sequence_parallel" not in cfg.spans and cfg.workload == "train")
+
+
+def with_parallel(cfg: SpecConfig, par: ParallelConfig) -> SpecConfig:
+    """``cfg`` with its layout replaced by ``par``."""
+    return cfg.model_copy(update={"parallel": par})
+
+
+def check_layout(cfg: SpecConfig) -> list[Diagnostic]:
+    """The checker's diagnostics for ``cfg`` (every rule of
+    :func:`parcompile.frontend.checks.check_config`)."""
+    ctx = _check_context(cfg)
+    check_config(cfg, ctx)
+    return ctx.bag.items
+
+
+def _check_context(cfg: SpecConfig) -> CheckContext:
+    """A fresh checker context for ``cfg`` (its spans; nothing reported wrong yet)."""
+    provided = {k for k in cfg.spans}
+    m = cfg.model
+    if m.heads and m.head_dim != m.hidden // m.heads:
+        provided.add("model.head_dim")
+    return CheckContext(bag=DiagnosticBag(), filename=cfg.filename, spans=dict(cfg.spans), provided=provided)
+
+
+#: the fields of a layout row (:func:`layout_rows`), in order
+_ROW_FIELDS = ("dp", "tp", "pp", "cp", "ep", "expert_tp", "sequence_parallel", "zero", "micro_batch",
+               "global_batch", "schedule", "virtual_stages", "recompute")
+
+
+class LayoutChecker:
+    """Whether the checker accepts the layouts of one spec, given as rows of
+    :func:`layout_rows`: :func:`check_layout`'s verdict (no error), with each check of
+    :data:`~parcompile.frontend.checks.CHECKS` run once per distinct value of the row fields
+    it reads (:data:`~parcompile.frontend.checks.LAYOUT_READS`; the other fields of the
+    layout are the spec's, the same in every row), a check without an entry once per
+    :func:`check_key`. Each check runs with a context of its own: no check reads a key
+    another marks bad (``tests/test_search_checks.py`` holds that, the table against the
+    checks' source, and this verdict against :func:`check_layout`'s). ``runs``: the checks
+    run so far."""
+
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+        #: per check: its number, the check, what picks its fields out of a row
+        self.plan: list[tuple[int, Callable, Callable[[tuple], Any]]] = []
+        for n, check in enumerate(CHECKS):
+            reads = LAYOUT_READS.get(check)
+            idx = None if reads is None else [_ROW_FIELDS.index(f) for f in reads if f in _ROW_FIELDS]
+            pick = check_key if idx is None else (lambda r: ()) if not idx else operator.itemgetter(*idx)
+            self.plan.append((n, check, pick))
+        self.failed: dict[tuple, bool] = {}   # (check number, the fields it reads) -> it reports an error
+        self.runs = 0
+
+    def ok(self, r: tuple) -> bool:
+        """True when no check reports an error for the layout of row ``r``."""
+        failed = self.failed
+        todo = []
+        for n, check, pick in self.plan:
+            key = (n, pick(r))
+            got = failed.get(key)
+            if got is None:
+                todo.append((key, check))
+            elif got:
+                return False
+        if not todo:
+            return True
+        rcfg = with_parallel(self.cfg, row_parallel(self.cfg, r))
+        ok = True
+        for key, check in todo:
+            ctx = _check_context(rcfg)
+            check(rcfg, ctx)
+            self.runs += 1
+            bad = failed[key] = any(d.severity == "error" for d in ctx.bag.items)
+            ok = ok and not bad
+        return ok
+
+
+#: a layout row of :func:`layout_rows`: the fields of :class:`ParallelConfig` the search varies
+Row = tuple   # (dp, tp, pp, cp, ep, expert_tp, sequence_parallel, zero, micro_batch, global_batch,
+
+
+def check_key(r: Row) -> tuple:
+    dp, tp, pp, cp, ep, _etp, sp, _z, mb, gb, sched, v, _rc = r
+    return (tp, pp, dp, cp, ep, mb, v, sched, sp, gb)
