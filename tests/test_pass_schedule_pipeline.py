@@ -282,8 +282,8 @@ def test_compiled_plan_runs_the_specs_rounds():
     from parcompile.driver import compile_config
     cfg = spec(tiny_model(layers=8), pp=2, global_batch=5, micro_batch=1, schedule="interleaved_1f1b",
                virtual_stages=2, microbatch_group_size=3)
-    g, _ = run_until(cfg, "schedule-pipeline")
-    s = g.meta["schedule"]
+    _, ctx = run_until(cfg, "schedule-pipeline")
+    s = ctx.results.schedule.report
     assert s.actions == build_actions("interleaved_1f1b", 2, 5, 2, group=3) != build_actions(
         "interleaved_1f1b", 2, 6, 2)
     assert list(s.sim.in_flight) == closed_form_in_flight("interleaved_1f1b", 2, 2, 5, 3)
