@@ -66,6 +66,50 @@ def test_serve_memory_and_time_70b_tp8():
     assert sv["decode_tokens_per_s"] == pytest.approx(sv["batch"] / sv["tpot"])
 
 
+def _planned_step_collectives(cfg, steps: int) -> list[dict]:
+    """Per pipeline stage, ``(op, axis, bytes) -> count`` of the collectives the serving
+    estimate costs for one generation of ``steps`` tokens (a prefill, ``steps - 1`` decode
+    steps), from the compiled graph (:func:`parcompile.analysis.serve.step_costs`)."""
+    from parcompile.analysis.serve import step_collective_counts, step_costs
+    from parcompile.passes.manager import compile_graph
+
+    c = compile_graph(cfg)
+    sv, b = cfg.serve, -(-cfg.serve.batch // cfg.parallel.dp)
+    prefill = step_costs(cfg, c.graph, c.ctx.degrees, b, sv.prompt_len, sv.prompt_len)
+    decode = step_costs(cfg, c.graph, c.ctx.degrees, b, 1, sv.prompt_len + sv.max_new_tokens)
+    out = []
+    for pf, dc in zip(prefill, decode):
+        counts = step_collective_counts(pf)
+        for k, n in step_collective_counts(dc).items():
+            counts[k] = counts.get(k, 0) + (steps - 1) * n
+        out.append(counts)
+    return out
+
+
+def _measured_collectives(rec: dict) -> dict:
+    return {(e["op"], e["axis"], e["bytes"]): e["count"] for e in rec["comm"]}
+
+
+def test_step_collectives_counted_by_hand():
+    """The tp 2 x pp 2 tiny spec (b = 2 sequences, prompt 6, h = 64, fp32, 4 layers, 2 per
+    stage): a decode step all-reduces (b, 1, h) over tp after the embedding (stage 0) and
+    after each layer's attention and MLP, sends (b, 1, h) to the next stage, all-gathers the
+    last position's fp32 logits (b x 256 padded vocab) over tp on the last stage and
+    broadcasts the b int64 tokens over pp; a prefill the same with (b, 6, h)."""
+    from parcompile.analysis.serve import step_collective_counts, step_costs
+    from parcompile.passes.manager import compile_graph
+
+    cfg = serve_config(tp=2, pp=2)
+    c = compile_graph(cfg)
+    for tokens in (6, 1):
+        first, last = step_costs(cfg, c.graph, c.ctx.degrees, 2, tokens, 12 if tokens == 1 else 6)
+        act = 2 * tokens * 64 * 4
+        assert step_collective_counts(first) == {("all_reduce", "tp", act): 1 + 2 * 2, ("send", "pp", act): 1,
+                                                 ("broadcast", "pp", 16): 1}
+        assert step_collective_counts(last) == {("recv", "pp", act): 1, ("all_reduce", "tp", act): 2 * 2,
+                                                ("all_gather", "tp", 2 * 256 * 4): 1, ("broadcast", "pp", 16): 1}
+
+
 def test_one_sequence_that_does_not_fit_is_an_error_with_what_would():
     src = _serve_spec("llama3-70b", 1)
     with pytest.raises(SpecError) as e:
@@ -207,14 +251,18 @@ def test_two_rank_layouts_match_single_process(tmp_path):
     rank's KV cache holds exactly the planned bytes."""
     ref_plan = build_serve(serve_config(), tmp_path / "ref")
     ref = run_in_process(tmp_path / "ref", PROMPTS)["tokens"]
-    jobs, plans = [], {}
+    jobs, plans, cfgs = [], {}, {}
     for name, kw in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
-        plans[name] = build_serve(serve_config(**kw), tmp_path / name)
+        cfgs[name] = serve_config(**kw)
+        plans[name] = build_serve(cfgs[name], tmp_path / name)
         jobs.append((tmp_path / name, PROMPTS, tmp_path / name / "out"))
     run_torchrun(2, jobs)
     for name, plan in plans.items():
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == ref, name
+        planned = _planned_step_collectives(cfgs[name], 6)
+        for r in recs:   # what the serving estimate costs is what each rank ran
+            assert _measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             want = plan["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["cache_bytes"] == want, (name, r["rank"])
@@ -243,9 +291,13 @@ def test_four_rank_layouts_match_single_process_and_hf(tmp_path):
     run_torchrun(4, [(tmp_path / "tp2pp2", PROMPTS, tmp_path / "tp2pp2" / "out"),
                      (tmp_path / "kvrep", PROMPTS, tmp_path / "kvrep" / "out"),
                      (tmp_path / "hfprog", hf_args, tmp_path / "hfprog" / "out")])
+    cfgs = {"tp2pp2": serve_config(tp=2, pp=2), "kvrep": serve_config(tp=4, model=rep_model)}
     for name, expected in (("tp2pp2", ref["tokens"]), ("kvrep", ref_rep)):
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == expected, name
+        planned = _planned_step_collectives(cfgs[name], 6)
+        for r in recs:   # the serving estimate's collectives per rank: those the program ran
+            assert _measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             assert r["cache_bytes"] == plans[name]["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["params"] == plans[name]["stages"][r["stage"]]["params_per_rank"], (name, r["rank"])
