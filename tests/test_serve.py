@@ -15,7 +15,8 @@ import torch
 
 import parcompile
 from parcompile.diagnostics import SpecError
-from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
+from tests.serve_utils import (build_serve, measured_collectives, planned_collectives, records, replica_tokens,
+                               run_in_process, run_torchrun, serve_config)
 
 PROMPTS = ["--prompt-ids", "5,17,99,3,250,42", "--prompt-ids", "7,7,120,9,31,200"]
 
@@ -64,30 +65,6 @@ def test_serve_memory_and_time_70b_tp8():
     assert 6e-3 < sv["breakdown"]["decode_weights"] < 7.5e-3
     assert sv["ttft"] > sv["tpot"] > 0 and sv["tokens_per_s"] > 0
     assert sv["decode_tokens_per_s"] == pytest.approx(sv["batch"] / sv["tpot"])
-
-
-def _planned_step_collectives(cfg, steps: int) -> list[dict]:
-    """Per pipeline stage, ``(op, axis, bytes) -> count`` of the collectives the serving
-    estimate costs for one generation of ``steps`` tokens (a prefill, ``steps - 1`` decode
-    steps), from the compiled graph (:func:`parcompile.analysis.serve.step_costs`)."""
-    from parcompile.analysis.serve import step_collective_counts, step_costs
-    from parcompile.passes.manager import compile_graph
-
-    c = compile_graph(cfg)
-    sv, b = cfg.serve, -(-cfg.serve.batch // cfg.parallel.dp)
-    prefill = step_costs(cfg, c.graph, c.ctx.degrees, b, sv.prompt_len, sv.prompt_len)
-    decode = step_costs(cfg, c.graph, c.ctx.degrees, b, 1, sv.prompt_len + sv.max_new_tokens)
-    out = []
-    for pf, dc in zip(prefill, decode):
-        counts = step_collective_counts(pf)
-        for k, n in step_collective_counts(dc).items():
-            counts[k] = counts.get(k, 0) + (steps - 1) * n
-        out.append(counts)
-    return out
-
-
-def _measured_collectives(rec: dict) -> dict:
-    return {(e["op"], e["axis"], e["bytes"]): e["count"] for e in rec["comm"]}
 
 
 def test_step_collectives_counted_by_hand():
@@ -260,9 +237,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
     for name, plan in plans.items():
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == ref, name
-        planned = _planned_step_collectives(cfgs[name], 6)
+        planned = planned_collectives(cfgs[name], 6)
         for r in recs:   # what the serving estimate costs is what each rank ran
-            assert _measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
+            assert measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             want = plan["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["cache_bytes"] == want, (name, r["rank"])
@@ -295,9 +272,9 @@ def test_four_rank_layouts_match_single_process_and_hf(tmp_path):
     for name, expected in (("tp2pp2", ref["tokens"]), ("kvrep", ref_rep)):
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == expected, name
-        planned = _planned_step_collectives(cfgs[name], 6)
+        planned = planned_collectives(cfgs[name], 6)
         for r in recs:   # the serving estimate's collectives per rank: those the program ran
-            assert _measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
+            assert measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             assert r["cache_bytes"] == plans[name]["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["params"] == plans[name]["stages"][r["stage"]]["params_per_rank"], (name, r["rank"])

@@ -26,35 +26,38 @@ Memory per rank of pipeline stage ``s`` (bytes):
 
 Time (one replica; pipeline stages run one after another for a single batch, as every
 token passes through every stage; Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", section 2):
+Inference", section 2). Each step is costed from the sharded graph the plan compiled
+(:func:`step_costs`: every node at its local types for the step's shapes, the op table's
+FLOPs and traffic, its local parameters, its collectives), so the local sizes and the
+collectives are those of training's rules and of the program (tests/test_serve.py holds
+the collectives equal to what each rank of the serve program counts):
 
-* prefill is compute-bound: per stage ``max(flops / (matmul_eff * peak_flops),
-  weight_bytes / (memory_eff * hbm_bw))`` with ``flops = 2 N_s b P + 2 L_s b P^2 q d``
-  (matmuls of the rank's ``N_s`` matmul weights, and causal attention: ``QK^T`` and
-  ``AV`` halved by the mask), plus 2 tp all-reduces of ``b P h e`` per layer (attention and
-  MLP outputs), one for the vocab-parallel embedding, the logits all-gather, and one pp
-  hop of ``b P h e`` per stage boundary;
-* decode is memory-bandwidth-bound: per token and stage, the weights (the embedding
-  table excepted: a lookup reads b rows) and the cache at the mean context
-  ``P + max_new_tokens / 2`` (a sliding-window layer's at most its window) are read from HBM: ``max(bytes / (memory_eff * hbm_bw),
-  2 N_s b / (matmul_eff * peak_flops))``, plus the same collectives for one token each;
+* prefill (``b`` sequences of ``P`` tokens; the final norm and LM head on the last
+  position only, as the program samples it) per stage: ``max((F + A) / (matmul_eff *
+  peak_flops), (W + X) / (memory_eff * hbm_bw))`` with F the matmuls' FLOPs, A the
+  attention cores' (causal share, :func:`parcompile.analysis.compute.causal_share`), W the
+  weight bytes read, X the operands' and other ops' traffic; plus the step's collectives
+  (tp all-reduces, the logits' all-gather, one pp send of ``b P h e`` per stage boundary and
+  the sampled tokens' broadcast);
+* decode (one token per sequence) is memory-bandwidth-bound: per stage ``max(W / (memory_eff
+  * hbm_bw), (F + A) / (matmul_eff * peak_flops))`` (``decode_weights``: the embedding table
+  is not read, a lookup reads b rows), the cache at the mean context ``P + max_new_tokens /
+  2`` (a sliding-window layer's at most its window; ``decode_kv``), the activations' traffic
+  (``decode_activations``) and the step's collectives;
+* ``cluster.op_overhead`` (the host's cost per graph op, the ``cpu`` preset's): the graph's
+  ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0);
 * ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
   step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
   the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
 
 Mixture of experts (``experts > 0``; layers ``i >= dense_layers``), served tensor parallel
 as vLLM does by default (no expert parallelism: every rank holds every expert, each
-expert's inner width ``f_x`` split over tp, the router replicated; tokens routed on every
-rank alike and the layer's partial sums all-reduced once over tp, as a dense MLP's):
+expert's inner width ``f_x`` split over tp, the router replicated):
 
 * weights: the plan's stage parameters as above (all E experts ``/ tp``, the router whole);
-* time: a token multiplies the router (``h E``), its ``top_k`` experts and the shared
-  experts (``(3|2) h f_x / tp`` each) instead of the dense MLP; a decode step reads only
-  the experts its tokens chose: at most ``min(E, b top_k)`` of the E per layer (and a
-  prefill ``min(E, b P top_k)``), the balanced worst case, so the expert bytes read are
-  ``expert_bytes_s * min(E, b top_k) / E`` (decode is bound by the weight bytes read per
-  step: Pope et al. 2022, section 2; vLLM's fused MoE kernel reads only the experts that
-  received tokens);
+* time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
+  the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
+  case (vLLM's fused MoE kernel reads only the experts that received tokens);
 * workspace of a MoE layer: ``b P (e (4 h + (q + 2 kv) d + (3|2) (1 + shared_experts) f_x / tp)
   + 8 E)``: the dense layer's set with one expert's inner rows at a time beside the shared
   MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
@@ -319,6 +322,14 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
                 if p.name not in st["seen"]:
                     st["seen"].add(p.name)
                     st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
+        if nd.kind in ("moe_dispatch", "moe_combine") and degrees.get("ep", 1) == 1:
+            # served tensor parallel (runtime/moe.py TensorParallelMoE): the tokens are routed
+            # alike on every tp rank (no dispatch) and the layer's partial sums all-reduced once
+            # over tp, with the shared experts' where there are some (the graph's all-reduce
+            # after them), else here
+            if nd.kind == "moe_combine" and not m.shared_experts and degrees.get("tp", 1) > 1:
+                st["colls"].append(("all_reduce", "tp", local.nbytes))
+            continue
         for c in op_collectives(nd, degrees, ins, local):
             if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
                 out[c.stage if c.stage is not None else (nd.stage or 0)]["colls"].append((c.op, c.axis, c.bytes))
