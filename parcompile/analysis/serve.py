@@ -390,13 +390,13 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     prefill = step_costs(cfg, graph, degrees, b, P, P)
     decode = step_costs(cfg, graph, degrees, b, 1, P + G)   # (the cache a step reads: mean context, below)
 
-    def comm(step: StepCost) -> tuple[float, float]:
+    def comm(step: StepCost, last: bool) -> tuple[float, float]:
         """(tp-side seconds, pp seconds) of a step's collectives on one rank: a pp transfer is
-        timed on its sender (a broadcast of the sampled tokens as one send)."""
+        timed on its sender (the sampled tokens' broadcast on the last stage, as one send)."""
         tpc = ppc = 0.0
         for op, axis, nb in step.collectives:
             if axis == "pp":
-                if op in ("send", "broadcast"):
+                if op == "send" or (op == "broadcast" and last):
                     ppc += collective_time("send", nb, 2, links["pp"])
             else:
                 tpc += collective_time(op, nb, degrees.get(axis, 1), links.get(axis) or links["tp"])
@@ -430,14 +430,14 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         free = capacity - weights - work
         pf, dc = prefill[s], decode[s]
         pf_compute = max((pf.flops + pf.attn_flops) / matmul_rate, (pf.weight_bytes + pf.act_bytes) / mem_rate)
-        pf_tp, pf_pp = comm(pf)
+        pf_tp, pf_pp = comm(pf, last)
         dec_w = max(dc.weight_bytes / mem_rate, (dc.flops + dc.attn_flops) / matmul_rate)
         # the cache a decode step reads at the mean context; a sliding-window layer reads at
         # most its window (core/model.cached_tokens), the rest every token
         beyond = sum(max(0.0, mean_ctx - windows[i]) for i in ids if windows[i])
         dec_kv = b * (mean_ctx * kv_tok - beyond * kv_layer) / mem_rate
         dec_act = dc.act_bytes / mem_rate
-        dec_tp, dec_pp = comm(dc)
+        dec_tp, dec_pp = comm(dc, last)
         pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op
         for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
                      ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_activations", dec_act),
