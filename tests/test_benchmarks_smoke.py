@@ -99,3 +99,4 @@ def test_serve_load_smoke(tmp_path, capsys, monkeypatch):
     out = _run("serve_load", [str(spec), "--clients", "2", "--seconds", "0.5", "--prompt-tokens", "2",
                               "--max-tokens", "2"], capsys, monkeypatch)
     assert "continuous batching:" in out
+    assert out.count("measured / plan: TTFT") == 2   # the plan's prediction beside both phases
