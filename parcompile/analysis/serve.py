@@ -388,7 +388,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     mats = 3 if gated else 2
     expert_local = m.expert_ffn_hidden // tp if moe else 0
     prefill = step_costs(cfg, graph, degrees, b, P, P)
-    decode = step_costs(cfg, graph, degrees, b, 1, P + G)   # (the cache a step reads: mean context, below)
+    decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
 
     def comm(step: StepCost, last: bool) -> tuple[float, float]:
         """(tp-side seconds, pp seconds) of a step's collectives on one rank: a pp transfer is
