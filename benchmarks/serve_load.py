@@ -2,9 +2,12 @@
 """Load test of `parcompile serve` (SPEC 4): N concurrent streaming clients for T seconds,
 then the same workload one request at a time; prints requests/s, output tokens/s, p50 and
 p99 time to first token (TTFT) and per output token (TPOT) of both, and the ratio of
-output tokens/s.
+output tokens/s; beside each phase, the plan's predicted TTFT and TPOT for that load (the
+spec compiled with ``serve.batch`` = the clients, ``prompt_len`` and ``max_new_tokens`` =
+the requests': :mod:`parcompile.analysis.serve`) and measured / predicted.
 
     python benchmarks/serve_load.py examples/tiny_serve.par --clients 16 --seconds 20
+    python benchmarks/serve_load.py --transformers --clients 32
 
 launches the server on a free port (or give ``--url`` of a running one), waits for
 /health, runs both phases and stops it. Each client sends streamed completions of
@@ -17,6 +20,14 @@ are noisy: run it when the machine is quiet.
 few-shot prefix) and prints the server's prefix cache hit rate and prefilled tokens
 (/metrics) after the phases; compare with ``prefix_caching = false`` in the spec's serve
 block.
+
+``--transformers``: both servers serve the same weights, a Hugging Face Llama checkpoint of
+the spec's model drawn from a seed (random weights; a byte-level tokenizer, token id =
+byte) written with ``save_pretrained``: `parcompile serve` with the spec's layout on it,
+then ``transformers serve --continuous-batching`` (one process, its default threads) under
+the same N clients with the same prompts (as text: lowercase letters, one token each), and
+the ratio of their output tokens/s. transformers streams text, so its tokens are counted
+from the final chunk's ``usage`` (else one per text chunk).
 """
 
 from __future__ import annotations
@@ -44,31 +55,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
+def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tokens: int) -> tuple[float, float | None, int]:
     """One streamed completion: (TTFT s, TPOT s (None for one token), output tokens). The
     tokens are counted from the chunks' ``token_ids`` (a chunk may carry several: the text
     of an unfinished UTF-8 character waits); TPOT is ``(last - first) / (tokens - 1)``, as
     vLLM's benchmark_serving.py computes it."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
+    text = isinstance(prompt, str)    # transformers serve: a text prompt, text chunks, usage at the end
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if not text:
+        body["return_token_ids"] = True
     t0 = time.perf_counter()
     first = last = None
-    n = 0
+    n, usage = 0, None
     with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                got = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                choice = (chunk.get("choices") or [{}])[0]
+                got = (1 if choice.get("text") else 0) if text else len(choice.get("token_ids") or [])
                 if got:
                     now = time.perf_counter()
                     first = now if first is None else first
                     last, n = now, n + got
+    if text and usage and usage.get("completion_tokens"):
+        n = usage["completion_tokens"]
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
 
 
 def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
-          prefix: list[int] = ()) -> dict:
-    """``clients`` threads sending requests back to back for ``seconds`` (each prompt
-    ``prefix`` then ``prompt_tokens`` random ids)."""
+          prefix: list[int] = (), letters: bool = False, text: bool = False) -> dict:
+    """``clients`` threads sending requests back to back for ``seconds``: prompts of
+    ``prefix`` then ``prompt_tokens`` random token ids below 256, or with ``letters`` of
+    lowercase letters (bytes 97-122: the same tokens under a byte-level tokenizer), sent as
+    text with ``text``."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
@@ -77,7 +98,9 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
         rng = random.Random(seed * 1000 + i)
         with httpx.Client() as c:
             while time.perf_counter() < stop_at:
-                prompt = list(prefix) + [rng.randrange(256) for _ in range(prompt_tokens)]
+                ids = [rng.randrange(97, 123) if letters else rng.randrange(256) for _ in range(prompt_tokens)]
+                ids = list(prefix) + ids
+                prompt = "".join(map(chr, ids)) if text else ids
                 ttft, tpot, n = one_request(c, url, prompt, max_tokens)
                 with lock:
                     stats["ttft"].append(ttft)
@@ -101,12 +124,114 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q / 100 * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
-def report(name: str, s: dict) -> float:
+def report(name: str, s: dict, predicted: dict | None = None) -> float:
+    """Print one phase's figures (and, given the plan's ``serve`` section for this load, its
+    predicted TTFT and TPOT with measured p50 / predicted); returns output tokens/s."""
     tps = s["tokens"] / s["wall"]
     print(f"{name:<12} {s['requests']:5d} requests in {s['wall']:5.1f} s: {s['requests'] / s['wall']:6.2f} req/s, "
           f"{tps:7.1f} output tok/s; TTFT p50 {pct(s['ttft'], 50) * 1e3:6.1f} ms p99 {pct(s['ttft'], 99) * 1e3:6.1f} ms; "
           f"TPOT p50 {pct(s['tpot'], 50) * 1e3:6.1f} ms p99 {pct(s['tpot'], 99) * 1e3:6.1f} ms", flush=True)
+    if predicted is not None:
+        ttft, tpot = pct(s["ttft"], 50), pct(s["tpot"], 50)
+        print(f"{'':<12} plan (batch {predicted['batch']}): TTFT {predicted['ttft'] * 1e3:6.1f} ms, TPOT "
+              f"{predicted['tpot'] * 1e3:6.1f} ms, {predicted['tokens_per_s']:7.1f} output tok/s; measured / plan: "
+              f"TTFT {ttft / predicted['ttft']:.2f}x, TPOT {tpot / predicted['tpot']:.2f}x, "
+              f"tok/s {tps / predicted['tokens_per_s']:.2f}x", flush=True)
     return tps
+
+
+def predicted(spec: Path, batch: int, prompt_tokens: int, max_tokens: int) -> dict | None:
+    """The plan's ``serve`` section for ``batch`` sequences of ``prompt_tokens`` + ``max_tokens``
+    (the spec compiled with those overrides; None when it does not compile)."""
+    from parcompile.diagnostics import SpecError
+    from parcompile.driver import compile_source
+
+    try:
+        return compile_source(spec, overrides={"serve.batch": batch, "serve.prompt_len": prompt_tokens,
+                                               "serve.max_new_tokens": max_tokens}).data["serve"]
+    except SpecError as e:
+        print(f"no prediction: {e}", file=sys.stderr)
+        return None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character (the table of
+    ``tokenizers.pre_tokenizers.ByteLevel``; Radford et al. 2019, openai/gpt-2 encoder.py)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
+    """A Hugging Face Llama checkpoint of ``spec``'s (dense, RoPE, RMSNorm, SwiGLU) model with
+    weights drawn from seed 0 and a byte-level tokenizer (token id = byte), saved with
+    ``save_pretrained`` into ``root/hf``; and ``root/serve.par``: the spec's cluster and
+    layout serving it, decoding up to ``streams`` sequences at once (``serve.batch``, at
+    least the spec's). Returns the new spec."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from parcompile.frontend import load_spec
+
+    cfg, _ = load_spec(spec)
+    m, par = cfg.model, cfg.parallel
+    if m.vocab != 256:
+        raise SystemExit("--transformers needs a byte-level model (vocab = 256)")
+    hf = root / "hf"
+    hcfg = transformers.LlamaConfig(
+        vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.ffn_hidden, num_hidden_layers=m.layers,
+        num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, max_position_embeddings=m.seq_len,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hcfg).float().save_pretrained(hf, safe_serialization=True)
+    table = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE({table[b]: b for b in range(256)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(hf)
+    out = root / "serve.par"
+    out.write_text(f'model m from "hf/config.json" {{ dtype = {m.dtype} }}\n'
+                   f'cluster local from "cpu" {{ nodes = 1, gpus_per_node = {par.tp * par.pp * par.dp} }}\n'
+                   f"parallel {{ tp = {par.tp}, pp = {par.pp}, dp = {par.dp} }}\n"
+                   f'serve {{ batch = {max(cfg.serve.batch, streams)}, prompt_len = {cfg.serve.prompt_len}, max_new_tokens = '
+                   f'{cfg.serve.max_new_tokens}, block_size = {cfg.serve.block_size}, kv_cache_tokens = 4096, '
+                   f'weights = "hf" }}\n')
+    return out
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, what: str) -> bool:
+    """Wait (up to 10 minutes) for ``url``/health to answer 200."""
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            print(f"{what} exited", file=sys.stderr)
+            return False
+        if time.monotonic() > deadline:
+            print(f"{what} did not start", file=sys.stderr)
+            return False
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main(argv=None) -> int:
@@ -119,43 +244,41 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every prompt starts with the same N tokens (prefix caching)")
+    ap.add_argument("--transformers", action="store_true",
+                    help="serve a seeded Hugging Face checkpoint of SPEC's model and compare with `transformers serve`")
     args = ap.parse_args(argv)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
+    spec = Path(args.spec)
+    if args.transformers:
+        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients)
+    elif "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
+        # the example's weights come from training tiny.par; without them, drawn from the seed
+        text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
+        spec = tmp / "serve_load.par"
+        spec.write_text(text)
+    plan = {n: predicted(spec, n, args.prompt_tokens, args.max_tokens) for n in (args.clients, 1)}
     proc = None
     url = args.url
     if url is None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
-        spec = Path(args.spec)
-        if "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
-            # the example's weights come from training tiny.par; without them, drawn from the seed
-            text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
-            spec = Path(os.environ.get("TMPDIR", "/tmp")) / "serve_load.par"
-            spec.write_text(text)
         proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(spec), "--port", str(port),
-                                 "-o", str(Path(os.environ.get("TMPDIR", "/tmp")) / "serve_load_build")], env=env)
+                                 "-o", str(tmp / "serve_load_build")], env=env)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc is not None and proc.poll() is not None:
-                print("the server exited", file=sys.stderr)
-                return 1
-            if time.monotonic() > deadline:
-                print("the server did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if not wait_healthy(url, proc, "the server"):
+            return 1
         one_request(httpx.Client(), url, [1, 2, 3], 2)          # warm up
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
-              f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy)")
-        prefix = [random.Random(0).randrange(256) for _ in range(args.shared_prefix)]
+              f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy); load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        prefix = [random.Random(0).randrange(97, 123) if args.transformers else random.Random(0).randrange(256)
+                  for _ in range(args.shared_prefix)]
         batched = report(f"{args.clients} clients", phase(url, args.clients, args.seconds, args.prompt_tokens,
-                                                           args.max_tokens, 1, prefix))
-        single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2, prefix))
+                                                           args.max_tokens, 1, prefix, args.transformers),
+                         plan[args.clients])
+        single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2,
+                                            prefix, args.transformers), plan[1])
         print(f"continuous batching: {batched / single:.1f}x the output tokens/s of sequential requests")
         if args.shared_prefix:
             m = {}
@@ -166,12 +289,24 @@ def main(argv=None) -> int:
             print(f"prefix cache: {h:,.0f} of {q:,.0f} prompt tokens hit ({h / q if q else 0:.0%}); "
                   f"{m.get('parcompile_prefill_tokens_total', 0):,.0f} prompt tokens prefilled")
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc)
+    if args.transformers:
+        port = _free_port()
+        hf_url = f"http://127.0.0.1:{port}"
+        hf_dir = spec.parent / "hf"
+        proc = subprocess.Popen(["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port",
+                                 str(port), str(hf_dir)], env=dict(os.environ), stdout=subprocess.DEVNULL)
+        try:
+            if not wait_healthy(hf_url, proc, "transformers serve"):
+                return 1
+            one_request(httpx.Client(), hf_url, "abc", 2)       # warm up (loads the model)
+            print(f"load average {os.getloadavg()[0]:.1f}")
+            theirs = report("transformers", phase(hf_url, args.clients, args.seconds, args.prompt_tokens,
+                                                  args.max_tokens, 1, prefix, letters=True, text=True))
+            print(f"parcompile serve: {batched / theirs:.1f}x the output tokens/s of `transformers serve "
+                  f"--continuous-batching` at {args.clients} streams (same weights)")
+        finally:
+            stop(proc)
     return 0
 
 

@@ -124,7 +124,7 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     warnings = list(warnings) + list(ctx.warnings)
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
-        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups)
+        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups, graph, ctx.degrees)
         _check_serve_fits(cfg, serve, warnings)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)

@@ -96,3 +96,29 @@ def replica_tokens(recs: list[dict]) -> list[list[int]]:
     for r in sorted((r for r in recs if r["stage"] == last and r["tp_index"] == 0), key=lambda r: r["dp_index"]):
         out += r["tokens"]
     return out
+
+
+def planned_collectives(cfg: SpecConfig, steps: int) -> list[dict]:
+    """Per pipeline stage, ``(op, axis, bytes) -> count`` of the collectives the serving
+    estimate costs for one generation of ``steps`` tokens (a prefill of ``prompt_len``, then
+    ``steps - 1`` decode steps), from the compiled graph
+    (:func:`parcompile.analysis.serve.step_costs`)."""
+    from parcompile.analysis.serve import step_collective_counts, step_costs
+    from parcompile.passes.manager import compile_graph
+
+    c = compile_graph(cfg)
+    sv, b = cfg.serve, -(-cfg.serve.batch // cfg.parallel.dp)
+    prefill = step_costs(cfg, c.graph, c.ctx.degrees, b, sv.prompt_len, sv.prompt_len)
+    decode = step_costs(cfg, c.graph, c.ctx.degrees, b, 1, sv.prompt_len + sv.max_new_tokens)
+    out = []
+    for pf, dc in zip(prefill, decode):
+        counts = step_collective_counts(pf)
+        for k, n in step_collective_counts(dc).items():
+            counts[k] = counts.get(k, 0) + (steps - 1) * n
+        out.append(counts)
+    return out
+
+
+def measured_collectives(rec: dict) -> dict:
+    """``(op, axis, bytes) -> count`` of a serve rank's record (its ``rt.COUNTER`` snapshot)."""
+    return {(e["op"], e["axis"], e["bytes"]): e["count"] for e in rec["comm"]}

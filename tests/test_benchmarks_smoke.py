@@ -106,3 +106,4 @@ def test_serve_load_smoke(tmp_path, capsys, monkeypatch):
     hit, queried = (int(x.replace(",", "")) for x in re.search(r"prefix cache: ([\d,]+) of ([\d,]+)", out).groups())
     n = (queried - 3) // 5
     assert (queried - 3) % 5 == 0 and n > 2 and 4 * (n - 2) <= hit <= 4 * (n - 1)
+    assert out.count("measured / plan: TTFT") == 2   # the plan's prediction beside both phases

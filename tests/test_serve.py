@@ -15,7 +15,8 @@ import torch
 
 import parcompile
 from parcompile.diagnostics import SpecError
-from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
+from tests.serve_utils import (build_serve, measured_collectives, planned_collectives, records, replica_tokens,
+                               run_in_process, run_torchrun, serve_config)
 
 PROMPTS = ["--prompt-ids", "5,17,99,3,250,42", "--prompt-ids", "7,7,120,9,31,200"]
 
@@ -64,6 +65,26 @@ def test_serve_memory_and_time_70b_tp8():
     assert 6e-3 < sv["breakdown"]["decode_weights"] < 7.5e-3
     assert sv["ttft"] > sv["tpot"] > 0 and sv["tokens_per_s"] > 0
     assert sv["decode_tokens_per_s"] == pytest.approx(sv["batch"] / sv["tpot"])
+
+
+def test_step_collectives_counted_by_hand():
+    """The tp 2 x pp 2 tiny spec (b = 2 sequences, prompt 6, h = 64, fp32, 4 layers, 2 per
+    stage): a decode step all-reduces (b, 1, h) over tp after the embedding (stage 0) and
+    after each layer's attention and MLP, sends (b, 1, h) to the next stage, all-gathers the
+    last position's fp32 logits (b x 256 padded vocab) over tp on the last stage and
+    broadcasts the b int64 tokens over pp; a prefill the same with (b, 6, h)."""
+    from parcompile.analysis.serve import step_collective_counts, step_costs
+    from parcompile.passes.manager import compile_graph
+
+    cfg = serve_config(tp=2, pp=2)
+    c = compile_graph(cfg)
+    for tokens in (6, 1):
+        first, last = step_costs(cfg, c.graph, c.ctx.degrees, 2, tokens, 12 if tokens == 1 else 6)
+        act = 2 * tokens * 64 * 4
+        assert step_collective_counts(first) == {("all_reduce", "tp", act): 1 + 2 * 2, ("send", "pp", act): 1,
+                                                 ("broadcast", "pp", 16): 1}
+        assert step_collective_counts(last) == {("recv", "pp", act): 1, ("all_reduce", "tp", act): 2 * 2,
+                                                ("all_gather", "tp", 2 * 256 * 4): 1, ("broadcast", "pp", 16): 1}
 
 
 def test_one_sequence_that_does_not_fit_is_an_error_with_what_would():
@@ -207,14 +228,18 @@ def test_two_rank_layouts_match_single_process(tmp_path):
     rank's KV cache holds exactly the planned bytes."""
     ref_plan = build_serve(serve_config(), tmp_path / "ref")
     ref = run_in_process(tmp_path / "ref", PROMPTS)["tokens"]
-    jobs, plans = [], {}
+    jobs, plans, cfgs = [], {}, {}
     for name, kw in (("tp2", dict(tp=2)), ("pp2", dict(pp=2))):
-        plans[name] = build_serve(serve_config(**kw), tmp_path / name)
+        cfgs[name] = serve_config(**kw)
+        plans[name] = build_serve(cfgs[name], tmp_path / name)
         jobs.append((tmp_path / name, PROMPTS, tmp_path / name / "out"))
     run_torchrun(2, jobs)
     for name, plan in plans.items():
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == ref, name
+        planned = planned_collectives(cfgs[name], 6)
+        for r in recs:   # what the serving estimate costs is what each rank ran
+            assert measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             want = plan["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["cache_bytes"] == want, (name, r["rank"])
@@ -243,9 +268,13 @@ def test_four_rank_layouts_match_single_process_and_hf(tmp_path):
     run_torchrun(4, [(tmp_path / "tp2pp2", PROMPTS, tmp_path / "tp2pp2" / "out"),
                      (tmp_path / "kvrep", PROMPTS, tmp_path / "kvrep" / "out"),
                      (tmp_path / "hfprog", hf_args, tmp_path / "hfprog" / "out")])
+    cfgs = {"tp2pp2": serve_config(tp=2, pp=2), "kvrep": serve_config(tp=4, model=rep_model)}
     for name, expected in (("tp2pp2", ref["tokens"]), ("kvrep", ref_rep)):
         recs = records(tmp_path / name / "out")
         assert replica_tokens(recs) == expected, name
+        planned = planned_collectives(cfgs[name], 6)
+        for r in recs:   # the serving estimate's collectives per rank: those the program ran
+            assert measured_collectives(r) == planned[r["stage"]], (name, r["rank"])
         for r in recs:
             assert r["cache_bytes"] == plans[name]["serve"]["kv_bytes_per_token_per_stage"][r["stage"]] * 2 * 12
             assert r["params"] == plans[name]["stages"][r["stage"]]["params_per_rank"], (name, r["rank"])

@@ -26,7 +26,8 @@ import torch
 
 import parcompile
 from parcompile.diagnostics import SpecError
-from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
+from tests.serve_utils import (build_serve, measured_collectives, planned_collectives, records, replica_tokens,
+                               run_in_process, run_torchrun, serve_config)
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 
@@ -332,8 +333,11 @@ def _expected_comm(plan: dict, stage: int, batch: int, prompt: int, new: int, e:
     return [{"op": op, "axis": ax, "bytes": b, "count": c} for (op, ax, b), c in sorted(counts.items())]
 
 
-def _check_records(name: str, plan: dict, recs: list[dict], want: list[list[int]]) -> None:
+def _check_records(name: str, plan: dict, recs: list[dict], want: list[list[int]], cfg) -> None:
+    """Tokens, cache bytes, parameters and collectives of every rank; the collectives also
+    equal the serving estimate's (costed from the graph, MoE layers as served: one all-reduce)."""
     assert replica_tokens(recs) == want, name
+    planned = planned_collectives(cfg, NEW)
     assert len(recs) == plan["world_size"]
     for r in recs:
         s = r["stage"]
@@ -344,6 +348,7 @@ def _check_records(name: str, plan: dict, recs: list[dict], want: list[list[int]
         assert r["cache_bytes"] == cache, (name, r["rank"])
         assert r["params"] == plan["stages"][s]["params_per_rank"], (name, r["rank"])
         assert r["comm"] == _expected_comm(plan, s, 2, 6, NEW), (name, r["rank"])
+        assert measured_collectives(r) == planned[s], (name, r["rank"])
 
 
 @pytest.mark.torchrun
@@ -352,48 +357,52 @@ def test_tp2_serving_equals_single_process_and_transformers(models, trained, tmp
     weights from the Hugging Face checkpoints, and the trained Qwen3-MoE from its DCP
     checkpoint: the single process's tokens (= transformers'), the planned cache bytes,
     parameters and collectives on every rank."""
-    jobs, plans = [], {}
+    jobs, plans, cfgs = [], {}, {}
     for name, m in models.items():
         d = tmp_path / name
-        plans[name] = build_serve(_spec(m["root"], tp=2), d)
+        cfgs[name] = _spec(m["root"], tp=2)
+        plans[name] = build_serve(cfgs[name], d)
         jobs.append((d, ARGS, d / "out"))
-    plans["dcp"] = build_serve(_dcp_spec(trained["root"], tp=2), tmp_path / "dcp")
+    cfgs["dcp"] = _dcp_spec(trained["root"], tp=2)
+    plans["dcp"] = build_serve(cfgs["dcp"], tmp_path / "dcp")
     jobs.append((tmp_path / "dcp", ARGS, tmp_path / "dcp" / "out"))
     # shared experts (one MLP beside the routed ones, in the same all-reduce), seeded weights
     shared = dict(experts=4, top_k=2, expert_ffn_hidden=32, dense_layers=1, shared_experts=2, vocab=VOCAB)
     plan_one = build_serve(serve_config(model=shared, serve=dict(max_new_tokens=NEW)), tmp_path / "shared_one")
     shared_one = run_in_process(tmp_path / "shared_one", ARGS)
     assert shared_one["params"] == plan_one["stages"][0]["params_per_rank"]
-    plans["shared"] = build_serve(serve_config(tp=2, model=shared, serve=dict(max_new_tokens=NEW)),
-                                  tmp_path / "shared")
+    cfgs["shared"] = serve_config(tp=2, model=shared, serve=dict(max_new_tokens=NEW))
+    plans["shared"] = build_serve(cfgs["shared"], tmp_path / "shared")
     jobs.append((tmp_path / "shared", ARGS, tmp_path / "shared" / "out"))
     run_torchrun(2, jobs)
     attn, norms = 2 * H * H + 2 * H * 2 * 16, 2 * H   # wq, wo; wk, wv of 2 kv heads of 16; the layer's norms
     moe_layer = 4 * H + 4 * 3 * H * 32 + 3 * H * 64   # router, 4 experts, the shared MLP of 2 x 32 units
     assert plans["shared"]["model"]["params"] == (4 * (attn + norms) + 3 * H * 128 + 3 * moe_layer
                                                   + 2 * VOCAB * H + H)
-    _check_records("shared", plans["shared"], records(tmp_path / "shared" / "out"), shared_one["tokens"])
+    _check_records("shared", plans["shared"], records(tmp_path / "shared" / "out"), shared_one["tokens"],
+                   cfgs["shared"])
     for name, m in models.items():
         assert plans[name]["degrees"]["tp"] == 2 and plans[name]["degrees"]["expert_tp"] == 2
-        _check_records(name, plans[name], records(tmp_path / name / "out"), m["one"]["tokens"])
+        _check_records(name, plans[name], records(tmp_path / name / "out"), m["one"]["tokens"], cfgs[name])
         assert m["one"]["tokens"] == m["want"]
     dcp = records(tmp_path / "dcp" / "out")
     assert all(r["weights"] == "dcp" for r in dcp)
-    _check_records("dcp", plans["dcp"], dcp, trained["want"])
+    _check_records("dcp", plans["dcp"], dcp, trained["want"], cfgs["dcp"])
 
 
 @pytest.mark.torchrun
 def test_tp2_pp2_serving_equals_single_process(models, tmp_path):
     """One launch of 4 ranks: Qwen3-MoE (its dense layer 0 and MoE layer 1 on stage 0, MoE
     layers 2, 3 on stage 1) and Mixtral under tp 2 x pp 2."""
-    jobs, plans = [], {}
+    jobs, plans, cfgs = [], {}, {}
     for name in ("qwen3_moe", "mixtral"):
         d = tmp_path / name
-        plans[name] = build_serve(_spec(models[name]["root"], tp=2, pp=2), d)
+        cfgs[name] = _spec(models[name]["root"], tp=2, pp=2)
+        plans[name] = build_serve(cfgs[name], d)
         jobs.append((d, ARGS, d / "out"))
     run_torchrun(4, jobs)
     for name, plan in plans.items():
-        _check_records(name, plan, records(tmp_path / name / "out"), models[name]["one"]["tokens"])
+        _check_records(name, plan, records(tmp_path / name / "out"), models[name]["one"]["tokens"], cfgs[name])
 
 
 def test_moe_serve_programs_define_nothing_unread(models):

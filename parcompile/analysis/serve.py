@@ -26,35 +26,38 @@ Memory per rank of pipeline stage ``s`` (bytes):
 
 Time (one replica; pipeline stages run one after another for a single batch, as every
 token passes through every stage; Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", section 2):
+Inference", section 2). Each step is costed from the sharded graph the plan compiled
+(:func:`step_costs`: every node at its local types for the step's shapes, the op table's
+FLOPs and traffic, its local parameters, its collectives), so the local sizes and the
+collectives are those of training's rules and of the program (tests/test_serve.py holds
+the collectives equal to what each rank of the serve program counts):
 
-* prefill is compute-bound: per stage ``max(flops / (matmul_eff * peak_flops),
-  weight_bytes / (memory_eff * hbm_bw))`` with ``flops = 2 N_s b P + 2 L_s b P^2 q d``
-  (matmuls of the rank's ``N_s`` matmul weights, and causal attention: ``QK^T`` and
-  ``AV`` halved by the mask), plus 2 tp all-reduces of ``b P h e`` per layer (attention and
-  MLP outputs), one for the vocab-parallel embedding, the logits all-gather, and one pp
-  hop of ``b P h e`` per stage boundary;
-* decode is memory-bandwidth-bound: per token and stage, the weights (the embedding
-  table excepted: a lookup reads b rows) and the cache at the mean context
-  ``P + max_new_tokens / 2`` (a sliding-window layer's at most its window) are read from HBM: ``max(bytes / (memory_eff * hbm_bw),
-  2 N_s b / (matmul_eff * peak_flops))``, plus the same collectives for one token each;
+* prefill (``b`` sequences of ``P`` tokens; the final norm and LM head on the last
+  position only, as the program samples it) per stage: ``max((F + A) / (matmul_eff *
+  peak_flops), (W + X) / (memory_eff * hbm_bw))`` with F the matmuls' FLOPs, A the
+  attention cores' (causal share, :func:`parcompile.analysis.compute.causal_share`), W the
+  weight bytes read, X the operands' and other ops' traffic; plus the step's collectives
+  (tp all-reduces, the logits' all-gather, one pp send of ``b P h e`` per stage boundary and
+  the sampled tokens' broadcast);
+* decode (one token per sequence) is memory-bandwidth-bound: per stage ``max(W / (memory_eff
+  * hbm_bw), (F + A) / (matmul_eff * peak_flops))`` (``decode_weights``: the embedding table
+  is not read, a lookup reads b rows), the cache at the mean context ``P + max_new_tokens /
+  2`` (a sliding-window layer's at most its window; ``decode_kv``), the activations' traffic
+  (``decode_activations``) and the step's collectives;
+* ``cluster.op_overhead`` (the host's cost per graph op, the ``cpu`` preset's): the graph's
+  ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0);
 * ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
   step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
   the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
 
 Mixture of experts (``experts > 0``; layers ``i >= dense_layers``), served tensor parallel
 as vLLM does by default (no expert parallelism: every rank holds every expert, each
-expert's inner width ``f_x`` split over tp, the router replicated; tokens routed on every
-rank alike and the layer's partial sums all-reduced once over tp, as a dense MLP's):
+expert's inner width ``f_x`` split over tp, the router replicated):
 
 * weights: the plan's stage parameters as above (all E experts ``/ tp``, the router whole);
-* time: a token multiplies the router (``h E``), its ``top_k`` experts and the shared
-  experts (``(3|2) h f_x / tp`` each) instead of the dense MLP; a decode step reads only
-  the experts its tokens chose: at most ``min(E, b top_k)`` of the E per layer (and a
-  prefill ``min(E, b P top_k)``), the balanced worst case, so the expert bytes read are
-  ``expert_bytes_s * min(E, b top_k) / E`` (decode is bound by the weight bytes read per
-  step: Pope et al. 2022, section 2; vLLM's fused MoE kernel reads only the experts that
-  received tokens);
+* time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
+  the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
+  case (vLLM's fused MoE kernel reads only the experts that received tokens);
 * workspace of a MoE layer: ``b P (e (4 h + (q + 2 kv) d + (3|2) (1 + shared_experts) f_x / tp)
   + 8 E)``: the dense layer's set with one expert's inner rows at a time beside the shared
   MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
@@ -69,14 +72,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from parcompile.analysis.compute import GEMM_KINDS, causal_share, counts_as_op
 from parcompile.analysis.estimate import axis_link, collective_time, efficiency
 from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_bytes, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.heads import kv_heads_per_rank
+from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.core.units import bytes_text
+from parcompile.ir.graph import Graph
+from parcompile.ir.ops import op_collectives, spec
+from parcompile.ir.types import Dim, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -204,12 +211,160 @@ class ServeReport:
         }
 
 
-def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping) -> ServeReport:
+@dataclass(frozen=True)
+class StepCost:
+    """One prefill or decode step of one replica on one rank of a pipeline stage, summed
+    from the sharded graph's nodes at the step's local types (:func:`step_costs`).
+
+    ``flops``: the matmuls' (linear, router, experts) forward FLOPs; ``attn_flops``: the
+    attention cores' (causal share applied in a prefill); ``weight_bytes``: the weights the
+    step reads (each local parameter once, the embedding table but its looked-up rows,
+    the experts the step's tokens can choose); ``act_bytes``: the matmuls' operands and
+    results and the other ops' traffic (``OpSpec.traffic``); ``ops``: graph ops run (for
+    ``cluster.op_overhead``); ``collectives``: ``(op, axis, bytes)`` of every collective
+    the serve program runs in the step on this rank, in graph order (the graph's forward
+    collectives, the vocab-parallel loss's replaced by the logits' all-gather over tp on
+    the last stage, and the sampled tokens' broadcast over pp)."""
+
+    flops: float
+    attn_flops: float
+    weight_bytes: float
+    act_bytes: float
+    ops: int
+    collectives: tuple[tuple[str, str, int], ...]
+
+
+def _at(t: TensorType, batch: int, seq: int) -> TensorType:
+    """``t`` with its ``batch`` and ``seq`` dims resized (a type without them unchanged)."""
+    for name, size in (("batch", batch), ("seq", seq)):
+        if t.has_dim(name):
+            d = t.dim(name)
+            t = t.replace_dim(name, Dim(name, size, d.unit))
+    return t
+
+
+def _one_kv_head(t: TensorType) -> TensorType:
+    """A local type whose ``kv`` dim the graph keeps unsplit, as one rank of a serving plan
+    that replicates kv heads holds it: one kv head (:mod:`parcompile.core.heads`; the
+    parameter report's rule, :func:`parcompile.analysis.params.stage_params`)."""
+    if t.has_dim("kv"):
+        d = t.dim("kv")
+        t = t.replace_dim("kv", Dim("kv", d.unit, d.unit))
+    return t
+
+
+#: the module names of the ops after the last decoder layer, which a serve step runs on the
+#: last position only (serve.py.j2: ``final_norm(x[:, -1:])``, then the LM head)
+HEAD_MODULES = frozenset({"final_norm", "lm_head"})
+#: bytes of one sampled token id the last stage broadcasts over pp (int64)
+TOKEN_BYTES = 8
+
+
+def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
+               context: int) -> list[StepCost]:
+    """Per pipeline stage, what one step of the serve program costs on one rank
+    (:class:`StepCost`): ``batch`` sequences of this replica, ``tokens`` new tokens each
+    (the prompt in a prefill, 1 in a decode step), attending ``context`` keys (``tokens``
+    in a prefill, the cached context in a decode step).
+
+    Every number comes from the graph the plan compiled (one micro-batch, sharded): each
+    node's global input and output types with their ``batch`` dim resized to ``batch * dp``
+    (the data-parallel split gives each replica ``batch``) and their ``seq`` dim to
+    ``tokens`` (1 for :data:`HEAD_MODULES`), made local by the node's sharding, then the op
+    table's rules (:func:`parcompile.ir.ops.spec`: ``fwd_flops``, ``traffic``; an
+    attention core's ``seq_len`` attribute set to ``context``) and its collectives
+    (:func:`parcompile.ir.ops.op_collectives`, forward phase). A MoE layer's expert
+    weights count ``min(E, rows * top_k) / E`` of their bytes (the experts a step's rows can
+    choose at most; vLLM's fused MoE kernel reads only those). The KV cache a decode step
+    reads is not here: :mod:`parcompile.analysis.kv` holds that rule.
+
+    Limits: a multi-head latent attention layer is costed as the graph computes it (keys
+    and values expanded per head), not as the serve program's absorbed form (runtime/mla.py);
+    with ``sequence_parallel`` the graph's sequence-split collectives are counted, which
+    the serve program does not run."""
+    m, pp = cfg.model, cfg.parallel.pp
+    dp = degrees.get("dp", 1)
+    one_kv = kv_heads_replicated(m.kv_heads, degrees.get("tp", 1)) and not m.kv_lora_rank
+    kv1 = _one_kv_head if one_kv else (lambda t: t)
+    out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set())
+                       for _ in range(pp)]
+    for nd in graph.nodes():
+        if nd.kind in ("input", "step_collective", "cross_entropy"):
+            continue
+        head = nd.op.module in HEAD_MODULES
+        seq = 1 if head else tokens
+        ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
+               for r, t in zip(nd.requires, graph.input_types(nd.name))]
+        local = kv1(nd.sharding.local_type(_at(nd.type, batch * dp, seq), degrees))
+        st = out[nd.stage or 0]
+        a = nd.op.attr_map
+        s = spec(nd.kind)
+        if counts_as_op(nd):
+            st["ops"] += 1
+        if nd.kind == "attention":
+            attrs = {**a, "seq_len": context}
+            share = causal_share(attrs) if tokens > 1 else 1.0
+            st["attn"] += s.fwd_flops(attrs, ins, local) * share
+            st["act"] += s.traffic(attrs, ins, local)
+        else:
+            st["flops"] += s.fwd_flops(a, ins, local)
+            st["act"] += s.traffic(a, ins, local)
+        if nd.kind in GEMM_KINDS:
+            operands = ins[0].nbytes + local.nbytes
+            for p in nd.params:
+                if p.name in st["seen"]:
+                    continue
+                st["seen"].add(p.name)
+                nb = kv1(p.sharding.local_type(p.type, degrees)).nbytes
+                if nd.kind == "experts":
+                    rows = ins[0].numel // ins[0].dims[-1].size // max(m.top_k, 1)
+                    nb *= min(m.experts, rows * m.top_k) / m.experts
+                st["weights"] += nb
+            st["act"] += operands
+        elif nd.kind != "embedding":   # the norms' weights (an embedding reads its rows: traffic)
+            for p in nd.params:
+                if p.name not in st["seen"]:
+                    st["seen"].add(p.name)
+                    st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
+        if nd.kind in ("moe_dispatch", "moe_combine") and degrees.get("ep", 1) == 1:
+            # served tensor parallel (runtime/moe.py TensorParallelMoE): the tokens are routed
+            # alike on every tp rank (no dispatch) and the layer's partial sums all-reduced once
+            # over tp, with the shared experts' where there are some (the graph's all-reduce
+            # after them), else here
+            if nd.kind == "moe_combine" and not m.shared_experts and degrees.get("tp", 1) > 1:
+                st["colls"].append(("all_reduce", "tp", local.nbytes))
+            continue
+        for c in op_collectives(nd, degrees, ins, local):
+            if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
+                out[c.stage if c.stage is not None else (nd.stage or 0)]["colls"].append((c.op, c.axis, c.bytes))
+        if nd.kind == "linear" and nd.op.module == "lm_head" and degrees.get("tp", 1) > 1:
+            # the last position's vocab-split logits, gathered in fp32 (runtime/generate.py gather_vocab)
+            st["colls"].append(("all_gather", "tp", local.numel * degrees["tp"] * 4))
+    if pp > 1:   # the sampled tokens, from the last stage to every stage (broadcast_from_last)
+        for st in out:
+            st["colls"].append(("broadcast", "pp", batch * TOKEN_BYTES))
+    return [StepCost(st["flops"], st["attn"], st["weights"], st["act"], st["ops"], tuple(st["colls"]))
+            for st in out]
+
+
+def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
+    """``(op, axis, bytes) -> count`` of a step's collectives (the serve program's
+    ``rt.COUNTER`` keys, ``recv`` included)."""
+    counts: dict[tuple[str, str, int], int] = {}
+    for c in step.collectives:
+        counts[c] = counts.get(c, 0) + 1
+    return counts
+
+
+def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
+                 graph: Graph, degrees: Mapping[str, int]) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
 
     ``chunks``: layer ids per model chunk (``split-pipeline-stages``' result);
     ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
-    ``groups``: the plan's rank groups (for which links the collectives use).
+    ``groups``: the plan's rank groups (for which links the collectives use);
+    ``graph``, ``degrees``: the sharded graph the plan compiled and its mesh: the prefill
+    and decode steps are costed from its nodes (:func:`step_costs`).
     """
     m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
     tp, pp, dp = par.tp, par.pp, par.dp
@@ -227,28 +382,41 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     mean_ctx = P + G / 2
     eff = efficiency(cl)
     capacity = int(cl.memory * (1 - cl.memory_reserve))
-    tp_link = axis_link(cl, groups, "tp", eff)
-    pp_link = axis_link(cl, groups, "pp", eff)
+    links = {a: axis_link(cl, groups, a, eff) for a in ("tp", "pp", "ep", "expert_tp")}
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
+    per_op = getattr(cl, "op_overhead", 0.0) or 0.0
     gated = m.activation in GATED_ACTIVATIONS
-    attn_matmul, score_width, attn_work = attention_geometry(m, tp)
-    layer_matmul = attn_matmul + (3 if gated else 2) * h * ffn_local
-    # mixture of experts (module docstring): what one token multiplies in a MoE layer, and
-    # the share of the expert weights a step reads
+    attn_work = attention_workspace(m, tp)
     moe = m.experts > 0
     mats = 3 if gated else 2
     expert_local = m.expert_ffn_hidden // tp if moe else 0
-    moe_matmul = (attn_matmul + h * m.experts + mats * h * expert_local * (m.top_k + m.shared_experts)) if moe else 0
-    read_share = lambda tokens: min(m.experts, tokens * m.top_k) / m.experts  # noqa: E731
+    prefill = step_costs(cfg, graph, degrees, b, P, P)
+    decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
+
+    def comm(step: StepCost, last: bool) -> tuple[float, float]:
+        """(tp-side seconds, pp seconds) of a step's collectives on one rank: a pp transfer is
+        timed on its sender (the sampled tokens' broadcast on the last stage, as one send)."""
+        tpc = ppc = 0.0
+        for op, axis, nb in step.collectives:
+            if axis == "pp":
+                if op == "send" or (op == "broadcast" and last):
+                    ppc += collective_time("send", nb, 2, links["pp"])
+            else:
+                tpc += collective_time(op, nb, degrees.get(axis, 1), links.get(axis) or links["tp"])
+        return tpc, ppc
+
     stages = []
-    parts = {k: 0.0 for k in ("prefill_compute", "prefill_tp_comm", "prefill_pp_comm",
-                              "decode_weights", "decode_kv", "decode_tp_comm", "decode_pp_comm")}
+    keys = ["prefill_compute", "prefill_tp_comm", "prefill_pp_comm", "decode_weights", "decode_kv",
+            "decode_activations", "decode_tp_comm", "decode_pp_comm"]
+    if per_op:
+        keys += ["prefill_overhead", "decode_overhead"]
+    parts = {k: 0.0 for k in keys}
     windows, kv_layer = m.layer_windows, kv_token_bytes(cfg)
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
         moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
-        first, last = s == 0, s == pp - 1
+        last = s == pp - 1
         weights = stage_params[s].total * e
         kv_tok = kv_tokens[s]
         kv_cache = b * kv_seqs[s]
@@ -264,37 +432,26 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         if pp > 1:
             work += b * P * h * e
         free = capacity - weights - work
-        # time: matmul weights of the rank, and the weight bytes one token reads
-        n_mat = (layers - moe_layers) * layer_matmul + moe_layers * moe_matmul + (h * padded // tp if last else 0)
-        emb_bytes = (padded // tp) * h * e if first and not (last and m.tie_embeddings) else 0
-        read = weights - emb_bytes
-        expert_bytes = stage_params[s].expert * e if moe_layers else 0
-        pf_read = read - expert_bytes * (1 - read_share(b * P)) if moe_layers else read
-        pf_flops = 2 * n_mat * b * P + 2 * layers * b * P * P * score_width
-        pf_compute = max(pf_flops / matmul_rate, pf_read / mem_rate)
-        ar = lambda tokens: collective_time("all_reduce", tokens * h * e, tp, tp_link)  # noqa: E731
-        gather = collective_time("all_gather", b * padded * 4, tp, tp_link) if last else 0.0
-        n_ar = 2 * layers + (1 if first else 0)
-        pf_tp = n_ar * ar(b * P) + gather
-        pf_pp = collective_time("send", b * P * h * e, 2, pp_link) if not last else 0.0
-        if moe_layers:   # the experts this step's b tokens chose, at most
-            read -= expert_bytes * (1 - read_share(b))
-        dec_w = max(read / mem_rate, 2 * n_mat * b / matmul_rate)
+        pf, dc = prefill[s], decode[s]
+        pf_compute = max((pf.flops + pf.attn_flops) / matmul_rate, (pf.weight_bytes + pf.act_bytes) / mem_rate)
+        pf_tp, pf_pp = comm(pf, last)
+        dec_w = max(dc.weight_bytes / mem_rate, (dc.flops + dc.attn_flops) / matmul_rate)
         # the cache a decode step reads at the mean context; a sliding-window layer reads at
         # most its window (core/model.cached_tokens), the rest every token
         beyond = sum(max(0.0, mean_ctx - windows[i]) for i in ids if windows[i])
         dec_kv = b * (mean_ctx * kv_tok - beyond * kv_layer) / mem_rate
-        dec_tp = n_ar * ar(b) + gather
-        dec_pp = collective_time("send", b * h * e, 2, pp_link) if not last else 0.0
-        if pp > 1 and last:  # the sampled token ids go back to the first stage
-            dec_pp += collective_time("send", b * 8, 2, pp_link)
-            pf_pp += collective_time("send", b * 8, 2, pp_link)
+        dec_act = dc.act_bytes / mem_rate
+        dec_tp, dec_pp = comm(dc, last)
+        pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op
         for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
-                     ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_tp_comm", dec_tp),
-                     ("decode_pp_comm", dec_pp)):
-            parts[k] += v
+                     ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_activations", dec_act),
+                     ("decode_tp_comm", dec_tp), ("decode_pp_comm", dec_pp),
+                     ("prefill_overhead", pf_ovh), ("decode_overhead", dec_ovh)):
+            if k in parts:
+                parts[k] += v
         stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, kv_seqs[s], work, free,
-                                 pf_compute + pf_tp + pf_pp, dec_w + dec_kv + dec_tp + dec_pp))
+                                 pf_compute + pf_tp + pf_pp + pf_ovh,
+                                 dec_w + dec_kv + dec_act + dec_tp + dec_pp + dec_ovh))
     ttft = sum(x.prefill_s for x in stages)
     tpot = sum(x.decode_s for x in stages)
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
@@ -302,28 +459,20 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                        sv.max_prefill_tokens)
 
 
-def attention_geometry(m, tp: int) -> tuple[int, float, int]:
-    """One decoder layer's attention on one rank of ``tp``, for the serving estimate:
-    (matmul weight elements a token multiplies, the width ``w`` of its causal attention
-    FLOPs ``2 b P^2 w`` over a prompt of P, the activation elements per token of its
-    working set).
+def attention_workspace(m, tp: int) -> int:
+    """The activation elements per token of one decoder layer's attention working set on
+    one rank of ``tp`` (the serving workspace, module docstring).
 
-    Multi-head attention: ``2 h q d + 2 h kv d``, ``w = q d`` (``QK^T`` and ``AV``, each
-    halved by the mask), ``(q + 2 kv) d``; ``q``/``kv`` the rank's heads, ``d`` head_dim.
+    Multi-head attention: ``(q + 2 kv) d``; ``q``/``kv`` the rank's heads, ``d`` head_dim.
     Multi-head latent attention (``kv_lora_rank`` c > 0), as the serve program computes it
     (runtime/mla.py: wkv_b absorbed into the query and the output, DeepSeek-V2 appendix
-    B): every weight of the layer once, ``h (c_q + c + r) + c_q H (n + r) + H c (n + v) +
-    H v h`` (``c_q`` q_lora_rank, 0: ``h H (n + r)``; H the rank's heads, n/r/v the
-    nope/rope/value dims); the scores over ``c + r`` dims and the weighted latents over c,
-    ``w = H (2 c + r) / 2``; the working set ``c_q + H (n + r) + c + r + H (2 c + r)``."""
+    B): ``c_q + H (n + r) + c + r + H (2 c + r)`` (``c_q`` q_lora_rank, H the rank's heads,
+    n/r the nope/rope dims)."""
     if m.kv_lora_rank:
         H, c, r = m.heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
-        n, v, cq, h = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.hidden
-        q_proj = h * cq + cq * H * (n + r) if cq else h * H * (n + r)
-        matmul = q_proj + h * (c + r) + H * c * (n + v) + H * v * h
-        return matmul, H * (2 * c + r) / 2, cq + H * (n + r) + c + r + H * (2 * c + r)
+        return m.q_lora_rank + H * (m.qk_nope_head_dim + r) + c + r + H * (2 * c + r)
     q, kv, d = m.heads // tp, kv_heads_per_rank(m.kv_heads, tp), m.head_dim
-    return 2 * m.hidden * q * d + 2 * m.hidden * kv * d, q * d, (q + 2 * kv) * d
+    return (q + 2 * kv) * d
 
 
 def fit_advice(cfg, rep: ServeReport) -> list[str]:
