@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, engine, links_of,
                                           optimizer_time, pipeline_parts, step_sums)
 from parcompile.analysis.memory import (MemoryReport, SavedBytes, buffer_bytes, buffer_total,
@@ -161,7 +162,7 @@ class _Probe:
     def _compute(self, rc: str):
         m, tp = self.pcfg.model, self.pcfg.parallel.tp
         return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine,
-                              attention_engine(self.pcfg.cluster))
+                              attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
 
     def _comm(self, rc: str):
         if rc == "selective":   # the same collectives as without recomputation
@@ -170,7 +171,7 @@ class _Probe:
 
     def _saved(self, rc: str) -> SavedBytes:
         return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine,
-                           attention_engine(self.pcfg.cluster))
+                           attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
 
     def _bufs(self, rc: str) -> list[dict[str, int]]:
         pcfg = self.pcfg
@@ -362,7 +363,7 @@ def _compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: in
     starts = [sum(counts[:k]) for k in range(nchunks)]
     dcounts = _dense_counts(counts, dense)
     for s in range(pp):
-        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0}
+        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0, "fp8": 0}
         emb = 0
         units: list[GradUnit] = []
         for k in reversed(range(s, nchunks, pp)):
@@ -383,7 +384,7 @@ def _compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: in
                 else:
                     emb = last.embedding
         out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units),
-                               tp_partial=acc["tp_partial"]))
+                               tp_partial=acc["tp_partial"], fp8=acc["fp8"]))
     return out
 
 
@@ -462,6 +463,7 @@ class _Coll(NamedTuple):
     axis: str
     bytes: float
     phase: str
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -488,7 +490,7 @@ def _scaled_comm(raw: tuple, r: float, pp: bool, experts: int = 0, fixed_r: floa
                  and c.bytes % (experts * COUNTS_BYTES) == 0 and c.bytes // (experts * COUNTS_BYTES) <= 64)
         return fixed_r if fixed else r
 
-    return _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * scale(c), c.phase)) for s, k, c in raw
+    return _ScaledComm(tuple((s, k, _Coll(c.op, c.axis, c.bytes * scale(c), c.phase, c.where)) for s, k, c in raw
                              if (c.axis == "pp") == pp))
 
 

@@ -18,6 +18,7 @@ from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
 from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.attention import attention_engine
@@ -56,7 +57,7 @@ def analyze(cfg, graph: Graph, degrees, sched=None) -> CostReport:
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                                 attention_engine(cfg.cluster))
+                                 attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
     comm = graph.meta.get("comm") if sched is not None else None   # the schedule pass's (same arguments)
     if comm is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)
