@@ -1023,7 +1023,7 @@ LAYOUT_READS = {
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
     _check_order: ("order",),
-    _check_train: (),
+    _check_train: ("auto", "zero"),
     _check_positions: (),
     _check_serve: ("cp", "ep", "expert_tp", "tp", "virtual_stages"),
 }
