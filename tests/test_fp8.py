@@ -86,6 +86,15 @@ def test_compile_run_and_verify_refuse_fp8_at_the_precision_key(command, tmp_pat
     assert not (tmp_path / "out").exists() and not (tmp_path / "build").exists()
 
 
+def test_the_api_writes_no_program_for_fp8(tmp_path):
+    plan = parcompile.compile(_spec(tmp_path).read_text(), filename="f.par")
+    with pytest.raises(SpecError) as e:
+        plan.write(tmp_path / "out")
+    assert "FP8 programs are not generated yet" in e.value.diagnostics[0].help
+    assert not (tmp_path / "out").exists()
+    assert plan.to_json()   # plan.json itself is there (`parcompile plan --format json`)
+
+
 def test_presets_without_fp8_refuse_it_naming_those_that_have_it(tmp_path):
     path = _spec(tmp_path, cluster="ascend-910b")
     [d] = [d for d in _diags(path) if d.severity == "error"]
