@@ -454,7 +454,8 @@ _FP8_PENDING = {
                                    "GEMMs (userbuffers; NeMo ships userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 "
                                    "for this very layout) and the interleaved pipeline's p2p with compute, which "
                                    "the time model keeps on the critical path (estimate.py: tp collectives do "
-                                   "not overlap); its FP8 weight copies also overrun the 80 GB part",
+                                   "not overlap); its plan (80.3 GiB) also exceeds the 72 GiB usable, as the "
+                                   "layout's bf16 plan does (76.3 GiB)",
 }
 
 
