@@ -112,6 +112,18 @@ def test_presets_without_fp8_refuse_it_naming_those_that_have_it(tmp_path):
                                         name="b.par")) if d.severity == "error"]
 
 
+def test_a_cluster_without_a_preset_refuses_fp8(tmp_path):
+    src = _spec(tmp_path).read_text().replace('cluster gpus from "h100-sxm" { nodes = 1 }',
+                                             "cluster gpus {\n  nodes = 1\n  gpus_per_node = 8\n  memory = 80 GiB\n"
+                                             "  peak_flops = 989 TFLOPS\n  hbm_bw = 3.35 TB/s\n"
+                                             "  intra_node_bw = 450 GB/s\n  inter_node_bw = 400 Gb/s\n}")
+    path = tmp_path / "n.par"
+    path.write_text(src)
+    errors = [d for d in _diags(path) if d.severity == "error"]
+    assert [d.message for d in errors] == [
+        "precision = fp8 needs FP8 tensor cores: a cluster without a preset has no FP8 GEMM peak"]
+
+
 def test_fp8_keys_without_fp8_and_fp8_all_gather_rules(tmp_path):
     warn = _diags(_spec(tmp_path, "  fp8_recipe = rowwise\n"))
     assert [d.message for d in warn] == ["fp8_recipe has no effect with precision = model"]

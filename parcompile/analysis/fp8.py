@@ -24,7 +24,9 @@ at pytorch/ao 6243040, the torchao commit of the torchtitan runs): a linear ``y 
 backward, the output gradient (``M x N``) for the input gradient, ``W`` again, and ``x``
 again for the weight gradient (it saves the 16-bit ``x`` and ``W``, ``ctx.save_for_backward(
 input_hp, weight_hp_t)``, not their FP8 casts: the saved activations are the 16-bit ones the
-memory model already counts). Rowwise scales along the other dimension for the weight
+memory model already counts; not modelled: under torchao's Float8 TP plan the GEMM's input is
+already the all-gathered FP8 tensor, and that, the whole sequence at 1 byte, is what it saves;
+Transformer Engine saves its FP8 casts). Rowwise scales along the other dimension for the weight
 gradient, so it casts the output gradient twice (along rows and along columns); MXFP8 too
 (32-element blocks along each GEMM's reduction dimension). Each cast reads the 16-bit tensor
 and writes the FP8 one (3 bytes per element); tensorwise first reads the whole tensor for
@@ -310,7 +312,8 @@ def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
         "tp_all_gathers": "FP8 (a layer's sequence-parallel all-gathers of GEMM inputs and output gradients)"
                           if r.tp_gather_fp8 else "16-bit",
         "saved_activations": "16-bit, as without FP8 (torchao saves the 16-bit input and weight and casts again "
-                             "in backward; Transformer Engine's FP8 saved inputs are not modelled)",
+                             "in backward; not modelled: the gathered FP8 inputs torchao's Float8 TP plan saves, "
+                             "Transformer Engine's saved FP8 casts)",
         "weight_copies": "engine megatron: Transformer Engine's cached FP8 weights, both orientations (2 bytes "
                          "per FP8 weight element, buffer fp8_weights); FSDP2 engines (torchao): none",
     }
