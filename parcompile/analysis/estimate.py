@@ -16,6 +16,10 @@ written into plan.json (``estimate.assumptions``).
   ``attention * P * (1 + softmax_dim / 128)`` (the kernel's measured fraction at head dim
   128; :func:`attention_efficiency` picks the engine's kernel); an unfused core is its
   matmuls at the GEMM rate and its scores' traffic;
+* with ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`) the layers' linear GEMMs'
+  arithmetic at the FP8 rate (``eff.fp8`` or ``fp8_rowwise`` of the preset's FP8 peak), their
+  inputs and weights read at 1 byte, plus the recipe's casts at ``BW`` and its amax
+  all-reduces over tp;
 * the non-matmul kernels (norms, activations, RoPE, dropout, residual adds, the loss) are
   memory-bound and move ``traffic * Engine.elementwise`` bytes (``OpSpec.traffic`` is the
   fused count) at ``BW``.

@@ -36,13 +36,20 @@ ZeRO-3 shard before the all-gather (``1/d`` of the elements) and the gathered FP
 not cast again.
 
 **Amax collectives** (tensorwise only: a row's or a 32-block's scale is local): with tensor
-parallelism the scale of a sharded tensor is its global amax, one all-reduce of a scalar over
-tp per cast of a sharded operand (torchtitan ``docs/float8.md`` at 820504e: "For TP ... The
-overhead is communicating max(abs) across ranks. For sharded weights, we communicate
-max(abs) as well"): two per FP8 GEMM in the forward (input, weight), three in the backward
-(output gradient, weight, input). With FP8 all-gather the shards' amaxes are all-reduced over
-dp once per step, one all-reduce for all weights (torchtitan's
+parallelism the scale of a tp-sharded tensor is its global amax, one all-reduce of a scalar
+over tp per cast of a sharded operand (torchtitan ``docs/float8.md`` at 820504e: "For TP ...
+The overhead is communicating max(abs) across ranks. For sharded weights, we communicate
+max(abs) as well"): one per sequence-parallel input gathered in FP8 (forward) and per output
+gradient before its FP8 all-gather (backward), and, under torchao, one per FP8 GEMM's
+tp-sharded weight in each (Transformer Engine scales each weight shard on its own and casts
+the weights once per step). With FP8 all-gather the shards' amaxes are all-reduced over dp
+once per step, one all-reduce for all weights (torchtitan's
 ``precompute_float8_dynamic_scale_for_fsdp``).
+
+**Engines.** Transformer Engine (``engine = megatron``) caches a step's FP8 weights from the
+first micro-batch (``is_first_microbatch``): their casts run once per step (in the optimizer
+step's time, :func:`weight_cast_bytes`) and their copies stay for the step
+(:func:`weight_copy_bytes`); torchao (the FSDP2 engines) casts in every GEMM.
 
 **Rates.** The FP8 GEMMs run at the preset's FP8 (``fp8_flops``) or MXFP8 peak
 (``mxfp8_flops``; :func:`parcompile.config.presets.fp8_peak`), scaled like ``peak_flops`` where
