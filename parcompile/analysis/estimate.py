@@ -719,7 +719,8 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         rins = (compute.chunk_recompute_fp8_in_tp if sharded else compute.chunk_recompute_fp8_in) or z8
         cast_f = tuple((f8.per_in * i + f8.per_out * o + f8.per_weight * w) / 3
                        for i, o, w in zip(ins, outs, compute.chunk_fp8_weight or z8))
-        cast_r = tuple(f8.rec_in * i + f8.rec_weight * w for i, w in zip(rins, compute.chunk_recompute_fp8_weight or z8))
+        cast_r = tuple(f8.rec_in * i + f8.rec_weight * w
+                       for i, w in zip(rins, compute.chunk_recompute_fp8_weight or z8))
         fop = tuple(x + w for x, w in zip(compute.chunk_fp8_operands or z8, compute.chunk_fp8_weight or z8))
         rop = tuple(x + w for x, w in zip(compute.chunk_recompute_fp8_operands or z8,
                                           compute.chunk_recompute_fp8_weight or z8))

@@ -702,7 +702,8 @@ def _check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
                       note="the presets' FP8 and MXFP8 peaks are their datasheets' (config/presets.py)")
     if t.fp8_all_gather and ctx.ok("train.fp8_all_gather"):
         if t.fp8_recipe == "rowwise":
-            ctx.bag.error("fp8_all_gather = true needs fp8_recipe = tensorwise or mxfp8", ctx.span("train.fp8_all_gather"),
+            ctx.bag.error("fp8_all_gather = true needs fp8_recipe = tensorwise or mxfp8",
+                          ctx.span("train.fp8_all_gather"),
                           help="set `fp8_recipe = tensorwise`, or remove `fp8_all_gather`",
                           note="torchao gathers FP8 weights with one scale per tensor only; with rowwise scaling "
                                "all communication is in 16 bits (torchtitan docs/float8.md)")
