@@ -3,7 +3,9 @@
 A100 rows: Megatron-LM 2021 Table 1 and Korthikanti et al. 2022 Table 5; H100 rows:
 torchtitan's Llama 3.1 8B FSDP row, Megatron-Bridge's GPT-OSS 120B row, the Llama 3
 paper's 405B row, torchtitan's 2025 FSDP + TP rows (Llama 3.1 70B and 8B, torch.compile)
-and NeMo AutoModel's GPT-OSS 20B and Qwen3-30B-A3B rows (parcompile/analysis/calibration.py
+and NeMo AutoModel's GPT-OSS 20B and Qwen3-30B-A3B rows; FP8 rows: torchtitan's float8 tensorwise and
+rowwise rows of the same 2025 tables and Megatron-Bridge's DGX-H100 FP8 Llama 3 70B row, each beside
+its bf16 row where one was published (parcompile/analysis/calibration.py
 gives every source, configuration and assumption; the last lines print each row's source
 commit and what was assumed). ``C`` rows were used to fit the efficiencies of parcompile/analysis/estimate.py;
 ``H`` rows are held out. Also prints the first stage's activation memory beside
@@ -20,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parcompile.analysis.calibration import (FITTED, H100_ROWS, ROWS, h100_config, row_config,  # noqa: E402
-                                             stage_activation_bytes)
+from parcompile.analysis.calibration import (FITTED, FP8_ROWS, H100_ROWS, ROWS, h100_config,  # noqa: E402
+                                             row_config, stage_activation_bytes)
 from parcompile.analysis.estimate import engine  # noqa: E402
 from parcompile.passes.manager import cost_without_schedule  # noqa: E402
 from parcompile.analysis.memory import closed_form_in_flight  # noqa: E402
@@ -99,6 +101,26 @@ def main() -> int:
         else:
             line += "; no memory published"
         memory_lines.append(line)
+        sources.append(f"{row.name:26s} {row.source} @ {row.commit}; assumed: {row.assumed}")
+    print()
+    print(f"{'FP8 row':38s} {'recipe':10s} {'published tok/s/GPU':>19s} {'estimate':>9s} {'error':>7s} "
+          f"{'bf16 published':>14s} {'bf16 estimate':>13s}")
+    bf16 = {r.name: r for r in H100_ROWS}
+    errs["FP8"] = []
+    for row in FP8_ROWS:
+        cfg = h100_config(row)
+        t = cost_without_schedule(cfg).time
+        got = t.tokens_per_s / cfg.parallel.world_size
+        err = got / row.tokens_per_s_per_gpu - 1
+        errs["FP8"].append(err)
+        line = (f"{row.name:38s} {cfg.train.fp8_recipe:10s} {row.tokens_per_s_per_gpu:19,.1f} {got:9,.1f} "
+                f"{100 * err:+6.1f}%")
+        if row.bf16_row:
+            b = bf16[row.bf16_row]
+            bc = h100_config(b)
+            bt = cost_without_schedule(bc).time
+            line += f" {b.tokens_per_s_per_gpu:14,.1f} {bt.tokens_per_s / bc.parallel.world_size:13,.1f}"
+        print(line)
         sources.append(f"{row.name:26s} {row.source} @ {row.commit}; assumed: {row.assumed}")
     print()
     for k, e in errs.items():

@@ -190,7 +190,7 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     if plan is None:
         plan, source = _compile(args.spec)
     gaps = program_gaps(plan.config, "error" if args.command == "run" else "warning")
-    if args.command == "run" and gaps:
+    if any(g.severity == "error" for g in gaps):
         raise SpecError(gaps, source)
     _print_diags(plan.warnings + gaps, source)
     name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"

@@ -34,6 +34,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.config.text import plural
@@ -400,6 +401,18 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         add("--bf16")
     elif m.dtype == "fp16":
         add("--fp16")
+    if tr.precision == "fp8":
+        # Megatron-Core core_v0.19.0 (5be9626) TransformerConfig: fp8 (--fp8-format e4m3 | hybrid),
+        # fp8_recipe (--fp8-recipe tensorwise | delayed | mxfp8 | blockwise | custom; "tensorwise" is
+        # Transformer Engine's per-tensor current scaling); arguments.py --fp8-param-gather
+        add("--fp8-format", "e4m3")
+        if tr.fp8_recipe in ("tensorwise", "mxfp8"):
+            add("--fp8-recipe", tr.fp8_recipe)
+        if gathers_fp8(cfg):
+            add("--fp8-param-gather")
+        notes.append("precision fp8: E4M3 for weights, activations and gradients (torchao's recipes; "
+                     "--fp8-format hybrid would take E5M2 gradients); every layer in FP8 (--first-last-layers-bf16 "
+                     "off, its default)")
     if _reduce_dtype(plan) == "bf16":
         add("--grad-reduce-in-bf16")
         notes.append("reduce_dtype bf16: --grad-reduce-in-bf16 also keeps Megatron-LM's gradient buffer in bf16 "
@@ -512,6 +525,10 @@ def megatron_errors(plan: Plan) -> list[str]:
         if cfg.model.tie_embeddings:
             errors.append("zero 3 with tie_embeddings: --use-torch-fsdp2 requires "
                           "--untie-embeddings-and-output-weights, a different model")
+    if cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "rowwise":
+        errors.append("fp8_recipe rowwise: Megatron-Core's --fp8-recipe has tensorwise, delayed, mxfp8 and blockwise "
+                      "(1x128 and 128x128 blocks) scaling, none per row; use fp8_recipe tensorwise or mxfp8, or "
+                      "export --to torchtitan --torchtitan-version 0.2")
     return errors
 
 
@@ -909,6 +926,23 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     }
     if tr.checkpoint_dir and tr.checkpoint_every:
         config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
+    if tr.precision == "fp8":
+        # torchtitan v0.2.2 job_config.py Quantize: the converters registered as
+        # quantize.linear.float8 (torchao Float8Linear: tensorwise, rowwise) and quantize.linear.mx
+        # (MXLinear); the LM head ("output") kept in bf16, as the plan assumes
+        if tr.fp8_recipe == "mxfp8":
+            config["model"]["converters"] = ["quantize.linear.mx"]
+            config["quantize.linear.mx"] = {"recipe_name": "mxfp8_cublas", "filter_fqns": ["output"]}
+        else:
+            config["model"]["converters"] = ["quantize.linear.float8"]
+            f8: dict = {"filter_fqns": ["output"]}
+            if tr.fp8_recipe == "rowwise":
+                f8["recipe_name"] = "rowwise"   # v0.2.2 refuses a recipe_name with FP8 all-gather
+            elif gathers_fp8(cfg):
+                f8.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
+            config["quantize.linear.float8"] = f8
+        notes.append("precision fp8: torchtitan's float8 converters need torch.compile for their speed "
+                     "(--compile.enable; docs/float8.md) and an SM89+ GPU")
     return config, notes
 
 
@@ -1079,6 +1113,23 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
               "optimizer": opt, "lr_scheduler": lr, "log_freq": tr.log_every, "seed": tr.seed}
     if tr.checkpoint_dir and tr.checkpoint_every:
         config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
+    if tr.precision == "fp8":
+        # torchtitan v0.2.2 job_config.py Quantize: the converters registered as
+        # quantize.linear.float8 (torchao Float8Linear: tensorwise, rowwise) and quantize.linear.mx
+        # (MXLinear); the LM head ("output") kept in bf16, as the plan assumes
+        if tr.fp8_recipe == "mxfp8":
+            config["model"]["converters"] = ["quantize.linear.mx"]
+            config["quantize.linear.mx"] = {"recipe_name": "mxfp8_cublas", "filter_fqns": ["output"]}
+        else:
+            config["model"]["converters"] = ["quantize.linear.float8"]
+            f8: dict = {"filter_fqns": ["output"]}
+            if tr.fp8_recipe == "rowwise":
+                f8["recipe_name"] = "rowwise"   # v0.2.2 refuses a recipe_name with FP8 all-gather
+            elif gathers_fp8(cfg):
+                f8.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
+            config["quantize.linear.float8"] = f8
+        notes.append("precision fp8: torchtitan's float8 converters need torch.compile for their speed "
+                     "(--compile.enable; docs/float8.md) and an SM89+ GPU")
     return config, notes
 
 
@@ -1106,6 +1157,9 @@ def _torchtitan3(plan: Plan) -> Export:
     cfg = plan.config
     config, notes = torchtitan_registry(plan)
     errors = torchtitan_errors(plan)
+    if cfg.train.precision == "fp8":
+        errors.append("precision fp8: parcompile writes torchtitan's float8 converters in 0.2's TOML "
+                      "([quantize.linear.float8] / [quantize.linear.mx]) only; export --torchtitan-version 0.2")
     fn = _py_name(cfg.name)
     module = f"{fn}_torchtitan"
     cl = cfg.cluster
@@ -1266,6 +1320,9 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
     sched = plan.data["schedule"]["name"]
     notes = _common_notes(plan, "DeepSpeed")
     errors: list[str] = []
+    if tr.precision == "fp8":
+        errors.append("precision fp8: DeepSpeed's config has no FP8 training (its fp16 and bf16 sections are the "
+                      "16-bit ones); export --to megatron or --to torchtitan")
     c: dict = {
         "train_batch_size": par.global_batch,
         "train_micro_batch_size_per_gpu": par.micro_batch,

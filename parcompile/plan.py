@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
 from parcompile.core.units import bytes_text
-from parcompile.diagnostics import Diagnostic, Sources
+from parcompile.diagnostics import Diagnostic, Sources, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
 if TYPE_CHECKING:
@@ -158,9 +158,17 @@ class Plan:
         """Every file :meth:`write` writes into ``directory``, name -> text: plan.json,
         report.md, graph.txt, trace.json, timeline.svg, the program (program.py or
         serve.py), launch.sh and slurm.sbatch. ``directory`` matters to the program
-        (it names the spec's data files relative to it)."""
-        from parcompile.codegen.emit import render_launch, render_program, render_serve, render_slurm
+        (it names the spec's data files relative to it).
 
+        Raises:
+            SpecError: the spec asks for what the generated program cannot run and does not
+                stand in for (FP8 training: :func:`parcompile.codegen.emit.program_gaps`, the
+                refusal of ``compile``)."""
+        from parcompile.codegen.emit import program_gaps, render_launch, render_program, render_serve, render_slurm
+
+        refused = [g for g in program_gaps(self.config) if g.severity == "error"]
+        if refused:
+            raise SpecError(refused)
         out_dir = Path(directory)
         files = {
             "plan.json": self.to_json(),
@@ -189,6 +197,7 @@ class Plan:
 
         Raises:
             OSError: the directory cannot be created or written (nothing is left half-written).
+            SpecError: as :meth:`outputs` (nothing is written).
         """
         from parcompile.codegen.emit import write_files
 

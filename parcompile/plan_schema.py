@@ -261,6 +261,26 @@ class NetworkAxis(_Strict):
     collectives: dict[str, NetworkCollective] = Field(description="per collective op of the axis")
 
 
+class Fp8Assumptions(_Strict):
+    """``train.precision = fp8``: what the estimate assumed of FP8 training (parcompile/analysis/fp8.py)."""
+
+    recipe: Literal["tensorwise", "rowwise", "mxfp8"]
+    recipe_source: str
+    fp8_gemms: str = Field(description="the GEMMs that run in FP8")
+    bf16_gemms: str = Field(description="the GEMMs (and other matmul work) that stay in 16 bits")
+    fp8_peak: float = Field(gt=0, description="FLOP/s per GPU of the FP8 (or MXFP8) GEMMs at the datasheet peak")
+    fp8_matmul_efficiency: float = Field(gt=0, description="achievable fraction of fp8_peak (fitted to the FP8 "
+                                                           "calibration rows)")
+    fp8_efficiency_source: str
+    casts: str
+    amax_all_reduces_tp: str = Field(description="the scalar amax all-reduces over tp (tensorwise scales of "
+                                                 "tp-sharded tensors)")
+    fp8_all_gather: bool = Field(description="ZeRO-3 parameter all-gathers move FP8 weights")
+    tp_all_gathers: str = Field(description="what a layer's tensor-parallel all-gathers move: FP8 or 16-bit")
+    saved_activations: str
+    weight_copies: str
+
+
 class Assumptions(_Strict):
     """What the time estimate assumed (extension)."""
 
@@ -298,6 +318,9 @@ class Assumptions(_Strict):
     cluster_figures: Optional[str] = Field(
         default=None, description="`cpu` preset only: where its memory, compute and bandwidth came from (this "
                                   "machine's probe, pinned by PARCOMPILE_CPU_PROBE, or the fixed figures)")
+    fp8: Optional[Fp8Assumptions] = Field(
+        default=None, description="`precision = fp8` only: the recipe, which GEMMs run in FP8, their rate, the "
+                                  "casts and amax collectives, FP8 all-gather")
 
 
 class GradReduction(_Strict):

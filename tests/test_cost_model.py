@@ -463,10 +463,128 @@ def test_fsdp2_engines_keep_their_shards_in_the_models_dtype_and_no_master_copy(
 def test_fitted_numbers_name_their_rows():
     # issue 29: calibrate only on the handed rows, as few numbers as possible, each named
     # with the rows it was fitted to (benchmarks/cost_model.py prints them)
-    from parcompile.analysis.calibration import FITTED
-    names = {r.name for r in ROWS} | {r.name for r in H100_ROWS}
+    from parcompile.analysis.calibration import FITTED, FP8_ROWS
+    names = {r.name for r in ROWS} | {r.name for r in H100_ROWS} | {r.name for r in FP8_ROWS}
     held_out = {r.name for r in ROWS if r.held_out}
     for f in FITTED:
         assert f.rows and set(f.rows) <= names - held_out, f
         assert f.value() > 0
     assert len({(f.table, f.key, f.field) for f in FITTED}) == len(FITTED)
+
+
+# ------------------------------------------------------------------ FP8 training (issue 32)
+
+from parcompile.analysis.calibration import FP8_ROWS  # noqa: E402
+
+#: handed FP8 rows the estimate does not meet yet, each with why
+_FP8_PENDING = {
+    "Llama 3 70B TP4 PP8 VP5 fp8": "25% slow: Megatron-Bridge overlaps the tensor-parallel collectives with the "
+                                   "GEMMs (userbuffers; NeMo ships userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 "
+                                   "for this very layout) and the interleaved pipeline's p2p with compute, which "
+                                   "the time model keeps on the critical path (estimate.py: tp collectives do "
+                                   "not overlap); its plan (80.3 GiB) also exceeds the 72 GiB usable, as the "
+                                   "layout's bf16 plan does (76.3 GiB)",
+}
+
+
+@lru_cache(maxsize=None)
+def _fp8_cost(row):
+    return cost_without_schedule(h100_config(row))
+
+
+def _fp8_rate(row) -> float:
+    t = _fp8_cost(row).time
+    return t.tokens_per_s / h100_config(row).parallel.world_size
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name, marks=pytest.mark.xfail(strict=True, reason=_FP8_PENDING[r.name]))
+                                 if r.name in _FP8_PENDING else pytest.param(r, id=r.name) for r in FP8_ROWS])
+def test_fp8_rows_within_10_percent_of_published(row):
+    # issue 32's handed FP8 rows: tokens per second per GPU within 10% of the published
+    assert _fp8_rate(row) == pytest.approx(row.tokens_per_s_per_gpu, rel=0.10), row.name
+
+
+def test_fp8_rows_are_read_from_their_sources():
+    # the published figures and layouts as the sources print them (torchtitan asyncTP page at
+    # 2887250; Megatron-Bridge docs/performance-summary-archive.md at 4ab94df, 26.04.01)
+    rows = {r.name: r for r in FP8_ROWS}
+    want = {"Llama 3.1 70B FSDP+TP fp8 tensorwise": (809.8, "tensorwise", 256, dict(dp=32, tp=8)),
+            "Llama 3.1 70B FSDP+TP fp8 rowwise": (599.6, "rowwise", 256, dict(dp=32, tp=8)),
+            "Llama 3.1 8B FSDP+TP fp8 tensorwise": (5078.1, "tensorwise", 64, dict(dp=8, tp=8)),
+            "Llama 3.1 8B FSDP+TP fp8 rowwise": (3708.5, "rowwise", 64, dict(dp=8, tp=8)),
+            "Llama 3 70B TP4 PP8 VP5 fp8": (1664, "tensorwise", 64, dict(tp=4, pp=8, virtual_stages=5,
+                                                                           micro_batch=1, global_batch=256))}
+    assert set(rows) == set(want)
+    for name, (rate, recipe, gpus, par) in want.items():
+        cfg = h100_config(rows[name])
+        assert rows[name].tokens_per_s_per_gpu == rate and cfg.train.precision == "fp8"
+        assert cfg.train.fp8_recipe == recipe and cfg.parallel.world_size == gpus and cfg.model.seq_len == 8192
+        assert {k: getattr(cfg.parallel, k) for k in par} == par
+        assert not cfg.train.fp8_all_gather   # torchtitan 820504e's tomls: enable_fsdp_float8_all_gather = false
+        assert rows[name].commit and rows[name].assumed
+        if rows[name].bf16_row:   # the same layout as its bf16 row
+            b = h100_config(next(r for r in H100_ROWS if r.name == rows[name].bf16_row))
+            assert b.parallel == cfg.parallel and b.cluster == cfg.cluster and b.model == cfg.model
+
+
+@pytest.mark.parametrize("row", [r for r in FP8_ROWS if r.bf16_row], ids=lambda r: r.name)
+def test_fp8_plans_faster_than_bf16_where_the_rows_say_so(row):
+    # the published FP8 / bf16 ratio on the same layout: 1.36 and 1.16 (tensorwise, faster),
+    # 1.004 (70B rowwise: even) and 0.85 (8B rowwise: slower); the plan's ratio on the same side
+    # where the published one is more than 2% from even, within 10% of even where it is not
+    bf16 = next(r for r in H100_ROWS if r.name == row.bf16_row)
+    want = row.tokens_per_s_per_gpu / bf16.tokens_per_s_per_gpu
+    t, tb = _fp8_cost(row).time, _h100_cost(bf16).time
+    got = t.tokens_per_s / tb.tokens_per_s
+    if abs(want - 1) > 0.02:
+        assert (got > 1) == (want > 1), (row.name, got, want)
+    else:
+        assert got == pytest.approx(1, abs=0.10), (row.name, got)
+
+
+def test_fp8_plans_only_the_layer_linears_at_the_fp8_rate():
+    # the layer GEMMs run at the FP8 rate, the LM head, embedding, router and attention core
+    # do not: the FP8 FLOPs are the layers' linear FLOPs, and a faster FP8 peak shortens the
+    # matmul time by what those take
+    from parcompile.analysis.fp8 import is_fp8_gemm
+    row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
+    cfg = h100_config(row)
+    g, ctx = run_until(cfg, "insert-collectives")
+    rep = compute_report(g, ctx.degrees, 1, cfg.model.vocab, cfg.model.padded_vocab(cfg.parallel.tp), 1, "none",
+                         fp8=True)
+    from parcompile.analysis.compute import op_fwd_flops
+    linears = sum(op_fwd_flops(g, nd, ctx.degrees) for nd in g.nodes()
+                  if nd.kind == "linear" and nd.op.layer is not None)
+    head = sum(op_fwd_flops(g, nd, ctx.degrees) for nd in g.nodes() if nd.name.startswith("lm_head"))
+    assert rep.chunk_fp8_flops[0] == linears > 0 and head > 0
+    assert not any(is_fp8_gemm(nd) for nd in g.nodes() if nd.op.layer is None or nd.kind in ("router", "attention"))
+    # q, k and v read one gathered input, cast once on its sequence shard
+    assert rep.chunk_fp8_in_tp[0] < rep.chunk_fp8_in[0] < rep.chunk_fp8_operands[0]
+
+
+def test_fp8_all_gather_halves_the_zero3_parameter_gathers():
+    # fp8_all_gather: the layers' FP8 weights travel at 1 byte, the rest at 2
+    row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
+    cfg = h100_config(row)
+    on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"fp8_all_gather": True})})
+    plans = [compile_config(c) for c in (cfg, on)]
+    gathers = [sum(e.bytes * e.count for e in p.graph.meta["comm"].collectives if e.where == "params")
+               for p in plans]
+    sp = plans[0].graph.meta["stage_params"][0]
+    share = sp.fp8 / sp.total
+    assert 0.8 < share < 1
+    assert gathers[1] == pytest.approx(gathers[0] * (1 - share / 2), rel=1e-3)
+    assert any(e.where == "fp8_amax" for e in plans[1].graph.meta["comm"].collectives)
+    assert plans[1].memory.per_stage[0].buffer_parts["zero3_gather"] < plans[0].memory.per_stage[0].buffer_parts[
+        "zero3_gather"]
+
+
+def test_fp8_fast_cost_equals_the_compilers():
+    # the search costs FP8 layouts with the same rules (compute, casts, collectives, memory)
+    from parcompile.search import Coster
+    for name in ("Llama 3.1 8B FSDP+TP fp8 tensorwise", "Llama 3 70B TP4 PP8 VP5 fp8"):
+        row = next(r for r in FP8_ROWS if r.name == name)
+        cfg = h100_config(row)
+        fast = Coster(cfg).cost(cfg, with_memory=True)
+        assert fast.peak == _fp8_cost(row).memory.peak, name
+        assert fast.step_time == pytest.approx(_fp8_cost(row).time.step_time, rel=1e-9), name

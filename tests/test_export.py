@@ -509,6 +509,10 @@ def test_export_usage_errors(monkeypatch, capsys):
 # 2290 there), not run through check_engine_parsers.py; --microbatch-group-size-per-virtual-pipeline-stage
 # the same way (ModelParallelConfig.microbatch_group_size_per_vp_stage, model_parallel_config.py line
 # 431 at 5be9626709af2722333bf54797c954c09edeada3, a field of TransformerConfig's base; not excluded).
+# FP8 (issue 32): --fp8-format and --fp8-recipe are TransformerConfig fields fp8 and fp8_recipe
+# (transformer_config.py lines 566 and 573 at core_v0.19.0, 5be9626), --fp8-param-gather
+# arguments.py line 1935 there; not run through check_engine_parsers.py
+MEGATRON_CORE_V0_19_0_FP8_FLAGS = frozenset({"--fp8-format", "--fp8-recipe", "--fp8-param-gather"})
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
@@ -791,3 +795,29 @@ def test_export_to_a_pipe_or_device_writes_through_it(monkeypatch, tmp_path):
     assert rc == 0 and stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert got and got[0].startswith("# Megatron-LM"), got
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "tiny.par"]
+
+
+def test_fp8_exports_pass_the_engines_fp8_settings(monkeypatch):
+    """precision = fp8 (issue 32): Megatron-LM gets --fp8-format e4m3, --fp8-recipe (tensorwise is
+    Transformer Engine's current scaling) and --fp8-param-gather with FP8 all-gather, each a
+    core_v0.19 flag; rowwise, which Megatron has not, is refused; torchtitan 0.2's TOML names
+    its float8 converter and table (v0.2.2 job_config.py Quantize) with the LM head kept out;
+    DeepSpeed refuses FP8."""
+    monkeypatch.chdir(REPO)
+    base = MODEL_VARIANTS["llama31_70b_8x8"]
+    assert "train {" in base
+
+    def plan(train: str):
+        return parcompile.compile(base.replace("train {", "train {\n    precision = fp8\n" + train, 1), "fp8.par")
+
+    tw = plan("")
+    _launcher, flags = parse_megatron(export(tw, "megatron").text)
+    assert flags["--fp8-format"] == "e4m3" and flags["--fp8-recipe"] == "tensorwise"
+    assert "--fp8-param-gather" not in flags
+    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_FP8_FLAGS | {"--grad-reduce-in-bf16"}
+    rw = plan("    fp8_recipe = rowwise\n")
+    assert any(e.startswith("fp8_recipe rowwise:") for e in export(rw, "megatron").errors)
+    t = tomllib.loads(export(rw, "torchtitan", torchtitan_version="0.2").text)
+    assert t["model"]["converters"] == ["quantize.linear.float8"]
+    assert t["quantize"]["linear"]["float8"] == {"filter_fqns": ["output"], "recipe_name": "rowwise"}
+    assert export(tw, "deepspeed").errors and export(tw, "torchtitan").errors   # 0.3: not yet

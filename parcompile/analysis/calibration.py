@@ -93,6 +93,25 @@ was assumed where the source is silent (:attr:`H100Row.assumed`):
    4096, FSDP 8, EP 8: 21.773 s per step; its recipe (``qwen3_moe_30b_te_deepep.yaml``)
    as row 6 with TE attention.
 
+FP8 rows (issue 32, :data:`FP8_ROWS`, ``precision = fp8``; :mod:`parcompile.analysis.fp8`), what
+``EFFICIENCY["h100-sxm"].fp8`` and ``fp8_rowwise`` were fitted to, and nothing else:
+
+8. torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (commit 2887250, runs at
+   820504e with torchao 6243040), the "float8 tensorwise" and "float8 rowwise" rows of the
+   Llama 3 70B table, vanilla TP: 809.8 and 599.6 tokens/s per GPU (bf16: row 4's 597.3), the
+   layout of row 4. torchtitan 820504e's ``llama3_70b.toml`` ``[float8]`` section:
+   ``enable_fsdp_float8_all_gather = false``, ``filter_fqns = ["output"]`` (no FP8 all-gather;
+   the LM head in bf16); tensorwise runs torchtitan's Float8 TP plan (FP8 all-gathers of the
+   sequence-parallel inputs), rowwise the plain one.
+9. The same file, Llama 3 8B table: 5,078.1 (tensorwise) and 3,708.5 (rowwise) tokens/s per
+   GPU (bf16: row 5's 4,378), the layout of row 5; op-level selective recomputation, whose
+   save list (``parallelize_llama.py`` at 820504e) saves ``aten.mm`` outputs but not
+   ``aten._scaled_mm``'s: every FP8 linear is recomputed (:func:`parcompile.analysis.compute.op_sac`).
+10. Megatron-Bridge ``docs/performance-summary-archive.md`` (commit 4ab94df), "26.04.01 NeMo
+    Container", pre-training LLAMA3_70B, DGX-H100, FP8: 64 GPUs, GBS 256, MBS 1, seq 8192,
+    FSDP 0, TP 4, PP 8, CP 1, VP 5: 1,664 tokens/s per GPU (731 model TFLOP/s per GPU). FP8
+    here is Transformer Engine's current scaling (per-tensor: ``fp8_recipe = tensorwise``).
+
 A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
 passes belongs to the driver: the analyses import no pass).
@@ -250,6 +269,11 @@ class H100Row:
     commit: str = ""
     #: what was assumed where the source leaves a value open
     assumed: str = ""
+    #: `train` keys beyond ``optimizer = adamw`` (the FP8 rows: ``precision``, ``fp8_recipe``)
+    train: tuple[tuple[str, object], ...] = ()
+    #: the name of the row of :data:`H100_ROWS` with the same layout in bf16, where one was
+    #: published beside this one (an FP8 row)
+    bf16_row: str | None = None
 
     def layout(self) -> str:
         """The layout in words: ``dp=8 zero=3 mb=2 gbs=16 recompute=selective``."""
@@ -343,7 +367,52 @@ def h100_config(row: H100Row) -> SpecConfig:
     cluster = ClusterConfig(name="h100", preset="h100-sxm", **cl)
     par = ParallelConfig(**dict(row.parallel))
     return SpecConfig(name=model.name, model=model, cluster=cluster, parallel=par,
-                      train=TrainConfig(optimizer="adamw"))
+                      train=TrainConfig(optimizer="adamw", **dict(row.train)))
+
+
+_TT_FP8 = ("float8 rows of the same tables as rows 4 and 5, vanilla TP; torchtitan 820504e's llama3_{8b,70b}.toml "
+           "[float8]: enable_fsdp_float8_all_gather = false, filter_fqns = ['output'] (fp8_all_gather false, the "
+           "LM head in bf16); seq 8192, no gradient accumulation, peak 884 TFLOPS (FP8 1,769 at the same 500 W "
+           "ratio) as row 4")
+#: the FP8 rows (issue 32; module docstring, rows 8-10): what :attr:`parcompile.analysis.estimate.Efficiency.fp8`
+#: and ``fp8_rowwise`` of the h100-sxm preset were fitted to, and nothing else
+FP8_ROWS: tuple[H100Row, ...] = (
+    H100Row("Llama 3.1 70B FSDP+TP fp8 tensorwise", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b",
+            (("seq_len", 8192),), (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),
+             ("global_batch", 512), ("recompute", "full")),
+            tokens_per_s_per_gpu=809.8, commit="2887250 (runs at 820504e, torchao 6243040)", assumed=_TT_FP8,
+            train=(("precision", "fp8"), ("fp8_recipe", "tensorwise")), bf16_row="Llama 3.1 70B FSDP+TP"),
+    H100Row("Llama 3.1 70B FSDP+TP fp8 rowwise", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-70b",
+            (("seq_len", 8192),), (("nodes", 32), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 32), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 16),
+             ("global_batch", 512), ("recompute", "full")),
+            tokens_per_s_per_gpu=599.6, commit="2887250 (runs at 820504e, torchao 6243040)", assumed=_TT_FP8,
+            train=(("precision", "fp8"), ("fp8_recipe", "rowwise")), bf16_row="Llama 3.1 70B FSDP+TP"),
+    H100Row("Llama 3.1 8B FSDP+TP fp8 tensorwise", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-8b",
+            (("seq_len", 8192),), (("nodes", 8), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 8), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 12),
+             ("global_batch", 96), ("recompute", "selective")),
+            tokens_per_s_per_gpu=5078.1, commit="2887250 (runs at 820504e, torchao 6243040)", assumed=_TT_FP8,
+            train=(("precision", "fp8"), ("fp8_recipe", "tensorwise")), bf16_row="Llama 3.1 8B FSDP+TP"),
+    H100Row("Llama 3.1 8B FSDP+TP fp8 rowwise", "torchtitan asyncTP_llama3_h100_2025-06", "llama3-8b",
+            (("seq_len", 8192),), (("nodes", 8), *GRAND_TETON, ("engine", "compile")),
+            (("tp", 8), ("dp", 8), ("zero", 3), ("sequence_parallel", True), ("micro_batch", 12),
+             ("global_batch", 96), ("recompute", "selective")),
+            tokens_per_s_per_gpu=3708.5, commit="2887250 (runs at 820504e, torchao 6243040)", assumed=_TT_FP8,
+            train=(("precision", "fp8"), ("fp8_recipe", "rowwise")), bf16_row="Llama 3.1 8B FSDP+TP"),
+    H100Row("Llama 3 70B TP4 PP8 VP5 fp8", "Megatron-Bridge performance-summary-archive", "llama3-70b",
+            (("seq_len", 8192),), (("nodes", 8),),
+            (("tp", 4), ("pp", 8), ("dp", 2), ("zero", 1), ("sequence_parallel", True), ("micro_batch", 1),
+             ("global_batch", 256), ("schedule", "interleaved_1f1b"), ("virtual_stages", 5), ("recompute", "none")),
+            tokens_per_s_per_gpu=1664, commit="4ab94df (docs/performance-summary-archive.md, 26.04.01 NeMo "
+                                             "Container, LLAMA3_70B pre-training, DGX-H100 FP8)",
+            assumed="FP8 = Transformer Engine's current scaling (per-tensor: fp8_recipe tensorwise); FSDP 0, "
+                    "CP 1 and 64 GPUs give dp 2; the distributed optimizer (zero 1), sequence parallelism with "
+                    "TP, no recomputation (Megatron-Bridge's Llama 3 recipes); every layer in FP8 "
+                    "(--first-last-layers-bf16 off)",
+            train=(("precision", "fp8"), ("fp8_recipe", "tensorwise"))),
+)
 
 
 @dataclass(frozen=True)
@@ -375,4 +444,8 @@ FITTED: tuple[Fitted, ...] = (
     Fitted("EFFICIENCY", "h100-sxm", "matmul", ("Llama 3.1 405B",)),
     Fitted("ENGINES", "megatron", "expert_rows", ("GPT-OSS 120B",)),
     Fitted("ENGINES", "automodel", "elementwise", ("GPT-OSS 20B FSDP+EP", "Qwen3-30B-A3B FSDP+EP")),
+    Fitted("EFFICIENCY", "h100-sxm", "fp8", tuple(r.name for r in FP8_ROWS if r.bf16_row and
+                                                   dict(r.train)["fp8_recipe"] == "tensorwise")),
+    Fitted("EFFICIENCY", "h100-sxm", "fp8_rowwise",
+           tuple(r.name for r in FP8_ROWS if dict(r.train)["fp8_recipe"] == "rowwise")),
 )

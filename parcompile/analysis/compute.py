@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from parcompile.analysis.fp8 import cast_elements, cast_input, is_fp8_gemm
 from parcompile.core.attention import attention_kernel, with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
@@ -95,7 +96,7 @@ def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int,
 OP_SAC_ENGINES = frozenset({"eager", "compile", "automodel"})
 
 
-def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[str] | None:
+def op_sac(graph: Graph, recompute: str, engine: str = "megatron", fp8: bool = False) -> frozenset[str] | None:
     """``recompute = selective`` under an engine whose ``Engine.sac`` is ``"op"`` (``eager``,
     ``compile``, ``automodel``: :data:`parcompile.analysis.estimate.ENGINES`) is torchtitan's op-level
     selective activation checkpointing (``selective_ac_option = "op"``,
@@ -103,13 +104,22 @@ def op_sac(graph: Graph, recompute: str, engine: str = "megatron") -> frozenset[
     the attention kernel are saved, every other matmul of a layer, counted in forward
     order, and every other op are recomputed): the names of the recomputed linears (the
     2nd, 4th, ... of each layer). None for every other recompute mode and engine
-    (``selective`` is then Megatron-LM's: the attention core, Korthikanti et al. 2022)."""
+    (``selective`` is then Megatron-LM's: the attention core, Korthikanti et al. 2022).
+
+    With ``fp8`` (``precision = fp8``) every FP8 linear is recomputed and the count runs over
+    the others: the policy saves the outputs of ``aten.mm`` and not those of
+    ``aten._scaled_mm``, which Float8Linear calls (its ``_save_list``, torchtitan
+    ``torchtitan/models/llama3/parallelize_llama.py`` at 820504e: ``aten.mm``, the SDPA
+    kernels, ``reduce_scatter_tensor`` and ``max``: the version of the FP8 calibration rows)."""
     if recompute != "selective" or (engine or "megatron") not in OP_SAC_ENGINES:
         return None
     count: dict[int, int] = {}
     out = set()
     for nd in graph.nodes():
         if nd.op.layer is None or nd.kind != "linear":
+            continue
+        if fp8 and is_fp8_gemm(nd):
+            out.add(nd.name)
             continue
         k = count[nd.op.layer] = count.get(nd.op.layer, 0) + 1
         if k % 2 == 0:
@@ -178,24 +188,55 @@ class ComputeReport:
     #: runs again; the time model charges each ``cluster.op_overhead`` (:func:`count_ops`)
     chunk_fwd_ops: tuple[int, ...] = ()
     chunk_recompute_ops: tuple[int, ...] = ()
+    #: per model chunk, one rank, one micro-batch: the forward FLOPs of the GEMMs that run in
+    #: FP8 under ``precision = fp8`` (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of
+    #: ``chunk_fwd_flops``), the elements of their inputs, outputs and weights (what their
+    #: casts read: :func:`parcompile.analysis.fp8.cast_elements`), their count, and the
+    #: recomputed parts. Counted whatever the precision; the time model reads them with FP8
+    #: (``_tp``: the tp-sharded sizes, :func:`parcompile.analysis.fp8.cast_elements`; a
+    #: tensor read by several FP8 GEMMs counted once, :func:`parcompile.analysis.fp8.cast_input`)
+    chunk_fp8_flops: tuple[int, ...] = ()
+    chunk_fp8_in: tuple[int, ...] = ()
+    chunk_fp8_in_tp: tuple[int, ...] = ()
+    chunk_fp8_out: tuple[int, ...] = ()
+    chunk_fp8_out_tp: tuple[int, ...] = ()
+    chunk_fp8_weight: tuple[int, ...] = ()
+    chunk_fp8_gemms: tuple[int, ...] = ()
+    #: per model chunk: the FP8 GEMM inputs a tp all-gather produced (counted once per
+    #: tensor) and the FP8 GEMM outputs a tp reduce-scatter reads: tensorwise scales of
+    #: sharded tensors (:class:`parcompile.analysis.fp8.Fp8Costs`)
+    chunk_fp8_gathered: tuple[int, ...] = ()
+    chunk_fp8_scattered: tuple[int, ...] = ()
+    #: per model chunk: the input elements the FP8 GEMMs read, each GEMM its own (not shared
+    #: as the casts are): read at 1 byte, as their weights (``chunk_fp8_weight``), not at the
+    #: dtype's that ``chunk_gemm_traffic`` and ``chunk_weight_traffic`` count; and the recomputed part
+    chunk_fp8_operands: tuple[int, ...] = ()
+    chunk_recompute_fp8_operands: tuple[int, ...] = ()
+    chunk_recompute_fp8_flops: tuple[int, ...] = ()
+    chunk_recompute_fp8_in: tuple[int, ...] = ()
+    chunk_recompute_fp8_in_tp: tuple[int, ...] = ()
+    chunk_recompute_fp8_weight: tuple[int, ...] = ()
 
     #: the fields that grow with the tokens of a micro-batch (the search scales them)
     PER_TOKEN = ("chunk_fwd_flops", "chunk_recompute_flops", "chunk_fwd_traffic", "chunk_recompute_traffic",
                  "chunk_attn_flops", "chunk_attn_work", "chunk_attn_scores", "chunk_gemm_traffic",
                  "chunk_recompute_attn_flops", "chunk_recompute_attn_work", "chunk_recompute_attn_scores",
-                 "chunk_recompute_gemm_traffic")
+                 "chunk_recompute_gemm_traffic", "chunk_fp8_flops", "chunk_fp8_in", "chunk_fp8_in_tp",
+                 "chunk_fp8_out", "chunk_fp8_out_tp", "chunk_recompute_fp8_flops", "chunk_recompute_fp8_in",
+                 "chunk_recompute_fp8_in_tp", "chunk_fp8_operands", "chunk_recompute_fp8_operands")
 
 
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
                    num_microbatches: int, recompute: str, engine: str = "megatron",
-                   kernels: str | None = None) -> ComputeReport:
+                   kernels: str | None = None, fp8: bool = False) -> ComputeReport:
     """Build the :class:`ComputeReport`. The graph's batch dim is one micro-batch over all
     data-parallel ranks, so a step is ``num_microbatches`` graphs. ``engine``:
     ``cluster.engine`` (torchtitan's selective recomputation under ``eager``); ``kernels``:
     the row of the attention kernel table the cores run
     (:func:`parcompile.core.attention.attention_engine`; None: ``engine``). A fused core's
     work is the FLOPs its kernel runs (causal blocks; a sliding window's only where the
-    kernel skips the masked blocks) over the kernel's relative ``speed``."""
+    kernel skips the masked blocks) over the kernel's relative ``speed``. ``fp8``: the spec
+    trains in FP8 (:func:`op_sac`'s policy recomputes the FP8 linears)."""
     model = hw = 0
     fwd = [0] * num_chunks
     rec = [0] * num_chunks
@@ -205,7 +246,9 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     rparts = {k: [0] * num_chunks for k in parts}
     ops = [0] * num_chunks
     rec_ops = [0] * num_chunks
-    sac = op_sac(graph, recompute, engine)
+    f8 = {k: [0] * num_chunks for k in F8_KEYS}
+    cast_seen: set[str] = set()
+    sac = op_sac(graph, recompute, engine, fp8)
     for nd in graph.nodes():
         c = nd.chunk or 0
         again = recomputed(nd, recompute, sac)
@@ -243,6 +286,21 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
             traffic[c] += moved
             if again:
                 rec_traffic[c] += moved
+        x, xt, y, yt, w = cast_elements(graph, nd, degrees)
+        if x:
+            f8["op"][c] += x
+            if again:
+                f8["rop"][c] += x
+            if cast_input(graph, nd) in cast_seen:   # one cast for the GEMMs that share an input
+                x = xt = 0
+            cast_seen.add(cast_input(graph, nd))
+            f = op_fwd_flops(graph, nd, degrees)
+            for k, v in (("f", f), ("i", x), ("it", xt), ("o", y), ("ot", yt), ("w", w), ("n", 1),
+                         ("g", int(x != xt)), ("s", int(y != yt))):
+                f8[k][c] += v
+            if again:
+                for k, v in (("rf", f), ("ri", x), ("rit", xt), ("rw", w)):
+                    f8[k][c] += v
         g = op_fwd_flops(graph, nd)
         if g == 0:
             continue
@@ -257,8 +315,12 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
                          tuple(traffic), tuple(rec_traffic),
                          *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
                          *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
-                         tuple(ops), tuple(rec_ops))
+                         tuple(ops), tuple(rec_ops),
+                         *(tuple(f8[k]) for k in F8_KEYS))
 
+
+#: the FP8 counters of :func:`compute_report`, in the order of ComputeReport's ``chunk_fp8_*`` fields
+F8_KEYS = ("f", "i", "it", "o", "ot", "w", "n", "g", "s", "op", "rop", "rf", "ri", "rit", "rw")
 
 #: node kinds that are not ops of a micro-batch's forward (:func:`counts_as_op`)
 NOT_OPS = frozenset({"input", "send_recv", "step_collective"})

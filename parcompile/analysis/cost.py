@@ -19,6 +19,7 @@ from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
 from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.attention import attention_engine
@@ -56,7 +57,7 @@ def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=N
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                                 attention_engine(cfg.cluster))
+                                 attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
     if comm is None or sched is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)
     kv_tok = kv.kv_bytes_per_token(cfg, chunks)

@@ -16,6 +16,10 @@ written into plan.json (``estimate.assumptions``).
   ``attention * P * (1 + softmax_dim / 128)`` (the kernel's measured fraction at head dim
   128; :func:`attention_efficiency` picks the engine's kernel); an unfused core is its
   matmuls at the GEMM rate and its scores' traffic;
+* with ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`) the layers' linear GEMMs'
+  arithmetic at the FP8 rate (``eff.fp8`` or ``fp8_rowwise`` of the preset's FP8 peak), their
+  inputs and weights read at 1 byte, plus the recipe's casts at ``BW`` and its amax
+  all-reduces over tp;
 * the non-matmul kernels (norms, activations, RoPE, dropout, residual adds, the loss) are
   memory-bound and move ``traffic * Engine.elementwise`` bytes (``OpSpec.traffic`` is the
   fused count) at ``BW``.
@@ -96,6 +100,8 @@ from typing import Mapping, Sequence
 
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.compute import ComputeReport
+from parcompile.analysis.fp8 import (assumptions as fp8_assumptions, enabled as fp8_enabled, fp8_costs,
+                                    weight_cast_bytes)
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
                                      reshard_after_forward)
@@ -145,6 +151,19 @@ class Efficiency:
     #: the cluster has it (``cluster.nvls``); ``link`` is the ring's bus bandwidth on NVLink
     net: float = 0.94
     nvls: float = 0.0
+    #: ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`): the achievable fraction of
+    #: the FP8 peak of the FP8 GEMMs' arithmetic, tensorwise and MXFP8 (``fp8``) and rowwise
+    #: (``fp8_rowwise``: torchao's rowwise-scaled GEMM and its column-wise casts); fitted to
+    #: the FP8 rows of :mod:`parcompile.analysis.calibration` only (FP8 GEMMs reach a lower
+    #: share of their peak than 16-bit ones): the h100-sxm's, which every preset takes until
+    #: FP8 rows of its own are handed
+    fp8: float = 0.51
+    fp8_rowwise: float = 0.32
+    fp8_source: str = (
+        "fp8, fp8_rowwise: fitted on the h100-sxm to the torchtitan float8 rows (asyncTP_llama3_h100_2025-06 at "
+        "2887250, Llama 3.1 70B and 8B, vanilla TP; analysis/calibration.py FP8_ROWS): 0.51 (tensorwise) and 0.32 "
+        "(rowwise) of the FP8 peak, against the bf16 GEMMs' 0.67 of theirs; other presets take the h100-sxm's "
+        "(no FP8 row of their own)")
 
 
 @dataclass(frozen=True)
@@ -338,6 +357,13 @@ DEFAULT_EFFICIENCY = Efficiency(0.76, 0.80, 0.82, "default for a cluster without
 def efficiency(cluster) -> Efficiency:
     """The :class:`Efficiency` of ``cluster`` (a ClusterConfig): its preset's, else the default."""
     return EFFICIENCY.get(getattr(cluster, "preset", None) or "", DEFAULT_EFFICIENCY)
+
+
+def fp8_efficiency(cfg) -> float:
+    """The achievable fraction of the FP8 peak of ``cfg``'s recipe on its cluster
+    (:attr:`Efficiency.fp8`, or ``fp8_rowwise`` for ``fp8_recipe = rowwise``)."""
+    eff = efficiency(cfg.cluster)
+    return eff.fp8_rowwise if cfg.train.fp8_recipe == "rowwise" else eff.fp8
 
 
 def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:
@@ -659,11 +685,18 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     traffic = compute.chunk_fwd_traffic or z
     rec_traffic = compute.chunk_recompute_traffic or z
 
-    def gemms(flops, attn, work, operands, weights, expert_row):
+    f8 = fp8_costs(cfg, fp8_efficiency(cfg), bw, degrees, cached_weights=eng.name == "megatron")
+
+    def gemms(flops, attn, work, operands, weights, expert_row, fp8_flops=0, cast=0.0, fp8_operands=0):
         # GEMM arithmetic at the GEMM rate, plus the grouped GEMMs' fixed cost per expert
         # (Engine.expert_rows rows each), plus the operands' and weights' traffic (a
-        # roofline summed, not maxed: neither hides the other fully at these shapes)
-        return (flops - attn + eng.expert_rows * expert_row) / rate + (operands + weights) / bw
+        # roofline summed, not maxed: neither hides the other fully at these shapes); with
+        # FP8 (analysis/fp8.py) the FP8 GEMMs' arithmetic at the FP8 rate, plus their casts
+        t = (flops - attn + eng.expert_rows * expert_row) / rate + (operands + weights) / bw
+        if f8 is not None:
+            # FP8 operands (inputs and weights) are read at 1 byte, not the dtype's
+            t += fp8_flops / f8.rate - fp8_flops / rate + cast - fp8_operands * (cfg.model.dtype_bytes - 1) / bw
+        return t
 
     def attention(work, scores):
         return (work + eff.softmax_dim * scores) / arate
@@ -675,6 +708,24 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     again = zip(compute.chunk_recompute_flops, compute.chunk_recompute_attn_flops or z,
                 compute.chunk_recompute_attn_work or z, compute.chunk_recompute_gemm_traffic or z,
                 compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z)
+    n = len(fwd)
+    z8 = (0,) * n
+    if f8 is not None:
+        # the casts of a forward and backward, spread over them as the GEMMs are (1 : 2):
+        # a third of them in the forward's time (analysis/fp8.py), the recomputed forward's own
+        sharded = f8.sharded_casts
+        ins = (compute.chunk_fp8_in_tp if sharded else compute.chunk_fp8_in) or z8
+        outs = (compute.chunk_fp8_out_tp if sharded else compute.chunk_fp8_out) or z8
+        rins = (compute.chunk_recompute_fp8_in_tp if sharded else compute.chunk_recompute_fp8_in) or z8
+        cast_f = tuple((f8.per_in * i + f8.per_out * o + f8.per_weight * w) / 3
+                       for i, o, w in zip(ins, outs, compute.chunk_fp8_weight or z8))
+        cast_r = tuple(f8.rec_in * i + f8.rec_weight * w
+                       for i, w in zip(rins, compute.chunk_recompute_fp8_weight or z8))
+        fop = tuple(x + w for x, w in zip(compute.chunk_fp8_operands or z8, compute.chunk_fp8_weight or z8))
+        rop = tuple(x + w for x, w in zip(compute.chunk_recompute_fp8_operands or z8,
+                                          compute.chunk_recompute_fp8_weight or z8))
+        fwd = [t + (f, c, o) for t, f, c, o in zip(fwd, compute.chunk_fp8_flops or z8, cast_f, fop)]
+        again = [t + (f, c, o) for t, f, c, o in zip(again, compute.chunk_recompute_fp8_flops or z8, cast_r, rop)]
     weighted = tuple(gemms(*t) for t in fwd)
     mm = tuple(w + attention(t[2], sc) for w, t, sc in zip(weighted, fwd, scores))
     mem = tuple(x / ebw for x in traffic)
@@ -695,6 +746,8 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         fam = AXIS_FAMILY.get(c.axis, c.axis)
         link = links.get(c.axis) or make_link(cl, 1, 1, eff)
         nbytes = c.bytes * share if fam == "ep" and c.op == "all_to_all" else c.bytes
+        if f8 is not None:
+            nbytes = f8.collective_bytes(c.op, fam, getattr(c, "where", ""), nbytes)
         t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), link)
         if fam == "pp":
             if c.op == "send":
@@ -711,6 +764,15 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         (cf if c.phase == "forward" else cb)[fam][chunk] += t
         if c.phase == "forward" and par.recompute == "full":
             cb[fam][chunk] += t
+    if f8 is not None and f8.amax:
+        # tensorwise scales of tp-sharded operands: one scalar all-reduce over tp per cast
+        # (analysis/fp8.py), on the critical path as the other tp collectives
+        one = collective_time("all_reduce", 4, degrees.get("tp", 1), links.get("tp") or make_link(cl, 1, 1, eff))
+        for k, (n, g, sc) in enumerate(zip(compute.chunk_fp8_gemms or z8, compute.chunk_fp8_gathered or z8,
+                                           compute.chunk_fp8_scattered or z8)):
+            w = n if f8.amax_weights else 0
+            cf["tp"][k] += (g + w) * one
+            cb["tp"][k] += (sc + w + ((g + w) if par.recompute == "full" else 0)) * one
     return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
                       weighted, ovh)
 
@@ -931,12 +993,14 @@ def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
     if cfg.model.dtype_bytes < 4:
         per += 2   # write the 16-bit weights from the fp32 master
     worst = 0.0
+    eng = engine(cl).name
     for sp in stage_params:
         d, de = degrees.get("dp_cp", 1), degrees.get("expert_dp", 1)
         upd = -(-sp.dense // d) if par.zero >= 1 else sp.dense
         upd += -(-sp.expert // de) if par.zero >= 1 else sp.expert
         grads = (-(-sp.dense // d) + -(-sp.expert // de)) if par.zero >= 2 else sp.total
-        worst = max(worst, (per * upd + 8 * grads) / (eff.memory * cl.hbm_bw))
+        # FP8 under Transformer Engine: the step's weight casts, once (analysis/fp8.py)
+        worst = max(worst, (per * upd + 8 * grads + weight_cast_bytes(cfg, sp.fp8, eng)) / (eff.memory * cl.hbm_bw))
     return worst
 
 
@@ -1030,6 +1094,8 @@ def engine_assumptions(cfg) -> dict[str, object]:
         out["cluster_figures"] = cl.figures
     if cfg.model.experts:
         out["expert_rows"] = eng.expert_rows
+    if fp8_enabled(cfg):
+        out["fp8"] = fp8_assumptions(cfg, fp8_efficiency(cfg), efficiency(cl).fp8_source)
     return out
 
 

@@ -125,6 +125,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
+from parcompile.analysis.fp8 import enabled as fp8_enabled, gather_bytes_per_element, weight_copy_bytes
 from parcompile.analysis.estimate import engine as engine_of
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
@@ -262,14 +263,16 @@ class SavedBytes:
 
 
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
-                embedding_dropout: bool = False, engine: str = "megatron", kernels: str | None = None) -> SavedBytes:
+                embedding_dropout: bool = False, engine: str = "megatron", kernels: str | None = None,
+                fp8: bool = False) -> SavedBytes:
     """The activation accounting of the module docstring. ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
     size of the first layer's input, the first chunk keeps. ``engine``
     (``cluster.engine``): where its ``Engine.sac`` is ``"op"``, ``selective`` is torchtitan's op-level policy
     (:func:`parcompile.analysis.compute.op_sac`): a layer keeps its input, the outputs of
-    the linears it does not recompute, and the attention kernel's output and log-sum-exp."""
-    sac = op_sac(graph, recompute, engine)
+    the linears it does not recompute, and the attention kernel's output and log-sum-exp;
+    ``fp8``: the spec trains in FP8 (the policy recomputes every FP8 linear)."""
+    sac = op_sac(graph, recompute, engine, fp8)
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
     head = [0] * num_chunks
@@ -406,7 +409,7 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine,
-                        attention_engine(cfg.cluster))
+                        attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 
@@ -449,12 +452,16 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         gathered = zero3_gathered_bytes(cfg, degrees, sp)
         if gathered:
             parts["zero3_gather"] = gathered
+        fp8_copies = weight_copy_bytes(cfg, sp.fp8, engine_of(cfg.cluster).name) if not serve else 0
+        if fp8_copies:
+            parts["fp8_weights"] = fp8_copies   # precision = fp8 (analysis/fp8.py)
         full = full_grad_bytes(cfg, degrees, sp)
         if full:
             parts["grad_buckets_in_flight" if reduces_per_microbatch(par.zero, par.schedule) else "full_grads"] = full
         buffers = buffer_total(parts) - (0 if serve else backward_freed(cfg, degrees, sp, saved, s, parts))
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
-                                  allocator_bytes(parts, getattr(cfg.cluster, "expandable_segments", True))))
+                                  allocator_bytes({k: v for k, v in parts.items() if k not in PERSISTENT_BUFFERS},
+                                                  getattr(cfg.cluster, "expandable_segments", True))))
     peak = max(x.total for x in stages)
     cap = usable_memory(cfg.cluster)
     return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))
@@ -501,6 +508,11 @@ def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: Save
                 best = size
                 freed = per_layer * sum(u.startswith("layers.") for b in pair for u in b.units)
     return min(full, max(freed, 0))
+
+
+#: buffer parts held for the whole step, not transient: no allocator gap is left for them
+#: (the FP8 weight copies Transformer Engine caches, analysis/fp8.py)
+PERSISTENT_BUFFERS = frozenset({"fp8_weights"})
 
 
 def allocator_bytes(parts: Mapping[str, int], expandable_segments: bool = True) -> int:
@@ -594,7 +606,8 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     dense, expert = stage_buckets(sp, par.bucket_size)
     step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
                                     reshard_after_forward(par.pp), head_reads_embedding(cfg))
-    return cfg.model.dtype_bytes * (step_long + jit)
+    # the model dtype's bytes, or with FP8 all-gather the FP8 weights' 1 (analysis/fp8.py)
+    return int(gather_bytes_per_element(cfg, sp.fp8, sp.total) * (step_long + jit))
 
 
 def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from parcompile.analysis.fp8 import is_fp8_gemm
 from parcompile.core.buckets import GradUnit, unit_order_key
 from parcompile.ir.graph import Graph
 
@@ -38,6 +39,10 @@ class StageParams:
     embedding: int
     units: tuple[GradUnit, ...] = ()
     tp_partial: int = 0
+    #: elements of the weights of the GEMMs that run in FP8 under ``precision = fp8``
+    #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of ``dense`` and ``expert``),
+    #: counted whatever the precision
+    fp8: int = 0
 
     @property
     def total(self) -> int:
@@ -71,7 +76,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
     ``replicated_kv_heads``: the model's kv heads when a serving plan replicates them over
     tp (each rank then holds one kv head of every parameter with a ``kv`` dim), else 0.
     """
-    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0, "tp_partial": 0} for _ in range(pp)]
+    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0, "tp_partial": 0, "fp8": 0} for _ in range(pp)]
     units: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(pp)]   # (chunk, name) -> [dense, expert]
     seen: set[tuple[int, str]] = set()
     for nd, p in graph.params():
@@ -83,6 +88,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         if replicated_kv_heads and p.type.has_dim("kv") and not p.sharding.split:
             n //= replicated_kv_heads   # one replicated kv head per rank (vLLM)
         acc[s]["expert" if p.expert else "dense"] += n
+        if is_fp8_gemm(nd) and p.name.endswith("weight"):
+            acc[s]["fp8"] += n
         units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0])[
             1 if p.expert else 0] += n
         if not p.sharding.split and not p.expert and nd.op.attr("tp") != "replicated":

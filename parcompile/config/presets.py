@@ -61,7 +61,7 @@ class ClusterPreset:
     stack: str = "cuda"
     #: dense FP8 tensor-core peak, FLOP/s per GPU (E4M3/E5M2 GEMMs with per-tensor or per-row
     #: scales: torchao's tensorwise and rowwise recipes run at it); None where the part has no
-    #: FP8 GEMM. Not planned yet (issue 32's FP8 slice reads it)
+    #: FP8 GEMM (:func:`fp8_peak`: `train.precision = fp8` prices the linear layers' GEMMs at it)
     fp8_flops: float | None = None
     #: dense MXFP8 peak (OCP microscaling: E8M0 scales per 32 elements, block-scaled GEMMs in
     #: hardware: Blackwell), FLOP/s per GPU; None where the part has none
@@ -282,3 +282,21 @@ def cluster_preset(name: str, dtype: str) -> dict[str, Any] | None:
     """The `cluster` keys of preset ``name`` for a model of ``dtype``, or None if there is none."""
     preset = CLUSTER_PRESETS.get(name)
     return preset.values(dtype) if preset is not None else None
+
+
+def fp8_peak(preset: str | None, recipe: str) -> float | None:
+    """Dense FLOP/s per GPU of cluster preset ``preset`` for the FP8 GEMMs of ``recipe``
+    (``train.fp8_recipe``): ``mxfp8_flops`` for ``mxfp8``, ``fp8_flops`` for ``tensorwise``
+    and ``rowwise`` (a per-tensor or per-row scale is applied in the GEMM's epilogue, at the
+    FP8 rate). None where the preset has no such GEMM, or for a cluster without a preset
+    (its datasheet is unknown: the checks refuse FP8 there, :func:`fp8_presets`)."""
+    found = CLUSTER_PRESETS.get(preset) if preset is not None else None
+    if found is None:
+        return None
+    return found.mxfp8_flops if recipe == "mxfp8" else found.fp8_flops
+
+
+def fp8_presets(recipe: str) -> tuple[str, ...]:
+    """The cluster presets that run ``recipe``'s FP8 GEMMs (:func:`fp8_peak` not None), in
+    preset order: what a diagnostic refusing FP8 on another cluster names."""
+    return tuple(name for name in CLUSTER_PRESETS if fp8_peak(name, recipe) is not None)

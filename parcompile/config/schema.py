@@ -238,6 +238,17 @@ class TrainConfig(_Frozen):
     min_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    #: `model`: every GEMM in the model's dtype; `fp8`: the linear layers' GEMMs in FP8
+    #: (analysis/fp8.py: which GEMMs, the recipe's casts, scales and collectives), master
+    #: weights and optimizer as with `model`
+    precision: Literal["model", "fp8"] = "model"
+    #: the FP8 scaling recipe: `tensorwise` (one scale per tensor, torchao's default and
+    #: Transformer Engine's current scaling), `rowwise` (one per row, torchao's `rowwise`),
+    #: `mxfp8` (OCP microscaling, one E8M0 scale per 32 elements, on presets with `mxfp8_flops`)
+    fp8_recipe: Literal["tensorwise", "rowwise", "mxfp8"] = "tensorwise"
+    #: ZeRO-3 parameters all-gathered in FP8 (torchao's `enable_fsdp_float8_all_gather`,
+    #: Megatron-Core's `--fp8-param-gather`): 1 byte per FP8 linear weight element, plus scales
+    fp8_all_gather: bool = False
     # real training jobs (SPEC "Real training jobs"); paths are absolute once built
     #: "bytes" or a Hugging Face tokenizer (tokenizer.json or a directory holding one); a
     #: spec that names none gets its init_from directory's tokenizer when it has one

@@ -157,6 +157,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "warmup_steps": _NONNEG_INT, "min_lr": _NONNEG,
         "betas": KeyType("float_list", low=0, high=1, high_open=True, length=2),
         "eps": _POSITIVE,
+        "precision": _enum(TrainConfig, "precision"), "fp8_recipe": _enum(TrainConfig, "fp8_recipe"),
+        "fp8_all_gather": _BOOL,
         "tokenizer": _STR, "eval_data": _STR, "text_field": _STR,
         "data_format": _enum(TrainConfig, "data_format"),
         "init_from": _STR, "eval_every": _NONNEG_INT,

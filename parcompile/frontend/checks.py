@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from parcompile.config.presets import fp8_peak, fp8_presets
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
@@ -711,6 +712,44 @@ def _check_order(cfg: SpecConfig, ctx: CheckContext) -> None:
                       note="; ".join(notes))
 
 
+def _check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """`train.precision = fp8` and its keys (SPEC `train`): the cluster must have the recipe's
+    FP8 GEMMs (:func:`parcompile.config.presets.fp8_peak`); `fp8_recipe` and `fp8_all_gather`
+    do nothing without FP8; FP8 all-gather needs ZeRO-3 and the tensorwise recipe."""
+    t, c, p = cfg.train, cfg.cluster, cfg.parallel
+    if t.precision != "fp8":
+        for key in ("fp8_recipe", "fp8_all_gather"):
+            if ctx.given(f"train.{key}") and ctx.ok(f"train.{key}", "train.precision"):
+                ctx.bag.warning(f"{key} has no effect with precision = {t.precision}", ctx.span(f"train.{key}"),
+                                help=f"set `precision = fp8`, or remove `{key}`")
+        return
+    if not ctx.ok("train.precision", "train.fp8_recipe"):
+        return
+    if fp8_peak(c.preset, t.fp8_recipe) is None:
+        have = fp8_presets(t.fp8_recipe)
+        recipe = "MXFP8" if t.fp8_recipe == "mxfp8" else "FP8"
+        where = f"cluster preset `{c.preset}` has no {recipe} GEMM peak" if c.preset else \
+            f"a cluster without a preset has no {recipe} GEMM peak"
+        key = "train.fp8_recipe" if t.fp8_recipe == "mxfp8" and ctx.given("train.fp8_recipe") else "train.precision"
+        ctx.bag.error(f"{'fp8_recipe = mxfp8' if key == 'train.fp8_recipe' else 'precision = fp8'} needs "
+                      f"{recipe} tensor cores: {where}", ctx.span(key),
+                      help=f"use a cluster `from` {or_list(have, quote=True)}"
+                           + (", or fp8_recipe = tensorwise or rowwise" if t.fp8_recipe == "mxfp8" else "")
+                           + ", or remove `precision`",
+                      note="the presets' FP8 and MXFP8 peaks are their datasheets' (config/presets.py)")
+    if t.fp8_all_gather and ctx.ok("train.fp8_all_gather"):
+        if t.fp8_recipe == "rowwise":
+            ctx.bag.error("fp8_all_gather = true needs fp8_recipe = tensorwise or mxfp8",
+                          ctx.span("train.fp8_all_gather"),
+                          help="set `fp8_recipe = tensorwise`, or remove `fp8_all_gather`",
+                          note="torchao gathers FP8 weights with one scale per tensor only; with rowwise scaling "
+                               "all communication is in 16 bits (torchtitan docs/float8.md)")
+        elif p.zero < 3 and "zero" not in p.auto and ctx.ok("parallel.zero"):
+            ctx.bag.warning(f"fp8_all_gather has no effect with zero = {p.zero}: only ZeRO-3 all-gathers "
+                            "parameters", ctx.span("train.fp8_all_gather"),
+                            help="set `zero = 3` in `parallel`, or remove `fp8_all_gather`")
+
+
 def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload != "train":
         return
@@ -731,6 +770,7 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"vocab = {cfg.model.vocab}", ctx.span("train.data", "model.vocab"),
                       help='use vocab >= 256, a Hugging Face `tokenizer`, or data = "synthetic" '
                            '(random tokens below vocab)')
+    _check_fp8(cfg, ctx)
     _check_tokenizer(cfg, ctx)
     _check_init_from(cfg, ctx)
     _check_outputs(cfg, ctx)
@@ -1021,7 +1061,7 @@ LAYOUT_READS = {
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
     _check_order: ("order",),
-    _check_train: (),
+    _check_train: ("auto", "zero"),
     _check_positions: (),
     _check_serve: ("cp", "ep", "expert_tp", "tp", "virtual_stages"),
 }

@@ -41,6 +41,7 @@ from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedd
                                         reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
 from parcompile.analysis.comm import CollectiveEntry
+from parcompile.analysis.fp8 import gather_bytes_per_element, gathers_fp8
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.dtypes import GRAD_BYTES
@@ -147,6 +148,9 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
         # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
         dense, expert = stage_buckets(sp, par.bucket_size)
+        # bytes per gathered element: the dtype's, or with FP8 all-gather the stage's FP8
+        # weights at 1 byte (analysis/fp8.py)
+        pe = gather_bytes_per_element(cfg, sp.fp8, sp.total)
         for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
             if size <= 1:
                 continue
@@ -161,8 +165,14 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
                     shard = math.ceil(b.elements / size)
                     add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
                         reduces[i])
-                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
+                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, pe * shard * size, f"{prefix}params",
                         gathers[i])
+        if gathers_fp8(cfg) and d > 1 and sp.fp8:
+            # the FP8 shards' scales: their amaxes all-reduced once per step, one fp32 each
+            # (torchtitan's precompute_float8_dynamic_scale_for_fsdp), 7 per layer (q, k, v, o,
+            # gate, up, down) taken for each of the stage's layers
+            layers = sum(1 for u in sp.units if u.name.startswith("layers.")) or 1
+            add(s, "fp8_amax", "all_reduce", "dp_cp", 4 * 7 * layers, "fp8_amax")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:

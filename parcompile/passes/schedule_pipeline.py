@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import saved_bytes, unlike_chunk_bytes
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
@@ -46,7 +47,7 @@ class SchedulePipeline:
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
                               cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                              attention_engine(cfg.cluster))
+                              attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
         # zero-bubble orders by F, the input-gradient part of B, and W
@@ -65,5 +66,5 @@ def _unlike(graph: Graph, cfg, degrees) -> tuple[int, ...] | None:
     if par.virtual_stages == 1:
         return None
     saved = saved_bytes(graph, degrees, par.pp * par.virtual_stages, par.recompute, cfg.model.dropout > 0,
-                        cfg.cluster.engine, attention_engine(cfg.cluster))
+                        cfg.cluster.engine, attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
     return unlike_chunk_bytes(cfg, saved)

@@ -10,6 +10,7 @@ from parcompile.analysis.buckets import GradUnit
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import ChunkTimes
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import SavedBytes, buffer_bytes, merge_buffers, saved_bytes
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -73,7 +74,7 @@ class Probe:
     def _compute(self, rc: str):
         m, tp = self.pcfg.model, self.pcfg.parallel.tp
         return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine,
-                              attention_engine(self.pcfg.cluster))
+                              attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
 
     def _comm(self, rc: str):
         if rc == "selective":   # the same collectives as without recomputation
@@ -82,7 +83,7 @@ class Probe:
 
     def _saved(self, rc: str) -> SavedBytes:
         return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine,
-                           attention_engine(self.pcfg.cluster))
+                           attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
 
     def _bufs(self, rc: str) -> list[dict[str, int]]:
         pcfg = self.pcfg
@@ -278,7 +279,7 @@ def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int
     starts = [sum(counts[:k]) for k in range(nchunks)]
     dcounts = dense_counts(counts, dense)
     for s in range(pp):
-        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0}
+        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0, "fp8": 0}
         emb = 0
         units: list[GradUnit] = []
         for k in reversed(range(s, nchunks, pp)):
@@ -299,5 +300,5 @@ def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int
                 else:
                     emb = last.embedding
         out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units),
-                               tp_partial=acc["tp_partial"]))
+                               tp_partial=acc["tp_partial"], fp8=acc["fp8"]))
     return out
