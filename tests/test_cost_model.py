@@ -568,13 +568,13 @@ def test_fp8_all_gather_halves_the_zero3_parameter_gathers():
     cfg = h100_config(row)
     on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"fp8_all_gather": True})})
     plans = [compile_config(c) for c in (cfg, on)]
-    gathers = [sum(e.bytes * e.count for e in p.graph.meta["comm"].collectives if e.where == "params")
+    gathers = [sum(e.bytes * e.count for e in p.passes.schedule.comm.collectives if e.where == "params")
                for p in plans]
-    sp = plans[0].graph.meta["stage_params"][0]
+    sp = plans[0].passes.collectives.stage_params[0]
     share = sp.fp8 / sp.total
     assert 0.8 < share < 1
     assert gathers[1] == pytest.approx(gathers[0] * (1 - share / 2), rel=1e-3)
-    assert any(e.where == "fp8_amax" for e in plans[1].graph.meta["comm"].collectives)
+    assert any(e.where == "fp8_amax" for e in plans[1].passes.schedule.comm.collectives)
     assert plans[1].memory.per_stage[0].buffer_parts["zero3_gather"] < plans[0].memory.per_stage[0].buffer_parts[
         "zero3_gather"]
 
