@@ -11,6 +11,7 @@ config or the graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
+from parcompile.codegen.blocks import Submodule, calls_comment, describe, methods, mlp_class, mlp_doc
 from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
-from parcompile.ir.ops import spec
+from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -120,25 +122,6 @@ def _graph_data(plan: CompiledPlan) -> tuple[ProgramData, dict]:
     return program_data(plan.graph, plan.degrees), plan.data
 
 
-def _calls(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
-    """A conversion's collectives for a comment, by the plan's name for it:
-    ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
-    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
-    if op is None or not op.collectives:
-        return none
-    name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
-    return f"{name}: " + _describe(op.collectives)
-
-
-def _describe(calls) -> str:
-    """``forward all_reduce(tp) x 3, backward ...``: runs of equal collectives counted."""
-    out: list[list] = []
-    for c in calls:
-        if out and out[-1][0] == c.describe():
-            out[-1][1] += 1
-        else:
-            out.append([c.describe(), 1])
-    return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
 
 
 def _layer_table(layer: LayerData | None) -> list[str]:
@@ -148,7 +131,7 @@ def _layer_table(layer: LayerData | None) -> list[str]:
         return []
     prefix = f"layers.{layer.index}."
     rows = [(o.name.removeprefix(prefix), o.kind, o.shape_comment(), o.sharding,
-             _describe(o.collectives)) for o in layer.ops]
+             describe(o.collectives)) for o in layer.ops]
     w = [max(len(r[k]) for r in rows) for k in range(4)]
     return [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d:<{w[3]}}  {e}".rstrip() for a, b, c, d, e in rows]
 
@@ -195,18 +178,19 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     wk = layer.op("attn.wk") or layer.op("attn.key")
     wo = layer.op("attn.wo")
     # MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
-    mla_grads = "; ".join(_calls(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
+    mla_grads = "; ".join(calls_comment(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
                           if layer.conversion_into(n) is not None)
     key_in = layer.op("attn.key")
     if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
             and pd.ops[key_in.inputs[1]].kind == "redistribute":
-        mla_grads += ("; " if mla_grads else "") + _calls(pd.ops[key_in.inputs[1]], i)
+        mla_grads += ("; " if mla_grads else "") + calls_comment(pd.ops[key_in.inputs[1]], i)
     w1 = mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")
     norm = layer.op("attn_norm")
     head = pd.ops["lm_head"]
     tp_one = "no collective (tp = 1)"
     return {
         **_layer_kinds(pd),
+        **_classes(pd),
         "head_ops": [] if mla else _head_statements(layer, sp),   # MLA's RoPE is runtime/mla.py's
         "mla": mla,
         "mla_grads": mla_grads or "none (tp = 1)",
@@ -220,8 +204,8 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "zero_comment": zero_comment,
         "sp": sp,
         # sequence parallelism: column-parallel layers keep the sequence-split input and
-        # gather it again in backward (under full recomputation the layer keeps its input only)
-        "keep_split": bool(attn_in is not None and attn_in.regather and p.recompute != "full"),
+        # gather it again in backward (insert-collectives' regather: not under full recomputation)
+        "keep_split": bool(attn_in is not None and attn_in.regather),
         "t_attn": z.t_attn,
         "t_local": z.t_residual,
         "act_shape": ", ".join(str(n) for n in z.boundary),
@@ -233,14 +217,14 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "out_shape": (attn_out or wo).shape_comment(),
         "ffn_shape": w1.shape_comment() if w1 is not None else "",
         "logits_shape": head.shape_comment(),
-        "attn_enter": _calls(attn_in, i, tp_one),
-        "attn_leave": _calls(attn_out, i, tp_one),
-        "mlp_enter": _calls(mlp_in, mlp.index, tp_one),
-        "mlp_leave": _calls(mlp_out, mlp.index, tp_one),
-        "kv_gather": _calls(core, i),
-        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
-        "head_enter": _calls(pd.conversion_into("lm_head"), none=tp_one),
-        "loss_calls": _calls(pd.ops.get("loss"), none="no collective (tp = 1)"),
+        "attn_enter": calls_comment(attn_in, i, tp_one),
+        "attn_leave": calls_comment(attn_out, i, tp_one),
+        "mlp_enter": calls_comment(mlp_in, mlp.index, tp_one),
+        "mlp_leave": calls_comment(mlp_out, mlp.index, tp_one),
+        "kv_gather": calls_comment(core, i),
+        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
+        "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
+        "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
         "layer_table": _layer_table(pd.dense_layer),
         "moe_table": _layer_table(pd.moe_layer),
         "dense_index": pd.dense_layer.index if pd.dense_layer else None,
@@ -279,6 +263,36 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     }
 
 
+def _classes(pd: ProgramData) -> dict:
+    """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
+    the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
+    (one Block for both layer kinds: only its ``mlp`` module differs)."""
+    out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
+    for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
+        if layer is not None and layer.op(f"{prefix}.w1") is not None:
+            out[f"{key}_doc"] = mlp_doc(layer, prefix)
+            out[f"{key}_class"] = mlp_class(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+    kinds = []
+    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
+        if layer is not None:
+            subs = {"attn": Submodule("attn", "Attention(i, tp, cp)", ", pos"), "mlp": Submodule("mlp", mlp)}
+            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs))
+    block = kinds[0]
+    if len(kinds) == 2:
+        dense, moe = kinds
+        mlp_line = "self.mlp = MLP(i, tp)"
+        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe.init if ln != "self.mlp = MoE(i, tp, experts)"] \
+                or dense.forward != moe.forward:
+            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
+                             "the program writes one Block class")
+        block = dataclasses.replace(moe, init=tuple(
+            "self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
+            for ln in dense.init))
+    sig = "i: int, tp: rt.Axis, cp: rt.Axis" + (", experts: rt.ExpertAxes" if pd.moe_layer is not None else "")
+    out["block_methods"] = block.text(sig)
+    return out
+
+
 @dataclass(frozen=True)
 class HeadStatement:
     """One per-head op of the attention module as the program writes it
@@ -299,7 +313,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
     out = []
     prefix = f"layers.{layer.index}.attn."
     for op, var in layer.head_ops():
-        code = spec(op.kind).code
+        code = code_of(op.kind, dict(op.attrs))
         attr = op.name.removeprefix(prefix)
         build = None
         comment = ""
@@ -316,7 +330,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
         call = (code.serve_call if serve and code.serve_call else code.call).format(self=f"self.{attr}", x=var)
         what = code.comment or op.kind
         if op.collectives:
-            what += "; " + _calls(op, layer.index)
+            what += "; " + calls_comment(op, layer.index)
         out.append(HeadStatement(build, comment, f"{var} = {call}", what))
     return out
 
@@ -461,9 +475,9 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "padded_vocab": plan["model"]["padded_vocab"],
         "heads_local": z.heads,
         "vocab_local": z.vocab,
-        "attn_leave": _calls(layer.conversion_after("attn.wo"), layer.index, tp_one),
-        "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
-        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
+        "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
+        "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
+        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
         "mla": layer.op("attn.wkv_a") is not None,
         "head_ops": [] if layer.op("attn.wkv_a") is not None else _head_statements(layer, pd.sequence_parallel,

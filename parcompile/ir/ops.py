@@ -144,18 +144,33 @@ class TpRule:
 
 @dataclass(frozen=True)
 class Code:
-    """How a generated program runs an op of this kind on the per-head q, k or v of an
-    attention module (between the projections and the attention core): what codegen
-    writes for it, with no code of its own per kind.
+    """How a generated program runs one op of this kind: what codegen writes for it
+    (:mod:`parcompile.codegen.blocks`), with no code of its own per kind.
 
-    ``module`` names the runtime class the module's ``__init__`` builds, as
-    ``self.<attr> = rt.<module>(f"layers.{i}.attn.<attr>", <arg>=<op attr>, ..., seed=SEED,
-    tp=tp)`` (``<attr>`` is the op's name in its module: ``q_norm``; ``args`` the op
-    attributes passed by keyword, in order); None: the op is a plain function. ``call``
-    is the forward expression in the training program, ``serve_call`` in the serving
-    program (None: the same): ``{self}`` is the built module (``self.q_norm``), ``{x}``
-    the per-head tensor, (B, T, heads, head_dim) in both. ``comment`` says what the call
-    does, beside it.
+    ``build`` is the constructor expression of the module the op's class builds in its
+    ``__init__`` as ``self.<attr> = <build>`` (``<attr>``: the op's name in its module,
+    ``w1``), or None (a plain function). Its fields are the op's facts, read off the
+    sharded graph: ``{name}`` the parameter prefix (``f"layers.{i}.mlp.w1"``),
+    ``{in_features}``/``{out_features}`` the global sizes of ``in_dim``/``out_dim`` (as the
+    program's constants), ``{dim}`` the global size of the output's last dim, ``{bias}``,
+    ``{local}`` the per-rank shape of the op's first parameter (the runtime checks it
+    against the shard it makes), ``{reduce}`` the collective of the conversion after the
+    op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute.
+
+    ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
+    ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
+    ``serve_call`` the serving program's (None: the same). ``comment`` says what it does.
+    ``inline``: its value may be written inside its consumer's expression (False: a
+    statement of its own, where the shape comment goes). ``operands``: names for the
+    variables holding its operands (``gate``, ``up``). ``var``: the name of its own value.
+    ``init``: lines its class's ``__init__`` needs once (``self.drop = nn.Dropout(DROPOUT)``).
+    ``fold_after``: the op runs the conversion after it itself (a row-parallel linear's
+    reduction, before its bias). ``keep_split``: the op may run inside the
+    ``keep_split_input`` block of a sequence-parallel conversion marked ``regather``.
+
+    ``module``/``args`` (per-head ops of the attention: qk-norm) name the runtime class and
+    the attributes passed by keyword; codegen writes ``rt.<module>(name, <arg>=..., seed=SEED,
+    tp=tp)`` for them.
     """
 
     module: str | None = None
@@ -163,6 +178,67 @@ class Code:
     call: str = "{self}({x})"
     serve_call: str | None = None
     comment: str = ""
+    build: str | None = None
+    inline: bool = True
+    operands: tuple[str, ...] = ()
+    var: str = "h"
+    init: tuple[str, ...] = ()
+    fold_after: bool = False
+    keep_split: bool = False
+    #: the op transforms one per-head tensor (q, k or v) between the projections and the core
+    per_head: bool = False
+
+
+_LINEAR_CODE = {
+    # Megatron-LM's tensor-parallel layers (runtime/layers.py): the weight's local shape from the graph
+    "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
+                         "local={local})", keep_split=True),
+    "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
+                      "reduce={reduce!r}, local={local})", fold_after=True),
+    # MLA's down projections: every rank holds the whole weight
+    "replicated": Code(build="rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED)"),
+}
+
+
+def _linear_code(a) -> Code:
+    return _LINEAR_CODE[a["tp"]]
+
+
+def _add_code(a) -> Code:
+    # the residual adds drop out the branch they add (attribute ``dropout``, 0 included)
+    if "dropout" in a:
+        return Code(call="{0} + self.drop({1})", var="x", init=("self.drop = nn.Dropout(DROPOUT)",))
+    return Code(call="{0} + {1}", var="y")
+
+
+def _redistribute_code(a) -> Code:
+    """A conversion inside a decoder layer as a runtime call, by its collectives
+    (:func:`convert`'s rule): entering a tensor-parallel region replicated (its gradient
+    all-reduced) or sequence-parallel (all-gathered, the gradient reduce-scattered); a
+    partial sum all-reduced or reduce-scattered (when no op before it runs it itself)."""
+    fwd = tuple((k, ax) for k, ax in a["fwd"] if k in COMM_KINDS)
+    bwd = tuple((k, ax) for k, ax in a["bwd"] if k in COMM_KINDS)
+    calls = {
+        ((), (("all_reduce", "tp"),)): "rt.copy_to_tp({x}, self.tp)",
+        ((("all_gather", "tp"),), (("reduce_scatter", "tp"),)): "rt.enter_tp({x}, self.tp, sequence_parallel=True)",
+        ((("all_reduce", "tp"),), ()): "rt.reduce_from_tp({x}, self.tp)",
+        ((("reduce_scatter", "tp"),), (("all_gather", "tp"),)): "rt.leave_tp({x}, self.tp, sequence_parallel=True)",
+    }
+    if (fwd, bwd) not in calls:
+        raise ValueError(f"no program code for the conversion forward {list(fwd)}, backward {list(bwd)}")
+    return Code(call=calls[(fwd, bwd)], inline=False, var="x")
+
+
+def code_of(kind: str, attrs: Mapping[str, Any]) -> Code | None:
+    """The :class:`Code` row of an op of ``kind`` with ``attrs`` (a row may depend on the
+    op's tensor-parallel style or attributes); None: the kind runs outside generated classes.
+
+    Raises:
+        KeyError: unknown kind.
+        ValueError: a conversion with no runtime call (:func:`_redistribute_code`).
+    """
+    code = spec(kind).code
+    return code(attrs) if callable(code) else code
 
 
 @dataclass(frozen=True)
@@ -187,9 +263,9 @@ class OpSpec:
     saves_output: Callable[[Mapping[str, Any]], bool] = lambda a: False
     #: bytes read + written by the op's non-matmul kernels in the forward (module docstring)
     traffic: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
-    #: how a generated program runs it on per-head tensors (:class:`Code`); None: the
-    #: templates write the op themselves (projections, attention core, MLP, ...)
-    code: Code | None = None
+    #: how a generated program runs it (:class:`Code`, or a function of the attributes
+    #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton)
+    code: Code | Callable[[Mapping[str, Any]], Code] | None = None
 
 
 # --------------------------------------------------------------------------- rules
@@ -462,17 +538,20 @@ OPS: dict[str, OpSpec] = {
     for s in [
         OpSpec("input", _input_type, arity=0),
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
-        OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
-        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
-        OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
+        OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic, code=_add_code),
+        # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic,
+               code=Code(build="Norm({name}, {dim}, NORM_EPS, SEED, tp)")),
+        OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code),
         # rotary position embedding at the tokens' global positions (the program's tables)
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic,
                code=Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *rope)",
-                         comment="RoPE at the tokens' global positions")),
+                         comment="RoPE at the tokens' global positions", per_head=True)),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic,
-               code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone")),
+               code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
+                         per_head=True)),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=_fused, traffic=_attention_traffic),
@@ -485,10 +564,15 @@ OPS: dict[str, OpSpec] = {
         OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
-               saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic),
-        OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
+               saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic,
+               code=Code(call='rt.ACTIVATIONS["{a[fn]}"]({x})', inline=False)),
+        OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+               code=Code(call="rt.swiglu({0}, {1})", inline=False, operands=("gate", "up"),
+                         comment="silu(gate) * up")),
         # gelu(gate, tanh approximation) * up (Gemma's GeGLU): the same saves as SwiGLU
-        OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
+        OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+               code=Code(call="rt.geglu({0}, {1})", inline=False, operands=("gate", "up"),
+                         comment="gelu_tanh(gate) * up")),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
                saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),
@@ -499,7 +583,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
                traffic=_copy_traffic),
         # inserted by passes
-        OpSpec("redistribute", _same, arity=1),
+        OpSpec("redistribute", _same, arity=1, code=_redistribute_code),
         OpSpec("send_recv", _same, arity=1),
         OpSpec("step_collective", _scalar, arity=0),
     ]

@@ -100,8 +100,10 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             # sequence parallelism: column-parallel layers keep the sequence-split input and
             # all-gather it again in backward (Megatron-LM; Korthikanti et al. 2022, 4.2.2);
             # analysis/comm.py counts that all-gather unless full recomputation rebuilds the
-            # layer anyway
-            if (ctx.cfg.workload == "train" and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
+            # layer anyway; under full recomputation a decoder layer keeps only its input, so
+            # nothing in it is kept split and codegen writes no keep_split_input block there
+            recomputed = ctx.cfg.parallel.recompute == "full" and pu.op.layer is not None   # analysis/comm.py _in_layer
+            if (ctx.cfg.workload == "train" and not recomputed and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
                     and all(graph.node(v).kind == "linear" for v, _ in consumers)):
                 attrs["regather"] = True
             # a conversion the producer's layout calls for (a partial sum reduced, a split

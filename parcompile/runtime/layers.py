@@ -87,7 +87,7 @@ def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
 
 def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, axis: Axis,
                dim: int | None, valid_rows: int | None = None, *, shard_index: int | None = None,
-               num_shards: int | None = None) -> nn.Parameter:
+               num_shards: int | None = None, local: tuple[int, ...] | None = None) -> nn.Parameter:
     """A parameter holding this rank's shard of the global initial value.
 
     The shard is part ``axis.index`` of ``axis.size`` along ``dim``, or part
@@ -96,17 +96,26 @@ def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, 
     is recorded on the tensor (``global_name``, ``global_shape``, ``shard_dim``,
     ``shard_index``, ``num_shards``, ``valid_rows``) so that checkpoints, loaders and
     ``verify`` can reassemble or cut the global tensor.
+
+    ``local``: the per-rank shape the generated program read off the sharded graph; the
+    shard must have it (the program states local sizes, the runtime only checks them).
+
+    Raises:
+        ValueError: the dimension does not divide, or the shard's shape is not ``local``.
     """
     index = axis.index if shard_index is None else shard_index
     parts = axis.size if num_shards is None else num_shards
     if dim is None or parts == 1:
-        local = tuple(shape)
+        local_shape = tuple(shape)
     else:
         if shape[dim] % parts:
             raise ValueError(f"dimension {dim} of {name} ({shape[dim]}) does not divide into {parts} parts")
-        local = tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+        local_shape = tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+    if local is not None and tuple(local) != local_shape:
+        raise ValueError(f"{name}: the program expects a shard of shape {tuple(local)}, the layout gives "
+                         f"{local_shape} (part {index} of {parts} along dim {dim} of {tuple(shape)})")
     if _INIT["skip"]:
-        p = nn.Parameter(torch.empty(local))
+        p = nn.Parameter(torch.empty(local_shape))
     else:
         p = nn.Parameter(shard_part(global_init(name, shape, seed, std, valid_rows), dim, index, parts))
     p.global_name = name
@@ -122,15 +131,19 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W (out, in) split on ``out`` over tp: (..., in) -> (..., out/tp).
 
     The input must already be in the tensor-parallel region (see :func:`copy_to_tp`).
+    ``local``: the weight's per-rank shape ``(out/tp, in)`` as the program read it off the
+    sharded graph (checked against the shard, :func:`make_param`).
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
                  seed: int, std: float = INIT_STD, valid_rows: int | None = None, *,
-                 shard_index: int | None = None, num_shards: int | None = None):
+                 shard_index: int | None = None, num_shards: int | None = None,
+                 local: tuple[int, int] | None = None):
         super().__init__()
         # shard_index / num_shards: a part other than tp's own (replicated kv heads, serving)
         kw = dict(shard_index=shard_index, num_shards=num_shards)
-        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows, **kw)
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows,
+                                 local=local, **kw)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,14 +155,26 @@ class RowParallelLinear(nn.Module):
     (B, T, in/tp) -> (B, T, out), replicated; with ``sequence_parallel`` the partial sums
     are reduce-scattered along the sequence instead: -> (B, T/tp, out). The bias is added
     once, after the reduction.
+
+    ``reduce`` (what a generated program passes: the collective of the conversion the
+    sharded graph puts after the layer) says it instead of ``sequence_parallel``:
+    ``"all_reduce"``, ``"reduce_scatter"`` (along the sequence) or None (tp = 1: none).
+    ``local``: the weight's per-rank shape ``(out, in/tp)``, checked against the shard.
     """
 
+    REDUCTIONS = (None, "all_reduce", "reduce_scatter")
+
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
-                 seed: int, std: float = INIT_STD, sequence_parallel: bool = False):
+                 seed: int, std: float = INIT_STD, sequence_parallel: bool = False, *,
+                 reduce: str | None | bool = False, local: tuple[int, int] | None = None):
         super().__init__()
+        if reduce is not False and reduce not in self.REDUCTIONS:
+            raise ValueError(f"{name}: reduce must be one of {self.REDUCTIONS}, not {reduce!r}")
+        if reduce is not False and reduce is not None and tp.size == 1:
+            raise ValueError(f"{name}: reduce={reduce!r} over a tp axis of one rank")
         self.tp = tp
-        self.sequence_parallel = sequence_parallel
-        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1)
+        self.sequence_parallel = sequence_parallel if reduce is False else reduce == "reduce_scatter"
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1, local=local)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

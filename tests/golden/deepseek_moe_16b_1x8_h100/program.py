@@ -110,20 +110,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    10944 inner units -> 10944 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 10944 inner units."""
 
-    def __init__(self, i: int, tp: rt.Axis, name: str = "mlp", ffn: int = FFN_HIDDEN):  # also the shared experts
+    def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
-        self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.{name}.w1", HIDDEN, ffn, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.{name}.w3", HIDDEN, ffn, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.{name}.w2", ffn, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(10944, 2048))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(10944, 2048))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 10944))
 
     def forward(self, x):                                       # x: (B, T=4096, h=2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
         h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=4096, f=10944): silu(gate) * up
-        return self.w2(h)                                       # (B, T=4096, h=2048): no collective (tp = 1)
+        return self.w2(h)                                       # (B, T=4096, h=2048)
+
+
+class SharedMLP(nn.Module):
+    """A MoE layer's shared (always-on) experts, one MLP: SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 2816 inner units."""
+
+    def __init__(self, i: int, tp: rt.Axis):
+        super().__init__()
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.shared.w1", HIDDEN, SHARED_FFN, False, tp, SEED, local=(2816, 2048))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.shared.w3", HIDDEN, SHARED_FFN, False, tp, SEED, local=(2816, 2048))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.shared.w2", SHARED_FFN, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 2816))
+
+    def forward(self, x):                                       # x: (B, T=4096, h=2048)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=4096, fs=2816): silu(gate) * up
+        return self.w2(h)                                       # (B, T=4096, h=2048)
 
 
 class MoE(nn.Module):
@@ -137,7 +148,7 @@ class MoE(nn.Module):
         super().__init__()
         self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp,
                                   SEED, OUT_STD, AUX_LOSS_SCALE)
-        self.shared = MLP(i, tp, "mlp.shared", SHARED_FFN)
+        self.shared = SharedMLP(i, tp)
 
     def forward(self, x):                                       # x: (B, T=4096, h=2048), this rank's tokens
         return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048)
@@ -194,9 +205,9 @@ class Block(nn.Module):
         self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=4096, h=2048) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=4096, h=2048)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=4096, h=2048)
 
 
 class Stage(nn.Module):

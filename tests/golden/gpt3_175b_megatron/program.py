@@ -98,18 +98,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gelu MLP: w1 column-parallel, w2 row-parallel;
-    49152 inner units -> 6144 per rank."""
+    """gelu MLP: w1 column-parallel, w2 row-parallel; 49152 inner units -> 6144 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED, local=(6144, 12288))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce', local=(12288, 6144))
 
     def forward(self, x):                                       # x: (B, T=2048, h=12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
-        h = rt.ACTIVATIONS["gelu"](self.w1(x))              # (B, T=2048, f/tp=6144)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        h = rt.ACTIVATIONS["gelu"](self.w1(x))                  # (B, T=2048, f/tp=6144)
         return self.w2(h)                                       # (B, T=2048, h=12288): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
@@ -143,9 +142,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=2048, h=12288) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=2048, h=12288)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=2048, h=12288)
 
 
 class Stage(nn.Module):

@@ -101,20 +101,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    53248 inner units -> 6656 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 53248 inner units -> 6656 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(6656, 16384))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(6656, 16384))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce='reduce_scatter', local=(16384, 6656))
 
     def forward(self, x):                                       # x: (B, T/tp=1024, h=16384)
-        xs, x = x, rt.enter_tp(x, self.tp, SP)                  # layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and gathers it again
-            gate, up = self.w1(x), self.w3(x)                   # (B, T=8192, f/tp=6656) each
+        xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        with rt.keep_split_input(xs, x, self.tp):               # backward keeps: xs and all-gathers it again
+            gate = self.w1(x)                                   # (B, T=8192, f/tp=6656)
+            up = self.w3(x)                                     # (B, T=8192, f/tp=6656)
         h = rt.swiglu(gate, up)                                 # (B, T=8192, f/tp=6656): silu(gate) * up
         return self.w2(h)                                       # (B, T/tp=1024, h=16384): layers.{i}.mlp.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
@@ -152,9 +152,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=1024, h=16384) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=16384)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T/tp=1024, h=16384)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T/tp=1024, h=16384)
 
 
 class Stage(nn.Module):

@@ -100,18 +100,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    28672 inner units -> 3584 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 28672 inner units -> 3584 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(3584, 8192))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(3584, 8192))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce='reduce_scatter', local=(8192, 3584))
 
     def forward(self, x):                                       # x: (B, T/tp=1024, h=8192)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        x = rt.enter_tp(x, self.tp, sequence_parallel=True)     # (B, T=8192, h=8192): layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
         h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=8192, f/tp=3584): silu(gate) * up
         return self.w2(h)                                       # (B, T/tp=1024, h=8192): layers.{i}.mlp.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
@@ -149,9 +148,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=1024, h=8192) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=8192)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T/tp=1024, h=8192)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T/tp=1024, h=8192)
 
 
 class Stage(nn.Module):

@@ -147,12 +147,12 @@ class Block(nn.Module):
         self.attn_norm = Norm(f"layers.{i}.attn_norm", HIDDEN, NORM_EPS, SEED, tp)
         self.attn = Attention(i, tp, cp)
         self.mlp_norm = Norm(f"layers.{i}.mlp_norm", HIDDEN, NORM_EPS, SEED, tp)
-        self.mlp = MoE(i, tp, experts)                          # every layer: no dense MLP in this model
+        self.mlp = MoE(i, tp, experts)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=2048, h=4096) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=2048, h=4096)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T/tp=2048, h=4096)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T/tp=2048, h=4096)
 
 
 class Stage(nn.Module):

@@ -100,18 +100,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    128 inner units -> 64 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 128 inner units -> 64 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(64, 64))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(64, 64))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce='all_reduce', local=(64, 64))
 
     def forward(self, x):                                       # x: (B, T=64, h=64)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=64, h=64): layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
         h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=64, f/tp=64): silu(gate) * up
         return self.w2(h)                                       # (B, T=64, h=64): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
@@ -149,9 +148,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=64, h=64) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=64, h=64)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=64, h=64)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=64, h=64)
 
 
 class Stage(nn.Module):

@@ -1,0 +1,332 @@
+"""The generated program's decoder-layer classes, written op by op from the sharded graph
+(issue 31: nnScaler's per-rank code from each node, nanoGPT's readability).
+
+A class is a set of ops of one representative layer (:class:`~parcompile.codegen.program_data.LayerData`)
+in graph order: the MLP's ``mlp.*`` ops, a MoE layer's shared experts ``mlp.shared.*``, the
+layer itself (``Block``: its norms and residual adds, with ``attn.*`` and ``mlp.*`` as
+sub-modules). Each op is written by its kind's :class:`~parcompile.ir.ops.Code` row
+(:func:`~parcompile.ir.ops.code_of`): its ``__init__`` line from the node's local types and
+attributes, its forward expression, and the collectives of the conversions around it
+(``redistribute`` ops: a tensor-parallel region entered replicated or sequence-parallel, a
+row-parallel layer's partial sum all-reduced or reduce-scattered). Nothing here reads the
+config: whether a line exists, and what it calls, is a fact of the graph.
+
+Forward code is SSA turned into Python: a value used once whose row allows it is written
+inside its consumer's expression; the others get a variable (the consumer's name for the
+operand, ``gate``/``up``, else the row's), a name being reused once its value is dead.
+Each statement carries the per-rank shape of what it computes and the collectives it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from parcompile.codegen.program_data import LayerData, OpData
+from parcompile.ir.ops import Code, code_of
+
+#: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
+DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
+                 "shared_ffn": "SHARED_FFN"}
+COMMENT_COLUMN = 56
+
+
+def describe(calls) -> str:
+    """``forward all_reduce(tp) x 3, backward ...``: runs of equal collectives counted."""
+    out: list[list] = []
+    for c in calls:
+        if out and out[-1][0] == c.describe():
+            out[-1][1] += 1
+        else:
+            out.append([c.describe(), 1])
+    return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
+
+
+def calls_comment(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
+    """A conversion's collectives for a comment, by the plan's name for it:
+    ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
+    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
+    if op is None or not op.collectives:
+        return none
+    name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
+    return f"{name}: " + describe(op.collectives)
+
+
+@dataclass(frozen=True)
+class Submodule:
+    """A group of a layer's ops that a class runs as one module of another generated class:
+    ``self.<attr> = <build>`` in ``__init__``, ``self.<attr>(<inputs><extra>)`` in forward."""
+
+    attr: str
+    build: str
+    extra: str = ""
+
+
+@dataclass
+class _Value:
+    text: str                 # a variable name, or an expression still to be written (pending)
+    pending: bool
+    notes: list[str] = field(default_factory=list)
+    refs: frozenset[str] = frozenset()   # variables a pending expression reads
+
+
+@dataclass(frozen=True)
+class Methods:
+    """A generated class's ``__init__`` body lines and ``forward`` (signature and body)."""
+
+    init: tuple[str, ...]
+    forward_signature: str
+    forward: tuple[str, ...]
+
+    def text(self, init_signature: str) -> str:
+        """The two methods, indented for a class body."""
+        lines = [f"    def __init__(self, {init_signature}):", "        super().__init__()"]
+        lines += [f"        {s}" for s in self.init]
+        lines += ["", f"    {self.forward_signature}"]
+        lines += [f"        {s}" for s in self.forward]
+        return "\n".join(lines)
+
+
+def _fstring_name(name: str, layer: int) -> str:
+    return 'f"' + name.replace(f"layers.{layer}.", "layers.{i}.", 1) + '"'
+
+
+def _size(dim) -> str:
+    return DIM_CONSTANTS.get(dim.name, str(dim.size))
+
+
+def _facts(op: OpData, layer: int, reduce: str | None) -> dict:
+    """The fields a :class:`Code` row's ``build`` reads (its docstring)."""
+    a = dict(op.attrs)
+    base = op.param_names[0].rsplit(".", 1)[0] if op.param_names else op.name
+    facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False), "reduce": reduce,
+             "local": op.param_local[0] if op.param_local else None, "a": a,
+             "dim": DIM_CONSTANTS.get(op.dims[-1], str(op.global_shape[-1]))}
+    if "in_dim" in a:
+        facts["in_features"] = _size(a["in_dim"])
+    if "out_dim" in a:
+        facts["out_features"] = _size(a["out_dim"])
+    return facts
+
+
+def _comment(stmt: str, shape: str, notes: list[str], column: int = COMMENT_COLUMN) -> str:
+    """``stmt`` with ``# shape: notes`` beside it, at ``column`` (the program's comment column)."""
+    text = shape + (": " + "; ".join(notes) if notes else "")
+    return f"{stmt:<{column - 1}} # {text}" if len(stmt) < column - 1 else f"{stmt}  # {text}"
+
+
+def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
+            subs: Mapping[str, Submodule] | None = None) -> Methods:
+    """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
+
+    ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
+    modules are ``self.<rest of the name>``); ``subs`` maps an attribute (``attn``) to the
+    sub-module running the ops named ``<prefix><attr>.*``; ``every`` is every op by name
+    (an input from outside ``ops``: its shape for the signature's comment).
+
+    Raises:
+        ValueError: an op with no Code row, a conversion the runtime has no call for, or
+            not exactly one value leaving the ops (the forward's return).
+    """
+    subs = dict(subs or {})
+    units: list[tuple[str, OpData | Submodule, tuple[str, ...], OpData]] = []   # (name, op, inputs, shown)
+    group_of: dict[str, str] = {}
+    names = {o.name for o in ops}
+    for o in ops:
+        rest = o.name.removeprefix(prefix)
+        sub = rest.split(".", 1)[0] if rest != o.name and "." in rest else None
+        if sub in subs:
+            group_of[o.name] = prefix + sub
+    grouped: dict[str, list[OpData]] = {}
+    for o in ops:
+        if o.name in group_of:
+            grouped.setdefault(group_of[o.name], []).append(o)
+    done: set[str] = set()
+    for o in ops:
+        g = group_of.get(o.name)
+        if g is None:
+            units.append((o.name, o, o.inputs, o))
+        elif g not in done:
+            done.add(g)
+            members = {m.name for m in grouped[g]}
+            ins = tuple(dict.fromkeys(u for m in grouped[g] for u in m.inputs if u not in members))
+            leaving = [m for m in grouped[g] if _used_outside(m.name, members, ops)]
+            if len(leaving) != 1:
+                raise ValueError(f"{g}: {len(leaving)} values leave the module, the program expects one")
+            units.append((leaving[0].name, subs[g.removeprefix(prefix)], ins, leaving[0]))
+    # where a unit's value goes: aliases for conversions an op runs itself
+    alias: dict[str, str] = {}
+    shown: dict[str, OpData] = {}
+    reduce: dict[str, str | None] = {}
+    codes: dict[str, Code] = {}
+    by_name = {o.name: o for o in ops}
+    for name, op, _, _ in units:
+        if isinstance(op, OpData):
+            code = code_of(op.kind, dict(op.attrs))
+            if code is None:
+                raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
+            codes[name] = code
+    for name, op, ins, _ in units:
+        if isinstance(op, OpData) and op.kind == "redistribute" and ins and ins[0] in codes \
+                and codes[ins[0]].fold_after:
+            alias[name] = ins[0]
+            kinds = [k for k, _ in dict(op.attrs)["fwd"] if k in ("all_reduce", "reduce_scatter")]
+            reduce[ins[0]] = kinds[0] if kinds else None
+            shown[ins[0]] = op
+    consumers: dict[str, list[str]] = {}
+    unit_names = [u[0] for u in units]
+    for name, op, ins, _ in units:
+        if name in alias:
+            continue
+        for u in ins:
+            consumers.setdefault(alias.get(u, u), []).append(name)
+    outputs = [n for n in unit_names if n not in alias and not consumers.get(n) and
+               (_used_outside(shown[n].name if n in shown else n, names, ops) or n == unit_names[-1])]
+    external = [u for _, _, ins, _ in units for u in ins if u not in names and alias.get(u, u) not in unit_names]
+    external = list(dict.fromkeys(external))
+    if len(outputs) != 1:
+        raise ValueError(f"{prefix}*: {len(outputs)} values leave the ops, the program expects one")
+    values: dict[str, _Value] = {u: _Value("x" if k == 0 else f"x{k}", False) for k, u in enumerate(external)}
+    remaining = {n: len(c) for n, c in consumers.items()}
+    bound: dict[str, str] = {v.text: u for u, v in values.items()}   # variable -> value it holds
+    init: list[str] = []
+    once: list[str] = []
+    body: list[str] = []
+    needs_pos = False
+    with_ops: set[str] = set()
+    indent = ""
+
+    def free(var: str, reading: frozenset[str]) -> bool:
+        held = bound.get(var)
+        if held is not None and remaining.get(held, 0) > 0:
+            return False
+        return not any(var in v.refs for v in values.values() if v.pending)
+
+    def fresh(base: str, reading: frozenset[str]) -> str:
+        k = 0
+        while True:
+            var = base if k == 0 else f"{base}{k}"
+            if free(var, reading):
+                return var
+            k += 1
+
+    for name, op, ins, out_op in units:
+        if name in alias:
+            continue
+        texts, notes, refs = [], [], set()
+        for u in ins:
+            v = values[alias.get(u, u)]
+            texts.append(v.text)
+            notes += v.notes
+            refs |= v.refs if v.pending else {v.text}
+            if v.pending:
+                v.pending = False   # consumed: written into this expression
+                v.refs = frozenset()
+            src = alias.get(u, u)
+            remaining[src] = remaining.get(src, 1) - 1
+        show = shown.get(name, out_op)
+        if isinstance(op, Submodule):
+            attr = op.attr
+            init.append(f"self.{attr} = {op.build}")
+            text = f"self.{attr}({', '.join(texts)}{op.extra})"
+            needs_pos = needs_pos or "pos" in op.extra
+            code = Code(var="h")
+        else:
+            code = codes[name]
+            attr = name.removeprefix(prefix)
+            if code.build is not None:
+                init.append(f"self.{attr} = " + code.build.format(**_facts(op, layer, reduce.get(name))))
+            for line in code.init:
+                if line not in once:
+                    once.append(line)
+            text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=dict(op.attrs))
+            needs_pos = needs_pos or "pos." in code.call
+            if code.comment:
+                notes.append(code.comment)
+            if show.collectives:
+                notes.append(calls_comment(show, layer))
+        users = consumers.get(name, [])
+        is_out = name in outputs
+        in_with = name in with_ops
+        if (code.inline and len(users) == 1 and not is_out and not in_with
+                and users[0] not in with_ops):
+            values[name] = _Value(text, True, notes, frozenset(refs))
+            continue
+        if isinstance(op, OpData) and dict(op.attrs).get("regather"):
+            # sequence parallelism: the column-parallel layers after it keep the split input
+            # and all-gather it again in backward (insert-collectives' regather)
+            if not all(codes.get(c) is not None and codes[c].keep_split for c in users):
+                raise ValueError(f"{op.name}: a regathered input read by ops that cannot keep it split")
+            src = texts[0]
+            var = fresh("x", frozenset())
+            split = fresh(src + "s" if src == var else "xs", frozenset())
+            body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
+            body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):", "backward keeps",
+                                 [f"{split} and all-gathers it again"]))
+            with_ops = set(users)
+            indent = "    "
+            values[name] = _Value(var, False)
+            bound[var] = name
+            continue
+        if is_out:
+            body.append(_comment(f"{indent}return {text}", show.shape_comment(), notes))
+            continue
+        consumer_code = codes.get(users[0]) if len(users) == 1 else None
+        base = code.var
+        if consumer_code is not None and consumer_code.operands:
+            consumer = next(u for u in units if u[0] == users[0])
+            base = consumer_code.operands[list(consumer[2]).index(name)] if name in consumer[2] else base
+        var = fresh(base, frozenset(refs))
+        body.append(_comment(f"{indent}{var} = {text}", show.shape_comment(), notes))
+        values[name] = _Value(var, False)
+        bound[var] = name
+        if in_with:
+            with_ops.discard(name)
+            if not with_ops:
+                indent = ""
+    if any("self.tp" in s for s in body):
+        init.insert(0, "self.tp = tp")
+    params = ", ".join(f"x{k}" if k else "x" for k in range(len(external)))
+    first = every.get(external[0]) if external else None
+    sig = f"def forward(self, {params}{', pos: rt.Positions' if needs_pos else ''}):"
+    sig = _comment(sig, f"x: {first.shape_comment()}" if first is not None else "", [], COMMENT_COLUMN + 4)
+    return Methods(tuple(init + once), sig.rstrip(), tuple(body))
+
+
+def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool:
+    """``name`` is read by an op of ``ops`` outside ``members``, or by none of ``ops`` (it
+    leaves the layer)."""
+    readers = [o.name for o in ops if name in o.inputs]
+    return not readers or any(r not in members for r in readers)
+
+
+def mlp_class(layer: LayerData, prefix: str, every: Mapping[str, OpData]) -> Methods:
+    """The MLP run by ``layer``'s ops named ``layers.<i>.<prefix>.*`` (``mlp``, or a MoE
+    layer's shared experts ``mlp.shared``), with the conversions into and out of it."""
+    full = f"layers.{layer.index}.{prefix}."
+    inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
+    ops = [o for o in layer.ops if o.name in inside
+           or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
+    return methods(tuple(ops), layer.index, full, every)
+
+
+def _feeds_only(conv: OpData, inside: set[str], layer: LayerData) -> bool:
+    readers = [o.name for o in layer.ops if conv.name in o.inputs]
+    return bool(readers) and all(r in inside for r in readers)
+
+
+def mlp_doc(layer: LayerData, prefix: str) -> str:
+    """One line on the MLP's layout: which projections are column- and row-parallel, its
+    inner width and the part of it a rank holds (from the graph's local types)."""
+    full = f"layers.{layer.index}.{prefix}."
+    linears = [o for o in layer.ops if o.name.startswith(full) and o.kind == "linear"]
+    col = [o.name.removeprefix(full) for o in linears if o.attr("tp") == "column"]
+    row = [o.name.removeprefix(full) for o in linears if o.attr("tp") == "row"]
+    act = next(o for o in layer.ops if o.name == full + "act")
+    what = {"swiglu": "SwiGLU", "geglu": "GeGLU"}.get(act.kind, act.attr("fn", act.kind))
+    width, local = linears[0].global_shape[-1], linears[0].local_shape[-1]
+    per = f" -> {local} per rank" if local != width else ""
+    return f"{what} MLP: {', '.join(col)} column-parallel, {', '.join(row)} row-parallel; {width} inner units{per}."
+
+
+__all__ = ["DIM_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_class", "mlp_doc"]

@@ -1,0 +1,87 @@
+"""The op table's Code rows (issue 31): every op kind inside a decoder layer says how the
+program runs it, and codegen writes the layer's classes from those rows and the sharded
+graph alone (parcompile/codegen/blocks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parcompile import runtime as rt
+from parcompile.codegen.blocks import mlp_class
+from parcompile.codegen.program_data import program_data
+from parcompile.driver import compile_config
+from parcompile.ir.ops import Code, code_of
+from parcompile.runtime.context import Axis
+from tests.program_utils import tiny_config
+
+ONE = Axis("tp", [0], 0)
+
+
+def _layers(cfg):
+    plan = compile_config(cfg)
+    return program_data(plan.graph, plan.degrees)
+
+
+#: kinds whose classes codegen writes from their rows (slices of issue 31 done so far)
+EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm"}
+
+
+@pytest.mark.parametrize("model,parallel", [
+    (dict(), dict()),
+    (dict(activation="gelu", bias=True, norm="layernorm", position="learned"), dict(sequence_parallel=True)),
+    (dict(activation="geglu", qk_norm=True, sandwich_norm=True), dict(sequence_parallel=True)),
+    (dict(experts=4, top_k=2, shared_experts=1, dense_layers=1), dict(ep=2, sequence_parallel=True)),
+])
+def test_every_emitted_kind_has_a_row(model, parallel):
+    pd = _layers(tiny_config(2, 2, 1, model=model, parallel=parallel))
+    kinds = {o.kind for layer in pd.layers for o in layer.ops}
+    for kind in sorted(kinds & EMITTED):
+        for o in (o for layer in pd.layers for o in layer.ops if o.kind == kind):
+            assert isinstance(code_of(kind, dict(o.attrs)), Code), (kind, o.name)
+
+
+def test_linear_rows_follow_the_tensor_parallel_style():
+    assert "ColumnParallelLinear" in code_of("linear", {"tp": "column"}).build
+    row = code_of("linear", {"tp": "row"})
+    assert "RowParallelLinear" in row.build and row.fold_after
+    assert code_of("linear", {"tp": "column"}).keep_split and not row.keep_split
+
+
+def test_conversion_rows_by_their_collectives():
+    enter = code_of("redistribute", {"fwd": (), "bwd": (("all_reduce", "tp"),)})
+    assert enter.call.startswith("rt.copy_to_tp")
+    sp = code_of("redistribute", {"fwd": (("all_gather", "tp"),), "bwd": (("reduce_scatter", "tp"),)})
+    assert "sequence_parallel=True" in sp.call
+    with pytest.raises(ValueError, match="no program code"):
+        code_of("redistribute", {"fwd": (("all_to_all", "cp"),), "bwd": ()})
+
+
+def test_mlp_is_written_from_the_graph():
+    sp = _layers(tiny_config(1, 2, 1, parallel=dict(sequence_parallel=True)))
+    text = mlp_class(sp.dense_layer, "mlp", sp.ops).text("i: int, tp: rt.Axis")
+    assert "local=(64, 64)" in text                      # ffn 128 / tp 2, hidden 64: the graph's
+    assert "reduce='reduce_scatter'" in text and "keep_split_input" in text
+    plain = _layers(tiny_config(1, 1, 1))
+    text = mlp_class(plain.dense_layer, "mlp", plain.ops).text("i: int, tp: rt.Axis")
+    assert "enter_tp" not in text and "copy_to_tp" not in text and "self.tp" not in text   # tp = 1: no conversion
+    assert "reduce=None" in text and "local=(128, 64)" in text
+
+
+def test_full_recomputation_keeps_nothing_split_in_layers():
+    pd = _layers(tiny_config(1, 2, 1, parallel=dict(sequence_parallel=True, recompute="full")))
+    assert not any(o.regather for o in pd.dense_layer.ops)
+    assert pd.conversion_into("lm_head").regather          # the head is not recomputed
+
+
+def test_runtime_layers_check_the_programs_local_shapes():
+    lin = rt.ColumnParallelLinear("w", 8, 6, False, ONE, 0, local=(6, 8))
+    assert tuple(lin.weight.shape) == (6, 8)
+    with pytest.raises(ValueError, match="expects a shard of shape"):
+        rt.ColumnParallelLinear("w", 8, 6, False, ONE, 0, local=(3, 8))
+    with pytest.raises(ValueError, match="expects a shard of shape"):
+        rt.RowParallelLinear("w", 8, 6, False, ONE, 0, reduce=None, local=(6, 4))
+    with pytest.raises(ValueError, match="one rank"):
+        rt.RowParallelLinear("w", 8, 6, False, ONE, 0, reduce="all_reduce")
+    row = rt.RowParallelLinear("w", 8, 6, True, ONE, 0, reduce=None, local=(6, 8))
+    assert row(torch.ones(1, 2, 8)).shape == (1, 2, 6)
