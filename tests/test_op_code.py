@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parcompile import runtime as rt
-from parcompile.codegen.blocks import mlp_class
+from parcompile.codegen.blocks import module_methods
 from parcompile.codegen.program_data import program_data
 from parcompile.driver import compile_config
 from parcompile.ir.ops import Code, code_of
@@ -24,7 +24,7 @@ def _layers(cfg):
 
 
 #: kinds whose classes codegen writes from their rows (slices of issue 31 done so far)
-EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm"}
+EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm", "attention"}
 
 
 @pytest.mark.parametrize("model,parallel", [
@@ -59,11 +59,11 @@ def test_conversion_rows_by_their_collectives():
 
 def test_mlp_is_written_from_the_graph():
     sp = _layers(tiny_config(1, 2, 1, parallel=dict(sequence_parallel=True)))
-    text = mlp_class(sp.dense_layer, "mlp", sp.ops).text("i: int, tp: rt.Axis")
+    text = module_methods(sp.dense_layer, "mlp", sp.ops).text("i: int, tp: rt.Axis")
     assert "local=(64, 64)" in text                      # ffn 128 / tp 2, hidden 64: the graph's
     assert "reduce='reduce_scatter'" in text and "keep_split_input" in text
     plain = _layers(tiny_config(1, 1, 1))
-    text = mlp_class(plain.dense_layer, "mlp", plain.ops).text("i: int, tp: rt.Axis")
+    text = module_methods(plain.dense_layer, "mlp", plain.ops).text("i: int, tp: rt.Axis")
     assert "enter_tp" not in text and "copy_to_tp" not in text and "self.tp" not in text   # tp = 1: no conversion
     assert "reduce=None" in text and "local=(128, 64)" in text
 
@@ -85,3 +85,23 @@ def test_runtime_layers_check_the_programs_local_shapes():
         rt.RowParallelLinear("w", 8, 6, False, ONE, 0, reduce="all_reduce")
     row = rt.RowParallelLinear("w", 8, 6, True, ONE, 0, reduce=None, local=(6, 8))
     assert row(torch.ones(1, 2, 8)).shape == (1, 2, 6)
+
+
+@pytest.mark.parametrize("parallel,has,lacks", [
+    (dict(cp=2), ["gather_kv=self.cp", "self.cp = ", "all_gather(cp)"], ["recompute=True"]),
+    (dict(recompute="selective"), ["recompute=True"], ["gather_kv"]),
+    (dict(sequence_parallel=True), ["keep_split_input", "unflatten(-1, (2, 16))"], ["gather_kv", "recompute=True"]),
+])
+def test_attention_is_written_from_graph_facts(parallel, has, lacks):
+    pd = _layers(tiny_config(1, 2, 1, parallel=parallel))
+    text = module_methods(pd.dense_layer, "attn", pd.ops, {"window": "WINDOW"}).text("i, tp, cp")
+    for s in has:
+        assert s in text, s
+    for s in lacks:
+        assert s not in text, s
+
+
+def test_selective_recomputation_is_a_mark_on_the_core():
+    pd = _layers(tiny_config(1, 2, 1, parallel=dict(recompute="selective")))
+    assert pd.dense_layer.op("attn.core").attr("recompute") == "selective"
+    assert _layers(tiny_config(1, 2, 1)).dense_layer.op("attn.core").attr("recompute", None) is None

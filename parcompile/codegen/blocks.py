@@ -19,6 +19,7 @@ Each statement carries the per-rank shape of what it computes and the collective
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -81,9 +82,9 @@ class Methods:
     def text(self, init_signature: str) -> str:
         """The two methods, indented for a class body."""
         lines = [f"    def __init__(self, {init_signature}):", "        super().__init__()"]
-        lines += [f"        {s}" for s in self.init]
+        lines += [f"        {ln}" for s in self.init for ln in s.split("\n")]
         lines += ["", f"    {self.forward_signature}"]
-        lines += [f"        {s}" for s in self.forward]
+        lines += [f"        {ln}" for s in self.forward for ln in s.split("\n")]
         return "\n".join(lines)
 
 
@@ -109,26 +110,64 @@ def _facts(op: OpData, layer: int, reduce: str | None) -> dict:
     return facts
 
 
+WRAP = 100   # a statement longer than this continues on lines aligned after its call's parenthesis
+
+
 def _comment(stmt: str, shape: str, notes: list[str], column: int = COMMENT_COLUMN) -> str:
-    """``stmt`` with ``# shape: notes`` beside it, at ``column`` (the program's comment column)."""
+    """``stmt`` with ``# shape: notes`` beside it (on its last line), at ``column`` (the
+    program's comment column); a long call is wrapped after commas (:data:`WRAP`)."""
     text = shape + (": " + "; ".join(notes) if notes else "")
-    return f"{stmt:<{column - 1}} # {text}" if len(stmt) < column - 1 else f"{stmt}  # {text}"
+    lines = _wrap(stmt)
+    last = lines[-1]
+    lines[-1] = f"{last:<{column - 1}} # {text}" if len(last) < column - 1 else f"{last}  # {text}"
+    return "\n".join(lines)
+
+
+def _wrap(stmt: str) -> list[str]:
+    """``stmt`` cut after the commas of its outermost call so that each line is at most
+    :data:`WRAP` long where it can be."""
+    if len(stmt) <= WRAP:
+        return [stmt]
+    depth, opening, cuts = 0, None, []
+    for k, ch in enumerate(stmt):
+        if ch in "([{":
+            depth += 1
+            if depth == 1 and opening is None and ch == "(":
+                opening = k
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1 and opening is not None:
+            cuts.append(k + 1)
+    if opening is None or not cuts:
+        return [stmt]
+    pad = " " * (opening + 1)
+    lines, start, width = [], 0, WRAP
+    for a, b in zip(cuts, cuts[1:] + [len(stmt)]):
+        if b - start > width and a > start:
+            lines.append(stmt[start:a].rstrip())
+            start = a + 1   # the space after the comma
+            width = WRAP - len(pad)
+    lines.append(stmt[start:])
+    return [lines[0]] + [pad + ln for ln in lines[1:]]
 
 
 def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
-            subs: Mapping[str, Submodule] | None = None) -> Methods:
+            subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None) -> Methods:
     """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
     modules are ``self.<rest of the name>``); ``subs`` maps an attribute (``attn``) to the
     sub-module running the ops named ``<prefix><attr>.*``; ``every`` is every op by name
-    (an input from outside ``ops``: its shape for the signature's comment).
+    (an input from outside ``ops``: its shape for the signature's comment); ``tables``: the
+    program's expression in ``__init__`` for an attribute that differs between layers
+    (``window``: ``LAYER_WINDOWS[i]``).
 
     Raises:
         ValueError: an op with no Code row, a conversion the runtime has no call for, or
             not exactly one value leaving the ops (the forward's return).
     """
     subs = dict(subs or {})
+    tables = dict(tables or {})
     units: list[tuple[str, OpData | Submodule, tuple[str, ...], OpData]] = []   # (name, op, inputs, shown)
     group_of: dict[str, str] = {}
     names = {o.name for o in ops}
@@ -196,6 +235,19 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     with_ops: set[str] = set()
     indent = ""
 
+    unit_inputs = {u[0]: u[2] for u in units}
+
+    def preferred(name: str, base: str) -> str:
+        """The consumer's name for this value (``gate``, ``q``), through ops that keep
+        their operand's name (RoPE, qk-norm); else ``base``."""
+        users = consumers.get(name, [])
+        if len(users) != 1 or users[0] not in codes:
+            return base
+        c = codes[users[0]]
+        if c.operands and name in unit_inputs[users[0]]:
+            return c.operands[list(unit_inputs[users[0]]).index(name)]
+        return preferred(users[0], base) if c.var == "" else base
+
     def free(var: str, reading: frozenset[str]) -> bool:
         held = bound.get(var)
         if held is not None and remaining.get(held, 0) > 0:
@@ -234,22 +286,43 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         else:
             code = codes[name]
             attr = name.removeprefix(prefix)
-            if code.build is not None:
-                init.append(f"self.{attr} = " + code.build.format(**_facts(op, layer, reduce.get(name))))
-            for line in code.init:
+            facts = _facts(op, layer, reduce.get(name))
+            attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
+                                                                 if c.op == "all_gather" and c.phase == "forward"}))}
+            more = dict(code.facts(attrs)) if code.facts is not None else {}
+            build = code.build
+            if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
+                args = "".join(f", {k}={op.attr(k)!r}" for k in code.args if op.attr(k, None) is not None)
+                build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
+            if build is not None:
+                if any("tp" in axes for axes in op.grad_partial):
+                    init.append("# replicated weight: each rank sums its own heads' gradient, all-reduced over tp "
+                                "with the step")
+                init.append(f"self.{attr} = " + build.format(**facts))
+            for line in (*code.init, *more.pop("init", ())):
+                line = line.format(t=tables, **facts)
                 if line not in once:
                     once.append(line)
-            text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=dict(op.attrs))
-            needs_pos = needs_pos or "pos." in code.call
+            notes_more = more.pop("notes", ())
+            text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
+            needs_pos = needs_pos or re.search(r"\bpos\b", code.call) is not None
             if code.comment:
                 notes.append(code.comment)
+            notes += notes_more
             if show.collectives:
                 notes.append(calls_comment(show, layer))
+            users = consumers.get(name, [])
+            if users and not code.heads_out and all(codes.get(u) is not None and codes[u].heads_in for u in users):
+                # a flat projection read per head: (B, T, heads * d) -> (B, T, heads, d), d the dim's unit
+                unit = dict(op.attrs)["out_dim"].unit
+                n = op.local_shape[-1] // unit
+                text += f".unflatten(-1, ({n}, {unit}))"
+                notes.append(f"{n} head{'s' if n != 1 else ''} of {unit}")
         users = consumers.get(name, [])
         is_out = name in outputs
         in_with = name in with_ops
-        if (code.inline and len(users) == 1 and not is_out and not in_with
-                and users[0] not in with_ops):
+        if (code.inline and len(users) == 1 and not is_out and not in_with and users[0] not in with_ops
+                and not (users[0] in codes and codes[users[0]].heads_in)):
             values[name] = _Value(text, True, notes, frozenset(refs))
             continue
         if isinstance(op, OpData) and dict(op.attrs).get("regather"):
@@ -261,8 +334,8 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
             var = fresh("x", frozenset())
             split = fresh(src + "s" if src == var else "xs", frozenset())
             body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
-            body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):", "backward keeps",
-                                 [f"{split} and all-gathers it again"]))
+            body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):",
+                                 f"backward keeps {split} and all-gathers it again", []))
             with_ops = set(users)
             indent = "    "
             values[name] = _Value(var, False)
@@ -271,12 +344,8 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         if is_out:
             body.append(_comment(f"{indent}return {text}", show.shape_comment(), notes))
             continue
-        consumer_code = codes.get(users[0]) if len(users) == 1 else None
-        base = code.var
-        if consumer_code is not None and consumer_code.operands:
-            consumer = next(u for u in units if u[0] == users[0])
-            base = consumer_code.operands[list(consumer[2]).index(name)] if name in consumer[2] else base
-        var = fresh(base, frozenset(refs))
+        base = code.var or (texts[0] if texts and texts[0].isidentifier() else "h")
+        var = fresh(preferred(name, base), frozenset(refs))
         body.append(_comment(f"{indent}{var} = {text}", show.shape_comment(), notes))
         values[name] = _Value(var, False)
         bound[var] = name
@@ -284,8 +353,9 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
             with_ops.discard(name)
             if not with_ops:
                 indent = ""
-    if any("self.tp" in s for s in body):
-        init.insert(0, "self.tp = tp")
+    axes = [a for a in ("tp", "cp") if any(f"self.{a}" in ln for ln in body + init + once)]
+    if axes:
+        init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
     params = ", ".join(f"x{k}" if k else "x" for k in range(len(external)))
     first = every.get(external[0]) if external else None
     sig = f"def forward(self, {params}{', pos: rt.Positions' if needs_pos else ''}):"
@@ -300,14 +370,16 @@ def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool
     return not readers or any(r not in members for r in readers)
 
 
-def mlp_class(layer: LayerData, prefix: str, every: Mapping[str, OpData]) -> Methods:
-    """The MLP run by ``layer``'s ops named ``layers.<i>.<prefix>.*`` (``mlp``, or a MoE
-    layer's shared experts ``mlp.shared``), with the conversions into and out of it."""
+def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
+                   tables: Mapping[str, str] | None = None) -> Methods:
+    """The methods of the module run by ``layer``'s ops named ``layers.<i>.<prefix>.*``
+    (``attn``, ``mlp``, a MoE layer's shared experts ``mlp.shared``), with the conversions
+    into and out of it (:func:`methods`)."""
     full = f"layers.{layer.index}.{prefix}."
     inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
     ops = [o for o in layer.ops if o.name in inside
            or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
-    return methods(tuple(ops), layer.index, full, every)
+    return methods(tuple(ops), layer.index, full, every, tables=tables)
 
 
 def _feeds_only(conv: OpData, inside: set[str], layer: LayerData) -> bool:
@@ -329,4 +401,4 @@ def mlp_doc(layer: LayerData, prefix: str) -> str:
     return f"{what} MLP: {', '.join(col)} column-parallel, {', '.join(row)} row-parallel; {width} inner units{per}."
 
 
-__all__ = ["DIM_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_class", "mlp_doc"]
+__all__ = ["DIM_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods"]

@@ -25,7 +25,7 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
-from parcompile.codegen.blocks import Submodule, calls_comment, describe, methods, mlp_class, mlp_doc
+from parcompile.codegen.blocks import Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
 from parcompile.ir.ops import code_of
 from parcompile.core.version import version
@@ -168,15 +168,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     layer = pd.dense_layer or pd.moe_layer
     i = layer.index
     mla = layer.op("attn.wkv_a") is not None   # multi-head latent attention (runtime/mla.py)
-    attn_in = layer.conversion_into("attn.wq") or layer.conversion_into("attn.wkv_a")
-    attn_out = layer.conversion_after("attn.wo")
     mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
-    mlp_in = mlp.conversion_into("mlp.w1") or mlp.conversion_into("mlp.shared.w1")
-    mlp_out = mlp.conversion_after("mlp.w2") or mlp.conversion_after("mlp.shared.w2")
-    core = layer.op("attn.core")
-    wq = layer.op("attn.wq") or layer.op("attn.wq_b")
-    wk = layer.op("attn.wk") or layer.op("attn.key")
-    wo = layer.op("attn.wo")
     # MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
     mla_grads = "; ".join(calls_comment(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
                           if layer.conversion_into(n) is not None)
@@ -191,7 +183,6 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     return {
         **_layer_kinds(pd),
         **_classes(pd),
-        "head_ops": [] if mla else _head_statements(layer, sp),   # MLA's RoPE is runtime/mla.py's
         "mla": mla,
         "mla_grads": mla_grads or "none (tp = 1)",
         "moe": moe,
@@ -203,25 +194,11 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "seq_ranks": seq_ranks,
         "zero_comment": zero_comment,
         "sp": sp,
-        # sequence parallelism: column-parallel layers keep the sequence-split input and
-        # gather it again in backward (insert-collectives' regather: not under full recomputation)
-        "keep_split": bool(attn_in is not None and attn_in.regather),
         "t_attn": z.t_attn,
         "t_local": z.t_residual,
         "act_shape": ", ".join(str(n) for n in z.boundary),
         "x_shape": norm.shape_comment(),
-        "x_tp_shape": (attn_in or norm).shape_comment(),
-        "q_shape": wq.shape_comment(),
-        "k_shape": wk.shape_comment(),
-        "y_shape": core.shape_comment(),
-        "out_shape": (attn_out or wo).shape_comment(),
-        "ffn_shape": w1.shape_comment() if w1 is not None else "",
         "logits_shape": head.shape_comment(),
-        "attn_enter": calls_comment(attn_in, i, tp_one),
-        "attn_leave": calls_comment(attn_out, i, tp_one),
-        "mlp_enter": calls_comment(mlp_in, mlp.index, tp_one),
-        "mlp_leave": calls_comment(mlp_out, mlp.index, tp_one),
-        "kv_gather": calls_comment(core, i),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
         "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
@@ -242,7 +219,6 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "vocab_local": z.vocab,
         "heads_local": z.heads,
         "kv_local": z.kv_heads,
-        "ffn_local": z.ffn,
         "rope_dim": rope_dim,
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
         "torch_dtype": TORCH_NAMES[m.dtype],
@@ -271,7 +247,14 @@ def _classes(pd: ProgramData) -> dict:
     for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
         if layer is not None and layer.op(f"{prefix}.w1") is not None:
             out[f"{key}_doc"] = mlp_doc(layer, prefix)
-            out[f"{key}_class"] = mlp_class(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+    layer = pd.dense_layer or pd.moe_layer
+    if layer.op("attn.wkv_a") is None:   # MLA: runtime/mla.py's module (the template's, for now)
+        windows = {x.op("attn.core").attr("window") for x in pd.layers}
+        tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+        out["attn_class"] = module_methods(layer, "attn", pd.ops, tables).text("i: int, tp: rt.Axis, cp: rt.Axis")
+    else:
+        out["attn_class"] = ""
     kinds = []
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
         if layer is not None:

@@ -163,7 +163,9 @@ class Code:
     ``inline``: its value may be written inside its consumer's expression (False: a
     statement of its own, where the shape comment goes). ``operands``: names for the
     variables holding its operands (``gate``, ``up``). ``var``: the name of its own value.
-    ``init``: lines its class's ``__init__`` needs once (``self.drop = nn.Dropout(DROPOUT)``).
+    ``init``: lines its class's ``__init__`` needs once (``self.drop = nn.Dropout(DROPOUT)``;
+    ``{t[key]}``: the program's per-layer table of an attribute, ``LAYER_WINDOWS[i]``).
+    ``var = ""``: its value keeps its operand's name (``q = rt.apply_rope(q, ...)``).
     ``fold_after``: the op runs the conversion after it itself (a row-parallel linear's
     reduction, before its bias). ``keep_split``: the op may run inside the
     ``keep_split_input`` block of a sequence-parallel conversion marked ``regather``.
@@ -187,6 +189,13 @@ class Code:
     keep_split: bool = False
     #: the op transforms one per-head tensor (q, k or v) between the projections and the core
     per_head: bool = False
+    #: its operands are per-head (B, T, heads, head_dim) tensors: a flat projection output
+    #: feeding it is unflattened by its head size (the dim's unit); ``heads_out``: so is its value
+    heads_in: bool = False
+    heads_out: bool = False
+    #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
+    #: operands over itself, from its collectives), ``init`` lines and comment ``notes`` of its own
+    facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
 
 _LINEAR_CODE = {
@@ -198,6 +207,27 @@ _LINEAR_CODE = {
     # MLA's down projections: every rank holds the whole weight
     "replicated": Code(build="rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED)"),
 }
+
+
+def _attention_facts(a) -> dict:
+    """The attention core's keyword arguments (runtime/layers.py ``attention``): context
+    parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
+    recomputation where the pass marked it (``recompute``), Gemma's score scale, sinks."""
+    kw = f", fused={a['impl'] == 'flash'}"
+    if "cp" in a.get("_gathers", ()):
+        kw += ", gather_kv=self.cp"
+    notes = []
+    if a.get("recompute") == "selective":
+        kw += ", recompute=True"
+        notes.append("selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward")
+    if a.get("scale") is not None:
+        kw += f", scale={a['scale']!r}"
+    init = ["self.window = {t[window]}"]
+    if a.get("sinks"):
+        kw += ", sinks=self.sinks"
+        init.append('self.sinks = rt.make_param(f"layers.{{i}}.attn.sinks", (HEADS,), SEED, 0.02, tp, 0, '
+                    'local={local})')
+    return {"kw": kw, "init": tuple(init), "notes": tuple(notes)}
 
 
 def _linear_code(a) -> Code:
@@ -546,15 +576,19 @@ OPS: dict[str, OpSpec] = {
         # rotary position embedding at the tokens' global positions (the program's tables)
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic,
                code=Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *rope)",
-                         comment="RoPE at the tokens' global positions", per_head=True)),
+                         comment="RoPE at the tokens' global positions", per_head=True, inline=False, var="",
+                         heads_in=True, heads_out=True)),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic,
                code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
-                         per_head=True)),
+                         per_head=True, inline=False, var="", heads_in=True, heads_out=True)),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
-               saves_output=_fused, traffic=_attention_traffic),
+               saves_output=_fused, traffic=_attention_traffic,
+               code=Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
+                              "window=self.window, pos=pos)", inline=False, operands=("q", "k", "v"), var="y",
+                         heads_in=True, facts=_attention_facts, comment="causal attention")),
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,

@@ -42,7 +42,7 @@ from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import COMM_KINDS, convert, dual
+from parcompile.ir.ops import COMM_KINDS, convert, dual, spec
 from parcompile.passes.base import PassContext
 
 
@@ -202,6 +202,18 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
         graph.set_stage(name, stage, stage)
 
 
+def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
+    """``recompute = selective``: mark the ops selective recomputation runs again in
+    backward (the op table's ``selective_recompute``: the attention core) with the
+    attribute ``recompute = "selective"``; the program reads the mark (codegen), the
+    collectives they run inside repeat in backward as planned."""
+    if ctx.cfg.workload != "train" or ctx.cfg.parallel.recompute != "selective":
+        return
+    for nd in graph.nodes():
+        if spec(nd.kind).selective_recompute:
+            graph.set_attrs(nd.name, recompute="selective")
+
+
 @dataclass(frozen=True)
 class InsertCollectives:
     """Insert send/recv, layout conversions and step collectives (module docstring)."""
@@ -212,4 +224,5 @@ class InsertCollectives:
         _insert_conversions(graph, ctx)   # first: a producer's conversion precedes its send
         _insert_send_recv(graph, ctx)
         _insert_step_collectives(graph, ctx)
+        _mark_recomputation(graph, ctx)
         graph.meta["collectives_inserted"] = True

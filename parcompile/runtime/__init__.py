@@ -19,6 +19,7 @@ from parcompile.runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rope,
+    attention,
     attention_core,
     make_param,
     recompute,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from parcompile.core.model import yarn_mscale
 from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis
+from parcompile.runtime.context_parallel import gather_kv as gather_kv_along
 from parcompile.runtime.wgrad import linear
 
 INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
@@ -617,6 +618,26 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, v.shape[-1])   # MLA: v's head width
 
 
+def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
+              gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention core on per-head tensors: q (B, T, Hq, D), k/v (B, T, Hkv, D) ->
+    (B, T, Hq * Dv), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
+
+    ``gather_kv``: context parallelism, k and v all-gathered over that axis (backward:
+    reduce-scattered) before the core; ``recompute``: selective recomputation
+    (Korthikanti et al. 2022), the core keeps only its inputs and runs again in backward.
+    The generated program passes both from the sharded graph (the op's collectives, the
+    pass's ``recompute`` mark). See :func:`attention_core` for the rest."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if gather_kv is not None:
+        k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
+    kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
+              scale=scale, sinks=sinks)
+    y = _recompute(attention_core, q, k, v, **kw) if recompute else attention_core(q, k, v, **kw)
+    return y.transpose(1, 2).flatten(2)
+
+
 def recompute(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; the backward runs it again
     (torch.utils.checkpoint, non-reentrant; RNG state is replayed, so dropout masks match).
@@ -635,10 +656,13 @@ def recompute(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
+_recompute = recompute   # attention()'s flag of the same name shadows it there
+
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention_core", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

@@ -85,28 +85,21 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 2048))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
-        B, T, _ = x.shape                                       # (B, T=4096, h=2048)
-        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q=2048): 16 heads
-        k = self.wk(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
-        v = self.wv(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        # selective recomputation (Korthikanti et al. 2022): the attention core keeps only
-        # its inputs and runs again in backward
-        y = rt.recompute(rt.attention_core, q, k, v, fused=True, dropout=DROPOUT,
-                         training=self.training, window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q=2048)
-        return self.wo(y)                                       # (B, T=4096, h=2048): no collective (tp = 1)
+        q = self.wq(x).unflatten(-1, (16, 128))                 # (B, T=4096, q=2048): 16 heads of 128
+        k = self.wk(x).unflatten(-1, (16, 128))                 # (B, T=4096, kv=2048): 16 heads of 128
+        v = self.wv(x).unflatten(-1, (16, 128))                 # (B, T=4096, kv=2048): 16 heads of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=4096, q=2048): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=4096, kv=2048): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, recompute=True, dropout=DROPOUT, training=self.training,
+                         window=self.window, pos=pos)           # (B, T=4096, q=2048): causal attention; selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward
+        return self.wo(y)                                       # (B, T=4096, h=2048)
 
 
 class MLP(nn.Module):

@@ -77,23 +77,20 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce', local=(12288, 1536))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
-        B, T, _ = x.shape                                       # (B, T=2048, h=12288)
-        q = self.wq(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, q/tp=1536): 12 heads
-        k = self.wk(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
-        v = self.wv(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=False, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 12, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 12)    # (B, T=2048, q/tp=1536)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
+        q = self.wq(x).unflatten(-1, (12, 128))                 # (B, T=2048, q/tp=1536): 12 heads of 128
+        k = self.wk(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
+        v = self.wv(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
+        y = rt.attention(q, k, v, fused=False, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=2048, q/tp=1536): causal attention
         return self.wo(y)                                       # (B, T=2048, h=12288): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 

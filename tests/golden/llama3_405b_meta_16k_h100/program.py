@@ -77,26 +77,23 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 16384))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 16384))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 16384))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce='reduce_scatter', local=(16384, 2048))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=16384)
-        xs, x = x, rt.enter_tp(x, self.tp, SP)                  # layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        B, T, _ = x.shape                                       # (B, T=8192, h=16384)
-        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and gathers it again
-            q = self.wq(x).view(B, T, 16, HEAD_DIM)          # (B, T=8192, q/tp=2048): 16 heads
-            k = self.wk(x).view(B, T, 1, HEAD_DIM)          # (B, T=8192, kv/tp=128): 1 head
-            v = self.wv(x).view(B, T, 1, HEAD_DIM)          # (B, T=8192, kv/tp=128): 1 head
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=8192, q/tp=2048)
+        xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and all-gathers it again
+            q = self.wq(x).unflatten(-1, (16, 128))             # (B, T=8192, q/tp=2048): 16 heads of 128
+            k = self.wk(x).unflatten(-1, (1, 128))              # (B, T=8192, kv/tp=128): 1 head of 128
+            v = self.wv(x).unflatten(-1, (1, 128))              # (B, T=8192, kv/tp=128): 1 head of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=8192, q/tp=2048): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=8192, kv/tp=128): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=8192, q/tp=2048): causal attention
         return self.wo(y)                                       # (B, T/tp=1024, h=16384): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 
@@ -112,7 +109,7 @@ class MLP(nn.Module):
 
     def forward(self, x):                                       # x: (B, T/tp=1024, h=16384)
         xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        with rt.keep_split_input(xs, x, self.tp):               # backward keeps: xs and all-gathers it again
+        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and all-gathers it again
             gate = self.w1(x)                                   # (B, T=8192, f/tp=6656)
             up = self.w3(x)                                     # (B, T=8192, f/tp=6656)
         h = rt.swiglu(gate, up)                                 # (B, T=8192, f/tp=6656): silu(gate) * up

@@ -77,25 +77,22 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(1024, 8192))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 8192))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 8192))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce='reduce_scatter', local=(8192, 1024))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=8192)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        B, T, _ = x.shape                                       # (B, T=8192, h=8192)
-        q = self.wq(x).view(B, T, 8, HEAD_DIM)              # (B, T=8192, q/tp=1024): 8 heads
-        k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T=8192, kv/tp=128): 1 head
-        v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T=8192, kv/tp=128): 1 head
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 8, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 8)    # (B, T=8192, q/tp=1024)
+        x = rt.enter_tp(x, self.tp, sequence_parallel=True)     # (B, T=8192, h=8192): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        q = self.wq(x).unflatten(-1, (8, 128))                  # (B, T=8192, q/tp=1024): 8 heads of 128
+        k = self.wk(x).unflatten(-1, (1, 128))                  # (B, T=8192, kv/tp=128): 1 head of 128
+        v = self.wv(x).unflatten(-1, (1, 128))                  # (B, T=8192, kv/tp=128): 1 head of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=8192, q/tp=1024): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=8192, kv/tp=128): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=8192, q/tp=1024): causal attention
         return self.wo(y)                                       # (B, T/tp=1024, h=8192): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 
