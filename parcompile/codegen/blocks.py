@@ -296,8 +296,11 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
                 build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
             if build is not None:
                 if any("tp" in axes for axes in op.grad_partial):
-                    init.append("# replicated weight: each rank sums its own heads' gradient, all-reduced over tp "
-                                "with the step")
+                    # the plan's name for that step all-reduce: sequence parallelism's norm
+                    # gradients when the module's input is split over tp, else tp-partial ones
+                    sp = any("tp" in axes for u in external if u in every for axes in every[u].splits)
+                    init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over tp "
+                                f"with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
                 init.append(f"self.{attr} = " + build.format(**facts))
             for line in (*code.init, *more.pop("init", ())):
                 line = line.format(t=tables, **facts)
