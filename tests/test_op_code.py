@@ -105,3 +105,12 @@ def test_selective_recomputation_is_a_mark_on_the_core():
     pd = _layers(tiny_config(1, 2, 1, parallel=dict(recompute="selective")))
     assert pd.dense_layer.op("attn.core").attr("recompute") == "selective"
     assert _layers(tiny_config(1, 2, 1)).dense_layer.op("attn.core").attr("recompute", None) is None
+
+
+def test_moe_layer_checks_the_programs_local_expert_count():
+    from parcompile.runtime.moe import ExpertAxes
+
+    axes = ExpertAxes(ep=Axis("ep", [0], 0), expert_tp=Axis("expert_tp", [0], 0), expert_dp=Axis("expert_dp", [0], 0))
+    rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=4)
+    with pytest.raises(ValueError, match="expects 2 experts per ep rank"):
+        rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)

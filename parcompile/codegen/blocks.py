@@ -61,6 +61,10 @@ class Submodule:
     attr: str
     build: str
     extra: str = ""
+    #: the op names (after the class's prefix) it runs; empty: those named ``<attr>.*``
+    members: tuple[str, ...] = ()
+    #: its ops' collectives go in the call's comment
+    show_calls: bool = False
 
 
 @dataclass
@@ -111,6 +115,7 @@ def _facts(op: OpData, layer: int, reduce: str | None) -> dict:
 
 
 WRAP = 100   # a statement longer than this continues on lines aligned after its call's parenthesis
+INIT_WRAP = 140   # the same for __init__'s constructor lines (one module per line reads best)
 
 
 def _comment(stmt: str, shape: str, notes: list[str], column: int = COMMENT_COLUMN) -> str:
@@ -123,10 +128,10 @@ def _comment(stmt: str, shape: str, notes: list[str], column: int = COMMENT_COLU
     return "\n".join(lines)
 
 
-def _wrap(stmt: str) -> list[str]:
+def _wrap(stmt: str, wrap: int = WRAP) -> list[str]:
     """``stmt`` cut after the commas of its outermost call so that each line is at most
-    :data:`WRAP` long where it can be."""
-    if len(stmt) <= WRAP:
+    ``wrap`` long where it can be."""
+    if len(stmt) <= wrap:
         return [stmt]
     depth, opening, cuts = 0, None, []
     for k, ch in enumerate(stmt):
@@ -141,12 +146,12 @@ def _wrap(stmt: str) -> list[str]:
     if opening is None or not cuts:
         return [stmt]
     pad = " " * (opening + 1)
-    lines, start, width = [], 0, WRAP
+    lines, start, width = [], 0, wrap
     for a, b in zip(cuts, cuts[1:] + [len(stmt)]):
         if b - start > width and a > start:
             lines.append(stmt[start:a].rstrip())
             start = a + 1   # the space after the comma
-            width = WRAP - len(pad)
+            width = wrap - len(pad)
     lines.append(stmt[start:])
     return [lines[0]] + [pad + ln for ln in lines[1:]]
 
@@ -173,14 +178,22 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     names = {o.name for o in ops}
     for o in ops:
         rest = o.name.removeprefix(prefix)
-        sub = rest.split(".", 1)[0] if rest != o.name and "." in rest else None
-        if sub in subs:
-            group_of[o.name] = prefix + sub
+        for attr, sub in subs.items():
+            if (rest in sub.members) if sub.members else rest.startswith(attr + "."):
+                group_of[o.name] = prefix + attr
+    for o in ops:   # a conversion into (or out of) a sub-module alone is the sub-module's
+        if o.kind == "redistribute" and o.name not in group_of:
+            readers = {group_of.get(r.name) for r in ops if o.name in r.inputs}
+            if len(readers) == 1 and None not in readers:
+                group_of[o.name] = readers.pop()
+            elif o.inputs and o.inputs[0] in group_of:
+                group_of[o.name] = group_of[o.inputs[0]]
     grouped: dict[str, list[OpData]] = {}
     for o in ops:
         if o.name in group_of:
             grouped.setdefault(group_of[o.name], []).append(o)
     done: set[str] = set()
+    group_ops: dict[str, list[OpData]] = {}
     for o in ops:
         g = group_of.get(o.name)
         if g is None:
@@ -193,6 +206,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
             if len(leaving) != 1:
                 raise ValueError(f"{g}: {len(leaving)} values leave the module, the program expects one")
             units.append((leaving[0].name, subs[g.removeprefix(prefix)], ins, leaving[0]))
+            group_ops[leaving[0].name] = grouped[g]
     # where a unit's value goes: aliases for conversions an op runs itself
     alias: dict[str, str] = {}
     shown: dict[str, OpData] = {}
@@ -279,8 +293,10 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         show = shown.get(name, out_op)
         if isinstance(op, Submodule):
             attr = op.attr
-            init.append(f"self.{attr} = {op.build}")
+            init.append("\n".join(_wrap(f"self.{attr} = {op.build}", INIT_WRAP)))
             text = f"self.{attr}({', '.join(texts)}{op.extra})"
+            if op.show_calls:
+                notes += [calls_comment(m, layer) for m in group_ops[name] if m.collectives]
             needs_pos = needs_pos or "pos" in op.extra
             code = Code(var="h")
         else:
@@ -301,7 +317,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
                     sp = any("tp" in axes for u in external if u in every for axes in every[u].splits)
                     init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over tp "
                                 f"with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-                init.append(f"self.{attr} = " + build.format(**facts))
+                init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
             for line in (*code.init, *more.pop("init", ())):
                 line = line.format(t=tables, **facts)
                 if line not in once:

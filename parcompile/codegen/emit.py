@@ -182,7 +182,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     tp_one = "no collective (tp = 1)"
     return {
         **_layer_kinds(pd),
-        **_classes(pd),
+        **_classes(pd, m.norm_topk_prob),
         "mla": mla,
         "mla_grads": mla_grads or "none (tp = 1)",
         "moe": moe,
@@ -239,7 +239,27 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     }
 
 
-def _classes(pd: ProgramData) -> dict:
+def _moe_methods(pd: ProgramData, norm_topk_prob: bool) -> str:
+    """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
+    (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
+    graph's local expert count) and, where the graph has them, the shared experts'
+    MLP and their sum."""
+    layer = pd.moe_layer
+    full = f"layers.{layer.index}.mlp."
+    experts = layer.op("mlp.experts")
+    local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
+    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, {experts.attr("activation")!r}, '
+              f"experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE{'' if norm_topk_prob else ', norm_topk_prob=False'}"
+              f"{_moe_extra(pd)}, local_experts={local})")
+    subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
+                                 show_calls=True)}
+    if layer.op("mlp.shared.w1") is not None:
+        subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
+    ops = tuple(o for o in layer.ops if o.name.startswith(full))
+    return methods(ops, layer.index, full, pd.ops, subs).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+
+
+def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
@@ -255,6 +275,7 @@ def _classes(pd: ProgramData) -> dict:
         out["attn_class"] = module_methods(layer, "attn", pd.ops, tables).text("i: int, tp: rt.Axis, cp: rt.Axis")
     else:
         out["attn_class"] = ""
+    out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
     kinds = []
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
         if layer is not None:

@@ -139,12 +139,12 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp,
-                                  SEED, OUT_STD, AUX_LOSS_SCALE)
+        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, 'swiglu', experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
+                                  local_experts=8)
         self.shared = SharedMLP(i, tp)
 
-    def forward(self, x):                                       # x: (B, T=4096, h=2048), this rank's tokens
-        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048)
+    def forward(self, x):                                       # x: (B, T=4096, h=2048)
+        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048): layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep); layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
 
 
 class Block(nn.Module):

@@ -81,7 +81,8 @@ class Attention(nn.Module):
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce', local=(12288, 1536))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce',
+                                       local=(12288, 1536))
         self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
