@@ -29,6 +29,10 @@ from parcompile.ir.ops import Code, code_of
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
 DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
                  "shared_ffn": "SHARED_FFN"}
+#: the same in a program with multi-head latent attention (its own head widths)
+MLA_CONSTANTS = {**DIM_CONSTANTS, "q": "HEADS * (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)", "q_lora": "Q_LORA_RANK",
+                 "kv_a": "KV_LORA_RANK + QK_ROPE_HEAD_DIM", "kv_lora": "KV_LORA_RANK",
+                 "kv_b": "HEADS * (QK_NOPE_HEAD_DIM + V_HEAD_DIM)", "v": "HEADS * V_HEAD_DIM"}
 COMMENT_COLUMN = 56
 
 
@@ -96,17 +100,18 @@ def _fstring_name(name: str, layer: int) -> str:
     return 'f"' + name.replace(f"layers.{layer}.", "layers.{i}.", 1) + '"'
 
 
-def _size(dim) -> str:
-    return DIM_CONSTANTS.get(dim.name, str(dim.size))
-
-
-def _facts(op: OpData, layer: int, reduce: str | None) -> dict:
-    """The fields a :class:`Code` row's ``build`` reads (its docstring)."""
+def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, str] = DIM_CONSTANTS) -> dict:
+    """The fields a :class:`Code` row's ``build`` reads (its docstring); ``constants``: the
+    program's constant for each dim's global size (else the number)."""
     a = dict(op.attrs)
+
+    def _size(dim) -> str:
+        return constants.get(dim.name, str(dim.size))
+
     base = op.param_names[0].rsplit(".", 1)[0] if op.param_names else op.name
     facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False), "reduce": reduce,
              "local": op.param_local[0] if op.param_local else None, "a": a,
-             "dim": DIM_CONSTANTS.get(op.dims[-1], str(op.global_shape[-1]))}
+             "dim": constants.get(op.dims[-1], str(op.global_shape[-1]))}
     if "in_dim" in a:
         facts["in_features"] = _size(a["in_dim"])
     if "out_dim" in a:
@@ -157,7 +162,8 @@ def _wrap(stmt: str, wrap: int = WRAP) -> list[str]:
 
 
 def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
-            subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None) -> Methods:
+            subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None,
+            constants: Mapping[str, str] = DIM_CONSTANTS) -> Methods:
     """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
@@ -244,6 +250,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     bound: dict[str, str] = {v.text: u for u, v in values.items()}   # variable -> value it holds
     init: list[str] = []
     once: list[str] = []
+    per_head: set[str] = set()   # values in (B, T, heads, head_dim) layout
     body: list[str] = []
     needs_pos = False
     with_ops: set[str] = set()
@@ -255,12 +262,15 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         """The consumer's name for this value (``gate``, ``q``), through ops that keep
         their operand's name (RoPE, qk-norm); else ``base``."""
         users = consumers.get(name, [])
-        if len(users) != 1 or users[0] not in codes:
+        if not users or any(u not in codes for u in users):
             return base
-        c = codes[users[0]]
-        if c.operands and name in unit_inputs[users[0]]:
-            return c.operands[list(unit_inputs[users[0]]).index(name)]
-        return preferred(users[0], base) if c.var == "" else base
+        named = {codes[u].operands[list(unit_inputs[u]).index(name)] for u in users
+                 if codes[u].operands and name in unit_inputs[u]}
+        if len(named) == 1 and all(codes[u].operands for u in users):   # every reader calls it alike
+            return named.pop()
+        if len(users) == 1 and codes[users[0]].var == "":
+            return preferred(users[0], base)
+        return base
 
     def free(var: str, reading: frozenset[str]) -> bool:
         held = bound.get(var)
@@ -302,7 +312,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         else:
             code = codes[name]
             attr = name.removeprefix(prefix)
-            facts = _facts(op, layer, reduce.get(name))
+            facts = _facts(op, layer, reduce.get(name), constants)
             attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
                                                                  if c.op == "all_gather" and c.phase == "forward"}))}
             more = dict(code.facts(attrs)) if code.facts is not None else {}
@@ -331,7 +341,9 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
             if show.collectives:
                 notes.append(calls_comment(show, layer))
             users = consumers.get(name, [])
-            if users and not code.heads_out and all(codes.get(u) is not None and codes[u].heads_in for u in users):
+            if code.heads_out or (op.kind == "redistribute" and alias.get(ins[0], ins[0]) in per_head):
+                per_head.add(name)
+            elif users and all(codes.get(u) is not None and codes[u].heads_in for u in users):
                 # a flat projection read per head: (B, T, heads * d) -> (B, T, heads, d), d the dim's unit
                 unit = dict(op.attrs)["out_dim"].unit
                 n = op.local_shape[-1] // unit
@@ -351,8 +363,12 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
                 raise ValueError(f"{op.name}: a regathered input read by ops that cannot keep it split")
             src = texts[0]
             var = fresh("x", frozenset())
-            split = fresh(src + "s" if src == var else "xs", frozenset())
-            body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
+            if var == src:   # the gathered input takes the split one's name: keep the split one as xs
+                split = fresh(src + "s", frozenset())
+                body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
+            else:
+                split = src
+                body.append(_comment(f"{var} = {text}", show.shape_comment(), notes))
             body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):",
                                  f"backward keeps {split} and all-gathers it again", []))
             with_ops = set(users)
@@ -390,7 +406,7 @@ def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool
 
 
 def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
-                   tables: Mapping[str, str] | None = None) -> Methods:
+                   tables: Mapping[str, str] | None = None, constants: Mapping[str, str] = DIM_CONSTANTS) -> Methods:
     """The methods of the module run by ``layer``'s ops named ``layers.<i>.<prefix>.*``
     (``attn``, ``mlp``, a MoE layer's shared experts ``mlp.shared``), with the conversions
     into and out of it (:func:`methods`)."""
@@ -398,7 +414,7 @@ def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
     inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
     ops = [o for o in layer.ops if o.name in inside
            or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
-    return methods(tuple(ops), layer.index, full, every, tables=tables)
+    return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants)
 
 
 def _feeds_only(conv: OpData, inside: set[str], layer: LayerData) -> bool:
@@ -420,4 +436,4 @@ def mlp_doc(layer: LayerData, prefix: str) -> str:
     return f"{what} MLP: {', '.join(col)} column-parallel, {', '.join(row)} row-parallel; {width} inner units{per}."
 
 
-__all__ = ["DIM_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods"]
+__all__ = ["DIM_CONSTANTS", "MLA_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods"]

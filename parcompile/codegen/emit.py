@@ -25,7 +25,7 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
-from parcompile.codegen.blocks import Submodule, calls_comment, describe, methods, mlp_doc, module_methods
+from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
 from parcompile.ir.ops import code_of
 from parcompile.core.version import version
@@ -269,12 +269,10 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
             out[f"{key}_doc"] = mlp_doc(layer, prefix)
             out[f"{key}_class"] = module_methods(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
     layer = pd.dense_layer or pd.moe_layer
-    if layer.op("attn.wkv_a") is None:   # MLA: runtime/mla.py's module (the template's, for now)
-        windows = {x.op("attn.core").attr("window") for x in pd.layers}
-        tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
-        out["attn_class"] = module_methods(layer, "attn", pd.ops, tables).text("i: int, tp: rt.Axis, cp: rt.Axis")
-    else:
-        out["attn_class"] = ""
+    windows = {x.op("attn.core").attr("window") for x in pd.layers}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
+    out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
     kinds = []
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):

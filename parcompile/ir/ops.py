@@ -204,8 +204,9 @@ _LINEAR_CODE = {
                          "local={local})", keep_split=True),
     "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
                       "reduce={reduce!r}, local={local})", fold_after=True),
-    # MLA's down projections: every rank holds the whole weight
-    "replicated": Code(build="rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED)"),
+    # MLA's down projections: every rank holds the whole weight, its gradient whole
+    "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
+                             "tp, SEED))", keep_split=True),
 }
 
 
@@ -234,6 +235,23 @@ def _linear_code(a) -> Code:
     return _LINEAR_CODE[a["tp"]]
 
 
+def _norm_code(a) -> Code:
+    # the residual stream's norms: the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w)
+    # form); MLA's latent norms replicated, run on the whole sequence: their gradient whole
+    if a.get("tp") == "replicated":
+        return Code(build="rt.whole_grad(rt.RMSNorm({name}, {dim}, NORM_EPS, SEED, tp))")
+    return Code(build="Norm({name}, {dim}, NORM_EPS, SEED, tp)")
+
+
+def _rope_code(a) -> Code:
+    common = dict(serve_call="gen.apply_rope_at({x}, *rope)", comment="RoPE at the tokens' global positions",
+                  per_head=True, inline=False, var="", heads_in=True, heads_out=True)
+    if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
+        inter = ", interleave=True" if a.get("interleave") else ""
+        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")", **common)
+    return Code(call="rt.apply_rope({x}, *pos.rope)", **common)
+
+
 def _add_code(a) -> Code:
     # the residual adds drop out the branch they add (attribute ``dropout``, 0 included)
     if "dropout" in a:
@@ -253,10 +271,13 @@ def _redistribute_code(a) -> Code:
         ((("all_gather", "tp"),), (("reduce_scatter", "tp"),)): "rt.enter_tp({x}, self.tp, sequence_parallel=True)",
         ((("all_reduce", "tp"),), ()): "rt.reduce_from_tp({x}, self.tp)",
         ((("reduce_scatter", "tp"),), (("all_gather", "tp"),)): "rt.leave_tp({x}, self.tp, sequence_parallel=True)",
+        # MLA's replicated down projections under sequence parallelism: the gradient is whole
+        # on every rank, so the backward keeps this rank's slice (no collective)
+        ((("all_gather", "tp"),), ()): "rt.gather_replicated({x}, self.tp, sequence_parallel=True)",
     }
     if (fwd, bwd) not in calls:
         raise ValueError(f"no program code for the conversion forward {list(fwd)}, backward {list(bwd)}")
-    return Code(call=calls[(fwd, bwd)], inline=False, var="x")
+    return Code(call=calls[(fwd, bwd)], inline=False, var="")
 
 
 def code_of(kind: str, attrs: Mapping[str, Any]) -> Code | None:
@@ -570,14 +591,11 @@ OPS: dict[str, OpSpec] = {
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
         OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic, code=_add_code),
         # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
-        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic,
-               code=Code(build="Norm({name}, {dim}, NORM_EPS, SEED, tp)")),
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, code=_norm_code),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code),
         # rotary position embedding at the tokens' global positions (the program's tables)
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic,
-               code=Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *rope)",
-                         comment="RoPE at the tokens' global positions", per_head=True, inline=False, var="",
-                         heads_in=True, heads_out=True)),
+               code=_rope_code),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic,
@@ -592,10 +610,21 @@ OPS: dict[str, OpSpec] = {
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
-               traffic=_elementwise_traffic),
-        OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic),
-        OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic),
-        OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic),
+               traffic=_elementwise_traffic,
+               code=Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
+                         call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",
+                         comment="the latent, normed")),
+        OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic,
+               code=lambda a: Code(call="rt.rope_key({0}, {a[rope_dim]}, *pos.rope"
+                                        + (", interleave=True" if a.get("interleave") else "") + ")",
+                                   inline=False, operands=("kva",), var="k_rope", heads_out=True,
+                                   comment="the RoPE key, one head shared by all")),
+        OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic,
+               code=Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"),
+                         var="k", heads_in=True, heads_out=True, comment="[k_nope, rope key] per head")),
+        OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic,
+               code=Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
+                         heads_in=True, heads_out=True, comment="v per head, its own storage")),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
                saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic,

@@ -618,11 +618,60 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, v.shape[-1])   # MLA: v's head width
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(..., r) interleaved pairs -> (..., r) halves: [x0, x2, ..., x1, x3, ...]."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def rope_tail(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+              interleave: bool = False) -> torch.Tensor:
+    """RoPE on the dims of each head from ``start`` on, the first ``start`` left as they
+    are (MLA's query: [nope, rope] per head): x (B, T, H, start + r) -> same.
+    ``interleave``: the rotary dims arrive as interleaved pairs (DeepSeek's checkpoints)."""
+    tail = x[..., start:]
+    return torch.cat([x[..., :start], apply_rope(deinterleave(tail) if interleave else tail, cos, sin)], dim=-1)
+
+
+def rope_key(x: torch.Tensor, rope_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+             interleave: bool = False) -> torch.Tensor:
+    """MLA's shared RoPE key: the last ``rope_dim`` features of ``x`` (B, T, c + r) as one
+    head, rotated: -> (B, T, 1, r)."""
+    tail = x[..., x.shape[-1] - rope_dim:]
+    return apply_rope((deinterleave(tail) if interleave else tail).unsqueeze(-2), cos, sin)
+
+
+def mla_key(kv: torch.Tensor, k_rope: torch.Tensor, nope: int) -> torch.Tensor:
+    """MLA's keys: each head's first ``nope`` features of ``kv`` (B, T, H, n + v) and the
+    shared RoPE key (B, T, 1, r) -> (B, T, H, n + r)."""
+    return torch.cat([kv[..., :nope], k_rope.expand(*kv.shape[:-1], k_rope.shape[-1])], dim=-1)
+
+
+def whole_grad(module: nn.Module) -> nn.Module:
+    """Mark ``module``'s parameters ``tp_whole_grad``: replicated and run on the whole
+    (gathered) sequence, their gradient is whole on every tp rank, so sequence parallelism's
+    step all-reduce of replicated gradients leaves them out (MLA's down projections and
+    latent norms: the op table's ``replicated`` style). Returns ``module``."""
+    for p in module.parameters():
+        p.tp_whole_grad = True
+    return module
+
+
+def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
+    """:func:`attention_core`; a v narrower than q and k (MLA: v_head_dim < n + r) is
+    zero-padded for the fused kernel, which takes one head width, and the output cut back
+    (vLLM's MLA on FlashAttention 2: the kernel keeps the padded v and output, as the plan
+    counts them: ir/ops.py)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if fused and dv < d:
+        return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]
+    return attention_core(q, k, v, fused=fused, **kw)
+
+
 def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
               gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The attention core on per-head tensors: q (B, T, Hq, D), k/v (B, T, Hkv, D) ->
-    (B, T, Hq * Dv), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
+    """The attention core on per-head tensors: q (B, T, Hq, D), k (B, T, Hkv, D), v (B, T,
+    Hkv, Dv) -> (B, T, Hq * Dv) (Dv < D: MLA, :func:`_padded_core`), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
 
     ``gather_kv``: context parallelism, k and v all-gathered over that axis (backward:
     reduce-scattered) before the core; ``recompute``: selective recomputation
@@ -634,7 +683,7 @@ def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: i
         k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
     kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
               scale=scale, sinks=sinks)
-    y = _recompute(attention_core, q, k, v, **kw) if recompute else attention_core(q, k, v, **kw)
+    y = _recompute(_padded_core, q, k, v, **kw) if recompute else _padded_core(q, k, v, **kw)
     return y.transpose(1, 2).flatten(2)
 
 
@@ -663,6 +712,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]
