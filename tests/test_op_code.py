@@ -4,6 +4,8 @@ graph alone (parcompile/codegen/blocks.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -120,3 +122,18 @@ def test_moe_layer_checks_the_programs_local_expert_count():
     rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=4)
     with pytest.raises(ValueError, match="expects 2 experts per ep rank"):
         rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)
+
+
+def test_the_model_classes_of_the_template_read_no_parallel_setting():
+    """The decoder-layer classes are written from the sharded graph: between ``class
+    Attention`` and ``class Stage`` the training template reads nothing of the parallel
+    block (``p.``), the degrees and recomputation reach it as graph facts."""
+    from pathlib import Path
+
+    import parcompile.codegen
+
+    text = (Path(parcompile.codegen.__file__).parent / "templates" / "program.py.j2").read_text()
+    tags = lambda part: " ".join(re.findall(r"{{.*?}}|{%.*?%}", part, re.S))   # noqa: E731
+    reads = re.compile(r"\bp\.\w+|\bsp\b")
+    assert reads.findall(tags(text[text.index("class Attention"):text.index("class Stage")])) == []
+    assert "p.cp" in reads.findall(tags(text[text.index("class Stage"):]))   # the check can see a read (Stage's)

@@ -274,6 +274,9 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
+    # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
+    out["moe_expert_tp"] = pd.moe_layer is not None and any(
+        c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
     kinds = []
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
         if layer is not None:
