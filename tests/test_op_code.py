@@ -124,10 +124,10 @@ def test_moe_layer_checks_the_programs_local_expert_count():
         rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)
 
 
-def test_the_model_classes_of_the_template_read_no_parallel_setting():
-    """The decoder-layer classes are written from the sharded graph: between ``class
-    Attention`` and ``class Stage`` the training template reads nothing of the parallel
-    block (``p.``), the degrees and recomputation reach it as graph facts."""
+def test_the_model_and_stage_of_the_template_read_no_parallel_setting():
+    """The decoder-layer classes are written from the sharded graph: from ``class
+    Attention`` to ``def main`` the training template reads nothing of the parallel block
+    (``p.``, ``sp``); the degrees and recomputation reach it as graph facts."""
     from pathlib import Path
 
     import parcompile.codegen
@@ -136,4 +136,6 @@ def test_the_model_classes_of_the_template_read_no_parallel_setting():
     tags = lambda part: " ".join(re.findall(r"{{.*?}}|{%.*?%}", part, re.S))   # noqa: E731
     reads = re.compile(r"\bp\.\w+|\bsp\b")
     assert reads.findall(tags(text[text.index("class Attention"):text.index("class Stage")])) == []
-    assert "p.cp" in reads.findall(tags(text[text.index("class Stage"):]))   # the check can see a read (Stage's)
+    assert "p.zero" in reads.findall(tags(text[text.index("class Stage"):]))   # the check can see a read (main's)
+    stage = text[text.index("class Stage"):text.index("def main")]
+    assert reads.findall(tags(stage)) == []   # the Stage too: cp positions, full recomputation, the head's keep-split

@@ -202,6 +202,12 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
         "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
+        # graph facts the Stage reads: the attention gathers k/v over cp (its positions are
+        # then not 0..T-1), the layers are fully recomputed (insert-collectives' mark), the
+        # LM head keeps its sequence-split input (its conversion's regather)
+        "kv_gathered": any(c.axis == "cp" for c in layer.op("attn.core").collectives),
+        "layers_recomputed": any(o.attr("recompute", None) == "full" for o in layer.ops),
+        "head_keep_split": bool(getattr(pd.conversion_into("lm_head"), "regather", False)),
         "layer_table": _layer_table(pd.dense_layer),
         "moe_table": _layer_table(pd.moe_layer),
         "dense_index": pd.dense_layer.index if pd.dense_layer else None,

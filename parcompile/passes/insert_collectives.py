@@ -203,15 +203,19 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> None:
 
 
 def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
-    """``recompute = selective``: mark the ops selective recomputation runs again in
-    backward (the op table's ``selective_recompute``: the attention core) with the
-    attribute ``recompute = "selective"``; the program reads the mark (codegen), the
-    collectives they run inside repeat in backward as planned."""
-    if ctx.cfg.workload != "train" or ctx.cfg.parallel.recompute != "selective":
+    """Mark what runs again in backward with the attribute ``recompute``: under
+    ``recompute = selective`` the ops of the op table's ``selective_recompute`` (the
+    attention core), ``"selective"``; under ``full`` every op of a decoder layer (not its
+    conversions: they are the layer's inputs and outputs), ``"full"``. The program reads
+    the marks (codegen); the collectives inside repeat in backward as planned."""
+    mode = ctx.cfg.parallel.recompute
+    if ctx.cfg.workload != "train" or mode not in ("selective", "full"):
         return
     for nd in graph.nodes():
-        if spec(nd.kind).selective_recompute:
+        if mode == "selective" and spec(nd.kind).selective_recompute:
             graph.set_attrs(nd.name, recompute="selective")
+        elif mode == "full" and nd.op.layer is not None and nd.kind not in ("redistribute", "send_recv"):
+            graph.set_attrs(nd.name, recompute="full")
 
 
 @dataclass(frozen=True)
