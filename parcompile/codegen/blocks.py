@@ -168,234 +168,277 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
     modules are ``self.<rest of the name>``); ``subs`` maps an attribute (``attn``) to the
-    sub-module running the ops named ``<prefix><attr>.*``; ``every`` is every op by name
-    (an input from outside ``ops``: its shape for the signature's comment); ``tables``: the
-    program's expression in ``__init__`` for an attribute that differs between layers
-    (``window``: ``LAYER_WINDOWS[i]``).
+    sub-module running the ops named ``<prefix><attr>.*`` (or its ``members``); ``every``
+    is every op by name (an input from outside ``ops``: its shape for the signature's
+    comment); ``tables``: the program's expression in ``__init__`` for an attribute that
+    differs between layers (``window``: ``LAYER_WINDOWS[i]``); ``constants``: the
+    program's constants for the dims' global sizes.
 
     Raises:
         ValueError: an op with no Code row, a conversion the runtime has no call for, or
             not exactly one value leaving the ops (the forward's return).
     """
-    subs = dict(subs or {})
-    tables = dict(tables or {})
-    units: list[tuple[str, OpData | Submodule, tuple[str, ...], OpData]] = []   # (name, op, inputs, shown)
-    group_of: dict[str, str] = {}
-    names = {o.name for o in ops}
-    for o in ops:
-        rest = o.name.removeprefix(prefix)
-        for attr, sub in subs.items():
-            if (rest in sub.members) if sub.members else rest.startswith(attr + "."):
-                group_of[o.name] = prefix + attr
-    for o in ops:   # a conversion into (or out of) a sub-module alone is the sub-module's
-        if o.kind == "redistribute" and o.name not in group_of:
-            readers = {group_of.get(r.name) for r in ops if o.name in r.inputs}
-            if len(readers) == 1 and None not in readers:
-                group_of[o.name] = readers.pop()
-            elif o.inputs and o.inputs[0] in group_of:
-                group_of[o.name] = group_of[o.inputs[0]]
-    grouped: dict[str, list[OpData]] = {}
-    for o in ops:
-        if o.name in group_of:
-            grouped.setdefault(group_of[o.name], []).append(o)
-    done: set[str] = set()
-    group_ops: dict[str, list[OpData]] = {}
-    for o in ops:
-        g = group_of.get(o.name)
-        if g is None:
-            units.append((o.name, o, o.inputs, o))
-        elif g not in done:
-            done.add(g)
-            members = {m.name for m in grouped[g]}
-            ins = tuple(dict.fromkeys(u for m in grouped[g] for u in m.inputs if u not in members))
-            leaving = [m for m in grouped[g] if _used_outside(m.name, members, ops)]
-            if len(leaving) != 1:
-                raise ValueError(f"{g}: {len(leaving)} values leave the module, the program expects one")
-            units.append((leaving[0].name, subs[g.removeprefix(prefix)], ins, leaving[0]))
-            group_ops[leaving[0].name] = grouped[g]
-    # where a unit's value goes: aliases for conversions an op runs itself
-    alias: dict[str, str] = {}
-    shown: dict[str, OpData] = {}
-    reduce: dict[str, str | None] = {}
-    codes: dict[str, Code] = {}
-    by_name = {o.name: o for o in ops}
-    for name, op, _, _ in units:
-        if isinstance(op, OpData):
-            code = code_of(op.kind, dict(op.attrs))
-            if code is None:
-                raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
-            codes[name] = code
-    for name, op, ins, _ in units:
-        if isinstance(op, OpData) and op.kind == "redistribute" and ins and ins[0] in codes \
-                and codes[ins[0]].fold_after:
-            alias[name] = ins[0]
-            kinds = [k for k, _ in dict(op.attrs)["fwd"] if k in ("all_reduce", "reduce_scatter")]
-            reduce[ins[0]] = kinds[0] if kinds else None
-            shown[ins[0]] = op
-    consumers: dict[str, list[str]] = {}
-    unit_names = [u[0] for u in units]
-    for name, op, ins, _ in units:
-        if name in alias:
-            continue
-        for u in ins:
-            consumers.setdefault(alias.get(u, u), []).append(name)
-    outputs = [n for n in unit_names if n not in alias and not consumers.get(n) and
-               (_used_outside(shown[n].name if n in shown else n, names, ops) or n == unit_names[-1])]
-    external = [u for _, _, ins, _ in units for u in ins if u not in names and alias.get(u, u) not in unit_names]
-    external = list(dict.fromkeys(external))
-    if len(outputs) != 1:
-        raise ValueError(f"{prefix}*: {len(outputs)} values leave the ops, the program expects one")
-    values: dict[str, _Value] = {u: _Value("x" if k == 0 else f"x{k}", False) for k, u in enumerate(external)}
-    remaining = {n: len(c) for n, c in consumers.items()}
-    bound: dict[str, str] = {v.text: u for u, v in values.items()}   # variable -> value it holds
-    init: list[str] = []
-    once: list[str] = []
-    per_head: set[str] = set()   # values in (B, T, heads, head_dim) layout
-    body: list[str] = []
-    needs_pos = False
-    with_ops: set[str] = set()
-    indent = ""
+    return _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants).write()
 
-    unit_inputs = {u[0]: u[2] for u in units}
 
-    def preferred(name: str, base: str) -> str:
-        """The consumer's name for this value (``gate``, ``q``), through ops that keep
+_Unit = tuple  # (name of the value it gives, OpData or Submodule, operand names, the op whose shape it shows)
+
+
+class _Writer:
+    """One class's methods being written (:func:`methods`): the ops grouped into units
+    (an op, or a sub-module's ops), the conversions folded into the op before them, then
+    each unit's value placed: pending inside its reader's expression, a statement, a
+    ``keep_split_input`` block or the return."""
+
+    def __init__(self, ops, layer, prefix, every, subs, tables, constants):
+        self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
+        self.subs, self.tables, self.constants = subs, tables, constants
+        self.names = {o.name for o in ops}
+        self.group_ops: dict[str, list[OpData]] = {}
+        self.units: list[_Unit] = self._units()
+        self.codes: dict[str, Code] = {}
+        for name, op, _, _ in self.units:
+            if isinstance(op, OpData):
+                code = code_of(op.kind, dict(op.attrs))
+                if code is None:
+                    raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
+                self.codes[name] = code
+        self.alias: dict[str, str] = {}          # a folded conversion -> the op running it
+        self.shown: dict[str, OpData] = {}       # an op -> the conversion whose shape and calls it shows
+        self.reduce: dict[str, str | None] = {}
+        self._fold()
+        self.consumers: dict[str, list[str]] = {}
+        for name, _, ins, _ in self.units:
+            if name not in self.alias:
+                for u in ins:
+                    self.consumers.setdefault(self.alias.get(u, u), []).append(name)
+        self.unit_inputs = {u[0]: u[2] for u in self.units}
+        names = [u[0] for u in self.units]
+        self.outputs = [n for n in names if n not in self.alias and not self.consumers.get(n) and
+                        (_used_outside(self.shown[n].name if n in self.shown else n, self.names, ops)
+                         or n == names[-1])]
+        if len(self.outputs) != 1:
+            raise ValueError(f"{prefix}*: {len(self.outputs)} values leave the ops, the program expects one")
+        self.external = list(dict.fromkeys(u for _, _, ins, _ in self.units for u in ins
+                                           if u not in self.names and self.alias.get(u, u) not in names))
+        self.values = {u: _Value("x" if k == 0 else f"x{k}", False) for k, u in enumerate(self.external)}
+        self.remaining = {n: len(c) for n, c in self.consumers.items()}
+        self.bound = {v.text: u for u, v in self.values.items()}   # variable -> the value it holds
+        self.init: list[str] = []
+        self.once: list[str] = []
+        self.body: list[str] = []
+        self.per_head: set[str] = set()   # values in (B, T, heads, head_dim) layout
+        self.with_ops: set[str] = set()
+        self.indent = ""
+        self.needs_pos = False
+
+    def _units(self) -> list[_Unit]:
+        """The ops in graph order, each sub-module's ops as one unit where the first of them is."""
+        group_of: dict[str, str] = {}
+        for o in self.ops:
+            rest = o.name.removeprefix(self.prefix)
+            for attr, sub in self.subs.items():
+                if (rest in sub.members) if sub.members else rest.startswith(attr + "."):
+                    group_of[o.name] = attr
+        for o in self.ops:   # a conversion into (or out of) a sub-module alone is the sub-module's
+            if o.kind == "redistribute" and o.name not in group_of:
+                readers = {group_of.get(r.name) for r in self.ops if o.name in r.inputs}
+                if len(readers) == 1 and None not in readers:
+                    group_of[o.name] = readers.pop()
+                elif o.inputs and o.inputs[0] in group_of:
+                    group_of[o.name] = group_of[o.inputs[0]]
+        grouped: dict[str, list[OpData]] = {}
+        for o in self.ops:
+            if o.name in group_of:
+                grouped.setdefault(group_of[o.name], []).append(o)
+        units, done = [], set()
+        for o in self.ops:
+            g = group_of.get(o.name)
+            if g is None:
+                units.append((o.name, o, o.inputs, o))
+            elif g not in done:
+                done.add(g)
+                members = {m.name for m in grouped[g]}
+                ins = tuple(dict.fromkeys(u for m in grouped[g] for u in m.inputs if u not in members))
+                leaving = [m for m in grouped[g] if _used_outside(m.name, members, self.ops)]
+                if len(leaving) != 1:
+                    raise ValueError(f"{self.prefix}{g}: {len(leaving)} values leave the module, the program "
+                                     "expects one")
+                units.append((leaving[0].name, self.subs[g], ins, leaving[0]))
+                self.group_ops[leaving[0].name] = grouped[g]
+        return units
+
+    def _fold(self) -> None:
+        """Conversions after an op that runs them itself (a row-parallel linear's reduction)."""
+        for name, op, ins, _ in self.units:
+            if isinstance(op, OpData) and op.kind == "redistribute" and ins and ins[0] in self.codes \
+                    and self.codes[ins[0]].fold_after:
+                self.alias[name] = ins[0]
+                kinds = [k for k, _ in dict(op.attrs)["fwd"] if k in ("all_reduce", "reduce_scatter")]
+                self.reduce[ins[0]] = kinds[0] if kinds else None
+                self.shown[ins[0]] = op
+
+    # ---------------------------------------------------------------- names
+
+    def preferred(self, name: str, base: str) -> str:
+        """The readers' name for this value (``gate``, ``q``, ``kv``), through ops that keep
         their operand's name (RoPE, qk-norm); else ``base``."""
-        users = consumers.get(name, [])
-        if not users or any(u not in codes for u in users):
+        users = self.consumers.get(name, [])
+        if not users or any(u not in self.codes for u in users):
             return base
-        named = {codes[u].operands[list(unit_inputs[u]).index(name)] for u in users
-                 if codes[u].operands and name in unit_inputs[u]}
+        codes, ins = self.codes, self.unit_inputs
+        named = {codes[u].operands[list(ins[u]).index(name)] for u in users
+                 if codes[u].operands and name in ins[u]}
         if len(named) == 1 and all(codes[u].operands for u in users):   # every reader calls it alike
             return named.pop()
         if len(users) == 1 and codes[users[0]].var == "":
-            return preferred(users[0], base)
+            return self.preferred(users[0], base)
         return base
 
-    def free(var: str, reading: frozenset[str]) -> bool:
-        held = bound.get(var)
-        if held is not None and remaining.get(held, 0) > 0:
-            return False
-        return not any(var in v.refs for v in values.values() if v.pending)
-
-    def fresh(base: str, reading: frozenset[str]) -> str:
+    def fresh(self, base: str) -> str:
+        """``base``, or ``base1``, ... : the first name holding no live value and read by no
+        expression still to be written."""
         k = 0
         while True:
             var = base if k == 0 else f"{base}{k}"
-            if free(var, reading):
+            held = self.bound.get(var)
+            live = held is not None and self.remaining.get(held, 0) > 0
+            if not live and not any(var in v.refs for v in self.values.values() if v.pending):
                 return var
             k += 1
 
-    for name, op, ins, out_op in units:
-        if name in alias:
-            continue
+    # ---------------------------------------------------------------- units
+
+    def _operands(self, ins) -> tuple[list[str], list[str], set[str]]:
+        """The operands' texts (pending expressions are written into this one), their
+        notes and the variables they read."""
         texts, notes, refs = [], [], set()
         for u in ins:
-            v = values[alias.get(u, u)]
+            src = self.alias.get(u, u)
+            v = self.values[src]
             texts.append(v.text)
             notes += v.notes
             refs |= v.refs if v.pending else {v.text}
             if v.pending:
-                v.pending = False   # consumed: written into this expression
-                v.refs = frozenset()
-            src = alias.get(u, u)
-            remaining[src] = remaining.get(src, 1) - 1
-        show = shown.get(name, out_op)
-        if isinstance(op, Submodule):
-            attr = op.attr
-            init.append("\n".join(_wrap(f"self.{attr} = {op.build}", INIT_WRAP)))
-            text = f"self.{attr}({', '.join(texts)}{op.extra})"
-            if op.show_calls:
-                notes += [calls_comment(m, layer) for m in group_ops[name] if m.collectives]
-            needs_pos = needs_pos or "pos" in op.extra
-            code = Code(var="h")
+                v.pending, v.refs = False, frozenset()   # consumed: written into this expression
+            self.remaining[src] = self.remaining.get(src, 1) - 1
+        return texts, notes, refs
+
+    def _submodule(self, name: str, sub: Submodule, texts: list[str], notes: list[str]) -> tuple[Code, str]:
+        self.init.append("\n".join(_wrap(f"self.{sub.attr} = {sub.build}", INIT_WRAP)))
+        if sub.show_calls:
+            notes += [calls_comment(m, self.layer) for m in self.group_ops[name] if m.collectives]
+        self.needs_pos = self.needs_pos or "pos" in sub.extra
+        return Code(var="h"), f"self.{sub.attr}({', '.join(texts)}{sub.extra})"
+
+    def _op(self, name: str, op: OpData, texts: list[str], notes: list[str], show: OpData) -> tuple[Code, str]:
+        """An op's ``__init__`` lines and forward expression from its Code row."""
+        code = self.codes[name]
+        attr = name.removeprefix(self.prefix)
+        facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
+        attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
+                                                             if c.op == "all_gather" and c.phase == "forward"}))}
+        more = dict(code.facts(attrs)) if code.facts is not None else {}
+        build = code.build
+        if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
+            args = "".join(f", {k}={op.attr(k)!r}" for k in code.args if op.attr(k, None) is not None)
+            build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
+        if build is not None:
+            if any("tp" in axes for axes in op.grad_partial):
+                # the plan's name for that step all-reduce: sequence parallelism's norm
+                # gradients when the module's input is split over tp, else tp-partial ones
+                sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
+                self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
+                                 f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
+            self.init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
+        for line in (*code.init, *more.pop("init", ())):
+            line = line.format(t=self.tables, **facts)
+            if line not in self.once:
+                self.once.append(line)
+        extra_notes = more.pop("notes", ())
+        text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
+        self.needs_pos = self.needs_pos or re.search(r"\bpos\b", code.call) is not None
+        notes += ([code.comment] if code.comment else []) + list(extra_notes)
+        if show.collectives:
+            notes.append(calls_comment(show, self.layer))
+        users = self.consumers.get(name, [])
+        if code.heads_out or (op.kind == "redistribute" and self.alias.get(op.inputs[0], op.inputs[0])
+                              in self.per_head):
+            self.per_head.add(name)
+        elif users and all(self.codes.get(u) is not None and self.codes[u].heads_in for u in users):
+            # a flat projection read per head: (B, T, heads * d) -> (B, T, heads, d), d the dim's unit
+            unit = dict(op.attrs)["out_dim"].unit
+            n = op.local_shape[-1] // unit
+            text += f".unflatten(-1, ({n}, {unit}))"
+            notes.append(f"{n} head{'s' if n != 1 else ''} of {unit}")
+        return code, text
+
+    def _keep_split(self, name: str, op: OpData, text: str, texts: list[str], notes: list[str],
+                    show: OpData) -> None:
+        """Sequence parallelism: the layers after a regathered conversion keep its split
+        input and all-gather it again in backward (insert-collectives' regather)."""
+        users = self.consumers.get(name, [])
+        if not all(self.codes.get(c) is not None and self.codes[c].keep_split for c in users):
+            raise ValueError(f"{op.name}: a regathered input read by ops that cannot keep it split")
+        src = texts[0]
+        var = self.fresh("x")
+        if var == src:   # the gathered input takes the split one's name: keep the split one as xs
+            split = self.fresh(src + "s")
+            self.body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
         else:
-            code = codes[name]
-            attr = name.removeprefix(prefix)
-            facts = _facts(op, layer, reduce.get(name), constants)
-            attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
-                                                                 if c.op == "all_gather" and c.phase == "forward"}))}
-            more = dict(code.facts(attrs)) if code.facts is not None else {}
-            build = code.build
-            if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
-                args = "".join(f", {k}={op.attr(k)!r}" for k in code.args if op.attr(k, None) is not None)
-                build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
-            if build is not None:
-                if any("tp" in axes for axes in op.grad_partial):
-                    # the plan's name for that step all-reduce: sequence parallelism's norm
-                    # gradients when the module's input is split over tp, else tp-partial ones
-                    sp = any("tp" in axes for u in external if u in every for axes in every[u].splits)
-                    init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over tp "
-                                f"with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-                init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
-            for line in (*code.init, *more.pop("init", ())):
-                line = line.format(t=tables, **facts)
-                if line not in once:
-                    once.append(line)
-            notes_more = more.pop("notes", ())
-            text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
-            needs_pos = needs_pos or re.search(r"\bpos\b", code.call) is not None
-            if code.comment:
-                notes.append(code.comment)
-            notes += notes_more
-            if show.collectives:
-                notes.append(calls_comment(show, layer))
-            users = consumers.get(name, [])
-            if code.heads_out or (op.kind == "redistribute" and alias.get(ins[0], ins[0]) in per_head):
-                per_head.add(name)
-            elif users and all(codes.get(u) is not None and codes[u].heads_in for u in users):
-                # a flat projection read per head: (B, T, heads * d) -> (B, T, heads, d), d the dim's unit
-                unit = dict(op.attrs)["out_dim"].unit
-                n = op.local_shape[-1] // unit
-                text += f".unflatten(-1, ({n}, {unit}))"
-                notes.append(f"{n} head{'s' if n != 1 else ''} of {unit}")
-        users = consumers.get(name, [])
-        is_out = name in outputs
-        in_with = name in with_ops
-        if (code.inline and len(users) == 1 and not is_out and not in_with and users[0] not in with_ops
-                and not (users[0] in codes and codes[users[0]].heads_in)):
-            values[name] = _Value(text, True, notes, frozenset(refs))
-            continue
+            split = src
+            self.body.append(_comment(f"{var} = {text}", show.shape_comment(), notes))
+        self.body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):",
+                                  f"backward keeps {split} and all-gathers it again", []))
+        self.with_ops, self.indent = set(users), "    "
+        self.values[name] = _Value(var, False)
+        self.bound[var] = name
+
+    def _place(self, name, op, code: Code, text: str, texts, notes, refs, show) -> None:
+        """Write a unit's value: pending in its reader, a keep-split block, the return or
+        a statement."""
+        users = self.consumers.get(name, [])
+        in_with = name in self.with_ops
+        if (code.inline and len(users) == 1 and name not in self.outputs and not in_with
+                and users[0] not in self.with_ops and not (users[0] in self.codes and self.codes[users[0]].heads_in)):
+            self.values[name] = _Value(text, True, notes, frozenset(refs))
+            return
         if isinstance(op, OpData) and dict(op.attrs).get("regather"):
-            # sequence parallelism: the column-parallel layers after it keep the split input
-            # and all-gather it again in backward (insert-collectives' regather)
-            if not all(codes.get(c) is not None and codes[c].keep_split for c in users):
-                raise ValueError(f"{op.name}: a regathered input read by ops that cannot keep it split")
-            src = texts[0]
-            var = fresh("x", frozenset())
-            if var == src:   # the gathered input takes the split one's name: keep the split one as xs
-                split = fresh(src + "s", frozenset())
-                body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
-            else:
-                split = src
-                body.append(_comment(f"{var} = {text}", show.shape_comment(), notes))
-            body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):",
-                                 f"backward keeps {split} and all-gathers it again", []))
-            with_ops = set(users)
-            indent = "    "
-            values[name] = _Value(var, False)
-            bound[var] = name
-            continue
-        if is_out:
-            body.append(_comment(f"{indent}return {text}", show.shape_comment(), notes))
-            continue
+            self._keep_split(name, op, text, texts, notes, show)
+            return
+        if name in self.outputs:
+            self.body.append(_comment(f"{self.indent}return {text}", show.shape_comment(), notes))
+            return
         base = code.var or (texts[0] if texts and texts[0].isidentifier() else "h")
-        var = fresh(preferred(name, base), frozenset(refs))
-        body.append(_comment(f"{indent}{var} = {text}", show.shape_comment(), notes))
-        values[name] = _Value(var, False)
-        bound[var] = name
+        var = self.fresh(self.preferred(name, base))
+        self.body.append(_comment(f"{self.indent}{var} = {text}", show.shape_comment(), notes))
+        self.values[name] = _Value(var, False)
+        self.bound[var] = name
         if in_with:
-            with_ops.discard(name)
-            if not with_ops:
-                indent = ""
-    axes = [a for a in ("tp", "cp") if any(f"self.{a}" in ln for ln in body + init + once)]
-    if axes:
-        init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
-    params = ", ".join(f"x{k}" if k else "x" for k in range(len(external)))
-    first = every.get(external[0]) if external else None
-    sig = f"def forward(self, {params}{', pos: rt.Positions' if needs_pos else ''}):"
-    sig = _comment(sig, f"x: {first.shape_comment()}" if first is not None else "", [], COMMENT_COLUMN + 4)
-    return Methods(tuple(init + once), sig.rstrip(), tuple(body))
+            self.with_ops.discard(name)
+            if not self.with_ops:
+                self.indent = ""
+
+    def write(self) -> Methods:
+        for name, op, ins, out_op in self.units:
+            if name in self.alias:
+                continue
+            texts, notes, refs = self._operands(ins)
+            show = self.shown.get(name, out_op)
+            if isinstance(op, Submodule):
+                code, text = self._submodule(name, op, texts, notes)
+            else:
+                code, text = self._op(name, op, texts, notes, show)
+            self._place(name, op, code, text, texts, notes, refs, show)
+        init = list(self.init)
+        axes = [a for a in ("tp", "cp") if any(f"self.{a}" in ln for ln in self.body + init + self.once)]
+        if axes:
+            init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
+        params = ", ".join(f"x{k}" if k else "x" for k in range(len(self.external)))
+        first = self.every.get(self.external[0]) if self.external else None
+        sig = f"def forward(self, {params}{', pos: rt.Positions' if self.needs_pos else ''}):"
+        sig = _comment(sig, f"x: {first.shape_comment()}" if first is not None else "", [], COMMENT_COLUMN + 4)
+        return Methods(tuple(init + self.once), sig.rstrip(), tuple(self.body))
 
 
 def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool:
