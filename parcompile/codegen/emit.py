@@ -208,6 +208,9 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "kv_gathered": any(c.axis == "cp" for c in layer.op("attn.core").collectives),
         "layers_recomputed": any(o.attr("recompute", None) == "full" for o in layer.ops),
         "head_keep_split": bool(getattr(pd.conversion_into("lm_head"), "regather", False)),
+        # the embedding's and the head's per-rank weight shapes (V'/tp, h), read off the graph
+        "embedding_local": pd.ops["embedding"].param_local[0],
+        "head_local": head.param_local[0],
         "layer_table": _layer_table(pd.dense_layer),
         "moe_table": _layer_table(pd.moe_layer),
         "dense_index": pd.dense_layer.index if pd.dense_layer else None,

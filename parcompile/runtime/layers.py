@@ -190,14 +190,16 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int,
-                 sequence_parallel: bool = False, scale: float | None = None):
+                 sequence_parallel: bool = False, scale: float | None = None, *,
+                 local: tuple[int, int] | None = None):
         super().__init__()
         self.tp = tp
         self.scale = scale   # Gemma: the output times sqrt(hidden), the factor rounded to the weight's dtype
         self.sequence_parallel = sequence_parallel
-        self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab)
-        self.start = tp.index * (padded_vocab // tp.size)
-        self.rows = padded_vocab // tp.size
+        # local: the program's (V'/tp, h), read off the sharded graph (checked against the shard)
+        self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab, local=local)
+        self.rows = self.weight.shape[0]                  # this rank's rows of the padded vocabulary
+        self.start = tp.index * self.rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -159,14 +159,16 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(6400, 12288))  # (V'/tp, h)
             self.pos_embedding = nn.Module()
             self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (MAX_POSITIONS, HIDDEN), SEED, 0.02, tp, None)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
             if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)
-                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                       local=(6400, 12288))
                 self.lm_head.weight.tied = self.lm_head.weight.tied_copy = True
         if self.has_first and not self.has_last:
             self.embedding.weight.tied = True
