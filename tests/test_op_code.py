@@ -69,7 +69,7 @@ def test_mlp_is_written_from_the_graph():
     sp = _layers(tiny_config(1, 2, 1, parallel=dict(sequence_parallel=True)))
     text = module_methods(sp.dense_layer, "mlp", sp.ops).text("i: int, tp: rt.Axis")
     assert "local=(64, 64)" in text                      # ffn 128 / tp 2, hidden 64: the graph's
-    assert "reduce='reduce_scatter'" in text and "keep_split_input" in text
+    assert 'reduce="reduce_scatter"' in text and "keep_split_input" in text
     plain = _layers(tiny_config(1, 1, 1))
     text = module_methods(plain.dense_layer, "mlp", plain.ops).text("i: int, tp: rt.Axis")
     assert "enter_tp" not in text and "copy_to_tp" not in text and "self.tp" not in text   # tp = 1: no conversion

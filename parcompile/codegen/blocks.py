@@ -109,7 +109,8 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
         return constants.get(dim.name, str(dim.size))
 
     base = op.param_names[0].rsplit(".", 1)[0] if op.param_names else op.name
-    facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False), "reduce": reduce,
+    facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False),
+             "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
              "dim": constants.get(op.dims[-1], str(op.global_shape[-1]))}
     if "in_dim" in a:

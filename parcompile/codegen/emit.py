@@ -257,7 +257,7 @@ def _moe_methods(pd: ProgramData, norm_topk_prob: bool) -> str:
     full = f"layers.{layer.index}.mlp."
     experts = layer.op("mlp.experts")
     local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
-    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, {experts.attr("activation")!r}, '
+    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "{experts.attr("activation")}", '
               f"experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE{'' if norm_topk_prob else ', norm_topk_prob=False'}"
               f"{_moe_extra(pd)}, local_experts={local})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),

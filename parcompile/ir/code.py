@@ -75,7 +75,7 @@ _LINEAR_CODE = {
     "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
                          "local={local})", keep_split=True),
     "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
-                      "reduce={reduce!r}, local={local})", fold_after=True),
+                      "reduce={reduce}, local={local})", fold_after=True),
     # MLA's down projections: every rank holds the whole weight, its gradient whole
     "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
                              "tp, SEED))", keep_split=True),

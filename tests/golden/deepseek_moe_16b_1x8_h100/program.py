@@ -139,7 +139,7 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, 'swiglu', experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
+        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
                                   local_experts=8)
         self.shared = SharedMLP(i, tp)
 

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce',
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce="all_reduce",
                                        local=(12288, 1536))
         self.window = WINDOW
 
@@ -102,7 +102,7 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED, local=(6144, 12288))
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, reduce='all_reduce', local=(12288, 6144))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, reduce="all_reduce", local=(12288, 6144))
 
     def forward(self, x):                                       # x: (B, T=2048, h=12288)
         x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)

@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 4096))
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(512, 4096))
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(512, 4096))
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce='reduce_scatter',
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
                                        local=(4096, 2048))
         self.window = WINDOW
 
@@ -110,7 +110,7 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, 'swiglu', experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
+        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
                                   local_experts=1)
 
     def forward(self, x):                                       # x: (B, T/tp=2048, h=4096)
