@@ -11,6 +11,7 @@ config or the graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
-from parcompile.codegen.program_data import LayerData, OpData, ProgramData, program_data
-from parcompile.ir.ops import spec
+from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
+from parcompile.codegen.program_data import LayerData, ProgramData, program_data
+from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -133,25 +135,6 @@ def _graph_data(plan: CompiledPlan) -> tuple[ProgramData, dict]:
     return program_data(plan.graph, plan.degrees), plan.data
 
 
-def _calls(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
-    """A conversion's collectives for a comment, by the plan's name for it:
-    ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
-    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
-    if op is None or not op.collectives:
-        return none
-    name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
-    return f"{name}: " + _describe(op.collectives)
-
-
-def _describe(calls) -> str:
-    """``forward all_reduce(tp) x 3, backward ...``: runs of equal collectives counted."""
-    out: list[list] = []
-    for c in calls:
-        if out and out[-1][0] == c.describe():
-            out[-1][1] += 1
-        else:
-            out.append([c.describe(), 1])
-    return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
 
 
 def _layer_table(layer: LayerData | None) -> list[str]:
@@ -161,7 +144,7 @@ def _layer_table(layer: LayerData | None) -> list[str]:
         return []
     prefix = f"layers.{layer.index}."
     rows = [(o.name.removeprefix(prefix), o.kind, o.shape_comment(), o.sharding,
-             _describe(o.collectives)) for o in layer.ops]
+             describe(o.collectives)) for o in layer.ops]
     w = [max(len(r[k]) for r in rows) for k in range(4)]
     return [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d:<{w[3]}}  {e}".rstrip() for a, b, c, d, e in rows]
 
@@ -198,29 +181,21 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     layer = pd.dense_layer or pd.moe_layer
     i = layer.index
     mla = layer.op("attn.wkv_a") is not None   # multi-head latent attention (runtime/mla.py)
-    attn_in = layer.conversion_into("attn.wq") or layer.conversion_into("attn.wkv_a")
-    attn_out = layer.conversion_after("attn.wo")
     mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
-    mlp_in = mlp.conversion_into("mlp.w1") or mlp.conversion_into("mlp.shared.w1")
-    mlp_out = mlp.conversion_after("mlp.w2") or mlp.conversion_after("mlp.shared.w2")
-    core = layer.op("attn.core")
-    wq = layer.op("attn.wq") or layer.op("attn.wq_b")
-    wk = layer.op("attn.wk") or layer.op("attn.key")
-    wo = layer.op("attn.wo")
     # MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
-    mla_grads = "; ".join(_calls(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
+    mla_grads = "; ".join(calls_comment(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
                           if layer.conversion_into(n) is not None)
     key_in = layer.op("attn.key")
     if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
             and pd.ops[key_in.inputs[1]].kind == "redistribute":
-        mla_grads += ("; " if mla_grads else "") + _calls(pd.ops[key_in.inputs[1]], i)
+        mla_grads += ("; " if mla_grads else "") + calls_comment(pd.ops[key_in.inputs[1]], i)
     w1 = mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")
     norm = layer.op("attn_norm")
     head = pd.ops["lm_head"]
     tp_one = "no collective (tp = 1)"
     return {
         **_layer_kinds(pd),
-        "head_ops": [] if mla else _head_statements(layer, sp),   # MLA's RoPE is runtime/mla.py's
+        **_classes(pd, m.norm_topk_prob),
         "mla": mla,
         "mla_grads": mla_grads or "none (tp = 1)",
         "moe": moe,
@@ -232,28 +207,23 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "seq_ranks": seq_ranks,
         "zero_comment": zero_comment,
         "sp": sp,
-        # sequence parallelism: column-parallel layers keep the sequence-split input and
-        # gather it again in backward (under full recomputation the layer keeps its input only)
-        "keep_split": bool(attn_in is not None and attn_in.regather and p.recompute != "full"),
         "t_attn": z.t_attn,
         "t_local": z.t_residual,
         "act_shape": ", ".join(str(n) for n in z.boundary),
         "x_shape": norm.shape_comment(),
-        "x_tp_shape": (attn_in or norm).shape_comment(),
-        "q_shape": wq.shape_comment(),
-        "k_shape": wk.shape_comment(),
-        "y_shape": core.shape_comment(),
-        "out_shape": (attn_out or wo).shape_comment(),
-        "ffn_shape": w1.shape_comment() if w1 is not None else "",
         "logits_shape": head.shape_comment(),
-        "attn_enter": _calls(attn_in, i, tp_one),
-        "attn_leave": _calls(attn_out, i, tp_one),
-        "mlp_enter": _calls(mlp_in, mlp.index, tp_one),
-        "mlp_leave": _calls(mlp_out, mlp.index, tp_one),
-        "kv_gather": _calls(core, i),
-        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
-        "head_enter": _calls(pd.conversion_into("lm_head"), none=tp_one),
-        "loss_calls": _calls(pd.ops.get("loss"), none="no collective (tp = 1)"),
+        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
+        "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
+        "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
+        # graph facts the Stage reads: the attention gathers k/v over cp (its positions are
+        # then not 0..T-1), the layers are fully recomputed (insert-collectives' mark), the
+        # LM head keeps its sequence-split input (its conversion's regather)
+        "kv_gathered": any(c.axis == "cp" for c in layer.op("attn.core").collectives),
+        "layers_recomputed": any(o.attr("recompute", None) == "full" for o in layer.ops),
+        "head_keep_split": bool(getattr(pd.conversion_into("lm_head"), "regather", False)),
+        # the embedding's and the head's per-rank weight shapes (V'/tp, h), read off the graph
+        "embedding_local": pd.ops["embedding"].param_local[0],
+        "head_local": head.param_local[0],
         "layer_table": _layer_table(pd.dense_layer),
         "moe_table": _layer_table(pd.moe_layer),
         "dense_index": pd.dense_layer.index if pd.dense_layer else None,
@@ -271,7 +241,6 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "vocab_local": z.vocab,
         "heads_local": z.heads,
         "kv_local": z.kv_heads,
-        "ffn_local": z.ffn,
         "rope_dim": rope_dim,
         "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
         "torch_dtype": TORCH_NAMES[m.dtype],
@@ -288,6 +257,65 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "model_keys_repr": repr(_model_keys(m)),
         "peak_flops_repr": repr(cfg.cluster.peak_flops),
     }
+
+
+def _moe_methods(pd: ProgramData, norm_topk_prob: bool) -> str:
+    """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
+    (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
+    graph's local expert count) and, where the graph has them, the shared experts'
+    MLP and their sum."""
+    layer = pd.moe_layer
+    full = f"layers.{layer.index}.mlp."
+    experts = layer.op("mlp.experts")
+    local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
+    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "{experts.attr("activation")}", '
+              f"experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE{'' if norm_topk_prob else ', norm_topk_prob=False'}"
+              f"{_moe_extra(pd)}, local_experts={local})")
+    subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
+                                 show_calls=True)}
+    if layer.op("mlp.shared.w1") is not None:
+        subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
+    ops = tuple(o for o in layer.ops if o.name.startswith(full))
+    return methods(ops, layer.index, full, pd.ops, subs).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+
+
+def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+    """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
+    the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
+    (one Block for both layer kinds: only its ``mlp`` module differs)."""
+    out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
+    for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
+        if layer is not None and layer.op(f"{prefix}.w1") is not None:
+            out[f"{key}_doc"] = mlp_doc(layer, prefix)
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+    layer = pd.dense_layer or pd.moe_layer
+    windows = {x.op("attn.core").attr("window") for x in pd.layers}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
+    out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
+    out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
+    # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
+    out["moe_expert_tp"] = pd.moe_layer is not None and any(
+        c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
+    kinds = []
+    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
+        if layer is not None:
+            subs = {"attn": Submodule("attn", "Attention(i, tp, cp)", ", pos"), "mlp": Submodule("mlp", mlp)}
+            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs))
+    block = kinds[0]
+    if len(kinds) == 2:
+        dense, moe = kinds
+        mlp_line = "self.mlp = MLP(i, tp)"
+        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe.init if ln != "self.mlp = MoE(i, tp, experts)"] \
+                or dense.forward != moe.forward:
+            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
+                             "the program writes one Block class")
+        block = dataclasses.replace(moe, init=tuple(
+            "self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
+            for ln in dense.init))
+    sig = "i: int, tp: rt.Axis, cp: rt.Axis" + (", experts: rt.ExpertAxes" if pd.moe_layer is not None else "")
+    out["block_methods"] = block.text(sig)
+    return out
 
 
 @dataclass(frozen=True)
@@ -310,7 +338,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
     out = []
     prefix = f"layers.{layer.index}.attn."
     for op, var in layer.head_ops():
-        code = spec(op.kind).code
+        code = code_of(op.kind, dict(op.attrs))
         attr = op.name.removeprefix(prefix)
         build = None
         comment = ""
@@ -327,7 +355,7 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
         call = (code.serve_call if serve and code.serve_call else code.call).format(self=f"self.{attr}", x=var)
         what = code.comment or op.kind
         if op.collectives:
-            what += "; " + _calls(op, layer.index)
+            what += "; " + calls_comment(op, layer.index)
         out.append(HeadStatement(build, comment, f"{var} = {call}", what))
     return out
 
@@ -499,9 +527,9 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "padded_vocab": plan["model"]["padded_vocab"],
         "heads_local": z.heads,
         "vocab_local": z.vocab,
-        "attn_leave": _calls(layer.conversion_after("attn.wo"), layer.index, tp_one),
-        "mlp_leave": _calls(layer.conversion_after("mlp.w2"), layer.index, tp_one),
-        "embed_leave": _calls(pd.conversion_after("embedding"), none=tp_one),
+        "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
+        "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
+        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
         "mla": layer.op("attn.wkv_a") is not None,
         "head_ops": [] if layer.op("attn.wkv_a") is not None else _head_statements(layer, pd.sequence_parallel,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import op_collectives, spec
+from parcompile.ir.ops import code_of, op_collectives
 from parcompile.ir.types import TensorType, split_axes
 
 #: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
@@ -75,6 +75,10 @@ class OpData:
     grad_partial: tuple[tuple[str, ...], ...] = ()
     #: the op's parameters' global names, in order
     param_names: tuple[str, ...] = ()
+    #: the op's parameters' per-rank shapes, in order (``Sharding.local_type`` of each)
+    param_local: tuple[tuple[int, ...], ...] = ()
+    #: the op's output's global shape
+    global_shape: tuple[int, ...] = ()
 
     def attr(self, key: str, default=KeyError):
         """The op attribute ``key``; ``default`` when the op has none (KeyError if not given)."""
@@ -139,7 +143,8 @@ class LayerData:
         roots = {f"layers.{self.index}.attn.w{v}": v for v in "qkv"}
         out = []
         for o in self.ops:
-            if spec(o.kind).code is None:
+            code = code_of(o.kind, dict(o.attrs))
+            if code is None or not code.per_head:
                 continue
             src = o
             while src.name not in roots:
@@ -231,7 +236,8 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
                    for d in nd.type.dims)
     return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
-                  tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params))
+                  tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
+                  tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape)
 
 
 def _layer_of(nd: Node) -> int | None:

@@ -231,6 +231,12 @@ class Graph:
         nd = self.node(name)
         self._put(replace(nd, stage=stage, chunk=stage if chunk is None else chunk))
 
+    def set_attrs(self, name: str, **attrs: Any) -> None:
+        """Add or change attributes of an op (an annotation a pass sets: ``recompute``)."""
+        nd = self.node(name)
+        merged = {**nd.op.attr_map, **attrs}
+        self._put(replace(nd, op=replace(nd.op, attrs=tuple(sorted(merged.items())))))
+
     def set_params(self, name: str, params: Iterable[Param]) -> None:
         self._put(replace(self.node(name), params=tuple(params)))
 

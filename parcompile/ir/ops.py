@@ -29,11 +29,12 @@ bandwidth; GEMM operands are not counted (their time is their FLOPs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from parcompile.core.attention import attention_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
+from parcompile.ir.code import CODES, COMM_KINDS, Code
 from parcompile.ir.types import Sharding, TensorType
 
 # --------------------------------------------------------------------------- records
@@ -142,27 +143,16 @@ class TpRule:
     param_grad_partial: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Code:
-    """How a generated program runs an op of this kind on the per-head q, k or v of an
-    attention module (between the projections and the attention core): what codegen
-    writes for it, with no code of its own per kind.
+def code_of(kind: str, attrs: Mapping[str, Any]) -> Code | None:
+    """The :class:`Code` row of an op of ``kind`` with ``attrs`` (a row may depend on the
+    op's tensor-parallel style or attributes); None: the kind runs outside generated classes.
 
-    ``module`` names the runtime class the module's ``__init__`` builds, as
-    ``self.<attr> = rt.<module>(f"layers.{i}.attn.<attr>", <arg>=<op attr>, ..., seed=SEED,
-    tp=tp)`` (``<attr>`` is the op's name in its module: ``q_norm``; ``args`` the op
-    attributes passed by keyword, in order); None: the op is a plain function. ``call``
-    is the forward expression in the training program, ``serve_call`` in the serving
-    program (None: the same): ``{self}`` is the built module (``self.q_norm``), ``{x}``
-    the per-head tensor, (B, T, heads, head_dim) in both. ``comment`` says what the call
-    does, beside it.
+    Raises:
+        KeyError: unknown kind.
+        ValueError: a conversion with no runtime call (:func:`_redistribute_code`).
     """
-
-    module: str | None = None
-    args: tuple[str, ...] = ()
-    call: str = "{self}({x})"
-    serve_call: str | None = None
-    comment: str = ""
+    code = spec(kind).code
+    return code(attrs) if callable(code) else code
 
 
 @dataclass(frozen=True)
@@ -187,9 +177,9 @@ class OpSpec:
     saves_output: Callable[[Mapping[str, Any]], bool] = lambda a: False
     #: bytes read + written by the op's non-matmul kernels in the forward (module docstring)
     traffic: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
-    #: how a generated program runs it on per-head tensors (:class:`Code`); None: the
-    #: templates write the op themselves (projections, attention core, MLP, ...)
-    code: Code | None = None
+    #: how a generated program runs it (:class:`Code`, or a function of the attributes
+    #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton)
+    code: Code | Callable[[Mapping[str, Any]], Code] | None = None
 
 
 # --------------------------------------------------------------------------- rules
@@ -458,21 +448,19 @@ def _copy_traffic(a, ins, out):
 
 
 OPS: dict[str, OpSpec] = {
-    s.kind: s
+    s.kind: replace(s, code=CODES.get(s.kind))   # the program rows: parcompile/ir/code.py
     for s in [
         OpSpec("input", _input_type, arity=0),
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
         OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
+        # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
         OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         # rotary position embedding at the tokens' global positions (the program's tables)
-        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic,
-               code=Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *rope)",
-                         comment="RoPE at the tokens' global positions")),
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
-               traffic=_elementwise_traffic,
-               code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone")),
+               traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=_fused, traffic=_attention_traffic),
@@ -638,7 +626,6 @@ def dual(s: Sharding) -> Sharding:
     return s.without_partial()
 
 
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def op_collectives(node, degrees: Mapping[str, int], local_in: Sequence[TensorType],

@@ -46,7 +46,7 @@ from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import COMM_KINDS, convert, dual
+from parcompile.ir.ops import COMM_KINDS, convert, dual, spec
 from parcompile.passes.base import PassContext
 from parcompile.passes.results import CollectivesInserted
 
@@ -105,8 +105,10 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             # sequence parallelism: column-parallel layers keep the sequence-split input and
             # all-gather it again in backward (Megatron-LM; Korthikanti et al. 2022, 4.2.2);
             # analysis/comm.py counts that all-gather unless full recomputation rebuilds the
-            # layer anyway
-            if (ctx.cfg.workload == "train" and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
+            # layer anyway; under full recomputation a decoder layer keeps only its input, so
+            # nothing in it is kept split and codegen writes no keep_split_input block there
+            recomputed = ctx.cfg.parallel.recompute == "full" and pu.op.layer is not None   # analysis/comm.py _in_layer
+            if (ctx.cfg.workload == "train" and not recomputed and [(k, ax) for k, ax in fwd if k in COMM_KINDS] == [("all_gather", "tp")]
                     and all(graph.node(v).kind == "linear" for v, _ in consumers)):
                 attrs["regather"] = True
             # a conversion the producer's layout calls for (a partial sum reduced, a split
@@ -229,6 +231,22 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
     return stages
 
 
+def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
+    """Mark what runs again in backward with the attribute ``recompute``: under
+    ``recompute = selective`` the ops of the op table's ``selective_recompute`` (the
+    attention core), ``"selective"``; under ``full`` every op of a decoder layer (not its
+    conversions: they are the layer's inputs and outputs), ``"full"``. The program reads
+    the marks (codegen); the collectives inside repeat in backward as planned."""
+    mode = ctx.cfg.parallel.recompute
+    if ctx.cfg.workload != "train" or mode not in ("selective", "full"):
+        return
+    for nd in graph.nodes():
+        if mode == "selective" and spec(nd.kind).selective_recompute:
+            graph.set_attrs(nd.name, recompute="selective")
+        elif mode == "full" and nd.op.layer is not None and nd.kind not in ("redistribute", "send_recv"):
+            graph.set_attrs(nd.name, recompute="full")
+
+
 @dataclass(frozen=True)
 class InsertCollectives:
     """Insert send/recv, layout conversions and step collectives (module docstring)."""
@@ -238,4 +256,6 @@ class InsertCollectives:
     def apply(self, graph: Graph, ctx: PassContext) -> CollectivesInserted:
         _insert_conversions(graph, ctx)   # first: a producer's conversion precedes its send
         _insert_send_recv(graph, ctx)
-        return CollectivesInserted(tuple(_insert_step_collectives(graph, ctx)))
+        stages = _insert_step_collectives(graph, ctx)
+        _mark_recomputation(graph, ctx)
+        return CollectivesInserted(tuple(stages))

@@ -4,8 +4,8 @@ optimizer step. Generated programs use it as ``from parcompile import runtime as
 """
 
 from parcompile.runtime import checkpoint
-from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, keep_split_input, leave_tp,
-                                     reduce_from_tp)
+from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, gather_replicated, keep_split_input,
+                                     leave_tp, reduce_from_tp)
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
@@ -19,8 +19,13 @@ from parcompile.runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rope,
+    attention,
     attention_core,
     make_param,
+    mla_key,
+    rope_key,
+    rope_tail,
+    whole_grad,
     recompute,
     no_init,
     shard_part,
@@ -31,7 +36,7 @@ from parcompile.runtime.layers import (
 )
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
-from parcompile.runtime.mla import MLAttention
+from parcompile.runtime.mla import MLAttention, ReplicatedLinear
 from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from parcompile.core.model import yarn_mscale
 from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis
+from parcompile.runtime.context_parallel import gather_kv as gather_kv_along
 from parcompile.runtime.wgrad import linear
 
 INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
@@ -87,7 +88,7 @@ def shard(full: torch.Tensor, dim: int | None, axis: Axis) -> torch.Tensor:
 
 def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, axis: Axis,
                dim: int | None, valid_rows: int | None = None, *, shard_index: int | None = None,
-               num_shards: int | None = None) -> nn.Parameter:
+               num_shards: int | None = None, local: tuple[int, ...] | None = None) -> nn.Parameter:
     """A parameter holding this rank's shard of the global initial value.
 
     The shard is part ``axis.index`` of ``axis.size`` along ``dim``, or part
@@ -96,17 +97,26 @@ def make_param(name: str, shape: tuple[int, ...], seed: int, std: float | None, 
     is recorded on the tensor (``global_name``, ``global_shape``, ``shard_dim``,
     ``shard_index``, ``num_shards``, ``valid_rows``) so that checkpoints, loaders and
     ``verify`` can reassemble or cut the global tensor.
+
+    ``local``: the per-rank shape the generated program read off the sharded graph; the
+    shard must have it (the program states local sizes, the runtime only checks them).
+
+    Raises:
+        ValueError: the dimension does not divide, or the shard's shape is not ``local``.
     """
     index = axis.index if shard_index is None else shard_index
     parts = axis.size if num_shards is None else num_shards
     if dim is None or parts == 1:
-        local = tuple(shape)
+        local_shape = tuple(shape)
     else:
         if shape[dim] % parts:
             raise ValueError(f"dimension {dim} of {name} ({shape[dim]}) does not divide into {parts} parts")
-        local = tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+        local_shape = tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+    if local is not None and tuple(local) != local_shape:
+        raise ValueError(f"{name}: the program expects a shard of shape {tuple(local)}, the layout gives "
+                         f"{local_shape} (part {index} of {parts} along dim {dim} of {tuple(shape)})")
     if _INIT["skip"]:
-        p = nn.Parameter(torch.empty(local))
+        p = nn.Parameter(torch.empty(local_shape))
     else:
         p = nn.Parameter(shard_part(global_init(name, shape, seed, std, valid_rows), dim, index, parts))
     p.global_name = name
@@ -122,15 +132,19 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W (out, in) split on ``out`` over tp: (..., in) -> (..., out/tp).
 
     The input must already be in the tensor-parallel region (see :func:`copy_to_tp`).
+    ``local``: the weight's per-rank shape ``(out/tp, in)`` as the program read it off the
+    sharded graph (checked against the shard, :func:`make_param`).
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
                  seed: int, std: float = INIT_STD, valid_rows: int | None = None, *,
-                 shard_index: int | None = None, num_shards: int | None = None):
+                 shard_index: int | None = None, num_shards: int | None = None,
+                 local: tuple[int, int] | None = None):
         super().__init__()
         # shard_index / num_shards: a part other than tp's own (replicated kv heads, serving)
         kw = dict(shard_index=shard_index, num_shards=num_shards)
-        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows, **kw)
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows,
+                                 local=local, **kw)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,14 +156,26 @@ class RowParallelLinear(nn.Module):
     (B, T, in/tp) -> (B, T, out), replicated; with ``sequence_parallel`` the partial sums
     are reduce-scattered along the sequence instead: -> (B, T/tp, out). The bias is added
     once, after the reduction.
+
+    ``reduce`` (what a generated program passes: the collective of the conversion the
+    sharded graph puts after the layer) says it instead of ``sequence_parallel``:
+    ``"all_reduce"``, ``"reduce_scatter"`` (along the sequence) or None (tp = 1: none).
+    ``local``: the weight's per-rank shape ``(out, in/tp)``, checked against the shard.
     """
 
+    REDUCTIONS = (None, "all_reduce", "reduce_scatter")
+
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
-                 seed: int, std: float = INIT_STD, sequence_parallel: bool = False):
+                 seed: int, std: float = INIT_STD, sequence_parallel: bool = False, *,
+                 reduce: str | None | bool = False, local: tuple[int, int] | None = None):
         super().__init__()
+        if reduce is not False and reduce not in self.REDUCTIONS:
+            raise ValueError(f"{name}: reduce must be one of {self.REDUCTIONS}, not {reduce!r}")
+        if reduce is not False and reduce is not None and tp.size == 1:
+            raise ValueError(f"{name}: reduce={reduce!r} over a tp axis of one rank")
         self.tp = tp
-        self.sequence_parallel = sequence_parallel
-        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1)
+        self.sequence_parallel = sequence_parallel if reduce is False else reduce == "reduce_scatter"
+        self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1, local=local)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,14 +190,16 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, name: str, padded_vocab: int, vocab: int, hidden: int, tp: Axis, seed: int,
-                 sequence_parallel: bool = False, scale: float | None = None):
+                 sequence_parallel: bool = False, scale: float | None = None, *,
+                 local: tuple[int, int] | None = None):
         super().__init__()
         self.tp = tp
         self.scale = scale   # Gemma: the output times sqrt(hidden), the factor rounded to the weight's dtype
         self.sequence_parallel = sequence_parallel
-        self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab)
-        self.start = tp.index * (padded_vocab // tp.size)
-        self.rows = padded_vocab // tp.size
+        # local: the program's (V'/tp, h), read off the sharded graph (checked against the shard)
+        self.weight = make_param(f"{name}.weight", (padded_vocab, hidden), seed, INIT_STD, tp, 0, vocab, local=local)
+        self.rows = self.weight.shape[0]                  # this rank's rows of the padded vocabulary
+        self.start = tp.index * self.rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -592,6 +620,75 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, v.shape[-1])   # MLA: v's head width
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(..., r) interleaved pairs -> (..., r) halves: [x0, x2, ..., x1, x3, ...]."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def rope_tail(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+              interleave: bool = False) -> torch.Tensor:
+    """RoPE on the dims of each head from ``start`` on, the first ``start`` left as they
+    are (MLA's query: [nope, rope] per head): x (B, T, H, start + r) -> same.
+    ``interleave``: the rotary dims arrive as interleaved pairs (DeepSeek's checkpoints)."""
+    tail = x[..., start:]
+    return torch.cat([x[..., :start], apply_rope(deinterleave(tail) if interleave else tail, cos, sin)], dim=-1)
+
+
+def rope_key(x: torch.Tensor, rope_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+             interleave: bool = False) -> torch.Tensor:
+    """MLA's shared RoPE key: the last ``rope_dim`` features of ``x`` (B, T, c + r) as one
+    head, rotated: -> (B, T, 1, r)."""
+    tail = x[..., x.shape[-1] - rope_dim:]
+    return apply_rope((deinterleave(tail) if interleave else tail).unsqueeze(-2), cos, sin)
+
+
+def mla_key(kv: torch.Tensor, k_rope: torch.Tensor, nope: int) -> torch.Tensor:
+    """MLA's keys: each head's first ``nope`` features of ``kv`` (B, T, H, n + v) and the
+    shared RoPE key (B, T, 1, r) -> (B, T, H, n + r)."""
+    return torch.cat([kv[..., :nope], k_rope.expand(*kv.shape[:-1], k_rope.shape[-1])], dim=-1)
+
+
+def whole_grad(module: nn.Module) -> nn.Module:
+    """Mark ``module``'s parameters ``tp_whole_grad``: replicated and run on the whole
+    (gathered) sequence, their gradient is whole on every tp rank, so sequence parallelism's
+    step all-reduce of replicated gradients leaves them out (MLA's down projections and
+    latent norms: the op table's ``replicated`` style). Returns ``module``."""
+    for p in module.parameters():
+        p.tp_whole_grad = True
+    return module
+
+
+def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
+    """:func:`attention_core`; a v narrower than q and k (MLA: v_head_dim < n + r) is
+    zero-padded for the fused kernel, which takes one head width, and the output cut back
+    (vLLM's MLA on FlashAttention 2: the kernel keeps the padded v and output, as the plan
+    counts them: ir/ops.py)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if fused and dv < d:
+        return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]
+    return attention_core(q, k, v, fused=fused, **kw)
+
+
+def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
+              gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention core on per-head tensors: q (B, T, Hq, D), k (B, T, Hkv, D), v (B, T,
+    Hkv, Dv) -> (B, T, Hq * Dv) (Dv < D: MLA, :func:`_padded_core`), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
+
+    ``gather_kv``: context parallelism, k and v all-gathered over that axis (backward:
+    reduce-scattered) before the core; ``recompute``: selective recomputation
+    (Korthikanti et al. 2022), the core keeps only its inputs and runs again in backward.
+    The generated program passes both from the sharded graph (the op's collectives, the
+    pass's ``recompute`` mark). See :func:`attention_core` for the rest."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if gather_kv is not None:
+        k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
+    kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
+              scale=scale, sinks=sinks)
+    y = _recompute(_padded_core, q, k, v, **kw) if recompute else _padded_core(q, k, v, **kw)
+    return y.transpose(1, 2).flatten(2)
+
+
 def recompute(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; the backward runs it again
     (torch.utils.checkpoint, non-reentrant; RNG state is replayed, so dropout masks match).
@@ -610,10 +707,13 @@ def recompute(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
+_recompute = recompute   # attention()'s flag of the same name shadows it there
+
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention_core", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

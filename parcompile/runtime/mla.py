@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from parcompile.runtime.comm import copy_to_tp, enter_tp, gather_replicated, keep_split_input
 from parcompile.runtime.context import Axis
 from parcompile.runtime.layers import (INIT_STD, ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rope,
-                                       attention_core, make_param, recompute)
+                                       attention_core, deinterleave, make_param, recompute)
 from parcompile.runtime.wgrad import linear
 
 
@@ -61,11 +61,6 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(..., r) interleaved pairs -> (..., r) halves: [x0, x2, ..., x1, x3, ...]."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 def mla_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fused: bool, **kw) -> torch.Tensor:

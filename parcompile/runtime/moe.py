@@ -346,7 +346,8 @@ class MoELayer(nn.Module):
     ``{prefix}.experts.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``...w2.weight``
     (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp).
     ``norm_topk_prob``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``,
-    ``routed_scaling_factor``: the router (:func:`route`).
+    ``routed_scaling_factor``: the router (:func:`route`). ``local_experts``: the experts
+    this rank holds as the generated program read them off the sharded graph (checked).
     """
 
     norm_topk_prob = _NORM_TOPK_PROB
@@ -356,7 +357,7 @@ class MoELayer(nn.Module):
                  norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
                  swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, local_experts: int | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.swiglu_clamp = swiglu_clamp   # gpt-oss: (alpha, limit) of its clamped SwiGLU
@@ -364,6 +365,9 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         ep, etp = axes.ep, axes.expert_tp
         self.local = num_experts // ep.size
+        if local_experts is not None and local_experts != self.local:   # the program's, from the sharded graph
+            raise ValueError(f"{prefix}: the program expects {local_experts} experts per ep rank, the layout "
+                             f"gives {num_experts} / {ep.size} = {self.local}")
         self.first = ep.index * self.local
         # gpt-oss: a biased router, and a bias on every expert matrix (zeros, as transformers starts them)
         self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
@@ -488,7 +492,7 @@ class TensorParallelMoE(nn.Module):
                  shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
                  swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, local_experts: int | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.swiglu_clamp = swiglu_clamp

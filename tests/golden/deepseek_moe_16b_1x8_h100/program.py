@@ -85,45 +85,49 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 2048))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
-        B, T, _ = x.shape                                       # (B, T=4096, h=2048)
-        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q=2048): 16 heads
-        k = self.wk(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
-        v = self.wv(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, kv=2048): 16 heads
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        # selective recomputation (Korthikanti et al. 2022): the attention core keeps only
-        # its inputs and runs again in backward
-        y = rt.recompute(rt.attention_core, q, k, v, fused=True, dropout=DROPOUT,
-                         training=self.training, window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q=2048)
-        return self.wo(y)                                       # (B, T=4096, h=2048): no collective (tp = 1)
+        q = self.wq(x).unflatten(-1, (16, 128))                 # (B, T=4096, q=2048): 16 heads of 128
+        k = self.wk(x).unflatten(-1, (16, 128))                 # (B, T=4096, kv=2048): 16 heads of 128
+        v = self.wv(x).unflatten(-1, (16, 128))                 # (B, T=4096, kv=2048): 16 heads of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=4096, q=2048): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=4096, kv=2048): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, recompute=True, dropout=DROPOUT, training=self.training,
+                         window=self.window, pos=pos)           # (B, T=4096, q=2048): causal attention; selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward
+        return self.wo(y)                                       # (B, T=4096, h=2048)
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    10944 inner units -> 10944 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 10944 inner units."""
 
-    def __init__(self, i: int, tp: rt.Axis, name: str = "mlp", ffn: int = FFN_HIDDEN):  # also the shared experts
+    def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
-        self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.{name}.w1", HIDDEN, ffn, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.{name}.w3", HIDDEN, ffn, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.{name}.w2", ffn, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(10944, 2048))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(10944, 2048))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 10944))
 
     def forward(self, x):                                       # x: (B, T=4096, h=2048)
-        x = rt.enter_tp(x, self.tp, SP)                         # no collective (tp = 1)
         h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=4096, f=10944): silu(gate) * up
-        return self.w2(h)                                       # (B, T=4096, h=2048): no collective (tp = 1)
+        return self.w2(h)                                       # (B, T=4096, h=2048)
+
+
+class SharedMLP(nn.Module):
+    """A MoE layer's shared (always-on) experts, one MLP: SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 2816 inner units."""
+
+    def __init__(self, i: int, tp: rt.Axis):
+        super().__init__()
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.shared.w1", HIDDEN, SHARED_FFN, False, tp, SEED, local=(2816, 2048))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.shared.w3", HIDDEN, SHARED_FFN, False, tp, SEED, local=(2816, 2048))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.shared.w2", SHARED_FFN, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 2816))
+
+    def forward(self, x):                                       # x: (B, T=4096, h=2048)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=4096, fs=2816): silu(gate) * up
+        return self.w2(h)                                       # (B, T=4096, h=2048)
 
 
 class MoE(nn.Module):
@@ -135,12 +139,12 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp,
-                                  SEED, OUT_STD, AUX_LOSS_SCALE)
-        self.shared = MLP(i, tp, "mlp.shared", SHARED_FFN)
+        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
+                                  local_experts=8)
+        self.shared = SharedMLP(i, tp)
 
-    def forward(self, x):                                       # x: (B, T=4096, h=2048), this rank's tokens
-        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048)
+    def forward(self, x):                                       # x: (B, T=4096, h=2048)
+        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048): layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep); layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
 
 
 class Block(nn.Module):
@@ -194,9 +198,9 @@ class Block(nn.Module):
         self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=4096, h=2048) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=4096, h=2048)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=4096, h=2048)
 
 
 class Stage(nn.Module):
@@ -213,11 +217,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(102400, 2048))  # (V'/tp, h)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp, rt.ExpertAxes.of(ctx)) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                   local=(102400, 2048))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)

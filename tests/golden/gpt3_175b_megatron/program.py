@@ -77,39 +77,36 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce="all_reduce",
+                                       local=(12288, 1536))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
-        B, T, _ = x.shape                                       # (B, T=2048, h=12288)
-        q = self.wq(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, q/tp=1536): 12 heads
-        k = self.wk(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
-        v = self.wv(x).view(B, T, 12, HEAD_DIM)              # (B, T=2048, kv/tp=1536): 12 heads
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=False, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 12, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 12)    # (B, T=2048, q/tp=1536)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
+        q = self.wq(x).unflatten(-1, (12, 128))                 # (B, T=2048, q/tp=1536): 12 heads of 128
+        k = self.wk(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
+        v = self.wv(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
+        y = rt.attention(q, k, v, fused=False, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=2048, q/tp=1536): causal attention
         return self.wo(y)                                       # (B, T=2048, h=12288): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
-    """gelu MLP: w1 column-parallel, w2 row-parallel;
-    49152 inner units -> 6144 per rank."""
+    """gelu MLP: w1 column-parallel, w2 row-parallel; 49152 inner units -> 6144 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, True, tp, SEED, local=(6144, 12288))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, True, tp, SEED, OUT_STD, reduce="all_reduce", local=(12288, 6144))
 
     def forward(self, x):                                       # x: (B, T=2048, h=12288)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
-        h = rt.ACTIVATIONS["gelu"](self.w1(x))              # (B, T=2048, f/tp=6144)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        h = rt.ACTIVATIONS["gelu"](self.w1(x))                  # (B, T=2048, f/tp=6144)
         return self.w2(h)                                       # (B, T=2048, h=12288): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
@@ -143,9 +140,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=2048, h=12288) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=2048, h=12288)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=2048, h=12288)
 
 
 class Stage(nn.Module):
@@ -162,14 +159,16 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(6400, 12288))  # (V'/tp, h)
             self.pos_embedding = nn.Module()
             self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (MAX_POSITIONS, HIDDEN), SEED, 0.02, tp, None)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
             if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)
-                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                       local=(6400, 12288))
                 self.lm_head.weight.tied = self.lm_head.weight.tied_copy = True
         if self.has_first and not self.has_last:
             self.embedding.weight.tied = True

@@ -77,44 +77,43 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 16384))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 16384))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 16384))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
+                                       local=(16384, 2048))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=16384)
-        xs, x = x, rt.enter_tp(x, self.tp, SP)                  # layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        B, T, _ = x.shape                                       # (B, T=8192, h=16384)
-        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and gathers it again
-            q = self.wq(x).view(B, T, 16, HEAD_DIM)          # (B, T=8192, q/tp=2048): 16 heads
-            k = self.wk(x).view(B, T, 1, HEAD_DIM)          # (B, T=8192, kv/tp=128): 1 head
-            v = self.wv(x).view(B, T, 1, HEAD_DIM)          # (B, T=8192, kv/tp=128): 1 head
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=8192, q/tp=2048)
+        xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and all-gathers it again
+            q = self.wq(x).unflatten(-1, (16, 128))             # (B, T=8192, q/tp=2048): 16 heads of 128
+            k = self.wk(x).unflatten(-1, (1, 128))              # (B, T=8192, kv/tp=128): 1 head of 128
+            v = self.wv(x).unflatten(-1, (1, 128))              # (B, T=8192, kv/tp=128): 1 head of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=8192, q/tp=2048): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=8192, kv/tp=128): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=8192, q/tp=2048): causal attention
         return self.wo(y)                                       # (B, T/tp=1024, h=16384): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    53248 inner units -> 6656 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 53248 inner units -> 6656 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(6656, 16384))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(6656, 16384))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
+                                       local=(16384, 6656))
 
     def forward(self, x):                                       # x: (B, T/tp=1024, h=16384)
-        xs, x = x, rt.enter_tp(x, self.tp, SP)                  # layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and gathers it again
-            gate, up = self.w1(x), self.w3(x)                   # (B, T=8192, f/tp=6656) each
+        xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.mlp.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        with rt.keep_split_input(xs, x, self.tp):               # backward keeps xs and all-gathers it again
+            gate = self.w1(x)                                   # (B, T=8192, f/tp=6656)
+            up = self.w3(x)                                     # (B, T=8192, f/tp=6656)
         h = rt.swiglu(gate, up)                                 # (B, T=8192, f/tp=6656): silu(gate) * up
         return self.w2(h)                                       # (B, T/tp=1024, h=16384): layers.{i}.mlp.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
@@ -152,9 +151,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=1024, h=16384) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=16384)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T/tp=1024, h=16384)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T/tp=1024, h=16384)
 
 
 class Stage(nn.Module):
@@ -171,11 +170,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(16128, 16384))  # (V'/tp, h)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                   local=(16128, 16384))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)

@@ -82,25 +82,23 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 4096))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(512, 4096))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(512, 4096))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
+                                       local=(4096, 2048))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=2048, h=4096)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-        B, T, _ = x.shape                                       # (B, T=4096, h=4096)
-        q = self.wq(x).view(B, T, 16, HEAD_DIM)              # (B, T=4096, q/tp=2048): 16 heads
-        k = self.wk(x).view(B, T, 4, HEAD_DIM)              # (B, T=4096, kv/tp=512): 4 heads
-        v = self.wv(x).view(B, T, 4, HEAD_DIM)              # (B, T=4096, kv/tp=512): 4 heads
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 16, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 16)    # (B, T=4096, q/tp=2048)
+        x = rt.enter_tp(x, self.tp, sequence_parallel=True)     # (B, T=4096, h=4096): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        q = self.wq(x).unflatten(-1, (16, 128))                 # (B, T=4096, q/tp=2048): 16 heads of 128
+        k = self.wk(x).unflatten(-1, (4, 128))                  # (B, T=4096, kv/tp=512): 4 heads of 128
+        v = self.wv(x).unflatten(-1, (4, 128))                  # (B, T=4096, kv/tp=512): 4 heads of 128
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=4096, q/tp=2048): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=4096, kv/tp=512): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=4096, q/tp=2048): causal attention
         return self.wo(y)                                       # (B, T/tp=2048, h=4096): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 
@@ -112,11 +110,11 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp,
-                                  SEED, OUT_STD, AUX_LOSS_SCALE)
+        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
+                                  local_experts=1)
 
-    def forward(self, x):                                       # x: (B, T/tp=2048, h=4096), this rank's tokens
-        return self.routed(x)                                   # (B, T/tp=2048, h=4096)
+    def forward(self, x):                                       # x: (B, T/tp=2048, h=4096)
+        return self.routed(x)                                   # (B, T/tp=2048, h=4096): layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep); layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
 
 
 class Block(nn.Module):
@@ -147,12 +145,12 @@ class Block(nn.Module):
         self.attn_norm = Norm(f"layers.{i}.attn_norm", HIDDEN, NORM_EPS, SEED, tp)
         self.attn = Attention(i, tp, cp)
         self.mlp_norm = Norm(f"layers.{i}.mlp_norm", HIDDEN, NORM_EPS, SEED, tp)
-        self.mlp = MoE(i, tp, experts)                          # every layer: no dense MLP in this model
+        self.mlp = MoE(i, tp, experts)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T/tp=2048, h=4096) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=2048, h=4096)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T/tp=2048, h=4096)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T/tp=2048, h=4096)
 
 
 class Stage(nn.Module):
@@ -169,11 +167,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(16000, 4096))  # (V'/tp, h)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp, rt.ExpertAxes.of(ctx)) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                   local=(16000, 4096))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)

@@ -77,41 +77,38 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, cp: rt.Axis):
         super().__init__()
-        self.tp, self.cp = tp, cp
-        self.window = WINDOW  # attention window (0: full causal)
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.tp = tp
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(32, 64))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(16, 64))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(16, 64))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce",
+                                       local=(64, 32))
+        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=64, h=64)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
-        B, T, _ = x.shape                                       # (B, T=64, h=64)
-        q = self.wq(x).view(B, T, 2, HEAD_DIM)              # (B, T=64, q/tp=32): 2 heads
-        k = self.wk(x).view(B, T, 1, HEAD_DIM)              # (B, T=64, kv/tp=16): 1 head
-        v = self.wv(x).view(B, T, 1, HEAD_DIM)              # (B, T=64, kv/tp=16): 1 head
-        q = rt.apply_rope(q, *pos.rope)                         # RoPE at the tokens' global positions
-        k = rt.apply_rope(k, *pos.rope)                         # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 16)
-        y = rt.attention_core(q, k, v, fused=True, dropout=DROPOUT, training=self.training,
-                              window=self.window, q_pos=pos.q, k_pos=pos.k)  # (B, 2, T, 16)
-        y = y.transpose(1, 2).reshape(B, T, HEAD_DIM * 2)    # (B, T=64, q/tp=32)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=64, h=64): layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
+        q = self.wq(x).unflatten(-1, (2, 16))                   # (B, T=64, q/tp=32): 2 heads of 16
+        k = self.wk(x).unflatten(-1, (1, 16))                   # (B, T=64, kv/tp=16): 1 head of 16
+        v = self.wv(x).unflatten(-1, (1, 16))                   # (B, T=64, kv/tp=16): 1 head of 16
+        q = rt.apply_rope(q, *pos.rope)                         # (B, T=64, q/tp=32): RoPE at the tokens' global positions
+        k = rt.apply_rope(k, *pos.rope)                         # (B, T=64, kv/tp=16): RoPE at the tokens' global positions
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
+                         pos=pos)                               # (B, T=64, q/tp=32): causal attention
         return self.wo(y)                                       # (B, T=64, h=64): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    128 inner units -> 64 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 128 inner units -> 64 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
         self.tp = tp
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, SP)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(64, 64))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(64, 64))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce", local=(64, 64))
 
     def forward(self, x):                                       # x: (B, T=64, h=64)
-        x = rt.enter_tp(x, self.tp, SP)                         # layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
+        x = rt.copy_to_tp(x, self.tp)                           # (B, T=64, h=64): layers.{i}.mlp.bwd_all_reduce: backward all_reduce(tp)
         h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T=64, f/tp=64): silu(gate) * up
         return self.w2(h)                                       # (B, T=64, h=64): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
@@ -149,9 +146,9 @@ class Block(nn.Module):
         self.mlp = MLP(i, tp)
         self.drop = nn.Dropout(DROPOUT)
 
-    def forward(self, x, pos: rt.Positions):                    # (B, T=64, h=64) -> same
-        x = x + self.drop(self.attn(self.attn_norm(x), pos))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, pos: rt.Positions):                    # x: (B, T=64, h=64)
+        x = x + self.drop(self.attn(self.attn_norm(x), pos))    # (B, T=64, h=64)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))        # (B, T=64, h=64)
 
 
 class Stage(nn.Module):
@@ -168,11 +165,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
+                                                       local=(128, 64))  # (V'/tp, h)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
+                                                   local=(128, 64))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)

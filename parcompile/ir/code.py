@@ -1,0 +1,194 @@
+"""The op table's program rows (issue 31): per op kind, how a generated program runs it
+(:class:`Code`), read by :func:`parcompile.ir.ops.code_of` and written by
+:mod:`parcompile.codegen.blocks`. Kept beside :mod:`parcompile.ir.ops` (the cost rules);
+the op table attaches each row to its kind (``OpSpec.code``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+#: the collectives a conversion or an op may run (``parcompile.ir.ops.convert``'s kinds
+#: that move data; ``split`` is local)
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Code:
+    """How a generated program runs one op of this kind: what codegen writes for it
+    (:mod:`parcompile.codegen.blocks`), with no code of its own per kind.
+
+    ``build`` is the constructor expression of the module the op's class builds in its
+    ``__init__`` as ``self.<attr> = <build>`` (``<attr>``: the op's name in its module,
+    ``w1``), or None (a plain function). Its fields are the op's facts, read off the
+    sharded graph: ``{name}`` the parameter prefix (``f"layers.{i}.mlp.w1"``),
+    ``{in_features}``/``{out_features}`` the global sizes of ``in_dim``/``out_dim`` (as the
+    program's constants), ``{dim}`` the global size of the output's last dim, ``{bias}``,
+    ``{local}`` the per-rank shape of the op's first parameter (the runtime checks it
+    against the shard it makes), ``{reduce}`` the collective of the conversion after the
+    op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute.
+
+    ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
+    ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
+    ``serve_call`` the serving program's (None: the same). ``comment`` says what it does.
+    ``inline``: its value may be written inside its consumer's expression (False: a
+    statement of its own, where the shape comment goes). ``operands``: names for the
+    variables holding its operands (``gate``, ``up``). ``var``: the name of its own value.
+    ``init``: lines its class's ``__init__`` needs once (``self.drop = nn.Dropout(DROPOUT)``;
+    ``{t[key]}``: the program's per-layer table of an attribute, ``LAYER_WINDOWS[i]``).
+    ``var = ""``: its value keeps its operand's name (``q = rt.apply_rope(q, ...)``).
+    ``fold_after``: the op runs the conversion after it itself (a row-parallel linear's
+    reduction, before its bias). ``keep_split``: the op may run inside the
+    ``keep_split_input`` block of a sequence-parallel conversion marked ``regather``.
+
+    ``module``/``args`` (per-head ops of the attention: qk-norm) name the runtime class and
+    the attributes passed by keyword; codegen writes ``rt.<module>(name, <arg>=..., seed=SEED,
+    tp=tp)`` for them.
+    """
+
+    module: str | None = None
+    args: tuple[str, ...] = ()
+    call: str = "{self}({x})"
+    serve_call: str | None = None
+    comment: str = ""
+    build: str | None = None
+    inline: bool = True
+    operands: tuple[str, ...] = ()
+    var: str = "h"
+    init: tuple[str, ...] = ()
+    fold_after: bool = False
+    keep_split: bool = False
+    #: the op transforms one per-head tensor (q, k or v) between the projections and the core
+    per_head: bool = False
+    #: its operands are per-head (B, T, heads, head_dim) tensors: a flat projection output
+    #: feeding it is unflattened by its head size (the dim's unit); ``heads_out``: so is its value
+    heads_in: bool = False
+    heads_out: bool = False
+    #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
+    #: operands over itself, from its collectives), ``init`` lines and comment ``notes`` of its own
+    facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+
+
+_LINEAR_CODE = {
+    # Megatron-LM's tensor-parallel layers (runtime/layers.py): the weight's local shape from the graph
+    "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
+                         "local={local})", keep_split=True),
+    "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
+                      "reduce={reduce}, local={local})", fold_after=True),
+    # MLA's down projections: every rank holds the whole weight, its gradient whole
+    "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
+                             "tp, SEED))", keep_split=True),
+}
+
+
+def _attention_facts(a) -> dict:
+    """The attention core's keyword arguments (runtime/layers.py ``attention``): context
+    parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
+    recomputation where the pass marked it (``recompute``), Gemma's score scale, sinks."""
+    kw = f", fused={a['impl'] == 'flash'}"
+    if "cp" in a.get("_gathers", ()):
+        kw += ", gather_kv=self.cp"
+    notes = []
+    if a.get("recompute") == "selective":
+        kw += ", recompute=True"
+        notes.append("selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward")
+    if a.get("scale") is not None:
+        kw += f", scale={a['scale']!r}"
+    init = ["self.window = {t[window]}"]
+    if a.get("sinks"):
+        kw += ", sinks=self.sinks"
+        init.append('self.sinks = rt.make_param(f"layers.{{i}}.attn.sinks", (HEADS,), SEED, 0.02, tp, 0, '
+                    'local={local})')
+    return {"kw": kw, "init": tuple(init), "notes": tuple(notes)}
+
+
+def _linear_code(a) -> Code:
+    return _LINEAR_CODE[a["tp"]]
+
+
+def _norm_code(a) -> Code:
+    # the residual stream's norms: the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w)
+    # form); MLA's latent norms replicated, run on the whole sequence: their gradient whole
+    if a.get("tp") == "replicated":
+        return Code(build="rt.whole_grad(rt.RMSNorm({name}, {dim}, NORM_EPS, SEED, tp))")
+    return Code(build="Norm({name}, {dim}, NORM_EPS, SEED, tp)")
+
+
+def _rope_code(a) -> Code:
+    common = dict(serve_call="gen.apply_rope_at({x}, *rope)", comment="RoPE at the tokens' global positions",
+                  per_head=True, inline=False, var="", heads_in=True, heads_out=True)
+    if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
+        inter = ", interleave=True" if a.get("interleave") else ""
+        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")", **common)
+    return Code(call="rt.apply_rope({x}, *pos.rope)", **common)
+
+
+def _add_code(a) -> Code:
+    # the residual adds drop out the branch they add (attribute ``dropout``, 0 included)
+    if "dropout" in a:
+        return Code(call="{0} + self.drop({1})", var="x", init=("self.drop = nn.Dropout(DROPOUT)",))
+    return Code(call="{0} + {1}", var="y")
+
+
+def _redistribute_code(a) -> Code:
+    """A conversion inside a decoder layer as a runtime call, by its collectives
+    (:func:`convert`'s rule): entering a tensor-parallel region replicated (its gradient
+    all-reduced) or sequence-parallel (all-gathered, the gradient reduce-scattered); a
+    partial sum all-reduced or reduce-scattered (when no op before it runs it itself)."""
+    fwd = tuple((k, ax) for k, ax in a["fwd"] if k in COMM_KINDS)
+    bwd = tuple((k, ax) for k, ax in a["bwd"] if k in COMM_KINDS)
+    calls = {
+        ((), (("all_reduce", "tp"),)): "rt.copy_to_tp({x}, self.tp)",
+        ((("all_gather", "tp"),), (("reduce_scatter", "tp"),)): "rt.enter_tp({x}, self.tp, sequence_parallel=True)",
+        ((("all_reduce", "tp"),), ()): "rt.reduce_from_tp({x}, self.tp)",
+        ((("reduce_scatter", "tp"),), (("all_gather", "tp"),)): "rt.leave_tp({x}, self.tp, sequence_parallel=True)",
+        # MLA's replicated down projections under sequence parallelism: the gradient is whole
+        # on every rank, so the backward keeps this rank's slice (no collective)
+        ((("all_gather", "tp"),), ()): "rt.gather_replicated({x}, self.tp, sequence_parallel=True)",
+    }
+    if (fwd, bwd) not in calls:
+        raise ValueError(f"no program code for the conversion forward {list(fwd)}, backward {list(bwd)}")
+    return Code(call=calls[(fwd, bwd)], inline=False, var="")
+
+
+def _latent_rope_code(a) -> Code:
+    inter = ", interleave=True" if a.get("interleave") else ""
+    return Code(call="rt.rope_key({0}, {a[rope_dim]}, *pos.rope" + inter + ")", inline=False, operands=("kva",),
+                var="k_rope", heads_out=True, comment="the RoPE key, one head shared by all")
+
+
+_PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
+
+#: each op kind's row (a Code, or a function of the op's attributes giving one); kinds
+#: outside decoder layers (embedding, loss, ...) and a MoE layer's routed kinds (router,
+#: dispatch, experts, combine: runtime/moe.py's MoELayer, one module) have none yet
+CODES: dict[str, Any] = {
+    "add": _add_code,
+    "norm": _norm_code,
+    "linear": _linear_code,
+    "redistribute": _redistribute_code,
+    "act": Code(call='rt.ACTIVATIONS["{a[fn]}"]({x})', inline=False),
+    "swiglu": Code(call="rt.swiglu({0}, {1})", inline=False, operands=("gate", "up"), comment="silu(gate) * up"),
+    "geglu": Code(call="rt.geglu({0}, {1})", inline=False, operands=("gate", "up"), comment="gelu_tanh(gate) * up"),
+    # per-head ops between the projections and the core (q, k or v: (B, T, heads, head_dim))
+    "rope": _rope_code,
+    "qk_norm": Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
+                    **_PER_HEAD),
+    "attention": Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
+                           "window=self.window, pos=pos)",
+                      inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
+                      comment="causal attention"),
+    # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)
+    "latent_norm": Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
+                        call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",
+                        comment="the latent, normed"),
+    "latent_rope": _latent_rope_code,
+    "mla_key": Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
+                    heads_in=True, heads_out=True, comment="[k_nope, rope key] per head"),
+    "mla_value": Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
+                      heads_in=True, heads_out=True, comment="v per head, its own storage"),
+}
+
+
+__all__ = ["CODES", "COMM_KINDS", "Code"]
