@@ -7,13 +7,34 @@ instead of prefilling one batch. The same ``Stage.forward`` runs: its attention 
 with ``step.masks``, and here the cache is a :class:`PagedKVCache` bound to the step's
 block tables (as vLLM's attention reads the forward context's slot mapping).
 
-Scheduling (iteration level, as vLLM's scheduler): the leader of a replica (its lowest
+Scheduling (iteration level, as vLLM v1's scheduler): the leader of a replica (its lowest
 rank) holds the waiting queue, the running sequences and the free blocks. Every engine step
-it frees the blocks of finished and cancelled sequences, admits waiting requests in arrival
-order while at most ``batch`` sequences run and the blocks of their whole context
-(``prompt + max_tokens``, ``ceil(. / block_size)`` blocks, reserved at admission so that no
-sequence is ever preempted) are free, and runs ONE forward pass holding the new requests'
-prompts (prefill) beside one token of every running sequence (decode).
+it frees the blocks of finished and cancelled sequences, gives each running sequence (in
+admission order) the blocks its tokens of this step need, then admits waiting requests in
+arrival order (no overtaking) while at most ``batch`` sequences run and the blocks of their
+first tokens are free, and runs ONE forward pass holding the new requests' prompts
+(prefill) beside one token of every running sequence (decode). Blocks are taken as tokens
+need them (vLLM v1's ``allocate_slots``): a prompt's (or a chunk's) at its prefill, one more
+when a decoding sequence crosses a block boundary; a request's whole context
+(``prompt + max_tokens``) is not reserved, so the cache holds as many sequences as their
+tokens so far fit. Beside running sequences an admission leaves :data:`WATERMARK` of the
+blocks free (vLLM's block manager: room to grow before a preemption); alone, a request is
+admitted when it fits at all (the front refuses a context beyond ``prompt_len +
+max_new_tokens``, and the spec's check makes the cache hold one: a request alone never
+waits forever nor is preempted).
+
+Preemption (vLLM's RECOMPUTE): when a running sequence needs a block and none is free (a
+free block still holding a cached prefix is evicted first), the most recently admitted
+running sequence is preempted (itself, when it is the latest): its blocks are released and
+it goes back to the front of the waiting queue, to be prefilled again over its prompt and
+the tokens it generated so far (chunked under the budget like a prompt, and finding its own
+blocks in the prefix cache while they are not reused), after which it decodes on: its
+output continues exactly. The ranks keep its sampling parameters and generator (it is not
+announced as new again, only freed when it finishes), and a recomputed row's token is drawn
+from that generator only at the end of the recompute, where its next token was due: seeded
+sampling draws the same tokens. Prompt logprobs already sent are not computed again. A
+step that preempts admits no one (as vLLM). The leader counts preemptions and recomputed
+tokens in its stats (``/metrics``: ``parcompile_num_preemptions_total``).
 
 Prefix caching (``serve.prefix_caching``, on by default as in vLLM v1; :class:`BlockPool`):
 a full block, once its keys and values are computed, is registered under the hash of its
