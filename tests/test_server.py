@@ -232,8 +232,8 @@ def test_32_concurrent_streams_queue_complete_and_free_every_block(server, refer
     poller.join()
     assert [r for _, r in got] == ["length"] * 32
     assert [ids for ids, _ in got] == want
-    assert seen["waiting"] > 0                 # the cache was full: requests waited, then completed
-    assert seen["free_min"] < 4
+    assert seen["waiting"] > 0                 # 8 run at once (batch): requests waited, then completed
+    assert seen["free_min"] <= BLOCKS - 8      # 8 running sequences hold a block each at least
     m = _metrics(base)
     assert m["parcompile_kv_cache_blocks_used"] == 0 and m["parcompile_kv_cache_blocks_free"] == BLOCKS
     assert m["parcompile_requests_waiting"] == 0 and m["parcompile_requests_running"] == 0
