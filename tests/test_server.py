@@ -3,11 +3,12 @@ for the module and talked to with the official `openai` client over loopback.
 
 Truth: greedy tokens equal the single-process serve program's (tests/serve_utils.py:
 run_in_process, a world of one), for completions and chat, plain and streamed, and for 32
-concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens, so the
-32 streams queue (seen in /metrics) and all complete; every block is free afterwards and
-after a client leaves mid-stream. Prefix caching is on (the default) and prefill is chunked
-(12 prompt tokens per step), so these equalities hold with both; 8 streams needing twice
-the cache are preempted and recomputed, and their tokens are still the same. The last test kills a rank: 503, then a non-zero exit.
+concurrent streams of different lengths. The cache holds 16 blocks of 16 tokens and 8
+sequences run at once, so the 32 streams queue (seen in /metrics) and all complete; every
+block is free afterwards and after a client leaves mid-stream. Prefix caching is on (the
+default) and prefill is chunked (12 prompt tokens per step), so these equalities hold with
+both; 8 streams needing twice the cache are preempted and recomputed, and their tokens are
+still the same. The last test kills a rank: 503, then a non-zero exit.
 """
 
 from __future__ import annotations
