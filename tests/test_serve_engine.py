@@ -55,6 +55,7 @@ class Engine:
                                      max_prefill_tokens=max_prefill_tokens)
         self.blocks = blocks
         self.steps: list[list[tuple[str, int, bool]]] = []      # each step's rows: (rid, new tokens, prefill)
+        self.preempted: list[tuple[str, int]] = []               # (rid, its tokens generated) per preemption
 
     def run(self, requests: list[tuple[list[int], dict]], arrive: int = 1) -> dict:
         """Greedy (unless the params say otherwise) tokens and logprobs per request index."""
@@ -68,7 +69,9 @@ class Engine:
                     rid, p, pr = pending.pop(0)
                     params[rid] = pr
                     self.sched.add(rid, p, pr)
+            before = self.sched.preemptions
             step = self.sched.next_step()
+            self.preempted += [(q.rid, len(q.out)) for q in list(self.sched.waiting)[:self.sched.preemptions - before]]
             rows = [paged.Row(*r) for r in step["rows"]]
             if not rows and not pending and not self.sched.waiting:
                 break
@@ -242,3 +245,103 @@ def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
         with pytest.raises(SpecError) as e:
             parcompile.compile(src.replace("EXTRA", bad), filename="s.par")
         assert e.value.diagnostics[0].span.line == 7, bad
+
+
+def test_scheduler_takes_blocks_as_tokens_need_them_and_preempts_the_latest_admitted():
+    """Three requests whose contexts (8, 7 and 6 tokens: 4 + 4 + 3 blocks of 2) exceed a
+    4-block cache are admitted at once (their prompts' 2 + 1 + 1 blocks); when b's next
+    token crosses a block boundary with no block free, c (admitted last) is preempted and
+    queued first; later a preempts b, and b c again. A resumed request's row is its prompt and the tokens
+    it generated, from position 0; it is never announced as new again (the ranks keep its
+    generator) and is freed once, when it finishes."""
+    s = paged.Scheduler(blocks=4, block_size=2, max_seqs=3, prefix_caching=False)
+    prompts = {"a": [1, 2, 3], "b": [4, 5], "c": [6]}
+    for rid, p in prompts.items():
+        s.add(rid, p, {"max_tokens": 5})
+    step = s.next_step()
+    assert [(r[0], r[2], len(r[3])) for r in step["rows"]] == [("a", 0, 2), ("b", 0, 1), ("c", 0, 1)]
+    assert list(step["new"]) == ["a", "b", "c"] and s.stats()["blocks_free"] == 0
+    made = {rid: [] for rid in prompts}
+    news, freed, resumed = list(step["new"]), [], []
+    tok = iter(range(100, 200))
+    while step["rows"]:
+        rows = [paged.Row(*r) for r in step["rows"]]
+        for rid, t, reason, _ in s.collect(rows, [next(tok) for _ in rows]):
+            made[rid].append(t)
+        before = s.preemptions
+        running = list(s.running)
+        step = s.next_step()
+        if s.preemptions > before:        # the victims are the latest admitted, queued first in order
+            victims = running[len(running) - (s.preemptions - before):]
+            assert [q.rid for q in list(s.waiting)[:len(victims)]] == victims
+            assert step["new"] == {}      # no admission in a step that preempted
+        for rid, toks, context, table in step["rows"]:
+            if context == 0 and made[rid]:
+                assert toks == prompts[rid] + made[rid]          # recomputes what it had
+                resumed.append(rid)
+        news += step["new"]
+        freed += step["free"]
+    # step 1: b's 3rd token crosses into a 2nd block: c preempted (1 token made); step 2: a's
+    # 5th position needs a 3rd block: b preempted (2 made); a finishes alone; b (2 blocks) and
+    # c (1) resume together; b's 5th position needs a 3rd block: c preempted again (2 made)
+    assert s.stats()["preemptions"] == 3 and resumed == ["b", "c", "c"]
+    assert s.stats()["recomputed_tokens"] == (2 + 2) + (1 + 1) + (1 + 2)
+    assert [len(m) for m in made.values()] == [5, 5, 5] and sorted(news) == sorted(freed) == ["a", "b", "c"]
+    assert s.stats()["blocks_free"] == 4 and not any(s.pool.ref)
+
+
+def test_abort_of_a_preempted_request_frees_its_generator_and_the_watermark_holds_back_admission():
+    s = paged.Scheduler(blocks=10, block_size=1, max_seqs=4, prefix_caching=False, watermark=0.2)
+    s.add("a", [1] * 6, {"max_tokens": 4})            # alone: admitted without the watermark's 2 blocks
+    s.add("b", [2] * 3, {"max_tokens": 1})            # 3 blocks of the 4 free, leaving 1 < 2: waits
+    step = s.next_step()
+    assert [r[0] for r in step["rows"]] == ["a"] and s.stats()["waiting"] == 1
+    s.abort("b")
+    assert s.stats()["waiting"] == 0 and s.next_step()["free"] == []      # never admitted: nothing to free
+    s.add("c", [3], {"max_tokens": 3})
+    s.running["a"].out = [9]                                              # as if a decoded
+    s._preempt(s.running["a"])
+    s.abort("a")
+    assert s.next_step()["free"] == ["a"] and s.stats()["blocks_free"] == 9     # c holds one
+
+
+def _preempting_requests():
+    """Four requests (two sharing a prefix of a block), greedy and seeded, with logprobs and
+    one with its prompt's (echo): their contexts need 19 blocks of 4 tokens, their prompts 9."""
+    shared = [5, 17, 99, 3]
+    return [(shared + [250, 42, 7], {"max_tokens": 10, "logprobs": 2}),
+            ([11, 12, 13, 14, 15, 16, 17, 18, 19], {"max_tokens": 10, "logprobs": 1, "prompt_logprobs": True}),
+            (shared + [8, 1], {"max_tokens": 10, "logprobs": 1}),
+            ([60, 61, 62, 63, 64, 65, 66, 67], {"max_tokens": 10, "logprobs": 3, "temperature": 1.0, "seed": 5})]
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_cache_too_small_preempts_and_every_request_continues_exactly(chunk, tmp_path, one_thread):
+    """A cache of 10 blocks (4 tokens each) for four requests whose contexts need 19: all
+    four are admitted at once (their prompts need 9), preemption (recompute) happens when
+    decoding runs out of blocks, and every request's greedy tokens, seeded samples, logprobs
+    and prompt logprobs equal those of a cache holding them all (40 blocks); the seeded
+    request, admitted last, is preempted after it sampled and continues its draws. Prefix
+    caching is on; afterwards no block is referenced and every cached key names its block."""
+    cfg = serve_config(serve=dict(batch=4, prompt_len=10, max_new_tokens=10, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    reqs = _preempting_requests()
+    big = Engine(tmp_path / "p", None, blocks=40, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=chunk)
+    want = big.run(reqs, arrive=4)
+    assert big.sched.stats()["preemptions"] == 0
+    eng = Engine(tmp_path / "p", None, blocks=10, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=chunk)
+    got = eng.run(reqs, arrive=4)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    for a, b in zip(got, want):
+        assert [x for x, _ in a["lps"]] == pytest.approx([x for x, _ in b["lps"]], abs=1e-5)
+        assert [[i for i, _ in t] for _, t in a["lps"]] == [[i for i, _ in t] for _, t in b["lps"]]
+    assert [x for x, _ in got[1]["prompt"]] == pytest.approx([x for x, _ in want[1]["prompt"]], abs=1e-5)
+    assert len(got[1]["prompt"]) == 8 and len(set(got[3]["tokens"])) > 1
+    st = eng.sched.stats()
+    assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0
+    assert max(len(rows) for rows in eng.steps) == 4              # all four ran at once
+    assert len(eng.preempted) == st["preemptions"]
+    assert any(rid == "3" and made > 0 for rid, made in eng.preempted), eng.preempted    # mid-decode
+    pool = eng.sched.pool
+    assert not any(pool.ref) and len(pool.free) == 10
+    assert all(pool.key_of[b] == k for k, b in pool.cached.items()) and len(pool.key_of) == len(pool.cached)

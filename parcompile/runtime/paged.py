@@ -7,13 +7,34 @@ instead of prefilling one batch. The same ``Stage.forward`` runs: its attention 
 with ``step.masks``, and here the cache is a :class:`PagedKVCache` bound to the step's
 block tables (as vLLM's attention reads the forward context's slot mapping).
 
-Scheduling (iteration level, as vLLM's scheduler): the leader of a replica (its lowest
+Scheduling (iteration level, as vLLM v1's scheduler): the leader of a replica (its lowest
 rank) holds the waiting queue, the running sequences and the free blocks. Every engine step
-it frees the blocks of finished and cancelled sequences, admits waiting requests in arrival
-order while at most ``batch`` sequences run and the blocks of their whole context
-(``prompt + max_tokens``, ``ceil(. / block_size)`` blocks, reserved at admission so that no
-sequence is ever preempted) are free, and runs ONE forward pass holding the new requests'
-prompts (prefill) beside one token of every running sequence (decode).
+it frees the blocks of finished and cancelled sequences, gives each running sequence (in
+admission order) the blocks its tokens of this step need, then admits waiting requests in
+arrival order (no overtaking) while at most ``batch`` sequences run and the blocks of their
+first tokens are free, and runs ONE forward pass holding the new requests' prompts
+(prefill) beside one token of every running sequence (decode). Blocks are taken as tokens
+need them (vLLM v1's ``allocate_slots``): a prompt's (or a chunk's) at its prefill, one more
+when a decoding sequence crosses a block boundary; a request's whole context
+(``prompt + max_tokens``) is not reserved, so the cache holds as many sequences as their
+tokens so far fit. Beside running sequences an admission leaves :data:`WATERMARK` of the
+blocks free (vLLM's block manager: room to grow before a preemption); alone, a request is
+admitted when it fits at all (the front refuses a context beyond ``prompt_len +
+max_new_tokens``, and the spec's check makes the cache hold one: a request alone never
+waits forever nor is preempted).
+
+Preemption (vLLM's RECOMPUTE): when a running sequence needs a block and none is free (a
+free block still holding a cached prefix is evicted first), the most recently admitted
+running sequence is preempted (itself, when it is the latest): its blocks are released and
+it goes back to the front of the waiting queue, to be prefilled again over its prompt and
+the tokens it generated so far (chunked under the budget like a prompt, and finding its own
+blocks in the prefix cache while they are not reused), after which it decodes on: its
+output continues exactly. The ranks keep its sampling parameters and generator (it is not
+announced as new again, only freed when it finishes), and a recomputed row's token is drawn
+from that generator only at the end of the recompute, where its next token was due: seeded
+sampling draws the same tokens. Prompt logprobs already sent are not computed again. A
+step that preempts admits no one (as vLLM). The leader counts preemptions and recomputed
+tokens in its stats (``/metrics``: ``parcompile_num_preemptions_total``).
 
 Prefix caching (``serve.prefix_caching``, on by default as in vLLM v1; :class:`BlockPool`):
 a full block, once its keys and values are computed, is registered under the hash of its
@@ -408,49 +429,83 @@ class BlockPool:
 
 @dataclass
 class Sequence:
-    """A request the leader admitted: its prompt, generated tokens and blocks; ``computed``
+    """A request of the leader's: its prompt, generated tokens and blocks; ``computed``
     tokens have their keys and values in the cache, ``keys`` are the prefix keys of its
-    first full blocks (registered in the pool)."""
+    first full blocks (registered in the pool). ``started``: it was admitted once (the
+    ranks hold its sampling parameters and generator until it finishes); ``preemptions``:
+    how often its blocks were taken back (it then waits to recompute ``prompt + out``)."""
 
     rid: str
     prompt: list[int]
     params: dict
-    table: list[int]
+    table: list[int] = field(default_factory=list)
     out: list[int] = field(default_factory=list)
     computed: int = 0
     keys: list[bytes] = field(default_factory=list)
     prompt_lps: list = field(default_factory=list)    # prompt logprobs of the chunks so far
+    started: bool = False
+    preemptions: int = 0
 
     @property
     def limit(self) -> int:
         return self.params["max_tokens"]
 
+    @property
+    def length(self) -> int:
+        """Tokens it has: its prompt and the tokens generated so far."""
+        return len(self.prompt) + len(self.out)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not yet sent (they go out with its first
+        token; a request preempted after that recomputes its prompt without them)."""
+        return bool(self.params.get("prompt_logprobs")) and not self.out
+
+
+#: the fraction of the cache's blocks a waiting request must leave free beside running
+#: sequences to be admitted (vLLM's block manager ``watermark``, 0.01): room for the
+#: running sequences to grow before one is preempted
+WATERMARK = 0.01
+
 
 class Scheduler:
     """The leader's queue, running set and block pool (module docstring); ``prefix_caching``:
     share cached prompt prefixes (:class:`BlockPool`); ``max_prefill_tokens``: the prompt
-    tokens one step may compute (chunked prefill; None: whole prompts)."""
+    tokens one step may compute (chunked prefill; None: whole prompts); ``watermark``: the
+    fraction of ``blocks`` an admission leaves free while sequences run (:data:`WATERMARK`).
+
+    Blocks are taken as tokens need them (vLLM v1's ``allocate_slots``) and a running
+    sequence that needs a block when none is free preempts the most recently admitted
+    running sequence (vLLM's RECOMPUTE preemption; module docstring)."""
 
     def __init__(self, blocks: int, block_size: int, max_seqs: int, prefix_caching: bool = True,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, watermark: float = WATERMARK):
         self.block_size, self.max_seqs = block_size, max_seqs
         self.max_prefill_tokens = max_prefill_tokens or None    # prompt tokens per step (None: no limit)
         self.pool = BlockPool(blocks, prefix_caching)
         self.total = blocks
-        self.waiting: deque = deque()
-        self.running: dict[str, Sequence] = {}
+        self.watermark_blocks = int(watermark * blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}      # in admission order: the last is preempted first
         self.freed: list[str] = []     # sequences whose generators the last stage may drop
         self.prefill_tokens = 0        # prompt tokens computed (a cached prefix is not)
+        self.recomputed_tokens = 0     # tokens computed again after a preemption
+        self.preemptions = 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def add(self, rid: str, prompt: list[int], params: dict) -> None:
-        self.waiting.append((rid, prompt, params))
+        self.waiting.append(Sequence(rid, list(prompt), params))
 
     def abort(self, rid: str) -> None:
         """Cancel ``rid``: a waiting request leaves the queue; a running one frees its blocks."""
-        self.waiting = deque(w for w in self.waiting if w[0] != rid)
+        for s in self.waiting:
+            if s.rid == rid:
+                self.waiting.remove(s)
+                if s.started:                 # preempted: the ranks still hold its generator
+                    self.freed.append(rid)
+                break
         if rid in self.running:
             self.finish(rid)
 
@@ -459,76 +514,119 @@ class Scheduler:
         self.pool.release(seq.table)
         self.freed.append(rid)
 
-    def _fit(self, prompt: list[int], params: dict):
-        """``(keys, shared blocks, new blocks)`` for a request, None when its blocks do not
-        fit now. The prompt's full blocks before its last token are looked up (its last
-        token's logits must be computed); none for a request wanting prompt logprobs."""
-        keys = []
-        if self.pool.caching and not params.get("prompt_logprobs"):
-            keys = block_hashes(prompt, self.block_size, (len(prompt) - 1) // self.block_size)
-        shared = self.pool.lookup(keys)
-        new = self.blocks_for(len(prompt) + params["max_tokens"]) - len(shared)
-        if new > self.pool.available(shared):
-            return None
-        return keys, shared, new
+    def _chunk(self, seq: Sequence, computed: int, budget: float) -> tuple[int, bool]:
+        """``(tokens, prefill)``: the tokens ``seq`` computes in the next step after
+        ``computed`` and whether they count against the step's prompt budget (a prompt's, or
+        more than one token: a recompute; a decode's one token does not)."""
+        n = seq.length - computed
+        prefill = computed < len(seq.prompt) or n > 1
+        return (int(min(n, budget)) if prefill else n), prefill
 
-    def admit(self, budget: float = float("inf")) -> list[Sequence]:
-        """Admit waiting requests in arrival order while they fit (no overtaking) and
-        ``budget`` prompt tokens are left to prefill this step."""
-        new = []
-        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
-            rid, prompt, params = self.waiting[0]
-            fit = self._fit(prompt, params)
-            if fit is None:
-                break
-            keys, shared, n_new = fit
-            self.waiting.popleft()
-            seq = Sequence(rid, prompt, params, self.pool.take(shared, n_new), computed=len(shared) * self.block_size,
-                           keys=keys[:len(shared)])
-            if self.pool.caching and not params.get("prompt_logprobs"):
-                self.pool.queries += len(prompt)
-                self.pool.hits += seq.computed
-            self.prefill_tokens += len(prompt) - seq.computed
-            budget -= len(prompt) - seq.computed
-            self.running[rid] = seq
-            new.append(seq)
-        return new
+    def _preempt(self, seq: Sequence) -> None:
+        """Take ``seq``'s blocks back and queue it first to recompute ``prompt + out`` (vLLM's
+        RECOMPUTE; its blocks stay cached until they are reused, so it may find them again)."""
+        del self.running[seq.rid]
+        self.pool.release(seq.table)
+        seq.table, seq.computed, seq.keys = [], 0, []
+        if not seq.out:
+            seq.prompt_lps = []
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` the blocks its next ``n`` tokens need; False when too few are free."""
+        need = self.blocks_for(seq.computed + n) - len(seq.table)
+        if need > len(self.pool.free):
+            return False
+        if need > 0:
+            seq.table += self.pool.take([], need)
+        return True
+
+    def _fit(self, seq: Sequence, budget: float):
+        """``(keys, shared blocks, tokens, prefill)`` for admitting waiting ``seq`` under ``budget``
+        (its first chunk), None when that chunk's blocks are not free (beside running
+        sequences, :attr:`watermark_blocks` more). Its full blocks before its last token are
+        looked up in the prefix cache (its last token's logits must be computed); none while
+        its prompt's logprobs are wanted."""
+        keys = []
+        if self.pool.caching and not seq.wants_prompt_logprobs:
+            toks = seq.prompt + seq.out
+            keys = block_hashes(toks, self.block_size, (len(toks) - 1) // self.block_size)
+        shared = self.pool.lookup(keys)
+        n, prefill = self._chunk(seq, len(shared) * self.block_size, budget)
+        need = self.blocks_for(len(shared) * self.block_size + n) - len(shared)
+        if n <= 0 or need > self.pool.available(shared) - (self.watermark_blocks if self.running else 0):
+            return None
+        return keys, shared, n, prefill
 
     def admissible(self) -> bool:
         """Whether the first waiting request could be admitted now."""
         if not self.waiting or len(self.running) >= self.max_seqs:
             return False
-        _, prompt, params = self.waiting[0]
-        return self._fit(prompt, params) is not None
+        return self._fit(self.waiting[0], self.max_prefill_tokens or float("inf")) is not None
 
     def next_step(self) -> dict:
-        """Free, admit and lay out the next step: ``free`` (sequences finished or cancelled
-        since the last step), ``new`` (the admitted requests' sampling parameters), ``rows``
-        (``Row`` fields, in admission order: a decoding sequence's last token after its
-        context; a prefilling one's next prompt tokens after its computed ones, all of them
-        or its share of the step's ``max_prefill_tokens``), ``prompt_logprobs`` (the rows,
-        by rid, whose prompt logprobs this step computes) and ``partial`` (rid -> the
-        prompt's next token, for rows whose prompt stays unfinished after this step)."""
+        """Free, schedule and lay out the next step (vLLM v1's ``schedule``): the running
+        sequences in admission order, each with its blocks for the step (preempting the most
+        recently admitted ones when none is free), then, when none was preempted, waiting
+        requests in order while they fit (no overtaking), at most ``max_seqs`` run and prompt
+        budget is left. Returns ``free`` (sequences finished or cancelled since the last
+        step), ``new`` (the sampling parameters of requests admitted for the first time),
+        ``rows`` (``Row`` fields, in admission order: a decoding sequence's last token after
+        its context; a prefilling one's next tokens after its computed ones, all of them or
+        its share of the step's ``max_prefill_tokens``), ``prompt_logprobs`` (the rows, by
+        rid, whose prompt logprobs this step computes) and ``partial`` (rid -> the next
+        token, for rows whose tokens stay unfinished after this step)."""
         freed, self.freed = self.freed, []
         budget = self.max_prefill_tokens or float("inf")
-        pending = sum(len(s.prompt) - s.computed for s in self.running.values() if s.computed < len(s.prompt))
-        new = self.admit(budget - pending)
-        rows, partial = [], {}
-        for s in self.running.values():
-            if s.computed >= len(s.prompt):
-                rows.append((s.rid, [s.out[-1]], len(s.prompt) + len(s.out) - 1, s.table))
-                continue
-            n = int(min(len(s.prompt) - s.computed, budget))
+        rows, partial, want, new = [], {}, [], []
+        preempted = False
+
+        def schedule(s: Sequence, n: int) -> None:
+            rows.append((s.rid, (s.prompt + s.out)[s.computed:s.computed + n], s.computed, s.table))
+            if s.computed + n < s.length:
+                partial[s.rid] = (s.prompt + s.out)[s.computed + n]
+            if s.wants_prompt_logprobs:
+                want.append(s.rid)
+
+        for s in list(self.running.values()):
+            if s.rid not in self.running:      # preempted for an earlier one (and so all after it)
+                break
+            n, prefill = self._chunk(s, s.computed, budget)
             if n <= 0:
                 continue
-            budget -= n
-            rows.append((s.rid, s.prompt[s.computed:s.computed + n], s.computed, s.table))
-            if s.computed + n < len(s.prompt):
-                partial[s.rid] = s.prompt[s.computed + n]
+            while not self._grow(s, n):
+                victim = self.running[next(reversed(self.running))]
+                self._preempt(victim)
+                preempted = True
+                if victim is s:
+                    break
+            if s.rid not in self.running:
+                break
+            budget -= n if prefill else 0
+            schedule(s, n)
+        while not preempted and self.waiting and len(self.running) < self.max_seqs and budget > 0:
+            s = self.waiting[0]
+            fit = self._fit(s, budget)
+            if fit is None:
+                break
+            keys, shared, n, prefill = fit
+            self.waiting.popleft()
+            s.table = self.pool.take(shared, 0)
+            s.computed, s.keys = len(shared) * self.block_size, keys[:len(shared)]
+            self._grow(s, n)
+            if self.pool.caching and not s.wants_prompt_logprobs and not s.started:
+                self.pool.queries += len(s.prompt)
+                self.pool.hits += s.computed
+            if not s.started:
+                s.started = True
+                new.append(s)
+            self.running[s.rid] = s
+            budget -= n if prefill else 0
+            schedule(s, n)
         return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows,
-                "prompt_logprobs": [r[0] for r in rows if r[2] < len(self.running[r[0]].prompt)
-                                    and self.running[r[0]].params.get("prompt_logprobs")],
-                "partial": partial}
+                "prompt_logprobs": want, "partial": partial}
 
     def _register(self, seq: Sequence) -> None:
         """Cache the sequence's blocks that are now full and computed."""
@@ -544,17 +642,24 @@ class Scheduler:
     def collect(self, rows: list[Row], tokens: list[int], logprobs: list | None = None) -> list[tuple]:
         """Append each row's token; finish a sequence at ``max_tokens`` or one of its end
         tokens (``params["eos"]``), or with "error" on :data:`ERROR_TOKEN`; returns ``(rid, token,
-        finish_reason or None, logprobs or None)`` per row (``logprobs``: :func:`run_step`'s)."""
+        finish_reason or None, logprobs or None)`` per row (``logprobs``: :func:`run_step`'s).
+        A row that leaves its sequence's tokens unfinished (a chunk) gives nothing."""
         out = []
         for i, (r, tok) in enumerate(zip(rows, tokens)):
             seq = self.running.get(r.rid)
             if seq is None:
                 continue
             lp = logprobs[i] if logprobs else None
-            if tok != ERROR_TOKEN and r.context + len(r.tokens) < len(seq.prompt):   # a chunk of its prompt
-                seq.computed = r.context + len(r.tokens)
+            end = r.context + len(r.tokens)
+            if r.context < len(seq.prompt) or len(r.tokens) > 1:       # tokens computed beside a decode's one
+                if seq.preemptions:
+                    self.recomputed_tokens += len(r.tokens)
+                else:
+                    self.prefill_tokens += len(r.tokens)
+            if tok != ERROR_TOKEN and end < seq.length:                # a chunk
+                seq.computed = end
                 self._register(seq)
-                if lp is not None and seq.params.get("prompt_logprobs"):
+                if lp is not None and seq.wants_prompt_logprobs:
                     seq.prompt_lps += lp.get("prompt", [])
                 continue
             if lp is not None and "prompt" in lp and seq.prompt_lps:
@@ -563,7 +668,7 @@ class Scheduler:
                 reason = "error"
             else:
                 seq.out.append(tok)
-                seq.computed = r.context + len(r.tokens)
+                seq.computed = end
                 self._register(seq)
                 reason = ("stop" if tok in seq.params.get("eos", ())
                           else "length" if len(seq.out) >= seq.limit else None)
@@ -573,12 +678,15 @@ class Scheduler:
         return out
 
     def stats(self) -> dict:
-        """The cache and queue now, and the counters so far (tokens): ``prefix_cache_queries``,
-        ``prefix_cache_hits``, ``prefill_tokens`` (prompt tokens computed)."""
+        """The cache and queue now, and the counters so far: ``prefix_cache_queries``,
+        ``prefix_cache_hits`` (prompt tokens, at a request's first admission),
+        ``prefill_tokens`` (prompt tokens computed), ``preemptions`` (running sequences whose
+        blocks were taken back) and ``recomputed_tokens`` (tokens computed again after one)."""
         return {"blocks_used": self.total - len(self.pool.free), "blocks_free": len(self.pool.free),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
-                "prefill_tokens": self.prefill_tokens}
+                "prefill_tokens": self.prefill_tokens, "preemptions": self.preemptions,
+                "recomputed_tokens": self.recomputed_tokens}
 
 
 def _connect(address: str):

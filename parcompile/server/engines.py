@@ -210,9 +210,9 @@ class Engines:
             raise EngineFailed(self.failed) from None
 
     def totals(self) -> dict:
-        """The cache and queue, and the prefix cache's counters, summed over the replicas."""
+        """The cache and queue, the prefix cache's counters and the preemptions, summed over the replicas."""
         keys = ("blocks_used", "blocks_free", "waiting", "running", "prefix_cache_queries", "prefix_cache_hits",
-                "prefill_tokens")
+                "prefill_tokens", "preemptions")
         return {k: sum(r.stats.get(k, 0) for r in self.replicas) for k in keys}
 
     def stop(self, timeout_s: float = 20.0) -> int:

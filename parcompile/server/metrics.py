@@ -3,7 +3,9 @@ metric set under the ``parcompile_`` prefix): requests by finish reason, prompt 
 generated tokens, time to first token and per output token (histograms, seconds), KV cache
 blocks used and free, requests waiting and running, and the prefix cache's queries and hits
 (prompt tokens looked up, found cached: vLLM's ``prefix_cache_queries`` / ``_hits``; the hit
-rate is hits / queries) and the prompt tokens prefilled (summed over the dp replicas)."""
+rate is hits / queries), the prompt tokens prefilled and the preemptions (running requests whose
+KV blocks were taken back for another's, to be recomputed: vLLM's ``num_preemptions``), summed
+over the dp replicas."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class Metrics:
                                    "prefilled)", ["model"], registry=r)
         self.prefill_tokens = Counter("parcompile_prefill_tokens", "prompt tokens prefilled (computed)", ["model"],
                                       registry=r)
+        self.preemptions = Counter("parcompile_num_preemptions", "running requests preempted (their KV blocks taken "
+                                   "back when the cache was full; recomputed later)", ["model"], registry=r)
         self._seen = {}       # the engines' counters at the last render
         self.model = model
 
@@ -60,13 +64,13 @@ class Metrics:
     def render(self, totals: dict) -> tuple[bytes, str]:
         """The Prometheus text, with the engines' ``totals`` (blocks_used, blocks_free,
         waiting, running) as the gauges and their counters (prefix_cache_queries,
-        prefix_cache_hits, prefill_tokens) as counters."""
+        prefix_cache_hits, prefill_tokens, preemptions) as counters."""
         self.blocks_used.labels(self.model).set(totals["blocks_used"])
         self.blocks_free.labels(self.model).set(totals["blocks_free"])
         self.waiting.labels(self.model).set(totals["waiting"])
         self.running.labels(self.model).set(totals["running"])
         for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("prefill_tokens", self.prefill_tokens)):
+                             ("prefill_tokens", self.prefill_tokens), ("preemptions", self.preemptions)):
             now = totals.get(key, 0)        # the engines count from their start: add what is new
             if now > self._seen.get(key, 0):
                 counter.labels(self.model).inc(now - self._seen.get(key, 0))
