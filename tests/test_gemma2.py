@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 
 from parcompile.config.hf import from_hf_dict
 from parcompile.config.hf_weights import expected_shapes, hf_family
-from tests.family_utils import assert_logits_equal, import_keys, stage_from_hf, token_ids
+from tests.family_utils import (assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf,
+                                token_ids)
 from tests.program_utils import tiny_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
@@ -133,3 +135,30 @@ def test_default_gemma2_counts_as_transformers_on_the_meta_device(tmp_path):
     assert (m.attn_logit_softcapping, m.final_logit_softcapping) == (50.0, 30.0)
     assert m.layer_windows == tuple(4096 if i % 2 == 0 else 0 for i in range(26))
     assert plan.data["model"]["params"] == total
+
+
+def test_serving_a_soft_capped_model_is_refused_with_a_diagnostic(case, tmp_path, monkeypatch, capsys):
+    """serve.py is still hand-written (not from the graph's ops): a soft-capped model's serve
+    spec is a program gap, an error at the model block that names the caps; the plan works."""
+    import parcompile
+    from parcompile.cli import main
+
+    shutil.copytree(case["tmp"] / "hf", tmp_path / "hf")
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n'
+                    'parallel { }\nserve { batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", spec.name, "-o", "out"]) != 0
+    err = capsys.readouterr().err
+    assert "s.par:1:1: error: the generated program does not run logit soft-capping (Gemma 2) in serve.py" in err
+    assert not (tmp_path / "out").exists()
+    assert parcompile.compile(spec).data["serve"]["kv_cache_bytes_per_rank"] > 0
+
+
+def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
+    cfg = case["cfg"]
+    out = fine_tune(cfg, case["tmp"] / "hf", tmp_path)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "gemma2"
+    assert (written["attn_logit_softcapping"], written["final_logit_softcapping"]) == (ATTN_CAP, FINAL_CAP)
+    check_written_back(cfg, out, case["hf"], tmp_path / "prog_back", moved=("post_feedforward_layernorm",))
