@@ -162,3 +162,16 @@ def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
     assert written["model_type"] == "gemma2"
     assert (written["attn_logit_softcapping"], written["final_logit_softcapping"]) == (ATTN_CAP, FINAL_CAP)
     check_written_back(cfg, out, case["hf"], tmp_path / "prog_back", moved=("post_feedforward_layernorm",))
+
+
+def test_megatron_export_names_both_caps(tmp_path):
+    """pretrain_gpt.py has no soft-capping argument: the export says so for each cap."""
+    import parcompile
+    from parcompile.export import export
+
+    (tmp_path / "config.json").write_text(transformers.Gemma2Config().to_json_string())
+    spec = tmp_path / "g.par"
+    spec.write_text('model g from "config.json" { }\ncluster c from "h100-sxm" { }\nparallel { tp = 2 }\n')
+    notes = export(parcompile.compile(spec), "megatron").notes
+    assert any(n.startswith("attn_logit_softcapping 50.0:") for n in notes)
+    assert any(n.startswith("final_logit_softcapping 30.0:") and "Gemma2OutputLayer" in n for n in notes)
