@@ -86,7 +86,8 @@ def _attention_facts(a) -> dict:
     """The attention core's keyword arguments (runtime/layers.py ``attention``): context
     parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
     recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks."""
-    kw = f", fused={a['impl'] == 'flash'}"
+    # a soft-capped core is never one fused kernel in the program (core/attention.py: unfused)
+    kw = f", fused={a['impl'] == 'flash' and a.get('softcap') is None}"
     if "cp" in a.get("_gathers", ()):
         kw += ", gather_kv=self.cp"
     notes = []
