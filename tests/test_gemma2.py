@@ -175,3 +175,22 @@ def test_megatron_export_names_both_caps(tmp_path):
     notes = export(parcompile.compile(spec), "megatron").notes
     assert any(n.startswith("attn_logit_softcapping 50.0:") for n in notes)
     assert any(n.startswith("final_logit_softcapping 30.0:") and "Gemma2OutputLayer" in n for n in notes)
+
+
+def test_the_caps_belong_to_gemma2_alone():
+    """The soft-cap keys are Gemma 2's (its ``owns``): Gemma 3 and Llama refuse a model with
+    one, naming it; a Gemma 3 model (qk-norm, no caps) is still guessed Gemma 3, and Gemma 2
+    refuses its qk-norm."""
+    from parcompile.config.hf_weights import family_problems
+    from parcompile.config.presets import MODEL_PRESETS
+    from parcompile.core.model import ModelKeys
+
+    gemma3 = ModelKeys(**MODEL_PRESETS["gemma3-27b"])
+    assert hf_family(gemma3) == "gemma3_text"
+    assert "qk_norm = true" in family_problems(gemma3, "gemma2")[0].message
+    capped = ModelKeys(**{**MODEL_PRESETS["gemma3-27b"], "qk_norm": False, "rope_local_base_freq": None,
+                          "attn_logit_softcapping": 50.0})
+    assert hf_family(capped) == "gemma2"
+    assert "attn_logit_softcapping = 50.0" in family_problems(capped, "gemma3_text")[0].message
+    llama = ModelKeys(**{**MODEL_PRESETS["llama3-8b"], "final_logit_softcapping": 30.0})
+    assert "final_logit_softcapping = 30.0" in family_problems(llama, "llama")[0].message
