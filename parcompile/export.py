@@ -346,6 +346,11 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
         notes.append("parallel_residual: pretrain_gpt.py has no parallel attention/MLP residual flag")
     if m.sliding_window:
         notes.append(f"sliding_window {m.sliding_window}: set --window-size for Transformer Engine attention")
+    for key, where in (("attn_logit_softcapping", "the scores in its unfused Gemma2DotProductAttention"),
+                       ("final_logit_softcapping", "the logits in its Gemma2OutputLayer")):   # Gemma 2
+        if getattr(m, key) is not None:
+            notes.append(f"{key} {getattr(m, key)}: pretrain_gpt.py has no soft-capping argument (Megatron-Bridge's "
+                         f"Gemma2ModelProvider caps {where}: gemma2_provider.py@d9f7643b)")
     if m.qk_norm:   # Megatron-Core's q_layernorm / k_layernorm over head_dim, of --normalization's kind
         add("--qk-layernorm")
     if m.kv_lora_rank:   # Megatron-Core's MLASelfAttention; its --qk-layernorm is the latents' norms

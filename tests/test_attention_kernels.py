@@ -48,6 +48,12 @@ DOCUMENTED = {
     ("program", "sliding_window"): ("sdpa", "causal_mask"),
     ("program", "sinks"): ("unfused", "takes no sinks"),
     ("program", "mla"): ("sdpa", "padded"),
+    # Gemma 2's soft-capped scores: Megatron-Bridge runs its own unfused core for them; FlexAttention
+    # caps in its score_mod; torch SDPA cannot, so the program spells the softmax out
+    ("megatron", "softcap"): ("unfused", "unfused SDPA for attn logit softcapping"),
+    ("eager", "softcap"): ("flex", "score_mod"),
+    ("automodel", "softcap"): ("flex", "_supports_sdpa = False"),
+    ("program", "softcap"): ("unfused", "cannot soft-cap"),
 }
 
 
@@ -57,9 +63,9 @@ def test_every_engine_and_variant_has_the_kernel_its_source_documents():
         choice = ATTENTION_KERNELS[key]
         assert choice.kernel == kernel, key
         assert phrase in choice.source, (key, choice.source)
-    # fused everywhere on the GPU engines: no s x s scores kept
+    # fused everywhere on the GPU engines (no s x s scores kept) but Megatron's soft-capped scores
     assert all(KERNELS[ATTENTION_KERNELS[(e, v)].kernel].fused for e in ("megatron", "eager", "compile", "automodel")
-               for v in VARIANTS)
+               for v in VARIANTS if (e, v) != ("megatron", "softcap"))
 
 
 def test_variant_and_engine_row():
@@ -69,6 +75,7 @@ def test_variant_and_engine_row():
     assert variant({**base, "window": 4096}) == "causal"          # a window as long as the sequence
     assert variant({**base, "window": 128, "sinks": True}) == "sinks"
     assert variant({**base, "head_dim": 192, "v_head_dim": 128}) == "mla"
+    assert variant({**base, "window": 128, "softcap": 50.0}) == "softcap"   # Gemma 2's local layers
     assert kernel_choice({**base, "impl": "unfused"}, "megatron").kernel == "unfused"
     cfg = spec(tiny_model(), dp=1)
     assert attention_engine(cfg.cluster) == "megatron"
@@ -93,6 +100,19 @@ def test_sinks_keep_the_scores_only_in_the_program():
     assert prog - meg == b * heads * s * s * 4
     # torchtitan's FlexAttention applies the sinks to its output: one more output tensor
     assert eag - meg == b * s * heads * 16 * 4
+
+
+def test_softcap_keeps_the_capped_scores_where_the_softmax_is_spelt_out():
+    """The program's soft-capped core keeps the capped scores (b h s^2 in the model's dtype)
+    beside the unfused core's probabilities; FlexAttention caps inside its kernel."""
+    b, s, heads = 1, 64, 4
+    shape = dict(seq_len=s, heads=heads, kv_heads=2, layers=1)
+    model, capped = tiny_model(**shape), tiny_model(**shape, attn_logit_softcapping=50.0)
+    e = {"bf16": 2, "fp16": 2, "fp32": 4}[model.dtype]
+    assert _layer_bytes(capped, "program") - _layer_bytes(tiny_model(**shape, attention="unfused"), "program") \
+        == b * heads * s * s * e
+    assert _layer_bytes(capped, "eager") == _layer_bytes(model, "eager")   # flex and SDPA keep the same
+    assert _layer_bytes(capped, "megatron") == _layer_bytes(capped, "program")
 
 
 def _attention_work(model, engine: str) -> float:

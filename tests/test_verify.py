@@ -94,6 +94,13 @@ CASES = {
         qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
         sliding_window=4, sliding_window_pattern=2, rope_local_base_freq=100.0, tie_embeddings=True),
         parallel=dict(sequence_parallel=True)),
+    # issue 31: Gemma 2 (Gemma 3 without qk-norm; attention scores and final logits soft-capped,
+    # caps low enough to bite on the miniature; local and global layers alternating; the
+    # final cap on each tp rank's vocab shard before the vocab-parallel loss; tied across pp)
+    "gemma2_tp2_pp2_softcap": dict(tp=2, pp=2, model=dict(
+        zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
+        sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=24.0, tie_embeddings=True,
+        attn_logit_softcapping=0.5, final_logit_softcapping=0.5)),
     # issue 18: gpt-oss's attention: sinks split over tp with the heads, local and global layers
     # alternating, YaRN RoPE, biases on every linear layer
     "sinks_tp2_pp2_yarn": dict(tp=2, pp=2, model=dict(

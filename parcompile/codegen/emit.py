@@ -53,6 +53,10 @@ _NOT_IN_PROGRAM: tuple = (
      "FP8 training (precision = fp8)", "FP8 programs are not generated yet: `parcompile plan`, `search`, "
      "`check` and `export` work on this spec; to generate a program now, remove `precision` (16-bit GEMMs)",
      32, True),
+    ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
+        cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
+     "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
+     "`parcompile plan` and `export` work on this spec; `compile` and `run` of a training spec run it", 31, True),
 )
 
 
@@ -212,6 +216,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "act_shape": ", ".join(str(n) for n in z.boundary),
         "x_shape": norm.shape_comment(),
         "logits_shape": head.shape_comment(),
+        "head_call": _head_call(pd),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
         "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
@@ -358,6 +363,20 @@ def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[He
             what += "; " + calls_comment(op, layer.index)
         out.append(HeadStatement(build, comment, f"{var} = {call}", what))
     return out
+
+
+def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> str:
+    """The Stage's logits expression: the LM head ``x``, then each op the graph runs on
+    its output before the loss (Gemma 2's ``lm_head.softcap``), from its op-table
+    :class:`~parcompile.ir.ops.Code` row on the op's own attributes."""
+    name = "lm_head"
+    while True:
+        after = [o for o in pd.ops.values() if o.inputs[:1] == (name,) and o.kind not in ("cross_entropy", "send_recv")]
+        code = code_of(after[0].kind, dict(after[0].attrs)) if len(after) == 1 else None
+        if code is None:
+            return x
+        x = code.call.format(x=x, a=dict(after[0].attrs))
+        name = after[0].name
 
 
 def _layer_kinds(pd: ProgramData) -> dict:

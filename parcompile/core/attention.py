@@ -12,8 +12,10 @@ what the plan counts there is what :func:`parcompile.runtime.layers.attention_co
 Variants (:func:`variant`, from the attention op's attributes; the first that applies):
 ``sinks`` (one learnable logit per head in each softmax's denominator, gpt-oss), ``mla``
 (the value head dim differs from the query/key one: DeepSeek-V3's 192 / 128),
-``sliding_window`` (a window shorter than the sequence), ``causal`` (plain causal
-attention). qk-norm (Qwen3, Gemma 3, OLMo 2) is not a kernel variant: the norm is its own
+``softcap`` (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)`` before the
+softmax, which torch SDPA and Transformer Engine's fused attention cannot apply; a sliding
+window besides is the kernel's mask), ``sliding_window`` (a window shorter than the
+sequence), ``causal`` (plain causal attention). qk-norm (Qwen3, Gemma 3, OLMo 2) is not a kernel variant: the norm is its own
 op before the kernel (``qk_norm`` in :mod:`parcompile.ir.ops`), which sees ordinary q and k,
 so a qk-norm layer takes its window's or plain causal row. ``model.attention = unfused``
 asks for the unfused core on every engine (Megatron-LM 2021-22's, the A100 calibration
@@ -105,6 +107,13 @@ _SDPA = ("torch.nn.functional.scaled_dot_product_attention docs: query (N,...,L,
 _FLEX = ("torchtitan torchtitan/models/gpt_oss/model/model.py@00b1b07d: FlexAttentionWrapper with "
          "get_sliding_window_mask_mod, return_lse=True, sinks as sigmoid(lse - sinks); "
          "torch.nn.attention.flex_attention docs (block_mask, return_lse)")
+_SOFTCAP_MEGATRON = ("Megatron-Bridge src/megatron/bridge/models/gemma/gemma2_provider.py@d9f7643b "
+                     "(NVIDIA-NeMo/Megatron-Bridge): gemma2_layer_spec's core_attention is Gemma2DotProductAttention, "
+                     "'unfused SDPA for attn logit softcapping' (baddbmm, logit_softcapping, FusedScaleMaskSoftmax)")
+_SOFTCAP_FLEX = ("torch FlexAttention score_mod cap * tanh(score / cap) (pytorch.org/blog/flexattention, Aug 2024: "
+                 "the soft-capping example) with the window's block mask; transformers 5.24 "
+                 "models/gemma2/modeling_gemma2.py: _supports_sdpa = False ('sdpa does not support softcapping'), "
+                 "_supports_flex_attn = True")
 _PROGRAM = "parcompile/runtime/layers.py attention_core and runtime/mla.py mla_core (what verify measures)"
 _COMPILE = ("torchtitan with torch.compile runs the same attention modules as eager (820504e "
             "torchtitan/models/llama3/model.py: SDPA; gpt-oss: FlexAttention, compiled either way)")
@@ -133,6 +142,12 @@ ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
     ("automodel", "sliding_window"): KernelChoice("cudnn", _AUTOMODEL_TE),
     ("automodel", "sinks"): KernelChoice("flex", _AUTOMODEL_FLEX),
     ("automodel", "mla"): KernelChoice("cudnn", _AUTOMODEL_TE),
+    ("megatron", "softcap"): KernelChoice("unfused", _SOFTCAP_MEGATRON),
+    ("eager", "softcap"): KernelChoice("flex", _SOFTCAP_FLEX),
+    ("compile", "softcap"): KernelChoice("flex", _SOFTCAP_FLEX + "; " + _COMPILE),
+    ("automodel", "softcap"): KernelChoice("flex", _SOFTCAP_FLEX + " (AutoModel runs transformers' Gemma2 modules)"),
+    ("program", "softcap"): KernelChoice("unfused", _PROGRAM + ": torch's SDPA cannot soft-cap, the softmax is spelt "
+                                                    "out on the capped scores"),
     ("program", "causal"): KernelChoice("sdpa", _PROGRAM + ": F.scaled_dot_product_attention(is_causal=True)"),
     ("program", "sliding_window"): KernelChoice("sdpa", _PROGRAM + ": SDPA with causal_mask(q_pos, k_pos, window)"),
     ("program", "sinks"): KernelChoice("unfused", _PROGRAM + ": torch's SDPA takes no sinks, the softmax is "
@@ -143,18 +158,21 @@ ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
 #: the rows of :data:`ATTENTION_KERNELS`
 KERNEL_ENGINES = ("megatron", "eager", "compile", "automodel", "program")
 #: the variants of :data:`ATTENTION_KERNELS`, in the order :func:`variant` tries them
-VARIANTS = ("sinks", "mla", "sliding_window", "causal")
+VARIANTS = ("sinks", "mla", "softcap", "sliding_window", "causal")
 
 
 def variant(attrs: Mapping) -> str:
     """The variant (:data:`VARIANTS`) of an attention op from its attributes: ``sinks``
     when it has sink logits, ``mla`` when ``v_head_dim`` differs from ``head_dim``,
-    ``sliding_window`` when ``0 < window < seq_len``, else ``causal``."""
+    ``softcap`` when the scores are soft-capped, ``sliding_window`` when ``0 < window <
+    seq_len``, else ``causal``."""
     if attrs.get("sinks"):
         return "sinks"
     v = attrs.get("v_head_dim")
     if v and v != attrs.get("head_dim"):
         return "mla"
+    if attrs.get("softcap") is not None:
+        return "softcap"
     w = attrs.get("window") or 0
     if 0 < w < attrs.get("seq_len", 0):
         return "sliding_window"

@@ -245,6 +245,11 @@ class ModelKeys:
     #: one learned logit per query head joins each softmax's denominator (gpt-oss's `sinks`):
     #: `layers.i.attn.sinks`, split over tp with the heads
     attention_sinks: bool = key(False, BOOL)
+    #: Gemma 2's logit soft-capping (HF names), ``cap * tanh(x / cap)``: of the attention
+    #: scores, after their scale and before the mask and softmax; of the LM head's logits,
+    #: before the loss. None: no cap
+    attn_logit_softcapping: Optional[float] = key(None, POSITIVE)
+    final_logit_softcapping: Optional[float] = key(None, POSITIVE)
     attention: str = key("flash", enum("flash", "unfused"))
     dropout: float = key(0.0, KeyCheck("fraction", low=0, high=1, high_open=True))
     tie_embeddings: bool = key(False, BOOL)

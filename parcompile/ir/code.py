@@ -85,8 +85,9 @@ _LINEAR_CODE = {
 def _attention_facts(a) -> dict:
     """The attention core's keyword arguments (runtime/layers.py ``attention``): context
     parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
-    recomputation where the pass marked it (``recompute``), Gemma's score scale, sinks."""
-    kw = f", fused={a['impl'] == 'flash'}"
+    recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks."""
+    # a soft-capped core is never one fused kernel in the program (core/attention.py: unfused)
+    kw = f", fused={a['impl'] == 'flash' and a.get('softcap') is None}"
     if "cp" in a.get("_gathers", ()):
         kw += ", gather_kv=self.cp"
     notes = []
@@ -95,6 +96,8 @@ def _attention_facts(a) -> dict:
         notes.append("selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward")
     if a.get("scale") is not None:
         kw += f", scale={a['scale']!r}"
+    if a.get("softcap") is not None:   # Gemma 2: the scores capped before the softmax (no fused SDPA)
+        kw += f", softcap={a['softcap']!r}"
     init = ["self.window = {t[window]}"]
     if a.get("sinks"):
         kw += ", sinks=self.sinks"
@@ -179,6 +182,8 @@ CODES: dict[str, Any] = {
                            "window=self.window, pos=pos)",
                       inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
                       comment="causal attention"),
+    # Gemma 2's final soft-cap, on this rank's vocab shard of the logits
+    "softcap": Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
     # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)
     "latent_norm": Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
                         call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",

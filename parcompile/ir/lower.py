@@ -13,7 +13,7 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
     sandwich_norm (Gemma 2/3) adds attn_post_norm after attn.wo and mlp_post_norm after the
     MLP, each before its residual add; a layer's attention window and RoPE base follow
     ``layer_windows`` (sliding-window layers take ``rope_local_base_freq``)
-    final_norm -> lm_head -> loss (cross-entropy, with labels)
+    final_norm -> lm_head (-> lm_head.softcap: final_logit_softcapping) -> loss (cross-entropy, with labels)
 
 Multi-head latent attention (MLA, DeepSeek-V2/V3: ``kv_lora_rank > 0``) replaces the
 attention between ``attn_norm`` and ``attn.wo``::
@@ -167,6 +167,8 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     scaling = rope_scaling(m)
     scale = attention_scale(m)
     scores = {"scale": scale} if scale is not None else {}
+    if m.attn_logit_softcapping is not None:   # Gemma 2: cap * tanh(scores / cap), before the mask
+        scores["softcap"] = m.attn_logit_softcapping
 
     def mla(p: str, h: str, i: int) -> str:
         # multi-head latent attention (DeepSeek-V2/V3; module docstring): the down projections
@@ -256,6 +258,9 @@ def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     if m.tie_embeddings:
         nd = g.node(logits)
         g.set_params(logits, [Param("embedding.weight", nd.params[0].type, tied_to="embedding.weight")])
+    if m.final_logit_softcapping is not None:   # Gemma 2: cap * tanh(logits / cap), per vocab shard
+        logits = g.add_op("lm_head.softcap", "softcap", [logits], {"cap": m.final_logit_softcapping,
+                                                                  "tp": "shard_last"}, origin=origin)
     labels = g.add_op("labels", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
     g.add_op("loss", "cross_entropy", [logits, labels], {"tp": "vocab_loss"}, origin=origin)
     return g

@@ -279,6 +279,8 @@ def _attention_extra(a, ins, out):
     # the unfused path materialises every s x s_kv score; a sliding window only masks them
     # (a sink is one more column of the softmax's output: s x (s_kv + 1))
     scores = _scores({**a, "window": 0}, q)
+    if a.get("softcap") is not None:
+        extra += scores * e  # tanh of the scores (Gemma 2's soft-cap: its backward reads it)
     if a.get("sinks"):
         scores += scores // a["seq_len"]
     extra += scores * e  # softmax output
@@ -297,6 +299,8 @@ def _attention_traffic(a, ins, out):
     # Q K^T writes the scores; scale-mask-softmax reads and writes them; dropout reads
     # them and writes output and mask; A V reads the result
     per = 4 * e + ((2 * e + 1) if a.get("dropout", 0) > 0 else 0)
+    if a.get("softcap") is not None:
+        per += 2 * e   # the soft-cap reads and writes them once more (one fused tanh pass)
     return scores * per
 
 
@@ -477,6 +481,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
         # gelu(gate, tanh approximation) * up (Gemma's GeGLU): the same saves as SwiGLU
         OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic),
+        # Gemma 2's final soft-cap cap * tanh(x / cap) on each vocab shard of the logits (tanh is
+        # elementwise: the vocab-parallel loss after it stays exact); keeps its output (tanh's
+        # backward is 1 - (y / cap)^2)
+        OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
                saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),

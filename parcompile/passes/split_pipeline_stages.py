@@ -124,7 +124,7 @@ class SplitPipelineStages:
                 k = layer_chunk[nd.op.layer]
             elif n in FIRST_CHUNK_OPS:
                 k = 0
-            elif n in LAST_CHUNK_OPS:
+            elif nd.op.module in LAST_CHUNK_OPS:   # lm_head.softcap (Gemma 2) goes with its head
                 k = last
             else:
                 raise ValueError(f"op {n} belongs to no layer and no known chunk")

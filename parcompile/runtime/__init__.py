@@ -25,6 +25,7 @@ from parcompile.runtime.layers import (
     mla_key,
     rope_key,
     rope_tail,
+    softcap,
     whole_grad,
     recompute,
     no_init,

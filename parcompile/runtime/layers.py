@@ -571,11 +571,44 @@ class _Softmax(torch.autograd.Function):
         return (p * (g - (g * p).sum(-1, keepdim=True))).to(probs.dtype)
 
 
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's logit soft-capping ``cap * tanh(x / cap)``, elementwise, any shape, in
+    ``x``'s dtype (transformers' ``Gemma2ForCausalLM`` and ``eager_attention_forward``):
+    the values stay within (-cap, cap). Keeps only its output for backward (d/dx = 1 - (y /
+    cap)^2), as the op table counts it (ir/ops.py ``softcap``)."""
+    return _SoftCap.apply(x, float(cap))
+
+
+class _SoftCap(torch.autograd.Function):
+    """:func:`softcap`, saving its output only (torch's composite would keep tanh's output
+    beside it)."""
+
+    @staticmethod
+    def forward(ctx, x, cap: float):
+        y = torch.tanh(x / cap) * cap
+        ctx.save_for_backward(y)
+        ctx.cap = cap
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        t = y / ctx.cap
+        return grad * (1 - t * t), None
+
+
 def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                   scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float | None = None, sinks: torch.Tensor | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal; ``scale`` None: 1 / sqrt(d) (Gemma's is
     ``query_pre_attn_scalar ** -0.5``). q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
+
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled scores become ``cap *
+    tanh(scores / cap)`` before the mask and softmax; torch's SDPA cannot cap, so the
+    softmax is spelt out whatever ``fused`` says (core/attention.py: the program's
+    ``softcap`` row, unfused), keeping the capped scores (:func:`softcap`) beside the
+    probabilities.
 
     ``sinks`` (Hq,): one logit per query head added to each softmax's denominator and
     dropped after it (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
@@ -601,7 +634,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     gqa = {"enable_gqa": True} if rep > 1 else {}
     if scale is not None:
         gqa["scale"] = scale
-    if fused and sinks is None:
+    if fused and sinks is None and softcap is None:
         if plain:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window),
@@ -610,6 +643,8 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     Tk = k.shape[2]
     qg = q.reshape(B, hkv, rep * Tq, D)                          # query heads grouped by kv head
     scores = (qg @ k.transpose(-2, -1)).view(B, hkv, rep, Tq, Tk) * (scale if scale is not None else D ** -0.5)
+    if softcap is not None:
+        scores = _SoftCap.apply(scores, float(softcap))
     bias = torch.zeros((Tq, Tk), dtype=scores.dtype, device=q.device)
     bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
     if sinks is not None:   # one more column per query head, dropped after the softmax
@@ -671,7 +706,7 @@ def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
 
 def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
               gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """The attention core on per-head tensors: q (B, T, Hq, D), k (B, T, Hkv, D), v (B, T,
     Hkv, Dv) -> (B, T, Hq * Dv) (Dv < D: MLA, :func:`_padded_core`), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
 
@@ -684,7 +719,7 @@ def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: i
     if gather_kv is not None:
         k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
     kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
-              scale=scale, sinks=sinks)
+              scale=scale, sinks=sinks, softcap=softcap)
     y = _recompute(_padded_core, q, k, v, **kw) if recompute else _padded_core(q, k, v, **kw)
     return y.transpose(1, 2).flatten(2)
 
@@ -714,6 +749,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "softcap", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
 ]

@@ -14,6 +14,7 @@ module     model types
 =========  ==========================================================================
 llama      llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 deepseek_v3  deepseek_v3
+gemma2     gemma2
 gemma3     gemma3_text
 gpt_oss    gpt_oss
 gpt2       gpt2
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from parcompile.core.families import base, deepseek_v3, gemma3, gpt2, gpt_neox, gpt_oss, llama
+from parcompile.core.families import base, deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama
 from parcompile.core.families.base import Family
 from parcompile.core.model import ModelKeys
 
 #: the family modules; presets are listed in this order
-MODULES = (llama, deepseek_v3, gemma3, gpt_oss, gpt2, gpt_neox)
+MODULES = (llama, deepseek_v3, gemma2, gemma3, gpt_oss, gpt2, gpt_neox)
 
 _BY_TYPE: dict[str, Family] = {f.model_type: f for mod in MODULES for f in mod.FAMILIES}
 #: every model_type parcompile reads and writes, sorted
@@ -46,7 +47,7 @@ _GUESS_ORDER: tuple[Family, ...] = tuple(sorted(_BY_TYPE.values(), key=lambda f:
 FAMILIES_HELP = ("families: gpt2 (learned positions, LayerNorm, biases), gpt_neox (LayerNorm, RoPE, biases), "
                  "llama/mistral/qwen2 (RMSNorm, SwiGLU, RoPE), qwen3 (the same with qk_norm), mixtral (the "
                  "same with routed experts), qwen3_moe (qwen3 with routed experts, leading dense layers), "
-                 "gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
+                 "gemma2 (Gemma 3 without qk_norm, with attention and final logit soft-capping), gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
                  "global layers), deepseek_v3 (multi-head latent attention, sigmoid group-limited "
                  "router, shared experts)")
 

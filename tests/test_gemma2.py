@@ -1,0 +1,196 @@
+"""Gemma 2 (`gemma2`, issue 31's proof) against transformers' own Gemma2ForCausalLM (fp32, CPU).
+
+A tiny random Gemma2Config (4 layers, hidden 64, head_dim 16, local (window 4) and global
+layers alternating, ``query_pre_attn_scalar`` 24, tied embeddings) with both soft-caps set
+low enough to bite (attention 2.0, logits 3.0: the random model's scores and logits exceed
+them), saved with ``save_pretrained``. Its config.json is imported with ``from_hf_dict``;
+the plan's parameter count must equal transformers'; ``load_hf`` fills a single-process
+program whose logits (16 tokens, past the window) must equal transformers'. The caps are read
+off transformers' module (``modeling_gemma2.py``), never from parcompile's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from parcompile.config.hf import from_hf_dict
+from parcompile.config.hf_weights import expected_shapes, hf_family
+from tests.family_utils import (assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf,
+                                token_ids)
+from tests.program_utils import tiny_config
+
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
+
+LAYERS, WINDOW = 4, 4
+ATTN_CAP, FINAL_CAP = 2.0, 3.0
+
+
+def _hf_config(**extra):
+    return transformers.Gemma2Config(**{**dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+        sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=ATTN_CAP,
+        final_logit_softcapping=FINAL_CAP, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None), **extra})
+
+
+def _save(path: Path, **extra):
+    torch.manual_seed(29)
+    hf = transformers.Gemma2ForCausalLM(_hf_config(**extra)).float().eval()
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():   # Gemma's norms start at 0 ((1 + w) = 1): make them matter; scores large
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.5)
+            elif "q_proj" in n or "k_proj" in n:
+                p.mul_(8.0)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gemma2")
+    hf = _save(tmp / "hf")
+    keys = import_keys(tmp / "hf")
+    cfg = tiny_config(model=keys, name="gemma2")
+    stage, plan = stage_from_hf(cfg, tmp / "hf", tmp / "prog")
+    return dict(tmp=tmp, hf=hf, cfg=cfg, stage=stage, plan=plan)
+
+
+def test_import_maps_every_field(case):
+    m, hf = case["cfg"].model, case["hf"]
+    assert [bool(w) for w in m.layer_windows] == [k == "sliding_attention" for k in hf.config.layer_types]
+    assert (m.sliding_window, m.sliding_window_pattern, m.head_dim, m.query_pre_attn_scalar) == (WINDOW, 2, 16, 24.0)
+    assert (m.attn_logit_softcapping, m.final_logit_softcapping) == (ATTN_CAP, FINAL_CAP)
+    assert (m.zero_centered_gamma, m.sandwich_norm, m.scale_embeddings, m.activation, m.qk_norm) == (
+        True, True, True, "geglu", False)
+    assert m.rope_local_base_freq is None and m.tie_embeddings and hf_family(m) == "gemma2"
+
+
+def test_config_round_trips(case):
+    """keys -> config.json (hf_config) -> keys: the same model, the caps included."""
+    from parcompile.config.hf_weights import hf_config
+
+    m = case["cfg"].model
+    written = hf_config(m)
+    assert written["model_type"] == "gemma2"
+    assert (written["attn_logit_softcapping"], written["final_logit_softcapping"]) == (ATTN_CAP, FINAL_CAP)
+    assert written["layer_types"] == case["hf"].config.layer_types
+    assert tiny_config(model={**import_keys(case["tmp"] / "hf"), **{
+        k: v for k, v in from_hf_dict(written).items() if v is not None and k not in ("seq_len", "dtype")}}).model == m
+
+
+def test_parameter_count_equals_transformers(case):
+    total = sum(p.numel() for p in case["hf"].parameters())
+    assert case["plan"]["model"]["params"] == total
+    assert sum(math.prod(s) for s in expected_shapes(case["cfg"].model).values()) == total
+
+
+def test_the_caps_bite(case):
+    """The tiny model's logits reach past the cap without it and its scores past theirs, so
+    the logits test below would fail if either cap were dropped."""
+    hf = case["hf"]
+    ids = token_ids(case["cfg"].model.vocab)
+    with torch.no_grad():
+        capped = hf(input_ids=ids).logits
+        for cfg_key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            old = getattr(hf.config, cfg_key)
+            setattr(hf.config, cfg_key, None)
+            for layer in hf.model.layers:
+                layer.self_attn.attn_logit_softcapping = hf.config.attn_logit_softcapping
+            uncapped = hf(input_ids=ids).logits
+            setattr(hf.config, cfg_key, old)
+            for layer in hf.model.layers:
+                layer.self_attn.attn_logit_softcapping = hf.config.attn_logit_softcapping
+            assert (uncapped - capped).abs().max() > 1e-2, cfg_key
+    assert capped.abs().max() < FINAL_CAP
+
+
+def test_logits_equal_transformers(case):
+    assert_logits_equal(case["stage"], case["hf"], case["cfg"].model.vocab)
+
+
+def test_default_gemma2_counts_as_transformers_on_the_meta_device(tmp_path):
+    """transformers' default Gemma2Config (gemma-2-2b's shape: 26 layers, hidden 2304, vocab
+    256,000, caps 50 and 30) as a spec's `model m from "config.json"`: the plan's parameter
+    count equals the module's on the meta device; tp 2 x pp 2 plans."""
+    import parcompile
+
+    hcfg = transformers.Gemma2Config()
+    with torch.device("meta"):
+        total = sum(p.numel() for p in transformers.Gemma2ForCausalLM(hcfg).parameters())
+    (tmp_path / "config.json").write_text(hcfg.to_json_string())
+    spec = tmp_path / "g.par"
+    spec.write_text('model g from "config.json" { }\ncluster c from "h100-sxm" { }\n'
+                    'parallel { tp = 2, pp = 2, global_batch = 16 }\n')
+    plan = parcompile.compile(spec)
+    m = plan.config.model
+    assert (m.attn_logit_softcapping, m.final_logit_softcapping) == (50.0, 30.0)
+    assert m.layer_windows == tuple(4096 if i % 2 == 0 else 0 for i in range(26))
+    assert plan.data["model"]["params"] == total
+
+
+def test_serving_a_soft_capped_model_is_refused_with_a_diagnostic(case, tmp_path, monkeypatch, capsys):
+    """serve.py is still hand-written (not from the graph's ops): a soft-capped model's serve
+    spec is a program gap, an error at the model block that names the caps; the plan works."""
+    import parcompile
+    from parcompile.cli import main
+
+    shutil.copytree(case["tmp"] / "hf", tmp_path / "hf")
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n'
+                    'parallel { }\nserve { batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", spec.name, "-o", "out"]) != 0
+    err = capsys.readouterr().err
+    assert "s.par:1:1: error: the generated program does not run logit soft-capping (Gemma 2) in serve.py" in err
+    assert not (tmp_path / "out").exists()
+    assert parcompile.compile(spec).data["serve"]["kv_cache_bytes_per_rank"] > 0
+
+
+def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
+    cfg = case["cfg"]
+    out = fine_tune(cfg, case["tmp"] / "hf", tmp_path)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "gemma2"
+    assert (written["attn_logit_softcapping"], written["final_logit_softcapping"]) == (ATTN_CAP, FINAL_CAP)
+    check_written_back(cfg, out, case["hf"], tmp_path / "prog_back", moved=("post_feedforward_layernorm",))
+
+
+def test_megatron_export_names_both_caps(tmp_path):
+    """pretrain_gpt.py has no soft-capping argument: the export says so for each cap."""
+    import parcompile
+    from parcompile.export import export
+
+    (tmp_path / "config.json").write_text(transformers.Gemma2Config().to_json_string())
+    spec = tmp_path / "g.par"
+    spec.write_text('model g from "config.json" { }\ncluster c from "h100-sxm" { }\nparallel { tp = 2 }\n')
+    notes = export(parcompile.compile(spec), "megatron").notes
+    assert any(n.startswith("attn_logit_softcapping 50.0:") for n in notes)
+    assert any(n.startswith("final_logit_softcapping 30.0:") and "Gemma2OutputLayer" in n for n in notes)
+
+
+def test_the_caps_belong_to_gemma2_alone():
+    """The soft-cap keys are Gemma 2's (its ``owns``): Gemma 3 and Llama refuse a model with
+    one, naming it; a Gemma 3 model (qk-norm, no caps) is still guessed Gemma 3, and Gemma 2
+    refuses its qk-norm."""
+    from parcompile.config.hf_weights import family_problems
+    from parcompile.config.presets import MODEL_PRESETS
+    from parcompile.core.model import ModelKeys
+
+    gemma3 = ModelKeys(**MODEL_PRESETS["gemma3-27b"])
+    assert hf_family(gemma3) == "gemma3_text"
+    assert "qk_norm = true" in family_problems(gemma3, "gemma2")[0].message
+    capped = ModelKeys(**{**MODEL_PRESETS["gemma3-27b"], "qk_norm": False, "rope_local_base_freq": None,
+                          "attn_logit_softcapping": 50.0})
+    assert hf_family(capped) == "gemma2"
+    assert "attn_logit_softcapping = 50.0" in family_problems(capped, "gemma3_text")[0].message
+    llama = ModelKeys(**{**MODEL_PRESETS["llama3-8b"], "final_logit_softcapping": 30.0})
+    assert "final_logit_softcapping = 30.0" in family_problems(llama, "llama")[0].message
