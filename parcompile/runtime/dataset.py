@@ -21,6 +21,7 @@ line, parquet row) where there is one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob as globmod
 import hashlib
 import importlib.util
@@ -880,16 +881,83 @@ def _skip_notes(counts: dict) -> list[str]:
     return out
 
 
-def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
-              progress: bool | None) -> dict:
-    total_bytes = sum(f.stat().st_size for f in files)
+def _progress_bar(total_bytes: int, progress: bool | None):
+    """A tqdm bar over ``total_bytes`` on stderr, or None (``progress`` None: when the corpus is
+    over :data:`_PROGRESS_BYTES` and stderr is a terminal)."""
     if progress is None:
         progress = total_bytes > _PROGRESS_BYTES and sys.stderr.isatty()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, desc="tokenizing",
-                   dynamic_ncols=True)
+    if not progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, desc="tokenizing", dynamic_ncols=True)
+
+
+def _encode(tok: Tokenizer, texts: list, offsets: bool) -> list:
+    """Encode a batch of texts (bytes tokenizer: their UTF-8 bytes as uint8 arrays); with
+    ``offsets``, encodings that keep character offsets (chat loss masks)."""
+    if tok.is_bytes:
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    try:
+        if offsets:
+            return tok.backend.encode_batch(texts, add_special_tokens=False)
+        return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
+    except Exception as e:   # tokenizers raises a bare Exception for a broken model (a missing [UNK])
+        raise DataError(f"the tokenizer cannot encode the data: {e}", tok.files[0] if tok.files else None,
+                        help="the tokenizer.json is broken or incomplete: use the tokenizer the model was "
+                             "trained with") from None
+
+
+def _ids(e) -> np.ndarray:
+    """An encoding's token ids as an array (a bytes tokenizer's array as is)."""
+    return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)
+
+
+def _finish_text(encs, eos, writer: _Writer, counts: dict):
+    """Write ``text`` documents: each one's tokens, then ``eos`` (when the tokenizer has one)."""
+    arrays = [_ids(e) for e in encs]
+    counts["content_tokens"] += sum(a.size for a in arrays)
+    if eos is not None:
+        arrays = [x for a in arrays for x in (a, eos)]
+    writer.add(arrays)
+
+
+def _finish_pc(encs, eos, writer: _Writer, counts: dict):
+    """Write ``prompt_completion`` examples (``encs``: the prompts, then the completions):
+    prompt + completion + eos, loss on the completion; an empty completion is skipped."""
+    n = len(encs) // 2
+    arrays, masks = [], []
+    for k in range(n):
+        p, c = _ids(encs[k]).astype(np.uint32), _ids(encs[n + k]).astype(np.uint32)
+        if eos is not None:
+            c = np.concatenate([c, eos])
+        if c.size == 0:
+            counts["skipped_no_loss"] += 1
+            continue
+        arrays.append(np.concatenate([p, c]))
+        masks.append(np.concatenate([np.zeros(p.size, np.uint8), np.ones(c.size, np.uint8)]))
+    writer.add(arrays, masks)
+
+
+def _empty_dataset(files: list[Path], data_format: str, counts: dict) -> DataError:
+    """The error for a corpus that gave no tokens (``text``) or no example with a loss token."""
+    src = files[0] if len(files) == 1 else None
+    what = "examples with a loss token" if data_format != "text" else "tokens"
+    skipped = "; ".join(_skip_notes(counts)) or None
+    return DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))"
+                     + (f": {skipped}" if skipped else ""),
+                     src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""),
+                     help={"text": "the files hold no text", "prompt_completion": "every example needs a "
+                           "non-empty `completion`", "chat": "every example needs an assistant turn to train on"}
+                     [data_format])
+
+
+def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
+              progress: bool | None) -> dict:
+    """Tokenize ``files`` into the cache directory ``tmp`` (:class:`_Writer`); the counts and
+    sizes for meta.json. Reading, encoding and writing are pipelined in batches of
+    :data:`_BATCH_CHARS` characters or :data:`_BATCH_DOCS` documents."""
+    total_bytes = sum(f.stat().st_size for f in files)
+    bar = _progress_bar(total_bytes, progress)
     writer = _Writer(tmp, masked=data_format != "text")
     start = time.perf_counter()
     counts = {"documents": 0, "skipped_no_assistant": 0, "skipped_no_loss": 0, "content_tokens": 0}
@@ -903,42 +971,6 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
     # parses (and for chat renders) batch k + 1.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parcompile-tokenize")
     in_flight = None   # (future of encodings, finish(encodings), bytes)
-
-    def encode(texts: list, offsets: bool) -> list:
-        if tok.is_bytes:
-            return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        try:
-            if offsets:
-                return tok.backend.encode_batch(texts, add_special_tokens=False)
-            return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
-        except Exception as e:   # tokenizers raises a bare Exception for a broken model (a missing [UNK])
-            raise DataError(f"the tokenizer cannot encode the data: {e}", tok.files[0] if tok.files else None,
-                            help="the tokenizer.json is broken or incomplete: use the tokenizer the model was "
-                                 "trained with") from None
-
-    def ids(e) -> np.ndarray:
-        return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)
-
-    def finish_text(encs):
-        arrays = [ids(e) for e in encs]
-        counts["content_tokens"] += sum(a.size for a in arrays)
-        if eos is not None:
-            arrays = [x for a in arrays for x in (a, eos)]
-        writer.add(arrays)
-
-    def finish_pc(encs):
-        n = len(encs) // 2
-        arrays, masks = [], []
-        for k in range(n):
-            p, c = ids(encs[k]).astype(np.uint32), ids(encs[n + k]).astype(np.uint32)
-            if eos is not None:
-                c = np.concatenate([c, eos])
-            if c.size == 0:
-                counts["skipped_no_loss"] += 1
-                continue
-            arrays.append(np.concatenate([p, c]))
-            masks.append(np.concatenate([np.zeros(p.size, np.uint8), np.ones(c.size, np.uint8)]))
-        writer.add(arrays, masks)
 
     def complete():
         nonlocal in_flight
@@ -960,16 +992,17 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
         counts["documents"] += len(recs)
         offsets = False
         if data_format == "text":
-            texts, finish = recs, finish_text
+            texts, finish = recs, functools.partial(_finish_text, eos=eos, writer=writer, counts=counts)
         elif data_format == "prompt_completion":
-            texts, finish = [p for p, _ in recs] + [c for _, c in recs], finish_pc
+            texts = [p for p, _ in recs] + [c for _, c in recs]
+            finish = functools.partial(_finish_pc, eos=eos, writer=writer, counts=counts)
         else:
             texts, spans = _render_chats(pending, tok, counts)
             offsets = True
 
             def finish(encs, spans=spans):
                 _finish_chat(encs, spans, writer, counts)
-        fut = executor.submit(encode, texts, offsets)
+        fut = executor.submit(_encode, tok, texts, offsets)
         complete()
         in_flight = (fut, finish, pending_bytes)
         pending, pending_chars, pending_bytes = [], 0, 0.0
@@ -992,15 +1025,7 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
         if bar is not None:
             bar.close()
     if writer.n == 0 or writer.examples == 0 or (data_format == "text" and counts["content_tokens"] == 0):
-        src = files[0] if len(files) == 1 else None
-        what = "examples with a loss token" if data_format != "text" else "tokens"
-        skipped = "; ".join(_skip_notes(counts)) or None
-        raise DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))"
-                        + (f": {skipped}" if skipped else ""),
-                        src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""),
-                        help={"text": "the files hold no text", "prompt_completion": "every example needs a "
-                              "non-empty `completion`", "chat": "every example needs an assistant turn to train on"}
-                        [data_format])
+        raise _empty_dataset(files, data_format, counts)
     warnings = _skip_notes(counts)
     elapsed = time.perf_counter() - start
     return dict(num_tokens=writer.n, num_examples=writer.examples if data_format != "text" else counts["documents"],
