@@ -513,12 +513,23 @@ def _at_least_one(text: str) -> int:
     return n
 
 def make_parser() -> argparse.ArgumentParser:
+    """The ``parcompile`` argument parser: one subcommand per SPEC command, each with its
+    ``fn`` (``cmd_*``)."""
     ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training plans.")
     from parcompile import __version__
 
     ap.add_argument("--version", action="version", version=f"parcompile {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_commands(sub)
+    _add_run_commands(sub)
+    _add_search_commands(sub)
+    _add_export_commands(sub)
+    _add_tool_commands(sub)
+    return ap
 
+
+def _add_plan_commands(sub) -> None:
+    """``check``, ``plan`` and ``compile``: read a spec, report or write its plan."""
     p = sub.add_parser("check", help="validate a spec; print diagnostics or one summary line")
     p.add_argument("spec")
     p.add_argument("--format", choices=["text", "json"], default="text")
@@ -536,6 +547,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
     p.set_defaults(fn=cmd_compile)
 
+
+def _add_run_commands(sub) -> None:
+    """``run`` and ``serve``: compile and launch on this machine."""
     p = sub.add_parser("run", help="compile and launch the program on this machine under torchrun")
     p.add_argument("spec")
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
@@ -557,6 +571,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "1 MiB)")
     p.set_defaults(fn=cmd_serve)
 
+
+def _add_search_commands(sub) -> None:
+    """``search`` (fill the ``auto`` keys) and ``verify`` (a miniature against a reference)."""
     p = sub.add_parser("search", help="fill every `auto` by searching; print the ranked candidates",
                        description="Fill every `auto` layout key by searching; print the ranked candidates. "
                                    "`sequence_parallel` left unset is searched as `auto` (with and without it "
@@ -577,6 +594,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the miniature and its reference (default fp32: tightest check)")
     p.set_defaults(fn=cmd_verify)
 
+
+def _add_export_commands(sub) -> None:
+    """``export`` (the plan for another engine) and ``export-weights`` (a Hugging Face checkpoint)."""
     p = sub.add_parser("export", help="the plan for Megatron-LM, Megatron-Bridge, torchtitan, DeepSpeed (training) "
                                       "or vLLM, SGLang (serving)")
     p.add_argument("spec")
@@ -594,6 +614,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the Hugging Face checkpoint directory to write")
     p.set_defaults(fn=cmd_export_weights)
 
+
+def _add_tool_commands(sub) -> None:
+    """``diff`` (two plans) and ``schema`` (plan.json's JSON Schema)."""
     p = sub.add_parser("diff", help="what changed between two plans (specs, plan.json files or compile -o directories)",
                        description="Compare two plans: degrees, groups, stages, memory per stage, communication, "
                                    "collectives and the estimate. Exit 1 when a --fail-on bound is crossed.")
@@ -611,7 +634,6 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", help="print the JSON Schema of plan.json (docs/plan.schema.json)")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(fn=cmd_schema)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

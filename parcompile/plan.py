@@ -378,6 +378,27 @@ def plan_warnings(d: dict[str, Any], advice: str | None = None) -> list[str]:
 def render_report(d: dict[str, Any], advice: str | None = None) -> str:
     """Markdown for a plan.json dict: degrees, groups, stages, memory, comm, estimate
     (``advice``: what a plan that does not fit could change, see :func:`plan_warnings`)."""
+    out = _layout_report(d)
+    serve = "serve" in d
+    if serve:
+        out += [""] + _serve_report(d) + [""]
+        return "\n".join(out)
+    sch = d["schedule"]
+    out += ["", "## Schedule", "",
+            f"`{sch['name']}`, {plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')}, bubble "
+            f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
+    warns = plan_warnings(d, advice) if "serve" not in d else []
+    if warns:
+        out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
+    out += _memory_report(d)
+    out += _estimate_report(d)
+    out += _comm_report(d)
+    out += [""] + _grad_reduction_report(d)
+    return "\n".join(out)
+
+
+def _layout_report(d: dict[str, Any]) -> list[str]:
+    """The report's title, degrees, groups, model and stages."""
     out = [f"# Plan `{d.get('name', 'spec')}`", "",
            f"parcompile {d['version']}, {plural(d['world_size'], 'rank')}, order `{d['order']}`, "
            f"workload `{d.get('workload', 'train')}`.", ""]
@@ -398,17 +419,13 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
         layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
         ranks = _groups_line([s["ranks"]], 1) if len(s["ranks"]) <= 8 else f"{len(s['ranks'])} ranks"
         out.append(f"| {s['index']} | {layers} | {ranks} | {s['params_per_rank']:,} |")
-    serve = "serve" in d
-    if serve:
-        out += [""] + _serve_report(d) + [""]
-        return "\n".join(out)
-    sch = d["schedule"]
-    out += ["", "## Schedule", "",
-            f"`{sch['name']}`, {plural(sch['num_microbatches'], 'micro-batch', 'micro-batches')}, bubble "
-            f"{sch['bubble_fraction']:.3f}, in flight per stage {sch['in_flight']}.", ""]
-    warns = plan_warnings(d, advice) if "serve" not in d else []
-    if warns:
-        out += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
+    return out
+
+
+def _memory_report(d: dict[str, Any]) -> list[str]:
+    """Memory per rank: the per-stage table, the peak, the caching allocator, what each decoder
+    layer saves for backward, and ZeRO-3's gathered parameters."""
+    out: list[str] = []
     mem = d["memory"]
     alloc = "reserved_peak" in mem
     out += ["## Memory (per rank)", "",
@@ -466,6 +483,12 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
                 "most at once (`zero3_gather`): " + "; ".join(
                     f"stage {st}: {bytes_text(b)}, {gathers.get(st, 0):,} all-gathers per step" for st, b in gathered)
                 + ".", ""]
+    return out
+
+
+def _estimate_report(d: dict[str, Any]) -> list[str]:
+    """The estimate per step: time, throughput, MFU, the breakdown and the assumptions."""
+    out: list[str] = []
     comp, est = d["compute"], d["estimate"]
     step = est["step_time"]
     out += ["## Estimate (time per step)", "",
@@ -481,6 +504,12 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
     a = est.get("assumptions", {})
     if a:
         out += ["Assumptions:", ""] + [f"- {k}: {v}" for k, v in a.items()] + [""]
+    return out
+
+
+def _comm_report(d: dict[str, Any]) -> list[str]:
+    """Communication per step: bytes per axis and the collectives per stage."""
+    out: list[str] = []
     cm = d["comm"]
     out += ["## Communication (per step)", "", "| axis | bytes sent by the busiest rank |", "|---|---|"]
     for ax, b in cm["per_step"].items():
@@ -492,8 +521,7 @@ def render_report(d: dict[str, Any], advice: str | None = None) -> str:
     out += ["", "| stage | op | axis | bytes | count |", "|---|---|---|---|---|"]
     for (op, axis, b, s), n in sorted(agg.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1], kv[0][2])):
         out.append(f"| {s} | {op} | {axis} | {b:,} | {n} |")
-    out += [""] + _grad_reduction_report(d)
-    return "\n".join(out)
+    return out
 
 
 def _grad_reduction_report(d: dict[str, Any]) -> list[str]:

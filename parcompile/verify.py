@@ -158,24 +158,10 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
             cfg.span("parallel"), help="verify a smaller layout with the same kinds of parallelism "
             "(e.g. tp = 2, pp = 2, dp = 2 on a `cpu` cluster)")])
     tp = p.tp
-    kv = tp if m.kv_heads < m.heads else 2 * tp
-    if cfg.workload == "serve" and m.kv_heads < tp and not m.kv_lora_rank:
-        kv = m.kv_heads   # serving replicates each kv head on tp / kv_heads ranks (vLLM): kept
-    heads = 2 * tp if m.kv_heads == m.heads or kv < tp else kv * 2
-    kv = min(kv, heads)
+    heads, kv = _mini_heads(cfg)
     head_dim = 8
     hidden = heads * head_dim
-    if p.stage_layers is not None:
-        # a layer-less first or last chunk (embedding or output only) stays layer-less
-        low = min((x for x in p.stage_layers if x), default=1)
-        stage_layers = tuple(0 if x == 0 else 1 if x == low else 2 for x in p.stage_layers)
-    else:
-        stage_layers = None
-    chunks = p.pp * p.virtual_stages
-    layers = sum(stage_layers) if stage_layers else chunks * (2 if chunks <= 2 else 1)
-    if p.zero >= 3 and chunks == 1 and not stage_layers:
-        layers = 3   # ZeRO-3, pp = 1: a layer runs while the next is prefetched; 3 shows it is not all
-
+    stage_layers, layers = _mini_layers(p)
     text = t.data != "synthetic"
     # byte-level text needs all 256 byte values; a Hugging Face tokenizer all of its own
     vocab = (tokenizer_vocab(t.tokenizer) if t.tokenizer != "bytes" else 256) if text else min(m.vocab, 512)
@@ -185,16 +171,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     # prompt_completion / chat: one example is one sample, its loss on the completion or
     # the assistant turns only; a longer miniature sequence keeps some of them
     seq_len = 16 if t.data_format == "text" else min(m.seq_len, 64)
-    num_mb = p.num_microbatches
-    mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
-    group = p.microbatch_group_size
-    if p.schedule == "interleaved_1f1b" and group is not None:
-        # rounds of N kept: one round and a last one of pp micro-batches (at most the spec's
-        # m; m >= N >= pp there), fewer until Megatron-Core runs it (core.schedule.group_error)
-        mini_m = min(num_mb, max(mini_m, group + p.pp))
-        mini_m = next((k for k in range(mini_m, 0, -1) if group_error(p.pp, k, group) is None), mini_m)
-    elif p.schedule == "interleaved_1f1b":
-        mini_m = max(p.pp, mini_m - mini_m % p.pp)
+    mini_m, group = _mini_microbatches(p), p.microbatch_group_size
     # multi-head latent attention: one kv per query head, a latent narrower than the heads
     mla = dict(kv_lora_rank=16, q_lora_rank=16 if m.q_lora_rank else 0, qk_nope_head_dim=8, qk_rope_head_dim=4,
                v_head_dim=8, rope_interleave=m.rope_interleave, head_dim=12) if m.kv_lora_rank else {}
@@ -223,6 +200,49 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def _mini_heads(cfg: SpecConfig) -> tuple[int, int]:
+    """The miniature's (query heads, kv heads): 2 query heads per tp rank, GQA kept as 2 query
+    heads per kv head with at least one kv head per tp rank; a serving layout with fewer kv
+    heads than tp ranks keeps its kv heads."""
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = tp if m.kv_heads < m.heads else 2 * tp
+    if cfg.workload == "serve" and m.kv_heads < tp and not m.kv_lora_rank:
+        kv = m.kv_heads   # serving replicates each kv head on tp / kv_heads ranks (vLLM): kept
+    heads = 2 * tp if m.kv_heads == m.heads or kv < tp else kv * 2
+    return heads, min(kv, heads)
+
+
+def _mini_layers(p) -> tuple[tuple[int, ...] | None, int]:
+    """The miniature's (``stage_layers``, layers): the stage layout's shape (see :func:`miniature`)."""
+    if p.stage_layers is not None:
+        # a layer-less first or last chunk (embedding or output only) stays layer-less
+        low = min((x for x in p.stage_layers if x), default=1)
+        stage_layers = tuple(0 if x == 0 else 1 if x == low else 2 for x in p.stage_layers)
+    else:
+        stage_layers = None
+    chunks = p.pp * p.virtual_stages
+    layers = sum(stage_layers) if stage_layers else chunks * (2 if chunks <= 2 else 1)
+    if p.zero >= 3 and chunks == 1 and not stage_layers:
+        layers = 3   # ZeRO-3, pp = 1: a layer runs while the next is prefetched; 3 shows it is not all
+    return stage_layers, layers
+
+
+def _mini_microbatches(p) -> int:
+    """The miniature's micro-batches per step: at most 2 * pp (a multiple of pp for the
+    interleaved schedule); with ``microbatch_group_size`` N, N kept and at most N + pp."""
+    num_mb = p.num_microbatches
+    mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
+    group = p.microbatch_group_size
+    if p.schedule == "interleaved_1f1b" and group is not None:
+        # rounds of N kept: one round and a last one of pp micro-batches (at most the spec's
+        # m; m >= N >= pp there), fewer until Megatron-Core runs it (core.schedule.group_error)
+        mini_m = min(num_mb, max(mini_m, group + p.pp))
+        mini_m = next((k for k in range(mini_m, 0, -1) if group_error(p.pp, k, group) is None), mini_m)
+    elif p.schedule == "interleaved_1f1b":
+        mini_m = max(p.pp, mini_m - mini_m % p.pp)
+    return mini_m
 
 
 #: the model keys a miniature sets itself (:func:`miniature`: its widths, depth, vocabulary,

@@ -23,6 +23,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 #: name -> (arguments of its smallest run, a line its output must hold)
 SMOKE = {
+    "code_size": ([], "functions over 80 lines:"),
     "cost_model": ([], "Llama 3.1 405B"),
     "cpu_estimate": (["--smoke"], "op_overhead"),
     "data": (["--mb", "0.02", "--vocab", "300", "--global-batch", "2", "--seq-len", "16", "--steps", "2",

@@ -16,14 +16,18 @@ any other explicitly named file) is one document, a ``.jsonl`` line is one, a
 
 Every user mistake raises ``DataError`` naming the data file and its 1-based line (jsonl
 line, parquet row) where there is one.
+
+Modules: this one holds the tokenizers, chat templates and ``prepare`` (the cache key, the
+lock, the pipelined tokenization); :mod:`parcompile.runtime.data_files` the sources and their
+records (and :class:`DataError`); :mod:`parcompile.runtime.token_cache` the cache on disk
+and the batches read from it. Every name stays importable from here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob as globmod
+import functools
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,51 +38,29 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
-import torch
 
 from parcompile.core.files import MAX_JSON_BYTES, FileReadError, json_loads, read_text, what_is
+# the files and records, the token cache and its batches live beside this module; their names
+# stay importable from here (`from parcompile.runtime.dataset import TrainBatches`)
+from parcompile.runtime.data_files import DATA_SUFFIXES, DataError, iter_records, json_type, resolve_files
+from parcompile.runtime.token_cache import (FORMAT_VERSION, IGNORE, CacheWriter, EvalBatches, TokenCache, TrainBatches,
+                                            epoch_seed, local_rows)
 
-FORMAT_VERSION = "parcompile.tokens/1"
 DATA_FORMATS = ("text", "prompt_completion", "chat")
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 KNOWN_EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-IGNORE = -100
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _BATCH_CHARS = 1 << 20   # characters of text per encode_batch call
 _BATCH_DOCS = 8192       # documents per encode_batch call
 _PROGRESS_BYTES = 5_000_000
-#: what one record of each field looks like, for help lines
-_EXAMPLE = {"text": '{"text": "a document"}', "prompt": '{"prompt": "Question?", "completion": " The answer."}',
-            "completion": '{"prompt": "Question?", "completion": " The answer."}',
-            "messages": '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}'}
 
-
-class DataError(Exception):
-    """A mistake in the training data or tokenizer.
-
-    Attributes: ``message`` (str), ``path`` (str | None: the data or tokenizer file),
-    ``line`` (int | None: 1-based jsonl line or parquet row), ``help`` (str | None: how to
-    fix it). ``str(e)`` is ``"path:line: message"``, ``"path: message"`` or ``"message"``.
-    """
-
-    def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
-                 help: str | None = None):
-        self.message = message
-        self.path = None if path is None else str(path)
-        self.line = line
-        self.help = help
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        if self.path is None:
-            return self.message
-        if self.line is None:
-            return f"{self.path}: {self.message}"
-        return f"{self.path}:{self.line}: {self.message}"
+__all__ = ["DATA_FORMATS", "DATA_SUFFIXES", "FORMAT_VERSION", "IGNORE", "KNOWN_EOS", "SPECIAL_TOKEN_KEYS",
+           "DataError", "Tokenizer", "load_tokenizer", "render_chat", "chat_spans", "resolve_files",
+           "default_cache_dir", "cache_key", "TokenCache", "CacheWriter", "prepare", "epoch_seed", "TrainBatches",
+           "EvalBatches", "local_rows", "iter_records", "json_type"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,7 +161,7 @@ def _read_json_file(path: Path) -> dict:
     except RecursionError:   # json's decoder recurses once per `[` or `{`
         raise DataError("not valid JSON: nested too deeply to read", path) from None
     if not isinstance(value, dict):
-        raise DataError(f"expected a JSON object, found {_json_type(value)}", path)
+        raise DataError(f"expected a JSON object, found {json_type(value)}", path)
     return value
 
 
@@ -330,229 +312,6 @@ def _offsets_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) 
     return mask
 
 
-# ----------------------------------------------------------------------------------------
-# Files and records
-
-def _pydoc_path() -> Path:
-    spec = importlib.util.find_spec("pydoc_data.topics")
-    return Path(spec.origin)
-
-
-def resolve_files(source: str) -> list[Path]:
-    """The data files of a source: a file; a directory (its ``.txt``, ``.jsonl``,
-    ``.parquet`` files, recursively, hidden ones skipped, sorted by path); a glob
-    (its matching files, directories among them expanded as above, sorted); or
-    ``"builtin:pydoc"`` (Python's ``pydoc_data/topics.py``, read as one text document).
-
-    Raises: DataError when nothing matches (or a directory holds no data file).
-    """
-    if source == "builtin:pydoc":
-        return [_pydoc_path()]
-    p = Path(source)
-    if p.is_file():
-        return [p]
-
-    def expand(d: Path) -> list[Path]:
-        out = []
-        for f in d.rglob("*"):
-            rel = f.relative_to(d).parts
-            if f.is_file() and f.suffix in DATA_SUFFIXES and not any(s.startswith(".") for s in rel):
-                out.append(f)
-        return out
-
-    if p.is_dir():
-        files = sorted(expand(p))
-        if not files:
-            raise DataError("directory holds no .txt, .jsonl or .parquet file", p,
-                            help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
-        return files
-    if globmod.has_magic(source):
-        found: set[Path] = set()
-        for m in globmod.glob(source, recursive=True):
-            mp = Path(m)
-            if mp.is_file():
-                found.add(mp)
-            elif mp.is_dir():
-                found.update(expand(mp))
-        if not found:
-            raise DataError("no file matches this pattern", source,
-                            help="data may be a file, a directory of .txt/.jsonl/.parquet files, or a glob")
-        return sorted(found)
-    what = what_is(p)
-    raise DataError("data file not found" if what == "does not exist" else f"data {what}", source,
-                    help="data may be \"synthetic\", \"builtin:pydoc\", a file, a directory or a glob")
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "a list"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
-
-
-def _fields(obj: dict) -> str:
-    names = list(obj)
-    return ", ".join(f"`{n}`" for n in names[:12]) + (", ..." if len(names) > 12 else "") if names else "none"
-
-
-def _field(obj: Any, name: str, path: Path, line: int, kind: str) -> Any:
-    if not isinstance(obj, dict):
-        raise DataError(f"expected a JSON object, found {_json_type(obj)}", path, line,
-                        help=f"each {_kind_word(path)} is one object, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
-    if name not in obj:
-        help = None
-        if kind == "text":
-            help = "set text_field to the field that holds the documents"
-        raise DataError(f"no field `{name}` (the {_kind_word(path)} has: {_fields(obj)})", path, line, help=help)
-    return obj[name]
-
-
-def _kind_word(path: Path) -> str:
-    return "row" if path.suffix == ".parquet" else "line"
-
-
-def _check_str(value: Any, name: str, path: Path, line: int) -> str:
-    if not isinstance(value, str):
-        raise DataError(f"field `{name}` is {_json_type(value)}, not a string", path, line,
-                        help=f"write it as a string, e.g. {_EXAMPLE.get(name, _EXAMPLE['text'])}")
-    return _check_text(value, f"field `{name}`", path, line)
-
-
-def _check_text(value: str, what: str, path: Path, line: int) -> str:
-    """``value`` when it is text UTF-8 can hold: JSON's ``\\udc80``-style escapes decode to
-    lone surrogates, which no tokenizer (nor UTF-8) accepts. Raises DataError."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DataError(f"{what} holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character {e.start + 1}: "
-                        f"not text", path, line,
-                        help="JSON's \\ud800-\\udfff escapes come in pairs (one character beyond U+FFFF); "
-                             "fix or drop the escape") from None
-    return value
-
-
-def _check_messages(value: Any, path: Path, line: int) -> list[dict]:
-    if not isinstance(value, list):
-        raise DataError(f"field `messages` is {_json_type(value)}, not a list of {{role, content}} objects",
-                        path, line, help=f"e.g. {_EXAMPLE['messages']}")
-    if not value:
-        raise DataError("field `messages` is an empty list", path, line, help=f"e.g. {_EXAMPLE['messages']}")
-    out = []
-    for i, m in enumerate(value, 1):
-        if not isinstance(m, dict):
-            raise DataError(f"message {i} is {_json_type(m)}, not a {{role, content}} object", path, line,
-                            help=f"e.g. {_EXAMPLE['messages']}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise DataError(f"message {i} has no `{key}` (it has: {_fields(m)})", path, line,
-                                help=f"e.g. {_EXAMPLE['messages']}")
-            if not isinstance(m[key], str):
-                raise DataError(f"message {i}: `{key}` is {_json_type(m[key])}, not a string", path, line,
-                                help=f"e.g. {_EXAMPLE['messages']}")
-            _check_text(m[key], f"message {i}: `{key}`", path, line)
-        out.append({k: v for k, v in m.items() if v is not None})
-    return out
-
-
-def _record(obj: Any, data_format: str, text_field: str, path: Path, line: int):
-    """Validate one jsonl/parquet record: a str (text), (prompt, completion) or messages."""
-    if data_format == "text":
-        return _check_str(_field(obj, text_field, path, line, "text"), text_field, path, line)
-    if data_format == "prompt_completion":
-        p = _check_str(_field(obj, "prompt", path, line, "pc"), "prompt", path, line)
-        c = _check_str(_field(obj, "completion", path, line, "pc"), "completion", path, line)
-        return p, c
-    return _check_messages(_field(obj, "messages", path, line, "chat"), path, line)
-
-
-def _iter_records(path: Path, data_format: str, text_field: str, raw_bytes: bool
-                  ) -> Iterator[tuple[int | None, Any, int]]:
-    """(line | None, record, bytes consumed) of one data file."""
-    suffix = path.suffix
-    if suffix == ".jsonl":
-        try:
-            fh = open(path, "rb")
-        except OSError as e:
-            raise DataError(f"cannot read: {e.strerror}", path) from None
-        with fh:
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    yield lineno, None, len(raw)
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"not valid JSON: {e.msg} (column {e.colno})", path, lineno,
-                                    help="a .jsonl file holds one JSON object per line") from None
-                except UnicodeDecodeError as e:
-                    raise DataError(f"not UTF-8 text: {e.reason}", path, lineno,
-                                    help="convert the file to UTF-8") from None
-                except RecursionError:   # json's decoder recurses once per `[` or `{`
-                    raise DataError("not valid JSON: nested too deeply to read", path, lineno,
-                                    help="a .jsonl file holds one JSON object per line, such as "
-                                         '{"text": "..."}') from None
-                yield lineno, _record(obj, data_format, text_field, path, lineno), len(raw)
-    elif suffix == ".parquet":
-        yield from _iter_parquet(path, data_format, text_field)
-    else:
-        if data_format != "text":
-            raise DataError(f"a {suffix or 'plain'} file holds one text document; data_format = "
-                            f"{data_format} needs .jsonl or .parquet records", path)
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"cannot read: {e.strerror}", path) from None
-        if raw_bytes:
-            yield None, data, len(data)
-            return
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data.count(b"\n", 0, e.start) + 1
-            raise DataError(f"not UTF-8 text: {e.reason} at byte {e.start}", path, line,
-                            help="convert the file to UTF-8") from None
-        yield None, text, len(data)
-
-
-def _iter_parquet(path: Path, data_format: str, text_field: str):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError("reading .parquet files needs pyarrow", path, help="pip install pyarrow") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise DataError(f"not a parquet file: {e}", path,
-                        help="a .parquet file must be Apache Parquet (e.g. written by pandas.to_parquet)") from None
-    columns = {"text": [text_field], "prompt_completion": ["prompt", "completion"], "chat": ["messages"]}[data_format]
-    names = pf.schema_arrow.names
-    for c in columns:
-        if c not in names:
-            help = "set text_field to the column that holds the documents" if data_format == "text" else None
-            raise DataError(f"no column `{c}` (the file has: {', '.join(f'`{n}`' for n in names) or 'none'})",
-                            path, help=help)
-    size = path.stat().st_size
-    total_rows = max(pf.metadata.num_rows, 1)
-    row = 0
-    for batch in pf.iter_batches(batch_size=4096, columns=columns):
-        cols = [batch.column(c).to_pylist() for c in columns]
-        n = batch.num_rows
-        per_row = size / total_rows
-        for k in range(n):
-            row += 1
-            obj = {c: col[k] for c, col in zip(columns, cols)}
-            yield row, _record(obj, data_format, text_field, path, row), per_row
-
-
 def _file_digest(path: Path) -> bytes:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -581,189 +340,6 @@ def cache_key(files: list[Path], tokenizer: Tokenizer, data_format: str, text_fi
         h.update(str(f.resolve()).encode() + b"\0")
         h.update(_file_digest(f))
     return h.hexdigest()[:32]
-
-
-# ----------------------------------------------------------------------------------------
-# The token cache
-
-class TokenCache:
-    """A tokenized corpus on disk, opened read-only and memory-mapped.
-
-    Files in ``path``: ``tokens.bin`` (uint32, all tokens), for ``prompt_completion`` and
-    ``chat`` also ``mask.bin`` (uint8, 1 where the token is a loss target) and
-    ``offsets.bin`` (int64, num_examples + 1 example starts), and ``meta.json`` (format,
-    data_format, files, tokenizer, counts, warnings).
-
-    Attributes: ``path``, ``meta`` (dict), ``data_format``, ``num_tokens``,
-    ``num_examples`` (documents for text, examples kept otherwise), ``max_token_id``,
-    ``reused`` (True when ``prepare`` found the cache already built), ``warnings``
-    (prepare-time warnings, e.g. chat examples skipped).
-
-    Raises: DataError when ``path`` is not a complete cache of this format.
-    """
-
-    def __init__(self, path: str | os.PathLike, reused: bool = False):
-        self.path = Path(path)
-        meta_path = self.path / "meta.json"
-        if not meta_path.is_file():
-            raise DataError("not a token cache (no meta.json)", self.path)
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT_VERSION:
-            raise DataError(f"token cache format {self.meta.get('format')!r}, expected {FORMAT_VERSION!r}", self.path)
-        self.data_format = self.meta["data_format"]
-        self.num_tokens = int(self.meta["num_tokens"])
-        self.num_examples = int(self.meta["num_examples"])
-        self.max_token_id = int(self.meta["max_token_id"])
-        self.warnings = list(self.meta.get("warnings", []))
-        self.reused = reused
-        self.source = self.meta.get("source")   # the data key it was prepared from
-        self._tokens = self._mask = self._offsets = None
-
-    @property
-    def masked(self) -> bool:
-        """True for prompt_completion and chat (one example = one sample, loss masks)."""
-        return self.data_format != "text"
-
-    def _open(self):
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path / "tokens.bin", dtype=np.uint32, mode="r")
-            if self.masked:
-                self._mask = np.memmap(self.path / "mask.bin", dtype=np.uint8, mode="r")
-                self._offsets = np.memmap(self.path / "offsets.bin", dtype=np.int64, mode="r")
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """All tokens, (num_tokens,) uint32, memory-mapped read-only."""
-        self._open()
-        return self._tokens
-
-    @property
-    def mask(self) -> np.ndarray | None:
-        """(num_tokens,) uint8 loss mask (masked formats), else None."""
-        self._open()
-        return self._mask
-
-    @property
-    def offsets(self) -> np.ndarray | None:
-        """(num_examples + 1,) int64 example starts (masked formats), else None."""
-        self._open()
-        return self._offsets
-
-    def num_samples(self, seq_len: int) -> int:
-        """Samples of ``seq_len + 1`` tokens: ``num_tokens // (seq_len + 1)`` for text (the
-        last partial one dropped), one per example otherwise."""
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        return self.num_examples if self.masked else self.num_tokens // (seq_len + 1)
-
-    def truncated(self, seq_len: int) -> int:
-        """How many examples are longer than ``seq_len + 1`` tokens (cut in ``sample``); 0 for text."""
-        if not self.masked:
-            return 0
-        return int((np.diff(self.offsets) > seq_len + 1).sum())
-
-    def sample_warnings(self, seq_len: int) -> list[str]:
-        """Prepare-time warnings plus the truncation count for this ``seq_len``."""
-        out = list(self.warnings)
-        n = self.truncated(seq_len)
-        if n:
-            out.append(f"{n} of {self.num_examples} examples are longer than seq_len + 1 = {seq_len + 1} "
-                       "tokens and were truncated")
-        return out
-
-    @property
-    def pad_id(self) -> int:
-        """The padding token of masked samples: the tokenizer's pad, else eos, else 0."""
-        p = self.meta.get("pad_id")
-        if p is None:
-            p = self.meta.get("eos_id")
-        return 0 if p is None else int(p)
-
-    def sample(self, i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``i``: (tokens (seq_len + 1,) int64, targets (seq_len,) int64) with
-        ``targets[j] = tokens[j + 1]``, or -100 where the token at ``j + 1`` is not a loss
-        token (masked formats: prompt, non-assistant turns, padding). Reads only its slice.
-
-        Raises: IndexError for ``i`` outside ``[0, num_samples(seq_len))``.
-        """
-        toks, tgts = self._sample_np(i, seq_len)
-        return torch.from_numpy(toks), torch.from_numpy(tgts)
-
-    def _sample_np(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        n = self.num_samples(seq_len)
-        if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range: there are {n} samples of seq_len + 1 = {seq_len + 1} tokens")
-        t = seq_len + 1
-        self._open()
-        if not self.masked:
-            toks = self._tokens[i * t:(i + 1) * t].astype(np.int64)
-            return toks, toks[1:].copy()
-        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
-        b = min(b, a + t)
-        toks = np.full(t, self.pad_id, dtype=np.int64)
-        mask = np.zeros(t, dtype=bool)
-        toks[:b - a] = self._tokens[a:b]
-        mask[:b - a] = self._mask[a:b] != 0
-        tgts = np.where(mask[1:], toks[1:], IGNORE)
-        return toks, tgts
-
-    def batch(self, indices: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``indices`` stacked: (tokens (n, seq_len + 1), targets (n, seq_len)) int64.
-        An index of -1 is a fully masked row (tokens 0, targets -100)."""
-        t = seq_len + 1
-        n = len(indices)
-        idx = np.asarray(indices, dtype=np.int64)
-        if not self.masked and n and (idx >= 0).all():
-            limit = self.num_samples(seq_len)
-            if (idx >= limit).any():
-                raise IndexError(f"sample {int(idx.max())} out of range: there are {limit} samples")
-            self._open()
-            toks = self._tokens[(idx * t)[:, None] + np.arange(t)[None, :]].astype(np.int64)
-            return torch.from_numpy(toks), torch.from_numpy(toks[:, 1:].copy())
-        toks = np.zeros((n, t), dtype=np.int64)
-        tgts = np.full((n, seq_len), IGNORE, dtype=np.int64)
-        for r, i in enumerate(idx.tolist()):
-            if i >= 0:
-                toks[r], tgts[r] = self._sample_np(i, seq_len)
-        return torch.from_numpy(toks), torch.from_numpy(tgts)
-
-    def __repr__(self) -> str:
-        return (f"TokenCache({str(self.path)!r}, {self.data_format}, tokens={self.num_tokens}, "
-                f"examples={self.num_examples}, reused={self.reused})")
-
-
-class _Writer:
-    """Streams tokens (and masks, offsets) into a temporary cache directory."""
-
-    def __init__(self, tmp: Path, masked: bool):
-        self.tmp = tmp
-        self.masked = masked
-        self.tok = open(tmp / "tokens.bin", "wb")
-        self.mask = open(tmp / "mask.bin", "wb") if masked else None
-        self.offsets = [0] if masked else None
-        self.n = 0
-        self.max_id = -1
-        self.examples = 0
-
-    def add(self, arrays: list[np.ndarray], masks: list[np.ndarray] | None = None):
-        if not arrays:
-            return
-        flat = np.concatenate(arrays).astype(np.uint32, copy=False)
-        if flat.size:
-            self.max_id = max(self.max_id, int(flat.max()))
-        self.tok.write(flat.tobytes())
-        self.n += flat.size
-        self.examples += len(arrays)
-        if self.masked:
-            self.mask.write(np.concatenate(masks).astype(np.uint8, copy=False).tobytes())
-            for a in arrays:
-                self.offsets.append(self.offsets[-1] + a.size)
-
-    def close(self):
-        self.tok.close()
-        if self.masked:
-            self.mask.close()
-            np.asarray(self.offsets, dtype=np.int64).tofile(self.tmp / "offsets.bin")
 
 
 @contextlib.contextmanager
@@ -880,17 +456,84 @@ def _skip_notes(counts: dict) -> list[str]:
     return out
 
 
-def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
-              progress: bool | None) -> dict:
-    total_bytes = sum(f.stat().st_size for f in files)
+def _progress_bar(total_bytes: int, progress: bool | None):
+    """A tqdm bar over ``total_bytes`` on stderr, or None (``progress`` None: when the corpus is
+    over :data:`_PROGRESS_BYTES` and stderr is a terminal)."""
     if progress is None:
         progress = total_bytes > _PROGRESS_BYTES and sys.stderr.isatty()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, desc="tokenizing",
-                   dynamic_ncols=True)
-    writer = _Writer(tmp, masked=data_format != "text")
+    if not progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, desc="tokenizing", dynamic_ncols=True)
+
+
+def _encode(tok: Tokenizer, texts: list, offsets: bool) -> list:
+    """Encode a batch of texts (bytes tokenizer: their UTF-8 bytes as uint8 arrays); with
+    ``offsets``, encodings that keep character offsets (chat loss masks)."""
+    if tok.is_bytes:
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    try:
+        if offsets:
+            return tok.backend.encode_batch(texts, add_special_tokens=False)
+        return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
+    except Exception as e:   # tokenizers raises a bare Exception for a broken model (a missing [UNK])
+        raise DataError(f"the tokenizer cannot encode the data: {e}", tok.files[0] if tok.files else None,
+                        help="the tokenizer.json is broken or incomplete: use the tokenizer the model was "
+                             "trained with") from None
+
+
+def _ids(e) -> np.ndarray:
+    """An encoding's token ids as an array (a bytes tokenizer's array as is)."""
+    return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)
+
+
+def _finish_text(encs, eos, writer: CacheWriter, counts: dict):
+    """Write ``text`` documents: each one's tokens, then ``eos`` (when the tokenizer has one)."""
+    arrays = [_ids(e) for e in encs]
+    counts["content_tokens"] += sum(a.size for a in arrays)
+    if eos is not None:
+        arrays = [x for a in arrays for x in (a, eos)]
+    writer.add(arrays)
+
+
+def _finish_pc(encs, eos, writer: CacheWriter, counts: dict):
+    """Write ``prompt_completion`` examples (``encs``: the prompts, then the completions):
+    prompt + completion + eos, loss on the completion; an empty completion is skipped."""
+    n = len(encs) // 2
+    arrays, masks = [], []
+    for k in range(n):
+        p, c = _ids(encs[k]).astype(np.uint32), _ids(encs[n + k]).astype(np.uint32)
+        if eos is not None:
+            c = np.concatenate([c, eos])
+        if c.size == 0:
+            counts["skipped_no_loss"] += 1
+            continue
+        arrays.append(np.concatenate([p, c]))
+        masks.append(np.concatenate([np.zeros(p.size, np.uint8), np.ones(c.size, np.uint8)]))
+    writer.add(arrays, masks)
+
+
+def _empty_dataset(files: list[Path], data_format: str, counts: dict) -> DataError:
+    """The error for a corpus that gave no tokens (``text``) or no example with a loss token."""
+    src = files[0] if len(files) == 1 else None
+    what = "examples with a loss token" if data_format != "text" else "tokens"
+    skipped = "; ".join(_skip_notes(counts)) or None
+    return DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))"
+                     + (f": {skipped}" if skipped else ""),
+                     src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""),
+                     help={"text": "the files hold no text", "prompt_completion": "every example needs a "
+                           "non-empty `completion`", "chat": "every example needs an assistant turn to train on"}
+                     [data_format])
+
+
+def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: str, tmp: Path,
+              progress: bool | None) -> dict:
+    """Tokenize ``files`` into the cache directory ``tmp`` (:class:`CacheWriter`); the counts and
+    sizes for meta.json. Reading, encoding and writing are pipelined in batches of
+    :data:`_BATCH_CHARS` characters or :data:`_BATCH_DOCS` documents."""
+    total_bytes = sum(f.stat().st_size for f in files)
+    bar = _progress_bar(total_bytes, progress)
+    writer = CacheWriter(tmp, masked=data_format != "text")
     start = time.perf_counter()
     counts = {"documents": 0, "skipped_no_assistant": 0, "skipped_no_loss": 0, "content_tokens": 0}
     eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=np.uint32)
@@ -903,42 +546,6 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
     # parses (and for chat renders) batch k + 1.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parcompile-tokenize")
     in_flight = None   # (future of encodings, finish(encodings), bytes)
-
-    def encode(texts: list, offsets: bool) -> list:
-        if tok.is_bytes:
-            return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        try:
-            if offsets:
-                return tok.backend.encode_batch(texts, add_special_tokens=False)
-            return tok.backend.encode_batch_fast(texts, add_special_tokens=False)
-        except Exception as e:   # tokenizers raises a bare Exception for a broken model (a missing [UNK])
-            raise DataError(f"the tokenizer cannot encode the data: {e}", tok.files[0] if tok.files else None,
-                            help="the tokenizer.json is broken or incomplete: use the tokenizer the model was "
-                                 "trained with") from None
-
-    def ids(e) -> np.ndarray:
-        return e if isinstance(e, np.ndarray) else np.array(e.ids, dtype=np.uint32)
-
-    def finish_text(encs):
-        arrays = [ids(e) for e in encs]
-        counts["content_tokens"] += sum(a.size for a in arrays)
-        if eos is not None:
-            arrays = [x for a in arrays for x in (a, eos)]
-        writer.add(arrays)
-
-    def finish_pc(encs):
-        n = len(encs) // 2
-        arrays, masks = [], []
-        for k in range(n):
-            p, c = ids(encs[k]).astype(np.uint32), ids(encs[n + k]).astype(np.uint32)
-            if eos is not None:
-                c = np.concatenate([c, eos])
-            if c.size == 0:
-                counts["skipped_no_loss"] += 1
-                continue
-            arrays.append(np.concatenate([p, c]))
-            masks.append(np.concatenate([np.zeros(p.size, np.uint8), np.ones(c.size, np.uint8)]))
-        writer.add(arrays, masks)
 
     def complete():
         nonlocal in_flight
@@ -960,23 +567,24 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
         counts["documents"] += len(recs)
         offsets = False
         if data_format == "text":
-            texts, finish = recs, finish_text
+            texts, finish = recs, functools.partial(_finish_text, eos=eos, writer=writer, counts=counts)
         elif data_format == "prompt_completion":
-            texts, finish = [p for p, _ in recs] + [c for _, c in recs], finish_pc
+            texts = [p for p, _ in recs] + [c for _, c in recs]
+            finish = functools.partial(_finish_pc, eos=eos, writer=writer, counts=counts)
         else:
             texts, spans = _render_chats(pending, tok, counts)
             offsets = True
 
             def finish(encs, spans=spans):
                 _finish_chat(encs, spans, writer, counts)
-        fut = executor.submit(encode, texts, offsets)
+        fut = executor.submit(_encode, tok, texts, offsets)
         complete()
         in_flight = (fut, finish, pending_bytes)
         pending, pending_chars, pending_bytes = [], 0, 0.0
 
     try:
         for f in files:
-            for line, rec, nbytes in _iter_records(f, data_format, text_field, raw_bytes):
+            for line, rec, nbytes in iter_records(f, data_format, text_field, raw_bytes):
                 pending_bytes += nbytes
                 if rec is None:
                     continue
@@ -992,15 +600,7 @@ def _tokenize(files: list[Path], tok: Tokenizer, data_format: str, text_field: s
         if bar is not None:
             bar.close()
     if writer.n == 0 or writer.examples == 0 or (data_format == "text" and counts["content_tokens"] == 0):
-        src = files[0] if len(files) == 1 else None
-        what = "examples with a loss token" if data_format != "text" else "tokens"
-        skipped = "; ".join(_skip_notes(counts)) or None
-        raise DataError(f"the dataset has no {what} ({counts['documents']} records in {len(files)} file(s))"
-                        + (f": {skipped}" if skipped else ""),
-                        src if src is not None else ", ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else ""),
-                        help={"text": "the files hold no text", "prompt_completion": "every example needs a "
-                              "non-empty `completion`", "chat": "every example needs an assistant turn to train on"}
-                        [data_format])
+        raise _empty_dataset(files, data_format, counts)
     warnings = _skip_notes(counts)
     elapsed = time.perf_counter() - start
     return dict(num_tokens=writer.n, num_examples=writer.examples if data_format != "text" else counts["documents"],
@@ -1031,7 +631,7 @@ def _render_chats(pending, tok: Tokenizer, counts: dict) -> tuple[list[str], lis
     return texts, spans_all
 
 
-def _finish_chat(encs, spans_all, writer: _Writer, counts: dict):
+def _finish_chat(encs, spans_all, writer: CacheWriter, counts: dict):
     arrays, masks = [], []
     for e, spans in zip(encs, spans_all):
         m = _offsets_mask(e.offsets, spans)
@@ -1041,135 +641,3 @@ def _finish_chat(encs, spans_all, writer: _Writer, counts: dict):
         arrays.append(np.array(e.ids, dtype=np.uint32))
         masks.append(m)
     writer.add(arrays, masks)
-
-
-# ----------------------------------------------------------------------------------------
-# Batches
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The permutation seed of ``epoch``: the first 8 bytes (little-endian) of
-    ``sha256(f"parcompile.data/1:{seed}:{epoch}")``, masked to 63 bits."""
-    d = hashlib.sha256(f"parcompile.data/1:{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
-
-
-class TrainBatches:
-    """Deterministic training batches over a token cache.
-
-    Epoch e visits the ``num_samples(seq_len)`` samples in the order
-    ``torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, e)))``;
-    step k takes positions ``[k * global_batch, (k + 1) * global_batch)`` of the
-    concatenation of epochs 0, 1, 2, ... (a batch may cross an epoch boundary). Step k's
-    samples are a pure function of (cache, seq_len, global_batch, seed, k), so a resumed
-    run sees exactly what an uninterrupted one would.
-
-    Raises: DataError (in the constructor) when there are fewer samples than one global
-        batch needs.
-    """
-
-    def __init__(self, cache: TokenCache, seq_len: int, global_batch: int, seed: int):
-        self.cache = cache
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.seed = seed
-        self.num_samples = cache.num_samples(seq_len)
-        if self.num_samples < global_batch:
-            unit = (f"samples of seq_len + 1 = {seq_len + 1} tokens ({cache.num_tokens} tokens in all)"
-                    if not cache.masked else "examples")
-            raise DataError(f"the training data has {self.num_samples} {unit}; one global batch needs "
-                            f"{global_batch}", cache.source,
-                            help="add data, or lower global_batch or seq_len")
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        """(num_samples,) int64: the order in which ``epoch`` visits the samples."""
-        p = self._perms.get(epoch)
-        if p is None:
-            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-            p = torch.randperm(self.num_samples, generator=g)
-            if len(self._perms) >= 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = p
-        return p
-
-    def epoch(self, step: int) -> float:
-        """Epochs completed at the start of ``step`` (fractional)."""
-        return step * self.global_batch / self.num_samples
-
-    def indices(self, step: int) -> list[int]:
-        """The sample indices of ``step`` (``global_batch`` of them)."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        n = self.num_samples
-        out = []
-        pos = step * self.global_batch
-        end = pos + self.global_batch
-        while pos < end:
-            e, off = divmod(pos, n)
-            take = min(end - pos, n - off)
-            out.extend(self.permutation(e)[off:off + take].tolist())
-            pos += take
-        return out
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens (global_batch, seq_len + 1), targets (global_batch, seq_len)) int64."""
-        return self.cache.batch(self.indices(step), self.seq_len)
-
-
-class EvalBatches:
-    """Evaluation batches: the samples in order, never shuffled.
-
-    ``len(self)`` global batches: ``ceil(num_samples / global_batch)`` when
-    ``eval_batches`` is None (all), else ``min(eval_batches, that)`` (fewer than asked is
-    noted in ``warnings``). The last batch is padded with fully masked rows (tokens 0,
-    targets -100).
-
-    Raises: DataError when the cache has no sample of ``seq_len + 1`` tokens.
-    """
-
-    def __init__(self, cache: TokenCache, seq_len: int, global_batch: int, eval_batches: int | None = None):
-        self.cache = cache
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.num_samples = cache.num_samples(seq_len)
-        self.warnings: list[str] = []
-        if self.num_samples == 0:
-            raise DataError(f"the eval data has no sample of seq_len + 1 = {seq_len + 1} tokens "
-                            f"({cache.num_tokens} tokens in all)", cache.source)
-        available = -(-self.num_samples // global_batch)
-        if eval_batches is None:
-            self.num_batches = available
-        else:
-            if eval_batches < 1:
-                raise ValueError(f"eval_batches must be >= 1 or None, got {eval_batches}")
-            self.num_batches = min(eval_batches, available)
-            if eval_batches > available:
-                self.warnings.append(f"eval_batches = {eval_batches} but the eval data has {self.num_samples} "
-                                     f"samples, {available} global batches of {global_batch}; using {available}")
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def indices(self, b: int) -> list[int]:
-        """Sample indices of eval batch ``b``; -1 marks a padding row."""
-        if not 0 <= b < self.num_batches:
-            raise IndexError(f"eval batch {b} out of range: there are {self.num_batches}")
-        lo = b * self.global_batch
-        return [i if i < self.num_samples else -1 for i in range(lo, lo + self.global_batch)]
-
-    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens (global_batch, seq_len + 1), targets (global_batch, seq_len)) int64."""
-        return self.cache.batch(self.indices(b), self.seq_len)
-
-    def __iter__(self):
-        return (self.batch(b) for b in range(self.num_batches))
-
-
-def local_rows(tokens: torch.Tensor, targets: torch.Tensor, dp_index: int, dp_size: int,
-               micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This data-parallel rank's contiguous rows of a global batch, split into
-    micro-batches of ``micro_batch`` rows: a list of (tokens (micro_batch, seq_len + 1),
-    targets (micro_batch, seq_len)); every program's data-parallel split."""
-    rows = tokens.shape[0] // dp_size
-    sl = slice(dp_index * rows, (dp_index + 1) * rows)
-    return list(zip(tokens[sl].split(micro_batch), targets[sl].split(micro_batch)))

@@ -1,0 +1,342 @@
+"""``parcompile export --to torchtitan`` (0.3, the default): a config registry module (Python)
+that registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run
+with ``torchtitan.train --module ... --config ...``; and what 0.3 and 0.2
+(:mod:`parcompile.export.torchtitan02`) share: the model's errors, the FSDP settings for a
+ZeRO stage, the pipeline schedule and the model parts of uneven stages."""
+
+from __future__ import annotations
+
+from parcompile.config.schema import DEFAULT_BUCKET_SIZE
+from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
+                                      reduces_over_dp, stage_split)
+from parcompile.plan import Plan
+
+#: parcompile schedule -> torch.distributed.pipelining schedule name (torchtitan), for one
+#: stage per rank (``virtual_stages == 1``) and for several
+TORCHTITAN_SCHEDULE = {
+    ("gpipe", False): "GPipe", ("1f1b", False): "1F1B", ("zero_bubble", False): "1F1B",
+    ("gpipe", True): "LoopedBFS", ("1f1b", True): "Interleaved1F1B",
+    ("interleaved_1f1b", True): "Interleaved1F1B", ("zero_bubble", True): "InterleavedZeroBubble",
+    ("interleaved_1f1b", False): "1F1B",
+}
+
+
+def torchtitan_errors(plan: Plan) -> list[str]:
+    """What torchtitan 0.3's llama3 model (``torchtitan.models.llama3``: RMSNorm, SwiGLU,
+    RoPE, no biases, head_dim = dim / n_heads) cannot express without training a different
+    model; the export is refused with these reasons."""
+    m = plan.config.model
+    errors = []
+    if m.experts > 0:
+        errors.append(f"experts {m.experts}: parcompile exports dense llama3-family models to torchtitan; its MoE "
+                      "models (deepseek_v3, qwen3) need a flavor registered by hand")
+    if m.norm != "rmsnorm" or m.activation != "swiglu" or m.position != "rope":
+        errors.append(f"model: torchtitan's llama3 is RMSNorm + SwiGLU + RoPE; this model has {m.norm}, "
+                      f"{m.activation}, {m.position} positions")
+    if m.bias or m.qkv_bias:
+        errors.append("bias: torchtitan's llama3 linear layers have no biases")
+    if m.qk_norm:
+        errors.append("qk_norm: torchtitan's llama3 has no q/k norm (its qwen3 model has one)")
+    if m.kv_lora_rank:
+        errors.append("multi-head latent attention: torchtitan's llama3 has none (its deepseek_v3 model has)")
+    if m.sliding_window:
+        errors.append(f"sliding_window {m.sliding_window}: torchtitan's llama3 attends to the whole context")
+    if m.parallel_residual:
+        errors.append("parallel_residual: torchtitan's llama3 block is sequential")
+    if m.head_dim != m.hidden // m.heads:
+        errors.append(f"head_dim {m.head_dim}: torchtitan's llama3 uses dim / n_heads = {m.hidden // m.heads}")
+    if m.position == "rope" and m.rope_type not in ("default", "llama3"):
+        errors.append(f"rope_type {m.rope_type}: torchtitan's llama3 RoPE scales as none or llama (Llama 3.1)")
+    if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
+        errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
+                      "training.dtype); use dtype bf16 or fp32 in the spec")
+    return errors
+
+
+def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tuple[int, int, str]:
+    """torchtitan's FSDP2 settings for ZeRO stage ``zero``: (data_parallel_replicate_degree,
+    data_parallel_shard_degree, fsdp_reshard_after_forward); appends the notes.
+
+    zero 0 replicates the states over dp (0.3's llama3 applies fully_shard over
+    dp_replicate x dp_shard, so dp_shard = 1 is DDP's memory and reduction); torchtitan 0.2
+    refuses data_parallel_replicate alone with tp, pp or cp ("DDP has not supported > 1D
+    parallelism"), so there it is FSDP over dp. zero 1 and 2 shard with FSDP2 and keep the
+    parameters gathered from forward to backward ("never"); zero 3 uses "default": parcompile's
+    own policy (parcompile.core.buckets.reshard_after_forward: resharded after forward
+    without pp, kept across micro-batches with pp)."""
+    if zero == 0:
+        if version == "0.2" and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
+            notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other "
+                         "parallelism; exported as FSDP over dp (data_parallel_shard_degree = dp), which shards "
+                         "the states")
+            return 1, deg["dp"], "default"
+        return deg["dp"], 1, "default"
+    if zero in (1, 2):
+        notes.append(f"zero {zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
+                     "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
+                     "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
+        return 1, deg["dp"], "never"
+    return 1, deg["dp"], "default"
+
+
+def torchtitan_schedule(sched: str, v: int, notes: list[str]) -> str:
+    """torchtitan's ``pipeline_parallel_schedule`` for the plan's schedule with ``v`` model
+    chunks per rank; appends a note where torch.distributed.pipelining runs another one."""
+    if sched == "zero_bubble" and v == 1:
+        notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
+                     "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
+                     "rank; exported as 1F1B")
+    if sched == "gpipe" and v > 1:
+        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    return TORCHTITAN_SCHEDULE[(sched, v > 1)]
+
+def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
+    """The torchtitan 0.3 settings for ``plan`` and the notes: ``{"model": {...},
+    "training": {...}, "parallelism": {...}, "activation_checkpoint": ..., ...}``, the field
+    names of torchtitan 0.3's ``Trainer.Config`` sections (``torchtitan/config/configs.py``).
+
+    Layers: torchtitan counts the embedding and the output as layers of the first and last
+    stage (``pipeline_parallel_first/last_stage_less_layers``, 1 each by default); parcompile
+    places them beside the stage's transformer layers, so both are 0 and
+    ``pipeline_parallel_layers_per_stage`` is the plan's chunk (or, for uneven chunks,
+    ``module_fqns_per_model_part`` names each chunk's modules)."""
+    cfg = plan.config
+    par, tr = cfg.parallel, cfg.train
+    notes = common_notes(plan, "torchtitan")
+    parallelism = _torchtitan3_parallelism(plan, notes)
+    training = _torchtitan3_training(plan, notes)
+    model = _torchtitan3_model(plan)
+    if tr.optimizer == "sgd":
+        opt = ("SGD", {"lr": tr.lr, "weight_decay": tr.weight_decay})
+    else:
+        opt = ("AdamW" if tr.optimizer == "adamw" else "Adam",
+               {"lr": tr.lr, "betas": tuple(tr.betas), "eps": tr.eps, "weight_decay": tr.weight_decay})
+    lr = {"warmup_steps": tr.warmup_steps,
+          "decay_ratio": None if tr.lr_schedule != "constant" else 0.0,
+          "decay_type": "cosine" if tr.lr_schedule == "cosine" else "linear",
+          "min_lr_factor": tr.min_lr / tr.lr if tr.lr else 0.0}
+    config = {"model": model, "training": training, "parallelism": parallelism,
+              "activation_checkpoint": {"none": None, "full": "FullAC", "selective": "SelectiveAC"}[par.recompute],
+              "optimizer": opt, "lr_scheduler": lr, "log_freq": tr.log_every, "seed": tr.seed}
+    if tr.checkpoint_dir and tr.checkpoint_every:
+        config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
+    return config, notes
+
+
+def _torchtitan3_parallelism(plan: Plan, notes: list[str]) -> dict:
+    """``Trainer.Config.parallelism``: FSDP for the ZeRO stage, the degrees, the pipeline
+    schedule and stage split; notes where torchtitan runs another layout."""
+    par = plan.config.parallel
+    deg = degrees(plan)
+    sched = plan.data["schedule"]["name"]
+    v = deg["virtual_stages"]
+    replicate, shard, reshard = torchtitan_fsdp(par.zero, deg, notes, "0.3")
+    schedule = torchtitan_schedule(sched, v, notes)
+    parallelism: dict = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "fsdp_reshard_after_forward": reshard,
+        "tensor_parallel_degree": deg["tp"],
+        "enable_sequence_parallel": bool(par.sequence_parallel or deg["tp"] == 1),
+        "pipeline_parallel_degree": deg["pp"],
+        "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_microbatch_size": par.micro_batch,
+        "context_parallel_degree": deg["cp"],
+        "expert_parallel_degree": deg["ep"],
+    }
+    split = stage_split(plan)
+    if deg["pp"] > 1:
+        parallelism["pipeline_parallel_first_stage_less_layers"] = 0
+        parallelism["pipeline_parallel_last_stage_less_layers"] = 0
+        if len(set(split)) == 1:
+            parallelism["pipeline_parallel_layers_per_stage"] = split[0]
+        else:
+            parallelism["module_fqns_per_model_part"] = torchtitan_model_parts(split, "lm_head")
+    if par.order != "tp-cp-ep-dp-pp":
+        notes.append(f"order {par.order}: torchtitan's device mesh orders pp, dp_replicate, dp_shard, cp, tp "
+                     "(tp fastest); other orders are not expressible")
+    if reduces_over_dp(plan) and par.bucket_size != DEFAULT_BUCKET_SIZE:
+        notes.append(f"bucket_size {par.bucket_size}: torchtitan has no gradient bucket size setting (FSDP2 "
+                     "reduce-scatters each transformer block's gradients as one group)")
+    return parallelism
+
+
+def _torchtitan3_training(plan: Plan, notes: list[str]) -> dict:
+    """``Trainer.Config.training``: batch sizes, steps, clipping, precision; notes on what
+    torchtitan 0.3 trains differently (reduce dtype, recomputation, optimizer, dropout, data)."""
+    cfg = plan.config
+    par, m, tr = cfg.parallel, cfg.model, cfg.train
+    deg = degrees(plan)
+    mb = plan.data["schedule"]["num_microbatches"]
+    # batch: with pp, one step's micro-batches are the pipeline micro-batches of one local
+    # batch; without pp, torchtitan accumulates global / (local * dp) local batches
+    training = {
+        "local_batch_size": par.micro_batch * mb if deg["pp"] > 1 else par.micro_batch,
+        "global_batch_size": par.global_batch,
+        "seq_len": m.seq_len,
+        "steps": tr.steps,
+        "max_norm": tr.grad_clip,
+        "dtype": "float32",
+        "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
+        "mixed_precision_reduce": "float32",
+    }
+    if deg["pp"] > 1:   # Trainer.Config: "CUDA graphs do not support pipeline parallelism yet"
+        training["disable_cuda_graphs"] = True
+    if grad_reduce_dtype(plan) != "fp32":
+        notes.append(f"reduce_dtype {grad_reduce_dtype(plan)}: torchtitan 0.3 reduces gradients in float32 only "
+                     "(training.mixed_precision_reduce)")
+    if par.recompute == "selective":
+        notes.append("recompute selective: torchtitan's op-level selective checkpointing (SelectiveAC) saves "
+                     "matmul outputs and recomputes the rest, not only the attention core")
+    if tr.optimizer == "sgd":
+        notes.append("optimizer sgd: exported as torch.optim.SGD in torchtitan's param group")
+    if m.dropout:
+        notes.append(f"dropout {m.dropout}: torchtitan's llama3 has no dropout")
+    if cfg.train.data == "synthetic":
+        notes.append("dataset: c4_test is torchtitan's bundled sample; parcompile's spec trains on synthetic tokens")
+    return training
+
+
+def _torchtitan3_model(plan: Plan) -> dict:
+    """The llama3 model's shape and RoPE for the registered flavor."""
+    m = plan.config.model
+    rope = {"theta": float(m.rope_theta), "max_seq_len": m.max_positions, "scaling": "none"}
+    if m.rope_type == "llama3":
+        rope.update(scaling="llama", scaling_factor=float(m.rope_scaling_factor),
+                    low_freq_factor=float(m.rope_low_freq_factor), high_freq_factor=float(m.rope_high_freq_factor),
+                    original_max_position_embeddings=m.rope_original_max_positions or m.max_positions)
+    model = {"n_layers": m.layers, "dim": m.hidden, "n_heads": m.heads, "n_kv_heads": m.kv_heads,
+             "hidden_dim": m.ffn_hidden, "vocab_size": m.vocab, "norm_eps": float(m.norm_eps),
+             "tie_embeddings": bool(m.tie_embeddings), "rope": rope}
+    return model
+
+
+def torchtitan_model_parts(split: list[int], output: str) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part`` for chunks of ``split`` layers in model
+    order: the embedding (``tok_embeddings``) on the first chunk, the final norm and the
+    output projection (``output``: ``lm_head`` in 0.3, ``output`` in 0.2) on the last."""
+    parts, first = [], 0
+    for i, n in enumerate(split):
+        part = ["tok_embeddings"] if i == 0 else []
+        part += [f"layers.{k}" for k in range(first, first + n)]
+        part += ["norm", output] if i == len(split) - 1 else []
+        parts.append(part)
+        first += n
+    return parts
+
+
+
+def torchtitan3_export(plan: Plan) -> Export:
+    """``--to torchtitan`` (0.3): a config registry module registering the spec's llama3
+    flavor (:func:`torchtitan_registry`) with :func:`torchtitan_errors` in its docstring."""
+    cfg = plan.config
+    config, notes = torchtitan_registry(plan)
+    errors = torchtitan_errors(plan)
+    if cfg.train.precision == "fp8":
+        errors.append("precision fp8: parcompile writes torchtitan's float8 converters in 0.2's TOML "
+                      "([quantize.linear.float8] / [quantize.linear.mx]) only; export --torchtitan-version 0.2")
+    fn = py_name(cfg.name)
+    module = f"{fn}_torchtitan"
+    cl = cfg.cluster
+    launch = (f"PYTHONPATH=. torchrun --nnodes {cl.nodes} --nproc-per-node {cl.gpus_per_node}"
+              + (' --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' if cl.nodes > 1 else "")
+              + f" -m torchtitan.train --module {module} --config {fn}")
+    lines = [
+        f'"""torchtitan 0.3 config registry for `{cfg.name}` (exported by parcompile): {layout_line(plan)}.',
+        "",
+        "Launch from the root of a torchtitan source checkout with this file copied there (torchtitan reads",
+        "the c4_test sample and the tokenizer from ./tests/assets there, which its pip wheel does not ship;",
+        "with your own data and tokenizer, from any directory holding this file, overriding",
+        f"--hf-assets-path and --dataloader.dataset): {launch}",
+        "(command-line overrides such as --training.steps 20 go after --config).",
+    ]
+    lines += [""] + [f"error: {e}" for e in errors] if errors else []
+    lines += [""] + [f"note: {n}" for n in notes] if notes else []
+    lines += [
+        '"""',
+        "",
+        "from torchtitan.components.checkpoint import CheckpointManager",
+        "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
+        "from torchtitan.components.metrics import MetricsProcessor",
+        "from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer",
+        "from torchtitan.components.optimizer.optimizer import ParamGroupConfig",
+        "from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig",
+        "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
+        "from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader",
+        "from torchtitan.models import llama3",
+        "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
+        "from torchtitan.trainer import Trainer",
+        "",
+        f"FLAVOR = {cfg.name!r}",
+        "",
+        "",
+    ]
+    lines += _torchtitan3_model_lines(cfg.name, config["model"])
+    lines += ["", "", "llama3.llama3_configs[FLAVOR] = _model   # a registered flavor, as torchtitan's own are", "", ""]
+    lines += _torchtitan3_trainer_lines(cfg.name, fn, module, config)
+    return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{module}.py", errors)
+
+
+def _torchtitan3_model_lines(name: str, md: dict) -> list[str]:
+    """The exported module's ``_model()``: torchtitan's llama3 ``Llama3Model.Config`` with the
+    shape ``md`` (:func:`torchtitan_registry`'s ``"model"``) of spec ``name``."""
+    r = md["rope"]
+    return [
+        'def _model(attn_backend: str = "flex", tp_gemm_backend: str = "default") -> llama3.Llama3Model.Config:',
+        f'    """The model of `{name}`: torchtitan\'s llama3 with this spec\'s shape."""',
+        f"    dim, vocab_size = {md['dim']}, {md['vocab_size']}",
+        "    layers = llama3._build_llama3_layers(",
+        f"        fuse_qkv=True, n_layers={md['n_layers']}, dim=dim, n_heads={md['n_heads']}, "
+        f"n_kv_heads={md['n_kv_heads']}, hidden_dim={md['hidden_dim']},",
+        f"        rope=ComplexRoPE.Config(dim=dim // {md['n_heads']}, max_seq_len={r['max_seq_len']}, "
+        f"theta={r['theta']!r}, scaling={r['scaling']!r}"
+        + "".join(f", {k}={r[k]!r}" for k in ("scaling_factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings") if k in r) + "),",
+        "        attn_backend=attn_backend, tp_gemm_backend=tp_gemm_backend)",
+        "    for block in layers:",
+        f"        block.attention_norm.eps = block.ffn_norm.eps = {md['norm_eps']!r}",
+        "    return llama3.Llama3Model.Config(",
+        "        dim=dim, vocab_size=vocab_size," + (" enable_weight_tying=True," if md["tie_embeddings"] else ""),
+        "        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, "
+        "param_init=llama3._EMBEDDING_INIT),",
+        f"        norm=RMSNorm.Config(normalized_shape=dim, eps={md['norm_eps']!r}, param_init=llama3._NORM_INIT),",
+        "        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, "
+        "param_init=llama3._output_linear_init(dim)),",
+        "        layers=layers)",
+    ]
+
+
+def _torchtitan3_trainer_lines(name: str, fn: str, module: str, config: dict) -> list[str]:
+    """The exported module's ``Trainer.Config`` function ``fn`` (module ``module``) from
+    :func:`torchtitan_registry`'s ``config`` for spec ``name``."""
+    md, tr_, pa = config["model"], config["training"], config["parallelism"]
+    opt_name, opt_kwargs = config["optimizer"]
+    ac = config["activation_checkpoint"]
+    lines = [
+        f"def {fn}() -> Trainer.Config:",
+        f'    """`{name}` for torchtitan.train (--module {module} --config {fn})."""',
+        "    model_spec = llama3.model_registry(FLAVOR)",
+        "    return Trainer.Config(",
+        "        model_spec=model_spec,",
+        "        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size="
+        f"{md['vocab_size']})),",
+        "        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(",
+        f"            pattern=r\".*\", optimizer_name={opt_name!r}, optimizer_kwargs={opt_kwargs!r})]),",
+        "        lr_scheduler=LRSchedulersContainer.Config(" + ", ".join(
+            f"{k}={v!r}" for k, v in config["lr_scheduler"].items()) + "),",
+        "        training=TrainingConfig(" + ", ".join(f"{k}={v!r}" for k, v in tr_.items()) + "),",
+        "        parallelism=ParallelismConfig(",
+    ]
+    lines += [f"            {k}={v!r}," for k, v in pa.items()]
+    lines += [
+        "        ),",
+        f"        activation_checkpoint={'None' if ac is None else ac + '.Config()'},",
+        '        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),',
+        f"        metrics=MetricsProcessor.Config(log_freq={config['log_freq']}),",
+        f"        debug=DebugConfig(seed={config['seed']}),",
+    ]
+    ck = config.get("checkpoint")
+    lines.append("        checkpoint=CheckpointManager.Config(" + (
+        f"enable=True, folder={ck['folder']!r}, interval={ck['interval']}" if ck else "enable=False") + "),")
+    lines.append("    )")
+    return lines
