@@ -42,6 +42,32 @@ The routed expert weights are stacked parameters ``layers.i.mlp.experts.w1.weigh
 dims ``(experts, expert_ffn, hidden)`` marked ``expert`` (the runtime holds them as one
 tensor per expert, ``layers.i.mlp.experts.<e>.w1.weight``, as Hugging Face Mixtral does).
 
+Lowering rules. ``lower`` is a sequence of named rules, each a function of this module,
+chosen from the model keys alone by :func:`select_rules` (the keys are the one declaration
+of a model: a family module of :mod:`parcompile.core.families` maps its config.json to
+them, and every family of the same structure gets the same rules; a model no family
+claims lowers the same way)::
+
+    slot       rule       keys that choose it
+    embedding  tokens     position != learned
+               learned    position = learned (GPT-2): + pos_embedding
+    attention  mha        kv_lora_rank = 0: MHA/GQA (qk_norm, RoPE, sinks, windows as attributes)
+               mla        kv_lora_rank > 0 (DeepSeek-V3)
+    mlp        gated      activation swiglu/geglu: w1, w3 -> act -> w2
+               ungated    other activations: w1 -> act -> w2
+               moe        experts > 0, layers from dense_layers on (+ shared experts)
+    norms      pre        attn_norm and mlp_norm before each branch
+               sandwich   sandwich_norm (Gemma 2/3): + a post norm after each branch
+    residual   sequential the MLP reads the attention residual
+               parallel   parallel_residual (GPT-NeoX): the MLP reads the layer input
+    head       untied     lm_head.weight
+               tied       tie_embeddings: lm_head reads embedding.weight
+    logits     plain      no final_logit_softcapping
+               softcap    final_logit_softcapping (Gemma 2)
+
+A structure no rule builds is a new rule here, chosen by a new model key; a new family of a
+known structure is its module and a registry line only.
+
 Parameter names equal the runtime's (``layers.3.attn.wq.weight``); a tied LM head reads
 ``embedding.weight``. Dims: ``batch``, ``seq``, ``hidden``, ``q`` (heads * head_dim, in
 units of head_dim), ``kv``, ``ffn``, ``vocab`` (unpadded here; the tensor-parallel pass
@@ -50,6 +76,9 @@ pads it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from parcompile.config.schema import ModelConfig
 from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, attention_scale, rope_scaling
 from parcompile.ir.graph import Graph
@@ -57,210 +86,317 @@ from parcompile.ir.ops import Param
 from parcompile.ir.types import Dim, TensorType
 
 
+@dataclass(frozen=True)
+class Rules:
+    """The lowering rules of a model, by name (module docstring's table):
+    :func:`select_rules` chooses them from the model keys."""
+
+    embedding: str   # "tokens" | "learned"
+    attention: str   # "mha" | "mla"
+    mlp: str         # the dense layers': "gated" | "ungated"
+    moe: bool        # layers from dense_layers on are "moe"
+    norms: str       # "pre" | "sandwich"
+    residual: str    # "sequential" | "parallel"
+    head: str        # "untied" | "tied"
+    logits: str      # "plain" | "softcap"
+
+    def layer_mlp(self, m: ModelConfig, i: int) -> str:
+        """The MLP rule of layer ``i``: "moe" from ``dense_layers`` on, else :attr:`mlp`."""
+        return "moe" if self.moe and i >= m.dense_layers else self.mlp
+
+
+def select_rules(m: ModelConfig) -> Rules:
+    """The lowering rules of model ``m``, chosen from its keys alone (module docstring)."""
+    return Rules(
+        embedding="learned" if m.position == "learned" else "tokens",
+        attention="mla" if m.kv_lora_rank else "mha",
+        mlp="gated" if m.activation in GATED_ACTIVATIONS else "ungated",
+        moe=m.experts > 0,
+        norms="sandwich" if m.sandwich_norm else "pre",
+        residual="parallel" if m.parallel_residual else "sequential",
+        head="tied" if m.tie_embeddings else "untied",
+        logits="plain" if m.final_logit_softcapping is None else "softcap",
+    )
+
+
+class Lowering:
+    """What every rule builds with: the model ``m``, its :class:`Rules`, the graph ``g``
+    being built, the dims of one micro-batch of ``batch`` sequences and the spec
+    ``origin`` recorded on every op; :meth:`op` adds one op, :meth:`norm`,
+    :meth:`qk_norm` and :meth:`linear` the ops every rule shares."""
+
+    def __init__(self, m: ModelConfig, batch: int, origin: Any):
+        self.m, self.g, self.origin, self.rules = m, Graph(), origin, select_rules(m)
+        self.B, self.S, self.H = Dim("batch", batch), Dim("seq", m.seq_len), Dim("hidden", m.hidden)
+        self.Q = Dim("q", m.heads * m.head_dim, m.head_dim)
+        self.KV = Dim("kv", m.kv_heads * m.head_dim, m.head_dim)
+        self.F = Dim("ffn", m.ffn_hidden)
+        self.V = Dim("vocab", m.vocab)
+        # Gemma's RMSNorm: x / rms(x) * (1 + w) (an attribute only where set: other graphs print as before)
+        self.centered = {"zero_centered": True} if m.zero_centered_gamma else {}
+
+    def T(self, *dims: Dim) -> TensorType:
+        """A tensor of ``dims`` in the model's dtype."""
+        return TensorType(tuple(dims), self.m.dtype)
+
+    def op(self, name: str, kind: str, inputs: list[str], attrs: dict, params: list[Param] | None = None,
+           layer: int | None = None) -> str:
+        """Add op ``name`` of ``kind`` (:meth:`parcompile.ir.graph.Graph.add_op`) with the origin."""
+        return self.g.add_op(name, kind, inputs, attrs, params=params or [], layer=layer, origin=self.origin)
+
+    def norm(self, name: str, x: str, layer: int | None) -> str:
+        """The model's norm of the residual stream ``x`` (LayerNorm has a bias)."""
+        m = self.m
+        ps = [Param(f"{name}.weight", self.T(self.H))]
+        if m.norm == "layernorm":
+            ps.append(Param(f"{name}.bias", self.T(self.H)))
+        return self.op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual", **self.centered},
+                       ps, layer)
+
+    def qk_norm(self, name: str, x: str, layer: int) -> str:
+        """One (head_dim,) RMSNorm weight shared by every head of q (or k): tp-local."""
+        m = self.m
+        return self.op(name, "qk_norm", [x], {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "per_head",
+                                              **self.centered},
+                       [Param(f"{name}.weight", self.T(Dim("head_dim", m.head_dim)))], layer)
+
+    def linear(self, name: str, x: str, in_dim: Dim, out_dim: Dim, bias: bool, style: str,
+               layer: int | None, weight_name: str | None = None) -> str:
+        """``x @ W.T (+ b)``, W ``(out_dim, in_dim)``, tensor-parallel ``style``."""
+        ps = [Param(weight_name or f"{name}.weight", self.T(out_dim, in_dim))]
+        if bias:
+            ps.append(Param(f"{name}.bias", self.T(out_dim)))
+        return self.op(name, "linear", [x], {"in_dim": in_dim, "out_dim": out_dim, "bias": bias, "tp": style},
+                       ps, layer)
+
+    def scores(self) -> dict[str, Any]:
+        """The attention scores' attributes: the scale (where not 1/sqrt(head_dim)) and
+        Gemma 2's soft cap ``cap * tanh(scores / cap)``, before the mask."""
+        scale = attention_scale(self.m)
+        out: dict[str, Any] = {"scale": scale} if scale is not None else {}
+        if self.m.attn_logit_softcapping is not None:
+            out["softcap"] = self.m.attn_logit_softcapping
+        return out
+
+
+# --------------------------------------------------------------------------- embedding
+
+
+def embed_tokens(L: Lowering, tokens: str) -> str:
+    """Rule ``tokens``: the word embedding (Gemma: times sqrt(hidden))."""
+    m = L.m
+    scale = {"scale": m.hidden ** 0.5} if m.scale_embeddings else {}
+    return L.op("embedding", "embedding", [tokens],
+                {"out_dim": L.H, "dtype": m.dtype, "tp": "vocab_embedding", **scale},
+                [Param("embedding.weight", L.T(L.V, L.H))])
+
+
+def embed_learned(L: Lowering, tokens: str) -> str:
+    """Rule ``learned`` (GPT-2): the word embedding plus a learned position embedding."""
+    x = embed_tokens(L, tokens)
+    pos = L.op("pos_embedding", "embedding", [tokens],
+               {"out_dim": L.H, "dtype": L.m.dtype, "tp": "residual", "positional": True},
+               [Param("pos_embedding.weight", L.T(Dim("position", L.m.max_positions), L.H))])
+    # positions join the residual stream: split on seq with sequence parallelism, so
+    # the word embedding's partial sum is reduce-scattered once (no all-reduce)
+    return L.op("embedding.pos_add", "add", [x, pos], {"tp": "residual"})
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def mha(L: Lowering, p: str, h: str, i: int) -> str:
+    """Rule ``mha``: multi-head (grouped-query) attention of layer ``i`` (prefix ``p``)
+    on ``h``: wq, wk, wv column-parallel (qk_norm, RoPE with the layer's base, sinks,
+    the layer's window), wo row-parallel."""
+    m = L.m
+    window = m.layer_windows[i]
+    q = L.linear(f"{p}.attn.wq", h, L.H, L.Q, m.qkv_bias, "column", i)
+    k = L.linear(f"{p}.attn.wk", h, L.H, L.KV, m.qkv_bias, "column", i)
+    v = L.linear(f"{p}.attn.wv", h, L.H, L.KV, m.qkv_bias, "column", i)
+    if m.qk_norm:
+        q, k = L.qk_norm(f"{p}.attn.q_norm", q, i), L.qk_norm(f"{p}.attn.k_norm", k, i)
+    if m.position == "rope":
+        # Gemma 3: the sliding-window layers have a RoPE base of their own, unscaled
+        local = bool(window) and m.rope_local_base_freq is not None
+        local_theta = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
+        ra = {"theta": local_theta if window else m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last"}
+        scaling = rope_scaling(m)
+        if scaling is not None and not local:   # scaling of the rope_theta layers
+            ra["scaling"] = tuple(sorted(scaling.items()))
+        q = L.op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i)
+        k = L.op(f"{p}.attn.rope_k", "rope", [k], ra, layer=i)
+    sinks = [Param(f"{p}.attn.sinks", L.T(Dim("heads", m.heads)))] if m.attention_sinks else []
+    a = L.op(f"{p}.attn.core", "attention", [q, k, v], {
+        "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "seq_len": m.seq_len,
+        "window": window, "impl": m.attention, "dropout": m.dropout, "causal": True,
+        "tp": "shard_last", **L.scores(), **({"sinks": True} if sinks else {}),
+    }, sinks, i)
+    return L.linear(f"{p}.attn.wo", a, L.Q, L.H, m.bias, "row", i)
+
+
+def mla(L: Lowering, p: str, h: str, i: int) -> str:
+    """Rule ``mla``: multi-head latent attention (DeepSeek-V2/V3; module docstring) of
+    layer ``i``: the down projections and their norms replicated over tp, the up
+    projections column-parallel by heads, the RoPE key shared by every head (its gradient
+    a partial sum over tp)."""
+    m = L.m
+    nope, rd, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    QK = Dim("q", m.heads * (nope + rd), nope + rd)
+    latent_norm = {"eps": m.norm_eps, "tp": "replicated"}
+    if m.q_lora_rank:
+        QL = Dim("q_lora", m.q_lora_rank)
+        qa = L.linear(f"{p}.attn.wq_a", h, L.H, QL, m.qkv_bias, "replicated", i)
+        qa = L.op(f"{p}.attn.q_a_norm", "norm", [qa], {"norm": "rmsnorm", **latent_norm},
+                  [Param(f"{p}.attn.q_a_norm.weight", L.T(QL))], i)
+        q = L.linear(f"{p}.attn.wq_b", qa, QL, QK, False, "column", i)
+    else:
+        q = L.linear(f"{p}.attn.wq", h, L.H, QK, False, "column", i)
+    KVL = Dim("kv_lora", m.kv_lora_rank)
+    kva = L.linear(f"{p}.attn.wkv_a", h, L.H, Dim("kv_a", m.kv_lora_rank + rd), m.qkv_bias, "replicated", i)
+    c = L.op(f"{p}.attn.kv_a_norm", "latent_norm", [kva], {"out_dim": KVL, **latent_norm},
+             [Param(f"{p}.attn.kv_a_norm.weight", L.T(KVL))], i)
+    ra = {"theta": m.rope_theta, "rope_dim": rd, "tp": "replicated",
+          **({"interleave": True} if m.rope_interleave else {})}
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        ra["scaling"] = tuple(sorted(scaling.items()))
+    kr = L.op(f"{p}.attn.rope_k", "latent_rope", [kva], {**ra, "out_dim": Dim("rope_k", rd)}, layer=i)
+    q = L.op(f"{p}.attn.rope_q", "rope", [q], {**ra, "tp": "shard_last", "start": nope}, layer=i)
+    kv = L.linear(f"{p}.attn.wkv_b", c, KVL, Dim("kv_b", m.heads * (nope + vd), nope + vd), False, "column", i)
+    k = L.op(f"{p}.attn.key", "mla_key", [kv, kr], {"nope": nope, "out_dim": Dim("k", QK.size, QK.unit),
+                                                   "tp": "mla_key"}, layer=i)
+    v = L.op(f"{p}.attn.value", "mla_value", [kv], {"nope": nope, "out_dim": Dim("v", m.heads * vd, vd),
+                                                   "tp": "shard_last"}, layer=i)
+    a = L.op(f"{p}.attn.core", "attention", [q, k, v], {
+        "heads": m.heads, "kv_heads": m.heads, "head_dim": nope + rd, "v_head_dim": vd, "seq_len": m.seq_len,
+        "window": m.layer_windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
+        "tp": "shard_last", **L.scores(),
+    }, layer=i)
+    return L.linear(f"{p}.attn.wo", a, Dim("v", m.heads * vd, vd), L.H, m.bias, "row", i)
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+def _clamp(m: ModelConfig) -> dict[str, Any]:
+    """gpt-oss's clamped SwiGLU attributes (none where unset)."""
+    return ({"swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit}
+            if m.swiglu_limit is not None or m.swiglu_alpha is not None else {})
+
+
+def gated_mlp(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
+    """Rule ``gated``: ``w2(act(w1 x) * w3 x)``, w1 and w3 column-parallel, w2 row-parallel."""
+    m = L.m
+    gate = L.linear(f"{prefix}.w1", x, L.H, width, m.bias, "column", i)
+    up = L.linear(f"{prefix}.w3", x, L.H, width, m.bias, "column", i)
+    act = L.op(f"{prefix}.act", m.activation, [gate, up], {"tp": "shard_last", **_clamp(m)}, layer=i)
+    return L.linear(f"{prefix}.w2", act, width, L.H, m.bias, "row", i)
+
+
+def ungated_mlp(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
+    """Rule ``ungated``: ``w2(act(w1 x))``, w1 column-parallel, w2 row-parallel."""
+    m = L.m
+    f1 = L.linear(f"{prefix}.w1", x, L.H, width, m.bias, "column", i)
+    act = L.op(f"{prefix}.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"}, layer=i)
+    return L.linear(f"{prefix}.w2", act, width, L.H, m.bias, "row", i)
+
+
+def _router_kind(m: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's router (runtime/moe.py: route), attributes only where not the softmax
+    top-k's; the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer)."""
+    return {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default
+            and (m.topk_method == "noaux_tc" or k not in ("n_group", "topk_group"))}
+
+
+def moe(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
+    """Rule ``moe``: router -> dispatch -> grouped experts -> combine (module docstring),
+    plus the shared experts as one dense MLP of ``shared_experts * expert_ffn_hidden``.
+    Token-wise ops split on seq over tp like the residual stream with sequence parallelism
+    (Megatron-Core dispatches sequence-parallel tokens). ``width`` is unused (the experts'
+    is ``expert_ffn_hidden``)."""
+    m = L.m
+    E, FE = Dim("experts", m.experts), Dim("expert_ffn", m.expert_ffn_hidden)
+    common = {"experts": m.experts, "top_k": m.top_k, "tp": "residual"}
+    # the router runs in fp32: a 16-bit model's router keeps an fp32 copy of its input
+    rps = [Param(f"{prefix}.router.weight", L.T(E, L.H))] + ([Param(f"{prefix}.router.bias", L.T(E))]
+                                                            if m.router_bias else [])
+    router = L.op(f"{prefix}.router", "router", [x],
+                  {**common, "in_dim": L.H, "out_dim": E, "fp32_input": m.dtype != "fp32", **_router_kind(m)},
+                  rps, i)
+    routed = L.op(f"{prefix}.dispatch", "moe_dispatch", [x, router], {**common, "topk_dim": Dim("topk", m.top_k)},
+                  layer=i)
+    mats = ["w1", "w3", "w2"] if m.activation in GATED_ACTIVATIONS else ["w1", "w2"]
+    eps = [Param(f"{prefix}.experts.{w}.weight", L.T(E, L.H, FE) if w == "w2" else L.T(E, FE, L.H), expert=True)
+           for w in mats]
+    if m.bias:   # gpt-oss: every expert matrix has a bias
+        eps += [Param(f"{prefix}.experts.{w}.bias", L.T(E, L.H) if w == "w2" else L.T(E, FE), expert=True)
+                for w in mats]
+    out = L.op(f"{prefix}.experts", "experts", [routed],
+               {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation, **_clamp(m)}, eps, i)
+    y = L.op(f"{prefix}.combine", "moe_combine", [out, router], common, layer=i)
+    if m.shared_experts:
+        dense = MLP[L.rules.mlp]
+        shared = dense(L, f"{prefix}.shared", x, Dim("shared_ffn", m.shared_experts * m.expert_ffn_hidden), i)
+        y = L.op(f"{prefix}.shared_add", "add", [y, shared], {"tp": "residual"}, layer=i)
+    return y
+
+
+# --------------------------------------------------------------------------- layer, head
+
+EMBEDDING: dict[str, Callable[[Lowering, str], str]] = {"tokens": embed_tokens, "learned": embed_learned}
+ATTENTION: dict[str, Callable[[Lowering, str, str, int], str]] = {"mha": mha, "mla": mla}
+MLP: dict[str, Callable[[Lowering, str, str, Dim, int], str]] = {
+    "gated": gated_mlp, "ungated": ungated_mlp, "moe": moe}
+
+
+def decoder_layer(L: Lowering, x: str, i: int) -> str:
+    """Layer ``i`` on the residual stream ``x``: the norms (``pre``, or ``sandwich``: a post
+    norm after each branch, before its residual add), the attention rule, the residual
+    (``sequential``, or ``parallel``: the MLP's norm reads ``x``), the layer's MLP rule."""
+    m, r, p = L.m, L.rules, f"layers.{i}"
+    o = ATTENTION[r.attention](L, p, L.norm(f"{p}.attn_norm", x, i), i)
+    if r.norms == "sandwich":
+        o = L.norm(f"{p}.attn_post_norm", o, i)
+    r1 = L.op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"}, layer=i)
+    h2 = L.norm(f"{p}.mlp_norm", x if r.residual == "parallel" else r1, i)
+    d = MLP[r.layer_mlp(m, i)](L, f"{p}.mlp", h2, L.F, i)
+    if r.norms == "sandwich":
+        d = L.norm(f"{p}.mlp_post_norm", d, i)
+    return L.op(f"{p}.mlp_residual", "add", [r1, d], {"dropout": m.dropout, "tp": "residual"}, layer=i)
+
+
+def head(L: Lowering, x: str) -> str:
+    """The final norm and the LM head (rule ``untied``, or ``tied``: it reads
+    ``embedding.weight``), then logits rule ``softcap`` (Gemma 2: ``cap * tanh(logits /
+    cap)``, per vocab shard) or ``plain``. Returns the logits."""
+    fn = L.norm("final_norm", x, None)
+    tied = L.rules.head == "tied"
+    logits = L.linear("lm_head", fn, L.H, L.V, False, "column", None,
+                      weight_name="embedding.weight" if tied else "lm_head.weight")
+    if tied:
+        nd = L.g.node(logits)
+        L.g.set_params(logits, [Param("embedding.weight", nd.params[0].type, tied_to="embedding.weight")])
+    if L.rules.logits == "softcap":
+        logits = L.op("lm_head.softcap", "softcap", [logits], {"cap": L.m.final_logit_softcapping,
+                                                               "tp": "shard_last"})
+    return logits
+
+
 def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
     """Build the forward graph of ``model`` for one micro-batch of ``batch`` sequences
-    (global over data-parallel ranks; the data-parallel pass splits it).
+    (global over data-parallel ranks; the data-parallel pass splits it) from the rules
+    :func:`select_rules` chooses.
 
     ``origin`` (a Span) is recorded on every op.
     """
-    m = model
-    g = Graph()
-    dt = m.dtype
-    B, S, H = Dim("batch", batch), Dim("seq", m.seq_len), Dim("hidden", m.hidden)
-    Q = Dim("q", m.heads * m.head_dim, m.head_dim)
-    KV = Dim("kv", m.kv_heads * m.head_dim, m.head_dim)
-    F = Dim("ffn", m.ffn_hidden)
-    V = Dim("vocab", m.vocab)
+    L = Lowering(model, batch, origin)
     rep = "replicated"
-    # Gemma's RMSNorm: x / rms(x) * (1 + w) (an attribute only where set: other graphs print as before)
-    centered = {"zero_centered": True} if m.zero_centered_gamma else {}
-    # gpt-oss's clamped SwiGLU
-    clamp = ({"swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit}
-             if m.swiglu_limit is not None or m.swiglu_alpha is not None else {})
-    # DeepSeek-V3's router (runtime/moe.py: route), attributes only where not the softmax top-k's;
-    # the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer: no parameter)
-    router_kind = {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default
-                   and (m.topk_method == "noaux_tc" or k not in ("n_group", "topk_group"))}
-
-    def T(*dims: Dim) -> TensorType:
-        return TensorType(tuple(dims), dt)
-
-    def norm(name: str, x: str, layer: int | None) -> str:
-        ps = [Param(f"{name}.weight", T(H))]
-        if m.norm == "layernorm":
-            ps.append(Param(f"{name}.bias", T(H)))
-        return g.add_op(name, "norm", [x], {"norm": m.norm, "eps": m.norm_eps, "tp": "residual", **centered},
-                        params=ps, layer=layer, origin=origin)
-
-    def qk_norm(name: str, x: str, layer: int) -> str:
-        # one (head_dim,) RMSNorm weight shared by every head of q (or k): tp-local
-        return g.add_op(name, "qk_norm", [x], {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "per_head",
-                                               **centered},
-                        params=[Param(f"{name}.weight", T(Dim("head_dim", m.head_dim)))], layer=layer,
-                        origin=origin)
-
-    def linear(name: str, x: str, in_dim: Dim, out_dim: Dim, bias: bool, style: str,
-               layer: int | None, weight_name: str | None = None) -> str:
-        ps = [Param(weight_name or f"{name}.weight", T(out_dim, in_dim))]
-        if bias:
-            ps.append(Param(f"{name}.bias", T(out_dim)))
-        return g.add_op(name, "linear", [x], {"in_dim": in_dim, "out_dim": out_dim, "bias": bias, "tp": style},
-                        params=ps, layer=layer, origin=origin)
-
-    def mlp(prefix: str, h2: str, F: Dim, i: int) -> str:
-        if m.activation in GATED_ACTIVATIONS:   # act(gate) * up
-            gate = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
-            up = linear(f"{prefix}.w3", h2, H, F, m.bias, "column", i)
-            act = g.add_op(f"{prefix}.act", m.activation, [gate, up], {"tp": "shard_last", **clamp}, layer=i,
-                           origin=origin)
-        else:
-            f1 = linear(f"{prefix}.w1", h2, H, F, m.bias, "column", i)
-            act = g.add_op(f"{prefix}.act", "act", [f1], {"fn": m.activation, "tp": "shard_last"},
-                           layer=i, origin=origin)
-        return linear(f"{prefix}.w2", act, F, H, m.bias, "row", i)
-
-    def moe(prefix: str, h2: str, i: int) -> str:
-        # token-wise ops: like residual-stream ops, split on seq over tp with sequence
-        # parallelism (Megatron-Core dispatches sequence-parallel tokens)
-        E, K = Dim("experts", m.experts), Dim("topk", m.top_k)
-        FE = Dim("expert_ffn", m.expert_ffn_hidden)
-        common = {"experts": m.experts, "top_k": m.top_k, "tp": "residual"}
-        # the router runs in fp32: a 16-bit model's router keeps an fp32 copy of its input
-        rps = [Param(f"{prefix}.router.weight", T(E, H))] + ([Param(f"{prefix}.router.bias", T(E))]
-                                                              if m.router_bias else [])
-        router = g.add_op(f"{prefix}.router", "router", [h2],
-                          {**common, "in_dim": H, "out_dim": E, "fp32_input": m.dtype != "fp32", **router_kind},
-                          params=rps, layer=i, origin=origin)
-        routed = g.add_op(f"{prefix}.dispatch", "moe_dispatch", [h2, router], {**common, "topk_dim": K},
-                          layer=i, origin=origin)
-        mats = ["w1", "w3", "w2"] if m.activation in GATED_ACTIVATIONS else ["w1", "w2"]
-        eps = [Param(f"{prefix}.experts.{w}.weight", T(E, H, FE) if w == "w2" else T(E, FE, H), expert=True)
-               for w in mats]
-        if m.bias:   # gpt-oss: every expert matrix has a bias
-            eps += [Param(f"{prefix}.experts.{w}.bias", T(E, H) if w == "w2" else T(E, FE), expert=True)
-                    for w in mats]
-        out = g.add_op(f"{prefix}.experts", "experts", [routed],
-                       {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation, **clamp}, params=eps,
-                       layer=i, origin=origin)
-        y = g.add_op(f"{prefix}.combine", "moe_combine", [out, router], common, layer=i, origin=origin)
-        if m.shared_experts:
-            shared = mlp(f"{prefix}.shared", h2, Dim("shared_ffn", m.shared_experts * m.expert_ffn_hidden), i)
-            y = g.add_op(f"{prefix}.shared_add", "add", [y, shared], {"tp": "residual"}, layer=i, origin=origin)
-        return y
-
-    tokens = g.add_op("tokens", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
-    scale = {"scale": m.hidden ** 0.5} if m.scale_embeddings else {}   # Gemma: times sqrt(hidden)
-    x = g.add_op("embedding", "embedding", [tokens], {"out_dim": H, "dtype": dt, "tp": "vocab_embedding", **scale},
-                 params=[Param("embedding.weight", T(V, H))], origin=origin)
-    if m.position == "learned":
-        pos = g.add_op("pos_embedding", "embedding", [tokens],
-                       {"out_dim": H, "dtype": dt, "tp": "residual", "positional": True},
-                       params=[Param("pos_embedding.weight", T(Dim("position", m.max_positions), H))], origin=origin)
-        # positions join the residual stream: split on seq with sequence parallelism, so
-        # the word embedding's partial sum is reduce-scattered once (no all-reduce)
-        x = g.add_op("embedding.pos_add", "add", [x, pos], {"tp": "residual"}, origin=origin)
-
-    rope = m.position == "rope"
-    windows = m.layer_windows
-    # Gemma 3: the sliding-window layers have a RoPE base of their own
-    local_theta = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
-    scaling = rope_scaling(m)
-    scale = attention_scale(m)
-    scores = {"scale": scale} if scale is not None else {}
-    if m.attn_logit_softcapping is not None:   # Gemma 2: cap * tanh(scores / cap), before the mask
-        scores["softcap"] = m.attn_logit_softcapping
-
-    def mla(p: str, h: str, i: int) -> str:
-        # multi-head latent attention (DeepSeek-V2/V3; module docstring): the down projections
-        # and their norms replicated over tp, the up projections column-parallel by heads,
-        # the RoPE key shared by every head (its gradient a partial sum over tp)
-        nope, rd, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        QK = Dim("q", m.heads * (nope + rd), nope + rd)
-        latent_norm = {"eps": m.norm_eps, "tp": "replicated"}
-        if m.q_lora_rank:
-            QL = Dim("q_lora", m.q_lora_rank)
-            qa = linear(f"{p}.attn.wq_a", h, H, QL, m.qkv_bias, "replicated", i)
-            qa = g.add_op(f"{p}.attn.q_a_norm", "norm", [qa], {"norm": "rmsnorm", **latent_norm},
-                          params=[Param(f"{p}.attn.q_a_norm.weight", T(QL))], layer=i, origin=origin)
-            q = linear(f"{p}.attn.wq_b", qa, QL, QK, False, "column", i)
-        else:
-            q = linear(f"{p}.attn.wq", h, H, QK, False, "column", i)
-        KVA = Dim("kv_a", m.kv_lora_rank + rd)
-        KVL = Dim("kv_lora", m.kv_lora_rank)
-        KVB = Dim("kv_b", m.heads * (nope + vd), nope + vd)
-        kva = linear(f"{p}.attn.wkv_a", h, H, KVA, m.qkv_bias, "replicated", i)
-        c = g.add_op(f"{p}.attn.kv_a_norm", "latent_norm", [kva], {"out_dim": KVL, **latent_norm},
-                     params=[Param(f"{p}.attn.kv_a_norm.weight", T(KVL))], layer=i, origin=origin)
-        ra = {"theta": m.rope_theta, "rope_dim": rd, "tp": "replicated", **interleave}
-        if scaling is not None:
-            ra["scaling"] = tuple(sorted(scaling.items()))
-        kr = g.add_op(f"{p}.attn.rope_k", "latent_rope", [kva], {**ra, "out_dim": Dim("rope_k", rd)},
-                      layer=i, origin=origin)
-        q = g.add_op(f"{p}.attn.rope_q", "rope", [q], {**ra, "tp": "shard_last", "start": nope}, layer=i,
-                     origin=origin)
-        kv = linear(f"{p}.attn.wkv_b", c, KVL, KVB, False, "column", i)
-        k = g.add_op(f"{p}.attn.key", "mla_key", [kv, kr], {"nope": nope, "out_dim": Dim("k", QK.size, QK.unit),
-                                                          "tp": "mla_key"}, layer=i, origin=origin)
-        v = g.add_op(f"{p}.attn.value", "mla_value", [kv], {"nope": nope, "out_dim": Dim("v", m.heads * vd, vd),
-                                                          "tp": "shard_last"}, layer=i, origin=origin)
-        a = g.add_op(f"{p}.attn.core", "attention", [q, k, v], {
-            "heads": m.heads, "kv_heads": m.heads, "head_dim": nope + rd, "v_head_dim": vd, "seq_len": m.seq_len,
-            "window": windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
-            "tp": "shard_last", **scores,
-        }, layer=i, origin=origin)
-        return linear(f"{p}.attn.wo", a, Dim("v", m.heads * vd, vd), H, m.bias, "row", i)
-
-    def mha(p: str, h: str, i: int) -> str:
-        # multi-head (grouped-query) attention: wq, wk, wv column-parallel, wo row-parallel
-        q = linear(f"{p}.attn.wq", h, H, Q, m.qkv_bias, "column", i)
-        k = linear(f"{p}.attn.wk", h, H, KV, m.qkv_bias, "column", i)
-        v = linear(f"{p}.attn.wv", h, H, KV, m.qkv_bias, "column", i)
-        if m.qk_norm:
-            q, k = qk_norm(f"{p}.attn.q_norm", q, i), qk_norm(f"{p}.attn.k_norm", k, i)
-        if rope:
-            local = bool(windows[i]) and m.rope_local_base_freq is not None
-            ra = {"theta": local_theta if windows[i] else m.rope_theta, "fraction": m.rotary_fraction,
-                  "tp": "shard_last"}
-            if scaling is not None and not local:   # scaling of the rope_theta layers
-                ra["scaling"] = tuple(sorted(scaling.items()))
-            q = g.add_op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i, origin=origin)
-            k = g.add_op(f"{p}.attn.rope_k", "rope", [k], ra, layer=i, origin=origin)
-        sinks = [Param(f"{p}.attn.sinks", T(Dim("heads", m.heads)))] if m.attention_sinks else []
-        a = g.add_op(f"{p}.attn.core", "attention", [q, k, v], {
-            "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "seq_len": m.seq_len,
-            "window": windows[i], "impl": m.attention, "dropout": m.dropout, "causal": True,
-            "tp": "shard_last", **scores, **({"sinks": True} if sinks else {}),
-        }, params=sinks, layer=i, origin=origin)
-        return linear(f"{p}.attn.wo", a, Q, H, m.bias, "row", i)
-
-    interleave = {"interleave": True} if m.rope_interleave else {}
-    for i in range(m.layers):
-        p = f"layers.{i}"
-        h = norm(f"{p}.attn_norm", x, i)
-        o = mla(p, h, i) if m.kv_lora_rank else mha(p, h, i)
-        if m.sandwich_norm:
-            o = norm(f"{p}.attn_post_norm", o, i)
-        r1 = g.add_op(f"{p}.attn_residual", "add", [x, o], {"dropout": m.dropout, "tp": "residual"},
-                      layer=i, origin=origin)
-        h2 = norm(f"{p}.mlp_norm", x if m.parallel_residual else r1, i)
-        if m.experts > 0 and i >= m.dense_layers:
-            d = moe(f"{p}.mlp", h2, i)
-        else:
-            d = mlp(f"{p}.mlp", h2, F, i)
-        if m.sandwich_norm:
-            d = norm(f"{p}.mlp_post_norm", d, i)
-        x = g.add_op(f"{p}.mlp_residual", "add", [r1, d], {"dropout": m.dropout, "tp": "residual"},
-                     layer=i, origin=origin)
-
-    fn = norm("final_norm", x, None)
-    head_weight = "embedding.weight" if m.tie_embeddings else "lm_head.weight"
-    logits = linear("lm_head", fn, H, V, False, "column", None, weight_name=head_weight)
-    if m.tie_embeddings:
-        nd = g.node(logits)
-        g.set_params(logits, [Param("embedding.weight", nd.params[0].type, tied_to="embedding.weight")])
-    if m.final_logit_softcapping is not None:   # Gemma 2: cap * tanh(logits / cap), per vocab shard
-        logits = g.add_op("lm_head.softcap", "softcap", [logits], {"cap": m.final_logit_softcapping,
-                                                                  "tp": "shard_last"}, origin=origin)
-    labels = g.add_op("labels", "input", [], {"dims": (B, S), "dtype": "int64", "tp": rep}, origin=origin)
-    g.add_op("loss", "cross_entropy", [logits, labels], {"tp": "vocab_loss"}, origin=origin)
-    return g
+    tokens = L.op("tokens", "input", [], {"dims": (L.B, L.S), "dtype": "int64", "tp": rep})
+    x = EMBEDDING[L.rules.embedding](L, tokens)
+    for i in range(model.layers):
+        x = decoder_layer(L, x, i)
+    logits = head(L, x)
+    labels = L.op("labels", "input", [], {"dims": (L.B, L.S), "dtype": "int64", "tp": rep})
+    L.op("loss", "cross_entropy", [logits, labels], {"tp": "vocab_loss"})
+    return L.g
