@@ -7,7 +7,9 @@ A family module declares ``FAMILIES`` (one :class:`~parcompile.core.families.bas
 per ``model_type``: its HF architecture, config.json -> keys, keys -> config.json, weight
 sources, consistency problems and the rank of its guess) and ``PRESETS`` (published models
 of the family, `model` keys). Adding a family is one module and one line of
-:data:`MODULES`.
+:data:`MODULES`. The lowering reads no family: :func:`parcompile.ir.lower.select_rules`
+chooses its rules from the model keys the family's config.json maps to (core never
+imports ir), so families of one structure share them.
 
 =========  ==========================================================================
 module     model types
