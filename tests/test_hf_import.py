@@ -163,3 +163,33 @@ def test_seq_len_beyond_the_learned_position_table_is_an_error(tmp_path):
     spec.write_text('model m from "gpt2.json" { seq_len = 128, max_positions = 128 }\n'
                     'cluster c from "cpu" { gpus_per_node = 1 }\n')
     assert parcompile.compile(spec).config.model.max_positions == 128
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("field, value, what", [
+    ("rope_parameters", "llama3", "an object"), ("rope_parameters", [8.0], "an object"),
+    ("rope_scaling", 8, "an object"), ("layer_types", "sliding_attention", "a list")])
+def test_rope_and_layer_fields_of_the_wrong_type_are_errors_not_ignored(model_type, field, value, what):
+    """A `rope_parameters` that is not an object (or a `layer_types` that is not a list)
+    names the field, as every other field of the wrong type does: read as absent, it
+    would plan the model without its RoPE scaling (or its window layout) and say nothing."""
+    raw = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16, field: value}
+    if field == "layer_types" and model_type in ("llama", "deepseek_v3"):
+        pytest.skip(f"{model_type} has no layer_types")
+    if field == "layer_types" and model_type == "qwen3":
+        raw["use_sliding_window"] = True
+    with pytest.raises(HFConfigError, match=f"`{field}` in the config.json should be {what}"):
+        from_hf_dict(raw)
+
+
+def test_gpt_oss_reads_the_hubs_rope_scaling():
+    """openai/gpt-oss-120b's config.json (transformers 4) keeps YaRN in `rope_scaling`; its
+    factor is read, not replaced by the family's default."""
+    raw = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 150000,
+           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "original_max_position_embeddings": 4096, "truncate": False}}
+    keys = from_hf_dict(raw)
+    assert (keys["rope_type"], keys["rope_scaling_factor"]) == ("yarn", 8.0)
