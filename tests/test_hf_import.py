@@ -193,3 +193,24 @@ def test_gpt_oss_reads_the_hubs_rope_scaling():
                             "original_max_position_embeddings": 4096, "truncate": False}}
     keys = from_hf_dict(raw)
     assert (keys["rope_type"], keys["rope_scaling_factor"]) == ("yarn", 8.0)
+
+
+@pytest.mark.parametrize("field", ["torch_dtype", "dtype"])
+def test_a_torch_dtype_parcompile_does_not_train_in_is_an_error_at_the_from(tmp_path, field):
+    """`"torch_dtype": "int8"` (or transformers 5's `dtype`) is refused at the `from` with
+    the field's fix, not planned as the default bf16; the block's `dtype` replaces it; a
+    checkpoint's layout is still read (it does not depend on the dtype)."""
+    from parcompile.core.hf_weights import model_from_checkpoint_config
+    llama = json.loads((HF / "llama-2-7b.json").read_text())
+    llama.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps({**llama, field: "int8"}))
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "config.json" { seq_len = 512 }\ncluster c from "h100-sxm" { }\n')
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.compile(spec)
+    [d] = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert (d.span.line, d.span.column) == (1, 14) and "invalid dtype" in d.message and "`int8`" in d.message
+    assert d.help and "write `dtype = ...` in the block" in d.help
+    spec.write_text('model m from "config.json" { seq_len = 512, dtype = bf16 }\ncluster c from "h100-sxm" { }\n')
+    assert parcompile.compile(spec).model.dtype == "bf16"
+    assert model_from_checkpoint_config({**llama, field: "int8"}).layers == llama["num_hidden_layers"]

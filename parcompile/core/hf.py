@@ -41,7 +41,9 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
             help="supported: " + ", ".join(SUPPORTED_MODEL_TYPES),
         )
     dtype = read_str(cfg, "torch_dtype") or read_str(cfg, "dtype")   # transformers 5 writes `dtype`
-    common = {"dtype": _DTYPES.get(dtype) if dtype else None, "vocab": read_int(cfg, "vocab_size")}
+    # a name torch's float32/bfloat16/float16 do not match stays as written: the front end refuses it at the
+    # `from` (an invalid dtype, fixed in the file or in the block), instead of planning another dtype
+    common = {"dtype": _DTYPES.get(dtype, dtype) if dtype else None, "vocab": read_int(cfg, "vocab_size")}
     return family.keys(cfg, common)
 
 
