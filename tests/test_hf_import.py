@@ -179,8 +179,9 @@ def test_rope_and_layer_fields_of_the_wrong_type_are_errors_not_ignored(model_ty
         pytest.skip(f"{model_type} has no layer_types")
     if field == "layer_types" and model_type == "qwen3":
         raw["use_sliding_window"] = True
-    with pytest.raises(HFConfigError, match=f"`{field}` in the config.json should be {what}"):
+    with pytest.raises(HFConfigError, match=f"`{field}` in the config.json should be {what}") as e:
         from_hf_dict(raw)
+    assert e.value.help == f"write `{field}` as {what} in the config.json, as transformers saves it"
 
 
 def test_gpt_oss_reads_the_hubs_rope_scaling():

@@ -93,7 +93,8 @@ def _get(cfg: dict, key: str, kind: Callable[[Any], bool], what: str, default: A
     value = cfg.get(key, default)
     if value is None or kind(value):
         return value
-    raise HFConfigError(f"`{key}` in the config.json should be {what}, got {json.dumps(value)}")
+    raise HFConfigError(f"`{key}` in the config.json should be {what}, got {json.dumps(value)}",
+                        help=f"write `{key}` as {what} in the config.json, as transformers saves it")
 
 
 def read_int(cfg: dict, key: str, default: Any = None) -> int | None:
