@@ -215,3 +215,16 @@ def test_a_torch_dtype_parcompile_does_not_train_in_is_an_error_at_the_from(tmp_
     spec.write_text('model m from "config.json" { seq_len = 512, dtype = bf16 }\ncluster c from "h100-sxm" { }\n')
     assert parcompile.compile(spec).model.dtype == "bf16"
     assert model_from_checkpoint_config({**llama, field: "int8"}).layers == llama["num_hidden_layers"]
+
+
+def test_a_multimodal_config_points_at_its_text_config():
+    """google/gemma-3-27b-it's config.json is `gemma3` (vision + language): the error names
+    the `text_config` the import does take and how to use it, not only the supported list."""
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16}
+    with pytest.raises(HFConfigError, match="a multimodal config; its `text_config` is a `gemma3_text` model") as e:
+        from_hf_dict({"model_type": "gemma3", "text_config": text, "vision_config": {}})
+    assert "save the `text_config` object on its own" in e.value.help
+    assert from_hf_dict(text)["layers"] == 4
+    with pytest.raises(HFConfigError, match=r'^unsupported Hugging Face model_type "mamba"$'):
+        from_hf_dict({"model_type": "mamba", "text_config": {"model_type": "mamba"}})
