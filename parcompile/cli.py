@@ -217,6 +217,22 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
+def _device_problems(cfg, command: str) -> list[Diagnostic]:
+    """An error at the `cluster` block when the plan's devices need a package this Python
+    cannot import (torch_npu for Ascend's npu), instead of one traceback per rank once
+    torchrun has started them (:func:`parcompile.runtime.device.missing_plugin`)."""
+    from parcompile.runtime.device import missing_plugin
+
+    accel = cfg.cluster.accelerator
+    plugin = missing_plugin(accel.device)
+    if plugin is None:
+        return []
+    return [Diagnostic(
+        "error", f"this plan runs on {accel.name}, and {plugin} is not installed in this Python", cfg.span("cluster"),
+        help=f"pip install {plugin.replace('_', '-')} on a machine with them, or run it here on the CPU with gloo: "
+             f"PARCOMPILE_DEVICE=cpu parcompile {command} ...")]
+
+
 def cmd_run(args) -> int:
     _output_dir(args)  # a usage error comes first
     try:
@@ -237,6 +253,8 @@ def cmd_run(args) -> int:
         problems.append(Diagnostic(
             "error", f"`run` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
             cfg.span("cluster.nodes"), help=f"on the cluster, run {out}/launch.sh on every node"))
+    else:
+        problems += _device_problems(cfg, "run")
     serve = cfg.workload == "serve"
     if serve and cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
         problems.append(Diagnostic(
@@ -283,6 +301,8 @@ def cmd_serve(args) -> int:
             problems.append(Diagnostic(
                 "error", f"`serve` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
                 cfg.span("cluster.nodes"), help="serve from one node, or with vLLM: parcompile export --to vllm"))
+        else:
+            problems += _device_problems(cfg, "serve")
         if cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
             problems.append(Diagnostic(
                 "error", f"weights directory `{cfg.serve.weights}` does not exist", cfg.span("serve.weights"),

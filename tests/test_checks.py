@@ -598,3 +598,19 @@ def test_engine_on_a_serve_spec_warns_and_changes_nothing():
         assert (warned[0].span.line, warned[0].span.column) == (line, 14) and warned[0].help == "remove `engine`"
         plans[engine] = plan.data["serve"]
     assert plans["eager"] == plans["megatron"]
+
+
+@pytest.mark.parametrize("domain, ok", [("3", False), ("12", False), ("4", True), ("1", True), ("16", True),
+                                        ("72", True)])
+def test_nvlink_domain_holds_whole_nodes_or_a_node_whole_domains(domain, ok):
+    """The network model groups `nvlink_domain` consecutive ranks: a domain that would split
+    a node of 8 (3, 12) is refused at the key with the nearest sizes that do not."""
+    text = spec(cluster={"nvlink_domain": domain})
+    if ok:
+        assert diags(text) == []
+        return
+    message, help, note = one(text, f"nvlink_domain = {domain}")
+    assert message == (f"nvlink_domain = {domain} is neither a divisor nor a multiple of gpus_per_node = 8: "
+                       "a domain would split a node")
+    assert help == {"3": "nvlink_domain = 2 or 8", "12": "nvlink_domain = 8 or 16"}[domain] + \
+        ", or remove it (a domain is then the node)"

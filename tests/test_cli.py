@@ -221,3 +221,27 @@ def test_compile_into_a_directory_whose_plan_json_is_a_fifo_does_not_wait(tmp_pa
     (tmp_path / "plan.json").unlink()
     parcompile.compile(REPO / "examples" / "tiny.par").write(tmp_path)
     assert _holds_a_plan(tmp_path / "plan.json")   # its own plan.json is still recognised
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("torch_npu") is not None,
+                    reason="torch_npu is installed here: an Ascend plan runs")
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_run_refuses_a_plan_whose_device_package_is_missing(tmp_path, capsys, monkeypatch, command):
+    """An Ascend plan on a machine without torch_npu: one error at the `cluster` block with
+    the fix, before torchrun starts a rank (each rank used to raise its own traceback);
+    PARCOMPILE_DEVICE=cpu, the fix it names, lifts it."""
+    from parcompile.runtime.device import missing_plugin
+
+    spec = tmp_path / "npu.par"
+    work = "serve { batch = 2, prompt_len = 8, max_new_tokens = 8 }" if command == "serve" else "train { steps = 1 }"
+    spec.write_text('model m { layers = 2, hidden = 64, heads = 4, vocab = 256, seq_len = 32, dtype = fp32 }\n'
+                    f'cluster c from "ascend-910b" {{ nodes = 1, gpus_per_node = 2 }}\nparallel {{ tp = 2 }}\n{work}\n')
+    monkeypatch.delenv("PARCOMPILE_DEVICE", raising=False)
+    assert main([command, str(spec), "-o", str(tmp_path / "out")]) == 1
+    out, err = capsys.readouterr()
+    assert "running: torchrun" not in out and "Traceback" not in err
+    assert "npu.par:2:1: error: this plan runs on Ascend NPUs (CANN, torch_npu), and torch_npu is not installed" in err
+    assert f"PARCOMPILE_DEVICE=cpu parcompile {command} ..." in err
+    assert missing_plugin("npu") == "torch_npu" and missing_plugin("cuda") is None
+    monkeypatch.setenv("PARCOMPILE_DEVICE", "cpu")
+    assert missing_plugin("npu") is None

@@ -469,6 +469,18 @@ def test_did_you_mean_prefers_a_case_insensitive_match():
     assert did_you_mean("hiden", ["hidden"], "keys are lower_snake_case") == "did you mean `hidden`? "
 
 
+def test_did_you_mean_prefers_a_preset_cut_or_extended_at_a_dash():
+    """`gb200` is the GB200 NVL72 preset, not `b200` (the closer spelling); `b200-sxm` is
+    `b200`, not `h100-sxm`; `a100` is either A100."""
+    from parcompile.config.presets import CLUSTER_PRESET_NAMES
+    from parcompile.config.text import close_matches
+
+    assert close_matches("gb200", CLUSTER_PRESET_NAMES) == ["gb200-nvl72"]
+    assert close_matches("b200-sxm", CLUSTER_PRESET_NAMES) == ["b200"]
+    assert close_matches("a100", CLUSTER_PRESET_NAMES) == ["a100-40gb", "a100-80gb"]
+    assert close_matches("mi300", CLUSTER_PRESET_NAMES) == ["mi300x"]   # no dash: the nearest spelling
+
+
 @pytest.mark.parametrize("source, word", [(123, "int"), (None, "NoneType"), (b"model m { }", "bytes"),
                                           (bytearray(b"x"), "bytearray"), (["x"], "list")])
 def test_compile_rejects_what_is_not_a_spec_at_the_boundary(source, word):

@@ -163,3 +163,68 @@ def test_seq_len_beyond_the_learned_position_table_is_an_error(tmp_path):
     spec.write_text('model m from "gpt2.json" { seq_len = 128, max_positions = 128 }\n'
                     'cluster c from "cpu" { gpus_per_node = 1 }\n')
     assert parcompile.compile(spec).config.model.max_positions == 128
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("field, value, what", [
+    ("rope_parameters", "llama3", "an object"), ("rope_parameters", [8.0], "an object"),
+    ("rope_scaling", 8, "an object"), ("layer_types", "sliding_attention", "a list")])
+def test_rope_and_layer_fields_of_the_wrong_type_are_errors_not_ignored(model_type, field, value, what):
+    """A `rope_parameters` that is not an object (or a `layer_types` that is not a list)
+    names the field, as every other field of the wrong type does: read as absent, it
+    would plan the model without its RoPE scaling (or its window layout) and say nothing."""
+    raw = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16, field: value}
+    if field == "layer_types" and model_type in ("llama", "deepseek_v3"):
+        pytest.skip(f"{model_type} has no layer_types")
+    if field == "layer_types" and model_type == "qwen3":
+        raw["use_sliding_window"] = True
+    with pytest.raises(HFConfigError, match=f"`{field}` in the config.json should be {what}") as e:
+        from_hf_dict(raw)
+    assert e.value.help == f"write `{field}` as {what} in the config.json, as transformers saves it"
+
+
+def test_gpt_oss_reads_the_hubs_rope_scaling():
+    """openai/gpt-oss-120b's config.json (transformers 4) keeps YaRN in `rope_scaling`; its
+    factor is read, not replaced by the family's default."""
+    raw = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 150000,
+           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "original_max_position_embeddings": 4096, "truncate": False}}
+    keys = from_hf_dict(raw)
+    assert (keys["rope_type"], keys["rope_scaling_factor"]) == ("yarn", 8.0)
+
+
+@pytest.mark.parametrize("field", ["torch_dtype", "dtype"])
+def test_a_torch_dtype_parcompile_does_not_train_in_is_an_error_at_the_from(tmp_path, field):
+    """`"torch_dtype": "int8"` (or transformers 5's `dtype`) is refused at the `from` with
+    the field's fix, not planned as the default bf16; the block's `dtype` replaces it; a
+    checkpoint's layout is still read (it does not depend on the dtype)."""
+    from parcompile.core.hf_weights import model_from_checkpoint_config
+    llama = json.loads((HF / "llama-2-7b.json").read_text())
+    llama.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps({**llama, field: "int8"}))
+    spec = tmp_path / "s.par"
+    spec.write_text('model m from "config.json" { seq_len = 512 }\ncluster c from "h100-sxm" { }\n')
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.compile(spec)
+    [d] = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert (d.span.line, d.span.column) == (1, 14) and "invalid dtype" in d.message and "`int8`" in d.message
+    assert d.help and "write `dtype = ...` in the block" in d.help
+    spec.write_text('model m from "config.json" { seq_len = 512, dtype = bf16 }\ncluster c from "h100-sxm" { }\n')
+    assert parcompile.compile(spec).model.dtype == "bf16"
+    assert model_from_checkpoint_config({**llama, field: "int8"}).layers == llama["num_hidden_layers"]
+
+
+def test_a_multimodal_config_points_at_its_text_config():
+    """google/gemma-3-27b-it's config.json is `gemma3` (vision + language): the error names
+    the `text_config` the import does take and how to use it, not only the supported list."""
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "head_dim": 16}
+    with pytest.raises(HFConfigError, match="a multimodal config; its `text_config` is a `gemma3_text` model") as e:
+        from_hf_dict({"model_type": "gemma3", "text_config": text, "vision_config": {}})
+    assert "save the `text_config` object on its own" in e.value.help
+    assert from_hf_dict(text)["layers"] == 4
+    with pytest.raises(HFConfigError, match=r'^unsupported Hugging Face model_type "mamba"$'):
+        from_hf_dict({"model_type": "mamba", "text_config": {"model_type": "mamba"}})

@@ -145,7 +145,8 @@ def test_unknown_model_preset_lists_valid_names():
 def test_unknown_cluster_preset_and_swapped_kinds():
     [(message, line, col, help)] = _errors('model m from "llama3-8b" { }\ncluster c from "h100" { }')
     assert (message, line, col) == ("unknown cluster preset `h100`", 2, 16)
-    assert help.startswith("did you mean `h200`? cluster presets are `a100-40gb`")
+    # `h100` is the H100 preset cut at its dash, not the H200 one letter away
+    assert help.startswith("did you mean `h100-sxm`? cluster presets are `a100-40gb`")
     [(message, *_)] = _errors('model m from "h200" { }' + CLUSTER)
     assert message == "`h200` is a cluster preset, not a model preset"
     [(message, *_)] = _errors('model m from "llama3-8b" { }\ncluster c from "llama3-8b" { }')

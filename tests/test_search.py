@@ -142,6 +142,28 @@ def test_search_cli_table_and_no_fit(tmp_path, capsys):
     assert "no layout fits" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("auto", ["tp", "pp", "cp"])
+def test_a_search_that_varies_dp_needs_global_batch(tmp_path, auto):
+    """With dp left out, each layout's dp fills the world, so the default global batch
+    (micro_batch * dp) would differ between the layouts the search ranks by step time (tp 8
+    dp 2 ranked above tp 4 dp 4, which does twice the work): an error at the `auto` key, as
+    for `dp = auto`. A given global_batch (or dp) makes the layouts comparable."""
+    spec = tmp_path / "s.par"
+    head = 'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 2 }\n'
+    fixed = "tp = 8, " if auto == "cp" else ""   # llama3-8b fits 80 GB with cp only beside tp
+    spec.write_text(head + f"parallel {{ {fixed}{auto} = auto }}\n")
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.search(spec)
+    [d] = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert d.message == f"{auto} = auto with dp left to fill the world needs `global_batch`"
+    assert (d.span.line, d.span.column) == (3, 12 + len(fixed) + len(auto) + 3) and "global_batch = N" in d.help
+    spec.write_text(head + f"parallel {{ {fixed}{auto} = auto, global_batch = 64 }}\n")
+    rows = parcompile.search(spec, top=50).candidates
+    assert len({r.parallel.dp for r in rows}) > 1 and {r.parallel.global_batch for r in rows} == {64}
+    spec.write_text(head + f"parallel {{ {fixed}{auto} = auto, dp = 2 }}\n")
+    assert parcompile.search(spec).best.parallel.dp == 2
+
 # ------------------------------------------------------------------ the search's bounds (issue 16)
 # The search costs layouts best first and skips those it proves cannot be among the best
 # max(RETIME, top) or cannot fit (search.rank.rank_rows). Each bound is checked here against what

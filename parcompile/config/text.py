@@ -33,13 +33,20 @@ def close_matches(word: str, choices: Iterable[str]) -> list[str]:
 
     A choice equal to ``word`` but for case wins outright (``adamW`` -> ``adamw``,
     ``tb/s`` -> ``TB/s``; ``gb/s`` -> both ``GB/s`` and ``Gb/s``); otherwise the closest
-    spelling, compared case-insensitively, so ``Gib`` finds ``GiB`` rather than ``Gb/s``.
+    spelling, compared case-insensitively, so ``Gib`` finds ``GiB`` rather than ``Gb/s``; but
+    first the choices ``word`` is a ``-``-separated prefix of, or that are one of ``word``
+    (``gb200`` -> ``gb200-nvl72``, ``b200-sxm`` -> ``b200``).
     """
     choices = list(dict.fromkeys(choices))
     folded = word.casefold()
     same = [c for c in choices if c.casefold() == folded and c != word]
     if same:
         return same
+    # a name cut or extended at a `-` (`gb200` for `gb200-nvl72`, `b200-sxm` for `b200`, `a100`
+    # for both `a100-*`): closer in meaning than the nearest spelling (`b200`, `h100-sxm`)
+    family = [c for c in choices if c.casefold().startswith(folded + "-") or folded.startswith(c.casefold() + "-")]
+    if family:
+        return family
     by_folded: dict[str, str] = {}
     for c in choices:
         by_folded.setdefault(c.casefold(), c)

@@ -36,12 +36,22 @@ def from_hf_dict(cfg: dict) -> dict[str, Any]:
     model_type = cfg.get("model_type")
     family = families.get(model_type) if isinstance(model_type, str) else None
     if family is None:
+        text = cfg.get("text_config")
+        inner = text.get("model_type") if isinstance(text, dict) else None
+        if isinstance(inner, str) and families.get(inner) is not None:   # a multimodal model's language model
+            raise HFConfigError(
+                f"unsupported Hugging Face model_type {json.dumps(model_type)}: a multimodal config; its "
+                f"`text_config` is a `{inner}` model, which parcompile imports",
+                help=f"save the `text_config` object on its own as a config.json (model_type `{inner}`) and import "
+                     "that file")
         raise HFConfigError(
             f"unsupported Hugging Face model_type {json.dumps(model_type)}",
             help="supported: " + ", ".join(SUPPORTED_MODEL_TYPES),
         )
     dtype = read_str(cfg, "torch_dtype") or read_str(cfg, "dtype")   # transformers 5 writes `dtype`
-    common = {"dtype": _DTYPES.get(dtype) if dtype else None, "vocab": read_int(cfg, "vocab_size")}
+    # a name torch's float32/bfloat16/float16 do not match stays as written: the front end refuses it at the
+    # `from` (an invalid dtype, fixed in the file or in the block), instead of planning another dtype
+    common = {"dtype": _DTYPES.get(dtype, dtype) if dtype else None, "vocab": read_int(cfg, "vocab_size")}
     return family.keys(cfg, common)
 
 

@@ -548,6 +548,8 @@ def model_from_checkpoint_config(cfg: dict, **overrides) -> ModelKeys:
     """
     keys = from_hf_dict(cfg)
     keys.setdefault("seq_len", keys.get("max_positions") or 2048)
+    if keys.get("dtype") not in HF_DTYPES:   # a torch_dtype we do not train in: the layout does not need it
+        keys.pop("dtype", None)
     keys = {k: v for k, v in keys.items() if v is not None}
     keys.update(overrides)
     keys.setdefault("dtype", "fp32")

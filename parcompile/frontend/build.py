@@ -617,6 +617,16 @@ class _Builder:
                                    help="add `global_batch = N` (sequences per optimizer step)")
         if "dp" not in values:
             auto.insert(0, "dp")  # dp's default is `auto`
+            varies = [k for k in ("tp", "pp", "cp") if k in auto]
+            if varies and "global_batch" not in values and "global_batch" not in self.ctx.bad:
+                # each candidate's dp fills the world, so the default global batch (micro_batch * dp)
+                # would differ between the layouts the search compares by step time
+                self.bag.error(f"{varies[0]} = auto with dp left to fill the world needs `global_batch`",
+                               self.ctx.span(f"parallel.{varies[0]}"),
+                               help="add `global_batch = N` (sequences per optimizer step), or give dp",
+                               note="each layout's dp = world / (tp * pp * cp) differs, and so would its default "
+                                    "global batch (micro_batch * dp): the search would compare steps of different "
+                                    "sizes")
         dp = values.get("dp", AUTO)
         if dp is AUTO or not any(k in auto for k in ("tp", "pp", "cp")):
             values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx)

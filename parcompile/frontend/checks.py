@@ -1021,6 +1021,22 @@ def _check_limits(cfg: SpecConfig, ctx: CheckContext) -> None:
                                f"{p.global_batch} / ({p.micro_batch} * {p.dp})) or lower global_batch")
 
 
+def _check_cluster(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """The cluster's shape: an NVLink domain holds whole nodes (a GB200 NVL72 rack: 18 trays
+    of 4 GPUs) or a node holds whole domains (NVLink-bridged pairs of PCIe GPUs), so the
+    network model's groups of ``domain_size`` consecutive ranks fall on real boundaries."""
+    c = cfg.cluster
+    d, gpn = c.nvlink_domain, c.gpus_per_node
+    if d is not None and gpn % d and d % gpn and ctx.ok("cluster.nvlink_domain", "cluster.gpus_per_node"):
+        above = (d // gpn + 1) * gpn
+        below = (d // gpn) * gpn if d > gpn else max(k for k in range(1, d) if gpn % k == 0)
+        ctx.bag.error(f"nvlink_domain = {d} is neither a divisor nor a multiple of gpus_per_node = {gpn}: "
+                      "a domain would split a node", ctx.span("cluster.nvlink_domain", "cluster.gpus_per_node"),
+                      help=f"nvlink_domain = {below} or {above}, or remove it (a domain is then the node)",
+                      note="an NVLink domain holds whole nodes (GB200 NVL72: 72 = 18 trays of 4) or a node holds "
+                           "whole domains (NVLink-bridged pairs: 2)")
+
+
 CHECKS = (
     _check_limits,
     _check_heads,
@@ -1039,6 +1055,7 @@ CHECKS = (
     _check_train,
     _check_positions,
     _check_serve,
+    _check_cluster,
 )
 
 #: The layout fields (:class:`ParallelConfig`'s, its properties spelled out) each check of
@@ -1064,6 +1081,7 @@ LAYOUT_READS = {
     _check_train: ("auto", "zero"),
     _check_positions: (),
     _check_serve: ("cp", "ep", "expert_tp", "tp", "virtual_stages"),
+    _check_cluster: (),
 }
 
 

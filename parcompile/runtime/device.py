@@ -22,6 +22,7 @@ never calls into CUDA (tests/test_accelerators.py).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -164,6 +165,17 @@ def allocator_peaks(device: torch.device) -> dict[str, int] | None:
         except (RuntimeError, TypeError, ValueError, AssertionError, NotImplementedError):
             continue   # an allocator that is not torch.accelerator's DeviceAllocator: the module's
     return None
+
+
+def missing_plugin(device: str) -> str | None:
+    """The package (:data:`DEVICE_PLUGINS`) a plan on ``device`` devices needs that this
+    Python cannot import, or None: none needed, it is installed, or ``PARCOMPILE_DEVICE=cpu``
+    runs the plan with gloo on the CPU. :func:`choose_backend` raises in every rank for the
+    same case; a launcher asks first, so that it refuses before any rank starts."""
+    if os.environ.get("PARCOMPILE_DEVICE") == "cpu" or device == "cpu":
+        return None
+    plugin = DEVICE_PLUGINS.get(device)
+    return plugin if plugin is not None and importlib.util.find_spec(plugin) is None else None
 
 
 def choose_backend(force_cpu: bool = False, device: str = "cuda") -> tuple[str, torch.device]:

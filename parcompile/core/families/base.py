@@ -93,7 +93,8 @@ def _get(cfg: dict, key: str, kind: Callable[[Any], bool], what: str, default: A
     value = cfg.get(key, default)
     if value is None or kind(value):
         return value
-    raise HFConfigError(f"`{key}` in the config.json should be {what}, got {json.dumps(value)}")
+    raise HFConfigError(f"`{key}` in the config.json should be {what}, got {json.dumps(value)}",
+                        help=f"write `{key}` as {what} in the config.json, as transformers saves it")
 
 
 def read_int(cfg: dict, key: str, default: Any = None) -> int | None:
@@ -132,6 +133,24 @@ def read_str(cfg: dict, key: str, default: Any = None) -> str | None:
     return _get(cfg, key, lambda v: isinstance(v, str), "a string", default)
 
 
+def read_dict(cfg: dict, key: str) -> dict | None:
+    """``cfg[key]``, a JSON object, or None (absent or null). Raises HFConfigError for
+    another type (``rope_parameters = "llama3"`` is not silently read as no scaling)."""
+    return _get(cfg, key, lambda v: isinstance(v, dict), "an object", None)
+
+
+def read_list(cfg: dict, key: str) -> list | None:
+    """``cfg[key]``, a JSON array, or None (absent or null). Raises HFConfigError for
+    another type."""
+    return _get(cfg, key, lambda v: isinstance(v, list), "a list", None)
+
+
+def rope_dict(cfg: dict) -> dict | None:
+    """RoPE's settings: transformers 5's ``rope_parameters``, else transformers 4's
+    ``rope_scaling`` (each an object or null). Raises HFConfigError for another type."""
+    return read_dict(cfg, "rope_parameters") or read_dict(cfg, "rope_scaling")
+
+
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
 
 
@@ -151,8 +170,8 @@ def activation(act: str | None, gated: bool) -> str | None:
 
 def rope_param(cfg: dict, key: str) -> float | None:
     """``rope_parameters[key]``: where transformers 5 keeps RoPE's settings (None: absent)."""
-    params = cfg.get("rope_parameters")
-    return read_float(params, key) if isinstance(params, dict) else None
+    params = read_dict(cfg, "rope_parameters")
+    return read_float(params, key) if params is not None else None
 
 
 def rope_theta(cfg: dict) -> float | None:
@@ -432,5 +451,6 @@ def llama_like_problems(m: ModelKeys) -> list[str]:
 
 __all__ = ["FEATURES", "Family", "GEMMA_KEYS", "HF_ACTIVATIONS", "HFConfigError", "HFWeightsError", "Problem",
            "Source", "activation", "decoder_config", "decoder_keys", "drop_none", "foreign_problems", "layer_types",
-           "llama_config", "llama_like_problems", "read_bool", "read_float", "read_int", "read_layers", "read_str",
-           "rope_param", "rope_parameters", "rope_scaling_keys", "rope_theta", "router", "whole", "window_pattern"]
+           "llama_config", "llama_like_problems", "read_bool", "read_dict", "read_float", "read_int", "read_layers",
+           "read_list", "read_str", "rope_dict", "rope_param", "rope_parameters", "rope_scaling_keys", "rope_theta",
+           "router", "whole", "window_pattern"]

@@ -22,7 +22,7 @@ from typing import Any
 
 from parcompile.core.families.base import (Family, HFConfigError, Source, activation, drop_none, llama_config,
                                            read_bool, read_float, read_int, read_layers, read_str,
-                                           rope_scaling_keys, rope_theta, router)
+                                           rope_dict, rope_scaling_keys, rope_theta, router)
 from parcompile.core.families.llama import GATED_MLP, llama_style, qwen3_moe_sources
 from parcompile.core.model import ModelKeys
 
@@ -100,7 +100,7 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     experts = read_int(c, "n_routed_experts")
     moe = bool(experts) and (layers is None or dense is None or dense < layers)
     q_lora = read_int(c, "q_lora_rank")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    rope = rope_dict(cfg)
     theta = rope_theta(cfg)
     max_pos = read_int(c, "max_position_embeddings")
     return drop_none({

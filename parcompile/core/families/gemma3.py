@@ -14,9 +14,9 @@ import json
 from typing import Any
 
 from parcompile.core.families.base import (GEMMA_KEYS, HF_ACTIVATIONS, Family, HFConfigError, Source,
-                                           decoder_keys, drop_none, layer_types, llama_config, read_bool, read_float,
-                                           read_int, read_str, rope_parameters, rope_scaling_keys, whole,
-                                           window_pattern)
+                                           decoder_keys, drop_none, layer_types, llama_config, read_bool, read_dict,
+                                           read_float, read_int, read_list, read_str, rope_parameters,
+                                           rope_scaling_keys, whole, window_pattern)
 from parcompile.core.families.llama import llama_sources, llama_style
 from parcompile.core.model import ModelKeys, rotary_dim
 
@@ -48,16 +48,16 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
                                 help=f"set `{key}` to null in a copy of the config.json (Gemma 3 has none)")
     if read_bool(cfg, "use_bidirectional_attention", False):
         raise HFConfigError("`use_bidirectional_attention` = true: parcompile models causal decoders only")
-    kinds = cfg.get("layer_types")
-    if isinstance(kinds, list):
+    kinds = read_list(cfg, "layer_types")
+    if kinds is not None:
         pattern = window_pattern(kinds, "gemma3_text")
     else:
         pattern = read_int(cfg, "sliding_window_pattern", d["sliding_window_pattern"])
     window = read_int(cfg, "sliding_window", d["sliding_window"])
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    full = params.get("full_attention") if isinstance(params.get("full_attention"), dict) else {}
-    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else {}
-    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    params = read_dict(cfg, "rope_parameters") or {}
+    full = read_dict(params, "full_attention") or {}
+    local = read_dict(params, "sliding_attention") or {}
+    scaling = read_dict(cfg, "rope_scaling") or {}
     full = {**scaling, **full}
     if local.get("rope_type", "default") != "default":
         raise HFConfigError(f"RoPE scaling `{local.get('rope_type')}` of the sliding-window layers is not modelled")

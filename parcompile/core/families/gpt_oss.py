@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from parcompile.core.families.base import (Family, HFConfigError, Source, decoder_keys, drop_none, layer_types,
-                                           llama_config, read_bool, read_float, read_int, rope_scaling_keys,
+                                           llama_config, read_bool, read_float, read_int, read_list, rope_dict,
+                                           rope_scaling_keys,
                                            window_pattern)
 from parcompile.core.families.llama import llama_sources, llama_style
 from parcompile.core.model import ModelKeys
@@ -37,10 +38,11 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     attention sinks, sliding-window and full layers alternating (``layer_types``), YaRN RoPE."""
     base = decoder_keys(cfg, common)
     d = GPT_OSS_DEFAULTS
-    kinds = cfg.get("layer_types")
-    pattern = window_pattern(kinds, "gpt_oss") if isinstance(kinds, list) else 2
+    kinds = read_list(cfg, "layer_types")
+    pattern = window_pattern(kinds, "gpt_oss") if kinds is not None else 2
     window = read_int(cfg, "sliding_window", d["sliding_window"])
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else d["rope_parameters"]
+    rope = rope_dict(cfg)   # the hub's config.json (transformers 4) writes `rope_scaling`
+    rope = d["rope_parameters"] if rope is None else rope
     theta = read_float(rope, "rope_theta", read_float(cfg, "rope_theta", 150000.0))
     if not read_bool(cfg, "attention_bias", d["attention_bias"]):
         raise HFConfigError("`attention_bias` = false in a gpt_oss config.json cannot be mapped: its experts have "

@@ -34,7 +34,7 @@ from typing import Any
 
 from parcompile.core.families.base import (Family, HFConfigError, Source, activation, decoder_keys, drop_none,
                                            llama_config, llama_like_problems, read_bool, read_float, read_int,
-                                           read_str, rope_scaling_keys, rope_theta)
+                                           read_list, read_str, rope_dict, rope_scaling_keys, rope_theta)
 from parcompile.core.model import ModelKeys
 
 #: transformers' default `max_window_layers` of Qwen2Config and Qwen3Config
@@ -103,7 +103,7 @@ def _qwen_window(cfg: dict, layers: int | None, sliding: int | None) -> int | No
     `use_sliding_window`, and then only for the layers in `layer_types` marked
     "sliding_attention"; without `layer_types`, the layers i >= `max_window_layers`
     (default 28), so a model of at most 28 layers has none."""
-    kinds = cfg.get("layer_types")
+    kinds = read_list(cfg, "layer_types")
     window_layers = read_int(cfg, "max_window_layers")
     if window_layers is None:
         window_layers = QWEN_MAX_WINDOW_LAYERS
@@ -149,7 +149,7 @@ def _keys(model_type: str, cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
         "activation": activation(read_str(cfg, "hidden_act", "silu"), gated=True),
         "position": "rope",
         "rope_theta": rope_theta(cfg),
-        **rope_scaling_keys(cfg.get("rope_parameters") or cfg.get("rope_scaling")),
+        **rope_scaling_keys(rope_dict(cfg)),
         "bias": bool(read_bool(cfg, "attention_bias", False) and read_bool(cfg, "mlp_bias", False)),
         "qkv_bias": True if model_type == "qwen2" else read_bool(cfg, "attention_bias"),
         "sliding_window": sliding,
