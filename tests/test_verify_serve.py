@@ -58,7 +58,7 @@ def _config(kw: dict):
 def _corrupt_kv_mapping(mini_dir) -> None:
     program = mini_dir / "serve.py"
     text = program.read_text()
-    assert text.count(KV_MAPPING) == 1, "the serve program's kv-head rule moved: update this test"
+    assert text.count(KV_MAPPING) == 2, "the serve program's kv-head rule (wk, wv) moved: update this test"
     program.write_text(text.replace(KV_MAPPING, WRONG_KV_MAPPING))
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 from typing import Protocol
 import shutil
 import tempfile
@@ -25,9 +24,8 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
-from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
+from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
-from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -206,6 +204,14 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "aux_loss_scale": repr(aux),
         "seq_ranks": seq_ranks,
         "zero_comment": zero_comment,
+        # the step's ZeRO comments (the program's ZERO constant decides what runs)
+        "begin_step_note": "" if p.zero != 3 else " " * 40 + "# ZeRO-3: " + (
+            "every bucket gathered just in time" if p.pp == 1 else
+            "gather the embedding/output buckets; layer buckets just in time"),
+        "reduce_note": f"finish the buckets' {'all-reduces' if p.zero == 0 else 'reduce-scatters'} over dp; then tied "
+                       f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
+        "step_note": "then all-gather the updated shards" if p.zero in (1, 2) else "",
+        "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
         "sp": sp,
         "t_attn": z.t_attn,
         "t_local": z.t_residual,
@@ -297,66 +303,54 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
         c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
-    kinds = []
-    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
-        if layer is not None:
-            subs = {"attn": Submodule("attn", "Attention(i, tp, cp)", ", pos"), "mlp": Submodule("mlp", mlp)}
-            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs))
-    block = kinds[0]
-    if len(kinds) == 2:
-        dense, moe = kinds
-        mlp_line = "self.mlp = MLP(i, tp)"
-        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe.init if ln != "self.mlp = MoE(i, tp, experts)"] \
-                or dense.forward != moe.forward:
-            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
-                             "the program writes one Block class")
-        block = dataclasses.replace(moe, init=tuple(
-            "self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
-            for ln in dense.init))
+    block = _block_methods(pd, "Attention(i, tp, cp)", "MoE(i, tp, experts)")
     sig = "i: int, tp: rt.Axis, cp: rt.Axis" + (", experts: rt.ExpertAxes" if pd.moe_layer is not None else "")
     out["block_methods"] = block.text(sig)
     return out
 
 
-@dataclass(frozen=True)
-class HeadStatement:
-    """One per-head op of the attention module as the program writes it
-    (:meth:`LayerData.head_ops`, formatted by its kind's :class:`~parcompile.ir.ops.Code`
-    row): ``build`` the module's ``__init__`` line (None: a plain function), ``call`` the
-    forward statement, each with its comment."""
+def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) -> Methods:
+    """Block's ``__init__`` and ``forward`` written from the graph's layers (one class for
+    both layer kinds: only its ``mlp`` module differs, ``MLP(i, tp)`` or ``moe``); ``attn``
+    builds the attention module; ``serve``: the serving program's (:func:`methods`).
 
-    build: str | None
-    build_comment: str
-    call: str
-    call_comment: str
+    Raises:
+        ValueError: a dense and a MoE layer that differ outside their MLP."""
+    kinds = []
+    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, moe)):
+        if layer is not None:
+            subs = {"attn": Submodule("attn", attn, ", pos"), "mlp": Submodule("mlp", mlp)}
+            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs, serve=serve))
+    block = kinds[0]
+    if len(kinds) == 2:
+        dense, moe_kind = kinds
+        mlp_line, moe_line = "self.mlp = MLP(i, tp)", f"self.mlp = {moe}"
+        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe_kind.init if ln != moe_line] \
+                or dense.forward != moe_kind.forward:
+            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
+                             "the program writes one Block class")
+        block = dataclasses.replace(moe_kind, init=tuple(
+            f"self.mlp = {moe} if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
+            for ln in dense.init))
+    return block
 
 
-def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[HeadStatement]:
-    """The attention module's per-head ops (qk-norm, RoPE, ...) of ``layer`` as program
-    lines, from the op table's :class:`~parcompile.ir.ops.Code` rows alone; ``serve``: the
-    serving program's calls. The layer index in names is written ``{i}``."""
-    out = []
-    prefix = f"layers.{layer.index}.attn."
-    for op, var in layer.head_ops():
-        code = code_of(op.kind, dict(op.attrs))
-        attr = op.name.removeprefix(prefix)
-        build = None
-        comment = ""
-        if code.module is not None:
-            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args if op.attr(a, None) is not None)
-            build = f'self.{attr} = rt.{code.module}(f"layers.{{i}}.attn.{attr}"{args}, seed=SEED, tp=tp)'
-            partial = sorted({a for axes in op.grad_partial for a in axes})
-            if "tp" in partial:
-                key = "sp_norm_grads" if sp else "tp_partial_grads"
-                comment = (f"replicated weight; each rank sums its own heads' gradient, all-reduced "
-                           f"over tp with the step ({key})")
-            elif op.grad_partial:
-                comment = "its gradient is whole on every rank"
-        call = (code.serve_call if serve and code.serve_call else code.call).format(self=f"self.{attr}", x=var)
-        what = code.comment or op.kind
-        if op.collectives:
-            what += "; " + calls_comment(op, layer.index)
-        out.append(HeadStatement(build, comment, f"{var} = {call}", what))
+def _serve_classes(pd: ProgramData) -> dict:
+    """The serving program's decoder-layer classes written op by op from the serve plan's
+    sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
+    over the KV cache (multi-head latent attention: the runtime's ``MLAttention.serve``,
+    one module), the dense MLP and Block."""
+    layer = pd.dense_layer or pd.moe_layer
+    mla = layer.op("attn.wkv_a") is not None
+    windows = {x.op("attn.core").attr("window") for x in pd.layers}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    out = {"mlp_doc": "", "mlp_class": "", "attn_class": ""}
+    if pd.dense_layer is not None and pd.dense_layer.op("mlp.w1") is not None:
+        out["mlp_doc"] = mlp_doc(pd.dense_layer, "mlp")
+        out["mlp_class"] = module_methods(pd.dense_layer, "mlp", pd.ops, serve=True).text("i: int, tp: rt.Axis")
+    if not mla:
+        out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, serve=True).text("i: int, tp: rt.Axis")
+    out["block_methods"] = _block_methods(pd, "Attention(i, tp)", "MoE(i, tp)", serve=True).text("i: int, tp: rt.Axis")
     return out
 
 
@@ -531,9 +525,8 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
+        **_serve_classes(pd),
         "mla": layer.op("attn.wkv_a") is not None,
-        "head_ops": [] if layer.op("attn.wkv_a") is not None else _head_statements(layer, pd.sequence_parallel,
-                                                                                     serve=True),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
