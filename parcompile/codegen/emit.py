@@ -265,24 +265,26 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     }
 
 
-def _moe_methods(pd: ProgramData, norm_topk_prob: bool) -> str:
+def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> str:
     """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
     (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
     graph's local expert count) and, where the graph has them, the shared experts'
-    MLP and their sum."""
+    MLP and their sum. ``serve``: the serving program's (the same dispatch, decode-sized:
+    top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
     layer = pd.moe_layer
     full = f"layers.{layer.index}.mlp."
     experts = layer.op("mlp.experts")
     local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
-    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "{experts.attr("activation")}", '
-              f"experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE{'' if norm_topk_prob else ', norm_topk_prob=False'}"
+    top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
+    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
+              f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
               f"{_moe_extra(pd)}, local_experts={local})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
                                  show_calls=True)}
     if layer.op("mlp.shared.w1") is not None:
         subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
-    return methods(ops, layer.index, full, pd.ops, subs).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+    return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
 
 
 def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
@@ -335,7 +337,7 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
     return block
 
 
-def _serve_classes(pd: ProgramData) -> dict:
+def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     """The serving program's decoder-layer classes written op by op from the serve plan's
     sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
     over the KV cache (multi-head latent attention: the runtime's ``MLAttention.serve``,
@@ -344,14 +346,52 @@ def _serve_classes(pd: ProgramData) -> dict:
     mla = layer.op("attn.wkv_a") is not None
     windows = {x.op("attn.core").attr("window") for x in pd.layers}
     tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
-    out = {"mlp_doc": "", "mlp_class": "", "attn_class": ""}
-    if pd.dense_layer is not None and pd.dense_layer.op("mlp.w1") is not None:
-        out["mlp_doc"] = mlp_doc(pd.dense_layer, "mlp")
-        out["mlp_class"] = module_methods(pd.dense_layer, "mlp", pd.ops, serve=True).text("i: int, tp: rt.Axis")
+    out = {"mlp_doc": "", "mlp_class": "", "attn_class": "", "shared_doc": "", "shared_class": ""}
+    for key, mlp_layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
+        if mlp_layer is not None and mlp_layer.op(f"{prefix}.w1") is not None:
+            out[f"{key}_doc"] = mlp_doc(mlp_layer, prefix)
+            out[f"{key}_class"] = module_methods(mlp_layer, prefix, pd.ops, serve=True).text("i: int, tp: rt.Axis")
+    out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
+    if pd.moe_layer is not None:
+        out.update(_serve_moe(pd, norm_topk_prob))
+        if out["moe_expert_parallel"]:
+            moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
+        else:
+            out["shared_doc"] = out["shared_class"] = ""   # TensorParallelMoE runs the shared experts itself
     if not mla:
         out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, serve=True).text("i: int, tp: rt.Axis")
-    out["block_methods"] = _block_methods(pd, "Attention(i, tp)", "MoE(i, tp)", serve=True).text("i: int, tp: rt.Axis")
+    sig = "i: int, tp: rt.Axis" + (", experts: rt.ExpertAxes" if out["block_args"] else "")
+    out["block_methods"] = _block_methods(pd, "Attention(i, tp)", moe, serve=True).text(sig)
     return out
+
+
+def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
+    """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
+    all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
+    :func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
+    serves it (TensorParallelMoE: tokens routed alike on every rank, the shared experts in
+    the same partial sums, one all-reduce)."""
+    layer = pd.moe_layer
+    ep = any(c.axis == "ep" for c in layer.op("mlp.dispatch").collectives)
+    if ep:
+        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, norm_topk_prob, serve=True),
+                "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
+                           "ep to the rank holding its expert, the rows return weighted by the router"}
+    experts, shared = layer.op("mlp.experts"), layer.op("mlp.shared.w1")
+    args = "" if norm_topk_prob else ", norm_topk_prob=False"
+    if shared is not None:
+        args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
+    build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
+             f'"{experts.attr("activation")}", tp, SEED{args}{_moe_extra(pd)}, local_experts={experts.param_local[0][0]})')
+    full = f"layers.{layer.index}.mlp."
+    ops = tuple(o for o in layer.ops if o.name.startswith(full))
+    members = tuple(o.name.removeprefix(full) for o in ops)
+    sub = {"experts": Submodule("experts", build, members=members, show_calls=False)}
+    return {"moe_expert_parallel": False,
+            "moe_class": methods(ops, layer.index, full, pd.ops, sub, serve=True).text("i: int, tp: rt.Axis"),
+            "moe_doc": "tensor parallel as vLLM serves it (runtime/moe.py: TensorParallelMoE):\n    every expert on "
+                       "every rank, tokens routed alike on each rank (no all-to-all), one all-reduce of the partial "
+                       "sums"}
 
 
 def _layer_kinds(pd: ProgramData) -> dict:
@@ -525,22 +565,19 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
-        **_serve_classes(pd),
+        **_serve_classes(pd, m.norm_topk_prob),
         "mla": layer.op("attn.wkv_a") is not None,
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
         "ffn_local": z.ffn,
-        # mixture of experts (runtime/moe.py: TensorParallelMoE): every expert on every rank,
-        # its inner width split over tp (a serve layout has expert_tp = tp, ep = 1: frontend/checks.py)
+        # mixture of experts (runtime/moe.py: MoELayer, training's dispatch): the experts over ep,
+        # each one's inner width over expert_tp (a serve layout has expert_tp = tp: frontend/checks.py)
         "moe": m.experts > 0,
         "has_dense": pd.dense_layer is not None,
         "expert_ffn_local": z.expert_ffn or 0,
-        "moe_args": ("" if m.norm_topk_prob else ", norm_topk_prob=False")
-                    + (f", shared_ffn=SHARED_FFN, shared_bias={m.bias}" if m.shared_experts else "")
-                    + _moe_extra(pd),   # the training MoE's own arguments (gpt-oss: biases, clamp)
-        "moe_leave": "all_reduce(tp) of the partial sums" if p.tp > 1 else tp_one,
+        "experts_local": z.experts or 0,
         "rope_dim": rotary_dim(m),
         "torch_dtype": TORCH_NAMES[m.dtype],
         "device": cfg.cluster.device_kind,
