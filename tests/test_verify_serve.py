@@ -46,6 +46,10 @@ CASES = {
     "deepseek_v3_mla_tp2": dict(tp=2, model=DEEPSEEK_V3),
     # Gemma 3: local sliding-window layers (a cache of the window) and global ones, tied embeddings
     "gemma3_sliding_window_tp2_pp2": dict(tp=2, pp=2, model=GEMMA3),
+    # MoE with the experts split over ep inside the tp group: training's all-to-all dispatch,
+    # decode-sized, beside a dense layer and shared experts split over tp (issue 33)
+    "moe_ep2_tp2": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1, dense_layers=1),
+                        parallel=dict(ep=2, expert_tp=1)),
 }
 WRONG = {"tp4_kv2_wrong_kv_mapping": dict(tp=4, model=dict(heads=8, kv_heads=2))}
 
@@ -98,6 +102,10 @@ def test_serve_layout_matches_single_process(case, verified, request):
             assert r["cache_bytes"] == sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][r["stage"]]
     if case == "tp4_kv2_replicated":
         assert result.plan["model"]["kv_head_replicas"] == 2 and result.mini.model.kv_heads == 2
+    if case == "moe_ep2_tp2":   # the experts split over ep: each rank holds half, rows go by all-to-all
+        assert result.plan["degrees"]["ep"] == 2 and result.plan["degrees"]["expert_tp"] == 1
+        for r in result.records:
+            assert any(c["op"] == "all_to_all" and c["axis"] == "ep" and c["count"] > 0 for c in r["comm"]), r["comm"]
     if case.startswith("gemma3"):   # the local layers' caches hold their window only
         assert mem[0]["kv_cache"] < sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][0]
 
