@@ -567,6 +567,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         **_layer_kinds(pd),
         **_serve_classes(pd, m.norm_topk_prob),
         "mla": layer.op("attn.wkv_a") is not None,
+        **_cache_layout(layer, plan["model"]["kv_heads_per_rank"]),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
@@ -586,6 +587,23 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "weights_repr": repr(weights),
         "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",
     }
+
+
+def _cache_layout(layer: LayerData, kv_local: int) -> dict:
+    """What the KV cache of a serving rank holds per layer and token, as the program's
+    constants: ``kv_local`` kv heads of HEAD_DIM for k and for v, or under multi-head latent
+    attention (``attn.wkv_a`` in the graph) one latent of KV_LORA_RANK and the shared RoPE key
+    of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's ``v_dim``)."""
+    wkv_a = layer.op("attn.wkv_a")
+    if wkv_a is not None:
+        latent = wkv_a.attr("out_dim").size
+        return {"cache_heads": "1", "cache_dim": "KV_LORA_RANK", "cache_v": ", v_dim=QK_ROPE_HEAD_DIM",
+                "cache_doc": "The latent cache of this rank's layers: the latent and the RoPE key, "
+                             f"{latent} values per layer and token."}
+    head_dim = layer.op("attn.wk").attr("out_dim").unit
+    return {"cache_heads": "KV_LOCAL", "cache_dim": "HEAD_DIM", "cache_v": "",
+            "cache_doc": f"The KV cache of this rank's layers: 2 x {kv_local} kv head(s) x {head_dim} values per "
+                         "layer and token."}
 
 
 def render_serve(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:
