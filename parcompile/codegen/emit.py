@@ -398,7 +398,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
     gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
     (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
-    embedding's scale, the attention's score scale, sandwich norms."""
+    embedding's scale, the attention's score scale (MLA's serving module)."""
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
@@ -409,7 +409,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
     norm = first.op("attn_norm")
     emb = pd.ops["embedding"]
     core = first.op("attn.core")
-    gated = next((o.kind for x in layers for o in x.ops if o.kind in ("swiglu", "geglu")), "")
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
@@ -419,12 +418,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
         "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
                        + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
-        "sandwich": first.op("attn_post_norm") is not None,
-        "sinks": bool(core.attr("sinks", False)),
-        "moe_extra": _moe_extra(pd),
-        "gated_fn": f"rt.{gated}" if gated else "",
-        "gated_name": {"swiglu": "SwiGLU", "geglu": "GeGLU"}.get(gated, ""),
-        "gated_what": {"swiglu": "silu(gate) * up", "geglu": "gelu_tanh(gate) * up"}.get(gated, ""),
     }
 
 
@@ -562,7 +555,6 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "heads_local": z.heads,
         "vocab_local": z.vocab,
         "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
-        "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
         **_serve_classes(pd, m.norm_topk_prob),
@@ -572,7 +564,6 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
-        "ffn_local": z.ffn,
         # mixture of experts (runtime/moe.py: MoELayer, training's dispatch): the experts over ep,
         # each one's inner width over expert_tp (a serve layout has expert_tp = tp: frontend/checks.py)
         "moe": m.experts > 0,
