@@ -175,3 +175,12 @@ def test_the_templates_branch_on_no_parallel_degree(name):
     text = _template(name)
     assert [c.strip() for c in _branch_conditions(text) if PARALLEL_READS.search(c)] == []
     assert PARALLEL_READS.findall(_tags(text))   # the check sees the reads that remain: printed values
+
+
+def test_mla_checks_the_programs_local_heads():
+    """The serving program's MLA module states its heads per rank (the graph's); the runtime
+    checks them and derives nothing the program did not say."""
+    args = ("m", 16, 4, 0, 8, 4, 2, 4, ONE, 0, 0.02, False, 1e-5)
+    rt.MLAttention(*args, heads_local=4)
+    with pytest.raises(ValueError, match="expects 2 heads per rank"):
+        rt.MLAttention(*args, heads_local=2)
