@@ -17,7 +17,7 @@ import pytest
 from parcompile.diagnostics import SpecError
 from parcompile.verify import (SERVE_NEW_TOKENS, Tolerances, kv_cache_check, miniature, serve_miniature,
                                serve_prompts)
-from tests.serve_utils import serve_config
+from tests.serve_utils import measured_collectives, planned_collectives, serve_config
 from tests.verify_batch import result_of, verify_fixture
 
 #: the tp rank -> kv head rule of the generated serve program, and a wrong one (rank r takes
@@ -106,6 +106,17 @@ def test_serve_layout_matches_single_process(case, verified, request):
         assert result.plan["degrees"]["ep"] == 2 and result.plan["degrees"]["expert_tp"] == 1
         for r in result.records:
             assert any(c["op"] == "all_to_all" and c["axis"] == "ep" and c["count"] > 0 for c in r["comm"]), r["comm"]
+        # the serving estimate (costed from the graph) counts the collectives the program runs:
+        # bytes exactly, the all-to-alls' (routing decides theirs) by count
+        planned = planned_collectives(result.mini, SERVE_NEW_TOKENS)
+        for r in result.records:
+            want = planned[r["stage"]]
+            got = measured_collectives(r)
+            assert {k: n for k, n in got.items() if k[0] != "all_to_all"} == \
+                {k: n for k, n in want.items() if k[0] != "all_to_all"}, r["rank"]
+            # (a record may hold several all-to-all entries of equal bytes: routed rows apart)
+            a2a = sum(c["count"] for c in r["comm"] if (c["op"], c["axis"]) == ("all_to_all", "ep"))
+            assert a2a == sum(n for k, n in want.items() if k[:2] == ("all_to_all", "ep")) > 0, r["rank"]
     if case.startswith("gemma3"):   # the local layers' caches hold their window only
         assert mem[0]["kv_cache"] < sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][0]
 
