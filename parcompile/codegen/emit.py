@@ -559,7 +559,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         **_layer_kinds(pd),
         **_serve_classes(pd, m.norm_topk_prob),
         "mla": layer.op("attn.wkv_a") is not None,
-        **_cache_layout(layer, plan["model"]["kv_heads_per_rank"]),
+        **_cache_layout(layer, plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
@@ -580,19 +580,25 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
     }
 
 
-def _cache_layout(layer: LayerData, kv_local: int) -> dict:
+def _cache_layout(layer: LayerData, kv_local: int, replicas: int) -> dict:
     """What the KV cache of a serving rank holds per layer and token, as the program's
-    constants: ``kv_local`` kv heads of HEAD_DIM for k and for v, or under multi-head latent
-    attention (``attn.wkv_a`` in the graph) one latent of KV_LORA_RANK and the shared RoPE key
-    of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's ``v_dim``)."""
+    constants: ``kv_local`` kv heads of HEAD_DIM for k and for v (each on ``replicas`` tp
+    ranks), or under multi-head latent attention (``attn.wkv_a`` in the graph) one latent of
+    KV_LORA_RANK and the shared RoPE key of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's
+    ``v_dim``); ``cache_header`` says so in the program's docstring."""
     wkv_a = layer.op("attn.wkv_a")
     if wkv_a is not None:
         latent = wkv_a.attr("out_dim").size
+        rope = layer.op("attn.rope_k")   # the shared RoPE key (latent_rope)
+        header = (f"the latent ({latent - rope.local_shape[-1]}) and RoPE key ({rope.local_shape[-1]}) per token, "
+                  "replicated on every tp rank")
         return {"cache_heads": "1", "cache_dim": "KV_LORA_RANK", "cache_v": ", v_dim=QK_ROPE_HEAD_DIM",
+                "cache_header": header,
                 "cache_doc": "The latent cache of this rank's layers: the latent and the RoPE key, "
                              f"{latent} values per layer and token."}
     head_dim = layer.op("attn.wk").attr("out_dim").unit
-    return {"cache_heads": "KV_LOCAL", "cache_dim": "HEAD_DIM", "cache_v": "",
+    header = f"{kv_local} kv head(s) per rank" + (f", each replicated on {replicas} ranks" if replicas > 1 else "")
+    return {"cache_heads": "KV_LOCAL", "cache_dim": "HEAD_DIM", "cache_v": "", "cache_header": header,
             "cache_doc": f"The KV cache of this rank's layers: 2 x {kv_local} kv head(s) x {head_dim} values per "
                          "layer and token."}
 
