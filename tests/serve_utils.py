@@ -22,8 +22,9 @@ MULTI = HERE / "serve_multi.py"
 _counter = itertools.count()
 
 
-def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s") -> SpecConfig:
-    """A small serve spec on the `cpu` cluster (world = dp * tp * pp)."""
+def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s", parallel=None) -> SpecConfig:
+    """A small serve spec on the `cpu` cluster (world = dp * tp * pp); ``parallel``: more
+    parallel keys (``ep``, ``expert_tp``)."""
     mk = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256, seq_len=32, dtype="fp32")
     mk.update(model or {})
     sk = dict(batch=2, prompt_len=6, max_new_tokens=6, seed=3)
@@ -31,7 +32,7 @@ def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s") -> SpecC
     world = dp * tp * pp
     return SpecConfig(name=name, model=ModelConfig(**mk),
                       cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=world),
-                      parallel=ParallelConfig(dp=dp, tp=tp, pp=pp), workload="serve", serve=ServeConfig(**sk))
+                      parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, **(parallel or {})), workload="serve", serve=ServeConfig(**sk))
 
 
 def build_serve(cfg: SpecConfig, out: Path) -> dict:

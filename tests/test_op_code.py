@@ -124,18 +124,63 @@ def test_moe_layer_checks_the_programs_local_expert_count():
         rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)
 
 
-def test_the_model_and_stage_of_the_template_read_no_parallel_setting():
-    """The decoder-layer classes are written from the sharded graph: from ``class
-    Attention`` to ``def main`` the training template reads nothing of the parallel block
-    (``p.``, ``sp``); the degrees and recomputation reach it as graph facts."""
+#: each template's model section (the decoder-layer classes and the Stage), first line to end
+MODEL_SECTIONS = {"program.py.j2": ("class Attention", "def main"), "serve.py.j2": ("class Attention", "def generate")}
+#: a read of the parallel block (``p.tp``, ``p.zero``, ...) or of sequence parallelism
+PARALLEL_READS = re.compile(r"\bp\.\w+|\bsp\b")
+
+
+def _template(name: str) -> str:
     from pathlib import Path
 
     import parcompile.codegen
 
-    text = (Path(parcompile.codegen.__file__).parent / "templates" / "program.py.j2").read_text()
-    tags = lambda part: " ".join(re.findall(r"{{.*?}}|{%.*?%}", part, re.S))   # noqa: E731
-    reads = re.compile(r"\bp\.\w+|\bsp\b")
-    assert reads.findall(tags(text[text.index("class Attention"):text.index("class Stage")])) == []
-    assert "p.zero" in reads.findall(tags(text[text.index("class Stage"):]))   # the check can see a read (main's)
-    stage = text[text.index("class Stage"):text.index("def main")]
-    assert reads.findall(tags(stage)) == []   # the Stage too: cp positions, full recomputation, the head's keep-split
+    return (Path(parcompile.codegen.__file__).parent / "templates" / name).read_text()
+
+
+def _tags(part: str) -> str:
+    return " ".join(re.findall(r"{{.*?}}|{%.*?%}", part, re.S))
+
+
+def _branch_conditions(part: str) -> list[str]:
+    """The conditions a template decides on: ``{% if/elif ... %}`` blocks and inline
+    ``{{ a if cond else b }}`` expressions."""
+    blocks = re.findall(r"{%-?\s*(?:el)?if\b(.*?)-?%}", part, re.S)
+    inline = [m for expr in re.findall(r"{{(.*?)}}", part, re.S) for m in re.findall(r"\bif\b(.*?)(?:\belse\b|$)", expr, re.S)]
+    return blocks + inline
+
+
+def test_branch_conditions_are_found():   # the checks below can see a branch on a degree
+    text = '{% if p.zero == 3 %}x{% endif %} {{ "a" if sp else "b" }} {{ p.dp }}'
+    assert [PARALLEL_READS.findall(c) for c in _branch_conditions(text)] == [["p.zero"], ["sp"]]
+    assert PARALLEL_READS.findall(_tags(text)) == ["p.zero", "sp", "p.dp"]
+
+
+@pytest.mark.parametrize("name", list(MODEL_SECTIONS))
+def test_the_model_and_stage_of_the_templates_read_no_parallel_setting(name):
+    """The decoder-layer classes are written from the sharded graph: from ``class
+    Attention`` to ``def main`` (serving: ``def generate``) the templates read nothing of
+    the parallel block (``p.``, ``sp``); the degrees and recomputation reach them as graph
+    facts (cp positions, full recomputation, the head's keep-split, the kv-head rule)."""
+    text = _template(name)
+    first, end = MODEL_SECTIONS[name]
+    assert PARALLEL_READS.findall(_tags(text[text.index(first):text.index(end)])) == []
+
+
+@pytest.mark.parametrize("name", list(MODEL_SECTIONS))
+def test_the_templates_branch_on_no_parallel_degree(name):
+    """Issue 31: the templates hold no branch on a parallel degree, anywhere (main's ZeRO
+    decisions are the program's ``ZERO`` read by runtime calls, or comments emit writes);
+    a degree is only printed (the header's layout, the constants)."""
+    text = _template(name)
+    assert [c.strip() for c in _branch_conditions(text) if PARALLEL_READS.search(c)] == []
+    assert PARALLEL_READS.findall(_tags(text))   # the check sees the reads that remain: printed values
+
+
+def test_mla_checks_the_programs_local_heads():
+    """The serving program's MLA module states its heads per rank (the graph's); the runtime
+    checks them and derives nothing the program did not say."""
+    args = ("m", 16, 4, 0, 8, 4, 2, 4, ONE, 0, 0.02, False, 1e-5)
+    rt.MLAttention(*args, heads_local=4)
+    with pytest.raises(ValueError, match="expects 2 heads per rank"):
+        rt.MLAttention(*args, heads_local=2)

@@ -216,7 +216,7 @@ def test_the_serve_program_routes_with_the_model_flag(models):
         assert ("norm_topk_prob=False" in text) is (not flag)
         assert "self.mlp = MoE(i, tp) if i >= DENSE_LAYERS else MLP(i, tp)" in text
     mix = (models["mixtral"]["root"] / "one" / "serve.py").read_text()
-    assert "self.mlp = MoE(i, tp)  " in mix and "class MLP" not in mix
+    assert "self.mlp = MoE(i, tp)\n" in mix and "class MLP" not in mix
 
 
 def test_compile_no_longer_warns_that_serving_skips_experts(models):
@@ -288,11 +288,22 @@ def test_gpt_oss_120b_serves_on_one_h100_node():
     assert sv["kv_heads_per_rank"] == 1 and sv["tpot"] > 0
 
 
+
+def test_expert_parallel_serving_splits_the_experts_inside_the_tp_group():
+    """Issue 33: ep x expert_tp = tp serves (the experts over ep inside the tp group):
+    each rank holds E / ep experts at ffn / expert_tp inner units."""
+    d = parcompile.compile(_qwen3_30b(1, ", ep = 2, expert_tp = 4"), filename="s.par").data
+    whole = parcompile.compile(_qwen3_30b(1), filename="s.par").data
+    assert d["degrees"]["ep"] == 2 and d["degrees"]["expert_tp"] == 4
+    # the same experts' bytes per rank (128/2 experts at 768/4 units vs 128 at 768/8), the same router
+    assert d["stages"][0]["params_per_rank"] == whole["stages"][0]["params_per_rank"]
+
+
 @pytest.mark.parametrize("extra, key, message", [
-    (", ep = 2, expert_tp = 4", "ep", "serving with ep = 2 is not supported"),
+    (", ep = 4, expert_tp = 4", "ep", "serving with ep = 4 x expert_tp = 4 != tp = 8"),
     (", expert_tp = 4", "expert_tp", "serving with expert_tp = 4 is not supported"),
 ])
-def test_expert_parallel_serving_is_refused_at_its_key(extra, key, message):
+def test_expert_layouts_serving_cannot_run_are_refused_at_their_key(extra, key, message):
     src = _qwen3_30b(1, extra)
     with pytest.raises(SpecError) as e:
         parcompile.compile(src, filename="s.par")

@@ -17,7 +17,7 @@ import pytest
 from parcompile.diagnostics import SpecError
 from parcompile.verify import (SERVE_NEW_TOKENS, Tolerances, kv_cache_check, miniature, serve_miniature,
                                serve_prompts)
-from tests.serve_utils import serve_config
+from tests.serve_utils import measured_collectives, planned_collectives, serve_config
 from tests.verify_batch import result_of, verify_fixture
 
 #: the tp rank -> kv head rule of the generated serve program, and a wrong one (rank r takes
@@ -46,6 +46,10 @@ CASES = {
     "deepseek_v3_mla_tp2": dict(tp=2, model=DEEPSEEK_V3),
     # Gemma 3: local sliding-window layers (a cache of the window) and global ones, tied embeddings
     "gemma3_sliding_window_tp2_pp2": dict(tp=2, pp=2, model=GEMMA3),
+    # MoE with the experts split over ep inside the tp group: training's all-to-all dispatch,
+    # decode-sized, beside a dense layer and shared experts split over tp (issue 33)
+    "moe_ep2_tp2": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1, dense_layers=1),
+                        parallel=dict(ep=2, expert_tp=1)),
 }
 WRONG = {"tp4_kv2_wrong_kv_mapping": dict(tp=4, model=dict(heads=8, kv_heads=2))}
 
@@ -58,7 +62,7 @@ def _config(kw: dict):
 def _corrupt_kv_mapping(mini_dir) -> None:
     program = mini_dir / "serve.py"
     text = program.read_text()
-    assert text.count(KV_MAPPING) == 1, "the serve program's kv-head rule moved: update this test"
+    assert text.count(KV_MAPPING) == 2, "the serve program's kv-head rule (wk, wv) moved: update this test"
     program.write_text(text.replace(KV_MAPPING, WRONG_KV_MAPPING))
 
 
@@ -98,6 +102,21 @@ def test_serve_layout_matches_single_process(case, verified, request):
             assert r["cache_bytes"] == sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][r["stage"]]
     if case == "tp4_kv2_replicated":
         assert result.plan["model"]["kv_head_replicas"] == 2 and result.mini.model.kv_heads == 2
+    if case == "moe_ep2_tp2":   # the experts split over ep: each rank holds half, rows go by all-to-all
+        assert result.plan["degrees"]["ep"] == 2 and result.plan["degrees"]["expert_tp"] == 1
+        for r in result.records:
+            assert any(c["op"] == "all_to_all" and c["axis"] == "ep" and c["count"] > 0 for c in r["comm"]), r["comm"]
+        # the serving estimate (costed from the graph) counts the collectives the program runs:
+        # bytes exactly, the all-to-alls' (routing decides theirs) by count
+        planned = planned_collectives(result.mini, SERVE_NEW_TOKENS)
+        for r in result.records:
+            want = planned[r["stage"]]
+            got = measured_collectives(r)
+            assert {k: n for k, n in got.items() if k[0] != "all_to_all"} == \
+                {k: n for k, n in want.items() if k[0] != "all_to_all"}, r["rank"]
+            # (a record may hold several all-to-all entries of equal bytes: routed rows apart)
+            a2a = sum(c["count"] for c in r["comm"] if (c["op"], c["axis"]) == ("all_to_all", "ep"))
+            assert a2a == sum(n for k, n in want.items() if k[:2] == ("all_to_all", "ep")) > 0, r["rank"]
     if case.startswith("gemma3"):   # the local layers' caches hold their window only
         assert mem[0]["kv_cache"] < sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][0]
 

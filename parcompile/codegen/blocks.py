@@ -113,6 +113,8 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
              "dim": constants.get(op.dims[-1], str(op.global_shape[-1]))}
+    if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
+        facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
         facts["in_features"] = _size(a["in_dim"])
     if "out_dim" in a:
@@ -164,7 +166,7 @@ def _wrap(stmt: str, wrap: int = WRAP) -> list[str]:
 
 def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
             subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None,
-            constants: Mapping[str, str] = DIM_CONSTANTS) -> Methods:
+            constants: Mapping[str, str] = DIM_CONSTANTS, serve: bool = False) -> Methods:
     """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
@@ -173,13 +175,16 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     is every op by name (an input from outside ``ops``: its shape for the signature's
     comment); ``tables``: the program's expression in ``__init__`` for an attribute that
     differs between layers (``window``: ``LAYER_WINDOWS[i]``); ``constants``: the
-    program's constants for the dims' global sizes.
+    program's constants for the dims' global sizes. ``serve``: the serving program's
+    class (the rows' ``serve_call``/``serve_init``; conversions that move nothing forward
+    dropped, there is no backward; ``pos`` a :class:`~parcompile.runtime.generate.LayerStep`;
+    the step's tokens ``T`` unsized).
 
     Raises:
         ValueError: an op with no Code row, a conversion the runtime has no call for, or
             not exactly one value leaving the ops (the forward's return).
     """
-    return _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants).write()
+    return _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants, serve).write()
 
 
 _Unit = tuple  # (name of the value it gives, OpData or Submodule, operand names, the op whose shape it shows)
@@ -191,9 +196,9 @@ class _Writer:
     each unit's value placed: pending inside its reader's expression, a statement, a
     ``keep_split_input`` block or the return."""
 
-    def __init__(self, ops, layer, prefix, every, subs, tables, constants):
+    def __init__(self, ops, layer, prefix, every, subs, tables, constants, serve=False):
         self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
-        self.subs, self.tables, self.constants = subs, tables, constants
+        self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
         self.names = {o.name for o in ops}
         self.group_ops: dict[str, list[OpData]] = {}
         self.units: list[_Unit] = self._units()
@@ -233,6 +238,12 @@ class _Writer:
         self.indent = ""
         self.needs_pos = False
 
+    def shape(self, op: OpData) -> str:
+        """``op``'s per-rank shape for a comment; serving: ``T`` the step's tokens (the
+        prompt, then 1), not the graph's sequence length."""
+        text = op.shape_comment()
+        return re.sub(r"\bT=\d+", "T", text) if self.serve else text
+
     def _units(self) -> list[_Unit]:
         """The ops in graph order, each sub-module's ops as one unit where the first of them is."""
         group_of: dict[str, str] = {}
@@ -270,8 +281,13 @@ class _Writer:
         return units
 
     def _fold(self) -> None:
-        """Conversions after an op that runs them itself (a row-parallel linear's reduction)."""
+        """Conversions after an op that runs them itself (a row-parallel linear's reduction);
+        serving: conversions whose collectives are all in backward (none run)."""
         for name, op, ins, _ in self.units:
+            if self.serve and isinstance(op, OpData) and op.kind == "redistribute" and ins and not any(
+                    c.phase == "forward" for c in op.collectives):
+                self.alias[name] = ins[0]
+                continue
             if isinstance(op, OpData) and op.kind == "redistribute" and ins and ins[0] in self.codes \
                     and self.codes[ins[0]].fold_after:
                 self.alias[name] = ins[0]
@@ -345,20 +361,23 @@ class _Writer:
             args = "".join(f", {k}={op.attr(k)!r}" for k in code.args if op.attr(k, None) is not None)
             build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
         if build is not None:
-            if any("tp" in axes for axes in op.grad_partial):
+            if not self.serve and any("tp" in axes for axes in op.grad_partial):
                 # the plan's name for that step all-reduce: sequence parallelism's norm
                 # gradients when the module's input is split over tp, else tp-partial ones
                 sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
                 self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
                                  f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
             self.init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
-        for line in (*code.init, *more.pop("init", ())):
+        init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.pop("init", ()))
+        more.pop("init", None)
+        for line in init:
             line = line.format(t=self.tables, **facts)
             if line not in self.once:
                 self.once.append(line)
         extra_notes = more.pop("notes", ())
-        text = code.call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
-        self.needs_pos = self.needs_pos or re.search(r"\bpos\b", code.call) is not None
+        call = code.serve_call if self.serve and code.serve_call is not None else code.call
+        text = call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
+        self.needs_pos = self.needs_pos or re.search(r"\bpos\b", call) is not None
         notes += ([code.comment] if code.comment else []) + list(extra_notes)
         if show.collectives:
             notes.append(calls_comment(show, self.layer))
@@ -369,7 +388,8 @@ class _Writer:
         elif users and all(self.codes.get(u) is not None and self.codes[u].heads_in for u in users):
             # a flat projection read per head: (B, T, heads * d) -> (B, T, heads, d), d the dim's unit
             unit = dict(op.attrs)["out_dim"].unit
-            n = op.local_shape[-1] // unit
+            # a kv projection replicated over kv_replicas ranks holds one head (its Code row)
+            n = 1 if op.attr("kv_replicas", None) else op.local_shape[-1] // unit
             text += f".unflatten(-1, ({n}, {unit}))"
             notes.append(f"{n} head{'s' if n != 1 else ''} of {unit}")
         return code, text
@@ -385,10 +405,10 @@ class _Writer:
         var = self.fresh("x")
         if var == src:   # the gathered input takes the split one's name: keep the split one as xs
             split = self.fresh(src + "s")
-            self.body.append(_comment(f"{split}, {var} = {src}, {text}", show.shape_comment(), notes))
+            self.body.append(_comment(f"{split}, {var} = {src}, {text}", self.shape(show), notes))
         else:
             split = src
-            self.body.append(_comment(f"{var} = {text}", show.shape_comment(), notes))
+            self.body.append(_comment(f"{var} = {text}", self.shape(show), notes))
         self.body.append(_comment(f"with rt.keep_split_input({split}, {var}, self.tp):",
                                   f"backward keeps {split} and all-gathers it again", []))
         self.with_ops, self.indent = set(users), "    "
@@ -408,11 +428,11 @@ class _Writer:
             self._keep_split(name, op, text, texts, notes, show)
             return
         if name in self.outputs:
-            self.body.append(_comment(f"{self.indent}return {text}", show.shape_comment(), notes))
+            self.body.append(_comment(f"{self.indent}return {text}", self.shape(show), notes))
             return
         base = code.var or (texts[0] if texts and texts[0].isidentifier() else "h")
         var = self.fresh(self.preferred(name, base))
-        self.body.append(_comment(f"{self.indent}{var} = {text}", show.shape_comment(), notes))
+        self.body.append(_comment(f"{self.indent}{var} = {text}", self.shape(show), notes))
         self.values[name] = _Value(var, False)
         self.bound[var] = name
         if in_with:
@@ -437,8 +457,9 @@ class _Writer:
             init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
         params = ", ".join(f"x{k}" if k else "x" for k in range(len(self.external)))
         first = self.every.get(self.external[0]) if self.external else None
-        sig = f"def forward(self, {params}{', pos: rt.Positions' if self.needs_pos else ''}):"
-        sig = _comment(sig, f"x: {first.shape_comment()}" if first is not None else "", [], COMMENT_COLUMN + 4)
+        kind = "gen.LayerStep" if self.serve else "rt.Positions"
+        sig = f"def forward(self, {params}{f', pos: {kind}' if self.needs_pos else ''}):"
+        sig = _comment(sig, f"x: {self.shape(first)}" if first is not None else "", [], COMMENT_COLUMN + 4)
         return Methods(tuple(init + self.once), sig.rstrip(), tuple(self.body))
 
 
@@ -450,7 +471,8 @@ def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool
 
 
 def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
-                   tables: Mapping[str, str] | None = None, constants: Mapping[str, str] = DIM_CONSTANTS) -> Methods:
+                   tables: Mapping[str, str] | None = None, constants: Mapping[str, str] = DIM_CONSTANTS,
+                   serve: bool = False) -> Methods:
     """The methods of the module run by ``layer``'s ops named ``layers.<i>.<prefix>.*``
     (``attn``, ``mlp``, a MoE layer's shared experts ``mlp.shared``), with the conversions
     into and out of it (:func:`methods`)."""
@@ -458,7 +480,7 @@ def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
     inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
     ops = [o for o in layer.ops if o.name in inside
            or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
-    return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants)
+    return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants, serve=serve)
 
 
 def _feeds_only(conv: OpData, inside: set[str], layer: LayerData) -> bool:

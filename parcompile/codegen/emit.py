@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 from typing import Protocol
 import shutil
 import tempfile
@@ -25,9 +24,8 @@ import jinja2
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
-from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
+from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
-from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -210,6 +208,14 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "aux_loss_scale": repr(aux),
         "seq_ranks": seq_ranks,
         "zero_comment": zero_comment,
+        # the step's ZeRO comments (the program's ZERO constant decides what runs)
+        "begin_step_note": "" if p.zero != 3 else " " * 40 + "# ZeRO-3: " + (
+            "every bucket gathered just in time" if p.pp == 1 else
+            "gather the embedding/output buckets; layer buckets just in time"),
+        "reduce_note": f"finish the buckets' {'all-reduces' if p.zero == 0 else 'reduce-scatters'} over dp; then tied "
+                       f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
+        "step_note": "then all-gather the updated shards" if p.zero in (1, 2) else "",
+        "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
         "sp": sp,
         "t_attn": z.t_attn,
         "t_local": z.t_residual,
@@ -264,24 +270,26 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     }
 
 
-def _moe_methods(pd: ProgramData, norm_topk_prob: bool) -> str:
+def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> str:
     """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
     (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
     graph's local expert count) and, where the graph has them, the shared experts'
-    MLP and their sum."""
+    MLP and their sum. ``serve``: the serving program's (the same dispatch, decode-sized:
+    top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
     layer = pd.moe_layer
     full = f"layers.{layer.index}.mlp."
     experts = layer.op("mlp.experts")
     local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
-    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "{experts.attr("activation")}", '
-              f"experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE{'' if norm_topk_prob else ', norm_topk_prob=False'}"
+    top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
+    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
+              f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
               f"{_moe_extra(pd)}, local_experts={local})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
                                  show_calls=True)}
     if layer.op("mlp.shared.w1") is not None:
         subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
-    return methods(ops, layer.index, full, pd.ops, subs).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+    return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
 
 
 def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
@@ -302,66 +310,63 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
         c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
-    kinds = []
-    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, "MoE(i, tp, experts)")):
-        if layer is not None:
-            subs = {"attn": Submodule("attn", "Attention(i, tp, cp)", ", pos"), "mlp": Submodule("mlp", mlp)}
-            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs))
-    block = kinds[0]
-    if len(kinds) == 2:
-        dense, moe = kinds
-        mlp_line = "self.mlp = MLP(i, tp)"
-        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe.init if ln != "self.mlp = MoE(i, tp, experts)"] \
-                or dense.forward != moe.forward:
-            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
-                             "the program writes one Block class")
-        block = dataclasses.replace(moe, init=tuple(
-            "self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
-            for ln in dense.init))
+    block = _block_methods(pd, "Attention(i, tp, cp)", "MoE(i, tp, experts)")
     sig = "i: int, tp: rt.Axis, cp: rt.Axis" + (", experts: rt.ExpertAxes" if pd.moe_layer is not None else "")
     out["block_methods"] = block.text(sig)
     return out
 
 
-@dataclass(frozen=True)
-class HeadStatement:
-    """One per-head op of the attention module as the program writes it
-    (:meth:`LayerData.head_ops`, formatted by its kind's :class:`~parcompile.ir.ops.Code`
-    row): ``build`` the module's ``__init__`` line (None: a plain function), ``call`` the
-    forward statement, each with its comment."""
+def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) -> Methods:
+    """Block's ``__init__`` and ``forward`` written from the graph's layers (one class for
+    both layer kinds: only its ``mlp`` module differs, ``MLP(i, tp)`` or ``moe``); ``attn``
+    builds the attention module; ``serve``: the serving program's (:func:`methods`).
 
-    build: str | None
-    build_comment: str
-    call: str
-    call_comment: str
+    Raises:
+        ValueError: a dense and a MoE layer that differ outside their MLP."""
+    kinds = []
+    for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, moe)):
+        if layer is not None:
+            subs = {"attn": Submodule("attn", attn, ", pos"), "mlp": Submodule("mlp", mlp)}
+            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs, serve=serve))
+    block = kinds[0]
+    if len(kinds) == 2:
+        dense, moe_kind = kinds
+        mlp_line, moe_line = "self.mlp = MLP(i, tp)", f"self.mlp = {moe}"
+        if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe_kind.init if ln != moe_line] \
+                or dense.forward != moe_kind.forward:
+            raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
+                             "the program writes one Block class")
+        block = dataclasses.replace(moe_kind, init=tuple(
+            f"self.mlp = {moe} if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
+            for ln in dense.init))
+    return block
 
 
-def _head_statements(layer: LayerData, sp: bool, serve: bool = False) -> list[HeadStatement]:
-    """The attention module's per-head ops (qk-norm, RoPE, ...) of ``layer`` as program
-    lines, from the op table's :class:`~parcompile.ir.ops.Code` rows alone; ``serve``: the
-    serving program's calls. The layer index in names is written ``{i}``."""
-    out = []
-    prefix = f"layers.{layer.index}.attn."
-    for op, var in layer.head_ops():
-        code = code_of(op.kind, dict(op.attrs))
-        attr = op.name.removeprefix(prefix)
-        build = None
-        comment = ""
-        if code.module is not None:
-            args = "".join(f", {a}={op.attr(a)!r}" for a in code.args if op.attr(a, None) is not None)
-            build = f'self.{attr} = rt.{code.module}(f"layers.{{i}}.attn.{attr}"{args}, seed=SEED, tp=tp)'
-            partial = sorted({a for axes in op.grad_partial for a in axes})
-            if "tp" in partial:
-                key = "sp_norm_grads" if sp else "tp_partial_grads"
-                comment = (f"replicated weight; each rank sums its own heads' gradient, all-reduced "
-                           f"over tp with the step ({key})")
-            elif op.grad_partial:
-                comment = "its gradient is whole on every rank"
-        call = (code.serve_call if serve and code.serve_call else code.call).format(self=f"self.{attr}", x=var)
-        what = code.comment or op.kind
-        if op.collectives:
-            what += "; " + calls_comment(op, layer.index)
-        out.append(HeadStatement(build, comment, f"{var} = {call}", what))
+def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+    """The serving program's decoder-layer classes written op by op from the serve plan's
+    sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
+    over the KV cache (multi-head latent attention: the runtime's ``MLAttention.serve``,
+    one module), the dense MLP and Block."""
+    layer = pd.dense_layer or pd.moe_layer
+    mla = layer.op("attn.wkv_a") is not None
+    windows = {x.op("attn.core").attr("window") for x in pd.layers}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    out = {"mlp_doc": "", "mlp_class": "", "attn_class": "", "shared_doc": "", "shared_class": ""}
+    for key, mlp_layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
+        if mlp_layer is not None and mlp_layer.op(f"{prefix}.w1") is not None:
+            out[f"{key}_doc"] = mlp_doc(mlp_layer, prefix)
+            out[f"{key}_class"] = module_methods(mlp_layer, prefix, pd.ops, serve=True).text("i: int, tp: rt.Axis")
+    out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
+    if pd.moe_layer is not None:
+        out.update(_serve_moe(pd, norm_topk_prob))
+        if out["moe_expert_parallel"]:
+            moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
+        else:
+            out["shared_doc"] = out["shared_class"] = ""   # TensorParallelMoE runs the shared experts itself
+    if not mla:
+        out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, serve=True).text("i: int, tp: rt.Axis")
+    sig = "i: int, tp: rt.Axis" + (", experts: rt.ExpertAxes" if out["block_args"] else "")
+    out["block_methods"] = _block_methods(pd, "Attention(i, tp)", moe, serve=True).text(sig)
     return out
 
 
@@ -379,11 +384,40 @@ def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> 
         name = after[0].name
 
 
+def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
+    """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
+    all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
+    :func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
+    serves it (TensorParallelMoE: tokens routed alike on every rank, the shared experts in
+    the same partial sums, one all-reduce)."""
+    layer = pd.moe_layer
+    ep = any(c.axis == "ep" for c in layer.op("mlp.dispatch").collectives)
+    if ep:
+        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, norm_topk_prob, serve=True),
+                "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
+                           "ep to the rank holding its expert, the rows return weighted by the router"}
+    experts, shared = layer.op("mlp.experts"), layer.op("mlp.shared.w1")
+    args = "" if norm_topk_prob else ", norm_topk_prob=False"
+    if shared is not None:
+        args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
+    build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
+             f'"{experts.attr("activation")}", tp, SEED{args}{_moe_extra(pd)}, local_experts={experts.param_local[0][0]})')
+    full = f"layers.{layer.index}.mlp."
+    ops = tuple(o for o in layer.ops if o.name.startswith(full))
+    members = tuple(o.name.removeprefix(full) for o in ops)
+    sub = {"experts": Submodule("experts", build, members=members, show_calls=False)}
+    return {"moe_expert_parallel": False,
+            "moe_class": methods(ops, layer.index, full, pd.ops, sub, serve=True).text("i: int, tp: rt.Axis"),
+            "moe_doc": "tensor parallel as vLLM serves it (runtime/moe.py: TensorParallelMoE):\n    every expert on "
+                       "every rank, tokens routed alike on each rank (no all-to-all), one all-reduce of the partial "
+                       "sums"}
+
+
 def _layer_kinds(pd: ProgramData) -> dict:
     """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
     gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
     (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
-    embedding's scale, the attention's score scale, sandwich norms."""
+    embedding's scale, the attention's score scale (MLA's serving module)."""
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
@@ -394,7 +428,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
     norm = first.op("attn_norm")
     emb = pd.ops["embedding"]
     core = first.op("attn.core")
-    gated = next((o.kind for x in layers for o in x.ops if o.kind in ("swiglu", "geglu")), "")
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
@@ -404,12 +437,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
         "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
                        + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
-        "sandwich": first.op("attn_post_norm") is not None,
-        "sinks": bool(core.attr("sinks", False)),
-        "moe_extra": _moe_extra(pd),
-        "gated_fn": f"rt.{gated}" if gated else "",
-        "gated_name": {"swiglu": "SwiGLU", "geglu": "GeGLU"}.get(gated, ""),
-        "gated_what": {"swiglu": "silu(gate) * up", "geglu": "gelu_tanh(gate) * up"}.get(gated, ""),
     }
 
 
@@ -547,26 +574,21 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "heads_local": z.heads,
         "vocab_local": z.vocab,
         "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
-        "mlp_leave": calls_comment(layer.conversion_after("mlp.w2"), layer.index, tp_one),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
+        **_serve_classes(pd, m.norm_topk_prob),
         "mla": layer.op("attn.wkv_a") is not None,
-        "head_ops": [] if layer.op("attn.wkv_a") is not None else _head_statements(layer, pd.sequence_parallel,
-                                                                                     serve=True),
+        **_cache_layout(layer, plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]),
         "kv_local": plan["model"]["kv_heads_per_rank"],
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
-        "ffn_local": z.ffn,
-        # mixture of experts (runtime/moe.py: TensorParallelMoE): every expert on every rank,
-        # its inner width split over tp (a serve layout has expert_tp = tp, ep = 1: frontend/checks.py)
+        # mixture of experts (runtime/moe.py: MoELayer, training's dispatch): the experts over ep,
+        # each one's inner width over expert_tp (a serve layout has expert_tp = tp: frontend/checks.py)
         "moe": m.experts > 0,
         "has_dense": pd.dense_layer is not None,
         "expert_ffn_local": z.expert_ffn or 0,
-        "moe_args": ("" if m.norm_topk_prob else ", norm_topk_prob=False")
-                    + (f", shared_ffn=SHARED_FFN, shared_bias={m.bias}" if m.shared_experts else "")
-                    + _moe_extra(pd),   # the training MoE's own arguments (gpt-oss: biases, clamp)
-        "moe_leave": "all_reduce(tp) of the partial sums" if p.tp > 1 else tp_one,
+        "experts_local": z.experts or 0,
         "rope_dim": rotary_dim(m),
         "torch_dtype": TORCH_NAMES[m.dtype],
         "device": cfg.cluster.device_kind,
@@ -575,6 +597,29 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "weights_repr": repr(weights),
         "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",
     }
+
+
+def _cache_layout(layer: LayerData, kv_local: int, replicas: int) -> dict:
+    """What the KV cache of a serving rank holds per layer and token, as the program's
+    constants: ``kv_local`` kv heads of HEAD_DIM for k and for v (each on ``replicas`` tp
+    ranks), or under multi-head latent attention (``attn.wkv_a`` in the graph) one latent of
+    KV_LORA_RANK and the shared RoPE key of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's
+    ``v_dim``); ``cache_header`` says so in the program's docstring."""
+    wkv_a = layer.op("attn.wkv_a")
+    if wkv_a is not None:
+        latent = wkv_a.attr("out_dim").size
+        rope = layer.op("attn.rope_k")   # the shared RoPE key (latent_rope)
+        header = (f"the latent ({latent - rope.local_shape[-1]}) and RoPE key ({rope.local_shape[-1]}) per token, "
+                  "replicated on every tp rank")
+        return {"cache_heads": "1", "cache_dim": "KV_LORA_RANK", "cache_v": ", v_dim=QK_ROPE_HEAD_DIM",
+                "cache_header": header,
+                "cache_doc": "The latent cache of this rank's layers: the latent and the RoPE key, "
+                             f"{latent} values per layer and token."}
+    head_dim = layer.op("attn.wk").attr("out_dim").unit
+    header = f"{kv_local} kv head(s) per rank" + (f", each replicated on {replicas} ranks" if replicas > 1 else "")
+    return {"cache_heads": "KV_LOCAL", "cache_dim": "HEAD_DIM", "cache_v": "", "cache_header": header,
+            "cache_doc": f"The KV cache of this rank's layers: 2 x {kv_local} kv head(s) x {head_dim} values per "
+                         "layer and token."}
 
 
 def render_serve(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> str:

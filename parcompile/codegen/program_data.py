@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import code_of, op_collectives
+from parcompile.ir.ops import op_collectives
 from parcompile.ir.types import TensorType, split_axes
 
 #: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
@@ -133,26 +133,6 @@ class LayerData:
     def collectives(self) -> tuple[CollectiveCall, ...]:
         """Every collective the layer's ops run per micro-batch, in graph order."""
         return tuple(c for o in self.ops for c in o.collectives)
-
-    def head_ops(self) -> tuple[tuple[OpData, str], ...]:
-        """The attention module's ops on per-head q, k or v, between the projections and
-        the core, in graph order: those whose kind has a :class:`~parcompile.ir.ops.Code`
-        row (qk-norm, RoPE), each with the tensor it transforms (``q``, ``k`` or ``v``: the
-        projection ``attn.wq``, ``attn.wk`` or ``attn.wv`` its input chain starts at)."""
-        by_name = {o.name: o for o in self.ops}
-        roots = {f"layers.{self.index}.attn.w{v}": v for v in "qkv"}
-        out = []
-        for o in self.ops:
-            code = code_of(o.kind, dict(o.attrs))
-            if code is None or not code.per_head:
-                continue
-            src = o
-            while src.name not in roots:
-                if not src.inputs or src.inputs[0] not in by_name:
-                    raise ValueError(f"{o.name} ({o.kind}) does not read a projection's per-head output")
-                src = by_name[src.inputs[0]]
-            out.append((o, roots[src.name]))
-        return tuple(out)
 
     @property
     def moe(self) -> bool:

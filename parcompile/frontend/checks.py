@@ -965,12 +965,16 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"serving with virtual_stages = {p.virtual_stages} is not supported",
                           ctx.span("parallel.virtual_stages"),
                           help="a token passes each pipeline stage once; set virtual_stages = 1")
-        # the serve program's experts are tensor parallel (vLLM's default): every expert on
-        # every rank, split over tp (runtime/moe.py: TensorParallelMoE)
-        if m.experts > 0 and ctx.ok("parallel.ep") and p.ep > 1:
-            ctx.bag.error(f"serving with ep = {p.ep} is not supported", ctx.span("parallel.ep"),
-                          help="set ep = 1: serving holds every expert on every rank, each expert's inner "
-                               "width split over tp")
+        # the serve program's experts: tensor parallel (vLLM's default: every expert on every
+        # rank, split over tp; runtime/moe.py: TensorParallelMoE), or split over ep inside the tp
+        # group (training's dispatch at decode size: ep x expert_tp = tp; the dp replicas
+        # serve independent requests, so no expert group crosses them)
+        if m.experts > 0 and ctx.ok("parallel.ep", "parallel.tp", "parallel.expert_tp") and p.ep > 1:
+            if p.ep * p.expert_tp != p.tp:
+                ctx.bag.error(f"serving with ep = {p.ep} x expert_tp = {p.expert_tp} != tp = {p.tp}",
+                              ctx.span("parallel.ep"),
+                              help=f"serving splits the experts inside the tp group: set ep x expert_tp = tp "
+                                   f"(ep = {p.tp} and expert_tp = 1, or ep = 1)")
         elif m.experts > 0 and ctx.ok("parallel.expert_tp", "parallel.tp") and p.expert_tp != p.tp:
             ctx.bag.error(f"serving with expert_tp = {p.expert_tp} is not supported: the experts split over "
                           f"tp = {p.tp}", ctx.span("parallel.expert_tp"),

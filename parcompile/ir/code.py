@@ -31,7 +31,10 @@ class Code:
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
-    ``serve_call`` the serving program's (None: the same). ``comment`` says what it does.
+    ``serve_call`` the serving program's (None: the same; its operands ``pos``: the step's
+    :class:`~parcompile.runtime.generate.LayerStep`, the cache and the RoPE tables at the
+    tokens' positions). ``serve_init``: the serving program's ``init`` (None: the same).
+    ``comment`` says what it does.
     ``inline``: its value may be written inside its consumer's expression (False: a
     statement of its own, where the shape comment goes). ``operands``: names for the
     variables holding its operands (``gate``, ``up``). ``var``: the name of its own value.
@@ -68,6 +71,7 @@ class Code:
     #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
     #: operands over itself, from its collectives), ``init`` lines and comment ``notes`` of its own
     facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    serve_init: tuple[str, ...] | None = None
 
 
 _LINEAR_CODE = {
@@ -80,6 +84,11 @@ _LINEAR_CODE = {
     "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
                              "tp, SEED))", keep_split=True),
 }
+#: serving with tp a multiple of kv_heads (vLLM): a kv projection whose heads the graph keeps
+#: whole (attribute ``kv_replicas``, shard-tensor-parallel's mark); each rank holds kv head
+#: ``tp.index // KV_REPLICAS``
+_KV_REPLICATED_CODE = Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
+                                 "shard_index=tp.index // KV_REPLICAS, num_shards=KV_HEADS, local={local})")
 
 
 def _attention_facts(a) -> dict:
@@ -107,6 +116,8 @@ def _attention_facts(a) -> dict:
 
 
 def _linear_code(a) -> Code:
+    if a.get("kv_replicas"):
+        return _KV_REPLICATED_CODE
     return _LINEAR_CODE[a["tp"]]
 
 
@@ -119,7 +130,7 @@ def _norm_code(a) -> Code:
 
 
 def _rope_code(a) -> Code:
-    common = dict(serve_call="gen.apply_rope_at({x}, *rope)", comment="RoPE at the tokens' global positions",
+    common = dict(serve_call="gen.apply_rope_at({x}, *pos.rope)", comment="RoPE at the tokens' global positions",
                   per_head=True, inline=False, var="", heads_in=True, heads_out=True)
     if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
         inter = ", interleave=True" if a.get("interleave") else ""
@@ -130,7 +141,8 @@ def _rope_code(a) -> Code:
 def _add_code(a) -> Code:
     # the residual adds drop out the branch they add (attribute ``dropout``, 0 included)
     if "dropout" in a:
-        return Code(call="{0} + self.drop({1})", var="x", init=("self.drop = nn.Dropout(DROPOUT)",))
+        return Code(call="{0} + self.drop({1})", var="x", init=("self.drop = nn.Dropout(DROPOUT)",),
+                    serve_call="{0} + {1}", serve_init=())
     return Code(call="{0} + {1}", var="y")
 
 
@@ -181,7 +193,9 @@ CODES: dict[str, Any] = {
     "attention": Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
                            "window=self.window, pos=pos)",
                       inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
-                      comment="causal attention"),
+                      comment="causal attention",
+                      # serving: k, v stored into the KV cache, the queries attend the cache so far
+                      serve_call="gen.serve_attention({0}, {1}, {2}, pos, self.window{kw})"),
     # Gemma 2's final soft-cap, on this rank's vocab shard of the logits
     "softcap": Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
     # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)

@@ -74,6 +74,8 @@ class ShardTensorParallel:
             in_types = graph.input_types(n)
             rule = tp_rule(style, nd.op.attr_map, in_types, nd.type, sp)
             if kv_replicated:
+                if rule.out_split == "kv":   # the program's kv projection takes one head (its mark)
+                    graph.set_attrs(n, kv_replicas=tp // cfg.model.kv_heads)
                 rule = _without_kv_split(rule)
             out = nd.sharding
             if rule.out_split:

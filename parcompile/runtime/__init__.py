@@ -47,6 +47,7 @@ from parcompile.runtime.wgrad import linear
 from parcompile.runtime.optim import (
     ReplicatedOptimizer,
     step_optimizer,
+    zero_records,
     build_optimizer,
     clip_gradients,
     grad_norm,

@@ -108,6 +108,41 @@ class StepInput:
     all_positions: bool = False
 
 
+@dataclass
+class LayerStep:
+    """What one decoder layer of a serving step reads besides its input (the generated
+    program's ``pos``, as training's :class:`~parcompile.runtime.context_parallel.Positions`):
+    the ``step``, the ``cache`` (:class:`KVCache` or the paged one), the ``layer``'s index in
+    it, and ``rope``: the (cos, sin) tables at the step's token positions, (B, T, rot) each,
+    or None without RoPE."""
+
+    step: StepInput
+    cache: object
+    layer: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE ``tables`` (cos, sin) (SEQ_LEN, rot) at ``positions`` (B, T) -> (B, T, rot)
+    each on ``device``; None without RoPE."""
+    if tables is None:
+        return None
+    return tables[0].to(device)[positions], tables[1].to(device)[positions]
+
+
+def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,
+                    fused: bool, scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention core of a serving step on per-head tensors (training's layout): q (B, T,
+    Hq, D), k/v (B, T, Hkv, D) of the step's tokens; k and v are written into ``pos.cache``
+    at layer ``pos.layer``, the queries attend the cache so far under the step's mask for
+    ``window`` (:func:`cached_attention`) -> (B, T, Hq * D)."""
+    B, T = q.shape[:2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
+    k, v = pos.cache.store(pos.layer, k, v, pos.step.start)                # (B, Hkv, L, D): the cache so far
+    y = cached_attention(q, k, v, pos.step.masks[window], fused, scale, sinks)
+    return y.transpose(1, 2).reshape(B, T, -1)
+
+
 class Requests:
     """A batch of prompts, left-padded to one length, and the tokens generated so far.
 
@@ -438,7 +473,7 @@ def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict)
 
 
 __all__ = [
-    "ServeError", "KVCache", "StepInput", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
+    "ServeError", "KVCache", "StepInput", "LayerStep", "rope_at", "serve_attention", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
     "broadcast_from_last", "pick_tokens", "NonFiniteLogits", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
     "load_tokenizer", "end_tokens", "default_prompts", "replica_slice", "write_record", "TORCH_DTYPES",
 ]

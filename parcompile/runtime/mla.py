@@ -83,19 +83,24 @@ class MLAttention(nn.Module):
     ``wkv_a`` (c + r, h), ``kv_a_norm`` (c,), ``wkv_b`` (H (n + v), c) split by heads, ``wo``
     (h, H v) split on its input. ``scale``: the softmax scale (None: (n + r) ** -0.5).
     ``down_bias``: biases on wq_a and wkv_a (HF ``attention_bias``); ``out_bias`` on wo.
+    ``heads_local``: the heads a rank holds as the program read them off the sharded graph
+    (checked against the layout).
 
     Raises:
-        ValueError: tp does not divide the heads.
+        ValueError: tp does not divide the heads, or they split into other than ``heads_local``.
     """
 
     def __init__(self, prefix: str, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
                  rope: int, v_dim: int, tp: Axis, seed: int, out_std: float, sequence_parallel: bool,
                  eps: float, *, down_bias: bool = False, out_bias: bool = False, interleave: bool = False,
                  fused: bool = True, dropout: float = 0.0, window: int = 0, scale: float | None = None,
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, heads_local: int | None = None):
         super().__init__()
         if heads % tp.size:
             raise ValueError(f"tp = {tp.size} does not divide the {heads} heads of MLA")
+        if heads_local is not None and heads_local != heads // tp.size:
+            raise ValueError(f"{prefix}: the program expects {heads_local} heads per rank, the layout gives "
+                             f"{heads} / {tp.size} = {heads // tp.size}")
         self.tp, self.sp = tp, sequence_parallel
         self.heads_local = heads // tp.size
         self.nope, self.rope, self.v_dim, self.kv_rank = nope, rope, v_dim, kv_lora_rank

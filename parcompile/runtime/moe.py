@@ -372,8 +372,10 @@ class MoELayer(nn.Module):
         # gpt-oss: a biased router, and a bias on every expert matrix (zeros, as transformers starts them)
         self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
                              scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
-        if bias and etp.size > 1:
-            raise ValueError("expert biases with expert_tp > 1 are not supported (w2's bias would be added per rank)")
+        # expert biases under expert_tp (serving; training refuses them, frontend/checks.py): w1's
+        # and w3's split like their rows, w2's added by expert_tp rank 0 only (the rows' partial
+        # sums are then summed over expert_tp)
+        self.w2_bias_here = etp.index == 0
         self.experts = nn.ModuleDict()
         mats = ("w1", "w3", "w2") if activation == "swiglu" else ("w1", "w2")
         for e in range(self.first, self.first + self.local):
@@ -385,7 +387,8 @@ class MoELayer(nn.Module):
                 setattr(mod, w, p)
                 b = None
                 if bias:
-                    b = make_param(f"{prefix}.experts.{e}.{w}.bias", (shape[0],), seed, 0, etp, None)
+                    b = make_param(f"{prefix}.experts.{e}.{w}.bias", (shape[0],), seed, 0, etp,
+                                   None if w == "w2" else 0)
                     b.expert = True
                 setattr(mod, f"{w}_bias", b)
             self.experts[str(e)] = mod
@@ -400,7 +403,7 @@ class MoELayer(nn.Module):
             h = F.gelu(F.linear(x, mod.w1, mod.w1_bias))
         else:
             h = F.relu(F.linear(x, mod.w1, mod.w1_bias))
-        return F.linear(h, mod.w2, mod.w2_bias)          # partial sums over expert_tp
+        return F.linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None)   # partial sums over expert_tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

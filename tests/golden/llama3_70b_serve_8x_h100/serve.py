@@ -49,9 +49,7 @@ DTYPE = torch.bfloat16  # weights and activations
 KV_DTYPE = gen.TORCH_DTYPES["bf16"]  # the KV cache
 
 # ---- layout ---------------------------------------------------------------------------
-HEADS_LOCAL = 8  # query heads per rank
 KV_LOCAL = 1  # kv heads per rank
-KV_REPLICAS = 1  # tp ranks holding the same kv head (vLLM-style replication when tp > kv_heads)
 DEVICE = "cuda"  # NCCL on NVIDIA GPUs; gloo on the CPU where none is present
 
 # ---- requests -------------------------------------------------------------------------
@@ -61,6 +59,7 @@ MAX_NEW_TOKENS = 512
 TEMPERATURE = 0.0  # 0: greedy
 TOP_K = 0
 SEED = 1234  # sampling; and the weights' initialisation without WEIGHTS
+OUT_STD = 0.02  # the initial weights' std of the layers writing into the residual stream (without WEIGHTS)
 PROMPT = None
 WEIGHTS = '../../examples/Meta-Llama-3-70B'  # relative paths are relative to this file
 
@@ -73,43 +72,35 @@ class Attention(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
-        self.i = i
-        self.window = WINDOW  # attention window (0: full causal)
-        # with replicated kv heads, tp rank r holds kv head r // KV_REPLICAS
-        kv = dict(shard_index=tp.index // KV_REPLICAS, num_shards=KV_HEADS) if KV_REPLICAS > 1 else {}
-        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED)
-        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, **kv)
-        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, **kv)
-        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED)
+        self.wq = rt.ColumnParallelLinear(f"layers.{i}.attn.wq", HIDDEN, HEADS * HEAD_DIM, False, tp, SEED, local=(1024, 8192))
+        self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 8192))
+        self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 8192))
+        self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce",
+                                       local=(8192, 1024))
+        self.window = WINDOW
 
-    def forward(self, x, step: gen.StepInput, cache: gen.KVCache, rope):  # x: (B, T, 8192)
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, HEADS_LOCAL, HEAD_DIM)              # (B, T, 8, 128)
-        k = self.wk(x).view(B, T, KV_LOCAL, HEAD_DIM)                 # (B, T, 1, 128)
-        v = self.wv(x).view(B, T, KV_LOCAL, HEAD_DIM)                 # (B, T, 1, 128)
-        rope = rope[0][step.positions], rope[1][step.positions]       # cos, sin (B, T, 128) at each sequence's positions
-        q = gen.apply_rope_at(q, *rope)                               # RoPE at the tokens' global positions
-        k = gen.apply_rope_at(k, *rope)                               # RoPE at the tokens' global positions
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, 128)
-        k, v = cache.store(self.i, k, v, step.start)                  # (B, 1, L, 128): the cache so far
-        y = gen.cached_attention(q, k, v, step.masks[self.window], fused=True)  # (B, 8, T, 128)
-        y = y.transpose(1, 2).reshape(B, T, HEADS_LOCAL * HEAD_DIM)   # (B, T, 1024)
-        return self.wo(y)                                             # (B, T, 8192): layers.{i}.attn.all_reduce: forward all_reduce(tp)
+    def forward(self, x, pos: gen.LayerStep):                   # x: (B, T, h=8192)
+        q = self.wq(x).unflatten(-1, (8, 128))                  # (B, T, q/tp=1024): 8 heads of 128
+        k = self.wk(x).unflatten(-1, (1, 128))                  # (B, T, kv/tp=128): 1 head of 128
+        v = self.wv(x).unflatten(-1, (1, 128))                  # (B, T, kv/tp=128): 1 head of 128
+        q = gen.apply_rope_at(q, *pos.rope)                     # (B, T, q/tp=1024): RoPE at the tokens' global positions
+        k = gen.apply_rope_at(k, *pos.rope)                     # (B, T, kv/tp=128): RoPE at the tokens' global positions
+        y = gen.serve_attention(q, k, v, pos, self.window, fused=True)  # (B, T, q/tp=1024): causal attention
+        return self.wo(y)                                       # (B, T, h=8192): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: w1 (gate) and w3 (up) column-parallel, w2 (down) row-parallel;
-    28672 inner units -> 3584 per rank."""
+    """SwiGLU MLP: w1, w3 column-parallel, w2 row-parallel; 28672 inner units -> 3584 per rank."""
 
     def __init__(self, i: int, tp: rt.Axis):
         super().__init__()
-        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED)
-        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED)
+        self.w1 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w1", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(3584, 8192))
+        self.w3 = rt.ColumnParallelLinear(f"layers.{i}.mlp.w3", HIDDEN, FFN_HIDDEN, False, tp, SEED, local=(3584, 8192))
+        self.w2 = rt.RowParallelLinear(f"layers.{i}.mlp.w2", FFN_HIDDEN, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce", local=(8192, 3584))
 
-    def forward(self, x):                                             # x: (B, T, 8192)
-        h = rt.swiglu(self.w1(x), self.w3(x))                           # (B, T, 3584): silu(gate) * up
-        return self.w2(h)                                             # (B, T, 8192): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
+    def forward(self, x):                                       # x: (B, T, h=8192)
+        h = rt.swiglu(self.w1(x), self.w3(x))                   # (B, T, f/tp=3584): silu(gate) * up
+        return self.w2(h)                                       # (B, T, h=8192): layers.{i}.mlp.all_reduce: forward all_reduce(tp)
 
 
 class Block(nn.Module):
@@ -122,9 +113,9 @@ class Block(nn.Module):
         self.mlp_norm = Norm(f"layers.{i}.mlp_norm", HIDDEN, NORM_EPS, SEED, tp)
         self.mlp = MLP(i, tp)
 
-    def forward(self, x, step, cache, rope):                          # (B, T, 8192) -> same
-        x = x + self.attn(self.attn_norm(x), step, cache, rope)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, pos: gen.LayerStep):                   # x: (B, T, h=8192)
+        x = x + self.attn(self.attn_norm(x), pos)               # (B, T, h=8192)
+        return x + self.mlp(self.mlp_norm(x))                   # (B, T, h=8192)
 
 
 class Stage(nn.Module):
@@ -165,9 +156,9 @@ class Stage(nn.Module):
         ``step.all_positions``)."""
         if self.has_first:
             x = self.embedding(x).to(DTYPE)                           # (B, T, 8192): embedding.all_reduce: forward all_reduce(tp)
-        rope = None if self.rope is None else (self.rope[0].to(x.device), self.rope[1].to(x.device))
+        rope = gen.rope_at(self.rope, step.positions, x.device)       # cos, sin (B, T, 128) at each sequence's positions
         for i in self.layer_ids:
-            x = self.layers[str(i)](x, step, self.cache, rope)
+            x = self.layers[str(i)](x, gen.LayerStep(step, self.cache, i, rope))
         if self.has_last:
             if step.all_positions:                                    # prompt logprobs (serve's echo): every position
                 return rt.linear(self.final_norm(x), self.head_weight()).float()   # (B, T, 16128)

@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     plan = json.loads(Path(args.plan).read_text())
-    ctx = rt.init_parallel(plan, device=DEVICE)
+    ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=ZERO == 3)  # ZeRO-3 gathers parameters on groups of their own
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
@@ -290,6 +290,7 @@ def main(argv=None) -> dict:
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
             record["grad_buckets"] = opt.bucket_report()        # per bucket: launched during the backward?
             record["saved_per_layer"] = rt.METER.snapshot()     # activations kept for backward, one micro-batch
+            record.update(rt.zero_records(opt, ZERO))           # ZeRO 2, 3: full gradient buckets, ZeRO-3 gathered parameters, at most at once
             peaks = rt.allocator_peaks(ctx.device)                # the allocator's peak: used vs kept
             if peaks is not None:
                 record["allocator_peak"] = peaks
