@@ -598,3 +598,19 @@ def test_engine_on_a_serve_spec_warns_and_changes_nothing():
         assert (warned[0].span.line, warned[0].span.column) == (line, 14) and warned[0].help == "remove `engine`"
         plans[engine] = plan.data["serve"]
     assert plans["eager"] == plans["megatron"]
+
+
+def test_overlap_keys_warn_where_they_do_nothing():
+    # tp_comm_overlap: sequence parallelism over tp > 1 under the megatron engine; overlap_p2p_comm:
+    # interleaved 1F1B with virtual stages (Megatron-LM's rules)
+    text = spec(cluster={"tp_comm_overlap": "true"})   # BASE: tp 2 without sequence parallelism
+    msg, help, _ = one(text, "tp_comm_overlap = true")
+    assert msg.startswith("tp_comm_overlap has no effect: it overlaps sequence parallelism's") and "remove" in help
+    text = spec(cluster={"tp_comm_overlap": "true", "engine": "eager"}, parallel={"sequence_parallel": "true"})
+    assert one(text, "tp_comm_overlap = true")[0].startswith("tp_comm_overlap has no effect: engine = eager")
+    assert diags(spec(cluster={"tp_comm_overlap": "true"}, parallel={"sequence_parallel": "true"})) == []
+    text = spec(cluster={"overlap_p2p_comm": "true"})   # BASE: pp 2, 1F1B
+    assert one(text, "overlap_p2p_comm = true")[0] == ("overlap_p2p_comm has no effect: Megatron-LM overlaps pipeline "
+                                                       "transfers only in interleaved 1F1B with virtual stages")
+    assert diags(spec(cluster={"overlap_p2p_comm": "true"},
+                      parallel={"schedule": "interleaved_1f1b", "virtual_stages": "2"})) == []

@@ -49,10 +49,16 @@ sends ``(n-k)/n`` of its data through each rank's NIC, a send uses one NIC. What
 
 * tensor-, context- and expert-parallel collectives do not overlap compute (Megatron-LM
   2021-22 runs them on the compute stream): they lengthen each chunk's forward and
-  backward (and the recomputed forward with ``recompute = full``);
+  backward (and the recomputed forward with ``recompute = full``); with
+  ``cluster.tp_comm_overlap`` (Transformer Engine's userbuffers under the megatron engine,
+  with sequence parallelism) each tensor-parallel all-gather and reduce-scatter of a layer
+  hides under the GEMMs it feeds or drains, split in tp chunks: only :func:`tp_exposed` of
+  it lengthens them;
 * pipeline send/recv are blocking, as Megatron-LM's ``batch_isend_irecv`` steps are:
   each forward of a chunk that sends on, and each backward that sends back, waits for its
-  transfer (``pp_comm`` = the makespan with transfers minus the makespan without). A
+  transfer (``pp_comm`` = the makespan with transfers minus the makespan without); with
+  ``cluster.overlap_p2p_comm`` under interleaved 1F1B only the warmup's and the flush's
+  transfers block (:func:`p2p_blocking_share`). A
   tensor-parallel-replicated activation travels as Megatron-LM's scatter/gather
   optimisation sends it (Narayanan et al. 2021, section 4.1): 1/t per rank over the
   pipeline link, then an all-gather over the tensor-parallel link;
@@ -671,9 +677,10 @@ def overlaps_tp(cfg, degrees: Mapping[str, int]) -> bool:
     (:func:`tp_exposed`): ``cluster.tp_comm_overlap`` with sequence parallelism over more
     than one tp rank (Megatron-LM asserts sequence parallelism with ``--tp-comm-overlap``,
     ``megatron/training/arguments.py`` at core_v0.19.0; Megatron-Bridge turns it off with a
-    warning below tp 2 or without sequence parallelism, ``training/comm_overlap.py`` at 4ab94df)."""
+    warning below tp 2 or without sequence parallelism, ``training/comm_overlap.py`` at 4ab94df),
+    under the ``megatron`` engine (the other engines' tensor parallelism runs unoverlapped)."""
     return bool(getattr(cfg.cluster, "tp_comm_overlap", False)) and cfg.parallel.sequence_parallel \
-        and degrees.get("tp", 1) > 1
+        and degrees.get("tp", 1) > 1 and engine(cfg.cluster).name == "megatron"
 
 
 def tp_exposed(comm: float, gemm: float, n: int) -> float:
@@ -705,10 +712,11 @@ def p2p_blocking_share(cfg, pp: int, v: int, m: int) -> list[float] | None:
     (:func:`parcompile.core.schedule.interleaved_warmup`; ``schedules.py``'s warmup calls
     ``send_forward_recv_forward`` synchronously unless ``overlap_p2p_comm_warmup_flush``); the
     steady state's sends and receives are posted and waited for when the tensor is needed,
-    under the compute between. None: every transfer blocks (Megatron-LM's
-    ``batch_isend_irecv`` steps)."""
+    under the compute between; under the ``megatron`` engine. None: every transfer blocks
+    (Megatron-LM's ``batch_isend_irecv`` steps)."""
     par = cfg.parallel
-    if not getattr(cfg.cluster, "overlap_p2p_comm", False) or v <= 1 or par.schedule != "interleaved_1f1b":
+    if not getattr(cfg.cluster, "overlap_p2p_comm", False) or v <= 1 or par.schedule != "interleaved_1f1b" \
+            or engine(cfg.cluster).name != "megatron":
         return None
     return [interleaved_warmup(r, pp, v, m, par.microbatch_group_size) / (m * v) for r in range(pp)]
 
@@ -1091,7 +1099,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
         assumptions={
             "matmul_efficiency": eff.matmul, "memory_efficiency": eff.memory, "link_efficiency": eff.link,
             "efficiency_source": eff.source,
-            "overlap": "tp/cp/ep collectives and pipeline send/recv on the critical path; dp gradient "
+            "overlap": overlap_words(cfg, degrees, m) + "; dp gradient "
                        + ("reduce-scatters run in every micro-batch's backward bucket by bucket (ZeRO 2/3), "
                           "the last micro-batch's overlapping its backward"
                           if reduces_per_microbatch(par.zero, par.schedule) else
@@ -1109,6 +1117,20 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,
     )
+
+
+def overlap_words(cfg, degrees: Mapping[str, int], m: int) -> str:
+    """plan.json ``estimate.assumptions.overlap``'s first part: what of the tp, cp and ep
+    collectives and of the pipeline's transfers is on the critical path (:func:`overlaps_tp`,
+    :func:`p2p_blocking_share`)."""
+    par = cfg.parallel
+    tp, p2p = overlaps_tp(cfg, degrees), p2p_blocking_share(cfg, par.pp, par.virtual_stages, m) is not None
+    if not tp and not p2p:
+        return "tp/cp/ep collectives and pipeline send/recv on the critical path"
+    return (("tp collectives overlapped with the GEMMs they feed or drain (tp_comm_overlap), cp/ep collectives on "
+             "the critical path" if tp else "tp/cp/ep collectives on the critical path")
+            + ("; pipeline send/recv overlapped with compute but in the interleaved warmup and flush "
+               "(overlap_p2p_comm)" if p2p else "; pipeline send/recv on the critical path"))
 
 
 def network_assumptions(degrees: Mapping[str, int], links: Mapping[str, Link], comm: CommReport) -> dict[str, dict]:
