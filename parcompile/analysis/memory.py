@@ -61,6 +61,10 @@ probabilities; GQA: k and v never expanded). Left out, as in Korthikanti's accou
 the norms' fp32 per-token statistics (4-8 bytes per token and norm, under 1% of a
 layer at h >= 64).
 
+FP8 training (``train.precision = fp8``) under Transformer Engine (``engine = megatron``, not
+the ``cpu`` preset's program): an FP8 linear keeps the FP8 cast of its input, 1 byte per
+element, in place of the 16-bit tensor (:func:`parcompile.analysis.fp8.saves_fp8_inputs`).
+
 With ``dropout > 0`` the embedding output's dropout mask (1 byte per element of the first
 layer's input) is kept on the first stage, as Megatron-LM's GPT does.
 
