@@ -1104,6 +1104,7 @@ LAYOUT_READS = {
     _check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
     _check_router: (),
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
+    _check_overlaps: ("auto", "pp", "schedule", "sequence_parallel", "tp", "virtual_stages"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
     _check_order: ("order",),
     _check_train: ("auto", "zero"),
