@@ -99,8 +99,9 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
     (:func:`parcompile.analysis.fp8.is_fp8_gemm`), of the GEMMs a tensor-parallel
     ``redistribute`` op ``nd`` feeds or drains: the linears reading an all-gather's output
     (sequence parallelism's column-parallel inputs: q, k and v; gate and up), the linear whose
-    output a reduce-scatter sums (the row-parallel output and down projections); ``(0, 0)``
-    for other ops. Its backward collectives pair with the same GEMMs' backward ones (the
+    output a reduce-scatter sums (the row-parallel output and down projections), in a decoder
+    layer (Transformer Engine's linears; Megatron-Core's output layer is its own
+    ``ColumnParallelLinear``, whose forward all-gather blocks); ``(0, 0)`` for other ops. Its backward collectives pair with the same GEMMs' backward ones (the
     input gradient's GEMM and the weight gradient's, each as many FLOPs as the forward):
     Transformer Engine's userbuffers overlap each collective with one of them
     (:func:`parcompile.analysis.estimate.tp_exposed`)."""
@@ -114,8 +115,8 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
         gemms = [graph.node(u) for u in graph.inputs(nd.name)[:1]]
     f8 = f16 = 0
     for g in gemms:
-        if g.kind != "linear":
-            continue
+        if g.kind != "linear" or g.op.layer is None:
+            continue   # the LM head is Megatron's own ColumnParallelLinear, not a userbuffers one
         f = op_fwd_flops(graph, g, degrees)
         if is_fp8_gemm(g):
             f8 += f
