@@ -614,3 +614,19 @@ def test_nvlink_domain_holds_whole_nodes_or_a_node_whole_domains(domain, ok):
                        "a domain would split a node")
     assert help == {"3": "nvlink_domain = 2 or 8", "12": "nvlink_domain = 8 or 16"}[domain] + \
         ", or remove it (a domain is then the node)"
+
+
+def test_overlap_keys_warn_where_they_do_nothing():
+    # tp_comm_overlap: sequence parallelism over tp > 1 under the megatron engine; overlap_p2p_comm:
+    # interleaved 1F1B with virtual stages (Megatron-LM's rules)
+    text = spec(cluster={"tp_comm_overlap": "true"})   # BASE: tp 2 without sequence parallelism
+    msg, help, _ = one(text, "tp_comm_overlap = true")
+    assert msg.startswith("tp_comm_overlap has no effect: it overlaps sequence parallelism's") and "remove" in help
+    text = spec(cluster={"tp_comm_overlap": "true", "engine": "eager"}, parallel={"sequence_parallel": "true"})
+    assert one(text, "tp_comm_overlap = true")[0].startswith("tp_comm_overlap has no effect: engine = eager")
+    assert diags(spec(cluster={"tp_comm_overlap": "true"}, parallel={"sequence_parallel": "true"})) == []
+    text = spec(cluster={"overlap_p2p_comm": "true"})   # BASE: pp 2, 1F1B
+    assert one(text, "overlap_p2p_comm = true")[0] == ("overlap_p2p_comm has no effect: Megatron-LM overlaps pipeline "
+                                                       "transfers only in interleaved 1F1B with virtual stages")
+    assert diags(spec(cluster={"overlap_p2p_comm": "true"},
+                      parallel={"schedule": "interleaved_1f1b", "virtual_stages": "2"})) == []

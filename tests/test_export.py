@@ -513,6 +513,12 @@ def test_export_usage_errors(monkeypatch, capsys):
 # (transformer_config.py lines 566 and 573 at core_v0.19.0, 5be9626), --fp8-param-gather
 # arguments.py line 1935 there; not run through check_engine_parsers.py
 MEGATRON_CORE_V0_19_0_FP8_FLAGS = frozenset({"--fp8-format", "--fp8-recipe", "--fp8-param-gather"})
+# The overlaps (cluster.tp_comm_overlap, overlap_p2p_comm): --tp-comm-overlap is ModelParallelConfig's
+# tp_comm_overlap (model_parallel_config.py line 265 at core_v0.19.0, 5be9626; not excluded, a flag through
+# ArgumentGroupFactory, arguments.py line 2290; asserted with sequence parallelism, line 1401),
+# --no-overlap-p2p-communication arguments.py line 2965 there (dest overlap_p2p_comm, default on with
+# virtual stages; off needs pp > 2, line 973); not run through check_engine_parsers.py
+MEGATRON_CORE_V0_19_0_OVERLAP_FLAGS = frozenset({"--tp-comm-overlap", "--no-overlap-p2p-communication"})
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
@@ -550,7 +556,8 @@ SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float"
 #: megatron-bridge` (18 plans: 17 accepted with the plan's dp, tp, pp, cp, ep, batch sizes,
 #: layers per stage, virtual stages, vocabulary and params dtype; zero 3 with pp refused).
 #: microbatch_group_size_per_vp_stage: ModelParallelConfig's field at megatron-core 0.16.1
-#: (model_parallel_config.py line 343, tag core_v0.16.1), not run through check_engine_parsers.py.
+#: (model_parallel_config.py line 343, tag core_v0.16.1), not run through check_engine_parsers.py;
+#: tp_comm_overlap, overlap_p2p_comm and batch_p2p_comm likewise (lines 186, 297 and 302 there).
 MEGATRON_BRIDGE_0_3_1_FIELDS = {
     "model": frozenset("""activation_func add_bias_linear add_qkv_bias attention_backend attention_dropout
         context_parallel_size expert_model_parallel_size expert_tensor_parallel_size ffn_hidden_size gated_linear_unit
@@ -563,6 +570,7 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         recompute_num_layers rope_scaling rope_scaling_factor rotary_base seq_length sequence_parallel
         share_embeddings_and_output_weights should_pad_vocab tensor_model_parallel_size
         virtual_pipeline_model_parallel_size microbatch_group_size_per_vp_stage
+        tp_comm_overlap overlap_p2p_comm batch_p2p_comm
         vocab_size""".split()),
     "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
     "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
@@ -644,7 +652,43 @@ def test_megatron_bridge_names_the_plan(plans):
 def test_megatron_flags_are_core_v0_19_flags(plans):
     for name, plan in plans:
         _, _, f = parse_command(export(plan, "megatron").text, "pretrain_gpt.py")
-        assert set(f) <= MEGATRON_CORE_V0_19_0_FLAGS, (name, set(f) - MEGATRON_CORE_V0_19_0_FLAGS)
+        known = MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_OVERLAP_FLAGS
+        assert set(f) <= known, (name, set(f) - known)
+
+
+def test_megatron_exports_write_the_overlaps(monkeypatch):
+    """cluster.tp_comm_overlap -> --tp-comm-overlap (with sequence parallelism; without it a note:
+    Megatron-LM asserts it); with virtual stages and pp > 2 the blocking transfers the estimate
+    assumed (overlap_p2p_comm false) -> --no-overlap-p2p-communication, Megatron-LM's default
+    (overlap_p2p_comm true) -> no flag; Megatron-Bridge's provider fields the same."""
+    monkeypatch.chdir(REPO)
+    base = MODEL_VARIANTS["llama31_70b_8x8"]
+
+    def plan(cluster: str, sp: bool = True, interleaved: bool = False):
+        text = base.replace("nodes = 8\n", "nodes = 8\n    " + cluster + "\n", 1)
+        text = text.replace("sequence_parallel = true", f"sequence_parallel = {str(sp).lower()}", 1)
+        if interleaved:   # pp 4 x 2 virtual stages
+            text = text.replace("schedule     = 1f1b", "schedule = interleaved_1f1b\n    virtual_stages = 2", 1)
+        return parcompile.compile(text, "ov.par")
+
+    def bridge_model(p):
+        return _bridge_container(export(p, "megatron-bridge").text)["model"]
+
+    for sp in (True, False):
+        p = plan("tp_comm_overlap = true", sp=sp)
+        ex = export(p, "megatron")
+        _l, f = parse_megatron(ex.text)
+        assert p.config.parallel.tp == 8 and ("--tp-comm-overlap" in f) == sp
+        assert sp or any(n.startswith("tp_comm_overlap: off") for n in ex.notes)
+        assert bridge_model(p).get("tp_comm_overlap", False) == sp
+    _l, f = parse_megatron(export(plan(""), "megatron").text)
+    assert "--tp-comm-overlap" not in f and "--no-overlap-p2p-communication" not in f   # 1F1B: nothing to say
+    for on in (False, True):
+        p = plan(f"overlap_p2p_comm = {str(on).lower()}", interleaved=True)
+        _l, f = parse_megatron(export(p, "megatron").text)
+        assert p.config.parallel.pp == 4 and ("--no-overlap-p2p-communication" in f) == (not on)
+        md = bridge_model(p)
+        assert (md["overlap_p2p_comm"], md["batch_p2p_comm"]) == (on, not on)
 
 
 @pytest.mark.parametrize("target", list(SERVE_TARGETS))

@@ -110,7 +110,25 @@ FP8 rows (issue 32, :data:`FP8_ROWS`, ``precision = fp8``; :mod:`parcompile.anal
 10. Megatron-Bridge ``docs/performance-summary-archive.md`` (commit 4ab94df), "26.04.01 NeMo
     Container", pre-training LLAMA3_70B, DGX-H100, FP8: 64 GPUs, GBS 256, MBS 1, seq 8192,
     FSDP 0, TP 4, PP 8, CP 1, VP 5: 1,664 tokens/s per GPU (731 model TFLOP/s per GPU). FP8
-    here is Transformer Engine's current scaling (per-tensor: ``fp8_recipe = tensorwise``).
+    here is Transformer Engine's current scaling (per-tensor: ``fp8_recipe = tensorwise``). Its
+    recipe at the same commit, ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``
+    ``llama3_70b_pretrain_64gpu_h100_fp8cs_config``: ``pipeline_model_parallel_layout =
+    "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL"`` (two layers per model chunk but three in chunk 35,
+    rank 3's last, and one beside the loss in chunk 39: :data:`LLAMA3_70B_H100_FP8_SPLIT`),
+    sequence parallelism, ``tp_comm_overlap_cfg = userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192``
+    on the base recipe's ``CommOverlapConfig(tp_comm_overlap=True)``
+    (``src/megatron/bridge/recipes/llama/h100/llama3.py`` ``llama3_70b_pretrain_32gpu_h100_bf16_config``:
+    also ``recompute_granularity = None``, ``fine_grained_activation_offloading = False``,
+    ``cross_entropy_loss_fusion = True`` with Transformer Engine's implementation, the
+    distributed optimizer), ``CommOverlapConfig`` turning ``overlap_p2p_comm`` on with virtual
+    stages (``src/megatron/bridge/training/comm_overlap.py``), ``first_last_layers_bf16 =
+    False`` and ``grad_reduce_in_fp32 = False`` (``src/megatron/bridge/perf_recipes/_common.py``):
+    ``cluster.tp_comm_overlap`` and ``cluster.overlap_p2p_comm`` (:func:`parcompile.analysis.
+    estimate.tp_exposed`, :func:`~parcompile.analysis.estimate.p2p_blocking_share`). Its 16-bit
+    gradient buffer (Megatron-Core's ``param_and_grad_buffer.py``: ``grad_dtype = torch.float if
+    grad_reduce_in_fp32 else param.dtype``) is not modelled: at ``zero = 1`` the plan keeps fp32
+    gradient buffers, as the generated program does (``reduce_dtype`` applies at zero 2 and 3),
+    4.5 GiB more on stage 0 than Megatron holds, and the plan (73.7 GiB) exceeds the 72 GiB usable.
 
 A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the
@@ -370,6 +388,12 @@ def h100_config(row: H100Row) -> SpecConfig:
                       train=TrainConfig(optimizer="adamw", **dict(row.train)))
 
 
+#: Megatron-Bridge's ``pipeline_model_parallel_layout`` of its Llama 3 70B H100 FP8 recipe
+#: (module docstring, row 10), ``"Et*2|(t*2|)*34,t*3|(t*2|)*3,tL"``: decoder layers per model
+#: chunk in model order (chunk ``c * pp + r`` on rank ``r``; the embedding on chunk 0, the
+#: loss with the final norm and the output layer on chunk 39), 80 layers in 8 x 5 chunks
+LLAMA3_70B_H100_FP8_SPLIT: tuple[int, ...] = (2,) * 35 + (3,) + (2,) * 3 + (1,)
+
 _TT_FP8 = ("float8 rows of the same tables as rows 4 and 5, vanilla TP; torchtitan 820504e's llama3_{8b,70b}.toml "
            "[float8]: enable_fsdp_float8_all_gather = false, filter_fqns = ['output'] (fp8_all_gather false, the "
            "LM head in bf16); seq 8192, no gradient accumulation, peak 884 TFLOPS (FP8 1,769 at the same 500 W "
@@ -402,15 +426,20 @@ FP8_ROWS: tuple[H100Row, ...] = (
             tokens_per_s_per_gpu=3708.5, commit="2887250 (runs at 820504e, torchao 6243040)", assumed=_TT_FP8,
             train=(("precision", "fp8"), ("fp8_recipe", "rowwise")), bf16_row="Llama 3.1 8B FSDP+TP"),
     H100Row("Llama 3 70B TP4 PP8 VP5 fp8", "Megatron-Bridge performance-summary-archive", "llama3-70b",
-            (("seq_len", 8192),), (("nodes", 8),),
+            (("seq_len", 8192),), (("nodes", 8), ("tp_comm_overlap", True), ("overlap_p2p_comm", True)),
             (("tp", 4), ("pp", 8), ("dp", 2), ("zero", 1), ("sequence_parallel", True), ("micro_batch", 1),
-             ("global_batch", 256), ("schedule", "interleaved_1f1b"), ("virtual_stages", 5), ("recompute", "none")),
+             ("global_batch", 256), ("schedule", "interleaved_1f1b"), ("virtual_stages", 5),
+             ("stage_layers", LLAMA3_70B_H100_FP8_SPLIT), ("recompute", "none"), ("reduce_dtype", "bf16")),
             tokens_per_s_per_gpu=1664, commit="4ab94df (docs/performance-summary-archive.md, 26.04.01 NeMo "
                                              "Container, LLAMA3_70B pre-training, DGX-H100 FP8)",
             assumed="FP8 = Transformer Engine's current scaling (per-tensor: fp8_recipe tensorwise); FSDP 0, "
-                    "CP 1 and 64 GPUs give dp 2; the distributed optimizer (zero 1), sequence parallelism with "
-                    "TP, no recomputation (Megatron-Bridge's Llama 3 recipes); every layer in FP8 "
-                    "(--first-last-layers-bf16 off)",
+                    "CP 1 and 64 GPUs give dp 2; from its recipe at 4ab94df (perf_recipes/llama/h100/llama3.py "
+                    "llama3_70b_pretrain_64gpu_h100_fp8cs_config and the recipes it builds on): the distributed "
+                    "optimizer (zero 1), sequence parallelism, no recomputation, every layer in FP8 "
+                    "(first_last_layers_bf16 = False), its pipeline layout Et*2|(t*2|)*34,t*3|(t*2|)*3,tL "
+                    "(stage_layers), tp_comm_overlap (userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192) and "
+                    "overlap_p2p_comm (on with virtual stages), gradients reduced in bf16 "
+                    "(grad_reduce_in_fp32 = False; at zero 1 the plan still keeps fp32 gradient buffers)",
             train=(("precision", "fp8"), ("fp8_recipe", "tensorwise"))),
 )
 

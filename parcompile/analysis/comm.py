@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping, NamedTuple
 
+from parcompile.analysis.compute import op_fwd_flops
+from parcompile.analysis.fp8 import is_fp8_gemm
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, op_collectives
@@ -92,9 +94,42 @@ def _in_layer(graph: Graph, name: str) -> bool:
     return producer.op.layer is not None
 
 
+def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple[int, int]:
+    """The forward FLOPs on one rank, ``(FP8-eligible, other)``
+    (:func:`parcompile.analysis.fp8.is_fp8_gemm`), of the GEMMs a tensor-parallel
+    ``redistribute`` op ``nd`` feeds or drains: the linears reading an all-gather's output
+    (sequence parallelism's column-parallel inputs: q, k and v; gate and up), the linear whose
+    output a reduce-scatter sums (the row-parallel output and down projections), in a decoder
+    layer (Transformer Engine's linears; Megatron-Core's output layer is its own
+    ``ColumnParallelLinear``, whose forward all-gather blocks); ``(0, 0)`` for other ops. Its backward collectives pair with the same GEMMs' backward ones (the
+    input gradient's GEMM and the weight gradient's, each as many FLOPs as the forward):
+    Transformer Engine's userbuffers overlap each collective with one of them
+    (:func:`parcompile.analysis.estimate.tp_exposed`)."""
+    a = nd.op.attr_map
+    fwd = {k for k, axis in a.get("fwd", ()) if axis == "tp"}
+    if nd.kind != "redistribute" or not fwd & {"all_gather", "reduce_scatter"}:
+        return 0, 0
+    if "all_gather" in fwd:
+        gemms = [graph.node(u) for u, _ in graph.users(nd.name)]
+    else:
+        gemms = [graph.node(u) for u in graph.inputs(nd.name)[:1]]
+    f8 = f16 = 0
+    for g in gemms:
+        if g.kind != "linear" or g.op.layer is None:
+            continue   # the LM head is Megatron's own ColumnParallelLinear, not a userbuffers one
+        f = op_fwd_flops(graph, g, degrees)
+        if is_fp8_gemm(g):
+            f8 += f
+        else:
+            f16 += f
+    return f8, f16
+
+
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
                 pp: int) -> CommReport:
-    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`)."""
+    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`); a
+    tensor-parallel all-gather's or reduce-scatter's carry the FLOPs of the GEMMs they
+    overlap under ``cluster.tp_comm_overlap`` (:func:`overlapped_gemm_flops`)."""
     m = num_microbatches
     counts: dict[tuple, int] = {}
     order: dict[tuple, int] = {}
@@ -103,7 +138,10 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
         ins = graph.inputs(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
         local_out = nd.sharding.local_type(nd.type, degrees)
+        pair = overlapped_gemm_flops(graph, nd, degrees) if nd.kind == "redistribute" else (0, 0)
         for c in op_collectives(nd, degrees, local_in, local_out):
+            if pair != (0, 0) and c.axis == "tp":
+                c = dataclasses.replace(c, gemm_flops=pair)
             stage = c.stage if c.stage is not None else (nd.stage or 0)
             if c.per == "microbatch":
                 raw.append((stage, nd.chunk or 0, c))

@@ -49,10 +49,16 @@ sends ``(n-k)/n`` of its data through each rank's NIC, a send uses one NIC. What
 
 * tensor-, context- and expert-parallel collectives do not overlap compute (Megatron-LM
   2021-22 runs them on the compute stream): they lengthen each chunk's forward and
-  backward (and the recomputed forward with ``recompute = full``);
+  backward (and the recomputed forward with ``recompute = full``); with
+  ``cluster.tp_comm_overlap`` (Transformer Engine's userbuffers under the megatron engine,
+  with sequence parallelism) each tensor-parallel all-gather and reduce-scatter of a layer
+  hides under the GEMMs it feeds or drains, split in tp chunks: only :func:`tp_exposed` of
+  it lengthens them;
 * pipeline send/recv are blocking, as Megatron-LM's ``batch_isend_irecv`` steps are:
   each forward of a chunk that sends on, and each backward that sends back, waits for its
-  transfer (``pp_comm`` = the makespan with transfers minus the makespan without). A
+  transfer (``pp_comm`` = the makespan with transfers minus the makespan without); with
+  ``cluster.overlap_p2p_comm`` under interleaved 1F1B only the warmup's and the flush's
+  transfers block (:func:`p2p_blocking_share`). A
   tensor-parallel-replicated activation travels as Megatron-LM's scatter/gather
   optimisation sends it (Narayanan et al. 2021, section 4.1): 1/t per rank over the
   pipeline link, then an all-gather over the tensor-parallel link;
@@ -106,7 +112,7 @@ from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
                                      reshard_after_forward)
 from parcompile.core.groups import groups_placement
-from parcompile.core.schedule import simulate
+from parcompile.core.schedule import interleaved_warmup, simulate
 
 
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
@@ -666,6 +672,55 @@ class ChunkTimes:
         return (tuple(self.fwd(k) for k in ks), tuple(self.bwd(k) for k in ks), tuple(self.wgrad(k) for k in ks))
 
 
+def overlaps_tp(cfg, degrees: Mapping[str, int]) -> bool:
+    """Whether the tensor-parallel collectives of ``cfg`` overlap their GEMMs
+    (:func:`tp_exposed`): ``cluster.tp_comm_overlap`` with sequence parallelism over more
+    than one tp rank (Megatron-LM asserts sequence parallelism with ``--tp-comm-overlap``,
+    ``megatron/training/arguments.py`` at core_v0.19.0; Megatron-Bridge turns it off with a
+    warning below tp 2 or without sequence parallelism, ``training/comm_overlap.py`` at 4ab94df),
+    under the ``megatron`` engine (the other engines' tensor parallelism runs unoverlapped)."""
+    return bool(getattr(cfg.cluster, "tp_comm_overlap", False)) and cfg.parallel.sequence_parallel \
+        and degrees.get("tp", 1) > 1 and engine(cfg.cluster).name == "megatron"
+
+
+def tp_exposed(comm: float, gemm: float, n: int) -> float:
+    """Exposed seconds of a tensor-parallel all-gather or reduce-scatter of ``comm`` seconds
+    that Transformer Engine's userbuffers overlap with its GEMM of ``gemm`` seconds
+    (arithmetic; ``cluster.tp_comm_overlap``) over ``n`` tp ranks: the GEMM runs in ``n``
+    chunks, one per rank's shard, and the collective in its ``n - 1`` ring steps, step ``i``
+    moving the shard chunk ``i + 1`` needs (an all-gather) or the partial sum chunk ``i``
+    made (a reduce-scatter) while the next chunk computes, so ``n - 1`` of the ``n`` chunks
+    hide a step: ``max(0, comm - (n - 1) / n * gemm)``. Transformer Engine
+    (``transformer_engine/pytorch/module/base.py`` ``initialize_ub``: ``ring_exchange`` and
+    ``pipeline`` split GEMMs; ``bulk`` for the backward's regather of a column-parallel input
+    under its input-gradient GEMM and that GEMM's reduce-scatter under the weight gradient's;
+    Megatron-Core ``model_parallel_config.py`` ``tp_comm_overlap_ag`` / ``_rs`` /
+    ``tp_comm_bulk_wgrad`` / ``_dgrad`` at core_v0.19.0; Megatron-Bridge's
+    ``userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192``, ``training/comm_overlap.py`` at
+    4ab94df): the bulk overlaps hide the whole GEMM's worth, which the split rule's
+    ``(n - 1) / n`` understates (one rule for all). The ring steps copy through the
+    copy engines (userbuffers' peer-to-peer) or a few SMs (bulk: 2-24 of 132 in that
+    configuration) and the GEMM chunks re-read their weight: neither slowdown is modelled."""
+    return max(0.0, comm - (n - 1) / n * gemm) if n > 1 else comm
+
+
+def p2p_blocking_share(cfg, pp: int, v: int, m: int) -> list[float] | None:
+    """Per pipeline rank, the share of its chunk-forwards (and of its chunk-backwards) whose
+    transfer it waits for, under ``cluster.overlap_p2p_comm`` with Megatron's interleaved 1F1B
+    (``v > 1``; Megatron-LM turns the overlap off without virtual stages, arguments.py at
+    core_v0.19.0): the warmup's forwards and the flush's backwards
+    (:func:`parcompile.core.schedule.interleaved_warmup`; ``schedules.py``'s warmup calls
+    ``send_forward_recv_forward`` synchronously unless ``overlap_p2p_comm_warmup_flush``); the
+    steady state's sends and receives are posted and waited for when the tensor is needed,
+    under the compute between; under the ``megatron`` engine. None: every transfer blocks
+    (Megatron-LM's ``batch_isend_irecv`` steps)."""
+    par = cfg.parallel
+    if not getattr(cfg.cluster, "overlap_p2p_comm", False) or v <= 1 or par.schedule != "interleaved_1f1b" \
+            or engine(cfg.cluster).name != "megatron":
+        return None
+    return [interleaved_warmup(r, pp, v, m, par.microbatch_group_size) / (m * v) for r in range(pp)]
+
+
 def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
                 compute: ComputeReport, comm: CommReport,
                 links: Mapping[str, tuple[float, float]] | None = None) -> ChunkTimes:
@@ -739,6 +794,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
     share = routed_share(cfg, degrees)
+    overlap_tp = overlaps_tp(cfg, degrees)
     cf = {f: [0.0] * nchunks for f in fams}
     cb = {f: [0.0] * nchunks for f in fams}
     p2p = 0.0
@@ -749,6 +805,10 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         if f8 is not None:
             nbytes = f8.collective_bytes(c.op, fam, getattr(c, "where", ""), nbytes)
         t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), link)
+        if overlap_tp and fam == "tp" and c.gemm_flops != (0, 0):
+            f8_flops, other = c.gemm_flops
+            gemm = other / rate + (f8_flops / f8.rate if f8 is not None else f8_flops / rate)
+            t = tp_exposed(t, gemm, degrees.get(c.axis, 1))
         if fam == "pp":
             if c.op == "send":
                 tp = degrees.get("tp", 1)
@@ -791,20 +851,25 @@ def closed_form_span(work: Sequence[float], pp: int, v: int, m: int) -> float:
 
 
 def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
-                      with_p2p: bool = True) -> tuple[float, list[float]]:
+                      with_p2p: bool = True, blocking: Sequence[float] | None = None) -> tuple[float, list[float]]:
     """(makespan, busy seconds per rank) of one step's pipeline: simulated from the action
-    lists when given, else the closed form."""
+    lists when given, else the closed form. ``blocking`` (:func:`p2p_blocking_share`): per
+    rank, the share of its chunks' transfers it waits for (the rest overlap compute; in the
+    simulation they are a latency of ``p2p`` on their dependency); None: all of them."""
     nchunks = pp * v
     last = nchunks - 1
     p2p = ct.p2p if (with_p2p and pp > 1) else 0.0
+    share = [1.0] * pp if blocking is None else list(blocking)
     f0, b0, w0 = ct.per_chunk()   # the schedule pass's times; blocking sends add the p2p
-    f = [f0[k] + (p2p if k < last else 0.0) for k in range(nchunks)]
-    b = [b0[k] + (p2p if k > 0 else 0.0) for k in range(nchunks)]
+    f = [f0[k] + (p2p * share[k % pp] if k < last else 0.0) for k in range(nchunks)]
+    b = [b0[k] + (p2p * share[k % pp] if k > 0 else 0.0) for k in range(nchunks)]
     if actions is None:
         return _closed_form_makespan(f, b, pp, v, m)
     kw = {}
     if any(a["op"] in ("backward_input", "backward_weight") for acts in actions for a in acts):
         kw["wgrad_time"] = list(w0[:nchunks])
+    if blocking is not None:
+        kw["p2p_time"] = p2p   # the overlapped transfers still take their time to arrive
     sim = simulate(actions, f, b, pp, v, **kw)
     return sim.makespan, list(sim.busy)
 
@@ -1034,7 +1099,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
         assumptions={
             "matmul_efficiency": eff.matmul, "memory_efficiency": eff.memory, "link_efficiency": eff.link,
             "efficiency_source": eff.source,
-            "overlap": "tp/cp/ep collectives and pipeline send/recv on the critical path; dp gradient "
+            "overlap": overlap_words(cfg, degrees, m) + "; dp gradient "
                        + ("reduce-scatters run in every micro-batch's backward bucket by bucket (ZeRO 2/3), "
                           "the last micro-batch's overlapping its backward"
                           if reduces_per_microbatch(par.zero, par.schedule) else
@@ -1052,6 +1117,20 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,
     )
+
+
+def overlap_words(cfg, degrees: Mapping[str, int], m: int) -> str:
+    """plan.json ``estimate.assumptions.overlap``'s first part: what of the tp, cp and ep
+    collectives and of the pipeline's transfers is on the critical path (:func:`overlaps_tp`,
+    :func:`p2p_blocking_share`)."""
+    par = cfg.parallel
+    tp, p2p = overlaps_tp(cfg, degrees), p2p_blocking_share(cfg, par.pp, par.virtual_stages, m) is not None
+    if not tp and not p2p:
+        return "tp/cp/ep collectives and pipeline send/recv on the critical path"
+    return (("tp collectives overlapped with the GEMMs they feed or drain (tp_comm_overlap), cp/ep collectives on "
+             "the critical path" if tp else "tp/cp/ep collectives on the critical path")
+            + ("; pipeline send/recv overlapped with compute but in the interleaved warmup and flush "
+               "(overlap_p2p_comm)" if p2p else "; pipeline send/recv on the critical path"))
 
 
 def network_assumptions(degrees: Mapping[str, int], links: Mapping[str, Link], comm: CommReport) -> dict[str, dict]:
@@ -1120,7 +1199,9 @@ def pipeline_parts(cfg, ct: ChunkTimes, m: int, actions=None) -> tuple[float, di
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
     span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
-    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True) if pp > 1 else (span0, busy0)
+    blocking = p2p_blocking_share(cfg, pp, v, m)
+    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True, blocking=blocking) if pp > 1 \
+        else (span0, busy0)
     r = max(range(pp), key=lambda i: (busy0[i], -i))
     mine = [c * pp + r for c in range(v)]
     parts = {

@@ -26,7 +26,8 @@ again for the weight gradient (it saves the 16-bit ``x`` and ``W``, ``ctx.save_f
 input_hp, weight_hp_t)``, not their FP8 casts: the saved activations are the 16-bit ones the
 memory model already counts; not modelled: under torchao's Float8 TP plan the GEMM's input is
 already the all-gathered FP8 tensor, and that, the whole sequence at 1 byte, is what it saves;
-Transformer Engine saves its FP8 casts). Rowwise scales along the other dimension for the weight
+Transformer Engine saves its FP8 casts, 1 byte per element: :func:`saves_fp8_inputs`).
+Rowwise scales along the other dimension for the weight
 gradient, so it casts the output gradient twice (along rows and along columns); MXFP8 too
 (32-element blocks along each GEMM's reduction dimension). Each cast reads the 16-bit tensor
 and writes the FP8 one (3 bytes per element); tensorwise first reads the whole tensor for
@@ -220,6 +221,21 @@ def weight_cast_bytes(cfg, stage_fp8: int, engine_name: str) -> float:
     return 2.0 * stage_fp8 * RECIPES[cfg.train.fp8_recipe].cast_bytes
 
 
+def saves_fp8_inputs(fp8: bool, engine_name: str) -> bool:
+    """Whether an FP8 GEMM (:func:`is_fp8_gemm`) keeps its input for the backward in FP8
+    (1 byte per element; the memory model's saved activations,
+    :func:`parcompile.analysis.memory.saved_bytes`): under Transformer Engine (``engine =
+    megatron``) the linear saves the FP8 cast of its input for the weight gradient's GEMM
+    (``transformer_engine/pytorch/module/linear.py`` and ``layernorm_linear.py`` save the
+    quantized ``inputmat`` / ``ln_out``, with sequence parallelism the local shard, gathered
+    again in backward), so a norm feeding a ``LayerNormLinear`` keeps no 16-bit output and an
+    input other ops keep in 16 bits (the attention kernel's output) is kept twice, in 16 bits
+    and in FP8; torchao (the FSDP2 engines) saves the 16-bit input (module docstring), and so
+    does the generated program (``engine_name`` ``"program"``). ``fp8``: the spec trains in
+    FP8. Not applied to grouped expert GEMMs (their routed rows are counted as before)."""
+    return fp8 and engine_name == "megatron"
+
+
 def weight_copy_bytes(cfg, stage_fp8: int, engine_name: str) -> int:
     """Bytes of FP8 weight copies a rank keeps across a step's micro-batches: under
     Megatron-Core with Transformer Engine (``engine = megatron``) the FP8 casts of the stage's
@@ -318,9 +334,10 @@ def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
         "fp8_all_gather": gathers_fp8(cfg),
         "tp_all_gathers": "FP8 (a layer's sequence-parallel all-gathers of GEMM inputs and output gradients)"
                           if r.tp_gather_fp8 else "16-bit",
-        "saved_activations": "16-bit, as without FP8 (torchao saves the 16-bit input and weight and casts again "
-                             "in backward; not modelled: the gathered FP8 inputs torchao's Float8 TP plan saves, "
-                             "Transformer Engine's saved FP8 casts)",
+        "saved_activations": ("the FP8 GEMMs' inputs in FP8 (Transformer Engine saves its casts; the attention "
+                              "kernel's output kept in 16 bits as well)" if te else
+                              "16-bit, as without FP8 (torchao saves the 16-bit input and weight and casts again "
+                              "in backward; not modelled: the gathered FP8 inputs torchao's Float8 TP plan saves)"),
         "weight_copies": "engine megatron: Transformer Engine's cached FP8 weights, both orientations (2 bytes "
                          "per FP8 weight element, buffer fp8_weights); FSDP2 engines (torchao): none",
     }

@@ -61,6 +61,10 @@ probabilities; GQA: k and v never expanded). Left out, as in Korthikanti's accou
 the norms' fp32 per-token statistics (4-8 bytes per token and norm, under 1% of a
 layer at h >= 64).
 
+FP8 training (``train.precision = fp8``) under Transformer Engine (``engine = megatron``, not
+the ``cpu`` preset's program): an FP8 linear keeps the FP8 cast of its input, 1 byte per
+element, in place of the 16-bit tensor (:func:`parcompile.analysis.fp8.saves_fp8_inputs`).
+
 With ``dropout > 0`` the embedding output's dropout mask (1 byte per element of the first
 layer's input) is kept on the first stage, as Megatron-LM's GPT does.
 
@@ -125,7 +129,8 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
-from parcompile.analysis.fp8 import enabled as fp8_enabled, gather_bytes_per_element, weight_copy_bytes
+from parcompile.analysis.fp8 import (enabled as fp8_enabled, gather_bytes_per_element, is_fp8_gemm, saves_fp8_inputs,
+                                    weight_copy_bytes)
 from parcompile.analysis.estimate import engine as engine_of
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
@@ -236,7 +241,15 @@ def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:
     return name
 
 
+#: the suffix naming a saved tensor's FP8 cast (:func:`saved_bytes`: Transformer Engine's FP8
+#: linears keep it, 1 byte per element of the tensor)
+FP8_COPY = "#fp8"
+
+
 def _local_bytes(graph: Graph, name: str, degrees: Mapping[str, int]) -> int:
+    if name.endswith(FP8_COPY):
+        nd = graph.node(name[:-len(FP8_COPY)])
+        return nd.sharding.local_type(nd.type, degrees).numel
     nd = graph.node(name)
     return nd.sharding.local_type(nd.type, degrees).nbytes
 
@@ -271,8 +284,11 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     (``cluster.engine``): where its ``Engine.sac`` is ``"op"``, ``selective`` is torchtitan's op-level policy
     (:func:`parcompile.analysis.compute.op_sac`): a layer keeps its input, the outputs of
     the linears it does not recompute, and the attention kernel's output and log-sum-exp;
-    ``fp8``: the spec trains in FP8 (the policy recomputes every FP8 linear)."""
+    ``fp8``: the spec trains in FP8 (the policy recomputes every FP8 linear; under Transformer
+    Engine, ``kernels`` or ``engine`` ``megatron``, an FP8 linear keeps the FP8 cast of its
+    input, 1 byte per element, :func:`parcompile.analysis.fp8.saves_fp8_inputs`)."""
     sac = op_sac(graph, recompute, engine, fp8)
+    te_fp8 = saves_fp8_inputs(fp8, kernels or engine)
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
     head = [0] * num_chunks
@@ -290,6 +306,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
         keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
+        if te_fp8 and nd.kind == "linear" and is_fp8_gemm(nd):
+            keep = [t + FP8_COPY for t in keep]   # its FP8 cast (1 byte per element), not the 16-bit tensor
         if s.saves_output(a):
             keep.append(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]

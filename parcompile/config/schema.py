@@ -116,6 +116,15 @@ class ClusterConfig(_Frozen):
     #: the generated program set it): what it holds beyond the live tensors
     #: (analysis/memory.py ``allocator_bytes``)
     expandable_segments: bool = True
+    #: the engine overlaps the tensor-parallel all-gathers and reduce-scatters of sequence
+    #: parallelism with the GEMMs they feed or drain (Megatron-Core's ``--tp-comm-overlap``:
+    #: Transformer Engine's userbuffers; ``engine = megatron``), and the interleaved pipeline's
+    #: sends and receives with compute (``overlap_p2p_comm``, Megatron-Core's default with
+    #: virtual stages, ``--no-overlap-p2p-communication`` turns it off): what the time estimate
+    #: assumes and the Megatron exports set (analysis/estimate.py ``chunk_times``,
+    #: ``pipeline_makespan``); the generated program runs them unoverlapped
+    tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False
 
     @property
     def world_size(self) -> int:

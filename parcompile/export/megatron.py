@@ -95,6 +95,15 @@ def _megatron_parallel_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         add("--expert-tensor-parallel-size", deg["expert_tp"])
     if par.sequence_parallel:
         add("--sequence-parallel")
+    # cluster.tp_comm_overlap: Transformer Engine's userbuffers (ModelParallelConfig.tp_comm_overlap,
+    # a flag through ArgumentGroupFactory; arguments.py asserts sequence parallelism with it,
+    # core_v0.19.0): the estimate overlaps only where it applies (estimate.overlaps_tp)
+    if plan.config.cluster.tp_comm_overlap:
+        if par.sequence_parallel and deg["tp"] > 1:
+            add("--tp-comm-overlap")
+        else:
+            notes.append("tp_comm_overlap: off (Megatron-LM overlaps tensor-parallel communication only with "
+                         "sequence parallelism and tp > 1)")
 
 
 def _megatron_pipeline_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
@@ -112,6 +121,17 @@ def _megatron_pipeline_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
                      "instead of --num-virtual-stages-per-pipeline-rank")
         if par.microbatch_group_size is not None:
             add("--microbatch-group-size-per-virtual-pipeline-stage", par.microbatch_group_size)
+        # overlap_p2p_comm is Megatron-LM's default with virtual stages (--no-overlap-p2p-communication,
+        # arguments.py core_v0.19.0); without it interleaving needs pp > 2 there
+        if not plan.config.cluster.overlap_p2p_comm and deg["pp"] > 2:
+            add("--no-overlap-p2p-communication")
+        elif not plan.config.cluster.overlap_p2p_comm:
+            notes.append("overlap_p2p_comm = false: Megatron-LM overlaps the interleaved pipeline's transfers with "
+                         "compute at pp 2 (it refuses --no-overlap-p2p-communication there); the estimate kept them "
+                         "blocking: set cluster.overlap_p2p_comm = true to estimate what it runs")
+    elif plan.config.cluster.overlap_p2p_comm and deg["pp"] > 1:
+        notes.append("overlap_p2p_comm: Megatron-LM overlaps pipeline transfers only with virtual stages "
+                     "(interleaved 1F1B); this 1F1B run blocks on them, as the estimate assumed")
     if sched == "gpipe":
         notes.append("schedule gpipe: Megatron-LM has no GPipe schedule; it runs 1F1B (the same bubble, "
                      "fewer micro-batches in flight)")

@@ -27,6 +27,10 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--expert-model-parallel-size": [("model", "expert_model_parallel_size", int)],
     "--expert-tensor-parallel-size": [("model", "expert_tensor_parallel_size", int)],
     "--sequence-parallel": [("model", "sequence_parallel", True)],
+    # ModelParallelConfig's fields (megatron-core 0.16.1 model_parallel_config.py): Transformer
+    # Engine's userbuffers; the interleaved pipeline's blocking batched transfers
+    "--tp-comm-overlap": [("model", "tp_comm_overlap", True)],
+    "--no-overlap-p2p-communication": [("model", "overlap_p2p_comm", False), ("model", "batch_p2p_comm", True)],
     "--num-virtual-stages-per-pipeline-rank": [("model", "virtual_pipeline_model_parallel_size", int)],
     # ModelParallelConfig's field (a base of GPTModelProvider): megatron-core 0.16.1
     # megatron/core/model_parallel_config.py line 343 (NVIDIA/Megatron-LM tag core_v0.16.1)
@@ -133,6 +137,10 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
                           eod_mask_loss=False)
     out["scheduler"]["lr_decay_iters"] = plan.config.train.steps
     out["container"]["mixed_precision"] = None
+    if plan.data["degrees"]["virtual_stages"] > 1 and plan.data["degrees"]["pp"] > 1:
+        # Megatron-LM's default with virtual stages (the provider's is off): overlapped, unbatched
+        # transfers (ModelParallelConfig: overlap_p2p_comm needs batch_p2p_comm off)
+        out["model"].update(overlap_p2p_comm=True, batch_p2p_comm=False)
     unmapped = []
     for flag, value in args:
         if flag not in MEGATRON_BRIDGE_FIELDS:

@@ -129,7 +129,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "memory_reserve": KeyType("fraction", low=0, high=1, high_open=True),
         "engine": _enum(ClusterConfig, "engine"),
         "nvlink_domain": _COUNT, "nics_per_node": _COUNT, "nvls": _BOOL,
-        "expandable_segments": _BOOL,
+        "expandable_segments": _BOOL, "tp_comm_overlap": _BOOL, "overlap_p2p_comm": _BOOL,
     },
     "parallel": {
         "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,

@@ -659,6 +659,50 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
                             note=f"{key} is {what}")
 
 
+def _check_overlaps(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """``cluster.tp_comm_overlap`` and ``cluster.overlap_p2p_comm`` (analysis/estimate.py
+    ``overlaps_tp``, ``p2p_blocking_share``): warnings where the rest of the spec leaves them
+    nothing to do. tp_comm_overlap is Transformer Engine's userbuffers under Megatron-Core
+    (``engine = megatron``), with sequence parallelism over tp > 1 (Megatron-LM asserts it);
+    overlap_p2p_comm to Megatron-Core's interleaved 1F1B with virtual stages over pp > 1
+    (Megatron-LM turns it off otherwise). A key some ``auto`` may still satisfy is not warned about."""
+    cl, p = cfg.cluster, cfg.parallel
+    auto = set(p.auto)
+    if ctx.given("cluster.tp_comm_overlap") and ctx.ok("cluster.tp_comm_overlap") and cl.tp_comm_overlap:
+        why = None
+        if cfg.workload == "serve":
+            why = "a `serve` spec's estimate does not use it"
+        elif ctx.ok("cluster.engine") and cl.engine != "megatron":
+            why = f"engine = {cl.engine}: it is Transformer Engine's userbuffers overlap under Megatron-Core"
+        elif ctx.ok("parallel.tp") and p.tp == 1 and "tp" not in auto:
+            why = "with tp = 1 there is no tensor-parallel collective"
+        elif ctx.ok("parallel.sequence_parallel") and not p.sequence_parallel and "sequence_parallel" not in auto:
+            why = "it overlaps sequence parallelism's all-gathers and reduce-scatters (Megatron-LM requires it)"
+        if why:
+            ctx.bag.warning(f"tp_comm_overlap has no effect: {why}", ctx.span("cluster.tp_comm_overlap"),
+                            help="remove `tp_comm_overlap`, or use engine = megatron with sequence_parallel = true "
+                                 "and tp > 1",
+                            note="tp_comm_overlap overlaps the tensor-parallel collectives with the GEMMs they feed "
+                                 "or drain (Megatron-Core's --tp-comm-overlap)")
+    if ctx.given("cluster.overlap_p2p_comm") and ctx.ok("cluster.overlap_p2p_comm") and cl.overlap_p2p_comm:
+        why = None
+        if cfg.workload == "serve":
+            why = "a `serve` spec's estimate does not use it"
+        elif ctx.ok("cluster.engine") and cl.engine != "megatron":
+            why = f"engine = {cl.engine}: it is Megatron-Core's interleaved schedule's overlap"
+        elif ctx.ok("parallel.pp") and p.pp == 1 and "pp" not in auto:
+            why = "with pp = 1 there is no pipeline transfer"
+        elif ctx.ok("parallel.schedule", "parallel.virtual_stages") and not {"schedule", "virtual_stages"} & auto \
+                and (p.schedule != "interleaved_1f1b" or p.virtual_stages == 1):
+            why = "Megatron-LM overlaps pipeline transfers only in interleaved 1F1B with virtual stages"
+        if why:
+            ctx.bag.warning(f"overlap_p2p_comm has no effect: {why}", ctx.span("cluster.overlap_p2p_comm"),
+                            help="remove `overlap_p2p_comm`, or use schedule = interleaved_1f1b with "
+                                 "virtual_stages > 1",
+                            note="overlap_p2p_comm posts the interleaved pipeline's sends and receives and waits "
+                                 "only when the tensor is needed (Megatron-LM's default with virtual stages)")
+
+
 def _check_reduce_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
     """``parallel.reduce_dtype`` (:func:`parcompile.analysis.buckets.bucket_element_bytes`):
     a 16-bit value must be the model's dtype (its gradients are what the buckets hold; an
@@ -1054,6 +1098,7 @@ CHECKS = (
     _check_experts,
     _check_router,
     _check_no_effect,
+    _check_overlaps,
     _check_reduce_dtype,
     _check_order,
     _check_train,
@@ -1080,6 +1125,7 @@ LAYOUT_READS = {
     _check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
     _check_router: (),
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
+    _check_overlaps: ("auto", "pp", "schedule", "sequence_parallel", "tp", "virtual_stages"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
     _check_order: ("order",),
     _check_train: ("auto", "zero"),

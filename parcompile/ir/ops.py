@@ -121,6 +121,11 @@ class Collective:
     bytes_per_row: int = 0
     #: runs per step of a ``per = "step"`` collective (ZeRO-3 regathers a layer bucket 2 m times)
     count: int = 1
+    #: a tensor-parallel all-gather's or reduce-scatter's GEMMs (the linears it feeds or
+    #: drains): their forward FLOPs on one rank, ``(FP8-eligible, other)``, what it overlaps
+    #: under ``cluster.tp_comm_overlap`` (:func:`parcompile.analysis.comm.comm_report` sets
+    #: it; :func:`parcompile.analysis.estimate.chunk_times` reads it)
+    gemm_flops: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

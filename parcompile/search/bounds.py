@@ -52,14 +52,17 @@ def scaled_comm(comm: CommReport, r: float, pp: bool, experts: int = 0, fixed_r:
     ``fixed_r`` instead (``cp0 / cp``: at most 1 and at most ``r``, whatever the
     micro-batch, so a collective of another kind that happens to have their size is
     under-counted, which a lower bound allows, and the line of :meth:`Coster._base_work`
-    holds)."""
+    holds). The FLOPs of the GEMMs a tensor-parallel collective overlaps
+    (``Collective.gemm_flops``) scale by ``r`` as well."""
     def scale(c) -> float:
         fixed = (experts and not c.bytes_per_row and c.axis in ("ep", "expert_tp")
                  and c.bytes % (experts * COUNTS_BYTES) == 0 and c.bytes // (experts * COUNTS_BYTES) <= 64)
         return fixed_r if fixed else r
 
-    return CommReport((), {}, tuple((s, k, replace(c, bytes=c.bytes * scale(c))) for s, k, c in comm.raw
-                                     if (c.axis == "pp") == pp))
+    # the FLOPs of the GEMMs a tp collective overlaps (cluster.tp_comm_overlap) grow with the tokens too
+    return CommReport((), {}, tuple((s, k, replace(c, bytes=c.bytes * scale(c),
+                                                   gemm_flops=tuple(x * r for x in c.gemm_flops)))
+                                     for s, k, c in comm.raw if (c.axis == "pp") == pp))
 
 
 class Floors:
