@@ -1243,14 +1243,14 @@ def test_union_fields_say_what_they_take_and_chat_roles_are_openais():
             assert r["error"]["message"].startswith("`prompt`: token ids must be integers"), r
             assert ".str" not in r["error"]["message"]
         status, r = await post({"prompt": ["a", 104], "max_tokens": 1})
-        assert status == 400 and r["error"]["message"].startswith("`prompt`: a string, a list of token ids"), r
+        assert status == 400 and r["error"]["message"].startswith("`prompt`: must be a string, a list of token ids"), r
         status, r = await post({"prompt": "hi", "max_tokens": 1, "stop": [1]})
         assert status == 400 and r["error"]["param"] == "stop", r
-        assert r["error"]["message"].startswith("`stop`: a string or a list of strings"), r
+        assert r["error"]["message"].startswith("`stop`: must be a string or a list of strings"), r
         chat = lambda messages: post({"messages": messages, "max_tokens": 1}, "/v1/chat/completions")
         status, r = await chat([{"role": "user", "content": 5}])
         assert status == 400 and r["error"]["param"] == "messages", r
-        assert r["error"]["message"].startswith("`messages.0.content`: a string or a list of content parts"), r
+        assert r["error"]["message"].startswith("`messages.0.content`: must be a string, a list of content parts"), r
         status, r = await chat([{"role": "wizard", "content": "hi"}])
         assert status == 400 and r["error"]["param"] == "messages" and "messages.0.role" in r["error"]["message"], r
         assert "'user'" in r["error"]["message"] and "wizard" in r["error"]["message"]
