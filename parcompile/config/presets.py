@@ -101,8 +101,12 @@ class Accelerator:
             its GPUs ``cuda`` too.
         name: the devices, in words.
         collectives: the library behind the backend (NCCL, RCCL, HCCL, gloo).
-        visible_devices: the variable that restricts the devices a node's processes see
-            (None on the CPU); launch.sh checks that it names enough of them.
+        visible_devices: the variables that restrict the devices a node's processes see, by
+            layer of the stack (none on the CPU): within a layer the first one set is read,
+            the others ignored; each layer restricts what the one before it exposes (ROCm:
+            ROCR_VISIBLE_DEVICES in the ROCm runtime, then HIP_VISIBLE_DEVICES, or
+            CUDA_VISIBLE_DEVICES when it is unset, in HIP). launch.sh checks that each
+            restricted layer names enough of them (:meth:`visible_devices_text` says so).
         alloc_conf: the caching allocator's settings variables the program sets (before
             torch starts the device), most general first.
         comm_env: ``(variable, what it does)`` for the collective library's settings a
@@ -116,13 +120,19 @@ class Accelerator:
     device: str
     name: str
     collectives: str
-    visible_devices: str | None
+    visible_devices: tuple[tuple[str, ...], ...]
     alloc_conf: tuple[str, ...]
     comm_env: tuple[tuple[str, str], ...] = ()
     launch_env: tuple[tuple[str, str, str], ...] = ()
     slurm_gpus: bool = False
     setup: str | None = None
     sources: str = ""
+
+    def visible_devices_text(self) -> str:
+        """:attr:`visible_devices` in words, a line of the launchers' headers ("" on the CPU)."""
+        names = ", then ".join(" (or else ".join(layer) + ")" * (len(layer) - 1) for layer in self.visible_devices)
+        verb = "names" if len(self.visible_devices) == 1 else "name"
+        return f"{names}, when set, {verb} the devices this node's processes use" if names else ""
 
 
 _NCCL_ENV = (
@@ -134,19 +144,22 @@ _NCCL_ENV = (
 #: the software stacks of the cluster presets (``ClusterPreset.stack``)
 ACCELERATORS: dict[str, Accelerator] = {
     "cuda": Accelerator(
-        device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices="CUDA_VISIBLE_DEVICES",
+        device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices=(("CUDA_VISIBLE_DEVICES",),),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",), comm_env=_NCCL_ENV, slurm_gpus=True,
         sources="NCCL docs, Environment Variables; PyTorch docs, CUDA semantics (PYTORCH_CUDA_ALLOC_CONF)",
     ),
     "rocm": Accelerator(
-        device="cuda", name="AMD GPUs (ROCm)", collectives="RCCL", visible_devices="HIP_VISIBLE_DEVICES",
+        device="cuda", name="AMD GPUs (ROCm)", collectives="RCCL",
+        visible_devices=(("ROCR_VISIBLE_DEVICES",), ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
         comm_env=tuple((v, w + " (RCCL reads NCCL's names)") for v, w in _NCCL_ENV), slurm_gpus=True,
-        sources="ROCm docs, RCCL environment variables; torch's c10 reads PYTORCH_HIP_ALLOC_CONF on ROCm builds",
+        sources="ROCm docs, RCCL environment variables; ROCm docs, GPU isolation techniques (ROCR_, HIP_, "
+                "CUDA_VISIBLE_DEVICES; torch.cuda._parse_visible_devices reads them so); torch's c10 reads "
+                "PYTORCH_HIP_ALLOC_CONF on ROCm builds",
     ),
     "cann": Accelerator(
         device="npu", name="Ascend NPUs (CANN, torch_npu)", collectives="HCCL",
-        visible_devices="ASCEND_RT_VISIBLE_DEVICES", alloc_conf=("PYTORCH_NPU_ALLOC_CONF",),
+        visible_devices=(("ASCEND_RT_VISIBLE_DEVICES",),), alloc_conf=("PYTORCH_NPU_ALLOC_CONF",),
         comm_env=(
             ("HCCL_IF_IP", "the host address HCCL reaches the root node from when it creates a communicator"),
             ("HCCL_SOCKET_IFNAME", "the host network interface, where HCCL_IF_IP is unset"),
@@ -160,7 +173,7 @@ ACCELERATORS: dict[str, Accelerator] = {
                 "Ascend/pytorch docs/zh/environment_variable_reference/PYTORCH_NPU_ALLOC_CONF.md",
     ),
     "cpu": Accelerator(
-        device="cpu", name="CPU processes", collectives="gloo", visible_devices=None,
+        device="cpu", name="CPU processes", collectives="gloo", visible_devices=(),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",),   # unread on the CPU: kept so a cpu plan's program reads like a GPU one's
     ),
 }
