@@ -66,6 +66,10 @@ class ClusterPreset:
     #: dense MXFP8 peak (OCP microscaling: E8M0 scales per 32 elements, block-scaled GEMMs in
     #: hardware: Blackwell), FLOP/s per GPU; None where the part has none
     mxfp8_flops: float | None = None
+    #: whether the part holds FP8 tensors (E4M3 / E5M2 storage, converted to 16 bits in
+    #: software where it has no FP8 GEMM: vLLM keeps an FP8 KV cache so on Ampere); False
+    #: where it has no FP8 type at all (:func:`fp8_storage`; a part with ``fp8_flops`` has one)
+    fp8_storage: bool = True
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -255,11 +259,12 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # Huawei Ascend 910B (Atlas 800T A2 server, 8 NPUs): 64 GB HBM2e at about 1.6 TB/s,
     # about 313 TFLOPS fp16/bf16 dense (figures vary by SKU); HCCS about 196 GB/s per
     # direction (7 links of 56 GB/s both ways); one 200 Gb/s RoCE port per NPU. No TF32: fp32 at
-    # the fp16 rate / 4 (assumed). No FP8 GEMM (Ascend's FP8 / MXFP8 arrive with the 950 series).
+    # the fp16 rate / 4 (assumed). No FP8 type at all, so neither FP8 GEMMs nor an FP8 KV cache
+    # (Ascend's FP8 / MXFP8 arrive with the 950 series).
     "ascend-910b": ClusterPreset(
         gpus_per_node=8, memory=int(q("64 GiB")), peak_flops=_peaks("313 TFLOPS", "78 TFLOPS"),
         hbm_bw=q("1.6 TB/s"), intra_node_bw=q("196 GB/s"), inter_node_bw=q("200 Gb/s"),
-        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann",
+        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann", fp8_storage=False,
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
@@ -307,6 +312,24 @@ def fp8_peak(preset: str | None, recipe: str) -> float | None:
     if found is None:
         return None
     return found.mxfp8_flops if recipe == "mxfp8" else found.fp8_flops
+
+
+def fp8_storage(preset: str | None) -> bool:
+    """Whether cluster preset ``preset``'s devices hold FP8 tensors: what an FP8 KV cache
+    (``serve.kv_dtype = fp8``, storage cast to 16 bits for attention) needs, where FP8
+    training needs FP8 GEMMs (:func:`fp8_peak`). Every part with an FP8 GEMM has the type;
+    one without may still store it (vLLM's ``kv_cache_dtype = "fp8"`` runs on Ampere,
+    converting in its kernels; vLLM docs, Quantized KV Cache); False only where
+    ``ClusterPreset.fp8_storage`` says the part has no FP8 type (Ascend 910B). A cluster
+    without a preset is taken to have one (a GPU stack)."""
+    found = CLUSTER_PRESETS.get(preset) if preset is not None else None
+    return found is None or found.fp8_storage or found.fp8_flops is not None
+
+
+def fp8_storage_presets() -> tuple[str, ...]:
+    """The cluster presets whose devices hold FP8 tensors (:func:`fp8_storage`), in preset
+    order: what a diagnostic refusing an FP8 KV cache names."""
+    return tuple(name for name in CLUSTER_PRESETS if fp8_storage(name))
 
 
 def fp8_presets(recipe: str) -> tuple[str, ...]:
