@@ -165,12 +165,15 @@ class ServeReport:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.replicas * self.batch_per_replica / self.tpot if self.tpot > 0 else 0.0
+        """Tokens per second while decoding: every one of the ``batch`` sequences (over all
+        replicas; a replica with fewer than ``batch_per_replica`` is not slower) each ``tpot``."""
+        return self.batch / self.tpot if self.tpot > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second over a whole request of the ``batch`` sequences."""
         total = self.ttft + (self.max_new_tokens - 1) * self.tpot
-        return self.replicas * self.batch_per_replica * self.max_new_tokens / total if total > 0 else 0.0
+        return self.batch * self.max_new_tokens / total if total > 0 else 0.0
 
     def memory(self) -> MemoryReport:
         """The plan's ``memory`` section for serving: weights as ``params``, the workspace as

@@ -278,8 +278,8 @@ class Handlers:
         if self.info.max_seqs and samples > self.info.max_seqs:
             name = "best_of" if samples > req.n else "n"
             raise ApiError(400, f"`{name}` is {samples}; this server decodes at most {self.info.max_seqs} sequences at once "
-                                f"per replica (the spec's serve `batch`), so a prompt's samples are at most that",
-                           param=name, code="invalid_value")
+                                f"per replica (the spec's serve `batch` over its dp replicas), so a prompt's samples "
+                                f"are at most that", param=name, code="invalid_value")
         if req.max_tokens == 0 and not getattr(req, "echo", False):
             raise ApiError(400, "`max_tokens` 0 asks for no output: it is only taken with `\"echo\": true` (the "
                                 "prompt's logprobs)", param="max_tokens", code="invalid_value")
