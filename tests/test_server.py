@@ -318,6 +318,17 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.BadRequestError) as x:
         c.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=1)
     assert "context is 64 tokens" in x.value.message and "69 tokens" in x.value.message
+    # a prompt of the whole context is scored with echo and max_tokens 0 (chunked over 6 steps of
+    # max_prefill_tokens 12): its logprobs are those of its 40-token prefix, then more
+    full = [(7 * i) % 256 for i in range(64)]
+    lps = {}
+    for n in (64, 40):
+        r = httpx.post(base + "/v1/completions", json={"prompt": full[:n], "echo": True, "max_tokens": 0,
+                                                       "logprobs": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        lps[n] = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lps[64]) == 64 and lps[64][0] is None and all(x <= 0 for x in lps[64][1:])
+    assert lps[64][:40] == pytest.approx(lps[40], abs=1e-4)
     with pytest.raises(openai.BadRequestError) as x:
         c.completions.create(model="tiny", prompt="hello", max_tokens=60)
     assert "at most 59 new tokens fit" in x.value.message and x.value.body["param"] == "max_tokens"
