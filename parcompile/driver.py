@@ -40,6 +40,7 @@ from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
 from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
 from parcompile.frontend.checks import does_not_fit_help
+from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
 from parcompile.analysis.kv import cache_heads
 from parcompile.core.outputs import checkpoint_bytes, space_problem
@@ -311,5 +312,6 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
             f"stage {worst.stage}; {bytes_text(max(worst.free_for_kv, 0))} are left beside the weights",
             cfg.span("serve.batch"),
             help=f"at most {seqs} sequences of {rep.context:,} tokens fit ({rep.max_concurrent_tokens:,} tokens "
-                 f"of cache); lower batch, raise tp or pp, or set kv_dtype = fp8",
+                 f"of cache); lower batch, raise tp or pp"
+                 + (", or set kv_dtype = fp8" if rep.kv_dtype != "fp8" and fp8_storage(cfg.cluster.preset) else ""),
             code="does-not-fit"))

@@ -558,12 +558,23 @@ def _grad_reduction_report(d: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def replica_shares(batch: int, dp: int) -> str:
+    """How ``dp`` replicas share the serve ``batch`` (SPEC 1: the plan's concurrent
+    sequences), in words: contiguous shares, the first replicas one more when ``dp`` does not
+    divide it (``runtime/generate.replica_slice``); with fewer sequences than replicas, some
+    replicas idle."""
+    if batch < dp:
+        return f"1 per replica on {batch} of {dp} replicas; the others idle"
+    lo, hi = batch // dp, -(-batch // dp)
+    return f"{lo if lo == hi else f'{lo} to {hi}'} per replica, {plural(dp, 'replica')}"
+
+
 def _serve_report(d: dict[str, Any]) -> list[str]:
     """The serving sections of the report: memory per rank, KV cache, time."""
     sv, mem = d["serve"], d["memory"]
     out = ["## Serving", "",
-           f"{plural(sv['batch'], 'sequence')} ({sv['batch_per_replica']} per replica, "
-           f"{plural(sv['replicas'], 'replica')}) of {sv['prompt_len']:,} prompt + {sv['max_new_tokens']:,} new "
+           f"{plural(sv['batch'], 'sequence')} ({replica_shares(sv['batch'], sv['replicas'])}) "
+           f"of {sv['prompt_len']:,} prompt + {sv['max_new_tokens']:,} new "
            f"tokens; KV cache in {sv['kv_dtype']}, {sv['kv_heads_per_rank']} kv head(s) per rank"
            + (f", each replicated on {sv['kv_head_replicas']} ranks" if sv["kv_head_replicas"] > 1 else "") + ".", "",
            "| stage | weights | workspace | KV cache | KV bytes/token | total |", "|---|---|---|---|---|---|"]

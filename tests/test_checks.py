@@ -630,3 +630,42 @@ def test_overlap_keys_warn_where_they_do_nothing():
                                                        "transfers only in interleaved 1F1B with virtual stages")
     assert diags(spec(cluster={"overlap_p2p_comm": "true"},
                       parallel={"schedule": "interleaved_1f1b", "virtual_stages": "2"})) == []
+
+
+@pytest.mark.parametrize("preset, refused", [("ascend-910b", True), ("a100-80gb", False), ("h100-sxm", False),
+                                             ("cpu", False)])
+def test_kv_dtype_fp8_needs_a_device_with_an_fp8_type(preset, refused):
+    """Tester: `kv_dtype = fp8` was accepted on Ascend 910B, which has no FP8 type. An FP8 KV
+    cache is storage (cast to 16 bits for attention): vLLM keeps one on Ampere too (A100, no
+    FP8 GEMM), so only a device without FP8 tensors at all refuses it, at the value."""
+    from parcompile.config.presets import fp8_storage_presets
+
+    text = spec(drop=("train",), parallel={"tp": "2", "dp": "1", "pp": "1", "global_batch": None},
+                cluster={"gpus_per_node": "2"}, serve={"batch": "1", "prompt_len": "16", "max_new_tokens": "16",
+                                                       "kv_dtype": "fp8"})
+    text = text.replace('from "cpu"', f'from "{preset}"')
+    if not refused:
+        cfg, warnings = load_spec(text)
+        assert cfg.serve.kv_dtype == "fp8" and warnings == []
+        return
+    have = fp8_storage_presets()
+    assert "a100-80gb" in have and "ascend-910b" not in have
+    message, help, note = one(text, "kv_dtype = fp8")
+    assert message == "kv_dtype = fp8 needs FP8 tensors: cluster preset `ascend-910b` has no FP8 type"
+    assert help == "use a cluster `from` " + " or ".join(f"`{p}`" for p in have[:-1]).replace(" or ", ", ") \
+        + f" or `{have[-1]}`, or set kv_dtype = bf16 or fp16 (or remove it: the model's dtype)"
+
+
+def test_serve_memory_advice_offers_an_fp8_cache_only_where_the_devices_have_fp8():
+    """What would make a serve batch fit names `kv_dtype = fp8` on A100 (FP8 storage, no FP8
+    GEMM), never on Ascend 910B, where that value is an error."""
+    import parcompile
+
+    helps = {}
+    for preset in ("ascend-910b", "a100-40gb"):
+        text = (f'model m from "llama3-8b" {{ seq_len = 8192 }}\ncluster c from "{preset}" {{ nodes = 1 }}\n'
+                'parallel { tp = 8 }\nserve { batch = 300, prompt_len = 4096, max_new_tokens = 4096 }\n')
+        [d] = [w for w in parcompile.compile(text).warnings if w.code == "does-not-fit"]
+        helps[preset] = d.help
+    assert helps["ascend-910b"].endswith("; lower batch, raise tp or pp") and "fp8" not in helps["ascend-910b"]
+    assert helps["a100-40gb"].endswith("; lower batch, raise tp or pp, or set kv_dtype = fp8")

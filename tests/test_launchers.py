@@ -198,8 +198,9 @@ def test_launchers_say_what_changes_per_accelerator(preset):
             assert f"\n#   {var}: " in text
         for var, value, _ in acc.launch_env:
             assert f'\nexport {var}="${{{var}:-{value}}}"   # ' in text
-        visible = [v for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES") if v in text]
-        assert visible == ([acc.visible_devices] if acc.visible_devices else [])
+        visible = {v for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                               "ASCEND_RT_VISIBLE_DEVICES") if v in text}
+        assert visible == {v for layer in acc.visible_devices for v in layer}
         assert ("source /usr/local/Ascend/ascend-toolkit/set_env.sh" in text) == (preset == "ascend-910b")
         assert ("HCCL" in text) == (preset == "ascend-910b") and ("NCCL_" in text) == (acc.collectives in ("NCCL", "RCCL"))
     assert ("#SBATCH --gpus-per-node=8\n" in sbatch) == (acc.slurm_gpus and preset != "cpu")
@@ -250,6 +251,41 @@ def test_ascend_launch_checks_visible_devices_and_sets_hccl(tmp_path, visible, n
     env["HCCL_CONNECT_TIMEOUT"] = "1800"   # the caller's own value wins
     again = subprocess.run([str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert "| HCCL_CONNECT_TIMEOUT=1800\n" in again.stdout
+
+
+EIGHT, TWO = "0,1,2,3,4,5,6,7", "0,1"
+
+
+@pytest.mark.parametrize("env, code, named", [
+    ({}, 0, None),
+    ({"CUDA_VISIBLE_DEVICES": TWO}, 2, "CUDA_VISIBLE_DEVICES"),     # HIP's alias, when HIP_ is unset
+    ({"ROCR_VISIBLE_DEVICES": TWO}, 2, "ROCR_VISIBLE_DEVICES"),     # the ROCm runtime's, under HIP's
+    ({"HIP_VISIBLE_DEVICES": TWO, "CUDA_VISIBLE_DEVICES": EIGHT}, 2, "HIP_VISIBLE_DEVICES"),
+    ({"HIP_VISIBLE_DEVICES": EIGHT, "CUDA_VISIBLE_DEVICES": TWO}, 0, None),     # HIP_ wins: CUDA_ unread
+    ({"ROCR_VISIBLE_DEVICES": TWO, "HIP_VISIBLE_DEVICES": EIGHT}, 2, "ROCR_VISIBLE_DEVICES"),
+    ({"ROCR_VISIBLE_DEVICES": EIGHT, "CUDA_VISIBLE_DEVICES": EIGHT}, 0, None),
+])
+def test_rocm_launch_checks_every_variable_rocm_restricts_devices_by(tmp_path, env, code, named):
+    """Tester: mi300x's launch.sh checked only HIP_VISIBLE_DEVICES. ROCm restricts devices at
+    two layers (ROCm docs, GPU isolation techniques; torch.cuda._parse_visible_devices on
+    ROCm): ROCR_VISIBLE_DEVICES (the ROCm runtime's), then HIP_VISIBLE_DEVICES, or
+    CUDA_VISIBLE_DEVICES when HIP_'s is unset, indexing into what ROCr exposes. Each layer
+    that is restricted must name a device per process of the node (8 here)."""
+    cfg = _preset_cfg("mi300x")
+    out = tmp_path / "build"
+    out.mkdir()
+    _executable(out / "launch.sh", render_launch(cfg))
+    (out / "program.py").write_text("")
+    _fake_torchrun(tmp_path / "bin")
+    base = {k: v for k, v in os.environ.items() if not k.endswith("_VISIBLE_DEVICES") and k not in ("NNODES",)}
+    base.update(PATH=f"{tmp_path / 'bin'}:{base['PATH']}", PYTHONPATH=str(REPO), NODE_RANK="0", MASTER_ADDR="h0")
+    proc = subprocess.run([str(out / "launch.sh")], env={**base, **env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    if code:
+        assert proc.stderr == (f"launch.sh: {named}={env[named]} names 2 device(s) but this node runs 8 processes, "
+                               f"one per device: name 8, or unset it\n")
+    else:
+        assert "--nnodes 2 --nproc-per-node 8 --node-rank 0" in proc.stdout
 
 
 # --- launch.sh, run -------------------------------------------------------------------------

@@ -360,3 +360,28 @@ def test_cli_compile_and_run_serve_spec(tmp_path, monkeypatch, capsys):
     assert main(["run", str(spec), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "weights directory" in err and "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("batch, dp, words", [
+    (1, 8, "1 sequence (1 per replica on 1 of 8 replicas; the others idle)"),
+    (3, 8, "3 sequences (1 per replica on 3 of 8 replicas; the others idle)"),
+    (10, 4, "10 sequences (2 to 3 per replica, 4 replicas)"),
+    (16, 8, "16 sequences (2 per replica, 8 replicas)"),
+])
+def test_serve_batch_is_global_and_the_report_says_how_the_replicas_share_it(batch, dp, words):
+    """Tester: batch = 1 with dp 8 reported "1 sequence (1 per replica, 8 replicas)", as if 8
+    were served. SPEC 1's serve `batch` is the concurrent sequences of the whole plan; the
+    program gives the replicas contiguous shares, the first ones one more
+    (runtime/generate.replica_slice): the report says so, and the throughput counts the
+    `batch` sequences, not replicas x the largest share."""
+    import parcompile
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tiny_serve.par"
+    plan = parcompile.compile(path, overrides={"serve.batch": batch, "parallel.tp": 1, "parallel.pp": 1,
+                                               "cluster.gpus_per_node": dp})
+    sv = plan.data["serve"]
+    assert (sv["batch"], sv["replicas"], sv["batch_per_replica"]) == (batch, dp, -(-batch // dp))
+    assert f"\n{words} of 16 prompt + 48 new tokens;" in plan.report_md()
+    total = sv["ttft"] + 47 * sv["tpot"]
+    assert sv["decode_tokens_per_s"] == pytest.approx(batch / sv["tpot"])     # not dp x the largest share
+    assert sv["tokens_per_s"] == pytest.approx(batch * 48 / total)

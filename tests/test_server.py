@@ -318,6 +318,17 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.BadRequestError) as x:
         c.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=1)
     assert "context is 64 tokens" in x.value.message and "69 tokens" in x.value.message
+    # a prompt of the whole context is scored with echo and max_tokens 0 (chunked over 6 steps of
+    # max_prefill_tokens 12): its logprobs are those of its 40-token prefix, then more
+    full = [(7 * i) % 256 for i in range(64)]
+    lps = {}
+    for n in (64, 40):
+        r = httpx.post(base + "/v1/completions", json={"prompt": full[:n], "echo": True, "max_tokens": 0,
+                                                       "logprobs": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        lps[n] = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lps[64]) == 64 and lps[64][0] is None and all(x <= 0 for x in lps[64][1:])
+    assert lps[64][:40] == pytest.approx(lps[40], abs=1e-4)
     with pytest.raises(openai.BadRequestError) as x:
         c.completions.create(model="tiny", prompt="hello", max_tokens=60)
     assert "at most 59 new tokens fit" in x.value.message and x.value.body["param"] == "max_tokens"
@@ -690,11 +701,11 @@ class _FakeEngines:
         return {"blocks_used": 0, "blocks_free": 1, "waiting": 0, "running": 0}
 
 
-def _front(engines, chat_template=None, tokenizer=None, **kw):
+def _front(engines, chat_template=None, tokenizer=None, context=512, **kw):
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.metrics import Metrics
 
-    info = ModelInfo(name="tiny", vocab=256, context=512, temperature=0.0, top_k=0, eos=[],
+    info = ModelInfo(name="tiny", vocab=256, context=context, temperature=0.0, top_k=0, eos=[],
                      tokenizer=tokenizer or gen.load_tokenizer(None, None, 256),
                      chat_template=chat_template or PLAIN_CHAT_TEMPLATE, special={})
     return build_app(info, engines, Metrics("tiny"), **kw)
@@ -1184,6 +1195,79 @@ def test_front_batches_prompts_samples_n_and_returns_openai_logprobs():
         r = await post({"prompt": "hi", "n": 1, "best_of": 3, "max_tokens": 2})
         assert len(r["choices"]) == 1 and r["choices"][0]["logprobs"] is None
         assert [p["logprobs"] for p in engines.params[-3:]] == [0, 0, 0]      # ranked by their logprobs
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_echo_scores_a_full_context_prompt_with_max_tokens_0_and_refuses_one_longer():
+    """Tester: a prompt of the whole context (64 tokens) with echo, max_tokens 0 and logprobs
+    was 400 "leaving no room for output" though no output is asked for. It is scored (every
+    position is inside the context; the token the engine draws is dropped, never cached);
+    asking for output, or a prompt past the context, is still refused."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, context=64)
+
+        async def post(body):
+            status, raw = await _asgi(app, "POST", "/v1/completions", json.dumps(body).encode())
+            return status, json.loads(raw)
+
+        for prompt in ([104] * 64, "h" * 64):           # ids, and a text of 64 byte tokens
+            status, r = await post({"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1})
+            assert status == 200, r
+            lp = r["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == 64 and lp["token_logprobs"][0] is None and lp["token_logprobs"][1] == -1.0
+            assert r["usage"] == {"prompt_tokens": 64, "completion_tokens": 0, "total_tokens": 64}
+            assert r["choices"][0]["text"] == "h" * 64
+        for body in ({"prompt": [104] * 64, "max_tokens": 1}, {"prompt": [104] * 64},
+                     {"prompt": [104] * 64, "echo": True, "logprobs": 1},
+                     {"prompt": [104] * 65, "echo": True, "max_tokens": 0, "logprobs": 1},
+                     {"prompt": "h" * 65, "echo": True, "max_tokens": 0, "logprobs": 1}):
+            status, r = await post(body)
+            assert status == 400 and r["error"]["code"] == "context_length_exceeded", (body, r)
+            assert "context is 64 tokens" in r["error"]["message"]
+        status, r = await post({"prompt": [104] * 65, "echo": True, "max_tokens": 0, "logprobs": 1})
+        assert "no room for output" not in r["error"]["message"] and "65 tokens" in r["error"]["message"], r
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_union_fields_say_what_they_take_and_chat_roles_are_openais():
+    """Tester: `prompt: [1.5]` said "`prompt.str`: Input should be a valid string" (pydantic's
+    first union branch); the message names what is wrong with the value. Chat roles are
+    OpenAI's (openai.types.chat.ChatCompletionMessageParam): "wizard" is 400, not 200."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines)
+
+        async def post(body, path="/v1/completions"):
+            status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
+            return status, json.loads(raw)
+
+        for prompt in ([1.5], [True, False], [[104, 2.0]], [104, True]):
+            status, r = await post({"prompt": prompt, "max_tokens": 1})
+            assert status == 400 and r["error"]["param"] == "prompt", r
+            assert r["error"]["message"].startswith("`prompt`: token ids must be integers"), r
+            assert ".str" not in r["error"]["message"]
+        status, r = await post({"prompt": ["a", 104], "max_tokens": 1})
+        assert status == 400 and r["error"]["message"].startswith("`prompt`: must be a string, a list of token ids"), r
+        status, r = await post({"prompt": "hi", "max_tokens": 1, "stop": [1]})
+        assert status == 400 and r["error"]["param"] == "stop", r
+        assert r["error"]["message"].startswith("`stop`: must be a string or a list of strings"), r
+        chat = lambda messages: post({"messages": messages, "max_tokens": 1}, "/v1/chat/completions")
+        status, r = await chat([{"role": "user", "content": 5}])
+        assert status == 400 and r["error"]["param"] == "messages", r
+        assert r["error"]["message"].startswith("`messages.0.content`: must be a string, a list of content parts"), r
+        status, r = await chat([{"role": "wizard", "content": "hi"}])
+        assert status == 400 and r["error"]["param"] == "messages" and "messages.0.role" in r["error"]["message"], r
+        assert "'user'" in r["error"]["message"] and "wizard" in r["error"]["message"]
+        for role in ("system", "developer", "user"):
+            status, r = await chat([{"role": role, "content": "hi"}])
+            assert status == 200, (role, r)
         for t in engines.tasks:
             t.cancel()
 

@@ -80,6 +80,7 @@ from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
 from parcompile.core.model import GATED_ACTIVATIONS
+from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import op_collectives, spec
@@ -164,12 +165,15 @@ class ServeReport:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.replicas * self.batch_per_replica / self.tpot if self.tpot > 0 else 0.0
+        """Tokens per second while decoding: every one of the ``batch`` sequences (over all
+        replicas; a replica with fewer than ``batch_per_replica`` is not slower) each ``tpot``."""
+        return self.batch / self.tpot if self.tpot > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second over a whole request of the ``batch`` sequences."""
         total = self.ttft + (self.max_new_tokens - 1) * self.tpot
-        return self.replicas * self.batch_per_replica * self.max_new_tokens / total if total > 0 else 0.0
+        return self.batch * self.max_new_tokens / total if total > 0 else 0.0
 
     def memory(self) -> MemoryReport:
         """The plan's ``memory`` section for serving: weights as ``params``, the workspace as
@@ -478,7 +482,8 @@ def attention_workspace(m, tp: int) -> int:
 def fit_advice(cfg, rep: ServeReport) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
-    an fp8 cache. Each suggestion is checked with the same formulas, scaled."""
+    an fp8 cache (where the devices have an FP8 type: :func:`parcompile.config.presets.fp8_storage`).
+    Each suggestion is checked with the same formulas, scaled."""
     m, par = cfg.model, cfg.parallel
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
     out = []
@@ -508,7 +513,7 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
         if tokens >= 1:
             out.append(f"a context of at most {tokens:,} tokens (prompt_len + max_new_tokens; now {rep.context:,})")
         kvb = DTYPE_BYTES[rep.kv_dtype]
-        if kvb > 1 and room >= worst.kv_per_sequence // kvb:
+        if kvb > 1 and room >= worst.kv_per_sequence // kvb and fp8_storage(cfg.cluster.preset):
             out.append("kv_dtype = fp8 (1 byte per value)")
     elif room <= 0:
         out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")

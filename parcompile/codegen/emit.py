@@ -509,11 +509,11 @@ def _accelerator_lines(acc) -> dict:
     :class:`~parcompile.config.presets.Accelerator`): ``accel_comments`` (header lines: the
     devices, the variable that restricts them, the stack's setup line, the collective
     library's settings a site may need), ``accel_exports`` (``export VAR="${VAR:-value}"``
-    lines, a value set by the caller kept) and ``visible_devices`` (the variable launch.sh
-    checks names enough devices; None on the CPU)."""
+    lines, a value set by the caller kept) and ``visible_devices`` (the variables, by layer, that
+    launch.sh checks name enough devices; none on the CPU)."""
     comments = [f"Accelerator: {acc.name}; collectives through {acc.collectives}."]
     if acc.visible_devices:
-        comments += [f"{acc.visible_devices}, when set, names the devices this node's processes use",
+        comments += [acc.visible_devices_text(),
                      "(local rank i takes the i-th): at least one per process."]
     if acc.setup:
         comments.append(f"Load the stack's environment first: {acc.setup}")

@@ -66,6 +66,10 @@ class ClusterPreset:
     #: dense MXFP8 peak (OCP microscaling: E8M0 scales per 32 elements, block-scaled GEMMs in
     #: hardware: Blackwell), FLOP/s per GPU; None where the part has none
     mxfp8_flops: float | None = None
+    #: whether the part holds FP8 tensors (E4M3 / E5M2 storage, converted to 16 bits in
+    #: software where it has no FP8 GEMM: vLLM keeps an FP8 KV cache so on Ampere); False
+    #: where it has no FP8 type at all (:func:`fp8_storage`; a part with ``fp8_flops`` has one)
+    fp8_storage: bool = True
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -101,8 +105,12 @@ class Accelerator:
             its GPUs ``cuda`` too.
         name: the devices, in words.
         collectives: the library behind the backend (NCCL, RCCL, HCCL, gloo).
-        visible_devices: the variable that restricts the devices a node's processes see
-            (None on the CPU); launch.sh checks that it names enough of them.
+        visible_devices: the variables that restrict the devices a node's processes see, by
+            layer of the stack (none on the CPU): within a layer the first one set is read,
+            the others ignored; each layer restricts what the one before it exposes (ROCm:
+            ROCR_VISIBLE_DEVICES in the ROCm runtime, then HIP_VISIBLE_DEVICES, or
+            CUDA_VISIBLE_DEVICES when it is unset, in HIP). launch.sh checks that each
+            restricted layer names enough of them (:meth:`visible_devices_text` says so).
         alloc_conf: the caching allocator's settings variables the program sets (before
             torch starts the device), most general first.
         comm_env: ``(variable, what it does)`` for the collective library's settings a
@@ -116,13 +124,19 @@ class Accelerator:
     device: str
     name: str
     collectives: str
-    visible_devices: str | None
+    visible_devices: tuple[tuple[str, ...], ...]
     alloc_conf: tuple[str, ...]
     comm_env: tuple[tuple[str, str], ...] = ()
     launch_env: tuple[tuple[str, str, str], ...] = ()
     slurm_gpus: bool = False
     setup: str | None = None
     sources: str = ""
+
+    def visible_devices_text(self) -> str:
+        """:attr:`visible_devices` in words, a line of the launchers' headers ("" on the CPU)."""
+        names = ", then ".join(" (or else ".join(layer) + ")" * (len(layer) - 1) for layer in self.visible_devices)
+        verb = "names" if len(self.visible_devices) == 1 else "name"
+        return f"{names}, when set, {verb} the devices this node's processes use" if names else ""
 
 
 _NCCL_ENV = (
@@ -134,19 +148,22 @@ _NCCL_ENV = (
 #: the software stacks of the cluster presets (``ClusterPreset.stack``)
 ACCELERATORS: dict[str, Accelerator] = {
     "cuda": Accelerator(
-        device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices="CUDA_VISIBLE_DEVICES",
+        device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices=(("CUDA_VISIBLE_DEVICES",),),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",), comm_env=_NCCL_ENV, slurm_gpus=True,
         sources="NCCL docs, Environment Variables; PyTorch docs, CUDA semantics (PYTORCH_CUDA_ALLOC_CONF)",
     ),
     "rocm": Accelerator(
-        device="cuda", name="AMD GPUs (ROCm)", collectives="RCCL", visible_devices="HIP_VISIBLE_DEVICES",
+        device="cuda", name="AMD GPUs (ROCm)", collectives="RCCL",
+        visible_devices=(("ROCR_VISIBLE_DEVICES",), ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
         comm_env=tuple((v, w + " (RCCL reads NCCL's names)") for v, w in _NCCL_ENV), slurm_gpus=True,
-        sources="ROCm docs, RCCL environment variables; torch's c10 reads PYTORCH_HIP_ALLOC_CONF on ROCm builds",
+        sources="ROCm docs, RCCL environment variables; ROCm docs, GPU isolation techniques (ROCR_, HIP_, "
+                "CUDA_VISIBLE_DEVICES; torch.cuda._parse_visible_devices reads them so); torch's c10 reads "
+                "PYTORCH_HIP_ALLOC_CONF on ROCm builds",
     ),
     "cann": Accelerator(
         device="npu", name="Ascend NPUs (CANN, torch_npu)", collectives="HCCL",
-        visible_devices="ASCEND_RT_VISIBLE_DEVICES", alloc_conf=("PYTORCH_NPU_ALLOC_CONF",),
+        visible_devices=(("ASCEND_RT_VISIBLE_DEVICES",),), alloc_conf=("PYTORCH_NPU_ALLOC_CONF",),
         comm_env=(
             ("HCCL_IF_IP", "the host address HCCL reaches the root node from when it creates a communicator"),
             ("HCCL_SOCKET_IFNAME", "the host network interface, where HCCL_IF_IP is unset"),
@@ -160,7 +177,7 @@ ACCELERATORS: dict[str, Accelerator] = {
                 "Ascend/pytorch docs/zh/environment_variable_reference/PYTORCH_NPU_ALLOC_CONF.md",
     ),
     "cpu": Accelerator(
-        device="cpu", name="CPU processes", collectives="gloo", visible_devices=None,
+        device="cpu", name="CPU processes", collectives="gloo", visible_devices=(),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",),   # unread on the CPU: kept so a cpu plan's program reads like a GPU one's
     ),
 }
@@ -242,11 +259,12 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # Huawei Ascend 910B (Atlas 800T A2 server, 8 NPUs): 64 GB HBM2e at about 1.6 TB/s,
     # about 313 TFLOPS fp16/bf16 dense (figures vary by SKU); HCCS about 196 GB/s per
     # direction (7 links of 56 GB/s both ways); one 200 Gb/s RoCE port per NPU. No TF32: fp32 at
-    # the fp16 rate / 4 (assumed). No FP8 GEMM (Ascend's FP8 / MXFP8 arrive with the 950 series).
+    # the fp16 rate / 4 (assumed). No FP8 type at all, so neither FP8 GEMMs nor an FP8 KV cache
+    # (Ascend's FP8 / MXFP8 arrive with the 950 series).
     "ascend-910b": ClusterPreset(
         gpus_per_node=8, memory=int(q("64 GiB")), peak_flops=_peaks("313 TFLOPS", "78 TFLOPS"),
         hbm_bw=q("1.6 TB/s"), intra_node_bw=q("196 GB/s"), inter_node_bw=q("200 Gb/s"),
-        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann",
+        intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann", fp8_storage=False,
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
@@ -294,6 +312,24 @@ def fp8_peak(preset: str | None, recipe: str) -> float | None:
     if found is None:
         return None
     return found.mxfp8_flops if recipe == "mxfp8" else found.fp8_flops
+
+
+def fp8_storage(preset: str | None) -> bool:
+    """Whether cluster preset ``preset``'s devices hold FP8 tensors: what an FP8 KV cache
+    (``serve.kv_dtype = fp8``, storage cast to 16 bits for attention) needs, where FP8
+    training needs FP8 GEMMs (:func:`fp8_peak`). Every part with an FP8 GEMM has the type;
+    one without may still store it (vLLM's ``kv_cache_dtype = "fp8"`` runs on Ampere,
+    converting in its kernels; vLLM docs, Quantized KV Cache); False only where
+    ``ClusterPreset.fp8_storage`` says the part has no FP8 type (Ascend 910B). A cluster
+    without a preset is taken to have one (a GPU stack)."""
+    found = CLUSTER_PRESETS.get(preset) if preset is not None else None
+    return found is None or found.fp8_storage or found.fp8_flops is not None
+
+
+def fp8_storage_presets() -> tuple[str, ...]:
+    """The cluster presets whose devices hold FP8 tensors (:func:`fp8_storage`), in preset
+    order: what a diagnostic refusing an FP8 KV cache names."""
+    return tuple(name for name in CLUSTER_PRESETS if fp8_storage(name))
 
 
 def fp8_presets(recipe: str) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from parcompile.config.presets import fp8_peak, fp8_presets
+from parcompile.config.presets import fp8_peak, fp8_presets, fp8_storage, fp8_storage_presets
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
@@ -1000,6 +1000,13 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
     s, m, p = cfg.serve, cfg.model, cfg.parallel
     if s is None:
         return
+    if s.kv_dtype == "fp8" and ctx.ok("serve.kv_dtype") and not fp8_storage(cfg.cluster.preset):
+        ctx.bag.error(f"kv_dtype = fp8 needs FP8 tensors: cluster preset `{cfg.cluster.preset}` has no FP8 type",
+                      ctx.span("serve.kv_dtype"),
+                      help=f"use a cluster `from` {or_list(fp8_storage_presets(), quote=True)}, or set kv_dtype = "
+                           f"bf16 or fp16 (or remove it: the model's dtype)",
+                      note="an FP8 KV cache is storage, cast to 16 bits for attention: it needs no FP8 GEMM "
+                           "(vLLM keeps one on Ampere), only a device with an FP8 type (config/presets.py)")
     if cfg.workload == "serve":
         # what the serve program (prefill + token-by-token decode) does not split
         if ctx.ok("parallel.cp") and p.cp > 1:

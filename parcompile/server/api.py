@@ -25,8 +25,8 @@ top-k/top-p, as vLLM's ``raw_logprobs``; :mod:`parcompile.runtime.paged`): compl
 vLLM returns it, ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (a
 top-logprobs dict holds the k likeliest tokens' texts and the chosen one's); with
 ``"echo": true`` the text and the logprobs begin with the prompt's (the first prompt token's
-logprob and top are null), and ``max_tokens`` may be 0 (the prompt only). Chat's
-``"logprobs": true`` with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) gives
+logprob and top are null), and ``max_tokens`` may be 0 (the prompt only, which may then fill
+the whole context). Chat's ``"logprobs": true`` with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) gives
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``. Extension (vLLM's):
 ``"return_token_ids": true`` adds ``prompt_token_ids`` and ``token_ids`` to each choice.
 
@@ -278,8 +278,8 @@ class Handlers:
         if self.info.max_seqs and samples > self.info.max_seqs:
             name = "best_of" if samples > req.n else "n"
             raise ApiError(400, f"`{name}` is {samples}; this server decodes at most {self.info.max_seqs} sequences at once "
-                                f"per replica (the spec's serve `batch`), so a prompt's samples are at most that",
-                           param=name, code="invalid_value")
+                                f"per replica (the spec's serve `batch` over its dp replicas), so a prompt's samples "
+                                f"are at most that", param=name, code="invalid_value")
         if req.max_tokens == 0 and not getattr(req, "echo", False):
             raise ApiError(400, "`max_tokens` 0 asks for no output: it is only taken with `\"echo\": true` (the "
                                 "prompt's logprobs)", param="max_tokens", code="invalid_value")
@@ -295,19 +295,23 @@ class Handlers:
         return req
 
     def too_long(self, n_tokens: int, param: str, at_least: bool = False) -> ApiError:
-        """400 ``context_length_exceeded``: a prompt of ``n_tokens`` leaves no room for output."""
+        """400 ``context_length_exceeded``: a prompt of ``n_tokens`` is longer than the context,
+        or fills it while output is asked for."""
+        what = "more than the context holds" if n_tokens > self.info.context else "leaving no room for output"
         return ApiError(400, f"this model's context is {self.info.context} tokens (prompt_len + max_new_tokens); the prompt "
-                             f"has {'at least ' if at_least else ''}{n_tokens} tokens, leaving no room for output",
+                             f"has {'at least ' if at_least else ''}{n_tokens} tokens, {what}",
                         param=param, code="context_length_exceeded")
 
     def encode_sync(self, prompt, param: str) -> list[int]:
         """Token ids of one ``prompt`` (a string, or ids), checked against the vocabulary and
-        the context; a text that cannot fit by its bytes alone is refused untokenized."""
+        the context (at most ``context`` tokens: a prompt that fills it is only scored, echo
+        with ``max_tokens`` 0, :meth:`sampling` decides); a text that cannot fit by its bytes
+        alone is refused untokenized."""
         if isinstance(prompt, str):
             per_token = getattr(self.info.tokenizer, "max_token_bytes", None)
             if per_token:
                 least = -(-len(prompt.encode("utf-8", "surrogatepass")) // per_token)
-                if least >= self.info.context:
+                if least > self.info.context:
                     raise self.too_long(least, param, at_least=True)
             try:
                 ids = self.info.tokenizer.encode(prompt)
@@ -317,7 +321,7 @@ class Handlers:
             ids = list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
-        if len(ids) >= self.info.context:
+        if len(ids) > self.info.context:
             raise self.too_long(len(ids), param)
         bad = [i for i in ids if not 0 <= i < self.info.vocab]
         if bad:
@@ -341,9 +345,14 @@ class Handlers:
     def sampling(self, req: CompletionRequest | ChatRequest, n_prompt: int, param: str) -> dict:
         """What reaches the ranks for one sequence of ``req`` whose prompt has ``n_prompt``
         tokens (values made safe here); ``want`` (the tokens asked for: 0 with echo) is
-        taken out by :func:`respond` (the engine makes at least one)."""
+        taken out by :func:`respond` (the engine makes at least one).
+
+        A prompt may fill the context only when no output is asked for (``max_tokens`` 0,
+        echo): its positions are all inside the context, and the one token the engine draws
+        after it is dropped, never cached (vLLM v1 refuses such a prompt for every generate
+        request, ``_validate_prompt_len``, since its engine reserves that token's slot)."""
         room = self.info.context - n_prompt
-        if room < 1:
+        if room < 1 and req.max_tokens != 0:
             raise self.too_long(n_prompt, param)
         max_tokens = req.max_tokens if req.max_tokens is not None else (req.max_completion_tokens or room)
         if max_tokens > room:

@@ -9,10 +9,12 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      WrapValidator)
+from pydantic_core import PydanticCustomError
 
 #: the chat template of a tokenizer that has none (a byte-level model): one line per message
 PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -61,6 +63,32 @@ def unavailable(reason: str) -> ApiError:
     return ApiError(503, f"the server is unavailable: {reason}", code="service_unavailable", kind="server_error")
 
 
+def _one_of(describe: Callable[[Any], str]) -> WrapValidator:
+    """A union field's validator whose error is ONE message, ``describe(value)`` (what the
+    field takes, or what is wrong with the value), instead of pydantic's error of the
+    union's first member (``prompt.str``: "Input should be a valid string" for ``[1.5]``)."""
+    def wrap(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", describe(value)) from None
+    return WrapValidator(wrap)
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_problem(value) -> str:
+    """What is wrong with a completion ``prompt`` that is none of its forms: a number that is
+    not an integer (``1.5``, ``true``) where token ids are, or another shape."""
+    items = value if isinstance(value, list) else []
+    flat = [y for x in items for y in (x if isinstance(x, list) else [x])]
+    if flat and all(isinstance(y, (int, float)) for y in flat) and not all(_is_id(y) for y in flat):
+        return "token ids must be integers"
+    return "must be a string, a list of token ids (integers), a list of strings or a list of token id lists"
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -70,7 +98,8 @@ class _Sampling(BaseModel):
     temperature: Optional[StrictFloat] = Field(None, ge=0, le=2)     # OpenAI's "number": "0.5" is refused
     top_p: Optional[StrictFloat] = Field(None, gt=0, le=1)
     top_k: Optional[StrictInt] = Field(None, ge=-1)
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop: Annotated[Optional[Union[StrictStr, list[StrictStr]]],
+                    _one_of(lambda v: "must be a string or a list of strings")] = None
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
     stream_options: Optional["StreamOptions"] = None
@@ -109,17 +138,24 @@ MAX_SEQUENCES = 256
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    prompt: Annotated[Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]],
+                      _one_of(_prompt_problem)]
     echo: StrictBool = False
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[StrictInt] = Field(None, ge=1)
 
 
+#: the chat roles OpenAI takes (openai-python's ``ChatCompletionMessageParam`` members; vLLM
+#: also takes any other string, OpenAI answers 400)
+ROLES = ("developer", "system", "user", "assistant", "tool", "function")
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: StrictStr
-    content: Union[StrictStr, list[dict[str, Any]], None] = None
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: Annotated[Union[StrictStr, list[dict[str, Any]], None],
+                       _one_of(lambda v: "must be a string, a list of content parts (objects) or null")] = None
 
 
 class ChatRequest(_Sampling):

@@ -40,14 +40,19 @@ if ! $python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("
     echo "launch.sh: parcompile is not importable by torchrun's Python ($python): activate the environment with parcompile 0.1.0 (see the top of this script), or pip install parcompile there" >&2
     exit 1
 fi
-need_devices() {   # $1 processes on this node, one per device: CUDA_VISIBLE_DEVICES, when set, names enough
-    local var=CUDA_VISIBLE_DEVICES n
-    [ -n "${!var:-}" ] || return 0
-    n="$(awk -F, '{print NF}' <<< "${!var}")"
-    if [ "$n" -lt "$1" ]; then
-        echo "launch.sh: $var=${!var} names $n device(s) but this node runs $1 processes, one per device: name $1, or unset it" >&2
-        exit 2
-    fi
+need_devices() {   # $1 processes on this node, one per device: each layer's variable, when set, names enough
+    local layer var n   # a layer's first variable set is the one read
+    for layer in "CUDA_VISIBLE_DEVICES"; do
+        for var in $layer; do
+            [ -n "${!var:-}" ] || continue
+            n="$(awk -F, '{print NF}' <<< "${!var}")"
+            if [ "$n" -lt "$1" ]; then
+                echo "launch.sh: $var=${!var} names $n device(s) but this node runs $1 processes, one per device: name $1, or unset it" >&2
+                exit 2
+            fi
+            break
+        done
+    done
 }
 NNODES="${NNODES:-2}"
 if [ "$NNODES" = 1 ]; then
