@@ -64,7 +64,7 @@ def test_each_cluster_runs_on_its_accelerator():
     from parcompile.driver import compile_config
 
     program = render_program(cfg, compile_config(cfg))
-    assert 'DEVICE = "cpu"' in program and "rt.init_parallel(plan, device=DEVICE)" in program
+    assert 'DEVICE = "cpu"' in program and "rt.init_parallel(plan, device=DEVICE" in program
 
 
 def test_backend_choice_at_run_time(monkeypatch):
