@@ -1,7 +1,8 @@
 """FP8 training, the plan side (issue 32): `train.precision = fp8`, `fp8_recipe` and
 `fp8_all_gather` are parsed, checked against the cluster preset, planned (estimate.assumptions.fp8),
-searched and exported; `compile`, `run` and `verify` refuse them at the `precision` key until the
-generated program runs FP8 (the cost model's FP8 rows are in tests/test_cost_model.py)."""
+searched and exported; the program side: the generated program runs the linear layers' GEMMs in FP8
+(runtime/fp8.py) and refuses what it does not run (mxfp8, FP8 all-gather); the FP8 miniatures' verify
+cases are in tests/test_verify.py (the cost model's FP8 rows are in tests/test_cost_model.py)."""
 
 from __future__ import annotations
 
@@ -73,26 +74,72 @@ def test_fp8_plans_faster_than_the_same_spec_in_bf16(tmp_path):
     assert fp8.data["memory"]["per_stage"][0]["buffer_parts"]["fp8_weights"] > 0
 
 
-@pytest.mark.parametrize("command", ["compile", "run", "verify"])
-def test_compile_run_and_verify_refuse_fp8_at_the_precision_key(command, tmp_path, monkeypatch, capsys):
-    path = _spec(tmp_path)
+def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
+    """The program's linear layers get the recipe exactly where analysis/fp8.is_fp8_gemm marks
+    the op: every decoder-layer projection, not the LM head (nor the embedding)."""
+    from parcompile.analysis.fp8 import is_fp8_gemm
+    path = _spec(tmp_path, "  precision = fp8\n  fp8_recipe = rowwise\n")
+    plan = parcompile.compile(path.read_text(), filename=path.name)
+    plan.write(tmp_path / "out")
+    program = (tmp_path / "out" / "program.py").read_text()
+    marked = {n.name.split(".")[-1] for n in plan.graph.nodes() if is_fp8_gemm(n)}
+    assert marked >= {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    calls = re.findall(r"self\.(\w+) = (rt\.\w+\((?:[^()]|\([^()]*\))*\))", program)
+    fp8 = {attr for attr, call in calls if 'fp8="rowwise"' in call}
+    assert fp8 == marked
+    assert all("fp8=" not in call for attr, call in calls if attr not in marked)
+    assert any(attr == "lm_head" or "Embedding" in call for attr, call in calls)   # they are there, in 16 bits
+    # a 16-bit spec's program has no FP8 GEMM
+    plain = parcompile.compile(_spec(tmp_path, "", name="g.par").read_text(), filename="g.par")
+    plain.write(tmp_path / "plain")
+    assert "fp8=" not in (tmp_path / "plain" / "program.py").read_text()
+
+
+@pytest.mark.parametrize("train, zero, key, what", [
+    ("  precision = fp8\n  fp8_recipe = mxfp8\n", 1, "fp8_recipe", "MXFP8 GEMMs"),
+    ("  precision = fp8\n  fp8_all_gather = true\n", 3, "fp8_all_gather", "FP8 all-gather of ZeRO-3 parameters"),
+])
+def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, what, tmp_path, monkeypatch, capsys):
+    path = _spec(tmp_path, train, cluster="b200", zero=zero)
     monkeypatch.chdir(tmp_path)
-    rc = main([command, path.name, "-o", "out"] if command != "verify" else [command, path.name])
+    assert main(["compile", path.name, "-o", "out"]) != 0
     err = capsys.readouterr().err
-    assert rc != 0
-    assert f"{_position(path, 'precision')}: error: the generated program does not run FP8 training" in err
-    assert "FP8 programs are not generated yet" in err
-    assert all(c in err for c in ("`parcompile plan`", "`search`", "`check`"))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "build").exists()
+    assert f"{_position(path, key)}: error: the generated program does not run {what}" in err
+    assert "`parcompile plan`" in err and not (tmp_path / "out").exists()
 
 
-def test_the_api_writes_no_program_for_fp8(tmp_path):
-    plan = parcompile.compile(_spec(tmp_path).read_text(), filename="f.par")
-    with pytest.raises(SpecError) as e:
-        plan.write(tmp_path / "out")
-    assert "FP8 programs are not generated yet" in e.value.diagnostics[0].help
-    assert not (tmp_path / "out").exists()
-    assert plan.to_json()   # plan.json itself is there (`parcompile plan --format json`)
+def test_fp8_linear_casts_with_the_recipes_scales_and_runs_its_gemms_in_fp8():
+    """runtime/fp8.py against fp32 GEMMs of the same E4M3-rounded operands (so the check is
+    exact up to fp32 accumulation) and against F.linear (E4M3's 3 mantissa bits: a rounding
+    error of at most 2^-4 of each operand element, about 2^-4 / sqrt(3) ~ 3.6 % rms, so the
+    products' relative error stays under 10 %)."""
+    import torch
+    import torch.nn.functional as F
+    from parcompile.runtime.fp8 import E4M3, E4M3_MAX, cast, fp8_linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, 32, generator=g)
+    w = torch.randn(24, 32, generator=g) * 0.02
+    t8, inv = cast(w, "tensorwise")
+    assert t8.dtype == E4M3 and inv.dim() == 0
+    assert torch.isclose(inv, w.abs().max() / E4M3_MAX) and t8.float().abs().max() == E4M3_MAX
+    r8, rinv = cast(x.reshape(-1, 32), "rowwise", -1)
+    assert rinv.shape == (24, 1) and torch.all(torch.log2(rinv) == torch.round(torch.log2(rinv)))
+    for recipe in ("tensorwise", "rowwise"):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xs, ws, None, recipe)
+        x8, sx = cast(x.reshape(-1, 32), recipe, -1)
+        w8, sw = cast(w, recipe, -1)
+        want = (x8.float() * sx) @ (w8.float() * sw).t()
+        assert torch.allclose(y.reshape(-1, 24), want, rtol=1e-5, atol=1e-6), recipe
+        gy = torch.randn(y.shape, generator=g)
+        y.backward(gy)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        F.linear(xr, wr).backward(gy)
+        for got, ref in ((y, F.linear(x, w)), (xs.grad, xr.grad), (ws.grad, wr.grad)):
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert 1e-3 < rel < 0.1, (recipe, rel)   # FP8, not 16-bit GEMMs, and close to them
+    with pytest.raises(ValueError, match="mxfp8"):
+        fp8_linear(x, w, None, "mxfp8")
 
 
 def test_presets_without_fp8_refuse_it_naming_those_that_have_it(tmp_path):

@@ -112,7 +112,8 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
     facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False),
              "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
-             "dim": constants.get(op.dims[-1], str(op.global_shape[-1]))}
+             "dim": constants.get(op.dims[-1], str(op.global_shape[-1])),
+             "fp8": f', fp8="{op.fp8}"' if op.fp8 else ""}
     if "in_dim" in a:
         facts["in_features"] = _size(a["in_dim"])
     if "out_dim" in a:
