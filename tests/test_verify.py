@@ -128,6 +128,12 @@ CASES = {
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),
+    # issue 32: FP8 GEMMs (runtime/fp8.py) against the one-process FP8 reference, with
+    # verify's FP8 tolerances (Tolerances.for_dtype: the same scales, so tight on step 1)
+    "fp8_dp2_tp2_pp2_zero1": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(precision="fp8")),
+    "fp8_rowwise_dp2_tp2_zero3_sequence_parallel": dict(
+        dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024, sequence_parallel=True),
+        train=dict(precision="fp8", fp8_recipe="rowwise")),
 }
 
 
