@@ -89,26 +89,34 @@ class Tolerances:
 
         ``fp8`` (``train.precision = fp8``, runtime/fp8.py): the run and the reference cast the
         same tensors with the same scales (a tp-sharded tensor's amax is all-reduced over tp,
-        so its scale is the whole tensor's; the micro-batches are the same), so the loss and the
-        first step's gradients, computed from the same weights, agree as without FP8: the
-        dtype's tolerances (measured at fp32, dp 2 x tp 2 x pp 2 zero 1: 1.8e-8 on gradients,
-        2.9e-6 on losses). From the second step the weights differ at rounding level, which
-        moves an amax, hence every scale of that tensor, by rounding level: an element that sits
-        that close to an E4M3 rounding boundary (3 mantissa bits) rounds to the other neighbour,
-        a jump of up to 2^-3 of its value. Through Adam a gradient element that is a
-        cancellation of such terms can change sign and move its weight by up to 2 lr per step,
-        as under bf16: parameters get :data:`BF16_TOLERANCES`' 4e-2 + 2e-2 |ref| (3 steps at
-        lr 1e-2; measured 4.8e-3 at fp32, dp 2 x tp 2 x pp 2 zero 1), while the first step's
-        gradients, which a wrong layout or a wrong scale moves by their own size, stay tight."""
+        so its scale is the whole tensor's; the micro-batches are the same). What differs is
+        the summation order of a tp-split GEMM's partial sums (and of dp's gradient sums), at
+        fp32 rounding level; an element that sits that close to an E4M3 rounding boundary (3
+        mantissa bits) rounds to the other neighbour, a jump of 2^-4 to 2^-3 of its value,
+        where bf16 moves every element by up to 2^-8. Such flips are rare (a rounding-level
+        difference over an E4M3 step: about 1e-7 / 2^-4 per element) but each moves its
+        products by a few %: measured at fp32, dp 2 x tp 2 x pp 2 zero 1, 8.1e-4 on losses
+        (1.5e-4 relative) and 5.5e-5 on the first step's gradients, and in a run without a
+        flip 2.9e-6 and 1.8e-8. Losses: :data:`FP8_TOLERANCES` keeps 1e-2 (12x the measured
+        flip); gradients 1e-3 + 1e-2 |ref| (18x); a wrong layout moves gradients by their own
+        size. Parameters: from the second step the weights differ at rounding level, and
+        through Adam a gradient element that is a cancellation of flipped terms can change
+        sign and move its weight by up to 2 lr per step, as under bf16: 4e-2 + 2e-2 |ref|
+        (3 steps at lr 1e-2; measured 1.8e-2). Not caught at these tolerances: a scale taken
+        on a shard instead of the whole tensor (2^-4 relative noise on elements, about 1e-2 on
+        gradients); ``tests/test_fp8.py`` checks the casts themselves."""
         base = cls() if dtype == "fp32" else BF16_TOLERANCES
         if fp8:
-            return dataclasses.replace(base, param_atol=max(base.param_atol, BF16_TOLERANCES.param_atol),
-                                       param_rtol=max(base.param_rtol, BF16_TOLERANCES.param_rtol))
+            return Tolerances(*(max(x, y) for x, y in zip(dataclasses.astuple(base),
+                                                         dataclasses.astuple(FP8_TOLERANCES))))
         return base
 
 
 BF16_TOLERANCES = Tolerances(loss_atol=2e-2, loss_rtol=1e-2, grad_atol=2e-3, grad_rtol=5e-2,
                              param_atol=4e-2, param_rtol=2e-2)
+#: FP8 GEMMs (Tolerances.for_dtype: at least these, over the dtype's own)
+FP8_TOLERANCES = Tolerances(loss_atol=1e-2, loss_rtol=0.0, grad_atol=1e-3, grad_rtol=1e-2,
+                            param_atol=4e-2, param_rtol=2e-2, logits_atol=0.0, logits_rtol=0.0)
 
 
 @dataclass
