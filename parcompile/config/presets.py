@@ -253,8 +253,8 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # shared memory / loopback TCP, 20 us of eager PyTorch per op (config/host.py's probe
     # measures 15-25 us on a 2-core EPYC VM with torch 2.13). config/host.py replaces them
     # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed. FP8 (tensorwise, rowwise):
-    # torch._scaled_mm runs on the CPU in torch 2.13 at no gain over 16 bits (it upcasts), so
-    # the same peak; no MXFP8 kernel (verify runs FP8 miniatures here: runtime/fp8.py).
+    # runtime/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
+    # 16 bits, so the same peak; no MXFP8 kernel (verify runs FP8 miniatures here).
     "cpu": ClusterPreset(
         gpus_per_node=8, memory=int(q("16 GiB")),
         peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")}, fp8_flops=q("1 TFLOPS"),
