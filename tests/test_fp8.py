@@ -259,3 +259,18 @@ def test_fp8_loss_stays_within_one_percent_of_bf16_on_the_readme_fine_tune(tmp_p
     rel = [abs(a - b) / b for a, b in zip(fp8, bf16)]
     assert max(rel) <= 0.01, rel
     assert max(rel) > 0, "the FP8 run equals the bf16 one: its GEMMs did not run in FP8"
+
+
+def test_program_gaps_refuse_fp8_experts_and_zero_bubble():
+    """FP8 with routed experts (runtime/moe.py runs them in 16 bits) and under zero_bubble
+    (deferred 16-bit weight-gradient GEMMs) is refused, not silently run in 16 bits."""
+    from parcompile.codegen.emit import program_gaps
+    from tests.program_utils import tiny_config
+    fp8 = dict(precision="fp8")
+    assert program_gaps(tiny_config(1, 2, 2, train=fp8), "error") == []
+    moe = program_gaps(tiny_config(1, 2, 1, model=dict(experts=4, top_k=2), train=fp8), "error")
+    assert [d.message for d in moe] == ["the generated program does not run FP8 expert GEMMs (precision = fp8 with "
+                                        "experts) yet"]
+    zb = program_gaps(tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble"), train=fp8), "error")
+    assert [d.message for d in zb] == ["the generated program does not run FP8 GEMMs under zero_bubble yet"]
+    assert program_gaps(tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble")), "error") == []
