@@ -38,6 +38,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
                                       TrainConfig)
 from parcompile.core.model import MODEL_KEY_CHECKS
@@ -76,19 +77,45 @@ class Tolerances:
     logits_rtol: float = 1e-4
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> "Tolerances":
+    def for_dtype(cls, dtype: str, fp8: bool = False) -> "Tolerances":
         """fp32: the defaults. bf16/fp16 compute (8 or 11 mantissa bits): both runs round
         every matmul output and every activation to 16 bits, in a different order per
         layout, so they agree to about 1e-2 relative on losses, and to a few 1e-3 on
         gradients; parameters (fp32 masters) move by lr-sized Adam steps whose sign can flip
         where a gradient is near zero, so after 3 steps at the miniature's lr of 1e-2 an
         element may differ by up to 3e-2: 4e-2 on parameters (measured: 2.7e-2 at
-        dp 2 x tp 2 x pp 2). See :data:`BF16_TOLERANCES`."""
+        dp 2 x tp 2 x pp 2). See :data:`BF16_TOLERANCES`.
+
+        ``fp8`` (``train.precision = fp8``, runtime/fp8.py): the run and the reference cast the
+        same tensors with the same scales (a tp-sharded tensor's amax is all-reduced over tp,
+        so its scale is the whole tensor's; the micro-batches are the same). What differs is
+        the summation order of a tp-split GEMM's partial sums (and of dp's gradient sums), at
+        fp32 rounding level; an element that sits that close to an E4M3 rounding boundary (3
+        mantissa bits) rounds to the other neighbour, a jump of 2^-4 to 2^-3 of its value,
+        where bf16 moves every element by up to 2^-8. Such flips are rare (a rounding-level
+        difference over an E4M3 step: about 1e-7 / 2^-4 per element) but each moves its
+        products by a few %: measured at fp32, dp 2 x tp 2 x pp 2 zero 1, 8.1e-4 on losses
+        (1.5e-4 relative) and 5.5e-5 on the first step's gradients, and in a run without a
+        flip 2.9e-6 and 1.8e-8. What the tolerances must still catch besides a wrong layout
+        (which moves gradients by their own size): a scale taken on a tp shard instead of the
+        whole tensor (every element of that tensor re-rounded, 2^-4 relative noise), measured
+        at the same layout as 1.3e-2 on losses and 9.9e-4 on the first step's gradients. So
+        :data:`FP8_TOLERANCES`: losses 4e-3 (5x the flip, 3x under the shard scale),
+        gradients 2.5e-4 (4.5x the flip, 4x under the shard scale). Parameters: from the
+        second step the weights differ at rounding level, and through Adam a gradient element
+        that is a cancellation of flipped terms can change sign and move its weight by up to
+        2 lr per step, as under bf16: 4e-2 + 2e-2 |ref| (3 steps at lr 1e-2; measured 1.8e-2)."""
+        if fp8:
+            return FP8_TOLERANCES if dtype == "fp32" else BF16_TOLERANCES
         return cls() if dtype == "fp32" else BF16_TOLERANCES
 
 
 BF16_TOLERANCES = Tolerances(loss_atol=2e-2, loss_rtol=1e-2, grad_atol=2e-3, grad_rtol=5e-2,
                              param_atol=4e-2, param_rtol=2e-2)
+#: FP8 GEMMs in an fp32 miniature (Tolerances.for_dtype; a 16-bit one keeps BF16_TOLERANCES,
+#: whose rounding of every element is already wider)
+FP8_TOLERANCES = Tolerances(loss_atol=4e-3, loss_rtol=0.0, grad_atol=2.5e-4, grad_rtol=0.0,
+                            param_atol=4e-2, param_rtol=2e-2)
 
 
 @dataclass
@@ -196,6 +223,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
         betas=t.betas, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field,
+        precision=t.precision, fp8_recipe=t.fp8_recipe, fp8_all_gather=t.fp8_all_gather,
     )   # the miniature's own random weights (not init_from: other shapes), no eval, no hf_output
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
@@ -821,7 +849,7 @@ def verify(cfg: SpecConfig, steps: int = 3, workdir: str | os.PathLike | None = 
             generated program does not run yet, a serve spec in 16-bit).
         RuntimeError: the torchrun job failed (its output is in the message).
     """
-    tol = tol or Tolerances.for_dtype(dtype)
+    tol = tol or Tolerances.for_dtype(dtype, fp8_enabled(cfg))
     with tempfile.TemporaryDirectory(prefix="parcompile-verify-", dir=workdir) as tmp:
         root = Path(tmp)
         mini, plan = _prepare(cfg, steps, dtype, root)
@@ -869,7 +897,7 @@ def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str |
                 try:
                     results[name] = failure or compare(
                         root / "reference" / "metrics", root / "mini" / "metrics", plan, mini,
-                        tols.get(name) or Tolerances.for_dtype(dtypes.get(name, "fp32")))
+                        tols.get(name) or Tolerances.for_dtype(dtypes.get(name, "fp32"), fp8_enabled(mini)))
                 except (OSError, ValueError, KeyError) as e:   # a run that wrote incomplete metrics
                     results[name] = RuntimeError(f"comparing {name}: {e!r}")
     return {name: results[name] for name in cfgs}

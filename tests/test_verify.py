@@ -128,6 +128,12 @@ CASES = {
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),
+    # issue 32: FP8 GEMMs (runtime/fp8.py) against the one-process FP8 reference, with
+    # verify's FP8 tolerances (Tolerances.for_dtype: the same scales, so tight on step 1)
+    "fp8_dp2_tp2_pp2_zero1": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(precision="fp8")),
+    "fp8_rowwise_dp2_tp2_zero3_sequence_parallel": dict(
+        dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024, sequence_parallel=True),
+        train=dict(precision="fp8", fp8_recipe="rowwise")),
 }
 
 
@@ -143,10 +149,32 @@ MIXED_CASES = {
 }
 
 
+def _shard_scales(mini) -> None:
+    """Make the miniature's FP8 casts scale each tp shard by its own amax (no all-reduce over
+    tp), for this program's ``main`` only (a launch runs several programs in one process)."""
+    prog = mini / "program.py"
+    text = prog.read_text()
+    assert text.count("\ndef main(argv=None)") == 1
+    prog.write_text(text.replace("\ndef main(argv=None)", """
+def main(argv=None):
+    import parcompile.runtime.fp8 as fp8
+    saved, fp8._max_over = fp8._max_over, lambda t, axis: t
+    try:
+        return _main(argv)
+    finally:
+        fp8._max_over = saved
+
+
+def _main(argv=None)""", 1))
+
+
 def _build(test: str, case: str) -> tuple:
     kw = dict((MIXED_CASES if test.startswith("test_mixed") else CASES)[case])
     dtype = kw.pop("dtype", "fp32")
-    return tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw), dtype
+    cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
+    if test.startswith("test_fp8_scales"):
+        return cfg, dtype, None, _shard_scales
+    return cfg, dtype
 
 
 verified = verify_fixture(__name__, _build)
@@ -159,6 +187,17 @@ def test_mixed_precision_layout_matches_single_process(case, verified, request):
     print(result.table())
     assert result.ok, result.table()
     assert result.mini.model.dtype == MIXED_CASES[case]["dtype"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", ["fp8_dp2_tp2_pp2_zero1"])
+def test_fp8_scales_of_tp_shards_fail_verify(case, verified, request):
+    """FP8 tensorwise scales taken on each tp shard instead of the whole tensor (the amax not
+    all-reduced over tp): verify's FP8 tolerances (verify.FP8_TOLERANCES) report it."""
+    result = result_of(verified, request, case)
+    assert not result.ok, result.table()
+    bad = {c.what.split(",")[0].split(" (")[0] for c in result.checks if not c.ok}
+    assert bad & {"loss", "gradients"}, result.table()
 
 
 @pytest.mark.torchrun

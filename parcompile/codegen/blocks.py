@@ -112,7 +112,8 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
     facts = {"name": _fstring_name(base, layer), "bias": a.get("bias", False),
              "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
-             "dim": constants.get(op.dims[-1], str(op.global_shape[-1]))}
+             "dim": constants.get(op.dims[-1], str(op.global_shape[-1])),
+             "fp8": f', fp8="{op.fp8}"' if op.fp8 else ""}
     if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jinja2
 
+from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
@@ -48,15 +49,32 @@ _env = jinja2.Environment(
 # `compile` too: no program is written (a program that silently trained in 16 bits would be
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
-    ("train.precision", lambda cfg: cfg.workload == "train" and cfg.train.precision == "fp8",
-     "FP8 training (precision = fp8)", "FP8 programs are not generated yet: `parcompile plan`, `search`, "
-     "`check` and `export` work on this spec; to generate a program now, remove `precision` (16-bit GEMMs)",
-     32, True),
+    # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
+    # torch._scaled_mm, tensorwise and rowwise); what it does not run yet is refused
+    ("train.fp8_recipe", lambda cfg: _fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
+     "MXFP8 GEMMs (fp8_recipe = mxfp8)", "the program's FP8 GEMMs (torch._scaled_mm) have no MX block-scaled "
+     "kernel on this machine: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a "
+     "program now, use fp8_recipe = tensorwise or rowwise", 32, True),
+    ("train.precision", lambda cfg: _fp8(cfg) and cfg.model.experts > 0,
+     "FP8 expert GEMMs (precision = fp8 with experts)", "the routed experts (runtime/moe.py) run their GEMMs in 16 "
+     "bits: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a program now, "
+     "remove `precision`", 32, True),
+    ("parallel.schedule", lambda cfg: _fp8(cfg) and cfg.parallel.schedule == "zero_bubble",
+     "FP8 GEMMs under zero_bubble", "the deferred weight gradients of zero_bubble (runtime/wgrad.py) are 16-bit "
+     "GEMMs: use schedule = 1f1b or interleaved_1f1b, or remove `precision`", 32, True),
+    ("train.fp8_all_gather", lambda cfg: _fp8(cfg) and gathers_fp8(cfg),
+     "FP8 all-gather of ZeRO-3 parameters (fp8_all_gather = true)", "the program's ZeRO-3 all-gathers move "
+     "16-bit parameters: `parcompile plan` and `export` work on this spec; to generate a program now, remove "
+     "`fp8_all_gather`", 32, True),
     ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
         cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
      "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
      "`parcompile plan` and `export` work on this spec; `compile` and `run` of a training spec run it", 31, True),
 )
+
+
+def _fp8(cfg: SpecConfig) -> bool:
+    return fp8_enabled(cfg)
 
 
 def program_gaps(cfg: SpecConfig, severity: str = "warning") -> list[Diagnostic]:
@@ -135,7 +153,8 @@ def _graph_data(plan: CompiledPlan) -> tuple[ProgramData, dict]:
     """
     if not isinstance(getattr(plan, "graph", None), Graph):
         raise TypeError(f"codegen needs the compiled Plan (its sharded graph), not {type(plan).__name__}")
-    return program_data(plan.graph, plan.degrees), plan.data
+    cfg = plan.config
+    return program_data(plan.graph, plan.degrees, cfg.train.fp8_recipe if fp8_enabled(cfg) else None), plan.data
 
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from parcompile.analysis.fp8 import is_fp8_gemm
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import op_collectives
 from parcompile.ir.types import TensorType, split_axes
@@ -79,6 +80,9 @@ class OpData:
     param_local: tuple[tuple[int, ...], ...] = ()
     #: the op's output's global shape
     global_shape: tuple[int, ...] = ()
+    #: the FP8 recipe its GEMMs run with (``train.precision = fp8`` and
+    #: :func:`parcompile.analysis.fp8.is_fp8_gemm`); None: 16-bit
+    fp8: str | None = None
 
     def attr(self, key: str, default=KeyError):
         """The op attribute ``key``; ``default`` when the op has none (KeyError if not given)."""
@@ -205,7 +209,7 @@ class ProgramData:
         return next((o for o in self.ops.values() if o.kind == "redistribute" and name in o.inputs), None)
 
 
-def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
+def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None = None) -> OpData:
     local = nd.sharding.local_type(nd.type, degrees)
     ins = graph.inputs(nd.name)
     local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
@@ -217,7 +221,8 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> OpData:
     return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
                   tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
-                  tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape)
+                  tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape,
+                  fp8 if fp8 and is_fp8_gemm(nd) else None)
 
 
 def _layer_of(nd: Node) -> int | None:
@@ -239,8 +244,10 @@ def _param_local(graph: Graph, op: str, param_suffix: str, dim: str, degrees: Ma
     return None
 
 
-def program_data(graph: Graph, degrees: Mapping[str, int]) -> ProgramData:
-    """The sharded ``graph`` (after every pass) as :class:`ProgramData`.
+def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = None) -> ProgramData:
+    """The sharded ``graph`` (after every pass) as :class:`ProgramData`; ``fp8``: the FP8
+    recipe of a ``precision = fp8`` training spec (the GEMMs
+    :func:`parcompile.analysis.fp8.is_fp8_gemm` marks run with it: :attr:`OpData.fp8`).
 
     Raises:
         KeyError: the graph lacks an op every decoder has (``layers.<i>.attn.wq``,
@@ -255,7 +262,7 @@ def program_data(graph: Graph, degrees: Mapping[str, int]) -> ProgramData:
     for nd in graph.nodes():
         if nd.kind in ("step_collective", "input"):
             continue
-        od = _op_data(graph, nd, degrees)
+        od = _op_data(graph, nd, degrees, fp8)
         nodes[nd.name] = od
         i = _layer_of(nd)
         if nd.kind == "send_recv":   # a stage boundary, not part of a layer

@@ -270,10 +270,12 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
     # shared memory / loopback TCP, 20 us of eager PyTorch per op (config/host.py's probe
     # measures 15-25 us on a 2-core EPYC VM with torch 2.13). config/host.py replaces them
-    # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed.
+    # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed. FP8 (tensorwise, rowwise):
+    # runtime/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
+    # 16 bits, so the same peak; no MXFP8 kernel (verify runs FP8 miniatures here).
     "cpu": ClusterPreset(
         gpus_per_node=8, memory=int(q("16 GiB")),
-        peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")},
+        peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")}, fp8_flops=q("1 TFLOPS"),
         hbm_bw=q("20 GB/s"), intra_node_bw=q("2 GB/s"), inter_node_bw=q("1 GB/s"),
         intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"), stack="cpu",
     ),

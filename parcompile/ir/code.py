@@ -27,7 +27,9 @@ class Code:
     program's constants), ``{dim}`` the global size of the output's last dim, ``{bias}``,
     ``{local}`` the per-rank shape of the op's first parameter (the runtime checks it
     against the shard it makes), ``{reduce}`` the collective of the conversion after the
-    op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute.
+    op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute, ``{fp8}`` the
+    keyword of an FP8 GEMM's recipe (``, fp8="tensorwise"``; empty for a 16-bit one:
+    ``OpData.fp8``).
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
@@ -77,12 +79,12 @@ class Code:
 _LINEAR_CODE = {
     # Megatron-LM's tensor-parallel layers (runtime/layers.py): the weight's local shape from the graph
     "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
-                         "local={local})", keep_split=True),
+                         "local={local}{fp8})", keep_split=True),
     "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
-                      "reduce={reduce}, local={local})", fold_after=True),
+                      "reduce={reduce}, local={local}{fp8})", fold_after=True),
     # MLA's down projections: every rank holds the whole weight, its gradient whole
     "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
-                             "tp, SEED))", keep_split=True),
+                             "tp, SEED{fp8}))", keep_split=True),
 }
 #: serving with tp a multiple of kv_heads (vLLM): a kv projection whose heads the graph keeps
 #: whole (attribute ``kv_replicas``, shard-tensor-parallel's mark); each rank holds kv head

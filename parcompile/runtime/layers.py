@@ -22,7 +22,8 @@ from parcompile.core.model import yarn_mscale
 from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.context import Axis
 from parcompile.runtime.context_parallel import gather_kv as gather_kv_along
-from parcompile.runtime.wgrad import linear
+from parcompile.runtime.fp8 import fp8_linear
+from parcompile.runtime.wgrad import STORE, linear
 
 INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
 
@@ -133,14 +134,16 @@ class ColumnParallelLinear(nn.Module):
 
     The input must already be in the tensor-parallel region (see :func:`copy_to_tp`).
     ``local``: the weight's per-rank shape ``(out/tp, in)`` as the program read it off the
-    sharded graph (checked against the shard, :func:`make_param`).
+    sharded graph (checked against the shard, :func:`make_param`). ``fp8``: the FP8 recipe
+    its GEMMs run with (:func:`parcompile.runtime.fp8.fp8_linear`; None: 16-bit GEMMs).
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
                  seed: int, std: float = INIT_STD, valid_rows: int | None = None, *,
                  shard_index: int | None = None, num_shards: int | None = None,
-                 local: tuple[int, int] | None = None):
+                 local: tuple[int, int] | None = None, fp8: str | None = None):
         super().__init__()
+        self.tp, self.fp8 = tp, fp8
         # shard_index / num_shards: a part other than tp's own (replicated kv heads, serving)
         kw = dict(shard_index=shard_index, num_shards=num_shards)
         self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 0, valid_rows,
@@ -148,7 +151,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fp8_checked(self.__class__.__name__, self.fp8):
+            return fp8_linear(x, self.weight, self.bias, self.fp8, self.tp, "column")
         return linear(x, self.weight, self.bias)
+
+
+def _fp8_checked(name: str, fp8: str | None) -> str | None:
+    """``fp8`` after checking that the weight gradients are not deferred (a zero-bubble
+    schedule's W step, runtime/wgrad.py, is not written for FP8 GEMMs)."""
+    if fp8 and STORE.enabled:
+        raise RuntimeError(f"{name}: FP8 GEMMs under a zero-bubble schedule (deferred weight gradients)")
+    return fp8
 
 
 class RowParallelLinear(nn.Module):
@@ -161,14 +174,17 @@ class RowParallelLinear(nn.Module):
     sharded graph puts after the layer) says it instead of ``sequence_parallel``:
     ``"all_reduce"``, ``"reduce_scatter"`` (along the sequence) or None (tp = 1: none).
     ``local``: the weight's per-rank shape ``(out, in/tp)``, checked against the shard.
+    ``fp8``: :class:`ColumnParallelLinear`'s.
     """
 
     REDUCTIONS = (None, "all_reduce", "reduce_scatter")
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis,
                  seed: int, std: float = INIT_STD, sequence_parallel: bool = False, *,
-                 reduce: str | None | bool = False, local: tuple[int, int] | None = None):
+                 reduce: str | None | bool = False, local: tuple[int, int] | None = None,
+                 fp8: str | None = None):
         super().__init__()
+        self.fp8 = fp8
         if reduce is not False and reduce not in self.REDUCTIONS:
             raise ValueError(f"{name}: reduce must be one of {self.REDUCTIONS}, not {reduce!r}")
         if reduce is not False and reduce is not None and tp.size == 1:
@@ -179,7 +195,10 @@ class RowParallelLinear(nn.Module):
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_tp(linear(x, self.weight), self.tp, self.sequence_parallel)
+        if _fp8_checked(self.__class__.__name__, self.fp8):
+            y = leave_tp(fp8_linear(x, self.weight, None, self.fp8, self.tp, "row"), self.tp, self.sequence_parallel)
+        else:
+            y = leave_tp(linear(x, self.weight), self.tp, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 

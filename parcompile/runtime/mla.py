@@ -47,6 +47,7 @@ from parcompile.runtime.comm import copy_to_tp, enter_tp, gather_replicated, kee
 from parcompile.runtime.context import Axis
 from parcompile.runtime.layers import (INIT_STD, ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rope,
                                        attention_core, deinterleave, make_param, recompute)
+from parcompile.runtime.fp8 import fp8_linear
 from parcompile.runtime.wgrad import linear
 
 
@@ -54,12 +55,15 @@ class ReplicatedLinear(nn.Module):
     """y = x W^T (+ b), W (out, in) whole on every tp rank: (..., in) -> (..., out)."""
 
     def __init__(self, name: str, in_features: int, out_features: int, bias: bool, tp: Axis, seed: int,
-                 std: float = INIT_STD):
+                 std: float = INIT_STD, *, fp8: str | None = None):
         super().__init__()
+        self.fp8 = fp8   # the FP8 recipe of its GEMMs (runtime/fp8.py; None: 16-bit)
         self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, None)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.bias, self.fp8, None, "replicated")
         return linear(x, self.weight, self.bias)
 
 
