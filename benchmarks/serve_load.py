@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 
 def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tokens: int) -> tuple[float, float | None, int]:
-    """One streamed completion: (TTFT s, TPOT s (None for one token), output tokens). The
+    """One streamed completion: (TTFT s (None when no chunk carried text), TPOT s (None for one token), output tokens). The
     tokens are counted from the chunks' ``token_ids`` (a chunk may carry several: the text
     of an unfinished UTF-8 character waits); TPOT is ``(last - first) / (tokens - 1)``, as
     vLLM's benchmark_serving.py computes it."""
@@ -81,6 +81,8 @@ def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tok
                     last, n = now, n + got
     if text and usage and usage.get("completion_tokens"):
         n = usage["completion_tokens"]
+    if first is None:   # no chunk carried text (transformers: bytes that are no whole UTF-8 character)
+        return None, None, n
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
 
 
@@ -103,7 +105,8 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
                 prompt = "".join(map(chr, ids)) if text else ids
                 ttft, tpot, n = one_request(c, url, prompt, max_tokens)
                 with lock:
-                    stats["ttft"].append(ttft)
+                    if ttft is not None:
+                        stats["ttft"].append(ttft)
                     if tpot is not None:
                         stats["tpot"].append(tpot)
                     stats["tokens"] += n
