@@ -97,7 +97,6 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
 
 @pytest.mark.parametrize("train, zero, key, what", [
     ("  precision = fp8\n  fp8_recipe = mxfp8\n", 1, "fp8_recipe", "MXFP8 GEMMs"),
-    ("  precision = fp8\n  fp8_all_gather = true\n", 3, "fp8_all_gather", "FP8 all-gather of ZeRO-3 parameters"),
 ])
 def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, what, tmp_path, monkeypatch, capsys):
     path = _spec(tmp_path, train, cluster="b200", zero=zero)
