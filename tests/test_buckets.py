@@ -386,3 +386,30 @@ def test_16_bit_buckets_need_16_bit_parameters():
     gb.prepare(layer.weight)
     assert gb.buckets[0].flat.dtype == torch.bfloat16 and gb.peak_bytes == 2 * 16
     assert gb.buckets[0].acc.dtype == torch.float32
+
+
+def test_fp8_gather_elements_holds_every_rank_of_every_layout():
+    """FP8 all-gather (issue 32): whatever the order of FP8 and 16-bit parameters in a
+    bucket, each rank's FP8 elements fit the E4M3 all-gather and its other elements (the
+    padding with them) the 16-bit one; and a bound is met by some layout (not loose)."""
+    import itertools
+    import random
+
+    from parcompile.core.buckets import fp8_gather_elements
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        fp8 = [rng.random() < 0.6 for _ in sizes]
+        d = rng.randint(1, 5)
+        n, f = sum(sizes), sum(s for s, x in zip(sizes, fp8) if x)
+        n8, n16 = fp8_gather_elements(n, f, d)
+        shard = -(-n // d)
+        best8 = best16 = 0
+        for order in itertools.islice(itertools.permutations(range(len(sizes))), 24):
+            flags = [x for i in order for x in [fp8[i]] * sizes[i]] + [False] * (shard * d - n)
+            for r in range(d):
+                mine = flags[r * shard:(r + 1) * shard]
+                assert sum(mine) <= n8 and len(mine) - sum(mine) <= n16, (sizes, fp8, d, order, r)
+                best8, best16 = max(best8, sum(mine)), max(best16, len(mine) - sum(mine))
+        if len(sizes) == 1 or d == 1:
+            assert (best8, best16) == (n8, n16)

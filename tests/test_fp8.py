@@ -95,9 +95,22 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
     assert "fp8=" not in (tmp_path / "plain" / "program.py").read_text()
 
 
+def test_compile_writes_fp8_all_gather_into_the_program(tmp_path):
+    # ZeRO-3 FP8 all-gather runs in the program (runtime/optim.py ShardedOptimizer._gather_fp8):
+    # compiled, the optimizer is told so; without it (or under zero 1) the key is absent
+    programs = {}
+    for zero, train in ((3, "  precision = fp8\n  fp8_all_gather = true\n"), (3, "  precision = fp8\n"),
+                        (1, "  precision = fp8\n")):
+        plan = parcompile.compile(_spec(tmp_path, train, zero=zero, name=f"a{zero}{len(train)}.par").read_text(),
+                                  filename="a.par")
+        plan.write(tmp_path / f"p{zero}{len(train)}")
+        programs[(zero, "fp8_all_gather" in train)] = (tmp_path / f"p{zero}{len(train)}" / "program.py").read_text()
+    assert "'fp8_all_gather': True" in programs[(3, True)]
+    assert "fp8_all_gather" not in programs[(3, False)] and "fp8_all_gather" not in programs[(1, False)]
+
+
 @pytest.mark.parametrize("train, zero, key, what", [
     ("  precision = fp8\n  fp8_recipe = mxfp8\n", 1, "fp8_recipe", "MXFP8 GEMMs"),
-    ("  precision = fp8\n  fp8_all_gather = true\n", 3, "fp8_all_gather", "FP8 all-gather of ZeRO-3 parameters"),
 ])
 def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, what, tmp_path, monkeypatch, capsys):
     path = _spec(tmp_path, train, cluster="b200", zero=zero)

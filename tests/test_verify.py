@@ -134,6 +134,11 @@ CASES = {
     "fp8_rowwise_dp2_tp2_zero3_sequence_parallel": dict(
         dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024, sequence_parallel=True),
         train=dict(precision="fp8", fp8_recipe="rowwise")),
+    # ZeRO-3 with FP8 all-gather (tensorwise): each bucket's FP8 weights gathered as E4M3 with
+    # the whole weight's scale (amaxes all-reduced over dp), the rest in 16 bits
+    "fp8_zero3_fp8_all_gather": dict(
+        dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024),
+        train=dict(precision="fp8", fp8_all_gather=True)),
 }
 
 
@@ -146,6 +151,9 @@ MIXED_CASES = {
     "bf16_dp2_tp2_zero3": dict(dtype="bf16", dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024)),
     "fp16_dp2_tp2_pp2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, pp=2),
     "fp16_dp2_tp2_zero2_loss_scaling": dict(dtype="fp16", dp=2, tp=2, parallel=dict(zero=2)),
+    # FP8 all-gather from the 16-bit slices zero 3 keeps (issue 32): bf16 rest, E4M3 weights
+    "bf16_fp8_dp2_tp2_zero3_fp8_all_gather": dict(dtype="bf16", dp=2, tp=2, parallel=dict(
+        zero=3, bucket_size=16 * 1024), train=dict(precision="fp8", fp8_all_gather=True)),
 }
 
 

@@ -2,7 +2,8 @@
 recipe costs beyond its GEMMs. The one place these rules live: the compute report counts
 the FP8 GEMMs' FLOPs and the elements their casts read (:func:`is_fp8_gemm`,
 :func:`cast_elements`), the time model prices them (:func:`fp8_costs`), the step
-collectives gather FP8 weights (:func:`gather_bytes_per_element`), the memory model keeps
+collectives gather FP8 weights (:func:`gathers_fp8`; each bucket's two all-gathers sized by
+:func:`parcompile.core.buckets.fp8_gather_elements`), the memory model keeps
 their FP8 copies (:func:`weight_copy_bytes`), plan.json says what was assumed
 (:func:`assumptions`).
 
@@ -196,19 +197,6 @@ def gathers_fp8(cfg) -> bool:
     recipe that allows it and ``zero = 3``)."""
     return enabled(cfg) and cfg.train.fp8_all_gather and RECIPES[cfg.train.fp8_recipe].gathers_fp8 \
         and cfg.parallel.zero >= 3
-
-
-def gather_bytes_per_element(cfg, stage_fp8: int, stage_total: int) -> float:
-    """Bytes per element of a pipeline stage's ZeRO-3 parameter all-gathers: the model dtype's,
-    or with FP8 all-gather (:func:`gathers_fp8`) the FP8 weights at 1 byte plus their scales
-    and the rest (norms, embedding, head, router) at the dtype's, averaged over the stage's
-    elements (``stage_fp8`` of ``stage_total``: :attr:`~parcompile.analysis.params.StageParams.fp8`)."""
-    e = cfg.model.dtype_bytes
-    if not gathers_fp8(cfg) or stage_total <= 0:
-        return float(e)
-    share = min(1.0, stage_fp8 / stage_total)
-    one = 1 + RECIPES[cfg.train.fp8_recipe].scale_bytes
-    return share * one + (1 - share) * e
 
 
 def weight_cast_bytes(cfg, stage_fp8: int, engine_name: str) -> float:

@@ -129,7 +129,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
-from parcompile.analysis.fp8 import (enabled as fp8_enabled, gather_bytes_per_element, is_fp8_gemm, saves_fp8_inputs,
+from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
                                     weight_copy_bytes)
 from parcompile.analysis.estimate import engine as engine_of
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
@@ -622,10 +622,17 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     if cfg.workload == "serve" or par.zero < 3:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
+    e = cfg.model.dtype_bytes
+    # the model dtype's bytes; with FP8 all-gather (analysis/fp8.py gathers_fp8) the program
+    # (runtime/optim.py ShardedOptimizer._gather_fp8) keeps the bucket's buffer in the dtype
+    # (the parameters' storage, the FP8 weights dequantized there) and beside it the E4M3
+    # copies its FP8 GEMMs read, 1 byte per FP8 weight element. torchao's FSDP2 holds the
+    # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers
+    size = (lambda b, d: e * math.ceil(b.elements / d) * d + b.fp8) if gathers_fp8(cfg) else \
+        (lambda b, d: e * math.ceil(b.elements / d) * d)
     step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
-                                    reshard_after_forward(par.pp), head_reads_embedding(cfg))
-    # the model dtype's bytes, or with FP8 all-gather the FP8 weights' 1 (analysis/fp8.py)
-    return int(gather_bytes_per_element(cfg, sp.fp8, sp.total) * (step_long + jit))
+                                    reshard_after_forward(par.pp), head_reads_embedding(cfg), size)
+    return int(step_long + jit)
 
 
 def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:

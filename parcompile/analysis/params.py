@@ -43,6 +43,8 @@ class StageParams:
     #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of ``dense`` and ``expert``),
     #: counted whatever the precision
     fp8: int = 0
+    #: how many weights ``fp8`` counts (one scale each: FP8 all-gather's amax all-reduce)
+    fp8_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -76,8 +78,10 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
     ``replicated_kv_heads``: the model's kv heads when a serving plan replicates them over
     tp (each rank then holds one kv head of every parameter with a ``kv`` dim), else 0.
     """
-    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0, "tp_partial": 0, "fp8": 0} for _ in range(pp)]
-    units: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(pp)]   # (chunk, name) -> [dense, expert]
+    acc = [{"dense": 0, "expert": 0, "norm": 0, "embedding": 0, "tp_partial": 0, "fp8": 0,
+            "fp8_weights": 0} for _ in range(pp)]
+    # (chunk, name) -> [dense, expert, fp8]
+    units: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(pp)]
     seen: set[tuple[int, str]] = set()
     for nd, p in graph.params():
         s = nd.stage or 0
@@ -88,10 +92,13 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         if replicated_kv_heads and p.type.has_dim("kv") and not p.sharding.split:
             n //= replicated_kv_heads   # one replicated kv head per rank (vLLM)
         acc[s]["expert" if p.expert else "dense"] += n
+        unit = units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0, 0])
+        unit[1 if p.expert else 0] += n
         if is_fp8_gemm(nd) and p.name.endswith("weight"):
             acc[s]["fp8"] += n
-        units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0])[
-            1 if p.expert else 0] += n
+            acc[s]["fp8_weights"] += 1
+            if not p.expert:
+                unit[2] += n
         if not p.sharding.split and not p.expert and nd.op.attr("tp") != "replicated":
             # replicated over tp (norms, row-parallel biases, learned positions): under
             # sequence parallelism each tp rank sees part of the sequence, so these
@@ -107,7 +114,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
     for s, a in enumerate(acc):
         nchunks = 1 + max((c for c, _ in units[s]), default=0)
         keys = sorted(units[s], key=lambda k: unit_order_key(k[0], k[1], nchunks))
-        us = tuple(GradUnit(c, name, *units[s][(c, name)], alone=name in ("tied_embedding", "tied_head"))
+        us = tuple(GradUnit(c, name, *units[s][(c, name)][:2], alone=name in ("tied_embedding", "tied_head"),
+                            fp8=units[s][(c, name)][2])
                    for c, name in keys)
         out.append(StageParams(s, **a, units=us))
     return out

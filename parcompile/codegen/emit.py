@@ -62,10 +62,6 @@ _NOT_IN_PROGRAM: tuple = (
     ("parallel.schedule", lambda cfg: _fp8(cfg) and cfg.parallel.schedule == "zero_bubble",
      "FP8 GEMMs under zero_bubble", "the deferred weight gradients of zero_bubble (runtime/wgrad.py) are 16-bit "
      "GEMMs: use schedule = 1f1b or interleaved_1f1b, or remove `precision`", 32, True),
-    ("train.fp8_all_gather", lambda cfg: _fp8(cfg) and gathers_fp8(cfg),
-     "FP8 all-gather of ZeRO-3 parameters (fp8_all_gather = true)", "the program's ZeRO-3 all-gathers move "
-     "16-bit parameters: `parcompile plan` and `export` work on this spec; to generate a program now, remove "
-     "`fp8_all_gather`", 32, True),
     ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
         cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
      "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
@@ -185,6 +181,9 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
         "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
+        # ZeRO-3 FP8 all-gather (runtime/optim.py ShardedOptimizer): only when on, so that
+        # other programs read as before
+        **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }
     data = _data_path(cfg.train.data, out_dir)
     data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,

@@ -123,7 +123,9 @@ class GradUnit:
     ``chunk`` is the local chunk (virtual stage) index on the pipeline rank; ``name`` is
     ``"output"``, ``"layers.N"``, ``"embedding"`` or ``"tied_embedding"``; ``dense``
     elements are reduced over dp_cp, ``expert`` elements over expert_dp; ``alone`` units
-    (the tied embedding or its head copy) form a bucket of their own.
+    (the tied embedding or its head copy) form a bucket of their own; ``fp8``: the dense
+    elements that are weights of FP8 GEMMs (``train.precision = fp8``; gathered as E4M3
+    bytes with FP8 all-gather, :func:`fp8_gather_elements`).
     """
 
     chunk: int
@@ -131,6 +133,7 @@ class GradUnit:
     dense: int
     expert: int = 0
     alone: bool = False
+    fp8: int = 0
 
     def size(self, kind: str) -> int:
         """Elements of ``kind`` (``"dense"`` or ``"expert"``)."""
@@ -144,6 +147,8 @@ class Bucket:
     chunk: int
     units: tuple[str, ...]
     elements: int
+    #: of ``elements``, the FP8 GEMM weights' (dense buckets; :attr:`GradUnit.fp8`)
+    fp8: int = 0
 
     @property
     def bytes(self) -> int:
@@ -176,14 +181,14 @@ def partition(units: Sequence[GradUnit], bucket_size: int, kind: str = "dense") 
     """
     out: list[Bucket] = []
     names: list[str] = []
-    n = 0
+    n = f = 0
     chunk: int | None = None
 
     def close() -> None:
-        nonlocal names, n
+        nonlocal names, n, f
         if names:
-            out.append(Bucket(chunk, tuple(names), n))
-        names, n = [], 0
+            out.append(Bucket(chunk, tuple(names), n, f))
+        names, n, f = [], 0, 0
 
     for u in units:
         size = u.size(kind)
@@ -194,10 +199,11 @@ def partition(units: Sequence[GradUnit], bucket_size: int, kind: str = "dense") 
             chunk = u.chunk
         if u.alone:
             close()
-            out.append(Bucket(u.chunk, (u.name,), size))
+            out.append(Bucket(u.chunk, (u.name,), size, u.fp8 if kind == "dense" else 0))
             continue
         names.append(u.name)
         n += size
+        f += u.fp8 if kind == "dense" else 0
         if bucket_size > 0 and GRAD_BYTES * n >= bucket_size:
             close()
     close()
@@ -210,6 +216,23 @@ def stage_buckets(sp, bucket_size: int) -> tuple[list[Bucket], list[Bucket]]:
     StageParams without units counts as one unit per kind)."""
     units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
     return partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+
+
+def fp8_gather_elements(elements: int, fp8: int, d: int) -> tuple[int, int]:
+    """ZeRO-3 with FP8 all-gather (``train.fp8_all_gather``): the elements each of the ``d``
+    ranks sends in a bucket's two all-gathers, ``(E4M3, 16-bit)``. A bucket of ``elements``
+    (``fp8`` of them FP8 GEMM weights) is sharded as without FP8, ``shard = ceil(elements /
+    d)`` per rank, and a shard's boundaries cut across FP8 and 16-bit parameters, so a rank
+    holds between ``max(0, fp8 - (d - 1) shard)`` and ``min(shard, fp8)`` FP8 elements. The
+    all-gathers need one size on every rank: each rank packs its FP8 elements (cast with
+    their weight's tensorwise scale, known to every rank from the step's amax all-reduce,
+    so no scale is gathered) into ``min(shard, fp8)`` bytes and the rest (its padding
+    included) into ``min(shard, shard d - fp8)`` elements of the model dtype, zero-padded.
+    Either is 0 when the bucket has none (then that all-gather does not run). The plan's
+    step collectives (passes/insert_collectives.py) and the program
+    (runtime/optim.py ``ShardedOptimizer``) both size them here."""
+    shard = -(-elements // d) if d > 0 else elements
+    return min(shard, fp8), min(shard, shard * d - fp8)
 
 
 def shard_elements(buckets: Iterable[Bucket], d: int) -> int:
@@ -281,7 +304,7 @@ def holds_output(b) -> bool:
 
 
 def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch: bool,
-                   head_reads_embedding: bool = False) -> tuple[int, int]:
+                   head_reads_embedding: bool = False, size=None) -> tuple[int, int]:
     """Elements of gathered ZeRO-3 parameters one rank holds during a step, as
     ``(step_long, just_in_time)``: the buckets kept for the whole step, and the most the
     buckets gathered and freed per micro-batch hold at once. The peak is their sum.
@@ -300,7 +323,8 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
         head_reads_embedding: tied embeddings with ``pp = 1`` (:func:`zero3_just_in_time`):
             the embedding's bucket is kept for the step.
 
-    Each gathered bucket is a padded buffer of ``ceil(n / d) * d`` elements.
+    Each gathered bucket is a padded buffer of ``ceil(n / d) * d`` elements, or what
+    ``size(bucket, d)`` says it holds (bytes, say: ZeRO-3's FP8 all-gather).
     """
     step_long = 0
     held: dict[tuple, dict[tuple[int, int], int]] = {}   # (chunk, position) -> {(kind, bucket): elements}
@@ -311,7 +335,7 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
             chunk_positions.setdefault(b.chunk, set()).update(pos)
             if d <= 1:
                 continue
-            full = math.ceil(b.elements / d) * d
+            full = size(b, d) if size is not None else math.ceil(b.elements / d) * d
             if per_microbatch and zero3_just_in_time(b, True, head_reads_embedding):
                 for at in pos:
                     held.setdefault((b.chunk, at), {})[(k, i)] = full
@@ -383,7 +407,7 @@ def head_reads_embedding(cfg) -> bool:
     return bool(cfg.model.tie_embeddings) and cfg.parallel.pp == 1
 
 
-__all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
+__all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements", "fp8_gather_elements",
            "unit_order_key", "is_layer_bucket", "bucket_layers",
            "reshard_after_forward", "zero3_gathered", "zero3_gather_counts", "reduces_per_microbatch",
            "reduce_counts", "buckets_in_flight", "bucket_element_bytes", "unit_position",

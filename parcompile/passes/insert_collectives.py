@@ -41,9 +41,10 @@ from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedd
                                         reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
 from parcompile.analysis.comm import CollectiveEntry
-from parcompile.analysis.fp8 import gather_bytes_per_element, gathers_fp8
+from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
+from parcompile.core.buckets import fp8_gather_elements
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual, spec
@@ -150,9 +151,9 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
         # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
         dense, expert = stage_buckets(sp, par.bucket_size)
-        # bytes per gathered element: the dtype's, or with FP8 all-gather the stage's FP8
-        # weights at 1 byte (analysis/fp8.py)
-        pe = gather_bytes_per_element(cfg, sp.fp8, sp.total)
+        # FP8 all-gather: a bucket's FP8 GEMM weights gathered as E4M3 bytes, the rest in the
+        # dtype, two all-gathers sized by core/buckets.py fp8_gather_elements
+        fp8_gather = gathers_fp8(cfg)
         for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
             if size <= 1:
                 continue
@@ -163,18 +164,26 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             for i, b in enumerate(buckets):
                 if par.zero == 0:
                     add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
-                else:
-                    shard = math.ceil(b.elements / size)
-                    add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
-                        reduces[i])
-                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, pe * shard * size, f"{prefix}params",
+                    continue
+                shard = math.ceil(b.elements / size)
+                add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
+                    reduces[i])
+                if fp8_gather and b.fp8:
+                    n8, n16 = fp8_gather_elements(b.elements, b.fp8, size)
+                    add(s, f"{prefix}params_fp8.bucket{i}", "all_gather", axis, n8 * size, f"{prefix}params",
                         gathers[i])
-        if gathers_fp8(cfg) and d > 1 and sp.fp8:
-            # the FP8 shards' scales: their amaxes all-reduced once per step, one fp32 each
-            # (torchtitan's precompute_float8_dynamic_scale_for_fsdp), 7 per layer (q, k, v, o,
-            # gate, up, down) taken for each of the stage's layers
+                    if n16:
+                        add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * n16 * size, f"{prefix}params",
+                            gathers[i])
+                else:
+                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
+                        gathers[i])
+        if fp8_gather and d > 1 and sp.fp8:
+            # the FP8 weights' tensorwise scales: the amaxes of their shards all-reduced (max)
+            # over dp once per step, one fp32 per weight (torchtitan's
+            # precompute_float8_dynamic_scale_for_fsdp); every rank then knows every scale
             layers = sum(1 for u in sp.units if u.name.startswith("layers.")) or 1
-            add(s, "fp8_amax", "all_reduce", "dp_cp", 4 * 7 * layers, "fp8_amax")
+            add(s, "fp8_amax", "all_reduce", "dp_cp", 4 * (sp.fp8_weights or 7 * layers), "fp8_amax")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:

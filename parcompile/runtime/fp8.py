@@ -72,11 +72,33 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
     a = t.detach().abs().float()
     amax = a.amax() if recipe == "tensorwise" else a.amax(dim=dim, keepdim=True)
     amax = _max_over(amax.clone(), axis)
+    return cast_with_amax(t, amax, recipe)
+
+
+def cast_with_amax(t: torch.Tensor, amax: torch.Tensor, recipe: str = "tensorwise"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in E4M3 and its inverse scale, the scale ``448 / amax`` taken from ``amax`` (fp32:
+    a scalar, or per row/column for ``rowwise``, rounded down to a power of two there):
+    :func:`cast` once the amax is known, and ZeRO-3's FP8 all-gather, which casts each dp
+    shard of a weight with the amax of the whole weight (runtime/optim.py). Element-wise,
+    so a shard cast here equals the same elements of the whole tensor's cast."""
     scale = E4M3_MAX / amax.clamp(min=_TINY)
     if recipe == "rowwise":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     t8 = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return t8, scale.reciprocal()
+
+
+def _weight_cast(weight: torch.Tensor, recipe: str, dim: int, axis: Axis | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's E4M3 copy and inverse scale: the one ZeRO-3's FP8 all-gather left on the
+    parameter (``fp8_gathered``, tensorwise only: gathered as E4M3 with the whole weight's
+    scale, used as is, as torchao's ``WeightWithDynamicFloat8CastTensor`` is), else
+    :func:`cast` of the 16-bit weight."""
+    gathered = getattr(weight, "fp8_gathered", None)
+    if gathered is not None and recipe == "tensorwise":
+        return gathered
+    return cast(weight, recipe, dim, axis)
 
 
 def _mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,11 +135,13 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str):
         ctx.recipe, ctx.tp, ctx.split = recipe, tp, split
         ctx.save_for_backward(x, weight)
+        # FP8 all-gather's E4M3 weight (tensorwise): the backward's g W reads the same one
+        ctx.gathered = getattr(weight, "fp8_gathered", None) if recipe == "tensorwise" else None
         x2 = x.reshape(-1, x.shape[-1])
         row = tp if split == "row" else None
         # forward reduction dim K: x's rows (M, 1), W's rows (N, 1) -> as the right operand (1, N)
         x8, sx = cast(x2, recipe, -1, row)
-        w8, sw = cast(weight, recipe, -1, tp if recipe == "tensorwise" else row)
+        w8, sw = _weight_cast(weight, recipe, -1, tp if recipe == "tensorwise" else row)
         y = _mm(x8, sx, w8.t(), sw.t() if sw.dim() else sw, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -133,7 +157,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # g W: (M, N) @ (N, K), reduction N (split over tp in a column-parallel layer)
             g8, sg = cast(g2, recipe, -1, col)
-            w8, sw = cast(weight, recipe, 0, tp if tw else col)
+            w8, sw = ctx.gathered or _weight_cast(weight, recipe, 0, tp if tw else col)
             grad_x = _mm(g8, sg, w8, sw, grad_out.dtype).view(*x.shape)
         if ctx.needs_input_grad[1]:
             # g^T x: (N, M) @ (M, K), reduction M (whole on every rank)
@@ -161,4 +185,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y + bias if bias is not None else y
 
 
-__all__ = ["E4M3", "RECIPES", "cast", "fp8_linear", "scaled_mm"]
+__all__ = ["E4M3", "E4M3_MAX", "RECIPES", "cast", "cast_with_amax", "fp8_linear", "scaled_mm"]

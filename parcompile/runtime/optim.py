@@ -91,12 +91,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parcompile.core.buckets import (bucket_positions, needed_in_backward, reshard_after_forward, unit_position,
+from parcompile.core.buckets import (fp8_gather_elements, bucket_positions, needed_in_backward, reshard_after_forward, unit_position,
                                      zero3_just_in_time)
 from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, GradSync, local_numel
 from parcompile.runtime.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.device import FUSED_OPTIMIZER_DEVICES
+from parcompile.runtime.fp8 import E4M3, cast_with_amax
 from parcompile.runtime.grads import enable_main_grads, main_grad, set_main_grad
 from parcompile.runtime.loss_scale import DynamicLossScaler
 
@@ -403,7 +404,8 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: in
         if zero == 0 or ctx.axes["dp_cp"].size == 1:
             return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
         opt = ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
-                               bucket_size, sequence_parallel, reduce_dtype=reduce_dtype)
+                               bucket_size, sequence_parallel, reduce_dtype=reduce_dtype,
+                               fp8_all_gather=bool(train.get("fp8_all_gather")))
     parts = [o for o in getattr(opt, "parts", (opt,)) if isinstance(o, ShardedOptimizer) and o.zero == 3]
     if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time
         LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
@@ -443,12 +445,15 @@ class ShardedOptimizer(BucketedReduction):
     ``bucket_size``, ``sequence_parallel``, ``chunks`` and ``grad_scale`` (default 1/d) are
     :class:`ReplicatedOptimizer`'s; ``reduce_dtype``
     (``parallel.reduce_dtype``): the dtype of the buckets reduce-scattered per micro-batch
-    (zero 2, 3; :class:`parcompile.runtime.buckets.GradBuckets`).
+    (zero 2, 3; :class:`parcompile.runtime.buckets.GradBuckets`). ``fp8_all_gather``
+    (zero 3, ``train.fp8_all_gather`` with tensorwise FP8 GEMMs): the weights of the FP8
+    GEMMs (the modules with an ``fp8`` recipe) are all-gathered as E4M3 bytes, the rest of
+    each bucket in 16 bits (:meth:`_gather_fp8`).
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, zero: int, weight_decay: float,
                  make_optimizer, bucket_size: int = 0, sequence_parallel: bool = False, chunks=None,
-                 grad_scale: float | None = None, reduce_dtype: str = "fp32"):
+                 grad_scale: float | None = None, reduce_dtype: str = "fp32", fp8_all_gather: bool = False):
         self.model, self.ctx, self.zero = model, ctx, zero
         self.axis = ctx.axes["dp_cp"]
         self.sequence_parallel = sequence_parallel
@@ -496,7 +501,7 @@ class ShardedOptimizer(BucketedReduction):
         # zero 3: the gathered buffer of each bucket (by index), the buckets LayerGather
         # gathers just in time, and the bytes of gathered buffers held (shared by a stage's parts)
         self._full: dict[int, torch.Tensor] = {}
-        self._inflight: dict[int, tuple] = {}   # prefetched buckets: (work, input slice)
+        self._inflight: dict[int, tuple] = {}   # prefetched buckets: (works, inputs, finish)
         self.just_in_time: set[int] = set()
         self.gathered = GatherMeter()
         #: zero 2, 3: the most bytes of full gradient buffers the step held at once (the
@@ -507,6 +512,18 @@ class ShardedOptimizer(BucketedReduction):
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
         self._grad_shards: list[torch.Tensor] | None = None
+        # FP8 all-gather: the FP8 GEMMs' weights (index = their amax's place), the step's
+        # amaxes and inverse scales (None: not taken this step: gathers in 16 bits)
+        self.fp8_params: list[nn.Parameter] = []
+        if fp8_all_gather and zero == 3:
+            fp8w = {id(m.weight) for m in model.modules()
+                    if getattr(m, "fp8", None) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+            self.fp8_params = [p for p in self.params if id(p) in fp8w]
+        self._fp8_index = {id(p): k for k, p in enumerate(self.fp8_params)}
+        self._fp8_amax: torch.Tensor | None = None
+        self._fp8_sinv: list[torch.Tensor] = []
+        self._fp8_held: dict[int, int] = {}   # bucket index -> bytes of its E4M3 copies held
+        self._exporting = False
         if zero == 3:
             self._keep_low_shards()
             self._free_params()
@@ -544,6 +561,8 @@ class ShardedOptimizer(BucketedReduction):
         if self.zero == 3:
             self._free_params()
             self.gathered.reset()
+            if self.fp8_params:
+                self._fp8_scales()
             for b in self.buckets.buckets:
                 if b.index not in self.just_in_time:
                     self._gather_bucket(b)
@@ -630,6 +649,7 @@ class ShardedOptimizer(BucketedReduction):
             pad.grad = None
         if self.zero == 3:
             self._keep_low_shards()
+            self._fp8_amax = None   # the weights changed: the next step takes new scales
         if self.zero < 2:
             self._grad_shards = None   # zero 1 keeps full gradients; the slices were scratch copies
         if self.zero == 3:
@@ -718,16 +738,119 @@ class ShardedOptimizer(BucketedReduction):
             self.buckets.attach(b)   # fp32 gradients can be views of the bucket's buffer now
         else:   # freed after an earlier use this step: the same storage, and views, again
             full.untyped_storage().resize_(nbytes)
-        COUNTER.record("all_gather", self.axis.name, nbytes)
-        mine = self._fill_shard(b)
-        work = all_gather_single(full, mine, group=self.axis.param_group, async_op=prefetch)
+        if self._fp8_amax is not None and not self._exporting and self._fp8_elements(b):
+            works, keep, finish = self._gather_fp8(b, full, prefetch)
+        else:
+            COUNTER.record("all_gather", self.axis.name, nbytes)
+            keep, finish = self._fill_shard(b), None
+            works = [all_gather_single(full, keep, group=self.axis.param_group, async_op=prefetch)]
         self.gathered.add(nbytes)
         if prefetch:
-            self._inflight[b.index] = (work, mine)   # keep the input alive until it is done
+            self._inflight[b.index] = (works, keep, finish)   # keep the inputs alive until done
+        elif finish is not None:
+            finish()
+
+    # -- FP8 all-gather ---------------------------------------------------------------------
+    def _pieces(self, b: BucketLayout, r: int) -> list[tuple[nn.Parameter, int, int, int]]:
+        """``(param, offset, lo, hi)``: the elements ``[lo, hi)`` of bucket ``b`` in rank
+        ``r``'s shard, parameter by parameter in bucket order."""
+        lo_r, hi_r = r * b.shard, (r + 1) * b.shard
+        out = []
+        for p, off in sorted(zip(b.params, b.offsets), key=lambda t: t[1]):
+            lo, hi = max(off, lo_r), min(off + local_numel(p), hi_r)
+            if lo < hi:
+                out.append((p, off, lo, hi))
+        return out
+
+    def _fp8_elements(self, b: BucketLayout) -> int:
+        """Elements of bucket ``b`` that are FP8 GEMM weights (the plan's ``Bucket.fp8``)."""
+        return sum(local_numel(p) for p in b.params if id(p) in self._fp8_index)
+
+    def _fp8_scales(self) -> None:
+        """Once per step, before the first gather: each FP8 weight's amax over the whole
+        weight, the max of its dp shards' amaxes (one fp32 per weight, all-reduced over dp:
+        the plan's ``fp8_amax``; then over tp, uncounted, as runtime/fp8.py's tensorwise
+        scales of tp-sharded weights), from the 16-bit shards the gathers send, so each
+        weight's scale is the one the one-process run casts it with."""
+        amax = torch.zeros(len(self.fp8_params), dtype=torch.float32, device=self.ctx.device)
+        for b in self.buckets.buckets:
+            mine, lo_own = None, self._own_lo(b)
+            for p, _off, lo, hi in self._pieces(b, self.axis.index):
+                k = self._fp8_index.get(id(p))
+                if k is None:
+                    continue
+                mine = self._fill_shard(b) if mine is None else mine
+                amax[k] = torch.maximum(amax[k], mine[lo - lo_own:hi - lo_own].detach().abs().float().amax())
+        COUNTER.record("all_reduce", self.axis.name, nbytes(amax))
+        if self.axis.size > 1 and self.axis.group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.axis.group)
+        tp = self.ctx.tp
+        if tp.size > 1 and tp.group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+        self._fp8_amax = amax
+        self._fp8_sinv = [cast_with_amax(amax.new_zeros(0), amax[k])[1] for k in range(len(self.fp8_params))]
+
+    def _gather_fp8(self, b: BucketLayout, full: torch.Tensor, prefetch: bool):
+        """zero 3 with FP8 all-gather: bucket ``b`` in two all-gathers of the sizes of
+        :func:`parcompile.core.buckets.fp8_gather_elements`: this rank's pieces of FP8
+        weights cast to E4M3 with their weight's step scale (:meth:`_fp8_scales`), as bytes,
+        and the other pieces in the parameters' dtype. Returns ``(works, inputs, finish)``;
+        ``finish`` unpacks them: each FP8 weight's E4M3 copy and inverse scale on the
+        parameter (``fp8_gathered``, what runtime/fp8.py's GEMMs use, not cast again) and
+        its dequantized values in ``full`` (the 16-bit view), the rest into ``full``."""
+        d, dtype, dev = self.axis.size, full.dtype, self.ctx.device
+        n8, n16 = fp8_gather_elements(b.elements, self._fp8_elements(b), d)
+        mine, lo_own = self._fill_shard(b), self._own_lo(b)
+        m8 = torch.zeros(n8, dtype=torch.uint8, device=dev)
+        m16 = torch.zeros(n16, dtype=dtype, device=dev)
+        c8 = c16 = 0
+        for p, _off, lo, hi in self._pieces(b, self.axis.index):
+            vals, k = mine[lo - lo_own:hi - lo_own], self._fp8_index.get(id(p))
+            if k is None:
+                m16[c16:c16 + hi - lo] = vals
+                c16 += hi - lo
+            else:
+                m8[c8:c8 + hi - lo] = cast_with_amax(vals, self._fp8_amax[k])[0].view(torch.uint8)
+                c8 += hi - lo
+        f8 = torch.empty(n8 * d, dtype=torch.uint8, device=dev)
+        f16 = torch.empty(n16 * d, dtype=dtype, device=dev)
+        COUNTER.record("all_gather", self.axis.name, nbytes(f8))
+        works = [all_gather_single(f8, m8, group=self.axis.param_group, async_op=prefetch)]
+        if n16:
+            COUNTER.record("all_gather", self.axis.name, nbytes(f16))
+            works.append(all_gather_single(f16, m16, group=self.axis.param_group, async_op=prefetch))
+
+        # the E4M3 copies, allocated with the buffer (held from the launch, as it is)
+        w8 = {id(p): torch.empty(p.global_local_shape, dtype=E4M3, device=dev)
+              for p in b.params if id(p) in self._fp8_index}
+        held = sum(nbytes(t) for t in w8.values())   # beside the buffer (the plan's zero3_gather)
+        self.gathered.add(held - self._fp8_held.get(b.index, 0))
+        self._fp8_held[b.index] = held
+
+        def finish() -> None:
+            for r in range(d):
+                a8, a16 = r * n8, r * n16
+                for p, off, lo, hi in self._pieces(b, r):
+                    if id(p) in w8:
+                        w8[id(p)].view(-1)[lo - off:hi - off] = f8[a8:a8 + hi - lo].view(E4M3)
+                        a8 += hi - lo
+                    else:
+                        full[lo:hi] = f16[a16:a16 + hi - lo]
+                        a16 += hi - lo
+            for p, off in zip(b.params, b.offsets):
+                if id(p) in w8:
+                    t8, sinv = w8[id(p)], self._fp8_sinv[self._fp8_index[id(p)]]
+                    p.fp8_gathered = (t8, sinv)
+                    full[off:off + t8.numel()] = (t8.float().view(-1) * sinv).to(dtype)
+
+        return works, (m8, m16, f8, f16), finish
 
     def _wait(self, b: BucketLayout) -> None:
-        work, _ = self._inflight.pop(b.index)
-        work.wait()
+        works, _, finish = self._inflight.pop(b.index)
+        for work in works:
+            work.wait()
+        if finish is not None:
+            finish()
 
     def _release_bucket(self, b: BucketLayout) -> None:
         """zero 3: free bucket ``b``'s gathered buffer (its storage; the views stay)."""
@@ -737,11 +860,21 @@ class ShardedOptimizer(BucketedReduction):
         if full is not None and full.untyped_storage().nbytes() > 0:
             self.gathered.add(-full.untyped_storage().nbytes())
             full.untyped_storage().resize_(0)
+        for p in b.params:
+            if id(p) in self._fp8_index:
+                p.fp8_gathered = None
+        self.gathered.add(-self._fp8_held.pop(b.index, 0))
 
     def _free_params(self) -> None:
-        for work, _ in self._inflight.values():
-            work.wait()
+        for works, _, _ in self._inflight.values():
+            for work in works:
+                work.wait()
         self._inflight.clear()
+        for p in self.fp8_params:
+            p.fp8_gathered = None
+        for held in self._fp8_held.values():
+            self.gathered.add(-held)
+        self._fp8_held.clear()
         for p in self.params:
             if not hasattr(p, "global_local_shape"):
                 p.global_local_shape = tuple(p.shape)
@@ -760,10 +893,12 @@ class ShardedOptimizer(BucketedReduction):
         """Rebuild full parameters outside the measured step (checkpoints, verify dumps)."""
         if self.zero == 3:
             enabled, COUNTER.enabled = COUNTER.enabled, False
+            self._exporting = True   # the 16-bit weights themselves, not their E4M3 casts
             try:
                 self._all_gather_params()
             finally:
                 COUNTER.enabled = enabled
+                self._exporting = False
 
     def dump_gradients(self) -> dict:
         """The data-parallel-averaged full gradients with their layout (verify's first-step
