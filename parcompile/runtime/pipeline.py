@@ -161,6 +161,7 @@ def run_schedule(
             f"received {sorted(received)}, input grads {sorted(input_grads)}, "
             f"weight gradients {sorted(STORE.pending)}"
         )
+    STORE.enabled = False   # the step's deferral ends with it (an eval or another program runs after)
     return StepResult(loss_sum, executed)
 
 
