@@ -612,6 +612,21 @@ def test_fp8_fast_cost_equals_the_compilers():
         assert fast.step_time == pytest.approx(_fp8_cost(row).time.step_time, rel=1e-9), name
 
 
+def test_fp8_all_gather_fast_cost_equals_the_compilers():
+    # zero 3 with fp8_all_gather: the search's probe units carry each layer's FP8 weights, so
+    # its per-bucket E4M3 and 16-bit gathers are the compiler's (core/buckets.fp8_gather_elements)
+    from parcompile.search import Coster
+    row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
+    cfg = h100_config(row)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"fp8_all_gather": True})})
+    plan = compile_config(cfg)
+    fast = Coster(cfg).cost(cfg, with_memory=True)
+    assert fast.peak == plan.memory.peak
+    # (its step time is 0.3% above the compiler's: the probe's compute term differs under
+    # FP8 all-gather, a known gap left open in the closing note of session 11)
+    assert fast.step_time == pytest.approx(plan.estimate.step_time, rel=5e-3)
+
+
 MB_FP8 = "Llama 3 70B TP4 PP8 VP5 fp8"
 
 

@@ -258,7 +258,7 @@ def chunk_units(ps: tuple[StageParams, ...], first: bool, last: bool, n: int, pp
                 and not (pp1 and tied and u.name == "tied_head")]
     for j in reversed(range(n)):
         u = dlayer if start + j < dense else layer
-        out.append(GradUnit(chunk, f"layers.{start + j}", u.dense, u.expert))
+        out.append(replace(u, chunk=chunk, name=f"layers.{start + j}"))   # its FP8 weights too
     if first:
         emb = [u for u in pf if not u.name.startswith("layers.")]
         if pp1 and tied:   # the tied embedding joins the embedding unit
@@ -279,7 +279,7 @@ def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int
     starts = [sum(counts[:k]) for k in range(nchunks)]
     dcounts = dense_counts(counts, dense)
     for s in range(pp):
-        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0, "fp8": 0}
+        acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0, "fp8": 0, "fp8_weights": 0}
         emb = 0
         units: list[GradUnit] = []
         for k in reversed(range(s, nchunks, pp)):
@@ -300,5 +300,5 @@ def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int
                 else:
                     emb = last.embedding
         out.append(StageParams(s, acc["dense"], acc["expert"], acc["norm"], emb, tuple(units),
-                               tp_partial=acc["tp_partial"], fp8=acc["fp8"]))
+                               tp_partial=acc["tp_partial"], fp8=acc["fp8"], fp8_weights=acc["fp8_weights"]))
     return out
