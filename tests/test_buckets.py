@@ -350,6 +350,9 @@ def test_bucket_element_bytes_follow_the_reduce_dtype_where_it_applies():
             assert bucket_element_bytes(zero, schedule, "fp32") == GRAD_BYTES
             for rd in ("bf16", "fp16"):
                 assert bucket_element_bytes(zero, schedule, rd) == (2 if per_mb else GRAD_BYTES)
+                # Megatron-Core (engine megatron): the step's buffers are in the reduce dtype too
+                assert bucket_element_bytes(zero, schedule, rd, step_buffers=True) == 2
+            assert bucket_element_bytes(zero, schedule, "fp32", step_buffers=True) == GRAD_BYTES
 
 
 def test_units_in_forward_order_and_what_the_backward_reads():

@@ -865,3 +865,15 @@ def test_fp8_exports_pass_the_engines_fp8_settings(monkeypatch):
     assert t["model"]["converters"] == ["quantize.linear.float8"]
     assert t["quantize"]["linear"]["float8"] == {"filter_fqns": ["output"], "recipe_name": "rowwise"}
     assert export(tw, "deepspeed").errors and export(tw, "torchtitan").errors   # 0.3: not yet
+
+
+def test_megatron_export_reduces_in_bf16_at_every_zero_level():
+    """reduce_dtype bf16 is Megatron-LM's --grad-reduce-in-bf16 whatever the ZeRO level: its grad
+    buffer is in the parameters' dtype unless grad_reduce_in_fp32 (Megatron-LM d98e8a6
+    param_and_grad_buffer.py group_params_for_buffers), which the plan of engine megatron counts
+    (analysis/estimate.py grad_element_bytes); fp32 exports no flag."""
+    par = "parallel {\n dp = 4\n tp = 1\n pp = 2\n zero = 1\n micro_batch = 1\n global_batch = 16\n%s}"
+    for rd, want in (("", False), (" reduce_dtype = bf16\n", True)):
+        plan = _variant(par % rd, "bf16")
+        _launcher, flags = parse_megatron(export(plan, "megatron").text)
+        assert ("--grad-reduce-in-bf16" in flags) == want, rd

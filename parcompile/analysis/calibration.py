@@ -332,7 +332,10 @@ H100_ROWS: tuple[H100Row, ...] = (
             (("tp", 1), ("pp", 4), ("ep", 8), ("dp", 16), ("zero", 1), ("micro_batch", 1), ("global_batch", 1280),
              ("recompute", "none"), ("reduce_dtype", "bf16")),
             tokens_per_s_per_gpu=5824, commit="release 26.04.01",
-            assumed="its norm and expert-activation recomputation (elementwise) not modelled: recompute none"),
+            assumed="its norm and expert-activation recomputation (elementwise) not modelled: recompute none; "
+                    "gradients reduced and held in bf16 (Megatron-Bridge 4ab94df perf_recipes/_common.py "
+                    "_benchmark_common: grad_reduce_in_fp32 = False, as gpt_oss/h100/gpt_oss.py calls it: "
+                    "reduce_dtype bf16, Megatron-Core's grad buffer in bf16 at zero 1)"),
     H100Row("Llama 3.1 405B", "Llama 3 paper Table 4", "llama3.1-405b", (("seq_len", 8192),),
             (("nodes", 1024),),
             (("tp", 8), ("pp", 16), ("dp", 64), ("zero", 2), ("micro_batch", 1), ("global_batch", 2048),
@@ -439,7 +442,13 @@ FP8_ROWS: tuple[H100Row, ...] = (
                     "(first_last_layers_bf16 = False), its pipeline layout Et*2|(t*2|)*34,t*3|(t*2|)*3,tL "
                     "(stage_layers), tp_comm_overlap (userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192) and "
                     "overlap_p2p_comm (on with virtual stages), gradients reduced in bf16 "
-                    "(grad_reduce_in_fp32 = False; at zero 1 the plan still keeps fp32 gradient buffers)",
+                    "(_benchmark_common and _perf_precision in perf_recipes/_common.py: grad_reduce_in_fp32 = False "
+                    "for ddp and mixed_precision, over the base recipe's True: reduce_dtype bf16, Megatron-Core's "
+                    "grad buffer in bf16 at zero 1, param_and_grad_buffer.py group_params_for_buffers at "
+                    "NVIDIA/Megatron-LM d98e8a6); not modelled: fp8_param_gather = True "
+                    "(training/mixed_precision.py bf16_with_fp8_current_scaling_mixed: FP8 primary weights, "
+                    "1-byte parameter buffer and all-gathers; the plan keeps bf16 weights and their FP8 cache, "
+                    "more memory and gather bytes than the run)",
             train=(("precision", "fp8"), ("fp8_recipe", "tensorwise"))),
 )
 

@@ -109,6 +109,7 @@ from parcompile.analysis.compute import ComputeReport
 from parcompile.analysis.fp8 import (assumptions as fp8_assumptions, enabled as fp8_enabled, fp8_costs,
                                     weight_cast_bytes)
 from parcompile.core.axes import AXIS_FAMILY
+from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
                                      reshard_after_forward)
 from parcompile.core.groups import groups_placement
@@ -197,6 +198,9 @@ class Engine:
       (:func:`parcompile.analysis.memory.buffer_bytes`);
     * ``dedup_dispatch``: the expert-parallel all-to-alls move a token once per
       destination rank (DeepEP), :func:`routed_share` of the per-expert rows;
+    * ``step_grads_in_reduce_dtype``: its gradient buffers that accumulate a step (zero 0
+      and 1) are held and reduced in ``parallel.reduce_dtype``, not fp32
+      (:func:`grad_element_bytes`);
     * ``description`` and ``source``: what it stands for, and why these numbers."""
 
     name: str
@@ -215,6 +219,9 @@ class Engine:
     #: the token dispatcher sends a token once per destination rank and combines its
     #: experts' outputs there (DeepEP), not once per chosen expert (:func:`routed_share`)
     dedup_dispatch: bool = False
+    #: the buffers accumulating a step's gradients are in the reduce dtype (Megatron-Core's
+    #: grad buffer: ``param.dtype`` unless ``grad_reduce_in_fp32``; :func:`grad_element_bytes`)
+    step_grads_in_reduce_dtype: bool = False
 
     @property
     def fsdp2_state_bytes(self) -> int:
@@ -234,7 +241,12 @@ ENGINES: dict[str, Engine] = {
         "(the fused count of OpSpec.traffic); expert_rows: fitted to the Megatron-Bridge GPT-OSS 120B row "
         "(the only mixture-of-experts row of analysis/calibration.py): TE's grouped GEMM on Hopper with "
         "Megatron's all-to-all dispatcher costs about 1,700 rows of each local expert's GEMMs beyond its "
-        "arithmetic (at 1,024 rows per expert the experts run at 38% of the dense GEMM rate)"),
+        "arithmetic (at 1,024 rows per expert the experts run at 38% of the dense GEMM rate); gradient "
+        "buffers: one per (param dtype, grad dtype), grad dtype torch.float if grad_reduce_in_fp32 else "
+        "param.dtype, for DDP and the distributed optimizer alike (group_params_for_buffers, "
+        "megatron/core/distributed/param_and_grad_buffer.py at NVIDIA/Megatron-LM d98e8a6): with "
+        "reduce_dtype bf16 (--grad-reduce-in-bf16) the step accumulates and is reduced in bf16",
+        step_grads_in_reduce_dtype=True),
     "eager": Engine(
         "eager", 2.8, "fa2", 1700.0,
         "eager PyTorch with FSDP2 (torchtitan without torch.compile): one kernel per elementwise op "
@@ -289,6 +301,21 @@ DEFAULT_ENGINE = "megatron"
 def engine(cluster) -> Engine:
     """The :class:`Engine` of ``cluster`` (a ClusterConfig): ``cluster.engine``."""
     return ENGINES[getattr(cluster, "engine", None) or DEFAULT_ENGINE]
+
+
+def grad_element_bytes(cfg, zero: int | None = None) -> int:
+    """Bytes per element of ``cfg``'s full gradient buffers and of their data-parallel
+    reductions (``zero``: this ZeRO level instead of ``parallel.zero``, for the search's
+    bounds): :func:`parcompile.core.buckets.bucket_element_bytes` with ``step_buffers``
+    where the plan is for an engine that keeps the step's buffers in the reduce dtype
+    (:attr:`Engine.step_grads_in_reduce_dtype`: Megatron-Core with ``--grad-reduce-in-bf16``,
+    Megatron-Bridge's ``grad_reduce_in_fp32 = False``) and not for the generated program
+    itself (the ``cpu`` preset, :func:`parcompile.core.attention.attention_engine`), whose
+    zero 0 and 1 buffers accumulate in fp32. Used by the memory (the zero 0 and 1 gradient
+    state), the step's collectives and the gradient-reduction time alike."""
+    par = cfg.parallel
+    step = engine(cfg.cluster).step_grads_in_reduce_dtype and attention_engine(cfg.cluster) != "program"
+    return bucket_element_bytes(par.zero if zero is None else zero, par.schedule, par.reduce_dtype, step_buffers=step)
 
 
 def attention_efficiency(cluster) -> float:
@@ -949,8 +976,8 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
             continue
         link = links.get(axis) or make_link(cl, 1, 1)
         for b in partition(units, par.bucket_size, kind):
-            nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) * (
-                b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (fp32 but at zero 2, 3)
+            nbytes = grad_element_bytes(cfg) * (
+                b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (grad_element_bytes)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
             events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
     # times relative to the end of the backward (buckets all ready then: exposed == busy exactly)

@@ -192,11 +192,12 @@ def enabled(cfg) -> bool:
     return cfg.workload == "train" and getattr(cfg.train, "precision", "model") == "fp8"
 
 
-def gathers_fp8(cfg) -> bool:
+def gathers_fp8(cfg, zero: int | None = None) -> bool:
     """Whether ZeRO-3's parameter all-gathers move FP8 weights (``fp8_all_gather`` with a
-    recipe that allows it and ``zero = 3``)."""
+    recipe that allows it and ``zero = 3``); ``zero``: this ZeRO level instead of
+    ``parallel.zero`` (the search's layouts, costed on a probe of another)."""
     return enabled(cfg) and cfg.train.fp8_all_gather and RECIPES[cfg.train.fp8_recipe].gathers_fp8 \
-        and cfg.parallel.zero >= 3
+        and (cfg.parallel.zero if zero is None else zero) >= 3
 
 
 def weight_cast_bytes(cfg, stage_fp8: int, engine_name: str) -> float:

@@ -17,7 +17,10 @@ with no master copy: ``4/d + 4/d + 8/d``; NeMo AutoModel's models are cast to bf
 parameters, gradients and Adam's states alike: ``2/d + 2/d + 4/d``; :func:`state_bytes`.)
 
 (params + fp32 gradients + optimizer: fp32 master weights for 16-bit models and 4 bytes
-per optimizer state: 2 for Adam/AdamW, 0 for SGD.) Gradients live in one fp32 buffer per
+per optimizer state: 2 for Adam/AdamW, 0 for SGD. Under ``engine = megatron`` on a GPU
+preset with ``reduce_dtype`` bf16, the gradients of zero 0 and 1 are 2 bytes, not 4:
+Megatron-Core's grad buffer is in the parameters' dtype with ``--grad-reduce-in-bf16``,
+:func:`parcompile.analysis.estimate.grad_element_bytes`; the generated program keeps fp32.) Gradients live in one fp32 buffer per
 gradient bucket (Megatron-LM's grad buffer), which ZeRO pads to a multiple of d so it can
 be reduce-scattered as it is: at ``zero = 1`` the full gradients are ``4 * sum ceil(n_b / d)
 * d`` bytes, reduced once per step after the last micro-batch's backward (Megatron-LM).
@@ -131,7 +134,7 @@ from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_i
 from parcompile.analysis.compute import op_sac
 from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
                                     weight_copy_bytes)
-from parcompile.analysis.estimate import engine as engine_of
+from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.core.schedule import build_actions, in_flight, interleaved_warmup
@@ -189,7 +192,7 @@ class MemoryReport:
 
 
 def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
-                shard: int | None = None, fsdp2: int = 0) -> tuple[int, int, int]:
+                shard: int | None = None, fsdp2: int = 0, grad_bytes: int = GRAD_BYTES) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
     ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
@@ -200,7 +203,10 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     that many bytes per element and steps the parameters in place, 16-bit copies existing
     only all-gathered (``MixedPrecisionPolicy(param_dtype=bfloat16)``): torchtitan's fp32
     model, 4: ``16/d`` in all with Adam and no master copy; NeMo AutoModel's bf16 model, 2:
-    ``8/d``."""
+    ``8/d``. ``grad_bytes``: bytes per element of the full gradient buffers zero 0 and 1
+    keep across the step (:func:`parcompile.analysis.estimate.grad_element_bytes`: 4, or 2
+    for Megatron-Core with ``reduce_dtype`` bf16, its ``--grad-reduce-in-bf16``); the
+    sharded gradients of zero 2 and 3 stay fp32."""
     k = OPTIMIZER_STATES[optimizer]
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
@@ -208,7 +214,7 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
         return fsdp2 * shard, fsdp2 * shard, fsdp2 * k * shard
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if zero >= 3 else n)
-    grads = 4 * (shard if zero >= 2 else shard * d if zero == 1 and d > 1 else n)
+    grads = 4 * shard if zero >= 2 else grad_bytes * (shard * d if zero == 1 and d > 1 else n)
     opt = opt_per * (shard if zero >= 1 else n)
     return params, grads, opt
 
@@ -222,8 +228,9 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
-    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d), fsdp2=f2)
-    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed), fsdp2=f2)
+    gb = grad_element_bytes(cfg)
+    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
+    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
     return tuple(x + y for x, y in zip(pd, pe))
 
 

@@ -91,8 +91,15 @@ micro-batch's 16-bit gradients go into a 16-bit bucket, which is reduce-scattere
 bits and added into the rank's fp32 shard, so the gradient state stays ``4/d`` bytes per
 element and only the buckets in flight and the reduce-scatter traffic halve. Buckets
 reduced once per step (zero 0 and 1, zero-bubble) accumulate the micro-batches in their
-fp32 buffers and are reduced in fp32 (frontend/checks.py refuses a 16-bit reduce dtype
-there).
+fp32 buffers and are reduced in fp32 in the generated program (frontend/checks.py warns
+that a 16-bit reduce dtype has no effect there). Megatron-Core instead keeps its whole
+gradient buffer in the reduce dtype at every ZeRO level: ``grad_dtype = torch.float if
+grad_reduce_in_fp32 else param.dtype`` (``group_params_for_buffers``,
+``megatron/core/distributed/param_and_grad_buffer.py`` at NVIDIA/Megatron-LM d98e8a6;
+``--grad-reduce-in-bf16`` sets ``accumulate_allreduce_grads_in_fp32 = False``,
+``megatron/training/arguments.py``), so the step's micro-batches accumulate in bf16 and
+the buffer is all-reduced or reduce-scattered in bf16: ``step_buffers`` (a plan for
+``engine = megatron`` on a GPU preset, :func:`parcompile.analysis.estimate.grad_element_bytes`).
 
 **Buckets in flight** (the program's rule, :class:`parcompile.runtime.buckets.GradBuckets`):
 a bucket's full buffer is allocated when the first gradient of the micro-batch reaches
@@ -394,11 +401,13 @@ def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microb
     return out
 
 
-def bucket_element_bytes(zero: int, schedule: str, reduce_dtype: str = "fp32") -> int:
+def bucket_element_bytes(zero: int, schedule: str, reduce_dtype: str = "fp32", step_buffers: bool = False) -> int:
     """Bytes per element of a full gradient bucket and of its reduction (module docstring,
     "Reduce dtype"): the reduce dtype's when buckets are reduce-scattered per micro-batch
-    (:func:`reduces_per_microbatch`), else 4 (fp32: the buffers accumulate the step)."""
-    return DTYPE_BYTES[reduce_dtype] if reduces_per_microbatch(zero, schedule) else GRAD_BYTES
+    (:func:`reduces_per_microbatch`) or when ``step_buffers`` (Megatron-Core: the buffers
+    that accumulate the step are held in the reduce dtype too), else 4 (fp32: the program's
+    buffers accumulate the step in fp32)."""
+    return DTYPE_BYTES[reduce_dtype] if step_buffers or reduces_per_microbatch(zero, schedule) else GRAD_BYTES
 
 
 def head_reads_embedding(cfg) -> bool:

@@ -339,11 +339,15 @@ def _megatron_precision_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         notes.append("precision fp8: E4M3 for weights, activations and gradients (torchao's recipes; "
                      "--fp8-format hybrid would take E5M2 gradients); every layer in FP8 (--first-last-layers-bf16 "
                      "off, its default)")
-    if grad_reduce_dtype(plan) == "bf16":
+    if plan.config.parallel.reduce_dtype == "bf16":
+        # Megatron-Core's grad buffer is in the parameters' dtype without grad_reduce_in_fp32, at
+        # every ZeRO level (param_and_grad_buffer.py group_params_for_buffers, analysis/estimate.py
+        # grad_element_bytes): the plan of engine megatron counts it so
         add("--grad-reduce-in-bf16")
-        notes.append("reduce_dtype bf16: --grad-reduce-in-bf16 also keeps Megatron-LM's gradient buffer in bf16 "
-                     "across the micro-batches; parcompile adds each micro-batch's reduced bf16 gradients into "
-                     "fp32 shards")
+        notes.append("reduce_dtype bf16: --grad-reduce-in-bf16 keeps Megatron-LM's gradient buffer in bf16 "
+                     "across the micro-batches (the plan's engine megatron counts it so); the generated program "
+                     + ("adds each micro-batch's reduced bf16 gradients into fp32 shards"
+                        if grad_reduce_dtype(plan) == "bf16" else "keeps fp32 buffers at this zero level"))
     elif grad_reduce_dtype(plan) == "fp16":
         notes.append("reduce_dtype fp16: Megatron-LM reduces fp16 models' gradients in fp32 (its main_grad "
                      "buffer); not expressible")

@@ -726,8 +726,10 @@ def _check_reduce_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload == "serve":
         why, help = "a `serve` spec computes no gradients", "remove `reduce_dtype`"
     elif "zero" not in p.auto and p.zero < 2:
-        why = (f"with zero = {p.zero} gradients accumulate in fp32 buffers over the step's micro-batches "
-               "and are reduced once, in fp32")
+        why = (f"with zero = {p.zero} the generated program accumulates gradients in fp32 buffers over the "
+               "step's micro-batches and reduces them once, in fp32")
+        why += (" (a plan for engine megatron on a GPU preset still counts Megatron-Core's gradient buffer "
+                "in the reduce dtype, its --grad-reduce-in-bf16: analysis/estimate.py grad_element_bytes)")
         help = ("set `zero = 2` or `3` (gradient buckets reduce-scattered in every micro-batch's backward), "
                 "or remove `reduce_dtype`")
     elif "schedule" not in p.auto and p.schedule == "zero_bubble":

@@ -37,10 +37,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parcompile.analysis.buckets import (bucket_element_bytes, head_reads_embedding, reduce_counts,
+from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
                                         reduces_per_microbatch, reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
 from parcompile.analysis.comm import CollectiveEntry
+from parcompile.analysis.estimate import grad_element_bytes
 from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
@@ -133,8 +134,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     ``m`` for the output layer's and the embedding's:
     :func:`parcompile.analysis.buckets.zero3_gather_counts`; ``m`` for the gradient
     reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward, in the
-    reduce dtype: :func:`parcompile.analysis.buckets.reduce_counts`,
-    :func:`parcompile.analysis.buckets.bucket_element_bytes`). Shared by the pass and by
+    reduce dtype: :func:`parcompile.analysis.buckets.reduce_counts`; the gradient
+    reductions' bytes per element are :func:`parcompile.analysis.estimate.grad_element_bytes`). Shared by the pass and by
     ``parcompile.search``, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
@@ -159,11 +160,11 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
                 continue
             gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
                                           head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
-            grad_bytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype)
+            grad_bytes = grad_element_bytes(cfg)   # fp32, or the reduce dtype (analysis/estimate.py)
             reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
             for i, b in enumerate(buckets):
                 if par.zero == 0:
-                    add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, GRAD_BYTES * b.elements, f"{prefix}grads")
+                    add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, grad_bytes * b.elements, f"{prefix}grads")
                     continue
                 shard = math.ceil(b.elements / size)
                 add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",

@@ -11,8 +11,8 @@ from typing import Iterable
 
 from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
 from parcompile.analysis.comm import CommReport
-from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, engine, optimizer_time,
-                                          step_sums)
+from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, engine,
+                                          grad_element_bytes, optimizer_time, step_sums)
 from parcompile.analysis.memory import buffer_total, closed_form_in_flight, state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -372,7 +372,8 @@ class Floors:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
                 total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd),
-                                         fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
+                                         fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
+                                         grad_bytes=grad_element_bytes(self.cfg, z)))
             got = self.state_floors[key] = math.ceil(total / pp)
         return got
 
@@ -469,7 +470,8 @@ class Floors:
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
                 states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd,
-                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes))
+                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
+                                          grad_bytes=grad_element_bytes(self.cfg, z)))
             self.state_parts[skey] = states
         body, bufs = self._first_rank_bytes(pr, rc, pp, n)
         key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None

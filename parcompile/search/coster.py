@@ -10,6 +10,7 @@ from fractions import Fraction
 from parcompile.analysis.comm import CollectiveEntry, CommReport
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_of, optimizer_time,
                                           pipeline_parts)
+from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.analysis.memory import MemoryReport, SavedBytes, memory_from_parts, usable_memory
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -106,13 +107,19 @@ class Coster(Floors):
             probes = (pr,) if pr.dense_probe is None else (pr, pr.dense_probe)
             axes = self.comm_axes[akey] = sorted({c.axis for p in probes for _s, _k, c in p.comm[rc].raw}
                                                  | {"tp", "pp"})
-        key = (rc, tuple((a, inside.get(a, (1, 1))) for a in axes))
+        # FP8 all-gather (analysis/fp8.py fp8_costs): the weights are cast on their 1/(dp cp)
+        # shards before the gathers, once, so the casts' time depends on zero and dp * cp
+        g8 = par.dp * par.cp if gathers_fp8(self.cfg, par.zero) else 0
+        key = (rc, tuple((a, inside.get(a, (1, 1))) for a in axes), g8)
         ct3 = pr.times.get(key)
         if ct3 is None:
             def times(p: Probe) -> ChunkTimes:
+                more = {"zero": par.zero} if g8 else {}
                 tcfg = p.pcfg.model_copy(update={"parallel": probe_parallel(
-                    par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp, recompute=rc)})
-                return chunk_times(tcfg, p.degrees, None, p.compute[rc], p.comm[rc], links)
+                    par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp, recompute=rc,
+                    **more)})
+                deg = {**p.degrees, "dp_cp": g8} if g8 else p.degrees
+                return chunk_times(tcfg, deg, None, p.compute[rc], p.comm[rc], links)
 
             d = pr.dense_probe
             ct3 = pr.times[key] = quad_times(times(pr), times(d) if d is not None else None)
