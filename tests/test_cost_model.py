@@ -661,6 +661,12 @@ def test_megatron_grad_buffer_is_in_the_reduce_dtype_at_zero_1():
     rs, rs32 = ([c.bytes for c in cost.comm.collectives if c.where == "grads" and c.stage == 0]
                 for cost in (_fp8_cost(row), cost_without_schedule(fp32)))
     assert 2 * (layer // 2) in rs and rs32 == [2 * b for b in rs]   # a layer's bucket: its dp shard in bf16
+    # the search's fast costing and its state floor apply the same rule
+    from parcompile.search import Coster
+    fast, fast32 = Coster(cfg), Coster(fp32)
+    assert fast.cost(cfg, with_memory=True).peak == _fp8_cost(row).memory.peak
+    assert fast.cost(cfg, with_memory=True).step_time == pytest.approx(_fp8_cost(row).time.step_time, rel=1e-9)
+    assert fast.state_floor(cfg.parallel) < fast32.state_floor(fp32.parallel) <= f32.total
 
 
 def test_megatron_bridge_fp8_row_is_its_recipes():
