@@ -453,7 +453,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
     gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
     (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
-    embedding's scale, the attention's score scale (MLA's serving module)."""
+    embedding's scale."""
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
@@ -463,7 +463,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
     first = layers[0]
     norm = first.op("attn_norm")
     emb = pd.ops["embedding"]
-    core = first.op("attn.core")
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
@@ -471,8 +470,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
         "norm_extra": ", zero_centered=True" if norm.attr("zero_centered", False) else "",
         "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
-        "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
-                       + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
     }
 
 
