@@ -200,6 +200,37 @@ def test_kv_bytes_per_token_are_the_latent_at_any_tp(tp, tmp_path):
     assert parcompile.compile(llama).data["serve"]["kv_bytes_per_token"] == 131_072 // min(tp, 8)
 
 
+#: deepseek-ai/DeepSeek-V3 inference/configs/config_671B.json at commit
+#: 9b4e9788e4a3a731f7567338ed15d3ec549ce03b: n_layers, n_heads, kv_lora_rank, qk_rope_head_dim
+V3_LAYERS, V3_HEADS, V3_KV_LORA, V3_ROPE = 61, 128, 512, 64
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_decode_is_costed_in_the_absorbed_form_from_the_graph(tp, tmp_path):
+    """The serving estimate's decode step of DeepSeek-V3 (analysis/serve.py step_costs, from
+    the serving graph) against a hand count from the published config: the cache it reads
+    per token of context is the latent and the RoPE key of every layer, once for all heads
+    and the same on every tp rank (bf16); the scores and weighted sums are the latent dot
+    products per local head (DeepSeek-V2 section 2.1.1's absorbed form, as vLLM decodes):
+    2 (c + r) + 2 c FLOPs per cached token, not the expanded 2 (n + r) + 2 v."""
+    import parcompile
+    from parcompile.analysis.serve import step_costs
+    from parcompile.passes.manager import compile_graph
+
+    spec = _preset_spec(tmp_path, f'cluster c from "h200" {{ nodes = 2, memory = 2 TiB }}\nparallel {{ tp = {tp} }}\n'
+                                  'serve { batch = 1, prompt_len = 1024, max_new_tokens = 128 }\n')
+    cfg, _ = load_spec(spec)
+    c = compile_graph(cfg)
+    context = 1000
+    (decode,) = step_costs(cfg, c.graph, c.ctx.degrees, 1, 1, context)
+    assert decode.kv_bytes_per_token == V3_LAYERS * (V3_KV_LORA + V3_ROPE) * 2 == 70_272
+    assert decode.kv_layers == ((0, (V3_KV_LORA + V3_ROPE) * 2),) * V3_LAYERS
+    per_head = 2 * context * (V3_KV_LORA + V3_ROPE) + 2 * context * V3_KV_LORA
+    assert decode.attn_flops == V3_LAYERS * (V3_HEADS // tp) * per_head
+    # the plan's figure is the same rule (analysis/kv.py)
+    assert parcompile.compile(spec).data["serve"]["kv_bytes_per_token"] == decode.kv_bytes_per_token
+
+
 def test_the_preset_serves_on_two_h200_nodes(tmp_path):
     """tp 8 x pp 2 on 16 H200s: 31 and 30 layers a stage, their latent caches."""
     import parcompile

@@ -27,7 +27,7 @@ def _layers(cfg):
 
 #: kinds whose classes codegen writes from their rows (slices of issue 31 done so far)
 EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm", "attention",
-           "latent_norm", "latent_rope", "mla_key", "mla_value"}
+           "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up"}
 #: kinds a MoE layer runs as one runtime module (runtime/moe.py MoELayer), no row of their own yet
 ROUTED = {"router", "moe_dispatch", "experts", "moe_combine"}
 
@@ -178,9 +178,42 @@ def test_the_templates_branch_on_no_parallel_degree(name):
 
 
 def test_mla_checks_the_programs_local_heads():
-    """The serving program's MLA module states its heads per rank (the graph's); the runtime
-    checks them and derives nothing the program did not say."""
-    args = ("m", 16, 4, 0, 8, 4, 2, 4, ONE, 0, 0.02, False, 1e-5)
-    rt.MLAttention(*args, heads_local=4)
-    with pytest.raises(ValueError, match="expects 2 heads per rank"):
-        rt.MLAttention(*args, heads_local=2)
+    """The serving program's MLA functions take the per-rank sizes the program read off the
+    graph; the runtime checks them against the weights and tensors and derives nothing."""
+    heads, nope, v, c, r = 2, 8, 4, 16, 4
+    w = torch.randn(heads * (nope + v), c)
+    q = torch.randn(1, 3, heads, nope + r)
+    q_latent = rt.mla_absorb_query(q, w, heads=heads, nope=nope, v_dim=v, latent=c)
+    assert q_latent.shape == (1, 3, heads, c + r)
+    # [q_nope W_uk, q_rope]: W_uk each head's first nope rows of wkv_b
+    w_uk = w.view(heads, nope + v, c)[1, :nope]
+    assert torch.allclose(q_latent[0, 2, 1, :c], q[0, 2, 1, :nope] @ w_uk, atol=1e-5)
+    assert torch.equal(q_latent[..., c:], q[..., nope:])
+    with pytest.raises(ValueError, match=r"expects \(36, 16\), got \(24, 16\)"):
+        rt.mla_absorb_query(q, w, heads=3, nope=nope, v_dim=v, latent=c)   # the weight holds 2 heads
+    y = torch.randn(1, 3, heads, c)
+    assert rt.mla_value_up(y, w, heads=heads, nope=nope, v_dim=v, latent=c).shape == (1, 3, heads * v)
+    with pytest.raises(ValueError, match="the latent attention's output"):
+        rt.mla_value_up(y[..., :8], w, heads=heads, nope=nope, v_dim=v, latent=c)
+
+
+def test_mla_serving_class_is_written_from_the_absorbed_graph():
+    """Serving MLA (the serve graph's absorbed form, ir/lower.py ``mla_absorbed``) is written
+    op by op like every attention: wkv_b held once for W_uk and W_uv, the core attending the
+    latent and the RoPE key, each call with the graph's per-rank heads."""
+    from tests.serve_utils import serve_config
+    from parcompile.codegen.blocks import MLA_CONSTANTS
+
+    mla = dict(kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4)
+    pd = _layers(serve_config(1, 2, 1, model=mla))
+    layer = pd.layers[0]
+    kinds = [o.kind for o in layer.ops if o.name.startswith("layers.0.attn.") and o.kind != "redistribute"]
+    assert kinds == ["linear", "norm", "linear", "latent_norm", "latent_rope", "linear", "rope", "mla_absorb",
+                     "attention", "mla_value_up", "linear"]
+    assert layer.op("attn.key") is None and layer.op("attn.core").attr("latent") == 16
+    text = module_methods(layer, "attn", pd.ops, {"window": "WINDOW"}, MLA_CONSTANTS, serve=True).text("i, tp")
+    assert "self.wkv_b = rt.ColumnParallelLinear(" in text and "local=(32, 16)" in text   # 2 of 4 heads x (8 + 8)
+    assert "rt.mla_absorb_query(q, self.wkv_b.weight, heads=2, nope=8, v_dim=8, latent=16)" in text
+    assert "rt.latent_attention(q, latent, k_rope, pos, self.window, heads=2" in text
+    assert "rt.mla_value_up(y, self.wkv_b.weight, heads=2" in text
+    assert "# (B, T, q_latent/tp=40)" in text and "# (B, T, y_latent/tp=32)" in text

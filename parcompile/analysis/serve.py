@@ -10,8 +10,11 @@ Memory per rank of pipeline stage ``s`` (bytes):
 
 * weights: ``params_per_rank * dtype_bytes`` (the plan's stage parameters, padded vocab);
 * KV bytes per token: ``2 * layers_s * kv_heads_per_rank * head_dim * kv_bytes`` (K and V;
-  ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8). SPEC 3's ``serve.kv_bytes_per_token`` is
-  the largest over the stages (the most loaded rank);
+  ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8); under multi-head latent attention
+  ``layers_s * (kv_lora_rank + qk_rope_head_dim) * kv_bytes``, the latent and the RoPE key,
+  once per token for every head and the same on every tp rank (:mod:`parcompile.analysis.kv`;
+  DeepSeek-V3: 61 x (512 + 64) x 2 = 70,272 bytes in bf16). SPEC 3's
+  ``serve.kv_bytes_per_token`` is the largest over the stages (the most loaded rank);
 * KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``,
   less where a sliding-window layer keeps only its window (:mod:`parcompile.analysis.kv`);
 * activation workspace (prefill, the larger phase; nothing is kept for a backward):
@@ -42,8 +45,19 @@ the collectives equal to what each rank of the serve program counts):
 * decode (one token per sequence) is memory-bandwidth-bound: per stage ``max(W / (memory_eff
   * hbm_bw), (F + A) / (matmul_eff * peak_flops))`` (``decode_weights``: the embedding table
   is not read, a lookup reads b rows), the cache at the mean context ``P + max_new_tokens /
-  2`` (a sliding-window layer's at most its window; ``decode_kv``), the activations' traffic
-  (``decode_activations``) and the step's collectives;
+  2`` (a sliding-window layer's at most its window; ``decode_kv``: each attention core's
+  cached operands per token, read off the graph, :attr:`StepCost.kv_layers`), the
+  activations' traffic (``decode_activations``) and the step's collectives;
+* multi-head latent attention is costed in the absorbed form the serve program runs (the
+  serving graph's, :func:`parcompile.ir.lower.mla_absorbed`; DeepSeek-V2, arXiv 2405.04434,
+  section 2.1.1 and appendix B; vLLM's "data-movement friendly approach" of
+  vllm-project/vllm ``vllm/attention/backends/mla/common.py`` at commit 15daa36e, which
+  vLLM runs in decode and this program in prefill too): per token and head
+  ``2 n c`` FLOPs for ``q_nope W_uk``, ``2 L (c + r) + 2 L c`` for the scores over the ``L``
+  cached ``[latent, RoPE key]`` and the weighted latents, ``2 c v`` for ``W_uv`` (n/r/v the
+  nope/rope/value head dims, c kv_lora_rank); wkv_b's weights are read once; the cache a
+  decode step reads is ``(c + r) * kv_bytes`` per token and layer, shared by every head
+  (not ``2 * heads * head_dim``: the non-absorbed form's keys and values);
 * ``cluster.op_overhead`` (the host's cost per graph op, the ``cpu`` preset's): the graph's
   ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0);
 * ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
@@ -74,7 +88,7 @@ from typing import Mapping, Sequence
 
 from parcompile.analysis.compute import GEMM_KINDS, causal_share, counts_as_op
 from parcompile.analysis.estimate import axis_link, collective_time, efficiency
-from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, kv_token_bytes, stage_layers
+from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
@@ -228,7 +242,10 @@ class StepCost:
     ``cluster.op_overhead``); ``collectives``: ``(op, axis, bytes)`` of every collective
     the serve program runs in the step on this rank, in graph order (the graph's forward
     collectives, the vocab-parallel loss's replaced by the logits' all-gather over tp on
-    the last stage, and the sampled tokens' broadcast over pp)."""
+    the last stage, and the sampled tokens' broadcast over pp); ``kv_layers``: per
+    attention core of the stage, ``(window, bytes)``: its attention window (0: full) and
+    the cache bytes one token of context holds on this rank (its cached operands' local
+    sizes per token in the cache dtype: k and v, or MLA's latent and RoPE key)."""
 
     flops: float
     attn_flops: float
@@ -236,6 +253,13 @@ class StepCost:
     act_bytes: float
     ops: int
     collectives: tuple[tuple[str, str, int], ...]
+    kv_layers: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token of context adds to this rank's cache, every layer of the stage
+        (while no sliding window is full)."""
+        return sum(nb for _, nb in self.kv_layers)
 
 
 def _at(t: TensorType, batch: int, seq: int) -> TensorType:
@@ -280,17 +304,18 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
     (:func:`parcompile.ir.ops.op_collectives`, forward phase). A MoE layer's expert
     weights count ``min(E, rows * top_k) / E`` of their bytes (the experts a step's rows can
     choose at most; vLLM's fused MoE kernel reads only those). The KV cache a decode step
-    reads is not here: :mod:`parcompile.analysis.kv` holds that rule.
+    reads is each attention core's cached operands per token (``kv_layers``): k and v of
+    the rank's kv heads, or under multi-head latent attention (the serving graph's absorbed
+    form, module docstring) the latent and the RoPE key, once for every head.
 
-    Limits: a multi-head latent attention layer is costed as the graph computes it (keys
-    and values expanded per head), not as the serve program's absorbed form (runtime/mla.py);
-    with ``sequence_parallel`` the graph's sequence-split collectives are counted, which
-    the serve program does not run."""
+    Limits: with ``sequence_parallel`` the graph's sequence-split collectives are counted,
+    which the serve program does not run."""
     m, pp = cfg.model, cfg.parallel.pp
     dp = degrees.get("dp", 1)
     one_kv = kv_heads_replicated(m.kv_heads, degrees.get("tp", 1)) and not m.kv_lora_rank
     kv1 = _one_kv_head if one_kv else (lambda t: t)
-    out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set())
+    kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
+    out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set(), kv=[])
                        for _ in range(pp)]
     for nd in graph.nodes():
         if nd.kind in ("input", "step_collective", "cross_entropy"):
@@ -310,6 +335,7 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
             share = causal_share(attrs) if tokens > 1 else 1.0
             st["attn"] += s.fwd_flops(attrs, ins, local) * share
             st["act"] += s.traffic(attrs, ins, local)
+            st["kv"].append((a.get("window") or 0, _cached_per_token(ins[1:3]) * kv_bytes))
         else:
             st["flops"] += s.fwd_flops(a, ins, local)
             st["act"] += s.traffic(a, ins, local)
@@ -347,8 +373,15 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
     if pp > 1:   # the sampled tokens, from the last stage to every stage (broadcast_from_last)
         for st in out:
             st["colls"].append(("broadcast", "pp", batch * TOKEN_BYTES))
-    return [StepCost(st["flops"], st["attn"], st["weights"], st["act"], st["ops"], tuple(st["colls"]))
-            for st in out]
+    return [StepCost(st["flops"], st["attn"], st["weights"], st["act"], st["ops"], tuple(st["colls"]),
+                     tuple(st["kv"])) for st in out]
+
+
+def _cached_per_token(cached: Sequence[TensorType]) -> int:
+    """Elements one token adds to an attention core's cache on this rank: its cached
+    operands (k and v; MLA's absorbed core: the latent and the RoPE key), local types,
+    per (sequence, token)."""
+    return sum(t.numel // (t.dim("batch").size * t.dim("seq").size) for t in cached)
 
 
 def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
@@ -416,7 +449,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     if per_op:
         keys += ["prefill_overhead", "decode_overhead"]
     parts = {k: 0.0 for k in keys}
-    windows, kv_layer = m.layer_windows, kv_token_bytes(cfg)
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
         moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
@@ -437,13 +469,15 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
             work += b * P * h * e
         free = capacity - weights - work
         pf, dc = prefill[s], decode[s]
+        if dc.kv_bytes_per_token != kv_tok:   # the graph's cached operands are the cache the plan holds
+            raise AssertionError(f"stage {s}: the graph's attention cores cache {dc.kv_bytes_per_token} bytes per "
+                                 f"token, analysis/kv.py's rule {kv_tok}")
         pf_compute = max((pf.flops + pf.attn_flops) / matmul_rate, (pf.weight_bytes + pf.act_bytes) / mem_rate)
         pf_tp, pf_pp = comm(pf, last)
         dec_w = max(dc.weight_bytes / mem_rate, (dc.flops + dc.attn_flops) / matmul_rate)
-        # the cache a decode step reads at the mean context; a sliding-window layer reads at
-        # most its window (core/model.cached_tokens), the rest every token
-        beyond = sum(max(0.0, mean_ctx - windows[i]) for i in ids if windows[i])
-        dec_kv = b * (mean_ctx * kv_tok - beyond * kv_layer) / mem_rate
+        # the cache a decode step reads at the mean context, each attention core its cached
+        # operands per token; a sliding-window layer at most its window (core/model.cached_tokens)
+        dec_kv = b * sum(nb * (min(mean_ctx, w) if w else mean_ctx) for w, nb in dc.kv_layers) / mem_rate
         dec_act = dc.act_bytes / mem_rate
         dec_tp, dec_pp = comm(dc, last)
         pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op

@@ -355,7 +355,8 @@ class _Writer:
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
         attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
-                                                             if c.op == "all_gather" and c.phase == "forward"}))}
+                                                             if c.op == "all_gather" and c.phase == "forward"})),
+                 "_out_local": tuple(op.local_shape)}
         more = dict(code.facts(attrs)) if code.facts is not None else {}
         build = code.build
         if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)

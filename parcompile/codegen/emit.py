@@ -364,10 +364,10 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
 def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     """The serving program's decoder-layer classes written op by op from the serve plan's
     sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
-    over the KV cache (multi-head latent attention: the runtime's ``MLAttention.serve``,
-    one module), the dense MLP and Block."""
+    over the KV cache (multi-head latent attention in the serving graph's absorbed form:
+    ``ir/lower.py`` ``mla_absorbed``), the dense MLP and Block."""
     layer = pd.dense_layer or pd.moe_layer
-    mla = layer.op("attn.wkv_a") is not None
+    constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     windows = {x.op("attn.core").attr("window") for x in pd.layers}
     tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
     out = {"mlp_doc": "", "mlp_class": "", "attn_class": "", "shared_doc": "", "shared_class": ""}
@@ -382,11 +382,28 @@ def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
             moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
         else:
             out["shared_doc"] = out["shared_class"] = ""   # TensorParallelMoE runs the shared experts itself
-    if not mla:
-        out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, serve=True).text("i: int, tp: rt.Axis")
+    out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants, serve=True).text("i: int, tp: rt.Axis")
     sig = "i: int, tp: rt.Axis" + (", experts: rt.ExpertAxes" if out["block_args"] else "")
     out["block_methods"] = _block_methods(pd, "Attention(i, tp)", moe, serve=True).text(sig)
     return out
+
+
+def _serve_attn_doc(layer: LayerData, heads_local: int, kv_local: int) -> str:
+    """The serving Attention's docstring from the graph: its heads (global -> per rank) and
+    what its cache keeps (MLA: the latent and the RoPE key of ``attn.kv_a_norm`` and
+    ``attn.rope_k``; else ``kv_local`` kv heads, the plan's: a replicated kv head is unsplit
+    in the graph)."""
+    core = layer.op("attn.core")
+    heads = core.attr("heads")
+    latent = layer.op("attn.kv_a_norm")
+    if latent is not None and core.attr("latent", None):
+        rope = layer.op("attn.rope_k").attr("out_dim").size
+        return (f"Multi-head latent attention over the latent cache (DeepSeek-V2/V3, absorbed form; runtime/mla.py): "
+                f"{heads} heads ->\n    {heads_local} per rank; the cache holds the normed {latent.attr('out_dim').size}-wide "
+                f"latent and the {rope}-wide RoPE key per token,\n    the same on every tp rank; wkv_b's key rows "
+                "absorbed into the query, its value rows into the output.")
+    return (f"Causal self-attention over the KV cache; {heads} query / {core.attr('kv_heads')} kv heads ->\n"
+            f"    {heads_local} / {kv_local} per rank. wq, wk, wv column-parallel, wo row-parallel.")
 
 
 def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> str:
@@ -436,7 +453,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
     gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
     (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
-    embedding's scale, the attention's score scale (MLA's serving module)."""
+    embedding's scale."""
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
@@ -446,7 +463,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
     first = layers[0]
     norm = first.op("attn_norm")
     emb = pd.ops["embedding"]
-    core = first.op("attn.core")
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
@@ -454,8 +470,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
         "norm_extra": ", zero_centered=True" if norm.attr("zero_centered", False) else "",
         "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
-        "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
-                       + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
     }
 
 
@@ -596,6 +610,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
         **_serve_classes(pd, m.norm_topk_prob),
+        "attn_doc": _serve_attn_doc(layer, z.heads, plan["model"]["kv_heads_per_rank"]),
         "mla": layer.op("attn.wkv_a") is not None,
         **_cache_layout(layer, plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]),
         "kv_local": plan["model"]["kv_heads_per_rank"],

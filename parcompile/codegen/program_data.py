@@ -289,10 +289,11 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
                              "program's classes are written once for every layer of a kind")
     first = ordered[0]
     norm = first.op("attn_norm")
-    # MLA: the query heads leave wq_b (or wq), the per-head keys attn.key
+    # MLA: the query heads leave wq_b (or wq), the per-head keys attn.key; in its absorbed
+    # serving form the one latent "kv head" attn.kv_a_norm
     wq = first.op("attn.wq") or first.op("attn.wq_b")
-    wk = first.op("attn.wk") or first.op("attn.key")
-    kv_dim = "kv" if first.op("attn.wk") else "k"
+    wk = first.op("attn.wk") or first.op("attn.key") or first.op("attn.kv_a_norm")
+    kv_dim = "kv" if first.op("attn.wk") else "k" if first.op("attn.key") else "kv_lora"
     head = nodes["lm_head"]
     sends = [o for o in nodes.values() if o.kind == "send_recv"]
     boundary = sends[0] if sends else ordered[-1].op("mlp_residual")

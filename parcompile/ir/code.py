@@ -71,7 +71,8 @@ class Code:
     heads_in: bool = False
     heads_out: bool = False
     #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
-    #: operands over itself, from its collectives), ``init`` lines and comment ``notes`` of its own
+    #: operands over itself, from its collectives; ``_out_local``: its output's per-rank
+    #: shape), ``init`` lines and comment ``notes`` of its own
     facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     serve_init: tuple[str, ...] | None = None
 
@@ -132,12 +133,13 @@ def _norm_code(a) -> Code:
 
 
 def _rope_code(a) -> Code:
-    common = dict(serve_call="gen.apply_rope_at({x}, *pos.rope)", comment="RoPE at the tokens' global positions",
+    common = dict(comment="RoPE at the tokens' global positions",
                   per_head=True, inline=False, var="", heads_in=True, heads_out=True)
     if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
         inter = ", interleave=True" if a.get("interleave") else ""
-        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")", **common)
-    return Code(call="rt.apply_rope({x}, *pos.rope)", **common)
+        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")",
+                    serve_call="rt.rope_tail_at({x}, {a[start]}, *pos.rope" + inter + ")", **common)
+    return Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *pos.rope)", **common)
 
 
 def _add_code(a) -> Code:
@@ -172,8 +174,39 @@ def _redistribute_code(a) -> Code:
 def _latent_rope_code(a) -> Code:
     inter = ", interleave=True" if a.get("interleave") else ""
     return Code(call="rt.rope_key({0}, {a[rope_dim]}, *pos.rope" + inter + ")", inline=False, operands=("kva",),
+                serve_call="rt.rope_key_at({0}, {a[rope_dim]}, *pos.rope" + inter + ")",
                 var="k_rope", heads_out=True, comment="the RoPE key, one head shared by all")
 
+
+def _heads(a) -> dict:
+    """``{heads}``: the heads this rank holds, read off the op's local output (``_out_local``,
+    the sharded graph's) by its per-head width (MLA's absorbed serving ops, which the
+    runtime checks against the weights)."""
+    unit = (a.get("latent_dim") or a["out_dim"]).unit
+    return {"heads": a["_out_local"][-1] // unit}
+
+
+def _latent_core_facts(a) -> dict:
+    return {**_attention_facts(a), **_heads(a)}
+
+
+def _attention_code(a) -> Code:
+    """The attention core: training's over the step's k and v, serving's over the KV cache;
+    MLA's absorbed core (``latent``: serving graphs) over the latent cache (runtime/mla.py)."""
+    if a.get("latent"):
+        return Code(call="rt.latent_attention({0}, {1}, {2}, pos, self.window, heads={heads}{kw})",
+                    inline=False, operands=("q", "latent", "k_rope"), var="y", heads_in=True, heads_out=True,
+                    facts=_latent_core_facts,
+                    comment="attends the cached [latent, RoPE key] (one head shared by all); values: the latent")
+    return _ATTENTION_CODE
+
+
+_ATTENTION_CODE = Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
+                            "window=self.window, pos=pos)",
+                       inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
+                       comment="causal attention",
+                       # serving: k, v stored into the KV cache, the queries attend the cache so far
+                       serve_call="gen.serve_attention({0}, {1}, {2}, pos, self.window{kw})")
 
 _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
 
@@ -192,12 +225,7 @@ CODES: dict[str, Any] = {
     "rope": _rope_code,
     "qk_norm": Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
                     **_PER_HEAD),
-    "attention": Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
-                           "window=self.window, pos=pos)",
-                      inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
-                      comment="causal attention",
-                      # serving: k, v stored into the KV cache, the queries attend the cache so far
-                      serve_call="gen.serve_attention({0}, {1}, {2}, pos, self.window{kw})"),
+    "attention": _attention_code,
     # Gemma 2's final soft-cap, on this rank's vocab shard of the logits
     "softcap": Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
     # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)
@@ -209,6 +237,18 @@ CODES: dict[str, Any] = {
                     heads_in=True, heads_out=True, comment="[k_nope, rope key] per head"),
     "mla_value": Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
                       heads_in=True, heads_out=True, comment="v per head, its own storage"),
+    # MLA's absorbed serving form (ir/lower.py mla_absorbed): the op holding wkv_b turns each
+    # head's query into [q_nope W_uk, q_rope]; after the core, W_uv turns its latents into values
+    "mla_absorb": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, False, tp, SEED, "
+                             "local={local})",
+                       call="rt.mla_absorb_query({x}, {self}.weight, heads={heads}, nope={a[nope]}, "
+                            "v_dim={a[v_head_dim]}, latent={a[in_dim].size})",
+                       inline=False, operands=("q",), var="q", heads_in=True, heads_out=True, facts=_heads,
+                       comment="[q_nope W_uk, q_rope] per head: wkv_b's key rows absorbed"),
+    "mla_value_up": Code(call="rt.mla_value_up({x}, self.{a[weight]}.weight, heads={heads}, nope={a[nope]}, "
+                              "v_dim={a[out_dim].unit}, latent={a[latent]})",
+                         inline=False, var="y", heads_in=True, facts=_heads,
+                         comment="each head's latents times wkv_b's value rows (W_uv)"),
 }
 
 

@@ -29,6 +29,16 @@ wq_a, wkv_a and the latent norms are replicated over tp; wq_b, wkv_b column-para
 heads, wo row-parallel (Megatron-Core's MLASelfAttention). What a serving cache keeps is
 the normed latent and the RoPE key (:mod:`parcompile.analysis.kv`).
 
+A serving graph (``lower(..., serve=True)``) lowers MLA in its absorbed form (rule
+``mla_absorbed``; DeepSeek-V2 section 2.1.1 and appendix B, vLLM's MLA backend): wkv_b is
+not applied to the latent; its key rows are absorbed into each head's query and its value
+rows into the output, and the core attends the cached latent and RoPE key::
+
+    ... -> attn.rope_q -> attn.wkv_b (mla_absorb: [q_nope W_uk, q_rope] per head, c + r wide)
+    attn.kv_a_norm (latent, c), attn.rope_k (RoPE key, r) -> attn.core (attention, ``latent``:
+        one shared "kv head" of c + r, values the latent: per head c wide)
+    -> attn.value_up (mla_value_up: y W_uv per head, v wide) -> attn.wo
+
 A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
 replaces the MLP by::
 
@@ -92,7 +102,7 @@ class Rules:
     :func:`select_rules` chooses them from the model keys."""
 
     embedding: str   # "tokens" | "learned"
-    attention: str   # "mha" | "mla"
+    attention: str   # "mha" | "mla" | "mla_absorbed" (serving)
     mlp: str         # the dense layers': "gated" | "ungated"
     moe: bool        # layers from dense_layers on are "moe"
     norms: str       # "pre" | "sandwich"
@@ -105,11 +115,12 @@ class Rules:
         return "moe" if self.moe and i >= m.dense_layers else self.mlp
 
 
-def select_rules(m: ModelConfig) -> Rules:
-    """The lowering rules of model ``m``, chosen from its keys alone (module docstring)."""
+def select_rules(m: ModelConfig, serve: bool = False) -> Rules:
+    """The lowering rules of model ``m``, chosen from its keys alone (module docstring);
+    ``serve``: the serving graph's (MLA in its absorbed form)."""
     return Rules(
         embedding="learned" if m.position == "learned" else "tokens",
-        attention="mla" if m.kv_lora_rank else "mha",
+        attention=("mla_absorbed" if serve else "mla") if m.kv_lora_rank else "mha",
         mlp="gated" if m.activation in GATED_ACTIVATIONS else "ungated",
         moe=m.experts > 0,
         norms="sandwich" if m.sandwich_norm else "pre",
@@ -125,8 +136,8 @@ class Lowering:
     ``origin`` recorded on every op; :meth:`op` adds one op, :meth:`norm`,
     :meth:`qk_norm` and :meth:`linear` the ops every rule shares."""
 
-    def __init__(self, m: ModelConfig, batch: int, origin: Any):
-        self.m, self.g, self.origin, self.rules = m, Graph(), origin, select_rules(m)
+    def __init__(self, m: ModelConfig, batch: int, origin: Any, serve: bool = False):
+        self.m, self.g, self.origin, self.rules = m, Graph(), origin, select_rules(m, serve)
         self.B, self.S, self.H = Dim("batch", batch), Dim("seq", m.seq_len), Dim("hidden", m.hidden)
         self.Q = Dim("q", m.heads * m.head_dim, m.head_dim)
         self.KV = Dim("kv", m.kv_heads * m.head_dim, m.head_dim)
@@ -235,13 +246,15 @@ def mha(L: Lowering, p: str, h: str, i: int) -> str:
     return L.linear(f"{p}.attn.wo", a, L.Q, L.H, m.bias, "row", i)
 
 
-def mla(L: Lowering, p: str, h: str, i: int) -> str:
-    """Rule ``mla``: multi-head latent attention (DeepSeek-V2/V3; module docstring) of
-    layer ``i``: the down projections and their norms replicated over tp, the up
-    projections column-parallel by heads, the RoPE key shared by every head (its gradient
-    a partial sum over tp)."""
+def _mla_inputs(L: Lowering, p: str, h: str, i: int, latent_head: bool = False) -> tuple[str, str, str, str]:
+    """What both MLA rules share: the query (wq_a -> q_a_norm -> wq_b, or wq; RoPE on each
+    head's last qk_rope_head_dim), the latent (wkv_a, its first kv_lora_rank normed) and the
+    RoPE key (wkv_a's last qk_rope_head_dim, rotated, one head shared by all). Returns
+    (query, wkv_a's output, latent, RoPE key); the query's RoPE is added after the key's.
+    ``latent_head``: the latent is one head (its dim's unit the whole latent), as the
+    absorbed core reads it."""
     m = L.m
-    nope, rd, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    nope, rd = m.qk_nope_head_dim, m.qk_rope_head_dim
     QK = Dim("q", m.heads * (nope + rd), nope + rd)
     latent_norm = {"eps": m.norm_eps, "tp": "replicated"}
     if m.q_lora_rank:
@@ -252,7 +265,7 @@ def mla(L: Lowering, p: str, h: str, i: int) -> str:
         q = L.linear(f"{p}.attn.wq_b", qa, QL, QK, False, "column", i)
     else:
         q = L.linear(f"{p}.attn.wq", h, L.H, QK, False, "column", i)
-    KVL = Dim("kv_lora", m.kv_lora_rank)
+    KVL = Dim("kv_lora", m.kv_lora_rank, m.kv_lora_rank if latent_head else 1)
     kva = L.linear(f"{p}.attn.wkv_a", h, L.H, Dim("kv_a", m.kv_lora_rank + rd), m.qkv_bias, "replicated", i)
     c = L.op(f"{p}.attn.kv_a_norm", "latent_norm", [kva], {"out_dim": KVL, **latent_norm},
              [Param(f"{p}.attn.kv_a_norm.weight", L.T(KVL))], i)
@@ -263,6 +276,19 @@ def mla(L: Lowering, p: str, h: str, i: int) -> str:
         ra["scaling"] = tuple(sorted(scaling.items()))
     kr = L.op(f"{p}.attn.rope_k", "latent_rope", [kva], {**ra, "out_dim": Dim("rope_k", rd)}, layer=i)
     q = L.op(f"{p}.attn.rope_q", "rope", [q], {**ra, "tp": "shard_last", "start": nope}, layer=i)
+    return q, kva, c, kr
+
+
+def mla(L: Lowering, p: str, h: str, i: int) -> str:
+    """Rule ``mla``: multi-head latent attention (DeepSeek-V2/V3; module docstring) of
+    layer ``i``: the down projections and their norms replicated over tp, the up
+    projections column-parallel by heads, the RoPE key shared by every head (its gradient
+    a partial sum over tp)."""
+    m = L.m
+    nope, rd, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    q, _, c, kr = _mla_inputs(L, p, h, i)
+    QK = L.g.node(q).type.dim("q")
+    KVL = L.g.node(c).type.dim("kv_lora")
     kv = L.linear(f"{p}.attn.wkv_b", c, KVL, Dim("kv_b", m.heads * (nope + vd), nope + vd), False, "column", i)
     k = L.op(f"{p}.attn.key", "mla_key", [kv, kr], {"nope": nope, "out_dim": Dim("k", QK.size, QK.unit),
                                                    "tp": "mla_key"}, layer=i)
@@ -274,6 +300,39 @@ def mla(L: Lowering, p: str, h: str, i: int) -> str:
         "tp": "shard_last", **L.scores(),
     }, layer=i)
     return L.linear(f"{p}.attn.wo", a, Dim("v", m.heads * vd, vd), L.H, m.bias, "row", i)
+
+
+def mla_absorbed(L: Lowering, p: str, h: str, i: int) -> str:
+    """Rule ``mla_absorbed``: the serving form of multi-head latent attention (module
+    docstring; DeepSeek-V2 section 2.1.1 "the absorbed form", vLLM's MLA backend). Per head
+    (H heads, split over tp like ``mla``'s), with n/r/v the nope/rope/value head dims and c
+    kv_lora_rank: ``attn.wkv_b`` (``mla_absorb``) holds wkv_b (H (n + v), c), column-parallel
+    by heads, and turns each query (n + r) into ``[q_nope W_uk, q_rope]`` (c + r); the core
+    (``attention`` with ``latent`` c) attends keys ``[latent, RoPE key]`` (c + r, one head
+    shared by all, what the cache keeps per token) and values the latent (c); ``attn.value_up``
+    (``mla_value_up``) applies W_uv per head (c -> v). The parameters are ``mla``'s."""
+    m = L.m
+    nope, rd, vd, c_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    q, _, c, kr = _mla_inputs(L, p, h, i, latent_head=True)
+    QK = L.g.node(q).type.dim("q")
+    KVL = L.g.node(c).type.dim("kv_lora")
+    KVB = Dim("kv_b", m.heads * (nope + vd), nope + vd)
+    QL = Dim("q_latent", m.heads * (c_rank + rd), c_rank + rd)
+    ql = L.op(f"{p}.attn.wkv_b", "mla_absorb", [q], {
+        "in_dim": KVL, "out_dim": KVB, "q_dim": QK, "latent_dim": QL, "nope": nope, "v_head_dim": vd,
+        "tp": "mla_absorb"}, [Param(f"{p}.attn.wkv_b.weight", L.T(KVB, KVL))], i)
+    YL = Dim("y_latent", m.heads * c_rank, c_rank)
+    y = L.op(f"{p}.attn.core", "attention", [ql, c, kr], {
+        "heads": m.heads, "kv_heads": 1, "head_dim": c_rank + rd, "v_head_dim": c_rank, "latent": c_rank,
+        "out_dim": YL, "seq_len": m.seq_len, "window": m.layer_windows[i], "impl": m.attention,
+        "dropout": m.dropout, "causal": True, "tp": "latent_core",
+        # the scores' scale stays the query's (n + r), not the latent key's width
+        **L.scores(), "scale": attention_scale(m) or (nope + rd) ** -0.5,
+    }, layer=i)
+    V = Dim("v", m.heads * vd, vd)
+    v = L.op(f"{p}.attn.value_up", "mla_value_up", [y], {
+        "weight": "wkv_b", "nope": nope, "latent": c_rank, "out_dim": V, "tp": "shard_last"}, layer=i)
+    return L.linear(f"{p}.attn.wo", v, V, L.H, m.bias, "row", i)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -345,7 +404,8 @@ def moe(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
 # --------------------------------------------------------------------------- layer, head
 
 EMBEDDING: dict[str, Callable[[Lowering, str], str]] = {"tokens": embed_tokens, "learned": embed_learned}
-ATTENTION: dict[str, Callable[[Lowering, str, str, int], str]] = {"mha": mha, "mla": mla}
+ATTENTION: dict[str, Callable[[Lowering, str, str, int], str]] = {"mha": mha, "mla": mla,
+                                                                   "mla_absorbed": mla_absorbed}
 MLP: dict[str, Callable[[Lowering, str, str, Dim, int], str]] = {
     "gated": gated_mlp, "ungated": ungated_mlp, "moe": moe}
 
@@ -383,14 +443,15 @@ def head(L: Lowering, x: str) -> str:
     return logits
 
 
-def lower(model: ModelConfig, batch: int = 1, origin=None) -> Graph:
+def lower(model: ModelConfig, batch: int = 1, origin=None, serve: bool = False) -> Graph:
     """Build the forward graph of ``model`` for one micro-batch of ``batch`` sequences
     (global over data-parallel ranks; the data-parallel pass splits it) from the rules
-    :func:`select_rules` chooses.
+    :func:`select_rules` chooses; ``serve``: the serving graph (the same parameters; MLA
+    in its absorbed form, rule ``mla_absorbed``).
 
     ``origin`` (a Span) is recorded on every op.
     """
-    L = Lowering(model, batch, origin)
+    L = Lowering(model, batch, origin, serve)
     rep = "replicated"
     tokens = L.op("tokens", "input", [], {"dims": (L.B, L.S), "dtype": "int64", "tp": rep})
     x = EMBEDDING[L.rules.embedding](L, tokens)

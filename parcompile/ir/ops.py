@@ -215,7 +215,10 @@ def _linear_flops(a, ins, out):
 
 
 def _attention_type(a, ins):
-    # MLA: the output has v_head_dim per head (v's features), not q's
+    # MLA: the output has v_head_dim per head (v's features), not q's; MLA's absorbed core
+    # (``latent``): each head's weighted latents, its ``out_dim``
+    if a.get("latent"):
+        return TensorType(ins[0].dims[:-1] + (a["out_dim"],), ins[0].dtype)
     return TensorType(ins[0].dims[:-1] + (ins[2].dims[-1],), ins[0].dtype) if a.get("v_head_dim") else ins[0]
 
 
@@ -368,6 +371,29 @@ def _mla_key_traffic(a, ins, out):
     return out.nbytes * 2
 
 
+# MLA's absorbed (serving) form (ir/lower.py ``mla_absorbed``; DeepSeek-V2 section 2.1.1, vLLM's
+# MLA backend): wkv_b (H (n + v), c) split into W_uk (H, n, c) and W_uv (H, v, c)
+
+def _absorb_type(a, ins):
+    if ins[0].dims[-1].name != a["q_dim"].name:
+        raise ValueError(f"mla_absorb expects the query's last dim {a['q_dim'].name}, got {ins[0]}")
+    return TensorType(ins[0].dims[:-1] + (a["latent_dim"],), ins[0].dtype)
+
+
+def _absorb_flops(a, ins, out):
+    # each (token, head): q_nope (n) times W_uk (n, c); q_rope is copied
+    return 2 * (out.numel // a["latent_dim"].unit) * a["nope"] * a["in_dim"].size
+
+
+def _value_up_type(a, ins):
+    return TensorType(ins[0].dims[:-1] + (a["out_dim"],), ins[0].dtype)
+
+
+def _value_up_flops(a, ins, out):
+    # each (token, head): the weighted latent (c) times W_uv (c, v)
+    return 2 * out.numel * a["latent"]
+
+
 # --- mixture of experts (ir/lower.py; runtime/moe.py). Local types assume balanced routing:
 # each rank receives as many (token, expert) rows as it sends, b * s_local * top_k.
 
@@ -480,6 +506,9 @@ OPS: dict[str, OpSpec] = {
         OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic),
         OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic),
         OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic),
+        # MLA's absorbed serving form: the query through W_uk, the core's weighted latents through W_uv
+        OpSpec("mla_absorb", _absorb_type, fwd_flops=_absorb_flops, arity=1, traffic=_copy_traffic),
+        OpSpec("mla_value_up", _value_up_type, fwd_flops=_value_up_flops, arity=1, traffic=_copy_traffic),
         # gelu keeps its input; relu its output (the backward needs only the sign)
         OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
                saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic),
@@ -530,6 +559,8 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
       dim (heads or ffn), no communication.
     * ``mla_key`` (MLA's keys): the per-head part split on its heads, the shared RoPE key
       replicated with its gradient partial over tp.
+    * ``mla_absorb``, ``latent_core`` (MLA's absorbed serving form): the heads split, wkv_b's
+      rows with them; the latent and the RoPE key replicated.
     * ``per_head`` (qk-norm): ``shard_last`` with a weight shared by every head, so
       replicated, and its gradient (summed over this rank's heads) a partial sum over tp,
       all-reduced with the step (Megatron-Core all-reduces ``q_layernorm`` and
@@ -560,6 +591,16 @@ def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType]
         # (replicated, so its gradient, summed over this rank's heads, is a partial sum)
         return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None),
                       grad_partial=(False, True))
+    if style == "mla_absorb":
+        # MLA's absorbed query: this rank's heads of q in, of [q_nope W_uk, q_rope] out, with
+        # their rows of wkv_b (split by heads like the column-parallel wkv_b of training)
+        return TpRule(out_split=attrs["latent_dim"].name, in_split=(attrs["q_dim"].name,), grad_partial=(False,),
+                      param_split={"weight": attrs["out_dim"].name})
+    if style == "latent_core":
+        # MLA's absorbed core: the queries split with their heads, the latent and the RoPE key
+        # (one "kv head" shared by all) replicated
+        return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None, None),
+                      grad_partial=(False, True, True))
     if style == "per_head":
         return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
                       grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))

@@ -108,7 +108,7 @@ def compile_graph(cfg: SpecConfig, schedule: bool = True) -> Compiled:
     """
     par = cfg.parallel
     ctx = PassContext.of(cfg)
-    graph = lower(cfg.model, batch=par.micro_batch * par.dp, origin=cfg.span("model"))
+    graph = lower(cfg.model, batch=par.micro_batch * par.dp, origin=cfg.span("model"), serve=cfg.workload == "serve")
     verify(graph, ctx.degrees)
     for p in PASSES:
         if not schedule and p.name == "schedule-pipeline":

@@ -37,7 +37,8 @@ from parcompile.runtime.layers import (
 )
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
-from parcompile.runtime.mla import MLAttention, ReplicatedLinear
+from parcompile.runtime.mla import (ReplicatedLinear, latent_attention, mla_absorb_query, mla_value_up, rope_key_at,
+                                    rope_tail_at)
 from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule

@@ -48,7 +48,7 @@ class KVCache:
     ``windows``: one attention window for every layer, or a sequence indexed by layer id
     (0: full causal). ``v_dim``: the values' width when it is not ``head_dim`` (MLA keeps
     its latent as the keys, ``kv_local = 1`` x kv_lora_rank, and the RoPE key as the values,
-    qk_rope_head_dim wide: :meth:`parcompile.runtime.mla.MLAttention.serve`). ``nbytes`` is what the plan predicts: ``B * 2 * kv_local * head_dim
+    qk_rope_head_dim wide: :func:`parcompile.runtime.mla.latent_attention`). ``nbytes`` is what the plan predicts: ``B * 2 * kv_local * head_dim
     * bytes * sum_layers C`` (``serve.kv_cache_bytes_per_rank``; :mod:`parcompile.analysis.kv`).
     """
 
