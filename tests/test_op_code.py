@@ -125,7 +125,7 @@ def test_moe_layer_checks_the_programs_local_expert_count():
 
 
 #: each template's model section (the decoder-layer classes and the Stage), first line to end
-MODEL_SECTIONS = {"program.py.j2": ("class Attention", "def main"), "serve.py.j2": ("class Attention", "def generate")}
+MODEL_SECTIONS = {"program.py.j2": ("{{ norm_def }}", "def main"), "serve.py.j2": ("{{ norm_def }}", "def generate")}
 #: a read of the parallel block (``p.tp``, ``p.zero``, ...) or of sequence parallelism
 PARALLEL_READS = re.compile(r"\bp\.\w+|\bsp\b")
 
@@ -158,8 +158,8 @@ def test_branch_conditions_are_found():   # the checks below can see a branch on
 
 @pytest.mark.parametrize("name", list(MODEL_SECTIONS))
 def test_the_model_and_stage_of_the_templates_read_no_parallel_setting(name):
-    """The decoder-layer classes are written from the sharded graph: from ``class
-    Attention`` to ``def main`` (serving: ``def generate``) the templates read nothing of
+    """The model classes and the Stage are written from the sharded graph: from ``Norm``
+    to ``def main`` (serving: ``def generate``) the templates read nothing of
     the parallel block (``p.``, ``sp``); the degrees and recomputation reach them as graph
     facts (cp positions, full recomputation, the head's keep-split, the kv-head rule)."""
     text = _template(name)
@@ -175,6 +175,40 @@ def test_the_templates_branch_on_no_parallel_degree(name):
     text = _template(name)
     assert [c.strip() for c in _branch_conditions(text) if PARALLEL_READS.search(c)] == []
     assert PARALLEL_READS.findall(_tags(text))   # the check sees the reads that remain: printed values
+
+
+#: what a template condition may read: the run's settings (the train and serve blocks, the
+#: cluster's allocator mode) and the fp16 loss scaling (precision); nothing of the model
+CONDITION_NAMES = {"t", "s", "expandable_segments", "loss_scaled"}
+_NOT_NAMES = {"and", "or", "not", "in", "is", "None", "True", "False"}
+
+
+def _condition_roots(cond: str) -> set[str]:
+    """The names a condition reads (``m`` for ``m.position``), string literals left out."""
+    cond = re.sub(r'"[^"]*"|\'[^\']*\'', "", cond)
+    return {n.split(".")[0] for n in re.findall(r"\b[A-Za-z_][\w.]*", cond)} - _NOT_NAMES
+
+
+def test_condition_names_are_found():   # the check below sees a branch on the model
+    text = '{% if m.position == "learned" %}x{% elif mla %}y{% endif %} {{ "a" if moe else "b" }} {{ m.hidden }}'
+    assert [_condition_roots(c) for c in _branch_conditions(text)] == [{"m"}, {"mla"}, {"moe"}]
+    assert _condition_roots(' t.hf_output and "m.x" ') == {"t"}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SECTIONS))
+def test_the_templates_branch_on_no_model_family(name):
+    """Issue 31: the templates hold no branch on the model. Rule: every template condition
+    (``{% if %}``/``{% elif %}`` and inline ``a if c else b``) reads only the run's settings,
+    :data:`CONDITION_NAMES` (``t.`` training, ``s.`` serving, the allocator mode, fp16's loss
+    scaling). A read of the model block (``m.position``, ``m.tie_embeddings``, ``m.norm``) or
+    of a fact emit derived from the model's ops (``mla``, ``moe``, ``has_mlp``,
+    ``norm_extra``, ``rope_thetas``, a class's presence) fails: such facts reach the program
+    as text written from the graph (codegen/stage.py: the constants, Norm, the Stage's walk
+    over the outer ops; codegen/classes.py: the model classes). Values may still be
+    printed (``{{ m.hidden }}`` in a comment)."""
+    text = _template(name)
+    bad = [c.strip() for c in _branch_conditions(text) if not _condition_roots(c) <= CONDITION_NAMES]
+    assert bad == []
 
 
 def test_mla_checks_the_programs_local_heads():
