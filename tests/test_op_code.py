@@ -218,3 +218,23 @@ def test_mla_checks_the_programs_local_heads():
     rt.MLAttention(*args, heads_local=4)
     with pytest.raises(ValueError, match="expects 2 heads per rank"):
         rt.MLAttention(*args, heads_local=2)
+
+
+def test_an_op_after_the_head_is_written_by_the_stage_walk(tmp_path):
+    """The Stage's head is a walk over the graph's ops after the layers: Gemma 2's final
+    soft-cap (an op after ``lm_head``, its own Code row) reaches training's and serving's
+    program with no code of its own in codegen, and the serving program runs it: its
+    logits are capped."""
+    from parcompile.codegen.emit import render_program
+    from tests.serve_utils import build_serve, run_in_process, serve_config
+
+    cfg = tiny_config(1, 1, 1, model=dict(final_logit_softcapping=0.5))
+    program = render_program(cfg, compile_config(cfg))
+    assert "rt.softcap(rt.linear(" in program[program.index("    def head("):program.index("    def forward_chunk(")]
+    assert "softcap" not in render_program(tiny_config(1, 1, 1), compile_config(tiny_config(1, 1, 1)))
+    build_serve(serve_config(1, 1, 1, model=dict(final_logit_softcapping=0.05)), tmp_path)   # below the logits
+    text = (tmp_path / "serve.py").read_text()
+    head = text[text.index("    def head("):text.index("    def new_cache(")]
+    assert "rt.softcap(" in head
+    record = run_in_process(tmp_path, ["--max-new-tokens", "2", "--record-logits"])
+    assert record["logits"].abs().max() <= 0.05 and len(record["tokens"][0]) == 2
