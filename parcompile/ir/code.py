@@ -29,7 +29,11 @@ class Code:
     against the shard it makes), ``{reduce}`` the collective of the conversion after the
     op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute, ``{fp8}`` the
     keyword of an FP8 GEMM's recipe (``, fp8="tensorwise"``; empty for a 16-bit one:
-    ``OpData.fp8``).
+    ``OpData.fp8``), ``{param}`` the first parameter's name (quoted), ``{attr}`` the
+    module's attribute, ``{scatter}`` whether the conversion it runs after it
+    reduce-scatters (sequence parallelism). A row may also read the graph facts
+    :func:`parcompile.codegen.blocks.program_attrs` adds to the attributes (``_gathers``,
+    ``_seq_split``, ``_split_dim``, ``_tied_to``, ``_tied_by``).
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
@@ -134,7 +138,7 @@ def _head_code(a) -> Code:
              "local={local})")
     if not a.get("_tied_to"):
         return Code(build=build, call=call, keep_split=True, serve_init=())
-    copy = f'self.{{attr}} = {build.replace("{name}", repr(a["_tied_to"]).replace(chr(39), chr(34)))}'
+    copy = "self.{attr} = " + build.replace("{name}", f'"{a["_tied_to"]}"')   # the embedding's weight, by its name
     return Code(call=call, keep_split=True, init=(
         "if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)",
         "    " + copy, "    self.{attr}.weight.tied = self.{attr}.weight.tied_copy = True"),
@@ -154,8 +158,8 @@ def _embedding_code(a) -> Code:
     scale = f", scale={a['scale']!r}" if a.get("scale") is not None else ""
     tied = ("if not self.has_last:   # the LM head on the last stage reads this weight",
             "    self.{attr}.weight.tied = True") if a.get("_tied_by") else ()
-    return Code(build="rt.VocabParallelEmbedding({name}, PADDED_VOCAB, VOCAB, {dim}, tp, SEED, {scatter}" + scale
-                      + ", local={local})",
+    return Code(build="rt.VocabParallelEmbedding({name}, PADDED_VOCAB, VOCAB, {dim}, tp, SEED, "
+                      "sequence_parallel={scatter}" + scale + ", local={local})",
                 serve_call="{self}({x}).to(DTYPE)", fold_after=True, init=tied, serve_init=())
 
 

@@ -219,8 +219,8 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, False,
-                                                       local=(102400, 2048))
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(102400, 2048))
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp, rt.ExpertAxes.of(ctx)) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)

@@ -158,8 +158,8 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, False,
-                                                       local=(6400, 12288))
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(6400, 12288))
             self.pos_embedding = nn.Module()
             if not self.has_last:   # the LM head on the last stage reads this weight
                 self.embedding.weight.tied = True

@@ -165,8 +165,8 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, False,
-                                                       local=(16128, 4096))
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(16128, 4096))
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)

@@ -128,8 +128,8 @@ class Stage(nn.Module):
         self.layer_ids = plan["stages"][ctx.stage]["layers"]
         self.has_first, self.has_last = ctx.is_first_stage(), ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, False,
-                                                       local=(128, 64))
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(128, 64))
         self.layers = nn.ModuleDict({str(i): Block(i, tp) for i in self.layer_ids})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
