@@ -238,3 +238,34 @@ def test_an_op_after_the_head_is_written_by_the_stage_walk(tmp_path):
     assert "rt.softcap(" in head
     record = run_in_process(tmp_path, ["--max-new-tokens", "2", "--record-logits"])
     assert record["logits"].abs().max() <= 0.05 and len(record["tokens"][0]) == 2
+
+
+@pytest.mark.parametrize("model,parallel,has,lacks", [
+    # GPT-2's learned positions under sequence parallelism: this rank's slice of its positions,
+    # the embedding reduce-scatters, the head keeps its split input
+    (dict(norm="layernorm", activation="gelu", position="learned", bias=True), dict(sequence_parallel=True),
+     ["self.pos_embedding.weight[self.positions.chunk(self.tp.size)[self.tp.index]]", "sequence_parallel=True",
+      "with rt.keep_split_input(h, x, self.tp):", "Norm = rt.LayerNorm", "MAX_POSITIONS = "],
+     ["rope_tables", "ROPE_THETA"]),
+    # a tied head across pp: a copy on the last stage, the embedding's weight where it is held
+    (dict(tie_embeddings=True), dict(),
+     ['self.lm_head = rt.ColumnParallelLinear("embedding"', "tied_copy = True", "self.embedding.weight.tied = True",
+      "return self.embedding.weight if self.has_first else self.lm_head.weight", "ROPE_THETA = "],
+     ['"lm_head", HIDDEN', "pos_embedding", "MAX_POSITIONS"]),
+    (dict(), dict(), ['"lm_head", HIDDEN', "return self.lm_head.weight", "rt.copy_to_tp(self.final_norm(x), self.tp)",
+                      "rope_tables(SEQ_LEN, ROPE_DIM, ROPE_THETA)", "Norm = rt.RMSNorm"],
+     ["tied", "pos_embedding", "keep_split_input"]),
+])
+def test_the_stage_is_written_from_the_outer_ops(model, parallel, has, lacks):
+    """The Stage's modules, its ``embed``/``head`` and ``head_weight``, the constants and
+    Norm follow the graph's ops outside the layers (the learned position table, the tied
+    head's weight, the head's conversion) and its attention ops (RoPE tables)."""
+    from parcompile.codegen.emit import render_program
+
+    cfg = tiny_config(1, 2, 2, model=model, parallel=parallel)
+    text = render_program(cfg, compile_config(cfg))
+    text = text[:text.index("    def forward_chunk(")]
+    for s in has:
+        assert s in text, s
+    for s in lacks:
+        assert s not in text, s
