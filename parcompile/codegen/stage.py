@@ -212,8 +212,9 @@ def _position_rows(m, pd: ProgramData, kinds: dict, rope_dim: int, serve: bool) 
         if kinds["rope_thetas"]:
             rows += [("ROPE_BASES", kinds["rope_thetas"], "(RoPE base, its scaling) of the layers' tables"),
                      ("LAYER_ROPE", kinds["layer_rope"], "each layer's RoPE table (an index into ROPE_BASES)")]
-        else:
-            rows.append(("ROPE_THETA", m.rope_theta, ""))
+        else:   # one table: the base the layers' RoPE ops rotate by
+            rope = next(o for layer in pd.layers for o in layer.ops if o.kind in ("rope", "latent_rope"))
+            rows.append(("ROPE_THETA", rope.attr("theta", m.rope_theta), ""))
         rows.append(("ROPE_DIM", rope_dim, "rotary dims per head" + ("" if serve else
                                                                      f" (rotary_fraction {m.rotary_fraction})")))
     if kinds["layer_windows"]:
