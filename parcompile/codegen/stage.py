@@ -98,7 +98,7 @@ def stage_code(pd: ProgramData, serve: bool = False) -> dict:
         "embed_method": _method_text(emb),
         "head_method": _method_text(head),
         "head_weight": head_weight(last),
-        "embed_call": "self.embed(x, step)" if emb.forward_signature.find("pos:") >= 0 else "self.embed(x)",
+        "embed_call": "self.embed(x, step)" if "pos:" in emb.forward_signature else "self.embed(x)",
         "logits_shape": logits.shape_comment(),
     }
 
