@@ -138,8 +138,8 @@ def test_default_gemma2_counts_as_transformers_on_the_meta_device(tmp_path):
 
 
 def test_serving_a_soft_capped_model_is_refused_with_a_diagnostic(case, tmp_path, monkeypatch, capsys):
-    """serve.py is still hand-written (not from the graph's ops): a soft-capped model's serve
-    spec is a program gap, an error at the model block that names the caps; the plan works."""
+    """The serving attention caps no scores yet: a soft-capped model's serve spec is a
+    program gap, an error at the model block that names the cap; the plan works."""
     import parcompile
     from parcompile.cli import main
 
@@ -150,7 +150,7 @@ def test_serving_a_soft_capped_model_is_refused_with_a_diagnostic(case, tmp_path
     monkeypatch.chdir(tmp_path)
     assert main(["compile", spec.name, "-o", "out"]) != 0
     err = capsys.readouterr().err
-    assert "s.par:1:1: error: the generated program does not run logit soft-capping (Gemma 2) in serve.py" in err
+    assert "s.par:1:1: error: the generated program does not run the attention's logit soft-capping (Gemma 2) in serve.py" in err
     assert not (tmp_path / "out").exists()
     assert parcompile.compile(spec).data["serve"]["kv_cache_bytes_per_rank"] > 0
 

@@ -125,7 +125,9 @@ def test_moe_layer_checks_the_programs_local_expert_count():
 
 
 #: each template's model section (the decoder-layer classes and the Stage), first line to end
-MODEL_SECTIONS = {"program.py.j2": ("class Attention", "def main"), "serve.py.j2": ("class Attention", "def generate")}
+MODEL_SECTIONS = {"program.py.j2": ('{% include "_model.py.j2" %}', "def main"),
+                  "serve.py.j2": ('{% include "_model.py.j2" %}', "def generate"),
+                  "_model.py.j2": ("{{ norm_def }}", "{% endfor %}")}
 #: a read of the parallel block (``p.tp``, ``p.zero``, ...) or of sequence parallelism
 PARALLEL_READS = re.compile(r"\bp\.\w+|\bsp\b")
 
@@ -158,8 +160,8 @@ def test_branch_conditions_are_found():   # the checks below can see a branch on
 
 @pytest.mark.parametrize("name", list(MODEL_SECTIONS))
 def test_the_model_and_stage_of_the_templates_read_no_parallel_setting(name):
-    """The decoder-layer classes are written from the sharded graph: from ``class
-    Attention`` to ``def main`` (serving: ``def generate``) the templates read nothing of
+    """The model classes and the Stage are written from the sharded graph: from ``Norm``
+    to ``def main`` (serving: ``def generate``) the templates read nothing of
     the parallel block (``p.``, ``sp``); the degrees and recomputation reach them as graph
     facts (cp positions, full recomputation, the head's keep-split, the kv-head rule)."""
     text = _template(name)
@@ -174,7 +176,42 @@ def test_the_templates_branch_on_no_parallel_degree(name):
     a degree is only printed (the header's layout, the constants)."""
     text = _template(name)
     assert [c.strip() for c in _branch_conditions(text) if PARALLEL_READS.search(c)] == []
-    assert PARALLEL_READS.findall(_tags(text))   # the check sees the reads that remain: printed values
+    if name != "_model.py.j2":   # the model partial prints no degree
+        assert PARALLEL_READS.findall(_tags(text))   # the check sees the reads that remain: printed values
+
+
+#: what a template condition may read: the run's settings (the train and serve blocks, the
+#: cluster's allocator mode) and the fp16 loss scaling (precision); nothing of the model
+CONDITION_NAMES = {"t", "s", "expandable_segments", "loss_scaled"}
+_NOT_NAMES = {"and", "or", "not", "in", "is", "None", "True", "False"}
+
+
+def _condition_roots(cond: str) -> set[str]:
+    """The names a condition reads (``m`` for ``m.position``), string literals left out."""
+    cond = re.sub(r'"[^"]*"|\'[^\']*\'', "", cond)
+    return {n.split(".")[0] for n in re.findall(r"\b[A-Za-z_][\w.]*", cond)} - _NOT_NAMES
+
+
+def test_condition_names_are_found():   # the check below sees a branch on the model
+    text = '{% if m.position == "learned" %}x{% elif mla %}y{% endif %} {{ "a" if moe else "b" }} {{ m.hidden }}'
+    assert [_condition_roots(c) for c in _branch_conditions(text)] == [{"m"}, {"mla"}, {"moe"}]
+    assert _condition_roots(' t.hf_output and "m.x" ') == {"t"}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SECTIONS))
+def test_the_templates_branch_on_no_model_family(name):
+    """Issue 31: the templates hold no branch on the model. Rule: every template condition
+    (``{% if %}``/``{% elif %}`` and inline ``a if c else b``) reads only the run's settings,
+    :data:`CONDITION_NAMES` (``t.`` training, ``s.`` serving, the allocator mode, fp16's loss
+    scaling). A read of the model block (``m.position``, ``m.tie_embeddings``, ``m.norm``) or
+    of a fact emit derived from the model's ops (``mla``, ``moe``, ``has_mlp``,
+    ``norm_extra``, ``rope_thetas``, a class's presence) fails: such facts reach the program
+    as text written from the graph (codegen/stage.py: the constants, Norm, the Stage's walk
+    over the outer ops; codegen/classes.py: the model classes). Values may still be
+    printed (``{{ m.hidden }}`` in a comment)."""
+    text = _template(name)
+    bad = [c.strip() for c in _branch_conditions(text) if not _condition_roots(c) <= CONDITION_NAMES]
+    assert bad == []
 
 
 def test_mla_checks_the_programs_local_heads():
@@ -217,3 +254,54 @@ def test_mla_serving_class_is_written_from_the_absorbed_graph():
     assert "rt.latent_attention(q, latent, k_rope, pos, self.window, heads=2" in text
     assert "rt.mla_value_up(y, self.wkv_b.weight, heads=2" in text
     assert "# (B, T, q_latent/tp=40)" in text and "# (B, T, y_latent/tp=32)" in text
+
+
+def test_an_op_after_the_head_is_written_by_the_stage_walk(tmp_path):
+    """The Stage's head is a walk over the graph's ops after the layers: Gemma 2's final
+    soft-cap (an op after ``lm_head``, its own Code row) reaches training's and serving's
+    program with no code of its own in codegen, and the serving program runs it: its
+    logits are capped."""
+    from parcompile.codegen.emit import render_program
+    from tests.serve_utils import build_serve, run_in_process, serve_config
+
+    cfg = tiny_config(1, 1, 1, model=dict(final_logit_softcapping=0.5))
+    program = render_program(cfg, compile_config(cfg))
+    assert "rt.softcap(rt.linear(" in program[program.index("    def head("):program.index("    def forward_chunk(")]
+    assert "softcap" not in render_program(tiny_config(1, 1, 1), compile_config(tiny_config(1, 1, 1)))
+    build_serve(serve_config(1, 1, 1, model=dict(final_logit_softcapping=0.05)), tmp_path)   # below the logits
+    text = (tmp_path / "serve.py").read_text()
+    head = text[text.index("    def head("):text.index("    def new_cache(")]
+    assert "rt.softcap(" in head
+    record = run_in_process(tmp_path, ["--max-new-tokens", "2", "--record-logits"])
+    assert record["logits"].abs().max() <= 0.05 and len(record["tokens"][0]) == 2
+
+
+@pytest.mark.parametrize("model,parallel,has,lacks", [
+    # GPT-2's learned positions under sequence parallelism: this rank's slice of its positions,
+    # the embedding reduce-scatters, the head keeps its split input
+    (dict(norm="layernorm", activation="gelu", position="learned", bias=True), dict(sequence_parallel=True),
+     ["self.pos_embedding.weight[self.positions.chunk(self.tp.size)[self.tp.index]]", "sequence_parallel=True",
+      "with rt.keep_split_input(h, x, self.tp):", "Norm = rt.LayerNorm", "MAX_POSITIONS = "],
+     ["rope_tables", "ROPE_THETA"]),
+    # a tied head across pp: a copy on the last stage, the embedding's weight where it is held
+    (dict(tie_embeddings=True), dict(),
+     ['self.lm_head = rt.ColumnParallelLinear("embedding"', "tied_copy = True", "self.embedding.weight.tied = True",
+      "return self.embedding.weight if self.has_first else self.lm_head.weight", "ROPE_THETA = "],
+     ['"lm_head", HIDDEN', "pos_embedding", "MAX_POSITIONS"]),
+    (dict(), dict(), ['"lm_head", HIDDEN', "return self.lm_head.weight", "rt.copy_to_tp(self.final_norm(x), self.tp)",
+                      "rope_tables(SEQ_LEN, ROPE_DIM, ROPE_THETA)", "Norm = rt.RMSNorm"],
+     ["tied", "pos_embedding", "keep_split_input"]),
+])
+def test_the_stage_is_written_from_the_outer_ops(model, parallel, has, lacks):
+    """The Stage's modules, its ``embed``/``head`` and ``head_weight``, the constants and
+    Norm follow the graph's ops outside the layers (the learned position table, the tied
+    head's weight, the head's conversion) and its attention ops (RoPE tables)."""
+    from parcompile.codegen.emit import render_program
+
+    cfg = tiny_config(1, 2, 2, model=model, parallel=parallel)
+    text = render_program(cfg, compile_config(cfg))
+    text = text[:text.index("    def forward_chunk(")]
+    for s in has:
+        assert s in text, s
+    for s in lacks:
+        assert s not in text, s

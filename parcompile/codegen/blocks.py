@@ -28,7 +28,7 @@ from parcompile.ir.ops import Code, code_of
 
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
 DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
-                 "shared_ffn": "SHARED_FFN"}
+                 "shared_ffn": "SHARED_FFN", "vocab": "PADDED_VOCAB"}
 #: the same in a program with multi-head latent attention (its own head widths)
 MLA_CONSTANTS = {**DIM_CONSTANTS, "q": "HEADS * (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)", "q_lora": "Q_LORA_RANK",
                  "kv_a": "KV_LORA_RANK + QK_ROPE_HEAD_DIM", "kv_lora": "KV_LORA_RANK",
@@ -97,7 +97,32 @@ class Methods:
 
 
 def _fstring_name(name: str, layer: int) -> str:
+    """A layer's name as the f-string its class writes (``f"layers.{i}.attn.wq"``); a name
+    outside the layers (``embedding``) as a plain string."""
+    if not name.startswith(f"layers.{layer}."):
+        return f'"{name}"'
     return 'f"' + name.replace(f"layers.{layer}.", "layers.{i}.", 1) + '"'
+
+
+def program_attrs(op: OpData, every: Mapping[str, OpData]) -> dict:
+    """``op``'s attributes with the graph facts a :class:`Code` row reads beside them:
+    ``_gathers`` (the axes it all-gathers operands over itself, from its collectives),
+    ``_out_local`` (its output's per-rank shape),
+    ``_seq_split`` (the axes splitting its output's sequence), ``_split_dim`` (a local
+    split's dim), ``_tied_to`` (the parameter
+    its first parameter is tied to: a tied LM head) and ``_tied_by`` (another op's
+    parameter is tied to its first: the embedding of a tied head)."""
+    seq = op.splits[op.dims.index("seq")] if "seq" in op.dims else ()
+    first = op.param_names[0] if op.param_names else None
+    return {**dict(op.attrs),
+            "_gathers": tuple(sorted({c.axis for c in op.collectives if c.op == "all_gather" and c.phase == "forward"})),
+            "_seq_split": seq,
+            "_out_local": tuple(op.local_shape),
+            "_tied_to": (op.param_tied[0] or "").removesuffix(".weight") if op.param_tied else "",
+            "_tied_by": first is not None and any(first in o.param_tied for o in every.values()),
+            # a conversion splitting locally: the dim its split axis splits
+            "_split_dim": next((k for k, axes in enumerate(op.splits) for kind, ax in dict(op.attrs).get("fwd", ())
+                                if kind == "split" and ax in axes), None)}
 
 
 def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, str] = DIM_CONSTANTS) -> dict:
@@ -113,7 +138,9 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
              "dim": constants.get(op.dims[-1], str(op.global_shape[-1])),
-             "fp8": f', fp8="{op.fp8}"' if op.fp8 else ""}
+             "fp8": f', fp8="{op.fp8}"' if op.fp8 else "",
+             "param": f'"{op.param_names[0]}"' if op.param_names else None,
+             "scatter": reduce == "reduce_scatter"}
     if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
@@ -131,13 +158,13 @@ def _comment(stmt: str, shape: str, notes: list[str], column: int = COMMENT_COLU
     """``stmt`` with ``# shape: notes`` beside it (on its last line), at ``column`` (the
     program's comment column); a long call is wrapped after commas (:data:`WRAP`)."""
     text = shape + (": " + "; ".join(notes) if notes else "")
-    lines = _wrap(stmt)
+    lines = wrap_statement(stmt)
     last = lines[-1]
     lines[-1] = f"{last:<{column - 1}} # {text}" if len(last) < column - 1 else f"{last}  # {text}"
     return "\n".join(lines)
 
 
-def _wrap(stmt: str, wrap: int = WRAP) -> list[str]:
+def wrap_statement(stmt: str, wrap: int = WRAP) -> list[str]:
     """``stmt`` cut after the commas of its outermost call so that each line is at most
     ``wrap`` long where it can be."""
     if len(stmt) <= wrap:
@@ -167,7 +194,8 @@ def _wrap(stmt: str, wrap: int = WRAP) -> list[str]:
 
 def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
             subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None,
-            constants: Mapping[str, str] = DIM_CONSTANTS, serve: bool = False) -> Methods:
+            constants: Mapping[str, str] = DIM_CONSTANTS, serve: bool = False, method: str = "forward",
+            pos_type: str | None = None) -> Methods:
     """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
@@ -179,13 +207,17 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     program's constants for the dims' global sizes. ``serve``: the serving program's
     class (the rows' ``serve_call``/``serve_init``; conversions that move nothing forward
     dropped, there is no backward; ``pos`` a :class:`~parcompile.runtime.generate.LayerStep`;
-    the step's tokens ``T`` unsized).
+    the step's tokens ``T`` unsized). ``method``: the name of the forward method (the
+    Stage's ``embed``, ``head``); ``pos_type``: its ``pos`` argument's type where the
+    ops read one (default: a layer's).
 
     Raises:
         ValueError: an op with no Code row, a conversion the runtime has no call for, or
             not exactly one value leaving the ops (the forward's return).
     """
-    return _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants, serve).write()
+    w = _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants, serve)
+    w.method, w.pos_type = method, pos_type
+    return w.write()
 
 
 _Unit = tuple  # (name of the value it gives, OpData or Submodule, operand names, the op whose shape it shows)
@@ -201,12 +233,13 @@ class _Writer:
         self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
         self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
         self.names = {o.name for o in ops}
+        self.by_name = {o.name: o for o in ops}
         self.group_ops: dict[str, list[OpData]] = {}
         self.units: list[_Unit] = self._units()
         self.codes: dict[str, Code] = {}
         for name, op, _, _ in self.units:
             if isinstance(op, OpData):
-                code = code_of(op.kind, dict(op.attrs))
+                code = code_of(op.kind, program_attrs(op, every))
                 if code is None:
                     raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
                 self.codes[name] = code
@@ -238,6 +271,7 @@ class _Writer:
         self.with_ops: set[str] = set()
         self.indent = ""
         self.needs_pos = False
+        self.method, self.pos_type = "forward", None
 
     def shape(self, op: OpData) -> str:
         """``op``'s per-rank shape for a comment; serving: ``T`` the step's tokens (the
@@ -343,7 +377,7 @@ class _Writer:
         return texts, notes, refs
 
     def _submodule(self, name: str, sub: Submodule, texts: list[str], notes: list[str]) -> tuple[Code, str]:
-        self.init.append("\n".join(_wrap(f"self.{sub.attr} = {sub.build}", INIT_WRAP)))
+        self.init.append("\n".join(wrap_statement(f"self.{sub.attr} = {sub.build}", INIT_WRAP)))
         if sub.show_calls:
             notes += [calls_comment(m, self.layer) for m in self.group_ops[name] if m.collectives]
         self.needs_pos = self.needs_pos or "pos" in sub.extra
@@ -354,9 +388,8 @@ class _Writer:
         code = self.codes[name]
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
-        attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
-                                                             if c.op == "all_gather" and c.phase == "forward"})),
-                 "_out_local": tuple(op.local_shape)}
+        facts["attr"] = attr
+        attrs = program_attrs(op, self.every)
         more = dict(code.facts(attrs)) if code.facts is not None else {}
         build = code.build
         if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
@@ -369,11 +402,11 @@ class _Writer:
                 sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
                 self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
                                  f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-            self.init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
+            self.init.append("\n".join(wrap_statement(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
         init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.pop("init", ()))
         more.pop("init", None)
         for line in init:
-            line = line.format(t=self.tables, **facts)
+            line = "\n".join(wrap_statement(line.format(t=self.tables, **facts), INIT_WRAP))
             if line not in self.once:
                 self.once.append(line)
         extra_notes = more.pop("notes", ())
@@ -423,7 +456,8 @@ class _Writer:
         users = self.consumers.get(name, [])
         in_with = name in self.with_ops
         if (code.inline and len(users) == 1 and name not in self.outputs and not in_with
-                and users[0] not in self.with_ops and not (users[0] in self.codes and self.codes[users[0]].heads_in)):
+                and users[0] not in self.with_ops and not (users[0] in self.codes and self.codes[users[0]].heads_in)
+                and not (users[0] in self.by_name and self.by_name[users[0]].regather)):   # kept split: a variable
             self.values[name] = _Value(text, True, notes, frozenset(refs))
             return
         if isinstance(op, OpData) and dict(op.attrs).get("regather"):
@@ -459,9 +493,10 @@ class _Writer:
             init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
         params = ", ".join(f"x{k}" if k else "x" for k in range(len(self.external)))
         first = self.every.get(self.external[0]) if self.external else None
-        kind = "gen.LayerStep" if self.serve else "rt.Positions"
-        sig = f"def forward(self, {params}{f', pos: {kind}' if self.needs_pos else ''}):"
-        sig = _comment(sig, f"x: {self.shape(first)}" if first is not None else "", [], COMMENT_COLUMN + 4)
+        kind = self.pos_type or ("gen.LayerStep" if self.serve else "rt.Positions")
+        sig = f"def {self.method}(self, {params}{f', pos: {kind}' if self.needs_pos else ''}):"
+        if first is not None:
+            sig = _comment(sig, f"x: {self.shape(first)}", [], COMMENT_COLUMN + 4)
         return Methods(tuple(init + self.once), sig.rstrip(), tuple(self.body))
 
 
@@ -504,4 +539,5 @@ def mlp_doc(layer: LayerData, prefix: str) -> str:
     return f"{what} MLP: {', '.join(col)} column-parallel, {', '.join(row)} row-parallel; {width} inner units{per}."
 
 
-__all__ = ["DIM_CONSTANTS", "MLA_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods"]
+__all__ = ["DIM_CONSTANTS", "MLA_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods",
+           "program_attrs", "wrap_statement"]

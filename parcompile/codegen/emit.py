@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Protocol
 import shutil
 import tempfile
@@ -26,8 +27,10 @@ from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
+from parcompile.codegen.classes import serve_classes, train_classes
+from parcompile.codegen.stage import (constant_lines, norm_definition, serve_constants, serve_positions, stage_code, train_constants,
+                                      train_positions)
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
-from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -62,10 +65,13 @@ _NOT_IN_PROGRAM: tuple = (
     ("parallel.schedule", lambda cfg: _fp8(cfg) and cfg.parallel.schedule == "zero_bubble",
      "FP8 GEMMs under zero_bubble", "the deferred weight gradients of zero_bubble (runtime/wgrad.py) are 16-bit "
      "GEMMs: use schedule = 1f1b or interleaved_1f1b, or remove `precision`", 32, True),
-    ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
-        cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
-     "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
-     "`parcompile plan` and `export` work on this spec; `compile` and `run` of a training spec run it", 31, True),
+    # the final soft-cap runs in serve.py (the Stage's head: its op's Code row); the serving
+    # attention kernel (runtime/generate.py serve_attention) has no soft-cap
+    ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and
+     cfg.model.attn_logit_softcapping is not None,
+     "the attention's logit soft-capping (Gemma 2) in serve.py", "the serving attention (runtime/generate.py "
+     "serve_attention) caps no scores yet: `parcompile plan` and `export` work on this spec; `compile` and `run` of "
+     "a training spec run it", 31, True),
 )
 
 
@@ -170,11 +176,89 @@ def _layer_table(layer: LayerData | None) -> list[str]:
 def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = None) -> dict:
     """The plain data the program template formats (see module docstring): local sizes,
     shapes and collectives from the sharded graph (:mod:`parcompile.codegen.program_data`),
-    the training settings from the config."""
+    the model's code written from it (:func:`_train_model`), the training settings from
+    the config (:func:`_train_settings`, :func:`_step_notes`)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     pd, data_dict = _graph_data(plan)
     z = pd.sizes
-    padded = data_dict["model"]["padded_vocab"]
+    return {
+        **_train_model(cfg, pd, data_dict["model"]["padded_vocab"]),
+        **_train_settings(cfg, out_dir),
+        **_step_notes(p, pd.sequence_parallel),
+        "sp": pd.sequence_parallel,
+        "t_attn": z.t_attn,
+        "act_shape": ", ".join(str(n) for n in z.boundary),
+        "name": comment_text(cfg.name),
+        "version": version(),
+        "spec_file": comment_text(Path(cfg.filename).name),
+        "world": p.world_size,
+        "torchrun_cmd": torchrun_command(cfg),
+        "p": p,
+        "t": t,
+        "num_microbatches": p.num_microbatches,
+        "expandable_segments": cfg.cluster.expandable_segments,
+        "device": cfg.cluster.device_kind,
+        "device_comment": _device_comment(cfg.cluster.accelerator),
+        "alloc_conf": cfg.cluster.accelerator.alloc_conf,
+        # precision, not the model: fp16 skips a step whose gradients overflowed (loss scaling)
+        "loss_scaled": m.dtype == "fp16",
+        "weights_note": "16-bit weights; fp32 gradients and master weights live with the optimizer"
+                        if m.dtype != "fp32" else "fp32 weights",
+    }
+
+
+def _train_model(cfg: SpecConfig, pd: ProgramData, padded: int) -> dict:
+    """The training program's model, written from the sharded graph: the constants, Norm,
+    the classes (:mod:`parcompile.codegen.classes`), the Stage's walk over the ops outside
+    the layers and what it gives the layers (:mod:`parcompile.codegen.stage`)."""
+    m, p = cfg.model, cfg.parallel
+    z = pd.sizes
+    moe = pd.moe_layer is not None
+    # the ranks that split one sequence's tokens outside the tensor-parallel region
+    # (sequence parallelism): each routes its own tokens, so its aux-loss gradient is scaled down
+    seq_ranks = z.t_attn // z.t_residual
+    aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
+    layer = pd.dense_layer or pd.moe_layer
+    kinds = _layer_kinds(pd)
+    c = _classes(pd, m.norm_topk_prob)
+    sizes = {"heads_local": z.heads, "kv_local": z.kv_heads, "experts_local": z.experts or 0,
+             "expert_ffn_local": z.expert_ffn or 0, "mla_grads": _mla_grads(pd, layer) or "none (tp = 1)",
+             "aux_loss_scale": repr(aux), "seq_ranks": seq_ranks}
+    tables = {"dense": _layer_table(pd.dense_layer), "moe": _layer_table(pd.moe_layer)}
+    loss = pd.ops.get("loss")
+    return {
+        "model_constants": train_constants(m, pd, kinds, padded, rotary_dim(m), TORCH_NAMES[m.dtype],
+                                           repr(0.02 / math.sqrt(2 * m.layers)), sizes),
+        "norm_def": norm_definition(pd),
+        "model_classes": train_classes(m, pd, c, tables, sizes),
+        **stage_code(pd),
+        **train_positions(pd, kinds["rope_thetas"]),
+        "block_args": ", rt.ExpertAxes.of(ctx)" if moe else "",
+        "x_shape": layer.op("attn_norm").shape_comment(),
+        "loss_doc": ("; vocab-parallel: " + calls_comment(loss, none="no collective (tp = 1)"))
+                    if loss is not None and loss.collectives else "",
+        # with experts, the ranks holding one copy of each shard include expert_dp's first
+        "shard_owner": ' or ctx.axes["expert_dp"].index == 0' if moe else "",
+    }
+
+
+def _mla_grads(pd: ProgramData, layer: LayerData) -> str:
+    """MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
+    (the attention's docstring)."""
+    i = layer.index
+    grads = "; ".join(calls_comment(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
+                      if layer.conversion_into(n) is not None)
+    key_in = layer.op("attn.key")
+    if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
+            and pd.ops[key_in.inputs[1]].kind == "redistribute":
+        grads += ("; " if grads else "") + calls_comment(pd.ops[key_in.inputs[1]], i)
+    return grads
+
+
+def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
+    """The training settings the program holds as constants (paths relative to the
+    program's directory: :func:`_data_path`), each written with ``repr``."""
+    m, t = cfg.model, cfg.train
     train = {
         "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
@@ -185,49 +269,28 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         # other programs read as before
         **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }
-    data = _data_path(cfg.train.data, out_dir)
     data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,
                    "text_field": t.text_field}
-    rope_dim = rotary_dim(m)
-    sp = pd.sequence_parallel
-    zero_comment = {0: "replicated over dp: all-reduce of gradients",
-                    1: "ZeRO-1: optimizer states sharded over dp",
-                    2: "ZeRO-2: optimizer states and gradients sharded over dp",
-                    3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero]
-    moe = m.experts > 0
-    # the ranks that split one sequence's tokens outside the tensor-parallel region
-    # (sequence parallelism): each routes its own tokens, so its aux-loss gradient is scaled down
-    seq_ranks = z.t_attn // z.t_residual
-    aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
-    layer = pd.dense_layer or pd.moe_layer
-    i = layer.index
-    mla = layer.op("attn.wkv_a") is not None   # multi-head latent attention (runtime/mla.py)
-    mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
-    # MLA: the latents and the RoPE key entering the heads, each all-reduced in backward
-    mla_grads = "; ".join(calls_comment(layer.conversion_into(n), i) for n in ("attn.wq_b", "attn.wkv_b")
-                          if layer.conversion_into(n) is not None)
-    key_in = layer.op("attn.key")
-    if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
-            and pd.ops[key_in.inputs[1]].kind == "redistribute":
-        mla_grads += ("; " if mla_grads else "") + calls_comment(pd.ops[key_in.inputs[1]], i)
-    w1 = mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")
-    norm = layer.op("attn_norm")
-    head = pd.ops["lm_head"]
-    tp_one = "no collective (tp = 1)"
     return {
-        **_layer_kinds(pd),
-        **_classes(pd, m.norm_topk_prob),
-        "mla": mla,
-        "mla_grads": mla_grads or "none (tp = 1)",
-        "moe": moe,
-        "has_mlp": w1 is not None,              # a dense MLP (dense layers or shared experts)
-        "has_dense": pd.dense_layer is not None,
-        "experts_local": z.experts or 0,
-        "expert_ffn_local": z.expert_ffn or 0,
-        "aux_loss_scale": repr(aux),
-        "seq_ranks": seq_ranks,
-        "zero_comment": zero_comment,
-        # the step's ZeRO comments (the program's ZERO constant decides what runs)
+        "train_repr": repr(train),
+        "data_repr": repr(_data_path(cfg.train.data, out_dir)),
+        "eval_data_repr": repr(_data_path(t.eval_data, out_dir)),
+        "data_format_repr": repr(data_format),
+        "init_from_repr": repr(_data_path(t.init_from, out_dir)),
+        "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
+        "model_keys_repr": repr(_model_keys(m)),
+        "peak_flops_repr": repr(cfg.cluster.peak_flops),
+    }
+
+
+def _step_notes(p, sp: bool) -> dict:
+    """The comments of the training step on ZeRO and the gradient buckets (the program's
+    ``ZERO`` and ``BUCKET_SIZE`` decide what runs)."""
+    return {
+        "zero_comment": {0: "replicated over dp: all-reduce of gradients",
+                         1: "ZeRO-1: optimizer states sharded over dp",
+                         2: "ZeRO-2: optimizer states and gradients sharded over dp",
+                         3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero],
         "begin_step_note": "" if p.zero != 3 else " " * 40 + "# ZeRO-3: " + (
             "every bucket gathered just in time" if p.pp == 1 else
             "gather the embedding/output buckets; layer buckets just in time"),
@@ -235,57 +298,6 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
                        f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
         "step_note": "then all-gather the updated shards" if p.zero in (1, 2) else "",
         "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
-        "sp": sp,
-        "t_attn": z.t_attn,
-        "t_local": z.t_residual,
-        "act_shape": ", ".join(str(n) for n in z.boundary),
-        "x_shape": norm.shape_comment(),
-        "logits_shape": head.shape_comment(),
-        "head_call": _head_call(pd),
-        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
-        "head_enter": calls_comment(pd.conversion_into("lm_head"), none=tp_one),
-        "loss_calls": calls_comment(pd.ops.get("loss"), none="no collective (tp = 1)"),
-        # graph facts the Stage reads: the attention gathers k/v over cp (its positions are
-        # then not 0..T-1), the layers are fully recomputed (insert-collectives' mark), the
-        # LM head keeps its sequence-split input (its conversion's regather)
-        "kv_gathered": any(c.axis == "cp" for c in layer.op("attn.core").collectives),
-        "layers_recomputed": any(o.attr("recompute", None) == "full" for o in layer.ops),
-        "head_keep_split": bool(getattr(pd.conversion_into("lm_head"), "regather", False)),
-        # the embedding's and the head's per-rank weight shapes (V'/tp, h), read off the graph
-        "embedding_local": pd.ops["embedding"].param_local[0],
-        "head_local": head.param_local[0],
-        "layer_table": _layer_table(pd.dense_layer),
-        "moe_table": _layer_table(pd.moe_layer),
-        "dense_index": pd.dense_layer.index if pd.dense_layer else None,
-        "moe_index": pd.moe_layer.index if pd.moe_layer else None,
-        "name": comment_text(cfg.name),
-        "version": version(),
-        "spec_file": comment_text(Path(cfg.filename).name),
-        "world": p.world_size,
-        "torchrun_cmd": torchrun_command(cfg),
-        "m": m,
-        "p": p,
-        "t": t,
-        "num_microbatches": p.num_microbatches,
-        "padded_vocab": padded,
-        "vocab_local": z.vocab,
-        "heads_local": z.heads,
-        "kv_local": z.kv_heads,
-        "rope_dim": rope_dim,
-        "out_std": repr(0.02 / math.sqrt(2 * m.layers)),
-        "torch_dtype": TORCH_NAMES[m.dtype],
-        "expandable_segments": cfg.cluster.expandable_segments,
-        "device": cfg.cluster.device_kind,
-        "device_comment": _device_comment(cfg.cluster.accelerator),
-        "alloc_conf": cfg.cluster.accelerator.alloc_conf,
-        "train_repr": repr(train),
-        "data_repr": repr(data),
-        "eval_data_repr": repr(_data_path(t.eval_data, out_dir)),
-        "data_format_repr": repr(data_format),
-        "init_from_repr": repr(_data_path(t.init_from, out_dir)),
-        "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
-        "model_keys_repr": repr(_model_keys(m)),
-        "peak_flops_repr": repr(cfg.cluster.peak_flops),
     }
 
 
@@ -388,38 +400,6 @@ def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     return out
 
 
-def _serve_attn_doc(layer: LayerData, heads_local: int, kv_local: int) -> str:
-    """The serving Attention's docstring from the graph: its heads (global -> per rank) and
-    what its cache keeps (MLA: the latent and the RoPE key of ``attn.kv_a_norm`` and
-    ``attn.rope_k``; else ``kv_local`` kv heads, the plan's: a replicated kv head is unsplit
-    in the graph)."""
-    core = layer.op("attn.core")
-    heads = core.attr("heads")
-    latent = layer.op("attn.kv_a_norm")
-    if latent is not None and core.attr("latent", None):
-        rope = layer.op("attn.rope_k").attr("out_dim").size
-        return (f"Multi-head latent attention over the latent cache (DeepSeek-V2/V3, absorbed form; runtime/mla.py): "
-                f"{heads} heads ->\n    {heads_local} per rank; the cache holds the normed {latent.attr('out_dim').size}-wide "
-                f"latent and the {rope}-wide RoPE key per token,\n    the same on every tp rank; wkv_b's key rows "
-                "absorbed into the query, its value rows into the output.")
-    return (f"Causal self-attention over the KV cache; {heads} query / {core.attr('kv_heads')} kv heads ->\n"
-            f"    {heads_local} / {kv_local} per rank. wq, wk, wv column-parallel, wo row-parallel.")
-
-
-def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> str:
-    """The Stage's logits expression: the LM head ``x``, then each op the graph runs on
-    its output before the loss (Gemma 2's ``lm_head.softcap``), from its op-table
-    :class:`~parcompile.ir.ops.Code` row on the op's own attributes."""
-    name = "lm_head"
-    while True:
-        after = [o for o in pd.ops.values() if o.inputs[:1] == (name,) and o.kind not in ("cross_entropy", "send_recv")]
-        code = code_of(after[0].kind, dict(after[0].attrs)) if len(after) == 1 else None
-        if code is None:
-            return x
-        x = code.call.format(x=x, a=dict(after[0].attrs))
-        name = after[0].name
-
-
 def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
     """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
     all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
@@ -451,25 +431,20 @@ def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
 
 def _layer_kinds(pd: ProgramData) -> dict:
     """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
-    gpt-oss): the attention window (``attn.core``'s ``window``), the RoPE base
-    (``attn.rope_q``'s ``theta``), and what every layer shares: the norm's form, the
-    embedding's scale."""
+    gpt-oss): the attention window (``attn.core``'s ``window``; ``window_table`` the
+    program's constant) and the RoPE base (``attn.rope_q``'s ``theta``)."""
     layers = sorted(pd.layers, key=lambda x: x.index)
     windows = tuple(x.op("attn.core").attr("window") for x in layers)
     ropes = [x.op("attn.rope_q") for x in layers]
     bases = [(r.attr("theta"), r.attr("scaling", None)) for r in ropes if r is not None]
     thetas = tuple(dict.fromkeys(bases))
     several = len(thetas) > 1 or any(s is not None for _, s in thetas)
-    first = layers[0]
-    norm = first.op("attn_norm")
-    emb = pd.ops["embedding"]
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
         "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
-        "norm_extra": ", zero_centered=True" if norm.attr("zero_centered", False) else "",
-        "embed_scale": (", scale=%r" % emb.attr("scale")) if emb.attr("scale", None) is not None else "",
+        "window_table": "LAYER_WINDOWS" if len(set(windows)) > 1 else "WINDOW",
     }
 
 
@@ -587,12 +562,14 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
     unsplit in the graph: ``core/heads.py``)."""
     m, p, s = cfg.model, cfg.parallel, cfg.serve
     pd, plan = _graph_data(plan)
-    z = pd.sizes
     layer = pd.dense_layer or pd.moe_layer
-    tp_one = "no collective (tp = 1)"
     sv = plan["serve"]
     weights = _data_path(s.weights, out_dir)
-    kv_dtype = s.kv_dtype or m.dtype
+    kv_local, replicas = plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]
+    layout = [("KV_LOCAL", kv_local, "kv heads per rank")]
+    if replicas > 1:
+        layout.append(("KV_REPLICAS", replicas, "tp ranks holding the same kv head (vLLM-style replication when "
+                                                "tp > kv_heads)"))
     return {
         "name": comment_text(cfg.name),
         "version": version(),
@@ -604,32 +581,43 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "s": s,
         "batch_per_replica": sv["batch_per_replica"],
         "padded_vocab": plan["model"]["padded_vocab"],
-        "heads_local": z.heads,
-        "vocab_local": z.vocab,
-        "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
-        "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
-        **_layer_kinds(pd),
-        **_serve_classes(pd, m.norm_topk_prob),
-        "attn_doc": _serve_attn_doc(layer, z.heads, plan["model"]["kv_heads_per_rank"]),
-        "mla": layer.op("attn.wkv_a") is not None,
-        **_cache_layout(layer, plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]),
-        "kv_local": plan["model"]["kv_heads_per_rank"],
-        "kv_replicas": plan["model"]["kv_head_replicas"],
+        **_serve_model(cfg, pd, plan["model"]["padded_vocab"], kv_local),
+        **_cache_layout(layer, kv_local, replicas),
+        "layout_constants": constant_lines(layout),
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
-        "kv_dtype": kv_dtype,
-        # mixture of experts (runtime/moe.py: MoELayer, training's dispatch): the experts over ep,
-        # each one's inner width over expert_tp (a serve layout has expert_tp = tp: frontend/checks.py)
-        "moe": m.experts > 0,
-        "has_dense": pd.dense_layer is not None,
-        "expert_ffn_local": z.expert_ffn or 0,
-        "experts_local": z.experts or 0,
-        "rope_dim": rotary_dim(m),
-        "torch_dtype": TORCH_NAMES[m.dtype],
+        "kv_dtype": s.kv_dtype or m.dtype,
         "device": cfg.cluster.device_kind,
         "device_comment": _device_comment(cfg.cluster.accelerator),
         "prompt_repr": repr(s.prompt),
         "weights_repr": repr(weights),
         "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",
+    }
+
+
+def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -> dict:
+    """The serving program's model written from the serve plan's sharded graph: constants,
+    Norm, the classes and the Stage's walk (:func:`_train_model`'s, with the rows' serving
+    forms)."""
+    m, s = cfg.model, cfg.serve
+    z = pd.sizes
+    layer = pd.dense_layer or pd.moe_layer
+    kinds = _layer_kinds(pd)
+    c = {**kinds, **_serve_classes(pd, m.norm_topk_prob)}
+    sizes = {"heads_local": z.heads, "kv_local": kv_local, "experts_local": z.experts or 0,
+             "expert_ffn_local": z.expert_ffn or 0,
+             "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, "no collective (tp = 1)")}
+    stage = stage_code(pd, serve=True)
+    return {
+        "model_constants": serve_constants(m, pd, kinds, padded, rotary_dim(m), TORCH_NAMES[m.dtype],
+                                           s.kv_dtype or m.dtype, sizes),
+        "norm_def": norm_definition(pd),
+        "model_classes": serve_classes(m, pd, c, sizes),
+        **stage,
+        **serve_positions(pd, kinds["rope_thetas"], rotary_dim(m)),
+        "block_args": c["block_args"],
+        "window_table": kinds["window_table"],
+        "logits_all": re.sub(r"\bT=\d+", "T", stage["logits_shape"]),
+        "logits_last": re.sub(r"\bT=\d+, ", "", stage["logits_shape"]),
     }
 
 

@@ -83,6 +83,9 @@ class OpData:
     #: the FP8 recipe its GEMMs run with (``train.precision = fp8`` and
     #: :func:`parcompile.analysis.fp8.is_fp8_gemm`); None: 16-bit
     fp8: str | None = None
+    #: the parameter each of the op's parameters is tied to (``Param.tied_to``: a tied LM
+    #: head reads ``embedding.weight``), None where untied
+    param_tied: tuple[str | None, ...] = ()
 
     def attr(self, key: str, default=KeyError):
         """The op attribute ``key``; ``default`` when the op has none (KeyError if not given)."""
@@ -222,7 +225,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
                   tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
                   tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape,
-                  fp8 if fp8 and is_fp8_gemm(nd) else None)
+                  fp8 if fp8 and is_fp8_gemm(nd) else None, tuple(p.tied_to for p in nd.params))
 
 
 def _layer_of(nd: Node) -> int | None:

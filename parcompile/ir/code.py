@@ -29,7 +29,11 @@ class Code:
     against the shard it makes), ``{reduce}`` the collective of the conversion after the
     op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute, ``{fp8}`` the
     keyword of an FP8 GEMM's recipe (``, fp8="tensorwise"``; empty for a 16-bit one:
-    ``OpData.fp8``).
+    ``OpData.fp8``), ``{param}`` the first parameter's name (quoted), ``{attr}`` the
+    module's attribute, ``{scatter}`` whether the conversion it runs after it
+    reduce-scatters (sequence parallelism). A row may also read the graph facts
+    :func:`parcompile.codegen.blocks.program_attrs` adds to the attributes (``_gathers``,
+    ``_seq_split``, ``_split_dim``, ``_tied_to``, ``_tied_by``).
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
@@ -121,7 +125,43 @@ def _attention_facts(a) -> dict:
 def _linear_code(a) -> Code:
     if a.get("kv_replicas"):
         return _KV_REPLICATED_CODE
+    if getattr(a.get("out_dim"), "name", None) == "vocab":   # the LM head: its rows the padded vocabulary
+        return _head_code(a)
     return _LINEAR_CODE[a["tp"]]
+
+
+def _head_code(a) -> Code:
+    """The LM head (a linear layer onto the padded vocabulary, column-parallel): the Stage's
+    ``head_weight()`` (its own weight, or tied: the embedding's where this rank holds it,
+    else a copy kept equal by summing gradients, Megatron-LM); its padded rows stay zero."""
+    call = "rt.linear({x}, self.head_weight())"
+    build = ("rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, valid_rows=VOCAB, "
+             "local={local})")
+    if not a.get("_tied_to"):
+        return Code(build=build, call=call, keep_split=True, serve_init=())
+    copy = "self.{attr} = " + build.replace("{name}", f'"{a["_tied_to"]}"')   # the embedding's weight, by its name
+    return Code(call=call, keep_split=True, init=(
+        "if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)",
+        "    " + copy, "    self.{attr}.weight.tied = self.{attr}.weight.tied_copy = True"),
+        serve_init=("if not self.has_first:   # the tied head on another stage: a copy of the embedding",
+                    "    " + copy))
+
+
+def _embedding_code(a) -> Code:
+    """The token embedding (rows of the padded vocabulary over tp; it runs the conversion
+    after it: an all-reduce, or a reduce-scatter along the sequence) and GPT-2's learned
+    position embedding (the rows of this rank's token positions; serving: the step's)."""
+    if a.get("positional"):
+        rows = "self.positions.chunk(self.tp.size)[self.tp.index]" if "tp" in a["_seq_split"] else "self.positions"
+        return Code(build="nn.Module()", call="{self}.weight[" + rows + "]", serve_call="{self}.weight[pos.positions]",
+                    init=("self.{attr}.weight = rt.make_param({param}, (MAX_POSITIONS, {dim}), SEED, 0.02, tp, None)",),
+                    comment="the positions' rows", inline=False, var="positions")
+    scale = f", scale={a['scale']!r}" if a.get("scale") is not None else ""
+    tied = ("if not self.has_last:   # the LM head on the last stage reads this weight",
+            "    self.{attr}.weight.tied = True") if a.get("_tied_by") else ()
+    return Code(build="rt.VocabParallelEmbedding({name}, PADDED_VOCAB, VOCAB, {dim}, tp, SEED, "
+                      "sequence_parallel={scatter}" + scale + ", local={local})",
+                serve_call="{self}({x}).to(DTYPE)", fold_after=True, init=tied, serve_init=())
 
 
 def _norm_code(a) -> Code:
@@ -157,6 +197,12 @@ def _redistribute_code(a) -> Code:
     partial sum all-reduced or reduce-scattered (when no op before it runs it itself)."""
     fwd = tuple((k, ax) for k, ax in a["fwd"] if k in COMM_KINDS)
     bwd = tuple((k, ax) for k, ax in a["bwd"] if k in COMM_KINDS)
+    splits = [ax for k, ax in a["fwd"] if k == "split"]
+    if not fwd and not bwd and len(splits) == 1 and a.get("_split_dim") is not None:
+        # a replicated value split locally (each rank keeps its slice; no collective)
+        ax, d = splits[0], a["_split_dim"]
+        return Code(call=f"{{x}}.chunk(self.{ax}.size, dim={d})[self.{ax}.index]", var="",
+                    comment=f"this rank's slice over {ax}")
     calls = {
         ((), (("all_reduce", "tp"),)): "rt.copy_to_tp({x}, self.tp)",
         ((("all_gather", "tp"),), (("reduce_scatter", "tp"),)): "rt.enter_tp({x}, self.tp, sequence_parallel=True)",
@@ -210,10 +256,11 @@ _ATTENTION_CODE = Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, tr
 
 _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
 
-#: each op kind's row (a Code, or a function of the op's attributes giving one); kinds
-#: outside decoder layers (embedding, loss, ...) and a MoE layer's routed kinds (router,
-#: dispatch, experts, combine: runtime/moe.py's MoELayer, one module) have none yet
+#: each op kind's row (a Code, or a function of the op's attributes giving one); the loss
+#: (the Stage's ``loss``) and a MoE layer's routed kinds (router, dispatch, experts,
+#: combine: runtime/moe.py's MoELayer, one module) have none yet
 CODES: dict[str, Any] = {
+    "embedding": _embedding_code,
     "add": _add_code,
     "norm": _norm_code,
     "linear": _linear_code,

@@ -135,7 +135,9 @@ class MoE(nn.Module):
     (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts
     [r * 8, (r + 1) * 8) on ep rank r); the
     expert MLPs run, and the rows return by all-to-all, weighted by the router.
-    Shared experts: a dense MLP of 2816 units on every token, added.    """
+
+    Shared experts: a dense MLP of 2816 units on every token, added.
+    """
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
@@ -217,13 +219,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
-                                                       local=(102400, 2048))  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(102400, 2048))
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp, rt.ExpertAxes.of(ctx)) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
-                                                   local=(102400, 2048))
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED,
+                                                   valid_rows=VOCAB, local=(102400, 2048))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)
@@ -234,20 +236,24 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
+    def embed(self, x):                                         # x: token ids (B, T)
+        return self.embedding(x)                                # (B, T=4096, h=2048)
+
+    def head(self, x):                                          # x: (B, T=4096, h=2048)
+        return rt.linear(self.final_norm(x), self.head_weight())  # (B, T=4096, V'=102400)
+
     def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, T=4096, h=2048): no collective (tp = 1)
-            x = self.drop(x)
+            x = self.drop(self.embed(x))                        # (B, T=4096, h=2048)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
         for i in self.chunks[c]:
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # no collective (tp = 1)
-            return rt.linear(x, self.head_weight())             # (B, T=4096, V'=102400) logits
+            return self.head(x)                                 # (B, T=4096, V'=102400) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

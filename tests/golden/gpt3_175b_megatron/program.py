@@ -54,7 +54,6 @@ ZERO = 0  # ZeRO stage over the data-parallel group (0: replicated optimizer)
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
-T_LOCAL = 2048  # tokens per rank in the residual stream (B, T=2048, h=12288)
 MICRO_BATCH = 1
 GLOBAL_BATCH = 1536
 DEVICE = "cuda"  # NCCL on NVIDIA GPUs; gloo on the CPU where none is present
@@ -159,19 +158,20 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
-                                                       local=(6400, 12288))  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(6400, 12288))
             self.pos_embedding = nn.Module()
-            self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (MAX_POSITIONS, HIDDEN), SEED, 0.02, tp, None)
+            if not self.has_last:   # the LM head on the last stage reads this weight
+                self.embedding.weight.tied = True
+            self.pos_embedding.weight = rt.make_param("pos_embedding.weight", (MAX_POSITIONS, HIDDEN), SEED, 0.02,
+                                                      tp, None)
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
             if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)
-                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
-                                                       local=(6400, 12288))
+                self.lm_head = rt.ColumnParallelLinear("embedding", HIDDEN, PADDED_VOCAB, False, tp, SEED,
+                                                       valid_rows=VOCAB, local=(6400, 12288))
                 self.lm_head.weight.tied = self.lm_head.weight.tied_copy = True
-        if self.has_first and not self.has_last:
-            self.embedding.weight.tied = True
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)
@@ -179,22 +179,26 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.has_first else self.lm_head.weight
 
+    def embed(self, x):                                         # x: token ids (B, T)
+        positions = self.pos_embedding.weight[self.positions]   # (B, T=2048, h=12288): the positions' rows
+        return self.embedding(x) + positions                    # (B, T=2048, h=12288): embedding.all_reduce: forward all_reduce(tp)
+
+    def head(self, x):                                          # x: (B, T=2048, h=12288)
+        h = rt.copy_to_tp(self.final_norm(x), self.tp)          # (B, T=2048, h=12288): lm_head.bwd_all_reduce: backward all_reduce(tp)
+        return rt.linear(h, self.head_weight())                 # (B, T=2048, V'/tp=6400)
+
     def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, T=2048, h=12288): embedding.all_reduce: forward all_reduce(tp)
-            start = self.tp.index * T_LOCAL if SP else 0        # this rank's slice of its positions
-            x = x + self.pos_embedding.weight[self.positions[start:start + T_LOCAL]]
-            x = self.drop(x)
+            x = self.drop(self.embed(x))                        # (B, T=2048, h=12288)
         pos = rt.Positions(rope=None,
                            q=None, k=None)
         for i in self.chunks[c]:
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = rt.recompute(self.layers[str(i)], x, pos)   # full recomputation: keep the layer's input only
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # lm_head.bwd_all_reduce: backward all_reduce(tp)
-            return rt.linear(x, self.head_weight())             # (B, T=2048, V'/tp=6400) logits
+            return self.head(x)                                 # (B, T=2048, V'/tp=6400) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

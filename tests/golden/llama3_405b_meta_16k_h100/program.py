@@ -170,13 +170,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
-                                                       local=(16128, 16384))  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=True, local=(16128, 16384))
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
-                                                   local=(16128, 16384))
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED,
+                                                   valid_rows=VOCAB, local=(16128, 16384))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)
@@ -187,22 +187,27 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
+    def embed(self, x):                                         # x: token ids (B, T)
+        return self.embedding(x)                                # (B, T/tp=1024, h=16384): embedding.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
+
+    def head(self, x):                                          # x: (B, T/tp=1024, h=16384)
+        h = self.final_norm(x)                                  # (B, T/tp=1024, h=16384)
+        x = rt.enter_tp(h, self.tp, sequence_parallel=True)     # (B, T=8192, h=16384): lm_head.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
+        with rt.keep_split_input(h, x, self.tp):                # backward keeps h and all-gathers it again
+            return rt.linear(x, self.head_weight())             # (B, T=8192, V'/tp=16128)
+
     def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, T/tp=1024, h=16384): embedding.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
-            x = self.drop(x)
+            x = self.drop(self.embed(x))                        # (B, T/tp=1024, h=16384)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
         for i in self.chunks[c]:
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            xs = self.final_norm(x)
-            x = rt.enter_tp(xs, self.tp, SP)                    # lm_head.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
-            with rt.keep_split_input(xs, x, self.tp):           # backward keeps xs and gathers it again
-                return rt.linear(x, self.head_weight())         # (B, T=8192, V'/tp=16128) logits
+            return self.head(x)                                 # (B, T=8192, V'/tp=16128) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -128,16 +128,24 @@ class Stage(nn.Module):
         self.layer_ids = plan["stages"][ctx.stage]["layers"]
         self.has_first, self.has_last = ctx.is_first_stage(), ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED)  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(16128, 8192))
         self.layers = nn.ModuleDict({str(i): Block(i, tp) for i in self.layer_ids})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB)
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED,
+                                                   valid_rows=VOCAB, local=(16128, 8192))
         self.rope = rt.rope_tables(SEQ_LEN, ROPE_DIM, ROPE_THETA)     # fp32 cos, sin: (SEQ_LEN, 128)
         self.cache = None
 
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
+
+    def embed(self, x):                                         # x: token ids (B, T)
+        return self.embedding(x).to(DTYPE)                      # (B, T, h=8192): embedding.all_reduce: forward all_reduce(tp)
+
+    def head(self, x):                                          # x: (B, T, h=8192)
+        return rt.linear(self.final_norm(x), self.head_weight())  # (B, T, V'/tp=16128)
 
     def new_cache(self, batch: int, max_len: int, device) -> gen.KVCache:
         """The KV cache of this rank's layers: 2 x 1 kv head(s) x 128 values per layer and token."""
@@ -155,15 +163,14 @@ class Stage(nn.Module):
         logits (B, V'/tp) on the last stage (every position's, (B, T, V'/tp), when
         ``step.all_positions``)."""
         if self.has_first:
-            x = self.embedding(x).to(DTYPE)                           # (B, T, 8192): embedding.all_reduce: forward all_reduce(tp)
+            x = self.embed(x)
         rope = gen.rope_at(self.rope, step.positions, x.device)       # cos, sin (B, T, 128) at each sequence's positions
         for i in self.layer_ids:
             x = self.layers[str(i)](x, gen.LayerStep(step, self.cache, i, rope))
         if self.has_last:
             if step.all_positions:                                    # prompt logprobs (serve's echo): every position
-                return rt.linear(self.final_norm(x), self.head_weight()).float()   # (B, T, 16128)
-            x = self.final_norm(x[:, -1:])                            # (B, 1, 8192): only the last position is sampled
-            return rt.linear(x, self.head_weight())[:, -1].float()    # (B, 16128) logits, vocab split over tp
+                return self.head(x).float()                           # (B, T, V'/tp=16128)
+            return self.head(x[:, -1:])[:, -1].float()                # (B, V'/tp=16128): only the last position is sampled
         return x
 
 

@@ -165,13 +165,13 @@ class Stage(nn.Module):
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
-            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED, SP,
-                                                       local=(64128, 4096))  # (V'/tp, h)
+            self.embedding = rt.VocabParallelEmbedding("embedding", PADDED_VOCAB, VOCAB, HIDDEN, tp, SEED,
+                                                       sequence_parallel=False, local=(64128, 4096))
         self.layers = nn.ModuleDict({str(i): Block(i, tp, cp) for chunk in self.chunks for i in chunk})
         if self.has_last:
             self.final_norm = Norm("final_norm", HIDDEN, NORM_EPS, SEED, tp)
-            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED, valid_rows=VOCAB,
-                                                   local=(64128, 4096))
+            self.lm_head = rt.ColumnParallelLinear("lm_head", HIDDEN, PADDED_VOCAB, False, tp, SEED,
+                                                   valid_rows=VOCAB, local=(64128, 4096))
         self.drop = nn.Dropout(DROPOUT)
         # positions of this rank's tokens in the sequence (the cp chunks it holds)
         self.register_buffer("positions", rt.chunk_positions(SEQ_LEN, cp.index, cp.size), persistent=False)
@@ -182,20 +182,25 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
+    def embed(self, x):                                         # x: token ids (B, T)
+        return self.embedding(x)                                # (B, T=4096, h=4096): embedding.all_reduce: forward all_reduce(tp)
+
+    def head(self, x):                                          # x: (B, T=4096, h=4096)
+        h = rt.copy_to_tp(self.final_norm(x), self.tp)          # (B, T=4096, h=4096): lm_head.bwd_all_reduce: backward all_reduce(tp)
+        return rt.linear(h, self.head_weight())                 # (B, T=4096, V'/tp=64128)
+
     def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
         k = c * self.num_stages + self.stage                    # model chunk index
         if k == 0:
-            x = self.embedding(x)                               # (B, T=4096, h=4096): embedding.all_reduce: forward all_reduce(tp)
-            x = self.drop(x)
+            x = self.drop(self.embed(x))                        # (B, T=4096, h=4096)
         pos = rt.Positions(rope=(self.rope_cos, self.rope_sin),
                            q=None, k=None)
         for i in self.chunks[c]:
             with rt.METER.layer(i):                             # bytes saved for backward, per layer (step 1)
                 x = self.layers[str(i)](x, pos)
         if k == self.num_model_chunks - 1:
-            x = rt.enter_tp(self.final_norm(x), self.tp, SP)    # lm_head.bwd_all_reduce: backward all_reduce(tp)
-            return rt.linear(x, self.head_weight())             # (B, T=4096, V'/tp=64128) logits
+            return self.head(x)                                 # (B, T=4096, V'/tp=64128) logits
         return x.to(ACT_DTYPE)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
