@@ -110,7 +110,7 @@ def test_compile_writes_fp8_all_gather_into_the_program(tmp_path):
 
 
 @pytest.mark.parametrize("train, zero, key, what", [
-    ("  precision = fp8\n  fp8_recipe = mxfp8\n", 1, "fp8_recipe", "MXFP8 GEMMs"),
+    ("  precision = fp8\n  fp8_recipe = mxfp8\n  fp8_all_gather = true\n", 3, "fp8_all_gather", "MXFP8 all-gather"),
 ])
 def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, what, tmp_path, monkeypatch, capsys):
     path = _spec(tmp_path, train, cluster="b200", zero=zero)
@@ -151,8 +151,8 @@ def test_fp8_linear_casts_with_the_recipes_scales_and_runs_its_gemms_in_fp8():
         for got, ref in ((y, F.linear(x, w)), (xs.grad, xr.grad), (ws.grad, wr.grad)):
             rel = ((got - ref).norm() / ref.norm()).item()
             assert 1e-3 < rel < 0.1, (recipe, rel)   # FP8, not 16-bit GEMMs, and close to them
-    with pytest.raises(ValueError, match="mxfp8"):
-        fp8_linear(x, w, None, "mxfp8")
+    with pytest.raises(ValueError, match="fp4"):
+        fp8_linear(x, w, None, "fp4")
 
 
 def test_the_cpu_gemm_is_torch_scaled_mm_up_to_summation_order():

@@ -50,11 +50,11 @@ _env = jinja2.Environment(
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
     # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
-    # torch._scaled_mm, tensorwise and rowwise); what it does not run yet is refused
-    ("train.fp8_recipe", lambda cfg: _fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
-     "MXFP8 GEMMs (fp8_recipe = mxfp8)", "the program's FP8 GEMMs (torch._scaled_mm) have no MX block-scaled "
-     "kernel on this machine: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a "
-     "program now, use fp8_recipe = tensorwise or rowwise", 32, True),
+    # torch._scaled_mm, tensorwise, rowwise and mxfp8); what it does not run yet is refused
+    ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
+     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
+     "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
+     "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
     ("train.precision", lambda cfg: _fp8(cfg) and cfg.model.experts > 0,
      "FP8 expert GEMMs (precision = fp8 with experts)", "the routed experts (runtime/moe.py) run their GEMMs in 16 "
      "bits: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a program now, "
