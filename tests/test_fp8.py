@@ -82,7 +82,7 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
     plan = parcompile.compile(path.read_text(), filename=path.name)
     plan.write(tmp_path / "out")
     program = (tmp_path / "out" / "program.py").read_text()
-    marked = {n.name.split(".")[-1] for n in plan.graph.nodes() if is_fp8_gemm(n)}
+    marked = {n.name.split(".")[-1] for n in plan.graph.nodes() if is_fp8_gemm(n, plan.graph)}
     assert marked >= {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     calls = re.findall(r"self\.(\w+) = (rt\.\w+\((?:[^()]|\([^()]*\))*\))", program)
     fp8 = {attr for attr, call in calls if 'fp8="rowwise"' in call}

@@ -113,11 +113,103 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def is_fp8_gemm(nd: Node) -> bool:
-    """Whether op ``nd`` runs its GEMMs in FP8 under ``precision = fp8``: a ``linear`` or
-    ``experts`` op of a decoder layer (module docstring): not the LM head, the router or
-    the attention core."""
-    return nd.op.layer is not None and nd.kind in FP8_KINDS
+@dataclass(frozen=True)
+class GraphFp8:
+    """What a compiled graph's FP8 GEMMs run with (``Graph.fp8``, set by the pass manager from
+    the spec: :func:`graph_fp8`): the recipe, the decoder layers kept in 16 bits
+    (:func:`bf16_layers`) and whether ZeRO-3's FP8 all-gather hands the GEMMs their E4M3
+    weights (:func:`gathers_fp8`: no weight cast, no weight amax, in the program)."""
+
+    recipe: str
+    bf16_layers: frozenset[int] = frozenset()
+    gathered: bool = False
+
+
+def bf16_layers(cfg) -> frozenset[int]:
+    """The decoder layers (global indices) whose GEMMs stay in 16 bits under ``precision =
+    fp8``: the first ``train.fp8_bf16_layers_start`` and the last ``train.fp8_bf16_layers_end``
+    of ``model.layers``, as Megatron-Core's ``is_first_last_bf16_layer``
+    (``megatron/core/fp8_utils.py`` at NVIDIA/Megatron-LM d98e8a64: ``layer_no <
+    num_layers_at_start_in_bf16`` or ``layer_no >= num_layers - num_layers_at_end_in_bf16``,
+    global layer numbers, so every pipeline stage agrees). Empty without FP8."""
+    if not enabled(cfg):
+        return frozenset()
+    n, t = cfg.model.layers, cfg.train
+    start, end = getattr(t, "fp8_bf16_layers_start", 0), getattr(t, "fp8_bf16_layers_end", 0)
+    return frozenset(i for i in range(n) if i < start or i >= n - end)
+
+
+def graph_fp8(cfg) -> GraphFp8 | None:
+    """``Graph.fp8`` for ``cfg`` (None without FP8 training)."""
+    if not enabled(cfg):
+        return None
+    return GraphFp8(cfg.train.fp8_recipe, bf16_layers(cfg), gathers_fp8(cfg))
+
+
+def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
+    """Whether op ``nd`` of ``graph`` runs its GEMMs in FP8 under ``precision = fp8``: a
+    ``linear`` or ``experts`` op of a decoder layer (module docstring): not the LM head, the
+    router or the attention core, nor a layer the spec keeps in 16 bits (``graph.fp8``'s
+    :attr:`GraphFp8.bf16_layers`: its GEMMs at the 16-bit peak, no casts, no FP8 copies or
+    scales, no amax collectives)."""
+    if nd.op.layer is None or nd.kind not in FP8_KINDS:
+        return False
+    marks = getattr(graph, "fp8", None)
+    return marks is None or nd.op.layer not in marks.bf16_layers
+
+
+def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[str, str, int, str]]:
+    """The amax all-reduces (max) over tp that the generated program runs for FP8 linear op
+    ``nd`` in one micro-batch (runtime/fp8.py ``_Fp8Linear``, ``_max_over``), as ``(op, axis,
+    bytes, phase)``; [] for other ops, one tp rank, mxfp8 (block scales are local) and
+    replicated (MLA) linears. What a ``column`` (weight split on N) or ``row`` (split on K)
+    linear all-reduces, per GEMM operand cast:
+
+    - tensorwise (one fp32 each): forward the weight (column, row) and the row-parallel
+      input; backward, for the input gradient, the column-parallel output gradient and the
+      weight, and for the weight gradient the column-parallel output gradient and the
+      row-parallel input. With ZeRO-3 FP8 all-gather (``GraphFp8.gathered``) the weight comes
+      cast with its step scale: no weight all-reduce (its amax went over tp once per step,
+      the step collective ``fp8_amax_tp``).
+    - rowwise (one fp32 per row or column along the GEMM's reduction dimension, only where
+      that dimension is split): forward, row-parallel, the input's M rows and the weight's N
+      rows; backward, column-parallel, the output gradient's M rows and the weight's K
+      columns.
+
+    M is the GEMM's input rows (tokens of the micro-batch on this rank), N and K the layer's
+    whole output and input features. These are listed among the plan's collectives
+    (:func:`parcompile.analysis.comm.comm_report`, ``where`` ``fp8_amax_tp``); the time
+    model prices the recipe's amaxes separately (:func:`fp8_costs`: torchao's pattern,
+    calibrated)."""
+    marks = getattr(graph, "fp8", None)
+    tp = degrees.get("tp", 1)
+    if marks is None or tp <= 1 or nd.kind != "linear" or not is_fp8_gemm(nd, graph):
+        return []
+    split = nd.op.attr_map.get("tp")
+    if split not in ("column", "row") or marks.recipe not in ("tensorwise", "rowwise"):
+        return []
+    x = next(r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name)))
+    rows = x.numel // x.dims[-1].size
+    w = next(pr for pr in nd.params if pr.name.endswith("weight"))
+    n_out, k_in = (d.size for d in w.type.dims)
+    out: list[tuple[str, str, int, str]] = []
+
+    def add(nbytes: int, phase: str) -> None:
+        out.append(("all_reduce", "tp", int(nbytes), phase))
+
+    if marks.recipe == "tensorwise":
+        weight = [] if marks.gathered else [4]
+        for b in weight + ([4] if split == "row" else []):
+            add(b, "forward")
+        for b in ([4] if split == "column" else []) + weight + [4]:
+            add(b, "backward")   # input gradient: g (column), W; weight gradient: g (column) or x (row)
+    elif split == "row":
+        add(4 * rows, "forward")
+        add(4 * n_out, "forward")
+    else:
+        add(4 * rows, "backward")
+        add(4 * k_in, "backward")
+    return out
 
 
 def _tp_redistribute(graph: Graph, name: str, op: str) -> Node | None:
@@ -138,7 +230,7 @@ def cast_elements(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[i
     likewise for the output gradient, sharded before a reduce-scatter's backward all-gather.
     A grouped expert GEMM (``experts``): every routed row through each of its matrices
     (inputs ``h`` or ``ffn`` wide, outputs the other), the local experts' weights."""
-    if not is_fp8_gemm(nd):
+    if not is_fp8_gemm(nd, graph):
         return 0, 0, 0, 0, 0
     ins = graph.inputs(nd.name)
     local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]

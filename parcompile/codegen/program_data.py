@@ -222,7 +222,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
                   tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
                   tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape,
-                  fp8 if fp8 and is_fp8_gemm(nd) else None)
+                  fp8 if fp8 and is_fp8_gemm(nd, graph) else None)
 
 
 def _layer_of(nd: Node) -> int | None:

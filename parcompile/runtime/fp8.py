@@ -25,9 +25,9 @@ torchao's float8 training does (``torchao/float8/float8_linear.py``,
 The GEMMs accumulate in fp32 and return the input's dtype; the weight (the master copy the
 optimizer keeps in fp32, or its 16-bit copy) and its gradient stay as without FP8.
 
-The scalar and per-row amax all-reduces over tp run outside the collective counter: the
-plan prices them in time (``estimate.assumptions.fp8.amax_all_reduces_tp``) but does not
-list them among a step's collectives.
+The scalar and per-row amax all-reduces over tp are counted like every collective and listed
+among the plan's (``comm.collectives``, ``where`` ``fp8_amax_tp``:
+:func:`parcompile.analysis.fp8.amax_collectives` says which casts all-reduce).
 
 - ``mxfp8`` (OCP Microscaling Formats (MX) v1.0, section 5 and 6.3; torchao's ``MXLinear``,
   Transformer Engine's ``MXFP8BlockScaling``): every GEMM operand in blocks of
@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parcompile.runtime.comm import COUNTER, nbytes
 from parcompile.runtime.context import Axis
 
 #: the recipes the program runs (analysis/fp8.py RECIPES: the plan's)
@@ -68,8 +69,11 @@ _E8M0_MIN, _E8M0_MAX = -127, 127   # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
 
 
 def _max_over(t: torch.Tensor, axis: Axis | None) -> torch.Tensor:
-    """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is)."""
+    """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is),
+    counted as the plan lists it (``where`` ``fp8_amax_tp``:
+    :func:`parcompile.analysis.fp8.amax_collectives`)."""
     if axis is not None and axis.size > 1 and axis.group is not None:
+        COUNTER.record("all_reduce", axis.name, nbytes(t))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
     return t
 
