@@ -236,10 +236,19 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
         betas=t.betas, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field,
         precision=t.precision, fp8_recipe=t.fp8_recipe, fp8_all_gather=t.fp8_all_gather,
+        **_mini_bf16_layers(t, layers),
     )   # the miniature's own random weights (not init_from: other shapes), no eval, no hf_output
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def _mini_bf16_layers(t: TrainConfig, layers: int) -> dict[str, int]:
+    """The miniature's ``fp8_bf16_layers_start`` / ``_end``: one layer kept in 16 bits at an
+    end where the spec keeps any, as long as one FP8 layer remains (first the start's)."""
+    start = min(1, t.fp8_bf16_layers_start, max(0, layers - 1))
+    end = min(1, t.fp8_bf16_layers_end, max(0, layers - 1 - start))
+    return dict(fp8_bf16_layers_start=start, fp8_bf16_layers_end=end)
 
 
 def _mini_head_dim(cfg: SpecConfig) -> int:

@@ -16,8 +16,12 @@ keeps, and torchtitan's float8 configuration keeps every linear but ``output`` (
 head: ``filter_fqns = ["output"]``, ``torchtitan/models/llama3/train_configs/
 llama3_{8b,70b}.toml`` at pytorch/torchtitan 820504e, the commit of the asyncTP benchmark
 runs); the router is a separate module in Megatron-Core that Transformer Engine's
-``fp8_autocast`` does not cast. Every layer runs FP8: Megatron-LM's ``--first-last-layers-bf16``
-is off by default, as here (no key keeps layers in 16 bits yet).
+``fp8_autocast`` does not cast. Every layer runs FP8 by default, as Megatron-LM's
+``--first-last-layers-bf16`` is off by default; ``train.fp8_bf16_layers_start`` / ``_end`` keep
+the first / last layers' GEMMs in 16 bits as that flag with ``--num-layers-at-start-in-bf16`` /
+``--num-layers-at-end-in-bf16`` does (:func:`bf16_layers`; ``Graph.fp8``, :class:`GraphFp8`):
+those layers' GEMMs count at the 16-bit peak, with no casts, FP8 weight copies, scales, FP8
+all-gather or amax collectives.
 
 **The casts** (torchao ``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``
 at pytorch/ao 6243040, the torchao commit of the torchtitan runs): a linear ``y = x W`` with
@@ -146,13 +150,19 @@ def graph_fp8(cfg) -> GraphFp8 | None:
     return GraphFp8(cfg.train.fp8_recipe, bf16_layers(cfg), gathers_fp8(cfg))
 
 
+def fp8_kind(nd: Node) -> bool:
+    """Whether op ``nd`` is of the GEMMs FP8 training casts: a ``linear`` or ``experts`` op of
+    a decoder layer (module docstring); :func:`is_fp8_gemm` adds the layers kept in 16 bits."""
+    return nd.op.layer is not None and nd.kind in FP8_KINDS
+
+
 def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
     """Whether op ``nd`` of ``graph`` runs its GEMMs in FP8 under ``precision = fp8``: a
     ``linear`` or ``experts`` op of a decoder layer (module docstring): not the LM head, the
     router or the attention core, nor a layer the spec keeps in 16 bits (``graph.fp8``'s
     :attr:`GraphFp8.bf16_layers`: its GEMMs at the 16-bit peak, no casts, no FP8 copies or
     scales, no amax collectives)."""
-    if nd.op.layer is None or nd.kind not in FP8_KINDS:
+    if not fp8_kind(nd):
         return False
     marks = getattr(graph, "fp8", None)
     return marks is None or nd.op.layer not in marks.bf16_layers
@@ -384,6 +394,15 @@ def fp8_costs(cfg, fraction: float, bandwidth: float, degrees: Mapping[str, int]
                     (1 + r.scale_bytes) / cfg.model.dtype_bytes if r.tp_gather_fp8 else 1.0, tp_casts)
 
 
+def _bf16_layers_text(cfg) -> str:
+    """The layers :func:`bf16_layers` keeps in 16 bits, for :func:`assumptions`."""
+    t = cfg.train
+    if not bf16_layers(cfg):
+        return ""
+    return (f"; every GEMM of the first {t.fp8_bf16_layers_start} and last {t.fp8_bf16_layers_end} decoder layers "
+            "(Megatron-LM --first-last-layers-bf16)")
+
+
 def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
     """plan.json ``estimate.assumptions.fp8`` for ``cfg`` with ``precision = fp8`` (module
     docstring): the recipe, which GEMMs run in FP8 and which stay 16-bit, the rate, the
@@ -396,7 +415,8 @@ def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
         "fp8_gemms": "the linear layers of every decoder layer: attention projections (q, k, v, output; MLA's "
                      "down and up projections), MLP and expert matrices",
         "bf16_gemms": "embedding (a lookup), LM head, MoE router (fp32), the attention core (fused 16-bit "
-                      "kernel); norms are not GEMMs",
+                      "kernel); norms are not GEMMs" + _bf16_layers_text(cfg),
+        "bf16_layers": sorted(bf16_layers(cfg)),
         "fp8_peak": fp8_rate(cfg, 1.0),
         "fp8_matmul_efficiency": fraction,
         "fp8_efficiency_source": source,

@@ -354,6 +354,8 @@ class _Writer:
         code = self.codes[name]
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
+        if op.fp8 and "fp8" in self.tables:   # some layers keep their GEMMs in 16 bits: a per-layer table
+            facts["fp8"] = f", fp8={self.tables['fp8']}"
         attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
                                                              if c.op == "all_gather" and c.phase == "forward"}))}
         more = dict(code.facts(attrs)) if code.facts is not None else {}

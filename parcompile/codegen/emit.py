@@ -316,13 +316,15 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
     out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
+    # FP8 GEMMs in some layers only (train.fp8_bf16_layers_*): each layer's recipe from LAYER_FP8
+    fp8_table = {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 else {}
     for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
         if layer is not None and layer.op(f"{prefix}.w1") is not None:
             out[f"{key}_doc"] = mlp_doc(layer, prefix)
-            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, fp8_table).text("i: int, tp: rt.Axis")
     layer = pd.dense_layer or pd.moe_layer
     windows = {x.op("attn.core").attr("window") for x in pd.layers}
-    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW", **fp8_table}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
@@ -450,6 +452,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
+        "layer_fp8": repr(pd.layer_fp8) if pd.layer_fp8 else None,
         "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
         "norm_extra": ", zero_centered=True" if norm.attr("zero_centered", False) else "",
