@@ -161,3 +161,115 @@ def test_block_scales_in_cublas_swizzled_layout():
             tile = (i // 128) * col_tiles + j // 4
             off = tile * 512 + (i % 128 % 32) * 16 + (i % 128 // 32) * 4 + j % 4
             assert out[off].item() == s[i, j].item(), (i, j)
+
+
+# -- layers kept in 16 bits (train.fp8_bf16_layers_start / _end) ------------------------------
+
+SPEC = """model llama from "llama3-8b" {{ layers = 6 }}
+cluster gpus from "h100-sxm" {{ nodes = 2 }}
+parallel {{ tp = 4, dp = 2, pp = 2, micro_batch = 1, global_batch = 8 }}
+train {{
+  steps = 2
+{train}}}
+"""
+
+
+def _compile_or_diags(tmp_path, train: str, name: str = "l.par"):
+    import parcompile
+    from parcompile.diagnostics import SpecError
+    path = tmp_path / name
+    path.write_text(SPEC.format(train=train))
+    try:
+        plan = parcompile.compile(path.read_text(), filename=name)
+    except SpecError as e:
+        return path, None, e.diagnostics
+    return path, plan, plan.warnings
+
+
+def _at(path, key: str) -> tuple[int, int]:
+    import re
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        m = re.search(rf"\b{key}\s*=\s*", line)
+        if m:
+            return i, m.end() + 1
+    raise AssertionError(key)
+
+
+def test_bf16_layer_keys_are_checked_where_they_are_written(tmp_path):
+    path, plan, d = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_end = 7\n")
+    [err] = [x for x in d if x.severity == "error"]
+    assert err.message == "fp8_bf16_layers_end = 7 exceeds the model's 6 layers"
+    assert (err.span.line, err.span.column) == _at(path, "fp8_bf16_layers_end") and "at most 6" in err.help
+    path, plan, d = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = 3\n"
+                                      "  fp8_bf16_layers_end = 3\n", "w.par")
+    assert plan is not None and [x.message for x in d if x.severity == "warning"] == [
+        "fp8_bf16_layers_start + fp8_bf16_layers_end = 6 keeps all 6 layers in 16 bits: no GEMM runs in FP8"]
+    path, plan, d = _compile_or_diags(tmp_path, "  fp8_bf16_layers_start = 1\n", "n.par")
+    assert [x.message for x in d] == ["fp8_bf16_layers_start has no effect with precision = model"]
+    assert (d[0].span.line, d[0].span.column) == _at(path, "fp8_bf16_layers_start")
+    path, plan, d = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = -1\n", "m.par")
+    assert plan is None and any("fp8_bf16_layers_start" in x.message for x in d)
+
+
+def test_bf16_layers_leave_the_fp8_gemms_casts_and_copies_of_those_layers(tmp_path):
+    """Layers 0 and 5 of 6 (one at each end of the two stages) in 16 bits: stage 0 loses a
+    third of its FP8 GEMM FLOPs and FP8 weights, so do the amax collectives the program runs;
+    the step sits between all-FP8 and bf16."""
+    _, every, _ = _compile_or_diags(tmp_path, "  precision = fp8\n", "a.par")
+    _, kept, _ = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = 1\n"
+                                   "  fp8_bf16_layers_end = 1\n", "k.par")
+    _, bf16, _ = _compile_or_diags(tmp_path, "", "b.par")
+    fa = kept.data["estimate"]["assumptions"]["fp8"]
+    assert fa["bf16_layers"] == [0, 5] and "first 1 and last 1 decoder layers" in fa["bf16_gemms"]
+    assert every.data["estimate"]["assumptions"]["fp8"]["bf16_layers"] == []
+    t = [p.data["estimate"]["step_time"] for p in (every, kept, bf16)]
+    assert t[0] < t[1] < t[2], t
+    from parcompile.analysis.fp8 import is_fp8_gemm
+    g = kept.graph
+    per_layer = {}
+    for nd in g.nodes():
+        if nd.op.layer is not None and nd.kind == "linear":
+            per_layer.setdefault(nd.op.layer, set()).add(is_fp8_gemm(nd, g))
+    assert per_layer == {0: {False}, 1: {True}, 2: {True}, 3: {True}, 4: {True}, 5: {False}}
+
+    def amax(plan):
+        return sum(c["count"] for c in plan.data["comm"]["collectives"] if c["where"] == "fp8_amax_tp")
+
+    # 7 linears per layer (q, k, v, o; gate, up, down): 5 column + 2 row, each 4 + 4 per
+    # micro-batch under tensorwise (column 1 + 3, row 2 + 2), 4 micro-batches per stage
+    m = every.config.parallel.num_microbatches
+    assert amax(every) == 6 * 7 * 4 * m and amax(kept) == 4 * 7 * 4 * m and amax(bf16) == 0
+
+
+def test_compile_writes_the_fp8_recipe_per_layer_and_megatron_gets_the_flags(tmp_path):
+    from parcompile.export import export
+    from tests.program_utils import build_program, tiny_config
+    cfg = tiny_config(1, 2, 2, train=dict(precision="fp8", fp8_bf16_layers_start=1, fp8_bf16_layers_end=1))
+    module, _plan = build_program(cfg, tmp_path / "p")
+    assert module.LAYER_FP8 == (None, "tensorwise", "tensorwise", None)
+    text = (tmp_path / "p" / "program.py").read_text()
+    assert 'fp8="tensorwise"' not in text and text.count("fp8=LAYER_FP8[i]") == 7
+    _, plan, _ = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = 2\n", "e.par")
+    out = export(plan, "megatron")
+    assert not out.errors
+    assert "--first-last-layers-bf16 --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 0" in \
+        " ".join(out.text.replace("\\\n", " ").split())
+    _, plain, _ = _compile_or_diags(tmp_path, "  precision = fp8\n", "p.par")
+    assert "    --first-last-layers-bf16" not in export(plain, "megatron").text   # a note says it is off
+    # Megatron-Core allows at most layers // pp = 3 per end
+    _, over, _ = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = 4\n", "o.par")
+    assert any(e.startswith("fp8_bf16_layers_start 4: Megatron-Core allows") for e in export(over, "megatron").errors)
+
+
+def test_the_miniature_keeps_a_bf16_layer_and_an_fp8_one():
+    from parcompile.verify import miniature
+    from tests.program_utils import tiny_config
+    mini = miniature(tiny_config(2, 2, 2, train=dict(precision="fp8", fp8_bf16_layers_start=2,
+                                                     fp8_bf16_layers_end=2)))
+    assert mini.model.layers == 4
+    assert (mini.train.fp8_bf16_layers_start, mini.train.fp8_bf16_layers_end) == (1, 1)
+    one = miniature(tiny_config(1, 1, 1, model=dict(layers=1), train=dict(precision="fp8", fp8_bf16_layers_end=1)))
+    assert one.model.layers == 2 and (one.train.fp8_bf16_layers_start, one.train.fp8_bf16_layers_end) == (0, 1)
+    few = miniature(tiny_config(2, 1, 1, parallel=dict(zero=3), train=dict(precision="fp8", fp8_bf16_layers_start=4,
+                                                                          fp8_bf16_layers_end=4)))
+    assert few.model.layers == 3 and (few.train.fp8_bf16_layers_start, few.train.fp8_bf16_layers_end) == (1, 1)

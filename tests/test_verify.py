@@ -140,7 +140,7 @@ CASES = {
         dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024),
         train=dict(precision="fp8", fp8_all_gather=True)),
     # the first layer's GEMMs in 16 bits (fp8_bf16_layers_start, Megatron's --first-last-layers-bf16):
-    # stage 0's layer bf16, stage 1's FP8, by global layer index
+    # layer 0 (stage 0) in 16 bits, layers 1-3 in FP8, by global layer index
     "fp8_dp2_tp2_pp2_zero1_bf16_first_layer": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(
         precision="fp8", fp8_bf16_layers_start=1)),
     # MXFP8 (32-element E8M0 blocks along each GEMM's reduction dimension, emulated on the CPU:

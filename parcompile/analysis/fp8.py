@@ -133,7 +133,7 @@ def bf16_layers(cfg) -> frozenset[int]:
     """The decoder layers (global indices) whose GEMMs stay in 16 bits under ``precision =
     fp8``: the first ``train.fp8_bf16_layers_start`` and the last ``train.fp8_bf16_layers_end``
     of ``model.layers``, as Megatron-Core's ``is_first_last_bf16_layer``
-    (``megatron/core/fp8_utils.py`` at NVIDIA/Megatron-LM d98e8a64: ``layer_no <
+    (``megatron/core/fp8_utils.py`` lines 673-684 at core_v0.19.0, NVIDIA/Megatron-LM 5be9626: ``layer_no <
     num_layers_at_start_in_bf16`` or ``layer_no >= num_layers - num_layers_at_end_in_bf16``,
     global layer numbers, so every pipeline stage agrees). Empty without FP8."""
     if not enabled(cfg):

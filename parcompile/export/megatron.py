@@ -324,9 +324,11 @@ def _megatron_bf16_layer_flags(plan: Plan, add: _Add) -> str:
     --num-layers-at-start-in-bf16 N --num-layers-at-end-in-bf16 M`` (TransformerConfig fields
     ``first_last_layers_bf16`` (default False), ``num_layers_at_start_in_bf16`` and
     ``num_layers_at_end_in_bf16`` (default 1 each: both are always written),
-    ``megatron/core/transformer/transformer_config.py`` at NVIDIA/Megatron-LM d98e8a64, flags
-    made from the fields by ``ArgumentGroupFactory(TransformerConfig)``,
-    ``megatron/training/arguments.py``); the flags only when a layer is kept. Returns the note."""
+    ``megatron/core/transformer/transformer_config.py`` lines 628-637 at core_v0.19.0
+    (NVIDIA/Megatron-LM 5be9626709af2722333bf54797c954c09edeada3; the same at d98e8a64, lines
+    649-658), flags made from the fields by ``ArgumentGroupFactory(TransformerConfig)``,
+    ``megatron/training/arguments.py`` line 2290 there, not excluded); the flags only when a
+    layer is kept. Returns the note."""
     tr = plan.config.train
     start, end = tr.fp8_bf16_layers_start, tr.fp8_bf16_layers_end
     if not start and not end:
@@ -481,7 +483,8 @@ def megatron_errors(plan: Plan) -> list[str]:
                           ("fp8_bf16_layers_end", "--num-layers-at-end-in-bf16")):
             n = getattr(cfg.train, key)
             if n > per_stage:
-                # Megatron-Core TransformerConfig.__post_init__ (transformer_config.py at d98e8a64):
+                # Megatron-Core TransformerConfig.__post_init__ (transformer_config.py lines 1411-1420
+                # at core_v0.19.0, 5be9626):
                 # each count "must be between 0 and number of layers per pipeline stage"
                 errors.append(f"{key} {n}: Megatron-Core allows {flag} up to the layers per pipeline stage "
                               f"(layers // pp = {per_stage}); keep fewer layers in bf16")
