@@ -1,7 +1,7 @@
 """FP8 training, the plan side (issue 32): `train.precision = fp8`, `fp8_recipe` and
 `fp8_all_gather` are parsed, checked against the cluster preset, planned (estimate.assumptions.fp8),
 searched and exported; the program side: the generated program runs the linear layers' GEMMs in FP8
-(runtime/fp8.py) and refuses what it does not run (mxfp8, FP8 all-gather); the FP8 miniatures' verify
+(runtime/fp8.py) and refuses what it does not run (mxfp8 with FP8 all-gather); the FP8 miniatures' verify
 cases are in tests/test_verify.py (the cost model's FP8 rows are in tests/test_cost_model.py)."""
 
 from __future__ import annotations

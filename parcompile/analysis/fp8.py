@@ -50,7 +50,10 @@ gradient before its FP8 all-gather (backward), and, under torchao, one per FP8 G
 tp-sharded weight in each (Transformer Engine scales each weight shard on its own and casts
 the weights once per step). With FP8 all-gather the shards' amaxes are all-reduced over dp
 once per step, one all-reduce for all weights (torchtitan's
-``precompute_float8_dynamic_scale_for_fsdp``).
+``precompute_float8_dynamic_scale_for_fsdp``). What the generated program all-reduces (its own
+pattern: runtime/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
+is listed among the plan's collectives (:func:`amax_collectives`, ``where`` ``fp8_amax_tp``) so
+verify compares it call for call; the time model keeps pricing the pattern above.
 
 **Engines.** Transformer Engine (``engine = megatron``) caches a step's FP8 weights from the
 first micro-batch (``is_first_microbatch``): their casts run once per step (in the optimizer
