@@ -143,6 +143,8 @@ CASES = {
     # layer 0 (stage 0) in 16 bits, layers 1-3 in FP8, by global layer index
     "fp8_dp2_tp2_pp2_zero1_bf16_first_layer": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(
         precision="fp8", fp8_bf16_layers_start=1)),
+    # full recomputation: a layer's forward, its FP8 casts and their amax all-reduces over tp, run again
+    "fp8_tp2_pp2_recompute_full": dict(tp=2, pp=2, parallel=dict(recompute="full"), train=dict(precision="fp8")),
     # MXFP8 (32-element E8M0 blocks along each GEMM's reduction dimension, emulated on the CPU:
     # runtime/fp8.py mx_mm); sequence parallelism so the column-parallel GEMMs read gathered inputs
     "mxfp8_dp2_tp2_zero1_sequence_parallel": dict(
