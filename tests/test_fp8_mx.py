@@ -256,6 +256,10 @@ def test_compile_writes_the_fp8_recipe_per_layer_and_megatron_gets_the_flags(tmp
         " ".join(out.text.replace("\\\n", " ").split())
     _, plain, _ = _compile_or_diags(tmp_path, "  precision = fp8\n", "p.par")
     assert "    --first-last-layers-bf16" not in export(plain, "megatron").text   # a note says it is off
+    # torchtitan 0.2: the kept layers filtered out of the float8 conversion by FQN
+    import tomllib
+    t = tomllib.loads(export(plan, "torchtitan", torchtitan_version="0.2").text)
+    assert t["quantize"]["linear"]["float8"]["filter_fqns"] == ["output", "layers.0.", "layers.1."]
     # Megatron-Core allows at most layers // pp = 3 per end
     _, over, _ = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = 4\n", "o.par")
     assert any(e.startswith("fp8_bf16_layers_start 4: Megatron-Core allows") for e in export(over, "megatron").errors)
