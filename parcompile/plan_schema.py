@@ -268,6 +268,9 @@ class Fp8Assumptions(_Strict):
     recipe_source: str
     fp8_gemms: str = Field(description="the GEMMs that run in FP8")
     bf16_gemms: str = Field(description="the GEMMs (and other matmul work) that stay in 16 bits")
+    bf16_layers: list[int] = Field(default_factory=list, description="decoder layers (global indices) whose GEMMs "
+                                   "all stay in 16 bits (train.fp8_bf16_layers_start / _end, Megatron-LM "
+                                   "--first-last-layers-bf16)")
     fp8_peak: float = Field(gt=0, description="FLOP/s per GPU of the FP8 (or MXFP8) GEMMs at the datasheet peak")
     fp8_matmul_efficiency: float = Field(gt=0, description="achievable fraction of fp8_peak (fitted to the FP8 "
                                                            "calibration rows)")

@@ -104,7 +104,19 @@ class Tolerances:
         gradients 2.5e-4 (4.5x the flip, 4x under the shard scale). Parameters: from the
         second step the weights differ at rounding level, and through Adam a gradient element
         that is a cancellation of flipped terms can change sign and move its weight by up to
-        2 lr per step, as under bf16: 4e-2 + 2e-2 |ref| (3 steps at lr 1e-2; measured 1.8e-2)."""
+        2 lr per step, as under bf16: 4e-2 + 2e-2 |ref| (3 steps at lr 1e-2; measured 1.8e-2).
+
+        ``mxfp8`` takes the same tolerances by the same argument: its block scales are local
+        (no amax crosses a rank), and the miniature's tp-local reduction dimensions hold whole
+        32-element blocks (:func:`_mini_head_dim`), so run and reference cast the same blocks
+        with the same scales and differ by summation order only, where an E4M3 flip (or a
+        block amax crossing a power of two, which rescales its 32 elements by 2) is as rare
+        as above. Measured at fp32, dp 2 x tp 2 zero 1 with sequence parallelism: 2.8e-5 on
+        losses, 1.5e-8 on the first step's gradients. What they must catch: blocks cut at
+        other boundaries than the reference's (a tp shard whose local reduction is not a
+        multiple of 32; stood in for by 16-element blocks in the run,
+        tests/test_verify.py): 8.1e-3 on losses (2x the tolerance) and 3.4e-3 on gradients
+        (13x)."""
         if fp8:
             return FP8_TOLERANCES if dtype == "fp32" else BF16_TOLERANCES
         return cls() if dtype == "fp32" else BF16_TOLERANCES
@@ -165,7 +177,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
 
     Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
     kv head per tp rank; a serving layout with fewer kv heads than tp ranks keeps its kv
-    heads, each replicated on tp / kv_heads ranks), head_dim 8, ffn = 2 * hidden, seq_len 16 (at most 64 for
+    heads, each replicated on tp / kv_heads ranks), head_dim 8 (32 with mxfp8: :func:`_mini_head_dim`), ffn = 2 * hidden, seq_len 16 (at most 64 for
     prompt_completion and chat samples), dropout 0, fp32; the spec's data and tokenizer
     (a Hugging Face tokenizer sets the vocabulary), its own random weights.
     Layers: the stage layout's shape (1 layer for the smallest nonzero `stage_layers` entries, 2 for
@@ -186,7 +198,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
             "(e.g. tp = 2, pp = 2, dp = 2 on a `cpu` cluster)")])
     tp = p.tp
     heads, kv = _mini_heads(cfg)
-    head_dim = 8
+    head_dim = _mini_head_dim(cfg)
     hidden = heads * head_dim
     stage_layers, layers = _mini_layers(p)
     text = t.data != "synthetic"
@@ -224,10 +236,30 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
         betas=t.betas, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field,
         precision=t.precision, fp8_recipe=t.fp8_recipe, fp8_all_gather=t.fp8_all_gather,
+        **_mini_bf16_layers(t, layers),
     )   # the miniature's own random weights (not init_from: other shapes), no eval, no hf_output
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def _mini_bf16_layers(t: TrainConfig, layers: int) -> dict[str, int]:
+    """The miniature's ``fp8_bf16_layers_start`` / ``_end``: one layer kept in 16 bits at an
+    end where the spec keeps any, as long as one FP8 layer remains (first the start's)."""
+    start = min(1, t.fp8_bf16_layers_start, max(0, layers - 1))
+    end = min(1, t.fp8_bf16_layers_end, max(0, layers - 1 - start))
+    return dict(fp8_bf16_layers_start=start, fp8_bf16_layers_end=end)
+
+
+def _mini_head_dim(cfg: SpecConfig) -> int:
+    """The miniature's head_dim: 8, or 32 for ``fp8_recipe = mxfp8``, so that every
+    tp-local reduction dimension of its FP8 GEMMs (a kv head, hidden / tp, ffn / tp, each a
+    multiple of the head's width) holds whole 32-element MX blocks, as the full model's do
+    (hidden / tp = 512 for Llama 3 8B at tp 8): each block then sits on one rank, as in the
+    one-process reference (runtime/fp8.py, ``mx_cast``)."""
+    t = cfg.train
+    fp8_mx = cfg.workload == "train" and t is not None and t.precision == "fp8" and t.fp8_recipe == "mxfp8"
+    return 32 if fp8_mx else 8
 
 
 def _mini_heads(cfg: SpecConfig) -> tuple[int, int]:

@@ -552,7 +552,7 @@ def test_fp8_plans_only_the_layer_linears_at_the_fp8_rate():
                   if nd.kind == "linear" and nd.op.layer is not None)
     head = sum(op_fwd_flops(g, nd, ctx.degrees) for nd in g.nodes() if nd.name.startswith("lm_head"))
     assert rep.chunk_fp8_flops[0] == linears > 0 and head > 0
-    assert not any(is_fp8_gemm(nd) for nd in g.nodes() if nd.op.layer is None or nd.kind in ("router", "attention"))
+    assert not any(is_fp8_gemm(nd, g) for nd in g.nodes() if nd.op.layer is None or nd.kind in ("router", "attention"))
     # q, k and v read one gathered input, cast once on its sequence shard
     assert rep.chunk_fp8_in_tp[0] < rep.chunk_fp8_in[0] < rep.chunk_fp8_operands[0]
 

@@ -1,7 +1,7 @@
 """FP8 training, the plan side (issue 32): `train.precision = fp8`, `fp8_recipe` and
 `fp8_all_gather` are parsed, checked against the cluster preset, planned (estimate.assumptions.fp8),
 searched and exported; the program side: the generated program runs the linear layers' GEMMs in FP8
-(runtime/fp8.py) and refuses what it does not run (mxfp8, FP8 all-gather); the FP8 miniatures' verify
+(runtime/fp8.py) and refuses what it does not run (mxfp8 with FP8 all-gather); the FP8 miniatures' verify
 cases are in tests/test_verify.py (the cost model's FP8 rows are in tests/test_cost_model.py)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
     plan = parcompile.compile(path.read_text(), filename=path.name)
     plan.write(tmp_path / "out")
     program = (tmp_path / "out" / "program.py").read_text()
-    marked = {n.name.split(".")[-1] for n in plan.graph.nodes() if is_fp8_gemm(n)}
+    marked = {n.name.split(".")[-1] for n in plan.graph.nodes() if is_fp8_gemm(n, plan.graph)}
     assert marked >= {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     calls = re.findall(r"self\.(\w+) = (rt\.\w+\((?:[^()]|\([^()]*\))*\))", program)
     fp8 = {attr for attr, call in calls if 'fp8="rowwise"' in call}
@@ -110,7 +110,7 @@ def test_compile_writes_fp8_all_gather_into_the_program(tmp_path):
 
 
 @pytest.mark.parametrize("train, zero, key, what", [
-    ("  precision = fp8\n  fp8_recipe = mxfp8\n", 1, "fp8_recipe", "MXFP8 GEMMs"),
+    ("  precision = fp8\n  fp8_recipe = mxfp8\n  fp8_all_gather = true\n", 3, "fp8_all_gather", "MXFP8 all-gather"),
 ])
 def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, what, tmp_path, monkeypatch, capsys):
     path = _spec(tmp_path, train, cluster="b200", zero=zero)
@@ -151,8 +151,8 @@ def test_fp8_linear_casts_with_the_recipes_scales_and_runs_its_gemms_in_fp8():
         for got, ref in ((y, F.linear(x, w)), (xs.grad, xr.grad), (ws.grad, wr.grad)):
             rel = ((got - ref).norm() / ref.norm()).item()
             assert 1e-3 < rel < 0.1, (recipe, rel)   # FP8, not 16-bit GEMMs, and close to them
-    with pytest.raises(ValueError, match="mxfp8"):
-        fp8_linear(x, w, None, "mxfp8")
+    with pytest.raises(ValueError, match="fp4"):
+        fp8_linear(x, w, None, "fp4")
 
 
 def test_the_cpu_gemm_is_torch_scaled_mm_up_to_summation_order():

@@ -139,6 +139,16 @@ CASES = {
     "fp8_zero3_fp8_all_gather": dict(
         dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024),
         train=dict(precision="fp8", fp8_all_gather=True)),
+    # the first layer's GEMMs in 16 bits (fp8_bf16_layers_start, Megatron's --first-last-layers-bf16):
+    # layer 0 (stage 0) in 16 bits, layers 1-3 in FP8, by global layer index
+    "fp8_dp2_tp2_pp2_zero1_bf16_first_layer": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(
+        precision="fp8", fp8_bf16_layers_start=1)),
+    # full recomputation: a layer's forward, its FP8 casts and their amax all-reduces over tp, run again
+    "fp8_tp2_pp2_recompute_full": dict(tp=2, pp=2, parallel=dict(recompute="full"), train=dict(precision="fp8")),
+    # MXFP8 (32-element E8M0 blocks along each GEMM's reduction dimension, emulated on the CPU:
+    # runtime/fp8.py mx_mm); sequence parallelism so the column-parallel GEMMs read gathered inputs
+    "mxfp8_dp2_tp2_zero1_sequence_parallel": dict(
+        dp=2, tp=2, parallel=dict(zero=1, sequence_parallel=True), train=dict(precision="fp8", fp8_recipe="mxfp8")),
 }
 
 
@@ -176,12 +186,34 @@ def main(argv=None):
 def _main(argv=None)""", 1))
 
 
+def _mx_blocks_of_16(mini) -> None:
+    """Make the miniature's MXFP8 casts use 16-element blocks (the run's block boundaries
+    not the one-process run's: what a tp shard with a local reduction of 16 elements does),
+    for this program's ``main`` only."""
+    prog = mini / "program.py"
+    text = prog.read_text()
+    assert text.count("\ndef main(argv=None)") == 1
+    prog.write_text(text.replace("\ndef main(argv=None)", """
+def main(argv=None):
+    import parcompile.runtime.fp8 as fp8
+    saved, fp8.MX_BLOCK = fp8.MX_BLOCK, 16
+    try:
+        return _main(argv)
+    finally:
+        fp8.MX_BLOCK = saved
+
+
+def _main(argv=None)""", 1))
+
+
 def _build(test: str, case: str) -> tuple:
     kw = dict((MIXED_CASES if test.startswith("test_mixed") else CASES)[case])
     dtype = kw.pop("dtype", "fp32")
     cfg = tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw)
     if test.startswith("test_fp8_scales"):
         return cfg, dtype, None, _shard_scales
+    if test.startswith("test_mxfp8_blocks"):
+        return cfg, dtype, None, _mx_blocks_of_16
     return cfg, dtype
 
 
@@ -203,6 +235,18 @@ def test_fp8_scales_of_tp_shards_fail_verify(case, verified, request):
     """FP8 tensorwise scales taken on each tp shard instead of the whole tensor (the amax not
     all-reduced over tp): verify's FP8 tolerances (verify.FP8_TOLERANCES) report it."""
     result = result_of(verified, request, case)
+    assert not result.ok, result.table()
+    bad = {c.what.split(",")[0].split(" (")[0] for c in result.checks if not c.ok}
+    assert bad & {"loss", "gradients"}, result.table()
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", ["mxfp8_dp2_tp2_zero1_sequence_parallel"])
+def test_mxfp8_blocks_cut_elsewhere_than_the_reference_fail_verify(case, verified, request):
+    """MXFP8 blocks of 16 in the parallel run (its block boundaries not the one-process
+    run's): verify's FP8 tolerances report it (verify.Tolerances.for_dtype)."""
+    result = result_of(verified, request, case)
+    print(result.table())
     assert not result.ok, result.table()
     bad = {c.what.split(",")[0].split(" (")[0] for c in result.checks if not c.ok}
     assert bad & {"loss", "gradients"}, result.table()

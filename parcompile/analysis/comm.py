@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Mapping, NamedTuple
 
 from parcompile.analysis.compute import op_fwd_flops
-from parcompile.analysis.fp8 import is_fp8_gemm
+from parcompile.analysis.fp8 import amax_collectives, is_fp8_gemm
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, op_collectives
@@ -118,11 +118,29 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
         if g.kind != "linear" or g.op.layer is None:
             continue   # the LM head is Megatron's own ColumnParallelLinear, not a userbuffers one
         f = op_fwd_flops(graph, g, degrees)
-        if is_fp8_gemm(g):
+        if is_fp8_gemm(g, graph):
             f8 += f
         else:
             f16 += f
     return f8, f16
+
+
+def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recompute: str, counts: dict,
+                  order: dict) -> None:
+    """The FP8 amax all-reduces over tp op ``nd`` runs (:func:`parcompile.analysis.fp8.
+    amax_collectives`), ``m`` per step and again in a fully recomputed forward, as rows of
+    ``comm.collectives`` (``where`` ``fp8_amax_tp``). Not in ``raw``: the time model prices
+    the recipe's amaxes itself (:func:`parcompile.analysis.fp8.fp8_costs`)."""
+    coll = amax_collectives(graph, nd, degrees)
+    if not coll:
+        return
+    stage = nd.stage or 0
+    again = recompute == "full"   # every FP8 linear is in a layer: its forward runs again
+    for op, axis, nbytes, phase in coll:
+        for ph in (phase, "recompute") if again and phase == "forward" else (phase,):
+            key = (op, axis, nbytes, "fp8_amax_tp", stage, ph, 0)
+            counts[key] = counts.get(key, 0) + m
+            order.setdefault(key, len(order))
 
 
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
@@ -158,6 +176,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 key = (c.op, c.axis, c.bytes, c.where, stage, phase, c.bytes_per_row)
                 counts[key] = counts.get(key, 0) + cnt
                 order.setdefault(key, len(order))
+        _add_fp8_amax(graph, nd, degrees, m, recompute, counts, order)
     entries = sorted(counts, key=lambda k: (k[4], order[k]))
     colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r)
                   for (op, axis, b, w, s, ph, r) in entries)

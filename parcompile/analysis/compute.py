@@ -118,7 +118,7 @@ def op_sac(graph: Graph, recompute: str, engine: str = "megatron", fp8: bool = F
     for nd in graph.nodes():
         if nd.op.layer is None or nd.kind != "linear":
             continue
-        if fp8 and is_fp8_gemm(nd):
+        if fp8 and is_fp8_gemm(nd, graph):
             out.add(nd.name)
             continue
         k = count[nd.op.layer] = count.get(nd.op.layer, 0) + 1

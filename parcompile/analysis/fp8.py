@@ -16,8 +16,12 @@ keeps, and torchtitan's float8 configuration keeps every linear but ``output`` (
 head: ``filter_fqns = ["output"]``, ``torchtitan/models/llama3/train_configs/
 llama3_{8b,70b}.toml`` at pytorch/torchtitan 820504e, the commit of the asyncTP benchmark
 runs); the router is a separate module in Megatron-Core that Transformer Engine's
-``fp8_autocast`` does not cast. Every layer runs FP8: Megatron-LM's ``--first-last-layers-bf16``
-is off by default, as here (no key keeps layers in 16 bits yet).
+``fp8_autocast`` does not cast. Every layer runs FP8 by default, as Megatron-LM's
+``--first-last-layers-bf16`` is off by default; ``train.fp8_bf16_layers_start`` / ``_end`` keep
+the first / last layers' GEMMs in 16 bits as that flag with ``--num-layers-at-start-in-bf16`` /
+``--num-layers-at-end-in-bf16`` does (:func:`bf16_layers`; ``Graph.fp8``, :class:`GraphFp8`):
+those layers' GEMMs count at the 16-bit peak, with no casts, FP8 weight copies, scales, FP8
+all-gather or amax collectives.
 
 **The casts** (torchao ``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``
 at pytorch/ao 6243040, the torchao commit of the torchtitan runs): a linear ``y = x W`` with
@@ -46,7 +50,10 @@ gradient before its FP8 all-gather (backward), and, under torchao, one per FP8 G
 tp-sharded weight in each (Transformer Engine scales each weight shard on its own and casts
 the weights once per step). With FP8 all-gather the shards' amaxes are all-reduced over dp
 once per step, one all-reduce for all weights (torchtitan's
-``precompute_float8_dynamic_scale_for_fsdp``).
+``precompute_float8_dynamic_scale_for_fsdp``). What the generated program all-reduces (its own
+pattern: runtime/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
+is listed among the plan's collectives (:func:`amax_collectives`, ``where`` ``fp8_amax_tp``) so
+verify compares it call for call; the time model keeps pricing the pattern above.
 
 **Engines.** Transformer Engine (``engine = megatron``) caches a step's FP8 weights from the
 first micro-batch (``is_first_microbatch``): their casts run once per step (in the optimizer
@@ -113,11 +120,109 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def is_fp8_gemm(nd: Node) -> bool:
-    """Whether op ``nd`` runs its GEMMs in FP8 under ``precision = fp8``: a ``linear`` or
-    ``experts`` op of a decoder layer (module docstring): not the LM head, the router or
-    the attention core."""
+@dataclass(frozen=True)
+class GraphFp8:
+    """What a compiled graph's FP8 GEMMs run with (``Graph.fp8``, set by the pass manager from
+    the spec: :func:`graph_fp8`): the recipe, the decoder layers kept in 16 bits
+    (:func:`bf16_layers`) and whether ZeRO-3's FP8 all-gather hands the GEMMs their E4M3
+    weights (:func:`gathers_fp8`: no weight cast, no weight amax, in the program)."""
+
+    recipe: str
+    bf16_layers: frozenset[int] = frozenset()
+    gathered: bool = False
+
+
+def bf16_layers(cfg) -> frozenset[int]:
+    """The decoder layers (global indices) whose GEMMs stay in 16 bits under ``precision =
+    fp8``: the first ``train.fp8_bf16_layers_start`` and the last ``train.fp8_bf16_layers_end``
+    of ``model.layers``, as Megatron-Core's ``is_first_last_bf16_layer``
+    (``megatron/core/fp8_utils.py`` lines 673-684 at core_v0.19.0, NVIDIA/Megatron-LM 5be9626: ``layer_no <
+    num_layers_at_start_in_bf16`` or ``layer_no >= num_layers - num_layers_at_end_in_bf16``,
+    global layer numbers, so every pipeline stage agrees). Empty without FP8."""
+    if not enabled(cfg):
+        return frozenset()
+    n, t = cfg.model.layers, cfg.train
+    start, end = getattr(t, "fp8_bf16_layers_start", 0), getattr(t, "fp8_bf16_layers_end", 0)
+    return frozenset(i for i in range(n) if i < start or i >= n - end)
+
+
+def graph_fp8(cfg) -> GraphFp8 | None:
+    """``Graph.fp8`` for ``cfg`` (None without FP8 training)."""
+    if not enabled(cfg):
+        return None
+    return GraphFp8(cfg.train.fp8_recipe, bf16_layers(cfg), gathers_fp8(cfg))
+
+
+def fp8_kind(nd: Node) -> bool:
+    """Whether op ``nd`` is of the GEMMs FP8 training casts: a ``linear`` or ``experts`` op of
+    a decoder layer (module docstring); :func:`is_fp8_gemm` adds the layers kept in 16 bits."""
     return nd.op.layer is not None and nd.kind in FP8_KINDS
+
+
+def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
+    """Whether op ``nd`` of ``graph`` runs its GEMMs in FP8 under ``precision = fp8``: a
+    ``linear`` or ``experts`` op of a decoder layer (module docstring): not the LM head, the
+    router or the attention core, nor a layer the spec keeps in 16 bits (``graph.fp8``'s
+    :attr:`GraphFp8.bf16_layers`: its GEMMs at the 16-bit peak, no casts, no FP8 copies or
+    scales, no amax collectives)."""
+    if not fp8_kind(nd):
+        return False
+    marks = getattr(graph, "fp8", None)
+    return marks is None or nd.op.layer not in marks.bf16_layers
+
+
+def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[str, str, int, str]]:
+    """The amax all-reduces (max) over tp that the generated program runs for FP8 linear op
+    ``nd`` in one micro-batch (runtime/fp8.py ``_Fp8Linear``, ``_max_over``), as ``(op, axis,
+    bytes, phase)``; [] for other ops, one tp rank, mxfp8 (block scales are local) and
+    replicated (MLA) linears. What a ``column`` (weight split on N) or ``row`` (split on K)
+    linear all-reduces, per GEMM operand cast:
+
+    - tensorwise (one fp32 each): forward the weight (column, row) and the row-parallel
+      input; backward, for the input gradient, the column-parallel output gradient and the
+      weight, and for the weight gradient the column-parallel output gradient and the
+      row-parallel input. With ZeRO-3 FP8 all-gather (``GraphFp8.gathered``) the weight comes
+      cast with its step scale: no weight all-reduce (its amax went over tp once per step,
+      the step collective ``fp8_amax_tp``).
+    - rowwise (one fp32 per row or column along the GEMM's reduction dimension, only where
+      that dimension is split): forward, row-parallel, the input's M rows and the weight's N
+      rows; backward, column-parallel, the output gradient's M rows and the weight's K
+      columns.
+
+    M is the GEMM's input rows (tokens of the micro-batch on this rank), N and K the layer's
+    whole output and input features. These are listed among the plan's collectives
+    (:func:`parcompile.analysis.comm.comm_report`, ``where`` ``fp8_amax_tp``); the time
+    model prices the recipe's amaxes separately (:func:`fp8_costs`: torchao's pattern,
+    calibrated)."""
+    marks = getattr(graph, "fp8", None)
+    tp = degrees.get("tp", 1)
+    if marks is None or tp <= 1 or nd.kind != "linear" or not is_fp8_gemm(nd, graph):
+        return []
+    split = nd.op.attr_map.get("tp")
+    if split not in ("column", "row") or marks.recipe not in ("tensorwise", "rowwise"):
+        return []
+    x = next(r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name)))
+    rows = x.numel // x.dims[-1].size
+    w = next(pr for pr in nd.params if pr.name.endswith("weight"))
+    n_out, k_in = (d.size for d in w.type.dims)
+    out: list[tuple[str, str, int, str]] = []
+
+    def add(nbytes: int, phase: str) -> None:
+        out.append(("all_reduce", "tp", int(nbytes), phase))
+
+    if marks.recipe == "tensorwise":
+        weight = [] if marks.gathered else [4]
+        for b in weight + ([4] if split == "row" else []):
+            add(b, "forward")
+        for b in ([4] if split == "column" else []) + weight + [4]:
+            add(b, "backward")   # input gradient: g (column), W; weight gradient: g (column) or x (row)
+    elif split == "row":
+        add(4 * rows, "forward")
+        add(4 * n_out, "forward")
+    else:
+        add(4 * rows, "backward")
+        add(4 * k_in, "backward")
+    return out
 
 
 def _tp_redistribute(graph: Graph, name: str, op: str) -> Node | None:
@@ -138,7 +243,7 @@ def cast_elements(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[i
     likewise for the output gradient, sharded before a reduce-scatter's backward all-gather.
     A grouped expert GEMM (``experts``): every routed row through each of its matrices
     (inputs ``h`` or ``ffn`` wide, outputs the other), the local experts' weights."""
-    if not is_fp8_gemm(nd):
+    if not is_fp8_gemm(nd, graph):
         return 0, 0, 0, 0, 0
     ins = graph.inputs(nd.name)
     local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]
@@ -293,6 +398,15 @@ def fp8_costs(cfg, fraction: float, bandwidth: float, degrees: Mapping[str, int]
                     (1 + r.scale_bytes) / cfg.model.dtype_bytes if r.tp_gather_fp8 else 1.0, tp_casts)
 
 
+def _bf16_layers_text(cfg) -> str:
+    """The layers :func:`bf16_layers` keeps in 16 bits, for :func:`assumptions`."""
+    t = cfg.train
+    if not bf16_layers(cfg):
+        return ""
+    return (f"; every GEMM of the first {t.fp8_bf16_layers_start} and last {t.fp8_bf16_layers_end} decoder layers "
+            "(Megatron-LM --first-last-layers-bf16)")
+
+
 def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
     """plan.json ``estimate.assumptions.fp8`` for ``cfg`` with ``precision = fp8`` (module
     docstring): the recipe, which GEMMs run in FP8 and which stay 16-bit, the rate, the
@@ -305,7 +419,8 @@ def assumptions(cfg, fraction: float, source: str = "") -> dict[str, object]:
         "fp8_gemms": "the linear layers of every decoder layer: attention projections (q, k, v, output; MLA's "
                      "down and up projections), MLP and expert matrices",
         "bf16_gemms": "embedding (a lookup), LM head, MoE router (fp32), the attention core (fused 16-bit "
-                      "kernel); norms are not GEMMs",
+                      "kernel); norms are not GEMMs" + _bf16_layers_text(cfg),
+        "bf16_layers": sorted(bf16_layers(cfg)),
         "fp8_peak": fp8_rate(cfg, 1.0),
         "fp8_matmul_efficiency": fraction,
         "fp8_efficiency_source": source,

@@ -313,7 +313,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
         keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
-        if te_fp8 and nd.kind == "linear" and is_fp8_gemm(nd):
+        if te_fp8 and nd.kind == "linear" and is_fp8_gemm(nd, graph):
             keep = [t + FP8_COPY for t in keep]   # its FP8 cast (1 byte per element), not the 16-bit tensor
         if s.saves_output(a):
             keep.append(nd.name)

@@ -94,7 +94,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         acc[s]["expert" if p.expert else "dense"] += n
         unit = units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0, 0])
         unit[1 if p.expert else 0] += n
-        if is_fp8_gemm(nd) and p.name.endswith("weight"):
+        if is_fp8_gemm(nd, graph) and p.name.endswith("weight"):
             acc[s]["fp8"] += n
             acc[s]["fp8_weights"] += 1
             if not p.expert:

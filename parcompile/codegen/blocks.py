@@ -389,6 +389,8 @@ class _Writer:
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
         facts["attr"] = attr
+        if op.fp8 and "fp8" in self.tables:   # some layers keep their GEMMs in 16 bits: a per-layer table
+            facts["fp8"] = f", fp8={self.tables['fp8']}"
         attrs = program_attrs(op, self.every)
         more = dict(code.facts(attrs)) if code.facts is not None else {}
         build = code.build

@@ -53,11 +53,11 @@ _env = jinja2.Environment(
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
     # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
-    # torch._scaled_mm, tensorwise and rowwise); what it does not run yet is refused
-    ("train.fp8_recipe", lambda cfg: _fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
-     "MXFP8 GEMMs (fp8_recipe = mxfp8)", "the program's FP8 GEMMs (torch._scaled_mm) have no MX block-scaled "
-     "kernel on this machine: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a "
-     "program now, use fp8_recipe = tensorwise or rowwise", 32, True),
+    # torch._scaled_mm, tensorwise, rowwise and mxfp8); what it does not run yet is refused
+    ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
+     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
+     "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
+     "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
     ("train.precision", lambda cfg: _fp8(cfg) and cfg.model.experts > 0,
      "FP8 expert GEMMs (precision = fp8 with experts)", "the routed experts (runtime/moe.py) run their GEMMs in 16 "
      "bits: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a program now, "
@@ -328,13 +328,15 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
     out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
+    # FP8 GEMMs in some layers only (train.fp8_bf16_layers_*): each layer's recipe from LAYER_FP8
+    fp8_table = {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 else {}
     for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
         if layer is not None and layer.op(f"{prefix}.w1") is not None:
             out[f"{key}_doc"] = mlp_doc(layer, prefix)
-            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops).text("i: int, tp: rt.Axis")
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, fp8_table).text("i: int, tp: rt.Axis")
     layer = pd.dense_layer or pd.moe_layer
     windows = {x.op("attn.core").attr("window") for x in pd.layers}
-    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW", **fp8_table}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
@@ -442,6 +444,7 @@ def _layer_kinds(pd: ProgramData) -> dict:
     return {
         "window": windows[0],
         "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
+        "layer_fp8": repr(pd.layer_fp8) if pd.layer_fp8 else None,
         "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
         "window_table": "LAYER_WINDOWS" if len(set(windows)) > 1 else "WINDOW",

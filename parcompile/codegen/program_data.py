@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from parcompile.analysis.fp8 import is_fp8_gemm
+from parcompile.analysis.fp8 import fp8_kind, is_fp8_gemm
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import op_collectives
 from parcompile.ir.types import TensorType, split_axes
@@ -81,7 +81,8 @@ class OpData:
     #: the op's output's global shape
     global_shape: tuple[int, ...] = ()
     #: the FP8 recipe its GEMMs run with (``train.precision = fp8`` and
-    #: :func:`parcompile.analysis.fp8.is_fp8_gemm`); None: 16-bit
+    #: :func:`parcompile.analysis.fp8.fp8_kind`) in a layer that runs FP8
+    #: (:attr:`ProgramData.layer_fp8`); None: 16-bit in every layer
     fp8: str | None = None
     #: the parameter each of the op's parameters is tied to (``Param.tied_to``: a tied LM
     #: head reads ``embedding.weight``), None where untied
@@ -194,6 +195,9 @@ class ProgramData:
     moe_layer: LayerData | None
     #: every op by name (decoder layers and the ops outside them)
     ops: Mapping[str, OpData]
+    #: per decoder layer, the FP8 recipe its GEMMs run with, None for a layer kept in 16 bits
+    #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`); () when every layer runs alike
+    layer_fp8: tuple[str | None, ...] = ()
 
     @property
     def layers(self) -> tuple[LayerData, ...]:
@@ -225,7 +229,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
                   tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
                   tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape,
-                  fp8 if fp8 and is_fp8_gemm(nd) else None, tuple(p.tied_to for p in nd.params))
+                  fp8 if fp8 and fp8_kind(nd) else None, tuple(p.tied_to for p in nd.params))
 
 
 def _layer_of(nd: Node) -> int | None:
@@ -250,7 +254,8 @@ def _param_local(graph: Graph, op: str, param_suffix: str, dim: str, degrees: Ma
 def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = None) -> ProgramData:
     """The sharded ``graph`` (after every pass) as :class:`ProgramData`; ``fp8``: the FP8
     recipe of a ``precision = fp8`` training spec (the GEMMs
-    :func:`parcompile.analysis.fp8.is_fp8_gemm` marks run with it: :attr:`OpData.fp8`).
+    :func:`parcompile.analysis.fp8.is_fp8_gemm` marks run with it: :attr:`OpData.fp8`, and
+    per layer :attr:`ProgramData.layer_fp8`).
 
     Raises:
         KeyError: the graph lacks an op every decoder has (``layers.<i>.attn.wq``,
@@ -316,7 +321,19 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
         boundary=tuple(n for d, n in zip(boundary.dims, boundary.local_shape)),
     )
     sp = "tp" in norm.splits[norm.dims.index("seq")]
-    return ProgramData(stages, sizes, sp, dense, moe, nodes)
+    return ProgramData(stages, sizes, sp, dense, moe, nodes, _layer_fp8(graph, ordered, fp8))
+
+
+def _layer_fp8(graph: Graph, ordered: list, fp8: str | None) -> tuple[str | None, ...]:
+    """:attr:`ProgramData.layer_fp8`: per layer, ``fp8`` where its FP8-kind GEMMs run in FP8
+    (:func:`parcompile.analysis.fp8.is_fp8_gemm`), else None; () when all layers agree."""
+    if not fp8:
+        return ()
+    got = []
+    for x in ordered:
+        nds = [graph.node(o.name) for o in x.ops if o.fp8]
+        got.append(fp8 if any(is_fp8_gemm(nd, graph) for nd in nds) else None)
+    return tuple(got) if len(set(got)) > 1 else ()
 
 
 __all__ = ["CollectiveCall", "OpData", "LayerData", "StageData", "LocalSizes", "ProgramData", "program_data",

@@ -239,6 +239,9 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
              ("PADDED_VOCAB", padded, f"Megatron's rule: a multiple of {m.vocab_multiple} * tp; padded rows stay zero"),
              ("SEQ_LEN", m.seq_len, ""), ("NORM_EPS", m.norm_eps, ""), ("DROPOUT", m.dropout, "")]
     rows += _position_rows(m, pd, kinds, rope_dim, serve=False)
+    if kinds.get("layer_fp8"):
+        rows.append(("LAYER_FP8", kinds["layer_fp8"], "each layer's FP8 recipe (None: its GEMMs in 16 bits, "
+                                                      "fp8_bf16_layers_*)"))
     rows += [("OUT_STD", out_std, "0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)"),
              ("ACT_DTYPE", f"torch.{dtype}", "weights, activations, and what crosses a stage boundary")]
     if pd.moe_layer is not None:

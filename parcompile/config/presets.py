@@ -272,10 +272,15 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # measures 15-25 us on a 2-core EPYC VM with torch 2.13). config/host.py replaces them
     # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed. FP8 (tensorwise, rowwise):
     # runtime/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
-    # 16 bits, so the same peak; no MXFP8 kernel (verify runs FP8 miniatures here).
+    # 16 bits, so the same peak. MXFP8 likewise: the cpu preset is the one part without a
+    # datasheet, a stand-in for running the program on CPU processes, and runtime/fp8.py
+    # emulates MX blocks exactly (dequantized blocks, fp32 GEMM), so `fp8_recipe = mxfp8`
+    # plans, compiles and verifies here (verify's miniatures run on this preset) while the
+    # GPU presets keep the datasheet rule (MXFP8 on Blackwell only).
     "cpu": ClusterPreset(
         gpus_per_node=8, memory=int(q("16 GiB")),
         peak_flops={d: q("1 TFLOPS") for d in ("bf16", "fp16", "fp32")}, fp8_flops=q("1 TFLOPS"),
+        mxfp8_flops=q("1 TFLOPS"),
         hbm_bw=q("20 GB/s"), intra_node_bw=q("2 GB/s"), inter_node_bw=q("1 GB/s"),
         intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"), stack="cpu",
     ),

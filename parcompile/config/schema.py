@@ -258,6 +258,11 @@ class TrainConfig(_Frozen):
     #: ZeRO-3 parameters all-gathered in FP8 (torchao's `enable_fsdp_float8_all_gather`,
     #: Megatron-Core's `--fp8-param-gather`): 1 byte per FP8 linear weight element, plus scales
     fp8_all_gather: bool = False
+    #: decoder layers kept in 16 bits under `precision = fp8`: the first `fp8_bf16_layers_start`
+    #: and the last `fp8_bf16_layers_end` (Megatron-LM's `--first-last-layers-bf16` with
+    #: `--num-layers-at-start-in-bf16` / `--num-layers-at-end-in-bf16`; analysis/fp8.py bf16_layers)
+    fp8_bf16_layers_start: int = 0
+    fp8_bf16_layers_end: int = 0
     # real training jobs (SPEC "Real training jobs"); paths are absolute once built
     #: "bytes" or a Hugging Face tokenizer (tokenizer.json or a directory holding one); a
     #: spec that names none gets its init_from directory's tokenizer when it has one

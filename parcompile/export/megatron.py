@@ -319,6 +319,26 @@ def _megatron_vocab_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
                  f"pads the vocabulary to a multiple of {m.vocab_multiple} x tp ({plan.data['model']['padded_vocab']})")
 
 
+def _megatron_bf16_layer_flags(plan: Plan, add: _Add) -> str:
+    """`train.fp8_bf16_layers_start` / `_end` as Megatron-LM's ``--first-last-layers-bf16
+    --num-layers-at-start-in-bf16 N --num-layers-at-end-in-bf16 M`` (TransformerConfig fields
+    ``first_last_layers_bf16`` (default False), ``num_layers_at_start_in_bf16`` and
+    ``num_layers_at_end_in_bf16`` (default 1 each: both are always written),
+    ``megatron/core/transformer/transformer_config.py`` lines 628-637 at core_v0.19.0
+    (NVIDIA/Megatron-LM 5be9626709af2722333bf54797c954c09edeada3; the same at d98e8a64, lines
+    649-658), flags made from the fields by ``ArgumentGroupFactory(TransformerConfig)``,
+    ``megatron/training/arguments.py`` line 2290 there, not excluded); the flags only when a
+    layer is kept. Returns the note."""
+    tr = plan.config.train
+    start, end = tr.fp8_bf16_layers_start, tr.fp8_bf16_layers_end
+    if not start and not end:
+        return "every layer in FP8 (--first-last-layers-bf16 off, its default)"
+    add("--first-last-layers-bf16")
+    add("--num-layers-at-start-in-bf16", str(start))
+    add("--num-layers-at-end-in-bf16", str(end))
+    return f"the first {start} and last {end} layers' GEMMs in bf16 (--first-last-layers-bf16)"
+
+
 def _megatron_precision_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     """The precision: the model's dtype and the dtype gradients are reduced in."""
     m = plan.config.model
@@ -336,9 +356,9 @@ def _megatron_precision_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
             add("--fp8-recipe", tr.fp8_recipe)
         if gathers_fp8(plan.config):
             add("--fp8-param-gather")
+        kept = _megatron_bf16_layer_flags(plan, add)
         notes.append("precision fp8: E4M3 for weights, activations and gradients (torchao's recipes; "
-                     "--fp8-format hybrid would take E5M2 gradients); every layer in FP8 (--first-last-layers-bf16 "
-                     "off, its default)")
+                     "--fp8-format hybrid would take E5M2 gradients); " + kept)
     if plan.config.parallel.reduce_dtype == "bf16":
         # Megatron-Core's grad buffer is in the parameters' dtype without grad_reduce_in_fp32, at
         # every ZeRO level (param_and_grad_buffer.py group_params_for_buffers, analysis/estimate.py
@@ -461,6 +481,17 @@ def megatron_errors(plan: Plan) -> list[str]:
         if cfg.model.tie_embeddings:
             errors.append("zero 3 with tie_embeddings: --use-torch-fsdp2 requires "
                           "--untie-embeddings-and-output-weights, a different model")
+    if cfg.train is not None and cfg.train.precision == "fp8":
+        per_stage = cfg.model.layers // max(1, deg["pp"])
+        for key, flag in (("fp8_bf16_layers_start", "--num-layers-at-start-in-bf16"),
+                          ("fp8_bf16_layers_end", "--num-layers-at-end-in-bf16")):
+            n = getattr(cfg.train, key)
+            if n > per_stage:
+                # Megatron-Core TransformerConfig.__post_init__ (transformer_config.py lines 1411-1420
+                # at core_v0.19.0, 5be9626):
+                # each count "must be between 0 and number of layers per pipeline stage"
+                errors.append(f"{key} {n}: Megatron-Core allows {flag} up to the layers per pipeline stage "
+                              f"(layers // pp = {per_stage}); keep fewer layers in bf16")
     if cfg.train is not None and cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "rowwise":
         errors.append("fp8_recipe rowwise: Megatron-Core's --fp8-recipe has tensorwise, delayed, mxfp8 and blockwise "
                       "(1x128 and 128x128 blocks) scaling, none per row; use fp8_recipe tensorwise or mxfp8, or "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parcompile.analysis.fp8 import gathers_fp8
+from parcompile.analysis.fp8 import bf16_layers, gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
 from parcompile.export.common import (Export, common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line,
@@ -113,14 +113,19 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
 def _torchtitan02_fp8(plan: Plan, config: dict, notes: list[str]) -> None:
     """``precision = fp8`` (issue 32): torchtitan v0.2.2 job_config.py Quantize: the converters
     registered as quantize.linear.float8 (torchao Float8Linear: tensorwise, rowwise) and
-    quantize.linear.mx (MXLinear); the LM head ("output") kept in bf16, as the plan assumes."""
+    quantize.linear.mx (MXLinear); the LM head ("output") kept in bf16, as the plan assumes, and
+    the layers ``train.fp8_bf16_layers_*`` keep (``layers.<i>.``: torchtitan skips a module whose
+    FQN contains a filter entry, ``filter_fqn in fqn``, torchtitan/components/quantization/utils.py
+    ``module_filter_fn`` at pytorch/torchtitan 58ee164; the trailing dot keeps ``layers.1.`` off
+    ``layers.10``)."""
     tr = plan.config.train
+    filters = ["output"] + [f"layers.{i}." for i in sorted(bf16_layers(plan.config))]
     if tr.fp8_recipe == "mxfp8":
         config["model"]["converters"] = ["quantize.linear.mx"]
-        config["quantize.linear.mx"] = {"recipe_name": "mxfp8_cublas", "filter_fqns": ["output"]}
+        config["quantize.linear.mx"] = {"recipe_name": "mxfp8_cublas", "filter_fqns": filters}
     else:
         config["model"]["converters"] = ["quantize.linear.float8"]
-        f8: dict = {"filter_fqns": ["output"]}
+        f8: dict = {"filter_fqns": filters}
         if tr.fp8_recipe == "rowwise":
             f8["recipe_name"] = "rowwise"   # v0.2.2 refuses a recipe_name with FP8 all-gather
         elif gathers_fp8(plan.config):

@@ -158,7 +158,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "betas": KeyType("float_list", low=0, high=1, high_open=True, length=2),
         "eps": _POSITIVE,
         "precision": _enum(TrainConfig, "precision"), "fp8_recipe": _enum(TrainConfig, "fp8_recipe"),
-        "fp8_all_gather": _BOOL,
+        "fp8_all_gather": _BOOL, "fp8_bf16_layers_start": _NONNEG_INT, "fp8_bf16_layers_end": _NONNEG_INT,
         "tokenizer": _STR, "eval_data": _STR, "text_field": _STR,
         "data_format": _enum(TrainConfig, "data_format"),
         "init_from": _STR, "eval_every": _NONNEG_INT,

@@ -764,7 +764,7 @@ def _check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
     do nothing without FP8; FP8 all-gather needs ZeRO-3 and the tensorwise recipe."""
     t, c, p = cfg.train, cfg.cluster, cfg.parallel
     if t.precision != "fp8":
-        for key in ("fp8_recipe", "fp8_all_gather"):
+        for key in ("fp8_recipe", "fp8_all_gather", "fp8_bf16_layers_start", "fp8_bf16_layers_end"):
             if ctx.given(f"train.{key}") and ctx.ok(f"train.{key}", "train.precision"):
                 ctx.bag.warning(f"{key} has no effect with precision = {t.precision}", ctx.span(f"train.{key}"),
                                 help=f"set `precision = fp8`, or remove `{key}`")
@@ -796,6 +796,31 @@ def _check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
                             help="set `zero = 3` in `parallel`, or remove `fp8_all_gather`")
 
 
+def _check_fp8_bf16_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """`train.fp8_bf16_layers_start` / `_end` (SPEC `train`, analysis/fp8.py ``bf16_layers``):
+    each at most `model.layers` (an error: there are no more layers to keep); together
+    covering every layer is a warning (no GEMM left in FP8). Megatron-Core's own bound, at
+    most the layers of one pipeline stage each, is the megatron export's
+    (export/megatron.py)."""
+    t, layers = cfg.train, cfg.model.layers
+    if t.precision != "fp8" or not ctx.ok("train.precision", "model.layers"):
+        return
+    keys = [k for k in ("fp8_bf16_layers_start", "fp8_bf16_layers_end") if ctx.ok(f"train.{k}")]
+    bad = False
+    for key in keys:
+        n = getattr(t, key)
+        if n > layers:
+            bad = True
+            ctx.bag.error(f"{key} = {n} exceeds the model's {layers} layers", ctx.span(f"train.{key}"),
+                          help=f"keep at most {layers} layers in 16 bits, or remove `{key}`")
+    given = [k for k in keys if ctx.given(f"train.{k}")]
+    if not bad and len(keys) == 2 and given and t.fp8_bf16_layers_start + t.fp8_bf16_layers_end >= layers:
+        ctx.bag.warning(f"fp8_bf16_layers_start + fp8_bf16_layers_end = "
+                        f"{t.fp8_bf16_layers_start + t.fp8_bf16_layers_end} keeps all {layers} layers in 16 bits: "
+                        "no GEMM runs in FP8", ctx.span(f"train.{given[0]}"),
+                        help="lower them, or remove `precision = fp8`")
+
+
 def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload != "train":
         return
@@ -817,6 +842,7 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help='use vocab >= 256, a Hugging Face `tokenizer`, or data = "synthetic" '
                            '(random tokens below vocab)')
     _check_fp8(cfg, ctx)
+    _check_fp8_bf16_layers(cfg, ctx)
     _check_tokenizer(cfg, ctx)
     _check_init_from(cfg, ctx)
     _check_outputs(cfg, ctx)

@@ -185,6 +185,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             # precompute_float8_dynamic_scale_for_fsdp); every rank then knows every scale
             layers = sum(1 for u in sp.units if u.name.startswith("layers.")) or 1
             add(s, "fp8_amax", "all_reduce", "dp_cp", 4 * (sp.fp8_weights or 7 * layers), "fp8_amax")
+            if deg["tp"] > 1:   # and over tp: a tp-sharded weight's scale is the whole weight's
+                add(s, "fp8_amax_tp", "all_reduce", "tp", 4 * (sp.fp8_weights or 7 * layers), "fp8_amax")
         if pp > 1 and cfg.model.tie_embeddings and s in (0, pp - 1) and sp.embedding:
             add(s, "tied_embedding", "all_reduce", "embedding", GRAD_BYTES * sp.embedding, "tied_embedding")
         if par.sequence_parallel and deg["tp"] > 1 and sp.norm:

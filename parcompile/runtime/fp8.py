@@ -25,12 +25,27 @@ torchao's float8 training does (``torchao/float8/float8_linear.py``,
 The GEMMs accumulate in fp32 and return the input's dtype; the weight (the master copy the
 optimizer keeps in fp32, or its 16-bit copy) and its gradient stay as without FP8.
 
-The scalar and per-row amax all-reduces over tp run outside the collective counter: the
-plan prices them in time (``estimate.assumptions.fp8.amax_all_reduces_tp``) but does not
-list them among a step's collectives.
+The scalar and per-row amax all-reduces over tp are counted like every collective and listed
+among the plan's (``comm.collectives``, ``where`` ``fp8_amax_tp``:
+:func:`parcompile.analysis.fp8.amax_collectives` says which casts all-reduce).
 
-mxfp8 (32-element E8M0 blocks) has no CPU kernel; the program refuses it before it is
-written (codegen/emit.py).
+- ``mxfp8`` (OCP Microscaling Formats (MX) v1.0, section 5 and 6.3; torchao's ``MXLinear``,
+  Transformer Engine's ``MXFP8BlockScaling``): every GEMM operand in blocks of
+  :data:`MX_BLOCK` = 32 contiguous elements along that GEMM's reduction dimension, one E8M0
+  scale per block, ``X = 2^(floor(log2(amax_block)) - 8)`` (8 = ``emax`` of E4M3, whose
+  largest normal is 1.75 * 2^8), elements ``V / X`` rounded to E4M3, saturating at +-448
+  (torchao ``to_mx``, ``ScaleCalculationMode.FLOOR``). Each of the three GEMMs casts its own
+  operands along its own reduction dimension (torchao's ``mx_mm``: the forward's ``x`` and
+  ``W`` along K, the input gradient's ``g`` and ``W`` along N, the weight gradient's ``g`` and
+  ``x`` along M). A block's scale is local, so no amax crosses ranks; a tp-split reduction
+  dimension whose local size is a multiple of 32 (verify's miniature: :func:`parcompile.
+  verify.miniature`; real models: hidden / tp) puts every block on one rank, as in the
+  one-process run. A reduction dimension that is not a multiple of 32 ends in a partial block
+  (zero-padded: the padding changes no amax and adds zero products). On CUDA sm100 and newer
+  the GEMM is ``torch.nn.functional.scaled_mm`` with ``BlockWise1x32`` E8M0 scales in
+  cuBLAS's swizzled layout; elsewhere (this CPU, Hopper: no block-scaled kernel) the blocks
+  are dequantized (exact in fp32: E4M3 times a power of two) and multiplied in fp32
+  (:func:`mx_mm`).
 """
 
 from __future__ import annotations
@@ -38,18 +53,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parcompile.runtime.comm import COUNTER, nbytes
 from parcompile.runtime.context import Axis
 
-#: the recipes the program runs (analysis/fp8.py RECIPES has mxfp8 too: the plan only)
-RECIPES = ("tensorwise", "rowwise")
+#: the recipes the program runs (analysis/fp8.py RECIPES: the plan's)
+RECIPES = ("tensorwise", "rowwise", "mxfp8")
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max   # 448
 _TINY = 1e-12   # torchao's EPS: an all-zero tensor gets a finite scale
+#: MX block size (OCP MX v1.0: k = 32 for every concrete MX format) and E8M0's exponent range
+MX_BLOCK = 32
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_E4M3_EMAX = 8            # floor(log2(448)): the largest power of two in E4M3's range
+_E8M0_MIN, _E8M0_MAX = -127, 127   # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
 
 
 def _max_over(t: torch.Tensor, axis: Axis | None) -> torch.Tensor:
-    """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is)."""
+    """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is),
+    counted as the plan lists it (``where`` ``fp8_amax_tp``:
+    :func:`parcompile.analysis.fp8.amax_collectives`)."""
     if axis is not None and axis.size > 1 and axis.group is not None:
+        COUNTER.record("all_reduce", axis.name, nbytes(t))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
     return t
 
@@ -67,8 +91,8 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
     Raises:
         ValueError: an unknown recipe.
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"FP8 recipe {recipe!r} has no program kernel here; one of {RECIPES}")
+    if recipe not in ("tensorwise", "rowwise"):
+        raise ValueError(f"cast() takes tensorwise or rowwise, not {recipe!r} (mxfp8: mx_cast)")
     a = t.detach().abs().float()
     amax = a.amax() if recipe == "tensorwise" else a.amax(dim=dim, keepdim=True)
     amax = _max_over(amax.clone(), axis)
@@ -87,6 +111,81 @@ def cast_with_amax(t: torch.Tensor, amax: torch.Tensor, recipe: str = "tensorwis
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     t8 = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return t8, scale.reciprocal()
+
+
+def mx_cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (R x K, any float dtype) in MXFP8 blocks along its last dimension (module
+    docstring): ``(q, scale)`` with ``q`` the E4M3 elements, R x Kp (K zero-padded to ``Kp``, a
+    multiple of :data:`MX_BLOCK`), and ``scale`` the blocks' E8M0 scales as fp32 powers of two,
+    R x Kp/32 (``scale.to(E8M0)`` is exact). ``q * scale`` (each scale over its 32 elements)
+    is the dequantized block. The shared exponent is ``floor(log2(amax)) - 8`` from the
+    block's amax exponent (``frexp``: exact, no log rounding), clamped to E8M0's
+    ``[-127, 127]`` (an all-zero block gets 2^-127)."""
+    r, k = t.shape
+    kp = -(-k // MX_BLOCK) * MX_BLOCK
+    v = t.detach().float().contiguous()
+    if kp != k:
+        v = torch.nn.functional.pad(v, (0, kp - k))
+    blocks = v.view(r, kp // MX_BLOCK, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    # amax = m * 2^e with m in [0.5, 1): floor(log2(amax)) = e - 1 (0 -> e = 0: clamped below)
+    e = torch.frexp(amax).exponent - 1 - _E4M3_EMAX
+    e = torch.where(amax > 0, e, torch.full_like(e, _E8M0_MIN)).clamp(_E8M0_MIN, _E8M0_MAX)
+    scale = torch.ldexp(torch.ones_like(amax), e)
+    q = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(r, kp)
+    return q, scale
+
+
+def _mx_dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of :func:`mx_cast`'s blocks (exact: an E4M3 value times a power of two)."""
+    r, kp = q.shape
+    return (q.float().view(r, kp // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).view(r, kp)
+
+
+def mx_mm(a: torch.Tensor, bt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ bt^T`` with both operands in MXFP8 blocks along their shared reduction dimension
+    K: ``a`` (M x K) and ``bt`` (N x K), each cast by :func:`mx_cast` along K; fp32
+    accumulation, output M x N in ``dtype``. On CUDA sm100+ the block-scaled
+    ``scaled_mm`` (:func:`_mx_scaled_mm`); elsewhere the dequantized blocks' fp32 GEMM:
+    every product of two dequantized elements is exact in fp32 (4 significant bits each
+    times powers of two) and the sums accumulate in fp32, as the tensor cores' do."""
+    qa, sa = mx_cast(a)
+    qb, sb = mx_cast(bt)
+    if _has_mx_kernel(a.device):
+        return _mx_scaled_mm(qa, sa, qb, sb, dtype)
+    return (_mx_dequant(qa, sa) @ _mx_dequant(qb, sb).t()).to(dtype)
+
+
+def _has_mx_kernel(device: torch.device) -> bool:
+    """Whether ``device`` runs block-scaled MXFP8 GEMMs: CUDA compute capability 10.0+
+    (Blackwell; cuBLAS's block-scaled GEMM) with torch's ``scaled_mm`` and E8M0."""
+    if device.type != "cuda" or E8M0 is None or not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def _swizzled(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 block scales (R x Kb, fp32 powers of two) in cuBLAS's block-scaling-factor layout
+    (cuBLAS docs, "1D Block Scaling Factors Layout"): rows padded to 128 and scale columns to
+    4, tiles of 128 x 4 stored one after another, each tile's element (row, col) at offset
+    ``(row % 32) * 16 + (row // 32) * 4 + col``; flattened."""
+    r, kb = scale.shape
+    rp, kbp = -(-r // 128) * 128, -(-kb // 4) * 4
+    padded = torch.ones(rp, kbp, dtype=torch.float32, device=scale.device)
+    padded[:r, :kb] = scale
+    # (row tile, 128 rows = 4 x 32, col tile, 4 cols) -> (row tile, col tile, 32, 4, 4)
+    tiles = padded.view(rp // 128, 4, 32, kbp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).to(E8M0)
+
+
+def _mx_scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled GEMM ``qa @ qb^T`` on CUDA sm100+ (``qb`` N x Kp row-major is the
+    column-major right operand the kernel reads)."""
+    F = torch.nn.functional
+    blk, swz = F.ScalingType.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
+    return F.scaled_mm(qa, qb.t(), _swizzled(sa), blk, _swizzled(sb), blk, swizzle_a=swz, swizzle_b=swz,
+                       output_dtype=dtype)
 
 
 def _weight_cast(weight: torch.Tensor, recipe: str, dim: int, axis: Axis | None
@@ -135,6 +234,9 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str):
         ctx.recipe, ctx.tp, ctx.split = recipe, tp, split
         ctx.save_for_backward(x, weight)
+        if recipe == "mxfp8":   # x W^T: blocks along K (x's rows, W's rows)
+            y = mx_mm(x.reshape(-1, x.shape[-1]), weight, x.dtype)
+            return y.view(*x.shape[:-1], weight.shape[0])
         # FP8 all-gather's E4M3 weight (tensorwise): the backward's g W reads the same one
         ctx.gathered = getattr(weight, "fp8_gathered", None) if recipe == "tensorwise" else None
         x2 = x.reshape(-1, x.shape[-1])
@@ -151,6 +253,10 @@ class _Fp8Linear(torch.autograd.Function):
         recipe, tp, split = ctx.recipe, ctx.tp, ctx.split
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
+        if recipe == "mxfp8":   # each GEMM's operands in blocks along its own reduction dimension
+            gx = mx_mm(g2, weight.t(), grad_out.dtype).view(*x.shape) if ctx.needs_input_grad[0] else None
+            gw = mx_mm(g2.t(), x2.t(), weight.dtype) if ctx.needs_input_grad[1] else None
+            return gx, gw, None, None, None
         col = tp if split == "column" else None
         tw = recipe == "tensorwise"
         grad_x = grad_w = None
@@ -172,7 +278,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (module docstring): ``x`` (..., K),
     ``weight`` (N, K) -> (..., N) in ``x``'s dtype; the bias added in that dtype. ``tp`` and
     ``split`` (``"column"``, ``"row"``, ``"replicated"``): which tensors the tp axis splits,
-    whose amaxes are all-reduced over it.
+    whose amaxes are all-reduced over it (tensorwise, rowwise; mxfp8's block scales are local).
 
     Raises:
         ValueError: an unknown recipe or split.
@@ -185,4 +291,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y + bias if bias is not None else y
 
 
-__all__ = ["E4M3", "E4M3_MAX", "RECIPES", "cast", "cast_with_amax", "fp8_linear", "scaled_mm"]
+__all__ = ["E4M3", "E4M3_MAX", "E8M0", "MX_BLOCK", "RECIPES", "cast", "cast_with_amax", "fp8_linear", "mx_cast",
+           "mx_mm", "scaled_mm"]

@@ -769,7 +769,7 @@ class ShardedOptimizer(BucketedReduction):
     def _fp8_scales(self) -> None:
         """Once per step, before the first gather: each FP8 weight's amax over the whole
         weight, the max of its dp shards' amaxes (one fp32 per weight, all-reduced over dp:
-        the plan's ``fp8_amax``; then over tp, uncounted, as runtime/fp8.py's tensorwise
+        the plan's ``fp8_amax``; then over tp, the plan's ``fp8_amax_tp``, as runtime/fp8.py's tensorwise
         scales of tp-sharded weights), from the 16-bit shards the gathers send, so each
         weight's scale is the one the one-process run casts it with."""
         amax = torch.zeros(len(self.fp8_params), dtype=torch.float32, device=self.ctx.device)
@@ -786,6 +786,7 @@ class ShardedOptimizer(BucketedReduction):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.axis.group)
         tp = self.ctx.tp
         if tp.size > 1 and tp.group is not None:
+            COUNTER.record("all_reduce", tp.name, nbytes(amax))   # the plan's fp8_amax_tp step collective
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
         self._fp8_amax = amax
         self._fp8_sinv = [cast_with_amax(amax.new_zeros(0), amax[k])[1] for k in range(len(self.fp8_params))]
