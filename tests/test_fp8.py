@@ -170,6 +170,43 @@ def test_the_cpu_gemm_is_torch_scaled_mm_up_to_summation_order():
         assert torch.allclose(ours, torchs, rtol=1e-6, atol=1e-6 * torchs.abs().max().item()), recipe
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_zero_bubble_defers_the_fp8_weight_gradient_from_its_fp8_operands(recipe):
+    """Under a zero-bubble step (runtime/wgrad.py STORE) an FP8 linear's B gives the input
+    gradient and no weight gradient; W gives the weight gradient the undeferred backward
+    gives, bit for bit (the same casts, the same GEMM); what the deferred closure keeps from
+    B to W is E4M3 operands (1 byte per element) and fp32 scales, not the 16-bit x and g."""
+    import torch
+    from parcompile.runtime.fp8 import E4M3, fp8_linear
+    from parcompile.runtime.wgrad import STORE
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 8, 32, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(24, 32, generator=g) * 0.02).to(torch.bfloat16)
+    gy = torch.randn(2, 8, 24, generator=g, dtype=torch.bfloat16)
+    x0, w0 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8_linear(x0, w0, None, recipe).backward(gy)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    STORE.enabled = True
+    try:
+        y = fp8_linear(x1, w1, None, recipe)
+        with STORE.collecting((0, 0)):
+            y.backward(gy)                                  # B
+        assert torch.equal(x1.grad, x0.grad)
+        assert getattr(w1, "main_grad", None) is None and w1.grad is None and STORE.has_pending(w1)
+        [(_, fn)] = STORE.pending[(0, 0)]
+        kept = [c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+        ops = [t for t in kept if t is not w1]
+        big, scales = [t for t in ops if t.numel() > 32], [t for t in ops if t.numel() <= 32]
+        assert sorted(t.shape for t in big) == [(16, 24), (16, 32)] and all(t.dtype == E4M3 for t in big)
+        assert len(scales) == 2 and all(t.dtype == torch.float32 for t in scales)
+        assert STORE.flush((0, 0)) == 1                     # W
+    finally:
+        STORE.enabled = False
+        STORE.pending.clear()
+    # a bf16 weight's deferred gradient lands in its fp32 main_grad (runtime/grads.py accumulate)
+    assert torch.equal(w1.main_grad, w0.grad.float())
+
+
 def test_presets_without_fp8_refuse_it_naming_those_that_have_it(tmp_path):
     path = _spec(tmp_path, cluster="ascend-910b")
     [d] = [d for d in _diags(path) if d.severity == "error"]
@@ -274,16 +311,21 @@ def test_fp8_loss_stays_within_one_percent_of_bf16_on_the_readme_fine_tune(tmp_p
     assert max(rel) > 0, "the FP8 run equals the bf16 one: its GEMMs did not run in FP8"
 
 
-def test_program_gaps_refuse_fp8_experts_and_zero_bubble():
-    """FP8 with routed experts (runtime/moe.py runs them in 16 bits) and under zero_bubble
-    (deferred 16-bit weight-gradient GEMMs) is refused, not silently run in 16 bits."""
+def test_fp8_experts_and_zero_bubble_compile_into_fp8_programs(tmp_path):
+    """FP8 with routed experts and under zero_bubble is no program gap (it was refused before
+    the program ran them): the routed experts get the recipe (runtime/moe.py expert_linear),
+    as the plan's ``experts`` op is an FP8 GEMM; the router stays 16-bit."""
     from parcompile.codegen.emit import program_gaps
-    from tests.program_utils import tiny_config
-    fp8 = dict(precision="fp8")
-    assert program_gaps(tiny_config(1, 2, 2, train=fp8), "error") == []
-    moe = program_gaps(tiny_config(1, 2, 1, model=dict(experts=4, top_k=2), train=fp8), "error")
-    assert [d.message for d in moe] == ["the generated program does not run FP8 expert GEMMs (precision = fp8 with "
-                                        "experts) yet"]
-    zb = program_gaps(tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble"), train=fp8), "error")
-    assert [d.message for d in zb] == ["the generated program does not run FP8 GEMMs under zero_bubble yet"]
-    assert program_gaps(tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble")), "error") == []
+    from tests.program_utils import build_program, tiny_config
+    fp8 = dict(precision="fp8", fp8_recipe="rowwise")
+    moe = tiny_config(2, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2), train=fp8)
+    zb = tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble"), train=fp8)
+    assert program_gaps(moe, "error") == [] and program_gaps(zb, "error") == []
+    plain = tiny_config(2, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2))
+    for name, cfg in (("moe", moe), ("plain", plain)):
+        build_program(cfg, tmp_path / name)
+    program = (tmp_path / "moe" / "program.py").read_text()
+    [routed] = re.findall(r"rt\.MoELayer\((?:[^()]|\([^()]*\))*\)", program)
+    assert 'fp8="rowwise"' in routed
+    assert "fp8=" not in re.findall(r"rt\.MoELayer\((?:[^()]|\([^()]*\))*\)",
+                                    (tmp_path / "plain" / "program.py").read_text())[0]

@@ -139,6 +139,24 @@ CASES = {
     "fp8_zero3_fp8_all_gather": dict(
         dp=2, tp=2, parallel=dict(zero=3, bucket_size=16 * 1024),
         train=dict(precision="fp8", fp8_all_gather=True)),
+    # zero-bubble: B's input gradients in FP8, W's weight-gradient GEMMs deferred from the FP8
+    # operands B cast (tp amaxes all-reduced in B)
+    "fp8_pp2_zero_bubble_tp2": dict(tp=2, pp=2, parallel=dict(schedule="zero_bubble"),
+                                    train=dict(precision="fp8")),
+    # FP8 routed experts (runtime/moe.py expert_linear): rowwise over dp 2 x ep 2 (each expert's
+    # group holds both dp ranks' rows where the reference's holds one micro-batch's: power-of-two
+    # scales make the casts independent of the group's amax) and with expert_tp 2 (per-row
+    # amaxes of w2's split input all-reduced over it); tensorwise with ep over the
+    # sequence-parallel tp ranks (an expert's group is one micro-batch's rows, as in the
+    # reference: the same per-expert scales), shared expert in FP8 too
+    "fp8_moe_rowwise_dp2_ep2": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(ep=2),
+                                    train=dict(precision="fp8", fp8_recipe="rowwise")),
+    "fp8_moe_rowwise_dp4_ep2_expert_tp2": dict(dp=4, model=dict(experts=4, top_k=2),
+                                               parallel=dict(ep=2, expert_tp=2),
+                                               train=dict(precision="fp8", fp8_recipe="rowwise")),
+    "fp8_moe_tp2_ep2_sequence_parallel": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1),
+                                              parallel=dict(ep=2, expert_tp=1, sequence_parallel=True),
+                                              train=dict(precision="fp8")),
 }
 
 

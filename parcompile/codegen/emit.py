@@ -50,18 +50,13 @@ _env = jinja2.Environment(
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
     # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
-    # torch._scaled_mm, tensorwise and rowwise); what it does not run yet is refused
+    # torch._scaled_mm, tensorwise and rowwise; the routed experts' grouped GEMMs too; under
+    # zero_bubble the weight gradients are deferred from FP8 operands); what it does not run
+    # yet is refused
     ("train.fp8_recipe", lambda cfg: _fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
      "MXFP8 GEMMs (fp8_recipe = mxfp8)", "the program's FP8 GEMMs (torch._scaled_mm) have no MX block-scaled "
      "kernel on this machine: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a "
      "program now, use fp8_recipe = tensorwise or rowwise", 32, True),
-    ("train.precision", lambda cfg: _fp8(cfg) and cfg.model.experts > 0,
-     "FP8 expert GEMMs (precision = fp8 with experts)", "the routed experts (runtime/moe.py) run their GEMMs in 16 "
-     "bits: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a program now, "
-     "remove `precision`", 32, True),
-    ("parallel.schedule", lambda cfg: _fp8(cfg) and cfg.parallel.schedule == "zero_bubble",
-     "FP8 GEMMs under zero_bubble", "the deferred weight gradients of zero_bubble (runtime/wgrad.py) are 16-bit "
-     "GEMMs: use schedule = 1f1b or interleaved_1f1b, or remove `precision`", 32, True),
     ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
         cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
      "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
@@ -302,13 +297,19 @@ def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> 
     top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
     routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
               f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
-              f"{_moe_extra(pd)}, local_experts={local})")
+              f"{_moe_extra(pd)}, local_experts={local}{_fp8_kw(experts)})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
                                  show_calls=True)}
     if layer.op("mlp.shared.w1") is not None:
         subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+
+
+def _fp8_kw(op) -> str:
+    """The keyword giving the FP8 recipe of op ``op``'s GEMMs (``OpData.fp8``: the routed experts'
+    under ``precision = fp8``, runtime/moe.py ``expert_linear``); empty for 16-bit ones."""
+    return f', fp8="{op.fp8}"' if op.fp8 else ""
 
 
 def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:

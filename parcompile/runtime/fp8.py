@@ -29,6 +29,17 @@ The scalar and per-row amax all-reduces over tp run outside the collective count
 plan prices them in time (``estimate.assumptions.fp8.amax_all_reduces_tp``) but does not
 list them among a step's collectives.
 
+Under a zero-bubble schedule (runtime/wgrad.py: ``STORE`` collecting the step's weight
+gradients) the backward splits as the 16-bit linear's does: B returns the input gradient and
+files the weight gradient's GEMM with ``STORE`` for the schedule's W step. What the filed
+closure keeps is that GEMM's FP8 operands, cast in B (the output gradient along its
+columns, the input along its columns, with their scales; the tp amax all-reduces of those
+casts run in B, in the order the ranks of a tp group share), not the 16-bit ``x`` and
+``g``: a deferred W holds 1 byte per element of the layer's input and output gradient
+(plus one fp32 scale per column with ``rowwise``) from B to W, where the 16-bit deferral
+holds 2 (bf16) or 4 (fp32). The deferred gradient equals the one the undeferred backward
+returns (the same casts, the same GEMM).
+
 mxfp8 (32-element E8M0 blocks) has no CPU kernel; the program refuses it before it is
 written (codegen/emit.py).
 """
@@ -39,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from parcompile.runtime.context import Axis
+from parcompile.runtime.grads import accumulate
+from parcompile.runtime.wgrad import STORE
 
 #: the recipes the program runs (analysis/fp8.py RECIPES has mxfp8 too: the plan only)
 RECIPES = ("tensorwise", "rowwise")
@@ -129,12 +142,16 @@ def _dense(s: torch.Tensor) -> torch.Tensor:
 class _Fp8Linear(torch.autograd.Function):
     """y = x W^T with FP8 GEMMs forward and backward (module docstring). ``tp``: the tp
     axis (None: one rank) and which operands it splits: ``split`` is ``"column"`` (W on N:
-    the output gradient split on N) or ``"row"`` (W and x on K)."""
+    the output gradient split on N) or ``"row"`` (W and x on K). ``defer``: the weight
+    gradient is filed with the zero-bubble ``STORE`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str):
-        ctx.recipe, ctx.tp, ctx.split = recipe, tp, split
+    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str, defer: bool = False):
+        ctx.recipe, ctx.tp, ctx.split, ctx.defer = recipe, tp, split, defer
         ctx.save_for_backward(x, weight)
+        # the parameter itself (runtime/wgrad.py _DeferredLinear: under saved-tensor hooks
+        # saved_tensors hands back another object; the deferred gradient must reach the parameter)
+        ctx.weight = weight if defer else None
         # FP8 all-gather's E4M3 weight (tensorwise): the backward's g W reads the same one
         ctx.gathered = getattr(weight, "fp8_gathered", None) if recipe == "tensorwise" else None
         x2 = x.reshape(-1, x.shape[-1])
@@ -163,16 +180,32 @@ class _Fp8Linear(torch.autograd.Function):
             # g^T x: (N, M) @ (M, K), reduction M (whole on every rank)
             gt8, sgt = cast(g2, recipe, 0, col if tw else None)
             x8, sx = cast(x2, recipe, 0, (tp if split == "row" else None) if tw else None)
-            grad_w = _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype)
-        return grad_x, grad_w, None, None, None
+            if ctx.defer:   # W later, from the FP8 operands cast now (module docstring)
+                STORE.file(_weight_grad(ctx.weight, gt8, sgt, x8, sx), ctx.weight)
+            else:
+                grad_w = _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _weight_grad(weight: torch.Tensor, gt8: torch.Tensor, sgt: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor):
+    """The deferred weight gradient of an FP8 linear: a closure adding ``g^T x`` (the FP8 GEMM
+    of ``gt8`` (M, N) and ``x8`` (M, K) E4M3 with their inverse scales) to ``weight``'s
+    gradient; it keeps only those operands (module docstring)."""
+    def run() -> None:
+        accumulate(weight, _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype))
+    return run
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-               tp: Axis | None = None, split: str = "column") -> torch.Tensor:
+               tp: Axis | None = None, split: str = "column", deferrable: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (module docstring): ``x`` (..., K),
     ``weight`` (N, K) -> (..., N) in ``x``'s dtype; the bias added in that dtype. ``tp`` and
     ``split`` (``"column"``, ``"row"``, ``"replicated"``): which tensors the tp axis splits,
-    whose amaxes are all-reduced over it.
+    whose amaxes are all-reduced over it. ``deferrable``: under a zero-bubble step
+    (runtime/wgrad.py ``STORE.enabled``) the weight gradient is deferred to the W step, from
+    the FP8 operands (module docstring), as :func:`parcompile.runtime.wgrad.linear` defers a
+    16-bit one; False keeps it in the backward (the routed experts', which are not deferred
+    in 16 bits either).
 
     Raises:
         ValueError: an unknown recipe or split.
@@ -181,7 +214,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"FP8 recipe {recipe!r} has no program kernel here; one of {RECIPES}")
     if split not in ("column", "row", "replicated"):
         raise ValueError(f"split must be column, row or replicated, not {split!r}")
-    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split)
+    defer = deferrable and STORE.enabled and torch.is_grad_enabled()
+    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split, defer)
     return y + bias if bias is not None else y
 
 
