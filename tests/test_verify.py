@@ -148,12 +148,19 @@ CASES = {
     # scales make the casts independent of the group's amax) and with expert_tp 2 (per-row
     # amaxes of w2's split input all-reduced over it); tensorwise with ep over the
     # sequence-parallel tp ranks (an expert's group is one micro-batch's rows, as in the
-    # reference: the same per-expert scales), shared expert in FP8 too
+    # reference: the same per-expert scales), shared expert in FP8 too. (Tensorwise over dp 2 x
+    # ep 2 mixes two dp ranks' rows in one expert group, whose scale the reference's groups do
+    # not share, as in Transformer Engine; measured 1.5e-4 on losses and 2.1e-4 on gradients,
+    # inside FP8_TOLERANCES but near their 2.5e-4, so not a case here)
     "fp8_moe_rowwise_dp2_ep2": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(ep=2),
                                     train=dict(precision="fp8", fp8_recipe="rowwise")),
     "fp8_moe_rowwise_dp4_ep2_expert_tp2": dict(dp=4, model=dict(experts=4, top_k=2),
                                                parallel=dict(ep=2, expert_tp=2),
                                                train=dict(precision="fp8", fp8_recipe="rowwise")),
+    # both: FP8 experts (weight gradients in B) beside the dense FP8 layers' deferred W
+    "fp8_moe_rowwise_dp2_pp2_ep2_zero_bubble": dict(dp=2, pp=2, model=dict(experts=4, top_k=2),
+                                                    parallel=dict(ep=2, schedule="zero_bubble"),
+                                                    train=dict(precision="fp8", fp8_recipe="rowwise")),
     "fp8_moe_tp2_ep2_sequence_parallel": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1),
                                               parallel=dict(ep=2, expert_tp=1, sequence_parallel=True),
                                               train=dict(precision="fp8")),
