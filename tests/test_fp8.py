@@ -383,6 +383,12 @@ def test_fp8_experts_and_zero_bubble_compile_into_fp8_programs(tmp_path):
     moe = tiny_config(2, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2), train=fp8)
     zb = tiny_config(1, 1, 2, parallel=dict(schedule="zero_bubble"), train=fp8)
     assert program_gaps(moe, "error") == [] and program_gaps(zb, "error") == []
+    # ...but FP8 all-gather of a MoE model's ZeRO-3 parameters is (runtime/optim.py MoEOptimizer
+    # gathers in 16 bits; measured: the planned FP8 gathers and amax all-reduce missing)
+    gather = tiny_config(2, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2, zero=3),
+                         train=dict(precision="fp8", fp8_all_gather=True))
+    assert [d.message for d in program_gaps(gather, "error")] == [
+        "the generated program does not run FP8 all-gather with routed experts (fp8_all_gather with experts) yet"]
     plain = tiny_config(2, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2))
     for name, cfg in (("moe", moe), ("plain", plain)):
         build_program(cfg, tmp_path / name)
