@@ -179,6 +179,10 @@ MIXED_CASES = {
     # FP8 all-gather from the 16-bit slices zero 3 keeps (issue 32): bf16 rest, E4M3 weights
     "bf16_fp8_dp2_tp2_zero3_fp8_all_gather": dict(dtype="bf16", dp=2, tp=2, parallel=dict(
         zero=3, bucket_size=16 * 1024), train=dict(precision="fp8", fp8_all_gather=True)),
+    # zero-bubble's deferred FP8 weight gradients into the fp32 main_grad of bf16 weights, with
+    # dp's bucketed reduction waiting for them (runtime/grads.py accumulate)
+    "bf16_fp8_dp2_pp2_zero_bubble_zero1": dict(dtype="bf16", dp=2, pp=2, parallel=dict(
+        schedule="zero_bubble", zero=1, bucket_size=16 * 1024), train=dict(precision="fp8")),
 }
 
 
