@@ -57,13 +57,6 @@ _NOT_IN_PROGRAM: tuple = (
      "MXFP8 GEMMs (fp8_recipe = mxfp8)", "the program's FP8 GEMMs (torch._scaled_mm) have no MX block-scaled "
      "kernel on this machine: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a "
      "program now, use fp8_recipe = tensorwise or rowwise", 32, True),
-    # the MoE optimizer's two ZeRO-3 parts (runtime/optim.py MoEOptimizer) gather 16-bit
-    # parameters: neither the dense FP8 weights nor the experts' would move as planned
-    ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.model.experts > 0,
-     "FP8 all-gather with routed experts (fp8_all_gather with experts)", "the ZeRO-3 gathers of a MoE model "
-     "(runtime/optim.py MoEOptimizer) move 16-bit parameters: `parcompile plan`, `search`, `check` and `export` "
-     "work on this spec; to generate a program now, remove `fp8_all_gather` (FP8 GEMMs, experts' included, "
-     "still run)", 32, True),
     ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and (
         cfg.model.attn_logit_softcapping is not None or cfg.model.final_logit_softcapping is not None),
      "logit soft-capping (Gemma 2) in serve.py", "serve.py is not written from the graph's ops yet (issue 31): "
