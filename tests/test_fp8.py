@@ -269,6 +269,25 @@ def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, mon
         assert 1e-3 < rel < 0.2, (recipe, rel)
 
 
+def test_the_kernel_gets_a_reduction_dimension_padded_to_16_and_a_column_major_right_operand():
+    """runtime/fp8.py scaled_mm (the accelerator path): an expert's weight-gradient GEMM reduces
+    over its group of routed rows, any count (7 here), which CUDA's _scaled_mm refuses unless
+    a multiple of 16; the zero padding leaves the product as it was (torch's CPU _scaled_mm,
+    which takes any shape, on the unpadded operands)."""
+    import torch
+    from parcompile.runtime.fp8 import _kernel_operands, cast, scaled_mm
+    g = torch.Generator().manual_seed(4)
+    for recipe in ("tensorwise", "rowwise"):
+        gt8, sgt = cast(torch.randn(7, 48, generator=g), recipe, 0)    # g of a 7-row group, scaled per column
+        x8, sx = cast(torch.randn(7, 32, generator=g), recipe, 0)
+        a, b = _kernel_operands(gt8.t(), x8)
+        assert a.shape == (48, 16) and b.shape == (16, 32) and a.is_contiguous() and b.t().is_contiguous()
+        sa = sgt.t() if sgt.dim() else sgt
+        want = torch._scaled_mm(gt8.t().contiguous(), x8.t().contiguous().t(), scale_a=sa.flatten().view(sa.shape), scale_b=sx,
+                                out_dtype=torch.float32)
+        assert torch.allclose(scaled_mm(gt8.t(), sa, x8, sx, torch.float32), want, rtol=1e-6, atol=1e-6), recipe
+
+
 def test_presets_without_fp8_refuse_it_naming_those_that_have_it(tmp_path):
     path = _spec(tmp_path, cluster="ascend-910b")
     [d] = [d for d in _diags(path) if d.severity == "error"]

@@ -130,8 +130,26 @@ def _mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, 
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype
               ) -> torch.Tensor:
     """``torch._scaled_mm(a8, b8)`` with inverse scales ``sa`` (a scalar or ``(M, 1)``) and ``sb``
-    (a scalar or ``(1, N)``), fp32 accumulation, output in ``dtype``."""
+    (a scalar or ``(1, N)``), fp32 accumulation, output in ``dtype``; the operands laid out as
+    the kernel takes them (:func:`_kernel_operands`)."""
+    a8, b8 = _kernel_operands(a8, b8)
     return torch._scaled_mm(a8, b8, scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=dtype)
+
+
+def _kernel_operands(a8: torch.Tensor, b8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a8`` (M, K) row-major and ``b8`` (K, N) column-major, the reduction dimension K
+    zero-padded to a multiple of 16: torch's CUDA ``_scaled_mm`` checks ``K % 16 == 0`` and
+    ``N % 16 == 0`` and takes a column-major ``b``. K is a routed expert's group of rows in its
+    weight gradient's GEMM (``g^T x``), any count; zeros add nothing to a sum, so the product
+    is unchanged (torchao pads the same way: ``Float8LinearConfig.pad_inner_dim``,
+    ``torchao/float8/float8_ops.py`` ``preprocess_addmm``, and its FP8 grouped GEMM pads token
+    groups to 16, ``torchao/prototype/moe_training/utils.py`` ``pad_token_groups``, pytorch/ao
+    36027d82). N is a weight's dimension (a multiple of 16 in every model that runs FP8)."""
+    pad = -a8.shape[1] % 16
+    if pad:
+        a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], dim=1)
+        b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], dim=0)
+    return a8.contiguous(), b8.t().contiguous().t()
 
 
 def _dense(s: torch.Tensor) -> torch.Tensor:
