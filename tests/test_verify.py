@@ -188,6 +188,9 @@ MIXED_CASES = {
         zero=3, bucket_size=16 * 1024), train=dict(precision="fp8", fp8_all_gather=True)),
     # zero-bubble's deferred FP8 weight gradients into the fp32 main_grad of bf16 weights, with
     # dp's bucketed reduction waiting for them (runtime/grads.py accumulate)
+    # FP8 routed experts with bf16 weights and activations (fp32 main_grad over expert_dp)
+    "bf16_fp8_moe_rowwise_dp4_ep2_zero1": dict(dtype="bf16", dp=4, model=dict(experts=4, top_k=2), parallel=dict(
+        ep=2, zero=1), train=dict(precision="fp8", fp8_recipe="rowwise")),
     "bf16_fp8_dp2_pp2_zero_bubble_zero1": dict(dtype="bf16", dp=2, pp=2, parallel=dict(
         schedule="zero_bubble", zero=1, bucket_size=16 * 1024), train=dict(precision="fp8")),
 }
