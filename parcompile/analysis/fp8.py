@@ -23,6 +23,19 @@ the first / last layers' GEMMs in 16 bits as that flag with ``--num-layers-at-st
 those layers' GEMMs count at the 16-bit peak, with no casts, FP8 weight copies, scales, FP8
 all-gather or amax collectives.
 
+**Routed experts** (the ``experts`` op: every local expert's w1 [w3] and w2 GEMMs on its group
+of routed rows, a grouped GEMM) run in FP8 as the linears do, the router in fp32: torchao's FP8
+MoE training (``torchao/prototype/moe_training/fp8_grouped_mm.py``, ``_Float8GroupedMM`` at
+pytorch/ao 36027d82, rowwise only: the routed rows A per row, the expert weights per expert and
+output column, both again for the input gradient, and per expert group and column for the
+weight gradient, all E4M3 with power-of-two scales; it saves the 16-bit A and weights) and
+Transformer Engine's ``GroupedLinear`` (Megatron-Core's TEGroupedMLP; tensorwise: per-expert
+scales). So their FLOPs run at the FP8 peak and their casts are priced per routed row like a
+linear's (:func:`cast_elements`); the scales are a few fp32 per expert and row, not counted in
+memory. The token all-to-alls stay 16-bit: the FP8 grouped GEMM casts after the dispatch (not
+modelled: torchao's MXFP8 dispatch, ``ep/a2a_dispatch.py`` ``_A2ADispatchMXFP8FwdHPBwd`` at the
+same commit, moves MXFP8 rows forward and 16-bit gradients back).
+
 **The casts** (torchao ``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``
 at pytorch/ao 6243040, the torchao commit of the torchtitan runs): a linear ``y = x W`` with
 ``x`` of ``M x K``, ``W`` of ``K x N`` casts ``x`` and ``W`` in the forward and, in the

@@ -43,7 +43,9 @@ class StageParams:
     #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of ``dense`` and ``expert``),
     #: counted whatever the precision
     fp8: int = 0
-    #: how many weights ``fp8`` counts (one scale each: FP8 all-gather's amax all-reduce)
+    #: how many dense weights ``fp8`` counts (one scale each: FP8 all-gather's amax all-reduce;
+    #: ZeRO-3 gathers the experts' weights in 16 bits, as torchao's FSDP float8 all-gather
+    #: covers its Float8Linear weights only)
     fp8_weights: int = 0
 
     @property
@@ -96,8 +98,8 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         unit[1 if p.expert else 0] += n
         if is_fp8_gemm(nd, graph) and p.name.endswith("weight"):
             acc[s]["fp8"] += n
-            acc[s]["fp8_weights"] += 1
-            if not p.expert:
+            if not p.expert:   # FP8 all-gather moves the dense FP8 weights (unit[2]); experts' in 16 bits
+                acc[s]["fp8_weights"] += 1
                 unit[2] += n
         if not p.sharding.split and not p.expert and nd.op.attr("tp") != "replicated":
             # replicated over tp (norms, row-parallel biases, learned positions): under

@@ -58,13 +58,6 @@ _NOT_IN_PROGRAM: tuple = (
      "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
-    ("train.precision", lambda cfg: _fp8(cfg) and cfg.model.experts > 0,
-     "FP8 expert GEMMs (precision = fp8 with experts)", "the routed experts (runtime/moe.py) run their GEMMs in 16 "
-     "bits: `parcompile plan`, `search`, `check` and `export` work on this spec; to generate a program now, "
-     "remove `precision`", 32, True),
-    ("parallel.schedule", lambda cfg: _fp8(cfg) and cfg.parallel.schedule == "zero_bubble",
-     "FP8 GEMMs under zero_bubble", "the deferred weight gradients of zero_bubble (runtime/wgrad.py) are 16-bit "
-     "GEMMs: use schedule = 1f1b or interleaved_1f1b, or remove `precision`", 32, True),
     # the final soft-cap runs in serve.py (the Stage's head: its op's Code row); the serving
     # attention kernel (runtime/generate.py serve_attention) has no soft-cap
     ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and
@@ -314,13 +307,19 @@ def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> 
     top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
     routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
               f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
-              f"{_moe_extra(pd)}, local_experts={local})")
+              f"{_moe_extra(pd)}, local_experts={local}{_fp8_kw(experts)})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
                                  show_calls=True)}
     if layer.op("mlp.shared.w1") is not None:
         subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+
+
+def _fp8_kw(op) -> str:
+    """The keyword giving the FP8 recipe of op ``op``'s GEMMs (``OpData.fp8``: the routed experts'
+    under ``precision = fp8``, runtime/moe.py ``expert_linear``); empty for 16-bit ones."""
+    return f', fp8="{op.fp8}"' if op.fp8 else ""
 
 
 def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:

@@ -46,6 +46,17 @@ among the plan's (``comm.collectives``, ``where`` ``fp8_amax_tp``:
   cuBLAS's swizzled layout; elsewhere (this CPU, Hopper: no block-scaled kernel) the blocks
   are dequantized (exact in fp32: E4M3 times a power of two) and multiplied in fp32
   (:func:`mx_mm`).
+
+Under a zero-bubble schedule (runtime/wgrad.py: ``STORE`` collecting the step's weight
+gradients) the backward splits as the 16-bit linear's does: B returns the input gradient and
+files the weight gradient's GEMM with ``STORE`` for the schedule's W step. What the filed
+closure keeps is that GEMM's FP8 operands, cast in B (the output gradient along its
+columns, the input along its columns, with their scales; the tp amax all-reduces of those
+casts run in B, in the order the ranks of a tp group share), not the 16-bit ``x`` and
+``g``: a deferred W holds 1 byte per element of the layer's input and output gradient
+(plus one fp32 scale per column with ``rowwise``) from B to W, where the 16-bit deferral
+holds 2 (bf16) or 4 (fp32). The deferred gradient equals the one the undeferred backward
+returns (the same casts, the same GEMM).
 """
 
 from __future__ import annotations
@@ -55,6 +66,8 @@ import torch.distributed as dist
 
 from parcompile.runtime.comm import COUNTER, nbytes
 from parcompile.runtime.context import Axis
+from parcompile.runtime.grads import accumulate
+from parcompile.runtime.wgrad import STORE
 
 #: the recipes the program runs (analysis/fp8.py RECIPES: the plan's)
 RECIPES = ("tensorwise", "rowwise", "mxfp8")
@@ -216,8 +229,26 @@ def _mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, 
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype
               ) -> torch.Tensor:
     """``torch._scaled_mm(a8, b8)`` with inverse scales ``sa`` (a scalar or ``(M, 1)``) and ``sb``
-    (a scalar or ``(1, N)``), fp32 accumulation, output in ``dtype``."""
+    (a scalar or ``(1, N)``), fp32 accumulation, output in ``dtype``; the operands laid out as
+    the kernel takes them (:func:`_kernel_operands`)."""
+    a8, b8 = _kernel_operands(a8, b8)
     return torch._scaled_mm(a8, b8, scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=dtype)
+
+
+def _kernel_operands(a8: torch.Tensor, b8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a8`` (M, K) row-major and ``b8`` (K, N) column-major, the reduction dimension K
+    zero-padded to a multiple of 16: torch's CUDA ``_scaled_mm`` checks ``K % 16 == 0`` and
+    ``N % 16 == 0`` and takes a column-major ``b``. K is a routed expert's group of rows in its
+    weight gradient's GEMM (``g^T x``), any count; zeros add nothing to a sum, so the product
+    is unchanged (torchao pads the same way: ``Float8LinearConfig.pad_inner_dim``,
+    ``torchao/float8/float8_ops.py`` ``preprocess_addmm``, and its FP8 grouped GEMM pads token
+    groups to 16, ``torchao/prototype/moe_training/utils.py`` ``pad_token_groups``, pytorch/ao
+    36027d82). N is a weight's dimension (a multiple of 16 in every model that runs FP8)."""
+    pad = -a8.shape[1] % 16
+    if pad:
+        a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], dim=1)
+        b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], dim=0)
+    return a8.contiguous(), b8.t().contiguous().t()
 
 
 def _dense(s: torch.Tensor) -> torch.Tensor:
@@ -228,12 +259,16 @@ def _dense(s: torch.Tensor) -> torch.Tensor:
 class _Fp8Linear(torch.autograd.Function):
     """y = x W^T with FP8 GEMMs forward and backward (module docstring). ``tp``: the tp
     axis (None: one rank) and which operands it splits: ``split`` is ``"column"`` (W on N:
-    the output gradient split on N) or ``"row"`` (W and x on K)."""
+    the output gradient split on N) or ``"row"`` (W and x on K). ``defer``: the weight
+    gradient is filed with the zero-bubble ``STORE`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str):
-        ctx.recipe, ctx.tp, ctx.split = recipe, tp, split
+    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str, defer: bool = False):
+        ctx.recipe, ctx.tp, ctx.split, ctx.defer = recipe, tp, split, defer
         ctx.save_for_backward(x, weight)
+        # the parameter itself (runtime/wgrad.py _DeferredLinear: under saved-tensor hooks
+        # saved_tensors hands back another object; the deferred gradient must reach the parameter)
+        ctx.weight = weight if defer else None
         if recipe == "mxfp8":   # x W^T: blocks along K (x's rows, W's rows)
             y = mx_mm(x.reshape(-1, x.shape[-1]), weight, x.dtype)
             return y.view(*x.shape[:-1], weight.shape[0])
@@ -255,8 +290,12 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if recipe == "mxfp8":   # each GEMM's operands in blocks along its own reduction dimension
             gx = mx_mm(g2, weight.t(), grad_out.dtype).view(*x.shape) if ctx.needs_input_grad[0] else None
-            gw = mx_mm(g2.t(), x2.t(), weight.dtype) if ctx.needs_input_grad[1] else None
-            return gx, gw, None, None, None
+            gw = None
+            if ctx.needs_input_grad[1] and ctx.defer:   # W later (the 16-bit operands: MX casts run in W)
+                STORE.file(_mx_weight_grad(ctx.weight, g2, x2), ctx.weight)
+            elif ctx.needs_input_grad[1]:
+                gw = mx_mm(g2.t(), x2.t(), weight.dtype)
+            return gx, gw, None, None, None, None
         col = tp if split == "column" else None
         tw = recipe == "tensorwise"
         grad_x = grad_w = None
@@ -269,16 +308,41 @@ class _Fp8Linear(torch.autograd.Function):
             # g^T x: (N, M) @ (M, K), reduction M (whole on every rank)
             gt8, sgt = cast(g2, recipe, 0, col if tw else None)
             x8, sx = cast(x2, recipe, 0, (tp if split == "row" else None) if tw else None)
-            grad_w = _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype)
-        return grad_x, grad_w, None, None, None
+            if ctx.defer:   # W later, from the FP8 operands cast now (module docstring)
+                STORE.file(_weight_grad(ctx.weight, gt8, sgt, x8, sx), ctx.weight)
+            else:
+                grad_w = _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _weight_grad(weight: torch.Tensor, gt8: torch.Tensor, sgt: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor):
+    """The deferred weight gradient of an FP8 linear: a closure adding ``g^T x`` (the FP8 GEMM
+    of ``gt8`` (M, N) and ``x8`` (M, K) E4M3 with their inverse scales) to ``weight``'s
+    gradient; it keeps only those operands (module docstring)."""
+    def run() -> None:
+        accumulate(weight, _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype))
+    return run
+
+
+def _mx_weight_grad(weight: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor):
+    """The deferred weight gradient of an MXFP8 linear: a closure adding ``g^T x`` (``g2``
+    (M, N), ``x2`` (M, K), blocks along M cast when it runs) to ``weight``'s gradient."""
+    def run() -> None:
+        accumulate(weight, mx_mm(g2.t(), x2.t(), weight.dtype))
+    return run
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-               tp: Axis | None = None, split: str = "column") -> torch.Tensor:
+               tp: Axis | None = None, split: str = "column", deferrable: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (module docstring): ``x`` (..., K),
     ``weight`` (N, K) -> (..., N) in ``x``'s dtype; the bias added in that dtype. ``tp`` and
     ``split`` (``"column"``, ``"row"``, ``"replicated"``): which tensors the tp axis splits,
     whose amaxes are all-reduced over it (tensorwise, rowwise; mxfp8's block scales are local).
+    ``deferrable``: under a zero-bubble step
+    (runtime/wgrad.py ``STORE.enabled``) the weight gradient is deferred to the W step, from
+    the FP8 operands (module docstring), as :func:`parcompile.runtime.wgrad.linear` defers a
+    16-bit one; False keeps it in the backward (the routed experts', which are not deferred
+    in 16 bits either).
 
     Raises:
         ValueError: an unknown recipe or split.
@@ -287,7 +351,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"FP8 recipe {recipe!r} has no program kernel here; one of {RECIPES}")
     if split not in ("column", "row", "replicated"):
         raise ValueError(f"split must be column, row or replicated, not {split!r}")
-    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split)
+    defer = deferrable and STORE.enabled and torch.is_grad_enabled()
+    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split, defer)
     return y + bias if bias is not None else y
 
 

@@ -23,7 +23,7 @@ from parcompile.runtime.comm import all_reduce, copy_to_tp, leave_tp, reduce_fro
 from parcompile.runtime.context import Axis
 from parcompile.runtime.context_parallel import gather_kv as gather_kv_along
 from parcompile.runtime.fp8 import fp8_linear
-from parcompile.runtime.wgrad import STORE, linear
+from parcompile.runtime.wgrad import linear
 
 INIT_STD = 0.02  # GPT-2 / Megatron-LM `init_method_std`
 
@@ -151,17 +151,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, 0, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fp8_checked(self.__class__.__name__, self.fp8):
+        if self.fp8:
             return fp8_linear(x, self.weight, self.bias, self.fp8, self.tp, "column")
         return linear(x, self.weight, self.bias)
-
-
-def _fp8_checked(name: str, fp8: str | None) -> str | None:
-    """``fp8`` after checking that the weight gradients are not deferred (a zero-bubble
-    schedule's W step, runtime/wgrad.py, is not written for FP8 GEMMs)."""
-    if fp8 and STORE.enabled:
-        raise RuntimeError(f"{name}: FP8 GEMMs under a zero-bubble schedule (deferred weight gradients)")
-    return fp8
 
 
 class RowParallelLinear(nn.Module):
@@ -195,7 +187,7 @@ class RowParallelLinear(nn.Module):
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fp8_checked(self.__class__.__name__, self.fp8):
+        if self.fp8:
             y = leave_tp(fp8_linear(x, self.weight, None, self.fp8, self.tp, "row"), self.tp, self.sequence_parallel)
         else:
             y = leave_tp(linear(x, self.weight), self.tp, self.sequence_parallel)

@@ -41,6 +41,8 @@ tp > 1, and so does parcompile):
    each expert_tp rank runs its ffn / expert_tp slice of every expert on all of them.
 4. **Experts**: the rows are grouped by local expert and each expert's MLP runs on its
    group (a grouped GEMM, here a loop); w1/w3 column- and w2 row-parallel over expert_tp.
+   Under ``train.precision = fp8`` each expert matrix's GEMMs run in FP8
+   (:func:`expert_linear`, the one hook on the grouped matmul).
 5. **Combine**: with expert_tp > 1 a reduce-scatter over expert_tp sums the partial outputs
    back to the rows each rank received; an all-to-all over ep returns them to their tokens'
    ranks; each token's output is the router-weighted sum of its top_k rows.
@@ -66,6 +68,7 @@ import torch.nn.functional as F
 
 from parcompile.runtime.comm import COUNTER, all_gather_single, nbytes, reduce_from_tp
 from parcompile.runtime.context import Axis, ParallelContext
+from parcompile.runtime.fp8 import fp8_linear
 from parcompile.runtime.layers import ACTIVATIONS, GATED, INIT_STD, clamped_swiglu, make_param, swiglu
 
 COUNT_DTYPE = torch.int64
@@ -259,6 +262,30 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: str | None = None,
+                  axis: Axis | None = None, split: str = "column") -> torch.Tensor:
+    """One expert matrix on its group of rows: ``x`` (n, K) @ ``weight`` (N, K)^T [+ ``bias``]
+    -> (n, N), the grouped expert GEMM of step 4 (module docstring) for one group.
+
+    ``fp8`` (a recipe of :mod:`parcompile.runtime.fp8`; None: ``F.linear`` in the model dtype):
+    its forward and backward GEMMs in FP8 as a dense FP8 linear's (:func:`fp8_linear`), with
+    the group as the GEMM: ``tensorwise`` one scale per expert weight and one per group's
+    input and output gradient (Transformer Engine's ``GroupedLinear``: an FP8 GEMM with its
+    own scales per expert); ``rowwise`` one power-of-two scale per row of the group's rows
+    and per row of the expert's weight along each GEMM's reduction dimension, the weight
+    gradient's per column over the group's rows, as torchao's FP8 grouped GEMM
+    (``torchao/prototype/moe_training/fp8_grouped_mm.py``, ``_Float8GroupedMM`` at pytorch/ao
+    36027d82: A rowwise, B_t per expert and output column, ``grad_B`` from per-group
+    column-wise scales of the output gradient and A, ``round_scales_to_power_of_2=True``,
+    E4M3 everywhere). ``axis`` and ``split``: expert_tp and how it splits the matrix
+    (``"column"``: w1, w3; ``"row"``: w2), whose amaxes are all-reduced over it. The weight
+    gradient is never deferred (a zero-bubble step defers the dense layers' only, as in 16
+    bits). The router stays 16-bit/fp32 (not an expert GEMM)."""
+    if fp8:
+        return fp8_linear(x, weight, bias, fp8, axis, split, deferrable=False)
+    return F.linear(x, weight, bias)
+
+
 #: the layout attributes of a tensor (:func:`parcompile.runtime.layers.make_param`)
 _LAYOUT = ("global_name", "shard_dim", "shard_index", "num_shards", "global_shape", "valid_rows")
 
@@ -348,6 +375,7 @@ class MoELayer(nn.Module):
     ``norm_topk_prob``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``,
     ``routed_scaling_factor``: the router (:func:`route`). ``local_experts``: the experts
     this rank holds as the generated program read them off the sharded graph (checked).
+    ``fp8``: the FP8 recipe of the expert GEMMs (:func:`expert_linear`; None: 16-bit).
     """
 
     norm_topk_prob = _NORM_TOPK_PROB
@@ -357,11 +385,12 @@ class MoELayer(nn.Module):
                  norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
                  swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, local_experts: int | None = None):
+                 routed_scaling_factor: float = 1.0, local_experts: int | None = None, fp8: str | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.swiglu_clamp = swiglu_clamp   # gpt-oss: (alpha, limit) of its clamped SwiGLU
         self.axes = axes
+        self.fp8 = fp8
         self.aux_loss_scale = aux_loss_scale
         ep, etp = axes.ep, axes.expert_tp
         self.local = num_experts // ep.size
@@ -395,15 +424,21 @@ class MoELayer(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         mod = self.experts[str(e)]
+        etp, f8 = self.axes.expert_tp, self.fp8
+
+        def up(w: str) -> torch.Tensor:   # w1 / w3: column-parallel over expert_tp
+            return expert_linear(x, getattr(mod, w), getattr(mod, f"{w}_bias"), f8, etp, "column")
+
         if self.activation == "swiglu" and self.swiglu_clamp is not None:
-            h = clamped_swiglu(F.linear(x, mod.w1, mod.w1_bias), F.linear(x, mod.w3, mod.w3_bias), *self.swiglu_clamp)
+            h = clamped_swiglu(up("w1"), up("w3"), *self.swiglu_clamp)
         elif self.activation == "swiglu":
-            h = swiglu(F.linear(x, mod.w1, mod.w1_bias), F.linear(x, mod.w3, mod.w3_bias))
+            h = swiglu(up("w1"), up("w3"))
         elif self.activation == "gelu":
-            h = F.gelu(F.linear(x, mod.w1, mod.w1_bias))
+            h = F.gelu(up("w1"))
         else:
-            h = F.relu(F.linear(x, mod.w1, mod.w1_bias))
-        return F.linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None)   # partial sums over expert_tp
+            h = F.relu(up("w1"))
+        # partial sums over expert_tp
+        return expert_linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None, f8, etp, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -562,4 +597,4 @@ class TensorParallelMoE(nn.Module):
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "Router", "route", "load_balancing_loss"]
+__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "Router", "expert_linear", "route", "load_balancing_loss"]

@@ -391,6 +391,16 @@ def unscale_gradients(scaler, grads: list, ctx: ParallelContext, drop) -> bool:
     return not overflow
 
 
+def fp8_weight_ids(model: nn.Module) -> set[int]:
+    """``id`` of each weight ZeRO-3's FP8 all-gather moves in E4M3: the ``weight`` of every
+    module of ``model`` with an FP8 recipe (``fp8``; the linear layers). Not the routed
+    experts' matrices (runtime/moe.py MoELayer has no ``weight``): their ZeRO-3 gathers move
+    16 bits, as the plan's (analysis/params.py ``fp8_weights``, dense buckets' ``Bucket.fp8``)
+    and torchao's FSDP float8 all-gather (Float8Linear weights only)."""
+    return {id(m.weight) for m in model.modules()
+            if getattr(m, "fp8", None) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+
+
 def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
                    sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
     """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
@@ -448,12 +458,15 @@ class ShardedOptimizer(BucketedReduction):
     (zero 2, 3; :class:`parcompile.runtime.buckets.GradBuckets`). ``fp8_all_gather``
     (zero 3, ``train.fp8_all_gather`` with tensorwise FP8 GEMMs): the weights of the FP8
     GEMMs (the modules with an ``fp8`` recipe) are all-gathered as E4M3 bytes, the rest of
-    each bucket in 16 bits (:meth:`_gather_fp8`).
+    each bucket in 16 bits (:meth:`_gather_fp8`); ``fp8_model``: the module whose layers say
+    which weights those are (:func:`fp8_weight_ids`; default ``model``: a
+    :class:`MoEOptimizer` part is a view over some of a stage's parameters).
     """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, zero: int, weight_decay: float,
                  make_optimizer, bucket_size: int = 0, sequence_parallel: bool = False, chunks=None,
-                 grad_scale: float | None = None, reduce_dtype: str = "fp32", fp8_all_gather: bool = False):
+                 grad_scale: float | None = None, reduce_dtype: str = "fp32", fp8_all_gather: bool = False,
+                 fp8_model: nn.Module | None = None):
         self.model, self.ctx, self.zero = model, ctx, zero
         self.axis = ctx.axes["dp_cp"]
         self.sequence_parallel = sequence_parallel
@@ -516,8 +529,7 @@ class ShardedOptimizer(BucketedReduction):
         # amaxes and inverse scales (None: not taken this step: gathers in 16 bits)
         self.fp8_params: list[nn.Parameter] = []
         if fp8_all_gather and zero == 3:
-            fp8w = {id(m.weight) for m in model.modules()
-                    if getattr(m, "fp8", None) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+            fp8w = fp8_weight_ids(fp8_model if fp8_model is not None else model)
             self.fp8_params = [p for p in self.params if id(p) in fp8w]
         self._fp8_index = {id(p): k for k, p in enumerate(self.fp8_params)}
         self._fp8_amax: torch.Tensor | None = None
@@ -1187,8 +1199,10 @@ class MoEOptimizer:
         chunks = getattr(model, "chunks", None)
         dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
         if zero and ctx.axes["dp_cp"].size > 1:
+            # FP8 all-gather: the dense FP8 weights, found on the model's layers (fp8_weight_ids)
             self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks,
-                                          reduce_dtype=reduce_dtype)
+                                          reduce_dtype=reduce_dtype, fp8_all_gather=bool(train.get("fp8_all_gather")),
+                                          fp8_model=model)
         else:
             self.dense = ReplicatedOptimizer(dense, ctx, train, bucket_size, sequence_parallel, chunks)
         self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
