@@ -27,9 +27,7 @@ def _layers(cfg):
 
 #: kinds whose classes codegen writes from their rows (slices of issue 31 done so far)
 EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm", "attention",
-           "latent_norm", "latent_rope", "mla_key", "mla_value"}
-#: kinds a MoE layer runs as one runtime module (runtime/moe.py MoELayer), no row of their own yet
-ROUTED = {"router", "moe_dispatch", "experts", "moe_combine"}
+           "latent_norm", "latent_rope", "mla_key", "mla_value", "router", "moe_dispatch", "experts", "moe_combine"}
 
 
 @pytest.mark.parametrize("model,parallel", [
@@ -43,7 +41,7 @@ ROUTED = {"router", "moe_dispatch", "experts", "moe_combine"}
 def test_every_emitted_kind_has_a_row(model, parallel):
     pd = _layers(tiny_config(2, 2, 1, model=model, parallel=parallel))
     kinds = {o.kind for layer in pd.layers for o in layer.ops}
-    assert kinds <= EMITTED | ROUTED, kinds - EMITTED - ROUTED   # a new kind needs its row
+    assert kinds <= EMITTED, kinds - EMITTED   # a new kind needs its row
     for kind in sorted(kinds & EMITTED):
         for o in (o for layer in pd.layers for o in layer.ops if o.kind == kind):
             assert isinstance(code_of(kind, dict(o.attrs)), Code), (kind, o.name)
@@ -115,13 +113,37 @@ def test_selective_recomputation_is_a_mark_on_the_core():
     assert _layers(tiny_config(1, 2, 1)).dense_layer.op("attn.core").attr("recompute", None) is None
 
 
-def test_moe_layer_checks_the_programs_local_expert_count():
-    from parcompile.runtime.moe import ExpertAxes
+def test_grouped_experts_check_the_programs_local_shapes():
+    """The experts take their count and shard shape from the program (the graph's) and
+    check them against the layout: ep 1 holds all 4 experts, (16, 8) w1 shards."""
+    from parcompile.runtime.moe import ExpertAxes, GroupedExperts
 
     axes = ExpertAxes(ep=Axis("ep", [0], 0), expert_tp=Axis("expert_tp", [0], 0), expert_dp=Axis("expert_dp", [0], 0))
-    rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=4)
+    GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(4, 16, 8))
     with pytest.raises(ValueError, match="expects 2 experts per ep rank"):
-        rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)
+        GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(2, 16, 8))
+    with pytest.raises(ValueError, match="expects w1 shards of"):
+        GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(4, 8, 8))
+    with pytest.raises(ValueError, match="expects a"):
+        rt.Router("m.router", 8, 4, 2, ONE, 0, local=(4, 16))
+
+
+def test_moe_layer_is_written_op_by_op():
+    """A MoE layer's class calls the router, the dispatch, the experts and the combine, the
+    dispatch over the axes its collectives cross (ep, expert_tp), with the graph's local
+    expert count."""
+    from parcompile.codegen.emit import _moe_methods
+
+    pd = _layers(tiny_config(4, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2, expert_tp=2)))
+    text = _moe_methods(pd)
+    held = pd.moe_layer.op("mlp.experts").param_local[0]   # (experts held, ffn / expert_tp, h)
+    assert held[0] == 2
+    for s in ("route = self.router(x)", "rt.dispatch(x, route, local_experts=2, ep=self.ep, expert_tp=self.expert_tp)",
+              "rows = self.experts(rows)", "rt.combine(rows, route", f"local={held}",
+              "self.ep, self.expert_tp = experts.ep, experts.expert_tp"):
+        assert s in text, s
+    one = _moe_methods(_layers(tiny_config(1, 1, 1, model=dict(experts=4, top_k=2))))
+    assert "rt.dispatch(x, route, local_experts=4)" in one and "self.ep" not in one
 
 
 #: each template's model section (the decoder-layer classes and the Stage), first line to end

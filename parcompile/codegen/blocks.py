@@ -28,12 +28,15 @@ from parcompile.ir.ops import Code, code_of
 
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
 DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
-                 "shared_ffn": "SHARED_FFN"}
+                 "shared_ffn": "SHARED_FFN", "experts": "EXPERTS", "topk": "TOP_K"}
 #: the same in a program with multi-head latent attention (its own head widths)
 MLA_CONSTANTS = {**DIM_CONSTANTS, "q": "HEADS * (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)", "q_lora": "Q_LORA_RANK",
                  "kv_a": "KV_LORA_RANK + QK_ROPE_HEAD_DIM", "kv_lora": "KV_LORA_RANK",
                  "kv_b": "HEADS * (QK_NOPE_HEAD_DIM + V_HEAD_DIM)", "v": "HEADS * V_HEAD_DIM"}
 COMMENT_COLUMN = 56
+#: the axes a class's forward may read (``self.<axis>``) and where its ``__init__`` takes them
+#: from: its arguments ``tp``, ``cp`` and a MoE layer's ``experts`` (``rt.ExpertAxes``)
+AXIS_SOURCES = {"tp": "tp", "cp": "cp", "ep": "experts.ep", "expert_tp": "experts.expert_tp"}
 
 
 def describe(calls) -> str:
@@ -113,7 +116,9 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "reduce": f'"{reduce}"' if reduce else "None",
              "local": op.param_local[0] if op.param_local else None, "a": a,
              "dim": constants.get(op.dims[-1], str(op.global_shape[-1])),
-             "fp8": f', fp8="{op.fp8}"' if op.fp8 else ""}
+             "fp8": f', fp8="{op.fp8}"' if op.fp8 else "", "op": _fstring_name(op.name, layer)}
+    if "top_k" in a:
+        facts["top_k"] = constants.get("topk", str(a["top_k"]))
     if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
@@ -355,7 +360,9 @@ class _Writer:
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
         attrs = {**dict(op.attrs), "_gathers": tuple(sorted({c.axis for c in op.collectives
-                                                             if c.op == "all_gather" and c.phase == "forward"}))}
+                                                             if c.op == "all_gather" and c.phase == "forward"})),
+                 "_axes": tuple(sorted({c.axis for c in op.collectives})),
+                 "_bias": any(n.endswith(".bias") for n in op.param_names)}
         more = dict(code.facts(attrs)) if code.facts is not None else {}
         build = code.build
         if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
@@ -368,7 +375,8 @@ class _Writer:
                 sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
                 self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
                                  f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-            self.init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
+            fields = {k: v for k, v in more.items() if k not in ("init", "notes")}
+            self.init.append("\n".join(_wrap(f"self.{attr} = " + build.format(**facts, **fields), INIT_WRAP)))
         init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.pop("init", ()))
         more.pop("init", None)
         for line in init:
@@ -453,9 +461,9 @@ class _Writer:
                 code, text = self._op(name, op, texts, notes, show)
             self._place(name, op, code, text, texts, notes, refs, show)
         init = list(self.init)
-        axes = [a for a in ("tp", "cp") if any(f"self.{a}" in ln for ln in self.body + init + self.once)]
+        axes = [a for a in AXIS_SOURCES if any(re.search(rf"\bself\.{a}\b", ln) for ln in self.body + init + self.once)]
         if axes:
-            init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
+            init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(AXIS_SOURCES[a] for a in axes)}")
         params = ", ".join(f"x{k}" if k else "x" for k in range(len(self.external)))
         first = self.every.get(self.external[0]) if self.external else None
         kind = "gen.LayerStep" if self.serve else "rt.Positions"

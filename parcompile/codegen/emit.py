@@ -216,7 +216,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     tp_one = "no collective (tp = 1)"
     return {
         **_layer_kinds(pd),
-        **_classes(pd, m.norm_topk_prob),
+        **_classes(pd),
         "mla": mla,
         "mla_grads": mla_grads or "none (tp = 1)",
         "moe": moe,
@@ -289,29 +289,23 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     }
 
 
-def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> str:
-    """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
-    (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
-    graph's local expert count) and, where the graph has them, the shared experts'
-    MLP and their sum. ``serve``: the serving program's (the same dispatch, decode-sized:
-    top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
+def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
+    """The MoE module of a MoE layer, written op by op from its ops named ``mlp.*``
+    (:func:`methods`): the router, the token dispatch, the grouped experts and the combine
+    (runtime/moe.py, each from its op-table row: local expert count and shard shapes, the
+    axes the rows cross, off the sharded graph) and, where the graph has them, the shared
+    experts' MLP and their sum. ``serve``: the serving program's (the same dispatch,
+    decode-sized: top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
     layer = pd.moe_layer
     full = f"layers.{layer.index}.mlp."
-    experts = layer.op("mlp.experts")
-    local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
-    top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
-    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
-              f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
-              f"{_moe_extra(pd)}, local_experts={local})")
-    subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
-                                 show_calls=True)}
-    if layer.op("mlp.shared.w1") is not None:
-        subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
+    subs = {"shared": Submodule("shared", "SharedMLP(i, tp)")} if layer.op("mlp.shared.w1") is not None else {}
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
-    return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+    constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
+    return methods(ops, layer.index, full, pd.ops, subs, constants=constants,
+                   serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
 
 
-def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+def _classes(pd: ProgramData) -> dict:
     """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
@@ -325,7 +319,7 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
-    out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
+    out["moe_class"] = _moe_methods(pd) if pd.moe_layer is not None else ""
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
         c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
@@ -361,7 +355,7 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
     return block
 
 
-def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+def _serve_classes(pd: ProgramData) -> dict:
     """The serving program's decoder-layer classes written op by op from the serve plan's
     sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
     over the KV cache (multi-head latent attention: the runtime's ``MLAttention.serve``,
@@ -377,7 +371,7 @@ def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
             out[f"{key}_class"] = module_methods(mlp_layer, prefix, pd.ops, serve=True).text("i: int, tp: rt.Axis")
     out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
     if pd.moe_layer is not None:
-        out.update(_serve_moe(pd, norm_topk_prob))
+        out.update(_serve_moe(pd))
         if out["moe_expert_parallel"]:
             moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
         else:
@@ -403,7 +397,7 @@ def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> 
         name = after[0].name
 
 
-def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
+def _serve_moe(pd: ProgramData) -> dict:
     """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
     all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
     :func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
@@ -412,11 +406,11 @@ def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
     layer = pd.moe_layer
     ep = any(c.axis == "ep" for c in layer.op("mlp.dispatch").collectives)
     if ep:
-        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, norm_topk_prob, serve=True),
+        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, serve=True),
                 "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
                            "ep to the rank holding its expert, the rows return weighted by the router"}
     experts, shared = layer.op("mlp.experts"), layer.op("mlp.shared.w1")
-    args = "" if norm_topk_prob else ", norm_topk_prob=False"
+    args = "" if layer.op("mlp.router").attr("norm_topk_prob", True) else ", norm_topk_prob=False"
     if shared is not None:
         args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
     build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
@@ -595,7 +589,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, tp_one),
         "embed_leave": calls_comment(pd.conversion_after("embedding"), none=tp_one),
         **_layer_kinds(pd),
-        **_serve_classes(pd, m.norm_topk_prob),
+        **_serve_classes(pd),
         "mla": layer.op("attn.wkv_a") is not None,
         **_cache_layout(layer, plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]),
         "kv_local": plan["model"]["kv_heads_per_rank"],

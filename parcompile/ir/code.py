@@ -29,7 +29,8 @@ class Code:
     against the shard it makes), ``{reduce}`` the collective of the conversion after the
     op that it runs itself (``fold_after``), ``{a[key]}`` an op attribute, ``{fp8}`` the
     keyword of an FP8 GEMM's recipe (``, fp8="tensorwise"``; empty for a 16-bit one:
-    ``OpData.fp8``).
+    ``OpData.fp8``), ``{op}`` the op's own name (``f"layers.{i}.mlp.experts"``), ``{top_k}``
+    the program's constant for a router's top-k.
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
@@ -71,7 +72,8 @@ class Code:
     heads_in: bool = False
     heads_out: bool = False
     #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
-    #: operands over itself, from its collectives), ``init`` lines and comment ``notes`` of its own
+    #: operands over itself, from its collectives; ``_axes``: every axis its collectives cross;
+    #: ``_bias``: it has a bias parameter), ``init`` lines and comment ``notes`` of its own
     facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     serve_init: tuple[str, ...] | None = None
 
@@ -177,9 +179,34 @@ def _latent_rope_code(a) -> Code:
 
 _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
 
+#: the router's keywords beyond the softmax top-k's, by the op's attributes (ir/lower.py sets
+#: them only where not the default: DeepSeek-V3's sigmoid, group-limited choice, scaling;
+#: Qwen3-MoE's unnormalised weights)
+_ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def _router_facts(a) -> dict:
+    kw = "".join(f", {k}={a[k]!r}" for k in _ROUTER_KEYS if k in a)
+    if a.get("_bias"):   # gpt-oss's biased router
+        kw += ", router_bias=True"
+    return {"kw": kw}
+
+
+def _moe_axes_facts(a) -> dict:
+    """The expert axes the dispatch moves rows over, from its collectives (``_axes``): the
+    all-to-alls over ep, the all-gather over expert_tp."""
+    axes = a.get("_axes", ())
+    return {"kw": "".join(f", {ax}=self.{ax}" for ax in ("ep", "expert_tp") if ax in axes)}
+
+
+def _experts_facts(a) -> dict:
+    kw = ", bias=True" if a.get("_bias") else ""
+    if a.get("swiglu_limit") is not None:   # gpt-oss's clamped SwiGLU
+        kw += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
+    return {"kw": kw}
+
 #: each op kind's row (a Code, or a function of the op's attributes giving one); kinds
-#: outside decoder layers (embedding, loss, ...) and a MoE layer's routed kinds (router,
-#: dispatch, experts, combine: runtime/moe.py's MoELayer, one module) have none yet
+#: outside decoder layers (embedding, loss, ...) have none yet
 CODES: dict[str, Any] = {
     "add": _add_code,
     "norm": _norm_code,
@@ -207,6 +234,21 @@ CODES: dict[str, Any] = {
     "latent_rope": _latent_rope_code,
     "mla_key": Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
                     heads_in=True, heads_out=True, comment="[k_nope, rope key] per head"),
+    # a MoE layer's routed experts (runtime/moe.py; Megatron-Core's all-to-all token dispatcher)
+    "router": Code(build="rt.Router({name}, {in_features}, {out_features}, {top_k}, tp, SEED{kw}, "
+                         "local={local})",
+                   facts=_router_facts, inline=False, var="route",
+                   comment="fp32 scores; each token's top-k experts and their weights"),
+    "moe_dispatch": Code(call="rt.dispatch({0}, {1}, local_experts={a[local_experts]}{kw})", facts=_moe_axes_facts,
+                         inline=False, operands=("x", "route"), var="rows",
+                         comment="(token, choice) rows to their experts' ranks, grouped by local expert"),
+    "experts": Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", experts, SEED, '
+                          "OUT_STD{kw}, local={local})",
+                    facts=_experts_facts, inline=False, var="",
+                    comment="each local expert's MLP on its rows (a grouped GEMM)"),
+    "moe_combine": Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0)",
+                        serve_call="rt.combine({0}, {1})", inline=False, operands=("rows", "route"), var="y",
+                        comment="rows back to their tokens, weighted by the router"),
     "mla_value": Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
                       heads_in=True, heads_out=True, comment="v per head, its own storage"),
 }
