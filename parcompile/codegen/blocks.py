@@ -50,14 +50,17 @@ def describe(calls) -> str:
     return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
 
 
-def calls_comment(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
+def calls_comment(op: OpData | None, layer: int | None = None, none: str = "no collective",
+                  forward_only: bool = False) -> str:
     """A conversion's collectives for a comment, by the plan's name for it:
     ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
-    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
-    if op is None or not op.collectives:
+    (``layer``: the index written as ``{i}``, the program's classes serve every layer;
+    ``forward_only``: a serving program's, which has no backward)."""
+    calls = [c for c in op.collectives if not forward_only or c.phase == "forward"] if op is not None else []
+    if not calls:
         return none
     name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
-    return f"{name}: " + describe(op.collectives)
+    return f"{name}: " + describe(calls)
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,6 @@ class Submodule:
     extra: str = ""
     #: the op names (after the class's prefix) it runs; empty: those named ``<attr>.*``
     members: tuple[str, ...] = ()
-    #: its ops' collectives go in the call's comment
-    show_calls: bool = False
 
 
 @dataclass
@@ -206,7 +207,6 @@ class _Writer:
         self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
         self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
         self.names = {o.name for o in ops}
-        self.group_ops: dict[str, list[OpData]] = {}
         self.units: list[_Unit] = self._units()
         self.codes: dict[str, Code] = {}
         for name, op, _, _ in self.units:
@@ -283,7 +283,6 @@ class _Writer:
                     raise ValueError(f"{self.prefix}{g}: {len(leaving)} values leave the module, the program "
                                      "expects one")
                 units.append((leaving[0].name, self.subs[g], ins, leaving[0]))
-                self.group_ops[leaving[0].name] = grouped[g]
         return units
 
     def _fold(self) -> None:
@@ -349,8 +348,6 @@ class _Writer:
 
     def _submodule(self, name: str, sub: Submodule, texts: list[str], notes: list[str]) -> tuple[Code, str]:
         self.init.append("\n".join(_wrap(f"self.{sub.attr} = {sub.build}", INIT_WRAP)))
-        if sub.show_calls:
-            notes += [calls_comment(m, self.layer) for m in self.group_ops[name] if m.collectives]
         self.needs_pos = self.needs_pos or "pos" in sub.extra
         return Code(var="h"), f"self.{sub.attr}({', '.join(texts)}{sub.extra})"
 
@@ -388,8 +385,8 @@ class _Writer:
         text = call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
         self.needs_pos = self.needs_pos or re.search(r"\bpos\b", call) is not None
         notes += ([code.comment] if code.comment else []) + list(extra_notes)
-        if show.collectives:
-            notes.append(calls_comment(show, self.layer))
+        if any(c.phase == "forward" or not self.serve for c in show.collectives):
+            notes.append(calls_comment(show, self.layer, forward_only=self.serve))
         users = self.consumers.get(name, [])
         if code.heads_out or (op.kind == "redistribute" and self.alias.get(op.inputs[0], op.inputs[0])
                               in self.per_head):

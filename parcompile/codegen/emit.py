@@ -418,7 +418,7 @@ def _serve_moe(pd: ProgramData) -> dict:
     full = f"layers.{layer.index}.mlp."
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     members = tuple(o.name.removeprefix(full) for o in ops)
-    sub = {"experts": Submodule("experts", build, members=members, show_calls=False)}
+    sub = {"experts": Submodule("experts", build, members=members)}
     return {"moe_expert_parallel": False,
             "moe_class": methods(ops, layer.index, full, pd.ops, sub, serve=True).text("i: int, tp: rt.Axis"),
             "moe_doc": "tensor parallel as vLLM serves it (runtime/moe.py: TensorParallelMoE):\n    every expert on "
