@@ -399,8 +399,8 @@ def _head_call(pd: ProgramData, x: str = "rt.linear(x, self.head_weight())") -> 
 
 def _serve_moe(pd: ProgramData) -> dict:
     """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
-    all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
-    :func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
+    all-to-all over ep) run training's router, dispatch, experts and combine at decode size
+    (:func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
     serves it (TensorParallelMoE: tokens routed alike on every rank, the shared experts in
     the same partial sums, one all-reduce)."""
     layer = pd.moe_layer
@@ -596,7 +596,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "kv_replicas": plan["model"]["kv_head_replicas"],
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": kv_dtype,
-        # mixture of experts (runtime/moe.py: MoELayer, training's dispatch): the experts over ep,
+        # mixture of experts (runtime/moe.py: training's dispatch and combine): the experts over ep,
         # each one's inner width over expert_tp (a serve layout has expert_tp = tp: frontend/checks.py)
         "moe": m.experts > 0,
         "has_dense": pd.dense_layer is not None,

@@ -38,7 +38,7 @@ from parcompile.runtime.layers import (
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import MLAttention, ReplicatedLinear
-from parcompile.runtime.moe import ExpertAxes, GroupedExperts, MoELayer, Router, TensorParallelMoE, combine, dispatch
+from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, TensorParallelMoE, combine, dispatch
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights

@@ -265,7 +265,7 @@ _LAYOUT = ("global_name", "shard_dim", "shard_index", "num_shards", "global_shap
 
 class Router(nn.Module):
     """The router of one MoE layer (module docstring, step 1), the same in training
-    (the generated program, :class:`MoELayer`) and serving (:class:`TensorParallelMoE`):
+    (the generated program's MoE class) and serving (:class:`TensorParallelMoE`):
     tokens (..., h) -> :func:`route`'s (weights (N, k), experts (N, k), balance scores
     (N, E)) over their N.
 
@@ -328,7 +328,7 @@ class Router(nn.Module):
         return out
 
 
-#: MoELayer's and TensorParallelMoE's ``norm_topk_prob``: their router's (settable)
+#: TensorParallelMoE's ``norm_topk_prob``: its router's (settable)
 _NORM_TOPK_PROB = property(lambda self: self.router.norm_topk_prob,
                            lambda self, v: setattr(self.router, "norm_topk_prob", v))
 
@@ -517,37 +517,6 @@ def combine(routed: Routed, route: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return out.view(routed.shape)
 
 
-class MoELayer(nn.Module):
-    """The routed experts of one MoE layer as one module, (B, T, h) -> (B, T, h): the
-    generated program's sequence (:class:`Router` -> :func:`dispatch` ->
-    :class:`GroupedExperts` -> :func:`combine`) for tests and the single-process reference;
-    generated programs call the four themselves. Parameter names as the program's
-    (``{prefix}.router.*``, ``{prefix}.experts.{e}.*``); the experts of this ep rank are
-    ``num_experts / ep`` (a test's layout, not a program's: those come from the graph)."""
-
-    norm_topk_prob = _NORM_TOPK_PROB
-
-    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
-                 axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0,
-                 norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
-                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0):
-        super().__init__()
-        self.axes, self.aux_loss_scale = axes, aux_loss_scale
-        local = num_experts // axes.ep.size
-        self.router = Router(f"{prefix}.router", hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
-                             scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
-        self.experts = GroupedExperts(f"{prefix}.experts", num_experts, hidden, ffn, activation, axes, seed, out_std,
-                                      (local, ffn // axes.expert_tp.size, hidden), bias, swiglu_clamp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ep, etp = self.axes.ep, self.axes.expert_tp
-        route = self.router(x)
-        rows = dispatch(x, route, self.experts.local, ep if ep.size > 1 else None, etp if etp.size > 1 else None)
-        return combine(self.experts(rows), route, self.aux_loss_scale if self.training else 0.0)
-
-
 # --------------------------------------------------------------------------- serving
 
 
@@ -565,7 +534,7 @@ class TensorParallelMoE(nn.Module):
     all-reduce over tp (counted, ``B*T*h`` elements) completes per layer. Dropless: every
     (token, expert) pair is computed.
 
-    Parameters keep :class:`MoELayer`'s names (``{prefix}.router.weight`` (E, h) [and
+    Parameters keep the training program's names (``{prefix}.router.weight`` (E, h) [and
     ``.bias`` (E,), the ``.e_score_correction_bias`` (E,) buffer of ``noaux_tc``], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
     (h, ffn) [and their ``.bias``]) and the training program's shared MLP's
     (``{prefix}.shared.w1/w3/w2``), global shapes as written, split dims 0 (w1, w3 and
@@ -652,5 +621,5 @@ class TensorParallelMoE(nn.Module):
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "GroupedExperts", "MoELayer", "Routed", "Router", "TensorParallelMoE", "combine", "dispatch",
+__all__ = ["ExpertAxes", "GroupedExperts", "Routed", "Router", "TensorParallelMoE", "combine", "dispatch",
            "load_balancing_loss", "route"]
