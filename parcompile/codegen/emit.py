@@ -24,9 +24,10 @@ import jinja2
 from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
+from parcompile.core.model import rotary_dim
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
+from parcompile.ir.code import experts_keywords, router_keywords
 from parcompile.ir.ops import code_of
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
@@ -409,12 +410,15 @@ def _serve_moe(pd: ProgramData) -> dict:
         return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, serve=True),
                 "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
                            "ep to the rank holding its expert, the rows return weighted by the router"}
-    experts, shared = layer.op("mlp.experts"), layer.op("mlp.shared.w1")
-    args = "" if layer.op("mlp.router").attr("norm_topk_prob", True) else ", norm_topk_prob=False"
+    experts, shared, router = layer.op("mlp.experts"), layer.op("mlp.shared.w1"), layer.op("mlp.router")
+    args = ""
     if shared is not None:
         args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
+    # the router's and the experts' keywords from their ops, as their op-table rows write them
+    args += experts_keywords(dict(experts.attrs), any(n.endswith(".bias") for n in experts.param_names))
+    args += router_keywords(dict(router.attrs), any(n.endswith(".bias") for n in router.param_names))
     build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
-             f'"{experts.attr("activation")}", tp, SEED{args}{_moe_extra(pd)}, local_experts={experts.param_local[0][0]})')
+             f'"{experts.attr("activation")}", tp, SEED{args}, local_experts={experts.param_local[0][0]})')
     full = f"layers.{layer.index}.mlp."
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     members = tuple(o.name.removeprefix(full) for o in ops)
@@ -451,29 +455,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "score_scale": ((", scale=%r" % core.attr("scale")) if core.attr("scale", None) is not None else "")
                        + (", sinks=self.sinks" if core.attr("sinks", False) else ""),
     }
-
-
-def _moe_extra(pd: ProgramData) -> str:
-    """The MoE layer's constructor arguments beyond the common ones, from the graph's
-    experts and router ops (gpt-oss: expert and router biases, the clamped SwiGLU;
-    DeepSeek-V3: the router's scoring, group-limited choice and scaling)."""
-    layer = pd.moe_layer
-    if layer is None:
-        return ""
-    experts, router = layer.op("mlp.experts"), layer.op("mlp.router")
-    out = ""
-    if any(n.endswith(".bias") for n in experts.param_names):
-        out += ", bias=True"
-    if any(n.endswith(".bias") for n in router.param_names):
-        out += ", router_bias=True"
-    if experts.attr("swiglu_limit", None) is not None:
-        out += f", swiglu_clamp=({experts.attr('swiglu_alpha')!r}, {experts.attr('swiglu_limit')!r})"
-    # DeepSeek-V3's router (ir/lower.py sets these attributes only where not the default)
-    for key, default in ROUTER_DEFAULTS.items():
-        value = router.attr(key, default)
-        if value != default:
-            out += f", {key}={value!r}"
-    return out
 
 
 def _model_keys(m) -> dict:

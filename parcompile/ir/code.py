@@ -185,11 +185,23 @@ _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=T
 _ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
 
 
+def router_keywords(a, bias: bool) -> str:
+    """The runtime router's keywords beyond the softmax top-k's (``, scoring_func='sigmoid',
+    ...``) from a router op's attributes ``a``; ``bias``: the op has a bias (gpt-oss)."""
+    return "".join(f", {k}={a[k]!r}" for k in _ROUTER_KEYS if k in a) + (", router_bias=True" if bias else "")
+
+
+def experts_keywords(a, bias: bool) -> str:
+    """The runtime experts' keywords (``, bias=True, swiglu_clamp=(alpha, limit)``) from an
+    experts op's attributes ``a``; ``bias``: its matrices have biases (gpt-oss)."""
+    kw = ", bias=True" if bias else ""
+    if a.get("swiglu_limit") is not None:   # gpt-oss's clamped SwiGLU
+        kw += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
+    return kw
+
+
 def _router_facts(a) -> dict:
-    kw = "".join(f", {k}={a[k]!r}" for k in _ROUTER_KEYS if k in a)
-    if a.get("_bias"):   # gpt-oss's biased router
-        kw += ", router_bias=True"
-    return {"kw": kw}
+    return {"kw": router_keywords(a, bool(a.get("_bias")))}
 
 
 def _moe_axes_facts(a) -> dict:
@@ -200,10 +212,7 @@ def _moe_axes_facts(a) -> dict:
 
 
 def _experts_facts(a) -> dict:
-    kw = ", bias=True" if a.get("_bias") else ""
-    if a.get("swiglu_limit") is not None:   # gpt-oss's clamped SwiGLU
-        kw += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
-    return {"kw": kw}
+    return {"kw": experts_keywords(a, bool(a.get("_bias")))}
 
 #: each op kind's row (a Code, or a function of the op's attributes giving one); kinds
 #: outside decoder layers (embedding, loss, ...) have none yet
@@ -254,4 +263,4 @@ CODES: dict[str, Any] = {
 }
 
 
-__all__ = ["CODES", "COMM_KINDS", "Code"]
+__all__ = ["CODES", "COMM_KINDS", "Code", "experts_keywords", "router_keywords"]
