@@ -418,7 +418,7 @@ def _serve_moe(pd: ProgramData) -> dict:
     args += experts_keywords(dict(experts.attrs), any(n.endswith(".bias") for n in experts.param_names))
     args += router_keywords(dict(router.attrs), any(n.endswith(".bias") for n in router.param_names))
     build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
-             f'"{experts.attr("activation")}", tp, SEED{args}, local_experts={experts.param_local[0][0]})')
+             f'"{experts.attr("activation")}", tp, SEED{args}, local={experts.param_local[0]})')
     full = f"layers.{layer.index}.mlp."
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     members = tuple(o.name.removeprefix(full) for o in ops)

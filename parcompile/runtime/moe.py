@@ -545,6 +545,8 @@ class TensorParallelMoE(nn.Module):
     ``bias``: every expert matrix has a bias (gpt-oss; w2's, replicated, is added after
     the reduction, weighted by the router as the expert's output); ``router_bias``: a
     biased router; ``shared_bias``: the shared MLP's biases (w2's added after the reduction).
+    ``local``: the per-rank shape of the stacked w1 as the program read it off the sharded
+    graph, (every expert, ffn/tp, h); checked against the shards made.
     """
 
     norm_topk_prob = _NORM_TOPK_PROB
@@ -554,7 +556,7 @@ class TensorParallelMoE(nn.Module):
                  shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
                  swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, local_experts: int | None = None):
+                 routed_scaling_factor: float = 1.0, local: tuple[int, int, int] | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.swiglu_clamp = swiglu_clamp
@@ -564,6 +566,10 @@ class TensorParallelMoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): self._mlp(f"{prefix}.experts.{e}", hidden, ffn, seed, std, bias)
                                       for e in range(num_experts)})
         self.shared = self._mlp(f"{prefix}.shared", hidden, shared_ffn, seed, std, shared_bias) if shared_ffn else None
+        got = (len(self.experts), *self.experts["0"].w1.shape)
+        if local is not None and tuple(local) != got:   # the program's (experts held, ffn / tp, h), off the graph
+            raise ValueError(f"{prefix}: the program expects experts of {tuple(local)} per rank, the layout "
+                             f"makes {got}")
 
     def _mlp(self, name: str, hidden: int, ffn: int, seed: int, std: float, bias: bool) -> nn.Module:
         """One expert's (or the shared experts') w1 [w3] (ffn/tp, h) and w2 (h, ffn/tp)."""
