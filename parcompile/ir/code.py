@@ -250,7 +250,8 @@ CODES: dict[str, Any] = {
                    comment="fp32 scores; each token's top-k experts and their weights"),
     "moe_dispatch": Code(call="rt.dispatch({0}, {1}, local_experts={a[local_experts]}{kw})", facts=_moe_axes_facts,
                          inline=False, operands=("x", "route"), var="rows",
-                         comment="(token, choice) rows to their experts' ranks, grouped by local expert"),
+                         comment="(token, choice) rows to their experts' ranks, grouped by local expert "
+                                 "(as many as the router sends: the shape is the balanced estimate)"),
     "experts": Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", experts, SEED, '
                           "OUT_STD{kw}, local={local})",
                     facts=_experts_facts, inline=False, var="",
