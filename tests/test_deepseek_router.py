@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MoE router (runtime/moe.py: route, Router, MoELayer, TensorParallelMoE):
+"""DeepSeek-V3's MoE router (runtime/moe.py: route, Router, dispatch, GroupedExperts, combine, TensorParallelMoE):
 sigmoid scores, the group-limited top-k on scores + ``e_score_correction_bias``, weights
 from the uncorrected scores, ``norm_topk_prob`` (+1e-20), ``routed_scaling_factor``.
 
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from parcompile.runtime.context import Axis
-from parcompile.runtime.moe import ExpertAxes, MoELayer, Router, TensorParallelMoE, load_balancing_loss, route
+from parcompile.runtime.moe import (ExpertAxes, GroupedExperts, Router, TensorParallelMoE, combine, dispatch,
+                                    load_balancing_loss, route)
 from tests.test_checks import diags, one, spec, where
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
@@ -79,9 +80,25 @@ def _copy_from_hf(ours: torch.nn.Module, hf, shared: bool = False) -> None:
             ps["shared.w2"].copy_(sd["shared_experts.down_proj.weight"])
 
 
-def _moe_layer(norm: bool) -> MoELayer:
-    axes = ExpertAxes(_one("ep"), _one("expert_tp"), _one("expert_dp"))
-    return MoELayer("layers.1.mlp", H, E, K, F, "swiglu", axes, _one("tp"), 0, 0.02, **_router_kw(norm))
+class _RoutedExperts(torch.nn.Module):
+    """A generated program's routed experts on one process (ep = expert_tp = 1: every expert
+    here): its router -> dispatch -> grouped experts -> combine, as the MoE class calls them."""
+
+    def __init__(self, name: str, aux_loss_scale: float = 0.0, **router_kw):
+        super().__init__()
+        axes = ExpertAxes(_one("ep"), _one("expert_tp"), _one("expert_dp"))
+        self.aux_loss_scale = aux_loss_scale
+        self.router = Router(f"{name}.router", H, E, K, _one("tp"), 0, **router_kw)
+        self.experts = GroupedExperts(f"{name}.experts", E, H, F, "swiglu", axes, 0, 0.02, local=(E, F, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = self.router(x)
+        rows = self.experts(dispatch(x, route, local_experts=E))
+        return combine(rows, route, self.aux_loss_scale if self.training else 0.0)
+
+
+def _moe_layer(norm: bool) -> _RoutedExperts:
+    return _RoutedExperts("layers.1.mlp", **_router_kw(norm))
 
 
 def _sorted(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +112,7 @@ def _sorted(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor,
 
 def test_router_equals_transformers(case):
     hf, x = case["hf"], case["x"]
-    router = Router("layers.1.mlp", H, E, K, _one("tp"), 0, **_router_kw(case["norm"]))
+    router = Router("layers.1.mlp.router", H, E, K, _one("tp"), 0, **_router_kw(case["norm"]))
     with torch.no_grad():
         router.weight.copy_(hf.gate.weight)
         router.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
@@ -167,7 +184,7 @@ def test_sigmoid_balance_loss_uses_normalised_scores():
 
 
 def test_moe_layer_equals_transformers(case):
-    """MoELayer (ep = 1, in process) = transformers' gate + routed experts, forward and the
+    """The program's routed experts (ep = 1, in process) = transformers' gate + routed experts, forward and the
     gradients of the input and the router weight (through the uncorrected scores)."""
     hf, x = case["hf"], case["x"]
     ours = _moe_layer(case["norm"]).eval()
@@ -228,8 +245,7 @@ def test_correction_bias_is_a_fixed_fp32_buffer_with_a_layout():
     assert (b.global_name, b.global_shape, b.shard_dim, b.num_shards) == (
         "layers.1.mlp.router.e_score_correction_bias", (E,), None, 1)
     assert any(t is b for t in layout_tensors(layer))
-    greedy = MoELayer("m", H, E, K, F, "swiglu", ExpertAxes(_one("ep"), _one("expert_tp"), _one("expert_dp")),
-                      _one("tp"), 0, 0.02)
+    greedy = _RoutedExperts("m")
     assert greedy.router.e_score_correction_bias is None and "router.e_score_correction_bias" not in \
         greedy.state_dict()
 
@@ -372,7 +388,7 @@ def test_plan_router_attributes_and_program_arguments(tmp_path):
     assert (router.attr("scoring_func"), router.attr("topk_method"), router.attr("n_group"),
             router.attr("topk_group"), router.attr("routed_scaling_factor")) == ("sigmoid", "noaux_tc", 4, 2, 2.5)
     assert [p.name for p in node.params] == ["layers.1.mlp.router.weight"]   # the bias is a buffer
-    assert ARGS in render_program(cfg, plan)
+    assert ARGS in " ".join(render_program(cfg, plan).split())   # a long constructor wraps after commas
     plain = compile_config(tiny_config(model=dict(experts=8, top_k=2, layers=2)))
     attrs = plain.graph.node("layers.0.mlp.router").op.attr_map
     assert not {"scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"} & set(attrs)
@@ -393,8 +409,7 @@ def test_training_program_holds_the_router_of_the_keys(tmp_path):
 
     module, plan = build_program(tiny_config(model=ROUTER), tmp_path)
     stage = module.Stage(plan, init_parallel(plan))
-    [moe] = [mod for mod in stage.modules() if isinstance(mod, rt.MoELayer)]
-    r = moe.router
+    [r] = [mod for mod in stage.modules() if isinstance(mod, rt.Router)]
     assert (r.scoring_func, r.topk_method, r.n_group, r.topk_group, r.routed_scaling_factor) == (
         "sigmoid", "noaux_tc", 4, 2, 2.5)
     assert r.e_score_correction_bias.global_name == "layers.1.mlp.router.e_score_correction_bias"

@@ -243,11 +243,22 @@ def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, mon
     import torch
     import parcompile.runtime.fp8 as f8
     from parcompile.runtime.context import Axis
-    from parcompile.runtime.moe import ExpertAxes, MoELayer
+    from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
     H, E, K, F = 32, 4, 2, 48
     one = lambda name: Axis(name, [0], 0)   # noqa: E731
     axes = ExpertAxes(one("ep"), one("expert_tp"), one("expert_dp"))
-    layers = {r: MoELayer("m", H, E, K, F, "swiglu", axes, one("tp"), 0, 0.02, fp8=r) for r in (None, recipe)}
+
+    class Routed(torch.nn.Module):   # the generated MoE class's calls: router, dispatch, experts, combine
+        def __init__(self, fp8):
+            super().__init__()
+            self.router = Router("m.router", H, E, K, one("tp"), 0)
+            self.experts = GroupedExperts("m.experts", E, H, F, "swiglu", axes, 0, 0.02, local=(E, F, H), fp8=fp8)
+
+        def forward(self, x):
+            route = self.router(x)
+            return combine(self.experts(dispatch(x, route, local_experts=E)), route, 0.0)
+
+    layers = {r: Routed(r) for r in (None, recipe)}
     x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3))
     casts = []
     real = f8.cast
@@ -259,7 +270,7 @@ def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, mon
         if r is not None:
             forward, casts[:] = list(casts), []
         y.square().sum().backward()
-        out[r] = (y.detach(), xs.grad, layer.experts["1"].w2.grad, layer.router.weight.grad)
+        out[r] = (y.detach(), xs.grad, layer.experts._modules["1"].w2.grad, layer.router.weight.grad)
     _, chosen, _ = layers[None].router(x.reshape(-1, H))
     groups = torch.bincount(chosen.reshape(-1), minlength=E).tolist()
     want = [s for n in groups if n for s in ((n, H), (F, H), (n, H), (F, H), (n, F), (H, F))]
@@ -409,7 +420,7 @@ def test_fp8_experts_and_zero_bubble_compile_into_fp8_programs(tmp_path):
     for name, cfg in (("moe", moe), ("plain", plain)):
         build_program(cfg, tmp_path / name)
     program = (tmp_path / "moe" / "program.py").read_text()
-    [routed] = re.findall(r"rt\.MoELayer\((?:[^()]|\([^()]*\))*\)", program)
+    [routed] = re.findall(r"rt\.GroupedExperts\((?:[^()]|\([^()]*\))*\)", program)
     assert 'fp8="rowwise"' in routed
-    assert "fp8=" not in re.findall(r"rt\.MoELayer\((?:[^()]|\([^()]*\))*\)",
+    assert "fp8=" not in re.findall(r"rt\.GroupedExperts\((?:[^()]|\([^()]*\))*\)",
                                     (tmp_path / "plain" / "program.py").read_text())[0]

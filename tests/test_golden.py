@@ -10,6 +10,7 @@ rewrites them all.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,17 @@ def test_golden(spec, parcompile_golden, monkeypatch):
     for name, text in outputs.items():
         path = README_TIMELINE[1] if name == "timeline.svg" else GOLDEN / spec.stem / name
         parcompile_golden.text(text, path, what=f"{spec.name}: {name}")
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_full_size_example_programs_import(spec, monkeypatch, tmp_path):
+    """Each example's own program (full size) defines its classes and main without error."""
+    monkeypatch.chdir(REPO)
+    plan = parcompile.compile(spec.relative_to(REPO))
+    render = render_program if plan.config.workload == "train" else render_serve
+    path = tmp_path / "program.py"
+    path.write_text(render(plan.config, plan, tmp_path))
+    sp = importlib.util.spec_from_file_location(f"parcompile_golden_full_{spec.stem}", path)
+    module = importlib.util.module_from_spec(sp)
+    sp.loader.exec_module(module)
+    assert callable(module.main)

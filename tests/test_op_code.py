@@ -1,21 +1,55 @@
 """The op table's Code rows (issue 31): every op kind inside a decoder layer says how the
 program runs it, and codegen writes the layer's classes from those rows and the sharded
-graph alone (parcompile/codegen/blocks.py)."""
+graph alone (parcompile/codegen/blocks.py).
+
+The rows' calls run the plan's collectives (issue 17): each pipeline stage of a generated
+program runs in this process, on one rank of every axis, with ``torch.distributed``'s
+collectives replaced by shape-true stand-ins (the runtime still counts every call in
+``rt.COUNTER``). Forward and backward hooks on every decoder layer attribute each counted
+collective to its layer; the plan's ``comm.collectives`` entries of that layer (``where =
+layers.<i>...``), divided by the micro-batches, must be exactly what the program called:
+same ops, axes, bytes and counts, forward and backward (with recomputation) apart. The
+runtime sizes its collectives itself (the MoE token all-to-alls by the router's choice),
+the plan by :func:`parcompile.ir.ops.op_collectives`: this keeps the two equal on every
+layout of tests/test_verify*.py and the miniature of every example (examples/*.par: the
+same parallel layout, a small model; verify's :func:`miniature`). And a generated program
+defines nothing it does not read; codegen does no degree arithmetic.
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import itertools
 import re
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import parcompile
+import parcompile.verify as verify_mod
 from parcompile import runtime as rt
 from parcompile.codegen.blocks import module_methods
+from parcompile.codegen.emit import render_program, render_serve, write_files
 from parcompile.codegen.program_data import program_data
+from parcompile.core.axes import GROUP_AXES
 from parcompile.driver import compile_config
 from parcompile.ir.ops import Code, code_of
+from parcompile.ir.types import Dim
+from parcompile.runtime import comm, moe
 from parcompile.runtime.context import Axis
 from tests.program_utils import tiny_config
+from tests.test_verify import CASES, MIXED_CASES
+from tests.test_verify_buckets import BUCKET
+from tests.test_verify_buckets import CASES as BUCKET_CASES
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.par"))
+CODEGEN = REPO / "parcompile" / "codegen"
+_counter = itertools.count()
 
 ONE = Axis("tp", [0], 0)
 
@@ -27,9 +61,7 @@ def _layers(cfg):
 
 #: kinds whose classes codegen writes from their rows (slices of issue 31 done so far)
 EMITTED = {"norm", "linear", "add", "act", "swiglu", "geglu", "redistribute", "rope", "qk_norm", "attention",
-           "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up"}
-#: kinds a MoE layer runs as one runtime module (runtime/moe.py MoELayer), no row of their own yet
-ROUTED = {"router", "moe_dispatch", "experts", "moe_combine"}
+           "latent_norm", "latent_rope", "mla_key", "mla_value", "router", "moe_dispatch", "experts", "moe_combine"}
 
 
 @pytest.mark.parametrize("model,parallel", [
@@ -43,7 +75,7 @@ ROUTED = {"router", "moe_dispatch", "experts", "moe_combine"}
 def test_every_emitted_kind_has_a_row(model, parallel):
     pd = _layers(tiny_config(2, 2, 1, model=model, parallel=parallel))
     kinds = {o.kind for layer in pd.layers for o in layer.ops}
-    assert kinds <= EMITTED | ROUTED, kinds - EMITTED - ROUTED   # a new kind needs its row
+    assert kinds <= EMITTED, kinds - EMITTED   # a new kind needs its row
     for kind in sorted(kinds & EMITTED):
         for o in (o for layer in pd.layers for o in layer.ops if o.kind == kind):
             assert isinstance(code_of(kind, dict(o.attrs)), Code), (kind, o.name)
@@ -115,13 +147,37 @@ def test_selective_recomputation_is_a_mark_on_the_core():
     assert _layers(tiny_config(1, 2, 1)).dense_layer.op("attn.core").attr("recompute", None) is None
 
 
-def test_moe_layer_checks_the_programs_local_expert_count():
-    from parcompile.runtime.moe import ExpertAxes
+def test_grouped_experts_check_the_programs_local_shapes():
+    """The experts take their count and shard shape from the program (the graph's) and
+    check them against the layout: ep 1 holds all 4 experts, (16, 8) w1 shards."""
+    from parcompile.runtime.moe import ExpertAxes, GroupedExperts
 
     axes = ExpertAxes(ep=Axis("ep", [0], 0), expert_tp=Axis("expert_tp", [0], 0), expert_dp=Axis("expert_dp", [0], 0))
-    rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=4)
+    GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(4, 16, 8))
     with pytest.raises(ValueError, match="expects 2 experts per ep rank"):
-        rt.MoELayer("m", 8, 4, 2, 16, "swiglu", axes, ONE, 0, 0.02, local_experts=2)
+        GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(2, 16, 8))
+    with pytest.raises(ValueError, match="expects w1 shards of"):
+        GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(4, 8, 8))
+    with pytest.raises(ValueError, match="expects a"):
+        rt.Router("m.router", 8, 4, 2, ONE, 0, local=(4, 16))
+
+
+def test_moe_layer_is_written_op_by_op():
+    """A MoE layer's class calls the router, the dispatch, the experts and the combine, the
+    dispatch over the axes its collectives cross (ep, expert_tp), with the graph's local
+    expert count."""
+    from parcompile.codegen.emit import _moe_methods
+
+    pd = _layers(tiny_config(4, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2, expert_tp=2)))
+    text = _moe_methods(pd)
+    held = pd.moe_layer.op("mlp.experts").param_local[0]   # (experts held, ffn / expert_tp, h)
+    assert held[0] == 2
+    for s in ("route = self.router(x)", "rt.dispatch(x, route, local_experts=2, ep=self.ep, expert_tp=self.expert_tp)",
+              "rows = self.experts(rows)", "rt.combine(rows, route", f"local={held}",
+              "self.ep, self.expert_tp = experts.ep, experts.expert_tp"):
+        assert s in text, s
+    one = _moe_methods(_layers(tiny_config(1, 1, 1, model=dict(experts=4, top_k=2))))
+    assert "rt.dispatch(x, route, local_experts=4)" in one and "self.ep" not in one
 
 
 #: each template's model section (the decoder-layer classes and the Stage), first line to end
@@ -305,3 +361,282 @@ def test_the_stage_is_written_from_the_outer_ops(model, parallel, has, lacks):
         assert s in text, s
     for s in lacks:
         assert s not in text, s
+
+
+def test_layers_that_differ_are_refused():
+    plan = compile_config(tiny_config(1, 2, 1))
+    g = plan.graph
+    nd = g.node("layers.2.mlp.w1")
+    g.retype("layers.2.mlp.w1", nd.type.replace_dim("ffn", Dim("ffn", 256)))
+    with pytest.raises(ValueError, match="layer 2 of the sharded graph differs from layer 0"):
+        program_data(g, plan.degrees)
+
+
+# ---- the rows' calls run the plan's collectives (moved from tests/test_codegen_graph.py)
+
+
+def _verify_layouts() -> dict[str, tuple]:
+    """name -> (config, dtype) of every layout tests/test_verify*.py launches."""
+    out = {}
+    for name, kw in CASES.items():
+        kw = dict(kw)
+        out[f"verify:{name}"] = (tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw), "fp32")
+    for name, kw in MIXED_CASES.items():
+        kw = dict(kw)
+        dtype = kw.pop("dtype")
+        out[f"mixed:{name}"] = (tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1), **kw), dtype)
+    for name, kw in BUCKET_CASES.items():
+        kw = dict(kw)
+        par = dict(kw.pop("parallel", {}), bucket_size=BUCKET)
+        out[f"buckets:{name}"] = (tiny_config(kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("pp", 1),
+                                              parallel=par, **kw), "fp32")
+    return out
+
+
+LAYOUTS = _verify_layouts()
+
+
+# --------------------------------------------------------------------------- stand-in collectives
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def _all_reduce(t, op=None, group=None, async_op=False):
+    return _Done() if async_op else None
+
+
+def _all_gather(out, x, group=None, async_op=False):
+    out.view((out.shape[0] // x.shape[0],) + tuple(x.shape)).copy_(x)   # every rank sent x
+    return _Done() if async_op else None
+
+
+def _reduce_scatter(out, x, group=None, async_op=False):
+    out.copy_(x[:out.shape[0]])
+    return _Done() if async_op else None
+
+
+def _all_to_all(out, x, out_splits=None, in_splits=None, group=None, async_op=False):
+    out.copy_(x.reshape(out.shape))   # every rank sends what it receives (balanced)
+    return _Done() if async_op else None
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """Collectives that keep shapes and are still counted by the runtime."""
+    monkeypatch.setattr(dist, "all_reduce", _all_reduce)
+    monkeypatch.setattr(dist, "all_to_all_single", _all_to_all)
+    for mod in (comm, moe):
+        if hasattr(mod, "all_gather_single"):
+            monkeypatch.setattr(mod, "all_gather_single", _all_gather)
+        if hasattr(mod, "reduce_scatter_single"):
+            monkeypatch.setattr(mod, "reduce_scatter_single", _reduce_scatter)
+    yield
+
+
+def _context(plan: dict, stage: int) -> rt.ParallelContext:
+    """Rank 0 of every axis but pp (this stage), each with a stand-in group."""
+    deg = plan["degrees"]
+    axes = {}
+    for name in GROUP_AXES:
+        size = len(plan["groups"][name][0]) if name in plan["groups"] else deg.get(name, 1)
+        index = stage if name == "pp" else 0
+        axes[name] = rt.Axis(name, list(range(size)), index, object() if size > 1 else None)
+    return rt.ParallelContext(0, plan["world_size"], axes, torch.device("cpu"), None)
+
+
+def _import(cfg, plan_obj, out: Path):
+    write_files(out, {"plan.json": plan_obj.to_json(), "program.py": render_program(cfg, plan_obj, out)})
+    spec = importlib.util.spec_from_file_location(f"parcompile_codegen_test_{next(_counter)}", out / "program.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _key(e: dict) -> tuple:
+    """(op, axis, bytes); MoE token traffic (whose size the router decides) without bytes."""
+    routed = e.get("routed") or e.get("rows", -1) >= 0
+    return e["op"], e["axis"], None if routed else e["bytes"]
+
+
+def _counts() -> Counter:
+    return Counter({_key({"op": op, "axis": ax, "bytes": b, "rows": r}): n
+                    for (op, ax, b, r), n in rt.COUNTER.counts.items()})
+
+
+def measured_per_layer(module, plan: dict, cfg) -> dict[int, dict[str, Counter]]:
+    """Run every stage's chunks forward and backward once (one micro-batch); per decoder
+    layer, the collectives counted inside its forward and inside its backward (recomputation
+    included)."""
+    m, p = cfg.model, cfg.parallel
+    out: dict[int, dict[str, Counter]] = {}
+    for s in range(p.pp):
+        ctx = _context(plan, s)
+        torch.manual_seed(0)
+        model = module.Stage(plan, ctx).to(dtype=module.ACT_DTYPE)
+        model.train()
+        phase = {"now": "forward"}
+
+        def hooks(i: int, block) -> None:
+            rec = out.setdefault(i, {"forward": Counter(), "backward": Counter()})
+            mark = {}
+
+            def pre(_mod, args):
+                if phase["now"] == "forward":
+                    mark["fwd"] = _counts()
+
+            def post(_mod, args, y):
+                if phase["now"] != "forward":
+                    return
+                rec["forward"] += _counts() - mark["fwd"]
+                y.register_hook(lambda g: mark.__setitem__("bwd", _counts()))
+                args[0].register_hook(lambda g: rec["backward"].update(_counts() - mark["bwd"]))
+
+            block.register_forward_pre_hook(pre)
+            block.register_forward_hook(post)
+
+        for name, block in model.layers.items():
+            hooks(int(name), block)
+        seq = m.seq_len // p.cp                                  # tokens per cp rank
+        resid = seq // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+        for c in range(len(model.chunks)):
+            k = c * model.num_stages + model.stage
+            phase["now"] = "forward"
+            rt.COUNTER.reset()
+            if k == 0:
+                x = torch.randint(0, m.vocab, (p.micro_batch, seq))
+            else:
+                x = torch.randn(p.micro_batch, resid, m.hidden, dtype=module.ACT_DTYPE, requires_grad=True)
+            y = model.forward_chunk(c, x)
+            if k == model.num_model_chunks - 1:
+                loss = model.loss(y, torch.randint(0, m.vocab, (p.micro_batch, seq)))
+            else:
+                loss = y.float().sum()
+            phase["now"] = "backward"
+            loss.backward()
+    return out
+
+
+def planned_per_layer(plan: dict, compiled=None) -> dict[int, dict[str, Counter]]:
+    """The plan's collectives of each decoder layer per micro-batch: forward, and backward
+    with recomputation. ``compiled`` (the compiled plan): also each layer's FP8 amax
+    all-reduces over tp, which plan.json lists per stage (``where`` ``fp8_amax_tp``), from the
+    rule the plan sums (:func:`parcompile.analysis.fp8.amax_collectives`, per op)."""
+    m = plan["schedule"]["num_microbatches"]
+    out: dict[int, dict[str, Counter]] = {}
+    for e in plan["comm"]["collectives"]:
+        got = re.match(r"layers\.(\d+)\.", e["where"])
+        if not got or e["phase"] == "step":
+            continue
+        assert e["count"] % m == 0, e
+        window = "forward" if e["phase"] == "forward" else "backward"
+        rec = out.setdefault(int(got.group(1)), {"forward": Counter(), "backward": Counter()})
+        rec[window][_key(e)] += e["count"] // m
+    if compiled is not None:
+        from parcompile.analysis.fp8 import amax_collectives
+        again = compiled.config.parallel.recompute == "full"
+        for nd in compiled.graph.nodes():
+            for op, axis, nbytes, phase in amax_collectives(compiled.graph, nd, compiled.degrees):
+                rec = out.setdefault(nd.op.layer, {"forward": Counter(), "backward": Counter()})
+                rec[phase][(op, axis, nbytes)] += 1
+                if again and phase == "forward":
+                    rec["backward"][(op, axis, nbytes)] += 1
+    return out
+
+
+def _check(cfg, dtype: str, tmp_path: Path) -> None:
+    mini = verify_mod.miniature(cfg, dtype=dtype)
+    plan_obj = compile_config(mini)
+    module = _import(mini, plan_obj, tmp_path)
+    plan = plan_obj.data
+    measured = measured_per_layer(module, plan, mini)
+    planned = planned_per_layer(plan, plan_obj)
+    assert sorted(measured) == list(range(mini.model.layers))
+    for i in range(mini.model.layers):
+        want = planned.get(i, {"forward": Counter(), "backward": Counter()})
+        for window in ("forward", "backward"):
+            assert +measured[i][window] == +want[window], (
+                f"layer {i} {window}: the program called {dict(+measured[i][window])}, "
+                f"the plan has {dict(+want[window])}")
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_program_calls_the_plans_collectives_per_layer(name, tmp_path, fake_dist):
+    cfg, dtype = LAYOUTS[name]
+    if cfg.train.fp8_all_gather:
+        pytest.skip("ZeRO-3's FP8 all-gather hands the layers their E4M3 weights from the optimizer, which this "
+                    "one-layer harness does not run; verify compares every collective of these layouts exactly")
+    _check(cfg, dtype, tmp_path)
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_programs_call_the_plans_collectives_per_layer(spec, tmp_path, fake_dist, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = parcompile.compile(spec.relative_to(REPO)).config
+    if cfg.workload != "train":
+        pytest.skip("serving programs: no backward, no per-layer training collectives")
+    monkeypatch.setattr(verify_mod, "MAX_WORLD", 1 << 20)   # the layout is all this test keeps
+    _check(cfg, "fp32", tmp_path)
+
+
+def test_a_missing_collective_fails(tmp_path, fake_dist, monkeypatch):
+    """The property can fail: a program whose row-parallel layers skip their all-reduce
+    calls fewer collectives than the plan."""
+    cfg = verify_mod.miniature(tiny_config(1, 2, 1))
+    plan_obj = compile_config(cfg)
+    module = _import(cfg, plan_obj, tmp_path)
+    planned = planned_per_layer(plan_obj.data)
+    assert measured_per_layer(module, plan_obj.data, cfg)[0]["forward"] == planned[0]["forward"]
+    monkeypatch.setattr(rt.RowParallelLinear, "forward", lambda self, x: rt.linear(x, self.weight))
+    assert measured_per_layer(module, plan_obj.data, cfg)[0]["forward"] != planned[0]["forward"]
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def _unread_constants(text: str) -> list[str]:
+    """Module-level names a program assigns and never reads."""
+    tree = ast.parse(text)
+    assigned = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return [a for a in assigned if a not in loads]
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_programs_define_nothing_unread(spec, monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    plan = parcompile.compile(spec.relative_to(REPO))
+    render = render_program if plan.config.workload == "train" else render_serve
+    assert _unread_constants(render(plan.config, plan, tmp_path)) == []
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_programs_define_nothing_unread(name, tmp_path):
+    cfg, dtype = LAYOUTS[name]
+    mini = verify_mod.miniature(cfg, dtype=dtype)
+    assert _unread_constants(render_program(mini, compile_config(mini), tmp_path)) == []
+
+
+def test_unread_constant_check_can_fail():
+    assert _unread_constants("A = 1\nB = 2\nprint(A)\n") == ["B"]
+
+
+DEGREE_ARITHMETIC = re.compile(r"//\s*\(?\s*(?:p\.|par\.|parallel\.|cfg\.parallel\.)?"
+                               r"(?:tp|pp|cp|dp|ep|expert_tp|expert_dp|world_size|num_shards)\b")
+
+
+def test_no_degree_arithmetic_in_codegen():
+    hits = []
+    for path in sorted(CODEGEN.rglob("*")):
+        if path.suffix in (".py", ".j2"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if DEGREE_ARITHMETIC.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert hits == []
+    assert DEGREE_ARITHMETIC.search("heads_local = m.heads // p.tp")
+    assert DEGREE_ARITHMETIC.search("x // tp")

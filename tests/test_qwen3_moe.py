@@ -104,7 +104,7 @@ def test_norm_topk_prob_changes_the_output(case):
     m, stage = case["cfg"].model, case["stage"]
     ids = token_ids(m.vocab)
     ours = logits(stage, ids)
-    moe = [mod for mod in stage.modules() if isinstance(mod, rt.MoELayer)]
+    moe = [mod for mod in stage.modules() if isinstance(mod, rt.Router)]
     assert moe and all(mod.norm_topk_prob == m.norm_topk_prob for mod in moe)
     try:
         for mod in moe:

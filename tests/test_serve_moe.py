@@ -417,7 +417,7 @@ def test_tp2_pp2_serving_equals_single_process(models, tmp_path):
 
 
 def test_moe_serve_programs_define_nothing_unread(models):
-    from tests.test_codegen_graph import _unread_constants
+    from tests.test_op_code import _unread_constants
 
     for name, m in models.items():
         assert _unread_constants((m["root"] / "one" / "serve.py").read_text()) == [], name

@@ -28,12 +28,15 @@ from parcompile.ir.ops import Code, code_of
 
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
 DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
-                 "shared_ffn": "SHARED_FFN", "vocab": "PADDED_VOCAB"}
+                 "shared_ffn": "SHARED_FFN", "vocab": "PADDED_VOCAB", "experts": "EXPERTS", "topk": "TOP_K"}
 #: the same in a program with multi-head latent attention (its own head widths)
 MLA_CONSTANTS = {**DIM_CONSTANTS, "q": "HEADS * (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)", "q_lora": "Q_LORA_RANK",
                  "kv_a": "KV_LORA_RANK + QK_ROPE_HEAD_DIM", "kv_lora": "KV_LORA_RANK",
                  "kv_b": "HEADS * (QK_NOPE_HEAD_DIM + V_HEAD_DIM)", "v": "HEADS * V_HEAD_DIM"}
 COMMENT_COLUMN = 56
+#: the axes a class's forward may read (``self.<axis>``) and where its ``__init__`` takes them
+#: from: its arguments ``tp``, ``cp`` and a MoE layer's ``experts`` (``rt.ExpertAxes``)
+AXIS_SOURCES = {"tp": "tp", "cp": "cp", "ep": "experts.ep", "expert_tp": "experts.expert_tp"}
 
 
 def describe(calls) -> str:
@@ -47,14 +50,17 @@ def describe(calls) -> str:
     return ", ".join(d if n == 1 else f"{d} x {n}" for d, n in out)
 
 
-def calls_comment(op: OpData | None, layer: int | None = None, none: str = "no collective") -> str:
+def calls_comment(op: OpData | None, layer: int | None = None, none: str = "no collective",
+                  forward_only: bool = False) -> str:
     """A conversion's collectives for a comment, by the plan's name for it:
     ``layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)``
-    (``layer``: the index written as ``{i}``, the program's classes serve every layer)."""
-    if op is None or not op.collectives:
+    (``layer``: the index written as ``{i}``, the program's classes serve every layer;
+    ``forward_only``: a serving program's, which has no backward)."""
+    calls = [c for c in op.collectives if not forward_only or c.phase == "forward"] if op is not None else []
+    if not calls:
         return none
     name = op.name if layer is None else op.name.replace(f"layers.{layer}.", "layers.{i}.", 1)
-    return f"{name}: " + describe(op.collectives)
+    return f"{name}: " + describe(calls)
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,6 @@ class Submodule:
     extra: str = ""
     #: the op names (after the class's prefix) it runs; empty: those named ``<attr>.*``
     members: tuple[str, ...] = ()
-    #: its ops' collectives go in the call's comment
-    show_calls: bool = False
 
 
 @dataclass
@@ -107,7 +111,8 @@ def _fstring_name(name: str, layer: int) -> str:
 def program_attrs(op: OpData, every: Mapping[str, OpData]) -> dict:
     """``op``'s attributes with the graph facts a :class:`Code` row reads beside them:
     ``_gathers`` (the axes it all-gathers operands over itself, from its collectives),
-    ``_out_local`` (its output's per-rank shape),
+    ``_out_local`` (its output's per-rank shape), ``_axes`` (every axis its collectives
+    cross), ``_bias`` (it has a bias parameter),
     ``_seq_split`` (the axes splitting its output's sequence), ``_split_dim`` (a local
     split's dim), ``_tied_to`` (the parameter
     its first parameter is tied to: a tied LM head) and ``_tied_by`` (another op's
@@ -118,6 +123,8 @@ def program_attrs(op: OpData, every: Mapping[str, OpData]) -> dict:
             "_gathers": tuple(sorted({c.axis for c in op.collectives if c.op == "all_gather" and c.phase == "forward"})),
             "_seq_split": seq,
             "_out_local": tuple(op.local_shape),
+            "_axes": tuple(sorted({c.axis for c in op.collectives})),
+            "_bias": any(n.endswith(".bias") for n in op.param_names),
             "_tied_to": (op.param_tied[0] or "").removesuffix(".weight") if op.param_tied else "",
             "_tied_by": first is not None and any(first in o.param_tied for o in every.values()),
             # a conversion splitting locally: the dim its split axis splits
@@ -140,7 +147,10 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "dim": constants.get(op.dims[-1], str(op.global_shape[-1])),
              "fp8": f', fp8="{op.fp8}"' if op.fp8 else "",
              "param": f'"{op.param_names[0]}"' if op.param_names else None,
-             "scatter": reduce == "reduce_scatter"}
+             "scatter": reduce == "reduce_scatter",
+             "op": _fstring_name(op.name, layer)}
+    if "top_k" in a:
+        facts["top_k"] = constants.get("topk", str(a["top_k"]))
     if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
@@ -234,7 +244,6 @@ class _Writer:
         self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
         self.names = {o.name for o in ops}
         self.by_name = {o.name: o for o in ops}
-        self.group_ops: dict[str, list[OpData]] = {}
         self.units: list[_Unit] = self._units()
         self.codes: dict[str, Code] = {}
         for name, op, _, _ in self.units:
@@ -312,7 +321,6 @@ class _Writer:
                     raise ValueError(f"{self.prefix}{g}: {len(leaving)} values leave the module, the program "
                                      "expects one")
                 units.append((leaving[0].name, self.subs[g], ins, leaving[0]))
-                self.group_ops[leaving[0].name] = grouped[g]
         return units
 
     def _fold(self) -> None:
@@ -378,8 +386,6 @@ class _Writer:
 
     def _submodule(self, name: str, sub: Submodule, texts: list[str], notes: list[str]) -> tuple[Code, str]:
         self.init.append("\n".join(wrap_statement(f"self.{sub.attr} = {sub.build}", INIT_WRAP)))
-        if sub.show_calls:
-            notes += [calls_comment(m, self.layer) for m in self.group_ops[name] if m.collectives]
         self.needs_pos = self.needs_pos or "pos" in sub.extra
         return Code(var="h"), f"self.{sub.attr}({', '.join(texts)}{sub.extra})"
 
@@ -404,7 +410,8 @@ class _Writer:
                 sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
                 self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
                                  f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-            self.init.append("\n".join(wrap_statement(f"self.{attr} = " + build.format(**facts), INIT_WRAP)))
+            fields = {k: v for k, v in more.items() if k not in ("init", "notes")}
+            self.init.append("\n".join(wrap_statement(f"self.{attr} = " + build.format(**facts, **fields), INIT_WRAP)))
         init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.pop("init", ()))
         more.pop("init", None)
         for line in init:
@@ -416,8 +423,8 @@ class _Writer:
         text = call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
         self.needs_pos = self.needs_pos or re.search(r"\bpos\b", call) is not None
         notes += ([code.comment] if code.comment else []) + list(extra_notes)
-        if show.collectives:
-            notes.append(calls_comment(show, self.layer))
+        if any(c.phase == "forward" or not self.serve for c in show.collectives):
+            notes.append(calls_comment(show, self.layer, forward_only=self.serve))
         users = self.consumers.get(name, [])
         if code.heads_out or (op.kind == "redistribute" and self.alias.get(op.inputs[0], op.inputs[0])
                               in self.per_head):
@@ -490,9 +497,9 @@ class _Writer:
                 code, text = self._op(name, op, texts, notes, show)
             self._place(name, op, code, text, texts, notes, refs, show)
         init = list(self.init)
-        axes = [a for a in ("tp", "cp") if any(f"self.{a}" in ln for ln in self.body + init + self.once)]
+        axes = [a for a in AXIS_SOURCES if any(re.search(rf"\bself\.{a}\b", ln) for ln in self.body + init + self.once)]
         if axes:
-            init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(axes)}")
+            init.insert(0, f"self.{', self.'.join(axes)} = {', '.join(AXIS_SOURCES[a] for a in axes)}")
         params = ", ".join(f"x{k}" if k else "x" for k in range(len(self.external)))
         first = self.every.get(self.external[0]) if self.external else None
         kind = self.pos_type or ("gen.LayerStep" if self.serve else "rt.Positions")

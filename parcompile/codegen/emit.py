@@ -25,12 +25,13 @@ import jinja2
 from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.model import ROUTER_DEFAULTS, rotary_dim
+from parcompile.core.model import rotary_dim
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.classes import serve_classes, train_classes
 from parcompile.codegen.stage import (constant_lines, norm_definition, serve_constants, serve_positions, stage_code, train_constants,
                                       train_positions)
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
+from parcompile.ir.code import experts_keywords, router_keywords
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -213,7 +214,7 @@ def _train_model(cfg: SpecConfig, pd: ProgramData, padded: int) -> dict:
     aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
     layer = pd.dense_layer or pd.moe_layer
     kinds = _layer_kinds(pd)
-    c = _classes(pd, m.norm_topk_prob)
+    c = _classes(pd)
     sizes = {"heads_local": z.heads, "kv_local": z.kv_heads, "experts_local": z.experts or 0,
              "expert_ffn_local": z.expert_ffn or 0, "mla_grads": _mla_grads(pd, layer) or "none (tp = 1)",
              "aux_loss_scale": repr(aux), "seq_ranks": seq_ranks}
@@ -294,35 +295,23 @@ def _step_notes(p, sp: bool) -> dict:
     }
 
 
-def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> str:
-    """The MoE module of a MoE layer, from its ops named ``mlp.*``: the routed experts
-    (router, token dispatch, experts, combine: runtime/moe.py's MoELayer, built with the
-    graph's local expert count) and, where the graph has them, the shared experts'
-    MLP and their sum. ``serve``: the serving program's (the same dispatch, decode-sized:
-    top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
+def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
+    """The MoE module of a MoE layer, written op by op from its ops named ``mlp.*``
+    (:func:`methods`): the router, the token dispatch, the grouped experts and the combine
+    (runtime/moe.py, each from its op-table row: local expert count and shard shapes, the
+    axes the rows cross, off the sharded graph) and, where the graph has them, the shared
+    experts' MLP and their sum. ``serve``: the serving program's (the same dispatch,
+    decode-sized: top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
     layer = pd.moe_layer
     full = f"layers.{layer.index}.mlp."
-    experts = layer.op("mlp.experts")
-    local = experts.param_local[0][0]   # (experts held, ffn / expert_tp, h): the experts this rank holds
-    top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
-    routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
-              f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
-              f"{_moe_extra(pd)}, local_experts={local}{_fp8_kw(experts)})")
-    subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
-                                 show_calls=True)}
-    if layer.op("mlp.shared.w1") is not None:
-        subs["shared"] = Submodule("shared", "SharedMLP(i, tp)")
+    subs = {"shared": Submodule("shared", "SharedMLP(i, tp)")} if layer.op("mlp.shared.w1") is not None else {}
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
-    return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+    constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
+    return methods(ops, layer.index, full, pd.ops, subs, constants=constants,
+                   serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
 
 
-def _fp8_kw(op) -> str:
-    """The keyword giving the FP8 recipe of op ``op``'s GEMMs (``OpData.fp8``: the routed experts'
-    under ``precision = fp8``, runtime/moe.py ``expert_linear``); empty for 16-bit ones."""
-    return f', fp8="{op.fp8}"' if op.fp8 else ""
-
-
-def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+def _classes(pd: ProgramData) -> dict:
     """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
@@ -338,7 +327,7 @@ def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW", **fp8_table}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
-    out["moe_class"] = _moe_methods(pd, norm_topk_prob) if pd.moe_layer is not None else ""
+    out["moe_class"] = _moe_methods(pd) if pd.moe_layer is not None else ""
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
         c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
@@ -374,7 +363,7 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
     return block
 
 
-def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
+def _serve_classes(pd: ProgramData) -> dict:
     """The serving program's decoder-layer classes written op by op from the serve plan's
     sharded graph with the rows' serving forms (:func:`methods` ``serve``): the attention
     over the KV cache (multi-head latent attention in the serving graph's absorbed form:
@@ -390,7 +379,7 @@ def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
             out[f"{key}_class"] = module_methods(mlp_layer, prefix, pd.ops, serve=True).text("i: int, tp: rt.Axis")
     out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
     if pd.moe_layer is not None:
-        out.update(_serve_moe(pd, norm_topk_prob))
+        out.update(_serve_moe(pd))
         if out["moe_expert_parallel"]:
             moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
         else:
@@ -401,28 +390,31 @@ def _serve_classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
     return out
 
 
-def _serve_moe(pd: ProgramData, norm_topk_prob: bool) -> dict:
+def _serve_moe(pd: ProgramData) -> dict:
     """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
-    all-to-all over ep) run training's dispatch at decode size (runtime/moe.py's MoELayer,
-    :func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
+    all-to-all over ep) run training's router, dispatch, experts and combine at decode size
+    (:func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
     serves it (TensorParallelMoE: tokens routed alike on every rank, the shared experts in
     the same partial sums, one all-reduce)."""
     layer = pd.moe_layer
     ep = any(c.axis == "ep" for c in layer.op("mlp.dispatch").collectives)
     if ep:
-        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, norm_topk_prob, serve=True),
+        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, serve=True),
                 "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
                            "ep to the rank holding its expert, the rows return weighted by the router"}
-    experts, shared = layer.op("mlp.experts"), layer.op("mlp.shared.w1")
-    args = "" if norm_topk_prob else ", norm_topk_prob=False"
+    experts, shared, router = layer.op("mlp.experts"), layer.op("mlp.shared.w1"), layer.op("mlp.router")
+    args = ""
     if shared is not None:
         args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
+    # the router's and the experts' keywords from their ops, as their op-table rows write them
+    args += experts_keywords(dict(experts.attrs), any(n.endswith(".bias") for n in experts.param_names))
+    args += router_keywords(dict(router.attrs), any(n.endswith(".bias") for n in router.param_names))
     build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
-             f'"{experts.attr("activation")}", tp, SEED{args}{_moe_extra(pd)}, local_experts={experts.param_local[0][0]})')
+             f'"{experts.attr("activation")}", tp, SEED{args}, local={experts.param_local[0]})')
     full = f"layers.{layer.index}.mlp."
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     members = tuple(o.name.removeprefix(full) for o in ops)
-    sub = {"experts": Submodule("experts", build, members=members, show_calls=False)}
+    sub = {"experts": Submodule("experts", build, members=members)}
     return {"moe_expert_parallel": False,
             "moe_class": methods(ops, layer.index, full, pd.ops, sub, serve=True).text("i: int, tp: rt.Axis"),
             "moe_doc": "tensor parallel as vLLM serves it (runtime/moe.py: TensorParallelMoE):\n    every expert on "
@@ -448,29 +440,6 @@ def _layer_kinds(pd: ProgramData) -> dict:
         "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
         "window_table": "LAYER_WINDOWS" if len(set(windows)) > 1 else "WINDOW",
     }
-
-
-def _moe_extra(pd: ProgramData) -> str:
-    """The MoE layer's constructor arguments beyond the common ones, from the graph's
-    experts and router ops (gpt-oss: expert and router biases, the clamped SwiGLU;
-    DeepSeek-V3: the router's scoring, group-limited choice and scaling)."""
-    layer = pd.moe_layer
-    if layer is None:
-        return ""
-    experts, router = layer.op("mlp.experts"), layer.op("mlp.router")
-    out = ""
-    if any(n.endswith(".bias") for n in experts.param_names):
-        out += ", bias=True"
-    if any(n.endswith(".bias") for n in router.param_names):
-        out += ", router_bias=True"
-    if experts.attr("swiglu_limit", None) is not None:
-        out += f", swiglu_clamp=({experts.attr('swiglu_alpha')!r}, {experts.attr('swiglu_limit')!r})"
-    # DeepSeek-V3's router (ir/lower.py sets these attributes only where not the default)
-    for key, default in ROUTER_DEFAULTS.items():
-        value = router.attr(key, default)
-        if value != default:
-            out += f", {key}={value!r}"
-    return out
 
 
 def _model_keys(m) -> dict:
@@ -604,7 +573,7 @@ def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -
     z = pd.sizes
     layer = pd.dense_layer or pd.moe_layer
     kinds = _layer_kinds(pd)
-    c = {**kinds, **_serve_classes(pd, m.norm_topk_prob)}
+    c = {**kinds, **_serve_classes(pd)}
     sizes = {"heads_local": z.heads, "kv_local": kv_local, "experts_local": z.experts or 0,
              "expert_ffn_local": z.expert_ffn or 0,
              "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, "no collective (tp = 1)")}

@@ -233,7 +233,7 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     mla = layer.op("attn.wkv_a") is not None
     mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
     rows = _attention_rows(m, mla, serve=False)
-    if (mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")) is not None:
+    if mlp.op("mlp.w1") is not None:   # a dense MLP (the shared experts read SHARED_FFN)
         rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))
     rows += [("VOCAB", m.vocab, ""),
              ("PADDED_VOCAB", padded, f"Megatron's rule: a multiple of {m.vocab_multiple} * tp; padded rows stay zero"),

@@ -33,7 +33,9 @@ class Code:
     module's attribute, ``{scatter}`` whether the conversion it runs after it
     reduce-scatters (sequence parallelism). A row may also read the graph facts
     :func:`parcompile.codegen.blocks.program_attrs` adds to the attributes (``_gathers``,
-    ``_seq_split``, ``_split_dim``, ``_tied_to``, ``_tied_by``).
+    ``_seq_split``, ``_split_dim``, ``_tied_to``, ``_tied_by``, ``_out_local``,
+    ``_axes``, ``_bias``), ``{op}`` the op's own name (``f"layers.{i}.mlp.experts"``),
+    ``{top_k}`` the program's constant for a router's top-k.
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
@@ -76,7 +78,8 @@ class Code:
     heads_out: bool = False
     #: more format fields from the op's attributes (and ``_gathers``: the axes it all-gathers
     #: operands over itself, from its collectives; ``_out_local``: its output's per-rank
-    #: shape), ``init`` lines and comment ``notes`` of its own
+    #: shape; ``_axes``: every axis its collectives cross; ``_bias``: it has a bias
+    #: parameter), ``init`` lines and comment ``notes`` of its own
     facts: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     serve_init: tuple[str, ...] | None = None
 
@@ -256,9 +259,43 @@ _ATTENTION_CODE = Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, tr
 
 _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
 
+#: the router's keywords beyond the softmax top-k's, by the op's attributes (ir/lower.py sets
+#: them only where not the default: DeepSeek-V3's sigmoid, group-limited choice, scaling;
+#: Qwen3-MoE's unnormalised weights)
+_ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def router_keywords(a, bias: bool) -> str:
+    """The runtime router's keywords beyond the softmax top-k's (``, scoring_func='sigmoid',
+    ...``) from a router op's attributes ``a``; ``bias``: the op has a bias (gpt-oss)."""
+    return "".join(f", {k}={a[k]!r}" for k in _ROUTER_KEYS if k in a) + (", router_bias=True" if bias else "")
+
+
+def experts_keywords(a, bias: bool) -> str:
+    """The runtime experts' keywords (``, bias=True, swiglu_clamp=(alpha, limit)``) from an
+    experts op's attributes ``a``; ``bias``: its matrices have biases (gpt-oss)."""
+    kw = ", bias=True" if bias else ""
+    if a.get("swiglu_limit") is not None:   # gpt-oss's clamped SwiGLU
+        kw += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
+    return kw
+
+
+def _router_facts(a) -> dict:
+    return {"kw": router_keywords(a, bool(a.get("_bias")))}
+
+
+def _moe_axes_facts(a) -> dict:
+    """The expert axes the dispatch moves rows over, from its collectives (``_axes``): the
+    all-to-alls over ep, the all-gather over expert_tp."""
+    axes = a.get("_axes", ())
+    return {"kw": "".join(f", {ax}=self.{ax}" for ax in ("ep", "expert_tp") if ax in axes)}
+
+
+def _experts_facts(a) -> dict:
+    return {"kw": experts_keywords(a, bool(a.get("_bias")))}
+
 #: each op kind's row (a Code, or a function of the op's attributes giving one); the loss
-#: (the Stage's ``loss``) and a MoE layer's routed kinds (router, dispatch, experts,
-#: combine: runtime/moe.py's MoELayer, one module) have none yet
+#: (the Stage's ``loss``) has none
 CODES: dict[str, Any] = {
     "embedding": _embedding_code,
     "add": _add_code,
@@ -282,6 +319,22 @@ CODES: dict[str, Any] = {
     "latent_rope": _latent_rope_code,
     "mla_key": Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
                     heads_in=True, heads_out=True, comment="[k_nope, rope key] per head"),
+    # a MoE layer's routed experts (runtime/moe.py; Megatron-Core's all-to-all token dispatcher)
+    "router": Code(build="rt.Router({name}, {in_features}, {out_features}, {top_k}, tp, SEED{kw}, "
+                         "local={local})",
+                   facts=_router_facts, inline=False, var="route",
+                   comment="fp32 scores; each token's top-k experts and their weights"),
+    "moe_dispatch": Code(call="rt.dispatch({0}, {1}, local_experts={a[local_experts]}{kw})", facts=_moe_axes_facts,
+                         inline=False, operands=("x", "route"), var="rows",
+                         comment="(token, choice) rows to their experts' ranks, grouped by local expert "
+                                 "(as many as the router sends: the shape is the balanced estimate)"),
+    "experts": Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", experts, SEED, '
+                          "OUT_STD{kw}, local={local}{fp8})",
+                    facts=_experts_facts, inline=False, var="",
+                    comment="each local expert's MLP on its rows (a grouped GEMM)"),
+    "moe_combine": Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0)",
+                        serve_call="rt.combine({0}, {1})", inline=False, operands=("rows", "route"), var="y",
+                        comment="rows back to their tokens, weighted by the router"),
     "mla_value": Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
                       heads_in=True, heads_out=True, comment="v per head, its own storage"),
     # MLA's absorbed serving form (ir/lower.py mla_absorbed): the op holding wkv_b turns each
@@ -299,4 +352,4 @@ CODES: dict[str, Any] = {
 }
 
 
-__all__ = ["CODES", "COMM_KINDS", "Code"]
+__all__ = ["CODES", "COMM_KINDS", "Code", "experts_keywords", "router_keywords"]

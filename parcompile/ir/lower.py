@@ -363,9 +363,13 @@ def ungated_mlp(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
 
 def _router_kind(m: ModelConfig) -> dict[str, Any]:
     """DeepSeek-V3's router (runtime/moe.py: route), attributes only where not the softmax
-    top-k's; the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer)."""
-    return {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default
-            and (m.topk_method == "noaux_tc" or k not in ("n_group", "topk_group"))}
+    top-k's; the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer);
+    ``norm_topk_prob`` only where false."""
+    out = {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default
+           and (m.topk_method == "noaux_tc" or k not in ("n_group", "topk_group"))}
+    if not m.norm_topk_prob:   # the chosen weights as they are (Qwen3-MoE's norm_topk_prob = false)
+        out["norm_topk_prob"] = False
+    return out
 
 
 def moe(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:

@@ -9,6 +9,8 @@ parallelism with parallel folding).
   (``insert-collectives``), not over ``dp_cp``.
 * Token tensors keep the dense layout: the dispatch and combine ops run the all-to-alls
   themselves (:func:`parcompile.ir.ops.moe_collectives`), so no edge conversion appears.
+  Each dispatch is marked ``local_experts``: the experts one ep rank holds (every layout,
+  ep = 1 included), which decides where its rows go.
 * The router weight and shared experts are dense parameters (replicated, or tensor
   parallel over tp like an MLP).
 """
@@ -29,11 +31,14 @@ class ShardExperts:
 
     def apply(self, graph: Graph, ctx: PassContext) -> None:
         ep, etp = ctx.degrees["ep"], ctx.degrees["expert_tp"]
-        if ctx.cfg.model.experts == 0 or (ep == 1 and etp == 1):
+        if ctx.cfg.model.experts == 0:
             return
         for n in ctx.visit(graph.topological()):
             nd = graph.node(n)
             if not any(p.expert for p in nd.params):
+                continue
+            if ep == 1 and etp == 1:
+                self._mark_dispatch(graph, n, ctx)
                 continue
             ps = []
             for p in nd.params:
@@ -46,3 +51,16 @@ class ShardExperts:
                     p = replace(p, sharding=s)
                 ps.append(p)
             graph.set_params(n, ps)
+            self._mark_dispatch(graph, n, ctx)
+
+    @staticmethod
+    def _mark_dispatch(graph: Graph, experts: str, ctx: PassContext) -> None:
+        """The dispatch feeding the experts op ``experts`` gets ``local_experts``: the experts
+        each ep rank holds (the local size of the stacked weights' ``experts`` dim), the
+        rows' destination rule the program's dispatch follows."""
+        p = next(p for p in graph.node(experts).params if p.expert)
+        local = p.sharding.local_type(p.type, ctx.degrees)
+        held = next(d.size for d in local.dims if d.name == "experts")
+        for src in graph.inputs(experts):
+            if graph.node(src).kind == "moe_dispatch":
+                graph.set_attrs(src, local_experts=held)

@@ -39,7 +39,7 @@ from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import (ReplicatedLinear, latent_attention, mla_absorb_query, mla_value_up, rope_key_at,
                                     rope_tail_at)
-from parcompile.runtime.moe import ExpertAxes, MoELayer, TensorParallelMoE
+from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, TensorParallelMoE, combine, dispatch
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights

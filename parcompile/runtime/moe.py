@@ -292,12 +292,14 @@ _LAYOUT = ("global_name", "shard_dim", "shard_index", "num_shards", "global_shap
 
 class Router(nn.Module):
     """The router of one MoE layer (module docstring, step 1), the same in training
-    (:class:`MoELayer`) and serving (:class:`TensorParallelMoE`): (N, h) -> :func:`route`'s
-    (weights (N, k), experts (N, k), balance scores (N, E)).
+    (the generated program's MoE class) and serving (:class:`TensorParallelMoE`):
+    tokens (..., h) -> :func:`route`'s (weights (N, k), experts (N, k), balance scores
+    (N, E)) over their N.
 
-    Tensors, replicated: ``{prefix}.router.weight`` (E, h) parameter; ``.bias`` (E,) with
+    Tensors, replicated: ``{name}.weight`` (E, h) parameter (``name``: ``layers.<i>.mlp.router``;
+    ``local``: its shape as the program read it off the graph, checked); ``.bias`` (E,) with
     ``router_bias`` (gpt-oss); with ``topk_method = "noaux_tc"`` the persistent buffer
-    ``{prefix}.router.e_score_correction_bias`` (E,), fp32 under any model dtype, zeros
+    ``{name}.e_score_correction_bias`` (E,), fp32 under any model dtype, zeros
     until loaded (HF weights, DCP checkpoints: it carries the layout attributes that
     :func:`parcompile.runtime.weights.layout_tensors` finds). It is not a parameter: no
     gradient, no optimizer, held fixed in training (DeepSeek-V3's bias update between steps
@@ -305,10 +307,10 @@ class Router(nn.Module):
     a plain top-k).
     """
 
-    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, tp: Axis, seed: int,
+    def __init__(self, name: str, hidden: int, num_experts: int, top_k: int, tp: Axis, seed: int,
                  norm_topk_prob: bool = True, router_bias: bool = False, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, local: tuple[int, int] | None = None):
         super().__init__()
         if topk_method not in ("greedy", "noaux_tc"):
             raise ValueError(f"topk_method must be greedy or noaux_tc, got {topk_method!r}")
@@ -321,16 +323,20 @@ class Router(nn.Module):
         grouped = topk_method == "noaux_tc"
         self.n_group, self.topk_group = (n_group, topk_group) if grouped else (1, 1)
         self.routed_scaling_factor = routed_scaling_factor
-        self.weight = make_param(f"{prefix}.router.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
-        self.bias = make_param(f"{prefix}.router.bias", (num_experts,), seed, 0, tp, None) if router_bias else None
+        self.weight = make_param(f"{name}.weight", (num_experts, hidden), seed, INIT_STD, tp, None)
+        if local is not None and tuple(local) != tuple(self.weight.shape):
+            raise ValueError(f"{name}: the program expects a {tuple(local)} router weight, the model makes "
+                             f"{tuple(self.weight.shape)}")
+        self.bias = make_param(f"{name}.bias", (num_experts,), seed, 0, tp, None) if router_bias else None
         if grouped:
             b = torch.zeros(num_experts, dtype=torch.float32)
-            _set_layout(b, f"{prefix}.router.e_score_correction_bias")
+            _set_layout(b, f"{name}.e_score_correction_bias")
             self.register_buffer("e_score_correction_bias", b, persistent=True)
         else:
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = x.reshape(-1, x.shape[-1])                    # (N, h): every token of the rank
         rb = None if self.bias is None else self.bias.float()
         return route(F.linear(x.float(), self.weight.float(), rb), self.top_k, self.norm_topk_prob,
                      self.scoring_func, self.e_score_correction_bias, self.n_group, self.topk_group,
@@ -349,7 +355,7 @@ class Router(nn.Module):
         return out
 
 
-#: MoELayer's and TensorParallelMoE's ``norm_topk_prob``: their router's (settable)
+#: TensorParallelMoE's ``norm_topk_prob``: its router's (settable)
 _NORM_TOPK_PROB = property(lambda self: self.router.norm_topk_prob,
                            lambda self, v: setattr(self.router, "norm_topk_prob", v))
 
@@ -365,65 +371,133 @@ def _copy_layout(src: torch.Tensor, dst: torch.Tensor) -> None:
         setattr(dst, a, getattr(src, a))
 
 
-class MoELayer(nn.Module):
-    """The routed experts of one MoE layer (module docstring): (B, T, h) -> (B, T, h).
+@dataclasses.dataclass
+class Routed:
+    """The (token, expert) rows one rank's experts run, between :func:`dispatch` and
+    :func:`combine`: ``rows`` (R, h) grouped by local expert, ``per_expert`` rows per local
+    expert (R in all: routing decides it; the graph's local type is the balanced estimate),
+    and how they came (what :func:`combine` undoes): ``order`` the sort of this rank's
+    N * k (token, choice) rows by expert, ``group`` the arrival order -> grouped by local
+    expert, ``send``/``recv`` rows per ep rank, ``member_rows`` rows per expert_tp rank
+    (None: no gather), ``ep``/``expert_tp`` the axes the rows crossed (None: none), ``shape``
+    the tokens' (B, T, h)."""
 
-    Parameters: ``{prefix}.router.weight`` (E, h), replicated (:class:`Router`, with its
-    ``e_score_correction_bias`` buffer under ``noaux_tc``); per local expert e,
-    ``{prefix}.experts.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``...w2.weight``
-    (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp).
-    ``norm_topk_prob``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``,
-    ``routed_scaling_factor``: the router (:func:`route`). ``local_experts``: the experts
-    this rank holds as the generated program read them off the sharded graph (checked).
-    ``fp8``: the FP8 recipe of the expert GEMMs (:func:`expert_linear`; None: 16-bit).
+    rows: torch.Tensor
+    per_expert: list[int]
+    order: torch.Tensor
+    group: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    member_rows: list[int] | None
+    ep: Axis | None
+    expert_tp: Axis | None
+    shape: torch.Size
+
+
+def dispatch(x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.Tensor], local_experts: int,
+             ep: Axis | None = None, expert_tp: Axis | None = None) -> Routed:
+    """Token dispatch (module docstring, step 3; Megatron-Core's all-to-all token dispatcher):
+    tokens ``x`` (B, T, h) and their :class:`Router` choice -> the :class:`Routed` rows of
+    this rank's ``local_experts`` experts (the program's, off the sharded graph: ep rank r
+    holds experts ``[r * local_experts, (r + 1) * local_experts)``).
+
+    ``ep``: the all-to-alls over ep (the per-expert counts, E int64, then the rows with
+    uneven splits), where the graph's dispatch runs them (None: every expert is here);
+    ``expert_tp``: the all-gather over expert_tp of the received counts and rows (None:
+    none). Backward: the reduce-scatter over expert_tp, the reverse all-to-all (N * k rows,
+    exact).
+
+    Raises:
+        ValueError: ``local_experts`` (times ep) is not the router's expert count.
+    """
+    weights, chosen, balance = route
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])                      # (N, h)
+    N, K = chosen.shape
+    E = balance.shape[-1]
+    ranks = ep.size if ep is not None else 1
+    if local_experts * ranks != E:
+        raise ValueError(f"the program's {local_experts} experts per rank x {ranks} ep rank(s) is not the "
+                         f"router's {E} experts")
+    flat = chosen.reshape(-1)                         # (N k,) expert of each assignment
+    order = torch.argsort(flat, stable=True)
+    token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
+    rows = x.index_select(0, token)                   # (N k, h) sorted by expert
+    counts = torch.bincount(flat, minlength=E).to(COUNT_DTYPE)
+    send = counts.view(ranks, local_experts).sum(1).tolist()
+    if ep is not None:
+        recv_counts = _exchange_counts(counts, ep)    # (ep * E/ep,): per source, per local expert
+        recv = recv_counts.view(ranks, local_experts).sum(1).tolist()
+        rows = _AllToAll.apply(rows, recv, send, ep, True, False)   # (R, h); backward exact N k
+    else:
+        recv_counts, recv = counts, send
+    blocks = recv_counts.view(-1, local_experts)      # (sources, local experts)
+    member_rows = None
+    if expert_tp is not None:
+        all_counts = _gather_counts(recv_counts, expert_tp)
+        member_rows = all_counts.view(expert_tp.size, -1).sum(1).tolist()
+        rows = _GatherRows.apply(rows, member_rows, expert_tp)   # (sum of R over expert_tp, h)
+        blocks = all_counts.view(-1, local_experts)
+    # group the received rows by local expert (they arrive by source, then expert)
+    label = torch.arange(local_experts, device=x.device).repeat(blocks.shape[0])
+    label = label.repeat_interleave(blocks.reshape(-1).to(x.device))
+    group = torch.argsort(label, stable=True)
+    return Routed(rows.index_select(0, group), blocks.sum(0).tolist(), order, group, send, recv, member_rows,
+                  ep, expert_tp, shape)
+
+
+class GroupedExperts(nn.Module):
+    """The expert MLPs one rank holds (module docstring, step 4): :class:`Routed` rows in,
+    the same rows' outputs out (partial sums over expert_tp), each local expert's MLP on its
+    group (a grouped GEMM, here a loop).
+
+    ``local``: the per-rank shape of the stacked w1 the program read off the sharded graph,
+    (experts held, expert ffn / expert_tp, h); ep rank r holds experts
+    ``[r * local[0], (r + 1) * local[0])``. Parameters per local expert e:
+    ``{name}.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``{name}.{e}.w2.weight``
+    (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp); with ``bias``
+    (gpt-oss) their biases, w1's and w3's split like their rows, w2's added by expert_tp
+    rank 0 only. ``activation``: swiglu (``swiglu_clamp`` (alpha, limit): gpt-oss's clamped
+    SwiGLU), gelu or relu. ``fp8``: the FP8 recipe of the expert GEMMs (:func:`expert_linear`;
+    None: 16-bit).
+
+    Raises:
+        ValueError: ``local`` disagrees with the experts and the shards this rank makes.
     """
 
-    norm_topk_prob = _NORM_TOPK_PROB
-
-    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
-                 axes: ExpertAxes, tp: Axis, seed: int, out_std: float, aux_loss_scale: float = 0.0,
-                 norm_topk_prob: bool = True, bias: bool = False, router_bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
-                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, local_experts: int | None = None, fp8: str | None = None):
+    def __init__(self, name: str, num_experts: int, hidden: int, ffn: int, activation: str, axes: ExpertAxes,
+                 seed: int, out_std: float, local: tuple[int, int, int], bias: bool = False,
+                 swiglu_clamp: tuple[float, float] | None = None, fp8: str | None = None):
         super().__init__()
-        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-        self.swiglu_clamp = swiglu_clamp   # gpt-oss: (alpha, limit) of its clamped SwiGLU
-        self.axes = axes
-        self.fp8 = fp8
-        self.aux_loss_scale = aux_loss_scale
+        self.activation, self.swiglu_clamp = activation, swiglu_clamp
+        self.axes, self.fp8 = axes, fp8
         ep, etp = axes.ep, axes.expert_tp
-        self.local = num_experts // ep.size
-        if local_experts is not None and local_experts != self.local:   # the program's, from the sharded graph
-            raise ValueError(f"{prefix}: the program expects {local_experts} experts per ep rank, the layout "
-                             f"gives {num_experts} / {ep.size} = {self.local}")
+        self.local = local[0]
+        if self.local * ep.size != num_experts:
+            raise ValueError(f"{name}: the program expects {self.local} experts per ep rank, the layout holds "
+                             f"{num_experts} experts on {ep.size} ep rank(s)")
         self.first = ep.index * self.local
-        # gpt-oss: a biased router, and a bias on every expert matrix (zeros, as transformers starts them)
-        self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
-                             scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
-        # expert biases under expert_tp (serving; training refuses them, frontend/checks.py): w1's
-        # and w3's split like their rows, w2's added by expert_tp rank 0 only (the rows' partial
-        # sums are then summed over expert_tp)
         self.w2_bias_here = etp.index == 0
-        self.experts = nn.ModuleDict()
         mats = ("w1", "w3", "w2") if activation == "swiglu" else ("w1", "w2")
         for e in range(self.first, self.first + self.local):
             mod = nn.Module()
             for w in mats:
                 shape, dim, std = ((hidden, ffn), 1, out_std) if w == "w2" else ((ffn, hidden), 0, INIT_STD)
-                p = make_param(f"{prefix}.experts.{e}.{w}.weight", shape, seed, std, etp, dim)
+                p = make_param(f"{name}.{e}.{w}.weight", shape, seed, std, etp, dim)
                 p.expert = True
                 setattr(mod, w, p)
                 b = None
                 if bias:
-                    b = make_param(f"{prefix}.experts.{e}.{w}.bias", (shape[0],), seed, 0, etp,
-                                   None if w == "w2" else 0)
+                    b = make_param(f"{name}.{e}.{w}.bias", (shape[0],), seed, 0, etp, None if w == "w2" else 0)
                     b.expert = True
                 setattr(mod, f"{w}_bias", b)
-            self.experts[str(e)] = mod
+            self.add_module(str(e), mod)   # {name}.{e}.*: the expert's own names
+        got = tuple(self._modules[str(self.first)].w1.shape)
+        if got != tuple(local[1:]):
+            raise ValueError(f"{name}: the program expects w1 shards of {tuple(local[1:])}, the layout makes {got}")
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        mod = self.experts[str(e)]
+        mod = self._modules[str(e)]
         etp, f8 = self.axes.expert_tp, self.fp8
 
         def up(w: str) -> torch.Tensor:   # w1 / w3: column-parallel over expert_tp
@@ -440,57 +514,42 @@ class MoELayer(nn.Module):
         # partial sums over expert_tp
         return expert_linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None, f8, etp, "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])                      # (N, h)
-        N, K, E = x.shape[0], self.top_k, self.num_experts
-        ep, etp = self.axes.ep, self.axes.expert_tp
-        weights, chosen, probs = self.router(x)
-        flat = chosen.reshape(-1)                         # (N k,) expert of each assignment
-        order = torch.argsort(flat, stable=True)
-        token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
-        rows = x.index_select(0, token)                   # (N k, h) sorted by expert
-        counts = torch.bincount(flat, minlength=E).to(COUNT_DTYPE)
-        send = counts.view(ep.size, self.local).sum(1).tolist()
-        if ep.size > 1:
-            recv_counts = _exchange_counts(counts, ep)    # (ep * E/ep,): per source, per local expert
-            recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
-            rows = _AllToAll.apply(rows, recv, send, ep, True, False)   # (R, h); backward exact N k
-        else:
-            recv_counts, recv = counts, send
-        blocks = recv_counts.view(-1, self.local)         # (sources, E/ep)
-        if etp.size > 1:
-            all_counts = _gather_counts(recv_counts, etp)
-            member_rows = all_counts.view(etp.size, -1).sum(1).tolist()
-            rows = _GatherRows.apply(rows, member_rows, etp)   # (sum of R over expert_tp, h)
-            blocks = all_counts.view(-1, self.local)
-        # group the received rows by local expert (they arrive by source, then expert)
-        label = torch.arange(self.local, device=x.device).repeat(blocks.shape[0])
-        label = label.repeat_interleave(blocks.reshape(-1).to(x.device))
-        group = torch.argsort(label, stable=True)
-        per_expert = blocks.sum(0).tolist()
-        grouped = rows.index_select(0, group)
+    def forward(self, routed: Routed) -> Routed:
+        if len(routed.per_expert) != self.local:
+            raise ValueError(f"rows of {len(routed.per_expert)} experts dispatched to {self.local} local experts")
         outs, start = [], 0
-        for j, n in enumerate(per_expert):
+        for j, n in enumerate(routed.per_expert):
             if n:
-                outs.append(self._expert(self.first + j, grouped[start:start + n]))
+                outs.append(self._expert(self.first + j, routed.rows[start:start + n]))
             start += n
         # no rows at all: an empty y that still hangs off the received rows, so that the
         # backward runs this rank's half of the all-to-all the other ranks run (a fresh tensor
         # would cut the graph and leave them waiting)
-        y = torch.cat(outs) if outs else grouped * 0
-        y = y.index_select(0, torch.argsort(group))       # back to arrival order
-        if etp.size > 1:
-            y = _ScatterRows.apply(y, member_rows, etp)   # (R, h): summed over expert_tp
-        if ep.size > 1:
-            y = _AllToAll.apply(y, send, recv, ep, False, True)   # (N k, h) back home; backward routed
-        # back to (token, choice) order, then the router-weighted sum over the k choices
-        # (backward keeps y and the weights, not a second (N k, h) product)
-        y = y.index_select(0, torch.argsort(order)).view(N, K, -1)
-        out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-        if self.aux_loss_scale and self.training:
-            out = _AuxLossScaler.apply(out, load_balancing_loss(probs, chosen, E), self.aux_loss_scale)
-        return out.view(shape)
+        y = torch.cat(outs) if outs else routed.rows * 0
+        return dataclasses.replace(routed, rows=y)
+
+
+def combine(routed: Routed, route: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            aux_loss_scale: float = 0.0) -> torch.Tensor:
+    """Combine (module docstring, step 5): the experts' :class:`Routed` outputs back to their
+    tokens, (B, T, h): reduce-scattered over expert_tp and returned by all-to-all over ep
+    where :func:`dispatch` sent them (backward: all-to-all, all-gather), then each token's
+    router-weighted sum over its k choices. ``aux_loss_scale`` > 0 (training): the
+    load-balancing loss's gradient joins the backward (step 2, :class:`_AuxLossScaler`)."""
+    weights, chosen, balance = route
+    y = routed.rows.index_select(0, torch.argsort(routed.group))   # back to arrival order
+    if routed.expert_tp is not None:
+        y = _ScatterRows.apply(y, routed.member_rows, routed.expert_tp)   # (R, h): summed over expert_tp
+    if routed.ep is not None:
+        y = _AllToAll.apply(y, routed.send, routed.recv, routed.ep, False, True)   # (N k, h); backward routed
+    # back to (token, choice) order, then the router-weighted sum over the k choices
+    # (backward keeps y and the weights, not a second (N k, h) product)
+    N, K = chosen.shape
+    y = y.index_select(0, torch.argsort(routed.order)).view(N, K, -1)
+    out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    if aux_loss_scale:
+        out = _AuxLossScaler.apply(out, load_balancing_loss(balance, chosen, balance.shape[-1]), aux_loss_scale)
+    return out.view(routed.shape)
 
 
 # --------------------------------------------------------------------------- serving
@@ -510,7 +569,7 @@ class TensorParallelMoE(nn.Module):
     all-reduce over tp (counted, ``B*T*h`` elements) completes per layer. Dropless: every
     (token, expert) pair is computed.
 
-    Parameters keep :class:`MoELayer`'s names (``{prefix}.router.weight`` (E, h) [and
+    Parameters keep the training program's names (``{prefix}.router.weight`` (E, h) [and
     ``.bias`` (E,), the ``.e_score_correction_bias`` (E,) buffer of ``noaux_tc``], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
     (h, ffn) [and their ``.bias``]) and the training program's shared MLP's
     (``{prefix}.shared.w1/w3/w2``), global shapes as written, split dims 0 (w1, w3 and
@@ -521,6 +580,8 @@ class TensorParallelMoE(nn.Module):
     ``bias``: every expert matrix has a bias (gpt-oss; w2's, replicated, is added after
     the reduction, weighted by the router as the expert's output); ``router_bias``: a
     biased router; ``shared_bias``: the shared MLP's biases (w2's added after the reduction).
+    ``local``: the per-rank shape of the stacked w1 as the program read it off the sharded
+    graph, (every expert, ffn/tp, h); checked against the shards made.
     """
 
     norm_topk_prob = _NORM_TOPK_PROB
@@ -530,16 +591,20 @@ class TensorParallelMoE(nn.Module):
                  shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
                  swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
                  topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, local_experts: int | None = None):
+                 routed_scaling_factor: float = 1.0, local: tuple[int, int, int] | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.swiglu_clamp = swiglu_clamp
         self.tp = tp
-        self.router = Router(prefix, hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
+        self.router = Router(f"{prefix}.router", hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
                              scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
         self.experts = nn.ModuleDict({str(e): self._mlp(f"{prefix}.experts.{e}", hidden, ffn, seed, std, bias)
                                       for e in range(num_experts)})
         self.shared = self._mlp(f"{prefix}.shared", hidden, shared_ffn, seed, std, shared_bias) if shared_ffn else None
+        got = (len(self.experts), *self.experts["0"].w1.shape)
+        if local is not None and tuple(local) != got:   # the program's (experts held, ffn / tp, h), off the graph
+            raise ValueError(f"{prefix}: the program expects experts of {tuple(local)} per rank, the layout "
+                             f"makes {got}")
 
     def _mlp(self, name: str, hidden: int, ffn: int, seed: int, std: float, bias: bool) -> nn.Module:
         """One expert's (or the shared experts') w1 [w3] (ffn/tp, h) and w2 (h, ffn/tp)."""
@@ -597,4 +662,5 @@ class TensorParallelMoE(nn.Module):
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "MoELayer", "TensorParallelMoE", "Router", "expert_linear", "route", "load_balancing_loss"]
+__all__ = ["ExpertAxes", "GroupedExperts", "Routed", "Router", "TensorParallelMoE", "combine", "dispatch",
+           "expert_linear", "load_balancing_loss", "route"]

@@ -141,12 +141,18 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
-                                  local_experts=8)
+        self.ep = experts.ep
+        self.router = rt.Router(f"layers.{i}.mlp.router", HIDDEN, EXPERTS, TOP_K, tp, SEED, local=(64, 2048))
+        self.experts = rt.GroupedExperts(f"layers.{i}.mlp.experts", EXPERTS, HIDDEN, EXPERT_FFN, "swiglu", experts, SEED, OUT_STD,
+                                         local=(8, 1408, 2048))
         self.shared = SharedMLP(i, tp)
 
     def forward(self, x):                                       # x: (B, T=4096, h=2048)
-        return self.routed(x) + self.shared(x)                  # (B, T=4096, h=2048): layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep); layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
+        route = self.router(x)                                  # (B, T=4096, E=64): fp32 scores; each token's top-k experts and their weights
+        rows = rt.dispatch(x, route, local_experts=8, ep=self.ep)  # (B, T=4096, k=6, h=2048): (token, choice) rows to their experts' ranks, grouped by local expert (as many as the router sends: the shape is the balanced estimate); layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep)
+        rows = self.experts(rows)                               # (B, T=4096, k=6, h=2048): each local expert's MLP on its rows (a grouped GEMM)
+        y = rt.combine(rows, route, AUX_LOSS_SCALE if self.training else 0.0)  # (B, T=4096, h=2048): rows back to their tokens, weighted by the router; layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
+        return y + self.shared(x)                               # (B, T=4096, h=2048)
 
 
 class Block(nn.Module):

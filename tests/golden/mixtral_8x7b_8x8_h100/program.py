@@ -111,11 +111,16 @@ class MoE(nn.Module):
 
     def __init__(self, i: int, tp: rt.Axis, experts: rt.ExpertAxes):
         super().__init__()
-        self.routed = rt.MoELayer(f"layers.{i}.mlp", HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, "swiglu", experts, tp, SEED, OUT_STD, AUX_LOSS_SCALE,
-                                  local_experts=1)
+        self.ep = experts.ep
+        self.router = rt.Router(f"layers.{i}.mlp.router", HIDDEN, EXPERTS, TOP_K, tp, SEED, local=(8, 4096))
+        self.experts = rt.GroupedExperts(f"layers.{i}.mlp.experts", EXPERTS, HIDDEN, EXPERT_FFN, "swiglu", experts, SEED, OUT_STD,
+                                         local=(1, 14336, 4096))
 
     def forward(self, x):                                       # x: (B, T/tp=2048, h=4096)
-        return self.routed(x)                                   # (B, T/tp=2048, h=4096): layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep); layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
+        route = self.router(x)                                  # (B, T/tp=2048, E=8): fp32 scores; each token's top-k experts and their weights
+        rows = rt.dispatch(x, route, local_experts=1, ep=self.ep)  # (B, T/tp=2048, k=2, h=4096): (token, choice) rows to their experts' ranks, grouped by local expert (as many as the router sends: the shape is the balanced estimate); layers.{i}.mlp.dispatch: forward all_to_all(ep) x 2, backward all_to_all(ep)
+        rows = self.experts(rows)                               # (B, T/tp=2048, k=2, h=4096): each local expert's MLP on its rows (a grouped GEMM)
+        return rt.combine(rows, route, AUX_LOSS_SCALE if self.training else 0.0)  # (B, T/tp=2048, h=4096): rows back to their tokens, weighted by the router; layers.{i}.mlp.combine: forward all_to_all(ep), backward all_to_all(ep)
 
 
 class Block(nn.Module):
