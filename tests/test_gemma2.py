@@ -5,8 +5,11 @@ layers alternating, ``query_pre_attn_scalar`` 24, tied embeddings) with both sof
 low enough to bite (attention 2.0, logits 3.0: the random model's scores and logits exceed
 them), saved with ``save_pretrained``. Its config.json is imported with ``from_hf_dict``;
 the plan's parameter count must equal transformers'; ``load_hf`` fills a single-process
-program whose logits (16 tokens, past the window) must equal transformers'. The caps are read
-off transformers' module (``modeling_gemma2.py``), never from parcompile's output.
+program whose logits (16 tokens, past the window) must equal transformers'. The serve
+program (tp 1 in this process, tp 2 under torchrun, and the paged engine with chunked
+prefill and prefix caching) must generate transformers' greedy tokens (and, tp 1, its
+logits at every step), with the attention's cap changing them. The caps are read off
+transformers' module (``modeling_gemma2.py``), never from parcompile's output.
 """
 
 from __future__ import annotations
@@ -228,6 +231,56 @@ def test_paged_serving_with_prefix_caching_and_chunked_prefill_equals_generate(c
     assert stats["prefix_cache_hits"] == 8 and peak == 3
     for p, toks in zip(prompts, got):
         assert toks == _generate(case["hf"], [p])[0][0], p
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cached_attention_caps_as_transformers_eager_attention(fused):
+    """The serving kernel (runtime/generate.py cached_attention: the contiguous and the paged
+    cache's) against transformers' Gemma 2 ``eager_attention_forward`` on the same q, k, v
+    (GQA, 3 new queries after 5 cached keys, a causal mask with a padded key): equal, and
+    unequal without the cap (the cap bites); ``fused`` cannot skip it."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from parcompile.runtime.generate import cached_attention
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, T, L, D, cap, scale = 2, 4, 2, 3, 8, 16, 2.0, 24 ** -0.5
+    q, k, v = (torch.randn(B, h, n, D, generator=g) * 3 for h, n in ((H, T), (Hkv, L), (Hkv, L)))
+    keep = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]          # (T, L) causal
+    keep = keep[None, None].repeat(B, 1, 1, 1)
+    keep[1, :, :, 0] = False                                                     # row 1: a padded first key
+    additive = torch.zeros(B, 1, T, L).masked_fill(~keep, float("-inf"))
+    module = SimpleNamespace(head_dim=D, num_key_value_groups=H // Hkv, training=False)
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)
+    got = cached_attention(q, k, v, keep, fused, scale, softcap=cap).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    uncapped = cached_attention(q, k, v, keep, fused, scale).transpose(1, 2)
+    assert (uncapped - want).abs().max() > 1e-2
+
+
+def _serve_spec(root: Path, tp: int):
+    from parcompile.frontend import load_spec
+
+    spec = root / f"serve_tp{tp}.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\n'
+                    f'cluster c from "cpu" {{ gpus_per_node = {tp} }}\nparallel {{ tp = {tp} }}\n'
+                    f'serve {{ batch = 2, prompt_len = 6, max_new_tokens = {NEW}, weights = "hf" }}\n')
+    cfg, _ = load_spec(spec)
+    return cfg
+
+
+@pytest.mark.torchrun
+def test_tp2_greedy_serving_equals_generate(case, served, tmp_path_factory):
+    """tp 2 (heads and kv heads split, each rank's vocab shard of the logits capped): the
+    checkpoint's greedy tokens equal transformers' generate, each rank's cache the plan's."""
+    from tests.serve_utils import replica_tokens, serve_cases_in_one_launch
+
+    plan, recs = serve_cases_in_one_launch(tmp_path_factory, "gemma2_tp2", (None,), lambda key, path: _save(path),
+                                           _serve_spec, PROMPTS)[None]
+    assert replica_tokens(recs) == served["hf"]["want"][0]
+    assert all(r["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] for r in recs)
 
 
 def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
