@@ -120,6 +120,58 @@ def planned_collectives(cfg: SpecConfig, steps: int) -> list[dict]:
     return out
 
 
+def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, blocks: int, block_size: int,
+                   weights: str | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None):
+    """The engine's scheduler and step (runtime/paged.py) in this process (a world of one),
+    on the program ``out/serve.py``'s own Stage (``weights``: a checkpoint to load; None: the
+    seeded initialisation): requests arrive one per step and join the running batch, ``n``
+    greedy tokens each, a chunk's token drawn as the engine draws it (``partial``).
+    Returns (each prompt's tokens, the most rows of one step, the scheduler's stats); the
+    cache's blocks are all free again at the end."""
+    import torch
+
+    from parcompile import runtime as rt
+    from parcompile.runtime import paged
+    from parcompile.runtime.weights import load_weights
+
+    spec = importlib.util.spec_from_file_location(f"paged_prog_{next(_counter)}", out / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    plan = json.loads((out / "plan.json").read_text())
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
+    try:
+        ctx = rt.init_parallel(plan, force_cpu=True)
+    finally:
+        os.environ.update(saved)
+    model = mod.Stage(plan, ctx)
+    load_weights(model, weights, ctx)
+    model.eval()
+    cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
+    sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=prefix_caching,
+                            max_prefill_tokens=max_prefill_tokens)
+    params = {"max_tokens": n, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": []}
+    pending = list(enumerate(prompts))
+    got = {i: [] for i in range(len(prompts))}
+    peak = 0
+    for _ in itertools.count():
+        if pending:
+            i, p = pending.pop(0)
+            sched.add(str(i), p, params)
+        step = sched.next_step()
+        rows = [paged.Row(*r) for r in step["rows"]]
+        if not rows and not pending and not sched.waiting:
+            break
+        peak = max(peak, len(rows))
+        gens = [torch.Generator() for _ in rows]
+        tokens, _ = paged.run_step(model, ctx, cache, rows, [params] * len(rows), gens, mod.VOCAB, mod.HIDDEN,
+                                   mod.DTYPE, windows, partial_next=[step["partial"].get(r.rid) for r in rows])
+        for rid, tok, _, _ in sched.collect(rows, tokens):
+            got[int(rid)].append(tok)
+    assert sched.stats()["blocks_free"] == blocks
+    return [got[i] for i in range(len(prompts))], peak, sched.stats()
+
+
 def measured_collectives(rec: dict) -> dict:
     """``(op, axis, bytes) -> count`` of a serve rank's record (its ``rt.COUNTER`` snapshot)."""
     return {(e["op"], e["axis"], e["bytes"]): e["count"] for e in rec["comm"]}

@@ -5,8 +5,11 @@ layers alternating, ``query_pre_attn_scalar`` 24, tied embeddings) with both sof
 low enough to bite (attention 2.0, logits 3.0: the random model's scores and logits exceed
 them), saved with ``save_pretrained``. Its config.json is imported with ``from_hf_dict``;
 the plan's parameter count must equal transformers'; ``load_hf`` fills a single-process
-program whose logits (16 tokens, past the window) must equal transformers'. The caps are read
-off transformers' module (``modeling_gemma2.py``), never from parcompile's output.
+program whose logits (16 tokens, past the window) must equal transformers'. The serve
+program (tp 1 in this process, tp 2 under torchrun, and the paged engine with chunked
+prefill and prefix caching) must generate transformers' greedy tokens (and, tp 1, its
+logits at every step), with the attention's cap changing them. The caps are read off
+transformers' module (``modeling_gemma2.py``), never from parcompile's output.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from parcompile.config.hf_weights import expected_shapes, hf_family
 from tests.family_utils import (assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf,
                                 token_ids)
 from tests.program_utils import tiny_config
+from tests.serve_utils import build_serve, run_in_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 
@@ -137,22 +141,146 @@ def test_default_gemma2_counts_as_transformers_on_the_meta_device(tmp_path):
     assert plan.data["model"]["params"] == total
 
 
-def test_serving_a_soft_capped_model_is_refused_with_a_diagnostic(case, tmp_path, monkeypatch, capsys):
-    """The serving attention caps no scores yet: a soft-capped model's serve spec is a
-    program gap, an error at the model block that names the cap; the plan works."""
-    import parcompile
-    from parcompile.cli import main
+PROMPTS = [[5, 17, 99, 3, 250, 42], [7, 7, 120, 9, 31, 299]]
+NEW = 8
 
-    shutil.copytree(case["tmp"] / "hf", tmp_path / "hf")
-    spec = tmp_path / "s.par"
-    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n'
-                    'parallel { }\nserve { batch = 2, prompt_len = 6, max_new_tokens = 8, weights = "hf" }\n')
-    monkeypatch.chdir(tmp_path)
-    assert main(["compile", spec.name, "-o", "out"]) != 0
-    err = capsys.readouterr().err
-    assert "s.par:1:1: error: the generated program does not run the attention's logit soft-capping (Gemma 2) in serve.py" in err
-    assert not (tmp_path / "out").exists()
-    assert parcompile.compile(spec).data["serve"]["kv_cache_bytes_per_rank"] > 0
+
+def _serve(hf_dir: Path, out: Path, prompt_len: int = 6) -> dict:
+    """The tp 1 serve program of the checkpoint ``hf_dir`` (a spec read from its
+    config.json, as a user writes it) compiled into ``out``; returns its plan.json dict."""
+    from parcompile.frontend import load_spec
+
+    spec = hf_dir.parent / f"serve_{out.name}.par"
+    spec.write_text(f'model m from "{hf_dir.name}/config.json" {{ dtype = fp32 }}\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nparallel { }\n'
+                    f'serve {{ batch = 2, prompt_len = {prompt_len}, max_new_tokens = {NEW}, weights = "{hf_dir.name}" }}\n')
+    cfg, _ = load_spec(spec)
+    return build_serve(cfg, out)
+
+
+def _served(out: Path, prompts=PROMPTS) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens and each step's logits (steps, B, vocab) of the serve program in ``out``
+    run in this process on ``prompts``."""
+    rec = run_in_process(out, sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), [])
+                         + ["--out", str(out / "rec"), "--record-logits"])
+    return rec["tokens"], torch.load(out / "rec" / "rank0.pt", weights_only=True)["logits"]
+
+
+def _generate(hf, prompts=PROMPTS) -> tuple[list[list[int]], torch.Tensor]:
+    """transformers' greedy ``generate`` (eager attention: the caps applied) of ``prompts`` of
+    one length: new tokens and each step's logits (steps, B, vocab)."""
+    n = len(prompts[0])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts), max_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, attention_mask=torch.ones(len(prompts), n, dtype=torch.long))
+    return out.sequences[:, n:].tolist(), torch.stack(out.logits)
+
+
+@pytest.fixture(scope="module")
+def served(case):
+    """The capped checkpoint served (tp 1, contiguous cache) and the same weights with the
+    attention's cap nulled in config.json (transformers and parcompile alike then cap none)."""
+    tmp = case["tmp"]
+    if not (tmp / "uncapped").exists():
+        shutil.copytree(tmp / "hf", tmp / "uncapped")
+        cfg = json.loads((tmp / "uncapped" / "config.json").read_text())
+        cfg["attn_logit_softcapping"] = None
+        (tmp / "uncapped" / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name in ("hf", "uncapped"):
+        plan = _serve(tmp / name, tmp / f"serve_{name}")
+        out[name] = dict(plan=plan, got=_served(tmp / f"serve_{name}"))
+    uncapped = transformers.Gemma2ForCausalLM.from_pretrained(tmp / "uncapped").float().eval()
+    uncapped.config._attn_implementation = "eager"
+    out["hf"]["want"], out["uncapped"]["want"] = _generate(case["hf"]), _generate(uncapped)
+    return out
+
+
+def test_greedy_serving_equals_generate(served):
+    """serve.py's greedy tokens and every step's logits (prefill and decode, both caps
+    applied) equal transformers' ``generate``; with the attention's cap nulled, both
+    again (the serving attention caps only when the attention op says so)."""
+    for name in ("hf", "uncapped"):
+        (tokens, logits), (want, want_logits) = served[name]["got"], served[name]["want"]
+        assert tokens == want, name
+        torch.testing.assert_close(logits[..., :want_logits.shape[-1]], want_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_attention_cap_changes_the_served_argmax(served):
+    """The attention cap bites while serving: capped and uncapped weights pick other tokens
+    (the first greedy token already: an argmax the prefill's capped scores change), so the
+    test above fails if serve.py dropped the cap."""
+    capped, uncapped = served["hf"]["got"], served["uncapped"]["got"]
+    assert capped[0] != uncapped[0]
+    assert not torch.equal(capped[1][0].argmax(-1), uncapped[1][0].argmax(-1))
+    assert served["hf"]["plan"]["serve"]["kv_cache_bytes_per_rank"] > 0
+
+
+def test_paged_serving_with_prefix_caching_and_chunked_prefill_equals_generate(case, tmp_path):
+    """The engine's paged cache (runtime/paged.py): requests joining a running batch, prompts
+    prefilled in chunks of 3 tokens, the last one finding the first one's two full blocks in
+    the prefix cache (its prefill reads them through the paged attention): each sequence's
+    greedy tokens equal transformers' ``generate`` of its prompt alone."""
+    from tests.serve_utils import paged_generate
+
+    first = [5, 17, 99, 3, 250, 42, 7, 120, 9]
+    prompts = [first, [7, 7, 120], [9, 31], first[:8] + [31, 299]]
+    _serve(case["tmp"] / "hf", tmp_path / "p", prompt_len=10)
+    got, peak, stats = paged_generate(tmp_path / "p", prompts, NEW, max_seqs=3, blocks=16, block_size=4,
+                                      weights=str(case["tmp"] / "hf"), max_prefill_tokens=3)
+    assert stats["prefix_cache_hits"] == 8 and peak == 3
+    for p, toks in zip(prompts, got):
+        assert toks == _generate(case["hf"], [p])[0][0], p
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cached_attention_caps_as_transformers_eager_attention(fused):
+    """The serving kernel (runtime/generate.py cached_attention: the contiguous and the paged
+    cache's) against transformers' Gemma 2 ``eager_attention_forward`` on the same q, k, v
+    (GQA, 3 new queries after 5 cached keys, a causal mask with a padded key): equal, and
+    unequal without the cap (the cap bites); ``fused`` cannot skip it."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from parcompile.runtime.generate import cached_attention
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, T, L, D, cap, scale = 2, 4, 2, 3, 8, 16, 2.0, 24 ** -0.5
+    q, k, v = (torch.randn(B, h, n, D, generator=g) * 3 for h, n in ((H, T), (Hkv, L), (Hkv, L)))
+    keep = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]          # (T, L) causal
+    keep = keep[None, None].repeat(B, 1, 1, 1)
+    keep[1, :, :, 0] = False                                                     # row 1: a padded first key
+    additive = torch.zeros(B, 1, T, L).masked_fill(~keep, float("-inf"))
+    module = SimpleNamespace(head_dim=D, num_key_value_groups=H // Hkv, training=False)
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)
+    got = cached_attention(q, k, v, keep, fused, scale, softcap=cap).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    uncapped = cached_attention(q, k, v, keep, fused, scale).transpose(1, 2)
+    assert (uncapped - want).abs().max() > 1e-2
+
+
+def _serve_spec(root: Path, tp: int):
+    from parcompile.frontend import load_spec
+
+    spec = root / f"serve_tp{tp}.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\n'
+                    f'cluster c from "cpu" {{ gpus_per_node = {tp} }}\nparallel {{ tp = {tp} }}\n'
+                    f'serve {{ batch = 2, prompt_len = 6, max_new_tokens = {NEW}, weights = "hf" }}\n')
+    cfg, _ = load_spec(spec)
+    return cfg
+
+
+@pytest.mark.torchrun
+def test_tp2_greedy_serving_equals_generate(case, served, tmp_path_factory):
+    """tp 2 (heads and kv heads split, each rank's vocab shard of the logits capped): the
+    checkpoint's greedy tokens equal transformers' generate, each rank's cache the plan's."""
+    from tests.serve_utils import replica_tokens, serve_cases_in_one_launch
+
+    plan, recs = serve_cases_in_one_launch(tmp_path_factory, "gemma2_tp2", (None,), lambda key, path: _save(path),
+                                           _serve_spec, PROMPTS)[None]
+    assert replica_tokens(recs) == served["hf"]["want"][0]
+    assert all(r["cache_bytes"] == plan["serve"]["kv_cache_bytes_per_rank"] for r in recs)
 
 
 def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):

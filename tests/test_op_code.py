@@ -640,3 +640,34 @@ def test_no_degree_arithmetic_in_codegen():
     assert hits == []
     assert DEGREE_ARITHMETIC.search("heads_local = m.heads // p.tp")
     assert DEGREE_ARITHMETIC.search("x // tp")
+
+
+def test_a_row_may_be_written_in_its_op_table_entry_but_never_twice():
+    """A constant row lives in its kind's OpSpec (Gemma 2's ``softcap``: one op, one place);
+    ir/code.py's CODES holds the others; a kind with both is refused at import."""
+    from dataclasses import replace
+
+    from parcompile.ir import ops
+    from parcompile.ir.code import CODES
+
+    assert "softcap" not in CODES and isinstance(code_of("softcap", {"cap": 30.0}), Code)
+    assert "rt.softcap(" in code_of("softcap", {"cap": 30.0}).call
+    assert ops.OPS["add"].code is CODES["add"]
+    with pytest.raises(ValueError, match="two program rows"):
+        ops._program_row(replace(ops.OPS["add"], code=Code()))
+
+
+def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
+    """``rt.<name>`` in the op table's rows, codegen and its templates, and the golden
+    programs resolves in ``parcompile.runtime`` (layers and MLA export their ``__all__``
+    whole: a new runtime function needs no edit of runtime/__init__.py)."""
+    from pathlib import Path
+
+    import parcompile
+
+    pkg = Path(parcompile.__file__).parent
+    files = [pkg / "ir" / "ops.py", pkg / "ir" / "code.py", *(pkg / "codegen").rglob("*.py"),
+             *(pkg / "codegen").rglob("*.j2"), *(Path(__file__).parent / "golden").rglob("*.py")]
+    names = {n for f in files for n in re.findall(r"\brt\.([A-Za-z_]\w*)", f.read_text())}
+    assert {"softcap", "attention", "ColumnParallelLinear", "latent_attention"} <= names
+    assert sorted(n for n in names if not hasattr(rt, n)) == []

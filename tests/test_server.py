@@ -35,7 +35,7 @@ httpx = pytest.importorskip("httpx")
 
 from parcompile.runtime import generate as gen  # noqa: E402
 from parcompile.runtime import paged  # noqa: E402
-from tests.serve_utils import build_serve, run_in_process  # noqa: E402
+from tests.serve_utils import build_serve, paged_generate, run_in_process  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = """model tiny {
@@ -528,52 +528,6 @@ def test_kv_cache_tokens_caps_the_paged_cache_and_must_hold_one_request():
     assert "holds no request" in d.message and d.help == "set kv_cache_tokens >= 64" and d.span.line == 13
 
 
-def _paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, blocks: int, block_size: int):
-    """The engine's scheduler and step (runtime/paged.py) in this process (a world of one),
-    on the program's own Stage: requests arrive one per step and join the running batch."""
-    import importlib.util
-    import itertools
-
-    from parcompile import runtime as rt
-    from parcompile.runtime.weights import load_weights
-
-    spec = importlib.util.spec_from_file_location(f"paged_prog_{out.name}", out / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    plan = json.loads((out / "plan.json").read_text())
-    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
-    try:
-        ctx = rt.init_parallel(plan, force_cpu=True)
-    finally:
-        os.environ.update(saved)
-    model = mod.Stage(plan, ctx)
-    load_weights(model, None, ctx)
-    model.eval()
-    cache = model.new_paged_cache(blocks, block_size, ctx.device)
-    windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
-    sched = paged.Scheduler(blocks, block_size, max_seqs)
-    params = {"max_tokens": n, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": []}
-    pending = list(enumerate(prompts))
-    got = {i: [] for i in range(len(prompts))}
-    peak = 0
-    for step in itertools.count():
-        if pending:
-            i, p = pending.pop(0)
-            sched.add(str(i), p, params)
-        plan_ = sched.next_step()
-        rows = [paged.Row(*r) for r in plan_["rows"]]
-        if not rows and not pending and not sched.waiting:
-            break
-        peak = max(peak, len(rows))
-        gens = [torch.Generator() for _ in rows]
-        tokens, _ = paged.run_step(model, ctx, cache, rows, [params] * len(rows), gens, mod.VOCAB, mod.HIDDEN,
-                                   mod.DTYPE, windows)
-        for rid, tok, _, _ in sched.collect(rows, tokens):
-            got[int(rid)].append(tok)
-    assert sched.stats()["blocks_free"] == blocks
-    return [got[i] for i in range(len(prompts))], peak
-
-
 @pytest.mark.parametrize("kind,model", [
     ("gqa", {}),
     ("sliding_window", {"sliding_window": 5}),
@@ -591,7 +545,7 @@ def test_paged_continuous_batching_equals_one_shot_generation(kind, model, tmp_p
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        got, peak = _paged_generate(tmp_path / "p", prompts, 10, max_seqs=3, blocks=12, block_size=4)
+        got, peak, _ = paged_generate(tmp_path / "p", prompts, 10, max_seqs=3, blocks=12, block_size=4)
         for p, toks in zip(prompts, got):
             rec = run_in_process(tmp_path / "p", ["--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", "10",
                                                   "--temperature", "0"])

@@ -33,6 +33,9 @@ DEEPSEEK_V3 = dict(kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_
 GEMMA3 = dict(qk_norm=True, zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
               sliding_window=4, sliding_window_pattern=2, rope_local_base_freq=100.0, query_pre_attn_scalar=24.0,
               tie_embeddings=True)
+GEMMA2 = dict(zero_centered_gamma=True, sandwich_norm=True, scale_embeddings=True, activation="geglu",
+              sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=24.0, tie_embeddings=True,
+              attn_logit_softcapping=0.5, final_logit_softcapping=0.5)
 
 CASES = {
     "tp2": dict(tp=2),
@@ -46,6 +49,9 @@ CASES = {
     "deepseek_v3_mla_tp2": dict(tp=2, model=DEEPSEEK_V3),
     # Gemma 3: local sliding-window layers (a cache of the window) and global ones, tied embeddings
     "gemma3_sliding_window_tp2_pp2": dict(tp=2, pp=2, model=GEMMA3),
+    # Gemma 2 (issue 31): the attention's scores and the final logits soft-capped (caps low
+    # enough to bite on the miniature), local and global layers alternating, tied embeddings
+    "gemma2_softcap_tp2_pp2": dict(tp=2, pp=2, model=GEMMA2),
     # MoE with the experts split over ep inside the tp group: training's all-to-all dispatch,
     # decode-sized, beside a dense layer and shared experts split over tp (issue 33)
     "moe_ep2_tp2": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1, dense_layers=1),
@@ -117,7 +123,7 @@ def test_serve_layout_matches_single_process(case, verified, request):
             # (a record may hold several all-to-all entries of equal bytes: routed rows apart)
             a2a = sum(c["count"] for c in r["comm"] if (c["op"], c["axis"]) == ("all_to_all", "ep"))
             assert a2a == sum(n for k, n in want.items() if k[:2] == ("all_to_all", "ep")) > 0, r["rank"]
-    if case.startswith("gemma3"):   # the local layers' caches hold their window only
+    if case.startswith(("gemma3", "gemma2")):   # the local layers' caches hold their window only
         assert mem[0]["kv_cache"] < sv["batch_per_replica"] * tokens * sv["kv_bytes_per_token_per_stage"][0]
 
 

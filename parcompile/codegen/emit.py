@@ -59,13 +59,6 @@ _NOT_IN_PROGRAM: tuple = (
      "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
-    # the final soft-cap runs in serve.py (the Stage's head: its op's Code row); the serving
-    # attention kernel (runtime/generate.py serve_attention) has no soft-cap
-    ("model.attn_logit_softcapping", lambda cfg: cfg.workload == "serve" and
-     cfg.model.attn_logit_softcapping is not None,
-     "the attention's logit soft-capping (Gemma 2) in serve.py", "the serving attention (runtime/generate.py "
-     "serve_attention) caps no scores yet: `parcompile plan` and `export` work on this spec; `compile` and `run` of "
-     "a training spec run it", 31, True),
 )
 
 

@@ -1,7 +1,9 @@
 """The op table's program rows (issue 31): per op kind, how a generated program runs it
 (:class:`Code`), read by :func:`parcompile.ir.ops.code_of` and written by
 :mod:`parcompile.codegen.blocks`. Kept beside :mod:`parcompile.ir.ops` (the cost rules);
-the op table attaches each row to its kind (``OpSpec.code``).
+the op table attaches each row to its kind (``OpSpec.code``). A constant row may instead be
+written in the kind's own ``OpSpec`` (``code=``: Gemma 2's ``softcap``), so that a new
+op is one entry; a kind never has both.
 """
 
 from __future__ import annotations
@@ -294,8 +296,8 @@ def _moe_axes_facts(a) -> dict:
 def _experts_facts(a) -> dict:
     return {"kw": experts_keywords(a, bool(a.get("_bias")))}
 
-#: each op kind's row (a Code, or a function of the op's attributes giving one); the loss
-#: (the Stage's ``loss``) has none
+#: each op kind's row (a Code, or a function of the op's attributes giving one; rows written
+#: in their OpSpec aside: ``softcap``); the loss (the Stage's ``loss``) has none
 CODES: dict[str, Any] = {
     "embedding": _embedding_code,
     "add": _add_code,
@@ -310,8 +312,6 @@ CODES: dict[str, Any] = {
     "qk_norm": Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
                     **_PER_HEAD),
     "attention": _attention_code,
-    # Gemma 2's final soft-cap, on this rank's vocab shard of the logits
-    "softcap": Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
     # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)
     "latent_norm": Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
                         call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",

@@ -183,7 +183,8 @@ class OpSpec:
     #: bytes read + written by the op's non-matmul kernels in the forward (module docstring)
     traffic: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
     #: how a generated program runs it (:class:`Code`, or a function of the attributes
-    #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton)
+    #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton).
+    #: Written here (a constant row: ``softcap``) or in ir/code.py's ``CODES``, not both
     code: Code | Callable[[Mapping[str, Any]], Code] | None = None
 
 
@@ -482,8 +483,17 @@ def _copy_traffic(a, ins, out):
     return ins[0].nbytes + out.nbytes
 
 
+def _program_row(s: OpSpec) -> OpSpec:
+    """``s`` with its program row: the one written in its entry (``code=``: a constant
+    :class:`Code`, one op in one place) or the one in :data:`parcompile.ir.code.CODES`
+    (rows with functions of their own); a kind with both is an error."""
+    if s.code is not None and s.kind in CODES:
+        raise ValueError(f"op kind {s.kind!r} has two program rows: its OPS entry's and ir/code.py's")
+    return s if s.code is not None else replace(s, code=CODES.get(s.kind))
+
+
 OPS: dict[str, OpSpec] = {
-    s.kind: replace(s, code=CODES.get(s.kind))   # the program rows: parcompile/ir/code.py
+    s.kind: _program_row(s)
     for s in [
         OpSpec("input", _input_type, arity=0),
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
@@ -518,7 +528,8 @@ OPS: dict[str, OpSpec] = {
         # Gemma 2's final soft-cap cap * tanh(x / cap) on each vocab shard of the logits (tanh is
         # elementwise: the vocab-parallel loss after it stays exact); keeps its output (tanh's
         # backward is 1 - (y / cap)^2)
-        OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic),
+        OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic,
+               code=Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)")),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
                saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),

@@ -9,36 +9,12 @@ from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, 
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
-from parcompile.runtime.layers import (
-    ACTIVATIONS,
-    GATED,
-    ColumnParallelLinear,
-    LayerNorm,
-    QKNorm,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    apply_rope,
-    attention,
-    attention_core,
-    make_param,
-    mla_key,
-    rope_key,
-    rope_tail,
-    softcap,
-    whole_grad,
-    recompute,
-    no_init,
-    shard_part,
-    rope_tables,
-    swiglu,
-    geglu,
-    vocab_parallel_cross_entropy,
-)
+# the layers and MLA's functions the op table's program rows call (ir/code.py, ir/ops.py):
+# every name of each module's __all__, so a new runtime function is one module's edit
+from parcompile.runtime.layers import *  # noqa: F403
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
-from parcompile.runtime.mla import (ReplicatedLinear, latent_attention, mla_absorb_query, mla_value_up, rope_key_at,
-                                    rope_tail_at)
+from parcompile.runtime.mla import *  # noqa: F403
 from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, TensorParallelMoE, combine, dispatch
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule

@@ -31,6 +31,7 @@ from parcompile.core.model import cached_tokens
 from parcompile.runtime.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
+from parcompile.runtime.layers import softcap as cap_scores
 
 
 class ServeError(Exception):
@@ -131,15 +132,18 @@ def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torc
 
 
 def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,
-                    fused: bool, scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    fused: bool, scale: float | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """The attention core of a serving step on per-head tensors (training's layout): q (B, T,
     Hq, D), k/v (B, T, Hkv, D) of the step's tokens; k and v are written into ``pos.cache``
-    at layer ``pos.layer``, the queries attend the cache so far under the step's mask for
-    ``window`` (:func:`cached_attention`) -> (B, T, Hq * D)."""
+    at layer ``pos.layer`` (the contiguous :class:`KVCache` or the paged one, whose rows
+    may start after a cached prefix or a chunk), the queries attend the cache so far under
+    the step's mask for ``window`` (:func:`cached_attention`, ``scale``, ``sinks`` and
+    ``softcap`` as there: the attention op's attributes, ir/code.py) -> (B, T, Hq * D)."""
     B, T = q.shape[:2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
     k, v = pos.cache.store(pos.layer, k, v, pos.step.start)                # (B, Hkv, L, D): the cache so far
-    y = cached_attention(q, k, v, pos.step.masks[window], fused, scale, sinks)
+    y = cached_attention(q, k, v, pos.step.masks[window], fused, scale, sinks, softcap)
     return y.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -199,20 +203,28 @@ def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, fused: bool,
-                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the cache (``scale`` None: 1 / sqrt(d)): q (B, Hq, T, D),
     k/v (B, Hkv, L, D), mask (B, 1, T, L) -> (B, Hq, T, D). Each group of Hq/Hkv query
     heads shares one kv head. ``sinks`` (Hq,): one more logit per head in the softmax's
     denominator, dropped after it (gpt-oss; the training core's rule,
-    :func:`parcompile.runtime.layers.attention_core`)."""
+    :func:`parcompile.runtime.layers.attention_core`). ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``): the scaled scores become ``cap * tanh(scores / cap)``
+    before the mask and the softmax (:func:`parcompile.runtime.layers.softcap`; transformers
+    5.24 ``models/gemma2/modeling_gemma2.py`` ``eager_attention_forward``, vLLM's
+    ``logits_soft_cap``); torch's SDPA cannot cap, so the softmax is spelt out whatever
+    ``fused`` says."""
     rep = q.shape[1] // k.shape[1]
     mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    if fused and sinks is None:
+    if fused and sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = cap_scores(scores, softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         B, H, T, _ = scores.shape

@@ -761,5 +761,5 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
     "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "softcap", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
-    "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "ACTIVATIONS",
+    "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "recompute", "ACTIVATIONS",
 ]

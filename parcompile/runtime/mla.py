@@ -118,14 +118,16 @@ def mla_absorb_query(q: torch.Tensor, weight: torch.Tensor, *, heads: int, nope:
 
 
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, pos, window: int, *,
-                     heads: int, fused: bool, scale: float) -> torch.Tensor:
+                     heads: int, fused: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
     """MLA's absorbed attention core over the latent cache (module docstring): q (B, T, H,
     c + r) absorbed queries of this rank's ``heads``; latent (B, T, 1, c) and k_rope (B, T,
     1, r) of the step's tokens, written into ``pos.cache`` (a
     :class:`~parcompile.runtime.generate.LayerStep`; the cache keeps the latent as its keys
     and the RoPE key as its values) -> (B, T, H, c): each head's softmax over ``[latent,
     k_rope]`` of the cache so far (the step's mask for ``window``) times the latents.
-    ``scale``: the query's (n + r) softmax scale, not the latent key's width.
+    ``scale``: the query's (n + r) softmax scale, not the latent key's width. ``softcap``:
+    the scores capped as :func:`~parcompile.runtime.generate.cached_attention` caps them
+    (the absorbed scores are the attention's own: absorption reorders the products only).
 
     Raises:
         ValueError: q holds other than ``heads`` heads, or q's width is not c + r."""
@@ -137,7 +139,8 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     # one latent "kv head" shared by every query head: the heads' queries as rows of one
     # (no copy of the cache per head), each row with its token's mask
     mask = pos.step.masks[window].repeat(1, 1, H, 1)                             # (B, 1, H T, L)
-    y = cached_attention(q.transpose(1, 2).reshape(B, 1, H * T, d), keys, lat, mask, fused, scale=scale)
+    y = cached_attention(q.transpose(1, 2).reshape(B, 1, H * T, d), keys, lat, mask, fused, scale=scale,
+                         softcap=softcap)
     return y.view(B, H, T, c).transpose(1, 2)                                    # (B, T, H, c)
 
 
