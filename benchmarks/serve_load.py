@@ -86,13 +86,38 @@ def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tok
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
 
 
+def tree_cpu(pid: int | None) -> float | None:
+    """CPU seconds (user + system) spent so far by process ``pid`` and every process below it
+    (the front, torchrun and its ranks; psutil), None without a pid. On a machine shared
+    with other work this is the server's cost, where wall time also counts the others'."""
+    if pid is None:
+        return None
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
-          prefix: list[int] = (), letters: bool = False, text: bool = False) -> dict:
+          prefix: list[int] = (), letters: bool = False, text: bool = False, pid: int | None = None) -> dict:
     """``clients`` threads sending requests back to back for ``seconds``: prompts of
     ``prefix`` then ``prompt_tokens`` random token ids below 256, or with ``letters`` of
     lowercase letters (bytes 97-122: the same tokens under a byte-level tokenizer), sent as
-    text with ``text``."""
+    text with ``text``. With the server's ``pid``, ``cpu``: the CPU seconds its process tree
+    spent during the phase (:func:`tree_cpu`)."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
+    cpu0 = tree_cpu(pid)
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
@@ -119,6 +144,9 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
     for t in threads:
         t.join()
     stats["wall"] = time.perf_counter() - t0
+    cpu1 = tree_cpu(pid)
+    stats["cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+    stats["load"] = os.getloadavg()[0]
     return stats
 
 
@@ -134,6 +162,9 @@ def report(name: str, s: dict, predicted: dict | None = None) -> float:
     print(f"{name:<12} {s['requests']:5d} requests in {s['wall']:5.1f} s: {s['requests'] / s['wall']:6.2f} req/s, "
           f"{tps:7.1f} output tok/s; TTFT p50 {pct(s['ttft'], 50) * 1e3:6.1f} ms p99 {pct(s['ttft'], 99) * 1e3:6.1f} ms; "
           f"TPOT p50 {pct(s['tpot'], 50) * 1e3:6.1f} ms p99 {pct(s['tpot'], 99) * 1e3:6.1f} ms", flush=True)
+    if s.get("cpu") is not None and s["tokens"]:
+        print(f"{'':<12} server CPU {s['cpu']:6.1f} s: {s['cpu'] / s['tokens'] * 1e3:6.2f} CPU-ms per output token "
+              f"({s['cpu'] / s['wall']:.2f} cores busy; load average {s['load']:.1f})", flush=True)
     if predicted is not None:
         ttft, tpot = pct(s["ttft"], 50), pct(s["tpot"], 50)
         print(f"{'':<12} plan (batch {predicted['batch']}): TTFT {predicted['ttft'] * 1e3:6.1f} ms, TPOT "
@@ -172,12 +203,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
+def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, pp: int | None = None) -> Path:
     """A Hugging Face Llama checkpoint of ``spec``'s (dense, RoPE, RMSNorm, SwiGLU) model with
     weights drawn from seed 0 and a byte-level tokenizer (token id = byte), saved with
     ``save_pretrained`` into ``root/hf``; and ``root/serve.par``: the spec's cluster and
     layout serving it, decoding up to ``streams`` sequences at once (``serve.batch``, at
-    least the spec's). Returns the new spec."""
+    least the spec's), with ``tp`` and ``pp`` in place of the spec's when given. Returns the new spec."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -186,6 +217,7 @@ def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
 
     cfg, _ = load_spec(spec)
     m, par = cfg.model, cfg.parallel
+    tp, pp = tp or par.tp, pp or par.pp
     if m.vocab != 256:
         raise SystemExit("--transformers needs a byte-level model (vocab = 256)")
     hf = root / "hf"
@@ -202,8 +234,8 @@ def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(hf)
     out = root / "serve.par"
     out.write_text(f'model m from "hf/config.json" {{ dtype = {m.dtype} }}\n'
-                   f'cluster local from "cpu" {{ nodes = 1, gpus_per_node = {par.tp * par.pp * par.dp} }}\n'
-                   f"parallel {{ tp = {par.tp}, pp = {par.pp}, dp = {par.dp} }}\n"
+                   f'cluster local from "cpu" {{ nodes = 1, gpus_per_node = {tp * pp * par.dp} }}\n'
+                   f"parallel {{ tp = {tp}, pp = {pp}, dp = {par.dp} }}\n"
                    f'serve {{ batch = {max(cfg.serve.batch, streams)}, prompt_len = {cfg.serve.prompt_len}, max_new_tokens = '
                    f'{cfg.serve.max_new_tokens}, block_size = {cfg.serve.block_size}, kv_cache_tokens = 4096, '
                    f'weights = "hf" }}\n')
@@ -249,12 +281,14 @@ def main(argv=None) -> int:
                     help="every prompt starts with the same N tokens (prefix caching)")
     ap.add_argument("--transformers", action="store_true",
                     help="serve a seeded Hugging Face checkpoint of SPEC's model and compare with `transformers serve`")
+    ap.add_argument("--tp", type=int, default=None, help="with --transformers: serve with this tp (default the spec's)")
+    ap.add_argument("--pp", type=int, default=None, help="with --transformers: serve with this pp (default the spec's)")
     args = ap.parse_args(argv)
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
     spec = Path(args.spec)
     if args.transformers:
-        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients)
+        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp)
     elif "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
         # the example's weights come from training tiny.par; without them, drawn from the seed
         text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
@@ -278,10 +312,11 @@ def main(argv=None) -> int:
         prefix = [random.Random(0).randrange(97, 123) if args.transformers else random.Random(0).randrange(256)
                   for _ in range(args.shared_prefix)]
         batched = report(f"{args.clients} clients", phase(url, args.clients, args.seconds, args.prompt_tokens,
-                                                           args.max_tokens, 1, prefix, args.transformers),
+                                                           args.max_tokens, 1, prefix, args.transformers,
+                                                           pid=proc.pid if proc else None),
                          plan[args.clients])
         single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2,
-                                            prefix, args.transformers), plan[1])
+                                            prefix, args.transformers, pid=proc.pid if proc else None), plan[1])
         print(f"continuous batching: {batched / single:.1f}x the output tokens/s of sequential requests")
         if args.shared_prefix:
             m = {}
@@ -305,7 +340,7 @@ def main(argv=None) -> int:
             one_request(httpx.Client(), hf_url, "abc", 2)       # warm up (loads the model)
             print(f"load average {os.getloadavg()[0]:.1f}")
             theirs = report("transformers", phase(hf_url, args.clients, args.seconds, args.prompt_tokens,
-                                                  args.max_tokens, 1, prefix, letters=True, text=True))
+                                                  args.max_tokens, 1, prefix, letters=True, text=True, pid=proc.pid))
             print(f"parcompile serve: {batched / theirs:.1f}x the output tokens/s of `transformers serve "
                   f"--continuous-batching` at {args.clients} streams (same weights)")
         finally:

@@ -177,23 +177,27 @@ def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch
     B = len(rows)
     T = max(len(r.tokens) for r in rows)
     C = max(r.context for r in rows)
-    ids = torch.zeros((B, T), dtype=torch.long)
+    # one tensor per field from Python lists, the slots by one gather over the padded block
+    # tables (a loop of small tensors per row cost more than the model's step: issue 33)
+    ids = torch.tensor([[0] * (T - len(r.tokens)) + r.tokens for r in rows], dtype=torch.long)
     n = torch.tensor([len(r.tokens) for r in rows])
     c = torch.tensor([r.context for r in rows])
-    write = torch.full((B, T), -1, dtype=torch.long)
-    read = torch.zeros((B, max(C, 0)), dtype=torch.long)
-    for b, r in enumerate(rows):
-        table = torch.tensor(r.table, dtype=torch.long)
-        ids[b, T - len(r.tokens):] = torch.tensor(r.tokens, dtype=torch.long)
-        pos = torch.arange(r.context, r.context + len(r.tokens))
-        write[b, T - len(r.tokens):] = table[pos // block_size] * block_size + pos % block_size
-        ctx_pos = torch.arange(r.context)
-        read[b, :r.context] = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
+    width = max(len(r.table) for r in rows)
+    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(B, width)
+
+    def slots(pos: torch.Tensor, real: torch.Tensor, pad: int) -> torch.Tensor:
+        """The slot of each position (B, X) of its row, ``pad`` where not ``real``."""
+        p = torch.where(real, pos, torch.zeros((), dtype=torch.long))
+        s = tables.gather(1, p // block_size) * block_size + p % block_size
+        return torch.where(real, s, torch.full((), pad, dtype=torch.long))
+
     t = torch.arange(T)
     first = (T - n)[:, None]                                   # (B, 1): the first real column
     real_q = t[None, :] >= first                               # (B, T)
     q_pos = torch.where(real_q, c[:, None] + t[None, :] - first, torch.zeros((), dtype=torch.long))
+    write = slots(q_pos, real_q, -1)                                                          # (B, T)
     j = torch.arange(C)
+    read = slots(j[None, :].expand(B, -1), j[None, :] < c[:, None], 0)                        # (B, C)
     ctx_ok = (j[None, None, :] < c[:, None, None]) & real_q[:, :, None]                     # (B, T, C)
     new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]) & real_q[:, :, None]
     wins = tuple(dict.fromkeys(windows)) if isinstance(windows, (tuple, list)) else (windows,)
@@ -217,13 +221,20 @@ def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators
     """Each row's next token from logits (B, V') with its own ``temperature``, ``top_k`` and
     ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`); a row whose
     logits hold NaN or inf gets :data:`ERROR_TOKEN` (that request fails, the rank lives)."""
-    out = []
+    out = torch.full((len(params),), ERROR_TOKEN, dtype=torch.long)
+    greedy = [b for b, p in enumerate(params) if gen.is_greedy(p["temperature"])]
+    if greedy:       # one argmax for every greedy row (pick_tokens' rule, per row: first on ties)
+        x = logits[greedy, :vocab].float() if len(greedy) < len(params) else logits[:, :vocab].float()
+        tok = torch.where(torch.isfinite(x).all(dim=-1), x.argmax(dim=-1), torch.full((), ERROR_TOKEN))
+        out[greedy] = tok.cpu()
     for b, (p, g) in enumerate(zip(params, generators)):
+        if gen.is_greedy(p["temperature"]):
+            continue
         try:
-            out.append(gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"]))
+            out[b] = gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"])[0]
         except gen.NonFiniteLogits:
-            out.append(torch.full((1,), ERROR_TOKEN, dtype=torch.long, device=logits.device))
-    return torch.cat(out).to(logits.device)
+            pass
+    return out.to(logits.device)
 
 
 def wants_logprobs(params: list[dict]) -> int | None:
