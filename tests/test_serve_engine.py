@@ -401,3 +401,35 @@ def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():
         except gen.NonFiniteLogits:
             want.append(paged.ERROR_TOKEN)
     assert got == want and got[1] == 3 and got[4] == paged.ERROR_TOKEN and got[2] != 9
+
+
+def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        got = [paged.broadcast_plan(m if rank == 0 else None, 0, dist.group.WORLD, rank == 0) for m in msgs]
+        Path(f"{out}.{rank}").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_plan_carries_a_small_and_a_large_step_plan(tmp_path):
+    """The leader's step plan reaches the other ranks equal, in one buffer of STEP_PLAN_BYTES
+    and, for a plan beyond it (a long prompt's chunk), in a second broadcast for the rest."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from parcompile.core.model import STEP_PLAN_BYTES
+
+    small = {"stop": False, "free": ["a"], "new": {}, "rows": [["b", [7], 12, [3, 4]]], "prompt_logprobs": [],
+             "partial": {}}
+    large = {**small, "rows": [["c", list(range(STEP_PLAN_BYTES)), 0, list(range(300))]]}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_plan_rank, args=(port, [small, large, small], str(tmp_path / "got")), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"got.{rank}").read_text()) == [small, large, small]

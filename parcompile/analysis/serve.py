@@ -82,7 +82,7 @@ from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
-from parcompile.core.model import GATED_ACTIVATIONS
+from parcompile.core.model import GATED_ACTIVATIONS, STEP_PLAN_BYTES
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
@@ -376,19 +376,14 @@ STEP_LAYOUT_OPS = 14.0
 #: ... the sampling of the step's rows on the last stage (``sample_rows``, greedy: 50 us at
 #: one sequence, 195 us at 32)
 SAMPLE_OPS = 3.0
-#: bytes of the step's plan the leader broadcasts to its replica's other ranks (pickled row
-#: lists: a few dozen bytes per row; the collective's latency dominates)
-PLAN_BYTES = 1024
-
-
 def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[str, int], link,
                     per_op: float) -> float:
     """Seconds of one engine step on the critical path through a rank of a stage with
     ``layers`` decoder layers that the graph's ops do not hold (runtime/paged.py
     ``serve_requests`` / ``run_step``): on the ``first`` stage the step's plan broadcast from
-    the replica's leader to its other ranks (``broadcast_object_list``: a size, then the
-    bytes; two broadcasts over the tp x pp ranks on ``link``, each timed as one send from the
-    leader, as the sampled tokens' broadcast is) and the step's layout
+    the replica's leader to its other ranks (``broadcast_plan``: one broadcast of
+    :data:`~parcompile.core.model.STEP_PLAN_BYTES` over the tp x pp ranks on ``link``, timed
+    as one send from the leader, as the sampled tokens' broadcast is) and the step's layout
     (:data:`STEP_LAYOUT_OPS`; a later stage lays out its step while the earlier ones
     compute); on every stage the paged cache's work per attention layer
     (:data:`PAGED_CACHE_OPS`); on the ``last`` the sampling (:data:`SAMPLE_OPS`); each op at
@@ -398,7 +393,7 @@ def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[
     if not per_op:
         return 0.0
     ranks = degrees.get("tp", 1) * cfg.parallel.pp
-    plan = 2 * collective_time("send", PLAN_BYTES, 2, link) if first and ranks > 1 else 0.0
+    plan = collective_time("send", STEP_PLAN_BYTES, 2, link) if first and ranks > 1 else 0.0
     ops = (STEP_LAYOUT_OPS if first else 0.0) + PAGED_CACHE_OPS * layers + (SAMPLE_OPS if last else 0.0)
     return plan + ops * per_op
 

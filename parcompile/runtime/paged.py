@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -96,6 +97,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.runtime import generate as gen
 from parcompile.runtime.comm import nbytes
 from parcompile.runtime.context import ParallelContext
@@ -747,9 +749,7 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
         if is_leader:
             msg = _leader_plan(conn, sched)
         if group is not None:
-            box = [msg]
-            dist.broadcast_object_list(box, src=leader, group=group)
-            msg = box[0]
+            msg = broadcast_plan(msg, leader, group, is_leader, ctx.device)
         if msg["stop"]:
             break
         for rid in msg["free"]:
@@ -773,6 +773,38 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             _leader_collect(conn, sched, rows, tokens, lps)
     if conn is not None:
         conn.close()
+
+
+def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu") -> dict:
+    """The step's plan ``msg`` (given on rank ``src``) on every rank of ``group``: pickled
+    behind its 8-byte length into a buffer of :data:`parcompile.core.model.STEP_PLAN_BYTES`,
+    one broadcast while it fits and a second for the rest (``broadcast_object_list`` takes
+    two broadcasts every step, its size's and its bytes': a collective per step saved). The
+    buffers live on ``device`` (the group's backend's: NCCL's are on the GPU)."""
+    buf = torch.zeros(STEP_PLAN_BYTES, dtype=torch.uint8)
+    head = STEP_PLAN_BYTES - 8
+    data = b""
+    if is_src:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        first = len(data).to_bytes(8, "little") + data[:head]
+        buf[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=src, group=group)
+    if is_src:
+        rest = len(data) - head
+    else:
+        raw = buf.cpu().numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        data, rest = raw[8:8 + min(n, head)], n - head
+    if rest > 0:
+        tail = torch.zeros(rest, dtype=torch.uint8)
+        if is_src:
+            tail.copy_(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8))
+        tail = tail.to(device)
+        dist.broadcast(tail, src=src, group=group)
+        if not is_src:
+            data += tail.cpu().numpy().tobytes()
+    return msg if is_src else pickle.loads(data)
 
 
 def _leader_plan(conn, sched: Scheduler) -> dict:
@@ -801,4 +833,4 @@ def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], 
 
 __all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
            "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
-           "serve_requests", "IDLE_HEARTBEAT_S", "KEY_ENV"]
+           "serve_requests", "broadcast_plan", "IDLE_HEARTBEAT_S", "KEY_ENV"]
