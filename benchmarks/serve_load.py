@@ -28,6 +28,18 @@ then ``transformers serve --continuous-batching`` (one process, its default thre
 the same N clients with the same prompts (as text: lowercase letters, one token each), and
 the ratio of their output tokens/s. transformers streams text, so its tokens are counted
 from the final chunk's ``usage`` (else one per text chunk).
+
+Cost and clocks. With a launched server, each phase also prints the server's CPU time per
+output token (its process tree: front, torchrun, ranks; psutil), a figure that other work
+on a shared machine does not inflate as it inflates wall time, and for `parcompile serve`
+the server's own mean TTFT and TPOT (/metrics: from a request's submission to each token's
+arrival from the engine) beside the plan's. A client's TTFT is the time to the first chunk
+that carries text: a byte-level model with random weights often begins with bytes that are
+no whole UTF-8 character, which the server holds back until the character is whole, so the
+client's TTFT can span several steps where the server's is one. The layout line says how
+many rank processes share the cores: a tp 2 x pp 2 program runs 4 ranks, and on a 2-core
+machine every collective then waits for a descheduled peer, so the fair comparison with
+one-process `transformers serve` there is tp 1 (``--tp 1 --pp 1``).
 """
 
 from __future__ import annotations
@@ -86,13 +98,58 @@ def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tok
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
 
 
+def tree_cpu(pid: int | None) -> float | None:
+    """CPU seconds (user + system) spent so far by process ``pid`` and every process below it
+    (the front, torchrun and its ranks; psutil), None without a pid. On a machine shared
+    with other work this is the server's cost, where wall time also counts the others'."""
+    if pid is None:
+        return None
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def server_times(url: str) -> dict | None:
+    """The server's own time-to-first-token and time-per-output-token histograms' sums and
+    counts (/metrics: ``parcompile_time_to_first_token_seconds``, ``..._time_per_output_token_seconds``;
+    the front's clock from a request's submission to each token's arrival from the engine),
+    None when there are none (another server)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        for key, name in (("ttft", "parcompile_time_to_first_token_seconds"),
+                          ("tpot", "parcompile_time_per_output_token_seconds")):
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}{{"):
+                    out[f"{key}_{part}"] = float(line.rsplit(" ", 1)[1])
+    return out if len(out) == 4 else None
+
+
 def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
-          prefix: list[int] = (), letters: bool = False, text: bool = False) -> dict:
+          prefix: list[int] = (), letters: bool = False, text: bool = False, pid: int | None = None) -> dict:
     """``clients`` threads sending requests back to back for ``seconds``: prompts of
     ``prefix`` then ``prompt_tokens`` random token ids below 256, or with ``letters`` of
     lowercase letters (bytes 97-122: the same tokens under a byte-level tokenizer), sent as
-    text with ``text``."""
+    text with ``text``. With the server's ``pid``, ``cpu``: the CPU seconds its process tree
+    spent during the phase (:func:`tree_cpu`)."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
+    cpu0 = tree_cpu(pid)
+    srv0 = server_times(url) if pid is not None and not text else None
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
@@ -119,6 +176,13 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
     for t in threads:
         t.join()
     stats["wall"] = time.perf_counter() - t0
+    cpu1 = tree_cpu(pid)
+    stats["cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+    srv1 = server_times(url) if srv0 is not None else None
+    if srv1 is not None and srv1["ttft_count"] > srv0["ttft_count"] and srv1["tpot_count"] > srv0["tpot_count"]:
+        stats["server"] = {k: (srv1[f"{k}_sum"] - srv0[f"{k}_sum"]) / (srv1[f"{k}_count"] - srv0[f"{k}_count"])
+                           for k in ("ttft", "tpot")}
+    stats["load"] = os.getloadavg()[0]
     return stats
 
 
@@ -134,12 +198,21 @@ def report(name: str, s: dict, predicted: dict | None = None) -> float:
     print(f"{name:<12} {s['requests']:5d} requests in {s['wall']:5.1f} s: {s['requests'] / s['wall']:6.2f} req/s, "
           f"{tps:7.1f} output tok/s; TTFT p50 {pct(s['ttft'], 50) * 1e3:6.1f} ms p99 {pct(s['ttft'], 99) * 1e3:6.1f} ms; "
           f"TPOT p50 {pct(s['tpot'], 50) * 1e3:6.1f} ms p99 {pct(s['tpot'], 99) * 1e3:6.1f} ms", flush=True)
+    if s.get("cpu") is not None and s["tokens"]:
+        print(f"{'':<12} server CPU {s['cpu']:6.1f} s: {s['cpu'] / s['tokens'] * 1e3:6.2f} CPU-ms per output token "
+              f"({s['cpu'] / s['wall']:.2f} cores busy; load average {s['load']:.1f})", flush=True)
+    srv = s.get("server")
+    if srv is not None:
+        print(f"{'':<12} server's clock (/metrics, submission to each token from the engine): TTFT mean "
+              f"{srv['ttft'] * 1e3:6.1f} ms, TPOT mean {srv['tpot'] * 1e3:6.1f} ms", flush=True)
     if predicted is not None:
         ttft, tpot = pct(s["ttft"], 50), pct(s["tpot"], 50)
         print(f"{'':<12} plan (batch {predicted['batch']}): TTFT {predicted['ttft'] * 1e3:6.1f} ms, TPOT "
               f"{predicted['tpot'] * 1e3:6.1f} ms, {predicted['tokens_per_s']:7.1f} output tok/s; measured / plan: "
               f"TTFT {ttft / predicted['ttft']:.2f}x, TPOT {tpot / predicted['tpot']:.2f}x, "
-              f"tok/s {tps / predicted['tokens_per_s']:.2f}x", flush=True)
+              f"tok/s {tps / predicted['tokens_per_s']:.2f}x"
+              + (f"; server's clock / plan: TTFT {srv['ttft'] / predicted['ttft']:.2f}x, "
+                 f"TPOT {srv['tpot'] / predicted['tpot']:.2f}x" if srv is not None else ""), flush=True)
     return tps
 
 
@@ -150,8 +223,9 @@ def predicted(spec: Path, batch: int, prompt_tokens: int, max_tokens: int) -> di
     from parcompile.driver import compile_source
 
     try:
-        return compile_source(spec, overrides={"serve.batch": batch, "serve.prompt_len": prompt_tokens,
-                                               "serve.max_new_tokens": max_tokens}).data["serve"]
+        d = compile_source(spec, overrides={"serve.batch": batch, "serve.prompt_len": prompt_tokens,
+                                            "serve.max_new_tokens": max_tokens}).data
+        return {**d["serve"], "world": d["world_size"], "degrees": d["degrees"]}
     except SpecError as e:
         print(f"no prediction: {e}", file=sys.stderr)
         return None
@@ -172,12 +246,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
+def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, pp: int | None = None) -> Path:
     """A Hugging Face Llama checkpoint of ``spec``'s (dense, RoPE, RMSNorm, SwiGLU) model with
     weights drawn from seed 0 and a byte-level tokenizer (token id = byte), saved with
     ``save_pretrained`` into ``root/hf``; and ``root/serve.par``: the spec's cluster and
     layout serving it, decoding up to ``streams`` sequences at once (``serve.batch``, at
-    least the spec's). Returns the new spec."""
+    least the spec's), with ``tp`` and ``pp`` in place of the spec's when given. Returns the new spec."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -186,6 +260,7 @@ def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
 
     cfg, _ = load_spec(spec)
     m, par = cfg.model, cfg.parallel
+    tp, pp = tp or par.tp, pp or par.pp
     if m.vocab != 256:
         raise SystemExit("--transformers needs a byte-level model (vocab = 256)")
     hf = root / "hf"
@@ -202,8 +277,8 @@ def hf_checkpoint(spec: Path, root: Path, streams: int) -> Path:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(hf)
     out = root / "serve.par"
     out.write_text(f'model m from "hf/config.json" {{ dtype = {m.dtype} }}\n'
-                   f'cluster local from "cpu" {{ nodes = 1, gpus_per_node = {par.tp * par.pp * par.dp} }}\n'
-                   f"parallel {{ tp = {par.tp}, pp = {par.pp}, dp = {par.dp} }}\n"
+                   f'cluster local from "cpu" {{ nodes = 1, gpus_per_node = {tp * pp * par.dp} }}\n'
+                   f"parallel {{ tp = {tp}, pp = {pp}, dp = {par.dp} }}\n"
                    f'serve {{ batch = {max(cfg.serve.batch, streams)}, prompt_len = {cfg.serve.prompt_len}, max_new_tokens = '
                    f'{cfg.serve.max_new_tokens}, block_size = {cfg.serve.block_size}, kv_cache_tokens = 4096, '
                    f'weights = "hf" }}\n')
@@ -249,12 +324,14 @@ def main(argv=None) -> int:
                     help="every prompt starts with the same N tokens (prefix caching)")
     ap.add_argument("--transformers", action="store_true",
                     help="serve a seeded Hugging Face checkpoint of SPEC's model and compare with `transformers serve`")
+    ap.add_argument("--tp", type=int, default=None, help="with --transformers: serve with this tp (default the spec's)")
+    ap.add_argument("--pp", type=int, default=None, help="with --transformers: serve with this pp (default the spec's)")
     args = ap.parse_args(argv)
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
     spec = Path(args.spec)
     if args.transformers:
-        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients)
+        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp)
     elif "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
         # the example's weights come from training tiny.par; without them, drawn from the seed
         text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
@@ -275,13 +352,22 @@ def main(argv=None) -> int:
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
               f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy); load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        p = plan.get(args.clients) or plan.get(1)
+        if p is not None:
+            deg = p["degrees"]
+            print(f"layout dp {deg.get('dp', 1)} x tp {deg.get('tp', 1)} x pp {deg.get('pp', 1)}: {p['world']} rank "
+                  f"process(es) beside the front process on {os.cpu_count()} cores"
+                  + (" (more ranks than cores: every collective waits for its peers to be scheduled, so this layout "
+                     "is slower here than tp 1; `transformers serve` is one process)" if p["world"] > (os.cpu_count() or 1)
+                     else ""))
         prefix = [random.Random(0).randrange(97, 123) if args.transformers else random.Random(0).randrange(256)
                   for _ in range(args.shared_prefix)]
         batched = report(f"{args.clients} clients", phase(url, args.clients, args.seconds, args.prompt_tokens,
-                                                           args.max_tokens, 1, prefix, args.transformers),
+                                                           args.max_tokens, 1, prefix, args.transformers,
+                                                           pid=proc.pid if proc else None),
                          plan[args.clients])
         single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2,
-                                            prefix, args.transformers), plan[1])
+                                            prefix, args.transformers, pid=proc.pid if proc else None), plan[1])
         print(f"continuous batching: {batched / single:.1f}x the output tokens/s of sequential requests")
         if args.shared_prefix:
             m = {}
@@ -305,9 +391,11 @@ def main(argv=None) -> int:
             one_request(httpx.Client(), hf_url, "abc", 2)       # warm up (loads the model)
             print(f"load average {os.getloadavg()[0]:.1f}")
             theirs = report("transformers", phase(hf_url, args.clients, args.seconds, args.prompt_tokens,
-                                                  args.max_tokens, 1, prefix, letters=True, text=True))
-            print(f"parcompile serve: {batched / theirs:.1f}x the output tokens/s of `transformers serve "
-                  f"--continuous-batching` at {args.clients} streams (same weights)")
+                                                  args.max_tokens, 1, prefix, letters=True, text=True, pid=proc.pid))
+            deg = (plan.get(args.clients) or {}).get("degrees", {})
+            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {batched / theirs:.1f}x the "
+                  f"output tokens/s of `transformers serve --continuous-batching` at {args.clients} streams (same "
+                  f"weights; load average {os.getloadavg()[0]:.1f})")
         finally:
             stop(proc)
     return 0

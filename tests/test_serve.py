@@ -385,3 +385,30 @@ def test_serve_batch_is_global_and_the_report_says_how_the_replicas_share_it(bat
     total = sv["ttft"] + 47 * sv["tpot"]
     assert sv["decode_tokens_per_s"] == pytest.approx(batch / sv["tpot"])     # not dp x the largest share
     assert sv["tokens_per_s"] == pytest.approx(batch * 48 / total)
+
+
+def test_engine_overhead_on_the_cpu_preset_counts_the_engines_host_work_per_step():
+    """Issue 33: on the `cpu` preset (fixed figures: 20 us per op, 50 us per message) each
+    step's TTFT and TPOT hold the engine's host work beyond the graph's ops: on the first
+    stage the step plan's broadcast (one message) and the step's layout, on every stage
+    the paged cache's work per layer, on the last the sampling, in units of the per-op
+    figure; a GPU preset (no host model) leaves it out."""
+    from parcompile.analysis import serve as S
+    from parcompile.core.model import STEP_PLAN_BYTES
+
+    per_op, alpha = 20e-6, 50e-6
+    for tp, pp, want in ((1, 1, (S.STEP_LAYOUT_OPS + 4 * S.PAGED_CACHE_OPS + S.SAMPLE_OPS) * per_op),
+                         (2, 2, alpha + STEP_PLAN_BYTES / 2e9
+                          + (S.STEP_LAYOUT_OPS + 2 * S.PAGED_CACHE_OPS) * per_op        # stage 0
+                          + (2 * S.PAGED_CACHE_OPS + S.SAMPLE_OPS) * per_op)):          # stage 1
+        src = (f'model m {{ layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128, vocab = 256, '
+               f'seq_len = 32, dtype = fp32 }}\ncluster c from "cpu" {{ gpus_per_node = {tp * pp} }}\n'
+               f'parallel {{ tp = {tp}, pp = {pp} }}\nserve {{ batch = 2, prompt_len = 6, max_new_tokens = 6 }}\n')
+        sv = parcompile.compile(src, filename="s.par").data["serve"]
+        br = sv["breakdown"]
+        assert br["engine_overhead"] == pytest.approx(want, rel=0.05)
+        decode = sum(v for k, v in br.items() if k.startswith("decode_")) + br["engine_overhead"]
+        prefill = sum(v for k, v in br.items() if k.startswith("prefill_")) + br["engine_overhead"]
+        assert sv["tpot"] == pytest.approx(decode, rel=1e-9) and sv["ttft"] == pytest.approx(prefill, rel=1e-9)
+    gpu = parcompile.compile(Path("examples/llama3_70b_serve_8x_h100.par")).data["serve"]["breakdown"]
+    assert "engine_overhead" not in gpu

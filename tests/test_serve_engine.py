@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parcompile.runtime import generate as gen
 from parcompile.runtime import paged
 from tests.serve_utils import build_serve, serve_config
 
@@ -345,3 +346,90 @@ def test_a_cache_too_small_preempts_and_every_request_continues_exactly(chunk, t
     pool = eng.sched.pool
     assert not any(pool.ref) and len(pool.free) == 10
     assert all(pool.key_of[b] == k for k, b in pool.cached.items()) and len(pool.key_of) == len(pool.cached)
+
+
+def test_paged_step_slots_and_masks_follow_each_rows_block_table():
+    """The step's layout, held against the rule written per position (module docstring of
+    runtime/paged.py): token p of a row sits in slot ``table[p // bs] * bs + p % bs``; rows
+    left-padded (write -1, read 0 on padding); a real query sees its context and the new
+    keys up to itself (within a window), a padding query itself only."""
+    bs = 4
+    rows = [paged.Row("a", [5], 9, [7, 2, 11]), paged.Row("b", [1, 2, 3, 4, 5, 6], 0, [3, 0]),
+            paged.Row("c", [8, 9], 3, [6, 9]), paged.Row("d", [4], 0, [1])]
+    ids, step, write, read = paged.paged_step(rows, bs, (0, 3), "cpu")
+    B, T, C = 4, 6, 9
+    assert ids.shape == (B, T) and write.shape == (B, T) and read.shape == (B, C)
+    slot = lambda r, p: r.table[p // bs] * bs + p % bs        # noqa: E731
+    for b, r in enumerate(rows):
+        pad = T - len(r.tokens)
+        assert ids[b].tolist() == [0] * pad + r.tokens
+        assert write[b].tolist() == [-1] * pad + [slot(r, r.context + i) for i in range(len(r.tokens))]
+        assert read[b].tolist() == [slot(r, p) for p in range(r.context)] + [0] * (C - r.context)
+        assert step.positions[b].tolist() == [0] * pad + list(range(r.context, r.context + len(r.tokens)))
+        for w in (0, 3):
+            m = step.masks[w][b, 0]
+            for q in range(T):
+                qp = r.context + q - pad
+                for k in range(C + T):
+                    if q < pad:
+                        want = k == C + q
+                    elif k < C:
+                        want = k < r.context and (not w or qp - k < w)
+                    else:
+                        kp = r.context + k - C - pad
+                        want = k - C >= pad and k - C <= q and (not w or qp - kp < w)
+                    assert bool(m[q, k]) == want, (b, w, q, k)
+
+
+def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():
+    """Greedy rows (temperature 0, NaN, below float32's tiny) take one batched argmax: each
+    equals pick_tokens on its row alone (first on ties, padded columns never win), a row
+    with non-finite logits gets ERROR_TOKEN, and sampled rows between them draw from their
+    own generators as before."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10)
+    logits[1, 3] = logits[1, 5] = logits[1].max() + 1            # a tie: the first wins
+    logits[2, 9] = 1e9                                          # a padded column (vocab 8)
+    logits[4, 0] = float("nan")
+    temps = [0.0, 0.0, float("nan"), 0.8, 0.0, 1e-300]
+    params = [{"temperature": t, "top_k": 0, "top_p": 1.0} for t in temps]
+    got = paged.sample_rows(logits, 8, params, [torch.Generator().manual_seed(b) for b in range(6)]).tolist()
+    want = []
+    for b, p in enumerate(params):
+        try:
+            want.append(int(gen.pick_tokens(logits[b:b + 1], 8, p["temperature"], 0, torch.Generator().manual_seed(b))))
+        except gen.NonFiniteLogits:
+            want.append(paged.ERROR_TOKEN)
+    assert got == want and got[1] == 3 and got[4] == paged.ERROR_TOKEN and got[2] != 9
+
+
+def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        got = [paged.broadcast_plan(m if rank == 0 else None, 0, dist.group.WORLD, rank == 0) for m in msgs]
+        Path(f"{out}.{rank}").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_plan_carries_a_small_and_a_large_step_plan(tmp_path):
+    """The leader's step plan reaches the other ranks equal, in one buffer of STEP_PLAN_BYTES
+    and, for a plan beyond it (a long prompt's chunk), in a second broadcast for the rest."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from parcompile.core.model import STEP_PLAN_BYTES
+
+    small = {"stop": False, "free": ["a"], "new": {}, "rows": [["b", [7], 12, [3, 4]]], "prompt_logprobs": [],
+             "partial": {}}
+    large = {**small, "rows": [["c", list(range(STEP_PLAN_BYTES)), 0, list(range(300))]]}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_plan_rank, args=(port, [small, large, small], str(tmp_path / "got")), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"got.{rank}").read_text()) == [small, large, small]

@@ -59,7 +59,10 @@ the collectives equal to what each rank of the serve program counts):
   decode step reads is ``(c + r) * kv_bytes`` per token and layer, shared by every head
   (not ``2 * heads * head_dim``: the non-absorbed form's keys and values);
 * ``cluster.op_overhead`` (the host's cost per graph op, the ``cpu`` preset's): the graph's
-  ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0);
+  ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0), and
+  the engine's own host work per step, in prefill and decode alike (``engine_overhead``:
+  the step plan's broadcast to the replica's ranks, the step's layout, the paged cache's
+  writes and reads, the sampling: :func:`engine_overhead`; left out where 0);
 * ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
   step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
   the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
@@ -93,7 +96,7 @@ from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
-from parcompile.core.model import GATED_ACTIVATIONS
+from parcompile.core.model import GATED_ACTIVATIONS, STEP_PLAN_BYTES
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
@@ -393,6 +396,41 @@ def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
     return counts
 
 
+#: host work of the serve engine beyond the graph's ops, in units of ``cluster.op_overhead``
+#: (one graph op of the program's forward: config/host.py's probe). Timed on this machine
+#: (2-core Xeon VM, torch 2.13, one thread, best of 5 x 200 calls) beside the probe's figure
+#: (17.9 us per op then): the paged KV cache's write of a layer's new keys and values and its
+#: read of their context (runtime/paged.py ``PagedKVCache.store``: index_copy_ twice, two
+#: gathers, two cats; 119 us at one sequence, 135 us at 32), per attention layer
+PAGED_CACHE_OPS = 7.0
+#: ... the step's layout on every rank (``paged_step``: token ids, slots, positions, masks;
+#: 252 us at one sequence, 461 us at 32)
+STEP_LAYOUT_OPS = 14.0
+#: ... the sampling of the step's rows on the last stage (``sample_rows``, greedy: 50 us at
+#: one sequence, 195 us at 32)
+SAMPLE_OPS = 3.0
+def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[str, int], link,
+                    per_op: float) -> float:
+    """Seconds of one engine step on the critical path through a rank of a stage with
+    ``layers`` decoder layers that the graph's ops do not hold (runtime/paged.py
+    ``serve_requests`` / ``run_step``): on the ``first`` stage the step's plan broadcast from
+    the replica's leader to its other ranks (``broadcast_plan``: one broadcast of
+    :data:`~parcompile.core.model.STEP_PLAN_BYTES` over the tp x pp ranks on ``link``, timed
+    as one send from the leader, as the sampled tokens' broadcast is) and the step's layout
+    (:data:`STEP_LAYOUT_OPS`; a later stage lays out its step while the earlier ones
+    compute); on every stage the paged cache's work per attention layer
+    (:data:`PAGED_CACHE_OPS`); on the ``last`` the sampling (:data:`SAMPLE_OPS`); each op at
+    ``per_op`` seconds (``cluster.op_overhead``). 0 where ``per_op`` is 0: a preset that
+    does not model the host (the GPU presets) leaves the engine's host work out as it
+    leaves out the ops' (module docstring)."""
+    if not per_op:
+        return 0.0
+    ranks = degrees.get("tp", 1) * cfg.parallel.pp
+    plan = collective_time("send", STEP_PLAN_BYTES, 2, link) if first and ranks > 1 else 0.0
+    ops = (STEP_LAYOUT_OPS if first else 0.0) + PAGED_CACHE_OPS * layers + (SAMPLE_OPS if last else 0.0)
+    return plan + ops * per_op
+
+
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
                  graph: Graph, degrees: Mapping[str, int]) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
@@ -447,7 +485,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     keys = ["prefill_compute", "prefill_tp_comm", "prefill_pp_comm", "decode_weights", "decode_kv",
             "decode_activations", "decode_tp_comm", "decode_pp_comm"]
     if per_op:
-        keys += ["prefill_overhead", "decode_overhead"]
+        keys += ["prefill_overhead", "decode_overhead", "engine_overhead"]
+    replica_link = links["pp"] if pp > 1 else links["tp"]
     parts = {k: 0.0 for k in keys}
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
@@ -481,15 +520,16 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         dec_act = dc.act_bytes / mem_rate
         dec_tp, dec_pp = comm(dc, last)
         pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op
+        eng = engine_overhead(cfg, layers, s == 0, last, degrees, replica_link, per_op)    # per step, prefill or decode
         for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
                      ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_activations", dec_act),
                      ("decode_tp_comm", dec_tp), ("decode_pp_comm", dec_pp),
-                     ("prefill_overhead", pf_ovh), ("decode_overhead", dec_ovh)):
+                     ("prefill_overhead", pf_ovh), ("decode_overhead", dec_ovh), ("engine_overhead", eng)):
             if k in parts:
                 parts[k] += v
         stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, kv_seqs[s], work, free,
-                                 pf_compute + pf_tp + pf_pp + pf_ovh,
-                                 dec_w + dec_kv + dec_act + dec_tp + dec_pp + dec_ovh))
+                                 pf_compute + pf_tp + pf_pp + pf_ovh + eng,
+                                 dec_w + dec_kv + dec_act + dec_tp + dec_pp + dec_ovh + eng))
     ttft = sum(x.prefill_s for x in stages)
     tpot = sum(x.decode_s for x in stages)
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,

@@ -101,6 +101,12 @@ def attention_scale(keys) -> float | None:
     return None
 
 
+#: bytes of the buffer in which a serve engine's leader broadcasts each step's plan to its
+#: replica's other ranks (runtime/paged.py ``broadcast_plan``: one broadcast while the
+#: pickled plan fits, a second for the rest; analysis/serve.py times it)
+STEP_PLAN_BYTES = 16384
+
+
 def cached_tokens(window: int, tokens: int) -> int:
     """Tokens a layer of attention window ``window`` (0: full causal) keeps in its KV cache
     of a ``tokens``-long sequence: a sliding-window layer at most its window (vLLM,

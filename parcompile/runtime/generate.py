@@ -264,6 +264,12 @@ class NonFiniteLogits(ServeError):
         self.rows = rows
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether :func:`pick_tokens` draws greedily at ``temperature``: 0, NaN, and temperatures
+    below float32's smallest normal number (1.2e-38; 1e-300 is 0 in float32)."""
+    return not temperature >= torch.finfo(torch.float32).tiny
+
+
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
                 generator: torch.Generator | None, top_p: float = 1.0) -> torch.Tensor:
     """Next token per sequence from logits (B, V'): padded columns (>= vocab) never win.
@@ -286,7 +292,7 @@ def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int
     bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
     if bad:
         raise NonFiniteLogits(bad)
-    if not temperature >= torch.finfo(logits.dtype).tiny:   # 0, NaN, and 1e-300 (0 in float32): greedy
+    if is_greedy(temperature):
         return logits.argmax(dim=-1)
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature     # <= 0: never +inf
     if top_k and 0 < top_k < vocab:

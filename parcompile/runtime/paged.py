@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -96,6 +97,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.runtime import generate as gen
 from parcompile.runtime.comm import nbytes
 from parcompile.runtime.context import ParallelContext
@@ -177,23 +179,27 @@ def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch
     B = len(rows)
     T = max(len(r.tokens) for r in rows)
     C = max(r.context for r in rows)
-    ids = torch.zeros((B, T), dtype=torch.long)
+    # one tensor per field from Python lists, the slots by one gather over the padded block
+    # tables (a loop of small tensors per row cost more than the model's step: issue 33)
+    ids = torch.tensor([[0] * (T - len(r.tokens)) + r.tokens for r in rows], dtype=torch.long)
     n = torch.tensor([len(r.tokens) for r in rows])
     c = torch.tensor([r.context for r in rows])
-    write = torch.full((B, T), -1, dtype=torch.long)
-    read = torch.zeros((B, max(C, 0)), dtype=torch.long)
-    for b, r in enumerate(rows):
-        table = torch.tensor(r.table, dtype=torch.long)
-        ids[b, T - len(r.tokens):] = torch.tensor(r.tokens, dtype=torch.long)
-        pos = torch.arange(r.context, r.context + len(r.tokens))
-        write[b, T - len(r.tokens):] = table[pos // block_size] * block_size + pos % block_size
-        ctx_pos = torch.arange(r.context)
-        read[b, :r.context] = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
+    width = max(len(r.table) for r in rows)
+    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(B, width)
+
+    def slots(pos: torch.Tensor, real: torch.Tensor, pad: int) -> torch.Tensor:
+        """The slot of each position (B, X) of its row, ``pad`` where not ``real``."""
+        p = torch.where(real, pos, torch.zeros((), dtype=torch.long))
+        s = tables.gather(1, p // block_size) * block_size + p % block_size
+        return torch.where(real, s, torch.full((), pad, dtype=torch.long))
+
     t = torch.arange(T)
     first = (T - n)[:, None]                                   # (B, 1): the first real column
     real_q = t[None, :] >= first                               # (B, T)
     q_pos = torch.where(real_q, c[:, None] + t[None, :] - first, torch.zeros((), dtype=torch.long))
+    write = slots(q_pos, real_q, -1)                                                          # (B, T)
     j = torch.arange(C)
+    read = slots(j[None, :].expand(B, -1), j[None, :] < c[:, None], 0)                        # (B, C)
     ctx_ok = (j[None, None, :] < c[:, None, None]) & real_q[:, :, None]                     # (B, T, C)
     new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]) & real_q[:, :, None]
     wins = tuple(dict.fromkeys(windows)) if isinstance(windows, (tuple, list)) else (windows,)
@@ -217,13 +223,20 @@ def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators
     """Each row's next token from logits (B, V') with its own ``temperature``, ``top_k`` and
     ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`); a row whose
     logits hold NaN or inf gets :data:`ERROR_TOKEN` (that request fails, the rank lives)."""
-    out = []
+    out = torch.full((len(params),), ERROR_TOKEN, dtype=torch.long)
+    greedy = [b for b, p in enumerate(params) if gen.is_greedy(p["temperature"])]
+    if greedy:       # one argmax for every greedy row (pick_tokens' rule, per row: first on ties)
+        x = logits[greedy, :vocab].float() if len(greedy) < len(params) else logits[:, :vocab].float()
+        tok = torch.where(torch.isfinite(x).all(dim=-1), x.argmax(dim=-1), torch.full((), ERROR_TOKEN))
+        out[greedy] = tok.cpu()
     for b, (p, g) in enumerate(zip(params, generators)):
+        if gen.is_greedy(p["temperature"]):
+            continue
         try:
-            out.append(gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"]))
+            out[b] = gen.pick_tokens(logits[b:b + 1], vocab, p["temperature"], p["top_k"], g, top_p=p["top_p"])[0]
         except gen.NonFiniteLogits:
-            out.append(torch.full((1,), ERROR_TOKEN, dtype=torch.long, device=logits.device))
-    return torch.cat(out).to(logits.device)
+            pass
+    return out.to(logits.device)
 
 
 def wants_logprobs(params: list[dict]) -> int | None:
@@ -736,9 +749,7 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
         if is_leader:
             msg = _leader_plan(conn, sched)
         if group is not None:
-            box = [msg]
-            dist.broadcast_object_list(box, src=leader, group=group)
-            msg = box[0]
+            msg = broadcast_plan(msg, leader, group, is_leader, ctx.device)
         if msg["stop"]:
             break
         for rid in msg["free"]:
@@ -762,6 +773,38 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
             _leader_collect(conn, sched, rows, tokens, lps)
     if conn is not None:
         conn.close()
+
+
+def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu") -> dict:
+    """The step's plan ``msg`` (given on rank ``src``) on every rank of ``group``: pickled
+    behind its 8-byte length into a buffer of :data:`parcompile.core.model.STEP_PLAN_BYTES`,
+    one broadcast while it fits and a second for the rest (``broadcast_object_list`` takes
+    two broadcasts every step, its size's and its bytes': a collective per step saved). The
+    buffers live on ``device`` (the group's backend's: NCCL's are on the GPU)."""
+    buf = torch.zeros(STEP_PLAN_BYTES, dtype=torch.uint8)
+    head = STEP_PLAN_BYTES - 8
+    data = b""
+    if is_src:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        first = len(data).to_bytes(8, "little") + data[:head]
+        buf[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=src, group=group)
+    if is_src:
+        rest = len(data) - head
+    else:
+        raw = buf.cpu().numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        data, rest = raw[8:8 + min(n, head)], n - head
+    if rest > 0:
+        tail = torch.zeros(rest, dtype=torch.uint8)
+        if is_src:
+            tail.copy_(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8))
+        tail = tail.to(device)
+        dist.broadcast(tail, src=src, group=group)
+        if not is_src:
+            data += tail.cpu().numpy().tobytes()
+    return msg if is_src else pickle.loads(data)
 
 
 def _leader_plan(conn, sched: Scheduler) -> dict:
@@ -790,4 +833,4 @@ def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], 
 
 __all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
            "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
-           "serve_requests", "IDLE_HEARTBEAT_S", "KEY_ENV"]
+           "serve_requests", "broadcast_plan", "IDLE_HEARTBEAT_S", "KEY_ENV"]

@@ -28,6 +28,12 @@ from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV
 SILENCE_TIMEOUT_S = 120.0
 
 
+def _put_all(items: list) -> None:
+    """Put each ``(queue, item)`` of ``items`` in order (on the queues' event loop)."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class EngineFailed(Exception):
     """The engines are gone (a rank died, torchrun exited): the server answers 503."""
 
@@ -152,12 +158,17 @@ class Engines:
                 return
             r.last_seen = time.monotonic()
             if msg[0] == "out":
+                # one wake-up of each event loop per step, not one per token (each is a write to
+                # the loop's self-pipe and a pass of the loop: issue 33's per-token CPU)
+                deliver: dict = {}
                 for rid, tok, reason, lp in msg[1]:
                     target = self.queues.get(rid)
                     if target:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, (tok, reason, lp))
+                        deliver.setdefault(target[0], []).append((target[1], (tok, reason, lp)))
                     if reason:
                         self._release(rid)
+                for loop, items in deliver.items():
+                    loop.call_soon_threadsafe(_put_all, items)
                 r.stats = msg[2]
             elif msg[0] == "stats":
                 r.stats = msg[1]
