@@ -97,7 +97,7 @@ from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import op_collectives, spec
+from parcompile.ir.ops import INDEX_BYTES, op_collectives, spec
 from parcompile.ir.types import Dim, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
@@ -410,10 +410,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_tokens = kv_bytes_per_token(cfg, chunks)
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
     kv_local, replicas_kv = cache_heads(m, tp)
-    q_local = m.heads // tp
-    h = m.hidden
-    ffn_local = m.ffn_hidden // tp
-    padded = m.padded_vocab(tp)
     b = -(-sv.batch // dp)
     P, G = sv.prompt_len, sv.max_new_tokens
     mean_ctx = P + G / 2
@@ -423,12 +419,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
     per_op = getattr(cl, "op_overhead", 0.0) or 0.0
-    gated = m.activation in GATED_ACTIVATIONS
-    attn_work = attention_workspace(m, tp)
-    moe = m.experts > 0
-    mats = 3 if gated else 2
-    expert_local = m.expert_ffn_hidden // tp if moe else 0
     prefill = step_costs(cfg, graph, degrees, b, P, P)
+    workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
     decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
 
     def comm(step: StepCost, last: bool) -> tuple[float, float]:
@@ -451,22 +443,11 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     parts = {k: 0.0 for k in keys}
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
-        moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
         last = s == pp - 1
         weights = stage_params[s].total * e
         kv_tok = kv_tokens[s]
         kv_cache = b * kv_seqs[s]
-        work = b * P * e * (2 * h + attn_work + (3 if gated else 2) * ffn_local)
-        if moe_layers:   # a MoE layer's working set (module docstring), if larger
-            f_moe = mats * expert_local * (1 + m.shared_experts)
-            moe_work = b * P * (e * (4 * h + attn_work + f_moe) + 8 * m.experts)
-            work = max(moe_work, work) if moe_layers < layers else moe_work
-        if m.attention == "unfused":
-            work += b * q_local * P * P * 4
-        if last:
-            work += b * padded * 4
-        if pp > 1:
-            work += b * P * h * e
+        work = workspace[s].total
         free = capacity - weights - work
         pf, dc = prefill[s], decode[s]
         if dc.kv_bytes_per_token != kv_tok:   # the graph's cached operands are the cache the plan holds
@@ -495,22 +476,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
                        ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens, sv.prefix_caching,
                        sv.max_prefill_tokens)
-
-
-def attention_workspace(m, tp: int) -> int:
-    """The activation elements per token of one decoder layer's attention working set on
-    one rank of ``tp`` (the serving workspace, module docstring).
-
-    Multi-head attention: ``(q + 2 kv) d``; ``q``/``kv`` the rank's heads, ``d`` head_dim.
-    Multi-head latent attention (``kv_lora_rank`` c > 0), as the serve program computes it
-    (runtime/mla.py: wkv_b absorbed into the query and the output, DeepSeek-V2 appendix
-    B): ``c_q + H (n + r) + c + r + H (2 c + r)`` (``c_q`` q_lora_rank, H the rank's heads,
-    n/r the nope/rope dims)."""
-    if m.kv_lora_rank:
-        H, c, r = m.heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
-        return m.q_lora_rank + H * (m.qk_nope_head_dim + r) + c + r + H * (2 * c + r)
-    q, kv, d = m.heads // tp, kv_heads_per_rank(m.kv_heads, tp), m.head_dim
-    return (q + 2 * kv) * d
 
 
 def fit_advice(cfg, rep: ServeReport) -> list[str]:
@@ -552,3 +517,202 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
     elif room <= 0:
         out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")
     return out
+
+
+# --------------------------------------------------------------------------- memory: workspace
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The activation workspace of one rank of a pipeline stage in a prefill step, bytes
+    (:func:`serve_workspace`): ``layer`` the peak of live activations while the stage's
+    largest layer (``layer_id``) runs, its input included; ``head`` (last stage) the peak
+    while the final norm, the LM head and the sampler run: the last layer's output and the
+    sampled rows' logits (:func:`logits_bytes`); ``received`` (stages after the first)
+    the hidden state received from the previous stage, held for the whole step; ``step``
+    what every layer of the step reads (:func:`step_inputs_bytes`)."""
+
+    layer: int
+    layer_id: int | None
+    head: int
+    received: int
+    step: int = 0
+
+    @property
+    def total(self) -> int:
+        """The step's peak: the layers and the head run one after the other, the received
+        hidden state and the step's inputs live beside both."""
+        return max(self.layer, self.head) + self.received + self.step
+
+
+#: op kinds whose operands the serve program passes as temporaries of one expression or
+#: rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``, ``x + attn(...)``): an operand dies at
+#: its last such consumer. Any other consumer (a linear layer, the attention core, the MoE
+#: ops) runs inside a module's ``forward`` that holds its operands, as arguments or local
+#: variables, until it returns: they live until that module's last op
+EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
+                              "latent_norm", "latent_rope", "mla_key", "mla_value", "redistribute"})
+
+
+def prefill_step(cfg) -> tuple[int, int, int]:
+    """``(rows, tokens, context)`` of the largest prefill step a replica runs: ``rows`` the
+    sequences of the replica (``ceil(batch / dp)``; the server's ``max_seqs``), each with
+    ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
+    a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
+    (runtime/paged.py ``Scheduler.next_step``) prefills at most that many prompt tokens
+    per step and left-pads every row of the step to its longest (``paged_step``): ``tokens
+    = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk of a prompt
+    attending all ``prompt_len`` keys."""
+    sv = cfg.serve
+    rows = -(-sv.batch // cfg.parallel.dp)
+    P = sv.prompt_len
+    tokens = min(P, sv.max_prefill_tokens) if sv.max_prefill_tokens else P
+    return rows, tokens, P
+
+
+def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
+                    context: int) -> list[Workspace]:
+    """Per pipeline stage, the activation workspace of one rank in a step of ``batch``
+    sequences of ``tokens`` new tokens attending ``context`` keys (:func:`prefill_step`),
+    from the sharded graph the plan compiled, bytes (:class:`Workspace`).
+
+    Local types as :func:`step_costs` makes them (each node's global types with ``batch``
+    resized to ``batch * dp`` and ``seq`` to ``tokens``, made local by the node's sharding;
+    one kv head where tp replicates them). For each decoder layer, a liveness walk in graph
+    order: a value is live from its producer (the layer's input: from the start) until its
+    last consumer in the layer (the layer's output: to the end); a layout op without a
+    forward collective is a view of its input, one with a collective a new tensor (the
+    runtime all-reduces a clone: runtime/comm.py ``_ReduceFromRegion``). At each op the
+    live values, its output and the op's forward scratch (:attr:`parcompile.ir.ops.OpSpec.scratch`:
+    the attention core's expanded keys and values and, unfused, its scores and fp32
+    softmax; RoPE's temporaries; the router's fp32 logits) are summed; the layer's
+    workspace is the largest sum, the stage's the largest over its layers (each layer kind
+    its own: dense and MoE layers, sliding-window and global ones).
+
+    MoE served tensor parallel (``ep = 1``; runtime/moe.py ``TensorParallelMoE``) holds no
+    dispatched (token, choice) rows: the dispatch is the routing state (``order``, token
+    ids and weights per (token, choice): ``8 + 8 + 4`` bytes) and the two (N, h) partial
+    sums, the experts add into them one expert at a time, whose rows are at most the N
+    tokens of the step (an expert receives each token once: the workspace holds any
+    routing): its rows' input, the gated or plain inner activations (``3|2`` x f_x/tp)
+    and the row ids. With ``ep > 1`` the graph's dispatch is what the program runs.
+
+    The head (last stage): the last layer's output and :func:`logits_bytes`; the received
+    hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
+
+    Left out (the band of tests/test_serve_memory.py): the step's masks and RoPE tables
+    (shared by every layer, ``b T L`` bytes and ``2 b T rot`` fp32), the norms' fp32
+    statistics, allocator rounding."""
+    m = cfg.model
+    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
+    one_kv = kv_heads_replicated(m.kv_heads, tp) and not m.kv_lora_rank
+    kv1 = _one_kv_head if one_kv else (lambda t: t)
+    tp_moe = m.experts > 0 and degrees.get("ep", 1) == 1
+    e = m.dtype_bytes
+    pp = cfg.parallel.pp
+
+    def types(nd, seq: int) -> tuple[list[TensorType], TensorType]:
+        ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
+               for r, t in zip(nd.requires, graph.input_types(nd.name))]
+        return ins, kv1(nd.sharding.local_type(_at(nd.type, batch * dp, seq), degrees))
+
+    def out_and_scratch(nd) -> tuple[int | None, int]:
+        """(bytes of the node's output, None for a view of its input; its scratch)."""
+        if nd.kind == "redistribute" and not nd.op.attr("fwd"):
+            return None, 0
+        ins, local = types(nd, tokens)
+        a = nd.op.attr_map
+        if nd.kind == "attention":
+            a = {**a, "seq_len": context}
+        if tp_moe and nd.kind in ("moe_dispatch", "experts", "moe_combine"):
+            x = ins[0] if nd.kind == "moe_dispatch" else None
+            if nd.kind == "moe_dispatch":   # routing state and the partial sums `out`, `whole`
+                n = x.numel // x.dims[-1].size
+                return n * m.top_k * (2 * INDEX_BYTES + 4) + 2 * x.nbytes, 0
+            if nd.kind == "experts":        # one expert's rows, into `out` in place
+                n = ins[0].numel // (ins[0].dims[-1].size * m.top_k)
+                f = a["ffn"] // degrees.get("expert_tp", 1)
+                mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
+                return None, n * (INDEX_BYTES + (ins[0].dims[-1].size + mats * f) * ins[0].itemsize)
+            return None, 0                  # the combine: the partial sums `out`
+        return local.nbytes, spec(nd.kind).scratch(a, ins, local)
+
+    layers: dict[int, list] = {}
+    head: list[list] = [[] for _ in range(pp)]
+    for nd in graph.nodes():
+        if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
+            layers.setdefault(nd.op.layer, []).append(nd)
+        elif nd.op.module in HEAD_MODULES and nd.kind not in ("cross_entropy", "step_collective"):
+            head[nd.stage or 0].append(nd)
+    per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
+    for layer_id, nodes in sorted(layers.items()):
+        names = {nd.name for nd in nodes}
+        end = {nd.op.module: i for i, nd in enumerate(nodes)}     # each module's last op
+        value: dict[str, str] = {}     # node -> the tensor it is (itself, or a view's source)
+        size: dict[str, int] = {}
+        made: dict[str, int] = {}
+        last: dict[str, int] = {}
+        scratch: list[int] = []
+        for i, nd in enumerate(nodes):
+            for src in graph.inputs(nd.name):
+                v = value.get(src, src)
+                if src not in names and v not in size:   # the layer's input: the caller holds it
+                    size[v], made[v], last[v] = types(graph.node(src), tokens)[1].nbytes, -1, len(nodes)
+                hold = end[nd.op.module] if nd.kind not in EXPRESSION_KINDS else i
+                last[v] = max(last.get(v, i), hold)
+            nb, sc = out_and_scratch(nd)
+            if nb is None:
+                src = graph.inputs(nd.name)[0]
+                value[nd.name] = value.get(src, src)
+            else:
+                value[nd.name] = nd.name
+                size[nd.name], made[nd.name] = nb, i
+                last.setdefault(nd.name, i)
+            scratch.append(sc)
+        last[value[nodes[-1].name]] = len(nodes)       # the layer's output
+        peak = max(sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i]
+                   for i in range(len(nodes)))
+        s = nodes[0].stage or 0
+        if peak > per_stage[s][0]:
+            per_stage[s] = (peak, layer_id)
+    out = []
+    for s in range(pp):
+        hidden = batch * tokens * m.hidden * e
+        head_bytes = hidden + logits_bytes(cfg, graph, degrees, batch) if s == pp - 1 else 0
+        out.append(Workspace(per_stage[s][0], per_stage[s][1], head_bytes, hidden if s > 0 else 0,
+                             step_inputs_bytes(cfg, graph, batch, tokens, context)))
+    return out
+
+
+def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) -> int:
+    """Bytes of what every layer of a step reads, made once per step (runtime/generate.py
+    ``Requests.step``, ``rope_at``; runtime/paged.py ``paged_step``): per attention window
+    of the graph's cores the boolean mask (batch, 1, tokens, context), and per RoPE table of
+    its rope ops (base and scaling) the fp32 cos and sin at the tokens' positions (batch,
+    tokens, rot) each, ``rot`` the rotated dims of a head (``rope_dim``, or ``fraction`` of
+    head_dim)."""
+    windows, tables = set(), {}
+    for nd in graph.nodes():
+        a = nd.op.attr_map
+        if nd.kind == "attention":
+            windows.add(a.get("window") or 0)
+        elif nd.kind in ("rope", "latent_rope"):
+            rot = a.get("rope_dim") or round(a.get("fraction", 1.0) * cfg.model.head_dim)
+            key = (a.get("theta"), repr(a.get("scaling")))
+            tables[key] = max(tables.get(key, 0), rot)
+    return batch * tokens * (len(windows) * context + sum(2 * 4 * rot for rot in tables.values()))
+
+
+def logits_bytes(cfg, graph: Graph, degrees: Mapping[str, int], rows: int) -> int:
+    """Bytes of the logits of a step's ``rows`` sampled positions on one rank of the last
+    stage (the serve program's ``Stage.forward``, ``gather_vocab``, ``pick_tokens``): the LM
+    head's local output (its graph type at one position: ``rows x V'/tp`` in the model
+    dtype), its fp32 copy (16-bit models), with tp > 1 the all-gathered fp32 logits
+    ``rows x V'`` and their transposed copy (the all-gather runs on the transpose), and the
+    sampler's fp32 working copy ``rows x V'``."""
+    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
+    nd = graph.node("lm_head")
+    local = nd.sharding.local_type(_at(nd.type, rows * dp, 1), degrees)
+    out = local.nbytes + (local.numel * 4 if local.itemsize < 4 else 0)
+    full = local.numel * tp * 4
+    return out + (2 * full if tp > 1 else 0) + full

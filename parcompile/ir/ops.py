@@ -185,6 +185,10 @@ class OpSpec:
     #: how a generated program runs it (:class:`Code`, or a function of the attributes
     #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton)
     code: Code | Callable[[Mapping[str, Any]], Code] | None = None
+    #: bytes of the temporaries the op holds beside its operands and its output while its
+    #: forward runs in the serve program (no autograd), at local types; an attention core's
+    #: ``seq_len`` is the keys it attends (:func:`parcompile.analysis.serve.serve_workspace`)
+    scratch: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
 
 
 # --------------------------------------------------------------------------- rules
@@ -482,6 +486,94 @@ def _copy_traffic(a, ins, out):
     return ins[0].nbytes + out.nbytes
 
 
+# --- forward scratch of the serve program (OpSpec.scratch; runtime/generate.py, runtime/mla.py,
+# runtime/moe.py): the temporaries an op holds beside its operands and output, no autograd
+
+def _attention_scratch(a, ins, out):
+    """The serve program's attention core (runtime/generate.py ``serve_attention`` and
+    ``cached_attention``) over ``L = seq_len`` keys for the step's T queries, ``S = b Hq T L``
+    scores (local heads), e the model dtype's bytes:
+
+    * the keys and values of the context before the step's own, when it has one (``L > T``:
+      the paged engine gathers them from their blocks and appends the step's);
+    * grouped-query attention: k and v repeated to the query heads (``repeat_interleave``,
+      ``2 b Hq L d e``) where a rank holds more query than kv heads;
+    * fused (``attention = flash``, torch's SDPA): the boolean mask made an additive one,
+      ``b T L e``; the kernel's output is the op's (a view);
+    * unfused: in fp32 the scores and their softmax (``8 S``) beside the weighted values, the
+      op's output before its copy; 16-bit: the scores, their fp32 copy and the fp32 softmax
+      (``(e + 8) S``) before the weighted values exist, then the scores and the softmax's
+      cast (``2 e S``) beside them.
+
+    MLA's absorbed core (``latent``; runtime/mla.py ``latent_attention``): the keys
+    ``[latent, RoPE key]`` concatenated over the context, the queries as rows (a copy of q),
+    the mask repeated per head (``S`` bytes) and made additive (``S e``); with its value
+    narrower than its key no fused SDPA kernel of the CPU takes it and torch's math path
+    runs: a scaled copy of the query rows, then of the keys beside the scores (``S e``),
+    then the scores, their softmax and its -inf test (``(2 e + 1) S``), then the softmax
+    beside the output; one kv head (no repetition)."""
+    q, k, v = ins[0], ins[1], ins[2]
+    b, T = q.shape[0], q.shape[1]
+    e = q.itemsize
+    L = a["seq_len"]
+    heads = q.dims[-1].size // a["head_dim"]
+    S = b * heads * T * L
+    if e < 4:
+        soft = max(S * (e + 8) - out.nbytes, 2 * e * S)
+    else:
+        soft = 8 * S
+    if a.get("latent"):
+        keys = (k.nbytes + v.nbytes) * L // T
+        held = keys + q.nbytes + S
+        if not _serve_fused(a):
+            return held + soft
+        math = max(q.nbytes + keys + S * e - out.nbytes, q.nbytes + (2 * e + 1) * S - out.nbytes,
+                   q.nbytes + S * e)
+        return held + S * e + math
+    extra = (k.nbytes + v.nbytes) * L // T if L > T else 0
+    kv_heads = k.dims[-1].size // a["head_dim"]
+    if heads > kv_heads:
+        extra += 2 * b * heads * L * a["head_dim"] * e
+    if _serve_fused(a):
+        return extra + b * T * L * e
+    return extra + soft
+
+
+def _serve_fused(a) -> bool:
+    """The serve program's attention core runs torch's fused SDPA: ``attention = flash``, no
+    soft-cap (ir/code.py's ``fused``) and no sinks (runtime/generate.py ``cached_attention``)."""
+    return a.get("impl") == "flash" and a.get("softcap") is None and not a.get("sinks")
+
+
+def _rope_scratch(a, ins, out):
+    # runtime/generate.py apply_rope_at, over the rotated part (share f of each head: its
+    # ``rope_dim``, or ``fraction``): the rotated copy, the two products and their sum (4 f),
+    # then the sum and the rotated copy beside the concatenation that is the output
+    # (2 f + 1; the output itself not counted); a 16-bit model's cos and sin cast to it
+    width = out.dims[-1].unit
+    rot = a["rope_dim"] if a.get("rope_dim") else round(a.get("fraction", 1.0) * width)
+    f = rot / width
+    casts = 2 * (out.numel // out.dims[-1].size) * rot * out.itemsize if out.itemsize < 4 else 0
+    return int(out.nbytes * (max(4 * f, 2 * f + 1) - 1)) + casts
+
+
+def _norm_scratch(a, ins, out):
+    # runtime/layers.py _RMSNormFunction: the fp32 input (a 16-bit model), the normalised
+    # fp32 tensor and its cast (4 + 4 + e per element, beside the output); in fp32 the
+    # normalised tensor only. LayerNorm: torch's fused kernel, nothing beside the output
+    if a.get("norm") == "layernorm":
+        return 0
+    return out.numel * 8 if out.itemsize < 4 else out.nbytes
+
+
+def _router_scratch(a, ins, out):
+    # runtime/moe.py Router.forward and route: the input in fp32 (a 16-bit model), the fp32
+    # logits beside the scores (the output), the top-k weights (fp32) and experts (int64)
+    n = ins[0].numel // ins[0].dims[-1].size
+    x32 = ins[0].numel * 4 if ins[0].itemsize < 4 else 0
+    return x32 + out.nbytes + n * a["top_k"] * (4 + INDEX_BYTES)
+
+
 OPS: dict[str, OpSpec] = {
     s.kind: replace(s, code=CODES.get(s.kind))   # the program rows: parcompile/ir/code.py
     for s in [
@@ -489,16 +581,16 @@ OPS: dict[str, OpSpec] = {
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
         OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
         # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
-        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=_norm_scratch),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         # rotary position embedding at the tokens' global positions (the program's tables)
-        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=_rope_scratch),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
-               saves_output=_fused, traffic=_attention_traffic),
+               saves_output=_fused, traffic=_attention_traffic, scratch=_attention_scratch),
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
@@ -521,7 +613,8 @@ OPS: dict[str, OpSpec] = {
         OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
-               saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),
+               saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic,
+               scratch=_router_scratch),
         OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
                saved_gathered=_experts_gathered,
