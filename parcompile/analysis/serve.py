@@ -595,7 +595,9 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     sums, the experts add into them one expert at a time, whose rows are at most the N
     tokens of the step (an expert receives each token once: the workspace holds any
     routing): its rows' input, the gated or plain inner activations (``3|2`` x f_x/tp)
-    and the row ids. With ``ep > 1`` the graph's dispatch is what the program runs.
+    and the row ids as scratch, and as the experts' output the previous expert's weighted
+    rows (at most N x h, kept by the loop until the layer returns). With ``ep > 1`` the
+    graph's dispatch is what the program runs.
 
     The head (last stage): the last layer's output and :func:`logits_bytes`; the received
     hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
@@ -625,16 +627,18 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
         if nd.kind == "attention":
             a = {**a, "seq_len": context}
         if tp_moe and nd.kind in ("moe_dispatch", "experts", "moe_combine"):
-            x = ins[0] if nd.kind == "moe_dispatch" else None
-            if nd.kind == "moe_dispatch":   # routing state and the partial sums `out`, `whole`
+            if nd.kind == "moe_dispatch":   # the routing state and the partial sums `out`, `whole`
+                x = ins[0]
                 n = x.numel // x.dims[-1].size
                 return n * m.top_k * (2 * INDEX_BYTES + 4) + 2 * x.nbytes, 0
-            if nd.kind == "experts":        # one expert's rows, into `out` in place
-                n = ins[0].numel // (ins[0].dims[-1].size * m.top_k)
+            if nd.kind == "experts":        # the last expert's rows `y`, beside the next expert's
+                h = ins[0].dims[-1].size
+                n = ins[0].numel // (h * m.top_k)
                 f = a["ffn"] // degrees.get("expert_tp", 1)
                 mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
-                return None, n * (INDEX_BYTES + (ins[0].dims[-1].size + mats * f) * ins[0].itemsize)
-            return None, 0                  # the combine: the partial sums `out`
+                last_rows = n * h * ins[0].itemsize
+                return last_rows, n * (INDEX_BYTES + (h + mats * f) * ins[0].itemsize)
+            return 0, 0                     # the combine: the sums `out` (the dispatch's)
         return local.nbytes, spec(nd.kind).scratch(a, ins, local)
 
     layers: dict[int, list] = {}
