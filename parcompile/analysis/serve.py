@@ -545,13 +545,14 @@ class Workspace:
         return max(self.layer, self.head) + self.received + self.step
 
 
-#: op kinds whose operands the serve program passes as temporaries of one expression or
-#: rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``, ``x + attn(...)``): an operand dies at
-#: its last such consumer. Any other consumer (a linear layer, the attention core, the MoE
-#: ops) runs inside a module's ``forward`` that holds its operands, as arguments or local
-#: variables, until it returns: they live until that module's last op
+#: op kinds whose operand, when they are its only reader, the serve program passes as a
+#: temporary of one expression or rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``,
+#: ``y = mla_value_up(y, ...)``): it dies with them. Any other reader (a linear layer, the
+#: attention core, the MoE ops) runs inside a module's ``forward`` that holds its operands,
+#: as arguments or local variables, until it returns (:func:`_live_bytes`)
 EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
-                              "latent_norm", "latent_rope", "mla_key", "mla_value", "redistribute"})
+                              "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up",
+                              "redistribute"})
 
 
 def prefill_step(cfg) -> tuple[int, int, int]:
@@ -650,35 +651,10 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
             head[nd.stage or 0].append(nd)
     per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
     for layer_id, nodes in sorted(layers.items()):
-        names = {nd.name for nd in nodes}
-        end = {nd.op.module: i for i, nd in enumerate(nodes)}     # each module's last op
-        value: dict[str, str] = {}     # node -> the tensor it is (itself, or a view's source)
-        size: dict[str, int] = {}
-        made: dict[str, int] = {}
-        last: dict[str, int] = {}
-        scratch: list[int] = []
-        for i, nd in enumerate(nodes):
-            for src in graph.inputs(nd.name):
-                v = value.get(src, src)
-                if src not in names and v not in size:   # the layer's input: the caller holds it
-                    size[v], made[v], last[v] = types(graph.node(src), tokens)[1].nbytes, -1, len(nodes)
-                hold = end[nd.op.module] if nd.kind not in EXPRESSION_KINDS else i
-                last[v] = max(last.get(v, i), hold)
-            nb, sc = out_and_scratch(nd)
-            if nb is None:
-                src = graph.inputs(nd.name)[0]
-                value[nd.name] = value.get(src, src)
-            else:
-                value[nd.name] = nd.name
-                size[nd.name], made[nd.name] = nb, i
-                last.setdefault(nd.name, i)
-            scratch.append(sc)
-        last[value[nodes[-1].name]] = len(nodes)       # the layer's output
-        peak = max(sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i]
-                   for i in range(len(nodes)))
+        live = _live_bytes(graph, nodes, lambda src: types(graph.node(src), tokens)[1].nbytes, out_and_scratch)
         s = nodes[0].stage or 0
-        if peak > per_stage[s][0]:
-            per_stage[s] = (peak, layer_id)
+        if max(live) > per_stage[s][0]:
+            per_stage[s] = (max(live), layer_id)
     out = []
     for s in range(pp):
         hidden = batch * tokens * m.hidden * e
@@ -705,6 +681,52 @@ def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) 
             key = (a.get("theta"), repr(a.get("scaling")))
             tables[key] = max(tables.get(key, 0), rot)
     return batch * tokens * (len(windows) * context + sum(2 * 4 * rot for rot in tables.values()))
+
+
+def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> list[int]:
+    """Per op of one decoder layer (``nodes``, in graph order), the bytes live while it runs
+    (:func:`serve_workspace`'s walk): the values made before it and read by it or later,
+    its output and its scratch. ``outer_bytes(name)``: the bytes of a value made outside the
+    layer (its input: held by the caller for the whole layer); ``out_and_scratch(node)``:
+    (its output's bytes, None for a view of its first input; its scratch).
+
+    When a value dies: read by one op of :data:`EXPRESSION_KINDS`, with it (a temporary of
+    one expression, or rebound); read by several ops (a named local of the module's
+    ``forward``) or by any other op (an argument or local of the module that runs it), at
+    the last op of the reading op's module (Python holds a function's arguments and locals
+    until it returns); never read, with its maker."""
+    names = {nd.name for nd in nodes}
+    end = {nd.op.module: i for i, nd in enumerate(nodes)}     # each module's last op
+    value: dict[str, str] = {}     # node -> the tensor it is (itself, or a view's source)
+    size: dict[str, int] = {}
+    made: dict[str, int] = {}
+    last: dict[str, int] = {}
+    scratch: list[int] = []
+    for i, nd in enumerate(nodes):
+        for src in graph.inputs(nd.name):
+            v = value.get(src, src)
+            if src not in names and v not in size:   # the layer's input: the caller holds it
+                size[v], made[v], last[v] = outer_bytes(src), -1, len(nodes)
+        nb, sc = out_and_scratch(nd)
+        scratch.append(sc)
+        if nb is None:
+            src = graph.inputs(nd.name)[0]
+            value[nd.name] = value.get(src, src)
+        else:
+            value[nd.name] = nd.name
+            size[nd.name], made[nd.name] = nb, i
+    readers: dict[str, list[int]] = {}
+    for i, nd in enumerate(nodes):
+        if value[nd.name] == nd.name:                # a view reads nothing itself
+            for src in graph.inputs(nd.name):
+                readers.setdefault(value.get(src, src), []).append(i)
+    for v, rs in readers.items():
+        alone = len(rs) == 1 and nodes[rs[0]].kind in EXPRESSION_KINDS
+        last[v] = max(last.get(v, -1), rs[0] if alone else max(end[nodes[r].op.module] for r in rs))
+    for v in size:
+        last.setdefault(v, made[v])
+    last[value[nodes[-1].name]] = len(nodes)        # the layer's output
+    return [sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i] for i in range(len(nodes))]
 
 
 def logits_bytes(cfg, graph: Graph, degrees: Mapping[str, int], rows: int) -> int:
