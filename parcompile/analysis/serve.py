@@ -17,13 +17,19 @@ Memory per rank of pipeline stage ``s`` (bytes):
   ``serve.kv_bytes_per_token`` is the largest over the stages (the most loaded rank);
 * KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``,
   less where a sliding-window layer keeps only its window (:mod:`parcompile.analysis.kv`);
-* activation workspace (prefill, the larger phase; nothing is kept for a backward):
-  ``b P e (2 h + (q + 2 kv) d + f)`` for the layer working set, with ``b`` the replica's
-  batch, ``P`` the prompt, ``e`` the model dtype's bytes, ``q``/``kv`` the rank's query /
-  kv heads, ``d`` head_dim and ``f = 2 ffn/tp`` (3 with SwiGLU); ``+ b heads_local P^2 4``
-  when ``attention = unfused`` (the fp32 score matrix); on the last stage the fp32
-  logits of the last position, all-gathered over tp (``b V' 4``); with pp > 1 the
-  received hidden state (``b P h e``);
+* activation workspace (prefill, the larger phase; nothing is kept for a backward): the
+  peak bytes of live activations on the rank while the largest prefill step the program
+  runs (``ceil(batch / dp)`` rows of ``prompt_len`` tokens, or of ``serve.max_prefill_tokens``
+  attending the whole prompt: :func:`prefill_step`) passes the stage, computed from the
+  sharded graph (:func:`serve_workspace`): a liveness walk of each decoder layer's nodes at
+  the step's local types, each op's forward scratch from the op table
+  (:attr:`parcompile.ir.ops.OpSpec.scratch`: the attention core's repeated kv heads and
+  additive mask, or unfused its scores and fp32 softmax; RMSNorm's fp32 copies; RoPE's
+  temporaries; the router's fp32 logits), the largest over the stage's layers, beside the
+  step's masks and RoPE tables; the last stage's head (the last hidden state and the
+  sampled rows' logits, fp32, gathered over tp: :func:`logits_bytes`) after the layers;
+  with pp > 1 the received hidden state (``b T h e``) beside both. Measured with
+  torch.profiler on the serve program: tests/test_serve_memory.py;
 * ``max_concurrent_tokens``: ``(capacity - weights - workspace) // kv_bytes_per_token``,
   the smallest over the stages: how many tokens of context fit the remaining capacity.
 
@@ -72,10 +78,9 @@ expert's inner width ``f_x`` split over tp, the router replicated):
 * time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
   the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
   case (vLLM's fused MoE kernel reads only the experts that received tokens);
-* workspace of a MoE layer: ``b P (e (4 h + (q + 2 kv) d + (3|2) (1 + shared_experts) f_x / tp)
-  + 8 E)``: the dense layer's set with one expert's inner rows at a time beside the shared
-  MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
-  probabilities (``8 E``); a stage's workspace is its larger layer kind's.
+* workspace of a MoE layer: the same walk; the program's experts run one at a time on the
+  rows that chose them (at most every token of the step: the bound holds any routing),
+  beside the routing state and the two partial sums (:func:`serve_workspace`).
 
 Collectives are timed by the network model (algorithm and link where the group sits,
 :func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
@@ -98,7 +103,7 @@ from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import INDEX_BYTES, op_collectives, spec
-from parcompile.ir.types import Dim, TensorType
+from parcompile.ir.types import Dim, ShardingError, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -478,29 +483,42 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                        sv.max_prefill_tokens)
 
 
-def fit_advice(cfg, rep: ServeReport) -> list[str]:
+def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
     an fp8 cache (where the devices have an FP8 type: :func:`parcompile.config.presets.fp8_storage`).
-    Each suggestion is checked with the same formulas, scaled."""
+    The workspace of a suggestion is the graph's rule at its degrees (:func:`serve_workspace`
+    on ``graph``, the plan's sharded graph, with tp raised; a deeper pipeline adds the
+    received hidden state to the worst stage's); the rest is checked with the same formulas,
+    scaled."""
     m, par = cfg.model, cfg.parallel
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
+    step = prefill_step(cfg)
     out = []
     cands = []
     for tp2 in (2 ** i for i in range(1, 8)):
         t = par.tp * tp2
         if t > _MAX_TP_HINT or (m.heads % t):
             break
+        more = {**degrees, "tp": t}
+        if degrees.get("ep", 1) == 1 and m.experts:   # served tensor parallel: each expert split over tp
+            more["expert_tp"] = t
+        try:
+            work = serve_workspace(cfg, graph, more, *step)[worst.stage].total
+        except ShardingError:       # a dim the graph splits over tp does not divide by t
+            break
         # (an MLA cache is the same on every tp rank: more tp does not shrink it)
         kv_scale = 1 if m.kv_lora_rank else kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
-        n2 = worst.weights / tp2 + worst.workspace / tp2 + worst.kv_per_sequence * kv_scale
+        n2 = worst.weights / tp2 + work + worst.kv_per_sequence * kv_scale
         if n2 <= rep.capacity:
             cands.append(f"tp = {t}")
             break
+    ws = serve_workspace(cfg, graph, degrees, *step)[worst.stage]
+    deeper = max(ws.layer, ws.head) + received_bytes(cfg, *step[:2]) + ws.step   # a stage after the first
     for pp2 in range(2, 65):
         if par.pp * pp2 > m.layers:
             break
-        n2 = (worst.weights + worst.kv_per_sequence) / pp2 + worst.workspace
+        n2 = (worst.weights + worst.kv_per_sequence) / pp2 + deeper
         if n2 <= rep.capacity:
             cands.append(f"pp = {par.pp * pp2}")
             break
@@ -603,15 +621,15 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     The head (last stage): the last layer's output and :func:`logits_bytes`; the received
     hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
 
-    Left out (the band of tests/test_serve_memory.py): the step's masks and RoPE tables
-    (shared by every layer, ``b T L`` bytes and ``2 b T rot`` fp32), the norms' fp32
-    statistics, allocator rounding."""
+    Left out (the band of tests/test_serve_memory.py): the norms' fp32 statistics per
+    token, the attention kernel's and the CPU's 16-bit GEMM's internal buffers, allocator
+    rounding; the MoE bound holds any routing, so a measured step is below it by the
+    difference between its busiest expert and all N tokens."""
     m = cfg.model
     dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
     one_kv = kv_heads_replicated(m.kv_heads, tp) and not m.kv_lora_rank
     kv1 = _one_kv_head if one_kv else (lambda t: t)
     tp_moe = m.experts > 0 and degrees.get("ep", 1) == 1
-    e = m.dtype_bytes
     pp = cfg.parallel.pp
 
     def types(nd, seq: int) -> tuple[list[TensorType], TensorType]:
@@ -643,12 +661,9 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
         return local.nbytes, spec(nd.kind).scratch(a, ins, local)
 
     layers: dict[int, list] = {}
-    head: list[list] = [[] for _ in range(pp)]
     for nd in graph.nodes():
         if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
             layers.setdefault(nd.op.layer, []).append(nd)
-        elif nd.op.module in HEAD_MODULES and nd.kind not in ("cross_entropy", "step_collective"):
-            head[nd.stage or 0].append(nd)
     per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
     for layer_id, nodes in sorted(layers.items()):
         live = _live_bytes(graph, nodes, lambda src: types(graph.node(src), tokens)[1].nbytes, out_and_scratch)
@@ -657,11 +672,20 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
             per_stage[s] = (max(live), layer_id)
     out = []
     for s in range(pp):
-        hidden = batch * tokens * m.hidden * e
-        head_bytes = hidden + logits_bytes(cfg, graph, degrees, batch) if s == pp - 1 else 0
-        out.append(Workspace(per_stage[s][0], per_stage[s][1], head_bytes, hidden if s > 0 else 0,
+        head_bytes = 0
+        if s == pp - 1:   # the last layer's output (the final norm reads its last position) and the logits
+            last_hidden = graph.inputs("final_norm")[0]
+            head_bytes = types(graph.node(last_hidden), tokens)[1].nbytes + logits_bytes(cfg, graph, degrees, batch)
+        out.append(Workspace(per_stage[s][0], per_stage[s][1], head_bytes,
+                             received_bytes(cfg, batch, tokens) if s > 0 else 0,
                              step_inputs_bytes(cfg, graph, batch, tokens, context)))
     return out
+
+
+def received_bytes(cfg, batch: int, tokens: int) -> int:
+    """The hidden state a stage after the first receives for a step (runtime/generate.py
+    ``pipeline_pass``: ``recv`` of (batch, tokens, h) in the model dtype), bytes."""
+    return batch * tokens * cfg.model.hidden * cfg.model.dtype_bytes
 
 
 def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) -> int:
