@@ -24,6 +24,8 @@ CASES = {
     "moe_tp2": (2, MOE),
     "mla_tp2": (2, MLA),
     "gpt2_learned_tp1": (1, GPT2),
+    # gpt-oss's attention: sinks (the softmax spelled out), sliding-window and full layers
+    "sinks_window_bf16_tp2": (2, dict(attention_sinks=True, dtype="bf16", sliding_window=8, sliding_window_pattern=2)),
 }
 
 #: predicted / measured. Below 1: allocations the graph does not name (torch's CPU flash

@@ -500,16 +500,17 @@ def _attention_scratch(a, ins, out):
       ``2 b Hq L d e``) where a rank holds more query than kv heads;
     * fused (``attention = flash``, torch's SDPA): the boolean mask made an additive one,
       ``b T L e``; the kernel's output is the op's (a view);
-    * unfused: in fp32 the scores and their softmax (``8 S``) beside the weighted values, the
-      op's output before its copy; 16-bit: the scores, their fp32 copy and the fp32 softmax
-      (``(e + 8) S``) before the weighted values exist, then the scores and the softmax's
-      cast (``2 e S``) beside them.
+    * unfused: before the weighted values (the op's output) exist, the scores, their fp32
+      copy (16-bit) and the fp32 softmax, ``(e + 8) S`` (fp32: ``8 S``), with sinks (gpt-oss:
+      the program spells the softmax out) the scores with the sink column appended, ``e S``
+      more; beside the weighted values, the scores and the softmax (fp32) or its cast
+      (16-bit).
 
     MLA's absorbed core (``latent``; runtime/mla.py ``latent_attention``): the keys
     ``[latent, RoPE key]`` concatenated over the context, the queries as rows (a copy of q),
     the mask repeated per head (``S`` bytes) and made additive (``S e``); with its value
     narrower than its key no fused SDPA kernel of the CPU takes it and torch's math path
-    runs: a scaled copy of the query rows, then of the keys beside the scores (``S e``),
+    runs (counted on every device: an upper bound where a fused kernel takes it): a scaled copy of the query rows, then of the keys beside the scores (``S e``),
     then the scores, their softmax and its -inf test (``(2 e + 1) S``), then the softmax
     beside the output; one kv head (no repetition)."""
     q, k, v = ins[0], ins[1], ins[2]
@@ -518,10 +519,11 @@ def _attention_scratch(a, ins, out):
     L = a["seq_len"]
     heads = q.dims[-1].size // a["head_dim"]
     S = b * heads * T * L
-    if e < 4:
-        soft = max(S * (e + 8) - out.nbytes, 2 * e * S)
-    else:
-        soft = 8 * S
+    # unfused, before the weighted values (the op's output) exist: the scores, with sinks
+    # their copy with the sink column, its fp32 copy (16-bit), the fp32 softmax; beside the
+    # weighted values: the scores and the softmax (fp32) or its cast (16-bit)
+    before = S * (e + (e if a.get("sinks") else 0) + (4 if e < 4 else 0) + 4)
+    soft = max(before - out.nbytes, S * (e + (e if e < 4 else 4)))
     if a.get("latent"):
         keys = (k.nbytes + v.nbytes) * L // T
         held = keys + q.nbytes + S
