@@ -41,7 +41,8 @@ def peak_live_bytes(events) -> int:
 def measure_prefill(out: Path, batch: int, prompt_len: int, seed: int = 0) -> int:
     """Peak activation bytes of one prefill of ``batch`` random prompts of ``prompt_len``
     tokens through ``out/serve.py`` (its plan.json beside it; one pipeline stage), at tp
-    rank 0's shapes: the layers, the final norm, the LM head and the sampled tokens."""
+    rank 0's shapes: the layers, the final norm, the LM head and the tokens sampled with a
+    temperature and top-p (the sampler's largest path)."""
     spec = importlib.util.spec_from_file_location(f"parcompile_serve_mem_{next(_counter)}", out / "serve.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -66,6 +67,7 @@ def measure_prefill(out: Path, batch: int, prompt_len: int, seed: int = 0) -> in
         step = req.step(0, prompt_len)                  # the step's masks
         logits = model.forward(ids, step)
         full = gen.gather_vocab(logits, ctx.tp)
-        gen.pick_tokens(full, mod.VOCAB, 0.0, 0, None)
+        # nucleus sampling: the sampler's largest working set (analysis/serve.py SAMPLER_BYTES)
+        gen.pick_tokens(full, mod.VOCAB, 0.7, 0, torch.Generator().manual_seed(seed), 0.9)
         del logits, full, step
     return peak_live_bytes(prof.profiler.kineto_results.events())

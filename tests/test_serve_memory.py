@@ -49,12 +49,25 @@ def test_workspace_is_the_measured_prefill_peak(tmp_path, case):
     assert BAND[0] <= predicted / measured <= BAND[1], (case, predicted, measured)
 
 
+def test_head_is_the_measured_peak(tmp_path):
+    """A vocabulary large beside the layers (16,384 x 4 rows against 8 tokens of h 64): the
+    step's peak is the head's, the fp32 logits and the top-p sampler's working set."""
+    cfg = serve_config(model=dict(vocab=16384), serve=dict(batch=4, prompt_len=2, max_new_tokens=4))
+    plan = build_serve(cfg, tmp_path)
+    c = compile_graph(cfg)
+    (w,) = serve_workspace(cfg, c.graph, c.ctx.degrees, *prefill_step(cfg))
+    assert w.head > w.layer
+    measured = measure_prefill(tmp_path, 4, 2)
+    assert BAND[0] <= plan["serve"]["workspace_bytes_per_rank"] / measured <= BAND[1]
+
+
 def test_dense_workspace_counted_by_hand():
     """fp32 llama layer, tp 1, b = 4 sequences of T = 24 tokens (N = 96), h 64, SwiGLU f 128:
     the peak is SwiGLU's, with the layer's input, the attention's residual sum, the MLP's
     normed input (its argument) and w1's and w3's outputs live: N 4 (3 h + 3 f). The step's
     inputs: the causal mask (N L bytes) and the fp32 cos and sin at 16 rotated dims.
-    The head: the last hidden state, the lm head's 256 logits per row, the sampler's copy."""
+    The head: the last hidden state, the lm head's 256 fp32 logits per row and the
+    sampler's 24 bytes per logit (top-p: measured in test_head_is_the_measured_peak)."""
     cfg = serve_config(serve=dict(batch=4, prompt_len=24, max_new_tokens=4))
     c = compile_graph(cfg)
     assert prefill_step(cfg) == (4, 24, 24)
@@ -62,7 +75,7 @@ def test_dense_workspace_counted_by_hand():
     N = 4 * 24
     assert w.layer == N * 4 * (3 * 64 + 3 * 128)
     assert w.step == N * 24 + 2 * N * 16 * 4
-    assert w.head == N * 64 * 4 + 2 * 4 * 256 * 4
+    assert w.head == N * 64 * 4 + 4 * 256 * (4 + 24)
     assert w.received == 0 and w.total == w.layer + w.step
 
 

@@ -753,16 +753,22 @@ def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> 
     return [sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i] for i in range(len(nodes))]
 
 
+#: bytes per (row, vocabulary entry) the sampler (runtime/generate.py ``pick_tokens``) holds
+#: beside the logits it reads, measured with torch.profiler on the CPU: 7 greedy (the
+#: finiteness check: an fp32 ``abs`` and three boolean masks), 12 with a temperature, 24 with
+#: top-p (the sorted probabilities, their int64 order, the cumulative sums, the masks); the
+#: server samples each request with its own parameters, so the workspace holds the largest
+SAMPLER_BYTES = 24
+
+
 def logits_bytes(cfg, graph: Graph, degrees: Mapping[str, int], rows: int) -> int:
     """Bytes of the logits of a step's ``rows`` sampled positions on one rank of the last
-    stage (the serve program's ``Stage.forward``, ``gather_vocab``, ``pick_tokens``): the LM
-    head's local output (its graph type at one position: ``rows x V'/tp`` in the model
-    dtype), its fp32 copy (16-bit models), with tp > 1 the all-gathered fp32 logits
-    ``rows x V'`` and their transposed copy (the all-gather runs on the transpose), and the
-    sampler's fp32 working copy ``rows x V'``."""
+    stage while the sampler runs (the serve program's ``Stage.forward``, ``gather_vocab``,
+    ``pick_tokens``): the LM head's output at one position (its graph type, ``rows x V'/tp``)
+    in fp32, which the caller keeps; with tp > 1 the all-gathered fp32 logits ``rows x V'``;
+    and the sampler's working set, :data:`SAMPLER_BYTES` per ``rows x V'``."""
     dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
     nd = graph.node("lm_head")
-    local = nd.sharding.local_type(_at(nd.type, rows * dp, 1), degrees)
-    out = local.nbytes + (local.numel * 4 if local.itemsize < 4 else 0)
-    full = local.numel * tp * 4
-    return out + (2 * full if tp > 1 else 0) + full
+    local = nd.sharding.local_type(_at(nd.type, rows * dp, 1), degrees).numel
+    full = local * tp
+    return 4 * local + (4 * full if tp > 1 else 0) + SAMPLER_BYTES * full
