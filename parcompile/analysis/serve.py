@@ -631,6 +631,7 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     kv1 = _one_kv_head if one_kv else (lambda t: t)
     tp_moe = m.experts > 0 and degrees.get("ep", 1) == 1
     pp = cfg.parallel.pp
+    max_len = cfg.serve.prompt_len + cfg.serve.max_new_tokens   # the one-shot cache's length
 
     def types(nd, seq: int) -> tuple[list[TensorType], TensorType]:
         ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
@@ -644,7 +645,9 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
         ins, local = types(nd, tokens)
         a = nd.op.attr_map
         if nd.kind == "attention":
-            a = {**a, "seq_len": context}
+            window = a.get("window") or 0
+            a = {**a, "seq_len": context,
+                 "kv_copy": context > tokens or 0 < window < max_len or cache_dtype(cfg) != m.dtype}
         if tp_moe and nd.kind in ("moe_dispatch", "experts", "moe_combine"):
             if nd.kind == "moe_dispatch":   # the routing state and the partial sums `out`, `whole`
                 x = ins[0]

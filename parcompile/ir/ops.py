@@ -494,8 +494,10 @@ def _attention_scratch(a, ins, out):
     ``cached_attention``) over ``L = seq_len`` keys for the step's T queries, ``S = b Hq T L``
     scores (local heads), e the model dtype's bytes:
 
-    * the keys and values of the context before the step's own, when it has one (``L > T``:
-      the paged engine gathers them from their blocks and appends the step's);
+    * the keys and values it attends, ``L`` tokens, where they are copies and not a view of
+      the cache (``kv_copy``, set by the caller: the paged engine gathers the context from
+      its blocks and appends the step's, a sliding-window cache concatenates its window and
+      the step's, a cache in another dtype is read back converted);
     * grouped-query attention: k and v repeated to the query heads (``repeat_interleave``,
       ``2 b Hq L d e``) where a rank holds more query than kv heads;
     * fused (``attention = flash``, torch's SDPA): the boolean mask made an additive one,
@@ -532,7 +534,7 @@ def _attention_scratch(a, ins, out):
         math = max(q.nbytes + keys + S * e - out.nbytes, q.nbytes + (2 * e + 1) * S - out.nbytes,
                    q.nbytes + S * e)
         return held + S * e + math
-    extra = (k.nbytes + v.nbytes) * L // T if L > T else 0
+    extra = (k.nbytes + v.nbytes) * L // T if a.get("kv_copy") else 0
     kv_heads = k.dims[-1].size // a["head_dim"]
     if heads > kv_heads:
         extra += 2 * b * heads * L * a["head_dim"] * e
