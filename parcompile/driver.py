@@ -126,7 +126,7 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
         serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups, graph, ctx.degrees)
-        _check_serve_fits(cfg, serve, warnings)
+        _check_serve_fits(cfg, serve, warnings, graph, ctx.degrees)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)
         warnings.append(Diagnostic(
@@ -287,15 +287,16 @@ def _memory_section(cfg: SpecConfig, memory) -> Memory:
                 expandable_segments=cfg.cluster.expandable_segments) if train else {}))
 
 
-def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
+def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic], graph, degrees) -> None:
     """Serving memory: an error when not even one sequence of ``prompt_len +
-    max_new_tokens`` tokens fits beside the weights (with what would fit), a
-    ``does-not-fit`` warning when the whole batch does not."""
+    max_new_tokens`` tokens fits beside the weights (with what would fit, from the plan's
+    sharded ``graph`` on its mesh ``degrees``), a ``does-not-fit`` warning when the whole
+    batch does not."""
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_cache)
     if not rep.one_sequence_fits:
         one = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
         need = one.weights + one.workspace + one.kv_per_sequence
-        advice = fit_advice(cfg, rep)
+        advice = fit_advice(cfg, rep, graph, degrees)
         raise SpecError([Diagnostic(
             "error",
             f"one sequence of {rep.context:,} tokens does not fit: stage {one.stage} needs {bytes_text(need)} per GPU "

@@ -17,13 +17,19 @@ Memory per rank of pipeline stage ``s`` (bytes):
   ``serve.kv_bytes_per_token`` is the largest over the stages (the most loaded rank);
 * KV cache: ``batch_per_replica * (prompt_len + max_new_tokens) * kv_bytes_per_token_s``,
   less where a sliding-window layer keeps only its window (:mod:`parcompile.analysis.kv`);
-* activation workspace (prefill, the larger phase; nothing is kept for a backward):
-  ``b P e (2 h + (q + 2 kv) d + f)`` for the layer working set, with ``b`` the replica's
-  batch, ``P`` the prompt, ``e`` the model dtype's bytes, ``q``/``kv`` the rank's query /
-  kv heads, ``d`` head_dim and ``f = 2 ffn/tp`` (3 with SwiGLU); ``+ b heads_local P^2 4``
-  when ``attention = unfused`` (the fp32 score matrix); on the last stage the fp32
-  logits of the last position, all-gathered over tp (``b V' 4``); with pp > 1 the
-  received hidden state (``b P h e``);
+* activation workspace (prefill, the larger phase; nothing is kept for a backward): the
+  peak bytes of live activations on the rank while the largest prefill step the program
+  runs (``ceil(batch / dp)`` rows of ``prompt_len`` tokens, or of ``serve.max_prefill_tokens``
+  attending the whole prompt: :func:`prefill_step`) passes the stage, computed from the
+  sharded graph (:func:`serve_workspace`): a liveness walk of each decoder layer's nodes at
+  the step's local types, each op's forward scratch from the op table
+  (:attr:`parcompile.ir.ops.OpSpec.scratch`: the attention core's repeated kv heads and
+  additive mask, or unfused its scores and fp32 softmax; RMSNorm's fp32 copies; RoPE's
+  temporaries; the router's fp32 logits), the largest over the stage's layers, beside the
+  step's masks and RoPE tables; the last stage's head (the last hidden state and the
+  sampled rows' logits, fp32, gathered over tp: :func:`logits_bytes`) after the layers;
+  with pp > 1 the received hidden state (``b T h e``) beside both. Measured with
+  torch.profiler on the serve program: tests/test_serve_memory.py;
 * ``max_concurrent_tokens``: ``(capacity - weights - workspace) // kv_bytes_per_token``,
   the smallest over the stages: how many tokens of context fit the remaining capacity.
 
@@ -75,10 +81,9 @@ expert's inner width ``f_x`` split over tp, the router replicated):
 * time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
   the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
   case (vLLM's fused MoE kernel reads only the experts that received tokens);
-* workspace of a MoE layer: ``b P (e (4 h + (q + 2 kv) d + (3|2) (1 + shared_experts) f_x / tp)
-  + 8 E)``: the dense layer's set with one expert's inner rows at a time beside the shared
-  MLP's, plus the chosen rows and the partial sums (``2 h``) and the fp32 router logits and
-  probabilities (``8 E``); a stage's workspace is its larger layer kind's.
+* workspace of a MoE layer: the same walk; the program's experts run one at a time on the
+  rows that chose them (at most every token of the step: the bound holds any routing),
+  beside the routing state and the two partial sums (:func:`serve_workspace`).
 
 Collectives are timed by the network model (algorithm and link where the group sits,
 :func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
@@ -100,8 +105,8 @@ from parcompile.core.model import GATED_ACTIVATIONS, STEP_PLAN_BYTES
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import op_collectives, spec
-from parcompile.ir.types import Dim, TensorType
+from parcompile.ir.ops import INDEX_BYTES, op_collectives, spec
+from parcompile.ir.types import Dim, ShardingError, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -448,10 +453,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_tokens = kv_bytes_per_token(cfg, chunks)
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
     kv_local, replicas_kv = cache_heads(m, tp)
-    q_local = m.heads // tp
-    h = m.hidden
-    ffn_local = m.ffn_hidden // tp
-    padded = m.padded_vocab(tp)
     b = -(-sv.batch // dp)
     P, G = sv.prompt_len, sv.max_new_tokens
     mean_ctx = P + G / 2
@@ -461,12 +462,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     matmul_rate = eff.matmul * cl.peak_flops
     mem_rate = eff.memory * cl.hbm_bw
     per_op = getattr(cl, "op_overhead", 0.0) or 0.0
-    gated = m.activation in GATED_ACTIVATIONS
-    attn_work = attention_workspace(m, tp)
-    moe = m.experts > 0
-    mats = 3 if gated else 2
-    expert_local = m.expert_ffn_hidden // tp if moe else 0
     prefill = step_costs(cfg, graph, degrees, b, P, P)
+    workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
     decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
 
     def comm(step: StepCost, last: bool) -> tuple[float, float]:
@@ -490,22 +487,11 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     parts = {k: 0.0 for k in keys}
     for s, ids in enumerate(stage_layers(chunks, pp)):
         layers = len(ids)
-        moe_layers = sum(1 for i in ids if moe and i >= m.dense_layers)
         last = s == pp - 1
         weights = stage_params[s].total * e
         kv_tok = kv_tokens[s]
         kv_cache = b * kv_seqs[s]
-        work = b * P * e * (2 * h + attn_work + (3 if gated else 2) * ffn_local)
-        if moe_layers:   # a MoE layer's working set (module docstring), if larger
-            f_moe = mats * expert_local * (1 + m.shared_experts)
-            moe_work = b * P * (e * (4 * h + attn_work + f_moe) + 8 * m.experts)
-            work = max(moe_work, work) if moe_layers < layers else moe_work
-        if m.attention == "unfused":
-            work += b * q_local * P * P * 4
-        if last:
-            work += b * padded * 4
-        if pp > 1:
-            work += b * P * h * e
+        work = workspace[s].total
         free = capacity - weights - work
         pf, dc = prefill[s], decode[s]
         if dc.kv_bytes_per_token != kv_tok:   # the graph's cached operands are the cache the plan holds
@@ -537,45 +523,42 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                        sv.max_prefill_tokens)
 
 
-def attention_workspace(m, tp: int) -> int:
-    """The activation elements per token of one decoder layer's attention working set on
-    one rank of ``tp`` (the serving workspace, module docstring).
-
-    Multi-head attention: ``(q + 2 kv) d``; ``q``/``kv`` the rank's heads, ``d`` head_dim.
-    Multi-head latent attention (``kv_lora_rank`` c > 0), as the serve program computes it
-    (runtime/mla.py: wkv_b absorbed into the query and the output, DeepSeek-V2 appendix
-    B): ``c_q + H (n + r) + c + r + H (2 c + r)`` (``c_q`` q_lora_rank, H the rank's heads,
-    n/r the nope/rope dims)."""
-    if m.kv_lora_rank:
-        H, c, r = m.heads // tp, m.kv_lora_rank, m.qk_rope_head_dim
-        return m.q_lora_rank + H * (m.qk_nope_head_dim + r) + c + r + H * (2 * c + r)
-    q, kv, d = m.heads // tp, kv_heads_per_rank(m.kv_heads, tp), m.head_dim
-    return (q + 2 * kv) * d
-
-
-def fit_advice(cfg, rep: ServeReport) -> list[str]:
+def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights
     and cache split further, estimated by scaling this plan's bytes), a shorter context,
     an fp8 cache (where the devices have an FP8 type: :func:`parcompile.config.presets.fp8_storage`).
-    Each suggestion is checked with the same formulas, scaled."""
+    The workspace of a suggestion is the graph's rule at its degrees (:func:`serve_workspace`
+    on ``graph``, the plan's sharded graph, with tp raised; a deeper pipeline adds the
+    received hidden state to the worst stage's); the rest is checked with the same formulas,
+    scaled."""
     m, par = cfg.model, cfg.parallel
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
+    step = prefill_step(cfg)
     out = []
     cands = []
     for tp2 in (2 ** i for i in range(1, 8)):
         t = par.tp * tp2
         if t > _MAX_TP_HINT or (m.heads % t):
             break
+        more = {**degrees, "tp": t}
+        if degrees.get("ep", 1) == 1 and m.experts:   # served tensor parallel: each expert split over tp
+            more["expert_tp"] = t
+        try:
+            work = serve_workspace(cfg, graph, more, *step)[worst.stage].total
+        except ShardingError:       # a dim the graph splits over tp does not divide by t
+            break
         # (an MLA cache is the same on every tp rank: more tp does not shrink it)
         kv_scale = 1 if m.kv_lora_rank else kv_heads_per_rank(m.kv_heads, t) / rep.kv_heads_per_rank
-        n2 = worst.weights / tp2 + worst.workspace / tp2 + worst.kv_per_sequence * kv_scale
+        n2 = worst.weights / tp2 + work + worst.kv_per_sequence * kv_scale
         if n2 <= rep.capacity:
             cands.append(f"tp = {t}")
             break
+    ws = serve_workspace(cfg, graph, degrees, *step)[worst.stage]
+    deeper = max(ws.layer, ws.head) + received_bytes(cfg, *step[:2]) + ws.step   # a stage after the first
     for pp2 in range(2, 65):
         if par.pp * pp2 > m.layers:
             break
-        n2 = (worst.weights + worst.kv_per_sequence) / pp2 + worst.workspace
+        n2 = (worst.weights + worst.kv_per_sequence) / pp2 + deeper
         if n2 <= rep.capacity:
             cands.append(f"pp = {par.pp * pp2}")
             break
@@ -592,3 +575,243 @@ def fit_advice(cfg, rep: ServeReport) -> list[str]:
     elif room <= 0:
         out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")
     return out
+
+
+# --------------------------------------------------------------------------- memory: workspace
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The activation workspace of one rank of a pipeline stage in a prefill step, bytes
+    (:func:`serve_workspace`): ``layer`` the peak of live activations while the stage's
+    largest layer (``layer_id``) runs, its input included; ``head`` (last stage) the peak
+    while the final norm, the LM head and the sampler run: the last layer's output and the
+    sampled rows' logits (:func:`logits_bytes`); ``received`` (stages after the first)
+    the hidden state received from the previous stage, held for the whole step; ``step``
+    what every layer of the step reads (:func:`step_inputs_bytes`)."""
+
+    layer: int
+    layer_id: int | None
+    head: int
+    received: int
+    step: int = 0
+
+    @property
+    def total(self) -> int:
+        """The step's peak: the layers and the head run one after the other, the received
+        hidden state and the step's inputs live beside both."""
+        return max(self.layer, self.head) + self.received + self.step
+
+
+#: op kinds whose operand, when they are its only reader, the serve program passes as a
+#: temporary of one expression or rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``,
+#: ``y = mla_value_up(y, ...)``): it dies with them. Any other reader (a linear layer, the
+#: attention core, the MoE ops) runs inside a module's ``forward`` that holds its operands,
+#: as arguments or local variables, until it returns (:func:`_live_bytes`)
+EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
+                              "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up",
+                              "redistribute"})
+
+
+def prefill_step(cfg) -> tuple[int, int, int]:
+    """``(rows, tokens, context)`` of the largest prefill step a replica runs: ``rows`` the
+    sequences of the replica (``ceil(batch / dp)``; the server's ``max_seqs``), each with
+    ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
+    a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
+    (runtime/paged.py ``Scheduler.next_step``) prefills at most that many prompt tokens
+    per step and left-pads every row of the step to its longest (``paged_step``): ``tokens
+    = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk of a prompt
+    attending all ``prompt_len`` keys."""
+    sv = cfg.serve
+    rows = -(-sv.batch // cfg.parallel.dp)
+    P = sv.prompt_len
+    tokens = min(P, sv.max_prefill_tokens) if sv.max_prefill_tokens else P
+    return rows, tokens, P
+
+
+def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
+                    context: int) -> list[Workspace]:
+    """Per pipeline stage, the activation workspace of one rank in a step of ``batch``
+    sequences of ``tokens`` new tokens attending ``context`` keys (:func:`prefill_step`),
+    from the sharded graph the plan compiled, bytes (:class:`Workspace`).
+
+    Local types as :func:`step_costs` makes them (each node's global types with ``batch``
+    resized to ``batch * dp`` and ``seq`` to ``tokens``, made local by the node's sharding;
+    one kv head where tp replicates them). For each decoder layer, a liveness walk in graph
+    order: a value is live from its producer (the layer's input: from the start) until its
+    last consumer in the layer (the layer's output: to the end); a layout op without a
+    forward collective is a view of its input, one with a collective a new tensor (the
+    runtime all-reduces a clone: runtime/comm.py ``_ReduceFromRegion``). At each op the
+    live values, its output and the op's forward scratch (:attr:`parcompile.ir.ops.OpSpec.scratch`:
+    the attention core's expanded keys and values and, unfused, its scores and fp32
+    softmax; RoPE's temporaries; the router's fp32 logits) are summed; the layer's
+    workspace is the largest sum, the stage's the largest over its layers (each layer kind
+    its own: dense and MoE layers, sliding-window and global ones).
+
+    MoE served tensor parallel (``ep = 1``; runtime/moe.py ``TensorParallelMoE``) holds no
+    dispatched (token, choice) rows: the dispatch is the routing state (``order``, token
+    ids and weights per (token, choice): ``8 + 8 + 4`` bytes) and the two (N, h) partial
+    sums, the experts add into them one expert at a time, whose rows are at most the N
+    tokens of the step (an expert receives each token once: the workspace holds any
+    routing): its rows' input, the gated or plain inner activations (``3|2`` x f_x/tp)
+    and the row ids as scratch, and as the experts' output the previous expert's weighted
+    rows (at most N x h, kept by the loop until the layer returns). With ``ep > 1`` the
+    graph's dispatch is what the program runs.
+
+    The head (last stage): the last layer's output and :func:`logits_bytes`; the received
+    hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
+
+    Left out (the band of tests/test_serve_memory.py): the norms' fp32 statistics per
+    token, the attention kernel's and the CPU's 16-bit GEMM's internal buffers, allocator
+    rounding; the MoE bound holds any routing, so a measured step is below it by the
+    difference between its busiest expert and all N tokens."""
+    m = cfg.model
+    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
+    one_kv = kv_heads_replicated(m.kv_heads, tp) and not m.kv_lora_rank
+    kv1 = _one_kv_head if one_kv else (lambda t: t)
+    tp_moe = m.experts > 0 and degrees.get("ep", 1) == 1
+    pp = cfg.parallel.pp
+    max_len = cfg.serve.prompt_len + cfg.serve.max_new_tokens   # the one-shot cache's length
+
+    def types(nd, seq: int) -> tuple[list[TensorType], TensorType]:
+        ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
+               for r, t in zip(nd.requires, graph.input_types(nd.name))]
+        return ins, kv1(nd.sharding.local_type(_at(nd.type, batch * dp, seq), degrees))
+
+    def out_and_scratch(nd) -> tuple[int | None, int]:
+        """(bytes of the node's output, None for a view of its input; its scratch)."""
+        if nd.kind == "redistribute" and not nd.op.attr("fwd"):
+            return None, 0
+        ins, local = types(nd, tokens)
+        a = nd.op.attr_map
+        if nd.kind == "attention":
+            window = a.get("window") or 0
+            a = {**a, "seq_len": context,
+                 "kv_copy": context > tokens or 0 < window < max_len or cache_dtype(cfg) != m.dtype}
+        if tp_moe and nd.kind in ("moe_dispatch", "experts", "moe_combine"):
+            if nd.kind == "moe_dispatch":   # the routing state and the partial sums `out`, `whole`
+                x = ins[0]
+                n = x.numel // x.dims[-1].size
+                return n * m.top_k * (2 * INDEX_BYTES + 4) + 2 * x.nbytes, 0
+            if nd.kind == "experts":        # the last expert's rows `y`, beside the next expert's
+                h = ins[0].dims[-1].size
+                n = ins[0].numel // (h * m.top_k)
+                f = a["ffn"] // degrees.get("expert_tp", 1)
+                mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
+                last_rows = n * h * ins[0].itemsize
+                return last_rows, n * (INDEX_BYTES + (h + mats * f) * ins[0].itemsize)
+            return 0, 0                     # the combine: the sums `out` (the dispatch's)
+        return local.nbytes, spec(nd.kind).scratch(a, ins, local)
+
+    layers: dict[int, list] = {}
+    for nd in graph.nodes():
+        if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
+            layers.setdefault(nd.op.layer, []).append(nd)
+    per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
+    for layer_id, nodes in sorted(layers.items()):
+        live = _live_bytes(graph, nodes, lambda src: types(graph.node(src), tokens)[1].nbytes, out_and_scratch)
+        s = nodes[0].stage or 0
+        if max(live) > per_stage[s][0]:
+            per_stage[s] = (max(live), layer_id)
+    out = []
+    for s in range(pp):
+        head_bytes = 0
+        if s == pp - 1:   # the last layer's output (the final norm reads its last position) and the logits
+            last_hidden = graph.inputs("final_norm")[0]
+            head_bytes = types(graph.node(last_hidden), tokens)[1].nbytes + logits_bytes(cfg, graph, degrees, batch)
+        out.append(Workspace(per_stage[s][0], per_stage[s][1], head_bytes,
+                             received_bytes(cfg, batch, tokens) if s > 0 else 0,
+                             step_inputs_bytes(cfg, graph, batch, tokens, context)))
+    return out
+
+
+def received_bytes(cfg, batch: int, tokens: int) -> int:
+    """The hidden state a stage after the first receives for a step (runtime/generate.py
+    ``pipeline_pass``: ``recv`` of (batch, tokens, h) in the model dtype), bytes."""
+    return batch * tokens * cfg.model.hidden * cfg.model.dtype_bytes
+
+
+def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) -> int:
+    """Bytes of what every layer of a step reads, made once per step (runtime/generate.py
+    ``Requests.step``, ``rope_at``; runtime/paged.py ``paged_step``): per attention window
+    of the graph's cores the boolean mask (batch, 1, tokens, context), and per RoPE table of
+    its rope ops (base and scaling) the fp32 cos and sin at the tokens' positions (batch,
+    tokens, rot) each, ``rot`` the rotated dims of a head (``rope_dim``, or ``fraction`` of
+    head_dim)."""
+    windows, tables = set(), {}
+    for nd in graph.nodes():
+        a = nd.op.attr_map
+        if nd.kind == "attention":
+            windows.add(a.get("window") or 0)
+        elif nd.kind in ("rope", "latent_rope"):
+            rot = a.get("rope_dim") or round(a.get("fraction", 1.0) * cfg.model.head_dim)
+            key = (a.get("theta"), repr(a.get("scaling")))
+            tables[key] = max(tables.get(key, 0), rot)
+    return batch * tokens * (len(windows) * context + sum(2 * 4 * rot for rot in tables.values()))
+
+
+def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> list[int]:
+    """Per op of one decoder layer (``nodes``, in graph order), the bytes live while it runs
+    (:func:`serve_workspace`'s walk): the values made before it and read by it or later,
+    its output and its scratch. ``outer_bytes(name)``: the bytes of a value made outside the
+    layer (its input: held by the caller for the whole layer); ``out_and_scratch(node)``:
+    (its output's bytes, None for a view of its first input; its scratch).
+
+    When a value dies: read by one op of :data:`EXPRESSION_KINDS`, with it (a temporary of
+    one expression, or rebound); read by several ops (a named local of the module's
+    ``forward``) or by any other op (an argument or local of the module that runs it), at
+    the last op of the reading op's module (Python holds a function's arguments and locals
+    until it returns); never read, with its maker."""
+    names = {nd.name for nd in nodes}
+    end = {nd.op.module: i for i, nd in enumerate(nodes)}     # each module's last op
+    value: dict[str, str] = {}     # node -> the tensor it is (itself, or a view's source)
+    size: dict[str, int] = {}
+    made: dict[str, int] = {}
+    last: dict[str, int] = {}
+    scratch: list[int] = []
+    for i, nd in enumerate(nodes):
+        for src in graph.inputs(nd.name):
+            v = value.get(src, src)
+            if src not in names and v not in size:   # the layer's input: the caller holds it
+                size[v], made[v], last[v] = outer_bytes(src), -1, len(nodes)
+        nb, sc = out_and_scratch(nd)
+        scratch.append(sc)
+        if nb is None:
+            src = graph.inputs(nd.name)[0]
+            value[nd.name] = value.get(src, src)
+        else:
+            value[nd.name] = nd.name
+            size[nd.name], made[nd.name] = nb, i
+    readers: dict[str, list[int]] = {}
+    for i, nd in enumerate(nodes):
+        if value[nd.name] == nd.name:                # a view reads nothing itself
+            for src in graph.inputs(nd.name):
+                readers.setdefault(value.get(src, src), []).append(i)
+    for v, rs in readers.items():
+        alone = len(rs) == 1 and nodes[rs[0]].kind in EXPRESSION_KINDS
+        last[v] = max(last.get(v, -1), rs[0] if alone else max(end[nodes[r].op.module] for r in rs))
+    for v in size:
+        last.setdefault(v, made[v])
+    last[value[nodes[-1].name]] = len(nodes)        # the layer's output
+    return [sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i] for i in range(len(nodes))]
+
+
+#: bytes per (row, vocabulary entry) the sampler (runtime/generate.py ``pick_tokens``) holds
+#: beside the logits it reads, measured with torch.profiler on the CPU: 7 greedy (the
+#: finiteness check: an fp32 ``abs`` and three boolean masks), 12 with a temperature, 24 with
+#: top-p (the sorted probabilities, their int64 order, the cumulative sums, the masks); the
+#: server samples each request with its own parameters, so the workspace holds the largest
+SAMPLER_BYTES = 24
+
+
+def logits_bytes(cfg, graph: Graph, degrees: Mapping[str, int], rows: int) -> int:
+    """Bytes of the logits of a step's ``rows`` sampled positions on one rank of the last
+    stage while the sampler runs (the serve program's ``Stage.forward``, ``gather_vocab``,
+    ``pick_tokens``): the LM head's output at one position (its graph type, ``rows x V'/tp``)
+    in fp32, which the caller keeps; with tp > 1 the all-gathered fp32 logits ``rows x V'``;
+    and the sampler's working set, :data:`SAMPLER_BYTES` per ``rows x V'``."""
+    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
+    nd = graph.node("lm_head")
+    local = nd.sharding.local_type(_at(nd.type, rows * dp, 1), degrees).numel
+    full = local * tp
+    return 4 * local + (4 * full if tp > 1 else 0) + SAMPLER_BYTES * full

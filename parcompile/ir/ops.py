@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 from parcompile.core.attention import attention_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.code import CODES, COMM_KINDS, Code
+from parcompile.ir.scratch import INDEX_BYTES, attention_scratch, norm_scratch, rope_scratch, router_scratch
 from parcompile.ir.types import Sharding, TensorType
 
 # --------------------------------------------------------------------------- records
@@ -186,6 +187,10 @@ class OpSpec:
     #: giving one: :func:`code_of`); None: outside decoder layers (the templates' skeleton).
     #: Written here (a constant row: ``softcap``) or in ir/code.py's ``CODES``, not both
     code: Code | Callable[[Mapping[str, Any]], Code] | None = None
+    #: bytes of the temporaries the op holds beside its operands and its output while its
+    #: forward runs in the serve program (no autograd), at local types; an attention core's
+    #: ``seq_len`` is the keys it attends (:func:`parcompile.analysis.serve.serve_workspace`)
+    scratch: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
 
 
 # --------------------------------------------------------------------------- rules
@@ -411,7 +416,6 @@ def _combine_type(a, ins):
     return TensorType(ins[0].dims[:-2] + (ins[0].dims[-1],), ins[0].dtype)
 
 
-INDEX_BYTES = 8   # int64 token / row indices
 
 
 def _router_extra(a, ins, out):
@@ -499,16 +503,16 @@ OPS: dict[str, OpSpec] = {
         OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes),
         OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic),
         # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
-        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic),
+        OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=norm_scratch),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         # rotary position embedding at the tokens' global positions (the program's tables)
-        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic),
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
-               saves_output=_fused, traffic=_attention_traffic),
+               saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch),
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
@@ -532,7 +536,8 @@ OPS: dict[str, OpSpec] = {
                code=Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)")),
         OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic),
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
-               saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic),
+               saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic,
+               scratch=router_scratch),
         OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
                saved_gathered=_experts_gathered,
