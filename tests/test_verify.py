@@ -215,7 +215,7 @@ def _shard_scales(mini) -> None:
     prog.write_text(text.replace("\ndef main(argv=None)", """
 def main(argv=None):
     import parcompile.runtime.fp8 as fp8
-    saved, fp8._max_over = fp8._max_over, lambda t, axis: t
+    saved, fp8._max_over = fp8._max_over, lambda t, axis, rows=None: t
     try:
         return _main(argv)
     finally:

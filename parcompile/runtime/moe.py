@@ -282,7 +282,7 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     gradient is never deferred (a zero-bubble step defers the dense layers' only, as in 16
     bits). The router stays 16-bit/fp32 (not an expert GEMM)."""
     if fp8:
-        return fp8_linear(x, weight, bias, fp8, axis, split, deferrable=False)
+        return fp8_linear(x, weight, bias, fp8, axis, split, deferrable=False, routed=True)
     return F.linear(x, weight, bias)
 
 
