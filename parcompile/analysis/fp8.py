@@ -30,7 +30,7 @@ pytorch/ao 36027d82, rowwise only: the routed rows A per row, the expert weights
 output column, both again for the input gradient, and per expert group and column for the
 weight gradient, all E4M3 with power-of-two scales; it saves the 16-bit A and weights) and
 Transformer Engine's ``GroupedLinear`` (Megatron-Core's TEGroupedMLP; tensorwise: per-expert
-scales). So their FLOPs run at the FP8 peak and their casts are priced per routed row like a
+scales; under ``MXFP8BlockScaling`` 32-element blocks, as the program's mxfp8 experts). So their FLOPs run at the FP8 peak and their casts are priced per routed row like a
 linear's (:func:`cast_elements`); the scales are a few fp32 per expert and row, not counted in
 memory. The token all-to-alls stay 16-bit: the FP8 grouped GEMM casts after the dispatch (not
 modelled: torchao's MXFP8 dispatch, ``ep/a2a_dispatch.py`` ``_A2ADispatchMXFP8FwdHPBwd`` at the
@@ -66,7 +66,9 @@ once per step, one all-reduce for all weights (torchtitan's
 ``precompute_float8_dynamic_scale_for_fsdp``). What the generated program all-reduces (its own
 pattern: runtime/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
 is listed among the plan's collectives (:func:`amax_collectives`, ``where`` ``fp8_amax_tp``) so
-verify compares it call for call; the time model keeps pricing the pattern above.
+verify compares it call for call; so are the routed experts' over expert_tp, the per-row ones
+of a group's routed rows as the MoE token traffic is (``routed``, their balanced estimate,
+checked per row and summed over the ranks); the time model keeps pricing the pattern above.
 
 **Engines.** Transformer Engine (``engine = megatron``) caches a step's FP8 weights from the
 first micro-batch (``is_first_microbatch``): their casts run once per step (in the optimizer
