@@ -180,8 +180,8 @@ def leading_layers(cfg: SpecConfig) -> int:
                      "leading layers and one of the rest" + (", and this model's leading layers are dense "
                                                             "ones before MoE" if dense else ""),
             cfg.span(f"train.{key}"),
-            help="search without it (the layers' FP8 only shifts the costs a little) and set it in the spec "
-                 "that `parcompile compile` plans; or keep the first layers in 16 bits with "
+            help="search (or fill `auto` layout keys) without it, then set it in the spec with every layout "
+                 "degree given: `parcompile compile` plans it exactly; or keep the first layers in 16 bits with "
                  "`fp8_bf16_layers_start`" + (" in a model without dense_layers" if dense else ""),
             note="issue 32: Megatron-LM --first-last-layers-bf16")])
     return start
