@@ -622,6 +622,34 @@ def test_fp8_all_gather_fast_cost_equals_the_compilers():
     assert fast.step_time == pytest.approx(plan.estimate.step_time, rel=1e-9)
 
 
+def test_fp8_bf16_first_layer_fast_cost_equals_the_compilers():
+    # fp8_bf16_layers_start = 1: the search probes the 16-bit first layer apart (search/probe.py
+    # leading_layers, Graph.fp8 of the probes from analysis/fp8.graph_fp8), so its fast cost is
+    # the compiler's, and differs from the all-FP8 one (the probe once took every layer as FP8)
+    from parcompile.search import Coster
+    row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
+    base = h100_config(row)
+    cfg = base.model_copy(update={"train": base.train.model_copy(update={"fp8_bf16_layers_start": 1})})
+    plan = compile_config(cfg)
+    fast = Coster(cfg).cost(cfg, with_memory=True)
+    assert fast.peak == plan.memory.peak
+    assert fast.step_time == pytest.approx(plan.estimate.step_time, rel=1e-9)
+    all_fp8 = Coster(base).cost(base, with_memory=True)
+    assert fast.step_time > all_fp8.step_time * (1 + 1e-6)
+
+
+def test_search_refuses_fp8_bf16_last_layers():
+    # the probes compose one kind of leading layer: 16-bit last layers get a diagnostic, not a
+    # cost that takes them as FP8
+    from parcompile.search import Coster
+    row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
+    base = h100_config(row)
+    cfg = base.model_copy(update={"train": base.train.model_copy(update={"fp8_bf16_layers_end": 1})})
+    from parcompile.diagnostics import SpecError
+    with pytest.raises(SpecError, match="fp8_bf16_layers_end"):
+        Coster(cfg)
+
+
 MB_FP8 = "Llama 3 70B TP4 PP8 VP5 fp8"
 
 

@@ -277,3 +277,32 @@ def test_the_miniature_keeps_a_bf16_layer_and_an_fp8_one():
     few = miniature(tiny_config(2, 1, 1, parallel=dict(zero=3), train=dict(precision="fp8", fp8_bf16_layers_start=4,
                                                                           fp8_bf16_layers_end=4)))
     assert few.model.layers == 3 and (few.train.fp8_bf16_layers_start, few.train.fp8_bf16_layers_end) == (1, 1)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_plan_lists_the_experts_amax_all_reduces_over_expert_tp(recipe):
+    # FP8 routed experts with expert_tp 2 (runtime/moe.py expert_linear; analysis/fp8.py
+    # amax_collectives): per local expert and micro-batch, w1 and w3 column-, w2 row-parallel
+    from parcompile.passes.manager import compile_graph
+    from tests.program_utils import tiny_config
+    cfg = tiny_config(4, 1, 1, model=dict(experts=4, top_k=2), parallel=dict(ep=2, expert_tp=2),
+                      train=dict(precision="fp8", fp8_recipe=recipe))
+    c = compile_graph(cfg)
+    amax = [e for e in c.cost.comm.collectives if e.where == "fp8_amax_tp"]
+    assert {(e.op, e.axis) for e in amax} == {("all_reduce", "expert_tp")}
+    m, p, mod = cfg.parallel.num_microbatches, cfg.parallel, cfg.model
+    local, h = mod.experts // p.ep, mod.hidden
+    per_expert = m * mod.layers * local   # expert GEMM runs of one matrix per step
+    fixed = [e for e in amax if not e.bytes_per_row]
+    routed = [e for e in amax if e.bytes_per_row]
+    if recipe == "tensorwise":   # scalars: w1, w3: W forward; g, W, g backward; w2: W, x forward, W, x backward
+        assert not routed and {e.bytes for e in fixed} == {4} and sum(e.count for e in fixed) == 12 * per_expert
+        return
+    # rowwise: the weights' h rows / columns (w2 forward, w1 and w3 backward), and as many
+    # all-reduces of the groups' routed rows, 4 bytes a row, balanced: the expert_tp * A rows
+    # (A = micro_batch * seq * top_k sent per rank) over the local experts
+    assert {e.bytes for e in fixed} == {4 * h} and sum(e.count for e in fixed) == 3 * per_expert
+    assert {e.bytes_per_row for e in routed} == {4} and sum(e.count for e in routed) == 3 * per_expert
+    a = p.micro_batch * mod.seq_len * mod.top_k
+    assert sum(e.count * e.bytes for e in routed) == 3 * m * mod.layers * 4 * p.expert_tp * a
+    assert [e.to_dict()["routed"] for e in routed] == [True] * len(routed)

@@ -127,8 +127,9 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
 
 def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recompute: str, counts: dict,
                   order: dict) -> None:
-    """The FP8 amax all-reduces over tp op ``nd`` runs (:func:`parcompile.analysis.fp8.
-    amax_collectives`), ``m`` per step and again in a fully recomputed forward, as rows of
+    """The FP8 amax all-reduces over tp (expert_tp for routed experts) op ``nd`` runs
+    (:func:`parcompile.analysis.fp8.amax_collectives`; the experts' row-dependent ones marked
+    ``routed`` with their ``bytes_per_row``), ``m`` per step and again in a fully recomputed forward, as rows of
     ``comm.collectives`` (``where`` ``fp8_amax_tp``). Not in ``raw``: the time model prices
     the recipe's amaxes itself (:func:`parcompile.analysis.fp8.fp8_costs`)."""
     coll = amax_collectives(graph, nd, degrees)
@@ -136,9 +137,9 @@ def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recomput
         return
     stage = nd.stage or 0
     again = recompute == "full"   # every FP8 linear is in a layer: its forward runs again
-    for op, axis, nbytes, phase in coll:
+    for op, axis, nbytes, phase, per_row in coll:
         for ph in (phase, "recompute") if again and phase == "forward" else (phase,):
-            key = (op, axis, nbytes, "fp8_amax_tp", stage, ph, 0)
+            key = (op, axis, nbytes, "fp8_amax_tp", stage, ph, per_row)
             counts[key] = counts.get(key, 0) + m
             order.setdefault(key, len(order))
 

@@ -30,7 +30,7 @@ pytorch/ao 36027d82, rowwise only: the routed rows A per row, the expert weights
 output column, both again for the input gradient, and per expert group and column for the
 weight gradient, all E4M3 with power-of-two scales; it saves the 16-bit A and weights) and
 Transformer Engine's ``GroupedLinear`` (Megatron-Core's TEGroupedMLP; tensorwise: per-expert
-scales). So their FLOPs run at the FP8 peak and their casts are priced per routed row like a
+scales; under ``MXFP8BlockScaling`` 32-element blocks, as the program's mxfp8 experts). So their FLOPs run at the FP8 peak and their casts are priced per routed row like a
 linear's (:func:`cast_elements`); the scales are a few fp32 per expert and row, not counted in
 memory. The token all-to-alls stay 16-bit: the FP8 grouped GEMM casts after the dispatch (not
 modelled: torchao's MXFP8 dispatch, ``ep/a2a_dispatch.py`` ``_A2ADispatchMXFP8FwdHPBwd`` at the
@@ -66,7 +66,9 @@ once per step, one all-reduce for all weights (torchtitan's
 ``precompute_float8_dynamic_scale_for_fsdp``). What the generated program all-reduces (its own
 pattern: runtime/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
 is listed among the plan's collectives (:func:`amax_collectives`, ``where`` ``fp8_amax_tp``) so
-verify compares it call for call; the time model keeps pricing the pattern above.
+verify compares it call for call; so are the routed experts' over expert_tp, the per-row ones
+of a group's routed rows as the MoE token traffic is (``routed``, their balanced estimate,
+checked per row and summed over the ranks); the time model keeps pricing the pattern above.
 
 **Engines.** Transformer Engine (``engine = megatron``) caches a step's FP8 weights from the
 first micro-batch (``is_first_microbatch``): their casts run once per step (in the optimizer
@@ -184,12 +186,13 @@ def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
     return marks is None or nd.op.layer not in marks.bf16_layers
 
 
-def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[str, str, int, str]]:
+def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[str, str, int, str, int]]:
     """The amax all-reduces (max) over tp that the generated program runs for FP8 linear op
-    ``nd`` in one micro-batch (runtime/fp8.py ``_Fp8Linear``, ``_max_over``), as ``(op, axis,
-    bytes, phase)``; [] for other ops, one tp rank, mxfp8 (block scales are local) and
-    replicated (MLA) linears. What a ``column`` (weight split on N) or ``row`` (split on K)
-    linear all-reduces, per GEMM operand cast:
+    ``nd`` in one micro-batch (runtime/fp8.py ``_Fp8Linear``, ``_max_over``), and over
+    expert_tp for FP8 routed experts op ``nd`` (runtime/moe.py ``expert_linear``), as ``(op,
+    axis, bytes, phase, bytes_per_row)``; [] for other ops, one tp (expert_tp) rank, mxfp8
+    (block scales are local) and replicated (MLA) linears. What a ``column`` (weight split on
+    N) or ``row`` (split on K) linear all-reduces, per GEMM operand cast:
 
     - tensorwise (one fp32 each): forward the weight (column, row) and the row-parallel
       input; backward, for the input gradient, the column-parallel output gradient and the
@@ -203,39 +206,85 @@ def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list
       columns.
 
     M is the GEMM's input rows (tokens of the micro-batch on this rank), N and K the layer's
-    whole output and input features. These are listed among the plan's collectives
+    whole output and input features; ``bytes_per_row`` is 0 (the size is fixed).
+
+    Routed experts: each local expert (``experts / ep``) runs its w1 [and w3] as a column- and
+    its w2 as a row-parallel linear over expert_tp on its group of routed rows, with the
+    same rules (tensorwise: per-expert scalars, never FP8-gathered; rowwise: the weights'
+    ``h`` rows or columns, and the group's M rows). A group's M is what the router sent it:
+    those all-reduces carry ``bytes_per_row`` 4 (verify checks them per row and their sum over
+    the ranks, :func:`parcompile.verify.check_routed`) and ``bytes`` their balanced estimate,
+    the ``expert_tp * A`` rows a rank's experts receive under balanced routing (A = ``b *
+    s_local * top_k``, the rows it sends, as :func:`parcompile.ir.ops.moe_collectives`),
+    divided over the local experts (the first ``(expert_tp * A) % experts_local`` one row
+    more, so the balanced sum is exact). A program runs an expert only on a non-empty group
+    (runtime/moe.py ``MoELayer.forward``): the counts assume every local expert receives rows.
+
+    These are listed among the plan's collectives
     (:func:`parcompile.analysis.comm.comm_report`, ``where`` ``fp8_amax_tp``); the time
     model prices the recipe's amaxes separately (:func:`fp8_costs`: torchao's pattern,
     calibrated)."""
     marks = getattr(graph, "fp8", None)
-    tp = degrees.get("tp", 1)
-    if marks is None or tp <= 1 or nd.kind != "linear" or not is_fp8_gemm(nd, graph):
-        return []
-    split = nd.op.attr_map.get("tp")
-    if split not in ("column", "row") or marks.recipe not in ("tensorwise", "rowwise"):
+    if marks is None or nd.kind not in FP8_KINDS or not is_fp8_gemm(nd, graph) \
+            or marks.recipe not in ("tensorwise", "rowwise"):
         return []
     x = next(r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name)))
     rows = x.numel // x.dims[-1].size
+    if nd.kind == "experts":
+        return _expert_amax_collectives(nd, marks.recipe, rows, x.dims[-1].size, degrees)
+    tp = degrees.get("tp", 1)
+    split = nd.op.attr_map.get("tp")
+    if tp <= 1 or split not in ("column", "row"):
+        return []
     w = next(pr for pr in nd.params if pr.name.endswith("weight"))
     n_out, k_in = (d.size for d in w.type.dims)
-    out: list[tuple[str, str, int, str]] = []
+    return _linear_amax(marks.recipe, split, "tp", [rows], n_out, k_in, 0 if marks.gathered else 1)
 
-    def add(nbytes: int, phase: str) -> None:
-        out.append(("all_reduce", "tp", int(nbytes), phase))
 
-    if marks.recipe == "tensorwise":
-        weight = [] if marks.gathered else [4]
-        for b in weight + ([4] if split == "row" else []):
-            add(b, "forward")
-        for b in ([4] if split == "column" else []) + weight + [4]:
-            add(b, "backward")   # input gradient: g (column), W; weight gradient: g (column) or x (row)
-    elif split == "row":
-        add(4 * rows, "forward")
-        add(4 * n_out, "forward")
-    else:
-        add(4 * rows, "backward")
-        add(4 * k_in, "backward")
+def _linear_amax(recipe: str, split: str, axis: str, groups: list[int], n_out: int, k_in: int, weight: int,
+                 per_row: int = 0) -> list[tuple[str, str, int, str, int]]:
+    """:func:`amax_collectives` of one FP8 linear split ``split`` over ``axis``, run on each of
+    ``groups`` (its input rows M per run: one for a dense linear, one per local expert), its
+    whole weight ``n_out x k_in``; ``weight`` 0: the weight comes cast (FP8 all-gather);
+    ``per_row``: the ``bytes_per_row`` of the M-row all-reduces (4 where the router sets M)."""
+    out: list[tuple[str, str, int, str, int]] = []
+
+    def add(nbytes: int, phase: str, bpr: int = 0) -> None:
+        out.append(("all_reduce", axis, int(nbytes), phase, bpr))
+
+    for m_rows in groups:
+        if recipe == "tensorwise":
+            w = [4] * weight
+            for b in w + ([4] if split == "row" else []):
+                add(b, "forward")
+            for b in ([4] if split == "column" else []) + w + [4]:
+                add(b, "backward")   # input gradient: g (column), W; weight gradient: g (column) or x (row)
+        elif split == "row":
+            add(4 * m_rows, "forward", per_row)
+            add(4 * n_out, "forward")
+        else:
+            add(4 * m_rows, "backward", per_row)
+            add(4 * k_in, "backward")
     return out
+
+
+def _expert_amax_collectives(nd: Node, recipe: str, rows: int, h: int, degrees: Mapping[str, int]
+                             ) -> list[tuple[str, str, int, str, int]]:
+    """:func:`amax_collectives` of routed experts op ``nd`` (``rows``: the A routed rows a rank
+    sends, ``h`` wide): w1 [w3] column-, w2 row-parallel over expert_tp, per local expert."""
+    etp = degrees.get("expert_tp", 1)
+    if etp <= 1:
+        return []
+    w = next(pr for pr in nd.params if pr.name.endswith("w1.weight"))
+    local = w.sharding.local_type(w.type, degrees).dims[0].size
+    ffn = nd.op.attr_map["ffn"]
+    q, r = divmod(etp * rows, local)
+    groups = [q + 1] * r + [q] * (local - r)
+    ups = 2 if nd.op.attr_map["activation"] in GATED_ACTIVATIONS else 1
+    out = []
+    for _ in range(ups):
+        out += _linear_amax(recipe, "column", "expert_tp", groups, ffn, h, 1, 4)
+    return out + _linear_amax(recipe, "row", "expert_tp", groups, h, ffn, 1, 4)
 
 
 def _tp_redistribute(graph: Graph, name: str, op: str) -> Node | None:

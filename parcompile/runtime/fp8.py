@@ -81,17 +81,19 @@ _E4M3_EMAX = 8            # floor(log2(448)): the largest power of two in E4M3's
 _E8M0_MIN, _E8M0_MAX = -127, 127   # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
 
 
-def _max_over(t: torch.Tensor, axis: Axis | None) -> torch.Tensor:
+def _max_over(t: torch.Tensor, axis: Axis | None, rows: int | None = None) -> torch.Tensor:
     """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is),
     counted as the plan lists it (``where`` ``fp8_amax_tp``:
-    :func:`parcompile.analysis.fp8.amax_collectives`)."""
+    :func:`parcompile.analysis.fp8.amax_collectives`); ``rows``: the routed rows its size
+    follows (a routed expert group's per-row amaxes: the plan's ``bytes_per_row``), None when
+    its size is fixed."""
     if axis is not None and axis.size > 1 and axis.group is not None:
-        COUNTER.record("all_reduce", axis.name, nbytes(t))
+        COUNTER.record("all_reduce", axis.name, nbytes(t), rows)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
     return t
 
 
-def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None = None
+def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None = None, routed: bool = False
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (2-d) in E4M3 and its inverse scale (what ``torch._scaled_mm`` multiplies by).
 
@@ -100,6 +102,8 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
     keepdim, so ``(M, 1)`` or ``(1, N)``), rounded down to a power of two. ``axis``: the
     amaxes are all-reduced (max) over it first (a tensor split over tp, module docstring).
     The scaled values are clamped to +-448 (saturating, as torchao's ``to_fp8_saturated``).
+    ``routed``: ``t``'s rows are a routed expert group (the router sets their number): a
+    per-row all-reduce is counted with its rows (:func:`_max_over`).
 
     Raises:
         ValueError: an unknown recipe.
@@ -108,7 +112,8 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
         raise ValueError(f"cast() takes tensorwise or rowwise, not {recipe!r} (mxfp8: mx_cast)")
     a = t.detach().abs().float()
     amax = a.amax() if recipe == "tensorwise" else a.amax(dim=dim, keepdim=True)
-    amax = _max_over(amax.clone(), axis)
+    per_row = routed and recipe == "rowwise" and dim in (-1, t.dim() - 1)
+    amax = _max_over(amax.clone(), axis, t.shape[0] if per_row else None)
     return cast_with_amax(t, amax, recipe)
 
 
@@ -263,8 +268,9 @@ class _Fp8Linear(torch.autograd.Function):
     gradient is filed with the zero-bubble ``STORE`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str, defer: bool = False):
-        ctx.recipe, ctx.tp, ctx.split, ctx.defer = recipe, tp, split, defer
+    def forward(ctx, x, weight, recipe: str, tp: Axis | None, split: str, defer: bool = False,
+                routed: bool = False):
+        ctx.recipe, ctx.tp, ctx.split, ctx.defer, ctx.routed = recipe, tp, split, defer, routed
         ctx.save_for_backward(x, weight)
         # the parameter itself (runtime/wgrad.py _DeferredLinear: under saved-tensor hooks
         # saved_tensors hands back another object; the deferred gradient must reach the parameter)
@@ -277,7 +283,7 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         row = tp if split == "row" else None
         # forward reduction dim K: x's rows (M, 1), W's rows (N, 1) -> as the right operand (1, N)
-        x8, sx = cast(x2, recipe, -1, row)
+        x8, sx = cast(x2, recipe, -1, row, routed)
         w8, sw = _weight_cast(weight, recipe, -1, tp if recipe == "tensorwise" else row)
         y = _mm(x8, sx, w8.t(), sw.t() if sw.dim() else sw, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -295,13 +301,13 @@ class _Fp8Linear(torch.autograd.Function):
                 STORE.file(_mx_weight_grad(ctx.weight, g2, x2), ctx.weight)
             elif ctx.needs_input_grad[1]:
                 gw = mx_mm(g2.t(), x2.t(), weight.dtype)
-            return gx, gw, None, None, None, None
+            return gx, gw, None, None, None, None, None
         col = tp if split == "column" else None
         tw = recipe == "tensorwise"
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # g W: (M, N) @ (N, K), reduction N (split over tp in a column-parallel layer)
-            g8, sg = cast(g2, recipe, -1, col)
+            g8, sg = cast(g2, recipe, -1, col, ctx.routed)
             w8, sw = ctx.gathered or _weight_cast(weight, recipe, 0, tp if tw else col)
             grad_x = _mm(g8, sg, w8, sw, grad_out.dtype).view(*x.shape)
         if ctx.needs_input_grad[1]:
@@ -312,7 +318,7 @@ class _Fp8Linear(torch.autograd.Function):
                 STORE.file(_weight_grad(ctx.weight, gt8, sgt, x8, sx), ctx.weight)
             else:
                 grad_w = _mm(gt8.t(), sgt.t() if sgt.dim() else sgt, x8, sx, weight.dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _weight_grad(weight: torch.Tensor, gt8: torch.Tensor, sgt: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor):
@@ -333,7 +339,8 @@ def _mx_weight_grad(weight: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-               tp: Axis | None = None, split: str = "column", deferrable: bool = True) -> torch.Tensor:
+               tp: Axis | None = None, split: str = "column", deferrable: bool = True, routed: bool = False
+               ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (module docstring): ``x`` (..., K),
     ``weight`` (N, K) -> (..., N) in ``x``'s dtype; the bias added in that dtype. ``tp`` and
     ``split`` (``"column"``, ``"row"``, ``"replicated"``): which tensors the tp axis splits,
@@ -342,7 +349,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (runtime/wgrad.py ``STORE.enabled``) the weight gradient is deferred to the W step, from
     the FP8 operands (module docstring), as :func:`parcompile.runtime.wgrad.linear` defers a
     16-bit one; False keeps it in the backward (the routed experts', which are not deferred
-    in 16 bits either).
+    in 16 bits either). ``routed``: ``x``'s rows are a routed expert group (their per-row
+    amax all-reduces are counted with their rows, the plan's routed ``fp8_amax_tp`` entries).
 
     Raises:
         ValueError: an unknown recipe or split.
@@ -352,7 +360,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if split not in ("column", "row", "replicated"):
         raise ValueError(f"split must be column, row or replicated, not {split!r}")
     defer = deferrable and STORE.enabled and torch.is_grad_enabled()
-    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split, defer)
+    y = _Fp8Linear.apply(x, weight, recipe, tp if split != "replicated" else None, split, defer, routed)
     return y + bias if bias is not None else y
 
 

@@ -277,12 +277,15 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (``torchao/prototype/moe_training/fp8_grouped_mm.py``, ``_Float8GroupedMM`` at pytorch/ao
     36027d82: A rowwise, B_t per expert and output column, ``grad_B`` from per-group
     column-wise scales of the output gradient and A, ``round_scales_to_power_of_2=True``,
-    E4M3 everywhere). ``axis`` and ``split``: expert_tp and how it splits the matrix
+    E4M3 everywhere); ``mxfp8`` 32-element blocks along each GEMM's reduction dimension, the
+    weight gradient's along the group's rows (zero-padded to whole blocks), as Transformer
+    Engine's ``GroupedLinear`` under ``MXFP8BlockScaling`` (local scales: nothing all-reduced).
+    ``axis`` and ``split``: expert_tp and how it splits the matrix
     (``"column"``: w1, w3; ``"row"``: w2), whose amaxes are all-reduced over it. The weight
     gradient is never deferred (a zero-bubble step defers the dense layers' only, as in 16
     bits). The router stays 16-bit/fp32 (not an expert GEMM)."""
     if fp8:
-        return fp8_linear(x, weight, bias, fp8, axis, split, deferrable=False)
+        return fp8_linear(x, weight, bias, fp8, axis, split, deferrable=False, routed=True)
     return F.linear(x, weight, bias)
 
 

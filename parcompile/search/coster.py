@@ -22,7 +22,7 @@ from parcompile.passes.insert_collectives import step_entries
 from parcompile.passes.split_pipeline_stages import candidate_splits
 from parcompile.search.bounds import Floors, first_rank_layers, step_degrees
 from parcompile.search.candidate import Candidate
-from parcompile.search.probe import (Probe, build_probe, compose, compose_params, dense_counts, leading_dense_layers,
+from parcompile.search.probe import (Probe, build_probe, compose, compose_params, dense_counts, leading_layers,
                                      probe_parallel, quad_times, stage_bufs)
 from parcompile.search.space import RowLayout, with_parallel
 
@@ -65,8 +65,9 @@ class Coster(Floors):
         self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
         self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
-        #: the model's leading dense layers before MoE ones (:func:`leading_dense_layers`), probed apart
-        self.dense = leading_dense_layers(cfg)
+        #: the model's leading layers probed apart: dense ones before MoE ones, or those FP8
+        #: training keeps in 16 bits (:func:`leading_layers`)
+        self.dense = leading_layers(cfg)
 
     def probe(self, par: ParallelConfig | RowLayout) -> Probe:
         return self.probe_of((par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp))

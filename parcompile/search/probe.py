@@ -10,6 +10,7 @@ from parcompile.analysis.buckets import GradUnit
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import ChunkTimes
+from parcompile.analysis.fp8 import GraphFp8, bf16_layers, graph_fp8
 from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import SavedBytes, buffer_bytes, merge_buffers, saved_bytes
 from parcompile.analysis.params import StageParams, stage_params
@@ -45,7 +46,7 @@ class Probe:
     dense_probe: "Probe | None" = None
 
     def __init__(self, cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int,
-                 dense: bool = False):
+                 dense: bool = False, bf16: bool = False):
         pcfg = self.pcfg = probe_config(cfg, tp, cp, sp, mb, ep, expert_tp, dense)
         ctx = PassContext.of(pcfg)
         try:
@@ -55,6 +56,7 @@ class Probe:
                 "error", f"mixture-of-experts models (experts = {cfg.model.experts}) cannot be searched yet",
                 cfg.span("model.experts"), help="set experts = 0 for a dense model",
                 note="MoE layers are not lowered yet (issue 8)")]) from None
+        g.fp8 = probe_fp8(cfg, bf16)
         for p in PASSES:
             if p.name == "schedule-pipeline":
                 break
@@ -141,6 +143,50 @@ def probe_config(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, 
     return cfg.model_copy(update={"model": model, "parallel": par})
 
 
+def probe_fp8(cfg: SpecConfig, bf16: bool = False) -> GraphFp8 | None:
+    """``Graph.fp8`` of a probe of ``cfg`` (the compiler's rule, :func:`parcompile.analysis.fp8.
+    graph_fp8`, on the probe's three layers): its layers' GEMMs in FP8, or (``bf16``: the
+    probe of the layers ``cfg`` keeps in 16 bits, :func:`leading_layers`) in 16 bits. Not
+    FP8-gathered: the probe serves every ZeRO level (the gathered weights' amaxes are not
+    timed per micro-batch). None without FP8."""
+    marks = graph_fp8(cfg)
+    if marks is None:
+        return None
+    return GraphFp8(marks.recipe, frozenset(range(3)) if bf16 else frozenset())
+
+
+def leading_layers(cfg: SpecConfig) -> int:
+    """How many leading layers of ``cfg``'s model the search probes apart
+    (:attr:`Probe.dense_probe`, :func:`compose`): an MoE model's leading dense layers
+    (:func:`leading_dense_layers`), or the layers FP8 training keeps in 16 bits at the start
+    (``train.fp8_bf16_layers_start``, :func:`parcompile.analysis.fp8.bf16_layers`).
+
+    Raises:
+        SpecError: 16-bit layers at the end (``fp8_bf16_layers_end``), or at the start of an
+            MoE model with leading dense layers: the probes compose one kind of leading layer
+            only.
+    """
+    dense, kept = leading_dense_layers(cfg), bf16_layers(cfg)
+    if not kept:
+        return dense
+    t, n = cfg.train, cfg.model.layers
+    start = len([i for i in kept if i < t.fp8_bf16_layers_start])
+    if len(kept) >= n:
+        return 0   # every layer in 16 bits: probed so (build_probe)
+    if len(kept) != start or dense:
+        key = "fp8_bf16_layers_end" if len(kept) != start else "fp8_bf16_layers_start"
+        raise SpecError([Diagnostic(
+            "error", f"the search cannot cost `{key}` here: it composes a layout from one probe of the "
+                     "leading layers and one of the rest" + (", and this model's leading layers are dense "
+                                                            "ones before MoE" if dense else ""),
+            cfg.span(f"train.{key}"),
+            help="search (or fill `auto` layout keys) without it, then set it in the spec with every layout "
+                 "degree given: `parcompile compile` plans it exactly; or keep the first layers in 16 bits with "
+                 "`fp8_bf16_layers_start`" + (" in a model without dense_layers" if dense else ""),
+            note="issue 32: Megatron-LM --first-last-layers-bf16")])
+    return start
+
+
 def probe_parallel(tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int, **more: Any) -> ParallelConfig:
     """A probe's layout (module docstring): one data-parallel rank, three pipeline ranks,
     one micro-batch of ``mb`` per step, the given degrees; ``more``: other fields (the
@@ -158,12 +204,17 @@ def leading_dense_layers(cfg: SpecConfig) -> int:
 
 def build_probe(cfg: SpecConfig, tp: int, cp: int, sp: bool, mb: int, ep: int, expert_tp: int) -> Probe:
     """The probe of ``cfg`` at these degrees; for a model of dense then MoE layers
-    (:func:`leading_dense_layers`), with its :attr:`Probe.dense_probe`; a model whose every layer
+    (:func:`leading_dense_layers`), or of 16-bit then FP8 layers (:func:`leading_layers`),
+    with its :attr:`Probe.dense_probe`; a model whose every layer
     is dense (``dense_layers >= layers``) is probed with dense layers."""
     m = cfg.model
-    pr = Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=m.experts > 0 and m.dense_layers >= m.layers)
+    dense = m.experts > 0 and m.dense_layers >= m.layers
+    every = len(bf16_layers(cfg)) >= m.layers   # every layer kept in 16 bits
+    pr = Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=dense, bf16=every)
     if leading_dense_layers(cfg):
         pr.dense_probe = Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=True)
+    elif leading_layers(cfg):   # the first layers in 16 bits, probed apart as leading dense layers are
+        pr.dense_probe = Probe(cfg, tp, cp, sp, mb, ep, expert_tp, dense=dense, bf16=True)
     return pr
 
 
