@@ -465,8 +465,11 @@ def _key(e: dict) -> tuple:
 
 
 def _counts() -> Counter:
-    return Counter({_key({"op": op, "axis": ax, "bytes": b, "rows": r}): n
-                    for (op, ax, b, r), n in rt.COUNTER.counts.items()})
+    """The counter's calls by :func:`_key`, summed (routed calls of different sizes share a key)."""
+    out: Counter = Counter()
+    for (op, ax, b, r), n in rt.COUNTER.counts.items():
+        out[_key({"op": op, "axis": ax, "bytes": b, "rows": r})] += n
+    return out
 
 
 def measured_per_layer(module, plan: dict, cfg) -> dict[int, dict[str, Counter]]:
@@ -541,11 +544,12 @@ def planned_per_layer(plan: dict, compiled=None) -> dict[int, dict[str, Counter]
         from parcompile.analysis.fp8 import amax_collectives
         again = compiled.config.parallel.recompute == "full"
         for nd in compiled.graph.nodes():
-            for op, axis, nbytes, phase in amax_collectives(compiled.graph, nd, compiled.degrees):
+            for op, axis, nbytes, phase, per_row in amax_collectives(compiled.graph, nd, compiled.degrees):
+                key = (op, axis, None if per_row else nbytes)   # a routed group's rows: the router decides
                 rec = out.setdefault(nd.op.layer, {"forward": Counter(), "backward": Counter()})
-                rec[phase][(op, axis, nbytes)] += 1
+                rec[phase][key] += 1
                 if again and phase == "forward":
-                    rec["backward"][(op, axis, nbytes)] += 1
+                    rec["backward"][key] += 1
     return out
 
 

@@ -111,10 +111,23 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
     if recipe not in ("tensorwise", "rowwise"):
         raise ValueError(f"cast() takes tensorwise or rowwise, not {recipe!r} (mxfp8: mx_cast)")
     a = t.detach().abs().float()
-    amax = a.amax() if recipe == "tensorwise" else a.amax(dim=dim, keepdim=True)
+    amax = _amax(a, None if recipe == "tensorwise" else dim)
     per_row = routed and recipe == "rowwise" and dim in (-1, t.dim() - 1)
     amax = _max_over(amax.clone(), axis, t.shape[0] if per_row else None)
     return cast_with_amax(t, amax, recipe)
+
+
+def _amax(a: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``a``'s amax over everything (``dim`` None: a scalar) or along ``dim`` (keepdim); 0 where
+    the reduction is over no element (an expert's empty group of routed rows, which still runs:
+    runtime/moe.py GroupedExperts, so its amax all-reduces are the plan's)."""
+    if dim is None:
+        return a.amax() if a.numel() else a.new_zeros(())
+    if a.shape[dim] == 0:
+        shape = list(a.shape)
+        shape[dim] = 1
+        return a.new_zeros(shape)
+    return a.amax(dim=dim, keepdim=True)
 
 
 def cast_with_amax(t: torch.Tensor, amax: torch.Tensor, recipe: str = "tensorwise"
