@@ -364,14 +364,6 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
                 if p.name not in st["seen"]:
                     st["seen"].add(p.name)
                     st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
-        if nd.kind in ("moe_dispatch", "moe_combine") and degrees.get("ep", 1) == 1:
-            # served tensor parallel (runtime/moe.py TensorParallelMoE): the tokens are routed
-            # alike on every tp rank (no dispatch) and the layer's partial sums all-reduced once
-            # over tp, with the shared experts' where there are some (the graph's all-reduce
-            # after them), else here
-            if nd.kind == "moe_combine" and not m.shared_experts and degrees.get("tp", 1) > 1:
-                st["colls"].append(("all_reduce", "tp", local.nbytes))
-            continue
         for c in op_collectives(nd, degrees, ins, local):
             if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
                 out[c.stage if c.stage is not None else (nd.stage or 0)]["colls"].append((c.op, c.axis, c.bytes))

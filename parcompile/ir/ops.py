@@ -766,8 +766,15 @@ def moe_collectives(kind: str, a: Mapping[str, Any], degrees: Mapping[str, int],
     Backward mirrors them: combine: all-to-all (R), all-gather over expert_tp (sum of R);
     dispatch: reduce-scatter over expert_tp (R), all-to-all (A, exact). No count exchange
     runs in backward (the forward's splits are reused).
+
+
+    Serving with ``ep = 1`` (``ffn_axis = "tp"``, set by ``shard-experts``): every rank holds
+    every expert and the tokens of the whole tp group, so neither runs a collective; the
+    combine's partial sums over tp are all-reduced by the conversion after them.
     """
     ep, etp = degrees.get("ep", 1), degrees.get("expert_tp", 1)
+    if a.get("ffn_axis") == "tp":   # experts split over tp, the tokens replicated there: nothing moves
+        return []
     row = routed.dims[-1].size * routed.itemsize
     nb = routed.nbytes
     E = a["experts"]
