@@ -94,10 +94,12 @@ class ShardExperts:
     def _mark_dispatch(graph: Graph, experts: str, ctx: PassContext) -> None:
         """The dispatch feeding the experts op ``experts`` gets ``local_experts``: the experts
         each ep rank holds (the local size of the stacked weights' ``experts`` dim), the
-        rows' destination rule the program's dispatch follows."""
+        rows' destination rule the program's dispatch follows; the experts op gets
+        ``local_ffn``, the inner units of each expert one rank holds (its serving scratch)."""
         p = next(p for p in graph.node(experts).params if p.expert)
         local = p.sharding.local_type(p.type, ctx.degrees)
         held = next(d.size for d in local.dims if d.name == "experts")
+        graph.set_attrs(experts, local_ffn=next(d.size for d in local.dims if d.name == "expert_ffn"))
         for src in graph.inputs(experts):
             if graph.node(src).kind == "moe_dispatch":
                 graph.set_attrs(src, local_experts=held)
