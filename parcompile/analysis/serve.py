@@ -535,9 +535,7 @@ def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) 
         t = par.tp * tp2
         if t > _MAX_TP_HINT or (m.heads % t):
             break
-        more = {**degrees, "tp": t}
-        if degrees.get("ep", 1) == 1 and m.experts:   # served tensor parallel: each expert split over tp
-            more["expert_tp"] = t
+        more = {**degrees, "tp": t}   # (experts served with ep = 1 are split over tp in the graph)
         try:
             work = serve_workspace(cfg, graph, more, *step)[worst.stage].total
         except ShardingError:       # a dim the graph splits over tp does not divide by t
