@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MoE router (runtime/moe.py: route, Router, dispatch, GroupedExperts, combine, TensorParallelMoE):
+"""DeepSeek-V3's MoE router (runtime/moe.py: route, Router, dispatch, GroupedExperts, combine):
 sigmoid scores, the group-limited top-k on scores + ``e_score_correction_bias``, weights
 from the uncorrected scores, ``norm_topk_prob`` (+1e-20), ``routed_scaling_factor``.
 
@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from parcompile.runtime.context import Axis
-from parcompile.runtime.moe import (ExpertAxes, GroupedExperts, Router, TensorParallelMoE, combine, dispatch,
-                                    load_balancing_loss, route)
+from parcompile import runtime as rt
+from parcompile.runtime.moe import (ExpertAxes, GroupedExperts, Router, combine, dispatch, load_balancing_loss,
+                                    route)
 from tests.test_checks import diags, one, spec, where
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
@@ -75,9 +76,9 @@ def _copy_from_hf(ours: torch.nn.Module, hf, shared: bool = False) -> None:
             ps[f"experts.{e}.w3"].copy_(gate_up[F:])
             ps[f"experts.{e}.w2"].copy_(down)
         if shared:
-            ps["shared.w1"].copy_(sd["shared_experts.gate_proj.weight"])
-            ps["shared.w3"].copy_(sd["shared_experts.up_proj.weight"])
-            ps["shared.w2"].copy_(sd["shared_experts.down_proj.weight"])
+            ps["shared.w1.weight"].copy_(sd["shared_experts.gate_proj.weight"])
+            ps["shared.w3.weight"].copy_(sd["shared_experts.up_proj.weight"])
+            ps["shared.w2.weight"].copy_(sd["shared_experts.down_proj.weight"])
 
 
 class _RoutedExperts(torch.nn.Module):
@@ -205,12 +206,35 @@ def test_moe_layer_equals_transformers(case):
     hf.zero_grad()
 
 
-def test_tensor_parallel_moe_equals_deepseek_v3_moe(case):
-    """The serve program's TensorParallelMoE (tp = 1), with the shared expert, = transformers'
+class _ServedMoE(torch.nn.Module):
+    """The serve program's MoE module with ep = 1 (tp = 1 here), as codegen writes it from
+    the serving graph: router, local dispatch, the grouped experts on every rank
+    (``ExpertAxes.tensor_parallel``), combine, the shared experts' row-parallel w2 left
+    unreduced and added, one all-reduce over tp of the sum."""
+
+    def __init__(self, name: str, **router_kw):
+        super().__init__()
+        tp = self.tp = _one("tp")
+        self.router = Router(f"{name}.router", H, E, K, tp, 0, **router_kw)
+        self.experts = GroupedExperts(f"{name}.experts", E, H, F, "swiglu", ExpertAxes.tensor_parallel(tp), 0, 0.02,
+                                      local=(E, F, H))
+        self.shared = torch.nn.Module()
+        self.shared.w1 = rt.ColumnParallelLinear(f"{name}.shared.w1", H, F, False, tp, 0)
+        self.shared.w3 = rt.ColumnParallelLinear(f"{name}.shared.w3", H, F, False, tp, 0)
+        self.shared.w2 = rt.RowParallelLinear(f"{name}.shared.w2", F, H, False, tp, 0, reduce=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = self.router(x)
+        y = combine(self.experts(dispatch(x, route, local_experts=E)), route)
+        shared = self.shared.w2(rt.swiglu(self.shared.w1(x), self.shared.w3(x)))
+        return rt.reduce_from_tp(y + shared, self.tp)
+
+
+def test_served_moe_equals_deepseek_v3_moe(case):
+    """The serve program's MoE module (ep = 1, tp = 1), with the shared expert, = transformers'
     whole DeepseekV3MoE."""
     hf, x = case["hf"], case["x"]
-    ours = TensorParallelMoE("layers.1.mlp", H, E, K, F, "swiglu", _one("tp"), 0, shared_ffn=F,
-                             **_router_kw(case["norm"])).eval()
+    ours = _ServedMoE("layers.1.mlp", **_router_kw(case["norm"])).eval()
     _copy_from_hf(ours, hf, shared=True)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x), rtol=0, atol=1e-5)
@@ -416,14 +440,16 @@ def test_training_program_holds_the_router_of_the_keys(tmp_path):
 
 
 def test_serve_program_arguments_and_run(tmp_path):
-    """serve.py builds TensorParallelMoE with the router's arguments and generates; its
-    parameters are the plan's (the correction bias is a buffer, in neither)."""
+    """serve.py builds the Router with the router's arguments, runs the routed experts op by op
+    (dispatch, GroupedExperts, combine) and generates; its parameters are the plan's (the
+    correction bias is a buffer, in neither)."""
     from tests.serve_utils import build_serve, run_in_process, serve_config
 
     cfg = serve_config(model=ROUTER, serve=dict(max_new_tokens=3))
     plan = build_serve(cfg, tmp_path)
     text = (tmp_path / "serve.py").read_text()
-    assert ARGS in " ".join(text.split()) and "rt.TensorParallelMoE(" in text   # (the call may wrap)
+    assert ARGS in " ".join(text.split()) and "rt.Router(" in text   # (the call may wrap)
+    assert "rt.dispatch(" in text and "rt.GroupedExperts(" in text and "rt.combine(" in text
     rec = run_in_process(tmp_path, ["--prompt-ids", "1,2,3,4"])
     assert rec["params"] == plan["stages"][0]["params_per_rank"]
 

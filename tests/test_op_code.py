@@ -675,3 +675,23 @@ def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
     names = {n for f in files for n in re.findall(r"\brt\.([A-Za-z_]\w*)", f.read_text())}
     assert {"softcap", "attention", "ColumnParallelLinear", "latent_attention"} <= names
     assert sorted(n for n in names if not hasattr(rt, n)) == []
+
+
+def test_row_parallel_without_reduction_leaves_a_partial_sum_with_the_bias_once():
+    """reduce=None under tp > 1 (a served MoE layer's shared experts, reduced after the
+    add): no collective, each rank's partial sum, the bias on tp rank 0 only, so the sum
+    over the ranks is the whole layer's output."""
+    torch.manual_seed(0)
+    whole = rt.RowParallelLinear("w", 8, 6, True, ONE, 0)
+    torch.nn.init.normal_(whole.bias)
+    x = torch.randn(1, 3, 8)
+    parts = []
+    for r in range(2):
+        tp = rt.Axis("tp", [0, 1], r)   # no process group: a collective here would fail
+        row = rt.RowParallelLinear("w", 8, 6, True, tp, 0, reduce=None, local=(6, 4))
+        with torch.no_grad():
+            row.weight.copy_(whole.weight[:, 4 * r:4 * r + 4])
+            row.bias.copy_(whole.bias)
+        parts.append(row(x[..., 4 * r:4 * r + 4]))
+    assert not torch.allclose(parts[1], parts[0])
+    torch.testing.assert_close(parts[0] + parts[1], whole(x))

@@ -1,5 +1,6 @@
-"""Serving mixture-of-experts models (issue 18): the serve program's MoE layer
-(runtime/moe.py: TensorParallelMoE, vLLM's tensor-parallel experts) and the plan's MoE
+"""Serving mixture-of-experts models (issue 18): the serve program's MoE layer (vLLM's
+tensor-parallel experts, written op by op from the serving graph: runtime/moe.py Router,
+dispatch, GroupedExperts, combine; one all-reduce of the partial sums) and the plan's MoE
 serving figures.
 
 A tiny Qwen3-MoE (a dense first layer through ``mlp_only_layers = [0]``, ``norm_topk_prob``
@@ -25,7 +26,9 @@ import pytest
 import torch
 
 import parcompile
+from parcompile.codegen.emit import render_serve
 from parcompile.diagnostics import SpecError
+from parcompile.driver import compile_config
 from tests.serve_utils import (build_serve, measured_collectives, planned_collectives, records, replica_tokens,
                                run_in_process, run_torchrun, serve_config)
 
@@ -297,6 +300,38 @@ def test_expert_parallel_serving_splits_the_experts_inside_the_tp_group():
     assert d["degrees"]["ep"] == 2 and d["degrees"]["expert_tp"] == 4
     # the same experts' bytes per rank (128/2 experts at 768/4 units vs 128 at 768/8), the same router
     assert d["stages"][0]["params_per_rank"] == whole["stages"][0]["params_per_rank"]
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_ep1_serving_graph_is_what_the_program_runs(shared):
+    """Serving with ep = 1 under tp 2: the router replicated, a dispatch and a combine that
+    move nothing, the experts' ffn split over tp with partial outputs, the shared experts'
+    w2 unreduced and added, and one all-reduce over tp in the layer's MLP, after the sum;
+    the serve program calls the same runtime functions, with the experts on every tp rank."""
+    from parcompile.ir.ops import op_collectives
+    from parcompile.passes.manager import compile_graph
+
+    model = dict(experts=4, top_k=2, expert_ffn_hidden=32, dense_layers=1, shared_experts=shared)
+    cfg = serve_config(tp=2, model=model)
+    c = compile_graph(cfg)
+    g, deg = c.graph, c.ctx.degrees
+    assert g.node("layers.1.mlp.router").sharding.partial == frozenset()
+    for n in ("layers.1.mlp.dispatch", "layers.1.mlp.combine"):
+        nd = g.node(n)
+        assert nd.op.attr("ffn_axis") == "tp"
+        assert op_collectives(nd, deg, [t for t in g.input_types(n)], nd.type) == []
+    assert "tp" in g.node("layers.1.mlp.combine").sharding.partial
+    w1 = next(p for p in g.node("layers.1.mlp.experts").params if p.name.endswith("w1.weight"))
+    assert w1.sharding.local_type(w1.type, deg).dim("expert_ffn").size == 16
+    reduces = [nd for nd in g.nodes() if nd.op.module.startswith("layers.1.mlp") and nd.kind == "redistribute"
+               and any(k == "all_reduce" for k, _ in nd.op.attr("fwd"))]
+    assert len(reduces) == 1
+    [src] = g.inputs(reduces[0].name)
+    assert src == ("layers.1.mlp.shared_add" if shared else "layers.1.mlp.combine")
+    text = render_serve(cfg, compile_config(cfg), None)
+    assert "rt.ExpertAxes.tensor_parallel(tp)" in text and "rt.dispatch(x, route, local_experts=4)" in text
+    assert "rt.reduce_from_tp(" in text
+    assert ("reduce=None" in text) is bool(shared)   # the shared experts' w2 left unreduced
 
 
 @pytest.mark.parametrize("extra, key, message", [

@@ -81,9 +81,12 @@ expert's inner width ``f_x`` split over tp, the router replicated):
 * time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
   the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
   case (vLLM's fused MoE kernel reads only the experts that received tokens);
+* the graph says so (``shard-experts``): the router replicated, a local dispatch, the
+  experts' and the combine's partial sums over tp, the shared experts' added, one
+  all-reduce over tp after the sum; costed from its nodes like any layer;
 * workspace of a MoE layer: the same walk; the program's experts run one at a time on the
-  rows that chose them (at most every token of the step: the bound holds any routing),
-  beside the routing state and the two partial sums (:func:`serve_workspace`).
+  rows that chose them (at most every token of the step: the bound holds any routing;
+  the op table's scratch of the dispatch, the experts and the combine, ir/scratch.py).
 
 Collectives are timed by the network model (algorithm and link where the group sits,
 :func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
@@ -101,11 +104,11 @@ from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
-from parcompile.core.model import GATED_ACTIVATIONS, STEP_PLAN_BYTES
+from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import INDEX_BYTES, op_collectives, spec
+from parcompile.ir.ops import op_collectives, spec
 from parcompile.ir.types import Dim, ShardingError, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
@@ -364,14 +367,6 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
                 if p.name not in st["seen"]:
                     st["seen"].add(p.name)
                     st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
-        if nd.kind in ("moe_dispatch", "moe_combine") and degrees.get("ep", 1) == 1:
-            # served tensor parallel (runtime/moe.py TensorParallelMoE): the tokens are routed
-            # alike on every tp rank (no dispatch) and the layer's partial sums all-reduced once
-            # over tp, with the shared experts' where there are some (the graph's all-reduce
-            # after them), else here
-            if nd.kind == "moe_combine" and not m.shared_experts and degrees.get("tp", 1) > 1:
-                st["colls"].append(("all_reduce", "tp", local.nbytes))
-            continue
         for c in op_collectives(nd, degrees, ins, local):
             if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
                 out[c.stage if c.stage is not None else (nd.stage or 0)]["colls"].append((c.op, c.axis, c.bytes))
@@ -540,9 +535,7 @@ def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) 
         t = par.tp * tp2
         if t > _MAX_TP_HINT or (m.heads % t):
             break
-        more = {**degrees, "tp": t}
-        if degrees.get("ep", 1) == 1 and m.experts:   # served tensor parallel: each expert split over tp
-            more["expert_tp"] = t
+        more = {**degrees, "tp": t}   # (experts served with ep = 1 are split over tp in the graph)
         try:
             work = serve_workspace(cfg, graph, more, *step)[worst.stage].total
         except ShardingError:       # a dim the graph splits over tp does not divide by t
@@ -605,12 +598,13 @@ class Workspace:
 
 #: op kinds whose operand, when they are its only reader, the serve program passes as a
 #: temporary of one expression or rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``,
-#: ``y = mla_value_up(y, ...)``): it dies with them. Any other reader (a linear layer, the
-#: attention core, the MoE ops) runs inside a module's ``forward`` that holds its operands,
-#: as arguments or local variables, until it returns (:func:`_live_bytes`)
+#: ``y = mla_value_up(y, ...)``, ``rows = self.experts(rows)``): it dies with them. Any other
+#: reader (a linear layer, the attention core, the MoE dispatch and combine) runs inside a
+#: module's ``forward`` that holds its operands, as arguments or local variables, until it
+#: returns (:func:`_live_bytes`)
 EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
                               "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up",
-                              "redistribute"})
+                              "redistribute", "experts"})
 
 
 def prefill_step(cfg) -> tuple[int, int, int]:
@@ -648,16 +642,6 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     workspace is the largest sum, the stage's the largest over its layers (each layer kind
     its own: dense and MoE layers, sliding-window and global ones).
 
-    MoE served tensor parallel (``ep = 1``; runtime/moe.py ``TensorParallelMoE``) holds no
-    dispatched (token, choice) rows: the dispatch is the routing state (``order``, token
-    ids and weights per (token, choice): ``8 + 8 + 4`` bytes) and the two (N, h) partial
-    sums, the experts add into them one expert at a time, whose rows are at most the N
-    tokens of the step (an expert receives each token once: the workspace holds any
-    routing): its rows' input, the gated or plain inner activations (``3|2`` x f_x/tp)
-    and the row ids as scratch, and as the experts' output the previous expert's weighted
-    rows (at most N x h, kept by the loop until the layer returns). With ``ep > 1`` the
-    graph's dispatch is what the program runs.
-
     The head (last stage): the last layer's output and :func:`logits_bytes`; the received
     hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
 
@@ -669,7 +653,6 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
     one_kv = kv_heads_replicated(m.kv_heads, tp) and not m.kv_lora_rank
     kv1 = _one_kv_head if one_kv else (lambda t: t)
-    tp_moe = m.experts > 0 and degrees.get("ep", 1) == 1
     pp = cfg.parallel.pp
     max_len = cfg.serve.prompt_len + cfg.serve.max_new_tokens   # the one-shot cache's length
 
@@ -688,19 +671,6 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
             window = a.get("window") or 0
             a = {**a, "seq_len": context,
                  "kv_copy": context > tokens or 0 < window < max_len or cache_dtype(cfg) != m.dtype}
-        if tp_moe and nd.kind in ("moe_dispatch", "experts", "moe_combine"):
-            if nd.kind == "moe_dispatch":   # the routing state and the partial sums `out`, `whole`
-                x = ins[0]
-                n = x.numel // x.dims[-1].size
-                return n * m.top_k * (2 * INDEX_BYTES + 4) + 2 * x.nbytes, 0
-            if nd.kind == "experts":        # the last expert's rows `y`, beside the next expert's
-                h = ins[0].dims[-1].size
-                n = ins[0].numel // (h * m.top_k)
-                f = a["ffn"] // degrees.get("expert_tp", 1)
-                mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
-                last_rows = n * h * ins[0].itemsize
-                return last_rows, n * (INDEX_BYTES + (h + mats * f) * ins[0].itemsize)
-            return 0, 0                     # the combine: the sums `out` (the dispatch's)
         return local.nbytes, spec(nd.kind).scratch(a, ins, local)
 
     layers: dict[int, list] = {}

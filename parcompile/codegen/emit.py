@@ -31,7 +31,6 @@ from parcompile.codegen.classes import serve_classes, train_classes
 from parcompile.codegen.stage import (constant_lines, norm_definition, serve_constants, serve_positions, stage_code, train_constants,
                                       train_positions)
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
-from parcompile.ir.code import experts_keywords, router_keywords
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
@@ -49,7 +48,7 @@ _env = jinja2.Environment(
 
 # What the plan models but the generated program does not run yet: (config key, test,
 # what the program does instead, the issue that brings it, refused). Serving runs the routed
-# experts since issue 18 (runtime/moe.py: TensorParallelMoE). A refused gap is an error for
+# experts since issue 18 (runtime/moe.py: Router, dispatch, GroupedExperts, combine). A refused gap is an error for
 # `compile` too: no program is written (a program that silently trained in 16 bits would be
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
@@ -300,8 +299,10 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     subs = {"shared": Submodule("shared", "SharedMLP(i, tp)")} if layer.op("mlp.shared.w1") is not None else {}
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
+    # every expert on every tp rank (serving with ep = 1: the experts op's ffn_axis): no expert axes
+    whole = layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
     return methods(ops, layer.index, full, pd.ops, subs, constants=constants,
-                   serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
+                   serve=serve).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
 
 
 def _classes(pd: ProgramData) -> dict:
@@ -375,8 +376,6 @@ def _serve_classes(pd: ProgramData) -> dict:
         out.update(_serve_moe(pd))
         if out["moe_expert_parallel"]:
             moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
-        else:
-            out["shared_doc"] = out["shared_class"] = ""   # TensorParallelMoE runs the shared experts itself
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants, serve=True).text("i: int, tp: rt.Axis")
     sig = "i: int, tp: rt.Axis" + (", experts: rt.ExpertAxes" if out["block_args"] else "")
     out["block_methods"] = _block_methods(pd, "Attention(i, tp)", moe, serve=True).text(sig)
@@ -384,35 +383,18 @@ def _serve_classes(pd: ProgramData) -> dict:
 
 
 def _serve_moe(pd: ProgramData) -> dict:
-    """The serving program's MoE module, by the graph's dispatch: experts split over ep (its
-    all-to-all over ep) run training's router, dispatch, experts and combine at decode size
-    (:func:`_moe_methods`); otherwise every expert on every rank, tensor parallel as vLLM
-    serves it (TensorParallelMoE: tokens routed alike on every rank, the shared experts in
-    the same partial sums, one all-reduce)."""
-    layer = pd.moe_layer
-    ep = any(c.axis == "ep" for c in layer.op("mlp.dispatch").collectives)
-    if ep:
-        return {"moe_expert_parallel": True, "moe_class": _moe_methods(pd, serve=True),
-                "moe_doc": "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over "
-                           "ep to the rank holding its expert, the rows return weighted by the router"}
-    experts, shared, router = layer.op("mlp.experts"), layer.op("mlp.shared.w1"), layer.op("mlp.router")
-    args = ""
-    if shared is not None:
-        args += f", shared_ffn=SHARED_FFN, shared_bias={shared.attr('bias', False)}"
-    # the router's and the experts' keywords from their ops, as their op-table rows write them
-    args += experts_keywords(dict(experts.attrs), any(n.endswith(".bias") for n in experts.param_names))
-    args += router_keywords(dict(router.attrs), any(n.endswith(".bias") for n in router.param_names))
-    build = (f'rt.TensorParallelMoE(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN, '
-             f'"{experts.attr("activation")}", tp, SEED{args}, local={experts.param_local[0]})')
-    full = f"layers.{layer.index}.mlp."
-    ops = tuple(o for o in layer.ops if o.name.startswith(full))
-    members = tuple(o.name.removeprefix(full) for o in ops)
-    sub = {"experts": Submodule("experts", build, members=members)}
-    return {"moe_expert_parallel": False,
-            "moe_class": methods(ops, layer.index, full, pd.ops, sub, serve=True).text("i: int, tp: rt.Axis"),
-            "moe_doc": "tensor parallel as vLLM serves it (runtime/moe.py: TensorParallelMoE):\n    every expert on "
-                       "every rank, tokens routed alike on each rank (no all-to-all), one all-reduce of the partial "
-                       "sums"}
+    """The serving program's MoE module, training's router, dispatch, experts and combine at
+    decode size (:func:`_moe_methods`), laid out as the graph's ops say: experts split over ep
+    (the dispatch's all-to-all over ep), or every expert on every rank, each expert's inner
+    width split over tp as vLLM serves it (the experts op's ``ffn_axis``: a local dispatch,
+    partial sums, with the shared experts' one all-reduce). ``moe_expert_parallel``: the
+    module takes the plan's expert axes."""
+    whole = pd.moe_layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
+    doc = ("every expert on every rank, tensor parallel as vLLM serves it:\n    tokens routed alike on each rank "
+           "(no all-to-all), the partial sums all-reduced once" if whole else
+           "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over ep to the rank "
+           "holding its expert, the rows return weighted by the router")
+    return {"moe_expert_parallel": not whole, "moe_class": _moe_methods(pd, serve=True), "moe_doc": doc}
 
 
 def _layer_kinds(pd: ProgramData) -> dict:

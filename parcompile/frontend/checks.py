@@ -499,7 +499,7 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
         return
     ep_span = ctx.span("parallel.ep")
     if m.experts > 0 and m.bias and p.expert_tp > 1 and ctx.ok("parallel.expert_tp", "model.bias") \
-            and cfg.workload != "serve":   # serving adds w2's bias after the reduction (TensorParallelMoE)
+            and cfg.workload != "serve":   # serving: w2's bias on one rank of the partial sums (GroupedExperts)
         ctx.bag.error(f"expert_tp = {p.expert_tp} with expert biases (bias = true) is not supported: each "
                       "expert_tp rank would add w2's bias to its partial sum", ctx.span("parallel.expert_tp", "parallel.tp"),
                       help="split the experts over ep instead (expert_tp = 1), as gpt-oss deployments do")
@@ -1045,7 +1045,7 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
                           ctx.span("parallel.virtual_stages"),
                           help="a token passes each pipeline stage once; set virtual_stages = 1")
         # the serve program's experts: tensor parallel (vLLM's default: every expert on every
-        # rank, split over tp; runtime/moe.py: TensorParallelMoE), or split over ep inside the tp
+        # rank, split over tp; passes/shard_experts.py: _tensor_parallel), or split over ep inside the tp
         # group (training's dispatch at decode size: ep x expert_tp = tp; the dp replicas
         # serve independent requests, so no expert group crosses them)
         if m.experts > 0 and ctx.ok("parallel.ep", "parallel.tp", "parallel.expert_tp") and p.ep > 1:

@@ -294,7 +294,11 @@ def _moe_axes_facts(a) -> dict:
 
 
 def _experts_facts(a) -> dict:
-    return {"kw": experts_keywords(a, bool(a.get("_bias")))}
+    """The experts' keywords and their axes: the MoE module's ``experts`` (ep, expert_tp),
+    or, where the graph splits each expert's inner width over tp (serving with ep = 1:
+    ``ffn_axis``), every expert on every tp rank (``rt.ExpertAxes.tensor_parallel``)."""
+    axes = "rt.ExpertAxes.tensor_parallel(tp)" if a.get("ffn_axis") == "tp" else "experts"
+    return {"kw": experts_keywords(a, bool(a.get("_bias"))), "axes": axes}
 
 #: each op kind's row (a Code, or a function of the op's attributes giving one; rows written
 #: in their OpSpec aside: ``softcap``); the loss (the Stage's ``loss``) has none
@@ -328,7 +332,7 @@ CODES: dict[str, Any] = {
                          inline=False, operands=("x", "route"), var="rows",
                          comment="(token, choice) rows to their experts' ranks, grouped by local expert "
                                  "(as many as the router sends: the shape is the balanced estimate)"),
-    "experts": Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", experts, SEED, '
+    "experts": Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", {axes}, SEED, '
                           "OUT_STD{kw}, local={local}{fp8})",
                     facts=_experts_facts, inline=False, var="",
                     comment="each local expert's MLP on its rows (a grouped GEMM)"),

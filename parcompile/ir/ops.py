@@ -35,7 +35,8 @@ from typing import Any, Callable, Mapping, Sequence
 from parcompile.core.attention import attention_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.code import CODES, COMM_KINDS, Code
-from parcompile.ir.scratch import INDEX_BYTES, attention_scratch, norm_scratch, rope_scratch, router_scratch
+from parcompile.ir.scratch import (INDEX_BYTES, attention_scratch, combine_scratch, dispatch_scratch, experts_scratch,
+                                    norm_scratch, rope_scratch, router_scratch)
 from parcompile.ir.types import Sharding, TensorType
 
 # --------------------------------------------------------------------------- records
@@ -538,12 +539,13 @@ OPS: dict[str, OpSpec] = {
         OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
                saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic,
                scratch=router_scratch),
-        OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic),
+        OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic,
+               scratch=dispatch_scratch),
         OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
                saved_gathered=_experts_gathered,
-               arity=1, traffic=_experts_traffic),
+               arity=1, traffic=_experts_traffic, scratch=experts_scratch),
         OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
-               traffic=_copy_traffic),
+               traffic=_copy_traffic, scratch=combine_scratch),
         # inserted by passes
         OpSpec("redistribute", _same, arity=1),
         OpSpec("send_recv", _same, arity=1),
@@ -766,8 +768,15 @@ def moe_collectives(kind: str, a: Mapping[str, Any], degrees: Mapping[str, int],
     Backward mirrors them: combine: all-to-all (R), all-gather over expert_tp (sum of R);
     dispatch: reduce-scatter over expert_tp (R), all-to-all (A, exact). No count exchange
     runs in backward (the forward's splits are reused).
+
+
+    Serving with ``ep = 1`` (``ffn_axis = "tp"``, set by ``shard-experts``): every rank holds
+    every expert and the tokens of the whole tp group, so neither runs a collective; the
+    combine's partial sums over tp are all-reduced by the conversion after them.
     """
     ep, etp = degrees.get("ep", 1), degrees.get("expert_tp", 1)
+    if a.get("ffn_axis") == "tp":   # experts split over tp, the tokens replicated there: nothing moves
+        return []
     row = routed.dims[-1].size * routed.itemsize
     nb = routed.nbytes
     E = a["experts"]

@@ -1,5 +1,5 @@
 """Forward scratch of the serve program (:attr:`parcompile.ir.ops.OpSpec.scratch`; runtime/
-generate.py, runtime/mla.py, runtime/moe.py): the temporaries an op holds beside its operands
+generate.py, runtime/mla.py, runtime/moe.py: router, dispatch, experts, combine): the temporaries an op holds beside its operands
 and its output while its forward runs with no autograd, in bytes at local types
 (:func:`parcompile.analysis.serve.serve_workspace` sums them with the live values).
 """
@@ -99,4 +99,42 @@ def router_scratch(a, ins, out):
     return x32 + out.nbytes + n * a["top_k"] * (4 + INDEX_BYTES)
 
 
-__all__ = ["INDEX_BYTES", "attention_scratch", "norm_scratch", "rope_scratch", "router_scratch"]
+def _routed_rows(out) -> int:
+    """The (token, choice) rows of a dispatch's or the experts' local (b, s, k, h) type: N k."""
+    return out.numel // out.dims[-1].size
+
+
+def dispatch_scratch(a, ins, out):
+    # runtime/moe.py dispatch, every row local (no collective; with ep or expert_tp > 1 the
+    # rows received: the graph's balanced estimate): the N k rows sorted by expert (N k h,
+    # the model dtype) before their copy grouped by local expert (the output), and per row
+    # the int64 sort order, token id, local-expert label and grouping
+    r = _routed_rows(out)
+    return r * (out.dims[-1].size * out.itemsize + 4 * INDEX_BYTES)
+
+
+def experts_scratch(a, ins, out):
+    # runtime/moe.py GroupedExperts: the experts run one at a time, an expert's rows at most
+    # the N tokens of the step (each token chooses it once: the bound holds any routing), its
+    # gate, up, activation and product (gated: 4 x f, ungated 2 x f; f the rank's ``local_ffn``)
+    # beside the outputs of the experts before it; at the end the N k output rows of every
+    # expert beside their concatenation (the op's output). Beside them the rows' int64 order
+    # and grouping, which the routed rows carry to the combine.
+    r, h, e = _routed_rows(out), out.dims[-1].size, out.itemsize
+    n = r // a["top_k"]
+    f = a.get("local_ffn", a["ffn"])
+    inner = (4 if a["activation"] in ("swiglu", "geglu") else 2) * f
+    return max(r * h * e, n * inner * e) + 2 * INDEX_BYTES * r
+
+
+def combine_scratch(a, ins, out):
+    # runtime/moe.py combine: the rows put back in arrival order, then in (token, choice) order
+    # beside them (2 x N k h; one int64 sort per row at a time), then the weighted rows beside
+    # the latter; the rows' order and grouping carried from the dispatch
+    rows = ins[0]
+    r = _routed_rows(rows)
+    return 2 * rows.nbytes + 3 * INDEX_BYTES * r
+
+
+__all__ = ["INDEX_BYTES", "attention_scratch", "combine_scratch", "dispatch_scratch", "experts_scratch",
+           "norm_scratch", "rope_scratch", "router_scratch"]

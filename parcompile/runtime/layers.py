@@ -164,7 +164,10 @@ class RowParallelLinear(nn.Module):
 
     ``reduce`` (what a generated program passes: the collective of the conversion the
     sharded graph puts after the layer) says it instead of ``sequence_parallel``:
-    ``"all_reduce"``, ``"reduce_scatter"`` (along the sequence) or None (tp = 1: none).
+    ``"all_reduce"``, ``"reduce_scatter"`` (along the sequence) or None (none: tp = 1, or
+    a partial sum the graph reduces later, after other partial sums are added to it, as a
+    served MoE layer's shared experts; the bias is then added by tp rank 0 only, so the
+    sum holds it once).
     ``local``: the weight's per-rank shape ``(out, in/tp)``, checked against the shard.
     ``fp8``: :class:`ColumnParallelLinear`'s.
     """
@@ -183,14 +186,16 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{name}: reduce={reduce!r} over a tp axis of one rank")
         self.tp = tp
         self.sequence_parallel = sequence_parallel if reduce is False else reduce == "reduce_scatter"
+        self.partial = reduce is None   # the output stays a partial sum over tp
         self.weight = make_param(f"{name}.weight", (out_features, in_features), seed, std, tp, 1, local=local)
         self.bias = make_param(f"{name}.bias", (out_features,), seed, 0, tp, None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            y = leave_tp(fp8_linear(x, self.weight, None, self.fp8, self.tp, "row"), self.tp, self.sequence_parallel)
-        else:
-            y = leave_tp(linear(x, self.weight), self.tp, self.sequence_parallel)
+        y = fp8_linear(x, self.weight, None, self.fp8, self.tp, "row") if self.fp8 else linear(x, self.weight)
+        if not self.partial:
+            y = leave_tp(y, self.tp, self.sequence_parallel)
+        elif self.tp.index != 0:   # a partial sum: the bias once, on rank 0
+            return y
         return y + self.bias if self.bias is not None else y
 
 

@@ -66,10 +66,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parcompile.runtime.comm import COUNTER, all_gather_single, nbytes, reduce_from_tp
+from parcompile.runtime.comm import COUNTER, all_gather_single, nbytes
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.fp8 import fp8_linear
-from parcompile.runtime.layers import ACTIVATIONS, GATED, INIT_STD, clamped_swiglu, make_param, swiglu
+from parcompile.runtime.layers import ACTIVATIONS, GATED, INIT_STD, clamped_swiglu, make_param
 
 COUNT_DTYPE = torch.int64
 
@@ -85,6 +85,14 @@ class ExpertAxes:
     @classmethod
     def of(cls, ctx: ParallelContext) -> "ExpertAxes":
         return cls(ctx.axes["ep"], ctx.axes["expert_tp"], ctx.axes["expert_dp"])
+
+    @classmethod
+    def tensor_parallel(cls, tp: Axis) -> "ExpertAxes":
+        """The experts served tensor parallel (vLLM's ``FusedMoE`` without expert parallelism,
+        its default; the serving graph's ``ffn_axis = "tp"``): every expert on every rank of
+        ``tp``, each expert's inner width split over ``tp``; ep and expert_dp this rank alone."""
+        rank = tp.ranks[tp.index]
+        return cls(Axis("ep", [rank], 0), tp, Axis("expert_dp", [rank], 0))
 
 
 # --------------------------------------------------------------------------- collectives
@@ -295,7 +303,7 @@ _LAYOUT = ("global_name", "shard_dim", "shard_index", "num_shards", "global_shap
 
 class Router(nn.Module):
     """The router of one MoE layer (module docstring, step 1), the same in training
-    (the generated program's MoE class) and serving (:class:`TensorParallelMoE`):
+    (the generated programs' MoE class, training and serving):
     tokens (..., h) -> :func:`route`'s (weights (N, k), experts (N, k), balance scores
     (N, E)) over their N.
 
@@ -356,11 +364,6 @@ class Router(nn.Module):
                 _copy_layout(b, kept)
             self._buffers["e_score_correction_bias"] = kept
         return out
-
-
-#: TensorParallelMoE's ``norm_topk_prob``: its router's (settable)
-_NORM_TOPK_PROB = property(lambda self: self.router.norm_topk_prob,
-                           lambda self, v: setattr(self.router, "norm_topk_prob", v))
 
 
 def _set_layout(t: torch.Tensor, name: str) -> None:
@@ -460,8 +463,8 @@ class GroupedExperts(nn.Module):
     ``{name}.{e}.w1.weight`` (ffn/expert_tp, h) [and w3], ``{name}.{e}.w2.weight``
     (h, ffn/expert_tp), marked ``expert = True`` (reduced over expert_dp); with ``bias``
     (gpt-oss) their biases, w1's and w3's split like their rows, w2's added by expert_tp
-    rank 0 only. ``activation``: swiglu (``swiglu_clamp`` (alpha, limit): gpt-oss's clamped
-    SwiGLU), gelu or relu. ``fp8``: the FP8 recipe of the expert GEMMs (:func:`expert_linear`;
+    rank 0 only (so the sum over expert_tp holds it once). ``activation``: swiglu or geglu (w1 the gate, w3 the up
+    projection; ``swiglu_clamp`` (alpha, limit): gpt-oss's clamped SwiGLU), gelu or relu. ``fp8``: the FP8 recipe of the expert GEMMs (:func:`expert_linear`;
     None: 16-bit).
 
     Raises:
@@ -481,7 +484,7 @@ class GroupedExperts(nn.Module):
                              f"{num_experts} experts on {ep.size} ep rank(s)")
         self.first = ep.index * self.local
         self.w2_bias_here = etp.index == 0
-        mats = ("w1", "w3", "w2") if activation == "swiglu" else ("w1", "w2")
+        mats = ("w1", "w3", "w2") if activation in GATED else ("w1", "w2")
         for e in range(self.first, self.first + self.local):
             mod = nn.Module()
             for w in mats:
@@ -508,12 +511,10 @@ class GroupedExperts(nn.Module):
 
         if self.activation == "swiglu" and self.swiglu_clamp is not None:
             h = clamped_swiglu(up("w1"), up("w3"), *self.swiglu_clamp)
-        elif self.activation == "swiglu":
-            h = swiglu(up("w1"), up("w3"))
-        elif self.activation == "gelu":
-            h = F.gelu(up("w1"))
+        elif self.activation in GATED:   # w1 the gate, w3 the up projection
+            h = GATED[self.activation](up("w1"), up("w3"))
         else:
-            h = F.relu(up("w1"))
+            h = ACTIVATIONS[self.activation](up("w1"))
         # partial sums over expert_tp
         return expert_linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None, f8, etp, "row")
 
@@ -555,115 +556,8 @@ def combine(routed: Routed, route: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return out.view(routed.shape)
 
 
-# --------------------------------------------------------------------------- serving
-
-
-class TensorParallelMoE(nn.Module):
-    """The routed experts of one MoE layer in a serve program: (B, T, h) -> (B, T, h).
-
-    Tensor parallel as vLLM shards a ``FusedMoE`` layer without expert parallelism (its
-    default): every tp rank holds every expert, each expert's inner width split over tp
-    (w1 [and w3] column-parallel, ``(ffn/tp, h)``; w2 row-parallel, ``(h, ffn/tp)``), the
-    router replicated. The tokens, replicated over tp, are routed alike on every rank
-    (:class:`Router`: fp32 logits, softmax or DeepSeek-V3's sigmoid top-k; no all-to-all); each rank runs its slice of
-    every chosen expert on that expert's tokens and adds the router-weighted partial sums
-    per token; ``shared_ffn`` > 0 adds the always-on shared experts (one MLP of
-    ``shared_ffn`` units, split the same way) to the same partial sums, which one
-    all-reduce over tp (counted, ``B*T*h`` elements) completes per layer. Dropless: every
-    (token, expert) pair is computed.
-
-    Parameters keep the training program's names (``{prefix}.router.weight`` (E, h) [and
-    ``.bias`` (E,), the ``.e_score_correction_bias`` (E,) buffer of ``noaux_tc``], ``{prefix}.experts.{e}.w1.weight`` (ffn, h) [w3], ``...w2.weight``
-    (h, ffn) [and their ``.bias``]) and the training program's shared MLP's
-    (``{prefix}.shared.w1/w3/w2``), global shapes as written, split dims 0 (w1, w3 and
-    their biases) and 1 (w2) over tp: Hugging Face and DCP checkpoints load through
-    :func:`parcompile.runtime.weights.load_weights` unchanged.
-    ``activation``: ``swiglu`` / ``geglu`` (gated: w1 the gate, w3 the up projection),
-    ``gelu`` or ``relu``; ``swiglu_clamp`` (alpha, limit): gpt-oss's clamped SwiGLU.
-    ``bias``: every expert matrix has a bias (gpt-oss; w2's, replicated, is added after
-    the reduction, weighted by the router as the expert's output); ``router_bias``: a
-    biased router; ``shared_bias``: the shared MLP's biases (w2's added after the reduction).
-    ``local``: the per-rank shape of the stacked w1 as the program read it off the sharded
-    graph, (every expert, ffn/tp, h); checked against the shards made.
-    """
-
-    norm_topk_prob = _NORM_TOPK_PROB
-
-    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int, ffn: int, activation: str,
-                 tp: Axis, seed: int, std: float = INIT_STD, norm_topk_prob: bool = True, shared_ffn: int = 0,
-                 shared_bias: bool = False, bias: bool = False, router_bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None, scoring_func: str = "softmax",
-                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, local: tuple[int, int, int] | None = None):
-        super().__init__()
-        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-        self.swiglu_clamp = swiglu_clamp
-        self.tp = tp
-        self.router = Router(f"{prefix}.router", hidden, num_experts, top_k, tp, seed, norm_topk_prob, router_bias,
-                             scoring_func, topk_method, n_group, topk_group, routed_scaling_factor)
-        self.experts = nn.ModuleDict({str(e): self._mlp(f"{prefix}.experts.{e}", hidden, ffn, seed, std, bias)
-                                      for e in range(num_experts)})
-        self.shared = self._mlp(f"{prefix}.shared", hidden, shared_ffn, seed, std, shared_bias) if shared_ffn else None
-        got = (len(self.experts), *self.experts["0"].w1.shape)
-        if local is not None and tuple(local) != got:   # the program's (experts held, ffn / tp, h), off the graph
-            raise ValueError(f"{prefix}: the program expects experts of {tuple(local)} per rank, the layout "
-                             f"makes {got}")
-
-    def _mlp(self, name: str, hidden: int, ffn: int, seed: int, std: float, bias: bool) -> nn.Module:
-        """One expert's (or the shared experts') w1 [w3] (ffn/tp, h) and w2 (h, ffn/tp)."""
-        mod = nn.Module()
-        for w in (("w1", "w3", "w2") if self.activation in GATED else ("w1", "w2")):
-            shape, dim = ((hidden, ffn), 1) if w == "w2" else ((ffn, hidden), 0)
-            setattr(mod, w, make_param(f"{name}.{w}.weight", shape, seed, std, self.tp, dim))
-            b = None
-            if bias:   # column-parallel biases split like their rows; w2's replicated
-                b = make_param(f"{name}.{w}.bias", (shape[0],), seed, 0, self.tp, None if w == "w2" else 0)
-            setattr(mod, f"{w}_bias", b)
-        return mod
-
-    def _partial(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """(n, h) -> (n, h): this rank's partial sum of one MLP (w2's bias not added)."""
-        up = F.linear(x, mod.w1, mod.w1_bias)
-        if self.activation == "swiglu" and self.swiglu_clamp is not None:
-            h = clamped_swiglu(up, F.linear(x, mod.w3, mod.w3_bias), *self.swiglu_clamp)
-        elif self.activation in GATED:
-            h = GATED[self.activation](up, F.linear(x, mod.w3, mod.w3_bias))
-        else:
-            h = ACTIVATIONS[self.activation](up)
-        return F.linear(h, mod.w2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])                      # (N, h), the same on every tp rank
-        N, K = x.shape[0], self.top_k
-        weights, chosen, _ = self.router(x)
-        flat = chosen.reshape(-1)                         # (N k,) expert of each (token, choice)
-        order = torch.argsort(flat, stable=True)          # grouped by expert
-        token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
-        weight = weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)                         # partial sums over tp
-        whole = torch.zeros_like(x)                       # replicated terms, added after the reduction
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows, w = token[start:start + n], weight[start:start + n, None]
-                mod = self.experts[str(e)]
-                y = self._partial(mod, x.index_select(0, rows))
-                out.index_add_(0, rows, y * w.to(y.dtype))
-                if mod.w2_bias is not None:
-                    whole.index_add_(0, rows, (w * mod.w2_bias.float()).to(x.dtype))
-            start += n
-        if self.shared is not None:
-            out = out + self._partial(self.shared, x)
-            if self.shared.w2_bias is not None:
-                whole = whole + self.shared.w2_bias
-        out = reduce_from_tp(out, self.tp)                # all-reduce over tp: (N, h)
-        return (out + whole).view(shape)
-
-
 # --------------------------------------------------------------------------- optimizer side
 
 
-__all__ = ["ExpertAxes", "GroupedExperts", "Routed", "Router", "TensorParallelMoE", "combine", "dispatch",
+__all__ = ["ExpertAxes", "GroupedExperts", "Routed", "Router", "combine", "dispatch",
            "expert_linear", "load_balancing_loss", "route"]
