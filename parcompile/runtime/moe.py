@@ -523,13 +523,16 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"rows of {len(routed.per_expert)} experts dispatched to {self.local} local experts")
         outs, start = [], 0
         for j, n in enumerate(routed.per_expert):
-            # every local expert runs, an empty group too: its FP8 casts' amax all-reduces over
-            # expert_tp are then the plan's for any routing (analysis/fp8.py amax_collectives),
-            # and y hangs off the received rows even when none came, so that the backward runs
-            # this rank's half of the all-to-all the other ranks run
-            outs.append(self._expert(self.first + j, routed.rows[start:start + n]))
+            # under FP8 every local expert runs, an empty group too: its casts' amax all-reduces
+            # over expert_tp are then the plan's for any routing (analysis/fp8.py
+            # amax_collectives); in 16 bits an empty group runs nothing (no collective)
+            if n or self.fp8:
+                outs.append(self._expert(self.first + j, routed.rows[start:start + n]))
             start += n
-        y = torch.cat(outs)
+        # no rows at all: an empty y that still hangs off the received rows, so that the
+        # backward runs this rank's half of the all-to-all the other ranks run (a fresh tensor
+        # would cut the graph and leave them waiting)
+        y = torch.cat(outs) if outs else routed.rows * 0
         return dataclasses.replace(routed, rows=y)
 
 
