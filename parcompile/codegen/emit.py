@@ -307,7 +307,7 @@ def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> 
     top_k, aux = ("EXPERTS_PER_TOKEN", "0.0") if serve else ("TOP_K", "AUX_LOSS_SCALE")
     routed = (f'rt.MoELayer(f"layers.{{i}}.mlp", HIDDEN, EXPERTS, {top_k}, EXPERT_FFN, "{experts.attr("activation")}", '
               f"experts, tp, SEED, OUT_STD, {aux}{'' if norm_topk_prob else ', norm_topk_prob=False'}"
-              f"{_moe_extra(pd)}, local_experts={local}{_fp8_kw(experts)})")
+              f"{_moe_extra(pd)}, local_experts={local}{_fp8_kw(experts, pd)})")
     subs = {"routed": Submodule("routed", routed, members=("router", "dispatch", "experts", "combine"),
                                  show_calls=True)}
     if layer.op("mlp.shared.w1") is not None:
@@ -316,10 +316,14 @@ def _moe_methods(pd: ProgramData, norm_topk_prob: bool, serve: bool = False) -> 
     return methods(ops, layer.index, full, pd.ops, subs, serve=serve).text("i: int, tp: rt.Axis, experts: rt.ExpertAxes")
 
 
-def _fp8_kw(op) -> str:
+def _fp8_kw(op, pd: ProgramData) -> str:
     """The keyword giving the FP8 recipe of op ``op``'s GEMMs (``OpData.fp8``: the routed experts'
-    under ``precision = fp8``, runtime/moe.py ``expert_linear``); empty for 16-bit ones."""
-    return f', fp8="{op.fp8}"' if op.fp8 else ""
+    under ``precision = fp8``, runtime/moe.py ``expert_linear``); empty for 16-bit ones. Where
+    some layers keep their GEMMs in 16 bits (``pd.layer_fp8``, train.fp8_bf16_layers_*) each
+    layer's recipe from ``LAYER_FP8``, as the dense linears take it."""
+    if not op.fp8:
+        return ""
+    return ", fp8=LAYER_FP8[i]" if pd.layer_fp8 else f', fp8="{op.fp8}"'
 
 
 def _classes(pd: ProgramData, norm_topk_prob: bool = True) -> dict:
