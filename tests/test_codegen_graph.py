@@ -280,6 +280,23 @@ def test_layout_programs_define_nothing_unread(name, tmp_path):
     assert _unread_constants(render_program(mini, compile_config(mini), tmp_path)) == []
 
 
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+SERVE_LAYOUTS = {
+    "gqa_tp2": (2, {}),
+    "kv_head_replicated_tp4": (4, {}),      # 2 kv heads on 4 ranks: KV_REPLICAS reads them
+    "mla_tp2": (2, MLA),                     # the latent cache: no kv heads
+    "mla_moe_tp2": (2, {**MLA, "experts": 4, "top_k": 2, "expert_ffn_hidden": 32, "dense_layers": 1}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVE_LAYOUTS))
+def test_serving_programs_define_nothing_unread(name, tmp_path):
+    from tests.serve_utils import serve_config
+    tp, model = SERVE_LAYOUTS[name]
+    cfg = serve_config(1, tp, 1, model=model)
+    assert _unread_constants(render_serve(cfg, compile_config(cfg), tmp_path)) == []
+
+
 def test_unread_constant_check_can_fail():
     assert _unread_constants("A = 1\nB = 2\nprint(A)\n") == ["B"]
 
