@@ -843,6 +843,31 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
     asyncio.run(main())
 
 
+def test_null_fields_take_openais_defaults():
+    """OpenAI's API reference types ``n`` ("integer or null"), ``stream`` and ``echo``
+    ("boolean or null") as nullable with defaults 1 and false: null is the default, as
+    ``temperature: null`` already was (was: 400 "Input should be a valid integer (got null)")."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines)
+
+        async def post(body, path="/v1/completions"):
+            status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
+            return status, json.loads(raw)
+
+        status, body = await post({"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None})
+        assert status == 200 and [c["text"] for c in body["choices"]] == ["AA"], body
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": None,
+                                   "stream": None}, "/v1/chat/completions")
+        assert status == 200 and len(body["choices"]) == 1, body
+        status, body = await post({"prompt": "hi", "max_tokens": 2, "n": "2"})     # a wrong type is still one
+        assert status == 400 and body["error"]["param"] == "n", body
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
 def test_ctrl_c_while_the_ranks_start_ends_them(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM, which `serve` turns into one) before every replica connected:
     torchrun's process group is ended (torchrun ends its ranks on SIGTERM), no orphans."""
