@@ -868,6 +868,20 @@ def test_null_fields_take_openais_defaults():
     asyncio.run(main())
 
 
+def test_chat_max_tokens_0_is_refused_without_naming_echo():
+    """Chat has no ``echo``: its ``max_tokens`` 0 is refused with a fix that it can take (was:
+    "it is only taken with `"echo": true`", a field chat refuses)."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        status, raw = await _asgi(_front(engines), "POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode())
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "max_tokens" and "echo" not in err["message"], err
+        assert "at least 1" in err["message"], err
+
+    asyncio.run(main())
+
+
 def test_ctrl_c_while_the_ranks_start_ends_them(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM, which `serve` turns into one) before every replica connected:
     torchrun's process group is ended (torchrun ends its ranks on SIGTERM), no orphans."""
