@@ -170,6 +170,16 @@ def norm_definition(pd: ProgramData) -> str:
     return f"Norm = rt.{cls}"
 
 
+def router_words(m) -> str:
+    """How model ``m``'s router scores and picks its top-k, in the programs' words (the
+    constants' comments and the MoE docstring): its scores (``scoring_func``), the group limit
+    (``topk_method = noaux_tc``) and whether the k weights are renormalised (``norm_topk_prob``,
+    which changes nothing for a single softmax choice)."""
+    return ("sigmoid" if m.scoring_func == "sigmoid" else "softmax") + (
+        f", within {m.topk_group} of {m.n_group} groups" if m.topk_method == "noaux_tc" else "") + (
+        ", renormalised over the k" if m.norm_topk_prob and (m.top_k > 1 or m.scoring_func == "sigmoid") else "")
+
+
 def constant_lines(rows: Sequence[tuple]) -> list[str]:
     """``NAME = value  # comment`` per row (``(NAME, value, comment)``; a row without a
     NAME is a comment line)."""
@@ -246,7 +256,7 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
              ("ACT_DTYPE", f"torch.{dtype}", "weights, activations, and what crosses a stage boundary")]
     if pd.moe_layer is not None:
         rows += [("EXPERTS", m.experts, f"routed experts per MoE layer: {aux['experts_local']} per ep rank"),
-                 ("TOP_K", m.top_k, "experts per token (softmax top-k router, dropless)"),
+                 ("TOP_K", m.top_k, f"experts per token ({router_words(m)}; dropless)"),
                  ("EXPERT_FFN", m.expert_ffn_hidden,
                   f"inner width of one expert: {aux['expert_ffn_local']} per expert_tp rank")]
         if pd.moe_layer.op("mlp.shared.w1") is not None:
@@ -272,11 +282,8 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     if pd.dense_layer is not None:
         rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))
     if pd.moe_layer is not None:
-        router = ("sigmoid" if m.scoring_func == "sigmoid" else "softmax") + (
-            f", within {m.topk_group} of {m.n_group} groups" if m.topk_method == "noaux_tc" else "") + (
-            ", renormalised over the k" if m.norm_topk_prob and (m.top_k > 1 or m.scoring_func == "sigmoid") else "")
         rows += [("EXPERTS", m.experts, f"routed experts per MoE layer, {aux['experts_local']} on each ep rank"),
-                 ("EXPERTS_PER_TOKEN", m.top_k, f"the router's top-k ({router}; dropless)"),
+                 ("EXPERTS_PER_TOKEN", m.top_k, f"the router's top-k ({router_words(m)}; dropless)"),
                  ("EXPERT_FFN", m.expert_ffn_hidden, f"inner width of one expert: {aux['expert_ffn_local']} per rank")]
         if m.shared_experts:
             rows.append(("SHARED_FFN", m.shared_experts * m.expert_ffn_hidden,
@@ -293,5 +300,5 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     return constant_lines(rows)
 
 
-__all__ = ["constant_lines", "head_weight", "norm_definition", "outer_ops", "serve_constants", "serve_positions",
-           "stage_code", "train_constants", "train_positions"]
+__all__ = ["constant_lines", "head_weight", "norm_definition", "outer_ops", "router_words", "serve_constants",
+           "serve_positions", "stage_code", "train_constants", "train_positions"]
