@@ -234,7 +234,8 @@ class _Values:
 
     def _in_range(self, key: str, t: KeyType, x: float, v: ast.Value) -> bool:
         if not math.isfinite(x):
-            self.bag.error(f"expected a finite number, got `{v.text}`", v.span)
+            self.bag.error(f"expected a finite number, got `{v.text}`", v.span,
+                           help=f"`{v.text}` overflows a float: write a number below 1.8e308")
             return False
         too_low = t.low is not None and (x <= t.low if t.low_open else x < t.low)
         too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
