@@ -289,7 +289,7 @@ def _step_notes(p, sp: bool) -> dict:
             "gather the embedding/output buckets; layer buckets just in time"),
         "reduce_note": f"finish the buckets' {'all-reduces' if p.zero == 0 else 'reduce-scatters'} over dp; then tied "
                        f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
-        "step_note": "then all-gather the updated shards" if p.zero in (1, 2) else "",
+        "step_note": " " * 46 + "# then all-gather the updated shards" if p.zero in (1, 2) else "",
         "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
     }
 
