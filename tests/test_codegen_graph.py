@@ -284,6 +284,7 @@ MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim
 SERVE_LAYOUTS = {
     "gqa_tp2": (2, {}),
     "kv_head_replicated_tp4": (4, {}),      # 2 kv heads on 4 ranks: KV_REPLICAS reads them
+    "qk_norm_kv_head_replicated_tp4": (4, {"qk_norm": True}),   # Qwen3-30B-A3B at tp 8: k_norm of a replicated head
     "mla_tp2": (2, MLA),                     # the latent cache: no kv heads
     "mla_moe_tp2": (2, {**MLA, "experts": 4, "top_k": 2, "expert_ffn_hidden": 32, "dense_layers": 1}),
 }

@@ -141,7 +141,9 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "fp8": f', fp8="{op.fp8}"' if op.fp8 else "",
              "param": f'"{op.param_names[0]}"' if op.param_names else None,
              "scatter": reduce == "reduce_scatter"}
-    if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
+    if a.get("kv_replicas") and facts["local"] is not None and "out_dim" in a:
+        # a k or v projection of a replicated kv head: one head of the whole projection (a
+        # replicated head's k_norm weight is head_dim wide either way)
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
         facts["in_features"] = _size(a["in_dim"])
