@@ -649,6 +649,21 @@ def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path,
     assert seen["api_key"] == "flag"          # the flag wins over the environment
 
 
+def test_cli_serve_refuses_an_empty_api_key(tmp_path, monkeypatch, capsys):
+    """`--api-key ""` (say `--api-key "$KEY"` with KEY unset) is a usage error, not an open
+    server: a key that was asked for and came out empty must not serve without one."""
+    import parcompile.server as server_mod
+    from parcompile.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_mod, "run_server", lambda *a, **k: seen.update(ran=True) or 0)
+    (tmp_path / "s.par").write_text(_spec(2, 2))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--api-key", ""])
+    assert e.value.code == 2 and not seen
+    assert "--api-key" in capsys.readouterr().err
+
+
 def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
     from parcompile.cli import main
 
