@@ -308,6 +308,18 @@ def test_example_programs_have_no_empty_comments(spec, monkeypatch, tmp_path):
     assert [ln for ln in render(plan.config, plan, tmp_path).splitlines() if re.search(r"#\s*$", ln)] == []
 
 
+def test_a_replicated_kv_heads_comments_give_its_rank_one_head(tmp_path):
+    """Serving 2 kv heads of 16 on tp 4 (each head on 2 ranks): a rank's k and v are one head,
+    (B, T, kv=16) in every comment, k_norm's and RoPE's too (was: kv=32, the whole
+    projection the graph leaves unsplit)."""
+    from tests.serve_utils import serve_config
+    cfg = serve_config(1, 4, 1, model={"qk_norm": True})
+    text = render_serve(cfg, compile_config(cfg), tmp_path)
+    kv_lines = [ln for ln in text.splitlines() if re.search(r"\bk = |\bv = ", ln) and "#" in ln]
+    assert len(kv_lines) == 4, kv_lines          # wk, wv, k_norm, RoPE
+    assert all("(B, T, kv=16)" in ln for ln in kv_lines), kv_lines
+
+
 def test_unread_constant_check_can_fail():
     assert _unread_constants("A = 1\nB = 2\nprint(A)\n") == ["B"]
 
