@@ -241,10 +241,9 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     ``expert_ffn_local``, ``aux_loss_scale``, ``seq_ranks``)."""
     layer = pd.dense_layer or pd.moe_layer
     mla = layer.op("attn.wkv_a") is not None
-    mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
     rows = _attention_rows(m, mla, serve=False)
-    if (mlp.op("mlp.w1") or mlp.op("mlp.shared.w1")) is not None:
-        rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))
+    if pd.dense_layer is not None and pd.dense_layer.op("mlp.w1") is not None:   # the dense MLP reads it (the
+        rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))                            # shared experts: SHARED_FFN)
     rows += [("VOCAB", m.vocab, ""),
              ("PADDED_VOCAB", padded, f"Megatron's rule: a multiple of {m.vocab_multiple} * tp; padded rows stay zero"),
              ("SEQ_LEN", m.seq_len, ""), ("NORM_EPS", m.norm_eps, ""), ("DROPOUT", m.dropout, "")]
