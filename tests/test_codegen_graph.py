@@ -210,6 +210,29 @@ def planned_per_layer(plan: dict) -> dict[int, dict[str, Counter]]:
     return out
 
 
+def _add_fp8_amax(planned: dict, plan_obj, recompute: str) -> None:
+    """The plan lists the FP8 amax all-reduces per step under ``where`` ``fp8_amax_tp``, not per
+    layer: attribute them to their layers by the ops that run them
+    (:func:`parcompile.analysis.fp8.amax_collectives`, the rows' source), and hold the sum to
+    the plan's rows (a recomputed forward runs its amaxes again, in the backward)."""
+    from parcompile.analysis.fp8 import amax_collectives
+    plan = plan_obj.data
+    m = plan["schedule"]["num_microbatches"]
+    listed = Counter()
+    for e in plan["comm"]["collectives"]:
+        if e["where"] == "fp8_amax_tp":
+            listed["forward" if e["phase"] == "forward" else "backward", _key(e)] += e["count"]
+    got = Counter()
+    for nd in plan_obj.graph.nodes():
+        for op, axis, nbytes, phase in amax_collectives(plan_obj.graph, nd, plan_obj.degrees):
+            rec = planned.setdefault(nd.op.layer, {"forward": Counter(), "backward": Counter()})
+            for window in ("forward", "backward") if phase == "forward" and recompute == "full" else (
+                    "forward" if phase == "forward" else "backward",):
+                rec[window][(op, axis, nbytes)] += 1
+                got[window, (op, axis, nbytes)] += m * (nd.stage is not None)
+    assert +listed == +Counter({k: v for k, v in got.items()}) or not listed, (listed, got)
+
+
 def _check(cfg, dtype: str, tmp_path: Path) -> None:
     mini = verify_mod.miniature(cfg, dtype=dtype)
     plan_obj = compile_config(mini)
@@ -217,6 +240,7 @@ def _check(cfg, dtype: str, tmp_path: Path) -> None:
     plan = plan_obj.data
     measured = measured_per_layer(module, plan, mini)
     planned = planned_per_layer(plan)
+    _add_fp8_amax(planned, plan_obj, mini.parallel.recompute)
     assert sorted(measured) == list(range(mini.model.layers))
     for i in range(mini.model.layers):
         want = planned.get(i, {"forward": Counter(), "backward": Counter()})
