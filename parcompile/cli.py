@@ -520,6 +520,16 @@ def cmd_schema(args) -> int:
 
 
 
+def _api_key(text: str) -> str:
+    """argparse type: a non-empty API key (usage error otherwise: an empty `--api-key "$KEY"`
+    must not serve with no key)."""
+    import argparse
+
+    if not text:
+        raise argparse.ArgumentTypeError("the key is empty; give a key, or leave --api-key out to serve without one")
+    return text
+
+
 def _at_least_one(text: str) -> int:
     """argparse type: an integer >= 1 (usage error otherwise)."""
     import argparse
@@ -583,7 +593,7 @@ def _add_run_commands(sub) -> None:
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", type=_api_key, default=None,
                    help="answer /v1 requests without `Authorization: Bearer KEY` with 401 (default: "
                         "$PARCOMPILE_API_KEY; none: open)")
     p.add_argument("--max-body", type=_at_least_one, default=None, metavar="BYTES",

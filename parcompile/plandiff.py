@@ -54,6 +54,21 @@ METRICS: dict[str, str] = {
     "world_size": "world_size",
 }
 
+#: the relative difference below which two floats of two plans are one value: the last bits
+#: of a sum taken in another order (a time of 0.0006568 s read as "+3.47e-18 s, +0.0%"), far
+#: below the 4 significant digits any rendering shows
+FLOAT_RTOL = 1e-12
+
+
+def same_value(old: Any, new: Any) -> bool:
+    """Whether ``old`` and ``new`` (plan.json values) are the same: equal, or floats within
+    :data:`FLOAT_RTOL` of each other."""
+    nums = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (old, new))
+    if nums and (isinstance(old, float) or isinstance(new, float)):
+        return math.isclose(old, new, rel_tol=FLOAT_RTOL, abs_tol=0.0)
+    return old == new
+
+
 #: memory components compared per stage, in report.md's order
 _MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "kv_cache")
 
@@ -199,7 +214,7 @@ class _Rows:
         self.changes: list[Change] = []
 
     def add(self, section: str, name: str, path: str, old: Any, new: Any, unit: Unit | None = None) -> None:
-        if old != new:
+        if not same_value(old, new):
             self.changes.append(Change(section, name, path, old, new, unit or unit_of(path)))
 
     def keys(self, section: str, path: str, old: dict | None, new: dict | None,
@@ -394,7 +409,7 @@ def check_bound(bound: Bound, old: dict, new: dict, changes: list[Change] | None
     unit = "bytes" if bound.metric == "comm_bytes" else unit_of(bound.path)
     c = Change("", bound.metric, bound.path, o, n, unit)
     if bound.direction == "any":
-        crossed = o != n
+        crossed = not same_value(o, n)
         if not isinstance(o, (dict, list)) and not isinstance(n, (dict, list)):
             what = f"{value_text(o, unit)} -> {value_text(n, unit)}"
         else:   # a section: what changed in it

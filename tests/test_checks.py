@@ -664,8 +664,35 @@ def test_serve_memory_advice_offers_an_fp8_cache_only_where_the_devices_have_fp8
     helps = {}
     for preset in ("ascend-910b", "a100-40gb"):
         text = (f'model m from "llama3-8b" {{ seq_len = 8192 }}\ncluster c from "{preset}" {{ nodes = 1 }}\n'
-                'parallel { tp = 8 }\nserve { batch = 300, prompt_len = 4096, max_new_tokens = 4096 }\n')
+                # a small prefill budget: the KV cache, not the prefill workspace (every row of a
+                # step padded to its chunk), is what does not fit
+                'parallel { tp = 8 }\nserve { batch = 500, prompt_len = 4096, max_new_tokens = 4096, '
+                'max_prefill_tokens = 256 }\n')
         [d] = [w for w in parcompile.compile(text).warnings if w.code == "does-not-fit"]
         helps[preset] = d.help
     assert helps["ascend-910b"].endswith("; lower batch, raise tp or pp") and "fp8" not in helps["ascend-910b"]
     assert helps["a100-40gb"].endswith("; lower batch, raise tp or pp, or set kv_dtype = fp8")
+
+
+@pytest.mark.parametrize("blocks, message", [
+    (dict(model={"hidden": "60", "heads": "4", "kv_heads": "2"}), "RoPE needs an even number of dims per head"),
+    (dict(model={"experts": "4", "top_k": "5"}, parallel={"tp": "1", "pp": "1", "dp": "8"}), "top_k = 5 exceeds"),
+    (dict(model={"experts": "4", "top_k": "2", "dense_layers": "5"}, parallel={"tp": "1", "pp": "1", "dp": "8"}),
+     "dense_layers = 5 exceeds layers = 4"),
+    (dict(train={"lr": "1e-3", "min_lr": "2e-3"}), "min_lr = 0.002 exceeds lr = 0.001"),
+    (dict(model={"layers": "100000"}), "layers = 100000 is more than parcompile plans"),
+    (dict(cluster={"nodes": "100000"}), "is more than parcompile plans"),
+    (dict(train={"lr": "1e400"}), "expected a finite number, got `1e400`"),
+])
+def test_every_error_says_how_to_fix_it(blocks, message):
+    """House rule: every bad input gets a diagnostic with file:line:col and a fix (a help
+    line); these had the message alone."""
+    if "cluster" in blocks:
+        blocks = {'cluster local from "cpu"': blocks.pop("cluster"), **blocks}
+        text = spec(**{k: v for k, v in blocks.items() if not k.startswith("cluster")}).replace(
+            'cluster local from "cpu" {\n    nodes = 1', 'cluster local from "cpu" {\n    nodes = 100000')
+    else:
+        text = spec(**blocks)
+    found = [d for d in diags(text) if d[0] == "error" and message in d[1]]
+    assert found, diags(text)
+    assert all(d[4] for d in found), found

@@ -425,6 +425,25 @@ def test_plan_router_attributes_and_program_arguments(tmp_path):
         "model"]["params"]
 
 
+def test_programs_describe_the_router_of_the_keys(tmp_path):
+    """The training program's TOP_K comment and MoE docstring name the router it builds, as
+    serve.py's EXPERTS_PER_TOKEN does (was: "softmax top-k router" above a sigmoid, group-limited
+    one); a softmax router is still called so."""
+    from parcompile.codegen.emit import render_program
+    from parcompile.driver import compile_config
+    from tests.program_utils import tiny_config
+
+    cfg = tiny_config(model=ROUTER)
+    text = render_program(cfg, compile_config(cfg))
+    [top_k] = [ln for ln in text.splitlines() if ln.startswith("TOP_K = ")]
+    doc = text[text.index("class MoE(nn.Module):"):text.index("def __init__", text.index("class MoE(nn.Module):"))]
+    for words in (top_k, doc):
+        assert "softmax" not in words and "sigmoid, within 2 of 4 groups, renormalised over the k" in words, words
+    plain = tiny_config(model=dict(experts=8, top_k=2, layers=2))
+    [top_k] = [ln for ln in render_program(plain, compile_config(plain)).splitlines() if ln.startswith("TOP_K = ")]
+    assert "softmax, renormalised over the k" in top_k, top_k
+
+
 def test_training_program_holds_the_router_of_the_keys(tmp_path):
     """The generated program's MoE layer holds the router of the keys and routes with it."""
     from parcompile import runtime as rt

@@ -155,3 +155,16 @@ def test_damaged_plan_json_files_are_usage_errors_not_tracebacks(plans, capsys, 
     (tmp_path / "older.json").write_text(json.dumps(older))
     code, out, err = _run(capsys, plans[0], tmp_path / "older.json")
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_float_rounding_is_no_change(plans):
+    """Two plans whose times differ only in the last bits of a float (a sum taken in another
+    order: pp_comm 0.0006568 s -> 0.0006568 s, "+3.47e-18 s, +0.0%") differ in nothing a
+    reviewer reads; a change at the fourth significant digit still shows."""
+    from parcompile.plandiff import diff_plans
+    _, _, old, _ = plans
+    new = json.loads(json.dumps(old))
+    t = new["estimate"]["breakdown"]["pp_comm"] = old["estimate"]["breakdown"]["pp_comm"] * (1 + 4e-15)
+    assert t != old["estimate"]["breakdown"]["pp_comm"] and diff_plans(old, new) == []
+    new["estimate"]["breakdown"]["pp_comm"] = old["estimate"]["breakdown"]["pp_comm"] * 1.0001
+    assert [c.path for c in diff_plans(old, new)] == ["estimate.breakdown.pp_comm"]

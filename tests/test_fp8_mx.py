@@ -306,3 +306,25 @@ def test_the_plan_lists_the_experts_amax_all_reduces_over_expert_tp(recipe):
     a = p.micro_batch * mod.seq_len * mod.top_k
     assert sum(e.count * e.bytes for e in routed) == 3 * m * mod.layers * 4 * p.expert_tp * a
     assert [e.to_dict()["routed"] for e in routed] == [True] * len(routed)
+
+
+@pytest.mark.parametrize("keys", [dict(fp8_bf16_layers_end=1), dict(fp8_bf16_layers_start=1)])
+def test_routed_experts_of_a_bf16_layer_stay_in_16_bits(keys, tmp_path):
+    """The routed experts' GEMMs follow the layer's recipe as the dense linears do: a MoE
+    layer kept in 16 bits (fp8_bf16_layers_*) runs its experts in 16 bits, an FP8 layer in FP8,
+    wherever analysis/fp8.is_fp8_gemm marks the plan's ``experts`` op (was: the recipe of the
+    first MoE layer written into every MoE layer)."""
+    from parcompile import runtime as rt
+    from parcompile.analysis.fp8 import is_fp8_gemm
+    from parcompile.driver import compile_config
+    from parcompile.runtime.context import init_parallel
+    from tests.program_utils import build_program, tiny_config
+    cfg = tiny_config(model=dict(experts=4, top_k=2, expert_ffn_hidden=32),
+                      train=dict(precision="fp8", fp8_recipe="rowwise", **keys))
+    graph = compile_config(cfg).graph
+    want = {i: "rowwise" if is_fp8_gemm(graph.node(f"layers.{i}.mlp.experts"), graph) else None for i in range(4)}
+    assert sorted(want.values(), key=str) == [None, "rowwise", "rowwise", "rowwise"]
+    module, plan = build_program(cfg, tmp_path)
+    stage = module.Stage(plan, init_parallel(plan))
+    got = {int(name.split(".")[1]): mod.fp8 for name, mod in stage.named_modules() if isinstance(mod, rt.GroupedExperts)}
+    assert got == want

@@ -182,7 +182,8 @@ def test_unknown_block_and_block_given_twice():
     assert errors(MODEL + CLUSTER + PARALLEL + "paralel { }\nmodel n { }\n") == [
         ("unknown block `paralel`", 4, 1,
          "did you mean `parallel`? blocks are `model`, `cluster`, `parallel`, `train` or `serve`", None),
-        ("block `model` given twice", 5, 1, None, "first given at line 1"),
+        ("block `model` given twice", 5, 1, "move its keys into the `model` block at line 1 and remove this one",
+         "first given at line 1"),
     ]
 
 
@@ -208,7 +209,9 @@ def test_names_and_from_only_on_model_and_cluster():
 
 def test_train_and_serve_together():
     assert errors(MODEL + CLUSTER + PARALLEL + "train { }\nserve { }\n") == [
-        ("a spec has `train` or `serve`, not both", 5, 1, None, "`train` given at line 4")]
+        ("a spec has `train` or `serve`, not both", 5, 1,
+         "remove one of them: a training spec and a serving spec are two files (the same `model` block in each)",
+         "`train` given at line 4")]
 
 
 def test_unknown_key_and_key_twice():
@@ -216,6 +219,7 @@ def test_unknown_key_and_key_twice():
     assert [f[:3] for f in found] == [("unknown key `tpp` in `parallel`", 5, 3), ("key `tp` given twice", 6, 3)]
     assert found[0][3].startswith("did you mean `tp`? keys of `parallel` are dp, tp, pp, cp, ep, expert_tp, ")
     assert found[1][4] == "first given at line 4"
+    assert found[1][3] == "keep one `tp = ...`: remove this line or line 4"
 
 
 def test_missing_required_model_keys():

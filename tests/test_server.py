@@ -603,6 +603,20 @@ def test_cli_serve_compiles_writes_and_hands_the_program_to_the_server(tmp_path,
     assert seen["api_key"] == "flag"          # the flag wins over the environment
 
 
+def test_cli_serve_refuses_an_empty_api_key(tmp_path, monkeypatch, capsys):
+    """`--api-key ""` (say `--api-key "$KEY"` with KEY unset) is a usage error, not an open
+    server: a key that was asked for and came out empty must not serve without one."""
+    import parcompile.server as server_mod
+    from parcompile.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_mod, "run_server", lambda *a, **k: seen.update(ran=True) or 0)
+    (tmp_path / "s.par").write_text(_spec(2, 2))
+    assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out"), "--api-key", ""]) == 2
+    assert not seen
+    assert "--api-key" in capsys.readouterr().err
+
+
 def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
     from parcompile.cli import main
 
@@ -793,6 +807,45 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
             assert status == code and set(err) == {"message", "type", "param", "code"} and path in err["message"]
         for t in engines.tasks:
             t.cancel()
+
+    asyncio.run(main())
+
+
+def test_null_fields_take_openais_defaults():
+    """OpenAI's API reference types ``n`` ("integer or null"), ``stream`` and ``echo``
+    ("boolean or null") as nullable with defaults 1 and false: null is the default, as
+    ``temperature: null`` already was (was: 400 "Input should be a valid integer (got null)")."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines)
+
+        async def post(body, path="/v1/completions"):
+            status, raw = await _asgi(app, "POST", path, json.dumps(body).encode())
+            return status, json.loads(raw)
+
+        status, body = await post({"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None})
+        assert status == 200 and [c["text"] for c in body["choices"]] == ["AA"], body
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": None,
+                                   "stream": None}, "/v1/chat/completions")
+        assert status == 200 and len(body["choices"]) == 1, body
+        status, body = await post({"prompt": "hi", "max_tokens": 2, "n": "2"})     # a wrong type is still one
+        assert status == 400 and body["error"]["param"] == "n", body
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_chat_max_tokens_0_is_refused_without_naming_echo():
+    """Chat has no ``echo``: its ``max_tokens`` 0 is refused with a fix that it can take (was:
+    "it is only taken with `"echo": true`", a field chat refuses)."""
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        status, raw = await _asgi(_front(engines), "POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode())
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "max_tokens" and "echo" not in err["message"], err
+        assert "at least 1" in err["message"], err
 
     asyncio.run(main())
 

@@ -310,7 +310,7 @@ def test_reduce_dtype_checks():
     [d] = [x for x in _diags(_spec("bf16", "fp16")) if "reduce_dtype" in x.message]
     assert d.severity == "error" and d.help == "`reduce_dtype = fp32`, or `reduce_dtype = bf16`"
     assert not [x for x in _diags(_spec("bf16", "bf16")) if "reduce_dtype" in x.message]
-    for zero, dp, schedule, why in [(1, 2, "1f1b", "with zero = 1 gradients accumulate"),
+    for zero, dp, schedule, why in [(1, 2, "1f1b", "with zero = 1 the generated program accumulates gradients"),
                                     (2, 2, "zero_bubble", "the zero-bubble schedule"),
                                     (3, 1, "1f1b", "with dp * cp = 1 no gradient")]:
         [d] = [x for x in _diags(_spec("bf16", "bf16", zero, dp, schedule)) if "reduce_dtype" in x.message]

@@ -151,7 +151,9 @@ def _facts(op: OpData, layer: int, reduce: str | None, constants: Mapping[str, s
              "op": _fstring_name(op.name, layer)}
     if "top_k" in a:
         facts["top_k"] = constants.get("topk", str(a["top_k"]))
-    if a.get("kv_replicas") and facts["local"] is not None:   # one kv head of the whole projection
+    if a.get("kv_replicas") and facts["local"] is not None and "out_dim" in a:
+        # a k or v projection of a replicated kv head: one head of the whole projection (a
+        # replicated head's k_norm weight is head_dim wide either way)
         facts["local"] = (a["out_dim"].unit, *facts["local"][1:])
     if "in_dim" in a:
         facts["in_features"] = _size(a["in_dim"])
@@ -395,7 +397,9 @@ class _Writer:
         attr = name.removeprefix(self.prefix)
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
         facts["attr"] = attr
-        if op.fp8 and "fp8" in self.tables:   # some layers keep their GEMMs in 16 bits: a per-layer table
+        # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
+        # representative layer may be one of them: its op has no recipe, the others' do)
+        if "fp8" in self.tables and op.kind in ("linear", "experts"):
             facts["fp8"] = f", fp8={self.tables['fp8']}"
         attrs = program_attrs(op, self.every)
         more = dict(code.facts(attrs)) if code.facts is not None else {}

@@ -9,6 +9,7 @@ layer's ops do on one rank. The templates loop over this list; they decide nothi
 from __future__ import annotations
 
 from parcompile.codegen.program_data import ProgramData
+from parcompile.codegen.stage import router_words
 
 
 def _cls(head: str, doc: str, body: str) -> dict:
@@ -63,7 +64,8 @@ def train_classes(m, pd: ProgramData, c: dict, tables: dict[str, list[str]], siz
                         c["shared_class"]))
     if pd.moe_layer is not None:
         el, etp = sizes["experts_local"], c["moe_expert_tp"]
-        doc = (f"Mixture of experts (runtime/moe.py): a softmax top-{m.top_k} router over {m.experts} experts; each\n"
+        doc = (f"Mixture of experts (runtime/moe.py): a top-{m.top_k} router ({router_words(m)}) over {m.experts} "
+               "experts; each\n"
                "    (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts\n"
                f"    [r * {el}, (r + 1) * {el}) on ep rank r){', all-gathered over expert_tp' if etp else ''}; the\n"
                f"    expert MLPs run, and the rows return{' (reduce-scattered over expert_tp)' if etp else ''} by "

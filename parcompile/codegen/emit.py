@@ -282,7 +282,7 @@ def _step_notes(p, sp: bool) -> dict:
             "gather the embedding/output buckets; layer buckets just in time"),
         "reduce_note": f"finish the buckets' {'all-reduces' if p.zero == 0 else 'reduce-scatters'} over dp; then tied "
                        f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
-        "step_note": "then all-gather the updated shards" if p.zero in (1, 2) else "",
+        "step_note": " " * 46 + "# then all-gather the updated shards" if p.zero in (1, 2) else "",
         "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
     }
 
@@ -301,7 +301,9 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
     # every expert on every tp rank (serving with ep = 1: the experts op's ffn_axis): no expert axes
     whole = layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
-    return methods(ops, layer.index, full, pd.ops, subs, constants=constants,
+    # FP8 experts in some layers only (train.fp8_bf16_layers_*): each layer's recipe from LAYER_FP8
+    tables = {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 and not serve else {}
+    return methods(ops, layer.index, full, pd.ops, subs, tables, constants=constants,
                    serve=serve).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
 
 
@@ -512,10 +514,6 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
     sv = plan["serve"]
     weights = _data_path(s.weights, out_dir)
     kv_local, replicas = plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]
-    layout = [("KV_LOCAL", kv_local, "kv heads per rank")]
-    if replicas > 1:
-        layout.append(("KV_REPLICAS", replicas, "tp ranks holding the same kv head (vLLM-style replication when "
-                                                "tp > kv_heads)"))
     return {
         "name": comment_text(cfg.name),
         "version": version(),
@@ -529,7 +527,6 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "padded_vocab": plan["model"]["padded_vocab"],
         **_serve_model(cfg, pd, plan["model"]["padded_vocab"], kv_local),
         **_cache_layout(layer, kv_local, replicas),
-        "layout_constants": constant_lines(layout),
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": s.kv_dtype or m.dtype,
         "device": cfg.cluster.device_kind,
@@ -572,7 +569,9 @@ def _cache_layout(layer: LayerData, kv_local: int, replicas: int) -> dict:
     constants: ``kv_local`` kv heads of HEAD_DIM for k and for v (each on ``replicas`` tp
     ranks), or under multi-head latent attention (``attn.wkv_a`` in the graph) one latent of
     KV_LORA_RANK and the shared RoPE key of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's
-    ``v_dim``); ``cache_header`` says so in the program's docstring."""
+    ``v_dim``); ``cache_header`` says so in the program's docstring. ``layout_constants``:
+    KV_LOCAL (and KV_REPLICAS, which the replicated k and v projections read) for a cache of
+    kv heads; none for the latent cache, which has no kv heads."""
     wkv_a = layer.op("attn.wkv_a")
     if wkv_a is not None:
         latent = wkv_a.attr("out_dim").size
@@ -580,12 +579,17 @@ def _cache_layout(layer: LayerData, kv_local: int, replicas: int) -> dict:
         header = (f"the latent ({latent - rope.local_shape[-1]}) and RoPE key ({rope.local_shape[-1]}) per token, "
                   "replicated on every tp rank")
         return {"cache_heads": "1", "cache_dim": "KV_LORA_RANK", "cache_v": ", v_dim=QK_ROPE_HEAD_DIM",
-                "cache_header": header,
+                "cache_header": header, "layout_constants": [],
                 "cache_doc": "The latent cache of this rank's layers: the latent and the RoPE key, "
                              f"{latent} values per layer and token."}
     head_dim = layer.op("attn.wk").attr("out_dim").unit
     header = f"{kv_local} kv head(s) per rank" + (f", each replicated on {replicas} ranks" if replicas > 1 else "")
+    layout = [("KV_LOCAL", kv_local, "kv heads per rank")]
+    if replicas > 1:
+        layout.append(("KV_REPLICAS", replicas, "tp ranks holding the same kv head (vLLM-style replication when "
+                                                "tp > kv_heads)"))
     return {"cache_heads": "KV_LOCAL", "cache_dim": "HEAD_DIM", "cache_v": "", "cache_header": header,
+            "layout_constants": constant_lines(layout),
             "cache_doc": f"The KV cache of this rank's layers: 2 x {kv_local} kv head(s) x {head_dim} values per "
                          "layer and token."}
 

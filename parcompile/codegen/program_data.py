@@ -218,6 +218,11 @@ class ProgramData:
 
 def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None = None) -> OpData:
     local = nd.sharding.local_type(nd.type, degrees)
+    shape = local.shape
+    if nd.op.attr("kv_replicas"):
+        # serving with tp above kv_heads: a replicated kv head is unsplit in the graph
+        # (core/heads.py), each rank holds one whole head of it (the kv dim's unit)
+        shape = tuple(d.unit if d.name == "kv" else n for d, n in zip(local.dims, local.shape))
     ins = graph.inputs(nd.name)
     local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
     calls = tuple(CollectiveCall(nd.name, c.op, c.axis, c.phase, c.where)
@@ -225,7 +230,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None
                   if c.per == "microbatch" and nd.kind != "send_recv")
     splits = tuple(tuple(a for a in split_axes(nd.sharding.axis_of(d.name)) if degrees.get(a, 1) > 1)
                    for d in nd.type.dims)
-    return OpData(nd.name, nd.kind, nd.op.module, local.shape, tuple(d.name for d in local.dims), splits,
+    return OpData(nd.name, nd.kind, nd.op.module, shape, tuple(d.name for d in local.dims), splits,
                   str(nd.sharding), calls, tuple(ins), bool(nd.op.attr("regather")), nd.op.attrs,
                   tuple(p.grad_partial for p in nd.params), tuple(p.name for p in nd.params),
                   tuple(p.sharding.local_type(p.type, degrees).shape for p in nd.params), nd.type.shape,

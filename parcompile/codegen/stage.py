@@ -170,6 +170,16 @@ def norm_definition(pd: ProgramData) -> str:
     return f"Norm = rt.{cls}"
 
 
+def router_words(m) -> str:
+    """How model ``m``'s router scores and picks its top-k, in the programs' words (the
+    constants' comments and the MoE docstring): its scores (``scoring_func``), the group limit
+    (``topk_method = noaux_tc``) and whether the k weights are renormalised (``norm_topk_prob``,
+    which changes nothing for a single softmax choice)."""
+    return ("sigmoid" if m.scoring_func == "sigmoid" else "softmax") + (
+        f", within {m.topk_group} of {m.n_group} groups" if m.topk_method == "noaux_tc" else "") + (
+        ", renormalised over the k" if m.norm_topk_prob and (m.top_k > 1 or m.scoring_func == "sigmoid") else "")
+
+
 def constant_lines(rows: Sequence[tuple]) -> list[str]:
     """``NAME = value  # comment`` per row (``(NAME, value, comment)``; a row without a
     NAME is a comment line)."""
@@ -231,10 +241,9 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     ``expert_ffn_local``, ``aux_loss_scale``, ``seq_ranks``)."""
     layer = pd.dense_layer or pd.moe_layer
     mla = layer.op("attn.wkv_a") is not None
-    mlp = pd.dense_layer if pd.dense_layer is not None else pd.moe_layer
     rows = _attention_rows(m, mla, serve=False)
-    if mlp.op("mlp.w1") is not None:   # a dense MLP (the shared experts read SHARED_FFN)
-        rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))
+    if pd.dense_layer is not None and pd.dense_layer.op("mlp.w1") is not None:   # the dense MLP reads it (the
+        rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))                            # shared experts: SHARED_FFN)
     rows += [("VOCAB", m.vocab, ""),
              ("PADDED_VOCAB", padded, f"Megatron's rule: a multiple of {m.vocab_multiple} * tp; padded rows stay zero"),
              ("SEQ_LEN", m.seq_len, ""), ("NORM_EPS", m.norm_eps, ""), ("DROPOUT", m.dropout, "")]
@@ -246,7 +255,7 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
              ("ACT_DTYPE", f"torch.{dtype}", "weights, activations, and what crosses a stage boundary")]
     if pd.moe_layer is not None:
         rows += [("EXPERTS", m.experts, f"routed experts per MoE layer: {aux['experts_local']} per ep rank"),
-                 ("TOP_K", m.top_k, "experts per token (softmax top-k router, dropless)"),
+                 ("TOP_K", m.top_k, f"experts per token ({router_words(m)}; dropless)"),
                  ("EXPERT_FFN", m.expert_ffn_hidden,
                   f"inner width of one expert: {aux['expert_ffn_local']} per expert_tp rank")]
         if pd.moe_layer.op("mlp.shared.w1") is not None:
@@ -272,11 +281,8 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     if pd.dense_layer is not None:
         rows.append(("FFN_HIDDEN", m.ffn_hidden, ""))
     if pd.moe_layer is not None:
-        router = ("sigmoid" if m.scoring_func == "sigmoid" else "softmax") + (
-            f", within {m.topk_group} of {m.n_group} groups" if m.topk_method == "noaux_tc" else "") + (
-            ", renormalised over the k" if m.norm_topk_prob and (m.top_k > 1 or m.scoring_func == "sigmoid") else "")
         rows += [("EXPERTS", m.experts, f"routed experts per MoE layer, {aux['experts_local']} on each ep rank"),
-                 ("EXPERTS_PER_TOKEN", m.top_k, f"the router's top-k ({router}; dropless)"),
+                 ("EXPERTS_PER_TOKEN", m.top_k, f"the router's top-k ({router_words(m)}; dropless)"),
                  ("EXPERT_FFN", m.expert_ffn_hidden, f"inner width of one expert: {aux['expert_ffn_local']} per rank")]
         if m.shared_experts:
             rows.append(("SHARED_FFN", m.shared_experts * m.expert_ffn_hidden,
@@ -293,5 +299,5 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     return constant_lines(rows)
 
 
-__all__ = ["constant_lines", "head_weight", "norm_definition", "outer_ops", "serve_constants", "serve_positions",
-           "stage_code", "train_constants", "train_positions"]
+__all__ = ["constant_lines", "head_weight", "norm_definition", "outer_ops", "router_words", "serve_constants",
+           "serve_positions", "stage_code", "train_constants", "train_positions"]

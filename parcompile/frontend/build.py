@@ -234,7 +234,8 @@ class _Values:
 
     def _in_range(self, key: str, t: KeyType, x: float, v: ast.Value) -> bool:
         if not math.isfinite(x):
-            self.bag.error(f"expected a finite number, got `{v.text}`", v.span)
+            self.bag.error(f"expected a finite number, got `{v.text}`", v.span,
+                           help=f"`{v.text}` overflows a float: write a number below 1.8e308")
             return False
         too_low = t.low is not None and (x <= t.low if t.low_open else x < t.low)
         too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
@@ -399,7 +400,8 @@ class _Builder:
                 continue
             if kind in self.blocks:
                 first = self.blocks[kind].span.line
-                self.bag.error(f"block `{kind}` given twice", block.span, note=f"first given at line {first}")
+                self.bag.error(f"block `{kind}` given twice", block.span, note=f"first given at line {first}",
+                               help=f"move its keys into the `{kind}` block at line {first} and remove this one")
                 continue
             if kind not in NAMED_BLOCKS:
                 if block.name is not None:
@@ -419,7 +421,9 @@ class _Builder:
             train, serve = self.blocks["train"], self.blocks["serve"]
             later, earlier = (serve, train) if serve.span.line >= train.span.line else (train, serve)
             self.bag.error("a spec has `train` or `serve`, not both", later.span,
-                           note=f"`{earlier.kind}` given at line {earlier.span.line}")
+                           note=f"`{earlier.kind}` given at line {earlier.span.line}",
+                           help="remove one of them: a training spec and a serving spec are two files (the same "
+                                "`model` block in each)")
         for kind, example in REQUIRED_BLOCKS.items():
             if kind not in self.blocks:
                 self.bag.error(f"missing `{kind}` block", Span.unknown(self.spec.filename),
@@ -432,7 +436,8 @@ class _Builder:
             key = entry.key
             if key in seen:
                 self.bag.error(f"key `{key}` given twice", entry.key_span,
-                               note=f"first given at line {seen[key].key_span.line}")
+                               note=f"first given at line {seen[key].key_span.line}",
+                               help=f"keep one `{key} = ...`: remove this line or line {seen[key].key_span.line}")
                 continue
             seen[key] = entry
             if key not in keys:

@@ -208,7 +208,9 @@ def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
         if rotary != int(rotary) or int(rotary) % 2:
             ctx.bag.error(f"RoPE needs an even number of dims per head: head_dim({m.head_dim}) * "
                           f"rotary_fraction({m.rotary_fraction:g}) = {rotary:g}",
-                          ctx.span("model.rotary_fraction", "model.head_dim", "model.heads"))
+                          ctx.span("model.rotary_fraction", "model.head_dim", "model.heads"),
+                          help="make head_dim * rotary_fraction an even whole number (another `heads`, "
+                               "`head_dim` or `rotary_fraction`), or use `position = learned` or `none`")
 
 
     if m.qk_norm and m.norm != "rmsnorm" and ctx.ok("model.qk_norm", "model.norm"):
@@ -521,7 +523,8 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                           help=f"ep may be {_may_be(eps)}{fold}",
                           note="each expert-parallel rank holds experts / ep whole experts")
         if ctx.ok("model.top_k") and m.top_k > m.experts:
-            ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"))
+            ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"),
+                          help=f"route each token to at most {m.experts} experts, or add experts")
         if ctx.ok("parallel.tp", "parallel.sequence_parallel") and p.tp > 1 and not p.sequence_parallel \
                 and cfg.workload != "serve":   # serving routes replicated tokens on every tp rank (vLLM)
             # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
@@ -530,7 +533,8 @@ def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                           note="each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
                                "parallelism for MoE with tensor parallelism)")
     if m.dense_layers > m.layers and ctx.ok("model.dense_layers", "model.layers"):
-        ctx.bag.error(f"dense_layers = {m.dense_layers} exceeds layers = {m.layers}", ctx.span("model.dense_layers"))
+        ctx.bag.error(f"dense_layers = {m.dense_layers} exceeds layers = {m.layers}", ctx.span("model.dense_layers"),
+                      help=f"keep at most {m.layers} leading layers dense (`dense_layers = {m.layers}`: no MoE layer)")
     if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):
         folded = p.expert_tp * p.ep
         dense = p.tp * p.cp * p.dp
@@ -826,7 +830,8 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
         return
     t = cfg.train
     if ctx.ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
-        ctx.bag.error(f"min_lr = {t.min_lr:g} exceeds lr = {t.lr:g}", ctx.span("train.min_lr"))
+        ctx.bag.error(f"min_lr = {t.min_lr:g} exceeds lr = {t.lr:g}", ctx.span("train.min_lr"),
+                      help=f"the schedule decays from lr to min_lr: use a min_lr of at most {t.lr:g}")
     if ctx.ok("train.warmup_steps", "train.steps") and t.warmup_steps > t.steps:
         ctx.bag.warning(f"warmup_steps = {t.warmup_steps} exceeds steps = {t.steps}: the learning rate "
                         f"never leaves warmup", ctx.span("train.warmup_steps"))
@@ -1086,11 +1091,13 @@ def _check_limits(cfg: SpecConfig, ctx: CheckContext) -> None:
     m, p, c = cfg.model, cfg.parallel, cfg.cluster
     if ctx.ok("model.layers") and m.layers > MAX_LAYERS:
         ctx.bag.error(f"layers = {m.layers} is more than parcompile plans (at most {MAX_LAYERS})",
-                      ctx.span("model.layers"), note="the largest published dense models have under 200 layers")
+                      ctx.span("model.layers"), note="the largest published dense models have under 200 layers",
+                      help=f"use at most {MAX_LAYERS} layers")
     if ctx.ok("cluster.nodes", "cluster.gpus_per_node") and c.nodes * c.gpus_per_node > MAX_WORLD_SIZE:
         ctx.bag.error(f"world_size({c.nodes * c.gpus_per_node}) = nodes({c.nodes}) * gpus_per_node("
                       f"{c.gpus_per_node}) is more than parcompile plans (at most {MAX_WORLD_SIZE} ranks)",
-                      ctx.span("cluster.gpus_per_node", "cluster.nodes"))
+                      ctx.span("cluster.gpus_per_node", "cluster.nodes"),
+                      help=f"use at most {MAX_WORLD_SIZE // c.gpus_per_node:,} nodes of {c.gpus_per_node} GPUs")
     if ctx.ok("parallel.global_batch", "parallel.micro_batch", "parallel.dp", "parallel.pp",
               "parallel.virtual_stages") and p.global_batch % (p.micro_batch * p.dp) == 0:
         num_micro = p.global_batch // (p.micro_batch * p.dp)

@@ -160,7 +160,9 @@ def _embedding_code(a) -> Code:
         rows = "self.positions.chunk(self.tp.size)[self.tp.index]" if "tp" in a["_seq_split"] else "self.positions"
         return Code(build="nn.Module()", call="{self}.weight[" + rows + "]", serve_call="{self}.weight[pos.positions]",
                     init=("self.{attr}.weight = rt.make_param({param}, (MAX_POSITIONS, {dim}), SEED, 0.02, tp, None)",),
-                    comment="the positions' rows", inline=False, var="positions")
+                    # inline: the add reads the token embedding first, whose call gathers a ZeRO-3
+                    # bucket holding this table too (runtime/optim.py LayerGather's pre-hook)
+                    comment="the positions' rows")
     scale = f", scale={a['scale']!r}" if a.get("scale") is not None else ""
     tied = ("if not self.has_last:   # the LM head on the last stage reads this weight",
             "    self.{attr}.weight.tied = True") if a.get("_tied_by") else ()

@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
+import json
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -776,8 +776,9 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
 
 
 def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu") -> dict:
-    """The step's plan ``msg`` (given on rank ``src``) on every rank of ``group``: pickled
-    behind its 8-byte length into a buffer of :data:`parcompile.core.model.STEP_PLAN_BYTES`,
+    """The step's plan ``msg`` (given on rank ``src``; plain JSON data: ids, token lists,
+    sampling parameters) on every rank of ``group``: as JSON (never pickle: a rank unpickles
+    nothing) behind its 8-byte length into a buffer of :data:`parcompile.core.model.STEP_PLAN_BYTES`,
     one broadcast while it fits and a second for the rest (``broadcast_object_list`` takes
     two broadcasts every step, its size's and its bytes': a collective per step saved). The
     buffers live on ``device`` (the group's backend's: NCCL's are on the GPU)."""
@@ -785,7 +786,7 @@ def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu"
     head = STEP_PLAN_BYTES - 8
     data = b""
     if is_src:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = json.dumps(msg, separators=(",", ":")).encode()
         first = len(data).to_bytes(8, "little") + data[:head]
         buf[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
     buf = buf.to(device)
@@ -804,7 +805,7 @@ def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu"
         dist.broadcast(tail, src=src, group=group)
         if not is_src:
             data += tail.cpu().numpy().tobytes()
-    return msg if is_src else pickle.loads(data)
+    return msg if is_src else json.loads(data)
 
 
 def _leader_plan(conn, sched: Scheduler) -> dict:

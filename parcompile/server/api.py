@@ -281,8 +281,9 @@ class Handlers:
                                 f"per replica (the spec's serve `batch` over its dp replicas), so a prompt's samples "
                                 f"are at most that", param=name, code="invalid_value")
         if req.max_tokens == 0 and not getattr(req, "echo", False):
-            raise ApiError(400, "`max_tokens` 0 asks for no output: it is only taken with `\"echo\": true` (the "
-                                "prompt's logprobs)", param="max_tokens", code="invalid_value")
+            scores = " or `\"echo\": true` (the prompt's logprobs)" if "echo" in model_cls.model_fields else ""
+            raise ApiError(400, f"`max_tokens` 0 asks for no output: ask for at least 1 token{scores}",
+                           param="max_tokens", code="invalid_value")
         if req.max_tokens == 0 and req.stream:
             raise ApiError(400, "`max_tokens` 0 (the prompt's logprobs only) is not streamed", param="max_tokens",
                            code="invalid_value")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      WrapValidator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, WrapValidator)
 from pydantic_core import PydanticCustomError
 
 #: the chat template of a tokenizer that has none (a byte-level model): one line per message
@@ -75,6 +75,13 @@ def _one_of(describe: Callable[[Any], str]) -> WrapValidator:
     return WrapValidator(wrap)
 
 
+def _null_is(default) -> BeforeValidator:
+    """A field OpenAI's API reference types "X or null" with a default: null is that default
+    (``n``: "integer or null", defaults to 1; ``stream``, ``echo``: "boolean or null",
+    defaults to false); another value is validated as the field's type."""
+    return BeforeValidator(lambda v: default if v is None else v)
+
+
 def _is_id(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -101,9 +108,9 @@ class _Sampling(BaseModel):
     stop: Annotated[Optional[Union[StrictStr, list[StrictStr]]],
                     _one_of(lambda v: "must be a string or a list of strings")] = None
     seed: Optional[StrictInt] = None
-    stream: StrictBool = False
+    stream: Annotated[StrictBool, _null_is(False)] = False
     stream_options: Optional["StreamOptions"] = None
-    n: StrictInt = Field(1, ge=1)
+    n: Annotated[StrictInt, _null_is(1)] = Field(1, ge=1)
     return_token_ids: StrictBool = False
 
 
@@ -140,7 +147,7 @@ MAX_SEQUENCES = 256
 class CompletionRequest(_Sampling):
     prompt: Annotated[Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]],
                       _one_of(_prompt_problem)]
-    echo: StrictBool = False
+    echo: Annotated[StrictBool, _null_is(False)] = False
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[StrictInt] = Field(None, ge=1)
 

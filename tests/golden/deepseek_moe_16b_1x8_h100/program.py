@@ -49,7 +49,7 @@ WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.002672612419124244  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 EXPERTS = 64  # routed experts per MoE layer: 8 per ep rank
-TOP_K = 6  # experts per token (softmax top-k router, dropless)
+TOP_K = 6  # experts per token (softmax, renormalised over the k; dropless)
 EXPERT_FFN = 1408  # inner width of one expert: 1408 per expert_tp rank
 SHARED_FFN = 2816  # 2 shared (always-on) expert(s), one MLP, tensor parallel over tp
 DENSE_LAYERS = 1  # leading layers with a dense MLP
@@ -131,7 +131,7 @@ class SharedMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture of experts (runtime/moe.py): a softmax top-6 router over 64 experts; each
+    """Mixture of experts (runtime/moe.py): a top-6 router (softmax, renormalised over the k) over 64 experts; each
     (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts
     [r * 8, (r + 1) * 8) on ep rank r); the
     expert MLPs run, and the rows return by all-to-all, weighted by the router.

@@ -180,8 +180,7 @@ class Stage(nn.Module):
         return self.embedding.weight if self.has_first else self.lm_head.weight
 
     def embed(self, x):                                         # x: token ids (B, T)
-        positions = self.pos_embedding.weight[self.positions]   # (B, T=2048, h=12288): the positions' rows
-        return self.embedding(x) + positions                    # (B, T=2048, h=12288): embedding.all_reduce: forward all_reduce(tp)
+        return self.embedding(x) + self.pos_embedding.weight[self.positions]  # (B, T=2048, h=12288): embedding.all_reduce: forward all_reduce(tp); the positions' rows
 
     def head(self, x):                                          # x: (B, T=2048, h=12288)
         h = rt.copy_to_tp(self.final_norm(x), self.tp)          # (B, T=2048, h=12288): lm_head.bwd_all_reduce: backward all_reduce(tp)
@@ -286,7 +285,7 @@ def main(argv=None) -> dict:
             grad = opt.grad_norm()
             rt.check_grad_norm(grad, step + 1, ctx, saved)      # NaN or inf: stop before it reaches the weights
             opt.clip(grad, TRAIN["grad_clip"])
-            opt.step()                                              # 
+            opt.step()
         loss = rt.reduce_loss(result.loss, ctx)
         rt.check_loss(loss, step + 1, ctx, saved)               # NaN or inf: every rank stops, nothing of the step saved
         if step == start:

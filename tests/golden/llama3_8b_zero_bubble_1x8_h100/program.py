@@ -286,7 +286,7 @@ def main(argv=None) -> dict:
             grad = opt.grad_norm()
             rt.check_grad_norm(grad, step + 1, ctx, saved)      # NaN or inf: stop before it reaches the weights
             opt.clip(grad, TRAIN["grad_clip"])
-            opt.step()                                              # 
+            opt.step()
         loss = rt.reduce_loss(result.loss, ctx)
         rt.check_loss(loss, step + 1, ctx, saved)               # NaN or inf: every rank stops, nothing of the step saved
         if step == start:

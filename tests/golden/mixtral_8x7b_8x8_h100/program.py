@@ -48,7 +48,7 @@ WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0025  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 EXPERTS = 8  # routed experts per MoE layer: 1 per ep rank
-TOP_K = 2  # experts per token (softmax top-k router, dropless)
+TOP_K = 2  # experts per token (softmax, renormalised over the k; dropless)
 EXPERT_FFN = 14336  # inner width of one expert: 14336 per expert_tp rank
 # load-balancing loss alpha * E * sum_e f_e P_e (Switch Transformer), alpha = 0.01; its
 # gradient is scaled like the loss: / micro-batches / 2 (the tp ranks splitting a sequence)
@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture of experts (runtime/moe.py): a softmax top-2 router over 8 experts; each
+    """Mixture of experts (runtime/moe.py): a top-2 router (softmax, renormalised over the k) over 8 experts; each
     (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts
     [r * 1, (r + 1) * 1) on ep rank r); the
     expert MLPs run, and the rows return by all-to-all, weighted by the router.
