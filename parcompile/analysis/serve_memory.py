@@ -79,7 +79,7 @@ def prefill_step(cfg) -> tuple[int, int, int]:
     sequences of the replica (``ceil(batch / dp)``; the server's ``max_seqs``), each with
     ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
     a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
-    (runtime/paged.py ``Scheduler.next_step``) prefills at most that many prompt tokens
+    (runtime/scheduler.py ``Scheduler.next_step``) prefills at most that many prompt tokens
     per step and left-pads every row of the step to its longest (``paged_step``): ``tokens
     = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk of a prompt
     attending all ``prompt_len`` keys."""
