@@ -91,14 +91,14 @@ def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int,
 
 
 #: the engines whose ``recompute = selective`` is torchtitan's op-level policy: those whose
-#: ``Engine.sac`` is ``"op"`` in :data:`parcompile.analysis.estimate.ENGINES` (which imports
-#: this module; tests/test_analysis.py pins the two equal)
+#: ``Engine.sac`` is ``"op"`` in :data:`parcompile.analysis.efficiency.ENGINES` (tests/test_analysis.py
+#: pins the two equal)
 OP_SAC_ENGINES = frozenset({"eager", "compile", "automodel"})
 
 
 def op_sac(graph: Graph, recompute: str, engine: str = "megatron", fp8: bool = False) -> frozenset[str] | None:
     """``recompute = selective`` under an engine whose ``Engine.sac`` is ``"op"`` (``eager``,
-    ``compile``, ``automodel``: :data:`parcompile.analysis.estimate.ENGINES`) is torchtitan's op-level
+    ``compile``, ``automodel``: :data:`parcompile.analysis.efficiency.ENGINES`) is torchtitan's op-level
     selective activation checkpointing (``selective_ac_option = "op"``,
     ``torchtitan/models/llama3/infra/parallelize.py``: the outputs of the matmuls and of
     the attention kernel are saved, every other matmul of a layer, counted in forward
