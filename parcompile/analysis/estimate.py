@@ -341,6 +341,26 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     rec = tuple(gemms(*t) + attention(t[2], sc) + y / ebw + n * per_op
                 for t, sc, y, n in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic,
                                        compute.chunk_recompute_ops or z))
+    cf, cb, p2p = _chunk_comm(cfg, degrees, groups, compute, comm, links, f8, rate)
+    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
+                      weighted, ovh)
+
+
+def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
+                compute: ComputeReport, comm: CommReport, links: Mapping | None, f8, rate: float
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
+    """The communication part of :func:`chunk_times`: per axis family (tp, cp, ep) and
+    chunk, the seconds of the forward's (``cf``) and backward's (``cb``, with the
+    recomputed forward's under full recomputation) blocking collectives of ``comm.raw``,
+    each timed by the network model on its axis' link (:func:`collective_time`; the ep
+    all-to-alls at :func:`routed_share` of their bytes, FP8 collectives at ``f8``'s bytes,
+    an overlapped tp collective by :func:`tp_exposed` against its GEMM at ``rate``
+    FLOP/s), the FP8 tensorwise scales' all-reduces over tp, and ``p2p``: the longest
+    pipeline send (Megatron-LM's scatter/gather over tp without sequence parallelism)."""
+    par, cl = cfg.parallel, cfg.cluster
+    eff = efficiency(cl)
+    nchunks = par.pp * par.virtual_stages
+    z8 = (0,) * len(compute.chunk_fwd_flops)
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
@@ -384,8 +404,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
             w = n if f8.amax_weights else 0
             cf["tp"][k] += (g + w) * one
             cb["tp"][k] += (sc + w + ((g + w) if par.recompute == "full" else 0)) * one
-    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
-                      weighted, ovh)
+    return cf, cb, p2p
 
 
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
