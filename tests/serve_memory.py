@@ -67,7 +67,7 @@ def measure_prefill(out: Path, batch: int, prompt_len: int, seed: int = 0) -> in
         step = req.step(0, prompt_len)                  # the step's masks
         logits = model.forward(ids, step)
         full = gen.gather_vocab(logits, ctx.tp)
-        # nucleus sampling: the sampler's largest working set (analysis/serve.py SAMPLER_BYTES)
+        # nucleus sampling: the sampler's largest working set (analysis/serve_memory.py SAMPLER_BYTES)
         gen.pick_tokens(full, mod.VOCAB, 0.7, 0, torch.Generator().manual_seed(seed), 0.9)
         del logits, full, step
     return peak_live_bytes(prof.profiler.kineto_results.events())

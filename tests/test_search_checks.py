@@ -29,8 +29,13 @@ from parcompile.frontend import load_spec
 from parcompile.search import check_layout, with_parallel
 from parcompile.search.space import LayoutChecker, layout_blocks, row_parallel
 
-_CHECKS_SOURCE = ast.parse(inspect.getsource(C))
-_MODULE_FUNCS = {n.name: n for n in _CHECKS_SOURCE.body if isinstance(n, ast.FunctionDef)}
+#: the module-level functions of the checks' modules (checks.py and the frontend modules
+#: whose functions it imports: the checks and the helpers they call), by name
+_CHECK_MODULES = sorted({inspect.getmodule(f) for f in vars(C).values()
+                         if inspect.isfunction(f) and f.__module__.startswith("parcompile.frontend.")} | {C},
+                        key=lambda m: m.__name__)
+_MODULE_FUNCS = {n.name: n for m in _CHECK_MODULES for n in ast.parse(inspect.getsource(m)).body
+                 if isinstance(n, ast.FunctionDef)}
 
 
 class _Unknown(Exception):

@@ -1,4 +1,4 @@
-"""The serving workspace from the graph (parcompile/analysis/serve.py ``serve_workspace``)
+"""The serving workspace from the graph (parcompile/analysis/serve_memory.py ``serve_workspace``)
 against the peak bytes torch.profiler measures while the generated serve program prefills
 (tests/serve_memory.py), and a case counted by hand."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from parcompile.analysis.serve import prefill_step, serve_workspace
+from parcompile.analysis.serve_memory import prefill_step, serve_workspace
 from parcompile.passes.manager import compile_graph
 
 from tests.serve_memory import measure_prefill

@@ -91,14 +91,14 @@ def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int,
 
 
 #: the engines whose ``recompute = selective`` is torchtitan's op-level policy: those whose
-#: ``Engine.sac`` is ``"op"`` in :data:`parcompile.analysis.estimate.ENGINES` (which imports
-#: this module; tests/test_analysis.py pins the two equal)
+#: ``Engine.sac`` is ``"op"`` in :data:`parcompile.analysis.efficiency.ENGINES` (tests/test_analysis.py
+#: pins the two equal)
 OP_SAC_ENGINES = frozenset({"eager", "compile", "automodel"})
 
 
 def op_sac(graph: Graph, recompute: str, engine: str = "megatron", fp8: bool = False) -> frozenset[str] | None:
     """``recompute = selective`` under an engine whose ``Engine.sac`` is ``"op"`` (``eager``,
-    ``compile``, ``automodel``: :data:`parcompile.analysis.estimate.ENGINES`) is torchtitan's op-level
+    ``compile``, ``automodel``: :data:`parcompile.analysis.efficiency.ENGINES`) is torchtitan's op-level
     selective activation checkpointing (``selective_ac_option = "op"``,
     ``torchtitan/models/llama3/infra/parallelize.py``: the outputs of the matmuls and of
     the attention kernel are saved, every other matmul of a layer, counted in forward
@@ -226,6 +226,48 @@ class ComputeReport:
                  "chunk_recompute_fp8_in_tp", "chunk_fp8_operands", "chunk_recompute_fp8_operands")
 
 
+def fused_attention_work(graph: Graph, nd: Node, a: Mapping, degrees: Mapping[str, int]) -> dict[str, float]:
+    """A fused attention core's forward on one rank under ``degrees`` (``a``: its attributes,
+    the kernel resolved, :func:`parcompile.core.attention.with_kernel`), for
+    :func:`compute_report`: ``af`` its local FLOPs, ``aw`` the work its kernel runs (the
+    causal blocks; a sliding window's only where the kernel skips the masked blocks, else
+    every causal block of the full sequence) over the kernel's relative ``speed``, ``as``
+    that work per head dim (the scores, whose exponentials the time model weighs)."""
+    kernel = attention_kernel(a)
+    local = op_fwd_flops(graph, nd, degrees)
+    if kernel.skips_masked_blocks:
+        work = local * causal_share(a)
+    else:   # every causal block of the full sequence, the window only masked
+        plain = {**a, "window": 0}
+        full = replace(nd, op=replace(nd.op, attrs=tuple(plain.items())))
+        work = op_fwd_flops(graph, full, degrees) * causal_share(plain)
+    work /= kernel.speed
+    return {"af": local, "aw": work, "as": work / a["head_dim"]}
+
+
+def _count_fp8_casts(graph: Graph, nd: Node, degrees: Mapping[str, int], f8: dict[str, list], c: int,
+                     again: bool, cast_seen: set[str]) -> None:
+    """Add node ``nd``'s FP8 GEMM counters (:data:`F8_KEYS`, :func:`parcompile.analysis.fp8.cast_elements`)
+    to chunk ``c`` of ``f8`` for :func:`compute_report` (``again``: it is recomputed);
+    GEMMs that share an input count its cast once (``cast_seen``)."""
+    x, xt, y, yt, w = cast_elements(graph, nd, degrees)
+    if not x:
+        return
+    f8["op"][c] += x
+    if again:
+        f8["rop"][c] += x
+    if cast_input(graph, nd) in cast_seen:   # one cast for the GEMMs that share an input
+        x = xt = 0
+    cast_seen.add(cast_input(graph, nd))
+    f = op_fwd_flops(graph, nd, degrees)
+    for k, v in (("f", f), ("i", x), ("it", xt), ("o", y), ("ot", yt), ("w", w), ("n", 1),
+                 ("g", int(x != xt)), ("s", int(y != yt))):
+        f8[k][c] += v
+    if again:
+        for k, v in (("rf", f), ("ri", x), ("rit", xt), ("rw", w)):
+            f8[k][c] += v
+
+
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
                    num_microbatches: int, recompute: str, engine: str = "megatron",
                    kernels: str | None = None, fp8: bool = False) -> ComputeReport:
@@ -260,17 +302,7 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
             a = with_kernel(nd.op.attr_map, kernels or engine)
             nd = replace(nd, op=replace(nd.op, attrs=tuple(a.items())))
         if nd.kind == "attention" and attention_kernel(a).fused:
-            kernel = attention_kernel(a)
-            local = op_fwd_flops(graph, nd, degrees)
-            if kernel.skips_masked_blocks:
-                work = local * causal_share(a)
-            else:   # every causal block of the full sequence, the window only masked
-                plain = {**a, "window": 0}
-                full = replace(nd, op=replace(nd.op, attrs=tuple(plain.items())))
-                work = op_fwd_flops(graph, full, degrees) * causal_share(plain)
-            work /= kernel.speed
-            got = {"af": local, "aw": work, "as": work / a["head_dim"]}
-            for k, v in got.items():
+            for k, v in fused_attention_work(graph, nd, a, degrees).items():
                 parts[k][c] += v
                 if again:
                     rparts[k][c] += v
@@ -286,21 +318,7 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
             traffic[c] += moved
             if again:
                 rec_traffic[c] += moved
-        x, xt, y, yt, w = cast_elements(graph, nd, degrees)
-        if x:
-            f8["op"][c] += x
-            if again:
-                f8["rop"][c] += x
-            if cast_input(graph, nd) in cast_seen:   # one cast for the GEMMs that share an input
-                x = xt = 0
-            cast_seen.add(cast_input(graph, nd))
-            f = op_fwd_flops(graph, nd, degrees)
-            for k, v in (("f", f), ("i", x), ("it", xt), ("o", y), ("ot", yt), ("w", w), ("n", 1),
-                         ("g", int(x != xt)), ("s", int(y != yt))):
-                f8[k][c] += v
-            if again:
-                for k, v in (("rf", f), ("ri", x), ("rit", xt), ("rw", w)):
-                    f8[k][c] += v
+        _count_fp8_casts(graph, nd, degrees, f8, c, again, cast_seen)
         g = op_fwd_flops(graph, nd)
         if g == 0:
             continue

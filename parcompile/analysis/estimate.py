@@ -99,20 +99,25 @@ busiest rank's work), bubble, pp_comm, dp_comm, optimizer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Mapping, Sequence
 
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.compute import ComputeReport
+# the cluster's rates and engine, and the network model, live in their own modules; their
+# names stay importable from here (re-exported) for the estimate's callers
+from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, EFFICIENCY, ENGINES,  # noqa: F401
+                                            Efficiency, Engine, attention_efficiency, efficiency, engine,
+                                            fp8_efficiency)
 from parcompile.analysis.fp8 import (assumptions as fp8_assumptions, enabled as fp8_enabled, fp8_costs,
                                     weight_cast_bytes)
+from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
+                                         Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
+                                         collective_algorithms, collective_time, links_of, make_link, nic_share)
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
                                      reshard_after_forward)
-from parcompile.core.groups import groups_placement
 from parcompile.core.schedule import interleaved_warmup, simulate
 
 
@@ -123,184 +128,6 @@ BACKWARD_TRAFFIC = 1.5
 #: optimizer-step bytes read + written per parameter held (fp32 gradient, master weight,
 #: two moments, 16-bit weight; see :func:`optimizer_time`)
 OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 + 8)}
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Achievable fractions of a GPU's datasheet numbers: ``matmul`` of ``peak_flops``
-    for the arithmetic of large dense GEMMs in training (the operand and weight traffic is
-    timed apart, :func:`chunk_times`), ``memory`` of ``hbm_bw`` for streaming kernels,
-    ``link`` of the NVLink bandwidth NCCL's rings reach (nccl-tests bus bandwidth), ``net``
-    and ``nvls`` for the network and NVLink SHARP (:class:`Link`);
-    ``attention`` and ``attention_fa2`` of ``peak_flops`` for a causal fused attention
-    core, forward and backward together (three times the forward's FLOPs over their
-    time): the fused kernel Megatron-Core runs (Transformer Engine's cuDNN / FlashAttention-3
-    kernels) and PyTorch's SDPA (FlashAttention-2), what eager engines run."""
-
-    matmul: float
-    memory: float
-    link: float
-    source: str
-    attention: float = 0.45
-    attention_fa2: float = 0.45
-    #: the share of an overlapped collective's time the compute beneath it loses: NCCL's
-    #: ring kernels occupy up to 32 channels, one streaming multiprocessor each, and
-    #: the GEMMs run on the others meanwhile (:func:`dp_exposed`)
-    overlap: float = 0.24
-    #: ``peak_flops / (4 x exponentials per second)``: the head dim at which a fused
-    #: attention kernel's softmax exponentials (one per score, on the special-function
-    #: units) take as long as its matmuls (4 x head_dim FLOPs per score); ``attention``
-    #: and ``attention_fa2`` are measured at head dim 128 (:func:`chunk_times`)
-    softmax_dim: float = 63.0
-    #: the network model (:class:`Link`): ``net`` of ``inter_node_bw`` a GPU's rail NIC
-    #: carries in NCCL's collectives (a NDR 400 Gb/s ConnectX-7 46-49 of 50 GB/s); ``nvls``
-    #: of ``intra_node_bw``: the NVLS (NVLink SHARP) all-reduce's algorithm bandwidth where
-    #: the cluster has it (``cluster.nvls``); ``link`` is the ring's bus bandwidth on NVLink
-    net: float = 0.94
-    nvls: float = 0.0
-    #: ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`): the achievable fraction of
-    #: the FP8 peak of the FP8 GEMMs' arithmetic, tensorwise and MXFP8 (``fp8``) and rowwise
-    #: (``fp8_rowwise``: torchao's rowwise-scaled GEMM and its column-wise casts); fitted to
-    #: the FP8 rows of :mod:`parcompile.analysis.calibration` only (FP8 GEMMs reach a lower
-    #: share of their peak than 16-bit ones): the h100-sxm's, which every preset takes until
-    #: FP8 rows of its own are handed
-    fp8: float = 0.51
-    fp8_rowwise: float = 0.32
-    fp8_source: str = (
-        "fp8, fp8_rowwise: fitted on the h100-sxm to the torchtitan float8 rows (asyncTP_llama3_h100_2025-06 at "
-        "2887250, Llama 3.1 70B and 8B, vanilla TP; analysis/calibration.py FP8_ROWS): 0.51 (tensorwise) and 0.32 "
-        "(rowwise) of the FP8 peak, against the bf16 GEMMs' 0.67 of theirs; other presets take the h100-sxm's "
-        "(no FP8 row of their own)")
-
-
-@dataclass(frozen=True)
-class Engine:
-    """What the training engine the estimate assumes does beyond the GPU's rates
-    (``cluster.engine``; plan.json ``estimate.assumptions.engine``):
-
-    * ``elementwise``: bytes its non-matmul kernels move over the fused count of
-      ``OpSpec.traffic`` (1: one kernel per norm, activation, RoPE, residual add and loss);
-    * ``attention``: the rate class of its attention kernels (``"fused"``: :attr:`Efficiency.attention`,
-      ``"fa2"``: :attr:`Efficiency.attention_fa2`); which kernel each attention variant runs, and
-      its speed relative to this rate, is :data:`parcompile.core.attention.ATTENTION_KERNELS`;
-    * ``expert_rows``: a grouped GEMM's fixed cost per local expert, in rows of that
-      expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
-      per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
-      run at ``M / (M + expert_rows)`` of the dense GEMM rate;
-    * ``sac``: what ``recompute = selective`` recomputes: ``"core"`` (Megatron-LM's: the
-      attention core, Korthikanti et al. 2022) or ``"op"`` (torchtitan's op-level policy,
-      :func:`parcompile.analysis.compute.op_sac`);
-    * ``fsdp2``: ZeRO-3 runs as FSDP2, which copies each all-gather's output and each
-      reduce-scatter's input through a flat buffer on the compute stream (:func:`step_sums`);
-    * ``fsdp2_shard_bytes``: what FSDP2's shards are kept in (:attr:`fsdp2_state_bytes`);
-    * ``fp32_loss``: the loss upcasts the logits to fp32 (torchtitan's
-      ``cross_entropy(pred.float(), ...)``), an fp32 copy beside them
-      (:func:`parcompile.analysis.memory.buffer_bytes`);
-    * ``dedup_dispatch``: the expert-parallel all-to-alls move a token once per
-      destination rank (DeepEP), :func:`routed_share` of the per-expert rows;
-    * ``step_grads_in_reduce_dtype``: its gradient buffers that accumulate a step (zero 0
-      and 1) are held and reduced in ``parallel.reduce_dtype``, not fp32
-      (:func:`grad_element_bytes`);
-    * ``description`` and ``source``: what it stands for, and why these numbers."""
-
-    name: str
-    elementwise: float
-    attention: str
-    expert_rows: float
-    description: str
-    source: str
-    sac: str = "core"
-    fsdp2: bool = False
-    fp32_loss: bool = False
-    #: under FSDP2, bytes per element of the sharded parameters, gradients and optimizer
-    #: states (:func:`parcompile.analysis.memory.state_bytes`): 4 for an fp32 model
-    #: (torchtitan), 2 for a bf16 one (NeMo AutoModel)
-    fsdp2_shard_bytes: int = 4
-    #: the token dispatcher sends a token once per destination rank and combines its
-    #: experts' outputs there (DeepEP), not once per chosen expert (:func:`routed_share`)
-    dedup_dispatch: bool = False
-    #: the buffers accumulating a step's gradients are in the reduce dtype (Megatron-Core's
-    #: grad buffer: ``param.dtype`` unless ``grad_reduce_in_fp32``; :func:`grad_element_bytes`)
-    step_grads_in_reduce_dtype: bool = False
-
-    @property
-    def fsdp2_state_bytes(self) -> int:
-        """Bytes per element of FSDP2's sharded states under this engine, 0 without FSDP2
-        (``state_bytes(..., fsdp2=)``)."""
-        return self.fsdp2_shard_bytes if self.fsdp2 else 0
-
-
-#: ``cluster.engine`` -> :class:`Engine`
-ENGINES: dict[str, Engine] = {
-    "megatron": Engine(
-        "megatron", 1.0, "fused", 1700.0,
-        "Megatron-Core with Transformer Engine: fused norms, RoPE, SwiGLU / GeLU and cross-entropy, "
-        "cuDNN fused attention (sinks too), grouped GEMMs for experts, the distributed optimizer "
-        "overlapping its gradient reduce-scatters and parameter all-gathers",
-        "elementwise: TE / Megatron fused kernels read their inputs and write their outputs once "
-        "(the fused count of OpSpec.traffic); expert_rows: fitted to the Megatron-Bridge GPT-OSS 120B row "
-        "(the only mixture-of-experts row of analysis/calibration.py): TE's grouped GEMM on Hopper with "
-        "Megatron's all-to-all dispatcher costs about 1,700 rows of each local expert's GEMMs beyond its "
-        "arithmetic (at 1,024 rows per expert the experts run at 38% of the dense GEMM rate); gradient "
-        "buffers: one per (param dtype, grad dtype), grad dtype torch.float if grad_reduce_in_fp32 else "
-        "param.dtype, for DDP and the distributed optimizer alike (group_params_for_buffers, "
-        "megatron/core/distributed/param_and_grad_buffer.py at NVIDIA/Megatron-LM d98e8a6): with "
-        "reduce_dtype bf16 (--grad-reduce-in-bf16) the step accumulates and is reduced in bf16",
-        step_grads_in_reduce_dtype=True),
-    "eager": Engine(
-        "eager", 2.8, "fa2", 1700.0,
-        "eager PyTorch with FSDP2 (torchtitan without torch.compile): one kernel per elementwise op "
-        "with fp32 upcasts in the norms, RoPE and the loss, SDPA's FlashAttention-2 (FlexAttention for "
-        "sliding windows and sinks: core/attention.py), FSDP2 all-gathers "
-        "and reduce-scatters overlapped with compute",
-        "elementwise: an eager RMSNorm moves about 36 bytes per element (float, pow, mean, rsqrt, "
-        "two muls, type_as) against 4 fused, RoPE through complex fp32 about 20 against 4, SwiGLU 10 "
-        "against 6, the fp32 loss about 2.5x, residual adds and the attention kernel's operands the "
-        "same: weighted by a Llama 3 8B layer's fused bytes (norms 32 KB per token, RoPE 20, SwiGLU 86, "
-        "adds 49, attention 20, loss 40) about 2.8x; FSDP2 copies each all-gather's output and "
-        "reduce-scatter's input through its flat buffer (step_sums); "
-        "attention: FlashAttention-2 on Hopper (Shah et al. 2024, FlashAttention-3, Fig. 5-7); "
-        "expert_rows: as megatron (no eager MoE row was measured); selective recomputation is "
-        "torchtitan's op-level policy (analysis/compute.py op_sac)",
-        sac="op", fsdp2=True, fp32_loss=True),
-    "compile": Engine(
-        "compile", 1.0, "fa2", 1700.0,
-        "torchtitan with torch.compile and FSDP2: each transformer block and the loss compiled "
-        "(Inductor fuses their elementwise ops), SDPA's FlashAttention-2, FSDP2 all-gathers and "
-        "reduce-scatters overlapped with compute",
-        "elementwise: torchtitan compiles every TransformerBlock (fullgraph) and the loss "
-        "(torchtitan/models/llama3/parallelize_llama.py apply_compile, components/loss.py, commit "
-        "820504e): Inductor fuses each chain of norms, RoPE, SwiGLU and residual adds between two "
-        "matmuls into kernels that read their inputs and write their outputs once, the fused count "
-        "of OpSpec.traffic; the loss still upcasts to fp32 (an fp32 copy of the logits in memory); "
-        "FSDP2's flat-buffer copies stay eager (step_sums); attention: SDPA's flash backend, "
-        "FlashAttention-2, as eager; expert_rows: as megatron (no compiled MoE row); selective "
-        "recomputation: torchtitan's op-level policy, as eager",
-        sac="op", fsdp2=True, fp32_loss=True),
-    "automodel": Engine(
-        "automodel", 1.0, "fused", 1700.0,
-        "NeMo AutoModel with FSDP2: Transformer Engine linears and RMSNorm, TE's cuDNN fused "
-        "attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's dispatch",
-        "elementwise: fitted to the two NeMo AutoModel rows of analysis/calibration.py (GPT-OSS 20B and "
-        "Qwen3-30B-A3B on 8 H100s, docs/performance-summary.mdx): the least-squares value falls to the "
-        "fused count, 1.0 (an estimate from the recipes, examples/benchmark/configs/*_te_deepep.yaml@8d9bfb9: "
-        "TE norms, eager SwiGLU, router and bf16 loss, weighted as the eager engine's, gave about 1.4 and "
-        "+12% on Qwen3); attention: TE's fused attention (cuDNN) as megatron, FlexAttention for sinks "
-        "(core/attention.py); expert_rows: as megatron; selective recomputation: torchtitan's op-level "
-        "policy (Automodel's apply_ac selective reuses it); FSDP2 copies as eager; dispatch: DeepEP "
-        "(deepseek-ai/DeepEP, normal kernels) sends each token once to every rank holding some of its "
-        "experts and combines their outputs there (routed_share); fsdp2_shard_bytes: its MoE models are "
-        "cast to bf16 (nemo_automodel/components/models/*/model.py initialize_weights(dtype=torch.bfloat16) "
-        "@8d9bfb9, called by checkpointing.py) and trained with torch.optim.Adam, whose states follow the "
-        "parameters' dtype: parameters, gradients and moments in bf16",
-        sac="op", fsdp2=True, dedup_dispatch=True, fsdp2_shard_bytes=2),
-}
-DEFAULT_ENGINE = "megatron"
-
-
-def engine(cluster) -> Engine:
-    """The :class:`Engine` of ``cluster`` (a ClusterConfig): ``cluster.engine``."""
-    return ENGINES[getattr(cluster, "engine", None) or DEFAULT_ENGINE]
 
 
 def grad_element_bytes(cfg, zero: int | None = None) -> int:
@@ -316,87 +143,6 @@ def grad_element_bytes(cfg, zero: int | None = None) -> int:
     par = cfg.parallel
     step = engine(cfg.cluster).step_grads_in_reduce_dtype and attention_engine(cfg.cluster) != "program"
     return bucket_element_bytes(par.zero if zero is None else zero, par.schedule, par.reduce_dtype, step_buffers=step)
-
-
-def attention_efficiency(cluster) -> float:
-    """The fraction of ``peak_flops`` the engine's attention kernel reaches on ``cluster``."""
-    eff, eng = efficiency(cluster), engine(cluster)
-    return eff.attention if eng.attention == "fused" else eff.attention_fa2
-
-
-#: per cluster preset (SPEC 1 names). ``matmul`` of the H100 is fitted to the Llama 3 405B
-#: row of :mod:`parcompile.analysis.calibration` (its only dense Megatron-style H100 row),
-#: the A100's ``matmul`` and ``overlap`` to the Megatron-LM and Korthikanti rows; every other
-#: number is a measurement or a datasheet ratio named in ``source``
-#: (:data:`parcompile.analysis.calibration.FITTED` lists them with their rows).
-_A100_SRC = (
-    "matmul: fitted to the step times of Megatron-LM (Narayanan et al. 2021, Table 1) and Korthikanti et al. "
-    "2022 (Table 5), with the GEMM operand traffic timed apart (cuBLAS fp16 GEMMs of these sizes run at "
-    "240-270 of 312 TFLOP/s); memory: STREAM-like kernels reach about 80% of the HBM bandwidth; link: "
-    "nccl-tests all_reduce bus bandwidth on one DGX A100 node, 231.6 of 300 GB/s (Azure ND A100 v4, 8 GB); net: "
-    "an HDR 200 Gb/s NIC carries 24 of 25 GB/s in NCCL (NVIDIA/nccl#412); attention: FlashAttention-2 "
-    "(Dao 2023, Fig. 4-6: about 190 of 312 TFLOP/s forward, 155 backward at head dim 128, causal) for both "
-    "kernels; softmax_dim: 312 TFLOP/s / (4 x 16 exponentials per clock x 108 SMs x 1.41 GHz); overlap: "
-    "fitted to the same rows (issue 29: with the network model the Megatron-LM torch-DDP rows, 1.7B-18.4B, "
-    "no longer paid an exposed one-NIC all-reduce): 0.60, twice the SM share of NCCL's 32 ring channels of "
-    "108 SMs (0.30), the rest standing for the HBM bandwidth the concurrent all-reduce takes from the GEMMs")
-_H100_SRC = (
-    "matmul: fitted to the Llama 3 405B row (Llama 3 paper, Table 4), the GEMM operand traffic timed apart, "
-    "0.67 with the network model of issue 29 (0.70 before) "
-    "(cuBLAS bf16 GEMMs of 8k-16k sizes sustain 650-750 of 989 TFLOP/s at 700 W); link: nccl-tests all_reduce bus "
-    "bandwidth without NVLS (ring; all_gather, reduce_scatter), 370 of 450 GB/s (NVIDIA/nccl-tests#212); nvls: "
-    "the NVLS all_reduce on 8 GPUs, bus bandwidth 480 GB/s = algorithm bandwidth 274 GB/s (nccl-tests#212, #347; "
-    "Azure ND H200 v5: 479.98); net: an NDR 400 Gb/s ConnectX-7 carries 46-49 of 50 GB/s (nccl-tests#290, #267); "
-    "attention: FlashAttention-3 / cuDNN (Shah et al. 2024, FlashAttention-3, Fig. 5 and 7: about 640 TFLOP/s forward, 500 backward at head dim "
-    "128, causal, 8k), attention_fa2: FlashAttention-2 on the same plots (about 350 forward, 300 backward); "
-    "softmax_dim: 989 TFLOP/s / (4 x 3.9 T exponentials/s, the multi-function units' rate FlashAttention-3 "
-    "quotes); overlap: NCCL's up to 32 channels of 132 SMs")
-EFFICIENCY: dict[str, Efficiency] = {
-    "a100-80gb": Efficiency(0.83, 0.80, 0.77, _A100_SRC, attention=0.45, attention_fa2=0.45, softmax_dim=32.0,
-                            overlap=0.60, net=0.96),
-    "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
-                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.60, net=0.96),
-    "h100-sxm": Efficiency(0.67, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
-                           overlap=0.24, net=0.94, nvls=0.61),
-    "h200": Efficiency(0.67, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",
-                       attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61),
-    "b200": Efficiency(
-        0.76, 0.80, 0.82,
-        "fractions assumed as h100-sxm until measured; softmax_dim: 2,250 TFLOP/s / (4 x 16 exponentials "
-        "per clock x 148 SMs x 1.965 GHz); overlap: 32 channels of 148 SMs; nvls: h100-sxm's 0.61 times "
-        "NCCL's Blackwell / Hopper NVLS efficiency (0.74 / 0.85, NVIDIA/nccl src/graph/tuning.cc)",
-        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22, net=0.94, nvls=0.53),
-    "gb200-nvl72": Efficiency(
-        0.76, 0.80, 0.82,
-        "as b200 (the same Blackwell GPU at 1,200 W: its clock raises the matmul and exponential rates alike); "
-        "nvls: b200's, on the NVL72's NVLink switch trays (assumed)",
-        attention=0.46, attention_fa2=0.27, softmax_dim=121.0, overlap=0.22, net=0.94, nvls=0.53),
-    "mi300x": Efficiency(
-        0.45, 0.75, 0.70,
-        "matmul: published hipBLASLt bf16 GEMM measurements reach 550-650 of 1307 TFLOP/s "
-        "(SemiAnalysis, 2024); attention: CK / AITER flash attention assumed at the FlashAttention-2 level; "
-        "softmax_dim: 1,307 TFLOP/s / (4 x 16 transcendentals per clock x 304 CUs x 2.1 GHz); overlap: "
-        "RCCL's 32 channels of 304 CUs; memory and link assumed",
-        attention=0.35, attention_fa2=0.35, softmax_dim=32.0, overlap=0.11, net=0.70),
-    "ascend-910b": Efficiency(0.55, 0.75, 0.70, "assumed (no public calibration)", attention=0.35,
-                              attention_fa2=0.35, softmax_dim=63.0, overlap=0.2, net=0.70),
-    "cpu": Efficiency(1.0, 1.0, 1.0, "the cpu preset's numbers are already rough effective ones", attention=1.0,
-                      attention_fa2=1.0, softmax_dim=0.0, overlap=0.0, net=1.0),
-}
-DEFAULT_EFFICIENCY = Efficiency(0.76, 0.80, 0.82, "default for a cluster without a preset: as h100-sxm",
-                                attention=0.46, attention_fa2=0.27, softmax_dim=63.0, overlap=0.24, net=0.94, nvls=0.61)
-
-
-def efficiency(cluster) -> Efficiency:
-    """The :class:`Efficiency` of ``cluster`` (a ClusterConfig): its preset's, else the default."""
-    return EFFICIENCY.get(getattr(cluster, "preset", None) or "", DEFAULT_EFFICIENCY)
-
-
-def fp8_efficiency(cfg) -> float:
-    """The achievable fraction of the FP8 peak of ``cfg``'s recipe on its cluster
-    (:attr:`Efficiency.fp8`, or ``fp8_rowwise`` for ``fp8_recipe = rowwise``)."""
-    eff = efficiency(cfg.cluster)
-    return eff.fp8_rowwise if cfg.train.fp8_recipe == "rowwise" else eff.fp8
 
 
 def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:
@@ -418,228 +164,6 @@ class TimeReport:
     bubble_fraction: float = 0.0
     #: per stage, the bucketed gradient reduction (:func:`grad_overlap`; training only)
     grad_reduction: tuple[GradOverlap, ...] = ()
-
-
-#: NCCL's tree all-reduce reaches 0.92 of the ring's bus bandwidth at large messages
-#: (NVIDIA/nccl src/graph/tuning.cc, ``busBw * .92`` for NCCL_ALGO_TREE, commit 5067397)
-TREE_BANDWIDTH = 0.92
-#: an NVLS (NVLink SHARP) collective's fixed latency in steps of ``intra_node_latency``
-#: (tuning.cc: 25 us NVLS hardware latency against a ring step's 3.4-5 us)
-NVLS_LATENCY_STEPS = 5
-#: the all-reduce message size at which the algorithm is chosen (NCCL chooses per size; one
-#: choice per group keeps every collective's time affine in its bytes, what the search's
-#: bounds rest on): 64 MiB, the order of a gradient bucket, an FSDP unit or a tensor-parallel
-#: activation at 8k tokens
-REFERENCE_BYTES = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class Link:
-    """How the groups of one axis sit on the machines, and what the network gives them
-    (the network model, ``docs/clusters.md``).
-
-    ``k``: the fewest ranks one group has in an NVLink domain (``cluster.domain_size``
-    consecutive ranks: the node, or an NVL72 rack); ``domains``: the most domains one group
-    spans (1: the group is inside NVLink). Bandwidths are bytes/s per GPU, one direction,
-    achieved at large messages: ``nvlink`` NCCL's ring bus bandwidth over NVLink
-    (``intra_node_bw * eff.link``); ``nic`` a GPU's share of the network
-    (``inter_node_bw * eff.net``: each GPU drives its own rail NIC); ``nvls`` the NVLS
-    all-reduce's algorithm bandwidth (``intra_node_bw * eff.nvls``; 0 without NVLink SHARP).
-    Latencies in seconds per step."""
-
-    k: int
-    domains: int
-    intra_latency: float
-    inter_latency: float
-    nvlink: float
-    nic: float
-    nvls: float = 0.0
-
-    @property
-    def crosses(self) -> bool:
-        """Whether a group spans NVLink domains (its traffic leaves through the NICs)."""
-        return self.domains > 1
-
-    def ring_bus_bw(self) -> float:
-        """Ring bus bandwidth (bytes/s): NVLink inside a domain; across domains, ``k`` rails
-        carry a group's ring (one NCCL channel per NIC), bounded by NVLink when ``k > 1``."""
-        if not self.crosses:
-            return self.nvlink
-        net = self.k * self.nic
-        return min(self.nvlink, net) if self.k > 1 else net
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One collective as :func:`collective_algorithm` times it: NCCL's algorithm name
-    (``ring``, ``tree``, ``nvls``, ``nvls_tree``, ``alltoall``, ``p2p``), ``alpha`` seconds of
-    latency, ``per_byte`` seconds per byte of the collective's ``nbytes``, and ``bus_bw``
-    (nccl-tests' bus bandwidth, bytes/s, at large messages)."""
-
-    name: str
-    alpha: float
-    per_byte: float
-    bus_bw: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha + nbytes * self.per_byte
-
-
-def _bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor (``doc/PERFORMANCE.md``) in bytes per byte of the
-    collective's ``nbytes`` as this module counts them: all-reduce ``2(n-1)/n`` of the
-    buffer; all-gather and all-to-all ``(n-1)/n`` of the gathered output; reduce-scatter
-    ``n-1`` times the output shard; send 1."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "all_to_all"):
-        return (n - 1) / n
-    if op == "reduce_scatter":
-        return float(n - 1)
-    return 1.0
-
-
-def _ring_alpha(op: str, n: int, link: Link) -> float:
-    """The ring's latency: ``2(n-1)`` steps for an all-reduce, ``n-1`` otherwise, of which
-    the ones that cross domains (``2(N-1)`` or ``N-1``) at ``inter_latency`` and the rest at
-    ``intra_latency`` (NCCL tuning.cc, ring latency)."""
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    if not link.crosses:
-        return steps * link.intra_latency
-    inter = min(steps, 2 * (link.domains - 1) if op == "all_reduce" else link.domains - 1)
-    if link.k == 1:
-        inter = steps
-    return (steps - inter) * link.intra_latency + inter * link.inter_latency
-
-
-def collective_algorithms(op: str, n: int, link: Link) -> list[Algorithm]:
-    """The algorithms NCCL has for ``op`` on a group of ``n`` ranks placed as ``link``
-    (empty for a group of one, but for ``send``). Bus bandwidths (``B`` the collective's
-    ``nbytes`` as :func:`_bus_factor` counts them; ``k``, ``N``, bandwidths: :class:`Link`):
-
-    * inside a domain: ``ring`` at ``nvlink``; an all-reduce also ``nvls`` where the
-      switches reduce (algorithm bandwidth ``nvls``, whatever ``n``: each GPU sends and
-      receives its buffer once);
-    * across domains: ``ring`` at :meth:`Link.ring_bus_bw` (``k`` NICs; one NIC when ``k = 1``);
-      an all-reduce also ``tree`` (NCCL's double binary tree between domains, chains inside:
-      0.92 of the ring's bandwidth, latency ``2((k-1) alpha_intra + ceil(log2 N) alpha_inter)``)
-      and, with NVLink SHARP and ``k > 1``, ``nvls_tree`` (NVLS inside, a tree between
-      domains: ``min(nvls * 2(k-1)/k, k * nic * (2 if N = 2 else 1))``, tuning.cc's two-node
-      doubling);
-    * ``all_to_all``: each rank sends ``(n-k)/n`` of its data through its own NIC (PXN
-      routes it to the peer's rail) and ``(k-1)/n`` over NVLink, at once: ``max`` of the two;
-      latency ``(k-1) alpha_intra + (n-k) alpha_inter``;
-    * ``send``: one NIC across domains (``alpha_inter + B / nic``), else NVLink.
-
-    Raises ValueError for an unknown ``op``."""
-    if op == "recv":
-        return [Algorithm("p2p", 0.0, 0.0, 0.0)]
-    if op == "send":
-        if link.crosses:
-            return [Algorithm("p2p", link.inter_latency, 1 / link.nic, link.nic)]
-        return [Algorithm("p2p", link.intra_latency, 1 / link.nvlink, link.nvlink)]
-    if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        raise ValueError(f"unknown collective {op!r}")
-    if n <= 1:
-        return []
-    f = _bus_factor(op, n)
-    k = max(1, min(link.k, n))
-    if op == "all_to_all":
-        if not link.crosses:
-            return [Algorithm("alltoall", (n - 1) * link.intra_latency, f / link.nvlink, link.nvlink)]
-        # seconds per byte of the gathered size: the network share and the NVLink share at once
-        per = max((n - k) / n / link.nic, (k - 1) / n / link.nvlink)
-        alpha = (k - 1) * link.intra_latency + (n - k) * link.inter_latency
-        return [Algorithm("alltoall", alpha, per, f / per)]
-    ring_bw = link.ring_bus_bw()
-    out = [Algorithm("ring", _ring_alpha(op, n, link), f / ring_bw, ring_bw)]
-    if op != "all_reduce":
-        return out
-    if not link.crosses:
-        if link.nvls > 0 and n > 1:
-            out.append(Algorithm("nvls", NVLS_LATENCY_STEPS * link.intra_latency, 1 / link.nvls, f * link.nvls))
-        return out
-    nodes = link.domains
-    log_n = max(1, math.ceil(math.log2(nodes)))
-    tree_bw = TREE_BANDWIDTH * ring_bw
-    out.append(Algorithm("tree", 2 * ((k - 1) * link.intra_latency + log_n * link.inter_latency), f / tree_bw,
-                         tree_bw))
-    if link.nvls > 0 and k > 1:
-        bw = min(link.nvls * 2 * (k - 1) / k, k * link.nic * (2 if nodes == 2 else 1))
-        out.append(Algorithm("nvls_tree", NVLS_LATENCY_STEPS * link.intra_latency + 2 * log_n * link.inter_latency,
-                             f / bw, bw))
-    return out
-
-
-@lru_cache(maxsize=1 << 16)
-def collective_algorithm(op: str, n: int, link: Link) -> Algorithm | None:
-    """The algorithm NCCL would pick for ``op`` over ``n`` ranks placed as ``link``: the
-    fastest of :func:`collective_algorithms` for a message of :data:`REFERENCE_BYTES` (ties:
-    the first listed, the ring); None for a group of one. One choice per (op, group), so a
-    collective's time is affine in its bytes."""
-    algos = collective_algorithms(op, n, link)
-    if not algos:
-        return None
-    return min(algos, key=lambda a: a.seconds(REFERENCE_BYTES))
-
-
-def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
-    """Seconds for one collective of ``nbytes`` (as :func:`_bus_factor` counts them) over a
-    group of ``n`` ranks placed as ``link``: the algorithm :func:`collective_algorithm`
-    picks; 0 for a group of one (but ``send``) and for ``recv``. Affine in ``nbytes`` with
-    non-negative coefficients, and not decreasing with ``n``."""
-    a = collective_algorithm(op, n, link)
-    return a.seconds(nbytes) if a is not None else 0.0
-
-
-def make_link(cluster, k: int, domains: int, eff: Efficiency | None = None) -> Link:
-    """The :class:`Link` of groups with ``k`` ranks per NVLink domain spanning ``domains``
-    domains on ``cluster`` (a ClusterConfig), with its preset's efficiencies."""
-    eff = eff or efficiency(cluster)
-    return Link(k, domains, cluster.intra_node_latency, cluster.inter_node_latency,
-                cluster.intra_node_bw * eff.link, nic_share(cluster, k) * eff.net,
-                cluster.intra_node_bw * eff.nvls if getattr(cluster, "nvls", False) else 0.0)
-
-
-def nic_share(cluster, k: int) -> float:
-    """Bytes/s of network (one direction, nominal) each of ``k`` ranks of one group in one
-    NVLink domain drives: the node's network is ``inter_node_bw * gpus_per_node`` (each
-    GPU's share) over ``nics_per_node`` NICs (default one per GPU, rail-optimised); the
-    ``k`` ranks use ``min(k, NICs of the domain)`` of them (NCCL builds a channel per NIC,
-    and with PXN a rank reaches a NIC of another rail through NVLink), shared equally. With
-    one NIC per GPU that is ``inter_node_bw``; with fewer, larger NICs a group with few
-    ranks per node gets more than its GPUs' shares, with more, smaller ones less."""
-    gpn = cluster.gpus_per_node
-    nics = getattr(cluster, "nics_per_node", None) or gpn
-    domain = _domain(cluster)
-    nic_bw = cluster.inter_node_bw * gpn / nics
-    in_domain = max(1, nics * domain // gpn)
-    k = max(1, k)
-    return min(k, in_domain) * nic_bw / k
-
-
-def _domain(cluster) -> int:
-    return getattr(cluster, "domain_size", None) or cluster.gpus_per_node
-
-
-def axis_link(cluster, groups: Mapping[str, list[list[int]]], axis: str, eff: Efficiency | None = None) -> Link:
-    """The :class:`Link` of ``axis``'s groups (``groups[axis]``; none: one rank) on
-    ``cluster``: where the groups fall on NVLink domains
-    (:func:`~parcompile.core.groups.groups_placement`)."""
-    k, domains = groups_placement(groups.get(axis) or [], _domain(cluster))
-    return make_link(cluster, k, domains, eff)
-
-
-def links_of(cluster, placements: Mapping[str, tuple[int, int]], eff: Efficiency | None = None) -> dict[str, Link]:
-    """:class:`Link` per axis of :data:`AXIS_FAMILY` from each axis's ``(k, domains)``
-    (:func:`~parcompile.core.groups.axis_placement`; missing axes: one rank): what
-    :func:`axis_link` finds from the groups, without building them (the search)."""
-    return {a: make_link(cluster, *placements.get(a, (1, 1)), eff) for a in AXIS_FAMILY}
-
-
-def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> bool:
-    """Whether some group of ``axis`` has ranks in two NVLink domains (nodes)."""
-    return groups_placement(groups.get(axis) or [], _domain(cluster))[1] > 1
 
 
 def routed_share(cfg, degrees: Mapping[str, int]) -> float:
@@ -817,6 +341,26 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     rec = tuple(gemms(*t) + attention(t[2], sc) + y / ebw + n * per_op
                 for t, sc, y, n in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic,
                                        compute.chunk_recompute_ops or z))
+    cf, cb, p2p = _chunk_comm(cfg, degrees, groups, compute, comm, links, f8, rate)
+    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
+                      weighted, ovh)
+
+
+def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
+                compute: ComputeReport, comm: CommReport, links: Mapping | None, f8, rate: float
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
+    """The communication part of :func:`chunk_times`: per axis family (tp, cp, ep) and
+    chunk, the seconds of the forward's (``cf``) and backward's (``cb``, with the
+    recomputed forward's under full recomputation) blocking collectives of ``comm.raw``,
+    each timed by the network model on its axis' link (:func:`collective_time`; the ep
+    all-to-alls at :func:`routed_share` of their bytes, FP8 collectives at ``f8``'s bytes,
+    an overlapped tp collective by :func:`tp_exposed` against its GEMM at ``rate``
+    FLOP/s), the FP8 tensorwise scales' all-reduces over tp, and ``p2p``: the longest
+    pipeline send (Megatron-LM's scatter/gather over tp without sequence parallelism)."""
+    par, cl = cfg.parallel, cfg.cluster
+    eff = efficiency(cl)
+    nchunks = par.pp * par.virtual_stages
+    z8 = (0,) * len(compute.chunk_fwd_flops)
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
@@ -860,8 +404,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
             w = n if f8.amax_weights else 0
             cf["tp"][k] += (g + w) * one
             cb["tp"][k] += (sc + w + ((g + w) if par.recompute == "full" else 0)) * one
-    return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
-                      weighted, ovh)
+    return cf, cb, p2p
 
 
 def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:

@@ -282,6 +282,51 @@ class SavedBytes:
     chunk_of_layer: dict[int, int] = field(default_factory=dict)
 
 
+def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool) -> tuple[list[str], int, int]:
+    """What node ``nd`` (attributes ``a``, its kernel resolved) saves for its backward when
+    nothing is recomputed (:func:`saved_bytes`): ``(keep, extra, gathered)``, ``keep`` the
+    names of the saved tensors (views resolved to their source; an FP8 linear's input
+    as its FP8 cast under Transformer Engine, ``te_fp8``), ``extra`` the bytes of its
+    op extras (masks, log-sum-exp, gathered operands: ``OpSpec.saved_extra`` plus
+    ``gathered``), ``gathered`` the bytes of its operands gathered for it
+    (``OpSpec.saved_gathered``), on one rank under ``degrees``."""
+    s = spec(nd.kind)
+    ins = graph.inputs(nd.name)
+    keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
+    if te_fp8 and nd.kind == "linear" and is_fp8_gemm(nd, graph):
+        keep = [t + FP8_COPY for t in keep]   # its FP8 cast (1 byte per element), not the 16-bit tensor
+    if s.saves_output(a):
+        keep.append(nd.name)
+    local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
+    gathered = s.saved_gathered(a, local_in, degrees)
+    return keep, s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered, gathered
+
+
+def _kept_when_recomputing(nd, keep: list[str], x: int, gathered: int, recompute: str,
+                           sac: frozenset[str] | None) -> tuple[list[str], int]:
+    """What a layer's node keeps through the forward under ``recompute = selective``
+    (:func:`saved_bytes`): ``(keep, extra)`` from what it saves (``keep``, ``x``,
+    ``gathered``: :func:`_node_saves`). Under torchtitan's op-level policy (``sac``, the
+    linears it recomputes: :func:`parcompile.analysis.compute.op_sac`) the attention
+    kernel keeps its output, a saved linear its output and gathered operands, the router
+    and experts what they save, any other op nothing; under Megatron-LM's (``sac`` None)
+    the recomputed attention core keeps only its inputs; otherwise all it saves."""
+    s = spec(nd.kind)
+    if sac is not None:
+        if s.selective_recompute:
+            keep = [nd.name]               # the attention kernel's output (and its extra)
+        elif nd.kind == "linear" and nd.name not in sac:
+            keep, x = [nd.name], gathered  # a saved matmul's output
+        elif nd.kind not in ("router", "experts"):
+            keep, x = [], 0                # recomputed from what is kept
+    elif recompute == "selective" and s.selective_recompute:
+        # the recomputed attention core keeps its inputs only: no softmax (unfused)
+        # and no log-sum-exp (flash); its output is kept by the output projection
+        x = gathered   # the checkpoint holds the gathered operands
+        keep = [t for t in keep if t != nd.name]
+    return keep, x
+
+
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
                 embedding_dropout: bool = False, engine: str = "megatron", kernels: str | None = None,
                 fp8: bool = False) -> SavedBytes:
@@ -312,14 +357,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if nd.kind == "attention":
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
-        keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
-        if te_fp8 and nd.kind == "linear" and is_fp8_gemm(nd, graph):
-            keep = [t + FP8_COPY for t in keep]   # its FP8 cast (1 byte per element), not the 16-bit tensor
-        if s.saves_output(a):
-            keep.append(nd.name)
-        local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
-        gathered = s.saved_gathered(a, local_in, degrees)
-        x = s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered
+        keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8)
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})
@@ -333,18 +371,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            if sac is not None:
-                if s.selective_recompute:
-                    keep = [nd.name]               # the attention kernel's output (and its extra)
-                elif nd.kind == "linear" and nd.name not in sac:
-                    keep, x = [nd.name], gathered  # a saved matmul's output
-                elif nd.kind not in ("router", "experts"):
-                    keep, x = [], 0                # recomputed from what is kept
-            elif recompute == "selective" and s.selective_recompute:
-                # the recomputed attention core keeps its inputs only: no softmax (unfused)
-                # and no log-sum-exp (flash); its output is kept by the output projection
-                x = gathered   # the checkpoint holds the gathered operands
-                keep = [t for t in keep if t != nd.name]
+            keep, x = _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
             kown = kept_own.setdefault(layer, {})
             for t in keep:
                 kown.setdefault(t, _local_bytes(graph, t, degrees))

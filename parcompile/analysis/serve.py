@@ -21,13 +21,13 @@ Memory per rank of pipeline stage ``s`` (bytes):
   peak bytes of live activations on the rank while the largest prefill step the program
   runs (``ceil(batch / dp)`` rows of ``prompt_len`` tokens, or of ``serve.max_prefill_tokens``
   attending the whole prompt: :func:`prefill_step`) passes the stage, computed from the
-  sharded graph (:func:`serve_workspace`): a liveness walk of each decoder layer's nodes at
+  sharded graph (:mod:`parcompile.analysis.serve_memory`): a liveness walk of each decoder layer's nodes at
   the step's local types, each op's forward scratch from the op table
   (:attr:`parcompile.ir.ops.OpSpec.scratch`: the attention core's repeated kv heads and
   additive mask, or unfused its scores and fp32 softmax; RMSNorm's fp32 copies; RoPE's
   temporaries; the router's fp32 logits), the largest over the stage's layers, beside the
   step's masks and RoPE tables; the last stage's head (the last hidden state and the
-  sampled rows' logits, fp32, gathered over tp: :func:`logits_bytes`) after the layers;
+  sampled rows' logits, fp32, gathered over tp: :func:`~parcompile.analysis.serve_memory.logits_bytes`) after the layers;
   with pp > 1 the received hidden state (``b T h e``) beside both. Measured with
   torch.profiler on the serve program: tests/test_serve_memory.py;
 * ``max_concurrent_tokens``: ``(capacity - weights - workspace) // kv_bytes_per_token``,
@@ -102,6 +102,8 @@ from parcompile.analysis.estimate import axis_link, collective_time, efficiency
 from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
+from parcompile.analysis.serve_memory import (at_step, one_kv_head, prefill_step, received_bytes,
+                                              serve_workspace)
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
 from parcompile.core.model import STEP_PLAN_BYTES
@@ -109,7 +111,7 @@ from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import op_collectives, spec
-from parcompile.ir.types import Dim, ShardingError, TensorType
+from parcompile.ir.types import ShardingError, TensorType
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
@@ -273,25 +275,6 @@ class StepCost:
         return sum(nb for _, nb in self.kv_layers)
 
 
-def _at(t: TensorType, batch: int, seq: int) -> TensorType:
-    """``t`` with its ``batch`` and ``seq`` dims resized (a type without them unchanged)."""
-    for name, size in (("batch", batch), ("seq", seq)):
-        if t.has_dim(name):
-            d = t.dim(name)
-            t = t.replace_dim(name, Dim(name, size, d.unit))
-    return t
-
-
-def _one_kv_head(t: TensorType) -> TensorType:
-    """A local type whose ``kv`` dim the graph keeps unsplit, as one rank of a serving plan
-    that replicates kv heads holds it: one kv head (:mod:`parcompile.core.heads`; the
-    parameter report's rule, :func:`parcompile.analysis.params.stage_params`)."""
-    if t.has_dim("kv"):
-        d = t.dim("kv")
-        t = t.replace_dim("kv", Dim("kv", d.unit, d.unit))
-    return t
-
-
 #: the module names of the ops after the last decoder layer, which a serve step runs on the
 #: last position only (serve.py.j2: ``final_norm(x[:, -1:])``, then the LM head)
 HEAD_MODULES = frozenset({"final_norm", "lm_head"})
@@ -324,7 +307,7 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
     m, pp = cfg.model, cfg.parallel.pp
     dp = degrees.get("dp", 1)
     one_kv = kv_heads_replicated(m.kv_heads, degrees.get("tp", 1)) and not m.kv_lora_rank
-    kv1 = _one_kv_head if one_kv else (lambda t: t)
+    kv1 = one_kv_head if one_kv else (lambda t: t)
     kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
     out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set(), kv=[])
                        for _ in range(pp)]
@@ -333,9 +316,9 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
             continue
         head = nd.op.module in HEAD_MODULES
         seq = 1 if head else tokens
-        ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
+        ins = [kv1(r.local_type(at_step(t, batch * dp, seq), degrees))
                for r, t in zip(nd.requires, graph.input_types(nd.name))]
-        local = kv1(nd.sharding.local_type(_at(nd.type, batch * dp, seq), degrees))
+        local = kv1(nd.sharding.local_type(at_step(nd.type, batch * dp, seq), degrees))
         st = out[nd.stage or 0]
         a = nd.op.attr_map
         s = spec(nd.kind)
@@ -431,6 +414,22 @@ def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[
     return plan + ops * per_op
 
 
+def step_comm(step: StepCost, last: bool, degrees: Mapping[str, int], links: Mapping) -> tuple[float, float]:
+    """(tp-side seconds, pp seconds) of a step's collectives on one rank of a stage
+    (``last``: the last stage), each timed by the network model on its axis' link
+    (``links``: per axis, :func:`parcompile.analysis.estimate.axis_link`; an axis without
+    one on tp's): a pp transfer is timed on its sender (the sampled tokens' broadcast on
+    the last stage, as one send)."""
+    tpc = ppc = 0.0
+    for op, axis, nb in step.collectives:
+        if axis == "pp":
+            if op == "send" or (op == "broadcast" and last):
+                ppc += collective_time("send", nb, 2, links["pp"])
+        else:
+            tpc += collective_time(op, nb, degrees.get(axis, 1), links.get(axis) or links["tp"])
+    return tpc, ppc
+
+
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
                  graph: Graph, degrees: Mapping[str, int]) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
@@ -461,18 +460,6 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
     decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
 
-    def comm(step: StepCost, last: bool) -> tuple[float, float]:
-        """(tp-side seconds, pp seconds) of a step's collectives on one rank: a pp transfer is
-        timed on its sender (the sampled tokens' broadcast on the last stage, as one send)."""
-        tpc = ppc = 0.0
-        for op, axis, nb in step.collectives:
-            if axis == "pp":
-                if op == "send" or (op == "broadcast" and last):
-                    ppc += collective_time("send", nb, 2, links["pp"])
-            else:
-                tpc += collective_time(op, nb, degrees.get(axis, 1), links.get(axis) or links["tp"])
-        return tpc, ppc
-
     stages = []
     keys = ["prefill_compute", "prefill_tp_comm", "prefill_pp_comm", "decode_weights", "decode_kv",
             "decode_activations", "decode_tp_comm", "decode_pp_comm"]
@@ -493,13 +480,13 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
             raise AssertionError(f"stage {s}: the graph's attention cores cache {dc.kv_bytes_per_token} bytes per "
                                  f"token, analysis/kv.py's rule {kv_tok}")
         pf_compute = max((pf.flops + pf.attn_flops) / matmul_rate, (pf.weight_bytes + pf.act_bytes) / mem_rate)
-        pf_tp, pf_pp = comm(pf, last)
+        pf_tp, pf_pp = step_comm(pf, last, degrees, links)
         dec_w = max(dc.weight_bytes / mem_rate, (dc.flops + dc.attn_flops) / matmul_rate)
         # the cache a decode step reads at the mean context, each attention core its cached
         # operands per token; a sliding-window layer at most its window (core/model.cached_tokens)
         dec_kv = b * sum(nb * (min(mean_ctx, w) if w else mean_ctx) for w, nb in dc.kv_layers) / mem_rate
         dec_act = dc.act_bytes / mem_rate
-        dec_tp, dec_pp = comm(dc, last)
+        dec_tp, dec_pp = step_comm(dc, last, degrees, links)
         pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op
         eng = engine_overhead(cfg, layers, s == 0, last, degrees, replica_link, per_op)    # per step, prefill or decode
         for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
@@ -569,219 +556,3 @@ def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) 
         out.append(f"the weights and workspace alone need {bytes_text(worst.weights + worst.workspace)} per GPU")
     return out
 
-
-# --------------------------------------------------------------------------- memory: workspace
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """The activation workspace of one rank of a pipeline stage in a prefill step, bytes
-    (:func:`serve_workspace`): ``layer`` the peak of live activations while the stage's
-    largest layer (``layer_id``) runs, its input included; ``head`` (last stage) the peak
-    while the final norm, the LM head and the sampler run: the last layer's output and the
-    sampled rows' logits (:func:`logits_bytes`); ``received`` (stages after the first)
-    the hidden state received from the previous stage, held for the whole step; ``step``
-    what every layer of the step reads (:func:`step_inputs_bytes`)."""
-
-    layer: int
-    layer_id: int | None
-    head: int
-    received: int
-    step: int = 0
-
-    @property
-    def total(self) -> int:
-        """The step's peak: the layers and the head run one after the other, the received
-        hidden state and the step's inputs live beside both."""
-        return max(self.layer, self.head) + self.received + self.step
-
-
-#: op kinds whose operand, when they are its only reader, the serve program passes as a
-#: temporary of one expression or rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``,
-#: ``y = mla_value_up(y, ...)``, ``rows = self.experts(rows)``): it dies with them. Any other
-#: reader (a linear layer, the attention core, the MoE dispatch and combine) runs inside a
-#: module's ``forward`` that holds its operands, as arguments or local variables, until it
-#: returns (:func:`_live_bytes`)
-EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
-                              "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up",
-                              "redistribute", "experts"})
-
-
-def prefill_step(cfg) -> tuple[int, int, int]:
-    """``(rows, tokens, context)`` of the largest prefill step a replica runs: ``rows`` the
-    sequences of the replica (``ceil(batch / dp)``; the server's ``max_seqs``), each with
-    ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
-    a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
-    (runtime/paged.py ``Scheduler.next_step``) prefills at most that many prompt tokens
-    per step and left-pads every row of the step to its longest (``paged_step``): ``tokens
-    = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk of a prompt
-    attending all ``prompt_len`` keys."""
-    sv = cfg.serve
-    rows = -(-sv.batch // cfg.parallel.dp)
-    P = sv.prompt_len
-    tokens = min(P, sv.max_prefill_tokens) if sv.max_prefill_tokens else P
-    return rows, tokens, P
-
-
-def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
-                    context: int) -> list[Workspace]:
-    """Per pipeline stage, the activation workspace of one rank in a step of ``batch``
-    sequences of ``tokens`` new tokens attending ``context`` keys (:func:`prefill_step`),
-    from the sharded graph the plan compiled, bytes (:class:`Workspace`).
-
-    Local types as :func:`step_costs` makes them (each node's global types with ``batch``
-    resized to ``batch * dp`` and ``seq`` to ``tokens``, made local by the node's sharding;
-    one kv head where tp replicates them). For each decoder layer, a liveness walk in graph
-    order: a value is live from its producer (the layer's input: from the start) until its
-    last consumer in the layer (the layer's output: to the end); a layout op without a
-    forward collective is a view of its input, one with a collective a new tensor (the
-    runtime all-reduces a clone: runtime/comm.py ``_ReduceFromRegion``). At each op the
-    live values, its output and the op's forward scratch (:attr:`parcompile.ir.ops.OpSpec.scratch`:
-    the attention core's expanded keys and values and, unfused, its scores and fp32
-    softmax; RoPE's temporaries; the router's fp32 logits) are summed; the layer's
-    workspace is the largest sum, the stage's the largest over its layers (each layer kind
-    its own: dense and MoE layers, sliding-window and global ones).
-
-    The head (last stage): the last layer's output and :func:`logits_bytes`; the received
-    hidden state (stages after the first): ``batch x tokens x h`` in the model dtype.
-
-    Left out (the band of tests/test_serve_memory.py): the norms' fp32 statistics per
-    token, the attention kernel's and the CPU's 16-bit GEMM's internal buffers, allocator
-    rounding; the MoE bound holds any routing, so a measured step is below it by the
-    difference between its busiest expert and all N tokens."""
-    m = cfg.model
-    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
-    one_kv = kv_heads_replicated(m.kv_heads, tp) and not m.kv_lora_rank
-    kv1 = _one_kv_head if one_kv else (lambda t: t)
-    pp = cfg.parallel.pp
-    max_len = cfg.serve.prompt_len + cfg.serve.max_new_tokens   # the one-shot cache's length
-
-    def types(nd, seq: int) -> tuple[list[TensorType], TensorType]:
-        ins = [kv1(r.local_type(_at(t, batch * dp, seq), degrees))
-               for r, t in zip(nd.requires, graph.input_types(nd.name))]
-        return ins, kv1(nd.sharding.local_type(_at(nd.type, batch * dp, seq), degrees))
-
-    def out_and_scratch(nd) -> tuple[int | None, int]:
-        """(bytes of the node's output, None for a view of its input; its scratch)."""
-        if nd.kind == "redistribute" and not nd.op.attr("fwd"):
-            return None, 0
-        ins, local = types(nd, tokens)
-        a = nd.op.attr_map
-        if nd.kind == "attention":
-            window = a.get("window") or 0
-            a = {**a, "seq_len": context,
-                 "kv_copy": context > tokens or 0 < window < max_len or cache_dtype(cfg) != m.dtype}
-        return local.nbytes, spec(nd.kind).scratch(a, ins, local)
-
-    layers: dict[int, list] = {}
-    for nd in graph.nodes():
-        if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
-            layers.setdefault(nd.op.layer, []).append(nd)
-    per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
-    for layer_id, nodes in sorted(layers.items()):
-        live = _live_bytes(graph, nodes, lambda src: types(graph.node(src), tokens)[1].nbytes, out_and_scratch)
-        s = nodes[0].stage or 0
-        if max(live) > per_stage[s][0]:
-            per_stage[s] = (max(live), layer_id)
-    out = []
-    for s in range(pp):
-        head_bytes = 0
-        if s == pp - 1:   # the last layer's output (the final norm reads its last position) and the logits
-            last_hidden = graph.inputs("final_norm")[0]
-            head_bytes = types(graph.node(last_hidden), tokens)[1].nbytes + logits_bytes(cfg, graph, degrees, batch)
-        out.append(Workspace(per_stage[s][0], per_stage[s][1], head_bytes,
-                             received_bytes(cfg, batch, tokens) if s > 0 else 0,
-                             step_inputs_bytes(cfg, graph, batch, tokens, context)))
-    return out
-
-
-def received_bytes(cfg, batch: int, tokens: int) -> int:
-    """The hidden state a stage after the first receives for a step (runtime/generate.py
-    ``pipeline_pass``: ``recv`` of (batch, tokens, h) in the model dtype), bytes."""
-    return batch * tokens * cfg.model.hidden * cfg.model.dtype_bytes
-
-
-def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) -> int:
-    """Bytes of what every layer of a step reads, made once per step (runtime/generate.py
-    ``Requests.step``, ``rope_at``; runtime/paged.py ``paged_step``): per attention window
-    of the graph's cores the boolean mask (batch, 1, tokens, context), and per RoPE table of
-    its rope ops (base and scaling) the fp32 cos and sin at the tokens' positions (batch,
-    tokens, rot) each, ``rot`` the rotated dims of a head (``rope_dim``, or ``fraction`` of
-    head_dim)."""
-    windows, tables = set(), {}
-    for nd in graph.nodes():
-        a = nd.op.attr_map
-        if nd.kind == "attention":
-            windows.add(a.get("window") or 0)
-        elif nd.kind in ("rope", "latent_rope"):
-            rot = a.get("rope_dim") or round(a.get("fraction", 1.0) * cfg.model.head_dim)
-            key = (a.get("theta"), repr(a.get("scaling")))
-            tables[key] = max(tables.get(key, 0), rot)
-    return batch * tokens * (len(windows) * context + sum(2 * 4 * rot for rot in tables.values()))
-
-
-def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> list[int]:
-    """Per op of one decoder layer (``nodes``, in graph order), the bytes live while it runs
-    (:func:`serve_workspace`'s walk): the values made before it and read by it or later,
-    its output and its scratch. ``outer_bytes(name)``: the bytes of a value made outside the
-    layer (its input: held by the caller for the whole layer); ``out_and_scratch(node)``:
-    (its output's bytes, None for a view of its first input; its scratch).
-
-    When a value dies: read by one op of :data:`EXPRESSION_KINDS`, with it (a temporary of
-    one expression, or rebound); read by several ops (a named local of the module's
-    ``forward``) or by any other op (an argument or local of the module that runs it), at
-    the last op of the reading op's module (Python holds a function's arguments and locals
-    until it returns); never read, with its maker."""
-    names = {nd.name for nd in nodes}
-    end = {nd.op.module: i for i, nd in enumerate(nodes)}     # each module's last op
-    value: dict[str, str] = {}     # node -> the tensor it is (itself, or a view's source)
-    size: dict[str, int] = {}
-    made: dict[str, int] = {}
-    last: dict[str, int] = {}
-    scratch: list[int] = []
-    for i, nd in enumerate(nodes):
-        for src in graph.inputs(nd.name):
-            v = value.get(src, src)
-            if src not in names and v not in size:   # the layer's input: the caller holds it
-                size[v], made[v], last[v] = outer_bytes(src), -1, len(nodes)
-        nb, sc = out_and_scratch(nd)
-        scratch.append(sc)
-        if nb is None:
-            src = graph.inputs(nd.name)[0]
-            value[nd.name] = value.get(src, src)
-        else:
-            value[nd.name] = nd.name
-            size[nd.name], made[nd.name] = nb, i
-    readers: dict[str, list[int]] = {}
-    for i, nd in enumerate(nodes):
-        if value[nd.name] == nd.name:                # a view reads nothing itself
-            for src in graph.inputs(nd.name):
-                readers.setdefault(value.get(src, src), []).append(i)
-    for v, rs in readers.items():
-        alone = len(rs) == 1 and nodes[rs[0]].kind in EXPRESSION_KINDS
-        last[v] = max(last.get(v, -1), rs[0] if alone else max(end[nodes[r].op.module] for r in rs))
-    for v in size:
-        last.setdefault(v, made[v])
-    last[value[nodes[-1].name]] = len(nodes)        # the layer's output
-    return [sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i] for i in range(len(nodes))]
-
-
-#: bytes per (row, vocabulary entry) the sampler (runtime/generate.py ``pick_tokens``) holds
-#: beside the logits it reads, measured with torch.profiler on the CPU: 7 greedy (the
-#: finiteness check: an fp32 ``abs`` and three boolean masks), 12 with a temperature, 24 with
-#: top-p (the sorted probabilities, their int64 order, the cumulative sums, the masks); the
-#: server samples each request with its own parameters, so the workspace holds the largest
-SAMPLER_BYTES = 24
-
-
-def logits_bytes(cfg, graph: Graph, degrees: Mapping[str, int], rows: int) -> int:
-    """Bytes of the logits of a step's ``rows`` sampled positions on one rank of the last
-    stage while the sampler runs (the serve program's ``Stage.forward``, ``gather_vocab``,
-    ``pick_tokens``): the LM head's output at one position (its graph type, ``rows x V'/tp``)
-    in fp32, which the caller keeps; with tp > 1 the all-gathered fp32 logits ``rows x V'``;
-    and the sampler's working set, :data:`SAMPLER_BYTES` per ``rows x V'``."""
-    dp, tp = degrees.get("dp", 1), degrees.get("tp", 1)
-    nd = graph.node("lm_head")
-    local = nd.sharding.local_type(_at(nd.type, rows * dp, 1), degrees).numel
-    full = local * tp
-    return 4 * local + (4 * full if tp > 1 else 0) + SAMPLER_BYTES * full

@@ -4,7 +4,7 @@ the time model (:func:`parcompile.analysis.compute.compute_report`: which cores 
 fused kernel, at what rate, over which score blocks) read.
 
 Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``cluster.engine``
-(:data:`parcompile.analysis.estimate.ENGINES`); ``program`` is the program parcompile
+(:data:`parcompile.analysis.efficiency.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
 bytes ``parcompile verify`` measures (:func:`parcompile.verify.compare_activations`), so
 what the plan counts there is what :func:`parcompile.runtime.layers.attention_core` keeps.

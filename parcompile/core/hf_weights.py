@@ -135,47 +135,15 @@ def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = Fal
     out: dict[str, tuple[int, ...]] = {"embedding.weight": (v, h)}
     if m.position == "learned":
         out["pos_embedding.weight"] = (m.max_positions, h)
-
-    def norm(name: str) -> None:
-        out[f"{name}.weight"] = (h,)
-        if m.norm == "layernorm":
-            out[f"{name}.bias"] = (h,)
-
-    def linear(name: str, o: int, i: int, bias: bool) -> None:
-        out[f"{name}.weight"] = (o, i)
-        if bias:
-            out[f"{name}.bias"] = (o,)
-
-    def mlp(prefix: str, f: int) -> None:
-        linear(f"{prefix}.w1", f, h, m.bias)
-        if m.activation in GATED_ACTIVATIONS:
-            linear(f"{prefix}.w3", f, h, m.bias)
-        out[f"{prefix}.w2.weight"] = (h, f)
-        if m.bias:
-            out[f"{prefix}.w2.bias"] = (h,)
-
-    def mla(p: str) -> None:   # biases as ir/lower.py's mla(): qkv_bias on the down projections
-        heads, nope, rd, vd = m.heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        if m.q_lora_rank:
-            linear(f"{p}.attn.wq_a", m.q_lora_rank, h, m.qkv_bias)
-            out[f"{p}.attn.q_a_norm.weight"] = (m.q_lora_rank,)
-            linear(f"{p}.attn.wq_b", heads * (nope + rd), m.q_lora_rank, False)
-        else:
-            linear(f"{p}.attn.wq", heads * (nope + rd), h, False)
-        linear(f"{p}.attn.wkv_a", m.kv_lora_rank + rd, h, m.qkv_bias)
-        out[f"{p}.attn.kv_a_norm.weight"] = (m.kv_lora_rank,)
-        linear(f"{p}.attn.wkv_b", heads * (nope + vd), m.kv_lora_rank, False)
-        linear(f"{p}.attn.wo", h, heads * vd, m.bias)
-
     for i in range(m.layers):
         p = f"layers.{i}"
-        norm(f"{p}.attn_norm")
+        _add_norm(out, m, f"{p}.attn_norm")
         if m.kv_lora_rank:
-            mla(p)
+            _add_mla(out, m, p)
         else:
-            linear(f"{p}.attn.wq", q, h, m.qkv_bias)
-            linear(f"{p}.attn.wk", kv, h, m.qkv_bias)
-            linear(f"{p}.attn.wv", kv, h, m.qkv_bias)
+            _add_linear(out, f"{p}.attn.wq", q, h, m.qkv_bias)
+            _add_linear(out, f"{p}.attn.wk", kv, h, m.qkv_bias)
+            _add_linear(out, f"{p}.attn.wv", kv, h, m.qkv_bias)
             if m.qk_norm:
                 out[f"{p}.attn.q_norm.weight"] = (m.head_dim,)
                 out[f"{p}.attn.k_norm.weight"] = (m.head_dim,)
@@ -185,35 +153,84 @@ def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = Fal
         if m.attention_sinks:
             out[f"{p}.attn.sinks"] = (m.heads,)
         if m.sandwich_norm:
-            norm(f"{p}.attn_post_norm")
-        norm(f"{p}.mlp_norm")
+            _add_norm(out, m, f"{p}.attn_post_norm")
+        _add_norm(out, m, f"{p}.mlp_norm")
         if _layer_mlp_is_moe(m, i):
-            f = m.expert_ffn_hidden
-            out[f"{p}.mlp.router.weight"] = (m.experts, h)
-            if m.router_bias:
-                out[f"{p}.mlp.router.bias"] = (m.experts,)
-            if buffers and router(m, "topk_method") == "noaux_tc":
-                out[f"{p}.mlp.router.e_score_correction_bias"] = (m.experts,)
-            for e in range(m.experts):
-                out[f"{p}.mlp.experts.{e}.w1.weight"] = (f, h)
-                if m.activation in GATED_ACTIVATIONS:
-                    out[f"{p}.mlp.experts.{e}.w3.weight"] = (f, h)
-                out[f"{p}.mlp.experts.{e}.w2.weight"] = (h, f)
-                if m.bias:
-                    out[f"{p}.mlp.experts.{e}.w1.bias"] = (f,)
-                    if m.activation in GATED_ACTIVATIONS:
-                        out[f"{p}.mlp.experts.{e}.w3.bias"] = (f,)
-                    out[f"{p}.mlp.experts.{e}.w2.bias"] = (h,)
-            if m.shared_experts:
-                mlp(f"{p}.mlp.shared", m.shared_experts * f)
+            _add_moe(out, m, p, buffers)
         else:
-            mlp(f"{p}.mlp", m.ffn_hidden)
+            _add_mlp(out, m, f"{p}.mlp", m.ffn_hidden)
         if m.sandwich_norm:
-            norm(f"{p}.mlp_post_norm")
-    norm("final_norm")
+            _add_norm(out, m, f"{p}.mlp_post_norm")
+    _add_norm(out, m, "final_norm")
     if not m.tie_embeddings:
         out["lm_head.weight"] = (v, h)
     return out
+
+
+def _add_norm(out: dict, m: ModelKeys, name: str) -> None:
+    """A norm's weight (and a LayerNorm's bias), (hidden,) each, into ``out``."""
+    out[f"{name}.weight"] = (m.hidden,)
+    if m.norm == "layernorm":
+        out[f"{name}.bias"] = (m.hidden,)
+
+
+def _add_linear(out: dict, name: str, o: int, i: int, bias: bool) -> None:
+    """A linear layer's weight (o, i) and, with ``bias``, its bias (o,) into ``out``."""
+    out[f"{name}.weight"] = (o, i)
+    if bias:
+        out[f"{name}.bias"] = (o,)
+
+
+def _add_mlp(out: dict, m: ModelKeys, prefix: str, f: int) -> None:
+    """A dense MLP of inner width ``f``: w1 (and w3 when gated) (f, hidden), w2 (hidden, f)."""
+    h = m.hidden
+    _add_linear(out, f"{prefix}.w1", f, h, m.bias)
+    if m.activation in GATED_ACTIVATIONS:
+        _add_linear(out, f"{prefix}.w3", f, h, m.bias)
+    out[f"{prefix}.w2.weight"] = (h, f)
+    if m.bias:
+        out[f"{prefix}.w2.bias"] = (h,)
+
+
+def _add_mla(out: dict, m: ModelKeys, p: str) -> None:
+    """Layer ``p``'s multi-head latent attention (:func:`expected_shapes`' docstring); biases
+    as ir/lower.py's mla(): qkv_bias on the down projections."""
+    h = m.hidden
+    heads, nope, rd, vd = m.heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank:
+        _add_linear(out, f"{p}.attn.wq_a", m.q_lora_rank, h, m.qkv_bias)
+        out[f"{p}.attn.q_a_norm.weight"] = (m.q_lora_rank,)
+        _add_linear(out, f"{p}.attn.wq_b", heads * (nope + rd), m.q_lora_rank, False)
+    else:
+        _add_linear(out, f"{p}.attn.wq", heads * (nope + rd), h, False)
+    _add_linear(out, f"{p}.attn.wkv_a", m.kv_lora_rank + rd, h, m.qkv_bias)
+    out[f"{p}.attn.kv_a_norm.weight"] = (m.kv_lora_rank,)
+    _add_linear(out, f"{p}.attn.wkv_b", heads * (nope + vd), m.kv_lora_rank, False)
+    _add_linear(out, f"{p}.attn.wo", h, heads * vd, m.bias)
+
+
+def _add_moe(out: dict, m: ModelKeys, p: str, buffers: bool) -> None:
+    """Layer ``p``'s mixture of experts: the router (experts, hidden) with its bias and, with
+    ``buffers``, DeepSeek's score correction bias; each expert's MLP of width
+    ``expert_ffn_hidden``; the shared experts as one dense MLP ``shared_experts`` times as wide."""
+    h, f = m.hidden, m.expert_ffn_hidden
+    out[f"{p}.mlp.router.weight"] = (m.experts, h)
+    if m.router_bias:
+        out[f"{p}.mlp.router.bias"] = (m.experts,)
+    if buffers and router(m, "topk_method") == "noaux_tc":
+        out[f"{p}.mlp.router.e_score_correction_bias"] = (m.experts,)
+    for e in range(m.experts):
+        out[f"{p}.mlp.experts.{e}.w1.weight"] = (f, h)
+        if m.activation in GATED_ACTIVATIONS:
+            out[f"{p}.mlp.experts.{e}.w3.weight"] = (f, h)
+        out[f"{p}.mlp.experts.{e}.w2.weight"] = (h, f)
+        if m.bias:
+            out[f"{p}.mlp.experts.{e}.w1.bias"] = (f,)
+            if m.activation in GATED_ACTIVATIONS:
+                out[f"{p}.mlp.experts.{e}.w3.bias"] = (f,)
+            out[f"{p}.mlp.experts.{e}.w2.bias"] = (h,)
+    if m.shared_experts:
+        _add_mlp(out, m, f"{p}.mlp.shared", m.shared_experts * f)
 
 
 def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[str, list[Source]]:

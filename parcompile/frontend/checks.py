@@ -13,60 +13,23 @@ that one mistake gives one error.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-from parcompile.config.presets import fp8_peak, fp8_presets, fp8_storage, fp8_storage_presets
+from parcompile.config.presets import fp8_storage, fp8_storage_presets
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
-from parcompile.config.text import and_list, choices_words, divisors, even_split, or_list, plural
+from parcompile.config.text import and_list, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES
 from parcompile.core.model import MAX_LAYERS as _MAX_LAYERS
 from parcompile.core.schedule import group_error
-from parcompile.diagnostics import DiagnosticBag, Span
+# the context and the checks of each concern live in their own modules (names re-exported)
+from parcompile.frontend.check_context import AUTO, CheckContext, nearest_multiples  # noqa: F401
+from parcompile.frontend.checks_fp8 import check_fp8, check_fp8_bf16_layers
+from parcompile.frontend.checks_model import check_attention_kinds, check_heads, check_mla, check_widths
+from parcompile.frontend.checks_moe import ROUTER_KEYS, check_experts, check_router, value_words
 
-
-class _Auto:
-    """The value of a key written as ``auto`` (before resolution)."""
-
-    def __repr__(self) -> str:
-        return "auto"
-
-
-AUTO: Any = _Auto()
 
 #: Longest explicit split a help line proposes.
 _MAX_PROPOSED_CHUNKS = 64
-
-
-@dataclass
-class CheckContext:
-    """Where values are written and which are known wrong, for the builder and the checks.
-
-    ``spans`` maps ``"block.key"`` to the value's span and ``"block"`` to its header;
-    ``bad`` holds the ``"block.key"`` whose value was reported wrong or is missing;
-    ``provided`` those set by the spec, a preset or an import (not a default).
-    """
-
-    bag: DiagnosticBag
-    filename: str = "<spec>"
-    spans: dict[str, Span] = field(default_factory=dict)
-    bad: set[str] = field(default_factory=set)
-    provided: set[str] = field(default_factory=set)
-
-    def ok(self, *keys: str) -> bool:
-        """True when none of ``keys`` was reported wrong (so a check may read them)."""
-        return not any(k in self.bad for k in keys)
-
-    def span(self, *keys: str) -> Span:
-        """The span of the first of ``keys`` written in the spec, else the first key's block."""
-        for k in keys:
-            if k in self.spans:
-                return self.spans[k]
-        block = keys[0].split(".")[0]
-        return self.spans.get(block, Span.unknown(self.filename))
-
-    def given(self, key: str) -> bool:
-        return key in self.spans
 
 
 # --------------------------------------------------------------------------------------
@@ -108,233 +71,6 @@ def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: Che
 
 # --------------------------------------------------------------------------------------
 # The checks
-
-
-def _may_be(values: list[int]) -> str:
-    """Valid choices for a help line (``"1, 2, 4 or 8"``); ``"a divisor"`` when too many to compute."""
-    return choices_words(values) if values else "a divisor"
-
-
-def _tp_choices(cfg: SpecConfig, limits: list[tuple[str, int]]) -> list[int]:
-    """The tp degrees that divide every width in ``limits`` (and, when serving, the kv-head
-    multiples vLLM-style replication allows)."""
-    m = cfg.model
-    serve_kv = cfg.workload == "serve" and any(k == "kv_heads" for k, _ in limits)
-    common = math.gcd(*(v for k, v in limits if not (serve_kv and k == "kv_heads")))
-    if not serve_kv:
-        return divisors(common)
-    kv = m.kv_heads
-    return [t for t in divisors(common) if kv % t == 0 or t % kv == 0]
-
-
-def _check_heads(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """heads, kv_heads, hidden; and tp against every width it splits (heads, kv heads, MLP).
-
-    One wrong tp gives one error: the first width it fails names the message, a note
-    names the others, and the help lists the tp that divide them all.
-    """
-    m, p = cfg.model, cfg.parallel
-    tp_span = ctx.span("parallel.tp")
-    kv_ok = ctx.ok("model.heads", "model.kv_heads")
-    if kv_ok and m.heads % m.kv_heads:
-        kv_ok = False
-        ctx.bag.error(f"kv_heads = {m.kv_heads} does not divide heads = {m.heads}", ctx.span("model.kv_heads"),
-                      help=f"kv_heads may be {_may_be(divisors(m.heads))}")
-    if ctx.ok("model.heads", "model.hidden") and not _explicit_head_dim(ctx) and not m.kv_lora_rank \
-            and m.hidden % m.heads:   # (MLA's head_dim is qk_nope + qk_rope, not hidden / heads)
-        ctx.bag.error(f"heads = {m.heads} does not divide hidden = {m.hidden}", ctx.span("model.heads"),
-                      help=f"give `head_dim` explicitly, or use heads = {_may_be(divisors(m.hidden))}")
-    if not ctx.ok("parallel.tp"):
-        return
-    tp = p.tp
-    limits: list[tuple[str, int]] = []
-    if ctx.ok("model.heads"):
-        limits.append(("heads", m.heads))
-    if kv_ok and m.kv_heads != m.heads:
-        limits.append(("kv_heads", m.kv_heads))
-    if ctx.ok("model.ffn_hidden"):
-        limits.append(("ffn_hidden", m.ffn_hidden))
-    if not limits:
-        return
-    kv = m.kv_heads
-    serve = cfg.workload == "serve"
-    failed = []
-    for key, value in limits:
-        if key == "kv_heads" and serve:
-            if value % tp and tp % value:
-                failed.append((key, value))
-        elif value % tp:
-            failed.append((key, value))
-    if not failed:
-        return
-    choices = _tp_choices(cfg, limits)
-    widths = and_list(f"{k} = {v}" for k, v in limits)
-    key, value = failed[0]
-    others = [f"{k} = {v}" for k, v in failed[1:]]
-    also = f"tp = {tp} does not divide {and_list(others)} either" if others else None
-    if key == "kv_heads" and serve:
-        message = f"tp = {tp} neither divides nor is a multiple of kv_heads = {kv}"
-        rest = and_list(f"{k} = {v}" for k, v in limits if k != "kv_heads")
-        help = f"tp may be {_may_be(choices)} (dividing {rest}, and dividing or a multiple of kv_heads = {kv})"
-        note = also
-    elif key == "kv_heads":
-        message = f"tp = {tp} does not divide kv_heads = {kv}"
-        help = f"for training, tp may be {_may_be(choices)}"
-        help += f" (to divide {widths})" if len(limits) > 1 else ""
-        serve_note = "serving may also use a multiple of kv_heads (kv heads replicated)"
-        note = f"{also}; {serve_note}" if also else serve_note
-    else:
-        message = f"tp = {tp} does not divide {key} = {value}"
-        help = f"tp may be {_may_be(choices)}" + (f" (to divide {widths})" if len(limits) > 1 else "")
-        note = also
-    ctx.bag.error(message, tp_span, help=help, note=note)
-
-
-def _explicit_head_dim(ctx: CheckContext) -> bool:
-    return "model.head_dim" in ctx.provided or "model.head_dim" in ctx.bad
-
-
-def _check_widths(cfg: SpecConfig, ctx: CheckContext) -> None:
-    m, p = cfg.model, cfg.parallel
-    if m.experts > 0 and ctx.ok("model.expert_ffn_hidden", "parallel.expert_tp", "parallel.tp") \
-            and m.expert_ffn_hidden % p.expert_tp:
-        ctx.bag.error(f"expert_tp = {p.expert_tp} does not divide expert_ffn_hidden = {m.expert_ffn_hidden}",
-                      ctx.span("parallel.expert_tp", "parallel.tp"),
-                      help=f"expert_tp may be {_may_be(divisors(m.expert_ffn_hidden))}")
-    head_dim_ok = _explicit_head_dim(ctx) or m.hidden % m.heads == 0
-    if m.position == "rope" and head_dim_ok and not m.kv_lora_rank and ctx.ok(
-            "model.rotary_fraction", "model.head_dim", "model.hidden", "model.heads"):
-        rotary = m.head_dim * m.rotary_fraction
-        if rotary != int(rotary) or int(rotary) % 2:
-            ctx.bag.error(f"RoPE needs an even number of dims per head: head_dim({m.head_dim}) * "
-                          f"rotary_fraction({m.rotary_fraction:g}) = {rotary:g}",
-                          ctx.span("model.rotary_fraction", "model.head_dim", "model.heads"),
-                          help="make head_dim * rotary_fraction an even whole number (another `heads`, "
-                               "`head_dim` or `rotary_fraction`), or use `position = learned` or `none`")
-
-
-    if m.qk_norm and m.norm != "rmsnorm" and ctx.ok("model.qk_norm", "model.norm"):
-        # transformers' qk-norm families (Qwen3, Gemma 3, OLMo 2) all use RMSNorm there
-        ctx.bag.error(f"qk_norm is an RMSNorm over head_dim; norm = {m.norm}",
-                      ctx.span("model.qk_norm", "model.norm"),
-                      help="set norm = rmsnorm (Qwen3, Gemma 3 and OLMo 2 use RMSNorm), or qk_norm = false")
-
-
-def _check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """Local and global layers (Gemma 2/3, gpt-oss) and Gemma's norm: the window and its
-    pattern, the local RoPE base, the zero-centred RMSNorm."""
-    m = cfg.model
-    if m.sliding_window_pattern == 1 and ctx.ok("model.sliding_window_pattern"):
-        ctx.bag.error("sliding_window_pattern = 1 makes every layer a full-attention layer",
-                      ctx.span("model.sliding_window_pattern"),
-                      help="use 0 (every layer takes sliding_window) or N >= 2 (every Nth layer full: Gemma 3 "
-                           "uses 6, gpt-oss 2), or set sliding_window = 0")
-    elif m.sliding_window_pattern >= 2 and not m.sliding_window and ctx.given("model.sliding_window_pattern") \
-            and ctx.ok("model.sliding_window_pattern", "model.sliding_window"):   # a preset's: moot
-        ctx.bag.error(f"sliding_window_pattern = {m.sliding_window_pattern} needs a window: sliding_window = 0",
-                      ctx.span("model.sliding_window_pattern", "model.sliding_window"),
-                      help="set sliding_window to the local layers' window in tokens (Gemma 3: 1024, "
-                           "gpt-oss: 128), or remove sliding_window_pattern")
-    if m.sliding_window > m.seq_len and ctx.ok("model.sliding_window", "model.seq_len"):
-        ctx.bag.warning(f"sliding_window = {m.sliding_window} is larger than seq_len = {m.seq_len}: "
-                        "no sequence is long enough for the window to matter",
-                        ctx.span("model.sliding_window", "model.seq_len"),
-                        help=f"lower sliding_window to at most {m.seq_len}, or 0 for full attention")
-    # (only where the spec writes it: a preset's local base on a model made all-global is moot)
-    if m.rope_local_base_freq is not None and ctx.given("model.rope_local_base_freq") \
-            and ctx.ok("model.rope_local_base_freq", "model.sliding_window", "model.position"):
-        if m.position != "rope":
-            ctx.bag.error(f"rope_local_base_freq is a RoPE base; position = {m.position}",
-                          ctx.span("model.rope_local_base_freq", "model.position"),
-                          help="set position = rope, or remove rope_local_base_freq")
-        elif not any(m.layer_windows):
-            ctx.bag.error("rope_local_base_freq is the RoPE base of the sliding-window layers; this model has "
-                          "none (sliding_window = 0)",
-                          ctx.span("model.rope_local_base_freq", "model.sliding_window"),
-                          help="set sliding_window (and sliding_window_pattern), or remove rope_local_base_freq")
-    if m.rope_type in ("yarn", "llama3") and m.rope_original_max_positions is None \
-            and ctx.ok("model.rope_type", "model.rope_original_max_positions"):
-        ctx.bag.error(f"rope_type = {m.rope_type} needs rope_original_max_positions, the context the model was "
-                      "pretrained with", ctx.span("model.rope_type"),
-                      help="set rope_original_max_positions (Hugging Face `original_max_position_embeddings`: "
-                           "gpt-oss 4096, Llama 3.1 8192)")
-    if m.rope_type == "default" and m.rope_scaling_factor != 1.0 and ctx.given("model.rope_scaling_factor") \
-            and ctx.ok("model.rope_scaling_factor", "model.rope_type"):
-        ctx.bag.warning(f"rope_scaling_factor = {m.rope_scaling_factor:g} has no effect with rope_type = default",
-                        ctx.span("model.rope_scaling_factor"),
-                        help="set rope_type = linear, yarn or llama3, or remove rope_scaling_factor")
-    clamp = m.swiglu_alpha is not None or m.swiglu_limit is not None
-    if clamp and ctx.ok("model.swiglu_alpha", "model.swiglu_limit", "model.activation", "model.experts",
-                        "model.dense_layers", "model.shared_experts"):
-        key = "model.swiglu_limit" if m.swiglu_limit is not None else "model.swiglu_alpha"
-        if m.swiglu_alpha is None or m.swiglu_limit is None:
-            ctx.bag.error("gpt-oss's clamped SwiGLU needs both swiglu_alpha and swiglu_limit", ctx.span(key),
-                          help="set swiglu_alpha = 1.702 and swiglu_limit = 7.0 (gpt-oss), or neither")
-        elif m.activation != "swiglu" or m.experts == 0 or m.dense_layers or m.shared_experts:
-            ctx.bag.error("swiglu_alpha and swiglu_limit clamp the routed experts' SwiGLU (gpt-oss); this model "
-                          "has " + ("no experts" if m.experts == 0 else f"activation = {m.activation}"
-                                    if m.activation != "swiglu" else "dense layers or shared experts"),
-                          ctx.span(key, "model.activation", "model.experts"),
-                          help="use them with activation = swiglu on a model whose every layer is a MoE layer "
-                               "without shared experts, or remove them")
-    if m.zero_centered_gamma and m.norm != "rmsnorm" and ctx.ok("model.zero_centered_gamma", "model.norm"):
-        ctx.bag.error(f"zero_centered_gamma is Gemma's RMSNorm, (1 + weight); norm = {m.norm}",
-                      ctx.span("model.zero_centered_gamma", "model.norm"),
-                      help="set norm = rmsnorm, or zero_centered_gamma = false")
-
-
-#: the model keys that describe multi-head latent attention (with kv_lora_rank)
-_MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
-
-
-def _check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank > 0``): its widths, what
-    it replaces (kv heads, head_dim, rotary_fraction) and what it is not built with."""
-    m, p = cfg.model, cfg.parallel
-    if not m.kv_lora_rank:
-        for key in _MLA_KEYS:
-            if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.kv_lora_rank"):
-                ctx.bag.error(f"{key} describes multi-head latent attention, which this model does not use "
-                              "(kv_lora_rank = 0)", ctx.span(f"model.{key}"),
-                              help="set kv_lora_rank (DeepSeek-V3: 512) with qk_nope_head_dim, qk_rope_head_dim "
-                                   f"and v_head_dim, or remove {key}")
-                return
-        return
-    keys = tuple(f"model.{k}" for k in ("kv_lora_rank",) + _MLA_KEYS)
-    if not ctx.ok(*keys):
-        return
-    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if getattr(m, key) <= 0:
-            ctx.bag.error(f"multi-head latent attention needs {key} > 0", ctx.span(f"model.{key}", "model.kv_lora_rank"),
-                          help="DeepSeek-V3 has qk_nope_head_dim = 128, qk_rope_head_dim = 64, v_head_dim = 128")
-            return
-    if m.qk_rope_head_dim % 2:
-        ctx.bag.error(f"RoPE needs an even number of dims per head: qk_rope_head_dim = {m.qk_rope_head_dim}",
-                      ctx.span("model.qk_rope_head_dim"), help=f"use {m.qk_rope_head_dim + 1}")
-    if m.position != "rope" and ctx.ok("model.position"):
-        ctx.bag.error(f"multi-head latent attention rotates its shared key with RoPE; position = {m.position}",
-                      ctx.span("model.position", "model.kv_lora_rank"), help="set position = rope")
-    if m.kv_heads != m.heads and ctx.ok("model.kv_heads", "model.heads"):
-        ctx.bag.error(f"multi-head latent attention has one key and value per query head: kv_heads = {m.kv_heads} "
-                      f"!= heads = {m.heads}", ctx.span("model.kv_heads"),
-                      help=f"remove kv_heads (it defaults to heads), or set kv_heads = {m.heads}")
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    if m.head_dim != qk and ctx.ok("model.head_dim"):
-        ctx.bag.error(f"with multi-head latent attention a query/key head is qk_nope_head_dim + qk_rope_head_dim = "
-                      f"{qk} wide; head_dim = {m.head_dim}", ctx.span("model.head_dim"),
-                      help=f"remove head_dim, or set head_dim = {qk}")
-    for key, what in (("qk_norm", "qk-norm"), ("attention_sinks", "attention sinks"),
-                      ("sliding_window", "a sliding window"), ("rotary_fraction", "rotary_fraction")):
-        value = getattr(m, key)
-        if (value != 1.0 if key == "rotary_fraction" else bool(value)) and ctx.ok(f"model.{key}"):
-            ctx.bag.error(f"{what} with multi-head latent attention is not built "
-                          + ("(its RoPE dims are qk_rope_head_dim)" if key == "rotary_fraction" else
-                             "(no DeepSeek model has it)"),
-                          ctx.span(f"model.{key}", "model.kv_lora_rank"), help=f"remove {key}")
-    if p.cp > 1 and ctx.ok("parallel.cp"):
-        ctx.bag.error(f"context parallelism (cp = {p.cp}) with multi-head latent attention is not built",
-                      ctx.span("parallel.cp"), note=f"the model uses MLA (kv_lora_rank = {m.kv_lora_rank})",
-                      help="use cp = 1 (split the sequence with sequence_parallel = true inside tp instead)")
 
 
 def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -382,15 +118,6 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
                                + (f", e.g. {split}" if split else ""))
 
 
-def _nearest_multiples(x: int, unit: int, at_least: int = 1) -> list[int]:
-    """The multiples of ``unit`` just below and above ``x`` (positive ones; ``at_least`` of them)."""
-    below = x // unit * unit
-    out = [v for v in (below, below + unit) if v > 0]
-    while len(out) < at_least:
-        out.append(out[-1] + unit)
-    return out
-
-
 def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
     p = cfg.parallel
     if not ctx.ok("parallel.global_batch", "parallel.micro_batch", "parallel.dp", "parallel.tp",
@@ -401,7 +128,7 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
     if p.global_batch % per_step:
         ctx.bag.error(f"global_batch = {p.global_batch} is not divisible by micro_batch({p.micro_batch}) * "
                       f"dp({p.dp}) = {per_step}", gb_span,
-                      help=f"nearest valid global batches: {or_list(_nearest_multiples(p.global_batch, per_step))}")
+                      help=f"nearest valid global batches: {or_list(nearest_multiples(p.global_batch, per_step))}")
         return
     num_micro = p.global_batch // per_step
     if not ctx.ok("parallel.schedule"):
@@ -414,7 +141,7 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
                       f"dp({p.dp}))", ctx.span("parallel.schedule"),
                       help=f"global_batch may be "
-                           f"{or_list(_nearest_multiples(p.global_batch, per_step * p.pp, at_least=2))} "
+                           f"{or_list(nearest_multiples(p.global_batch, per_step * p.pp, at_least=2))} "
                            f"(multiples of micro_batch({p.micro_batch}) * dp({p.dp}) * pp({p.pp}) = "
                            f"{per_step * p.pp}), or use schedule = 1f1b")
     if p.schedule == "1f1b" and num_micro < p.pp and cfg.workload != "serve":   # serving has no micro-batches
@@ -474,7 +201,7 @@ def _check_sequence(cfg: SpecConfig, ctx: CheckContext) -> None:
         elif ctx.ok("model.seq_len") and m.seq_len % p.tp:
             ctx.bag.error(f"sequence_parallel needs tp = {p.tp} to divide seq_len = {m.seq_len}",
                           ctx.span("parallel.sequence_parallel"),
-                          help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, p.tp))} (multiples of "
+                          help=f"seq_len may be {or_list(nearest_multiples(m.seq_len, p.tp))} (multiples of "
                                f"tp = {p.tp}), or set `sequence_parallel = false`",
                           note="sequence parallelism splits each sequence into tp pieces for the norms and dropout")
         elif p.cp > 1 and ctx.ok("model.seq_len", "parallel.cp") and m.seq_len % (2 * p.cp) == 0 \
@@ -483,132 +210,16 @@ def _check_sequence(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"sequence_parallel with cp = {p.cp} needs tp = {p.tp} to divide the "
                           f"seq_len / cp = {m.seq_len // p.cp} tokens of each cp rank",
                           ctx.span("parallel.sequence_parallel"),
-                          help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, unit))} (multiples of "
+                          help=f"seq_len may be {or_list(nearest_multiples(m.seq_len, unit))} (multiples of "
                                f"{unit}), or set `sequence_parallel = false`",
                           note="each cp rank's part of the sequence is split again into tp pieces for the norms "
                                "and dropout (Megatron-Core's sequence parallelism with context parallelism)")
     if p.cp > 1 and ctx.ok("parallel.cp", "model.seq_len") and m.seq_len % (2 * p.cp):
         ctx.bag.error(f"cp = {p.cp} needs seq_len = {m.seq_len} to be divisible by 2 * cp = {2 * p.cp}",
                       ctx.span("parallel.cp"),
-                      help=f"seq_len may be {or_list(_nearest_multiples(m.seq_len, 2 * p.cp))} "
+                      help=f"seq_len may be {or_list(nearest_multiples(m.seq_len, 2 * p.cp))} "
                            f"(multiples of 2 * cp = {2 * p.cp})",
                       note="context parallelism splits each sequence into 2 * cp chunks to balance causal attention")
-
-
-def _check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
-    m, p = cfg.model, cfg.parallel
-    if not ctx.ok("parallel.ep", "model.experts"):
-        return
-    ep_span = ctx.span("parallel.ep")
-    if m.experts > 0 and m.bias and p.expert_tp > 1 and ctx.ok("parallel.expert_tp", "model.bias") \
-            and cfg.workload != "serve":   # serving: w2's bias on one rank of the partial sums (GroupedExperts)
-        ctx.bag.error(f"expert_tp = {p.expert_tp} with expert biases (bias = true) is not supported: each "
-                      "expert_tp rank would add w2's bias to its partial sum", ctx.span("parallel.expert_tp", "parallel.tp"),
-                      help="split the experts over ep instead (expert_tp = 1), as gpt-oss deployments do")
-    if m.experts == 0 and p.ep > 1:
-        ctx.bag.error(f"ep = {p.ep} needs a mixture-of-experts model, but experts = 0", ep_span,
-                      help="set `experts` in the `model` block, or `ep = 1`")
-    if m.experts > 0:
-        if m.experts % p.ep:
-            eps = divisors(m.experts)
-            fold = ""
-            if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):
-                dense = p.tp * p.cp * p.dp
-                fitting = [e for e in eps if dense % (p.expert_tp * e) == 0]
-                if fitting and fitting != eps:
-                    eps = fitting
-                    fold = (f" (dividing experts = {m.experts}, with expert_tp({p.expert_tp}) * ep dividing "
-                            f"tp({p.tp}) * cp({p.cp}) * dp({p.dp}) = {dense})")
-            ctx.bag.error(f"ep = {p.ep} does not divide experts = {m.experts}", ep_span,
-                          help=f"ep may be {_may_be(eps)}{fold}",
-                          note="each expert-parallel rank holds experts / ep whole experts")
-        if ctx.ok("model.top_k") and m.top_k > m.experts:
-            ctx.bag.error(f"top_k = {m.top_k} exceeds experts = {m.experts}", ctx.span("model.top_k"),
-                          help=f"route each token to at most {m.experts} experts, or add experts")
-        if ctx.ok("parallel.tp", "parallel.sequence_parallel") and p.tp > 1 and not p.sequence_parallel \
-                and cfg.workload != "serve":   # serving routes replicated tokens on every tp rank (vLLM)
-            # Megatron-Core's rule: MoE with tensor parallelism dispatches sequence-parallel tokens
-            ctx.bag.error(f"a mixture-of-experts model with tp = {p.tp} needs sequence_parallel = true",
-                          ctx.span("parallel.tp"), help="set sequence_parallel = true in the `parallel` block",
-                          note="each tp rank routes its own part of the sequence (Megatron-Core requires sequence "
-                               "parallelism for MoE with tensor parallelism)")
-    if m.dense_layers > m.layers and ctx.ok("model.dense_layers", "model.layers"):
-        ctx.bag.error(f"dense_layers = {m.dense_layers} exceeds layers = {m.layers}", ctx.span("model.dense_layers"),
-                      help=f"keep at most {m.layers} leading layers dense (`dense_layers = {m.layers}`: no MoE layer)")
-    if ctx.ok("parallel.expert_tp", "parallel.tp", "parallel.cp", "parallel.dp"):
-        folded = p.expert_tp * p.ep
-        dense = p.tp * p.cp * p.dp
-        if dense % folded:
-            if dense % p.expert_tp == 0:
-                eps = [e for e in divisors(dense // p.expert_tp) if m.experts == 0 or m.experts % e == 0]
-                help = f"with expert_tp = {p.expert_tp}, ep may be {_may_be(eps)}"
-            else:
-                help = f"expert_tp may be {_may_be(divisors(dense))}, and expert_tp * ep must divide {dense}"
-            ctx.bag.error(f"expert_tp({p.expert_tp}) * ep({p.ep}) = {folded} does not divide "
-                          f"tp({p.tp}) * cp({p.cp}) * dp({p.dp}) = {dense}",
-                          ctx.span("parallel.ep", "parallel.expert_tp"), help=help,
-                          note="experts fold onto the tp * cp * dp ranks of each stage: "
-                               "expert_dp = tp * cp * dp / (expert_tp * ep)")
-
-
-#: the model keys of the router (runtime/moe.py: route); a dense model warns for each written
-ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
-
-
-def _value_words(v: Any) -> str:
-    """A key's value as the spec writes it (``true``, ``sigmoid``, ``2.5``)."""
-    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def _check_router(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """DeepSeek-V3's router keys (runtime/moe.py: route): ``noaux_tc`` scores by sigmoid
-    (DeepSeek-V3's modeling_deepseek.py supports no other; transformers' DeepseekV3TopkRouter
-    hard-codes both); its groups split the experts evenly, each of at least two (a group
-    scores the sum of its top 2); ``topk_group <= n_group``; the kept groups hold at least
-    ``top_k`` experts. With ``greedy`` the groups have no effect (a warning where written)."""
-    m = cfg.model
-    if m.experts == 0 or not ctx.ok("model.experts", "model.scoring_func", "model.topk_method"):
-        return
-    E, G, TG = m.experts, m.n_group, m.topk_group
-    if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
-        ctx.bag.error(f"topk_method = noaux_tc needs scoring_func = sigmoid, got scoring_func = {m.scoring_func}",
-                      ctx.span("model.topk_method", "model.scoring_func"),
-                      help="set scoring_func = sigmoid (DeepSeek-V3), or topk_method = greedy for a softmax router",
-                      note="noaux_tc adds a per-expert correction bias to sigmoid scores to choose the experts "
-                           "(DeepSeek-V3's auxiliary-loss-free balancing)")
-    if m.topk_method == "greedy":
-        for key in ("n_group", "topk_group"):
-            if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}") and getattr(m, key) != 1:
-                ctx.bag.warning(f"{key} = {getattr(m, key)} has no effect with topk_method = greedy",
-                                ctx.span(f"model.{key}"),
-                                help=f"set topk_method = noaux_tc (DeepSeek-V3's group-limited routing), "
-                                     f"or remove `{key}`",
-                                note="the experts are chosen within groups only with topk_method = noaux_tc")
-        return
-    if not ctx.ok("model.n_group"):
-        return
-    groups_ok = [d for d in divisors(E) if E // d >= 2]
-    if E % G or E // G < 2:
-        why = (f"n_group = {G} does not divide experts = {E}" if E % G else
-               f"n_group = {G} leaves experts({E}) / n_group({G}) = {E // G} expert per group")
-        ctx.bag.error(why, ctx.span("model.n_group"),
-                      help=f"n_group may be {_may_be(groups_ok)}" if groups_ok else "use at least 2 experts",
-                      note="noaux_tc splits the experts into n_group equal groups and scores each by the sum "
-                           "of its 2 best corrected scores")
-        return
-    if not ctx.ok("model.topk_group"):
-        return
-    if TG > G:
-        ctx.bag.error(f"topk_group = {TG} exceeds n_group = {G}", ctx.span("model.topk_group"),
-                      help=f"topk_group may be 1 to {G} (the groups each token may choose from)")
-        return
-    kept = TG * E // G
-    if ctx.ok("model.top_k") and kept < m.top_k <= E:   # (top_k > experts: _check_experts)
-        need = -(-m.top_k * G // E)
-        ctx.bag.error(f"top_k = {m.top_k} exceeds the experts of the kept groups: topk_group({TG}) * "
-                      f"experts({E}) / n_group({G}) = {kept}", ctx.span("model.top_k", "model.topk_group"),
-                      help=f"lower top_k to at most {kept}, or raise topk_group to {need}",
-                      note="each token chooses its top_k experts within its topk_group best groups")
 
 
 def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -620,9 +231,9 @@ def _check_no_effect(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.warning(f"top_k = {m.top_k} has no effect: experts = 0 makes a dense model",
                         ctx.span("model.top_k"),
                         help="remove `top_k`, or set `experts` for a mixture-of-experts model")
-    for key in ROUTER_KEYS:   # the router's keys (_check_router)
+    for key in ROUTER_KEYS:   # the router's keys (check_router)
         if dense and ctx.given(f"model.{key}") and ctx.ok(f"model.{key}"):
-            ctx.bag.warning(f"{key} = {_value_words(getattr(m, key))} has no effect: experts = 0 makes a "
+            ctx.bag.warning(f"{key} = {value_words(getattr(m, key))} has no effect: experts = 0 makes a "
                             "dense model", ctx.span(f"model.{key}"),
                             help=f"remove `{key}`, or set `experts` for a mixture-of-experts model")
     if dense and ctx.given("parallel.expert_tp") and ctx.ok("parallel.expert_tp"):
@@ -762,69 +373,6 @@ def _check_order(cfg: SpecConfig, ctx: CheckContext) -> None:
                       note="; ".join(notes))
 
 
-def _check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """`train.precision = fp8` and its keys (SPEC `train`): the cluster must have the recipe's
-    FP8 GEMMs (:func:`parcompile.config.presets.fp8_peak`); `fp8_recipe` and `fp8_all_gather`
-    do nothing without FP8; FP8 all-gather needs ZeRO-3 and the tensorwise recipe."""
-    t, c, p = cfg.train, cfg.cluster, cfg.parallel
-    if t.precision != "fp8":
-        for key in ("fp8_recipe", "fp8_all_gather", "fp8_bf16_layers_start", "fp8_bf16_layers_end"):
-            if ctx.given(f"train.{key}") and ctx.ok(f"train.{key}", "train.precision"):
-                ctx.bag.warning(f"{key} has no effect with precision = {t.precision}", ctx.span(f"train.{key}"),
-                                help=f"set `precision = fp8`, or remove `{key}`")
-        return
-    if not ctx.ok("train.precision", "train.fp8_recipe"):
-        return
-    if fp8_peak(c.preset, t.fp8_recipe) is None:
-        have = fp8_presets(t.fp8_recipe)
-        recipe = "MXFP8" if t.fp8_recipe == "mxfp8" else "FP8"
-        where = f"cluster preset `{c.preset}` has no {recipe} GEMM peak" if c.preset else \
-            f"a cluster without a preset has no {recipe} GEMM peak"
-        key = "train.fp8_recipe" if t.fp8_recipe == "mxfp8" and ctx.given("train.fp8_recipe") else "train.precision"
-        ctx.bag.error(f"{'fp8_recipe = mxfp8' if key == 'train.fp8_recipe' else 'precision = fp8'} needs "
-                      f"{recipe} tensor cores: {where}", ctx.span(key),
-                      help=f"use a cluster `from` {or_list(have, quote=True)}"
-                           + (", or fp8_recipe = tensorwise or rowwise" if t.fp8_recipe == "mxfp8" else "")
-                           + ", or remove `precision`",
-                      note="the presets' FP8 and MXFP8 peaks are their datasheets' (config/presets.py)")
-    if t.fp8_all_gather and ctx.ok("train.fp8_all_gather"):
-        if t.fp8_recipe == "rowwise":
-            ctx.bag.error("fp8_all_gather = true needs fp8_recipe = tensorwise or mxfp8",
-                          ctx.span("train.fp8_all_gather"),
-                          help="set `fp8_recipe = tensorwise`, or remove `fp8_all_gather`",
-                          note="torchao gathers FP8 weights with one scale per tensor only; with rowwise scaling "
-                               "all communication is in 16 bits (torchtitan docs/float8.md)")
-        elif p.zero < 3 and "zero" not in p.auto and ctx.ok("parallel.zero"):
-            ctx.bag.warning(f"fp8_all_gather has no effect with zero = {p.zero}: only ZeRO-3 all-gathers "
-                            "parameters", ctx.span("train.fp8_all_gather"),
-                            help="set `zero = 3` in `parallel`, or remove `fp8_all_gather`")
-
-
-def _check_fp8_bf16_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """`train.fp8_bf16_layers_start` / `_end` (SPEC `train`, analysis/fp8.py ``bf16_layers``):
-    each at most `model.layers` (an error: there are no more layers to keep); together
-    covering every layer is a warning (no GEMM left in FP8). Megatron-Core's own bound, at
-    most the layers of one pipeline stage each, is the megatron export's
-    (export/megatron.py)."""
-    t, layers = cfg.train, cfg.model.layers
-    if t.precision != "fp8" or not ctx.ok("train.precision", "model.layers"):
-        return
-    keys = [k for k in ("fp8_bf16_layers_start", "fp8_bf16_layers_end") if ctx.ok(f"train.{k}")]
-    bad = False
-    for key in keys:
-        n = getattr(t, key)
-        if n > layers:
-            bad = True
-            ctx.bag.error(f"{key} = {n} exceeds the model's {layers} layers", ctx.span(f"train.{key}"),
-                          help=f"keep at most {layers} layers in 16 bits, or remove `{key}`")
-    given = [k for k in keys if ctx.given(f"train.{k}")]
-    if not bad and len(keys) == 2 and given and t.fp8_bf16_layers_start + t.fp8_bf16_layers_end >= layers:
-        ctx.bag.warning(f"fp8_bf16_layers_start + fp8_bf16_layers_end = "
-                        f"{t.fp8_bf16_layers_start + t.fp8_bf16_layers_end} keeps all {layers} layers in 16 bits: "
-                        "no GEMM runs in FP8", ctx.span(f"train.{given[0]}"),
-                        help="lower them, or remove `precision = fp8`")
-
-
 def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload != "train":
         return
@@ -846,8 +394,8 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"vocab = {cfg.model.vocab}", ctx.span("train.data", "model.vocab"),
                       help='use vocab >= 256, a Hugging Face `tokenizer`, or data = "synthetic" '
                            '(random tokens below vocab)')
-    _check_fp8(cfg, ctx)
-    _check_fp8_bf16_layers(cfg, ctx)
+    check_fp8(cfg, ctx)
+    check_fp8_bf16_layers(cfg, ctx)
     _check_tokenizer(cfg, ctx)
     _check_init_from(cfg, ctx)
     _check_outputs(cfg, ctx)
@@ -1129,16 +677,16 @@ def _check_cluster(cfg: SpecConfig, ctx: CheckContext) -> None:
 
 CHECKS = (
     _check_limits,
-    _check_heads,
-    _check_widths,
-    _check_attention_kinds,
-    _check_mla,
+    check_heads,
+    check_widths,
+    check_attention_kinds,
+    check_mla,
     _check_layers,
     _check_batches,
     _check_schedule,
     _check_sequence,
-    _check_experts,
-    _check_router,
+    check_experts,
+    check_router,
     _check_no_effect,
     _check_overlaps,
     _check_reduce_dtype,
@@ -1156,16 +704,16 @@ CHECKS = (
 #: derives each entry from the check's source (a new check needs its row there).
 LAYOUT_READS = {
     _check_limits: ("dp", "global_batch", "micro_batch", "pp", "virtual_stages"),
-    _check_heads: ("tp",),
-    _check_widths: ("expert_tp",),
-    _check_attention_kinds: (),
-    _check_mla: ("cp",),
+    check_heads: ("tp",),
+    check_widths: ("expert_tp",),
+    check_attention_kinds: (),
+    check_mla: ("cp",),
     _check_layers: ("pp", "stage_layers", "virtual_stages"),
     _check_batches: ("dp", "global_batch", "micro_batch", "microbatch_group_size", "pp", "schedule"),
     _check_schedule: ("auto", "microbatch_group_size", "schedule", "virtual_stages"),
     _check_sequence: ("cp", "sequence_parallel", "tp"),
-    _check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
-    _check_router: (),
+    check_experts: ("cp", "dp", "ep", "expert_tp", "sequence_parallel", "tp"),
+    check_router: (),
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
     _check_overlaps: ("auto", "pp", "schedule", "sequence_parallel", "tp", "virtual_stages"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),

@@ -190,7 +190,7 @@ class OpSpec:
     code: Code | Callable[[Mapping[str, Any]], Code] | None = None
     #: bytes of the temporaries the op holds beside its operands and its output while its
     #: forward runs in the serve program (no autograd), at local types; an attention core's
-    #: ``seq_len`` is the keys it attends (:func:`parcompile.analysis.serve.serve_workspace`)
+    #: ``seq_len`` is the keys it attends (:func:`parcompile.analysis.serve_memory.serve_workspace`)
     scratch: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
 
 

@@ -1,7 +1,7 @@
 """Forward scratch of the serve program (:attr:`parcompile.ir.ops.OpSpec.scratch`; runtime/
 generate.py, runtime/mla.py, runtime/moe.py: router, dispatch, experts, combine): the temporaries an op holds beside its operands
 and its output while its forward runs with no autograd, in bytes at local types
-(:func:`parcompile.analysis.serve.serve_workspace` sums them with the live values).
+(:func:`parcompile.analysis.serve_memory.serve_workspace` sums them with the live values).
 """
 
 from __future__ import annotations

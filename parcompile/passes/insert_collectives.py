@@ -126,6 +126,46 @@ def _insert_conversions(graph: Graph, ctx: PassContext) -> None:
             # the consumers now see the converted tensor; its gradient arrives in `grad`
 
 
+def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
+    """The gradient buckets' collectives of pipeline stage ``s`` (``sp``: its
+    :class:`~parcompile.analysis.params.StageParams`) for :func:`step_collectives`, each
+    passed to ``add``: per bucket of the dense weights (over dp_cp) and of the expert
+    weights (over expert_dp) an all-reduce of its gradients, or with ZeRO a reduce-scatter
+    and an all-gather of its shards; with FP8 all-gather (``fp8_gather``) a bucket's FP8
+    weights gathered as E4M3 bytes (core/buckets.py ``fp8_gather_elements``), the rest in
+    the dtype."""
+    par = cfg.parallel
+    pp, e, d, ed = par.pp, cfg.model.dtype_bytes, deg["dp_cp"], deg["expert_dp"]
+    # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/moe.py):
+    # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
+    # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
+        if size <= 1:
+            continue
+        gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
+                                      head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
+        grad_bytes = grad_element_bytes(cfg)   # fp32, or the reduce dtype (analysis/estimate.py)
+        reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
+        for i, b in enumerate(buckets):
+            if par.zero == 0:
+                add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, grad_bytes * b.elements, f"{prefix}grads")
+                continue
+            shard = math.ceil(b.elements / size)
+            add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
+                reduces[i])
+            if fp8_gather and b.fp8:
+                n8, n16 = fp8_gather_elements(b.elements, b.fp8, size)
+                add(s, f"{prefix}params_fp8.bucket{i}", "all_gather", axis, n8 * size, f"{prefix}params",
+                    gathers[i])
+                if n16:
+                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * n16 * size, f"{prefix}params",
+                        gathers[i])
+            else:
+                add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
+                    gathers[i])
+
+
 def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str, int]]:
     """The step collectives of the module docstring (3.), as ``(stage, key, op, axis,
     bytes, where, count)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams`
@@ -139,7 +179,6 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     ``parcompile.search``, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
-    e = cfg.model.dtype_bytes
     d = deg["dp_cp"]
     out: list[tuple[int, str, str, str, int, str, int]] = []
 
@@ -148,37 +187,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
 
     for s, sp in enumerate(stages):
         ed = deg["expert_dp"]
-        # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/moe.py):
-        # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
-        # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
-        dense, expert = stage_buckets(sp, par.bucket_size)
-        # FP8 all-gather: a bucket's FP8 GEMM weights gathered as E4M3 bytes, the rest in the
-        # dtype, two all-gathers sized by core/buckets.py fp8_gather_elements
         fp8_gather = gathers_fp8(cfg)
-        for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
-            if size <= 1:
-                continue
-            gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
-                                          head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
-            grad_bytes = grad_element_bytes(cfg)   # fp32, or the reduce dtype (analysis/estimate.py)
-            reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
-            for i, b in enumerate(buckets):
-                if par.zero == 0:
-                    add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, grad_bytes * b.elements, f"{prefix}grads")
-                    continue
-                shard = math.ceil(b.elements / size)
-                add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
-                    reduces[i])
-                if fp8_gather and b.fp8:
-                    n8, n16 = fp8_gather_elements(b.elements, b.fp8, size)
-                    add(s, f"{prefix}params_fp8.bucket{i}", "all_gather", axis, n8 * size, f"{prefix}params",
-                        gathers[i])
-                    if n16:
-                        add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * n16 * size, f"{prefix}params",
-                            gathers[i])
-                else:
-                    add(s, f"{prefix}params.bucket{i}", "all_gather", axis, e * shard * size, f"{prefix}params",
-                        gathers[i])
+        _bucket_collectives(cfg, deg, s, sp, fp8_gather, add)
         if fp8_gather and d > 1 and sp.fp8:
             # the FP8 weights' tensorwise scales: the amaxes of their shards all-reduced (max)
             # over dp once per step, one fp32 per weight (torchtitan's

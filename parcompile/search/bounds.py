@@ -446,7 +446,6 @@ class Floors:
         ``tests/test_search.py`` checks the extrapolated bytes against the probes of every
         micro-batch and the bound against :meth:`peak`. In floating point, reduced by a
         relative 1e-12."""
-        model = self.cfg.model
         pp, v, m, z, rc = par.pp, par.virtual_stages, par.num_microbatches, par.zero, par.recompute
         d, ed, n = par.dp * par.cp, par.expert_dp, first_layers
         if base:
@@ -457,6 +456,25 @@ class Floors:
         else:
             pr = self.probe(par)
             scale = 1.0
+        states = self._first_rank_states(pr, pp, n, z, d, ed)
+        body, bufs = self._first_rank_bytes(pr, rc, pp, n)
+        key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None
+        if key2 is not None and (build or key2 in self.probes):   # the line through micro-batches 1 and 2
+            body2, bufs2 = self._first_rank_bytes(self.probe_of(key2), rc, pp, n)
+            k = par.micro_batch - 1
+            body, bufs = body + k * (body2 - body), bufs + k * (bufs2 - bufs)
+        inf = self._in_flight_first(par.schedule, pp, v, m)
+        acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
+        return (states + acts + bufs * scale) * (1 - 1e-12)
+
+    def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
+        """The model states (bytes) of the first pipeline rank holding ``n`` layers, of
+        :meth:`memory_floor`: its dense and expert parameters from the probe's per-stage
+        counts (``pr.qparams``; with ``pp = 1`` the last stage's too, a tied embedding once),
+        through :func:`~parcompile.analysis.memory.state_bytes` at ZeRO level ``z`` over
+        ``d`` (dense) and ``ed`` (expert) data-parallel ranks, with exact division; cached
+        per (parameter counts, pp, n, z, d, ed) in ``state_parts``."""
+        model = self.cfg.model
         skey = (self._params_key(pr), pp, n, z, d, ed)
         states = self.state_parts.get(skey)
         if states is None:
@@ -473,15 +491,7 @@ class Floors:
                                           fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
                                           grad_bytes=grad_element_bytes(self.cfg, z)))
             self.state_parts[skey] = states
-        body, bufs = self._first_rank_bytes(pr, rc, pp, n)
-        key2 = key[:3] + (2,) + key[4:] if base and par.micro_batch > 1 else None
-        if key2 is not None and (build or key2 in self.probes):   # the line through micro-batches 1 and 2
-            body2, bufs2 = self._first_rank_bytes(self.probe_of(key2), rc, pp, n)
-            k = par.micro_batch - 1
-            body, bufs = body + k * (body2 - body), bufs + k * (bufs2 - bufs)
-        inf = self._in_flight_first(par.schedule, pp, v, m)
-        acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
-        return (states + acts + bufs * scale) * (1 - 1e-12)
+        return states
 
     def _first_rank_bytes(self, pr: Probe, rc: str, pp: int, n: int) -> tuple[int, int]:
         """``(body, buffers)`` of :meth:`memory_floor`: the bytes one micro-batch saves on a

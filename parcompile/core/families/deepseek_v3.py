@@ -78,23 +78,7 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     if "n_routed_experts" not in cfg and cfg.get("num_local_experts") is not None:
         c["n_routed_experts"] = cfg["num_local_experts"]
     heads = read_int(c, "num_attention_heads")
-    kv_heads = read_int(c, "num_key_value_heads", heads)
-    if kv_heads != heads:
-        raise HFConfigError(f"`num_key_value_heads` = {kv_heads} with {heads} heads in a deepseek_v3 config.json "
-                            "cannot be mapped: multi-head latent attention up-projects a key and a value for "
-                            "every head", help="set `num_key_value_heads` to `num_attention_heads` (or remove it)")
-    if read_bool(c, "attention_bias"):
-        raise HFConfigError("`attention_bias` = true in a deepseek_v3 config.json cannot be mapped: it puts biases "
-                            "on q_a_proj, kv_a_proj_with_mqa and o_proj only",
-                            help="parcompile models biases on the QKV projections only (`qkv_bias = true`) or "
-                                 "on every linear layer (`bias = true`)")
-    for key, value in DEEPSEEK_ROUTER.items():
-        got = read_str(c, key, value)
-        if got != value:
-            raise HFConfigError(f"`{key}` = {json.dumps(got)} in a deepseek_v3 config.json: transformers' "
-                                f"DeepseekV3 router always runs `{key}` = \"{value}\"",
-                                help=f"remove `{key}` from a copy of the config.json to import the model as "
-                                     "transformers runs it")
+    kv_heads = _mappable_kv_heads(c, heads)
     layers = read_layers(c, "num_hidden_layers")
     dense = read_int(c, "first_k_dense_replace")
     experts = read_int(c, "n_routed_experts")
@@ -128,20 +112,50 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
         "qk_rope_head_dim": read_int(c, "qk_rope_head_dim"),
         "v_head_dim": read_int(c, "v_head_dim"),
         "rope_interleave": read_bool(c, "rope_interleave"),
-        **({
-            "experts": experts,
-            "top_k": read_int(c, "num_experts_per_tok"),
-            "expert_ffn_hidden": read_int(c, "moe_intermediate_size"),
-            "shared_experts": read_int(c, "n_shared_experts"),
-            "dense_layers": dense,
-            "norm_topk_prob": read_bool(c, "norm_topk_prob"),
-            "router_aux_loss": read_float(cfg, "aux_loss_alpha", 0.0) or 0.0,
-            **DEEPSEEK_ROUTER,
-            "n_group": read_int(c, "n_group"),
-            "topk_group": read_int(c, "topk_group"),
-            "routed_scaling_factor": read_float(c, "routed_scaling_factor"),
-        } if moe else {"experts": 0}),
+        **(_moe_keys(c, cfg, experts, dense) if moe else {"experts": 0}),
     })
+
+
+def _mappable_kv_heads(c: dict, heads: int) -> int:
+    """``num_key_value_heads`` of a deepseek_v3 config.json (``c``, defaults applied) once
+    :func:`_keys`' refusals pass: raises :class:`HFConfigError` for kv heads other than
+    ``heads``, ``attention_bias`` true, or a router other than :data:`DEEPSEEK_ROUTER`."""
+    kv_heads = read_int(c, "num_key_value_heads", heads)
+    if kv_heads != heads:
+        raise HFConfigError(f"`num_key_value_heads` = {kv_heads} with {heads} heads in a deepseek_v3 config.json "
+                            "cannot be mapped: multi-head latent attention up-projects a key and a value for "
+                            "every head", help="set `num_key_value_heads` to `num_attention_heads` (or remove it)")
+    if read_bool(c, "attention_bias"):
+        raise HFConfigError("`attention_bias` = true in a deepseek_v3 config.json cannot be mapped: it puts biases "
+                            "on q_a_proj, kv_a_proj_with_mqa and o_proj only",
+                            help="parcompile models biases on the QKV projections only (`qkv_bias = true`) or "
+                                 "on every linear layer (`bias = true`)")
+    for key, value in DEEPSEEK_ROUTER.items():
+        got = read_str(c, key, value)
+        if got != value:
+            raise HFConfigError(f"`{key}` = {json.dumps(got)} in a deepseek_v3 config.json: transformers' "
+                                f"DeepseekV3 router always runs `{key}` = \"{value}\"",
+                                help=f"remove `{key}` from a copy of the config.json to import the model as "
+                                     "transformers runs it")
+    return kv_heads
+
+
+def _moe_keys(c: dict, cfg: dict, experts: int, dense: int | None) -> dict[str, Any]:
+    """The mixture-of-experts `model` keys of :func:`_keys` (``c``: the config.json with
+    defaults applied, ``cfg`` as written: ``aux_loss_alpha`` has no default)."""
+    return {
+        "experts": experts,
+        "top_k": read_int(c, "num_experts_per_tok"),
+        "expert_ffn_hidden": read_int(c, "moe_intermediate_size"),
+        "shared_experts": read_int(c, "n_shared_experts"),
+        "dense_layers": dense,
+        "norm_topk_prob": read_bool(c, "norm_topk_prob"),
+        "router_aux_loss": read_float(cfg, "aux_loss_alpha", 0.0) or 0.0,
+        **DEEPSEEK_ROUTER,
+        "n_group": read_int(c, "n_group"),
+        "topk_group": read_int(c, "topk_group"),
+        "routed_scaling_factor": read_float(c, "routed_scaling_factor"),
+    }
 
 
 def _config(m: ModelKeys, common: dict) -> dict:
