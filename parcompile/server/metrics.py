@@ -47,6 +47,9 @@ class Metrics:
                                    "back when the cache was full; recomputed later)", ["model"], registry=r)
         self._seen = {}       # the engines' counters at the last render
         self.model = model
+        # this model's series, looked up once (``labels`` per token costs a lock and a dict lookup)
+        self._ttft, self._tpot = self.ttft.labels(model), self.tpot.labels(model)
+        self._generated = self.generation_tokens.labels(model)
 
     def request_started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
@@ -54,8 +57,8 @@ class Metrics:
 
     def token(self, seconds: float, first: bool) -> None:
         """One output token, ``seconds`` after the request (first) or the previous token."""
-        (self.ttft if first else self.tpot).labels(self.model).observe(seconds)
-        self.generation_tokens.labels(self.model).inc()
+        (self._ttft if first else self._tpot).observe(seconds)
+        self._generated.inc()
 
     def request_finished(self, reason: str, tokens: int) -> None:
         self.requests.labels(self.model, reason).inc()
