@@ -35,18 +35,19 @@ REPO = Path(__file__).resolve().parent.parent
 class StepEngines:
     """The front's engine interface (``submit``, ``abort``, ``totals``, ``failed``) over a
     thread that, every ``step_s`` seconds, gives each running request its next token
-    (a letter; ``"length"`` at its ``max_tokens``) and wakes each event loop once."""
+    (a letter; ``"length"`` at its ``max_tokens``) and wakes each event loop once, onto the
+    real one's queues (:class:`parcompile.server.engines.TokenQueue`)."""
 
     def __init__(self, step_s: float):
-        from parcompile.server.engines import _put_all
+        from parcompile.server.engines import TokenQueue, _put_all
 
-        self.step_s, self.failed, self._put_all = step_s, None, _put_all
+        self.step_s, self.failed, self._put_all, self.queue = step_s, None, _put_all, TokenQueue
         self.running: dict = {}          # rid -> [loop, queue, tokens sent, max_tokens, logprobs k]
         self.lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True).start()
 
     def submit(self, rid, prompt, params):
-        q: asyncio.Queue = asyncio.Queue()
+        q = self.queue()
         with self.lock:
             self.running[rid] = [asyncio.get_running_loop(), q, 0, params["max_tokens"], params.get("logprobs")]
         return q

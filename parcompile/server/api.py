@@ -580,7 +580,7 @@ class Handlers:
                 self.metrics.request_finished("abort", len(ids))
 
     @staticmethod
-    async def watch_client(request: Request, q: asyncio.Queue) -> None:
+    async def watch_client(request: Request, q) -> None:
         """Every :data:`DISCONNECT_POLL_S` seconds, whether the client of ``request`` went
         away; then :data:`_CLIENT_GONE` on its token queue ``q`` (:meth:`generate` aborts it).
         Cancelled when the request ends (or a stream starts writing)."""
