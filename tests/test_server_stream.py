@@ -139,3 +139,37 @@ def test_a_streams_end_is_one_write():
     assert len(writes) == 2
     last = writes[-1].split("\n\n")
     assert '"finish_reason":"length"' in last[0] and '"usage"' in last[1] and last[2] == "data: [DONE]"
+
+
+def test_latency_histograms_count_as_prometheus_clients_histogram():
+    """The front's TTFT / TPOT histograms (plain counts, :class:`Latency`) expose the buckets,
+    count and sum prometheus_client's ``Histogram`` gives for the same observations (values
+    on a bound, between bounds, above all)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from parcompile.server.metrics import _TPOT_BUCKETS, _TTFT_BUCKETS, Metrics
+
+    values = [0.005, 0.0051, 0.3, 0.0001, 100.0, 1.0, 0.02]
+
+    def samples(text: str, name: str) -> dict:
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(name + "_") and not line.startswith(name + "_created"):
+                key, value = line.rsplit(" ", 1)
+                labels = dict(kv.split("=") for kv in key[key.index("{") + 1:-1].split(","))
+                out[(key[:key.index("{")], labels.get("le"))] = float(value)
+        return out
+
+    m = Metrics("tiny")
+    for v in values:
+        m.token(v, first=True)
+        m.token(v, first=False)
+    ours = generate_latest(m.registry).decode()
+    for name, buckets in (("parcompile_time_to_first_token_seconds", _TTFT_BUCKETS),
+                          ("parcompile_time_per_output_token_seconds", _TPOT_BUCKETS)):
+        r = CollectorRegistry()
+        h = Histogram(name, "x", ["model"], buckets=buckets, registry=r)
+        for v in values:
+            h.labels("tiny").observe(v)
+        want = samples(generate_latest(r).decode(), name)
+        assert len(want) == len(buckets) + 3 and samples(ours, name) == want

@@ -678,14 +678,17 @@ class Handlers:
                 text += delta
             return text, list(ids), reason, list(lps), plps
 
-        tasks = [asyncio.ensure_future(run(g)) for g in streams]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        if len(streams) == 1:          # one choice: read in this task (no task, no gather)
+            results = [await run(streams[0])]
+        else:
+            tasks = [asyncio.ensure_future(run(g)) for g in streams]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         if any(res[2] is None for res in results):        # the client went away: nobody reads this
             return JSONResponse({}, status_code=499)
         choices, n_out = [], 0
