@@ -173,3 +173,22 @@ def test_latency_histograms_count_as_prometheus_clients_histogram():
             h.labels("tiny").observe(v)
         want = samples(generate_latest(r).decode(), name)
         assert len(want) == len(buckets) + 3 and samples(ours, name) == want
+
+
+def test_a_client_leaving_mid_stream_has_its_request_aborted_at_once():
+    """A stream's client that goes away after some tokens (``http.disconnect``) ends the
+    response and aborts its engine request before the response returns."""
+    from tests.test_server import _FakeEngines
+
+    async def main():
+        engines = _FakeEngines(every_s=0.02)
+        status, raw = await _asgi(_front(engines), "POST", "/v1/completions", json.dumps(
+            {"prompt": "hi", "max_tokens": 200, "stream": True}).encode(), disconnect_after_s=0.3)
+        aborted, sent = list(engines.aborted), dict(engines.sent)
+        for t in engines.tasks:
+            t.cancel()
+        return status, raw.decode(), aborted, sent
+
+    status, raw, aborted, sent = asyncio.run(main())
+    assert status == 200 and "data: [DONE]" not in raw and '"text":"A"' in raw
+    assert len(aborted) == 1 and 0 < sent[aborted[0]] < 200

@@ -277,7 +277,8 @@ class EventStream(StreamingResponse):
     """Starlette's :class:`StreamingResponse` of server-sent events, its client watched by one
     plain asyncio task: when the client goes away (``http.disconnect``) the stream is
     cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 server says 2.3), without
-    the anyio task group and cancel scope it opens for that per response."""
+    the anyio task group and cancel scope it opens for that per response; the events'
+    generator is then closed (:meth:`Handlers.events` ends its choices' engine requests)."""
 
     def __init__(self, content):
         super().__init__(content, media_type="text/event-stream")
@@ -301,6 +302,7 @@ class EventStream(StreamingResponse):
                 raise
             if hasattr(streaming, "uncancel"):       # Python 3.11+: the cancellation was ours, and is over
                 streaming.uncancel()
+            await self.body_iterator.aclose()        # now, not at its collection: its requests are aborted
         finally:
             watcher.cancel()
 
