@@ -51,19 +51,19 @@ import asyncio
 import json
 import secrets
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
+from parcompile.server.sse import EventStream, dumps, event_batches, json_str, sse
 # the request side (models, errors, limits, Guard) lives in protocol.py; its names stay importable from here
 from parcompile.server.protocol import (BODY_BYTES_PER_TOKEN, DISCONNECT_POLL_S, MAX_JSON_DEPTH, MAX_LOGPROBS,
                                         MAX_SEQUENCES, MIN_BODY_BYTES, PLAIN_CHAT_TEMPLATE, SAMPLING_EPS,
@@ -189,122 +189,12 @@ def _usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-#: compact JSON text of an object (as ``json.dumps(obj, separators=(",", ":"))``, one encoder for all)
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
-#: a string's JSON text (what :data:`_dumps` writes for a ``str``)
-_json_str = json.encoder.encode_basestring_ascii
-
-
-def _sse(obj) -> str:
-    """``obj`` as one server-sent event."""
-    return f"data: {_dumps(obj)}\n\n"
-
-
-def _as_api_error(e: Exception) -> ApiError:
-    """A choice's failure as the stream's error event: an :class:`ApiError` (a rank died, its
-    logits were not finite) as itself; anything else is a bug: a 500 ``internal_error`` to the
-    client, its traceback to the log."""
-    if isinstance(e, ApiError):
-        return e
-    traceback.print_exception(e)
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}"[:300], code="internal_error", kind="server_error")
-
-
-def _event_batches(streams: list):
-    """The events of the choices' generators ``streams`` (:meth:`Handlers.generate`), in
-    batches of those ready together: lists of ``(choice, event)``, the event an item of the
-    generator, None at its end, or its failure (:func:`_as_api_error`). One choice is read
-    directly (no task, no queue between it and the response); several through one queue, a
-    task each. Returns the batches (an async iterator) and a coroutine function that ends
-    every generator (the engine requests of those unfinished are aborted)."""
-    if len(streams) == 1:
-        g = streams[0]
-
-        async def one():
-            try:
-                async for item in g:
-                    yield [(0, item)]
-            except Exception as e:
-                yield [(0, _as_api_error(e))]
-                return
-            yield [(0, None)]
-
-        batches = one()
-
-        async def close():
-            await batches.aclose()
-            await g.aclose()
-
-        return batches, close
-
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(idx: int, g):
-        try:
-            async for item in g:
-                merged.put_nowait((idx, item))
-        except Exception as e:
-            merged.put_nowait((idx, _as_api_error(e)))
-            return
-        merged.put_nowait((idx, None))
-
-    pumps = [asyncio.ensure_future(pump(idx, g)) for idx, g in enumerate(streams)]
-
-    async def several():
-        while True:
-            batch = [await merged.get()]
-            while not merged.empty():
-                batch.append(merged.get_nowait())
-            yield batch
-
-    async def close_all():
-        for t in pumps:
-            t.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-    return several(), close_all
-
-
 def _prompt_entries(p: list[int], plps) -> list:
     """The prompt's logprob entries: its first token without one, then ``plps`` per token."""
     out = [(p[0], None, None)]
     if plps is not None:
         out += [(tok, lp, top) for tok, (lp, top) in zip(p[1:], plps)]
     return out
-
-
-class EventStream(StreamingResponse):
-    """Starlette's :class:`StreamingResponse` of server-sent events, its client watched by one
-    plain asyncio task: when the client goes away (``http.disconnect``) the stream is
-    cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 server says 2.3), without
-    the anyio task group and cancel scope it opens for that per response; the events'
-    generator is then closed (:meth:`Handlers.events` ends its choices' engine requests)."""
-
-    def __init__(self, content):
-        super().__init__(content, media_type="text/event-stream")
-
-    async def __call__(self, scope, receive, send) -> None:
-        streaming = asyncio.current_task()
-        gone = False
-
-        async def watch():
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            streaming.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            if hasattr(streaming, "uncancel"):       # Python 3.11+: the cancellation was ours, and is over
-                streaming.uncancel()
-            await self.body_iterator.aclose()        # now, not at its collection: its requests are aborted
-        finally:
-            watcher.cancel()
 
 
 @dataclass
@@ -646,7 +536,7 @@ class Handlers:
                    want_lp=(req.logprobs is not None) if not chat else bool(req.logprobs),
                    obj="chat.completion" if chat else "text_completion",
                    base={"id": rid, "created": int(time.time()), "model": self.info.name})
-        r.head = "data: " + _dumps({**r.base, "object": r.obj + ".chunk" if chat else r.obj})[:-1] + \
+        r.head = "data: " + dumps({**r.base, "object": r.obj + ".chunk" if chat else r.obj})[:-1] + \
             ',"choices":[{"index":'
         # one engine request per prompt and sample; a given seed gives sample j the seed + j
         for i, (p, params) in enumerate(zip(prompts, base_params)):
@@ -716,9 +606,9 @@ class Handlers:
                              "usage": _usage(sum(map(len, prompts)), n_out)})
 
     async def respond_stream(self, r: "_Reply", streams: list):
-        """Server-sent events: the choices' events (:func:`_event_batches`); the first must
+        """Server-sent events: the choices' events (:func:`parcompile.server.sse.event_batches`); the first must
         arrive (or fail) before the 200 status goes out."""
-        batches, close = _event_batches(streams)
+        batches, close = event_batches(streams)
         try:
             first = await batches.__anext__()
         except BaseException:
@@ -735,19 +625,19 @@ class Handlers:
         ``text``) as its server-sent event: OpenAI's chunk object, the request's constant
         head (:attr:`_Reply.head`) and this choice's fields, in the order of the object
         ``{**base, "object", "choices": [{"index", "delta" | "text", "logprobs",
-        "finish_reason"[, "token_ids"]}]}`` written by :data:`_dumps`."""
+        "finish_reason"[, "token_ids"]}]}`` written by :data:`parcompile.server.sse.dumps`."""
         index = r.jobs[idx][0] * r.req.n + idx % r.samples if not r.chat else idx % r.samples
         if r.chat:
-            body = ('"delta":{"role":"assistant","content":' + _json_str(delta) + "}" if role else
-                    '"delta":{"content":' + _json_str(delta) + "}" if delta else '"delta":{}')
+            body = ('"delta":{"role":"assistant","content":' + json_str(delta) + "}" if role else
+                    '"delta":{"content":' + json_str(delta) + "}" if delta else '"delta":{}')
         else:
-            body = '"text":' + _json_str(delta)
+            body = '"text":' + json_str(delta)
         tail = ',"token_ids":[' + ",".join(map(str, new_ids)) + "]" if r.req.return_token_ids else ""
-        return (f'{r.head}{index},{body},"logprobs":{"null" if lp_obj is None else _dumps(lp_obj)},'
-                f'"finish_reason":{"null" if reason is None else _json_str(reason)}{tail}}}]}}\n\n')
+        return (f'{r.head}{index},{body},"logprobs":{"null" if lp_obj is None else dumps(lp_obj)},'
+                f'"finish_reason":{"null" if reason is None else json_str(reason)}{tail}}}]}}\n\n')
 
     async def events(self, r: "_Reply", first, batches, close, include_usage: bool):
-        """The event stream from the ``first`` batch of events on (:func:`_event_batches`),
+        """The event stream from the ``first`` batch of events on (:func:`parcompile.server.sse.event_batches`),
         then the usage (when asked) and ``data: [DONE]``: one write per batch (the end's
         chunks, usage and ``[DONE]`` together); a rank's error ends it as the last event.
         Closes the choices' generators at the end (``close``)."""
@@ -767,7 +657,7 @@ class Handlers:
             while True:
                 for idx, ev in batch:
                     if isinstance(ev, ApiError):      # a rank died mid-stream: the error as the last event
-                        out.append(_sse({"error": {"message": ev.message, "type": ev.kind, "param": None,
+                        out.append(sse({"error": {"message": ev.message, "type": ev.kind, "param": None,
                                                    "code": ev.code}}))
                         yield "".join(out)
                         return
@@ -805,7 +695,7 @@ class Handlers:
         finally:
             await close()
         if include_usage:
-            out.append(_sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
+            out.append(sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
                              "usage": _usage(sum(map(len, prompts)), sum(n_ids))}))
         out.append("data: [DONE]\n\n")
         yield "".join(out)
