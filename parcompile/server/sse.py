@@ -36,11 +36,12 @@ def as_api_error(e: Exception) -> ApiError:
 
 def event_batches(streams: list):
     """The events of the choices' generators ``streams``
-    (:meth:`parcompile.server.api.Handlers.generate`), in batches of those ready together: lists of ``(choice, event)``, the event an item of the
-    generator, None at its end, or its failure (:func:`as_api_error`). One choice is read
-    directly (no task, no queue between it and the response); several through one queue, a
-    task each. Returns the batches (an async iterator) and a coroutine function that ends
-    every generator (the engine requests of those unfinished are aborted)."""
+    (:meth:`parcompile.server.api.Handlers.generate`), in batches of those ready together:
+    lists of ``(choice, event)``, the event an item of the generator, None at its end, or
+    its failure (:func:`as_api_error`). One choice is read directly (no task, no queue
+    between it and the response); several through one queue, a task each. Returns the
+    batches (an async iterator) and a coroutine function that ends every generator (the
+    engine requests of those unfinished are aborted)."""
     if len(streams) == 1:
         g = streams[0]
 
