@@ -56,13 +56,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
+from parcompile.server.sse import EventStream, dumps, event_batches, json_str, sse
 # the request side (models, errors, limits, Guard) lives in protocol.py; its names stay importable from here
 from parcompile.server.protocol import (BODY_BYTES_PER_TOKEN, DISCONNECT_POLL_S, MAX_JSON_DEPTH, MAX_LOGPROBS,
                                         MAX_SEQUENCES, MIN_BODY_BYTES, PLAIN_CHAT_TEMPLATE, SAMPLING_EPS,
@@ -165,6 +166,10 @@ def _non_finite_logits() -> ApiError:
                     code="non_finite_logits", kind="server_error")
 
 
+#: what :meth:`Handlers.watch_client` puts on a request's token queue when its client went away
+_CLIENT_GONE = object()
+
+
 def _stop_hit(text: str, sent: str, stop: list[str], hold: int) -> int:
     """Where the first of the ``stop`` strings starts in ``text`` (searched from the last
     ``hold`` characters of what was ``sent`` on), -1 when none does."""
@@ -184,10 +189,6 @@ def _usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 def _prompt_entries(p: list[int], plps) -> list:
     """The prompt's logprob entries: its first token without one, then ``plps`` per token."""
     out = [(p[0], None, None)]
@@ -201,8 +202,9 @@ class _Reply:
     """One request being answered (:meth:`Handlers.respond`): the request, its prompts'
     token ids, chat or completion, samples per prompt (``best_of`` or ``n``), each prompt's
     sampling parameters, echo, logprobs asked (``k`` alternatives; ``want_lp``), the object
-    name and the fields every answer object starts with (``base``), and the engine jobs
-    ``(prompt index, prompt ids, parameters)`` in choice order."""
+    name and the fields every answer object starts with (``base``), the engine jobs
+    ``(prompt index, prompt ids, parameters)`` in choice order, and a streamed chunk's
+    constant beginning (``head``)."""
 
     req: Any
     prompts: list
@@ -215,6 +217,7 @@ class _Reply:
     obj: str
     base: dict
     jobs: list = field(default_factory=list)
+    head: str = ""          # a streamed chunk's event up to its choice's index (:meth:`Handlers.chunk`)
 
 
 class Handlers:
@@ -390,12 +393,15 @@ class Handlers:
         prompt's logprobs) as tokens arrive; the request is cancelled in the engine when the
         client goes away or a stop string matches. Logprobs are the engine's entries
         (:func:`parcompile.runtime.paged.unpack_logprobs`), one per token id (an empty list
-        when the request asked for none).
+        when the request asked for none). Tokens that arrived together (the reader fell
+        behind the engine's steps) are taken together: one yield for all of them, as
+        vLLM's output collector merges a lagging request's outputs.
 
         ``watch``: "all" polls the connection every :data:`DISCONNECT_POLL_S` seconds while
         tokens arrive (a plain response: nothing is written until the end); "first" until
         the first token only (a stream: once it is writing, Starlette cancels it when the
-        client goes away)."""
+        client goes away). The polling is a task beside the request's (:meth:`watch_client`),
+        so that a token costs one queue wake-up, not a timer and a task."""
         rid = uuid.uuid4().hex
         params = dict(params)
         stop = params.pop("stop")
@@ -407,46 +413,45 @@ class Handlers:
         except EngineFailed as e:
             raise unavailable(str(e)) from None
         self.metrics.request_started(len(prompt))
+        watcher = asyncio.ensure_future(self.watch_client(request, q))
         ids: list[int] = []
         lps: list = []
         prompt_lps = None
         sent = ""
         last = None
         finished = False
-        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    item = None
-                if (watch == "all" or (watch == "first" and last is None)) and time.monotonic() >= next_poll:
-                    next_poll = time.monotonic() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
+                items = [await q.get()]
+                while not stop and not q.empty():   # with stop strings, token by token (where one ends)
+                    items.append(q.get_nowait())
+                reason = None
+                for item in items:
+                    if item is _CLIENT_GONE:
                         return           # the finally aborts it: its blocks are freed
-                if item is None:
-                    continue
-                if isinstance(item, EngineFailed):
-                    raise unavailable(str(item))
-                tok, reason, *rest = item
-                lp = rest[0] if rest else None
-                if reason == "error":        # its logits were NaN or inf: this request fails, the server lives
-                    finished = True
-                    self.metrics.request_finished("abort", len(ids))
-                    raise _non_finite_logits()
-                if lp is not None and "prompt" in lp:
-                    prompt_lps = lp["prompt"]
-                now = time.perf_counter()
-                self.metrics.token(now - (last if last is not None else t0), first=last is None)
-                last = now
-                if reason == "stop" and tok in self.info.eos:
-                    text = self.info.tokenizer.decode(ids)      # the end token is not text
-                else:
-                    ids.append(tok)
-                    if lp is not None:
-                        lps.append((lp["lp"], lp["top"]))
-                    text = self.info.tokenizer.decode(ids)
-                if reason is None:
+                    if isinstance(item, EngineFailed):
+                        raise unavailable(str(item))
+                    tok, reason, *rest = item
+                    lp = rest[0] if rest else None
+                    if reason == "error":    # its logits were NaN or inf: this request fails, the server lives
+                        finished = True
+                        self.metrics.request_finished("abort", len(ids))
+                        raise _non_finite_logits()
+                    if lp is not None and "prompt" in lp:
+                        prompt_lps = lp["prompt"]
+                    now = time.perf_counter()
+                    self.metrics.token(now - (last if last is not None else t0), first=last is None)
+                    last = now
+                    if not (reason == "stop" and tok in self.info.eos):      # the end token is not text
+                        ids.append(tok)
+                        if lp is not None:
+                            lps.append((lp["lp"], lp["top"]))
+                    if reason is not None:
+                        break            # nothing comes after a finish
+                if watch == "first" and not watcher.done():
+                    watcher.cancel()     # a stream is writing: Starlette watches the client from now on
+                text = self.info.tokenizer.decode(ids)
+                if reason is None and stop:
                     hit = _stop_hit(text, sent, stop, hold)
                     if hit >= 0:
                         text, reason = text[:hit], "stop"
@@ -462,9 +467,21 @@ class Handlers:
                 yield (text[len(sent):] if text.startswith(sent) else ""), ids, reason, lps, prompt_lps
                 return
         finally:
+            watcher.cancel()
             if not finished:
                 self.engines.abort(rid)
                 self.metrics.request_finished("abort", len(ids))
+
+    @staticmethod
+    async def watch_client(request: Request, q) -> None:
+        """Every :data:`DISCONNECT_POLL_S` seconds, whether the client of ``request`` went
+        away; then :data:`_CLIENT_GONE` on its token queue ``q`` (:meth:`generate` aborts it).
+        Cancelled when the request ends (or a stream starts writing)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                q.put_nowait(_CLIENT_GONE)
+                return
 
     def token_text(self, tok: int) -> str:
         """One token's text."""
@@ -520,6 +537,8 @@ class Handlers:
                    want_lp=(req.logprobs is not None) if not chat else bool(req.logprobs),
                    obj="chat.completion" if chat else "text_completion",
                    base={"id": rid, "created": int(time.time()), "model": self.info.name})
+        r.head = "data: " + dumps({**r.base, "object": r.obj + ".chunk" if chat else r.obj})[:-1] + \
+            ',"choices":[{"index":'
         # one engine request per prompt and sample; a given seed gives sample j the seed + j
         for i, (p, params) in enumerate(zip(prompts, base_params)):
             for j in range(samples):
@@ -552,14 +571,17 @@ class Handlers:
                 text += delta
             return text, list(ids), reason, list(lps), plps
 
-        tasks = [asyncio.ensure_future(run(g)) for g in streams]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        if len(streams) == 1:          # one choice: read in this task (no task, no gather)
+            results = [await run(streams[0])]
+        else:
+            tasks = [asyncio.ensure_future(run(g)) for g in streams]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         if any(res[2] is None for res in results):        # the client went away: nobody reads this
             return JSONResponse({}, status_code=499)
         choices, n_out = [], 0
@@ -585,84 +607,66 @@ class Handlers:
                              "usage": _usage(sum(map(len, prompts)), n_out)})
 
     async def respond_stream(self, r: "_Reply", streams: list):
-        """Server-sent events: every choice's events through one queue; the first event must
+        """Server-sent events: the choices' events (:func:`parcompile.server.sse.event_batches`); the first must
         arrive (or fail) before the 200 status goes out."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(idx: int, g):
-            """Forward one choice's events to ``merged``, then None (its end) or its error."""
-            try:
-                async for item in g:
-                    await merged.put((idx, item))
-            except ApiError as e:                  # a rank died, or its logits were not finite
-                await merged.put((idx, e))
-                return
-            except Exception as e:                 # a bug: OpenAI's form to the client, the traceback to the log
-                await merged.put((idx, ApiError(500, f"internal error: {type(e).__name__}: {e}"[:300],
-                                                code="internal_error", kind="server_error")))
-                raise
-            await merged.put((idx, None))
-
-        pumps = [asyncio.ensure_future(pump(idx, g)) for idx, g in enumerate(streams)]
-
-        async def cancel_all():
-            for t in pumps:
-                t.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-
+        batches, close = event_batches(streams)
         try:
-            first = await merged.get()
+            first = await batches.__anext__()
         except BaseException:
-            await cancel_all()
+            await close()
             raise
-        if isinstance(first[1], ApiError):
-            await cancel_all()
-            raise first[1]
+        if isinstance(first[0][1], ApiError):
+            await close()
+            raise first[0][1]
         include_usage = bool(r.req.stream_options and r.req.stream_options.include_usage)
-        return StreamingResponse(self.events(r, first, merged, cancel_all, include_usage),
-                                 media_type="text/event-stream")
+        return EventStream(self.events(r, first, batches, close, include_usage))
 
-    def chunk(self, r: "_Reply", idx: int, delta: str, new_ids: list[int], reason, lp_obj, role: bool = False) -> dict:
-        """One streamed chunk of sequence ``idx`` (chat's ``delta``, or a completion's ``text``)."""
-        jobs, n, samples, chat, req, base, obj = r.jobs, r.req.n, r.samples, r.chat, r.req, r.base, r.obj
-        index = jobs[idx][0] * n + idx % samples if not chat else idx % samples
-        if chat:
-            d = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
-            c = {"index": index, "delta": d, "logprobs": lp_obj, "finish_reason": reason}
+    def chunk(self, r: "_Reply", idx: int, delta: str, new_ids: list[int], reason, lp_obj, role: bool = False) -> str:
+        """One streamed chunk of sequence ``idx`` (chat's ``delta``, or a completion's
+        ``text``) as its server-sent event: OpenAI's chunk object, the request's constant
+        head (:attr:`_Reply.head`) and this choice's fields, in the order of the object
+        ``{**base, "object", "choices": [{"index", "delta" | "text", "logprobs",
+        "finish_reason"[, "token_ids"]}]}`` written by :data:`parcompile.server.sse.dumps`."""
+        index = r.jobs[idx][0] * r.req.n + idx % r.samples if not r.chat else idx % r.samples
+        if r.chat:
+            body = ('"delta":{"role":"assistant","content":' + json_str(delta) + "}" if role else
+                    '"delta":{"content":' + json_str(delta) + "}" if delta else '"delta":{}')
         else:
-            c = {"index": index, "text": delta, "logprobs": lp_obj, "finish_reason": reason}
-        if req.return_token_ids:
-            c["token_ids"] = new_ids
-        return {**base, "object": obj + ".chunk" if chat else obj, "choices": [c]}
+            body = '"text":' + json_str(delta)
+        tail = ',"token_ids":[' + ",".join(map(str, new_ids)) + "]" if r.req.return_token_ids else ""
+        return (f'{r.head}{index},{body},"logprobs":{"null" if lp_obj is None else dumps(lp_obj)},'
+                f'"finish_reason":{"null" if reason is None else json_str(reason)}{tail}}}]}}\n\n')
 
-    async def events(self, r: "_Reply", first, merged: asyncio.Queue, cancel_all, include_usage: bool):
-        """The event stream from the ``first`` event on, then the usage (when asked) and
-        ``data: [DONE]``; a rank's error ends it as the last event. Cancels every pump at the end."""
+    async def events(self, r: "_Reply", first, batches, close, include_usage: bool):
+        """The event stream from the ``first`` batch of events on (:func:`parcompile.server.sse.event_batches`),
+        then the usage (when asked) and ``data: [DONE]``: one write per batch (the end's
+        chunks, usage and ``[DONE]`` together); a rank's error ends it as the last event.
+        Closes the choices' generators at the end (``close``)."""
         jobs, chat, want_lp, echo, k, prompts, base, obj = (r.jobs, r.chat, r.want_lp, r.echo, r.k, r.prompts, r.base,
                                                             r.obj)
         n_ids = [0] * len(jobs)
-        totals = [0] * len(jobs)
         offsets = [0] * len(jobs)
         started = [False] * len(jobs)
+        done = [False] * len(jobs)   # finished or ended
         open_ = len(jobs)
-        if first[1] is None and open_ == 1:
-            await cancel_all()
+        if first[0][1] is None and open_ == 1:
+            await close()
             return
-        if chat:
-            for idx in range(len(jobs)):
-                yield _sse(self.chunk(r, idx, "", [], None, None, role=True))
-        item = first
+        out = [self.chunk(r, idx, "", [], None, None, role=True) for idx in range(len(jobs))] if chat else []
+        batch = first
         try:
             while True:
-                idx, ev = item
-                if isinstance(ev, ApiError):      # a rank died mid-stream: the error as the last event
-                    yield _sse({"error": {"message": ev.message, "type": ev.kind, "param": None, "code": ev.code}})
-                    return
-                if ev is None:
-                    open_ -= 1
-                    if open_ == 0:
-                        break
-                else:
+                for idx, ev in batch:
+                    if isinstance(ev, ApiError):      # a rank died mid-stream: the error as the last event
+                        out.append(sse({"error": {"message": ev.message, "type": ev.kind, "param": None,
+                                                   "code": ev.code}}))
+                        yield "".join(out)
+                        return
+                    if ev is None:
+                        if not done[idx]:             # ended without a finish (its client went away)
+                            done[idx] = True
+                            open_ -= 1
+                        continue
                     delta, ids, reason, lps, plps = ev
                     p = jobs[idx][1]
                     new_ids, new_lps = ids[n_ids[idx]:], lps[n_ids[idx]:]
@@ -677,17 +681,25 @@ class Handlers:
                             offsets[idx] += sum(len(t) for t in lp_obj["tokens"])
                     if echo and not started[idx]:
                         delta = self.info.tokenizer.decode(p) + delta
-                    started[idx] = True
-                    yield _sse(self.chunk(r, idx, delta, new_ids, reason, lp_obj))
+                    out.append(self.chunk(r, idx, delta, new_ids, reason, lp_obj))
                     n_ids[idx] = len(ids)
-                    totals[idx] = len(ids)
-                item = await merged.get()
+                    started[idx] = True
+                    if reason is not None:            # its last event: nothing comes after a finish
+                        done[idx] = True
+                        open_ -= 1
+                if open_ == 0:
+                    break
+                if out:
+                    yield "".join(out)
+                    out = []
+                batch = await batches.__anext__()
         finally:
-            await cancel_all()
+            await close()
         if include_usage:
-            yield _sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
-                       "usage": _usage(sum(map(len, prompts)), sum(totals))})
-        yield "data: [DONE]\n\n"
+            out.append(sse({**base, "object": obj + ".chunk" if chat else obj, "choices": [],
+                             "usage": _usage(sum(map(len, prompts)), sum(n_ids))}))
+        out.append("data: [DONE]\n\n")
+        yield "".join(out)
 
     def chat_ids(self, req: ChatRequest) -> list[int]:
         """A chat request's prompt token ids: its messages (text content parts joined) through the

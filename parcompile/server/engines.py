@@ -16,6 +16,7 @@ import secrets
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
@@ -32,6 +33,44 @@ def _put_all(items: list) -> None:
     """Put each ``(queue, item)`` of ``items`` in order (on the queues' event loop)."""
     for q, item in items:
         q.put_nowait(item)
+
+
+class TokenQueue:
+    """One request's token queue: ``asyncio.Queue``'s ``put_nowait``, ``get``, ``get_nowait``
+    and ``empty`` for one reader (the request's handler), unbounded, without its getter
+    bookkeeping: a token is a deque append and, when the reader waits, one future's result
+    (issue 33: the front's CPU per streamed token). Used on its event loop only."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self):
+        """The oldest item; raises ``asyncio.QueueEmpty`` when there is none."""
+        if not self.items:
+            raise asyncio.QueueEmpty
+        return self.items.popleft()
+
+    async def get(self):
+        """The oldest item, once there is one."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
 
 class EngineFailed(Exception):
@@ -56,7 +95,7 @@ class Engines:
 
     ``program`` is the compiled ``serve.py``, ``world`` the ranks to launch and ``replicas``
     the plan's dp degree. Tokens come back as ``(token, finish_reason, logprobs)`` items
-    on each request's asyncio queue (``logprobs``: a
+    on each request's :class:`TokenQueue` (``logprobs``: a
     :func:`parcompile.runtime.paged.unpack_logprobs` entry, or None); a failure puts an
     :class:`EngineFailed` there.
     """
@@ -69,7 +108,7 @@ class Engines:
         self.key = secrets.token_bytes(16)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.replicas: list[Replica] = []
-        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, TokenQueue]] = {}
         self.owner: dict[str, Replica] = {}
         self.failed: str | None = None
         self.stopping = False        # stop() was called: the engines' going away is no failure
@@ -180,9 +219,9 @@ class Engines:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, rid: str, prompt: list[int], params: dict) -> asyncio.Queue:
+    def submit(self, rid: str, prompt: list[int], params: dict) -> TokenQueue:
         """Send a request to the replica with the fewest outstanding ones; returns the queue
-        its ``(token, finish_reason, logprobs)`` items arrive on.
+        (:class:`TokenQueue`) its ``(token, finish_reason, logprobs)`` items arrive on.
 
         Raises:
             EngineFailed: the engines are gone.
@@ -190,7 +229,7 @@ class Engines:
         if self.failed:
             raise EngineFailed(self.failed)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q = TokenQueue()
         r = min(self.replicas, key=lambda x: (x.outstanding, x.index))
         self.queues[rid] = (loop, q)
         self.owner[rid] = r

@@ -9,10 +9,40 @@ over the dp replicas."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class Latency:
+    """A latency histogram (seconds) of one model, kept as plain counts by the event loop's
+    thread: a token costs a bisect and two additions instead of prometheus_client's locked
+    bucket walk (issue 33: the front's CPU per token); :meth:`family` gives it in
+    Prometheus's histogram form (``_bucket`` by ``le``, cumulative; ``_count``; ``_sum``).
+    A value equal to a bound falls in that bound's bucket (``le``: less or equal)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple):
+        self.name, self.doc, self.bounds = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)      # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def family(self, model: str) -> HistogramMetricFamily:
+        f = HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        cum, buckets = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            cum += n
+            buckets.append((floatToGoString(bound), cum))
+        f.add_metric([model], buckets, self.sum)
+        return f
 
 
 class Metrics:
@@ -27,10 +57,10 @@ class Metrics:
         self.prompt_tokens = Counter("parcompile_prompt_tokens", "prompt tokens of admitted requests", ["model"],
                                      registry=r)
         self.generation_tokens = Counter("parcompile_generation_tokens", "generated tokens", ["model"], registry=r)
-        self.ttft = Histogram("parcompile_time_to_first_token_seconds", "time from a request to its first token",
-                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("parcompile_time_per_output_token_seconds", "time between two output tokens",
-                              ["model"], buckets=_TPOT_BUCKETS, registry=r)
+        self.ttft = Latency("parcompile_time_to_first_token_seconds", "time from a request to its first token",
+                            _TTFT_BUCKETS)
+        self.tpot = Latency("parcompile_time_per_output_token_seconds", "time between two output tokens",
+                            _TPOT_BUCKETS)
         self.blocks_used = Gauge("parcompile_kv_cache_blocks_used", "KV cache blocks held by requests", ["model"],
                                  registry=r)
         self.blocks_free = Gauge("parcompile_kv_cache_blocks_free", "KV cache blocks free", ["model"], registry=r)
@@ -47,6 +77,8 @@ class Metrics:
                                    "back when the cache was full; recomputed later)", ["model"], registry=r)
         self._seen = {}       # the engines' counters at the last render
         self.model = model
+        self._generated = self.generation_tokens.labels(model)   # looked up once, not per token
+        r.register(self)      # the latency histograms (:meth:`collect`)
 
     def request_started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
@@ -54,12 +86,16 @@ class Metrics:
 
     def token(self, seconds: float, first: bool) -> None:
         """One output token, ``seconds`` after the request (first) or the previous token."""
-        (self.ttft if first else self.tpot).labels(self.model).observe(seconds)
-        self.generation_tokens.labels(self.model).inc()
+        (self.ttft if first else self.tpot).observe(seconds)
+        self._generated.inc()
 
     def request_finished(self, reason: str, tokens: int) -> None:
         self.requests.labels(self.model, reason).inc()
         self.running_requests.labels(self.model).dec()
+
+    def collect(self):
+        """The latency histograms, for the registry (prometheus_client's collector protocol)."""
+        return [self.ttft.family(self.model), self.tpot.family(self.model)]
 
     def render(self, totals: dict) -> tuple[bytes, str]:
         """The Prometheus text, with the engines' ``totals`` (blocks_used, blocks_free,
