@@ -52,16 +52,24 @@ def _block_doc(m, pd: ProgramData, tables: dict[str, list[str]], serve: bool) ->
     return doc + "    "
 
 
-def train_classes(m, pd: ProgramData, c: dict, tables: dict[str, list[str]], sizes: dict) -> list[dict]:
-    """The training program's classes (``c``: emit's class bodies and docs; ``sizes``:
-    ``heads_local``, ``kv_local``, ``experts_local``, ``mla_grads``)."""
-    out = [_cls("Attention(nn.Module)", _attention_doc(m, pd, sizes["heads_local"], sizes["kv_local"],
-                                                       sizes["mla_grads"]), c["attn_class"])]
+def _mlp_classes(c: dict) -> list[dict]:
+    """The dense MLP's and the shared experts' classes where the graph has them (``c``: emit's
+    class bodies and docs), the same in training and serving."""
+    out = []
     if c["mlp_class"]:
         out.append(_cls("MLP(nn.Module)", c["mlp_doc"], c["mlp_class"]))
     if c["shared_class"]:
         out.append(_cls("SharedMLP(nn.Module)", "A MoE layer's shared (always-on) experts, one MLP: " + c["shared_doc"],
                         c["shared_class"]))
+    return out
+
+
+def train_classes(m, pd: ProgramData, c: dict, tables: dict[str, list[str]], sizes: dict) -> list[dict]:
+    """The training program's classes (``c``: emit's class bodies and docs; ``sizes``:
+    ``heads_local``, ``kv_local``, ``experts_local``, ``mla_grads``)."""
+    out = [_cls("Attention(nn.Module)", _attention_doc(m, pd, sizes["heads_local"], sizes["kv_local"],
+                                                       sizes["mla_grads"]), c["attn_class"])]
+    out += _mlp_classes(c)
     if pd.moe_layer is not None:
         el, etp = sizes["experts_local"], c["moe_expert_tp"]
         doc = (f"Mixture of experts (runtime/moe.py): a top-{m.top_k} router ({router_words(m)}) over {m.experts} "
@@ -103,11 +111,7 @@ def serve_classes(m, pd: ProgramData, c: dict, sizes: dict) -> list[dict]:
     layer = pd.dense_layer or pd.moe_layer
     out = [_cls("Attention(nn.Module)", _serve_attn_doc(layer, sizes["heads_local"], sizes["kv_local"]),
                 c["attn_class"])]
-    if c["mlp_class"]:
-        out.append(_cls("MLP(nn.Module)", c["mlp_doc"], c["mlp_class"]))
-    if c["shared_class"]:
-        out.append(_cls("SharedMLP(nn.Module)", "A MoE layer's shared (always-on) experts, one MLP: " + c["shared_doc"],
-                        c["shared_class"]))
+    out += _mlp_classes(c)
     if pd.moe_layer is not None:
         doc = (f"Mixture of experts: a top-{m.top_k} router over {m.experts} experts ({sizes['experts_local']} per ep "
                f"rank), each of\n    {m.expert_ffn_hidden} inner units -> {sizes['expert_ffn_local']} per rank; "

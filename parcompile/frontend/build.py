@@ -347,7 +347,7 @@ class _Values:
                 return _INVALID
             if v.unit != "%":
                 self.bag.error(f"expected a fraction, got {DIMENSION_WORDS[dimension_of(v.unit)]}", v.span,
-                               help=f"write a number such as `0.1` or a percentage such as `10%`")
+                               help="write a number such as `0.1` or a percentage such as `10%`")
                 return _INVALID
             x = to_si(float(v.number.value), "%")
         elif isinstance(v, (ast.Int, ast.Float)):
@@ -358,7 +358,7 @@ class _Values:
 
     def _list(self, key: str, t: KeyType, v: ast.Value, item: KeyType, example: str) -> Any:
         if not isinstance(v, ast.List):
-            return self._expected(f"a list", v, help=f"write `{key} = {example}`")
+            return self._expected("a list", v, help=f"write `{key} = {example}`")
         if t.length is not None and len(v.items) != t.length:
             self.bag.error(f"{key} needs {t.length} entries, got {len(v.items)}", v.span,
                            help=f"write `{key} = {example}`")

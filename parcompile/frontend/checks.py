@@ -112,7 +112,7 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
             k = empty[0]
             ctx.bag.error(f"stage_layers entry {k + 1} of {chunks} is 0: only the first model chunk (the "
                           "embedding) and the last one (the output layer and the loss) may hold no layers",
-                          span, note=f"a middle model chunk with no layers would run nothing"
+                          span, note="a middle model chunk with no layers would run nothing"
                           + (f" ({len(empty)} such entries)" if len(empty) > 1 else ""),
                           help="give every middle model chunk at least one layer"
                                + (f", e.g. {split}" if split else ""))
