@@ -36,6 +36,8 @@ SMOKE = {
     "search": (["--only", "70b"], "best:"),
 }
 LAUNCHING = {
+    # the HTTP front alone against a stand-in engine (a child process)
+    "front_cost": (["--clients", "2", "--requests", "2", "--max-tokens", "4", "--step-ms", "1"], "streamed: 2 clients"),
     "memory": (["--smoke"], "model states equal the plan exactly"),
 }
 SERVE_SPEC = """model tiny {
