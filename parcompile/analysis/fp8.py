@@ -225,8 +225,7 @@ def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list
     model prices the recipe's amaxes separately (:func:`fp8_costs`: torchao's pattern,
     calibrated)."""
     marks = getattr(graph, "fp8", None)
-    if marks is None or nd.kind not in FP8_KINDS or not is_fp8_gemm(nd, graph) \
-            or marks.recipe not in ("tensorwise", "rowwise"):
+    if marks is None or marks.recipe not in ("tensorwise", "rowwise") or not is_fp8_gemm(nd, graph):
         return []
     x = next(r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name)))
     rows = x.numel // x.dims[-1].size
