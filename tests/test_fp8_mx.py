@@ -208,7 +208,16 @@ def test_bf16_layer_keys_are_checked_where_they_are_written(tmp_path):
     assert [x.message for x in d] == ["fp8_bf16_layers_start has no effect with precision = model"]
     assert (d[0].span.line, d[0].span.column) == _at(path, "fp8_bf16_layers_start")
     path, plan, d = _compile_or_diags(tmp_path, "  precision = fp8\n  fp8_bf16_layers_start = -1\n", "m.par")
-    assert plan is None and any("fp8_bf16_layers_start" in x.message for x in d)
+    [err] = [x for x in d if x.severity == "error"]
+    assert plan is None and err.message == "fp8_bf16_layers_start must not be negative, got `-1`"
+    assert (err.span.line, err.span.column) == _at(path, "fp8_bf16_layers_start")
+    for value, what in (('"two"', "expected an integer"), ("2.5", "expected an integer"),
+                        ("true", "expected an integer"),
+                        ("100000000000000000000000000000", "exceeds the model's 6 layers")):
+        path, plan, d = _compile_or_diags(tmp_path, f"  precision = fp8\n  fp8_bf16_layers_end = {value}\n", "v.par")
+        errs = [x for x in d if x.severity == "error"]
+        assert plan is None and errs and (errs[0].span.line, errs[0].span.column) == _at(path, "fp8_bf16_layers_end"), (value, errs)
+        assert what in errs[0].message, (value, errs[0].message)
 
 
 def test_bf16_layers_leave_the_fp8_gemms_casts_and_copies_of_those_layers(tmp_path):
