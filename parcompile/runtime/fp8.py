@@ -113,7 +113,7 @@ def cast(t: torch.Tensor, recipe: str, dim: int | None = None, axis: Axis | None
     a = t.detach().abs().float()
     amax = _amax(a, None if recipe == "tensorwise" else dim)
     per_row = routed and recipe == "rowwise" and dim in (-1, t.dim() - 1)
-    amax = _max_over(amax.clone(), axis, t.shape[0] if per_row else None)
+    amax = _max_over(amax, axis, t.shape[0] if per_row else None)   # a fresh tensor: reduced in place
     return cast_with_amax(t, amax, recipe)
 
 
@@ -315,7 +315,7 @@ class _Fp8Linear(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 gw = mx_mm(g2.t(), x2.t(), weight.dtype)
             return gx, gw, None, None, None, None, None
-        col = tp if split == "column" else None
+        col, row = (tp if split == "column" else None), (tp if split == "row" else None)
         tw = recipe == "tensorwise"
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -326,7 +326,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # g^T x: (N, M) @ (M, K), reduction M (whole on every rank)
             gt8, sgt = cast(g2, recipe, 0, col if tw else None)
-            x8, sx = cast(x2, recipe, 0, (tp if split == "row" else None) if tw else None)
+            x8, sx = cast(x2, recipe, 0, row if tw else None)
             if ctx.defer:   # W later, from the FP8 operands cast now (module docstring)
                 STORE.file(_weight_grad(ctx.weight, gt8, sgt, x8, sx), ctx.weight)
             else:
