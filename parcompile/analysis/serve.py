@@ -387,7 +387,13 @@ PAGED_CACHE_OPS = 7.0
 STEP_LAYOUT_OPS = 14.0
 #: ... the sampling of the step's rows on the last stage (``sample_rows``, greedy: 50 us at
 #: one sequence, 195 us at 32)
+#: Each count is its one-sequence time over the probe's 17.9 us, rounded (119 / 17.9 = 6.6,
+#: 252 / 17.9 = 14.1, 50 / 17.9 = 2.8). The counts do not grow with the step's rows: at 32
+#: sequences the same timings give 7.5, 25.8 and 10.9, so a large batch's host work is
+#: underestimated (layout and sampling by about 2x and 4x)
 SAMPLE_OPS = 3.0
+
+
 def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[str, int], link,
                     per_op: float) -> float:
     """Seconds of one engine step on the critical path through a rank of a stage with
