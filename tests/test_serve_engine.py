@@ -409,14 +409,15 @@ def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         got = [paged.broadcast_plan(m if rank == 0 else None, 0, dist.group.WORLD, rank == 0) for m in msgs]
-        Path(f"{out}.{rank}").write_text(json.dumps(got))
+        Path(f"{out}.{rank}").write_text(json.dumps([got, repr(got)]))
     finally:
         dist.destroy_process_group()
 
 
 def test_broadcast_plan_carries_a_small_and_a_large_step_plan(tmp_path):
     """The leader's step plan reaches the other ranks equal, in one buffer of STEP_PLAN_BYTES
-    and, for a plan beyond it (a long prompt's chunk), in a second broadcast for the rest."""
+    and, for a plan beyond it (a long prompt's chunk), in a second broadcast for the rest; a
+    plan with a tuple or an int key reaches every rank, the leader too, as its JSON decodes."""
     import socket
 
     import torch.multiprocessing as mp
@@ -429,7 +430,12 @@ def test_broadcast_plan_carries_a_small_and_a_large_step_plan(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_plan_rank, args=(port, [small, large, small], str(tmp_path / "got")), nprocs=2,
+    # not JSON's own types: a tuple and an int key, which JSON turns into a list and a string
+    odd = {**small, "rows": [("d", (5, 6), 2, (9,))], "partial": {7: 1}}
+    odd_sent = {**small, "rows": [["d", [5, 6], 2, [9]]], "partial": {"7": 1}}
+    mp.start_processes(_plan_rank, args=(port, [small, large, odd, small], str(tmp_path / "got")), nprocs=2,
                        start_method="spawn")
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"got.{rank}").read_text()) == [small, large, small]
+    got = [json.loads((tmp_path / f"got.{rank}").read_text()) for rank in (0, 1)]
+    for plans, _ in got:
+        assert plans == [small, large, odd_sent, small]
+    assert got[0][1] == got[1][1]        # the leader runs the very plan the others decode (types too)

@@ -102,10 +102,9 @@ from parcompile.analysis.estimate import axis_link, collective_time, efficiency
 from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
-from parcompile.analysis.serve_memory import (at_step, one_kv_head, prefill_step, received_bytes,
-                                              serve_workspace)
+from parcompile.analysis.serve_memory import StepBytes, prefill_step, received_bytes, serve_workspace
 from parcompile.core.dtypes import DTYPE_BYTES
-from parcompile.core.heads import kv_heads_per_rank, kv_heads_replicated
+from parcompile.core.heads import kv_heads_per_rank
 from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.config.presets import fp8_storage
 from parcompile.core.units import bytes_text
@@ -305,10 +304,9 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
     Limits: with ``sequence_parallel`` the graph's sequence-split collectives are counted,
     which the serve program does not run."""
     m, pp = cfg.model, cfg.parallel.pp
-    dp = degrees.get("dp", 1)
-    one_kv = kv_heads_replicated(m.kv_heads, degrees.get("tp", 1)) and not m.kv_lora_rank
-    kv1 = one_kv_head if one_kv else (lambda t: t)
     kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
+    step = StepBytes(cfg, graph, degrees, batch, tokens, context)     # the nodes' local types
+    kv1 = step.kv1                                                    # one kv head where tp replicates them
     out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set(), kv=[])
                        for _ in range(pp)]
     for nd in graph.nodes():
@@ -316,9 +314,7 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
             continue
         head = nd.op.module in HEAD_MODULES
         seq = 1 if head else tokens
-        ins = [kv1(r.local_type(at_step(t, batch * dp, seq), degrees))
-               for r, t in zip(nd.requires, graph.input_types(nd.name))]
-        local = kv1(nd.sharding.local_type(at_step(nd.type, batch * dp, seq), degrees))
+        ins, local = step.types(nd, seq)
         st = out[nd.stage or 0]
         a = nd.op.attr_map
         s = spec(nd.kind)
@@ -391,7 +387,13 @@ PAGED_CACHE_OPS = 7.0
 STEP_LAYOUT_OPS = 14.0
 #: ... the sampling of the step's rows on the last stage (``sample_rows``, greedy: 50 us at
 #: one sequence, 195 us at 32)
+#: Each count is its one-sequence time over the probe's 17.9 us, rounded (119 / 17.9 = 6.6,
+#: 252 / 17.9 = 14.1, 50 / 17.9 = 2.8). The counts do not grow with the step's rows: at 32
+#: sequences the same timings give 7.5, 25.8 and 10.9, so a large batch's host work is
+#: underestimated (layout and sampling by about 2x and 4x)
 SAMPLE_OPS = 3.0
+
+
 def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[str, int], link,
                     per_op: float) -> float:
     """Seconds of one engine step on the critical path through a rank of a stage with

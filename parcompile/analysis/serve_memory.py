@@ -161,11 +161,13 @@ class StepBytes:
         self.kv1 = one_kv_head if one_kv else (lambda t: t)
         self.max_len = cfg.serve.prompt_len + cfg.serve.max_new_tokens   # the one-shot cache's length
 
-    def types(self, nd) -> tuple[list[TensorType], TensorType]:
-        """The local types of ``nd``'s inputs and of its output in the step."""
-        ins = [self.kv1(r.local_type(at_step(t, self.rows, self.tokens), self.degrees))
+    def types(self, nd, seq: int | None = None) -> tuple[list[TensorType], TensorType]:
+        """The local types of ``nd``'s inputs and of its output in the step, their ``seq`` dim
+        ``seq`` (default the step's ``tokens``; the estimate's step costs give the LM head 1)."""
+        seq = self.tokens if seq is None else seq
+        ins = [self.kv1(r.local_type(at_step(t, self.rows, seq), self.degrees))
                for r, t in zip(nd.requires, self.graph.input_types(nd.name))]
-        return ins, self.kv1(nd.sharding.local_type(at_step(nd.type, self.rows, self.tokens), self.degrees))
+        return ins, self.kv1(nd.sharding.local_type(at_step(nd.type, self.rows, seq), self.degrees))
 
     def output(self, nd) -> int:
         """Bytes of ``nd``'s local output in the step."""

@@ -103,7 +103,11 @@ def attention_scale(keys) -> float | None:
 
 #: bytes of the buffer in which a serve engine's leader broadcasts each step's plan to its
 #: replica's other ranks (runtime/paged.py ``broadcast_plan``: one broadcast while the
-#: pickled plan fits, a second for the rest; analysis/serve.py times it)
+#: plan's JSON text and its 8-byte length fit, a second for the rest; analysis/serve.py
+#: times it). A size chosen, not measured from a source: the compact JSON of a decode step
+#: (32-hex request ids, one token, a 16-block table per row) is 4,300 bytes at 32 rows,
+#: 8,524 at 64 and 16,972 at 128 (json.dumps, measured on this machine), so decode steps
+#: up to about 120 sequences take one broadcast; a prefill chunk's token ids take a second
 STEP_PLAN_BYTES = 16384
 
 

@@ -383,7 +383,12 @@ def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu"
     nothing) behind its 8-byte length into a buffer of :data:`parcompile.core.model.STEP_PLAN_BYTES`,
     one broadcast while it fits and a second for the rest (``broadcast_object_list`` takes
     two broadcasts every step, its size's and its bytes': a collective per step saved). The
-    buffers live on ``device`` (the group's backend's: NCCL's are on the GPU)."""
+    buffers live on ``device`` (the group's backend's: NCCL's are on the GPU).
+
+    Every rank, the leader too, returns the plan decoded from the JSON text it sent: a
+    tuple comes back a list and an int dict key a string on all ranks alike, so the ranks
+    never run different plans. Raises TypeError on ``src`` if ``msg`` holds a value JSON
+    cannot write (the server builds the plan from plain ints, floats, strings and lists)."""
     buf = torch.zeros(STEP_PLAN_BYTES, dtype=torch.uint8)
     head = STEP_PLAN_BYTES - 8
     data = b""
@@ -407,7 +412,7 @@ def broadcast_plan(msg: dict | None, src: int, group, is_src: bool, device="cpu"
         dist.broadcast(tail, src=src, group=group)
         if not is_src:
             data += tail.cpu().numpy().tobytes()
-    return msg if is_src else json.loads(data)
+    return json.loads(data)
 
 
 def _leader_plan(conn, sched: Scheduler) -> dict:
