@@ -543,12 +543,10 @@ def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -
     forms)."""
     m, s = cfg.model, cfg.serve
     z = pd.sizes
-    layer = pd.dense_layer or pd.moe_layer
     kinds = _layer_kinds(pd)
     c = {**kinds, **_serve_classes(pd)}
     sizes = {"heads_local": z.heads, "kv_local": kv_local, "experts_local": z.experts or 0,
-             "expert_ffn_local": z.expert_ffn or 0,
-             "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, "no collective (tp = 1)")}
+             "expert_ffn_local": z.expert_ffn or 0}
     stage = stage_code(pd, serve=True)
     return {
         "model_constants": serve_constants(m, pd, kinds, padded, rotary_dim(m), TORCH_NAMES[m.dtype],
