@@ -475,7 +475,7 @@ class _Writer:
                 and not (users[0] in self.by_name and self.by_name[users[0]].regather)):   # kept split: a variable
             self.values[name] = _Value(text, True, notes, frozenset(refs))
             return
-        if isinstance(op, OpData) and dict(op.attrs).get("regather"):
+        if isinstance(op, OpData) and op.regather:
             self._keep_split(name, op, text, texts, notes, show)
             return
         if name in self.outputs:
