@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from parcompile.analysis.fp8 import FP8_KINDS
 from parcompile.codegen.program_data import LayerData, OpData
 from parcompile.ir.ops import Code, code_of
 
@@ -398,8 +399,9 @@ class _Writer:
         facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
         facts["attr"] = attr
         # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
-        # representative layer may be one of them: its op has no recipe, the others' do)
-        if "fp8" in self.tables and op.kind in ("linear", "experts"):
+        # representative layer may be one of them: its op has no recipe, the others' do); the
+        # ops that can run FP8 are analysis/fp8's FP8_KINDS (the rule fp8_kind applies)
+        if "fp8" in self.tables and op.kind in FP8_KINDS:
             facts["fp8"] = f", fp8={self.tables['fp8']}"
         attrs = program_attrs(op, self.every)
         more = dict(code.facts(attrs)) if code.facts is not None else {}
@@ -473,7 +475,7 @@ class _Writer:
                 and not (users[0] in self.by_name and self.by_name[users[0]].regather)):   # kept split: a variable
             self.values[name] = _Value(text, True, notes, frozenset(refs))
             return
-        if isinstance(op, OpData) and dict(op.attrs).get("regather"):
+        if isinstance(op, OpData) and op.regather:
             self._keep_split(name, op, text, texts, notes, show)
             return
         if name in self.outputs:

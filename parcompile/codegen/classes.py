@@ -106,8 +106,7 @@ def _serve_attn_doc(layer, heads_local: int, kv_local: int) -> str:
 
 def serve_classes(m, pd: ProgramData, c: dict, sizes: dict) -> list[dict]:
     """The serving program's classes (``c``: emit's serving class bodies and docs;
-    ``sizes``: ``heads_local``, ``kv_local``, ``experts_local``, ``expert_ffn_local``,
-    ``attn_leave``)."""
+    ``sizes``: ``heads_local``, ``kv_local``, ``experts_local``, ``expert_ffn_local``)."""
     layer = pd.dense_layer or pd.moe_layer
     out = [_cls("Attention(nn.Module)", _serve_attn_doc(layer, sizes["heads_local"], sizes["kv_local"]),
                 c["attn_class"])]

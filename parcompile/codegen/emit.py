@@ -287,6 +287,36 @@ def _step_notes(p, sp: bool) -> dict:
     }
 
 
+def _fp8_table(pd: ProgramData, serve: bool = False) -> dict:
+    """FP8 GEMMs in some layers only (train.fp8_bf16_layers_*): the classes' per-layer table
+    entry, each layer's recipe from ``LAYER_FP8``; serving: none."""
+    return {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 and not serve else {}
+
+
+def _experts_on_tp(pd: ProgramData) -> bool:
+    """Every expert on every tp rank (serving with ep = 1): the experts op's ``ffn_axis``
+    (``shard-experts``)."""
+    return pd.moe_layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
+
+
+def _mlp_classes(pd: ProgramData, serve: bool = False) -> dict:
+    """The dense MLP's and a MoE layer's shared experts' class bodies and docs, where the
+    graph has them (empty strings where not)."""
+    out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
+    for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
+        if layer is not None and layer.op(f"{prefix}.w1") is not None:
+            out[f"{key}_doc"] = mlp_doc(layer, prefix)
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, _fp8_table(pd, serve),
+                                                 serve=serve).text("i: int, tp: rt.Axis")
+    return out
+
+
+def _window_table(pd: ProgramData) -> dict:
+    """The attention's window in ``__init__``: per layer where the layers' windows differ."""
+    windows = {x.op("attn.core").attr("window") for x in pd.layers}
+    return {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
+
+
 def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     """The MoE module of a MoE layer, written op by op from its ops named ``mlp.*``
     (:func:`methods`): the router, the token dispatch, the grouped experts and the combine
@@ -299,11 +329,8 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     subs = {"shared": Submodule("shared", "SharedMLP(i, tp)")} if layer.op("mlp.shared.w1") is not None else {}
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
-    # every expert on every tp rank (serving with ep = 1: the experts op's ffn_axis): no expert axes
-    whole = layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
-    # FP8 experts in some layers only (train.fp8_bf16_layers_*): each layer's recipe from LAYER_FP8
-    tables = {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 and not serve else {}
-    return methods(ops, layer.index, full, pd.ops, subs, tables, constants=constants,
+    whole = _experts_on_tp(pd)   # every expert on every tp rank: no expert axes
+    return methods(ops, layer.index, full, pd.ops, subs, _fp8_table(pd, serve), constants=constants,
                    serve=serve).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
 
 
@@ -311,16 +338,9 @@ def _classes(pd: ProgramData) -> dict:
     """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
-    out = {"mlp_doc": "", "mlp_class": "", "shared_doc": "", "shared_class": ""}
-    # FP8 GEMMs in some layers only (train.fp8_bf16_layers_*): each layer's recipe from LAYER_FP8
-    fp8_table = {"fp8": "LAYER_FP8[i]"} if pd.layer_fp8 else {}
-    for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
-        if layer is not None and layer.op(f"{prefix}.w1") is not None:
-            out[f"{key}_doc"] = mlp_doc(layer, prefix)
-            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, fp8_table).text("i: int, tp: rt.Axis")
+    out = _mlp_classes(pd)
     layer = pd.dense_layer or pd.moe_layer
-    windows = {x.op("attn.core").attr("window") for x in pd.layers}
-    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW", **fp8_table}
+    tables = {**_window_table(pd), **_fp8_table(pd)}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
     out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd) if pd.moe_layer is not None else ""
@@ -366,13 +386,8 @@ def _serve_classes(pd: ProgramData) -> dict:
     ``ir/lower.py`` ``mla_absorbed``), the dense MLP and Block."""
     layer = pd.dense_layer or pd.moe_layer
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
-    windows = {x.op("attn.core").attr("window") for x in pd.layers}
-    tables = {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
-    out = {"mlp_doc": "", "mlp_class": "", "attn_class": "", "shared_doc": "", "shared_class": ""}
-    for key, mlp_layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
-        if mlp_layer is not None and mlp_layer.op(f"{prefix}.w1") is not None:
-            out[f"{key}_doc"] = mlp_doc(mlp_layer, prefix)
-            out[f"{key}_class"] = module_methods(mlp_layer, prefix, pd.ops, serve=True).text("i: int, tp: rt.Axis")
+    tables = _window_table(pd)
+    out = {**_mlp_classes(pd, serve=True), "attn_class": ""}
     out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
     if pd.moe_layer is not None:
         out.update(_serve_moe(pd))
@@ -391,7 +406,7 @@ def _serve_moe(pd: ProgramData) -> dict:
     width split over tp as vLLM serves it (the experts op's ``ffn_axis``: a local dispatch,
     partial sums, with the shared experts' one all-reduce). ``moe_expert_parallel``: the
     module takes the plan's expert axes."""
-    whole = pd.moe_layer.op("mlp.experts").attr("ffn_axis", None) == "tp"
+    whole = _experts_on_tp(pd)
     doc = ("every expert on every rank, tensor parallel as vLLM serves it:\n    tokens routed alike on each rank "
            "(no all-to-all), the partial sums all-reduced once" if whole else
            "training's dispatch at decode size:\n    each (token, expert) row goes by all-to-all over ep to the rank "
@@ -543,12 +558,10 @@ def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -
     forms)."""
     m, s = cfg.model, cfg.serve
     z = pd.sizes
-    layer = pd.dense_layer or pd.moe_layer
     kinds = _layer_kinds(pd)
     c = {**kinds, **_serve_classes(pd)}
     sizes = {"heads_local": z.heads, "kv_local": kv_local, "experts_local": z.experts or 0,
-             "expert_ffn_local": z.expert_ffn or 0,
-             "attn_leave": calls_comment(layer.conversion_after("attn.wo"), layer.index, "no collective (tp = 1)")}
+             "expert_ffn_local": z.expert_ffn or 0}
     stage = stage_code(pd, serve=True)
     return {
         "model_constants": serve_constants(m, pd, kinds, padded, rotary_dim(m), TORCH_NAMES[m.dtype],
