@@ -697,6 +697,22 @@ def test_megatron_grad_buffer_is_in_the_reduce_dtype_at_zero_1():
     assert fast.state_floor(cfg.parallel) < fast32.state_floor(fp32.parallel) <= f32.total
 
 
+def test_megatron_zero_bubble_full_grads_are_in_the_reduce_dtype():
+    # the zero-bubble schedule reduces once per step, so zero 2 keeps full gradient buffers
+    # (full_grads); under engine megatron they are its grad buffer, bf16 with reduce_dtype bf16
+    # (Megatron-LM d98e8a6 param_and_grad_buffer.py group_params_for_buffers), as the step's
+    # reduce-scatters count them: half the fp32 buffers' bytes, the same padded elements
+    cfg = h100_config(next(r for r in FP8_ROWS if r.name == MB_FP8))
+    par = cfg.parallel.model_copy(update={"zero": 2, "schedule": "zero_bubble", "virtual_stages": 1,
+                                          "stage_layers": None})
+    bf16 = cfg.model_copy(update={"parallel": par})
+    fp32 = cfg.model_copy(update={"parallel": par.model_copy(update={"reduce_dtype": "fp32"})})
+    full = [cost_without_schedule(c).memory.per_stage[0].buffer_parts["full_grads"] for c in (bf16, fp32)]
+    rs = [sum(x.bytes for x in cost_without_schedule(c).comm.collectives if x.where == "grads" and x.stage == 0)
+          for c in (bf16, fp32)]
+    assert 2 * full[0] == full[1] and 2 * rs[0] == rs[1]
+
+
 def test_megatron_bridge_fp8_row_is_its_recipes():
     # Megatron-Bridge 4ab94df, perf_recipes/llama/h100/llama3.py llama3_70b_pretrain_64gpu_h100_fp8cs_config:
     # pipeline_model_parallel_layout "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL" (40 chunks: E + 2, 34 x 2, 3, 3 x 2, 1 + L),

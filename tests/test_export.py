@@ -519,6 +519,13 @@ MEGATRON_CORE_V0_19_0_FP8_FLAGS = frozenset({"--fp8-format", "--fp8-recipe", "--
 # --no-overlap-p2p-communication arguments.py line 2965 there (dest overlap_p2p_comm, default on with
 # virtual stages; off needs pp > 2, line 973); not run through check_engine_parsers.py
 MEGATRON_CORE_V0_19_0_OVERLAP_FLAGS = frozenset({"--tp-comm-overlap", "--no-overlap-p2p-communication"})
+# Gradient and layer precision: --grad-reduce-in-bf16 arguments.py line 2905 at core_v0.19.0 (5be9626;
+# validate_args line 1190 turns accumulate_allreduce_grads_in_fp32 off); --first-last-layers-bf16,
+# --num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 are TransformerConfig fields
+# (transformer_config.py lines 628, 631 and 635 there, not in the exclude list of arguments.py line 2196,
+# made flags by ArgumentGroupFactory, line 2290); not run through check_engine_parsers.py
+MEGATRON_CORE_V0_19_0_PRECISION_FLAGS = frozenset({"--grad-reduce-in-bf16", "--first-last-layers-bf16",
+                                                   "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"})
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
@@ -858,7 +865,7 @@ def test_fp8_exports_pass_the_engines_fp8_settings(monkeypatch):
     _launcher, flags = parse_megatron(export(tw, "megatron").text)
     assert flags["--fp8-format"] == "e4m3" and flags["--fp8-recipe"] == "tensorwise"
     assert "--fp8-param-gather" not in flags
-    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_FP8_FLAGS | {"--grad-reduce-in-bf16"}
+    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_FP8_FLAGS | MEGATRON_CORE_V0_19_0_PRECISION_FLAGS
     rw = plan("    fp8_recipe = rowwise\n")
     assert any(e.startswith("fp8_recipe rowwise:") for e in export(rw, "megatron").errors)
     t = tomllib.loads(export(rw, "torchtitan", torchtitan_version="0.2").text)
@@ -877,3 +884,4 @@ def test_megatron_export_reduces_in_bf16_at_every_zero_level():
         plan = _variant(par % rd, "bf16")
         _launcher, flags = parse_megatron(export(plan, "megatron").text)
         assert ("--grad-reduce-in-bf16" in flags) == want, rd
+        assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_PRECISION_FLAGS, rd

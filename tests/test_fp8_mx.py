@@ -263,6 +263,12 @@ def test_compile_writes_the_fp8_recipe_per_layer_and_megatron_gets_the_flags(tmp
     assert not out.errors
     assert "--first-last-layers-bf16 --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 0" in \
         " ".join(out.text.replace("\\\n", " ").split())
+    from tests.test_export import (MEGATRON_CORE_V0_19_0_FLAGS, MEGATRON_CORE_V0_19_0_FP8_FLAGS,
+                                   MEGATRON_CORE_V0_19_0_PRECISION_FLAGS, parse_megatron)
+    _launcher, flags = parse_megatron(out.text)   # each flag one Megatron-LM core_v0.19.0 has (pinned there)
+    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_FP8_FLAGS | \
+        MEGATRON_CORE_V0_19_0_PRECISION_FLAGS
+    assert flags["--num-layers-at-start-in-bf16"] == "2" and flags["--num-layers-at-end-in-bf16"] == "0"
     _, plain, _ = _compile_or_diags(tmp_path, "  precision = fp8\n", "p.par")
     assert "    --first-last-layers-bf16" not in export(plain, "megatron").text   # a note says it is off
     # torchtitan 0.2: the kept layers filtered out of the float8 conversion by FQN

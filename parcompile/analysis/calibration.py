@@ -125,10 +125,12 @@ FP8 rows (issue 32, :data:`FP8_ROWS`, ``precision = fp8``; :mod:`parcompile.anal
     False`` and ``grad_reduce_in_fp32 = False`` (``src/megatron/bridge/perf_recipes/_common.py``):
     ``cluster.tp_comm_overlap`` and ``cluster.overlap_p2p_comm`` (:func:`parcompile.analysis.
     estimate.tp_exposed`, :func:`~parcompile.analysis.estimate.p2p_blocking_share`). Its 16-bit
-    gradient buffer (Megatron-Core's ``param_and_grad_buffer.py``: ``grad_dtype = torch.float if
-    grad_reduce_in_fp32 else param.dtype``) is not modelled: at ``zero = 1`` the plan keeps fp32
-    gradient buffers, as the generated program does (``reduce_dtype`` applies at zero 2 and 3),
-    4.5 GiB more on stage 0 than Megatron holds, and the plan (73.7 GiB) exceeds the 72 GiB usable.
+    gradient buffer (NVIDIA/Megatron-LM ``megatron/core/distributed/param_and_grad_buffer.py``
+    ``group_params_for_buffers`` at d98e8a6: ``grad_dtype = torch.float if grad_reduce_in_fp32
+    else param.dtype``) is the row's ``reduce_dtype = bf16``: under engine megatron the plan holds
+    the zero-1 gradient buffers in bf16 too (:func:`parcompile.analysis.estimate.
+    grad_element_bytes`; the generated program keeps fp32 ones), so the plan fits the 72 GiB
+    usable; with fp32 buffers it would not (tests/test_cost_model.py).
 
 A row's spec is
 :func:`row_config`; :func:`parcompile.passes.manager.cost_without_schedule` costs it (running the

@@ -128,7 +128,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
-from parcompile.core.buckets import (GRAD_BYTES, bucket_element_bytes, buckets_in_flight, head_reads_embedding,
+from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
                                     reduces_per_microbatch, reshard_after_forward, shard_elements,
                                     stage_buckets, zero3_gathered)
 from parcompile.analysis.compute import op_sac
@@ -675,15 +675,15 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     keeps its gradients as state); 0 otherwise. Reduced per micro-batch
     (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the buckets in flight,
     ``buckets_in_flight`` per kind (two adjacent buckets of a chunk at most) times the
-    reduce dtype's bytes (:func:`parcompile.analysis.buckets.bucket_element_bytes`); once
-    per step (zero-bubble): every fp32 bucket padded to a multiple of its group's size,
-    ``4 * sum ceil(n_b / d) * d``."""
+    reduce dtype's bytes; once per step (zero-bubble): every bucket padded to a multiple of
+    its group's size, ``b * sum ceil(n_b / d) * d``, ``b`` 4 (fp32) or the reduce dtype's
+    under an engine that keeps the step's buffers in it (Megatron-Core). Both per element as
+    :func:`parcompile.analysis.estimate.grad_element_bytes`, which the step's collectives use."""
     par = cfg.parallel
     if cfg.workload == "serve" or par.zero < 2:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     if reduces_per_microbatch(par.zero, par.schedule):
-        nbytes = bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype)
-        return nbytes * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
-    return GRAD_BYTES * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))
+        return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
+    return grad_element_bytes(cfg) * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))
