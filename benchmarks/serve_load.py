@@ -169,13 +169,14 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
                     stats["tokens"] += n
                     stats["requests"] += 1
 
-    t0 = time.perf_counter()
+    t0, client0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     stats["wall"] = time.perf_counter() - t0
+    stats["client_cpu"] = time.process_time() - client0
     cpu1 = tree_cpu(pid)
     stats["cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     srv1 = server_times(url) if srv0 is not None else None
@@ -201,6 +202,11 @@ def report(name: str, s: dict, predicted: dict | None = None) -> float:
     if s.get("cpu") is not None and s["tokens"]:
         print(f"{'':<12} server CPU {s['cpu']:6.1f} s: {s['cpu'] / s['tokens'] * 1e3:6.2f} CPU-ms per output token "
               f"({s['cpu'] / s['wall']:.2f} cores busy; load average {s['load']:.1f})", flush=True)
+    if s["tokens"]:
+        c = s["client_cpu"]
+        print(f"{'':<12} client CPU {c:6.1f} s: {c / s['tokens'] * 1e3:6.2f} CPU-ms per output token "
+              f"({c / s['wall']:.2f} cores busy"
+              + (f"; {c / s['cpu']:.0%} of the server's" if s.get("cpu") else "") + ")", flush=True)
     srv = s.get("server")
     if srv is not None:
         print(f"{'':<12} server's clock (/metrics, submission to each token from the engine): TTFT mean "
