@@ -31,8 +31,11 @@ from the final chunk's ``usage`` (else one per text chunk).
 
 Cost and clocks. With a launched server, each phase also prints the server's CPU time per
 output token (its process tree: front, torchrun, ranks; psutil), a figure that other work
-on a shared machine does not inflate as it inflates wall time, and for `parcompile serve`
-the server's own mean TTFT and TPOT (/metrics: from a request's submission to each token's
+on a shared machine does not inflate as it inflates wall time, beside the client's own
+(this process's ``time.process_time``: the clients are coroutines on one asyncio event loop
+over aiohttp, which parses HTTP in C, as vLLM's benchmark_serving.py does, so that the load
+generator costs a small fraction of the server and does not cap what is measured), and
+for `parcompile serve` the server's own mean TTFT and TPOT (/metrics: from a request's submission to each token's
 arrival from the engine) beside the plan's. A client's TTFT is the time to the first chunk
 that carries text: a byte-level model with random weights often begins with bytes that are
 no whole UTF-8 character, which the server holds back until the character is whole, so the
@@ -45,6 +48,7 @@ one-process `transformers serve` there is tp 1 (``--tp 1 --pp 1``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -52,10 +56,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,28 +71,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tokens: int) -> tuple[float, float | None, int]:
-    """One streamed completion: (TTFT s (None when no chunk carried text), TPOT s (None for one token), output tokens). The
-    tokens are counted from the chunks' ``token_ids`` (a chunk may carry several: the text
-    of an unfinished UTF-8 character waits); TPOT is ``(last - first) / (tokens - 1)``, as
-    vLLM's benchmark_serving.py computes it."""
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int] | str,
+                      max_tokens: int) -> tuple[float | None, float | None, int]:
+    """One streamed completion: (TTFT s (None when no chunk carried text), TPOT s (None for
+    one token), output tokens). The tokens are counted from the chunks' ``token_ids`` (a
+    chunk may carry several: the text of an unfinished UTF-8 character waits); TPOT is
+    ``(last - first) / (tokens - 1)``, as vLLM's benchmark_serving.py computes it. A chunk's
+    time is that of the read that completed its ``data:`` line (one clock reading per read:
+    the lines of one read arrived together). Raises ``aiohttp.ClientResponseError`` on an
+    HTTP error status."""
     text = isinstance(prompt, str)    # transformers serve: a text prompt, text chunks, usage at the end
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if not text:
         body["return_token_ids"] = True
     t0 = time.perf_counter()
     first = last = None
-    n, usage = 0, None
-    with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+    n, usage, rest = 0, None, b""
+    async with session.post(url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        async for data in r.content.iter_any():     # whatever arrived: parts of lines, or several
+            now = time.perf_counter()
+            *lines, rest = (rest + data).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
                 chunk = json.loads(line[6:])
                 usage = chunk.get("usage") or usage
                 choice = (chunk.get("choices") or [{}])[0]
                 got = (1 if choice.get("text") else 0) if text else len(choice.get("token_ids") or [])
                 if got:
-                    now = time.perf_counter()
                     first = now if first is None else first
                     last, n = now, n + got
     if text and usage and usage.get("completion_tokens"):
@@ -96,6 +107,21 @@ def one_request(client: httpx.Client, url: str, prompt: list[int] | str, max_tok
     if first is None:   # no chunk carried text (transformers: bytes that are no whole UTF-8 character)
         return None, None, n
     return first - t0, ((last - first) / (n - 1) if n > 1 else None), n
+
+
+def _session(clients: int) -> aiohttp.ClientSession:
+    """One HTTP session for ``clients`` concurrent streams: a connection each, kept alive
+    between a client's requests; a request may take up to 300 s."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
+                                 timeout=aiohttp.ClientTimeout(total=300))
+
+
+def request_once(url: str, prompt: list[int] | str, max_tokens: int) -> tuple[float | None, float | None, int]:
+    """:func:`one_request` on its own event loop and connection (a warm-up)."""
+    async def go():
+        async with _session(1) as session:
+            return await one_request(session, url, prompt, max_tokens)
+    return asyncio.run(go())
 
 
 def tree_cpu(pid: int | None) -> float | None:
@@ -142,39 +168,38 @@ def server_times(url: str) -> dict | None:
 
 def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
           prefix: list[int] = (), letters: bool = False, text: bool = False, pid: int | None = None) -> dict:
-    """``clients`` threads sending requests back to back for ``seconds``: prompts of
+    """``clients`` coroutines on one event loop (aiohttp: HTTP parsed in C, so that the
+    client costs little beside the server) sending requests back to back for ``seconds``: prompts of
     ``prefix`` then ``prompt_tokens`` random token ids below 256, or with ``letters`` of
     lowercase letters (bytes 97-122: the same tokens under a byte-level tokenizer), sent as
-    text with ``text``. With the server's ``pid``, ``cpu``: the CPU seconds its process tree
-    spent during the phase (:func:`tree_cpu`)."""
+    text with ``text``. ``client_cpu``: the CPU seconds this process spent during the phase
+    (``time.process_time``: the load generator's own cost); with the server's ``pid``,
+    ``cpu``: the CPU seconds its process tree spent (:func:`tree_cpu`)."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
     cpu0 = tree_cpu(pid)
     srv0 = server_times(url) if pid is not None and not text else None
-    lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
-    def client(i: int) -> None:
+    async def client(session: aiohttp.ClientSession, i: int) -> None:
         rng = random.Random(seed * 1000 + i)
-        with httpx.Client() as c:
-            while time.perf_counter() < stop_at:
-                ids = [rng.randrange(97, 123) if letters else rng.randrange(256) for _ in range(prompt_tokens)]
-                ids = list(prefix) + ids
-                prompt = "".join(map(chr, ids)) if text else ids
-                ttft, tpot, n = one_request(c, url, prompt, max_tokens)
-                with lock:
-                    if ttft is not None:
-                        stats["ttft"].append(ttft)
-                    if tpot is not None:
-                        stats["tpot"].append(tpot)
-                    stats["tokens"] += n
-                    stats["requests"] += 1
+        while time.perf_counter() < stop_at:
+            ids = [rng.randrange(97, 123) if letters else rng.randrange(256) for _ in range(prompt_tokens)]
+            ids = list(prefix) + ids
+            prompt = "".join(map(chr, ids)) if text else ids
+            ttft, tpot, n = await one_request(session, url, prompt, max_tokens)
+            if ttft is not None:
+                stats["ttft"].append(ttft)
+            if tpot is not None:
+                stats["tpot"].append(tpot)
+            stats["tokens"] += n
+            stats["requests"] += 1
+
+    async def run() -> None:
+        async with _session(clients) as session:
+            await asyncio.gather(*(client(session, i) for i in range(clients)))
 
     t0, client0 = time.perf_counter(), time.process_time()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    asyncio.run(run())
     stats["wall"] = time.perf_counter() - t0
     stats["client_cpu"] = time.process_time() - client0
     cpu1 = tree_cpu(pid)
@@ -354,7 +379,7 @@ def main(argv=None) -> int:
     try:
         if not wait_healthy(url, proc, "the server"):
             return 1
-        one_request(httpx.Client(), url, [1, 2, 3], 2)          # warm up
+        request_once(url, [1, 2, 3], 2)          # warm up
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
               f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy); load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -394,7 +419,7 @@ def main(argv=None) -> int:
         try:
             if not wait_healthy(hf_url, proc, "transformers serve"):
                 return 1
-            one_request(httpx.Client(), hf_url, "abc", 2)       # warm up (loads the model)
+            request_once(hf_url, "abc", 2)       # warm up (loads the model)
             print(f"load average {os.getloadavg()[0]:.1f}")
             theirs = report("transformers", phase(hf_url, args.clients, args.seconds, args.prompt_tokens,
                                                   args.max_tokens, 1, prefix, letters=True, text=True, pid=proc.pid))
