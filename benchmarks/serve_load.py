@@ -169,20 +169,20 @@ def server_times(url: str) -> dict | None:
 def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens: int, seed: int,
           prefix: list[int] = (), letters: bool = False, text: bool = False, pid: int | None = None) -> dict:
     """``clients`` coroutines on one event loop (aiohttp: HTTP parsed in C, so that the
-    client costs little beside the server) sending requests back to back for ``seconds``: prompts of
-    ``prefix`` then ``prompt_tokens`` random token ids below 256, or with ``letters`` of
-    lowercase letters (bytes 97-122: the same tokens under a byte-level tokenizer), sent as
-    text with ``text``. ``client_cpu``: the CPU seconds this process spent during the phase
-    (``time.process_time``: the load generator's own cost); with the server's ``pid``,
-    ``cpu``: the CPU seconds its process tree spent (:func:`tree_cpu`)."""
+    client costs little beside the server) sending requests back to back for ``seconds``
+    (each at least one; the last one in flight finishes): prompts of ``prefix`` then
+    ``prompt_tokens`` random token ids below 256, or with ``letters`` of lowercase letters
+    (bytes 97-122: the same tokens under a byte-level tokenizer), sent as text with ``text``.
+    ``client_cpu``: the CPU seconds this process spent during the phase (``time.process_time``:
+    the load generator's own cost); with the server's ``pid``, ``cpu``: the CPU seconds its
+    process tree spent (:func:`tree_cpu`)."""
     stats = {"ttft": [], "tpot": [], "tokens": 0, "requests": 0}
     cpu0 = tree_cpu(pid)
     srv0 = server_times(url) if pid is not None and not text else None
-    stop_at = time.perf_counter() + seconds
 
-    async def client(session: aiohttp.ClientSession, i: int) -> None:
+    async def client(session: aiohttp.ClientSession, i: int, stop_at: float) -> None:
         rng = random.Random(seed * 1000 + i)
-        while time.perf_counter() < stop_at:
+        while True:
             ids = [rng.randrange(97, 123) if letters else rng.randrange(256) for _ in range(prompt_tokens)]
             ids = list(prefix) + ids
             prompt = "".join(map(chr, ids)) if text else ids
@@ -193,10 +193,13 @@ def phase(url: str, clients: int, seconds: float, prompt_tokens: int, max_tokens
                 stats["tpot"].append(tpot)
             stats["tokens"] += n
             stats["requests"] += 1
+            if time.perf_counter() >= stop_at:   # at least one request each, however late the loop started
+                return
 
     async def run() -> None:
         async with _session(clients) as session:
-            await asyncio.gather(*(client(session, i) for i in range(clients)))
+            stop_at = time.perf_counter() + seconds
+            await asyncio.gather(*(client(session, i, stop_at) for i in range(clients)))
 
     t0, client0 = time.perf_counter(), time.process_time()
     asyncio.run(run())
