@@ -297,7 +297,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in at least fp32 (16-bit tensors are computed in fp32; fp64 stays fp64)."""
-    return t if t.dtype == torch.float64 else t.float()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()   # fp32: itself, without a dispatch
 
 
 def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
