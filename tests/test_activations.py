@@ -171,6 +171,7 @@ def test_serving_rope_is_transformers_rotate_half_and_close_to_training():
             cos, sin = L.rope_tables(50, rot, 10000.0)
             pos = torch.randint(0, 50, (3, 5))
             c, s = gen.rope_at((cos, sin), pos, "cpu")                     # (B, T, rot)
+            assert torch.equal(c, cos[pos]) and torch.equal(s, sin[pos])
             x = torch.randn(3, 5, 4, dim).to(dtype)
             got = gen.apply_rope_at(x, c, s)
             xr, cc, ss = x[..., :rot], c[:, :, None].to(dtype), s[:, :, None].to(dtype)

@@ -128,7 +128,8 @@ def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torc
     each on ``device``; None without RoPE."""
     if tables is None:
         return None
-    return tables[0].to(device)[positions], tables[1].to(device)[positions]
+    flat = positions.reshape(-1)   # whole rows by index_select: a copy per row, not per element (advanced indexing)
+    return tuple(t.to(device).index_select(0, flat).view(*positions.shape, t.shape[-1]) for t in tables)
 
 
 def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,
