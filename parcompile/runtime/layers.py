@@ -320,7 +320,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     With gradients enabled it is :class:`_RMSNormFunction` (its lean backward); without
     (serving, evaluation) the same formula without the autograd node: on CPU as aten's
     ``rms_norm``, whose CPU kernel is the composite of the same ops in the same order
-    (pow, mean, add eps, rsqrt, mul; tests/test_runtime.py pins it bitwise to the
+    (pow, mean, add eps, rsqrt, mul; tests/test_activations.py pins it bitwise to the
     autograd path), elsewhere spelt out as :func:`_rstd` and :func:`_rms_scaled` (a fused
     GPU kernel may round differently)."""
     if torch.is_grad_enabled():
