@@ -120,6 +120,88 @@ def test_rmsnorm_swiglu_rope_softmax_gradients(dtype):
     assert torch.autograd.gradcheck(L._Softmax.apply, (s,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_no_grad_rmsnorm_is_bitwise_the_autograd_forward(dtype, zero_centered):
+    """Serving's RMSNorm (no autograd node; aten's rms_norm on CPU) computes what training's
+    autograd function computes, bit for bit, at several widths and scales."""
+    from parcompile.runtime import layers as L
+
+    torch.manual_seed(0)
+    for dim in (16, 64, 896, 4096):
+        for scale in (1e-3, 1.0, 300.0):
+            x = (torch.randn(3, 7, dim) * scale).to(dtype)
+            w = torch.randn(dim).to(dtype)
+            want = L._RMSNormFunction.apply(x, w, 1e-6, zero_centered)
+            with torch.no_grad():
+                got = L.rms_norm(x, w, 1e-6, zero_centered)
+            with torch.inference_mode():
+                got_inf = L.rms_norm(x, w, 1e-6, zero_centered)
+            assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(got_inf, want)
+    x32, w32 = torch.randn(2, 9, 64), torch.randn(64)     # and Llama's formula, spelt out independently
+    n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    with torch.no_grad():
+        assert torch.equal(L.rms_norm(x32, w32, 1e-5), w32 * n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_grad_gated_activations_are_bitwise_the_autograd_forward(dtype):
+    from parcompile.runtime import layers as L
+
+    g, u = torch.randn(4, 5, 32).to(dtype), torch.randn(4, 5, 32).to(dtype) * 3
+    for fn, want in ((L.swiglu, L._SwiGLUFunction.apply(g, u)), (L.geglu, L._GeGLUFunction.apply(g, u)),
+                     (lambda a, b: L.clamped_swiglu(a, b, 1.702, 7.0),
+                      L._ClampedSwiGLUFunction.apply(g, u, 1.702, 7.0))):
+        with torch.no_grad():
+            got = fn(g, u)
+        assert torch.equal(got, want)
+    assert torch.equal(want, (u.clamp(-7.0, 7.0) + 1) * (g.clamp(max=7.0) * torch.sigmoid(g.clamp(max=7.0) * 1.702)))
+
+
+def test_serving_rope_is_transformers_rotate_half_and_close_to_training():
+    """runtime/generate.py apply_rope_at at per-sequence positions: bitwise transformers'
+    ``x * cos + rotate_half(x) * sin`` (the pass-through dims copied), whole or partial
+    rotary, 16-bit or not; within rounding of training's rotation at the same positions."""
+    from parcompile.runtime import generate as gen
+    from parcompile.runtime import layers as L
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rot, dim in ((16, 16), (8, 16), (64, 128)):
+            cos, sin = L.rope_tables(50, rot, 10000.0)
+            pos = torch.randint(0, 50, (3, 5))
+            c, s = gen.rope_at((cos, sin), pos, "cpu")                     # (B, T, rot)
+            assert torch.equal(c, cos[pos]) and torch.equal(s, sin[pos])
+            x = torch.randn(3, 5, 4, dim).to(dtype)
+            got = gen.apply_rope_at(x, c, s)
+            xr, cc, ss = x[..., :rot], c[:, :, None].to(dtype), s[:, :, None].to(dtype)
+            half = torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], dim=-1)
+            assert torch.equal(got, torch.cat([xr * cc + half * ss, x[..., rot:]], dim=-1))
+            same = torch.arange(5).expand(3, 5)                           # training's tables are per position
+            train = L.apply_rope(x, cos[:5], sin[:5])
+            serve = gen.apply_rope_at(x, *gen.rope_at((cos, sin), same, "cpu"))
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(serve.float(), train.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cached_gqa_attention_equals_attention_over_repeated_heads(fused):
+    """runtime/generate.py cached_attention with 2 query heads per kv head (SDPA's GQA on
+    CPU, fused; the spelt-out softmax) equals torch's SDPA over k/v repeated per query head,
+    bitwise fused, within rounding spelt out."""
+    from parcompile.runtime.generate import cached_attention
+
+    torch.manual_seed(0)
+    for B, T, L in ((32, 1, 40), (3, 6, 20)):
+        q = torch.randn(B, T, 4, 16).transpose(1, 2)                      # (B, Hq, T, D), as serving's
+        k, v = torch.randn(B, 2, L, 16), torch.randn(B, 2, L, 16)
+        mask = torch.rand(B, 1, T, L) > 0.3
+        mask[..., -1] = True
+        want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+        got = cached_attention(q, k, v, mask, fused)
+        assert torch.equal(got, want) if fused else torch.allclose(got, want, atol=1e-6)
+
+
 def test_unfused_gqa_attention_equals_the_fused_kernel():
     from parcompile.runtime.layers import attention_core
 

@@ -128,7 +128,8 @@ def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torc
     each on ``device``; None without RoPE."""
     if tables is None:
         return None
-    return tables[0].to(device)[positions], tables[1].to(device)[positions]
+    flat = positions.reshape(-1)   # whole rows by index_select: a copy per row, not per element (advanced indexing)
+    return tuple(t.to(device).index_select(0, flat).view(*positions.shape, t.shape[-1]) for t in tables)
 
 
 def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,
@@ -193,13 +194,19 @@ class Requests:
 
 def apply_rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (B, T, H, D) at per-sequence positions: cos/sin (B, T, rot)
-    (the tables of :func:`parcompile.runtime.layers.rope_tables` indexed by position)."""
+    (the tables of :func:`parcompile.runtime.layers.rope_tables` indexed by position):
+    ``x * cos + rotate_half(x) * sin`` on the first ``rot`` dims of each head, the rest
+    passed through (transformers' ``apply_rotary_pos_emb``, its op order: serving's
+    greedy tokens are compared with it exactly)."""
     rot = cos.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    c, s = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    return torch.cat([xr * c + rotated * s, xp], dim=-1)
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)                         # (B, T, 1, rot)
+    if c.dtype != x.dtype:
+        c, s = c.to(x.dtype), s.to(x.dtype)
+    whole = rot == x.shape[-1]
+    xr = x if whole else x[..., :rot]
+    rotated = torch.cat([-xr[..., rot // 2:], xr[..., : rot // 2]], dim=-1)
+    y = (xr * c).add_(rotated.mul_(s))                                  # fresh tensors: in place
+    return y if whole else torch.cat([y, x[..., rot:]], dim=-1)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, fused: bool,
@@ -217,10 +224,19 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     ``fused`` says."""
     rep = q.shape[1] // k.shape[1]
     mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
+    fused = fused and sinks is None and softcap is None
+    if fused and rep > 1 and q.device.type == "cpu":
+        # GQA inside SDPA, k/v not copied per query head: CPU's flash kernel takes it with a
+        # mask (the same results as the copies); CUDA's fused kernels do not and would fall
+        # back to the math kernel (pytorch/pytorch#139586), so they get the copies
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if rep > 1:
+        # the spelt-out softmax copies too, rather than a grouped view (B, Hkv, rep * T, D):
+        # the grouped products round differently (small-M GEMM kernels), and eager attention
+        # (transformers' repeat_kv) computes these
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    if fused and sinks is None and softcap is None:
+    if fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if softcap is not None:

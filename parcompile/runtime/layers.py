@@ -297,7 +297,40 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in at least fp32 (16-bit tensors are computed in fp32; fp64 stays fp64)."""
-    return t if t.dtype == torch.float64 else t.float()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()   # fp32: itself, without a dispatch
+
+
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reciprocal rms of each row of the wide input ``xf`` (..., dim) -> (..., 1):
+    ``rsqrt(mean(xf^2) + eps)`` (Llama's, transformers' ``LlamaRMSNorm``)."""
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_scaled(x: torch.Tensor, n: torch.Tensor, weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm's output from the wide normalised input ``n = xf * rstd`` (..., dim): cast to
+    ``x``'s dtype, then times ``weight``; ``zero_centered`` (Gemma): ``n * (1 + w)`` all in
+    fp32, then cast."""
+    if zero_centered:
+        return (n * (1.0 + _wide(weight))).to(x.dtype)
+    return weight * n.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """RMSNorm of x (..., dim) by ``weight`` (dim,) -> (..., dim) (:class:`RMSNorm`'s rule).
+    With gradients enabled it is :class:`_RMSNormFunction` (its lean backward); without
+    (serving, evaluation) the same formula without the autograd node: on CPU as aten's
+    ``rms_norm``, whose CPU kernel is the composite of the same ops in the same order
+    (pow, mean, add eps, rsqrt, mul; tests/test_activations.py pins it bitwise to the
+    autograd path), elsewhere spelt out as :func:`_rstd` and :func:`_rms_scaled` (a fused
+    GPU kernel may round differently)."""
+    if torch.is_grad_enabled():
+        return _RMSNormFunction.apply(x, weight, eps, zero_centered)
+    xf = _wide(x)
+    if xf.device.type != "cpu":
+        return _rms_scaled(x, xf * _rstd(xf, eps), weight, zero_centered)
+    if not zero_centered and x.dtype == xf.dtype == weight.dtype:   # one kernel: (xf * rstd) * w == w * (xf * rstd)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _rms_scaled(x, F.rms_norm(xf, (x.shape[-1],), None, eps), weight, zero_centered)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -309,12 +342,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool = False):
         xf = _wide(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered = zero_centered
-        if zero_centered:   # Gemma: (x / rms(x)) * (1 + w), all in fp32, then cast
-            return ((xf * rstd) * (1.0 + _wide(weight))).to(x.dtype)
-        return weight * (xf * rstd).to(x.dtype)
+        return _rms_scaled(x, xf * rstd, weight, zero_centered)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -339,7 +370,7 @@ class RMSNorm(nn.Module):
         self.weight = make_param(f"{name}.weight", (dim,), seed, 0 if zero_centered else None, tp, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps, self.zero_centered)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class QKNorm(nn.Module):
@@ -361,7 +392,7 @@ class QKNorm(nn.Module):
         self.weight.tp_partial_grad = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps, self.zero_centered)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class LayerNorm(nn.Module):
@@ -475,6 +506,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _RopeFunction.apply(x, cos, sin)
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's forward, ``silu(gate) * up`` (:func:`swiglu`)."""
+    return F.silu(gate).mul_(up)
+
+
+def _gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's forward, ``gelu_tanh(gate) * up`` (:func:`geglu`)."""
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     """``silu(gate) * up``, keeping only ``gate`` and ``up`` for backward and recomputing
     the SiLU there (Megatron-LM's ``bias_swiglu`` fusion); autograd would keep a third
@@ -483,7 +524,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate).mul_(up)
+        return _silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -497,7 +538,10 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): ``silu(gate) * up``, (..., f) x (..., f) -> (..., f)."""
+    """SwiGLU (Shazeer 2020): ``silu(gate) * up``, (..., f) x (..., f) -> (..., f); without
+    gradients (serving) the forward's formula without the autograd node."""
+    if not torch.is_grad_enabled():
+        return _silu_mul(gate, up)
     return _SwiGLUFunction.apply(gate, up)
 
 
@@ -507,7 +551,7 @@ class _GeGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.gelu(gate, approximate="tanh").mul_(up)
+        return _gelu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -522,6 +566,8 @@ class _GeGLUFunction(torch.autograd.Function):
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """GeGLU (Shazeer 2020) with the tanh GELU, as Gemma: ``gelu_tanh(gate) * up``,
     (..., f) x (..., f) -> (..., f)."""
+    if not torch.is_grad_enabled():   # the forward's formula without the autograd node
+        return _gelu_mul(gate, up)
     return _GeGLUFunction.apply(gate, up)
 
 
@@ -553,6 +599,8 @@ class _ClampedSwiGLUFunction(torch.autograd.Function):
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU (:class:`_ClampedSwiGLUFunction`): (..., f) x (..., f) -> (..., f)."""
+    if not torch.is_grad_enabled():   # the forward's formula without the autograd node
+        return _ClampedSwiGLUFunction._f(gate, up, alpha, limit)
     return _ClampedSwiGLUFunction.apply(gate, up, alpha, limit)
 
 
