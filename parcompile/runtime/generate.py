@@ -208,8 +208,8 @@ class LayerStep:
     """What one decoder layer of a serving step reads besides its input (the generated
     program's ``pos``, as training's :class:`~parcompile.runtime.context_parallel.Positions`):
     the ``step``, the ``cache`` (:class:`KVCache` or the paged one), the ``layer``'s index in
-    it, and ``rope``: the (cos, sin) tables at the step's token positions, (B, T, rot) each,
-    or None without RoPE."""
+    it, and ``rope``: the (cos, sin) tables at the step's token positions, (B, T, rot) each
+    ((1, N, rot) packed), or None without RoPE."""
 
     step: StepInput
     cache: object
@@ -218,8 +218,8 @@ class LayerStep:
 
 
 def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The RoPE ``tables`` (cos, sin) (SEQ_LEN, rot) at ``positions`` (B, T) -> (B, T, rot)
-    each on ``device``; None without RoPE."""
+    """The RoPE ``tables`` (cos, sin) (SEQ_LEN, rot) at ``positions`` (B, T) (a packed
+    step's: (1, N)) -> (B, T, rot) each on ``device``; None without RoPE."""
     if tables is None:
         return None
     return tables[0].to(device)[positions], tables[1].to(device)[positions]
@@ -408,10 +408,11 @@ def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int
 
 def pipeline_pass(stage_forward, ctx: ParallelContext, x_ids: torch.Tensor, step: StepInput, hidden: int,
                   dtype: torch.dtype, tag: int) -> torch.Tensor | None:
-    """One step through this rank's stage: token ids (B, T) on the first stage, the hidden
-    state (B, T, h) received from the previous stage elsewhere; sends the result on, and
-    returns the last position's local logits (B, V'/tp) on the last stage (every position's,
-    (B, T, V'/tp), with ``step.all_positions``; None elsewhere)."""
+    """One step through this rank's stage: token ids (B, T) on the first stage (a packed
+    step's: (1, N)), the hidden state (B, T, h) received from the previous stage elsewhere;
+    sends the result on, and returns the last position's local logits (B, V'/tp) on the
+    last stage (every position's, (B, T, V'/tp), with ``step.all_positions``; None
+    elsewhere)."""
     pp = ctx.pp
     B, T = x_ids.shape
     if ctx.is_first_stage():

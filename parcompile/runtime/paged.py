@@ -3,9 +3,10 @@
 The generated serve program (``serve.py``) builds its model as for one-shot generation and,
 started with ``--engine HOST:PORT`` by `parcompile serve`, hands it to :func:`serve_requests`
 instead of prefilling one batch. The same ``Stage.forward`` runs: its attention layers call
-``cache.store(layer, k, v, start)`` and :func:`parcompile.runtime.generate.cached_attention`
-with ``step.masks``, and here the cache is a :class:`PagedKVCache` bound to the step's
-block tables (as vLLM's attention reads the forward context's slot mapping).
+``cache.store(layer, k, v, where)`` and :func:`parcompile.runtime.generate.cached_attention`
+with the step's masks (through :func:`parcompile.runtime.generate.by_group`), and here the
+cache is a :class:`PagedKVCache` bound to the step's groups of rows and their slots (as
+vLLM's attention reads the forward context's slot mapping).
 
 Scheduling, preemption, prefix caching and chunked prefill are the leader's host-side
 bookkeeping, :mod:`parcompile.runtime.scheduler` (:class:`Scheduler`, :class:`BlockPool`; no
@@ -16,13 +17,19 @@ parameters) is broadcast to every rank of the replica over torch.distributed; th
 stage samples each row with its own parameters and generator and broadcasts the tokens
 over pp (:func:`parcompile.runtime.generate.broadcast_from_last`), so the leader knows them.
 
-Rows of a step are left-padded to the longest row's new tokens T (the last position of
-every row is its last real token: ``Stage.forward`` samples ``x[:, -1]``). A row's
-attention reads its cached context, gathered from its blocks (B, kv, C, D), C the longest
-context of the step, followed by the step's own keys (B, kv, T, D): the mask
-(B, 1, T, C + T) lets a real query see its context and the real new keys up to itself
-(and, for a sliding-window layer, only those within the window); a padding query sees
-itself only (finite values no real token reads). Padding keys are never written.
+A step's tokens are packed (vLLM's layout): token ids (1, N), N the step's real tokens, so
+the embedding, linear layers, norms, MLPs and MoE of ``Stage.forward`` run on real tokens
+only, never on padding (a decode row beside a 512-token chunk costs one token, not 512).
+Attention runs per group of rows laid out alike (:func:`paged_step`,
+:class:`parcompile.runtime.generate.PackGroup`): the rows of one new token (decode; no
+padding at all) and the rows of more (prefill, chunks, recomputation) left-padded to their
+own longest T. A group's row attends its cached context, gathered from its blocks (G,
+kv, C, D), C the group's longest context, followed by the group's own keys (G, kv, T, D):
+the mask (G, 1, T, C + T) lets a real query see its context and the real new keys up to
+itself (and, for a sliding-window layer, only those within the window); a padding query
+sees itself only (finite values no real token reads). Padding keys are never written.
+``Stage.forward`` samples each row's last token (``StepInput.last``) and, for prompt
+logprobs, lays every position out (B, T, V') left-padded again (``StepInput.padded``).
 
 The leader talks to the HTTP front (``parcompile.server``) through a
 ``multiprocessing.connection`` socket whose authentication key comes in the environment
