@@ -222,7 +222,8 @@ def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torc
     step's: (1, N)) -> (B, T, rot) each on ``device``; None without RoPE."""
     if tables is None:
         return None
-    return tables[0].to(device)[positions], tables[1].to(device)[positions]
+    idx = positions.reshape(-1).to(tables[0].device)        # index_select: advanced indexing costs more per call
+    return tuple(t.index_select(0, idx).view(*positions.shape, t.shape[-1]).to(device) for t in tables)
 
 
 def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,

@@ -127,35 +127,32 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
     group, in row order), whose tokens are packed from index ``start`` on: rows left-padded
     to their longest T, contexts C their longest (module docstring)."""
     G = len(rows)
-    n_list = [len(r.tokens) for r in rows]
-    T, C = max(n_list), max(r.context for r in rows)
-    n = torch.tensor(n_list)
-    c = torch.tensor([r.context for r in rows])
+    n_list, c_list = [len(r.tokens) for r in rows], [r.context for r in rows]
+    T, C = max(n_list), max(c_list)
+    padded = min(n_list) < T
+    c = torch.tensor(c_list)
     width = max(len(r.table) for r in rows)
     tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(G, width)
-
-    def slots(pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """The slot of each position (G, X) of its row (0 where not ``real``)."""
-        p = torch.where(real, pos, torch.zeros((), dtype=torch.long))
-        return torch.where(real, tables.gather(1, p // block_size) * block_size + p % block_size,
-                           torch.zeros((), dtype=torch.long))
-
+    # (every position below a row's context + its new tokens lies in its table: padding
+    # positions, clamped to >= 0, and context columns past a row's own read real table
+    # entries or the 0 padding the table; the masks and the index maps drop them)
     t = torch.arange(T)
-    first = (T - n)[:, None]                                   # (G, 1): the first real column
-    real_q = t[None, :] >= first                               # (G, T)
-    q_pos = torch.where(real_q, c[:, None] + t[None, :] - first, torch.zeros((), dtype=torch.long))
-    padded = any(k < T for k in n_list)
-    write = slots(q_pos, real_q).reshape(-1)                                                  # (G T,)
+    first = (T - torch.tensor(n_list))[:, None]                # (G, 1): the first real column
+    rel = t[None, :] - first                                   # (G, T): the new token's index (< 0: padding)
+    q_pos = (c[:, None] + rel).clamp(min=0)                    # (G, T): its position in its sequence
+    write = (tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)   # (G T,)
+    j = torch.arange(C)
+    read = (tables.index_select(1, j // block_size) * block_size + j % block_size).reshape(-1)      # (G C,)
+    ctx_ok = (j[None, None, :] < c[:, None, None]).expand(G, T, C)                          # (G, T, C)
+    new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None])   # (G, T, T)
     to_packed = to_padded = None
     if padded:
+        real_q = rel >= 0                                                                    # (G, T)
+        ctx_ok = ctx_ok & real_q[:, :, None]              # (new_ok is False on a padding query already)
         to_packed = real_q.reshape(-1).nonzero().flatten()       # (count,): row-major = packed order
         write = write.index_select(0, to_packed)
-        offsets = torch.cumsum(n, 0) - n                          # each row's first token in the group's slice
-        to_padded = (offsets[:, None] + (t[None, :] - first).clamp(min=0)).reshape(-1)
-    j = torch.arange(C)
-    read = slots(j[None, :].expand(G, -1), j[None, :] < c[:, None]).reshape(-1)              # (G C,)
-    ctx_ok = (j[None, None, :] < c[:, None, None]) & real_q[:, :, None]                     # (G, T, C)
-    new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]) & real_q[:, :, None]
+        offsets = torch.tensor([0] + n_list[:-1]).cumsum(0)       # each row's first token in the group's slice
+        to_padded = (offsets[:, None] + rel.clamp(min=0)).reshape(-1)
     masks = {}
     for w in wins:
         a, b_ = ctx_ok, new_ok
@@ -165,8 +162,8 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
         if padded:
             b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
         masks[w] = torch.cat([a, b_], dim=2).unsqueeze(1).to(device)
-    mv = (lambda x: None if x is None else x.to(device))
-    return gen.PackGroup(start, sum(n_list), (G, T), mv(to_padded), mv(to_packed), masks, write.to(device),
+    return gen.PackGroup(start, sum(n_list), (G, T), None if to_padded is None else to_padded.to(device),
+                         None if to_packed is None else to_packed.to(device), masks, write.to(device),
                          read.to(device))
 
 
