@@ -348,37 +348,103 @@ def test_a_cache_too_small_preempts_and_every_request_continues_exactly(chunk, t
     assert all(pool.key_of[b] == k for k, b in pool.cached.items()) and len(pool.key_of) == len(pool.cached)
 
 
-def test_paged_step_slots_and_masks_follow_each_rows_block_table():
+def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables():
     """The step's layout, held against the rule written per position (module docstring of
-    runtime/paged.py): token p of a row sits in slot ``table[p // bs] * bs + p % bs``; rows
-    left-padded (write -1, read 0 on padding); a real query sees its context and the new
-    keys up to itself (within a window), a padding query itself only."""
+    runtime/paged.py): the tokens packed (1, N), the one-token rows first, then the longer
+    ones, each in row order; token p of a row sits in slot ``table[p // bs] * bs + p % bs``;
+    within a group rows are left-padded to the group's longest (the decode rows: not at
+    all); a real query sees its context and the new keys up to itself (within a window), a
+    padding query itself only; ``last`` and ``padded`` give the rows back in row order."""
     bs = 4
     rows = [paged.Row("a", [5], 9, [7, 2, 11]), paged.Row("b", [1, 2, 3, 4, 5, 6], 0, [3, 0]),
             paged.Row("c", [8, 9], 3, [6, 9]), paged.Row("d", [4], 0, [1])]
-    ids, step, write, read = paged.paged_step(rows, bs, (0, 3), "cpu")
-    B, T, C = 4, 6, 9
-    assert ids.shape == (B, T) and write.shape == (B, T) and read.shape == (B, C)
+    ids, step = paged.paged_step(rows, bs, (0, 3), "cpu")
+    order = [0, 3, 1, 2]                                            # decode rows, then the longer ones
+    assert ids.tolist() == [sum((rows[b].tokens for b in order), [])]
+    assert step.positions.tolist() == [sum((list(range(rows[b].context, rows[b].context + len(rows[b].tokens)))
+                                            for b in order), [])]
+    pk = step.packing
+    assert pk.last.tolist() == [0, 7, 9, 1] and pk.lengths == [1, 6, 2, 1] and pk.offsets == [0, 2, 8, 1]
     slot = lambda r, p: r.table[p // bs] * bs + p % bs        # noqa: E731
-    for b, r in enumerate(rows):
-        pad = T - len(r.tokens)
-        assert ids[b].tolist() == [0] * pad + r.tokens
-        assert write[b].tolist() == [-1] * pad + [slot(r, r.context + i) for i in range(len(r.tokens))]
-        assert read[b].tolist() == [slot(r, p) for p in range(r.context)] + [0] * (C - r.context)
-        assert step.positions[b].tolist() == [0] * pad + list(range(r.context, r.context + len(r.tokens)))
-        for w in (0, 3):
-            m = step.masks[w][b, 0]
-            for q in range(T):
-                qp = r.context + q - pad
-                for k in range(C + T):
-                    if q < pad:
-                        want = k == C + q
-                    elif k < C:
-                        want = k < r.context and (not w or qp - k < w)
-                    else:
-                        kp = r.context + k - C - pad
-                        want = k - C >= pad and k - C <= q and (not w or qp - kp < w)
-                    assert bool(m[q, k]) == want, (b, w, q, k)
+    dec, pre = pk.groups
+    assert (dec.start, dec.count, dec.shape, dec.to_padded, dec.to_packed) == (0, 2, (2, 1), None, None)
+    assert (pre.start, pre.count, pre.shape) == (2, 8, (2, 6))
+    x = torch.arange(10)[None]
+    assert pre.unpack(x).tolist() == [[2, 3, 4, 5, 6, 7], [8, 8, 8, 8, 8, 9]]     # c left-padded by its first token
+    assert pre.pack(pre.unpack(x)).tolist() == list(range(2, 10)) and dec.unpack(x).tolist() == [[0], [1]]
+    assert step.padded(x).tolist() == [[0] * 6, [2, 3, 4, 5, 6, 7], [8] * 5 + [9], [1] * 6]
+    assert step.last(x[..., None])[:, 0, 0].tolist() == [0, 7, 9, 1]
+    for g, grows in ((dec, [rows[0], rows[3]]), (pre, [rows[1], rows[2]])):
+        (G, T), C = g.shape, max(r.context for r in grows)
+        assert g.write.tolist() == [slot(r, r.context + i) for r in grows for i in range(len(r.tokens))]
+        read = g.read.view(G, C)
+        for b, r in enumerate(grows):
+            assert read[b, :r.context].tolist() == [slot(r, p) for p in range(r.context)]
+            pad = T - len(r.tokens)
+            for w in (0, 3):
+                m = g.masks[w][b, 0]
+                assert m.shape == (T, C + T)
+                for q in range(T):
+                    qp = r.context + q - pad
+                    for k in range(C + T):
+                        if q < pad:
+                            want = k == C + q
+                        elif k < C:
+                            want = k < r.context and (not w or qp - k < w)
+                        else:
+                            kp = r.context + k - C - pad
+                            want = k - C >= pad and k - C <= q and (not w or qp - kp < w)
+                        assert bool(m[q, k]) == want, (g.start, b, w, q, k)
+
+
+@pytest.mark.parametrize("kind,model", [
+    ("gqa", {}),
+    ("mla", {"heads": 4, "kv_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8,
+             "qk_rope_head_dim": 4, "v_head_dim": 8}),
+])
+def test_a_mixed_step_runs_its_real_tokens_only_and_equals_each_row_alone(kind, model, tmp_path, one_thread):
+    """Three decode rows beside a 9-token chunk of a prompt (with a cached context): every
+    linear layer sees the step's 12 real tokens (not 4 rows padded to 9: 36), and the
+    step's last-token logits, and every position's (prompt logprobs), equal each row run
+    alone (one row per step, nothing to pad) on the same cache contents."""
+    cfg = serve_config(model=model, serve=dict(batch=4, prompt_len=20, max_new_tokens=4, seed=3))
+    build_serve(cfg, tmp_path / "p")
+    eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=4, caching=False)
+    prompts = [[5, 17, 99], [7, 7, 120, 3, 9, 11], [9, 30], [(7 * i + 3) % 250 for i in range(14)]]
+    tables = [[0, 1], [2, 3], [4], [5, 6, 7, 8]]
+
+    def forward(rows, all_positions=False):
+        ids, step = paged.paged_step(rows, 4, eng.windows, "cpu")
+        step.all_positions = all_positions
+        eng.cache.bind(step.packing.groups)
+        with torch.no_grad():
+            return eng.model.forward(ids, step)
+
+    # the prompts' first tokens into the cache, one row per step (the last prompt: its first 5)
+    for p, t in zip(prompts[:3], tables[:3]):
+        forward([paged.Row("x", p, 0, t)])
+    forward([paged.Row("x", prompts[3][:5], 0, tables[3])])
+    mixed = [paged.Row(str(i), [40 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts[:3], tables[:3]))]
+    mixed.append(paged.Row("3", prompts[3][5:], 5, tables[3]))
+    seen = []
+    linears = [m for m in eng.model.modules() if hasattr(m, "weight") and getattr(m.weight, "dim", lambda: 0)() == 2
+               and m is not getattr(eng.model, "embedding", None)]
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:-1].numel())) for m in linears]
+    try:
+        got = forward(mixed)
+        got_all = forward(mixed, all_positions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and set(seen) <= {12, 4}, set(seen)        # 12 tokens through the layers, 4 through the head
+    assert got.shape[0] == 4 and got_all.shape[:2] == (4, 9)
+    for b, r in enumerate(mixed):                           # the same writes again, alone: the same cache
+        alone = forward([r])
+        alone_all = forward([r], all_positions=True) if len(r.tokens) > 1 else alone[:, None]
+        torch.testing.assert_close(got[b], alone[0], atol=1e-5, rtol=1e-5)
+        n = len(r.tokens)
+        torch.testing.assert_close(got_all[b, 9 - n:], alone_all[0], atol=1e-5, rtol=1e-5)
+    assert got.argmax(-1).tolist() == [forward([r]).argmax(-1).item() for r in mixed]
 
 
 def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():

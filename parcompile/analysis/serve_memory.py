@@ -80,9 +80,11 @@ def prefill_step(cfg) -> tuple[int, int, int]:
     ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
     a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
     (runtime/scheduler.py ``Scheduler.next_step``) prefills at most that many prompt tokens
-    per step and left-pads every row of the step to its longest (``paged_step``): ``tokens
-    = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk of a prompt
-    attending all ``prompt_len`` keys."""
+    per step: ``tokens = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk
+    of a prompt attending all ``prompt_len`` keys. A bound: the engine packs a step's tokens
+    (runtime/paged.py ``paged_step``), its linear layers see the real tokens only and its
+    attention pads only the rows of more than one token, to their own longest, so a
+    step's ``rows x tokens`` never exceeds this one's."""
     sv = cfg.serve
     rows = -(-sv.batch // cfg.parallel.dp)
     P = sv.prompt_len

@@ -95,18 +95,112 @@ class KVCache:
 
 
 @dataclass
+class PackGroup:
+    """Rows of a packed step (:class:`Packing`) laid out alike for attention: ``shape`` (G,
+    T), G rows left-padded to their longest, T tokens (the decode rows, T = 1: no padding).
+    The group's real tokens are the packed tokens ``start .. start + count - 1`` (its rows
+    one after the other, in the step's row order). ``to_padded`` (G T,): for each padded
+    slot, in row-major order, the index of its token in that packed slice (a padding slot
+    points at its row's first token: a finite copy no real query reads); ``to_packed``
+    (count,): for each packed token its padded slot; both None when no row is padded (the
+    layouts are one view). ``masks``: per attention window (0: full causal) (G, 1, T, C +
+    T), True where a query may attend a key, C the group's longest context (the paged
+    cache's rule, :func:`parcompile.runtime.paged.paged_step`). ``write`` (count,): the
+    cache slot of each real token, in packed order; ``read`` (G C,): the C slots of each
+    row's context, row after row (a column past a row's context points anywhere: the mask
+    hides it)."""
+
+    start: int
+    count: int
+    shape: tuple[int, int]
+    to_padded: torch.Tensor | None
+    to_packed: torch.Tensor | None
+    masks: dict
+    write: torch.Tensor
+    read: torch.Tensor
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's tokens of a packed tensor x (1, N, ...) left-padded: -> (G, T, ...)."""
+        y = x[0, self.start:self.start + self.count]
+        if self.to_padded is not None:
+            y = y.index_select(0, self.to_padded)
+        return y.view(*self.shape, *x.shape[2:])
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """The group's real tokens of y (G, T, ...), in packed order: -> (count, ...)."""
+        y = y.reshape(self.shape[0] * self.shape[1], *y.shape[2:])
+        return y if self.to_packed is None else y.index_select(0, self.to_packed)
+
+
+@dataclass
+class Packing:
+    """How a step's tokens are packed (the paged engine's layout: one token row per real
+    token, N in all, no padding through the linear layers, norms and MLPs; vLLM's packed
+    batch): the ``groups`` (:class:`PackGroup`) in packed order, each holding a
+    contiguous slice of the N tokens; ``last`` (B,) the packed index of each row's last
+    token, in the step's row order; ``lengths`` and ``offsets`` (B each, row order): each
+    row's token count and the packed index of its first token."""
+
+    groups: list[PackGroup]
+    last: torch.Tensor
+    lengths: list[int]
+    offsets: list[int]
+
+
+@dataclass
 class StepInput:
     """What every layer of one step needs: where the step's tokens sit in the cache
     (``start``), their positions in their sequences (B, T), and per attention window the
     model's layers use (0: full causal) the mask (B, 1, T, start+T), True where a query
     may attend a key (a sliding-window cache attends only the mask's last columns).
     ``all_positions``: the last stage returns the logits of every position (B, T, V'/tp),
-    not only the last one's (B, V'/tp) (prompt logprobs: `parcompile serve`'s ``echo``)."""
+    not only the last one's (B, V'/tp) (prompt logprobs: `parcompile serve`'s ``echo``).
+
+    ``packing`` (the paged engine, :func:`parcompile.runtime.paged.paged_step`): the step's
+    tokens are packed, ids and hidden states (1, N, ...), ``positions`` (1, N), and the
+    masks live in the packing's groups (``masks`` empty, ``start`` unused); None for the
+    contiguous cache's (B, T) layout. The program reads a step's outputs through
+    :meth:`last` and :meth:`padded`, which know both layouts."""
 
     start: int
     positions: torch.Tensor
     masks: dict
     all_positions: bool = False
+    packing: Packing | None = None
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's last token: x (B, T, ...) -> (B, 1, ...) (its last position; packed
+        (1, N, ...): the rows' last tokens, in row order)."""
+        if self.packing is None:
+            return x[:, -1:]
+        return x[0].index_select(0, self.packing.last).unsqueeze(1)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Every position of every row: x (B, T, ...) as it is; packed (1, N, ...) -> (B, T,
+        ...) left-padded to the step's longest row T, a padding position holding a copy of
+        its row's first token (the layout :func:`parcompile.runtime.paged.logprob_table`
+        reads)."""
+        if self.packing is None:
+            return x
+        n, off = self.packing.lengths, self.packing.offsets
+        T = max(n)
+        idx = [o + max(t - (T - k), 0) for k, o in zip(n, off) for t in range(T)]
+        index = torch.tensor(idx, dtype=torch.long, device=x.device)
+        return x[0].index_select(0, index).view(len(n), T, *x.shape[2:])
+
+
+def by_group(step: StepInput, fn, *xs: torch.Tensor) -> torch.Tensor:
+    """The attention entry points' one rule for both layouts: ``fn(where, masks, *padded)``
+    runs on tensors (B, T, ...) and returns (B, T, ...), ``where`` what the cache's
+    ``store`` takes (the contiguous :class:`KVCache`: the step's ``start``; the paged one:
+    the :class:`PackGroup`) and ``masks`` the step's masks by window. Contiguous step: one
+    call on ``xs`` as given. Packed step (``step.packing``): xs (1, N, ...) are unpacked
+    per group (:meth:`PackGroup.unpack`), ``fn`` runs per group, and its outputs are packed
+    back -> (1, N, ...)."""
+    if step.packing is None:
+        return fn(step.start, step.masks, *xs)
+    outs = [g.pack(fn(g, g.masks, *(g.unpack(x) for x in xs))) for g in step.packing.groups]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)).unsqueeze(0)
 
 
 @dataclass
@@ -114,8 +208,8 @@ class LayerStep:
     """What one decoder layer of a serving step reads besides its input (the generated
     program's ``pos``, as training's :class:`~parcompile.runtime.context_parallel.Positions`):
     the ``step``, the ``cache`` (:class:`KVCache` or the paged one), the ``layer``'s index in
-    it, and ``rope``: the (cos, sin) tables at the step's token positions, (B, T, rot) each,
-    or None without RoPE."""
+    it, and ``rope``: the (cos, sin) tables at the step's token positions, (B, T, rot) each
+    ((1, N, rot) packed), or None without RoPE."""
 
     step: StepInput
     cache: object
@@ -124,28 +218,33 @@ class LayerStep:
 
 
 def rope_at(tables, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The RoPE ``tables`` (cos, sin) (SEQ_LEN, rot) at ``positions`` (B, T) -> (B, T, rot)
-    each on ``device``; None without RoPE."""
+    """The RoPE ``tables`` (cos, sin) (SEQ_LEN, rot) at ``positions`` (B, T) (a packed
+    step's: (1, N)) -> (B, T, rot) each on ``device``; None without RoPE."""
     if tables is None:
         return None
-    flat = positions.reshape(-1)   # whole rows by index_select: a copy per row, not per element (advanced indexing)
-    return tuple(t.to(device).index_select(0, flat).view(*positions.shape, t.shape[-1]) for t in tables)
+    idx = positions.reshape(-1).to(tables[0].device)        # index_select: advanced indexing costs more per call
+    return tuple(t.index_select(0, idx).view(*positions.shape, t.shape[-1]).to(device) for t in tables)
 
 
 def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: LayerStep, window: int, *,
                     fused: bool, scale: float | None = None, sinks: torch.Tensor | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """The attention core of a serving step on per-head tensors (training's layout): q (B, T,
-    Hq, D), k/v (B, T, Hkv, D) of the step's tokens; k and v are written into ``pos.cache``
+    Hq, D), k/v (B, T, Hkv, D) of the step's tokens ((1, N, ...) packed: :func:`by_group`
+    runs each group of rows padded alike); k and v are written into ``pos.cache``
     at layer ``pos.layer`` (the contiguous :class:`KVCache` or the paged one, whose rows
     may start after a cached prefix or a chunk), the queries attend the cache so far under
     the step's mask for ``window`` (:func:`cached_attention`, ``scale``, ``sinks`` and
     ``softcap`` as there: the attention op's attributes, ir/code.py) -> (B, T, Hq * D)."""
-    B, T = q.shape[:2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
-    k, v = pos.cache.store(pos.layer, k, v, pos.step.start)                # (B, Hkv, L, D): the cache so far
-    y = cached_attention(q, k, v, pos.step.masks[window], fused, scale, sinks, softcap)
-    return y.transpose(1, 2).reshape(B, T, -1)
+
+    def core(where, masks, q, k, v):
+        B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
+        k, v = pos.cache.store(pos.layer, k, v, where)                         # (B, Hkv, L, D): the cache so far
+        y = cached_attention(q, k, v, masks[window], fused, scale, sinks, softcap)
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+    return by_group(pos.step, core, q, k, v)
 
 
 class Requests:
@@ -325,10 +424,11 @@ def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int
 
 def pipeline_pass(stage_forward, ctx: ParallelContext, x_ids: torch.Tensor, step: StepInput, hidden: int,
                   dtype: torch.dtype, tag: int) -> torch.Tensor | None:
-    """One step through this rank's stage: token ids (B, T) on the first stage, the hidden
-    state (B, T, h) received from the previous stage elsewhere; sends the result on, and
-    returns the last position's local logits (B, V'/tp) on the last stage (every position's,
-    (B, T, V'/tp), with ``step.all_positions``; None elsewhere)."""
+    """One step through this rank's stage: token ids (B, T) on the first stage (a packed
+    step's: (1, N)), the hidden state (B, T, h) received from the previous stage elsewhere;
+    sends the result on, and returns the last position's local logits (B, V'/tp) on the
+    last stage (every position's, (B, T, V'/tp), with ``step.all_positions``; None
+    elsewhere)."""
     pp = ctx.pp
     B, T = x_ids.shape
     if ctx.is_first_stage():
@@ -512,7 +612,7 @@ def write_record(out_dir: str | os.PathLike, ctx: ParallelContext, record: dict)
 
 
 __all__ = [
-    "ServeError", "KVCache", "StepInput", "LayerStep", "rope_at", "serve_attention", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
+    "ServeError", "KVCache", "PackGroup", "Packing", "StepInput", "LayerStep", "by_group", "rope_at", "serve_attention", "Requests", "apply_rope_at", "cached_attention", "gather_vocab",
     "broadcast_from_last", "pick_tokens", "NonFiniteLogits", "pipeline_pass", "ByteTokenizer", "IdTokenizer", "HFTokenizer",
     "load_tokenizer", "end_tokens", "default_prompts", "replica_slice", "write_record", "TORCH_DTYPES",
 ]

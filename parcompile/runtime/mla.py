@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parcompile.runtime.context import Axis
-from parcompile.runtime.generate import apply_rope_at, cached_attention
+from parcompile.runtime.generate import apply_rope_at, by_group, cached_attention
 from parcompile.runtime.layers import INIT_STD, attention_core, deinterleave, make_param
 from parcompile.runtime.fp8 import fp8_linear
 from parcompile.runtime.wgrad import linear
@@ -125,23 +125,30 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     :class:`~parcompile.runtime.generate.LayerStep`; the cache keeps the latent as its keys
     and the RoPE key as its values) -> (B, T, H, c): each head's softmax over ``[latent,
     k_rope]`` of the cache so far (the step's mask for ``window``) times the latents.
-    ``scale``: the query's (n + r) softmax scale, not the latent key's width. ``softcap``:
+    A packed step's tensors are (1, N, ...) (:func:`~parcompile.runtime.generate.by_group`
+    runs each group of rows padded alike). ``scale``: the query's (n + r) softmax scale,
+    not the latent key's width. ``softcap``:
     the scores capped as :func:`~parcompile.runtime.generate.cached_attention` caps them
     (the absorbed scores are the attention's own: absorption reorders the products only).
 
     Raises:
         ValueError: q holds other than ``heads`` heads, or q's width is not c + r."""
-    B, T, H, d = q.shape
+    H, d = q.shape[-2:]
     c, r = latent.shape[-1], k_rope.shape[-1]
     _check("the latent attention's heads and width (H, c + r)", (H, d), (heads, c + r))
-    lat, kr = pos.cache.store(pos.layer, latent.transpose(1, 2), k_rope.transpose(1, 2), pos.step.start)
-    keys = torch.cat([lat, kr], dim=-1)                                          # (B, 1, L, c + r)
-    # one latent "kv head" shared by every query head: the heads' queries as rows of one
-    # (no copy of the cache per head), each row with its token's mask
-    mask = pos.step.masks[window].repeat(1, 1, H, 1)                             # (B, 1, H T, L)
-    y = cached_attention(q.transpose(1, 2).reshape(B, 1, H * T, d), keys, lat, mask, fused, scale=scale,
-                         softcap=softcap)
-    return y.view(B, H, T, c).transpose(1, 2)                                    # (B, T, H, c)
+
+    def core(where, masks, q, latent, k_rope):
+        B, T = q.shape[:2]
+        lat, kr = pos.cache.store(pos.layer, latent.transpose(1, 2), k_rope.transpose(1, 2), where)
+        keys = torch.cat([lat, kr], dim=-1)                                      # (B, 1, L, c + r)
+        # one latent "kv head" shared by every query head: the heads' queries as rows of one
+        # (no copy of the cache per head), each row with its token's mask
+        mask = masks[window].repeat(1, 1, H, 1)                                  # (B, 1, H T, L)
+        y = cached_attention(q.transpose(1, 2).reshape(B, 1, H * T, d), keys, lat, mask, fused, scale=scale,
+                             softcap=softcap)
+        return y.view(B, H, T, c).transpose(1, 2)                                # (B, T, H, c)
+
+    return by_group(pos.step, core, q, latent, k_rope)
 
 
 def mla_value_up(y: torch.Tensor, weight: torch.Tensor, *, heads: int, nope: int, v_dim: int,

@@ -3,9 +3,10 @@
 The generated serve program (``serve.py``) builds its model as for one-shot generation and,
 started with ``--engine HOST:PORT`` by `parcompile serve`, hands it to :func:`serve_requests`
 instead of prefilling one batch. The same ``Stage.forward`` runs: its attention layers call
-``cache.store(layer, k, v, start)`` and :func:`parcompile.runtime.generate.cached_attention`
-with ``step.masks``, and here the cache is a :class:`PagedKVCache` bound to the step's
-block tables (as vLLM's attention reads the forward context's slot mapping).
+``cache.store(layer, k, v, where)`` and :func:`parcompile.runtime.generate.cached_attention`
+with the step's masks (through :func:`parcompile.runtime.generate.by_group`), and here the
+cache is a :class:`PagedKVCache` bound to the step's groups of rows and their slots (as
+vLLM's attention reads the forward context's slot mapping).
 
 Scheduling, preemption, prefix caching and chunked prefill are the leader's host-side
 bookkeeping, :mod:`parcompile.runtime.scheduler` (:class:`Scheduler`, :class:`BlockPool`; no
@@ -16,13 +17,19 @@ parameters) is broadcast to every rank of the replica over torch.distributed; th
 stage samples each row with its own parameters and generator and broadcasts the tokens
 over pp (:func:`parcompile.runtime.generate.broadcast_from_last`), so the leader knows them.
 
-Rows of a step are left-padded to the longest row's new tokens T (the last position of
-every row is its last real token: ``Stage.forward`` samples ``x[:, -1]``). A row's
-attention reads its cached context, gathered from its blocks (B, kv, C, D), C the longest
-context of the step, followed by the step's own keys (B, kv, T, D): the mask
-(B, 1, T, C + T) lets a real query see its context and the real new keys up to itself
-(and, for a sliding-window layer, only those within the window); a padding query sees
-itself only (finite values no real token reads). Padding keys are never written.
+A step's tokens are packed (vLLM's layout): token ids (1, N), N the step's real tokens, so
+the embedding, linear layers, norms, MLPs and MoE of ``Stage.forward`` run on real tokens
+only, never on padding (a decode row beside a 512-token chunk costs one token, not 512).
+Attention runs per group of rows laid out alike (:func:`paged_step`,
+:class:`parcompile.runtime.generate.PackGroup`): the rows of one new token (decode; no
+padding at all) and the rows of more (prefill, chunks, recomputation) left-padded to their
+own longest T. A group's row attends its cached context, gathered from its blocks (G,
+kv, C, D), C the group's longest context, followed by the group's own keys (G, kv, T, D):
+the mask (G, 1, T, C + T) lets a real query see its context and the real new keys up to
+itself (and, for a sliding-window layer, only those within the window); a padding query
+sees itself only (finite values no real token reads). Padding keys are never written.
+``Stage.forward`` samples each row's last token (``StepInput.last``) and, for prompt
+logprobs, lays every position out (B, T, V') left-padded again (``StepInput.padded``).
 
 The leader talks to the HTTP front (``parcompile.server``) through a
 ``multiprocessing.connection`` socket whose authentication key comes in the environment
@@ -85,78 +92,106 @@ class PagedKVCache:
         self.k = {i: torch.zeros((slots, kv_local, head_dim), dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros((slots, kv_local, head_dim if v_dim is None else v_dim), dtype=dtype, device=device)
                   for i in layers}
-        self.write_slots = self.read_slots = None
+        self.groups: list[gen.PackGroup] = []
 
     @property
     def nbytes(self) -> int:
         return sum(nbytes(t) for t in self.k.values()) + sum(nbytes(t) for t in self.v.values())
 
-    def bind(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
-        """The step's slots: ``write_slots`` (B, T), where each new token goes (-1: padding,
-        not written); ``read_slots`` (B, C), the context each row attends (padding columns
-        point anywhere: the mask hides them)."""
-        self.write_slots, self.read_slots = write_slots, read_slots
+    def bind(self, groups: list[gen.PackGroup]) -> None:
+        """The step's groups of rows (:func:`paged_step`): each holds where its real tokens
+        go (``write``: a slot per packed token, computed once per step) and the context
+        slots its rows attend (``read``); :meth:`store` is given one of them."""
+        self.groups = groups
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's k, v (B, kv_local, T, D) into their slots; return the keys and
-        values the step's queries attend: the context (B, kv_local, C, D) followed by the
-        step's own (B, kv_local, C + T, D), in k's dtype. ``start`` is unused (the bound
-        slots say where each row's tokens go)."""
-        B, H, T, _ = k.shape
-        flat = self.write_slots.reshape(-1)
-        real = flat >= 0
-        idx = flat[real]
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              group: gen.PackGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the ``group``'s (one of those :meth:`bind` was given) new k, v (G,
+        kv_local, T, D), left-padded as :meth:`parcompile.runtime.generate.PackGroup.unpack`
+        lays them out, into its real tokens' slots (padding is never written); return the
+        keys and values the group's queries attend: each row's context (G, kv_local, C, D)
+        followed by the group's own, (G, kv_local, C + T, D), in k's dtype (the
+        :class:`parcompile.runtime.generate.KVCache` interface: the group stands where the
+        contiguous cache takes the step's start)."""
+        G, H, T, _ = k.shape
         for cache, new in ((self.k[layer], k), (self.v[layer], v)):
-            rows = new.transpose(1, 2).reshape(B * T, H, new.shape[-1])[real]
-            cache.index_copy_(0, idx, rows.to(cache.dtype))
-        keys = self.k[layer][self.read_slots].transpose(1, 2).to(k.dtype)      # (B, H, C, D)
-        values = self.v[layer][self.read_slots].transpose(1, 2).to(v.dtype)
+            cache.index_copy_(0, group.write, group.pack(new.transpose(1, 2)).to(cache.dtype))
+        C = group.read.shape[0] // G
+        keys, values = (c.index_select(0, group.read).view(G, C, H, c.shape[-1]).transpose(1, 2).to(x.dtype)
+                        for c, x in ((self.k[layer], k), (self.v[layer], v)))      # (G, H, C, D)
         return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
 
 
-def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch.Tensor, gen.StepInput,
-                                                                           torch.Tensor, torch.Tensor]:
-    """The inputs of one step over ``rows`` (module docstring): token ids (B, T) left-padded,
-    the :class:`parcompile.runtime.generate.StepInput` (positions (B, T), a mask
-    (B, 1, T, C + T) per attention window, 0: full causal) and the write (B, T) and read
-    (B, C) slots for :meth:`PagedKVCache.bind`."""
-    B = len(rows)
-    T = max(len(r.tokens) for r in rows)
-    C = max(r.context for r in rows)
-    # one tensor per field from Python lists, the slots by one gather over the padded block
-    # tables (a loop of small tensors per row cost more than the model's step: issue 33)
-    ids = torch.tensor([[0] * (T - len(r.tokens)) + r.tokens for r in rows], dtype=torch.long)
-    n = torch.tensor([len(r.tokens) for r in rows])
-    c = torch.tensor([r.context for r in rows])
+def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: int) -> gen.PackGroup:
+    """The :class:`parcompile.runtime.generate.PackGroup` of ``rows`` (the step's rows of one
+    group, in row order), whose tokens are packed from index ``start`` on: rows left-padded
+    to their longest T, contexts C their longest (module docstring)."""
+    G = len(rows)
+    n_list, c_list = [len(r.tokens) for r in rows], [r.context for r in rows]
+    T, C = max(n_list), max(c_list)
+    padded = min(n_list) < T
+    c = torch.tensor(c_list)
     width = max(len(r.table) for r in rows)
-    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(B, width)
-
-    def slots(pos: torch.Tensor, real: torch.Tensor, pad: int) -> torch.Tensor:
-        """The slot of each position (B, X) of its row, ``pad`` where not ``real``."""
-        p = torch.where(real, pos, torch.zeros((), dtype=torch.long))
-        s = tables.gather(1, p // block_size) * block_size + p % block_size
-        return torch.where(real, s, torch.full((), pad, dtype=torch.long))
-
+    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(G, width)
+    # (every position below a row's context + its new tokens lies in its table: padding
+    # positions, clamped to >= 0, and context columns past a row's own read real table
+    # entries or the 0 padding the table; the masks and the index maps drop them)
     t = torch.arange(T)
-    first = (T - n)[:, None]                                   # (B, 1): the first real column
-    real_q = t[None, :] >= first                               # (B, T)
-    q_pos = torch.where(real_q, c[:, None] + t[None, :] - first, torch.zeros((), dtype=torch.long))
-    write = slots(q_pos, real_q, -1)                                                          # (B, T)
+    first = (T - torch.tensor(n_list))[:, None]                # (G, 1): the first real column
+    rel = t[None, :] - first                                   # (G, T): the new token's index (< 0: padding)
+    q_pos = (c[:, None] + rel).clamp(min=0)                    # (G, T): its position in its sequence
+    write = (tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)   # (G T,)
     j = torch.arange(C)
-    read = slots(j[None, :].expand(B, -1), j[None, :] < c[:, None], 0)                        # (B, C)
-    ctx_ok = (j[None, None, :] < c[:, None, None]) & real_q[:, :, None]                     # (B, T, C)
-    new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None]) & real_q[:, :, None]
-    wins = tuple(dict.fromkeys(windows)) if isinstance(windows, (tuple, list)) else (windows,)
+    read = (tables.index_select(1, j // block_size) * block_size + j % block_size).reshape(-1)      # (G C,)
+    ctx_ok = (j[None, None, :] < c[:, None, None]).expand(G, T, C)                          # (G, T, C)
+    new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None])   # (G, T, T)
+    to_packed = to_padded = None
+    if padded:
+        real_q = rel >= 0                                                                    # (G, T)
+        ctx_ok = ctx_ok & real_q[:, :, None]              # (new_ok is False on a padding query already)
+        to_packed = real_q.reshape(-1).nonzero().flatten()       # (count,): row-major = packed order
+        write = write.index_select(0, to_packed)
+        offsets = torch.tensor([0] + n_list[:-1]).cumsum(0)       # each row's first token in the group's slice
+        to_padded = (offsets[:, None] + rel.clamp(min=0)).reshape(-1)
     masks = {}
     for w in wins:
         a, b_ = ctx_ok, new_ok
         if w:
             a = a & ((q_pos[:, :, None] - j[None, None, :]) < w)
             b_ = b_ & ((t[None, :, None] - t[None, None, :]) < w)
-        b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
+        if padded:
+            b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
         masks[w] = torch.cat([a, b_], dim=2).unsqueeze(1).to(device)
-    return ids, gen.StepInput(0, q_pos.to(device), masks), write.to(device), read.to(device)
+    return gen.PackGroup(start, sum(n_list), (G, T), None if to_padded is None else to_padded.to(device),
+                         None if to_packed is None else to_packed.to(device), masks, write.to(device),
+                         read.to(device))
 
+
+def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch.Tensor, gen.StepInput]:
+    """The inputs of one step over ``rows`` (module docstring): token ids (1, N) packed, N
+    the step's tokens, and the :class:`parcompile.runtime.generate.StepInput`
+    (positions (1, N); its :class:`~parcompile.runtime.generate.Packing`: the rows of one
+    new token (decode) packed first, then the rows of more (prefill, chunks, recomputation),
+    each group's rows in row order, each row's tokens in order; per group its masks per
+    attention window (0: full causal), write and read slots for :meth:`PagedKVCache.bind`,
+    and its index maps)."""
+    wins = tuple(dict.fromkeys(windows)) if isinstance(windows, (tuple, list)) else (windows,)
+    order = [b for b, r in enumerate(rows) if len(r.tokens) == 1] + [b for b, r in enumerate(rows) if len(r.tokens) > 1]
+    n_dec = sum(1 for r in rows if len(r.tokens) == 1)
+    ids, positions, offsets, last = [], [], [0] * len(rows), [0] * len(rows)
+    for b in order:
+        r = rows[b]
+        offsets[b] = len(ids)
+        ids += r.tokens
+        positions += range(r.context, r.context + len(r.tokens))
+        last[b] = len(ids) - 1
+    groups = []
+    for sub in (order[:n_dec], order[n_dec:]):
+        if sub:
+            groups.append(_group_layout([rows[b] for b in sub], block_size, wins, device, offsets[sub[0]]))
+    packing = gen.Packing(groups, torch.tensor(last, dtype=torch.long).to(device), [len(r.tokens) for r in rows], offsets)
+    return (torch.tensor([ids], dtype=torch.long),
+            gen.StepInput(0, torch.tensor([positions], dtype=torch.long).to(device), {}, packing=packing))
 
 
 def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators: list[torch.Generator]) -> torch.Tensor:
@@ -270,16 +305,17 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
     sample_params = [greedy if nxt is not None else p for p, nxt in zip(params, partial_next)]
     sample_gens = [None if nxt is not None else g for g, nxt in zip(generators, partial_next)]
     k = wants_logprobs(params)
-    ids, step, write, read = paged_step(rows, cache.block_size, windows, ctx.device)
-    step.all_positions = k is not None and any(prompt_rows) and ids.shape[1] > 1
-    cache.bind(write, read)
+    ids, step = paged_step(rows, cache.block_size, windows, ctx.device)
+    T = max(len(r.tokens) for r in rows)                              # the longest row: prompt logprobs' width
+    step.all_positions = k is not None and any(prompt_rows) and T > 1
+    cache.bind(step.packing.groups)
     with torch.no_grad():
         logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=tag)
     tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
-    P = ids.shape[1] if step.all_positions else 1
+    P = T if step.all_positions else 1
     table = torch.zeros((len(rows), P, 2 + 2 * (k or 0)), dtype=torch.float64, device=ctx.device)
     if ctx.is_last_stage():
-        if step.all_positions:                                         # (B, T, V'/tp) -> (B, T, V')
+        if step.all_positions:                                         # (B, T, V'/tp) left-padded -> (B, T, V')
             B, T, V = logits.shape
             full = gen.gather_vocab(logits.reshape(B * T, V), ctx.tp).reshape(B, T, -1)
             last = full[:, -1]

@@ -161,7 +161,8 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, step: gen.StepInput) -> torch.Tensor:
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage (every position's, (B, T, V'/tp), when
-        ``step.all_positions``)."""
+        ``step.all_positions``). `parcompile serve`'s engine packs a step's tokens: ids (1, N),
+        hidden (1, N, h), N the step's tokens (``step.packing``; runtime/paged.py)."""
         if self.has_first:
             x = self.embed(x)
         rope = gen.rope_at(self.rope, step.positions, x.device)       # cos, sin (B, T, 16) at each sequence's positions
@@ -169,8 +170,8 @@ class Stage(nn.Module):
             x = self.layers[str(i)](x, gen.LayerStep(step, self.cache, i, rope))
         if self.has_last:
             if step.all_positions:                                    # prompt logprobs (serve's echo): every position
-                return self.head(x).float()                           # (B, T, V'/tp=128)
-            return self.head(x[:, -1:])[:, -1].float()                # (B, V'/tp=128): only the last position is sampled
+                return step.padded(self.head(x)).float()              # (B, T, V'/tp=128), rows left-padded
+            return self.head(step.last(x))[:, -1].float()             # (B, V'/tp=128): only each row's last token is sampled
         return x
 
 
