@@ -203,6 +203,8 @@ def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators
     if greedy:       # one argmax for every greedy row (pick_tokens' rule, per row: first on ties)
         x = logits[greedy, :vocab].float() if len(greedy) < len(params) else logits[:, :vocab].float()
         tok = torch.where(torch.isfinite(x).all(dim=-1), x.argmax(dim=-1), torch.full((), ERROR_TOKEN))
+        if len(greedy) == len(params):       # every row greedy (the common case): no scatter by a list
+            return tok.to(logits.device)
         out[greedy] = tok.cpu()
     for b, (p, g) in enumerate(zip(params, generators)):
         if gen.is_greedy(p["temperature"]):
@@ -309,7 +311,7 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
     T = max(len(r.tokens) for r in rows)                              # the longest row: prompt logprobs' width
     step.all_positions = k is not None and any(prompt_rows) and T > 1
     cache.bind(step.packing.groups)
-    with torch.no_grad():
+    with torch.inference_mode():      # no autograd state at all (cheaper per op than no_grad)
         logits = gen.pipeline_pass(model.forward, ctx, ids, step, hidden, dtype, tag=tag)
     tokens = torch.zeros(len(rows), dtype=torch.long, device=ctx.device)
     P = T if step.all_positions else 1
