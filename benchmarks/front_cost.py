@@ -10,6 +10,7 @@ system, ``/proc/PID/stat``) per output token and per request, and the machine's 
     python benchmarks/front_cost.py --clients 32 --requests 8 --max-tokens 32
     python benchmarks/front_cost.py --plain            # non-streamed requests
     python benchmarks/front_cost.py --profile out.pstats  # cProfile of the front's event loop
+    python benchmarks/front_cost.py --http h11 --loop asyncio  # serve's fallback stack
 
 The tokens are byte-level letters (the byte tokenizer of a model without tokenizer.json):
 the same text path as ``benchmarks/serve_load.py --transformers``.
@@ -76,10 +77,10 @@ class StepEngines:
                 loop.call_soon_threadsafe(self._put_all, items)
 
 
-def serve_front(port: int, step_s: float, profile: str | None) -> None:
+def serve_front(port: int, step_s: float, profile: str | None, http: str = "auto", loop: str = "auto") -> None:
     """Run the front on 127.0.0.1:``port`` over :class:`StepEngines` (the child process);
     with ``profile``, cProfile its event loop's thread (CPU clock) and write the stats there
-    on SIGUSR1."""
+    on SIGUSR1. ``http`` and ``loop``: :func:`parcompile.server.http.uvicorn_config`'s."""
     import signal
 
     import uvicorn
@@ -98,7 +99,7 @@ def serve_front(port: int, step_s: float, profile: str | None) -> None:
         prof = cProfile.Profile(time.thread_time)
         signal.signal(signal.SIGUSR1, lambda *_: (prof.disable(), prof.dump_stats(profile)))
         signal.signal(signal.SIGUSR2, lambda *_: prof.enable())
-    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port)).run()
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, http=http, loop=loop)).run()
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
@@ -137,16 +138,19 @@ def main(argv=None) -> int:
     ap.add_argument("--plain", action="store_true", help="non-streamed requests")
     ap.add_argument("--logprobs", type=int, default=None, help="ask for this many logprobs")
     ap.add_argument("--profile", default=None, metavar="FILE", help="cProfile the front (CPU clock) into FILE")
+    ap.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"), help="the HTTP protocol")
+    ap.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"), help="the event loop")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)   # the child process
     a = ap.parse_args(argv)
     if a.serve is not None:
-        serve_front(a.serve, a.step_ms / 1000, a.profile)
+        serve_front(a.serve, a.step_ms / 1000, a.profile, a.http, a.loop)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(a.step_ms)]
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(a.step_ms),
+                             "--http", a.http, "--loop", a.loop]
                             + (["--profile", str(Path(a.profile).resolve())] if a.profile else []), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
