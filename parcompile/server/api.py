@@ -63,7 +63,7 @@ from starlette.requests import ClientDisconnect
 
 from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
-from parcompile.server.sse import EventStream, dumps, event_batches, json_str, sse
+from parcompile.server.sse import EventStream, OneStream, as_api_error, dumps, event_batches, json_str, sse
 from parcompile.server.text import IncrementalText
 # the request side (models, errors, limits, Guard) lives in protocol.py; its names stay importable from here
 from parcompile.server.protocol import (BODY_BYTES_PER_TOKEN, DISCONNECT_POLL_S, MAX_JSON_DEPTH, MAX_LOGPROBS,
@@ -204,6 +204,7 @@ class _Reply:
     base: dict
     jobs: list = field(default_factory=list)
     head: str = ""          # a streamed chunk's event up to its choice's index (:meth:`Handlers.chunk`)
+    heads: list = field(default_factory=list)   # per job: ``head``, its choice's index and a comma
 
 
 class Handlers:
@@ -537,6 +538,8 @@ class Handlers:
         for i, (p, params) in enumerate(zip(prompts, base_params)):
             for j in range(samples):
                 r.jobs.append((i, p, dict(params, seed=(params["seed"] + j) % (1 << 63))))
+        for idx, (i, _, _) in enumerate(r.jobs):
+            r.heads.append(f"{r.head}{idx % samples if chat else i * n + idx % samples},")
         streams = [self.generate(request, p, pj, watch="first" if req.stream else "all") for _, p, pj in r.jobs]
         if not req.stream:
             return await self.respond_plain(r, streams)
@@ -621,23 +624,26 @@ class Handlers:
         head (:attr:`_Reply.head`) and this choice's fields, in the order of the object
         ``{**base, "object", "choices": [{"index", "delta" | "text", "logprobs",
         "finish_reason"[, "token_ids"]}]}`` written by :data:`parcompile.server.sse.dumps`."""
-        index = r.jobs[idx][0] * r.req.n + idx % r.samples if not r.chat else idx % r.samples
         if r.chat:
             body = ('"delta":{"role":"assistant","content":' + json_str(delta) + "}" if role else
                     '"delta":{"content":' + json_str(delta) + "}" if delta else '"delta":{}')
         else:
             body = '"text":' + json_str(delta)
-        tail = ',"token_ids":[' + ",".join(map(str, new_ids)) + "]" if r.req.return_token_ids else ""
-        return (f'{r.head}{index},{body},"logprobs":{"null" if lp_obj is None else dumps(lp_obj)},'
-                f'"finish_reason":{"null" if reason is None else json_str(reason)}{tail}}}]}}\n\n')
+        return (r.heads[idx] + body + (',"logprobs":null' if lp_obj is None else ',"logprobs":' + dumps(lp_obj))
+                + (',"finish_reason":null' if reason is None else ',"finish_reason":' + json_str(reason))
+                + (',"token_ids":[' + ",".join(map(str, new_ids)) + "]}]}\n\n" if r.req.return_token_ids else
+                   "}]}\n\n"))
 
     async def events(self, r: "_Reply", first, batches, close, include_usage: bool):
         """The event stream from the ``first`` batch of events on (:func:`parcompile.server.sse.event_batches`),
         then the usage (when asked) and ``data: [DONE]``: one write per batch (the end's
         chunks, usage and ``[DONE]`` together); a rank's error ends it as the last event.
-        Closes the choices' generators at the end (``close``)."""
+        Closes the choices' generators at the end (``close``). One choice
+        (:class:`parcompile.server.sse.OneStream`) is read here directly: no generator between
+        its tokens and the response."""
         jobs, chat, want_lp, echo, k, prompts, base, obj = (r.jobs, r.chat, r.want_lp, r.echo, r.k, r.prompts, r.base,
                                                             r.obj)
+        one = batches.next if isinstance(batches, OneStream) else None
         n_ids = [0] * len(jobs)
         offsets = [0] * len(jobs)
         started = [False] * len(jobs)
@@ -662,10 +668,10 @@ class Handlers:
                             open_ -= 1
                         continue
                     delta, ids, reason, lps, plps = ev
-                    p = jobs[idx][1]
-                    new_ids, new_lps = ids[n_ids[idx]:], lps[n_ids[idx]:]
+                    new_ids = ids[n_ids[idx]:]
                     lp_obj = None
                     if want_lp:
+                        p, new_lps = jobs[idx][1], lps[n_ids[idx]:]
                         if chat:
                             lp_obj = self.chat_logprobs(new_ids, new_lps, k or 0)
                         else:
@@ -674,7 +680,7 @@ class Handlers:
                             lp_obj = self.completion_logprobs(entries, k or 0, offsets[idx])
                             offsets[idx] += sum(len(t) for t in lp_obj["tokens"])
                     if echo and not started[idx]:
-                        delta = self.info.tokenizer.decode(p) + delta
+                        delta = self.info.tokenizer.decode(jobs[idx][1]) + delta
                     out.append(self.chunk(r, idx, delta, new_ids, reason, lp_obj))
                     n_ids[idx] = len(ids)
                     started[idx] = True
@@ -684,9 +690,17 @@ class Handlers:
                 if open_ == 0:
                     break
                 if out:
-                    yield "".join(out)
+                    yield out[0] if len(out) == 1 else "".join(out)
                     out = []
-                batch = await batches.__anext__()
+                if one is None:
+                    batch = await batches.__anext__()
+                    continue
+                try:                                  # OneStream.__anext__, inline
+                    batch = ((0, await one()),)
+                except StopAsyncIteration:
+                    batch = ((0, None),)
+                except Exception as e:
+                    batch = ((0, as_api_error(e)),)
         finally:
             await close()
         if include_usage:
