@@ -99,7 +99,8 @@ def serve_front(port: int, step_s: float, profile: str | None, http: str = "auto
         prof = cProfile.Profile(time.thread_time)
         signal.signal(signal.SIGUSR1, lambda *_: (prof.disable(), prof.dump_stats(profile)))
         signal.signal(signal.SIGUSR2, lambda *_: prof.enable())
-    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, http=http, loop=loop)).run()
+    stack = {} if http == loop == "auto" else {"http": http, "loop": loop}
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, **stack)).run()
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
@@ -108,8 +109,9 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
-def client(base: str, body: dict, requests: int, out: list) -> None:
-    """``requests`` completions one after another; appends the output tokens of each."""
+def client(base: str, body: dict, requests: int, out: list, chunks: list | None = None) -> None:
+    """``requests`` completions one after another; appends the output tokens of each to
+    ``out``, and a stream's chunks (events with choices) to ``chunks``."""
     import httpx
 
     with httpx.Client(timeout=120) as c:
@@ -119,14 +121,18 @@ def client(base: str, body: dict, requests: int, out: list) -> None:
                 r.raise_for_status()
                 out.append(r.json()["usage"]["completion_tokens"])
                 continue
-            n = 0
+            n = k = 0
             with c.stream("POST", base + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        for ch in json.loads(line[6:])["choices"]:
+                        choices = json.loads(line[6:])["choices"]
+                        k += bool(choices)
+                        for ch in choices:
                             n += len(ch.get("token_ids") or [])
             out.append(n)
+            if chunks is not None:
+                chunks.append(k)
 
 
 def main(argv=None) -> int:
@@ -175,8 +181,9 @@ def main(argv=None) -> int:
         if a.profile:
             proc.send_signal(signal.SIGUSR2)
         tokens: list = []
+        chunks: list = []
         c0, t0 = cpu_s(proc.pid), time.perf_counter()
-        threads = [threading.Thread(target=client, args=(base, body, a.requests, tokens)) for _ in range(a.clients)]
+        threads = [threading.Thread(target=client, args=(base, body, a.requests, tokens, chunks)) for _ in range(a.clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -191,6 +198,9 @@ def main(argv=None) -> int:
               f"tokens = {n} tokens in {wall:.1f} s; front CPU {cpu:.2f} s = {1000 * cpu / max(n, 1):.3f} ms/token, "
               f"{1000 * cpu / max(len(tokens), 1):.2f} ms/request (user {1000 * user / max(n, 1):.3f}, system "
               f"{1000 * system / max(n, 1):.3f} ms/token); load {os.getloadavg()[0]:.1f}")
+        if not a.plain:     # a front that falls behind sends several tokens per chunk: less CPU per token
+            print(f"{sum(chunks)} chunks ({sum(chunks) / max(n, 1):.2f} per token): {1000 * cpu / max(sum(chunks), 1):.3f} "
+                  f"ms/chunk")
     finally:
         proc.terminate()
         proc.wait(10)

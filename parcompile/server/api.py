@@ -380,7 +380,10 @@ class Handlers:
     async def generate(self, request: Request, prompt: list[int], params: dict, watch: str):
         """Yield (text delta, token ids so far, finish_reason, their logprobs so far, the
         prompt's logprobs) as tokens arrive; the request is cancelled in the engine when the
-        client goes away or a stop string matches. Logprobs are the engine's entries
+        client goes away or a stop string matches. The text is
+        :class:`parcompile.server.text.IncrementalText`'s: final text only (an unfinished
+        character, and the last characters that may begin a stop string, wait), stop strings
+        searched in the new text. Logprobs are the engine's entries
         (:func:`parcompile.runtime.paged.unpack_logprobs`), one per token id (an empty list
         when the request asked for none). Tokens that arrived together (the reader fell
         behind the engine's steps) are taken together: one yield for all of them, as
@@ -444,7 +447,7 @@ class Handlers:
                     watcher.cancel()     # a stream is writing: Starlette watches the client from now on
                     watcher = None
                 new = text.step(ids, final=reason is not None)
-                if stop and new and reason != "stop":     # an end token is no text: a stop string may still end it
+                if stop and new:        # only the new text can complete a stop string (also on the last token)
                     hit = text.find_stop(len(new))
                     if hit >= 0:
                         text.cut(hit)
