@@ -111,7 +111,7 @@ def event_batches(streams: list):
 class EventStream(StreamingResponse):
     """Starlette's :class:`StreamingResponse` of server-sent events, its client watched by one
     plain asyncio task: when the client goes away (``http.disconnect``) the stream is
-    cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 server says 2.3), without
+    cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 and httptools servers say 2.3), without
     the anyio task group and cancel scope it opens for that per response; the events'
     generator is then closed (:meth:`parcompile.server.api.Handlers.events` ends its
     choices' engine requests)."""
