@@ -11,6 +11,13 @@ system, ``/proc/PID/stat``) per output token and per request, and the machine's 
     python benchmarks/front_cost.py --plain            # non-streamed requests
     python benchmarks/front_cost.py --profile out.pstats  # cProfile of the front's event loop
     python benchmarks/front_cost.py --http h11 --loop asyncio  # serve's fallback stack
+    python benchmarks/front_cost.py --asgi --stop zz   # the ASGI application alone (no sockets)
+
+``--asgi`` runs the application (:func:`parcompile.server.api.build_app`) in this process,
+without uvicorn, sockets or threads: ``--clients`` streams at once, their tokens put by a
+task one per stream per loop pass, the body messages dropped; it prints this process's CPU
+per token (best and median of ``--requests`` rounds): the front's own code and Starlette's,
+steadier than the whole front on a loaded machine.
 
 The tokens are byte-level letters (the byte tokenizer of a model without tokenizer.json):
 the same text path as ``benchmarks/serve_load.py --transformers``.
@@ -103,6 +110,75 @@ def serve_front(port: int, step_s: float, profile: str | None, http: str = "auto
     uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, **stack)).run()
 
 
+class LoopEngines(StepEngines):
+    """:class:`StepEngines` without its thread: :meth:`drive` (a task) gives each running
+    request its next token at every pass of the event loop."""
+
+    def __init__(self):
+        from parcompile.server.engines import TokenQueue, _put_all
+
+        self.failed, self._put_all, self.queue = None, _put_all, TokenQueue
+        self.running: dict = {}
+        self.lock = threading.Lock()
+
+    async def drive(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            for rid, r in list(self.running.items()):
+                _, q, i, most, _ = r
+                r[2] = i + 1
+                q.put_nowait((97 + i % 26, "length" if i + 1 == most else None, None))
+                if i + 1 == most:
+                    del self.running[rid]
+
+
+def asgi_cost(clients: int, rounds: int, max_tokens: int, stop: list[str]) -> None:
+    """Print the CPU seconds of this process per token of ``clients`` streamed completions
+    at once through the ASGI application (no server), best and median of ``rounds``."""
+    from parcompile.runtime import generate as gen
+    from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
+    from parcompile.server.metrics import Metrics
+
+    info = ModelInfo(name="tiny", vocab=256, context=max_tokens + 64, temperature=0.0, top_k=0, eos=[],
+                     tokenizer=gen.load_tokenizer(None, None, 256), chat_template=PLAIN_CHAT_TEMPLATE, special={})
+    engines = LoopEngines()
+    app = build_app(info, engines, Metrics(info.name))
+    body = json.dumps({"prompt": list(range(97, 105)), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "return_token_ids": True, "stop": stop or None}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "scheme": "http", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000)}
+
+    async def one() -> None:
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            pass
+
+        await app(dict(scope), receive, send)
+
+    async def run() -> list[float]:
+        driver = asyncio.ensure_future(engines.drive())
+        await asyncio.gather(*[one() for _ in range(clients)])       # warm up
+        per_token = []
+        for _ in range(rounds):
+            c0 = time.process_time()
+            await asyncio.gather(*[one() for _ in range(clients)])
+            per_token.append((time.process_time() - c0) / (clients * max_tokens))
+        driver.cancel()
+        return sorted(per_token)
+
+    t = asyncio.run(run())
+    print(f"ASGI application alone: {clients} streams x {max_tokens} tokens, {rounds} rounds: "
+          f"{1000 * t[0]:.4f} ms/token best, {1000 * t[len(t) // 2]:.4f} median (this process's CPU)")
+
+
 def cpu_s(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of process ``pid`` (``/proc/PID/stat`` fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -146,10 +222,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="FILE", help="cProfile the front (CPU clock) into FILE")
     ap.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"), help="the HTTP protocol")
     ap.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"), help="the event loop")
+    ap.add_argument("--asgi", action="store_true", help="the ASGI application alone, in this process")
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (--asgi; repeatable)")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)   # the child process
     a = ap.parse_args(argv)
     if a.serve is not None:
         serve_front(a.serve, a.step_ms / 1000, a.profile, a.http, a.loop)
+        return 0
+    if a.asgi:
+        asgi_cost(a.clients, a.requests, a.max_tokens, a.stop)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
