@@ -10,6 +10,14 @@ system, ``/proc/PID/stat``) per output token and per request, and the machine's 
     python benchmarks/front_cost.py --clients 32 --requests 8 --max-tokens 32
     python benchmarks/front_cost.py --plain            # non-streamed requests
     python benchmarks/front_cost.py --profile out.pstats  # cProfile of the front's event loop
+    python benchmarks/front_cost.py --http h11 --loop asyncio  # serve's fallback stack
+    python benchmarks/front_cost.py --asgi --stop zz   # the ASGI application alone (no sockets)
+
+``--asgi`` runs the application (:func:`parcompile.server.api.build_app`) in this process,
+without uvicorn, sockets or threads: ``--clients`` streams at once, their tokens put by a
+task one per stream per loop pass, the body messages dropped; it prints this process's CPU
+per token (best and median of ``--requests`` rounds): the front's own code and Starlette's,
+steadier than the whole front on a loaded machine.
 
 The tokens are byte-level letters (the byte tokenizer of a model without tokenizer.json):
 the same text path as ``benchmarks/serve_load.py --transformers``.
@@ -76,10 +84,10 @@ class StepEngines:
                 loop.call_soon_threadsafe(self._put_all, items)
 
 
-def serve_front(port: int, step_s: float, profile: str | None) -> None:
+def serve_front(port: int, step_s: float, profile: str | None, http: str = "auto", loop: str = "auto") -> None:
     """Run the front on 127.0.0.1:``port`` over :class:`StepEngines` (the child process);
     with ``profile``, cProfile its event loop's thread (CPU clock) and write the stats there
-    on SIGUSR1."""
+    on SIGUSR1. ``http`` and ``loop``: :func:`parcompile.server.http.uvicorn_config`'s."""
     import signal
 
     import uvicorn
@@ -98,7 +106,77 @@ def serve_front(port: int, step_s: float, profile: str | None) -> None:
         prof = cProfile.Profile(time.thread_time)
         signal.signal(signal.SIGUSR1, lambda *_: (prof.disable(), prof.dump_stats(profile)))
         signal.signal(signal.SIGUSR2, lambda *_: prof.enable())
-    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port)).run()
+    stack = {} if http == loop == "auto" else {"http": http, "loop": loop}
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, **stack)).run()
+
+
+class LoopEngines(StepEngines):
+    """:class:`StepEngines` without its thread: :meth:`drive` (a task) gives each running
+    request its next token at every pass of the event loop."""
+
+    def __init__(self):
+        from parcompile.server.engines import TokenQueue, _put_all
+
+        self.failed, self._put_all, self.queue = None, _put_all, TokenQueue
+        self.running: dict = {}
+        self.lock = threading.Lock()
+
+    async def drive(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            for rid, r in list(self.running.items()):
+                _, q, i, most, _ = r
+                r[2] = i + 1
+                q.put_nowait((97 + i % 26, "length" if i + 1 == most else None, None))
+                if i + 1 == most:
+                    del self.running[rid]
+
+
+def asgi_cost(clients: int, rounds: int, max_tokens: int, stop: list[str]) -> None:
+    """Print the CPU seconds of this process per token of ``clients`` streamed completions
+    at once through the ASGI application (no server), best and median of ``rounds``."""
+    from parcompile.runtime import generate as gen
+    from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
+    from parcompile.server.metrics import Metrics
+
+    info = ModelInfo(name="tiny", vocab=256, context=max_tokens + 64, temperature=0.0, top_k=0, eos=[],
+                     tokenizer=gen.load_tokenizer(None, None, 256), chat_template=PLAIN_CHAT_TEMPLATE, special={})
+    engines = LoopEngines()
+    app = build_app(info, engines, Metrics(info.name))
+    body = json.dumps({"prompt": list(range(97, 105)), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "return_token_ids": True, "stop": stop or None}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "scheme": "http", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000)}
+
+    async def one() -> None:
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            pass
+
+        await app(dict(scope), receive, send)
+
+    async def run() -> list[float]:
+        driver = asyncio.ensure_future(engines.drive())
+        await asyncio.gather(*[one() for _ in range(clients)])       # warm up
+        per_token = []
+        for _ in range(rounds):
+            c0 = time.process_time()
+            await asyncio.gather(*[one() for _ in range(clients)])
+            per_token.append((time.process_time() - c0) / (clients * max_tokens))
+        driver.cancel()
+        return sorted(per_token)
+
+    t = asyncio.run(run())
+    print(f"ASGI application alone: {clients} streams x {max_tokens} tokens, {rounds} rounds: "
+          f"{1000 * t[0]:.4f} ms/token best, {1000 * t[len(t) // 2]:.4f} median (this process's CPU)")
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
@@ -107,8 +185,9 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
-def client(base: str, body: dict, requests: int, out: list) -> None:
-    """``requests`` completions one after another; appends the output tokens of each."""
+def client(base: str, body: dict, requests: int, out: list, chunks: list | None = None) -> None:
+    """``requests`` completions one after another; appends the output tokens of each to
+    ``out``, and a stream's chunks (events with choices) to ``chunks``."""
     import httpx
 
     with httpx.Client(timeout=120) as c:
@@ -118,14 +197,18 @@ def client(base: str, body: dict, requests: int, out: list) -> None:
                 r.raise_for_status()
                 out.append(r.json()["usage"]["completion_tokens"])
                 continue
-            n = 0
+            n = k = 0
             with c.stream("POST", base + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        for ch in json.loads(line[6:])["choices"]:
+                        choices = json.loads(line[6:])["choices"]
+                        k += bool(choices)
+                        for ch in choices:
                             n += len(ch.get("token_ids") or [])
             out.append(n)
+            if chunks is not None:
+                chunks.append(k)
 
 
 def main(argv=None) -> int:
@@ -137,16 +220,24 @@ def main(argv=None) -> int:
     ap.add_argument("--plain", action="store_true", help="non-streamed requests")
     ap.add_argument("--logprobs", type=int, default=None, help="ask for this many logprobs")
     ap.add_argument("--profile", default=None, metavar="FILE", help="cProfile the front (CPU clock) into FILE")
+    ap.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"), help="the HTTP protocol")
+    ap.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"), help="the event loop")
+    ap.add_argument("--asgi", action="store_true", help="the ASGI application alone, in this process")
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (--asgi; repeatable)")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)   # the child process
     a = ap.parse_args(argv)
     if a.serve is not None:
-        serve_front(a.serve, a.step_ms / 1000, a.profile)
+        serve_front(a.serve, a.step_ms / 1000, a.profile, a.http, a.loop)
+        return 0
+    if a.asgi:
+        asgi_cost(a.clients, a.requests, a.max_tokens, a.stop)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(a.step_ms)]
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(a.step_ms),
+                             "--http", a.http, "--loop", a.loop]
                             + (["--profile", str(Path(a.profile).resolve())] if a.profile else []), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -171,8 +262,9 @@ def main(argv=None) -> int:
         if a.profile:
             proc.send_signal(signal.SIGUSR2)
         tokens: list = []
+        chunks: list = []
         c0, t0 = cpu_s(proc.pid), time.perf_counter()
-        threads = [threading.Thread(target=client, args=(base, body, a.requests, tokens)) for _ in range(a.clients)]
+        threads = [threading.Thread(target=client, args=(base, body, a.requests, tokens, chunks)) for _ in range(a.clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -187,6 +279,9 @@ def main(argv=None) -> int:
               f"tokens = {n} tokens in {wall:.1f} s; front CPU {cpu:.2f} s = {1000 * cpu / max(n, 1):.3f} ms/token, "
               f"{1000 * cpu / max(len(tokens), 1):.2f} ms/request (user {1000 * user / max(n, 1):.3f}, system "
               f"{1000 * system / max(n, 1):.3f} ms/token); load {os.getloadavg()[0]:.1f}")
+        if not a.plain:     # a front that falls behind sends several tokens per chunk: less CPU per token
+            print(f"{sum(chunks)} chunks ({sum(chunks) / max(n, 1):.2f} per token): {1000 * cpu / max(sum(chunks), 1):.3f} "
+                  f"ms/chunk")
     finally:
         proc.terminate()
         proc.wait(10)

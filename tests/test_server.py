@@ -683,7 +683,7 @@ class _LiveFront:
     """The HTTP front over fake engines, served by `serve`'s own uvicorn configuration
     (server/http.py) in a thread on 127.0.0.1: real HTTP over loopback, no ranks."""
 
-    def __init__(self, engines=None, headers_timeout_s=10.0, **kw):
+    def __init__(self, engines=None, headers_timeout_s=10.0, http="auto", loop="auto", **kw):
         import uvicorn
 
         from parcompile.server.http import uvicorn_config
@@ -691,8 +691,9 @@ class _LiveFront:
         self.engines = engines or _FakeEngines(every_s=0.001)
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(_front(self.engines, **kw), "127.0.0.1", self.port,
-                                                   headers_timeout_s=headers_timeout_s))
+        self.config = uvicorn_config(_front(self.engines, **kw), "127.0.0.1", self.port,
+                                     headers_timeout_s=headers_timeout_s, http=http, loop=loop)
+        self.server = uvicorn.Server(self.config)
         self.server.install_signal_handlers = lambda: None      # uvicorn < 0.29
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -1097,13 +1098,28 @@ def test_api_key_gives_401_in_openai_form_and_health_stays_open():
         assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text == "AA"
 
 
-def test_a_connection_that_never_finishes_its_headers_is_dropped():
+def _fast_http() -> bool:
+    from parcompile.server.http import fast_http_available
+
+    return all(fast_http_available())
+
+
+#: serve's two HTTP stacks: uvloop + httptools (uvicorn[standard], the default when installed)
+#: and the asyncio + h11 fallback
+STACKS = [pytest.param(("httptools", "uvloop"), marks=pytest.mark.skipif(
+              not _fast_http(), reason="uvloop / httptools not installed (pip install 'uvicorn[standard]')"),
+              id="httptools"),
+          pytest.param(("h11", "asyncio"), id="h11")]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_connection_that_never_finishes_its_headers_is_dropped(stack):
     """Issue 30.4 (slowloris): uvicorn alone keeps a connection that sends a header byte now
     and then open forever; serve's protocol closes it at the headers deadline, and /health
-    answers meanwhile."""
+    answers meanwhile; on both HTTP stacks."""
     import socket as socket_
 
-    with _LiveFront(headers_timeout_s=1.0) as f:
+    with _LiveFront(headers_timeout_s=1.0, http=stack[0], loop=stack[1]) as f:
         c = socket_.create_connection(("127.0.0.1", f.port), timeout=10)
         t0 = time.monotonic()
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -1128,6 +1144,73 @@ def test_a_connection_that_never_finishes_its_headers_is_dropped():
             c.sendall(b"GET /health HTTP/1.1\r\n")
             t0 = time.monotonic()
             assert c.recv(4096) == b"" and time.monotonic() - t0 < 3     # closed, no second answer
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_request_headers_past_the_bound_get_400_and_smaller_ones_are_served(stack):
+    """Incomplete request headers past MAX_HEADER_BYTES are answered 400 and the connection
+    closed (h11 bounds them itself; llhttp buffers any size, serve's protocol counts), on
+    both stacks; a request with headers of half the bound is served, and a kept-alive
+    connection's second request gets the bound afresh."""
+    import select
+    import socket as socket_
+
+    from parcompile.server.http import MAX_HEADER_BYTES
+
+    def read_all(c):
+        got = b""
+        while True:
+            part = c.recv(65536)
+            if not part:
+                return got
+            got += part
+
+    with _LiveFront(http=stack[0], loop=stack[1]) as f:
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for i in range(MAX_HEADER_BYTES // 1024 + 2):          # in pieces, never finished
+                if select.select([c], [], [], 0.02)[0]:             # answered: send no more
+                    break
+                c.sendall(b"a" * 1024)
+            assert i > MAX_HEADER_BYTES // 1024 - 2                 # not answered before the bound
+            got = read_all(c)
+            assert got.startswith(b"HTTP/1.1 400"), got[:200]
+        half = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES // 2) + b"\r\n\r\n"
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            for _ in range(3):        # kept alive: the count starts again with each request
+                c.sendall(half)
+                got = c.recv(4096)
+                while not got.endswith(b"\r\n\r\nok"):
+                    got += c.recv(4096)
+                assert got.startswith(b"HTTP/1.1 200"), got[:200]
+
+
+def test_serve_falls_back_to_asyncio_and_h11_without_uvloop_and_httptools(monkeypatch):
+    """With uvloop and httptools installed serve runs on them; without them (imports that
+    fail) on asyncio and h11, and a streamed completion is answered there; asking for one
+    that is missing is a ValueError naming the extra."""
+    import uvicorn  # noqa: F401  (imported before the modules go missing)
+
+    from parcompile.server import http
+
+    if _fast_http():
+        cfg = http.uvicorn_config(None, "127.0.0.1", 1)
+        assert cfg.loop == "uvloop" and issubclass(cfg.http, http.HttpToolsHeaderTimeoutProtocol)
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    monkeypatch.setitem(sys.modules, "httptools", None)
+    assert http.fast_http_available() == (False, False)
+    cfg = http.uvicorn_config(None, "127.0.0.1", 1, headers_timeout_s=3.0)
+    assert cfg.loop == "asyncio" and issubclass(cfg.http, http.HeaderTimeoutProtocol)
+    assert cfg.http.headers_timeout_s == 3.0
+    for kw in ({"http": "httptools"}, {"loop": "uvloop"}):
+        with pytest.raises(ValueError, match=r"uvicorn\[standard\]"):
+            http.uvicorn_config(None, "127.0.0.1", 1, **kw)
+    with _LiveFront() as f:
+        assert f.config.loop == "asyncio"
+        r = httpx.post(f.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}, timeout=10)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.split("\n\n")
+                       if line.startswith("data: {")) == "AAA"
 
 
 def test_serving_beyond_loopback_without_a_key_warns(tmp_path, monkeypatch, capsys):

@@ -192,3 +192,42 @@ def test_a_client_leaving_mid_stream_has_its_request_aborted_at_once():
     status, raw, aborted, sent = asyncio.run(main())
     assert status == 200 and "data: [DONE]" not in raw and '"text":"A"' in raw
     assert len(aborted) == 1 and 0 < sent[aborted[0]] < 200
+
+
+class _RewritingTokenizer:
+    """A tokenizer whose decode of more tokens rewrites text of earlier ones, as Hugging
+    Face's ``clean_up_tokenization_spaces`` does: "do" " n" "'t" " go" decodes to "don't go",
+    while "do" " n" alone decode to "do n" (which a stream has sent by then)."""
+
+    pieces = {100: "do", 101: " n", 102: "'t", 103: " go", 104: "!"}
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids).replace(" n't", "n't")
+
+    def encode(self, text):
+        raise AssertionError("the prompts are ids")
+
+
+def test_a_tokenizer_that_rewrites_sent_text_drops_no_later_text():
+    """The rest of a stream whose tokenizer rewrites characters already sent is not dropped
+    (it was: every later chunk was empty): what went out stays, each new token adds its own
+    text, and the plain answer is the same text."""
+    from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
+    from parcompile.server.metrics import Metrics
+
+    groups = [[100], [101], [102], [103], [104]]
+    info = ModelInfo(name="tiny", vocab=256, context=512, temperature=0.0, top_k=0, eos=[],
+                     tokenizer=_RewritingTokenizer(), chat_template=PLAIN_CHAT_TEMPLATE, special={})
+
+    async def main(stream):
+        app = build_app(info, _Burst(groups), Metrics("tiny"))
+        return await _asgi(app, "POST", "/v1/completions", json.dumps(
+            {"prompt": [1, 2], "max_tokens": len(groups), "stream": stream}).encode())
+
+    status, raw = asyncio.run(main(True))
+    assert status == 200
+    events = [json.loads(e[len("data: "):]) for e in raw.decode()[:-2].split("\n\n") if e != "data: [DONE]"]
+    texts = [e["choices"][0]["text"] for e in events]
+    assert texts == ["do", " n", "'t", " go", "!"] and events[-1]["choices"][0]["finish_reason"] == "length"
+    status, raw = asyncio.run(main(False))
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "do n't go!"

@@ -48,10 +48,10 @@ being generated or its stream waits for a first token, has its request aborted w
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,8 @@ from starlette.requests import ClientDisconnect
 
 from parcompile.runtime.generate import ServeError
 from parcompile.server.engines import EngineFailed
-from parcompile.server.sse import EventStream, dumps, event_batches, json_str, sse
+from parcompile.server.sse import EventStream, OneStream, as_api_error, dumps, event_batches, json_str, sse
+from parcompile.server.text import IncrementalText
 # the request side (models, errors, limits, Guard) lives in protocol.py; its names stay importable from here
 from parcompile.server.protocol import (BODY_BYTES_PER_TOKEN, DISCONNECT_POLL_S, MAX_JSON_DEPTH, MAX_LOGPROBS,
                                         MAX_SEQUENCES, MIN_BODY_BYTES, PLAIN_CHAT_TEMPLATE, SAMPLING_EPS,
@@ -170,21 +171,6 @@ def _non_finite_logits() -> ApiError:
 _CLIENT_GONE = object()
 
 
-def _stop_hit(text: str, sent: str, stop: list[str], hold: int) -> int:
-    """Where the first of the ``stop`` strings starts in ``text`` (searched from the last
-    ``hold`` characters of what was ``sent`` on), -1 when none does."""
-    return min((i for i in (text.find(s, max(len(sent) - hold, 0)) for s in stop) if i >= 0), default=-1)
-
-
-def _releasable(text: str, sent: str, stop: list[str], hold: int) -> int:
-    """How much of ``text`` may go out: all but the last ``hold`` characters (they may begin a
-    stop string) when there are stop strings, never ending inside an unfinished UTF-8 character."""
-    keep = len(text) - hold if stop else len(text)
-    while keep > len(sent) and text[keep - 1] == "\ufffd":   # an unfinished UTF-8 character
-        keep -= 1
-    return keep
-
-
 def _usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
@@ -218,6 +204,7 @@ class _Reply:
     base: dict
     jobs: list = field(default_factory=list)
     head: str = ""          # a streamed chunk's event up to its choice's index (:meth:`Handlers.chunk`)
+    heads: list = field(default_factory=list)   # per job: ``head``, its choice's index and a comma
 
 
 class Handlers:
@@ -229,6 +216,8 @@ class Handlers:
     def __init__(self, info: ModelInfo, engines, metrics, max_body: int):
         self.info, self.engines, self.metrics, self.max_body = info, engines, metrics, max_body
         self.chat_template = chat_environment().from_string(info.chat_template)
+        # engine request ids: a random prefix per front and a count (issue 33: no uuid4 per request)
+        self.rid_prefix, self.rids = secrets.token_hex(6) + "-", itertools.count()
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refused with 413 past ``max_body`` bytes (a Content-Length above it is
@@ -391,7 +380,10 @@ class Handlers:
     async def generate(self, request: Request, prompt: list[int], params: dict, watch: str):
         """Yield (text delta, token ids so far, finish_reason, their logprobs so far, the
         prompt's logprobs) as tokens arrive; the request is cancelled in the engine when the
-        client goes away or a stop string matches. Logprobs are the engine's entries
+        client goes away or a stop string matches. The text is
+        :class:`parcompile.server.text.IncrementalText`'s: final text only (an unfinished
+        character, and the last characters that may begin a stop string, wait), stop strings
+        searched in the new text. Logprobs are the engine's entries
         (:func:`parcompile.runtime.paged.unpack_logprobs`), one per token id (an empty list
         when the request asked for none). Tokens that arrived together (the reader fell
         behind the engine's steps) are taken together: one yield for all of them, as
@@ -402,11 +394,11 @@ class Handlers:
         the first token only (a stream: once it is writing, Starlette cancels it when the
         client goes away). The polling is a task beside the request's (:meth:`watch_client`),
         so that a token costs one queue wake-up, not a timer and a task."""
-        rid = uuid.uuid4().hex
+        rid = f"{self.rid_prefix}{next(self.rids)}"      # unique in this front (no uuid4 per request)
         params = dict(params)
-        stop = params.pop("stop")
+        text = IncrementalText(self.info.tokenizer.decode, params.pop("stop"))
+        stop = text.stop
         params.pop("want", None)
-        hold = max((len(s) for s in stop), default=1) - 1   # text that may begin a stop string
         t0 = time.perf_counter()
         try:
             q = self.engines.submit(rid, prompt, params)
@@ -414,10 +406,10 @@ class Handlers:
             raise unavailable(str(e)) from None
         self.metrics.request_started(len(prompt))
         watcher = asyncio.ensure_future(self.watch_client(request, q))
+        eos = self.info.eos
         ids: list[int] = []
         lps: list = []
         prompt_lps = None
-        sent = ""
         last = None
         finished = False
         try:
@@ -426,48 +418,54 @@ class Handlers:
                 while not stop and not q.empty():   # with stop strings, token by token (where one ends)
                     items.append(q.get_nowait())
                 reason = None
+                n_tokens = 0
                 for item in items:
-                    if item is _CLIENT_GONE:
-                        return           # the finally aborts it: its blocks are freed
-                    if isinstance(item, EngineFailed):
-                        raise unavailable(str(item))
-                    tok, reason, *rest = item
-                    lp = rest[0] if rest else None
+                    if type(item) is not tuple:
+                        if item is _CLIENT_GONE:
+                            return           # the finally aborts it: its blocks are freed
+                        if isinstance(item, EngineFailed):
+                            raise unavailable(str(item))
+                    tok, reason = item[0], item[1]
+                    lp = item[2] if len(item) > 2 else None
                     if reason == "error":    # its logits were NaN or inf: this request fails, the server lives
                         finished = True
                         self.metrics.request_finished("abort", len(ids))
                         raise _non_finite_logits()
+                    n_tokens += 1
                     if lp is not None and "prompt" in lp:
                         prompt_lps = lp["prompt"]
-                    now = time.perf_counter()
-                    self.metrics.token(now - (last if last is not None else t0), first=last is None)
-                    last = now
-                    if not (reason == "stop" and tok in self.info.eos):      # the end token is not text
+                    if not (reason == "stop" and tok in eos):      # the end token is not text
                         ids.append(tok)
                         if lp is not None:
                             lps.append((lp["lp"], lp["top"]))
                     if reason is not None:
                         break            # nothing comes after a finish
-                if watch == "first" and not watcher.done():
+                now = time.perf_counter()     # the batch's tokens arrived together: one clock read
+                self.metrics.tokens(n_tokens, now - (t0 if last is None else last), first=last is None)
+                last = now
+                if watch == "first" and watcher is not None:
                     watcher.cancel()     # a stream is writing: Starlette watches the client from now on
-                text = self.info.tokenizer.decode(ids)
-                if reason is None and stop:
-                    hit = _stop_hit(text, sent, stop, hold)
+                    watcher = None
+                new = text.step(ids, final=reason is not None)
+                if stop and new:        # only the new text can complete a stop string (also on the last token)
+                    hit = text.find_stop(len(new))
                     if hit >= 0:
-                        text, reason = text[:hit], "stop"
-                        self.engines.abort(rid)
+                        text.cut(hit)
+                        if reason is None:
+                            self.engines.abort(rid)
+                        reason = "stop"
+                delta = text.release(reason is not None)
                 if reason is None:
-                    keep = _releasable(text, sent, stop, hold)
-                    if keep > len(sent) and text.startswith(sent):
-                        delta, sent = text[len(sent):keep], text[:keep]
+                    if delta:
                         yield delta, ids, None, lps, prompt_lps
                     continue
                 finished = True
                 self.metrics.request_finished(reason, len(ids))
-                yield (text[len(sent):] if text.startswith(sent) else ""), ids, reason, lps, prompt_lps
+                yield delta, ids, reason, lps, prompt_lps
                 return
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if not finished:
                 self.engines.abort(rid)
                 self.metrics.request_finished("abort", len(ids))
@@ -531,7 +529,7 @@ class Handlers:
                                 f"this server takes at most {MAX_SEQUENCES} in one request", param=param,
                            code="invalid_value")
         base_params = [self.sampling(req, len(p), param) for p in prompts]
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         r = _Reply(req=req, prompts=prompts, chat=chat, samples=samples, base_params=base_params,
                    echo=bool(getattr(req, "echo", False)), k=base_params[0]["logprobs"],
                    want_lp=(req.logprobs is not None) if not chat else bool(req.logprobs),
@@ -543,6 +541,8 @@ class Handlers:
         for i, (p, params) in enumerate(zip(prompts, base_params)):
             for j in range(samples):
                 r.jobs.append((i, p, dict(params, seed=(params["seed"] + j) % (1 << 63))))
+        for idx, (i, _, _) in enumerate(r.jobs):
+            r.heads.append(f"{r.head}{idx % samples if chat else i * n + idx % samples},")
         streams = [self.generate(request, p, pj, watch="first" if req.stream else "all") for _, p, pj in r.jobs]
         if not req.stream:
             return await self.respond_plain(r, streams)
@@ -627,23 +627,26 @@ class Handlers:
         head (:attr:`_Reply.head`) and this choice's fields, in the order of the object
         ``{**base, "object", "choices": [{"index", "delta" | "text", "logprobs",
         "finish_reason"[, "token_ids"]}]}`` written by :data:`parcompile.server.sse.dumps`."""
-        index = r.jobs[idx][0] * r.req.n + idx % r.samples if not r.chat else idx % r.samples
         if r.chat:
             body = ('"delta":{"role":"assistant","content":' + json_str(delta) + "}" if role else
                     '"delta":{"content":' + json_str(delta) + "}" if delta else '"delta":{}')
         else:
             body = '"text":' + json_str(delta)
-        tail = ',"token_ids":[' + ",".join(map(str, new_ids)) + "]" if r.req.return_token_ids else ""
-        return (f'{r.head}{index},{body},"logprobs":{"null" if lp_obj is None else dumps(lp_obj)},'
-                f'"finish_reason":{"null" if reason is None else json_str(reason)}{tail}}}]}}\n\n')
+        return (r.heads[idx] + body + (',"logprobs":null' if lp_obj is None else ',"logprobs":' + dumps(lp_obj))
+                + (',"finish_reason":null' if reason is None else ',"finish_reason":' + json_str(reason))
+                + (',"token_ids":[' + ",".join(map(str, new_ids)) + "]}]}\n\n" if r.req.return_token_ids else
+                   "}]}\n\n"))
 
     async def events(self, r: "_Reply", first, batches, close, include_usage: bool):
         """The event stream from the ``first`` batch of events on (:func:`parcompile.server.sse.event_batches`),
         then the usage (when asked) and ``data: [DONE]``: one write per batch (the end's
         chunks, usage and ``[DONE]`` together); a rank's error ends it as the last event.
-        Closes the choices' generators at the end (``close``)."""
+        Closes the choices' generators at the end (``close``). One choice
+        (:class:`parcompile.server.sse.OneStream`) is read here directly: no generator between
+        its tokens and the response."""
         jobs, chat, want_lp, echo, k, prompts, base, obj = (r.jobs, r.chat, r.want_lp, r.echo, r.k, r.prompts, r.base,
                                                             r.obj)
+        one = batches.next if isinstance(batches, OneStream) else None
         n_ids = [0] * len(jobs)
         offsets = [0] * len(jobs)
         started = [False] * len(jobs)
@@ -668,10 +671,10 @@ class Handlers:
                             open_ -= 1
                         continue
                     delta, ids, reason, lps, plps = ev
-                    p = jobs[idx][1]
-                    new_ids, new_lps = ids[n_ids[idx]:], lps[n_ids[idx]:]
+                    new_ids = ids[n_ids[idx]:]
                     lp_obj = None
                     if want_lp:
+                        p, new_lps = jobs[idx][1], lps[n_ids[idx]:]
                         if chat:
                             lp_obj = self.chat_logprobs(new_ids, new_lps, k or 0)
                         else:
@@ -680,7 +683,7 @@ class Handlers:
                             lp_obj = self.completion_logprobs(entries, k or 0, offsets[idx])
                             offsets[idx] += sum(len(t) for t in lp_obj["tokens"])
                     if echo and not started[idx]:
-                        delta = self.info.tokenizer.decode(p) + delta
+                        delta = self.info.tokenizer.decode(jobs[idx][1]) + delta
                     out.append(self.chunk(r, idx, delta, new_ids, reason, lp_obj))
                     n_ids[idx] = len(ids)
                     started[idx] = True
@@ -690,9 +693,17 @@ class Handlers:
                 if open_ == 0:
                     break
                 if out:
-                    yield "".join(out)
+                    yield out[0] if len(out) == 1 else "".join(out)
                     out = []
-                batch = await batches.__anext__()
+                if one is None:
+                    batch = await batches.__anext__()
+                    continue
+                try:                                  # OneStream.__anext__, inline
+                    batch = ((0, await one()),)
+                except StopAsyncIteration:
+                    batch = ((0, None),)
+                except Exception as e:
+                    batch = ((0, as_api_error(e)),)
         finally:
             await close()
         if include_usage:

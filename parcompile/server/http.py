@@ -1,14 +1,20 @@
-"""uvicorn for `parcompile serve`: its HTTP/1.1 protocol (h11) with a deadline on request
-headers, so that connections that never finish their headers (slowloris) are dropped.
+"""uvicorn for `parcompile serve`: its HTTP/1.1 protocol with a deadline on request headers,
+so that connections that never finish their headers (slowloris) are dropped, and a bound on
+their size; on uvloop and httptools (uvicorn's ``[standard]`` extras, as vLLM serves) when
+they are installed, else on asyncio and h11 (:func:`uvicorn_config`).
 
 uvicorn 0.3x-0.5x arms its keep-alive timer only after a response and cancels it on any
-byte received (``uvicorn/protocols/http/h11_impl.py``: ``on_response_complete``,
-``data_received``): a client that opens a connection and sends a header byte now and then
-holds it forever. :class:`HeaderTimeoutProtocol` closes a connection whose request headers
-are not complete :data:`HEADERS_TIMEOUT_S` seconds after it opened (or after the previous
-response on a kept-alive connection), as Node's ``server.headersTimeout`` and Apache's
-``mod_reqtimeout`` do. h11 itself bounds the size of incomplete headers
-(``h11_max_incomplete_event_size``, :data:`MAX_HEADER_BYTES`): larger ones get 400.
+byte received (``uvicorn/protocols/http/h11_impl.py`` and ``httptools_impl.py``:
+``on_response_complete``, ``data_received``): a client that opens a connection and sends a
+header byte now and then holds it forever. :class:`HeaderTimeoutProtocol` (h11) and
+:class:`HttpToolsHeaderTimeoutProtocol` (httptools) close a connection whose request
+headers are not complete :data:`HEADERS_TIMEOUT_S` seconds after it opened (or after the
+previous response on a kept-alive connection), as Node's ``server.headersTimeout`` and
+Apache's ``mod_reqtimeout`` do. Incomplete headers past :data:`MAX_HEADER_BYTES` get 400:
+h11 bounds them itself (``h11_max_incomplete_event_size``); llhttp (httptools) buffers a
+header of any size, so :class:`HttpToolsHeaderTimeoutProtocol` counts the bytes received
+while the headers are incomplete (Node's ``--max-http-header-size`` does the same over
+llhttp).
 """
 
 from __future__ import annotations
@@ -18,31 +24,43 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: seconds a connection has to deliver complete request headers
 HEADERS_TIMEOUT_S = 10.0
-#: bytes of headers h11 buffers before it answers 400 (h11's and uvicorn's default, 16 KiB)
+#: bytes of incomplete request headers buffered before the answer is 400 (h11's and uvicorn's default, 16 KiB)
 MAX_HEADER_BYTES = 16 * 1024
 #: seconds an idle kept-alive connection stays open (uvicorn's default)
 KEEP_ALIVE_S = 5
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose headers take longer than
-    ``headers_timeout_s`` (class attribute; :func:`uvicorn_config` sets it per server)."""
+class _HeaderDeadline:
+    """The headers deadline both protocols share: armed when a connection opens and after
+    each response, disarmed once a request's headers are complete; at the deadline a
+    connection still waiting for headers (:meth:`_waiting_for_headers`, per protocol) is
+    closed. Needs the protocol's ``loop`` and ``transport``."""
 
     headers_timeout_s: float = HEADERS_TIMEOUT_S
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._headers_deadline = None
-        self._arm()
+    _headers_deadline = None
 
     def _arm(self) -> None:
         self._disarm()
         self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_timed_out)
 
     def _disarm(self) -> None:
-        if getattr(self, "_headers_deadline", None) is not None:
+        if self._headers_deadline is not None:
             self._headers_deadline.cancel()
             self._headers_deadline = None
+
+    def _headers_timed_out(self) -> None:
+        self._headers_deadline = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            self.transport.close()
+
+
+class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose headers take longer than
+    ``headers_timeout_s`` (class attribute; :func:`uvicorn_config` sets it per server)."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
 
     def _waiting_for_headers(self) -> bool:
         return self.conn.their_state in (h11.IDLE, h11.DONE) and (self.cycle is None or self.cycle.response_complete)
@@ -61,20 +79,107 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def _headers_timed_out(self) -> None:
-        self._headers_deadline = None
-        if self._waiting_for_headers() and not self.transport.is_closing():
-            self.transport.close()
+
+def _httptools_protocol():
+    """:class:`HttpToolsHeaderTimeoutProtocol`, defined on first use (httptools is optional)."""
+    global HttpToolsHeaderTimeoutProtocol
+    if HttpToolsHeaderTimeoutProtocol is not None:
+        return HttpToolsHeaderTimeoutProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _Protocol(_HeaderDeadline, HttpToolsProtocol):
+        """uvicorn's httptools protocol, closing connections whose headers take longer than
+        ``headers_timeout_s`` (class attribute) and answering 400 to incomplete headers past
+        ``max_header_bytes`` (counted from the end of the previous request: at most one read
+        more is buffered)."""
+
+        max_header_bytes: int = MAX_HEADER_BYTES
+        _in_head = True          # the bytes arriving belong to a request's head (line and headers)
+        _head_bytes = 0
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def _waiting_for_headers(self) -> bool:
+            return self._in_head and (self.cycle is None or self.cycle.response_complete)
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                self.send_400_response("Request headers too large.")
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_head = True                   # what follows is the next request's head
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._waiting_for_headers():
+                self._arm()                        # the next request's headers get the same deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    _Protocol.__name__ = _Protocol.__qualname__ = "HttpToolsHeaderTimeoutProtocol"
+    HttpToolsHeaderTimeoutProtocol = _Protocol
+    return _Protocol
 
 
-def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS_TIMEOUT_S):
-    """The uvicorn ``Config`` `serve` runs ``app`` with: :class:`HeaderTimeoutProtocol`,
-    :data:`MAX_HEADER_BYTES`, :data:`KEEP_ALIVE_S`, warnings only, no lifespan."""
+#: the httptools protocol class (None until :func:`_httptools_protocol` defines it)
+HttpToolsHeaderTimeoutProtocol = None
+
+
+def fast_http_available() -> tuple[bool, bool]:
+    """Whether uvloop and httptools can be imported (``pip install 'uvicorn[standard]'``)."""
+    found = []
+    for name in ("uvloop", "httptools"):
+        try:
+            __import__(name)
+            found.append(True)
+        except ImportError:
+            found.append(False)
+    return found[0], found[1]
+
+
+def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS_TIMEOUT_S, http: str = "auto",
+                   loop: str = "auto"):
+    """The uvicorn ``Config`` `serve` runs ``app`` with: :data:`MAX_HEADER_BYTES`,
+    :data:`KEEP_ALIVE_S`, warnings only, no lifespan, and the headers deadline
+    ``headers_timeout_s`` (seconds) on the HTTP protocol ``http``: "httptools"
+    (:class:`HttpToolsHeaderTimeoutProtocol`), "h11" (:class:`HeaderTimeoutProtocol`) or
+    "auto" (httptools when installed); the event loop ``loop``: "uvloop", "asyncio" or "auto"
+    (uvloop when installed).
+
+    Raises:
+        ValueError: an unknown ``http`` or ``loop``, or one asked for and not installed.
+    """
     import uvicorn
 
-    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"headers_timeout_s": headers_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http=protocol,
+    has_uvloop, has_httptools = fast_http_available()
+    if http == "auto":
+        http = "httptools" if has_httptools else "h11"
+    if loop == "auto":
+        loop = "uvloop" if has_uvloop else "asyncio"
+    if http not in ("httptools", "h11") or loop not in ("uvloop", "asyncio"):
+        raise ValueError(f"unknown HTTP protocol {http!r} or loop {loop!r}: httptools, h11 or auto; uvloop, asyncio "
+                         f"or auto")
+    if (http == "httptools" and not has_httptools) or (loop == "uvloop" and not has_uvloop):
+        raise ValueError(f"{http if http == 'httptools' and not has_httptools else loop} is not installed "
+                         f"(pip install 'uvicorn[standard]')")
+    base = _httptools_protocol() if http == "httptools" else HeaderTimeoutProtocol
+    protocol = type(base.__name__, (base,), {"headers_timeout_s": headers_timeout_s})
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http=protocol, loop=loop,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=KEEP_ALIVE_S)
 
 
-__all__ = ["HeaderTimeoutProtocol", "uvicorn_config", "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S"]
+__all__ = ["HeaderTimeoutProtocol", "HttpToolsHeaderTimeoutProtocol", "uvicorn_config", "fast_http_available",
+           "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S"]

@@ -34,33 +34,51 @@ def as_api_error(e: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}"[:300], code="internal_error", kind="server_error")
 
 
+class OneStream:
+    """One choice's events as :func:`event_batches` gives them, read directly from its
+    generator ``g`` (no task, no queue, no generator between it and the response):
+    ``await x.__anext__()`` is ``[(0, item)]``, then ``[(0, None)]`` at its end or
+    ``[(0, failure)]`` (:func:`as_api_error`), then StopAsyncIteration.
+    :meth:`parcompile.server.api.Handlers.events` reads ``next`` (the generator's
+    ``__anext__``) itself."""
+
+    __slots__ = ("g", "next", "ended")
+
+    def __init__(self, g):
+        self.g, self.next, self.ended = g, g.__anext__, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.ended:
+            raise StopAsyncIteration
+        try:
+            return [(0, await self.next())]
+        except StopAsyncIteration:
+            self.ended = True
+            return [(0, None)]
+        except Exception as e:
+            self.ended = True
+            return [(0, as_api_error(e))]
+
+    async def aclose(self) -> None:
+        """End the generator (its engine request is aborted when unfinished)."""
+        self.ended = True
+        await self.g.aclose()
+
+
 def event_batches(streams: list):
     """The events of the choices' generators ``streams``
     (:meth:`parcompile.server.api.Handlers.generate`), in batches of those ready together:
     lists of ``(choice, event)``, the event an item of the generator, None at its end, or
-    its failure (:func:`as_api_error`). One choice is read directly (no task, no queue
-    between it and the response); several through one queue, a task each. Returns the
+    its failure (:func:`as_api_error`). One choice is read directly (:class:`OneStream`);
+    several through one queue, a task each. Returns the
     batches (an async iterator) and a coroutine function that ends every generator (the
     engine requests of those unfinished are aborted)."""
     if len(streams) == 1:
-        g = streams[0]
-
-        async def one():
-            try:
-                async for item in g:
-                    yield [(0, item)]
-            except Exception as e:
-                yield [(0, as_api_error(e))]
-                return
-            yield [(0, None)]
-
-        batches = one()
-
-        async def close():
-            await batches.aclose()
-            await g.aclose()
-
-        return batches, close
+        one = OneStream(streams[0])
+        return one, one.aclose
 
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -93,7 +111,7 @@ def event_batches(streams: list):
 class EventStream(StreamingResponse):
     """Starlette's :class:`StreamingResponse` of server-sent events, its client watched by one
     plain asyncio task: when the client goes away (``http.disconnect``) the stream is
-    cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 server says 2.3), without
+    cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 and httptools servers say 2.3), without
     the anyio task group and cancel scope it opens for that per response; the events'
     generator is then closed (:meth:`parcompile.server.api.Handlers.events` ends its
     choices' engine requests)."""
@@ -125,4 +143,4 @@ class EventStream(StreamingResponse):
             watcher.cancel()
 
 
-__all__ = ["EventStream", "event_batches", "as_api_error", "sse", "dumps", "json_str"]
+__all__ = ["EventStream", "OneStream", "event_batches", "as_api_error", "sse", "dumps", "json_str"]
