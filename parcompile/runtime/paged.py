@@ -129,6 +129,8 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
     G = len(rows)
     n_list, c_list = [len(r.tokens) for r in rows], [r.context for r in rows]
     T, C = max(n_list), max(c_list)
+    if T == 1:
+        return _decode_layout(rows, c_list, C, block_size, wins, device, start)
     padded = min(n_list) < T
     c = torch.tensor(c_list)
     width = max(len(r.table) for r in rows)
@@ -165,6 +167,30 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
     return gen.PackGroup(start, sum(n_list), (G, T), None if to_padded is None else to_padded.to(device),
                          None if to_packed is None else to_packed.to(device), masks, write.to(device),
                          read.to(device))
+
+
+def _decode_layout(rows: list[Row], c_list: list[int], C: int, block_size: int, wins: tuple, device,
+                   start: int) -> gen.PackGroup:
+    """:func:`_group_layout` of rows of one new token each (the decode rows: every step holds
+    them), in fewer host ops: nothing is padded (T = 1), the token sits at its row's
+    position ``context`` (its write slot computed in Python), its query sees the context
+    (within a window) and itself. The same rule: tests/test_serve_engine.py holds both
+    against the rule per position."""
+    G = len(rows)
+    write = torch.tensor([r.table[c // block_size] * block_size + c % block_size for r, c in zip(rows, c_list)],
+                         dtype=torch.long)
+    width = max(len(r.table) for r in rows)
+    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long)
+    j = torch.arange(C)
+    read = (tables.index_select(1, j // block_size) * block_size + j % block_size).reshape(-1)      # (G C,)
+    c = torch.tensor(c_list)[:, None]                                                          # (G, 1)
+    ctx_ok = j[None, :] < c                                                                    # (G, C)
+    itself = torch.ones((G, 1), dtype=torch.bool)
+    masks = {}
+    for w in wins:
+        a = ctx_ok & ((c - j[None, :]) < w) if w else ctx_ok
+        masks[w] = torch.cat([a, itself], dim=1).view(G, 1, 1, C + 1).to(device)
+    return gen.PackGroup(start, G, (G, 1), None, None, masks, write.to(device), read.to(device))
 
 
 def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch.Tensor, gen.StepInput]:
