@@ -333,6 +333,62 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
     return tokens, unpack_logprobs(table, rows, params, prompt_rows, tokens, partial_next)
 
 
+#: the step layouts :func:`compile_engine` warms up: per step, each row's (new tokens, context)
+#: and whether prompt logprobs (every position's logits) are wanted. Sizes are distinct and
+#: above 1 where a layout allows (dynamic shapes specialise on 0 and 1 and guard equal sizes
+#: equal), so one graph per layout serves every batch of that layout.
+WARMUP_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], bool], ...] = (
+    (((1, 5),), False),                                   # one decode row
+    (((1, 5), (1, 9), (1, 3)), False),                    # decode rows
+    (((1, 5), (1, 9), (1, 3), (6, 0), (3, 0)), False),    # decode beside new prompts (padded)
+    (((1, 5), (1, 9), (1, 3), (7, 0)), False),            # decode beside one new prompt
+    (((1, 5), (1, 9), (1, 3), (5, 4), (2, 6)), False),    # decode beside chunks / cached prefixes
+    (((6, 0),), False),                                   # one new prompt
+    (((6, 0), (3, 0)), False),                            # new prompts (padded)
+    (((5, 4),), False),                                   # one chunk / cached prefix
+    (((6, 0), (3, 0)), True),                             # new prompts with prompt logprobs
+)
+
+
+def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int, hidden: int, dtype: torch.dtype,
+                   windows, layouts=WARMUP_LAYOUTS) -> float:
+    """``serve.compile = true``: wrap ``model.forward`` in ``torch.compile(dynamic=True)``
+    (inductor) and run one throwaway step (:func:`run_step`, greedy) per layout of
+    ``layouts`` (:data:`WARMUP_LAYOUTS`) so that no request waits for a compile; returns the
+    seconds it took. Every rank of a replica runs the same steps (collectives match).
+
+    The steps write k, v into the cache's blocks ``0, 1, ...`` (wrapping around a small
+    cache): those blocks stay free in the leader's :class:`Scheduler` (nothing here touches
+    it or its prefix cache), and a request's context is always written before it is read,
+    so the scratch values are never seen. :meth:`PagedKVCache.store`'s ``index_copy_`` stays in
+    the graph: inductor writes the step's slots of the cache (a graph input, its slot count a
+    dynamic size) in place, fused with the attention's gather, and never copies the whole
+    cache back (checked in its output code, torch 2.13). A layout not warmed up compiles when
+    first met (a recompile, not an error: the recompile limit is raised to 64 graphs)."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):      # a graph per layout (and per group count)
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    t0 = time.perf_counter()
+    model.forward = torch.compile(model.forward, dynamic=True)
+    bs, nxt = cache.block_size, 0
+    for shape, prompt_lps in layouts:
+        rows = []
+        for j, (n, c) in enumerate(shape):
+            need = -(-(c + n) // bs)
+            rows.append(Row(f"warmup{j}", [(7 * j + t) % vocab for t in range(n)], c,
+                            [(nxt + i) % cache.blocks for i in range(need)]))
+            nxt = (nxt + need) % cache.blocks
+        params = [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+                   "logprobs": 1 if prompt_lps else None}] * len(rows)
+        run_step(model, ctx, cache, rows, params, [None] * len(rows), vocab, hidden, dtype, windows,
+                 prompt_rows=[prompt_lps and n > 1 for n, _ in shape])
+    return time.perf_counter() - t0
+
+
 def replica_ranks(plan: dict) -> list[list[int]]:
     """The ranks of each data-parallel replica (its tp x pp ranks), by replica index."""
     dp_groups = plan["groups"].get("dp") or [[r] for r in range(plan["world_size"])]
@@ -364,6 +420,10 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
     sv = plan["serve"]
     block_size, blocks, max_seqs = sv["block_size"], sv["kv_blocks"], sv["batch_per_replica"]
     cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    if sv.get("compile"):
+        took = compile_engine(model, ctx, cache, vocab, hidden, dtype, windows)
+        print(f"[rank {ctx.rank}] engine compiled (torch.compile, {len(WARMUP_LAYOUTS)} warm-up steps) "
+              f"in {took:.1f} s", flush=True)
     group, leader = None, 0
     if ctx.distributed:
         for ranks in replica_ranks(plan):    # every rank creates every group, in order
