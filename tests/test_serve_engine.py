@@ -529,7 +529,7 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     requests, steps mixing decode rows with new prompts and a chunked prompt (blocks of 4,
     at most 5 prompt tokens a step) included; the warm-up's scratch writes leave every block
     free and the prefix cache empty."""
-    build_serve(serve_config(serve=dict(batch=4, prompt_len=12, max_new_tokens=6)), tmp_path / "p")
+    build_serve(serve_config(model=dict(layers=2), serve=dict(batch=4, prompt_len=12, max_new_tokens=6)), tmp_path / "p")
     prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [200, 1]]
     reqs = [(p, {"max_tokens": 5, "logprobs": 2}) for p in prompts]
     eager = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=5)
