@@ -334,20 +334,17 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
 
 
 #: the step layouts :func:`compile_engine` warms up: per step, each row's (new tokens, context)
-#: and whether prompt logprobs (every position's logits) are wanted. Sizes are distinct and
-#: above 1 where a layout allows (dynamic shapes specialise on 0 and 1 and guard equal sizes
-#: equal), so one graph per layout serves every batch of that layout.
-WARMUP_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], bool], ...] = (
-    (((1, 5),), False),                                   # one decode row
-    (((1, 5), (1, 9), (1, 3)), False),                    # decode rows
-    (((1, 5), (1, 9), (1, 3), (6, 0), (3, 0)), False),    # decode beside new prompts (padded)
-    (((1, 5), (1, 9), (1, 3), (7, 0)), False),            # decode beside one new prompt
-    (((1, 5), (1, 9), (1, 3), (5, 4), (2, 6)), False),    # decode beside chunks / cached prefixes
-    (((6, 0),), False),                                   # one new prompt
-    (((6, 0), (3, 0)), False),                            # new prompts (padded)
-    (((5, 4),), False),                                   # one chunk / cached prefix
-    (((6, 0), (3, 0)), True),                             # new prompts with prompt logprobs
-)
+#: and whether prompt logprobs (every position's logits) are wanted. Every pairing of a
+#: decode group (none, one row, several) with a prompt group (none; one new prompt; one chunk
+#: after a cached context; new prompts of unequal lengths, padded; of equal lengths, not
+#: padded; chunks after contexts): dynamic shapes specialise a size of 0 or 1, and the step's
+#: Python (group count, padding maps) differs between these, so each is its own graph; sizes
+#: inside one pairing are free (one graph serves every batch of that layout).
+_DECODE_GROUPS: tuple[tuple[tuple[int, int], ...], ...] = ((), ((1, 5),), ((1, 5), (1, 9), (1, 3)))
+_PROMPT_GROUPS: tuple[tuple[tuple[int, int], ...], ...] = (
+    (), ((7, 0),), ((5, 4),), ((6, 0), (3, 0)), ((6, 0), (6, 0), (6, 0)), ((5, 4), (2, 6)))
+WARMUP_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], bool], ...] = tuple(
+    (d + p, False) for d in _DECODE_GROUPS for p in _PROMPT_GROUPS if d + p) + ((((6, 0), (3, 0)), True),)
 
 
 def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int, hidden: int, dtype: torch.dtype,
@@ -364,7 +361,8 @@ def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int,
     the graph: inductor writes the step's slots of the cache (a graph input, its slot count a
     dynamic size) in place, fused with the attention's gather, and never copies the whole
     cache back (checked in its output code, torch 2.13). A layout not warmed up compiles when
-    first met (a recompile, not an error: the recompile limit is raised to 64 graphs)."""
+    first met (a recompile, not an error: the recompile limit is raised to 64 graphs; the
+    compile (minutes on a CPU) then stalls that step and the ones behind it)."""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):      # a graph per layout (and per group count)
@@ -372,6 +370,9 @@ def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int,
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False    # sizes equal by chance (T == G, ...) get no guard of equality
     t0 = time.perf_counter()
     model.forward = torch.compile(model.forward, dynamic=True)
     bs, nxt = cache.block_size, 0
