@@ -280,12 +280,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, pp: int | None = None) -> Path:
+def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, pp: int | None = None,
+                  compile_: bool = False) -> Path:
     """A Hugging Face Llama checkpoint of ``spec``'s (dense, RoPE, RMSNorm, SwiGLU) model with
     weights drawn from seed 0 and a byte-level tokenizer (token id = byte), saved with
     ``save_pretrained`` into ``root/hf``; and ``root/serve.par``: the spec's cluster and
     layout serving it, decoding up to ``streams`` sequences at once (``serve.batch``, at
-    least the spec's), with ``tp`` and ``pp`` in place of the spec's when given. Returns the new spec."""
+    least the spec's), with ``tp`` and ``pp`` in place of the spec's when given, and
+    ``compile = true`` when ``compile_`` (the engine's torch.compile). Returns the new spec."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -315,13 +317,13 @@ def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, p
                    f"parallel {{ tp = {tp}, pp = {pp}, dp = {par.dp} }}\n"
                    f'serve {{ batch = {max(cfg.serve.batch, streams)}, prompt_len = {cfg.serve.prompt_len}, max_new_tokens = '
                    f'{cfg.serve.max_new_tokens}, block_size = {cfg.serve.block_size}, kv_cache_tokens = 4096, '
-                   f'weights = "hf" }}\n')
+                   f'weights = "hf"{", compile = true" if compile_ else ""} }}\n')
     return out
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, what: str) -> bool:
-    """Wait (up to 10 minutes) for ``url``/health to answer 200."""
-    deadline = time.monotonic() + 600
+    """Wait (up to 30 minutes: a compiled engine warms up first) for ``url``/health to answer 200."""
+    deadline = time.monotonic() + 1800
     while True:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -360,12 +362,17 @@ def main(argv=None) -> int:
                     help="serve a seeded Hugging Face checkpoint of SPEC's model and compare with `transformers serve`")
     ap.add_argument("--tp", type=int, default=None, help="with --transformers: serve with this tp (default the spec's)")
     ap.add_argument("--pp", type=int, default=None, help="with --transformers: serve with this pp (default the spec's)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --transformers: serve with `compile = true` (the engine's torch.compile, warmed up "
+                         "before the server is ready: minutes on a CPU)")
     args = ap.parse_args(argv)
+    if args.compile and not args.transformers:
+        ap.error("--compile goes with --transformers (for a spec of your own, write `compile = true` in its serve block)")
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
     spec = Path(args.spec)
     if args.transformers:
-        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp)
+        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp, args.compile)
     elif "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
         # the example's weights come from training tiny.par; without them, drawn from the seed
         text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
@@ -389,7 +396,8 @@ def main(argv=None) -> int:
         p = plan.get(args.clients) or plan.get(1)
         if p is not None:
             deg = p["degrees"]
-            print(f"layout dp {deg.get('dp', 1)} x tp {deg.get('tp', 1)} x pp {deg.get('pp', 1)}: {p['world']} rank "
+            print(f"layout dp {deg.get('dp', 1)} x tp {deg.get('tp', 1)} x pp {deg.get('pp', 1)}"
+                  f"{', compiled engine' if p.get('compile') else ''}: {p['world']} rank "
                   f"process(es) beside the front process on {os.cpu_count()} cores"
                   + (" (more ranks than cores: every collective waits for its peers to be scheduled, so this layout "
                      "is slower here than tp 1; `transformers serve` is one process)" if p["world"] > (os.cpu_count() or 1)

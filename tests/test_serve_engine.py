@@ -242,7 +242,10 @@ def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
     d = parcompile.compile(src.replace("EXTRA", "    prefix_caching = false\n    max_prefill_tokens = 8\n"),
                            filename="s.par").data["serve"]
     assert d["prefix_caching"] is False and d["max_prefill_tokens"] == 8
-    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n"):
+    assert "compile" not in d                                                   # off by default
+    d = parcompile.compile(src.replace("EXTRA", "    compile = true\n"), filename="s.par").data["serve"]
+    assert d["compile"] is True
+    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n", "    compile = 1\n"):
         with pytest.raises(SpecError) as e:
             parcompile.compile(src.replace("EXTRA", bad), filename="s.par")
         assert e.value.diagnostics[0].span.line == 7, bad
@@ -505,3 +508,42 @@ def test_broadcast_plan_carries_a_small_and_a_large_step_plan(tmp_path):
     for plans, _ in got:
         assert plans == [small, large, odd_sent, small]
     assert got[0][1] == got[1][1]        # the leader runs the very plan the others decode (types too)
+
+
+def test_compile_with_tp_or_pp_is_refused_at_the_spec():
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    src = ('model m { layers = 2, hidden = 32, heads = 2, ffn_hidden = 64, vocab = 256, seq_len = 32 }\n'
+           'cluster c from "cpu" { gpus_per_node = 2 }\nparallel { tp = 2 }\n'
+           'serve {\n    prompt_len = 8\n    max_new_tokens = 8\n    compile = true\n}\n')
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(src, filename="s.par")
+    d = e.value.diagnostics[0]
+    assert "compile" in d.message and d.span.line == 7
+
+
+def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
+    """serve.compile: the engine after :func:`paged.compile_engine` (torch.compile, warmed up
+    on a few layouts) gives the eager engine's greedy tokens and logprobs (1e-4) for the same
+    requests, steps mixing decode rows with new prompts and a chunked prompt (blocks of 4,
+    at most 5 prompt tokens a step) included; the warm-up's scratch writes leave every block
+    free and the prefix cache empty."""
+    build_serve(serve_config(model=dict(layers=2), serve=dict(batch=4, prompt_len=12, max_new_tokens=6)), tmp_path / "p")
+    prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [200, 1]]
+    reqs = [(p, {"max_tokens": 5, "logprobs": 2}) for p in prompts]
+    eager = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=5)
+    want = eager.run(reqs, arrive=2)
+    eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=5)
+    layouts = ((((1, 5), (1, 9), (1, 3)), False), (((1, 5), (1, 9), (1, 3), (6, 0), (3, 0)), False),
+               (((6, 0), (3, 0)), False))
+    paged.compile_engine(eng.model, eng.ctx, eng.cache, eng.mod.VOCAB, eng.mod.HIDDEN, eng.mod.DTYPE, eng.windows,
+                         layouts=layouts)
+    assert eng.sched.stats()["blocks_free"] == 24 and not eng.sched.pool.cached       # warm-up: no state
+    got = eng.run(reqs, arrive=2)
+    assert any(sum(pre for _, _, pre in rows) and sum(not pre for _, _, pre in rows) for rows in eng.steps)   # mixed
+    assert eng.steps == eager.steps
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["tokens"]
+        assert [x for x, _ in g["lps"]] == pytest.approx([x for x, _ in w["lps"]], abs=1e-4)
+        assert [[i for i, _ in t] for _, t in g["lps"]] == [[i for i, _ in t] for _, t in w["lps"]]

@@ -293,6 +293,7 @@ class ServeConfig(_Frozen):
     kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: all that fits)
     prefix_caching: bool = True  # the server shares cached prompt prefixes between requests (vLLM v1's default)
     max_prefill_tokens: Optional[int] = None  # the server's prompt tokens per step (chunked prefill; None: whole prompts)
+    compile: bool = False     # the server's engine runs torch.compile'd steps, warmed up before it is ready
 
 
 class SpecConfig(_Frozen):

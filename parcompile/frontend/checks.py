@@ -597,6 +597,13 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"serving with virtual_stages = {p.virtual_stages} is not supported",
                           ctx.span("parallel.virtual_stages"),
                           help="a token passes each pipeline stage once; set virtual_stages = 1")
+        if s.compile and ctx.ok("serve.compile", "parallel.tp", "parallel.pp") and p.tp * p.pp > 1:
+            ctx.bag.error(f"serve compile = true with tp = {p.tp}, pp = {p.pp} is not supported",
+                          ctx.span("serve.compile"),
+                          help="compile a replica of one rank (tp = 1, pp = 1; dp may be larger), "
+                               "or set compile = false",
+                          note="the engine's torch.compile warm-up is not yet checked to trace the tp/pp "
+                               "collectives alike on every rank of a replica")
         # the serve program's experts: tensor parallel (vLLM's default: every expert on every
         # rank, split over tp; passes/shard_experts.py: _tensor_parallel), or split over ep inside the tp
         # group (training's dispatch at decode size: ep x expert_tp = tp; the dp replicas

@@ -359,6 +359,63 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
     return tokens, unpack_logprobs(table, rows, params, prompt_rows, tokens, partial_next)
 
 
+#: the step layouts :func:`compile_engine` warms up: per step, each row's (new tokens, context)
+#: and whether prompt logprobs (every position's logits) are wanted. Every pairing of a
+#: decode group (none, one row, several) with a prompt group (none; one new prompt; one chunk
+#: after a cached context; new prompts of unequal lengths, padded; of equal lengths, not
+#: padded; chunks after contexts): dynamic shapes specialise a size of 0 or 1, and the step's
+#: Python (group count, padding maps) differs between these, so each is its own graph; sizes
+#: inside one pairing are free (one graph serves every batch of that layout).
+_DECODE_GROUPS: tuple[tuple[tuple[int, int], ...], ...] = ((), ((1, 5),), ((1, 5), (1, 9), (1, 3)))
+_PROMPT_GROUPS: tuple[tuple[tuple[int, int], ...], ...] = (
+    (), ((7, 0),), ((5, 4),), ((6, 0), (3, 0)), ((6, 0), (6, 0), (6, 0)), ((5, 4), (2, 6)))
+WARMUP_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], bool], ...] = tuple(
+    (d + p, False) for d in _DECODE_GROUPS for p in _PROMPT_GROUPS if d + p) + ((((6, 0), (3, 0)), True),)
+
+
+def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int, hidden: int, dtype: torch.dtype,
+                   windows, layouts=WARMUP_LAYOUTS) -> float:
+    """``serve.compile = true``: wrap ``model.forward`` in ``torch.compile(dynamic=True)``
+    (inductor) and run one throwaway step (:func:`run_step`, greedy) per layout of
+    ``layouts`` (:data:`WARMUP_LAYOUTS`) so that no request waits for a compile; returns the
+    seconds it took. Every rank of a replica runs the same steps (collectives match).
+
+    The steps write k, v into the cache's blocks ``0, 1, ...`` (wrapping around a small
+    cache): those blocks stay free in the leader's :class:`Scheduler` (nothing here touches
+    it or its prefix cache), and a request's context is always written before it is read,
+    so the scratch values are never seen. :meth:`PagedKVCache.store`'s ``index_copy_`` stays in
+    the graph: inductor writes the step's slots of the cache (a graph input, its slot count a
+    dynamic size) in place, fused with the attention's gather, and never copies the whole
+    cache back (checked in its output code, torch 2.13). A layout not warmed up compiles when
+    first met (a recompile, not an error: the recompile limit is raised to 64 graphs; the
+    compile (minutes on a CPU) then stalls that step and the ones behind it)."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):      # a graph per layout (and per group count)
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False    # sizes equal by chance (T == G, ...) get no guard of equality
+    t0 = time.perf_counter()
+    model.forward = torch.compile(model.forward, dynamic=True)
+    bs, nxt = cache.block_size, 0
+    for shape, prompt_lps in layouts:
+        rows = []
+        for j, (n, c) in enumerate(shape):
+            need = -(-(c + n) // bs)
+            rows.append(Row(f"warmup{j}", [(7 * j + t) % vocab for t in range(n)], c,
+                            [(nxt + i) % cache.blocks for i in range(need)]))
+            nxt = (nxt + need) % cache.blocks
+        params = [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+                   "logprobs": 1 if prompt_lps else None}] * len(rows)
+        run_step(model, ctx, cache, rows, params, [None] * len(rows), vocab, hidden, dtype, windows,
+                 prompt_rows=[prompt_lps and n > 1 for n, _ in shape])
+    return time.perf_counter() - t0
+
+
 def replica_ranks(plan: dict) -> list[list[int]]:
     """The ranks of each data-parallel replica (its tp x pp ranks), by replica index."""
     dp_groups = plan["groups"].get("dp") or [[r] for r in range(plan["world_size"])]
@@ -390,6 +447,10 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
     sv = plan["serve"]
     block_size, blocks, max_seqs = sv["block_size"], sv["kv_blocks"], sv["batch_per_replica"]
     cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    if sv.get("compile"):
+        took = compile_engine(model, ctx, cache, vocab, hidden, dtype, windows)
+        print(f"[rank {ctx.rank}] engine compiled (torch.compile, {len(WARMUP_LAYOUTS)} warm-up steps) "
+              f"in {took:.1f} s", flush=True)
     group, leader = None, 0
     if ctx.distributed:
         for ranks in replica_ranks(plan):    # every rank creates every group, in order

@@ -134,7 +134,9 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
     # kill this process before the ranks are told to stop: they would see EOF and fail)
     with sigterm_interrupts():
         try:
-            engines = Engines(program, d["world_size"], d["degrees"]["dp"])
+            # (serve.compile: the ranks compile and warm up before they are ready, minutes on a CPU)
+            engines = Engines(program, d["world_size"], d["degrees"]["dp"],
+                              startup_timeout_s=1800.0 if d.get("serve", {}).get("compile") else 600.0)
         except EngineFailed as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
