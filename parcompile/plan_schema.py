@@ -375,8 +375,9 @@ class Serve(_Strict):
                                                    "between requests")
     max_prefill_tokens: Optional[int] = Field(None, ge=1, description="prompt tokens one server step may prefill "
                                               "(chunked prefill); absent: whole prompts")
-    compile: bool = Field(False, description="the server's engine runs its steps torch.compile'd (inductor, "
-                                             "dynamic shapes), warmed up over the step layouts before it is ready")
+    compile: Optional[bool] = Field(None, description="true: the server's engine runs its steps torch.compile'd "
+                                    "(inductor, dynamic shapes), warmed up over the step layouts before it is "
+                                    "ready; absent: eager")
     fits: bool
     ttft: float = Field(ge=0, description="time to first token, seconds")
     tpot: float = Field(ge=0, description="time per output token, seconds")

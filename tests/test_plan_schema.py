@@ -117,6 +117,25 @@ def test_searched_plan_validates():
     assert schema_errors(json.loads(SCHEMA_FILE.read_text()), data) == []
 
 
+def test_compiled_serve_plan_validates():
+    """`serve { compile = true }` (a single-rank layout) puts `compile: true` in plan.json's
+    serve section, and that plan validates against the models and the schema file; a plan
+    without the key is eager (the key is absent, not false)."""
+    text = (REPO / "examples" / "tiny_serve.par").read_text()
+    for key in ("tp", "pp"):
+        text = re.sub(rf"(\n\s*{key}\s*=\s*)\d+", r"\g<1>1", text)
+    eager = json.loads(parcompile.compile(text, filename="tiny_serve.par").to_json())
+    assert "compile" not in eager["serve"]
+    compiled_text = text.replace("    seed           = 1\n", "    seed           = 1\n    compile = true\n")
+    assert compiled_text != text
+    data = json.loads(parcompile.compile(compiled_text, filename="tiny_serve.par").to_json())
+    assert data["serve"]["compile"] is True
+    model = validate_plan(data)
+    assert model.serve.compile is True
+    assert model.model_dump(exclude_none=True, mode="json") == data
+    assert schema_errors(json.loads(SCHEMA_FILE.read_text()), data) == []
+
+
 def test_plan_data_is_the_models_dump():
     """The driver builds plan.json through the models (parcompile.driver.plan_data): a key
     outside them fails there; its data round-trips through them unchanged, in order."""
