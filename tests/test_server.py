@@ -942,6 +942,41 @@ def test_a_second_ctrl_c_while_stopping_still_ends_the_job(tmp_path, monkeypatch
             wait()
 
 
+def test_the_engine_connection_sends_each_step_at_once(tmp_path):
+    """The front and the leader exchange one small message per step each way over TCP:
+    both ends turn Nagle's algorithm off (paged.tcp_nodelay), else a step's tokens wait in
+    the kernel for the previous message's delayed acknowledgement (up to 40 ms on Linux;
+    strace showed a sequential request's tokens arriving in one burst at its end). A
+    program of the test's own, started by Engines under torchrun as `serve` starts the real
+    one, connects as the leader does (paged._connect) and reports its socket's option."""
+    import socket as socket_
+
+    from parcompile.server import engines as engines_mod
+
+    (tmp_path / "leader.py").write_text(
+        "import socket, sys\n"
+        "from parcompile.runtime.paged import _connect\n"
+        "conn = _connect(sys.argv[sys.argv.index('--engine') + 1])\n"
+        "s = socket.socket(fileno=conn.fileno())\n"
+        "nodelay = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n"
+        "s.detach()\n"
+        "conn.send(('ready', {'replica': 0, 'kv_blocks': 4, 'block_size': 16, 'max_seqs': 1, 'cache_bytes': 0,\n"
+        "                     'nodelay': nodelay}))\n"
+        "while conn.recv()[0] != 'stop':\n"
+        "    pass\n")
+    e = engines_mod.Engines(tmp_path / "leader.py", 1, 1, extra_env={"PYTHONPATH": str(REPO)})
+    try:
+        (r,) = e.replicas
+        front = socket_.socket(fileno=r.conn.fileno())
+        try:
+            assert front.getsockopt(socket_.IPPROTO_TCP, socket_.TCP_NODELAY) != 0       # the front's end
+        finally:
+            front.detach()
+        assert r.info["nodelay"] != 0                                                   # the leader's end
+    finally:
+        assert e.stop() == 0
+
+
 def test_front_gives_chat_templates_transformers_globals():
     """HF templates call raise_exception (Mistral's, on roles out of order) and strftime_now
     (Llama 3.1's date): the refusal is the template's own message, a 400."""

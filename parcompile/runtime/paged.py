@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import os
 import json
+import socket
 import time
 
 import torch
@@ -425,12 +426,31 @@ def replica_ranks(plan: dict) -> list[list[int]]:
     return [sorted(g[i] for g in dp_groups) for i in range(size)]
 
 
+def tcp_nodelay(conn) -> None:
+    """Turn Nagle's algorithm off on ``conn``'s socket (a ``multiprocessing.connection``
+    ``Connection`` over TCP; any other kind is left alone), as uvloop and asyncio do for
+    every TCP transport and NCCL and gloo for their sockets.
+
+    The front and the leader exchange one small message per step each way. With Nagle on,
+    a step's ``out`` message waits in the sender's kernel until the previous one is
+    acknowledged, and the receiver delays its acknowledgement (Linux: up to 40 ms) when it
+    has nothing to send back: a sequential request's tokens then reached the front in one
+    burst at the end (strace: 47 ms between its first and second ``out``; TTFT p50 46 ms
+    against 3 ms on the server's clock). Both ends call this (:func:`_connect`,
+    :class:`parcompile.server.engines.Engines`)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:    # a duplicate: closing it leaves conn open
+        if s.family in (socket.AF_INET, socket.AF_INET6):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def _connect(address: str):
     from multiprocessing.connection import Client
 
     host, _, port = address.rpartition(":")
     key = bytes.fromhex(os.environ.get(KEY_ENV, ""))
-    return Client((host, int(port)), authkey=key)
+    conn = Client((host, int(port)), authkey=key)
+    tcp_nodelay(conn)
+    return conn
 
 
 def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab: int, hidden: int,
@@ -566,4 +586,4 @@ def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], 
 
 __all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
            "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
-           "serve_requests", "broadcast_plan", "IDLE_HEARTBEAT_S", "KEY_ENV"]
+           "serve_requests", "broadcast_plan", "tcp_nodelay", "IDLE_HEARTBEAT_S", "KEY_ENV"]

@@ -22,7 +22,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from parcompile import jobs
-from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV
+from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
 
 #: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
 #: declares it hung and fails (a rank stuck in a collective): far above one step's time
@@ -140,6 +140,7 @@ class Engines:
             try:
                 while len(got) < self.replicas_wanted:
                     conn = self.listener.accept()
+                    tcp_nodelay(conn)      # a step's tokens are sent at once (Nagle would hold them)
                     msg = conn.recv()
                     got.append(Replica(msg[1]["replica"], conn, msg[1]))
             except Exception as e:   # the listener closed: startup failed
