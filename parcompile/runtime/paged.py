@@ -54,6 +54,7 @@ import json
 import socket
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -123,39 +124,47 @@ class PagedKVCache:
         return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
 
 
+def _tables(rows: list[Row]) -> np.ndarray:
+    """The rows' block tables (G, width), each padded with block 0 to the longest."""
+    width = max(len(r.table) for r in rows)
+    return np.array([r.table + [0] * (width - len(r.table)) for r in rows], dtype=np.int64).reshape(len(rows), width)
+
+
 def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: int) -> gen.PackGroup:
     """The :class:`parcompile.runtime.generate.PackGroup` of ``rows`` (the step's rows of one
     group, in row order), whose tokens are packed from index ``start`` on: rows left-padded
-    to their longest T, contexts C their longest (module docstring)."""
+    to their longest T, contexts C their longest (module docstring). The index arithmetic
+    runs in numpy (a small array op costs about a microsecond there, several in torch: this
+    runs every step on the leader's one core) and each result becomes a tensor once."""
     G = len(rows)
     n_list, c_list = [len(r.tokens) for r in rows], [r.context for r in rows]
     T, C = max(n_list), max(c_list)
     if T == 1:
         return _decode_layout(rows, c_list, C, block_size, wins, device, start)
     padded = min(n_list) < T
-    c = torch.tensor(c_list)
-    width = max(len(r.table) for r in rows)
-    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long).reshape(G, width)
+    c = np.array(c_list, dtype=np.int64)
+    tables = _tables(rows)
     # (every position below a row's context + its new tokens lies in its table: padding
     # positions, clamped to >= 0, and context columns past a row's own read real table
     # entries or the 0 padding the table; the masks and the index maps drop them)
-    t = torch.arange(T)
-    first = (T - torch.tensor(n_list))[:, None]                # (G, 1): the first real column
+    t = np.arange(T)
+    first = (T - np.array(n_list, dtype=np.int64))[:, None]   # (G, 1): the first real column
     rel = t[None, :] - first                                   # (G, T): the new token's index (< 0: padding)
-    q_pos = (c[:, None] + rel).clamp(min=0)                    # (G, T): its position in its sequence
-    write = (tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)   # (G T,)
-    j = torch.arange(C)
-    read = (tables.index_select(1, j // block_size) * block_size + j % block_size).reshape(-1)      # (G C,)
-    ctx_ok = (j[None, None, :] < c[:, None, None]).expand(G, T, C)                          # (G, T, C)
+    q_pos = np.maximum(c[:, None] + rel, 0)                    # (G, T): its position in its sequence
+    write = (np.take_along_axis(tables, q_pos // block_size, 1) * block_size + q_pos % block_size).reshape(-1)
+    j = np.arange(C)
+    read = (tables[:, j // block_size] * block_size + j % block_size).reshape(-1)          # (G C,)
+    ctx_ok = np.broadcast_to(j[None, None, :] < c[:, None, None], (G, T, C))                # (G, T, C)
     new_ok = (t[None, None, :] >= first[:, :, None]) & (t[None, None, :] <= t[None, :, None])   # (G, T, T)
     to_packed = to_padded = None
     if padded:
         real_q = rel >= 0                                                                    # (G, T)
         ctx_ok = ctx_ok & real_q[:, :, None]              # (new_ok is False on a padding query already)
-        to_packed = real_q.reshape(-1).nonzero().flatten()       # (count,): row-major = packed order
-        write = write.index_select(0, to_packed)
-        offsets = torch.tensor([0] + n_list[:-1]).cumsum(0)       # each row's first token in the group's slice
-        to_padded = (offsets[:, None] + rel.clamp(min=0)).reshape(-1)
+        to_packed = np.flatnonzero(real_q)                 # (count,): row-major = packed order
+        write = write[to_packed]
+        offsets = np.cumsum([0] + n_list[:-1])             # each row's first token in the group's slice
+        to_padded = torch.from_numpy((offsets[:, None] + np.maximum(rel, 0)).reshape(-1)).to(device)
+        to_packed = torch.from_numpy(to_packed).to(device)
     masks = {}
     for w in wins:
         a, b_ = ctx_ok, new_ok
@@ -164,10 +173,9 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
             b_ = b_ & ((t[None, :, None] - t[None, None, :]) < w)
         if padded:
             b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
-        masks[w] = torch.cat([a, b_], dim=2).unsqueeze(1).to(device)
-    return gen.PackGroup(start, sum(n_list), (G, T), None if to_padded is None else to_padded.to(device),
-                         None if to_packed is None else to_packed.to(device), masks, write.to(device),
-                         read.to(device))
+        masks[w] = torch.from_numpy(np.concatenate([a, b_], axis=2).reshape(G, 1, T, C + T)).to(device)
+    return gen.PackGroup(start, sum(n_list), (G, T), to_padded, to_packed, masks,
+                         torch.from_numpy(np.ascontiguousarray(write)).to(device), torch.from_numpy(read).to(device))
 
 
 def _decode_layout(rows: list[Row], c_list: list[int], C: int, block_size: int, wins: tuple, device,
@@ -180,18 +188,17 @@ def _decode_layout(rows: list[Row], c_list: list[int], C: int, block_size: int, 
     G = len(rows)
     write = torch.tensor([r.table[c // block_size] * block_size + c % block_size for r, c in zip(rows, c_list)],
                          dtype=torch.long)
-    width = max(len(r.table) for r in rows)
-    tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows], dtype=torch.long)
-    j = torch.arange(C)
-    read = (tables.index_select(1, j // block_size) * block_size + j % block_size).reshape(-1)      # (G C,)
-    c = torch.tensor(c_list)[:, None]                                                          # (G, 1)
+    tables = _tables(rows)
+    j = np.arange(C)
+    read = (tables[:, j // block_size] * block_size + j % block_size).reshape(-1)          # (G C,)
+    c = np.array(c_list, dtype=np.int64)[:, None]                                             # (G, 1)
     ctx_ok = j[None, :] < c                                                                    # (G, C)
-    itself = torch.ones((G, 1), dtype=torch.bool)
+    itself = np.ones((G, 1), dtype=bool)
     masks = {}
     for w in wins:
         a = ctx_ok & ((c - j[None, :]) < w) if w else ctx_ok
-        masks[w] = torch.cat([a, itself], dim=1).view(G, 1, 1, C + 1).to(device)
-    return gen.PackGroup(start, G, (G, 1), None, None, masks, write.to(device), read.to(device))
+        masks[w] = torch.from_numpy(np.concatenate([a, itself], axis=1).reshape(G, 1, 1, C + 1)).to(device)
+    return gen.PackGroup(start, G, (G, 1), None, None, masks, write.to(device), torch.from_numpy(read).to(device))
 
 
 def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch.Tensor, gen.StepInput]:
