@@ -470,6 +470,12 @@ def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():
         except gen.NonFiniteLogits:
             want.append(paged.ERROR_TOKEN)
     assert got == want and got[1] == 3 and got[4] == paged.ERROR_TOKEN and got[2] != 9
+    every = [{"temperature": 0.0, "top_k": 0, "top_p": 1.0}] * 5        # all greedy: the batched path alone
+    bad = torch.randn(5, 8)
+    bad[1, 2], bad[2, 7], bad[3, 0] = float("inf"), float("-inf"), float("nan")
+    bad[4] = 3e38                                                   # huge but finite: no overflow to an error
+    got = paged.sample_rows(bad, 8, every, [None] * 5).tolist()
+    assert got[1:4] == [paged.ERROR_TOKEN] * 3 and got[0] == int(bad[0].argmax()) and got[4] == 0
 
 
 def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:
