@@ -251,6 +251,17 @@ def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
         assert e.value.diagnostics[0].span.line == 7, bad
 
 
+def test_a_sequences_token_slices_equal_slices_of_prompt_and_out():
+    """Sequence.tokens(a, b) (what the scheduler lays out each step, without building
+    prompt + out) is (prompt + out)[a:b] for every a <= b, across the prompt/out border."""
+    seq = paged.Sequence("r", [1, 2, 3, 4], {"max_tokens": 9}, out=[5, 6, 7])
+    whole = seq.prompt + seq.out
+    for a in range(len(whole) + 1):
+        for b in range(a, len(whole) + 1):
+            assert seq.tokens(a, b) == whole[a:b], (a, b)
+    assert paged.Sequence("e", [1, 2], {"max_tokens": 1}).tokens(1, 2) == [2]
+
+
 def test_scheduler_takes_blocks_as_tokens_need_them_and_preempts_the_latest_admitted():
     """Three requests whose contexts (8, 7 and 6 tokens: 4 + 4 + 3 blocks of 2) exceed a
     4-block cache are admitted at once (their prompts' 2 + 1 + 1 blocks); when b's next

@@ -180,6 +180,17 @@ class Sequence:
         """Tokens it has: its prompt and the tokens generated so far."""
         return len(self.prompt) + len(self.out)
 
+    def tokens(self, a: int, b: int) -> list[int]:
+        """Its tokens ``a .. b - 1`` of ``prompt + out`` (0 <= a <= b), without building
+        ``prompt + out`` (a decode step asks each running sequence for one token: O(1), not
+        O(its length))."""
+        P = len(self.prompt)
+        if b <= P:
+            return self.prompt[a:b]
+        if a >= P:
+            return self.out[a - P:b - P]
+        return self.prompt[a:] + self.out[:b - P]
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt's logprobs are asked for and not yet sent (they go out with its first
@@ -309,9 +320,9 @@ class Scheduler:
         preempted = False
 
         def schedule(s: Sequence, n: int) -> None:
-            rows.append((s.rid, (s.prompt + s.out)[s.computed:s.computed + n], s.computed, s.table))
+            rows.append((s.rid, s.tokens(s.computed, s.computed + n), s.computed, s.table))
             if s.computed + n < s.length:
-                partial[s.rid] = (s.prompt + s.out)[s.computed + n]
+                partial[s.rid] = s.tokens(s.computed + n, s.computed + n + 1)[0]
             if s.wants_prompt_logprobs:
                 want.append(s.rid)
 
@@ -360,7 +371,7 @@ class Scheduler:
         bs = self.block_size
         while (len(seq.keys) + 1) * bs <= seq.computed:
             i = len(seq.keys)
-            toks = (seq.prompt + seq.out)[i * bs:(i + 1) * bs]
+            toks = seq.tokens(i * bs, (i + 1) * bs)
             seq.keys += block_hashes(toks, bs, 1, seq.keys[-1] if seq.keys else b"")
             self.pool.register(seq.table[i], seq.keys[-1])
 
