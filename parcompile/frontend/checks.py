@@ -727,7 +727,7 @@ LAYOUT_READS = {
     _check_order: ("order",),
     _check_train: ("auto", "zero"),
     _check_positions: (),
-    _check_serve: ("cp", "ep", "expert_tp", "tp", "virtual_stages"),
+    _check_serve: ("cp", "ep", "expert_tp", "pp", "tp", "virtual_stages"),
     _check_cluster: (),
 }
 
