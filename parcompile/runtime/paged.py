@@ -175,7 +175,7 @@ def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: 
             b_ = b_ | (t[None, None, :] == t[None, :, None]) & ~real_q[:, :, None]   # padding sees itself
         masks[w] = torch.from_numpy(np.concatenate([a, b_], axis=2).reshape(G, 1, T, C + T)).to(device)
     return gen.PackGroup(start, sum(n_list), (G, T), to_padded, to_packed, masks,
-                         torch.from_numpy(np.ascontiguousarray(write)).to(device), torch.from_numpy(read).to(device))
+                         torch.from_numpy(write).to(device), torch.from_numpy(read).to(device))
 
 
 def _decode_layout(rows: list[Row], c_list: list[int], C: int, block_size: int, wins: tuple, device,
