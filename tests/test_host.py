@@ -268,3 +268,12 @@ def test_a_probe_cache_that_is_a_fifo_is_not_waited_on(monkeypatch, cache):
         except OSError:
             pass
     assert got and got[0][:2] == (2e9, 4e9)
+
+
+def test_engine_threads_leave_the_front_a_core():
+    """A serve engine rank's intra-op threads: the cores less one (the front's), shared by
+    the ranks, never below one."""
+    assert [host.engine_threads(r, cpus=16) for r in (1, 2, 4, 8, 15, 16, 32)] == [15, 7, 3, 1, 1, 1, 1]
+    assert host.engine_threads(1, cpus=2) == 1 and host.engine_threads(1, cpus=1) == 1
+    with pytest.raises(ValueError, match="ranks"):
+        host.engine_threads(0)

@@ -948,20 +948,24 @@ def test_the_engine_connection_sends_each_step_at_once(tmp_path):
     the kernel for the previous message's delayed acknowledgement (up to 40 ms on Linux;
     strace showed a sequential request's tokens arriving in one burst at its end). A
     program of the test's own, started by Engines under torchrun as `serve` starts the real
-    one, connects as the leader does (paged._connect) and reports its socket's option."""
+    one, connects as the leader does (paged._connect) and reports its socket's option. The
+    rank also gets its share of the cores less the front's (host.engine_threads: 1 of 2;
+    torch's default, all the cores, stalled an engine step at every parallel region's
+    barrier while the front was busy)."""
     import socket as socket_
 
+    from parcompile.config import host
     from parcompile.server import engines as engines_mod
 
     (tmp_path / "leader.py").write_text(
-        "import socket, sys\n"
+        "import socket, sys, torch\n"
         "from parcompile.runtime.paged import _connect\n"
         "conn = _connect(sys.argv[sys.argv.index('--engine') + 1])\n"
         "s = socket.socket(fileno=conn.fileno())\n"
         "nodelay = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n"
         "s.detach()\n"
         "conn.send(('ready', {'replica': 0, 'kv_blocks': 4, 'block_size': 16, 'max_seqs': 1, 'cache_bytes': 0,\n"
-        "                     'nodelay': nodelay}))\n"
+        "                     'nodelay': nodelay, 'threads': torch.get_num_threads()}))\n"
         "while conn.recv()[0] != 'stop':\n"
         "    pass\n")
     e = engines_mod.Engines(tmp_path / "leader.py", 1, 1, extra_env={"PYTHONPATH": str(REPO)})
@@ -973,6 +977,7 @@ def test_the_engine_connection_sends_each_step_at_once(tmp_path):
         finally:
             front.detach()
         assert r.info["nodelay"] != 0                                                   # the leader's end
+        assert r.info["threads"] == host.engine_threads(1) == max(1, host.cores() - 1)
     finally:
         assert e.stop() == 0
 

@@ -144,6 +144,25 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def engine_threads(ranks: int, cpus: int | None = None) -> int:
+    """The intra-op threads (``OMP_NUM_THREADS``) each of ``ranks`` serve engine ranks gets on
+    this machine: the ``cpus`` (default :func:`cores`) less one for the HTTP front, shared
+    by the ranks, at least one: ``max(1, (cpus - 1) // ranks)``.
+
+    The front (its event loop, tokenizer and the connections to the leaders) runs beside the
+    ranks. A rank with more threads than the cores left idle for it waits at every parallel
+    region's barrier for a thread the OS has not scheduled: with torch's default (all the
+    cores) beside a busy front on 2 cores, an engine step measured 128 ms instead of 3.5 ms
+    (issue 33). torchrun itself sets 1 only when it starts more than one process.
+
+    Raises:
+        ValueError: ``ranks`` < 1.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    return max(1, ((cores() if cpus is None else cpus) - 1) // ranks)
+
+
 def _best_rate(work, amount: float) -> float:
     """``amount / seconds`` of ``work()``'s fastest run over about :data:`PROBE_S` seconds
     (after one run to warm up)."""
@@ -470,4 +489,4 @@ def cpu_values(fixed: dict, ranks_per_node: int, figures: HostFigures | None = N
 
 
 __all__ = ["ENV", "HostError", "HostFigures", "host_figures", "cpu_values", "available_memory", "probe",
-           "probed_rates", "gloo_latency", "cores"]
+           "probed_rates", "gloo_latency", "cores", "engine_threads"]

@@ -22,6 +22,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from parcompile import jobs
+from parcompile.config.host import engine_threads
 from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
 
 #: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
@@ -118,6 +119,7 @@ class Engines:
         host, port = self.listener.address
         env = dict(os.environ, **(extra_env or {}))
         env[KEY_ENV] = self.key.hex()
+        env.setdefault("OMP_NUM_THREADS", str(engine_threads(world)))   # the front keeps a core (unless set)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(program), "--engine", f"{host}:{port}"]
         self.proc = jobs.start(cmd, env)   # its own session; it and its ranks die with this process
