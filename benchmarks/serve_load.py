@@ -29,6 +29,13 @@ the same N clients with the same prompts (as text: lowercase letters, one token 
 the ratio of their output tokens/s. transformers streams text, so its tokens are counted
 from the final chunk's ``usage`` (else one per text chunk).
 
+``--rounds R`` (with ``--transformers``) keeps both servers up and takes their N-client
+phases in turn R times, printing each round's ratio and the median: on a machine whose
+speed drifts by itself (a shared host: the same phase here gave 1,662 to 2,655 tok/s for
+`transformers serve` in one night) one round's two phases see about the same machine.
+``--stream-interval N`` serves with ``stream_interval = N`` (the spec's serve key: a
+request's tokens sent in groups of N, its first and last at once).
+
 Cost and clocks. With a launched server, each phase also prints the server's CPU time per
 output token (its process tree: front, torchrun, ranks; psutil), a figure that other work
 on a shared machine does not inflate as it inflates wall time, beside the client's own
@@ -281,13 +288,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, pp: int | None = None,
-                  compile_: bool = False) -> Path:
+                  compile_: bool = False, stream_interval: int | None = None) -> Path:
     """A Hugging Face Llama checkpoint of ``spec``'s (dense, RoPE, RMSNorm, SwiGLU) model with
     weights drawn from seed 0 and a byte-level tokenizer (token id = byte), saved with
     ``save_pretrained`` into ``root/hf``; and ``root/serve.par``: the spec's cluster and
     layout serving it, decoding up to ``streams`` sequences at once (``serve.batch``, at
-    least the spec's), with ``tp`` and ``pp`` in place of the spec's when given, and
-    ``compile = true`` when ``compile_`` (the engine's torch.compile). Returns the new spec."""
+    least the spec's), with ``tp``, ``pp`` and ``stream_interval`` in place of the spec's
+    when given, and ``compile = true`` when ``compile_`` (the engine's torch.compile).
+    Returns the new spec."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -317,7 +325,8 @@ def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, p
                    f"parallel {{ tp = {tp}, pp = {pp}, dp = {par.dp} }}\n"
                    f'serve {{ batch = {max(cfg.serve.batch, streams)}, prompt_len = {cfg.serve.prompt_len}, max_new_tokens = '
                    f'{cfg.serve.max_new_tokens}, block_size = {cfg.serve.block_size}, kv_cache_tokens = 4096, '
-                   f'weights = "hf"{", compile = true" if compile_ else ""} }}\n')
+                   f'weights = "hf"{", compile = true" if compile_ else ""}, '
+                   f'stream_interval = {stream_interval or cfg.serve.stream_interval} }}\n')
     return out
 
 
@@ -348,6 +357,20 @@ def stop(proc: subprocess.Popen | None) -> None:
             proc.kill()
 
 
+def start_transformers(spec: Path) -> tuple[subprocess.Popen, str] | None:
+    """``transformers serve --continuous-batching`` of ``spec``'s checkpoint (``hf`` beside it) on
+    a free port, warmed up (the model loaded); None when it did not become healthy."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port",
+                             str(port), str(spec.parent / "hf")], env=dict(os.environ), stdout=subprocess.DEVNULL)
+    if not wait_healthy(url, proc, "transformers serve"):
+        stop(proc)
+        return None
+    request_once(url, "abc", 2)       # warm up (loads the model)
+    return proc, url
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", nargs="?", default=str(REPO / "examples" / "tiny_serve.par"))
@@ -365,52 +388,86 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="with --transformers: serve with `compile = true` (the engine's torch.compile, warmed up "
                          "before the server is ready: minutes on a CPU)")
+    ap.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                    help="with --transformers: serve with `stream_interval = N` (a request's tokens sent in groups "
+                         "of N; default the spec's)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --transformers: both servers up at once, their N-client phases taken in turn this "
+                         "many times (parcompile, transformers, parcompile, ...): each round's ratio and their "
+                         "median, so that a machine whose speed drifts judges both alike")
     args = ap.parse_args(argv)
-    if args.compile and not args.transformers:
-        ap.error("--compile goes with --transformers (for a spec of your own, write `compile = true` in its serve block)")
+    for flag, given in (("--compile", args.compile), ("--stream-interval", args.stream_interval is not None),
+                        ("--rounds", args.rounds != 1)):
+        if given and not args.transformers:
+            ap.error(f"{flag} goes with --transformers (for a spec of your own, write the key in its serve block)")
+    if args.rounds < 1 or (args.stream_interval is not None and args.stream_interval < 1):
+        ap.error("--rounds and --stream-interval take 1 or more")
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
     spec = Path(args.spec)
     if args.transformers:
-        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp, args.compile)
+        spec = hf_checkpoint(spec, tmp / "serve_load_hf", args.clients, args.tp, args.pp, args.compile,
+                             args.stream_interval)
     elif "tiny_serve" in spec.name and not (REPO / "build" / "tiny_ckpt").exists():
         # the example's weights come from training tiny.par; without them, drawn from the seed
         text = spec.read_text().replace('weights        = "../build/tiny_ckpt"', "")
         spec = tmp / "serve_load.par"
         spec.write_text(text)
     plan = {n: predicted(spec, n, args.prompt_tokens, args.max_tokens) for n in (args.clients, 1)}
-    proc = None
+    proc = hf = None
     url = args.url
     if url is None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(spec), "--port", str(port),
                                  "-o", str(tmp / "serve_load_build")], env=env)
+    deg = (plan.get(args.clients) or {}).get("degrees", {})
+    ours = []       # output tokens/s of each of parcompile's N-client phases
     try:
         if not wait_healthy(url, proc, "the server"):
             return 1
         request_once(url, [1, 2, 3], 2)          # warm up
+        if args.rounds > 1:
+            hf = start_transformers(spec)
+            if hf is None:
+                return 1
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
               f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy); load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         p = plan.get(args.clients) or plan.get(1)
         if p is not None:
-            deg = p["degrees"]
             print(f"layout dp {deg.get('dp', 1)} x tp {deg.get('tp', 1)} x pp {deg.get('pp', 1)}"
-                  f"{', compiled engine' if p.get('compile') else ''}: {p['world']} rank "
-                  f"process(es) beside the front process on {os.cpu_count()} cores"
+                  f"{', compiled engine' if p.get('compile') else ''}"
+                  f"{', stream interval ' + str(p['stream_interval']) if p.get('stream_interval') else ''}"
+                  f": {p['world']} rank process(es) beside the front process on {os.cpu_count()} cores"
                   + (" (more ranks than cores: every collective waits for its peers to be scheduled, so this layout "
                      "is slower here than tp 1; `transformers serve` is one process)" if p["world"] > (os.cpu_count() or 1)
                      else ""))
         prefix = [random.Random(0).randrange(97, 123) if args.transformers else random.Random(0).randrange(256)
                   for _ in range(args.shared_prefix)]
-        batched = report(f"{args.clients} clients", phase(url, args.clients, args.seconds, args.prompt_tokens,
-                                                           args.max_tokens, 1, prefix, args.transformers,
-                                                           pid=proc.pid if proc else None),
-                         plan[args.clients])
+        ratios = []
+        for i in range(args.rounds):
+            tag = f" ({i + 1}/{args.rounds})" if args.rounds > 1 else ""
+            ours.append(report(f"{args.clients} clients{tag}", phase(url, args.clients, args.seconds,
+                                                                     args.prompt_tokens, args.max_tokens, 1, prefix,
+                                                                     args.transformers, pid=proc.pid if proc else None),
+                               plan[args.clients]))
+            if hf is not None:
+                theirs = report(f"transformers{tag}", phase(hf[1], args.clients, args.seconds, args.prompt_tokens,
+                                                            args.max_tokens, 1, prefix, letters=True, text=True,
+                                                            pid=hf[0].pid))
+                ratios.append(ours[-1] / theirs)
+                print(f"round {i + 1}: {ratios[-1]:.2f}x", flush=True)
         single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2,
                                             prefix, args.transformers, pid=proc.pid if proc else None), plan[1])
-        print(f"continuous batching: {batched / single:.1f}x the output tokens/s of sequential requests")
+        print(f"continuous batching: {ours[-1] / single:.1f}x the output tokens/s of sequential requests")
+        if ratios:
+            med = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+                sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {med:.2f}x (median of "
+                  f"{len(ratios)} rounds: {', '.join(f'{r:.2f}' for r in ratios)}) the output tokens/s of "
+                  f"`transformers serve --continuous-batching` at {args.clients} streams (same weights, phases in "
+                  f"turn; load average {os.getloadavg()[0]:.1f})")
         if args.shared_prefix:
             m = {}
             for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -421,25 +478,20 @@ def main(argv=None) -> int:
                   f"{m.get('parcompile_prefill_tokens_total', 0):,.0f} prompt tokens prefilled")
     finally:
         stop(proc)
-    if args.transformers:
-        port = _free_port()
-        hf_url = f"http://127.0.0.1:{port}"
-        hf_dir = spec.parent / "hf"
-        proc = subprocess.Popen(["transformers", "serve", "--continuous-batching", "--device", "cpu", "--port",
-                                 str(port), str(hf_dir)], env=dict(os.environ), stdout=subprocess.DEVNULL)
+        stop(hf[0] if hf else None)
+    if args.transformers and args.rounds == 1:
+        hf = start_transformers(spec)
+        if hf is None:
+            return 1
         try:
-            if not wait_healthy(hf_url, proc, "transformers serve"):
-                return 1
-            request_once(hf_url, "abc", 2)       # warm up (loads the model)
             print(f"load average {os.getloadavg()[0]:.1f}")
-            theirs = report("transformers", phase(hf_url, args.clients, args.seconds, args.prompt_tokens,
-                                                  args.max_tokens, 1, prefix, letters=True, text=True, pid=proc.pid))
-            deg = (plan.get(args.clients) or {}).get("degrees", {})
-            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {batched / theirs:.1f}x the "
+            theirs = report("transformers", phase(hf[1], args.clients, args.seconds, args.prompt_tokens,
+                                                  args.max_tokens, 1, prefix, letters=True, text=True, pid=hf[0].pid))
+            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {ours[0] / theirs:.1f}x the "
                   f"output tokens/s of `transformers serve --continuous-batching` at {args.clients} streams (same "
                   f"weights; load average {os.getloadavg()[0]:.1f})")
         finally:
-            stop(proc)
+            stop(hf[0])
     return 0
 
 

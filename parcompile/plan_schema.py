@@ -378,6 +378,9 @@ class Serve(_Strict):
     compile: Optional[bool] = Field(None, description="true: the server's engine runs its steps torch.compile'd "
                                     "(inductor, dynamic shapes), warmed up over the step layouts before it is "
                                     "ready; absent: eager")
+    stream_interval: Optional[int] = Field(None, ge=1, description="the server sends a request's tokens in groups "
+                                           "of this many (the first and the last at once); absent: 1, each token "
+                                           "the step it is made")
     fits: bool
     ttft: float = Field(ge=0, description="time to first token, seconds")
     tpot: float = Field(ge=0, description="time per output token, seconds")

@@ -117,21 +117,24 @@ def test_searched_plan_validates():
     assert schema_errors(json.loads(SCHEMA_FILE.read_text()), data) == []
 
 
-def test_compiled_serve_plan_validates():
+@pytest.mark.parametrize("line,key,value", [("compile = true", "compile", True),
+                                            ("stream_interval = 4", "stream_interval", 4)])
+def test_serve_engine_keys_reach_the_plan_and_validate(line, key, value):
     """`serve { compile = true }` (a single-rank layout) puts `compile: true` in plan.json's
-    serve section, and that plan validates against the models and the schema file; a plan
-    without the key is eager (the key is absent, not false)."""
+    serve section, `stream_interval = 4` puts 4, and that plan validates against the models
+    and the schema file; a plan without the key has the default (the key is absent, not
+    false or 1)."""
     text = (REPO / "examples" / "tiny_serve.par").read_text()
-    for key in ("tp", "pp"):
-        text = re.sub(rf"(\n\s*{key}\s*=\s*)\d+", r"\g<1>1", text)
-    eager = json.loads(parcompile.compile(text, filename="tiny_serve.par").to_json())
-    assert "compile" not in eager["serve"]
-    compiled_text = text.replace("    seed           = 1\n", "    seed           = 1\n    compile = true\n")
-    assert compiled_text != text
-    data = json.loads(parcompile.compile(compiled_text, filename="tiny_serve.par").to_json())
-    assert data["serve"]["compile"] is True
+    for k in ("tp", "pp"):
+        text = re.sub(rf"(\n\s*{k}\s*=\s*)\d+", r"\g<1>1", text)
+    plain = json.loads(parcompile.compile(text, filename="tiny_serve.par").to_json())
+    assert key not in plain["serve"]
+    keyed = text.replace("    seed           = 1\n", f"    seed           = 1\n    {line}\n")
+    assert keyed != text
+    data = json.loads(parcompile.compile(keyed, filename="tiny_serve.par").to_json())
+    assert data["serve"][key] == value
     model = validate_plan(data)
-    assert model.serve.compile is True
+    assert getattr(model.serve, key) == value
     assert model.model_dump(exclude_none=True, mode="json") == data
     assert schema_errors(json.loads(SCHEMA_FILE.read_text()), data) == []
 

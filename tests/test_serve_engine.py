@@ -564,3 +564,59 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
         assert g["tokens"] == w["tokens"]
         assert [x for x, _ in g["lps"]] == pytest.approx([x for x, _ in w["lps"]], abs=1e-4)
         assert [[i for i, _ in t] for _, t in g["lps"]] == [[i for i, _ in t] for _, t in w["lps"]]
+
+
+def test_stream_buffer_sends_the_first_and_last_token_at_once_and_the_others_in_groups():
+    """serve.stream_interval (SGLang's, vLLM's --stream-interval): the leader sends a request's
+    first token at once, then groups of ``interval`` tokens, and its last token (finished,
+    stopped or failed) at once with the held ones; every token once, in order; a cancelled
+    request's held tokens are dropped; 1 passes every step's outputs through."""
+    buf = paged.StreamBuffer(3)
+    steps = [[("a", 1, None, None)],
+             [("a", 2, None, None), ("b", 10, None, None)],
+             [("a", 3, None, None), ("b", 11, None, None)],
+             [("a", 4, None, None), ("b", 12, None, None), ("c", 20, "length", None)],
+             [("a", 5, None, None), ("b", 13, None, None)],
+             [("a", 6, "stop", {"lp": -1.0}), ("b", 14, None, None)]]
+    sent = [buf.push(s) for s in steps]
+    assert [[(r, t) for r, t, _, _ in out] for out in sent] == [
+        [("a", 1)], [("b", 10)], [], [("a", 2), ("a", 3), ("a", 4), ("c", 20)], [("b", 11), ("b", 12), ("b", 13)],
+        [("a", 5), ("a", 6)]]
+    assert sent[-1][-1] == ("a", 6, "stop", {"lp": -1.0})
+    assert buf.held == {"b": [("b", 14, None, None)]}
+    buf.drop("b")
+    assert buf.held == {}
+    one = paged.StreamBuffer(1)
+    assert all(one.push(s) is s for s in steps) and one.held == {}
+    with pytest.raises(ValueError, match="at least 1"):
+        paged.StreamBuffer(0)
+
+
+def test_the_leader_sends_due_tokens_only_and_an_abort_forgets_held_ones():
+    """_leader_collect with a Scheduler of stream_interval 4: a step whose tokens are all held
+    sends no message; the sent tokens are each request's, in order, first and last at once;
+    aborting a request (the front's "abort") drops its held tokens."""
+    class Conn:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    sched = paged.Scheduler(16, 4, 2, stream_interval=4)
+    params = {"max_tokens": 6, "eos": []}
+    sched.add("x", [1, 2, 3], params)
+    sched.add("y", [4, 5], dict(params, max_tokens=50))
+    conn, got = Conn(), {"x": [], "y": []}
+    for step in range(7):
+        rows = [paged.Row(*r) for r in sched.next_step()["rows"]]
+        paged._leader_collect(conn, sched, rows, [100 + step] * len(rows))
+    for msg in conn.sent:
+        assert msg[0] == "out" and msg[1]
+        for rid, tok, reason, _ in msg[1]:
+            got[rid].append((tok, reason))
+    assert [len(m[1]) for m in conn.sent] == [2, 8, 1]        # the firsts; x 2-5 and y 2-5; x's last
+    assert got["x"] == [(100 + i, "length" if i == 5 else None) for i in range(6)]
+    assert got["y"] == [(100 + i, None) for i in range(5)] and sched.stream.held["y"] == [("y", 105, None, None), ("y", 106, None, None)]
+    sched.abort("y")
+    assert "y" not in sched.stream.held and not sched.running

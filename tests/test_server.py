@@ -14,6 +14,7 @@ still the same. The last test kills a rank: 503, then a non-zero exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -67,35 +68,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server")
-    (tmp / "s.par").write_text(_spec(2, 2))
+@contextlib.contextmanager
+def _serving(tmp: Path, spec: str):
+    """`parcompile serve` of ``spec`` (written into ``tmp``) on a free loopback port, until the
+    block ends (then Ctrl-C): ``proc``, ``base`` URL, an openai ``client`` and ``tmp``."""
+    (tmp / "s.par").write_text(spec)
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(tmp / "s.par"), "-o", str(tmp / "out"),
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not start"
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    yield {"proc": proc, "base": base, "client": openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
-           "tmp": tmp}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield {"proc": proc, "base": base,
+               "client": openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0), "tmp": tmp}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _serving(tmp_path_factory.mktemp("server"), _spec(2, 2)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +144,15 @@ def _metrics(base: str) -> dict:
             name = line.split("{")[0]
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _same_time_tokens(base: str) -> float:
+    """Output tokens the front got together with the one before them (the TPOT histogram's
+    first bucket, 1 ms: an engine step here takes longer; metrics.Metrics.tokens)."""
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith('parcompile_time_per_output_token_seconds_bucket{') and 'le="0.001"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no TPOT histogram in /metrics")
 
 
 def _extra(obj, key):
@@ -238,6 +257,40 @@ def test_32_concurrent_streams_queue_complete_and_free_every_block(server, refer
     m = _metrics(base)
     assert m["parcompile_kv_cache_blocks_used"] == 0 and m["parcompile_kv_cache_blocks_free"] == BLOCKS
     assert m["parcompile_requests_waiting"] == 0 and m["parcompile_requests_running"] == 0
+
+
+@pytest.mark.torchrun
+def test_stream_interval_sends_a_requests_tokens_in_groups_and_keeps_them(tmp_path, reference):
+    """`serve { stream_interval = 3 }` (tp 1 x pp 1): a stream's tokens come in fewer events
+    than tokens (its first alone, then groups of 3: scheduler.StreamBuffer), and the token
+    ids, the text, a stop string's cut and the freed blocks are what they are with 1."""
+    spec = _spec(1, 1).replace("    seed = 1\n", "    seed = 1\n    stream_interval = 3\n")
+    with _serving(tmp_path, spec) as srv:
+        c = srv["client"]
+        prompt = [84, 104, 101, 32, 7, 200]
+        want = reference([prompt], 11)[0]
+        together = _same_time_tokens(srv["base"])
+        ids, text = [], ""
+        for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=11, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True}):
+            ids += _extra(ch.choices[0], "token_ids") or []
+            text += ch.choices[0].text
+        assert ids == want and text == gen.ByteTokenizer().decode(want)
+        # sent as [1, 3, 3, 3, 1]: 6 tokens arrived with the one before them (the events may
+        # merge further: a random byte model's text often ends in a partial character, held back)
+        assert _same_time_tokens(srv["base"]) - together >= 6
+        full = c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0).choices[0].text
+        cut = next(i for i in range(3, len(full)) if full[i] != "\ufffd")
+        streamed, reason = "", None
+        for ch in c.completions.create(model="tiny", prompt="The ", max_tokens=16, temperature=0, stop=[full[cut]],
+                                       stream=True):
+            streamed += ch.choices[0].text
+            reason = ch.choices[0].finish_reason or reason
+        assert reason == "stop" and streamed == full[:full.index(full[cut])]
+        deadline = time.monotonic() + 10
+        while _metrics(srv["base"])["parcompile_kv_cache_blocks_free"] != BLOCKS:      # the abort reaches the leader
+            assert time.monotonic() < deadline, _metrics(srv["base"])
+            time.sleep(0.05)
 
 
 @pytest.mark.torchrun

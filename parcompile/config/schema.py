@@ -294,6 +294,7 @@ class ServeConfig(_Frozen):
     prefix_caching: bool = True  # the server shares cached prompt prefixes between requests (vLLM v1's default)
     max_prefill_tokens: Optional[int] = None  # the server's prompt tokens per step (chunked prefill; None: whole prompts)
     compile: bool = False     # the server's engine runs torch.compile'd steps, warmed up before it is ready
+    stream_interval: int = 1  # the server streams a request's tokens in groups of this many (SGLang's, vLLM's)
 
 
 class SpecConfig(_Frozen):

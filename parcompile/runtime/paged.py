@@ -63,7 +63,7 @@ from parcompile.runtime import generate as gen
 from parcompile.runtime.comm import nbytes
 from parcompile.runtime.context import ParallelContext
 # the leader's scheduling (runtime/scheduler.py), re-exported: callers use them as paged.<name>
-from parcompile.runtime.scheduler import (ERROR_TOKEN, BlockPool, Row, Scheduler, Sequence,  # noqa: F401
+from parcompile.runtime.scheduler import (ERROR_TOKEN, BlockPool, Row, Scheduler, Sequence, StreamBuffer,  # noqa: F401
                                          block_hashes)
 
 #: seconds an idle leader waits for a request before it sends its replica an empty step
@@ -493,7 +493,7 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
         except OSError as e:
             raise gen.ServeError(f"cannot reach the server's front at {address}: {e}") from None
         sched = Scheduler(blocks, block_size, max_seqs, prefix_caching=sv.get("prefix_caching", True),
-                          max_prefill_tokens=sv.get("max_prefill_tokens"))
+                          max_prefill_tokens=sv.get("max_prefill_tokens"), stream_interval=sv.get("stream_interval") or 1)
         conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
                              "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
     generators: dict[str, torch.Generator] = {}
@@ -588,10 +588,14 @@ def _leader_plan(conn, sched: Scheduler) -> dict:
 
 
 def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], logprobs=None) -> None:
-    """Record the step's tokens; send them (and their logprobs) and the cache's state to the front."""
-    conn.send(("out", sched.collect(rows, tokens, logprobs), sched.stats()))
+    """Record the step's tokens; send those due (``sched.stream``: :class:`StreamBuffer`, the
+    ``serve.stream_interval``), with their logprobs and the cache's state, to the front (with
+    an interval of 1, every step, even when it finished no token)."""
+    due = sched.stream.push(sched.collect(rows, tokens, logprobs))
+    if due or sched.stream.interval == 1:
+        conn.send(("out", due, sched.stats()))
 
 
 __all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
            "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
-           "serve_requests", "broadcast_plan", "tcp_nodelay", "IDLE_HEARTBEAT_S", "KEY_ENV"]
+           "StreamBuffer", "serve_requests", "broadcast_plan", "tcp_nodelay", "IDLE_HEARTBEAT_S", "KEY_ENV"]

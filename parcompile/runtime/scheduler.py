@@ -208,14 +208,15 @@ class Scheduler:
     """The leader's queue, running set and block pool (module docstring); ``prefix_caching``:
     share cached prompt prefixes (:class:`BlockPool`); ``max_prefill_tokens``: the prompt
     tokens one step may compute (chunked prefill; None: whole prompts); ``watermark``: the
-    fraction of ``blocks`` an admission leaves free while sequences run (:data:`WATERMARK`).
+    fraction of ``blocks`` an admission leaves free while sequences run (:data:`WATERMARK`);
+    ``stream_interval``: the tokens of a request the leader sends together (:class:`StreamBuffer`).
 
     Blocks are taken as tokens need them (vLLM v1's ``allocate_slots``) and a running
     sequence that needs a block when none is free preempts the most recently admitted
     running sequence (vLLM's RECOMPUTE preemption; module docstring)."""
 
     def __init__(self, blocks: int, block_size: int, max_seqs: int, prefix_caching: bool = True,
-                 max_prefill_tokens: int | None = None, watermark: float = WATERMARK):
+                 max_prefill_tokens: int | None = None, watermark: float = WATERMARK, stream_interval: int = 1):
         self.block_size, self.max_seqs = block_size, max_seqs
         self.max_prefill_tokens = max_prefill_tokens or None    # prompt tokens per step (None: no limit)
         self.pool = BlockPool(blocks, prefix_caching)
@@ -227,6 +228,7 @@ class Scheduler:
         self.prefill_tokens = 0        # prompt tokens computed (a cached prefix is not)
         self.recomputed_tokens = 0     # tokens computed again after a preemption
         self.preemptions = 0
+        self.stream = StreamBuffer(stream_interval)  # which outputs the leader sends the front each step
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -244,6 +246,7 @@ class Scheduler:
                 break
         if rid in self.running:
             self.finish(rid)
+        self.stream.drop(rid)
 
     def finish(self, rid: str) -> None:
         seq = self.running.pop(rid)
@@ -425,4 +428,56 @@ class Scheduler:
                 "recomputed_tokens": self.recomputed_tokens}
 
 
-__all__ = ["ERROR_TOKEN", "Row", "block_hashes", "BlockPool", "Sequence", "WATERMARK", "Scheduler"]
+class StreamBuffer:
+    """``serve.stream_interval``: the leader sends a request's tokens to the front in groups
+    of ``interval`` (SGLang's and vLLM's ``--stream-interval``, "the interval (or buffer
+    size) for streaming in terms of the token length": smaller streams smoother, larger
+    costs the host less per token). A request's first token (its time to first token) and
+    its last (finished, stopped, failed) go out at once; the others wait until ``interval``
+    of them are held. Every token is sent, in order; the front streams a group as one
+    event (``parcompile.server.api.Handlers.generate`` takes the tokens that arrived
+    together). ``interval`` 1 sends each token the step it is made, as before.
+
+    A stop string found by the front ends its request up to ``interval - 1`` steps later
+    than it would with 1 (the front cuts the text where the stop string ends, so what the
+    client sees is the same; the engine computed a few tokens nobody reads)."""
+
+    __slots__ = ("interval", "held")
+
+    def __init__(self, interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"stream interval must be at least 1, got {interval}")
+        self.interval = interval
+        self.held: dict[str, list[tuple]] = {}     # rid -> its outputs not yet sent (after its first)
+
+    def push(self, outputs: list[tuple]) -> list[tuple]:
+        """The outputs to send now, given one step's ``outputs`` (:meth:`Scheduler.collect`'s
+        ``(rid, token, finish_reason or None, logprobs or None)``): each request's held
+        ones before its new one, in order."""
+        if self.interval == 1:
+            return outputs
+        due = []
+        for item in outputs:
+            rid, reason = item[0], item[2]
+            held = self.held.get(rid)
+            if held is None:
+                due.append(item)                      # the first token: at once
+                if reason is None:
+                    self.held[rid] = []
+            elif reason is not None:                  # the last: with the held ones, at once
+                due += held
+                due.append(item)
+                del self.held[rid]
+            else:
+                held.append(item)
+                if len(held) >= self.interval:
+                    due += held
+                    self.held[rid] = []
+        return due
+
+    def drop(self, rid: str) -> None:
+        """Forget ``rid``'s held outputs (the front cancelled it: nobody reads them)."""
+        self.held.pop(rid, None)
+
+
+__all__ = ["ERROR_TOKEN", "Row", "block_hashes", "BlockPool", "Sequence", "WATERMARK", "Scheduler", "StreamBuffer"]
