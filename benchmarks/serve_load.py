@@ -29,10 +29,12 @@ the same N clients with the same prompts (as text: lowercase letters, one token 
 the ratio of their output tokens/s. transformers streams text, so its tokens are counted
 from the final chunk's ``usage`` (else one per text chunk).
 
-``--rounds R`` (with ``--transformers``) keeps both servers up and takes their N-client
-phases in turn R times, printing each round's ratio and the median: on a machine whose
-speed drifts by itself (a shared host: the same phase here gave 1,662 to 2,655 tok/s for
-`transformers serve` in one night) one round's two phases see about the same machine.
+``--rounds R`` (with ``--transformers``) takes the two servers' N-client phases in turn R
+times (parcompile's server stays up; a fresh `transformers serve` each round, which kept up
+grows without bound under this load), printing each round's ratio and the median: on a
+machine whose speed drifts by itself (a shared host: the same phase here gave 1,662 to
+2,655 tok/s for `transformers serve` in one night) one round's two phases see about the
+same machine.
 ``--stream-interval N`` serves with ``stream_interval = N`` (the spec's serve key: a
 request's tokens sent in groups of N, its first and last at once).
 
@@ -392,8 +394,8 @@ def main(argv=None) -> int:
                     help="with --transformers: serve with `stream_interval = N` (a request's tokens sent in groups "
                          "of N; default the spec's)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="with --transformers: both servers up at once, their N-client phases taken in turn this "
-                         "many times (parcompile, transformers, parcompile, ...): each round's ratio and their "
+                    help="with --transformers: the two servers' N-client phases taken in turn this many times "
+                         "(parcompile, a fresh transformers serve, parcompile, ...): each round's ratio and their "
                          "median, so that a machine whose speed drifts judges both alike")
     args = ap.parse_args(argv)
     for flag, given in (("--compile", args.compile), ("--stream-interval", args.stream_interval is not None),
@@ -427,10 +429,6 @@ def main(argv=None) -> int:
         if not wait_healthy(url, proc, "the server"):
             return 1
         request_once(url, [1, 2, 3], 2)          # warm up
-        if args.rounds > 1:
-            hf = start_transformers(spec)
-            if hf is None:
-                return 1
         print(f"{args.clients} concurrent clients vs one at a time, {args.seconds:.0f} s each; prompts of "
               f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy); load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -452,12 +450,25 @@ def main(argv=None) -> int:
                                                                      args.prompt_tokens, args.max_tokens, 1, prefix,
                                                                      args.transformers, pid=proc.pid if proc else None),
                                plan[args.clients]))
-            if hf is not None:
-                theirs = report(f"transformers{tag}", phase(hf[1], args.clients, args.seconds, args.prompt_tokens,
-                                                            args.max_tokens, 1, prefix, letters=True, text=True,
-                                                            pid=hf[0].pid))
+            if args.rounds > 1:
+                # a fresh `transformers serve` each round: one kept up grew to 11.7 GB resident over
+                # three phases here and slowed by a third (1,567 -> 952 tok/s)
+                hf = start_transformers(spec)
+                if hf is None:
+                    return 1
+                idle0 = tree_cpu(proc.pid if proc else None)
+                try:
+                    theirs = report(f"transformers{tag}", phase(hf[1], args.clients, args.seconds,
+                                                                args.prompt_tokens, args.max_tokens, 1, prefix,
+                                                                letters=True, text=True, pid=hf[0].pid))
+                finally:
+                    stop(hf[0])
+                    hf = None
+                idle1 = tree_cpu(proc.pid if proc else None)
                 ratios.append(ours[-1] / theirs)
-                print(f"round {i + 1}: {ratios[-1]:.2f}x", flush=True)
+                print(f"round {i + 1}: {ratios[-1]:.2f}x"
+                      + (f" (parcompile serve, idle meanwhile, used {idle1 - idle0:.2f} CPU-s)"
+                         if idle0 is not None and idle1 is not None else ""), flush=True)
         single = report("sequential", phase(url, 1, args.seconds, args.prompt_tokens, args.max_tokens, 2,
                                             prefix, args.transformers, pid=proc.pid if proc else None), plan[1])
         print(f"continuous batching: {ours[-1] / single:.1f}x the output tokens/s of sequential requests")

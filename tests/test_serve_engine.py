@@ -487,6 +487,13 @@ def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():
     bad[4] = 3e38                                                   # huge but finite: no overflow to an error
     got = paged.sample_rows(bad, 8, every, [None] * 5).tolist()
     assert got[1:4] == [paged.ERROR_TOKEN] * 3 and got[0] == int(bad[0].argmax()) and got[4] == 0
+    # serve.compile's copy (compile_engine gives it to the model): the same tokens, the tie
+    # and the padded column included
+    compiled = torch.compile(paged.greedy_tokens, dynamic=True)
+    assert paged.sample_rows(bad, 8, every, [None] * 5, compiled).tolist() == got
+    assert compiled(logits[[0, 1, 2]], 8).tolist() == want[:2] + [paged.greedy_tokens(logits[2:3], 8).item()]
+    assert paged.sample_rows(logits, 8, params, [torch.Generator().manual_seed(b) for b in range(6)],
+                             compiled).tolist() == want
 
 
 def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:

@@ -324,6 +324,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rep = q.shape[1] // k.shape[1]
     mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
     fused = fused and sinks is None and softcap is None
+    if fused and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
+        # one query per row (a serve step's decode rows) under torch.compile (serve.compile):
+        # the softmax spelt out, which inductor fuses into its own kernels, where CPU's flash
+        # kernel is one opaque call that costs more than the rest of the layer at these sizes
+        # (issue 33: a 32-row decode step 3.8 -> 3.1 ms, the same tokens)
+        fused = False
     if fused and rep > 1 and q.device.type == "cpu":
         # GQA inside SDPA, k/v not copied per query head: CPU's flash kernel takes it with a
         # mask (the same results as the copies); CUDA's fused kernels do not and would fall

@@ -228,19 +228,32 @@ def paged_step(rows: list[Row], block_size: int, windows, device) -> tuple[torch
             gen.StepInput(0, torch.tensor([positions], dtype=torch.long).to(device), {}, packing=packing))
 
 
-def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators: list[torch.Generator]) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's likeliest token among the first ``vocab`` of logits (B, V') -> (B,) int64
+    (:func:`parcompile.runtime.generate.pick_tokens`' greedy rule: the first on ties), or
+    :data:`ERROR_TOKEN` where a row's logits hold NaN or inf. :func:`compile_engine` gives
+    the model a ``torch.compile``d copy (one fused kernel where eager runs six ops)."""
+    x = logits[:, :vocab].float()
+    if torch.compiler.is_compiling():
+        finite = torch.isfinite(x).all(dim=-1)       # (a compiler may fold x * 0 to zeros)
+    else:
+        finite = (x * 0).sum(dim=-1) == 0     # 0 * (NaN or +-inf) is NaN: every logit finite, 4x cheaper than isfinite().all()
+    return torch.where(finite, x.argmax(dim=-1), torch.full((), ERROR_TOKEN, device=x.device))
+
+
+def sample_rows(logits: torch.Tensor, vocab: int, params: list[dict], generators: list[torch.Generator],
+                greedy_fn=greedy_tokens) -> torch.Tensor:
     """Each row's next token from logits (B, V') with its own ``temperature``, ``top_k`` and
     ``top_p`` and generator (:func:`parcompile.runtime.generate.pick_tokens`); a row whose
-    logits hold NaN or inf gets :data:`ERROR_TOKEN` (that request fails, the rank lives)."""
+    logits hold NaN or inf gets :data:`ERROR_TOKEN` (that request fails, the rank lives).
+    The greedy rows are drawn together by ``greedy_fn`` (:func:`greedy_tokens`, or its
+    compiled copy)."""
     out = torch.full((len(params),), ERROR_TOKEN, dtype=torch.long)
     greedy = [b for b, p in enumerate(params) if gen.is_greedy(p["temperature"])]
     if greedy:       # one argmax for every greedy row (pick_tokens' rule, per row: first on ties)
-        x = logits[greedy, :vocab].float() if len(greedy) < len(params) else logits[:, :vocab].float()
-        finite = (x * 0).sum(dim=-1) == 0     # 0 * (NaN or +-inf) is NaN: every logit finite, 4x cheaper than isfinite().all()
-        tok = torch.where(finite, x.argmax(dim=-1), torch.full((), ERROR_TOKEN))
         if len(greedy) == len(params):       # every row greedy (the common case): no scatter by a list
-            return tok.to(logits.device)
-        out[greedy] = tok.cpu()
+            return greedy_fn(logits, vocab).to(logits.device)
+        out[greedy] = greedy_fn(logits[greedy], vocab).cpu()
     for b, (p, g) in enumerate(zip(params, generators)):
         if gen.is_greedy(p["temperature"]):
             continue
@@ -358,7 +371,7 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
             last = full[:, -1]
         else:
             full = last = gen.gather_vocab(logits, ctx.tp)
-        tokens = sample_rows(last, vocab, sample_params, sample_gens)
+        tokens = sample_rows(last, vocab, sample_params, sample_gens, getattr(model, "greedy_tokens", greedy_tokens))
         if k is not None:
             table = logprob_table(full, vocab, rows, params, tokens, prompt_rows, k, partial_next)
     tokens = gen.broadcast_from_last(tokens, ctx.pp).cpu().tolist()
@@ -385,7 +398,8 @@ WARMUP_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], bool], ...] = tuple(
 def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int, hidden: int, dtype: torch.dtype,
                    windows, layouts=WARMUP_LAYOUTS) -> float:
     """``serve.compile = true``: wrap ``model.forward`` in ``torch.compile(dynamic=True)``
-    (inductor) and run one throwaway step (:func:`run_step`, greedy) per layout of
+    (inductor), give the model a compiled :func:`greedy_tokens` (``model.greedy_tokens``:
+    :func:`run_step` samples greedy rows with it) and run one throwaway step (:func:`run_step`, greedy) per layout of
     ``layouts`` (:data:`WARMUP_LAYOUTS`) so that no request waits for a compile; returns the
     seconds it took. Every rank of a replica runs the same steps (collectives match).
 
@@ -410,6 +424,7 @@ def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int,
     fx_config.use_duck_shape = False    # sizes equal by chance (T == G, ...) get no guard of equality
     t0 = time.perf_counter()
     model.forward = torch.compile(model.forward, dynamic=True)
+    model.greedy_tokens = torch.compile(greedy_tokens, dynamic=True)    # run_step's greedy rows (sample_rows)
     bs, nxt = cache.block_size, 0
     for shape, prompt_lps in layouts:
         rows = []
@@ -596,6 +611,6 @@ def _leader_collect(conn, sched: Scheduler, rows: list[Row], tokens: list[int], 
         conn.send(("out", due, sched.stats()))
 
 
-__all__ = ["PagedKVCache", "Row", "paged_step", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
+__all__ = ["PagedKVCache", "Row", "paged_step", "greedy_tokens", "sample_rows", "ERROR_TOKEN", "run_step", "wants_logprobs",
            "logprob_table", "unpack_logprobs", "replica_ranks", "block_hashes", "BlockPool", "Sequence", "Scheduler",
            "StreamBuffer", "serve_requests", "broadcast_plan", "tcp_nodelay", "IDLE_HEARTBEAT_S", "KEY_ENV"]
