@@ -9,8 +9,11 @@ import io
 import itertools
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from parcompile.codegen.emit import render_serve, write_files
@@ -175,3 +178,43 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
 def measured_collectives(rec: dict) -> dict:
     """``(op, axis, bytes) -> count`` of a serve rank's record (its ``rt.COUNTER`` snapshot)."""
     return {(e["op"], e["axis"], e["bytes"]): e["count"] for e in rec["comm"]}
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(spec: Path, out: Path, env: dict, timeout_s: float = 300):
+    """`parcompile serve SPEC -o OUT` (environment ``env``) on a free loopback port, once
+    /health answers 200 (within ``timeout_s``), until the block ends (then Ctrl-C, and a
+    kill after 60 s): yields ``(process, base URL)``."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(spec), "-o", str(out), "--port",
+                             str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

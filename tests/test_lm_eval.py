@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,8 @@ import torch
 pytest.importorskip("lm_eval")
 httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")
+
+from tests.serve_utils import serving  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EOT = "<|endoftext|>"
@@ -105,12 +104,6 @@ def _results(p: subprocess.Popen, out: Path) -> tuple[dict, dict]:
     return results, samples
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.torchrun
 def test_lm_eval_local_completions_equals_hf_on_the_same_checkpoint(tmp_path):
     _write_checkpoint(tmp_path / "hf")
@@ -125,37 +118,18 @@ def test_lm_eval_local_completions_equals_hf_on_the_same_checkpoint(tmp_path):
     # the truth, beside the server (most of a run is lm-eval's imports)
     hf_run = _lm_eval(["--model", "hf", "--model_args", f"pretrained={tmp_path / 'hf'},dtype=float32", "--device",
                        "cpu"], tmp_path / "hf_out", tmp_path / "tasks", env)
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(tmp_path / "s.par"), "-o",
-                             str(tmp_path / "out"), "--port", str(port)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        served, served_samples = _results(_lm_eval(
-            ["--model", "local-completions", "--model_args",
-             f"base_url={base}/v1/completions,model=m,tokenizer_backend=huggingface,tokenizer={tmp_path / 'hf'},"
-             f"tokenized_requests=True,max_length=64,num_concurrent=1,max_retries=1"],
-            tmp_path / "served", tmp_path / "tasks", env), tmp_path / "served")
-        metrics = httpx.get(base + "/metrics", timeout=10).text
-    finally:
-        if hf_run.poll() is None and sys.exc_info()[0] is not None:
+        with serving(tmp_path / "s.par", tmp_path / "out", env, timeout_s=120) as (_, base):
+            served, served_samples = _results(_lm_eval(
+                ["--model", "local-completions", "--model_args",
+                 f"base_url={base}/v1/completions,model=m,tokenizer_backend=huggingface,tokenizer={tmp_path / 'hf'},"
+                 f"tokenized_requests=True,max_length=64,num_concurrent=1,max_retries=1"],
+                tmp_path / "served", tmp_path / "tasks", env), tmp_path / "served")
+            metrics = httpx.get(base + "/metrics", timeout=10).text
+    except BaseException:
+        if hf_run.poll() is None:
             hf_run.kill()
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        raise
     hf, hf_samples = _results(hf_run, tmp_path / "hf_out")
     assert served["tiny_mc"]["acc,none"] == hf["tiny_mc"]["acc,none"]
     assert len(served_samples["tiny_mc"]) == len(MC) and len(served_samples["tiny_gen"]) == len(GEN)

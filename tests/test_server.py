@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +35,7 @@ httpx = pytest.importorskip("httpx")
 
 from parcompile.runtime import generate as gen  # noqa: E402
 from parcompile.runtime import paged  # noqa: E402
-from tests.serve_utils import build_serve, paged_generate, run_in_process  # noqa: E402
+from tests.serve_utils import build_serve, free_port, paged_generate, run_in_process, serving  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = """model tiny {
@@ -62,44 +61,15 @@ def _spec(tp: int, pp: int) -> str:
     return SPEC.replace("WORLD", str(tp * pp)).replace("TP", str(tp)).replace("PP", str(pp))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _serving(tmp: Path, spec: str):
     """`parcompile serve` of ``spec`` (written into ``tmp``) on a free loopback port, until the
-    block ends (then Ctrl-C): ``proc``, ``base`` URL, an openai ``client`` and ``tmp``."""
+    block ends: ``proc``, ``base`` URL, an openai ``client`` and ``tmp``."""
     (tmp / "s.par").write_text(spec)
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PARCOMPILE_DEVICE="cpu", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(tmp / "s.par"), "-o", str(tmp / "out"),
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    with serving(tmp / "s.par", tmp / "out", env) as (proc, base):
         yield {"proc": proc, "base": base,
                "client": openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0), "tmp": tmp}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -742,7 +712,7 @@ class _LiveFront:
         from parcompile.server.http import uvicorn_config
 
         self.engines = engines or _FakeEngines(every_s=0.001)
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = uvicorn_config(_front(self.engines, **kw), "127.0.0.1", self.port,
                                      headers_timeout_s=headers_timeout_s, http=http, loop=loop)
@@ -959,7 +929,7 @@ def test_sigterm_after_uvicorn_shuts_down_still_stops_the_ranks(tmp_path, monkey
     monkeypatch.setattr(engines_mod, "Engines", Fake)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     try:
-        status = server_mod.run_server(compile_config(serve_config()), tmp_path / "serve.py", port=_free_port(),
+        status = server_mod.run_server(compile_config(serve_config()), tmp_path / "serve.py", port=free_port(),
                                        log=lambda *a, **k: logged.append(a[0]))
         assert stopped == [True] and status == 0
         assert any("no `weights`: the model answers with random weights" in line for line in logged)
@@ -1326,7 +1296,7 @@ def test_serving_beyond_loopback_without_a_key_warns(tmp_path, monkeypatch, caps
     plan = compile_config(serve_config())
     for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False),
                               ("localhost", None, False)):
-        assert server_mod.run_server(plan, tmp_path / "serve.py", host=host, port=_free_port(), api_key=key,
+        assert server_mod.run_server(plan, tmp_path / "serve.py", host=host, port=free_port(), api_key=key,
                                      log=lambda *a, **k: None) == 0
         err = capsys.readouterr().err
         assert ("not a loopback address, without an API key" in err) == warned, (host, key, err)
