@@ -29,9 +29,10 @@ the same N clients with the same prompts (as text: lowercase letters, one token 
 the ratio of their output tokens/s. transformers streams text, so its tokens are counted
 from the final chunk's ``usage`` (else one per text chunk).
 
-``--rounds R`` (with ``--transformers``) takes the two servers' N-client phases in turn R
-times (parcompile's server stays up; a fresh `transformers serve` each round, which kept up
-grows without bound under this load), printing each round's ratio and the median: on a
+``--rounds R`` (with ``--transformers``; default 1) takes the two servers' N-client phases
+in turn R times (parcompile's server stays up, idle during the other's phase, and says what
+that cost; a fresh `transformers serve` each round, which kept up grows without bound under
+this load), printing each round's ratio and the median: on a
 machine whose speed drifts by itself (a shared host: the same phase here gave 1,662 to
 2,655 tok/s for `transformers serve` in one night) one round's two phases see about the
 same machine.
@@ -63,6 +64,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -416,7 +418,7 @@ def main(argv=None) -> int:
         spec = tmp / "serve_load.par"
         spec.write_text(text)
     plan = {n: predicted(spec, n, args.prompt_tokens, args.max_tokens) for n in (args.clients, 1)}
-    proc = hf = None
+    proc = None
     url = args.url
     if url is None:
         port = _free_port()
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
                                                                      args.prompt_tokens, args.max_tokens, 1, prefix,
                                                                      args.transformers, pid=proc.pid if proc else None),
                                plan[args.clients]))
-            if args.rounds > 1:
+            if args.transformers:
                 # a fresh `transformers serve` each round: one kept up grew to 11.7 GB resident over
                 # three phases here and slowed by a third (1,567 -> 952 tok/s)
                 hf = start_transformers(spec)
@@ -463,7 +465,6 @@ def main(argv=None) -> int:
                                                                 letters=True, text=True, pid=hf[0].pid))
                 finally:
                     stop(hf[0])
-                    hf = None
                 idle1 = tree_cpu(proc.pid if proc else None)
                 ratios.append(ours[-1] / theirs)
                 print(f"round {i + 1}: {ratios[-1]:.2f}x"
@@ -473,9 +474,8 @@ def main(argv=None) -> int:
                                             prefix, args.transformers, pid=proc.pid if proc else None), plan[1])
         print(f"continuous batching: {ours[-1] / single:.1f}x the output tokens/s of sequential requests")
         if ratios:
-            med = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
-                sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
-            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {med:.2f}x (median of "
+            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): "
+                  f"{statistics.median(ratios):.2f}x (median of "
                   f"{len(ratios)} rounds: {', '.join(f'{r:.2f}' for r in ratios)}) the output tokens/s of "
                   f"`transformers serve --continuous-batching` at {args.clients} streams (same weights, phases in "
                   f"turn; load average {os.getloadavg()[0]:.1f})")
@@ -489,20 +489,6 @@ def main(argv=None) -> int:
                   f"{m.get('parcompile_prefill_tokens_total', 0):,.0f} prompt tokens prefilled")
     finally:
         stop(proc)
-        stop(hf[0] if hf else None)
-    if args.transformers and args.rounds == 1:
-        hf = start_transformers(spec)
-        if hf is None:
-            return 1
-        try:
-            print(f"load average {os.getloadavg()[0]:.1f}")
-            theirs = report("transformers", phase(hf[1], args.clients, args.seconds, args.prompt_tokens,
-                                                  args.max_tokens, 1, prefix, letters=True, text=True, pid=hf[0].pid))
-            print(f"parcompile serve (tp {deg.get('tp', '?')} x pp {deg.get('pp', '?')}): {ours[0] / theirs:.1f}x the "
-                  f"output tokens/s of `transformers serve --continuous-batching` at {args.clients} streams (same "
-                  f"weights; load average {os.getloadavg()[0]:.1f})")
-        finally:
-            stop(hf[0])
     return 0
 
 

@@ -1000,7 +1000,7 @@ def test_the_engine_connection_sends_each_step_at_once(tmp_path):
         finally:
             front.detach()
         assert r.info["nodelay"] != 0                                                   # the leader's end
-        assert r.info["threads"] == host.engine_threads(1) == max(1, host.cores() - 1)
+        assert r.info["threads"] == host.engine_threads(1)          # (torch's default here: all the cores)
     finally:
         assert e.stop() == 0
 
