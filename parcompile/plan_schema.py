@@ -381,6 +381,13 @@ class Serve(_Strict):
     stream_interval: Optional[int] = Field(None, ge=1, description="the server sends a request's tokens in groups "
                                            "of this many (the first and the last at once); absent: 1, each token "
                                            "the step it is made")
+    waiting_served_ratio: Optional[float] = Field(None, ge=0, description="waiting requests join a running batch "
+                                                  "once they are this fraction of the running sequences (or "
+                                                  "max_waiting_steps have passed, or nothing runs); absent with "
+                                                  "max_waiting_steps: at once")
+    max_waiting_steps: Optional[int] = Field(None, ge=0, description="the engine steps waiting requests may be "
+                                             "held while a batch runs, to gather several prompts into one step; "
+                                             "absent: 0, at once")
     fits: bool
     ttft: float = Field(ge=0, description="time to first token, seconds")
     tpot: float = Field(ge=0, description="time per output token, seconds")

@@ -245,7 +245,11 @@ def test_serve_keys_reach_the_plan_and_bad_values_point_at_the_spec():
     assert "compile" not in d                                                   # off by default
     d = parcompile.compile(src.replace("EXTRA", "    compile = true\n"), filename="s.par").data["serve"]
     assert d["compile"] is True
-    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n", "    compile = 1\n"):
+    assert (d["waiting_served_ratio"], d["max_waiting_steps"]) == (0.3, 20)      # text-generation-inference's
+    d = parcompile.compile(src.replace("EXTRA", "    max_waiting_steps = 0\n"), filename="s.par").data["serve"]
+    assert "waiting_served_ratio" not in d and "max_waiting_steps" not in d         # at once: vLLM's
+    for bad in ("    prefix_caching = 3\n", "    max_prefill_tokens = 0\n", "    compile = 1\n",
+                "    waiting_served_ratio = -1\n", "    max_waiting_steps = 1.5\n"):
         with pytest.raises(SpecError) as e:
             parcompile.compile(src.replace("EXTRA", bad), filename="s.par")
         assert e.value.diagnostics[0].span.line == 7, bad
@@ -318,6 +322,50 @@ def test_abort_of_a_preempted_request_frees_its_generator_and_the_watermark_hold
     s._preempt(s.running["a"])
     s.abort("a")
     assert s.next_step()["free"] == ["a"] and s.stats()["blocks_free"] == 9     # c holds one
+
+
+def test_waiting_requests_are_held_until_enough_wait_or_the_steps_pass():
+    """serve.waiting_served_ratio / max_waiting_steps (text-generation-inference's router):
+    with nothing running a request is admitted at once; beside running sequences a new one
+    waits until ratio x running wait (then all join one step) or it was held the steps; a
+    step computing a prompt chunk anyway takes it at once; 0 steps admits every step."""
+    def step(sched):             # one engine step: its rows' rids (each row's token: 5)
+        plan = sched.next_step()
+        rows = [paged.Row(*r) for r in plan["rows"]]
+        sched.collect(rows, [5] * len(rows))
+        return [r.rid for r in rows], set(plan["new"])
+
+    s = paged.Scheduler(blocks=64, block_size=4, max_seqs=8, prefix_caching=False, waiting_served_ratio=0.5,
+                        max_waiting_steps=3)
+    for rid in "abcd":
+        s.add(rid, [1, 2, 3], {"max_tokens": 20})
+    assert step(s)[0] == list("abcd")                           # nothing ran: at once
+    s.add("e", [4, 5], {"max_tokens": 20})
+    assert step(s)[0] == list("abcd") and s.held_steps == 1     # 1 waits < 0.5 x 4 running
+    s.add("f", [6, 7], {"max_tokens": 20})
+    assert step(s) == (list("abcdef"), {"e", "f"}) and s.held_steps == 0   # 2 wait >= 0.5 x 4: one step
+    s.add("g", [8], {"max_tokens": 20})
+    for held in (1, 2, 3):
+        assert "g" not in step(s)[0] and s.held_steps == held
+    assert step(s)[0][-1] == "g"                                # held max_waiting_steps: admitted
+
+    chunked = paged.Scheduler(blocks=64, block_size=4, max_seqs=8, prefix_caching=False, max_prefill_tokens=8,
+                              waiting_served_ratio=10.0, max_waiting_steps=50)
+    chunked.add("a", [1] * 3, {"max_tokens": 20})
+    chunked.add("long", list(range(12)), {"max_tokens": 20})
+    assert step(chunked)[0] == ["a", "long"]                    # a whole, 5 of long's 12 (the budget: 8)
+    chunked.add("b", [2, 2], {"max_tokens": 20})
+    assert step(chunked)[0] == ["a", "long", "b"]               # long's last 7: b's prompt joins at once
+    chunked.add("c", [3], {"max_tokens": 20})
+    assert step(chunked)[0] == ["a", "long", "b", "c"]          # b's last token (its chunk of 1 was the budget's)
+    chunked.add("d", [4], {"max_tokens": 20})
+    assert step(chunked)[0] == ["a", "long", "b", "c"]          # decode rows only: d is held
+
+    now = paged.Scheduler(blocks=64, block_size=4, max_seqs=8, prefix_caching=False)      # 0 steps: every step
+    now.add("a", [1], {"max_tokens": 20})
+    step(now)
+    now.add("b", [2], {"max_tokens": 20})
+    assert step(now)[0] == ["a", "b"]
 
 
 def _preempting_requests():

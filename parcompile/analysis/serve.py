@@ -157,6 +157,8 @@ class ServeReport:
     max_prefill_tokens: int | None = None
     compile: bool = False
     stream_interval: int = 1
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 0
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -234,6 +236,8 @@ class ServeReport:
             **({"max_prefill_tokens": self.max_prefill_tokens} if self.max_prefill_tokens else {}),
             **({"compile": True} if self.compile else {}),
             **({"stream_interval": self.stream_interval} if self.stream_interval > 1 else {}),
+            **({"waiting_served_ratio": self.waiting_served_ratio, "max_waiting_steps": self.max_waiting_steps}
+               if self.max_waiting_steps else {}),
             "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
                                             for s in self.stages),
             "fits": self.batch_fits,
@@ -508,7 +512,8 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     tpot = sum(x.decode_s for x in stages)
     return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
                        ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens, sv.prefix_caching,
-                       sv.max_prefill_tokens, sv.compile, sv.stream_interval)
+                       sv.max_prefill_tokens, sv.compile, sv.stream_interval, sv.waiting_served_ratio,
+                       sv.max_waiting_steps)
 
 
 def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) -> list[str]:

@@ -171,6 +171,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "temperature": _NONNEG, "top_k": _NONNEG_INT, "prompt": _STR,
         "block_size": _COUNT, "kv_cache_tokens": _COUNT, "prefix_caching": _BOOL,
         "max_prefill_tokens": _COUNT, "compile": _BOOL, "stream_interval": _COUNT,
+        "waiting_served_ratio": _NONNEG, "max_waiting_steps": _NONNEG_INT,
     },
 }
 

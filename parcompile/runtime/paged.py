@@ -508,7 +508,9 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
         except OSError as e:
             raise gen.ServeError(f"cannot reach the server's front at {address}: {e}") from None
         sched = Scheduler(blocks, block_size, max_seqs, prefix_caching=sv.get("prefix_caching", True),
-                          max_prefill_tokens=sv.get("max_prefill_tokens"), stream_interval=sv.get("stream_interval") or 1)
+                          max_prefill_tokens=sv.get("max_prefill_tokens"), stream_interval=sv.get("stream_interval") or 1,
+                          waiting_served_ratio=sv.get("waiting_served_ratio", 0.0),
+                          max_waiting_steps=sv.get("max_waiting_steps", 0))
         conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
                              "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
     generators: dict[str, torch.Generator] = {}
