@@ -31,7 +31,7 @@ class Engine:
     :meth:`run` serves requests, ``arrive`` of them joining per step."""
 
     def __init__(self, out: Path, weights: str | None, blocks: int, block_size: int, max_seqs: int, caching: bool,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, **admission):
         from parcompile import runtime as rt
         from parcompile.runtime.weights import load_weights
 
@@ -53,7 +53,7 @@ class Engine:
         self.cache = self.model.new_paged_cache(blocks, block_size, self.ctx.device)
         self.windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
         self.sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=caching,
-                                     max_prefill_tokens=max_prefill_tokens)
+                                     max_prefill_tokens=max_prefill_tokens, **admission)
         self.blocks = blocks
         self.steps: list[list[tuple[str, int, bool]]] = []      # each step's rows: (rid, new tokens, prefill)
         self.preempted: list[tuple[str, int]] = []               # (rid, its tokens generated) per preemption
@@ -154,6 +154,25 @@ def test_prefix_caching_shares_a_repeated_prefix_and_keeps_greedy_tokens(tmp_pat
     # prompt) and request 0 (first) find none
     assert s_on["prefix_cache_queries"] == total and s_on["prefix_cache_hits"] == 16
     assert s_on["prefill_tokens"] == total - 16
+
+
+def test_held_requests_get_the_tokens_and_logprobs_of_requests_admitted_at_once(tmp_path, one_thread):
+    """serve.max_waiting_steps: requests held a few steps and then prefilled together beside
+    the decoding ones (other step compositions) get the greedy tokens and logprobs (1e-5)
+    they get when each is admitted the step it arrives, seeded sampling included."""
+    build_serve(serve_config(serve=dict(batch=4, prompt_len=10, max_new_tokens=6, seed=3)), tmp_path / "p")
+    reqs = [([5, 17, 99, 3], {"max_tokens": 6, "logprobs": 2}), ([7, 7, 120], {"max_tokens": 5, "logprobs": 1}),
+            ([9, 8, 7, 6, 5], {"max_tokens": 6, "logprobs": 2, "temperature": 1.0, "seed": 11}),
+            ([200, 1], {"max_tokens": 4, "logprobs": 3})]
+    now = Engine(tmp_path / "p", None, blocks=16, block_size=4, max_seqs=4, caching=False)
+    held = Engine(tmp_path / "p", None, blocks=16, block_size=4, max_seqs=4, caching=False,
+                  waiting_served_ratio=10.0, max_waiting_steps=2)
+    want, got = now.run(reqs, arrive=1), held.run(reqs, arrive=1)
+    assert held.steps != now.steps and any(len(s) > 2 and sum(pre for *_, pre in s) >= 2 for s in held.steps)
+    assert not any(sum(pre for *_, pre in s) >= 2 for s in now.steps)           # one prompt a step there
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["tokens"]
+        assert [x for x, _ in g["lps"]] == pytest.approx([x for x, _ in w["lps"]], abs=1e-5)
 
 
 def test_prompt_logprobs_requests_are_prefilled_whole():
@@ -348,6 +367,16 @@ def test_waiting_requests_are_held_until_enough_wait_or_the_steps_pass():
     for held in (1, 2, 3):
         assert "g" not in step(s)[0] and s.held_steps == held
     assert step(s)[0][-1] == "g"                                # held max_waiting_steps: admitted
+
+    full = paged.Scheduler(blocks=64, block_size=4, max_seqs=2, prefix_caching=False, waiting_served_ratio=10.0,
+                           max_waiting_steps=2)
+    full.add("a", [1], {"max_tokens": 20})
+    full.add("b", [2], {"max_tokens": 5})
+    step(full)
+    full.add("c", [3], {"max_tokens": 20})
+    for _ in range(4):                                          # b's tokens 2 to 5: no seat for c
+        assert step(full)[0] == ["a", "b"]
+    assert step(full)[0] == ["a", "c"] and full.held_steps == 0  # waited out the full batch: joins at once
 
     chunked = paged.Scheduler(blocks=64, block_size=4, max_seqs=8, prefix_caching=False, max_prefill_tokens=8,
                               waiting_served_ratio=10.0, max_waiting_steps=50)

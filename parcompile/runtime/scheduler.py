@@ -222,7 +222,7 @@ class Scheduler:
                  waiting_served_ratio: float = 0.0, max_waiting_steps: int = 0):
         self.block_size, self.max_seqs = block_size, max_seqs
         self.waiting_served_ratio, self.max_waiting_steps = waiting_served_ratio, max_waiting_steps
-        self.held_steps = 0            # steps since waiting requests last joined (held by admit_now)
+        self.held_steps = 0            # steps with requests waiting since the last admission (admit_now)
         self.max_prefill_tokens = max_prefill_tokens or None    # prompt tokens per step (None: no limit)
         self.pool = BlockPool(blocks, prefix_caching)
         self.total = blocks
@@ -366,7 +366,7 @@ class Scheduler:
             prefilling = prefilling or prefill
             schedule(s, n)
         held = bool(self.waiting) and not preempted and not self.admit_now(prefilling)
-        self.held_steps = self.held_steps + 1 if held else 0
+        admitted = 0
         while not preempted and not held and self.waiting and len(self.running) < self.max_seqs and budget > 0:
             s = self.waiting[0]
             fit = self._fit(s, budget)
@@ -386,6 +386,9 @@ class Scheduler:
             self.running[s.rid] = s
             budget -= n if prefill else 0
             schedule(s, n)
+            admitted += 1
+        # the wait counts until someone joins: a request that waited out a full batch joins when a seat frees
+        self.held_steps = self.held_steps + 1 if self.waiting and not admitted else 0
         return {"stop": False, "free": freed, "new": {s.rid: s.params for s in new}, "rows": rows,
                 "prompt_logprobs": want, "partial": partial}
 
