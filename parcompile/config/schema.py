@@ -295,7 +295,8 @@ class ServeConfig(_Frozen):
     max_prefill_tokens: Optional[int] = None  # the server's prompt tokens per step (chunked prefill; None: whole prompts)
     compile: bool = False     # the server's engine runs torch.compile'd steps, warmed up before it is ready
     stream_interval: int = 1  # the server streams a request's tokens in groups of this many (SGLang's, vLLM's)
-    # when waiting requests join a running batch (text-generation-inference's router; Scheduler.admit_now)
+    # when waiting requests join a running batch (text-generation-inference's router; Scheduler.admit_now);
+    # defaults: huggingface/text-generation-inference launcher/src/main.rs @ 009c4e0b945b2c111368afdc2c9813c32db0a9b7
     waiting_served_ratio: float = 0.3   # TGI's --waiting-served-ratio default
     max_waiting_steps: int = 20         # TGI's --max-waiting-tokens default; 0: at once
 

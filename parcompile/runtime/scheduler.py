@@ -312,7 +312,8 @@ class Scheduler:
 
     def admit_now(self, prefilling: bool) -> bool:
         """Whether this step admits waiting requests beside the running ones (text-generation-
-        inference's router: ``--waiting-served-ratio``, ``--max-waiting-tokens``): at once when
+        inference's router: ``--waiting-served-ratio``, ``--max-waiting-tokens``, launcher/src/main.rs
+        at 009c4e0b; a wait counts engine steps, TGI's decode tokens of the batch): at once when
         nothing runs, when the step computes prompt tokens anyway (``prefilling``: a chunk or
         a recompute; the new prompts join that group), when at least ``waiting_served_ratio``
         x the running sequences wait, or once they have been held ``max_waiting_steps``
