@@ -14,6 +14,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -629,7 +630,8 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     on a few layouts) gives the eager engine's greedy tokens and logprobs (1e-4) for the same
     requests, steps mixing decode rows with new prompts and a chunked prompt (blocks of 4,
     at most 5 prompt tokens a step) included; the warm-up's scratch writes leave every block
-    free and the prefix cache empty."""
+    free and the prefix cache empty; the generated code writes the cache in place, a mixed
+    step's too (no whole-cache copy: :meth:`paged.PagedKVCache.write_step`)."""
     build_serve(serve_config(model=dict(layers=2), serve=dict(batch=4, prompt_len=12, max_new_tokens=6)), tmp_path / "p")
     prompts = [[5, 17, 99, 3, 250, 42], [7, 7, 120], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [200, 1]]
     reqs = [(p, {"max_tokens": 5, "logprobs": 2}) for p in prompts]
@@ -638,9 +640,14 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     eng = Engine(tmp_path / "p", None, blocks=24, block_size=4, max_seqs=4, caching=True, max_prefill_tokens=5)
     layouts = ((((1, 5), (1, 9), (1, 3)), False), (((1, 5), (1, 9), (1, 3), (6, 0), (3, 0)), False),
                (((6, 0), (3, 0)), False))
-    paged.compile_engine(eng.model, eng.ctx, eng.cache, eng.mod.VOCAB, eng.mod.HIDDEN, eng.mod.DTYPE, eng.windows,
-                         layouts=layouts)
+    from torch._inductor.utils import run_and_get_code
+
+    _, code = run_and_get_code(paged.compile_engine, eng.model, eng.ctx, eng.cache, eng.mod.VOCAB, eng.mod.HIDDEN,
+                               eng.mod.DTYPE, eng.windows, layouts=layouts)
     assert eng.sched.stats()["blocks_free"] == 24 and not eng.sched.pool.cached       # warm-up: no state
+    # the step's cache writes stay in place: no kernel copies a cache back (aten.copy_ in a
+    # fused kernel's name, as inductor wrote when each group of a mixed step wrote its own)
+    assert code and not [line for c in code for line in c.splitlines() if re.search(r"(?<!index)_copy__", line)]
     got = eng.run(reqs, arrive=2)
     assert any(sum(pre for _, _, pre in rows) and sum(not pre for _, _, pre in rows) for rows in eng.steps)   # mixed
     assert eng.steps == eager.steps

@@ -203,6 +203,16 @@ def by_group(step: StepInput, fn, *xs: torch.Tensor) -> torch.Tensor:
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)).unsqueeze(0)
 
 
+def write_step(pos: "LayerStep", k: torch.Tensor, v: torch.Tensor) -> None:
+    """A packed step (the paged engine's, ``pos.step.packing``): write its new k, v (1, N,
+    Hkv, D) of layer ``pos.layer`` into the paged cache once, before :func:`by_group` runs
+    the groups (whose ``cache.store`` then reads only:
+    :meth:`parcompile.runtime.paged.PagedKVCache.write_step` says why). A contiguous step
+    (the :class:`KVCache`) writes in its ``store``: nothing here."""
+    if pos.step.packing is not None:
+        pos.cache.write_step(pos.layer, k, v)
+
+
 @dataclass
 class LayerStep:
     """What one decoder layer of a serving step reads besides its input (the generated
@@ -244,6 +254,7 @@ def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Laye
         y = cached_attention(q, k, v, masks[window], fused, scale, sinks, softcap)
         return y.transpose(1, 2).reshape(B, T, -1)
 
+    write_step(pos, k, v)
     return by_group(pos.step, core, q, k, v)
 
 

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parcompile.runtime.context import Axis
-from parcompile.runtime.generate import apply_rope_at, by_group, cached_attention
+from parcompile.runtime.generate import apply_rope_at, by_group, cached_attention, write_step
 from parcompile.runtime.layers import INIT_STD, attention_core, deinterleave, make_param
 from parcompile.runtime.fp8 import fp8_linear
 from parcompile.runtime.wgrad import linear
@@ -148,6 +148,7 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
                              softcap=softcap)
         return y.view(B, H, T, c).transpose(1, 2)                                # (B, T, H, c)
 
+    write_step(pos, latent, k_rope)
     return by_group(pos.step, core, q, latent, k_rope)
 
 

@@ -2,7 +2,8 @@
 
 The generated serve program (``serve.py``) builds its model as for one-shot generation and,
 started with ``--engine HOST:PORT`` by `parcompile serve`, hands it to :func:`serve_requests`
-instead of prefilling one batch. The same ``Stage.forward`` runs: its attention layers call
+instead of prefilling one batch. The same ``Stage.forward`` runs: its attention layers write
+the step's k, v once (:func:`parcompile.runtime.generate.write_step`), then call
 ``cache.store(layer, k, v, where)`` and :func:`parcompile.runtime.generate.cached_attention`
 with the step's masks (through :func:`parcompile.runtime.generate.by_group`), and here the
 cache is a :class:`PagedKVCache` bound to the step's groups of rows and their slots (as
@@ -95,6 +96,7 @@ class PagedKVCache:
         self.v = {i: torch.zeros((slots, kv_local, head_dim if v_dim is None else v_dim), dtype=dtype, device=device)
                   for i in layers}
         self.groups: list[gen.PackGroup] = []
+        self.slots = torch.zeros(0, dtype=torch.long)
 
     @property
     def nbytes(self) -> int:
@@ -103,21 +105,38 @@ class PagedKVCache:
     def bind(self, groups: list[gen.PackGroup]) -> None:
         """The step's groups of rows (:func:`paged_step`): each holds where its real tokens
         go (``write``: a slot per packed token, computed once per step) and the context
-        slots its rows attend (``read``); :meth:`store` is given one of them."""
+        slots its rows attend (``read``); :meth:`store` is given one of them. ``slots``
+        (N,): every packed token's slot, the groups' ``write`` one after the other (the
+        groups hold consecutive slices of the packed tokens), for :meth:`write_step`."""
         self.groups = groups
+        self.slots = groups[0].write if len(groups) == 1 else torch.cat([g.write for g in groups])
+
+    def write_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new k, v of ``layer``, packed (1, N, kv_local, D) as the step's
+        tokens (:func:`paged_step`), into their slots (:meth:`bind`'s ``slots``): one
+        in-place write per tensor and step, before any group reads (:meth:`store`).
+
+        One write, not one per group: under ``serve.compile`` inductor keeps a single
+        ``index_copy_`` of a graph input in place, but two on the same cache tensor (a step
+        with decode and prompt groups) made it copy every layer's whole cache and copy it
+        back (torch 2.13's output code: a step of 31 decode rows and one prompt cost 5.1 ms
+        against 2.5 ms for 32 decode rows; issue 33). A row never reads a slot the step
+        writes (its context was written by earlier steps, and a block is shared through the
+        prefix cache only once computed, :meth:`Scheduler.collect`), so the order is free."""
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            cache.index_copy_(0, self.slots, new[0].to(cache.dtype))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               group: gen.PackGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the ``group``'s (one of those :meth:`bind` was given) new k, v (G,
-        kv_local, T, D), left-padded as :meth:`parcompile.runtime.generate.PackGroup.unpack`
-        lays them out, into its real tokens' slots (padding is never written); return the
-        keys and values the group's queries attend: each row's context (G, kv_local, C, D)
-        followed by the group's own, (G, kv_local, C + T, D), in k's dtype (the
-        :class:`parcompile.runtime.generate.KVCache` interface: the group stands where the
-        contiguous cache takes the step's start)."""
+        """The keys and values the ``group``'s (one of those :meth:`bind` was given) queries
+        attend, given its new k, v (G, kv_local, T, D) left-padded as
+        :meth:`parcompile.runtime.generate.PackGroup.unpack` lays them out: each row's
+        context (G, kv_local, C, D) followed by the group's own, (G, kv_local, C + T, D), in
+        k's dtype (the :class:`parcompile.runtime.generate.KVCache` interface: the group
+        stands where the contiguous cache takes the step's start). The step's new tokens
+        are written once for all groups, by :meth:`write_step`
+        (:func:`parcompile.runtime.generate.write_step` calls it before the groups run)."""
         G, H, T, _ = k.shape
-        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
-            cache.index_copy_(0, group.write, group.pack(new.transpose(1, 2)).to(cache.dtype))
         C = group.read.shape[0] // G
         keys, values = (c.index_select(0, group.read).view(G, C, H, c.shape[-1]).transpose(1, 2).to(x.dtype)
                         for c, x in ((self.k[layer], k), (self.v[layer], v)))      # (G, H, C, D)
@@ -406,10 +425,10 @@ def compile_engine(model, ctx: ParallelContext, cache: PagedKVCache, vocab: int,
     The steps write k, v into the cache's blocks ``0, 1, ...`` (wrapping around a small
     cache): those blocks stay free in the leader's :class:`Scheduler` (nothing here touches
     it or its prefix cache), and a request's context is always written before it is read,
-    so the scratch values are never seen. :meth:`PagedKVCache.store`'s ``index_copy_`` stays in
-    the graph: inductor writes the step's slots of the cache (a graph input, its slot count a
-    dynamic size) in place, fused with the attention's gather, and never copies the whole
-    cache back (checked in its output code, torch 2.13). A layout not warmed up compiles when
+    so the scratch values are never seen. :meth:`PagedKVCache.write_step`'s ``index_copy_`` (one
+    per cache tensor and step) stays in the graph: inductor writes the step's slots of the
+    cache (a graph input, its slot count a dynamic size) in place and never copies the whole
+    cache back (checked in its output code, torch 2.13: tests/test_serve_engine.py). A layout not warmed up compiles when
     first met (a recompile, not an error: the recompile limit is raised to 64 graphs; the
     compile (minutes on a CPU) then stalls that step and the ones behind it)."""
     import torch._dynamo
