@@ -12,3 +12,31 @@ import os
 # it), whatever the developer's shell says. Tests of the host figures set
 # PARCOMPILE_CPU_PROBE themselves.
 os.environ["PARCOMPILE_CPU_PROBE"] = "fixed"
+
+import signal
+
+import pytest
+
+
+def _signal_state() -> tuple:
+    """SIGINT's and SIGTERM's handlers and the main thread's blocked signals."""
+    mask = frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, [])) if hasattr(signal, "pthread_sigmask") else None
+    return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), mask
+
+
+@pytest.fixture(autouse=True)
+def _signals_left_as_found():
+    """Every test leaves the process's SIGINT and SIGTERM handlers and its signal mask as it
+    found them (restored, then the test fails): a child process inherits an ignored or
+    blocked signal, so a leak made a later `parcompile run` ignore Ctrl-C
+    (tests/test_run_signals.py), and an embedding user's process would stop answering it."""
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    if after != before:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+        if before[2] is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before[2])
+        pytest.fail(f"the test changed the process's signal state: (SIGINT handler, SIGTERM handler, blocked) "
+                    f"{before} -> {after}", pytrace=False)

@@ -318,10 +318,10 @@ class Scheduler:
         a recompute; the new prompts join that group), when at least ``waiting_served_ratio``
         x the running sequences wait, or once they have been held ``max_waiting_steps``
         steps (0: never held). Holding them a few steps gathers several prompts into one
-        step: on a CPU a step that holds prompt rows beside the decode rows costs about
-        twice a decode-only step whatever the number of prompts (issue 33: 5.0 ms with 1 to
-        4 prompts vs 2.4 ms for 32 decode rows), so a prefill per new request halves
-        throughput under load."""
+        step: on a CPU a compiled step that holds prompt rows beside the decode rows costs
+        1.3-1.4x a decode-only step, about the same with 1 or 4 prompts (issue 33, the tiny
+        model: 31 decode rows + 1 prompt 1.9-2.1 ms, + 4 prompts 2.1-2.3 ms, 32 decode rows
+        1.6 ms), so a prefill per new request costs throughput under load."""
         return (not self.running or prefilling or self.held_steps >= self.max_waiting_steps
                 or len(self.waiting) >= self.waiting_served_ratio * len(self.running))
 
