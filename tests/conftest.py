@@ -14,7 +14,6 @@ import os
 os.environ["PARCOMPILE_CPU_PROBE"] = "fixed"
 
 import signal
-import warnings
 
 import pytest
 
@@ -25,36 +24,14 @@ def _signal_state() -> tuple:
     return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), mask
 
 
-def _kernel_signals() -> dict:
-    """The kernel's view of this process's ignored and blocked signals (Linux /proc: SigIgn,
-    SigBlk, hex masks), which C code can change behind :func:`signal.getsignal`'s back."""
-    try:
-        with open("/proc/self/status") as f:
-            return {k: v.strip() for k, _, v in (line.partition(":") for line in f) if k in ("SigIgn", "SigBlk")}
-    except OSError:
-        return {}
-
-
-_KERNEL_AT_START = _kernel_signals()
-_kernel_warned: list[str] = []
-
-
 @pytest.fixture(autouse=True)
-def _signals_left_as_found(request):
+def _signals_left_as_found():
     """Every test leaves the process's SIGINT and SIGTERM handlers and its signal mask as it
     found them (restored, then the test fails): a child process inherits an ignored or
-    blocked signal, so a leak made a later `parcompile run` ignore Ctrl-C
-    (tests/test_run_signals.py), and an embedding user's process would stop answering it."""
+    blocked signal, so a leak would make a later `parcompile run` ignore Ctrl-C
+    (tests/test_run_signals.py), and an embedding user's process stop answering it."""
     before = _signal_state()
     yield
-    kernel = _kernel_signals()
-    if kernel != _KERNEL_AT_START and not _kernel_warned:
-        # (a warning, once: a full suite has run `parcompile run` with SIGINT ignored, and
-        # which test or fixture set it so is not known yet; the handlers and mask above are
-        # checked per test and were not it)
-        _kernel_warned.append(request.node.nodeid)
-        warnings.warn(f"ignored / blocked signals changed since the session started, first seen after "
-                      f"{request.node.nodeid}: {_KERNEL_AT_START} -> {kernel}")
     after = _signal_state()
     if after != before:
         signal.signal(signal.SIGINT, before[0])

@@ -50,10 +50,10 @@ train {
 
 #: exec python with the rest of argv, SIGINT and SIGTERM at their default actions and no signal
 #: blocked, as an interactive shell starts a foreground job. A child inherits an ignored or
-#: blocked signal: started from a process that ignores SIGINT (this test under a full suite
-#: run, from a pytest process something had set so; or `cmd &` in a script), `parcompile run`
-#: rightly keeps ignoring it (POSIX: nohup and background jobs rely on that), and Ctrl-C could
-#: not be tested (it ran on past the 60 s wait).
+#: blocked signal: under a pytest started in the background by a script (`pytest &`: a
+#: non-interactive shell starts background jobs with SIGINT ignored), `parcompile run`
+#: rightly kept ignoring it (POSIX: nohup and background jobs rely on that), and the Ctrl-C
+#: job ran on past the 60 s wait.
 AS_A_TERMINAL_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                      "signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.pthread_sigmask(signal.SIG_SETMASK, []); "
                      "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
