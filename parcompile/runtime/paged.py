@@ -95,20 +95,18 @@ class PagedKVCache:
         self.k = {i: torch.zeros((slots, kv_local, head_dim), dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros((slots, kv_local, head_dim if v_dim is None else v_dim), dtype=dtype, device=device)
                   for i in layers}
-        self.groups: list[gen.PackGroup] = []
-        self.slots = torch.zeros(0, dtype=torch.long)
+        self.slots = torch.zeros(0, dtype=torch.long)     # the step's write slots (bind)
 
     @property
     def nbytes(self) -> int:
         return sum(nbytes(t) for t in self.k.values()) + sum(nbytes(t) for t in self.v.values())
 
     def bind(self, groups: list[gen.PackGroup]) -> None:
-        """The step's groups of rows (:func:`paged_step`): each holds where its real tokens
-        go (``write``: a slot per packed token, computed once per step) and the context
-        slots its rows attend (``read``); :meth:`store` is given one of them. ``slots``
-        (N,): every packed token's slot, the groups' ``write`` one after the other (the
-        groups hold consecutive slices of the packed tokens), for :meth:`write_step`."""
-        self.groups = groups
+        """Take the step's groups of rows (:func:`paged_step`), each holding where its real
+        tokens go (``write``: a slot per packed token) and the context slots its rows attend
+        (``read``; :meth:`store` is given the group): ``slots`` (N,) becomes every packed
+        token's slot, the groups' ``write`` one after the other (the groups hold consecutive
+        slices of the packed tokens), for :meth:`write_step`."""
         self.slots = groups[0].write if len(groups) == 1 else torch.cat([g.write for g in groups])
 
     def write_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
