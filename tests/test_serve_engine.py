@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ class Engine:
 
         spec = importlib.util.spec_from_file_location(f"engine_prog_{next(_ids)}", out / "serve.py")
         self.mod = mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod      # importable, as the serve program (__main__) is: compile_engine's fused graph
         spec.loader.exec_module(mod)
         plan = json.loads((out / "plan.json").read_text())
         saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
@@ -466,7 +468,8 @@ def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables
     assert pre.pack(pre.unpack(x)).tolist() == list(range(2, 10)) and dec.unpack(x).tolist() == [[0], [1]]
     assert step.padded(x).tolist() == [[0] * 6, [2, 3, 4, 5, 6, 7], [8] * 5 + [9], [1] * 6]
     assert step.last(x[..., None])[:, 0, 0].tolist() == [0, 7, 9, 1]
-    for g, grows in ((dec, [rows[0], rows[3]]), (pre, [rows[1], rows[2]])):
+
+    def check(g, grows):
         (G, T), C = g.shape, max(r.context for r in grows)
         assert g.write.tolist() == [slot(r, r.context + i) for r in grows for i in range(len(r.tokens))]
         read = g.read.view(G, C)
@@ -487,6 +490,19 @@ def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables
                             kp = r.context + k - C - pad
                             want = k - C >= pad and k - C <= q and (not w or qp - kp < w)
                         assert bool(m[q, k]) == want, (g.start, b, w, q, k)
+
+    check(dec, [rows[0], rows[3]])
+    check(pre, [rows[1], rows[2]])
+    # a step of decode rows only (most steps under load) is laid out by its own shorter path:
+    # the same rule, rows in their own order (a context of 0, a table shorter than the longest)
+    drows = [rows[0], paged.Row("e", [3], 6, [4, 8]), rows[3]]
+    ids, step = paged.paged_step(drows, bs, (0, 3), "cpu")
+    assert ids.tolist() == [[5, 3, 4]] and step.positions.tolist() == [[9, 6, 0]]
+    pk = step.packing
+    assert pk.last.tolist() == [0, 1, 2] and pk.lengths == [1, 1, 1] and pk.offsets == [0, 1, 2]
+    (g,) = pk.groups
+    assert (g.start, g.count, g.shape, g.to_padded, g.to_packed) == (0, 3, (3, 1), None, None)
+    check(g, drows)
 
 
 @pytest.mark.parametrize("kind,model", [
@@ -572,6 +588,15 @@ def test_sample_rows_draws_greedy_rows_together_as_each_row_alone():
     assert compiled(logits[[0, 1, 2]], 8).tolist() == want[:2] + [paged.greedy_tokens(logits[2:3], 8).item()]
     assert paged.sample_rows(logits, 8, params, [torch.Generator().manual_seed(b) for b in range(6)],
                              compiled).tolist() == want
+    # every row's greedy token computed with the logits (compile_engine's forward_and_greedy,
+    # a tp-1 last stage): the greedy rows take theirs from it, the others are drawn as before
+    def unused(*_):
+        raise AssertionError("greedy_fn called although greedy_all was given")
+
+    every_row = paged.greedy_tokens(logits, 8)
+    assert paged.sample_rows(logits, 8, params, [torch.Generator().manual_seed(b) for b in range(6)], unused,
+                             greedy_all=every_row).tolist() == want
+    assert paged.sample_rows(bad, 8, every, [None] * 5, unused, greedy_all=paged.greedy_tokens(bad, 8)).tolist() == got
 
 
 def _plan_rank(rank: int, port: int, msgs: list, out: str) -> None:
@@ -648,6 +673,7 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     # the step's cache writes stay in place: no kernel copies a cache back (aten.copy_ in a
     # fused kernel's name, as inductor wrote when each group of a mixed step wrote its own)
     assert code and not [line for c in code for line in c.splitlines() if re.search(r"(?<!index)_copy__", line)]
+    assert hasattr(eng.model, "forward_and_greedy")     # tp 1: the greedy tokens come from the forward's graph
     got = eng.run(reqs, arrive=2)
     assert any(sum(pre for _, _, pre in rows) and sum(not pre for _, _, pre in rows) for rows in eng.steps)   # mixed
     assert eng.steps == eager.steps

@@ -396,10 +396,15 @@ class NonFiniteLogits(ServeError):
         self.rows = rows
 
 
+#: float32's smallest normal number (1.2e-38): :func:`is_greedy`'s bound (the serve engine asks
+#: once per row and step; ``torch.finfo`` costs more than the comparison)
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
 def is_greedy(temperature: float) -> bool:
     """Whether :func:`pick_tokens` draws greedily at ``temperature``: 0, NaN, and temperatures
     below float32's smallest normal number (1.2e-38; 1e-300 is 0 in float32)."""
-    return not temperature >= torch.finfo(torch.float32).tiny
+    return not temperature >= _FP32_TINY
 
 
 def pick_tokens(logits: torch.Tensor, vocab: int, temperature: float, top_k: int,
