@@ -471,6 +471,9 @@ def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables
 
     def check(g, grows):
         (G, T), C = g.shape, max(r.context for r in grows)
+        # int64 and contiguous, as the compiled step's guards were traced with (a strided
+        # index would be another graph: a recompile)
+        assert {g.write.dtype, g.read.dtype} == {torch.int64} and g.read.is_contiguous() and g.write.is_contiguous()
         assert g.write.tolist() == [slot(r, r.context + i) for r in grows for i in range(len(r.tokens))]
         read = g.read.view(G, C)
         for b, r in enumerate(grows):
@@ -502,7 +505,11 @@ def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables
     assert pk.last.tolist() == [0, 1, 2] and pk.lengths == [1, 1, 1] and pk.offsets == [0, 1, 2]
     (g,) = pk.groups
     assert (g.start, g.count, g.shape, g.to_padded, g.to_packed) == (0, 3, (3, 1), None, None)
+    assert {ids.dtype, step.positions.dtype, pk.last.dtype} == {torch.int64}
     check(g, drows)
+    # a context of one token in every row (two one-token prompts' second step): C = 1
+    ids, step = paged.paged_step([paged.Row("f", [2], 1, [5]), paged.Row("g", [6], 1, [9])], bs, (0, 3), "cpu")
+    check(step.packing.groups[0], [paged.Row("f", [2], 1, [5]), paged.Row("g", [6], 1, [9])])
 
 
 @pytest.mark.parametrize("kind,model", [
@@ -648,6 +655,25 @@ def test_compile_with_tp_or_pp_is_refused_at_the_spec():
         parcompile.compile(src, filename="s.par")
     d = e.value.diagnostics[0]
     assert "compile" in d.message and d.span.line == 7
+
+
+def test_the_fused_greedy_graph_needs_the_program_module_importable(tmp_path):
+    """compile_engine compiles the forward with the greedy tokens as one graph only when the
+    forward's module is the one ``sys.modules`` holds under its name (dynamo imports it to
+    inline the forward): a module loaded from a file and not registered keeps the two calls."""
+    assert paged._importable(paged.greedy_tokens) and paged._importable(paged.PagedKVCache.bind)
+    (tmp_path / "prog_x.py").write_text("class M:\n    def forward(self, x):\n        return x\n")
+    spec = importlib.util.spec_from_file_location("prog_x_unregistered", tmp_path / "prog_x.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not paged._importable(mod.M().forward)
+    sys.modules[spec.name] = mod
+    try:
+        assert paged._importable(mod.M().forward)
+        sys.modules[spec.name] = importlib.util.module_from_spec(spec)     # another module of that name
+        assert not paged._importable(mod.M().forward)
+    finally:
+        del sys.modules[spec.name]
 
 
 def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):

@@ -162,7 +162,9 @@ def _context_slots(tables: np.ndarray, C: int, block_size: int) -> np.ndarray:
     after row (a row's table padded with block 0 past its own blocks)."""
     G, W = len(tables), -(-C // block_size)
     slots = tables[:, :W, None] * block_size + np.arange(block_size)                   # (G, W, bs)
-    return slots.reshape(G, W * block_size)[:, :C].reshape(-1)
+    # (a copy: with C == 1 and G >= 2 the slice reshapes to a strided view, which a compiled
+    # CPU step's guard would take for a new layout and recompile)
+    return np.ascontiguousarray(slots.reshape(G, W * block_size)[:, :C]).reshape(-1)
 
 
 def _group_layout(rows: list[Row], block_size: int, wins: tuple, device, start: int) -> gen.PackGroup:
@@ -411,7 +413,7 @@ def run_step(model, ctx: ParallelContext, cache: PagedKVCache, rows: list[Row], 
     cache.bind(step.packing.groups)
     fused = getattr(model, "forward_and_greedy", None)            # compile_engine's, on a tp-1 last stage
     with torch.inference_mode():      # no autograd state at all (cheaper per op than no_grad)
-        out = gen.pipeline_pass(fused or model.forward, ctx, ids, step, hidden, dtype, tag=tag)
+        out = gen.pipeline_pass(model.forward if fused is None else fused, ctx, ids, step, hidden, dtype, tag=tag)
     logits, greedy_all = out if fused is not None else (out, None)
     P = T if step.all_positions else 1
     if ctx.is_last_stage():
