@@ -508,8 +508,9 @@ def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables
     assert {ids.dtype, step.positions.dtype, pk.last.dtype} == {torch.int64}
     check(g, drows)
     # a context of one token in every row (two one-token prompts' second step): C = 1
-    ids, step = paged.paged_step([paged.Row("f", [2], 1, [5]), paged.Row("g", [6], 1, [9])], bs, (0, 3), "cpu")
-    check(step.packing.groups[0], [paged.Row("f", [2], 1, [5]), paged.Row("g", [6], 1, [9])])
+    drows = [paged.Row("f", [2], 1, [5]), paged.Row("g", [6], 1, [9])]
+    ids, step = paged.paged_step(drows, bs, (0, 3), "cpu")
+    check(step.packing.groups[0], drows)
 
 
 @pytest.mark.parametrize("kind,model", [
@@ -699,7 +700,8 @@ def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     # the step's cache writes stay in place: no kernel copies a cache back (aten.copy_ in a
     # fused kernel's name, as inductor wrote when each group of a mixed step wrote its own)
     assert code and not [line for c in code for line in c.splitlines() if re.search(r"(?<!index)_copy__", line)]
-    assert hasattr(eng.model, "forward_and_greedy")     # tp 1: the greedy tokens come from the forward's graph
+    # tp 1: the greedy tokens come from the forward's graph, and no second greedy graph is made
+    assert hasattr(eng.model, "forward_and_greedy") and not hasattr(eng.model, "greedy_tokens")
     got = eng.run(reqs, arrive=2)
     assert any(sum(pre for _, _, pre in rows) and sum(not pre for _, _, pre in rows) for rows in eng.steps)   # mixed
     assert eng.steps == eager.steps
