@@ -299,6 +299,40 @@ class ServeConfig(_Frozen):
     # defaults: huggingface/text-generation-inference launcher/src/main.rs @ 009c4e0b945b2c111368afdc2c9813c32db0a9b7
     waiting_served_ratio: float = 0.3   # TGI's --waiting-served-ratio default
     max_waiting_steps: int = 20         # TGI's --max-waiting-tokens default; 0: at once
+    #: the serving engine the estimate assumes (analysis/serve_engines.py SERVE_ENGINES); the
+    #: builder resolves None: `parcompile` on the `cpu` preset, `vllm` elsewhere
+    engine: Optional[Literal["vllm", "sglang", "parcompile"]] = None
+    #: how the weights are stored (core/quant.py): the model's dtype, or a quantized family
+    weight_dtype: Literal["model", "fp8", "mxfp4", "int4"] = "model"
+    #: the stored format within the family (core/quant.py FORMATS: `fp8-block`, `fp8-tensor`, ...),
+    #: read from the checkpoint's quantization_config by the builder; None: the family's default
+    weight_format: Optional[str] = None
+    #: the workload: closed-loop clients (each sends its next request when its last ends; None:
+    #: `batch`), or open-loop arrivals in requests/s (math.inf: every request at once, a burst
+    #: of `batch`, as vLLM's benchmark_latency and `bench serve --request-rate inf`)
+    concurrency: Optional[int] = None
+    request_rate: Optional[float] = None
+    #: mean latency targets a sizing search must meet (s)
+    ttft_target: Optional[float] = None
+    tpot_target: Optional[float] = None
+    #: prefill and decode on separate GPU pools (the parallel block is the decode pool; the
+    #: prefill pool is `prefill_replicas` instances of `prefill_tp` GPUs), the KV cache sent
+    #: from one to the other over the network
+    disaggregated: bool = False
+    prefill_replicas: Optional[int] = None
+    prefill_tp: Optional[int] = None
+    #: the serve keys given as `auto` (filled by `parcompile search`)
+    auto: tuple[str, ...] = ()
+
+    @property
+    def clients(self) -> int:
+        """Concurrent requests in the system: ``concurrency``, else ``batch``."""
+        return self.concurrency if self.concurrency is not None else self.batch
+
+    @property
+    def burst(self) -> bool:
+        """Every request arrives at once (``request_rate = inf``)."""
+        return self.request_rate is not None and self.request_rate == float("inf")
 
 
 class SpecConfig(_Frozen):

@@ -46,7 +46,8 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
-from parcompile.core.files import what_is
+from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text, what_is
+from parcompile.core.quant import QuantConfigError, checkpoint_format
 from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS
 from parcompile.diagnostics import DiagnosticBag, Span
 from parcompile.frontend import ast
@@ -172,8 +173,20 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "block_size": _COUNT, "kv_cache_tokens": _COUNT, "prefix_caching": _BOOL,
         "max_prefill_tokens": _COUNT, "compile": _BOOL, "stream_interval": _COUNT,
         "waiting_served_ratio": _NONNEG, "max_waiting_steps": _NONNEG_INT,
+        "engine": _enum(ServeConfig, "engine"),
+        "weight_dtype": replace(_enum(ServeConfig, "weight_dtype"), auto=True),
+        "concurrency": _COUNT,
+        "request_rate": KeyType("float", low=0, low_open=True, words=("inf",)),
+        "ttft_target": _quantity("time"), "tpot_target": _quantity("time"),
+        "disaggregated": KeyType("bool", auto=True),
+        "prefill_replicas": _COUNT, "prefill_tp": _COUNT,
     },
 }
+# `auto` in a serve spec: the sizing search fills them (parcompile/search/serve.py)
+KEYS["serve"]["batch"] = _COUNT_OR_AUTO
+KEYS["serve"]["kv_dtype"] = replace(KEYS["serve"]["kv_dtype"], auto=True)
+#: what a serve key given as `auto` holds until the search fills it
+SERVE_AUTO_PLACEHOLDERS = {"batch": 1, "kv_dtype": None, "weight_dtype": "model", "disaggregated": False}
 
 BLOCK_KINDS: tuple[str, ...] = tuple(KEYS)
 #: Blocks a spec must have, with an example for the help line (`parallel` defaults).
@@ -703,11 +716,19 @@ class _Builder:
             values["tokenizer"] = _tokenizer_beside(init_from) or "bytes"
         return self._make(TrainConfig, "train", **values) or TrainConfig()
 
-    def serve(self, model: ModelConfig) -> ServeConfig | None:
+    def serve(self, model: ModelConfig, cluster: ClusterConfig) -> ServeConfig | None:
         if "serve" not in self.blocks:
             return None
         values = dict(self.values["serve"])
-        values.setdefault("kv_dtype", model.dtype)
+        auto = sorted(k for k, v in values.items() if v is AUTO)
+        for k in auto:
+            values[k] = SERVE_AUTO_PLACEHOLDERS[k]
+            self.ctx.bad.add(f"serve.{k}")   # checks that read it skip until the search fills it
+        if values.get("kv_dtype") is None:
+            values["kv_dtype"] = model.dtype
+        values.setdefault("engine", "parcompile" if cluster.preset == "cpu" else "vllm")
+        if values.get("request_rate") == "inf":
+            values["request_rate"] = math.inf
         weights = values.get("weights")
         if weights is not None:
             values["weights"] = self._resolve_path(weights)
@@ -715,7 +736,51 @@ class _Builder:
                 self.bag.warning(f"weights directory `{weights}` does not exist yet",
                                  self.ctx.span("serve.weights"),
                                  help="it must hold a Hugging Face checkpoint or one written by a training run")
-        return self._make(ServeConfig, "serve", **values) or ServeConfig()
+            else:
+                self._checkpoint_quantization(values)
+        return self._make(ServeConfig, "serve", auto=tuple(auto), **values) or ServeConfig()
+
+    def _checkpoint_quantization(self, values: dict) -> None:
+        """The stored format of the `weights` checkpoint (its config.json's
+        ``quantization_config``, core/quant.py): sets ``weight_format`` and, when
+        ``weight_dtype`` is not given, ``weight_dtype`` (vLLM reads the checkpoint so too);
+        a given ``weight_dtype`` of another family is an error at the key."""
+        path = os.path.join(values["weights"], "config.json")
+        try:
+            config = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
+        except (OSError, ValueError, RecursionError):
+            return   # not a Hugging Face checkpoint (or unreadable): the weights' own checks say so
+        if not isinstance(config, dict):
+            return
+        try:
+            fmt = checkpoint_format(config)
+        except QuantConfigError as e:
+            self.bag.error(f"weights `{values['weights']}`: {e.message}", self.ctx.span("serve.weights"), help=e.help)
+            self.ctx.bad.add("serve.weights")
+            return
+        given = values.get("weight_dtype")
+        if fmt is None:
+            if given in ("mxfp4", "int4"):
+                self.bag.error(f"weight_dtype = {given} needs a checkpoint quantized so; `{values['weights']}` has no "
+                               f"quantization_config", self.ctx.span("serve.weight_dtype"),
+                               help="give a published " + ("MXFP4 (gpt-oss) checkpoint" if given == "mxfp4" else
+                                                           "AWQ or GPTQ (4-bit, group 128) checkpoint")
+                                    + ", or remove weight_dtype (the checkpoint's own dtype)",
+                               note="fp8 can be made on load from a 16-bit checkpoint (per tensor, as vLLM's "
+                                    "--quantization fp8); 4-bit formats need calibration")
+                self.ctx.bad.add("serve.weight_dtype")
+            elif given == "fp8":
+                values["weight_format"] = "fp8-tensor"   # quantized on load, one scale per tensor
+            return
+        if given is None or given is AUTO:
+            values["weight_dtype"] = fmt.family
+        elif given != fmt.family:
+            self.bag.error(f"weight_dtype = {given}, but the checkpoint `{values['weights']}` holds {fmt.description}",
+                           self.ctx.span("serve.weight_dtype"),
+                           help=f"set weight_dtype = {fmt.family} (or remove it: the checkpoint's format)")
+            self.ctx.bad.add("serve.weight_dtype")
+            return
+        values["weight_format"] = fmt.name
 
     def build(self, name: str) -> SpecConfig:
         self.read_blocks()
@@ -723,7 +788,7 @@ class _Builder:
         cluster = self.cluster(model.dtype)
         parallel = self.parallel(cluster)
         train = self.train()
-        serve = self.serve(model)
+        serve = self.serve(model, cluster)
         cfg = SpecConfig(
             name=name,
             filename=self.spec.filename,
