@@ -569,6 +569,23 @@ def replica_shares(batch: int, dp: int) -> str:
     return f"{lo if lo == hi else f'{lo} to {hi}'} per replica, {plural(dp, 'replica')}"
 
 
+def _workload_words(sv: dict[str, Any]) -> str:
+    """plan.json ``serve.workload`` in words."""
+    w = sv["workload"]
+    if w["kind"] == "closed_loop":
+        return f"{plural(w['concurrency'], 'closed-loop client')}"
+    if w["kind"] == "burst":
+        return f"{plural(w['requests'], 'request')} at once"
+    return f"{w['request_rate']:g} requests/s (Poisson)"
+
+
+def _weights_words(sv: dict[str, Any], d: dict[str, Any]) -> str:
+    """How the weights are stored, in words."""
+    if sv["weight_dtype"] == "model":
+        return f"in {d['model']['dtype']}"
+    return f"in {sv['weight_dtype']}" + (f" (`{sv['weight_format']}`)" if sv.get("weight_format") else "")
+
+
 def _serve_report(d: dict[str, Any]) -> list[str]:
     """The serving sections of the report: memory per rank, KV cache, time."""
     sv, mem = d["serve"], d["memory"]
@@ -585,9 +602,13 @@ def _serve_report(d: dict[str, Any]) -> list[str]:
             + f" Room for {sv['max_concurrent_tokens']:,} tokens of cache ({sv['max_concurrent_sequences']:,} "
               f"sequences of {sv['prompt_len'] + sv['max_new_tokens']:,} tokens).", "",
             "## Estimate (serving)", "",
-            f"Time to first token **{sv['ttft'] * 1e3:.4g} ms** (prefill, compute-bound), time per output token "
-            f"**{sv['tpot'] * 1e3:.4g} ms** (decode, memory-bound); {sv['decode_tokens_per_s']:,.0f} tokens/s while "
-            f"decoding, {sv['tokens_per_s']:,.0f} tokens/s over the whole request.", "",
+            f"{_workload_words(sv)} on engine `{sv['engine']}`, weights {_weights_words(sv, d)}: time to first "
+            f"token **{sv['ttft'] * 1e3:.4g} ms**, time per output token **{sv['tpot'] * 1e3:.4g} ms** "
+            f"({sv['tokens_per_s_per_user']:,.1f} tokens/s per user); {sv['tokens_per_s']:,.0f} output tokens/s"
+            f" ({sv['tokens_per_s'] / d['world_size']:,.0f} per GPU)"
+            + (f", {sv['running']:.3g} sequences running (at most {sv['running_limit']:,})" if "running" in sv else "")
+            + (f"; each prompt in {sv['prefill_steps']} chunks of {sv['prefill_chunk']:,.0f} tokens"
+               if sv.get("prefill_steps", 1) > 1 else "") + ".", "",
             "| part | seconds |", "|---|---|"]
     out += [f"| {k} | {v:.4g} |" for k, v in sv["breakdown"].items()]
     return out

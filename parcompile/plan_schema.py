@@ -350,6 +350,16 @@ class Estimate(_Strict):
                                   "(extension, training only)")
 
 
+class ServeWorkload(_Strict):
+    """``serve.workload``: the workload whose steady state ``ttft``, ``tpot`` and ``tokens_per_s``
+    are (analysis/serve_workload.py)."""
+
+    kind: Literal["closed_loop", "open_loop", "burst"]
+    concurrency: Optional[int] = Field(None, ge=1, description="closed-loop clients")
+    request_rate: Optional[float] = Field(None, gt=0, description="open-loop requests per second")
+    requests: Optional[int] = Field(None, ge=1, description="a burst's requests, sent at once")
+
+
 class Serve(_Strict):
     """``serve`` (serve specs only): KV cache, memory and latency of the deployment."""
 
@@ -358,6 +368,13 @@ class Serve(_Strict):
     replicas: int = Field(ge=1)
     prompt_len: int = Field(ge=1)
     max_new_tokens: int = Field(ge=0)
+    engine: Literal["vllm", "sglang", "parcompile"] = Field(
+        description="the serving engine the estimate assumes (analysis/serve_engines.py)")
+    weight_dtype: Literal["model", "fp8", "mxfp4", "int4"] = Field(
+        description="how the weights are stored: the model's dtype or a quantized family (core/quant.py)")
+    weight_format: Optional[str] = Field(None, description="the quantized weights' stored format (core/quant.py "
+                                         "FORMATS: fp8-block, fp8-tensor, fp8-channel, mxfp4, int4-awq, "
+                                         "int4-gptq); absent: the model's dtype")
     kv_dtype: Literal["fp32", "bf16", "fp16", "fp8"]
     kv_heads_per_rank: int = Field(ge=1)
     kv_head_replicas: int = Field(ge=1)
@@ -389,10 +406,26 @@ class Serve(_Strict):
                                              "held while a batch runs, to gather several prompts into one step; "
                                              "absent: 0, at once")
     fits: bool
-    ttft: float = Field(ge=0, description="time to first token, seconds")
-    tpot: float = Field(ge=0, description="time per output token, seconds")
-    decode_tokens_per_s: float = Field(ge=0)
-    tokens_per_s: float = Field(ge=0)
+    workload: ServeWorkload
+    ttft: float = Field(ge=0, description="mean time to first token of the workload's steady state (queueing "
+                        "included), seconds")
+    tpot: float = Field(ge=0, description="mean time per output token after the first, seconds")
+    decode_tokens_per_s: float = Field(ge=0, description="tokens/s of a decode-only step of the running "
+                                       "sequences, all replicas")
+    tokens_per_s: float = Field(ge=0, description="output tokens/s of the workload, all replicas")
+    tokens_per_s_per_user: float = Field(ge=0, description="1 / tpot: the rate one request's tokens come at")
+    e2e_latency: Optional[float] = Field(None, ge=0, description="mean time from a request's send to its last "
+                                         "token, seconds")
+    request_throughput: Optional[float] = Field(None, ge=0, description="requests completed per second, all "
+                                                "replicas")
+    running: Optional[float] = Field(None, ge=0, description="sequences running in a step (mean), all replicas")
+    running_limit: Optional[int] = Field(None, ge=0, description="the most sequences a step holds: batch, or "
+                                         "what the KV cache holds at the mean context; all replicas")
+    prefill_steps: Optional[int] = Field(None, ge=1, description="steps a request's prompt takes (chunked "
+                                         "prefill: the engine's token budget per step)")
+    prefill_chunk: Optional[float] = Field(None, ge=0, description="prompt tokens per chunk")
+    mixed_share: Optional[float] = Field(None, ge=0, le=1, description="share of a request's decode steps that "
+                                         "also prefill other requests' prompt chunks")
     breakdown: dict[str, float]
 
 

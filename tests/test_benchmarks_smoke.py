@@ -34,6 +34,7 @@ SMOKE = {
                   "--target", "0"], "ratio program / plain"),
     "planning": (["--smoke"], "search Llama-3 70B on 32 GPUs"),
     "search": (["--only", "70b"], "best:"),
+    "serve_gpu": ([], "largest error"),
 }
 LAUNCHING = {
     # the HTTP front alone against a stand-in engine (a child process)

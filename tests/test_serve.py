@@ -64,7 +64,16 @@ def test_serve_memory_and_time_70b_tp8():
     # decode is memory-bound: reading ~17.6 GB of weights per token at 0.8 * 3.35 TB/s
     assert 6e-3 < sv["breakdown"]["decode_weights"] < 7.5e-3
     assert sv["ttft"] > sv["tpot"] > 0 and sv["tokens_per_s"] > 0
-    assert sv["decode_tokens_per_s"] == pytest.approx(sv["batch"] / sv["tpot"])
+    # 32 closed-loop clients, batch 32: all run, none queues; TPOT is a decode step of the 32 plus what
+    # other requests' prompts add, and each client's requests come at 1 / (ttft + 511 tpot)
+    br = sv["breakdown"]
+    assert sv["workload"] == {"kind": "closed_loop", "concurrency": 32} and sv["running"] == 32
+    decode_step = sum(v for k, v in br.items() if k.startswith("decode_") and k != "decode_prefill_share")
+    assert sv["tpot"] == pytest.approx(decode_step + br["decode_prefill_share"]) and br["decode_prefill_share"] > 0
+    assert sv["decode_tokens_per_s"] == pytest.approx(32 / decode_step)
+    assert sv["e2e_latency"] == pytest.approx(sv["ttft"] + 511 * sv["tpot"]) and br["queue"] == 0
+    assert sv["tokens_per_s"] == pytest.approx(32 * 512 / sv["e2e_latency"])
+    assert sv["tokens_per_s_per_user"] == pytest.approx(1 / sv["tpot"])
 
 
 def test_step_collectives_counted_by_hand():
@@ -382,19 +391,22 @@ def test_serve_batch_is_global_and_the_report_says_how_the_replicas_share_it(bat
     sv = plan.data["serve"]
     assert (sv["batch"], sv["replicas"], sv["batch_per_replica"]) == (batch, dp, -(-batch // dp))
     assert f"\n{words} of 16 prompt + 48 new tokens;" in plan.report_md()
-    total = sv["ttft"] + 47 * sv["tpot"]
-    assert sv["decode_tokens_per_s"] == pytest.approx(batch / sv["tpot"])     # not dp x the largest share
-    assert sv["tokens_per_s"] == pytest.approx(batch * 48 / total)
+    # the closed loop's `batch` clients (concurrency's default), shared by the replicas: `batch` run
+    assert sv["running"] == pytest.approx(batch)                               # not dp x the largest share
+    assert sv["tokens_per_s"] == pytest.approx(batch * 48 / sv["e2e_latency"])
 
 
 def test_engine_overhead_on_the_cpu_preset_counts_the_engines_host_work_per_step():
     """Issue 33: on the `cpu` preset (fixed figures: 20 us per op, 50 us per message) each
-    step's TTFT and TPOT hold the engine's host work beyond the graph's ops: on the first
+    step of the parcompile engine holds its host work beyond the graph's ops: on the first
     stage the step plan's broadcast (one message) and the step's layout, on every stage
     the paged cache's work per layer, on the last the sampling, in units of the per-op
-    figure; a GPU preset (no host model) leaves it out."""
-    from parcompile.analysis import serve as S
+    figure, beside the graph's ops at the per-op figure; a GPU engine (vLLM) has its own
+    per-step time instead (analysis/serve_engines.py)."""
+    from parcompile.analysis import serve_steps as S
+    from parcompile.analysis.serve_engines import SERVE_ENGINES
     from parcompile.core.model import STEP_PLAN_BYTES
+    from parcompile.passes.manager import compile_graph
 
     per_op, alpha = 20e-6, 50e-6
     for tp, pp, want in ((1, 1, (S.STEP_LAYOUT_OPS + 4 * S.PAGED_CACHE_OPS + S.SAMPLE_OPS) * per_op),
@@ -404,11 +416,14 @@ def test_engine_overhead_on_the_cpu_preset_counts_the_engines_host_work_per_step
         src = (f'model m {{ layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128, vocab = 256, '
                f'seq_len = 32, dtype = fp32 }}\ncluster c from "cpu" {{ gpus_per_node = {tp * pp} }}\n'
                f'parallel {{ tp = {tp}, pp = {pp} }}\nserve {{ batch = 2, prompt_len = 6, max_new_tokens = 6 }}\n')
-        sv = parcompile.compile(src, filename="s.par").data["serve"]
+        plan = parcompile.compile(src, filename="s.par")
+        sv = plan.data["serve"]
+        assert sv["engine"] == "parcompile"
+        c = compile_graph(plan.config)
+        ops = sum(st.ops for st in S.stage_steps(plan.config, c.graph, c.ctx.degrees))
         br = sv["breakdown"]
-        assert br["engine_overhead"] == pytest.approx(want, rel=0.05)
-        decode = sum(v for k, v in br.items() if k.startswith("decode_")) + br["engine_overhead"]
-        prefill = sum(v for k, v in br.items() if k.startswith("prefill_")) + br["engine_overhead"]
-        assert sv["tpot"] == pytest.approx(decode, rel=1e-9) and sv["ttft"] == pytest.approx(prefill, rel=1e-9)
-    gpu = parcompile.compile(Path("examples/llama3_70b_serve_8x_h100.par")).data["serve"]["breakdown"]
-    assert "engine_overhead" not in gpu
+        assert br["decode_overhead"] == pytest.approx(ops * per_op + want, rel=0.05)
+        assert br["prefill_overhead"] == pytest.approx(ops * per_op + want, rel=0.05)   # one prefill step
+    gpu = parcompile.compile(Path("examples/llama3_70b_serve_8x_h100.par")).data["serve"]
+    assert gpu["engine"] == "vllm"
+    assert gpu["breakdown"]["decode_overhead"] == SERVE_ENGINES["vllm"].step_overhead

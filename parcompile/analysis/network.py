@@ -238,3 +238,56 @@ def links_of(cluster, placements: Mapping[str, tuple[int, int]], eff: Efficiency
 def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str) -> bool:
     """Whether some group of ``axis`` has ranks in two NVLink domains (nodes)."""
     return groups_placement(groups.get(axis) or [], _domain(cluster))[1] > 1
+
+
+#: NCCL's LL protocol on a ring (NVIDIA/nccl ``src/graph/tuning.cc`` @01afd20a: ``baseLat`` of
+#: Ring/LL 3.6 us, ``hwLat`` NVLink Ring/LL 0.47 us per step, and LL's bus bandwidth a quarter
+#: of the ring's for an all-reduce): what NCCL picks for the few-KB all-reduces of a decode step
+NCCL_LL_BASE = 3.6e-6
+NCCL_LL_STEP = 0.47e-6
+NCCL_LL_BANDWIDTH = 0.25
+#: the group sizes vLLM's (and SGLang's) custom all-reduce serves (``_SUPPORTED_WORLD_SIZES``,
+#: vllm/distributed/device_communicators/custom_all_reduce.py @00d618aa)
+CUSTOM_ALLREDUCE_SIZES = (2, 4, 6, 8)
+
+
+def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True) -> tuple[str, float]:
+    """``(algorithm, seconds)`` of one all-reduce of ``nbytes`` over ``n`` ranks placed as
+    ``link`` in a serving engine's step (``engine``: a
+    :class:`~parcompile.analysis.serve_engines.ServeEngine`), chosen by message size as the
+    engine chooses:
+
+    * the engine's own custom all-reduce where it has one, the group sits inside one NVLink
+      domain, ``n`` is 2, 4, 6 or 8 and the message is below ``engine.custom_max_bytes``
+      (vLLM's ``should_custom_ar``): ``oneshot`` (every rank reads its peers' buffers and
+      reduces: ``latency + nbytes (n - 1) / nvlink``) for two ranks or below
+      ``engine.oneshot_bytes`` (half of it for more than 4 ranks), else ``twoshot`` (a
+      reduce-scatter then an all-gather through peer memory: ``2 latency + 2 nbytes (n - 1)
+      / n / nvlink``), ``latency`` the engine's :attr:`allreduce_latency`
+      (csrc/custom_all_reduce.cuh @c9eabec7);
+    * otherwise NCCL (``nccl``: the stack's collective library is NCCL or RCCL), which picks
+      per message the fastest of its LL ring (latency-bound: :data:`NCCL_LL_BASE` + ``2 (n -
+      1)`` :data:`NCCL_LL_STEP`, a quarter of the ring's bandwidth) and the large-message
+      algorithms of :func:`collective_algorithms`; another library (gloo on the CPU) the
+      latter only (:func:`collective_time`).
+
+    ``("none", 0.0)`` for a group of one."""
+    if n <= 1:
+        return "none", 0.0
+    if (engine is not None and engine.custom_allreduce and not link.crosses and n in CUSTOM_ALLREDUCE_SIZES
+            and nbytes < engine.custom_max_bytes):
+        limit = engine.oneshot_bytes if n <= 4 else engine.oneshot_bytes // 2
+        lat = engine.allreduce_latency
+        if n == 2 or nbytes < limit:
+            return "oneshot", lat + nbytes * (n - 1) / link.nvlink
+        return "twoshot", 2 * lat + 2 * nbytes * (n - 1) / n / link.nvlink
+    if not nccl:
+        a = collective_algorithm("all_reduce", n, link)
+        return a.name, a.seconds(nbytes)
+    f = _bus_factor("all_reduce", n)
+    best = ("ll", NCCL_LL_BASE + 2 * (n - 1) * NCCL_LL_STEP + nbytes * f / (NCCL_LL_BANDWIDTH * link.ring_bus_bw()))
+    for a in collective_algorithms("all_reduce", n, link):
+        t = a.seconds(nbytes)
+        if t < best[1]:
+            best = (a.name, t)
+    return best

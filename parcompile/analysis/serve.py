@@ -1,14 +1,18 @@
-"""The serving analysis (SPEC 1 `serve`, SPEC 3 `serve`): memory and time of a plan that
-prefills ``batch`` prompts and then generates token by token with a KV cache.
+"""The serving analysis (SPEC 1 `serve`, SPEC 3 `serve`): memory and time of a deployment
+that serves a workload of requests with a KV cache, as its engine (``serve.engine``) runs.
 
 Layout. Attention heads and the KV cache split by kv head over tp (``kv_heads / tp`` per
 rank, or one kv head replicated on ``tp / kv_heads`` ranks when tp is a multiple of
 kv_heads, as vLLM does); layers and their cache split over pp; dp makes independent
-replicas, each serving ``ceil(batch / dp)`` of the sequences (``batch_per_replica``).
+replicas, each running at most ``ceil(batch / dp)`` sequences at once
+(``batch_per_replica``) and serving ``1 / dp`` of the workload.
 
 Memory per rank of pipeline stage ``s`` (bytes):
 
-* weights: ``params_per_rank * dtype_bytes`` (the plan's stage parameters, padded vocab);
+* weights: ``params_per_rank * dtype_bytes`` (the plan's stage parameters, padded vocab),
+  the quantized ones as ``serve.weight_dtype`` stores them (:mod:`parcompile.core.quant`:
+  FP8 with its scales, MXFP4 experts, INT4 groups; the embedding, the LM head, routers and
+  norms stay 16-bit: :func:`~parcompile.analysis.serve_steps.stored_weight_bytes`);
 * KV bytes per token: ``2 * layers_s * kv_heads_per_rank * head_dim * kv_bytes`` (K and V;
   ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8); under multi-head latent attention
   ``layers_s * (kv_lora_rank + qk_rope_head_dim) * kv_bytes``, the latent and the RoPE key,
@@ -21,104 +25,73 @@ Memory per rank of pipeline stage ``s`` (bytes):
   peak bytes of live activations on the rank while the largest prefill step the program
   runs (``ceil(batch / dp)`` rows of ``prompt_len`` tokens, or of ``serve.max_prefill_tokens``
   attending the whole prompt: :func:`prefill_step`) passes the stage, computed from the
-  sharded graph (:mod:`parcompile.analysis.serve_memory`): a liveness walk of each decoder layer's nodes at
-  the step's local types, each op's forward scratch from the op table
-  (:attr:`parcompile.ir.ops.OpSpec.scratch`: the attention core's repeated kv heads and
-  additive mask, or unfused its scores and fp32 softmax; RMSNorm's fp32 copies; RoPE's
-  temporaries; the router's fp32 logits), the largest over the stage's layers, beside the
-  step's masks and RoPE tables; the last stage's head (the last hidden state and the
-  sampled rows' logits, fp32, gathered over tp: :func:`~parcompile.analysis.serve_memory.logits_bytes`) after the layers;
-  with pp > 1 the received hidden state (``b T h e``) beside both. Measured with
-  torch.profiler on the serve program: tests/test_serve_memory.py;
+  sharded graph (:mod:`parcompile.analysis.serve_memory`; measured with torch.profiler on the
+  serve program: tests/test_serve_memory.py);
 * ``max_concurrent_tokens``: ``(capacity - weights - workspace) // kv_bytes_per_token``,
   the smallest over the stages: how many tokens of context fit the remaining capacity.
 
-Time (one replica; pipeline stages run one after another for a single batch, as every
-token passes through every stage; Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", section 2). Each step is costed from the sharded graph the plan compiled
-(:func:`step_costs`: every node at its local types for the step's shapes, the op table's
-FLOPs and traffic, its local parameters, its collectives), so the local sizes and the
-collectives are those of training's rules and of the program (tests/test_serve.py holds
-the collectives equal to what each rank of the serve program counts):
+Time. A step of any mix of rows (decode rows, prompt chunks) is costed per stage from the
+sharded graph the plan compiled (:mod:`parcompile.analysis.serve_steps`: the GEMMs' FLOPs
+and the weights they read, each attention core's (query, key) pairs and the cache it reads,
+the other ops' traffic, the collectives by the engine's all-reduce for their size, the
+engine's fixed costs: :mod:`parcompile.analysis.serve_engines`); a replica's step passes its
+pipeline stages one after another, as every token passes every stage (Pope et al. 2022,
+"Efficiently Scaling Transformer Inference", section 2). The workload
+(:mod:`parcompile.analysis.serve_workload`: ``concurrency`` closed-loop clients, an open-loop
+``request_rate``, or a burst of ``batch`` requests) sets which steps run: TTFT, TPOT, output
+tokens/s are its steady state's means, with the engine's token budget per step (chunked
+prefill: ``serve.max_prefill_tokens``, else the engine's default) and queueing once
+``batch_per_replica`` sequences run or the cache is full.
 
-* prefill (``b`` sequences of ``P`` tokens; the final norm and LM head on the last
-  position only, as the program samples it) per stage: ``max((F + A) / (matmul_eff *
-  peak_flops), (W + X) / (memory_eff * hbm_bw))`` with F the matmuls' FLOPs, A the
-  attention cores' (causal share, :func:`parcompile.analysis.compute.causal_share`), W the
-  weight bytes read, X the operands' and other ops' traffic; plus the step's collectives
-  (tp all-reduces, the logits' all-gather, one pp send of ``b P h e`` per stage boundary and
-  the sampled tokens' broadcast);
-* decode (one token per sequence) is memory-bandwidth-bound: per stage ``max(W / (memory_eff
-  * hbm_bw), (F + A) / (matmul_eff * peak_flops))`` (``decode_weights``: the embedding table
-  is not read, a lookup reads b rows), the cache at the mean context ``P + max_new_tokens /
-  2`` (a sliding-window layer's at most its window; ``decode_kv``: each attention core's
-  cached operands per token, read off the graph, :attr:`StepCost.kv_layers`), the
-  activations' traffic (``decode_activations``) and the step's collectives;
-* multi-head latent attention is costed in the absorbed form the serve program runs (the
-  serving graph's, :func:`parcompile.ir.lower.mla_absorbed`; DeepSeek-V2, arXiv 2405.04434,
-  section 2.1.1 and appendix B; vLLM's "data-movement friendly approach" of
-  vllm-project/vllm ``vllm/attention/backends/mla/common.py`` at commit 15daa36e, which
-  vLLM runs in decode and this program in prefill too): per token and head
-  ``2 n c`` FLOPs for ``q_nope W_uk``, ``2 L (c + r) + 2 L c`` for the scores over the ``L``
-  cached ``[latent, RoPE key]`` and the weighted latents, ``2 c v`` for ``W_uv`` (n/r/v the
-  nope/rope/value head dims, c kv_lora_rank); wkv_b's weights are read once; the cache a
-  decode step reads is ``(c + r) * kv_bytes`` per token and layer, shared by every head
-  (not ``2 * heads * head_dim``: the non-absorbed form's keys and values);
-* ``cluster.op_overhead`` (the host's cost per graph op, the ``cpu`` preset's): the graph's
-  ops per step times it (``prefill_overhead``, ``decode_overhead``; left out where 0), and
-  the engine's own host work per step, in prefill and decode alike (``engine_overhead``:
-  the step plan's broadcast to the replica's ranks, the step's layout, the paged cache's
-  writes and reads, the sampling: :func:`engine_overhead`; left out where 0);
-* ``ttft`` (time to first token) is the prefill; ``tpot`` (time per output token) a decode
-  step; ``decode_tokens_per_s = dp * b / tpot``; ``tokens_per_s`` the generated tokens over
-  the whole request, ``dp * b * max_new_tokens / (ttft + (max_new_tokens - 1) * tpot)``.
+Multi-head latent attention is costed in the absorbed form the serve program runs (the
+serving graph's, :func:`parcompile.ir.lower.mla_absorbed`; DeepSeek-V2, arXiv 2405.04434,
+section 2.1.1 and appendix B; vLLM's "data-movement friendly approach" of
+vllm-project/vllm ``vllm/attention/backends/mla/common.py`` at commit 15daa36e): the cache a
+decode step reads is ``(c + r) * kv_bytes`` per token and layer, shared by every head.
 
 Mixture of experts (``experts > 0``; layers ``i >= dense_layers``), served tensor parallel
 as vLLM does by default (no expert parallelism: every rank holds every expert, each
-expert's inner width ``f_x`` split over tp, the router replicated):
-
-* weights: the plan's stage parameters as above (all E experts ``/ tp``, the router whole);
-* time: a step reads only the experts its tokens chose: at most ``min(E, rows top_k)`` of
-  the E per layer (rows = ``b`` in a decode step, ``b P`` in a prefill), the balanced worst
-  case (vLLM's fused MoE kernel reads only the experts that received tokens);
-* the graph says so (``shard-experts``): the router replicated, a local dispatch, the
-  experts' and the combine's partial sums over tp, the shared experts' added, one
-  all-reduce over tp after the sum; costed from its nodes like any layer;
-* workspace of a MoE layer: the same walk; the program's experts run one at a time on the
-  rows that chose them (at most every token of the step: the bound holds any routing;
-  the op table's scratch of the dispatch, the experts and the combine, ir/scratch.py).
+expert's inner width ``f_x`` split over tp, the router replicated): a step reads only the
+experts its tokens chose, at most ``min(E, tokens * top_k)`` of the E per layer (the balanced
+worst case; vLLM's fused MoE kernel reads only the experts that received tokens); the graph
+says so (``shard-experts``): the router replicated, a local dispatch, the experts' and the
+combine's partial sums over tp, one all-reduce over tp after the sum.
 
 Collectives are timed by the network model (algorithm and link where the group sits,
-:func:`parcompile.analysis.estimate.collective_time`), with the cluster's efficiencies.
+:func:`parcompile.analysis.network.collective_time`), a tensor-parallel all-reduce by the
+engine's choice for its size (:func:`parcompile.analysis.network.serve_allreduce`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.compute import GEMM_KINDS, causal_share, counts_as_op
-from parcompile.analysis.estimate import axis_link, collective_time, efficiency
+from parcompile.analysis.efficiency import attention_efficiency
+from parcompile.analysis.estimate import axis_link, efficiency
 from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
-from parcompile.analysis.serve_memory import StepBytes, prefill_step, received_bytes, serve_workspace
+from parcompile.analysis.serve_engines import serve_engine
+from parcompile.analysis.serve_memory import prefill_step, received_bytes, serve_workspace
+from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, StageSteps, Step, stage_steps,
+                                             stored_weight_bytes, uniform)
+from parcompile.analysis.serve_workload import Workload, WorkloadTimes, steady_state
+from parcompile.config.presets import CLUSTER_PRESETS, accelerator, fp8_peak, fp8_storage
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank
-from parcompile.core.model import STEP_PLAN_BYTES
-from parcompile.config.presets import fp8_storage
+from parcompile.core.quant import QuantFormat, weight_format
 from parcompile.core.units import bytes_text
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import op_collectives, spec
-from parcompile.ir.types import ShardingError, TensorType
+from parcompile.ir.types import ShardingError
 
 #: the largest tp degree suggested in a "does not fit" help line
 _MAX_TP_HINT = 64
 
-
 @dataclass(frozen=True)
 class ServeStage:
-    """One rank of pipeline stage ``stage``: bytes and seconds (module docstring)."""
+    """One rank of pipeline stage ``stage``: bytes (module docstring)."""
 
     stage: int
     layers: int
@@ -130,13 +103,12 @@ class ServeStage:
     kv_per_sequence: int
     workspace: int
     free_for_kv: int
-    prefill_s: float
-    decode_s: float
 
 
 @dataclass(frozen=True)
 class ServeReport:
-    """The plan's ``serve`` section and the serving memory per stage."""
+    """The plan's ``serve`` section and the serving memory per stage; ``times`` the
+    workload's steady state on one replica (None when not one sequence fits)."""
 
     stages: tuple[ServeStage, ...]
     capacity: int
@@ -148,9 +120,6 @@ class ServeReport:
     kv_dtype: str
     kv_heads_per_rank: int
     kv_head_replicas: int
-    ttft: float
-    tpot: float
-    breakdown: dict[str, float] = field(default_factory=dict)
     block_size: int = 16
     kv_cache_cap: int | None = None
     prefix_caching: bool = True
@@ -159,6 +128,59 @@ class ServeReport:
     stream_interval: int = 1
     waiting_served_ratio: float = 0.0
     max_waiting_steps: int = 0
+    engine: str = "vllm"
+    weight_dtype: str = "model"
+    weight_format: str | None = None
+    concurrency: int = 1
+    request_rate: float | None = None
+    times: WorkloadTimes | None = None
+
+    def timed(self, times: WorkloadTimes) -> "ServeReport":
+        """This report with the workload's steady state."""
+        from dataclasses import replace
+        return replace(self, times=times)
+
+    @property
+    def ttft(self) -> float:
+        """Mean time to first token, seconds (queueing included)."""
+        return self.times.ttft if self.times is not None else 0.0
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first, seconds."""
+        return self.times.tpot if self.times is not None else 0.0
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """The parts of the decode step and of a request's prefill, seconds (plan.json
+        ``serve.breakdown``): ``decode_weights`` (the GEMMs: their weights read, or their
+        FLOPs where those take longer), ``decode_kv`` (attention: the cached context read, or
+        its FLOPs), ``decode_activations``, ``decode_tp_comm``, ``decode_pp_comm``,
+        ``decode_overhead`` (the engine's fixed costs) of a decode-only step of the running
+        sequences; ``decode_prefill_share`` what other requests' prompt chunks add to TPOT;
+        ``prefill_compute``, ``prefill_tp_comm``, ``prefill_pp_comm``, ``prefill_overhead``
+        of a request's own prompt steps; ``request_overhead`` the engine's per-request time;
+        ``queue`` the time a request waits before its prompt starts."""
+        t = self.times
+        if t is None:
+            return {}
+        d, p, k = t.decode_parts, t.prefill_parts, t.prefill_steps
+        out = {
+            "decode_weights": d.get("gemm", 0.0), "decode_kv": d.get("attention", 0.0),
+            "decode_activations": d.get("activations", 0.0), "decode_tp_comm": d.get("tp_comm", 0.0),
+            "decode_pp_comm": d.get("pp_comm", 0.0), "decode_overhead": d.get("overhead", 0.0),
+            "decode_prefill_share": t.tpot - t.decode_step,
+            "prefill_compute": k * (p.get("gemm", 0.0) + p.get("attention", 0.0) + p.get("activations", 0.0)),
+            "prefill_tp_comm": k * p.get("tp_comm", 0.0), "prefill_pp_comm": k * p.get("pp_comm", 0.0),
+            "prefill_overhead": k * p.get("overhead", 0.0),
+            "request_overhead": self.engine_request_overhead, "queue": t.queue,
+        }
+        return out
+
+    @property
+    def engine_request_overhead(self) -> float:
+        from parcompile.analysis.serve_engines import SERVE_ENGINES
+        return SERVE_ENGINES[self.engine].request_overhead
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -194,16 +216,27 @@ class ServeReport:
         return all(s.free_for_kv >= s.kv_cache for s in self.stages)
 
     @property
+    def running(self) -> float:
+        """Sequences running in a step, over all replicas (the steady state's)."""
+        return self.times.running * self.replicas if self.times is not None else 0.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens per second while decoding: every one of the ``batch`` sequences (over all
-        replicas; a replica with fewer than ``batch_per_replica`` is not slower) each ``tpot``."""
-        return self.batch / self.tpot if self.tpot > 0 else 0.0
+        """Tokens per second while decoding: every running sequence one token each
+        decode-only step, over all replicas."""
+        t = self.times
+        return self.running / t.decode_step if t is not None and t.decode_step > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        """New tokens per second over a whole request of the ``batch`` sequences."""
-        total = self.ttft + (self.max_new_tokens - 1) * self.tpot
-        return self.batch * self.max_new_tokens / total if total > 0 else 0.0
+        """Output tokens per second of the workload, over all replicas."""
+        t = self.times
+        return t.request_rate * self.max_new_tokens * self.replicas if t is not None else 0.0
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        """Output tokens per second one request sees while it decodes: ``1 / tpot``."""
+        return 1.0 / self.tpot if self.tpot > 0 else 0.0
 
     def memory(self) -> MemoryReport:
         """The plan's ``memory`` section for serving: weights as ``params``, the workspace as
@@ -214,12 +247,16 @@ class ServeReport:
 
     def to_dict(self) -> dict:
         """The plan.json ``serve`` section (bytes are integers, times seconds)."""
+        t = self.times
         return {
             "batch": self.batch,
             "batch_per_replica": self.batch_per_replica,
             "replicas": self.replicas,
             "prompt_len": self.prompt_len,
             "max_new_tokens": self.max_new_tokens,
+            "engine": self.engine,
+            "weight_dtype": self.weight_dtype,
+            **({"weight_format": self.weight_format} if self.weight_format else {}),
             "kv_dtype": self.kv_dtype,
             "kv_heads_per_rank": self.kv_heads_per_rank,
             "kv_head_replicas": self.kv_head_replicas,
@@ -241,31 +278,38 @@ class ServeReport:
             "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
                                             for s in self.stages),
             "fits": self.batch_fits,
+            "workload": self.workload_dict(),
             "ttft": self.ttft,
             "tpot": self.tpot,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_user": self.tokens_per_s_per_user,
+            **({"e2e_latency": t.e2e, "request_throughput": t.request_rate * self.replicas,
+                "running": self.running, "running_limit": t.running_limit * self.replicas,
+                "prefill_steps": t.prefill_steps, "prefill_chunk": t.chunk, "mixed_share": t.mixed_share}
+               if t is not None else {}),
             "breakdown": dict(self.breakdown),
         }
+
+    def workload_dict(self) -> dict:
+        """plan.json ``serve.workload``: what the times are the steady state of."""
+        if self.request_rate is None:
+            return {"kind": "closed_loop", "concurrency": self.concurrency}
+        if math.isinf(self.request_rate):
+            return {"kind": "burst", "requests": self.concurrency}
+        return {"kind": "open_loop", "request_rate": self.request_rate}
+
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """One prefill or decode step of one replica on one rank of a pipeline stage, summed
-    from the sharded graph's nodes at the step's local types (:func:`step_costs`).
-
-    ``flops``: the matmuls' (linear, router, experts) forward FLOPs; ``attn_flops``: the
-    attention cores' (causal share applied in a prefill); ``weight_bytes``: the weights the
-    step reads (each local parameter once, the embedding table but its looked-up rows,
-    the experts the step's tokens can choose); ``act_bytes``: the matmuls' operands and
-    results and the other ops' traffic (``OpSpec.traffic``); ``ops``: graph ops run (for
-    ``cluster.op_overhead``); ``collectives``: ``(op, axis, bytes)`` of every collective
-    the serve program runs in the step on this rank, in graph order (the graph's forward
-    collectives, the vocab-parallel loss's replaced by the logits' all-gather over tp on
-    the last stage, and the sampled tokens' broadcast over pp); ``kv_layers``: per
-    attention core of the stage, ``(window, bytes)``: its attention window (0: full) and
-    the cache bytes one token of context holds on this rank (its cached operands' local
-    sizes per token in the cache dtype: k and v, or MLA's latent and RoPE key)."""
+    """One uniform step (``batch`` rows of ``tokens`` new tokens attending ``context``) of one
+    replica on one rank of a pipeline stage (:func:`step_costs`): ``flops`` the matmuls'
+    forward FLOPs, ``attn_flops`` the attention cores' (causal), ``weight_bytes`` the weights
+    the step reads, ``act_bytes`` the matmuls' operands and the other ops' traffic, ``ops``
+    graph ops, ``collectives`` ``(op, axis, bytes)`` of every collective the serve program
+    runs in the step on this rank, ``kv_layers`` per attention core ``(window, bytes of cache
+    per token)``."""
 
     flops: float
     attn_flops: float
@@ -277,101 +321,40 @@ class StepCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token of context adds to this rank's cache, every layer of the stage
-        (while no sliding window is full)."""
+        """Bytes one token of context adds to this rank's cache, every layer of the stage."""
         return sum(nb for _, nb in self.kv_layers)
 
 
-#: the module names of the ops after the last decoder layer, which a serve step runs on the
-#: last position only (serve.py.j2: ``final_norm(x[:, -1:])``, then the LM head)
-HEAD_MODULES = frozenset({"final_norm", "lm_head"})
-#: bytes of one sampled token id the last stage broadcasts over pp (int64)
-TOKEN_BYTES = 8
+def quant_of(cfg) -> tuple[QuantFormat | None, bool]:
+    """``(stored format of the quantized weights, whether their GEMMs run at the FP8 rate)``
+    of a serve spec: FP8 W8A8 formats on a part with FP8 tensor cores (its preset has an FP8
+    peak); weight-only formats and FP8 on other parts dequantize to 16 bits in the kernel."""
+    sv = cfg.serve
+    if sv is None:
+        return None, False
+    fmt = weight_format(sv.weight_dtype, sv.weight_format)
+    return fmt, bool(fmt is not None and fmt.w8a8 and fp8_peak(cfg.cluster.preset, "tensorwise"))
 
 
 def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
                context: int) -> list[StepCost]:
-    """Per pipeline stage, what one step of the serve program costs on one rank
-    (:class:`StepCost`): ``batch`` sequences of this replica, ``tokens`` new tokens each
-    (the prompt in a prefill, 1 in a decode step), attending ``context`` keys (``tokens``
-    in a prefill, the cached context in a decode step).
-
-    Every number comes from the graph the plan compiled (one micro-batch, sharded): each
-    node's global input and output types with their ``batch`` dim resized to ``batch * dp``
-    (the data-parallel split gives each replica ``batch``) and their ``seq`` dim to
-    ``tokens`` (1 for :data:`HEAD_MODULES`), made local by the node's sharding, then the op
-    table's rules (:func:`parcompile.ir.ops.spec`: ``fwd_flops``, ``traffic``; an
-    attention core's ``seq_len`` attribute set to ``context``) and its collectives
-    (:func:`parcompile.ir.ops.op_collectives`, forward phase). A MoE layer's expert
-    weights count ``min(E, rows * top_k) / E`` of their bytes (the experts a step's rows can
-    choose at most; vLLM's fused MoE kernel reads only those). The KV cache a decode step
-    reads is each attention core's cached operands per token (``kv_layers``): k and v of
-    the rank's kv heads, or under multi-head latent attention (the serving graph's absorbed
-    form, module docstring) the latent and the RoPE key, once for every head.
-
-    Limits: with ``sequence_parallel`` the graph's sequence-split collectives are counted,
-    which the serve program does not run."""
-    m, pp = cfg.model, cfg.parallel.pp
-    kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
-    step = StepBytes(cfg, graph, degrees, batch, tokens, context)     # the nodes' local types
-    kv1 = step.kv1                                                    # one kv head where tp replicates them
-    out: list[dict] = [dict(flops=0.0, attn=0.0, weights=0.0, act=0.0, ops=0, colls=[], seen=set(), kv=[])
-                       for _ in range(pp)]
-    for nd in graph.nodes():
-        if nd.kind in ("input", "step_collective", "cross_entropy"):
-            continue
-        head = nd.op.module in HEAD_MODULES
-        seq = 1 if head else tokens
-        ins, local = step.types(nd, seq)
-        st = out[nd.stage or 0]
-        a = nd.op.attr_map
-        s = spec(nd.kind)
-        if counts_as_op(nd):
-            st["ops"] += 1
-        if nd.kind == "attention":
-            attrs = {**a, "seq_len": context}
-            share = causal_share(attrs) if tokens > 1 else 1.0
-            st["attn"] += s.fwd_flops(attrs, ins, local) * share
-            st["act"] += s.traffic(attrs, ins, local)
-            st["kv"].append((a.get("window") or 0, _cached_per_token(ins[1:3]) * kv_bytes))
-        else:
-            st["flops"] += s.fwd_flops(a, ins, local)
-            st["act"] += s.traffic(a, ins, local)
-        if nd.kind in GEMM_KINDS:
-            operands = ins[0].nbytes + local.nbytes
-            for p in nd.params:
-                if p.name in st["seen"]:
-                    continue
-                st["seen"].add(p.name)
-                nb = kv1(p.sharding.local_type(p.type, degrees)).nbytes
-                if nd.kind == "experts":
-                    rows = ins[0].numel // ins[0].dims[-1].size // max(m.top_k, 1)
-                    nb *= min(m.experts, rows * m.top_k) / m.experts
-                st["weights"] += nb
-            st["act"] += operands
-        elif nd.kind != "embedding":   # the norms' weights (an embedding reads its rows: traffic)
-            for p in nd.params:
-                if p.name not in st["seen"]:
-                    st["seen"].add(p.name)
-                    st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
-        for c in op_collectives(nd, degrees, ins, local):
-            if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
-                out[c.stage if c.stage is not None else (nd.stage or 0)]["colls"].append((c.op, c.axis, c.bytes))
-        if nd.kind == "linear" and nd.op.module == "lm_head" and degrees.get("tp", 1) > 1:
-            # the last position's vocab-split logits, gathered in fp32 (runtime/generate.py gather_vocab)
-            st["colls"].append(("all_gather", "tp", local.numel * degrees["tp"] * 4))
-    if pp > 1:   # the sampled tokens, from the last stage to every stage (broadcast_from_last)
-        for st in out:
-            st["colls"].append(("broadcast", "pp", batch * TOKEN_BYTES))
-    return [StepCost(st["flops"], st["attn"], st["weights"], st["act"], st["ops"], tuple(st["colls"]),
-                     tuple(st["kv"])) for st in out]
+    """Per pipeline stage, one uniform step of ``batch`` sequences of ``tokens`` new tokens
+    each attending ``context`` keys (a prefill: ``context == tokens``; a decode step:
+    ``tokens == 1``), from :func:`~parcompile.analysis.serve_steps.stage_steps`' model of
+    the graph (:class:`StepCost`)."""
+    stages = stage_steps(cfg, graph, degrees, *quant_of(cfg))
+    step = uniform(stages, batch, tokens, context)
+    return [_uniform_cost(st, step) for st in stages]
 
 
-def _cached_per_token(cached: Sequence[TensorType]) -> int:
-    """Elements one token adds to an attention core's cache on this rank: its cached
-    operands (k and v; MLA's absorbed core: the latent and the RoPE key), local types,
-    per (sequence, token)."""
-    return sum(t.numel // (t.dim("batch").size * t.dim("seq").size) for t in cached)
+def _uniform_cost(st: StageSteps, step: Step) -> StepCost:
+    t, r = step.tokens, step.rows
+    f16, f8, attn = st.flops(step)
+    colls = tuple((op, axis, int(round(nb * per))) for coll, per in ((st.colls_token, t), (st.colls_row, r))
+                  for op, axis, nb in coll)
+    act = st.operands_token * t + st.operands_row * r + st.act_token * t + st.act_row * r \
+        + sum(c.bytes_per_pair * step.pairs(c.window) for c in st.attention)
+    return StepCost(f16 + f8, attn, st.weights_read(t), act, st.ops, colls, st.kv_layers)
 
 
 def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
@@ -383,61 +366,59 @@ def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
     return counts
 
 
-#: host work of the serve engine beyond the graph's ops, in units of ``cluster.op_overhead``
-#: (one graph op of the program's forward: config/host.py's probe). Timed on this machine
-#: (2-core Xeon VM, torch 2.13, one thread, best of 5 x 200 calls) beside the probe's figure
-#: (17.9 us per op then): the paged KV cache's write of a layer's new keys and values and its
-#: read of their context (runtime/paged.py ``PagedKVCache.store``: index_copy_ twice, two
-#: gathers, two cats; 119 us at one sequence, 135 us at 32), per attention layer
-PAGED_CACHE_OPS = 7.0
-#: ... the step's layout on every rank (``paged_step``: token ids, slots, positions, masks;
-#: 252 us at one sequence, 461 us at 32)
-STEP_LAYOUT_OPS = 14.0
-#: ... the sampling of the step's rows on the last stage (``sample_rows``, greedy: 50 us at
-#: one sequence, 195 us at 32)
-#: Each count is its one-sequence time over the probe's 17.9 us, rounded (119 / 17.9 = 6.6,
-#: 252 / 17.9 = 14.1, 50 / 17.9 = 2.8). The counts do not grow with the step's rows: at 32
-#: sequences the same timings give 7.5, 25.8 and 10.9, so a large batch's host work is
-#: underestimated (layout and sampling by about 2x and 4x)
-SAMPLE_OPS = 3.0
+def serve_rates(cfg, groups: Mapping, degrees: Mapping[str, int], stages: Sequence[StageSteps],
+                fp8_gemm: bool) -> Rates:
+    """The rates a replica of ``cfg`` runs its steps at (:class:`~parcompile.analysis.
+    serve_steps.Rates`): GEMMs at ``eff.matmul`` of the peak (quantized FP8 W8A8 GEMMs at the
+    same fraction of the preset's FP8 peak, scaled as ``peak_flops`` is), attention at the
+    engine's fused kernel's fraction (the host's GEMM rate for the parcompile engine), the
+    weights and the cache at ``eff.memory`` of ``hbm_bw``; the links of the plan's groups;
+    the engine's per-op time (the host's ``cluster.op_overhead`` for the parcompile engine
+    where the preset models the host)."""
+    cl = cfg.cluster
+    eff = efficiency(cl)
+    eng = serve_engine(cfg)
+    links = {a: axis_link(cl, groups, a, eff) for a in ("tp", "pp", "ep", "expert_tp")}
+    gemm = eff.matmul * cl.peak_flops
+    fp8 = gemm
+    if fp8_gemm:
+        preset = CLUSTER_PRESETS.get(cl.preset or "")
+        base = preset.peak_flops[cfg.model.dtype] if preset is not None else cl.peak_flops
+        fp8 = eff.matmul * fp8_peak(cl.preset, "tensorwise") * cl.peak_flops / base
+    attention = gemm if eng.host_ops else attention_efficiency(cl) * cl.peak_flops
+    per_op = (getattr(cl, "op_overhead", 0.0) or eng.op_overhead) if eng.host_ops else eng.op_overhead
+    return Rates(gemm, fp8, attention, eff.memory * cl.hbm_bw, links, dict(degrees), eng, per_op,
+                 host=eng.host_ops, nccl=accelerator(cl.preset).collectives in ("NCCL", "RCCL"),
+                 replica_ranks=degrees.get("tp", 1) * cfg.parallel.pp,
+                 layers_by_stage=tuple(st.layers for st in stages))
 
 
-def engine_overhead(cfg, layers: int, first: bool, last: bool, degrees: Mapping[str, int], link,
-                    per_op: float) -> float:
-    """Seconds of one engine step on the critical path through a rank of a stage with
-    ``layers`` decoder layers that the graph's ops do not hold (runtime/paged.py
-    ``serve_requests`` / ``run_step``): on the ``first`` stage the step's plan broadcast from
-    the replica's leader to its other ranks (``broadcast_plan``: one broadcast of
-    :data:`~parcompile.core.model.STEP_PLAN_BYTES` over the tp x pp ranks on ``link``, timed
-    as one send from the leader, as the sampled tokens' broadcast is) and the step's layout
-    (:data:`STEP_LAYOUT_OPS`; a later stage lays out its step while the earlier ones
-    compute); on every stage the paged cache's work per attention layer
-    (:data:`PAGED_CACHE_OPS`); on the ``last`` the sampling (:data:`SAMPLE_OPS`); each op at
-    ``per_op`` seconds (``cluster.op_overhead``). 0 where ``per_op`` is 0: a preset that
-    does not model the host (the GPU presets) leaves the engine's host work out as it
-    leaves out the ops' (module docstring)."""
-    if not per_op:
-        return 0.0
-    ranks = degrees.get("tp", 1) * cfg.parallel.pp
-    plan = collective_time("send", STEP_PLAN_BYTES, 2, link) if first and ranks > 1 else 0.0
-    ops = (STEP_LAYOUT_OPS if first else 0.0) + PAGED_CACHE_OPS * layers + (SAMPLE_OPS if last else 0.0)
-    return plan + ops * per_op
+def step_seconds(stages: Sequence[StageSteps], rates: Rates, step: Step) -> tuple[float, dict[str, float]]:
+    """Seconds of ``step`` through a replica's stages, one after another, and its parts
+    summed over the stages."""
+    parts: dict[str, float] = {}
+    for st in stages:
+        for k, v in st.time(step, rates).items():
+            parts[k] = parts.get(k, 0.0) + v
+    return sum(parts.values()), parts
 
 
-def step_comm(step: StepCost, last: bool, degrees: Mapping[str, int], links: Mapping) -> tuple[float, float]:
-    """(tp-side seconds, pp seconds) of a step's collectives on one rank of a stage
-    (``last``: the last stage), each timed by the network model on its axis' link
-    (``links``: per axis, :func:`parcompile.analysis.estimate.axis_link`; an axis without
-    one on tp's): a pp transfer is timed on its sender (the sampled tokens' broadcast on
-    the last stage, as one send)."""
-    tpc = ppc = 0.0
-    for op, axis, nb in step.collectives:
-        if axis == "pp":
-            if op == "send" or (op == "broadcast" and last):
-                ppc += collective_time("send", nb, 2, links["pp"])
-        else:
-            tpc += collective_time(op, nb, degrees.get(axis, 1), links.get(axis) or links["tp"])
-    return tpc, ppc
+def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
+    """One replica's :class:`~parcompile.analysis.serve_workload.Workload` of serve spec
+    ``cfg`` (its ``kv_tokens`` of cache): ``1 / dp`` of the clients or of the rate, at most
+    ``ceil(batch / dp)`` sequences a step, the token budget ``serve.max_prefill_tokens`` or
+    the engine's default for the GPU's memory (none for the parcompile engine: whole
+    prompts), the engine's time per request."""
+    sv, cl = cfg.serve, cfg.cluster
+    eng = serve_engine(cfg)
+    budget = sv.max_prefill_tokens
+    if budget is None and not eng.host_ops:
+        budget = eng.budget(cl.memory, a100=(cl.preset or "").startswith("a100"))
+    rate = sv.request_rate
+    return Workload(prompt=sv.prompt_len, output=sv.max_new_tokens, clients=sv.clients / dp,
+                    rate=None if rate is None else (rate if math.isinf(rate) else rate / dp),
+                    max_seqs=-(-sv.batch // dp), kv_tokens=kv_tokens, budget=budget, block_size=sv.block_size,
+                    request_overhead=eng.request_overhead)
 
 
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
@@ -447,9 +428,10 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     ``chunks``: layer ids per model chunk (``split-pipeline-stages``' result);
     ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
     ``groups``: the plan's rank groups (for which links the collectives use);
-    ``graph``, ``degrees``: the sharded graph the plan compiled and its mesh: the prefill
-    and decode steps are costed from its nodes (:func:`step_costs`).
-    """
+    ``graph``, ``degrees``: the sharded graph the plan compiled and its mesh: the steps are
+    costed from its nodes (:func:`~parcompile.analysis.serve_steps.stage_steps`).
+
+    Raises ValueError when not one sequence fits the cache (the driver reports it first)."""
     m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
     tp, pp, dp = par.tp, par.pp, par.dp
     e = m.dtype_bytes
@@ -458,63 +440,34 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
     kv_local, replicas_kv = cache_heads(m, tp)
     b = -(-sv.batch // dp)
-    P, G = sv.prompt_len, sv.max_new_tokens
-    mean_ctx = P + G / 2
-    eff = efficiency(cl)
     capacity = int(cl.memory * (1 - cl.memory_reserve))
-    links = {a: axis_link(cl, groups, a, eff) for a in ("tp", "pp", "ep", "expert_tp")}
-    matmul_rate = eff.matmul * cl.peak_flops
-    mem_rate = eff.memory * cl.hbm_bw
-    per_op = getattr(cl, "op_overhead", 0.0) or 0.0
-    prefill = step_costs(cfg, graph, degrees, b, P, P)
+    fmt, fp8_gemm = quant_of(cfg)
+    steps = stage_steps(cfg, graph, degrees, fmt, fp8_gemm)
+    quantized = stored_weight_bytes(cfg, graph, degrees, fmt)
     workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
-    decode = step_costs(cfg, graph, degrees, b, 1, P + G // 2)   # attending the mean context
-
     stages = []
-    keys = ["prefill_compute", "prefill_tp_comm", "prefill_pp_comm", "decode_weights", "decode_kv",
-            "decode_activations", "decode_tp_comm", "decode_pp_comm"]
-    if per_op:
-        keys += ["prefill_overhead", "decode_overhead", "engine_overhead"]
-    replica_link = links["pp"] if pp > 1 else links["tp"]
-    parts = {k: 0.0 for k in keys}
     for s, ids in enumerate(stage_layers(chunks, pp)):
-        layers = len(ids)
-        last = s == pp - 1
-        weights = stage_params[s].total * e
-        kv_tok = kv_tokens[s]
-        kv_cache = b * kv_seqs[s]
+        if steps[s].kv_bytes_per_token != kv_tokens[s]:   # the graph's cached operands are the cache the plan holds
+            raise AssertionError(f"stage {s}: the graph's attention cores cache {steps[s].kv_bytes_per_token} bytes "
+                                 f"per token, analysis/kv.py's rule {kv_tokens[s]}")
+        weights = stage_params[s].total * e + quantized[s]
         work = workspace[s].total
-        free = capacity - weights - work
-        pf, dc = prefill[s], decode[s]
-        if dc.kv_bytes_per_token != kv_tok:   # the graph's cached operands are the cache the plan holds
-            raise AssertionError(f"stage {s}: the graph's attention cores cache {dc.kv_bytes_per_token} bytes per "
-                                 f"token, analysis/kv.py's rule {kv_tok}")
-        pf_compute = max((pf.flops + pf.attn_flops) / matmul_rate, (pf.weight_bytes + pf.act_bytes) / mem_rate)
-        pf_tp, pf_pp = step_comm(pf, last, degrees, links)
-        dec_w = max(dc.weight_bytes / mem_rate, (dc.flops + dc.attn_flops) / matmul_rate)
-        # the cache a decode step reads at the mean context, each attention core its cached
-        # operands per token; a sliding-window layer at most its window (core/model.cached_tokens)
-        dec_kv = b * sum(nb * (min(mean_ctx, w) if w else mean_ctx) for w, nb in dc.kv_layers) / mem_rate
-        dec_act = dc.act_bytes / mem_rate
-        dec_tp, dec_pp = step_comm(dc, last, degrees, links)
-        pf_ovh, dec_ovh = pf.ops * per_op, dc.ops * per_op
-        eng = engine_overhead(cfg, layers, s == 0, last, degrees, replica_link, per_op)    # per step, prefill or decode
-        for k, v in (("prefill_compute", pf_compute), ("prefill_tp_comm", pf_tp), ("prefill_pp_comm", pf_pp),
-                     ("decode_weights", dec_w), ("decode_kv", dec_kv), ("decode_activations", dec_act),
-                     ("decode_tp_comm", dec_tp), ("decode_pp_comm", dec_pp),
-                     ("prefill_overhead", pf_ovh), ("decode_overhead", dec_ovh), ("engine_overhead", eng)):
-            if k in parts:
-                parts[k] += v
-        stages.append(ServeStage(s, layers, weights, kv_tok, kv_cache, kv_seqs[s], work, free,
-                                 pf_compute + pf_tp + pf_pp + pf_ovh + eng,
-                                 dec_w + dec_kv + dec_act + dec_tp + dec_pp + dec_ovh + eng))
-    ttft = sum(x.prefill_s for x in stages)
-    tpot = sum(x.decode_s for x in stages)
-    return ServeReport(tuple(stages), capacity, sv.batch, b, dp, P, G, kv_dtype, kv_local, replicas_kv,
-                       ttft, tpot, parts, sv.block_size, sv.kv_cache_tokens, sv.prefix_caching,
-                       sv.max_prefill_tokens, sv.compile, sv.stream_interval, sv.waiting_served_ratio,
-                       sv.max_waiting_steps)
-
+        stages.append(ServeStage(s, len(ids), weights, kv_tokens[s], b * kv_seqs[s], kv_seqs[s], work,
+                                 capacity - weights - work))
+    report = ServeReport(tuple(stages), capacity, sv.batch, b, dp, sv.prompt_len, sv.max_new_tokens, kv_dtype,
+                         kv_local, replicas_kv, block_size=sv.block_size, kv_cache_cap=sv.kv_cache_tokens,
+                         prefix_caching=sv.prefix_caching, max_prefill_tokens=sv.max_prefill_tokens,
+                         compile=sv.compile, stream_interval=sv.stream_interval,
+                         waiting_served_ratio=sv.waiting_served_ratio, max_waiting_steps=sv.max_waiting_steps,
+                         engine=serve_engine(cfg).name, weight_dtype=sv.weight_dtype,
+                         weight_format=fmt.name if fmt is not None else None, concurrency=sv.clients,
+                         request_rate=sv.request_rate)
+    if not report.one_sequence_fits:
+        return report   # the driver's error says what would fit
+    rates = serve_rates(cfg, groups, degrees, steps, fp8_gemm)
+    work = replica_workload(cfg, report.kv_cache_tokens, dp)
+    times = steady_state(work, lambda step: step_seconds(steps, rates, step))
+    return report.timed(times)
 
 def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights

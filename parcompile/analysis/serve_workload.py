@@ -1,0 +1,250 @@
+"""A serving workload's steady state on one replica: mean time to first token (TTFT), time
+per output token (TPOT), output tokens/s, from the step costs of
+:mod:`parcompile.analysis.serve_steps` and the engine's scheduler (chunked prefill with a
+token budget, at most ``max_seqs`` sequences a step, a KV cache of ``kv_tokens``).
+
+Workloads (``serve`` keys ``concurrency``, ``request_rate``): every request has ``P`` prompt
+tokens and ``G`` output tokens.
+
+* **Closed loop** (``concurrency``: ``c`` clients per replica, each sending its next request
+  when its last one ends; vLLM's ``bench serve --max-concurrency``): requests drift apart, so
+  in the steady state ``n = min(c, max_seqs, what the cache holds)`` sequences run, each
+  staying ``k + G - 1`` steps (``k = ceil(P / room)`` steps of prompt chunks, ``room`` the
+  token budget less the decode rows, then ``G - 1`` decode steps; its first token comes
+  with its last chunk). Per step ``n / (k + G - 1)`` requests start, so a running request
+  decodes beside ``(n - 1) (G - 1) / (k + G - 1)`` others on average, and a share ``q`` of
+  its steps also carries other requests' prompt chunks (``q = min(1, (n - 1) k / (k + G -
+  1))``, each such step ``(n - 1) P / (k + G - 1) / q`` prompt tokens): TPOT is ``(1 - q)``
+  of a decode step's time plus ``q`` of such a mixed step's. TTFT is the engine's per-request
+  time (:attr:`ServeEngine.request_overhead`), half a step of waiting for the step in progress
+  when other requests run, and the request's own ``k`` chunk steps beside the others'
+  decode rows. Requests beyond ``n`` queue: the replica then completes ``X = n / (TTFT +
+  (G - 1) TPOT)`` requests per second, and by Little's law each of the ``c`` clients waits
+  ``c / X`` per request, the difference before its first token.
+* **Open loop** (``request_rate``: ``r`` requests/s per replica, Poisson): the running
+  sequences ``n = r (TTFT + (G - 1) TPOT)`` (Little's law) solved by iteration, the same step
+  mix; a rate above what ``max_seqs`` (or the cache) sustains has no steady state
+  (:class:`Overloaded`). Queueing beyond the next step is not modelled.
+* **Burst** (``request_rate = inf``: ``c`` requests at once; vLLM's ``benchmark_latency``):
+  their prompts are prefilled first, in steps of at most the budget's tokens (a request's
+  first token at the end of the step that finishes its prompt), then all decode together;
+  more than ``n`` run in waves, one after another.
+
+Prefix caching, speculative decoding and preemption are not modelled; a decode row's
+context is the mean ``P + G / 2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from parcompile.analysis.serve_steps import Segment, Step, decode_step
+
+
+class Overloaded(Exception):
+    """An open-loop rate no steady state carries: ``capacity`` requests/s is the most the
+    replica completes (``max_seqs`` or the KV cache full)."""
+
+    def __init__(self, rate: float, capacity: float):
+        super().__init__(f"{rate:g} requests/s exceeds the replica's {capacity:.3g}")
+        self.rate = rate
+        self.capacity = capacity
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One replica's share of a serve spec's workload and its scheduler's limits."""
+
+    prompt: int
+    output: int
+    #: closed-loop clients on this replica (``concurrency / replicas``; a burst's requests)
+    clients: float
+    #: open-loop requests/s on this replica; None: closed loop; inf: a burst
+    rate: float | None
+    #: the scheduler's most sequences a step
+    max_seqs: int
+    #: tokens the replica's KV cache holds
+    kv_tokens: int
+    #: tokens a step may compute (chunked prefill); None: each prompt whole in one step
+    budget: int | None
+    block_size: int = 16
+    request_overhead: float = 0.0
+
+    @property
+    def mean_context(self) -> float:
+        """A decoding row's mean context: ``P + G / 2``."""
+        return self.prompt + self.output / 2
+
+    def kv_limit(self) -> int:
+        """Sequences the cache holds at once, each at its mean context rounded up to blocks
+        (blocks are taken as tokens need them): at least 1 where one whole sequence fits."""
+        per = self.mean_context + self.block_size / 2
+        return max(int(self.kv_tokens // per), 1 if self.kv_tokens >= self.prompt + self.output else 0)
+
+
+@dataclass(frozen=True)
+class WorkloadTimes:
+    """The steady state (module docstring): seconds, requests/s and tokens/s of one replica."""
+
+    ttft: float
+    tpot: float
+    #: time from a request's send to its last token, queueing included
+    e2e: float
+    #: requests completed per second
+    request_rate: float
+    #: sequences running in a step
+    running: float
+    #: the most sequences a step holds (``max_seqs`` or the KV cache)
+    running_limit: int
+    #: seconds a request waits in the queue before its prompt starts
+    queue: float
+    #: prompt chunk steps per request, tokens per chunk, share of a request's decode steps that
+    #: also prefill others' prompts
+    prefill_steps: int
+    chunk: float
+    mixed_share: float
+    #: seconds of the steps TPOT is made of: a decode-only step, a step with others' chunks
+    decode_step: float
+    mixed_step: float
+    #: each part of a decode-only step (summed over the stages)
+    decode_parts: dict[str, float] = field(default_factory=dict)
+    prefill_parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Output tokens per second: ``request_rate * G`` (the caller multiplies by replicas)."""
+        return self.request_rate * self._output
+
+    _output: int = 1
+
+
+StepTime = Callable[[Step], tuple[float, dict[str, float]]]
+
+
+def _room(w: Workload, decoding: float) -> float:
+    """Prompt tokens a step may compute beside ``decoding`` decode rows."""
+    if w.budget is None:
+        return float(w.prompt)
+    return max(w.budget - decoding, 1.0)
+
+
+def steady_state(w: Workload, step_time: StepTime) -> WorkloadTimes:
+    """The workload's steady state on one replica (module docstring); ``step_time(step)``
+    gives ``(seconds, parts)`` of a :class:`~parcompile.analysis.serve_steps.Step`.
+    Raises :class:`Overloaded` for an open-loop rate the replica cannot carry, ValueError
+    when not one sequence fits the cache."""
+    limit = min(w.max_seqs, w.kv_limit())
+    if limit < 1:
+        raise ValueError("not one sequence fits the KV cache")
+    if w.rate is not None and math.isinf(w.rate):
+        return _burst(w, limit, step_time)
+    if w.rate is None:
+        n = min(w.clients, limit)
+        times = _running(w, n, step_time)
+        service = times.ttft + (w.output - 1) * times.tpot
+        x = n / service
+        e2e = w.clients / x
+        queue = max(e2e - service, 0.0)
+        return _with(times, ttft=times.ttft + queue, e2e=e2e, request_rate=x, queue=queue, running_limit=limit)
+    # open loop: n = rate * residence (Little), by iteration
+    cap_times = _running(w, limit, step_time)
+    capacity = limit / (cap_times.ttft + (w.output - 1) * cap_times.tpot)
+    if w.rate >= capacity:
+        raise Overloaded(w.rate, capacity)
+    n = min(limit, max(w.rate * (cap_times.ttft + (w.output - 1) * cap_times.tpot), 1e-9))
+    for _ in range(50):
+        times = _running(w, max(n, 1.0), step_time)
+        new = w.rate * (times.ttft + (w.output - 1) * times.tpot)
+        if abs(new - n) <= 1e-6 * max(n, 1.0):
+            n = new
+            break
+        n = min(limit, 0.5 * (n + new))
+    times = _running(w, max(n, 1.0), step_time)
+    service = times.ttft + (w.output - 1) * times.tpot
+    return _with(times, e2e=service, request_rate=w.rate, running=n, queue=0.0, running_limit=limit)
+
+
+def _with(t: WorkloadTimes, **kw) -> WorkloadTimes:
+    from dataclasses import replace
+    return replace(t, **kw)
+
+
+def _running(w: Workload, n: float, step_time: StepTime) -> WorkloadTimes:
+    """TTFT and TPOT with ``n`` sequences running (closed-loop step mix, module docstring),
+    no queue."""
+    P, G = w.prompt, w.output
+    ctx = w.mean_context
+    others = max(n - 1.0, 0.0)
+    # the prompt's chunks: the room beside the decode rows (a fixed point: the rows depend on k)
+    k = 1
+    for _ in range(8):
+        decoding = others * (G - 1) / (k + G - 1)
+        room = _room(w, decoding + 1)
+        k2 = max(1, math.ceil(P / room))
+        if k2 == k:
+            break
+        k = k2
+    life = k + G - 1
+    decoding = others * (G - 1) / life                 # others' decode rows beside a request
+    chunk = P / k
+    q = min(1.0, others * k / life)                    # share of steps with others' chunks
+    prompt_tokens = others * P / life / q if q > 0 else 0.0
+    mean_start = chunk * (k - 1) / 2                   # a chunk's cached prefix, on average
+    mine = Segment(1, 1, ctx - 1)
+    dec_t, dec_parts = step_time(Step((Segment(decoding, 1, ctx - 1), mine)))
+    if q > 0:
+        mixed_t, _ = step_time(Step((Segment(decoding, 1, ctx - 1), mine,
+                                     Segment(prompt_tokens / chunk, chunk, mean_start))))
+    else:
+        mixed_t = dec_t
+    tpot = (1 - q) * dec_t + q * mixed_t
+    own_t, pf_parts = step_time(Step((Segment(decoding, 1, ctx - 1), Segment(1, chunk, mean_start))))
+    wait = 0.5 * tpot if others > 0 else 0.0           # the step in progress when the request comes
+    ttft = w.request_overhead + wait + k * own_t
+    return WorkloadTimes(ttft=ttft, tpot=tpot, e2e=ttft + (G - 1) * tpot, request_rate=0.0, running=n,
+                         running_limit=0, queue=0.0, prefill_steps=k, chunk=chunk, mixed_share=q,
+                         decode_step=dec_t, mixed_step=mixed_t, decode_parts=dec_parts, prefill_parts=pf_parts,
+                         _output=G)
+
+
+def _burst(w: Workload, limit: int, step_time: StepTime) -> WorkloadTimes:
+    """Every request at once: waves of ``limit``; each wave prefills its prompts in steps of
+    at most the budget's tokens (a request's first token at the end of the step that finishes
+    its prompt), then decodes together (module docstring)."""
+    P, G = w.prompt, w.output
+    total = max(int(round(w.clients)), 1)
+    start = 0.0
+    ttfts: list[float] = []
+    ends: list[float] = []
+    dec_t, parts_dec, parts_pf = 0.0, {}, {}
+    steps, per = 1, float(P)
+    for first in range(0, total, limit):
+        n = min(limit, total - first)
+        budget = w.budget if w.budget is not None else P
+        steps = max(1, math.ceil(n * P / budget))
+        per = n * P / steps
+        cum, t, done = [], 0.0, 0.0
+        for _ in range(steps):
+            seg = Segment(per / P, P, 0.0) if per >= P else Segment(1, per, done % P)
+            s_t, parts_pf = step_time(Step((seg,)))
+            t += s_t
+            done += per
+            cum.append(t)
+        base = start + w.request_overhead
+        wave = [base + cum[min(steps - 1, math.ceil(i * P / per - 1e-9) - 1)] for i in range(1, n + 1)]
+        ttfts += wave
+        dec_t, parts_dec = step_time(decode_step(n, w.mean_context))
+        end = base + cum[-1] + (G - 1) * dec_t
+        ends += [end] * n
+        start = end
+    ttft = sum(ttfts) / len(ttfts)
+    e2e = sum(ends) / len(ends)
+    return WorkloadTimes(ttft=ttft, tpot=dec_t, e2e=e2e, request_rate=total / max(ends), running=min(limit, total),
+                         running_limit=limit, queue=0.0, prefill_steps=steps, chunk=per, mixed_share=0.0,
+                         decode_step=dec_t, mixed_step=dec_t, decode_parts=parts_dec, prefill_parts=parts_pf,
+                         _output=G)
+
+
+__all__ = ["Overloaded", "Workload", "WorkloadTimes", "steady_state"]
