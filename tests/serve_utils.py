@@ -130,7 +130,8 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
     seeded initialisation): requests arrive one per step and join the running batch, ``n``
     greedy tokens each, a chunk's token drawn as the engine draws it (``partial``).
     Returns (each prompt's tokens, the most rows of one step, the scheduler's stats); the
-    cache's blocks are all free again at the end."""
+    cache's blocks are all free again at the end. A program of quantized weights holds them
+    as its main() does."""
     import torch
 
     from parcompile import runtime as rt
@@ -147,7 +148,9 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
     finally:
         os.environ.update(saved)
     model = mod.Stage(plan, ctx)
-    load_weights(model, weights, ctx)
+    quant = {"weight_format": mod.WEIGHT_FORMAT, "quantized": mod.QUANTIZED_WEIGHTS, "dtype": mod.DTYPE} \
+        if hasattr(mod, "WEIGHT_FORMAT") else {}   # a program of quantized weights (runtime/quant.py) loads as main()
+    load_weights(model, weights, ctx, **quant)
     model.eval()
     cache = model.new_paged_cache(blocks, block_size, ctx.device)
     windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW

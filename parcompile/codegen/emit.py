@@ -26,6 +26,7 @@ from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import rotary_dim
+from parcompile.core.quant import quantized_param, weight_format, weight_key
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.classes import serve_classes, train_classes
 from parcompile.codegen.stage import (constant_lines, norm_definition, serve_constants, serve_positions, stage_code, train_constants,
@@ -524,11 +525,16 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
     the sharded graph, the kv heads a rank holds from the plan (a replicated kv head is
     unsplit in the graph: ``core/heads.py``)."""
     m, p, s = cfg.model, cfg.parallel, cfg.serve
+    graph = getattr(plan, "graph", None)
     pd, plan = _graph_data(plan)
     layer = pd.dense_layer or pd.moe_layer
     sv = plan["serve"]
     weights = _data_path(s.weights, out_dir)
     kv_local, replicas = plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]
+    quant = _serve_quant(cfg, graph)
+    model = _serve_model(cfg, pd, plan["model"]["padded_vocab"], kv_local)
+    model["model_constants"] = model["model_constants"] + quant["quant_constants"]
+    weights_doc = comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)"
     return {
         "name": comment_text(cfg.name),
         "version": version(),
@@ -540,7 +546,8 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "s": s,
         "batch_per_replica": sv["batch_per_replica"],
         "padded_vocab": plan["model"]["padded_vocab"],
-        **_serve_model(cfg, pd, plan["model"]["padded_vocab"], kv_local),
+        **model,
+        "quant_args": quant["quant_args"],
         **_cache_layout(layer, kv_local, replicas),
         "kv_bytes_per_token": sv["kv_bytes_per_token"],
         "kv_dtype": s.kv_dtype or m.dtype,
@@ -548,8 +555,28 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
         "device_comment": _device_comment(cfg.cluster.accelerator),
         "prompt_repr": repr(s.prompt),
         "weights_repr": repr(weights),
-        "weights_doc": comment_text(weights) if weights else f"drawn from seed {s.seed} (the training init)",
+        "weights_doc": weights_doc + quant["weights_note"],
     }
+
+
+def _serve_quant(cfg: SpecConfig, graph) -> dict:
+    """A serve program of quantized weights (``serve.weight_dtype``; core/quant.py): the
+    constants WEIGHT_FORMAT and QUANTIZED_WEIGHTS (the weights the plan holds quantized,
+    :func:`parcompile.core.quant.quantized_param` over the serving graph, by
+    :func:`parcompile.core.quant.weight_key`), the arguments that pass them to
+    ``load_weights`` and a note for the docstring; nothing for the model's own dtype."""
+    s = cfg.serve
+    fmt = weight_format(s.weight_dtype, s.weight_format)
+    if fmt is None:
+        return {"quant_constants": [], "quant_args": "", "weights_note": ""}
+    keys = sorted({weight_key(p.name) for nd in graph.nodes() for p in nd.params
+                   if quantized_param(nd.kind, nd.op.module, p.name, len(p.type.dims), fmt)})
+    listed = "(" + ", ".join(f'"{k}"' for k in keys) + ("," if len(keys) == 1 else "") + ")"
+    rows = [("WEIGHT_FORMAT", f'"{fmt.name}"', f"{fmt.description} (core/quant.py)"),
+            ("QUANTIZED_WEIGHTS", listed, "held quantized, dequantized inside each layer's forward")]
+    return {"quant_constants": constant_lines(rows),
+            "quant_args": ", weight_format=WEIGHT_FORMAT, quantized=QUANTIZED_WEIGHTS, dtype=DTYPE",
+            "weights_note": f"; {fmt.name} weights held quantized (runtime/quant.py)"}
 
 
 def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -> dict:

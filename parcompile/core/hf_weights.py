@@ -37,6 +37,7 @@ from parcompile.core.families.base import (HFWeightsError, Problem, Source, fore
 from parcompile.core.files import json_loads
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
 from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, rotary_dim
+from parcompile.core.quant import QuantConfigError, QuantFormat, checkpoint_format, stored_quantized, stored_tensors
 
 #: every model_type parcompile writes (:data:`parcompile.core.families.MODEL_TYPES`)
 FAMILIES = families.MODEL_TYPES
@@ -478,6 +479,14 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     (:data:`BUFFERS`, e.g. DeepSeek's ``e_score_correction_bias``) are checked beside
     ``expected``; tensors the model does not read (DeepSeek-V3's multi-token-prediction
     layers, ``model.layers.61.*``) are not reported.
+
+    A checkpoint whose ``config.json`` has a ``quantization_config`` (:mod:`parcompile.core.quant`)
+    may store a weight quantized (:func:`parcompile.core.quant.stored_quantized`): then each
+    tensor the format stores it as (:func:`parcompile.core.quant.stored_tensors`: the values
+    and their scales) must be there with its dtype and the shape this model's weight gives
+    (the problem names the file, the tensor, what it needs and what it found); weights the
+    format leaves in 16 bits are checked as any. A quantization_config parcompile does not
+    serve is a problem (:class:`parcompile.core.quant.QuantConfigError`'s message).
     """
     try:
         if init_from_kind(directory) == "dcp":
@@ -494,7 +503,12 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
             family = hf_family(model)
         except HFWeightsError as e:
             return [e.problem]
+    try:
+        fmt = checkpoint_format(cfg) if cfg else None
+    except QuantConfigError as e:
+        return [Problem(f"`{d / 'config.json'}`: {e.message}", e.help)]
     names, headers, problems, complete = scan_checkpoint(d)
+    dtypes = {k: v[0] for k, v in headers.items()}
     tmap = tensor_map(model, family, tied=_checkpoint_tied(cfg, model))
     missing: list[Problem] = []
     shapes: list[Problem] = []
@@ -506,7 +520,8 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
             missing.append(Problem(f"a Hugging Face `{family}` checkpoint has no tensor for `{name}`",
                                    "the spec's model has a parameter this family does not hold"))
             continue
-        src = next((s for s in srcs if s.name in names or s.name in headers), None)
+        src = next((s for s in srcs if s.name in names or s.name in headers or stored_quantized(fmt, s.name, dtypes)),
+                   None)
         if src is None and complete:
             missing.append(Problem(f"`{d}` has no tensor `{srcs[0].name}` (for this model's `{name}` {tuple(ours)})",
                                    UNTIED_HEAD_HELP if name == "lm_head.weight" else
@@ -514,6 +529,11 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
                                    "its config.json"))
             continue
         if src is None:
+            continue
+        if stored_quantized(fmt, src.name, dtypes):
+            if src.name not in reported:   # once per fused tensor
+                reported.add(src.name)
+                shapes += _quantized_problems(d, names, headers, fmt, src, name, ours)
             continue
         if src.name not in headers:
             if complete:   # the index names a file that lacks it
@@ -523,8 +543,12 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
             continue   # else in a missing or unreadable file: reported above
         dtype, got = headers[src.name]
         if dtype not in ("F64", "F32", "BF16", "F16"):
-            shapes.append(Problem(f"`{src.name}` is stored as {dtype}; parcompile loads float32, bfloat16 or "
-                                  "float16 weights", "dequantize the checkpoint first"))
+            said = (f"its config.json's quantization_config says {fmt.description}" if fmt is not None else
+                    "its config.json has no quantization_config")
+            shapes.append(Problem(f"`{d / names.get(src.name, '')}`: `{src.name}` is stored as {dtype}, but {said}",
+                                  "parcompile loads float32, bfloat16 or float16 weights, or the quantized ones a "
+                                  "published checkpoint's quantization_config names (fp8, compressed-tensors FP8, "
+                                  "mxfp4): use the checkpoint's own config.json"))
             continue
         if tuple(got) != tuple(src.shape) and src.name not in reported:   # once per fused tensor
             reported.add(src.name)
@@ -534,6 +558,33 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
                 "the spec's model differs from the checkpoint's config.json (hidden, heads, kv_heads, "
                 "ffn_hidden, vocab?)"))
     return problems + _cap(missing, 8, "missing tensors") + _cap(shapes, 8, "shape mismatches")
+
+
+def _quantized_problems(d: Path, names: dict[str, str], headers: dict[str, tuple[str, tuple[int, ...]]],
+                        fmt: QuantFormat, src: Source, ours_name: str, ours: tuple[int, ...]) -> list[Problem]:
+    """What is wrong with the tensors ``src`` is stored as in format ``fmt``
+    (:func:`parcompile.core.quant.stored_tensors`, their shapes from this model's ``src.shape``):
+    one missing, or of another dtype or shape; each problem names the file and the tensor."""
+    if src.transpose and fmt.family != "mxfp4":
+        return [Problem(f"`{d / names.get(src.name, '')}`: `{src.name}` is stored as {fmt.description}, which "
+                        "parcompile reads only for tensors stored (out, in)")]
+    out = []
+    first = names.get(src.name) or names.get(f"{src.name}_blocks", "")
+    for t in stored_tensors(fmt, src.name, tuple(src.shape), src.transpose):
+        if t.name not in headers:
+            if not t.optional:
+                out.append(Problem(f"`{d / first}` stores `{src.name}` (this model's `{ours_name}` {tuple(ours)}) "
+                                   f"as {fmt.description} but has no `{t.name}` ({t.wanted()})",
+                                   "the checkpoint is incomplete, or its files are of another format than its "
+                                   "config.json's quantization_config: download it again"))
+            continue
+        dtype, got = headers[t.name]
+        if not t.fits(dtype, got):
+            out.append(Problem(f"`{d / names.get(t.name, first)}`: `{t.name}` is {dtype} {tuple(got)}; this model's "
+                               f"`{ours_name}` {tuple(ours)} stored as {fmt.description} needs {t.wanted()}",
+                               "the spec's model differs from the checkpoint's config.json, or the file is of "
+                               "another quantization"))
+    return out
 
 
 #: the fix for an untied checkpoint without its head tensor

@@ -30,10 +30,36 @@ Formats (:data:`FORMATS`, by name):
 ``mxfp4``, ``int4``); a checkpoint's ``quantization_config`` names the format
 (:func:`from_quantization_config`); without a checkpoint each family plans as its
 :data:`DEFAULT_FORMAT`.
+
+How a checkpoint stores one quantized weight (:func:`stored_tensors`, :func:`stored_quantized`;
+the checks of :func:`parcompile.core.hf_weights.check_checkpoint` and the serving ranks'
+reader, :mod:`parcompile.runtime.quant`, read these records), each as transformers 5.25.0 reads
+it on a CPU:
+
+* ``fp8-block``: ``NAME`` F8_E4M3 (the weight's own name and shape) and ``STEM.weight_scale_inv``
+  (``NAME + "_scale_inv"`` when ``NAME`` does not end in ``.weight``: transformers'
+  ``integrations/finegrained_fp8.py`` ``Fp8Quantize._quantize_one``) of ``[..., ceil(out/b0),
+  ceil(in/b1)]``, one float per block, the last blocks cut at the edge (DeepSeek-V3's
+  ``kv_a_proj_with_mqa``: 576 rows, 5 block rows); weight = ``float32(w) * scale`` blockwise
+  (``Fp8Dequantize._dequantize_one``; transformers dequantizes so on load without a GPU:
+  ``quantizers/quantizer_finegrained_fp8.py`` ``validate_environment``);
+* ``fp8-tensor``, ``fp8-channel`` (compressed-tensors ``float-quantized``): ``NAME`` F8_E4M3 and
+  ``STEM.weight_scale`` of one element, or ``[out, 1]`` per channel; optionally
+  ``STEM.input_scale`` (one element: a static activation scale); weight = ``w.to(scale.dtype) *
+  scale`` (compressed-tensors 0.20 ``quantization/lifecycle/forward_helpers.py`` ``_dequantize``);
+* ``mxfp4`` (gpt-oss): ``NAME_blocks`` U8 ``[..., out, ceil(in/32), 16]`` (two E2M1 values a
+  byte, the even element in the low nibble) and ``NAME_scales`` U8 ``[..., out, ceil(in/32)]``
+  (E8M0 exponents, bias 127), ``NAME`` being the dense tensor's name (``mlp.experts.gate_up_proj``,
+  whose dense form is stored ``(in, out)``); transformers' ``integrations/mxfp4.py``
+  ``_convert_moe_packed_tensors``;
+* ``int4-awq``: ``STEM.qweight`` I32 ``[in, out/8]``, ``STEM.qzeros`` I32 ``[in/128, out/8]``,
+  ``STEM.scales`` F16 ``[in/128, out]``; ``int4-gptq``: ``STEM.qweight`` I32 ``[in/8, out]``,
+  ``STEM.qzeros``, ``STEM.scales`` as AWQ's, ``STEM.g_idx`` I32 ``[in]`` (optional).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -123,11 +149,21 @@ DEFAULT_FORMAT = {"fp8": "fp8-block", "mxfp4": "mxfp4", "int4": "int4-awq"}
 
 def weight_format(weight_dtype: str, name: str | None = None) -> QuantFormat | None:
     """The :class:`QuantFormat` of ``serve.weight_dtype`` (``name``: a checkpoint's format,
-    :func:`from_quantization_config`), None for ``model``. Raises KeyError for an unknown
-    name."""
+    :func:`from_quantization_config`, :func:`format_named`), None for ``model``. Raises
+    KeyError for an unknown name."""
     if weight_dtype == "model":
         return None
-    return FORMATS[name or DEFAULT_FORMAT[weight_dtype]]
+    return format_named(name or DEFAULT_FORMAT[weight_dtype])
+
+
+def weight_key(name: str) -> str:
+    """A weight's name without its layer and expert indices, the same for every layer that
+    holds it (a serve program lists the weights it holds quantized by these keys):
+
+    >>> weight_key("layers.3.mlp.experts.5.w1.weight"), weight_key("layers.0.attn.wq.weight")
+    ('mlp.experts.w1.weight', 'attn.wq.weight')
+    """
+    return re.sub(r"\.experts\.\d+\.", ".experts.", re.sub(r"^layers\.\d+\.", "", name))
 
 
 def quantized_param(kind: str, module: str, param: str, ndim: int, fmt: QuantFormat | None) -> bool:
@@ -143,6 +179,108 @@ def quantized_param(kind: str, module: str, param: str, ndim: int, fmt: QuantFor
     if fmt.experts_only or kind != "linear":
         return False
     return module.startswith("layers.")
+
+
+def format_named(name: str) -> QuantFormat:
+    """The :class:`QuantFormat` of a ``serve.weight_format`` name: a :data:`FORMATS` key, or
+    ``fp8-block{R}x{C}`` (:func:`from_quantization_config`'s name of a block size other than
+    128 x 128). Raises KeyError for another name."""
+    if name in FORMATS:
+        return FORMATS[name]
+    rows, _, cols = name.removeprefix("fp8-block").partition("x")
+    if name.startswith("fp8-block") and rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0:
+        return from_quantization_config({"quant_method": "fp8", "weight_block_size": [int(rows), int(cols)]})
+    raise KeyError(name)
+
+
+#: safetensors dtype names of the float tensors a scale may be stored as
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a checkpoint stores a quantized weight as: its ``role`` (``weight``,
+    ``scale``, ``input_scale``, ``blocks``, ``scales``, ``qweight``, ``qzeros``, ``g_idx``),
+    its ``name``, its ``shape`` (None: any shape of one element), the safetensors ``dtypes``
+    it may have, and whether it may be absent (``optional``)."""
+
+    role: str
+    name: str
+    shape: tuple[int, ...] | None
+    dtypes: tuple[str, ...]
+    optional: bool = False
+
+    def fits(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether a header entry of ``dtype`` and ``shape`` is this tensor."""
+        if dtype not in self.dtypes:
+            return False
+        if self.shape is None:
+            n = 1
+            for d in shape:
+                n *= d
+            return n == 1
+        return tuple(shape) == self.shape
+
+    def wanted(self) -> str:
+        """The dtype(s) and shape it needs, for a message: ``F32 (4, 2)``."""
+        shape = "one element" if self.shape is None else str(self.shape)
+        return f"{' or '.join(self.dtypes)} {shape}"
+
+
+def _stem(name: str, suffix: str) -> str:
+    """``a.b.weight`` -> ``a.b.<suffix>``; a name not ending in ``.weight`` (a fused expert
+    tensor) -> ``name_<suffix>`` (transformers' Fp8Quantize names its scales so)."""
+    return name[:-len("weight")] + suffix if name.endswith(".weight") else f"{name}_{suffix}"
+
+
+def stored_tensors(fmt: QuantFormat, name: str, shape: tuple[int, ...], transpose: bool = False
+                   ) -> tuple[StoredTensor, ...]:
+    """The tensors a checkpoint of format ``fmt`` stores the weight ``name`` as (module
+    docstring), whose dense form has ``shape`` (the checkpoint's orientation: ``(..., out,
+    in)``, or ``(..., in, out)`` with ``transpose``, as gpt-oss's fused experts). The first
+    is the one whose presence says the weight is stored quantized (:func:`stored_quantized`).
+
+    >>> [(t.name, t.shape) for t in stored_tensors(FORMATS["mxfp4"], "e.gate_up_proj", (2, 64, 96), True)]
+    [('e.gate_up_proj_blocks', (2, 96, 2, 16)), ('e.gate_up_proj_scales', (2, 96, 2))]
+    """
+    *lead, r, c = shape
+    out, inp = (c, r) if transpose else (r, c)
+    lead = tuple(lead)
+    if fmt.family == "fp8":
+        weight = StoredTensor("weight", name, tuple(shape), ("F8_E4M3",))
+        if fmt.name.startswith("fp8-block"):
+            b0, b1 = fmt.block
+            return weight, StoredTensor("scale", _stem(name, "weight_scale_inv"),
+                                        lead + (-(-r // b0), -(-c // b1)), FLOAT_DTYPES)
+        scale = (StoredTensor("scale", _stem(name, "weight_scale"), None, FLOAT_DTYPES) if fmt.block == (0, 0) else
+                 StoredTensor("scale", _stem(name, "weight_scale"), lead + (out, 1), FLOAT_DTYPES))
+        return weight, scale, StoredTensor("input_scale", _stem(name, "input_scale"), None, FLOAT_DTYPES, True)
+    if fmt.family == "mxfp4":
+        groups = -(-inp // 32)
+        return (StoredTensor("blocks", f"{name}_blocks", lead + (out, groups, 16), ("U8",)),
+                StoredTensor("scales", f"{name}_scales", lead + (out, groups), ("U8",)))
+    stem = name.removesuffix(".weight")
+    groups, packed = -(-inp // 128), -(-out // 8)
+    zeros = StoredTensor("qzeros", f"{stem}.qzeros", lead + (groups, packed), ("I32",))
+    scales = StoredTensor("scales", f"{stem}.scales", lead + (groups, out), ("F16", "BF16", "F32"))
+    if fmt.name == "int4-awq":
+        return StoredTensor("qweight", f"{stem}.qweight", lead + (inp, packed), ("I32",)), zeros, scales
+    return (StoredTensor("qweight", f"{stem}.qweight", lead + (-(-inp // 8), out), ("I32",)), zeros, scales,
+            StoredTensor("g_idx", f"{stem}.g_idx", lead + (inp,), ("I32",), True))
+
+
+def stored_quantized(fmt: QuantFormat | None, name: str, dtypes: Mapping[str, str]) -> bool:
+    """Whether a checkpoint holding tensors of ``dtypes`` (name -> safetensors dtype) stores
+    the weight ``name`` in ``fmt``: fp8 as an F8_E4M3 ``name``; mxfp4 and int4 by their
+    first tensor (``name_blocks``, ``STEM.qweight``). A weight a format leaves in 16 bits
+    (``modules_to_not_convert``, ``ignore``) is stored dense under its own name."""
+    if fmt is None:
+        return False
+    if fmt.family == "fp8":
+        return dtypes.get(name) == "F8_E4M3"
+    if fmt.family == "mxfp4":
+        return f"{name}_blocks" in dtypes
+    return f"{name.removesuffix('.weight')}.qweight" in dtypes
 
 
 def _read_block(value: Any) -> tuple[int, int] | None:
@@ -220,5 +358,6 @@ def checkpoint_format(config: Mapping) -> QuantFormat | None:
     return None if qc is None else from_quantization_config(qc)
 
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "QuantConfigError", "QuantFormat", "WEIGHT_DTYPES",
-           "checkpoint_format", "from_quantization_config", "quantized_param", "weight_format"]
+__all__ = ["DEFAULT_FORMAT", "FLOAT_DTYPES", "FORMATS", "QuantConfigError", "QuantFormat", "StoredTensor",
+           "WEIGHT_DTYPES", "checkpoint_format", "format_named", "from_quantization_config", "quantized_param",
+           "stored_quantized", "stored_tensors", "weight_format", "weight_key"]

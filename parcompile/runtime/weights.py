@@ -19,7 +19,11 @@ Three sources (:func:`weights_kind`):
   ``c_attn``, GPT-NeoX ``query_key_value``, Mixtral ``gate_up_proj``) are read at the
   offsets of our tensor; GPT-2's ``Conv1D`` weights are transposed; vocabulary rows past
   ``vocab`` are zero (padding); a tied checkpoint's missing head reads the embedding (an
-  untied one's is an error naming ``lm_head.weight``).
+  untied one's is an error naming ``lm_head.weight``). A checkpoint quantized as published
+  (its config.json's ``quantization_config``: FP8 block-scaled, compressed-tensors FP8,
+  gpt-oss's MXFP4; :mod:`parcompile.core.quant`) is read quantized, each rank its shard
+  (:mod:`parcompile.runtime.quant`): the weights a serve program holds quantized stay so
+  (``quantized``), any other is dequantized on load.
 
 Every parameter carries its layout (``global_name``, ``global_shape``, ``shard_dim``,
 ``shard_index``, ``num_shards``, ``valid_rows``; see :func:`parcompile.runtime.layers.make_param`).
@@ -41,6 +45,8 @@ from parcompile.core.hf import HFConfigError
 from parcompile.core.hf_weights import (UNTIED_HEAD_HELP, HFWeightsError, Source, hf_family, model_from_checkpoint_config, read_config,
                                         scan_checkpoint, tensor_map)
 from parcompile.core.model import ModelKeys
+from parcompile.core.quant import QuantConfigError, checkpoint_format, format_named, stored_quantized
+from parcompile.runtime import quant as rq
 from parcompile.runtime.context import ParallelContext
 from parcompile.runtime.generate import ServeError
 
@@ -384,21 +390,57 @@ def _shard_range(p: torch.Tensor, dim: int) -> tuple[int, int]:
     return p.shard_index * n, (p.shard_index + 1) * n
 
 
-def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> None:
+def _checkpoint_quant(root: Path, holding: rq.Holding | None):
+    """The checkpoint's format (its config.json's ``quantization_config``; None: none) and
+    how it quantizes a layer's input (:func:`parcompile.runtime.quant.input_scheme`).
+
+    Raises:
+        WeightsError: a quantization_config parcompile does not serve, or of another format
+            than the program holds (``holding``).
+    """
+    cfg, _ = read_config(root)
+    try:
+        fmt = checkpoint_format(cfg) if cfg else None
+        mode = rq.input_scheme(cfg.get("quantization_config")) if fmt is not None else None
+    except QuantConfigError as e:
+        raise WeightsError(f"{root / 'config.json'}: {e.message}", e.help) from None
+    except rq.QuantError as e:
+        raise WeightsError(f"{root / 'config.json'}: {e.message}", e.help) from None
+    if fmt is not None and holding is not None and fmt.name != holding.fmt.name:
+        raise WeightsError(f"the program holds its weights as {holding.fmt.description} ({holding.fmt.name}), but "
+                           f"{root} holds {fmt.description} ({fmt.name})",
+                           "compile the spec again against this checkpoint (`parcompile compile`)")
+    return fmt, mode
+
+
+def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
+            holding: rq.Holding | None = None) -> bool:
     """Load a Hugging Face safetensors checkpoint of any supported family (module
     docstring) into ``model``'s shards, each rank reading only its rows or columns.
 
     The HF layout (family, fused tensors' offsets) is that of the checkpoint's
-    ``config.json``; ``config`` (this model) is used when the directory has none.
+    ``config.json``; ``config`` (this model) is used when the directory has none. A weight
+    the checkpoint stores quantized is held quantized where ``holding`` holds it
+    (:func:`parcompile.runtime.quant.hold`), else dequantized into its parameter. Returns
+    whether the checkpoint is quantized (its config.json has a ``quantization_config``).
 
     Raises:
         WeightsError: a tensor is missing or its shape differs from the model's; a
-            truncated file; an index naming a missing file; an unsupported model_type.
+            truncated file; an index naming a missing file; an unsupported model_type; a
+            quantized tensor missing, of another dtype or shape (its file and name), or of
+            another format than ``holding``'s.
     """
     root = Path(path)
     family, tmap = _layout(root, config)
-    files = hf_files(root)
+    fmt, input_mode = _checkpoint_quant(root, holding)
+    names, headers, problems, _ = scan_checkpoint(root)
+    if problems:
+        raise WeightsError(problems[0].message, problems[0].help)
+    files = {k: root / v for k, v in names.items()}
+    dtypes = {k: v[0] for k, v in headers.items()}
     reader = _Reader(files)
+    qreader = rq.Reader(reader.slice, files)
+    table = rq.owners(model) if fmt is not None else {}
     try:
         with torch.no_grad():
             for p in _params(model):
@@ -406,20 +448,22 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> Non
                 if not srcs:
                     raise WeightsError(f"a Hugging Face `{family}` checkpoint has no tensor for `{p.global_name}`",
                                        "the spec's model has a parameter the checkpoint's family does not hold")
-                src = next((s for s in srcs if s.name in files), None)
+                src = next((s for s in srcs if s.name in files or stored_quantized(fmt, s.name, dtypes)), None)
                 if src is None:
                     raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
                                        f"`{p.global_name}`" + ("" if p.global_name == "lm_head.weight" else
                                                                "; was it written for another model?"),
                                        UNTIED_HEAD_HELP if p.global_name == "lm_head.weight" else None)
-                sl = reader.slice(src.name)
-                got = tuple(sl.get_shape())
+                quantized = stored_quantized(fmt, src.name, dtypes)
                 want = tuple(p.global_shape)
                 if p.valid_rows is not None:
                     want = (p.valid_rows,) + want[1:]
-                if got != tuple(src.shape):
-                    raise WeightsError(f"{src.name}: the checkpoint's shape {got} differs from the "
-                                       f"{tuple(src.shape)} its config.json gives; is the file of another model?")
+                if not quantized:
+                    sl = reader.slice(src.name)
+                    got = tuple(sl.get_shape())
+                    if got != tuple(src.shape):
+                        raise WeightsError(f"{src.name}: the checkpoint's shape {got} differs from the "
+                                           f"{tuple(src.shape)} its config.json gives; is the file of another model?")
                 if tuple(src.ours) != want:
                     raise WeightsError(
                         f"{src.name}: the checkpoint holds `{p.global_name}` as {tuple(src.ours)} but this "
@@ -428,7 +472,26 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> Non
                 r0, r1 = _shard_range(p, 0)
                 cols = _shard_range(p, 1) if len(want) == 2 else None
                 real = min(r1, p.valid_rows) if p.valid_rows is not None else r1
-                t = read_region(sl, src, (r0, max(r0, real)), cols)
+                if quantized:
+                    if len(want) != 2:
+                        raise WeightsError(f"{files[src.name] if src.name in files else root}: `{src.name}` is "
+                                           f"stored quantized, but `{p.global_name}` {want} is not a matrix")
+                    keep = holding is not None and holding.holds(p.global_name) and real == r1
+                    try:
+                        q = rq.read(qreader, src, p, fmt, (r0, max(r0, real)), cols,
+                                    holding.dtype if keep else torch.float32,
+                                    holding.device if keep else "cpu", input_mode)
+                    except rq.QuantError as e:
+                        raise WeightsError(e.message, e.help) from None
+                    if q.shape != tuple(p.shape) and not (p.valid_rows is not None and not keep):
+                        raise WeightsError(f"{src.name}: read {q.shape} for `{p.global_name}`'s shard {tuple(p.shape)}")
+                    if keep:
+                        owner, attr, _ = table[id(p)]
+                        rq.hold(owner, attr, q)
+                        continue
+                    t = q.dequantize()
+                else:
+                    t = read_region(sl, src, (r0, max(r0, real)), cols)
                 if real < r1:   # padded vocabulary rows
                     pad = torch.zeros((r1 - max(r0, real),) + tuple(t.shape[1:]), dtype=t.dtype)
                     t = torch.cat([t, pad])
@@ -438,23 +501,42 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None) -> Non
                 p.copy_(t)
     finally:
         reader.close()
+    return fmt is not None
 
 
 def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
-                 config: ModelKeys | None = None) -> str:
+                 config: ModelKeys | None = None, *, weight_format: str | None = None,
+                 quantized: tuple[str, ...] = (), dtype: torch.dtype | None = None) -> str:
     """Fill ``model``'s shards from ``path`` (None: keep the seeded initialisation);
     returns the kind loaded (``seed``, ``dcp`` or ``hf``). ``config``: see :func:`load_hf`.
 
+    A serve program of quantized weights (``serve.weight_dtype``) passes its
+    ``weight_format`` (:func:`parcompile.core.quant.format_named`), the weights it holds so
+    (``quantized``: :func:`parcompile.core.quant.weight_key` s) and its compute ``dtype``: a
+    checkpoint quantized so is read quantized (:func:`load_hf`); the weights of any other
+    source (seed, DCP, a 16-bit checkpoint) are quantized after loading
+    (:func:`parcompile.runtime.quant.quantize_on_load`: fp8 only).
+
     Raises:
-        WeightsError: see :func:`weights_kind`, :func:`load_dcp`, :func:`load_hf`.
+        WeightsError: see :func:`weights_kind`, :func:`load_dcp`, :func:`load_hf`; an mxfp4 or
+            int4 program without a checkpoint quantized so.
     """
+    holding = None
+    if weight_format is not None:
+        holding = rq.Holding(format_named(weight_format), frozenset(quantized), dtype or torch.float32, ctx.device)
     kind = weights_kind(path)
+    published = False
     if kind == "dcp":
         if not (Path(path) / ".metadata").is_file():
             path = str(newest(path)[0])
         load_dcp(model, path, ctx)
     elif kind == "hf":
-        load_hf(model, path, config)
+        published = load_hf(model, path, config, holding)
+    if holding is not None and not published:
+        try:
+            rq.quantize_on_load(model, holding)
+        except rq.QuantError as e:
+            raise WeightsError(e.message, e.help) from None
     return kind
 
 
