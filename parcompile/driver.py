@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
-from parcompile.analysis.serve import ServeReport, fit_advice, serve_report
+from parcompile.analysis.serve import ServeReport, fit_advice, prefill_config, serve_report
 from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
@@ -125,7 +125,12 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     warnings = list(warnings) + list(ctx.warnings)
     serve = None
     if cfg.workload == "serve" and cfg.serve is not None:
-        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups, graph, ctx.degrees)
+        prefill = None
+        if cfg.serve.disaggregated:   # the prefill pool's instance, compiled as its own layout
+            pcfg = prefill_config(cfg)
+            pc = compile_graph(pcfg, schedule=False)
+            prefill = (pcfg, pc.graph, pc.ctx.degrees, pc.cost.groups, pc.cost.params.per_stage)
+        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups, graph, ctx.degrees, prefill)
         _check_serve_fits(cfg, serve, warnings, graph, ctx.degrees)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)

@@ -586,6 +586,19 @@ def _weights_words(sv: dict[str, Any], d: dict[str, Any]) -> str:
     return f"in {sv['weight_dtype']}" + (f" (`{sv['weight_format']}`)" if sv.get("weight_format") else "")
 
 
+def _prefill_pool_words(sv: dict[str, Any]) -> list[str]:
+    """A disaggregated deployment's prefill pool, in words (none otherwise)."""
+    p = sv.get("prefill_pool")
+    if p is None:
+        return []
+    return ["", f"Disaggregated: {plural(p['replicas'], 'prefill instance')} of {p['tp']} GPUs "
+                f"({bytes_text(p['weights_bytes_per_rank'] + p['workspace_bytes_per_rank'])} per GPU"
+                + ("" if p["fits"] else ", **does not fit**") + f"), a prompt in {p['prompt_time'] * 1e3:.4g} ms, "
+                f"its KV cache ({bytes_text(p['kv_transfer_bytes'])}) to the decode pool in "
+                f"{p['kv_transfer_time'] * 1e3:.3g} ms; the pool prefills at most {p['max_requests_per_s']:,.1f} "
+                "requests/s."]
+
+
 def _serve_report(d: dict[str, Any]) -> list[str]:
     """The serving sections of the report: memory per rank, KV cache, time."""
     sv, mem = d["serve"], d["memory"]
@@ -605,10 +618,10 @@ def _serve_report(d: dict[str, Any]) -> list[str]:
             f"{_workload_words(sv)} on engine `{sv['engine']}`, weights {_weights_words(sv, d)}: time to first "
             f"token **{sv['ttft'] * 1e3:.4g} ms**, time per output token **{sv['tpot'] * 1e3:.4g} ms** "
             f"({sv['tokens_per_s_per_user']:,.1f} tokens/s per user); {sv['tokens_per_s']:,.0f} output tokens/s"
-            f" ({sv['tokens_per_s'] / d['world_size']:,.0f} per GPU)"
+            f" ({sv['tokens_per_s'] / sv['gpus']:,.0f} per GPU of {sv['gpus']})"
             + (f", {sv['running']:.3g} sequences running (at most {sv['running_limit']:,})" if "running" in sv else "")
             + (f"; each prompt in {sv['prefill_steps']} chunks of {sv['prefill_chunk']:,.0f} tokens"
-               if sv.get("prefill_steps", 1) > 1 else "") + ".", "",
+               if sv.get("prefill_steps", 1) > 1 else "") + "."] + _prefill_pool_words(sv) + ["",
             "| part | seconds |", "|---|---|"]
     out += [f"| {k} | {v:.4g} |" for k, v in sv["breakdown"].items()]
     return out

@@ -350,6 +350,22 @@ class Estimate(_Strict):
                                   "(extension, training only)")
 
 
+class PrefillPoolSection(_Strict):
+    """``serve.prefill_pool`` (disaggregated serve specs): the prefill instances, each
+    ``tp`` GPUs, and what a prompt costs there (analysis/serve.py prefill_pool)."""
+
+    replicas: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    gpus: int = Field(ge=1)
+    weights_bytes_per_rank: int = Field(ge=0)
+    workspace_bytes_per_rank: int = Field(ge=0)
+    fits: bool
+    prompt_time: float = Field(ge=0, description="seconds of one prompt's prefill on an instance")
+    kv_transfer_time: float = Field(ge=0, description="seconds of one prompt's KV cache to the decode pool")
+    kv_transfer_bytes: int = Field(ge=0)
+    max_requests_per_s: float = Field(ge=0, description="prompts per second the pool prefills at most")
+
+
 class ServeWorkload(_Strict):
     """``serve.workload``: the workload whose steady state ``ttft``, ``tpot`` and ``tokens_per_s``
     are (analysis/serve_workload.py)."""
@@ -406,6 +422,8 @@ class Serve(_Strict):
                                              "held while a batch runs, to gather several prompts into one step; "
                                              "absent: 0, at once")
     fits: bool
+    gpus: int = Field(ge=1, description="GPUs the deployment holds: the layout's world size, and a disaggregated "
+                      "spec's prefill pool")
     workload: ServeWorkload
     ttft: float = Field(ge=0, description="mean time to first token of the workload's steady state (queueing "
                         "included), seconds")
@@ -426,6 +444,8 @@ class Serve(_Strict):
     prefill_chunk: Optional[float] = Field(None, ge=0, description="prompt tokens per chunk")
     mixed_share: Optional[float] = Field(None, ge=0, le=1, description="share of a request's decode steps that "
                                          "also prefill other requests' prompt chunks")
+    prefill_pool: Optional[PrefillPoolSection] = Field(None, description="disaggregated deployments: the prefill "
+                                                       "instances (the plan's layout is the decode pool)")
     breakdown: dict[str, float]
 
 

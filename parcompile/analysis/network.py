@@ -246,9 +246,6 @@ def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str
 NCCL_LL_BASE = 3.6e-6
 NCCL_LL_STEP = 0.47e-6
 NCCL_LL_BANDWIDTH = 0.25
-#: the group sizes vLLM's (and SGLang's) custom all-reduce serves (``_SUPPORTED_WORLD_SIZES``,
-#: vllm/distributed/device_communicators/custom_all_reduce.py @00d618aa)
-CUSTOM_ALLREDUCE_SIZES = (2, 4, 6, 8)
 
 
 def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True) -> tuple[str, float]:
@@ -258,8 +255,9 @@ def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True
     engine chooses:
 
     * the engine's own custom all-reduce where it has one, the group sits inside one NVLink
-      domain, ``n`` is 2, 4, 6 or 8 and the message is below ``engine.custom_max_bytes``
-      (vLLM's ``should_custom_ar``): ``oneshot`` (every rank reads its peers' buffers and
+      domain, ``n`` is 2, 4, 6 or 8 and the message is below the engine's limit for ``n``
+      (:meth:`~parcompile.analysis.serve_engines.ServeEngine.custom_limit`; vLLM's
+      ``should_custom_ar``): ``oneshot`` (every rank reads its peers' buffers and
       reduces: ``latency + nbytes (n - 1) / nvlink``) for two ranks or below
       ``engine.oneshot_bytes`` (half of it for more than 4 ranks), else ``twoshot`` (a
       reduce-scatter then an all-gather through peer memory: ``2 latency + 2 nbytes (n - 1)
@@ -274,8 +272,7 @@ def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True
     ``("none", 0.0)`` for a group of one."""
     if n <= 1:
         return "none", 0.0
-    if (engine is not None and engine.custom_allreduce and not link.crosses and n in CUSTOM_ALLREDUCE_SIZES
-            and nbytes < engine.custom_max_bytes):
+    if engine is not None and not link.crosses and nbytes < engine.custom_limit(n):
         limit = engine.oneshot_bytes if n <= 4 else engine.oneshot_bytes // 2
         lat = engine.allreduce_latency
         if n == 2 or nbytes < limit:

@@ -65,7 +65,7 @@ engine's choice for its size (:func:`parcompile.analysis.network.serve_allreduce
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from parcompile.analysis.efficiency import attention_efficiency
@@ -74,10 +74,10 @@ from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.analysis.serve_engines import serve_engine
-from parcompile.analysis.serve_memory import prefill_step, received_bytes, serve_workspace
-from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, StageSteps, Step, stage_steps,
+from parcompile.analysis.serve_memory import engine_budget, prefill_step, received_bytes, serve_workspace
+from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, Segment, StageSteps, Step, stage_steps,
                                              stored_weight_bytes, uniform)
-from parcompile.analysis.serve_workload import Workload, WorkloadTimes, steady_state
+from parcompile.analysis.serve_workload import PrefillPool, Workload, WorkloadTimes, disaggregated_state, steady_state
 from parcompile.config.presets import CLUSTER_PRESETS, accelerator, fp8_peak, fp8_storage
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank
@@ -134,6 +134,9 @@ class ServeReport:
     concurrency: int = 1
     request_rate: float | None = None
     times: WorkloadTimes | None = None
+    prefill_pool: "PrefillSide | None" = None
+    #: GPUs the deployment holds (the layout's, and a disaggregated spec's prefill pool's)
+    gpus: int = 1
 
     def timed(self, times: WorkloadTimes) -> "ServeReport":
         """This report with the workload's steady state."""
@@ -175,6 +178,12 @@ class ServeReport:
             "prefill_overhead": k * p.get("overhead", 0.0),
             "request_overhead": self.engine_request_overhead, "queue": t.queue,
         }
+        pool = self.prefill_pool
+        if pool is not None:   # the prompt runs on the prefill pool, its cache crosses to the decode pool
+            out.update({"prefill_compute": pool.prompt_s, "prefill_tp_comm": 0.0, "prefill_pp_comm": 0.0,
+                        "prefill_overhead": 0.0, "kv_transfer": pool.transfer_s,
+                        "prefill_queue": max(t.ttft - t.queue - self.engine_request_overhead - pool.prompt_s
+                                             - pool.transfer_s, 0.0)})
         return out
 
     @property
@@ -278,6 +287,7 @@ class ServeReport:
             "max_concurrent_sequences": min(max(s.free_for_kv, 0) // s.kv_per_sequence if s.kv_per_sequence else 0
                                             for s in self.stages),
             "fits": self.batch_fits,
+            "gpus": self.gpus + (self.prefill_pool.replicas * self.prefill_pool.tp if self.prefill_pool else 0),
             "workload": self.workload_dict(),
             "ttft": self.ttft,
             "tpot": self.tpot,
@@ -288,6 +298,7 @@ class ServeReport:
                 "running": self.running, "running_limit": t.running_limit * self.replicas,
                 "prefill_steps": t.prefill_steps, "prefill_chunk": t.chunk, "mixed_share": t.mixed_share}
                if t is not None else {}),
+            **({"prefill_pool": self.prefill_pool.to_dict()} if self.prefill_pool is not None else {}),
             "breakdown": dict(self.breakdown),
         }
 
@@ -351,7 +362,7 @@ def _uniform_cost(st: StageSteps, step: Step) -> StepCost:
     t, r = step.tokens, step.rows
     f16, f8, attn = st.flops(step)
     colls = tuple((op, axis, int(round(nb * per))) for coll, per in ((st.colls_token, t), (st.colls_row, r))
-                  for op, axis, nb in coll)
+                  for op, axis, nb, count in coll for _ in range(count))
     act = st.operands_token * t + st.operands_row * r + st.act_token * t + st.act_row * r \
         + sum(c.bytes_per_pair * step.pairs(c.window) for c in st.attention)
     return StepCost(f16 + f8, attn, st.weights_read(t), act, st.ops, colls, st.kv_layers)
@@ -409,11 +420,9 @@ def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
     ``ceil(batch / dp)`` sequences a step, the token budget ``serve.max_prefill_tokens`` or
     the engine's default for the GPU's memory (none for the parcompile engine: whole
     prompts), the engine's time per request."""
-    sv, cl = cfg.serve, cfg.cluster
+    sv = cfg.serve
     eng = serve_engine(cfg)
-    budget = sv.max_prefill_tokens
-    if budget is None and not eng.host_ops:
-        budget = eng.budget(cl.memory, a100=(cl.preset or "").startswith("a100"))
+    budget = sv.max_prefill_tokens or engine_budget(cfg)
     rate = sv.request_rate
     return Workload(prompt=sv.prompt_len, output=sv.max_new_tokens, clients=sv.clients / dp,
                     rate=None if rate is None else (rate if math.isinf(rate) else rate / dp),
@@ -422,14 +431,17 @@ def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
 
 
 def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
-                 graph: Graph, degrees: Mapping[str, int]) -> ServeReport:
+                 graph: Graph, degrees: Mapping[str, int], prefill: tuple | None = None) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
 
     ``chunks``: layer ids per model chunk (``split-pipeline-stages``' result);
     ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
     ``groups``: the plan's rank groups (for which links the collectives use);
     ``graph``, ``degrees``: the sharded graph the plan compiled and its mesh: the steps are
-    costed from its nodes (:func:`~parcompile.analysis.serve_steps.stage_steps`).
+    costed from its nodes (:func:`~parcompile.analysis.serve_steps.stage_steps`);
+    ``prefill``: with ``serve.disaggregated``, the prefill instance's ``(config, graph,
+    degrees, groups, stage parameters)`` (:func:`prefill_config`, compiled by the driver):
+    the steady state is then :func:`~parcompile.analysis.serve_workload.disaggregated_state`'s.
 
     Raises ValueError when not one sequence fits the cache (the driver reports it first)."""
     m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
@@ -461,13 +473,94 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                          waiting_served_ratio=sv.waiting_served_ratio, max_waiting_steps=sv.max_waiting_steps,
                          engine=serve_engine(cfg).name, weight_dtype=sv.weight_dtype,
                          weight_format=fmt.name if fmt is not None else None, concurrency=sv.clients,
-                         request_rate=sv.request_rate)
+                         request_rate=sv.request_rate, gpus=par.world_size)
     if not report.one_sequence_fits:
         return report   # the driver's error says what would fit
     rates = serve_rates(cfg, groups, degrees, steps, fp8_gemm)
     work = replica_workload(cfg, report.kv_cache_tokens, dp)
-    times = steady_state(work, lambda step: step_seconds(steps, rates, step))
-    return report.timed(times)
+    decode = lambda step: step_seconds(steps, rates, step)   # noqa: E731
+    if sv.disaggregated and prefill is not None:
+        pool, side = prefill_pool(cfg, *prefill)
+        return replace(report.timed(disaggregated_state(work, pool, decode, replicas=dp)), prefill_pool=side)
+    return report.timed(steady_state(work, decode))
+
+
+def prefill_config(cfg):
+    """The config of one prefill instance of a disaggregated serve spec: ``prefill_tp`` GPUs
+    (default ``tp``), one stage, ``prefill_replicas`` instances (default 1) as its dp, the
+    cluster sized to them."""
+    sv, par = cfg.serve, cfg.parallel
+    tp, n = sv.prefill_tp or par.tp, sv.prefill_replicas or 1
+    gpn = min(cfg.cluster.gpus_per_node, tp * n)
+    cl = cfg.cluster.model_copy(update={"gpus_per_node": gpn, "nodes": -(-tp * n // gpn)})
+    p = par.model_copy(update={"tp": tp, "pp": 1, "dp": n, "stage_layers": None, "expert_tp": tp})
+    return cfg.model_copy(update={"parallel": p, "cluster": cl,
+                                  "serve": sv.model_copy(update={"disaggregated": False, "batch": n})})
+
+
+@dataclass(frozen=True)
+class PrefillSide:
+    """plan.json ``serve.prefill_pool`` of a disaggregated deployment (bytes, seconds)."""
+
+    replicas: int
+    tp: int
+    weights: int
+    workspace: int
+    capacity: int
+    prompt_s: float
+    transfer_s: float
+    transfer_bytes: int
+    requests_per_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.weights + self.workspace <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"replicas": self.replicas, "tp": self.tp, "gpus": self.replicas * self.tp,
+                "weights_bytes_per_rank": self.weights, "workspace_bytes_per_rank": self.workspace,
+                "fits": self.fits, "prompt_time": self.prompt_s, "kv_transfer_time": self.transfer_s,
+                "kv_transfer_bytes": self.transfer_bytes, "max_requests_per_s": self.requests_per_s}
+
+
+def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int], groups: Mapping,
+                 stage_params: Sequence) -> tuple[PrefillPool, PrefillSide]:
+    """The prefill side of disaggregated ``cfg`` (``pcfg``: :func:`prefill_config`, compiled
+    to ``graph`` on ``degrees`` with ``groups`` and its parameter report): one prompt's chunks
+    at the engine's budget alone on an instance, a step of the budget's tokens (the
+    instance's throughput under load: several prompts' chunks at once), the prompt's KV cache
+    (every layer's, every kv head: :func:`~parcompile.analysis.kv.kv_bytes_per_sequence` at
+    tp 1) sent by the instance's ``tp`` ranks, each over its own NIC (NVLink when the whole
+    deployment is one node: ``inter_node_latency + bytes / (tp * inter_node_bw * eff.net)``),
+    and its memory: weights, the budget step's workspace."""
+    sv, cl = cfg.serve, cfg.cluster
+    fmt, fp8 = quant_of(pcfg)
+    steps = stage_steps(pcfg, graph, degrees, fmt, fp8)
+    rates = serve_rates(pcfg, groups, degrees, steps, fp8)
+    P = sv.prompt_len
+    budget = sv.max_prefill_tokens or engine_budget(pcfg) or P
+    k = max(1, math.ceil(P / budget))
+    chunk = P / k
+    prompt_s = sum(step_seconds(steps, rates, Step((Segment(1, chunk, j * chunk),)))[0] for j in range(k))
+    if budget >= P:
+        step_tokens = (budget // P) * P
+        step_s = step_seconds(steps, rates, Step((Segment(budget // P, P, 0),)))[0]
+    else:
+        step_tokens, step_s = chunk, prompt_s / k
+    one = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"tp": 1, "dp": 1})})
+    nbytes = kv_bytes_per_sequence(one, [list(range(cfg.model.layers))], P)[0]
+    eff = efficiency(cl)
+    tp = pcfg.parallel.tp
+    whole = pcfg.parallel.world_size + cfg.parallel.world_size <= cl.gpus_per_node
+    transfer = (cl.intra_node_latency + nbytes / (tp * cl.intra_node_bw * eff.link)) if whole else \
+        (cl.inter_node_latency + nbytes / (tp * cl.inter_node_bw * eff.net))
+    workspace = serve_workspace(pcfg, graph, degrees, *prefill_step(pcfg))[0].total
+    weights = stage_params[0].total * pcfg.model.dtype_bytes + stored_weight_bytes(pcfg, graph, degrees, fmt)[0]
+    replicas = pcfg.parallel.dp
+    pool = PrefillPool(replicas, prompt_s, step_s, step_tokens, transfer)
+    side = PrefillSide(replicas, tp, weights, workspace, int(cl.memory * (1 - cl.memory_reserve)), prompt_s,
+                       transfer, nbytes, replicas * step_tokens / (P * step_s))
+    return pool, side
 
 def fit_advice(cfg, rep: ServeReport, graph: Graph, degrees: Mapping[str, int]) -> list[str]:
     """What would make one sequence fit (for the error's help): more tp, more pp (the weights

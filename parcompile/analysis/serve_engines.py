@@ -52,9 +52,11 @@ class ServeEngine:
     seqs_small: int
     large_gpu: int
     #: custom all-reduce: one-shot below this many bytes (groups of at most 4; half for 8), two-shot up to
-    #: ``custom_max_bytes``, NCCL beyond
+    #: ``custom_max_bytes[n]`` for a group of n, NCCL (or torch's symmetric-memory all-reduce, NVLS-based
+    #: like NCCL's) beyond
     oneshot_bytes: int = 512 * 1024
-    custom_max_bytes: int = 8 * 2 ** 20
+    custom_max_bytes: tuple[tuple[int, int], ...] = ((2, 8 * 2 ** 20), (4, 8 * 2 ** 20), (6, 512 * 1024),
+                                                     (8, 256 * 1024))
     #: whether the engine runs its own all-reduce for small tensor-parallel messages on NVLink
     custom_allreduce: bool = True
     #: the graph ops' host cost is the cluster's ``op_overhead`` (the parcompile engine: eager
@@ -65,6 +67,10 @@ class ServeEngine:
     def budget(self, memory: int, a100: bool = False) -> int:
         """The default token budget of a step (chunked prefill) on a GPU of ``memory`` bytes."""
         return self.budget_large if memory >= self.large_gpu and not a100 else self.budget_small
+
+    def custom_limit(self, n: int) -> int:
+        """Bytes below which a group of ``n`` ranks takes the engine's custom all-reduce (0: never)."""
+        return dict(self.custom_max_bytes).get(n, 0) if self.custom_allreduce else 0
 
     def max_seqs(self, memory: int, a100: bool = False) -> int:
         """The default most sequences of a step on a GPU of ``memory`` bytes."""
@@ -82,7 +88,9 @@ SERVE_ENGINES: dict[str, ServeEngine] = {
         source="budgets: vllm/engine/arg_utils.py _set_default_args (OpenAI server: 8192 tokens and 1024 "
                "sequences on GPUs of >= 70 GiB but the A100, else 2048 and 256; vllm-project/vllm @99d7eb5d); "
                "all-reduce: csrc/custom_all_reduce.cuh (one-shot below 512 KiB for <= 4 ranks, 256 KiB for 8; "
-               "two-shot above; @c9eabec7) and custom_all_reduce.py (8 MiB at most; @00d618aa); "
+               "two-shot above; @c9eabec7), custom_all_reduce.py (8 MiB at most) and all_reduce_utils.py "
+               "CUSTOM_ALL_REDUCE_MAX_SIZES for Hopper with symmetric memory on (its default: 8 MiB at 2 and 4 "
+               "ranks, 512 KiB at 6, 256 KiB at 8; larger messages to torch's symmetric-memory all-reduce; @00d618aa); "
                "step_overhead 1.6 ms, allreduce_latency 26 us (op_overhead 0): fitted to the three rows of "
                "analysis/serve_calibration.py by least squares on the relative TPOT errors over a grid (t0 0-2.4 ms, "
                "0-4 us per op, 8-40 us per all-reduce): the 2024 build's Llama 3.1 8B row is 12% slower per token than "
@@ -95,6 +103,7 @@ SERVE_ENGINES: dict[str, ServeEngine] = {
         "sglang", "SGLang: CUDA graphs, chunked prefill, overlap scheduler, custom all-reduce",
         step_overhead=1.6e-3, op_overhead=0.0, request_overhead=5.5e-3, allreduce_latency=26e-6,
         budget_large=8192, budget_small=4096, seqs_large=1024, seqs_small=256, large_gpu=60 * _GIB,
+        custom_max_bytes=((2, 8 * 2 ** 20), (4, 8 * 2 ** 20), (6, 8 * 2 ** 20), (8, 8 * 2 ** 20)),
         source="budgets: python/sglang/srt/server_args.py _handle_gpu_memory_settings (chunked_prefill_size "
                "8192 on 60-160 GB GPUs, 4096 on 35-60 GB); all-reduce: its custom all-reduce adapted from "
                "vLLM's (8 MiB at most); per-step and per-request times: assumed as vllm's (no SGLang row "
@@ -104,7 +113,7 @@ SERVE_ENGINES: dict[str, ServeEngine] = {
                       "batching; the host runs the graph op by op",
         step_overhead=0.0, op_overhead=10e-6, request_overhead=0.0, allreduce_latency=0.0,
         budget_large=0, budget_small=0, seqs_large=0, seqs_small=0, large_gpu=0,
-        custom_allreduce=False, host_ops=True,
+        custom_allreduce=False, custom_max_bytes=(), host_ops=True,
         source="the host's cost per graph op: the cluster's op_overhead where it models the host (the cpu "
                "preset, config/host.py), else 10 us per op (eager PyTorch's dispatch and launch, Horace He, "
                "'Making Deep Learning Go Brrrr From First Principles', 2022: ~10 us of overhead per op); the "

@@ -12,9 +12,10 @@ torch.profiler on the serve program: tests/test_serve_memory.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parcompile.analysis.kv import kv_dtype as cache_dtype
+from parcompile.analysis.serve_engines import serve_engine
 from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
@@ -81,7 +82,9 @@ def prefill_step(cfg) -> tuple[int, int, int]:
     a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
     (runtime/scheduler.py ``Scheduler.next_step``) prefills at most that many prompt tokens
     per step: ``tokens = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk
-    of a prompt attending all ``prompt_len`` keys. A bound: the engine packs a step's tokens
+    of a prompt attending all ``prompt_len`` keys; a GPU engine (vLLM, SGLang: its default
+    token budget per step, :func:`engine_budget`) computes at most its budget's tokens a step,
+    ``budget // tokens`` rows of ``min(prompt_len, budget)``. A bound: the engine packs a step's tokens
     (runtime/paged.py ``paged_step``), its linear layers see the real tokens only and its
     attention pads only the rows of more than one token, to their own longest, so a
     step's ``rows x tokens`` never exceeds this one's."""
@@ -89,11 +92,27 @@ def prefill_step(cfg) -> tuple[int, int, int]:
     rows = -(-sv.batch // cfg.parallel.dp)
     P = sv.prompt_len
     tokens = min(P, sv.max_prefill_tokens) if sv.max_prefill_tokens else P
+    budget = engine_budget(cfg)
+    if budget is not None and not sv.max_prefill_tokens:   # the engine's token budget bounds a step's tokens
+        tokens = min(P, budget)
+        rows = max(1, min(rows, budget // tokens))
     return rows, tokens, P
 
 
+def engine_budget(cfg) -> int | None:
+    """The tokens a step of ``cfg``'s serving engine computes at most by default
+    (:meth:`~parcompile.analysis.serve_engines.ServeEngine.budget`: vLLM's
+    ``max_num_batched_tokens``, SGLang's ``chunked_prefill_size``), None for the parcompile
+    engine (``serve.max_prefill_tokens``, else whole prompts)."""
+    eng = serve_engine(cfg)
+    if eng.host_ops:
+        return None
+    cl = cfg.cluster
+    return eng.budget(cl.memory, a100=(cl.preset or "").startswith("a100"))
+
+
 def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
-                    context: int) -> list[Workspace]:
+                    context: int, stage_of: Callable[[int], int] | None = None) -> list[Workspace]:
     """Per pipeline stage, the activation workspace of one rank in a step of ``batch``
     sequences of ``tokens`` new tokens attending ``context`` keys (:func:`prefill_step`),
     from the sharded graph the plan compiled, bytes (:class:`Workspace`).
@@ -117,10 +136,13 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     Left out (the band of tests/test_serve_memory.py): the norms' fp32 statistics per
     token, the attention kernel's and the CPU's 16-bit GEMM's internal buffers, allocator
     rounding; the MoE bound holds any routing, so a measured step is below it by the
-    difference between its busiest expert and all N tokens."""
+    difference between its busiest expert and all N tokens.
+
+    ``stage_of``: the stage of each decoder layer when ``graph`` is a one-stage graph
+    costed as ``cfg.parallel.pp`` stages (the sizing search)."""
     bytes_of = StepBytes(cfg, graph, degrees, batch, tokens, context)
     pp = cfg.parallel.pp
-    peaks = _stage_layer_peaks(graph, bytes_of, pp)
+    peaks = _stage_layer_peaks(graph, bytes_of, pp, stage_of)
     out = []
     for s in range(pp):
         head_bytes = 0
@@ -133,9 +155,11 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     return out
 
 
-def _stage_layer_peaks(graph: Graph, bytes_of: "StepBytes", pp: int) -> list[tuple[int, int | None]]:
+def _stage_layer_peaks(graph: Graph, bytes_of: "StepBytes", pp: int,
+                       stage_of: Callable[[int], int] | None = None) -> list[tuple[int, int | None]]:
     """Per pipeline stage, ``(peak bytes, layer id)`` of its decoder layer with the largest
-    liveness peak (:func:`_live_bytes`); ``(0, None)`` for a stage without layers."""
+    liveness peak (:func:`_live_bytes`); ``(0, None)`` for a stage without layers. A layer's
+    stage is its nodes' (or ``stage_of(layer)``: a one-stage graph restaged)."""
     layers: dict[int, list] = {}
     for nd in graph.nodes():
         if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
@@ -143,7 +167,7 @@ def _stage_layer_peaks(graph: Graph, bytes_of: "StepBytes", pp: int) -> list[tup
     per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
     for layer_id, nodes in sorted(layers.items()):
         live = _live_bytes(graph, nodes, lambda src: bytes_of.output(graph.node(src)), bytes_of.out_and_scratch)
-        s = nodes[0].stage or 0
+        s = (nodes[0].stage or 0) if stage_of is None else stage_of(layer_id)
         if max(live) > per_stage[s][0]:
             per_stage[s] = (max(live), layer_id)
     return per_stage

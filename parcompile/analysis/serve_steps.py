@@ -35,12 +35,12 @@ any rows (:class:`Segment`) costs :meth:`StageSteps.time`:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parcompile.analysis.compute import GEMM_KINDS, counts_as_op
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.network import Link, collective_time, serve_allreduce
-from parcompile.analysis.serve_memory import StepBytes
+from parcompile.analysis.serve_memory import StepBytes, received_bytes
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.core.quant import QuantFormat, quantized_param
@@ -151,8 +151,9 @@ class StageSteps:
     act_token: float
     act_row: float
     attention: tuple[AttentionCore, ...]
-    colls_token: tuple[tuple[str, str, float], ...]
-    colls_row: tuple[tuple[str, str, float], ...]
+    #: ``(op, axis, bytes per token or per row, count)``: the step's collectives of each size
+    colls_token: tuple[tuple[str, str, float, int], ...]
+    colls_row: tuple[tuple[str, str, float, int], ...]
     ops: int
     first: bool
     last: bool
@@ -194,16 +195,17 @@ class StageSteps:
         act = (self.operands_token * t + self.operands_row * r + self.act_token * t + self.act_row * r) / bw
         tpc = ppc = 0.0
         for coll, per in ((self.colls_token, t), (self.colls_row, r)):
-            for op, axis, nb in coll:
+            for op, axis, nb, count in coll:
                 if axis == "pp":
                     if op == "send" or (op == "broadcast" and self.last):
-                        ppc += collective_time("send", nb * per, 2, rates.links["pp"])
+                        ppc += count * collective_time("send", nb * per, 2, rates.links["pp"])
                 elif op == "all_reduce":
                     link = rates.links.get(axis) or rates.links["tp"]
-                    tpc += serve_allreduce(nb * per, rates.degrees.get(axis, 1), link, rates.engine, rates.nccl)[1]
+                    tpc += count * serve_allreduce(nb * per, rates.degrees.get(axis, 1), link, rates.engine,
+                                                   rates.nccl)[1]
                 else:
-                    tpc += collective_time(op, nb * per, rates.degrees.get(axis, 1),
-                                           rates.links.get(axis) or rates.links["tp"])
+                    tpc += count * collective_time(op, nb * per, rates.degrees.get(axis, 1),
+                                                   rates.links.get(axis) or rates.links["tp"])
         return {"gemm": gemm, "attention": attention, "activations": act, "tp_comm": tpc, "pp_comm": ppc,
                 "overhead": rates.overhead(self, r)}
 
@@ -277,23 +279,43 @@ def host_overhead(st: StageSteps, links: Mapping[str, Link], ranks: int, per_op:
     return plan + ops * per_op
 
 
-def _coll_key(c) -> tuple[str, str]:
-    return c.op, c.axis
+def _counted(colls: list[tuple[str, str, float]]) -> tuple[tuple[str, str, float, int], ...]:
+    """``(op, axis, bytes)`` entries as ``(op, axis, bytes, count)``, in first-seen order."""
+    counts: dict[tuple[str, str, float], int] = {}
+    for c in colls:
+        counts[c] = counts.get(c, 0) + 1
+    return tuple((*c, n) for c, n in counts.items())
+
+
+def node_stage(nd, pp: int, stage_of: Callable[[int], int] | None) -> int:
+    """The pipeline stage of graph node ``nd``: the graph's own (``nd.stage``), or, with
+    ``stage_of`` (a decoder layer's stage: the search's restaging of a one-stage graph), the
+    embedding's on the first, the head's on the last, a layer's ``stage_of(layer)``."""
+    if stage_of is None:
+        return nd.stage or 0
+    if nd.op.module.startswith("layers.") and nd.op.layer is not None:
+        return stage_of(nd.op.layer)
+    return pp - 1 if nd.op.module in HEAD_MODULES else 0
 
 
 def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat | None = None,
-                fp8_gemm: bool = False) -> list[StageSteps]:
+                fp8_gemm: bool = False, stage_of: Callable[[int], int] | None = None) -> list[StageSteps]:
     """Per pipeline stage, what a step costs on one rank (:class:`StageSteps`), from the
     sharded ``graph`` on its mesh ``degrees``: every node at its local types for one token
     of one sequence of a replica (its ``batch`` dim ``dp``, its ``seq`` dim 1), through the op
     table (``fwd_flops``, ``traffic``, its local parameters, :func:`op_collectives`).
     ``fmt``: the stored format of the quantized weights (:func:`parcompile.core.quant.
-    quantized_param` says which); ``fp8_gemm``: their GEMMs run at the FP8 rate.
+    quantized_param` says which); ``fp8_gemm``: their GEMMs run at the FP8 rate;
+    ``stage_of``: the stage of each decoder layer when ``graph`` is a one-stage graph costed
+    as ``cfg.parallel.pp`` stages (:func:`node_stage`; the sizing search).
 
-    The serve program's collectives beyond the graph's: the last position's vocab-split
-    logits all-gathered over tp in fp32 (runtime/generate.py ``gather_vocab``), the sampled
-    tokens broadcast from the last stage over pp. Limits: with ``sequence_parallel`` the
-    graph's sequence-split collectives are counted, which the serve program does not run."""
+    The serve program's collectives beyond the graph's layers: the hidden state of each
+    step's tokens sent from a stage to the next (:func:`~parcompile.analysis.serve_memory.
+    received_bytes` per token: the graph's ``send_recv`` rule, which a pp graph's nodes hold
+    and tests/test_serve.py pins), the last position's vocab-split logits all-gathered over
+    tp in fp32 (runtime/generate.py ``gather_vocab``), the sampled tokens broadcast from the
+    last stage over pp. Limits: with ``sequence_parallel`` the graph's sequence-split
+    collectives are counted, which the serve program does not run."""
     pp = cfg.parallel.pp
     kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
     unit = StepBytes(cfg, graph, degrees, 1, 1, 1)   # the nodes' local types for one token
@@ -302,13 +324,13 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
                 act_row=0.0, attn=[], c_tok=[], c_row=[], ops=0, layers=set(), seen=set()) for _ in range(pp)]
     m = cfg.model
     for nd in graph.nodes():
-        if nd.kind in ("input", "step_collective", "cross_entropy"):
+        if nd.kind in ("input", "step_collective", "cross_entropy", "send_recv"):
             continue
         head = nd.op.module in HEAD_MODULES
         ins, local = unit.types(nd, 1)
-        st = acc[nd.stage or 0]
+        st = acc[node_stage(nd, pp, stage_of)]
         if nd.op.module.startswith("layers."):
-            st["layers"].add(nd.op.module.split(".")[1])
+            st["layers"].add(nd.op.layer)
         a = nd.op.attr_map
         s = spec(nd.kind)
         per = "row" if head else "tok"
@@ -323,8 +345,7 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
             st["attn"].append(AttentionCore(a.get("window") or 0, flops, t2 - t1, cached))
             st["act_tok"] += t1 - (t2 - t1)
         else:
-            f = s.fwd_flops(a, ins, local)
-            st["f_" + per] += f
+            st["f_" + per] += s.fwd_flops(a, ins, local)
             st["act_" + per] += s.traffic(a, ins, local)
         if nd.kind in GEMM_KINDS:
             st["op_" + per] += ins[0].nbytes + local.nbytes
@@ -350,21 +371,27 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
                     st["weights"] += kv1(p.sharding.local_type(p.type, degrees)).nbytes
         for c in op_collectives(nd, degrees, ins, local):
             if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
-                where = acc[c.stage if c.stage is not None else (nd.stage or 0)]
-                where["c_" + per].append((c.op, c.axis, float(c.bytes)))
+                st["c_" + per].append((c.op, c.axis, float(c.bytes)))
         if nd.kind == "linear" and nd.op.module == "lm_head" and degrees.get("tp", 1) > 1:
             # the last position's vocab-split logits, gathered in fp32 (runtime/generate.py gather_vocab)
             st["c_row"].append(("all_gather", "tp", float(local.numel * degrees["tp"] * 4)))
-    if pp > 1:   # the sampled tokens, from the last stage to every stage (broadcast_from_last)
-        for st in acc:
+    if pp > 1:
+        hidden = float(received_bytes(cfg, 1, 1))
+        for i, st in enumerate(acc):
+            if i < pp - 1:
+                st["c_tok"].append(("send", "pp", hidden))
+            if i > 0:
+                st["c_tok"].append(("recv", "pp", hidden))
+            # the sampled tokens, from the last stage to every stage (broadcast_from_last)
             st["c_row"].append(("broadcast", "pp", float(TOKEN_BYTES)))
     return [StageSteps(i, len(st["layers"]), st["weights"], tuple(st["experts"]), st["f_tok"], st["f_row"], st["f8"],
                        st["op_tok"], st["op_row"], st["act_tok"], st["act_row"], tuple(st["attn"]),
-                       tuple(st["c_tok"]), tuple(st["c_row"]), st["ops"], i == 0, i == pp - 1)
+                       _counted(st["c_tok"]), _counted(st["c_row"]), st["ops"], i == 0, i == pp - 1)
             for i, st in enumerate(acc)]
 
 
-def stored_weight_bytes(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat | None) -> list[int]:
+def stored_weight_bytes(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat | None,
+                        stage_of: Callable[[int], int] | None = None) -> list[int]:
     """Per pipeline stage, bytes of the weights one rank holds as ``fmt`` stores them, minus
     what they would take in the model's dtype (0 everywhere without a format): what the
     stage's 16-bit weights memory changes by. Each local parameter once per stage, one kv
@@ -375,7 +402,7 @@ def stored_weight_bytes(cfg, graph: Graph, degrees: Mapping[str, int], fmt: Quan
     unit = StepBytes(cfg, graph, degrees, 1, 1, 1)
     seen: list[set] = [set() for _ in out]
     for nd in graph.nodes():
-        s = nd.stage or 0
+        s = node_stage(nd, cfg.parallel.pp, stage_of)
         for p in nd.params:
             if p.name in seen[s]:
                 continue
@@ -394,4 +421,4 @@ def uniform(stages: Sequence[StageSteps], batch: int, tokens: int, context: int)
 
 __all__ = ["AttentionCore", "HEAD_MODULES", "PAGED_CACHE_OPS", "Rates", "SAMPLE_OPS", "STEP_LAYOUT_OPS", "Segment",
            "StageSteps", "Step", "TOKEN_BYTES", "decode_step", "host_overhead", "prefill_step", "stage_steps",
-           "stored_weight_bytes", "uniform"]
+           "node_stage", "stored_weight_bytes", "uniform"]

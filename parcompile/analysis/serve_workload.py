@@ -247,4 +247,83 @@ def _burst(w: Workload, limit: int, step_time: StepTime) -> WorkloadTimes:
                          _output=G)
 
 
-__all__ = ["Overloaded", "Workload", "WorkloadTimes", "steady_state"]
+
+
+@dataclass(frozen=True)
+class PrefillPool:
+    """The prefill side of a disaggregated deployment, per instance: the seconds one prompt
+    of the workload takes (its chunks, alone on the instance: ``prompt_s``), the seconds a
+    step of the budget's tokens takes (``step_s``, several prompts' chunks together: the
+    instance's throughput under load) and the seconds the prompt's KV cache takes to reach
+    the decode instance (``transfer_s``)."""
+
+    instances: int
+    prompt_s: float
+    step_s: float
+    step_tokens: float
+    transfer_s: float
+
+
+def disaggregated_state(w: Workload, pool: PrefillPool, step_time: StepTime, replicas: int = 1) -> WorkloadTimes:
+    """The closed-loop (or open-loop) steady state of a disaggregated deployment (prefill and
+    decode on separate GPU pools, NVIDIA Dynamo's and vLLM's P/D disaggregation): the decode
+    replica runs decode rows only (``step_time``: its steps), TPOT a decode step of the
+    running sequences; a request's first token comes after the engine's per-request time, its
+    wait for a prefill instance, its prompt's chunks (``pool.prompt_s``) and its KV cache's
+    transfer. The prefill instances serve the requests of every decode replica: at ``X``
+    requests/s in all they are busy ``u = X P / (instances * step_tokens / step_s)`` of the
+    time, and a prompt waits ``u / (2 (1 - u))`` of its service time (M/D/1); ``w``'s clients
+    and rate are one decode replica's, ``pool`` the whole prefill pool, ``replicas`` the
+    decode replicas the pool serves. Raises :class:`Overloaded` for an open-loop rate the
+    prefill pool (or the decode replica) cannot carry."""
+    P, G = w.prompt, w.output
+    limit = min(w.max_seqs, w.kv_limit())
+    if limit < 1:
+        raise ValueError("not one sequence fits the KV cache")
+    capacity_p = pool.instances * pool.step_tokens / (P * pool.step_s)   # requests/s the prefill pool carries
+
+    def decode(n: float) -> tuple[float, dict]:
+        return step_time(Step((Segment(max(n - 1.0, 0.0), 1, w.mean_context - 1), Segment(1, 1, w.mean_context - 1))))
+
+    def ttft_at(total_rate: float) -> float:
+        u = min(total_rate / capacity_p, 1.0 - 1e-9)
+        return w.request_overhead + u / (2 * (1 - u)) * pool.prompt_s + pool.prompt_s + pool.transfer_s
+
+    if w.rate is not None and not math.isinf(w.rate):
+        if w.rate * replicas >= capacity_p:
+            raise Overloaded(w.rate * replicas, capacity_p)
+        ttft = ttft_at(w.rate * replicas)
+        n = 1.0
+        for _ in range(50):
+            tpot, parts = decode(n)
+            new = min(w.rate * (G - 1) * tpot, float(limit))
+            if abs(new - n) <= 1e-6 * max(n, 1.0):
+                break
+            n = max(new, 1.0)
+        tpot, parts = decode(max(n, 1.0))
+        if w.rate * (G - 1) * tpot > limit:
+            raise Overloaded(w.rate, limit / ((G - 1) * tpot))
+        e2e = ttft + (G - 1) * tpot
+        return WorkloadTimes(ttft=ttft, tpot=tpot, e2e=e2e, request_rate=w.rate, running=n, running_limit=limit,
+                             queue=0.0, prefill_steps=1, chunk=float(P), mixed_share=0.0, decode_step=tpot,
+                             mixed_step=tpot, decode_parts=parts, prefill_parts={}, _output=G)
+    n = min(w.clients, limit)
+    tpot, parts = decode(n)
+    x = n / (ttft_at(0.0) + (G - 1) * tpot)          # requests/s of this replica, by iteration
+    for _ in range(100):
+        ttft = ttft_at(min(x * replicas, capacity_p * (1 - 1e-9)))
+        service = ttft + (G - 1) * tpot
+        new = min(n / service, capacity_p / replicas * (1 - 1e-9))
+        if abs(new - x) <= 1e-9 * x:
+            break
+        x = 0.5 * (x + new)
+    ttft = ttft_at(x * replicas)
+    service = ttft + (G - 1) * tpot
+    e2e = max(w.clients / x, service)
+    queue = e2e - service
+    return WorkloadTimes(ttft=ttft + queue, tpot=tpot, e2e=e2e, request_rate=x, running=n, running_limit=limit,
+                         queue=queue, prefill_steps=1, chunk=float(P), mixed_share=0.0, decode_step=tpot,
+                         mixed_step=tpot, decode_parts=parts, prefill_parts={}, _output=G)
+
+
+__all__ = ["Overloaded", "PrefillPool", "Workload", "WorkloadTimes", "disaggregated_state", "steady_state"]

@@ -648,13 +648,22 @@ class _Builder:
                                     "sizes")
         dp = values.get("dp", AUTO)
         if dp is AUTO or not any(k in auto for k in ("tp", "pp", "cp")):
-            values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx)
+            values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx, self._prefill_gpus(values))
         for k in auto:
             if k != "dp":
                 self.ctx.bad.add(f"parallel.{k}")
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
+
+    def _prefill_gpus(self, parallel: dict) -> int:
+        """GPUs a disaggregated serve spec's prefill pool takes from the cluster
+        (``prefill_replicas * prefill_tp``; the layout is the decode pool's), else 0."""
+        sv = self.values.get("serve") or {}
+        if sv.get("disaggregated") is not True:
+            return 0
+        tp = sv.get("prefill_tp") or parallel.get("tp", 1)
+        return (sv.get("prefill_replicas") or 1) * (tp if isinstance(tp, int) else 1)
 
     def _resolve_path(self, path: str) -> str:
         if os.path.isabs(path) or not self.source_dir:
@@ -726,6 +735,8 @@ class _Builder:
             self.ctx.bad.add(f"serve.{k}")   # checks that read it skip until the search fills it
         if values.get("kv_dtype") is None:
             values["kv_dtype"] = model.dtype
+        if "batch" not in values and isinstance(values.get("concurrency"), int):
+            values["batch"] = values["concurrency"]   # every client's request runs (vLLM's max_num_seqs permitting)
         values.setdefault("engine", "parcompile" if cluster.preset == "cpu" else "vllm")
         if values.get("request_rate") == "inf":
             values["request_rate"] = math.inf

@@ -36,19 +36,21 @@ _MAX_PROPOSED_CHUNKS = 64
 # Degrees
 
 
-def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: CheckContext) -> int:
+def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: CheckContext, reserved: int = 0) -> int:
     """The data-parallel degree: ``dp`` itself, or ``world / (tp * pp * cp)`` for ``auto``.
 
     Reports ``dp * tp * pp * cp != world_size`` (or, for ``auto``, a product that does
-    not divide the world size) and returns 1 in that case.
+    not divide the world size) and returns 1 in that case. ``reserved``: GPUs of the
+    cluster the layout does not hold (a disaggregated serve spec's prefill pool).
     """
     tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
     inputs = ("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp")
     if not ctx.ok(*inputs, "parallel.dp"):
         return dp if isinstance(dp, int) else 1
     nodes, gpus = cluster.nodes, cluster.gpus_per_node
-    world = nodes * gpus
-    world_words = f"world_size({world}) = nodes({nodes}) * gpus_per_node({gpus})"
+    world = nodes * gpus - reserved
+    world_words = f"world_size({world}) = nodes({nodes}) * gpus_per_node({gpus})" + (
+        f" - {reserved} GPUs of the prefill pool (prefill_replicas * prefill_tp)" if reserved else "")
     rest = tp * pp * cp
     span = ctx.span("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
     if dp is AUTO:
@@ -639,6 +641,7 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"serving with expert_tp = {p.expert_tp} is not supported: the experts split over "
                           f"tp = {p.tp}", ctx.span("parallel.expert_tp"),
                           help="remove `expert_tp` (serving splits each expert's inner width over tp)")
+    _check_workload(cfg, ctx)
     if not ctx.ok("serve.prompt_len", "serve.max_new_tokens", "model.seq_len"):
         return
     total = s.prompt_len + s.max_new_tokens
@@ -652,6 +655,28 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
             ctx.bag.error(f"kv_cache_tokens = {s.kv_cache_tokens} holds no request of prompt_len({s.prompt_len}) + "
                           f"max_new_tokens({s.max_new_tokens}) = {total} tokens in blocks of {s.block_size}",
                           ctx.span("serve.kv_cache_tokens"), help=f"set kv_cache_tokens >= {need}")
+
+
+def _check_workload(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """The serve workload's keys: closed loop or open loop, not both; the prefill pool's
+    keys only with ``disaggregated = true``; a disaggregated prefill instance's tp splits
+    the heads."""
+    s, m = cfg.serve, cfg.model
+    if ctx.given("serve.concurrency") and ctx.given("serve.request_rate"):
+        ctx.bag.error("give `concurrency` (closed-loop clients) or `request_rate` (open-loop arrivals), not both",
+                      ctx.span("serve.request_rate"),
+                      help="remove one: `concurrency = N` keeps N requests in flight, each client sending its next "
+                           "when its last ends; `request_rate = R` sends R requests per second whatever is in "
+                           "flight (`inf`: all at once)")
+    if not s.disaggregated and "disaggregated" not in s.auto:
+        for key in ("prefill_replicas", "prefill_tp"):
+            if ctx.given(f"serve.{key}"):
+                ctx.bag.warning(f"{key} has no effect without `disaggregated = true`", ctx.span(f"serve.{key}"),
+                                help="set `disaggregated = true` (prefill on its own GPU pool) or remove it")
+    elif s.prefill_tp is not None and ctx.ok("serve.prefill_tp") and m.heads % s.prefill_tp:
+        ctx.bag.error(f"prefill_tp = {s.prefill_tp} does not divide heads = {m.heads}", ctx.span("serve.prefill_tp"),
+                      help="prefill_tp may be " + or_list([str(t) for t in range(1, m.heads + 1)
+                                                             if m.heads % t == 0 and t <= 64]))
 
 
 #: What parcompile plans at most (the largest published runs are far below): beyond these,
