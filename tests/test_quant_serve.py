@@ -9,7 +9,11 @@ per-expert tensors are FP8 too, its 32-wide experts split inside a block at tp 2
 compressed-tensors' own ``apply_quantization_config`` and ``ModelCompressor``; gpt-oss's
 MXFP4 experts by compressed-tensors' MXFP4 quantizer and packer, laid out as gpt-oss
 publishes them (``*_blocks`` (E, out, in/32, 16), ``*_scales`` (E, out, in/32); a tp-2 shard
-of the 32-wide experts starts inside a 32-value block). transformers loads each with
+of the 32-wide experts starts inside a 32-value block); 4-bit AWQ (GEMM) and GPTQ (v1) of a
+tiny Llama packed here from those formats' documented layout, held to the dense model of
+their dequantized weights (transformers reads them only through gptqmodel, a GPU library;
+a tp-2 row-parallel shard of the 128-wide attention output starts inside a group of 128).
+transformers loads the others with
 ``from_pretrained`` on the CPU (FP8 and MXFP4: dequantized on load; compressed-tensors:
 decompressed, its activations fake-quantized) and generates greedily; ``parcompile``'s serve
 program, one process and tp = 2, must give the same tokens (and, in one process, the same
@@ -214,6 +218,62 @@ def _save_mxfp4(path: Path) -> None:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 
+def _pack_int4(values: torch.Tensor, dim: int, order=(0, 1, 2, 3, 4, 5, 6, 7)) -> torch.Tensor:
+    """4-bit ``values`` packed eight to an int32 along ``dim``: nibble ``i`` (bits 4i) of word
+    ``k`` holds element ``8k + order[i]`` (GPTQ: in order; AutoAWQ's GEMM: 0, 2, 4, 6, 1, 3, 5, 7,
+    ``WQLinear_GEMM.from_linear``)."""
+    v = values.movedim(dim, -1).long()
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    word = sum(v[..., order[i]] << (4 * i) for i in range(8))
+    word = torch.where(word >= 2**31, word - 2**32, word)   # the int32 of the same bits
+    return word.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def _save_int4(path: Path, method: str) -> None:
+    """A tiny Llama (hidden 128: one group of 128 per row) whose decoder linear weights are 4-bit
+    with an fp16 scale and a zero point per group of 128 (asymmetric min-max), packed as AutoAWQ's
+    GEMM (``qweight`` (in, out/8), ``qzeros`` (in/128, out/8), ``scales`` (in/128, out)) or as
+    GPTQ's v1 checkpoints (``qweight`` (in/8, out), ``qzeros`` (in/128, out/8) holding
+    zero - 1, ``scales``, ``g_idx``), from those formats' documented layout (transformers loads
+    them only through gptqmodel, a GPU library). Beside it, ``path/../ref``: the dense model of
+    the dequantized weights, ``(q - z) * s`` in fp16, the reference."""
+    hcfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=None)
+    torch.manual_seed(4)
+    hf = transformers.LlamaForCausalLM(hcfg).float().eval()
+    hf.save_pretrained(path, safe_serialization=True)
+    dense = {}
+
+    def convert(k, w):
+        if ".layers." not in k or not k.endswith("proj.weight"):
+            dense[k] = w
+            return {k: w}
+        o, i = w.shape
+        g = w.reshape(o, i // 128, 128)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-5).half()                       # (out, G)
+        zero = torch.round(-lo / scale.float()).clamp(1 if method == "gptq" else 0, 15).int()   # v1 stores zero - 1
+        q = torch.clamp(torch.round(g / scale.float()[..., None]) + zero[..., None], 0, 15).int().reshape(o, i)
+        dense[k] = ((q - zero.repeat_interleave(128, 1)).half() * scale.repeat_interleave(128, 1)).float()
+        stem = k.removesuffix(".weight")
+        if method == "awq":
+            order = (0, 2, 4, 6, 1, 3, 5, 7)
+            return {f"{stem}.qweight": _pack_int4(q.t(), 1, order), f"{stem}.qzeros": _pack_int4(zero.t(), 1, order),
+                    f"{stem}.scales": scale.t().contiguous()}
+        return {f"{stem}.qweight": _pack_int4(q.t(), 0), f"{stem}.qzeros": _pack_int4(zero.t() - 1, 1),
+                f"{stem}.scales": scale.t().contiguous(), f"{stem}.g_idx": (torch.arange(i) // 128).int()}
+
+    qc = ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+          if method == "awq" else
+          {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+           "checkpoint_format": "gptq"})
+    _rewrite(path, convert, qc)
+    hf.load_state_dict(dense)
+    hf.save_pretrained(path.parent / "ref", safe_serialization=True)
+
+
 def _hf_generate(hf) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens and each step's logits (steps, B, V) of a transformers model."""
     with torch.no_grad():
@@ -250,33 +310,36 @@ def _spec(root: Path, tp: int, name: str, extra: str = ""):
     return cfg
 
 
-#: each case: how its checkpoint is written, the serve keys it adds, the format the spec reads
+#: each case: how its checkpoint is written, the serve keys it adds, the format the spec reads,
+#: the transformers model it is held to (default: the checkpoint loaded by transformers)
 CASES = {
-    "fp8_block": (_save_fp8_block, "", "fp8-block32x32"),
-    "fp8_block_moe": (_save_fp8_block_moe, "", "fp8-block32x32"),
-    "ct_fp8": (lambda p: _save_compressed(p, "FP8"), "", "fp8-tensor"),
-    "ct_fp8_dynamic": (lambda p: _save_compressed(p, "FP8_DYNAMIC"), "", "fp8-channel"),
-    "mxfp4": (_save_mxfp4, "", "mxfp4"),
-    "fp8_on_load": (_save_dense, ", weight_dtype = fp8", "fp8-tensor"),
+    "fp8_block": (_save_fp8_block, "", "fp8-block32x32", _load_hf),
+    "fp8_block_moe": (_save_fp8_block_moe, "", "fp8-block32x32", _load_hf),
+    "ct_fp8": (lambda p: _save_compressed(p, "FP8"), "", "fp8-tensor", _load_hf),
+    "ct_fp8_dynamic": (lambda p: _save_compressed(p, "FP8_DYNAMIC"), "", "fp8-channel", _load_hf),
+    "mxfp4": (_save_mxfp4, "", "mxfp4", _load_hf),
+    "fp8_on_load": (_save_dense, ", weight_dtype = fp8", "fp8-tensor", _fp8_reference),
+    "awq": (lambda p: _save_int4(p, "awq"), "", "int4-awq", lambda p: _load_hf(p.parent / "ref")),
+    "gptq": (lambda p: _save_int4(p, "gptq"), "", "int4-gptq", lambda p: _load_hf(p.parent / "ref")),
 }
 #: a model of several 128 x 128 blocks per weight, served from its seeded weights with
 #: weight_dtype = fp8 (fp8-block, 128 x 128): at tp 2 the MLP's down projection (384 wide)
 #: splits inside a block
 SEEDED = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn_hidden=384, vocab=256, seq_len=32)
 #: the cases also served at tp = 2 (one torchrun launch for all)
-TP2 = ("fp8_block", "fp8_block_moe", "ct_fp8", "mxfp4", "fp8_on_load")
+TP2 = ("fp8_block", "fp8_block_moe", "ct_fp8", "mxfp4", "fp8_on_load", "awq", "gptq")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Per case: its directory, transformers' tokens and logits on it (for fp8_on_load: on
-    the reference) and the one-process record (with logits)."""
+    """Per case: its directory, transformers' tokens and logits on it (for fp8_on_load, awq
+    and gptq: on the reference) and the one-process record (with logits)."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency (pip install -e .[test])")
     out = {}
-    for key, (save, extra, fmt) in CASES.items():
+    for key, (save, extra, fmt, reference) in CASES.items():
         root = tmp_path_factory.mktemp(key)
         save(root / "hf")
-        hf = _fp8_reference(root / "hf") if key == "fp8_on_load" else _load_hf(root / "hf")
+        hf = reference(root / "hf")
         tokens, logits = _hf_generate(hf)
         cfg = _spec(root, 1, "one", extra)
         assert cfg.serve.weight_format == fmt, key
@@ -408,11 +471,12 @@ def _stage(prog: Path, weights: Path):
     return mod, model
 
 
-@pytest.mark.parametrize("key", ["fp8_block", "mxfp4", "fp8_on_load"])
+@pytest.mark.parametrize("key", ["fp8_block", "mxfp4", "fp8_on_load", "awq"])
 def test_ranks_hold_the_weights_quantized(served, key):
-    """The decoder's linear weights (gpt-oss: the experts') are held as E4M3 bytes or MXFP4
-    blocks with their scales, never as parameters; the bytes are the format's (values at 1
-    or 1/2 byte each); `module.weight` gives the dense weight in the compute dtype."""
+    """The decoder's linear weights (gpt-oss: the experts') are held as E4M3 bytes, MXFP4
+    blocks or packed int4 words with their scales, never as parameters; the bytes are the
+    format's (values at 1 or 1/2 byte each); `module.weight` gives the dense weight in the
+    compute dtype."""
     root = served[key]["root"]
     mod, model = _stage(root / "one", root / "hf")
     held = rq.held(model)
@@ -429,6 +493,14 @@ def test_ranks_hold_the_weights_quantized(served, key):
         layer = model.layers["0"]
         w = layer.attn.wq.weight
         assert w.dtype == mod.DTYPE and tuple(w.shape) == (128, 64) and not isinstance(w, torch.nn.Parameter)
+    elif fmt.family == "int4":
+        for q in held:
+            assert isinstance(q, rq.Int4Weight) and q.qweight.dtype == torch.int32 and q.scales.dtype == torch.float16
+            assert q.qweight.nbytes == q.shape[0] * q.shape[1] // 2
+            assert q.nbytes == FORMATS["int4-awq"].weight_bytes(q.shape) + 4 * q.shape[1]   # + each input's group
+        assert len(held) == 2 * 7
+        w = model.layers["0"].mlp.w2.weight
+        assert w.dtype == mod.DTYPE and tuple(w.shape) == (128, 256)
     else:
         for q in held:
             assert isinstance(q, rq.MXFP4Weight) and q.blocks.dtype == torch.uint8 and q.scales.dtype == torch.uint8
@@ -453,7 +525,7 @@ def test_fp8_block_dequantization_cuts_the_edge_blocks():
     whole = q.float() * s.repeat_interleave(8, 0)[:20].repeat_interleave(8, 1)[:, :21]
     rows, cols = torch.arange(5, 17) // 8, torch.arange(3, 20) // 8
     w = rq.FP8Weight(q, "fp8-block8x8", torch.float32, q[5:17, 3:20], s[rows.min():rows.max() + 1, :],
-                     rows - rows.min(), cols)
+                     (rows - rows.min()).int(), cols.int())
     assert torch.equal(w.dequantize(), whole[5:17, 3:20])
 
 
@@ -467,6 +539,50 @@ def test_mxfp4_dequantization_is_transformers():
     scales = torch.randint(120, 134, (1, 6, 3), dtype=torch.uint8, generator=g)
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].t()
     assert torch.equal(rq.dequantize_mxfp4(blocks[0], scales[0], torch.float32), want)
+
+
+class _Slice:
+    """A tensor as safetensors' ``get_slice`` shows it (``[...]``, ``get_shape``, ``get_dtype``)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __getitem__(self, idx):
+        return self.t[idx]
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def get_dtype(self):
+        return {torch.int32: "I32", torch.float16: "F16"}[self.t.dtype]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_shard_inside_words_and_groups(method):
+    """An int4 shard whose rows start inside a packed word (out 3..19 of 24) and whose
+    columns start inside a word and a group (in 77..200 of 256): runtime/quant.read keeps the
+    covering words and groups, and dequantizes to exactly those elements of the whole weight."""
+    from parcompile.core.families.base import Source
+
+    g = torch.Generator().manual_seed(2)
+    out, inp = 24, 256
+    q = torch.randint(0, 16, (out, inp), generator=g)
+    zero = torch.randint(1, 16, (out, inp // 128), generator=g)   # GPTQ v1 stores zero - 1: no zero of 0
+    scale = (torch.rand(out, inp // 128, generator=g) + 0.5).half()
+    whole = ((q - zero.repeat_interleave(128, 1)).half() * scale.repeat_interleave(128, 1)).float()
+    if method == "awq":
+        order = (0, 2, 4, 6, 1, 3, 5, 7)
+        tensors = {"w.qweight": _pack_int4(q.t(), 1, order), "w.qzeros": _pack_int4(zero.t(), 1, order)}
+    else:
+        tensors = {"w.qweight": _pack_int4(q.t(), 0), "w.qzeros": _pack_int4(zero.t() - 1, 1),
+                   "w.g_idx": (torch.arange(inp) // 128).int()}
+    tensors["w.scales"] = scale.t().contiguous()
+    reader = rq.Reader(lambda name: _Slice(tensors[name]), {k: Path("m.safetensors") for k in tensors})
+    p = torch.nn.Parameter(torch.empty(16, 123))
+    p.global_name, p.global_shape = "layers.0.mlp.w1.weight", (out, inp)
+    w = rq.read(reader, Source("w.weight", (out, inp)), p, FORMATS[f"int4-{method}"], (3, 19), (77, 200),
+                torch.float32, "cpu", zero_add=1 if method == "gptq" else 0)
+    assert w.shape == (16, 123) and torch.equal(w.dequantize(), whole[3:19, 77:200])
 
 
 # --------------------------------------------------------------------------- broken checkpoints

@@ -1,7 +1,8 @@
 """Quantized weights on a serving rank (``serve.weight_dtype``; the formats, the tensors a
 checkpoint stores each weight as, and which weights a plan holds quantized are
 :mod:`parcompile.core.quant`'s): read from a Hugging Face checkpoint as published, each rank
-its own shard; held quantized (FP8 bytes and their scales, MXFP4 blocks and exponents), so a
+its own shard; held quantized (FP8 bytes and their scales, MXFP4 blocks and exponents, int4
+words with their zero points and scales), so a
 rank's memory is the quantized bytes the plan prices; dequantized to the compute dtype
 inside the layer's forward, one weight at a time (on a CPU dequantize-then-matmul; a GPU
 path may call ``torch._scaled_mm`` instead).
@@ -36,7 +37,12 @@ checkpoint, so the greedy tokens are transformers':
   experts (``GroupedExperts``) of such a checkpoint are weight-only;
 * ``mxfp4`` (gpt-oss): the E2M1 table in ``dtype``, the even element in the low nibble, then
   ``ldexp`` by ``scale - 127`` (``integrations/mxfp4.py`` ``_convert_moe_packed_tensors``;
-  without Triton ``quantizers/quantizer_mxfp4.py`` sets ``dequantize = True``): weight-only.
+  without Triton ``quantizers/quantizer_mxfp4.py`` sets ``dequantize = True``): weight-only;
+* ``int4-awq``, ``int4-gptq`` (4 bits, groups of 128; transformers loads them only through
+  gptqmodel, a GPU library, so the rule is the formats' own): ``(q - z) * s`` in the scales'
+  dtype, AWQ's nibbles in AutoAWQ's GEMM order (``awq/utils/packing_utils.py``
+  ``dequantize_gemm``), GPTQ's in order, its v1 zero points plus one (:func:`zero_offset`);
+  weight-only.
 
 Shards that do not align with the scale blocks (a row-parallel weight whose ``in / tp`` is
 not a multiple of the block, a kv head inside a block): the rank reads the blocks of scales
@@ -123,6 +129,34 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.view(rows, groups * 2 * width)
 
 
+#: AutoAWQ's GEMM packing: nibble ``i`` of an int32 holds element ``AWQ_ORDER[i]`` of its 8
+#: (``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear``); reading back, element ``j`` is
+#: nibble ``AWQ_REVERSE_ORDER[j]`` (``awq/utils/packing_utils.py`` ``reverse_awq_order``; vLLM's
+#: ``awq_dequantize_torch`` in its kernel tests)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``packed``, eight 4-bit values each (nibble ``i`` at bits ``4i``), unpacked along
+    ``dim`` (eight times as long there): element ``8k + j`` is nibble ``order[j]`` of word
+    ``k`` (``order`` None: nibble ``j``, GPTQ's sequential packing; :data:`AWQ_REVERSE_ORDER`:
+    AWQ's). Values 0..15, int32."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    if order is not None:
+        shifts = shifts[list(order)]
+    x = packed.movedim(dim, -1)
+    v = torch.bitwise_and(torch.bitwise_right_shift(x.unsqueeze(-1), shifts), 0xF)
+    return v.reshape(*x.shape[:-1], x.shape[-1] * 8).movedim(-1, dim)
+
+
+def dequantize_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """4-bit ``q`` (in, out) with each element's ``zeros`` and ``scales`` (broadcast, the
+    group's): ``(q - z) * s`` in the scales' dtype (AutoAWQ's ``dequantize_gemm``, gptqmodel's
+    torch kernel ``scales[g_idx] * (weight - zeros[g_idx])``), then cast to ``dtype``."""
+    return ((q - zeros).to(scales.dtype) * scales).to(dtype)
+
+
 def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scales ``amax / 448`` of blocks whose largest magnitude is ``amax`` (1 where a
     block is all zero): a block divided by its scale fills E4M3's range."""
@@ -197,7 +231,7 @@ class FP8Weight(QuantizedWeight):
     """E4M3 ``data`` (out, in) and its scales: ``scale`` (R, C), this rank's covering blocks
     (``fp8-block``: fp32), one element (``fp8-tensor``) or one per row (``fp8-channel``, (out,
     1)), in the compute dtype for compressed-tensors' formats; ``rows`` (out,) and ``cols``
-    (in,) the block of each local row and column (``fp8-block`` only)."""
+    (in,) the block of each local row and column (``fp8-block`` only; int32)."""
 
     def __init__(self, like, fmt: str, dtype, data: torch.Tensor, scale: torch.Tensor,
                  rows: torch.Tensor | None = None, cols: torch.Tensor | None = None):
@@ -229,6 +263,38 @@ class MXFP4Weight(QuantizedWeight):
         if self.offset == 0 and w.shape[1] == self.shape[1]:
             return w
         return w[:, self.offset:self.offset + self.shape[1]]
+
+
+class Int4Weight(QuantizedWeight):
+    """4-bit integers with a scale and a zero point per group of 128 inputs (``int4-awq``,
+    ``int4-gptq``), the checkpoint's packed words covering this rank's (out, in) shard:
+    ``qweight`` (AWQ: (in, P) packed along out; GPTQ: (P', out) packed along in), ``qzeros``
+    (G, P) packed along out, ``scales`` (G, 8 P for AWQ, out for GPTQ); ``groups`` (in,) each
+    local input's group; ``out_offset`` / ``in_offset`` where the shard starts in the first
+    packed word; ``zero_add``: 1 for GPTQ's v1 checkpoints (they store ``zero - 1``)."""
+
+    def __init__(self, like, fmt: str, dtype, shape: tuple[int, int], qweight, qzeros, scales, groups,
+                 out_offset: int, in_offset: int = 0, zero_add: int = 0):
+        super().__init__(like, shape, fmt, dtype)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qzeros", qzeros)
+        self.register_buffer("scales", scales)
+        self.register_buffer("groups", groups)
+        self.out_offset, self.in_offset, self.zero_add = out_offset, in_offset, zero_add
+
+    def dequantize(self) -> torch.Tensor:
+        out, inp = self.shape
+        awq = self.fmt == "int4-awq"
+        zeros = unpack_int4(self.qzeros, 1, AWQ_REVERSE_ORDER if awq else None) + self.zero_add
+        if awq:   # (in, 8 P): the words' columns, the shard inside them
+            q = unpack_int4(self.qweight, 1, AWQ_REVERSE_ORDER)
+            w = dequantize_int4(q, zeros.index_select(0, self.groups), self.scales.index_select(0, self.groups),
+                                self.dtype)[:, self.out_offset:self.out_offset + out]
+        else:     # (8 P', out): the words' rows, the shard inside them
+            q = unpack_int4(self.qweight, 0)[self.in_offset:self.in_offset + inp]
+            z = zeros[:, self.out_offset:self.out_offset + out]
+            w = dequantize_int4(q, z.index_select(0, self.groups), self.scales.index_select(0, self.groups), self.dtype)
+        return w.t()
 
 
 def _dequantized(attr: str) -> property:
@@ -336,6 +402,17 @@ def input_scheme(qc: Any) -> str | None:
                      "served: FP8 activations dynamic per token, or static per tensor")
 
 
+def zero_offset(qc: Any) -> int:
+    """What a GPTQ checkpoint's stored zero points lack: 1 for the hub's ``checkpoint_format``
+    ``gptq`` (v1: AutoGPTQ stored ``zero - 1``; gptqmodel's ``convert_gptq_v1_to_v2_format``
+    adds it back), 0 for ``gptq_v2`` and every other format. Added per 4-bit value, as
+    AutoGPTQ's kernels do (a v1 checkpoint cannot hold a zero point of 0: its -1 overflows the
+    word when packed)."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gptq":
+        return 0
+    return 0 if qc.get("checkpoint_format", "gptq") == "gptq_v2" else 1
+
+
 def _rows(src: Source, r0: int, r1: int) -> list[int]:
     """The checkpoint rows (after ``src.lead``; ``out`` indices) of our rows ``[r0, r1)``."""
     return [h + k for _, h, n in src.runs(r0, r1) for k in range(n)]
@@ -372,11 +449,13 @@ class Reader:
 
 
 def read(reader: Reader, src: Source, p: torch.Tensor, fmt: QuantFormat, rows: tuple[int, int],
-         cols: tuple[int, int], dtype: torch.dtype, device, input_mode: str | None = None) -> QuantizedWeight:
+         cols: tuple[int, int], dtype: torch.dtype, device, input_mode: str | None = None,
+         zero_add: int = 0) -> QuantizedWeight:
     """Our rows ``[rows)`` and columns ``[cols)`` of the parameter ``p`` (global (out, in)),
     stored quantized at ``src`` in format ``fmt``, as a :class:`QuantizedWeight` that
     dequantizes to ``dtype`` (module docstring: the covering blocks of a shard that does not
-    align). ``input_mode``: :func:`input_scheme`'s, for compressed-tensors' formats.
+    align). ``input_mode``: :func:`input_scheme`'s, for compressed-tensors' formats;
+    ``zero_add``: :func:`zero_offset`'s, for GPTQ's.
 
     Raises:
         QuantError: a tensor is missing or of another dtype or shape; a layout this format
@@ -399,8 +478,8 @@ def read(reader: Reader, src: Source, p: torch.Tensor, fmt: QuantFormat, rows: t
             bcol = torch.arange(c0, c1) // b1
             lo, clo = int(brow.min()), int(bcol[0])
             scale = ssl[src.lead + (slice(lo, int(brow.max()) + 1), slice(clo, int(bcol[-1]) + 1))].float()
-            q = FP8Weight(p, fmt.name, dtype, data.to(device), scale.to(device), (brow - lo).to(device),
-                          (bcol - clo).to(device))
+            q = FP8Weight(p, fmt.name, dtype, data.to(device), scale.to(device), (brow - lo).to(device, torch.int32),
+                          (bcol - clo).to(device, torch.int32))
         else:
             if fmt.block == (0, 0):
                 scale = ssl[()].reshape(1, 1)   # one element, stored () or (1,)
@@ -419,8 +498,43 @@ def read(reader: Reader, src: Source, p: torch.Tensor, fmt: QuantFormat, rows: t
         scales = _read_rows(reader.checked(tensors["scales"], p.global_name), src.lead, hf_rows, (slice(g0, g1),))
         return MXFP4Weight(p, fmt.name, dtype, blocks.contiguous().to(device), scales.contiguous().to(device),
                            c0 - g0 * MX_BLOCK, c1 - c0)
-    raise QuantError(f"`{src.name}` is stored as {fmt.description}, which parcompile does not read yet",
-                     "serve an FP8 or MXFP4 checkpoint, or the 16-bit one")
+    if fmt.family == "int4":
+        return _read_int4(reader, src, p, fmt, tensors, hf_rows, c0, c1, dtype, device, zero_add)
+    raise QuantError(f"`{src.name}` is stored as {fmt.description}, which parcompile does not read",
+                     "serve an FP8, MXFP4 or 4-bit AWQ / GPTQ checkpoint, or the 16-bit one")
+
+
+def _read_int4(reader: Reader, src: Source, p: torch.Tensor, fmt: QuantFormat, tensors: dict[str, StoredTensor],
+               hf_rows: list[int], c0: int, c1: int, dtype, device, zero_add: int) -> Int4Weight:
+    """:func:`read` of an ``int4-awq`` / ``int4-gptq`` weight: the packed words, zero points and
+    scales of the groups and words covering the shard (:class:`Int4Weight`)."""
+    r0, r1 = hf_rows[0], hf_rows[-1] + 1
+    if src.transpose or src.lead or hf_rows != list(range(r0, r1)):
+        raise QuantError(f"`{src.name}` is stored as {fmt.description}, which parcompile reads only for a tensor "
+                         "of its own (not a fused or transposed one)")
+    w0, w1 = r0 // 8, -(-r1 // 8)   # the words of the out range
+    group = 128
+    if fmt.name == "int4-gptq" and "g_idx" in tensors and tensors["g_idx"].name in reader.files:
+        g = reader.checked(tensors["g_idx"], p.global_name)[c0:c1].long()
+    else:
+        g = torch.arange(c0, c1) // group
+    g0, g1 = int(g.min()), int(g.max()) + 1
+    if fmt.name == "int4-gptq" and bool((g[1:] < g[:-1]).any()):
+        raise QuantError(f"`{tensors['g_idx'].name}` is not ascending: act-order (desc_act) GPTQ is not served")
+    zeros = reader.checked(tensors["qzeros"], p.global_name)[g0:g1, w0:w1]
+    scale_sl = reader.checked(tensors["scales"], p.global_name)
+    if fmt.name == "int4-awq":
+        qweight = reader.checked(tensors["qweight"], p.global_name)[c0:c1, w0:w1]
+        scales = scale_sl[g0:g1, 8 * w0:min(8 * w1, tensors["scales"].shape[-1])]
+        if scales.shape[1] < 8 * (w1 - w0):   # out not a multiple of 8: the last word's padding
+            scales = torch.cat([scales, scales.new_ones(scales.shape[0], 8 * (w1 - w0) - scales.shape[1])], 1)
+        return Int4Weight(p, fmt.name, dtype, (r1 - r0, c1 - c0), qweight.to(device), zeros.to(device),
+                          scales.to(device), (g - g0).to(device, torch.int32), r0 - 8 * w0)
+    i0, i1 = c0 // 8, -(-c1 // 8)
+    qweight = reader.checked(tensors["qweight"], p.global_name)[i0:i1, r0:r1]
+    scales = scale_sl[g0:g1, r0:r1]
+    return Int4Weight(p, fmt.name, dtype, (r1 - r0, c1 - c0), qweight.to(device), zeros.to(device),
+                      scales.to(device), (g - g0).to(device, torch.int32), r0 - 8 * w0, c0 - 8 * i0, zero_add)
 
 
 # --------------------------------------------------------------------------- quantized on load
@@ -478,12 +592,13 @@ def quantize_on_load(model: nn.Module, holding: Holding) -> int:
                 q = FP8Weight(p, fmt.name, holding.dtype, data.to(holding.device), scale.to(holding.device))
             else:
                 q = FP8Weight(p, fmt.name, holding.dtype, data.to(holding.device), scale.to(holding.device),
-                              rows.to(holding.device), cols.to(holding.device))
+                              rows.to(holding.device, torch.int32), cols.to(holding.device, torch.int32))
             hold(owner, attr, q)   # fp32 scales, as vLLM's
             count += 1
     return count
 
 
-__all__ = ["E2M1_VALUES", "FP8Weight", "FP8_MAX", "Holding", "MXFP4Weight", "QuantError", "QuantizedWeight", "Reader",
+__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "E2M1_VALUES", "FP8Weight", "Int4Weight", "FP8_MAX", "Holding", "MXFP4Weight", "QuantError", "QuantizedWeight", "Reader",
            "dequantize_fp8", "dequantize_mxfp4", "fake_quantize_fp8", "fp8_scales", "held", "hold", "input_scheme",
-           "owners", "quantize_fp8", "quantize_on_load", "read", "shard_ranges"]
+           "owners", "quantize_fp8", "quantize_on_load", "read", "shard_ranges", "dequantize_int4", "unpack_int4",
+           "zero_offset"]

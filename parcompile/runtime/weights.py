@@ -391,8 +391,9 @@ def _shard_range(p: torch.Tensor, dim: int) -> tuple[int, int]:
 
 
 def _checkpoint_quant(root: Path, holding: rq.Holding | None):
-    """The checkpoint's format (its config.json's ``quantization_config``; None: none) and
-    how it quantizes a layer's input (:func:`parcompile.runtime.quant.input_scheme`).
+    """The checkpoint's format (its config.json's ``quantization_config``; None: none), how it
+    quantizes a layer's input (:func:`parcompile.runtime.quant.input_scheme`) and what its
+    zero points lack (:func:`parcompile.runtime.quant.zero_offset`).
 
     Raises:
         WeightsError: a quantization_config parcompile does not serve, or of another format
@@ -402,6 +403,7 @@ def _checkpoint_quant(root: Path, holding: rq.Holding | None):
     try:
         fmt = checkpoint_format(cfg) if cfg else None
         mode = rq.input_scheme(cfg.get("quantization_config")) if fmt is not None else None
+        zero_add = rq.zero_offset(cfg.get("quantization_config")) if fmt is not None else 0
     except QuantConfigError as e:
         raise WeightsError(f"{root / 'config.json'}: {e.message}", e.help) from None
     except rq.QuantError as e:
@@ -410,7 +412,7 @@ def _checkpoint_quant(root: Path, holding: rq.Holding | None):
         raise WeightsError(f"the program holds its weights as {holding.fmt.description} ({holding.fmt.name}), but "
                            f"{root} holds {fmt.description} ({fmt.name})",
                            "compile the spec again against this checkpoint (`parcompile compile`)")
-    return fmt, mode
+    return fmt, mode, zero_add
 
 
 def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
@@ -432,7 +434,7 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
     """
     root = Path(path)
     family, tmap = _layout(root, config)
-    fmt, input_mode = _checkpoint_quant(root, holding)
+    fmt, input_mode, zero_add = _checkpoint_quant(root, holding)
     names, headers, problems, _ = scan_checkpoint(root)
     if problems:
         raise WeightsError(problems[0].message, problems[0].help)
@@ -480,7 +482,7 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
                     try:
                         q = rq.read(qreader, src, p, fmt, (r0, max(r0, real)), cols,
                                     holding.dtype if keep else torch.float32,
-                                    holding.device if keep else "cpu", input_mode)
+                                    holding.device if keep else "cpu", input_mode, zero_add)
                     except rq.QuantError as e:
                         raise WeightsError(e.message, e.help) from None
                     if q.shape != tuple(p.shape) and not (p.valid_rows is not None and not keep):
