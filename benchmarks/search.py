@@ -5,18 +5,21 @@ Meta's (examples/llama3_405b_meta_16k_h100.par: Llama 3 paper Table 4 and sectio
 interleaved 1F1B, no recomputation; issue 29). Then issue 17's case: Llama-3 70B on 1,024
 H100s, global batch 1,024, every layout key ``auto`` (goal: under 2 s). Then issue 29's:
 DeepSeek-V3 (61 layers, 3 dense then 58 MoE) on 2,048 H100s, seq 4096, global batch 4,096,
-every layout key ``auto`` (goal: under 30 s).
+every layout key ``auto`` (goal: under 30 s). Then issue 45's sizing question: Llama 3.1 70B
+served on up to 16 H100s, 2,048 tokens in / 512 out, 64 concurrent users, TTFT <= 1 s,
+TPOT <= 40 ms, every layout key and the weight, KV and disaggregation keys ``auto`` (goal:
+the whole ``parcompile search`` command under 5 s).
 
 Prints the search's counts (layouts enumerated, valid, costed, skipped by each rule; probe
 graphs built), its wall and CPU seconds (best of ``--repeat``; wall includes whatever else
 the machine runs, CPU is this process's own work), the best layout and its estimate, and
 the hand layout's. The issue's goal is a search under 5 s on the 2-core CI machine.
-``--only 405b``, ``--only 70b`` or ``--only dsv3`` runs one of them.
+``--only 405b``, ``--only 70b``, ``--only dsv3`` or ``--only serve`` runs one of them.
 
 Exits 1 when the best layout found is estimated slower than the hand layout or Meta's (or
 nothing fits memory).
 
-Run: ``python benchmarks/search.py [--repeat N] [--only 405b|70b|dsv3]``.
+Run: ``python benchmarks/search.py [--repeat N] [--only 405b|70b|dsv3|serve]``.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def counts(res) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1, help="searches to run (the best time is reported)")
-    ap.add_argument("--only", choices=("405b", "70b", "dsv3"), help="run one case only")
+    ap.add_argument("--only", choices=("405b", "70b", "dsv3", "serve"), help="run one case only")
     args = ap.parse_args(argv)
     rc = 0
     if args.only in (None, "405b"):
@@ -156,7 +159,68 @@ def main(argv: list[str] | None = None) -> int:
             best = res.best
             print(f"  best: {best.degrees_text()}: {best.step_time:.3f} s per step, MFU {best.mfu * 100:.1f}%, "
                   f"peak {best.peak / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB")
+    if args.only in (None, "serve"):
+        rc = max(rc, bench_serve(args.repeat))
     return rc
+
+
+#: issue 45's sizing question (tests/test_serve_search.py holds its answers to the plans)
+SERVE = """model m from "llama3-70b" { seq_len = 8192 }
+cluster c from "h100-sxm" { nodes = 2, gpus_per_node = 8 }
+parallel {
+    tp = auto
+    pp = auto
+    dp = auto
+}
+serve {
+    prompt_len = 2048
+    max_new_tokens = 512
+    concurrency = 64
+    weight_dtype = auto
+    kv_dtype = auto
+    disaggregated = auto
+    ttft_target = 1 s
+    tpot_target = 40 ms
+}
+"""
+GOAL_SERVE_SECONDS = 5.0
+
+
+def bench_serve(repeat: int) -> int:
+    """The sizing search in-process and the whole `parcompile search` command (a fresh
+    Python: imports included), best of ``repeat``."""
+    import subprocess
+    import tempfile
+
+    from parcompile.search.serve import search_serve
+
+    cfg, _ = load_spec(SERVE)
+    wall = cpu = float("inf")
+    for _ in range(max(1, repeat)):
+        t, c = time.perf_counter(), time.process_time()
+        res = search_serve(cfg)
+        wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    with tempfile.TemporaryDirectory() as d:
+        spec = Path(d) / "sizing.par"
+        spec.write_text(SERVE)
+        command = float("inf")
+        for _ in range(max(1, repeat)):
+            t = time.perf_counter()
+            out = subprocess.run([sys.executable, "-m", "parcompile", "search", str(spec)], capture_output=True,
+                                 text=True)
+            command = min(command, time.perf_counter() - t)
+    print(f"search a deployment of Llama 3.1 70B on up to 16 H100s (64 users, TTFT <= 1 s, TPOT <= 40 ms): "
+          f"{wall:.2f} s wall, {cpu:.2f} s CPU in-process; the command {command:.2f} s (best of {max(1, repeat)}; "
+          f"goal {GOAL_SERVE_SECONDS:.0f} s: {'met' if command < GOAL_SERVE_SECONDS else 'not met'})")
+    print(f"  {res.evaluated:,} deployments costed, {res.fitting:,} fit, {len(res.candidates):,} meet the targets, "
+          f"{res.graphs} graphs built")
+    if res.best is None or out.returncode != 0:
+        print("  no deployment meets the targets")
+        return 1
+    b, f = res.best, res.fewest
+    print(f"  best: {b.text()} on {b.gpus} GPUs: TTFT {b.ttft * 1e3:.0f} ms, TPOT {b.tpot * 1e3:.1f} ms, "
+          f"{b.per_gpu:,.0f} tokens/s per GPU; fewest GPUs: {f.gpus} ({f.text()})")
+    return 0
 
 
 #: issue 29's default search: ``sequence_parallel`` and ``cp`` left unset (the search tries

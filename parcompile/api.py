@@ -112,16 +112,24 @@ class SearchReport:
         return self.result.config(i)
 
     def text(self) -> str:
-        """The table ``parcompile search`` prints."""
+        """The table ``parcompile search`` prints (a serve spec's: the ranked deployments,
+        the fewest GPUs that carry the load, the Pareto front)."""
         from parcompile.search import table
 
+        if hasattr(self.result, "pareto"):
+            return self.result.table(len(self.candidates))
         return table(self.result, len(self.candidates))
 
     def explain(self) -> str:
         """What ``parcompile search --explain`` adds: why the best beats the runner-up,
-        how far the spec's own layout is from it."""
+        how far the spec's own layout is from it (a serve spec's: the best deployment's
+        keys, to write it out)."""
         from parcompile.search import explain
 
+        if hasattr(self.result, "pareto"):
+            best = self.result.best
+            keys = ", ".join(f"{k} = {v}" for k, v in best.overrides(self.result.cfg).items())
+            return f"best: {best.text()} on {best.gpus} GPUs; written out: {keys}"
         return explain(self.result)
 
 
@@ -129,7 +137,10 @@ def search(source: str | Path, top: int = 10, *, filename: str | None = None,
            overrides: Mapping[str, Any] | None = None, cross_node_tp: bool = False,
            progress: Callable[[int, int], None] | None = None) -> SearchReport:
     """Rank the layouts a spec's ``auto`` keys allow (``parcompile search``;
-    :func:`parcompile.search.search`).
+    :func:`parcompile.search.search`); for a ``serve`` spec, the deployments that carry its
+    workload within its targets (:func:`parcompile.search.serve.search_serve`: the report's
+    ``result`` is a :class:`~parcompile.search.serve.ServeSearch`, its candidates
+    :class:`~parcompile.search.serve.Deployment` s).
 
     Args:
         source, filename, overrides: as for :func:`compile`.
@@ -152,6 +163,13 @@ def search(source: str | Path, top: int = 10, *, filename: str | None = None,
     parsed = parse_spec(source, filename, overrides)
     try:
         cfg, warnings = check_spec(parsed)
+        if cfg.workload == "serve":   # sizing a deployment (parcompile/search/serve.py)
+            from parcompile.search.serve import no_deployment_diagnostic, search_serve
+
+            res = search_serve(cfg, top=top)
+            if not res.candidates:
+                raise SpecError(warnings + [no_deployment_diagnostic(res)])
+            return SearchReport(res.candidates[:top], res, warnings, parsed.sources)
         res = rank(cfg, top=top, cross_node_tp=cross_node_tp, progress=progress)
         if not res.candidates:
             raise SpecError(warnings + [no_fit_diagnostic(res)])

@@ -55,6 +55,7 @@ from parcompile.plan import FORMAT, Plan
 from parcompile.plan_schema import (Comm, Compute, Degrees, Estimate, Memory, Model, PlanJSON, Schedule, Search,
                                     Serve, Stage, StageMemory, plan_dict)
 from parcompile.search import check_layout, needs_search, resolve, settle_split
+from parcompile.search.serve import needs_serve_search, resolve_serve
 
 #: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
 MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
@@ -84,7 +85,9 @@ def compile_source(source, filename: str | None = None, overrides: Mapping[str, 
             cfg, warnings = check_spec(parsed)
             # 3. search: the `auto` layout keys filled with the best layout the checks accept
             result = None
-            if needs_search(cfg):
+            if needs_serve_search(cfg):   # a serve spec's `auto`: the deployment that carries its load best
+                cfg, result = resolve_serve(cfg)
+            elif needs_search(cfg):
                 cfg, result = resolve(cfg)
                 seen = {(d.message, d.span) for d in warnings}
                 warnings += [d for d in check_layout(cfg) if d.severity == "warning" and (d.message, d.span) not in seen]
@@ -218,7 +221,8 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
         extra["serve"] = Serve(**serve.to_dict())
         assert extra["serve"].kv_bytes_per_token == max(cost.kv_bytes_per_token)
     if search is not None:
-        extra["search"] = Search(auto=sorted(par.auto), chosen=search.best.degrees_text(),
+        auto = list(par.auto) + [f"serve.{k}" for k in (cfg.serve.auto if cfg.serve is not None else ())]
+        extra["search"] = Search(auto=sorted(auto), chosen=search.best.degrees_text(),
                                  enumerated=search.enumerated, valid=search.valid, fitting=search.fitting)
     plan = PlanJSON(
         format=FORMAT,
@@ -310,6 +314,16 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
             cfg.span("serve.prompt_len"),
             help=("would fit: " + "; ".join(advice)) if advice else "use GPUs with more memory",
             code="does-not-fit")])
+    if rep.overload is not None:
+        rate, cap, limit = rep.overload
+        raise SpecError([Diagnostic(
+            "error", f"request_rate = {rate:g} requests/s has no steady state: the deployment completes at most "
+                     f"{cap:.3g} requests/s (at most {limit:,} sequences at once on each of {rep.replicas} "
+                     f"replica(s): batch, the engine's default, or what the KV cache holds)",
+            cfg.span("serve.request_rate"),
+            help=f"nearest feasible: request_rate = {cap * 0.9:.3g} (90% of it); or more replicas (dp), a larger "
+                 "batch, or `parcompile search` with dp = auto to size the deployment",
+            code="overloaded")])
     if not rep.batch_fits:
         seqs = rep.max_concurrent_tokens // rep.context
         warnings.append(Diagnostic(

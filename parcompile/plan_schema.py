@@ -453,7 +453,8 @@ class Search(_Strict):
     """``search`` (extension, specs with ``auto`` layout keys only): the search that chose
     the layout (:func:`parcompile.search.resolve`)."""
 
-    auto: list[str] = Field(description="the parallel keys written `auto`, sorted")
+    auto: list[str] = Field(description="the parallel keys written `auto`, and a serve spec's serve keys as "
+                            "`serve.KEY`, sorted")
     chosen: str = Field(description="the chosen layout's degrees, as `parcompile search` prints them")
     enumerated: int = Field(ge=0, description="layouts enumerated")
     valid: int = Field(ge=0, description="layouts the checks accept")

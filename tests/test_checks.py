@@ -444,7 +444,8 @@ def test_serve_request_longer_than_seq_len():
     text = spec(drop=("train",), serve={"prompt_len": "48", "max_new_tokens": "32"})
     assert one(text, "max_new_tokens = 32") == (
         "prompt_len(48) + max_new_tokens(32) = 80 exceeds seq_len = 64",
-        "shorten the request or raise the model's `seq_len`", None)
+        "nearest feasible: max_new_tokens = 16 for this prompt; or raise the model's `seq_len` (at most its "
+        "max_positions)", None)
 
 
 def test_one_mistake_one_error():

@@ -12,7 +12,7 @@ Memory per rank of pipeline stage ``s`` (bytes):
 * weights: ``params_per_rank * dtype_bytes`` (the plan's stage parameters, padded vocab),
   the quantized ones as ``serve.weight_dtype`` stores them (:mod:`parcompile.core.quant`:
   FP8 with its scales, MXFP4 experts, INT4 groups; the embedding, the LM head, routers and
-  norms stay 16-bit: :func:`~parcompile.analysis.serve_steps.stored_weight_bytes`);
+  norms stay 16-bit: :attr:`~parcompile.analysis.serve_steps.StageSteps.held`);
 * KV bytes per token: ``2 * layers_s * kv_heads_per_rank * head_dim * kv_bytes`` (K and V;
   ``kv_bytes`` 4/2/2/1 for fp32/bf16/fp16/fp8); under multi-head latent attention
   ``layers_s * (kv_lora_rank + qk_rope_head_dim) * kv_bytes``, the latent and the RoPE key,
@@ -76,8 +76,9 @@ from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.analysis.serve_engines import serve_engine
 from parcompile.analysis.serve_memory import engine_budget, prefill_step, received_bytes, serve_workspace
 from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, Segment, StageSteps, Step, stage_steps,
-                                             stored_weight_bytes, uniform)
-from parcompile.analysis.serve_workload import PrefillPool, Workload, WorkloadTimes, disaggregated_state, steady_state
+                                             uniform)
+from parcompile.analysis.serve_workload import (Overloaded, PrefillPool, Workload, WorkloadTimes, disaggregated_state,
+                                                steady_state)
 from parcompile.config.presets import CLUSTER_PRESETS, accelerator, fp8_peak, fp8_storage
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_heads_per_rank
@@ -137,6 +138,9 @@ class ServeReport:
     prefill_pool: "PrefillSide | None" = None
     #: GPUs the deployment holds (the layout's, and a disaggregated spec's prefill pool's)
     gpus: int = 1
+    #: ``(requests/s asked, requests/s carried at most, sequences a step of a replica holds)`` of an
+    #: open-loop rate with no steady state
+    overload: tuple[float, float, int] | None = None
 
     def timed(self, times: WorkloadTimes) -> "ServeReport":
         """This report with the workload's steady state."""
@@ -377,19 +381,21 @@ def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
     return counts
 
 
-def serve_rates(cfg, groups: Mapping, degrees: Mapping[str, int], stages: Sequence[StageSteps],
-                fp8_gemm: bool) -> Rates:
+def serve_rates(cfg, groups: Mapping | None, degrees: Mapping[str, int], stages: Sequence[StageSteps],
+                fp8_gemm: bool, links: Mapping | None = None) -> Rates:
     """The rates a replica of ``cfg`` runs its steps at (:class:`~parcompile.analysis.
     serve_steps.Rates`): GEMMs at ``eff.matmul`` of the peak (quantized FP8 W8A8 GEMMs at the
     same fraction of the preset's FP8 peak, scaled as ``peak_flops`` is), attention at the
     engine's fused kernel's fraction (the host's GEMM rate for the parcompile engine), the
     weights and the cache at ``eff.memory`` of ``hbm_bw``; the links of the plan's groups;
     the engine's per-op time (the host's ``cluster.op_overhead`` for the parcompile engine
-    where the preset models the host)."""
+    where the preset models the host). ``links``: per axis, where the groups fall, when
+    ``groups`` are not built (the sizing search: :func:`~parcompile.analysis.network.links_of`)."""
     cl = cfg.cluster
     eff = efficiency(cl)
     eng = serve_engine(cfg)
-    links = {a: axis_link(cl, groups, a, eff) for a in ("tp", "pp", "ep", "expert_tp")}
+    if links is None:
+        links = {a: axis_link(cl, groups, a, eff) for a in ("tp", "pp", "ep", "expert_tp")}
     gemm = eff.matmul * cl.peak_flops
     fp8 = gemm
     if fp8_gemm:
@@ -414,19 +420,30 @@ def step_seconds(stages: Sequence[StageSteps], rates: Rates, step: Step) -> tupl
     return sum(parts.values()), parts
 
 
+#: sequences a step of the parcompile engine holds under open-loop arrivals when the spec gives
+#: no ``batch`` (vLLM's default ``max_num_seqs`` below 70 GiB)
+OPEN_LOOP_SEQS = 256
+
+
 def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
     """One replica's :class:`~parcompile.analysis.serve_workload.Workload` of serve spec
     ``cfg`` (its ``kv_tokens`` of cache): ``1 / dp`` of the clients or of the rate, at most
     ``ceil(batch / dp)`` sequences a step, the token budget ``serve.max_prefill_tokens`` or
     the engine's default for the GPU's memory (none for the parcompile engine: whole
-    prompts), the engine's time per request."""
+    prompts), the engine's time per request. With open-loop arrivals and no ``batch`` given,
+    a step holds as many sequences as the engine's default (vLLM's ``max_num_seqs``)."""
     sv = cfg.serve
     eng = serve_engine(cfg)
     budget = sv.max_prefill_tokens or engine_budget(cfg)
     rate = sv.request_rate
+    max_seqs = -(-sv.batch // dp)
+    if rate is not None and not math.isinf(rate) and "serve.batch" not in cfg.spans:
+        # open-loop arrivals and no `batch`: as many sequences a step as the engine schedules by default
+        cl = cfg.cluster
+        max_seqs = eng.max_seqs(cl.memory, a100=(cl.preset or "").startswith("a100")) or OPEN_LOOP_SEQS
     return Workload(prompt=sv.prompt_len, output=sv.max_new_tokens, clients=sv.clients / dp,
                     rate=None if rate is None else (rate if math.isinf(rate) else rate / dp),
-                    max_seqs=-(-sv.batch // dp), kv_tokens=kv_tokens, budget=budget, block_size=sv.block_size,
+                    max_seqs=max_seqs, kv_tokens=kv_tokens, budget=budget, block_size=sv.block_size,
                     request_overhead=eng.request_overhead)
 
 
@@ -455,14 +472,13 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     capacity = int(cl.memory * (1 - cl.memory_reserve))
     fmt, fp8_gemm = quant_of(cfg)
     steps = stage_steps(cfg, graph, degrees, fmt, fp8_gemm)
-    quantized = stored_weight_bytes(cfg, graph, degrees, fmt)
     workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
     stages = []
     for s, ids in enumerate(stage_layers(chunks, pp)):
         if steps[s].kv_bytes_per_token != kv_tokens[s]:   # the graph's cached operands are the cache the plan holds
             raise AssertionError(f"stage {s}: the graph's attention cores cache {steps[s].kv_bytes_per_token} bytes "
                                  f"per token, analysis/kv.py's rule {kv_tokens[s]}")
-        weights = stage_params[s].total * e + quantized[s]
+        weights = steps[s].held_bytes   # the parameter report's stage_params * dtype bytes, quantized ones as stored
         work = workspace[s].total
         stages.append(ServeStage(s, len(ids), weights, kv_tokens[s], b * kv_seqs[s], kv_seqs[s], work,
                                  capacity - weights - work))
@@ -479,10 +495,14 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
     rates = serve_rates(cfg, groups, degrees, steps, fp8_gemm)
     work = replica_workload(cfg, report.kv_cache_tokens, dp)
     decode = lambda step: step_seconds(steps, rates, step)   # noqa: E731
-    if sv.disaggregated and prefill is not None:
-        pool, side = prefill_pool(cfg, *prefill)
-        return replace(report.timed(disaggregated_state(work, pool, decode, replicas=dp)), prefill_pool=side)
-    return report.timed(steady_state(work, decode))
+    try:
+        if sv.disaggregated and prefill is not None:
+            pool, side = prefill_pool(cfg, *prefill)
+            return replace(report.timed(disaggregated_state(work, pool, decode, replicas=dp)), prefill_pool=side)
+        return report.timed(steady_state(work, decode))
+    except Overloaded as e:   # an open-loop rate above what the deployment carries: the driver's error says so
+        return replace(report, overload=(e.rate * (1 if sv.disaggregated else dp),
+                                         e.capacity * (1 if sv.disaggregated else dp), e.limit))
 
 
 def prefill_config(cfg):
@@ -494,8 +514,10 @@ def prefill_config(cfg):
     gpn = min(cfg.cluster.gpus_per_node, tp * n)
     cl = cfg.cluster.model_copy(update={"gpus_per_node": gpn, "nodes": -(-tp * n // gpn)})
     p = par.model_copy(update={"tp": tp, "pp": 1, "dp": n, "stage_layers": None, "expert_tp": tp})
+    budget = sv.max_prefill_tokens or engine_budget(cfg) or sv.prompt_len
+    per = max(1, budget // sv.prompt_len)   # the prompts one budget step of an instance holds
     return cfg.model_copy(update={"parallel": p, "cluster": cl,
-                                  "serve": sv.model_copy(update={"disaggregated": False, "batch": n})})
+                                  "serve": sv.model_copy(update={"disaggregated": False, "batch": n * per})})
 
 
 @dataclass(frozen=True)
@@ -533,10 +555,17 @@ def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int], groups: Ma
     tp 1) sent by the instance's ``tp`` ranks, each over its own NIC (NVLink when the whole
     deployment is one node: ``inter_node_latency + bytes / (tp * inter_node_bw * eff.net)``),
     and its memory: weights, the budget step's workspace."""
-    sv, cl = cfg.serve, cfg.cluster
     fmt, fp8 = quant_of(pcfg)
     steps = stage_steps(pcfg, graph, degrees, fmt, fp8)
     rates = serve_rates(pcfg, groups, degrees, steps, fp8)
+    workspace = serve_workspace(pcfg, graph, degrees, *prefill_step(pcfg))[0].total
+    return prefill_pool_from(cfg, pcfg, steps, rates, workspace)
+
+
+def prefill_pool_from(cfg, pcfg, steps: Sequence[StageSteps], rates: Rates,
+                      workspace: int) -> tuple[PrefillPool, PrefillSide]:
+    """:func:`prefill_pool` from the prefill instance's step costs, rates and workspace."""
+    sv, cl = cfg.serve, cfg.cluster
     P = sv.prompt_len
     budget = sv.max_prefill_tokens or engine_budget(pcfg) or P
     k = max(1, math.ceil(P / budget))
@@ -554,8 +583,7 @@ def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int], groups: Ma
     whole = pcfg.parallel.world_size + cfg.parallel.world_size <= cl.gpus_per_node
     transfer = (cl.intra_node_latency + nbytes / (tp * cl.intra_node_bw * eff.link)) if whole else \
         (cl.inter_node_latency + nbytes / (tp * cl.inter_node_bw * eff.net))
-    workspace = serve_workspace(pcfg, graph, degrees, *prefill_step(pcfg))[0].total
-    weights = stage_params[0].total * pcfg.model.dtype_bytes + stored_weight_bytes(pcfg, graph, degrees, fmt)[0]
+    weights = steps[0].held_bytes
     replicas = pcfg.parallel.dp
     pool = PrefillPool(replicas, prompt_s, step_s, step_tokens, transfer)
     side = PrefillSide(replicas, tp, weights, workspace, int(cl.memory * (1 - cl.memory_reserve)), prompt_s,

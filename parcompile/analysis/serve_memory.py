@@ -140,37 +140,53 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
 
     ``stage_of``: the stage of each decoder layer when ``graph`` is a one-stage graph
     costed as ``cfg.parallel.pp`` stages (the sizing search)."""
+    return stage_workspaces(cfg, workspace_parts(cfg, graph, degrees, batch, tokens, context), stage_of)
+
+
+@dataclass(frozen=True)
+class WorkspaceParts:
+    """What :func:`serve_workspace` is made of for one step shape: per decoder layer its
+    graph stage and liveness peak, the head's bytes, the step's shared inputs, the hidden
+    state a later stage receives (bytes)."""
+
+    layers: tuple[tuple[int, int, int], ...]   # (layer id, its nodes' stage, peak)
+    head: int
+    step: int
+    received: int
+
+
+def workspace_parts(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
+                    context: int) -> WorkspaceParts:
+    """The liveness walk of each decoder layer (:func:`_live_bytes`) and the head's, step's
+    and received bytes of :func:`serve_workspace`'s step, before they are put on stages."""
     bytes_of = StepBytes(cfg, graph, degrees, batch, tokens, context)
-    pp = cfg.parallel.pp
-    peaks = _stage_layer_peaks(graph, bytes_of, pp, stage_of)
-    out = []
-    for s in range(pp):
-        head_bytes = 0
-        if s == pp - 1:   # the last layer's output (the final norm reads its last position) and the logits
-            last_hidden = graph.inputs("final_norm")[0]
-            head_bytes = bytes_of.output(graph.node(last_hidden)) + logits_bytes(cfg, graph, degrees, batch)
-        out.append(Workspace(peaks[s][0], peaks[s][1], head_bytes,
-                             received_bytes(cfg, batch, tokens) if s > 0 else 0,
-                             step_inputs_bytes(cfg, graph, batch, tokens, context)))
-    return out
-
-
-def _stage_layer_peaks(graph: Graph, bytes_of: "StepBytes", pp: int,
-                       stage_of: Callable[[int], int] | None = None) -> list[tuple[int, int | None]]:
-    """Per pipeline stage, ``(peak bytes, layer id)`` of its decoder layer with the largest
-    liveness peak (:func:`_live_bytes`); ``(0, None)`` for a stage without layers. A layer's
-    stage is its nodes' (or ``stage_of(layer)``: a one-stage graph restaged)."""
     layers: dict[int, list] = {}
     for nd in graph.nodes():
         if nd.op.layer is not None and nd.op.module.startswith("layers."):   # (not the embedding's all-reduce)
             layers.setdefault(nd.op.layer, []).append(nd)
-    per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
+    peaks = []
     for layer_id, nodes in sorted(layers.items()):
         live = _live_bytes(graph, nodes, lambda src: bytes_of.output(graph.node(src)), bytes_of.out_and_scratch)
-        s = (nodes[0].stage or 0) if stage_of is None else stage_of(layer_id)
-        if max(live) > per_stage[s][0]:
-            per_stage[s] = (max(live), layer_id)
-    return per_stage
+        peaks.append((layer_id, nodes[0].stage or 0, max(live)))
+    # the last layer's output (the final norm reads its last position) and the logits
+    last_hidden = graph.inputs("final_norm")[0]
+    head = bytes_of.output(graph.node(last_hidden)) + logits_bytes(cfg, graph, degrees, batch)
+    return WorkspaceParts(tuple(peaks), head, step_inputs_bytes(cfg, graph, batch, tokens, context),
+                          received_bytes(cfg, batch, tokens))
+
+
+def stage_workspaces(cfg, parts: WorkspaceParts, stage_of: Callable[[int], int] | None = None) -> list[Workspace]:
+    """Per pipeline stage of ``cfg``, its :class:`Workspace` from ``parts``: the largest
+    peak of its layers (a layer's stage its nodes', or ``stage_of(layer)``), the head on the
+    last stage, the received hidden state on the later ones."""
+    pp = cfg.parallel.pp
+    per_stage: list[tuple[int, int | None]] = [(0, None)] * pp
+    for layer_id, stage, peak in parts.layers:
+        s = stage if stage_of is None else stage_of(layer_id)
+        if peak > per_stage[s][0]:
+            per_stage[s] = (peak, layer_id)
+    return [Workspace(per_stage[s][0], per_stage[s][1], parts.head if s == pp - 1 else 0,
+                      parts.received if s > 0 else 0, parts.step) for s in range(pp)]
 
 
 class StepBytes:

@@ -35,6 +35,7 @@ any rows (:class:`Segment`) costs :meth:`StageSteps.time`:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 from parcompile.analysis.compute import GEMM_KINDS, counts_as_op
@@ -157,6 +158,14 @@ class StageSteps:
     ops: int
     first: bool
     last: bool
+    #: ``(parameter, bytes)`` of every local parameter the rank holds, as stored (quantized
+    #: ones in their format; one kv head where tp replicates them): the stage's weights memory
+    held: tuple[tuple[str, int], ...] = ()
+
+    @cached_property
+    def held_bytes(self) -> int:
+        """Bytes of the weights one rank of the stage holds (each parameter once)."""
+        return sum(dict(self.held).values())
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -173,10 +182,22 @@ class StageSteps:
         layer's E experts the ``min(E, tokens * top_k)`` its tokens can choose."""
         return self.weights + sum(nb * min(e, tokens * k) / e for nb, e, k in self.experts)
 
+    @cached_property
+    def by_window(self) -> tuple[tuple[int, float, float, float], ...]:
+        """The attention cores summed per window: ``(window, FLOPs per pair, bytes per pair,
+        cache bytes per token)``."""
+        acc: dict[int, list[float]] = {}
+        for c in self.attention:
+            a = acc.setdefault(c.window, [0.0, 0.0, 0.0])
+            a[0] += c.flops_per_pair
+            a[1] += c.bytes_per_pair
+            a[2] += c.kv_per_token
+        return tuple((w, *v) for w, v in acc.items())
+
     def flops(self, step: Step) -> tuple[float, float, float]:
         """``(GEMM FLOPs at the 16-bit rate, GEMM FLOPs at the FP8 rate, attention FLOPs)``."""
         t, r = step.tokens, step.rows
-        attn = sum(c.flops_per_pair * step.pairs(c.window) for c in self.attention)
+        attn = sum(f * step.pairs(w) for w, f, _b, _k in self.by_window)
         return (self.gemm_flops_token - self.fp8_flops_token) * t + self.gemm_flops_row * r, \
             self.fp8_flops_token * t, attn
 
@@ -189,8 +210,8 @@ class StageSteps:
         f16, f8, attn = self.flops(step)
         bw = rates.memory
         gemm = max(f16 / rates.gemm + f8 / rates.fp8, self.weights_read(t) / bw)
-        kv = sum(c.kv_per_token * step.cached(c.window) for c in self.attention)
-        pair_bytes = sum(c.bytes_per_pair * step.pairs(c.window) for c in self.attention)
+        kv = sum(k * step.cached(w) for w, _f, _b, k in self.by_window)
+        pair_bytes = sum(b * step.pairs(w) for w, _f, b, _k in self.by_window)
         attention = max(attn / rates.attention, kv / bw) + pair_bytes / bw
         act = (self.operands_token * t + self.operands_row * r + self.act_token * t + self.act_row * r) / bw
         tpc = ppc = 0.0
@@ -307,7 +328,7 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
     ``fmt``: the stored format of the quantized weights (:func:`parcompile.core.quant.
     quantized_param` says which); ``fp8_gemm``: their GEMMs run at the FP8 rate;
     ``stage_of``: the stage of each decoder layer when ``graph`` is a one-stage graph costed
-    as ``cfg.parallel.pp`` stages (:func:`node_stage`; the sizing search).
+    as ``cfg.parallel.pp`` stages (:func:`node_stage`).
 
     The serve program's collectives beyond the graph's layers: the hidden state of each
     step's tokens sent from a stage to the next (:func:`~parcompile.analysis.serve_memory.
@@ -317,18 +338,42 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
     last stage over pp. Limits: with ``sequence_parallel`` the graph's sequence-split
     collectives are counted, which the serve program does not run."""
     pp = cfg.parallel.pp
+    units = layer_units(cfg, graph, degrees, fmt, fp8_gemm, stage=lambda nd: node_stage(nd, pp, stage_of), count=pp)
+    return [combine(cfg, [u], i, pp) for i, u in enumerate(units)]
+
+
+def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat | None = None,
+                fp8_gemm: bool = False, stage: Callable | None = None, count: int | None = None,
+                types: dict | None = None) -> list[StageSteps]:
+    """The :class:`StageSteps` records of ``graph``'s nodes grouped by ``stage(node)`` into
+    ``count`` units (default: the embedding, each decoder layer, the head: ``layers + 2``
+    units of a one-stage graph, which :func:`combine` sums into any split; the sizing
+    search), without the pipeline's collectives (:func:`combine` adds them). ``types``: a
+    dict the nodes' local types at one token are kept in, shared by calls on the same
+    graph and mesh (they depend on neither the format nor the cache dtype)."""
+    m = cfg.model
+    if stage is None:
+        count = m.layers + 2
+        stage = lambda nd: (nd.op.layer + 1 if nd.op.module.startswith("layers.") and nd.op.layer is not None  # noqa: E731
+                            else count - 1 if nd.op.module in HEAD_MODULES else 0)
     kv_bytes = DTYPE_BYTES[cache_dtype(cfg)]
     unit = StepBytes(cfg, graph, degrees, 1, 1, 1)   # the nodes' local types for one token
     kv1 = unit.kv1                                   # one kv head where tp replicates them
     acc = [dict(weights=0.0, experts=[], f_tok=0.0, f_row=0.0, f8=0.0, op_tok=0.0, op_row=0.0, act_tok=0.0,
-                act_row=0.0, attn=[], c_tok=[], c_row=[], ops=0, layers=set(), seen=set()) for _ in range(pp)]
-    m = cfg.model
+                act_row=0.0, attn=[], c_tok=[], c_row=[], ops=0, layers=set(), seen=set(), held={})
+           for _ in range(count)]
     for nd in graph.nodes():
         if nd.kind in ("input", "step_collective", "cross_entropy", "send_recv"):
             continue
         head = nd.op.module in HEAD_MODULES
-        ins, local = unit.types(nd, 1)
-        st = acc[node_stage(nd, pp, stage_of)]
+        if types is None:
+            ins, local = unit.types(nd, 1)
+        else:
+            got = types.get(nd.name)
+            if got is None:
+                got = types[nd.name] = unit.types(nd, 1)
+            ins, local = got
+        st = acc[stage(nd)]
         if nd.op.module.startswith("layers."):
             st["layers"].add(nd.op.layer)
         a = nd.op.attr_map
@@ -336,6 +381,11 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
         per = "row" if head else "tok"
         if counts_as_op(nd):
             st["ops"] += 1
+        for p in nd.params:
+            if p.name not in st["held"]:
+                lt = kv1(p.sharding.local_type(p.type, degrees))
+                q = quantized_param(nd.kind, nd.op.module, p.name, len(lt.dims), fmt)
+                st["held"][p.name] = fmt.weight_bytes(tuple(d.size for d in lt.dims)) if q else lt.nbytes
         if nd.kind == "attention":
             one = {**a, "seq_len": 1}
             two = {**a, "seq_len": 2}
@@ -375,41 +425,61 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
         if nd.kind == "linear" and nd.op.module == "lm_head" and degrees.get("tp", 1) > 1:
             # the last position's vocab-split logits, gathered in fp32 (runtime/generate.py gather_vocab)
             st["c_row"].append(("all_gather", "tp", float(local.numel * degrees["tp"] * 4)))
-    if pp > 1:
-        hidden = float(received_bytes(cfg, 1, 1))
-        for i, st in enumerate(acc):
-            if i < pp - 1:
-                st["c_tok"].append(("send", "pp", hidden))
-            if i > 0:
-                st["c_tok"].append(("recv", "pp", hidden))
-            # the sampled tokens, from the last stage to every stage (broadcast_from_last)
-            st["c_row"].append(("broadcast", "pp", float(TOKEN_BYTES)))
     return [StageSteps(i, len(st["layers"]), st["weights"], tuple(st["experts"]), st["f_tok"], st["f_row"], st["f8"],
                        st["op_tok"], st["op_row"], st["act_tok"], st["act_row"], tuple(st["attn"]),
-                       _counted(st["c_tok"]), _counted(st["c_row"]), st["ops"], i == 0, i == pp - 1)
+                       _counted(st["c_tok"]), _counted(st["c_row"]), st["ops"], False, False,
+                       tuple(st["held"].items()))
             for i, st in enumerate(acc)]
 
 
-def stored_weight_bytes(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat | None,
-                        stage_of: Callable[[int], int] | None = None) -> list[int]:
-    """Per pipeline stage, bytes of the weights one rank holds as ``fmt`` stores them, minus
-    what they would take in the model's dtype (0 everywhere without a format): what the
-    stage's 16-bit weights memory changes by. Each local parameter once per stage, one kv
-    head where tp replicates them (the parameter report's rule)."""
-    out = [0] * cfg.parallel.pp
-    if fmt is None:
-        return out
-    unit = StepBytes(cfg, graph, degrees, 1, 1, 1)
-    seen: list[set] = [set() for _ in out]
-    for nd in graph.nodes():
-        s = node_stage(nd, cfg.parallel.pp, stage_of)
-        for p in nd.params:
-            if p.name in seen[s]:
-                continue
-            seen[s].add(p.name)
-            lt = unit.kv1(p.sharding.local_type(p.type, degrees))
-            if quantized_param(nd.kind, nd.op.module, p.name, len(lt.dims), fmt):
-                out[s] += fmt.weight_bytes(tuple(d.size for d in lt.dims)) - lt.nbytes
+def with_cache_dtype(units: Sequence[StageSteps], old: int, new: int) -> list[StageSteps]:
+    """``units`` with their attention cores' cache bytes per token for a cache of ``new``
+    bytes per element instead of ``old`` (the cached elements are the same)."""
+    from dataclasses import replace as _replace
+    return [_replace(u, attention=tuple(_replace(c, kv_per_token=c.kv_per_token // old * new) for c in u.attention))
+            for u in units]
+
+
+def combine(cfg, units: Sequence[StageSteps], stage: int, pp: int) -> StageSteps:
+    """Pipeline stage ``stage`` of ``pp`` made of ``units`` (:func:`layer_units`): their
+    costs summed (a parameter held by two units, a tied embedding, once), and the pipeline's
+    collectives (:func:`stage_steps`' docstring)."""
+    c_tok = [(op, ax, nb) for u in units for op, ax, nb, n in u.colls_token for _ in range(n)]
+    c_row = [(op, ax, nb) for u in units for op, ax, nb, n in u.colls_row for _ in range(n)]
+    if pp > 1:
+        hidden = float(received_bytes(cfg, 1, 1))
+        if stage < pp - 1:
+            c_tok.append(("send", "pp", hidden))
+        if stage > 0:
+            c_tok.append(("recv", "pp", hidden))
+        c_row.append(("broadcast", "pp", float(TOKEN_BYTES)))   # the sampled tokens, to every stage
+    held: dict[str, int] = {}
+    for u in units:
+        held.update(u.held)
+    return StageSteps(stage, sum(u.layers for u in units), sum(u.weights for u in units),
+                      tuple(e for u in units for e in u.experts),
+                      sum(u.gemm_flops_token for u in units), sum(u.gemm_flops_row for u in units),
+                      sum(u.fp8_flops_token for u in units), sum(u.operands_token for u in units),
+                      sum(u.operands_row for u in units), sum(u.act_token for u in units),
+                      sum(u.act_row for u in units), tuple(a for u in units for a in u.attention),
+                      _counted(c_tok), _counted(c_row), sum(u.ops for u in units), stage == 0, stage == pp - 1,
+                      tuple(held.items()))
+
+
+def split_units(cfg, units: Sequence[StageSteps], counts: Sequence[int]) -> list[StageSteps]:
+    """The stages of a one-stage graph's :func:`layer_units` split into ``len(counts)``
+    pipeline stages of ``counts[s]`` decoder layers each (the embedding on the first, the
+    head on the last)."""
+    pp = len(counts)
+    out, first = [], 1
+    for s, n in enumerate(counts):
+        part = list(units[first:first + n])
+        if s == 0:
+            part.insert(0, units[0])
+        if s == pp - 1:
+            part.append(units[-1])
+        out.append(combine(cfg, part, s, pp))
+        first += n
     return out
 
 
@@ -421,4 +491,4 @@ def uniform(stages: Sequence[StageSteps], batch: int, tokens: int, context: int)
 
 __all__ = ["AttentionCore", "HEAD_MODULES", "PAGED_CACHE_OPS", "Rates", "SAMPLE_OPS", "STEP_LAYOUT_OPS", "Segment",
            "StageSteps", "Step", "TOKEN_BYTES", "decode_step", "host_overhead", "prefill_step", "stage_steps",
-           "node_stage", "stored_weight_bytes", "uniform"]
+           "combine", "layer_units", "with_cache_dtype", "node_stage", "split_units", "uniform"]

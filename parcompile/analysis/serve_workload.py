@@ -47,10 +47,12 @@ class Overloaded(Exception):
     """An open-loop rate no steady state carries: ``capacity`` requests/s is the most the
     replica completes (``max_seqs`` or the KV cache full)."""
 
-    def __init__(self, rate: float, capacity: float):
+    def __init__(self, rate: float, capacity: float, limit: int = 0):
         super().__init__(f"{rate:g} requests/s exceeds the replica's {capacity:.3g}")
         self.rate = rate
         self.capacity = capacity
+        #: the most sequences a step of the replica holds
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def steady_state(w: Workload, step_time: StepTime) -> WorkloadTimes:
     cap_times = _running(w, limit, step_time)
     capacity = limit / (cap_times.ttft + (w.output - 1) * cap_times.tpot)
     if w.rate >= capacity:
-        raise Overloaded(w.rate, capacity)
+        raise Overloaded(w.rate, capacity, limit)
     n = min(limit, max(w.rate * (cap_times.ttft + (w.output - 1) * cap_times.tpot), 1e-9))
     for _ in range(50):
         times = _running(w, max(n, 1.0), step_time)
@@ -291,7 +293,7 @@ def disaggregated_state(w: Workload, pool: PrefillPool, step_time: StepTime, rep
 
     if w.rate is not None and not math.isinf(w.rate):
         if w.rate * replicas >= capacity_p:
-            raise Overloaded(w.rate * replicas, capacity_p)
+            raise Overloaded(w.rate * replicas, capacity_p, limit)
         ttft = ttft_at(w.rate * replicas)
         n = 1.0
         for _ in range(50):
@@ -302,7 +304,7 @@ def disaggregated_state(w: Workload, pool: PrefillPool, step_time: StepTime, rep
             n = max(new, 1.0)
         tpot, parts = decode(max(n, 1.0))
         if w.rate * (G - 1) * tpot > limit:
-            raise Overloaded(w.rate, limit / ((G - 1) * tpot))
+            raise Overloaded(w.rate, limit / ((G - 1) * tpot), limit)
         e2e = ttft + (G - 1) * tpot
         return WorkloadTimes(ttft=ttft, tpot=tpot, e2e=e2e, request_rate=w.rate, running=n, running_limit=limit,
                              queue=0.0, prefill_steps=1, chunk=float(P), mixed_share=0.0, decode_step=tpot,

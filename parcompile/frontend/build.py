@@ -629,7 +629,8 @@ class _Builder:
                 # a placeholder: `parcompile search` (and compile, plan, check) choose the
                 # value; checks that read an `auto` key skip until the search fills it
                 values[k] = AUTO_PLACEHOLDERS.get(k, 1)
-        if "global_batch" not in values and "global_batch" not in self.ctx.bad:
+        serve = "serve" in self.blocks   # a serve spec has no global batch: the sizing search sets dp (replicas)
+        if "global_batch" not in values and "global_batch" not in self.ctx.bad and not serve:
             for k in ("dp", "micro_batch"):
                 if k in auto:
                     self.bag.error(f"{k} = auto needs `global_batch`", self.ctx.span(f"parallel.{k}"),
@@ -637,7 +638,7 @@ class _Builder:
         if "dp" not in values:
             auto.insert(0, "dp")  # dp's default is `auto`
             varies = [k for k in ("tp", "pp", "cp") if k in auto]
-            if varies and "global_batch" not in values and "global_batch" not in self.ctx.bad:
+            if varies and "global_batch" not in values and "global_batch" not in self.ctx.bad and not serve:
                 # each candidate's dp fills the world, so the default global batch (micro_batch * dp)
                 # would differ between the layouts the search compares by step time
                 self.bag.error(f"{varies[0]} = auto with dp left to fill the world needs `global_batch`",
@@ -737,6 +738,7 @@ class _Builder:
             values["kv_dtype"] = model.dtype
         if "batch" not in values and isinstance(values.get("concurrency"), int):
             values["batch"] = values["concurrency"]   # every client's request runs (vLLM's max_num_seqs permitting)
+
         values.setdefault("engine", "parcompile" if cluster.preset == "cpu" else "vllm")
         if values.get("request_rate") == "inf":
             values["request_rate"] = math.inf

@@ -646,9 +646,13 @@ def _check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
         return
     total = s.prompt_len + s.max_new_tokens
     if total > m.seq_len:
+        nearest = (f"max_new_tokens = {m.seq_len - s.prompt_len} for this prompt" if s.prompt_len < m.seq_len
+                   else f"prompt_len = {m.seq_len - s.max_new_tokens}" if s.max_new_tokens < m.seq_len
+                   else f"prompt_len + max_new_tokens <= {m.seq_len}")
         ctx.bag.error(f"prompt_len({s.prompt_len}) + max_new_tokens({s.max_new_tokens}) = {total} "
                       f"exceeds seq_len = {m.seq_len}", ctx.span("serve.max_new_tokens", "serve.prompt_len"),
-                      help="shorten the request or raise the model's `seq_len`")
+                      help=f"nearest feasible: {nearest}; or raise the model's `seq_len` (at most its "
+                           f"max_positions)")
     if s.kv_cache_tokens is not None and ctx.ok("serve.kv_cache_tokens", "serve.block_size"):
         need = -(-total // s.block_size) * s.block_size   # one longest request, in whole blocks
         if s.kv_cache_tokens < need:

@@ -22,9 +22,10 @@ MAX_MICRO_BATCH = 16
 
 
 def needs_search(cfg: SpecConfig) -> bool:
-    """True when the spec leaves a layout choice to the compiler (``auto`` on a key other
-    than ``dp``, which alone is fixed by the world size)."""
-    return any(k != "dp" for k in cfg.parallel.auto)
+    """True when a training spec leaves a layout choice to the compiler (``auto`` on a key
+    other than ``dp``, which alone is fixed by the world size); a serve spec's are the sizing
+    search's (:func:`parcompile.search.serve.needs_serve_search`)."""
+    return cfg.workload != "serve" and any(k != "dp" for k in cfg.parallel.auto)
 
 
 class RowLayout(NamedTuple):
