@@ -303,7 +303,7 @@ def test_key_table_covers_the_schema():
 
     assert BLOCK_KINDS == PARSER_BLOCK_KINDS
     # figures: set by the cpu preset (config/host.py); weight_format: read from the serve checkpoint
-    internal = {"name", "preset", "auto", "figures", "weight_format"}
+    internal = {"name", "preset", "auto", "figures", "weight_format", "quantized_checkpoint"}
     for kind, cls in [("model", ModelConfig), ("cluster", ClusterConfig), ("parallel", ParallelConfig),
                       ("train", TrainConfig), ("serve", ServeConfig)]:
         assert set(KEYS[kind]) == set(cls.model_fields) - internal, kind

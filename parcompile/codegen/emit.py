@@ -59,6 +59,12 @@ _NOT_IN_PROGRAM: tuple = (
      "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
+    # disaggregated serving (issue 45) is planned and exported (two servers, vLLM's NIXL connector or
+    # SGLang's disaggregation mode), not run by the serve program, whose ranks prefill and decode alike
+    ("serve.disaggregated", lambda cfg: cfg.serve is not None and cfg.serve.disaggregated,
+     "disaggregated prefill and decode pools", "the serve program prefills and decodes on the decode pool's "
+     "layout; `parcompile plan`, `search` and `export --to vllm|sglang` (a prefill and a decode server) describe "
+     "the pools", 45, False),
 )
 
 

@@ -307,6 +307,9 @@ class ServeConfig(_Frozen):
     #: the stored format within the family (core/quant.py FORMATS: `fp8-block`, `fp8-tensor`, ...),
     #: read from the checkpoint's quantization_config by the builder; None: the family's default
     weight_format: Optional[str] = None
+    #: the `weights` checkpoint's own quantization_config gave weight_format (a server reads it as published);
+    #: False when the weights are quantized on load
+    quantized_checkpoint: bool = False
     #: the workload: closed-loop clients (each sends its next request when its last ends; None:
     #: `batch`), or open-loop arrivals in requests/s (math.inf: every request at once, a burst
     #: of `batch`, as vLLM's benchmark_latency and `bench serve --request-rate inf`)

@@ -172,7 +172,7 @@ def quantized_param(kind: str, module: str, param: str, ndim: int, fmt: QuantFor
     experts; never the embedding, the LM head, a router, norms or biases (the published
     checkpoints' ``modules_to_not_convert`` / ``ignore``: ``lm_head``); with
     ``experts_only`` the experts alone."""
-    if fmt is None or ndim < 2 or not param.endswith("weight") and kind != "experts":
+    if fmt is None or ndim < 2 or not param.endswith("weight"):   # (an expert's bias is 2-D: never quantized)
         return False
     if kind == "experts":
         return True

@@ -82,6 +82,7 @@ def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], l
         a += [("--context-length", str(max_len)), ("--max-running-requests", str(s["batch_per_replica"])),
               ("--kv-cache-dtype", kv), ("--mem-fraction-static", f"{serve_memory_fraction(plan, False):.2f}"),
               ("--dtype", SERVE_DTYPE[m.dtype]), ("--random-seed", str(sv.seed))]
+    a += _budget_and_quantization(plan, target, notes, errors)
     if s.get("max_concurrent_sequences", 0) > s["batch_per_replica"]:
         flag, fraction = a[[k for k, _ in a].index(
             "--gpu-memory-utilization" if target == "vllm" else "--mem-fraction-static")]
@@ -94,11 +95,46 @@ def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], l
     return a, notes, errors
 
 
+#: ``serve.weight_dtype`` of weights quantized when the server loads a 16-bit checkpoint:
+#: vLLM's and SGLang's ``--quantization fp8`` (E4M3, one scale per tensor: vLLM's
+#: docs/features/quantization/fp8.md, "Online Dynamic Quantization"); the 4-bit formats need a
+#: checkpoint quantized so, which both servers read from its ``quantization_config``
+ONLINE_QUANTIZATION = {"fp8": "fp8"}
+
+
+def _budget_and_quantization(plan: Plan, target: str, notes: list[str], errors: list[str]) -> list[tuple[str, str | None]]:
+    """The chunked-prefill budget (``serve.max_prefill_tokens``: vLLM's
+    ``--max-num-batched-tokens``, SGLang's ``--chunked-prefill-size``; without it the server's
+    default, which the plan assumes) and the weights' quantization: a checkpoint quantized so
+    is read as it is (its ``quantization_config``); fp8 over a 16-bit or no checkpoint is
+    ``--quantization fp8``; mxfp4 / int4 need a checkpoint quantized so."""
+    sv = plan.config.serve
+    a: list[tuple[str, str | None]] = []
+    if sv.max_prefill_tokens:
+        a.append(("--max-num-batched-tokens" if target == "vllm" else "--chunked-prefill-size",
+                  str(sv.max_prefill_tokens)))
+    if sv.weight_dtype == "model":
+        return a
+    if sv.quantized_checkpoint:
+        notes.append(f"weights: the checkpoint's own {sv.weight_format} (its quantization_config; the server reads it)")
+    elif sv.weight_dtype in ONLINE_QUANTIZATION:
+        a.append(("--quantization", ONLINE_QUANTIZATION[sv.weight_dtype]))
+        notes.append("weights: quantized to FP8 as the server loads them, one scale per tensor (the plan prices "
+                     f"{sv.weight_format or 'fp8-block'}: the same bytes within 0.01%); an FP8 checkpoint serves as "
+                     "published without the flag")
+    else:
+        errors.append(f"weight_dtype {sv.weight_dtype}: the servers read {sv.weight_dtype} weights only from a "
+                      "checkpoint quantized so (AWQ / GPTQ for int4, gpt-oss's MXFP4): give its directory as `weights`")
+    return a
+
+
 def serve_export(plan: Plan, target: str) -> Export:
     """``--to vllm`` / ``--to sglang``: the server command with :func:`serve_args`; notes and
     errors as comments."""
     cfg = plan.config
     args, notes, errors = serve_args(plan, target)
+    if cfg.serve.disaggregated:
+        return _disaggregated(plan, target, args, notes, errors)
     weights = cfg.serve.weights or "MODEL"
     if not cfg.serve.weights:
         notes.append("weights: the spec names no checkpoint; put the model's Hugging Face directory for MODEL")
@@ -110,4 +146,52 @@ def serve_export(plan: Plan, target: str) -> Export:
     lines.append(launch + " \\")
     body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
     lines += [b + " \\" for b in body[:-1]] + [body[-1]]
+    return Export(target, "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_{target}.sh", errors)
+
+
+#: the flags that say an instance's role in a disaggregated deployment and how its KV cache
+#: moves: vLLM's NIXL connector (``--kv-transfer-config``, KVTransferConfig in
+#: vllm/config/kv_transfer.py; docs/features/nixl_connector_usage.md: both roles ``kv_both``),
+#: SGLang's ``--disaggregation-mode prefill|decode`` (sglang/srt/server_args.py,
+#: docs/advanced_features/pd_disaggregation.md)
+NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+#: the ports the two instances listen on (each server's ``--port``)
+PREFILL_PORT, DECODE_PORT = 8100, 8200
+
+
+def _disaggregated(plan: Plan, target: str, decode: list, notes: list[str], errors: list[str]) -> Export:
+    """A disaggregated serve plan as two server commands, the prefill pool's instance (tp
+    ``prefill_tp``, dp ``prefill_replicas``) and the decode pool's (the plan's layout), each
+    with its role flags and port; a note names the router that sends each request to both."""
+    cfg = plan.config
+    sv = cfg.serve
+    p = plan.data["serve"]["prefill_pool"]
+    names = {"vllm": ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size"),
+             "sglang": ("--tp-size", "--pp-size", "--dp-size")}[target]
+    # the prefill instance's memory is its own (weights over its tp, a budget's prompts): the server's default
+    prefill = [(f, v) for f, v in decode if f not in names + ("--gpu-memory-utilization", "--mem-fraction-static")]
+    prefill = [(names[0], str(p["tp"])), (names[1], "1")] + ([(names[2], str(p["replicas"]))] if p["replicas"] > 1
+                                                             else []) + prefill
+    if target == "vllm":
+        role = {"prefill": [("--kv-transfer-config", NIXL)], "decode": [("--kv-transfer-config", NIXL)]}
+        notes.append("route each request to both with vLLM's disaggregated proxy (examples/online_serving/"
+                     f"disaggregated_serving) or NVIDIA Dynamo: prefill on port {PREFILL_PORT}, decode on {DECODE_PORT}")
+    else:
+        role = {"prefill": [("--disaggregation-mode", "prefill")], "decode": [("--disaggregation-mode", "decode")]}
+        notes.append(f"route each request to both: python -m sglang_router.launch_router --pd-disaggregation "
+                     f"--prefill http://HOST:{PREFILL_PORT} --decode http://HOST:{DECODE_PORT}")
+    weights = sv.weights or "MODEL"
+    if not sv.weights:
+        notes.append("weights: the spec names no checkpoint; put the model's Hugging Face directory for MODEL")
+    head = (["vllm", "serve", weights] if target == "vllm" else
+            ["python", "-m", "sglang.launch_server", "--model-path", weights])
+    launch = " ".join(shlex.quote(w) for w in head)
+    lines = [f"# {SERVE_TARGETS[target]} disaggregated servers for `{cfg.name}`: prefill {p['replicas']} x tp "
+             f"{p['tp']}, decode {layout_line(plan)} (exported by parcompile)"]
+    lines += [f"# error: {e}" for e in errors] + [f"# note: {n}" for n in notes]
+    for name, args, port in (("prefill", prefill, PREFILL_PORT), ("decode", decode, DECODE_PORT)):
+        body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}")
+                for flag, v in args + role[name] + [("--port", str(port))]]
+        lines += [f"# the {name} pool", launch + " \\"] + [b + " \\" for b in body[:-1]] + [body[-1] + " &"]
+    lines.append("wait")
     return Export(target, "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_{target}.sh", errors)

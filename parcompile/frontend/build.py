@@ -794,6 +794,7 @@ class _Builder:
             self.ctx.bad.add("serve.weight_dtype")
             return
         values["weight_format"] = fmt.name
+        values["quantized_checkpoint"] = True
 
     def build(self, name: str) -> SpecConfig:
         self.read_blocks()
