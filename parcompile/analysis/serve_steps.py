@@ -383,17 +383,11 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
             st["ops"] += 1
         for p in nd.params:
             if p.name not in st["held"]:
-                lt = kv1(p.sharding.local_type(p.type, degrees))
-                q = quantized_param(nd.kind, nd.op.module, p.name, len(lt.dims), fmt)
-                st["held"][p.name] = fmt.weight_bytes(tuple(d.size for d in lt.dims)) if q else lt.nbytes
+                st["held"][p.name] = _stored(nd, p, kv1(p.sharding.local_type(p.type, degrees)), fmt)[1]
         if nd.kind == "attention":
-            one = {**a, "seq_len": 1}
-            two = {**a, "seq_len": 2}
-            flops = s.fwd_flops(one, ins, local)
-            t1, t2 = s.traffic(one, ins, local), s.traffic(two, ins, local)
-            cached = sum(t.numel // (t.dim("batch").size * t.dim("seq").size) for t in ins[1:3]) * kv_bytes
-            st["attn"].append(AttentionCore(a.get("window") or 0, flops, t2 - t1, cached))
-            st["act_tok"] += t1 - (t2 - t1)
+            core, per_token = _attention_core(s, a, ins, local, kv_bytes)
+            st["attn"].append(core)
+            st["act_tok"] += per_token
         else:
             st["f_" + per] += s.fwd_flops(a, ins, local)
             st["act_" + per] += s.traffic(a, ins, local)
@@ -401,17 +395,14 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
             st["op_" + per] += ins[0].nbytes + local.nbytes
             quantized = False
             for p in nd.params:
-                if p.name in st["seen"]:
-                    continue
-                st["seen"].add(p.name)
-                lt = kv1(p.sharding.local_type(p.type, degrees))
-                q = quantized_param(nd.kind, nd.op.module, p.name, len(lt.dims), fmt)
-                quantized |= q
-                nb = fmt.weight_bytes(tuple(d.size for d in lt.dims)) if q else lt.nbytes
-                if nd.kind == "experts":
-                    st["experts"].append((nb, m.experts, max(m.top_k, 1)))
-                else:
-                    st["weights"] += nb
+                if p.name not in st["seen"]:
+                    st["seen"].add(p.name)
+                    q, nb = _stored(nd, p, kv1(p.sharding.local_type(p.type, degrees)), fmt)
+                    quantized |= q
+                    if nd.kind == "experts":
+                        st["experts"].append((nb, m.experts, max(m.top_k, 1)))
+                    else:
+                        st["weights"] += nb
             if quantized and fp8_gemm and nd.kind != "experts":
                 st["f8"] += s.fwd_flops(a, ins, local)
         elif nd.kind != "embedding":   # the norms' weights (an embedding reads its rows: traffic)
@@ -438,6 +429,26 @@ def with_cache_dtype(units: Sequence[StageSteps], old: int, new: int) -> list[St
     from dataclasses import replace as _replace
     return [_replace(u, attention=tuple(_replace(c, kv_per_token=c.kv_per_token // old * new) for c in u.attention))
             for u in units]
+
+
+def _attention_core(s, a, ins, local, kv_bytes: int) -> tuple[AttentionCore, float]:
+    """An attention node's :class:`AttentionCore` (its op spec ``s``, attributes ``a``, local
+    types at one token) and its traffic per token: the op table's FLOPs and traffic at one
+    and two keys tell the per-pair part (an unfused core's scores) from the per-token part
+    (q, k, v and the output); the cache per token is its cached operands (k and v; MLA's
+    latent and RoPE key) per (sequence, token) in the cache dtype."""
+    one, two = {**a, "seq_len": 1}, {**a, "seq_len": 2}
+    t1, t2 = s.traffic(one, ins, local), s.traffic(two, ins, local)
+    cached = sum(t.numel // (t.dim("batch").size * t.dim("seq").size) for t in ins[1:3]) * kv_bytes
+    return AttentionCore(a.get("window") or 0, s.fwd_flops(one, ins, local), t2 - t1, cached), t1 - (t2 - t1)
+
+
+def _stored(nd, p, local, fmt: QuantFormat | None) -> tuple[bool, int]:
+    """``(quantized, bytes)`` of parameter ``p`` of node ``nd`` at its ``local`` type as
+    ``fmt`` stores it (:func:`parcompile.core.quant.quantized_param`)."""
+    if quantized_param(nd.kind, nd.op.module, p.name, len(local.dims), fmt):
+        return True, fmt.weight_bytes(tuple(d.size for d in local.dims))
+    return False, local.nbytes
 
 
 def combine(cfg, units: Sequence[StageSteps], stage: int, pp: int) -> StageSteps:

@@ -46,8 +46,9 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
-from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text, what_is
-from parcompile.core.quant import QuantConfigError, checkpoint_format
+from parcompile.core.files import what_is
+from parcompile.frontend.serve_values import (SERVE_AUTO_PLACEHOLDERS, checkpoint_quantization, prefill_gpus,
+                                              serve_defaults)
 from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS
 from parcompile.diagnostics import DiagnosticBag, Span
 from parcompile.frontend import ast
@@ -183,10 +184,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
     },
 }
 # `auto` in a serve spec: the sizing search fills them (parcompile/search/serve.py)
-KEYS["serve"]["batch"] = _COUNT_OR_AUTO
-KEYS["serve"]["kv_dtype"] = replace(KEYS["serve"]["kv_dtype"], auto=True)
-#: what a serve key given as `auto` holds until the search fills it
-SERVE_AUTO_PLACEHOLDERS = {"batch": 1, "kv_dtype": None, "weight_dtype": "model", "disaggregated": False}
+KEYS["serve"].update(batch=_COUNT_OR_AUTO, kv_dtype=replace(KEYS["serve"]["kv_dtype"], auto=True))
 
 BLOCK_KINDS: tuple[str, ...] = tuple(KEYS)
 #: Blocks a spec must have, with an example for the help line (`parallel` defaults).
@@ -649,22 +647,13 @@ class _Builder:
                                     "sizes")
         dp = values.get("dp", AUTO)
         if dp is AUTO or not any(k in auto for k in ("tp", "pp", "cp")):
-            values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx, self._prefill_gpus(values))
+            values["dp"] = checks.resolve_dp(dp, values, cluster, self.ctx, prefill_gpus(self.values.get("serve") or {}, values))
         for k in auto:
             if k != "dp":
                 self.ctx.bad.add(f"parallel.{k}")
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
-
-    def _prefill_gpus(self, parallel: dict) -> int:
-        """GPUs a disaggregated serve spec's prefill pool takes from the cluster
-        (``prefill_replicas * prefill_tp``; the layout is the decode pool's), else 0."""
-        sv = self.values.get("serve") or {}
-        if sv.get("disaggregated") is not True:
-            return 0
-        tp = sv.get("prefill_tp") or parallel.get("tp", 1)
-        return (sv.get("prefill_replicas") or 1) * (tp if isinstance(tp, int) else 1)
 
     def _resolve_path(self, path: str) -> str:
         if os.path.isabs(path) or not self.source_dir:
@@ -734,14 +723,7 @@ class _Builder:
         for k in auto:
             values[k] = SERVE_AUTO_PLACEHOLDERS[k]
             self.ctx.bad.add(f"serve.{k}")   # checks that read it skip until the search fills it
-        if values.get("kv_dtype") is None:
-            values["kv_dtype"] = model.dtype
-        if "batch" not in values and isinstance(values.get("concurrency"), int):
-            values["batch"] = values["concurrency"]   # every client's request runs (vLLM's max_num_seqs permitting)
-
-        values.setdefault("engine", "parcompile" if cluster.preset == "cpu" else "vllm")
-        if values.get("request_rate") == "inf":
-            values["request_rate"] = math.inf
+        serve_defaults(values, model.dtype, cluster.preset)
         weights = values.get("weights")
         if weights is not None:
             values["weights"] = self._resolve_path(weights)
@@ -750,51 +732,8 @@ class _Builder:
                                  self.ctx.span("serve.weights"),
                                  help="it must hold a Hugging Face checkpoint or one written by a training run")
             else:
-                self._checkpoint_quantization(values)
+                checkpoint_quantization(values, auto, self.bag, self.ctx)
         return self._make(ServeConfig, "serve", auto=tuple(auto), **values) or ServeConfig()
-
-    def _checkpoint_quantization(self, values: dict) -> None:
-        """The stored format of the `weights` checkpoint (its config.json's
-        ``quantization_config``, core/quant.py): sets ``weight_format`` and, when
-        ``weight_dtype`` is not given, ``weight_dtype`` (vLLM reads the checkpoint so too);
-        a given ``weight_dtype`` of another family is an error at the key."""
-        path = os.path.join(values["weights"], "config.json")
-        try:
-            config = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
-        except (OSError, ValueError, RecursionError):
-            return   # not a Hugging Face checkpoint (or unreadable): the weights' own checks say so
-        if not isinstance(config, dict):
-            return
-        try:
-            fmt = checkpoint_format(config)
-        except QuantConfigError as e:
-            self.bag.error(f"weights `{values['weights']}`: {e.message}", self.ctx.span("serve.weights"), help=e.help)
-            self.ctx.bad.add("serve.weights")
-            return
-        given = values.get("weight_dtype")
-        if fmt is None:
-            if given in ("mxfp4", "int4"):
-                self.bag.error(f"weight_dtype = {given} needs a checkpoint quantized so; `{values['weights']}` has no "
-                               f"quantization_config", self.ctx.span("serve.weight_dtype"),
-                               help="give a published " + ("MXFP4 (gpt-oss) checkpoint" if given == "mxfp4" else
-                                                           "AWQ or GPTQ (4-bit, group 128) checkpoint")
-                                    + ", or remove weight_dtype (the checkpoint's own dtype)",
-                               note="fp8 can be made on load from a 16-bit checkpoint (per tensor, as vLLM's "
-                                    "--quantization fp8); 4-bit formats need calibration")
-                self.ctx.bad.add("serve.weight_dtype")
-            elif given == "fp8":
-                values["weight_format"] = "fp8-tensor"   # quantized on load, one scale per tensor
-            return
-        if given is None or given is AUTO:
-            values["weight_dtype"] = fmt.family
-        elif given != fmt.family:
-            self.bag.error(f"weight_dtype = {given}, but the checkpoint `{values['weights']}` holds {fmt.description}",
-                           self.ctx.span("serve.weight_dtype"),
-                           help=f"set weight_dtype = {fmt.family} (or remove it: the checkpoint's format)")
-            self.ctx.bad.add("serve.weight_dtype")
-            return
-        values["weight_format"] = fmt.name
-        values["quantized_checkpoint"] = True
 
     def build(self, name: str) -> SpecConfig:
         self.read_blocks()
