@@ -26,16 +26,45 @@ from parcompile.runtime.context import Axis, ParallelContext
 _counter = itertools.count()
 
 
+#: the GEMM ops whose own scratch (a 16-bit GEMM's packing or fp32 conversion buffers, freed
+#: before the op returns) the plan leaves out (analysis/serve_memory.py): inside one, only the
+#: net of its memory events (its output) counts
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
 def peak_live_bytes(events) -> int:
     """The largest running sum of the profiler's ``[memory]`` events (bytes allocated > 0,
     freed < 0), in time order: the peak bytes allocated inside the profiled block beyond
-    its start."""
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    its start. The events inside a GEMM op (:data:`GEMM_OPS`) count as one, their net (the
+    op's output), at the op's start: a CPU without native bf16 GEMMs (AMD EPYC here) converts
+    a bf16 GEMM's operands to fp32 in buffers it frees before returning, which the plan's
+    workspace leaves out ("the CPU's 16-bit GEMM's internal buffers")."""
+    events = list(events)
+    spans = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() in GEMM_OPS)
+    mem = []
+    net: dict[tuple[int, int], int] = {}
+    for t, nb in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        span = _inside(spans, t)
+        if span is None:
+            mem.append((t, nb))
+        else:
+            net[span] = net.get(span, 0) + nb
+    mem = sorted(mem + [(span[0], nb) for span, nb in net.items()])
     live = peak = 0
     for _, nb in mem:
         live += nb
         peak = max(peak, live)
     return peak
+
+
+def _inside(spans: list[tuple[int, int]], t: int) -> tuple[int, int] | None:
+    """The (outermost) span of ``spans`` (sorted by start) holding time ``t``, or None."""
+    for lo, hi in spans:
+        if lo > t:
+            return None
+        if lo <= t <= hi:
+            return lo, hi
+    return None
 
 
 def measure_prefill(out: Path, batch: int, prompt_len: int, seed: int = 0) -> int:
