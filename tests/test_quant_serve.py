@@ -424,14 +424,15 @@ def test_the_engine_serves_the_same_tokens(served, key):
 
 
 @pytest.mark.torchrun
-def test_parcompile_serve_answers_with_the_tokens_transformers_generates(served, tmp_path):
-    """`parcompile serve` of the MXFP4 gpt-oss checkpoint as published, tp = 2: the
-    completions endpoint's greedy token ids are transformers'."""
+@pytest.mark.parametrize("key", ["mxfp4", "fp8_block"])
+def test_parcompile_serve_answers_with_the_tokens_transformers_generates(served, tmp_path, key):
+    """`parcompile serve` of the MXFP4 gpt-oss checkpoint and of the block-scaled FP8 Qwen3
+    one as published, tp = 2: the completions endpoint's greedy token ids are transformers'."""
     httpx = pytest.importorskip("httpx")
     from tests.serve_utils import serving
 
-    root = served["mxfp4"]["root"]
-    spec = tmp_path / "gptoss.par"
+    root = served[key]["root"]
+    spec = tmp_path / "quantized.par"
     spec.write_text(f'model m from "{root / "hf" / "config.json"}" {{ dtype = fp32 }}\n'
                     'cluster c from "cpu" { gpus_per_node = 2 }\nparallel { tp = 2 }\n'
                     f'serve {{ batch = 2, prompt_len = 6, max_new_tokens = {NEW}, weights = "{root / "hf"}", '
@@ -444,7 +445,7 @@ def test_parcompile_serve_answers_with_the_tokens_transformers_generates(served,
             "model": name, "prompt": PROMPTS, "max_tokens": NEW, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-    assert [c["token_ids"] for c in choices] == served["mxfp4"]["tokens"]
+    assert [c["token_ids"] for c in choices] == served[key]["tokens"]
 
 
 # --------------------------------------------------------------------------- held quantized
