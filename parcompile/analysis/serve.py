@@ -340,15 +340,26 @@ class StepCost:
         return sum(nb for _, nb in self.kv_layers)
 
 
+def gemm_recipe(fmt: QuantFormat | None) -> str:
+    """The FP8 peak (:func:`parcompile.config.presets.fp8_peak`'s recipe) the GEMMs of
+    ``fmt``'s weights run at where a part has it: ``tensorwise`` (FP8 W8A8: vLLM's
+    ``cutlass_scaled_mm`` and block-scaled kernels), ``mxfp8`` for MXFP4 (Blackwell's MX
+    tensor cores: vLLM's FlashInfer MXFP4 x MXFP8 MoE kernels)."""
+    return "mxfp8" if fmt is not None and fmt.family == "mxfp4" else "tensorwise"
+
+
 def quant_of(cfg) -> tuple[QuantFormat | None, bool]:
-    """``(stored format of the quantized weights, whether their GEMMs run at the FP8 rate)``
+    """``(stored format of the quantized weights, whether their GEMMs run at an FP8 rate)``
     of a serve spec: FP8 W8A8 formats on a part with FP8 tensor cores (its preset has an FP8
-    peak); weight-only formats and FP8 on other parts dequantize to 16 bits in the kernel."""
+    peak), MXFP4 on a part with MX tensor cores (an MXFP8 peak: Blackwell); weight-only
+    formats and the others dequantize to 16 bits inside the kernel (Marlin, Machete, Triton's
+    ``matmul_ogs`` on Hopper), at the 16-bit rate on their stored bytes."""
     sv = cfg.serve
     if sv is None:
         return None, False
     fmt = weight_format(sv.weight_dtype, sv.weight_format)
-    return fmt, bool(fmt is not None and fmt.w8a8 and fp8_peak(cfg.cluster.preset, "tensorwise"))
+    fast = fmt is not None and (fmt.w8a8 or fmt.family == "mxfp4") and fp8_peak(cfg.cluster.preset, gemm_recipe(fmt))
+    return fmt, bool(fast)
 
 
 def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens: int,
@@ -401,7 +412,7 @@ def serve_rates(cfg, groups: Mapping | None, degrees: Mapping[str, int], stages:
     if fp8_gemm:
         preset = CLUSTER_PRESETS.get(cl.preset or "")
         base = preset.peak_flops[cfg.model.dtype] if preset is not None else cl.peak_flops
-        fp8 = eff.matmul * fp8_peak(cl.preset, "tensorwise") * cl.peak_flops / base
+        fp8 = eff.matmul * fp8_peak(cl.preset, gemm_recipe(quant_of(cfg)[0])) * cl.peak_flops / base
     attention = gemm if eng.host_ops else attention_efficiency(cl) * cl.peak_flops
     per_op = (getattr(cl, "op_overhead", 0.0) or eng.op_overhead) if eng.host_ops else eng.op_overhead
     return Rates(gemm, fp8, attention, eff.memory * cl.hbm_bw, links, dict(degrees), eng, per_op,

@@ -403,7 +403,7 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
                         st["experts"].append((nb, m.experts, max(m.top_k, 1)))
                     else:
                         st["weights"] += nb
-            if quantized and fp8_gemm and nd.kind != "experts":
+            if quantized and fp8_gemm:
                 st["f8"] += s.fwd_flops(a, ins, local)
         elif nd.kind != "embedding":   # the norms' weights (an embedding reads its rows: traffic)
             for p in nd.params:

@@ -486,6 +486,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _batches(cfg: SpecConfig, replicas: int, disagg: bool) -> list[int]:
+    """The ``batch`` values (sequences at once, all replicas) a deployment of ``replicas`` is
+    costed at: the spec's when it gives one; else every client's request at once
+    (``ceil(clients / replicas)`` a replica) and, for an aggregated deployment, a half and a
+    quarter of that (fewer sequences a step: a shorter TPOT, requests queueing before
+    their first token)."""
+    sv = cfg.serve
+    if "batch" not in sv.auto and "serve.batch" in cfg.spans:
+        return [sv.batch]
+    full = max(-(-sv.clients // replicas), 1)
+    per = {full} if disagg else {full, max(1, full // 2), max(1, full // 4)}
+    return [b * replicas for b in sorted(per, reverse=True)]
+
+
 def deployments(cfg: SpecConfig, valid_tp: list[int]) -> Iterator[Deployment]:
     """Every candidate of the spec's ``auto`` keys (module docstring), before costing."""
     par, sv, cl, m = cfg.parallel, cfg.serve, cfg.cluster, cfg.model
@@ -494,7 +508,6 @@ def deployments(cfg: SpecConfig, valid_tp: list[int]) -> Iterator[Deployment]:
     tps = valid_tp if "tp" in auto else [par.tp]
     pps = [p for p in _divisors(world) if p <= m.layers] if "pp" in auto else [par.pp]
     wd, kd, dis = _choices(cfg)
-    clients = sv.clients
     for disagg in dis:
         for tp in tps:
             for pp in (pps if not disagg else [1]):
@@ -508,20 +521,19 @@ def deployments(cfg: SpecConfig, valid_tp: list[int]) -> Iterator[Deployment]:
                 else:
                     reps = [par.dp]
                 for r in reps:
-                    b = max(-(-clients // r), 1) * r if ("batch" in sv.auto or "serve.batch" not in cfg.spans) \
-                        else sv.batch
                     split = _split(m.layers, pp) if pp > 1 else ()
                     pools = [(0, 0)]
                     if disagg:
                         left = world - per * r
                         pools = [(ptp, n) for ptp in valid_tp for n in range(1, left // ptp + 1)] if left > 0 else []
                     for ptp, pn in pools:
-                        shape = Deployment(tp, pp, r, b, "model", m.dtype, disagg, ptp, pn, split)
+                        shape = Deployment(tp, pp, r, 1, "model", m.dtype, disagg, ptp, pn, split)
                         if deployment_cluster(cfg, shape) is None:   # no nodes hold its groups whole
                             continue
-                        for w in wd:
-                            for k in kd:
-                                yield Deployment(tp, pp, r, b, w, k, disagg, ptp, pn, split)
+                        for b in _batches(cfg, r, disagg):
+                            for w in wd:
+                                for k in kd:
+                                    yield Deployment(tp, pp, r, b, w, k, disagg, ptp, pn, split)
 
 
 def search_serve(cfg: SpecConfig, top: int = 10) -> ServeSearch:
