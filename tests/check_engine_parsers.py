@@ -14,10 +14,20 @@
   ``typing.override`` (3.12) and the CPU torch has no Triton, so the one Triton kernel module
   on the import path (``megatron.core.transformer.moe.ops.paged_stash``) is stubbed.
 - vLLM: the ``vllm serve`` subparser (``ServeSubcommand().subparser_init``) and
-  ``validate_parsed_serve_args``; DEPS are its pure-Python imports (cbor2, pyzmq,
-  openai-harmony, msgspec, pybase64, cachetools, uvloop, xgrammar, apache-tvm-ffi,
-  partial-json-parser, llguidance, watchfiles).
+  ``validate_parsed_serve_args``, then SchedulerConfig (the budget against the sequences),
+  ``get_quantization_config`` / ``resolve_quantization_config`` (``--quantization`` has no
+  argparse choices) and the ``--kv-transfer-config`` KVTransferConfig; DEPS are its
+  pure-Python imports (cbor2, pyzmq, openai-harmony, msgspec, pybase64, cachetools, uvloop,
+  xgrammar, apache-tvm-ffi, partial-json-parser, llguidance, watchfiles), ``pip install
+  --no-deps --target DEPS`` (with their dependencies pip brings torch 2.14 onto the path). The
+  sdist: ``pip download --no-binary :all: vllm==0.33.0`` refuses it (its metadata built here
+  says 0.33.0+cpu); ``pip download --no-deps --no-build-isolation`` of its PyPI file's URL
+  with VLLM_TARGET_DEVICE=cpu and setuptools-rust, setuptools-scm on PYTHONPATH saves it.
 - SGLang: ``ServerArgs.add_cli_args``; DEPS are pybase64, msgspec, pyzmq and triton.
+- Both: every serve example and tests/test_export.py's SERVE_VARIANTS (a budget, FP8 weights
+  quantized on load with and without an FP8 KV cache, a disaggregated plan's two servers,
+  each parsed alone: tp/dp prefill_tp/prefill_replicas, then the plan's; role and port); a
+  command the parser refuses must be one the export says an error for.
 - torchtitan 0.2.2 (the ``--torchtitan-version 0.2`` TOML; pytorch/torchtitan tag v0.2.2,
   commit 73a0e6979dd10b6b1904098eb3c8f62c18ab87ce: ``git archive v0.2.2 torchtitan`` unpacked
   does as well as the wheel): for each export it does not refuse, its ``ConfigManager`` with
@@ -115,56 +125,132 @@ def megatron(checkout: str) -> int:
 
 
 def _serve_plans():
+    """The serve examples and tests/test_export.py's SERVE_VARIANTS (the budget, FP8 weights
+    quantized on load with and without an FP8 KV cache, disaggregated prefill/decode pools)."""
     import parcompile
+
+    from tests.test_export import SERVE_VARIANTS, _serve_variant
 
     for spec in sorted((REPO / "examples").glob("*.par")):
         plan = parcompile.compile(spec.relative_to(REPO))
         if plan.config.workload == "serve":
             yield spec.stem, plan
+    for name in SERVE_VARIANTS:
+        yield name, _serve_variant(name)
+
+
+def _serve_servers(plan, target):
+    """(name, the command's words, what it must carry) for each server command of the export:
+    one, or a disaggregated export's prefill pool (tp prefill_tp, dp prefill_replicas, port
+    8100) and decode pool (the plan's degrees, port 8200); what it must carry: (tp, pp, dp,
+    context, sequences, budget, quantization, role, port)."""
+    from parcompile.export import export
+    from tests.test_export import serve_commands
+
+    ex = export(plan, target)
+    sv, deg, s = plan.config.serve, plan.data["degrees"], plan.data["serve"]
+    quant = {"vllm": {"fp8-block": "fp8_per_block", "fp8-tensor": "fp8_per_tensor"},
+             "sglang": {"fp8-block": "fp8", "fp8-tensor": "fp8"}}[target].get(sv.weight_format or "fp8-block") \
+        if sv.weight_dtype == "fp8" and not sv.quantized_checkpoint else None
+    common = (sv.prompt_len + sv.max_new_tokens, s["batch_per_replica"], sv.max_prefill_tokens, quant)
+    commands = serve_commands(ex.text)
+    if not sv.disaggregated:
+        assert len(commands) == 1
+        return ex, [("", shlex.split(commands[0]), (deg["tp"], deg["pp"], deg["dp"]) + common + (None, None))]
+    p = s["prefill_pool"]
+    assert len(commands) == 2
+    roles = {"vllm": ("kv_producer", "kv_consumer"), "sglang": ("prefill", "decode")}[target]
+    return ex, [(" prefill", shlex.split(commands[0]), (p["tp"], 1, p["replicas"]) + common + (roles[0], 8100)),
+                (" decode", shlex.split(commands[1]), (deg["tp"], deg["pp"], deg["dp"]) + common + (roles[1], 8200))]
 
 
 def vllm() -> int:
+    """Each server command through the ``vllm serve`` parser and validate_parsed_serve_args,
+    then its budget and sequences through SchedulerConfig (vllm/config/scheduler.py
+    verify_max_model_len: max_num_batched_tokens >= max_num_seqs, and >= max_model_len
+    without chunked prefill) and ``--quantization`` through resolve_quantization_config
+    (vllm/config/quantization.py: an online scheme's weight format); a command refused is
+    right where the export says an error."""
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.config.scheduler import SchedulerConfig
     from vllm.entrypoints.cli.serve import ServeSubcommand, validate_parsed_serve_args
+    from vllm.model_executor.layers.quantization import get_quantization_config
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from parcompile.export import export
 
     parser = ServeSubcommand().subparser_init(FlexibleArgumentParser().add_subparsers())
     bad = 0
     for name, plan in _serve_plans():
-        ns = parser.parse_args(_words(export(plan, "vllm").text)[2:])
-        validate_parsed_serve_args(ns)
-        deg = plan.data["degrees"]
-        got = (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.data_parallel_size, ns.max_model_len,
-               ns.max_num_seqs)
-        want = (deg["tp"], deg["pp"], deg["dp"], plan.config.serve.prompt_len + plan.config.serve.max_new_tokens,
-                plan.data["serve"]["batch_per_replica"])
-        print(f"{name}: {got} {'the plan' if got == want else f'DIFFERS from {want}'}; kv {ns.kv_cache_dtype}, "
-              f"memory {ns.gpu_memory_utilization}")
-        bad += got != want
+        ex, servers = _serve_servers(plan, "vllm")
+        for role, words, want in servers:
+            assert words[:2] == ["vllm", "serve"], words
+            try:
+                ns = parser.parse_args(words[2:])
+                validate_parsed_serve_args(ns)
+                sched = SchedulerConfig(max_model_len=ns.max_model_len, is_encoder_decoder=False,
+                                        max_num_seqs=ns.max_num_seqs,
+                                        **({"max_num_batched_tokens": ns.max_num_batched_tokens}
+                                           if ns.max_num_batched_tokens else {}),
+                                        **({"enable_chunked_prefill": ns.enable_chunked_prefill}
+                                           if ns.enable_chunked_prefill is not None else {}))
+                # --quantization has no argparse choices: ModelConfig._verify_quantization checks the name
+                # against QUANTIZATION_METHODS, get_quant_config resolves an online scheme
+                method = get_quantization_config(ns.quantization).__name__ if ns.quantization else None
+                online = resolve_quantization_config(ns.quantization, ns.quantization_config)
+            except BaseException as e:   # argparse exits; the validators raise
+                print(f"{name}{role}: rejected ({type(e).__name__}: {e}); export "
+                      f"{'refused it too' if ex.errors else 'DID NOT refuse it'}: {ex.errors}")
+                bad += not ex.errors
+                continue
+            kvt = ns.kv_transfer_config
+            got = (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.data_parallel_size, ns.max_model_len,
+                   ns.max_num_seqs, ns.max_num_batched_tokens, ns.quantization,
+                   kvt.kv_role if kvt is not None else None, None if ns.port == parser.get_default("port") else ns.port)
+            ok = got == want and (kvt is None or kvt.kv_connector == "NixlConnector")
+            print(f"{name}{role}: {got} {'the plan' if ok else f'DIFFERS from {want}'}; kv {ns.kv_cache_dtype}, "
+                  f"memory {ns.gpu_memory_utilization}"
+                  + (f", SchedulerConfig budget {sched.max_num_batched_tokens}" if ns.max_num_batched_tokens else "")
+                  + (f", kv transfer {kvt.kv_connector} {kvt.kv_role}" if kvt is not None else "")
+                  + (f", weights {method}" + (f" quantized on load: linear {online.linear}" if online else "")
+                     if method else "")
+                  + (f"; export errors: {ex.errors}" if ex.errors else ""))
+            bad += not ok
     return bad
 
 
 def sglang() -> int:
+    """Each server command through ``ServerArgs.add_cli_args``'s parser (the namespace's
+    fields: ServerArgs itself resolves the model's config at construction)."""
     import argparse
 
     from sglang.srt.server_args import ServerArgs
-
-    from parcompile.export import export
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     bad = 0
     for name, plan in _serve_plans():
-        words = _words(export(plan, "sglang").text)
-        ns = parser.parse_args(words[words.index("sglang.launch_server") + 1:])
-        deg = plan.data["degrees"]
-        got = (ns.tp_size, ns.pp_size, ns.dp_size, ns.context_length, ns.max_running_requests)
-        want = (deg["tp"], deg["pp"], deg["dp"], plan.config.serve.prompt_len + plan.config.serve.max_new_tokens,
-                plan.data["serve"]["batch_per_replica"])
-        print(f"{name}: {got} {'the plan' if got == want else f'DIFFERS from {want}'}; kv {ns.kv_cache_dtype}, "
-              f"memory {ns.mem_fraction_static}")
-        bad += got != want
+        ex, servers = _serve_servers(plan, "sglang")
+        for role, words, want in servers:
+            try:
+                ns = parser.parse_args(words[words.index("sglang.launch_server") + 1:])
+            except BaseException as e:   # argparse exits
+                print(f"{name}{role}: rejected ({type(e).__name__}: {e}); export "
+                      f"{'refused it too' if ex.errors else 'DID NOT refuse it'}: {ex.errors}")
+                bad += not ex.errors
+                continue
+            default_port = parser.get_default("port")
+            got = (ns.tp_size, ns.pp_size, ns.dp_size, ns.context_length, ns.max_running_requests,
+                   ns.chunked_prefill_size, ns.quantization,
+                   None if ns.disaggregation_mode == "null" else ns.disaggregation_mode,
+                   None if ns.port == default_port else ns.port)
+            # a prefill batch's prompt tokens: at most --chunked-prefill-size and --max-prefill-tokens
+            # (PrefillAdder's rem_chunk_tokens and rem_input_tokens, sglang/srt/managers/schedule_policy.py)
+            prefill = min(ns.chunked_prefill_size, ns.max_prefill_tokens) if ns.chunked_prefill_size else None
+            ok = got == want and prefill == want[5]
+            print(f"{name}{role}: {got} {'the plan' if ok else f'DIFFERS from {want}'}; "
+                  f"kv {ns.kv_cache_dtype}, memory {ns.mem_fraction_static}, prefill batch tokens {prefill}"
+                  + (f", transfer backend {ns.disaggregation_transfer_backend}" if got[7] else "")
+                  + (f"; export errors: {ex.errors}" if ex.errors else ""))
+            bad += not ok
     return bad
 
 

@@ -125,6 +125,25 @@ def parse_command(text: str, program: str) -> tuple[dict[str, str], list[str], d
     return env, launcher, flags
 
 
+def serve_commands(text: str) -> list[str]:
+    """The server commands of a vLLM / SGLang export, each on one line: one, or a disaggregated
+    export's two (prefill pool, decode pool), each started in the background (`&`) before the
+    script's closing `wait`."""
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#")).replace("\\\n", " ")
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    if len(lines) > 1:
+        assert lines[-1] == "wait" and all(line.endswith(" &") for line in lines[:-1]), lines
+        return [line[:-2] for line in lines[:-1]]
+    return lines
+
+
+def serve_flags(command: str) -> tuple[list[str], dict[str, object]]:
+    """(launcher words, {flag: value or True}) of one server command (:func:`serve_commands`):
+    ``vllm serve MODEL ...`` or ``python -m sglang.launch_server ...``."""
+    words = shlex.split(command)
+    return parse_command(command, words[2] if words[:2] == ["vllm", "serve"] else "sglang.launch_server")[1:]
+
+
 def parse_megatron(text: str) -> tuple[list[str], dict[str, object]]:
     """(launcher words, {flag: value or True}) from a Megatron export."""
     return parse_command(text, "pretrain_gpt.py")[1:]
@@ -385,14 +404,16 @@ def test_every_example_exports(spec, target, monkeypatch, capsys):
     if target in ("torchtitan", "megatron-bridge"):
         compile(out, ex.filename, "exec")   # a Python module
     elif target in ("megatron", "vllm", "sglang"):
-        parse_command(out, {"megatron": "pretrain_gpt.py", "vllm": plan.config.serve and plan.config.serve.weights,
-                            "sglang": "sglang.launch_server"}[target])
+        if target == "megatron":
+            parse_command(out, "pretrain_gpt.py")
+        else:
+            [serve_flags(command) for command in serve_commands(out)]
     else:
         json.loads(out)
     if target == "deepspeed":   # JSON has no comments: notes and the launcher line go to stderr
         assert "launch: deepspeed --num_nodes" in err and "note: " in err
-    else:
-        assert "note: " not in err
+    else:   # the export's notes are comments in it; on stderr only what the compile of `auto` chose
+        assert [line for line in err.splitlines() if "note: " in line and not line.startswith("note: auto: chose ")] == []
 
 
 #: tiny.par with pipeline and no tensor parallelism: a layout every training engine runs
@@ -543,15 +564,74 @@ MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --use-torch-fsdp2 --vocab-size --weight-decay""".split())
 VLLM_0_33_0_FLAGS = frozenset("""--tensor-parallel-size --pipeline-parallel-size --data-parallel-size
 --enable-expert-parallel --max-model-len --max-num-seqs --kv-cache-dtype --gpu-memory-utilization --dtype
---seed""".split())
+--seed""".split()) | frozenset(
+    # the budget, weights quantized on load and the disaggregated pools' flags: accepted by vLLM
+    # 0.33.0's own `vllm serve` parser (the PyPI sdist: vllm/engine/arg_utils.py EngineArgs.add_cli_args,
+    # --port vllm/entrypoints/common/cli_args.py) and validate_parsed_serve_args, the budget by
+    # SchedulerConfig (vllm/config/scheduler.py: at least --max-num-seqs), --quantization's value
+    # by get_quantization_config, --kv-transfer-config's JSON as a KVTransferConfig
+    # (vllm/config/kv_transfer.py): `tests/check_engine_parsers.py vllm` over SERVE_VARIANTS
+    "--max-num-batched-tokens --quantization --kv-transfer-config --port".split())
 #: vllm/config/cache.py CacheDType (0.33.0), the part parcompile writes
 VLLM_0_33_0_KV_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"})
 VLLM_0_33_0_DTYPES = frozenset({"auto", "bfloat16", "float", "float16", "float32", "half"})
+#: vLLM 0.33.0's --quantization schemes for a 16-bit checkpoint quantized on load, by the plan's
+#: format (vllm/config/quantization.py _ONLINE_SHORTHANDS; its plain `fp8` is deprecated there)
+VLLM_0_33_0_ONLINE_FP8 = {"fp8-block": "fp8_per_block", "fp8-tensor": "fp8_per_tensor",
+                          "fp8-channel": "fp8_per_channel"}
+#: vllm/config/kv_transfer.py KVRole (0.33.0): NixlConnector's prefill and decode roles
+#: (vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py: kv_both deprecated)
+VLLM_0_33_0_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SGLANG_0_5_23_FLAGS = frozenset("""--model-path --tp-size --pp-size --dp-size --ep-size --context-length
---max-running-requests --kv-cache-dtype --mem-fraction-static --dtype --random-seed""".split())
+--max-running-requests --kv-cache-dtype --mem-fraction-static --dtype --random-seed""".split()) | frozenset(
+    # accepted by SGLang 0.5.23's own parser (the wheel: ServerArgs.add_cli_args over
+    # sglang/srt/arg_groups/fields/schedule.py --chunked-prefill-size --max-prefill-tokens,
+    # model.py --quantization, disagg.py --disaggregation-mode, serving.py --port):
+    # `tests/check_engine_parsers.py sglang` over SERVE_VARIANTS
+    "--chunked-prefill-size --max-prefill-tokens --quantization --disaggregation-mode --port".split())
+#: sglang/srt/arg_groups/choices.py QUANTIZATION_CHOICES (0.5.23): `fp8` quantizes a 16-bit
+#: checkpoint on load; disagg.py --disaggregation-mode choices; schedule.py --max-prefill-tokens
+#: default (a prefill batch's prompt tokens are at most it and --chunked-prefill-size)
+SGLANG_0_5_23_DISAGGREGATION_MODES = frozenset({"null", "prefill", "decode"})
+SGLANG_0_5_23_MAX_PREFILL_TOKENS = 16384
 SGLANG_0_5_23_KV_CACHE_DTYPES = frozenset({"auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4",
                                            "fp4_mx_block16"})
 SGLANG_0_5_23_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
+
+LLAMA3_70B_SERVE = (REPO / "examples" / "llama3_70b_serve_8x_h100.par").read_text()
+_KV_BF16 = "    kv_dtype       = bf16\n"
+#: Llama-3 70B on 2 nodes: a prefill pool of 2 x tp 4 beside the decode pool's tp 8
+DISAGGREGATED = """model m from "llama3-70b" { seq_len = 8192 }
+cluster c from "h100-sxm" { nodes = 2, gpus_per_node = 8 }
+parallel { tp = 8, dp = 1 }
+serve {
+    prompt_len = 2048
+    max_new_tokens = 512
+    concurrency = 64
+    disaggregated = true
+    prefill_replicas = 2
+    prefill_tp = 4
+}"""
+#: serve specs whose exports write the deployment's other flags (the budget, weights quantized
+#: on load, two disaggregated pools); `tests/check_engine_parsers.py vllm|sglang` parses them too
+SERVE_VARIANTS = {
+    "serve_budget": LLAMA3_70B_SERVE.replace(_KV_BF16, _KV_BF16 + "    max_prefill_tokens = 4096\n"),
+    "serve_fp8_weights": LLAMA3_70B_SERVE.replace(_KV_BF16, _KV_BF16 + "    weight_dtype   = fp8\n"),
+    "serve_fp8_weights_fp8_kv": LLAMA3_70B_SERVE.replace(_KV_BF16, "    kv_dtype       = fp8\n"
+                                                         "    weight_dtype   = fp8\n"),
+    "serve_budget_32k": LLAMA3_70B_SERVE.replace(_KV_BF16, _KV_BF16 + "    max_prefill_tokens = 32768\n"),
+    # fewer tokens a step than sequences: vLLM refuses the budget (the export says so), SGLang takes it
+    "serve_budget_below_seqs": LLAMA3_70B_SERVE.replace(_KV_BF16, _KV_BF16 + "    max_prefill_tokens = 16\n"),
+    "serve_disaggregated": DISAGGREGATED,
+    "serve_disaggregated_fp8_budget": DISAGGREGATED.replace("    prefill_tp = 4\n", "    prefill_tp = 4\n"
+                                                            "    weight_dtype = fp8\n    max_prefill_tokens = 8192\n"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _serve_variant(name: str):
+    assert SERVE_VARIANTS[name] != LLAMA3_70B_SERVE, name
+    return parcompile.compile(SERVE_VARIANTS[name], f"{name}.par")
 
 
 #: Megatron-Bridge 0.3.1 (with megatron-core 0.16.1, its pin) ConfigContainer fields the exports
@@ -698,49 +778,213 @@ def test_megatron_exports_write_the_overlaps(monkeypatch):
         assert (md["overlap_p2p_comm"], md["batch_p2p_comm"]) == (on, not on)
 
 
+def _online_fp8(plan, target: str) -> str | None:
+    """The --quantization a serve plan's export must write: fp8 weights over a 16-bit (or no)
+    checkpoint are quantized as the server loads them, in the plan's format (fp8-block unless
+    the checkpoint says otherwise: core/quant.py DEFAULT_FORMAT); none otherwise."""
+    sv = plan.config.serve
+    if sv.weight_dtype != "fp8" or sv.quantized_checkpoint:
+        return None
+    return VLLM_0_33_0_ONLINE_FP8[sv.weight_format or "fp8-block"] if target == "vllm" else "fp8"
+
+
+#: SERVE_VARIANTS of one server that every engine takes (serve_budget_below_seqs: vLLM refuses it)
+ONE_SERVER_VARIANTS = ("serve_budget", "serve_fp8_weights", "serve_fp8_weights_fp8_kv", "serve_budget_32k")
+
+
 @pytest.mark.parametrize("target", list(SERVE_TARGETS))
 def test_serve_exports_name_the_plan(target, monkeypatch):
     """vLLM 0.33.0 / SGLang 0.5.23 flags (pinned above) carrying the plan's tp, pp, dp,
-    context, concurrent sequences, KV dtype and memory fraction."""
+    context, concurrent sequences, KV dtype and memory fraction, the token budget
+    (max_prefill_tokens) and the weights' quantization on load, for the serve examples and the
+    one-server SERVE_VARIANTS."""
     monkeypatch.chdir(REPO)
-    for spec in EXAMPLES:
-        plan = _compiled(spec.stem)
+    plans = [(spec.stem, _compiled(spec.stem)) for spec in EXAMPLES]
+    plans += [(name, _serve_variant(name)) for name in ONE_SERVER_VARIANTS]
+    seen = set()
+    for name, plan in plans:
         if plan.config.workload != "serve":
             continue
         ex = export(plan, target)
         sv, s, deg = plan.config.serve, plan.data["serve"], plan.data["degrees"]
         words = ["--model-path"] if target == "sglang" else []
-        env, launcher, f = parse_command(ex.text, "sglang.launch_server" if target == "sglang" else sv.weights)
+        assert len(serve_commands(ex.text)) == 1, name
+        model = sv.weights or "MODEL"   # no checkpoint named: the user's to put in
+        env, launcher, f = parse_command(ex.text, "sglang.launch_server" if target == "sglang" else model)
         assert not env and not ex.errors
         if target == "vllm":
-            assert launcher == ["vllm", "serve", sv.weights] and set(f) <= VLLM_0_33_0_FLAGS
+            assert launcher == ["vllm", "serve", model] and set(f) <= VLLM_0_33_0_FLAGS
             tp, pp, ctx, seqs = "--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--max-num-seqs"
             kvs, dts, frac = VLLM_0_33_0_KV_CACHE_DTYPES, VLLM_0_33_0_DTYPES, "--gpu-memory-utilization"
+            budget = "--max-num-batched-tokens"
             used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"] + s["workspace_bytes_per_rank"]
         else:
             assert launcher == ["python", "-m", "sglang.launch_server"] and set(f) <= SGLANG_0_5_23_FLAGS
-            assert f[words[0]] == sv.weights
+            assert f[words[0]] == model
             tp, pp, ctx, seqs = "--tp-size", "--pp-size", "--context-length", "--max-running-requests"
             kvs, dts, frac = SGLANG_0_5_23_KV_CACHE_DTYPES, SGLANG_0_5_23_DTYPES, "--mem-fraction-static"
+            budget = "--chunked-prefill-size"
             used = s["weights_bytes_per_rank"] + s["kv_cache_bytes_per_rank"]
-        assert (int(f[tp]), int(f[pp])) == (deg["tp"], deg["pp"]), spec.stem
+        assert (int(f[tp]), int(f[pp])) == (deg["tp"], deg["pp"]), name
         assert int(f.get("--data-parallel-size", f.get("--dp-size", 1))) == deg["dp"] == s["replicas"]
         assert int(f[ctx]) == sv.prompt_len + sv.max_new_tokens
         assert int(f[seqs]) == s["batch_per_replica"]
         assert f["--kv-cache-dtype"] in kvs and (f["--kv-cache-dtype"] == "auto") == (sv.kv_dtype == plan.config.model.dtype)
         assert f["--dtype"] in dts
+        # the token budget: the server's default (which the plan assumes) unless max_prefill_tokens
+        # gives one; SGLang's prefill batch holds at most --chunked-prefill-size and
+        # --max-prefill-tokens prompt tokens (raised past its default for a larger budget)
+        assert f.get(budget) == (str(sv.max_prefill_tokens) if sv.max_prefill_tokens else None), name
+        if target == "sglang":
+            bound = int(f.get("--max-prefill-tokens", SGLANG_0_5_23_MAX_PREFILL_TOKENS))
+            assert ("--max-prefill-tokens" in f) == ((sv.max_prefill_tokens or 0) > SGLANG_0_5_23_MAX_PREFILL_TOKENS)
+            assert not sv.max_prefill_tokens or min(int(f[budget]), bound) == sv.max_prefill_tokens, name
+        # weights quantized on load: the plan's format; none for the model's dtype or a quantized checkpoint
+        assert f.get("--quantization") == _online_fp8(plan, target), name
+        assert not {"--port", "--kv-transfer-config", "--disaggregation-mode"} & set(f), name
+        seen |= {"budget"} if sv.max_prefill_tokens else set()
+        seen |= {f"quantization {f['--quantization']}"} if "--quantization" in f else set()
         # the memory fraction covers what the plan's memory model puts on a GPU, rounded up to 0.01
         fraction = float(f[frac])
-        assert used <= fraction * plan.config.cluster.memory < used + 0.01 * plan.config.cluster.memory, spec.stem
+        assert used <= fraction * plan.config.cluster.memory < used + 0.01 * plan.config.cluster.memory, name
         # the note on the KV cache says what that fraction holds, not what the whole GPU would
         per_sequence = s["kv_cache_bytes_per_rank"] / s["batch_per_replica"]
         held = int((fraction * plan.config.cluster.memory - used + s["kv_cache_bytes_per_rank"]) // per_sequence)
-        assert s["batch_per_replica"] <= held < s["max_concurrent_sequences"], spec.stem
+        assert s["batch_per_replica"] <= held < s["max_concurrent_sequences"], name
         note = next(n for n in ex.notes if "sequences of" in n)
         assert note.startswith(f"{frac} {f[frac]} sizes the KV cache for about {held} sequences of "
                                f"{sv.prompt_len + sv.max_new_tokens} tokens (the plan's {s['batch_per_replica']} "
                                "per replica"), note
         assert f"the GPU's free memory would hold {s['max_concurrent_sequences']}: raise {frac}" in note, note
+    assert seen == {"budget", f"quantization {'fp8_per_block' if target == 'vllm' else 'fp8'}"}, seen
+
+
+def _one_server(ex, target: str) -> dict[str, object]:
+    """The flags of a one-server vLLM / SGLang export."""
+    (command,) = serve_commands(ex.text)
+    launcher, flags = serve_flags(command)
+    assert launcher[:2] == (["vllm", "serve"] if target == "vllm" else ["python", "-m"])
+    return flags
+
+
+@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+def test_serve_export_budget(target, monkeypatch):
+    """max_prefill_tokens is vLLM's --max-num-batched-tokens and SGLang's --chunked-prefill-size
+    (with --max-prefill-tokens past SGLang's default of 16,384); none: the server's default. A
+    budget below the sequences of a step is refused for vLLM (its SchedulerConfig does: every
+    decoding sequence's token counts in the budget) and taken by SGLang."""
+    monkeypatch.chdir(REPO)
+    flag = "--max-num-batched-tokens" if target == "vllm" else "--chunked-prefill-size"
+    assert flag not in _one_server(export(_compiled("llama3_70b_serve_8x_h100"), target), target)
+    for name, tokens in (("serve_budget", 4096), ("serve_budget_32k", 32768), ("serve_budget_below_seqs", 16)):
+        plan = _serve_variant(name)
+        assert plan.config.serve.max_prefill_tokens == tokens
+        ex = export(plan, target)
+        f = _one_server(ex, target)
+        assert f[flag] == str(tokens), name
+        assert f.get("--max-prefill-tokens") == ("32768" if target == "sglang" and tokens == 32768 else None), name
+        refused = target == "vllm" and tokens < plan.data["serve"]["batch_per_replica"]
+        assert [e for e in ex.errors if e.startswith(f"max_prefill_tokens {tokens}:")] == (
+            [f"max_prefill_tokens {tokens}: vLLM's --max-num-batched-tokens must be at least --max-num-seqs "
+             f"({plan.data['serve']['batch_per_replica']}): every decoding sequence's token counts in the budget"]
+            if refused else []), name
+        assert ex.errors == [] or refused
+
+
+@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+def test_serve_export_weights_quantization(target, monkeypatch, tmp_path):
+    """--quantization exactly for fp8 weights over a 16-bit or no checkpoint, in the plan's
+    format (vLLM 0.33.0: fp8_per_block for the plan's fp8-block, fp8_per_tensor for the
+    fp8-tensor a 16-bit checkpoint plans; SGLang 0.5.23: fp8); none for the model's dtype, an
+    FP8 checkpoint or a 4-bit one (read as published, a note says so); int4 over a 16-bit
+    checkpoint is an error (the spec's), int4 with no checkpoint yet a note that it must be
+    AWQ / GPTQ."""
+    monkeypatch.chdir(REPO)
+
+    def plan(weight_dtype: str | None, config: dict | None = None):
+        src = LLAMA3_70B_SERVE
+        if weight_dtype is not None:
+            src = src.replace(_KV_BF16, _KV_BF16 + f"    weight_dtype   = {weight_dtype}\n")
+        if config is not None:   # a checkpoint directory of just its config.json
+            ckpt = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
+            ckpt.mkdir()
+            (ckpt / "config.json").write_text(json.dumps(config))
+            src = src.replace('"Meta-Llama-3-70B"', json.dumps(str(ckpt)))
+        assert src != LLAMA3_70B_SERVE or (weight_dtype, config) == (None, None)
+        return parcompile.compile(src, "q.par")
+
+    fp8 = {"vllm": "fp8_per_block", "sglang": "fp8"}[target]
+    fp8_tensor = {"vllm": "fp8_per_tensor", "sglang": "fp8"}[target]
+    bf16 = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
+    fp8_block = {**bf16, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                 "weight_block_size": [128, 128]}}
+    awq = {**bf16, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                           "zero_point": True, "version": "gemm"}}
+    cases = [(None, None, None, None), ("model", None, None, None), ("fp8", None, fp8, "fp8-block"),
+             ("fp8", bf16, fp8_tensor, "fp8-tensor"), ("fp8", fp8_block, None, "the checkpoint's own fp8-block"),
+             ("int4", awq, None, "the checkpoint's own int4-awq"),
+             ("int4", None, None, "the model directory must be a 4-bit AWQ or GPTQ checkpoint")]
+    for weight_dtype, config, want, says in cases:
+        p = plan(weight_dtype, config)
+        ex = export(p, target)
+        f = _one_server(ex, target)
+        case = (weight_dtype, config and config.get("quantization_config"))
+        assert not ex.errors and f.get("--quantization") == want, case
+        assert (want is not None) == (p.config.serve.weight_dtype == "fp8" and not p.config.serve.quantized_checkpoint)
+        weights = [n for n in ex.notes if n.startswith("weights: ") and "names no checkpoint" not in n]
+        assert (weights == []) == (says is None), (case, weights)
+        assert says is None or says in weights[0], (case, weights)
+        assert want is None or weights[0].startswith(f"weights: quantized to FP8 as {SERVE_TARGETS[target]} loads them")
+    with pytest.raises(SpecError, match="weight_dtype = int4 needs a checkpoint quantized so"):
+        plan("int4", bf16)
+
+
+@pytest.mark.parametrize("target", list(SERVE_TARGETS))
+@pytest.mark.parametrize("name", ["serve_disaggregated", "serve_disaggregated_fp8_budget"])
+def test_disaggregated_serve_export_two_servers(target, name, monkeypatch):
+    """A disaggregated plan exports two servers in one script, started in the background:
+    the prefill pool's (tp prefill_tp, dp prefill_replicas, pp 1, the server's own memory
+    fraction) and the decode pool's (the plan's degrees and memory fraction), each with its
+    role (vLLM: NixlConnector, kv_producer / kv_consumer; SGLang: --disaggregation-mode
+    prefill / decode) and its own port; the budget, the weights' quantization, the context and
+    the sequences on both; every flag one the release's parser took (pinned above)."""
+    monkeypatch.chdir(REPO)
+    plan = _serve_variant(name)
+    ex = export(plan, target)
+    sv, s, deg = plan.config.serve, plan.data["serve"], plan.data["degrees"]
+    assert sv.disaggregated and not ex.errors
+    assert (s["prefill_pool"]["tp"], s["prefill_pool"]["replicas"]) == (sv.prefill_tp, sv.prefill_replicas) == (4, 2)
+    commands = serve_commands(ex.text)
+    assert len(commands) == 2 and ex.text.index("# the prefill pool") < ex.text.index("# the decode pool")
+    if target == "vllm":
+        names, flags, frac = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size"), \
+            VLLM_0_33_0_FLAGS, "--gpu-memory-utilization"
+        budget, ctx, seqs = "--max-num-batched-tokens", "--max-model-len", "--max-num-seqs"
+    else:
+        names, flags, frac = ("--tp-size", "--pp-size", "--dp-size"), SGLANG_0_5_23_FLAGS, "--mem-fraction-static"
+        budget, ctx, seqs = "--chunked-prefill-size", "--context-length", "--max-running-requests"
+    pools = {"prefill": (sv.prefill_tp, 1, sv.prefill_replicas), "decode": (deg["tp"], deg["pp"], deg["dp"])}
+    ports = []
+    for (role, (tp, pp, dp)), command in zip(pools.items(), commands):
+        launcher, f = serve_flags(command)
+        assert set(f) <= flags, (role, set(f) - flags)
+        assert launcher == (["vllm", "serve", "MODEL"] if target == "vllm" else ["python", "-m", "sglang.launch_server"])
+        assert target == "vllm" or f["--model-path"] == "MODEL"
+        assert (int(f[names[0]]), int(f[names[1]]), int(f.get(names[2], 1))) == (tp, pp, dp), role
+        if target == "vllm":
+            assert json.loads(f["--kv-transfer-config"]) == {"kv_connector": "NixlConnector",
+                                                             "kv_role": VLLM_0_33_0_KV_ROLES[role]}, role
+        else:
+            assert f["--disaggregation-mode"] == role and role in SGLANG_0_5_23_DISAGGREGATION_MODES
+        assert f.get(budget) == (str(sv.max_prefill_tokens) if sv.max_prefill_tokens else None), role
+        assert f.get("--quantization") == _online_fp8(plan, target), role
+        assert (int(f[ctx]), int(f[seqs])) == (sv.prompt_len + sv.max_new_tokens, s["batch_per_replica"]), role
+        assert (frac in f) == (role == "decode"), role   # the plan's memory model is the decode pool's
+        ports.append(int(f["--port"]))
+    assert len(set(ports)) == 2 and not {8000, 30000} & set(ports), ports   # neither server's default
+    # the two pools hold the cluster's GPUs
+    assert sv.prefill_tp * sv.prefill_replicas + deg["tp"] * deg["pp"] * deg["dp"] == s["gpus"] == 16
+    assert ("--quantization" in ex.text) == (name == "serve_disaggregated_fp8_budget")
 
 
 def test_megatron_layer_less_end_chunks():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 
+from parcompile.core.quant import DEFAULT_FORMAT
 from parcompile.export.common import SERVE_TARGETS, Export, degrees, layout_line
 from parcompile.plan import Plan
 
@@ -95,11 +96,27 @@ def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], l
     return a, notes, errors
 
 
-#: ``serve.weight_dtype`` of weights quantized when the server loads a 16-bit checkpoint:
-#: vLLM's and SGLang's ``--quantization fp8`` (E4M3, one scale per tensor: vLLM's
-#: docs/features/quantization/fp8.md, "Online Dynamic Quantization"); the 4-bit formats need a
-#: checkpoint quantized so, which both servers read from its ``quantization_config``
-ONLINE_QUANTIZATION = {"fp8": "fp8"}
+#: ``serve.weight_dtype = fp8`` over a 16-bit (or no) checkpoint, quantized as the server loads
+#: it: the plan's format (``serve.weight_format``, else fp8-block) -> ``--quantization``. vLLM
+#: 0.33.0's online schemes (vllm/config/quantization.py _ONLINE_SHORTHANDS,
+#: docs/features/quantization/online.md: fp8_per_block 128 x 128 weight blocks, as the plan's
+#: fp8-block; its plain ``fp8`` is deprecated for this and is fp8_per_tensor:
+#: vllm/model_executor/model_loader/weight_utils.py get_quant_config); SGLang 0.5.23's ``fp8``
+#: (sglang/srt/layers/quantization/fp8.py Fp8LinearMethod.process_weights_after_loading: one
+#: scale per output channel where its CUTLASS FP8 GEMM runs, Hopper, else per tensor). The 4-bit
+#: formats need a checkpoint quantized so, which both servers read from its ``quantization_config``
+ONLINE_QUANTIZATION = {
+    "vllm": {"fp8-block": "fp8_per_block", "fp8-tensor": "fp8_per_tensor", "fp8-channel": "fp8_per_channel"},
+    "sglang": {"fp8-block": "fp8", "fp8-tensor": "fp8", "fp8-channel": "fp8"},
+}
+ONLINE_SCALES = {"vllm": {"fp8-block": "one fp32 scale per 128 x 128 block", "fp8-tensor": "one scale per tensor",
+                          "fp8-channel": "one scale per output channel"},
+                 "sglang": dict.fromkeys(("fp8-block", "fp8-tensor", "fp8-channel"),
+                                         "one scale per output channel (per tensor without CUTLASS FP8)")}
+#: SGLang's --max-prefill-tokens default: it bounds a prefill batch's prompt tokens beside
+#: --chunked-prefill-size (sglang/srt/arg_groups/fields/schedule.py; PrefillAdder.rem_input_tokens
+#: in sglang/srt/managers/schedule_policy.py)
+SGLANG_MAX_PREFILL_TOKENS = 16384
 
 
 def _budget_and_quantization(plan: Plan, target: str, notes: list[str], errors: list[str]) -> list[tuple[str, str | None]]:
@@ -107,24 +124,34 @@ def _budget_and_quantization(plan: Plan, target: str, notes: list[str], errors: 
     ``--max-num-batched-tokens``, SGLang's ``--chunked-prefill-size``; without it the server's
     default, which the plan assumes) and the weights' quantization: a checkpoint quantized so
     is read as it is (its ``quantization_config``); fp8 over a 16-bit or no checkpoint is
-    ``--quantization fp8``; mxfp4 / int4 need a checkpoint quantized so."""
+    ``--quantization`` (:data:`ONLINE_QUANTIZATION`); mxfp4 / int4 need a checkpoint quantized so (a note: the front
+    end refuses a 16-bit ``weights`` checkpoint for them)."""
     sv = plan.config.serve
     a: list[tuple[str, str | None]] = []
     if sv.max_prefill_tokens:
         a.append(("--max-num-batched-tokens" if target == "vllm" else "--chunked-prefill-size",
                   str(sv.max_prefill_tokens)))
+        seqs = plan.data["serve"]["batch_per_replica"]
+        if target == "vllm" and sv.max_prefill_tokens < seqs:
+            # vllm/config/scheduler.py SchedulerConfig.verify_max_model_len refuses it
+            errors.append(f"max_prefill_tokens {sv.max_prefill_tokens}: vLLM's --max-num-batched-tokens must be at "
+                          f"least --max-num-seqs ({seqs}): every decoding sequence's token counts in the budget")
+        if target == "sglang" and sv.max_prefill_tokens > SGLANG_MAX_PREFILL_TOKENS:
+            a.append(("--max-prefill-tokens", str(sv.max_prefill_tokens)))
     if sv.weight_dtype == "model":
         return a
     if sv.quantized_checkpoint:
         notes.append(f"weights: the checkpoint's own {sv.weight_format} (its quantization_config; the server reads it)")
-    elif sv.weight_dtype in ONLINE_QUANTIZATION:
-        a.append(("--quantization", ONLINE_QUANTIZATION[sv.weight_dtype]))
-        notes.append("weights: quantized to FP8 as the server loads them, one scale per tensor (the plan prices "
-                     f"{sv.weight_format or 'fp8-block'}: the same bytes within 0.01%); an FP8 checkpoint serves as "
-                     "published without the flag")
-    else:
-        errors.append(f"weight_dtype {sv.weight_dtype}: the servers read {sv.weight_dtype} weights only from a "
-                      "checkpoint quantized so (AWQ / GPTQ for int4, gpt-oss's MXFP4): give its directory as `weights`")
+    elif sv.weight_dtype == "fp8":
+        fmt = sv.weight_format or DEFAULT_FORMAT["fp8"]
+        a.append(("--quantization", ONLINE_QUANTIZATION[target][fmt]))
+        notes.append(f"weights: quantized to FP8 as {SERVE_TARGETS[target]} loads them, {ONLINE_SCALES[target][fmt]} "
+                     f"(the plan prices {fmt}: the same bytes within 0.1%); an FP8 checkpoint serves as published "
+                     "without the flag")
+    else:   # the servers read these from the checkpoint's quantization_config
+        what = "a 4-bit AWQ or GPTQ checkpoint (group 128)" if sv.weight_dtype == "int4" else "an MXFP4 checkpoint"
+        notes.append(f"weights: weight_dtype {sv.weight_dtype}: the model directory must be {what} of the model; "
+                     "the server reads its quantization_config")
     return a
 
 
@@ -150,11 +177,14 @@ def serve_export(plan: Plan, target: str) -> Export:
 
 
 #: the flags that say an instance's role in a disaggregated deployment and how its KV cache
-#: moves: vLLM's NIXL connector (``--kv-transfer-config``, KVTransferConfig in
-#: vllm/config/kv_transfer.py; docs/features/nixl_connector_usage.md: both roles ``kv_both``),
-#: SGLang's ``--disaggregation-mode prefill|decode`` (sglang/srt/server_args.py,
-#: docs/advanced_features/pd_disaggregation.md)
-NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+#: moves: vLLM 0.33.0's NIXL connector (``--kv-transfer-config``, KVTransferConfig in
+#: vllm/config/kv_transfer.py; docs/features/nixl_connector_usage.md: ``kv_producer`` for the
+#: prefill instance, ``kv_consumer`` for the decode one; ``kv_both`` is deprecated with
+#: NixlConnector, vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py), SGLang
+#: 0.5.23's ``--disaggregation-mode prefill|decode`` (sglang/srt/server_args.py,
+#: docs/advanced_features/pd_disaggregation.md; its KV transfer backend by default Mooncake)
+NIXL = {role: '{"kv_connector":"NixlConnector","kv_role":"%s"}' % kv
+        for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
 #: the ports the two instances listen on (each server's ``--port``)
 PREFILL_PORT, DECODE_PORT = 8100, 8200
 
@@ -173,8 +203,8 @@ def _disaggregated(plan: Plan, target: str, decode: list, notes: list[str], erro
     prefill = [(names[0], str(p["tp"])), (names[1], "1")] + ([(names[2], str(p["replicas"]))] if p["replicas"] > 1
                                                              else []) + prefill
     if target == "vllm":
-        role = {"prefill": [("--kv-transfer-config", NIXL)], "decode": [("--kv-transfer-config", NIXL)]}
-        notes.append("route each request to both with vLLM's disaggregated proxy (examples/online_serving/"
+        role = {name: [("--kv-transfer-config", NIXL[name])] for name in NIXL}
+        notes.append("route each request to both with vLLM's disaggregated proxy (examples/disaggregated/"
                      f"disaggregated_serving) or NVIDIA Dynamo: prefill on port {PREFILL_PORT}, decode on {DECODE_PORT}")
     else:
         role = {"prefill": [("--disaggregation-mode", "prefill")], "decode": [("--disaggregation-mode", "decode")]}
