@@ -12,7 +12,7 @@ Formats (:data:`FORMATS`, by name):
   weight is ``weight * weight_scale_inv`` blockwise);
 * ``fp8-tensor``: E4M3 weights with one fp32 scale per tensor (``compressed-tensors``'
   ``float-quantized`` format with ``strategy: "tensor"``, as RedHatAI's ``*-FP8`` Llama
-  checkpoints; ``weight_scale`` of one element; vLLM's ``--quantization fp8`` of a 16-bit
+  checkpoints; ``weight_scale`` of one element; vLLM's ``--quantization fp8_per_tensor`` of a 16-bit
   checkpoint makes the same on load);
 * ``fp8-channel``: E4M3 weights with one fp32 scale per output row (``compressed-tensors``
   ``strategy: "channel"``, RedHatAI's ``*-FP8-dynamic``; ``weight_scale`` ``[out, 1]``);

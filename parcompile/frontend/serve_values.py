@@ -48,7 +48,7 @@ def checkpoint_quantization(values: dict, auto: list[str], bag: DiagnosticBag, c
                                                   "AWQ or GPTQ (4-bit, group 128) checkpoint")
                            + ", or remove weight_dtype (the checkpoint's own dtype)",
                       note="fp8 can be made on load from a 16-bit checkpoint (per tensor, as vLLM's "
-                           "--quantization fp8); 4-bit formats need calibration")
+                           "--quantization fp8_per_tensor); 4-bit formats need calibration")
             ctx.bad.add("serve.weight_dtype")
         elif given == "fp8":
             values["weight_format"] = "fp8-tensor"   # quantized on load, one scale per tensor

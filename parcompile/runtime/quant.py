@@ -52,7 +52,7 @@ values are exactly the global tensor's. A rank may so hold a few scales (MXFP4 v
 its neighbours' shard: at most one block row and column per weight.
 
 ``weight_dtype = fp8`` without a checkpoint quantized so (a 16-bit one: vLLM's
-``--quantization fp8``; the seeded initialisation; a training program's DCP checkpoint):
+``--quantization fp8_per_tensor``; the seeded initialisation; a training program's DCP checkpoint):
 :func:`quantize_on_load` quantizes each weight the plan holds quantized, after loading, to
 E4M3 with one fp32 scale (``amax / 448``) per block of the program's format over the global
 tensor (``fp8-tensor``, which the front end sets for a 16-bit checkpoint: one per tensor;
