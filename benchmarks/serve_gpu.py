@@ -36,8 +36,8 @@ def main() -> int:
             worst = max(worst, abs(err))
             print(f"{row.name:24s} {key:6s} {pub * 1e3:8.2f}ms {got[key] * 1e3:8.2f}ms {err:+7.1%}")
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sv["breakdown"].items() if k.startswith("decode_") and v)
-        notes.append(f"{row.name}: {row.source} ({row.commit}); assumed: {row.assumed}; decode step (ms): {parts}; "
-                     f"planned {got['tokens_per_s']:,.0f} output tokens/s")
+        notes.append(f"{row.name}: {row.source} ({row.commit}); configuration: {row.configuration}; assumed: "
+                     f"{row.assumed}; decode step (ms): {parts}; planned {got['tokens_per_s']:,.0f} output tokens/s")
     print()
     for n in notes:
         print(n)

@@ -22,5 +22,5 @@ def test_published_serving_rows_within_10_percent(row):
 
 def test_rows_name_their_sources_and_what_was_assumed():
     for row in SERVE_ROWS:
-        assert row.source and "@" in row.commit and row.assumed
+        assert row.source and "@" in row.commit and row.assumed and row.configuration
         assert row.published and all(v > 0 for v in row.published.values())
