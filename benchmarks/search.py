@@ -164,31 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-#: issue 45's sizing question (tests/test_serve_search.py holds its answers to the plans)
-SERVE = """model m from "llama3-70b" { seq_len = 8192 }
-cluster c from "h100-sxm" { nodes = 2, gpus_per_node = 8 }
-parallel {
-    tp = auto
-    pp = auto
-    dp = auto
-}
-serve {
-    prompt_len = 2048
-    max_new_tokens = 512
-    concurrency = 64
-    weight_dtype = auto
-    kv_dtype = auto
-    disaggregated = auto
-    ttft_target = 1 s
-    tpot_target = 40 ms
-}
-"""
+#: issue 45's sizing question: the shipped example with disaggregated pools searched too
+#: (tests/test_serve_search.py holds its answers to the plans)
+SERVE = (Path(__file__).resolve().parent.parent / "examples" / "llama3_70b_serve_sizing_h100.par").read_text().replace(
+    "    tpot_target    = 40 ms\n", "    tpot_target    = 40 ms\n    disaggregated  = auto\n")
 GOAL_SERVE_SECONDS = 5.0
 
 
 def bench_serve(repeat: int) -> int:
     """The sizing search in-process and the whole `parcompile search` command (a fresh
     Python: imports included), best of ``repeat``."""
+    import resource
     import subprocess
     import tempfile
 
@@ -203,15 +189,18 @@ def bench_serve(repeat: int) -> int:
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "sizing.par"
         spec.write_text(SERVE)
-        command = float("inf")
+        command = command_cpu = float("inf")
         for _ in range(max(1, repeat)):
-            t = time.perf_counter()
+            t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
             out = subprocess.run([sys.executable, "-m", "parcompile", "search", str(spec)], capture_output=True,
                                  text=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             command = min(command, time.perf_counter() - t)
+            command_cpu = min(command_cpu, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     print(f"search a deployment of Llama 3.1 70B on up to 16 H100s (64 users, TTFT <= 1 s, TPOT <= 40 ms): "
-          f"{wall:.2f} s wall, {cpu:.2f} s CPU in-process; the command {command:.2f} s (best of {max(1, repeat)}; "
-          f"goal {GOAL_SERVE_SECONDS:.0f} s: {'met' if command < GOAL_SERVE_SECONDS else 'not met'})")
+          f"{wall:.2f} s wall, {cpu:.2f} s CPU in-process; the command {command:.2f} s wall, {command_cpu:.2f} s CPU "
+          f"(best of {max(1, repeat)}; goal {GOAL_SERVE_SECONDS:.0f} s: "
+          f"{'met' if command < GOAL_SERVE_SECONDS else 'not met'})")
     print(f"  {res.evaluated:,} deployments costed, {res.fitting:,} fit, {len(res.candidates):,} meet the targets, "
           f"{res.graphs} graphs built")
     if res.best is None or out.returncode != 0:

@@ -105,3 +105,53 @@ def check_written_back(cfg, out: Path, ref_hf, prog: Path, moved: tuple[str, ...
     assert tiny_config(model=import_keys(out)).model == cfg.model
     assert not check_checkpoint(out, expected_shapes(cfg.model), cfg.model)
     return back
+
+
+def tiny_qwen3():
+    """A tiny Qwen3 (qk-norm, its own head_dim 32, 2 layers, h 64, 300 tokens) with random
+    weights, norms drawn from [0.5, 1.5]: the one the qk-norm and quantized-weights tests
+    save and serve."""
+    import transformers
+
+    hcfg = transformers.Qwen3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=False,
+        use_sliding_window=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(9)
+    hf = transformers.Qwen3ForCausalLM(hcfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return hf
+
+
+def tiny_gpt_oss(vocab: int, hidden: int, expert_ffn: int, experts: int, top_k: int):
+    """A tiny gpt-oss (biased router and experts, the clamped SwiGLU, attention sinks, a
+    sliding and a full layer, YaRN RoPE) with random weights, its biases small beside the
+    experts' output so that both show in the tokens."""
+    import transformers
+
+    hcfg = transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=expert_ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=4,
+        num_local_experts=experts, num_experts_per_tok=top_k, router_aux_loss_coef=0.0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+        layer_types=["sliding_attention", "full_attention"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(hcfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("router.weight"):
+                p.normal_(0.0, 0.5)
+            elif "bias" in n:
+                p.normal_(0.0, 0.05)
+            elif "sinks" in n:
+                p.normal_(0.0, 1.0)
+            elif "experts" in n:
+                p.normal_(0.0, 0.1)
+    return hf

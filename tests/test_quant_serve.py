@@ -53,18 +53,9 @@ ARGS = sum((["--prompt-ids", ",".join(map(str, p))] for p in PROMPTS), [])
 
 
 def _qwen3():
-    hcfg = transformers.Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=False,
-        use_sliding_window=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(9)
-    hf = transformers.Qwen3ForCausalLM(hcfg).float().eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    return hf
+    from tests.family_utils import tiny_qwen3
+
+    return tiny_qwen3()
 
 
 def _rewrite(path: Path, convert, quantization_config: dict) -> None:
@@ -177,27 +168,9 @@ def _save_mxfp4(path: Path) -> None:
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    hcfg = transformers.GptOssConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=4,
-        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
-        layer_types=["sliding_attention", "full_attention"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(5)
-    hf = transformers.AutoModelForCausalLM.from_config(hcfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("router.weight"):
-                p.normal_(0.0, 0.5)
-            elif "bias" in n:
-                p.normal_(0.0, 0.05)
-            elif "sinks" in n:
-                p.normal_(0.0, 1.0)
-            elif "experts" in n:
-                p.normal_(0.0, 0.1)
+    from tests.family_utils import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(300, 64, 32, 4, 2)
     hf.save_pretrained(path, safe_serialization=True)
     args = preset_name_to_scheme("MXFP4A16", ["Linear"]).weights
 

@@ -206,18 +206,10 @@ def test_qwen3_checkpoint_serves_as_transformers_generates(tmp_path):
     save_pretrained, imported with `from "config.json"` (model_type qwen3: qk_norm, its own
     head_dim), its weights loaded by serve's `weights`; greedy tokens equal transformers'
     `generate`."""
-    transformers = pytest.importorskip("transformers")
-    hcfg = transformers.Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=False,
-        use_sliding_window=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(9)
-    hf = transformers.Qwen3ForCausalLM(hcfg).float().eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
+    pytest.importorskip("transformers")
+    from tests.family_utils import tiny_qwen3
+
+    hf = tiny_qwen3()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     cfg = _hf_spec(tmp_path, 1, 1)
     assert cfg.model.qk_norm and cfg.model.head_dim == 32 and not cfg.model.qkv_bias

@@ -82,28 +82,10 @@ def _mixtral(path: Path):
 
 def _gpt_oss(path: Path):
     """gpt-oss: biased router and experts, the clamped SwiGLU, attention sinks, a sliding
-    and a full layer, YaRN RoPE."""
-    hcfg = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=H, intermediate_size=EXPERT_FFN, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=4,
-        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, router_aux_loss_coef=0.0, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
-        layer_types=["sliding_attention", "full_attention"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(5)
-    hf = transformers.AutoModelForCausalLM.from_config(hcfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():   # biases small beside the experts' output, so that both show in the tokens
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("router.weight"):
-                p.normal_(0.0, 0.5)
-            elif "bias" in n:
-                p.normal_(0.0, 0.05)
-            elif "sinks" in n:
-                p.normal_(0.0, 1.0)
-            elif "experts" in n:
-                p.normal_(0.0, 0.1)
+    and a full layer, YaRN RoPE (tests/family_utils.py tiny_gpt_oss)."""
+    from tests.family_utils import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(VOCAB, H, EXPERT_FFN, EXPERTS, TOP_K)
     hf.save_pretrained(path, safe_serialization=True)
     return hf
 
