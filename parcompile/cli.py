@@ -70,7 +70,9 @@ def _compile(path: str):
         raise
     if plan.search is not None:   # say which layout `auto` became
         res = plan.search
-        print(f"note: auto: chose {res.best.degrees_text()} (best of {res.fitting} fitting layouts; "
+        among = (f"{len(res.candidates)} deployments that meet the targets" if hasattr(res, "pareto")
+                 else f"{res.fitting} fitting layouts")
+        print(f"note: auto: chose {res.best.degrees_text()} (best of {among}; "
               f"`parcompile search {path}` ranks them)", file=sys.stderr)
     return plan, source
 
@@ -107,8 +109,15 @@ def _summary(plan) -> str:
     if deg.get("cp", 1) > 1:
         parts.append(f"cp {deg['cp']}")
     m = d["schedule"]["num_microbatches"]
+    if "serve" in d:   # a serve spec runs no micro-batches: its latencies instead
+        from parcompile.core.units import seconds_text
+
+        sv = d["serve"]
+        work = f"TTFT {seconds_text(sv['ttft'])}, TPOT {seconds_text(sv['tpot'])}, {sv['tokens_per_s']:,.0f} tokens/s"
+    else:
+        work = f"{m} micro-batch{'es' if m != 1 else ''}"
     return (f"{plan.config.filename}: ok: {plural(d['world_size'], 'rank')} ({' x '.join(parts)}), "
-            f"{d['model']['params']:,} parameters, {m} micro-batch{'es' if m != 1 else ''}, "
+            f"{d['model']['params']:,} parameters, {work}, "
             f"peak memory {bytes_text(mem['peak'])} of {bytes_text(mem['capacity'])} per rank"
             f"{'' if mem['fits'] else ' (does NOT fit)'}")
 
@@ -680,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `parcompile search ... | head`: the reader left; say nothing more, as cat does
+        try:
+            sys.stdout = open(os.devnull, "w")   # the interpreter's own flush at exit would raise again
+        except OSError:
+            pass
+        return 141   # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
 from parcompile.analysis.kv import cache_heads
 from parcompile.core.outputs import checkpoint_bytes, space_problem
-from parcompile.core.units import bytes_text
+from parcompile.core.units import bytes_text, seconds_text
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.frontend import check_source, check_spec, parse_spec
@@ -221,7 +221,8 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
         extra["serve"] = Serve(**serve.to_dict())
         assert extra["serve"].kv_bytes_per_token == max(cost.kv_bytes_per_token)
     if search is not None:
-        auto = list(par.auto) + [f"serve.{k}" for k in (cfg.serve.auto if cfg.serve is not None else ())]
+        spec = getattr(search, "cfg", cfg)   # the spec as written: its `auto` keys (the plan's config has none left)
+        auto = list(spec.parallel.auto) + [f"serve.{k}" for k in (spec.serve.auto if spec.serve is not None else ())]
         extra["search"] = Search(auto=sorted(auto), chosen=search.best.degrees_text(),
                                  enumerated=search.enumerated, valid=search.valid, fitting=search.fitting)
     plan = PlanJSON(
@@ -324,6 +325,15 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
             help=f"nearest feasible: request_rate = {cap * 0.9:.3g} (90% of it); or more replicas (dp), a larger "
                  "batch, or `parcompile search` with dp = auto to size the deployment",
             code="overloaded")])
+    sv = cfg.serve
+    for key, target, got, what in (("ttft_target", sv.ttft_target, rep.ttft, "time to first token"),
+                                   ("tpot_target", sv.tpot_target, rep.tpot, "time per output token")):
+        if target is not None and rep.times is not None and got > target:
+            warnings.append(Diagnostic(
+                "warning", f"the plan's {what}, {seconds_text(got)}, exceeds {key} = {seconds_text(target)}",
+                cfg.span(f"serve.{key}"),
+                help="`parcompile search` with `tp`, `pp`, `dp` (and `weight_dtype`, `kv_dtype`) = auto finds "
+                     "the deployments that meet it", code="misses-target"))
     if not rep.batch_fits:
         seqs = rep.max_concurrent_tokens // rep.context
         warnings.append(Diagnostic(

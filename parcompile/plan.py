@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
-from parcompile.core.units import bytes_text
+from parcompile.core.units import bytes_text, seconds_text
 from parcompile.diagnostics import Diagnostic, Sources, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
@@ -573,10 +573,15 @@ def _workload_words(sv: dict[str, Any]) -> str:
     """plan.json ``serve.workload`` in words."""
     w = sv["workload"]
     if w["kind"] == "closed_loop":
-        return f"{plural(w['concurrency'], 'closed-loop client')}"
+        return f"{w['concurrency']:,} closed-loop client{'s' if w['concurrency'] != 1 else ''}"
     if w["kind"] == "burst":
-        return f"{plural(w['requests'], 'request')} at once"
-    return f"{w['request_rate']:g} requests/s (Poisson)"
+        return f"{w['requests']:,} request{'s' if w['requests'] != 1 else ''} at once"
+    return f"{w['request_rate']:,.4g} requests/s (Poisson)"
+
+
+def _count(x: float) -> str:
+    """A mean count of things: whole below a thousand with one decimal, grouped above."""
+    return f"{x:,.1f}" if x < 1000 else f"{x:,.0f}"
 
 
 def _weights_words(sv: dict[str, Any], d: dict[str, Any]) -> str:
@@ -593,9 +598,9 @@ def _prefill_pool_words(sv: dict[str, Any]) -> list[str]:
         return []
     return ["", f"Disaggregated: {plural(p['replicas'], 'prefill instance')} of {p['tp']} GPUs "
                 f"({bytes_text(p['weights_bytes_per_rank'] + p['workspace_bytes_per_rank'])} per GPU"
-                + ("" if p["fits"] else ", **does not fit**") + f"), a prompt in {p['prompt_time'] * 1e3:.4g} ms, "
+                + ("" if p["fits"] else ", **does not fit**") + f"), a prompt in {seconds_text(p['prompt_time'])}, "
                 f"its KV cache ({bytes_text(p['kv_transfer_bytes'])}) to the decode pool in "
-                f"{p['kv_transfer_time'] * 1e3:.3g} ms; the pool prefills at most {p['max_requests_per_s']:,.1f} "
+                f"{seconds_text(p['kv_transfer_time'])}; the pool prefills at most {p['max_requests_per_s']:,.1f} "
                 "requests/s."]
 
 
@@ -616,11 +621,12 @@ def _serve_report(d: dict[str, Any]) -> list[str]:
               f"sequences of {sv['prompt_len'] + sv['max_new_tokens']:,} tokens).", "",
             "## Estimate (serving)", "",
             f"{_workload_words(sv)} on engine `{sv['engine']}`, weights {_weights_words(sv, d)}: time to first "
-            f"token **{sv['ttft'] * 1e3:.4g} ms**, time per output token **{sv['tpot'] * 1e3:.4g} ms** "
+            f"token **{seconds_text(sv['ttft'])}**, time per output token **{seconds_text(sv['tpot'])}** "
             f"({sv['tokens_per_s_per_user']:,.1f} tokens/s per user); {sv['tokens_per_s']:,.0f} output tokens/s"
             f" ({sv['tokens_per_s'] / sv['gpus']:,.0f} per GPU of {sv['gpus']})"
-            + (f", {sv['running']:.3g} sequences running (at most {sv['running_limit']:,})" if "running" in sv else "")
-            + (f"; each prompt in {sv['prefill_steps']} chunks of {sv['prefill_chunk']:,.0f} tokens"
+            + (f", {_count(sv['running'])} sequences running (at most {sv['running_limit']:,})" if "running" in sv else "")
+            + (("; a wave's prompts in {} steps of {:,.0f} tokens" if sv["workload"]["kind"] == "burst" else
+                "; each prompt in {} chunks of {:,.0f} tokens").format(sv["prefill_steps"], sv["prefill_chunk"])
                if sv.get("prefill_steps", 1) > 1 else "") + "."] + _prefill_pool_words(sv) + ["",
             "| part | seconds |", "|---|---|"]
     out += [f"| {k} | {v:.4g} |" for k, v in sv["breakdown"].items()]

@@ -106,7 +106,7 @@ def test_search_command_prints_the_ranking_the_fewest_and_the_front(sizing, caps
     path, _cfg, _res = sizing
     assert main(["search", str(path), "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "fewest GPUs that carry the load:" in out and "Pareto front" in out
+    assert "fewest GPUs that carry the load within the targets:" in out and "Pareto front" in out
     assert out.count("\n1  ") == 1 and "meets" in out
 
 

@@ -143,3 +143,24 @@ def test_mxfp4_experts_priced_by_hand():
     stored = L * E * 3 * (h * i // 2 + h * i // 32)
     assert dense["serve"]["weights_bytes_per_rank"] - mx["serve"]["weights_bytes_per_rank"] == 2 * experts - stored
     assert mx["serve"]["weight_format"] == "mxfp4" and mx["serve"]["tpot"] < dense["serve"]["tpot"]
+
+
+def test_burst_in_waves_against_a_request_by_request_count():
+    """20 requests at once, 8 a wave: waves of 8, 8 and 4 back to back, each one prefill step
+    (the budget holds a wave's prompts) then 49 decode steps; every request's first token and
+    end counted one by one."""
+    st = linear()
+    w = work(clients=20, rate=math.inf, max_seqs=8, budget=10**6)
+    t = steady_state(w, st)
+    start, ttfts, ends = 0.0, [], []
+    for n in (8, 8, 4):
+        pf = st(Step((Segment(n, 100, 0),)))[0]
+        dur = pf + 49 * st(Step((Segment(n, 1, 124),)))[0]
+        ttfts += [2e-3 + start + pf] * n
+        ends += [2e-3 + start + dur] * n
+        start += dur
+    assert t.ttft == pytest.approx(sum(ttfts) / 20) and t.e2e == pytest.approx(sum(ends) / 20)
+    assert t.request_rate == pytest.approx(20 / (start + 2e-3))
+    # a burst of a billion costs what its two kinds of wave do
+    big = steady_state(work(clients=10**9, rate=math.inf, max_seqs=8, budget=10**6), st)
+    assert big.ttft > t.ttft and math.isfinite(big.e2e)

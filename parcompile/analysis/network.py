@@ -246,6 +246,10 @@ def axis_crosses_nodes(cluster, groups: Mapping[str, list[list[int]]], axis: str
 NCCL_LL_BASE = 3.6e-6
 NCCL_LL_STEP = 0.47e-6
 NCCL_LL_BANDWIDTH = 0.25
+#: ... across nodes: a step over the network 2.7 us (``hwLat`` NET Ring/LL), an NVLink step 1.8x
+#: its one-node latency
+NCCL_LL_NET_STEP = 2.7e-6
+NCCL_LL_MULTINODE = 1.8
 
 
 def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True) -> tuple[str, float]:
@@ -260,14 +264,17 @@ def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True
       ``should_custom_ar``): ``oneshot`` (every rank reads its peers' buffers and
       reduces: ``latency + nbytes (n - 1) / nvlink``) for two ranks or below
       ``engine.oneshot_bytes`` (half of it for more than 4 ranks), else ``twoshot`` (a
-      reduce-scatter then an all-gather through peer memory: ``2 latency + 2 nbytes (n - 1)
-      / n / nvlink``), ``latency`` the engine's :attr:`allreduce_latency`
-      (csrc/custom_all_reduce.cuh @c9eabec7);
+      reduce-scatter then an all-gather through peer memory: ``latency + 2 nbytes (n - 1)
+      / n / nvlink``), ``latency`` the engine's :attr:`allreduce_latency` (fitted per
+      all-reduce of a decode step: the ranks' synchronisation dominates it, once;
+      csrc/custom_all_reduce.cuh @c9eabec7);
     * otherwise NCCL (``nccl``: the stack's collective library is NCCL or RCCL), which picks
       per message the fastest of its LL ring (latency-bound: :data:`NCCL_LL_BASE` + ``2 (n -
-      1)`` :data:`NCCL_LL_STEP`, a quarter of the ring's bandwidth) and the large-message
-      algorithms of :func:`collective_algorithms`; another library (gloo on the CPU) the
-      latter only (:func:`collective_time`).
+      1)`` steps of :data:`NCCL_LL_STEP`, those across nodes :data:`NCCL_LL_NET_STEP` and the
+      others 1.8x slower, a quarter of the ring's bandwidth) and the large-message algorithms
+      of :func:`collective_algorithms`, never below the engine's ``allreduce_latency`` (every
+      rank waits for the slowest, as in the custom all-reduce); another library (gloo on the
+      CPU) the latter only (:func:`collective_time`).
 
     ``("none", 0.0)`` for a group of one."""
     if n <= 1:
@@ -277,14 +284,20 @@ def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True
         lat = engine.allreduce_latency
         if n == 2 or nbytes < limit:
             return "oneshot", lat + nbytes * (n - 1) / link.nvlink
-        return "twoshot", 2 * lat + 2 * nbytes * (n - 1) / n / link.nvlink
+        return "twoshot", lat + 2 * nbytes * (n - 1) / n / link.nvlink
     if not nccl:
         a = collective_algorithm("all_reduce", n, link)
         return a.name, a.seconds(nbytes)
     f = _bus_factor("all_reduce", n)
-    best = ("ll", NCCL_LL_BASE + 2 * (n - 1) * NCCL_LL_STEP + nbytes * f / (NCCL_LL_BANDWIDTH * link.ring_bus_bw()))
+    steps, inter = 2 * (n - 1), (2 * (link.domains - 1) if link.crosses else 0)
+    ll_step = NCCL_LL_STEP * (NCCL_LL_MULTINODE if link.crosses else 1.0)
+    best = ("ll", NCCL_LL_BASE + (steps - inter) * ll_step + inter * NCCL_LL_NET_STEP
+            + nbytes * f / (NCCL_LL_BANDWIDTH * link.ring_bus_bw()))
     for a in collective_algorithms("all_reduce", n, link):
         t = a.seconds(nbytes)
         if t < best[1]:
             best = (a.name, t)
-    return best
+    # in a serving engine's step every all-reduce also waits for the slowest rank: at least the
+    # engine's own small all-reduce takes (its fitted latency), whichever library runs it
+    floor = engine.allreduce_latency if engine is not None else 0.0
+    return best[0], max(best[1], floor)

@@ -214,41 +214,43 @@ def _running(w: Workload, n: float, step_time: StepTime) -> WorkloadTimes:
 def _burst(w: Workload, limit: int, step_time: StepTime) -> WorkloadTimes:
     """Every request at once: waves of ``limit``; each wave prefills its prompts in steps of
     at most the budget's tokens (a request's first token at the end of the step that finishes
-    its prompt), then decodes together (module docstring)."""
+    its prompt), then decodes together (module docstring). The waves but the last are alike:
+    one is costed and repeated (a burst of a billion requests costs what two waves do)."""
     P, G = w.prompt, w.output
     total = max(int(round(w.clients)), 1)
-    start = 0.0
-    ttfts: list[float] = []
-    ends: list[float] = []
-    dec_t, parts_dec, parts_pf = 0.0, {}, {}
-    steps, per = 1, float(P)
-    for first in range(0, total, limit):
-        n = min(limit, total - first)
+    full, rest = divmod(total, limit)
+
+    def wave(n: int) -> tuple[float, float, float, dict, dict, int, float]:
+        """(mean first-token time, duration, decode step, parts...) of a wave of ``n``."""
         budget = w.budget if w.budget is not None else P
         steps = max(1, math.ceil(n * P / budget))
         per = n * P / steps
-        cum, t, done = [], 0.0, 0.0
+        t, done, ttft_sum, finished, parts_pf = 0.0, 0.0, 0.0, 0, {}
         for _ in range(steps):
             seg = Segment(per / P, P, 0.0) if per >= P else Segment(1, per, done % P)
             s_t, parts_pf = step_time(Step((seg,)))
             t += s_t
             done += per
-            cum.append(t)
-        base = start + w.request_overhead
-        wave = [base + cum[min(steps - 1, math.ceil(i * P / per - 1e-9) - 1)] for i in range(1, n + 1)]
-        ttfts += wave
+            now = n if done >= n * P - 1e-9 else min(n, int(math.floor(done / P + 1e-9)))
+            ttft_sum += (now - finished) * t
+            finished = now
         dec_t, parts_dec = step_time(decode_step(n, w.mean_context))
-        end = base + cum[-1] + (G - 1) * dec_t
-        ends += [end] * n
-        start = end
-    ttft = sum(ttfts) / len(ttfts)
-    e2e = sum(ends) / len(ends)
-    return WorkloadTimes(ttft=ttft, tpot=dec_t, e2e=e2e, request_rate=total / max(ends), running=min(limit, total),
+        return ttft_sum / n, t + (G - 1) * dec_t, dec_t, parts_dec, parts_pf, steps, per
+
+    waves = ([(full, limit, wave(limit))] if full else []) + ([(1, rest, wave(rest))] if rest else [])
+    ttft_total = e2e_total = start = 0.0
+    for count, size, (a, dur, *_x) in waves:
+        # `count` waves of `size` requests, the k-th starting at start + k dur
+        shift = count * start + dur * count * (count - 1) / 2
+        ttft_total += size * (count * (w.request_overhead + a) + shift)
+        e2e_total += size * (count * (w.request_overhead + dur) + shift)
+        start += count * dur
+    _a, _d, dec_t, parts_dec, parts_pf, steps, per = waves[-1][2]
+    return WorkloadTimes(ttft=ttft_total / total, tpot=dec_t, e2e=e2e_total / total,
+                         request_rate=total / (start + w.request_overhead), running=min(limit, total),
                          running_limit=limit, queue=0.0, prefill_steps=steps, chunk=per, mixed_share=0.0,
                          decode_step=dec_t, mixed_step=dec_t, decode_parts=parts_dec, prefill_parts=parts_pf,
                          _output=G)
-
-
 
 
 @dataclass(frozen=True)

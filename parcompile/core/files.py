@@ -96,16 +96,23 @@ def read_text(path: str | os.PathLike, limit: int) -> str:
 
 def json_loads(text: str | bytes):
     """``json.loads(text)`` for a user's file, where nesting too deep for the decoder (it
-    recurses once per ``[`` or ``{``: a RecursionError) is bad JSON like any other.
+    recurses once per ``[`` or ``{``: a RecursionError) and an integer of more digits than
+    Python converts (``sys.get_int_max_str_digits``: a ValueError that is no
+    JSONDecodeError) are bad JSON like any other.
 
     Raises:
-        json.JSONDecodeError (a ValueError): not JSON, or "nested too deeply" (at 1:1).
+        json.JSONDecodeError (a ValueError): not JSON, "nested too deeply" or "an integer of
+            too many digits" (at 1:1).
     """
+    doc = text if isinstance(text, str) else ""
     try:
         return json.loads(text)
     except RecursionError:
-        doc = text if isinstance(text, str) else ""
         raise json.JSONDecodeError("nested too deeply", doc, 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:   # int("1" * 5000): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise json.JSONDecodeError(f"an integer of too many digits ({e})", doc, 0) from None
 
 
 __all__ = ["FileReadError", "MAX_JSON_BYTES", "MAX_SPEC_BYTES", "json_loads", "read_bytes", "read_text", "what_is"]

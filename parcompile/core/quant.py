@@ -289,7 +289,8 @@ def _read_block(value: Any) -> tuple[int, int] | None:
     if (isinstance(value, (list, tuple)) and len(value) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
         return int(value[0]), int(value[1])
-    raise QuantConfigError(f"quantization_config.weight_block_size must be two positive integers, got {value!r}")
+    raise QuantConfigError(f"quantization_config.weight_block_size must be two positive integers, got {value!r}",
+                           help="FP8 block-scaled checkpoints give e.g. [128, 128]; null means one scale per tensor")
 
 
 def from_quantization_config(qc: Any) -> QuantFormat:
@@ -297,7 +298,8 @@ def from_quantization_config(qc: Any) -> QuantFormat:
     describes. Raises :class:`QuantConfigError` for a method or a variant parcompile does
     not serve (its message names the field)."""
     if not isinstance(qc, Mapping):
-        raise QuantConfigError("quantization_config is not a JSON object")
+        raise QuantConfigError("quantization_config is not a JSON object",
+                               help="a quantized checkpoint's config.json holds an object with its quant_method")
     method = qc.get("quant_method")
     if method == "fp8":
         block = _read_block(qc.get("weight_block_size"))
@@ -317,12 +319,12 @@ def from_quantization_config(qc: Any) -> QuantFormat:
         if group != 128:
             raise QuantConfigError(f"quantization_config.group_size = {group!r}: only groups of 128 are served",
                                    help="use a checkpoint quantized with group_size 128")
-        if method == "gptq" and qc.get("desc_act"):
-            raise QuantConfigError("quantization_config.desc_act = true (GPTQ act-order) is not served",
+        if method == "gptq" and qc.get("desc_act", False) is not False:
+            raise QuantConfigError(f"quantization_config.desc_act = {qc.get('desc_act')!r} (GPTQ act-order) is not served",
                                    help="use a checkpoint quantized with desc_act = false")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise QuantConfigError(f"quantization_config.version = {qc.get('version')!r}: only AWQ's GEMM packing "
-                                   "is served")
+                                   "is served", help="use an AWQ checkpoint of the GEMM version (AutoAWQ's default)")
         return FORMATS["int4-awq" if method == "awq" else "int4-gptq"]
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
@@ -337,7 +339,8 @@ def _compressed_tensors(qc: Mapping) -> QuantFormat:
     fmt = qc.get("format") or qc.get("quantization_status")
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or len(groups) != 1:
-        raise QuantConfigError("quantization_config.config_groups: only one group of quantized weights is served")
+        raise QuantConfigError("quantization_config.config_groups: only one group of quantized weights is served",
+                               help="serve a checkpoint whose weights share one FP8 scheme (RedHatAI's *-FP8, *-FP8-dynamic)")
     (group,) = groups.values()
     w = group.get("weights") if isinstance(group, Mapping) else None
     if not isinstance(w, Mapping) or w.get("type") != "float" or w.get("num_bits") != 8:
@@ -345,9 +348,11 @@ def _compressed_tensors(qc: Mapping) -> QuantFormat:
                                help="use an FP8 checkpoint, or an AWQ / GPTQ one for int4")
     strategy = w.get("strategy")
     if strategy not in ("tensor", "channel"):
-        raise QuantConfigError(f"compressed-tensors weights strategy = {strategy!r}: tensor and channel are served")
+        raise QuantConfigError(f"compressed-tensors weights strategy = {strategy!r}: tensor and channel are served",
+                               help="serve an FP8 checkpoint with one scale per tensor or per output channel")
     if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
-        raise QuantConfigError(f"compressed-tensors format = {fmt!r}: only float-quantized is served")
+        raise QuantConfigError(f"compressed-tensors format = {fmt!r}: only float-quantized is served",
+                               help="serve a compressed-tensors checkpoint saved as float-quantized (llm-compressor's FP8)")
     return FORMATS["fp8-tensor" if strategy == "tensor" else "fp8-channel"]
 
 

@@ -1,4 +1,4 @@
-"""Byte counts as people read them (report.md, diagnostics, the search's table)."""
+"""Byte counts and times as people read them (report.md, diagnostics, the search's table)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,22 @@ def bytes_text(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def seconds_text(s: float) -> str:
+    """A time in the unit that keeps it readable: ``850 us``, ``7.33 ms``, ``1.25 s``,
+    ``3.2 min``, ``5.1 h``, ``8.4 days`` (four significant digits below a second, three above).
+
+    Args:
+        s: seconds (not negative; ``inf`` is ``-``).
+    """
+    if s != s or s == float("inf"):
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} us"
+    if s < 1:
+        return f"{s * 1e3:.4g} ms"
+    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
+        if s >= 2 * scale:
+            return f"{s / scale:,.1f} {unit}"
+    return f"{s:.3g} s"

@@ -49,6 +49,15 @@ def resolve_dp(dp: Any, values: dict[str, Any], cluster: ClusterConfig, ctx: Che
     if not ctx.ok(*inputs, "parallel.dp"):
         return dp if isinstance(dp, int) else 1
     nodes, gpus = cluster.nodes, cluster.gpus_per_node
+    if reserved >= nodes * gpus:   # a disaggregated spec's prefill pool leaves no GPU to the decode pool
+        ctx.bag.error(f"the prefill pool takes {reserved} GPUs (prefill_replicas * prefill_tp), "
+                      f"{'all of' if reserved == nodes * gpus else 'more than'} the cluster's {nodes * gpus} "
+                      f"(nodes * gpus_per_node)",
+                      ctx.span("serve.prefill_replicas", "serve.prefill_tp"),
+                      help=f"leave GPUs to the decode pool (the `parallel` layout): a prefill pool of at most "
+                           f"{nodes * gpus - 1} GPUs, or more nodes")
+        ctx.bad.add("parallel.dp")
+        return 1
     world = nodes * gpus - reserved
     world_words = f"world_size({world}) = nodes({nodes}) * gpus_per_node({gpus})" + (
         f" - {reserved} GPUs of the prefill pool (prefill_replicas * prefill_tp)" if reserved else "")

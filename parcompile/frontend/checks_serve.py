@@ -18,6 +18,7 @@ def check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
     s, m, p = cfg.serve, cfg.model, cfg.parallel
     if s is None:
         return
+    check_weight_dtype(cfg, ctx)
     if s.kv_dtype == "fp8" and ctx.ok("serve.kv_dtype") and not fp8_storage(cfg.cluster.preset):
         ctx.bag.error(f"kv_dtype = fp8 needs FP8 tensors: cluster preset `{cfg.cluster.preset}` has no FP8 type",
                       ctx.span("serve.kv_dtype"),
@@ -75,11 +76,31 @@ def check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
                           ctx.span("serve.kv_cache_tokens"), help=f"set kv_cache_tokens >= {need}")
 
 
+def check_weight_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """``weight_dtype``: FP8 weights on a part that holds FP8 (as an FP8 cache); MXFP4 for a
+    mixture of experts only (the format quantizes the experts, gpt-oss's as published)."""
+    s, m = cfg.serve, cfg.model
+    if not ctx.ok("serve.weight_dtype"):
+        return
+    if s.weight_dtype == "fp8" and not fp8_storage(cfg.cluster.preset):
+        ctx.bag.error(f"weight_dtype = fp8 needs FP8 tensors: cluster preset `{cfg.cluster.preset}` has no FP8 type",
+                      ctx.span("serve.weight_dtype", "serve.weights"),
+                      help=f"use a cluster `from` {or_list(fp8_storage_presets(), quote=True)}, or weight_dtype = "
+                           "int4 (weight-only, dequantized to 16 bits) or model")
+    if s.weight_dtype == "mxfp4" and ctx.ok("model.experts") and not m.experts:
+        ctx.bag.error("weight_dtype = mxfp4 quantizes a mixture of experts' experts (gpt-oss's format); this model "
+                      "has none (experts = 0)", ctx.span("serve.weight_dtype", "serve.weights"),
+                      help="use weight_dtype = fp8 or int4 for a dense model")
+
+
 def check_workload(cfg: SpecConfig, ctx: CheckContext) -> None:
     """The serve workload's keys: closed loop or open loop, not both; the prefill pool's
     keys only with ``disaggregated = true``; a disaggregated prefill instance's tp splits
     the heads."""
     s, m = cfg.serve, cfg.model
+    if s.burst and "batch" in s.auto:
+        ctx.bag.error("request_rate = inf sends `batch` requests at once: batch = auto leaves the workload open",
+                      ctx.span("serve.batch"), help="give batch = N, the requests of the burst")
     if ctx.given("serve.concurrency") and ctx.given("serve.request_rate"):
         ctx.bag.error("give `concurrency` (closed-loop clients) or `request_rate` (open-loop arrivals), not both",
                       ctx.span("serve.request_rate"),

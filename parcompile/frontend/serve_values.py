@@ -26,11 +26,22 @@ def checkpoint_quantization(values: dict, auto: list[str], bag: DiagnosticBag, c
     is ``mxfp4`` or ``int4`` over a checkpoint that is not quantized (``fp8`` of one is made on
     load, one scale per tensor: ``weight_format = fp8-tensor``)."""
     path = os.path.join(values["weights"], "config.json")
+    if not os.path.exists(path):
+        return   # not a Hugging Face checkpoint (a training program's, or none yet): the weights' own checks say so
     try:
         config = json_loads(read_text(path, MAX_JSON_BYTES))   # a regular file only, size-limited
-    except (OSError, ValueError, RecursionError):
-        return   # not a Hugging Face checkpoint (or unreadable): the weights' own checks say so
+    except (OSError, ValueError) as e:
+        why = e.msg if hasattr(e, "msg") else getattr(e, "strerror", None) or str(e)
+        bag.error(f"weights `{values['weights']}`: its config.json cannot be read: {why}", ctx.span("serve.weights"),
+                  help="a Hugging Face checkpoint's config.json is a JSON object (transformers' save_pretrained "
+                       "writes it)")
+        ctx.bad.add("serve.weights")
+        return
     if not isinstance(config, dict):
+        bag.error(f"weights `{values['weights']}`: its config.json is not a JSON object", ctx.span("serve.weights"),
+                  help="a Hugging Face checkpoint's config.json is a JSON object (transformers' save_pretrained "
+                       "writes it)")
+        ctx.bad.add("serve.weights")
         return
     try:
         fmt = checkpoint_format(config)

@@ -29,6 +29,7 @@ targets, the nearest (the smallest excess over the targets).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -44,9 +45,11 @@ from parcompile.analysis.serve_workload import (Overloaded, PrefillPool, Workloa
 from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
 from parcompile.core.axes import AXIS_FAMILY
+from parcompile.core.families import for_model
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.groups import axis_placement
 from parcompile.core.quant import weight_format
+from parcompile.core.units import seconds_text
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.lower import lower
 from parcompile.passes.base import PassContext
@@ -101,7 +104,9 @@ class Deployment:
     def text(self) -> str:
         """The deployment in words (``tp 4 x 2 replicas, fp8 weights``)."""
         parts = [f"tp {self.tp}"] + ([f"pp {self.pp}"] if self.pp > 1 else [])
-        words = " x ".join(parts) + f" x {self.replicas} replica{'s' if self.replicas > 1 else ''}"
+        per = -(-self.batch // self.replicas)
+        words = (" x ".join(parts) + f" x {self.replicas} replica{'s' if self.replicas > 1 else ''}"
+                 f" of {per:,} sequence{'s' if per > 1 else ''}")
         if self.disaggregated:
             words = (f"decode {words} + prefill tp {self.prefill_tp} x {self.prefill_replicas} "
                      f"instance{'s' if self.prefill_replicas > 1 else ''}")
@@ -222,13 +227,13 @@ class ServeSearch:
                 f"{sv.clients} requests at once" if math.isinf(sv.request_rate) else f"{sv.request_rate:g} requests/s")
         head = (f"{self.cfg.name}: {sv.prompt_len:,} tokens in / {sv.max_new_tokens:,} out, {load}, targets {targets}; "
                 f"{self.evaluated:,} deployments of up to {self.cfg.cluster.nodes * self.cfg.cluster.gpus_per_node} "
-                f"GPUs costed, {self.fitting:,} fit and carry the load, {len(self.candidates):,} meet the targets "
+                f"GPUs costed, {self.fitting:,} fit memory with a steady state, {len(self.candidates):,} meet the targets "
                 f"({self.seconds:.2f} s)")
         out = [head, ""]
         if self.candidates:
             out += _rows(self.candidates[:top], rank=True)
             few = self.fewest
-            out += ["", f"fewest GPUs that carry the load: {few.gpus} ({few.text()}: TTFT {_ms(few.ttft)}, "
+            out += ["", f"fewest GPUs that carry the load within the targets: {few.gpus} ({few.text()}: TTFT {_ms(few.ttft)}, "
                         f"TPOT {_ms(few.tpot)}, {few.tokens_per_s:,.0f} tokens/s)"]
         else:
             near = self.nearest
@@ -243,9 +248,7 @@ class ServeSearch:
 
 
 def _ms(s: float | None) -> str:
-    if s is None or math.isinf(s):
-        return "-"
-    return f"{s * 1e3:.4g} ms" if s < 10 else f"{s:.4g} s"
+    return "-" if s is None else seconds_text(s)
 
 
 def _rows(ds: list[Deployment], rank: bool) -> list[str]:
@@ -410,6 +413,10 @@ def cost(cfg: SpecConfig, graphs: _Graphs, d: Deployment) -> Deployment:
     if c.serve.kv_cache_tokens is not None:
         tokens = min(tokens, c.serve.kv_cache_tokens // c.serve.block_size * c.serve.block_size)
     b = -(-c.serve.batch // d.replicas)
+    whole = min(f // k for f, k in zip(free, kv_seq))   # sequences of the whole context the cache holds
+    if b > whole and _searched_batch(cfg) and not c.serve.burst:
+        # no more at once than the cache holds at their whole context: the plan's batch then fits
+        return cost(cfg, graphs, _replace(d, batch=whole * d.replicas))
     peak = max(st.held_bytes + w + b * k for st, w, k in zip(stages, work, kv_seq))
     rates = graphs.serve_rates(c, stages)
     work_load = S.replica_workload(c, tokens, d.replicas)
@@ -471,10 +478,17 @@ def _prefill(cfg: SpecConfig, graphs: _Graphs, c: SpecConfig):
 
 
 def _choices(cfg: SpecConfig) -> tuple[list[str], list[str], list[bool]]:
+    """The weight dtypes, KV dtypes and disaggregation a search tries: the spec's, or where
+    ``auto``: the model's dtype, FP8 where the GPUs hold FP8 (made on load from a 16-bit
+    checkpoint), and where no 16-bit checkpoint is named (a checkpoint quantized so to be
+    found) INT4 (AWQ / GPTQ) and, for gpt-oss, its published MXFP4 experts."""
     sv, m, cl = cfg.serve, cfg.model, cfg.cluster
     fp8 = bool(fp8_storage(cl.preset))
     if "weight_dtype" in sv.auto:
-        wd = ["model"] + (["fp8"] if fp8 else []) + (["mxfp4"] if m.experts else ["int4"])
+        sixteen_bit = bool(sv.weights and os.path.isdir(sv.weights) and not sv.quantized_checkpoint)
+        wd = ["model"] + (["fp8"] if fp8 else [])
+        if not sixteen_bit:
+            wd += ["int4"] + (["mxfp4"] if m.experts and for_model(m).model_type == "gpt_oss" else [])
     else:
         wd = [sv.weight_dtype]
     kd = [m.dtype] + (["fp8"] if fp8 and m.dtype != "fp8" else []) if "kv_dtype" in sv.auto else [sv.kv_dtype]
@@ -486,6 +500,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _searched_batch(cfg: SpecConfig) -> bool:
+    """The spec leaves ``batch`` to the search (``auto``, or not given)."""
+    return "batch" in cfg.serve.auto or "serve.batch" not in cfg.spans
+
+
 def _batches(cfg: SpecConfig, replicas: int, disagg: bool) -> list[int]:
     """The ``batch`` values (sequences at once, all replicas) a deployment of ``replicas`` is
     costed at: the spec's when it gives one; else every client's request at once
@@ -493,7 +512,7 @@ def _batches(cfg: SpecConfig, replicas: int, disagg: bool) -> list[int]:
     quarter of that (fewer sequences a step: a shorter TPOT, requests queueing before
     their first token)."""
     sv = cfg.serve
-    if "batch" not in sv.auto and "serve.batch" in cfg.spans:
+    if not _searched_batch(cfg) or sv.burst:   # a burst's batch is its requests: the workload itself
         return [sv.batch]
     full = max(-(-sv.clients // replicas), 1)
     per = {full} if disagg else {full, max(1, full // 2), max(1, full // 4)}
@@ -523,9 +542,12 @@ def deployments(cfg: SpecConfig, valid_tp: list[int]) -> Iterator[Deployment]:
                 for r in reps:
                     split = _split(m.layers, pp) if pp > 1 else ()
                     pools = [(0, 0)]
-                    if disagg:
+                    if disagg:   # the prefill pool's tp and instances: the spec's, else what the GPUs left allow
                         left = world - per * r
-                        pools = [(ptp, n) for ptp in valid_tp for n in range(1, left // ptp + 1)] if left > 0 else []
+                        ptps = [sv.prefill_tp] if "serve.prefill_tp" in cfg.spans else valid_tp
+                        pools = [(ptp, n) for ptp in ptps for n in
+                                 ([sv.prefill_replicas] if "serve.prefill_replicas" in cfg.spans
+                                  else range(1, left // ptp + 1)) if 0 < ptp * n <= left]
                     for ptp, pn in pools:
                         shape = Deployment(tp, pp, r, 1, "model", m.dtype, disagg, ptp, pn, split)
                         if deployment_cluster(cfg, shape) is None:   # no nodes hold its groups whole
@@ -558,9 +580,14 @@ def search_serve(cfg: SpecConfig, top: int = 10) -> ServeSearch:
         for d in deployments(cfg, valid_tp):
             evaluated += 1
             out.append(cost(cfg, graphs, d))
-    fitting = [d for d in out if d.fits]
-    ranked = sorted((d for d in fitting if d.meets), key=lambda d: (-d.per_gpu, d.gpus, d.text()))
+    fitting = list({_key(d): d for d in out if d.fits}.values())   # a batch capped to the cache: once
+    ranked = sorted((d for d in fitting if d.meets), key=lambda d: (-d.per_gpu, d.gpus, d.tpot, d.ttft, d.text()))
     return ServeSearch(cfg, ranked, evaluated, time.perf_counter() - t0, len(graphs.graphs), fitting)
+
+
+def _key(d: Deployment) -> tuple:
+    return (d.tp, d.pp, d.replicas, d.batch, d.weight_dtype, d.kv_dtype, d.disaggregated, d.prefill_tp,
+            d.prefill_replicas)
 
 
 def resolve_serve(cfg: SpecConfig) -> tuple[SpecConfig, ServeSearch]:
@@ -579,6 +606,12 @@ def no_deployment_diagnostic(res: ServeSearch) -> Diagnostic:
     cfg = res.cfg
     sv = cfg.serve
     near = res.nearest
+    if near is None and sv.request_rate is not None and not sv.burst:
+        return Diagnostic("error", f"no deployment of up to {cfg.cluster.nodes * cfg.cluster.gpus_per_node} GPUs "
+                                   f"carries request_rate = {sv.request_rate:,.4g} requests/s: each has no steady state "
+                                   f"({res.evaluated:,} costed)", cfg.span("serve.request_rate"),
+                          help="lower the rate (`parcompile plan` of a deployment says what it carries), or give "
+                               "the cluster more GPUs", code="does-not-fit")
     if near is None:
         return Diagnostic("error", f"no deployment of up to {cfg.cluster.nodes * cfg.cluster.gpus_per_node} GPUs "
                                    f"fits memory and carries the load ({res.evaluated:,} costed)",
