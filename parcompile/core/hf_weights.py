@@ -497,16 +497,10 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
     cfg, problems = read_config(d)
     if problems:
         return problems
-    family = cfg.get("model_type") if cfg else None
-    if family is None:
-        try:
-            family = hf_family(model)
-        except HFWeightsError as e:
-            return [e.problem]
     try:
-        fmt = checkpoint_format(cfg) if cfg else None
-    except QuantConfigError as e:
-        return [Problem(f"`{d / 'config.json'}`: {e.message}", e.help)]
+        family, fmt = _layout_of(d, cfg, model)
+    except HFWeightsError as e:
+        return [e.problem]
     names, headers, problems, complete = scan_checkpoint(d)
     dtypes = {k: v[0] for k, v in headers.items()}
     tmap = tensor_map(model, family, tied=_checkpoint_tied(cfg, model))
@@ -541,23 +535,45 @@ def check_checkpoint(directory: str | os.PathLike, expected: dict[str, tuple[int
                                        f"`{name}`), though model.safetensors.index.json says so",
                                        "the download is incomplete or the index is of another checkpoint"))
             continue   # else in a missing or unreadable file: reported above
-        dtype, got = headers[src.name]
-        if dtype not in ("F64", "F32", "BF16", "F16"):
-            said = (f"its config.json's quantization_config says {fmt.description}" if fmt is not None else
-                    "its config.json has no quantization_config")
-            shapes.append(Problem(f"`{d / names.get(src.name, '')}`: `{src.name}` is stored as {dtype}, but {said}",
-                                  "parcompile loads float32, bfloat16 or float16 weights, or the quantized ones a "
-                                  "published checkpoint's quantization_config names (fp8, compressed-tensors FP8, "
-                                  "mxfp4): use the checkpoint's own config.json"))
-            continue
-        if tuple(got) != tuple(src.shape) and src.name not in reported:   # once per fused tensor
-            reported.add(src.name)
-            shapes.append(Problem(
-                f"`{src.name}` has shape {tuple(got)} in the checkpoint; this model's `{name}` "
-                f"{tuple(ours)} needs {tuple(src.shape)}",
-                "the spec's model differs from the checkpoint's config.json (hidden, heads, kv_heads, "
-                "ffn_hidden, vocab?)"))
+        shapes += _dense_problems(d, names, headers, fmt, src, name, ours, reported)
     return problems + _cap(missing, 8, "missing tensors") + _cap(shapes, 8, "shape mismatches")
+
+
+def _layout_of(d: Path, cfg: dict | None, model: ModelKeys) -> tuple[str, QuantFormat | None]:
+    """``(family, quantized format)`` of checkpoint ``d``: its config.json's ``model_type``
+    (else :func:`hf_family` of ``model``) and ``quantization_config`` (None without one).
+    Raises :class:`HFWeightsError` for a model no family holds or a quantization_config
+    parcompile does not serve."""
+    family = cfg.get("model_type") if cfg else None
+    if family is None:
+        family = hf_family(model)
+    try:
+        return family, (checkpoint_format(cfg) if cfg else None)
+    except QuantConfigError as e:
+        raise HFWeightsError(f"`{d / 'config.json'}`: {e.message}", e.help) from None
+
+
+def _dense_problems(d: Path, names: dict[str, str], headers: dict[str, tuple[str, tuple[int, ...]]],
+                    fmt: QuantFormat | None, src: Source, name: str, ours: tuple[int, ...],
+                    reported: set[str]) -> list[Problem]:
+    """What is wrong with a tensor stored in 16 or 32 bits: another dtype than a float one
+    (a quantized tensor its config.json does not say), or another shape than ``src`` needs
+    (once per fused tensor: ``reported`` keeps those said)."""
+    dtype, got = headers[src.name]
+    if dtype not in ("F64", "F32", "BF16", "F16"):
+        said = (f"its config.json's quantization_config says {fmt.description}" if fmt is not None else
+                "its config.json has no quantization_config")
+        return [Problem(f"`{d / names.get(src.name, '')}`: `{src.name}` is stored as {dtype}, but {said}",
+                        "parcompile loads float32, bfloat16 or float16 weights, or the quantized ones a "
+                        "published checkpoint's quantization_config names (fp8, compressed-tensors FP8, "
+                        "mxfp4): use the checkpoint's own config.json")]
+    if tuple(got) != tuple(src.shape) and src.name not in reported:
+        reported.add(src.name)
+        return [Problem(f"`{src.name}` has shape {tuple(got)} in the checkpoint; this model's `{name}` "
+                        f"{tuple(ours)} needs {tuple(src.shape)}",
+                        "the spec's model differs from the checkpoint's config.json (hidden, heads, kv_heads, "
+                        "ffn_hidden, vocab?)")]
+    return []
 
 
 def _quantized_problems(d: Path, names: dict[str, str], headers: dict[str, tuple[str, tuple[int, ...]]],

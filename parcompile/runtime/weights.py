@@ -446,17 +446,7 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
     try:
         with torch.no_grad():
             for p in _params(model):
-                srcs = tmap.get(p.global_name)
-                if not srcs:
-                    raise WeightsError(f"a Hugging Face `{family}` checkpoint has no tensor for `{p.global_name}`",
-                                       "the spec's model has a parameter the checkpoint's family does not hold")
-                src = next((s for s in srcs if s.name in files or stored_quantized(fmt, s.name, dtypes)), None)
-                if src is None:
-                    raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
-                                       f"`{p.global_name}`" + ("" if p.global_name == "lm_head.weight" else
-                                                               "; was it written for another model?"),
-                                       UNTIED_HEAD_HELP if p.global_name == "lm_head.weight" else None)
-                quantized = stored_quantized(fmt, src.name, dtypes)
+                src, quantized = _source(p, tmap, files, fmt, dtypes, family, path)
                 want = tuple(p.global_shape)
                 if p.valid_rows is not None:
                     want = (p.valid_rows,) + want[1:]
@@ -504,6 +494,23 @@ def load_hf(model: nn.Module, path: str, config: ModelKeys | None = None,
     finally:
         reader.close()
     return fmt is not None
+
+
+def _source(p, tmap: dict, files: dict, fmt, dtypes: dict, family: str, path: str):
+    """``(source, quantized)``: where parameter ``p`` is read from in the checkpoint (the
+    first of its :func:`tensor_map` sources the files hold, as stored or quantized) and
+    whether ``fmt`` stores it quantized. Raises :class:`WeightsError` when it holds none."""
+    srcs = tmap.get(p.global_name)
+    if not srcs:
+        raise WeightsError(f"a Hugging Face `{family}` checkpoint has no tensor for `{p.global_name}`",
+                           "the spec's model has a parameter the checkpoint's family does not hold")
+    src = next((s for s in srcs if s.name in files or stored_quantized(fmt, s.name, dtypes)), None)
+    if src is None:
+        raise WeightsError(f"the checkpoint {path} has no tensor `{srcs[0].name}` for "
+                           f"`{p.global_name}`" + ("" if p.global_name == "lm_head.weight" else
+                                                   "; was it written for another model?"),
+                           UNTIED_HEAD_HELP if p.global_name == "lm_head.weight" else None)
+    return src, stored_quantized(fmt, src.name, dtypes)
 
 
 def load_weights(model: nn.Module, path: str | None, ctx: ParallelContext,
