@@ -5,7 +5,7 @@ enforces it): no torch, pydantic, networkx, lark or jinja2, and nothing from par
 outside ``parcompile.core``. The config, the IR, the passes, the analyses, the search,
 export, codegen and the runtime import it; none of them re-derives what it decides.
 
-- :mod:`parcompile.core.axes`: the mesh axes and process-group names (:class:`MeshAxis`).
+- :mod:`parcompile.core.axes`: the mesh axes and process-group names (:data:`GROUP_AXES`).
 - :mod:`parcompile.core.buckets`: gradient buckets (units, partition, ZeRO-3's gathers, reductions).
 - :mod:`parcompile.core.dtypes`: bytes per element, gradient bytes, torch's dtype names.
 - :mod:`parcompile.core.groups`: process groups (Megatron-Core's rank generators).

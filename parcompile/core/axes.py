@@ -1,37 +1,16 @@
 """The mesh axes and the names of the process groups built from them (SPEC 1 `parallel`, 3 `groups`).
 
-One enum, :class:`MeshAxis`, names every axis a plan has a group for; the tuples below are
-its subsets, each in the order its users rely on. Derived groups: ``dp_cp`` (the ranks that
-average dense gradients, dp x cp), ``expert_tp`` / ``expert_dp`` (the expert layout,
-Megatron-Core's expert-tensor and expert-data parallel groups) and ``embedding`` (the first
-and last pipeline stage, which share a tied embedding).
+:data:`GROUP_AXES` names every axis a plan has a group for; the tuples below are its subsets,
+each in the order its users rely on. Derived groups: ``dp_cp`` (the ranks that average dense
+gradients, dp x cp), ``expert_tp`` / ``expert_dp`` (the expert layout, Megatron-Core's
+expert-tensor and expert-data parallel groups) and ``embedding`` (the first and last pipeline
+stage, which share a tied embedding).
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class MeshAxis(str, Enum):
-    """An axis of the device mesh, or a group derived from them. A ``str`` (``MeshAxis.TP ==
-    "tp"``), so members and plain names mix in dicts, JSON and f-strings."""
-
-    TP = "tp"
-    CP = "cp"
-    DP = "dp"
-    PP = "pp"
-    DP_CP = "dp_cp"
-    EP = "ep"
-    EXPERT_TP = "expert_tp"
-    EXPERT_DP = "expert_dp"
-    EMBEDDING = "embedding"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 #: every group a plan's ``groups`` holds, in the order the runtime creates them
-GROUP_AXES: tuple[str, ...] = tuple(a.value for a in MeshAxis)
+GROUP_AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_tp", "expert_dp", "embedding")
 
 #: the five degrees a spec sets, in the order of SPEC's default ``order`` ("tp-cp-ep-dp-pp",
 #: fastest-varying first); ``parallel.order`` is a permutation of them
@@ -46,4 +25,4 @@ AXIS_FAMILY: dict[str, str] = {"tp": "tp", "expert_tp": "tp", "dp": "dp", "dp_cp
 #: in this order: the plan's ``found_inf`` collectives and ``runtime/loss_scale.py``
 FOUND_INF_AXES: tuple[str, ...] = ("tp", "pp", "dp_cp")
 
-__all__ = ["MeshAxis", "GROUP_AXES", "DEGREE_AXES", "AXIS_FAMILY", "FOUND_INF_AXES"]
+__all__ = ["GROUP_AXES", "DEGREE_AXES", "AXIS_FAMILY", "FOUND_INF_AXES"]
