@@ -73,7 +73,7 @@ from parcompile.analysis.estimate import axis_link, efficiency
 from parcompile.analysis.kv import cache_heads, kv_bytes_per_sequence, kv_bytes_per_token, stage_layers
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
-from parcompile.analysis.serve_engines import serve_engine
+from parcompile.analysis.serve_engines import SERVE_ENGINES, serve_engine
 from parcompile.analysis.serve_memory import engine_budget, prefill_step, received_bytes, serve_workspace
 from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, Segment, StageSteps, Step, stage_steps,
                                              uniform)
@@ -144,7 +144,6 @@ class ServeReport:
 
     def timed(self, times: WorkloadTimes) -> "ServeReport":
         """This report with the workload's steady state."""
-        from dataclasses import replace
         return replace(self, times=times)
 
     @property
@@ -192,7 +191,7 @@ class ServeReport:
 
     @property
     def engine_request_overhead(self) -> float:
-        from parcompile.analysis.serve_engines import SERVE_ENGINES
+        """The engine's time per request (:attr:`ServeEngine.request_overhead`), seconds."""
         return SERVE_ENGINES[self.engine].request_overhead
 
     @property

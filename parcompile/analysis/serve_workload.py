@@ -37,7 +37,7 @@ context is the mean ``P + G / 2``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from parcompile.analysis.serve_steps import Segment, Step, decode_step
@@ -114,13 +114,6 @@ class WorkloadTimes:
     decode_parts: dict[str, float] = field(default_factory=dict)
     prefill_parts: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def output_tokens_per_s(self) -> float:
-        """Output tokens per second: ``request_rate * G`` (the caller multiplies by replicas)."""
-        return self.request_rate * self._output
-
-    _output: int = 1
-
 
 StepTime = Callable[[Step], tuple[float, dict[str, float]]]
 
@@ -169,7 +162,6 @@ def steady_state(w: Workload, step_time: StepTime) -> WorkloadTimes:
 
 
 def _with(t: WorkloadTimes, **kw) -> WorkloadTimes:
-    from dataclasses import replace
     return replace(t, **kw)
 
 
@@ -207,8 +199,7 @@ def _running(w: Workload, n: float, step_time: StepTime) -> WorkloadTimes:
     ttft = w.request_overhead + wait + k * own_t
     return WorkloadTimes(ttft=ttft, tpot=tpot, e2e=ttft + (G - 1) * tpot, request_rate=0.0, running=n,
                          running_limit=0, queue=0.0, prefill_steps=k, chunk=chunk, mixed_share=q,
-                         decode_step=dec_t, mixed_step=mixed_t, decode_parts=dec_parts, prefill_parts=pf_parts,
-                         _output=G)
+                         decode_step=dec_t, mixed_step=mixed_t, decode_parts=dec_parts, prefill_parts=pf_parts)
 
 
 def _burst(w: Workload, limit: int, step_time: StepTime) -> WorkloadTimes:
@@ -249,8 +240,7 @@ def _burst(w: Workload, limit: int, step_time: StepTime) -> WorkloadTimes:
     return WorkloadTimes(ttft=ttft_total / total, tpot=dec_t, e2e=e2e_total / total,
                          request_rate=total / (start + w.request_overhead), running=min(limit, total),
                          running_limit=limit, queue=0.0, prefill_steps=steps, chunk=per, mixed_share=0.0,
-                         decode_step=dec_t, mixed_step=dec_t, decode_parts=parts_dec, prefill_parts=parts_pf,
-                         _output=G)
+                         decode_step=dec_t, mixed_step=dec_t, decode_parts=parts_dec, prefill_parts=parts_pf)
 
 
 @dataclass(frozen=True)
@@ -310,7 +300,7 @@ def disaggregated_state(w: Workload, pool: PrefillPool, step_time: StepTime, rep
         e2e = ttft + (G - 1) * tpot
         return WorkloadTimes(ttft=ttft, tpot=tpot, e2e=e2e, request_rate=w.rate, running=n, running_limit=limit,
                              queue=0.0, prefill_steps=1, chunk=float(P), mixed_share=0.0, decode_step=tpot,
-                             mixed_step=tpot, decode_parts=parts, prefill_parts={}, _output=G)
+                             mixed_step=tpot, decode_parts=parts, prefill_parts={})
     n = min(w.clients, limit)
     tpot, parts = decode(n)
     x = n / (ttft_at(0.0) + (G - 1) * tpot)          # requests/s of this replica, by iteration
@@ -327,7 +317,7 @@ def disaggregated_state(w: Workload, pool: PrefillPool, step_time: StepTime, rep
     queue = e2e - service
     return WorkloadTimes(ttft=ttft + queue, tpot=tpot, e2e=e2e, request_rate=x, running=n, running_limit=limit,
                          queue=queue, prefill_steps=1, chunk=float(P), mixed_share=0.0, decode_step=tpot,
-                         mixed_step=tpot, decode_parts=parts, prefill_parts={}, _output=G)
+                         mixed_step=tpot, decode_parts=parts, prefill_parts={})
 
 
 __all__ = ["Overloaded", "PrefillPool", "Workload", "WorkloadTimes", "disaggregated_state", "steady_state"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from parcompile.analysis import serve as S
@@ -445,7 +445,6 @@ def _scored(cfg: SpecConfig, d: Deployment, t: WorkloadTimes, peak: int, cap: in
 
 
 def _replace(d: Deployment, **kw) -> Deployment:
-    from dataclasses import replace
     return replace(d, **kw)
 
 
