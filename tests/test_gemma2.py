@@ -292,17 +292,18 @@ def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
     check_written_back(cfg, out, case["hf"], tmp_path / "prog_back", moved=("post_feedforward_layernorm",))
 
 
-def test_megatron_export_names_both_caps(tmp_path):
-    """pretrain_gpt.py has no soft-capping argument: the export says so for each cap."""
+def test_megatron_export_refuses_both_caps(tmp_path):
+    """pretrain_gpt.py has no soft-capping argument: the export is refused, naming each cap
+    (Megatron-LM does not carry them: parcompile.export.model_keys.MEGATRON)."""
     import parcompile
     from parcompile.export import export
 
     (tmp_path / "config.json").write_text(transformers.Gemma2Config().to_json_string())
     spec = tmp_path / "g.par"
     spec.write_text('model g from "config.json" { }\ncluster c from "h100-sxm" { }\nparallel { tp = 2 }\n')
-    notes = export(parcompile.compile(spec), "megatron").notes
-    assert any(n.startswith("attn_logit_softcapping 50.0:") for n in notes)
-    assert any(n.startswith("final_logit_softcapping 30.0:") and "Gemma2OutputLayer" in n for n in notes)
+    errors = export(parcompile.compile(spec), "megatron").errors
+    assert any(e.startswith("attn_logit_softcapping = 50: Megatron-LM") for e in errors)
+    assert any(e.startswith("final_logit_softcapping = 30: Megatron-LM") and "Gemma2OutputLayer" in e for e in errors)
 
 
 def test_the_caps_belong_to_gemma2_alone():

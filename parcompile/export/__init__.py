@@ -32,7 +32,9 @@ One module per engine, each the target's rules and nothing else: :mod:`.megatron
 memory, model, MLA, MoE, vocabulary, precision, optimizer, run), :mod:`.megatron_bridge`,
 :mod:`.torchtitan` (0.3, and what 0.2 shares), :mod:`.torchtitan02` (0.2's TOML),
 :mod:`.deepspeed`, :mod:`.serve` (vLLM, SGLang); :mod:`.common` holds what they share
-(:class:`Export`, the target names, the plan's degrees and common notes). This module
+(:class:`Export`, the target names, the plan's degrees and common notes); :mod:`.model_keys`
+declares the model keys each target carries (an allowlist per engine: every exporter refuses a
+set model key its target does not carry, naming it, before its own checks). This module
 dispatches (:func:`export`) and re-exports every name, so ``parcompile.export.megatron_args``
 and the rest keep working.
 """
@@ -47,10 +49,12 @@ from parcompile.export.megatron import (megatron_accounted_split, megatron_args,
                                         megatron_export, megatron_layout)
 from parcompile.export.megatron_bridge import (MEGATRON_BRIDGE_FIELDS, MEGATRON_BRIDGE_SECTIONS, megatron_bridge_config,
                                                megatron_bridge_export)
+from parcompile.export.model_keys import TARGET_KEYS, Carried, TargetKeys, model_key_errors, set_model_keys
 from parcompile.export.serve import (KV_CACHE_DTYPE, SERVE_DTYPE, serve_args, serve_export, serve_fraction_sequences,
                                      serve_memory_fraction)
 from parcompile.export.torchtitan import (TORCHTITAN_SCHEDULE, torchtitan3_export, torchtitan_errors, torchtitan_fsdp,
-                                          torchtitan_model_parts, torchtitan_registry, torchtitan_schedule)
+                                          torchtitan_model_errors, torchtitan_model_parts, torchtitan_registry,
+                                          torchtitan_schedule)
 from parcompile.export.torchtitan02 import (TORCHTITAN02_FLAVORS, torchtitan02_export, torchtitan02_flavor,
                                             torchtitan_config)
 from parcompile.plan import Plan
@@ -63,7 +67,8 @@ __all__ = ["export", "Export", "TARGETS", "TRAIN_TARGETS", "SERVE_TARGETS", "TOR
            "serve_memory_fraction", "serve_fraction_sequences", "serve_args", "megatron_export",
            "megatron_bridge_export", "torchtitan3_export", "torchtitan02_export", "deepspeed_export", "serve_export",
            "torchtitan_fsdp", "torchtitan_schedule", "common_notes", "degrees", "fmt_num", "grad_reduce_dtype",
-           "layout_line", "py_name", "reduces_over_dp", "stage_split"]
+           "layout_line", "py_name", "reduces_over_dp", "stage_split", "TARGET_KEYS", "Carried", "TargetKeys",
+           "model_key_errors", "set_model_keys", "torchtitan_model_errors"]
 
 
 def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:

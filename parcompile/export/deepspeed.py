@@ -8,6 +8,7 @@ import json
 
 from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, reduces_over_dp,
                                       stage_split)
+from parcompile.export.model_keys import model_key_errors, set_model_keys, show
 from parcompile.plan import Plan
 
 
@@ -15,7 +16,7 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
     """The DeepSpeed (0.19) JSON config for ``plan``, the notes and the errors (what DeepSpeed
     would run as another layout)."""
     notes = common_notes(plan, "DeepSpeed")
-    errors: list[str] = []
+    errors = model_key_errors(plan, "deepspeed")
     if plan.config.train.precision == "fp8":
         errors.append("precision fp8: DeepSpeed's config has no FP8 training (its fp16 and bf16 sections are the "
                       "16-bit ones); export --to megatron or --to torchtitan")
@@ -181,8 +182,10 @@ def deepspeed_export(plan: Plan) -> Export:
     launch = (f"deepspeed --num_nodes {cl.nodes} --num_gpus {cl.gpus_per_node}"
               + (" --hostfile hostfile" if cl.nodes > 1 else "")
               + f" train.py --deepspeed --deepspeed_config {name}")
+    keys = ", ".join(f"{k} {show(v)}" for k, v in set_model_keys(cfg.model).items() if k != "dtype")
     notes.append(f"model: train.py builds the {cfg.model.layers}-layer model ({plan.data['model']['params']:,} "
-                 "parameters) and calls deepspeed.initialize with this config")
+                 "parameters) and calls deepspeed.initialize with this config; DeepSpeed's config has no model "
+                 f"section, so train.py must build these model keys (the others at their defaults): {keys}")
     if cl.nodes > 1:   # deepspeed/launcher/runner.py fetch_hostfile: a missing file means this machine only
         notes.append(f"hostfile: write `hostfile` in the launch directory, one line per node, "
                      f"`<hostname> slots={cl.gpus_per_node}` ({cl.nodes} lines, reachable by passwordless ssh); "

@@ -11,6 +11,7 @@ from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.export.common import (Export, common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
+from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 #: ``add(flag, value=None)``: appends one argument (:func:`megatron_args`)
@@ -217,10 +218,8 @@ def _megatron_model_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     add("--norm-epsilon", m.norm_eps)
     if m.activation == "swiglu":
         add("--swiglu")
-    elif m.activation == "geglu":
-        notes.append("activation geglu: pretrain_gpt.py's arguments have no GeGLU (--swiglu is the only gated MLP)")
-    elif m.activation == "relu":
-        notes.append("activation relu: pretrain_gpt.py's arguments have no plain ReLU (GeLU is the default)")
+    if m.zero_centered_gamma:   # TransformerConfig.layernorm_zero_centered_gamma (its argparse name)
+        add("--apply-layernorm-1p")
     if m.position == "rope":
         add("--position-embedding-type", "rope")
         add("--rotary-base", fmt_num(m.rope_theta))
@@ -242,15 +241,7 @@ def _megatron_model_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     add("--attention-backend", "flash" if m.attention == "flash" else "unfused")
     add("--attention-dropout", m.dropout)
     add("--hidden-dropout", m.dropout)
-    if m.parallel_residual:
-        notes.append("parallel_residual: pretrain_gpt.py has no parallel attention/MLP residual flag")
-    if m.sliding_window:
-        notes.append(f"sliding_window {m.sliding_window}: set --window-size for Transformer Engine attention")
-    for key, where in (("attn_logit_softcapping", "the scores in its unfused Gemma2DotProductAttention"),
-                       ("final_logit_softcapping", "the logits in its Gemma2OutputLayer")):   # Gemma 2
-        if getattr(m, key) is not None:
-            notes.append(f"{key} {getattr(m, key)}: pretrain_gpt.py has no soft-capping argument (Megatron-Bridge's "
-                         f"Gemma2ModelProvider caps {where}: gemma2_provider.py@d9f7643b)")
+    # parallel_residual, sliding windows, soft-capping, ...: refused (model_keys.MEGATRON)
     if m.qk_norm:   # Megatron-Core's q_layernorm / k_layernorm over head_dim, of --normalization's kind
         add("--qk-layernorm")
 
@@ -287,12 +278,13 @@ def _megatron_moe_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         add("--moe-ffn-hidden-size", m.expert_ffn_hidden)
         add("--moe-aux-loss-coeff", m.router_aux_loss)
         if m.scoring_func == "sigmoid":
-            # Megatron-Core: sigmoid scores, the top-k renormalised whenever k > 1
+            # Megatron-Core: sigmoid scores, the top-k renormalised whenever k > 1 (norm_topk_prob
+            # false: megatron_errors)
             add("--moe-router-score-function", "sigmoid")
-            if not m.norm_topk_prob and m.top_k > 1:
-                notes.append("norm_topk_prob = false with sigmoid scores: Megatron-Core always renormalises "
-                             "the top-k sigmoid scores")
-        elif not m.norm_topk_prob and m.top_k > 1:   # softmax over all experts, then top-k, not renormalised
+        elif not m.norm_topk_prob or m.top_k == 1:
+            # the softmax over every expert, then the top-k, not renormalised: Megatron-Core's default
+            # (the softmax over the top-k logits) renormalises, and gives one expert the weight 1
+            # where parcompile's route gives it p (Switch)
             add("--moe-router-pre-softmax")
         if m.topk_method == "noaux_tc":   # DeepSeek-V3: the correction bias and group-limited top-k
             add("--moe-router-enable-expert-bias")
@@ -410,7 +402,9 @@ def _megatron_run_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
 
 def megatron_export(plan: Plan) -> Export:
     """``--to megatron``: the environment, ``torchrun ... pretrain_gpt.py`` and
-    :func:`megatron_args` as a shell command; notes and :func:`megatron_errors` as comments."""
+    :func:`megatron_args` as a shell command; notes and errors (the model keys Megatron-LM does
+    not carry, :func:`parcompile.export.model_keys.model_key_errors`, then
+    :func:`megatron_errors`) as comments."""
     cfg = plan.config
     args, notes = megatron_args(plan)
     cl = cfg.cluster
@@ -421,7 +415,7 @@ def megatron_export(plan: Plan) -> Export:
         launch += ' --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
         notes.append("multi-node: run the same command on every node with MASTER_ADDR/MASTER_PORT set")
     launch += " pretrain_gpt.py"
-    errors = megatron_errors(plan)
+    errors = model_key_errors(plan, "megatron") + megatron_errors(plan)
     lines = [f"# Megatron-LM (core_v0.19) arguments for `{cfg.name}`: {layout_line(plan)}",
              "# (exported by parcompile; run from a Megatron-LM checkout)"]
     lines += [f"# error: {e}" for e in errors]
@@ -448,28 +442,51 @@ def megatron_env(plan: Plan) -> dict[str, str]:
     return env
 
 
-def megatron_errors(plan: Plan) -> list[str]:
-    """What Megatron-LM core_v0.19's ``validate_args`` refuses for this plan (so the export
-    cannot run the plan's layout): ``--use-torch-fsdp2`` (zero 3) with pipeline or expert
-    parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
-    the ``if args.use_torch_fsdp2:`` block); and RoPE scalings its flags cannot state
-    (linear or YaRN outside multi-latent attention, Llama 3 scaling with other than its
-    fixed low/high frequency factors and 8192 original positions)."""
-    cfg = plan.config
-    deg = degrees(plan)
+def megatron_model_errors(m) -> list[str]:
+    """The values of model keys Megatron-LM carries that its flags cannot state: RoPE
+    scalings (linear or YaRN outside multi-latent attention; Llama 3 scaling with other than
+    its fixed low/high frequency factors and 8192 original positions; MLA's YaRN with other
+    than 4096 original positions), an MLP other than GeLU or SwiGLU, and unnormalised top-k
+    sigmoid scores."""
     errors = []
-    m = cfg.model
     if m.position == "rope" and m.rope_type == "llama3" and (
             float(m.rope_low_freq_factor), float(m.rope_high_freq_factor),
             m.rope_original_max_positions or 8192) != (1.0, 4.0, 8192):
         # megatron/core/models/common/embeddings/rotary_pos_embedding.py: _apply_scaling is called
         # with the factor only; low 1, high 4, original 8192 are fixed
-        errors.append(f"rope_type llama3 with low_freq_factor {fmt_num(m.rope_low_freq_factor)}, high_freq_factor "
-                      f"{fmt_num(m.rope_high_freq_factor)}, original max positions {m.rope_original_max_positions}: "
-                      "Megatron-Core's --use-rope-scaling fixes them at 1, 4 and 8192")
+        errors.append(f"rope_type llama3 with rope_low_freq_factor {fmt_num(m.rope_low_freq_factor)}, "
+                      f"rope_high_freq_factor {fmt_num(m.rope_high_freq_factor)}, rope_original_max_positions "
+                      f"{m.rope_original_max_positions}: Megatron-Core's --use-rope-scaling fixes them at 1, 4 "
+                      "and 8192")
     if m.position == "rope" and m.rope_type in ("linear", "yarn") and not m.kv_lora_rank:
         errors.append(f"rope_type {m.rope_type}: pretrain_gpt.py's RoPE flags scale as Llama 3.x "
                       "(--use-rope-scaling) only for this model; it would train unscaled RoPE")
+    if m.kv_lora_rank and m.rope_type == "yarn" and (m.rope_original_max_positions or 4096) != 4096:
+        # MLATransformerConfig.original_max_position_embeddings = 4096 has no flag (transformer_config.py,
+        # core_v0.19.0 5be9626; _add_mla_args writes none)
+        errors.append(f"rope_original_max_positions {m.rope_original_max_positions}: Megatron-Core's multi-latent "
+                      "attention YaRN fixes its original positions at 4096 (MLATransformerConfig, no flag)")
+    if m.activation in ("geglu", "relu"):
+        # arguments.py core_v0.19.0: --swiglu, --squared-relu, --quick-geglu; activation_func has no flag
+        errors.append(f"activation {m.activation}: pretrain_gpt.py's MLP is GeLU (the default), --swiglu, "
+                      "--squared-relu or --quick-geglu; it has no " + ("GeGLU with tanh GeLU" if m.activation == "geglu"
+                                                                       else "plain ReLU"))
+    if m.experts and m.scoring_func == "sigmoid" and not m.norm_topk_prob and m.top_k > 1:
+        errors.append("norm_topk_prob = false with sigmoid scores: Megatron-Core always renormalises the top-k "
+                      "sigmoid scores")
+    return errors
+
+
+def megatron_errors(plan: Plan) -> list[str]:
+    """What Megatron-LM core_v0.19's ``validate_args`` refuses for this plan (so the export
+    cannot run the plan's layout): ``--use-torch-fsdp2`` (zero 3) with pipeline or expert
+    parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
+    the ``if args.use_torch_fsdp2:`` block); and the values of carried model keys its flags
+    cannot state (:func:`megatron_model_errors`). The model keys it does not carry at all are
+    :data:`parcompile.export.model_keys.MEGATRON`'s."""
+    cfg = plan.config
+    deg = degrees(plan)
+    errors = megatron_model_errors(cfg.model)
     if cfg.parallel.zero == 3:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "

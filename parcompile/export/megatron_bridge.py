@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from parcompile.export.common import Export, layout_line, py_name
 from parcompile.export.megatron import megatron_args, megatron_env, megatron_errors
+from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 
@@ -75,6 +76,7 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--attention-dropout": [("model", "attention_dropout", float)],
     "--hidden-dropout": [("model", "hidden_dropout", float)],
     "--qk-layernorm": [("model", "qk_layernorm", True)],
+    "--apply-layernorm-1p": [("model", "layernorm_zero_centered_gamma", True)],
     "--num-experts": [("model", "num_moe_experts", int)],
     "--moe-router-topk": [("model", "moe_router_topk", int)],
     "--moe-ffn-hidden-size": [("model", "moe_ffn_hidden_size", int)],
@@ -123,10 +125,12 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
     value}}`` (the sections of :data:`MEGATRON_BRIDGE_SECTIONS`, plus ``"container"`` for the
     container's own ``mixed_precision``), the notes and the errors. It is the Megatron-LM
     arguments of :func:`megatron_args` (one rule for what Megatron runs) renamed through
-    :data:`MEGATRON_BRIDGE_FIELDS`; an argument with no field there, and what
-    :func:`megatron_errors` refuses, are errors."""
+    :data:`MEGATRON_BRIDGE_FIELDS`, and ``softmax_scale`` for ``query_pre_attn_scalar`` (which
+    pretrain_gpt.py cannot state); the model keys Bridge does not carry
+    (:data:`parcompile.export.model_keys.MEGATRON_BRIDGE`), an argument with no field there,
+    and what :func:`megatron_errors` refuses, are errors."""
     args, notes = megatron_args(plan)
-    errors = list(megatron_errors(plan))
+    errors = model_key_errors(plan, "megatron-bridge") + megatron_errors(plan)
     m = plan.config.model
     out: dict[str, dict[str, object]] = {k: {} for k in ("container", *MEGATRON_BRIDGE_SECTIONS)}
     # Megatron-LM's defaults where GPTModelProvider's differ (its arguments state only the
@@ -156,6 +160,11 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
             else:
                 v = kind
             out[section][name] = v
+    if m.query_pre_attn_scalar is not None:
+        # TransformerConfig.softmax_scale (megatron-core 0.16.1 transformer_config.py line 116, handed to
+        # the core attention by attention.py line 324), as Megatron-Bridge v0.3.1's gemma3_bridge.py sets
+        # it: 1 / sqrt(query_pre_attn_scalar); pretrain_gpt.py has no flag for it
+        out["model"]["softmax_scale"] = m.query_pre_attn_scalar ** -0.5
     if m.position == "learned" and m.max_positions != m.seq_len:
         errors.append(f"max_positions {m.max_positions}: Megatron-Bridge's GPTModelProvider sizes learned position "
                       f"embeddings by seq_length ({m.seq_len})")

@@ -8,6 +8,7 @@ import shlex
 
 from parcompile.core.quant import DEFAULT_FORMAT
 from parcompile.export.common import SERVE_TARGETS, Export, degrees, layout_line
+from parcompile.export.model_keys import checkpoint_key_errors, model_key_errors
 from parcompile.plan import Plan
 
 
@@ -47,12 +48,15 @@ def serve_fraction_sequences(plan: Plan, with_workspace: bool) -> int:
 
 def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
     """The server arguments for a serve ``plan`` (``target`` ``vllm`` or ``sglang``) as
-    ``(flag, value or None)`` pairs, the notes and the errors."""
+    ``(flag, value or None)`` pairs, the notes and the errors: first the model keys the server
+    would read otherwise from the checkpoint's config.json
+    (:func:`parcompile.export.model_keys.checkpoint_key_errors`)."""
     cfg = plan.config
     m, sv = cfg.model, cfg.serve
     deg = degrees(plan)
     s = plan.data["serve"]
-    notes, errors = [], []
+    notes: list[str] = []
+    errors = model_key_errors(plan, target) + checkpoint_key_errors(plan, target)
     kv = "auto" if sv.kv_dtype == m.dtype else KV_CACHE_DTYPE.get(sv.kv_dtype)
     if kv is None:
         errors.append(f"kv_dtype {sv.kv_dtype}: {SERVE_TARGETS[target]} keeps the KV cache in the model's dtype "

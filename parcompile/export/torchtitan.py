@@ -9,6 +9,7 @@ from __future__ import annotations
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
+from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 #: parcompile schedule -> torch.distributed.pipelining schedule name (torchtitan), for one
@@ -22,35 +23,26 @@ TORCHTITAN_SCHEDULE = {
 
 
 def torchtitan_errors(plan: Plan) -> list[str]:
-    """What torchtitan 0.3's llama3 model (``torchtitan.models.llama3``: RMSNorm, SwiGLU,
-    RoPE, no biases, head_dim = dim / n_heads) cannot express without training a different
-    model; the export is refused with these reasons."""
+    """The values of model keys torchtitan carries that its llama3 model
+    (``torchtitan.models.llama3``) cannot take without training a different model: RoPE scalings
+    other than none and Llama 3.1's, fp16. The keys it does not carry at all (norms,
+    activations, biases, MLA, experts, ...) are refused first by the allowlist
+    (:data:`parcompile.export.model_keys.TORCHTITAN`, :func:`torchtitan_model_errors`)."""
     m = plan.config.model
     errors = []
-    if m.experts > 0:
-        errors.append(f"experts {m.experts}: parcompile exports dense llama3-family models to torchtitan; its MoE "
-                      "models (deepseek_v3, qwen3) need a flavor registered by hand")
-    if m.norm != "rmsnorm" or m.activation != "swiglu" or m.position != "rope":
-        errors.append(f"model: torchtitan's llama3 is RMSNorm + SwiGLU + RoPE; this model has {m.norm}, "
-                      f"{m.activation}, {m.position} positions")
-    if m.bias or m.qkv_bias:
-        errors.append("bias: torchtitan's llama3 linear layers have no biases")
-    if m.qk_norm:
-        errors.append("qk_norm: torchtitan's llama3 has no q/k norm (its qwen3 model has one)")
-    if m.kv_lora_rank:
-        errors.append("multi-head latent attention: torchtitan's llama3 has none (its deepseek_v3 model has)")
-    if m.sliding_window:
-        errors.append(f"sliding_window {m.sliding_window}: torchtitan's llama3 attends to the whole context")
-    if m.parallel_residual:
-        errors.append("parallel_residual: torchtitan's llama3 block is sequential")
-    if m.head_dim != m.hidden // m.heads:
-        errors.append(f"head_dim {m.head_dim}: torchtitan's llama3 uses dim / n_heads = {m.hidden // m.heads}")
     if m.position == "rope" and m.rope_type not in ("default", "llama3"):
         errors.append(f"rope_type {m.rope_type}: torchtitan's llama3 RoPE scales as none or llama (Llama 3.1)")
     if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
         errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
                       "training.dtype); use dtype bf16 or fp32 in the spec")
     return errors
+
+
+def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
+    """The model's errors for torchtitan ``version`` (``"0.3"``, ``"0.2"``): the keys it does
+    not carry (:func:`parcompile.export.model_keys.model_key_errors`), then
+    :func:`torchtitan_errors`."""
+    return model_key_errors(plan, "torchtitan" if version == "0.3" else "torchtitan-0.2") + torchtitan_errors(plan)
 
 
 def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tuple[int, int, str]:
@@ -190,8 +182,6 @@ def _torchtitan3_training(plan: Plan, notes: list[str]) -> dict:
                      "matmul outputs and recomputes the rest, not only the attention core")
     if tr.optimizer == "sgd":
         notes.append("optimizer sgd: exported as torch.optim.SGD in torchtitan's param group")
-    if m.dropout:
-        notes.append(f"dropout {m.dropout}: torchtitan's llama3 has no dropout")
     if cfg.train.data == "synthetic":
         notes.append("dataset: c4_test is torchtitan's bundled sample; parcompile's spec trains on synthetic tokens")
     return training
@@ -228,10 +218,10 @@ def torchtitan_model_parts(split: list[int], output: str) -> list[list[str]]:
 
 def torchtitan3_export(plan: Plan) -> Export:
     """``--to torchtitan`` (0.3): a config registry module registering the spec's llama3
-    flavor (:func:`torchtitan_registry`) with :func:`torchtitan_errors` in its docstring."""
+    flavor (:func:`torchtitan_registry`) with :func:`torchtitan_model_errors` in its docstring."""
     cfg = plan.config
     config, notes = torchtitan_registry(plan)
-    errors = torchtitan_errors(plan)
+    errors = torchtitan_model_errors(plan, "0.3")
     if cfg.train.precision == "fp8":
         errors.append("precision fp8: parcompile writes torchtitan's float8 converters in 0.2's TOML "
                       "([quantize.linear.float8] / [quantize.linear.mx]) only; export --torchtitan-version 0.2")

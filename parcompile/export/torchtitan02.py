@@ -10,7 +10,7 @@ from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
 from parcompile.export.common import (Export, common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
-from parcompile.export.torchtitan import (torchtitan_errors, torchtitan_fsdp, torchtitan_model_parts,
+from parcompile.export.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
                                           torchtitan_schedule)
 from parcompile.plan import Plan
 
@@ -256,7 +256,7 @@ def torchtitan02_export(plan: Plan) -> Export:
     where 0.2's named flavor or mixed precision would train another model or precision."""
     cfg = plan.config
     config, notes = torchtitan_config(plan)
-    errors = torchtitan_errors(plan)
+    errors = torchtitan_model_errors(plan, "0.2")
     if config["model"]["flavor"] == "debugmodel" and not cfg.model.experts:
         errors.append(f"model: torchtitan 0.2 takes the model's shape from a registered flavor and this shape "
                       f"({cfg.model.layers} layers, hidden {cfg.model.hidden}) is none of llama3's 8B, 70B, 405B; "
