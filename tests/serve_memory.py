@@ -88,7 +88,7 @@ def measure_prefill(out: Path, batch: int, prompt_len: int, seed: int = 0) -> in
     model.eval()
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, mod.VOCAB, (batch, prompt_len), generator=g).tolist()
-    window = mod.LAYER_WINDOWS if hasattr(mod, "LAYER_WINDOWS") else mod.WINDOW
+    window = mod.ATTN_CORE_WINDOW if hasattr(mod, "ATTN_CORE_WINDOW") else mod.WINDOW   # per layer where they differ
     req = gen.Requests(prompts, 1, window, ctx.device)
     model.new_cache(req.batch, req.max_len, ctx.device)
     ids = req.ids[:, :prompt_len]

@@ -153,7 +153,7 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
     load_weights(model, weights, ctx, **quant)
     model.eval()
     cache = model.new_paged_cache(blocks, block_size, ctx.device)
-    windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
+    windows = getattr(mod, "ATTN_CORE_WINDOW", None) or mod.WINDOW
     sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=prefix_caching,
                             max_prefill_tokens=max_prefill_tokens)
     params = {"max_tokens": n, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "eos": []}

@@ -134,7 +134,7 @@ def test_runtime_layers_check_the_programs_local_shapes():
 ])
 def test_attention_is_written_from_graph_facts(parallel, has, lacks):
     pd = _layers(tiny_config(1, 2, 1, parallel=parallel))
-    text = module_methods(pd.dense_layer, "attn", pd.ops, {"window": "WINDOW"}).text("i, tp, cp")
+    text = module_methods(pd.dense_layer, "attn", pd.ops).text("i, tp, cp")
     for s in has:
         assert s in text, s
     for s in lacks:
@@ -304,10 +304,10 @@ def test_mla_serving_class_is_written_from_the_absorbed_graph():
     assert kinds == ["linear", "norm", "linear", "latent_norm", "latent_rope", "linear", "rope", "mla_absorb",
                      "attention", "mla_value_up", "linear"]
     assert layer.op("attn.key") is None and layer.op("attn.core").attr("latent") == 16
-    text = module_methods(layer, "attn", pd.ops, {"window": "WINDOW"}, MLA_CONSTANTS, serve=True).text("i, tp")
+    text = module_methods(layer, "attn", pd.ops, {}, MLA_CONSTANTS, serve=True).text("i, tp")
     assert "self.wkv_b = rt.ColumnParallelLinear(" in text and "local=(32, 16)" in text   # 2 of 4 heads x (8 + 8)
     assert "rt.mla_absorb_query(q, self.wkv_b.weight, heads=2, nope=8, v_dim=8, latent=16)" in text
-    assert "rt.latent_attention(q, latent, k_rope, pos, self.window, heads=2" in text
+    assert "rt.latent_attention(q, latent, k_rope, pos, 0, heads=2" in text   # one window: a literal
     assert "rt.mla_value_up(y, self.wkv_b.weight, heads=2" in text
     assert "# (B, T, q_latent/tp=40)" in text and "# (B, T, y_latent/tp=32)" in text
 

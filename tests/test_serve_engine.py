@@ -54,7 +54,7 @@ class Engine:
             p.data = p.data.to(self.ctx.device, mod.DTYPE)
         self.model.eval()
         self.cache = self.model.new_paged_cache(blocks, block_size, self.ctx.device)
-        self.windows = getattr(mod, "LAYER_WINDOWS", None) or mod.WINDOW
+        self.windows = getattr(mod, "ATTN_CORE_WINDOW", None) or mod.WINDOW
         self.sched = paged.Scheduler(blocks, block_size, max_seqs, prefix_caching=caching,
                                      max_prefill_tokens=max_prefill_tokens, **admission)
         self.blocks = blocks

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from parcompile.analysis.fp8 import FP8_KINDS
-from parcompile.codegen.program_data import LayerData, OpData
+from parcompile.codegen.program_data import LayerAttributeError, LayerData, LayerTable, OpData
 from parcompile.ir.ops import Code, code_of
 
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
@@ -74,6 +74,30 @@ class Submodule:
     extra: str = ""
     #: the op names (after the class's prefix) it runs; empty: those named ``<attr>.*``
     members: tuple[str, ...] = ()
+
+
+class LayerValue:
+    """A per-layer attribute's value as a generated class's lines read it: the class's own
+    attribute ``self.<var>``, which its ``__init__`` sets from the program's table of the
+    layers' values (:class:`~parcompile.codegen.program_data.LayerTable`). A row writes it
+    (``{a[scale]!r}``, ``f"{a['scale']!r}"``) but may not decide on its value: that is one
+    layer's."""
+
+    def __init__(self, var: str, table: LayerTable):
+        self.var, self.table = var, table
+
+    def __repr__(self) -> str:
+        return f"self.{self.var}"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(repr(self), spec)
+
+    def __bool__(self) -> bool:
+        raise LayerAttributeError(f"internal error: a program row decides on {self.table.attr!r} of "
+                                  f"layers.{{i}}.{self.table.op}, which differs between layers "
+                                  f"({self.table.literal()}); a row may only write it")
 
 
 @dataclass
@@ -208,16 +232,20 @@ def wrap_statement(stmt: str, wrap: int = WRAP) -> list[str]:
 def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str, OpData],
             subs: Mapping[str, Submodule] | None = None, tables: Mapping[str, str] | None = None,
             constants: Mapping[str, str] = DIM_CONSTANTS, serve: bool = False, method: str = "forward",
-            pos_type: str | None = None) -> Methods:
+            pos_type: str | None = None, per_layer: Sequence[LayerTable] = ()) -> Methods:
     """``__init__`` and ``forward`` of the class running ``ops`` (one layer's, graph order).
 
     ``prefix`` is what the op names start with inside the class (``layers.3.mlp.``; its
     modules are ``self.<rest of the name>``); ``subs`` maps an attribute (``attn``) to the
     sub-module running the ops named ``<prefix><attr>.*`` (or its ``members``); ``every``
     is every op by name (an input from outside ``ops``: its shape for the signature's
-    comment); ``tables``: the program's expression in ``__init__`` for an attribute that
-    differs between layers (``window``: ``LAYER_WINDOWS[i]``); ``constants``: the
-    program's constants for the dims' global sizes. ``serve``: the serving program's
+    comment); ``tables``: the program's expression in ``__init__`` for a per-layer fact
+    that is no op attribute (``fp8``: ``LAYER_FP8[i]``); ``per_layer``: the per-layer
+    attributes that differ between the layers the class serves
+    (:attr:`~parcompile.codegen.program_data.ProgramData.layer_tables`): a row reads each as
+    ``self.<attribute>`` (:class:`LayerValue`), which ``__init__`` sets from the program's
+    table (``self.scale = ATTN_CORE_SCALE[i]``); ``constants``: the program's constants
+    for the dims' global sizes. ``serve``: the serving program's
     class (the rows' ``serve_call``/``serve_init``; conversions that move nothing forward
     dropped, there is no backward; ``pos`` a :class:`~parcompile.runtime.generate.LayerStep`;
     the step's tokens ``T`` unsized). ``method``: the name of the forward method (the
@@ -228,7 +256,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
         ValueError: an op with no Code row, a conversion the runtime has no call for, or
             not exactly one value leaving the ops (the forward's return).
     """
-    w = _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants, serve)
+    w = _Writer(ops, layer, prefix, every, dict(subs or {}), dict(tables or {}), constants, serve, per_layer)
     w.method, w.pos_type = method, pos_type
     return w.write()
 
@@ -242,16 +270,20 @@ class _Writer:
     each unit's value placed: pending inside its reader's expression, a statement, a
     ``keep_split_input`` block or the return."""
 
-    def __init__(self, ops, layer, prefix, every, subs, tables, constants, serve=False):
+    def __init__(self, ops, layer, prefix, every, subs, tables, constants, serve=False, per_layer=()):
         self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
         self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
+        self.per_layer: dict[str, list[LayerTable]] = {}
+        for table in per_layer:
+            self.per_layer.setdefault(table.op, []).append(table)
+        self.layer_vars: dict[tuple[str, str], str] = {}   # (op inside the layer, attribute) -> self.<var>
         self.names = {o.name for o in ops}
         self.by_name = {o.name: o for o in ops}
         self.units: list[_Unit] = self._units()
         self.codes: dict[str, Code] = {}
         for name, op, _, _ in self.units:
             if isinstance(op, OpData):
-                code = code_of(op.kind, program_attrs(op, every))
+                code = code_of(op.kind, self._attrs(op))
                 if code is None:
                     raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
                 self.codes[name] = code
@@ -392,41 +424,40 @@ class _Writer:
         self.needs_pos = self.needs_pos or "pos" in sub.extra
         return Code(var="h"), f"self.{sub.attr}({', '.join(texts)}{sub.extra})"
 
+    def _attrs(self, op: OpData) -> dict:
+        """``op``'s attributes as its Code row reads them (:func:`program_attrs`), each of its
+        per-layer tables' attributes a :class:`LayerValue` (``self.scale``)."""
+        attrs = program_attrs(op, self.every)
+        suffix = op.name.removeprefix(f"layers.{self.layer}.")
+        for table in self.per_layer.get(suffix, ()):
+            key = (suffix, table.attr)
+            if key not in self.layer_vars:
+                var = table.attr
+                if var in self.layer_vars.values() or any(o.name == self.prefix + var for o in self.ops):
+                    var = f"{suffix.rsplit('.', 1)[-1]}_{table.attr}"
+                self.layer_vars[key] = var
+            attrs[table.attr] = LayerValue(self.layer_vars[key], table)
+        return attrs
+
+    def _read_tables(self, attrs: dict, at: int, texts: list[str]) -> None:
+        """Each per-layer table whose value the op's lines read (``self.<var>`` in ``texts``):
+        ``self.<var> = <TABLE>[i]`` in ``__init__`` at ``at``, before the op's own lines."""
+        lines = [f"self.{v.var} = {v.table.name}[i]" for v in attrs.values() if isinstance(v, LayerValue)
+                 and any(re.search(rf"\bself\.{v.var}\b", s) for s in texts)]
+        self.init[at:at] = [ln for ln in lines if ln not in self.init]
+
     def _op(self, name: str, op: OpData, texts: list[str], notes: list[str], show: OpData) -> tuple[Code, str]:
         """An op's ``__init__`` lines and forward expression from its Code row."""
         code = self.codes[name]
-        attr = name.removeprefix(self.prefix)
-        facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
-        facts["attr"] = attr
-        # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
-        # representative layer may be one of them: its op has no recipe, the others' do); the
-        # ops that can run FP8 are analysis/fp8's FP8_KINDS (the rule fp8_kind applies)
-        if "fp8" in self.tables and op.kind in FP8_KINDS:
-            facts["fp8"] = f", fp8={self.tables['fp8']}"
-        attrs = program_attrs(op, self.every)
+        attrs = self._attrs(op)
         more = dict(code.facts(attrs)) if code.facts is not None else {}
-        build = code.build
-        if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
-            args = "".join(f", {k}={op.attr(k)!r}" for k in code.args if op.attr(k, None) is not None)
-            build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
-        if build is not None:
-            if not self.serve and any("tp" in axes for axes in op.grad_partial):
-                # the plan's name for that step all-reduce: sequence parallelism's norm
-                # gradients when the module's input is split over tp, else tp-partial ones
-                sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
-                self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
-                                 f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
-            fields = {k: v for k, v in more.items() if k not in ("init", "notes")}
-            self.init.append("\n".join(wrap_statement(f"self.{attr} = " + build.format(**facts, **fields), INIT_WRAP)))
-        init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.pop("init", ()))
-        more.pop("init", None)
-        for line in init:
-            line = "\n".join(wrap_statement(line.format(t=self.tables, **facts), INIT_WRAP))
-            if line not in self.once:
-                self.once.append(line)
+        at, once = len(self.init), len(self.once)
+        self._init_lines(name, op, code, attrs, more)
         extra_notes = more.pop("notes", ())
         call = code.serve_call if self.serve and code.serve_call is not None else code.call
-        text = call.format(*texts, x=texts[0] if texts else "", self=f"self.{attr}", a=attrs, **more)
+        text = call.format(*texts, x=texts[0] if texts else "", self=f"self.{name.removeprefix(self.prefix)}",
+                           a=attrs, **more)
+        self._read_tables(attrs, at, self.init[at:] + self.once[once:] + [text])
         self.needs_pos = self.needs_pos or re.search(r"\bpos\b", call) is not None
         notes += ([code.comment] if code.comment else []) + list(extra_notes)
         if any(c.phase == "forward" or not self.serve for c in show.collectives):
@@ -443,6 +474,37 @@ class _Writer:
             text += f".unflatten(-1, ({n}, {unit}))"
             notes.append(f"{n} head{'s' if n != 1 else ''} of {unit}")
         return code, text
+
+    def _init_lines(self, name: str, op: OpData, code: Code, attrs: dict, more: dict) -> None:
+        """The op's ``__init__`` lines: its module's constructor (``build``) and the row's
+        ``init`` lines (each once per class); ``more``: the row's ``facts`` (its ``init`` taken)."""
+        attr = name.removeprefix(self.prefix)
+        facts = _facts(op, self.layer, self.reduce.get(name), self.constants)
+        facts["attr"], facts["a"] = attr, attrs
+        # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
+        # representative layer may be one of them: its op has no recipe, the others' do); the
+        # ops that can run FP8 are analysis/fp8's FP8_KINDS (the rule fp8_kind applies)
+        if "fp8" in self.tables and op.kind in FP8_KINDS:
+            facts["fp8"] = f", fp8={self.tables['fp8']}"
+        build = code.build
+        if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
+            args = "".join(f", {k}={attrs[k]!r}" for k in code.args if attrs.get(k) is not None)
+            build = f"rt.{code.module}({{name}}{args}, seed=SEED, tp=tp)"
+        if build is not None:
+            if not self.serve and any("tp" in axes for axes in op.grad_partial):
+                # the plan's name for that step all-reduce: sequence parallelism's norm
+                # gradients when the module's input is split over tp, else tp-partial ones
+                sp = any("tp" in axes for u in self.external if u in self.every for axes in self.every[u].splits)
+                self.init.append("# replicated weight; each rank sums its own heads' gradient, all-reduced over "
+                                 f"tp with the step ({'sp_norm_grads' if sp else 'tp_partial_grads'})")
+            fields = {k: v for k, v in more.items() if k not in ("init", "notes")}
+            self.init.append("\n".join(wrap_statement(f"self.{attr} = " + build.format(**facts, **fields), INIT_WRAP)))
+        init = code.serve_init if self.serve and code.serve_init is not None else (*code.init, *more.get("init", ()))
+        more.pop("init", None)
+        for line in init:
+            line = "\n".join(wrap_statement(line.format(t=self.tables, **facts), INIT_WRAP))
+            if line not in self.once:
+                self.once.append(line)
 
     def _keep_split(self, name: str, op: OpData, text: str, texts: list[str], notes: list[str],
                     show: OpData) -> None:
@@ -524,15 +586,16 @@ def _used_outside(name: str, members: set[str], ops: tuple[OpData, ...]) -> bool
 
 def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
                    tables: Mapping[str, str] | None = None, constants: Mapping[str, str] = DIM_CONSTANTS,
-                   serve: bool = False) -> Methods:
+                   serve: bool = False, per_layer: Sequence[LayerTable] = ()) -> Methods:
     """The methods of the module run by ``layer``'s ops named ``layers.<i>.<prefix>.*``
     (``attn``, ``mlp``, a MoE layer's shared experts ``mlp.shared``), with the conversions
-    into and out of it (:func:`methods`)."""
+    into and out of it (:func:`methods`; ``per_layer``: its per-layer tables)."""
     full = f"layers.{layer.index}.{prefix}."
     inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
     ops = [o for o in layer.ops if o.name in inside
            or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
-    return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants, serve=serve)
+    return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants, serve=serve,
+                   per_layer=per_layer)
 
 
 def _feeds_only(conv: OpData, inside: set[str], layer: LayerData) -> bool:
@@ -554,5 +617,5 @@ def mlp_doc(layer: LayerData, prefix: str) -> str:
     return f"{what} MLP: {', '.join(col)} column-parallel, {', '.join(row)} row-parallel; {width} inner units{per}."
 
 
-__all__ = ["DIM_CONSTANTS", "MLA_CONSTANTS", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods",
+__all__ = ["DIM_CONSTANTS", "MLA_CONSTANTS", "LayerValue", "Methods", "Submodule", "calls_comment", "describe", "methods", "mlp_doc", "module_methods",
            "program_attrs", "wrap_statement"]

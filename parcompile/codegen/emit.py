@@ -29,8 +29,8 @@ from parcompile.core.model import rotary_dim
 from parcompile.core.quant import quantized_param, weight_format, weight_key
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.classes import serve_classes, train_classes
-from parcompile.codegen.stage import (constant_lines, norm_definition, serve_constants, serve_positions, stage_code, train_constants,
-                                      train_positions)
+from parcompile.codegen.stage import (constant_lines, layer_table_rows, norm_definition, rope_bases, serve_constants,
+                                      serve_positions, stage_code, train_constants, train_positions)
 from parcompile.codegen.program_data import LayerData, ProgramData, program_data
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
@@ -212,8 +212,8 @@ def _train_model(cfg: SpecConfig, pd: ProgramData, padded: int) -> dict:
     seq_ranks = z.t_attn // z.t_residual
     aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
     layer = pd.dense_layer or pd.moe_layer
-    kinds = _layer_kinds(pd)
     c = _classes(pd)
+    kinds = _layer_kinds(pd, c)
     sizes = {"heads_local": z.heads, "kv_local": z.kv_heads, "experts_local": z.experts or 0,
              "expert_ffn_local": z.expert_ffn or 0, "mla_grads": _mla_grads(pd, layer) or "none (tp = 1)",
              "aux_loss_scale": repr(aux), "seq_ranks": seq_ranks}
@@ -313,15 +313,9 @@ def _mlp_classes(pd: ProgramData, serve: bool = False) -> dict:
     for key, layer, prefix in (("mlp", pd.dense_layer, "mlp"), ("shared", pd.moe_layer, "mlp.shared")):
         if layer is not None and layer.op(f"{prefix}.w1") is not None:
             out[f"{key}_doc"] = mlp_doc(layer, prefix)
-            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, _fp8_table(pd, serve),
-                                                 serve=serve).text("i: int, tp: rt.Axis")
+            out[f"{key}_class"] = module_methods(layer, prefix, pd.ops, _fp8_table(pd, serve), serve=serve,
+                                                 per_layer=pd.layer_tables).text("i: int, tp: rt.Axis")
     return out
-
-
-def _window_table(pd: ProgramData) -> dict:
-    """The attention's window in ``__init__``: per layer where the layers' windows differ."""
-    windows = {x.op("attn.core").attr("window") for x in pd.layers}
-    return {"window": "LAYER_WINDOWS[i]" if len(windows) > 1 else "WINDOW"}
 
 
 def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
@@ -337,8 +331,8 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
     whole = _experts_on_tp(pd)   # every expert on every tp rank: no expert axes
-    return methods(ops, layer.index, full, pd.ops, subs, _fp8_table(pd, serve), constants=constants,
-                   serve=serve).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
+    return methods(ops, layer.index, full, pd.ops, subs, _fp8_table(pd, serve), constants=constants, serve=serve,
+                   per_layer=pd.layer_tables).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
 
 
 def _classes(pd: ProgramData) -> dict:
@@ -347,9 +341,9 @@ def _classes(pd: ProgramData) -> dict:
     (one Block for both layer kinds: only its ``mlp`` module differs)."""
     out = _mlp_classes(pd)
     layer = pd.dense_layer or pd.moe_layer
-    tables = {**_window_table(pd), **_fp8_table(pd)}
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
-    out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants).text("i: int, tp: rt.Axis, cp: rt.Axis")
+    out["attn_class"] = module_methods(layer, "attn", pd.ops, _fp8_table(pd), constants,
+                                       per_layer=pd.layer_tables).text("i: int, tp: rt.Axis, cp: rt.Axis")
     out["moe_class"] = _moe_methods(pd) if pd.moe_layer is not None else ""
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
@@ -371,7 +365,8 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, moe)):
         if layer is not None:
             subs = {"attn": Submodule("attn", attn, ", pos"), "mlp": Submodule("mlp", mlp)}
-            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs, serve=serve))
+            kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs, serve=serve,
+                                 per_layer=pd.layer_tables))
     block = kinds[0]
     if len(kinds) == 2:
         dense, moe_kind = kinds
@@ -393,14 +388,14 @@ def _serve_classes(pd: ProgramData) -> dict:
     ``ir/lower.py`` ``mla_absorbed``), the dense MLP and Block."""
     layer = pd.dense_layer or pd.moe_layer
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
-    tables = _window_table(pd)
     out = {**_mlp_classes(pd, serve=True), "attn_class": ""}
     out["moe_class"], out["moe_doc"], moe, out["block_args"] = "", "", "MoE(i, tp)", ""
     if pd.moe_layer is not None:
         out.update(_serve_moe(pd))
         if out["moe_expert_parallel"]:
             moe, out["block_args"] = "MoE(i, tp, experts)", ", rt.ExpertAxes.of(ctx)"
-    out["attn_class"] = module_methods(layer, "attn", pd.ops, tables, constants, serve=True).text("i: int, tp: rt.Axis")
+    out["attn_class"] = module_methods(layer, "attn", pd.ops, {}, constants, serve=True,
+                                       per_layer=pd.layer_tables).text("i: int, tp: rt.Axis")
     sig = "i: int, tp: rt.Axis" + (", experts: rt.ExpertAxes" if out["block_args"] else "")
     out["block_methods"] = _block_methods(pd, "Attention(i, tp)", moe, serve=True).text(sig)
     return out
@@ -421,23 +416,27 @@ def _serve_moe(pd: ProgramData) -> dict:
     return {"moe_expert_parallel": not whole, "moe_class": _moe_methods(pd, serve=True), "moe_doc": doc}
 
 
-def _layer_kinds(pd: ProgramData) -> dict:
-    """What differs between decoder layers of one kind, from each layer's ops (Gemma 2/3,
-    gpt-oss): the attention window (``attn.core``'s ``window``; ``window_table`` the
-    program's constant) and the RoPE base (``attn.rope_q``'s ``theta``)."""
-    layers = sorted(pd.layers, key=lambda x: x.index)
-    windows = tuple(x.op("attn.core").attr("window") for x in layers)
-    ropes = [x.op("attn.rope_q") for x in layers]
-    bases = [(r.attr("theta"), r.attr("scaling", None)) for r in ropes if r is not None]
-    thetas = tuple(dict.fromkeys(bases))
-    several = len(thetas) > 1 or any(s is not None for _, s in thetas)
+#: the emitted class bodies (emit's ``_classes`` / ``_serve_classes``) that may read a per-layer table
+_CLASS_KEYS = ("attn_class", "mlp_class", "shared_class", "moe_class", "block_methods")
+
+
+def _layer_kinds(pd: ProgramData, classes: dict, serve: bool = False) -> dict:
+    """What differs between the decoder layers one class serves, as the program's constants:
+    the per-layer tables of the op attributes declared per-layer that differ
+    (``layer_tables``: :func:`parcompile.codegen.stage.layer_table_rows`, each read by the
+    written ``classes`` or by the serving cache), the RoPE tables per base
+    (:func:`parcompile.codegen.stage.rope_bases`), the FP8 recipe per layer. ``window`` /
+    ``window_table``: the serving cache's window (``serve``: the cache reads it), or the name
+    of the layers' table of them."""
+    windows = pd.table("attn.core", "window")
+    table = windows.name if windows is not None else "WINDOW"
+    written = "\n".join([classes.get(k, "") for k in _CLASS_KEYS] + ([table] if serve else []))
     return {
-        "window": windows[0],
-        "layer_windows": repr(windows) if len(set(windows)) > 1 else None,
+        "window": (pd.dense_layer or pd.moe_layer).op("attn.core").attr("window"),
+        "window_table": table,
+        "layer_tables": layer_table_rows(pd, written),
         "layer_fp8": repr(pd.layer_fp8) if pd.layer_fp8 else None,
-        "rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)) if several else None,
-        "layer_rope": repr(tuple(thetas.index(b) for b in bases)) if several else None,
-        "window_table": "LAYER_WINDOWS" if len(set(windows)) > 1 else "WINDOW",
+        **rope_bases(pd),
     }
 
 
@@ -591,8 +590,9 @@ def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -
     forms)."""
     m, s = cfg.model, cfg.serve
     z = pd.sizes
-    kinds = _layer_kinds(pd)
-    c = {**kinds, **_serve_classes(pd)}
+    classes = _serve_classes(pd)
+    kinds = _layer_kinds(pd, classes, serve=True)
+    c = {**kinds, **classes}
     sizes = {"heads_local": z.heads, "kv_local": kv_local, "experts_local": z.experts or 0,
              "expert_ffn_local": z.expert_ffn or 0}
     stage = stage_code(pd, serve=True)

@@ -11,7 +11,11 @@ op on every edge whose layouts differ (named by the plan: ``layers.3.attn.all_ga
   name for it; the ones an op runs inside itself: vocab-parallel cross-entropy, the
   context-parallel gather of K and V, the MoE token all-to-alls);
 * the local sizes the program's shape comments and constructors show
-  (:class:`LocalSizes`), each read off one op's local type.
+  (:class:`LocalSizes`), each read off one op's local type;
+* what differs between the layers one generated class serves (:func:`layer_tables`): the
+  attributes their op kinds declare per-layer (``OpSpec.per_layer``), as per-layer tables
+  (:class:`LayerTable`); any other difference is an internal error
+  (:class:`LayerAttributeError`), never a layer computed with another layer's value.
 
 No degree arithmetic happens here: a local size is ``Sharding.local_type`` of the op
 the number describes (:mod:`parcompile.ir.types`), and which collectives run is
@@ -20,12 +24,13 @@ the number describes (:mod:`parcompile.ir.types`), and which collectives run is
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from parcompile.analysis.fp8 import fp8_kind, is_fp8_gemm
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import op_collectives
+from parcompile.ir.ops import op_collectives, spec
 from parcompile.ir.types import TensorType, split_axes
 
 #: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
@@ -148,10 +153,102 @@ class LayerData:
 
     def signature(self) -> tuple:
         """What the program's classes must do alike for every layer of one kind: each op's
-        name inside the layer, kind, local shape, layout and collectives."""
+        name inside the layer, kind, local shape, layout, collectives and attributes, but
+        those its kind declares per-layer (``OpSpec.per_layer``: the classes read them from
+        per-layer tables, :func:`layer_tables`)."""
         prefix = f"layers.{self.index}."
         return tuple((o.name.removeprefix(prefix), o.kind, o.local_shape, o.sharding,
-                      tuple((c.op, c.axis, c.phase) for c in o.collectives)) for o in self.ops)
+                      tuple((c.op, c.axis, c.phase) for c in o.collectives),
+                      tuple((k, v) for k, v in layer_attrs(o, self.index).items()
+                            if k not in spec(o.kind).per_layer)) for o in self.ops)
+
+
+class LayerAttributeError(ValueError):
+    """An internal error: the decoder layers that one generated class is written for differ
+    in an attribute their op kind does not declare per-layer (``OpSpec.per_layer``), or in
+    a declared one that nothing in the program reads per layer; the program would compute
+    every layer with the representative layer's value."""
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """A declared per-layer attribute (``OpSpec.per_layer``) that differs between the decoder
+    layers one class is written for: each layer's value of op ``layers.<i>.<op>``'s ``attr``,
+    as the program's constant :attr:`name` holds them (indexed by layer id)."""
+
+    op: str                                  # the op's name inside its layer: ``attn.core``
+    kind: str
+    attr: str
+    #: (layer id, value) in layer order; None where the layer's op has no such attribute
+    values: tuple[tuple[int, Any], ...]
+
+    @property
+    def name(self) -> str:
+        """The program's constant: ``ATTN_CORE_SCALE`` for ``attn.core``'s ``scale``."""
+        return re.sub(r"\W", "_", f"{self.op}_{self.attr}").upper()
+
+    def literal(self) -> str:
+        """The constant's value: a tuple over every layer id, a dict where only some layers
+        have the op (a MoE layer's)."""
+        ids = [i for i, _ in self.values]
+        if ids == list(range(len(ids))):
+            return repr(tuple(v for _, v in self.values))
+        return repr(dict(self.values))
+
+    def row(self) -> tuple[str, str, str]:
+        """``(NAME, value, comment)``: the program's constant line."""
+        return (self.name, self.literal(), f"each layer's {self.attr} of layers.{{i}}.{self.op} (its op kind's "
+                                           "per-layer attribute)")
+
+
+def layer_attrs(op: OpData, layer: int) -> dict[str, Any]:
+    """``op``'s attributes as alike layers have them: a string naming the op's own layer
+    (a conversion's ``where``: ``layers.3.attn``) written with ``{i}``."""
+    own = re.compile(rf"\blayers\.{layer}\b")
+    return {k: own.sub("layers.{i}", v) if isinstance(v, str) else v for k, v in op.attrs}
+
+
+def layer_tables(layers: tuple[LayerData, ...] | list[LayerData]) -> tuple[LayerTable, ...]:
+    """Every attribute that differs between the ``layers`` (model order) whose ops one
+    generated class writes: the ops of one name inside their layers and one kind, the
+    ``mlp.*`` ones of dense and of MoE layers apart (the Attention class serves every layer,
+    Block every layer, the MLP every dense layer, MoE every MoE one). A difference in an
+    attribute the op kind declares per-layer (``OpSpec.per_layer``) is a :class:`LayerTable`;
+    any other difference is refused.
+
+    Raises:
+        LayerAttributeError: an undeclared attribute differs (the op, the layers and the
+            attribute named)."""
+    ops: dict[tuple[str, str, bool], list[tuple[int, dict]]] = {}
+    for x in layers:
+        for o in x.ops:
+            name = o.name.removeprefix(f"layers.{x.index}.")
+            ops.setdefault((name, o.kind, x.moe and name.startswith("mlp.")), []).append(
+                (x.index, layer_attrs(o, x.index)))
+    tables: dict[tuple[str, str], LayerTable] = {}
+    for (name, kind, _), got in ops.items():
+        for key in sorted({k for _, a in got for k in a}):
+            values = tuple((i, a.get(key)) for i, a in got)
+            if all(v == values[0][1] for _, v in values):
+                continue
+            if key not in spec(kind).per_layer:
+                raise LayerAttributeError(_undeclared(name, kind, key, values))
+            # the dense and the MoE layers' op of one name: one table over both (their ids differ)
+            before = tables[name, key].values if (name, key) in tables else ()
+            tables[name, key] = LayerTable(name, kind, key, tuple(sorted(before + values, key=lambda iv: iv[0])))
+    return tuple(tables.values())
+
+
+def _undeclared(name: str, kind: str, key: str, values: tuple[tuple[int, Any], ...]) -> str:
+    groups: dict[str, list[int]] = {}
+    for i, v in values:
+        groups.setdefault("unset" if v is None else repr(v), []).append(i)
+    seen = "; ".join(f"layer{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {v}"
+                     for v, ids in groups.items())
+    return (f"internal error: op layers.{{i}}.{name} (kind {kind!r}) differs between layers in attribute {key!r} "
+            f"({seen}), which op kind {kind!r} does not declare per-layer (OpSpec.per_layer, "
+            "parcompile/ir/ops.py); the program writes one class for these layers and would compute all of them "
+            "with one layer's value")
 
 
 @dataclass(frozen=True)
@@ -198,6 +295,12 @@ class ProgramData:
     #: per decoder layer, the FP8 recipe its GEMMs run with, None for a layer kept in 16 bits
     #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`); () when every layer runs alike
     layer_fp8: tuple[str | None, ...] = ()
+    #: the declared per-layer attributes that differ between layers (:func:`layer_tables`)
+    layer_tables: tuple[LayerTable, ...] = ()
+
+    def table(self, op: str, attr: str) -> LayerTable | None:
+        """The per-layer table of ``layers.<i>.<op>``'s ``attr``, None where every layer has one value."""
+        return next((x for x in self.layer_tables if x.op == op and x.attr == attr), None)
 
     @property
     def layers(self) -> tuple[LayerData, ...]:
@@ -265,6 +368,8 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
     Raises:
         KeyError: the graph lacks an op every decoder has (``layers.<i>.attn.wq``,
             ``lm_head``): a graph not lowered by :func:`parcompile.ir.lower.lower`.
+        LayerAttributeError: two decoder layers differ in an attribute of an op that their
+            op kind does not declare per-layer (:func:`layer_tables`).
         ValueError: two decoder layers of one kind (dense, MoE) differ in an op, a local
             shape, a layout or a collective (the program writes each kind's classes once).
     """
@@ -295,6 +400,7 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
     ordered = [layers[i] for i in sorted(layers)]
     dense = next((x for x in ordered if not x.moe), None)
     moe = next((x for x in ordered if x.moe), None)
+    tables = layer_tables(ordered)
     for x in ordered:
         rep = moe if x.moe else dense
         if x.signature() != rep.signature():
@@ -326,7 +432,7 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
         boundary=tuple(n for d, n in zip(boundary.dims, boundary.local_shape)),
     )
     sp = "tp" in norm.splits[norm.dims.index("seq")]
-    return ProgramData(stages, sizes, sp, dense, moe, nodes, _layer_fp8(graph, ordered, fp8))
+    return ProgramData(stages, sizes, sp, dense, moe, nodes, _layer_fp8(graph, ordered, fp8), tables)
 
 
 def _layer_fp8(graph: Graph, ordered: list, fp8: str | None) -> tuple[str | None, ...]:
@@ -341,5 +447,5 @@ def _layer_fp8(graph: Graph, ordered: list, fp8: str | None) -> tuple[str | None
     return tuple(got) if len(set(got)) > 1 else ()
 
 
-__all__ = ["CollectiveCall", "OpData", "LayerData", "StageData", "LocalSizes", "ProgramData", "program_data",
-           "SYMBOLS"]
+__all__ = ["CollectiveCall", "OpData", "LayerData", "LayerAttributeError", "LayerTable", "StageData", "LocalSizes",
+           "ProgramData", "layer_attrs", "layer_tables", "program_data", "SYMBOLS"]

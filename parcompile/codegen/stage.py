@@ -19,13 +19,17 @@ import re
 from typing import Sequence
 
 from parcompile.codegen.blocks import COMMENT_COLUMN, DIM_CONSTANTS, Methods, methods, wrap_statement
-from parcompile.codegen.program_data import OpData, ProgramData
+from parcompile.codegen.program_data import LayerAttributeError, OpData, ProgramData
 
 #: the ops outside the layers that the Stage does not walk: the loss (``Stage.loss``) and
 #: the stage boundaries (the schedule's send/recv)
 NOT_WALKED = ("cross_entropy", "send_recv")
 #: the Stage's ``__init__`` lines sit 12 columns in: a constructor longer than this wraps
 STAGE_WRAP = 104
+#: the per-layer attributes (``OpSpec.per_layer``) that reach the layers through the Stage, not
+#: through a table their classes read: each RoPE op's base and scaling, one table of cos and
+#: sin per distinct pair (``ROPE_BASES``), each layer's an index into them (``LAYER_ROPE``)
+POSITION_ATTRS = {"rope": ("theta", "scaling"), "latent_rope": ("theta", "scaling")}
 
 
 def outer_ops(pd: ProgramData) -> tuple[tuple[OpData, ...], tuple[OpData, ...]]:
@@ -157,6 +161,52 @@ def serve_positions(pd: ProgramData, rope_bases: str | None, rope_dim: int) -> d
     return {"rope_init": init, "rope_step": _indent(step, 8), "layer_rope": arg}
 
 
+def rope_bases(pd: ProgramData) -> dict:
+    """The RoPE tables the Stage makes for the layers (:data:`POSITION_ATTRS`): where the
+    layers' RoPE ops differ in base, or scale it (Gemma 3's local and global layers, Llama
+    3.1's scaling), ``rope_thetas`` (the program's ``ROPE_BASES``: each distinct (base,
+    scaling)) and ``layer_rope`` (``LAYER_ROPE``: each layer's index into them); None where
+    one unscaled table of ``ROPE_THETA`` serves every layer.
+
+    Raises:
+        LayerAttributeError: the RoPE ops of one layer differ (the layer takes one table)."""
+    bases = []
+    for x in sorted(pd.layers, key=lambda x: x.index):
+        got = list(dict.fromkeys((o.attr("theta"), o.attr("scaling", None)) for o in x.ops if o.kind in POSITION_ATTRS))
+        if len(got) > 1:
+            raise LayerAttributeError(f"internal error: the RoPE ops of layer {x.index} differ in base or scaling "
+                                      f"({got}); the Stage gives a layer one RoPE table")
+        bases += got
+    thetas = tuple(dict.fromkeys(bases))
+    if len(thetas) <= 1 and all(s is None for _, s in thetas):
+        return {"rope_thetas": None, "layer_rope": None}
+    return {"rope_thetas": repr(tuple((t, dict(s) if s else None) for t, s in thetas)),
+            "layer_rope": repr(tuple(thetas.index(b) for b in bases))}
+
+
+def layer_table_rows(pd: ProgramData, written: str) -> list[tuple]:
+    """The program's per-layer tables (:attr:`ProgramData.layer_tables`) as constant rows:
+    each one that ``written`` (the program's classes and what else reads them: the serving
+    cache's windows) reads by name; the RoPE ops' bases are the Stage's tables
+    (:func:`rope_bases`).
+
+    Raises:
+        LayerAttributeError: a declared per-layer attribute that differs between layers and
+            that nothing reads per layer (its row decided on it, or never wrote it): every
+            layer would run with one layer's value."""
+    rows = []
+    for table in pd.layer_tables:
+        if table.attr in POSITION_ATTRS.get(table.kind, ()):
+            continue
+        if not re.search(rf"\b{table.name}\b", written):
+            raise LayerAttributeError(
+                f"internal error: attribute {table.attr!r} of op layers.{{i}}.{table.op} (kind {table.kind!r}) differs "
+                f"between layers ({table.literal()}) and no line of the program reads it per layer: its program row "
+                "must write it ({a[" + table.attr + "]!r}, ir/code.py)")
+        rows.append(table.row())
+    return rows
+
+
 def norm_definition(pd: ProgramData) -> str:
     """The program's ``Norm`` (the residual stream's norms, ``Norm(name, dim, eps, seed,
     tp)``), from the final norm's attributes: RMSNorm or LayerNorm, Gemma's ``(1 + w)``
@@ -214,7 +264,8 @@ def _attention_rows(m, mla: bool, serve: bool) -> list[tuple]:
 
 def _position_rows(m, pd: ProgramData, kinds: dict, rope_dim: int, serve: bool) -> list[tuple]:
     """The positions' constants: a learned table's rows, the RoPE bases and dims (where the
-    graph has RoPE ops), the attention windows."""
+    graph has RoPE ops), the serving cache's attention window where every layer has one,
+    then the per-layer tables (``kinds["layer_tables"]``: :func:`layer_table_rows`)."""
     rows = []
     if any(o.kind == "embedding" and o.attr("positional", False) for o in pd.ops.values()):
         rows.append(("MAX_POSITIONS", m.max_positions, "" if serve else "rows of the learned position table (>= SEQ_LEN)"))
@@ -227,11 +278,9 @@ def _position_rows(m, pd: ProgramData, kinds: dict, rope_dim: int, serve: bool) 
             rows.append(("ROPE_THETA", rope.attr("theta", m.rope_theta), ""))
         rows.append(("ROPE_DIM", rope_dim, "rotary dims per head" + ("" if serve else
                                                                      f" (rotary_fraction {m.rotary_fraction})")))
-    if kinds["layer_windows"]:
-        rows.append(("LAYER_WINDOWS", kinds["layer_windows"], "each layer's attention window in tokens (0: full causal)"))
-    else:
+    if serve and kinds["window_table"] == "WINDOW":   # the KV cache's (a per-layer table where they differ)
         rows.append(("WINDOW", kinds["window"], "sliding attention window in tokens (0: full causal)"))
-    return rows
+    return rows + kinds["layer_tables"]
 
 
 def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int, dtype: str, out_std: str,
@@ -299,5 +348,6 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
     return constant_lines(rows)
 
 
-__all__ = ["constant_lines", "head_weight", "norm_definition", "outer_ops", "router_words", "serve_constants",
-           "serve_positions", "stage_code", "train_constants", "train_positions"]
+__all__ = ["POSITION_ATTRS", "constant_lines", "head_weight", "layer_table_rows", "norm_definition", "outer_ops",
+           "rope_bases", "router_words", "serve_constants", "serve_positions", "stage_code", "train_constants",
+           "train_positions"]

@@ -49,7 +49,10 @@ class Code:
     statement of its own, where the shape comment goes). ``operands``: names for the
     variables holding its operands (``gate``, ``up``). ``var``: the name of its own value.
     ``init``: lines its class's ``__init__`` needs once (``self.drop = nn.Dropout(DROPOUT)``;
-    ``{t[key]}``: the program's per-layer table of an attribute, ``LAYER_WINDOWS[i]``).
+    ``{t[key]}``: the program's per-layer expression of a fact that is no attribute,
+    ``LAYER_FP8[i]``). An attribute its kind declares per-layer (``OpSpec.per_layer``) that
+    differs between layers is written ``self.<attribute>``, set from the program's table
+    (codegen/blocks.py ``LayerValue``): a row writes ``{a[key]!r}`` and never decides on it.
     ``var = ""``: its value keeps its operand's name (``q = rt.apply_rope(q, ...)``).
     ``fold_after``: the op runs the conversion after it itself (a row-parallel linear's
     reduction, before its bias). ``keep_split``: the op may run inside the
@@ -106,7 +109,9 @@ _KV_REPLICATED_CODE = Code(build="rt.ColumnParallelLinear({name}, {in_features},
 def _attention_facts(a) -> dict:
     """The attention core's keyword arguments (runtime/layers.py ``attention``): context
     parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
-    recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks."""
+    recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks.
+    The window and the scale may differ between layers (the op kind's ``per_layer``): written
+    as given (a literal, or ``self.window`` where they differ), never decided on."""
     # a soft-capped core is never one fused kernel in the program (core/attention.py: unfused)
     kw = f", fused={a['impl'] == 'flash' and a.get('softcap') is None}"
     if "cp" in a.get("_gathers", ()):
@@ -119,7 +124,7 @@ def _attention_facts(a) -> dict:
         kw += f", scale={a['scale']!r}"
     if a.get("softcap") is not None:   # Gemma 2: the scores capped before the softmax (no fused SDPA)
         kw += f", softcap={a['softcap']!r}"
-    init = ["self.window = {t[window]}"]
+    init = []
     if a.get("sinks"):
         kw += ", sinks=self.sinks"
         init.append('self.sinks = rt.make_param(f"layers.{{i}}.attn.sinks", (HEADS,), SEED, 0.02, tp, 0, '
@@ -247,7 +252,7 @@ def _attention_code(a) -> Code:
     """The attention core: training's over the step's k and v, serving's over the KV cache;
     MLA's absorbed core (``latent``: serving graphs) over the latent cache (runtime/mla.py)."""
     if a.get("latent"):
-        return Code(call="rt.latent_attention({0}, {1}, {2}, pos, self.window, heads={heads}{kw})",
+        return Code(call="rt.latent_attention({0}, {1}, {2}, pos, {a[window]!r}, heads={heads}{kw})",
                     inline=False, operands=("q", "latent", "k_rope"), var="y", heads_in=True, heads_out=True,
                     facts=_latent_core_facts,
                     comment="attends the cached [latent, RoPE key] (one head shared by all); values: the latent")
@@ -255,11 +260,11 @@ def _attention_code(a) -> Code:
 
 
 _ATTENTION_CODE = Code(call="rt.attention({0}, {1}, {2}{kw}, dropout=DROPOUT, training=self.training, "
-                            "window=self.window, pos=pos)",
+                            "window={a[window]!r}, pos=pos)",
                        inline=False, operands=("q", "k", "v"), var="y", heads_in=True, facts=_attention_facts,
                        comment="causal attention",
                        # serving: k, v stored into the KV cache, the queries attend the cache so far
-                       serve_call="gen.serve_attention({0}, {1}, {2}, pos, self.window{kw})")
+                       serve_call="gen.serve_attention({0}, {1}, {2}, pos, window={a[window]!r}{kw})")
 
 _PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
 

@@ -1,5 +1,7 @@
-"""The op table: per op kind, its output type rule, FLOPs, bytes saved for backward,
-tensor-parallel layout rule and the collectives it runs inside itself.
+"""The op table: per op kind, its output type rule, FLOPs, bytes saved for backward, the
+collectives it runs inside itself, its program row and the attributes that may differ from
+one decoder layer to the next (``OpSpec.per_layer``). The tensor-parallel layout of each
+``tp`` style is :mod:`parcompile.ir.tp`'s.
 
 Every rule works on *types*: global types for inference, local (per-rank) types for
 cost. FLOPs count matmuls only (SPEC 3: model FLOPs are matmul FLOPs): a linear layer
@@ -29,7 +31,7 @@ bandwidth; GEMM operands are not counted (their time is their FLOPs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from parcompile.core.attention import attention_kernel
@@ -60,7 +62,7 @@ class Param:
     expert: bool = False
     #: mesh axes over which the gradient is a partial sum though the value is replicated
     #: (a qk-norm weight under tp: each rank sums it over its own heads); set by the
-    #: tensor-parallel pass from :attr:`TpRule.param_grad_partial`
+    #: tensor-parallel pass from :attr:`parcompile.ir.tp.TpRule.param_grad_partial`
     grad_partial: tuple[str, ...] = ()
 
     @property
@@ -130,26 +132,6 @@ class Collective:
     gemm_flops: tuple[int, int] = (0, 0)
 
 
-@dataclass(frozen=True)
-class TpRule:
-    """Where tensor parallelism splits an op. Dim names, or None for replicated.
-
-    ``out_split``: dim of the output split over tp; ``out_partial``: output holds partial
-    sums over tp; ``in_split``: per operand, the dim it must arrive split on;
-    ``grad_partial``: per operand, whether the gradient the op returns for it is a partial
-    sum over tp (column-parallel inputs); ``param_split``: param suffix -> dim.
-    """
-
-    out_split: str | None = None
-    out_partial: bool = False
-    in_split: tuple[str | None, ...] = ()
-    grad_partial: tuple[bool, ...] = ()
-    param_split: Mapping[str, str | None] = field(default_factory=dict)
-    #: param suffixes whose gradient is a partial sum over tp although the param is
-    #: replicated (a weight shared by the heads tp splits: qk-norm)
-    param_grad_partial: tuple[str, ...] = ()
-
-
 def code_of(kind: str, attrs: Mapping[str, Any]) -> Code | None:
     """The :class:`Code` row of an op of ``kind`` with ``attrs`` (a row may depend on the
     op's tensor-parallel style or attributes); None: the kind runs outside generated classes.
@@ -192,6 +174,11 @@ class OpSpec:
     #: forward runs in the serve program (no autograd), at local types; an attention core's
     #: ``seq_len`` is the keys it attends (:func:`parcompile.analysis.serve_memory.serve_workspace`)
     scratch: Callable[[Mapping[str, Any], Sequence[TensorType], TensorType], int] = lambda a, i, o: 0
+    #: the attributes whose value may differ from one decoder layer to the next (a sliding
+    #: window, a score scale, a RoPE base). Codegen writes one class for many layers: each of
+    #: these that differs becomes a per-layer table the class reads; any other attribute
+    #: that differs is an internal error (:func:`parcompile.codegen.program_data.layer_tables`)
+    per_layer: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- rules
@@ -507,18 +494,22 @@ OPS: dict[str, OpSpec] = {
         OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=norm_scratch),
         OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1),
         # rotary position embedding at the tokens' global positions (the program's tables)
-        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch),
+        # (Gemma 3: the sliding-window layers' own base, unscaled)
+        OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch,
+               per_layer=("theta", "scaling")),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
-               saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch),
+               saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch,
+               # sliding and full layers (Gemma 2/3, gpt-oss, Mistral); a scale per layer
+               per_layer=("window", "scale")),
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
                traffic=_elementwise_traffic),
-        OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic),
+        OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic, per_layer=("theta", "scaling")),
         OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic),
         OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic),
         # MLA's absorbed serving form: the query through W_uk, the core's weighted latents through W_uv
@@ -560,78 +551,6 @@ def spec(kind: str) -> OpSpec:
         return OPS[kind]
     except KeyError:
         raise KeyError(f"unknown op kind {kind!r}") from None
-
-
-# --------------------------------------------------------------------------- tensor parallel
-
-
-def tp_rule(style: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType], out: TensorType,
-            sequence_parallel: bool) -> TpRule:
-    """The Megatron-LM layout of an op under tensor parallelism, by its ``tp`` style.
-
-    * ``column`` (wq, wk, wv, w1, w3, lm_head): input replicated, its gradient partial;
-      output and weight split on the out dim.
-    * ``row`` (wo, w2): input split on the in dim; output ``partial(tp)``; bias replicated.
-    * ``vocab_embedding``: weight split on vocab; output ``partial(tp)``.
-    * ``shard_last`` (rope, attention core, activations): every tensor split on its last
-      dim (heads or ffn), no communication.
-    * ``mla_key`` (MLA's keys): the per-head part split on its heads, the shared RoPE key
-      replicated with its gradient partial over tp.
-    * ``mla_absorb``, ``latent_core`` (MLA's absorbed serving form): the heads split, wkv_b's
-      rows with them; the latent and the RoPE key replicated.
-    * ``per_head`` (qk-norm): ``shard_last`` with a weight shared by every head, so
-      replicated, and its gradient (summed over this rank's heads) a partial sum over tp,
-      all-reduced with the step (Megatron-Core all-reduces ``q_layernorm`` and
-      ``k_layernorm`` gradients over tp in ``finalize_model_grads``).
-    * ``residual`` (norms, residual adds): replicated, or split on ``seq`` with sequence
-      parallelism.
-    * ``vocab_loss``: logits arrive split on vocab (vocab-parallel cross-entropy).
-    * ``replicated``: nothing changes.
-    """
-    n = len(in_types)
-    if style == "column":
-        od = attrs["out_dim"].name
-        return TpRule(out_split=od, in_split=(None,), grad_partial=(True,),
-                      param_split={"weight": od, "bias": od})
-    if style == "row":
-        idim = attrs["in_dim"].name
-        return TpRule(out_partial=True, in_split=(idim,), grad_partial=(False,),
-                      param_split={"weight": idim, "bias": None})
-    if style == "vocab_embedding":
-        return TpRule(out_partial=True, in_split=(None,), grad_partial=(False,),
-                      param_split={"weight": "vocab"})
-    if style == "shard_last":
-        # attention sinks (gpt-oss): one logit per query head, split with the heads
-        return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
-                      grad_partial=(False,) * n, param_split={"sinks": "heads"} if attrs.get("sinks") else {})
-    if style == "mla_key":
-        # MLA's per-head keys: k_nope split with the heads, the RoPE key shared by all of them
-        # (replicated, so its gradient, summed over this rank's heads, is a partial sum)
-        return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None),
-                      grad_partial=(False, True))
-    if style == "mla_absorb":
-        # MLA's absorbed query: this rank's heads of q in, of [q_nope W_uk, q_rope] out, with
-        # their rows of wkv_b (split by heads like the column-parallel wkv_b of training)
-        return TpRule(out_split=attrs["latent_dim"].name, in_split=(attrs["q_dim"].name,), grad_partial=(False,),
-                      param_split={"weight": attrs["out_dim"].name})
-    if style == "latent_core":
-        # MLA's absorbed core: the queries split with their heads, the latent and the RoPE key
-        # (one "kv head" shared by all) replicated
-        return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None, None),
-                      grad_partial=(False, True, True))
-    if style == "per_head":
-        return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
-                      grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))
-    if style == "residual":
-        if sequence_parallel:
-            return TpRule(out_split="seq", in_split=("seq",) * n, grad_partial=(False,) * n,
-                          param_split={"weight": None, "bias": None})
-        return TpRule(in_split=(None,) * n, grad_partial=(False,) * n)
-    if style == "vocab_loss":
-        return TpRule(in_split=("vocab", None), grad_partial=(False, False))
-    if style == "replicated":
-        return TpRule(in_split=(None,) * n, grad_partial=(False,) * n)
-    raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
 # --------------------------------------------------------------------------- collectives

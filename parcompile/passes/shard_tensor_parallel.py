@@ -4,7 +4,7 @@
   ``padded_vocab = ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``; parameters
   remember their unpadded count (``Param.logical_numel``). Padded rows stay zero and are
   kept out of the loss (the vocab-parallel cross-entropy masks them).
-* With tp > 1, each op gets the layout of its ``tp`` style (:func:`parcompile.ir.ops.tp_rule`):
+* With tp > 1, each op gets the layout of its ``tp`` style (:func:`parcompile.ir.tp.tp_rule`):
   wq/wk/wv/w1/w3 and the LM head column-parallel, wo/w2 row-parallel (output
   ``partial(tp)``), a vocab-parallel embedding (output ``partial(tp)``), attention and
   activations split on heads/ffn, a vocab-parallel cross-entropy; norms and residual
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import TpRule, tp_rule
+from parcompile.ir.tp import TpRule, tp_rule
 from parcompile.ir.types import Dim, Sharding
 from parcompile.passes.base import PassContext
 

@@ -45,7 +45,6 @@ NORM_EPS = 1e-05
 DROPOUT = 0.0
 ROPE_THETA = 10000.0
 ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
-WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.002672612419124244  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 EXPERTS = 64  # routed experts per MoE layer: 8 per ep rank
@@ -89,7 +88,6 @@ class Attention(nn.Module):
         self.wk = rt.ColumnParallelLinear(f"layers.{i}.attn.wk", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(2048, 2048))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce=None, local=(2048, 2048))
-        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=4096, h=2048)
         q = self.wq(x).unflatten(-1, (16, 128))                 # (B, T=4096, q=2048): 16 heads of 128
@@ -98,7 +96,7 @@ class Attention(nn.Module):
         q = rt.apply_rope(q, *pos.rope)                         # (B, T=4096, q=2048): RoPE at the tokens' global positions
         k = rt.apply_rope(k, *pos.rope)                         # (B, T=4096, kv=2048): RoPE at the tokens' global positions
         y = rt.attention(q, k, v, fused=True, recompute=True, dropout=DROPOUT, training=self.training,
-                         window=self.window, pos=pos)           # (B, T=4096, q=2048): causal attention; selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward
+                         window=0, pos=pos)                     # (B, T=4096, q=2048): causal attention; selective recomputation (Korthikanti et al. 2022): keeps its inputs, runs again in backward
         return self.wo(y)                                       # (B, T=4096, h=2048)
 
 

@@ -44,7 +44,6 @@ SEQ_LEN = 2048
 NORM_EPS = 1e-05
 DROPOUT = 0.0
 MAX_POSITIONS = 2048  # rows of the learned position table (>= SEQ_LEN)
-WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0014433756729740645  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.float16  # weights, activations, and what crosses a stage boundary
 
@@ -82,15 +81,13 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, True, tp, SEED, local=(1536, 12288))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, True, tp, SEED, OUT_STD, reduce="all_reduce",
                                        local=(12288, 1536))
-        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=2048, h=12288)
         x = rt.copy_to_tp(x, self.tp)                           # (B, T=2048, h=12288): layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
         q = self.wq(x).unflatten(-1, (12, 128))                 # (B, T=2048, q/tp=1536): 12 heads of 128
         k = self.wk(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
         v = self.wv(x).unflatten(-1, (12, 128))                 # (B, T=2048, kv/tp=1536): 12 heads of 128
-        y = rt.attention(q, k, v, fused=False, dropout=DROPOUT, training=self.training, window=self.window,
-                         pos=pos)                               # (B, T=2048, q/tp=1536): causal attention
+        y = rt.attention(q, k, v, fused=False, dropout=DROPOUT, training=self.training, window=0, pos=pos)  # (B, T=2048, q/tp=1536): causal attention
         return self.wo(y)                                       # (B, T=2048, h=12288): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 

@@ -45,7 +45,6 @@ NORM_EPS = 1e-05
 DROPOUT = 0.0
 ROPE_THETA = 500000.0
 ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
-WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.001259881576697424  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 
@@ -83,7 +82,6 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(128, 16384))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
                                        local=(16384, 2048))
-        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=1024, h=16384)
         xs, x = x, rt.enter_tp(x, self.tp, sequence_parallel=True)  # (B, T=8192, h=16384): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
@@ -93,8 +91,7 @@ class Attention(nn.Module):
             v = self.wv(x).unflatten(-1, (1, 128))              # (B, T=8192, kv/tp=128): 1 head of 128
         q = rt.apply_rope(q, *pos.rope)                         # (B, T=8192, q/tp=2048): RoPE at the tokens' global positions
         k = rt.apply_rope(k, *pos.rope)                         # (B, T=8192, kv/tp=128): RoPE at the tokens' global positions
-        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
-                         pos=pos)                               # (B, T=8192, q/tp=2048): causal attention
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=0, pos=pos)  # (B, T=8192, q/tp=2048): causal attention
         return self.wo(y)                                       # (B, T/tp=1024, h=16384): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 

@@ -44,7 +44,6 @@ NORM_EPS = 1e-05
 DROPOUT = 0.0
 ROPE_THETA = 1000000.0
 ROPE_DIM = 128  # rotary dims per head (rotary_fraction 1.0)
-WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0025  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage boundary
 EXPERTS = 8  # routed experts per MoE layer: 1 per ep rank
@@ -88,7 +87,6 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(512, 4096))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="reduce_scatter",
                                        local=(4096, 2048))
-        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T/tp=2048, h=4096)
         x = rt.enter_tp(x, self.tp, sequence_parallel=True)     # (B, T=4096, h=4096): layers.{i}.attn.all_gather: forward all_gather(tp), backward reduce_scatter(tp)
@@ -97,8 +95,7 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (4, 128))                  # (B, T=4096, kv/tp=512): 4 heads of 128
         q = rt.apply_rope(q, *pos.rope)                         # (B, T=4096, q/tp=2048): RoPE at the tokens' global positions
         k = rt.apply_rope(k, *pos.rope)                         # (B, T=4096, kv/tp=512): RoPE at the tokens' global positions
-        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
-                         pos=pos)                               # (B, T=4096, q/tp=2048): causal attention
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=0, pos=pos)  # (B, T=4096, q/tp=2048): causal attention
         return self.wo(y)                                       # (B, T/tp=2048, h=4096): layers.{i}.attn.reduce_scatter: forward reduce_scatter(tp), backward all_gather(tp)
 
 

@@ -45,7 +45,6 @@ NORM_EPS = 1e-05
 DROPOUT = 0.0
 ROPE_THETA = 10000.0
 ROPE_DIM = 16  # rotary dims per head (rotary_fraction 1.0)
-WINDOW = 0  # sliding attention window in tokens (0: full causal)
 OUT_STD = 0.0070710678118654745  # 0.02 / sqrt(2 * layers) for output projections (GPT-2, Megatron-LM)
 ACT_DTYPE = torch.float32  # weights, activations, and what crosses a stage boundary
 
@@ -83,7 +82,6 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(16, 64))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce",
                                        local=(64, 32))
-        self.window = WINDOW
 
     def forward(self, x, pos: rt.Positions):                    # x: (B, T=64, h=64)
         x = rt.copy_to_tp(x, self.tp)                           # (B, T=64, h=64): layers.{i}.attn.bwd_all_reduce: backward all_reduce(tp)
@@ -92,8 +90,7 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (1, 16))                   # (B, T=64, kv/tp=16): 1 head of 16
         q = rt.apply_rope(q, *pos.rope)                         # (B, T=64, q/tp=32): RoPE at the tokens' global positions
         k = rt.apply_rope(k, *pos.rope)                         # (B, T=64, kv/tp=16): RoPE at the tokens' global positions
-        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=self.window,
-                         pos=pos)                               # (B, T=64, q/tp=32): causal attention
+        y = rt.attention(q, k, v, fused=True, dropout=DROPOUT, training=self.training, window=0, pos=pos)  # (B, T=64, q/tp=32): causal attention
         return self.wo(y)                                       # (B, T=64, h=64): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 

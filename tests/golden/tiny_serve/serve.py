@@ -77,7 +77,6 @@ class Attention(nn.Module):
         self.wv = rt.ColumnParallelLinear(f"layers.{i}.attn.wv", HIDDEN, KV_HEADS * HEAD_DIM, False, tp, SEED, local=(16, 64))
         self.wo = rt.RowParallelLinear(f"layers.{i}.attn.wo", HEADS * HEAD_DIM, HIDDEN, False, tp, SEED, OUT_STD, reduce="all_reduce",
                                        local=(64, 32))
-        self.window = WINDOW
 
     def forward(self, x, pos: gen.LayerStep):                   # x: (B, T, h=64)
         q = self.wq(x).unflatten(-1, (2, 16))                   # (B, T, q/tp=32): 2 heads of 16
@@ -85,7 +84,7 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (1, 16))                   # (B, T, kv/tp=16): 1 head of 16
         q = gen.apply_rope_at(q, *pos.rope)                     # (B, T, q/tp=32): RoPE at the tokens' global positions
         k = gen.apply_rope_at(k, *pos.rope)                     # (B, T, kv/tp=16): RoPE at the tokens' global positions
-        y = gen.serve_attention(q, k, v, pos, self.window, fused=True)  # (B, T, q/tp=32): causal attention
+        y = gen.serve_attention(q, k, v, pos, window=0, fused=True)  # (B, T, q/tp=32): causal attention
         return self.wo(y)                                       # (B, T, h=64): layers.{i}.attn.all_reduce: forward all_reduce(tp)
 
 
