@@ -132,8 +132,8 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
         if cfg.serve.disaggregated:   # the prefill pool's instance, compiled as its own layout
             pcfg = prefill_config(cfg)
             pc = compile_graph(pcfg, schedule=False)
-            prefill = (pcfg, pc.graph, pc.ctx.degrees, pc.cost.groups, pc.cost.params.per_stage)
-        serve = serve_report(cfg, results.chunks, cost.params.per_stage, cost.groups, graph, ctx.degrees, prefill)
+            prefill = (pcfg, pc.graph, pc.ctx.degrees, pc.cost.groups)
+        serve = serve_report(cfg, results.chunks, cost.groups, graph, ctx.degrees, prefill)
         _check_serve_fits(cfg, serve, warnings, graph, ctx.degrees)
     elif not cost.memory.fits:
         worst = max(cost.memory.per_stage, key=lambda s: s.total)

@@ -7,7 +7,6 @@ The torchrun tests group several layouts of one world size per launch (about 10 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -65,7 +65,7 @@ engine's choice for its size (:func:`parcompile.analysis.network.serve_allreduce
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from parcompile.analysis.efficiency import attention_efficiency
@@ -75,8 +75,7 @@ from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.memory import MemoryReport, StageMemory
 from parcompile.analysis.serve_engines import SERVE_ENGINES, serve_engine
 from parcompile.analysis.serve_memory import engine_budget, prefill_step, received_bytes, serve_workspace
-from parcompile.analysis.serve_steps import (HEAD_MODULES, TOKEN_BYTES, Rates, Segment, StageSteps, Step, stage_steps,
-                                             uniform)
+from parcompile.analysis.serve_steps import Rates, Segment, StageSteps, Step, stage_steps
 from parcompile.analysis.serve_workload import (Overloaded, PrefillPool, Workload, WorkloadTimes, disaggregated_state,
                                                 steady_state)
 from parcompile.config.presets import CLUSTER_PRESETS, accelerator, fp8_peak, fp8_storage
@@ -368,7 +367,7 @@ def step_costs(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, tokens
     ``tokens == 1``), from :func:`~parcompile.analysis.serve_steps.stage_steps`' model of
     the graph (:class:`StepCost`)."""
     stages = stage_steps(cfg, graph, degrees, *quant_of(cfg))
-    step = uniform(stages, batch, tokens, context)
+    step = Step((Segment(batch, tokens, context - tokens),))
     return [_uniform_cost(st, step) for st in stages]
 
 
@@ -391,8 +390,7 @@ def step_collective_counts(step: StepCost) -> dict[tuple[str, str, int], int]:
     return counts
 
 
-def serve_rates(cfg, groups: Mapping | None, degrees: Mapping[str, int], stages: Sequence[StageSteps],
-                fp8_gemm: bool, links: Mapping | None = None) -> Rates:
+def serve_rates(cfg, groups: Mapping | None, degrees: Mapping[str, int], fp8_gemm: bool, links: Mapping | None = None) -> Rates:
     """The rates a replica of ``cfg`` runs its steps at (:class:`~parcompile.analysis.
     serve_steps.Rates`): GEMMs at ``eff.matmul`` of the peak (quantized FP8 W8A8 GEMMs at the
     same fraction of the preset's FP8 peak, scaled as ``peak_flops`` is), attention at the
@@ -416,8 +414,7 @@ def serve_rates(cfg, groups: Mapping | None, degrees: Mapping[str, int], stages:
     per_op = (getattr(cl, "op_overhead", 0.0) or eng.op_overhead) if eng.host_ops else eng.op_overhead
     return Rates(gemm, fp8, attention, eff.memory * cl.hbm_bw, links, dict(degrees), eng, per_op,
                  host=eng.host_ops, nccl=accelerator(cl.preset).collectives in ("NCCL", "RCCL"),
-                 replica_ranks=degrees.get("tp", 1) * cfg.parallel.pp,
-                 layers_by_stage=tuple(st.layers for st in stages))
+                 replica_ranks=degrees.get("tp", 1) * cfg.parallel.pp)
 
 
 def step_seconds(stages: Sequence[StageSteps], rates: Rates, step: Step) -> tuple[float, dict[str, float]]:
@@ -457,23 +454,21 @@ def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
                     request_overhead=eng.request_overhead)
 
 
-def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, groups: Mapping,
+def serve_report(cfg, chunks: Sequence[Sequence[int]], groups: Mapping,
                  graph: Graph, degrees: Mapping[str, int], prefill: tuple | None = None) -> ServeReport:
     """Memory and time of serving ``cfg`` (a SpecConfig with a ``serve`` block).
 
     ``chunks``: layer ids per model chunk (``split-pipeline-stages``' result);
-    ``stage_params``: the parameter report's per-stage counts (``.total``, ``.embedding``);
     ``groups``: the plan's rank groups (for which links the collectives use);
     ``graph``, ``degrees``: the sharded graph the plan compiled and its mesh: the steps are
     costed from its nodes (:func:`~parcompile.analysis.serve_steps.stage_steps`);
     ``prefill``: with ``serve.disaggregated``, the prefill instance's ``(config, graph,
-    degrees, groups, stage parameters)`` (:func:`prefill_config`, compiled by the driver):
+    degrees, groups)`` (:func:`prefill_config`, compiled by the driver):
     the steady state is then :func:`~parcompile.analysis.serve_workload.disaggregated_state`'s.
 
     Raises ValueError when not one sequence fits the cache (the driver reports it first)."""
     m, par, cl, sv = cfg.model, cfg.parallel, cfg.cluster, cfg.serve
     tp, pp, dp = par.tp, par.pp, par.dp
-    e = m.dtype_bytes
     kv_dtype = cache_dtype(cfg)
     kv_tokens = kv_bytes_per_token(cfg, chunks)
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
@@ -488,7 +483,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
         if steps[s].kv_bytes_per_token != kv_tokens[s]:   # the graph's cached operands are the cache the plan holds
             raise AssertionError(f"stage {s}: the graph's attention cores cache {steps[s].kv_bytes_per_token} bytes "
                                  f"per token, analysis/kv.py's rule {kv_tokens[s]}")
-        weights = steps[s].held_bytes   # the parameter report's stage_params * dtype bytes, quantized ones as stored
+        weights = steps[s].held_bytes   # the graph's parameters held by the stage, quantized ones as stored
         work = workspace[s].total
         stages.append(ServeStage(s, len(ids), weights, kv_tokens[s], b * kv_seqs[s], kv_seqs[s], work,
                                  capacity - weights - work))
@@ -502,7 +497,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], stage_params: Sequence, g
                          request_rate=sv.request_rate, gpus=par.world_size)
     if not report.one_sequence_fits:
         return report   # the driver's error says what would fit
-    rates = serve_rates(cfg, groups, degrees, steps, fp8_gemm)
+    rates = serve_rates(cfg, groups, degrees, fp8_gemm)
     work = replica_workload(cfg, report.kv_cache_tokens, dp)
     decode = lambda step: step_seconds(steps, rates, step)   # noqa: E731
     try:
@@ -555,10 +550,10 @@ class PrefillSide:
                 "kv_transfer_bytes": self.transfer_bytes, "max_requests_per_s": self.requests_per_s}
 
 
-def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int], groups: Mapping,
-                 stage_params: Sequence) -> tuple[PrefillPool, PrefillSide]:
+def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int],
+                 groups: Mapping) -> tuple[PrefillPool, PrefillSide]:
     """The prefill side of disaggregated ``cfg`` (``pcfg``: :func:`prefill_config`, compiled
-    to ``graph`` on ``degrees`` with ``groups`` and its parameter report): one prompt's chunks
+    to ``graph`` on ``degrees`` with ``groups``): one prompt's chunks
     at the engine's budget alone on an instance, a step of the budget's tokens (the
     instance's throughput under load: several prompts' chunks at once), the prompt's KV cache
     (every layer's, every kv head: :func:`~parcompile.analysis.kv.kv_bytes_per_sequence` at
@@ -567,7 +562,7 @@ def prefill_pool(cfg, pcfg, graph: Graph, degrees: Mapping[str, int], groups: Ma
     and its memory: weights, the budget step's workspace."""
     fmt, fp8 = quant_of(pcfg)
     steps = stage_steps(pcfg, graph, degrees, fmt, fp8)
-    rates = serve_rates(pcfg, groups, degrees, steps, fp8)
+    rates = serve_rates(pcfg, groups, degrees, fp8)
     workspace = serve_workspace(pcfg, graph, degrees, *prefill_step(pcfg))[0].total
     return prefill_pool_from(cfg, pcfg, steps, rates, workspace)
 

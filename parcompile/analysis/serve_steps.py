@@ -34,7 +34,7 @@ any rows (:class:`Segment`) costs :meth:`StageSteps.time`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
@@ -112,11 +112,6 @@ def decode_step(rows: float, context: float) -> Step:
     """A step of ``rows`` decode rows at ``context`` tokens of context each (the new token
     included)."""
     return Step((Segment(rows, 1, max(context - 1, 0)),))
-
-
-def prefill_step(rows: float, tokens: float, start: float = 0.0) -> Step:
-    """A step prefilling ``rows`` prompts' chunks of ``tokens`` after ``start`` each."""
-    return Step((Segment(rows, tokens, start),))
 
 
 # --------------------------------------------------------------------------- the stage model
@@ -234,7 +229,7 @@ class StageSteps:
 @dataclass(frozen=True)
 class Rates:
     """The rates a replica's steps run at (bytes/s, FLOP/s), its links and its engine's
-    fixed costs (:mod:`parcompile.analysis.serve_engines`); :func:`rates` makes it."""
+    fixed costs (:mod:`parcompile.analysis.serve_engines`); :func:`parcompile.analysis.serve.serve_rates` makes it."""
 
     gemm: float
     fp8: float
@@ -252,7 +247,6 @@ class Rates:
     #: the collective library is NCCL (or RCCL), with its latency-bound LL protocol
     nccl: bool = True
     replica_ranks: int = 1
-    layers_by_stage: tuple[int, ...] = field(default_factory=tuple)
 
     def overhead(self, st: StageSteps, rows: float) -> float:
         """The engine's fixed time of one step on stage ``st`` (module docstring)."""
@@ -494,12 +488,6 @@ def split_units(cfg, units: Sequence[StageSteps], counts: Sequence[int]) -> list
     return out
 
 
-def uniform(stages: Sequence[StageSteps], batch: int, tokens: int, context: int) -> Step:
-    """The step of ``batch`` rows of ``tokens`` new tokens each ending at ``context`` tokens
-    (a prefill: ``context == tokens``; a decode step: ``tokens == 1``)."""
-    return Step((Segment(batch, tokens, context - tokens),))
-
-
 __all__ = ["AttentionCore", "HEAD_MODULES", "PAGED_CACHE_OPS", "Rates", "SAMPLE_OPS", "STEP_LAYOUT_OPS", "Segment",
-           "StageSteps", "Step", "TOKEN_BYTES", "decode_step", "host_overhead", "prefill_step", "stage_steps",
-           "combine", "layer_units", "with_cache_dtype", "node_stage", "split_units", "uniform"]
+           "StageSteps", "Step", "TOKEN_BYTES", "decode_step", "host_overhead", "stage_steps",
+           "combine", "layer_units", "with_cache_dtype", "node_stage", "split_units"]

@@ -142,7 +142,7 @@ def steady_state(w: Workload, step_time: StepTime) -> WorkloadTimes:
         x = n / service
         e2e = w.clients / x
         queue = max(e2e - service, 0.0)
-        return _with(times, ttft=times.ttft + queue, e2e=e2e, request_rate=x, queue=queue, running_limit=limit)
+        return replace(times, ttft=times.ttft + queue, e2e=e2e, request_rate=x, queue=queue, running_limit=limit)
     # open loop: n = rate * residence (Little), by iteration
     cap_times = _running(w, limit, step_time)
     capacity = limit / (cap_times.ttft + (w.output - 1) * cap_times.tpot)
@@ -158,11 +158,7 @@ def steady_state(w: Workload, step_time: StepTime) -> WorkloadTimes:
         n = min(limit, 0.5 * (n + new))
     times = _running(w, max(n, 1.0), step_time)
     service = times.ttft + (w.output - 1) * times.tpot
-    return _with(times, e2e=service, request_rate=w.rate, running=n, queue=0.0, running_limit=limit)
-
-
-def _with(t: WorkloadTimes, **kw) -> WorkloadTimes:
-    return replace(t, **kw)
+    return replace(times, e2e=service, request_rate=w.rate, running=n, queue=0.0, running_limit=limit)
 
 
 def _running(w: Workload, n: float, step_time: StepTime) -> WorkloadTimes:

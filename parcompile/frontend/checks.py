@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parcompile.config.presets import fp8_storage, fp8_storage_presets
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
 from parcompile.config.text import and_list, even_split, or_list, plural
 from parcompile.core.axes import DEGREE_AXES

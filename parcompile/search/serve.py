@@ -28,6 +28,8 @@ targets, the nearest (the smallest excess over the targets).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import os
 import time
@@ -40,7 +42,7 @@ from parcompile.analysis.kv import kv_bytes_per_sequence
 from parcompile.analysis.network import links_of
 from parcompile.analysis.serve_memory import WorkspaceParts, prefill_step, stage_workspaces, workspace_parts
 from parcompile.analysis.serve_steps import Rates, layer_units, split_units, with_cache_dtype
-from parcompile.analysis.serve_workload import (Overloaded, PrefillPool, WorkloadTimes, disaggregated_state,
+from parcompile.analysis.serve_workload import (Overloaded, WorkloadTimes, disaggregated_state,
                                                 steady_state)
 from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
@@ -48,16 +50,12 @@ from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.families import for_model
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.groups import axis_placement
-from parcompile.core.quant import weight_format
 from parcompile.core.units import seconds_text
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.lower import lower
 from parcompile.passes.base import PassContext
 from parcompile.passes.manager import PASSES, paused_gc, run_pass
 from parcompile.passes.split_pipeline_stages import candidate_splits
-
-#: the serve keys the sizing search fills when `auto`
-SERVE_SEARCH_KEYS = ("batch", "weight_dtype", "kv_dtype", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -357,28 +355,19 @@ class _Graphs:
             got = self.work[key] = [w.total for w in stage_workspaces(cfg, parts, _stage_of(split))]
         return got
 
-    def serve_rates(self, cfg: SpecConfig, stages) -> Rates:
+    def serve_rates(self, cfg: SpecConfig) -> Rates:
         par, cl = cfg.parallel, cfg.cluster
-        key = (par.tp, par.pp, par.dp, S.quant_of(cfg)[1], cl.nodes, cl.gpus_per_node, len(stages))
+        key = (par.tp, par.pp, par.dp, S.quant_of(cfg)[1], cl.nodes, cl.gpus_per_node)
         got = self.rates.get(key)
         if got is None:
-            got = self.rates[key] = _rates(cfg, stages)
+            got = self.rates[key] = _rates(cfg)
         return got
 
 
 def _stage_of(split: tuple[int, ...]):
-    starts, acc = [], 0
-    for n in split:
-        starts.append(acc)
-        acc += n
-
-    def stage(layer: int) -> int:
-        s = 0
-        for i, st in enumerate(starts):
-            if layer >= st:
-                s = i
-        return s
-    return stage
+    """The stage of each layer id under ``split`` (layers per stage, in order)."""
+    starts = list(itertools.accumulate(split[:-1], initial=0))
+    return lambda layer: max(bisect.bisect_right(starts, layer) - 1, 0)
 
 
 def _layout(cfg: SpecConfig, tp: int, pp: int, dp: int, split: tuple[int, ...] | None) -> SpecConfig:
@@ -418,7 +407,7 @@ def cost(cfg: SpecConfig, graphs: _Graphs, d: Deployment) -> Deployment:
         # no more at once than the cache holds at their whole context: the plan's batch then fits
         return cost(cfg, graphs, _replace(d, batch=whole * d.replicas))
     peak = max(st.held_bytes + w + b * k for st, w, k in zip(stages, work, kv_seq))
-    rates = graphs.serve_rates(c, stages)
+    rates = graphs.serve_rates(c)
     work_load = S.replica_workload(c, tokens, d.replicas)
     decode = lambda step: S.step_seconds(stages, rates, step)   # noqa: E731
     try:
@@ -448,7 +437,7 @@ def _replace(d: Deployment, **kw) -> Deployment:
     return replace(d, **kw)
 
 
-def _rates(cfg: SpecConfig, stages) -> Rates:
+def _rates(cfg: SpecConfig) -> Rates:
     """:func:`parcompile.analysis.serve.serve_rates` with the links from where the groups
     fall (no groups built)."""
     domain = getattr(cfg.cluster, "domain_size", None) or cfg.cluster.gpus_per_node
@@ -456,7 +445,7 @@ def _rates(cfg: SpecConfig, stages) -> Rates:
     links = links_of(cfg.cluster, {a: axis_placement(par, a, domain) for a in AXIS_FAMILY}, efficiency(cfg.cluster))
     _fmt, fp8 = S.quant_of(cfg)
     return S.serve_rates(cfg, None, {"tp": par.tp, "pp": par.pp, "dp": par.dp, "cp": 1, "ep": 1, "expert_tp": par.tp},
-                         stages, fp8, links=links)
+                         fp8, links=links)
 
 
 def _prefill(cfg: SpecConfig, graphs: _Graphs, c: SpecConfig):
@@ -468,7 +457,7 @@ def _prefill(cfg: SpecConfig, graphs: _Graphs, c: SpecConfig):
     if got is None:
         whole = (pcfg.model.layers,)
         stages = graphs.split(pcfg, tp, whole)
-        got = graphs.pools[key] = S.prefill_pool_from(c, pcfg, stages, graphs.serve_rates(pcfg, stages),
+        got = graphs.pools[key] = S.prefill_pool_from(c, pcfg, stages, graphs.serve_rates(pcfg),
                                                       graphs.workspace(pcfg, tp, whole)[0])
     return got
 
@@ -631,5 +620,5 @@ def no_deployment_diagnostic(res: ServeSearch) -> Diagnostic:
                       code="does-not-fit")
 
 
-__all__ = ["Deployment", "SERVE_SEARCH_KEYS", "ServeSearch", "apply_deployment", "cost", "deployment_cluster",
+__all__ = ["Deployment", "ServeSearch", "apply_deployment", "cost", "deployment_cluster",
            "deployments", "needs_serve_search", "no_deployment_diagnostic", "resolve_serve", "search_serve"]
