@@ -111,15 +111,20 @@ GOAL_70B_SECONDS = 2.0
 GOAL_DSV3_SECONDS = 30.0
 
 
-def timed(text: str, repeat: int):
-    """(result, best wall seconds, best CPU seconds) of ``repeat`` searches of ``text``."""
-    cfg, _ = load_spec(text)
+def best_of(run, repeat: int):
+    """(result, best wall seconds, best CPU seconds) of ``repeat`` calls of ``run()``."""
     wall = cpu = float("inf")
     for _ in range(max(1, repeat)):
         t, c = time.perf_counter(), time.process_time()
-        res = search(cfg)
+        res = run()
         wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
     return res, wall, cpu
+
+
+def timed(text: str, repeat: int):
+    """:func:`best_of` ``repeat`` searches of ``text``."""
+    cfg, _ = load_spec(text)
+    return best_of(lambda: search(cfg), repeat)
 
 
 def counts(res) -> str:
@@ -181,11 +186,7 @@ def bench_serve(repeat: int) -> int:
     from parcompile.search.serve import search_serve
 
     cfg, _ = load_spec(SERVE)
-    wall = cpu = float("inf")
-    for _ in range(max(1, repeat)):
-        t, c = time.perf_counter(), time.process_time()
-        res = search_serve(cfg)
-        wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    res, wall, cpu = best_of(lambda: search_serve(cfg), repeat)
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "sizing.par"
         spec.write_text(SERVE)
