@@ -74,18 +74,18 @@ _BUILDKITE = "buildkite vllm/performance-benchmark build 9555 (latency-tests.jso
 
 #: the three rows issue 45 hands over (module docstring)
 SERVE_ROWS: tuple[ServeRow, ...] = (
-    ServeRow("latency_llama8B_tp1", _BUILDKITE, "vllm-project/vllm@e5fd201a",
+    ServeRow("latency_llama8B_tp1", _BUILDKITE, "vllm-project/vllm@e5fd201ab77b993462f5b1cc3e55c74dc74bed95",
              _spec("llama3-8b", 1, _LATENCY), {"tpot": 997.5e-3 / 128},
              "llama3-8b's shapes for Llama 3.1 8B; the end-to-end latency of one LLM.generate of 8 prompts over 128",
              metric="e2e", configuration="meta-llama/Meta-Llama-3.1-8B-Instruct, bf16, 1 H100, tp 1, load_format "
                                          "dummy; vllm bench latency defaults: batch 8, input 32, output 128"),
-    ServeRow("latency_llama70B_tp4", _BUILDKITE, "vllm-project/vllm@e5fd201a",
+    ServeRow("latency_llama70B_tp4", _BUILDKITE, "vllm-project/vllm@e5fd201ab77b993462f5b1cc3e55c74dc74bed95",
              _spec("llama3-70b", 4, _LATENCY), {"tpot": 2444.5e-3 / 128},
              "llama3-70b's shapes for Llama 3.1 70B; 4 GPUs of one node (NVLink, the custom all-reduce)",
              metric="e2e", configuration="meta-llama/Meta-Llama-3.1-70B-Instruct, bf16, 4 H100, tp 4, load_format "
                                          "dummy; vllm bench latency defaults: batch 8, input 32, output 128"),
     ServeRow("silybench qwen3-8b c1", "tgarg01/silybench-data runs/20260924T125045Z_h100-80gbx1_qwen3-8b_bf16",
-             "tgarg01/silybench-data@893db451",
+             "tgarg01/silybench-data@893db45107f431f132318c8e70e0de2fb01d3c83",
              _spec("qwen3-8b", 1, "batch = 1, prompt_len = 1024, max_new_tokens = 128, concurrency = 1", seq=16384),
              {"tpot": 6.89e-3, "ttft": 34.3e-3},
              "ITL median as the decode step; TTFT p95 against the plan's mean; vLLM 0.30.0's default budget",

@@ -86,7 +86,7 @@ SERVE_ENGINES: dict[str, ServeEngine] = {
         step_overhead=1.6e-3, op_overhead=0.0, request_overhead=5.5e-3, allreduce_latency=26e-6,
         budget_large=8192, budget_small=2048, seqs_large=1024, seqs_small=256, large_gpu=70 * _GIB,
         source="budgets: vllm/engine/arg_utils.py _set_default_args (OpenAI server: 8192 tokens and 1024 "
-               "sequences on GPUs of >= 70 GiB but the A100, else 2048 and 256; vllm-project/vllm @99d7eb5d); "
+               "sequences on GPUs of >= 70 GiB but the A100, else 2048 and 256; vllm-project/vllm @99d7eb5d6a512cfcc5a2b104f24ebf2d6cda772b); "
                "all-reduce: csrc/custom_all_reduce.cuh (one-shot below 512 KiB for <= 4 ranks, 256 KiB for 8; "
                "two-shot above; @c9eabec7), custom_all_reduce.py (8 MiB at most) and all_reduce_utils.py "
                "CUSTOM_ALL_REDUCE_MAX_SIZES for Hopper with symmetric memory on (its default: 8 MiB at 2 and 4 "
