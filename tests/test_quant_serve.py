@@ -645,3 +645,24 @@ def test_check_mxfp4_blocks_of_another_shape(served, tmp_path):
     model = ModelKeys(**{**keys, "seq_len": 16, "dtype": "fp32"})
     text = "\n".join(p.message for p in check_checkpoint(tmp_path / "hf", expected_shapes(model), model))
     assert f"`{name}` is U8 (4, 32, 1, 16)" in text and "needs U8 (4, 64, 1, 16)" in text
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gptq_broken")
+    _save_int4(root / "hf", "gptq")
+    return root / "hf"
+
+
+@pytest.mark.parametrize("group", [7, -1])
+def test_a_rank_refuses_a_gptq_g_idx_outside_the_groups(gptq_dir, tmp_path, group):
+    """A GPTQ `g_idx` naming a group the checkpoint's `qzeros` and `scales` do not have (the
+    down projection's 256 inputs have groups 0 and 1): the load raises WeightsError naming the
+    file and the tensor (was: the load passed and the first forward died in index_select)."""
+    from parcompile.runtime.weights import WeightsError
+
+    build_serve(_spec(gptq_dir.parent, 1, "good"), tmp_path / "prog")
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    _broken(gptq_dir, tmp_path / "hf", lambda sd: sd.__setitem__(name, torch.full_like(sd[name], group)))
+    with pytest.raises(WeightsError, match=f"model.safetensors: `{name}` holds group {group}, outside the 2 groups"):
+        _stage(tmp_path / "prog", tmp_path / "hf")

@@ -62,8 +62,8 @@ weight-only. The dense tensors are loaded first, so a rank's memory peaks at the
 weights during the load.
 
 Hostile checkpoints: every tensor is checked against :func:`parcompile.core.quant.stored_tensors`
-(dtype, shape) before it is read; a wrong one is a :class:`parcompile.runtime.weights.WeightsError`
-naming the file and the tensor. Scale values are not checked: a huge exponent gives
+(dtype, shape) before it is read, and a GPTQ ``g_idx`` must name groups the checkpoint has; a wrong
+one is a :class:`parcompile.runtime.weights.WeightsError` naming the file and the tensor. Scale values are not checked: a huge exponent gives
 non-finite logits, which the engine answers per request.
 """
 
@@ -514,13 +514,18 @@ def _read_int4(reader: Reader, src: Source, p: torch.Tensor, fmt: QuantFormat, t
                          "of its own (not a fused or transposed one)")
     w0, w1 = r0 // 8, -(-r1 // 8)   # the words of the out range
     group = 128
-    if fmt.name == "int4-gptq" and "g_idx" in tensors and tensors["g_idx"].name in reader.files:
+    if fmt.name == "int4-gptq" and tensors["g_idx"].name in reader.files:
         g = reader.checked(tensors["g_idx"], p.global_name)[c0:c1].long()
+        where, groups = f"{reader.files[tensors['g_idx'].name]}: `{tensors['g_idx'].name}`", tensors["qzeros"].shape[-2]
+        if bool((g[1:] < g[:-1]).any()):
+            raise QuantError(f"{where} is not ascending: act-order (desc_act) GPTQ is not served")
+        if int(g[0]) < 0 or int(g[-1]) >= groups:   # ascending: its ends are its extremes
+            raise QuantError(f"{where} holds group {int(g[0]) if int(g[0]) < 0 else int(g[-1])}, outside the "
+                             f"{groups} groups of `{tensors['qzeros'].name}`",
+                             "the checkpoint is damaged, or of another model or quantization")
     else:
         g = torch.arange(c0, c1) // group
     g0, g1 = int(g.min()), int(g.max()) + 1
-    if fmt.name == "int4-gptq" and bool((g[1:] < g[:-1]).any()):
-        raise QuantError(f"`{tensors['g_idx'].name}` is not ascending: act-order (desc_act) GPTQ is not served")
     zeros = reader.checked(tensors["qzeros"], p.global_name)[g0:g1, w0:w1]
     scale_sl = reader.checked(tensors["scales"], p.global_name)
     if fmt.name == "int4-awq":
