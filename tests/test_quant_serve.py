@@ -666,3 +666,28 @@ def test_a_rank_refuses_a_gptq_g_idx_outside_the_groups(gptq_dir, tmp_path, grou
     _broken(gptq_dir, tmp_path / "hf", lambda sd: sd.__setitem__(name, torch.full_like(sd[name], group)))
     with pytest.raises(WeightsError, match=f"model.safetensors: `{name}` holds group {group}, outside the 2 groups"):
         _stage(tmp_path / "prog", tmp_path / "hf")
+
+
+@pytest.mark.parametrize("block", [[10**20, 1], [1, 2**63]])
+def test_check_refuses_a_block_size_past_int32(fp8_dir, tmp_path, capsys, block):
+    """A weight_block_size side past 2**31 - 1 (no weight is that long; a rank holds its
+    blocks' indices as int32): an error at the key in `parcompile check` (was: no error there,
+    and a rank's load died of an OverflowError (10**20) or its first forward in index_select
+    (2**63), the scales of such blocks being of the right shape)."""
+    from parcompile.core.quant import QuantConfigError, from_quantization_config
+
+    def edit(sd):   # scales of the shape such blocks give: the checkpoint is otherwise well formed
+        for k in [k for k in sd if k.endswith("weight_scale_inv")]:
+            rows, cols = sd[k.removesuffix("_scale_inv")].shape
+            sd[k] = torch.ones(-(-rows // block[0]), -(-cols // block[1]))
+
+    _broken(fp8_dir, tmp_path / "hf", edit)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    code, text = _check(tmp_path, capsys)
+    assert code == 1 and "Traceback" not in text
+    assert f"quantization_config.weight_block_size must be two positive integers of at most 2147483647, got {block}" in text
+    assert from_quantization_config({"quant_method": "fp8", "weight_block_size": [2**31 - 1, 1]}).block == (2**31 - 1, 1)
+    with pytest.raises(QuantConfigError):
+        from_quantization_config({"quant_method": "fp8", "weight_block_size": [2**31, 1]})

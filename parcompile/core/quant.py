@@ -283,13 +283,19 @@ def stored_quantized(fmt: QuantFormat | None, name: str, dtypes: Mapping[str, st
     return f"{name.removesuffix('.weight')}.qweight" in dtypes
 
 
+#: the longest side of an FP8 scale block: no weight is longer, and a rank holds its blocks'
+#: indices as int32 (runtime/quant.py FP8Weight)
+MAX_BLOCK = 2**31 - 1
+
+
 def _read_block(value: Any) -> tuple[int, int] | None:
     if value is None:
         return None
     if (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_BLOCK for v in value)):
         return int(value[0]), int(value[1])
-    raise QuantConfigError(f"quantization_config.weight_block_size must be two positive integers, got {value!r}",
+    raise QuantConfigError(f"quantization_config.weight_block_size must be two positive integers of at most {MAX_BLOCK}, "
+                           f"got {value!r}",
                            help="FP8 block-scaled checkpoints give e.g. [128, 128]; null means one scale per tensor")
 
 
