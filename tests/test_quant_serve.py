@@ -691,3 +691,17 @@ def test_check_refuses_a_block_size_past_int32(fp8_dir, tmp_path, capsys, block)
     assert from_quantization_config({"quant_method": "fp8", "weight_block_size": [2**31 - 1, 1]}).block == (2**31 - 1, 1)
     with pytest.raises(QuantConfigError):
         from_quantization_config({"quant_method": "fp8", "weight_block_size": [2**31, 1]})
+
+
+def test_fp8_made_on_load_in_blocks_longer_than_the_weight(tmp_path):
+    """weight_dtype = fp8 made on load (the seeded weights) in blocks of 2**31 - 1 rows by 1
+    column (the longest weight_block_size a checkpoint may give, which a program compiled
+    against it keeps for any other weights, `--weights seed` included): one scale per column
+    of each weight, its rows whole (was: each weight zero-padded to whole blocks first, a
+    (2**31 - 1) x in fp32 buffer: a rank died of "can't allocate memory")."""
+    model = dict(layers=1, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=256, seq_len=32)
+    build_serve(serve_config(model=model, serve=dict(weight_dtype="fp8", weight_format=f"fp8-block{2**31 - 1}x1")),
+                tmp_path / "prog")
+    _, stage = _stage(tmp_path / "prog", None)
+    w2 = next(q for q in rq.held(stage) if q.global_name == "layers.0.mlp.w2.weight")
+    assert tuple(w2.scale.shape) == (1, 96) and tuple(w2.data.shape) == (64, 96)

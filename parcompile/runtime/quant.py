@@ -578,7 +578,7 @@ def quantize_on_load(model: nn.Module, holding: Holding) -> int:
             owner, attr, axis = table[id(p)]
             (r0, r1), (c0, c1) = shard_ranges(p)
             out, inp = p.global_shape
-            b0, b1 = (out if fmt.block[0] == 0 else fmt.block[0]), (inp if fmt.block[1] == 0 else fmt.block[1])
+            b0, b1 = min(fmt.block[0] or out, out), min(fmt.block[1] or inp, inp)   # a block past a side: the side
             brow, bcol = torch.arange(r0, r1) // b0, torch.arange(c0, c1) // b1
             lo, clo = int(brow[0]), int(bcol[0])
             rows, cols = brow - lo, bcol - clo
