@@ -298,3 +298,20 @@ def test_docs_table_is_the_declarations():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()
     assert mk.keys_table() in doc
+
+
+def test_megatron_refuses_sigmoid_weights_it_would_normalise_otherwise():
+    """Megatron-Core's sigmoid routing divides the top-k scores by their sum only for k > 1
+    (megatron/core/transformer/moe/moe_utils.py topk_routing_with_score_function at core_v0.19.0:
+    ``scores / (scores.sum(...) + 1e-20) if topk > 1 else scores``), parcompile's whenever
+    norm_topk_prob: a single expert's weight there is its score s, here s / s = 1. Refused for
+    both Megatron targets unless norm_topk_prob is false (the same weights); at k = 2 the
+    unnormalised scores are refused, the normalised carried."""
+    sigmoid = {"experts": 4, "scoring_func": "sigmoid"}
+    for top_k, norm, refused in ((1, True, True), (1, False, False), (2, False, True), (2, True, False)):
+        plan = _compile(spec({**sigmoid, "top_k": top_k, "norm_topk_prob": norm}, "train"))
+        for target in ("megatron", "megatron-bridge"):
+            errors = [e for e in export(plan, target).errors if "sigmoid" in e]
+            assert bool(errors) == refused, (top_k, norm, target, errors)
+            assert not refused or errors[0].startswith(f"norm_topk_prob = {'true' if norm else 'false'} with "
+                                                       f"top_k {top_k} and sigmoid scores: Megatron-Core"), errors

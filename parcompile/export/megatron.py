@@ -278,8 +278,8 @@ def _megatron_moe_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         add("--moe-ffn-hidden-size", m.expert_ffn_hidden)
         add("--moe-aux-loss-coeff", m.router_aux_loss)
         if m.scoring_func == "sigmoid":
-            # Megatron-Core: sigmoid scores, the top-k renormalised whenever k > 1 (norm_topk_prob
-            # false: megatron_errors)
+            # Megatron-Core: sigmoid scores, the top-k renormalised exactly when k > 1 (a
+            # norm_topk_prob that says otherwise: megatron_errors)
             add("--moe-router-score-function", "sigmoid")
         elif not m.norm_topk_prob or m.top_k == 1:
             # the softmax over every expert, then the top-k, not renormalised: Megatron-Core's default
@@ -446,8 +446,8 @@ def megatron_model_errors(m) -> list[str]:
     """The values of model keys Megatron-LM carries that its flags cannot state: RoPE
     scalings (linear or YaRN outside multi-latent attention; Llama 3 scaling with other than
     its fixed low/high frequency factors and 8192 original positions; MLA's YaRN with other
-    than 4096 original positions), an MLP other than GeLU or SwiGLU, and unnormalised top-k
-    sigmoid scores."""
+    than 4096 original positions), an MLP other than GeLU or SwiGLU, and top-k sigmoid scores
+    normalised otherwise than Megatron-Core's (exactly when top_k > 1)."""
     errors = []
     if m.position == "rope" and m.rope_type == "llama3" and (
             float(m.rope_low_freq_factor), float(m.rope_high_freq_factor),
@@ -471,9 +471,12 @@ def megatron_model_errors(m) -> list[str]:
         errors.append(f"activation {m.activation}: pretrain_gpt.py's MLP is GeLU (the default), --swiglu, "
                       "--squared-relu or --quick-geglu; it has no " + ("GeGLU with tanh GeLU" if m.activation == "geglu"
                                                                        else "plain ReLU"))
-    if m.experts and m.scoring_func == "sigmoid" and not m.norm_topk_prob and m.top_k > 1:
-        errors.append("norm_topk_prob = false with sigmoid scores: Megatron-Core always renormalises the top-k "
-                      "sigmoid scores")
+    if m.experts and m.scoring_func == "sigmoid" and m.norm_topk_prob != (m.top_k > 1):
+        # moe_utils.py topk_routing_with_score_function (core_v0.19.0 5be9626): the sigmoid top-k
+        # divided by its sum exactly when topk > 1; parcompile's route whenever norm_topk_prob
+        errors.append(f"norm_topk_prob = {'true' if m.norm_topk_prob else 'false'} with top_k {m.top_k} and "
+                      "sigmoid scores: Megatron-Core renormalises the top-k sigmoid scores exactly when top_k > 1 "
+                      f"(no flag); set norm_topk_prob = {'false' if m.norm_topk_prob else 'true'} for its weights")
     return errors
 
 

@@ -211,7 +211,8 @@ MEGATRON = TargetKeys("Megatron-LM (pretrain_gpt.py)", {
     "shared_experts": written("--moe-shared-expert-intermediate-size"),
     "dense_layers": written("--moe-layer-freq"),
     "router_aux_loss": written("--moe-aux-loss-coeff"),
-    "norm_topk_prob": written("--moe-router-pre-softmax when false (with sigmoid scores: megatron_errors)"),
+    "norm_topk_prob": written("--moe-router-pre-softmax when false (sigmoid scores: megatron_errors unless "
+                                "false exactly at top_k 1)"),
     "scoring_func": written("--moe-router-score-function"),
     "topk_method": written("--moe-router-enable-expert-bias"),
     "n_group": written("--moe-router-num-groups"),
