@@ -35,11 +35,17 @@ def build_program(cfg: SpecConfig, out: Path):
     Returns (module, plan dict).
     """
     plan = compile_config(cfg)
+    return import_program(cfg, plan, out), plan.data
+
+
+def import_program(cfg: SpecConfig, plan, out: Path):
+    """Write ``plan`` (a compiled Plan, perhaps edited) and its program.py into ``out`` and
+    import the program under a fresh module name; returns the module."""
     write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out)})
     spec = importlib.util.spec_from_file_location(f"parcompile_test_program_{next(_counter)}", out / "program.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module, plan.data
+    return module
 
 
 def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file: Path,

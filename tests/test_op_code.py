@@ -19,8 +19,6 @@ defines nothing it does not read; codegen does no degree arithmetic.
 from __future__ import annotations
 
 import ast
-import importlib.util
-import itertools
 import re
 from collections import Counter
 from pathlib import Path
@@ -33,7 +31,7 @@ import parcompile
 import parcompile.verify as verify_mod
 from parcompile import runtime as rt
 from parcompile.codegen.blocks import module_methods
-from parcompile.codegen.emit import render_program, render_serve, write_files
+from parcompile.codegen.emit import render_program, render_serve
 from parcompile.codegen.program_data import program_data
 from parcompile.core.axes import GROUP_AXES
 from parcompile.driver import compile_config
@@ -41,7 +39,7 @@ from parcompile.ir.ops import Code, code_of
 from parcompile.ir.types import Dim
 from parcompile.runtime import comm, moe
 from parcompile.runtime.context import Axis
-from tests.program_utils import tiny_config
+from tests.program_utils import import_program, tiny_config
 from tests.test_verify import CASES, MIXED_CASES
 from tests.test_verify_buckets import BUCKET
 from tests.test_verify_buckets import CASES as BUCKET_CASES
@@ -49,7 +47,6 @@ from tests.test_verify_buckets import CASES as BUCKET_CASES
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.par"))
 CODEGEN = REPO / "parcompile" / "codegen"
-_counter = itertools.count()
 
 ONE = Axis("tp", [0], 0)
 
@@ -447,14 +444,6 @@ def _context(plan: dict, stage: int) -> rt.ParallelContext:
     return rt.ParallelContext(0, plan["world_size"], axes, torch.device("cpu"), None)
 
 
-def _import(cfg, plan_obj, out: Path):
-    write_files(out, {"plan.json": plan_obj.to_json(), "program.py": render_program(cfg, plan_obj, out)})
-    spec = importlib.util.spec_from_file_location(f"parcompile_codegen_test_{next(_counter)}", out / "program.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -556,7 +545,7 @@ def planned_per_layer(plan: dict, compiled=None) -> dict[int, dict[str, Counter]
 def _check(cfg, dtype: str, tmp_path: Path) -> None:
     mini = verify_mod.miniature(cfg, dtype=dtype)
     plan_obj = compile_config(mini)
-    module = _import(mini, plan_obj, tmp_path)
+    module = import_program(mini, plan_obj, tmp_path)
     plan = plan_obj.data
     measured = measured_per_layer(module, plan, mini)
     planned = planned_per_layer(plan, plan_obj)
@@ -593,7 +582,7 @@ def test_a_missing_collective_fails(tmp_path, fake_dist, monkeypatch):
     calls fewer collectives than the plan."""
     cfg = verify_mod.miniature(tiny_config(1, 2, 1))
     plan_obj = compile_config(cfg)
-    module = _import(cfg, plan_obj, tmp_path)
+    module = import_program(cfg, plan_obj, tmp_path)
     planned = planned_per_layer(plan_obj.data)
     assert measured_per_layer(module, plan_obj.data, cfg)[0]["forward"] == planned[0]["forward"]
     monkeypatch.setattr(rt.RowParallelLinear, "forward", lambda self, x: rt.linear(x, self.weight))

@@ -11,8 +11,6 @@ from layer 0 and nothing compared attributes).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import itertools
 from pathlib import Path
 
 import pytest
@@ -20,12 +18,12 @@ import torch
 
 import parcompile
 from parcompile.codegen.blocks import LayerValue
-from parcompile.codegen.emit import render_program, render_serve, write_files
+from parcompile.codegen.emit import render_program, render_serve
 from parcompile.codegen.program_data import LayerAttributeError, LayerTable, program_data
 from parcompile.driver import compile_config
 from parcompile.ir import ops
 from parcompile.runtime.context import init_parallel
-from tests.program_utils import tiny_config
+from tests.program_utils import import_program, tiny_config
 from tests.serve_utils import serve_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +31,6 @@ SCALES = (0.1, 0.2, 0.3, 0.4)
 #: examples/tiny.par's model (one process: the layers' classes are what is tested, not the layout)
 TINY = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256, seq_len=16, dtype="fp32",
             norm="rmsnorm", activation="swiglu", position="rope")
-_counter = itertools.count()
 
 
 def _with(plan, attr: str, values, op: str = "attn.core"):
@@ -41,14 +38,6 @@ def _with(plan, attr: str, values, op: str = "attn.core"):
     for i, v in enumerate(values):
         plan.graph.set_attrs(f"layers.{i}.{op}", **{attr: v})
     return plan
-
-
-def _program(cfg, plan, out: Path):
-    write_files(out, {"plan.json": plan.to_json(), "program.py": render_program(cfg, plan, out)})
-    spec = importlib.util.spec_from_file_location(f"per_layer_prog_{next(_counter)}", out / "program.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tiny_par_renders_the_four_scales():
@@ -69,7 +58,7 @@ def test_each_layer_computes_with_its_own_scale(tmp_path):
 
     cfg = tiny_config(model=TINY)
     plan = _with(compile_config(cfg), "scale", SCALES)
-    module = _program(cfg, plan, tmp_path / "prog")
+    module = import_program(cfg, plan, tmp_path / "prog")
     stage = module.Stage(plan.data, init_parallel(plan.data))
     assert [stage.layers[str(i)].attn.scale for i in range(4)] == list(SCALES)
 
