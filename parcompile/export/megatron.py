@@ -218,8 +218,8 @@ def _megatron_model_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     add("--norm-epsilon", m.norm_eps)
     if m.activation == "swiglu":
         add("--swiglu")
-    if m.zero_centered_gamma:   # TransformerConfig.layernorm_zero_centered_gamma (its argparse name)
-        add("--apply-layernorm-1p")
+    if m.zero_centered_gamma:   # TransformerConfig.layernorm_zero_centered_gamma, whose argparse_meta names
+        add("--apply-layernorm-1p")   # this flag (transformer_config.py line 199, core_v0.19.0 5be9626)
     if m.position == "rope":
         add("--position-embedding-type", "rope")
         add("--rotary-base", fmt_num(m.rope_theta))
@@ -282,9 +282,11 @@ def _megatron_moe_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
             # norm_topk_prob that says otherwise: megatron_errors)
             add("--moe-router-score-function", "sigmoid")
         elif not m.norm_topk_prob or m.top_k == 1:
-            # the softmax over every expert, then the top-k, not renormalised: Megatron-Core's default
-            # (the softmax over the top-k logits) renormalises, and gives one expert the weight 1
-            # where parcompile's route gives it p (Switch)
+            # the softmax over every expert, then the top-k, not renormalised (moe_utils.py
+            # topk_routing_with_score_function, core_v0.19.0 5be9626): Megatron-Core's default (the
+            # softmax over the top-k logits) renormalises, and at top_k 1 TransformerConfig.__post_init__
+            # refuses it ("Please use --moe-router-pre-softmax when topk is 1", transformer_config.py
+            # line 2328); parcompile's route gives a single expert its p (Switch), as pre-softmax does
             add("--moe-router-pre-softmax")
         if m.topk_method == "noaux_tc":   # DeepSeek-V3: the correction bias and group-limited top-k
             add("--moe-router-enable-expert-bias")
