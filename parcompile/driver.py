@@ -48,7 +48,7 @@ from parcompile.core.units import bytes_text, seconds_text
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.frontend import check_source, check_spec, parse_spec
-from parcompile.passes.groups import stage_ranks
+from parcompile.core.groups import stage_ranks
 from parcompile.passes.manager import compile_graph, paused_gc
 from parcompile.passes.schedule_pipeline import ScheduleReport
 from parcompile.plan import FORMAT, Plan

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from parcompile import runtime as rt
-from parcompile.config.hf import from_hf_dict
+from parcompile.core.hf import from_hf_dict
 from parcompile.runtime.context import init_parallel
 from parcompile.runtime.weights import load_hf
 from tests.program_utils import build_program
@@ -88,7 +88,7 @@ def check_written_back(cfg, out: Path, ref_hf, prog: Path, moved: tuple[str, ...
     its safetensors headers hold every expected shape. Returns the loaded model."""
     import transformers
 
-    from parcompile.config.hf_weights import check_checkpoint, expected_shapes
+    from parcompile.core.hf_weights import check_checkpoint, expected_shapes
     from tests.program_utils import tiny_config
 
     back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()

@@ -288,7 +288,7 @@ def test_report_warns_in_plain_language():
 
 def test_link_is_chosen_by_where_the_group_sits():
     from parcompile.analysis.estimate import axis_crosses_nodes
-    from parcompile.passes.groups import rank_groups
+    from parcompile.core.groups import rank_groups
     cfg = spec(tiny_model(), tp=2, dp=2, nodes=2, gpus_per_node=2)
     g = rank_groups(cfg.parallel)
     assert not axis_crosses_nodes(cfg.cluster, g, "tp")

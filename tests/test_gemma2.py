@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parcompile.config.hf import from_hf_dict
-from parcompile.config.hf_weights import expected_shapes, hf_family
+from parcompile.core.hf import from_hf_dict
+from parcompile.core.hf_weights import expected_shapes, hf_family
 from tests.family_utils import (assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf,
                                 token_ids)
 from tests.program_utils import tiny_config
@@ -80,7 +80,7 @@ def test_import_maps_every_field(case):
 
 def test_config_round_trips(case):
     """keys -> config.json (hf_config) -> keys: the same model, the caps included."""
-    from parcompile.config.hf_weights import hf_config
+    from parcompile.core.hf_weights import hf_config
 
     m = case["cfg"].model
     written = hf_config(m)
@@ -310,7 +310,7 @@ def test_the_caps_belong_to_gemma2_alone():
     """The soft-cap keys are Gemma 2's (its ``owns``): Gemma 3 and Llama refuse a model with
     one, naming it; a Gemma 3 model (qk-norm, no caps) is still guessed Gemma 3, and Gemma 2
     refuses its qk-norm."""
-    from parcompile.config.hf_weights import family_problems
+    from parcompile.core.hf_weights import family_problems
     from parcompile.config.presets import MODEL_PRESETS
     from parcompile.core.model import ModelKeys
 

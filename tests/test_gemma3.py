@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parcompile.config.hf import HFConfigError, from_hf_dict
-from parcompile.config.hf_weights import expected_shapes, hf_family
+from parcompile.core.hf import HFConfigError, from_hf_dict
+from parcompile.core.hf_weights import expected_shapes, hf_family
 from tests.family_utils import assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf
 from tests.program_utils import tiny_config
 from tests.serve_utils import build_serve, run_in_process

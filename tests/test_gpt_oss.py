@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parcompile.config.hf_weights import expected_shapes, hf_family
+from parcompile.core.hf_weights import expected_shapes, hf_family
 from tests.family_utils import (assert_logits_equal, check_written_back, fine_tune, import_keys, stage_from_hf,
                                  token_ids)
 from tests.program_utils import tiny_config

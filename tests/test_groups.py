@@ -1,7 +1,7 @@
 import pytest
 
 from parcompile.config.schema import ParallelConfig
-from parcompile.passes.groups import RankGenerator, rank_groups, stage_ranks
+from parcompile.core.groups import RankGenerator, rank_groups, stage_ranks
 
 
 def test_spec_example_16_ranks_tp2_pp4():

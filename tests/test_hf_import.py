@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import parcompile
-from parcompile.config.hf import HFConfigError, from_hf_dict, load_hf_config
+from parcompile.core.hf import HFConfigError, from_hf_dict, load_hf_config
 from parcompile.config.schema import ModelConfig
 
 from tests.test_presets import count_params

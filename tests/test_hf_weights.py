@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from parcompile import runtime as rt
-from parcompile.config.hf import from_hf_dict
-from parcompile.config.hf_weights import (HFWeightsError, check_checkpoint, expected_shapes, hf_config, hf_family,
+from parcompile.core.hf import from_hf_dict
+from parcompile.core.hf_weights import (HFWeightsError, check_checkpoint, expected_shapes, hf_config, hf_family,
                                           init_from_kind, tensor_map)
 from parcompile.runtime.context import AXES, Axis, ParallelContext, _find, init_parallel
 from parcompile.runtime.hf_export import export_weights, read_dcp_global, write_hf_checkpoint
@@ -75,7 +75,7 @@ FAMILIES = ["llama", "qwen2", "gpt2", "mistral", "gpt_neox", "mixtral", "qwen3",
 
 def _import(cfg: dict) -> dict:
     """`model` keys of a saved config.json. transformers 5 keeps NeoX's rotary fraction in
-    `rope_parameters.partial_rotary_factor`, which parcompile.config.hf does not read yet
+    `rope_parameters.partial_rotary_factor`, which parcompile.core.hf does not read yet
     (only `rotary_pct`): taken from there when the importer left it out."""
     keys = from_hf_dict(cfg)
     rp = cfg.get("rope_parameters") or {}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from parcompile.config.hf import HFConfigError, from_hf_dict
+from parcompile.core.hf import HFConfigError, from_hf_dict
 from parcompile.config.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset
 from parcompile.config.schema import ModelConfig
 from parcompile.diagnostics import SpecError

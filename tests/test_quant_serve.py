@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from parcompile.cli import main
-from parcompile.config.hf_weights import check_checkpoint, expected_shapes
+from parcompile.core.hf_weights import check_checkpoint, expected_shapes
 from parcompile.core.quant import FORMATS, format_named
 from parcompile.runtime import quant as rq
 from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
@@ -638,7 +638,7 @@ def test_check_mxfp4_blocks_of_another_shape(served, tmp_path):
     src = served["mxfp4"]["root"] / "hf"
     name = "model.layers.1.mlp.experts.down_proj_blocks"
     _broken(src, tmp_path / "hf", lambda sd: sd.__setitem__(name, sd[name][:, :32].contiguous()))
-    from parcompile.config.hf import from_hf_dict
+    from parcompile.core.hf import from_hf_dict
     from parcompile.core.model import ModelKeys
 
     keys = {k: v for k, v in from_hf_dict(json.loads((src / "config.json").read_text())).items() if v is not None}

@@ -22,8 +22,8 @@ import torch
 
 import parcompile
 from parcompile import runtime as rt
-from parcompile.config.hf import HFConfigError, from_hf_dict
-from parcompile.config.hf_weights import check_checkpoint, expected_shapes, hf_config, hf_family
+from parcompile.core.hf import HFConfigError, from_hf_dict
+from parcompile.core.hf_weights import check_checkpoint, expected_shapes, hf_config, hf_family
 from parcompile.config.presets import MODEL_PRESETS
 from parcompile.config.schema import ModelConfig
 from parcompile.runtime.moe import route

@@ -43,7 +43,7 @@ def test_inverse_frequencies_equal_transformers(kind, params, ours):
 
 def test_a_llama31_checkpoint_keeps_its_rope_scaling(tmp_path):
     from parcompile import runtime as rt
-    from parcompile.config.hf import from_hf_dict
+    from parcompile.core.hf import from_hf_dict
     from parcompile.runtime.context import init_parallel
     from parcompile.runtime.weights import load_hf
     from tests.program_utils import build_program, tiny_config

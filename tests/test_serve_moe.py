@@ -136,7 +136,7 @@ def trained(models, tmp_path_factory):
     import json
     import os
 
-    from parcompile.config.hf import from_hf_dict
+    from parcompile.core.hf import from_hf_dict
     from tests.program_utils import build_program, tiny_config
 
     root = tmp_path_factory.mktemp("trained")

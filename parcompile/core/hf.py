@@ -8,8 +8,8 @@ family holds its mapping: ``llama``, ``mistral``, ``mixtral``, ``qwen2``, ``qwen
 of a learned position table) and the default ``seq_len``. Keys written in the block
 override what the file gives.
 
-Standard library only (:mod:`parcompile.core`): the front end (:mod:`parcompile.config.hf`
-re-exports it) and the runtime (a checkpoint's layout,
+Standard library only (:mod:`parcompile.core`): the front end
+(:mod:`parcompile.frontend.build`) and the runtime (a checkpoint's layout,
 :func:`parcompile.core.hf_weights.model_from_checkpoint_config`) read config.json alike.
 """
 

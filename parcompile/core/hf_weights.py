@@ -1,5 +1,5 @@
 """Where our parameters live in a Hugging Face checkpoint, standard library only: the
-compiler's checks (:mod:`parcompile.config.hf_weights` re-exports this module) and the
+compiler's checks (:mod:`parcompile.frontend.checks`) and the
 runtime's loader and exporter (:mod:`parcompile.runtime.weights`,
 :mod:`parcompile.runtime.hf_export`) read the same tables.
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from parcompile.frontend import checks
 from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
-from parcompile.config.hf import HFConfigError, load_hf_config
+from parcompile.core.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
     MODEL_PRESET_NAMES,

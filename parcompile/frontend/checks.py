@@ -497,7 +497,7 @@ def _check_init_from(cfg: SpecConfig, ctx: CheckContext) -> None:
     t = cfg.train
     if t.init_from is None or not ctx.ok("train.init_from", "model.layers", "model.hidden", "model.vocab"):
         return
-    from parcompile.config.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
+    from parcompile.core.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
 
     expected = expected_shapes(cfg.model)
     try:
@@ -518,7 +518,7 @@ def _dcp_problems(directory: str, expected: dict[str, tuple[int, ...]]) -> list:
     (:func:`parcompile.runtime.weights.read_dcp_metadata`); not its tensors."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from parcompile.config.hf_weights import Problem
+    from parcompile.core.hf_weights import Problem
     from parcompile.runtime.weights import WeightsError, dcp_metadata_path, read_dcp_metadata
 
     try:
@@ -597,7 +597,7 @@ def _check_serve_weights(cfg: SpecConfig, ctx: CheckContext) -> None:
     s = cfg.serve
     if s is None or s.weights is None or not ctx.ok("serve.weights", "model.layers", "model.hidden", "model.vocab"):
         return
-    from parcompile.config.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
+    from parcompile.core.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
 
     try:
         if init_from_kind(s.weights) != "hf":

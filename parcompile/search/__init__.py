@@ -21,7 +21,7 @@ Memory and time are then the same functions the compiler uses
 (:func:`~parcompile.analysis.memory.memory_from_parts`,
 :func:`~parcompile.analysis.estimate.step_time_parts`, the closed-form pipeline), and
 how an axis's groups fall on nodes (the network model's ``k`` ranks per node over
-``domains`` nodes) comes from :func:`~parcompile.passes.groups.axis_placement`. Nothing per candidate grows with the
+``domains`` nodes) comes from :func:`~parcompile.core.groups.axis_placement`. Nothing per candidate grows with the
 world size; probes are cached, and each of their analyses runs when a layout first needs
 it. The best few candidates are then re-timed with their simulated schedules (action
 lists), which is what separates zero-bubble from 1F1B.

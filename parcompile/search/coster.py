@@ -17,7 +17,7 @@ from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.axes import GROUP_AXES
 from parcompile.core.schedule import build_actions
 from parcompile.passes.base import parallel_degrees
-from parcompile.passes.groups import axis_placement
+from parcompile.core.groups import axis_placement
 from parcompile.passes.insert_collectives import step_entries
 from parcompile.passes.split_pipeline_stages import candidate_splits
 from parcompile.search.bounds import Floors, first_rank_layers, step_degrees
