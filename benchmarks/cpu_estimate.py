@@ -5,7 +5,7 @@ Each layout below is `examples/tiny.par` (a 4-layer Llama-style model, hidden 64
 ``parcompile run`` for ``--steps`` steps, logging every step. The measured step time is
 the median of the steps after the first (the first warms up and measures activations);
 the predicted one is plan.json's ``estimate.step_time`` with this machine's figures
-(``parcompile/config/host.py``; the probe runs once and is cached; ``PARCOMPILE_CPU_PROBE``
+(``parcompile/frontend/host.py``; the probe runs once and is cached; ``PARCOMPILE_CPU_PROBE``
 as in the environment, ``fixed`` excepted: the point is this machine's figures). The
 target is a ratio measured / predicted within 0.5-2.
 
@@ -143,7 +143,7 @@ def best_single(seconds: float) -> list[tuple[int, float, float]]:
 def parcompile_estimate(text: str, cores: int) -> float:
     """The predicted step seconds of ``text`` less its optimizer step, with ``cores`` cores."""
     import parcompile
-    from parcompile.config import host
+    from parcompile.frontend import host
 
     figures = host.host_figures()
     if figures is not None:   # this machine's figures, as many cores as asked

@@ -7,7 +7,7 @@ pytest_plugins = ["parcompile.testing", "pytester"]
 
 import os
 
-# The `cpu` preset takes this machine's figures (parcompile/config/host.py); the suite and
+# The `cpu` preset takes this machine's figures (parcompile/frontend/host.py); the suite and
 # its golden files pin the preset's fixed, machine-independent ones (subprocesses inherit
 # it), whatever the developer's shell says. Tests of the host figures set
 # PARCOMPILE_CPU_PROBE themselves.

@@ -527,7 +527,7 @@ def test_json_files_nested_too_deeply_are_bad_files_not_tracebacks(tmp_path, cap
     `check` (the cache: out of every command). Now each reads as JSON that is not valid:
     the importer's diagnostic, a cache probed again, a marker that is not parcompile's, a
     damaged checkpoint file."""
-    from parcompile.config import host
+    from parcompile.frontend import host
     from parcompile.core.hf_weights import read_header
     from parcompile.core.outputs import written_files
 

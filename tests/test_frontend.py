@@ -302,7 +302,7 @@ def test_key_table_covers_the_schema():
     from parcompile.frontend.parser import BLOCK_KINDS as PARSER_BLOCK_KINDS
 
     assert BLOCK_KINDS == PARSER_BLOCK_KINDS
-    # figures: set by the cpu preset (config/host.py); weight_format: read from the serve checkpoint
+    # figures: set by the cpu preset (frontend/host.py); weight_format: read from the serve checkpoint
     internal = {"name", "preset", "auto", "figures", "weight_format", "quantized_checkpoint"}
     for kind, cls in [("model", ModelConfig), ("cluster", ClusterConfig), ("parallel", ParallelConfig),
                       ("train", TrainConfig), ("serve", ServeConfig)]:

@@ -1,4 +1,4 @@
-"""The `cpu` preset describes the machine it runs on (issue 30.5; parcompile/config/host.py).
+"""The `cpu` preset describes the machine it runs on (issue 30.5; parcompile/frontend/host.py, measured by parcompile/runtime/host.py).
 
 The suite pins the fixed figures (tests/conftest.py: PARCOMPILE_CPU_PROBE=fixed); these
 tests set the variable themselves, and point the probe cache at a temporary directory.
@@ -11,8 +11,9 @@ import json
 import pytest
 
 import parcompile
-from parcompile.config import host
 from parcompile.diagnostics import SpecError
+from parcompile.frontend import host
+from parcompile.runtime import host as runtime_host
 
 GiB = 2**30
 
@@ -273,7 +274,7 @@ def test_a_probe_cache_that_is_a_fifo_is_not_waited_on(monkeypatch, cache):
 def test_engine_threads_leave_the_front_a_core():
     """A serve engine rank's intra-op threads: the cores less one (the front's), shared by
     the ranks, never below one."""
-    assert [host.engine_threads(r, cpus=16) for r in (1, 2, 4, 8, 15, 16, 32)] == [15, 7, 3, 1, 1, 1, 1]
-    assert host.engine_threads(1, cpus=2) == 1 and host.engine_threads(1, cpus=1) == 1
+    assert [runtime_host.engine_threads(r, cpus=16) for r in (1, 2, 4, 8, 15, 16, 32)] == [15, 7, 3, 1, 1, 1, 1]
+    assert runtime_host.engine_threads(1, cpus=2) == 1 and runtime_host.engine_threads(1, cpus=1) == 1
     with pytest.raises(ValueError, match="ranks"):
-        host.engine_threads(0)
+        runtime_host.engine_threads(0)

@@ -977,7 +977,7 @@ def test_the_engine_connection_sends_each_step_at_once(tmp_path):
     barrier while the front was busy)."""
     import socket as socket_
 
-    from parcompile.config import host
+    from parcompile.runtime import host
     from parcompile.server import engines as engines_mod
 
     (tmp_path / "leader.py").write_text(

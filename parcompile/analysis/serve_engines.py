@@ -115,7 +115,7 @@ SERVE_ENGINES: dict[str, ServeEngine] = {
         budget_large=0, budget_small=0, seqs_large=0, seqs_small=0, large_gpu=0,
         custom_allreduce=False, custom_max_bytes=(), host_ops=True,
         source="the host's cost per graph op: the cluster's op_overhead where it models the host (the cpu "
-               "preset, config/host.py), else 10 us per op (eager PyTorch's dispatch and launch, Horace He, "
+               "preset, frontend/host.py), else 10 us per op (eager PyTorch's dispatch and launch, Horace He, "
                "'Making Deep Learning Go Brrrr From First Principles', 2022: ~10 us of overhead per op); the "
                "engine's own host work per step (paged cache, layout, sampling): analysis/serve_steps.py; no "
                "token budget by default (serve.max_prefill_tokens)"),

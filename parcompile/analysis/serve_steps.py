@@ -259,7 +259,7 @@ class Rates:
 
 
 #: host work of the parcompile engine beyond the graph's ops, in units of the host's cost per
-#: graph op (``cluster.op_overhead``: config/host.py's probe). Timed on this machine (2-core
+#: graph op (``cluster.op_overhead``: frontend/host.py's probe). Timed on this machine (2-core
 #: Xeon VM, torch 2.13, one thread, best of 5 x 200 calls) beside the probe's figure (17.9 us
 #: per op then): the paged KV cache's write of a layer's new keys and values and its read of
 #: their context (runtime/paged.py ``PagedKVCache.store``: index_copy_ twice, two gathers, two

@@ -268,8 +268,8 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
-    # shared memory / loopback TCP, 20 us of eager PyTorch per op (config/host.py's probe
-    # measures 15-25 us on a 2-core EPYC VM with torch 2.13). config/host.py replaces them
+    # shared memory / loopback TCP, 20 us of eager PyTorch per op (frontend/host.py's probe
+    # measures 15-25 us on a 2-core EPYC VM with torch 2.13). frontend/host.py replaces them
     # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed. FP8 (tensorwise, rowwise):
     # runtime/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
     # 16 bits, so the same peak. MXFP8 likewise: the cpu preset is the one part without a

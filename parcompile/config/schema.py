@@ -93,14 +93,14 @@ class ClusterConfig(_Frozen):
     inter_node_latency: float = 10e-6 # s
     #: s of host work per graph op of a micro-batch's forward beyond its arithmetic (the
     #: eager program's Python, dispatcher and autograd; the backward counts twice): the
-    #: `cpu` preset's (config/host.py); 0 elsewhere (analysis/estimate.py)
+    #: `cpu` preset's (frontend/host.py); 0 elsewhere (analysis/estimate.py)
     op_overhead: float = 0.0
     memory_reserve: float = 0.10      # fraction of memory
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
     #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)
     engine: Literal["megatron", "eager", "compile", "automodel"] = "megatron"
-    #: where the `cpu` preset's memory, compute and bandwidth came from (config/host.py);
+    #: where the `cpu` preset's memory, compute and bandwidth came from (frontend/host.py);
     #: None for the other presets (their datasheets, presets.py)
     figures: Optional[str] = None
     #: the network model (analysis/estimate.py Link; docs/clusters.md): GPUs that share one

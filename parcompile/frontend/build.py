@@ -553,10 +553,10 @@ class _Builder:
         return None
 
     def host_base(self, block: ast.Block, fixed: dict[str, Any]) -> dict[str, Any]:
-        """The `cpu` preset on this machine (:func:`parcompile.config.host.cpu_values`) for
+        """The `cpu` preset on this machine (:func:`parcompile.frontend.host.cpu_values`) for
         the spec's ``gpus_per_node`` ranks; the fixed figures, with an error at the block,
         when ``PARCOMPILE_CPU_PROBE`` is malformed."""
-        from parcompile.config import host
+        from parcompile.frontend import host
 
         ranks = self.values["cluster"].get("gpus_per_node", fixed.get("gpus_per_node", 8))
         ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else fixed["gpus_per_node"]
@@ -611,7 +611,7 @@ class _Builder:
         base = self.cluster_base(block, dtype)
         if base is None:
             base = {}
-        if block.source == "cpu":       # this machine's figures, shared by the node's ranks (config/host.py)
+        if block.source == "cpu":       # this machine's figures, shared by the node's ranks (frontend/host.py)
             base = self.host_base(block, base)
         values = {**base, **self.values["cluster"]}
         self.ctx.provided.update(f"cluster.{k}" for k in values)

@@ -22,7 +22,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from parcompile import jobs
-from parcompile.config.host import engine_threads
+from parcompile.runtime.host import engine_threads
 from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
 
 #: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
