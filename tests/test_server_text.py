@@ -11,7 +11,7 @@ from parcompile.server.text import IncrementalText
 
 
 def _run(decode, tokens, stop):
-    """Feed ``tokens`` one at a time as Handlers.generate does; returns (the text released,
+    """Feed ``tokens`` one at a time as Generation.generate does; returns (the text released,
     the tokens taken when a stop string ended it, or all)."""
     t, ids, out = IncrementalText(decode, stop), [], []
     for i, tok in enumerate(tokens):

@@ -463,7 +463,7 @@ class StreamBuffer:
     costs the host less per token). A request's first token (its time to first token) and
     its last (finished, stopped, failed) go out at once; the others wait until ``interval``
     of them are held. Every token is sent, in order; the front streams a group as one
-    event (``parcompile.server.api.Handlers.generate`` takes the tokens that arrived
+    event (``parcompile.server.generation.Generation.generate`` takes the tokens that arrived
     together). ``interval`` 1 sends each token the step it is made, as before.
 
     A stop string found by the front ends its request up to ``interval - 1`` steps later

@@ -1,7 +1,7 @@
 """What a request to `parcompile serve`'s API may be and how it is refused (module
 :mod:`parcompile.server.api` serves it): the request models (pydantic), OpenAI's error object
-(:class:`ApiError`), the JSON body reader (:func:`load_json`), the limits, and :class:`Guard`
-(the API key and body-size middleware)."""
+(:class:`ApiError`), the JSON body reader (:func:`load_json`), the limits, :class:`Guard`
+(the API key and body-size middleware) and an answer's :func:`usage`."""
 
 from __future__ import annotations
 
@@ -185,6 +185,11 @@ class ModelInfo:
     chat_template: str
     special: dict                   # bos_token, eos_token for the chat template
     max_seqs: int = 0               # sequences one replica decodes at once: the most `n` / `best_of` (0: no limit)
+
+
+def usage(n_prompt: int, n_out: int) -> dict:
+    """OpenAI's ``usage`` object of an answer with ``n_prompt`` prompt and ``n_out`` output tokens."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:

@@ -39,7 +39,7 @@ class OneStream:
     generator ``g`` (no task, no queue, no generator between it and the response):
     ``await x.__anext__()`` is ``[(0, item)]``, then ``[(0, None)]`` at its end or
     ``[(0, failure)]`` (:func:`as_api_error`), then StopAsyncIteration.
-    :meth:`parcompile.server.api.Handlers.events` reads ``next`` (the generator's
+    :meth:`parcompile.server.streaming.StreamedAnswer.events` reads ``next`` (the generator's
     ``__anext__``) itself."""
 
     __slots__ = ("g", "next", "ended")
@@ -70,7 +70,7 @@ class OneStream:
 
 def event_batches(streams: list):
     """The events of the choices' generators ``streams``
-    (:meth:`parcompile.server.api.Handlers.generate`), in batches of those ready together:
+    (:meth:`parcompile.server.generation.Generation.generate`), in batches of those ready together:
     lists of ``(choice, event)``, the event an item of the generator, None at its end, or
     its failure (:func:`as_api_error`). One choice is read directly (:class:`OneStream`);
     several through one queue, a task each. Returns the
@@ -113,7 +113,7 @@ class EventStream(StreamingResponse):
     plain asyncio task: when the client goes away (``http.disconnect``) the stream is
     cancelled, as Starlette does for ASGI spec < 2.4 (uvicorn's h11 and httptools servers say 2.3), without
     the anyio task group and cancel scope it opens for that per response; the events'
-    generator is then closed (:meth:`parcompile.server.api.Handlers.events` ends its
+    generator is then closed (:meth:`parcompile.server.streaming.StreamedAnswer.events` ends its
     choices' engine requests)."""
 
     def __init__(self, content):

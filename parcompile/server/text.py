@@ -1,5 +1,5 @@
 """A generated sequence's text as its tokens arrive (`parcompile serve`'s streamed and plain
-answers, :meth:`parcompile.server.api.Handlers.generate`): detokenized incrementally as
+answers, :meth:`parcompile.server.generation.Generation.generate`): detokenized incrementally as
 vLLM's ``detokenize_incrementally`` does (``vllm/transformers_utils/detokenizer_utils.py``),
 and cut at the first stop string, searched in the new text only, as vLLM's
 ``check_stop_strings`` does. Kept lean per token (issue 33: the front's CPU per streamed
