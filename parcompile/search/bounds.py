@@ -1,5 +1,6 @@
 """Lower bounds on a layout's step time and memory peak, each cheaper than the costing it
-bounds (:class:`Floors`, a base class of :class:`~parcompile.search.coster.Coster`; the
+bounds (:class:`Floors`, a base class of :class:`~parcompile.search.coster.Coster`, made of
+:class:`StepFloors`, :class:`FamilyFloors` and :class:`MemoryFloors`; the
 module docstring of :mod:`parcompile.search`)."""
 
 from __future__ import annotations
@@ -65,9 +66,13 @@ def scaled_comm(comm: CommReport, r: float, pp: bool, experts: int = 0, fixed_r:
                                      for s, k, c in comm.raw if (c.axis == "pp") == pp))
 
 
-class Floors:
-    """The lower bounds :class:`~parcompile.search.coster.Coster` ranks layouts by (the module
-    docstring): a base class of the coster, reading its probes, caches and costing."""
+class StepFloors:
+    """Lower bounds on a training layout's step time from the layout's own probe (a part
+    of :class:`Floors`): the pipeline's makespan whatever the split (:meth:`span_floor`),
+    what the data-parallel step and the optimizer add (:meth:`step_floor`, from a mean
+    stage), both (:meth:`layout_floor`), and per split, closed form or simulated
+    (:meth:`_split_floors`, :meth:`_dp_floor`, :meth:`_sim_floor`). Fills the coster's
+    ``step_floor_parts``, ``step_floor_memo`` and ``dp_groups`` caches."""
 
     def span_floor(self, par: ParallelConfig) -> float:
         """A lower bound on the estimated step time of layout ``par``, whatever its split: the
@@ -193,6 +198,117 @@ class Floors:
             sums[(grads, params, other, 0.0)] = sums.get((grads, params, other, 0.0), 0) + 1
         opt = optimizer_time(cfg, deg, [StageParams(0, fake_params[0], fake_params[1], 0, 0)])
         return cfg, deg, tuple(sums.items()), opt
+
+    def _split_floors(self, par: ParallelConfig, splits: list[tuple[int, ...]], simulate: bool) -> list[float]:
+        """Per split of layout ``par``, a lower bound on :meth:`cost`'s step time (the step
+        adds the non-negative exposed data-parallel time and optimizer step to the
+        pipeline's makespan), from the probe's chunk times composed (:func:`compose`) over the
+        split, with the transfers (:func:`~parcompile.analysis.estimate.pipeline_makespan`'s
+        ``f`` and ``b``):
+
+        * closed form: the makespan itself, ``m * max(work) + (pp - 1) / v * mean(work)``,
+          ``work`` a rank's forward and backward of one micro-batch through its chunks;
+        * simulated: for every rank ``r``, ``sum_{k < r} (f_k + b_k) + m * work_r``. Each of
+          ``r``'s chunks is model chunk ``r`` or later, so its first forward waits for
+          micro-batch 0's forwards through chunks ``0 .. r - 1``; it then runs its
+          ``m * work_r`` seconds of actions one at a time; its last action is a backward
+          (each forward's backward follows it on the same rank), after which that
+          micro-batch's backwards through chunks below ``r`` follow one after another.
+          Zero-bubble splits the backward and may end a rank on a weight gradient, which
+          nothing waits for: there, ``sum_{k < r} f_k + m * work_r``.
+
+        Each reduced by a relative 1e-9 for rounding (the estimate sums in another order)."""
+        pr = self.probe(par)
+        ct3, _links, _key = self._chunk_times3(pr, par)
+        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+        n = pp * v
+        p2p = ct3.p2p if pp > 1 else 0.0
+        f4 = [ct3.fwd(k) for k in range(4)]
+        fb4 = [ct3.fwd(k) + ct3.bwd(k) for k in range(4)]
+        sim = simulate and pp > 1
+        zb = par.schedule == "zero_bubble"
+        nd = self.dense
+        out = []
+
+        for counts in splits:
+            fb = list(compose(fb4, counts, nd))
+            if pp > 1:
+                for k in range(n):
+                    fb[k] += p2p * ((k < n - 1) + (k > 0))
+            work = [sum(fb[c * pp + r] for c in range(v)) for r in range(pp)]
+            if not sim:
+                out.append(closed_form_span(work, pp, v, m) * (1 - 1e-9))
+                continue
+            if zb:
+                f = compose(f4, counts, nd)
+                lead = [x + (p2p if k < n - 1 else 0.0) for k, x in enumerate(f)]
+            else:
+                lead = fb
+            before, best = 0.0, 0.0
+            for r in range(pp):
+                best = max(best, before + m * work[r])
+                before += lead[r]
+            out.append(best * (1 - 1e-9))
+        return out
+
+    def _dp_floor(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...], ct: ChunkTimes, links: dict,
+                  deg: dict) -> float:
+        """A lower bound on the exposed data-parallel time of layout ``cfg`` (split
+        ``counts``, chunk times ``ct``) that :meth:`cost` adds to the pipeline, without
+        simulating its gradient buckets: :func:`~parcompile.analysis.estimate.dp_exposed`
+        without the stage parameters, which counts each stage's gradient reductions against
+        its last backward as one block. The bucket-by-bucket simulation
+        (:func:`~parcompile.analysis.estimate.grad_overlap`) runs the same reductions on one
+        stream, so its last one ends no earlier than their sum: it exposes at least as
+        much; the parameter all-gathers and the other step collectives count alike.
+
+        The step collectives are built once per group of layouts that differ in nothing
+        they and this reading depend on but the number of micro-batches ``m``: a gradient
+        reduced per micro-batch runs ``m`` times and is divided by ``m`` again (one round),
+        others run once (ZeRO-3 regathering per micro-batch, ``pp = 1``, keeps ``m`` in the
+        group). Reduced by a relative 1e-9 for rounding."""
+        par = cfg.parallel
+        jit = par.zero >= 3 and reshard_after_forward(par.pp)
+        key = (self._params_key(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
+               par.num_microbatches if jit else 0, step_degrees(deg), par.bucket_size,
+               par.reduce_dtype, par.sequence_parallel)
+        got = self.dp_groups.get(key)
+        if got is None:
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)), {})
+        cfg0, steps, sums = got
+        lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
+        got = sums.get(lkey)
+        if got is None:
+            # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch, which this group
+            # does not fix: left out of the floor (they are not negative)
+            got = sums[lkey] = [(g, p, o, 0.0) for g, p, o, _c in step_sums(cfg0, deg, links, steps)]
+        return dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
+
+    def _sim_floor(self, cfg: SpecConfig, floor: float) -> float:
+        """A lower bound on the simulated step time of ``cfg`` (a layout with its split)
+        from ``floor``, one on its simulated pipeline (:meth:`_split_floors`): plus the
+        exposed data-parallel time and the optimizer step, exactly (:meth:`_data_parallel`)."""
+        par, model = cfg.parallel, cfg.model
+        pr = self.probe(par)
+        counts = par.layers_per_chunk(model.layers)
+        ct3, links, tkey = self._chunk_times3(pr, par)
+        ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
+        pp = par.pp
+        deg = parallel_degrees(par)
+        dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
+                                           self._stage_params(pr, counts, pp))
+        return floor + dp_comm + opt
+
+
+class FamilyFloors:
+    """Lower bounds on the step time of a whole probe family (one ``tp, cp,
+    sequence_parallel, micro_batch, ep, expert_tp``) without building its probe (a part of
+    :class:`Floors`): the probe at micro-batch 1 and ``cp0 = min(cp, 2)``, its work scaled
+    to the family's (:meth:`_family_work`, :meth:`_scaled_base`, :meth:`_base_work`), bounds
+    the family's groups (:meth:`family_floor`) and, with :meth:`StepFloors.step_floor`, one
+    layout (:meth:`family_layout_floor`). Fills the coster's ``family_works``,
+    ``comm_axes``, ``base_p2p``, ``scaled_comms``, ``scaled_bases`` and ``base_works``
+    caches; ``direct_works`` (tests) times every micro-batch instead of the line."""
 
     def family_floor(self, reps: dict[int, ParallelConfig],
                      groups: Iterable[tuple[int, int, int, str]]) -> dict[tuple[int, int, int, str], float]:
@@ -340,6 +456,15 @@ class Floors:
                                       total_of_chunks([ct.bwd(k) for k in range(4)], layers, self.dense))
         return got
 
+
+class MemoryFloors:
+    """Lower bounds on a training layout's memory peak (a part of :class:`Floors`):
+    from the model states alone, whatever the split, micro-batch or schedule
+    (:meth:`state_floor`), and the first pipeline rank's states, activations and buffers
+    when it holds the fewest layers any split gives it, from the layout's probe or its
+    family's scaled one (:meth:`memory_floor`). Fills the coster's ``state_floors``,
+    ``param_probes``, ``buf_sums``, ``state_parts`` and ``in_flight_firsts`` caches."""
+
     def state_floor(self, par: ParallelConfig | RowLayout) -> int:
         """A lower bound on the memory peak of training layout ``par`` from its model states
         alone (parameters, fp32 gradients and optimizer states; :meth:`peak`'s
@@ -375,30 +500,6 @@ class Floors:
                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
                                          grad_bytes=grad_element_bytes(self.cfg, z)))
             got = self.state_floors[key] = math.ceil(total / pp)
-        return got
-
-    def _buffer_sums(self, pr: Probe, rc: str, pp: int) -> tuple[int, int, int]:
-        """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
-        composes them; :func:`parcompile.analysis.memory.buffer_total`: the logits and the
-        recomputation's working set are never alive at once), and of the only rank when
-        pp = 1 (returned as the first).
-
-        With dense and MoE layers (:attr:`Probe.dense_probe`) the first rank's is that of
-        the first chunk (the embedding and dense layers), the middle and last ranks' of MoE
-        layers: each at most the rank's own (buffers are maxima over the rank's ops).
-        """
-        key = (id(pr), rc, pp == 1)
-        got = self.buf_sums.get(key)
-        if got is None:
-            pq = pr.quad(lambda p: p.bufs[rc])
-            mixed = pr.dense_probe is not None
-            out = []
-            if pp > 1:
-                for first, last in ((True, False), (False, False), (False, True)):
-                    out.append(buffer_total(stage_bufs(pq, first and mixed, not (first and mixed), first, last, False)))
-            else:
-                out.append(buffer_total(stage_bufs(pq, mixed, True, True, True, True)))
-            got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
     def memory_floor(self, par: ParallelConfig | RowLayout, first_layers: int, base: bool = False,
@@ -467,6 +568,30 @@ class Floors:
         acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
         return (states + acts + bufs * scale) * (1 - 1e-12)
 
+    def _buffer_sums(self, pr: Probe, rc: str, pp: int) -> tuple[int, int, int]:
+        """Total buffer bytes of a first, middle and last pipeline rank (as :meth:`cost`
+        composes them; :func:`parcompile.analysis.memory.buffer_total`: the logits and the
+        recomputation's working set are never alive at once), and of the only rank when
+        pp = 1 (returned as the first).
+
+        With dense and MoE layers (:attr:`Probe.dense_probe`) the first rank's is that of
+        the first chunk (the embedding and dense layers), the middle and last ranks' of MoE
+        layers: each at most the rank's own (buffers are maxima over the rank's ops).
+        """
+        key = (id(pr), rc, pp == 1)
+        got = self.buf_sums.get(key)
+        if got is None:
+            pq = pr.quad(lambda p: p.bufs[rc])
+            mixed = pr.dense_probe is not None
+            out = []
+            if pp > 1:
+                for first, last in ((True, False), (False, False), (False, True)):
+                    out.append(buffer_total(stage_bufs(pq, first and mixed, not (first and mixed), first, last, False)))
+            else:
+                out.append(buffer_total(stage_bufs(pq, mixed, True, True, True, True)))
+            got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
+        return got
+
     def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
         """The model states (bytes) of the first pipeline rank holding ``n`` layers, of
         :meth:`memory_floor`: its dense and expert parameters from the probe's per-stage
@@ -516,102 +641,9 @@ class Floors:
             got = self.in_flight_firsts[key] = closed_form_in_flight(schedule, pp, v, m)[0]
         return got
 
-    def _split_floors(self, par: ParallelConfig, splits: list[tuple[int, ...]], simulate: bool) -> list[float]:
-        """Per split of layout ``par``, a lower bound on :meth:`cost`'s step time (the step
-        adds the non-negative exposed data-parallel time and optimizer step to the
-        pipeline's makespan), from the probe's chunk times composed (:func:`compose`) over the
-        split, with the transfers (:func:`~parcompile.analysis.estimate.pipeline_makespan`'s
-        ``f`` and ``b``):
 
-        * closed form: the makespan itself, ``m * max(work) + (pp - 1) / v * mean(work)``,
-          ``work`` a rank's forward and backward of one micro-batch through its chunks;
-        * simulated: for every rank ``r``, ``sum_{k < r} (f_k + b_k) + m * work_r``. Each of
-          ``r``'s chunks is model chunk ``r`` or later, so its first forward waits for
-          micro-batch 0's forwards through chunks ``0 .. r - 1``; it then runs its
-          ``m * work_r`` seconds of actions one at a time; its last action is a backward
-          (each forward's backward follows it on the same rank), after which that
-          micro-batch's backwards through chunks below ``r`` follow one after another.
-          Zero-bubble splits the backward and may end a rank on a weight gradient, which
-          nothing waits for: there, ``sum_{k < r} f_k + m * work_r``.
-
-        Each reduced by a relative 1e-9 for rounding (the estimate sums in another order)."""
-        pr = self.probe(par)
-        ct3, _links, _key = self._chunk_times3(pr, par)
-        pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-        n = pp * v
-        p2p = ct3.p2p if pp > 1 else 0.0
-        f4 = [ct3.fwd(k) for k in range(4)]
-        fb4 = [ct3.fwd(k) + ct3.bwd(k) for k in range(4)]
-        sim = simulate and pp > 1
-        zb = par.schedule == "zero_bubble"
-        nd = self.dense
-        out = []
-
-        for counts in splits:
-            fb = list(compose(fb4, counts, nd))
-            if pp > 1:
-                for k in range(n):
-                    fb[k] += p2p * ((k < n - 1) + (k > 0))
-            work = [sum(fb[c * pp + r] for c in range(v)) for r in range(pp)]
-            if not sim:
-                out.append(closed_form_span(work, pp, v, m) * (1 - 1e-9))
-                continue
-            if zb:
-                f = compose(f4, counts, nd)
-                lead = [x + (p2p if k < n - 1 else 0.0) for k, x in enumerate(f)]
-            else:
-                lead = fb
-            before, best = 0.0, 0.0
-            for r in range(pp):
-                best = max(best, before + m * work[r])
-                before += lead[r]
-            out.append(best * (1 - 1e-9))
-        return out
-
-    def _dp_floor(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...], ct: ChunkTimes, links: dict,
-                  deg: dict) -> float:
-        """A lower bound on the exposed data-parallel time of layout ``cfg`` (split
-        ``counts``, chunk times ``ct``) that :meth:`cost` adds to the pipeline, without
-        simulating its gradient buckets: :func:`~parcompile.analysis.estimate.dp_exposed`
-        without the stage parameters, which counts each stage's gradient reductions against
-        its last backward as one block. The bucket-by-bucket simulation
-        (:func:`~parcompile.analysis.estimate.grad_overlap`) runs the same reductions on one
-        stream, so its last one ends no earlier than their sum: it exposes at least as
-        much; the parameter all-gathers and the other step collectives count alike.
-
-        The step collectives are built once per group of layouts that differ in nothing
-        they and this reading depend on but the number of micro-batches ``m``: a gradient
-        reduced per micro-batch runs ``m`` times and is divided by ``m`` again (one round),
-        others run once (ZeRO-3 regathering per micro-batch, ``pp = 1``, keeps ``m`` in the
-        group). Reduced by a relative 1e-9 for rounding."""
-        par = cfg.parallel
-        jit = par.zero >= 3 and reshard_after_forward(par.pp)
-        key = (self._params_key(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
-               par.num_microbatches if jit else 0, step_degrees(deg), par.bucket_size,
-               par.reduce_dtype, par.sequence_parallel)
-        got = self.dp_groups.get(key)
-        if got is None:
-            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)), {})
-        cfg0, steps, sums = got
-        lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
-        got = sums.get(lkey)
-        if got is None:
-            # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch, which this group
-            # does not fix: left out of the floor (they are not negative)
-            got = sums[lkey] = [(g, p, o, 0.0) for g, p, o, _c in step_sums(cfg0, deg, links, steps)]
-        return dp_exposed(cfg0, deg, links, None, ct, None, got) * (1 - 1e-9)
-
-    def _sim_floor(self, cfg: SpecConfig, floor: float) -> float:
-        """A lower bound on the simulated step time of ``cfg`` (a layout with its split)
-        from ``floor``, one on its simulated pipeline (:meth:`_split_floors`): plus the
-        exposed data-parallel time and the optimizer step, exactly (:meth:`_data_parallel`)."""
-        par, model = cfg.parallel, cfg.model
-        pr = self.probe(par)
-        counts = par.layers_per_chunk(model.layers)
-        ct3, links, tkey = self._chunk_times3(pr, par)
-        ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
-        pp = par.pp
-        deg = parallel_degrees(par)
-        dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
-                                           self._stage_params(pr, counts, pp))
-        return floor + dp_comm + opt
+class Floors(StepFloors, FamilyFloors, MemoryFloors):
+    """The lower bounds :class:`~parcompile.search.coster.Coster` ranks layouts by (the module
+    docstring): a base class of the coster, reading its probes, caches and costing. Step
+    time from a layout's own probe (:class:`StepFloors`), from its family's scaled probe
+    (:class:`FamilyFloors`), and memory (:class:`MemoryFloors`)."""
