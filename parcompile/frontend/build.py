@@ -14,7 +14,6 @@ The key table :data:`KEYS` is the single list of what each block accepts.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -36,7 +35,6 @@ from parcompile.config.presets import (
     model_preset,
 )
 from parcompile.config.schema import (
-    BUILTIN_SOURCES,
     ClusterConfig,
     ModelConfig,
     ParallelConfig,
@@ -46,7 +44,7 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
-from parcompile.core.files import what_is
+from parcompile.frontend.paths import SpecPaths
 from parcompile.frontend.serve_values import (SERVE_AUTO_PLACEHOLDERS, checkpoint_quantization, prefill_gpus,
                                               serve_defaults)
 from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS
@@ -390,19 +388,23 @@ class _Values:
 # The whole spec
 
 
-class _Builder:
-    def __init__(self, spec: ast.Spec, bag: DiagnosticBag, source_dir: str | None):
+class _Reader:
+    """A spec's blocks and entries, each checked on its own (:meth:`read_blocks`): owns the
+    blocks by kind (``blocks``), the values read per block (``values``, each converted by
+    :class:`_Values`) and the :class:`CheckContext` (``ctx``: the spans, the bad keys)."""
+
+    def __init__(self, spec: ast.Spec, bag: DiagnosticBag):
         self.spec = spec
         self.bag = bag
-        self.source_dir = source_dir
         self.values_of = _Values(bag)
         self.blocks: dict[str, ast.Block] = {}
         self.values: dict[str, dict[str, Any]] = {kind: {} for kind in KEYS}
         self.ctx = CheckContext(bag=bag, filename=spec.filename)
 
-    # -- blocks and entries ------------------------------------------------------------
-
     def read_blocks(self) -> None:
+        """Every block of the spec (a known kind, given once, named where named, `from` only
+        where it imports) and its entries (:meth:`read_entries`); one of `train` and `serve`;
+        the required blocks."""
         for block in self.spec.blocks:
             kind = block.kind
             if kind not in KEYS:
@@ -442,6 +444,8 @@ class _Builder:
                                help=f"add one, e.g. `{example}`")
 
     def read_entries(self, block: ast.Block) -> None:
+        """``block``'s entries: a key of its kind, given once, its value converted and checked
+        (:meth:`_Values.convert`) into ``values``, or its path marked bad."""
         keys = KEYS[block.kind]
         seen: dict[str, ast.Entry] = {}
         for entry in block.entries:
@@ -467,7 +471,16 @@ class _Builder:
             else:
                 self.values[block.kind][key] = value
 
-    # -- presets and imports -----------------------------------------------------------
+class _Sources:
+    """What a block's `from` gives it: a model preset or a Hugging Face ``config.json``
+    (:meth:`model_base`, each imported key checked as if written in the spec), a cluster
+    preset (:meth:`cluster_base`), this machine's figures for `cpu` (:meth:`host_base`); a
+    source that fails is an error at the `from` (``bag``), its bad keys marked in ``ctx``.
+    Reads the keys the blocks give (``values``: they replace the imported ones), relative
+    paths from ``source_dir``."""
+
+    def __init__(self, reader: _Reader, source_dir: str | None):
+        self.bag, self.ctx, self.values, self.source_dir = reader.bag, reader.ctx, reader.values, source_dir
 
     def _source_error(self, block: ast.Block, message: str, help: str | None = None) -> None:
         self.bag.error(message, block.source_span or block.span, help=help)
@@ -566,7 +579,19 @@ class _Builder:
             self._source_error(block, str(e), f"unset {host.ENV}, or set it to `fixed`, `probe` or figures")
             return fixed
 
-    # -- configs -----------------------------------------------------------------------
+class _Builder:
+    """The :class:`SpecConfig` of a spec: its blocks read (:class:`_Reader`), each config
+    made from its block's values over what `from` gives (:class:`_Sources`), with defaults
+    and placeholders for what is missing or bad, paths resolved (:class:`SpecPaths`),
+    ``auto`` degrees resolved or left to the search, then the cross-field checks
+    (:meth:`build`)."""
+
+    def __init__(self, spec: ast.Spec, bag: DiagnosticBag, source_dir: str | None):
+        self.reader = _Reader(spec, bag)
+        self.sources = _Sources(self.reader, source_dir)
+        self.spec, self.bag, self.source_dir = spec, bag, source_dir
+        self.blocks, self.values, self.ctx = self.reader.blocks, self.reader.values, self.reader.ctx
+        self.paths = SpecPaths(source_dir, bag, self.ctx)
 
     def _make(self, cls: type[BaseModel], kind: str, **values: Any) -> Any:
         """Construct ``cls``; a validation error (a checker gap) becomes a diagnostic."""
@@ -581,7 +606,7 @@ class _Builder:
     def model(self) -> ModelConfig:
         block = self.blocks.get("model")
         given = self.values["model"]
-        base = self.model_base(block) if block is not None else None
+        base = self.sources.model_base(block) if block is not None else None
         if base is None:  # no block, or `from` failed: what is missing is not the user's slip
             self.ctx.bad.update(f"model.{k}" for k in REQUIRED_MODEL_KEYS if k not in given)
             base = {}
@@ -608,11 +633,11 @@ class _Builder:
         if block is None:
             self.ctx.bad.update({"cluster.nodes", "cluster.gpus_per_node"})
             return ClusterConfig()
-        base = self.cluster_base(block, dtype)
+        base = self.sources.cluster_base(block, dtype)
         if base is None:
             base = {}
         if block.source == "cpu":       # this machine's figures, shared by the node's ranks (frontend/host.py)
-            base = self.host_base(block, base)
+            base = self.sources.host_base(block, base)
         values = {**base, **self.values["cluster"]}
         self.ctx.provided.update(f"cluster.{k}" for k in values)
         name = block.name or block.source or "cluster"
@@ -655,64 +680,11 @@ class _Builder:
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
 
-    def _resolve_path(self, path: str) -> str:
-        if os.path.isabs(path) or not self.source_dir:
-            return path
-        return os.path.normpath(os.path.join(self.source_dir, path))
-
-    def _data_source(self, values: dict, key: str) -> None:
-        """Resolve the `data`/`eval_data` value ``values[key]`` in place: a built-in name, or
-        a file, directory or glob relative to the spec's directory; a source that names
-        nothing is an error (and is dropped)."""
-        data = values.get(key)
-        if data is None or data == "synthetic":
-            return
-        if data.startswith("builtin:"):
-            if data not in BUILTIN_SOURCES:
-                self.bag.error(f"unknown built-in text `{data}`", self.ctx.span(f"train.{key}"),
-                               help="built-in texts: " + ", ".join(f'"{b}"' for b in BUILTIN_SOURCES))
-                self.ctx.bad.add(f"train.{key}")
-                values.pop(key)
-            return
-        resolved = self._resolve_path(data)
-        what = what_is(resolved)   # None: a regular file
-        if what is None or what == "is a directory" or (glob.has_magic(resolved) and glob.glob(resolved)):
-            values[key] = resolved
-            return
-        where = f"relative to `{self.source_dir}`" if self.source_dir else "relative to the working directory"
-        if glob.has_magic(data):
-            what = "matches no file"
-        self.bag.error(f"{key} `{data}` {what}", self.ctx.span(f"train.{key}"),
-                       help=f"give a file, a directory of .txt/.jsonl/.parquet files or a glob ({where}), "
-                            '`"builtin:pydoc"` (English text every Python carries) or `"synthetic"`')
-        self.ctx.bad.add(f"train.{key}")
-        values.pop(key)
-
     def train(self) -> TrainConfig:
         values = dict(self.values["train"])
-        for key in ("data", "eval_data"):
-            self._data_source(values, key)
         if values.get("eval_batches") == "all":
             values["eval_batches"] = None
-        for key in ("init_from", "hf_output", "checkpoint_dir"):   # relative to the spec, as `data`
-            if values.get(key) is not None:
-                values[key] = self._resolve_path(values[key])
-        init_from = values.get("init_from")
-        if init_from is not None and not os.path.isdir(init_from):
-            what = what_is(init_from)
-            what = "is a file, not a directory" if what is None else what.replace("not a regular file", "not a directory")
-            self.bag.error(f"init_from directory `{self.values['train']['init_from']}` {what}",
-                           self.ctx.span("train.init_from"),
-                           help="give a Hugging Face checkpoint directory (config.json and *.safetensors) "
-                                "or a `checkpoint_dir` a training run wrote")
-            self.ctx.bad.add("train.init_from")
-            values.pop("init_from")
-            init_from = None
-        tok = values.get("tokenizer")
-        if tok is not None and tok != "bytes":
-            values["tokenizer"] = self._resolve_path(tok)
-        elif tok is None:   # SPEC: the init_from directory's tokenizer if it has one
-            values["tokenizer"] = _tokenizer_beside(init_from) or "bytes"
+        self.paths.resolve_train(values)
         return self._make(TrainConfig, "train", **values) or TrainConfig()
 
     def serve(self, model: ModelConfig, cluster: ClusterConfig) -> ServeConfig | None:
@@ -726,7 +698,7 @@ class _Builder:
         serve_defaults(values, model.dtype, cluster.preset)
         weights = values.get("weights")
         if weights is not None:
-            values["weights"] = self._resolve_path(weights)
+            values["weights"] = self.paths.resolve(weights)
             if not os.path.isdir(values["weights"]):
                 self.bag.warning(f"weights directory `{weights}` does not exist yet",
                                  self.ctx.span("serve.weights"),
@@ -736,7 +708,7 @@ class _Builder:
         return self._make(ServeConfig, "serve", auto=tuple(auto), **values) or ServeConfig()
 
     def build(self, name: str) -> SpecConfig:
-        self.read_blocks()
+        self.reader.read_blocks()
         model = self.model()
         cluster = self.cluster(model.dtype)
         parallel = self.parallel(cluster)
@@ -759,21 +731,6 @@ class _Builder:
 
 
 _NAME_EXAMPLES = {"model": "llama", "cluster": "gpus"}
-
-
-def _tokenizer_beside(init_from: str | None) -> str | None:
-    """The directory holding the tokenizer of an ``init_from`` checkpoint: the directory
-    itself (a Hugging Face checkpoint; a training program's `checkpoint_dir`, where
-    checkpoints keep a copy of the run's tokenizer), or for a ``step_N`` directory its
-    `checkpoint_dir`. None when there is none."""
-    if init_from is None:
-        return None
-    for d in (init_from, os.path.dirname(os.path.normpath(init_from))):
-        if os.path.isfile(os.path.join(d, "tokenizer.json")):
-            return d
-        if not os.path.basename(os.path.normpath(init_from)).startswith("step_"):
-            break
-    return None
 
 
 def _named_example(block: ast.Block) -> str:
