@@ -3,6 +3,7 @@ collectives, tensor-parallel layers, the pipeline schedule executor, data, and t
 optimizer step. Generated programs use it as ``from parcompile import runtime as rt``.
 """
 
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime import checkpoint
 from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, gather_replicated, keep_split_input,
                                      leave_tp, reduce_from_tp)

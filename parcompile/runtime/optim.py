@@ -91,6 +91,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.buckets import (fp8_gather_elements, bucket_positions, needed_in_backward, reshard_after_forward, unit_position,
                                      zero3_just_in_time)
 from parcompile.runtime.buckets import BucketedReduction, BucketLayout, GradBuckets, GradSync, local_numel
@@ -401,22 +402,35 @@ def fp8_weight_ids(model: nn.Module) -> set[int]:
             if getattr(m, "fp8", None) and isinstance(getattr(m, "weight", None), nn.Parameter)}
 
 
-def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
-                   sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
-    """The optimizer of a stage for ``zero`` 0 (replicated) or 1-3 (sharded over dp_cp),
+def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding: DataParallelSharding,
+                   bucket_size: int = 0, sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+    """The optimizer of a stage as the plan's data-parallel ``sharding`` says (a
+    :class:`~parcompile.core.data_parallel.DataParallelSharding`): replicated, or sharded
+    over dp_cp (:attr:`~parcompile.core.data_parallel.DataParallelSharding.sharded`),
     reducing gradients in buckets of ``bucket_size`` fp32 bytes (0: one per chunk, after
     the backward); ``sequence_parallel`` sums tp-replicated gradients over tp;
-    ``reduce_dtype`` (``parallel.reduce_dtype``): the dtype zero 2 and 3 hold and
-    reduce-scatter each micro-batch's buckets in. With ``zero = 3`` buckets are gathered
-    just in time by hooks on the stage's units (:class:`LayerGather`)."""
-    opt = moe_optimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype)   # experts: over expert_dp
+    ``reduce_dtype`` (``parallel.reduce_dtype``): the dtype the buckets reduce-scattered in
+    each micro-batch (sharded gradients) are held and reduced in. With sharded parameters
+    buckets are gathered just in time by hooks on the stage's units (:class:`LayerGather`).
+
+    Raises:
+        ValueError: ``sharding`` is for another data-parallel group size than this run's
+            ``dp_cp`` (a program run with another plan's layout), or replicates
+            (``replicate > 1``: HSDP's groups are not built yet).
+    """
+    if sharding.shard != ctx.axes["dp_cp"].size or sharding.replicate != 1:
+        raise ValueError(f"the program's data-parallel sharding (shard {sharding.shard}, replicate "
+                         f"{sharding.replicate}) does not match this run's dp_cp group of "
+                         f"{ctx.axes['dp_cp'].size} ranks")
+    opt = moe_optimizer(model, ctx, train, sharding, bucket_size, sequence_parallel, reduce_dtype)   # experts: over expert_dp
     if opt is None:
-        if zero == 0 or ctx.axes["dp_cp"].size == 1:
+        if not sharding.sharded:
             return ReplicatedOptimizer(model, ctx, train, bucket_size, sequence_parallel)
-        opt = ShardedOptimizer(model, ctx, zero, train["weight_decay"], lambda groups: make_optimizer(groups, train),
+        opt = ShardedOptimizer(model, ctx, sharding, train["weight_decay"], lambda groups: make_optimizer(groups, train),
                                bucket_size, sequence_parallel, reduce_dtype=reduce_dtype,
                                fp8_all_gather=bool(train.get("fp8_all_gather")))
-    parts = [o for o in getattr(opt, "parts", (opt,)) if isinstance(o, ShardedOptimizer) and o.zero == 3]
+    parts = [o for o in getattr(opt, "parts", (opt,))
+             if isinstance(o, ShardedOptimizer) and o.sharding.shards_parameters]
     if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time
         LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
     return opt
@@ -463,11 +477,12 @@ class ShardedOptimizer(BucketedReduction):
     :class:`MoEOptimizer` part is a view over some of a stage's parameters).
     """
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, zero: int, weight_decay: float,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, sharding: DataParallelSharding, weight_decay: float,
                  make_optimizer, bucket_size: int = 0, sequence_parallel: bool = False, chunks=None,
                  grad_scale: float | None = None, reduce_dtype: str = "fp32", fp8_all_gather: bool = False,
                  fp8_model: nn.Module | None = None):
-        self.model, self.ctx, self.zero = model, ctx, zero
+        self.model, self.ctx, self.sharding = model, ctx, sharding
+        zero3 = sharding.shards_parameters
         self.axis = ctx.axes["dp_cp"]
         self.sequence_parallel = sequence_parallel
         self.params = [p for p in model.parameters()]
@@ -478,7 +493,7 @@ class ShardedOptimizer(BucketedReduction):
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
                                    scale=grad_scale if grad_scale is not None else 1.0 / d,
-                                   per_microbatch=zero >= 2, reduce_dtype=reduce_dtype)
+                                   per_microbatch=sharding.shards_gradients, reduce_dtype=reduce_dtype)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
@@ -491,7 +506,7 @@ class ShardedOptimizer(BucketedReduction):
                     continue
                 flat = p.data.view(-1)[lo - off:hi - off]
                 # fp32: a view of the parameter (zero 3: its own copy); 16-bit: an fp32 master copy
-                seg = nn.Parameter(flat.float().clone() if (zero == 3 or self.mixed) else flat)
+                seg = nn.Parameter(flat.float().clone() if (zero3 or self.mixed) else flat)
                 seg.counts_in_norm = not getattr(p, "tied_copy", False) and (
                     getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
                 self.segments.append((b, p, lo, hi, seg))
@@ -520,7 +535,7 @@ class ShardedOptimizer(BucketedReduction):
         #: zero 2, 3: the most bytes of full gradient buffers the step held at once (the
         #: plan's ``grad_buckets_in_flight``; ``full_grads`` when reduced once per step)
         self.full_grad_bytes = 0
-        if zero == 3:
+        if zero3:
             self.buckets.on_launch = self._release_bucket   # gradients final: no further use
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
@@ -528,7 +543,7 @@ class ShardedOptimizer(BucketedReduction):
         # FP8 all-gather: the FP8 GEMMs' weights (index = their amax's place), the step's
         # amaxes and inverse scales (None: not taken this step: gathers in 16 bits)
         self.fp8_params: list[nn.Parameter] = []
-        if fp8_all_gather and zero == 3:
+        if fp8_all_gather and zero3:
             fp8w = fp8_weight_ids(fp8_model if fp8_model is not None else model)
             self.fp8_params = [p for p in self.params if id(p) in fp8w]
         self._fp8_index = {id(p): k for k, p in enumerate(self.fp8_params)}
@@ -536,7 +551,7 @@ class ShardedOptimizer(BucketedReduction):
         self._fp8_sinv: list[torch.Tensor] = []
         self._fp8_held: dict[int, int] = {}   # bucket index -> bytes of its E4M3 copies held
         self._exporting = False
-        if zero == 3:
+        if zero3:
             self._keep_low_shards()
             self._free_params()
 
@@ -570,7 +585,7 @@ class ShardedOptimizer(BucketedReduction):
         """Before the first forward of a step (zero 3): start from shards only, then gather
         the buckets not gathered just in time (:class:`LayerGather`: with ``pp > 1`` the
         embedding's and the output layer's, with ``pp = 1`` a tied embedding's)."""
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             self._free_params()
             self.gathered.reset()
             if self.fp8_params:
@@ -589,7 +604,7 @@ class ShardedOptimizer(BucketedReduction):
         for b, lo, pad in self.padding:
             pad.grad = self._grad_shards[b.index][lo - self._own_lo(b):]
         self._sync_model_parallel()
-        if self.zero >= 2:   # the full gradients are reduced: only the owned slices stay
+        if self.sharding.shards_gradients:   # the full gradients are reduced: only the owned slices stay
             self.full_grad_bytes = self.buckets.peak_bytes
             self.buckets.release()
 
@@ -629,7 +644,7 @@ class ShardedOptimizer(BucketedReduction):
         """Unscale the owned gradient slices; False (step skipped) when a rank overflowed."""
         def drop():
             self.zero_grad()
-            if self.zero == 3:
+            if self.sharding.shards_parameters:
                 self._free_params()
 
         return unscale_gradients(self.scaler, list(self._grad_shards or []), self.ctx, drop)
@@ -659,12 +674,12 @@ class ShardedOptimizer(BucketedReduction):
             seg.grad = None
         for *_, pad in self.padding:
             pad.grad = None
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             self._keep_low_shards()
             self._fp8_amax = None   # the weights changed: the next step takes new scales
-        if self.zero < 2:
+        if not self.sharding.shards_gradients:
             self._grad_shards = None   # zero 1 keeps full gradients; the slices were scratch copies
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             self._free_params()
         else:
             self._all_gather_params()
@@ -697,7 +712,7 @@ class ShardedOptimizer(BucketedReduction):
         return [(p, lo, hi, seg) for bb, p, lo, hi, seg in self.segments if bb is b]
 
     def _all_gather_params(self) -> None:
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             for b in self.buckets.buckets:
                 self._gather_bucket(b)
             return
@@ -900,11 +915,11 @@ class ShardedOptimizer(BucketedReduction):
     def zero3_gathered_peak(self) -> int:
         """zero 3: the most bytes of gathered parameter buffers held at once since the
         step began (the plan's ``zero3_gather`` buffer); 0 otherwise."""
-        return self.gathered.peak if self.zero == 3 else 0
+        return self.gathered.peak if self.sharding.shards_parameters else 0
 
     def gather_for_export(self) -> None:
         """Rebuild full parameters outside the measured step (checkpoints, verify dumps)."""
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             enabled, COUNTER.enabled = COUNTER.enabled, False
             self._exporting = True   # the 16-bit weights themselves, not their E4M3 casts
             try:
@@ -972,12 +987,12 @@ class ShardedOptimizer(BucketedReduction):
                 part = slice(lo - off, hi - off)
                 if "master" in st:
                     seg.data.copy_(st["master"].reshape(-1)[part])
-                elif self.mixed or self.zero == 3:
+                elif self.mixed or self.sharding.shards_parameters:
                     seg.data.copy_(p.data.reshape(-1)[part].float())
                 rest = {k: v.reshape(-1)[part].clone() for k, v in st.items() if k != "master"}
                 if rest:
                     self.optimizer.state[seg] = {"step": torch.tensor(float(step)), **rest}
-        if self.zero == 3:
+        if self.sharding.shards_parameters:
             self._keep_low_shards()
             self._free_params()
 
@@ -992,7 +1007,7 @@ class ShardedOptimizer(BucketedReduction):
         if self.mixed:
             masters = segs                      # fp32 master slices: an optimizer state
         else:
-            masters, params = 0, params + (segs if self.zero == 3 else 0)
+            masters, params = 0, params + (segs if self.sharding.shards_parameters else 0)
         grads = self.buckets.buffer_bytes()   # zero 1: the full (padded) buffers; 2, 3: none
         grads += sum(g.numel() * g.element_size() for g in self._grad_shards or [])
         optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
@@ -1188,8 +1203,8 @@ class MoEOptimizer:
     :class:`ReplicatedOptimizer`.
     """
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
-                 sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: dict, sharding: DataParallelSharding,
+                 bucket_size: int = 0, sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
         self.model, self.ctx = model, ctx
         params = [p for p in model.parameters()]
         self.dense_params = [p for p in params if not is_expert(p)]
@@ -1198,19 +1213,20 @@ class MoEOptimizer:
         wd = train["weight_decay"]
         chunks = getattr(model, "chunks", None)
         dense, experts = _Holder(self.dense_params), _Holder(self.expert_params)
-        if zero and ctx.axes["dp_cp"].size > 1:
+        if sharding.sharded:
             # FP8 all-gather: the dense FP8 weights, found on the model's layers (fp8_weight_ids)
-            self.dense = ShardedOptimizer(dense, ctx, zero, wd, mk, bucket_size, sequence_parallel, chunks,
+            self.dense = ShardedOptimizer(dense, ctx, sharding, wd, mk, bucket_size, sequence_parallel, chunks,
                                           reduce_dtype=reduce_dtype, fp8_all_gather=bool(train.get("fp8_all_gather")),
                                           fp8_model=model)
         else:
             self.dense = ReplicatedOptimizer(dense, ctx, train, bucket_size, sequence_parallel, chunks)
-        self.expert_sharded = bool(zero and ctx.axes["expert_dp"].size > 1)
+        expert_sharding = sharding.experts(ctx.axes["expert_dp"].size)
+        self.expert_sharded = expert_sharding.sharded
         expert_scale = 1.0 / ctx.axes["dp_cp"].size   # summed over expert_dp, averaged over dp * cp
         if self.expert_sharded:
             # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
             ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
-            self.experts = ShardedOptimizer(experts, ectx, zero, wd, mk, bucket_size, False, chunks, expert_scale,
+            self.experts = ShardedOptimizer(experts, ectx, expert_sharding, wd, mk, bucket_size, False, chunks, expert_scale,
                                             reduce_dtype=reduce_dtype)
         else:
             self.experts = ReplicatedOptimizer(experts, ctx, train, bucket_size, False, chunks,
@@ -1346,23 +1362,25 @@ class MoEOptimizer:
         return {k: a[k] + b[k] for k in a}
 
 
-def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, zero: int, bucket_size: int = 0,
+def moe_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding: DataParallelSharding,
+                  bucket_size: int = 0,
                   sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
     """:class:`MoEOptimizer` when this rank holds expert weights, else None."""
-    return MoEOptimizer(model, ctx, train, zero, bucket_size, sequence_parallel, reduce_dtype) \
+    return MoEOptimizer(model, ctx, train, sharding, bucket_size, sequence_parallel, reduce_dtype) \
         if has_experts(model) else None
 
 
 
-def zero_records(opt, zero: int) -> dict[str, int]:
+def zero_records(opt, sharding: DataParallelSharding) -> dict[str, int]:
     """What a training step records of the optimizer's ZeRO buffers for ``parcompile verify``
-    (``verify._buffer_check``): ZeRO 2, 3: ``grad_buckets_in_flight``, the most full gradient
-    bucket bytes held at once; ZeRO-3: ``zero3_gathered``, the most gathered parameter bytes
-    held at once. Empty for ZeRO 0, 1 (no such buffers: verify checks nothing)."""
+    (``verify._buffer_check``), as the plan's ``sharding`` says: sharded gradients (ZeRO 2,
+    3): ``grad_buckets_in_flight``, the most full gradient bucket bytes held at once; sharded
+    parameters (ZeRO-3): ``zero3_gathered``, the most gathered parameter bytes held at once.
+    Empty for ZeRO 0, 1 (no such buffers: verify checks nothing)."""
     out = {}
-    if zero >= 2:
+    if sharding.shards_gradients:
         out["grad_buckets_in_flight"] = opt.full_grad_bytes
-    if zero == 3:
+    if sharding.shards_parameters:
         out["zero3_gathered"] = opt.zero3_gathered_peak
     return out
 
