@@ -661,7 +661,7 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     dense, expert = stage_buckets(sp, par.bucket_size)
     e = cfg.model.dtype_bytes
     # the model dtype's bytes; with FP8 all-gather (analysis/fp8.py gathers_fp8) the program
-    # (runtime/optim.py ShardedOptimizer._gather_fp8) keeps the bucket's buffer in the dtype
+    # (runtime/zero_gather.py ParamGather._gather_fp8) keeps the bucket's buffer in the dtype
     # (the parameters' storage, the FP8 weights dequantized there) and beside it the E4M3
     # copies its FP8 GEMMs read, 1 byte per FP8 weight element. torchao's FSDP2 holds the
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers

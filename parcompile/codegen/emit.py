@@ -57,7 +57,7 @@ _NOT_IN_PROGRAM: tuple = (
     # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
     # torch._scaled_mm, tensorwise, rowwise and mxfp8); what it does not run yet is refused
     ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
-     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
+     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/zero_gather.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
     # disaggregated serving (issue 45) is planned and exported (two servers, vLLM's NIXL connector or
@@ -260,7 +260,7 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
         "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
-        # ZeRO-3 FP8 all-gather (runtime/optim.py ShardedOptimizer): only when on, so that
+        # ZeRO-3 FP8 all-gather (runtime/zero_gather.py ParamGather): only when on, so that
         # other programs read as before
         **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }

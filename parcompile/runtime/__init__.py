@@ -22,10 +22,9 @@ from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear
+from parcompile.runtime.optimizers import step_optimizer, zero_records
 from parcompile.runtime.optim import (
     ReplicatedOptimizer,
-    step_optimizer,
-    zero_records,
     build_optimizer,
     clip_gradients,
     grad_norm,
