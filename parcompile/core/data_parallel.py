@@ -142,7 +142,7 @@ class DataParallelSharding:
         grads = [(self.gradient_reduction, self.shard_group)] if self.shard > 1 else []
         if self.replicate > 1:
             grads.append(("all_reduce", self.replicate_group))
-        gather = [("all_gather", self.shard_group)] if self.shard > 1 else []
+        gather = [("all_gather", self.shard_group)] if self.parameter_gather and self.shard > 1 else []
         return tuple(gather + grads if self.shards_parameters else grads + gather)
 
     def experts(self, expert_dp: int) -> "DataParallelSharding":

@@ -28,15 +28,22 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
     each micro-batch (sharded gradients) are held and reduced in. With sharded parameters
     buckets are gathered just in time by hooks on the stage's units (:class:`LayerGather`).
 
+    HSDP (``sharding.replicate > 1``): states sharded over ``ctx.axes[sharding.shard_group]``
+    and replicated over ``ctx.axes[sharding.replicate_group]``, two groups that split
+    ``dp_cp``; the caller builds them (generated programs do not yet: issue 49).
+
     Raises:
         ValueError: ``sharding`` is for another data-parallel group size than this run's
-            ``dp_cp`` (a program run with another plan's layout), or replicates
-            (``replicate > 1``: HSDP's groups are not built yet).
+            ``dp_cp`` (a program run with another plan's layout), or names a shard or
+            replicate group ``ctx`` does not have.
     """
-    if sharding.shard != ctx.axes["dp_cp"].size or sharding.replicate != 1:
+    if sharding.size != ctx.axes["dp_cp"].size:
         raise ValueError(f"the program's data-parallel sharding (shard {sharding.shard}, replicate "
                          f"{sharding.replicate}) does not match this run's dp_cp group of "
                          f"{ctx.axes['dp_cp'].size} ranks")
+    missing = [g for g in (sharding.shard_group, sharding.replicate_group) if g and g not in ctx.axes]
+    if missing:
+        raise ValueError(f"data-parallel groups {missing} are not among this run's process groups")
     opt = moe_optimizer(model, ctx, train, sharding, bucket_size, sequence_parallel, reduce_dtype)   # experts: over expert_dp
     if opt is None:
         if not sharding.sharded:

@@ -101,7 +101,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                  fp8_model: nn.Module | None = None):
         self.model, self.ctx, self.sharding = model, ctx, sharding
         zero3 = sharding.shards_parameters
-        self.axis = ctx.axes["dp_cp"]
+        self.axis = ctx.axes[sharding.shard_group]   # dp_cp (expert_dp for experts), or HSDP's shard group
+        # HSDP: the group the shards are replicated over, their gradients all-reduced over it
+        self.replicas = ctx.axes[sharding.replicate_group] if sharding.replicate > 1 else None
         self.sequence_parallel = sequence_parallel
         self.params = [p for p in model.parameters()]
         enable_main_grads(model)
@@ -110,7 +112,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         d = self.axis.size
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
-                                   scale=grad_scale if grad_scale is not None else 1.0 / d,
+                                   scale=grad_scale if grad_scale is not None else 1.0 / (d * sharding.replicate),
                                    per_microbatch=sharding.shards_gradients, reduce_dtype=reduce_dtype)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
@@ -202,6 +204,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         """Finish the buckets' reduce-scatters, attach the owned slices to the segments,
         run the model-parallel sums on them."""
         self._grad_shards = self.buckets.finish()
+        if self.replicas is not None:   # HSDP: reduce-scattered over the shard group, summed over the replicas
+            for g in self._grad_shards:
+                all_reduce(g, self.replicas)
         for b, p, lo, hi, seg in self.segments:
             lo_own = self._own_lo(b)
             seg.grad = self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg)
