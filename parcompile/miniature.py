@@ -11,6 +11,7 @@ from __future__ import annotations
 from parcompile.analysis.fp8 import enabled as fp8_enabled
 from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
                                       TrainConfig)
+from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.model import MODEL_KEY_CHECKS
 from parcompile.core.schedule import group_error
 from parcompile.diagnostics import Diagnostic, SpecError
@@ -135,7 +136,7 @@ def _mini_layers(p) -> tuple[tuple[int, ...] | None, int]:
         stage_layers = None
     chunks = p.pp * p.virtual_stages
     layers = sum(stage_layers) if stage_layers else chunks * (2 if chunks <= 2 else 1)
-    if p.zero >= 3 and chunks == 1 and not stage_layers:
+    if data_parallel_sharding(p).shards_parameters and chunks == 1 and not stage_layers:
         layers = 3   # ZeRO-3, pp = 1: a layer runs while the next is prefetched; 3 shows it is not all
     return stage_layers, layers
 

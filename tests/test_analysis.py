@@ -3,6 +3,7 @@ import math
 import pytest
 
 from parcompile.analysis.memory import saved_bytes_per_chunk, state_bytes
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.driver import compile_config
 from tests.plan_factories import llama2_7b, llama3_8b, run_until, spec, tiny_model
 
@@ -65,21 +66,21 @@ def test_hardware_flops_add_full_recompute():
 @pytest.mark.parametrize("zero,per_param", [(0, 18), (1, 6 + 12 / 8), (2, 2 + 16 / 8), (3, 18 / 8)])
 def test_16bit_state_bytes(zero, per_param):
     n = 8000
-    assert sum(state_bytes(n, 2, zero, 8)) == per_param * n
+    assert sum(state_bytes(n, 2, DataParallelSharding(stage=zero, shard=8))) == per_param * n
 
 
 @pytest.mark.parametrize("zero,per_param", [(0, 16), (1, 8 + 8 / 4), (2, 4 + 12 / 4), (3, 16 / 4)])
 def test_fp32_state_bytes(zero, per_param):
     n = 4000
-    assert sum(state_bytes(n, 4, zero, 4)) == per_param * n
+    assert sum(state_bytes(n, 4, DataParallelSharding(stage=zero, shard=4))) == per_param * n
 
 
 def test_sharded_buffers_round_up_and_split_into_parts():
-    p, g, o = state_bytes(10, 2, 1, 4)
+    p, g, o = state_bytes(10, 2, DataParallelSharding(stage=1, shard=4))
     # zero 1: the full fp32 gradient buffer is padded to a multiple of d = 4 (12 elements)
     # so it is reduce-scattered as it is; the optimizer states are the ceil(10 / 4) = 3 shard
     assert (p, g, o) == (20, 4 * 12, 12 * 3)
-    assert state_bytes(10, 4, 0, 1, "sgd") == (40, 40, 0)
+    assert state_bytes(10, 4, DataParallelSharding(), "sgd") == (40, 40, 0)
 
 
 def test_memory_report_uses_params_per_rank():

@@ -342,17 +342,22 @@ def test_export_rounds_bucket_bytes_up_to_elements():
 def test_bucket_element_bytes_follow_the_reduce_dtype_where_it_applies():
     """``reduce_dtype`` sets the bytes of the buckets reduced per micro-batch (zero 2, 3, not
     zero-bubble); buckets reduced once per step stay fp32."""
+    from types import SimpleNamespace
+
     from parcompile.analysis.buckets import bucket_element_bytes
+    from parcompile.core.data_parallel import data_parallel_sharding
 
     for zero in range(4):
         for schedule in ("1f1b", "zero_bubble"):
             per_mb = zero >= 2 and schedule != "zero_bubble"
-            assert bucket_element_bytes(zero, schedule, "fp32") == GRAD_BYTES
+            dps = data_parallel_sharding(SimpleNamespace(zero=zero, dp=2, cp=1, schedule=schedule))
+            assert dps.per_microbatch == per_mb
+            assert bucket_element_bytes(dps, "fp32") == GRAD_BYTES
             for rd in ("bf16", "fp16"):
-                assert bucket_element_bytes(zero, schedule, rd) == (2 if per_mb else GRAD_BYTES)
+                assert bucket_element_bytes(dps, rd) == (2 if per_mb else GRAD_BYTES)
                 # Megatron-Core (engine megatron): the step's buffers are in the reduce dtype too
-                assert bucket_element_bytes(zero, schedule, rd, step_buffers=True) == 2
-            assert bucket_element_bytes(zero, schedule, "fp32", step_buffers=True) == GRAD_BYTES
+                assert bucket_element_bytes(dps, rd, step_buffers=True) == 2
+            assert bucket_element_bytes(dps, "fp32", step_buffers=True) == GRAD_BYTES
 
 
 def test_units_in_forward_order_and_what_the_backward_reads():

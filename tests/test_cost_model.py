@@ -437,13 +437,14 @@ def test_fsdp2_engines_keep_their_shards_in_the_models_dtype_and_no_master_copy(
     # place: torchtitan's fp32 model 4 + 4 + 8 bytes per parameter over d, against
     # Megatron's 2 + 4 + 12
     from parcompile.analysis.memory import state_bytes
+    from parcompile.core.data_parallel import DataParallelSharding
     from parcompile.search import Coster
     n, d = 8000, 8
-    assert state_bytes(n, 2, 3, d, "adamw", fsdp2=4) == (4 * n // d, 4 * n // d, 8 * n // d)
-    assert state_bytes(n, 2, 3, d, "adamw") == (2 * n // d, 4 * n // d, 12 * n // d)
-    assert state_bytes(n, 2, 2, d, "adamw", fsdp2=4) == state_bytes(n, 2, 2, d, "adamw")   # ZeRO-3 only
+    assert state_bytes(n, 2, DataParallelSharding(stage=3, shard=d), "adamw", fsdp2=4) == (4 * n // d, 4 * n // d, 8 * n // d)
+    assert state_bytes(n, 2, DataParallelSharding(stage=3, shard=d), "adamw") == (2 * n // d, 4 * n // d, 12 * n // d)
+    assert state_bytes(n, 2, DataParallelSharding(stage=2, shard=d), "adamw", fsdp2=4) == state_bytes(n, 2, DataParallelSharding(stage=2, shard=d), "adamw")   # ZeRO-3 only
     # NeMo AutoModel casts its MoE models to bf16 and steps them with torch Adam: 2 + 2 + 4
-    assert state_bytes(n, 2, 3, d, "adam", fsdp2=2) == (2 * n // d, 2 * n // d, 4 * n // d)
+    assert state_bytes(n, 2, DataParallelSharding(stage=3, shard=d), "adam", fsdp2=2) == (2 * n // d, 2 * n // d, 4 * n // d)
     row = next(r for r in H100_ROWS if r.name == "Qwen3-30B-A3B FSDP+EP")
     cfg = h100_config(row)
     st = _h100_cost(row).memory.per_stage[0]

@@ -120,7 +120,7 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
 
 
 def test_compile_writes_fp8_all_gather_into_the_program(tmp_path):
-    # ZeRO-3 FP8 all-gather runs in the program (runtime/optim.py ShardedOptimizer._gather_fp8):
+    # ZeRO-3 FP8 all-gather runs in the program (runtime/zero_gather.py ParamGather._gather_fp8):
     # compiled, the optimizer is told so; without it (or under zero 1) the key is absent
     programs = {}
     for zero, train in ((3, "  precision = fp8\n  fp8_all_gather = true\n"), (3, "  precision = fp8\n"),

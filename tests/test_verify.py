@@ -169,7 +169,7 @@ CASES = {
                                                train=dict(precision="fp8", fp8_recipe="rowwise")),
     # ZeRO-3 FP8 all-gather in a MoE model: the dense FP8 weights gathered as E4M3 over dp_cp
     # (one amax each all-reduced), the experts' ZeRO-3 shards over expert_dp in 16 bits
-    # (runtime/optim.py MoEOptimizer, fp8_weight_ids; the plan's fp8_weights)
+    # (runtime/optim_moe.py MoEOptimizer, fp8_weight_ids; the plan's fp8_weights)
     "fp8_moe_dp2_tp2_ep2_zero3_fp8_all_gather": dict(
         dp=2, tp=2, model=dict(experts=4, top_k=2),
         parallel=dict(ep=2, expert_tp=1, sequence_parallel=True, zero=3, bucket_size=16 * 1024),

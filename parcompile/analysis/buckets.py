@@ -10,7 +10,7 @@ from __future__ import annotations
 from parcompile.core.buckets import (EMBEDDING_UNITS, GRAD_BYTES, OUTPUT_UNITS, Bucket, GradUnit, bucket_element_bytes,
                                      bucket_layers, bucket_positions, buckets_in_flight, head_reads_embedding,
                                      holds_output, is_layer_bucket, needed_in_backward, partition, reduce_counts,
-                                     reduces_per_microbatch, reshard_after_forward, shard_elements, stage_buckets,
+                                     reshard_after_forward, shard_elements, stage_buckets,
                                      unit_order_key, unit_position, zero3_gather_counts, zero3_gathered,
                                      zero3_just_in_time)
 
@@ -29,7 +29,7 @@ def buckets_to_dict(sp, bucket_size: int) -> dict:
 
 __all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements",
            "buckets_to_dict", "unit_order_key", "is_layer_bucket", "bucket_layers",
-           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts", "reduces_per_microbatch",
+           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts",
            "reduce_counts", "buckets_in_flight", "bucket_element_bytes", "unit_position",
            "bucket_positions", "zero3_just_in_time", "needed_in_backward", "holds_output", "head_reads_embedding",
            "EMBEDDING_UNITS", "OUTPUT_UNITS"]

@@ -116,8 +116,8 @@ from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TR
                                          collective_algorithms, collective_time, links_of, make_link, nic_share)
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
-from parcompile.core.buckets import (GradUnit, bucket_element_bytes, partition, reduces_per_microbatch,
-                                     reshard_after_forward)
+from parcompile.core.buckets import GradUnit, bucket_element_bytes, partition, reshard_after_forward
+from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.schedule import interleaved_warmup, simulate
 
 
@@ -130,10 +130,10 @@ BACKWARD_TRAFFIC = 1.5
 OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 + 8)}
 
 
-def grad_element_bytes(cfg, zero: int | None = None) -> int:
+def grad_element_bytes(cfg, sharding=None) -> int:
     """Bytes per element of ``cfg``'s full gradient buffers and of their data-parallel
-    reductions (``zero``: this ZeRO level instead of ``parallel.zero``, for the search's
-    bounds): :func:`parcompile.core.buckets.bucket_element_bytes` with ``step_buffers``
+    reductions (``sharding``: this :class:`~parcompile.core.data_parallel.DataParallelSharding`
+    instead of ``cfg``'s, for the search's bounds): :func:`parcompile.core.buckets.bucket_element_bytes` with ``step_buffers``
     where the plan is for an engine that keeps the step's buffers in the reduce dtype
     (:attr:`Engine.step_grads_in_reduce_dtype`: Megatron-Core with ``--grad-reduce-in-bf16``,
     Megatron-Bridge's ``grad_reduce_in_fp32 = False``) and not for the generated program
@@ -142,7 +142,8 @@ def grad_element_bytes(cfg, zero: int | None = None) -> int:
     state), the step's collectives and the gradient-reduction time alike."""
     par = cfg.parallel
     step = engine(cfg.cluster).step_grads_in_reduce_dtype and attention_engine(cfg.cluster) != "program"
-    return bucket_element_bytes(par.zero if zero is None else zero, par.schedule, par.reduce_dtype, step_buffers=step)
+    dps = data_parallel_sharding(par) if sharding is None else sharding
+    return bucket_element_bytes(dps, par.reduce_dtype, step_buffers=step)
 
 
 def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:
@@ -511,7 +512,8 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
             ready[(c, u.name)] = t + (b * done / total if total else b)
         t += b
     bwd_end = sum(ct.bwd(c * pp + s) for c in range(v) if c * pp + s < len(ct.matmul_f))
-    op = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    dps = data_parallel_sharding(par)
+    op = dps.gradient_reduction
     events = []
     for kind, axis in (("dense", "dp_cp"), ("expert", "expert_dp")):
         n = degrees.get(axis, 1)
@@ -520,7 +522,7 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
         link = links.get(axis) or make_link(cl, 1, 1)
         for b in partition(units, par.bucket_size, kind):
             nbytes = grad_element_bytes(cfg) * (
-                b.elements if par.zero == 0 else -(-b.elements // n))   # reduce dtype (grad_element_bytes)
+                -(-b.elements // n) if dps.shards_optimizer_states else b.elements)   # reduce dtype (grad_element_bytes)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
             events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
     # times relative to the end of the backward (buckets all ready then: exposed == busy exactly)
@@ -529,7 +531,7 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
         end = (r - bwd_end if end is None else max(end, r - bwd_end)) + dur
         busy += dur
     exposed = min(busy, max(0.0, end)) if events else 0.0
-    if reduces_per_microbatch(par.zero, par.schedule):
+    if dps.per_microbatch:
         busy *= par.num_microbatches   # m rounds; all but the last micro-batch's hide (docstring)
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
@@ -550,7 +552,8 @@ def step_sums(cfg, degrees, links, collectives) -> list[tuple[float, float, floa
     # FSDP2 (Engine.fsdp2, ZeRO-3) copies each all-gather's output out of, and each
     # reduce-scatter's input into, its flat communication buffer on the compute stream:
     # read and write the full (unsharded) bytes once each
-    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).fsdp2 and par.zero >= 3 else 0.0
+    copy_bw = efficiency(cl).memory * cl.hbm_bw if engine(cl).fsdp2 and data_parallel_sharding(par).shards_parameters \
+        else 0.0
     out = []
     for s in range(par.pp):
         grads = params = exposed = copies = 0.0
@@ -585,6 +588,7 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
     tax = efficiency(cfg.cluster).overlap
+    dps = data_parallel_sharding(par)
     worst = 0.0
     for s, (grads, params, exposed, copies) in enumerate(sums if sums is not None
                                                  else step_sums(cfg, degrees, links, collectives)):
@@ -594,13 +598,13 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
         # one bucket ahead, as FSDP does)
         bwd = sum(ct.bwd(c * pp + s) for c in range(v))
         fwd = sum(ct.fwd(c * pp + s) for c in range(v))
-        if par.zero >= 3 and reshard_after_forward(pp):
+        if dps.shards_parameters and reshard_after_forward(pp):
             # the gathers share the data-parallel link with the gradient reductions: what
             # the gradients occupy of the step's compute is not there for the gathers
             fwd = max(0.0, par.num_microbatches * (fwd + bwd) - grads)
         if stage_params is not None:
             grad_exposed = grad_overlap(cfg, degrees, links, ct, stage_params[s]).exposed
-        elif reduces_per_microbatch(par.zero, par.schedule):   # m rounds: the last one's against the last backward
+        elif dps.per_microbatch:   # m rounds: the last one's against the last backward
             grad_exposed = max(0.0, grads / par.num_microbatches - bwd)
         else:
             grad_exposed = max(0.0, grads - bwd)
@@ -609,7 +613,7 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
         # set against the last backward (ZeRO 2/3's earlier per-micro-batch rounds are not
         # taxed) and the parameter gathers; the step collectives' sums, as the search's
         # floors read them (the total grows by at most ``tax`` per second less exposed)
-        rounds = par.num_microbatches if reduces_per_microbatch(par.zero, par.schedule) else 1
+        rounds = par.num_microbatches if dps.per_microbatch else 1
         hidden = max(0.0, grads / rounds - grad_exposed) + (params - params_exposed)
         worst = max(worst, grad_exposed + params_exposed + exposed + copies + tax * hidden)
     return worst
@@ -629,11 +633,12 @@ def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
         per += 2   # write the 16-bit weights from the fp32 master
     worst = 0.0
     eng = engine(cl).name
+    dps = data_parallel_sharding(par)
     for sp in stage_params:
         d, de = degrees.get("dp_cp", 1), degrees.get("expert_dp", 1)
-        upd = -(-sp.dense // d) if par.zero >= 1 else sp.dense
-        upd += -(-sp.expert // de) if par.zero >= 1 else sp.expert
-        grads = (-(-sp.dense // d) + -(-sp.expert // de)) if par.zero >= 2 else sp.total
+        upd = -(-sp.dense // d) if dps.shards_optimizer_states else sp.dense
+        upd += -(-sp.expert // de) if dps.shards_optimizer_states else sp.expert
+        grads = (-(-sp.dense // d) + -(-sp.expert // de)) if dps.shards_gradients else sp.total
         # FP8 under Transformer Engine: the step's weight casts, once (analysis/fp8.py)
         worst = max(worst, (per * upd + 8 * grads + weight_cast_bytes(cfg, sp.fp8, eng)) / (eff.memory * cl.hbm_bw))
     return worst
@@ -672,7 +677,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "overlap": overlap_words(cfg, degrees, m) + "; dp gradient "
                        + ("reduce-scatters run in every micro-batch's backward bucket by bucket (ZeRO 2/3), "
                           "the last micro-batch's overlapping its backward"
-                          if reduces_per_microbatch(par.zero, par.schedule) else
+                          if data_parallel_sharding(par).per_microbatch else
                           "reduction overlaps the last micro-batch's backward bucket by bucket")
                        + (f" (buckets of {par.bucket_size:,} bytes)" if par.bucket_size else
                           " (bucket_size = 0: one bucket per chunk, after the backward)"),

@@ -89,6 +89,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
+from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
 
@@ -358,12 +359,14 @@ def enabled(cfg) -> bool:
     return cfg.workload == "train" and getattr(cfg.train, "precision", "model") == "fp8"
 
 
-def gathers_fp8(cfg, zero: int | None = None) -> bool:
+def gathers_fp8(cfg, par=None) -> bool:
     """Whether ZeRO-3's parameter all-gathers move FP8 weights (``fp8_all_gather`` with a
-    recipe that allows it and ``zero = 3``); ``zero``: this ZeRO level instead of
-    ``parallel.zero`` (the search's layouts, costed on a probe of another)."""
+    recipe that allows it, and parameters sharded:
+    :attr:`~parcompile.core.data_parallel.DataParallelSharding.shards_parameters`); ``par``:
+    this layout instead of ``cfg.parallel`` (the search's layouts, costed on a probe of
+    another)."""
     return enabled(cfg) and cfg.train.fp8_all_gather and RECIPES[cfg.train.fp8_recipe].gathers_fp8 \
-        and (cfg.parallel.zero if zero is None else zero) >= 3
+        and data_parallel_sharding(cfg.parallel if par is None else par).shards_parameters
 
 
 def weight_cast_bytes(cfg, stage_fp8: int, engine_name: str) -> float:

@@ -129,8 +129,8 @@ from typing import Mapping, Sequence
 
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
-                                    reduces_per_microbatch, reshard_after_forward, shard_elements,
-                                    stage_buckets, zero3_gathered)
+                                    reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
+from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
 from parcompile.analysis.compute import op_sac
 from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
                                     weight_copy_bytes)
@@ -191,10 +191,10 @@ class MemoryReport:
     reserved_peak: int = 0
 
 
-def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "adamw",
+def state_bytes(n: int, dtype_bytes: int, sharding: DataParallelSharding, optimizer: str = "adamw",
                 shard: int | None = None, fsdp2: int = 0, grad_bytes: int = GRAD_BYTES) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table).
-    ``shard``: the elements of sharded state per rank when the parameters form several
+    """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table),
+    sharded as ``sharding`` says over its ``d = sharding.shard`` ranks. ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
     :func:`stage_state_bytes`); default ``ceil(n / d)``. At
     ``zero = 1`` the full gradient buffers are padded alike: ``4 * shard * d``.
@@ -207,15 +207,17 @@ def state_bytes(n: int, dtype_bytes: int, zero: int, d: int, optimizer: str = "a
     keep across the step (:func:`parcompile.analysis.estimate.grad_element_bytes`: 4, or 2
     for Megatron-Core with ``reduce_dtype`` bf16, its ``--grad-reduce-in-bf16``); the
     sharded gradients of zero 2 and 3 stay fp32."""
-    k = OPTIMIZER_STATES[optimizer]
+    k, d = OPTIMIZER_STATES[optimizer], sharding.shard
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
-    if fsdp2 and zero >= 3 and dtype_bytes < 4:
+    if fsdp2 and sharding.shards_parameters and dtype_bytes < 4:
         return fsdp2 * shard, fsdp2 * shard, fsdp2 * k * shard
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
-    params = dtype_bytes * (shard if zero >= 3 else n)
-    grads = 4 * shard if zero >= 2 else grad_bytes * (shard * d if zero == 1 and d > 1 else n)
-    opt = opt_per * (shard if zero >= 1 else n)
+    params = dtype_bytes * (shard if sharding.shards_parameters else n)
+    # ZeRO-1 keeps full gradient buffers, padded to shard * d as the buckets are
+    grads = 4 * shard if sharding.shards_gradients else grad_bytes * (
+        shard * d if sharding.shards_optimizer_states and d > 1 else n)
+    opt = opt_per * (shard if sharding.shards_optimizer_states else n)
     return params, grads, opt
 
 
@@ -229,8 +231,9 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
-    pd = state_bytes(sp.dense, e, par.zero, d, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
-    pe = state_bytes(sp.expert, e, par.zero, ed, opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
+    dps = data_parallel_sharding(par)
+    pd = state_bytes(sp.dense, e, dps, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
+    pe = state_bytes(sp.expert, e, dps.experts(ed), opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
     return tuple(x + y for x, y in zip(pd, pe))
 
 
@@ -509,7 +512,7 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             parts["fp8_weights"] = fp8_copies   # precision = fp8 (analysis/fp8.py)
         full = full_grad_bytes(cfg, degrees, sp)
         if full:
-            parts["grad_buckets_in_flight" if reduces_per_microbatch(par.zero, par.schedule) else "full_grads"] = full
+            parts["grad_buckets_in_flight" if data_parallel_sharding(par).per_microbatch else "full_grads"] = full
         buffers = buffer_total(parts) - (0 if serve else backward_freed(cfg, degrees, sp, saved, s, parts))
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes({k: v for k, v in parts.items() if k not in PERSISTENT_BUFFERS},
@@ -653,12 +656,12 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     before the first backward and kept across the micro-batches). 0 without ZeRO-3 or when
     the parameters' group has one rank (nothing is sharded)."""
     par = cfg.parallel
-    if cfg.workload == "serve" or par.zero < 3:
+    if cfg.workload == "serve" or not data_parallel_sharding(par).shards_parameters:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     e = cfg.model.dtype_bytes
     # the model dtype's bytes; with FP8 all-gather (analysis/fp8.py gathers_fp8) the program
-    # (runtime/optim.py ShardedOptimizer._gather_fp8) keeps the bucket's buffer in the dtype
+    # (runtime/zero_gather.py ParamGather._gather_fp8) keeps the bucket's buffer in the dtype
     # (the parameters' storage, the FP8 weights dequantized there) and beside it the E4M3
     # copies its FP8 GEMMs read, 1 byte per FP8 weight element. torchao's FSDP2 holds the
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers
@@ -673,17 +676,18 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     """ZeRO 2 and 3: bytes of full gradient buffers a rank holds at once during a step
     (module docstring), for the kinds sharded over more than one rank (an unsharded kind
     keeps its gradients as state); 0 otherwise. Reduced per micro-batch
-    (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the buckets in flight,
+    (:attr:`parcompile.core.data_parallel.DataParallelSharding.per_microbatch`): the buckets in flight,
     ``buckets_in_flight`` per kind (two adjacent buckets of a chunk at most) times the
     reduce dtype's bytes; once per step (zero-bubble): every bucket padded to a multiple of
     its group's size, ``b * sum ceil(n_b / d) * d``, ``b`` 4 (fp32) or the reduce dtype's
     under an engine that keeps the step's buffers in it (Megatron-Core). Both per element as
     :func:`parcompile.analysis.estimate.grad_element_bytes`, which the step's collectives use."""
     par = cfg.parallel
-    if cfg.workload == "serve" or par.zero < 2:
+    dps = data_parallel_sharding(par)
+    if cfg.workload == "serve" or not dps.shards_gradients:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
-    if reduces_per_microbatch(par.zero, par.schedule):
+    if dps.per_microbatch:
         return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
     return grad_element_bytes(cfg) * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

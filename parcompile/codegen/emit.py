@@ -24,6 +24,7 @@ import jinja2
 
 from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.model import rotary_dim
 from parcompile.core.quant import quantized_param, weight_format, weight_key
@@ -56,7 +57,7 @@ _NOT_IN_PROGRAM: tuple = (
     # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
     # torch._scaled_mm, tensorwise, rowwise and mxfp8); what it does not run yet is refused
     ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
-     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/optim.py) "
+     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/zero_gather.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
     # disaggregated serving (issue 45) is planned and exported (two servers, vLLM's NIXL connector or
@@ -136,6 +137,7 @@ class CompiledPlan(Protocol):
     graph: Graph
     data: dict
     degrees: dict[str, int]
+    passes: object   # parcompile.passes.results.PassResults: ``data_parallel`` is read
 
 
 def _graph_data(plan: CompiledPlan) -> tuple[ProgramData, dict]:
@@ -177,7 +179,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
     return {
         **_train_model(cfg, pd, data_dict["model"]["padded_vocab"]),
         **_train_settings(cfg, out_dir),
-        **_step_notes(p, pd.sequence_parallel),
+        **_step_notes(p, plan.passes.data_parallel, pd.sequence_parallel),
         "sp": pd.sequence_parallel,
         "t_attn": z.t_attn,
         "act_shape": ", ".join(str(n) for n in z.boundary),
@@ -258,7 +260,7 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
         "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
-        # ZeRO-3 FP8 all-gather (runtime/optim.py ShardedOptimizer): only when on, so that
+        # ZeRO-3 FP8 all-gather (runtime/zero_gather.py ParamGather): only when on, so that
         # other programs read as before
         **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }
@@ -276,20 +278,23 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
     }
 
 
-def _step_notes(p, sp: bool) -> dict:
+def _step_notes(p, dps: DataParallelSharding, sp: bool) -> dict:
     """The comments of the training step on ZeRO and the gradient buckets (the program's
-    ``ZERO`` and ``BUCKET_SIZE`` decide what runs)."""
+    ``DP_SHARDING``, the plan's :class:`~parcompile.core.data_parallel.DataParallelSharding`
+    ``dps``, and ``BUCKET_SIZE`` decide what runs)."""
+    states = [name for name, on in (("optimizer states", dps.shards_optimizer_states),
+                                    ("gradients", dps.shards_gradients), ("parameters", dps.shards_parameters)) if on]
     return {
-        "zero_comment": {0: "replicated over dp: all-reduce of gradients",
-                         1: "ZeRO-1: optimizer states sharded over dp",
-                         2: "ZeRO-2: optimizer states and gradients sharded over dp",
-                         3: "ZeRO-3: optimizer states, gradients and parameters sharded over dp"}[p.zero],
-        "begin_step_note": "" if p.zero != 3 else " " * 40 + "# ZeRO-3: " + (
+        "dp_sharding": f"rt.DataParallelSharding(stage={dps.stage}, shard={dps.shard}, "
+                       f"per_microbatch={dps.per_microbatch})",
+        "zero_comment": f"ZeRO-{dps.stage}: {', '.join(states[:-1])}{' and ' if len(states) > 1 else ''}"
+                        f"{states[-1]} sharded over dp" if states else "replicated over dp: all-reduce of gradients",
+        "begin_step_note": "" if dps.parameter_gather != "before_use" else " " * 40 + "# ZeRO-3: " + (
             "every bucket gathered just in time" if p.pp == 1 else
             "gather the embedding/output buckets; layer buckets just in time"),
-        "reduce_note": f"finish the buckets' {'all-reduces' if p.zero == 0 else 'reduce-scatters'} over dp; then tied "
+        "reduce_note": f"finish the buckets' {dps.gradient_reduction.replace('_', '-')}s over dp; then tied "
                        f"embedding{' and tp-replicated (sequence parallel)' if sp else ''} gradients",
-        "step_note": " " * 46 + "# then all-gather the updated shards" if p.zero in (1, 2) else "",
+        "step_note": " " * 46 + "# then all-gather the updated shards" if dps.parameter_gather == "after_step" else "",
         "bucket_note": " (0: one per chunk, after the backward)" if not p.bucket_size else ", launched during the backward",
     }
 

@@ -7,6 +7,8 @@ export, codegen and the runtime import it; none of them re-derives what it decid
 
 - :mod:`parcompile.core.axes`: the mesh axes and process-group names (:data:`GROUP_AXES`).
 - :mod:`parcompile.core.buckets`: gradient buckets (units, partition, ZeRO-3's gathers, reductions).
+- :mod:`parcompile.core.data_parallel`: what the step shards over which data-parallel group
+  (ZeRO's stage, HSDP's replicate x shard: :class:`DataParallelSharding`).
 - :mod:`parcompile.core.dtypes`: bytes per element, gradient bytes, torch's dtype names.
 - :mod:`parcompile.core.groups`: process groups (Megatron-Core's rank generators).
 - :mod:`parcompile.core.heads`: how tensor parallelism splits or replicates kv heads.

@@ -1,7 +1,7 @@
 """Gradient buckets: how a rank's gradients are grouped for the data-parallel reduction
 (``parallel.bucket_size``), one rule shared by the plan (:mod:`parcompile.analysis`,
 :mod:`parcompile.passes`, :mod:`parcompile.search`) and the generated program
-(:mod:`parcompile.runtime.buckets`, :mod:`parcompile.runtime.optim`). Standard library only
+(:mod:`parcompile.runtime.buckets`, :mod:`parcompile.runtime.zero`). Standard library only
 (the ground floor, :mod:`parcompile.core`).
 
 Data-parallel ranks reduce their fp32 gradients in *buckets* launched as soon as the
@@ -70,7 +70,7 @@ layer. Which buckets are gathered when follows torchtitan's FSDP2 policy
   when the bucket's gradients are final (when its last reduce-scatter starts): one
   all-gather per step, every bucket held at once before the first backward.
 
-**When gradients are reduced** (:func:`reduces_per_microbatch`). ``zero = 0`` and ``1``
+**When gradients are reduced** (:attr:`parcompile.core.data_parallel.DataParallelSharding.per_microbatch`). ``zero = 0`` and ``1``
 reduce every bucket once per step, after the last micro-batch has produced its gradients
 (Megatron-LM: the full fp32 buffers are kept between steps anyway). ``zero = 2`` and
 ``3`` reduce-scatter each bucket during *every* micro-batch's backward, as soon as that
@@ -119,6 +119,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import DTYPE_BYTES, GRAD_BYTES
 
 
@@ -237,7 +238,7 @@ def fp8_gather_elements(elements: int, fp8: int, d: int) -> tuple[int, int]:
     included) into ``min(shard, shard d - fp8)`` elements of the model dtype, zero-padded.
     Either is 0 when the bucket has none (then that all-gather does not run). The plan's
     step collectives (passes/insert_collectives.py) and the program
-    (runtime/optim.py ``ShardedOptimizer``) both size them here."""
+    (runtime/zero_gather.py ``ParamGather``) both size them here."""
     shard = -(-elements // d) if d > 0 else elements
     return min(shard, fp8), min(shard, shard * d - fp8)
 
@@ -356,14 +357,9 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
     return step_long, jit
 
 
-def reduces_per_microbatch(zero: int, schedule: str) -> bool:
-    """True when gradient buckets are reduce-scattered in every micro-batch's backward
-    (module docstring: ``zero >= 2``, except the zero-bubble schedule); False: once per step."""
-    return zero >= 2 and schedule != "zero_bubble"
-
-
 def reduce_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
-    """Reductions per step of each bucket: ``m`` when :func:`reduces_per_microbatch`, else 1."""
+    """Reductions per step of each bucket: ``m`` when ``per_microbatch``
+    (:attr:`parcompile.core.data_parallel.DataParallelSharding.per_microbatch`), else 1."""
     return [microbatches if per_microbatch else 1 for _ in buckets]
 
 
@@ -401,13 +397,14 @@ def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microb
     return out
 
 
-def bucket_element_bytes(zero: int, schedule: str, reduce_dtype: str = "fp32", step_buffers: bool = False) -> int:
+def bucket_element_bytes(sharding: DataParallelSharding, reduce_dtype: str = "fp32",
+                         step_buffers: bool = False) -> int:
     """Bytes per element of a full gradient bucket and of its reduction (module docstring,
     "Reduce dtype"): the reduce dtype's when buckets are reduce-scattered per micro-batch
-    (:func:`reduces_per_microbatch`) or when ``step_buffers`` (Megatron-Core: the buffers
+    (``sharding.per_microbatch``) or when ``step_buffers`` (Megatron-Core: the buffers
     that accumulate the step are held in the reduce dtype too), else 4 (fp32: the program's
     buffers accumulate the step in fp32)."""
-    return DTYPE_BYTES[reduce_dtype] if step_buffers or reduces_per_microbatch(zero, schedule) else GRAD_BYTES
+    return DTYPE_BYTES[reduce_dtype] if step_buffers or sharding.per_microbatch else GRAD_BYTES
 
 
 def head_reads_embedding(cfg) -> bool:
@@ -418,7 +415,7 @@ def head_reads_embedding(cfg) -> bool:
 
 __all__ = ["GRAD_BYTES", "GradUnit", "Bucket", "partition", "stage_buckets", "shard_elements", "fp8_gather_elements",
            "unit_order_key", "is_layer_bucket", "bucket_layers",
-           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts", "reduces_per_microbatch",
+           "reshard_after_forward", "zero3_gathered", "zero3_gather_counts",
            "reduce_counts", "buckets_in_flight", "bucket_element_bytes", "unit_position",
            "bucket_positions", "zero3_just_in_time", "needed_in_backward", "holds_output", "head_reads_embedding",
            "EMBEDDING_UNITS", "OUTPUT_UNITS"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.plan import Plan
 
@@ -57,6 +58,13 @@ def common_notes(plan: Plan, target: str) -> list[str]:
     return notes
 
 
+def dp_sharding(plan: Plan) -> DataParallelSharding:
+    """The plan's data-parallel sharding (what ``shard-data-parallel`` set:
+    :class:`~parcompile.core.data_parallel.DataParallelSharding`), which each engine's
+    optimizer flags are read from."""
+    return plan.passes.data_parallel
+
+
 def reduces_over_dp(plan: Plan) -> bool:
     """Whether some gradient is reduced over data parallelism (dp * cp or expert_dp > 1)."""
     deg = plan.data["degrees"]
@@ -70,7 +78,7 @@ def grad_reduce_dtype(plan: Plan) -> str:
     from parcompile.analysis.buckets import bucket_element_bytes
 
     par = plan.config.parallel
-    return "fp32" if bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
+    return "fp32" if bucket_element_bytes(dp_sharding(plan), par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
 
 def stage_split(plan: Plan) -> list[int]:
     """Layers per model chunk in model order (``pp * virtual_stages`` entries)."""

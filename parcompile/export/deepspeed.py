@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, reduces_over_dp,
+from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, reduces_over_dp,
                                       stage_split)
 from parcompile.export.model_keys import model_key_errors, set_model_keys, show
 from parcompile.plan import Plan
@@ -31,6 +31,7 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
 def _deepspeed_base(plan: Plan) -> dict:
     """The batch, gradient clipping, ZeRO stage and buckets, and precision sections."""
     par, m, tr = plan.config.parallel, plan.config.model, plan.config.train
+    dps = dp_sharding(plan)
     c: dict = {
         "train_batch_size": par.global_batch,
         "train_micro_batch_size_per_gpu": par.micro_batch,
@@ -39,10 +40,10 @@ def _deepspeed_base(plan: Plan) -> dict:
         "steps_per_print": tr.log_every,
         # reduce_bucket_size counts elements; bucket_size = 0 (one bucket, after the backward):
         # a bucket as large as the largest stage, without overlap
-        "zero_optimization": {"stage": par.zero,
+        "zero_optimization": {"stage": dps.stage,   # DeepSpeed's stages are ZeRO's
                               "reduce_bucket_size": (-(-par.bucket_size // 4) if par.bucket_size else
                                                      max(s["params_per_rank"] for s in plan.data["stages"])),
-                              "overlap_comm": bool(par.zero >= 1 and par.bucket_size > 0)},
+                              "overlap_comm": bool(dps.shards_optimizer_states and par.bucket_size > 0)},
         "bf16": {"enabled": m.dtype == "bf16"},
         "fp16": {"enabled": m.dtype == "fp16"},
     }
@@ -103,7 +104,7 @@ def _deepspeed_pipeline(plan: Plan, c: dict, notes: list[str], errors: list[str]
             notes.append(f"schedule {sched}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
                          "(TrainSchedule)" + ("; virtual stages are not expressible" if deg["virtual_stages"] > 1
                                               else ""))
-        if par.zero >= 2:   # deepspeed/runtime/pipe/engine.py PipelineEngine.__init__ asserts it
+        if dp_sharding(plan).shards_gradients:   # deepspeed/runtime/pipe/engine.py PipelineEngine.__init__ asserts it
             errors.append(f"zero {par.zero} with pp {deg['pp']}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
                           "(\"incompatible with pipeline parallelism\"); use zero 0 or 1")
         if par.stage_layers is not None and len(set(stage_split(plan))) > 1:
@@ -161,7 +162,7 @@ def _deepspeed_features(plan: Plan, c: dict, notes: list[str], errors: list[str]
         notes.append(f"experts: build the MoE layers with deepspeed.moe.layer.MoE(num_experts={m.experts}, "
                      f"ep_size={deg['ep']}, k={m.top_k})" + (f"; expert_tp {deg['expert_tp']} is not expressible"
                                                               if deg["expert_tp"] > 1 else ""))
-    if reduces_over_dp(plan) and par.zero == 0 and par.bucket_size:
+    if reduces_over_dp(plan) and not dp_sharding(plan).shards_optimizer_states and par.bucket_size:
         notes.append(f"bucket_size {par.bucket_size}: reduce_bucket_size counts elements ({-(-par.bucket_size // 4)}); "
                      "DeepSpeed overlaps the gradient reduction with the backward (overlap_comm) under ZeRO "
                      "stages 1-3 only")

@@ -9,7 +9,7 @@ from typing import Callable
 
 from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
-from parcompile.export.common import (Export, common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -163,14 +163,15 @@ def _megatron_memory_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     """ZeRO (the distributed optimizer, FSDP2), the gradient buckets and recomputation."""
     par = plan.config.parallel
     deg = degrees(plan)
-    # ZeRO
-    if par.zero >= 1:
-        if par.zero <= 2:
+    # ZeRO: Megatron's distributed optimizer (states sharded) or, with sharded parameters, FSDP2
+    dps = dp_sharding(plan)
+    if dps.shards_optimizer_states:
+        if not dps.shards_parameters:
             add("--use-distributed-optimizer")
-        if par.zero == 2:
+        if dps.shards_gradients and not dps.shards_parameters:
             notes.append("zero 2: Megatron's distributed optimizer shards optimizer states and reduce-scatters "
                          "gradients, but keeps a full gradient buffer per rank (ZeRO-1 memory)")
-        if par.zero == 3:
+        if dps.shards_parameters:
             # core_v0.19.0 validate_args: FSDP2 needs no gradient-accumulation fusion, a
             # torch_dist / torch_dcp checkpoint format (torch_dist is the default)
             add("--use-torch-fsdp2")
@@ -180,7 +181,7 @@ def _megatron_memory_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
                          "zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states sharded)")
     # gradient buckets: Megatron's DDP counts --ddp-bucket-size in elements and overlaps the
     # reduction with the backward only with --overlap-grad-reduce
-    if reduces_over_dp(plan) and par.zero <= 2:
+    if reduces_over_dp(plan) and not dps.shards_parameters:
         if par.bucket_size:
             add("--overlap-grad-reduce")
             add("--ddp-bucket-size", -(-par.bucket_size // 4))   # elements, rounded up
@@ -438,7 +439,7 @@ def megatron_env(plan: Plan) -> dict[str, str]:
     ``launch_env``: on Ascend, ``HCCL_CONNECT_TIMEOUT``)."""
     deg = degrees(plan)
     env = {}
-    if (deg["tp"] > 1 or deg["cp"] > 1) and plan.config.parallel.zero != 3:
+    if (deg["tp"] > 1 or deg["cp"] > 1) and not dp_sharding(plan).shards_parameters:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     env.update({var: value for var, value, _ in plan.config.cluster.accelerator.launch_env})
     return env
@@ -492,7 +493,7 @@ def megatron_errors(plan: Plan) -> list[str]:
     cfg = plan.config
     deg = degrees(plan)
     errors = megatron_model_errors(cfg.model)
-    if cfg.parallel.zero == 3:
+    if dp_sharding(plan).shards_parameters:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "
                           "pipeline parallelism (validate_args); use zero 1 or 2 (--use-distributed-optimizer)")

@@ -7,7 +7,8 @@ ZeRO stage, the pipeline schedule and the model parts of uneven stages."""
 from __future__ import annotations
 
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
-from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
+from parcompile.core.data_parallel import DataParallelSharding
+from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -45,9 +46,11 @@ def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
     return model_key_errors(plan, "torchtitan" if version == "0.3" else "torchtitan-0.2") + torchtitan_errors(plan)
 
 
-def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tuple[int, int, str]:
-    """torchtitan's FSDP2 settings for ZeRO stage ``zero``: (data_parallel_replicate_degree,
-    data_parallel_shard_degree, fsdp_reshard_after_forward); appends the notes.
+def torchtitan_fsdp(sharding: DataParallelSharding, deg: dict, notes: list[str],
+                    version: str) -> tuple[int, int, str]:
+    """torchtitan's FSDP2 settings for the plan's data-parallel ``sharding`` (ZeRO stage
+    ``zero``): (data_parallel_replicate_degree, data_parallel_shard_degree,
+    fsdp_reshard_after_forward); appends the notes.
 
     zero 0 replicates the states over dp (0.3's llama3 applies fully_shard over
     dp_replicate x dp_shard, so dp_shard = 1 is DDP's memory and reduction); torchtitan 0.2
@@ -56,14 +59,15 @@ def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tup
     parameters gathered from forward to backward ("never"); zero 3 uses "default": parcompile's
     own policy (parcompile.core.buckets.reshard_after_forward: resharded after forward
     without pp, kept across micro-batches with pp)."""
-    if zero == 0:
+    zero = sharding.stage   # for the notes, which name the spec's key
+    if not sharding.shards_optimizer_states:
         if version == "0.2" and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
             notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other "
                          "parallelism; exported as FSDP over dp (data_parallel_shard_degree = dp), which shards "
                          "the states")
             return 1, deg["dp"], "default"
         return deg["dp"], 1, "default"
-    if zero in (1, 2):
+    if not sharding.shards_parameters:
         notes.append(f"zero {zero}: torchtitan shards with FSDP2 (data_parallel_shard_degree = dp), which "
                      "also shards the parameters between steps (ZeRO-3 storage); fsdp_reshard_after_forward "
                      "= \"never\" keeps them gathered from forward to backward, ZeRO-2-like communication")
@@ -122,7 +126,7 @@ def _torchtitan3_parallelism(plan: Plan, notes: list[str]) -> dict:
     deg = degrees(plan)
     sched = plan.data["schedule"]["name"]
     v = deg["virtual_stages"]
-    replicate, shard, reshard = torchtitan_fsdp(par.zero, deg, notes, "0.3")
+    replicate, shard, reshard = torchtitan_fsdp(dp_sharding(plan), deg, notes, "0.3")
     schedule = torchtitan_schedule(sched, v, notes)
     parallelism: dict = {
         "data_parallel_replicate_degree": replicate,

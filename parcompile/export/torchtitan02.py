@@ -8,7 +8,7 @@ import json
 from parcompile.analysis.fp8 import bf16_layers, gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
-from parcompile.export.common import (Export, common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
 from parcompile.export.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
                                           torchtitan_schedule)
@@ -166,8 +166,8 @@ def _torchtitan02_parallelism(plan: Plan, notes: list[str]) -> dict:
     deg = degrees(plan)
     sched = plan.data["schedule"]["name"]
     v = deg["virtual_stages"]
-    replicate, shard, reshard = torchtitan_fsdp(par.zero, deg, notes, "0.2")
-    if deg["cp"] > 1 and par.zero == 0:
+    replicate, shard, reshard = torchtitan_fsdp(dp_sharding(plan), deg, notes, "0.2")
+    if deg["cp"] > 1 and not dp_sharding(plan).shards_optimizer_states:
         notes.append("cp: torchtitan's context parallelism runs under FSDP; parameters are sharded over dp x cp")
 
     schedule = torchtitan_schedule(sched, v, notes)

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
-                                        reduces_per_microbatch, reshard_after_forward, stage_buckets,
+                                        reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
 from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.estimate import grad_element_bytes
@@ -46,6 +46,7 @@ from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.buckets import fp8_gather_elements
+from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, convert, dual, spec
@@ -140,20 +141,21 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
     # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
     # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
     dense, expert = stage_buckets(sp, par.bucket_size)
+    dps = data_parallel_sharding(par)
     for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
         if size <= 1:
             continue
         gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
-                                      head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
+                                      head_reads_embedding(cfg)) if dps.shards_parameters else [1] * len(buckets)
         grad_bytes = grad_element_bytes(cfg)   # fp32, or the reduce dtype (analysis/estimate.py)
-        reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
+        reduces = reduce_counts(buckets, par.num_microbatches, dps.per_microbatch)
+        op = dps.gradient_reduction
         for i, b in enumerate(buckets):
-            if par.zero == 0:
-                add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, grad_bytes * b.elements, f"{prefix}grads")
+            if not dps.shards_optimizer_states:   # replicated: all-reduce the full bucket
+                add(s, f"{prefix}grads.bucket{i}", op, axis, grad_bytes * b.elements, f"{prefix}grads")
                 continue
             shard = math.ceil(b.elements / size)
-            add(s, f"{prefix}grads.bucket{i}", "reduce_scatter", axis, grad_bytes * shard, f"{prefix}grads",
-                reduces[i])
+            add(s, f"{prefix}grads.bucket{i}", op, axis, grad_bytes * shard, f"{prefix}grads", reduces[i])
             if fp8_gather and b.fp8:
                 n8, n16 = fp8_gather_elements(b.elements, b.fp8, size)
                 add(s, f"{prefix}params_fp8.bucket{i}", "all_gather", axis, n8 * size, f"{prefix}params",
@@ -185,6 +187,7 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     def add(stage: int, key: str, op: str, axis: str, nbytes: int, where: str, count: int = 1) -> None:
         out.append((stage, key, op, axis, int(nbytes), where, count))
 
+    dps = data_parallel_sharding(par)
     for s, sp in enumerate(stages):
         ed = deg["expert_dp"]
         fp8_gather = gathers_fp8(cfg)
@@ -203,12 +206,12 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             add(s, "sp_norm_grads", "all_reduce", "tp", GRAD_BYTES * sp.norm, "sp_norm_grads")
         elif deg["tp"] > 1 and sp.tp_partial:   # qk-norm weights (sequence parallelism: in sp_norm_grads)
             add(s, "tp_partial_grads", "all_reduce", "tp", GRAD_BYTES * sp.tp_partial, "tp_partial_grads")
-        if par.zero > 0 and d > 1:   # sharded gradients: the norm's squares are summed over dp too
+        if dps.shards_optimizer_states and d > 1:   # sharded gradients: the norm's squares are summed over dp too
             add(s, "grad_norm_dp", "all_reduce", "dp_cp", 4, "grad_norm")
         if deg["tp"] > 1:
             add(s, "grad_norm_tp", "all_reduce", "tp", 4, "grad_norm")
         if sp.expert:   # expert squares: summed over their shards (expert_dp with ZeRO, ep, expert_tp)
-            if par.zero > 0 and ed > 1:
+            if dps.shards_optimizer_states and ed > 1:
                 add(s, "grad_norm_expert_dp", "all_reduce", "expert_dp", 4, "grad_norm")
             if deg["ep"] > 1:
                 add(s, "grad_norm_ep", "all_reduce", "ep", 4, "grad_norm")

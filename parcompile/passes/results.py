@@ -1,9 +1,10 @@
 """What the passes tell later passes, the analyses and the driver: one frozen result per
 pass that has something to say, gathered in :class:`PassResults` (read by attribute).
 
-``split-pipeline-stages`` returns a :class:`StageSplit`, ``insert-collectives`` a
-:class:`CollectivesInserted`, ``schedule-pipeline`` a :class:`ScheduleResult`; the sharding
-passes return nothing. :func:`parcompile.passes.manager.run_pass` records each in the pass
+``shard-data-parallel`` returns the step's
+:class:`~parcompile.core.data_parallel.DataParallelSharding`, ``split-pipeline-stages`` a
+:class:`StageSplit`, ``insert-collectives`` a :class:`CollectivesInserted`,
+``schedule-pipeline`` a :class:`ScheduleResult`; the other sharding passes return nothing. :func:`parcompile.passes.manager.run_pass` records each in the pass
 context's :attr:`~parcompile.passes.base.PassContext.results`, and verifies the graph with
 the invariants they switch on (:attr:`PassResults.staged`, :attr:`PassResults.inserted`).
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.compute import ComputeReport
 from parcompile.analysis.params import StageParams
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.schedule import ScheduleReport
 
 
@@ -46,18 +48,21 @@ class ScheduleResult:
 
 
 #: a pass's result type -> the :class:`PassResults` field that holds it
-_FIELD = {StageSplit: "split", CollectivesInserted: "collectives", ScheduleResult: "schedule"}
+_FIELD = {DataParallelSharding: "data_parallel", StageSplit: "split", CollectivesInserted: "collectives",
+          ScheduleResult: "schedule"}
 
 
 @dataclass(frozen=True)
 class PassResults:
     """The results of the passes run so far (None: that pass has not run)."""
 
+    data_parallel: DataParallelSharding | None = None
     split: StageSplit | None = None
     collectives: CollectivesInserted | None = None
     schedule: ScheduleResult | None = None
 
-    def add(self, result: StageSplit | CollectivesInserted | ScheduleResult | None) -> "PassResults":
+    def add(self, result: DataParallelSharding | StageSplit | CollectivesInserted | ScheduleResult | None
+            ) -> "PassResults":
         """These results with ``result`` recorded (itself when ``result`` is None).
 
         Raises:

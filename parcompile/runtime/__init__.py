@@ -3,6 +3,7 @@ collectives, tensor-parallel layers, the pipeline schedule executor, data, and t
 optimizer step. Generated programs use it as ``from parcompile import runtime as rt``.
 """
 
+from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime import checkpoint
 from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, gather_replicated, keep_split_input,
                                      leave_tp, reduce_from_tp)
@@ -21,10 +22,9 @@ from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.weights import load_weights
 from parcompile.runtime.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.wgrad import linear
+from parcompile.runtime.optimizers import step_optimizer, zero_records
 from parcompile.runtime.optim import (
     ReplicatedOptimizer,
-    step_optimizer,
-    zero_records,
     build_optimizer,
     clip_gradients,
     grad_norm,

@@ -245,7 +245,7 @@ class GradBuckets:
     def attach(self, b: BucketLayout) -> None:
         """Point the gradients of bucket ``b``'s parameters at its buffer. An fp32
         parameter ZeRO-3 holds no data for (between steps) cannot take a gradient of its
-        full shape: it is attached when gathered (:meth:`ShardedOptimizer._gather_bucket`)."""
+        full shape: it is attached when gathered (:meth:`parcompile.runtime.zero_gather.ParamGather._gather_bucket`)."""
         if b.flat is None:
             return
         for p, off in zip(b.params, b.offsets):

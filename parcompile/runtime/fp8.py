@@ -135,7 +135,7 @@ def cast_with_amax(t: torch.Tensor, amax: torch.Tensor, recipe: str = "tensorwis
     """``t`` in E4M3 and its inverse scale, the scale ``448 / amax`` taken from ``amax`` (fp32:
     a scalar, or per row/column for ``rowwise``, rounded down to a power of two there):
     :func:`cast` once the amax is known, and ZeRO-3's FP8 all-gather, which casts each dp
-    shard of a weight with the amax of the whole weight (runtime/optim.py). Element-wise,
+    shard of a weight with the amax of the whole weight (runtime/zero_gather.py). Element-wise,
     so a shard cast here equals the same elements of the whole tensor's cast."""
     scale = E4M3_MAX / amax.clamp(min=_TINY)
     if recipe == "rowwise":

@@ -53,7 +53,7 @@ Collectives whose size the router decides are recorded with their ``rows``
 (:class:`parcompile.runtime.comm.CommCounter`).
 
 The optimizer side of expert weights (reduced over ``expert_dp``, averaged over dp * cp)
-is :class:`parcompile.runtime.optim.MoEOptimizer`.
+is :class:`parcompile.runtime.optim_moe.MoEOptimizer`.
 """
 
 from __future__ import annotations

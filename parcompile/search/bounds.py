@@ -10,13 +10,14 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import Iterable
 
-from parcompile.analysis.buckets import reduces_per_microbatch, reshard_after_forward
+from parcompile.analysis.buckets import reshard_after_forward
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, engine,
                                           grad_element_bytes, optimizer_time, step_sums)
 from parcompile.analysis.memory import buffer_total, closed_form_in_flight, state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
+from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
 from parcompile.ir.ops import COUNTS_BYTES
 from parcompile.passes.base import parallel_degrees
 from parcompile.passes.insert_collectives import STEP_AXES, step_entries
@@ -193,7 +194,7 @@ class StepFloors:
         sums: dict[tuple, int] = {}
         for grads, params, other, _copies in step_sums(cfg, deg, links, step_entries(cfg, deg, stages)):
             # FSDP2's buffer copies (eager, ZeRO-3) count per micro-batch: left out of the floor
-            if par.zero >= 3 and reshard_after_forward(pp):
+            if data_parallel_sharding(par).shards_parameters and reshard_after_forward(pp):
                 params = 0.0   # gathered per micro-batch, some buckets fewer times: counted as none
             sums[(grads, params, other, 0.0)] = sums.get((grads, params, other, 0.0), 0) + 1
         opt = optimizer_time(cfg, deg, [StageParams(0, fake_params[0], fake_params[1], 0, 0)])
@@ -268,8 +269,9 @@ class StepFloors:
         others run once (ZeRO-3 regathering per micro-batch, ``pp = 1``, keeps ``m`` in the
         group). Reduced by a relative 1e-9 for rounding."""
         par = cfg.parallel
-        jit = par.zero >= 3 and reshard_after_forward(par.pp)
-        key = (self._params_key(pr), counts, par.pp, par.zero, reduces_per_microbatch(par.zero, par.schedule),
+        dps = data_parallel_sharding(par)
+        jit = dps.shards_parameters and reshard_after_forward(par.pp)
+        key = (self._params_key(pr), counts, par.pp, par.zero, dps.per_microbatch,
                par.num_microbatches if jit else 0, step_degrees(deg), par.bucket_size,
                par.reduce_dtype, par.sequence_parallel)
         got = self.dp_groups.get(key)
@@ -492,13 +494,14 @@ class MemoryFloors:
             last = ps[3]
             total = Fraction(0)
             for kind, dd in (("dense", d), ("expert", ed)):
+                dps = self._sharding(z, dd)
                 n = total_of_chunks([getattr(x, kind) for x in ps], model.layers, self.dense)
                 if kind == "dense" and model.tie_embeddings and pp == 1:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
-                total += sum(state_bytes(n, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=Fraction(n, dd),
+                total += sum(state_bytes(n, model.dtype_bytes, dps, self.cfg.train.optimizer, shard=Fraction(n, dd),
                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
-                                         grad_bytes=grad_element_bytes(self.cfg, z)))
+                                         grad_bytes=grad_element_bytes(self.cfg, dps)))
             got = self.state_floors[key] = math.ceil(total / pp)
         return got
 
@@ -592,6 +595,12 @@ class MemoryFloors:
             got = self.buf_sums[key] = tuple(out) if pp > 1 else (out[0], out[0], out[0])
         return got
 
+    def _sharding(self, z: int, d: int) -> DataParallelSharding:
+        """The data-parallel sharding of ZeRO stage ``z`` over ``d`` ranks, on this search's
+        schedule (what :func:`~parcompile.analysis.memory.state_bytes` and the gradient
+        buffers' bytes read)."""
+        return replace(data_parallel_sharding(self.cfg.parallel, stage=z), shard=max(1, d))
+
     def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
         """The model states (bytes) of the first pipeline rank holding ``n`` layers, of
         :meth:`memory_floor`: its dense and expert parameters from the probe's per-stage
@@ -606,15 +615,16 @@ class MemoryFloors:
             first, dmid, mid, last = pr.qparams
             states = 0.0
             for kind, dd in (("dense", d), ("expert", ed)):
+                dps = self._sharding(z, dd)
                 x = rank_layers(n, self.dense, getattr(dmid, kind), getattr(mid, kind)) \
                     + getattr(first, kind) - getattr(dmid, kind)
                 if pp == 1:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
-                states += sum(state_bytes(x, model.dtype_bytes, z, dd, self.cfg.train.optimizer, shard=x / dd,
+                states += sum(state_bytes(x, model.dtype_bytes, dps, self.cfg.train.optimizer, shard=x / dd,
                                           fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
-                                          grad_bytes=grad_element_bytes(self.cfg, z)))
+                                          grad_bytes=grad_element_bytes(self.cfg, dps)))
             self.state_parts[skey] = states
         return states
 

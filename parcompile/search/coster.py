@@ -110,7 +110,7 @@ class Coster(Floors):
                                                  | {"tp", "pp"})
         # FP8 all-gather (analysis/fp8.py fp8_costs): the weights are cast on their 1/(dp cp)
         # shards before the gathers, once, so the casts' time depends on zero and dp * cp
-        g8 = par.dp * par.cp if gathers_fp8(self.cfg, par.zero) else 0
+        g8 = par.dp * par.cp if gathers_fp8(self.cfg, par) else 0
         key = (rc, tuple((a, inside.get(a, (1, 1))) for a in axes), g8)
         ct3 = pr.times.get(key)
         if ct3 is None:

@@ -50,7 +50,7 @@ ACT_DTYPE = torch.bfloat16  # weights, activations, and what crosses a stage bou
 
 # ---- layout ---------------------------------------------------------------------------
 VIRTUAL_STAGES = 1
-ZERO = 1  # ZeRO stage over the data-parallel group (0: replicated optimizer)
+DP_SHARDING = rt.DataParallelSharding(stage=1, shard=2, per_microbatch=False)  # parallel.zero = 1: what is sharded over the data-parallel group
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
 SP = True  # sequence parallelism: outside tp regions activations are split along the sequence
@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     plan = json.loads(Path(args.plan).read_text())
-    ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=ZERO == 3)  # ZeRO-3 gathers parameters on groups of their own
+    ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=DP_SHARDING.shards_parameters)  # ZeRO-3 gathers parameters on groups of their own
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
     if INIT_FROM:                                               # each rank reads only its slices
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
-    opt = rt.step_optimizer(model, ctx, TRAIN, ZERO, BUCKET_SIZE, SP, REDUCE_DTYPE)  # ZeRO-1: optimizer states sharded over dp
+    opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE)  # ZeRO-1: optimizer states sharded over dp
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
             record["state_bytes"] = opt.state_bytes()          # parameters, gradients, optimizer
             record["grad_buckets"] = opt.bucket_report()        # per bucket: launched during the backward?
             record["saved_per_layer"] = rt.METER.snapshot()     # activations kept for backward, one micro-batch
-            record.update(rt.zero_records(opt, ZERO))           # ZeRO 2, 3: full gradient buckets, ZeRO-3 gathered parameters, at most at once
+            record.update(rt.zero_records(opt, DP_SHARDING))    # ZeRO 2, 3: full gradient buckets, ZeRO-3 gathered parameters, at most at once
             peaks = rt.allocator_peaks(ctx.device)                # the allocator's peak: used vs kept
             if peaks is not None:
                 record["allocator_peak"] = peaks

@@ -1,0 +1,169 @@
+"""Data-parallel sharding: what a training step shards over its data-parallel ranks, as one
+value (:class:`DataParallelSharding`) that the ``shard-data-parallel`` pass sets on the plan
+and that the analyses, the search, the exports, codegen and the runtime optimizer read,
+instead of each branching on the ZeRO stage integer. Standard library only (the ground
+floor, :mod:`parcompile.core`).
+
+**ZeRO stages** (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", section 5; DeepSpeed's ``zero_optimization.stage``; the spec's
+``parallel.zero``): stage 1 shards the optimizer states (fp32 masters included), stage 2
+also the gradients, stage 3 also the parameters (FSDP's ``FULL_SHARD``, FSDP2's
+``fully_shard``), each over the *shard group*; stage 0 shards nothing (DDP).
+
+**Replicate x shard** (HSDP): the data-parallel ranks form a 2-D mesh of ``replicate`` x
+``shard`` ranks; states are sharded over the shard group and replicated over the replicate
+group. torchtitan names the two degrees ``data_parallel_replicate_degree`` and
+``data_parallel_shard_degree`` with ``dp_replicate * dp_shard * cp * tp * pp ==
+world_size`` (torchtitan 0.3.0, ``torchtitan/distributed/parallel_dims.py``
+``ParallelDims._validate`` and ``build_mesh``'s ``dp_replicate`` / ``fsdp`` dims, the
+``fsdp`` dim folding ``dp_shard`` and ``cp`` together as parcompile's ``dp_cp`` does);
+FSDP2's ``fully_shard`` takes a 2-D mesh for HSDP, sharding over the 2nd dim and
+replicating over the 1st (placements ``(Replicate(), Shard(0))``; PyTorch 2.13,
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``, commit
+cf30153c4c131c8164ee7798e5022d810682e2cb). Its gradient step is a reduce-scatter over the
+shard group followed by an all-reduce of the shards over the replicate group. parcompile
+plans ``replicate = 1`` today (the shard group is all of ``dp_cp``); issue 49 adds the
+spec keys and the program's replicate groups.
+
+Expert weights (MoE) are replicated over ``expert_dp`` only, so they are sharded over
+that group (:meth:`DataParallelSharding.experts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+#: the per-rank states a training step holds, in the order the memory table lists them
+STATES = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class DataParallelSharding:
+    """What is sharded over which data-parallel group (module docstring).
+
+    Attributes:
+        stage: the ZeRO stage, 0-3 (``parallel.zero``).
+        shard: ranks of the shard group (``dp * cp`` for dense weights, ``expert_dp`` for
+            expert weights); 1: nothing is split, whatever the stage.
+        replicate: ranks of the replicate group (HSDP); 1 today.
+        per_microbatch: gradient buckets are reduce-scattered in every micro-batch's
+            backward (stage >= 2, except the zero-bubble schedule, which reduces once per
+            step; :func:`data_parallel_sharding`).
+        shard_group: the process group the states are sharded over (``dp_cp`` or
+            ``expert_dp``; :mod:`parcompile.core.axes`).
+        replicate_group: the group they are replicated over (None while ``replicate`` is 1).
+
+    Raises:
+        ValueError: a stage outside 0-3, a degree below 1, or ``replicate > 1`` without a
+            ``replicate_group``.
+    """
+
+    stage: int = 0
+    shard: int = 1
+    replicate: int = 1
+    per_microbatch: bool = False
+    shard_group: str = "dp_cp"
+    replicate_group: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage {self.stage!r} is not one of 0, 1, 2, 3")
+        if self.shard < 1 or self.replicate < 1:
+            raise ValueError(f"data-parallel degrees must be >= 1, not shard {self.shard}, "
+                             f"replicate {self.replicate}")
+        if self.replicate > 1 and not self.replicate_group:
+            raise ValueError("replicate > 1 needs the replicate group's name (replicate_group)")
+
+    # -- which states are sharded ---------------------------------------------------------
+    @property
+    def shards_optimizer_states(self) -> bool:
+        """Optimizer states (and fp32 master weights) are split over the shard group (ZeRO-1)."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Gradients are kept only as this rank's shard between micro-batches (ZeRO-2)."""
+        return self.stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are kept only as this rank's shard and all-gathered where used (ZeRO-3)."""
+        return self.stage >= 3
+
+    def shards(self, state: str) -> bool:
+        """Whether ``state`` (one of :data:`STATES`) is split over the shard group.
+
+        Raises:
+            KeyError: ``state`` is not one of :data:`STATES`.
+        """
+        return {"params": self.shards_parameters, "grads": self.shards_gradients,
+                "optimizer": self.shards_optimizer_states}[state]
+
+    def fraction(self, state: str) -> float:
+        """The part of ``state`` (one of :data:`STATES`) one rank holds: ``1 / shard`` when
+        sharded, else 1 (before the padding of each bucket to a multiple of ``shard``:
+        :func:`parcompile.core.buckets.shard_elements`)."""
+        return 1.0 / self.shard if self.shards(state) else 1.0
+
+    @property
+    def sharded(self) -> bool:
+        """Something is split over more than one rank: the step runs a sharded optimizer
+        (``stage >= 1`` and ``shard > 1``); otherwise every rank holds all states."""
+        return self.stage >= 1 and self.shard > 1
+
+    @property
+    def size(self) -> int:
+        """Ranks of the whole data-parallel group, ``replicate * shard``."""
+        return self.replicate * self.shard
+
+    # -- what the step runs ---------------------------------------------------------------
+    @property
+    def gradient_reduction(self) -> str:
+        """The collective each gradient bucket is reduced with over the shard group:
+        ``all_reduce`` (stage 0) or ``reduce_scatter``."""
+        return "reduce_scatter" if self.shards_optimizer_states else "all_reduce"
+
+    @property
+    def parameter_gather(self) -> str | None:
+        """When parameters are all-gathered over the shard group: ``after_step`` (stages 1
+        and 2: the updated shards rebuild the full parameters), ``before_use`` (stage 3:
+        bucket by bucket where the step needs them, :mod:`parcompile.core.buckets`), or
+        None (stage 0)."""
+        return None if not self.shards_optimizer_states else "before_use" if self.shards_parameters else "after_step"
+
+    def collectives(self) -> tuple[tuple[str, str], ...]:
+        """The data-parallel collectives of a step, ``(op, group)`` in the order they run:
+        gradients reduced over the shard group (:attr:`gradient_reduction`), then
+        all-reduced over the replicate group when ``replicate > 1`` (HSDP), and, from stage
+        1, parameters all-gathered over the shard group (before use at stage 3, so listed
+        first). Empty when ``size`` is 1."""
+        if self.size == 1:
+            return ()
+        grads = [(self.gradient_reduction, self.shard_group)] if self.shard > 1 else []
+        if self.replicate > 1:
+            grads.append(("all_reduce", self.replicate_group))
+        gather = [("all_gather", self.shard_group)] if self.parameter_gather and self.shard > 1 else []
+        return tuple(gather + grads if self.shards_parameters else grads + gather)
+
+    def experts(self, expert_dp: int) -> "DataParallelSharding":
+        """The same stage for expert weights, sharded over ``expert_dp`` (module docstring)."""
+        return replace(self, shard=max(1, expert_dp), shard_group="expert_dp", replicate=1, replicate_group=None)
+
+
+def data_parallel_sharding(par, stage: int | None = None) -> DataParallelSharding:
+    """The :class:`DataParallelSharding` of a layout ``par`` (a ``ParallelConfig``: reads
+    ``zero``, ``dp``, ``cp`` and ``schedule``), for the dense weights over ``dp_cp``; the one
+    rule the pass sets on the plan and the search applies to layouts it has no graph of.
+    ``stage``: this ZeRO stage instead of ``par.zero`` (the search's bounds price a probe's
+    layout at other stages).
+
+    Gradients are reduce-scattered per micro-batch from stage 2 on, except under the
+    zero-bubble schedule, whose B actions write the norms' gradients of every layer of a
+    chunk before its W actions complete them (:mod:`parcompile.core.buckets`, "When
+    gradients are reduced")."""
+    z = par.zero if stage is None else stage
+    return DataParallelSharding(stage=z, shard=par.dp * par.cp,
+                                per_microbatch=z >= 2 and par.schedule != "zero_bubble")
+
+
+__all__ = ["STATES", "DataParallelSharding", "data_parallel_sharding"]
