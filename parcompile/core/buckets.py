@@ -120,6 +120,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from parcompile.core.dtypes import DTYPE_BYTES, GRAD_BYTES
+from parcompile.core.schedule import Schedule, as_schedule
 
 
 @dataclass(frozen=True)
@@ -356,10 +357,12 @@ def zero3_gathered(kinds: Sequence[tuple[Sequence[Bucket], int]], per_microbatch
     return step_long, jit
 
 
-def reduces_per_microbatch(zero: int, schedule: str) -> bool:
+def reduces_per_microbatch(zero: int, schedule: Schedule | str) -> bool:
     """True when gradient buckets are reduce-scattered in every micro-batch's backward
-    (module docstring: ``zero >= 2``, except the zero-bubble schedule); False: once per step."""
-    return zero >= 2 and schedule != "zero_bubble"
+    (module docstring: ``zero >= 2``, except under a schedule that splits the backward, the
+    zero-bubble one, :attr:`parcompile.core.schedule.Schedule.split_backward`); False: once
+    per step. ``schedule``: the value, or its SPEC name."""
+    return zero >= 2 and not as_schedule(schedule).split_backward
 
 
 def reduce_counts(buckets: Sequence[Bucket], microbatches: int, per_microbatch: bool) -> list[int]:
@@ -401,7 +404,7 @@ def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microb
     return out
 
 
-def bucket_element_bytes(zero: int, schedule: str, reduce_dtype: str = "fp32", step_buffers: bool = False) -> int:
+def bucket_element_bytes(zero: int, schedule: Schedule | str, reduce_dtype: str = "fp32", step_buffers: bool = False) -> int:
     """Bytes per element of a full gradient bucket and of its reduction (module docstring,
     "Reduce dtype"): the reduce dtype's when buckets are reduce-scattered per micro-batch
     (:func:`reduces_per_microbatch`) or when ``step_buffers`` (Megatron-Core: the buffers

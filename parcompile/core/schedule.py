@@ -148,6 +148,11 @@ SCHEDULES = {s.name: s for s in (
 SUPPORTED = tuple(SCHEDULES)
 
 
+def as_schedule(schedule: "Schedule | str") -> Schedule:
+    """``schedule`` itself, or the :class:`Schedule` its name names (:func:`lookup`)."""
+    return lookup(schedule) if isinstance(schedule, str) else schedule
+
+
 def lookup(name: str) -> Schedule:
     """The :class:`Schedule` SPEC 1 ``parallel.schedule = name`` names.
 
@@ -387,7 +392,7 @@ def build_actions(schedule: "Schedule | str", pp: int, m: int, virtual_stages: i
         ValueError: an interleaved ``group`` Megatron-Core refuses (:func:`group_error`),
             or a name no schedule has.
     """
-    sched = lookup(schedule) if isinstance(schedule, str) else schedule
+    sched = as_schedule(schedule)
     v = virtual_stages
     return [_blocks(o, r, pp, v, sched.placement) for r, o in enumerate(_orders(sched, pp, m, v, times, group))]
 

@@ -18,6 +18,18 @@ TARGETS = TRAIN_TARGETS + tuple(SERVE_TARGETS)
 TORCHTITAN_VERSIONS = ("0.3", "0.2")
 
 
+def placement_errors(plan: Plan, engine: str, styles: tuple[str, ...] = ("loop",)) -> list[str]:
+    """An error when the plan's schedule places its model chunks on the pipeline ranks in a
+    way ``engine`` cannot (:class:`parcompile.core.schedule.Placement`; ``styles``: the
+    placements it runs, Megatron-Core's and DeepSpeed's only ``loop``: model chunk ``k`` on
+    rank ``k % pp``)."""
+    sched = plan.config.parallel.pipeline_schedule
+    if plan.config.parallel.pp == 1 or sched.placement.name in styles:
+        return []
+    return [f"schedule {sched.name}: its {sched.placement.name} placement of the model chunks on the pipeline "
+            f"ranks is not one {engine} runs ({', '.join(styles)}); use a schedule with the loop placement"]
+
+
 @dataclass
 class Export:
     """One export: ``text`` (the file), ``notes`` (what the target cannot express or
@@ -70,7 +82,7 @@ def grad_reduce_dtype(plan: Plan) -> str:
     from parcompile.analysis.buckets import bucket_element_bytes
 
     par = plan.config.parallel
-    return "fp32" if bucket_element_bytes(par.zero, par.schedule, par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
+    return "fp32" if bucket_element_bytes(par.zero, par.pipeline_schedule, par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
 
 def stage_split(plan: Plan) -> list[int]:
     """Layers per model chunk in model order (``pp * virtual_stages`` entries)."""

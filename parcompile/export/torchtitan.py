@@ -7,7 +7,8 @@ ZeRO stage, the pipeline schedule and the model parts of uneven stages."""
 from __future__ import annotations
 
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
-from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
+from parcompile.core.schedule import Schedule as PipelineSchedule
+from parcompile.export.common import (Export, placement_errors, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -20,6 +21,10 @@ TORCHTITAN_SCHEDULE = {
     ("interleaved_1f1b", True): "Interleaved1F1B", ("zero_bubble", True): "InterleavedZeroBubble",
     ("interleaved_1f1b", False): "1F1B",
 }
+#: the torchtitan schedules that place model chunks the ``v`` way (torchtitan 0.3.0
+#: ``torchtitan/distributed/pipeline_parallel.py`` ``_get_pp_rank_to_stage_indices_mapping``:
+#: ScheduleZBVZeroBubble and ScheduleDualPipeV; every other one ``loop``)
+TORCHTITAN_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def torchtitan_errors(plan: Plan) -> list[str]:
@@ -35,7 +40,9 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
         errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
                       "training.dtype); use dtype bf16 or fp32 in the spec")
-    return errors
+    # the schedules the export maps to (TORCHTITAN_SCHEDULE) place chunks the loop way; its
+    # ZBVZeroBubble and DualPipeV (TORCHTITAN_V_SCHEDULES) would take a `v` one
+    return errors + placement_errors(plan, "torchtitan")
 
 
 def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
@@ -71,16 +78,25 @@ def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tup
     return 1, deg["dp"], "default"
 
 
-def torchtitan_schedule(sched: str, v: int, notes: list[str]) -> str:
+def torchtitan_schedule(sched: PipelineSchedule, v: int, notes: list[str]) -> str:
     """torchtitan's ``pipeline_parallel_schedule`` for the plan's schedule with ``v`` model
-    chunks per rank; appends a note where torch.distributed.pipelining runs another one."""
-    if sched == "zero_bubble" and v == 1:
+    chunks per rank; appends a note where torch.distributed.pipelining runs another one.
+
+    Raises:
+        ValueError: torchtitan would place the model chunks otherwise than ``sched`` does
+            (its ZBVZeroBubble and DualPipeV the ``v`` way, every other schedule ``loop``:
+            :data:`TORCHTITAN_V_SCHEDULES`); :func:`torchtitan_errors` refuses such a plan first."""
+    name = TORCHTITAN_SCHEDULE[(sched.name, v > 1)]
+    if ("v" if name in TORCHTITAN_V_SCHEDULES else "loop") != sched.placement.name:
+        raise ValueError(f"schedule {sched.name} places its chunks {sched.placement.name}; torchtitan's {name} "
+                         "places them otherwise")
+    if sched.split_backward and v == 1:
         notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
                      "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
                      "rank; exported as 1F1B")
-    if sched == "gpipe" and v > 1:
-        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
-    return TORCHTITAN_SCHEDULE[(sched, v > 1)]
+    if sched.forwards_first and v > 1:
+        notes.append(f"schedule {sched.name} with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    return name
 
 def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     """The torchtitan 0.3 settings for ``plan`` and the notes: ``{"model": {...},
@@ -120,7 +136,7 @@ def _torchtitan3_parallelism(plan: Plan, notes: list[str]) -> dict:
     schedule and stage split; notes where torchtitan runs another layout."""
     par = plan.config.parallel
     deg = degrees(plan)
-    sched = plan.data["schedule"]["name"]
+    sched = par.pipeline_schedule
     v = deg["virtual_stages"]
     replicate, shard, reshard = torchtitan_fsdp(par.zero, deg, notes, "0.3")
     schedule = torchtitan_schedule(sched, v, notes)

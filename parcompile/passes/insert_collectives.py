@@ -146,7 +146,7 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
         gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
                                       head_reads_embedding(cfg)) if par.zero >= 3 else [1] * len(buckets)
         grad_bytes = grad_element_bytes(cfg)   # fp32, or the reduce dtype (analysis/estimate.py)
-        reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.schedule))
+        reduces = reduce_counts(buckets, par.num_microbatches, reduces_per_microbatch(par.zero, par.pipeline_schedule))
         for i, b in enumerate(buckets):
             if par.zero == 0:
                 add(s, f"{prefix}grads.bucket{i}", "all_reduce", axis, grad_bytes * b.elements, f"{prefix}grads")
