@@ -70,3 +70,34 @@ def test_v_placement_in_actions_and_simulator(pp, m):
     assert in_flight(acts, pp, 2, [1] * (2 * pp), V) == tuple([m] * pp)
     with pytest.raises(ScheduleError):
         simulate(acts, f, b, pp, 2, m, placement=LOOP)
+
+
+def test_every_reader_honours_a_v_placement(monkeypatch):
+    """The readers ask the schedule value, never the name or ``k % pp``: swap the Schedule the
+    name ``gpipe`` looks up for a V-placed GPipe with two chunks per rank, and the split
+    pass, the schedule pass, plan.json's stages, the memory and time estimates and the
+    exports follow it (rank 0 holds model chunks 0 and 3 of pp = 2: the embedding and the
+    head). The program cannot run it yet (a rank sends to itself at the V's turn)."""
+    from parcompile.core import schedule as S
+    from parcompile.driver import compile_config
+    from parcompile.export import export
+    from tests.plan_factories import spec, tiny_model
+
+    monkeypatch.setitem(S.SCHEDULES, "gpipe", Schedule("gpipe", placement=V, virtual_stages=2, forwards_first=True))
+    cfg = spec(tiny_model(layers=8), pp=2, virtual_stages=2, schedule="gpipe")
+    assert cfg.parallel.rank_chunks(0) == (0, 3) and cfg.parallel.rank_chunks(1) == (1, 2)
+    plan = compile_config(cfg)
+    stages = plan.data["stages"]
+    assert stages[0]["chunks"] == [[0, 1], [6, 7]] and stages[1]["chunks"] == [[2, 3], [4, 5]]
+    g = plan.graph
+    assert (g.node("embedding").stage, g.node("loss").stage, g.node("loss").chunk) == (0, 0, 3)
+    assert (g.node("layers.4.attn.wq").stage, g.node("layers.4.attn.wq").chunk) == (1, 2)
+    acts = plan.data["schedule"]["actions"]
+    assert not any(a["chunk"] == 1 and a["op"] in ("send_forward", "recv_backward") for a in acts[0])
+    # the simulator refuses the action lists with the loop placement (they were built for V)
+    rep = plan.passes.schedule.report
+    with pytest.raises(ScheduleError):
+        simulate(rep.actions, rep.fwd_time, rep.bwd_time, 2, 2, rep.num_microbatches, placement=LOOP)
+    assert plan.data["schedule"]["in_flight"] == [rep.num_microbatches] * 2     # GPipe holds them all
+    assert "Megatron-LM" in " ".join(export(plan, "megatron").errors)
+    assert "torchtitan" in " ".join(export(plan, "torchtitan").errors)

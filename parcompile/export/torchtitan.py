@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.schedule import Schedule as PipelineSchedule
-from parcompile.export.common import (Export, placement_errors, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
+from parcompile.export.common import (Export, common_notes, degrees, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -40,9 +40,14 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
         errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
                       "training.dtype); use dtype bf16 or fp32 in the spec")
-    # the schedules the export maps to (TORCHTITAN_SCHEDULE) place chunks the loop way; its
-    # ZBVZeroBubble and DualPipeV (TORCHTITAN_V_SCHEDULES) would take a `v` one
-    return errors + placement_errors(plan, "torchtitan")
+    par = plan.config.parallel
+    sched = par.pipeline_schedule
+    name = TORCHTITAN_SCHEDULE[(sched.name, par.virtual_stages > 1)]
+    style = "v" if name in TORCHTITAN_V_SCHEDULES else "loop"   # torchtitan's own rule
+    if par.pp > 1 and style != sched.placement.name:
+        errors.append(f"schedule {sched.name}: torchtitan's {name} places the model chunks on the pipeline ranks "
+                      f"the {style} way, the plan the {sched.placement.name} way")
+    return errors
 
 
 def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
@@ -80,16 +85,9 @@ def torchtitan_fsdp(zero: int, deg: dict, notes: list[str], version: str) -> tup
 
 def torchtitan_schedule(sched: PipelineSchedule, v: int, notes: list[str]) -> str:
     """torchtitan's ``pipeline_parallel_schedule`` for the plan's schedule with ``v`` model
-    chunks per rank; appends a note where torch.distributed.pipelining runs another one.
-
-    Raises:
-        ValueError: torchtitan would place the model chunks otherwise than ``sched`` does
-            (its ZBVZeroBubble and DualPipeV the ``v`` way, every other schedule ``loop``:
-            :data:`TORCHTITAN_V_SCHEDULES`); :func:`torchtitan_errors` refuses such a plan first."""
+    chunks per rank; appends a note where torch.distributed.pipelining runs another one (a
+    schedule torchtitan places otherwise is :func:`torchtitan_errors`'s)."""
     name = TORCHTITAN_SCHEDULE[(sched.name, v > 1)]
-    if ("v" if name in TORCHTITAN_V_SCHEDULES else "loop") != sched.placement.name:
-        raise ValueError(f"schedule {sched.name} places its chunks {sched.placement.name}; torchtitan's {name} "
-                         "places them otherwise")
     if sched.split_backward and v == 1:
         notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
                      "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
