@@ -240,7 +240,7 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
         schedule=Schedule(name=sched.name, num_microbatches=sched.num_microbatches,
                           bubble_fraction=time.bubble_fraction, in_flight=sched.in_flight,
                           **({"microbatch_group_size": par.microbatch_group_size or par.pp}
-                             if par.schedule == "interleaved_1f1b" and par.virtual_stages > 1 else {}),
+                             if par.pipeline_schedule.rounds and par.virtual_stages > 1 else {}),
                           actions=sched.actions),
         memory=_memory_section(cfg, memory),
         comm=Comm(**comm_section),
@@ -260,7 +260,7 @@ def _stages_section(cfg: SpecConfig, chunks: Sequence[Sequence[int]], groups: di
     par = cfg.parallel
     stages = []
     for s in range(par.pp):
-        mine = [list(chunks[c * par.pp + s]) for c in range(par.virtual_stages)]
+        mine = par.pipeline_schedule.placement.layers(s, chunks, par.pp)
         stages.append(Stage(
             index=s, layers=sorted(x for c in mine for x in c), chunks=mine,
             ranks=stage_ranks(groups["pp"], s), params_per_rank=params.per_stage[s].total))

@@ -147,12 +147,13 @@ def _mini_microbatches(p) -> int:
     num_mb = p.num_microbatches
     mini_m = min(num_mb, 2 * p.pp) if p.pp > 1 else min(num_mb, 2)
     group = p.microbatch_group_size
-    if p.schedule == "interleaved_1f1b" and group is not None:
+    rounds = p.pipeline_schedule.rounds
+    if rounds and group is not None:
         # rounds of N kept: one round and a last one of pp micro-batches (at most the spec's
         # m; m >= N >= pp there), fewer until Megatron-Core runs it (core.schedule.group_error)
         mini_m = min(num_mb, max(mini_m, group + p.pp))
         mini_m = next((k for k in range(mini_m, 0, -1) if group_error(p.pp, k, group) is None), mini_m)
-    elif p.schedule == "interleaved_1f1b":
+    elif rounds:
         mini_m = max(p.pp, mini_m - mini_m % p.pp)
     return mini_m
 

@@ -19,6 +19,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from parcompile.core.axes import GROUP_AXES
+from parcompile.core.schedule import SUPPORTED as SCHEDULE_NAMES
 
 #: the ``$id`` of the published schema
 SCHEMA_ID = "https://parcompile.dev/schemas/plan.schema.json"
@@ -105,7 +106,7 @@ class Action(_Strict):
 class Schedule(_Strict):
     """``schedule``: the pipeline schedule and the ordered actions of every pipeline rank."""
 
-    name: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+    name: Literal[SCHEDULE_NAMES]   # parcompile.core.schedule.SCHEDULES
     num_microbatches: int = Field(ge=1)
     bubble_fraction: float = Field(ge=0)
     in_flight: list[Union[int, float]] = Field(

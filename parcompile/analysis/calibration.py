@@ -256,7 +256,8 @@ def stage_activation_bytes(row_cfg: SpecConfig, stage: int, in_flight: Fraction 
     stage; ``V`` padded)."""
     m, par = row_cfg.model, row_cfg.parallel
     s, b, h, a, t = m.seq_len, par.micro_batch, m.hidden, m.heads, par.tp
-    layers = sum(n for k, n in enumerate(par.layers_per_chunk(m.layers)) if k % par.pp == stage)
+    counts = par.layers_per_chunk(m.layers)
+    layers = sum(counts[k] for k in par.rank_chunks(stage))
     one = layer_activation_bytes(s, b, h, a, t, par.sequence_parallel, par.recompute)
     total = Fraction(in_flight) * layers * one
     split = t if par.sequence_parallel else 1

@@ -118,7 +118,7 @@ from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import GradUnit, bucket_element_bytes, partition, reshard_after_forward
 from parcompile.core.data_parallel import data_parallel_sharding
-from parcompile.core.schedule import interleaved_warmup, simulate
+from parcompile.core.schedule import LOOP, Placement, interleaved_warmup, simulate
 
 
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
@@ -267,7 +267,7 @@ def p2p_blocking_share(cfg, pp: int, v: int, m: int) -> list[float] | None:
     under the compute between; under the ``megatron`` engine. None: every transfer blocks
     (Megatron-LM's ``batch_isend_irecv`` steps)."""
     par = cfg.parallel
-    if not getattr(cfg.cluster, "overlap_p2p_comm", False) or v <= 1 or par.schedule != "interleaved_1f1b" \
+    if not getattr(cfg.cluster, "overlap_p2p_comm", False) or v <= 1 or not par.pipeline_schedule.rounds \
             or engine(cfg.cluster).name != "megatron":
         return None
     return [interleaved_warmup(r, pp, v, m, par.microbatch_group_size) / (m * v) for r in range(pp)]
@@ -408,9 +408,10 @@ def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     return cf, cb, p2p
 
 
-def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int) -> tuple[float, list[float]]:
+def _closed_form_makespan(f: Sequence[float], b: Sequence[float], pp: int, v: int, m: int,
+                          place: Placement = LOOP) -> tuple[float, list[float]]:
     """(makespan, busy per rank) of the closed form in the module docstring."""
-    work = [sum(f[c * pp + r] + b[c * pp + r] for c in range(v)) for r in range(pp)]
+    work = [sum(f[k] + b[k] for k in place.chunks(r, pp, v)) for r in range(pp)]
     return closed_form_span(work, pp, v, m), [m * w for w in work]
 
 
@@ -422,26 +423,28 @@ def closed_form_span(work: Sequence[float], pp: int, v: int, m: int) -> float:
 
 
 def pipeline_makespan(ct: ChunkTimes, pp: int, v: int, m: int, actions=None,
-                      with_p2p: bool = True, blocking: Sequence[float] | None = None) -> tuple[float, list[float]]:
+                      with_p2p: bool = True, blocking: Sequence[float] | None = None,
+                      place: Placement = LOOP) -> tuple[float, list[float]]:
     """(makespan, busy seconds per rank) of one step's pipeline: simulated from the action
     lists when given, else the closed form. ``blocking`` (:func:`p2p_blocking_share`): per
     rank, the share of its chunks' transfers it waits for (the rest overlap compute; in the
-    simulation they are a latency of ``p2p`` on their dependency); None: all of them."""
+    simulation they are a latency of ``p2p`` on their dependency); None: all of them.
+    ``place``: which rank holds each model chunk (the schedule's placement)."""
     nchunks = pp * v
     last = nchunks - 1
     p2p = ct.p2p if (with_p2p and pp > 1) else 0.0
     share = [1.0] * pp if blocking is None else list(blocking)
     f0, b0, w0 = ct.per_chunk()   # the schedule pass's times; blocking sends add the p2p
-    f = [f0[k] + (p2p * share[k % pp] if k < last else 0.0) for k in range(nchunks)]
-    b = [b0[k] + (p2p * share[k % pp] if k > 0 else 0.0) for k in range(nchunks)]
+    f = [f0[k] + (p2p * share[place.rank(k, pp)] if k < last else 0.0) for k in range(nchunks)]
+    b = [b0[k] + (p2p * share[place.rank(k, pp)] if k > 0 else 0.0) for k in range(nchunks)]
     if actions is None:
-        return _closed_form_makespan(f, b, pp, v, m)
+        return _closed_form_makespan(f, b, pp, v, m, place)
     kw = {}
     if any(a["op"] in ("backward_input", "backward_weight") for acts in actions for a in acts):
         kw["wgrad_time"] = list(w0[:nchunks])
     if blocking is not None:
         kw["p2p_time"] = p2p   # the overlapped transfers still take their time to arrive
-    sim = simulate(actions, f, b, pp, v, **kw)
+    sim = simulate(actions, f, b, pp, v, placement=place, **kw)
     return sim.makespan, list(sim.busy)
 
 
@@ -489,29 +492,30 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     expert_dp), timed by :func:`collective_time`.
 
     ZeRO 2 and 3 reduce-scatter every bucket in each of the ``m`` micro-batches' backwards
-    (:func:`parcompile.analysis.buckets.reduces_per_microbatch`): the earlier micro-batches'
+    (:attr:`parcompile.core.data_parallel.DataParallelSharding.per_microbatch`): the earlier micro-batches'
     reduce-scatters run under the compute that follows them (the next forwards and
     backwards; the program waits for them only when the next backward starts), so only the
     last micro-batch's can be exposed, as simulated; ``seconds`` counts all ``m`` rounds and
     ``hidden`` the rest.
     """
     par, cl = cfg.parallel, cfg.cluster
-    pp, v, s = par.pp, par.virtual_stages, sp.stage
+    s = sp.stage
+    mine = par.rank_chunks(s)
     units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
     # ready time of each unit: chunks in ready order, back to back
     ready: dict[tuple[int, str], float] = {}
     t = 0.0
     for c in sorted({u.chunk for u in units}, reverse=True):
-        mine = [u for u in units if u.chunk == c]
-        k = c * pp + s
-        total = sum(_unit_weight(u, k) for u in mine)
+        here = [u for u in units if u.chunk == c]
+        k = mine[c]
+        total = sum(_unit_weight(u, k) for u in here)
         b = ct.bwd(k) if k < len(ct.matmul_f) else 0.0
         done = 0
-        for u in mine:
+        for u in here:
             done += _unit_weight(u, k)
             ready[(c, u.name)] = t + (b * done / total if total else b)
         t += b
-    bwd_end = sum(ct.bwd(c * pp + s) for c in range(v) if c * pp + s < len(ct.matmul_f))
+    bwd_end = sum(ct.bwd(k) for k in mine if k < len(ct.matmul_f))
     dps = data_parallel_sharding(par)
     op = dps.gradient_reduction
     events = []
@@ -586,7 +590,7 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
     slows the compute beneath it by :attr:`Efficiency.overlap` of its own time (NCCL's kernels
     share the GPU), which this adds."""
     par = cfg.parallel
-    pp, v = par.pp, par.virtual_stages
+    pp = par.pp
     tax = efficiency(cfg.cluster).overlap
     dps = data_parallel_sharding(par)
     worst = 0.0
@@ -596,8 +600,8 @@ def dp_exposed(cfg, degrees, links, collectives, ct: ChunkTimes, stage_params=No
         # parameter all-gathers the next step's first forward, or, ZeRO-3 regathering
         # layers in every micro-batch (pp = 1), every forward and backward (prefetched
         # one bucket ahead, as FSDP does)
-        bwd = sum(ct.bwd(c * pp + s) for c in range(v))
-        fwd = sum(ct.fwd(c * pp + s) for c in range(v))
+        bwd = sum(ct.bwd(k) for k in par.rank_chunks(s))
+        fwd = sum(ct.fwd(k) for k in par.rank_chunks(s))
         if dps.shards_parameters and reshard_after_forward(pp):
             # the gathers share the data-parallel link with the gradient reductions: what
             # the gradients occupy of the step's compute is not there for the gathers
@@ -773,12 +777,13 @@ def pipeline_parts(cfg, ct: ChunkTimes, m: int, actions=None) -> tuple[float, di
     the part of :func:`step_time_parts` that does not depend on ZeRO or the optimizer."""
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
-    span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False)
+    place = par.pipeline_schedule.placement
+    span0, busy0 = pipeline_makespan(ct, pp, v, m, actions, with_p2p=False, place=place)
     blocking = p2p_blocking_share(cfg, pp, v, m)
-    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True, blocking=blocking) if pp > 1 \
+    span1, _ = pipeline_makespan(ct, pp, v, m, actions, with_p2p=True, blocking=blocking, place=place) if pp > 1 \
         else (span0, busy0)
     r = max(range(pp), key=lambda i: (busy0[i], -i))
-    mine = [c * pp + r for c in range(v)]
+    mine = par.rank_chunks(r)
     parts = {
         "compute": m * sum(3 * ct.matmul_f[k] for k in mine),
         "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),

@@ -17,6 +17,7 @@ from typing import Sequence
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.heads import kv_head_replicas, kv_heads_per_rank
 from parcompile.core.model import cached_tokens
+from parcompile.core.schedule import LOOP, Placement
 
 
 def kv_dtype(cfg) -> str:
@@ -44,15 +45,16 @@ def cache_heads(m, tp: int) -> tuple[int, int]:
     return kv_heads_per_rank(m.kv_heads, tp), kv_head_replicas(m.kv_heads, tp)
 
 
-def stage_layers(chunks: Sequence[Sequence[int]], pp: int) -> list[list[int]]:
-    """The layer ids of each pipeline rank: model chunk k sits on rank ``k % pp``."""
-    return [[i for k in range(len(chunks)) if k % pp == s for i in chunks[k]] for s in range(pp)]
+def stage_layers(chunks: Sequence[Sequence[int]], pp: int, place: Placement = LOOP) -> list[list[int]]:
+    """The layer ids of each pipeline rank, chunk by chunk: model chunk k sits where ``place``
+    puts it (the schedule's placement; ``loop``: on rank ``k % pp``)."""
+    return [[i for ls in place.layers(s, chunks, pp) for i in ls] for s in range(pp)]
 
 
 def kv_bytes_per_token(cfg, chunks: Sequence[Sequence[int]]) -> list[int]:
     """Per pipeline rank: the bytes one more token adds while no window is full (every
     layer of the rank keeps it): ``layers_s * kv_token_bytes``."""
-    return [kv_token_bytes(cfg) * len(ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
+    return [kv_token_bytes(cfg) * len(ls) for ls in _rank_layers(cfg, chunks)]
 
 
 def kv_bytes_per_sequence(cfg, chunks: Sequence[Sequence[int]], tokens: int) -> list[int]:
@@ -61,7 +63,12 @@ def kv_bytes_per_sequence(cfg, chunks: Sequence[Sequence[int]], tokens: int) -> 
     windows)."""
     windows = cfg.model.layer_windows
     per = kv_token_bytes(cfg)
-    return [per * sum(cached_tokens(windows[i], tokens) for i in ls) for ls in stage_layers(chunks, cfg.parallel.pp)]
+    return [per * sum(cached_tokens(windows[i], tokens) for i in ls) for ls in _rank_layers(cfg, chunks)]
+
+
+def _rank_layers(cfg, chunks: Sequence[Sequence[int]]) -> list[list[int]]:
+    """:func:`stage_layers` of ``cfg``'s layout and schedule."""
+    return stage_layers(chunks, cfg.parallel.pp, cfg.parallel.pipeline_schedule.placement)
 
 
 __all__ = ["cache_heads", "kv_dtype", "kv_token_bytes", "stage_layers", "kv_bytes_per_token",

@@ -137,7 +137,7 @@ from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
 from parcompile.analysis.params import StageParams
-from parcompile.core.schedule import build_actions, in_flight, interleaved_warmup
+from parcompile.core.schedule import Schedule, as_schedule, build_actions, in_flight
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import spec
 
@@ -415,22 +415,15 @@ def saved_bytes_per_chunk(graph: Graph, degrees: Mapping[str, int], num_chunks: 
     return list(saved_bytes(graph, degrees, num_chunks, recompute).per_chunk)
 
 
-def closed_form_in_flight(schedule: str, pp: int, v: int, m: int, group: int | None = None) -> list[Fraction]:
+def closed_form_in_flight(schedule: Schedule | str, pp: int, v: int, m: int, group: int | None = None) -> list[Fraction]:
     """Peak micro-batches (through all of a stage's layers) whose activations stage s keeps,
     from the schedule's warm-up (module docstring); what the simulator finds for
-    Megatron-LM's schedules, without needing the action lists. Interleaved 1F1B keeps
-    its warm-up forwards and the one that starts the steady state, of ``v`` chunks each
-    (:func:`parcompile.core.schedule.interleaved_warmup`, rounds of ``group``
-    micro-batches, None: ``pp``)."""
-    out = []
-    for s in range(pp):
-        if schedule == "gpipe":
-            out.append(Fraction(m))
-        elif schedule == "interleaved_1f1b" and v > 1:
-            out.append(Fraction(min(interleaved_warmup(s, pp, v, m, group) + 1, m * v), v))
-        else:
-            out.append(Fraction(min(pp - s, m)))
-    return out
+    Megatron-LM's schedules, without needing the action lists
+    (:meth:`parcompile.core.schedule.Schedule.closed_form_in_flight`: interleaved 1F1B keeps
+    its warm-up forwards and the one that starts the steady state, of ``v`` chunks each, in
+    rounds of ``group`` micro-batches, None: ``pp``). ``schedule``: the value or its name."""
+    sched = as_schedule(schedule)
+    return [sched.closed_form_in_flight(s, pp, v, m, group) for s in range(pp)]
 
 
 def unlike_chunk_bytes(cfg, saved: SavedBytes) -> tuple[int, ...] | None:
@@ -442,18 +435,18 @@ def unlike_chunk_bytes(cfg, saved: SavedBytes) -> tuple[int, ...] | None:
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
     counts = par.layers_per_chunk(cfg.model.layers)
-    if v == 1 or all(len({counts[c * pp + r] for c in range(v)}) == 1 for r in range(pp)):
+    if v == 1 or all(len({counts[k] for k in par.rank_chunks(r)}) == 1 for r in range(pp)):
         return None
     return tuple(a - o for a, o in zip(saved.per_chunk, saved.output_layer))
 
 
 @lru_cache(maxsize=4096)
-def _weighted_in_flight(schedule: str, pp: int, v: int, m: int, chunk_bytes: tuple[int, ...],
+def _weighted_in_flight(schedule: Schedule, pp: int, v: int, m: int, chunk_bytes: tuple[int, ...],
                         group: int | None = None) -> tuple[Fraction, ...]:
     """:func:`parcompile.core.schedule.in_flight` of ``schedule``'s own action lists (their
     order does not depend on the chunk times: only zero-bubble's does, and it runs no
     virtual stages, so its chunks are never unlike on a rank)."""
-    return in_flight(build_actions(schedule, pp, m, v, group=group), pp, v, chunk_bytes)
+    return in_flight(build_actions(schedule, pp, m, v, group=group), pp, v, chunk_bytes, schedule.placement)
 
 
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
@@ -477,15 +470,15 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
     (None: :func:`closed_form_in_flight`). :func:`memory_report` reads the parts off a
     graph; ``parcompile.search`` builds them from one costed layer."""
     par, model = cfg.parallel, cfg.model
-    pp, v = par.pp, par.virtual_stages
+    pp, v, sched = par.pp, par.virtual_stages, par.pipeline_schedule
     e = model.dtype_bytes
     serve = cfg.workload == "serve"
     if in_flight is None:
         group = par.microbatch_group_size
-        in_flight = closed_form_in_flight(par.schedule, pp, v, par.num_microbatches, group)
+        in_flight = closed_form_in_flight(sched, pp, v, par.num_microbatches, group)
         unlike = unlike_chunk_bytes(cfg, saved)
         if unlike is not None and not serve:
-            in_flight = _weighted_in_flight(par.schedule, pp, v, par.num_microbatches, unlike, group)
+            in_flight = _weighted_in_flight(sched, pp, v, par.num_microbatches, unlike, group)
     stages = []
     for s, sp in enumerate(stage_params):
         kv = 0
@@ -496,13 +489,13 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
                 kv = cfg.serve.batch * kv_bytes_per_sequence[s]   # one sequence's cache (analysis/kv.py)
         else:
             params, grads, opt = stage_state_bytes(cfg, degrees, sp)   # ZeRO: sharded per gradient bucket
-            ks = [c * pp + s for c in range(v)]
+            ks = par.rank_chunks(s)
             body = sum(saved.per_chunk[k] - saved.output_layer[k] for k in ks)
             out_layer = sum(saved.output_layer[k] for k in ks)
-            n_out = par.num_microbatches if par.schedule == "gpipe" else 1
+            n_out = par.num_microbatches if sched.forwards_first else 1
             acts = int(Fraction(in_flight[s]) * body) + n_out * out_layer
         layers = tuple(sorted((layer, b) for layer, b in saved.kept_per_layer.items()
-                              if saved.chunk_of_layer.get(layer) in range(s, pp * v, pp))) if not serve else ()
+                              if saved.chunk_of_layer.get(layer) in par.rank_chunks(s))) if not serve else ()
         parts = dict(bufs[s])
         gathered = zero3_gathered_bytes(cfg, degrees, sp)
         if gathered:
@@ -552,7 +545,7 @@ def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: Save
         per_chunk.setdefault(b.chunk, []).append(b)
     best, freed = -1, 0
     for c, bs in per_chunk.items():
-        k = c * cfg.parallel.pp + stage
+        k = cfg.parallel.rank_chunks(stage)[c]
         layers = sum(u.startswith("layers.") for b in bs for u in b.units)
         if not layers or k >= len(saved.per_chunk):
             continue

@@ -18,6 +18,7 @@ from typing import Mapping
 
 from parcompile.analysis.fp8 import is_fp8_gemm
 from parcompile.core.buckets import GradUnit, unit_order_key
+from parcompile.core.schedule import Placement
 from parcompile.ir.graph import Graph
 
 
@@ -94,7 +95,7 @@ def stage_params(graph: Graph, degrees: Mapping[str, int], pp: int, tied: bool,
         if replicated_kv_heads and p.type.has_dim("kv") and not p.sharding.split:
             n //= replicated_kv_heads   # one replicated kv head per rank (vLLM)
         acc[s]["expert" if p.expert else "dense"] += n
-        unit = units[s].setdefault(((nd.chunk or 0) // pp, _unit_name(nd, p, tied and pp > 1)), [0, 0, 0])
+        unit = units[s].setdefault((Placement.local(nd.chunk or 0, pp), _unit_name(nd, p, tied and pp > 1)), [0, 0, 0])
         unit[1 if p.expert else 0] += n
         if is_fp8_gemm(nd, graph) and p.name.endswith("weight"):
             acc[s]["fp8"] += n

@@ -479,7 +479,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], groups: Mapping,
     steps = stage_steps(cfg, graph, degrees, fmt, fp8_gemm)
     workspace = serve_workspace(cfg, graph, degrees, *prefill_step(cfg))
     stages = []
-    for s, ids in enumerate(stage_layers(chunks, pp)):
+    for s, ids in enumerate(stage_layers(chunks, pp, par.pipeline_schedule.placement)):
         if steps[s].kv_bytes_per_token != kv_tokens[s]:   # the graph's cached operands are the cache the plan holds
             raise AssertionError(f"stage {s}: the graph's attention cores cache {steps[s].kv_bytes_per_token} bytes "
                                  f"per token, analysis/kv.py's rule {kv_tokens[s]}")

@@ -43,7 +43,8 @@ def timeline(plan) -> SimResult:
     sched = plan.passes.schedule.report
     p = plan.config.parallel
     return simulate(sched.actions, sched.fwd_time, sched.bwd_time, p.pp, p.virtual_stages,
-                    sched.num_microbatches, p2p_time=p2p_seconds(plan), wgrad_time=sched.wgrad_time or None)
+                    sched.num_microbatches, p2p_time=p2p_seconds(plan), wgrad_time=sched.wgrad_time or None,
+                    placement=p.pipeline_schedule.placement)
 
 
 def _us(t: float) -> float:

@@ -22,6 +22,7 @@ from parcompile.config.presets import Accelerator, accelerator
 from parcompile.config.text import even_split
 from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.model import ModelKeys, derived_defaults, layer_windows, padded_vocab
+from parcompile.core.schedule import SUPPORTED as SUPPORTED_SCHEDULES, Schedule as PipelineSchedule, lookup as lookup_schedule
 from parcompile.core.sources import BUILTIN_SOURCES  # `train.data` texts that ship with Python (the runtime reads them too)
 from parcompile.diagnostics import Span
 
@@ -153,7 +154,7 @@ class ClusterConfig(_Frozen):
         return self.preset == "cpu"
 
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+Schedule = Literal[SUPPORTED_SCHEDULES]   # the names of parcompile.core.schedule.SCHEDULES
 
 #: ``parallel.bucket_size`` default: 160 MB of fp32 gradients = 40M elements (Megatron-LM)
 DEFAULT_BUCKET_SIZE = 160 * 10**6
@@ -212,6 +213,17 @@ class ParallelConfig(_Frozen):
     def num_microbatches(self) -> int:
         """m = global_batch / (micro_batch * dp); the checker guarantees it is whole."""
         return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """``schedule`` as a value (:class:`parcompile.core.schedule.Schedule`: its placement,
+        virtual stages, rounds, split backward), what every reader asks instead of the name."""
+        return lookup_schedule(self.schedule)
+
+    def rank_chunks(self, r: int) -> tuple[int, ...]:
+        """Pipeline rank ``r``'s model chunks in local order (``virtual_stages`` of them), by
+        the schedule's placement (:class:`parcompile.core.schedule.Placement`)."""
+        return self.pipeline_schedule.placement.chunks(r, self.pp, self.virtual_stages)
 
     @property
     def expert_dp(self) -> int:

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from parcompile.core.schedule import as_schedule
+
 #: the per-rank states a training step holds, in the order the memory table lists them
 STATES = ("params", "grads", "optimizer")
 
@@ -157,13 +159,14 @@ def data_parallel_sharding(par, stage: int | None = None) -> DataParallelShardin
     ``stage``: this ZeRO stage instead of ``par.zero`` (the search's bounds price a probe's
     layout at other stages).
 
-    Gradients are reduce-scattered per micro-batch from stage 2 on, except under the
-    zero-bubble schedule, whose B actions write the norms' gradients of every layer of a
-    chunk before its W actions complete them (:mod:`parcompile.core.buckets`, "When
-    gradients are reduced")."""
+    Gradients are reduce-scattered per micro-batch from stage 2 on, except under a schedule
+    that splits the backward (:attr:`parcompile.core.schedule.Schedule.split_backward`: the
+    zero-bubble one), whose B actions write the norms' gradients of every layer of a chunk
+    before its W actions complete them (:mod:`parcompile.core.buckets`, "When gradients are
+    reduced")."""
     z = par.zero if stage is None else stage
     return DataParallelSharding(stage=z, shard=par.dp * par.cp,
-                                per_microbatch=z >= 2 and par.schedule != "zero_bubble")
+                                per_microbatch=z >= 2 and not as_schedule(par.schedule).split_backward)
 
 
 __all__ = ["STATES", "DataParallelSharding", "data_parallel_sharding"]

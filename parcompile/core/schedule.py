@@ -6,7 +6,8 @@ Actions (docs/internals.md) are ``{"op", "microbatch", "chunk"}`` with ``op`` in
 ``forward``, ``backward`` (input and weight gradients), ``backward_input`` and
 ``backward_weight`` (the two halves of a backward, zero-bubble schedules only),
 ``recv_forward``, ``send_forward``, ``recv_backward``, ``send_backward``; ``chunk`` is
-the rank's local chunk (model chunk ``chunk * pp + rank``).
+the rank's local chunk (model chunk ``chunk * pp + rank`` under the ``loop`` placement,
+:class:`Placement`).
 
 * ``gpipe``: all forwards, then all backwards (torchtitan's ScheduleGPipe order); with
   virtual stages, breadth-first over the local chunks.
@@ -50,8 +51,117 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
-#: the schedules SPEC 1 ``parallel.schedule`` names
-SUPPORTED = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+@dataclass(frozen=True)
+class Placement:
+    """Which pipeline rank holds each model chunk: torch.distributed.pipelining's stage-to-rank
+    "style" (``generate_stage_to_rank_mapping`` in ``torch/distributed/pipelining/_utils.py``,
+    pytorch/pytorch commit cf30153c4c131c8164ee7798e5022d810682e2cb, torch 2.13.0; torchtitan
+    0.3.0 ``torchtitan/distributed/pipeline_parallel.py`` ``_get_pp_rank_to_stage_indices_mapping``
+    picks ``v`` for ScheduleZBVZeroBubble and ScheduleDualPipeV, ``loop`` for the rest).
+
+    * ``loop``: model chunk ``k`` on rank ``k % pp`` (Megatron-Core's interleaved
+      assignment; local chunk ``c`` of rank ``r`` is model chunk ``c * pp + r``).
+    * ``v``: the chunks snake down and back up the ranks, so rank ``r`` holds chunks ``r`` and
+      ``2 pp - 1 - r`` (the V of ZBV and DualPipeV); the last model chunk is on rank 0.
+
+    Either way local chunk ``c`` is the ``c``-th lap over the ranks (``k // pp``). Ranks and
+    chunks are 0-based ints; ``pp`` the pipeline degree, ``v`` the chunks per rank.
+    """
+
+    name: str
+    #: odd laps run the ranks backwards (``v``)
+    mirrored: bool = False
+
+    def rank(self, k: int, pp: int) -> int:
+        """The pipeline rank holding model chunk ``k``."""
+        lap, i = divmod(k, pp)
+        return pp - 1 - i if self.mirrored and lap % 2 else i
+
+    @staticmethod
+    def local(k: int, pp: int) -> int:
+        """Model chunk ``k``'s local chunk index on its rank."""
+        return k // pp
+
+    def chunk(self, r: int, c: int, pp: int) -> int:
+        """The model chunk local chunk ``c`` of rank ``r`` holds."""
+        return c * pp + (pp - 1 - r if self.mirrored and c % 2 else r)
+
+    def chunks(self, r: int, pp: int, v: int) -> tuple[int, ...]:
+        """Rank ``r``'s model chunks in local order (``v`` of them)."""
+        return tuple(self.chunk(r, c, pp) for c in range(v))
+
+    def ranks(self, pp: int, v: int) -> tuple[int, ...]:
+        """The rank of every model chunk, in model order (``pp * v`` entries)."""
+        return tuple(self.rank(k, pp) for k in range(pp * v))
+
+    def layers(self, r: int, chunk_layers: Sequence[Sequence[int]], pp: int) -> list[list[int]]:
+        """Rank ``r``'s layer ids per local chunk, from ``chunk_layers`` (the layer ids of each
+        model chunk in model order, :func:`parcompile.passes.split_pipeline_stages.chunk_layers`)."""
+        return [list(chunk_layers[k]) for k in self.chunks(r, pp, len(chunk_layers) // pp)]
+
+
+LOOP = Placement("loop")
+V = Placement("v", mirrored=True)
+PLACEMENTS = {p.name: p for p in (LOOP, V)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule (SPEC 1 ``parallel.schedule``), as a value: look one up from the
+    spec's name with :func:`lookup` and pass it on; every reader asks it, not its name.
+
+    ``virtual_stages``: the chunks per rank it runs (None: ``parallel.virtual_stages``, any);
+    ``rounds``: Megatron-Core's interleaved rounds (``microbatch_group_size``, the warm-up of
+    :func:`interleaved_warmup`, ``overlap_p2p_comm``); ``split_backward``: each backward split
+    into an input-gradient and a weight-gradient action (zero-bubble); ``forwards_first``:
+    every forward of the step before any backward (GPipe: every micro-batch's activations
+    held at once). Its action lists are :func:`build_actions`'s.
+    """
+
+    name: str
+    placement: Placement = LOOP
+    virtual_stages: int | None = 1
+    rounds: bool = False
+    split_backward: bool = False
+    forwards_first: bool = False
+
+    def closed_form_in_flight(self, r: int, pp: int, v: int, m: int, group: int | None = None) -> Fraction:
+        """Peak micro-batches (through all of rank ``r``'s chunks) whose activations the rank
+        keeps, from the schedule's warm-up: all ``m`` when forwards run first, interleaved
+        1F1B's warm-up forwards and the one that starts the steady state (``v`` chunks each,
+        :func:`interleaved_warmup`), else 1F1B's ``pp - r`` (the activation bound ZB-H1 keeps
+        too); at most ``m``. What the simulator finds for these schedules."""
+        if self.forwards_first:
+            return Fraction(m)
+        if self.rounds and v > 1:
+            return Fraction(min(interleaved_warmup(r, pp, v, m, group) + 1, m * v), v)
+        return Fraction(min(pp - r, m))
+
+
+#: the schedules SPEC 1 ``parallel.schedule`` names, by name
+SCHEDULES = {s.name: s for s in (
+    Schedule("gpipe", forwards_first=True),
+    Schedule("1f1b"),
+    Schedule("interleaved_1f1b", virtual_stages=None, rounds=True),
+    Schedule("zero_bubble", split_backward=True),
+)}
+SUPPORTED = tuple(SCHEDULES)
+
+
+def as_schedule(schedule: "Schedule | str") -> Schedule:
+    """``schedule`` itself, or the :class:`Schedule` its name names (:func:`lookup`)."""
+    return lookup(schedule) if isinstance(schedule, str) else schedule
+
+
+def lookup(name: str) -> Schedule:
+    """The :class:`Schedule` SPEC 1 ``parallel.schedule = name`` names.
+
+    Raises:
+        ValueError: no schedule has that name (the spec's checks refuse it first)."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; one of {', '.join(SCHEDULES)}") from None
 
 
 class ScheduleError(RuntimeError):
@@ -62,8 +172,8 @@ def _act(op: str, mb: int, chunk: int) -> dict:
     return {"op": op, "microbatch": mb, "chunk": chunk}
 
 
-def _fwd_block(r: int, pp: int, v: int, mb: int, c: int) -> list[dict]:
-    k, last = c * pp + r, pp * v - 1
+def _fwd_block(r: int, pp: int, v: int, mb: int, c: int, place: Placement) -> list[dict]:
+    k, last = place.chunk(r, c, pp), pp * v - 1
     out = []
     if k > 0:
         out.append(_act("recv_forward", mb, c))
@@ -73,8 +183,8 @@ def _fwd_block(r: int, pp: int, v: int, mb: int, c: int) -> list[dict]:
     return out
 
 
-def _bwd_block(r: int, pp: int, v: int, mb: int, c: int, op: str = "backward") -> list[dict]:
-    k, last = c * pp + r, pp * v - 1
+def _bwd_block(r: int, pp: int, v: int, mb: int, c: int, place: Placement, op: str = "backward") -> list[dict]:
+    k, last = place.chunk(r, c, pp), pp * v - 1
     out = []
     if k < last:
         out.append(_act("recv_backward", mb, c))
@@ -215,69 +325,76 @@ def _zero_bubble_order(pp: int, m: int, f: Sequence[float], b: Sequence[float],
     return order
 
 
-def _blocks(order: list[tuple[str, int, int]], r: int, pp: int, v: int) -> list[dict]:
+def _blocks(order: list[tuple[str, int, int]], r: int, pp: int, v: int, place: Placement = LOOP) -> list[dict]:
     """Wrap a compute order with its receives and sends."""
     acts: list[dict] = []
     for kind, mb, c in order:
         if kind == "F":
-            acts += _fwd_block(r, pp, v, mb, c)
+            acts += _fwd_block(r, pp, v, mb, c, place)
         elif kind == "B":
-            acts += _bwd_block(r, pp, v, mb, c)
+            acts += _bwd_block(r, pp, v, mb, c, place)
         elif kind == "Bi":
-            acts += _bwd_block(r, pp, v, mb, c, op="backward_input")
+            acts += _bwd_block(r, pp, v, mb, c, place, op="backward_input")
         else:
             acts.append(_act("backward_weight", mb, c))
     return acts
 
 
-def build_actions(schedule: str, pp: int, m: int, virtual_stages: int = 1,
+def _gpipe_order(r: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank ``r``'s compute order under GPipe: every forward, chunk by chunk (breadth-first
+    over the local chunks, torch's ScheduleLoopedBFS with ``v > 1``), then every backward,
+    the chunks reversed."""
+    return ([("F", mb, c) for c in range(v) for mb in range(m)]
+            + [("B", mb, c) for c in reversed(range(v)) for mb in range(m)])
+
+
+def _one_f_one_b_order(r: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank ``r``'s compute order under 1F1B (module docstring), one chunk per rank."""
+    if v != 1:
+        raise NotImplementedError(f"schedule 1f1b with virtual_stages = {v}")
+    warm = min(pp - r - 1, m)
+    order = [("F", mb, 0) for mb in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i, 0), ("B", i, 0)]
+    return order + [("B", mb, 0) for mb in range(m - warm, m)]
+
+
+def _orders(sched: "Schedule", pp: int, m: int, v: int, times, group: int | None) -> list[list[tuple[str, int, int]]]:
+    """Every rank's compute order (F, B, Bi, W; microbatch; local chunk) under ``sched``."""
+    if sched.rounds:
+        if group is not None and (why := group_error(pp, m, group)):
+            raise ValueError(why)
+        return [_interleaved_order(r, pp, v, m, group) for r in range(pp)]
+    if sched.split_backward:
+        if v != 1:
+            raise NotImplementedError(f"schedule {sched.name} with virtual_stages = {v}")
+        f, b, w = times if times is not None else ([1.0] * pp, [1.0] * pp, [1.0] * pp)
+        return _zero_bubble_order(pp, m, f, b, w)
+    step = _gpipe_order if sched.forwards_first else _one_f_one_b_order
+    return [step(r, pp, v, m) for r in range(pp)]
+
+
+def build_actions(schedule: "Schedule | str", pp: int, m: int, virtual_stages: int = 1,
                   times: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
                   group: int | None = None) -> list[list[dict]]:
     """Per pipeline rank, its ordered actions for one step of ``m`` micro-batches.
 
-    ``times`` (F, B, W seconds per model chunk) orders the ``zero_bubble`` schedule; it
-    defaults to equal times (F = B = W). ``group``: the interleaved schedule's rounds
+    ``schedule``: a :class:`Schedule` (or its name, looked up with :func:`lookup`); its
+    placement says which rank holds each model chunk, so where each receive and send
+    goes. ``times`` (F, B, W seconds per model chunk) orders the ``zero_bubble`` schedule;
+    it defaults to equal times (F = B = W). ``group``: the interleaved schedule's rounds
     (``parallel.microbatch_group_size``; None: ``pp``, Megatron-Core's default); other
     schedules ignore it.
 
     Raises:
         NotImplementedError: ``1f1b`` with virtual stages (that is the interleaved
             schedule), or ``zero_bubble`` with virtual stages.
-        ValueError: an interleaved ``group`` Megatron-Core refuses (:func:`group_error`).
+        ValueError: an interleaved ``group`` Megatron-Core refuses (:func:`group_error`),
+            or a name no schedule has.
     """
+    sched = as_schedule(schedule)
     v = virtual_stages
-    if schedule == "interleaved_1f1b":
-        if group is not None and (why := group_error(pp, m, group)):
-            raise ValueError(why)
-        return [_blocks(_interleaved_order(r, pp, v, m, group), r, pp, v) for r in range(pp)]
-    if schedule == "zero_bubble":
-        if v != 1:
-            raise NotImplementedError(f"schedule zero_bubble with virtual_stages = {v}")
-        f, b, w = times if times is not None else ([1.0] * pp, [1.0] * pp, [1.0] * pp)
-        return [_blocks(o, r, pp, 1) for r, o in enumerate(_zero_bubble_order(pp, m, f, b, w))]
-    out = []
-    for r in range(pp):
-        acts: list[dict] = []
-        if schedule == "gpipe":
-            for c in range(v):
-                for mb in range(m):
-                    acts += _fwd_block(r, pp, v, mb, c)
-            for c in reversed(range(v)):
-                for mb in range(m):
-                    acts += _bwd_block(r, pp, v, mb, c)
-        elif schedule == "1f1b" and v == 1:
-            warm = min(pp - r - 1, m)
-            for mb in range(warm):
-                acts += _fwd_block(r, pp, 1, mb, 0)
-            for i in range(m - warm):
-                acts += _fwd_block(r, pp, 1, warm + i, 0)
-                acts += _bwd_block(r, pp, 1, i, 0)
-            for mb in range(m - warm, m):
-                acts += _bwd_block(r, pp, 1, mb, 0)
-        else:
-            raise NotImplementedError(f"schedule {schedule} with virtual_stages = {v}")
-        out.append(acts)
-    return out
+    return [_blocks(o, r, pp, v, sched.placement) for r, o in enumerate(_orders(sched, pp, m, v, times, group))]
 
 
 @dataclass(frozen=True)
@@ -304,10 +421,94 @@ def _where(r: int, i: int, op: str, mb: int, c: int) -> str:
     return f"pipeline rank {r} action {i} ({op} microbatch {mb} chunk {c})"
 
 
+class _Run:
+    """The simulator's state: what every rank has done and what is in transit."""
+
+    def __init__(self, pp: int, v: int, place: Placement, fwd_time, bwd_time, wgrad, p2p_time: float):
+        self.pp, self.last, self.place, self.p2p = pp, pp * v - 1, place, p2p_time
+        self.fwd_time, self.bwd_time, self.wgrad = fwd_time, bwd_time, wgrad
+        self.clock, self.busy, self.pos = [0.0] * pp, [0.0] * pp, [0] * pp
+        self.msgs: dict[tuple[str, int, int], float] = {}   # (direction, mb, receiving model chunk) -> ready
+        self.received: set[tuple[str, int, int]] = set()
+        self.fwd_done: set[tuple[int, int]] = set()
+        self.bwd_done: set[tuple[int, int]] = set()
+        self.wgrad_done: set[tuple[int, int]] = set()
+        self.split: set[tuple[int, int]] = set()     # backward_input done, backward_weight owed
+        self.events: list[tuple[int, str, int, int, float, float]] = []
+
+    def advance(self, r: int, acts: Sequence[dict]) -> int:
+        """Run rank ``r``'s actions until one blocks or none is left; returns how many ran.
+        Raises ScheduleError on a broken dependency (:func:`simulate`)."""
+        n, i0 = len(acts), self.pos[r]
+        i, t, bz = i0, self.clock[r], self.busy[r]   # this rank's state in locals while it runs
+        pp, last, p2p, chunk = self.pp, self.last, self.p2p, self.place.chunk
+        msgs, received, fwd_done, bwd_done = self.msgs, self.received, self.fwd_done, self.bwd_done
+        events_append, fwd_time = self.events.append, self.fwd_time
+        while i < n:
+            a = acts[i]
+            op, mb, c = a["op"], a["microbatch"], a["chunk"]
+            k = chunk(r, c, pp)
+            start = t
+            if op == "recv_forward" or op == "recv_backward":
+                key = ("f" if op == "recv_forward" else "b", mb, k)
+                if key not in msgs:
+                    break  # blocked
+                t = max(t, msgs.pop(key))
+                received.add(key)
+            elif op == "forward":
+                if k > 0 and ("f", mb, k) not in received:
+                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: input not received")
+                if (mb, k) in fwd_done:
+                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: forward run twice")
+                received.discard(("f", mb, k))
+                fwd_done.add((mb, k))
+                d = fwd_time[k]
+                t, bz = t + d, bz + d
+            elif op == "send_forward":
+                if k == last or (mb, k) not in fwd_done:
+                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
+                msgs[("f", mb, k + 1)] = t + p2p
+            elif op == "backward" or op == "backward_input" or op == "backward_weight":
+                d = self._backward(r, i, op, mb, c, k)
+                t, bz = t + d, bz + d
+            elif op == "send_backward":
+                if k == 0 or (mb, k) not in bwd_done:
+                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
+                msgs[("b", mb, k - 1)] = t + p2p
+            else:
+                raise ScheduleError(f"{_where(r, i, op, mb, c)}: unknown action")
+            events_append((r, op, mb, c, start, t + p2p if op.startswith("send") else t))
+            i += 1
+        self.pos[r], self.clock[r], self.busy[r] = i, t, bz
+        return i - i0
+
+    def _backward(self, r: int, i: int, op: str, mb: int, c: int, k: int) -> float:
+        """Check and record a backward, input-gradient or weight-gradient action; its seconds."""
+        if op == "backward_weight":
+            if (mb, k) not in self.split:
+                raise ScheduleError(f"{_where(r, i, op, mb, c)}: weight gradient before its input gradient")
+            self.split.discard((mb, k))
+            self.wgrad_done.add((mb, k))
+            return self.wgrad[k]
+        if (mb, k) not in self.fwd_done:
+            raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward before forward")
+        if k < self.last and ("b", mb, k) not in self.received:
+            raise ScheduleError(f"{_where(r, i, op, mb, c)}: output gradient not received")
+        if (mb, k) in self.bwd_done:
+            raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward run twice")
+        self.received.discard(("b", mb, k))
+        self.bwd_done.add((mb, k))
+        if op == "backward":
+            self.wgrad_done.add((mb, k))
+            return self.bwd_time[k]
+        self.split.add((mb, k))
+        return self.bwd_time[k] - self.wgrad[k]
+
+
 def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_time: Sequence[float],
              pp: int, virtual_stages: int = 1, num_microbatches: int | None = None,
              p2p_time: float = 0.0, wgrad_time: Sequence[float] | None = None,
-             chunk_bytes: Sequence[int] | None = None) -> SimResult:
+             chunk_bytes: Sequence[int] | None = None, placement: Placement = LOOP) -> SimResult:
     """Run the action lists (see module docstring).
 
     ``fwd_time[k]``/``bwd_time[k]``: seconds for one micro-batch through model chunk ``k``
@@ -317,112 +518,37 @@ def simulate(actions: Sequence[Sequence[dict]], fwd_time: Sequence[float], bwd_t
     receive being satisfiable. ``chunk_bytes[k]``: what one micro-batch keeps for backward
     in model chunk ``k`` (bytes; default: the same for every chunk); the result's
     ``in_flight`` is :func:`in_flight` of the action lists (a rank's live activations depend
-    on the order of its own actions only, not on the times).
+    on the order of its own actions only, not on the times). ``placement``: which rank holds
+    each model chunk (the schedule's, :attr:`Schedule.placement`).
 
     Raises:
         ScheduleError: a missing dependency, a duplicate or missing action, or a deadlock.
     """
     v = virtual_stages
-    last = pp * v - 1
     wgrad = list(wgrad_time) if wgrad_time is not None else list(fwd_time)
-    wgrad_done: set[tuple[int, int]] = set()
-    split: set[tuple[int, int]] = set()     # backward_input done, backward_weight owed
-    clock = [0.0] * pp
-    busy = [0.0] * pp
-    pos = [0] * pp
-    msgs: dict[tuple[str, int, int], float] = {}   # (direction, mb, receiving model chunk) -> ready
-    received: set[tuple[str, int, int]] = set()
-    fwd_done: set[tuple[int, int]] = set()
-    bwd_done: set[tuple[int, int]] = set()
-    events: list[tuple[int, str, int, int, float, float]] = []
+    run = _Run(pp, v, placement, fwd_time, bwd_time, wgrad, p2p_time)
     total = sum(len(a) for a in actions)
     done = 0
-    received_add, received_discard = received.add, received.discard
-    fwd_add, bwd_add, wgrad_add, events_append = fwd_done.add, bwd_done.add, wgrad_done.add, events.append
     while done < total:
-        progressed = False
-        for r in range(pp):
-            acts = actions[r]
-            n, i = len(acts), pos[r]
-            if i >= n:
-                continue
-            # this rank's state in locals while it runs (written back when it blocks or ends)
-            t, bz = clock[r], busy[r]
-            while i < n:
-                a = acts[i]
-                op, mb, c = a["op"], a["microbatch"], a["chunk"]
-                k = c * pp + r
-                start = t
-                if op == "recv_forward" or op == "recv_backward":
-                    key = ("f" if op == "recv_forward" else "b", mb, k)
-                    if key not in msgs:
-                        break  # blocked
-                    t = max(t, msgs.pop(key))
-                    received_add(key)
-                elif op == "forward":
-                    if k > 0 and ("f", mb, k) not in received:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: input not received")
-                    if (mb, k) in fwd_done:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: forward run twice")
-                    received_discard(("f", mb, k))
-                    fwd_add((mb, k))
-                    t += fwd_time[k]
-                    bz += fwd_time[k]
-                elif op == "send_forward":
-                    if k == last or (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
-                    msgs[("f", mb, k + 1)] = t + p2p_time
-                elif op == "backward" or op == "backward_input":
-                    if (mb, k) not in fwd_done:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward before forward")
-                    if k < last and ("b", mb, k) not in received:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: output gradient not received")
-                    if (mb, k) in bwd_done:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: backward run twice")
-                    received_discard(("b", mb, k))
-                    bwd_add((mb, k))
-                    if op == "backward":
-                        d = bwd_time[k]
-                        wgrad_add((mb, k))
-                    else:
-                        d = bwd_time[k] - wgrad[k]
-                        split.add((mb, k))
-                    t += d
-                    bz += d
-                elif op == "backward_weight":
-                    if (mb, k) not in split:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: weight gradient before its input gradient")
-                    split.discard((mb, k))
-                    wgrad_add((mb, k))
-                    t += wgrad[k]
-                    bz += wgrad[k]
-                elif op == "send_backward":
-                    if k == 0 or (mb, k) not in bwd_done:
-                        raise ScheduleError(f"{_where(r, i, op, mb, c)}: nothing to send")
-                    msgs[("b", mb, k - 1)] = t + p2p_time
-                else:
-                    raise ScheduleError(f"{_where(r, i, op, mb, c)}: unknown action")
-                events_append((r, op, mb, c, start, t + p2p_time if op.startswith("send") else t))
-                i += 1
-                done += 1
-                progressed = True
-            pos[r], clock[r], busy[r] = i, t, bz
-        if not progressed:
-            blocked = [f"rank {r} at {actions[r][pos[r]]}" for r in range(pp) if pos[r] < len(actions[r])]
+        ran = sum(run.advance(r, actions[r]) for r in range(pp))
+        if not ran:
+            blocked = [f"rank {r} at {actions[r][run.pos[r]]}" for r in range(pp) if run.pos[r] < len(actions[r])]
             raise ScheduleError("pipeline schedule deadlocks: " + "; ".join(blocked))
-    if msgs:
-        raise ScheduleError(f"messages never received: {sorted(msgs)[:4]}")
-    if split:
-        raise ScheduleError(f"weight gradients never computed: {sorted(split)[:4]}")
+        done += ran
+    if run.msgs:
+        raise ScheduleError(f"messages never received: {sorted(run.msgs)[:4]}")
+    if run.split:
+        raise ScheduleError(f"weight gradients never computed: {sorted(run.split)[:4]}")
     if num_microbatches is not None:
         want = {(mb, k) for mb in range(num_microbatches) for k in range(pp * v)}
-        if fwd_done != want or bwd_done != want or wgrad_done != want:
+        if run.fwd_done != want or run.bwd_done != want or run.wgrad_done != want:
             raise ScheduleError("schedule does not run every micro-batch through every chunk once")
-    return SimResult(max(clock), tuple(busy), tuple(clock), in_flight(actions, pp, v, chunk_bytes), tuple(events))
+    return SimResult(max(run.clock), tuple(run.busy), tuple(run.clock),
+                     in_flight(actions, pp, v, chunk_bytes, placement), tuple(run.events))
 
 
 def in_flight(actions: Sequence[Sequence[dict]], pp: int, virtual_stages: int = 1,
-              chunk_bytes: Sequence[int] | None = None) -> tuple[Fraction, ...]:
+              chunk_bytes: Sequence[int] | None = None, placement: Placement = LOOP) -> tuple[Fraction, ...]:
     """Per pipeline rank, the peak over its action list of what its forwards not yet
     backwarded keep, in units of one micro-batch through all of the rank's chunks (the
     plan's ``schedule.in_flight``). A forward of model chunk ``k`` adds ``chunk_bytes[k]``,
@@ -432,12 +558,13 @@ def in_flight(actions: Sequence[Sequence[dict]], pp: int, virtual_stages: int = 
     need the bytes: in an interleaved schedule a rank's first chunks hold more micro-batches
     than its last ones. A rank whose chunks keep nothing counts forwards. Depends on each
     rank's own order only, so :func:`simulate` and the closed-form costing (the search,
-    :func:`parcompile.analysis.memory.memory_from_parts`) share it."""
+    :func:`parcompile.analysis.memory.memory_from_parts`) share it. ``placement``: which
+    rank holds each model chunk (the schedule's)."""
     v = virtual_stages
     weight = [int(x) for x in chunk_bytes] if chunk_bytes is not None else [1] * (pp * v)
     out = []
     for r in range(pp):
-        w = {c: weight[c * pp + r] for c in range(v)}
+        w = {c: weight[placement.chunk(r, c, pp)] for c in range(v)}
         whole = sum(w.values())
         if whole <= 0:
             w, whole = {c: 1 for c in range(v)}, v

@@ -19,6 +19,18 @@ TARGETS = TRAIN_TARGETS + tuple(SERVE_TARGETS)
 TORCHTITAN_VERSIONS = ("0.3", "0.2")
 
 
+def placement_errors(plan: Plan, engine: str, styles: tuple[str, ...] = ("loop",)) -> list[str]:
+    """An error when the plan's schedule places its model chunks on the pipeline ranks in a
+    way ``engine`` cannot (:class:`parcompile.core.schedule.Placement`; ``styles``: the
+    placements it runs, Megatron-Core's and DeepSpeed's only ``loop``: model chunk ``k`` on
+    rank ``k % pp``)."""
+    sched = plan.config.parallel.pipeline_schedule
+    if plan.config.parallel.pp == 1 or sched.placement.name in styles:
+        return []
+    return [f"schedule {sched.name}: its {sched.placement.name} placement of the model chunks on the pipeline "
+            f"ranks is not one {engine} runs ({', '.join(styles)}); use a schedule with the loop placement"]
+
+
 @dataclass
 class Export:
     """One export: ``text`` (the file), ``notes`` (what the target cannot express or

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, reduces_over_dp,
-                                      stage_split)
+from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, placement_errors,
+                                      reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors, set_model_keys, show
 from parcompile.plan import Plan
 
@@ -86,7 +86,8 @@ def _deepspeed_pipeline(plan: Plan, c: dict, notes: list[str], errors: list[str]
     ZeRO stages the pipeline engine refuses, uneven stage splits."""
     par = plan.config.parallel
     deg = degrees(plan)
-    sched = plan.data["schedule"]["name"]
+    sched = par.pipeline_schedule
+    errors += placement_errors(plan, "DeepSpeed")
     if deg["pp"] > 1:
         # no "partition": DeepSpeed's engine never reads it; PipelineModule's partition_method splits
         c["pipeline"] = {"stages": deg["pp"],
@@ -100,8 +101,8 @@ def _deepspeed_pipeline(plan: Plan, c: dict, notes: list[str], errors: list[str]
                      "with engine.train_batch(); DeepSpeed then takes dp from the topology's data axis, and "
                      "\"type:\" balances the blocks alone (\"uniform\" counts the embedding, norm and head as "
                      "layers and splits the blocks unevenly)")
-        if sched != "1f1b":
-            notes.append(f"schedule {sched}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
+        if sched.name != "1f1b":
+            notes.append(f"schedule {sched.name}: DeepSpeed's pipeline engine runs only its own 1F1B schedule "
                          "(TrainSchedule)" + ("; virtual stages are not expressible" if deg["virtual_stages"] > 1
                                               else ""))
         if dp_sharding(plan).shards_gradients:   # deepspeed/runtime/pipe/engine.py PipelineEngine.__init__ asserts it

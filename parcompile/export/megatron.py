@@ -10,6 +10,7 @@ from typing import Callable
 from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
+                                      placement_errors,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -111,7 +112,7 @@ def _megatron_pipeline_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     """The pipeline: virtual stages, the schedule, uneven stage splits, the rank order."""
     par, m = plan.config.parallel, plan.config.model
     deg = degrees(plan)
-    sched = plan.data["schedule"]["name"]
+    sched = par.pipeline_schedule
     split = stage_split(plan)
     accounted = megatron_accounted_split(split, deg["pp"]) if len(set(split)) > 1 else None
     if deg["virtual_stages"] > 1:
@@ -133,13 +134,13 @@ def _megatron_pipeline_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     elif plan.config.cluster.overlap_p2p_comm and deg["pp"] > 1:
         notes.append("overlap_p2p_comm: Megatron-LM overlaps pipeline transfers only with virtual stages "
                      "(interleaved 1F1B); this 1F1B run blocks on them, as the estimate assumed")
-    if sched == "gpipe":
+    if sched.forwards_first:
         notes.append("schedule gpipe: Megatron-LM has no GPipe schedule; it runs 1F1B (the same bubble, "
                      "fewer micro-batches in flight)")
-    elif sched == "zero_bubble":
+    elif sched.split_backward:
         notes.append("schedule zero_bubble: mainline Megatron-LM has no zero-bubble schedule (the sail-sg "
                      "zero-bubble fork adds one); exported as 1F1B")
-    elif sched == "interleaved_1f1b" and deg["virtual_stages"] == 1:
+    elif sched.rounds and deg["virtual_stages"] == 1:
         notes.append("schedule interleaved_1f1b with one virtual stage is 1F1B")
     if par.stage_layers is not None and len(set(split)) > 1:
         middle = split[1:-1]
@@ -492,7 +493,7 @@ def megatron_errors(plan: Plan) -> list[str]:
     :data:`parcompile.export.model_keys.MEGATRON`'s."""
     cfg = plan.config
     deg = degrees(plan)
-    errors = megatron_model_errors(cfg.model)
+    errors = megatron_model_errors(cfg.model) + placement_errors(plan, "Megatron-LM")
     if dp_sharding(plan).shards_parameters:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.data_parallel import DataParallelSharding
+from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.export.model_keys import model_key_errors
@@ -21,6 +22,10 @@ TORCHTITAN_SCHEDULE = {
     ("interleaved_1f1b", True): "Interleaved1F1B", ("zero_bubble", True): "InterleavedZeroBubble",
     ("interleaved_1f1b", False): "1F1B",
 }
+#: the torchtitan schedules that place model chunks the ``v`` way (torchtitan 0.3.0
+#: ``torchtitan/distributed/pipeline_parallel.py`` ``_get_pp_rank_to_stage_indices_mapping``:
+#: ScheduleZBVZeroBubble and ScheduleDualPipeV; every other one ``loop``)
+TORCHTITAN_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def torchtitan_errors(plan: Plan) -> list[str]:
@@ -36,6 +41,13 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     if m.dtype == "fp16":   # TrainingConfig.dtype / mixed_precision_param: Literal["bfloat16", "float32"]
         errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
                       "training.dtype); use dtype bf16 or fp32 in the spec")
+    par = plan.config.parallel
+    sched = par.pipeline_schedule
+    name = TORCHTITAN_SCHEDULE[(sched.name, par.virtual_stages > 1)]
+    style = "v" if name in TORCHTITAN_V_SCHEDULES else "loop"   # torchtitan's own rule
+    if par.pp > 1 and style != sched.placement.name:
+        errors.append(f"schedule {sched.name}: torchtitan's {name} places the model chunks on the pipeline ranks "
+                      f"the {style} way, the plan the {sched.placement.name} way")
     return errors
 
 
@@ -75,16 +87,18 @@ def torchtitan_fsdp(sharding: DataParallelSharding, deg: dict, notes: list[str],
     return 1, deg["dp"], "default"
 
 
-def torchtitan_schedule(sched: str, v: int, notes: list[str]) -> str:
+def torchtitan_schedule(sched: PipelineSchedule, v: int, notes: list[str]) -> str:
     """torchtitan's ``pipeline_parallel_schedule`` for the plan's schedule with ``v`` model
-    chunks per rank; appends a note where torch.distributed.pipelining runs another one."""
-    if sched == "zero_bubble" and v == 1:
+    chunks per rank; appends a note where torch.distributed.pipelining runs another one (a
+    schedule torchtitan places otherwise is :func:`torchtitan_errors`'s)."""
+    name = TORCHTITAN_SCHEDULE[(sched.name, v > 1)]
+    if sched.split_backward and v == 1:
         notes.append("schedule zero_bubble with one stage per rank (ZB-H1): torch.distributed.pipelining's "
                      "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need two or more stages per "
                      "rank; exported as 1F1B")
-    if sched == "gpipe" and v > 1:
-        notes.append("schedule gpipe with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
-    return TORCHTITAN_SCHEDULE[(sched, v > 1)]
+    if sched.forwards_first and v > 1:
+        notes.append(f"schedule {sched.name} with virtual stages: exported as LoopedBFS (GPipe over looped stages)")
+    return name
 
 def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
     """The torchtitan 0.3 settings for ``plan`` and the notes: ``{"model": {...},
@@ -124,7 +138,7 @@ def _torchtitan3_parallelism(plan: Plan, notes: list[str]) -> dict:
     schedule and stage split; notes where torchtitan runs another layout."""
     par = plan.config.parallel
     deg = degrees(plan)
-    sched = plan.data["schedule"]["name"]
+    sched = par.pipeline_schedule
     v = deg["virtual_stages"]
     replicate, shard, reshard = torchtitan_fsdp(dp_sharding(plan), deg, notes, "0.3")
     schedule = torchtitan_schedule(sched, v, notes)

@@ -164,7 +164,7 @@ def _torchtitan02_parallelism(plan: Plan, notes: list[str]) -> dict:
     and stage split; notes where torchtitan runs another layout."""
     par, m = plan.config.parallel, plan.config.model
     deg = degrees(plan)
-    sched = plan.data["schedule"]["name"]
+    sched = par.pipeline_schedule
     v = deg["virtual_stages"]
     replicate, shard, reshard = torchtitan_fsdp(dp_sharding(plan), deg, notes, "0.2")
     if deg["cp"] > 1 and not dp_sharding(plan).shards_optimizer_states:

@@ -144,11 +144,12 @@ def _check_batches(cfg: SpecConfig, ctx: CheckContext) -> None:
     num_micro = p.global_batch // per_step
     if not ctx.ok("parallel.schedule"):
         return
-    if p.schedule == "interleaved_1f1b" and p.microbatch_group_size is not None:
+    sched = p.pipeline_schedule
+    if sched.rounds and p.microbatch_group_size is not None:
         if ctx.ok("parallel.microbatch_group_size", "parallel.virtual_stages"):
             _check_group(cfg, num_micro, ctx)
-    elif p.schedule == "interleaved_1f1b" and num_micro % p.pp:
-        ctx.bag.error(f"interleaved_1f1b needs the number of micro-batches to be a multiple of pp = {p.pp}, "
+    elif sched.rounds and num_micro % p.pp:
+        ctx.bag.error(f"{p.schedule} needs the number of micro-batches to be a multiple of pp = {p.pp}, "
                       f"got m = {num_micro} = global_batch({p.global_batch}) / (micro_batch({p.micro_batch}) * "
                       f"dp({p.dp}))", ctx.span("parallel.schedule"),
                       help=f"global_batch may be "
@@ -182,8 +183,9 @@ def _check_group(cfg: SpecConfig, num_micro: int, ctx: CheckContext) -> None:
 
 def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
     p = cfg.parallel
+    sched = p.pipeline_schedule if ctx.ok("parallel.schedule") else None
     if p.microbatch_group_size is not None and ctx.ok("parallel.schedule", "parallel.virtual_stages") \
-            and (p.schedule != "interleaved_1f1b" or p.virtual_stages == 1):
+            and (not sched.rounds or p.virtual_stages == 1):
         ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} needs schedule = interleaved_1f1b "
                       f"with virtual_stages > 1, not {p.schedule} with virtual_stages = {p.virtual_stages}",
                       ctx.span("parallel.microbatch_group_size"),
@@ -197,7 +199,7 @@ def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("parallel.microbatch_group_size"),
                       help="fix the layout (no `auto`) to set microbatch_group_size, or remove it")
     if ctx.ok("parallel.virtual_stages", "parallel.schedule") and p.virtual_stages > 1 \
-            and p.schedule != "interleaved_1f1b":
+            and sched.virtual_stages is not None and p.virtual_stages != sched.virtual_stages:
         ctx.bag.error(f"virtual_stages = {p.virtual_stages} needs schedule = interleaved_1f1b, "
                       f"not {p.schedule}", ctx.span("parallel.virtual_stages"),
                       help="set `schedule = interleaved_1f1b`, or `virtual_stages = 1`")
@@ -319,7 +321,7 @@ def _check_overlaps(cfg: SpecConfig, ctx: CheckContext) -> None:
         elif ctx.ok("parallel.pp") and p.pp == 1 and "pp" not in auto:
             why = "with pp = 1 there is no pipeline transfer"
         elif ctx.ok("parallel.schedule", "parallel.virtual_stages") and not {"schedule", "virtual_stages"} & auto \
-                and (p.schedule != "interleaved_1f1b" or p.virtual_stages == 1):
+                and (not p.pipeline_schedule.rounds or p.virtual_stages == 1):
             why = "Megatron-LM overlaps pipeline transfers only in interleaved 1F1B with virtual stages"
         if why:
             ctx.bag.warning(f"overlap_p2p_comm has no effect: {why}", ctx.span("cluster.overlap_p2p_comm"),
@@ -358,7 +360,7 @@ def _check_reduce_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
                 "in the reduce dtype, its --grad-reduce-in-bf16: analysis/estimate.py grad_element_bytes)")
         help = ("set `zero = 2` or `3` (gradient buckets reduce-scattered in every micro-batch's backward), "
                 "or remove `reduce_dtype`")
-    elif "schedule" not in p.auto and p.schedule == "zero_bubble":
+    elif "schedule" not in p.auto and p.pipeline_schedule.split_backward:
         why = "the zero-bubble schedule accumulates gradients in fp32 buffers and reduces them once per step, in fp32"
         help = "use another schedule (`1f1b`, `interleaved_1f1b`, `gpipe`), or remove `reduce_dtype`"
     elif p.dp * p.cp == 1 and p.expert_dp <= 1 and not {"dp", "cp"} & set(p.auto):
@@ -724,7 +726,7 @@ def does_not_fit_help(p: ParallelConfig, model_dtype: str = "fp32") -> str:
     if p.zero < 3:
         steps.append({0: "shard optimizer states (zero = 1)", 1: "also shard gradients (zero = 2)",
                       2: "also shard parameters (zero = 3)"}[p.zero])
-    if p.zero >= 2 and p.schedule != "zero_bubble" and p.dp * p.cp > 1 and p.reduce_dtype == "fp32" \
+    if p.zero >= 2 and not p.pipeline_schedule.split_backward and p.dp * p.cp > 1 and p.reduce_dtype == "fp32" \
             and model_dtype in ("bf16", "fp16"):
         steps.append(f"hold and reduce-scatter the gradient buckets in {model_dtype} (reduce_dtype = {model_dtype})")
     if p.recompute != "full":

@@ -51,10 +51,11 @@ class SchedulePipeline:
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
         # zero-bubble orders by F, the input-gradient part of B, and W
-        actions = build_actions(par.schedule, par.pp, m, par.virtual_stages,
+        sched = par.pipeline_schedule
+        actions = build_actions(sched, par.pp, m, par.virtual_stages,
                                 times=(f, [bi - wi for bi, wi in zip(b, w)], w), group=par.microbatch_group_size)
         sim = simulate(actions, f, b, par.pp, par.virtual_stages, m, wgrad_time=w,
-                       chunk_bytes=_unlike(graph, cfg, ctx.degrees))
+                       chunk_bytes=_unlike(graph, cfg, ctx.degrees), placement=sched.placement)
         return ScheduleResult(ScheduleReport(par.schedule, m, actions, sim, f, b, w), comp, comm)
 
 

@@ -5,9 +5,10 @@ The layers are cut into ``pp * virtual_stages`` model chunks in model order
 into the chunks and no ``stage_layers`` is given, the compiler chooses the split before
 this pass (:func:`parcompile.search.settle_split`, among :func:`candidate_splits`, by the
 smallest estimated step time); this pass cuts a plain remainder-to-the-first-chunks split
-(:func:`parcompile.config.text.even_split`) only for a config that skipped that step. Model chunk ``k`` lives on pipeline rank ``k % pp`` as its local chunk
-``k // pp`` (Megatron-Core's interleaved assignment: local chunk ``c`` of rank ``r``
-holds model chunk ``c * pp + r``). The embedding is on chunk 0; the final norm, LM head
+(:func:`parcompile.config.text.even_split`) only for a config that skipped that step. Model
+chunk ``k`` lives where the schedule's placement puts it
+(:class:`parcompile.core.schedule.Placement`; ``loop``: on pipeline rank ``k % pp`` as its
+local chunk ``k // pp``, Megatron-Core's interleaved assignment). The embedding is on chunk 0; the final norm, LM head
 and loss on the last chunk. A tied LM head on another pipeline rank than the embedding
 gets its own copy, ``lm_head.weight`` (``tied_to = "embedding.weight"``), kept equal by
 an all-reduce over the ``embedding`` group.
@@ -112,7 +113,7 @@ class SplitPipelineStages:
     def apply(self, graph: Graph, ctx: PassContext) -> StageSplit:
         cfg = ctx.cfg
         par = cfg.parallel
-        pp, v = par.pp, par.virtual_stages
+        pp, v, place = par.pp, par.virtual_stages, par.pipeline_schedule.placement
         # a `stage_layers` of the wrong length or sum is a rule of the checks table
         # (frontend/checks.py: _check_layers); here it can only be a bug (a PassError)
         chunks = chunk_layers(cfg.model.layers, pp, v, par.stage_layers)
@@ -128,7 +129,7 @@ class SplitPipelineStages:
                 k = last
             else:
                 raise ValueError(f"op {n} belongs to no layer and no known chunk")
-            graph.set_stage(n, k % pp, k)
+            graph.set_stage(n, place.rank(k, pp), k)
         if cfg.model.tie_embeddings and pp > 1 and "lm_head" in graph:
             head = graph.node("lm_head")
             graph.set_params("lm_head", [

@@ -39,7 +39,7 @@ scales the sums (1/d, the data-parallel mean; 1/(dp*cp) for expert weights).
 ``bucket_size = 0``: one bucket per chunk, launched by ``finish`` (no overlap).
 
 **ZeRO 2 and 3: every micro-batch** (``per_microbatch``;
-:func:`parcompile.core.buckets.reduces_per_microbatch`; DeepSpeed ZeRO-2's
+:attr:`parcompile.core.data_parallel.DataParallelSharding.per_microbatch`; DeepSpeed ZeRO-2's
 ``reduce_independent_p_g_buckets_and_remove_grads``, FSDP2's post-backward
 reduce-scatter). Every backward action of a chunk (a whole ``backward``; the zero-bubble
 schedule keeps the once-per-step mode) completes that micro-batch's gradients of the

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from parcompile.core.axes import GROUP_AXES as AXES  # every group of a plan, in creation order
 from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S, die_with_parent
+from parcompile.core.schedule import LOOP, SCHEDULES, Placement
 from parcompile.runtime.device import choose_backend  # the device type's backend and device (runtime/device.py)
 
 
@@ -52,7 +53,9 @@ class ParallelContext:
     """Where this rank sits in the plan: its axes, its pipeline stage and its device.
 
     Attributes: ``rank``/``world_size`` (global), ``axes`` (name -> :class:`Axis`),
-    ``stage`` (pipeline rank, = ``axes["pp"].index``), ``device`` and ``backend``.
+    ``stage`` (pipeline rank, = ``axes["pp"].index``), ``device`` and ``backend``;
+    ``placement``: which pipeline rank holds each model chunk (the plan's schedule's,
+    :func:`plan_placement`).
     """
 
     rank: int
@@ -64,6 +67,7 @@ class ParallelContext:
     extra: dict = field(default_factory=dict)
     owns_world: bool = True   # False: a batch launcher (runtime.batch) holds the default group
     groups: list = field(default_factory=list)   # the process groups this plan created on this rank
+    placement: Placement = LOOP
 
     def axis(self, name: str) -> Axis:
         return self.axes[name]
@@ -93,6 +97,13 @@ class ParallelContext:
 
     def is_last_stage(self) -> bool:
         return self.stage == self.num_stages - 1
+
+
+def plan_placement(plan: dict) -> Placement:
+    """The placement of ``plan``'s pipeline schedule (plan.json ``schedule.name``,
+    :data:`parcompile.core.schedule.SCHEDULES`); ``loop`` for a plan without one (serving)."""
+    name = (plan.get("schedule") or {}).get("name")
+    return SCHEDULES[name].placement if name in SCHEDULES else LOOP
 
 
 def _find(groups: list[list[int]], rank: int) -> list[int]:
@@ -138,7 +149,7 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = PROCES
     groups = plan["groups"]
     if world == 1:
         axes = {name: Axis(name, [0], 0, None) for name in AXES}
-        return ParallelContext(0, 1, axes, device, None, distributed=False)
+        return ParallelContext(0, 1, axes, device, None, distributed=False, placement=plan_placement(plan))
     owns_world = not dist.is_initialized()   # else a batch launcher holds it (runtime.batch)
     if owns_world:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -164,7 +175,7 @@ def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = PROCES
                 if axes[name].size > 1:
                     axes[name].gather_group = cur
     return ParallelContext(rank, world, axes, device, backend, distributed=True,
-                           owns_world=owns_world, groups=made)
+                           owns_world=owns_world, groups=made, placement=plan_placement(plan))
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -4,8 +4,10 @@ Actions (docs/internals.md): ``forward``, ``backward``, ``backward_input`` and
 ``backward_weight`` (zero-bubble: the backward split into input and weight gradients,
 see :mod:`parcompile.runtime.wgrad`), ``recv_forward``, ``send_forward``,
 ``recv_backward``, ``send_backward``, each with a ``microbatch`` and a local ``chunk``.
-Local chunk ``c`` of pipeline rank ``r`` is model chunk ``c * pp + r`` (Megatron-Core's
-interleaved assignment; with one virtual stage, chunk 0 is stage r). Sends are
+Which model chunk a local chunk is, and which rank holds the chunk before and after it, is
+the plan's placement (``ctx.placement``, :class:`parcompile.core.schedule.Placement`; ``loop``:
+local chunk ``c`` of pipeline rank ``r`` is model chunk ``c * pp + r``, Megatron-Core's
+interleaved assignment). Sends are
 asynchronous and waited for at the end of the step; receives block. A tag per
 (micro-batch, receiving chunk, direction) pairs each send with its receive, so any
 action list the plan's simulator accepted runs without deadlock.
@@ -40,6 +42,87 @@ class StepResult:
 
 def _tag(microbatch: int, chunk: int, direction: int, num_chunks: int) -> int:
     return (microbatch * num_chunks + chunk) * 2 + direction
+
+
+class _Step:
+    """One step's tensors on this pipeline rank, keyed by (micro-batch, local chunk): what
+    was received, each chunk's input and output, the input gradients to send back, the
+    sends in flight and the summed loss. Peers come from the plan's placement
+    (``ctx.placement``, :class:`parcompile.core.schedule.Placement`): model chunk ``k + 1``'s
+    rank gets the activation model chunk ``k`` sends, and its gradient comes back."""
+
+    def __init__(self, ctx: ParallelContext, num_chunks: int, activation_shape: tuple[int, ...],
+                 activation_dtype: torch.dtype):
+        self.ctx, self.group, self.device = ctx, ctx.pp, ctx.device
+        self.p, self.r, self.v = ctx.pp.size, ctx.pp.index, num_chunks
+        self.place = ctx.placement
+        self.last = self.p * num_chunks - 1
+        self.shape, self.dtype = activation_shape, activation_dtype
+        self.received: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: list = []
+        self.loss_sum: torch.Tensor | None = None
+
+    def model_chunk(self, c: int) -> int:
+        return self.place.chunk(self.r, c, self.p)
+
+    def recv(self, mb: int, c: int, direction: int) -> None:
+        """Receive micro-batch ``mb``'s activation (forward) or output gradient (backward) of
+        local chunk ``c`` from the rank of the model chunk before (after) it."""
+        k = self.model_chunk(c) + (-1 if direction == FORWARD else 1)
+        self.received[(mb, c, direction)] = recv(self.shape, self.dtype, self.device, self.group,
+                                                 self.place.rank(k, self.p), _tag(mb, c, direction, self.v))
+
+    def send(self, tensor: torch.Tensor, mb: int, c: int, direction: int) -> None:
+        """Send ``tensor`` to the rank of the model chunk after (forward) or before (backward)
+        local chunk ``c``'s, tagged with that chunk's local index there."""
+        k = self.model_chunk(c) + (1 if direction == FORWARD else -1)
+        self.pending.append(isend(tensor, self.group, self.place.rank(k, self.p),
+                                  _tag(mb, self.place.local(k, self.p), direction, self.v)))
+
+    def forward(self, mb: int, c: int, forward_chunk, loss_fn, microbatches) -> None:
+        """Run local chunk ``c`` on micro-batch ``mb``; on the last model chunk, its loss."""
+        k = self.model_chunk(c)
+        x = microbatches[mb][0].to(self.device) if k == 0 else self.received.pop((mb, c, FORWARD)).requires_grad_()
+        y = forward_chunk(c, x)
+        self.inputs[(mb, c)] = x
+        if k == self.last:
+            loss = loss_fn(y, microbatches[mb][1].to(self.device))
+            del y   # the 16-bit logits: the loss keeps its fp32 copy (never alive with a recomputed layer)
+            self.outputs[(mb, c)] = loss
+            self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        else:
+            self.outputs[(mb, c)] = y
+
+    def backward(self, mb: int, c: int, split: bool, loss_scale: float) -> None:
+        """Backward of local chunk ``c`` on micro-batch ``mb`` (``split``: its input gradient
+        only, the weight gradients deferred, :mod:`parcompile.runtime.wgrad`)."""
+        k = self.model_chunk(c)
+        out = self.outputs.pop((mb, c))
+        grad = None if k == self.last else self.received.pop((mb, c, BACKWARD))
+        if grad is None and loss_scale != 1.0:
+            out = out * loss_scale                          # fp16: scaled loss, scaled gradients
+        if split:
+            with STORE.collecting((mb, c)):
+                torch.autograd.backward(out, grad)
+        else:
+            torch.autograd.backward(out, grad)
+        x = self.inputs.pop((mb, c))
+        if k != 0:
+            self.input_grads[(mb, c)] = x.grad
+
+    def finish(self) -> None:
+        """Wait for the sends; raise RuntimeError when the actions left a tensor behind."""
+        for w in self.pending:
+            w.wait()
+        if self.outputs or self.received or self.input_grads or STORE.pending:
+            raise RuntimeError(
+                f"schedule left work undone on pipeline rank {self.r}: outputs {sorted(self.outputs)}, "
+                f"received {sorted(self.received)}, input grads {sorted(self.input_grads)}, "
+                f"weight gradients {sorted(STORE.pending)}"
+            )
 
 
 def run_schedule(
@@ -78,91 +161,36 @@ def run_schedule(
         RuntimeError: an action refers to a tensor the schedule has not produced (a bug in
             the plan's schedule, which its simulator should have caught).
     """
-    pp = ctx.pp
-    p, r = pp.size, pp.index
-    last_model_chunk = p * num_chunks - 1
-    received: dict[tuple[int, int, int], torch.Tensor] = {}
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    input_grads: dict[tuple[int, int], torch.Tensor] = {}
-    pending = []
-    loss_sum = None
+    st = _Step(ctx, num_chunks, activation_shape, activation_dtype)
     STORE.enabled = any(a["op"] == "backward_input" for a in actions)
-    device = ctx.device
-
-    def model_chunk(c: int) -> int:
-        return c * p + r
-
     executed: list[tuple[str, int, int]] = []
     if grad_sync is not None:
         grad_sync.start(actions)
     for i, a in enumerate(actions):
         op, mb, c = a["op"], a["microbatch"], a["chunk"]
         executed.append((op, mb, c))
-        k = model_chunk(c)
-        if op == "recv_forward":
-            received[(mb, c, FORWARD)] = recv(activation_shape, activation_dtype, device, pp, (r - 1) % p,
-                                              _tag(mb, c, FORWARD, num_chunks))
+        if op == "recv_forward" or op == "recv_backward":
+            st.recv(mb, c, FORWARD if op == "recv_forward" else BACKWARD)
         elif op == "forward":
-            if k == 0:
-                x = microbatches[mb][0].to(device)
-            else:
-                x = received.pop((mb, c, FORWARD)).requires_grad_()
-            y = forward_chunk(c, x)
-            inputs[(mb, c)] = x
-            if k == last_model_chunk:
-                loss = loss_fn(y, microbatches[mb][1].to(device))
-                del y   # the 16-bit logits: the loss keeps its fp32 copy (never alive with a recomputed layer)
-                outputs[(mb, c)] = loss
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            else:
-                outputs[(mb, c)] = y
+            st.forward(mb, c, forward_chunk, loss_fn, microbatches)
         elif op == "send_forward":
-            peer_chunk = (k + 1) // p
-            pending.append(isend(outputs[(mb, c)].detach(), pp, (r + 1) % p,
-                                 _tag(mb, peer_chunk, FORWARD, num_chunks)))
-        elif op == "recv_backward":
-            received[(mb, c, BACKWARD)] = recv(activation_shape, activation_dtype, device, pp, (r + 1) % p,
-                                               _tag(mb, c, BACKWARD, num_chunks))
-        elif op in ("backward", "backward_input"):
-            out = outputs.pop((mb, c))
-            grad = None if k == last_model_chunk else received.pop((mb, c, BACKWARD))
-            if grad is None and loss_scale != 1.0:
-                out = out * loss_scale                          # fp16: scaled loss, scaled gradients
-            if grad_sync is not None:
-                grad_sync.begin(i)
-            if op == "backward_input":
-                with STORE.collecting((mb, c)):
-                    torch.autograd.backward(out, grad)
-            else:
-                torch.autograd.backward(out, grad)
-            if grad_sync is not None:
-                grad_sync.end(i)
-            x = inputs.pop((mb, c))
-            if k != 0:
-                input_grads[(mb, c)] = x.grad
-        elif op == "backward_weight":
-            if grad_sync is not None:
-                grad_sync.begin(i)
-            STORE.flush((mb, c))
-            if grad_sync is not None:
-                grad_sync.end(i)
+            st.send(st.outputs[(mb, c)].detach(), mb, c, FORWARD)
         elif op == "send_backward":
-            peer_chunk = (k - 1) // p
-            pending.append(isend(input_grads.pop((mb, c)), pp, (r - 1) % p,
-                                 _tag(mb, peer_chunk, BACKWARD, num_chunks)))
+            st.send(st.input_grads.pop((mb, c)), mb, c, BACKWARD)
+        elif op in ("backward", "backward_input", "backward_weight"):
+            if grad_sync is not None:
+                grad_sync.begin(i)
+            if op == "backward_weight":
+                STORE.flush((mb, c))
+            else:
+                st.backward(mb, c, op == "backward_input", loss_scale)
+            if grad_sync is not None:
+                grad_sync.end(i)
         else:
             raise RuntimeError(f"unknown pipeline action {op!r}")
-    for w in pending:
-        w.wait()
-    if outputs or received or input_grads or STORE.pending:
-        raise RuntimeError(
-            f"schedule left work undone on pipeline rank {r}: outputs {sorted(outputs)}, "
-            f"received {sorted(received)}, input grads {sorted(input_grads)}, "
-            f"weight gradients {sorted(STORE.pending)}"
-        )
+    st.finish()
     STORE.enabled = False   # the step's deferral ends with it (an eval or another program runs after)
-    return StepResult(loss_sum, executed)
+    return StepResult(st.loss_sum, executed)
 
 
 @torch.no_grad()
@@ -176,17 +204,17 @@ def run_forward(ctx: ParallelContext, forward_chunk: Callable[[int, torch.Tensor
     earlier in model order, so no rank waits on a later one). Returns the sum of
     ``loss_fn`` over the micro-batches on the rank holding the last model chunk, else None.
     """
-    pp = ctx.pp
+    pp, place = ctx.pp, ctx.placement
     p, r = pp.size, pp.index
     last = p * num_chunks - 1
     total, pending = None, []
     for mb, (x_ids, targets) in enumerate(microbatches):
         for c in range(num_chunks):
-            k = c * p + r
+            k = place.chunk(r, c, p)
             if k == 0:
                 x = x_ids.to(ctx.device)
             else:
-                x = recv(activation_shape, activation_dtype, ctx.device, pp, (r - 1) % p,
+                x = recv(activation_shape, activation_dtype, ctx.device, pp, place.rank(k - 1, p),
                          _tag(mb, c, FORWARD, num_chunks))
             y = forward_chunk(c, x)
             if k == last:
@@ -194,7 +222,8 @@ def run_forward(ctx: ParallelContext, forward_chunk: Callable[[int, torch.Tensor
                 total = loss if total is None else total + loss
             else:
                 y = y.contiguous()
-                pending.append((y, isend(y, pp, (r + 1) % p, _tag(mb, (k + 1) // p, FORWARD, num_chunks))))
+                pending.append((y, isend(y, pp, place.rank(k + 1, p), _tag(mb, place.local(k + 1, p), FORWARD,
+                                                                            num_chunks))))
     for _, w in pending:
         w.wait()
     return total

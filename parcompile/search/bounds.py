@@ -18,6 +18,7 @@ from parcompile.analysis.memory import buffer_total, closed_form_in_flight, stat
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
+from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.ir.ops import COUNTS_BYTES
 from parcompile.passes.base import parallel_degrees
 from parcompile.passes.insert_collectives import STEP_AXES, step_entries
@@ -227,7 +228,8 @@ class StepFloors:
         f4 = [ct3.fwd(k) for k in range(4)]
         fb4 = [ct3.fwd(k) + ct3.bwd(k) for k in range(4)]
         sim = simulate and pp > 1
-        zb = par.schedule == "zero_bubble"
+        zb = par.pipeline_schedule.split_backward
+        mine = [par.rank_chunks(r) for r in range(pp)]
         nd = self.dense
         out = []
 
@@ -236,7 +238,7 @@ class StepFloors:
             if pp > 1:
                 for k in range(n):
                     fb[k] += p2p * ((k < n - 1) + (k > 0))
-            work = [sum(fb[c * pp + r] for c in range(v)) for r in range(pp)]
+            work = [sum(fb[k] for k in mine[r]) for r in range(pp)]
             if not sim:
                 out.append(closed_form_span(work, pp, v, m) * (1 - 1e-9))
                 continue
@@ -271,12 +273,12 @@ class StepFloors:
         par = cfg.parallel
         dps = data_parallel_sharding(par)
         jit = dps.shards_parameters and reshard_after_forward(par.pp)
-        key = (self._params_key(pr), counts, par.pp, par.zero, dps.per_microbatch,
+        key = (self._params_key(pr), counts, par.pp, par.pipeline_schedule.placement, par.zero, dps.per_microbatch,
                par.num_microbatches if jit else 0, step_degrees(deg), par.bucket_size,
                par.reduce_dtype, par.sequence_parallel)
         got = self.dp_groups.get(key)
         if got is None:
-            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par.pp)), {})
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par)), {})
         cfg0, steps, sums = got
         lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
         got = sums.get(lkey)
@@ -295,10 +297,9 @@ class StepFloors:
         counts = par.layers_per_chunk(model.layers)
         ct3, links, tkey = self._chunk_times3(pr, par)
         ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
-        pp = par.pp
         deg = parallel_degrees(par)
         dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
-                                           self._stage_params(pr, counts, pp))
+                                           self._stage_params(pr, counts, par))
         return floor + dp_comm + opt
 
 
@@ -567,7 +568,7 @@ class MemoryFloors:
             body2, bufs2 = self._first_rank_bytes(self.probe_of(key2), rc, pp, n)
             k = par.micro_batch - 1
             body, bufs = body + k * (body2 - body), bufs + k * (bufs2 - bufs)
-        inf = self._in_flight_first(par.schedule, pp, v, m)
+        inf = self._in_flight_first(par.pipeline_schedule, pp, v, m)
         acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
         return (states + acts + bufs * scale) * (1 - 1e-12)
 
@@ -642,7 +643,7 @@ class MemoryFloors:
             body += (pc - oc) - (pb - ob)
         return body, self._buffer_sums(pr, rc, pp)[0]
 
-    def _in_flight_first(self, schedule: str, pp: int, v: int, m: int) -> Fraction:
+    def _in_flight_first(self, schedule: PipelineSchedule, pp: int, v: int, m: int) -> Fraction:
         """The first stage's micro-batches in flight,
         :func:`~parcompile.analysis.memory.closed_form_in_flight`'s, cached."""
         key = (schedule, pp, v, m)

@@ -159,7 +159,7 @@ class Coster(Floors):
         if got is not None:
             return got
         pp, rc = cfg.parallel.pp, cfg.parallel.recompute
-        sps = self._stage_params(pr, counts, pp)
+        sps = self._stage_params(pr, counts, cfg.parallel)
         nd = self.dense
         saved = SavedBytes(compose(pr.quad(lambda p: p.saved[rc].per_chunk), counts, nd), {}, {},
                            compose(pr.quad(lambda p: p.saved[rc].output_layer), counts, nd))
@@ -303,14 +303,16 @@ class Coster(Floors):
             got = self.params_keys[id(pr)] = key if owner is pr or owner.qparams == pr.qparams else (id(pr),)
         return got
 
-    def _stage_params(self, pr: Probe, counts: tuple[int, ...], pp: int) -> list[StageParams]:
-        """:func:`compose_params` of the probe over ``counts``, cached (the layouts of one
-        split that differ in anything else but the probe share them)."""
-        key = (self._params_key(pr), counts, pp)
+    def _stage_params(self, pr: Probe, counts: tuple[int, ...], par: ParallelConfig) -> list[StageParams]:
+        """:func:`compose_params` of the probe over ``counts`` on ``par``'s pipeline ranks (by its
+        schedule's placement), cached (the layouts of one split that differ in anything else
+        but the probe share them)."""
+        place = par.pipeline_schedule.placement
+        key = (self._params_key(pr), counts, par.pp, place)
         got = self.stage_param_sets.get(key)
         if got is None:
-            got = self.stage_param_sets[key] = compose_params(pr.qparams, counts, pp, self.cfg.model.tie_embeddings,
-                                                               self.dense)
+            got = self.stage_param_sets[key] = compose_params(pr.qparams, counts, par.pp, self.cfg.model.tie_embeddings,
+                                                               self.dense, place)
         return got
 
     def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
@@ -369,7 +371,7 @@ class Coster(Floors):
             ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
             if span > bound:
                 return None   # slower than the bound whatever its data-parallel time
-            sps = self._stage_params(pr, counts, pp)
+            sps = self._stage_params(pr, counts, par)
             opt = optimizer_time(cfg, deg, sps)
             if span + opt > bound:
                 return None   # slower than the bound whatever its data-parallel time
@@ -395,15 +397,16 @@ class Coster(Floors):
             got = self.sims.get(skey)
             if got is None:
                 group = par.microbatch_group_size
-                akey = (par.schedule, pp, m, v, group)   # only zero-bubble orders its actions by the times
+                sched = par.pipeline_schedule
+                akey = (sched, pp, m, v, group)   # only zero-bubble orders its actions by the times
                 actions = self.action_lists.get(akey)
                 if actions is None:
                     f = [ct.fwd(k) for k in range(pp * v)]
                     b = [ct.bwd(k) for k in range(pp * v)]
                     w = [ct.wgrad(k) for k in range(pp * v)]
-                    actions = build_actions(par.schedule, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w),
+                    actions = build_actions(sched, pp, m, v, times=(f, [bi - wi for bi, wi in zip(b, w)], w),
                                             group=group)
-                    if par.schedule != "zero_bubble":
+                    if not sched.split_backward:
                         self.action_lists[akey] = actions
                 got = self.sims[skey] = pipeline_parts(cfg, ct, m, actions)
             span, parts = got

@@ -16,6 +16,7 @@ from parcompile.analysis.memory import SavedBytes, buffer_bytes, merge_buffers, 
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.attention import attention_engine
+from parcompile.core.schedule import LOOP, Placement
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.lower import lower
 from parcompile.passes.base import PassContext
@@ -320,10 +321,11 @@ def chunk_units(ps: tuple[StageParams, ...], first: bool, last: bool, n: int, pp
 
 
 def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int, tied: bool,
-                    dense: int = 0) -> list[StageParams]:
+                    dense: int = 0, place: Placement = LOOP) -> list[StageParams]:
     """Per pipeline rank, the parameters of a layout of ``counts`` layers per model chunk
     from the probe's stages (:meth:`Probe.quad`; ``dense``: the model's leading dense
-    layers, :func:`compose`)."""
+    layers, :func:`compose`; ``place``: which rank holds each model chunk, the schedule's
+    placement)."""
     first, dmid, mid, last = ps
     out = []
     nchunks = len(counts)
@@ -333,10 +335,11 @@ def compose_params(ps: tuple[StageParams, ...], counts: tuple[int, ...], pp: int
         acc = {"dense": 0, "expert": 0, "norm": 0, "tp_partial": 0, "fp8": 0, "fp8_weights": 0}
         emb = 0
         units: list[GradUnit] = []
-        for k in reversed(range(s, nchunks, pp)):
-            units += chunk_units(ps, k == 0, k == nchunks - 1, counts[k], pp == 1, tied, k // pp, starts[k],
-                                  dense)
-        for k in range(s, nchunks, pp):
+        mine = place.chunks(s, pp, nchunks // pp)
+        for k in reversed(mine):
+            units += chunk_units(ps, k == 0, k == nchunks - 1, counts[k], pp == 1, tied, place.local(k, pp),
+                                  starts[k], dense)
+        for k in mine:
             for f in acc:
                 acc[f] += (counts[k] - dcounts[k]) * getattr(mid, f) + dcounts[k] * getattr(dmid, f)
                 if k == 0:

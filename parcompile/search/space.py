@@ -31,7 +31,8 @@ def needs_search(cfg: SpecConfig) -> bool:
 class RowLayout(NamedTuple):
     """A row of :func:`layout_rows` read as the :class:`ParallelConfig` fields the memory
     floors read (:meth:`Coster.state_floor`, :meth:`Coster.memory_floor`), without
-    building one; ``num_microbatches`` and ``expert_dp`` are ParallelConfig's own."""
+    building one; ``num_microbatches``, ``expert_dp``, ``pipeline_schedule`` and
+    ``rank_chunks`` are ParallelConfig's own."""
 
     dp: int
     tp: int
@@ -49,6 +50,8 @@ class RowLayout(NamedTuple):
 
     num_microbatches = property(ParallelConfig.num_microbatches.fget)
     expert_dp = property(ParallelConfig.expert_dp.fget)
+    pipeline_schedule = property(ParallelConfig.pipeline_schedule.fget)
+    rank_chunks = ParallelConfig.rank_chunks
 
 
 def _values(cfg: SpecConfig, key: str, auto: set[str], choices: list) -> list:

@@ -152,6 +152,7 @@ class Stage(nn.Module):
         self.stage, self.num_stages = ctx.stage, ctx.num_stages
         self.chunks = plan["stages"][ctx.stage]["chunks"]        # layer ids per local chunk
         self.num_model_chunks = self.num_stages * len(self.chunks)
+        self.model_chunks = ctx.placement.chunks(self.stage, self.num_stages, len(self.chunks))  # the plan's placement
         self.has_first = ctx.is_first_stage()
         self.has_last = ctx.is_last_stage()
         if self.has_first:
@@ -185,7 +186,7 @@ class Stage(nn.Module):
 
     def forward_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
         """Local chunk c: token ids (B, T) or hidden (B, T, h) -> hidden, or logits (B, T, V'/tp)."""
-        k = c * self.num_stages + self.stage                    # model chunk index
+        k = self.model_chunks[c]                                # model chunk index
         if k == 0:
             x = self.drop(self.embed(x))                        # (B, T=2048, h=12288)
         pos = rt.Positions(rope=None,
