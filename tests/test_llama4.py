@@ -17,13 +17,19 @@ so the comparison fails if the program dropped one.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import parcompile
 from parcompile.config.hf import from_hf_dict
+from parcompile.config.hf_weights import expected_shapes, hf_config, hf_family
+from tests.family_utils import assert_logits_equal, import_keys, stage_from_hf, token_ids
+from tests.program_utils import tiny_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
 
@@ -53,6 +59,29 @@ def _hf_config(**extra):
         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None), **extra})
 
 
+def _save(path: Path, **extra):
+    torch.manual_seed(23)
+    hf = transformers.Llama4ForCausalLM(_hf_config(**extra)).float().eval()
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():   # non-trivial norms and a decisive router, so a misplaced weight shows
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("router.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama4")
+    hf = _save(tmp / "hf")
+    cfg = tiny_config(model=import_keys(tmp / "hf"), name="llama4")
+    stage, plan = stage_from_hf(cfg, tmp / "hf", tmp / "prog")
+    return dict(tmp=tmp, hf=hf, cfg=cfg, stage=stage, plan=plan)
+
+
 def test_scout_counts_as_transformers_on_the_meta_device(tmp_path):
     """Scout's text config as `model s from "config.json"`: the plan's parameter count equals
     Llama4ForCausalLM's on the meta device (107,769,861,120: its text model; the hub
@@ -76,6 +105,85 @@ def test_scout_counts_as_transformers_on_the_meta_device(tmp_path):
     assert {k: v for k, v in preset.config.model if k != "name"} == {k: v for k, v in m if k != "name"}
 
 
+def test_import_maps_every_field(case):
+    m, hc = case["cfg"].model, case["hf"].config
+    from parcompile.core.model import moe_layer, rope_layer
+
+    assert [int(rope_layer(m, i)) for i in range(LAYERS)] == hc.no_rope_layers
+    assert [i for i in range(LAYERS) if moe_layer(m, i)] == hc.moe_layers
+    assert (m.attention_chunk_size, m.floor_scale, m.attn_scale, m.attn_temperature_tuning) == (CHUNK, 4.0, 0.5, True)
+    assert (m.ffn_hidden, m.expert_ffn_hidden, m.experts, m.top_k, m.shared_experts) == (96, 32, 4, 2, 1)
+    assert (m.scoring_func, m.norm_topk_prob, m.moe_apply_probs_on_input, m.rope_interleave) == (
+        "sigmoid", False, True, True)
+    assert hf_family(m) == "llama4_text"
+
+
+def test_config_round_trips(case):
+    """keys -> config.json (hf_config) -> keys: the same model; transformers reads the
+    written config.json into the same layer lists."""
+    m = case["cfg"].model
+    written = hf_config(m)
+    assert written["model_type"] == "llama4_text"
+    back = transformers.Llama4TextConfig(**{k: v for k, v in written.items() if k != "model_type"})
+    hc = case["hf"].config
+    assert (back.no_rope_layers, back.moe_layers, back.layer_types) == (hc.no_rope_layers, hc.moe_layers,
+                                                                         hc.layer_types)
+    again = {k: v for k, v in from_hf_dict(written).items() if v is not None and k not in ("seq_len", "dtype")}
+    assert tiny_config(model={**import_keys(case["tmp"] / "hf"), **again}).model == m
+
+
+def test_parameter_count_equals_transformers(case):
+    total = sum(p.numel() for p in case["hf"].parameters())
+    assert case["plan"]["model"]["params"] == total
+    assert sum(math.prod(s) for s in expected_shapes(case["cfg"].model).values()) == total
+
+
+def test_logits_equal_transformers(case):
+    assert_logits_equal(case["stage"], case["hf"], case["cfg"].model.vocab)
+
+
+@pytest.mark.parametrize("feature", ["attention_chunk_size", "attn_temperature_tuning", "use_qk_norm",
+                                     "no_rope_layers", "router"])
+def test_each_feature_bites(case, feature):
+    """transformers' logits change when a feature is switched off (or, ``router``: its
+    weights applied to the experts' outputs instead of their inputs), so the logits test
+    above would fail if the program dropped it."""
+    hf = case["hf"]
+    ids = token_ids(case["cfg"].model.vocab)
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        other = copy.deepcopy(hf)
+        if feature == "router":
+            for layer in other.model.layers:
+                if layer.is_moe_layer:
+                    layer.feed_forward.forward = _weights_on_outputs(layer.feed_forward)
+        else:
+            value = {"attention_chunk_size": None, "attn_temperature_tuning": False, "use_qk_norm": False,
+                     "no_rope_layers": [1] * LAYERS}[feature]
+            setattr(other.config, feature, value)
+            if feature == "attention_chunk_size":
+                other.config.layer_types = ["full_attention"] * LAYERS
+            for i, layer in enumerate(other.model.layers):
+                attn = layer.self_attn
+                attn.attn_temperature_tuning = other.config.attn_temperature_tuning
+                attn.use_rope = other.config.no_rope_layers[i]
+                if feature == "use_qk_norm" and hasattr(attn, "qk_norm"):
+                    del attn.qk_norm
+        got = other(input_ids=ids).logits
+    assert (got - want).abs().max() > 1e-3, feature
+
+
+def _weights_on_outputs(moe):
+    """Llama4TextMoe's forward with each router weight scaling its expert's output."""
+    def forward(x):
+        x = x.reshape(-1, moe.hidden_dim)
+        scores, logits = moe.router(x)
+        E = scores.shape[1]
+        out = moe.experts(x.repeat(E, 1)).view(E, -1, x.shape[-1])
+        return moe.shared_expert(x) + (out * scores.t().unsqueeze(-1)).sum(0), logits
+    return forward
+
+
 def test_a_placement_parcompile_cannot_express_is_refused():
     from parcompile.config.hf import HFConfigError
 
@@ -85,3 +193,21 @@ def test_a_placement_parcompile_cannot_express_is_refused():
     cfg = json.loads(_hf_config(moe_layers=[0, 3]).to_json_string())
     with pytest.raises(HFConfigError, match="moe_layers"):
         from_hf_dict(cfg)
+
+
+def test_serving_is_refused_with_a_diagnostic(case):
+    """The serve program has no chunked or temperature-tuned cached attention yet: a serve spec
+    of the checkpoint is refused at the model, naming Llama 4's layers and what to use instead."""
+    from parcompile.codegen.emit import program_gaps
+    from parcompile.frontend import load_spec
+
+    tmp = case["tmp"]
+    spec = tmp / "serve.par"
+    spec.write_text('model m from "hf/config.json" { dtype = fp32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n'
+                    'parallel { }\nserve { batch = 2, prompt_len = 6, max_new_tokens = 4, weights = "hf" }\n')
+    cfg, _ = load_spec(spec)
+    gaps = [g for g in program_gaps(cfg) if g.severity == "error"]
+    assert len(gaps) == 1 and "Llama 4's layers while serving" in gaps[0].message
+    assert gaps[0].span.line == 1 and "vLLM" in gaps[0].help
+    with pytest.raises(Exception, match="Llama 4's layers while serving"):
+        parcompile.compile(spec).write(tmp / "serve_out")
