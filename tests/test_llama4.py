@@ -28,6 +28,7 @@ import torch
 import parcompile
 from parcompile.config.hf import from_hf_dict
 from parcompile.config.hf_weights import expected_shapes, hf_config, hf_family
+from parcompile.config.presets import MODEL_PRESETS
 from tests.family_utils import assert_logits_equal, import_keys, stage_from_hf, token_ids
 from tests.program_utils import tiny_config
 
@@ -211,3 +212,19 @@ def test_serving_is_refused_with_a_diagnostic(case):
     assert gaps[0].span.line == 1 and "vLLM" in gaps[0].help
     with pytest.raises(Exception, match="Llama 4's layers while serving"):
         parcompile.compile(spec).write(tmp / "serve_out")
+
+
+def test_the_miniature_keeps_llama4s_layers_biting():
+    """verify's miniature of Scout (16 tokens, a few layers) keeps the complex RoPE pairs, NoPE
+    layers, MoE layers between dense ones and shrinks the chunk and the temperature's unit so
+    that both act within its 16 tokens (tests/test_verify.py's llama4 case runs one)."""
+    from parcompile.core.model import moe_layer, rope_layer
+    from parcompile.miniature import miniature
+
+    cfg = tiny_config(2, 2, 2, model=dict(MODEL_PRESETS["llama4-scout"], interleave_moe_layer_step=2),
+                      parallel=dict(ep=2, sequence_parallel=True))
+    m = miniature(cfg).model
+    assert (m.rope_interleave, m.qk_l2_norm, m.attn_temperature_tuning) == (True, True, True)
+    assert m.attention_chunk_size < m.seq_len and m.floor_scale < m.seq_len
+    assert {rope_layer(m, i) for i in range(m.layers)} == {True, False}
+    assert {moe_layer(m, i) for i in range(m.layers)} == {True, False}

@@ -509,14 +509,16 @@ OPS: dict[str, OpSpec] = {
         # Llama 4's L2 norm of q or k after RoPE (transformers' Llama4TextL2Norm: x / rms(x) over
         # head_dim, no weight), on its RoPE layers (``nope``: passed through); keeps its input and
         # one fp32 scalar per token and head, as qk_norm
-        OpSpec("l2_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
+        OpSpec("l2_norm", _same, saves=lambda a: () if a.get("nope") else (0,),
+               saved_extra=lambda a, i, o: 0 if a.get("nope") else _head_norm_extra(a, i, o), arity=1,
                traffic=_elementwise_traffic, per_layer=("nope",),
                code=lambda a: Code(call="rt.l2_norm({x}, {a[eps]!r}" + (", skip={a[nope]!r}" if "nope" in a else "")
                                    + ")", comment="x / rms(x) over head_dim, each head alone (no weight)",
                                    per_head=True, inline=False, var="", heads_in=True, heads_out=True)),
         # Llama 4's attention temperature tuning of q on its NoPE layers (``rope``: a RoPE layer's,
         # passed through): each query times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1
-        OpSpec("attn_temperature", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic,
+        # (keeps only the per-position factors, T floats)
+        OpSpec("attn_temperature", _same, arity=1, traffic=_elementwise_traffic,
                per_layer=("rope",),
                code=lambda a: Code(call="rt.tuned_queries({x}, pos, {a[floor_scale]!r}, {a[attn_scale]!r}"
                                    + (", skip={a[rope]!r}" if "rope" in a else "") + ")",
