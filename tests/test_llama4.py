@@ -228,3 +228,19 @@ def test_the_miniature_keeps_llama4s_layers_biting():
     assert m.attention_chunk_size < m.seq_len and m.floor_scale < m.seq_len
     assert {rope_layer(m, i) for i in range(m.layers)} == {True, False}
     assert {moe_layer(m, i) for i in range(m.layers)} == {True, False}
+
+
+def test_a_hand_written_llama4_spec_checks(tmp_path):
+    """rope_interleave without multi-head latent attention is Llama 4's RoPE (accepted, as its
+    preset and config.json give it); with a partial rotary_fraction it is a spanned error."""
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    spec = tmp_path / "m.par"
+    body = "layers = 4, hidden = 64, heads = 4, vocab = 256, seq_len = 32, rope_interleave = true, nope_layer_interval = 2"
+    spec.write_text(f'model m {{\n    {body}\n}}\ncluster c from "cpu" {{ gpus_per_node = 1 }}\nparallel {{ }}\n')
+    cfg, _ = load_spec(spec)
+    assert cfg.model.rope_interleave and cfg.model.nope_layer_interval == 2
+    spec.write_text(spec.read_text().replace("nope_layer_interval = 2", "rotary_fraction = 0.5"))
+    with pytest.raises(SpecError, match=r"m\.par:2:\d+: error: rope_interleave with a partial rotary_fraction"):
+        load_spec(spec)
