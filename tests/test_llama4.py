@@ -244,3 +244,19 @@ def test_a_hand_written_llama4_spec_checks(tmp_path):
     spec.write_text(spec.read_text().replace("nope_layer_interval = 2", "rotary_fraction = 0.5"))
     with pytest.raises(SpecError, match=r"m\.par:2:\d+: error: rope_interleave with a partial rotary_fraction"):
         load_spec(spec)
+
+
+def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
+    """A short fine-tune's hf_output (config.json and safetensors in transformers' fused
+    expert layout) loads in transformers with the same tensor names and layer lists, the
+    experts, the shared expert and the router changed, and gives the logits parcompile gives."""
+    from tests.family_utils import check_written_back, fine_tune
+
+    cfg = case["cfg"]
+    out = fine_tune(cfg, case["tmp"] / "hf", tmp_path)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "llama4_text" and written["architectures"] == ["Llama4ForCausalLM"]
+    back = check_written_back(cfg, out, case["hf"], tmp_path / "prog_back",
+                              moved=("experts.gate_up_proj", "experts.down_proj", "shared_expert", "router"))
+    assert (back.config.no_rope_layers, back.config.moe_layers) == (case["hf"].config.no_rope_layers,
+                                                                     case["hf"].config.moe_layers)
