@@ -42,7 +42,8 @@ rows into the output, and the core attends the cached latent and RoPE key::
         one shared "kv head" of c + r, values the latent: per head c wide)
     -> attn.value_up (mla_value_up: y W_uv per head, v wide) -> attn.wo
 
-A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
+A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on; Llama 4:
+every ``interleave_moe_layer_step``-th of them, :func:`parcompile.core.model.moe_layer`)
 replaces the MLP by::
 
     mlp_norm -> mlp.router (softmax top-k, fp32 probabilities)
@@ -68,7 +69,8 @@ claims lowers the same way)::
                mla        kv_lora_rank > 0 (DeepSeek-V3)
     mlp        gated      activation swiglu/geglu: w1, w3 -> act -> w2
                ungated    other activations: w1 -> act -> w2
-               moe        experts > 0, layers from dense_layers on (+ shared experts)
+               moe        experts > 0, layers from dense_layers on, every interleave_moe_layer_step-th
+                          (+ shared experts)
     norms      pre        attn_norm and mlp_norm before each branch
                sandwich   sandwich_norm (Gemma 2/3): + a post norm after each branch
     residual   sequential the MLP reads the attention residual
