@@ -75,6 +75,10 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         # local and global layers both present in the miniature (Gemma 3's 6 -> at most its layers)
         sliding_window_pattern=min(m.sliding_window_pattern, max(layers, 2)) if m.sliding_window_pattern else 0,
         dtype=dtype, vocab_multiple=mult, **_mini_experts(m, p, hidden, layers),
+        # Llama 4's: chunks and a temperature that bite within 16 tokens, NoPE and MoE layers within its layers
+        rope_interleave=m.rope_interleave, attention_chunk_size=min(m.attention_chunk_size, 6),
+        floor_scale=min(m.floor_scale, 4.0), nope_layer_interval=min(m.nope_layer_interval, layers),
+        interleave_moe_layer_step=min(m.interleave_moe_layer_step, layers),
     )
     model = ModelConfig(**{**keys, **mla})
     par = p.model_copy(update=dict(
@@ -171,6 +175,8 @@ MINIATURE_KEYS = frozenset({
     "routed_scaling_factor",
     # multi-head latent attention (`mla` in miniature; a model without it takes the defaults)
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    # Llama 4's chunk, temperature unit and layer intervals (shrunk to bite in the miniature)
+    "attention_chunk_size", "floor_scale", "nope_layer_interval", "interleave_moe_layer_step",
 })
 
 

@@ -70,6 +70,12 @@ VALUES: dict[str, list[tuple[object, dict]]] = {
     "routed_scaling_factor": [(2.5, MOE)],
     "swiglu_alpha": [(1.702, {**MOE, "swiglu_limit": 7.0})], "swiglu_limit": [(7.0, {**MOE, "swiglu_alpha": 1.702})],
     "vocab_multiple": [(64, {})],
+    # Llama 4's
+    "nope_layer_interval": [(2, {})], "attention_chunk_size": [(16, {})],
+    "attn_temperature_tuning": [(True, {"nope_layer_interval": 2})],
+    "floor_scale": [(4.0, {"nope_layer_interval": 2, "attn_temperature_tuning": True})],
+    "attn_scale": [(0.5, {"nope_layer_interval": 2, "attn_temperature_tuning": True})], "qk_l2_norm": [(True, {})],
+    "interleave_moe_layer_step": [(2, MOE)], "moe_apply_probs_on_input": [(True, MOE)],
 }
 #: the model every spec starts from (the required keys; everything else at its default)
 BASE = {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 128, "vocab": 256, "seq_len": 64}

@@ -138,7 +138,8 @@ def test_unknown_model_preset_lists_valid_names():
     assert (message, line, col) == ("unknown model preset `llama3-7b`", 1, 14)
     assert help == ("did you mean `llama3-70b`? model presets are `llama2-7b`, `llama2-13b`, `llama2-70b`, "
                     "`llama3-8b`, `llama3-70b`, `llama3.1-405b`, `mistral-7b`, `mixtral-8x7b`, `mixtral-8x22b`, "
-                    "`qwen2-7b`, `qwen2-72b`, `qwen3-8b`, `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3`, `gemma3-27b`, `gpt-oss-20b`, `gpt-oss-120b` or `gpt3-175b`, or a path "
+                    "`qwen2-7b`, `qwen2-72b`, `qwen3-8b`, `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3`, `gemma3-27b`, `llama4-scout`, "
+                    "`gpt-oss-20b`, `gpt-oss-120b` or `gpt3-175b`, or a path "
                     "to a Hugging Face `config.json`")
 
 

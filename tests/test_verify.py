@@ -122,6 +122,20 @@ CASES = {
         rope_mscale=0.707, rope_mscale_all_dim=1.0, experts=4, top_k=2, shared_experts=1, dense_layers=1,
         scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1, routed_scaling_factor=2.5),
         parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
+    # issue 46: Llama 4's text model (RoPE and NoPE layers, chunks of 6 of 16 tokens on the RoPE
+    # layers, temperature-tuned NoPE layers, the L2 qk-norm, complex RoPE pairs with llama3
+    # scaling; MoE every 2nd layer over ep with a shared expert, the sigmoid router's weights
+    # on the experts' inputs), dp x tp x pp
+    "llama4_dp2_tp2_pp2_ep2": dict(dp=2, tp=2, pp=2, model=dict(
+        rope_interleave=True, nope_layer_interval=2, attention_chunk_size=6, attn_temperature_tuning=True,
+        floor_scale=4.0, attn_scale=0.5, qk_l2_norm=True, rope_type="llama3", rope_scaling_factor=8.0,
+        rope_original_max_positions=8, experts=4, top_k=2, shared_experts=1, interleave_moe_layer_step=2,
+        scoring_func="sigmoid", norm_topk_prob=False, moe_apply_probs_on_input=True),
+        parallel=dict(ep=2, expert_tp=1, sequence_parallel=True)),
+    # its attention alone (dense, no ep): the saved activations per layer are checked against the plan
+    "llama4_dense_tp2_pp2": dict(tp=2, pp=2, model=dict(
+        rope_interleave=True, nope_layer_interval=2, attention_chunk_size=6, attn_temperature_tuning=True,
+        floor_scale=4.0, attn_scale=0.5, qk_l2_norm=True)),
     "mla_dp2_tp2_no_q_lora_selective": dict(dp=2, tp=2, model=dict(
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4),
         parallel=dict(recompute="selective")),

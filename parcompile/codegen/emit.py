@@ -26,7 +26,7 @@ from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import TORCH_NAMES
-from parcompile.core.model import rotary_dim
+from parcompile.core.model import LLAMA4_KEYS, rotary_dim
 from parcompile.core.quant import quantized_param, weight_format, weight_key
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
 from parcompile.codegen.classes import serve_classes, train_classes
@@ -66,6 +66,13 @@ _NOT_IN_PROGRAM: tuple = (
      "disaggregated prefill and decode pools", "the serve program prefills and decodes on the decode pool's "
      "layout; `parcompile plan`, `search` and `export --to vllm|sglang` (a prefill and a decode server) describe "
      "the pools", 45, False),
+    # Llama 4's layers (issue 46) are trained, not served: the serving attention over the KV
+    # cache has no chunked mask, NoPE layers, temperature tuning or L2 qk-norm yet
+    ("model.nope_layer_interval", lambda cfg: cfg.serve is not None and any(
+        getattr(cfg.model, k) != v for k, v in LLAMA4_KEYS.items()),
+     "Llama 4's layers while serving (NoPE layers, chunked attention, temperature tuning, the L2 qk-norm, "
+     "interleaved MoE layers)", "the serve program's cached attention has none of them yet: `parcompile plan`, "
+     "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
 )
 
 
@@ -380,9 +387,11 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
                 or dense.forward != moe_kind.forward:
             raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
                              "the program writes one Block class")
+        # Llama 4: dense layers between MoE ones, every MOE_LAYER_STEP-th layer MoE (core/model.py moe_layer)
+        every = any(not x.moe and x.index > pd.moe_layer.index for st in pd.stages for x in st.layers)
+        when = "i >= DENSE_LAYERS" + (" and (i + 1) % MOE_LAYER_STEP == 0" if every else "")
         block = dataclasses.replace(moe_kind, init=tuple(
-            f"self.mlp = {moe} if i >= DENSE_LAYERS else MLP(i, tp)" if ln == mlp_line else ln
-            for ln in dense.init))
+            f"self.mlp = {moe} if {when} else MLP(i, tp)" if ln == mlp_line else ln for ln in dense.init))
     return block
 
 

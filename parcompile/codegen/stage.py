@@ -312,6 +312,8 @@ def train_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
                          f"{m.shared_experts} shared (always-on) expert(s), one MLP, tensor parallel over tp"))
         if pd.dense_layer is not None:
             rows.append(("DENSE_LAYERS", m.dense_layers, "leading layers with a dense MLP"))
+            if m.interleave_moe_layer_step > 1:
+                rows.append(("MOE_LAYER_STEP", m.interleave_moe_layer_step, "after them every Nth layer is MoE"))
         seq = aux["seq_ranks"]
         rows += [(None, None, f"load-balancing loss alpha * E * sum_e f_e P_e (Switch Transformer), alpha = "
                               f"{m.router_aux_loss}; its"),
@@ -338,6 +340,8 @@ def serve_constants(m, pd: ProgramData, kinds: dict, padded: int, rope_dim: int,
                          f"{m.shared_experts} shared (always-on) expert(s), one MLP split over tp"))
         if pd.dense_layer is not None:
             rows.append(("DENSE_LAYERS", m.dense_layers, "leading layers with a dense MLP; the rest are MoE layers"))
+            if m.interleave_moe_layer_step > 1:
+                rows.append(("MOE_LAYER_STEP", m.interleave_moe_layer_step, "after them every Nth layer is MoE"))
     rows += [("VOCAB", m.vocab, ""),
              ("PADDED_VOCAB", padded,
               f"a multiple of {m.vocab_multiple} * tp; padded rows stay zero and are never sampled"),

@@ -36,7 +36,7 @@ from parcompile.core.dtypes import TORCH_NAMES
 from parcompile.core.families.base import (HFWeightsError, Problem, Source, foreign_problems, router)
 from parcompile.core.files import json_loads
 from parcompile.core.hf import SUPPORTED_MODEL_TYPES, HFConfigError, from_hf_dict
-from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, rotary_dim
+from parcompile.core.model import GATED_ACTIVATIONS, ModelKeys, moe_layer, rotary_dim
 from parcompile.core.quant import QuantConfigError, QuantFormat, checkpoint_format, stored_quantized, stored_tensors
 
 #: every model_type parcompile writes (:data:`parcompile.core.families.MODEL_TYPES`)
@@ -110,10 +110,6 @@ def hf_family(model: ModelKeys) -> str:
 # --------------------------------------------------------------------------- tensor layout
 
 
-def _layer_mlp_is_moe(m: ModelKeys, i: int) -> bool:
-    return m.experts > 0 and i >= m.dense_layers
-
-
 def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """Our global parameter names -> global shapes, in layer order, as a training program
     of ``model`` holds them: the vocabulary unpadded (``tp = None``) or padded for ``tp``
@@ -156,7 +152,7 @@ def expected_shapes(model: ModelKeys, tp: int | None = None, buffers: bool = Fal
         if m.sandwich_norm:
             _add_norm(out, m, f"{p}.attn_post_norm")
         _add_norm(out, m, f"{p}.mlp_norm")
-        if _layer_mlp_is_moe(m, i):
+        if moe_layer(m, i):
             _add_moe(out, m, p, buffers)
         else:
             _add_mlp(out, m, f"{p}.mlp", m.ffn_hidden)

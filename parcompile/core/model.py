@@ -131,6 +131,21 @@ def layer_windows(layers: int, sliding_window: int, pattern: int) -> tuple[int, 
     return tuple(0 if (i + 1) % pattern == 0 else sliding_window for i in range(layers))
 
 
+def rope_layer(keys, i: int) -> bool:
+    """Whether layer ``i`` of a model (ModelKeys or ModelConfig) applies RoPE: ``position =
+    rope`` and not one of every ``nope_layer_interval`` (transformers' Llama4TextConfig
+    ``no_rope_layers``: 0 at (i + 1) % no_rope_layer_interval == 0)."""
+    n = keys.nope_layer_interval
+    return keys.position == "rope" and not (n and (i + 1) % n == 0)
+
+
+def moe_layer(keys, i: int) -> bool:
+    """Whether layer ``i`` of a model is a mixture-of-experts layer: it has experts, and
+    from ``dense_layers`` on every ``interleave_moe_layer_step``-th ((i + 1) % step == 0,
+    transformers' Llama4TextConfig ``moe_layers``)."""
+    return keys.experts > 0 and i >= keys.dense_layers and (i + 1) % keys.interleave_moe_layer_step == 0
+
+
 def padded_vocab(vocab: int, vocab_multiple: int, tp: int) -> int:
     """Megatron-LM's rule: ``ceil(vocab / (vocab_multiple * tp)) * vocab_multiple * tp``
     rows of the embedding and LM head, so that every tp rank holds the same number."""
@@ -291,6 +306,27 @@ class ModelKeys:
     swiglu_alpha: Optional[float] = key(None, POSITIVE)
     swiglu_limit: Optional[float] = key(None, POSITIVE)
     vocab_multiple: int = key(128, COUNT)
+    #: Llama 4 (HF Llama4TextConfig's names, transformers 5.25 modeling_llama4.py). Every
+    #: `nope_layer_interval`-th layer, (i + 1) % N == 0, has no RoPE (HF `no_rope_layers`,
+    #: `no_rope_layer_interval`); 0: RoPE on every layer
+    nope_layer_interval: int = key(0, NONNEG_INT)
+    #: the RoPE layers attend within chunks: query i attends key j <= i when i // c == j // c
+    #: (HF `attention_chunk_size`, `chunked_attention` layers); 0: none
+    attention_chunk_size: int = key(0, NONNEG_INT)
+    #: the NoPE layers scale the query at position p by log1p(floor((p + 1) / floor_scale))
+    #: * attn_scale + 1 (HF `attn_temperature_tuning`; Nakanishi 2025, arXiv 2501.19399)
+    attn_temperature_tuning: bool = key(False, BOOL)
+    floor_scale: float = key(8192.0, POSITIVE)
+    attn_scale: float = key(0.1, NONNEG)
+    #: q and k of the RoPE layers divided by their root mean square over head_dim after RoPE,
+    #: no weight (HF Llama 4 `use_qk_norm`: Llama4TextL2Norm)
+    qk_l2_norm: bool = key(False, BOOL)
+    #: of the layers from dense_layers on, layer i is MoE when (i + 1) % N == 0, the others
+    #: dense MLPs of ffn_hidden (HF Llama 4 `interleave_moe_layer_step`)
+    interleave_moe_layer_step: int = key(1, COUNT)
+    #: the router's weights scale each token's input to its experts, not their outputs
+    #: (Llama4TextMoe; Megatron-Core's `moe_apply_probs_on_input`)
+    moe_apply_probs_on_input: bool = key(False, BOOL)
 
 
     def __post_init__(self) -> None:
@@ -322,6 +358,13 @@ class ModelKeys:
 ROUTER_DEFAULTS = {f.name: f.default for f in fields(ModelKeys)
                    if f.name in ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")}
 
+#: the keys only Llama 4 sets and their ModelKeys defaults (its NoPE, chunked, temperature-tuned
+#: and L2-normed attention, its interleaved MoE layers): the family's feature
+#: (core/families/llama4.py), and what the serve program does not run yet (codegen/emit.py)
+LLAMA4_KEYS = {f.name: f.default for f in fields(ModelKeys)
+               if f.name in ("nope_layer_interval", "attention_chunk_size", "attn_temperature_tuning", "qk_l2_norm",
+                             "interleave_moe_layer_step", "moe_apply_probs_on_input")}
+
 #: every key of a model block in the declared order, the name aside, -> its :class:`KeyCheck`
 MODEL_KEY_CHECKS: dict[str, KeyCheck] = {f.name: f.metadata["check"] for f in fields(ModelKeys)
                                          if f.metadata.get("check") is not None}
@@ -329,5 +372,6 @@ MODEL_KEY_CHECKS: dict[str, KeyCheck] = {f.name: f.metadata["check"] for f in fi
 REQUIRED_MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in fields(ModelKeys) if f.default is MISSING)
 
 
-__all__ = ["BOOL", "COUNT", "GATED_ACTIVATIONS", "KeyCheck", "MODEL_KEY_CHECKS", "ModelKeys", "NONNEG", "NONNEG_INT",
-           "POSITIVE", "REQUIRED_MODEL_KEYS", "enum", "key", "ROUTER_DEFAULTS", "attention_scale", "cached_tokens", "rotary_dim", "yarn_mscale", "rope_scaling", "derived_defaults", "layer_windows", "padded_vocab"]
+__all__ = ["BOOL", "COUNT", "GATED_ACTIVATIONS", "KeyCheck", "LLAMA4_KEYS", "MODEL_KEY_CHECKS", "ModelKeys", "NONNEG", "NONNEG_INT",
+           "POSITIVE", "REQUIRED_MODEL_KEYS", "enum", "key", "ROUTER_DEFAULTS", "attention_scale", "cached_tokens", "rotary_dim", "yarn_mscale", "rope_scaling", "derived_defaults", "layer_windows", "moe_layer", "padded_vocab",
+           "rope_layer"]

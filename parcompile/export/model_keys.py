@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from parcompile.core.model import MODEL_KEY_CHECKS, ModelKeys, derived_defaults
+from parcompile.core.model import LLAMA4_KEYS, MODEL_KEY_CHECKS, ModelKeys, derived_defaults
 from parcompile.export.common import fmt_num
 from parcompile.plan import Plan
 
@@ -162,6 +162,9 @@ def checkpoint_key_errors(plan: Plan, target: str) -> list[str]:
 
 # --------------------------------------------------------------------------- the declarations
 
+#: the keys only Llama 4 sets (core/model.py LLAMA4_KEYS) and its temperature's scales
+_LLAMA4_KEYS = " ".join([*LLAMA4_KEYS, "floor_scale", "attn_scale"])
+
 _MEGATRON_SOURCE = "core_v0.19.0 5be9626709af2722333bf54797c954c09edeada3"
 #: Megatron-LM core_v0.19's pretrain_gpt.py (flags: megatron/training/arguments.py, the
 #: TransformerConfig fields made flags by ArgumentGroupFactory less its exclude list)
@@ -242,6 +245,8 @@ MEGATRON = TargetKeys("Megatron-LM (pretrain_gpt.py)", {
     **_each("router_bias", "Megatron-Core's router has no bias"),
     **_each("swiglu_alpha swiglu_limit",
             "the clamped SwiGLU needs TransformerConfig.activation_func, which has no flag"),
+    **_each(_LLAMA4_KEYS, "parcompile writes none of Llama 4's NoPE, chunked-attention, temperature, L2 qk-norm "
+                          "or interleaved-MoE settings to pretrain_gpt.py"),
 })
 
 #: Megatron-Bridge 0.3.1: the Megatron-LM arguments renamed (MEGATRON_BRIDGE_FIELDS), but
@@ -284,6 +289,7 @@ _TORCHTITAN_REFUSED = {
             "GQAttention.__init__ `self.scaling`), with no config field for another scale"),
     **_each("attention_sinks", "torchtitan's llama3 attention has no sinks"),
     **_each("dropout", "torchtitan's llama3 has no dropout"),
+    **_each(_LLAMA4_KEYS, "Llama 4's layers: torchtitan's llama3 has none (its llama4 model has)"),
     **_each("experts top_k expert_ffn_hidden shared_experts dense_layers router_aux_loss norm_topk_prob router_bias "
             "scoring_func topk_method n_group topk_group routed_scaling_factor swiglu_alpha swiglu_limit",
             "parcompile exports dense llama3-family models to torchtitan; its MoE models (deepseek_v3, qwen3) need "
@@ -364,6 +370,11 @@ _HF_FIELDS = {
     "scoring_func": "model_type (deepseek_v3: sigmoid)", "topk_method": "model_type (deepseek_v3: noaux_tc)",
     "n_group": "n_group", "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
     "swiglu_alpha": "swiglu_alpha", "swiglu_limit": "swiglu_limit",
+    # Llama 4 (llama4_text): vLLM's and SGLang's Llama4 models read these Llama4TextConfig fields
+    "nope_layer_interval": "no_rope_layers", "attention_chunk_size": "attention_chunk_size",
+    "attn_temperature_tuning": "attn_temperature_tuning", "floor_scale": "floor_scale", "attn_scale": "attn_scale",
+    "qk_l2_norm": "use_qk_norm (llama4_text)", "interleave_moe_layer_step": "moe_layers / interleave_moe_layer_step",
+    "moe_apply_probs_on_input": "model_type (llama4_text)",
 }
 _SERVED = {
     **{k: Carried(CHECKPOINT, f"config.json field {f}") for k, f in _HF_FIELDS.items()},

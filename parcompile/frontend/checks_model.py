@@ -184,8 +184,9 @@ def check_attention_kinds(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set norm = rmsnorm, or zero_centered_gamma = false")
 
 
-#: the model keys that describe multi-head latent attention (with kv_lora_rank)
-_MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
+#: the model keys that describe multi-head latent attention (with kv_lora_rank; rope_interleave
+#: also Llama 4's ordinary attention, its complex RoPE pairs)
+_MLA_KEYS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
@@ -193,6 +194,9 @@ def check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
     it replaces (kv heads, head_dim, rotary_fraction) and what it is not built with."""
     m, p = cfg.model, cfg.parallel
     if not m.kv_lora_rank:
+        if m.rope_interleave and m.rotary_fraction != 1.0 and ctx.ok("model.rope_interleave", "model.rotary_fraction"):
+            ctx.bag.error("rope_interleave with a partial rotary_fraction is not built", ctx.span("model.rope_interleave"),
+                          help="rotate the whole head (rotary_fraction = 1, as Llama 4) or remove rope_interleave")
         for key in _MLA_KEYS:
             if ctx.given(f"model.{key}") and ctx.ok(f"model.{key}", "model.kv_lora_rank"):
                 ctx.bag.error(f"{key} describes multi-head latent attention, which this model does not use "
@@ -201,7 +205,7 @@ def check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
                                    f"and v_head_dim, or remove {key}")
                 return
         return
-    keys = tuple(f"model.{k}" for k in ("kv_lora_rank",) + _MLA_KEYS)
+    keys = tuple(f"model.{k}" for k in ("kv_lora_rank", "rope_interleave") + _MLA_KEYS)
     if not ctx.ok(*keys):
         return
     for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

@@ -124,6 +124,8 @@ def _attention_facts(a) -> dict:
         kw += f", scale={a['scale']!r}"
     if a.get("softcap") is not None:   # Gemma 2: the scores capped before the softmax (no fused SDPA)
         kw += f", softcap={a['softcap']!r}"
+    if a.get("chunk") is not None:   # Llama 4's chunked attention (its RoPE layers)
+        kw += f", chunk={a['chunk']!r}"
     init = []
     if a.get("sinks"):
         kw += ", sinks=self.sinks"
@@ -187,11 +189,12 @@ def _norm_code(a) -> Code:
 def _rope_code(a) -> Code:
     common = dict(comment="RoPE at the tokens' global positions",
                   per_head=True, inline=False, var="", heads_in=True, heads_out=True)
-    if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
+    skip = "{x} if {a[nope]!r} else " if "nope" in a else ""   # Llama 4's NoPE layers: a per-layer attribute
+    if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head (Llama 4: 0)
         inter = ", interleave=True" if a.get("interleave") else ""
-        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")",
+        return Code(call=skip + "rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")",
                     serve_call="rt.rope_tail_at({x}, {a[start]}, *pos.rope" + inter + ")", **common)
-    return Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *pos.rope)", **common)
+    return Code(call=skip + "rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *pos.rope)", **common)
 
 
 def _add_code(a) -> Code:
@@ -297,7 +300,14 @@ def _moe_axes_facts(a) -> dict:
     """The expert axes the dispatch moves rows over, from its collectives (``_axes``): the
     all-to-alls over ep, the all-gather over expert_tp."""
     axes = a.get("_axes", ())
-    return {"kw": "".join(f", {ax}=self.{ax}" for ax in ("ep", "expert_tp") if ax in axes)}
+    kw = "".join(f", {ax}=self.{ax}" for ax in ("ep", "expert_tp") if ax in axes)
+    return {"kw": kw + _on_input(a)}
+
+
+def _on_input(a) -> str:
+    """Llama 4's ``probs_on_input``: the dispatch scales each row by its router weight, the
+    combine sums the rows unweighted."""
+    return ", probs_on_input=True" if a.get("probs_on_input") else ""
 
 
 def _experts_facts(a) -> dict:
@@ -343,8 +353,9 @@ CODES: dict[str, Any] = {
                           "OUT_STD{kw}, local={local}{fp8})",
                     facts=_experts_facts, inline=False, var="",
                     comment="each local expert's MLP on its rows (a grouped GEMM)"),
-    "moe_combine": Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0)",
-                        serve_call="rt.combine({0}, {1})", inline=False, operands=("rows", "route"), var="y",
+    "moe_combine": Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0{kw})",
+                        serve_call="rt.combine({0}, {1}{kw})", inline=False, operands=("rows", "route"), var="y",
+                        facts=lambda a: {"kw": _on_input(a)},
                         comment="rows back to their tokens, weighted by the router"),
     "mla_value": Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
                       heads_in=True, heads_out=True, comment="v per head, its own storage"),

@@ -12,7 +12,10 @@ The graph, per micro-batch of ``batch`` sequences of ``seq_len`` tokens::
         -> mlp.w1 (-> mlp.w3) -> mlp.act -> mlp.w2 -> mlp_residual
     sandwich_norm (Gemma 2/3) adds attn_post_norm after attn.wo and mlp_post_norm after the
     MLP, each before its residual add; a layer's attention window and RoPE base follow
-    ``layer_windows`` (sliding-window layers take ``rope_local_base_freq``)
+    ``layer_windows`` (sliding-window layers take ``rope_local_base_freq``). Llama 4 adds
+    attn.q_l2_norm, attn.k_l2_norm (``l2_norm``, after RoPE) and attn.q_temperature
+    (``attn_temperature``) to every layer; per layer (attributes) a NoPE layer's RoPE and L2
+    norm pass through, a RoPE layer's temperature does, and its core attends within chunks
     final_norm -> lm_head (-> lm_head.softcap: final_logit_softcapping) -> loss (cross-entropy, with labels)
 
 Multi-head latent attention (MLA, DeepSeek-V2/V3: ``kv_lora_rank > 0``) replaces the
@@ -39,7 +42,8 @@ rows into the output, and the core attends the cached latent and RoPE key::
         one shared "kv head" of c + r, values the latent: per head c wide)
     -> attn.value_up (mla_value_up: y W_uv per head, v wide) -> attn.wo
 
-A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on)
+A mixture-of-experts layer (``experts > 0``, every layer from ``dense_layers`` on; Llama 4:
+every ``interleave_moe_layer_step``-th of them, :func:`parcompile.core.model.moe_layer`)
 replaces the MLP by::
 
     mlp_norm -> mlp.router (softmax top-k, fp32 probabilities)
@@ -65,7 +69,8 @@ claims lowers the same way)::
                mla        kv_lora_rank > 0 (DeepSeek-V3)
     mlp        gated      activation swiglu/geglu: w1, w3 -> act -> w2
                ungated    other activations: w1 -> act -> w2
-               moe        experts > 0, layers from dense_layers on (+ shared experts)
+               moe        experts > 0, layers from dense_layers on, every interleave_moe_layer_step-th
+                          (+ shared experts)
     norms      pre        attn_norm and mlp_norm before each branch
                sandwich   sandwich_norm (Gemma 2/3): + a post norm after each branch
     residual   sequential the MLP reads the attention residual
@@ -90,7 +95,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from parcompile.config.schema import ModelConfig
-from parcompile.core.model import GATED_ACTIVATIONS, ROUTER_DEFAULTS, attention_scale, rope_scaling
+from parcompile.core.model import (GATED_ACTIVATIONS, ROUTER_DEFAULTS, attention_scale, moe_layer, rope_layer,
+                                   rope_scaling)
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Param
 from parcompile.ir.types import Dim, TensorType
@@ -111,8 +117,9 @@ class Rules:
     logits: str      # "plain" | "softcap"
 
     def layer_mlp(self, m: ModelConfig, i: int) -> str:
-        """The MLP rule of layer ``i``: "moe" from ``dense_layers`` on, else :attr:`mlp`."""
-        return "moe" if self.moe and i >= m.dense_layers else self.mlp
+        """The MLP rule of layer ``i``: "moe" where :func:`parcompile.core.model.moe_layer`
+        (from ``dense_layers`` on, every ``interleave_moe_layer_step``-th), else :attr:`mlp`."""
+        return "moe" if self.moe and moe_layer(m, i) else self.mlp
 
 
 def select_rules(m: ModelConfig, serve: bool = False) -> Rules:
@@ -227,21 +234,36 @@ def mha(L: Lowering, p: str, h: str, i: int) -> str:
     v = L.linear(f"{p}.attn.wv", h, L.H, L.KV, m.qkv_bias, "column", i)
     if m.qk_norm:
         q, k = L.qk_norm(f"{p}.attn.q_norm", q, i), L.qk_norm(f"{p}.attn.k_norm", k, i)
+    # Llama 4: every layer has the same ops; a NoPE layer's RoPE and L2 norm are marked `nope`
+    # (a per-layer attribute: they pass q and k through), its core scales q by position
+    nope = {} if rope_layer(m, i) else {"nope": True}
     if m.position == "rope":
         # Gemma 3: the sliding-window layers have a RoPE base of their own, unscaled
         local = bool(window) and m.rope_local_base_freq is not None
         local_theta = m.rope_local_base_freq if m.rope_local_base_freq is not None else m.rope_theta
-        ra = {"theta": local_theta if window else m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last"}
+        ra = {"theta": local_theta if window else m.rope_theta, "fraction": m.rotary_fraction, "tp": "shard_last",
+              **nope}
         scaling = rope_scaling(m)
         if scaling is not None and not local:   # scaling of the rope_theta layers
             ra["scaling"] = tuple(sorted(scaling.items()))
+        if m.rope_interleave:   # Llama 4's complex pairs: q and k permuted alike, their dot products unchanged
+            ra.update(start=0, interleave=True)
         q = L.op(f"{p}.attn.rope_q", "rope", [q], ra, layer=i)
         k = L.op(f"{p}.attn.rope_k", "rope", [k], ra, layer=i)
+    if m.qk_l2_norm:   # Llama 4: after RoPE, no weight
+        l2 = {"eps": m.norm_eps, "head_dim": m.head_dim, "tp": "shard_last", **nope}
+        q, k = (L.op(f"{p}.attn.{n}_l2_norm", "l2_norm", [x], l2, layer=i) for n, x in (("q", q), ("k", k)))
+    if m.attn_temperature_tuning and m.nope_layer_interval:   # Llama 4: q on the NoPE layers
+        q = L.op(f"{p}.attn.q_temperature", "attn_temperature", [q], {
+            "floor_scale": m.floor_scale, "attn_scale": m.attn_scale, "tp": "shard_last",
+            **({} if nope else {"rope": True})}, layer=i)
+    chunk = m.attention_chunk_size if not nope else 0
     sinks = [Param(f"{p}.attn.sinks", L.T(Dim("heads", m.heads)))] if m.attention_sinks else []
     a = L.op(f"{p}.attn.core", "attention", [q, k, v], {
         "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "seq_len": m.seq_len,
         "window": window, "impl": m.attention, "dropout": m.dropout, "causal": True,
         "tp": "shard_last", **L.scores(), **({"sinks": True} if sinks else {}),
+        **({"chunk": chunk} if chunk else {}),
     }, sinks, i)
     return L.linear(f"{p}.attn.wo", a, L.Q, L.H, m.bias, "row", i)
 
@@ -387,8 +409,9 @@ def moe(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
     router = L.op(f"{prefix}.router", "router", [x],
                   {**common, "in_dim": L.H, "out_dim": E, "fp32_input": m.dtype != "fp32", **_router_kind(m)},
                   rps, i)
-    routed = L.op(f"{prefix}.dispatch", "moe_dispatch", [x, router], {**common, "topk_dim": Dim("topk", m.top_k)},
-                  layer=i)
+    on_input = {"probs_on_input": True} if m.moe_apply_probs_on_input else {}   # Llama 4
+    routed = L.op(f"{prefix}.dispatch", "moe_dispatch", [x, router],
+                  {**common, "topk_dim": Dim("topk", m.top_k), **on_input}, layer=i)
     mats = ["w1", "w3", "w2"] if m.activation in GATED_ACTIVATIONS else ["w1", "w2"]
     eps = [Param(f"{prefix}.experts.{w}.weight", L.T(E, L.H, FE) if w == "w2" else L.T(E, FE, L.H), expert=True)
            for w in mats]
@@ -397,7 +420,7 @@ def moe(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
                 for w in mats]
     out = L.op(f"{prefix}.experts", "experts", [routed],
                {**common, "ffn": m.expert_ffn_hidden, "activation": m.activation, **_clamp(m)}, eps, i)
-    y = L.op(f"{prefix}.combine", "moe_combine", [out, router], common, layer=i)
+    y = L.op(f"{prefix}.combine", "moe_combine", [out, router], {**common, **on_input}, layer=i)
     if m.shared_experts:
         dense = MLP[L.rules.mlp]
         shared = dense(L, f"{prefix}.shared", x, Dim("shared_ffn", m.shared_experts * m.expert_ffn_hidden), i)

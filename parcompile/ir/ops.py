@@ -496,15 +496,34 @@ OPS: dict[str, OpSpec] = {
         # rotary position embedding at the tokens' global positions (the program's tables)
         # (Gemma 3: the sliding-window layers' own base, unscaled)
         OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch,
-               per_layer=("theta", "scaling")),
+               per_layer=("theta", "scaling", "nope")),
         # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
         OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
                traffic=_elementwise_traffic),
         OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
                saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
                saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch,
-               # sliding and full layers (Gemma 2/3, gpt-oss, Mistral); a scale per layer
-               per_layer=("window", "scale")),
+               # sliding and full layers (Gemma 2/3, gpt-oss, Mistral); a scale per layer; Llama 4's
+               # chunked (RoPE) and full (NoPE) layers
+               per_layer=("window", "scale", "chunk")),
+        # Llama 4's L2 norm of q or k after RoPE (transformers' Llama4TextL2Norm: x / rms(x) over
+        # head_dim, no weight), on its RoPE layers (``nope``: passed through); keeps its input and
+        # one fp32 scalar per token and head, as qk_norm
+        OpSpec("l2_norm", _same, saves=lambda a: () if a.get("nope") else (0,),
+               saved_extra=lambda a, i, o: 0 if a.get("nope") else _head_norm_extra(a, i, o), arity=1,
+               traffic=_elementwise_traffic, per_layer=("nope",),
+               code=lambda a: Code(call="rt.l2_norm({x}, {a[eps]!r}" + (", skip={a[nope]!r}" if "nope" in a else "")
+                                   + ")", comment="x / rms(x) over head_dim, each head alone (no weight)",
+                                   per_head=True, inline=False, var="", heads_in=True, heads_out=True)),
+        # Llama 4's attention temperature tuning of q on its NoPE layers (``rope``: a RoPE layer's,
+        # passed through): each query times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1
+        # (keeps only the per-position factors, T floats)
+        OpSpec("attn_temperature", _same, arity=1, traffic=_elementwise_traffic,
+               per_layer=("rope",),
+               code=lambda a: Code(call="rt.tuned_queries({x}, pos, {a[floor_scale]!r}, {a[attn_scale]!r}"
+                                   + (", skip={a[rope]!r}" if "rope" in a else "") + ")",
+                                   comment="the query times its position's temperature", per_head=True,
+                                   inline=False, var="", heads_in=True, heads_out=True)),
         # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,

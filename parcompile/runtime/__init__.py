@@ -16,6 +16,7 @@ from parcompile.runtime.layers import *  # noqa: F403
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import *  # noqa: F403
+from parcompile.runtime.llama4 import *  # noqa: F403
 from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
 from parcompile.runtime.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.pipeline import evaluate, loss_normaliser, run_schedule

@@ -608,14 +608,14 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 GATED = {"swiglu": swiglu, "geglu": geglu}
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j:
-    j <= i, and i - j < window when a sliding window is set."""
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, chunk: int = 0) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j: j <= i,
+    i - j < window with a sliding window, i // chunk == j // chunk with ``chunk`` (Llama 4)."""
     i, j = q_pos[:, None], k_pos[None, :]
     keep = j <= i
     if window:
         keep &= (i - j) < window
-    return keep
+    return keep & (i // chunk == j // chunk) if chunk else keep
 
 
 class _Softmax(torch.autograd.Function):
@@ -664,7 +664,7 @@ class _SoftCap(torch.autograd.Function):
 def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
                    scale: float | None = None, sinks: torch.Tensor | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, chunk: int = 0) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal; ``scale`` None: 1 / sqrt(d) (Gemma's is
     ``query_pre_attn_scalar ** -0.5``). q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
 
@@ -691,7 +691,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     hq, hkv = q.shape[1], k.shape[1]
     rep = hq // hkv
     p = dropout if training else 0.0
-    plain = q_pos is None and (not window or window >= q.shape[2])
+    plain = q_pos is None and (not window or window >= q.shape[2]) and (not chunk or chunk >= q.shape[2])
     if q_pos is None:
         q_pos = torch.arange(q.shape[2], device=q.device)
         k_pos = torch.arange(k.shape[2], device=q.device)
@@ -701,7 +701,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     if fused and sinks is None and softcap is None:
         if plain:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window),
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window, chunk),
                                               dropout_p=p, **gqa)
     B, _, Tq, D = q.shape
     Tk = k.shape[2]
@@ -710,7 +710,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     if softcap is not None:
         scores = _SoftCap.apply(scores, float(softcap))
     bias = torch.zeros((Tq, Tk), dtype=scores.dtype, device=q.device)
-    bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window), float("-inf"))
+    bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window, chunk), float("-inf"))
     if sinks is not None:   # one more column per query head, dropped after the softmax
         sink = sinks.to(scores.dtype).view(1, hkv, rep, 1, 1).expand(B, hkv, rep, Tq, 1)
         probs = F.dropout(_Softmax.apply(torch.cat([scores + bias, sink], dim=-1))[..., :-1], p, training)
@@ -728,7 +728,7 @@ def rope_tail(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
               interleave: bool = False) -> torch.Tensor:
     """RoPE on the dims of each head from ``start`` on, the first ``start`` left as they
     are (MLA's query: [nope, rope] per head): x (B, T, H, start + r) -> same.
-    ``interleave``: the rotary dims arrive as interleaved pairs (DeepSeek's checkpoints)."""
+    ``interleave``: the rotary dims arrive as interleaved pairs (DeepSeek's; Llama 4's, start 0)."""
     tail = x[..., start:]
     return torch.cat([x[..., :start], apply_rope(deinterleave(tail) if interleave else tail, cos, sin)], dim=-1)
 
@@ -770,7 +770,7 @@ def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
 
 def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
               gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
-              sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, softcap: float | None = None, chunk: int = 0) -> torch.Tensor:
     """The attention core on per-head tensors: q (B, T, Hq, D), k (B, T, Hkv, D), v (B, T,
     Hkv, Dv) -> (B, T, Hq * Dv) (Dv < D: MLA, :func:`_padded_core`), causal, at the positions ``pos`` (:class:`~parcompile.runtime.context_parallel.Positions`).
 
@@ -778,12 +778,12 @@ def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: i
     reduce-scattered) before the core; ``recompute``: selective recomputation
     (Korthikanti et al. 2022), the core keeps only its inputs and runs again in backward.
     The generated program passes both from the sharded graph (the op's collectives, the
-    pass's ``recompute`` mark). See :func:`attention_core` for the rest."""
+    pass's ``recompute`` mark). See :func:`attention_core` for the rest (``chunk``: Llama 4's)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if gather_kv is not None:
         k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
     kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
-              scale=scale, sinks=sinks, softcap=softcap)
+              scale=scale, sinks=sinks, softcap=softcap, chunk=chunk)
     y = _recompute(_padded_core, q, k, v, **kw) if recompute else _padded_core(q, k, v, **kw)
     return y.transpose(1, 2).flatten(2)
 

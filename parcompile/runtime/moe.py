@@ -401,7 +401,7 @@ class Routed:
 
 
 def dispatch(x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.Tensor], local_experts: int,
-             ep: Axis | None = None, expert_tp: Axis | None = None) -> Routed:
+             ep: Axis | None = None, expert_tp: Axis | None = None, probs_on_input: bool = False) -> Routed:
     """Token dispatch (module docstring, step 3; Megatron-Core's all-to-all token dispatcher):
     tokens ``x`` (B, T, h) and their :class:`Router` choice -> the :class:`Routed` rows of
     this rank's ``local_experts`` experts (the program's, off the sharded graph: ep rank r
@@ -411,7 +411,9 @@ def dispatch(x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.Ten
     uneven splits), where the graph's dispatch runs them (None: every expert is here);
     ``expert_tp``: the all-gather over expert_tp of the received counts and rows (None:
     none). Backward: the reduce-scatter over expert_tp, the reverse all-to-all (N * k rows,
-    exact).
+    exact). ``probs_on_input`` (Llama 4: transformers 5.25 Llama4TextMoe, Megatron-Core's
+    ``moe_apply_probs_on_input``): each row times its router weight, in x's dtype, before it
+    leaves (:func:`combine` then sums unweighted).
 
     Raises:
         ValueError: ``local_experts`` (times ep) is not the router's expert count.
@@ -429,6 +431,8 @@ def dispatch(x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.Ten
     order = torch.argsort(flat, stable=True)
     token = torch.arange(N, device=x.device).repeat_interleave(K)[order]
     rows = x.index_select(0, token)                   # (N k, h) sorted by expert
+    if probs_on_input:
+        rows = rows * weights.reshape(-1)[order].to(rows.dtype).unsqueeze(-1)
     counts = torch.bincount(flat, minlength=E).to(COUNT_DTYPE)
     send = counts.view(ranks, local_experts).sum(1).tolist()
     if ep is not None:
@@ -537,11 +541,12 @@ class GroupedExperts(nn.Module):
 
 
 def combine(routed: Routed, route: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-            aux_loss_scale: float = 0.0) -> torch.Tensor:
+            aux_loss_scale: float = 0.0, probs_on_input: bool = False) -> torch.Tensor:
     """Combine (module docstring, step 5): the experts' :class:`Routed` outputs back to their
     tokens, (B, T, h): reduce-scattered over expert_tp and returned by all-to-all over ep
     where :func:`dispatch` sent them (backward: all-to-all, all-gather), then each token's
-    router-weighted sum over its k choices. ``aux_loss_scale`` > 0 (training): the
+    router-weighted sum over its k choices (``probs_on_input``: the plain sum, :func:`dispatch`
+    weighted the inputs). ``aux_loss_scale`` > 0 (training): the
     load-balancing loss's gradient joins the backward (step 2, :class:`_AuxLossScaler`)."""
     weights, chosen, balance = route
     y = routed.rows.index_select(0, torch.argsort(routed.group))   # back to arrival order
@@ -553,7 +558,7 @@ def combine(routed: Routed, route: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     # (backward keeps y and the weights, not a second (N k, h) product)
     N, K = chosen.shape
     y = y.index_select(0, torch.argsort(routed.order)).view(N, K, -1)
-    out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    out = y.sum(1) if probs_on_input else (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
     if aux_loss_scale:
         out = _AuxLossScaler.apply(out, load_balancing_loss(balance, chosen, balance.shape[-1]), aux_loss_scale)
     return out.view(routed.shape)

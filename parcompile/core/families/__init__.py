@@ -18,6 +18,7 @@ llama      llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 deepseek_v3  deepseek_v3
 gemma2     gemma2
 gemma3     gemma3_text
+llama4     llama4_text
 gpt_oss    gpt_oss
 gpt2       gpt2
 gpt_neox   gpt_neox
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from parcompile.core.families import base, deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama
+from parcompile.core.families import base, deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, llama4
 from parcompile.core.families.base import Family
 from parcompile.core.model import ModelKeys
 
 #: the family modules; presets are listed in this order
-MODULES = (llama, deepseek_v3, gemma2, gemma3, gpt_oss, gpt2, gpt_neox)
+MODULES = (llama, deepseek_v3, gemma2, gemma3, llama4, gpt_oss, gpt2, gpt_neox)
 
 _BY_TYPE: dict[str, Family] = {f.model_type: f for mod in MODULES for f in mod.FAMILIES}
 #: every model_type parcompile reads and writes, sorted
@@ -51,7 +52,8 @@ FAMILIES_HELP = ("families: gpt2 (learned positions, LayerNorm, biases), gpt_neo
                  "same with routed experts), qwen3_moe (qwen3 with routed experts, leading dense layers), "
                  "gemma2 (Gemma 3 without qk_norm, with attention and final logit soft-capping), gemma3_text (sandwich (1 + w) RMSNorms, GeGLU, qk_norm, scaled embeddings, local and "
                  "global layers), deepseek_v3 (multi-head latent attention, sigmoid group-limited "
-                 "router, shared experts)")
+                 "router, shared experts), llama4_text (RoPE and NoPE layers, chunked attention, L2 qk-norm, "
+                 "interleaved MoE layers with a shared expert)")
 
 
 def get(model_type: str) -> Family | None:
