@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import parcompile
-from parcompile.config.hf import from_hf_dict
-from parcompile.config.hf_weights import expected_shapes, hf_config, hf_family
+from parcompile.core.hf import from_hf_dict
+from parcompile.core.hf_weights import expected_shapes, hf_config, hf_family
 from parcompile.config.presets import MODEL_PRESETS
 from tests.family_utils import assert_logits_equal, import_keys, stage_from_hf, token_ids
 from tests.program_utils import tiny_config
@@ -186,7 +186,7 @@ def _weights_on_outputs(moe):
 
 
 def test_a_placement_parcompile_cannot_express_is_refused():
-    from parcompile.config.hf import HFConfigError
+    from parcompile.core.hf import HFConfigError
 
     cfg = json.loads(_hf_config(no_rope_layers=[1, 0, 0, 1]).to_json_string())
     with pytest.raises(HFConfigError, match="no_rope_layers"):
