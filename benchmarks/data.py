@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parcompile.runtime import dataset as ds
+from parcompile.runtime.data import dataset as ds
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -92,7 +92,7 @@ def serve_front(port: int, step_s: float, profile: str | None, http: str = "auto
 
     import uvicorn
 
-    from parcompile.runtime import generate as gen
+    from parcompile.runtime.serve import generate as gen
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.http import uvicorn_config
     from parcompile.server.metrics import Metrics
@@ -135,7 +135,7 @@ class LoopEngines(StepEngines):
 def asgi_cost(clients: int, rounds: int, max_tokens: int, stop: list[str]) -> None:
     """Print the CPU seconds of this process per token of ``clients`` streamed completions
     at once through the ASGI application (no server), best and median of ``rounds``."""
-    from parcompile.runtime import generate as gen
+    from parcompile.runtime.serve import generate as gen
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.metrics import Metrics
 

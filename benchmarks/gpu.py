@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     peak = cfg.cluster.peak_flops
     flops = plan["compute"]["model_flops_per_step"]
     mem_plan = plan["memory"]["per_stage"][0].get("total")
-    cuda_peak = (record.get("allocator_peak") or {}).get("allocated")   # the program's record (runtime/device.py allocator_peaks)
+    cuda_peak = (record.get("allocator_peak") or {}).get("allocated")   # the program's record (runtime/machine/device.py allocator_peaks)
     losses = record["losses"]
 
     m = cfg.model

@@ -13,7 +13,7 @@ For every spec in ``examples/``:
 Per rank it prints the plan's parameter, gradient and optimizer bytes next to what the
 program held (``state_bytes``), and the bytes one micro-batch saves for backward summed
 over the rank's layers (plan ``activations_per_layer`` against the saved-tensor hooks of
-``parcompile.runtime.memory``), with the largest per-layer deviation. On a GPU it adds
+``parcompile.runtime.machine.memory``), with the largest per-layer deviation. On a GPU it adds
 the allocator's peak (allocated / reserved) against the plan's ``total``, and how much
 the allocator reserved beyond what was allocated against ``memory_reserve`` (the share
 of memory the plan sets aside for fragmentation); a CPU run has no allocator to ask

@@ -189,7 +189,7 @@ def prepare_data(cfg: "SpecConfig") -> list[Diagnostic]:
     one global batch of training samples. Returns the diagnostics: errors at the data
     file's path and line (a note names the spec key), warnings (truncated examples, chat
     examples without an assistant turn). Nothing is cached from data with errors."""
-    from parcompile.runtime import dataset
+    from parcompile.runtime.data import dataset
 
     t, m, p = cfg.train, cfg.model, cfg.parallel
     out: list[Diagnostic] = []

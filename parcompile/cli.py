@@ -229,8 +229,8 @@ def cmd_compile(args) -> int:
 def _device_problems(cfg, command: str) -> list[Diagnostic]:
     """An error at the `cluster` block when the plan's devices need a package this Python
     cannot import (torch_npu for Ascend's npu), instead of one traceback per rank once
-    torchrun has started them (:func:`parcompile.runtime.device.missing_plugin`)."""
-    from parcompile.runtime.device import missing_plugin
+    torchrun has started them (:func:`parcompile.runtime.machine.device.missing_plugin`)."""
+    from parcompile.runtime.machine.device import missing_plugin
 
     accel = cfg.cluster.accelerator
     plugin = missing_plugin(accel.device)
@@ -446,9 +446,9 @@ def cmd_export_weights(args) -> int:
     checkpoint in DIR (config.json of the family, safetensors shards with an index, the
     spec's tokenizer files), written atomically. Any layout's checkpoint: DCP holds
     global tensors."""
-    from parcompile.runtime.dataset import DataError
-    from parcompile.runtime.hf_export import export_weights, tokenizer_outputs
-    from parcompile.runtime.weights import WeightsError
+    from parcompile.runtime.data.dataset import DataError
+    from parcompile.runtime.state.hf_export import export_weights, tokenizer_outputs
+    from parcompile.runtime.state.weights import WeightsError
 
     if not args.output.strip():
         raise _Usage("-o needs a directory name, got an empty string")

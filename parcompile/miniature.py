@@ -112,7 +112,7 @@ def _mini_head_dim(cfg: SpecConfig) -> int:
     tp-local reduction dimension of its FP8 GEMMs (a kv head, hidden / tp, ffn / tp, each a
     multiple of the head's width) holds whole 32-element MX blocks, as the full model's do
     (hidden / tp = 512 for Llama 3 8B at tp 8): each block then sits on one rank, as in the
-    one-process reference (runtime/fp8.py, ``mx_cast``)."""
+    one-process reference (runtime/model/fp8.py, ``mx_cast``)."""
     t = cfg.train
     fp8_mx = cfg.workload == "train" and t is not None and t.precision == "fp8" and t.fp8_recipe == "mxfp8"
     return 32 if fp8_mx else 8
@@ -182,7 +182,7 @@ MINIATURE_KEYS = frozenset({
 
 def tokenizer_vocab(tokenizer: str) -> int:
     """The vocabulary a model needs for ``tokenizer`` (its largest id + 1)."""
-    from parcompile.runtime.dataset import load_tokenizer
+    from parcompile.runtime.data.dataset import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
 
@@ -192,7 +192,7 @@ def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -
     most the experts), expert width = hidden (divisible by expert_tp, as heads are), at most
     one shared expert and one leading dense layer, the router's kind kept (two expert groups
     for group-limited routing), and no load-balancing loss (it is
-    computed on each rank's own tokens, so it differs between layouts; runtime/moe.py)."""
+    computed on each rank's own tokens, so it differs between layouts; runtime/model/moe.py)."""
     if m.experts == 0:
         return {}
     experts = p.ep * max(1, min(2, m.experts // p.ep))

@@ -81,7 +81,7 @@ class Tolerances:
         element may differ by up to 3e-2: 4e-2 on parameters (measured: 2.7e-2 at
         dp 2 x tp 2 x pp 2). See :data:`BF16_TOLERANCES`.
 
-        ``fp8`` (``train.precision = fp8``, runtime/fp8.py): the run and the reference cast the
+        ``fp8`` (``train.precision = fp8``, runtime/model/fp8.py): the run and the reference cast the
         same tensors with the same scales (a tp-sharded tensor's amax is all-reduced over tp,
         so its scale is the whole tensor's; the micro-batches are the same). What differs is
         the summation order of a tp-split GEMM's partial sums (and of dp's gradient sums), at
@@ -419,7 +419,7 @@ def activation_check_gap(cfg: SpecConfig) -> str | None:
 
 def compare_activations(records: list[dict], plan: dict, cfg: SpecConfig) -> Check | None:
     """Bytes each rank saved for backward per decoder layer (one micro-batch, measured with
-    saved-tensor hooks; :mod:`parcompile.runtime.memory`) against the plan's
+    saved-tensor hooks; :mod:`parcompile.runtime.machine.memory`) against the plan's
     ``activations_per_layer``: relative difference within :data:`ACTIVATION_RTOL`.
     Returns None for a program without measurements; a passing informational row where
     :func:`activation_check_gap` names a known difference."""
@@ -676,7 +676,7 @@ def verify_many(cfgs: dict[Hashable, SpecConfig], steps: int = 3, workdir: str |
 
     Each miniature and its reference are built as :func:`verify` builds them; the
     miniatures of one world size run one after another in one launch
-    (:mod:`parcompile.runtime.batch`), which saves a process start and a torch import per
+    (:mod:`parcompile.runtime.distributed.batch`), which saves a process start and a torch import per
     layout. A layout whose run fails gets its ``RuntimeError`` (the launch's output) as its
     result; the layouts after it in that launch are run again in a new launch, so one
     failure does not hide the others. Training and serve miniatures of one world size share
@@ -735,12 +735,12 @@ def run_batched(outs: list[Path], world: int, steps: int, timeout_s: float, tmp:
 
 def _run_batch(outs: list[Path], world: int, steps: int, timeout_s: float,
                jobs_file: Path) -> tuple[int, RuntimeError | None]:
-    """One torchrun launch of the programs in ``outs`` (:mod:`parcompile.runtime.batch`).
+    """One torchrun launch of the programs in ``outs`` (:mod:`parcompile.runtime.distributed.batch`).
 
     Returns ``(how many completed, the failure of the next one or None)``."""
     jobs_file.write_text(json.dumps([_job(out, steps) for out in outs]))
     try:
-        proc = _torchrun(world, ["-m", "parcompile.runtime.batch", str(jobs_file)], timeout_s * len(outs))
+        proc = _torchrun(world, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], timeout_s * len(outs))
         code, output = proc.returncode, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
     except subprocess.TimeoutExpired as e:
         code, output = "a timeout", str(e)

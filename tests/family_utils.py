@@ -14,8 +14,8 @@ import torch
 
 from parcompile import runtime as rt
 from parcompile.core.hf import from_hf_dict
-from parcompile.runtime.context import init_parallel
-from parcompile.runtime.weights import load_hf
+from parcompile.runtime.distributed.context import init_parallel
+from parcompile.runtime.state.weights import load_hf
 from tests.program_utils import build_program
 
 B, T = 2, 16   # the batch and the tokens the families' logits are compared on

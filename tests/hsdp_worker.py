@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parcompile import runtime as rt
 from parcompile.core.data_parallel import DataParallelSharding
-from parcompile.runtime.context import Axis
+from parcompile.runtime.distributed.context import Axis
 
 
 def hsdp_axes(ctx, replicate: int) -> dict:

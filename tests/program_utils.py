@@ -51,7 +51,7 @@ def import_program(cfg: SpecConfig, plan, out: Path):
 def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file: Path,
                       timeout_s: float = 600.0) -> str:
     """Run generated programs one after another in ONE torchrun launch of ``world`` ranks
-    (:mod:`parcompile.runtime.batch`: each ``program.py``'s ``main(argv)`` on one process
+    (:mod:`parcompile.runtime.distributed.batch`: each ``program.py``'s ``main(argv)`` on one process
     group), in order, so a later job may read what an earlier one wrote (a checkpoint).
     Starting torchrun costs more than a tiny program's run on CI's 2 cores.
 
@@ -62,7 +62,7 @@ def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file:
     from parcompile.verify import _torchrun   # verify's launch: gloo, one thread per rank
 
     jobs_file.write_text(json.dumps([{"program": str(p), "argv": [str(a) for a in argv]} for p, argv in jobs]))
-    proc = _torchrun(world, ["-m", "parcompile.runtime.batch", str(jobs_file)], timeout_s)
+    proc = _torchrun(world, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], timeout_s)
     done_file = jobs_file.with_name(jobs_file.name + ".done")
     done = int(done_file.read_text()) if done_file.exists() else 0
     assert proc.returncode == 0 and done == len(jobs), (

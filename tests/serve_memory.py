@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from parcompile.core.axes import GROUP_AXES
-from parcompile.runtime import generate as gen
-from parcompile.runtime.context import Axis, ParallelContext
+from parcompile.runtime.serve import generate as gen
+from parcompile.runtime.distributed.context import Axis, ParallelContext
 
 _counter = itertools.count()
 

@@ -125,7 +125,7 @@ def planned_collectives(cfg: SpecConfig, steps: int) -> list[dict]:
 
 def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, blocks: int, block_size: int,
                    weights: str | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None):
-    """The engine's scheduler and step (runtime/paged.py) in this process (a world of one),
+    """The engine's scheduler and step (runtime/serve/paged.py) in this process (a world of one),
     on the program ``out/serve.py``'s own Stage (``weights``: a checkpoint to load; None: the
     seeded initialisation): requests arrive one per step and join the running batch, ``n``
     greedy tokens each, a chunk's token drawn as the engine draws it (``partial``).
@@ -135,8 +135,8 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
     import torch
 
     from parcompile import runtime as rt
-    from parcompile.runtime import paged
-    from parcompile.runtime.weights import load_weights
+    from parcompile.runtime.serve import paged
+    from parcompile.runtime.state.weights import load_weights
 
     spec = importlib.util.spec_from_file_location(f"paged_prog_{next(_counter)}", out / "serve.py")
     mod = importlib.util.module_from_spec(spec)
@@ -149,7 +149,7 @@ def paged_generate(out: Path, prompts: list[list[int]], n: int, max_seqs: int, b
         os.environ.update(saved)
     model = mod.Stage(plan, ctx)
     quant = {"weight_format": mod.WEIGHT_FORMAT, "quantized": mod.QUANTIZED_WEIGHTS, "dtype": mod.DTYPE} \
-        if hasattr(mod, "WEIGHT_FORMAT") else {}   # a program of quantized weights (runtime/quant.py) loads as main()
+        if hasattr(mod, "WEIGHT_FORMAT") else {}   # a program of quantized weights (runtime/model/quant.py) loads as main()
     load_weights(model, weights, ctx, **quant)
     model.eval()
     cache = model.new_paged_cache(blocks, block_size, ctx.device)

@@ -34,7 +34,7 @@ import pytest
 
 from parcompile.cli import main
 from parcompile.config.presets import ACCELERATORS, CLUSTER_PRESETS
-from parcompile.runtime.device import BACKENDS, backend_for
+from parcompile.runtime.machine.device import BACKENDS, backend_for
 
 REPO = Path(__file__).resolve().parent.parent
 

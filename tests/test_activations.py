@@ -1,5 +1,5 @@
 """Issue 7: the bytes a generated program saves for backward, per decoder layer, measured
-with saved-tensor hooks (parcompile/runtime/memory.py), against the plan's
+with saved-tensor hooks (parcompile/runtime/machine/memory.py), against the plan's
 ``memory.per_stage[].activations_per_layer`` (within verify.ACTIVATION_RTOL = 5%), for
 every recompute mode and both attention kinds; and the autograd functions the program
 uses to keep what Megatron-LM's fused kernels keep."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parcompile.runtime.memory import SavedTensorMeter
+from parcompile.runtime.machine.memory import SavedTensorMeter
 from parcompile.verify import ACTIVATION_RTOL
 from tests.program_utils import build_program, tiny_config
 
@@ -92,7 +92,7 @@ def test_meter_counts_each_storage_once_and_skips_weights():
 
 
 def test_meter_counts_tensors_a_checkpoint_holds():
-    from parcompile.runtime.layers import recompute
+    from parcompile.runtime.model.layers import recompute
 
     lin = torch.nn.Linear(8, 8)
     meter = SavedTensorMeter()
@@ -105,7 +105,7 @@ def test_meter_counts_tensors_a_checkpoint_holds():
 
 @pytest.mark.parametrize("dtype", [torch.float64])
 def test_rmsnorm_swiglu_rope_softmax_gradients(dtype):
-    from parcompile.runtime import layers as L
+    from parcompile.runtime.model import layers as L
 
     x = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
     w = torch.randn(8, dtype=dtype, requires_grad=True)
@@ -125,7 +125,7 @@ def test_rmsnorm_swiglu_rope_softmax_gradients(dtype):
 def test_no_grad_rmsnorm_is_bitwise_the_autograd_forward(dtype, zero_centered):
     """Serving's RMSNorm (no autograd node; aten's rms_norm on CPU) computes what training's
     autograd function computes, bit for bit, at several widths and scales."""
-    from parcompile.runtime import layers as L
+    from parcompile.runtime.model import layers as L
 
     torch.manual_seed(0)
     for dim in (16, 64, 896, 4096):
@@ -146,7 +146,7 @@ def test_no_grad_rmsnorm_is_bitwise_the_autograd_forward(dtype, zero_centered):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_grad_gated_activations_are_bitwise_the_autograd_forward(dtype):
-    from parcompile.runtime import layers as L
+    from parcompile.runtime.model import layers as L
 
     g, u = torch.randn(4, 5, 32).to(dtype), torch.randn(4, 5, 32).to(dtype) * 3
     for fn, want in ((L.swiglu, L._SwiGLUFunction.apply(g, u)), (L.geglu, L._GeGLUFunction.apply(g, u)),
@@ -159,11 +159,11 @@ def test_no_grad_gated_activations_are_bitwise_the_autograd_forward(dtype):
 
 
 def test_serving_rope_is_transformers_rotate_half_and_close_to_training():
-    """runtime/generate.py apply_rope_at at per-sequence positions: bitwise transformers'
+    """runtime/serve/generate.py apply_rope_at at per-sequence positions: bitwise transformers'
     ``x * cos + rotate_half(x) * sin`` (the pass-through dims copied), whole or partial
     rotary, 16-bit or not; within rounding of training's rotation at the same positions."""
-    from parcompile.runtime import generate as gen
-    from parcompile.runtime import layers as L
+    from parcompile.runtime.serve import generate as gen
+    from parcompile.runtime.model import layers as L
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -186,10 +186,10 @@ def test_serving_rope_is_transformers_rotate_half_and_close_to_training():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_cached_gqa_attention_equals_attention_over_repeated_heads(fused):
-    """runtime/generate.py cached_attention with 2 query heads per kv head (SDPA's GQA on
+    """runtime/serve/generate.py cached_attention with 2 query heads per kv head (SDPA's GQA on
     CPU, fused; the spelt-out softmax) equals torch's SDPA over k/v repeated per query head,
     bitwise fused, within rounding spelt out."""
-    from parcompile.runtime.generate import cached_attention
+    from parcompile.runtime.serve.generate import cached_attention
 
     torch.manual_seed(0)
     for B, T, L in ((32, 1, 40), (3, 6, 20)):
@@ -203,7 +203,7 @@ def test_cached_gqa_attention_equals_attention_over_repeated_heads(fused):
 
 
 def test_unfused_gqa_attention_equals_the_fused_kernel():
-    from parcompile.runtime.layers import attention_core
+    from parcompile.runtime.model.layers import attention_core
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 7, 8, requires_grad=True)

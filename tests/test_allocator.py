@@ -1,7 +1,7 @@
 """What PyTorch's caching allocator holds beyond the live tensors (analysis/memory.py
 ``allocator_bytes``, ``memory.per_stage[].allocator``, ``memory.reserved_peak``), the
 ZeRO-2/3 gradient buckets counted net of the activations their backward has freed
-(``backward_freed``), and the run-time allocator peaks (runtime/metrics.py)."""
+(``backward_freed``), and the run-time allocator peaks (runtime/train/metrics.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from parcompile.driver import compile_config
 from parcompile.frontend import load_spec
 from parcompile.passes.manager import cost_without_schedule
 from parcompile.plan import render_report
-from parcompile.runtime.metrics import NOT_AVAILABLE, RunLog, allocator_peaks
+from parcompile.runtime.train.metrics import NOT_AVAILABLE, RunLog, allocator_peaks
 from tests.program_utils import tiny_config
 
 GIB = 2**30

@@ -17,9 +17,9 @@ import parcompile
 from parcompile.analysis.buckets import GRAD_BYTES, GradUnit, partition, shard_elements, stage_buckets
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.driver import compile_config
-from parcompile.runtime.buckets import GradBuckets, GradSync, param_units
-from parcompile.runtime.context import AXES, Axis, ParallelContext
-from parcompile.runtime.wgrad import STORE
+from parcompile.runtime.train.buckets import GradBuckets, GradSync, param_units
+from parcompile.runtime.distributed.context import AXES, Axis, ParallelContext
+from parcompile.runtime.train.wgrad import STORE
 from tests.program_utils import build_program, tiny_config
 from tests.test_checks import diags, spec
 

@@ -137,7 +137,7 @@ def test_launch_script_trains_the_tiny_example_and_checkpoints(tmp_path, monkeyp
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"   # relative arguments: the caller's directory
     final = {name: ts[0] for name, ts in load_global(metrics, "params").items()}
     state = {name: torch.zeros_like(t) for name, t in final.items()}
-    from parcompile.runtime.checkpoint import newest
+    from parcompile.runtime.state.checkpoint import newest
 
     path, step = newest(ckpt)
     assert step == 12 and path.name == "step_00000012"
@@ -230,7 +230,7 @@ def test_run_refuses_a_plan_whose_device_package_is_missing(tmp_path, capsys, mo
     """An Ascend plan on a machine without torch_npu: one error at the `cluster` block with
     the fix, before torchrun starts a rank (each rank used to raise its own traceback);
     PARCOMPILE_DEVICE=cpu, the fix it names, lifts it."""
-    from parcompile.runtime.device import missing_plugin
+    from parcompile.runtime.machine.device import missing_plugin
 
     spec = tmp_path / "npu.par"
     work = "serve { batch = 2, prompt_len = 8, max_new_tokens = 8 }" if command == "serve" else "train { steps = 1 }"

@@ -1,4 +1,4 @@
-"""parcompile.runtime.dataset: tokenizers, corpora, the token cache, batch order, masks, errors.
+"""parcompile.runtime.data.dataset: tokenizers, corpora, the token cache, batch order, masks, errors.
 
 A small byte-level BPE (vocab 400) is trained here on tinyshakespeare (../shared/data) when
 it is there, else on Python's pydoc_data text, so nothing needs the network.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parcompile.runtime import dataset as ds
-from parcompile.runtime.dataset import DataError
+from parcompile.runtime.data import dataset as ds
+from parcompile.runtime.data.dataset import DataError
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]

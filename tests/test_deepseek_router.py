@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MoE router (runtime/moe.py: route, Router, dispatch, GroupedExperts, combine):
+"""DeepSeek-V3's MoE router (runtime/model/moe.py: route, Router, dispatch, GroupedExperts, combine):
 sigmoid scores, the group-limited top-k on scores + ``e_score_correction_bias``, weights
 from the uncorrected scores, ``norm_topk_prob`` (+1e-20), ``routed_scaling_factor``.
 
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from parcompile.runtime.context import Axis
+from parcompile.runtime.distributed.context import Axis
 from parcompile import runtime as rt
-from parcompile.runtime.moe import (ExpertAxes, GroupedExperts, Router, combine, dispatch, load_balancing_loss,
+from parcompile.runtime.model.moe import (ExpertAxes, GroupedExperts, Router, combine, dispatch, load_balancing_loss,
                                     route)
 from tests.test_checks import diags, one, spec, where
 
@@ -256,7 +256,7 @@ def test_moe_layer_aux_loss_with_sigmoid_scores():
 
 
 def test_correction_bias_is_a_fixed_fp32_buffer_with_a_layout():
-    from parcompile.runtime.weights import layout_tensors
+    from parcompile.runtime.state.weights import layout_tensors
 
     layer = _moe_layer(True)
     b = layer.router.e_score_correction_bias
@@ -275,9 +275,9 @@ def test_correction_bias_is_a_fixed_fp32_buffer_with_a_layout():
 
 
 def test_correction_bias_travels_through_dcp_checkpoints(tmp_path):
-    from parcompile.runtime import checkpoint
-    from parcompile.runtime.context import ParallelContext
-    from parcompile.runtime.weights import load_dcp
+    from parcompile.runtime.state import checkpoint
+    from parcompile.runtime.distributed.context import ParallelContext
+    from parcompile.runtime.state.weights import load_dcp
 
     ctx = ParallelContext(0, 1, {}, torch.device("cpu"), None, distributed=False)
     a = _moe_layer(True)
@@ -285,7 +285,7 @@ def test_correction_bias_travels_through_dcp_checkpoints(tmp_path):
     with torch.no_grad():
         a.router.e_score_correction_bias.copy_(bias)
     final = checkpoint.save(tmp_path / "ck", 3, a, None, ctx)
-    from parcompile.runtime.hf_export import read_dcp_global
+    from parcompile.runtime.state.hf_export import read_dcp_global
 
     assert torch.equal(read_dcp_global(final)["layers.1.mlp.router.e_score_correction_bias"], bias)
     b = _moe_layer(True)
@@ -296,7 +296,7 @@ def test_correction_bias_travels_through_dcp_checkpoints(tmp_path):
 
 def test_hf_output_writes_the_bias_in_fp32():
     from parcompile.core.hf_weights import Source
-    from parcompile.runtime.hf_export import _assemble
+    from parcompile.runtime.state.hf_export import _assemble
 
     name = "layers.1.mlp.router.e_score_correction_bias"
     bias = torch.tensor([0.1234567, -0.7654321])
@@ -447,7 +447,7 @@ def test_programs_describe_the_router_of_the_keys(tmp_path):
 def test_training_program_holds_the_router_of_the_keys(tmp_path):
     """The generated program's MoE layer holds the router of the keys and routes with it."""
     from parcompile import runtime as rt
-    from parcompile.runtime.context import init_parallel
+    from parcompile.runtime.distributed.context import init_parallel
     from tests.program_utils import build_program, tiny_config
 
     module, plan = build_program(tiny_config(model=ROUTER), tmp_path)

@@ -18,7 +18,7 @@ import torch
 from parcompile.core.model import rope_scaling, rotary_dim
 from parcompile.export import export
 from parcompile.export.model_keys import SET, TORCHTITAN, set_model_keys
-from parcompile.runtime.layers import rope_tables
+from parcompile.runtime.model.layers import rope_tables
 from tests.test_export_engines import torchtitan  # noqa: F401  (the fixture: torchtitan 0.3's ConfigManager)
 from tests.test_export_keys import VALUES, _compile, spec
 
@@ -29,7 +29,7 @@ def _block(model):
 
 def _rope_matches(plan, model) -> bool:
     """torchtitan's RoPE cache (complex, its interleaved pairs) against the angles of the
-    runtime's tables for the spec's theta and scaling (parcompile.runtime.layers.rope_tables)."""
+    runtime's tables for the spec's theta and scaling (parcompile.runtime.model.layers.rope_tables)."""
     m = plan.config.model
     cache = _block(model).attention.rope.cache
     cos, sin = rope_tables(cache.shape[0], rotary_dim(m), m.rope_theta, scaling=rope_scaling(m))

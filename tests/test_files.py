@@ -27,8 +27,8 @@ import parcompile
 from parcompile.cli import EXIT_SPEC, main
 from parcompile.core.outputs import HF_MARKER
 from parcompile.diagnostics import SpecError
-from parcompile.runtime.train import TrainError
-from parcompile.runtime.weights import WeightsError
+from parcompile.runtime.train.step import TrainError
+from parcompile.runtime.state.weights import WeightsError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,7 @@ def test_preflight_refuses_a_checkpoint_dir_inside_hf_output(tmp_path):
     see --checkpoint-dir) trained every step, saved into out/ckpt, and failed only when
     hf_output was written. Now preflight refuses it before the first step."""
     from parcompile.runtime import ParallelContext
-    from parcompile.runtime.checkpoint import preflight
+    from parcompile.runtime.state.checkpoint import preflight
 
     ctx = ParallelContext(0, 1, {}, torch.device("cpu"), None, distributed=False)
     plan = {"model": {"params": 10, "dtype": "fp32"}}
@@ -176,7 +176,7 @@ def test_preflight_refuses_a_checkpoint_dir_inside_hf_output(tmp_path):
 def test_hf_writer_replaces_only_its_own_output(tmp_path):
     """An output parcompile wrote (its marker lists the files) is replaced; one holding
     anything else, or a file, is refused before anything is written."""
-    from parcompile.runtime.hf_export import write_hf_checkpoint
+    from parcompile.runtime.state.hf_export import write_hf_checkpoint
 
     m, out = _tiny_model(), tmp_path / "out"
     write_hf_checkpoint(_zeros(m), m, out)
@@ -241,9 +241,9 @@ def test_check_and_loads_never_unpickle_a_dcp_metadata(tmp_path, capsys):
     rc, said = _check(spec, capsys)
     assert rc == EXIT_SPEC and "refers to `posix.mkdir`" in said and "refusing to read it" in said, said
     assert f"{_at(spec, 'init_from')}: error: init_from:" in said
-    from parcompile.runtime import checkpoint
-    from parcompile.runtime.hf_export import read_dcp_global
-    from parcompile.runtime.weights import load_dcp
+    from parcompile.runtime.state import checkpoint
+    from parcompile.runtime.state.hf_export import read_dcp_global
+    from parcompile.runtime.state.weights import load_dcp
 
     for load in (lambda: read_dcp_global(ckpt), lambda: load_dcp(torch.nn.Linear(1, 1), str(ckpt / "step_00000001"), None),
                  lambda: checkpoint.load(ckpt, torch.nn.Linear(1, 1), None, None)):
@@ -259,7 +259,7 @@ def test_a_tensor_stored_as_a_pickled_object_is_refused(tmp_path):
     metadata that calls a weight "bytes" is refused before torch reads it."""
     import torch.distributed.checkpoint as dcp
 
-    from parcompile.runtime.weights import load_dcp_tensors, read_dcp_metadata
+    from parcompile.runtime.state.weights import load_dcp_tensors, read_dcp_metadata
 
     path = tmp_path / "step_00000001"
     with warnings.catch_warnings():
@@ -283,7 +283,7 @@ UNSAFE = re.compile(r"\bpickle\.loads?\(|\bUnpickler\(|\bdcp\.load\(|\bFileSyste
 
 def test_nothing_in_the_package_unpickles_a_users_file():
     """Every torch.load passes weights_only=True; pickle, DCP's reader and dcp.load are
-    used only in parcompile/runtime/dcp_safe.py, through weights.read_dcp_metadata and
+    used only in parcompile/runtime/state/dcp_safe.py, through weights.read_dcp_metadata and
     weights.load_dcp_tensors (a new unsafe call fails here)."""
     found = []
     for f in sorted((REPO / "parcompile").rglob("*")):
@@ -306,7 +306,7 @@ def _untied_without_head(tmp_path: Path, family: str, tied: bool = False):
     from safetensors.torch import load_file, save_file
 
     from parcompile.core.hf_weights import model_from_checkpoint_config
-    from parcompile.runtime.hf_export import write_hf_checkpoint
+    from parcompile.runtime.state.hf_export import write_hf_checkpoint
     from tests.test_hf_weights import _hf_config
 
     cfg = _hf_config(family).to_dict()
@@ -329,7 +329,7 @@ def test_untied_checkpoint_without_its_head_is_an_error(tmp_path, family):
     """Before: the embedding silently became the head. Now the check and the loader name
     the missing tensor; a tied checkpoint still reads its head from the embedding."""
     from parcompile.core.hf_weights import check_checkpoint, expected_shapes
-    from parcompile.runtime.weights import load_hf
+    from parcompile.runtime.state.weights import load_hf
 
     d, m, head = _untied_without_head(tmp_path, family)
     problems = check_checkpoint(d, expected_shapes(m), m)
@@ -401,7 +401,7 @@ def test_nan_loss_stops_the_run_naming_the_step(tmp_path):
     """Before: training went on and wrote NaN weights, exit 0. Now the step whose loss or
     gradient norm is not finite ends the run before anything of it is saved; the
     checkpoints before it hold finite weights; hf_output is not written."""
-    from parcompile.runtime.hf_export import read_dcp_global
+    from parcompile.runtime.state.hf_export import read_dcp_global
 
     module = _program(tmp_path, _spec(tmp_path, '    checkpoint_dir = "ck", checkpoint_every = 1\n'
                                                 '    hf_output = "hf", grad_clip = 0', steps=8, lr="1e30"))
@@ -459,7 +459,7 @@ def _launch_expecting_errors(jobs, jobs_file: Path) -> str:
     from parcompile.verify import _torchrun
 
     jobs_file.write_text(json.dumps([{"program": str(p), "argv": a, "expect_error": True} for p, a in jobs]))
-    proc = _torchrun(2, ["-m", "parcompile.runtime.batch", str(jobs_file)], 300)
+    proc = _torchrun(2, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -476,7 +476,7 @@ def test_bad_files_found_by_fuzzing_are_diagnostics(tmp_path):
 
     from parcompile.api import prepare_data
     from parcompile.core.hf_weights import read_header
-    from parcompile.runtime.hf_export import read_dcp_global
+    from parcompile.runtime.state.hf_export import read_dcp_global
 
     (tmp_path / "d.txt").write_text("hello world " * 100)
     (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {

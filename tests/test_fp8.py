@@ -1,7 +1,7 @@
 """FP8 training, the plan side (issue 32): `train.precision = fp8`, `fp8_recipe` and
 `fp8_all_gather` are parsed, checked against the cluster preset, planned (estimate.assumptions.fp8),
 searched and exported; the program side: the generated program runs the linear layers' GEMMs in FP8
-(runtime/fp8.py) and refuses what it does not run (mxfp8 with FP8 all-gather); the FP8 miniatures' verify
+(runtime/model/fp8.py) and refuses what it does not run (mxfp8 with FP8 all-gather); the FP8 miniatures' verify
 cases are in tests/test_verify.py (the cost model's FP8 rows are in tests/test_cost_model.py)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_fp8_plans_faster_than_the_same_spec_in_bf16(tmp_path):
 
 def test_fp8_moe_plans_its_expert_gemms_at_the_fp8_peak(monkeypatch):
     """The routed experts' grouped GEMMs are FP8 GEMMs of the plan (analysis/fp8.is_fp8_gemm:
-    kind ``experts``), as the program runs them (runtime/moe.py expert_linear): Mixtral 8x7B's
+    kind ``experts``), as the program runs them (runtime/model/moe.py expert_linear): Mixtral 8x7B's
     FP8 plan is faster than the same plan with only the dense linears in FP8, by most of the
     experts' share of the compute; the collectives (expert all-to-alls in 16 bits, as
     torchao's and Megatron-Core's token dispatchers move them) stay the same."""
@@ -120,7 +120,7 @@ def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
 
 
 def test_compile_writes_fp8_all_gather_into_the_program(tmp_path):
-    # ZeRO-3 FP8 all-gather runs in the program (runtime/zero_gather.py ParamGather._gather_fp8):
+    # ZeRO-3 FP8 all-gather runs in the program (runtime/train/zero_gather.py ParamGather._gather_fp8):
     # compiled, the optimizer is told so; without it (or under zero 1) the key is absent
     programs = {}
     for zero, train in ((3, "  precision = fp8\n  fp8_all_gather = true\n"), (3, "  precision = fp8\n"),
@@ -146,13 +146,13 @@ def test_compile_refuses_what_the_fp8_program_does_not_run(train, zero, key, wha
 
 
 def test_fp8_linear_casts_with_the_recipes_scales_and_runs_its_gemms_in_fp8():
-    """runtime/fp8.py against fp32 GEMMs of the same E4M3-rounded operands (so the check is
+    """runtime/model/fp8.py against fp32 GEMMs of the same E4M3-rounded operands (so the check is
     exact up to fp32 accumulation) and against F.linear (E4M3's 3 mantissa bits: a rounding
     error of at most 2^-4 of each operand element, about 2^-4 / sqrt(3) ~ 3.6 % rms, so the
     products' relative error stays under 10 %)."""
     import torch
     import torch.nn.functional as F
-    from parcompile.runtime.fp8 import E4M3, E4M3_MAX, cast, fp8_linear
+    from parcompile.runtime.model.fp8 import E4M3, E4M3_MAX, cast, fp8_linear
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 8, 32, generator=g)
     w = torch.randn(24, 32, generator=g) * 0.02
@@ -180,11 +180,11 @@ def test_fp8_linear_casts_with_the_recipes_scales_and_runs_its_gemms_in_fp8():
 
 
 def test_the_cpu_gemm_is_torch_scaled_mm_up_to_summation_order():
-    """runtime/fp8.py's CPU path (an fp32 GEMM of the E4M3 values, scales after) against
+    """runtime/model/fp8.py's CPU path (an fp32 GEMM of the E4M3 values, scales after) against
     ``torch._scaled_mm`` itself on the same operands: equal to fp32 rounding (a few ulps of
     the result), for one scale per tensor and per row / column."""
     import torch
-    from parcompile.runtime.fp8 import _mm, cast, scaled_mm
+    from parcompile.runtime.model.fp8 import _mm, cast, scaled_mm
     g = torch.Generator().manual_seed(1)
     for recipe in ("tensorwise", "rowwise"):
         a8, sa = cast(torch.randn(40, 64, generator=g), recipe, -1)
@@ -196,13 +196,13 @@ def test_the_cpu_gemm_is_torch_scaled_mm_up_to_summation_order():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_zero_bubble_defers_the_fp8_weight_gradient_from_its_fp8_operands(recipe):
-    """Under a zero-bubble step (runtime/wgrad.py STORE) an FP8 linear's B gives the input
+    """Under a zero-bubble step (runtime/train/wgrad.py STORE) an FP8 linear's B gives the input
     gradient and no weight gradient; W gives the weight gradient the undeferred backward
     gives, bit for bit (the same casts, the same GEMM); what the deferred closure keeps from
     B to W is E4M3 operands (1 byte per element) and fp32 scales, not the 16-bit x and g."""
     import torch
-    from parcompile.runtime.fp8 import E4M3, fp8_linear
-    from parcompile.runtime.wgrad import STORE
+    from parcompile.runtime.model.fp8 import E4M3, fp8_linear
+    from parcompile.runtime.train.wgrad import STORE
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 8, 32, generator=g, dtype=torch.bfloat16)
     w = (torch.randn(24, 32, generator=g) * 0.02).to(torch.bfloat16)
@@ -227,13 +227,13 @@ def test_zero_bubble_defers_the_fp8_weight_gradient_from_its_fp8_operands(recipe
     finally:
         STORE.enabled = False
         STORE.pending.clear()
-    # a bf16 weight's deferred gradient lands in its fp32 main_grad (runtime/grads.py accumulate)
+    # a bf16 weight's deferred gradient lands in its fp32 main_grad (runtime/train/grads.py accumulate)
     assert torch.equal(w1.main_grad, w0.grad.float())
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, monkeypatch):
-    """runtime/moe.py with ``fp8``: every expert matrix's GEMM casts that expert's group of rows
+    """runtime/model/moe.py with ``fp8``: every expert matrix's GEMM casts that expert's group of rows
     (its own scales: per-expert for tensorwise, as Transformer Engine's GroupedLinear; per row,
     as torchao's FP8 grouped GEMM, for rowwise) and its own weight; the router is not cast.
     Output and gradients are the 16-bit layer's to FP8 precision, and not equal to them: each
@@ -241,9 +241,9 @@ def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, mon
     chain (w1, w3, then w2 on their product) add about sqrt(6) x 3.6 % ~ 9 % rms (measured 7 to
     11.5 %, the most on the router's gradient, a sum of cancelling terms): 1e-3 < rel < 0.2."""
     import torch
-    import parcompile.runtime.fp8 as f8
-    from parcompile.runtime.context import Axis
-    from parcompile.runtime.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
+    import parcompile.runtime.model.fp8 as f8
+    from parcompile.runtime.distributed.context import Axis
+    from parcompile.runtime.model.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
     H, E, K, F = 32, 4, 2, 48
     one = lambda name: Axis(name, [0], 0)   # noqa: E731
     axes = ExpertAxes(one("ep"), one("expert_tp"), one("expert_dp"))
@@ -281,12 +281,12 @@ def test_routed_experts_run_each_expert_gemm_in_fp8_on_its_own_group(recipe, mon
 
 
 def test_the_kernel_gets_a_reduction_dimension_padded_to_16_and_a_column_major_right_operand():
-    """runtime/fp8.py scaled_mm (the accelerator path): an expert's weight-gradient GEMM reduces
+    """runtime/model/fp8.py scaled_mm (the accelerator path): an expert's weight-gradient GEMM reduces
     over its group of routed rows, any count (7 here), which CUDA's _scaled_mm refuses unless
     a multiple of 16; the zero padding leaves the product as it was (torch's CPU _scaled_mm,
     which takes any shape, on the unpadded operands)."""
     import torch
-    from parcompile.runtime.fp8 import _kernel_operands, cast, scaled_mm
+    from parcompile.runtime.model.fp8 import _kernel_operands, cast, scaled_mm
     g = torch.Generator().manual_seed(4)
     for recipe in ("tensorwise", "rowwise"):
         gt8, sgt = cast(torch.randn(7, 48, generator=g), recipe, 0)    # g of a 7-row group, scaled per column
@@ -406,7 +406,7 @@ def test_fp8_loss_stays_within_one_percent_of_bf16_on_the_readme_fine_tune(tmp_p
 def test_fp8_experts_and_zero_bubble_compile_into_fp8_programs(tmp_path):
     """FP8 with routed experts (with ZeRO-3 FP8 all-gather too) and under zero_bubble is no
     program gap (it was refused before the program ran them): the routed experts get the
-    recipe (runtime/moe.py expert_linear), as the plan's ``experts`` op is an FP8 GEMM; the
+    recipe (runtime/model/moe.py expert_linear), as the plan's ``experts`` op is an FP8 GEMM; the
     router stays 16-bit."""
     from parcompile.codegen.emit import program_gaps
     from tests.program_utils import build_program, tiny_config

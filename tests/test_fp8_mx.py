@@ -1,4 +1,4 @@
-"""MXFP8 in the program (issue 32, runtime/fp8.py ``mx_cast`` / ``mx_mm`` / ``fp8_linear(...,
+"""MXFP8 in the program (issue 32, runtime/model/fp8.py ``mx_cast`` / ``mx_mm`` / ``fp8_linear(...,
 "mxfp8")``) against a reference written from the specifications, not from the code under test:
 
 - E4M3 (OCP 8-bit Floating Point Specification (OFP8) rev 1.0, section 5.1, table 1): sign,
@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from parcompile.runtime.fp8 import _swizzled, fp8_linear, mx_cast, mx_mm
+from parcompile.runtime.model.fp8 import _swizzled, fp8_linear, mx_cast, mx_mm
 
 
 def _e4m3_table() -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +296,7 @@ def test_the_miniature_keeps_a_bf16_layer_and_an_fp8_one():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_plan_lists_the_experts_amax_all_reduces_over_expert_tp(recipe):
-    # FP8 routed experts with expert_tp 2 (runtime/moe.py expert_linear; analysis/fp8.py
+    # FP8 routed experts with expert_tp 2 (runtime/model/moe.py expert_linear; analysis/fp8.py
     # amax_collectives): per local expert and micro-batch, w1 and w3 column-, w2 row-parallel
     from parcompile.passes.manager import compile_graph
     from tests.program_utils import tiny_config
@@ -332,7 +332,7 @@ def test_routed_experts_of_a_bf16_layer_stay_in_16_bits(keys, tmp_path):
     from parcompile import runtime as rt
     from parcompile.analysis.fp8 import is_fp8_gemm
     from parcompile.driver import compile_config
-    from parcompile.runtime.context import init_parallel
+    from parcompile.runtime.distributed.context import init_parallel
     from tests.program_utils import build_program, tiny_config
     cfg = tiny_config(model=dict(experts=4, top_k=2, expert_ffn_hidden=32),
                       train=dict(precision="fp8", fp8_recipe="rowwise", **keys))

@@ -217,7 +217,7 @@ def test_the_attention_cap_changes_the_served_argmax(served):
 
 
 def test_paged_serving_with_prefix_caching_and_chunked_prefill_equals_generate(case, tmp_path):
-    """The engine's paged cache (runtime/paged.py): requests joining a running batch, prompts
+    """The engine's paged cache (runtime/serve/paged.py): requests joining a running batch, prompts
     prefilled in chunks of 3 tokens, the last one finding the first one's two full blocks in
     the prefix cache (its prefill reads them through the paged attention): each sequence's
     greedy tokens equal transformers' ``generate`` of its prompt alone."""
@@ -235,7 +235,7 @@ def test_paged_serving_with_prefix_caching_and_chunked_prefill_equals_generate(c
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_cached_attention_caps_as_transformers_eager_attention(fused):
-    """The serving kernel (runtime/generate.py cached_attention: the contiguous and the paged
+    """The serving kernel (runtime/serve/generate.py cached_attention: the contiguous and the paged
     cache's) against transformers' Gemma 2 ``eager_attention_forward`` on the same q, k, v
     (GQA, 3 new queries after 5 cached keys, a causal mask with a padded key): equal, and
     unequal without the cap (the cap bites); ``fused`` cannot skip it."""
@@ -243,7 +243,7 @@ def test_cached_attention_caps_as_transformers_eager_attention(fused):
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-    from parcompile.runtime.generate import cached_attention
+    from parcompile.runtime.serve.generate import cached_attention
 
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, T, L, D, cap, scale = 2, 4, 2, 3, 8, 16, 2.0, 24 ** -0.5

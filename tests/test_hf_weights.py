@@ -25,10 +25,10 @@ from parcompile import runtime as rt
 from parcompile.core.hf import from_hf_dict
 from parcompile.core.hf_weights import (HFWeightsError, check_checkpoint, expected_shapes, hf_config, hf_family,
                                           init_from_kind, tensor_map)
-from parcompile.runtime.context import AXES, Axis, ParallelContext, _find, init_parallel
-from parcompile.runtime.hf_export import export_weights, read_dcp_global, write_hf_checkpoint
+from parcompile.runtime.distributed.context import AXES, Axis, ParallelContext, _find, init_parallel
+from parcompile.runtime.state.hf_export import export_weights, read_dcp_global, write_hf_checkpoint
 from parcompile.core.outputs import HF_MARKER
-from parcompile.runtime.weights import WeightsError, load_hf
+from parcompile.runtime.state.weights import WeightsError, load_hf
 from tests.program_utils import build_program, tiny_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
@@ -283,7 +283,7 @@ def test_check_checkpoint_index_missing_file_and_foreign_model_type(llama_dir, t
     d, m = llama_dir
     from safetensors.torch import load_file
 
-    from parcompile.runtime.weights import hf_files
+    from parcompile.runtime.state.weights import hf_files
 
     state = {}
     for name, shape in expected_shapes(m).items():
@@ -370,7 +370,7 @@ class _Optimizer:   # what checkpoint.save asks of an optimizer
 
 
 def test_read_dcp_global_and_export(tmp_path):
-    from parcompile.runtime import checkpoint
+    from parcompile.runtime.state import checkpoint
 
     cfg = tiny_config(model=dict(layers=2, tie_embeddings=True, vocab=300))   # padded to 384 rows
     module, plan = build_program(cfg, tmp_path / "prog")

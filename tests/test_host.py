@@ -1,4 +1,4 @@
-"""The `cpu` preset describes the machine it runs on (issue 30.5; parcompile/frontend/host.py, measured by parcompile/runtime/host.py).
+"""The `cpu` preset describes the machine it runs on (issue 30.5; parcompile/frontend/host.py, measured by parcompile/runtime/machine/host.py).
 
 The suite pins the fixed figures (tests/conftest.py: PARCOMPILE_CPU_PROBE=fixed); these
 tests set the variable themselves, and point the probe cache at a temporary directory.
@@ -13,7 +13,7 @@ import pytest
 import parcompile
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import host
-from parcompile.runtime import host as runtime_host
+from parcompile.runtime.machine import host as runtime_host
 
 GiB = 2**30
 

@@ -127,7 +127,7 @@ def test_a_fifo_or_dev_null_named_by_a_spec_says_what_it_is(tmp_path, capsys):
 def test_the_runtime_names_a_fifo_data_source_and_tokenizer(tmp_path):
     import os
 
-    from parcompile.runtime.dataset import DataError, load_tokenizer, resolve_files
+    from parcompile.runtime.data.dataset import DataError, load_tokenizer, resolve_files
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -198,7 +198,7 @@ def test_seq_len_beyond_what_rope_scaling_reaches_is_an_error(tmp_path):
 
 
 def test_a_tokenizer_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
-    from parcompile.runtime import dataset
+    from parcompile.runtime.data import dataset
 
     monkeypatch.setattr(dataset, "MAX_JSON_BYTES", 10)
     (tmp_path / "tokenizer.json").write_text("{" + " " * 20 + "}")

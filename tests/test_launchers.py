@@ -31,7 +31,7 @@ from parcompile.codegen.emit import render_launch, render_program, render_slurm
 from parcompile.config.presets import CLUSTER_PRESETS
 from parcompile.core.version import version
 from parcompile.frontend import load_spec
-from parcompile.runtime.context import choose_backend
+from parcompile.runtime.distributed.context import choose_backend
 from tests.program_utils import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -42,7 +42,7 @@ KNOWN_HIDDEN_CYCLE_MODULES: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 #: third-party packages the runtime may import (at run time: torch and its helpers)
 RUNTIME_THIRD_PARTY = {"torch", "torch_npu", "numpy", "safetensors", "tokenizers", "jinja2", "pyarrow", "tqdm",
-                      "psutil"}   # runtime/host.py: available memory, optional (/proc/meminfo without it)
+                      "psutil"}   # runtime/machine/host.py: available memory, optional (/proc/meminfo without it)
 
 
 def _module_name(path: Path, root: Path = PKG.parent) -> str:

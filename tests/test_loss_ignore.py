@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from parcompile.runtime.context import Axis
-from parcompile.runtime.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
+from parcompile.runtime.distributed.context import Axis
+from parcompile.runtime.model.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 ONE = Axis("tp", [0], 0)
 VOCAB, PADDED, N = 13, 16, 12

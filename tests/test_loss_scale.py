@@ -1,6 +1,6 @@
 """fp16 dynamic loss scaling: the scale halves on overflow and doubles after clean steps."""
 
-from parcompile.runtime.loss_scale import DynamicLossScaler
+from parcompile.runtime.train.loss_scale import DynamicLossScaler
 
 
 def test_scale_halves_on_overflow_and_grows_after_the_interval():

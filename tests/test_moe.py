@@ -10,7 +10,7 @@ import torch
 
 import parcompile
 from parcompile.driver import compile_config
-from parcompile.runtime.moe import load_balancing_loss, route
+from parcompile.runtime.model.moe import load_balancing_loss, route
 from tests.program_utils import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

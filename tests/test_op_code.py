@@ -37,8 +37,9 @@ from parcompile.core.axes import GROUP_AXES
 from parcompile.driver import compile_config
 from parcompile.ir.ops import Code, code_of
 from parcompile.ir.types import Dim
-from parcompile.runtime import comm, moe
-from parcompile.runtime.context import Axis
+from parcompile.runtime.distributed import comm
+from parcompile.runtime.model import moe
+from parcompile.runtime.distributed.context import Axis
 from tests.program_utils import import_program, tiny_config
 from tests.test_verify import CASES, MIXED_CASES
 from tests.test_verify_buckets import BUCKET
@@ -147,7 +148,7 @@ def test_selective_recomputation_is_a_mark_on_the_core():
 def test_grouped_experts_check_the_programs_local_shapes():
     """The experts take their count and shard shape from the program (the graph's) and
     check them against the layout: ep 1 holds all 4 experts, (16, 8) w1 shards."""
-    from parcompile.runtime.moe import ExpertAxes, GroupedExperts
+    from parcompile.runtime.model.moe import ExpertAxes, GroupedExperts
 
     axes = ExpertAxes(ep=Axis("ep", [0], 0), expert_tp=Axis("expert_tp", [0], 0), expert_dp=Axis("expert_dp", [0], 0))
     GroupedExperts("m", 4, 8, 16, "swiglu", axes, 0, 0.02, local=(4, 16, 8))

@@ -22,7 +22,7 @@ from parcompile.codegen.emit import render_program, render_serve
 from parcompile.codegen.program_data import LayerAttributeError, LayerTable, program_data
 from parcompile.driver import compile_config
 from parcompile.ir import ops
-from parcompile.runtime.context import init_parallel
+from parcompile.runtime.distributed.context import init_parallel
 from tests.program_utils import import_program, tiny_config
 from tests.serve_utils import serve_config
 

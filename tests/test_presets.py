@@ -236,7 +236,7 @@ def test_from_json_in_a_spec(tmp_path):
 def test_fp8_peaks_are_twice_the_16_bit_peaks():
     """FP8 dense runs at twice the bf16 dense rate on every part with FP8 tensor cores (two
     datasheet figures checked against each other); MXFP8 exists on Blackwell alone. The `cpu`
-    preset runs FP8 GEMMs emulated (runtime/fp8.py: an fp32 GEMM of the E4M3 values) at its
+    preset runs FP8 GEMMs emulated (runtime/model/fp8.py: an fp32 GEMM of the E4M3 values) at its
     16-bit rate, MXFP8 likewise (dequantized blocks: a stand-in, not a datasheet)."""
     has_fp8 = {n for n, p in CLUSTER_PRESETS.items() if p.fp8_flops} - {"cpu"}
     assert has_fp8 == {"h100-sxm", "h200", "b200", "gb200-nvl72", "mi300x"}

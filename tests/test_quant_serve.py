@@ -1,5 +1,5 @@
 """Quantized Hugging Face checkpoints served as published (issue 45; ``serve.weight_dtype``,
-parcompile/core/quant.py, parcompile/runtime/quant.py), against transformers on the same files.
+parcompile/core/quant.py, parcompile/runtime/model/quant.py), against transformers on the same files.
 
 Each checkpoint is made here by the format's own code: FP8 block-scaled by transformers'
 ``Fp8Quantize`` (``integrations/finegrained_fp8.py``; a tiny Qwen3, 32 x 32 blocks, so that a
@@ -38,7 +38,7 @@ import torch
 from parcompile.cli import main
 from parcompile.core.hf_weights import check_checkpoint, expected_shapes
 from parcompile.core.quant import FORMATS, format_named
-from parcompile.runtime import quant as rq
+from parcompile.runtime.model import quant as rq
 from tests.serve_utils import build_serve, records, replica_tokens, run_in_process, run_torchrun, serve_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
@@ -387,7 +387,7 @@ def test_quantized_tokens_differ_from_the_dense_model(served):
 
 @pytest.mark.parametrize("key", ["fp8_block", "ct_fp8_dynamic", "mxfp4"])
 def test_the_engine_serves_the_same_tokens(served, key):
-    """`parcompile serve`'s engine (runtime/paged.py: requests joining a running batch, the
+    """`parcompile serve`'s engine (runtime/serve/paged.py: requests joining a running batch, the
     step's tokens packed) on the quantized weights, in this process: transformers' tokens."""
     from tests.serve_utils import paged_generate
 
@@ -427,7 +427,7 @@ def test_parcompile_serve_answers_with_the_tokens_transformers_generates(served,
 def _stage(prog: Path, weights: Path):
     """``prog/serve.py``'s Stage in this process (a world of one), loaded as main() loads it."""
     from parcompile import runtime as rt
-    from parcompile.runtime.weights import load_weights
+    from parcompile.runtime.state.weights import load_weights
 
     spec = importlib.util.spec_from_file_location(f"quant_prog_{prog.parent.name}", prog / "serve.py")
     mod = importlib.util.module_from_spec(spec)
@@ -504,7 +504,7 @@ def test_fp8_block_dequantization_cuts_the_edge_blocks():
 
 
 def test_mxfp4_dequantization_is_transformers():
-    """runtime/quant.py's MXFP4 rule is transformers' ``convert_moe_packed_tensors`` (one
+    """runtime/model/quant.py's MXFP4 rule is transformers' ``convert_moe_packed_tensors`` (one
     expert, its transpose)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -609,7 +609,7 @@ def test_check_names_a_missing_scale_and_a_wrong_shape(fp8_dir, tmp_path, capsys
 def test_a_rank_reports_a_missing_scale_in_one_line(fp8_dir, tmp_path):
     """A serve program compiled against a good checkpoint whose files then lose a scale: its
     load raises WeightsError (the program prints it as one line) naming the tensor."""
-    from parcompile.runtime.weights import WeightsError
+    from parcompile.runtime.state.weights import WeightsError
 
     build_serve(_spec(fp8_dir.parent, 1, "good"), tmp_path / "prog")
     scale = "model.layers.1.self_attn.k_proj.weight_scale_inv"
@@ -659,7 +659,7 @@ def test_a_rank_refuses_a_gptq_g_idx_outside_the_groups(gptq_dir, tmp_path, grou
     """A GPTQ `g_idx` naming a group the checkpoint's `qzeros` and `scales` do not have (the
     down projection's 256 inputs have groups 0 and 1): the load raises WeightsError naming the
     file and the tensor (was: the load passed and the first forward died in index_select)."""
-    from parcompile.runtime.weights import WeightsError
+    from parcompile.runtime.state.weights import WeightsError
 
     build_serve(_spec(gptq_dir.parent, 1, "good"), tmp_path / "prog")
     name = "model.layers.0.mlp.down_proj.g_idx"

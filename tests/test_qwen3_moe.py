@@ -26,7 +26,7 @@ from parcompile.core.hf import HFConfigError, from_hf_dict
 from parcompile.core.hf_weights import check_checkpoint, expected_shapes, hf_config, hf_family
 from parcompile.config.presets import MODEL_PRESETS
 from parcompile.config.schema import ModelConfig
-from parcompile.runtime.moe import route
+from parcompile.runtime.model.moe import route
 from tests.family_utils import assert_logits_equal, fine_tune, import_keys, logits, stage_from_hf, token_ids
 from tests.program_utils import tiny_config
 

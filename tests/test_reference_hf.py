@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parcompile.runtime.context import init_parallel
+from parcompile.runtime.distributed.context import init_parallel
 from tests.program_utils import build_program, tiny_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")

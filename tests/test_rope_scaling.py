@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from parcompile.runtime.layers import rope_inv_freq
+from parcompile.runtime.model.layers import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,8 +44,8 @@ def test_inverse_frequencies_equal_transformers(kind, params, ours):
 def test_a_llama31_checkpoint_keeps_its_rope_scaling(tmp_path):
     from parcompile import runtime as rt
     from parcompile.core.hf import from_hf_dict
-    from parcompile.runtime.context import init_parallel
-    from parcompile.runtime.weights import load_hf
+    from parcompile.runtime.distributed.context import init_parallel
+    from parcompile.runtime.state.weights import load_hf
     from tests.program_utils import build_program, tiny_config
 
     hcfg = transformers.LlamaConfig(
@@ -93,7 +93,7 @@ def _eager_with_sinks(q, k, v, sinks, window: int):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("window", [0, 3])
 def test_attention_sinks_equal_the_eager_formula_with_gradients(fused, window):
-    from parcompile.runtime.layers import attention_core
+    from parcompile.runtime.model.layers import attention_core
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 16, generator=g, requires_grad=True)

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parcompile.runtime.context import Axis
-from parcompile.runtime.data import SyntheticBatches
-from parcompile.runtime.dataset import TrainBatches, local_rows, prepare
-from parcompile.runtime.layers import apply_rope, global_init, shard, vocab_parallel_cross_entropy
-from parcompile.runtime.train import lr_at
+from parcompile.runtime.distributed.context import Axis
+from parcompile.runtime.data.loader import SyntheticBatches
+from parcompile.runtime.data.dataset import TrainBatches, local_rows, prepare
+from parcompile.runtime.model.layers import apply_rope, global_init, shard, vocab_parallel_cross_entropy
+from parcompile.runtime.train.step import lr_at
 
 ONE = Axis("tp", [0], 0)
 
@@ -56,7 +56,7 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_one_rank():
 
 
 def test_rope_rotates_pairs_and_keeps_norms():
-    from parcompile.runtime.layers import rope_tables
+    from parcompile.runtime.model.layers import rope_tables
 
     cos, sin = rope_tables(5, 4, 10000.0)
     x = torch.randn(1, 5, 2, 6)

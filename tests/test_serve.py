@@ -146,7 +146,7 @@ def test_left_padded_prompts_generate_as_alone(tmp_path):
 def test_tokenizer_json_and_bytes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from parcompile.runtime.generate import ByteTokenizer, load_tokenizer
+    from parcompile.runtime.serve.generate import ByteTokenizer, load_tokenizer
 
     words = {f"w{i}": i for i in range(300)}
     tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
@@ -160,7 +160,7 @@ def test_tokenizer_json_and_bytes(tmp_path):
 
 def test_serve_program_errors_are_one_line(tmp_path):
     build_serve(serve_config(), tmp_path / "ref")
-    from parcompile.runtime.generate import ServeError
+    from parcompile.runtime.serve.generate import ServeError
 
     with pytest.raises(ServeError, match="does not exist"):
         run_in_process(tmp_path / "ref", PROMPTS + ["--weights", str(tmp_path / "nowhere")])
@@ -316,7 +316,7 @@ def test_readme_train_then_serve(tmp_path):
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         outs.append(proc.stdout)
-    from parcompile.runtime.checkpoint import newest
+    from parcompile.runtime.state.checkpoint import newest
 
     assert newest(tmp_path / "build" / "tiny_ckpt")[1] == 8   # step_00000008, complete
     served = outs[1]
@@ -333,7 +333,7 @@ def test_readme_train_then_serve(tmp_path):
                                      cluster=ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=1)))
     build_serve(one, tmp_path / "one")
     rec = run_in_process(tmp_path / "one", [])
-    from parcompile.runtime.generate import ByteTokenizer
+    from parcompile.runtime.serve.generate import ByteTokenizer
 
     assert rec["weights"] == "dcp"
     assert "[0] " + ByteTokenizer().decode(list(b"The ")) + ByteTokenizer().decode(rec["tokens"][0]) == text

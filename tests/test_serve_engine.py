@@ -1,4 +1,4 @@
-"""The serve engine (runtime/paged.py) in one process (a world of one), on the generated
+"""The serve engine (runtime/serve/paged.py) in one process (a world of one), on the generated
 program's own Stage: logprobs against transformers' on the same weights, and prefix
 caching (issue 33).
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parcompile.runtime import generate as gen
-from parcompile.runtime import paged
+from parcompile.runtime.serve import generate as gen
+from parcompile.runtime.serve import paged
 from tests.serve_utils import build_serve, serve_config
 
 _ids = itertools.count()
@@ -35,7 +35,7 @@ class Engine:
     def __init__(self, out: Path, weights: str | None, blocks: int, block_size: int, max_seqs: int, caching: bool,
                  max_prefill_tokens: int | None = None, **admission):
         from parcompile import runtime as rt
-        from parcompile.runtime.weights import load_weights
+        from parcompile.runtime.state.weights import load_weights
 
         spec = importlib.util.spec_from_file_location(f"engine_prog_{next(_ids)}", out / "serve.py")
         self.mod = mod = importlib.util.module_from_spec(spec)
@@ -444,7 +444,7 @@ def test_a_cache_too_small_preempts_and_every_request_continues_exactly(chunk, t
 
 def test_paged_step_packs_the_tokens_and_lays_out_each_group_by_the_block_tables():
     """The step's layout, held against the rule written per position (module docstring of
-    runtime/paged.py): the tokens packed (1, N), the one-token rows first, then the longer
+    runtime/serve/paged.py): the tokens packed (1, N), the one-token rows first, then the longer
     ones, each in row order; token p of a row sits in slot ``table[p // bs] * bs + p % bs``;
     within a group rows are left-padded to the group's longest (the decode rows: not at
     all); a real query sees its context and the new keys up to itself (within a window), a

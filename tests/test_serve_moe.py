@@ -1,5 +1,5 @@
 """Serving mixture-of-experts models (issue 18): the serve program's MoE layer (vLLM's
-tensor-parallel experts, written op by op from the serving graph: runtime/moe.py Router,
+tensor-parallel experts, written op by op from the serving graph: runtime/model/moe.py Router,
 dispatch, GroupedExperts, combine; one all-reduce of the partial sums) and the plan's MoE
 serving figures.
 

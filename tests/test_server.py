@@ -33,8 +33,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from parcompile.runtime import generate as gen  # noqa: E402
-from parcompile.runtime import paged  # noqa: E402
+from parcompile.runtime.serve import generate as gen  # noqa: E402
+from parcompile.runtime.serve import paged  # noqa: E402
 from tests.serve_utils import build_serve, free_port, paged_generate, run_in_process, serving  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -977,12 +977,12 @@ def test_the_engine_connection_sends_each_step_at_once(tmp_path):
     barrier while the front was busy)."""
     import socket as socket_
 
-    from parcompile.runtime import host
+    from parcompile.runtime.machine import host
     from parcompile.server import engines as engines_mod
 
     (tmp_path / "leader.py").write_text(
         "import socket, sys, torch\n"
-        "from parcompile.runtime.paged import _connect\n"
+        "from parcompile.runtime.serve.paged import _connect\n"
         "conn = _connect(sys.argv[sys.argv.index('--engine') + 1])\n"
         "s = socket.socket(fileno=conn.fileno())\n"
         "nodelay = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n"

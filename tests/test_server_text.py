@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parcompile.runtime.generate import ByteTokenizer
+from parcompile.runtime.serve.generate import ByteTokenizer
 from parcompile.server.text import IncrementalText
 
 

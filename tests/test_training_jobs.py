@@ -171,7 +171,7 @@ def _metrics(prog: Path) -> list[dict]:
 
 def _hf_eval_loss(model_dir: Path, cfg) -> float:
     """transformers' own cross-entropy over the spec's eval samples (the same cut)."""
-    from parcompile.runtime import dataset
+    from parcompile.runtime.data import dataset
 
     t = cfg.train
     cache = dataset.prepare(t.eval_data, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field)
@@ -276,7 +276,7 @@ def test_llama_bf16(assets, four_rank):
 
 @pytest.mark.torchrun
 def test_resume_after_step_3_sees_the_same_samples_and_losses(assets):
-    from parcompile.runtime import dataset
+    from parcompile.runtime.data import dataset
 
     ckpt = assets / "resume_ckpt"                # checkpoint_dir is relative to the spec, as data is
     spec = _spec(assets, "resume", "llama", dp=1, tp=1, pp=1, cp=2, eval_data=None, steps=6,
@@ -325,7 +325,7 @@ def _masked_job(assets, four_rank, name: str, data_format: str):
     assert plan.config.parallel.num_microbatches == 4
     # the first step's loss is transformers' cross-entropy over the unmasked targets of the
     # global batch (sum / count): examples of unequal length, masks from the format
-    from parcompile.runtime import dataset
+    from parcompile.runtime.data import dataset
 
     cfg = plan.config
     cache = dataset.prepare(cfg.train.data, tokenizer=cfg.train.tokenizer, data_format=data_format)

@@ -142,7 +142,7 @@ CASES = {
     "dp2_tp2_pp2_sequence_parallel_gpt": dict(
         dp=2, tp=2, pp=2, parallel=dict(sequence_parallel=True),
         model=dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True)),
-    # issue 32: FP8 GEMMs (runtime/fp8.py) against the one-process FP8 reference, with
+    # issue 32: FP8 GEMMs (runtime/model/fp8.py) against the one-process FP8 reference, with
     # verify's FP8 tolerances (Tolerances.for_dtype: the same scales, so tight on step 1)
     "fp8_dp2_tp2_pp2_zero1": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(precision="fp8")),
     "fp8_rowwise_dp2_tp2_zero3_sequence_parallel": dict(
@@ -160,14 +160,14 @@ CASES = {
     # full recomputation: a layer's forward, its FP8 casts and their amax all-reduces over tp, run again
     "fp8_tp2_pp2_recompute_full": dict(tp=2, pp=2, parallel=dict(recompute="full"), train=dict(precision="fp8")),
     # MXFP8 (32-element E8M0 blocks along each GEMM's reduction dimension, emulated on the CPU:
-    # runtime/fp8.py mx_mm); sequence parallelism so the column-parallel GEMMs read gathered inputs
+    # runtime/model/fp8.py mx_mm); sequence parallelism so the column-parallel GEMMs read gathered inputs
     "mxfp8_dp2_tp2_zero1_sequence_parallel": dict(
         dp=2, tp=2, parallel=dict(zero=1, sequence_parallel=True), train=dict(precision="fp8", fp8_recipe="mxfp8")),
     # zero-bubble: B's input gradients in FP8, W's weight-gradient GEMMs deferred from the FP8
     # operands B cast (tp amaxes all-reduced in B)
     "fp8_pp2_zero_bubble_tp2": dict(tp=2, pp=2, parallel=dict(schedule="zero_bubble"),
                                     train=dict(precision="fp8")),
-    # FP8 routed experts (runtime/moe.py expert_linear): rowwise over dp 2 x ep 2 (each expert's
+    # FP8 routed experts (runtime/model/moe.py expert_linear): rowwise over dp 2 x ep 2 (each expert's
     # group holds both dp ranks' rows where the reference's holds one micro-batch's: power-of-two
     # scales make the casts independent of the group's amax) and with expert_tp 2 (per-row
     # amaxes of w2's split input all-reduced over it); tensorwise with ep over the
@@ -183,7 +183,7 @@ CASES = {
                                                train=dict(precision="fp8", fp8_recipe="rowwise")),
     # ZeRO-3 FP8 all-gather in a MoE model: the dense FP8 weights gathered as E4M3 over dp_cp
     # (one amax each all-reduced), the experts' ZeRO-3 shards over expert_dp in 16 bits
-    # (runtime/optim_moe.py MoEOptimizer, fp8_weight_ids; the plan's fp8_weights)
+    # (runtime/train/optim_moe.py MoEOptimizer, fp8_weight_ids; the plan's fp8_weights)
     "fp8_moe_dp2_tp2_ep2_zero3_fp8_all_gather": dict(
         dp=2, tp=2, model=dict(experts=4, top_k=2),
         parallel=dict(ep=2, expert_tp=1, sequence_parallel=True, zero=3, bucket_size=16 * 1024),
@@ -225,7 +225,7 @@ MIXED_CASES = {
     "bf16_fp8_dp2_tp2_zero3_fp8_all_gather": dict(dtype="bf16", dp=2, tp=2, parallel=dict(
         zero=3, bucket_size=16 * 1024), train=dict(precision="fp8", fp8_all_gather=True)),
     # zero-bubble's deferred FP8 weight gradients into the fp32 main_grad of bf16 weights, with
-    # dp's bucketed reduction waiting for them (runtime/grads.py accumulate)
+    # dp's bucketed reduction waiting for them (runtime/train/grads.py accumulate)
     # FP8 routed experts with bf16 weights and activations (fp32 main_grad over expert_dp)
     "bf16_fp8_moe_rowwise_dp4_ep2_zero1": dict(dtype="bf16", dp=4, model=dict(experts=4, top_k=2), parallel=dict(
         ep=2, zero=1), train=dict(precision="fp8", fp8_recipe="rowwise")),
@@ -242,7 +242,7 @@ def _shard_scales(mini) -> None:
     assert text.count("\ndef main(argv=None)") == 1
     prog.write_text(text.replace("\ndef main(argv=None)", """
 def main(argv=None):
-    import parcompile.runtime.fp8 as fp8
+    import parcompile.runtime.model.fp8 as fp8
     saved, fp8._max_over = fp8._max_over, lambda t, axis, rows=None: t
     try:
         return _main(argv)
@@ -262,7 +262,7 @@ def _mx_blocks_of_16(mini) -> None:
     assert text.count("\ndef main(argv=None)") == 1
     prog.write_text(text.replace("\ndef main(argv=None)", """
 def main(argv=None):
-    import parcompile.runtime.fp8 as fp8
+    import parcompile.runtime.model.fp8 as fp8
     saved, fp8.MX_BLOCK = fp8.MX_BLOCK, 16
     try:
         return _main(argv)

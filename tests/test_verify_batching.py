@@ -1,5 +1,5 @@
 """verify's batching: many programs of one world size in one torchrun launch
-(``parcompile.runtime.batch``); a failing program is reported as its own and the programs
+(``parcompile.runtime.distributed.batch``); a failing program is reported as its own and the programs
 after it still run."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parcompile.runtime.wgrad import STORE, linear
+from parcompile.runtime.train.wgrad import STORE, linear
 
 
 def test_deferred_linear_matches_autograd_and_waits_for_flush():

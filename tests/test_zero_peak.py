@@ -63,7 +63,7 @@ def test_llama3_8b_peak_decreases_with_every_zero_stage(tp):
 
 def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int, gpus: int) -> int:
     """DeepSpeed's ZeRO-3 model-states estimator without offload
-    (``deepspeed/runtime/zero/stage3.py: estimate_zero3_model_states_mem_needs``, documented
+    (``deepspeed/runtime/train/zero/stage3.py: estimate_zero3_model_states_mem_needs``, documented
     in DeepSpeed's "Memory Requirements" page): ``largest_layer_memory + 18 * total_params /
     total_gpus`` bytes per GPU, with ``largest_layer_memory = 4 * largest_layer_params`` (the
     16-bit parameters and gradients of the largest module) and 18 bytes per parameter

@@ -64,7 +64,7 @@ tp-sharded weight in each (Transformer Engine scales each weight shard on its ow
 the weights once per step). With FP8 all-gather the shards' amaxes are all-reduced over dp
 once per step, one all-reduce for all weights (torchtitan's
 ``precompute_float8_dynamic_scale_for_fsdp``). What the generated program all-reduces (its own
-pattern: runtime/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
+pattern: runtime/model/fp8.py casts the local operand and all-reduces its amax, scalar or per row)
 is listed among the plan's collectives (:func:`amax_collectives`, ``where`` ``fp8_amax_tp``) so
 verify compares it call for call; so are the routed experts' over expert_tp, the per-row ones
 of a group's routed rows as the MoE token traffic is (``routed``, their balanced estimate,
@@ -189,8 +189,8 @@ def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
 
 def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[str, str, int, str, int]]:
     """The amax all-reduces (max) over tp that the generated program runs for FP8 linear op
-    ``nd`` in one micro-batch (runtime/fp8.py ``_Fp8Linear``, ``_max_over``), and over
-    expert_tp for FP8 routed experts op ``nd`` (runtime/moe.py ``expert_linear``), as ``(op,
+    ``nd`` in one micro-batch (runtime/model/fp8.py ``_Fp8Linear``, ``_max_over``), and over
+    expert_tp for FP8 routed experts op ``nd`` (runtime/model/moe.py ``expert_linear``), as ``(op,
     axis, bytes, phase, bytes_per_row)``; [] for other ops, one tp (expert_tp) rank, mxfp8
     (block scales are local) and replicated (MLA) linears. What a ``column`` (weight split on
     N) or ``row`` (split on K) linear all-reduces, per GEMM operand cast:
@@ -219,7 +219,7 @@ def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list
     s_local * top_k``, the rows it sends, as :func:`parcompile.ir.ops.moe_collectives`),
     divided over the local experts (the first ``(expert_tp * A) % experts_local`` one row
     more, so the balanced sum is exact). A program runs an expert only on a non-empty group
-    (runtime/moe.py ``MoELayer.forward``): the counts assume every local expert receives rows.
+    (runtime/model/moe.py ``MoELayer.forward``): the counts assume every local expert receives rows.
 
     These are listed among the plan's collectives
     (:func:`parcompile.analysis.comm.comm_report`, ``where`` ``fp8_amax_tp``); the time

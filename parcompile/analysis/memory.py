@@ -57,7 +57,7 @@ simulated schedule weighs each chunk's forwards in flight by its bytes,
   parallelism); the layer rebuilt during its backward is a temporary buffer.
 
 Per layer (``activations_per_layer`` in ``plan.json``) these are the bytes the generated
-program keeps, as :mod:`parcompile.runtime.memory` measures them with saved-tensor hooks:
+program keeps, as :mod:`parcompile.runtime.machine.memory` measures them with saved-tensor hooks:
 the program's layers keep what Megatron-LM's fused kernels keep (RMSNorm: input and
 per-token statistics; SwiGLU: its two inputs; RoPE: nothing; softmax: 16-bit
 probabilities; GQA: k and v never expanded). Left out, as in Korthikanti's accounting:
@@ -84,7 +84,7 @@ working set, of which the larger counts: the logits live from the LM head's forw
 until the loss has its fp32 copy, and their gradient from the loss's backward through
 the LM head's, while a layer is rebuilt only inside its own backward, after the output
 layer's (a rank runs one action at a time, and the program drops the logits once the
-loss is computed: :func:`parcompile.runtime.pipeline.run_schedule`).
+loss is computed: :func:`parcompile.runtime.train.pipeline.run_schedule`).
 
 Gradient buckets and the activation peak (:func:`backward_freed`): with ZeRO 2 and 3 the
 full buffers of the buckets in flight (``grad_buckets_in_flight``) exist only inside a
@@ -162,7 +162,7 @@ class StageMemory:
     buffer_parts: Mapping[str, int] = field(default_factory=dict)
     #: per decoder layer of the stage, in layer order: ``(layer id, bytes)`` one micro-batch
     #: keeps for backward on this rank after recomputation (what a generated program
-    #: measures with saved-tensor hooks; :mod:`parcompile.runtime.memory`)
+    #: measures with saved-tensor hooks; :mod:`parcompile.runtime.machine.memory`)
     layer_activations: tuple[tuple[int, int], ...] = ()
     #: what PyTorch's caching allocator holds beyond the live tensors at this stage's peak
     #: (:func:`allocator_bytes`): not part of ``total``, part of :attr:`reserved`
@@ -654,7 +654,7 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     dense, expert = stage_buckets(sp, par.bucket_size)
     e = cfg.model.dtype_bytes
     # the model dtype's bytes; with FP8 all-gather (analysis/fp8.py gathers_fp8) the program
-    # (runtime/zero_gather.py ParamGather._gather_fp8) keeps the bucket's buffer in the dtype
+    # (runtime/train/zero_gather.py ParamGather._gather_fp8) keeps the bucket's buffer in the dtype
     # (the parameters' storage, the FP8 weights dequantized there) and beside it the E4M3
     # copies its FP8 GEMMs read, 1 byte per FP8 weight element. torchao's FSDP2 holds the
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers

@@ -80,12 +80,12 @@ def prefill_step(cfg) -> tuple[int, int, int]:
     sequences of the replica (``ceil(batch / dp)``; the server's ``max_seqs``), each with
     ``tokens`` new tokens, attending ``context`` keys. Without ``serve.max_prefill_tokens``
     a step prefills whole prompts, ``tokens = context = prompt_len``; with it the server
-    (runtime/scheduler.py ``Scheduler.next_step``) prefills at most that many prompt tokens
+    (runtime/serve/scheduler.py ``Scheduler.next_step``) prefills at most that many prompt tokens
     per step: ``tokens = min(prompt_len, max_prefill_tokens)`` for every row, the last chunk
     of a prompt attending all ``prompt_len`` keys; a GPU engine (vLLM, SGLang: its default
     token budget per step, :func:`engine_budget`) computes at most its budget's tokens a step,
     ``budget // tokens`` rows of ``min(prompt_len, budget)``. A bound: the engine packs a step's tokens
-    (runtime/paged.py ``paged_step``), its linear layers see the real tokens only and its
+    (runtime/serve/paged.py ``paged_step``), its linear layers see the real tokens only and its
     attention pads only the rows of more than one token, to their own longest, so a
     step's ``rows x tokens`` never exceeds this one's."""
     sv = cfg.serve
@@ -123,7 +123,7 @@ def serve_workspace(cfg, graph: Graph, degrees: Mapping[str, int], batch: int, t
     order: a value is live from its producer (the layer's input: from the start) until its
     last consumer in the layer (the layer's output: to the end); a layout op without a
     forward collective is a view of its input, one with a collective a new tensor (the
-    runtime all-reduces a clone: runtime/comm.py ``_ReduceFromRegion``). At each op the
+    runtime all-reduces a clone: runtime/distributed/comm.py ``_ReduceFromRegion``). At each op the
     live values, its output and the op's forward scratch (:attr:`parcompile.ir.ops.OpSpec.scratch`:
     the attention core's expanded keys and values and, unfused, its scores and fp32
     softmax; RoPE's temporaries; the router's fp32 logits) are summed; the layer's
@@ -230,14 +230,14 @@ class StepBytes:
 
 
 def received_bytes(cfg, batch: int, tokens: int) -> int:
-    """The hidden state a stage after the first receives for a step (runtime/generate.py
+    """The hidden state a stage after the first receives for a step (runtime/serve/generate.py
     ``pipeline_pass``: ``recv`` of (batch, tokens, h) in the model dtype), bytes."""
     return batch * tokens * cfg.model.hidden * cfg.model.dtype_bytes
 
 
 def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) -> int:
-    """Bytes of what every layer of a step reads, made once per step (runtime/generate.py
-    ``Requests.step``, ``rope_at``; runtime/paged.py ``paged_step``): per attention window
+    """Bytes of what every layer of a step reads, made once per step (runtime/serve/generate.py
+    ``Requests.step``, ``rope_at``; runtime/serve/paged.py ``paged_step``): per attention window
     of the graph's cores the boolean mask (batch, 1, tokens, context), and per RoPE table of
     its rope ops (base and scaling) the fp32 cos and sin at the tokens' positions (batch,
     tokens, rot) each, ``rot`` the rotated dims of a head (``rope_dim``, or ``fraction`` of
@@ -300,7 +300,7 @@ def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> 
     return [sum(b for v, b in size.items() if made[v] <= i <= last[v]) + scratch[i] for i in range(len(nodes))]
 
 
-#: bytes per (row, vocabulary entry) the sampler (runtime/generate.py ``pick_tokens``) holds
+#: bytes per (row, vocabulary entry) the sampler (runtime/serve/generate.py ``pick_tokens``) holds
 #: beside the logits it reads, measured with torch.profiler on the CPU: 7 greedy (the
 #: finiteness check: an fp32 ``abs`` and three boolean masks), 12 with a temperature, 24 with
 #: top-p (the sorted probabilities, their int64 order, the cumulative sums, the masks); the

@@ -262,7 +262,7 @@ class Rates:
 #: graph op (``cluster.op_overhead``: frontend/host.py's probe). Timed on this machine (2-core
 #: Xeon VM, torch 2.13, one thread, best of 5 x 200 calls) beside the probe's figure (17.9 us
 #: per op then): the paged KV cache's write of a layer's new keys and values and its read of
-#: their context (runtime/paged.py ``PagedKVCache.store``: index_copy_ twice, two gathers, two
+#: their context (runtime/serve/paged.py ``PagedKVCache.store``: index_copy_ twice, two gathers, two
 #: cats; 119 us at one sequence, 135 us at 32), per attention layer
 PAGED_CACHE_OPS = 7.0
 #: ... the step's layout on every rank (``paged_step``: token ids, slots, positions, masks;
@@ -279,7 +279,7 @@ SAMPLE_OPS = 3.0
 
 def host_overhead(st: StageSteps, links: Mapping[str, Link], ranks: int, per_op: float) -> float:
     """Seconds of one parcompile engine step on the critical path through a rank of stage
-    ``st`` that the graph's ops do not hold (runtime/paged.py ``serve_requests`` /
+    ``st`` that the graph's ops do not hold (runtime/serve/paged.py ``serve_requests`` /
     ``run_step``): on the first stage the step's plan broadcast from the replica's leader to
     its other ``ranks - 1`` ranks (``broadcast_plan``: one broadcast of
     :data:`~parcompile.core.model.STEP_PLAN_BYTES`, timed as one send from the leader over
@@ -328,7 +328,7 @@ def stage_steps(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
     step's tokens sent from a stage to the next (:func:`~parcompile.analysis.serve_memory.
     received_bytes` per token: the graph's ``send_recv`` rule, which a pp graph's nodes hold
     and tests/test_serve.py pins), the last position's vocab-split logits all-gathered over
-    tp in fp32 (runtime/generate.py ``gather_vocab``), the sampled tokens broadcast from the
+    tp in fp32 (runtime/serve/generate.py ``gather_vocab``), the sampled tokens broadcast from the
     last stage over pp. Limits: with ``sequence_parallel`` the graph's sequence-split
     collectives are counted, which the serve program does not run."""
     pp = cfg.parallel.pp
@@ -408,7 +408,7 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
             if c.phase == "forward" and c.per == "microbatch" and degrees.get(c.axis, 1) > 1:
                 st["c_" + per].append((c.op, c.axis, float(c.bytes)))
         if nd.kind == "linear" and nd.op.module == "lm_head" and degrees.get("tp", 1) > 1:
-            # the last position's vocab-split logits, gathered in fp32 (runtime/generate.py gather_vocab)
+            # the last position's vocab-split logits, gathered in fp32 (runtime/serve/generate.py gather_vocab)
             st["c_row"].append(("all_gather", "tp", float(local.numel * degrees["tp"] * 4)))
     return [StageSteps(i, len(st["layers"]), st["weights"], tuple(st["experts"]), st["f_tok"], st["f_row"], st["f8"],
                        st["op_tok"], st["op_row"], st["act_tok"], st["act_row"], tuple(st["attn"]),

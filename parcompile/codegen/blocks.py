@@ -247,7 +247,7 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
     table (``self.scale = ATTN_CORE_SCALE[i]``); ``constants``: the program's constants
     for the dims' global sizes. ``serve``: the serving program's
     class (the rows' ``serve_call``/``serve_init``; conversions that move nothing forward
-    dropped, there is no backward; ``pos`` a :class:`~parcompile.runtime.generate.LayerStep`;
+    dropped, there is no backward; ``pos`` a :class:`~parcompile.runtime.serve.generate.LayerStep`;
     the step's tokens ``T`` unsized). ``method``: the name of the forward method (the
     Stage's ``embed``, ``head``); ``pos_type``: its ``pos`` argument's type where the
     ops read one (default: a layer's).

@@ -72,7 +72,7 @@ def train_classes(m, pd: ProgramData, c: dict, tables: dict[str, list[str]], siz
     out += _mlp_classes(c)
     if pd.moe_layer is not None:
         el, etp = sizes["experts_local"], c["moe_expert_tp"]
-        doc = (f"Mixture of experts (runtime/moe.py): a top-{m.top_k} router ({router_words(m)}) over {m.experts} "
+        doc = (f"Mixture of experts (runtime/model/moe.py): a top-{m.top_k} router ({router_words(m)}) over {m.experts} "
                "experts; each\n"
                "    (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts\n"
                f"    [r * {el}, (r + 1) * {el}) on ep rank r){', all-gathered over expert_tp' if etp else ''}; the\n"
@@ -96,7 +96,7 @@ def _serve_attn_doc(layer, heads_local: int, kv_local: int) -> str:
     latent = layer.op("attn.kv_a_norm")
     if latent is not None and core.attr("latent", None):
         rope = layer.op("attn.rope_k").attr("out_dim").size
-        return (f"Multi-head latent attention over the latent cache (DeepSeek-V2/V3, absorbed form; runtime/mla.py): "
+        return (f"Multi-head latent attention over the latent cache (DeepSeek-V2/V3, absorbed form; runtime/model/mla.py): "
                 f"{heads} heads ->\n    {heads_local} per rank; the cache holds the normed {latent.attr('out_dim').size}-wide "
                 f"latent and the {rope}-wide RoPE key per token,\n    the same on every tp rank; wkv_b's key rows "
                 "absorbed into the query, its value rows into the output.")

@@ -50,14 +50,14 @@ _env = jinja2.Environment(
 
 # What the plan models but the generated program does not run yet: (config key, test,
 # what the program does instead, the issue that brings it, refused). Serving runs the routed
-# experts since issue 18 (runtime/moe.py: Router, dispatch, GroupedExperts, combine). A refused gap is an error for
+# experts since issue 18 (runtime/model/moe.py: Router, dispatch, GroupedExperts, combine). A refused gap is an error for
 # `compile` too: no program is written (a program that silently trained in 16 bits would be
 # measured against an FP8 plan).
 _NOT_IN_PROGRAM: tuple = (
-    # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/fp8.py,
+    # FP8 training (issue 32) runs its linear layers' GEMMs in FP8 (runtime/model/fp8.py,
     # torch._scaled_mm, tensorwise, rowwise and mxfp8); what it does not run yet is refused
     ("train.fp8_all_gather", lambda cfg: gathers_fp8(cfg) and cfg.train.fp8_recipe == "mxfp8",
-     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/zero_gather.py) "
+     "MXFP8 all-gather (fp8_all_gather with fp8_recipe = mxfp8)", "ZeRO-3's FP8 all-gather (runtime/train/zero_gather.py) "
      "casts each weight with one scale, not in MX blocks: `parcompile plan`, `search`, `check` and `export` work "
      "on this spec; to generate a program now, remove `fp8_all_gather` or use fp8_recipe = tensorwise", 32, True),
     # disaggregated serving (issue 45) is planned and exported (two servers, vLLM's NIXL connector or
@@ -128,7 +128,7 @@ def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     paths); names (``synthetic``, ``bytes``, ``builtin:...``) stay as they are.
 
     The program resolves a relative path against its own directory
-    (:func:`parcompile.runtime.data.resolve_source`); the front end resolved the spec's
+    (:func:`parcompile.runtime.data.loader.resolve_source`); the front end resolved the spec's
     paths against the spec's directory."""
     if data is None or data in ("synthetic", "bytes") or data.startswith("builtin:") or out_dir is None:
         return data
@@ -267,7 +267,7 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
         "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
-        # ZeRO-3 FP8 all-gather (runtime/zero_gather.py ParamGather): only when on, so that
+        # ZeRO-3 FP8 all-gather (runtime/train/zero_gather.py ParamGather): only when on, so that
         # other programs read as before
         **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }
@@ -333,7 +333,7 @@ def _mlp_classes(pd: ProgramData, serve: bool = False) -> dict:
 def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     """The MoE module of a MoE layer, written op by op from its ops named ``mlp.*``
     (:func:`methods`): the router, the token dispatch, the grouped experts and the combine
-    (runtime/moe.py, each from its op-table row: local expert count and shard shapes, the
+    (runtime/model/moe.py, each from its op-table row: local expert count and shard shapes, the
     axes the rows cross, off the sharded graph) and, where the graph has them, the shared
     experts' MLP and their sum. ``serve``: the serving program's (the same dispatch,
     decode-sized: top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
@@ -595,7 +595,7 @@ def _serve_quant(cfg: SpecConfig, graph) -> dict:
             ("QUANTIZED_WEIGHTS", listed, "held quantized, dequantized inside each layer's forward")]
     return {"quant_constants": constant_lines(rows),
             "quant_args": ", weight_format=WEIGHT_FORMAT, quantized=QUANTIZED_WEIGHTS, dtype=DTYPE",
-            "weights_note": f"; {fmt.name} weights held quantized (runtime/quant.py)"}
+            "weights_note": f"; {fmt.name} weights held quantized (runtime/model/quant.py)"}
 
 
 def _serve_model(cfg: SpecConfig, pd: ProgramData, padded: int, kv_local: int) -> dict:
@@ -628,7 +628,7 @@ def _cache_layout(layer: LayerData, kv_local: int, replicas: int) -> dict:
     """What the KV cache of a serving rank holds per layer and token, as the program's
     constants: ``kv_local`` kv heads of HEAD_DIM for k and for v (each on ``replicas`` tp
     ranks), or under multi-head latent attention (``attn.wkv_a`` in the graph) one latent of
-    KV_LORA_RANK and the shared RoPE key of QK_ROPE_HEAD_DIM (runtime/generate.py KVCache's
+    KV_LORA_RANK and the shared RoPE key of QK_ROPE_HEAD_DIM (runtime/serve/generate.py KVCache's
     ``v_dim``); ``cache_header`` says so in the program's docstring. ``layout_constants``:
     KV_LOCAL (and KV_REPLICAS, which the replicated k and v projections read) for a cache of
     kv heads; none for the latent cache, which has no kv heads."""

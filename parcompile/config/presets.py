@@ -97,7 +97,7 @@ def _peaks(half: str, fp32: str) -> dict[str, float]:
 class Accelerator:
     """What differs between the vendors' software stacks for a generated program and its
     launchers (docs/clusters.md, "Accelerators"). The process-group backend of a device type
-    is the runtime's rule (``parcompile/runtime/device.py`` ``BACKENDS``); this says what the
+    is the runtime's rule (``parcompile/runtime/machine/device.py`` ``BACKENDS``); this says what the
     compiler writes around it.
 
     Attributes:
@@ -271,9 +271,9 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # shared memory / loopback TCP, 20 us of eager PyTorch per op (frontend/host.py's probe
     # measures 15-25 us on a 2-core EPYC VM with torch 2.13). frontend/host.py replaces them
     # with this machine's figures unless PARCOMPILE_CPU_PROBE=fixed. FP8 (tensorwise, rowwise):
-    # runtime/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
+    # runtime/model/fp8.py runs the GEMMs on the CPU as fp32 GEMMs of the E4M3 values, no faster than
     # 16 bits, so the same peak. MXFP8 likewise: the cpu preset is the one part without a
-    # datasheet, a stand-in for running the program on CPU processes, and runtime/fp8.py
+    # datasheet, a stand-in for running the program on CPU processes, and runtime/model/fp8.py
     # emulates MX blocks exactly (dequantized blocks, fp32 GEMM), so `fp8_recipe = mxfp8`
     # plans, compiles and verifies here (verify's miniatures run on this preset) while the
     # GPU presets keep the datasheet rule (MXFP8 on Blackwell only).

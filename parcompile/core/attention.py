@@ -7,7 +7,7 @@ Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``
 (:data:`parcompile.analysis.efficiency.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
 bytes ``parcompile verify`` measures (:func:`parcompile.verify.compare_activations`), so
-what the plan counts there is what :func:`parcompile.runtime.layers.attention_core` keeps.
+what the plan counts there is what :func:`parcompile.runtime.model.layers.attention_core` keeps.
 
 Variants (:func:`variant`, from the attention op's attributes; the first that applies):
 ``sinks`` (one learnable logit per head in each softmax's denominator, gpt-oss), ``mla``
@@ -76,7 +76,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("sdpa", True,
            "the generated program's torch SDPA: is_causal, or an explicit (s, seq_len) boolean mask for a window "
            "or context-parallel positions (every causal block computed); MLA's value padded to the qk head dim "
-           "(runtime/mla.py)", skips_masked_blocks=False, explicit_mask=True, pads_v=True),
+           "(runtime/model/mla.py)", skips_masked_blocks=False, explicit_mask=True, pads_v=True),
     Kernel("unfused", False,
            "the softmax spelt out: Q K^T, scale-mask-softmax (16-bit probabilities kept), dropout, A V",
            skips_masked_blocks=False),
@@ -114,7 +114,7 @@ _SOFTCAP_FLEX = ("torch FlexAttention score_mod cap * tanh(score / cap) (pytorch
                  "the soft-capping example) with the window's block mask; transformers 5.24 "
                  "models/gemma2/modeling_gemma2.py: _supports_sdpa = False ('sdpa does not support softcapping'), "
                  "_supports_flex_attn = True")
-_PROGRAM = "parcompile/runtime/layers.py attention_core and runtime/mla.py mla_core (what verify measures)"
+_PROGRAM = "parcompile/runtime/model/layers.py attention_core and runtime/model/mla.py mla_core (what verify measures)"
 _COMPILE = ("torchtitan with torch.compile runs the same attention modules as eager (820504e "
             "torchtitan/models/llama3/model.py: SDPA; gpt-oss: FlexAttention, compiled either way)")
 _AUTOMODEL_TE = ("NeMo AutoModel BackendConfig attn: te (Transformer Engine DotProductAttention: cuDNN fused, "

@@ -22,7 +22,7 @@ AXIS_FAMILY: dict[str, str] = {"tp": "tp", "expert_tp": "tp", "dp": "dp", "dp_cp
                                "pp": "pp", "embedding": "pp", "cp": "cp", "ep": "ep"}
 
 #: the groups fp16's overflow flag (dynamic loss scaling, ``found_inf``) is max-reduced over,
-#: in this order: the plan's ``found_inf`` collectives and ``runtime/loss_scale.py``
+#: in this order: the plan's ``found_inf`` collectives and ``runtime/train/loss_scale.py``
 FOUND_INF_AXES: tuple[str, ...] = ("tp", "pp", "dp_cp")
 
 __all__ = ["GROUP_AXES", "DEGREE_AXES", "AXIS_FAMILY", "FOUND_INF_AXES"]

@@ -1,7 +1,7 @@
 """Gradient buckets: how a rank's gradients are grouped for the data-parallel reduction
 (``parallel.bucket_size``), one rule shared by the plan (:mod:`parcompile.analysis`,
 :mod:`parcompile.passes`, :mod:`parcompile.search`) and the generated program
-(:mod:`parcompile.runtime.buckets`, :mod:`parcompile.runtime.zero`). Standard library only
+(:mod:`parcompile.runtime.train.buckets`, :mod:`parcompile.runtime.train.zero`). Standard library only
 (the ground floor, :mod:`parcompile.core`).
 
 Data-parallel ranks reduce their fp32 gradients in *buckets* launched as soon as the
@@ -101,7 +101,7 @@ grad_reduce_in_fp32 else param.dtype`` (``group_params_for_buffers``,
 the buffer is all-reduced or reduce-scattered in bf16: ``step_buffers`` (a plan for
 ``engine = megatron`` on a GPU preset, :func:`parcompile.analysis.estimate.grad_element_bytes`).
 
-**Buckets in flight** (the program's rule, :class:`parcompile.runtime.buckets.GradBuckets`):
+**Buckets in flight** (the program's rule, :class:`parcompile.runtime.train.buckets.GradBuckets`):
 a bucket's full buffer is allocated when the first gradient of the micro-batch reaches
 it; before that, every earlier bucket of the chunk is launched (its gradients of the
 micro-batch are complete: gradients arrive in bucket order) and every reduce-scatter but
@@ -238,7 +238,7 @@ def fp8_gather_elements(elements: int, fp8: int, d: int) -> tuple[int, int]:
     included) into ``min(shard, shard d - fp8)`` elements of the model dtype, zero-padded.
     Either is 0 when the bucket has none (then that all-gather does not run). The plan's
     step collectives (passes/insert_collectives.py) and the program
-    (runtime/zero_gather.py ``ParamGather``) both size them here."""
+    (runtime/train/zero_gather.py ``ParamGather``) both size them here."""
     shard = -(-elements // d) if d > 0 else elements
     return min(shard, fp8), min(shard, shard * d - fp8)
 

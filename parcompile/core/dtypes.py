@@ -2,7 +2,7 @@
 
 Names are the spec's (``fp32``, ``bf16``, ``fp16``; ``fp8`` only for a serving KV cache)
 plus the IR's integer and mask types. The torch objects live in
-:mod:`parcompile.runtime.dtypes`, built from :data:`TORCH_NAMES`.
+:mod:`parcompile.runtime.machine.dtypes`, built from :data:`TORCH_NAMES`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0}
 TORCH_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 #: torch's name of the KV cache's ``fp8`` (OCP E4M3, vLLM's ``kv_cache_dtype = "fp8"``);
-#: torch builds without it fall back to fp16 (:mod:`parcompile.runtime.dtypes`)
+#: torch builds without it fall back to fp16 (:mod:`parcompile.runtime.machine.dtypes`)
 FP8_TORCH_NAME = "float8_e4m3fn"
 
 __all__ = ["DTYPE_BYTES", "GRAD_BYTES", "OPTIMIZER_STATES", "TORCH_NAMES", "FP8_TORCH_NAME"]

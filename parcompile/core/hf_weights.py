@@ -1,7 +1,7 @@
 """Where our parameters live in a Hugging Face checkpoint, standard library only: the
 compiler's checks (:mod:`parcompile.frontend.checks`) and the
-runtime's loader and exporter (:mod:`parcompile.runtime.weights`,
-:mod:`parcompile.runtime.hf_export`) read the same tables.
+runtime's loader and exporter (:mod:`parcompile.runtime.state.weights`,
+:mod:`parcompile.runtime.state.hf_export`) read the same tables.
 
 A model is written as one Hugging Face ``model_type`` (:func:`hf_family`), whose module in
 :mod:`parcompile.core.families` holds what is particular to it (its tensor names, its
@@ -232,7 +232,7 @@ def _add_moe(out: dict, m: ModelKeys, p: str, buffers: bool) -> None:
 
 def tensor_map(model: ModelKeys, family: str, tied: bool | None = None) -> dict[str, list[Source]]:
     """Our global parameter name -> the :class:`Source` s it can be read from, preferred
-    first (the first is what :mod:`parcompile.runtime.hf_export` writes). Covers every
+    first (the first is what :mod:`parcompile.runtime.state.hf_export` writes). Covers every
     name of :func:`expected_shapes` with its buffers (``buffers=True``) and always
     ``lm_head.weight``. The embedding tensor is the head's last source only when the
     checkpoint ties them (``tied``, default ``model.tie_embeddings``: a checkpoint of

@@ -102,7 +102,7 @@ def attention_scale(keys) -> float | None:
 
 
 #: bytes of the buffer in which a serve engine's leader broadcasts each step's plan to its
-#: replica's other ranks (runtime/paged.py ``broadcast_plan``: one broadcast while the
+#: replica's other ranks (runtime/serve/paged.py ``broadcast_plan``: one broadcast while the
 #: plan's JSON text and its 8-byte length fit, a second for the rest; analysis/serve.py
 #: times it). A size chosen, not measured from a source: the compact JSON of a decode step
 #: (32-hex request ids, one token, a 16-block table per row) is 4,300 bytes at 32 rows,
@@ -115,7 +115,7 @@ def cached_tokens(window: int, tokens: int) -> int:
     """Tokens a layer of attention window ``window`` (0: full causal) keeps in its KV cache
     of a ``tokens``-long sequence: a sliding-window layer at most its window (vLLM,
     transformers' sliding-window cache). The plan (:mod:`parcompile.analysis.kv`) and the
-    serve program's cache (:class:`parcompile.runtime.generate.KVCache`) size by it."""
+    serve program's cache (:class:`parcompile.runtime.serve.generate.KVCache`) size by it."""
     return min(window, tokens) if window else tokens
 
 
@@ -295,7 +295,7 @@ class ModelKeys:
     #: `noaux_tc`: experts chosen on the scores plus a per-expert `e_score_correction_bias`
     #: (a fixed fp32 buffer), within the `topk_group` of `n_group` groups whose two best
     #: corrected scores sum highest; weights from the uncorrected scores, times
-    #: `routed_scaling_factor` (runtime/moe.py: route)
+    #: `routed_scaling_factor` (runtime/model/moe.py: route)
     scoring_func: str = key("softmax", enum("softmax", "sigmoid"))
     topk_method: str = key("greedy", enum("greedy", "noaux_tc"))
     n_group: int = key(1, COUNT)
@@ -354,7 +354,7 @@ class ModelKeys:
 
 #: DeepSeek-V3's router keys and their defaults (ModelKeys'), the softmax top-k every other
 #: family has: the plan's router op and the programs' MoE constructors carry only the keys
-#: set otherwise (runtime/moe.py: route)
+#: set otherwise (runtime/model/moe.py: route)
 ROUTER_DEFAULTS = {f.name: f.default for f in fields(ModelKeys)
                    if f.name in ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")}
 

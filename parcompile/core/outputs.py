@@ -92,7 +92,7 @@ def space_problem(path: str | os.PathLike, need_bytes: int) -> str | None:
 
 
 def checkpoint_bytes(params: int, dtype: str, optimizer: str) -> int:
-    """Bytes of one training checkpoint (:mod:`parcompile.runtime.checkpoint`) of
+    """Bytes of one training checkpoint (:mod:`parcompile.runtime.state.checkpoint`) of
     ``params`` parameters of ``dtype`` (``fp32``, ``bf16``, ``fp16``) trained with
     ``optimizer``: the weights in their dtype, the optimizer's fp32 states
     (:data:`parcompile.core.dtypes.OPTIMIZER_STATES`) and the fp32 master weights of a

@@ -33,7 +33,7 @@ Formats (:data:`FORMATS`, by name):
 
 How a checkpoint stores one quantized weight (:func:`stored_tensors`, :func:`stored_quantized`;
 the checks of :func:`parcompile.core.hf_weights.check_checkpoint` and the serving ranks'
-reader, :mod:`parcompile.runtime.quant`, read these records), each as transformers 5.25.0 reads
+reader, :mod:`parcompile.runtime.model.quant`, read these records), each as transformers 5.25.0 reads
 it on a CPU:
 
 * ``fp8-block``: ``NAME`` F8_E4M3 (the weight's own name and shape) and ``STEM.weight_scale_inv``
@@ -284,7 +284,7 @@ def stored_quantized(fmt: QuantFormat | None, name: str, dtypes: Mapping[str, st
 
 
 #: the longest side of an FP8 scale block: no weight is longer, and a rank holds its blocks'
-#: indices as int32 (runtime/quant.py FP8Weight)
+#: indices as int32 (runtime/model/quant.py FP8Weight)
 MAX_BLOCK = 2**31 - 1
 
 

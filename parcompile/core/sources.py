@@ -1,5 +1,5 @@
 """Names of training texts that need no file (SPEC: ``train.data``): the front end accepts
-them and the runtime's data loader reads them (:mod:`parcompile.runtime.dataset`)."""
+them and the runtime's data loader reads them (:mod:`parcompile.runtime.data.dataset`)."""
 
 from __future__ import annotations
 

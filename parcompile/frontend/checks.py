@@ -401,7 +401,7 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("train.checkpoint_every"), help='add `checkpoint_dir = "checkpoints"`')
     if ctx.ok("train.data", "model.vocab", "train.tokenizer") and t.data != "synthetic" \
             and t.tokenizer == "bytes" and cfg.model.vocab < 256:
-        # the bytes tokenizer: token ids 0..255 (runtime/dataset.py)
+        # the bytes tokenizer: token ids 0..255 (runtime/data/dataset.py)
         ctx.bag.error(f'data = "{t.data}" is read as bytes'
                       f", which needs vocab >= 256; the model has "
                       f"vocab = {cfg.model.vocab}", ctx.span("train.data", "model.vocab"),
@@ -452,7 +452,7 @@ def _check_tokenizer(cfg: SpecConfig, ctx: CheckContext) -> None:
                              'or `tokenizer = "bytes"` to mean it')
     if t.tokenizer == "bytes" or not ctx.ok("train.tokenizer") or not uses_text:
         return
-    from parcompile.runtime.dataset import DataError, load_tokenizer
+    from parcompile.runtime.data.dataset import DataError, load_tokenizer
 
     try:
         tok = load_tokenizer(t.tokenizer)
@@ -517,11 +517,11 @@ def _dcp_problems(directory: str, expected: dict[str, tuple[int, ...]]) -> list:
     parameter or another shape (the vocabulary rows may be padded for another tp: only
     at least ``vocab`` rows are needed). Reads the checkpoint's metadata, a pickle, with
     a reader that resolves only the names a DCP metadata holds and never runs code
-    (:func:`parcompile.runtime.weights.read_dcp_metadata`); not its tensors."""
+    (:func:`parcompile.runtime.state.weights.read_dcp_metadata`); not its tensors."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from parcompile.core.hf_weights import Problem
-    from parcompile.runtime.weights import WeightsError, dcp_metadata_path, read_dcp_metadata
+    from parcompile.runtime.state.weights import WeightsError, dcp_metadata_path, read_dcp_metadata
 
     try:
         root = dcp_metadata_path(directory).parent

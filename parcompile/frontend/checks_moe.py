@@ -72,7 +72,7 @@ def check_experts(cfg: SpecConfig, ctx: CheckContext) -> None:
                                "expert_dp = tp * cp * dp / (expert_tp * ep)")
 
 
-#: the model keys of the router (runtime/moe.py: route); a dense model warns for each written
+#: the model keys of the router (runtime/model/moe.py: route); a dense model warns for each written
 ROUTER_KEYS = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
 
 
@@ -82,7 +82,7 @@ def value_words(v: Any) -> str:
 
 
 def check_router(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """DeepSeek-V3's router keys (runtime/moe.py: route): ``noaux_tc`` scores by sigmoid
+    """DeepSeek-V3's router keys (runtime/model/moe.py: route): ``noaux_tc`` scores by sigmoid
     (DeepSeek-V3's modeling_deepseek.py supports no other; transformers' DeepseekV3TopkRouter
     hard-codes both); its groups split the experts evenly, each of at least two (a group
     scores the sum of its top 2); ``topk_group <= n_group``; the kept groups hold at least

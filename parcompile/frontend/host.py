@@ -1,5 +1,5 @@
 """The `cpu` cluster preset's figures from the machine it runs on (SPEC 1, "Preset names"),
-measured by :mod:`parcompile.runtime.host`.
+measured by :mod:`parcompile.runtime.machine.host`.
 
 The `cpu` preset runs every rank as a process of this machine (gloo). Its memory, compute
 and memory bandwidth are this machine's, shared by the ranks of the node
@@ -17,7 +17,7 @@ step time mean something here:
 - ``op_overhead`` per rank: the host time one graph op of the generated program costs in
   its forward beyond its arithmetic (Python, the dispatcher, autograd; the backward counts
   twice, analysis/estimate.py): a tiny decoder layer built from the program's own runtime
-  layers (:mod:`parcompile.runtime.layers`: RMSNorm, column/row-parallel linears, RoPE,
+  layers (:mod:`parcompile.runtime.model.layers`: RMSNorm, column/row-parallel linears, RoPE,
   SDPA, SwiGLU, residual adds; :data:`LAYER_OPS` graph ops), run forward and backward at
   sizes whose arithmetic is negligible, over ``3 x`` :data:`LAYER_OPS`; times
   ``max(1, ranks / cores)`` with more ranks than cores (a rank's Python gets its share of a
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parcompile.core.files import MAX_JSON_BYTES, json_loads, read_text
-from parcompile.runtime.host import MEMORY_STEP, available_memory, cores, gloo_latency, probe
+from parcompile.runtime.machine.host import MEMORY_STEP, available_memory, cores, gloo_latency, probe
 
 #: the environment variable that pins or refreshes the figures (module docstring)
 ENV = "PARCOMPILE_CPU_PROBE"

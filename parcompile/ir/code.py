@@ -42,7 +42,7 @@ class Code:
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
     ``{1}``, ... (and ``{x}``: ``{0}``) the operands, ``{a[key]}`` an attribute;
     ``serve_call`` the serving program's (None: the same; its operands ``pos``: the step's
-    :class:`~parcompile.runtime.generate.LayerStep`, the cache and the RoPE tables at the
+    :class:`~parcompile.runtime.serve.generate.LayerStep`, the cache and the RoPE tables at the
     tokens' positions). ``serve_init``: the serving program's ``init`` (None: the same).
     ``comment`` says what it does.
     ``inline``: its value may be written inside its consumer's expression (False: a
@@ -90,7 +90,7 @@ class Code:
 
 
 _LINEAR_CODE = {
-    # Megatron-LM's tensor-parallel layers (runtime/layers.py): the weight's local shape from the graph
+    # Megatron-LM's tensor-parallel layers (runtime/model/layers.py): the weight's local shape from the graph
     "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
                          "local={local}{fp8})", keep_split=True),
     "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
@@ -107,7 +107,7 @@ _KV_REPLICATED_CODE = Code(build="rt.ColumnParallelLinear({name}, {in_features},
 
 
 def _attention_facts(a) -> dict:
-    """The attention core's keyword arguments (runtime/layers.py ``attention``): context
+    """The attention core's keyword arguments (runtime/model/layers.py ``attention``): context
     parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
     recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks.
     The window and the scale may differ between layers (the op kind's ``per_layer``): written
@@ -168,7 +168,7 @@ def _embedding_code(a) -> Code:
         return Code(build="nn.Module()", call="{self}.weight[" + rows + "]", serve_call="{self}.weight[pos.positions]",
                     init=("self.{attr}.weight = rt.make_param({param}, (MAX_POSITIONS, {dim}), SEED, 0.02, tp, None)",),
                     # inline: the add reads the token embedding first, whose call gathers a ZeRO-3
-                    # bucket holding this table too (runtime/optim.py LayerGather's pre-hook)
+                    # bucket holding this table too (runtime/train/optim.py LayerGather's pre-hook)
                     comment="the positions' rows")
     scale = f", scale={a['scale']!r}" if a.get("scale") is not None else ""
     tied = ("if not self.has_last:   # the LM head on the last stage reads this weight",
@@ -253,7 +253,7 @@ def _latent_core_facts(a) -> dict:
 
 def _attention_code(a) -> Code:
     """The attention core: training's over the step's k and v, serving's over the KV cache;
-    MLA's absorbed core (``latent``: serving graphs) over the latent cache (runtime/mla.py)."""
+    MLA's absorbed core (``latent``: serving graphs) over the latent cache (runtime/model/mla.py)."""
     if a.get("latent"):
         return Code(call="rt.latent_attention({0}, {1}, {2}, pos, {a[window]!r}, heads={heads}{kw})",
                     inline=False, operands=("q", "latent", "k_rope"), var="y", heads_in=True, heads_out=True,
@@ -333,14 +333,14 @@ CODES: dict[str, Any] = {
     "qk_norm": Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
                     **_PER_HEAD),
     "attention": _attention_code,
-    # multi-head latent attention (runtime/layers.py: rope_key, rope_tail, mla_key)
+    # multi-head latent attention (runtime/model/layers.py: rope_key, rope_tail, mla_key)
     "latent_norm": Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
                         call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",
                         comment="the latent, normed"),
     "latent_rope": _latent_rope_code,
     "mla_key": Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
                     heads_in=True, heads_out=True, comment="[k_nope, rope key] per head"),
-    # a MoE layer's routed experts (runtime/moe.py; Megatron-Core's all-to-all token dispatcher)
+    # a MoE layer's routed experts (runtime/model/moe.py; Megatron-Core's all-to-all token dispatcher)
     "router": Code(build="rt.Router({name}, {in_features}, {out_features}, {top_k}, tp, SEED{kw}, "
                          "local={local})",
                    facts=_router_facts, inline=False, var="route",

@@ -384,7 +384,7 @@ def ungated_mlp(L: Lowering, prefix: str, x: str, width: Dim, i: int) -> str:
 
 
 def _router_kind(m: ModelConfig) -> dict[str, Any]:
-    """DeepSeek-V3's router (runtime/moe.py: route), attributes only where not the softmax
+    """DeepSeek-V3's router (runtime/model/moe.py: route), attributes only where not the softmax
     top-k's; the groups only with noaux_tc (whose correction bias (E,) fp32 is a buffer);
     ``norm_topk_prob`` only where false."""
     out = {k: getattr(m, k) for k, default in ROUTER_DEFAULTS.items() if getattr(m, k) != default

@@ -246,7 +246,7 @@ def _fused(a) -> bool:
     """The attention core runs as one fused kernel: the ``kernel`` attribute the analysis
     sets for the engine (:func:`parcompile.core.attention.with_kernel`), else the generated
     program's own (``attention = flash`` and no sinks: torch's fused kernels take no sink
-    logits, so with sinks the runtime spells the softmax out, runtime/layers.py
+    logits, so with sinks the runtime spells the softmax out, runtime/model/layers.py
     attention_core)."""
     return attention_kernel(a).fused
 
@@ -266,7 +266,7 @@ def _attention_extra(a, ins, out):
         pad = a["head_dim"] - a.get("v_head_dim", a["head_dim"])
         if pad > 0 and kernel.pads_v:
             # MLA: the kernel takes v padded to head_dim and keeps it and its padded output; the
-            # output cut to v_head_dim is a copy, the one wo keeps (runtime/mla.py mla_core)
+            # output cut to v_head_dim is a copy, the one wo keeps (runtime/model/mla.py mla_core)
             extra += b * s * heads_local * (pad + a["head_dim"]) * e
         if a.get("sinks") and kernel.sink_rescale:
             # sinks applied after the kernel: output * sigmoid(lse - sink) keeps the kernel's
@@ -332,7 +332,7 @@ def _xent_extra(a, ins, out):
 
 
 def _head_norm_extra(a, ins, out):
-    # the fp32 reciprocal rms per token and (local) head (runtime/layers.py's RMSNorm)
+    # the fp32 reciprocal rms per token and (local) head (runtime/model/layers.py's RMSNorm)
     return out.numel // a["head_dim"] * 4
 
 
@@ -340,7 +340,7 @@ def _scalar(a, ins):
     return TensorType((), "fp32")
 
 
-# --- multi-head latent attention (ir/lower.py ``mla``; runtime/mla.py)
+# --- multi-head latent attention (ir/lower.py ``mla``; runtime/model/mla.py)
 
 def _latent_type(a, ins):
     """A part of the ``kv_a`` projection: the latent (``kv_lora``) or the RoPE key (``rope_k``)."""
@@ -348,7 +348,7 @@ def _latent_type(a, ins):
 
 
 def _latent_norm_extra(a, ins, out):
-    # the fp32 reciprocal rms per token (runtime/layers.py's RMSNorm)
+    # the fp32 reciprocal rms per token (runtime/model/layers.py's RMSNorm)
     return out.numel // out.dims[-1].size * 4
 
 
@@ -388,7 +388,7 @@ def _value_up_flops(a, ins, out):
     return 2 * out.numel * a["latent"]
 
 
-# --- mixture of experts (ir/lower.py; runtime/moe.py). Local types assume balanced routing:
+# --- mixture of experts (ir/lower.py; runtime/model/moe.py). Local types assume balanced routing:
 # each rank receives as many (token, expert) rows as it sends, b * s_local * top_k.
 
 def _router_type(a, ins):
@@ -423,7 +423,7 @@ def _router_extra(a, ins, out):
 
 def _router_traffic(a, ins, out):
     # the fp32 logits written and read, the scores written; noaux_tc also writes and reads
-    # the corrected scores and their group-masked copy (runtime/moe.py: route)
+    # the corrected scores and their group-masked copy (runtime/model/moe.py: route)
     return (7 if a.get("topk_method") == "noaux_tc" else 3) * out.nbytes
 
 
@@ -440,7 +440,7 @@ def _combine_extra(a, ins, out):
 
 
 def _experts_gathered(a, ins, degrees: Mapping[str, int]) -> int:
-    # expert_tp > 1: the routed rows are all-gathered over expert_tp (runtime/moe.py); the
+    # expert_tp > 1: the routed rows are all-gathered over expert_tp (runtime/model/moe.py); the
     # experts keep the gathered rows, plus the two int64 indices that group them by expert
     # and restore their order, over the gathered rows
     etp = degrees.get("expert_tp", 1)
@@ -524,7 +524,7 @@ OPS: dict[str, OpSpec] = {
                                    + (", skip={a[rope]!r}" if "rope" in a else "") + ")",
                                    comment="the query times its position's temperature", per_head=True,
                                    inline=False, var="", heads_in=True, heads_out=True)),
-        # MLA (runtime/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
+        # MLA (runtime/model/mla.py): the normed latent and the RoPE key cut from wkv_a's output, and
         # each head's key [k_nope, rope key] and value cut from wkv_b's
         OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
                traffic=_elementwise_traffic),

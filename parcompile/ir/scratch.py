@@ -1,5 +1,5 @@
 """Forward scratch of the serve program (:attr:`parcompile.ir.ops.OpSpec.scratch`; runtime/
-generate.py, runtime/mla.py, runtime/moe.py: router, dispatch, experts, combine): the temporaries an op holds beside its operands
+generate.py, runtime/model/mla.py, runtime/model/moe.py: router, dispatch, experts, combine): the temporaries an op holds beside its operands
 and its output while its forward runs with no autograd, in bytes at local types
 (:func:`parcompile.analysis.serve_memory.serve_workspace` sums them with the live values).
 """
@@ -11,7 +11,7 @@ INDEX_BYTES = 8
 
 
 def attention_scratch(a, ins, out):
-    """The serve program's attention core (runtime/generate.py ``serve_attention`` and
+    """The serve program's attention core (runtime/serve/generate.py ``serve_attention`` and
     ``cached_attention``) over ``L = seq_len`` keys for the step's T queries, ``S = b Hq T L``
     scores (local heads), e the model dtype's bytes:
 
@@ -29,7 +29,7 @@ def attention_scratch(a, ins, out):
       more; beside the weighted values, the scores and the softmax (fp32) or its cast
       (16-bit).
 
-    MLA's absorbed core (``latent``; runtime/mla.py ``latent_attention``): the keys
+    MLA's absorbed core (``latent``; runtime/model/mla.py ``latent_attention``): the keys
     ``[latent, RoPE key]`` concatenated over the context, the queries as rows (a copy of q),
     the mask repeated per head (``S`` bytes) and made additive (``S e``); with its value
     narrower than its key no fused SDPA kernel of the CPU takes it and torch's math path
@@ -66,12 +66,12 @@ def attention_scratch(a, ins, out):
 
 def _serve_fused(a) -> bool:
     """The serve program's attention core runs torch's fused SDPA: ``attention = flash``, no
-    soft-cap (ir/code.py's ``fused``) and no sinks (runtime/generate.py ``cached_attention``)."""
+    soft-cap (ir/code.py's ``fused``) and no sinks (runtime/serve/generate.py ``cached_attention``)."""
     return a.get("impl") == "flash" and a.get("softcap") is None and not a.get("sinks")
 
 
 def rope_scratch(a, ins, out):
-    # runtime/generate.py apply_rope_at, over the rotated part (share f of each head: its
+    # runtime/serve/generate.py apply_rope_at, over the rotated part (share f of each head: its
     # ``rope_dim``, or ``fraction``): the rotated copy, the two products and their sum (4 f),
     # then the sum and the rotated copy beside the concatenation that is the output
     # (2 f + 1; the output itself not counted); a 16-bit model's cos and sin cast to it
@@ -83,7 +83,7 @@ def rope_scratch(a, ins, out):
 
 
 def norm_scratch(a, ins, out):
-    # runtime/layers.py _RMSNormFunction: the fp32 input (a 16-bit model), the normalised
+    # runtime/model/layers.py _RMSNormFunction: the fp32 input (a 16-bit model), the normalised
     # fp32 tensor and its cast (4 + 4 + e per element, beside the output); in fp32 the
     # normalised tensor only. LayerNorm: torch's fused kernel, nothing beside the output
     if a.get("norm") == "layernorm":
@@ -92,7 +92,7 @@ def norm_scratch(a, ins, out):
 
 
 def router_scratch(a, ins, out):
-    # runtime/moe.py Router.forward and route: the input in fp32 (a 16-bit model), the fp32
+    # runtime/model/moe.py Router.forward and route: the input in fp32 (a 16-bit model), the fp32
     # logits beside the scores (the output), the top-k weights (fp32) and experts (int64)
     n = ins[0].numel // ins[0].dims[-1].size
     x32 = ins[0].numel * 4 if ins[0].itemsize < 4 else 0
@@ -105,7 +105,7 @@ def _routed_rows(out) -> int:
 
 
 def dispatch_scratch(a, ins, out):
-    # runtime/moe.py dispatch, every row local (no collective; with ep or expert_tp > 1 the
+    # runtime/model/moe.py dispatch, every row local (no collective; with ep or expert_tp > 1 the
     # rows received: the graph's balanced estimate): the N k rows sorted by expert (N k h,
     # the model dtype) before their copy grouped by local expert (the output), and per row
     # the int64 sort order, token id, local-expert label and grouping
@@ -114,7 +114,7 @@ def dispatch_scratch(a, ins, out):
 
 
 def experts_scratch(a, ins, out):
-    # runtime/moe.py GroupedExperts: the experts run one at a time, an expert's rows at most
+    # runtime/model/moe.py GroupedExperts: the experts run one at a time, an expert's rows at most
     # the N tokens of the step (each token chooses it once: the bound holds any routing), its
     # gate, up, activation and product (gated: 4 x f, ungated 2 x f; f the rank's ``local_ffn``)
     # beside the outputs of the experts before it; at the end the N k output rows of every
@@ -128,7 +128,7 @@ def experts_scratch(a, ins, out):
 
 
 def combine_scratch(a, ins, out):
-    # runtime/moe.py combine: the rows put back in arrival order, then in (token, choice) order
+    # runtime/model/moe.py combine: the rows put back in arrival order, then in (token, choice) order
     # beside them (2 x N k h; one int64 sort per row at a time), then the weighted rows beside
     # the latter; the rows' order and grouping carried from the dispatch
     rows = ins[0]

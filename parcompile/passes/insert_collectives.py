@@ -137,7 +137,7 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
     the dtype."""
     par = cfg.parallel
     pp, e, d, ed = par.pp, cfg.model.dtype_bytes, deg["dp_cp"], deg["expert_dp"]
-    # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/moe.py):
+    # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/model/moe.py):
     # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
     # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
     dense, expert = stage_buckets(sp, par.bucket_size)

@@ -4,7 +4,7 @@
 One front process (this one) runs the FastAPI application on uvicorn (:mod:`.api`) and
 launches the serve program under torchrun on the plan's ranks (:mod:`.engines`); each
 data-parallel replica's leader rank runs the continuous-batching engine
-(:mod:`parcompile.runtime.paged`) and broadcasts every step to the other tp x pp ranks of
+(:mod:`parcompile.runtime.serve.paged`) and broadcasts every step to the other tp x pp ranks of
 its replica. vLLM splits its OpenAI server the same way (an API process, engine-core
 processes). When a rank dies the front answers 503 for :data:`FAIL_GRACE_S` seconds and
 exits with status 1.
@@ -47,7 +47,7 @@ def _chat_template(weights: str | None) -> tuple[str | None, dict]:
 def model_info(plan) -> "api.ModelInfo":
     """What the API needs from the plan: name, vocabulary, context, default sampling, end
     tokens, tokenizer and chat template (module :mod:`.api`)."""
-    from parcompile.runtime import generate as gen
+    from parcompile.runtime.serve import generate as gen
     from parcompile.server import api
 
     cfg = plan.config

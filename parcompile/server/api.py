@@ -20,7 +20,7 @@ logprob (not streamed); ``n`` and ``best_of`` are at most the sequences a replic
 once (:attr:`ModelInfo.max_seqs`), prompts x samples at most :data:`MAX_SEQUENCES`.
 
 Logprobs (fp32 log-softmax of the model's full-vocabulary logits, before temperature and
-top-k/top-p, as vLLM's ``raw_logprobs``; :mod:`parcompile.runtime.paged`): completions'
+top-k/top-p, as vLLM's ``raw_logprobs``; :mod:`parcompile.runtime.serve.paged`): completions'
 ``logprobs: k`` (0 to :data:`MAX_LOGPROBS`) gives each choice OpenAI's legacy object as
 vLLM returns it, ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (a
 top-logprobs dict holds the k likeliest tokens' texts and the chosen one's); with

@@ -1,6 +1,6 @@
 """The front's side of the engines: launch the serve program under torchrun with
 ``--engine HOST:PORT``, accept one connection per data-parallel replica (its leader rank,
-:mod:`parcompile.runtime.paged`), send requests to the least loaded replica and route the
+:mod:`parcompile.runtime.serve.paged`), send requests to the least loaded replica and route the
 tokens that come back to the waiting HTTP handlers.
 
 A replica that goes away (a rank died: torchrun ends the job, the leader's socket closes)
@@ -22,8 +22,8 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from parcompile import jobs
-from parcompile.runtime.host import engine_threads
-from parcompile.runtime.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
+from parcompile.runtime.machine.host import engine_threads
+from parcompile.runtime.serve.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
 
 #: seconds a replica may stay silent (no step's tokens, no idle heartbeat) before the front
 #: declares it hung and fails (a rank stuck in a collective): far above one step's time
@@ -97,7 +97,7 @@ class Engines:
     ``program`` is the compiled ``serve.py``, ``world`` the ranks to launch and ``replicas``
     the plan's dp degree. Tokens come back as ``(token, finish_reason, logprobs)`` items
     on each request's :class:`TokenQueue` (``logprobs``: a
-    :func:`parcompile.runtime.paged.unpack_logprobs` entry, or None); a failure puts an
+    :func:`parcompile.runtime.serve.paged.unpack_logprobs` entry, or None); a failure puts an
     :class:`EngineFailed` there.
     """
 

@@ -48,7 +48,7 @@ class Generation:
         :class:`parcompile.server.text.IncrementalText`'s: final text only (an unfinished
         character, and the last characters that may begin a stop string, wait), stop strings
         searched in the new text. Logprobs are the engine's entries
-        (:func:`parcompile.runtime.paged.unpack_logprobs`), one per token id (an empty list
+        (:func:`parcompile.runtime.serve.paged.unpack_logprobs`), one per token id (an empty list
         when the request asked for none). Tokens that arrived together (the reader fell
         behind the engine's steps) are taken together (:meth:`take`): one yield for all of
         them, as vLLM's output collector merges a lagging request's outputs.

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from parcompile.runtime.generate import ServeError
+from parcompile.runtime.serve.generate import ServeError
 from parcompile.server.generation import Generation
 from parcompile.server.protocol import (MAX_SEQUENCES, SAMPLING_EPS, THREAD_PARSE_BYTES, UNSUPPORTED, ApiError,
                                         ChatRequest, CompletionRequest, ModelInfo, load_json, usage,

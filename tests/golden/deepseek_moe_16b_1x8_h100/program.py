@@ -129,7 +129,7 @@ class SharedMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture of experts (runtime/moe.py): a top-6 router (softmax, renormalised over the k) over 64 experts; each
+    """Mixture of experts (runtime/model/moe.py): a top-6 router (softmax, renormalised over the k) over 64 experts; each
     (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts
     [r * 8, (r + 1) * 8) on ep rank r); the
     expert MLPs run, and the rows return by all-to-all, weighted by the router.

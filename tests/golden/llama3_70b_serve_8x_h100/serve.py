@@ -26,9 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parcompile import runtime as rt
-from parcompile.runtime import generate as gen
-from parcompile.runtime import paged
-from parcompile.runtime.weights import load_weights
+from parcompile.runtime.serve import generate as gen
+from parcompile.runtime.serve import paged
+from parcompile.runtime.state.weights import load_weights
 
 HERE = Path(__file__).resolve().parent
 
@@ -153,7 +153,7 @@ class Stage(nn.Module):
         return self.cache
 
     def new_paged_cache(self, blocks: int, block_size: int, device) -> paged.PagedKVCache:
-        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/paged.py)."""
+        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/serve/paged.py)."""
         self.cache = paged.PagedKVCache(self.layer_ids, blocks, block_size, KV_LOCAL, HEAD_DIM, KV_DTYPE, device)
         return self.cache
 
@@ -161,7 +161,7 @@ class Stage(nn.Module):
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage (every position's, (B, T, V'/tp), when
         ``step.all_positions``). `parcompile serve`'s engine packs a step's tokens: ids (1, N),
-        hidden (1, N, h), N the step's tokens (``step.packing``; runtime/paged.py)."""
+        hidden (1, N, h), N the step's tokens (``step.packing``; runtime/serve/paged.py)."""
         if self.has_first:
             x = self.embed(x)
         rope = gen.rope_at(self.rope, step.positions, x.device)       # cos, sin (B, T, 128) at each sequence's positions

@@ -5,7 +5,7 @@ Spec:      llama3_70b_serve_sizing_h100.par
 Layout:    dp=1 (independent replicas) x tp=4 x pp=1 = 4 ranks, order "tp-cp-ep-dp-pp"
 Requests:  64 sequence(s) (64 per replica), prompt 2048 + 512 new tokens, greedy
 KV cache:  fp8, 2 kv head(s) per rank; 40960 bytes per token on the most loaded rank
-Weights:   drawn from seed 1234 (the training init); fp8-block weights held quantized (runtime/quant.py)
+Weights:   drawn from seed 1234 (the training init); fp8-block weights held quantized (runtime/model/quant.py)
 Run:       torchrun --standalone --nproc-per-node 4 serve.py
 
 Prefill the prompts, then generate token by token with a KV cache. The process groups
@@ -26,9 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parcompile import runtime as rt
-from parcompile.runtime import generate as gen
-from parcompile.runtime import paged
-from parcompile.runtime.weights import load_weights
+from parcompile.runtime.serve import generate as gen
+from parcompile.runtime.serve import paged
+from parcompile.runtime.state.weights import load_weights
 
 HERE = Path(__file__).resolve().parent
 
@@ -155,7 +155,7 @@ class Stage(nn.Module):
         return self.cache
 
     def new_paged_cache(self, blocks: int, block_size: int, device) -> paged.PagedKVCache:
-        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/paged.py)."""
+        """`parcompile serve`: the same cache in ``blocks`` blocks of ``block_size`` tokens (runtime/serve/paged.py)."""
         self.cache = paged.PagedKVCache(self.layer_ids, blocks, block_size, KV_LOCAL, HEAD_DIM, KV_DTYPE, device)
         return self.cache
 
@@ -163,7 +163,7 @@ class Stage(nn.Module):
         """Token ids (B, T) or hidden (B, T, h) -> hidden (B, T, h), or the last position's
         logits (B, V'/tp) on the last stage (every position's, (B, T, V'/tp), when
         ``step.all_positions``). `parcompile serve`'s engine packs a step's tokens: ids (1, N),
-        hidden (1, N, h), N the step's tokens (``step.packing``; runtime/paged.py)."""
+        hidden (1, N, h), N the step's tokens (``step.packing``; runtime/serve/paged.py)."""
         if self.has_first:
             x = self.embed(x)
         rope = gen.rope_at(self.rope, step.positions, x.device)       # cos, sin (B, T, 128) at each sequence's positions

@@ -100,7 +100,7 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture of experts (runtime/moe.py): a top-2 router (softmax, renormalised over the k) over 8 experts; each
+    """Mixture of experts (runtime/model/moe.py): a top-2 router (softmax, renormalised over the k) over 8 experts; each
     (token, expert) row goes by all-to-all over ep to the rank holding its expert (experts
     [r * 1, (r + 1) * 1) on ep rank r); the
     expert MLPs run, and the rows return by all-to-all, weighted by the router.

@@ -1,0 +1,1 @@
+"""The machine: devices, dtypes, this host's measured figures, the memory meter."""

@@ -1,0 +1,1 @@
+"""The serving engine: paged KV cache, the continuous-batching scheduler, generation, the token cache."""
