@@ -39,8 +39,8 @@ from pathlib import Path
 
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import load_spec
-from parcompile.search import with_parallel
-from parcompile.verify import MAX_WORLD, measure, miniature
+from parcompile.layout_search import with_parallel
+from parcompile.verification import MAX_WORLD, measure, miniature
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import time
 import parcompile
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import load_spec
-from parcompile.search import search
+from parcompile.layout_search import search
 
 AUTO = """parallel {
     tp = auto

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import parcompile  # noqa: E402
 from parcompile.frontend import load_spec  # noqa: E402
-from parcompile.search import RETIME, search, split_text  # noqa: E402
+from parcompile.layout_search import RETIME, search, split_text  # noqa: E402
 
 AUTO = """model m from "llama3.1-405b" { seq_len = 8192 }
 cluster c from "h100-sxm" { nodes = 2048 }
@@ -183,7 +183,7 @@ def bench_serve(repeat: int) -> int:
     import subprocess
     import tempfile
 
-    from parcompile.search.serve import search_serve
+    from parcompile.layout_search.serve import search_serve
 
     cfg, _ = load_spec(SERVE)
     res, wall, cpu = best_of(lambda: search_serve(cfg), repeat)

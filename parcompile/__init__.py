@@ -21,16 +21,13 @@ thin layer over it):
 A spec with errors raises :class:`SpecError`, whose ``.diagnostics`` lists them all.
 
 ``search``, ``verify`` and ``export`` are also the names of the modules that implement
-them (``from parcompile.search import table`` keeps working): the package makes those
+them (``from parcompile.layout_search import table`` keeps working): the package makes those
 three modules callable, so ``parcompile.search(...)`` calls :func:`parcompile.api.search`
 however and whenever the module was imported. ``import parcompile`` stays light (no
 torch, no pydantic): everything loads on first use.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from parcompile.core.version import VERSION as __version__  # noqa: E402
 
@@ -72,55 +69,47 @@ def load_plan(path):
     return load(path)
 
 
-#: modules that are also API functions: module name -> the :mod:`parcompile.api` function
-CALLABLE_MODULES = ("search", "verify", "export")
+def search(source, top: int = 10, *, filename: str | None = None, overrides=None, cross_node_tp: bool = False,
+           progress=None):
+    """Rank the layouts (or, for a ``serve`` spec, the deployments) a spec's ``auto`` keys
+    allow (:func:`parcompile.api.search`: the arguments, what it returns and raises; the
+    implementation is :mod:`parcompile.layout_search`)."""
+    from parcompile.api import search as search_spec
+
+    return search_spec(source, top, filename=filename, overrides=overrides, cross_node_tp=cross_node_tp,
+                       progress=progress)
+
+
+def verify(source, *, filename: str | None = None, overrides=None, steps: int = 3, dtype: str = "fp32",
+           timeout_s: float = 900.0):
+    """Run a miniature of the spec's plan under torchrun and compare it with a single-process
+    reference (:func:`parcompile.api.verify`; the implementation is
+    :mod:`parcompile.verification`)."""
+    from parcompile.api import verify as verify_spec
+
+    return verify_spec(source, filename=filename, overrides=overrides, steps=steps, dtype=dtype, timeout_s=timeout_s)
+
+
+def export(plan, target: str, torchtitan_version: str = "0.3"):
+    """The plan as another engine's configuration (:func:`parcompile.api.export`; the
+    exporters are :mod:`parcompile.exporters`)."""
+    from parcompile.api import export as export_plan
+
+    return export_plan(plan, target, torchtitan_version)
+
+
 #: names loaded on first use: name -> the module that defines it
 _LAZY = {
     "Plan": "parcompile.plan", "PlanJSON": "parcompile.plan_schema", "SearchReport": "parcompile.api",
     "VerifyReport": "parcompile.api", "PlanFileError": "parcompile.api", "PlanDiff": "parcompile.plandiff",
-    "Change": "parcompile.plandiff", "BoundError": "parcompile.plandiff", "Export": "parcompile.export",
+    "Change": "parcompile.plandiff", "BoundError": "parcompile.plandiff", "Export": "parcompile.exporters",
 }
 
 
-class CallableModule(types.ModuleType):
-    """A module of parcompile that is also the API function of its name: calling
-    ``parcompile.search`` calls :func:`parcompile.api.search`."""
-
-    def __call__(self, *args, **kwargs):
-        import importlib
-
-        return getattr(importlib.import_module("parcompile.api"), self.__name__.rpartition(".")[2])(*args, **kwargs)
-
-    @property
-    def __signature__(self):   # inspect.signature / help show the function's
-        import importlib
-        import inspect
-
-        return inspect.signature(getattr(importlib.import_module("parcompile.api"), self.__name__.rpartition(".")[2]))
-
-
-class _Package(types.ModuleType):
-    """The ``parcompile`` package: a submodule in :data:`CALLABLE_MODULES` becomes a
-    :class:`CallableModule` when the import system binds it here (on its first import)."""
-
-    def __setattr__(self, name, value):
-        if name in CALLABLE_MODULES and type(value) is types.ModuleType:
-            value.__class__ = CallableModule
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-for _name in CALLABLE_MODULES:   # imported before this package finished (never, but cheap to be sure)
-    if f"{__name__}.{_name}" in sys.modules:
-        setattr(sys.modules[__name__], _name, sys.modules[f"{__name__}.{_name}"])
-
-
 def __getattr__(name: str):
-    """``parcompile.search`` and the classes of :data:`_LAZY`, loaded on first use (PEP 562)."""
+    """The classes of :data:`_LAZY`, loaded on first use (PEP 562)."""
     import importlib
 
-    if name in CALLABLE_MODULES:
-        return importlib.import_module(f"{__name__}.{name}")   # binding it makes it callable
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,11 +33,11 @@ from parcompile.plan import Plan
 from parcompile.plan_schema import PlanJSON
 
 if TYPE_CHECKING:   # the search, verify and export modules load on use (verify needs torch)
-    from parcompile.export import Export
+    from parcompile.exporters import Export
     from parcompile.plandiff import PlanDiff
-    from parcompile.search import Candidate, SearchResult
+    from parcompile.layout_search import Candidate, SearchResult
     from parcompile.config.schema import SpecConfig
-    from parcompile.verify import Check, VerifyResult
+    from parcompile.verification import Check, VerifyResult
 
 __all__ = ["compile", "search", "verify", "export", "diff", "load_plan", "SearchReport", "VerifyReport",
            "PlanFileError", "prepare_data"]
@@ -90,11 +90,11 @@ def compile(source: str | Path, filename: str | None = None, *,  # noqa: A001 - 
 class SearchReport:
     """The layouts of a spec's ``auto`` keys, ranked (``parcompile search``).
 
-    ``candidates``: the best ``top`` :class:`~parcompile.search.Candidate` s, best first,
+    ``candidates``: the best ``top`` :class:`~parcompile.layout_search.Candidate` s, best first,
     each with its layout (``.parallel``, a ``ParallelConfig``; ``.degrees_text()``) and
     estimates (``.step_time`` s, ``.mfu``, ``.tflops_per_gpu``, ``.peak`` and
     ``.capacity`` bytes per rank, ``.bubble_fraction``, ``.breakdown``); ``result``: the
-    whole :class:`~parcompile.search.SearchResult` (counts, the user's own layout, the
+    whole :class:`~parcompile.layout_search.SearchResult` (counts, the user's own layout, the
     closest layout that does not fit); ``warnings``: the spec's.
     """
 
@@ -114,7 +114,7 @@ class SearchReport:
     def text(self) -> str:
         """The table ``parcompile search`` prints (a serve spec's: the ranked deployments,
         the fewest GPUs that carry the load, the Pareto front)."""
-        from parcompile.search import table
+        from parcompile.layout_search import table
 
         if hasattr(self.result, "pareto"):
             return self.result.table(len(self.candidates))
@@ -124,7 +124,7 @@ class SearchReport:
         """What ``parcompile search --explain`` adds: why the best beats the runner-up,
         how far the spec's own layout is from it (a serve spec's: the best deployment's
         keys, to write it out)."""
-        from parcompile.search import explain
+        from parcompile.layout_search import explain
 
         if hasattr(self.result, "pareto"):
             best = self.result.best
@@ -137,10 +137,10 @@ def search(source: str | Path, top: int = 10, *, filename: str | None = None,
            overrides: Mapping[str, Any] | None = None, cross_node_tp: bool = False,
            progress: Callable[[int, int], None] | None = None) -> SearchReport:
     """Rank the layouts a spec's ``auto`` keys allow (``parcompile search``;
-    :func:`parcompile.search.search`); for a ``serve`` spec, the deployments that carry its
-    workload within its targets (:func:`parcompile.search.serve.search_serve`: the report's
-    ``result`` is a :class:`~parcompile.search.serve.ServeSearch`, its candidates
-    :class:`~parcompile.search.serve.Deployment` s).
+    :func:`parcompile.layout_search.search`); for a ``serve`` spec, the deployments that carry its
+    workload within its targets (:func:`parcompile.layout_search.serve.search_serve`: the report's
+    ``result`` is a :class:`~parcompile.layout_search.serve.ServeSearch`, its candidates
+    :class:`~parcompile.layout_search.serve.Deployment` s).
 
     Args:
         source, filename, overrides: as for :func:`compile`.
@@ -155,7 +155,7 @@ def search(source: str | Path, top: int = 10, *, filename: str | None = None,
         ValueError: ``top`` is below 1.
     """
     from parcompile.frontend import check_spec, parse_spec
-    from parcompile.search import no_fit_diagnostic, search as rank
+    from parcompile.layout_search import no_fit_diagnostic, search as rank
 
     _check_filename(filename)
     if not isinstance(top, int) or top < 1:
@@ -163,8 +163,8 @@ def search(source: str | Path, top: int = 10, *, filename: str | None = None,
     parsed = parse_spec(source, filename, overrides)
     try:
         cfg, warnings = check_spec(parsed)
-        if cfg.workload == "serve":   # sizing a deployment (parcompile/search/serve.py)
-            from parcompile.search.serve import no_deployment_diagnostic, search_serve
+        if cfg.workload == "serve":   # sizing a deployment (parcompile/layout_search/serve.py)
+            from parcompile.layout_search.serve import no_deployment_diagnostic, search_serve
 
             res = search_serve(cfg, top=top)
             if not res.candidates:
@@ -224,7 +224,7 @@ class VerifyReport:
     """One ``parcompile verify`` run: ``rows`` (the checks the table prints: what, max
     |diff|, tolerance, ok), ``losses`` and ``ref_losses`` (the miniature's and the
     single-process reference's, per step), ``passed``; ``result`` is the whole
-    :class:`~parcompile.verify.VerifyResult` (``.mini``: the miniature's config,
+    :class:`~parcompile.verification.VerifyResult` (``.mini``: the miniature's config,
     ``.plan``: its plan.json, ``.records``: what each rank measured)."""
 
     result: "VerifyResult"
@@ -286,7 +286,7 @@ def verify(source: str | Path | Plan, *, filename: str | None = None, overrides:
            steps: int = 3, dtype: str = "fp32", timeout_s: float = 900.0) -> VerifyReport:
     """Run a miniature of the spec's plan on this machine's CPU (same layout, small
     model) under torchrun and compare it with a single-process reference (``parcompile
-    verify``; :func:`parcompile.verify.verify`). Takes a while: it starts the ranks.
+    verify``; :func:`parcompile.verification.verify`). Takes a while: it starts the ranks.
 
     Args:
         source, filename, overrides: as for :func:`compile`; ``source`` may also be a
@@ -301,7 +301,7 @@ def verify(source: str | Path | Plan, *, filename: str | None = None, overrides:
             here (too many ranks, a feature the program does not run yet).
         RuntimeError: the miniature's run failed (its output is in the message).
     """
-    from parcompile.verify import verify as run_verify
+    from parcompile.verification import verify as run_verify
 
     if isinstance(source, Plan):
         if overrides or filename is not None:
@@ -328,7 +328,7 @@ def verify(source: str | Path | Plan, *, filename: str | None = None, overrides:
 
 def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> "Export":
     """The plan as another engine's configuration (``parcompile export --to TARGET``;
-    :func:`parcompile.export.export`): ``.text`` (the file), ``.notes`` (what the target
+    :func:`parcompile.exporters.export`): ``.text`` (the file), ``.notes`` (what the target
     expresses differently), ``.errors`` (where it would train or serve another model or
     layout: the CLI exits 1), ``.launch`` (the command that runs it), ``.filename``.
     ``target``: megatron, megatron-bridge, torchtitan, deepspeed (training specs), vllm, sglang (serve
@@ -339,7 +339,7 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> "Export"
         ValueError: an unknown target.
         SpecError: a plan the target cannot run (a ``serve`` spec for a training engine).
     """
-    from parcompile.export import export as export_plan
+    from parcompile.exporters import export as export_plan
 
     if not isinstance(plan, Plan):
         raise TypeError(f"export needs a compiled Plan, got {type(plan).__name__}; "

@@ -80,7 +80,7 @@ def _compile(path: str):
 def cmd_search(args) -> int:
     """`parcompile search SPEC`: rank the layouts the spec's `auto` keys allow (SPEC 2);
     exit 1 when none fits memory."""
-    from parcompile.search import stderr_progress
+    from parcompile.layout_search import stderr_progress
 
     if args.top < 1:
         raise _Usage("--top must be at least 1")

@@ -8,10 +8,10 @@ Reading this module top to bottom tells the whole story. :func:`compile_source` 
    table, :data:`parcompile.frontend.checks.CHECKS` (:func:`parcompile.frontend.check_spec`);
    every error of the spec is raised at once, each at its span with a fix;
 3. **search** the layouts when the spec writes ``auto`` layout keys
-   (:func:`parcompile.search.resolve`: the best layout the checks accept), adding the
+   (:func:`parcompile.layout_search.resolve`: the best layout the checks accept), adding the
    checks' warnings of the chosen layout;
 4. **settle the split** of layers that do not divide into the model chunks
-   (:func:`parcompile.search.settle_split`, with a note);
+   (:func:`parcompile.layout_search.settle_split`, with a note);
 
 then :func:`compile_config`, for a checked config:
 
@@ -54,8 +54,8 @@ from parcompile.passes.schedule_pipeline import ScheduleReport
 from parcompile.plan import FORMAT, Plan
 from parcompile.plan_schema import (Comm, Compute, Degrees, Estimate, Memory, Model, PlanJSON, Schedule, Search,
                                     Serve, Stage, StageMemory, plan_dict)
-from parcompile.search import check_layout, needs_search, resolve, settle_split
-from parcompile.search.serve import needs_serve_search, resolve_serve
+from parcompile.layout_search import check_layout, needs_search, resolve, settle_split
+from parcompile.layout_search.serve import needs_serve_search, resolve_serve
 
 #: what the plan assumes of MoE token traffic (report.md's assumptions; docs/internals.md)
 MOE_ROUTING = ("balanced: each rank receives as many (token, expert) rows as it sends, "
@@ -108,7 +108,7 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
     """Compile a checked config into a :class:`Plan` (steps 5-8 of the module docstring).
 
     ``warnings`` (the front end's, the search's, the split's note) come first in the plan's
-    warnings; ``search`` (a :class:`parcompile.search.SearchResult`) is the search that
+    warnings; ``search`` (a :class:`parcompile.layout_search.SearchResult`) is the search that
     chose the layout, recorded as plan.json's ``search`` section.
 
     Raises:

@@ -2,7 +2,7 @@
 family and layout, shrunk until every rank runs as a CPU process on this machine
 (:func:`miniature`; :data:`MINIATURE_KEYS` the model keys it keeps), its single-process
 reference (:func:`reference`) and a `serve` spec's (:func:`serve_miniature`). No torch here:
-:mod:`parcompile.verify` runs and compares them.
+:mod:`parcompile.verification` runs and compares them.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from parcompile.diagnostics import Diagnostic, SpecError
 #: with the spec's own size (160 MB by default) it would reduce one bucket per chunk
 MINI_BUCKET_SIZE = 16 * 1024
 MAX_WORLD = 16          # CPU processes verify will start on this machine
-VERIFY_ADAM_EPS = 1e-5  # see parcompile.verify.Tolerances
+VERIFY_ADAM_EPS = 1e-5  # see parcompile.verification.Tolerances
 
 
 def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfig:
-    """A small model with the same parallel structure as ``cfg`` (:mod:`parcompile.verify`'s docstring).
+    """A small model with the same parallel structure as ``cfg`` (:mod:`parcompile.verification`'s docstring).
 
     Widths: 2 query heads per tp rank (GQA kept as 2 query heads per kv head, at least one
     kv head per tp rank; a serving layout with fewer kv heads than tp ranks keeps its kv

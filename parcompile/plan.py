@@ -55,7 +55,7 @@ class Plan:
     data: dict[str, Any]
     warnings: list[Diagnostic] = field(default_factory=list)
     degrees: dict[str, int] = field(default_factory=dict)
-    #: the search that filled the spec's ``auto`` keys (:class:`parcompile.search.SearchResult`), else None
+    #: the search that filled the spec's ``auto`` keys (:class:`parcompile.layout_search.SearchResult`), else None
     search: Any = None
     #: the text the warnings quote (:data:`parcompile.diagnostics.Sources`: the spec's, and its overrides')
     source: Sources = None

@@ -452,7 +452,7 @@ class Serve(_Strict):
 
 class Search(_Strict):
     """``search`` (extension, specs with ``auto`` layout keys only): the search that chose
-    the layout (:func:`parcompile.search.resolve`)."""
+    the layout (:func:`parcompile.layout_search.resolve`)."""
 
     auto: list[str] = Field(description="the parallel keys written `auto`, and a serve spec's serve keys as "
                             "`serve.KEY`, sorted")

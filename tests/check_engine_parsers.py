@@ -72,7 +72,7 @@ def megatron(checkout: str) -> int:
     sys.path.insert(0, checkout)
     import megatron.training.arguments as arguments
 
-    from parcompile.export import export, megatron_env
+    from parcompile.exporters import export, megatron_env
     from tests.test_export import _plans
 
     arguments.get_device_arch_version = lambda: 9   # H100 (Hopper), as the examples
@@ -144,7 +144,7 @@ def _serve_servers(plan, target):
     one, or a disaggregated export's prefill pool (tp prefill_tp, dp prefill_replicas, port
     8100) and decode pool (the plan's degrees, port 8200); what it must carry: (tp, pp, dp,
     context, sequences, budget, quantization, role, port)."""
-    from parcompile.export import export
+    from parcompile.exporters import export
     from tests.test_export import serve_commands
 
     ex = export(plan, target)
@@ -270,7 +270,7 @@ def torchtitan02(wheel_dir: str) -> int:
     from torchtitan.distributed import pipeline_parallel as tt_pp
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    from parcompile.export import export
+    from parcompile.exporters import export
     from tests.test_export import _plans
 
     import torch
@@ -384,7 +384,7 @@ def megatron_bridge() -> int:
     from megatron.bridge.training.config import runtime_config_update
     from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 
-    from parcompile.export import export
+    from parcompile.exporters import export
     from tests.test_export import _plans
 
     bad, out = 0, tempfile.mkdtemp()

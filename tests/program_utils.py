@@ -59,7 +59,7 @@ def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file:
     Raises AssertionError naming the first job that did not complete, with the output."""
     import json
 
-    from parcompile.verify import _torchrun   # verify's launch: gloo, one thread per rank
+    from parcompile.verification import _torchrun   # verify's launch: gloo, one thread per rank
 
     jobs_file.write_text(json.dumps([{"program": str(p), "argv": [str(a) for a in argv]} for p, argv in jobs]))
     proc = _torchrun(world, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], timeout_s)

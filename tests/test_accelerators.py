@@ -191,7 +191,7 @@ def test_exports_launch_with_the_stacks_variables():
     launchers export: HCCL's connection timeout on Ascend, nothing of HCCL elsewhere."""
     from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S
     from parcompile.driver import compile_config
-    from parcompile.export import export
+    from parcompile.exporters import export
     from parcompile.frontend import load_spec
 
     for preset, expected in (("ascend-910b", f"HCCL_CONNECT_TIMEOUT={PROCESS_GROUP_TIMEOUT_S} "), ("h100-sxm", None)):

@@ -156,25 +156,31 @@ def test_export_api_is_the_cli_export(monkeypatch, capsys):
     assert capsys.readouterr().out == parcompile.export(plan, "torchtitan").text
 
 
-def test_search_verify_export_are_callable_modules_in_any_import_order():
-    """`import parcompile` loads no torch or pydantic; a module imported first, as the
-    driver and the CLI import them, is still the API function (calls: the tests above)."""
+def test_search_verify_export_are_functions_whatever_was_imported():
+    """`import parcompile` loads no torch or pydantic; the modules that implement search,
+    verify and export have names of their own, so importing them (as the driver and the
+    CLI do) leaves ``parcompile.search`` etc. the API functions, with their signatures."""
     code = (
         "import sys, inspect\n"
         "import parcompile\n"
         "assert not {'torch', 'pydantic'} & set(sys.modules), sorted(sys.modules)\n"
-        "import parcompile.export as module\n"
-        "from parcompile.export import TARGETS\n"
-        "assert parcompile.export is module and callable(module)\n"
+        "import parcompile.exporters, parcompile.layout_search, parcompile.verification\n"
+        "from parcompile.exporters import TARGETS\n"
+        "assert inspect.isfunction(parcompile.export) and inspect.isfunction(parcompile.search)\n"
+        "assert inspect.isfunction(parcompile.verify)\n"
         "assert list(inspect.signature(parcompile.export).parameters) == ['plan', 'target', 'torchtitan_version']\n"
+        "import parcompile.api as api\n"
+        "for name in ('search', 'verify', 'export'):\n"
+        "    assert inspect.signature(getattr(parcompile, name)).parameters.keys() == "
+        "inspect.signature(getattr(api, name)).parameters.keys(), name\n"
         "print(type(parcompile.export).__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "CallableModule"
-    # in this process the driver imported parcompile.search long before anyone called it
-    assert type(parcompile.search).__name__ == type(parcompile.verify).__name__ == "CallableModule"
+    assert out.stdout.strip() == "function"
+    # in this process the driver imported the layout search long before anyone called it
+    assert callable(parcompile.search) and callable(parcompile.verify)
     assert parcompile.export(parcompile.compile(TINY), "megatron").target == "megatron"
 
 
@@ -218,7 +224,7 @@ def test_verify_report_and_the_cli_print_the_run(case, verified, request, monkey
         calls.append((cfg, steps, dtype))
         return result
 
-    monkeypatch.setattr("parcompile.verify.verify", run)
+    monkeypatch.setattr("parcompile.verification.verify", run)
     report = parcompile.verify(TINY, overrides=VERIFY_OVERRIDES)
     assert calls == [(_build("", case)[0], 3, "fp32")]
     assert report.passed and report.rows == result.checks and len(report.losses) == 3

@@ -327,7 +327,7 @@ def test_program_records_the_buckets(tmp_path):
 def test_export_rounds_bucket_bytes_up_to_elements():
     """Megatron and DeepSpeed count elements; a bucket closes at >= bucket_size bytes, so
     10 B is 3 elements, not 2."""
-    from parcompile.export import export
+    from parcompile.exporters import export
 
     cfg = tiny_config(dp=2, parallel=dict(bucket_size=10))
     plan = compile_config(cfg)

@@ -124,7 +124,7 @@ def test_launch_script_trains_the_tiny_example_and_checkpoints(tmp_path, monkeyp
     torchrun line after `compile`: test_training_jobs' README workflow and test_resume run it.)"""
     import torch.distributed.checkpoint as dcp
 
-    from parcompile.verify import load_global
+    from parcompile.verification import load_global
 
     monkeypatch.chdir(REPO)
     assert main(["compile", "examples/tiny.par", "-o", str(tmp_path / "p")]) == 0

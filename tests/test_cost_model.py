@@ -104,7 +104,7 @@ def _a100_errors() -> dict[str, float]:
     # every A100 row, calibration and held out, costed by the search's probes, which give
     # the compiler's figures (test_search.py test_fast_cost_equals_the_compilers) in a tenth
     # of the time; one row checked here too
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
 
     def fast(r):
         cfg = row_config(r)
@@ -438,7 +438,7 @@ def test_fsdp2_engines_keep_their_shards_in_the_models_dtype_and_no_master_copy(
     # Megatron's 2 + 4 + 12
     from parcompile.analysis.memory import state_bytes
     from parcompile.core.data_parallel import DataParallelSharding
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     n, d = 8000, 8
     assert state_bytes(n, 2, DataParallelSharding(stage=3, shard=d), "adamw", fsdp2=4) == (4 * n // d, 4 * n // d, 8 * n // d)
     assert state_bytes(n, 2, DataParallelSharding(stage=3, shard=d), "adamw") == (2 * n // d, 4 * n // d, 12 * n // d)
@@ -599,7 +599,7 @@ def test_fp8_all_gather_halves_the_zero3_parameter_gathers():
 
 def test_fp8_fast_cost_equals_the_compilers():
     # the search costs FP8 layouts with the same rules (compute, casts, collectives, memory)
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     for name in ("Llama 3.1 8B FSDP+TP fp8 tensorwise", "Llama 3 70B TP4 PP8 VP5 fp8"):
         row = next(r for r in FP8_ROWS if r.name == name)
         cfg = h100_config(row)
@@ -611,7 +611,7 @@ def test_fp8_fast_cost_equals_the_compilers():
 def test_fp8_all_gather_fast_cost_equals_the_compilers():
     # zero 3 with fp8_all_gather: the search's probe units carry each layer's FP8 weights, so
     # its per-bucket E4M3 and 16-bit gathers are the compiler's (core/buckets.fp8_gather_elements)
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
     cfg = h100_config(row)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"fp8_all_gather": True})})
@@ -627,7 +627,7 @@ def test_fp8_bf16_first_layer_fast_cost_equals_the_compilers():
     # fp8_bf16_layers_start = 1: the search probes the 16-bit first layer apart (search/probe.py
     # leading_layers, Graph.fp8 of the probes from analysis/fp8.graph_fp8), so its fast cost is
     # the compiler's, and differs from the all-FP8 one (the probe once took every layer as FP8)
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
     base = h100_config(row)
     cfg = base.model_copy(update={"train": base.train.model_copy(update={"fp8_bf16_layers_start": 1})})
@@ -642,7 +642,7 @@ def test_fp8_bf16_first_layer_fast_cost_equals_the_compilers():
 def test_search_refuses_fp8_bf16_last_layers():
     # the probes compose one kind of leading layer: 16-bit last layers get a diagnostic, not a
     # cost that takes them as FP8
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
     base = h100_config(row)
     cfg = base.model_copy(update={"train": base.train.model_copy(update={"fp8_bf16_layers_end": 1})})
@@ -691,7 +691,7 @@ def test_megatron_grad_buffer_is_in_the_reduce_dtype_at_zero_1():
                 for cost in (_fp8_cost(row), cost_without_schedule(fp32)))
     assert 2 * (layer // 2) in rs and rs32 == [2 * b for b in rs]   # a layer's bucket: its dp shard in bf16
     # the search's fast costing and its state floor apply the same rule
-    from parcompile.search import Coster
+    from parcompile.layout_search import Coster
     fast, fast32 = Coster(cfg), Coster(fp32)
     assert fast.cost(cfg, with_memory=True).peak == _fp8_cost(row).memory.peak
     assert fast.cost(cfg, with_memory=True).step_time == pytest.approx(_fp8_cost(row).time.step_time, rel=1e-9)

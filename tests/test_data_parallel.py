@@ -66,8 +66,8 @@ def test_hsdp_replicate_2_by_shard_2_trains_as_zero3_over_4(tmp_path):
     4 up to the order of the sums: after 3 steps every rank's parameters agree. SGD, whose
     update is linear in the gradient: Adam's first steps move each weight by about lr times
     the gradient's sign, so a near-zero gradient summed in another order moves it by up to
-    2 lr (parcompile/verify.py's tolerance says the same)."""
-    from parcompile.verify import _torchrun
+    2 lr (parcompile/verification.py's tolerance says the same)."""
+    from parcompile.verification import _torchrun
 
     cfg = tiny_config(4, parallel=dict(zero=3, bucket_size=16 * 1024), train=dict(optimizer="sgd", lr=0.5))
     plan = compile_config(cfg)

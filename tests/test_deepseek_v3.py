@@ -278,7 +278,7 @@ def test_megatron_export_names_mla_and_the_router(tmp_path):
     """The Megatron-LM flags of DeepSeek-V3 (Megatron-Core's MLA and sigmoid router), as its
     DeepSeek-V3 recipes write them: each value from the preset's published config."""
     import parcompile
-    from parcompile.export import megatron_args
+    from parcompile.exporters import megatron_args
 
     plan = parcompile.compile(_preset_spec(tmp_path, (
         'cluster c from "h100-sxm" { nodes = 32 }\n'

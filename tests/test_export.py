@@ -15,7 +15,7 @@ import pytest
 import parcompile
 from parcompile.cli import main
 from parcompile.diagnostics import SpecError
-from parcompile.export import SERVE_TARGETS, TARGETS, TORCHTITAN_SCHEDULE, TRAIN_TARGETS, export
+from parcompile.exporters import SERVE_TARGETS, TARGETS, TORCHTITAN_SCHEDULE, TRAIN_TARGETS, export
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.par"))
@@ -273,10 +273,10 @@ LLAMA31 = {"8B": (32, 4096, 32, 8, 14336), "70B": (80, 8192, 64, 8, 28672), "405
 
 def test_torchtitan02_exports_only_its_flavors(plans):
     """torchtitan 0.2's TOML names a llama3 flavor and no field of it: an export is accepted
-    only when the flavor (parcompile.export.TORCHTITAN02_FLAVORS, read from torchtitan v0.2.2)
+    only when the flavor (parcompile.exporters.TORCHTITAN02_FLAVORS, read from torchtitan v0.2.2)
     is the spec's model field by field, and its bf16 is bf16 as torchtitan 0.2 runs it (FSDP
     with dp_shard > 1 or cp > 1, or autocast without tp and pp); else refused with the fields."""
-    from parcompile.export import TORCHTITAN02_FLAVORS
+    from parcompile.exporters import TORCHTITAN02_FLAVORS
 
     for flavor, (layers, dim, heads, kv, ffn) in LLAMA31.items():   # the table is Llama 3.1
         assert TORCHTITAN02_FLAVORS[flavor] == {
@@ -994,7 +994,7 @@ def test_megatron_layer_less_end_chunks():
     with the --pipeline-model-parallel-layout string; torchtitan gets the embedding alone and
     the output alone as model parts."""
     from parcompile.driver import compile_config
-    from parcompile.export import megatron_accounted_split, megatron_args, megatron_layout, torchtitan_model_parts
+    from parcompile.exporters import megatron_accounted_split, megatron_args, megatron_layout, torchtitan_model_parts
     from tests.program_utils import tiny_config
     meta = [0] + [1] * 126 + [0]
     assert megatron_accounted_split(meta, 16) == (True, True)

@@ -30,7 +30,7 @@ import types
 import pytest
 
 from parcompile.core.buckets import reshard_after_forward
-from parcompile.export import export
+from parcompile.exporters import export
 from tests.test_export import REPO, _plans
 
 ACCEPTED: dict[str, list[str]] = {"torchtitan": [], "deepspeed": []}

@@ -1,6 +1,6 @@
 """Every model key of the spec language against every export target (issue 46): each key set to
 a valid value other than its default is either carried by the target (in its allowlist,
-``parcompile.export.model_keys.TARGET_KEYS``, and then the export shows it) or refused with an
+``parcompile.exporters.model_keys.TARGET_KEYS``, and then the export shows it) or refused with an
 error naming the key. A key that is neither (an export that silently drops it) fails here, and
 so does a model key without a value in :data:`VALUES` or without a place in every target's
 declaration."""
@@ -17,9 +17,9 @@ from parcompile.core.families.base import HFWeightsError
 from parcompile.core.hf_weights import hf_config, model_from_checkpoint_config
 from parcompile.core.model import MODEL_KEY_CHECKS, KeyCheck
 from parcompile.diagnostics import SpecError
-from parcompile.export import export
-from parcompile.export import model_keys as mk
-from parcompile.export.model_keys import CHECKPOINT, KINDS, NOTE, SET, TARGET_KEYS, effective, set_model_keys
+from parcompile.exporters import export
+from parcompile.exporters import model_keys as mk
+from parcompile.exporters.model_keys import CHECKPOINT, KINDS, NOTE, SET, TARGET_KEYS, effective, set_model_keys
 
 MOE = {"experts": 4, "top_k": 2}
 MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}
@@ -299,7 +299,7 @@ def test_a_key_an_allowlist_carries_but_the_export_drops_fails(monkeypatch):
 
 
 def test_docs_table_is_the_declarations():
-    """docs/export.md's model keys table is :func:`parcompile.export.model_keys.keys_table`."""
+    """docs/export.md's model keys table is :func:`parcompile.exporters.model_keys.keys_table`."""
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()

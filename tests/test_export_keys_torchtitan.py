@@ -1,4 +1,4 @@
-"""The model keys torchtitan 0.3 carries (``parcompile.export.model_keys.TORCHTITAN``), read back
+"""The model keys torchtitan 0.3 carries (``parcompile.exporters.model_keys.TORCHTITAN``), read back
 from torchtitan's own code: each spec of ``tests/test_export_keys.py``'s walk that the torchtitan
 export accepts is loaded through torchtitan's ``ConfigManager`` (the exported module, as the
 launch line names it), its model built by torchtitan (``Llama3Model.Config.build``), and every
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from parcompile.core.model import rope_scaling, rotary_dim
-from parcompile.export import export
-from parcompile.export.model_keys import SET, TORCHTITAN, set_model_keys
+from parcompile.exporters import export
+from parcompile.exporters.model_keys import SET, TORCHTITAN, set_model_keys
 from parcompile.runtime.model.layers import rope_tables
 from tests.test_export_engines import torchtitan  # noqa: F401  (the fixture: torchtitan 0.3's ConfigManager)
 from tests.test_export_keys import VALUES, _compile, spec
@@ -122,7 +122,7 @@ def test_torchtitan_builds_every_carried_key(torchtitan, tmp_path, monkeypatch):
 def test_a_dropped_key_reads_back_as_torchtitans_default(torchtitan, tmp_path, monkeypatch):  # noqa: F811
     """The check can fail: an export that wrote another eps for the norms, or stopped writing
     Llama 3.1's RoPE scaling, is named."""
-    from parcompile.export import torchtitan as tt_export
+    from parcompile.exporters import torchtitan as tt_export
 
     plan = _compile(spec({"norm_eps": 1e-5, "rope_type": "llama3", "rope_scaling_factor": 8.0,
                           "rope_original_max_positions": 32}, "train"))

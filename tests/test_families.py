@@ -98,7 +98,7 @@ def test_front_end_key_table_is_the_declaration():
 def test_miniature_keeps_every_key_it_does_not_set():
     """verify's miniature names the keys it sets; every other model key is the model's, so a
     new key reaches the miniature without a second list."""
-    from parcompile.verify import MINIATURE_KEYS
+    from parcompile.verification import MINIATURE_KEYS
 
     assert MINIATURE_KEYS <= set(MODEL_KEY_CHECKS)
     kept = set(MODEL_KEY_CHECKS) - MINIATURE_KEYS

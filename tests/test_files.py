@@ -456,7 +456,7 @@ def test_run_time_stops_agree_across_ranks(tmp_path):
 
 
 def _launch_expecting_errors(jobs, jobs_file: Path) -> str:
-    from parcompile.verify import _torchrun
+    from parcompile.verification import _torchrun
 
     jobs_file.write_text(json.dumps([{"program": str(p), "argv": a, "expect_error": True} for p, a in jobs]))
     proc = _torchrun(2, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], 300)

@@ -369,7 +369,7 @@ def test_fp8_loss_stays_within_one_percent_of_bf16_on_the_readme_fine_tune(tmp_p
     from pathlib import Path
 
     from parcompile.api import prepare_data
-    from parcompile.verify import _run_reference
+    from parcompile.verification import _run_reference
 
     monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
     spec = importlib.util.spec_from_file_location(

@@ -251,7 +251,7 @@ def test_bf16_layers_leave_the_fp8_gemms_casts_and_copies_of_those_layers(tmp_pa
 
 
 def test_compile_writes_the_fp8_recipe_per_layer_and_megatron_gets_the_flags(tmp_path):
-    from parcompile.export import export
+    from parcompile.exporters import export
     from tests.program_utils import build_program, tiny_config
     cfg = tiny_config(1, 2, 2, train=dict(precision="fp8", fp8_bf16_layers_start=1, fp8_bf16_layers_end=1))
     module, _plan = build_program(cfg, tmp_path / "p")
@@ -281,7 +281,7 @@ def test_compile_writes_the_fp8_recipe_per_layer_and_megatron_gets_the_flags(tmp
 
 
 def test_the_miniature_keeps_a_bf16_layer_and_an_fp8_one():
-    from parcompile.verify import miniature
+    from parcompile.verification import miniature
     from tests.program_utils import tiny_config
     mini = miniature(tiny_config(2, 2, 2, train=dict(precision="fp8", fp8_bf16_layers_start=2,
                                                      fp8_bf16_layers_end=2)))

@@ -294,9 +294,9 @@ def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
 
 def test_megatron_export_refuses_both_caps(tmp_path):
     """pretrain_gpt.py has no soft-capping argument: the export is refused, naming each cap
-    (Megatron-LM does not carry them: parcompile.export.model_keys.MEGATRON)."""
+    (Megatron-LM does not carry them: parcompile.exporters.model_keys.MEGATRON)."""
     import parcompile
-    from parcompile.export import export
+    from parcompile.exporters import export
 
     (tmp_path / "config.json").write_text(transformers.Gemma2Config().to_json_string())
     spec = tmp_path / "g.par"

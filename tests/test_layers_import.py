@@ -270,7 +270,7 @@ def test_packages_stand_on_floors():
     cycles = find_cycles(floors)
     assert not cycles, f"packages that import each other: {cycles}"
     # the floors the picture in docs/internals.md shows
-    assert "parcompile.passes" in floors["parcompile.search"] and "parcompile.analysis" in floors["parcompile.passes"]
+    assert "parcompile.passes" in floors["parcompile.layout_search"] and "parcompile.analysis" in floors["parcompile.passes"]
     assert not floors["parcompile.core"] and floors["parcompile.runtime"] == {"parcompile.core"}
 
 def test_no_private_names_across_modules():
@@ -331,7 +331,7 @@ def test_runtime_loads_no_compiler_module():
     """A fresh interpreter importing the runtime (as every generated program does) loads
     neither pydantic nor any compiler module."""
     compiler = ("parcompile.analysis", "parcompile.config", "parcompile.passes", "parcompile.ir",
-                "parcompile.search", "parcompile.driver", "parcompile.frontend", "parcompile.codegen")
+                "parcompile.layout_search", "parcompile.driver", "parcompile.frontend", "parcompile.codegen")
     code = ("import sys\nimport parcompile.runtime\nfrom parcompile import runtime as rt\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'networkx', 'lark') "
             f"or m.startswith({compiler!r})))")

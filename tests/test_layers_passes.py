@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.test_layers_import import PKG, imports_of
 
 #: what sits above the analyses: the passes, and the modules that sequence them
-ABOVE_ANALYSIS = ("parcompile.passes", "parcompile.driver", "parcompile.search")
+ABOVE_ANALYSIS = ("parcompile.passes", "parcompile.driver", "parcompile.layout_search")
 
 
 def _climbs(path: Path, root: Path = PKG.parent) -> set[str]:

@@ -62,7 +62,7 @@ def test_expert_states_sharded_over_expert_dp():
 
 def test_moe_with_tp_needs_sequence_parallel():
     # a rule of the checks table (parcompile.frontend.checks): `check`, compile and the search see it
-    from parcompile.search import check_layout
+    from parcompile.layout_search import check_layout
 
     cfg = tiny_config(1, 2, 1, model=dict(experts=4), parallel=dict(ep=2))
     errors = [d.message for d in check_layout(cfg) if d.severity == "error"]

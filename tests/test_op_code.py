@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import parcompile
-import parcompile.verify as verify_mod
+import parcompile.verification as verify_mod
 from parcompile import runtime as rt
 from parcompile.codegen.blocks import module_methods
 from parcompile.codegen.emit import render_program, render_serve

@@ -80,7 +80,7 @@ def test_every_reader_honours_a_v_placement(monkeypatch):
     head). The program cannot run it yet (a rank sends to itself at the V's turn)."""
     from parcompile.core import schedule as S
     from parcompile.driver import compile_config
-    from parcompile.export import export
+    from parcompile.exporters import export
     from tests.plan_factories import spec, tiny_model
 
     monkeypatch.setitem(S.SCHEDULES, "gpipe", Schedule("gpipe", placement=V, virtual_stages=2, forwards_first=True))

@@ -93,7 +93,7 @@ def test_qk_norm_with_layernorm_is_a_spanned_error():
 
 
 def test_megatron_export_asks_for_qk_layernorm():
-    from parcompile.export import megatron_args
+    from parcompile.exporters import megatron_args
 
     args, _ = megatron_args(_plan(True, tp=2))
     assert ("--qk-layernorm", None) in args

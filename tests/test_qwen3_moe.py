@@ -257,7 +257,7 @@ def test_norm_topk_prob_on_a_dense_model_warns():
 def test_megatron_export_routes_as_the_model(norm, tmp_path):
     """Megatron-Core's default router takes the top-k logits, then the softmax over them
     (renormalised); --moe-router-pre-softmax is the softmax over every expert, then top-k."""
-    from parcompile.export import export
+    from parcompile.exporters import export
 
     spec = tmp_path / "s.par"
     spec.write_text(f'model q from "qwen3-30b-a3b" {{ seq_len = 4096, norm_topk_prob = {str(norm).lower()} }}\n'

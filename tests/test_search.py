@@ -14,7 +14,7 @@ from parcompile.cli import main
 from parcompile.driver import compile_config
 from parcompile.passes.manager import cost_without_schedule
 from parcompile.frontend import load_spec
-from parcompile.search import Coster, check_layout, search, with_parallel
+from parcompile.layout_search import Coster, check_layout, search, with_parallel
 
 EXAMPLES = sorted(pathlib.Path(__file__).parent.parent.glob("examples/*.par"))
 TRAIN = [p for p in EXAMPLES if "serve" not in p.stem]
@@ -170,11 +170,11 @@ def test_a_search_that_varies_dp_needs_global_batch(tmp_path, auto):
 # it bounds, computed by the costing it skips, and the search against the search that
 # costs every layout (search.BOUNDS off).
 
-import parcompile.search as search_module
-from parcompile.search import RETIME
-from parcompile.search.bounds import first_rank_layers
-from parcompile.search.rank import family_key
-from parcompile.search.space import check_key, layout_rows, row_parallel
+import parcompile.layout_search as search_module
+from parcompile.layout_search import RETIME
+from parcompile.layout_search.bounds import first_rank_layers
+from parcompile.layout_search.rank import family_key
+from parcompile.layout_search.space import check_key, layout_rows, row_parallel
 
 _AUTO_KEYS = """    pp = auto
     virtual_stages = auto
@@ -383,7 +383,7 @@ def test_split_text_one_run_length_form_for_the_note_and_the_layout_line():
     """An uneven split prints as runs: in the note's words and, compact, in the one-line
     layout (`Candidate.degrees_text`), both from `split_text`."""
     from parcompile.config.schema import ParallelConfig
-    from parcompile.search import Candidate, split_text
+    from parcompile.layout_search import Candidate, split_text
 
     meta = (7,) + (8,) * 14 + (7,)
     assert split_text(meta) == "7, 8 (14 chunks), 7"
@@ -406,7 +406,7 @@ def test_memory_floor_line_through_micro_batches_1_and_2_is_a_lower_bound():
     `test_fast_cost_equals_the_compilers`, and the whole graph's for a few layouts) of
     every 37th valid layout of micro-batch > 1: at most the peak, and equal to it (within
     rounding) for some, so a bound inflated by even 1% would fail here."""
-    from parcompile.search.space import RowLayout
+    from parcompile.layout_search.space import RowLayout
 
     cfg, _ = load_spec(EIGHT_B_AUTO)
     coster = Coster(cfg)
@@ -510,7 +510,7 @@ def test_search_tries_sequence_parallelism_when_the_spec_leaves_it_unset():
                      top=1000)
         assert {c.parallel.sequence_parallel for c in res.candidates if c.parallel.tp > 1} == {written}
     # a serve spec keeps the default: sequence parallelism is a training layout
-    from parcompile.search import searches_sequence_parallel
+    from parcompile.layout_search import searches_sequence_parallel
 
     serve = next(p for p in EXAMPLES if "serve" in p.stem)
     assert not searches_sequence_parallel(load_spec(serve)[0])

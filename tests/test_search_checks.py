@@ -1,7 +1,7 @@
 """The search's checker shortcut held to the checker (design19: a shortcut copy needs a test
 pinning it to the original rule).
 
-:func:`parcompile.search.search` does not run :func:`~parcompile.frontend.checks.check_config`
+:func:`parcompile.layout_search.search` does not run :func:`~parcompile.frontend.checks.check_config`
 on every layout: it runs each check of :data:`~parcompile.frontend.checks.CHECKS` once per
 distinct value of the layout fields the check reads (:data:`~parcompile.frontend.checks.LAYOUT_READS`,
 ``LayoutChecker`` in the search). That is the checker's verdict when
@@ -26,8 +26,8 @@ import pytest
 from parcompile.config.schema import ParallelConfig
 from parcompile.frontend import checks as C
 from parcompile.frontend import load_spec
-from parcompile.search import check_layout, with_parallel
-from parcompile.search.space import LayoutChecker, layout_blocks, row_parallel
+from parcompile.layout_search import check_layout, with_parallel
+from parcompile.layout_search.space import LayoutChecker, layout_blocks, row_parallel
 
 #: the module-level functions of the checks' modules (checks.py and the frontend modules
 #: whose functions it imports: the checks and the helpers they call), by name

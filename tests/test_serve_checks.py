@@ -92,7 +92,7 @@ def test_the_search_keeps_what_the_spec_writes_and_what_its_checkpoint_can_be(tm
     quantized so would be needed); MXFP4 only for gpt-oss; every deployment that fits holds
     its batch's whole context in its cache (its plan fits)."""
     from parcompile.frontend import load_spec
-    from parcompile.search.serve import search_serve
+    from parcompile.layout_search.serve import search_serve
 
     src = spec("    concurrency = 64\n    prompt_len = 2048\n    max_new_tokens = 256\n    weight_dtype = auto\n"
                "    disaggregated = true\n    prefill_tp = 4\n    prefill_replicas = 1\n    tpot_target = 60 ms",

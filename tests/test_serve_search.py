@@ -14,7 +14,7 @@ import parcompile
 from parcompile.cli import main
 from parcompile.diagnostics import SpecError
 from parcompile.frontend import load_spec
-from parcompile.search.serve import search_serve
+from parcompile.layout_search.serve import search_serve
 
 #: issue 45's question: Llama 3.1 70B (the llama3-70b shapes), up to 16 H100s, 2,048 tokens
 #: in / 512 out, 64 concurrent users, TTFT <= 1 s and TPOT <= 40 ms: the shipped example, with

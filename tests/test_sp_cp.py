@@ -23,7 +23,7 @@ from parcompile.passes.manager import cost_without_schedule
 from parcompile.frontend import load_spec
 from parcompile.ir.ops import convert
 from parcompile.ir.types import Dim, Sharding, ShardingError, TensorType
-from parcompile.search import Coster, check_layout, search, with_parallel
+from parcompile.layout_search import Coster, check_layout, search, with_parallel
 from tests.verify_batch import result_of, verify_fixture
 from tests.plan_factories import run_until, spec, tiny_model
 from tests.program_utils import tiny_config

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import parcompile
 from parcompile.api import prepare_data
-from parcompile.verify import Tolerances, _run_reference, _run_torchrun, compare, reference, run_batched
+from parcompile.verification import Tolerances, _run_reference, _run_torchrun, compare, reference, run_batched
 from tests.program_utils import run_in_one_launch
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")

@@ -1,6 +1,6 @@
 """Issue 16, second item: layers that do not divide into ``pp * virtual_stages`` model chunks.
 
-The compiler splits them itself (``parcompile.search.settle_split``): among the candidate
+The compiler splits them itself (``parcompile.layout_search.settle_split``): among the candidate
 splits (``candidate_splits``), the smallest estimated step time, ties within 1% broken by
 the smaller memory peak, and says so in a ``note:`` at ``pp``; ``stage_layers`` overrides it.
 Expected splits here come from outside the code under test: the Llama 3 paper's split of
@@ -15,7 +15,7 @@ import parcompile
 from parcompile.config.text import even_split
 from parcompile.frontend import load_spec
 from parcompile.passes.split_pipeline_stages import candidate_splits
-from parcompile.search import search
+from parcompile.layout_search import search
 from tests.verify_batch import result_of, verify_fixture
 
 LLAMA_405B = """

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from parcompile.verify import Tolerances, compare, miniature, reference
+from parcompile.verification import Tolerances, compare, miniature, reference
 from tests.program_utils import tiny_config
 from tests.verify_batch import result_of, verify_fixture
 
@@ -370,7 +370,7 @@ def test_miniature_keeps_interleaved_rounds():
 
 def test_compare_reports_a_wrong_weight(tmp_path):
     """verify must fail when one parameter of the run differs from the reference's."""
-    from parcompile.verify import _emit, _run_reference
+    from parcompile.verification import _emit, _run_reference
 
     cfg = reference(miniature(tiny_config(1, 1, 1)))
     plan = _emit(cfg, tmp_path / "a")

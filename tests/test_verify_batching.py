@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parcompile.verify import run_batched
+from parcompile.verification import run_batched
 
 PROGRAM = '''
 import json, sys

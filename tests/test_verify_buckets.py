@@ -96,7 +96,7 @@ def test_buckets_that_do_not_divide_by_dp_are_padded_on_every_rank(tmp_path):
     dp = 4 does not divide: the last rank's slice of such a bucket is padding, and still
     every rank holds exactly the plan's ceil(n_b / d) elements of sharded state (bf16 with
     ZeRO 3: also the kept 16-bit parameter slices)."""
-    from parcompile.verify import measure
+    from parcompile.verification import measure
 
     model = dict(hidden=18, heads=2, kv_heads=2, ffn_hidden=31, norm="layernorm", activation="gelu",
                  position="learned", bias=True, dtype="bf16")

@@ -15,7 +15,7 @@ import copy
 import pytest
 
 from parcompile.diagnostics import SpecError
-from parcompile.verify import (SERVE_NEW_TOKENS, Tolerances, kv_cache_check, miniature, serve_miniature,
+from parcompile.verification import (SERVE_NEW_TOKENS, Tolerances, kv_cache_check, miniature, serve_miniature,
                                serve_prompts)
 from tests.serve_utils import measured_collectives, planned_collectives, serve_config
 from tests.verify_batch import result_of, verify_fixture
@@ -153,7 +153,7 @@ def test_plan_with_wrong_kv_bytes_is_caught(case, verified, request):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("case", ["tp2_pp2"])
 def test_cli_prints_serve_rows_and_exits_1_on_a_mismatch(case, verified, request, monkeypatch, capsys):
-    import parcompile.verify
+    import parcompile.verification
     from parcompile.cli import main
 
     good = result_of(verified, request, case)
@@ -161,7 +161,7 @@ def test_cli_prints_serve_rows_and_exits_1_on_a_mismatch(case, verified, request
     bad.checks = good.checks[:-1] + [kv_cache_check(good.records, {**good.plan, "memory": {"per_stage": [
         {**s, "kv_cache": s["kv_cache"] + 4} for s in good.plan["memory"]["per_stage"]]}})]
     for result, code, verdict in ((good, 0, "verify: passed"), (bad, 1, "verify: FAILED")):
-        monkeypatch.setattr(parcompile.verify, "verify", lambda cfg, **kw: result)
+        monkeypatch.setattr(parcompile.verification, "verify", lambda cfg, **kw: result)
         assert main(["verify", "examples/tiny_serve.par"]) == code
         out = capsys.readouterr().out
         assert "greedy sequences, prompts of up to 8 tokens + 8 new" in out and verdict in out

@@ -13,7 +13,7 @@ import pytest
 
 from parcompile.analysis.buckets import Bucket, reshard_after_forward, zero3_gather_counts, zero3_gathered
 from parcompile.driver import compile_config
-from parcompile.search import Coster
+from parcompile.layout_search import Coster
 from tests.program_utils import tiny_config
 from tests.verify_batch import result_of, verify_fixture
 
@@ -126,7 +126,7 @@ def test_program_holds_one_layer_at_a_time(tmp_path):
     is less than the stage's parameters, and it runs the plan's 2 m all-gathers per layer
     bucket and m per embedding and output bucket (every collective is compared with the
     plan), prefetches included."""
-    from parcompile.verify import compare_with_plan, measure
+    from parcompile.verification import compare_with_plan, measure
 
     cfg = tiny_config(dp=2, parallel=dict(zero=3, bucket_size=4, recompute="full"))
     plan, records = measure(cfg, tmp_path, steps=1)
@@ -232,7 +232,7 @@ def test_zero_bubble_keeps_one_reduction_per_step():
 def test_verify_flags_a_rank_that_holds_more_than_the_plan():
     """The verify rows for the ZeRO buffers fail on any difference, name the rank, and are
     absent for programs that do not record them."""
-    from parcompile.verify import _buffer_check
+    from parcompile.verification import _buffer_check
 
     plan = compile_config(tiny_config(dp=2, parallel=dict(zero=3, bucket_size=4))).data
     want = plan["memory"]["per_stage"][0]["buffer_parts"]["zero3_gather"]

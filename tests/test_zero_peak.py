@@ -23,7 +23,7 @@ import pytest
 import parcompile
 from parcompile.analysis.memory import buffer_total
 from parcompile.driver import compile_config
-from parcompile.search import Coster
+from parcompile.layout_search import Coster
 from tests.program_utils import tiny_config
 from tests.verify_batch import result_of, verify_fixture
 
@@ -368,7 +368,7 @@ def test_program_holds_the_plans_buffers_pp1_m4_16_bit_reduces(tmp_path):
     flight equal the plan's, and it runs exactly the plan's collectives (2 m all-gathers per
     layer bucket, m for the embedding's and the output layer's, m 16-bit reduce-scatters
     per bucket)."""
-    from parcompile.verify import compare_with_plan, measure
+    from parcompile.verification import compare_with_plan, measure
 
     cfg = tiny_config(dp=4, model=dict(dtype="bf16"),
                       parallel=dict(zero=3, bucket_size=4, reduce_dtype="bf16", global_batch=32))

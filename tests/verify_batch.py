@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from parcompile.verify import VerifyResult, verify_many
+from parcompile.verification import VerifyResult, verify_many
 
 #: module name -> (build, param, steps, per_test) of every module that registered
 _BUILDERS: dict[str, tuple[Callable, str, int, bool]] = {}

@@ -214,7 +214,7 @@ def amax_collectives(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list
     same rules (tensorwise: per-expert scalars, never FP8-gathered; rowwise: the weights'
     ``h`` rows or columns, and the group's M rows). A group's M is what the router sent it:
     those all-reduces carry ``bytes_per_row`` 4 (verify checks them per row and their sum over
-    the ranks, :func:`parcompile.verify.check_routed`) and ``bytes`` their balanced estimate,
+    the ranks, :func:`parcompile.verification.check_routed`) and ``bytes`` their balanced estimate,
     the ``expert_tp * A`` rows a rank's experts receive under balanced routing (A = ``b *
     s_local * top_k``, the rows it sends, as :func:`parcompile.ir.ops.moe_collectives`),
     divided over the local experts (the first ``(expert_tp * A) % experts_local`` one row

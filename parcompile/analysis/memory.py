@@ -468,7 +468,7 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
     """The :class:`MemoryReport` from its parts: parameters per stage, the bytes one
     micro-batch saves per chunk, the buffers per stage and the micro-batches in flight
     (None: :func:`closed_form_in_flight`). :func:`memory_report` reads the parts off a
-    graph; ``parcompile.search`` builds them from one costed layer."""
+    graph; the layout search (:mod:`parcompile.layout_search`) builds them from one costed layer."""
     par, model = cfg.parallel, cfg.model
     pp, v, sched = par.pp, par.virtual_stages, par.pipeline_schedule
     e = model.dtype_bytes

@@ -235,7 +235,7 @@ class ParallelConfig(_Frozen):
         ``stage_layers`` when set, else the even split (larger chunks first when ``layers``
         does not divide, as :func:`parcompile.passes.split_pipeline_stages.chunk_layers`
         cuts it; the compiler normally sets ``stage_layers`` for such a layout first,
-        :func:`parcompile.search.settle_split`)."""
+        :func:`parcompile.layout_search.settle_split`)."""
         if self.stage_layers is not None:
             return tuple(self.stage_layers)
         return tuple(even_split(layers, self.pp * self.virtual_stages))

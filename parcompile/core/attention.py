@@ -6,7 +6,7 @@ fused kernel, at what rate, over which score blocks) read.
 Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``cluster.engine``
 (:data:`parcompile.analysis.efficiency.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
-bytes ``parcompile verify`` measures (:func:`parcompile.verify.compare_activations`), so
+bytes ``parcompile verify`` measures (:func:`parcompile.verification.compare_activations`), so
 what the plan counts there is what :func:`parcompile.runtime.model.layers.attention_core` keeps.
 
 Variants (:func:`variant`, from the attention op's attributes; the first that applies):

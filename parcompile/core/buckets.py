@@ -1,6 +1,6 @@
 """Gradient buckets: how a rank's gradients are grouped for the data-parallel reduction
 (``parallel.bucket_size``), one rule shared by the plan (:mod:`parcompile.analysis`,
-:mod:`parcompile.passes`, :mod:`parcompile.search`) and the generated program
+:mod:`parcompile.passes`, :mod:`parcompile.layout_search`) and the generated program
 (:mod:`parcompile.runtime.train.buckets`, :mod:`parcompile.runtime.train.zero`). Standard library only
 (the ground floor, :mod:`parcompile.core`).
 

@@ -181,7 +181,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "prefill_replicas": _COUNT, "prefill_tp": _COUNT,
     },
 }
-# `auto` in a serve spec: the sizing search fills them (parcompile/search/serve.py)
+# `auto` in a serve spec: the sizing search fills them (parcompile/layout_search/serve.py)
 KEYS["serve"].update(batch=_COUNT_OR_AUTO, kv_dtype=replace(KEYS["serve"]["kv_dtype"], auto=True))
 
 BLOCK_KINDS: tuple[str, ...] = tuple(KEYS)

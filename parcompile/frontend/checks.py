@@ -94,7 +94,7 @@ def _check_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
         if m.layers >= chunks and chunks <= _MAX_PROPOSED_CHUNKS else None
     if p.stage_layers is None:
         # layers that do not divide into the chunks are split unevenly by the compiler
-        # (parcompile.search.settle_split, with a note); fewer layers than chunks cannot be
+        # (parcompile.layout_search.settle_split, with a note); fewer layers than chunks cannot be
         if m.layers < chunks:
             ends = None
             if chunks - 2 <= m.layers and chunks <= _MAX_PROPOSED_CHUNKS:
@@ -193,7 +193,7 @@ def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
                            "`microbatch_group_size`",
                       note="only the interleaved schedule runs micro-batches in rounds per virtual stage")
     elif p.microbatch_group_size is not None and (searched := [k for k in p.auto if k != "dp"]):
-        # the keys parcompile.search.needs_search searches (dp = auto alone fills the world)
+        # the keys parcompile.layout_search.needs_search searches (dp = auto alone fills the world)
         ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} with `auto` "
                       f"{or_list(searched)}: the search keeps Megatron-Core's default (pp)",
                       ctx.span("parallel.microbatch_group_size"),
@@ -684,7 +684,7 @@ CHECKS = (
 
 #: The layout fields (:class:`ParallelConfig`'s, its properties spelled out) each check of
 #: :data:`CHECKS` reads, for a caller that checks many layouts of one spec:
-#: :func:`parcompile.search.search` runs a check once per distinct value of its fields. A
+#: :func:`parcompile.layout_search.search` runs a check once per distinct value of its fields. A
 #: check without an entry is taken to read every field. ``tests/test_search_checks.py``
 #: derives each entry from the check's source (a new check needs its row there).
 LAYOUT_READS = {

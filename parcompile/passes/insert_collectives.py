@@ -178,7 +178,7 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward, in the
     reduce dtype: :func:`parcompile.analysis.buckets.reduce_counts`; the gradient
     reductions' bytes per element are :func:`parcompile.analysis.estimate.grad_element_bytes`). Shared by the pass and by
-    ``parcompile.search``, which costs layouts without building their graphs."""
+    :mod:`parcompile.layout_search`, which costs layouts without building their graphs."""
     par = cfg.parallel
     pp = par.pp
     d = deg["dp_cp"]
@@ -236,7 +236,7 @@ def step_entries(cfg, deg, stages) -> list[CollectiveEntry]:
     """:func:`step_collectives` as the rows of the communication report
     (:class:`~parcompile.analysis.comm.CollectiveEntry`, phase ``step``): what
     :func:`parcompile.analysis.comm.comm_report` reads from the graph's ``step_collective``
-    ops, for ``parcompile.search``, which costs layouts without building their graphs."""
+    ops, for :mod:`parcompile.layout_search`, which costs layouts without building their graphs."""
     return [CollectiveEntry(op, axis, nb, count, where, s, "step")
             for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, stages)]
 

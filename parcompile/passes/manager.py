@@ -2,7 +2,7 @@
 through them with its analyses.
 
 The driver (:mod:`parcompile.driver`) compiles the chosen layout with it; the search
-(:mod:`parcompile.search`) probes and costs candidate layouts with it. It sits below both,
+(:mod:`parcompile.layout_search`) probes and costs candidate layouts with it. It sits below both,
 so neither imports the other's module to run a pass.
 """
 

@@ -3,7 +3,7 @@
 The layers are cut into ``pp * virtual_stages`` model chunks in model order
 (``stage_layers`` when given, else an even split). When ``layers`` does not divide
 into the chunks and no ``stage_layers`` is given, the compiler chooses the split before
-this pass (:func:`parcompile.search.settle_split`, among :func:`candidate_splits`, by the
+this pass (:func:`parcompile.layout_search.settle_split`, among :func:`candidate_splits`, by the
 smallest estimated step time); this pass cuts a plain remainder-to-the-first-chunks split
 (:func:`parcompile.config.text.even_split`) only for a config that skipped that step. Model
 chunk ``k`` lives where the schedule's placement puts it

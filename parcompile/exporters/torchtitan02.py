@@ -8,9 +8,9 @@ import json
 from parcompile.analysis.fp8 import bf16_layers, gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
-from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
-from parcompile.export.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
+from parcompile.exporters.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
                                           torchtitan_schedule)
 from parcompile.plan import Plan
 

@@ -9,10 +9,10 @@ from typing import Callable
 
 from parcompile.analysis.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
-from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       placement_errors,
                                       reduces_over_dp, stage_split)
-from parcompile.export.model_keys import model_key_errors
+from parcompile.exporters.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 #: ``add(flag, value=None)``: appends one argument (:func:`megatron_args`)
@@ -407,7 +407,7 @@ def _megatron_run_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
 def megatron_export(plan: Plan) -> Export:
     """``--to megatron``: the environment, ``torchrun ... pretrain_gpt.py`` and
     :func:`megatron_args` as a shell command; notes and errors (the model keys Megatron-LM does
-    not carry, :func:`parcompile.export.model_keys.model_key_errors`, then
+    not carry, :func:`parcompile.exporters.model_keys.model_key_errors`, then
     :func:`megatron_errors`) as comments."""
     cfg = plan.config
     args, notes = megatron_args(plan)
@@ -490,7 +490,7 @@ def megatron_errors(plan: Plan) -> list[str]:
     parallelism, with fp16, or with tied embeddings (megatron/training/arguments.py,
     the ``if args.use_torch_fsdp2:`` block); and the values of carried model keys its flags
     cannot state (:func:`megatron_model_errors`). The model keys it does not carry at all are
-    :data:`parcompile.export.model_keys.MEGATRON`'s."""
+    :data:`parcompile.exporters.model_keys.MEGATRON`'s."""
     cfg = plan.config
     deg = degrees(plan)
     errors = megatron_model_errors(cfg.model) + placement_errors(plan, "Megatron-LM")

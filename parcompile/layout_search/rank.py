@@ -10,10 +10,10 @@ from typing import Callable
 
 from parcompile.analysis.memory import usable_memory
 from parcompile.config.schema import SpecConfig
-from parcompile.search.bounds import first_rank_layers
-from parcompile.search.candidate import Candidate
-from parcompile.search.coster import Coster
-from parcompile.search.space import Row, RowLayout, check_key, row_parallel, with_parallel
+from parcompile.layout_search.bounds import first_rank_layers
+from parcompile.layout_search.candidate import Candidate
+from parcompile.layout_search.coster import Coster
+from parcompile.layout_search.space import Row, RowLayout, check_key, row_parallel, with_parallel
 
 
 #: candidates re-timed with their simulated schedule

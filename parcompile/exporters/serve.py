@@ -7,8 +7,8 @@ from __future__ import annotations
 import shlex
 
 from parcompile.core.quant import DEFAULT_FORMAT
-from parcompile.export.common import SERVE_TARGETS, Export, degrees, layout_line
-from parcompile.export.model_keys import checkpoint_key_errors, model_key_errors
+from parcompile.exporters.common import SERVE_TARGETS, Export, degrees, layout_line
+from parcompile.exporters.model_keys import checkpoint_key_errors, model_key_errors
 from parcompile.plan import Plan
 
 
@@ -50,7 +50,7 @@ def serve_args(plan: Plan, target: str) -> tuple[list[tuple[str, str | None]], l
     """The server arguments for a serve ``plan`` (``target`` ``vllm`` or ``sglang``) as
     ``(flag, value or None)`` pairs, the notes and the errors: first the model keys the server
     would read otherwise from the checkpoint's config.json
-    (:func:`parcompile.export.model_keys.checkpoint_key_errors`)."""
+    (:func:`parcompile.exporters.model_keys.checkpoint_key_errors`)."""
     cfg = plan.config
     m, sv = cfg.model, cfg.serve
     deg = degrees(plan)

@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from parcompile.core.model import LLAMA4_KEYS, MODEL_KEY_CHECKS, ModelKeys, derived_defaults
-from parcompile.export.common import fmt_num
+from parcompile.exporters.common import fmt_num
 from parcompile.plan import Plan
 
 #: the export writes the key: ``how`` is the flag or field that states it

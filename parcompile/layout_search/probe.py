@@ -1,5 +1,5 @@
 """Probes: the three-layer graphs a layout is costed from, and how a candidate's chunks are
-composed of a probe's (:mod:`parcompile.search`, module docstring)."""
+composed of a probe's (:mod:`parcompile.layout_search`, module docstring)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Lower bounds on a layout's step time and memory peak, each cheaper than the costing it
-bounds (:class:`Floors`, a base class of :class:`~parcompile.search.coster.Coster`, made of
+bounds (:class:`Floors`, a base class of :class:`~parcompile.layout_search.coster.Coster`, made of
 :class:`StepFloors`, :class:`FamilyFloors` and :class:`MemoryFloors`; the
-module docstring of :mod:`parcompile.search`)."""
+module docstring of :mod:`parcompile.layout_search`)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.ir.ops import COUNTS_BYTES
 from parcompile.passes.base import parallel_degrees
 from parcompile.passes.insert_collectives import STEP_AXES, step_entries
-from parcompile.search.probe import (Probe, chunk_units, compose, probe_parallel, quad_times, rank_layers, stage_bufs,
+from parcompile.layout_search.probe import (Probe, chunk_units, compose, probe_parallel, quad_times, rank_layers, stage_bufs,
                                      total_of_chunks)
-from parcompile.search.space import RowLayout, with_parallel
+from parcompile.layout_search.space import RowLayout, with_parallel
 
 
 def mean_span(work: float, pp: int, v: int, m: int) -> float:
@@ -654,7 +654,7 @@ class MemoryFloors:
 
 
 class Floors(StepFloors, FamilyFloors, MemoryFloors):
-    """The lower bounds :class:`~parcompile.search.coster.Coster` ranks layouts by (the module
+    """The lower bounds :class:`~parcompile.layout_search.coster.Coster` ranks layouts by (the module
     docstring): a base class of the coster, reading its probes, caches and costing. Step
     time from a layout's own probe (:class:`StepFloors`), from its family's scaled probe
     (:class:`FamilyFloors`), and memory (:class:`MemoryFloors`)."""

@@ -35,27 +35,27 @@ memory, model, MLA, MoE, vocabulary, precision, optimizer, run), :mod:`.megatron
 (:class:`Export`, the target names, the plan's degrees and common notes); :mod:`.model_keys`
 declares the model keys each target carries (an allowlist per engine: every exporter refuses a
 set model key its target does not carry, naming it, before its own checks). This module
-dispatches (:func:`export`) and re-exports every name, so ``parcompile.export.megatron_args``
+dispatches (:func:`export`) and re-exports every name, so ``parcompile.exporters.megatron_args``
 and the rest keep working.
 """
 
 
 from parcompile.diagnostics import Diagnostic, SpecError
-from parcompile.export.common import (SERVE_TARGETS, TARGETS, TORCHTITAN_VERSIONS, TRAIN_TARGETS, Export,
+from parcompile.exporters.common import (SERVE_TARGETS, TARGETS, TORCHTITAN_VERSIONS, TRAIN_TARGETS, Export,
                                       common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
-from parcompile.export.deepspeed import deepspeed_config, deepspeed_export
-from parcompile.export.megatron import (megatron_accounted_split, megatron_args, megatron_env, megatron_errors,
+from parcompile.exporters.deepspeed import deepspeed_config, deepspeed_export
+from parcompile.exporters.megatron import (megatron_accounted_split, megatron_args, megatron_env, megatron_errors,
                                         megatron_export, megatron_layout)
-from parcompile.export.megatron_bridge import (MEGATRON_BRIDGE_FIELDS, MEGATRON_BRIDGE_SECTIONS, megatron_bridge_config,
+from parcompile.exporters.megatron_bridge import (MEGATRON_BRIDGE_FIELDS, MEGATRON_BRIDGE_SECTIONS, megatron_bridge_config,
                                                megatron_bridge_export)
-from parcompile.export.model_keys import TARGET_KEYS, Carried, TargetKeys, model_key_errors, set_model_keys
-from parcompile.export.serve import (KV_CACHE_DTYPE, SERVE_DTYPE, serve_args, serve_export, serve_fraction_sequences,
+from parcompile.exporters.model_keys import TARGET_KEYS, Carried, TargetKeys, model_key_errors, set_model_keys
+from parcompile.exporters.serve import (KV_CACHE_DTYPE, SERVE_DTYPE, serve_args, serve_export, serve_fraction_sequences,
                                      serve_memory_fraction)
-from parcompile.export.torchtitan import (TORCHTITAN_SCHEDULE, torchtitan3_export, torchtitan_errors, torchtitan_fsdp,
+from parcompile.exporters.torchtitan import (TORCHTITAN_SCHEDULE, torchtitan3_export, torchtitan_errors, torchtitan_fsdp,
                                           torchtitan_model_errors, torchtitan_model_parts, torchtitan_registry,
                                           torchtitan_schedule)
-from parcompile.export.torchtitan02 import (TORCHTITAN02_FLAVORS, torchtitan02_export, torchtitan02_flavor,
+from parcompile.exporters.torchtitan02 import (TORCHTITAN02_FLAVORS, torchtitan02_export, torchtitan02_flavor,
                                             torchtitan_config)
 from parcompile.plan import Plan
 

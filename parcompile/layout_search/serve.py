@@ -549,7 +549,7 @@ def deployments(cfg: SpecConfig, valid_tp: list[int]) -> Iterator[Deployment]:
 def search_serve(cfg: SpecConfig, top: int = 10) -> ServeSearch:
     """Size the deployment of serve spec ``cfg`` (module docstring). Raises
     :class:`SpecError` when no candidate passes the checks."""
-    from parcompile.search.space import check_layout
+    from parcompile.layout_search.space import check_layout
 
     t0 = time.perf_counter()
     with paused_gc():

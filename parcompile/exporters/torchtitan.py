@@ -1,7 +1,7 @@
 """``parcompile export --to torchtitan`` (0.3, the default): a config registry module (Python)
 that registers the spec's model as a llama3 flavor and defines the ``Trainer.Config``, run
 with ``torchtitan.train --module ... --config ...``; and what 0.3 and 0.2
-(:mod:`parcompile.export.torchtitan02`) share: the model's errors, the FSDP settings for a
+(:mod:`parcompile.exporters.torchtitan02`) share: the model's errors, the FSDP settings for a
 ZeRO stage, the pipeline schedule and the model parts of uneven stages."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.schedule import Schedule as PipelineSchedule
-from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
+from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
-from parcompile.export.model_keys import model_key_errors
+from parcompile.exporters.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 #: parcompile schedule -> torch.distributed.pipelining schedule name (torchtitan), for one
@@ -33,7 +33,7 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     (``torchtitan.models.llama3``) cannot take without training a different model: RoPE scalings
     other than none and Llama 3.1's, fp16. The keys it does not carry at all (norms,
     activations, biases, MLA, experts, ...) are refused first by the allowlist
-    (:data:`parcompile.export.model_keys.TORCHTITAN`, :func:`torchtitan_model_errors`)."""
+    (:data:`parcompile.exporters.model_keys.TORCHTITAN`, :func:`torchtitan_model_errors`)."""
     m = plan.config.model
     errors = []
     if m.position == "rope" and m.rope_type not in ("default", "llama3"):
@@ -53,7 +53,7 @@ def torchtitan_errors(plan: Plan) -> list[str]:
 
 def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
     """The model's errors for torchtitan ``version`` (``"0.3"``, ``"0.2"``): the keys it does
-    not carry (:func:`parcompile.export.model_keys.model_key_errors`), then
+    not carry (:func:`parcompile.exporters.model_keys.model_key_errors`), then
     :func:`torchtitan_errors`."""
     return model_key_errors(plan, "torchtitan" if version == "0.3" else "torchtitan-0.2") + torchtitan_errors(plan)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from parcompile.export.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, placement_errors,
+from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, placement_errors,
                                       reduces_over_dp, stage_split)
-from parcompile.export.model_keys import model_key_errors, set_model_keys, show
+from parcompile.exporters.model_keys import model_key_errors, set_model_keys, show
 from parcompile.plan import Plan
 
 

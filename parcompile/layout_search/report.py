@@ -10,8 +10,8 @@ from typing import Callable
 from parcompile.config.text import plural
 from parcompile.core.units import bytes_text
 from parcompile.diagnostics import Diagnostic
-from parcompile.search.candidate import Candidate
-from parcompile.search.rank import RETIME, SearchResult
+from parcompile.layout_search.candidate import Candidate
+from parcompile.layout_search.rank import RETIME, SearchResult
 
 
 def no_fit_diagnostic(res: SearchResult) -> Diagnostic:

@@ -47,12 +47,12 @@ MoE layers) on 2,048 H100s, 446 of 34,000 and 60 probes (each with its dense pro
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
 
-The package, bottom up: :mod:`~parcompile.search.space` (the layouts as rows, the checks
-they pass), :mod:`~parcompile.search.probe` (probes and composing a candidate's chunks from
-them), :mod:`~parcompile.search.candidate`, :mod:`~parcompile.search.bounds` (the lower
-bounds, :class:`~parcompile.search.bounds.Floors`), :mod:`~parcompile.search.coster`
-(:class:`Coster`: costing one layout, choosing a split), :mod:`~parcompile.search.rank`
-(branch and bound over the rows), :mod:`~parcompile.search.report` (tables, explanations);
+The package, bottom up: :mod:`~parcompile.layout_search.space` (the layouts as rows, the checks
+they pass), :mod:`~parcompile.layout_search.probe` (probes and composing a candidate's chunks from
+them), :mod:`~parcompile.layout_search.candidate`, :mod:`~parcompile.layout_search.bounds` (the lower
+bounds, :class:`~parcompile.layout_search.bounds.Floors`), :mod:`~parcompile.layout_search.coster`
+(:class:`Coster`: costing one layout, choosing a split), :mod:`~parcompile.layout_search.rank`
+(branch and bound over the rows), :mod:`~parcompile.layout_search.report` (tables, explanations);
 this module runs them (:func:`search`, :func:`resolve`, :func:`settle_split`).
 """
 
@@ -64,15 +64,15 @@ from typing import Callable
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.passes.manager import paused_gc
-from parcompile.search.candidate import Candidate, split_text
-from parcompile.search.coster import Coster, SPLIT_TIME_TIE
-from parcompile.search.rank import RETIME, SearchResult, family_key, rank_rows
-from parcompile.search.report import no_fit_diagnostic
-from parcompile.search.space import LayoutChecker, check_key, check_layout, layout_blocks, needs_search, with_parallel
-from parcompile.search.report import explain, stderr_progress, table
-from parcompile.search.space import MAX_MICRO_BATCH, SEARCH_KEYS, layouts, searches_sequence_parallel
+from parcompile.layout_search.candidate import Candidate, split_text
+from parcompile.layout_search.coster import Coster, SPLIT_TIME_TIE
+from parcompile.layout_search.rank import RETIME, SearchResult, family_key, rank_rows
+from parcompile.layout_search.report import no_fit_diagnostic
+from parcompile.layout_search.space import LayoutChecker, check_key, check_layout, layout_blocks, needs_search, with_parallel
+from parcompile.layout_search.report import explain, stderr_progress, table
+from parcompile.layout_search.space import MAX_MICRO_BATCH, SEARCH_KEYS, layouts, searches_sequence_parallel
 
-#: the package's names (``parcompile.search.*``: the CLI's, the API's, the driver's)
+#: the package's names (``parcompile.layout_search.*``: the CLI's, the API's, the driver's)
 __all__ = ["BOUNDS", "Candidate", "Coster", "MAX_MICRO_BATCH", "RETIME", "SEARCH_KEYS", "SPLIT_TIME_TIE", "SearchResult",
            "check_layout", "explain", "layouts", "needs_search", "no_fit_diagnostic", "resolve", "search",
            "searches_sequence_parallel", "settle_split", "split_text", "stderr_progress", "table", "with_parallel"]

@@ -1,12 +1,12 @@
 """``parcompile export --to megatron-bridge``: a Megatron-Bridge 0.3.1 module whose ``config()``
 returns the ``ConfigContainer``, the Megatron-LM arguments of
-:func:`parcompile.export.megatron.megatron_args` renamed (:data:`MEGATRON_BRIDGE_FIELDS`)."""
+:func:`parcompile.exporters.megatron.megatron_args` renamed (:data:`MEGATRON_BRIDGE_FIELDS`)."""
 
 from __future__ import annotations
 
-from parcompile.export.common import Export, layout_line, py_name
-from parcompile.export.megatron import megatron_args, megatron_env, megatron_errors
-from parcompile.export.model_keys import model_key_errors
+from parcompile.exporters.common import Export, layout_line, py_name
+from parcompile.exporters.megatron import megatron_args, megatron_env, megatron_errors
+from parcompile.exporters.model_keys import model_key_errors
 from parcompile.plan import Plan
 
 
@@ -127,7 +127,7 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
     arguments of :func:`megatron_args` (one rule for what Megatron runs) renamed through
     :data:`MEGATRON_BRIDGE_FIELDS`, and ``softmax_scale`` for ``query_pre_attn_scalar`` (which
     pretrain_gpt.py cannot state); the model keys Bridge does not carry
-    (:data:`parcompile.export.model_keys.MEGATRON_BRIDGE`), an argument with no field there,
+    (:data:`parcompile.exporters.model_keys.MEGATRON_BRIDGE`), an argument with no field there,
     and what :func:`megatron_errors` refuses, are errors."""
     args, notes = megatron_args(plan)
     errors = model_key_errors(plan, "megatron-bridge") + megatron_errors(plan)

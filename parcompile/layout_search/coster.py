@@ -20,11 +20,11 @@ from parcompile.passes.base import parallel_degrees
 from parcompile.core.groups import axis_placement
 from parcompile.passes.insert_collectives import step_entries
 from parcompile.passes.split_pipeline_stages import candidate_splits
-from parcompile.search.bounds import Floors, first_rank_layers, step_degrees
-from parcompile.search.candidate import Candidate
-from parcompile.search.probe import (Probe, build_probe, compose, compose_params, dense_counts, leading_layers,
+from parcompile.layout_search.bounds import Floors, first_rank_layers, step_degrees
+from parcompile.layout_search.candidate import Candidate
+from parcompile.layout_search.probe import (Probe, build_probe, compose, compose_params, dense_counts, leading_layers,
                                      probe_parallel, quad_times, stage_bufs)
-from parcompile.search.space import RowLayout, with_parallel
+from parcompile.layout_search.space import RowLayout, with_parallel
 
 
 #: step times within this fraction of the fastest split's count as ties (Coster.choose_split):

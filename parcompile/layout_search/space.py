@@ -24,7 +24,7 @@ MAX_MICRO_BATCH = 16
 def needs_search(cfg: SpecConfig) -> bool:
     """True when a training spec leaves a layout choice to the compiler (``auto`` on a key
     other than ``dp``, which alone is fixed by the world size); a serve spec's are the sizing
-    search's (:func:`parcompile.search.serve.needs_serve_search`)."""
+    search's (:func:`parcompile.layout_search.serve.needs_serve_search`)."""
     return cfg.workload != "serve" and any(k != "dp" for k in cfg.parallel.auto)
 
 
