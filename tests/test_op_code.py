@@ -635,19 +635,24 @@ def test_no_degree_arithmetic_in_codegen():
     assert DEGREE_ARITHMETIC.search("x // tp")
 
 
-def test_a_row_may_be_written_in_its_op_table_entry_but_never_twice():
-    """A constant row lives in its kind's OpSpec (Gemma 2's ``softcap``: one op, one place);
-    ir/code.py's CODES holds the others; a kind with both is refused at import."""
+def test_every_kind_is_defined_once_with_its_row_in_its_definition():
+    """Each op kind is one OpSpec in one module of parcompile/ir/ops/ (issue 46): its program
+    row is its definition's (no second table of rows), and a kind defined in two modules is
+    refused when the table is built."""
+    import types
     from dataclasses import replace
 
     from parcompile.ir import ops
-    from parcompile.ir.code import CODES
 
-    assert "softcap" not in CODES and isinstance(code_of("softcap", {"cap": 30.0}), Code)
+    assert isinstance(code_of("softcap", {"cap": 30.0}), Code)
     assert "rt.softcap(" in code_of("softcap", {"cap": 30.0}).call
-    assert ops.OPS["add"].code is CODES["add"]
-    with pytest.raises(ValueError, match="two program rows"):
-        ops._program_row(replace(ops.OPS["add"], code=Code()))
+    assert not hasattr(ops, "CODES")
+    # the kinds without a row are the ones the templates' skeleton runs
+    assert sorted(k for k, s in ops.OPS.items() if s.code is None) == [
+        "cross_entropy", "input", "send_recv", "step_collective"]
+    twice = types.SimpleNamespace(__name__="twice", DEFINITIONS=[replace(ops.OPS["add"], code=Code())])
+    with pytest.raises(ValueError, match="'add' is defined twice"):
+        ops._table(ops.dense, twice)
 
 
 def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
@@ -659,7 +664,7 @@ def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
     import parcompile
 
     pkg = Path(parcompile.__file__).parent
-    files = [pkg / "ir" / "ops.py", pkg / "ir" / "code.py", *(pkg / "codegen").rglob("*.py"),
+    files = [*(pkg / "ir" / "ops").glob("*.py"), *(pkg / "codegen").rglob("*.py"),
              *(pkg / "codegen").rglob("*.j2"), *(Path(__file__).parent / "golden").rglob("*.py")]
     names = {n for f in files for n in re.findall(r"\brt\.([A-Za-z_]\w*)", f.read_text())}
     assert {"softcap", "attention", "ColumnParallelLinear", "latent_attention"} <= names

@@ -247,7 +247,7 @@ def _undeclared(name: str, kind: str, key: str, values: tuple[tuple[int, Any], .
                      for v, ids in groups.items())
     return (f"internal error: op layers.{{i}}.{name} (kind {kind!r}) differs between layers in attribute {key!r} "
             f"({seen}), which op kind {kind!r} does not declare per-layer (OpSpec.per_layer, "
-            "parcompile/ir/ops.py); the program writes one class for these layers and would compute all of them "
+            "parcompile/ir/ops/); the program writes one class for these layers and would compute all of them "
             "with one layer's value")
 
 

@@ -202,7 +202,7 @@ def layer_table_rows(pd: ProgramData, written: str) -> list[tuple]:
             raise LayerAttributeError(
                 f"internal error: attribute {table.attr!r} of op layers.{{i}}.{table.op} (kind {table.kind!r}) differs "
                 f"between layers ({table.literal()}) and no line of the program reads it per layer: its program row "
-                "must write it ({a[" + table.attr + "]!r}, ir/code.py)")
+                "must write it ({a[" + table.attr + "]!r}, ir/ops/)")
         rows.append(table.row())
     return rows
 

@@ -9,7 +9,7 @@ from parcompile.runtime.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, 
 from parcompile.runtime.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
-# the layers and MLA's functions the op table's program rows call (ir/code.py, ir/ops.py):
+# the layers and MLA's functions the op table's program rows call (parcompile/ir/ops/):
 # every name of each module's __all__, so a new runtime function is one module's edit
 from parcompile.runtime.layers import *  # noqa: F403
 from parcompile.runtime.device import device_count, synchronize

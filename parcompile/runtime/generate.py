@@ -245,7 +245,7 @@ def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Laye
     at layer ``pos.layer`` (the contiguous :class:`KVCache` or the paged one, whose rows
     may start after a cached prefix or a chunk), the queries attend the cache so far under
     the step's mask for ``window`` (:func:`cached_attention`, ``scale``, ``sinks`` and
-    ``softcap`` as there: the attention op's attributes, ir/code.py) -> (B, T, Hq * D)."""
+    ``softcap`` as there: the attention op's attributes, ir/ops/attention.py) -> (B, T, Hq * D)."""
 
     def core(where, masks, q, k, v):
         B, T = q.shape[:2]

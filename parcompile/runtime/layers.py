@@ -639,7 +639,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """Gemma 2's logit soft-capping ``cap * tanh(x / cap)``, elementwise, any shape, in
     ``x``'s dtype (transformers' ``Gemma2ForCausalLM`` and ``eager_attention_forward``):
     the values stay within (-cap, cap). Keeps only its output for backward (d/dx = 1 - (y /
-    cap)^2), as the op table counts it (ir/ops.py ``softcap``)."""
+    cap)^2), as the op table counts it (ir/ops/dense.py ``softcap``)."""
     return _SoftCap.apply(x, float(cap))
 
 
@@ -677,7 +677,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     ``sinks`` (Hq,): one logit per query head added to each softmax's denominator and
     dropped after it (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
     Attention Sinks"). torch's fused kernels take no sinks, so with sinks the softmax is
-    spelt out whatever ``fused`` says (the plan counts it so: ir/ops.py ``_fused``).
+    spelt out whatever ``fused`` says (the plan counts it so: ir/ops/attention.py ``_fused``).
 
     GQA: each group of Hq/Hkv query heads shares one kv head; k and v are never expanded
     to Hq heads (the fused kernel's ``enable_gqa``; the unfused path multiplies each kv head
@@ -761,7 +761,7 @@ def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
     """:func:`attention_core`; a v narrower than q and k (MLA: v_head_dim < n + r) is
     zero-padded for the fused kernel, which takes one head width, and the output cut back
     (vLLM's MLA on FlashAttention 2: the kernel keeps the padded v and output, as the plan
-    counts them: ir/ops.py)."""
+    counts them: ir/ops/attention.py)."""
     d, dv = q.shape[-1], v.shape[-1]
     if fused and dv < d:
         return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]

@@ -15,7 +15,7 @@ qk_rope_head_dim, ``v`` = v_head_dim, ``c`` = kv_lora_rank, ``c_q`` = q_lora_ran
 Tensor parallelism (Megatron-Core's MLASelfAttention): wq_a, wkv_a and the two latent norms
 are replicated (whole on every rank); wq_b and wkv_b column-parallel by heads; wo
 row-parallel. The training program runs these ops one by one as the graph's op table writes
-them (:mod:`parcompile.ir.code`: runtime/layers.py ``rope_tail``, ``rope_key``,
+them (:mod:`parcompile.ir.ops.mla`: runtime/layers.py ``rope_tail``, ``rope_key``,
 ``mla_key``); this module holds the down projections' module and the serving form.
 
 ``interleave`` (HF ``rope_interleave``, DeepSeek's checkpoints): the RoPE dims of q and of
@@ -69,7 +69,7 @@ def mla_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fused: bool, 
     """MLA's attention core: q, k (B, H, T, n + r), v (B, H, T, v) -> (B, H, T, v)
     (:func:`parcompile.runtime.layers.attention_core`). The fused kernel takes one head
     width, so v is zero-padded to n + r and the output cut back (vLLM's MLA on FlashAttention
-    2): the kernel keeps the padded v and output (the plan counts them: ir/ops.py)."""
+    2): the kernel keeps the padded v and output (the plan counts them: ir/ops/attention.py)."""
     d, dv = q.shape[-1], v.shape[-1]
     if fused and dv < d:
         return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]

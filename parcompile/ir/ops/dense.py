@@ -1,0 +1,220 @@
+"""The op kinds of a dense decoder layer and of the model's ends: the input, the token
+embedding, the residual add, the norms, the linear layers (the LM head among them), RoPE,
+qk-norm, the activations, Gemma 2's soft-cap and the loss. Each is one :class:`OpSpec`
+(shape, cost, program row, traits, per-layer attributes) in :data:`DEFINITIONS`.
+"""
+
+from __future__ import annotations
+
+from parcompile.ir.ops.base import (_PER_HEAD, Code, Collective, OpSpec, Trait, _elementwise_traffic, _linear_flops,
+                                    _same)
+from parcompile.ir.types import TensorType
+
+
+def _input_type(a, ins):
+    return TensorType(tuple(a["dims"]), a["dtype"])
+
+
+def _embedding_type(a, ins):
+    return TensorType(ins[0].dims + (a["out_dim"],), a["dtype"])
+
+
+def _linear_type(a, ins):
+    x = ins[0]
+    if x.dims[-1].name != a["in_dim"].name:
+        raise ValueError(f"linear expects last dim {a['in_dim'].name}, got {x}")
+    return TensorType(x.dims[:-1] + (a["out_dim"],), x.dtype)
+
+
+def _xent_traffic(a, ins, out):
+    # read the logits, write the fp32 softmax, read it again for the reductions
+    return ins[0].nbytes + 2 * 4 * ins[0].numel
+
+
+def _add_extra(a, ins, out):
+    # dropout mask (1 byte per element) on the branch added to the residual stream
+    return out.numel if a.get("dropout", 0) > 0 else 0
+
+
+def _xent_type(a, ins):
+    return TensorType((), "fp32")
+
+
+def _xent_extra(a, ins, out):
+    # the softmax of the (local) logits, kept in fp32 for the gradient
+    return ins[0].numel * 4
+
+
+def _head_norm_extra(a, ins, out):
+    # the fp32 reciprocal rms per token and (local) head (runtime/layers.py's RMSNorm)
+    return out.numel // a["head_dim"] * 4
+
+
+# --- scratch of the serve program (:attr:`OpSpec.scratch`)
+
+def rope_scratch(a, ins, out):
+    # runtime/generate.py apply_rope_at, over the rotated part (share f of each head: its
+    # ``rope_dim``, or ``fraction``): the rotated copy, the two products and their sum (4 f),
+    # then the sum and the rotated copy beside the concatenation that is the output
+    # (2 f + 1; the output itself not counted); a 16-bit model's cos and sin cast to it
+    width = out.dims[-1].unit
+    rot = a["rope_dim"] if a.get("rope_dim") else round(a.get("fraction", 1.0) * width)
+    f = rot / width
+    casts = 2 * (out.numel // out.dims[-1].size) * rot * out.itemsize if out.itemsize < 4 else 0
+    return int(out.nbytes * (max(4 * f, 2 * f + 1) - 1)) + casts
+
+
+def norm_scratch(a, ins, out):
+    # runtime/layers.py _RMSNormFunction: the fp32 input (a 16-bit model), the normalised
+    # fp32 tensor and its cast (4 + 4 + e per element, beside the output); in fp32 the
+    # normalised tensor only. LayerNorm: torch's fused kernel, nothing beside the output
+    if a.get("norm") == "layernorm":
+        return 0
+    return out.numel * 8 if out.itemsize < 4 else out.nbytes
+
+
+# --- program rows (:class:`Code`)
+
+_LINEAR_CODE = {
+    # Megatron-LM's tensor-parallel layers (runtime/layers.py): the weight's local shape from the graph
+    "column": Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
+                         "local={local}{fp8})", keep_split=True),
+    "row": Code(build="rt.RowParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, OUT_STD, "
+                      "reduce={reduce}, local={local}{fp8})", fold_after=True),
+    # MLA's down projections: every rank holds the whole weight, its gradient whole
+    "replicated": Code(build="rt.whole_grad(rt.ReplicatedLinear({name}, {in_features}, {out_features}, {bias}, "
+                             "tp, SEED{fp8}))", keep_split=True),
+}
+
+
+#: serving with tp a multiple of kv_heads (vLLM): a kv projection whose heads the graph keeps
+#: whole (attribute ``kv_replicas``, shard-tensor-parallel's mark); each rank holds kv head
+#: ``tp.index // KV_REPLICAS``
+_KV_REPLICATED_CODE = Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, "
+                                 "shard_index=tp.index // KV_REPLICAS, num_shards=KV_HEADS, local={local})")
+
+
+def _linear_code(a) -> Code:
+    if a.get("kv_replicas"):
+        return _KV_REPLICATED_CODE
+    if getattr(a.get("out_dim"), "name", None) == "vocab":   # the LM head: its rows the padded vocabulary
+        return _head_code(a)
+    return _LINEAR_CODE[a["tp"]]
+
+
+def _head_code(a) -> Code:
+    """The LM head (a linear layer onto the padded vocabulary, column-parallel): the Stage's
+    ``head_weight()`` (its own weight, or tied: the embedding's where this rank holds it,
+    else a copy kept equal by summing gradients, Megatron-LM); its padded rows stay zero."""
+    call = "rt.linear({x}, self.head_weight())"
+    build = ("rt.ColumnParallelLinear({name}, {in_features}, {out_features}, {bias}, tp, SEED, valid_rows=VOCAB, "
+             "local={local})")
+    if not a.get("_tied_to"):
+        return Code(build=build, call=call, keep_split=True, serve_init=())
+    copy = "self.{attr} = " + build.replace("{name}", f'"{a["_tied_to"]}"')   # the embedding's weight, by its name
+    return Code(call=call, keep_split=True, init=(
+        "if not self.has_first:   # tied head on another stage: a copy, kept equal by summing grads (Megatron-LM)",
+        "    " + copy, "    self.{attr}.weight.tied = self.{attr}.weight.tied_copy = True"),
+        serve_init=("if not self.has_first:   # the tied head on another stage: a copy of the embedding",
+                    "    " + copy))
+
+
+def _embedding_code(a) -> Code:
+    """The token embedding (rows of the padded vocabulary over tp; it runs the conversion
+    after it: an all-reduce, or a reduce-scatter along the sequence) and GPT-2's learned
+    position embedding (the rows of this rank's token positions; serving: the step's)."""
+    if a.get("positional"):
+        rows = "self.positions.chunk(self.tp.size)[self.tp.index]" if "tp" in a["_seq_split"] else "self.positions"
+        return Code(build="nn.Module()", call="{self}.weight[" + rows + "]", serve_call="{self}.weight[pos.positions]",
+                    init=("self.{attr}.weight = rt.make_param({param}, (MAX_POSITIONS, {dim}), SEED, 0.02, tp, None)",),
+                    # inline: the add reads the token embedding first, whose call gathers a ZeRO-3
+                    # bucket holding this table too (runtime/optim.py LayerGather's pre-hook)
+                    comment="the positions' rows")
+    scale = f", scale={a['scale']!r}" if a.get("scale") is not None else ""
+    tied = ("if not self.has_last:   # the LM head on the last stage reads this weight",
+            "    self.{attr}.weight.tied = True") if a.get("_tied_by") else ()
+    return Code(build="rt.VocabParallelEmbedding({name}, PADDED_VOCAB, VOCAB, {dim}, tp, SEED, "
+                      "sequence_parallel={scatter}" + scale + ", local={local})",
+                serve_call="{self}({x}).to(DTYPE)", fold_after=True, init=tied, serve_init=())
+
+
+def _norm_code(a) -> Code:
+    # the residual stream's norms: the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w)
+    # form); MLA's latent norms replicated, run on the whole sequence: their gradient whole
+    if a.get("tp") == "replicated":
+        return Code(build="rt.whole_grad(rt.RMSNorm({name}, {dim}, NORM_EPS, SEED, tp))")
+    return Code(build="Norm({name}, {dim}, NORM_EPS, SEED, tp)")
+
+
+def _rope_code(a) -> Code:
+    common = dict(comment="RoPE at the tokens' global positions",
+                  per_head=True, inline=False, var="", heads_in=True, heads_out=True)
+    if "start" in a:   # MLA's query: the rotary dims after the first ``start`` of each head
+        inter = ", interleave=True" if a.get("interleave") else ""
+        return Code(call="rt.rope_tail({x}, {a[start]}, *pos.rope" + inter + ")",
+                    serve_call="rt.rope_tail_at({x}, {a[start]}, *pos.rope" + inter + ")", **common)
+    return Code(call="rt.apply_rope({x}, *pos.rope)", serve_call="gen.apply_rope_at({x}, *pos.rope)", **common)
+
+
+def _add_code(a) -> Code:
+    # the residual adds drop out the branch they add (attribute ``dropout``, 0 included)
+    if "dropout" in a:
+        return Code(call="{0} + self.drop({1})", var="x", init=("self.drop = nn.Dropout(DROPOUT)",),
+                    serve_call="{0} + {1}", serve_init=())
+    return Code(call="{0} + {1}", var="y")
+
+
+
+def _xent_collectives(node, degrees, local_in, local_out) -> list[Collective]:
+    """Vocab-parallel cross-entropy (Megatron-LM): three all-reduces over tp of one fp32 per
+    token (the max, the sum of exp, the target logit)."""
+    if node.requires[0].axis_of("vocab") == "tp" and degrees.get("tp", 1) > 1:
+        logits = local_in[0]
+        nb = logits.numel // logits.dims[-1].size * 4  # one fp32 per token
+        return [Collective("all_reduce", "tp", nb, "forward", node.op.module)] * 3
+    return []
+
+
+#: the op kinds of this module
+DEFINITIONS = [
+    OpSpec("input", lambda a, ins: TensorType(tuple(a["dims"]), a["dtype"]), arity=0,
+           traits=frozenset({Trait.NOT_AN_OP})),
+    OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes, code=_embedding_code,
+           traits=frozenset({Trait.EMBEDDING})),
+    OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic, code=_add_code,
+           traits=frozenset({Trait.EXPRESSION})),
+    # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
+    OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=norm_scratch,
+           code=_norm_code, traits=frozenset({Trait.EXPRESSION})),
+    OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code,
+           traits=frozenset({Trait.GEMM, Trait.FP8_GEMM})),
+    # rotary position embedding at the tokens' global positions (the program's tables)
+    # (Gemma 3: the sliding-window layers' own base, unscaled)
+    OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch,
+           per_layer=("theta", "scaling"), code=_rope_code, traits=frozenset({Trait.EXPRESSION, Trait.ROTARY})),
+    # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
+    OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
+           traffic=_elementwise_traffic, traits=frozenset({Trait.EXPRESSION}),
+           code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
+                     **_PER_HEAD)),
+    # gelu keeps its input; relu its output (the backward needs only the sign)
+    OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
+           saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic,
+           code=Code(call='rt.ACTIVATIONS["{a[fn]}"]({x})', inline=False), traits=frozenset({Trait.EXPRESSION})),
+    OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+           code=Code(call="rt.swiglu({0}, {1})", inline=False, operands=("gate", "up"), comment="silu(gate) * up"),
+           traits=frozenset({Trait.EXPRESSION})),
+    # gelu(gate, tanh approximation) * up (Gemma's GeGLU): the same saves as SwiGLU
+    OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+           code=Code(call="rt.geglu({0}, {1})", inline=False, operands=("gate", "up"),
+                     comment="gelu_tanh(gate) * up"),
+           traits=frozenset({Trait.EXPRESSION})),
+    # Gemma 2's final soft-cap cap * tanh(x / cap) on each vocab shard of the logits (tanh is
+    # elementwise: the vocab-parallel loss after it stays exact); keeps its output (tanh's
+    # backward is 1 - (y / cap)^2)
+    OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic,
+           code=Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
+           traits=frozenset({Trait.EXPRESSION})),
+    OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic,
+           collectives=_xent_collectives, traits=frozenset({Trait.LOSS})),
+]
