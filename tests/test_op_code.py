@@ -689,3 +689,20 @@ def test_row_parallel_without_reduction_leaves_a_partial_sum_with_the_bias_once(
         parts.append(row(x[..., 4 * r:4 * r + 4]))
     assert not torch.allclose(parts[1], parts[0])
     torch.testing.assert_close(parts[0] + parts[1], whole(x))
+
+
+def test_traits_are_declared_on_the_definitions_and_agree_with_them():
+    """The kind lists became traits on the op definitions (issue 46): every trait is some
+    kind's; a kind that is not an op of the forward has no program row, no FLOPs and is
+    never a GEMM; the FP8 GEMMs are GEMMs; a kind of no known module is a KeyError."""
+    from parcompile.ir import ops
+    from parcompile.ir.ops import Trait, has_trait, kinds_with
+
+    assert all(kinds_with(t) for t in Trait)
+    for kind in kinds_with(Trait.NOT_AN_OP):
+        s = ops.spec(kind)
+        assert s.code is None and not has_trait(kind, Trait.GEMM), kind
+    assert kinds_with(Trait.FP8_GEMM) <= kinds_with(Trait.GEMM)
+    assert kinds_with(Trait.ROTARY) == {k for k, s in ops.OPS.items() if "theta" in s.per_layer}
+    with pytest.raises(KeyError, match="unknown op kind 'nope'"):
+        has_trait("nope", Trait.GEMM)
