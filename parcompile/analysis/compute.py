@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from parcompile.analysis.fp8 import cast_elements, cast_input, is_fp8_gemm
-from parcompile.core.attention import attention_kernel, with_kernel
+from parcompile.core.attention import with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import Trait, spec
@@ -230,7 +230,7 @@ def fused_attention_work(graph: Graph, nd: Node, a: Mapping, degrees: Mapping[st
     causal blocks; a sliding window's only where the kernel skips the masked blocks, else
     every causal block of the full sequence) over the kernel's relative ``speed``, ``as``
     that work per head dim (the scores, whose exponentials the time model weighs)."""
-    kernel = attention_kernel(a)
+    kernel = spec(nd.kind).kernel(a)   # the op's one decision (ir/ops/attention.py)
     local = op_fwd_flops(graph, nd, degrees)
     if kernel.skips_masked_blocks:
         work = local * causal_share(a)
@@ -298,7 +298,7 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
             # the engine's kernel (core/attention.py): its memory and traffic rules read it
             a = with_kernel(nd.op.attr_map, kernels or engine)
             nd = replace(nd, op=replace(nd.op, attrs=tuple(a.items())))
-        if nd.has_trait(Trait.ATTENTION) and attention_kernel(a).fused:
+        if nd.has_trait(Trait.ATTENTION) and spec(nd.kind).kernel(a).fused:
             for k, v in fused_attention_work(graph, nd, a, degrees).items():
                 parts[k][c] += v
                 if again:

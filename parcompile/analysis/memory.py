@@ -135,7 +135,7 @@ from parcompile.analysis.compute import op_sac
 from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
                                     weight_copy_bytes)
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
-from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
+from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.core.schedule import build_actions, in_flight, interleaved_warmup
 from parcompile.ir.graph import Graph
@@ -364,7 +364,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             for t in keep:
                 own.setdefault(t, _local_bytes(graph, t, degrees))
             layer_extra[layer] = layer_extra.get(layer, 0) + x
-            if s.selective_recompute and not attention_kernel(a).fused:
+            if s.selective_recompute and not s.kernel(a).fused:
                 layer_attn[layer] = layer_attn.get(layer, 0) + x
             if layer not in layer_input and nd.kind == "norm":
                 t = _alias(graph, ins[0])

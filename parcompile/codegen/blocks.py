@@ -425,9 +425,16 @@ class _Writer:
 
     def _attrs(self, op: OpData) -> dict:
         """``op``'s attributes as its Code row reads them (:func:`program_attrs`), each of its
-        per-layer tables' attributes a :class:`LayerValue` (``self.scale``)."""
+        per-layer tables' attributes a :class:`LayerValue` (``self.scale``), and
+        ``_each_layer``: every layer's own attributes (its tables' values in place), for a row
+        whose decision must hold for each layer it is written for (the attention kernel)."""
         attrs = program_attrs(op, self.every)
         suffix = op.name.removeprefix(f"layers.{self.layer}.")
+        each: dict[int, dict] = {}
+        for table in self.per_layer.get(suffix, ()):
+            for i, v in table.values:
+                each.setdefault(i, dict(attrs))[table.attr] = v
+        attrs["_each_layer"] = tuple(each[i] for i in sorted(each))
         for table in self.per_layer.get(suffix, ()):
             key = (suffix, table.attr)
             if key not in self.layer_vars:

@@ -31,7 +31,7 @@ from parcompile.core.model import cached_tokens
 from parcompile.runtime.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.context import Axis, ParallelContext
 from parcompile.runtime.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
-from parcompile.runtime.layers import softcap as cap_scores
+from parcompile.runtime.layers import check_fused, softcap as cap_scores
 
 
 class ServeError(Exception):
@@ -330,11 +330,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     ``attn_logit_softcapping``): the scaled scores become ``cap * tanh(scores / cap)``
     before the mask and the softmax (:func:`parcompile.runtime.layers.softcap`; transformers
     5.24 ``models/gemma2/modeling_gemma2.py`` ``eager_attention_forward``, vLLM's
-    ``logits_soft_cap``); torch's SDPA cannot cap, so the softmax is spelt out whatever
-    ``fused`` says."""
+    ``logits_soft_cap``); torch's SDPA cannot cap, so the softmax is spelt out (the serve
+    program's row passes ``fused=False`` for both: the kernel is the op's one decision,
+    parcompile/ir/ops/attention.py ``attention_kernel_for``).
+
+    Raises:
+        ValueError: ``fused`` with sinks or a soft-cap."""
+    check_fused(fused, sinks, softcap)
     rep = q.shape[1] // k.shape[1]
     mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
-    fused = fused and sinks is None and softcap is None
     if fused and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         # one query per row (a serve step's decode rows) under torch.compile (serve.compile):
         # the softmax spelt out, which inductor fuses into its own kernels, where CPU's flash

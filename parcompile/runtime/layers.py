@@ -661,6 +661,15 @@ class _SoftCap(torch.autograd.Function):
         return grad * (1 - t * t), None
 
 
+def check_fused(fused: bool, sinks, softcap) -> None:
+    """Refuse torch's fused SDPA for what it cannot apply (sink logits, a soft-cap): the
+    kernel is decided once, by the program's row (parcompile/ir/ops/attention.py
+    ``attention_kernel_for``), and never changed here."""
+    if fused and (sinks is not None or softcap is not None):
+        raise ValueError("fused attention asked for with " + ("sinks" if sinks is not None else "a soft-cap")
+                         + ": torch's SDPA applies neither; the program's kernel choice runs these unfused")
+
+
 def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
                    q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
                    scale: float | None = None, sinks: torch.Tensor | None = None,
@@ -670,14 +679,14 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
 
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled scores become ``cap *
     tanh(scores / cap)`` before the mask and softmax; torch's SDPA cannot cap, so the
-    softmax is spelt out whatever ``fused`` says (core/attention.py: the program's
-    ``softcap`` row, unfused), keeping the capped scores (:func:`softcap`) beside the
-    probabilities.
+    softmax is spelt out (the program's kernel choice, parcompile/ir/ops/attention.py
+    ``attention_kernel_for``, passes ``fused=False``), keeping the capped scores
+    (:func:`softcap`) beside the probabilities.
 
     ``sinks`` (Hq,): one logit per query head added to each softmax's denominator and
     dropped after it (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
     Attention Sinks"). torch's fused kernels take no sinks, so with sinks the softmax is
-    spelt out whatever ``fused`` says (the plan counts it so: ir/ops/attention.py ``_fused``).
+    spelt out (the program passes ``fused=False``, the plan counts it so).
 
     GQA: each group of Hq/Hkv query heads shares one kv head; k and v are never expanded
     to Hq heads (the fused kernel's ``enable_gqa``; the unfused path multiplies each kv head
@@ -686,8 +695,13 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     (context parallelism). ``fused`` uses torch's ``scaled_dot_product_attention`` (flash
     kernels: it keeps q, k, v, its output and an fp32 log-sum-exp per query and head);
     otherwise the softmax is spelt out and its (B, Hq, Tq, Tk) probabilities are kept, as
-    Megatron-LM 2021-22 did.
+    Megatron-LM 2021-22 did. The kernel is the caller's (the program's row): this function
+    decides none.
+
+    Raises:
+        ValueError: ``fused`` with sinks or a soft-cap (torch's SDPA applies neither).
     """
+    check_fused(fused, sinks, softcap)
     hq, hkv = q.shape[1], k.shape[1]
     rep = hq // hkv
     p = dropout if training else 0.0
@@ -698,7 +712,7 @@ def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window:
     gqa = {"enable_gqa": True} if rep > 1 else {}
     if scale is not None:
         gqa["scale"] = scale
-    if fused and sinks is None and softcap is None:
+    if fused:
         if plain:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window),
@@ -813,6 +827,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "softcap", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "check_fused", "softcap", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "recompute", "ACTIVATIONS",
 ]

@@ -6,7 +6,7 @@ collectives, its program row and the kernel each engine runs for it
 
 from __future__ import annotations
 
-from parcompile.core.attention import attention_kernel
+from parcompile.core.attention import Kernel, attention_kernel
 from parcompile.ir.ops.base import Code, Collective, OpSpec, Trait, heads_facts
 from parcompile.ir.types import TensorType
 
@@ -45,13 +45,30 @@ def _attention_gathered(a, ins, degrees) -> int:
     return (degrees.get("cp", 1) - 1) * (ins[1].nbytes + ins[2].nbytes)
 
 
+#: the row of :data:`parcompile.core.attention.ATTENTION_KERNELS` of the programs parcompile
+#: generates: the training program and the serve program run the runtime's torch attention
+#: (runtime/layers.py ``attention_core``, runtime/generate.py ``cached_attention``), which
+#: does what their rows say (``fused=``) and decides nothing itself
+PROGRAM = "program"
+
+
+def attention_kernel_for(a, engine: str | None = None) -> Kernel:
+    """The kernel an attention op with attributes ``a`` runs under ``engine``: the one
+    decision (issue 46) that the cost model (bytes kept, traffic, time), the training
+    program's row (``fused=``), the serve program's row and its scratch read alike. The
+    choice per (engine, variant) and its sources are :func:`parcompile.core.attention.kernel_choice`'s
+    table; ``engine`` is a row of it (``program``: both generated programs, :data:`PROGRAM`),
+    None: the ``kernel`` attribute the cost model set for its engine
+    (:func:`parcompile.core.attention.with_kernel`), else :data:`PROGRAM`.
+
+    Raises:
+        KeyError: an unknown engine."""
+    return attention_kernel(a, engine)
+
+
 def _fused(a) -> bool:
-    """The attention core runs as one fused kernel: the ``kernel`` attribute the analysis
-    sets for the engine (:func:`parcompile.core.attention.with_kernel`), else the generated
-    program's own (``attention = flash`` and no sinks: torch's fused kernels take no sink
-    logits, so with sinks the runtime spells the softmax out, runtime/layers.py
-    attention_core)."""
-    return attention_kernel(a).fused
+    """The attention core runs as one fused kernel (:func:`attention_kernel_for`)."""
+    return attention_kernel_for(a).fused
 
 
 def _attention_extra(a, ins, out):
@@ -59,7 +76,7 @@ def _attention_extra(a, ins, out):
     b, s = q.shape[0], q.shape[1]
     e = q.itemsize
     cp = a["seq_len"] // s if s < a["seq_len"] else 1   # this rank holds s of seq_len queries
-    kernel = attention_kernel(a)
+    kernel = attention_kernel_for(a)
     extra = 0
     if kernel.fused:
         # the fused kernel keeps its output (saves_output) and the fp32 log-sum-exp per
@@ -69,7 +86,7 @@ def _attention_extra(a, ins, out):
         pad = a["head_dim"] - a.get("v_head_dim", a["head_dim"])
         if pad > 0 and kernel.pads_v:
             # MLA: the kernel takes v padded to head_dim and keeps it and its padded output; the
-            # output cut to v_head_dim is a copy, the one wo keeps (runtime/mla.py mla_core)
+            # output cut to v_head_dim is a copy, the one wo keeps (runtime/layers.py _padded_core)
             extra += b * s * heads_local * (pad + a["head_dim"]) * e
         if a.get("sinks") and kernel.sink_rescale:
             # sinks applied after the kernel: output * sigmoid(lse - sink) keeps the kernel's
@@ -151,7 +168,7 @@ def attention_scratch(a, ins, out):
     if a.get("latent"):
         keys = (k.nbytes + v.nbytes) * L // T
         held = keys + q.nbytes + S
-        if not _serve_fused(a):
+        if not attention_kernel_for(a, PROGRAM).fused:
             return held + soft
         math = max(q.nbytes + keys + S * e - out.nbytes, q.nbytes + (2 * e + 1) * S - out.nbytes,
                    q.nbytes + S * e)
@@ -160,18 +177,26 @@ def attention_scratch(a, ins, out):
     kv_heads = k.dims[-1].size // a["head_dim"]
     if heads > kv_heads:
         extra += 2 * b * heads * L * a["head_dim"] * e
-    if _serve_fused(a):
+    if attention_kernel_for(a, PROGRAM).fused:
         return extra + b * T * L * e
     return extra + soft
 
 
-def _serve_fused(a) -> bool:
-    """The serve program's attention core runs torch's fused SDPA: ``attention = flash``, no
-    soft-cap (ir/code.py's ``fused``) and no sinks (runtime/generate.py ``cached_attention``)."""
-    return a.get("impl") == "flash" and a.get("softcap") is None and not a.get("sinks")
-
-
 # --- program row (:class:`Code`)
+
+def _program_kernel(a) -> Kernel:
+    """The kernel of the generated program's row: :func:`attention_kernel_for` under
+    :data:`PROGRAM` for each layer the row is written for (``_each_layer``: their per-layer
+    windows; one layer: ``a``), which must agree.
+
+    Raises:
+        ValueError: (internal) the layers of one class would run different kernels."""
+    kernels = {attention_kernel_for(x, PROGRAM) for x in a.get("_each_layer") or (a,)}
+    if len(kernels) > 1:
+        raise ValueError(f"internal error: the layers of one class run the attention kernels "
+                         f"{sorted(k.name for k in kernels)}; one row passes one")
+    return kernels.pop()
+
 
 def _attention_facts(a) -> dict:
     """The attention core's keyword arguments (runtime/layers.py ``attention``): context
@@ -179,8 +204,8 @@ def _attention_facts(a) -> dict:
     recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks.
     The window and the scale may differ between layers (the op kind's ``per_layer``): written
     as given (a literal, or ``self.window`` where they differ), never decided on."""
-    # a soft-capped core is never one fused kernel in the program (core/attention.py: unfused)
-    kw = f", fused={a['impl'] == 'flash' and a.get('softcap') is None}"
+    # the program's kernel: the one decision (sinks or a soft-cap: never torch's fused SDPA)
+    kw = f", fused={_program_kernel(a).fused}"
     if "cp" in a.get("_gathers", ()):
         kw += ", gather_kv=self.cp"
     notes = []
@@ -238,7 +263,7 @@ DEFINITIONS = [
     OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
            saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
            saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch, code=_attention_code,
-           collectives=_attention_collectives, traits=frozenset({Trait.ATTENTION}),
+           collectives=_attention_collectives, traits=frozenset({Trait.ATTENTION}), kernel=attention_kernel_for,
            # sliding and full layers (Gemma 2/3, gpt-oss, Mistral); a scale per layer
            per_layer=("window", "scale")),
 ]

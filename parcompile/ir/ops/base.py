@@ -130,7 +130,8 @@ class Code:
     reduce-scatters (sequence parallelism). A row may also read the graph facts
     :func:`parcompile.codegen.blocks.program_attrs` adds to the attributes (``_gathers``,
     ``_seq_split``, ``_split_dim``, ``_tied_to``, ``_tied_by``, ``_out_local``,
-    ``_axes``, ``_bias``), ``{op}`` the op's own name (``f"layers.{i}.mlp.experts"``),
+    ``_axes``, ``_bias``; ``_each_layer``: each merged layer's own attributes where some differ
+    between them), ``{op}`` the op's own name (``f"layers.{i}.mlp.experts"``),
     ``{top_k}`` the program's constant for a router's top-k.
 
     ``call`` is the forward expression: ``{self}`` the built module (``self.w1``), ``{0}``,
@@ -265,6 +266,10 @@ class OpSpec:
     #: ``(node, degrees, local inputs, local output)``, ``node`` a graph Node
     collectives: Callable[[Any, Mapping[str, int], Sequence[TensorType], TensorType], list[Collective]] = \
         lambda node, d, i, o: []
+    #: the kernel an op of the kind runs, by engine (``(attrs, engine)``): the one decision the
+    #: cost model, the programs and the exports read (the attention core's
+    #: :func:`parcompile.ir.ops.attention.attention_kernel_for`); None: one kernel everywhere
+    kernel: Callable[[Mapping[str, Any], str | None], Any] | None = None
 
 
 def _same(a, ins):
