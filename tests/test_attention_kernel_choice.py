@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-import parcompile.runtime.layers as layers
+import parcompile.runtime.core_attention as core_attention
 from parcompile.codegen.emit import render_program, render_serve
 from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.driver import compile_config
@@ -97,9 +97,34 @@ def test_the_runtime_runs_the_kernel_the_program_passes(case, monkeypatch):
     q, k = torch.randn(1, 2, 6, d, generator=g), torch.randn(1, 2, 6, d, generator=g)
     v = torch.randn(1, 2, 6, dv, generator=g)
     kw = dict(scale=a.get("scale"), softcap=a.get("softcap"), sinks=torch.zeros(2) if a.get("sinks") else None)
-    layers._padded_core(q, k, v, fused=fused, dropout=0.0, training=False, window=a.get("window") or 0, **kw)
+    core_attention._padded_core(q, k, v, fused=fused, dropout=0.0, training=False, window=a.get("window") or 0, **kw)
     assert bool(calls) == fused
     calls.clear()
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
     cached_attention(q, k, v, mask, fused, **kw)
     assert bool(calls) == fused
+
+
+def test_training_and_serving_spell_the_softmax_out_in_one_function(monkeypatch):
+    """The attention math is written once (runtime/core_attention.py spelled_out): the training
+    core and the serving core both run it, and its grouped (training) and expanded (serving)
+    GQA forms agree on a soft-capped, windowed core with sinks."""
+    import parcompile.runtime.generate as generate
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8,
+                                                                                                      generator=g)
+    keep = core_attention.causal_mask(torch.arange(5), torch.arange(5), 3)
+    kw = dict(scale=0.3, softcap=2.0, sinks=torch.randn(4, generator=g))
+    grouped = core_attention.spelled_out(q, k, v, keep, **kw)
+    expanded = core_attention.spelled_out(q, k, v, keep[None, None].expand(2, 1, 5, 5), expand_kv=True, **kw)
+    torch.testing.assert_close(grouped, expanded, atol=1e-6, rtol=1e-6)
+    calls = []
+    real = core_attention.spelled_out
+    spy = lambda *a, **k: (calls.append(k.get("expand_kv", False)), real(*a, **k))[1]   # noqa: E731
+    monkeypatch.setattr(core_attention, "spelled_out", spy)
+    monkeypatch.setattr(generate, "spelled_out", spy)
+    train = core_attention.attention_core(q, k, v, False, 0.0, False, 3, **kw)
+    serve = generate.cached_attention(q, k, v, keep[None, None].expand(2, 1, 5, 5), False, **kw)
+    assert calls == [False, True]
+    torch.testing.assert_close(train, serve, atol=1e-6, rtol=1e-6)

@@ -92,7 +92,7 @@ def _eager_with_sinks(q, k, v, sinks, window: int):
 
 @pytest.mark.parametrize("window", [0, 3])
 def test_attention_sinks_equal_the_eager_formula_with_gradients(window):
-    from parcompile.runtime.layers import attention_core
+    from parcompile.runtime.core_attention import attention_core
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 16, generator=g, requires_grad=True)

@@ -7,7 +7,7 @@ Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``
 (:data:`parcompile.analysis.efficiency.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
 bytes ``parcompile verify`` measures (:func:`parcompile.verify.compare_activations`), so
-what the plan counts there is what :func:`parcompile.runtime.layers.attention_core` keeps.
+what the plan counts there is what :func:`parcompile.runtime.core_attention.attention_core` keeps.
 
 Variants (:func:`variant`, from the attention op's attributes; the first that applies):
 ``sinks`` (one learnable logit per head in each softmax's denominator, gpt-oss),
@@ -114,8 +114,8 @@ _SOFTCAP_FLEX = ("torch FlexAttention score_mod cap * tanh(score / cap) (pytorch
                  "the soft-capping example) with the window's block mask; transformers 5.24 "
                  "models/gemma2/modeling_gemma2.py: _supports_sdpa = False ('sdpa does not support softcapping'), "
                  "_supports_flex_attn = True")
-_PROGRAM = ("parcompile/runtime/layers.py attention_core (training, what verify measures) and runtime/generate.py "
-            "cached_attention (serving), as the program's row says (parcompile/ir/ops/attention.py)")
+_PROGRAM = ("parcompile/runtime/core_attention.py attention_core (training, what verify measures) and "
+            "runtime/generate.py cached_attention (serving), as the program's row says (parcompile/ir/ops/attention.py)")
 _COMPILE = ("torchtitan with torch.compile runs the same attention modules as eager (820504e "
             "torchtitan/models/llama3/model.py: SDPA; gpt-oss: FlexAttention, compiled either way)")
 _AUTOMODEL_TE = ("NeMo AutoModel BackendConfig attn: te (Transformer Engine DotProductAttention: cuDNN fused, "

@@ -12,6 +12,7 @@ from parcompile.runtime.data import SyntheticBatches, batch_digest, eval_data, l
 # the layers and MLA's functions the op table's program rows call (parcompile/ir/ops/):
 # every name of each module's __all__, so a new runtime function is one module's edit
 from parcompile.runtime.layers import *  # noqa: F403
+from parcompile.runtime.core_attention import *  # noqa: F403
 from parcompile.runtime.device import device_count, synchronize
 from parcompile.runtime.memory import METER
 from parcompile.runtime.mla import *  # noqa: F403

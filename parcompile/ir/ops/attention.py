@@ -47,7 +47,7 @@ def _attention_gathered(a, ins, degrees) -> int:
 
 #: the row of :data:`parcompile.core.attention.ATTENTION_KERNELS` of the programs parcompile
 #: generates: the training program and the serve program run the runtime's torch attention
-#: (runtime/layers.py ``attention_core``, runtime/generate.py ``cached_attention``), which
+#: (runtime/core_attention.py ``attention_core``, runtime/generate.py ``cached_attention``), which
 #: does what their rows say (``fused=``) and decides nothing itself
 PROGRAM = "program"
 
@@ -86,7 +86,7 @@ def _attention_extra(a, ins, out):
         pad = a["head_dim"] - a.get("v_head_dim", a["head_dim"])
         if pad > 0 and kernel.pads_v:
             # MLA: the kernel takes v padded to head_dim and keeps it and its padded output; the
-            # output cut to v_head_dim is a copy, the one wo keeps (runtime/layers.py _padded_core)
+            # output cut to v_head_dim is a copy, the one wo keeps (runtime/core_attention.py _padded_core)
             extra += b * s * heads_local * (pad + a["head_dim"]) * e
         if a.get("sinks") and kernel.sink_rescale:
             # sinks applied after the kernel: output * sigmoid(lse - sink) keeps the kernel's
@@ -199,7 +199,7 @@ def _program_kernel(a) -> Kernel:
 
 
 def _attention_facts(a) -> dict:
-    """The attention core's keyword arguments (runtime/layers.py ``attention``): context
+    """The attention core's keyword arguments (runtime/core_attention.py ``attention``): context
     parallelism's k/v gather where the op all-gathers over cp (its collectives), selective
     recomputation where the pass marked it (``recompute``), Gemma's score scale and soft-cap, sinks.
     The window and the scale may differ between layers (the op kind's ``per_layer``): written
