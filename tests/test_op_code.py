@@ -706,3 +706,20 @@ def test_traits_are_declared_on_the_definitions_and_agree_with_them():
     assert kinds_with(Trait.ROTARY) == {k for k, s in ops.OPS.items() if "theta" in s.per_layer}
     with pytest.raises(KeyError, match="unknown op kind 'nope'"):
         has_trait("nope", Trait.GEMM)
+
+
+def test_a_kinds_own_tensor_parallel_style_is_in_its_definition():
+    """A tp style of one op kind lives in that kind's definition (OpSpec.tp_styles): a linear
+    layer's ``column`` resolves for ``linear`` and is refused for a norm; the shared styles
+    (ir/tp.py) resolve for any kind."""
+    from parcompile.ir.ops import spec
+    from parcompile.ir.tp import tp_rule
+    from parcompile.ir.types import Dim, TensorType
+
+    h, f = Dim("hidden", 8), Dim("ffn", 16)
+    x, y = TensorType((Dim("seq", 4), h), "fp32"), TensorType((Dim("seq", 4), f), "fp32")
+    a = {"in_dim": h, "out_dim": f}
+    assert tp_rule("column", a, [x], y, False, spec("linear").tp_styles).out_split == "ffn"
+    with pytest.raises(ValueError, match="unknown tensor-parallel style 'column'"):
+        tp_rule("column", a, [x], y, False, spec("norm").tp_styles)
+    assert tp_rule("residual", {}, [x], x, True, spec("norm").tp_styles).out_split == "seq"

@@ -5,7 +5,8 @@ backward, traffic, serve scratch, the collectives it runs inside itself, its pro
 of kind names) and the attributes that may differ from one decoder layer to the next
 (``OpSpec.per_layer``). The attention core's kernel, per engine, is one decision
 (:func:`parcompile.ir.ops.attention.attention_kernel_for`). The tensor-parallel layout of
-each ``tp`` style is :mod:`parcompile.ir.tp`'s.
+each ``tp`` style is its definition's (``OpSpec.tp_styles``) or one of the shared styles of
+:mod:`parcompile.ir.tp`.
 
 Modules: :mod:`~parcompile.ir.ops.base` (the records, :class:`OpSpec`, :class:`Trait`),
 :mod:`~parcompile.ir.ops.dense` (input, embedding, add, norm, linear, rope, qk_norm, the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from parcompile.core.attention import Kernel, attention_kernel
 from parcompile.ir.ops.base import Code, Collective, OpSpec, Trait, heads_facts
+from parcompile.ir.tp import TpRule
 from parcompile.ir.types import TensorType
 
 
@@ -258,12 +259,23 @@ def _attention_collectives(node, degrees, local_in, local_out) -> list[Collectiv
     return []
 
 
+# --- tensor-parallel styles of its own (the generic ones: :mod:`parcompile.ir.tp`)
+
+def _latent_core_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """MLA's absorbed core: the heads split; the latent and the RoPE key replicated."""
+    # MLA's absorbed core: the queries split with their heads, the latent and the RoPE key
+    # (one "kv head" shared by all) replicated
+    return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None, None),
+                  grad_partial=(False, True, True))
+
+
 #: the op kinds of this module
 DEFINITIONS = [
     OpSpec("attention", _attention_type, fwd_flops=_attention_flops, saves=lambda a: (0, 1, 2),
            saved_extra=_attention_extra, saved_gathered=_attention_gathered, arity=3, selective_recompute=True,
            saves_output=_fused, traffic=_attention_traffic, scratch=attention_scratch, code=_attention_code,
            collectives=_attention_collectives, traits=frozenset({Trait.ATTENTION}), kernel=attention_kernel_for,
+           tp_styles={"latent_core": _latent_core_tp},
            # sliding and full layers (Gemma 2/3, gpt-oss, Mistral); a scale per layer
            per_layer=("window", "scale")),
 ]

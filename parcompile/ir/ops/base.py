@@ -7,7 +7,7 @@ package's other modules, one definition each (:mod:`parcompile.ir.ops`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from parcompile.ir.types import Sharding, TensorType
@@ -270,6 +270,10 @@ class OpSpec:
     #: cost model, the programs and the exports read (the attention core's
     #: :func:`parcompile.ir.ops.attention.attention_kernel_for`); None: one kernel everywhere
     kernel: Callable[[Mapping[str, Any], str | None], Any] | None = None
+    #: the tensor-parallel styles of the kind's own (``attrs["tp"]`` names one): style ->
+    #: ``(attrs, in_types, out, sequence_parallel) -> TpRule``; the styles many kinds share
+    #: are :func:`parcompile.ir.tp.tp_rule`'s
+    tp_styles: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 def _same(a, ins):

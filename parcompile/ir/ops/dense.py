@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from parcompile.ir.ops.base import (_PER_HEAD, Code, Collective, OpSpec, Trait, _elementwise_traffic, _linear_flops,
                                     _same)
+from parcompile.ir.tp import TpRule
 from parcompile.ir.types import TensorType
 
 
@@ -175,26 +176,65 @@ def _xent_collectives(node, degrees, local_in, local_out) -> list[Collective]:
     return []
 
 
+# --- tensor-parallel styles of its own (the generic ones: :mod:`parcompile.ir.tp`)
+
+def _column_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """Megatron-LM's column-parallel linear (wq, wk, wv, w1, w3, lm_head): input replicated, its
+    gradient partial; output and weight split on the out dim."""
+    od = attrs["out_dim"].name
+    return TpRule(out_split=od, in_split=(None,), grad_partial=(True,),
+                  param_split={"weight": od, "bias": od})
+
+
+def _row_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """Megatron-LM's row-parallel linear (wo, w2): input split on the in dim; output
+    ``partial(tp)``; bias replicated."""
+    idim = attrs["in_dim"].name
+    return TpRule(out_partial=True, in_split=(idim,), grad_partial=(False,),
+                  param_split={"weight": idim, "bias": None})
+
+
+def _vocab_embedding_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """The vocab-parallel embedding: weight split on vocab; output ``partial(tp)``."""
+    return TpRule(out_partial=True, in_split=(None,), grad_partial=(False,),
+                  param_split={"weight": "vocab"})
+
+
+def _per_head_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """qk-norm: ``shard_last`` with a weight shared by every head, so replicated, and its
+    gradient (summed over this rank's heads) a partial sum over tp, all-reduced with the step
+    (Megatron-Core all-reduces ``q_layernorm`` and ``k_layernorm`` gradients over tp in
+    ``finalize_model_grads``)."""
+    n = len(in_types)
+    return TpRule(out_split=out.dims[-1].name, in_split=tuple(t.dims[-1].name for t in in_types),
+                  grad_partial=(False,) * n, param_split={"weight": None}, param_grad_partial=("weight",))
+
+
+def _vocab_loss_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """The vocab-parallel cross-entropy: logits arrive split on vocab."""
+    return TpRule(in_split=("vocab", None), grad_partial=(False, False))
+
+
 #: the op kinds of this module
 DEFINITIONS = [
     OpSpec("input", lambda a, ins: TensorType(tuple(a["dims"]), a["dtype"]), arity=0,
            traits=frozenset({Trait.NOT_AN_OP})),
     OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes, code=_embedding_code,
-           traits=frozenset({Trait.EMBEDDING})),
+           traits=frozenset({Trait.EMBEDDING}), tp_styles={"vocab_embedding": _vocab_embedding_tp}),
     OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic, code=_add_code,
            traits=frozenset({Trait.EXPRESSION})),
     # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
     OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=norm_scratch,
            code=_norm_code, traits=frozenset({Trait.EXPRESSION})),
     OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code,
-           traits=frozenset({Trait.GEMM, Trait.FP8_GEMM})),
+           traits=frozenset({Trait.GEMM, Trait.FP8_GEMM}), tp_styles={"column": _column_tp, "row": _row_tp}),
     # rotary position embedding at the tokens' global positions (the program's tables)
     # (Gemma 3: the sliding-window layers' own base, unscaled)
     OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch,
            per_layer=("theta", "scaling"), code=_rope_code, traits=frozenset({Trait.EXPRESSION, Trait.ROTARY})),
     # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
     OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
-           traffic=_elementwise_traffic, traits=frozenset({Trait.EXPRESSION}),
+           traffic=_elementwise_traffic, traits=frozenset({Trait.EXPRESSION}), tp_styles={"per_head": _per_head_tp},
            code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
                      **_PER_HEAD)),
     # gelu keeps its input; relu its output (the backward needs only the sign)
@@ -216,5 +256,5 @@ DEFINITIONS = [
            code=Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
            traits=frozenset({Trait.EXPRESSION})),
     OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic,
-           collectives=_xent_collectives, traits=frozenset({Trait.LOSS})),
+           collectives=_xent_collectives, traits=frozenset({Trait.LOSS}), tp_styles={"vocab_loss": _vocab_loss_tp}),
 ]

@@ -8,6 +8,7 @@ absorbed serving form's query through ``W_uk`` and latents through ``W_uv``. The
 from __future__ import annotations
 
 from parcompile.ir.ops.base import Code, OpSpec, Trait, _copy_traffic, _elementwise_traffic, heads_facts
+from parcompile.ir.tp import TpRule
 from parcompile.ir.types import TensorType
 
 
@@ -63,6 +64,25 @@ def _latent_rope_code(a) -> Code:
                 var="k_rope", heads_out=True, comment="the RoPE key, one head shared by all")
 
 
+# --- tensor-parallel styles of its own (the generic ones: :mod:`parcompile.ir.tp`)
+
+def _mla_key_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """MLA's keys: the per-head part split on its heads, the shared RoPE key replicated with
+    its gradient partial over tp."""
+    # MLA's per-head keys: k_nope split with the heads, the RoPE key shared by all of them
+    # (replicated, so its gradient, summed over this rank's heads, is a partial sum)
+    return TpRule(out_split=out.dims[-1].name, in_split=(in_types[0].dims[-1].name, None),
+                  grad_partial=(False, True))
+
+
+def _mla_absorb_tp(attrs, in_types, out, sequence_parallel) -> TpRule:
+    """MLA's absorbed query: the heads split, wkv_b's rows with them."""
+    # MLA's absorbed query: this rank's heads of q in, of [q_nope W_uk, q_rope] out, with
+    # their rows of wkv_b (split by heads like the column-parallel wkv_b of training)
+    return TpRule(out_split=attrs["latent_dim"].name, in_split=(attrs["q_dim"].name,), grad_partial=(False,),
+                  param_split={"weight": attrs["out_dim"].name})
+
+
 _EXPR = frozenset({Trait.EXPRESSION})
 
 #: the op kinds of this module
@@ -74,7 +94,7 @@ DEFINITIONS = [
                      comment="the latent, normed")),
     OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic, per_layer=("theta", "scaling"),
            code=_latent_rope_code, traits=frozenset({Trait.EXPRESSION, Trait.ROTARY})),
-    OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic, traits=_EXPR,
+    OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic, traits=_EXPR, tp_styles={"mla_key": _mla_key_tp},
            code=Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
                      heads_in=True, heads_out=True, comment="[k_nope, rope key] per head")),
     OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic, traits=_EXPR,
@@ -83,6 +103,7 @@ DEFINITIONS = [
     # MLA's absorbed serving form: the op holding wkv_b turns each head's query into
     # [q_nope W_uk, q_rope]; after the core, W_uv turns its latents into values
     OpSpec("mla_absorb", _absorb_type, fwd_flops=_absorb_flops, arity=1, traffic=_copy_traffic, traits=_EXPR,
+           tp_styles={"mla_absorb": _mla_absorb_tp},
            code=Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, False, tp, SEED, "
                            "local={local})",
                      call="rt.mla_absorb_query({x}, {self}.weight, heads={heads}, nope={a[nope]}, "
