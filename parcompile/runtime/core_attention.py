@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from parcompile.runtime.context import Axis
 from parcompile.runtime.context_parallel import gather_kv as gather_kv_along
-from parcompile.runtime.layers import _wide
+from parcompile.runtime.layers import wide
 from parcompile.runtime.layers import recompute as _recompute   # attention()'s flag of the same name shadows it
 
 
@@ -33,14 +33,14 @@ class _Softmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores):
-        probs = torch.softmax(_wide(scores), dim=-1).to(scores.dtype)
+        probs = torch.softmax(wide(scores), dim=-1).to(scores.dtype)
         ctx.save_for_backward(probs)
         return probs
 
     @staticmethod
     def backward(ctx, grad_out):
         (probs,) = ctx.saved_tensors
-        p, g = _wide(probs), _wide(grad_out)
+        p, g = wide(probs), wide(grad_out)
         return (p * (g - (g * p).sum(-1, keepdim=True))).to(probs.dtype)
 
 

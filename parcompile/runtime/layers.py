@@ -282,7 +282,7 @@ def _cross_entropy_one_rank(logits: torch.Tensor, target: torch.Tensor, vocab: i
     columns, so padded columns take no probability and get no gradient; targets equal to
     :data:`IGNORE_INDEX` give 0 and no gradient). Keeps the fp32 log-softmax (N, vocab)."""
     x = logits if logits.shape[-1] == vocab else logits[..., :vocab]
-    return F.cross_entropy(_wide(x), target, ignore_index=IGNORE_INDEX, reduction="none")
+    return F.cross_entropy(wide(x), target, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Axis, vocab: int) -> torch.Tensor:
@@ -294,7 +294,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
     return _VocabParallelCrossEntropy.apply(logits, target, tp, start, vocab)
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
+def wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in at least fp32 (16-bit tensors are computed in fp32; fp64 stays fp64)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()   # fp32: itself, without a dispatch
 
@@ -310,7 +310,7 @@ def _rms_scaled(x: torch.Tensor, n: torch.Tensor, weight: torch.Tensor, zero_cen
     ``x``'s dtype, then times ``weight``; ``zero_centered`` (Gemma): ``n * (1 + w)`` all in
     fp32, then cast."""
     if zero_centered:
-        return (n * (1.0 + _wide(weight))).to(x.dtype)
+        return (n * (1.0 + wide(weight))).to(x.dtype)
     return weight * n.to(x.dtype)
 
 
@@ -324,7 +324,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     GPU kernel may round differently)."""
     if torch.is_grad_enabled():
         return _RMSNormFunction.apply(x, weight, eps, zero_centered)
-    xf = _wide(x)
+    xf = wide(x)
     if xf.device.type != "cpu":
         return _rms_scaled(x, xf * _rstd(xf, eps), weight, zero_centered)
     if not zero_centered and x.dtype == xf.dtype == weight.dtype:   # one kernel: (xf * rstd) * w == w * (xf * rstd)
@@ -340,7 +340,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool = False):
-        xf = _wide(x)
+        xf = wide(x)
         rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered = zero_centered
@@ -349,9 +349,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        n = _wide(x) * rstd                                      # normalised input, fp32
+        n = wide(x) * rstd                                      # normalised input, fp32
         grad_w = (grad_out * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = _wide(grad_out) * (1.0 + _wide(weight)) if ctx.zero_centered else _wide(grad_out * weight)
+        gn = wide(grad_out) * (1.0 + wide(weight)) if ctx.zero_centered else wide(grad_out * weight)
         grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_w, None, None
 
@@ -528,9 +528,9 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        g = _wide(gate)                                           # 16-bit: computed in fp32
+        g = wide(gate)                                           # 16-bit: computed in fp32
         grad_up = F.silu(g).mul_(grad_out)                        # silu(gate) * dy
-        t = _wide(grad_out) * up                                  # dy * up, a new tensor
+        t = wide(grad_out) * up                                  # dy * up, a new tensor
         # aten's fused SiLU derivative: t * sig * (1 + gate * (1 - sig)), written into t
         grad_gate = torch.ops.aten.silu_backward.grad_input(t, g, grad_input=t)
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
@@ -555,9 +555,9 @@ class _GeGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        g = _wide(gate)
+        g = wide(gate)
         grad_up = F.gelu(g, approximate="tanh").mul_(grad_out)
-        t = _wide(grad_out) * up
+        t = wide(grad_out) * up
         grad_gate = torch.ops.aten.gelu_backward(t, g, approximate="tanh")
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 

@@ -276,21 +276,24 @@ class OpSpec:
     tp_styles: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
-def _same(a, ins):
+def same_type(a, ins):
+    """The output type rule of an op whose output has its first operand's type."""
     return ins[0]
 
 
-def _elementwise_traffic(a, ins, out):
+def elementwise_traffic(a, ins, out):
     """Read every operand, write the output (plus a 1-byte mask with dropout)."""
     mask = out.numel if a.get("dropout", 0) > 0 else 0
     return sum(t.nbytes for t in ins) + out.nbytes + mask
 
 
-def _copy_traffic(a, ins, out):
+def copy_traffic(a, ins, out):
+    """Bytes of a copy: read the first operand, write the output."""
     return ins[0].nbytes + out.nbytes
 
 
-def _linear_flops(a, ins, out):
+def linear_flops(a, ins, out):
+    """Forward FLOPs of a matmul ``(..., k) -> (..., n)``: ``2 m n k``."""
     # 2 * (elements of the output) * (contracted dim): 2 m n k
     return 2 * out.numel * ins[0].dims[-1].size
 
@@ -304,4 +307,4 @@ def heads_facts(a) -> dict:
 
 
 #: rows that run one op on each per-head tensor (q, k or v) between the projections and the core
-_PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)
+PER_HEAD = dict(per_head=True, inline=False, var="", heads_in=True, heads_out=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from parcompile.ir.ops.base import COMM_KINDS, Code, Collective, OpSpec, Trait, _same
+from parcompile.ir.ops.base import COMM_KINDS, Code, Collective, OpSpec, Trait, same_type
 from parcompile.ir.types import Sharding, TensorType
 
 
@@ -135,9 +135,9 @@ def _step_collectives(node, degrees, local_in, local_out) -> list[Collective]:
 
 #: the op kinds of this module
 DEFINITIONS = [
-    OpSpec("redistribute", _same, arity=1, code=_redistribute_code, collectives=_conversion_collectives,
+    OpSpec("redistribute", same_type, arity=1, code=_redistribute_code, collectives=_conversion_collectives,
            traits=frozenset({Trait.CONVERSION, Trait.EXPRESSION})),
-    OpSpec("send_recv", _same, arity=1, collectives=_stage_collectives,
+    OpSpec("send_recv", same_type, arity=1, collectives=_stage_collectives,
            traits=frozenset({Trait.STAGE_TRANSFER, Trait.NOT_AN_OP})),
     OpSpec("step_collective", _scalar, arity=0, collectives=_step_collectives,
            traits=frozenset({Trait.STEP_COLLECTIVE, Trait.NOT_AN_OP})),

@@ -6,8 +6,8 @@ qk-norm, the activations, Gemma 2's soft-cap and the loss. Each is one :class:`O
 
 from __future__ import annotations
 
-from parcompile.ir.ops.base import (_PER_HEAD, Code, Collective, OpSpec, Trait, _elementwise_traffic, _linear_flops,
-                                    _same)
+from parcompile.ir.ops.base import (PER_HEAD, Code, Collective, OpSpec, Trait, elementwise_traffic, linear_flops,
+                                    same_type)
 from parcompile.ir.tp import TpRule
 from parcompile.ir.types import TensorType
 
@@ -221,38 +221,38 @@ DEFINITIONS = [
            traits=frozenset({Trait.NOT_AN_OP})),
     OpSpec("embedding", _embedding_type, arity=1, traffic=lambda a, i, o: o.nbytes, code=_embedding_code,
            traits=frozenset({Trait.EMBEDDING}), tp_styles={"vocab_embedding": _vocab_embedding_tp}),
-    OpSpec("add", _same, saved_extra=_add_extra, arity=2, traffic=_elementwise_traffic, code=_add_code,
+    OpSpec("add", same_type, saved_extra=_add_extra, arity=2, traffic=elementwise_traffic, code=_add_code,
            traits=frozenset({Trait.EXPRESSION})),
     # the program's Norm (RMSNorm or LayerNorm, Gemma's (1 + w) form: the template's alias)
-    OpSpec("norm", _same, saves=lambda a: (0,), arity=1, traffic=_elementwise_traffic, scratch=norm_scratch,
+    OpSpec("norm", same_type, saves=lambda a: (0,), arity=1, traffic=elementwise_traffic, scratch=norm_scratch,
            code=_norm_code, traits=frozenset({Trait.EXPRESSION})),
-    OpSpec("linear", _linear_type, fwd_flops=_linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code,
+    OpSpec("linear", _linear_type, fwd_flops=linear_flops, saves=lambda a: (0,), arity=1, code=_linear_code,
            traits=frozenset({Trait.GEMM, Trait.FP8_GEMM}), tp_styles={"column": _column_tp, "row": _row_tp}),
     # rotary position embedding at the tokens' global positions (the program's tables)
     # (Gemma 3: the sliding-window layers' own base, unscaled)
-    OpSpec("rope", _same, arity=1, traffic=_elementwise_traffic, scratch=rope_scratch,
+    OpSpec("rope", same_type, arity=1, traffic=elementwise_traffic, scratch=rope_scratch,
            per_layer=("theta", "scaling"), code=_rope_code, traits=frozenset({Trait.EXPRESSION, Trait.ROTARY})),
     # RMSNorm over head_dim of q or k, per head (Qwen3, Gemma 3): keeps its input
-    OpSpec("qk_norm", _same, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
-           traffic=_elementwise_traffic, traits=frozenset({Trait.EXPRESSION}), tp_styles={"per_head": _per_head_tp},
+    OpSpec("qk_norm", same_type, saves=lambda a: (0,), saved_extra=_head_norm_extra, arity=1,
+           traffic=elementwise_traffic, traits=frozenset({Trait.EXPRESSION}), tp_styles={"per_head": _per_head_tp},
            code=Code("QKNorm", ("head_dim", "eps", "zero_centered"), comment="RMSNorm over head_dim, each head alone",
-                     **_PER_HEAD)),
+                     **PER_HEAD)),
     # gelu keeps its input; relu its output (the backward needs only the sign)
-    OpSpec("act", _same, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
-           saves_output=lambda a: a.get("fn") == "relu", traffic=_elementwise_traffic,
+    OpSpec("act", same_type, saves=lambda a: () if a.get("fn") == "relu" else (0,), arity=1,
+           saves_output=lambda a: a.get("fn") == "relu", traffic=elementwise_traffic,
            code=Code(call='rt.ACTIVATIONS["{a[fn]}"]({x})', inline=False), traits=frozenset({Trait.EXPRESSION})),
-    OpSpec("swiglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+    OpSpec("swiglu", same_type, saves=lambda a: (0, 1), arity=2, traffic=elementwise_traffic,
            code=Code(call="rt.swiglu({0}, {1})", inline=False, operands=("gate", "up"), comment="silu(gate) * up"),
            traits=frozenset({Trait.EXPRESSION})),
     # gelu(gate, tanh approximation) * up (Gemma's GeGLU): the same saves as SwiGLU
-    OpSpec("geglu", _same, saves=lambda a: (0, 1), arity=2, traffic=_elementwise_traffic,
+    OpSpec("geglu", same_type, saves=lambda a: (0, 1), arity=2, traffic=elementwise_traffic,
            code=Code(call="rt.geglu({0}, {1})", inline=False, operands=("gate", "up"),
                      comment="gelu_tanh(gate) * up"),
            traits=frozenset({Trait.EXPRESSION})),
     # Gemma 2's final soft-cap cap * tanh(x / cap) on each vocab shard of the logits (tanh is
     # elementwise: the vocab-parallel loss after it stays exact); keeps its output (tanh's
     # backward is 1 - (y / cap)^2)
-    OpSpec("softcap", _same, saves_output=lambda a: True, arity=1, traffic=_elementwise_traffic,
+    OpSpec("softcap", same_type, saves_output=lambda a: True, arity=1, traffic=elementwise_traffic,
            code=Code(call="rt.softcap({x}, {a[cap]!r})", comment="cap * tanh(logits / cap)"),
            traits=frozenset({Trait.EXPRESSION})),
     OpSpec("cross_entropy", _xent_type, saved_extra=_xent_extra, arity=2, traffic=_xent_traffic,

@@ -7,7 +7,7 @@ absorbed serving form's query through ``W_uk`` and latents through ``W_uv``. The
 
 from __future__ import annotations
 
-from parcompile.ir.ops.base import Code, OpSpec, Trait, _copy_traffic, _elementwise_traffic, heads_facts
+from parcompile.ir.ops.base import Code, OpSpec, Trait, copy_traffic, elementwise_traffic, heads_facts
 from parcompile.ir.tp import TpRule
 from parcompile.ir.types import TensorType
 
@@ -88,21 +88,21 @@ _EXPR = frozenset({Trait.EXPRESSION})
 #: the op kinds of this module
 DEFINITIONS = [
     OpSpec("latent_norm", _latent_type, saves=lambda a: (0,), saved_extra=_latent_norm_extra, arity=1,
-           traffic=_elementwise_traffic, traits=_EXPR,
+           traffic=elementwise_traffic, traits=_EXPR,
            code=Code(build="rt.whole_grad(rt.RMSNorm({name}, {out_features}, NORM_EPS, SEED, tp))",
                      call="{self}({0}[..., :{a[out_dim].size}])", operands=("kva",), var="latent",
                      comment="the latent, normed")),
-    OpSpec("latent_rope", _latent_type, arity=1, traffic=_elementwise_traffic, per_layer=("theta", "scaling"),
+    OpSpec("latent_rope", _latent_type, arity=1, traffic=elementwise_traffic, per_layer=("theta", "scaling"),
            code=_latent_rope_code, traits=frozenset({Trait.EXPRESSION, Trait.ROTARY})),
     OpSpec("mla_key", _mla_key_type, arity=2, traffic=_mla_key_traffic, traits=_EXPR, tp_styles={"mla_key": _mla_key_tp},
            code=Code(call="rt.mla_key({0}, {1}, {a[nope]})", inline=False, operands=("kv", "k_rope"), var="k",
                      heads_in=True, heads_out=True, comment="[k_nope, rope key] per head")),
-    OpSpec("mla_value", _mla_value_type, arity=1, traffic=_copy_traffic, traits=_EXPR,
+    OpSpec("mla_value", _mla_value_type, arity=1, traffic=copy_traffic, traits=_EXPR,
            code=Code(call="{0}[..., {a[nope]}:].contiguous()", inline=False, operands=("kv",), var="v",
                      heads_in=True, heads_out=True, comment="v per head, its own storage")),
     # MLA's absorbed serving form: the op holding wkv_b turns each head's query into
     # [q_nope W_uk, q_rope]; after the core, W_uv turns its latents into values
-    OpSpec("mla_absorb", _absorb_type, fwd_flops=_absorb_flops, arity=1, traffic=_copy_traffic, traits=_EXPR,
+    OpSpec("mla_absorb", _absorb_type, fwd_flops=_absorb_flops, arity=1, traffic=copy_traffic, traits=_EXPR,
            tp_styles={"mla_absorb": _mla_absorb_tp},
            code=Code(build="rt.ColumnParallelLinear({name}, {in_features}, {out_features}, False, tp, SEED, "
                            "local={local})",
@@ -110,7 +110,7 @@ DEFINITIONS = [
                           "v_dim={a[v_head_dim]}, latent={a[in_dim].size})",
                      inline=False, operands=("q",), var="q", heads_in=True, heads_out=True, facts=heads_facts,
                      comment="[q_nope W_uk, q_rope] per head: wkv_b's key rows absorbed")),
-    OpSpec("mla_value_up", _value_up_type, fwd_flops=_value_up_flops, arity=1, traffic=_copy_traffic, traits=_EXPR,
+    OpSpec("mla_value_up", _value_up_type, fwd_flops=_value_up_flops, arity=1, traffic=copy_traffic, traits=_EXPR,
            code=Code(call="rt.mla_value_up({x}, self.{a[weight]}.weight, heads={heads}, nope={a[nope]}, "
                           "v_dim={a[out_dim].unit}, latent={a[latent]})",
                      inline=False, var="y", heads_in=True, facts=heads_facts,

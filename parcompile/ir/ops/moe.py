@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from parcompile.core.model import GATED_ACTIVATIONS
-from parcompile.ir.ops.base import (INDEX_BYTES, Code, Collective, OpSpec, Trait, _copy_traffic, _linear_flops,
-                                    _same)
+from parcompile.ir.ops.base import (INDEX_BYTES, Code, Collective, OpSpec, Trait, copy_traffic, linear_flops,
+                                    same_type)
 from parcompile.ir.types import TensorType
 
 
@@ -249,20 +249,20 @@ def _routed_collectives(node, degrees, local_in, local_out) -> list[Collective]:
 
 #: the op kinds of this module
 DEFINITIONS = [
-    OpSpec("router", _router_type, fwd_flops=_linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
+    OpSpec("router", _router_type, fwd_flops=linear_flops, saves=lambda a: () if a.get("fp32_input") else (0,),
            saved_extra=_router_extra, saves_output=lambda a: True, arity=1, traffic=_router_traffic,
            scratch=router_scratch, traits=frozenset({Trait.GEMM}),
            code=Code(build="rt.Router({name}, {in_features}, {out_features}, {top_k}, tp, SEED{kw}, "
                            "local={local})",
                      facts=_router_facts, inline=False, var="route",
                      comment="fp32 scores; each token's top-k experts and their weights")),
-    OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_copy_traffic,
+    OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=copy_traffic,
            scratch=dispatch_scratch, collectives=_routed_collectives,
            code=Code(call="rt.dispatch({0}, {1}, local_experts={a[local_experts]}{kw})", facts=_moe_axes_facts,
                      inline=False, operands=("x", "route"), var="rows",
                      comment="(token, choice) rows to their experts' ranks, grouped by local expert "
                              "(as many as the router sends: the shape is the balanced estimate)")),
-    OpSpec("experts", _same, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
+    OpSpec("experts", same_type, fwd_flops=_experts_flops, saves=lambda a: (0,), saved_extra=_experts_extra,
            saved_gathered=_experts_gathered, arity=1, traffic=_experts_traffic, scratch=experts_scratch,
            traits=frozenset({Trait.GEMM, Trait.FP8_GEMM, Trait.EXPRESSION}),
            code=Code(build='rt.GroupedExperts({op}, EXPERTS, HIDDEN, EXPERT_FFN, "{a[activation]}", {axes}, SEED, '
@@ -270,7 +270,7 @@ DEFINITIONS = [
                      facts=_experts_facts, inline=False, var="",
                      comment="each local expert's MLP on its rows (a grouped GEMM)")),
     OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
-           traffic=_copy_traffic, scratch=combine_scratch, collectives=_routed_collectives,
+           traffic=copy_traffic, scratch=combine_scratch, collectives=_routed_collectives,
            code=Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0)",
                      serve_call="rt.combine({0}, {1})", inline=False, operands=("rows", "route"), var="y",
                      comment="rows back to their tokens, weighted by the router")),
