@@ -43,7 +43,7 @@ DOCUMENTED = {
     ("automodel", "sliding_window"): ("cudnn", "sliding window"),
     ("automodel", "sinks"): ("flex", "sigmoid(lse - sinks)"),
     ("automodel", "mla"): ("cudnn", "unequal to v's"),
-    # the generated program (runtime/model/layers.py attention_core): SDPA unless sinks
+    # the generated program (runtime/model/core_attention.py attention_core): SDPA unless sinks
     ("program", "causal"): ("sdpa", "attention_core"),
     ("program", "sliding_window"): ("sdpa", "causal_mask"),
     ("program", "sinks"): ("unfused", "takes no sinks"),

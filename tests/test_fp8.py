@@ -81,14 +81,17 @@ def test_fp8_moe_plans_its_expert_gemms_at_the_fp8_peak(monkeypatch):
     experts' share of the compute; the collectives (expert all-to-alls in 16 bits, as
     torchao's and Megatron-Core's token dispatchers move them) stay the same."""
     from pathlib import Path
-    import parcompile.analysis.fp8 as f8
     src = (Path(parcompile.__file__).parent.parent / "examples" / "mixtral_8x7b_8x8_h100.par").read_text()
 
     def plan():
         return parcompile.compile(src, filename="m.par", overrides={"train.precision": "fp8"}).data["estimate"]
 
     every = plan()
-    monkeypatch.setattr(f8, "FP8_KINDS", ("linear",))
+    from dataclasses import replace
+
+    from parcompile.ir import ops
+    experts = ops.OPS["experts"]
+    monkeypatch.setitem(ops.OPS, "experts", replace(experts, traits=experts.traits - {ops.Trait.FP8_GEMM}))
     dense = plan()
     bf16 = parcompile.compile(src, filename="m.par").data["estimate"]
     assert every["breakdown"]["ep_comm"] == dense["breakdown"]["ep_comm"] == bf16["breakdown"]["ep_comm"]

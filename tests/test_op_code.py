@@ -636,19 +636,24 @@ def test_no_degree_arithmetic_in_codegen():
     assert DEGREE_ARITHMETIC.search("x // tp")
 
 
-def test_a_row_may_be_written_in_its_op_table_entry_but_never_twice():
-    """A constant row lives in its kind's OpSpec (Gemma 2's ``softcap``: one op, one place);
-    ir/code.py's CODES holds the others; a kind with both is refused at import."""
+def test_every_kind_is_defined_once_with_its_row_in_its_definition():
+    """Each op kind is one OpSpec in one module of parcompile/ir/ops/ (issue 46): its program
+    row is its definition's (no second table of rows), and a kind defined in two modules is
+    refused when the table is built."""
+    import types
     from dataclasses import replace
 
     from parcompile.ir import ops
-    from parcompile.ir.code import CODES
 
-    assert "softcap" not in CODES and isinstance(code_of("softcap", {"cap": 30.0}), Code)
+    assert isinstance(code_of("softcap", {"cap": 30.0}), Code)
     assert "rt.softcap(" in code_of("softcap", {"cap": 30.0}).call
-    assert ops.OPS["add"].code is CODES["add"]
-    with pytest.raises(ValueError, match="two program rows"):
-        ops._program_row(replace(ops.OPS["add"], code=Code()))
+    assert not hasattr(ops, "CODES")
+    # the kinds without a row are the ones the templates' skeleton runs
+    assert sorted(k for k, s in ops.OPS.items() if s.code is None) == [
+        "cross_entropy", "input", "send_recv", "step_collective"]
+    twice = types.SimpleNamespace(__name__="twice", DEFINITIONS=[replace(ops.OPS["add"], code=Code())])
+    with pytest.raises(ValueError, match="'add' is defined twice"):
+        ops._table(ops.dense, twice)
 
 
 def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
@@ -660,7 +665,7 @@ def test_every_runtime_name_the_rows_templates_and_goldens_call_is_exported():
     import parcompile
 
     pkg = Path(parcompile.__file__).parent
-    files = [pkg / "ir" / "ops.py", pkg / "ir" / "code.py", *(pkg / "codegen").rglob("*.py"),
+    files = [*(pkg / "ir" / "ops").glob("*.py"), *(pkg / "codegen").rglob("*.py"),
              *(pkg / "codegen").rglob("*.j2"), *(Path(__file__).parent / "golden").rglob("*.py")]
     names = {n for f in files for n in re.findall(r"\brt\.([A-Za-z_]\w*)", f.read_text())}
     assert {"softcap", "attention", "ColumnParallelLinear", "latent_attention"} <= names
@@ -685,3 +690,37 @@ def test_row_parallel_without_reduction_leaves_a_partial_sum_with_the_bias_once(
         parts.append(row(x[..., 4 * r:4 * r + 4]))
     assert not torch.allclose(parts[1], parts[0])
     torch.testing.assert_close(parts[0] + parts[1], whole(x))
+
+
+def test_traits_are_declared_on_the_definitions_and_agree_with_them():
+    """The kind lists became traits on the op definitions (issue 46): every trait is some
+    kind's; a kind that is not an op of the forward has no program row, no FLOPs and is
+    never a GEMM; the FP8 GEMMs are GEMMs; a kind of no known module is a KeyError."""
+    from parcompile.ir import ops
+    from parcompile.ir.ops import Trait, has_trait, kinds_with
+
+    assert all(kinds_with(t) for t in Trait)
+    for kind in kinds_with(Trait.NOT_AN_OP):
+        s = ops.spec(kind)
+        assert s.code is None and not has_trait(kind, Trait.GEMM), kind
+    assert kinds_with(Trait.FP8_GEMM) <= kinds_with(Trait.GEMM)
+    assert kinds_with(Trait.ROTARY) == {k for k, s in ops.OPS.items() if "theta" in s.per_layer}
+    with pytest.raises(KeyError, match="unknown op kind 'nope'"):
+        has_trait("nope", Trait.GEMM)
+
+
+def test_a_kinds_own_tensor_parallel_style_is_in_its_definition():
+    """A tp style of one op kind lives in that kind's definition (OpSpec.tp_styles): a linear
+    layer's ``column`` resolves for ``linear`` and is refused for a norm; the shared styles
+    (ir/tp.py) resolve for any kind."""
+    from parcompile.ir.ops import spec
+    from parcompile.ir.tp import tp_rule
+    from parcompile.ir.types import Dim, TensorType
+
+    h, f = Dim("hidden", 8), Dim("ffn", 16)
+    x, y = TensorType((Dim("seq", 4), h), "fp32"), TensorType((Dim("seq", 4), f), "fp32")
+    a = {"in_dim": h, "out_dim": f}
+    assert tp_rule("column", a, [x], y, False, spec("linear").tp_styles).out_split == "ffn"
+    with pytest.raises(ValueError, match="unknown tensor-parallel style 'column'"):
+        tp_rule("column", a, [x], y, False, spec("norm").tp_styles)
+    assert tp_rule("residual", {}, [x], x, True, spec("norm").tp_styles).out_split == "seq"

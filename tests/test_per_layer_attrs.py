@@ -1,5 +1,5 @@
 """Per-layer attributes (issue 46): an op kind declares the attributes that may differ from
-one decoder layer to the next (``OpSpec.per_layer``, parcompile/ir/ops.py); codegen writes
+one decoder layer to the next (``OpSpec.per_layer``, parcompile/ir/ops/); codegen writes
 one class for many layers, so each declared attribute that differs becomes a per-layer table
 the class reads (``ATTN_CORE_SCALE[i]``), and any other difference is an internal error.
 

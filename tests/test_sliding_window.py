@@ -79,7 +79,7 @@ def test_the_cache_of_a_longer_context_grows_only_in_full_attention_layers(tmp_p
 
 def test_model_flops_of_local_layers_are_bounded_by_the_window(tmp_path):
     """Attention FLOPs (matmul, fwd + 2x bwd: 3 x 4 b s s_kv d per head, no causal
-    halving, ir/ops.py) of a local layer use s_kv = window: Gemma-style pattern 3 on 6
+    halving, ir/ops/attention.py) of a local layer use s_kv = window: Gemma-style pattern 3 on 6
     layers has 4 local layers, each saving 12 b s (s - w) heads d against full attention."""
     import parcompile
 

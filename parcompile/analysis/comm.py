@@ -31,7 +31,7 @@ from parcompile.analysis.compute import op_fwd_flops
 from parcompile.analysis.fp8 import amax_collectives, is_fp8_gemm
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import Collective, op_collectives
+from parcompile.ir.ops import Collective, Trait, op_collectives
 
 
 class CollectiveEntry(NamedTuple):
@@ -107,7 +107,7 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
     (:func:`parcompile.analysis.estimate.tp_exposed`)."""
     a = nd.op.attr_map
     fwd = {k for k, axis in a.get("fwd", ()) if axis == "tp"}
-    if nd.kind != "redistribute" or not fwd & {"all_gather", "reduce_scatter"}:
+    if not nd.has_trait(Trait.CONVERSION) or not fwd & {"all_gather", "reduce_scatter"}:
         return 0, 0
     if "all_gather" in fwd:
         gemms = [graph.node(u) for u, _ in graph.users(nd.name)]
@@ -157,7 +157,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
         ins = graph.inputs(nd.name)
         local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
         local_out = nd.sharding.local_type(nd.type, degrees)
-        pair = overlapped_gemm_flops(graph, nd, degrees) if nd.kind == "redistribute" else (0, 0)
+        pair = overlapped_gemm_flops(graph, nd, degrees) if nd.has_trait(Trait.CONVERSION) else (0, 0)
         for c in op_collectives(nd, degrees, local_in, local_out):
             if pair != (0, 0) and c.axis == "tp":
                 c = dataclasses.replace(c, gemm_flops=pair)
@@ -166,7 +166,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 raw.append((stage, nd.chunk or 0, c))
             n = m if c.per == "microbatch" else c.count
             phases = [(c.phase, n)]
-            recomputed = recompute == "full" and nd.kind != "send_recv" and _in_layer(graph, nd.name)
+            recomputed = recompute == "full" and not nd.has_trait(Trait.STAGE_TRANSFER) and _in_layer(graph, nd.name)
             if recomputed and c.phase == "forward":
                 phases.append(("recompute", n))
             if nd.op.attr("regather") and c.phase == "forward" and not recomputed:

@@ -27,14 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from parcompile.analysis.fp8 import cast_elements, cast_input, is_fp8_gemm
-from parcompile.core.attention import attention_kernel, with_kernel
+from parcompile.core.attention import with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import spec
+from parcompile.ir.ops import Trait, spec
 
-#: matmul kinds whose operands and weights the time model's GEMM roofline reads
-#: (:func:`gemm_bytes`); ``attention`` is costed as its own kernel
-GEMM_KINDS = ("linear", "router", "experts")
 
 BACKWARD_FACTOR = 2  # backward FLOPs = 2 x forward
 
@@ -71,12 +68,12 @@ def causal_share(attrs: Mapping) -> float:
 
 
 def gemm_bytes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> tuple[int, int]:
-    """(operand bytes, weight bytes) one forward of a matmul op (:data:`GEMM_KINDS`) moves
+    """(operand bytes, weight bytes) one forward of a matmul op (``Trait.GEMM``: ``attention`` is costed as its own kernel) moves
     on one rank: each matrix reads its ``M x K`` input and writes its ``M x N`` output
     (proportional to the tokens), and reads its ``K x N`` weight once (the op's local
     parameters: a grouped GEMM reads each local expert's weights once per micro-batch).
     0, 0 for other ops."""
-    if nd.kind not in GEMM_KINDS:
+    if not nd.has_trait(Trait.GEMM):
         return 0, 0
     local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]
     out = nd.sharding.local_type(nd.type, degrees)
@@ -138,14 +135,14 @@ def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> b
     recomputed linears of torchtitan's op-level policy (:func:`op_sac`), which recomputes
     every op of a layer but the other matmuls and the attention core."""
     if recompute == "full":
-        return nd.op.layer is not None and nd.kind not in ("send_recv", "step_collective")
+        return nd.op.layer is not None and not nd.has_trait(Trait.NOT_AN_OP)
     if recompute == "selective":
         if sac is not None:
-            if nd.op.layer is None or nd.kind in ("send_recv", "step_collective"):
+            if nd.op.layer is None or nd.has_trait(Trait.NOT_AN_OP):
                 return False
             if nd.kind == "linear":
                 return nd.name in sac
-            return not (spec(nd.kind).selective_recompute or nd.kind in GEMM_KINDS)
+            return not (spec(nd.kind).selective_recompute or nd.has_trait(Trait.GEMM))
         return spec(nd.kind).selective_recompute
     return False
 
@@ -233,7 +230,7 @@ def fused_attention_work(graph: Graph, nd: Node, a: Mapping, degrees: Mapping[st
     causal blocks; a sliding window's only where the kernel skips the masked blocks, else
     every causal block of the full sequence) over the kernel's relative ``speed``, ``as``
     that work per head dim (the scores, whose exponentials the time model weighs)."""
-    kernel = attention_kernel(a)
+    kernel = spec(nd.kind).kernel(a)   # the op's one decision (ir/ops/attention.py)
     local = op_fwd_flops(graph, nd, degrees)
     if kernel.skips_masked_blocks:
         work = local * causal_share(a)
@@ -297,11 +294,11 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
         if counts_as_op(nd):
             ops[c] += 1
             rec_ops[c] += again
-        if nd.kind == "attention":
+        if nd.has_trait(Trait.ATTENTION):
             # the engine's kernel (core/attention.py): its memory and traffic rules read it
             a = with_kernel(nd.op.attr_map, kernels or engine)
             nd = replace(nd, op=replace(nd.op, attrs=tuple(a.items())))
-        if nd.kind == "attention" and attention_kernel(a).fused:
+        if nd.has_trait(Trait.ATTENTION) and spec(nd.kind).kernel(a).fused:
             for k, v in fused_attention_work(graph, nd, a, degrees).items():
                 parts[k][c] += v
                 if again:
@@ -340,13 +337,9 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
 #: the FP8 counters of :func:`compute_report`, in the order of ComputeReport's ``chunk_fp8_*`` fields
 F8_KEYS = ("f", "i", "it", "o", "ot", "w", "n", "g", "s", "op", "rop", "rf", "ri", "rit", "rw")
 
-#: node kinds that are not ops of a micro-batch's forward (:func:`counts_as_op`)
-NOT_OPS = frozenset({"input", "send_recv", "step_collective"})
-
-
 def counts_as_op(nd: Node) -> bool:
     """Whether ``nd`` is one op of a micro-batch's forward for ``cluster.op_overhead``
-    (``ComputeReport.chunk_fwd_ops``): every kind but :data:`NOT_OPS` (the inputs, the
+    (``ComputeReport.chunk_fwd_ops``): every kind but those of ``Trait.NOT_AN_OP`` (the inputs, the
     pipeline's transfers, timed as ``pp_comm``, and the step's collectives)."""
-    return nd.kind not in NOT_OPS
+    return not nd.has_trait(Trait.NOT_AN_OP)
 

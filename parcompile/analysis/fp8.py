@@ -92,9 +92,8 @@ from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
 from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
+from parcompile.ir.ops import Trait
 
-#: the kinds of the GEMMs that run in FP8 (inside a decoder layer: :func:`is_fp8_gemm`)
-FP8_KINDS = ("linear", "experts")
 
 
 @dataclass(frozen=True)
@@ -170,9 +169,9 @@ def graph_fp8(cfg) -> GraphFp8 | None:
 
 
 def fp8_kind(nd: Node) -> bool:
-    """Whether op ``nd`` is of the GEMMs FP8 training casts: a ``linear`` or ``experts`` op of
-    a decoder layer (module docstring); :func:`is_fp8_gemm` adds the layers kept in 16 bits."""
-    return nd.op.layer is not None and nd.kind in FP8_KINDS
+    """Whether op ``nd`` is of the GEMMs FP8 training casts: an op of a kind of ``Trait.FP8_GEMM``
+    (``linear``, ``experts``) of a decoder layer (module docstring); :func:`is_fp8_gemm` adds the layers kept in 16 bits."""
+    return nd.op.layer is not None and nd.has_trait(Trait.FP8_GEMM)
 
 
 def is_fp8_gemm(nd: Node, graph: Graph) -> bool:
@@ -291,7 +290,7 @@ def _tp_redistribute(graph: Graph, name: str, op: str) -> Node | None:
     """The tensor-parallel ``redistribute`` op ``name`` is, when its forward is ``op``
     (``all_gather``, ``reduce_scatter``) over tp; else None."""
     nd = graph.node(name)
-    if nd.kind == "redistribute" and (op, "tp") in tuple(nd.op.attr_map.get("fwd", ())):
+    if nd.has_trait(Trait.CONVERSION) and (op, "tp") in tuple(nd.op.attr_map.get("fwd", ())):
         return nd
     return None
 

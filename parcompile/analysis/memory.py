@@ -135,11 +135,11 @@ from parcompile.analysis.compute import op_sac
 from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
                                     weight_copy_bytes)
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
-from parcompile.core.attention import attention_engine, attention_kernel, with_kernel
+from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.core.schedule import Schedule, as_schedule, build_actions, in_flight
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import spec
+from parcompile.ir.ops import Trait, spec
 
 #: temporary buffers never alive at once (module docstring): of each group the largest counts
 EXCLUSIVE_BUFFERS = (("logits", "recompute"),)
@@ -242,7 +242,7 @@ def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:
     views; with ``gathered_ok`` an all-gather's output stands for its (sequence-split)
     input, which is what Megatron-LM keeps for a column-parallel layer."""
     nd = graph.node(name)
-    while nd.kind == "redistribute":
+    while nd.has_trait(Trait.CONVERSION):
         fwd = [k for k, _ in nd.op.attr("fwd")]
         if fwd and not (gathered_ok and fwd == ["all_gather"]):
             break   # a split changes the local tensor; other collectives make a new one
@@ -357,7 +357,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         s = spec(nd.kind)
         c = nd.chunk or 0
         a = nd.op.attr_map
-        if nd.kind == "attention":
+        if nd.has_trait(Trait.ATTENTION):
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
         keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8)
@@ -367,7 +367,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
             for t in keep:
                 own.setdefault(t, _local_bytes(graph, t, degrees))
             layer_extra[layer] = layer_extra.get(layer, 0) + x
-            if s.selective_recompute and not attention_kernel(a).fused:
+            if s.selective_recompute and not s.kernel(a).fused:
                 layer_attn[layer] = layer_attn.get(layer, 0) + x
             if layer not in layer_input and nd.kind == "norm":
                 t = _alias(graph, ins[0])
@@ -612,7 +612,7 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
         s = nd.stage or 0
         if nd.op.layer is not None:
             layer_stage[nd.op.layer] = s
-        if nd.kind == "cross_entropy" and not serve:
+        if nd.has_trait(Trait.LOSS) and not serve:
             # the 16-bit logits live until the loss has made its fp32 copy; an eager loss
             # (torchtitan: cross_entropy(pred.float(), ...)) holds that fp32 copy beside its
             # log-softmax output, a fused one (Megatron's vocab-parallel loss) does not
@@ -622,9 +622,9 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
                 lt = graph.node(t).sharding.local_type(graph.node(t).type, degrees)
                 extra = 4 * lt.numel if lt.itemsize < 4 else 0
             bump(s, "logits", _local_bytes(graph, t, degrees) + extra)
-        elif nd.kind == "redistribute" and [k for k, _ in nd.op.attr("fwd")] == ["all_gather"]:
+        elif nd.has_trait(Trait.CONVERSION) and [k for k, _ in nd.op.attr("fwd")] == ["all_gather"]:
             bump(s, "tp_gather", _local_bytes(graph, nd.name, degrees))
-        elif nd.kind == "send_recv":
+        elif nd.has_trait(Trait.STAGE_TRANSFER):
             b = _local_bytes(graph, nd.name, degrees)
             bump(nd.op.attr("src_stage"), "p2p", 2 * b)
             bump(nd.op.attr("dst_stage"), "p2p", 2 * b)

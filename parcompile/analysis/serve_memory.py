@@ -18,7 +18,7 @@ from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.serve_engines import serve_engine
 from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import spec
+from parcompile.ir.ops import Trait, spec
 from parcompile.ir.types import Dim, TensorType
 
 
@@ -62,17 +62,6 @@ class Workspace:
         """The step's peak: the layers and the head run one after the other, the received
         hidden state and the step's inputs live beside both."""
         return max(self.layer, self.head) + self.received + self.step
-
-
-#: op kinds whose operand, when they are its only reader, the serve program passes as a
-#: temporary of one expression or rebinds (``q = rope(q)``, ``swiglu(w1(x), w3(x))``,
-#: ``y = mla_value_up(y, ...)``, ``rows = self.experts(rows)``): it dies with them. Any other
-#: reader (a linear layer, the attention core, the MoE dispatch and combine) runs inside a
-#: module's ``forward`` that holds its operands, as arguments or local variables, until it
-#: returns (:func:`_live_bytes`)
-EXPRESSION_KINDS = frozenset({"add", "norm", "rope", "qk_norm", "act", "swiglu", "geglu", "softcap",
-                              "latent_norm", "latent_rope", "mla_key", "mla_value", "mla_absorb", "mla_value_up",
-                              "redistribute", "experts"})
 
 
 def prefill_step(cfg) -> tuple[int, int, int]:
@@ -217,11 +206,11 @@ class StepBytes:
 
     def out_and_scratch(self, nd) -> tuple[int | None, int]:
         """(bytes of the node's output, None for a view of its input; its scratch)."""
-        if nd.kind == "redistribute" and not nd.op.attr("fwd"):
+        if nd.has_trait(Trait.CONVERSION) and not nd.op.attr("fwd"):
             return None, 0
         ins, local = self.types(nd)
         a = nd.op.attr_map
-        if nd.kind == "attention":
+        if nd.has_trait(Trait.ATTENTION):
             window = a.get("window") or 0
             a = {**a, "seq_len": self.context,
                  "kv_copy": (self.context > self.tokens or 0 < window < self.max_len
@@ -245,9 +234,9 @@ def step_inputs_bytes(cfg, graph: Graph, batch: int, tokens: int, context: int) 
     windows, tables = set(), {}
     for nd in graph.nodes():
         a = nd.op.attr_map
-        if nd.kind == "attention":
+        if nd.has_trait(Trait.ATTENTION):
             windows.add(a.get("window") or 0)
-        elif nd.kind in ("rope", "latent_rope"):
+        elif nd.has_trait(Trait.ROTARY):
             rot = a.get("rope_dim") or round(a.get("fraction", 1.0) * cfg.model.head_dim)
             key = (a.get("theta"), repr(a.get("scaling")))
             tables[key] = max(tables.get(key, 0), rot)
@@ -261,7 +250,7 @@ def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> 
     layer (its input: held by the caller for the whole layer); ``out_and_scratch(node)``:
     (its output's bytes, None for a view of its first input; its scratch).
 
-    When a value dies: read by one op of :data:`EXPRESSION_KINDS`, with it (a temporary of
+    When a value dies: read by one op of ``Trait.EXPRESSION`` (its operand a temporary), with it (a temporary of
     one expression, or rebound); read by several ops (a named local of the module's
     ``forward``) or by any other op (an argument or local of the module that runs it), at
     the last op of the reading op's module (Python holds a function's arguments and locals
@@ -292,7 +281,7 @@ def _live_bytes(graph: Graph, nodes: Sequence, outer_bytes, out_and_scratch) -> 
             for src in graph.inputs(nd.name):
                 readers.setdefault(value.get(src, src), []).append(i)
     for v, rs in readers.items():
-        alone = len(rs) == 1 and nodes[rs[0]].kind in EXPRESSION_KINDS
+        alone = len(rs) == 1 and nodes[rs[0]].has_trait(Trait.EXPRESSION)
         last[v] = max(last.get(v, -1), rs[0] if alone else max(end[nodes[r].op.module] for r in rs))
     for v in size:
         last.setdefault(v, made[v])

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
-from parcompile.analysis.compute import GEMM_KINDS, counts_as_op
+from parcompile.analysis.compute import counts_as_op
 from parcompile.analysis.kv import kv_dtype as cache_dtype
 from parcompile.analysis.network import Link, collective_time, serve_allreduce
 from parcompile.analysis.serve_memory import StepBytes, received_bytes
@@ -46,7 +46,7 @@ from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.model import STEP_PLAN_BYTES
 from parcompile.core.quant import QuantFormat, quantized_param
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import op_collectives, spec
+from parcompile.ir.ops import Trait, op_collectives, spec
 
 #: the module names of the ops after the last decoder layer, which a serve step runs on the
 #: last position of each row only (serve.py.j2: ``final_norm(x[:, -1:])``, then the LM head)
@@ -357,7 +357,7 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
                 act_row=0.0, attn=[], c_tok=[], c_row=[], ops=0, layers=set(), seen=set(), held={})
            for _ in range(count)]
     for nd in graph.nodes():
-        if nd.kind in ("input", "step_collective", "cross_entropy", "send_recv"):
+        if nd.has_trait(Trait.NOT_AN_OP) or nd.has_trait(Trait.LOSS):
             continue
         head = nd.op.module in HEAD_MODULES
         if types is None:
@@ -378,14 +378,14 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
         for p in nd.params:
             if p.name not in st["held"]:
                 st["held"][p.name] = _stored(nd, p, kv1(p.sharding.local_type(p.type, degrees)), fmt)[1]
-        if nd.kind == "attention":
+        if nd.has_trait(Trait.ATTENTION):
             core, per_token = _attention_core(s, a, ins, local, kv_bytes)
             st["attn"].append(core)
             st["act_tok"] += per_token
         else:
             st["f_" + per] += s.fwd_flops(a, ins, local)
             st["act_" + per] += s.traffic(a, ins, local)
-        if nd.kind in GEMM_KINDS:
+        if nd.has_trait(Trait.GEMM):
             st["op_" + per] += ins[0].nbytes + local.nbytes
             quantized = False
             for p in nd.params:
@@ -399,7 +399,7 @@ def layer_units(cfg, graph: Graph, degrees: Mapping[str, int], fmt: QuantFormat 
                         st["weights"] += nb
             if quantized and fp8_gemm:
                 st["f8"] += s.fwd_flops(a, ins, local)
-        elif nd.kind != "embedding":   # the norms' weights (an embedding reads its rows: traffic)
+        elif not nd.has_trait(Trait.EMBEDDING):   # the norms' weights (an embedding reads its rows: traffic)
             for p in nd.params:
                 if p.name not in st["seen"]:
                     st["seen"].add(p.name)

@@ -23,9 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from parcompile.analysis.fp8 import FP8_KINDS
 from parcompile.codegen.program_data import LayerAttributeError, LayerData, LayerTable, OpData
-from parcompile.ir.ops import Code, code_of
+from parcompile.ir.ops import Code, Trait, code_of, has_trait
 
 #: the program's constants for the global sizes of the graph's dims (``ir/lower.py``'s names)
 DIM_CONSTANTS = {"hidden": "HIDDEN", "ffn": "FFN_HIDDEN", "q": "HEADS * HEAD_DIM", "kv": "KV_HEADS * HEAD_DIM",
@@ -332,7 +331,7 @@ class _Writer:
                 if (rest in sub.members) if sub.members else rest.startswith(attr + "."):
                     group_of[o.name] = attr
         for o in self.ops:   # a conversion into (or out of) a sub-module alone is the sub-module's
-            if o.kind == "redistribute" and o.name not in group_of:
+            if has_trait(o.kind, Trait.CONVERSION) and o.name not in group_of:
                 readers = {group_of.get(r.name) for r in self.ops if o.name in r.inputs}
                 if len(readers) == 1 and None not in readers:
                     group_of[o.name] = readers.pop()
@@ -362,11 +361,11 @@ class _Writer:
         """Conversions after an op that runs them itself (a row-parallel linear's reduction);
         serving: conversions whose collectives are all in backward (none run)."""
         for name, op, ins, _ in self.units:
-            if self.serve and isinstance(op, OpData) and op.kind == "redistribute" and ins and not any(
+            if self.serve and isinstance(op, OpData) and has_trait(op.kind, Trait.CONVERSION) and ins and not any(
                     c.phase == "forward" for c in op.collectives):
                 self.alias[name] = ins[0]
                 continue
-            if isinstance(op, OpData) and op.kind == "redistribute" and ins and ins[0] in self.codes \
+            if isinstance(op, OpData) and has_trait(op.kind, Trait.CONVERSION) and ins and ins[0] in self.codes \
                     and self.codes[ins[0]].fold_after:
                 self.alias[name] = ins[0]
                 kinds = [k for k, _ in dict(op.attrs)["fwd"] if k in ("all_reduce", "reduce_scatter")]
@@ -426,9 +425,16 @@ class _Writer:
 
     def _attrs(self, op: OpData) -> dict:
         """``op``'s attributes as its Code row reads them (:func:`program_attrs`), each of its
-        per-layer tables' attributes a :class:`LayerValue` (``self.scale``)."""
+        per-layer tables' attributes a :class:`LayerValue` (``self.scale``), and
+        ``_each_layer``: every layer's own attributes (its tables' values in place), for a row
+        whose decision must hold for each layer it is written for (the attention kernel)."""
         attrs = program_attrs(op, self.every)
         suffix = op.name.removeprefix(f"layers.{self.layer}.")
+        each: dict[int, dict] = {}
+        for table in self.per_layer.get(suffix, ()):
+            for i, v in table.values:
+                each.setdefault(i, dict(attrs))[table.attr] = v
+        attrs["_each_layer"] = tuple(each[i] for i in sorted(each))
         for table in self.per_layer.get(suffix, ()):
             key = (suffix, table.attr)
             if key not in self.layer_vars:
@@ -463,7 +469,7 @@ class _Writer:
         if any(c.phase == "forward" or not self.serve for c in show.collectives):
             notes.append(calls_comment(show, self.layer, forward_only=self.serve))
         users = self.consumers.get(name, [])
-        if code.heads_out or (op.kind == "redistribute" and self.alias.get(op.inputs[0], op.inputs[0])
+        if code.heads_out or (has_trait(op.kind, Trait.CONVERSION) and self.alias.get(op.inputs[0], op.inputs[0])
                               in self.per_head):
             self.per_head.add(name)
         elif users and all(self.codes.get(u) is not None and self.codes[u].heads_in for u in users):
@@ -483,8 +489,8 @@ class _Writer:
         facts["attr"], facts["a"] = attr, attrs
         # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
         # representative layer may be one of them: its op has no recipe, the others' do); the
-        # ops that can run FP8 are analysis/fp8's FP8_KINDS (the rule fp8_kind applies)
-        if "fp8" in self.tables and op.kind in FP8_KINDS:
+        # ops that can run FP8 are those of Trait.FP8_GEMM (the rule analysis/fp8.py fp8_kind applies)
+        if "fp8" in self.tables and has_trait(op.kind, Trait.FP8_GEMM):
             facts["fp8"] = f", fp8={self.tables['fp8']}"
         build = code.build
         if build is None and code.module is not None:   # rt.<module>(name, <arg>=<attr>, ..., seed=SEED, tp=tp)
@@ -591,9 +597,9 @@ def module_methods(layer: LayerData, prefix: str, every: Mapping[str, OpData],
     (``attn``, ``mlp``, a MoE layer's shared experts ``mlp.shared``), with the conversions
     into and out of it (:func:`methods`; ``per_layer``: its per-layer tables)."""
     full = f"layers.{layer.index}.{prefix}."
-    inside = {o.name for o in layer.ops if o.name.startswith(full) and o.kind != "redistribute"}
+    inside = {o.name for o in layer.ops if o.name.startswith(full) and not has_trait(o.kind, Trait.CONVERSION)}
     ops = [o for o in layer.ops if o.name in inside
-           or (o.kind == "redistribute" and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
+           or (has_trait(o.kind, Trait.CONVERSION) and (set(o.inputs) & inside or _feeds_only(o, inside, layer)))]
     return methods(tuple(ops), layer.index, full, every, tables=tables, constants=constants, serve=serve,
                    per_layer=per_layer)
 

@@ -36,6 +36,7 @@ from parcompile.codegen.program_data import LayerData, ProgramData, program_data
 from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic
 from parcompile.ir.graph import Graph
+from parcompile.ir.ops import Trait, has_trait
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -252,7 +253,7 @@ def _mla_grads(pd: ProgramData, layer: LayerData) -> str:
                       if layer.conversion_into(n) is not None)
     key_in = layer.op("attn.key")
     if key_in is not None and len(key_in.inputs) > 1 and key_in.inputs[1] in pd.ops \
-            and pd.ops[key_in.inputs[1]].kind == "redistribute":
+            and has_trait(pd.ops[key_in.inputs[1]].kind, Trait.CONVERSION):
         grads += ("; " if grads else "") + calls_comment(pd.ops[key_in.inputs[1]], i)
     return grads
 

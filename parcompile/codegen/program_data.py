@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from parcompile.analysis.fp8 import fp8_kind, is_fp8_gemm
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import op_collectives, spec
+from parcompile.ir.ops import Trait, has_trait, op_collectives, spec
 from parcompile.ir.types import TensorType, split_axes
 
 #: the symbol a shape comment shows for each dim of the graph (``ir/lower.py``'s names)
@@ -134,13 +134,13 @@ class LayerData:
     def conversion_into(self, suffix: str) -> OpData | None:
         """The conversion insert-collectives put on the input edge of ``layers.<index>.<suffix>``."""
         op = self.op(suffix)
-        got = [o for o in self.ops if op is not None and o.name in op.inputs and o.kind == "redistribute"]
+        got = [o for o in self.ops if op is not None and o.name in op.inputs and has_trait(o.kind, Trait.CONVERSION)]
         return got[0] if got else None
 
     def conversion_after(self, suffix: str) -> OpData | None:
         """The conversion insert-collectives put on the output edge of ``layers.<index>.<suffix>``."""
         name = f"layers.{self.index}.{suffix}"
-        return next((o for o in self.ops if o.kind == "redistribute" and name in o.inputs), None)
+        return next((o for o in self.ops if has_trait(o.kind, Trait.CONVERSION) and name in o.inputs), None)
 
     @property
     def collectives(self) -> tuple[CollectiveCall, ...]:
@@ -247,7 +247,7 @@ def _undeclared(name: str, kind: str, key: str, values: tuple[tuple[int, Any], .
                      for v, ids in groups.items())
     return (f"internal error: op layers.{{i}}.{name} (kind {kind!r}) differs between layers in attribute {key!r} "
             f"({seen}), which op kind {kind!r} does not declare per-layer (OpSpec.per_layer, "
-            "parcompile/ir/ops.py); the program writes one class for these layers and would compute all of them "
+            "parcompile/ir/ops/); the program writes one class for these layers and would compute all of them "
             "with one layer's value")
 
 
@@ -312,11 +312,11 @@ class ProgramData:
         if op is None or not op.inputs:
             return None
         src = self.ops.get(op.inputs[0])
-        return src if src is not None and src.kind == "redistribute" else None
+        return src if src is not None and has_trait(src.kind, Trait.CONVERSION) else None
 
     def conversion_after(self, name: str) -> OpData | None:
         """The conversion on the output edge of op ``name``, or None."""
-        return next((o for o in self.ops.values() if o.kind == "redistribute" and name in o.inputs), None)
+        return next((o for o in self.ops.values() if has_trait(o.kind, Trait.CONVERSION) and name in o.inputs), None)
 
 
 def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None = None) -> OpData:
@@ -330,7 +330,7 @@ def _op_data(graph: Graph, nd: Node, degrees: Mapping[str, int], fp8: str | None
     local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
     calls = tuple(CollectiveCall(nd.name, c.op, c.axis, c.phase, c.where)
                   for c in op_collectives(nd, degrees, local_in, local)
-                  if c.per == "microbatch" and nd.kind != "send_recv")
+                  if c.per == "microbatch" and not nd.has_trait(Trait.STAGE_TRANSFER))
     splits = tuple(tuple(a for a in split_axes(nd.sharding.axis_of(d.name)) if degrees.get(a, 1) > 1)
                    for d in nd.type.dims)
     return OpData(nd.name, nd.kind, nd.op.module, shape, tuple(d.name for d in local.dims), splits,
@@ -378,18 +378,18 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
     outside: dict[int, list[OpData]] = {}
     nodes = {}
     for nd in graph.nodes():
-        if nd.kind in ("step_collective", "input"):
+        if nd.has_trait(Trait.NOT_AN_OP) and not nd.has_trait(Trait.STAGE_TRANSFER):
             continue
         od = _op_data(graph, nd, degrees, fp8)
         nodes[nd.name] = od
         i = _layer_of(nd)
-        if nd.kind == "send_recv":   # a stage boundary, not part of a layer
+        if nd.has_trait(Trait.STAGE_TRANSFER):   # a stage boundary, not part of a layer
             continue
         if i is None:
             outside.setdefault(nd.stage or 0, []).append(od)
             continue
         by_layer.setdefault(i, []).append(od)
-        if nd.kind != "redistribute":
+        if not nd.has_trait(Trait.CONVERSION):
             where.setdefault(i, (nd.stage or 0, nd.chunk or 0))
     layers = {i: LayerData(i, where[i][0], where[i][1], tuple(ops)) for i, ops in by_layer.items()}
     num_stages = 1 + max([s for s, _ in where.values()] + list(outside))
@@ -414,7 +414,7 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
     wk = first.op("attn.wk") or first.op("attn.key") or first.op("attn.kv_a_norm")
     kv_dim = "kv" if first.op("attn.wk") else "k" if first.op("attn.key") else "kv_lora"
     head = nodes["lm_head"]
-    sends = [o for o in nodes.values() if o.kind == "send_recv"]
+    sends = [o for o in nodes.values() if has_trait(o.kind, Trait.STAGE_TRANSFER)]
     boundary = sends[0] if sends else ordered[-1].op("mlp_residual")
     w1 = dense.op("mlp.w1") if dense is not None else None
     moe_name = f"layers.{moe.index}.mlp.experts" if moe is not None else ""

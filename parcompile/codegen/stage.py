@@ -20,6 +20,7 @@ from typing import Sequence
 
 from parcompile.codegen.blocks import COMMENT_COLUMN, DIM_CONSTANTS, Methods, methods, wrap_statement
 from parcompile.codegen.program_data import LayerAttributeError, OpData, ProgramData
+from parcompile.ir.ops import Trait, has_trait
 
 #: the ops outside the layers that the Stage does not walk: the loss (``Stage.loss``) and
 #: the stage boundaries (the schedule's send/recv)
@@ -71,7 +72,7 @@ def _init_lines(m: Methods) -> list[str]:
 
 
 def _rope(pd: ProgramData) -> bool:
-    return any(o.kind in ("rope", "latent_rope") for layer in pd.layers for o in layer.ops)
+    return any(has_trait(o.kind, Trait.ROTARY) for layer in pd.layers for o in layer.ops)
 
 
 def head_weight(last: Sequence[OpData]) -> str:
@@ -202,7 +203,7 @@ def layer_table_rows(pd: ProgramData, written: str) -> list[tuple]:
             raise LayerAttributeError(
                 f"internal error: attribute {table.attr!r} of op layers.{{i}}.{table.op} (kind {table.kind!r}) differs "
                 f"between layers ({table.literal()}) and no line of the program reads it per layer: its program row "
-                "must write it ({a[" + table.attr + "]!r}, ir/code.py)")
+                "must write it ({a[" + table.attr + "]!r}, ir/ops/)")
         rows.append(table.row())
     return rows
 
@@ -267,14 +268,14 @@ def _position_rows(m, pd: ProgramData, kinds: dict, rope_dim: int, serve: bool) 
     graph has RoPE ops), the serving cache's attention window where every layer has one,
     then the per-layer tables (``kinds["layer_tables"]``: :func:`layer_table_rows`)."""
     rows = []
-    if any(o.kind == "embedding" and o.attr("positional", False) for o in pd.ops.values()):
+    if any(has_trait(o.kind, Trait.EMBEDDING) and o.attr("positional", False) for o in pd.ops.values()):
         rows.append(("MAX_POSITIONS", m.max_positions, "" if serve else "rows of the learned position table (>= SEQ_LEN)"))
     if _rope(pd):
         if kinds["rope_thetas"]:
             rows += [("ROPE_BASES", kinds["rope_thetas"], "(RoPE base, its scaling) of the layers' tables"),
                      ("LAYER_ROPE", kinds["layer_rope"], "each layer's RoPE table (an index into ROPE_BASES)")]
         else:   # one table: the base the layers' RoPE ops rotate by
-            rope = next(o for layer in pd.layers for o in layer.ops if o.kind in ("rope", "latent_rope"))
+            rope = next(o for layer in pd.layers for o in layer.ops if has_trait(o.kind, Trait.ROTARY))
             rows.append(("ROPE_THETA", rope.attr("theta", m.rope_theta), ""))
         rows.append(("ROPE_DIM", rope_dim, "rotary dims per head" + ("" if serve else
                                                                      f" (rotary_fraction {m.rotary_fraction})")))

@@ -7,14 +7,14 @@ Rows (``engine``): ``megatron``, ``eager``, ``compile`` and ``automodel`` are ``
 (:data:`parcompile.analysis.efficiency.ENGINES`); ``program`` is the program parcompile
 generates, which runs on the ``cpu`` preset (:func:`attention_engine`) and whose saved
 bytes ``parcompile verify`` measures (:func:`parcompile.verification.compare_activations`), so
-what the plan counts there is what :func:`parcompile.runtime.model.layers.attention_core` keeps.
+what the plan counts there is what :func:`parcompile.runtime.model.core_attention.attention_core` keeps.
 
 Variants (:func:`variant`, from the attention op's attributes; the first that applies):
-``sinks`` (one learnable logit per head in each softmax's denominator, gpt-oss), ``mla``
-(the value head dim differs from the query/key one: DeepSeek-V3's 192 / 128),
+``sinks`` (one learnable logit per head in each softmax's denominator, gpt-oss),
 ``softcap`` (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)`` before the
 softmax, which torch SDPA and Transformer Engine's fused attention cannot apply; a sliding
-window besides is the kernel's mask), ``sliding_window`` (a window shorter than the
+window or an MLA value width besides is the kernel's business), ``mla`` (the value head dim
+differs from the query/key one: DeepSeek-V3's 192 / 128), ``sliding_window`` (a window shorter than the
 sequence), ``causal`` (plain causal attention). qk-norm (Qwen3, Gemma 3, OLMo 2) is not a kernel variant: the norm is its own
 op before the kernel (``qk_norm`` in :mod:`parcompile.ir.ops`), which sees ordinary q and k,
 so a qk-norm layer takes its window's or plain causal row. ``model.attention = unfused``
@@ -114,7 +114,8 @@ _SOFTCAP_FLEX = ("torch FlexAttention score_mod cap * tanh(score / cap) (pytorch
                  "the soft-capping example) with the window's block mask; transformers 5.24 "
                  "models/gemma2/modeling_gemma2.py: _supports_sdpa = False ('sdpa does not support softcapping'), "
                  "_supports_flex_attn = True")
-_PROGRAM = "parcompile/runtime/model/layers.py attention_core and runtime/model/mla.py mla_core (what verify measures)"
+_PROGRAM = ("parcompile/runtime/model/core_attention.py attention_core (training, what verify measures) and "
+            "runtime/serve/generate.py cached_attention (serving), as the program's row says (parcompile/ir/ops/attention.py)")
 _COMPILE = ("torchtitan with torch.compile runs the same attention modules as eager (820504e "
             "torchtitan/models/llama3/model.py: SDPA; gpt-oss: FlexAttention, compiled either way)")
 _AUTOMODEL_TE = ("NeMo AutoModel BackendConfig attn: te (Transformer Engine DotProductAttention: cuDNN fused, "
@@ -158,21 +159,21 @@ ATTENTION_KERNELS: dict[tuple[str, str], KernelChoice] = {
 #: the rows of :data:`ATTENTION_KERNELS`
 KERNEL_ENGINES = ("megatron", "eager", "compile", "automodel", "program")
 #: the variants of :data:`ATTENTION_KERNELS`, in the order :func:`variant` tries them
-VARIANTS = ("sinks", "mla", "softcap", "sliding_window", "causal")
+VARIANTS = ("sinks", "softcap", "mla", "sliding_window", "causal")
 
 
 def variant(attrs: Mapping) -> str:
     """The variant (:data:`VARIANTS`) of an attention op from its attributes: ``sinks``
-    when it has sink logits, ``mla`` when ``v_head_dim`` differs from ``head_dim``,
-    ``softcap`` when the scores are soft-capped, ``sliding_window`` when ``0 < window <
-    seq_len``, else ``causal``."""
+    when it has sink logits, ``softcap`` when the scores are soft-capped (an MLA core's too:
+    no fused SDPA caps them), ``mla`` when ``v_head_dim`` differs from ``head_dim``,
+    ``sliding_window`` when ``0 < window < seq_len``, else ``causal``."""
     if attrs.get("sinks"):
         return "sinks"
+    if attrs.get("softcap") is not None:
+        return "softcap"
     v = attrs.get("v_head_dim")
     if v and v != attrs.get("head_dim"):
         return "mla"
-    if attrs.get("softcap") is not None:
-        return "softcap"
     w = attrs.get("window") or 0
     if 0 < w < attrs.get("seq_len", 0):
         return "sliding_window"

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import networkx as nx
 
-from parcompile.ir.ops import Op, Param, spec
+from parcompile.ir.ops import Op, Param, Trait, spec
 from parcompile.ir.types import REPLICATED, Sharding, TensorType
 
 
@@ -48,6 +48,10 @@ class Node:
     @property
     def kind(self) -> str:
         return self.op.kind
+
+    def has_trait(self, trait: Trait) -> bool:
+        """Whether the node's op kind declares ``trait`` (:class:`parcompile.ir.ops.Trait`)."""
+        return trait in spec(self.op.kind).traits
 
 
 class GraphError(ValueError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from parcompile.ir.graph import Graph
+from parcompile.ir.ops import Trait
 
 
 def format_op(graph: Graph, name: str, degrees: Mapping[str, int] | None = None) -> str:
@@ -25,12 +26,12 @@ def format_op(graph: Graph, name: str, degrees: Mapping[str, int] | None = None)
     if nd.stage is not None:
         where = f" @stage {nd.stage}" + (f".{nd.chunk}" if nd.chunk is not None and nd.chunk != nd.stage else "")
     extra = ""
-    if nd.kind == "redistribute":
+    if nd.has_trait(Trait.CONVERSION):
         a = nd.op.attr_map
         f = "+".join(f"{k}({ax})" for k, ax in a["fwd"]) or "-"
         b = "+".join(f"{k}({ax})" for k, ax in a["bwd"]) or "-"
         extra = f" fwd={f} bwd={b}"
-    elif nd.kind == "step_collective":
+    elif nd.has_trait(Trait.STEP_COLLECTIVE):
         a = nd.op.attr_map
         extra = f" {a['op']}({a['axis']}) {a['bytes']}B"
     params = ""
@@ -63,7 +64,7 @@ def dot(graph: Graph, degrees: Mapping[str, int] | None = None) -> str:
         for name in by_stage[stage]:
             nd = graph.node(name)
             shape = ",".join(str(s) for s in nd.sharding.local_type(nd.type, deg).shape)
-            box = nd.kind in ("redistribute", "step_collective")
+            box = nd.has_trait(Trait.CONVERSION) or nd.has_trait(Trait.STEP_COLLECTIVE)
             label = f"{name}\\n{nd.kind} [{shape}]".replace('"', "'")
             out.append(f'{indent}{ids[name]} [label="{label}"{", shape=box" if box else ""}];')
         if stage is not None:

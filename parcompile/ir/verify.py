@@ -23,7 +23,7 @@ from typing import Mapping
 import networkx as nx
 
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import convert, spec
+from parcompile.ir.ops import Trait, convert, spec
 from parcompile.ir.types import ShardingError
 
 
@@ -82,7 +82,7 @@ def verify(graph: Graph, degrees: Mapping[str, int] | None = None, staged: bool 
                     raise VerifyError(
                         f"edge {u} -> {name} (operand {i}): producer layout {pu.sharding} "
                         f"!= required {nd.requires[i]} after insert-collectives", name)
-                if staged and pu.chunk != nd.chunk and nd.kind != "send_recv":
+                if staged and pu.chunk != nd.chunk and not nd.has_trait(Trait.STAGE_TRANSFER):
                     raise VerifyError(
                         f"edge {u} -> {name} crosses model chunks {pu.chunk} -> {nd.chunk} without send/recv", name)
     graph.dirty.clear()

@@ -49,7 +49,7 @@ from parcompile.core.buckets import fp8_gather_elements
 from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
-from parcompile.ir.ops import COMM_KINDS, convert, dual, spec
+from parcompile.ir.ops import COMM_KINDS, Trait, convert, dual, spec
 from parcompile.passes.base import PassContext
 from parcompile.passes.results import CollectivesInserted
 
@@ -268,7 +268,7 @@ def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
     for nd in graph.nodes():
         if mode == "selective" and spec(nd.kind).selective_recompute:
             graph.set_attrs(nd.name, recompute="selective")
-        elif mode == "full" and nd.op.layer is not None and nd.kind not in ("redistribute", "send_recv"):
+        elif mode == "full" and nd.op.layer is not None and not (nd.has_trait(Trait.CONVERSION) or nd.has_trait(Trait.STAGE_TRANSFER)):
             graph.set_attrs(nd.name, recompute="full")
 
 

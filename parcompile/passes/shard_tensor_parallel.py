@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from parcompile.core.heads import kv_heads_replicated
 from parcompile.ir.graph import Graph
+from parcompile.ir.ops import spec
 from parcompile.ir.tp import TpRule, tp_rule
 from parcompile.ir.types import Dim, Sharding
 from parcompile.passes.base import PassContext
@@ -72,7 +73,7 @@ class ShardTensorParallel:
             if style is None:
                 continue
             in_types = graph.input_types(n)
-            rule = tp_rule(style, nd.op.attr_map, in_types, nd.type, sp)
+            rule = tp_rule(style, nd.op.attr_map, in_types, nd.type, sp, spec(nd.kind).tp_styles)
             if kv_replicated:
                 if rule.out_split == "kv":   # the program's kv projection takes one head (its mark)
                     graph.set_attrs(n, kv_replicas=tp // cfg.model.kv_heads)

@@ -4,8 +4,8 @@ optimizer step. Generated programs use it as ``from parcompile import runtime as
 
 The code lives in one subpackage per concern: :mod:`~parcompile.runtime.distributed`,
 :mod:`~parcompile.runtime.machine`, :mod:`~parcompile.runtime.model`,
-:mod:`~parcompile.runtime.train`, :mod:`~parcompile.runtime.serve`,
-:mod:`~parcompile.runtime.data` and :mod:`~parcompile.runtime.state`; this module names
+:mod:`~parcompile.runtime.train.step`, :mod:`~parcompile.runtime.serve`,
+:mod:`~parcompile.runtime.data.loader` and :mod:`~parcompile.runtime.state`; this module names
 what the programs call.
 """
 
@@ -16,9 +16,10 @@ from parcompile.runtime.distributed.comm import (COUNTER, all_reduce, copy_to_tp
 from parcompile.runtime.distributed.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.distributed.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data.loader import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
-# the layers and MLA's functions the op table's program rows call (ir/code.py, ir/ops.py):
+# the layers and MLA's functions the op table's program rows call (parcompile/ir/ops/):
 # every name of each module's __all__, so a new runtime function is one module's edit
 from parcompile.runtime.model.layers import *  # noqa: F403
+from parcompile.runtime.model.core_attention import *  # noqa: F403
 from parcompile.runtime.machine.device import device_count, synchronize
 from parcompile.runtime.machine.memory import METER
 from parcompile.runtime.model.mla import *  # noqa: F403

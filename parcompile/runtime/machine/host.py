@@ -124,7 +124,7 @@ def _layer_overhead() -> float:
     (the estimate's rule: a backward costs twice its forward)."""
     import torch
 
-    from parcompile.runtime.model import layers as L
+    from parcompile.runtime.model import core_attention as A, layers as L
     from parcompile.runtime.distributed.context import Axis
 
     one = Axis("tp", [0], 0)
@@ -141,7 +141,7 @@ def _layer_overhead() -> float:
         q = L.apply_rope(wq(a).view(1, t, 2, d), cos, sin).transpose(1, 2)
         k = L.apply_rope(wk(a).view(1, t, 1, d), cos, sin).transpose(1, 2)
         v = wv(a).view(1, t, 1, d).transpose(1, 2)
-        y = x + wo(L.attention_core(q, k, v, True, 0.0, True, 0).transpose(1, 2).reshape(1, t, h))
+        y = x + wo(A.attention_core(q, k, v, True, 0.0, True, 0).transpose(1, 2).reshape(1, t, h))
         b = n2(y)
         (y + w2(L.swiglu(w1(b), w3(b)))).sum().backward()
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from parcompile.core.model import yarn_mscale
 from parcompile.runtime.distributed.comm import all_reduce, copy_to_tp, leave_tp, reduce_from_tp
 from parcompile.runtime.distributed.context import Axis
-from parcompile.runtime.distributed.context_parallel import gather_kv as gather_kv_along
 from parcompile.runtime.model.fp8 import fp8_linear
 from parcompile.runtime.train.wgrad import linear
 
@@ -283,7 +282,7 @@ def _cross_entropy_one_rank(logits: torch.Tensor, target: torch.Tensor, vocab: i
     columns, so padded columns take no probability and get no gradient; targets equal to
     :data:`IGNORE_INDEX` give 0 and no gradient). Keeps the fp32 log-softmax (N, vocab)."""
     x = logits if logits.shape[-1] == vocab else logits[..., :vocab]
-    return F.cross_entropy(_wide(x), target, ignore_index=IGNORE_INDEX, reduction="none")
+    return F.cross_entropy(wide(x), target, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Axis, vocab: int) -> torch.Tensor:
@@ -295,7 +294,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
     return _VocabParallelCrossEntropy.apply(logits, target, tp, start, vocab)
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
+def wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in at least fp32 (16-bit tensors are computed in fp32; fp64 stays fp64)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()   # fp32: itself, without a dispatch
 
@@ -311,7 +310,7 @@ def _rms_scaled(x: torch.Tensor, n: torch.Tensor, weight: torch.Tensor, zero_cen
     ``x``'s dtype, then times ``weight``; ``zero_centered`` (Gemma): ``n * (1 + w)`` all in
     fp32, then cast."""
     if zero_centered:
-        return (n * (1.0 + _wide(weight))).to(x.dtype)
+        return (n * (1.0 + wide(weight))).to(x.dtype)
     return weight * n.to(x.dtype)
 
 
@@ -325,7 +324,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     GPU kernel may round differently)."""
     if torch.is_grad_enabled():
         return _RMSNormFunction.apply(x, weight, eps, zero_centered)
-    xf = _wide(x)
+    xf = wide(x)
     if xf.device.type != "cpu":
         return _rms_scaled(x, xf * _rstd(xf, eps), weight, zero_centered)
     if not zero_centered and x.dtype == xf.dtype == weight.dtype:   # one kernel: (xf * rstd) * w == w * (xf * rstd)
@@ -341,7 +340,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, zero_centered: bool = False):
-        xf = _wide(x)
+        xf = wide(x)
         rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered = zero_centered
@@ -350,9 +349,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        n = _wide(x) * rstd                                      # normalised input, fp32
+        n = wide(x) * rstd                                      # normalised input, fp32
         grad_w = (grad_out * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = _wide(grad_out) * (1.0 + _wide(weight)) if ctx.zero_centered else _wide(grad_out * weight)
+        gn = wide(grad_out) * (1.0 + wide(weight)) if ctx.zero_centered else wide(grad_out * weight)
         grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_w, None, None
 
@@ -529,9 +528,9 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        g = _wide(gate)                                           # 16-bit: computed in fp32
+        g = wide(gate)                                           # 16-bit: computed in fp32
         grad_up = F.silu(g).mul_(grad_out)                        # silu(gate) * dy
-        t = _wide(grad_out) * up                                  # dy * up, a new tensor
+        t = wide(grad_out) * up                                  # dy * up, a new tensor
         # aten's fused SiLU derivative: t * sig * (1 + gate * (1 - sig)), written into t
         grad_gate = torch.ops.aten.silu_backward.grad_input(t, g, grad_input=t)
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
@@ -556,9 +555,9 @@ class _GeGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        g = _wide(gate)
+        g = wide(gate)
         grad_up = F.gelu(g, approximate="tanh").mul_(grad_out)
-        t = _wide(grad_out) * up
+        t = wide(grad_out) * up
         grad_gate = torch.ops.aten.gelu_backward(t, g, approximate="tanh")
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
@@ -608,117 +607,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 GATED = {"swiglu": swiglu, "geglu": geglu}
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, chunk: int = 0) -> torch.Tensor:
-    """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j: j <= i,
-    i - j < window with a sliding window, i // chunk == j // chunk with ``chunk`` (Llama 4)."""
-    i, j = q_pos[:, None], k_pos[None, :]
-    keep = j <= i
-    if window:
-        keep &= (i - j) < window
-    return keep & (i // chunk == j // chunk) if chunk else keep
-
-
-class _Softmax(torch.autograd.Function):
-    """Softmax over the last dim computed in fp32, returned and kept for backward in the
-    input's dtype (Megatron-LM's fused scale-mask-softmax keeps 16-bit probabilities)."""
-
-    @staticmethod
-    def forward(ctx, scores):
-        probs = torch.softmax(_wide(scores), dim=-1).to(scores.dtype)
-        ctx.save_for_backward(probs)
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (probs,) = ctx.saved_tensors
-        p, g = _wide(probs), _wide(grad_out)
-        return (p * (g - (g * p).sum(-1, keepdim=True))).to(probs.dtype)
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Gemma 2's logit soft-capping ``cap * tanh(x / cap)``, elementwise, any shape, in
-    ``x``'s dtype (transformers' ``Gemma2ForCausalLM`` and ``eager_attention_forward``):
-    the values stay within (-cap, cap). Keeps only its output for backward (d/dx = 1 - (y /
-    cap)^2), as the op table counts it (ir/ops.py ``softcap``)."""
-    return _SoftCap.apply(x, float(cap))
-
-
-class _SoftCap(torch.autograd.Function):
-    """:func:`softcap`, saving its output only (torch's composite would keep tanh's output
-    beside it)."""
-
-    @staticmethod
-    def forward(ctx, x, cap: float):
-        y = torch.tanh(x / cap) * cap
-        ctx.save_for_backward(y)
-        ctx.cap = cap
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        t = y / ctx.cap
-        return grad * (1 - t * t), None
-
-
-def attention_core(q, k, v, fused: bool, dropout: float, training: bool, window: int,
-                   q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                   scale: float | None = None, sinks: torch.Tensor | None = None,
-                   softcap: float | None = None, chunk: int = 0) -> torch.Tensor:
-    """softmax(q k^T * scale) v, causal; ``scale`` None: 1 / sqrt(d) (Gemma's is
-    ``query_pre_attn_scalar ** -0.5``). q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
-
-    ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled scores become ``cap *
-    tanh(scores / cap)`` before the mask and softmax; torch's SDPA cannot cap, so the
-    softmax is spelt out whatever ``fused`` says (core/attention.py: the program's
-    ``softcap`` row, unfused), keeping the capped scores (:func:`softcap`) beside the
-    probabilities.
-
-    ``sinks`` (Hq,): one logit per query head added to each softmax's denominator and
-    dropped after it (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
-    Attention Sinks"). torch's fused kernels take no sinks, so with sinks the softmax is
-    spelt out whatever ``fused`` says (the plan counts it so: ir/ops.py ``_fused``).
-
-    GQA: each group of Hq/Hkv query heads shares one kv head; k and v are never expanded
-    to Hq heads (the fused kernel's ``enable_gqa``; the unfused path multiplies each kv head
-    with its group of query heads at once), so backward keeps them at their own size.
-    ``q_pos``/``k_pos`` are the tokens' positions in the sequence when they are not 0..T-1
-    (context parallelism). ``fused`` uses torch's ``scaled_dot_product_attention`` (flash
-    kernels: it keeps q, k, v, its output and an fp32 log-sum-exp per query and head);
-    otherwise the softmax is spelt out and its (B, Hq, Tq, Tk) probabilities are kept, as
-    Megatron-LM 2021-22 did.
-    """
-    hq, hkv = q.shape[1], k.shape[1]
-    rep = hq // hkv
-    p = dropout if training else 0.0
-    plain = q_pos is None and (not window or window >= q.shape[2]) and (not chunk or chunk >= q.shape[2])
-    if q_pos is None:
-        q_pos = torch.arange(q.shape[2], device=q.device)
-        k_pos = torch.arange(k.shape[2], device=q.device)
-    gqa = {"enable_gqa": True} if rep > 1 else {}
-    if scale is not None:
-        gqa["scale"] = scale
-    if fused and sinks is None and softcap is None:
-        if plain:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos, window, chunk),
-                                              dropout_p=p, **gqa)
-    B, _, Tq, D = q.shape
-    Tk = k.shape[2]
-    qg = q.reshape(B, hkv, rep * Tq, D)                          # query heads grouped by kv head
-    scores = (qg @ k.transpose(-2, -1)).view(B, hkv, rep, Tq, Tk) * (scale if scale is not None else D ** -0.5)
-    if softcap is not None:
-        scores = _SoftCap.apply(scores, float(softcap))
-    bias = torch.zeros((Tq, Tk), dtype=scores.dtype, device=q.device)
-    bias = bias.masked_fill(~causal_mask(q_pos, k_pos, window, chunk), float("-inf"))
-    if sinks is not None:   # one more column per query head, dropped after the softmax
-        sink = sinks.to(scores.dtype).view(1, hkv, rep, 1, 1).expand(B, hkv, rep, Tq, 1)
-        probs = F.dropout(_Softmax.apply(torch.cat([scores + bias, sink], dim=-1))[..., :-1], p, training)
-    else:
-        probs = F.dropout(_Softmax.apply(scores + bias), p, training)      # (B, Hkv, rep, Tq, Tk)
-    return (probs.view(B, hkv, rep * Tq, Tk) @ v).view(B, hq, Tq, v.shape[-1])   # MLA: v's head width
-
-
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """(..., r) interleaved pairs -> (..., r) halves: [x0, x2, ..., x1, x3, ...]."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
@@ -757,37 +645,6 @@ def whole_grad(module: nn.Module) -> nn.Module:
     return module
 
 
-def _padded_core(q, k, v, *, fused: bool, **kw) -> torch.Tensor:
-    """:func:`attention_core`; a v narrower than q and k (MLA: v_head_dim < n + r) is
-    zero-padded for the fused kernel, which takes one head width, and the output cut back
-    (vLLM's MLA on FlashAttention 2: the kernel keeps the padded v and output, as the plan
-    counts them: ir/ops.py)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if fused and dv < d:
-        return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]
-    return attention_core(q, k, v, fused=fused, **kw)
-
-
-def attention(q, k, v, *, fused: bool, dropout: float, training: bool, window: int, pos,
-              gather_kv: Axis | None = None, recompute: bool = False, scale: float | None = None,
-              sinks: torch.Tensor | None = None, softcap: float | None = None, chunk: int = 0) -> torch.Tensor:
-    """The attention core on per-head tensors: q (B, T, Hq, D), k (B, T, Hkv, D), v (B, T,
-    Hkv, Dv) -> (B, T, Hq * Dv) (Dv < D: MLA, :func:`_padded_core`), causal, at the positions ``pos`` (:class:`~parcompile.runtime.distributed.context_parallel.Positions`).
-
-    ``gather_kv``: context parallelism, k and v all-gathered over that axis (backward:
-    reduce-scattered) before the core; ``recompute``: selective recomputation
-    (Korthikanti et al. 2022), the core keeps only its inputs and runs again in backward.
-    The generated program passes both from the sharded graph (the op's collectives, the
-    pass's ``recompute`` mark). See :func:`attention_core` for the rest (``chunk``: Llama 4's)."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if gather_kv is not None:
-        k, v = gather_kv_along(k, gather_kv), gather_kv_along(v, gather_kv)
-    kw = dict(fused=fused, dropout=dropout, training=training, window=window, q_pos=pos.q, k_pos=pos.k,
-              scale=scale, sinks=sinks, softcap=softcap, chunk=chunk)
-    y = _recompute(_padded_core, q, k, v, **kw) if recompute else _padded_core(q, k, v, **kw)
-    return y.transpose(1, 2).flatten(2)
-
-
 def recompute(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; the backward runs it again
     (torch.utils.checkpoint, non-reentrant; RNG state is replayed, so dropout masks match).
@@ -806,13 +663,10 @@ def recompute(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
-_recompute = recompute   # attention()'s flag of the same name shadows it there
-
-
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
-    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "attention", "attention_core", "softcap", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
+    "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
     "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "recompute", "ACTIVATIONS",
 ]

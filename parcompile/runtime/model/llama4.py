@@ -1,4 +1,4 @@
-"""Llama 4's per-head operations the op table's program rows call (ir/ops.py ``l2_norm`` and
+"""Llama 4's per-head operations the op table's program rows call (ir/ops/dense.py ``l2_norm`` and
 ``attn_temperature``), as transformers 5.25 models/llama4/modeling_llama4.py
 ``Llama4TextAttention`` computes them."""
 

@@ -15,7 +15,7 @@ qk_rope_head_dim, ``v`` = v_head_dim, ``c`` = kv_lora_rank, ``c_q`` = q_lora_ran
 Tensor parallelism (Megatron-Core's MLASelfAttention): wq_a, wkv_a and the two latent norms
 are replicated (whole on every rank); wq_b and wkv_b column-parallel by heads; wo
 row-parallel. The training program runs these ops one by one as the graph's op table writes
-them (:mod:`parcompile.ir.code`: runtime/model/layers.py ``rope_tail``, ``rope_key``,
+them (:mod:`parcompile.ir.ops.mla`: runtime/model/layers.py ``rope_tail``, ``rope_key``,
 ``mla_key``); this module holds the down projections' module and the serving form.
 
 ``interleave`` (HF ``rope_interleave``, DeepSeek's checkpoints): the RoPE dims of q and of
@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from parcompile.runtime.distributed.context import Axis
 from parcompile.runtime.serve.generate import apply_rope_at, by_group, cached_attention, write_step
-from parcompile.runtime.model.layers import INIT_STD, attention_core, deinterleave, make_param
+from parcompile.runtime.model.layers import INIT_STD, deinterleave, make_param
 from parcompile.runtime.model.fp8 import fp8_linear
 from parcompile.runtime.train.wgrad import linear
 
@@ -63,17 +62,6 @@ class ReplicatedLinear(nn.Module):
         if self.fp8:
             return fp8_linear(x, self.weight, self.bias, self.fp8, None, "replicated")
         return linear(x, self.weight, self.bias)
-
-
-def mla_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fused: bool, **kw) -> torch.Tensor:
-    """MLA's attention core: q, k (B, H, T, n + r), v (B, H, T, v) -> (B, H, T, v)
-    (:func:`parcompile.runtime.model.layers.attention_core`). The fused kernel takes one head
-    width, so v is zero-padded to n + r and the output cut back (vLLM's MLA on FlashAttention
-    2): the kernel keeps the padded v and output (the plan counts them: ir/ops.py)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if fused and dv < d:
-        return attention_core(q, k, F.pad(v, (0, d - dv)), fused=True, **kw)[..., :dv]
-    return attention_core(q, k, v, fused=fused, **kw)
 
 
 def _check(what: str, got, want) -> None:
@@ -166,5 +154,5 @@ def mla_value_up(y: torch.Tensor, weight: torch.Tensor, *, heads: int, nope: int
     return torch.einsum("bthc,hvc->bthv", y, w_uv).flatten(-2)                  # (B, T, H v)
 
 
-__all__ = ["ReplicatedLinear", "deinterleave", "latent_attention", "mla_absorb_query", "mla_core",
+__all__ = ["ReplicatedLinear", "deinterleave", "latent_attention", "mla_absorb_query",
            "mla_value_up", "rope_key_at", "rope_tail_at"]

@@ -31,7 +31,7 @@ from parcompile.core.model import cached_tokens
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, isend, nbytes, recv
 from parcompile.runtime.distributed.context import Axis, ParallelContext
 from parcompile.runtime.machine.dtypes import KV_TORCH_DTYPES as TORCH_DTYPES  # the serve template's gen.TORCH_DTYPES
-from parcompile.runtime.model.layers import softcap as cap_scores
+from parcompile.runtime.model.core_attention import check_fused, spelled_out
 
 
 class ServeError(Exception):
@@ -245,7 +245,7 @@ def serve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: Laye
     at layer ``pos.layer`` (the contiguous :class:`KVCache` or the paged one, whose rows
     may start after a cached prefix or a chunk), the queries attend the cache so far under
     the step's mask for ``window`` (:func:`cached_attention`, ``scale``, ``sinks`` and
-    ``softcap`` as there: the attention op's attributes, ir/code.py) -> (B, T, Hq * D)."""
+    ``softcap`` as there: the attention op's attributes, ir/ops/attention.py) -> (B, T, Hq * D)."""
 
     def core(where, masks, q, k, v):
         B, T = q.shape[:2]
@@ -326,15 +326,19 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     k/v (B, Hkv, L, D), mask (B, 1, T, L) -> (B, Hq, T, D). Each group of Hq/Hkv query
     heads shares one kv head. ``sinks`` (Hq,): one more logit per head in the softmax's
     denominator, dropped after it (gpt-oss; the training core's rule,
-    :func:`parcompile.runtime.model.layers.attention_core`). ``softcap`` (Gemma 2's
+    :func:`parcompile.runtime.model.core_attention.attention_core`). ``softcap`` (Gemma 2's
     ``attn_logit_softcapping``): the scaled scores become ``cap * tanh(scores / cap)``
-    before the mask and the softmax (:func:`parcompile.runtime.model.layers.softcap`; transformers
+    before the mask and the softmax (:func:`parcompile.runtime.model.core_attention.softcap`; transformers
     5.24 ``models/gemma2/modeling_gemma2.py`` ``eager_attention_forward``, vLLM's
-    ``logits_soft_cap``); torch's SDPA cannot cap, so the softmax is spelt out whatever
-    ``fused`` says."""
+    ``logits_soft_cap``); torch's SDPA cannot cap, so the softmax is spelt out (the serve
+    program's row passes ``fused=False`` for both: the kernel is the op's one decision,
+    parcompile/ir/ops/attention.py ``attention_kernel_for``).
+
+    Raises:
+        ValueError: ``fused`` with sinks or a soft-cap."""
+    check_fused(fused, sinks, softcap)
     rep = q.shape[1] // k.shape[1]
     mask = mask[..., -k.shape[2]:]         # a sliding-window cache returns only the last keys
-    fused = fused and sinks is None and softcap is None
     if fused and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         # one query per row (a serve step's decode rows) under torch.compile (serve.compile):
         # the softmax spelt out, which inductor fuses into its own kernels, where CPU's flash
@@ -346,24 +350,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         # mask (the same results as the copies); CUDA's fused kernels do not and would fall
         # back to the math kernel (pytorch/pytorch#139586), so they get the copies
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    if rep > 1:
-        # the spelt-out softmax copies too, rather than a grouped view (B, Hkv, rep * T, D):
-        # the grouped products round differently (small-M GEMM kernels), and eager attention
-        # (transformers' repeat_kv) computes these
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
     if fused:
+        if rep > 1:   # GQA by copies: CUDA's fused kernels take no grouped k/v with a mask
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = cap_scores(scores, softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        B, H, T, _ = scores.shape
-        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
-        return probs.to(q.dtype) @ v
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    # the softmax spelt out (the training core's math, runtime/model/core_attention.py), k and v copied per
+    # query head rather than a grouped view: the grouped products round differently (small-M
+    # GEMM kernels), and eager attention (transformers' repeat_kv) computes these
+    return spelled_out(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, expand_kv=True)
 
 
 def gather_vocab(logits: torch.Tensor, tp: Axis) -> torch.Tensor:
