@@ -8,7 +8,7 @@ reference (:func:`reference`) and a `serve` spec's (:func:`serve_miniature`). No
 from __future__ import annotations
 
 
-from parcompile.analysis.fp8 import enabled as fp8_enabled
+from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.config.schema import (ClusterConfig, ModelConfig, ParallelConfig, ServeConfig, SpecConfig,
                                       TrainConfig)
 from parcompile.core.data_parallel import data_parallel_sharding

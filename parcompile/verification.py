@@ -38,7 +38,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from parcompile.analysis.fp8 import enabled as fp8_enabled
+from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import SpecError
 # the miniature a run verifies (re-exported: callers import them from here)

@@ -542,7 +542,7 @@ def test_fp8_plans_only_the_layer_linears_at_the_fp8_rate():
     # the layer GEMMs run at the FP8 rate, the LM head, embedding, router and attention core
     # do not: the FP8 FLOPs are the layers' linear FLOPs, and a faster FP8 peak shortens the
     # matmul time by what those take
-    from parcompile.analysis.fp8 import is_fp8_gemm
+    from parcompile.ir.fp8 import is_fp8_gemm
     row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")
     cfg = h100_config(row)
     g, ctx = run_until(cfg, "insert-collectives")
@@ -625,7 +625,7 @@ def test_fp8_all_gather_fast_cost_equals_the_compilers():
 
 def test_fp8_bf16_first_layer_fast_cost_equals_the_compilers():
     # fp8_bf16_layers_start = 1: the search probes the 16-bit first layer apart (search/probe.py
-    # leading_layers, Graph.fp8 of the probes from analysis/fp8.graph_fp8), so its fast cost is
+    # leading_layers, Graph.fp8 of the probes from ir/fp8.graph_fp8), so its fast cost is
     # the compiler's, and differs from the all-FP8 one (the probe once took every layer as FP8)
     from parcompile.layout_search import Coster
     row = next(r for r in FP8_ROWS if r.name == "Llama 3.1 8B FSDP+TP fp8 tensorwise")

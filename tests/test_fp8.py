@@ -75,7 +75,7 @@ def test_fp8_plans_faster_than_the_same_spec_in_bf16(tmp_path):
 
 
 def test_fp8_moe_plans_its_expert_gemms_at_the_fp8_peak(monkeypatch):
-    """The routed experts' grouped GEMMs are FP8 GEMMs of the plan (analysis/fp8.is_fp8_gemm:
+    """The routed experts' grouped GEMMs are FP8 GEMMs of the plan (ir/fp8.is_fp8_gemm:
     kind ``experts``), as the program runs them (runtime/model/moe.py expert_linear): Mixtral 8x7B's
     FP8 plan is faster than the same plan with only the dense linears in FP8, by most of the
     experts' share of the compute; the collectives (expert all-to-alls in 16 bits, as
@@ -102,9 +102,9 @@ def test_fp8_moe_plans_its_expert_gemms_at_the_fp8_peak(monkeypatch):
 
 
 def test_compile_writes_fp8_gemms_where_is_fp8_gemm_says(tmp_path):
-    """The program's linear layers get the recipe exactly where analysis/fp8.is_fp8_gemm marks
+    """The program's linear layers get the recipe exactly where ir/fp8.is_fp8_gemm marks
     the op: every decoder-layer projection, not the LM head (nor the embedding)."""
-    from parcompile.analysis.fp8 import is_fp8_gemm
+    from parcompile.ir.fp8 import is_fp8_gemm
     path = _spec(tmp_path, "  precision = fp8\n  fp8_recipe = rowwise\n")
     plan = parcompile.compile(path.read_text(), filename=path.name)
     plan.write(tmp_path / "out")

@@ -233,7 +233,7 @@ def test_bf16_layers_leave_the_fp8_gemms_casts_and_copies_of_those_layers(tmp_pa
     assert every.data["estimate"]["assumptions"]["fp8"]["bf16_layers"] == []
     t = [p.data["estimate"]["step_time"] for p in (every, kept, bf16)]
     assert t[0] < t[1] < t[2], t
-    from parcompile.analysis.fp8 import is_fp8_gemm
+    from parcompile.ir.fp8 import is_fp8_gemm
     g = kept.graph
     per_layer = {}
     for nd in g.nodes():
@@ -327,10 +327,10 @@ def test_the_plan_lists_the_experts_amax_all_reduces_over_expert_tp(recipe):
 def test_routed_experts_of_a_bf16_layer_stay_in_16_bits(keys, tmp_path):
     """The routed experts' GEMMs follow the layer's recipe as the dense linears do: a MoE
     layer kept in 16 bits (fp8_bf16_layers_*) runs its experts in 16 bits, an FP8 layer in FP8,
-    wherever analysis/fp8.is_fp8_gemm marks the plan's ``experts`` op (was: the recipe of the
+    wherever ir/fp8.is_fp8_gemm marks the plan's ``experts`` op (was: the recipe of the
     first MoE layer written into every MoE layer)."""
     from parcompile import runtime as rt
-    from parcompile.analysis.fp8 import is_fp8_gemm
+    from parcompile.ir.fp8 import is_fp8_gemm
     from parcompile.driver import compile_config
     from parcompile.runtime.distributed.context import init_parallel
     from tests.program_utils import build_program, tiny_config

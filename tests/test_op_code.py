@@ -519,7 +519,7 @@ def planned_per_layer(plan: dict, compiled=None) -> dict[int, dict[str, Counter]
     """The plan's collectives of each decoder layer per micro-batch: forward, and backward
     with recomputation. ``compiled`` (the compiled plan): also each layer's FP8 amax
     all-reduces over tp, which plan.json lists per stage (``where`` ``fp8_amax_tp``), from the
-    rule the plan sums (:func:`parcompile.analysis.fp8.amax_collectives`, per op)."""
+    rule the plan sums (:func:`parcompile.ir.fp8.amax_collectives`, per op)."""
     m = plan["schedule"]["num_microbatches"]
     out: dict[int, dict[str, Counter]] = {}
     for e in plan["comm"]["collectives"]:
@@ -531,7 +531,7 @@ def planned_per_layer(plan: dict, compiled=None) -> dict[int, dict[str, Counter]
         rec = out.setdefault(int(got.group(1)), {"forward": Counter(), "backward": Counter()})
         rec[window][_key(e)] += e["count"] // m
     if compiled is not None:
-        from parcompile.analysis.fp8 import amax_collectives
+        from parcompile.ir.fp8 import amax_collectives
         again = compiled.config.parallel.recompute == "full"
         for nd in compiled.graph.nodes():
             for op, axis, nbytes, phase, per_row in amax_collectives(compiled.graph, nd, compiled.degrees):

@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Mapping, NamedTuple
 
 from parcompile.analysis.compute import op_fwd_flops
-from parcompile.analysis.fp8 import amax_collectives, is_fp8_gemm
+from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, Trait, op_collectives
@@ -96,7 +96,7 @@ def _in_layer(graph: Graph, name: str) -> bool:
 
 def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple[int, int]:
     """The forward FLOPs on one rank, ``(FP8-eligible, other)``
-    (:func:`parcompile.analysis.fp8.is_fp8_gemm`), of the GEMMs a tensor-parallel
+    (:func:`parcompile.ir.fp8.is_fp8_gemm`), of the GEMMs a tensor-parallel
     ``redistribute`` op ``nd`` feeds or drains: the linears reading an all-gather's output
     (sequence parallelism's column-parallel inputs: q, k and v; gate and up), the linear whose
     output a reduce-scatter sums (the row-parallel output and down projections), in a decoder
@@ -128,7 +128,7 @@ def overlapped_gemm_flops(graph: Graph, nd, degrees: Mapping[str, int]) -> tuple
 def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recompute: str, counts: dict,
                   order: dict) -> None:
     """The FP8 amax all-reduces over tp (expert_tp for routed experts) op ``nd`` runs
-    (:func:`parcompile.analysis.fp8.amax_collectives`; the experts' row-dependent ones marked
+    (:func:`parcompile.ir.fp8.amax_collectives`; the experts' row-dependent ones marked
     ``routed`` with their ``bytes_per_row``), ``m`` per step and again in a fully recomputed forward, as rows of
     ``comm.collectives`` (``where`` ``fp8_amax_tp``). Not in ``raw``: the time model prices
     the recipe's amaxes itself (:func:`parcompile.analysis.fp8.fp8_costs`)."""

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from parcompile.analysis.fp8 import cast_elements, cast_input, is_fp8_gemm
+from parcompile.ir.fp8 import is_fp8_gemm
+from parcompile.analysis.fp8 import cast_elements, cast_input
 from parcompile.core.attention import with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
@@ -186,7 +187,7 @@ class ComputeReport:
     chunk_fwd_ops: tuple[int, ...] = ()
     chunk_recompute_ops: tuple[int, ...] = ()
     #: per model chunk, one rank, one micro-batch: the forward FLOPs of the GEMMs that run in
-    #: FP8 under ``precision = fp8`` (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of
+    #: FP8 under ``precision = fp8`` (:func:`parcompile.ir.fp8.is_fp8_gemm`; part of
     #: ``chunk_fwd_flops``), the elements of their inputs, outputs and weights (what their
     #: casts read: :func:`parcompile.analysis.fp8.cast_elements`), their count, and the
     #: recomputed parts. Counted whatever the precision; the time model reads them with FP8

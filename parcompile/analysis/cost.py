@@ -19,7 +19,7 @@ from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
 from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
-from parcompile.analysis.fp8 import enabled as fp8_enabled
+from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.attention import attention_engine

@@ -109,8 +109,8 @@ from parcompile.analysis.compute import ComputeReport
 from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, EFFICIENCY, ENGINES,  # noqa: F401
                                             Efficiency, Engine, attention_efficiency, efficiency, engine,
                                             fp8_efficiency)
-from parcompile.analysis.fp8 import (assumptions as fp8_assumptions, enabled as fp8_enabled, fp8_costs,
-                                    weight_cast_bytes)
+from parcompile.ir.fp8 import enabled as fp8_enabled
+from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
                                          Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
                                          collective_algorithms, collective_time, links_of, make_link, nic_share)

@@ -132,8 +132,8 @@ from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_e
                                     reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
 from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
 from parcompile.analysis.compute import op_sac
-from parcompile.analysis.fp8 import (enabled as fp8_enabled, gathers_fp8, is_fp8_gemm, saves_fp8_inputs,
-                                    weight_copy_bytes)
+from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8, is_fp8_gemm
+from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
@@ -653,7 +653,7 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
     e = cfg.model.dtype_bytes
-    # the model dtype's bytes; with FP8 all-gather (analysis/fp8.py gathers_fp8) the program
+    # the model dtype's bytes; with FP8 all-gather (ir/fp8.py gathers_fp8) the program
     # (runtime/train/zero_gather.py ParamGather._gather_fp8) keeps the bucket's buffer in the dtype
     # (the parameters' storage, the FP8 weights dequantized there) and beside it the E4M3
     # copies its FP8 GEMMs read, 1 byte per FP8 weight element. torchao's FSDP2 holds the

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from parcompile.analysis.fp8 import is_fp8_gemm
+from parcompile.ir.fp8 import is_fp8_gemm
 from parcompile.core.buckets import GradUnit, unit_order_key
 from parcompile.core.schedule import Placement
 from parcompile.ir.graph import Graph
@@ -41,7 +41,7 @@ class StageParams:
     units: tuple[GradUnit, ...] = ()
     tp_partial: int = 0
     #: elements of the weights of the GEMMs that run in FP8 under ``precision = fp8``
-    #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`; part of ``dense`` and ``expert``),
+    #: (:func:`parcompile.ir.fp8.is_fp8_gemm`; part of ``dense`` and ``expert``),
     #: counted whatever the precision
     fp8: int = 0
     #: how many dense weights ``fp8`` counts (one scale each: FP8 all-gather's amax all-reduce;

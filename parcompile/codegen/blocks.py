@@ -489,7 +489,7 @@ class _Writer:
         facts["attr"], facts["a"] = attr, attrs
         # some layers keep their GEMMs in 16 bits: each layer's recipe from a per-layer table (the
         # representative layer may be one of them: its op has no recipe, the others' do); the
-        # ops that can run FP8 are those of Trait.FP8_GEMM (the rule analysis/fp8.py fp8_kind applies)
+        # ops that can run FP8 are those of Trait.FP8_GEMM (the rule ir/fp8.py fp8_kind applies)
         if "fp8" in self.tables and has_trait(op.kind, Trait.FP8_GEMM):
             facts["fp8"] = f", fp8={self.tables['fp8']}"
         build = code.build

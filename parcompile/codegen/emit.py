@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jinja2
 
-from parcompile.analysis.fp8 import enabled as fp8_enabled, gathers_fp8
+from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import TORCH_NAMES

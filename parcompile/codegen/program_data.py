@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from parcompile.analysis.fp8 import fp8_kind, is_fp8_gemm
+from parcompile.ir.fp8 import fp8_kind, is_fp8_gemm
 from parcompile.ir.graph import Graph, Node
 from parcompile.ir.ops import Trait, has_trait, op_collectives, spec
 from parcompile.ir.types import TensorType, split_axes
@@ -86,7 +86,7 @@ class OpData:
     #: the op's output's global shape
     global_shape: tuple[int, ...] = ()
     #: the FP8 recipe its GEMMs run with (``train.precision = fp8`` and
-    #: :func:`parcompile.analysis.fp8.fp8_kind`) in a layer that runs FP8
+    #: :func:`parcompile.ir.fp8.fp8_kind`) in a layer that runs FP8
     #: (:attr:`ProgramData.layer_fp8`); None: 16-bit in every layer
     fp8: str | None = None
     #: the parameter each of the op's parameters is tied to (``Param.tied_to``: a tied LM
@@ -293,7 +293,7 @@ class ProgramData:
     #: every op by name (decoder layers and the ops outside them)
     ops: Mapping[str, OpData]
     #: per decoder layer, the FP8 recipe its GEMMs run with, None for a layer kept in 16 bits
-    #: (:func:`parcompile.analysis.fp8.is_fp8_gemm`); () when every layer runs alike
+    #: (:func:`parcompile.ir.fp8.is_fp8_gemm`); () when every layer runs alike
     layer_fp8: tuple[str | None, ...] = ()
     #: the declared per-layer attributes that differ between layers (:func:`layer_tables`)
     layer_tables: tuple[LayerTable, ...] = ()
@@ -362,7 +362,7 @@ def _param_local(graph: Graph, op: str, param_suffix: str, dim: str, degrees: Ma
 def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = None) -> ProgramData:
     """The sharded ``graph`` (after every pass) as :class:`ProgramData`; ``fp8``: the FP8
     recipe of a ``precision = fp8`` training spec (the GEMMs
-    :func:`parcompile.analysis.fp8.is_fp8_gemm` marks run with it: :attr:`OpData.fp8`, and
+    :func:`parcompile.ir.fp8.is_fp8_gemm` marks run with it: :attr:`OpData.fp8`, and
     per layer :attr:`ProgramData.layer_fp8`).
 
     Raises:
@@ -437,7 +437,7 @@ def program_data(graph: Graph, degrees: Mapping[str, int], fp8: str | None = Non
 
 def _layer_fp8(graph: Graph, ordered: list, fp8: str | None) -> tuple[str | None, ...]:
     """:attr:`ProgramData.layer_fp8`: per layer, ``fp8`` where its FP8-kind GEMMs run in FP8
-    (:func:`parcompile.analysis.fp8.is_fp8_gemm`), else None; () when all layers agree."""
+    (:func:`parcompile.ir.fp8.is_fp8_gemm`), else None; () when all layers agree."""
     if not fp8:
         return ()
     got = []

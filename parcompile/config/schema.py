@@ -272,7 +272,7 @@ class TrainConfig(_Frozen):
     fp8_all_gather: bool = False
     #: decoder layers kept in 16 bits under `precision = fp8`: the first `fp8_bf16_layers_start`
     #: and the last `fp8_bf16_layers_end` (Megatron-LM's `--first-last-layers-bf16` with
-    #: `--num-layers-at-start-in-bf16` / `--num-layers-at-end-in-bf16`; analysis/fp8.py bf16_layers)
+    #: `--num-layers-at-start-in-bf16` / `--num-layers-at-end-in-bf16`; ir/fp8.py bf16_layers)
     fp8_bf16_layers_start: int = 0
     fp8_bf16_layers_end: int = 0
     # real training jobs (SPEC "Real training jobs"); paths are absolute once built

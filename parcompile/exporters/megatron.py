@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 from typing import Callable
 
-from parcompile.analysis.fp8 import gathers_fp8
+from parcompile.ir.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       placement_errors,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parcompile.analysis.fp8 import bf16_layers, gathers_fp8
+from parcompile.ir.fp8 import bf16_layers, gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,

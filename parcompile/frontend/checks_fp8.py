@@ -51,7 +51,7 @@ def check_fp8(cfg: SpecConfig, ctx: CheckContext) -> None:
 
 
 def check_fp8_bf16_layers(cfg: SpecConfig, ctx: CheckContext) -> None:
-    """`train.fp8_bf16_layers_start` / `_end` (SPEC `train`, analysis/fp8.py ``bf16_layers``):
+    """`train.fp8_bf16_layers_start` / `_end` (SPEC `train`, ir/fp8.py ``bf16_layers``):
     each at most `model.layers` (an error: there are no more layers to keep); together
     covering every layer is a warning (no GEMM left in FP8). Megatron-Core's own bound, at
     most the layers of one pipeline stage each, is the megatron export's

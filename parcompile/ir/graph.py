@@ -72,7 +72,7 @@ class Graph:
         self.dirty: set[str] = set()
         #: what the last full or incremental verification assumed (degrees, staged, inserted)
         self.verified_state: tuple | None = None
-        #: FP8 training's marks (``parcompile.analysis.fp8.GraphFp8``: recipe, the layers kept in
+        #: FP8 training's marks (``parcompile.ir.fp8.GraphFp8``: recipe, the layers kept in
         #: 16 bits); None without ``precision = fp8``. Set by the pass manager from the spec
         self.fp8 = None
 

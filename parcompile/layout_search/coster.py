@@ -10,7 +10,7 @@ from fractions import Fraction
 from parcompile.analysis.comm import CollectiveEntry, CommReport
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_of, optimizer_time,
                                           pipeline_parts)
-from parcompile.analysis.fp8 import gathers_fp8
+from parcompile.ir.fp8 import gathers_fp8
 from parcompile.analysis.memory import MemoryReport, SavedBytes, memory_from_parts, usable_memory
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig

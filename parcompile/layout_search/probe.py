@@ -10,8 +10,8 @@ from parcompile.analysis.buckets import GradUnit
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import ChunkTimes
-from parcompile.analysis.fp8 import GraphFp8, bf16_layers, graph_fp8
-from parcompile.analysis.fp8 import enabled as fp8_enabled
+from parcompile.ir.fp8 import GraphFp8, bf16_layers, graph_fp8
+from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import SavedBytes, buffer_bytes, merge_buffers, saved_bytes
 from parcompile.analysis.params import StageParams, stage_params
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -160,7 +160,7 @@ def leading_layers(cfg: SpecConfig) -> int:
     """How many leading layers of ``cfg``'s model the search probes apart
     (:attr:`Probe.dense_probe`, :func:`compose`): an MoE model's leading dense layers
     (:func:`leading_dense_layers`), or the layers FP8 training keeps in 16 bits at the start
-    (``train.fp8_bf16_layers_start``, :func:`parcompile.analysis.fp8.bf16_layers`).
+    (``train.fp8_bf16_layers_start``, :func:`parcompile.ir.fp8.bf16_layers`).
 
     Raises:
         SpecError: 16-bit layers at the end (``fp8_bf16_layers_end``), or at the start of an

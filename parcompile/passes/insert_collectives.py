@@ -42,7 +42,7 @@ from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
                                         zero3_gather_counts)
 from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.estimate import grad_element_bytes
-from parcompile.analysis.fp8 import gathers_fp8
+from parcompile.ir.fp8 import gathers_fp8
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.buckets import fp8_gather_elements

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from parcompile.analysis.cost import CostReport, analyze
-from parcompile.analysis.fp8 import graph_fp8
+from parcompile.ir.fp8 import graph_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.ir.graph import Graph
@@ -110,7 +110,7 @@ def compile_graph(cfg: SpecConfig, schedule: bool = True) -> Compiled:
     par = cfg.parallel
     ctx = PassContext.of(cfg)
     graph = lower(cfg.model, batch=par.micro_batch * par.dp, origin=cfg.span("model"), serve=cfg.workload == "serve")
-    graph.fp8 = graph_fp8(cfg)   # which GEMMs run in FP8 (analysis/fp8.py is_fp8_gemm)
+    graph.fp8 = graph_fp8(cfg)   # which GEMMs run in FP8 (ir/fp8.py is_fp8_gemm)
     verify(graph, ctx.degrees)
     for p in PASSES:
         if not schedule and p.name == "schedule-pipeline":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
-from parcompile.analysis.fp8 import enabled as fp8_enabled
+from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import saved_bytes, unlike_chunk_bytes
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups

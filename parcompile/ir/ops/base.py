@@ -194,7 +194,7 @@ class Trait(enum.Enum):
     #: (:func:`parcompile.analysis.compute.gemm_bytes`); the attention core is its own kernel
     GEMM = "gemm"
     #: a GEMM that runs in FP8 under an FP8 recipe (inside a decoder layer:
-    #: :func:`parcompile.analysis.fp8.is_fp8_gemm`)
+    #: :func:`parcompile.ir.fp8.is_fp8_gemm`)
     FP8_GEMM = "fp8_gemm"
     #: the serve program passes its operand, when it is the only reader, as a temporary of
     #: one expression or rebinds it (``q = rope(q)``): the operand dies with it

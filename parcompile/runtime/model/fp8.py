@@ -27,7 +27,7 @@ optimizer keeps in fp32, or its 16-bit copy) and its gradient stay as without FP
 
 The scalar and per-row amax all-reduces over tp are counted like every collective and listed
 among the plan's (``comm.collectives``, ``where`` ``fp8_amax_tp``:
-:func:`parcompile.analysis.fp8.amax_collectives` says which casts all-reduce).
+:func:`parcompile.ir.fp8.amax_collectives` says which casts all-reduce).
 
 - ``mxfp8`` (OCP Microscaling Formats (MX) v1.0, section 5 and 6.3; torchao's ``MXLinear``,
   Transformer Engine's ``MXFP8BlockScaling``): every GEMM operand in blocks of
@@ -69,7 +69,7 @@ from parcompile.runtime.distributed.context import Axis
 from parcompile.runtime.train.grads import accumulate
 from parcompile.runtime.train.wgrad import STORE
 
-#: the recipes the program runs (analysis/fp8.py RECIPES: the plan's)
+#: the recipes the program runs (ir/fp8.py RECIPES: the plan's)
 RECIPES = ("tensorwise", "rowwise", "mxfp8")
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max   # 448
@@ -84,7 +84,7 @@ _E8M0_MIN, _E8M0_MAX = -127, 127   # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
 def _max_over(t: torch.Tensor, axis: Axis | None, rows: int | None = None) -> torch.Tensor:
     """``t`` (amaxes) with the element-wise max over ``axis`` (None or one rank: as is),
     counted as the plan lists it (``where`` ``fp8_amax_tp``:
-    :func:`parcompile.analysis.fp8.amax_collectives`); ``rows``: the routed rows its size
+    :func:`parcompile.ir.fp8.amax_collectives`); ``rows``: the routed rows its size
     follows (a routed expert group's per-row amaxes: the plan's ``bytes_per_row``), None when
     its size is fixed."""
     if axis is not None and axis.size > 1 and axis.group is not None:
