@@ -272,6 +272,12 @@ def test_packages_stand_on_floors():
     # the floors the picture in docs/internals.md shows
     assert "parcompile.passes" in floors["parcompile.layout_search"] and "parcompile.analysis" in floors["parcompile.passes"]
     assert not floors["parcompile.core"] and floors["parcompile.runtime"] == {"parcompile.core"}
+    # floor 4's rooms stand side by side: codegen reads the graph and ir's FP8 policy, not the
+    # cost model; the front end and the cost model import neither each other nor codegen
+    four = ("parcompile.analysis", "parcompile.codegen", "parcompile.frontend")
+    assert not {(a, b) for a in four for b in four if b in floors[a]}
+    assert "parcompile.ir" in floors["parcompile.codegen"] and "parcompile.config" not in floors["parcompile.runtime"]
+
 
 def test_no_private_names_across_modules():
     """No ``from parcompile.x import _name`` (dunders aside) but the known ones."""
