@@ -128,3 +128,21 @@ def test_training_and_serving_spell_the_softmax_out_in_one_function(monkeypatch)
     serve = generate.cached_attention(q, k, v, keep[None, None].expand(2, 1, 5, 5), False, **kw)
     assert calls == [False, True]
     torch.testing.assert_close(train, serve, atol=1e-6, rtol=1e-6)
+
+
+def test_megatron_export_runs_the_kernel_the_plan_priced(monkeypatch):
+    """``--attention-backend`` is the kernel the attention op's decision gives Megatron-LM
+    (Transformer Engine's cuDNN fused attention: ``fused``; ``attention = unfused``:
+    ``unfused``), read from that one decision: a table that said otherwise moves the flag."""
+    import parcompile
+    from parcompile.core import attention as table
+    from parcompile.core.attention import KernelChoice
+
+    def backend(cfg) -> str:
+        words = parcompile.export(compile_config(cfg), "megatron").text.split()
+        return words[words.index("--attention-backend") + 1]
+
+    assert backend(tiny_config(2)) == "fused"
+    assert backend(tiny_config(2, model={"attention": "unfused"})) == "unfused"
+    monkeypatch.setitem(table.ATTENTION_KERNELS, ("megatron", "causal"), KernelChoice("unfused", "a test's"))
+    assert backend(tiny_config(2)) == "unfused"

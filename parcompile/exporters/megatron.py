@@ -7,12 +7,14 @@ from __future__ import annotations
 import shlex
 from typing import Callable
 
-from parcompile.ir.fp8 import gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       placement_errors,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.model_keys import model_key_errors
+from parcompile.ir.fp8 import gathers_fp8
+from parcompile.ir.ops import Trait
+from parcompile.ir.ops.attention import attention_kernel_for
 from parcompile.plan import Plan
 
 #: ``add(flag, value=None)``: appends one argument (:func:`megatron_args`)
@@ -201,6 +203,25 @@ def _megatron_memory_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         add("--recompute-granularity", "selective")
 
 
+#: the kernels of the plan's attention choice (parcompile.core.attention ATTENTION_KERNELS, engine
+#: megatron) -> Megatron-Core's ``AttnBackend`` member that runs it (megatron/core/transformer/
+#: enums.py at core_v0.19.0 5be9626: ``fused`` is Transformer Engine's cuDNN fused attention,
+#: ``unfused`` the spelled-out softmax)
+MEGATRON_ATTN_BACKENDS = {"cudnn": "fused", "unfused": "unfused"}
+
+
+def attention_backend(plan: Plan) -> str:
+    """``--attention-backend`` for ``plan``: the kernel the plan priced for Megatron-LM, the one
+    decision of the attention op (:func:`parcompile.ir.ops.attention.attention_kernel_for`
+    with engine ``megatron``), for the first layer's attention core (every layer's core is the
+    same kernel under Megatron: the windows and sinks Megatron refuses are errors of
+    :data:`parcompile.exporters.model_keys.MEGATRON`). No attention op: ``unfused``."""
+    for nd in plan.graph.nodes():
+        if nd.has_trait(Trait.ATTENTION):
+            return MEGATRON_ATTN_BACKENDS[attention_kernel_for(nd.op.attr_map, "megatron").name]
+    return "unfused"
+
+
 def _megatron_model_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
     """The dense model: shape, attention, norms, activation, positions, biases, dropout."""
     m = plan.config.model
@@ -240,7 +261,7 @@ def _megatron_model_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
             add("--add-qkv-bias")
     if not m.tie_embeddings:
         add("--untie-embeddings-and-output-weights")
-    add("--attention-backend", "flash" if m.attention == "flash" else "unfused")
+    add("--attention-backend", attention_backend(plan))
     add("--attention-dropout", m.dropout)
     add("--hidden-dropout", m.dropout)
     # parallel_residual, sliding windows, soft-capping, ...: refused (model_keys.MEGATRON)
