@@ -263,26 +263,71 @@ def methods(ops: tuple[OpData, ...], layer: int, prefix: str, every: Mapping[str
 _Unit = tuple  # (name of the value it gives, OpData or Submodule, operand names, the op whose shape it shows)
 
 
-class _Writer:
-    """One class's methods being written (:func:`methods`): the ops grouped into units
-    (an op, or a sub-module's ops), the conversions folded into the op before them, then
-    each unit's value placed: pending inside its reader's expression, a statement, a
-    ``keep_split_input`` block or the return."""
+class _LayerAttributes:
+    """The attributes a class's Code rows read (:func:`program_attrs`), and the per-layer
+    ones: for each table of an attribute differing between the layers the class serves
+    (:class:`~parcompile.codegen.program_data.LayerTable`), the ``self.<var>`` that holds
+    it (its name chosen on first read, kept clear of the class's modules) and the
+    ``__init__`` line setting it from the program's table."""
 
-    def __init__(self, ops, layer, prefix, every, subs, tables, constants, serve=False, per_layer=()):
+    def __init__(self, ops, layer, prefix, every, per_layer=()):
         self.ops, self.layer, self.prefix, self.every = ops, layer, prefix, every
-        self.subs, self.tables, self.constants, self.serve = subs, tables, constants, serve
         self.per_layer: dict[str, list[LayerTable]] = {}
         for table in per_layer:
             self.per_layer.setdefault(table.op, []).append(table)
         self.layer_vars: dict[tuple[str, str], str] = {}   # (op inside the layer, attribute) -> self.<var>
+
+    def of(self, op: OpData) -> dict:
+        """``op``'s attributes as its Code row reads them (:func:`program_attrs`), each of its
+        per-layer tables' attributes a :class:`LayerValue` (``self.scale``), and
+        ``_each_layer``: every layer's own attributes (its tables' values in place), for a row
+        whose decision must hold for each layer it is written for (the attention kernel)."""
+        attrs = program_attrs(op, self.every)
+        suffix = op.name.removeprefix(f"layers.{self.layer}.")
+        each: dict[int, dict] = {}
+        for table in self.per_layer.get(suffix, ()):
+            for i, v in table.values:
+                each.setdefault(i, dict(attrs))[table.attr] = v
+        attrs["_each_layer"] = tuple(each[i] for i in sorted(each))
+        for table in self.per_layer.get(suffix, ()):
+            key = (suffix, table.attr)
+            if key not in self.layer_vars:
+                var = table.attr
+                if var in self.layer_vars.values() or any(o.name == self.prefix + var for o in self.ops):
+                    var = f"{suffix.rsplit('.', 1)[-1]}_{table.attr}"
+                self.layer_vars[key] = var
+            attrs[table.attr] = LayerValue(self.layer_vars[key], table)
+        return attrs
+
+    @staticmethod
+    def table_lines(attrs: dict, texts: list[str]) -> list[str]:
+        """Each per-layer table whose value an op's lines read (``self.<var>`` in ``texts``):
+        ``self.<var> = <TABLE>[i]``, for ``__init__`` before the op's own lines."""
+        return [f"self.{v.var} = {v.table.name}[i]" for v in attrs.values() if isinstance(v, LayerValue)
+                and any(re.search(rf"\bself\.{v.var}\b", s) for s in texts)]
+
+
+class _Dataflow:
+    """What a class's ops compute from what, as its writer reads it: the ops grouped into
+    units (an op, or a sub-module's ops), each op's Code row, the conversions folded into
+    the op before them (``alias``, ``shown``, ``reduce``), the units reading each value
+    (``consumers``), the one value leaving (``outputs``), the values from outside
+    (``external``), and the name the readers give a value.
+
+    Raises:
+        ValueError: an op with no Code row, or not exactly one value leaving the ops or a
+            sub-module.
+    """
+
+    def __init__(self, ops, prefix, subs, serve, attrs):
+        self.ops, self.prefix, self.subs, self.serve = ops, prefix, subs, serve
         self.names = {o.name for o in ops}
         self.by_name = {o.name: o for o in ops}
         self.units: list[_Unit] = self._units()
         self.codes: dict[str, Code] = {}
         for name, op, _, _ in self.units:
             if isinstance(op, OpData):
-                code = code_of(op.kind, self._attrs(op))
+                code = code_of(op.kind, attrs(op))
                 if code is None:
                     raise ValueError(f"{op.name}: no program code for ops of kind {op.kind!r}")
                 self.codes[name] = code
@@ -304,23 +349,6 @@ class _Writer:
             raise ValueError(f"{prefix}*: {len(self.outputs)} values leave the ops, the program expects one")
         self.external = list(dict.fromkeys(u for _, _, ins, _ in self.units for u in ins
                                            if u not in self.names and self.alias.get(u, u) not in names))
-        self.values = {u: _Value("x" if k == 0 else f"x{k}", False) for k, u in enumerate(self.external)}
-        self.remaining = {n: len(c) for n, c in self.consumers.items()}
-        self.bound = {v.text: u for u, v in self.values.items()}   # variable -> the value it holds
-        self.init: list[str] = []
-        self.once: list[str] = []
-        self.body: list[str] = []
-        self.per_head: set[str] = set()   # values in (B, T, heads, head_dim) layout
-        self.with_ops: set[str] = set()
-        self.indent = ""
-        self.needs_pos = False
-        self.method, self.pos_type = "forward", None
-
-    def shape(self, op: OpData) -> str:
-        """``op``'s per-rank shape for a comment; serving: ``T`` the step's tokens (the
-        prompt, then 1), not the graph's sequence length."""
-        text = op.shape_comment()
-        return re.sub(r"\bT=\d+", "T", text) if self.serve else text
 
     def _units(self) -> list[_Unit]:
         """The ops in graph order, each sub-module's ops as one unit where the first of them is."""
@@ -372,8 +400,6 @@ class _Writer:
                 self.reduce[ins[0]] = kinds[0] if kinds else None
                 self.shown[ins[0]] = op
 
-    # ---------------------------------------------------------------- names
-
     def preferred(self, name: str, base: str) -> str:
         """The readers' name for this value (``gate``, ``q``, ``kv``), through ops that keep
         their operand's name (RoPE, qk-norm); else ``base``."""
@@ -388,6 +414,42 @@ class _Writer:
         if len(users) == 1 and codes[users[0]].var == "":
             return self.preferred(users[0], base)
         return base
+
+
+class _Writer:
+    """One class's methods being written (:func:`methods`) from its ops' dataflow
+    (:class:`_Dataflow`): each unit's value placed, pending inside its reader's
+    expression, a statement, a ``keep_split_input`` block or the return, with the
+    ``__init__`` lines of its modules and of the per-layer attributes it reads
+    (:class:`_LayerAttributes`)."""
+
+    def __init__(self, ops, layer, prefix, every, subs, tables, constants, serve=False, per_layer=()):
+        self.layer, self.prefix, self.every = layer, prefix, every
+        self.tables, self.constants, self.serve = tables, constants, serve
+        self.attributes = _LayerAttributes(ops, layer, prefix, every, per_layer)
+        self.flow = flow = _Dataflow(ops, prefix, subs, serve, self.attributes.of)
+        self.by_name, self.units, self.codes, self.consumers = flow.by_name, flow.units, flow.codes, flow.consumers
+        self.alias, self.shown, self.reduce = flow.alias, flow.shown, flow.reduce
+        self.outputs, self.external = flow.outputs, flow.external
+        self.values = {u: _Value("x" if k == 0 else f"x{k}", False) for k, u in enumerate(self.external)}
+        self.remaining = {n: len(c) for n, c in self.consumers.items()}
+        self.bound = {v.text: u for u, v in self.values.items()}   # variable -> the value it holds
+        self.init: list[str] = []
+        self.once: list[str] = []
+        self.body: list[str] = []
+        self.per_head: set[str] = set()   # values in (B, T, heads, head_dim) layout
+        self.with_ops: set[str] = set()
+        self.indent = ""
+        self.needs_pos = False
+        self.method, self.pos_type = "forward", None
+
+    def shape(self, op: OpData) -> str:
+        """``op``'s per-rank shape for a comment; serving: ``T`` the step's tokens (the
+        prompt, then 1), not the graph's sequence length."""
+        text = op.shape_comment()
+        return re.sub(r"\bT=\d+", "T", text) if self.serve else text
+
+    # ---------------------------------------------------------------- names
 
     def fresh(self, base: str) -> str:
         """``base``, or ``base1``, ... : the first name holding no live value and read by no
@@ -423,39 +485,15 @@ class _Writer:
         self.needs_pos = self.needs_pos or "pos" in sub.extra
         return Code(var="h"), f"self.{sub.attr}({', '.join(texts)}{sub.extra})"
 
-    def _attrs(self, op: OpData) -> dict:
-        """``op``'s attributes as its Code row reads them (:func:`program_attrs`), each of its
-        per-layer tables' attributes a :class:`LayerValue` (``self.scale``), and
-        ``_each_layer``: every layer's own attributes (its tables' values in place), for a row
-        whose decision must hold for each layer it is written for (the attention kernel)."""
-        attrs = program_attrs(op, self.every)
-        suffix = op.name.removeprefix(f"layers.{self.layer}.")
-        each: dict[int, dict] = {}
-        for table in self.per_layer.get(suffix, ()):
-            for i, v in table.values:
-                each.setdefault(i, dict(attrs))[table.attr] = v
-        attrs["_each_layer"] = tuple(each[i] for i in sorted(each))
-        for table in self.per_layer.get(suffix, ()):
-            key = (suffix, table.attr)
-            if key not in self.layer_vars:
-                var = table.attr
-                if var in self.layer_vars.values() or any(o.name == self.prefix + var for o in self.ops):
-                    var = f"{suffix.rsplit('.', 1)[-1]}_{table.attr}"
-                self.layer_vars[key] = var
-            attrs[table.attr] = LayerValue(self.layer_vars[key], table)
-        return attrs
-
     def _read_tables(self, attrs: dict, at: int, texts: list[str]) -> None:
-        """Each per-layer table whose value the op's lines read (``self.<var>`` in ``texts``):
-        ``self.<var> = <TABLE>[i]`` in ``__init__`` at ``at``, before the op's own lines."""
-        lines = [f"self.{v.var} = {v.table.name}[i]" for v in attrs.values() if isinstance(v, LayerValue)
-                 and any(re.search(rf"\bself\.{v.var}\b", s) for s in texts)]
+        """The per-layer tables the op's lines read, set in ``__init__`` at ``at``, before its own."""
+        lines = self.attributes.table_lines(attrs, texts)
         self.init[at:at] = [ln for ln in lines if ln not in self.init]
 
     def _op(self, name: str, op: OpData, texts: list[str], notes: list[str], show: OpData) -> tuple[Code, str]:
         """An op's ``__init__`` lines and forward expression from its Code row."""
         code = self.codes[name]
-        attrs = self._attrs(op)
+        attrs = self.attributes.of(op)
         more = dict(code.facts(attrs)) if code.facts is not None else {}
         at, once = len(self.init), len(self.once)
         self._init_lines(name, op, code, attrs, more)
@@ -550,7 +588,7 @@ class _Writer:
             self.body.append(_comment(f"{self.indent}return {text}", self.shape(show), notes))
             return
         base = code.var or (texts[0] if texts and texts[0].isidentifier() else "h")
-        var = self.fresh(self.preferred(name, base))
+        var = self.fresh(self.flow.preferred(name, base))
         self.body.append(_comment(f"{self.indent}{var} = {text}", self.shape(show), notes))
         self.values[name] = _Value(var, False)
         self.bound[var] = name
