@@ -103,7 +103,8 @@ rt.synchronize(ctx.device)
 peaks = rt.allocator_peaks(ctx.device)
 record = rt.RunLog(None, plan, program.PEAK_FLOPS, 32, enabled=False).step(1, 2, 5.0, 1e-2, 1.0, 0.5,
                                                                             rt.peak_memory(ctx))
-backend = rt.device.choose_backend(device=program.DEVICE)   # what a launched rank's process group would use
+from parcompile.runtime.machine.device import choose_backend
+backend = choose_backend(device=program.DEVICE)   # what a launched rank's process group would use
 print(json.dumps({"device": str(ctx.device), "backend": [backend[0], str(backend[1])], "count": rt.device_count("npu"),
                   "calls": calls, "cuda_calls": cuda_calls, "peaks": peaks, "record": record,
                   "env": {k: os.environ.get(k) for k in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}}))

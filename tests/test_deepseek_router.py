@@ -491,7 +491,7 @@ def test_the_verify_miniature_keeps_the_router_and_groups_that_bind():
     """``parcompile verify``'s miniature of a DeepSeek-V3 router over ep keeps sigmoid scoring,
     the correction bias and groups that bind (4 experts in 2 groups, 1 kept, top 2); the
     equivalence under torchrun is tests/test_verify.py's ``deepseek_v3_tp2_pp2_ep2``."""
-    from parcompile import verify as v
+    from parcompile import verification as v
     from tests.program_utils import tiny_config
 
     cfg = tiny_config(2, 2, 1, model=dict(experts=8, top_k=2, scoring_func="sigmoid", topk_method="noaux_tc",
