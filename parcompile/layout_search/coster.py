@@ -1,5 +1,7 @@
-"""Costing one layout from its probe (:class:`Coster`): chunk times, the pipeline, memory,
-the data-parallel step, the split of layers that do not divide into the chunks."""
+"""Costing one layout from its probe (:class:`Coster`): chunk times and the pipeline
+(:class:`ChunkCosts`), memory (:class:`MemoryCosts`), the split of layers that do not divide
+into the chunks (:class:`SplitChoice`), the data-parallel step and the step time
+(:class:`Coster` itself)."""
 
 from __future__ import annotations
 
@@ -32,42 +34,14 @@ from parcompile.layout_search.space import RowLayout, with_parallel
 SPLIT_TIME_TIE = 0.01
 
 
-class Coster(Floors):
-    """Costs layouts of one spec from cached probes (module docstring)."""
-
-    def __init__(self, cfg: SpecConfig):
-        self.cfg = cfg
-        self.eff = efficiency(cfg.cluster)
-        self.probes: dict[tuple, Probe] = {}
-        self.inside: dict[tuple, tuple] = {}
-        self.pipes: dict[tuple, tuple[ChunkTimes, float, dict]] = {}
-        self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
-        self.state_floors: dict[tuple, int] = {}
-        self.param_probes: dict[tuple, Probe] = {}
-        self.base_works: dict[tuple, float] = {}
-        self.sims: dict[tuple, tuple[float, dict]] = {}
-        self.action_lists: dict[tuple, list] = {}
-        self.exposed: dict[ParallelConfig, tuple[float, float]] = {}
-        self.stage_param_sets: dict[tuple, list[StageParams]] = {}
-        self.step_sets: dict[tuple, list[CollectiveEntry]] = {}
-        self.dp_groups: dict[tuple, tuple[SpecConfig, list[CollectiveEntry]]] = {}
-        self.param_owner: dict[tuple, Probe] = {}
-        self.state_parts: dict[tuple, float] = {}
-        self.step_floor_parts: dict[tuple, tuple] = {}
-        self.family_works: dict[tuple, tuple] = {}
-        self.comm_axes: dict[tuple, list[str]] = {}
-        self.base_p2p: dict[tuple, float] = {}
-        self.step_floor_memo: dict[tuple, float] = {}
-        self.in_flight_firsts: dict[tuple, Fraction] = {}
-        self.scaled_bases: dict[tuple, tuple] = {}
-        self.scaled_comms: dict[tuple, CommReport] = {}
-        #: time every micro-batch's scaled probe (:meth:`_base_work`), not the line (tests)
-        self.direct_works = False
-        self.params_keys: dict[int, tuple] = {}
-        self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
-        #: the model's leading layers probed apart: dense ones before MoE ones, or those FP8
-        #: training keeps in 16 bits (:func:`leading_layers`)
-        self.dense = leading_layers(cfg)
+class ChunkCosts:
+    """A layout's probe and its times (a part of :class:`Coster`): the probes, built once per
+    ``tp, cp, sequence_parallel, micro_batch, ep, expert_tp`` (:meth:`probe`, :meth:`probe_of`),
+    where each axis's groups of a layout sit and the links that gives (:meth:`_inside`,
+    :meth:`_inside_links`), the probe's chunk times under those links (:meth:`_chunk_times3`)
+    and the closed-form pipeline of a split (:meth:`_pipeline`). Fills the coster's
+    ``probes``, ``inside``, ``comm_axes`` (with :class:`~parcompile.search.bounds.FamilyFloors`)
+    and ``pipes`` caches, and each probe's ``times``."""
 
     def probe(self, par: ParallelConfig | RowLayout) -> Probe:
         return self.probe_of((par.tp, par.cp, par.sequence_parallel, par.micro_batch, par.ep, par.expert_tp))
@@ -149,6 +123,15 @@ class Coster(Floors):
             got = self.pipes[key] = (ct, span, parts)
         return got
 
+
+class MemoryCosts:
+    """A training layout's memory (a part of :class:`Coster`): its report, composed from the
+    probe's stage parameters, saved activations and buffers (:meth:`memory`, :meth:`peak`),
+    whether it fits, over its candidate splits when it needs one (:meth:`fits`), and the
+    stage parameters the memory and the data-parallel step read, shared by the probes whose
+    parameters are sharded alike (:meth:`_params_key`, :meth:`_stage_params`). Fills the
+    coster's ``memories``, ``params_keys``, ``param_owner`` and ``stage_param_sets`` caches."""
+
     def memory(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...]):
         """The memory report of a layout from its probe: the analysis's own
         :func:`memory_from_parts` on the stage parameters, saved activations and buffers that
@@ -178,15 +161,6 @@ class Coster(Floors):
         mem, _ = self.memory(cfg, pr, counts)
         return mem.peak, mem.capacity
 
-    def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
-        """The layers per model chunk ``cfg`` may get: its split, or, when the layers do
-        not divide into its chunks and it gives none, every candidate split."""
-        par = cfg.parallel
-        layers, chunks = cfg.model.layers, par.pp * par.virtual_stages
-        if par.stage_layers is None and layers % chunks:
-            return candidate_splits(layers, chunks)
-        return [par.layers_per_chunk(layers)]
-
     def fits(self, cfg: SpecConfig) -> bool:
         """Whether layout ``cfg`` fits memory, untimed (:meth:`peak`): with layers that do
         not divide into its chunks and no split given, whether one of its candidate splits
@@ -202,6 +176,47 @@ class Coster(Floors):
         # a split whose first rank's floor exceeds the memory does not fit: not composed
         return any(p <= c for p, c in (self.peak(cfg, pr, counts) for counts in splits
                                        if self.memory_floor(par, sum(counts[0::par.pp])) <= cap))
+
+    def _params_key(self, pr: Probe) -> tuple:
+        """What the probe's parameters are keyed by in the caches: its ``tp, ep,
+        expert_tp`` when they equal the first probe's of those (parameters are sharded by
+        those degrees only), else the probe itself. Cached per probe."""
+        got = self.params_keys.get(id(pr))
+        if got is None:
+            key = pr.params_of
+            owner = self.param_owner.setdefault(key, pr)
+            got = self.params_keys[id(pr)] = key if owner is pr or owner.qparams == pr.qparams else (id(pr),)
+        return got
+
+    def _stage_params(self, pr: Probe, counts: tuple[int, ...], par: ParallelConfig) -> list[StageParams]:
+        """:func:`compose_params` of the probe over ``counts`` on ``par``'s pipeline ranks (by its
+        schedule's placement), cached (the layouts of one split that differ in anything else
+        but the probe share them)."""
+        place = par.pipeline_schedule.placement
+        key = (self._params_key(pr), counts, par.pp, place)
+        got = self.stage_param_sets.get(key)
+        if got is None:
+            got = self.stage_param_sets[key] = compose_params(pr.qparams, counts, par.pp, self.cfg.model.tie_embeddings,
+                                                               self.dense, place)
+        return got
+
+
+class SplitChoice:
+    """The split of a layout's layers into its model chunks (a part of :class:`Coster`): the
+    splits it may get (:meth:`splits`) and, when the layers do not divide into the chunks,
+    the default uneven one, timed in the order of the splits' lower bounds
+    (:meth:`choose_split`, :meth:`_choose_split`, :func:`_pick_split`). Reads the coster's
+    floors (:class:`~parcompile.search.bounds.StepFloors`) and :meth:`Coster.cost`; fills no
+    cache of its own."""
+
+    def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
+        """The layers per model chunk ``cfg`` may get: its split, or, when the layers do
+        not divide into its chunks and it gives none, every candidate split."""
+        par = cfg.parallel
+        layers, chunks = cfg.model.layers, par.pp * par.virtual_stages
+        if par.stage_layers is None and layers % chunks:
+            return candidate_splits(layers, chunks)
+        return [par.layers_per_chunk(layers)]
 
     def choose_split(self, cfg: SpecConfig, simulate: bool = False) -> tuple[tuple[int, ...], int]:
         """The default uneven split of ``cfg``'s layers into its ``pp * virtual_stages``
@@ -292,28 +307,47 @@ class Coster(Floors):
                     costed.append((c, i, cands[i]))
         return _pick_split(costed, cands, complete, simulate, bound)
 
-    def _params_key(self, pr: Probe) -> tuple:
-        """What the probe's parameters are keyed by in the caches: its ``tp, ep,
-        expert_tp`` when they equal the first probe's of those (parameters are sharded by
-        those degrees only), else the probe itself. Cached per probe."""
-        got = self.params_keys.get(id(pr))
-        if got is None:
-            key = pr.params_of
-            owner = self.param_owner.setdefault(key, pr)
-            got = self.params_keys[id(pr)] = key if owner is pr or owner.qparams == pr.qparams else (id(pr),)
-        return got
 
-    def _stage_params(self, pr: Probe, counts: tuple[int, ...], par: ParallelConfig) -> list[StageParams]:
-        """:func:`compose_params` of the probe over ``counts`` on ``par``'s pipeline ranks (by its
-        schedule's placement), cached (the layouts of one split that differ in anything else
-        but the probe share them)."""
-        place = par.pipeline_schedule.placement
-        key = (self._params_key(pr), counts, par.pp, place)
-        got = self.stage_param_sets.get(key)
-        if got is None:
-            got = self.stage_param_sets[key] = compose_params(pr.qparams, counts, par.pp, self.cfg.model.tie_embeddings,
-                                                               self.dense, place)
-        return got
+class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
+    """Costs layouts of one spec from cached probes (module docstring): holds the caches its
+    parts fill (:class:`ChunkCosts`, :class:`MemoryCosts`, :class:`SplitChoice` and the lower
+    bounds of :class:`~parcompile.search.bounds.Floors`) and owns the step time
+    (:meth:`cost`: the pipeline, simulated or closed form, the exposed data-parallel time and
+    the optimizer step, :meth:`_data_parallel`, :meth:`_steps`)."""
+
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+        self.eff = efficiency(cfg.cluster)
+        self.probes: dict[tuple, Probe] = {}
+        self.inside: dict[tuple, tuple] = {}
+        self.pipes: dict[tuple, tuple[ChunkTimes, float, dict]] = {}
+        self.buf_sums: dict[tuple, tuple[int, int, int]] = {}
+        self.state_floors: dict[tuple, int] = {}
+        self.param_probes: dict[tuple, Probe] = {}
+        self.base_works: dict[tuple, float] = {}
+        self.sims: dict[tuple, tuple[float, dict]] = {}
+        self.action_lists: dict[tuple, list] = {}
+        self.exposed: dict[ParallelConfig, tuple[float, float]] = {}
+        self.stage_param_sets: dict[tuple, list[StageParams]] = {}
+        self.step_sets: dict[tuple, list[CollectiveEntry]] = {}
+        self.dp_groups: dict[tuple, tuple[SpecConfig, list[CollectiveEntry]]] = {}
+        self.param_owner: dict[tuple, Probe] = {}
+        self.state_parts: dict[tuple, float] = {}
+        self.step_floor_parts: dict[tuple, tuple] = {}
+        self.family_works: dict[tuple, tuple] = {}
+        self.comm_axes: dict[tuple, list[str]] = {}
+        self.base_p2p: dict[tuple, float] = {}
+        self.step_floor_memo: dict[tuple, float] = {}
+        self.in_flight_firsts: dict[tuple, Fraction] = {}
+        self.scaled_bases: dict[tuple, tuple] = {}
+        self.scaled_comms: dict[tuple, CommReport] = {}
+        #: time every micro-batch's scaled probe (:meth:`_base_work`), not the line (tests)
+        self.direct_works = False
+        self.params_keys: dict[int, tuple] = {}
+        self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
+        #: the model's leading layers probed apart: dense ones before MoE ones, or those FP8
+        #: training keeps in 16 bits (:func:`leading_layers`)
+        self.dense = leading_layers(cfg)
 
     def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
         """:func:`~parcompile.passes.insert_collectives.step_entries`, cached by what

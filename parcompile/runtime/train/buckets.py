@@ -147,7 +147,121 @@ def local_numel(p: nn.Parameter) -> int:
     return math.prod(getattr(p, "global_local_shape", tuple(p.shape))) if p.data.numel() == 0 else p.numel()
 
 
-class GradBuckets:
+class GradBuffers:
+    """The flat gradient buffers of :class:`GradBuckets` (a part of it): one per bucket, the
+    parameters' gradients views of it (:meth:`allocate`, :meth:`attach`), dropped when the
+    reduce-scatters are done (:meth:`release`), and the bytes they hold now and at most
+    since the step began (``held``, ``peak_bytes``; :meth:`buffer_bytes`). Reads the
+    buckets' ``buckets``, ``axis`` and ``sharded``."""
+
+    def allocate(self) -> None:
+        """Give every bucket a zeroed fp32 gradient buffer (``shard * d`` elements when
+        sharded, so it can be reduce-scattered as it is; ``elements`` otherwise) and make
+        each parameter's gradient (``main_grad``) a view of it: autograd and
+        :func:`parcompile.runtime.train.grads.accumulate` then add into the buffer in place, and
+        the bucket is reduced without a copy (Megatron-LM's ``param_and_grad_buffer``,
+        DDP's ``gradient_as_bucket_view``)."""
+        for b in self.buckets:
+            if b.flat is None:
+                self._new_buffer(b)
+            else:
+                b.flat.zero_()
+            self.attach(b)
+
+    def _new_buffer(self, b: BucketLayout, dtype: torch.dtype = torch.float32) -> None:
+        n = b.shard * self.axis.size if self.sharded else b.elements
+        b.flat = torch.zeros(n, dtype=dtype, device=b.params[0].device)
+        self.held += n * b.flat.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.held)
+
+    def attach(self, b: BucketLayout) -> None:
+        """Point the gradients of bucket ``b``'s parameters at its buffer. An fp32
+        parameter ZeRO-3 holds no data for (between steps) cannot take a gradient of its
+        full shape: it is attached when gathered (:meth:`parcompile.runtime.train.zero_gather.ParamGather._gather_bucket`)."""
+        if b.flat is None:
+            return
+        for p, off in zip(b.params, b.offsets):
+            if not is_mixed(p) and p.data.numel() == 0:
+                continue
+            shape = getattr(p, "global_local_shape", tuple(p.shape))
+            set_main_grad(p, b.flat[off:off + local_numel(p)].view(shape))
+
+    def release(self) -> None:
+        """Drop the gradient buffers (ZeRO 2 and 3, once the reduce-scatters are done)."""
+        for b in self.buckets:
+            for p in b.params:
+                set_main_grad(p, None)
+            if b.flat is not None:
+                self.held -= b.flat.numel() * b.flat.element_size()
+            b.flat = None
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the full gradient buffers held now (reduce-scatters in flight included)."""
+        return self.held
+
+
+class MicrobatchReduction:
+    """ZeRO 2 and 3's reduction every micro-batch (a part of :class:`GradBuckets`; module
+    docstring, "every micro-batch"): a bucket's buffer in the reduce dtype given when its
+    first gradient of the micro-batch arrives, the earlier buckets of the chunk launched
+    first (:meth:`prepare`), each bucket reduce-scattered in bucket order
+    (:meth:`_launch_round`, :meth:`_launch_chunk_ready`) and the outputs added into the fp32
+    shards ``acc`` as they complete (:meth:`drain`). Keeps the reduce-scatters in flight
+    (``flight``) and each chunk's next bucket (``pos``); reads the buckets' ``stream``,
+    ``armed`` and ``chunk_buckets`` and launches through :meth:`GradBuckets._launch`."""
+
+    def prepare(self, p: nn.Parameter) -> None:
+        """A gradient of ``p`` is about to be added (:mod:`parcompile.runtime.train.grads`): give
+        its bucket a buffer if it has none in this micro-batch (module docstring)."""
+        if not self.stream:
+            return
+        b = self.bucket_of.get(id(p))
+        if b is None or b.flat is not None:
+            return
+        if self.armed.get(b.chunk) is not None:   # the earlier buckets of the chunk are complete
+            order = self.chunk_buckets[b.chunk]
+            at = order.index(b)
+            if self.pos.get(b.chunk, 0) > at:
+                raise RuntimeError(f"a gradient of {getattr(p, 'global_name', 'a parameter')} arrived after its "
+                                   f"bucket {b.index} was reduce-scattered in this micro-batch (gradients must "
+                                   "arrive in bucket order)")
+            while self.pos.get(b.chunk, 0) < at:
+                self._launch_round(order[self.pos.get(b.chunk, 0)])
+        self.drain(keep=1)
+        self._new_buffer(b, self.reduce_dtype)
+        self.attach(b)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait for the reduce-scatters in flight but the last ``keep``, add each output into
+        its bucket's shard ``acc`` and free the buffer."""
+        while len(self.flight) > keep:
+            b, out, flat, work = self.flight.pop(0)
+            if work is not None:
+                work.wait()
+            b.acc.add_(out)   # into the fp32 shard (from the reduce dtype)
+            self.held -= flat.numel() * flat.element_size()
+
+    def _launch_round(self, b: BucketLayout) -> None:
+        """Per micro-batch: reduce-scatter bucket ``b`` (the next of its chunk) now; its
+        parameters' gradients leave the buffer and wait for a new one."""
+        if b.flat is None:   # no gradient reached it in this micro-batch: zeros
+            self._new_buffer(b, self.reduce_dtype)
+        self._launch(b)
+        self.flight.append((b, b.out, b.flat, b.work))
+        for p in b.params:
+            set_main_grad(p, None)
+            self.ready.discard(id(p))
+        b.flat = b.out = b.work = None
+        b.waiting = len(b.params)
+        self.pos[b.chunk] = self.pos.get(b.chunk, 0) + 1
+
+    def _launch_chunk_ready(self, chunk: int) -> None:
+        order = self.chunk_buckets[chunk]
+        while self.pos.get(chunk, 0) < len(order) and order[self.pos.get(chunk, 0)].waiting == 0:
+            self._launch_round(order[self.pos.get(chunk, 0)])
+
+
+class GradBuckets(GradBuffers, MicrobatchReduction):
     """The gradient buckets of one set of parameters reduced over one axis (module
     docstring): dense parameters over ``dp_cp``, or expert weights over ``expert_dp``.
 
@@ -220,103 +334,6 @@ class GradBuckets:
             if self.per_microbatch:
                 p._grad_prepare = self.prepare
         self.reset()
-
-    # -- gradient buffers -------------------------------------------------------------------
-    def allocate(self) -> None:
-        """Give every bucket a zeroed fp32 gradient buffer (``shard * d`` elements when
-        sharded, so it can be reduce-scattered as it is; ``elements`` otherwise) and make
-        each parameter's gradient (``main_grad``) a view of it: autograd and
-        :func:`parcompile.runtime.train.grads.accumulate` then add into the buffer in place, and
-        the bucket is reduced without a copy (Megatron-LM's ``param_and_grad_buffer``,
-        DDP's ``gradient_as_bucket_view``)."""
-        for b in self.buckets:
-            if b.flat is None:
-                self._new_buffer(b)
-            else:
-                b.flat.zero_()
-            self.attach(b)
-
-    def _new_buffer(self, b: BucketLayout, dtype: torch.dtype = torch.float32) -> None:
-        n = b.shard * self.axis.size if self.sharded else b.elements
-        b.flat = torch.zeros(n, dtype=dtype, device=b.params[0].device)
-        self.held += n * b.flat.element_size()
-        self.peak_bytes = max(self.peak_bytes, self.held)
-
-    def attach(self, b: BucketLayout) -> None:
-        """Point the gradients of bucket ``b``'s parameters at its buffer. An fp32
-        parameter ZeRO-3 holds no data for (between steps) cannot take a gradient of its
-        full shape: it is attached when gathered (:meth:`parcompile.runtime.train.zero_gather.ParamGather._gather_bucket`)."""
-        if b.flat is None:
-            return
-        for p, off in zip(b.params, b.offsets):
-            if not is_mixed(p) and p.data.numel() == 0:
-                continue
-            shape = getattr(p, "global_local_shape", tuple(p.shape))
-            set_main_grad(p, b.flat[off:off + local_numel(p)].view(shape))
-
-    def release(self) -> None:
-        """Drop the gradient buffers (ZeRO 2 and 3, once the reduce-scatters are done)."""
-        for b in self.buckets:
-            for p in b.params:
-                set_main_grad(p, None)
-            if b.flat is not None:
-                self.held -= b.flat.numel() * b.flat.element_size()
-            b.flat = None
-
-    def buffer_bytes(self) -> int:
-        """Bytes of the full gradient buffers held now (reduce-scatters in flight included)."""
-        return self.held
-
-    # -- per micro-batch (ZeRO 2, 3) ------------------------------------------------------
-    def prepare(self, p: nn.Parameter) -> None:
-        """A gradient of ``p`` is about to be added (:mod:`parcompile.runtime.train.grads`): give
-        its bucket a buffer if it has none in this micro-batch (module docstring)."""
-        if not self.stream:
-            return
-        b = self.bucket_of.get(id(p))
-        if b is None or b.flat is not None:
-            return
-        if self.armed.get(b.chunk) is not None:   # the earlier buckets of the chunk are complete
-            order = self.chunk_buckets[b.chunk]
-            at = order.index(b)
-            if self.pos.get(b.chunk, 0) > at:
-                raise RuntimeError(f"a gradient of {getattr(p, 'global_name', 'a parameter')} arrived after its "
-                                   f"bucket {b.index} was reduce-scattered in this micro-batch (gradients must "
-                                   "arrive in bucket order)")
-            while self.pos.get(b.chunk, 0) < at:
-                self._launch_round(order[self.pos.get(b.chunk, 0)])
-        self.drain(keep=1)
-        self._new_buffer(b, self.reduce_dtype)
-        self.attach(b)
-
-    def drain(self, keep: int = 0) -> None:
-        """Wait for the reduce-scatters in flight but the last ``keep``, add each output into
-        its bucket's shard ``acc`` and free the buffer."""
-        while len(self.flight) > keep:
-            b, out, flat, work = self.flight.pop(0)
-            if work is not None:
-                work.wait()
-            b.acc.add_(out)   # into the fp32 shard (from the reduce dtype)
-            self.held -= flat.numel() * flat.element_size()
-
-    def _launch_round(self, b: BucketLayout) -> None:
-        """Per micro-batch: reduce-scatter bucket ``b`` (the next of its chunk) now; its
-        parameters' gradients leave the buffer and wait for a new one."""
-        if b.flat is None:   # no gradient reached it in this micro-batch: zeros
-            self._new_buffer(b, self.reduce_dtype)
-        self._launch(b)
-        self.flight.append((b, b.out, b.flat, b.work))
-        for p in b.params:
-            set_main_grad(p, None)
-            self.ready.discard(id(p))
-        b.flat = b.out = b.work = None
-        b.waiting = len(b.params)
-        self.pos[b.chunk] = self.pos.get(b.chunk, 0) + 1
-
-    def _launch_chunk_ready(self, chunk: int) -> None:
-        order = self.chunk_buckets[chunk]
-        while self.pos.get(chunk, 0) < len(order) and order[self.pos.get(chunk, 0)].waiting == 0:
-            self._launch_round(order[self.pos.get(chunk, 0)])
 
     # -- per step -------------------------------------------------------------------------
     def reset(self) -> None:
