@@ -104,7 +104,8 @@ def test_runtime_allocator_peaks_and_not_available_on_cpu(tmp_path, capsys):
     log.close()
     assert rec["peak_memory_reserved"] == NOT_AVAILABLE and rec["peak_rss"] == [2**30]
     assert "peak_memory" not in rec        # SPEC: bytes, on GPUs
-    assert NOT_AVAILABLE in capsys.readouterr().out
+    # the record says so; the printed CPU line leaves the allocator out (issue 47: not on every line)
+    assert NOT_AVAILABLE not in capsys.readouterr().out
     rec = RunLog(None, {"compute": {"model_flops_per_step": 1e9}, "estimate": {"step_time": 1.0}, "world_size": 1},
                  1e12, 100, False).step(1, 1, 2.0, 1e-3, 0.5, 0.1, {"allocated": [5], "reserved": [7]})
     assert rec["peak_memory"] == [5] and rec["peak_memory_reserved"] == [7]

@@ -141,6 +141,12 @@ def test_launch_script_trains_the_tiny_example_and_checkpoints(tmp_path, monkeyp
 
     path, step = newest(ckpt)
     assert step == 12 and path.name == "step_00000012"
+    # the run ends saying what it did and where its outputs went (issue 47)
+    lines = r.stdout.splitlines()
+    assert lines[-4].startswith("done: 12 steps in ") and f", final loss {losses[-1]:.4f}" in lines[-4]
+    name, where = lines[-1].split()
+    assert name == "checkpoint" and (tmp_path / where).resolve() == path.resolve()   # as the caller named it
+    assert all(len(line) <= 80 for line in lines if line.startswith("step"))   # the CPU's step line
     dcp.load(state, checkpoint_id=str(path))
     assert set(state) == set(final)
     for name, t in final.items():

@@ -5,7 +5,13 @@ with ``peak_memory_reserved`` its ``max_memory_reserved``, through ``torch.accel
 every device type that has them; on the CPU ``peak_rss``, and ``peak_memory_reserved`` is
 ``"not available"``); ``eval_loss`` lines. One JSON object per line in ``metrics.jsonl``
 (beside the program unless ``--metrics FILE``), the same as a printed line, and
-TensorBoard event files when ``tensorboard`` is installed.
+TensorBoard event files when ``tensorboard`` is installed (``tensorboard/`` beside it).
+
+The printed step line fits an 80-column terminal on the CPU (step, loss, learning rate,
+gradient norm, step time against the plan's); on accelerators it adds tokens/s, TFLOP/s per
+GPU, MFU and the allocator's peaks, which mean something there (the CPU's are in
+``metrics.jsonl``). :meth:`RunLog.summary` ends a run with what it did and where its outputs
+went.
 
 ``tflops_per_gpu = model_flops_per_step / (step_time * world_size) / 1e12`` and
 ``mfu = tflops_per_gpu * 1e12 / peak_flops`` (SPEC section 3, the plan's own formulas
@@ -19,6 +25,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +82,9 @@ class RunLog:
         self.tokens = tokens_per_step
         self.file = None
         self.tb = None
+        self.path = Path(path) if path else None
+        self.started = time.perf_counter()
+        self.last: dict | None = None   # the newest step record
         if enabled and path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a", encoding="utf-8")
@@ -104,18 +114,48 @@ class RunLog:
         if "allocated" in memory:
             rec["peak_memory"] = memory["allocated"]
             rec["peak_memory_reserved"] = memory["reserved"]
-            mem = f"peak {max(memory['allocated']) / 2**30:.2f} GiB (reserved {max(memory['reserved']) / 2**30:.2f})"
         else:
             rec["peak_rss"] = memory["rss"]
             rec["peak_memory_reserved"] = NOT_AVAILABLE   # peak_memory (SPEC: bytes, on GPUs) left out
-            mem = (f"peak rss {max(memory['rss']) / 2**30:.2f} GiB (allocated / reserved {NOT_AVAILABLE}: "
-                   "no caching allocator on this device)")
+        self.last = rec
         if self.enabled:
-            print(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                  f"{rec['tokens_per_s']:,.0f} tok/s | {tflops:.3g} TFLOP/s/GPU | MFU {100 * rec['mfu']:.1f}% | "
-                  f"{step_time:.3f} s (plan {self.predicted:.3g} s) | {mem}", flush=True)
+            print(self.line(rec, total), flush=True)
             self._write(rec)
         return rec
+
+    def line(self, rec: dict, total: int) -> str:
+        """The printed line of step record ``rec`` of ``total`` steps: on the CPU what an
+        80-column terminal holds (throughput and RSS stay in metrics.jsonl); on accelerators
+        with tokens/s, TFLOP/s per GPU, MFU and the allocator's peaks."""
+        line = (f"step {rec['step']:>{len(str(total))}}/{total} | loss {rec['loss']:.4f} | lr {rec['lr']:.1e} | "
+                f"gnorm {rec['grad_norm']:.3g} | {rec['step_time']:.3f} s (plan {self.predicted:.3g} s)")
+        if "peak_memory" in rec:
+            line += (f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops_per_gpu']:.3g} TFLOP/s/GPU | "
+                     f"MFU {100 * rec['mfu']:.1f}% | peak {max(rec['peak_memory']) / 2**30:.2f} GiB "
+                     f"(reserved {max(rec['peak_memory_reserved']) / 2**30:.2f})")
+        return line
+
+    def summary(self, steps: int, outputs: dict[str, str | None]) -> str:
+        """Print (on the reporting rank) and return the run's end: ``steps`` trained in this
+        run, the wall time since the log was made, the tokens (``steps x tokens_per_step``)
+        and their rate, the last logged loss, then where each output went: ``metrics.jsonl``,
+        the TensorBoard command, and ``outputs`` (a name -> path; None or "" left out: a
+        checkpoint, the Hugging Face checkpoint). The other ranks return ""."""
+        if not self.enabled:
+            return ""
+        wall = time.perf_counter() - self.started
+        tokens = steps * self.tokens
+        lines = [f"done: {steps} step{'s' * (steps != 1)} in {wall:.1f} s, {tokens:,} tokens "
+                 f"({tokens / max(wall, 1e-9):,.0f} tok/s)"
+                 + (f", final loss {self.last['loss']:.4f}" if self.last else "")]
+        where = {"metrics": str(self.path) if self.path else None,
+                 "TensorBoard": f"tensorboard --logdir {self.path.parent / 'tensorboard'}" if self.tb else None,
+                 **outputs}
+        width = max(map(len, where))
+        lines += [f"  {k:<{width}}  {v}" for k, v in where.items() if v]
+        text = "\n".join(lines)
+        print(text, flush=True)
+        return text
 
     def eval(self, step: int, loss: float, tokens: int) -> None:
         """Record an evaluation after ``step`` steps: mean cross-entropy over ``tokens``

@@ -321,7 +321,9 @@ def main(argv=None) -> dict:
         evaluate(args.steps)                                    # after the last step
     opt.gather_for_export()                                     # zero 3: full parameters again
     if args.checkpoint_dir and start < args.steps:
-        rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx, data_format["tokenizer"])
+        saved = rt.checkpoint.save(args.checkpoint_dir, args.steps, model, opt, ctx, data_format["tokenizer"])
+    outputs = {"checkpoint": saved}
+    log.summary(max(args.steps - start, 0), outputs)            # what the run did and where its outputs went
     log.close()
     if args.metrics_dir:
         rt.write_metrics(args.metrics_dir, ctx, record)
