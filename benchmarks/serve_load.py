@@ -376,13 +376,14 @@ def start_transformers(spec: Path) -> tuple[subprocess.Popen, str] | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("spec", nargs="?", default=str(REPO / "examples" / "tiny_serve.par"))
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("spec", nargs="?", default=str(REPO / "examples" / "tiny_serve.par"),
+                    help="the serve spec to launch (default examples/tiny_serve.par)")
     ap.add_argument("--url", default=None, help="a running server (default: launch one for SPEC)")
-    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
-    ap.add_argument("--prompt-tokens", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=8, help="prompt length of each request, tokens (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default 32)")
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every prompt starts with the same N tokens (prefix caching)")
     ap.add_argument("--transformers", action="store_true",

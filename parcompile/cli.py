@@ -554,7 +554,8 @@ def _at_least_one(text: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     """The ``parcompile`` argument parser: one subcommand per SPEC command, each with its
     ``fn`` (``cmd_*``)."""
-    ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training plans.")
+    ap = argparse.ArgumentParser(prog="parcompile", description="Compile .par specs into parallel training and serving plans: "
+                                                          "plan, search, verify, run, serve and export them.")
     from parcompile import __version__
 
     ap.add_argument("--version", action="version", version=f"parcompile {__version__}")

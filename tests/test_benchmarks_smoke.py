@@ -111,3 +111,30 @@ def test_serve_load_smoke(tmp_path, capsys, monkeypatch):
     n = (queried - 3) // 5
     assert (queried - 3) % 5 == 0 and n > 2 and 4 * (n - 2) <= hit <= 4 * (n - 1)
     assert out.count("measured / plan: TTFT") == 2   # the plan's prediction beside both phases
+
+
+def test_serve_load_help_is_whole_and_every_option_says_what_it_does():
+    """issue 47: `benchmarks/serve_load.py --help` was cut mid-sentence (the docstring's first
+    line) and several options had no help."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_load", BENCH / "serve_load.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = {}
+
+    def parse(self, args=None, namespace=None):
+        seen["parser"] = self
+        raise SystemExit(0)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = parse
+    try:
+        with pytest.raises(SystemExit):
+            mod.main([])
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    parser = seen["parser"]
+    assert parser.description.endswith("measured / predicted."), parser.description
+    assert [a.dest for a in parser._actions if not a.help] == []

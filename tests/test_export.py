@@ -1116,6 +1116,11 @@ def test_fp8_exports_pass_the_engines_fp8_settings(monkeypatch):
     assert t["model"]["converters"] == ["quantize.linear.float8"]
     assert t["quantize"]["linear"]["float8"] == {"filter_fqns": ["output"], "recipe_name": "rowwise"}
     assert export(tw, "deepspeed").errors and export(tw, "torchtitan").errors   # 0.3: not yet
+    # DeepSpeed's refusal names an export that takes FP8 (issue 47: it named torchtitan, whose
+    # default version refuses FP8): each target it suggests exports this plan without an error
+    (refusal,) = [e for e in export(tw, "deepspeed").errors if e.startswith("precision fp8")]
+    assert "--to megatron" in refusal and "--to torchtitan --torchtitan-version 0.2" in refusal
+    assert not export(tw, "megatron").errors and not export(tw, "torchtitan", torchtitan_version="0.2").errors
 
 
 def test_megatron_export_reduces_in_bf16_at_every_zero_level():

@@ -19,7 +19,8 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
     errors = model_key_errors(plan, "deepspeed")
     if plan.config.train.precision == "fp8":
         errors.append("precision fp8: DeepSpeed's config has no FP8 training (its fp16 and bf16 sections are the "
-                      "16-bit ones); export --to megatron or --to torchtitan")
+                      "16-bit ones); export --to megatron, or --to torchtitan --torchtitan-version 0.2 (the torchtitan "
+                      "TOML parcompile writes FP8 converters for)")
     c = _deepspeed_base(plan)
     _deepspeed_optimizer(plan, c, notes, errors)
     _deepspeed_pipeline(plan, c, notes, errors)
