@@ -251,3 +251,11 @@ def test_run_refuses_a_plan_whose_device_package_is_missing(tmp_path, capsys, mo
     assert missing_plugin("npu") == "torch_npu" and missing_plugin("cuda") is None
     monkeypatch.setenv("PARCOMPILE_DEVICE", "cpu")
     assert missing_plugin("npu") is None
+
+
+def test_help_names_training_and_serving(capsys):
+    """issue 47: `parcompile --help` called the tool a compiler of "parallel training plans";
+    serving is half of it."""
+    assert main(["--help"]) == 0          # the CLI's main returns its exit status
+    text = " ".join(capsys.readouterr().out.split())
+    assert "parallel training and serving plans" in text and "serve" in text
