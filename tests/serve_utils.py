@@ -221,3 +221,68 @@ def serving(spec: Path, out: Path, env: dict, timeout_s: float = 300):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+#: the end-of-text token of :func:`write_byte_llama`'s tokenizer
+EOT = "<|endoftext|>"
+
+
+def write_byte_tokenizer(d: Path) -> int:
+    """A byte-level tokenizer (one token per byte, no merges; the `tokenizers` library) with
+    the special end token :data:`EOT` after the 256 bytes, written into ``d`` (made) as
+    ``tokenizer.json`` and a ``tokenizer_config.json`` naming it the ``eos_token``, as
+    transformers reads them. Returns the end token's id (256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    eot = vocab[EOT] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    d.mkdir(parents=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "eos_token": EOT, "model_max_length": 128}))
+    return eot
+
+
+def write_byte_llama(d: Path, ending: list[str] = (), steps: int = 20) -> int:
+    """A tiny Hugging Face Llama (seed 0, weights 10x the init's: choices' loglikelihoods
+    differ clearly) with :func:`write_byte_tokenizer`'s tokenizer, written into ``d`` with
+    ``save_pretrained``, readable by transformers and by `serve`. ``ending``: texts it is
+    then trained on, each followed by the end token (``steps`` Adam steps of the causal LM
+    loss, transformers' own), so that its greedy next token after each of them is the end
+    token (the caller checks that with transformers). Returns the end token's id."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    eot = write_byte_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    cfg = transformers.LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                                   eos_token_id=eot, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    if ending:
+        seqs = [tok.encode(t).ids + [eot] for t in ending]
+        n = max(map(len, seqs))
+        ids = torch.tensor([s + [eot] * (n - len(s)) for s in seqs])
+        labels = torch.tensor([s + [-100] * (n - len(s)) for s in seqs])     # padding: no loss
+        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model.train()
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+    model.save_pretrained(d, safe_serialization=True)
+    return eot

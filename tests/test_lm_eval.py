@@ -3,7 +3,9 @@ local-completions --batch_size 4` runs a multiple-choice task (loglikelihoods: e
 logprobs over batches of token-id prompts) and a generate_until task against the server
 (tp 2, a tiny Hugging Face Llama with a byte-level tokenizer), and its accuracy and every
 choice's loglikelihood equal the same harness run with `--model hf` on the same
-checkpoint (transformers in this process's install: the truth).
+checkpoint (transformers in this process's install: the truth). The checkpoint is trained
+so that its greedy token after every choice is its end token (issue 47: the server left
+that token and its logprob out, and lm-eval then dropped each choice's last token).
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ pytest.importorskip("lm_eval")
 httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")
 
-from tests.serve_utils import serving  # noqa: E402
+from tests.serve_utils import serving, write_byte_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-EOT = "<|endoftext|>"
 
 MC = [("The sky is", ["blue", "green", "loud"], 0), ("Two plus two is", ["four", "five"], 0),
       ("Fire is", ["cold", "hot", "wet"], 1), ("Cats say", ["woof", "meow"], 1),
@@ -34,31 +35,19 @@ GEN = [("Say hi:", "hi"), ("Count: 1 2 3", "4"), ("Colour of milk:", "white"), (
 
 
 def _write_checkpoint(d: Path) -> None:
-    """A tiny Llama (random weights, seed 0) with a byte-level tokenizer (one token per
-    byte, no merges) and an end token, readable by transformers and by `serve`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab[EOT] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOT])
-    d.mkdir(parents=True)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                         "eos_token": EOT, "model_max_length": 128}))
-    cfg = transformers.LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
-                                   eos_token_id=vocab[EOT], pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    """The tiny byte-level Llama (:func:`tests.serve_utils.write_byte_llama`) trained until
+    its greedy next token after every choice's full text (question, space, choice: what a
+    loglikelihood request of lm-eval sends) is its end token; checked here with
+    transformers. Issue 47: the server dropped that end token and its logprob, so lm-eval
+    (``token_logprobs[ctxlen:-1]``) lost the choice's last token; random weights, where the
+    end token is never the argmax, could not see it."""
+    texts = [f"{q} {c}" for q, choices, _ in MC for c in choices]
+    eot = write_byte_llama(d, ending=texts)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():
-        for p in model.parameters():      # larger than the init's 0.02: choices' loglikelihoods differ clearly
-            p.mul_(10) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    model.save_pretrained(d, safe_serialization=True)
+        for t in texts:
+            assert int(model(**tok(t, return_tensors="pt")).logits[0, -1].argmax()) == eot, t
 
 
 def _write_tasks(d: Path) -> None:
@@ -143,3 +132,4 @@ def test_lm_eval_local_completions_equals_hf_on_the_same_checkpoint(tmp_path):
     assert [s["filtered_resps"] for s in served_samples["tiny_gen"]] == [s["filtered_resps"] for s in
                                                                          hf_samples["tiny_gen"]]
     assert 'parcompile_requests_total{finish_reason="length",model="m"}' in metrics
+    assert 'parcompile_requests_total{finish_reason="stop",model="m"}' in metrics       # the end token

@@ -434,6 +434,91 @@ def test_logprobs_under_tp_and_pp_equal_one_process_and_a_repeated_prefix_is_pre
 
 
 @pytest.mark.torchrun
+def test_the_end_token_and_its_logprob_are_returned_and_counted_as_vllm_does(tmp_path):
+    """Issue 47: a sequence that ends on the model's end token lost that token: completions
+    and chat, streamed or not, gave neither its id nor its logprob and did not count it in
+    ``completion_tokens``, so lm-eval's loglikelihood request (``max_tokens`` 1, echo,
+    ``logprobs`` 1, greedy; it reads ``token_logprobs[ctxlen:-1]``) got one entry fewer than
+    the prompt and dropped the continuation's last token. vLLM keeps the end token's id and
+    logprob (its token string "<|endoftext|>") and leaves it out of the text. On a tiny
+    Llama trained here until its greedy continuations end with the end token, the served
+    tokens, logprobs, texts and counts equal transformers' greedy decoding of the same
+    checkpoint (the truth), over the official `openai` client."""
+    transformers = pytest.importorskip("transformers")
+    from tests.serve_utils import write_byte_llama
+
+    chat_prompt = "user: Hello\nassistant:"           # the plain chat template's prompt (no template in the checkpoint)
+    eot = write_byte_llama(tmp_path / "hf", ending=["The sky is blue", chat_prompt + " Hi"])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+    def greedy(text, n=12):
+        """transformers' greedy tokens after ``text`` up to the end token, and their logprobs."""
+        ids, out, lps = tok(text)["input_ids"], [], []
+        with torch.no_grad():
+            for _ in range(n):
+                logp = torch.log_softmax(model(torch.tensor([ids + out])).logits[0, -1], -1)
+                out.append(int(logp.argmax()))
+                lps.append(float(logp[out[-1]]))
+                if out[-1] == eot:
+                    break
+        return out, lps
+
+    ids, lps = greedy("The sky is")
+    chat_ids, chat_lps = greedy(chat_prompt)
+    assert ids[-1] == eot and chat_ids[-1] == eot and len(chat_ids) > 1      # the premise: greedy ends on it
+    text, chat_text = tok.decode(ids[:-1]), tok.decode(chat_ids[:-1])
+    tokens = [tok.decode([i]) for i in ids]          # each token alone, special ones kept (vLLM's logprobs)
+    assert tokens[-1] == "<|endoftext|>"
+    spec = ('model m from "hf/config.json" { dtype = fp32 }\ncluster c from "cpu" { gpus_per_node = 1 }\n'
+            'serve {\n    batch = 2\n    prompt_len = 32\n    max_new_tokens = 16\n    weights = "hf"\n'
+            '    kv_cache_tokens = 256\n}\n')
+    with _serving(tmp_path, spec) as s:
+        c = s["client"]
+        r = c.completions.create(model="m", prompt="The sky is", max_tokens=12, temperature=0, logprobs=1,
+                                 extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop" and ch.text == text and _extra(ch, "token_ids") == ids
+        assert ch.logprobs.tokens == tokens and ch.logprobs.token_logprobs == pytest.approx(lps, abs=1e-3)
+        assert r.usage.completion_tokens == len(ids)
+        parts = list(c.completions.create(model="m", prompt="The sky is", max_tokens=12, temperature=0, logprobs=1,
+                                          stream=True, stream_options={"include_usage": True}))
+        done = [p for p in parts if p.choices]
+        assert "".join(p.choices[0].text for p in done) == text and done[-1].choices[0].finish_reason == "stop"
+        assert sum((p.choices[0].logprobs.tokens for p in done), []) == tokens
+        assert parts[-1].usage.completion_tokens == len(ids)
+        # lm-eval's loglikelihood request: the prompt's logprobs, then the end token's
+        prompt = tok("The sky is blue")["input_ids"]
+        r = c.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        ch = r.choices[0]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+        want = [float(logp[i, t]) for i, t in enumerate(prompt[1:] + [eot])]
+        assert len(ch.logprobs.token_logprobs) == len(prompt) + 1 and ch.logprobs.tokens[-1] == "<|endoftext|>"
+        assert ch.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
+        assert ch.text == "The sky is blue" and ch.finish_reason == "stop" and r.usage.completion_tokens == 1
+        msgs = [{"role": "user", "content": "Hello"}]
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, logprobs=True)
+        ch = r.choices[0]
+        assert ch.message.content == chat_text and ch.finish_reason == "stop"
+        assert [x.token for x in ch.logprobs.content] == [tok.decode([i]) for i in chat_ids]
+        assert [x.logprob for x in ch.logprobs.content] == pytest.approx(chat_lps, abs=1e-3)
+        assert r.usage.completion_tokens == len(chat_ids)
+        parts = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                               stream=True, stream_options={"include_usage": True}))
+        done = [p for p in parts if p.choices]
+        assert "".join(p.choices[0].delta.content or "" for p in done) == chat_text
+        assert done[-1].choices[0].finish_reason == "stop"
+        assert [x.token for p in done if p.choices[0].logprobs for x in p.choices[0].logprobs.content] == \
+            [tok.decode([i]) for i in chat_ids]
+        assert parts[-1].usage.completion_tokens == len(chat_ids)
+        # a stop string keeps vLLM's default (include_stop_str_in_output false): the text ends before it
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, stop=[chat_text[-1]])
+        assert r.choices[0].message.content == chat_text[:chat_text.index(chat_text[-1])]
+        assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.torchrun
 def test_a_killed_rank_gives_503_and_a_nonzero_exit(server):
     """Last: it ends the module's server."""
     proc, base = server["proc"], server["base"]
@@ -655,10 +740,13 @@ def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
 
 class _FakeEngines:
     """Engines' interface: one token every ``every_s`` seconds after ``first_s``, up to
-    max_tokens; records aborts and how many tokens each request was sent."""
+    max_tokens (the ``stop_at``-th: the request's first end token, finish_reason "stop",
+    logprob -0.25, as the scheduler ends a sequence on one); records aborts and how many
+    tokens each request was sent."""
 
-    def __init__(self, first_s=0.0, every_s=0.02, error_at=None):
+    def __init__(self, first_s=0.0, every_s=0.02, error_at=None, stop_at=None):
         self.first_s, self.every_s, self.failed, self.error_at = first_s, every_s, None, error_at
+        self.stop_at = stop_at
         self.aborted, self.sent, self.tasks, self.params = [], {}, [], []
 
     def submit(self, rid, prompt, params):
@@ -679,6 +767,10 @@ class _FakeEngines:
                     lp = {"lp": -0.5, "top": [(65, -0.5), (66, -1.5)][:params["logprobs"]]}
                     if i == 0 and params.get("prompt_logprobs"):
                         lp["prompt"] = [(-1.0 - j, [(66, -0.25)][:params["logprobs"]]) for j in range(len(prompt) - 1)]
+                if i == self.stop_at:
+                    eos = params["eos"][0]
+                    q.put_nowait((eos, "stop", None if lp is None else {**lp, "lp": -0.25, "top": [(eos, -0.25)]}))
+                    return
                 q.put_nowait((65, "length" if i + 1 == params["max_tokens"] else None, lp))
                 await asyncio.sleep(self.every_s)
 
@@ -692,11 +784,11 @@ class _FakeEngines:
         return {"blocks_used": 0, "blocks_free": 1, "waiting": 0, "running": 0}
 
 
-def _front(engines, chat_template=None, tokenizer=None, context=512, **kw):
+def _front(engines, chat_template=None, tokenizer=None, context=512, eos=(), **kw):
     from parcompile.server.api import PLAIN_CHAT_TEMPLATE, ModelInfo, build_app
     from parcompile.server.metrics import Metrics
 
-    info = ModelInfo(name="tiny", vocab=256, context=context, temperature=0.0, top_k=0, eos=[],
+    info = ModelInfo(name="tiny", vocab=256, context=context, temperature=0.0, top_k=0, eos=list(eos),
                      tokenizer=tokenizer or gen.load_tokenizer(None, None, 256),
                      chat_template=chat_template or PLAIN_CHAT_TEMPLATE, special={})
     return build_app(info, engines, Metrics("tiny"), **kw)
@@ -1352,6 +1444,52 @@ def test_front_batches_prompts_samples_n_and_returns_openai_logprobs():
             t.cancel()
 
     asyncio.run(main())
+
+
+def test_front_returns_the_end_token_and_its_logprob_and_counts_it_as_vllm_does(tmp_path):
+    """Issue 47 over a fake engine that ends each sequence on its third token, the end token
+    (logprob -0.25; the two before: token 65, logprob -0.5), behind real HTTP and the official `openai` client: completions and
+    chat, streamed or not, return its id and logprob with its token string (the tokenizer's
+    text of it alone, specials kept: "<|endoftext|>", as vLLM's logprobs) and count it in
+    ``completion_tokens``; the text leaves it out (vLLM's detokenizer skips a stop-terminated
+    sequence's last token). It was dropped from all of these."""
+    transformers = pytest.importorskip("transformers")
+    from tests.serve_utils import write_byte_tokenizer
+
+    eot = write_byte_tokenizer(tmp_path / "tok")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    a, end = hf.decode([65]), hf.decode([eot])        # the fake's token 65, and the end token alone
+    assert end == "<|endoftext|>"
+    with _LiveFront(_FakeEngines(every_s=0.001, stop_at=2), eos=[eot],
+                    tokenizer=gen.load_tokenizer(str(tmp_path / "tok"), None, 256)) as front:
+        c = openai.OpenAI(base_url=front.base + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=1,
+                                 extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        assert ch.text == a * 2 and ch.finish_reason == "stop" and _extra(ch, "token_ids") == [65, 65, eot]
+        assert ch.logprobs.tokens == [a, a, end] and ch.logprobs.token_logprobs == [-0.5, -0.5, -0.25]
+        assert ch.logprobs.text_offset == [0, 1, 2] and ch.logprobs.top_logprobs[-1] == {end: -0.25}
+        assert r.usage.completion_tokens == 3
+        parts = list(c.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=1, stream=True,
+                                          stream_options={"include_usage": True}))
+        done = [p for p in parts if p.choices]
+        assert "".join(p.choices[0].text for p in done) == a * 2 and done[-1].choices[0].finish_reason == "stop"
+        assert sum((p.choices[0].logprobs.tokens for p in done), []) == [a, a, end]
+        assert sum((p.choices[0].logprobs.token_logprobs for p in done), []) == [-0.5, -0.5, -0.25]
+        assert parts[-1].usage.completion_tokens == 3
+        msgs = [{"role": "user", "content": "hi"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, logprobs=True)
+        ch = r.choices[0]
+        assert ch.message.content == a * 2 and ch.finish_reason == "stop" and r.usage.completion_tokens == 3
+        assert [(x.token, x.logprob) for x in ch.logprobs.content] == [(a, -0.5), (a, -0.5), (end, -0.25)]
+        assert ch.logprobs.content[-1].bytes == list(end.encode())
+        parts = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, logprobs=True, stream=True,
+                                               stream_options={"include_usage": True}))
+        done = [p for p in parts if p.choices]
+        assert "".join(p.choices[0].delta.content or "" for p in done) == a * 2
+        assert done[-1].choices[0].finish_reason == "stop" and parts[-1].usage.completion_tokens == 3
+        assert [x.token for p in done if p.choices[0].logprobs for x in p.choices[0].logprobs.content] == \
+            [a, a, end]
 
 
 def test_echo_scores_a_full_context_prompt_with_max_tokens_0_and_refuses_one_longer():

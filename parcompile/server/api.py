@@ -13,8 +13,10 @@ Omitted sampling fields take the spec's ``serve`` values (``temperature``, ``top
 ``top_p`` defaults to 1, ``max_tokens`` to the room left in the context (``prompt_len +
 max_new_tokens`` of the spec, vLLM's default), ``seed`` to a random one (with ``n`` > 1,
 sample j draws with ``seed + j``). ``stop`` (a string or up to 4) ends the text before the
-first match (``finish_reason: "stop"``), as do the model's end tokens; ``max_tokens`` ends
-it with ``"length"``. ``n`` samples per prompt (choice ``index`` = prompt * n + sample);
+first match (``finish_reason: "stop"``), as do the model's end tokens (as vLLM: the end
+token is left out of the text but counted in ``completion_tokens`` and returned in
+``token_ids`` and the logprobs, its token string with special tokens kept, "<|endoftext|>");
+``max_tokens`` ends it with ``"length"``. ``n`` samples per prompt (choice ``index`` = prompt * n + sample);
 completions' ``best_of`` draws that many and returns the ``n`` of the highest summed
 logprob (not streamed); ``n`` and ``best_of`` are at most the sequences a replica decodes at
 once (:attr:`ModelInfo.max_seqs`), prompts x samples at most :data:`MAX_SEQUENCES`.

@@ -47,7 +47,8 @@ class Generation:
         client goes away or a stop string matches. The text is
         :class:`parcompile.server.text.IncrementalText`'s: final text only (an unfinished
         character, and the last characters that may begin a stop string, wait), stop strings
-        searched in the new text. Logprobs are the engine's entries
+        searched in the new text, the end token that stopped the sequence not in it (its id
+        and logprob are: :meth:`take`). Logprobs are the engine's entries
         (:func:`parcompile.runtime.serve.paged.unpack_logprobs`), one per token id (an empty list
         when the request asked for none). Tokens that arrived together (the reader fell
         behind the engine's steps) are taken together (:meth:`take`): one yield for all of
@@ -96,7 +97,8 @@ class Generation:
                 if watch == "first" and watcher is not None:
                     watcher.cancel()     # a stream is writing: Starlette watches the client from now on
                     watcher = None
-                new = text.step(ids, final=reason is not None)
+                # the end token that stopped it is in its ids and logprobs, not its text (take)
+                new = text.step(ids[:-1] if reason == "stop" else ids, final=reason is not None)
                 if stop and new:        # only the new text can complete a stop string (also on the last token)
                     hit = text.find_stop(len(new))
                     if hit >= 0:
@@ -123,11 +125,19 @@ class Generation:
     def take(self, items: list, ids: list[int], lps: list, prompt_lps):
         """Take a batch of the engine's queue ``items`` (``(token id, finish_reason[,
         logprob entry])``) into the sequence's token ``ids`` and logprobs ``lps`` (both
-        appended to; the end token is not text, so neither gets it). Returns (finish_reason
-        or None, the tokens taken, the prompt's logprobs: ``prompt_lps`` unless an entry
-        brings them); finish_reason "error" (NaN or infinite logits) or :data:`CLIENT_GONE`
-        ends the batch where it is met. Raises 503 (:func:`unavailable`) for a dead rank."""
-        eos = self.info.eos
+        appended to). The end token that stops a sequence (finish_reason "stop" from the
+        engine: one of ``params["eos"]``) is kept in both, as vLLM keeps the stop token in a
+        request's ``token_ids`` and logprobs and counts it in ``completion_tokens`` (its
+        scheduler appends the sampled token, then ``check_stop``, vllm/v1/core/sched/utils.py
+        at 018d5dc, finishes the request on it), while :meth:`generate` leaves it out of the
+        text, as vLLM's detokenizer skips a stop-terminated sequence's last token unless
+        ``include_stop_str_in_output`` (default false; ``BaseIncrementalDetokenizer.update``,
+        vllm-project/vllm vllm/v1/engine/detokenizer.py at e372329); lm-eval's
+        loglikelihood requests (``max_tokens`` 1, echo) read every entry but the last as the
+        continuation's. Returns (finish_reason or None, the tokens taken, the prompt's
+        logprobs: ``prompt_lps`` unless an entry brings them); finish_reason "error" (NaN or
+        infinite logits) or :data:`CLIENT_GONE` ends the batch where it is met. Raises 503
+        (:func:`unavailable`) for a dead rank."""
         reason = None
         n_tokens = 0
         for item in items:
@@ -143,10 +153,9 @@ class Generation:
             n_tokens += 1
             if lp is not None and "prompt" in lp:
                 prompt_lps = lp["prompt"]
-            if not (reason == "stop" and tok in eos):      # the end token is not text
-                ids.append(tok)
-                if lp is not None:
-                    lps.append((lp["lp"], lp["top"]))
+            ids.append(tok)
+            if lp is not None:
+                lps.append((lp["lp"], lp["top"]))
             if reason is not None:
                 break            # nothing comes after a finish
         return reason, n_tokens, prompt_lps

@@ -335,8 +335,9 @@ class Serving:
         return 0
 
     def token_text(self, tok: int) -> str:
-        """One token's text."""
-        return self.info.tokenizer.decode([tok])
+        """One token's text in a logprobs object (a special token's too: the tokenizer's
+        ``token_text``)."""
+        return self.info.tokenizer.token_text(tok)
 
     async def respond_stream(self, r: Reply, streams: list):
         """Server-sent events (:meth:`StreamedAnswer.start`)."""

@@ -478,6 +478,10 @@ class ByteTokenizer:
             raw = bytes(i for i in ids if 0 <= i < 256)
         return raw.decode("utf-8", errors="replace")
 
+    def token_text(self, tok: int) -> str:
+        """One token's own text (a logprobs entry's ``token``): its byte, as :meth:`decode`."""
+        return self.decode([tok])
+
 
 class IdTokenizer:
     """No tokenizer: prompts are token ids, output is printed as ids."""
@@ -494,6 +498,10 @@ class IdTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
+
+    def token_text(self, tok: int) -> str:
+        """One token's own text (a logprobs entry's ``token``): its id."""
+        return str(tok)
 
 
 class HFTokenizer:
@@ -516,7 +524,17 @@ class HFTokenizer:
         return self.tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens (the end token, chat markers) left out, as
+        vLLM's detokenizer writes a completion's text (``skip_special_tokens``, default true)."""
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, tok: int) -> str:
+        """One token's own text (a logprobs entry's ``token``), a special token's included
+        ("<|endoftext|>"): vLLM decodes each logprob's token alone with the tokenizer's
+        default ``skip_special_tokens`` (false) (``convert_ids_list_to_tokens`` in
+        vllm-project/vllm vllm/tokenizers/detokenizer_utils.py at 092baf6, called from
+        vllm/v1/engine/logprobs.py at dfafe71)."""
+        return self.tok.decode([tok], skip_special_tokens=False)
 
 
 #: normalizers and pre-tokenizers that never drop text (so each token stands for at most its
