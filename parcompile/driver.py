@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
-from parcompile.analysis.serve import ServeReport, fit_advice, prefill_config, serve_report
+from parcompile.analysis.serve import ServeReport, fit_advice, prefill_config, running_tokens, serve_report
 from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
@@ -334,6 +334,7 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
                 cfg.span(f"serve.{key}"),
                 help="`parcompile search` with `tp`, `pp`, `dp` (and `weight_dtype`, `kv_dtype`) = auto finds "
                      "the deployments that meet it", code="misses-target"))
+    _check_host_kv(cfg, rep, warnings)
     if not rep.batch_fits:
         seqs = rep.max_concurrent_tokens // rep.context
         warnings.append(Diagnostic(
@@ -345,3 +346,26 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
                  f"of cache); lower batch, raise tp or pp"
                  + (", or set kv_dtype = fp8" if rep.kv_dtype != "fp8" and fp8_storage(cfg.cluster.preset) else ""),
             code="does-not-fit"))
+
+
+#: the share of a rank's host memory (the `cpu` preset's ``memory``: the machine's available
+#: memory shared by its ranks) past which the server's KV cache draws a warning (issue 47)
+HOST_KV_SHARE = 0.5
+
+
+def _check_host_kv(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]) -> None:
+    """On the `cpu` preset, a ``host-memory`` warning at ``serve.kv_cache_tokens`` (or the
+    `serve` block) when the paged KV cache the server allocates on its most loaded rank
+    (``kv_cache_tokens x kv_bytes_per_token``) exceeds :data:`HOST_KV_SHARE` of the memory
+    each rank has on this machine."""
+    cl = cfg.cluster
+    cache = rep.kv_cache_tokens * rep.kv_bytes_per_token
+    if cl.preset != "cpu" or cache <= HOST_KV_SHARE * cl.memory:
+        return
+    seqs = running_tokens(rep.batch_per_replica, rep.context, rep.block_size)
+    warnings.append(Diagnostic(
+        "warning", f"the server's KV cache of {rep.kv_cache_tokens:,} tokens takes {bytes_text(cache)} per rank, more "
+                   f"than {HOST_KV_SHARE:.0%} of the {bytes_text(cl.memory)} of this machine's memory each of its "
+                   f"{cl.gpus_per_node} rank(s) has", cfg.span("serve.kv_cache_tokens"),
+        help=f"set kv_cache_tokens = {seqs:,} (what batch {rep.batch_per_replica} of {rep.context:,} tokens uses) or "
+             f"less, or lower batch", code="host-memory"))

@@ -11,7 +11,8 @@ One mechanism for both commands, three parts:
   signal for itself when it starts (:func:`die_with_parent`, called by
   :func:`parcompile.runtime.init_parallel`), and dies when torchrun does;
 * :func:`end` ends a job: ``grace_s`` to exit by itself, then each signal of ``signals``
-  to torchrun's process group in turn.
+  to torchrun's process group in turn; SIGKILL also to each rank's process group
+  (:func:`_kill_ranks`), so that a rank that has not yet set its death signal dies too.
 
 :func:`sigterm_interrupts` makes SIGTERM a ``KeyboardInterrupt`` (:class:`Terminated`)
 for both commands, so one path ends the job on either signal. :func:`run` is `parcompile
@@ -56,6 +57,8 @@ def end(proc: subprocess.Popen, grace_s: float = 0.0,
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         pass
     for sig, wait_s in signals:
+        if sig == signal.SIGKILL:
+            _kill_ranks(proc.pid)
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -65,6 +68,38 @@ def end(proc: subprocess.Popen, grace_s: float = 0.0,
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             continue
     return proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (Linux: ``/proc/PID/task/TID/children``); [] elsewhere."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _kill_ranks(pid: int) -> None:
+    """SIGKILL the process group of each child of torchrun ``pid`` (each rank leads a session
+    of its own, and what a rank started is in it), torchrun first stopped (SIGSTOP: it starts
+    no rank meanwhile). The ranks' death signal would follow torchrun's death only where a
+    rank has set it: one still importing torch has not (issue 47: a start-up interrupted
+    must leave no process)."""
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+    except (ProcessLookupError, PermissionError):
+        return
+    for child in _children(pid):
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 class Terminated(KeyboardInterrupt):

@@ -121,6 +121,7 @@ class ServeReport:
     kv_heads_per_rank: int
     kv_head_replicas: int
     block_size: int = 16
+    #: the most tokens the cache may hold, memory aside (:func:`kv_cache_limit`); None: no bound
     kv_cache_cap: int | None = None
     prefix_caching: bool = True
     max_prefill_tokens: int | None = None
@@ -195,12 +196,10 @@ class ServeReport:
 
     @property
     def kv_cache_tokens(self) -> int:
-        """Tokens the server's paged KV cache holds (``parcompile serve``; SPEC 4): the
-        spec's ``kv_cache_tokens`` when given, at most ``max_concurrent_tokens``, rounded
-        down to whole blocks of ``block_size``."""
-        cap = self.max_concurrent_tokens if self.kv_cache_cap is None else min(self.kv_cache_cap,
-                                                                               self.max_concurrent_tokens)
-        return cap // self.block_size * self.block_size
+        """Tokens the server's paged KV cache holds (``parcompile serve``; SPEC 4):
+        :func:`paged_cache_tokens` of ``kv_cache_cap`` (:func:`kv_cache_limit`) and
+        ``max_concurrent_tokens``."""
+        return paged_cache_tokens(self.kv_cache_cap, self.max_concurrent_tokens, self.block_size)
 
     @property
     def context(self) -> int:
@@ -432,6 +431,53 @@ def step_seconds(stages: Sequence[StageSteps], rates: Rates, step: Step) -> tupl
 OPEN_LOOP_SEQS = 256
 
 
+def running_limit(cfg, dp: int) -> int:
+    """The most sequences a step of one of ``dp`` replicas holds: ``ceil(batch / dp)``; with
+    open-loop arrivals and no ``batch`` given, the engine's default (vLLM's ``max_num_seqs``:
+    :meth:`~parcompile.analysis.serve_engines.ServeEngine.max_seqs`)."""
+    sv = cfg.serve
+    rate = sv.request_rate
+    if rate is not None and not math.isinf(rate) and "serve.batch" not in cfg.spans:
+        cl = cfg.cluster
+        return serve_engine(cfg).max_seqs(cl.memory, a100=(cl.preset or "").startswith("a100")) or OPEN_LOOP_SEQS
+    return -(-sv.batch // dp)
+
+
+def kv_cache_limit(cfg, dp: int) -> int:
+    """The most tokens the server's paged KV cache of one of ``dp`` replicas holds, memory
+    aside: the spec's ``kv_cache_tokens`` when given, else what the running sequences can
+    use at once, :func:`running_limit` sequences of ``prompt_len + max_new_tokens`` tokens
+    each rounded up to whole ``block_size`` blocks (blocks beyond it would only keep finished
+    requests' prefixes). Issue 47: the default had been all the memory left, 38,690,561
+    tokens for a 107k-parameter model on the `cpu` preset (a 19 GB rank). vLLM sizes its
+    GPU cache by memory alone (``get_num_blocks``: available memory // page size; and
+    ``check_enough_kv_cache_memory``: one ``max_model_len`` request must fit;
+    vllm-project/vllm vllm/v1/core/kv_cache_utils.py @ 001cabc1be16a59a70d720ed61a13b678c060a18)
+    and its CPU cache to 4 GiB unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise
+    (vllm/platforms/cpu.py @ 0031bf29e940804ee8235f2b2da9536556f231e6); the bound here
+    holds every running sequence at its longest, so the scheduler never preempts."""
+    sv = cfg.serve
+    if sv.kv_cache_tokens is not None:
+        return sv.kv_cache_tokens
+    return running_tokens(running_limit(cfg, dp), sv.prompt_len + sv.max_new_tokens, sv.block_size)
+
+
+def running_tokens(seqs: int, context: int, block_size: int) -> int:
+    """Tokens of paged cache ``seqs`` sequences of ``context`` tokens take at most: each
+    whole ``block_size`` blocks, ``seqs * ceil(context / block_size) * block_size``."""
+    return seqs * -(-context // block_size) * block_size
+
+
+def paged_cache_tokens(limit: int | None, memory_tokens: int, block_size: int) -> int:
+    """Tokens of the paged KV cache the plan gives the server (plan.json
+    ``serve.kv_cache_tokens``; ``kv_blocks`` = this / ``block_size`` is what each rank
+    allocates): ``limit`` (:func:`kv_cache_limit`; None: none) and at most the
+    ``memory_tokens`` that fit beside the weights and workspace, rounded down to whole
+    blocks."""
+    tokens = memory_tokens if limit is None else min(limit, memory_tokens)
+    return max(tokens, 0) // block_size * block_size
+
+
 def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
     """One replica's :class:`~parcompile.analysis.serve_workload.Workload` of serve spec
     ``cfg`` (its ``kv_tokens`` of cache): ``1 / dp`` of the clients or of the rate, at most
@@ -443,11 +489,7 @@ def replica_workload(cfg, kv_tokens: int, dp: int) -> Workload:
     eng = serve_engine(cfg)
     budget = sv.max_prefill_tokens or engine_budget(cfg)
     rate = sv.request_rate
-    max_seqs = -(-sv.batch // dp)
-    if rate is not None and not math.isinf(rate) and "serve.batch" not in cfg.spans:
-        # open-loop arrivals and no `batch`: as many sequences a step as the engine schedules by default
-        cl = cfg.cluster
-        max_seqs = eng.max_seqs(cl.memory, a100=(cl.preset or "").startswith("a100")) or OPEN_LOOP_SEQS
+    max_seqs = running_limit(cfg, dp)
     return Workload(prompt=sv.prompt_len, output=sv.max_new_tokens, clients=sv.clients / dp,
                     rate=None if rate is None else (rate if math.isinf(rate) else rate / dp),
                     max_seqs=max_seqs, kv_tokens=kv_tokens, budget=budget, block_size=sv.block_size,
@@ -488,7 +530,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], groups: Mapping,
         stages.append(ServeStage(s, len(ids), weights, kv_tokens[s], b * kv_seqs[s], kv_seqs[s], work,
                                  capacity - weights - work))
     report = ServeReport(tuple(stages), capacity, sv.batch, b, dp, sv.prompt_len, sv.max_new_tokens, kv_dtype,
-                         kv_local, replicas_kv, block_size=sv.block_size, kv_cache_cap=sv.kv_cache_tokens,
+                         kv_local, replicas_kv, block_size=sv.block_size, kv_cache_cap=kv_cache_limit(cfg, dp),
                          prefix_caching=sv.prefix_caching, max_prefill_tokens=sv.max_prefill_tokens,
                          compile=sv.compile, stream_interval=sv.stream_interval,
                          waiting_served_ratio=sv.waiting_served_ratio, max_waiting_steps=sv.max_waiting_steps,

@@ -302,7 +302,7 @@ class ServeConfig(_Frozen):
     top_k: int = 0            # sample from the k likeliest tokens (0: all)
     prompt: Optional[str] = None
     block_size: int = 16      # tokens per block of the server's paged KV cache
-    kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: all that fits)
+    kv_cache_tokens: Optional[int] = None  # the server's paged cache, in tokens (None: the running batch's, at most all that fits)
     prefix_caching: bool = True  # the server shares cached prompt prefixes between requests (vLLM v1's default)
     max_prefill_tokens: Optional[int] = None  # the server's prompt tokens per step (chunked prefill; None: whole prompts)
     compile: bool = False     # the server's engine runs torch.compile'd steps, warmed up before it is ready

@@ -397,10 +397,8 @@ def cost(cfg: SpecConfig, graphs: _Graphs, d: Deployment) -> Deployment:
         return _replace(d, fits=False, peak=max(st.held_bytes + w + k for st, w, k in zip(stages, work, kv_seq)),
                         capacity=cap)
     per_tok = [st.kv_bytes_per_token for st in stages]
-    tokens = min(f // k for f, k in zip(free, per_tok) if k)
-    tokens = tokens // c.serve.block_size * c.serve.block_size
-    if c.serve.kv_cache_tokens is not None:
-        tokens = min(tokens, c.serve.kv_cache_tokens // c.serve.block_size * c.serve.block_size)
+    tokens = S.paged_cache_tokens(S.kv_cache_limit(c, d.replicas), min(f // k for f, k in zip(free, per_tok) if k),
+                                  c.serve.block_size)
     b = -(-c.serve.batch // d.replicas)
     whole = min(f // k for f, k in zip(free, kv_seq))   # sequences of the whole context the cache holds
     if b > whole and _searched_batch(cfg) and not c.serve.burst:

@@ -127,7 +127,7 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
             f"{plan.config.serve.seed}); train with `checkpoint_dir` and set `weights` to it, or give a Hugging Face "
             f"checkpoint directory", flush=True)
 
-    from parcompile.jobs import sigterm_interrupts
+    from parcompile.jobs import Terminated, sigterm_interrupts
 
     # SIGTERM as Ctrl-C (parcompile.jobs, as for `run`): while the ranks start, and when
     # uvicorn, having shut down gracefully on it, raises it again (its default action would
@@ -140,24 +140,26 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
         except EngineFailed as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:        # Engines has ended the ranks it started
-            print("interrupted while the ranks started; stopped them", file=sys.stderr)
-            return 130
-        app = build_app(info, engines, Metrics(info.name), api_key=api_key, max_body=max_body)
-        server = uvicorn.Server(uvicorn_config(app, host, port))
+        except KeyboardInterrupt as e:   # Engines has ended the ranks it started
+            name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+            print(f"interrupted ({name}) while the ranks started: stopped torchrun and its {d['world_size']} "
+                  f"rank(s)", file=sys.stderr, flush=True)
+            return 143 if name == "SIGTERM" else 130    # as a shell reports them, and as `run` does
+        try:    # from here on the ranks are told to stop, whatever interrupts
+            app = build_app(info, engines, Metrics(info.name), api_key=api_key, max_body=max_body)
+            server = uvicorn.Server(uvicorn_config(app, host, port))
 
-        def on_fail(reason: str) -> None:
-            print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr,
-                  flush=True)
-            threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+            def on_fail(reason: str) -> None:
+                print(f"error: {reason}; answering 503 for {FAIL_GRACE_S:.0f} s, then exiting", file=sys.stderr,
+                      flush=True)
+                threading.Timer(FAIL_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
-        engines.on_fail = on_fail
-        if engines.failed:
-            on_fail(engines.failed)
-        log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; "
-            f"{'API key required' if api_key else 'no API key'}; bodies up to {max_body:,} bytes; Ctrl-C stops)",
-            flush=True)
-        try:
+            engines.on_fail = on_fail
+            if engines.failed:
+                on_fail(engines.failed)
+            log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; "
+                f"{'API key required' if api_key else 'no API key'}; bodies up to {max_body:,} bytes; Ctrl-C stops)",
+                flush=True)
             server.run()
         except KeyboardInterrupt:        # Ctrl-C or SIGTERM, re-raised by uvicorn after its shutdown
             pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -126,8 +127,10 @@ class Engines:
         try:
             self._accept(startup_timeout_s)
         except BaseException:   # Ctrl-C (or a failure) while the ranks start: end them, leave no orphans
+            # at once (SIGKILL to torchrun and each rank's group, jobs.end): nothing is served yet, and a
+            # rank allocating its cache or loading weights would take seconds to reach a handler (issue 47)
             self.stopping = True
-            self._end_job(0.0)
+            jobs.end(self.proc, 0.0, ((signal.SIGKILL, None),))
             self.listener.close()
             raise
         threading.Thread(target=self._watch, daemon=True).start()

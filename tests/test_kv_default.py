@@ -1,0 +1,61 @@
+"""The server's default KV cache is what the running batch can use (issue 47): a `serve`
+spec without ``kv_cache_tokens`` on the `cpu` preset had sized the cache to all the free
+memory (38,690,561 tokens for a 107k-parameter model; a 19 GB rank). The expected numbers
+are computed here from the spec's keys, not read from the plan."""
+
+from __future__ import annotations
+
+import math
+
+import parcompile
+from tests.serve_utils import serve_config
+
+from parcompile.driver import compile_config
+
+SPEC = """model tiny {
+    layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
+    vocab = 256, seq_len = 64, dtype = fp32
+}
+cluster local from "cpu" { gpus_per_node = 1 }
+serve {
+    batch = 4
+    prompt_len = 16
+    max_new_tokens = 40
+KV}
+"""
+
+
+def _expected(batch_per_replica: int, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    return batch_per_replica * math.ceil((prompt_len + max_new_tokens) / block_size) * block_size
+
+
+def test_the_default_cache_holds_the_running_batch_at_its_longest_in_whole_blocks():
+    for dp, serve in ((1, dict(batch=2, prompt_len=6, max_new_tokens=6)),
+                      (2, dict(batch=5, prompt_len=9, max_new_tokens=20, block_size=4)),
+                      (1, dict(batch=3, prompt_len=16, max_new_tokens=16, block_size=16))):
+        sv = compile_config(serve_config(dp=dp, serve=serve)).data["serve"]
+        want = _expected(math.ceil(serve["batch"] / dp), serve["prompt_len"], serve["max_new_tokens"],
+                         serve.get("block_size", 16))
+        assert sv["kv_cache_tokens"] == want and sv["kv_blocks"] * sv["block_size"] == want, (serve, sv)
+        assert sv["max_concurrent_tokens"] > 100 * want        # memory was not the bound
+    # a spec's own kv_cache_tokens stays as given (whole blocks)
+    sv = compile_config(serve_config(serve=dict(kv_cache_tokens=1000))).data["serve"]
+    assert sv["kv_cache_tokens"] == 1000 // 16 * 16
+
+
+def test_memory_still_bounds_the_default():
+    src = SPEC.replace("KV", "").replace("gpus_per_node = 1", "gpus_per_node = 1, memory = 4 MiB")
+    sv = parcompile.compile(src.replace("batch = 4", "batch = 64"), filename="s.par").data["serve"]
+    assert sv["kv_cache_tokens"] == sv["max_concurrent_tokens"] // 16 * 16 < _expected(64, 16, 40, 16)
+
+
+def test_a_cache_over_half_the_hosts_memory_warns_at_the_key():
+    plan = parcompile.compile(SPEC.replace("KV", ""), filename="s.par")
+    assert not [w for w in plan.warnings if w.code == "host-memory"]
+    plan = parcompile.compile(SPEC.replace("KV", "    kv_cache_tokens = 20000000\n"), filename="s.par")
+    sv = plan.data["serve"]
+    memory = plan.config.cluster.memory          # the fixed figures: 16 GiB a rank
+    assert sv["kv_cache_tokens"] * sv["kv_bytes_per_token"] > memory / 2
+    (w,) = [w for w in plan.warnings if w.code == "host-memory"]
+    assert w.severity == "warning" and (w.span.line, w.span.column) == (10, 23)   # the value and w.span.file == "s.par"
+    assert f"set kv_cache_tokens = {_expected(4, 16, 40, 16):,}" in w.help and "20,000,000 tokens" in w.message
