@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Mapping, NamedTuple
 
 from parcompile.analysis.compute import op_fwd_flops
-from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm
+from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm, moved_bytes
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, Trait, op_collectives
@@ -146,7 +146,9 @@ def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recomput
 
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
                 pp: int) -> CommReport:
-    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`); a
+    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`) at the bytes
+    they move (:func:`parcompile.ir.fp8.moved_bytes`: FP8 tp all-gathers at 1 byte per element
+    plus scales), read alike by ``comm.collectives``, ``per_step`` and the time model (``raw``); a
     tensor-parallel all-gather's or reduce-scatter's carry the FLOPs of the GEMMs they
     overlap under ``cluster.tp_comm_overlap`` (:func:`overlapped_gemm_flops`)."""
     m = num_microbatches
@@ -159,6 +161,9 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
         local_out = nd.sharding.local_type(nd.type, degrees)
         pair = overlapped_gemm_flops(graph, nd, degrees) if nd.has_trait(Trait.CONVERSION) else (0, 0)
         for c in op_collectives(nd, degrees, local_in, local_out):
+            nbytes = moved_bytes(graph, nd, c)
+            if nbytes != c.bytes:
+                c = dataclasses.replace(c, bytes=nbytes)
             if pair != (0, 0) and c.axis == "tp":
                 c = dataclasses.replace(c, gemm_flops=pair)
             stage = c.stage if c.stage is not None else (nd.stage or 0)
