@@ -46,6 +46,7 @@ def test_fp8_plan_lists_its_tp_all_gathers_at_one_byte_per_element():
              and c["where"].startswith("layers.")]
     assert layer and {c["phase"] for c in layer} == {"forward", "backward", "recompute"}
     assert {c["bytes"] for c in layer} == {elements * 1}
+    assert {c.get("program_bytes") for c in layer} == {elements * 2}   # the program gathers 16 bits (verify)
     head = [c for c in fp8["comm"]["collectives"] if c["op"] == "all_gather" and c["axis"] == "tp"
             and c["where"] == "lm_head"]
     assert head and {c["bytes"] for c in head} == {elements * 2}

@@ -268,9 +268,8 @@ def moved_bytes(graph: Graph, nd: Node, c: Collective) -> int:
     comes from the amax all-reduce); ``c.bytes`` is the 16-bit size (elements x
     ``nd.type.itemsize``). Every other collective (the LM head's gather, the MoE token
     traffic over ep and expert_tp, which stays 16-bit: module docstring) moves ``c.bytes``.
-    The generated program gathers these in 16 bits and casts after (runtime/model/fp8.py):
-    ``verify`` of such a plan (tensorwise, tp > 1, sequence parallelism) reports the gathers'
-    sizes as differing from the plan's."""
+    The generated program gathers these in 16 bits and casts after (runtime/model/fp8.py): the
+    plan's row keeps that size as ``program_bytes``, what ``verify`` measures."""
     marks = getattr(graph, "fp8", None)
     if (marks is None or not RECIPES[marks.recipe].tp_gather_fp8 or c.op != "all_gather" or c.axis != "tp"
             or c.per != "microbatch" or not nd.has_trait(Trait.CONVERSION) or nd.op.layer is None
