@@ -275,6 +275,8 @@ def cmd_run(args) -> int:
         raise _Usage("--prompt is for serve specs; this spec trains")
     if serve and args.checkpoint_dir:
         raise _Usage("--checkpoint-dir is for training specs; a serve spec reads `weights`")
+    if getattr(args, "force", False) and (serve or not cfg.train.hf_output):
+        raise _Usage("--force replaces the spec's hf_output; this spec has none")
     if problems:
         _print_diags(problems, _read(args.spec)[1])
         return EXIT_SPEC
@@ -287,6 +289,8 @@ def cmd_run(args) -> int:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).absolute())]
     for p in args.prompt or []:
         cmd += ["--prompt", p]
+    if getattr(args, "force", False):
+        cmd += ["--force"]
     print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
     from parcompile import jobs
 
@@ -447,7 +451,8 @@ def cmd_export_weights(args) -> int:
     spec's tokenizer files), written atomically. Any layout's checkpoint: DCP holds
     global tensors."""
     from parcompile.runtime.data.dataset import DataError
-    from parcompile.runtime.state.hf_export import export_weights, tokenizer_outputs
+    from parcompile.core.outputs import run_identity
+    from parcompile.runtime.state.hf_export import checkpoint_step, export_weights, tokenizer_outputs
     from parcompile.runtime.state.weights import WeightsError
 
     if not args.output.strip():
@@ -468,7 +473,10 @@ def cmd_export_weights(args) -> int:
         print(f"error: tokenizer: {e}", file=sys.stderr)
         return EXIT_SPEC
     try:
-        export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation)
+        root, step = checkpoint_step(args.ckpt_dir)
+        run = run_identity(json.loads(plan.to_json()), root, step)
+        export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation, run=run,
+                       force=args.force)
     except (WeightsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SPEC
@@ -596,6 +604,8 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--steps", type=_at_least_one, help="override the number of training steps")
     p.add_argument("--checkpoint-dir", help="training specs: save the final weights here (DCP), for serving")
     p.add_argument("--prompt", action="append", help="serve specs: a prompt (repeat for a batch)")
+    p.add_argument("--force", action="store_true",
+                   help="training specs: replace an hf_output another run wrote (refused by default, naming that run)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("serve", help="start the serve program as an OpenAI-compatible HTTP server")
@@ -652,6 +662,8 @@ def _add_export_commands(sub) -> None:
     p.add_argument("spec")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint_dir a training program wrote (or a step_N)")
     p.add_argument("-o", "--output", required=True, help="the Hugging Face checkpoint directory to write")
+    p.add_argument("--force", action="store_true",
+                   help="replace an output another run wrote there (refused by default, naming that run)")
     p.set_defaults(fn=cmd_export_weights)
 
 

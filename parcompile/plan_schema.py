@@ -173,8 +173,8 @@ class PerStep(_Strict):
 
 
 class Collective(_Strict):
-    """One row of ``comm.collectives`` (``stage``, ``phase``, ``routed`` and
-    ``bytes_per_row`` are extensions)."""
+    """One row of ``comm.collectives`` (``stage``, ``phase``, ``routed``,
+    ``bytes_per_row`` and ``program_bytes`` are extensions)."""
 
     op: Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
     axis: Axis
@@ -185,6 +185,9 @@ class Collective(_Strict):
     phase: Literal["forward", "backward", "recompute", "step"]
     routed: Optional[bool] = Field(default=None, description="MoE token traffic sized by the router")
     bytes_per_row: Optional[int] = Field(default=None, ge=0, description="bytes one routed token row adds")
+    program_bytes: Optional[int] = Field(
+        default=None, ge=0, description="where the generated program moves another size than `bytes` (it "
+                                        "gathers FP8 tp inputs in 16 bits): that size, what verify measures")
 
 
 class GradBucket(_Strict):

@@ -508,12 +508,14 @@ def check_routed(records: list[dict], plan: dict) -> tuple[list[str], Check | No
 
 def predicted_collectives(plan: dict, stage: int, routed: bool = True) -> dict[tuple[str, str, int], int]:
     """The plan's collectives for one rank of ``stage``: (op, axis, bytes) -> count per step
-    (``routed=False``: without the MoE token traffic sized by the router)."""
+    (``routed=False``: without the MoE token traffic sized by the router), at the size the
+    generated program moves (``program_bytes`` where the plan lists it: FP8 tp all-gathers
+    the program runs in 16 bits)."""
     out: dict[tuple[str, str, int], int] = {}
     for c in plan["comm"]["collectives"]:
         if c.get("stage", stage) != stage or c["count"] == 0 or (c.get("routed") and not routed):
             continue
-        key = (c["op"], c["axis"], int(c["bytes"]))
+        key = (c["op"], c["axis"], int(c.get("program_bytes") or c["bytes"]))
         out[key] = out.get(key, 0) + int(c["count"])
     return out
 

@@ -209,6 +209,55 @@ def test_export_weights_into_a_directory_of_other_files_is_refused(workdir, caps
     assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0  # its own
 
 
+def test_export_weights_refuses_the_output_of_another_run_unless_forced(workdir, capsys):
+    """Issue 47: before, `export-weights ... -o hf` replaced the output another run (another
+    spec, another checkpoint_dir) had written there, without a word. Now the marker records the
+    run (plan name and digest, checkpoint_dir, step); another run's output is refused in one
+    line naming it and --force; the same run (a later step) replaces its own."""
+    from parcompile.frontend.checks import expected_shapes
+
+    a, b = _spec(workdir, name="a"), _spec(workdir, name="b", lr="2e-2")
+    shapes = expected_shapes(parcompile.compile(a).config.model)
+    _dcp_checkpoint(workdir / "ck_a", {k: torch.ones(v) for k, v in shapes.items()}, step=2)
+    _dcp_checkpoint(workdir / "ck_b", {k: torch.zeros(v) for k, v in shapes.items()}, step=5)
+    assert main(["export-weights", str(a), str(workdir / "ck_a"), "-o", str(workdir / "hf")]) == 0
+    run = json.loads((workdir / "hf" / HF_MARKER).read_text())["run"]
+    assert run["plan"] == "a" and run["step"] == 2 and run["checkpoint_dir"] == os.path.realpath(workdir / "ck_a")
+    capsys.readouterr()
+    for spec, ckpt in ((b, "ck_b"), (a, "ck_b"), (b, "ck_a")):   # another spec, another checkpoint_dir, both
+        rc = main(["export-weights", str(spec), str(workdir / ckpt), "-o", str(workdir / "hf")])
+        said = capsys.readouterr().err.strip()
+        assert rc == EXIT_SPEC and len(said.splitlines()) == 1, said
+        assert "holds the Hugging Face output of another run (plan `a`" in said and "step 2" in said, said
+        assert "--force" in said, said
+    assert json.loads((workdir / "hf" / HF_MARKER).read_text())["run"] == run   # untouched
+    _dcp_checkpoint(workdir / "ck_a", {k: torch.ones(v) for k, v in shapes.items()}, step=3)
+    assert main(["export-weights", str(a), str(workdir / "ck_a"), "-o", str(workdir / "hf")]) == 0  # same run
+    assert json.loads((workdir / "hf" / HF_MARKER).read_text())["run"]["step"] == 3
+    assert main(["export-weights", str(b), str(workdir / "ck_b"), "-o", str(workdir / "hf"), "--force"]) == 0
+    assert json.loads((workdir / "hf" / HF_MARKER).read_text())["run"]["plan"] == "b"
+
+
+def test_hf_output_of_another_run_is_refused_before_training_unless_forced(workdir):
+    """Issue 47: before, a training program whose hf_output held another run's output trained
+    and replaced it at the end. Now preflight refuses it before the first step, naming the
+    run and --force (`parcompile run --force` passes it on); with --force the run writes it."""
+    a = _program(workdir, _spec(workdir, '    hf_output = "out"', name="a", steps=1))
+    b = _program(workdir, _spec(workdir, '    hf_output = "out"', name="b", steps=1, lr="2e-2"))
+    _run(a, workdir)
+    run = json.loads((workdir / "out" / HF_MARKER).read_text())["run"]
+    assert run["plan"] == "a" and run["step"] == 1 and run["checkpoint_dir"] is None
+    _run(a, workdir)   # the same spec again: its own output
+    metrics = workdir / "b.jsonl"
+    with pytest.raises(TrainError, match=r"another run \(plan `a` .*--force"):
+        _run(b, workdir, "--metrics", metrics)
+    assert not metrics.exists() or "loss" not in metrics.read_text()   # refused before the first step
+    assert json.loads((workdir / "out" / HF_MARKER).read_text())["run"] == run
+    _run(b, workdir, "--force")
+    assert json.loads((workdir / "out" / HF_MARKER).read_text())["run"]["plan"] == "b"
+    assert main(["run", str(_spec(workdir, name="c")), "--force"]) == 2   # no hf_output to force: usage
+
+
 # ------------------------------------------------------------------ 7. no checkpoint runs code
 
 

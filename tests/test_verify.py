@@ -158,6 +158,9 @@ CASES = {
     "fp8_dp2_tp2_pp2_zero1_bf16_first_layer": dict(dp=2, tp=2, pp=2, parallel=dict(zero=1), train=dict(
         precision="fp8", fp8_bf16_layers_start=1)),
     # full recomputation: a layer's forward, its FP8 casts and their amax all-reduces over tp, run again
+    # issue 47: tensorwise's tp all-gathers are listed at FP8 bytes (what torchao's Float8 TP plan
+    # moves) with the 16 bits the program gathers as program_bytes, which verify compares
+    "fp8_tp2_sequence_parallel": dict(tp=2, parallel=dict(sequence_parallel=True), train=dict(precision="fp8")),
     "fp8_tp2_pp2_recompute_full": dict(tp=2, pp=2, parallel=dict(recompute="full"), train=dict(precision="fp8")),
     # MXFP8 (32-element E8M0 blocks along each GEMM's reduction dimension, emulated on the CPU:
     # runtime/model/fp8.py mx_mm); sequence parallelism so the column-parallel GEMMs read gathered inputs

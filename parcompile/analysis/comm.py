@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Mapping, NamedTuple
 
 from parcompile.analysis.compute import op_fwd_flops
-from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm
+from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm, moved_bytes
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Collective, Trait, op_collectives
@@ -50,6 +50,10 @@ class CollectiveEntry(NamedTuple):
     #: estimate, ``bytes_per_row`` what one routed token row adds (``verify`` recomputes the
     #: size from the rows the router actually sent)
     bytes_per_row: int = 0
+    #: > 0 where the generated program moves another size than ``bytes`` (the FP8 tp
+    #: all-gathers of :func:`parcompile.ir.fp8.moved_bytes`, which the program runs in 16 bits
+    #: and casts after): that size, what ``verify`` measures
+    program_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = {"op": self.op, "axis": self.axis, "bytes": self.bytes, "count": self.count,
@@ -57,6 +61,8 @@ class CollectiveEntry(NamedTuple):
         if self.bytes_per_row:
             d["routed"] = True
             d["bytes_per_row"] = self.bytes_per_row
+        if self.program_bytes:
+            d["program_bytes"] = self.program_bytes
         return d
 
 
@@ -146,11 +152,14 @@ def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recomput
 
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
                 pp: int) -> CommReport:
-    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`); a
+    """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`) at the bytes
+    they move (:func:`parcompile.ir.fp8.moved_bytes`: FP8 tp all-gathers at 1 byte per element
+    plus scales), read alike by ``comm.collectives``, ``per_step`` and the time model (``raw``); a
     tensor-parallel all-gather's or reduce-scatter's carry the FLOPs of the GEMMs they
     overlap under ``cluster.tp_comm_overlap`` (:func:`overlapped_gemm_flops`)."""
     m = num_microbatches
     counts: dict[tuple, int] = {}
+    program: dict[tuple, int] = {}   # (op, axis, bytes, where): the program's own size where it differs
     order: dict[tuple, int] = {}
     raw = []
     for nd in graph.nodes():
@@ -159,6 +168,10 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
         local_out = nd.sharding.local_type(nd.type, degrees)
         pair = overlapped_gemm_flops(graph, nd, degrees) if nd.has_trait(Trait.CONVERSION) else (0, 0)
         for c in op_collectives(nd, degrees, local_in, local_out):
+            nbytes = moved_bytes(graph, nd, c)
+            if nbytes != c.bytes:
+                program[(c.op, c.axis, nbytes, c.where)] = c.bytes
+                c = dataclasses.replace(c, bytes=nbytes)
             if pair != (0, 0) and c.axis == "tp":
                 c = dataclasses.replace(c, gemm_flops=pair)
             stage = c.stage if c.stage is not None else (nd.stage or 0)
@@ -179,7 +192,8 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 order.setdefault(key, len(order))
         _add_fp8_amax(graph, nd, degrees, m, recompute, counts, order)
     entries = sorted(counts, key=lambda k: (k[4], order[k]))
-    colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r)
+    colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r,
+                                  program.get((op, axis, b, w), 0))
                   for (op, axis, b, w, s, ph, r) in entries)
     per_stage = [{a: Fraction(0) for a in DEGREE_AXES} for _ in range(pp)]
     for e in colls:

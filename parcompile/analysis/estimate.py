@@ -354,7 +354,8 @@ def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     chunk, the seconds of the forward's (``cf``) and backward's (``cb``, with the
     recomputed forward's under full recomputation) blocking collectives of ``comm.raw``,
     each timed by the network model on its axis' link (:func:`collective_time`; the ep
-    all-to-alls at :func:`routed_share` of their bytes, FP8 collectives at ``f8``'s bytes,
+    all-to-alls at :func:`routed_share` of their bytes, the others at the bytes they move (FP8 tp all-gathers
+    included: :func:`parcompile.ir.fp8.moved_bytes`),
     an overlapped tp collective by :func:`tp_exposed` against its GEMM at ``rate``
     FLOP/s), the FP8 tensorwise scales' all-reduces over tp, and ``p2p``: the longest
     pipeline send (Megatron-LM's scatter/gather over tp without sequence parallelism)."""
@@ -374,8 +375,6 @@ def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         fam = AXIS_FAMILY.get(c.axis, c.axis)
         link = links.get(c.axis) or make_link(cl, 1, 1, eff)
         nbytes = c.bytes * share if fam == "ep" and c.op == "all_to_all" else c.bytes
-        if f8 is not None:
-            nbytes = f8.collective_bytes(c.op, fam, getattr(c, "where", ""), nbytes)
         t = collective_time(c.op, nbytes, degrees.get(c.axis, 1), link)
         if overlap_tp and fam == "tp" and c.gemm_flops != (0, 0):
             f8_flops, other = c.gemm_flops

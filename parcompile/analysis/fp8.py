@@ -4,7 +4,8 @@ policy, :mod:`parcompile.ir.fp8`. The one place these costs live: the compute re
 the FP8 GEMMs' FLOPs and the elements their casts read (:func:`is_fp8_gemm`,
 :func:`cast_elements`), the time model prices them (:func:`fp8_costs`), the step
 collectives gather FP8 weights (:func:`gathers_fp8`; each bucket's two all-gathers sized by
-:func:`parcompile.core.buckets.fp8_gather_elements`), the memory model keeps
+:func:`parcompile.core.buckets.fp8_gather_elements`), a layer's tp all-gathers move FP8 under
+tensorwise (:func:`parcompile.ir.fp8.moved_bytes`, read by the report and the time model), the memory model keeps
 their FP8 copies (:func:`weight_copy_bytes`), plan.json says what was assumed
 (:func:`assumptions`).
 
@@ -172,19 +173,9 @@ class Fp8Costs:
     rec_weight: float
     amax: bool
     amax_weights: bool
-    #: bytes per byte of a layer's tensor-parallel all-gathers (:attr:`Recipe.tp_gather_fp8`:
-    #: FP8 over the model dtype; 1 otherwise)
-    tp_gather: float = 1.0
     #: whether the casts read a tp all-gather's local input and a reduce-scatter's local
     #: output gradient (:func:`cast_elements`' ``input_tp``, ``output_tp``)
     sharded_casts: bool = False
-
-    def collective_bytes(self, op: str, family: str, where: str, nbytes: float) -> float:
-        """The bytes a per-micro-batch collective moves under FP8: a layer's tp all-gather
-        (``where`` a ``layers.`` op) times :attr:`tp_gather`; every other collective its own."""
-        if self.tp_gather != 1.0 and family == "tp" and op == "all_gather" and where.startswith("layers."):
-            return nbytes * self.tp_gather
-        return nbytes
 
 
 def fp8_costs(cfg, fraction: float, bandwidth: float, degrees: Mapping[str, int],
@@ -207,8 +198,7 @@ def fp8_costs(cfg, fraction: float, bandwidth: float, degrees: Mapping[str, int]
         w_fwd = w_bwd = 0
     tp = degrees.get("tp", 1)
     return Fp8Costs(fp8_rate(cfg, fraction), (fx + bx) * per, bg * per, (w_fwd + w_bwd) * per, fx * per,
-                    w_fwd * per, r.amax and tp > 1, r.amax and tp > 1 and not cached_weights,
-                    (1 + r.scale_bytes) / cfg.model.dtype_bytes if r.tp_gather_fp8 else 1.0, tp_casts)
+                    w_fwd * per, r.amax and tp > 1, r.amax and tp > 1 and not cached_weights, tp_casts)
 
 
 def _bf16_layers_text(cfg) -> str:

@@ -6,7 +6,10 @@
   an empty directory, or a directory that holds only what an earlier output of parcompile
   wrote: :data:`HF_MARKER` lists those files (:func:`hf_output_problem`). Anything else
   (a file, a directory holding the training data, the spec's own directory) is refused
-  before anything is written.
+  before anything is written. The marker also records which run wrote the output
+  (:func:`run_identity`: the plan's name and digest, the checkpoint directory and step); an
+  output of another run is refused unless the user forces it (``export-weights --force``,
+  ``parcompile run --force``), naming that run (:func:`hf_output_problem`).
 - A checkpoint directory (``checkpoint_dir``) must be creatable and writable: no file in
   its place or above it, and a real write probe succeeds (permission bits say nothing to
   root; a read-only mount or a file in the way does) (:func:`write_problem`); and its
@@ -19,6 +22,8 @@ is usable, else one sentence saying why not, naming the path.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -29,7 +34,7 @@ from parcompile.core.files import json_loads
 from parcompile.core.units import bytes_text
 
 #: the file a Hugging Face output of parcompile holds beside its tensors: JSON
-#: ``{"written_by": "parcompile", "files": [the names written]}``
+#: ``{"written_by": "parcompile", "files": [the names written], "run": run_identity(...)}``
 HF_MARKER = ".parcompile-output.json"
 
 
@@ -115,18 +120,69 @@ def written_files(directory: str | os.PathLike) -> set[str] | None:
     return set(files)
 
 
-def hf_output_problem(path: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None) -> str | None:
+def run_identity(plan: dict, checkpoint_dir: str | os.PathLike | None = None, step: int | None = None) -> dict:
+    """Which run writes a Hugging Face output (the :data:`HF_MARKER`'s ``run``): ``plan`` the
+    plan.json's ``name``, ``plan_digest`` the first 16 hex digits of the SHA-256 of plan.json
+    (``plan``, a dict, serialized with sorted keys: the same spec compiles to the same plan),
+    ``checkpoint_dir`` the run's checkpoint root (real path; None: a run without checkpoints),
+    ``step`` the optimizer steps the weights went through (None: not known yet). Two outputs
+    are of the same run when the digests agree and so do the checkpoint roots where both have
+    one (:func:`same_run`: a later step of the same run replaces its earlier output, and so does
+    the same spec run again, with or without checkpoints)."""
+    text = json.dumps(plan, sort_keys=True, separators=(",", ":"))
+    return {"plan": str(plan.get("name", "")), "plan_digest": hashlib.sha256(text.encode()).hexdigest()[:16],
+            "checkpoint_dir": os.path.realpath(checkpoint_dir) if checkpoint_dir else None, "step": step}
+
+
+def written_run(directory: str | os.PathLike) -> dict | None:
+    """The ``run`` an earlier Hugging Face output of parcompile in ``directory`` recorded in
+    its :data:`HF_MARKER` (:func:`run_identity`), or None (no marker, or one written before
+    outputs recorded their run: such an output is replaced as before)."""
+    try:
+        data = json_loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    run = data.get("run") if isinstance(data, dict) else None
+    return run if isinstance(run, dict) and isinstance(run.get("plan_digest"), str) else None
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """Whether run identities ``a`` and ``b`` (:func:`run_identity`) name the same run: the same
+    plan digest, and the same checkpoint root unless one of them has none."""
+    ca, cb = a.get("checkpoint_dir"), b.get("checkpoint_dir")
+    return a.get("plan_digest") == b.get("plan_digest") and (ca is None or cb is None or ca == cb)
+
+
+def run_text(run: dict) -> str:
+    """A run identity in words: ``plan `tiny` (a1b2c3d4e5f60718), checkpoint_dir `/x/ckpt` step 40``."""
+    out = f"plan `{run.get('plan', '')}` ({run.get('plan_digest')})"
+    if run.get("checkpoint_dir"):
+        out += f", checkpoint_dir `{run['checkpoint_dir']}`"
+    if run.get("step") is not None:
+        out += f" step {run['step']}"
+    return out
+
+
+def hf_output_problem(path: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None,
+                      run: dict | None = None, force: bool = False) -> str | None:
     """Why a Hugging Face output may not be written at ``path`` (module docstring), or
     None: absent, an empty directory, or one whose every entry is a file an earlier
     output of parcompile listed in its :data:`HF_MARKER`; and its parent can be written
     (the output is renamed into place from a sibling). With the run's ``checkpoint_dir``
     (None: no checkpoints), the two must not overlap (:func:`overlaps`): replacing the
     output would replace the checkpoints, or the checkpoints make it a directory of other
-    files that the end of the run refuses to replace."""
+    files that the end of the run refuses to replace. With ``run`` (the writer's
+    :func:`run_identity`), an earlier output that another run wrote (:func:`written_run`,
+    :func:`same_run`) is refused, naming that run, unless ``force``."""
     problem = _hf_output_problem(path)
     if problem is None and checkpoint_dir is not None and overlaps(path, checkpoint_dir):
         problem = (f"hf_output `{path}` and checkpoint_dir `{checkpoint_dir}` overlap: writing the output would "
                    "replace the checkpoints")
+    if problem is None and run is not None and not force:
+        earlier = written_run(path)
+        if earlier is not None and not same_run(earlier, run):
+            problem = (f"`{path}` holds the Hugging Face output of another run ({run_text(earlier)}); "
+                       "pass --force to replace it")
     return problem
 
 
@@ -166,7 +222,7 @@ def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 HF_OUTPUT_HELP = ("give a new directory (or an empty one, or one an earlier hf_output or export-weights "
-                  "wrote); parcompile replaces only what it wrote")
+                  "of this run wrote; --force replaces another run's); parcompile replaces only what it wrote")
 
 __all__ = ["HF_MARKER", "HF_OUTPUT_HELP", "write_problem", "space_problem", "checkpoint_bytes", "written_files",
-           "hf_output_problem", "overlaps"]
+           "hf_output_problem", "overlaps", "run_identity", "written_run", "same_run", "run_text"]

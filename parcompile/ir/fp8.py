@@ -59,7 +59,7 @@ from typing import Mapping
 from parcompile.core.data_parallel import data_parallel_sharding
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.ir.graph import Graph, Node
-from parcompile.ir.ops import Trait
+from parcompile.ir.ops import Collective, Trait
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,33 @@ def _expert_amax_collectives(nd: Node, recipe: str, rows: int, h: int, degrees: 
     return out + _linear_amax(recipe, "row", "expert_tp", groups, h, ffn, 1, 4)
 
 
+def moved_bytes(graph: Graph, nd: Node, c: Collective) -> int:
+    """The bytes collective ``c`` of op ``nd`` moves on one rank: the one rule that sizes a
+    collective for ``comm.collectives``, the report's table, the per-step totals and the time
+    estimate (:func:`parcompile.analysis.comm.comm_report` applies it to every collective).
+
+    Under a recipe that gathers FP8 over tensor parallelism (:attr:`Recipe.tp_gather_fp8`,
+    tensorwise: torchao's Float8ColwiseParallel / Float8RowwiseParallel /
+    PrepareFloat8ModuleInput cast before they redistribute,
+    ``torchao/float8/float8_tensor_parallel.py`` at pytorch/ao 6243040), a decoder layer's
+    all-gather over ``tp`` (sequence parallelism: a column-parallel GEMM's input forward and
+    regathered in backward, a row-parallel GEMM's output gradient in backward) of a layer whose
+    GEMMs run in FP8 (not :func:`bf16_layers`) moves 1 byte per element plus the recipe's
+    scale bytes per element (:attr:`Recipe.scale_bytes`; tensorwise: 0, its one fp32 scale
+    comes from the amax all-reduce); ``c.bytes`` is the 16-bit size (elements x
+    ``nd.type.itemsize``). Every other collective (the LM head's gather, the MoE token
+    traffic over ep and expert_tp, which stays 16-bit: module docstring) moves ``c.bytes``.
+    The generated program gathers these in 16 bits and casts after (runtime/model/fp8.py): the
+    plan's row keeps that size as ``program_bytes``, what ``verify`` measures."""
+    marks = getattr(graph, "fp8", None)
+    if (marks is None or not RECIPES[marks.recipe].tp_gather_fp8 or c.op != "all_gather" or c.axis != "tp"
+            or c.per != "microbatch" or not nd.has_trait(Trait.CONVERSION) or nd.op.layer is None
+            or nd.op.layer in marks.bf16_layers):
+        return c.bytes
+    elements = c.bytes // nd.type.itemsize
+    return int(round(elements * (1 + RECIPES[marks.recipe].scale_bytes)))
+
+
 def enabled(cfg) -> bool:
     """Whether ``cfg`` (a SpecConfig) trains with FP8 GEMMs."""
     return cfg.workload == "train" and getattr(cfg.train, "precision", "model") == "fp8"
@@ -267,4 +294,4 @@ def gathers_fp8(cfg, par=None) -> bool:
         and data_parallel_sharding(cfg.parallel if par is None else par).shards_parameters
 
 
-__all__ = ["Recipe", "RECIPES", "GraphFp8", "bf16_layers", "graph_fp8", "fp8_kind", "is_fp8_gemm", "amax_collectives", "enabled", "gathers_fp8"]
+__all__ = ["Recipe", "RECIPES", "GraphFp8", "bf16_layers", "graph_fp8", "fp8_kind", "is_fp8_gemm", "amax_collectives", "moved_bytes", "enabled", "gathers_fp8"]

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from parcompile.core.model import ModelKeys
-from parcompile.core.outputs import HF_OUTPUT_HELP, checkpoint_bytes, hf_output_problem, space_problem, write_problem
+from parcompile.core.outputs import (HF_OUTPUT_HELP, checkpoint_bytes, hf_output_problem, run_identity, space_problem,
+                                     write_problem)
 from parcompile.runtime.state.hf_export import export_weights, tokenizer_outputs
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.data.dataset import load_tokenizer
@@ -61,14 +62,16 @@ def _saved_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def preflight(directory: str | os.PathLike | None, hf_output: str | os.PathLike | None, plan: dict,
-              optimizer: str, ctx: ParallelContext) -> None:
+              optimizer: str, ctx: ParallelContext, force: bool = False) -> None:
     """Before the first step: ``directory`` (the checkpoint_dir, None: no checkpoints) can
     be created and written and its file system holds one checkpoint of the plan's
     parameters (plan.json ``model.params`` and ``model.dtype``, trained with
     ``optimizer``: :func:`parcompile.core.outputs.checkpoint_bytes`); ``hf_output`` may be
     written, apart from ``directory`` (:mod:`parcompile.core.outputs`, the rules the
     spec's checks apply; ``--checkpoint-dir`` may name another directory, and files change
-    between check and run). Rank 0 looks; every rank raises together.
+    between check and run), and holds no output of another run
+    (:func:`parcompile.core.outputs.run_identity` of ``plan`` and ``directory``) unless
+    ``force`` (the program's ``--force``). Rank 0 looks; every rank raises together.
 
     Raises:
         TrainError: naming the path and why.
@@ -81,7 +84,7 @@ def preflight(directory: str | os.PathLike | None, hf_output: str | os.PathLike 
             problem = problem and f"checkpoint_dir: {problem}"
             help = "give a writable directory with room for a checkpoint (--checkpoint-dir, or the spec's key)"
         if not problem and hf_output:
-            problem = hf_output_problem(hf_output, directory or None)
+            problem = hf_output_problem(hf_output, directory or None, run_identity(plan, directory or None), force)
             problem, help = problem and f"hf_output: {problem}", HF_OUTPUT_HELP
     fail_together(ctx, problem, help)
 
@@ -262,14 +265,17 @@ def _writer(path: str, ctx: ParallelContext, step: int):
 
 
 def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx: ParallelContext,
-                    model_keys: dict, tokenizer: str | None) -> None:
+                    model_keys: dict, tokenizer: str | None, plan: dict | None = None,
+                    checkpoint_dir: str | os.PathLike | None = None, force: bool = False) -> None:
     """Write a Hugging Face checkpoint of the trained weights to ``out_dir`` (``hf_output``):
     every rank saves its shards as a parameters-only DCP checkpoint in a temporary
     sibling directory, then rank 0 reads the global tensors back and writes config.json,
     safetensors shards and the tokenizer files (:func:`parcompile.runtime.state.hf_export.export_weights`,
     atomic: a temporary directory renamed into place). One rule for every layout (tp, pp,
     ZeRO-3, tied heads), the same that ``parcompile export-weights`` runs on a checkpoint.
-    ZeRO-3 parameters must be gathered first (``opt.gather_for_export()``).
+    ZeRO-3 parameters must be gathered first (``opt.gather_for_export()``). With ``plan``
+    (plan.json) the output records its run (:func:`parcompile.core.outputs.run_identity` of
+    ``plan``, ``checkpoint_dir`` and ``step``) and replaces another run's only with ``force``.
     """
     out = Path(out_dir)
     tmp = out.parent / f".{out.name}.dcp"
@@ -280,7 +286,9 @@ def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx
     if ctx.rank == 0:
         try:
             files, generation = tokenizer_outputs(tokenizer)
-            export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation)
+            run = run_identity(plan, checkpoint_dir or None, step) if plan is not None else None
+            export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation, run=run,
+                           force=force)
         except (WeightsError, OSError) as e:   # e.g. hf_output became a directory of other files
             problem = f"hf_output: {failure_reason(e) if isinstance(e, OSError) else e.message}"
         finally:

@@ -152,7 +152,8 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 
 def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_dir: str | os.PathLike,
                         tokenizer_files: Iterable[str | os.PathLike] = (), dtype=None,
-                        max_shard_bytes: int = 5 * 2**30, *, generation_config: dict | None = None) -> Path:
+                        max_shard_bytes: int = 5 * 2**30, *, generation_config: dict | None = None,
+                        run: dict | None = None, force: bool = False) -> Path:
     """Write our global tensors ``state`` as a Hugging Face checkpoint of ``model``'s
     family into ``out_dir`` (module docstring); returns ``out_dir``.
 
@@ -160,16 +161,19 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_di
     ``max_shard_bytes``: the largest safetensors file (one tensor larger than it gets a
     file of its own); ``tokenizer_files`` are copied beside; ``generation_config``:
     written as ``generation_config.json`` when given (its ``bos_token_id``,
-    ``eos_token_id``, ``pad_token_id`` go into config.json too; else they are null).
+    ``eos_token_id``, ``pad_token_id`` go into config.json too; else they are null);
+    ``run``: the writer's :func:`parcompile.core.outputs.run_identity`, recorded in the
+    marker; an output another run wrote is replaced only with ``force``.
 
     Raises:
         WeightsError: see :func:`hf_tensors`; a tokenizer file that does not exist;
             ``out_dir`` holds something parcompile did not write (a file, a directory of
-            other files: :func:`parcompile.core.outputs.hf_output_problem`).
+            other files) or, without ``force``, the output of another run
+            (:func:`parcompile.core.outputs.hf_output_problem`).
     """
     from safetensors.torch import save_file
 
-    problem = hf_output_problem(out_dir)
+    problem = hf_output_problem(out_dir, run=run, force=force)
     if problem:
         raise WeightsError(problem, HF_OUTPUT_HELP)
 
@@ -211,6 +215,8 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], model: ModelKeys, out_di
             gen = {"_from_model_config": False, **generation_config}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         marker = {"written_by": "parcompile", "files": sorted(f.name for f in tmp.iterdir())}
+        if run is not None:
+            marker["run"] = run
         (tmp / HF_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if out.exists():
             os.replace(out, old)
@@ -266,4 +272,20 @@ def export_weights(ckpt_dir: str | os.PathLike, model: ModelKeys, out_dir: str |
     return write_hf_checkpoint(read_dcp_global(ckpt_dir), model, out_dir, tokenizer_files, **kw)
 
 
-__all__ = ["write_hf_checkpoint", "read_dcp_global", "export_weights", "hf_tensors", "tokenizer_outputs"]
+def checkpoint_step(ckpt_dir: str | os.PathLike) -> tuple[Path, int | None]:
+    """The checkpoint root and step of what :func:`read_dcp_global` reads from ``ckpt_dir``
+    (a root: its newest complete ``step_N``; a ``step_N`` directory: its parent and N); the
+    step is None for a directory not named ``step_N``.
+
+    Raises:
+        WeightsError: no checkpoint in ``ckpt_dir`` (:func:`dcp_metadata_path`).
+    """
+    step_dir = dcp_metadata_path(ckpt_dir).parent
+    name = step_dir.name
+    if name.startswith("step_") and name[5:].isdigit():
+        return step_dir.parent, int(name[5:])
+    return step_dir, None
+
+
+__all__ = ["write_hf_checkpoint", "read_dcp_global", "export_weights", "checkpoint_step", "hf_tensors",
+           "tokenizer_outputs"]
