@@ -51,3 +51,18 @@ def test_a_cache_over_half_the_hosts_memory_warns_at_the_key():
     (w,) = [w for w in plan.warnings if w.code == "host-memory"]
     assert w.severity == "warning" and (w.span.line, w.span.column) == (10, 23)   # the value and w.span.file == "s.par"
     assert f"set kv_cache_tokens = {_expected(4, 16, 40, 16):,}" in w.help and "20,000,000 tokens" in w.message
+
+
+def test_the_warnings_fix_is_the_default_rule_under_open_loop_arrivals():
+    """With ``request_rate`` and no ``batch`` a step holds the engine's default number of
+    sequences (vLLM's ``max_num_seqs``, analysis/serve.py OPEN_LOOP_SEQS), not the default
+    batch of 1: the warning's suggested kv_cache_tokens is that default's cache, the value the
+    plan takes without the key (was: batch_per_replica's, 64 tokens)."""
+    from parcompile.analysis.serve import OPEN_LOOP_SEQS
+
+    serve = dict(prompt_len=16, max_new_tokens=40, request_rate=5)
+    default = parcompile.compile(tiny_serve_spec(**serve), filename="s.par").data["serve"]["kv_cache_tokens"]
+    assert default == OPEN_LOOP_SEQS * _expected(1, 16, 40, 16)
+    plan = parcompile.compile(tiny_serve_spec(**serve, kv_cache_tokens=20000000), filename="s.par")
+    (w,) = [w for w in plan.warnings if w.code == "host-memory"]
+    assert f"set kv_cache_tokens = {default:,} (what {OPEN_LOOP_SEQS} running sequences" in w.help, w.help
