@@ -898,6 +898,20 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
         status, body = await post({"messages": [{"role": "user", "content": "hi"}], "echo": True,
                                    "max_tokens": 2}, "/v1/chat/completions")
         assert status == 400 and body["error"]["param"] == "echo"
+        # what would change where a sequence ends or what its text holds, or ask for a tool call
+        # (vLLM: 400 for a tool_choice but "none" without tools): refused, not ignored
+        for key, value in (("ignore_eos", True), ("stop_token_ids", [65]), ("include_stop_str_in_output", True),
+                           ("skip_special_tokens", False), ("tool_choice", "required"), ("tool_choice", "auto"),
+                           ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("tool_choice", 5),
+                           ("chat_template", "{{ messages }}"), ("add_generation_prompt", False),
+                           ("continue_final_message", True)):
+            status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, key: value},
+                                      "/v1/chat/completions")
+            assert status == 400 and body["error"]["param"] == key and "not supported" in body["error"]["message"]
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
+                                   "tool_choice": "none", "ignore_eos": False, "add_generation_prompt": True},
+                                  "/v1/chat/completions")
+        assert status == 200, body
         # what is implemented refuses values beyond its limits (and the server goes on)
         for extra, param, words in (({"logprobs": 21}, "logprobs", "less than or equal to 20"),
                                     ({"n": 3, "best_of": 2}, "best_of", "at least `n`"),
