@@ -562,6 +562,23 @@ def test_scheduler_admits_in_order_takes_blocks_as_tokens_need_them_and_frees():
     assert s.stats()["blocks_free"] == 3 and s.freed == ["b"]
 
 
+def test_an_end_token_drawn_as_the_last_allowed_token_finishes_with_stop():
+    """vLLM's check_stop tests the end token before ``max_tokens`` (vllm-project/vllm
+    vllm/v1/core/sched/utils.py at 018d5dc): a sequence whose ``max_tokens``-th token is an
+    end token ends "stop" (that token kept, :class:`Generation` leaves it out of the text),
+    another token there ends "length"."""
+    s = paged.Scheduler(blocks=8, block_size=16, max_seqs=4)
+    for rid, max_tokens in (("one", 1), ("two", 2), ("long", 2)):
+        s.add(rid, [1] * 4, {"max_tokens": max_tokens, "eos": [9]})
+    step = s.next_step()
+    got = s.collect([paged.Row(*r) for r in step["rows"]], [9, 7, 7])
+    assert [(rid, tok, reason) for rid, tok, reason, _ in got] == [("one", 9, "stop"), ("two", 7, None),
+                                                                   ("long", 7, None)]
+    step = s.next_step()
+    got = s.collect([paged.Row(*r) for r in step["rows"]], [9, 8])
+    assert [(rid, tok, reason) for rid, tok, reason, _ in got] == [("two", 9, "stop"), ("long", 8, "length")]
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
