@@ -1522,6 +1522,19 @@ def test_front_returns_the_end_token_and_its_logprob_and_counts_it_as_vllm_does(
         assert done[-1].choices[0].finish_reason == "stop" and parts[-1].usage.completion_tokens == 3
         assert [x.token for p in done if p.choices[0].logprobs for x in p.choices[0].logprobs.content] == \
             [a, a, end]
+        # n > 1: each sample keeps its own end token, streamed chunks interleaved by index
+        r = c.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=1, n=2,
+                                 extra_body={"return_token_ids": True})
+        assert [(ch.index, ch.text, _extra(ch, "token_ids"), ch.logprobs.tokens, ch.finish_reason)
+                for ch in r.choices] == [(i, a * 2, [65, 65, eot], [a, a, end], "stop") for i in range(2)]
+        assert r.usage.completion_tokens == 6
+        parts = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, logprobs=True, n=2,
+                                               stream=True, stream_options={"include_usage": True}))
+        for i in range(2):
+            mine = [p.choices[0] for p in parts if p.choices and p.choices[0].index == i]
+            assert "".join(x.delta.content or "" for x in mine) == a * 2 and mine[-1].finish_reason == "stop"
+            assert [x.token for m in mine if m.logprobs for x in m.logprobs.content] == [a, a, end]
+        assert parts[-1].usage.completion_tokens == 6
 
 
 def test_echo_scores_a_full_context_prompt_with_max_tokens_0_and_refuses_one_longer():
