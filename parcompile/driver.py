@@ -38,7 +38,8 @@ from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
-from parcompile.analysis.serve import ServeReport, fit_advice, prefill_config, running_tokens, serve_report
+from parcompile.analysis.serve import (ServeReport, fit_advice, prefill_config, running_limit, running_tokens,
+                                      serve_report)
 from parcompile.frontend.checks import does_not_fit_help
 from parcompile.config.presets import fp8_storage
 from parcompile.config.schema import SpecConfig
@@ -362,10 +363,11 @@ def _check_host_kv(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic]
     cache = rep.kv_cache_tokens * rep.kv_bytes_per_token
     if cl.preset != "cpu" or cache <= HOST_KV_SHARE * cl.memory:
         return
-    seqs = running_tokens(rep.batch_per_replica, rep.context, rep.block_size)
+    seqs = running_tokens(cfg, rep.replicas)     # the default's rule (analysis/serve.py kv_cache_limit)
     warnings.append(Diagnostic(
         "warning", f"the server's KV cache of {rep.kv_cache_tokens:,} tokens takes {bytes_text(cache)} per rank, more "
                    f"than {HOST_KV_SHARE:.0%} of the {bytes_text(cl.memory)} of this machine's memory each of its "
                    f"{cl.gpus_per_node} rank(s) has", cfg.span("serve.kv_cache_tokens"),
-        help=f"set kv_cache_tokens = {seqs:,} (what batch {rep.batch_per_replica} of {rep.context:,} tokens uses) or "
+        help=f"set kv_cache_tokens = {seqs:,} (what {running_limit(cfg, rep.replicas)} running sequences of "
+             f"{rep.context:,} tokens use, the default without it) or "
              f"less, or lower batch", code="host-memory"))

@@ -51,12 +51,20 @@ def end(proc: subprocess.Popen, grace_s: float = 0.0,
     ``wait_s`` (None: until it exits) before the next. SIGTERM lets torchrun stop its ranks
     itself; the ranks of a torchrun that was SIGKILLed die by their death signal. A
     Ctrl-C while waiting moves on to the next signal at once (never leaves the job).
-    Returns the job's exit status."""
+    Returns the job's exit status.
+
+    Nothing is signalled once ``proc`` has been reaped (another thread's ``wait``, as
+    :class:`parcompile.server.engines.Engines`' watcher, may reap it while this one's wait
+    times out): its pid, and so its process group's id and its children, may be another
+    process's by then (``Popen.send_signal`` skips a reaped process alike, CPython
+    Lib/subprocess.py)."""
     try:
         return proc.wait(grace_s)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         pass
     for sig, wait_s in signals:
+        if proc.poll() is not None:      # reaped meanwhile: its ids may be reused
+            return proc.returncode
         if sig == signal.SIGKILL:
             _kill_ranks(proc.pid)
         try:

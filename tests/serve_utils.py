@@ -38,6 +38,20 @@ def serve_config(dp=1, tp=1, pp=1, *, model=None, serve=None, name="s", parallel
                       parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, **(parallel or {})), workload="serve", serve=ServeConfig(**sk))
 
 
+def tiny_serve_spec(**serve) -> str:
+    """A `serve` spec's text, for tests that need a spec file (file:line:col diagnostics,
+    `parcompile serve` itself): a 2-layer Llama of hidden 64 (vocab 256, context 64, fp32) on
+    one `cpu` rank, the serve block's keys ``serve`` one a line in their order from line 7
+    (``    key = value``)."""
+    lines = "".join(f"    {k} = {v}\n" for k, v in serve.items())
+    return ("model tiny {\n"
+            "    layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128\n"
+            "    vocab = 256, seq_len = 64, dtype = fp32\n"
+            "}\n"
+            'cluster local from "cpu" { gpus_per_node = 1 }\n'
+            "serve {\n" + lines + "}\n")
+
+
 def build_serve(cfg: SpecConfig, out: Path) -> dict:
     """Compile ``cfg`` and write plan.json and serve.py into ``out``; returns the plan dict."""
     plan = compile_config(cfg)

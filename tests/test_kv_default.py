@@ -8,21 +8,11 @@ from __future__ import annotations
 import math
 
 import parcompile
-from tests.serve_utils import serve_config
+from tests.serve_utils import serve_config, tiny_serve_spec
 
 from parcompile.driver import compile_config
 
-SPEC = """model tiny {
-    layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
-    vocab = 256, seq_len = 64, dtype = fp32
-}
-cluster local from "cpu" { gpus_per_node = 1 }
-serve {
-    batch = 4
-    prompt_len = 16
-    max_new_tokens = 40
-KV}
-"""
+SPEC = tiny_serve_spec(batch=4, prompt_len=16, max_new_tokens=40)
 
 
 def _expected(batch_per_replica: int, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -44,18 +34,35 @@ def test_the_default_cache_holds_the_running_batch_at_its_longest_in_whole_block
 
 
 def test_memory_still_bounds_the_default():
-    src = SPEC.replace("KV", "").replace("gpus_per_node = 1", "gpus_per_node = 1, memory = 4 MiB")
-    sv = parcompile.compile(src.replace("batch = 4", "batch = 64"), filename="s.par").data["serve"]
+    src = tiny_serve_spec(batch=64, prompt_len=16, max_new_tokens=40)
+    sv = parcompile.compile(src.replace("gpus_per_node = 1", "gpus_per_node = 1, memory = 4 MiB"),
+                            filename="s.par").data["serve"]
     assert sv["kv_cache_tokens"] == sv["max_concurrent_tokens"] // 16 * 16 < _expected(64, 16, 40, 16)
 
 
 def test_a_cache_over_half_the_hosts_memory_warns_at_the_key():
-    plan = parcompile.compile(SPEC.replace("KV", ""), filename="s.par")
+    plan = parcompile.compile(SPEC, filename="s.par")
     assert not [w for w in plan.warnings if w.code == "host-memory"]
-    plan = parcompile.compile(SPEC.replace("KV", "    kv_cache_tokens = 20000000\n"), filename="s.par")
+    plan = parcompile.compile(tiny_serve_spec(batch=4, prompt_len=16, max_new_tokens=40, kv_cache_tokens=20000000),
+                              filename="s.par")
     sv = plan.data["serve"]
     memory = plan.config.cluster.memory          # the fixed figures: 16 GiB a rank
     assert sv["kv_cache_tokens"] * sv["kv_bytes_per_token"] > memory / 2
     (w,) = [w for w in plan.warnings if w.code == "host-memory"]
     assert w.severity == "warning" and (w.span.line, w.span.column) == (10, 23)   # the value and w.span.file == "s.par"
     assert f"set kv_cache_tokens = {_expected(4, 16, 40, 16):,}" in w.help and "20,000,000 tokens" in w.message
+
+
+def test_the_warnings_fix_is_the_default_rule_under_open_loop_arrivals():
+    """With ``request_rate`` and no ``batch`` a step holds the engine's default number of
+    sequences (vLLM's ``max_num_seqs``, analysis/serve.py OPEN_LOOP_SEQS), not the default
+    batch of 1: the warning's suggested kv_cache_tokens is that default's cache, the value the
+    plan takes without the key (was: batch_per_replica's, 64 tokens)."""
+    from parcompile.analysis.serve import OPEN_LOOP_SEQS
+
+    serve = dict(prompt_len=16, max_new_tokens=40, request_rate=5)
+    default = parcompile.compile(tiny_serve_spec(**serve), filename="s.par").data["serve"]["kv_cache_tokens"]
+    assert default == OPEN_LOOP_SEQS * _expected(1, 16, 40, 16)
+    plan = parcompile.compile(tiny_serve_spec(**serve, kv_cache_tokens=20000000), filename="s.par")
+    (w,) = [w for w in plan.warnings if w.code == "host-memory"]
+    assert f"set kv_cache_tokens = {default:,} (what {OPEN_LOOP_SEQS} running sequences" in w.help, w.help

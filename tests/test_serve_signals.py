@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,30 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve_utils import free_port, tiny_serve_spec
 from tests.test_run_signals import AS_A_TERMINAL_JOB, _job
 
 pytestmark = [pytest.mark.torchrun,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux's")]
 
 #: 3,000,000 tokens x 512 bytes: a 1.5 GB cache, a second or so to allocate on a loaded machine
-SPEC = """model tiny {
-    layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn_hidden = 128
-    vocab = 256, seq_len = 64, dtype = fp32
-}
-cluster local from "cpu" { gpus_per_node = 1 }
-serve {
-    batch = 4
-    prompt_len = 16
-    max_new_tokens = 48
-    kv_cache_tokens = 3000000
-}
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SPEC = tiny_serve_spec(batch=4, prompt_len=16, max_new_tokens=48, kv_cache_tokens=3000000)
 
 
 def _rss(pid: int) -> int:
@@ -67,7 +50,7 @@ def test_sigint_and_sigterm_while_the_ranks_start_stop_serve_at_once_and_leave_n
         with open(log, "w") as out:
             front = subprocess.Popen(
                 [sys.executable, "-c", AS_A_TERMINAL_JOB, "-m", "parcompile", "serve", str(spec), "-o",
-                 str(tmp_path / sig.name), "--port", str(_free_port())],
+                 str(tmp_path / sig.name), "--port", str(free_port())],
                 stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PARCOMPILE_TEST_JOB=value),
                 start_new_session=True)
         jobs[sig] = (front, log, f"PARCOMPILE_TEST_JOB={value}")

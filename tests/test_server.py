@@ -562,6 +562,23 @@ def test_scheduler_admits_in_order_takes_blocks_as_tokens_need_them_and_frees():
     assert s.stats()["blocks_free"] == 3 and s.freed == ["b"]
 
 
+def test_an_end_token_drawn_as_the_last_allowed_token_finishes_with_stop():
+    """vLLM's check_stop tests the end token before ``max_tokens`` (vllm-project/vllm
+    vllm/v1/core/sched/utils.py at 018d5dc): a sequence whose ``max_tokens``-th token is an
+    end token ends "stop" (that token kept, :class:`Generation` leaves it out of the text),
+    another token there ends "length"."""
+    s = paged.Scheduler(blocks=8, block_size=16, max_seqs=4)
+    for rid, max_tokens in (("one", 1), ("two", 2), ("long", 2)):
+        s.add(rid, [1] * 4, {"max_tokens": max_tokens, "eos": [9]})
+    step = s.next_step()
+    got = s.collect([paged.Row(*r) for r in step["rows"]], [9, 7, 7])
+    assert [(rid, tok, reason) for rid, tok, reason, _ in got] == [("one", 9, "stop"), ("two", 7, None),
+                                                                   ("long", 7, None)]
+    step = s.next_step()
+    got = s.collect([paged.Row(*r) for r in step["rows"]], [9, 8])
+    assert [(rid, tok, reason) for rid, tok, reason, _ in got] == [("two", 9, "stop"), ("long", 8, "length")]
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
@@ -898,6 +915,20 @@ def test_front_refuses_unsupported_fields_lax_numbers_and_answers_unknown_paths_
         status, body = await post({"messages": [{"role": "user", "content": "hi"}], "echo": True,
                                    "max_tokens": 2}, "/v1/chat/completions")
         assert status == 400 and body["error"]["param"] == "echo"
+        # what would change where a sequence ends or what its text holds, or ask for a tool call
+        # (vLLM: 400 for a tool_choice but "none" without tools): refused, not ignored
+        for key, value in (("ignore_eos", True), ("stop_token_ids", [65]), ("include_stop_str_in_output", True),
+                           ("skip_special_tokens", False), ("tool_choice", "required"), ("tool_choice", "auto"),
+                           ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("tool_choice", 5),
+                           ("chat_template", "{{ messages }}"), ("add_generation_prompt", False),
+                           ("continue_final_message", True)):
+            status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, key: value},
+                                      "/v1/chat/completions")
+            assert status == 400 and body["error"]["param"] == key and "not supported" in body["error"]["message"]
+        status, body = await post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
+                                   "tool_choice": "none", "ignore_eos": False, "add_generation_prompt": True},
+                                  "/v1/chat/completions")
+        assert status == 200, body
         # what is implemented refuses values beyond its limits (and the server goes on)
         for extra, param, words in (({"logprobs": 21}, "logprobs", "less than or equal to 20"),
                                     ({"n": 3, "best_of": 2}, "best_of", "at least `n`"),
@@ -1491,6 +1522,19 @@ def test_front_returns_the_end_token_and_its_logprob_and_counts_it_as_vllm_does(
         assert done[-1].choices[0].finish_reason == "stop" and parts[-1].usage.completion_tokens == 3
         assert [x.token for p in done if p.choices[0].logprobs for x in p.choices[0].logprobs.content] == \
             [a, a, end]
+        # n > 1: each sample keeps its own end token, streamed chunks interleaved by index
+        r = c.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=1, n=2,
+                                 extra_body={"return_token_ids": True})
+        assert [(ch.index, ch.text, _extra(ch, "token_ids"), ch.logprobs.tokens, ch.finish_reason)
+                for ch in r.choices] == [(i, a * 2, [65, 65, eot], [a, a, end], "stop") for i in range(2)]
+        assert r.usage.completion_tokens == 6
+        parts = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, logprobs=True, n=2,
+                                               stream=True, stream_options={"include_usage": True}))
+        for i in range(2):
+            mine = [p.choices[0] for p in parts if p.choices and p.choices[0].index == i]
+            assert "".join(x.delta.content or "" for x in mine) == a * 2 and mine[-1].finish_reason == "stop"
+            assert [x.token for m in mine if m.logprobs for x in m.logprobs.content] == [a, a, end]
+        assert parts[-1].usage.completion_tokens == 6
 
 
 def test_echo_scores_a_full_context_prompt_with_max_tokens_0_and_refuses_one_longer():

@@ -459,13 +459,16 @@ def kv_cache_limit(cfg, dp: int) -> int:
     sv = cfg.serve
     if sv.kv_cache_tokens is not None:
         return sv.kv_cache_tokens
-    return running_tokens(running_limit(cfg, dp), sv.prompt_len + sv.max_new_tokens, sv.block_size)
+    return running_tokens(cfg, dp)
 
 
-def running_tokens(seqs: int, context: int, block_size: int) -> int:
-    """Tokens of paged cache ``seqs`` sequences of ``context`` tokens take at most: each
-    whole ``block_size`` blocks, ``seqs * ceil(context / block_size) * block_size``."""
-    return seqs * -(-context // block_size) * block_size
+def running_tokens(cfg, dp: int) -> int:
+    """Tokens of paged cache the running sequences of one of ``dp`` replicas take at their
+    longest (:func:`kv_cache_limit`'s default): :func:`running_limit` sequences of
+    ``prompt_len + max_new_tokens`` tokens, each in whole ``block_size`` blocks,
+    ``seqs * ceil(context / block_size) * block_size``."""
+    sv = cfg.serve
+    return running_limit(cfg, dp) * -(-(sv.prompt_len + sv.max_new_tokens) // sv.block_size) * sv.block_size
 
 
 def paged_cache_tokens(limit: int | None, memory_tokens: int, block_size: int) -> int:

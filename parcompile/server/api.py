@@ -35,7 +35,8 @@ the whole context). Chat's ``"logprobs": true`` with ``top_logprobs`` (0 to :dat
 Errors are OpenAI's object ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, a field of the wrong type or value, an empty prompt, a prompt or
 ``max_tokens`` beyond the context (the message gives the limits), a field this server does
-not implement (:data:`UNSUPPORTED`: ``suffix``, penalties, ``tools``, chat's ``echo``...) set to
+not implement (:data:`UNSUPPORTED`: ``suffix``, penalties, ``tools`` and ``tool_choice``, ``ignore_eos``,
+``stop_token_ids``, a request's chat template, chat's ``echo``...) set to
 anything but its neutral value, a body that is not JSON text (NaN, nesting deeper than
 :data:`MAX_JSON_DEPTH`, a lone surrogate); 401 without the ``--api-key`` (:class:`Guard`);
 413 for a body past ``--max-body`` (:func:`default_max_body`); 404 for another model or

@@ -133,7 +133,16 @@ UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs":
                "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty":
                (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
                "functions": (None, []), "response_format": (None, {"type": "text"}), "guided_json": (None,),
-               "guided_regex": (None,), "guided_choice": (None,), "prompt_logprobs": (None,)}
+               "guided_regex": (None,), "guided_choice": (None,), "prompt_logprobs": (None,),
+               # vLLM's extra sampling fields about the end (vllm/entrypoints/openai/protocol.py at ec3b890):
+               # generating past the end token, other end tokens, the stop string or special tokens in the text
+               "ignore_eos": (None, False), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+               "skip_special_tokens": (None, True),
+               # chat: a tool call asked for (vLLM: "When using `tool_choice`, `tools` must be set", unless
+               # "none"; tests/tool_use/test_chat_completion_request_validations.py at c10dff9), another
+               # template or rendering of it than the model's with the generation prompt
+               "tool_choice": (None, "none"), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+               "add_generation_prompt": (None, True), "continue_final_message": (None, False)}
 
 
 #: the most logprob alternatives a request may ask for (vLLM's default ``max_logprobs``;
