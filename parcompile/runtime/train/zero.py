@@ -72,7 +72,7 @@ from parcompile.runtime.train.buckets import BucketedReduction, BucketLayout, Gr
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.grads import enable_main_grads, set_main_grad
-from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, tp_partial_grads, unscale_gradients
+from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, set_lr, tp_partial_grads, unscale_gradients
 from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
 from parcompile.runtime.train.zero_states import ShardStates
 
@@ -294,8 +294,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             self._all_gather_params()
 
     def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     # -- the flat buffers -------------------------------------------------------------------
     def _segments_of(self, b: BucketLayout):
