@@ -113,7 +113,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
                                    scale=grad_scale if grad_scale is not None else 1.0 / (d * sharding.replicate),
-                                   per_microbatch=sharding.shards_gradients, reduce_dtype=reduce_dtype)
+                                   per_microbatch=sharding.per_microbatch, reduce_dtype=reduce_dtype)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
