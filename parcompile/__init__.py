@@ -20,18 +20,17 @@ thin layer over it):
 
 A spec with errors raises :class:`SpecError`, whose ``.diagnostics`` lists them all.
 
-``search``, ``verify`` and ``export`` are also the names of the modules that implement
-them (``from parcompile.layout_search import table`` keeps working): the package makes those
-three modules callable, so ``parcompile.search(...)`` calls :func:`parcompile.api.search`
-however and whenever the module was imported. ``import parcompile`` stays light (no
-torch, no pydantic): everything loads on first use.
+``search``, ``verify`` and ``export`` are plain functions; the modules that implement them
+are :mod:`parcompile.layout_search`, :mod:`parcompile.verification` and
+:mod:`parcompile.exporters`. ``import parcompile`` stays light (no torch, no pydantic):
+everything loads on first use.
 """
 
 from __future__ import annotations
 
-from parcompile.core.version import VERSION as __version__  # noqa: E402
+from parcompile.core.version import VERSION as __version__
 
-from parcompile.diagnostics import Diagnostic, SpecError, Span  # noqa: E402
+from parcompile.diagnostics import Diagnostic, SpecError, Span
 
 
 def compile(source, filename: str | None = None, *, overrides=None):  # noqa: A001 - SPEC fixes the name

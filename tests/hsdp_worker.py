@@ -73,10 +73,11 @@ def main(program_dir: str, out: str) -> None:
     plan = json.loads((Path(program_dir) / "plan.json").read_text())
     ctx = rt.init_parallel(plan, device="cpu", gather_groups=True)
     hctx = dataclasses.replace(ctx, axes={**ctx.axes, **hsdp_axes(ctx, 2)})
-    d = ctx.axes["dp_cp"].size
-    init, zero3 = train(mod, plan, ctx, DataParallelSharding(stage=3, shard=d, per_microbatch=True), 3)
-    _, hsdp = train(mod, plan, hctx, DataParallelSharding(stage=3, shard=d // 2, replicate=2, per_microbatch=True,
-                                                       shard_group="dp_shard", replicate_group="dp_replicate"), 3)
+    zero3_sharding = mod.DP_SHARDING   # the plan's: ZeRO-3 over all of dp_cp
+    assert zero3_sharding.shards_parameters and zero3_sharding.shard == ctx.axes["dp_cp"].size
+    init, zero3 = train(mod, plan, ctx, zero3_sharding, 3)
+    _, hsdp = train(mod, plan, hctx, dataclasses.replace(zero3_sharding, shard=zero3_sharding.shard // 2, replicate=2,
+                                                         shard_group="dp_shard", replicate_group="dp_replicate"), 3)
     torch.save({"init": init, "zero3": zero3, "hsdp": hsdp}, Path(out) / f"rank{ctx.rank}.pt")
     rt.shutdown(ctx)
 

@@ -421,3 +421,22 @@ def test_fp8_gather_elements_holds_every_rank_of_every_layout():
                 best8, best16 = max(best8, sum(mine)), max(best16, len(mine) - sum(mine))
         if len(sizes) == 1 or d == 1:
             assert (best8, best16) == (n8, n16)
+
+
+def test_per_microbatch_reduction_refuses_a_split_backward():
+    """The buckets reduce per micro-batch as the plan's DataParallelSharding.per_microbatch
+    says (core/data_parallel.py: not under zero_bubble); an action list with B/W halves
+    given to per-micro-batch buckets is an error, not a silent switch to once per step."""
+    from parcompile.core.schedule import build_actions
+
+    layer = nn.Linear(4, 4, bias=False)
+    layer.weight.global_name = "layers.0.w"
+    axis = Axis("dp_cp", [0, 1], 0)
+    zb, plain = build_actions("zero_bubble", 1, 2), build_actions("1f1b", 1, 2)
+    per_mb = GradBuckets([layer.weight], [[0]], axis, 64, sharded=True, scale=0.5, per_microbatch=True)
+    GradSync([per_mb]).start(plain[0])
+    with pytest.raises(RuntimeError, match="split backward"):
+        GradSync([per_mb]).start(zb[0])
+    once = GradBuckets([layer.weight], [[0]], axis, 64, sharded=True, scale=0.5, per_microbatch=False)
+    GradSync([once]).start(zb[0])
+    assert once.buckets[0].flat is not None   # full buffers for the step, reduced once

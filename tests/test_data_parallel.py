@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parcompile.codegen.emit import render_program, write_files
-from parcompile.core.data_parallel import STATES, DataParallelSharding, data_parallel_sharding
+from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
 from parcompile.driver import compile_config
 from tests.program_utils import tiny_config
 
@@ -19,28 +19,27 @@ from tests.program_utils import tiny_config
 def test_each_stage_shards_what_zero_defines(stage, sharded):
     """Rajbhandari et al. 2020 section 5: P_os (1), P_os+g (2), P_os+g+p (3)."""
     dps = DataParallelSharding(stage=stage, shard=4)
-    assert tuple(s for s in STATES if dps.shards(s)) == sharded
-    assert [dps.fraction(s) for s in STATES] == [0.25 if s in sharded else 1.0 for s in STATES]
+    got = dict(params=dps.shards_parameters, grads=dps.shards_gradients, optimizer=dps.shards_optimizer_states)
+    assert tuple(s for s, on in got.items() if on) == sharded
     assert dps.sharded == (stage > 0)
     assert not DataParallelSharding(stage=stage, shard=1).sharded   # one rank: nothing is split
 
 
 def test_the_step_collectives_follow_the_stage_and_the_groups():
-    assert DataParallelSharding(stage=0, shard=8).collectives() == (("all_reduce", "dp_cp"),)
-    assert DataParallelSharding(stage=1, shard=8).collectives() == (("reduce_scatter", "dp_cp"),
-                                                                     ("all_gather", "dp_cp"))
-    assert DataParallelSharding(stage=3, shard=8).collectives() == (("all_gather", "dp_cp"),
-                                                                     ("reduce_scatter", "dp_cp"))
-    # HSDP (FSDP2's 2-D mesh): reduce-scatter over the shard group, all-reduce over the replicas
+    """DDP all-reduces gradients; ZeRO reduce-scatters them and all-gathers the parameters,
+    after the step (1, 2) or where they are used (3); experts shard over expert_dp."""
+    assert [DataParallelSharding(stage=z, shard=8).gradient_reduction for z in range(4)] == \
+        ["all_reduce"] + ["reduce_scatter"] * 3
+    assert [DataParallelSharding(stage=z, shard=8).parameter_gather for z in range(4)] == \
+        [None, "after_step", "after_step", "before_use"]
     hsdp = DataParallelSharding(stage=3, shard=4, replicate=2, shard_group="dp_shard", replicate_group="dp_replicate")
-    assert hsdp.size == 8 and hsdp.fraction("params") == 0.25
-    assert hsdp.collectives() == (("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"),
-                                  ("all_reduce", "dp_replicate"))
-    assert DataParallelSharding(stage=2, shard=1).collectives() == ()
-    assert DataParallelSharding(stage=2, shard=4).experts(2).shard_group == "expert_dp"
+    assert hsdp.size == 8 and hsdp.sharded
+    ex = hsdp.experts(2)
+    assert (ex.shard_group, ex.shard, ex.replicate, ex.stage) == ("expert_dp", 2, 1, 3)
 
 
-@pytest.mark.parametrize("bad", [dict(stage=4), dict(shard=0), dict(stage=3, replicate=2)])
+@pytest.mark.parametrize("bad", [dict(stage=4), dict(shard=0), dict(stage=3, replicate=2),
+                                 dict(stage=1, per_microbatch=True)])
 def test_an_impossible_sharding_is_refused(bad):
     with pytest.raises(ValueError):
         DataParallelSharding(**bad)

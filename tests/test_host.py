@@ -223,6 +223,14 @@ parallel { tp = 8 }
         parcompile.compile(gpu.replace('from "h100-sxm" { }', 'from "h100-sxm" { op_overhead = 5 }'), filename="g.par")
     assert "op_overhead" in e.value.diagnostics[0].message or "time" in e.value.diagnostics[0].message
 
+def test_a_figure_pinned_twice_is_a_spec_error(monkeypatch, cache):
+    """Before: `memory=24GiB,memory=1GiB` planned with the last one, silently."""
+    monkeypatch.setenv(host.ENV, "memory=24GiB,flops=50GFLOPS,memory=1GiB")
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(SERVE, filename="s.par")
+    assert "PARCOMPILE_CPU_PROBE: `memory` is given twice" in e.value.diagnostics[0].message
+
+
 @pytest.mark.parametrize("value", ["memory=1e400GiB", "flops=1e999GFLOPS", "bw=1e309GB/s"])
 def test_an_infinite_pinned_figure_is_a_spec_error(monkeypatch, cache, value):
     """Before: `memory=1e400GiB` parsed as inf and `int(inf)` was an OverflowError traceback

@@ -101,3 +101,15 @@ def test_every_reader_honours_a_v_placement(monkeypatch):
     assert plan.data["schedule"]["in_flight"] == [rep.num_microbatches] * 2     # GPipe holds them all
     assert "Megatron-LM" in " ".join(export(plan, "megatron").errors)
     assert "torchtitan" in " ".join(export(plan, "torchtitan").errors)
+
+
+def test_the_program_reads_the_placement_of_the_plans_schedule():
+    """The runtime's context takes the placement from plan.json's schedule name; a name
+    this version does not know is an error, not a silent loop placement (a V-placed plan
+    run with loop peers would send to the wrong ranks)."""
+    from parcompile.runtime.distributed.context import plan_placement
+
+    assert plan_placement({}) is LOOP and plan_placement({"schedule": None}) is LOOP
+    assert plan_placement({"schedule": {"name": "zero_bubble"}}) is lookup("zero_bubble").placement
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zbv'"):
+        plan_placement({"schedule": {"name": "zbv"}})

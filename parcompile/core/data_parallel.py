@@ -35,10 +35,6 @@ from dataclasses import dataclass, replace
 
 from parcompile.core.schedule import as_schedule
 
-#: the per-rank states a training step holds, in the order the memory table lists them
-STATES = ("params", "grads", "optimizer")
-
-
 @dataclass(frozen=True)
 class DataParallelSharding:
     """What is sharded over which data-parallel group (module docstring).
@@ -56,8 +52,8 @@ class DataParallelSharding:
         replicate_group: the group they are replicated over (None while ``replicate`` is 1).
 
     Raises:
-        ValueError: a stage outside 0-3, a degree below 1, or ``replicate > 1`` without a
-            ``replicate_group``.
+        ValueError: a stage outside 0-3, a degree below 1, ``replicate > 1`` without a
+            ``replicate_group``, or ``per_microbatch`` below stage 2.
     """
 
     stage: int = 0
@@ -75,6 +71,8 @@ class DataParallelSharding:
                              f"replicate {self.replicate}")
         if self.replicate > 1 and not self.replicate_group:
             raise ValueError("replicate > 1 needs the replicate group's name (replicate_group)")
+        if self.per_microbatch and not self.shards_gradients:
+            raise ValueError(f"per_microbatch reduction needs sharded gradients (stage >= 2), not stage {self.stage}")
 
     # -- which states are sharded ---------------------------------------------------------
     @property
@@ -91,21 +89,6 @@ class DataParallelSharding:
     def shards_parameters(self) -> bool:
         """Parameters are kept only as this rank's shard and all-gathered where used (ZeRO-3)."""
         return self.stage >= 3
-
-    def shards(self, state: str) -> bool:
-        """Whether ``state`` (one of :data:`STATES`) is split over the shard group.
-
-        Raises:
-            KeyError: ``state`` is not one of :data:`STATES`.
-        """
-        return {"params": self.shards_parameters, "grads": self.shards_gradients,
-                "optimizer": self.shards_optimizer_states}[state]
-
-    def fraction(self, state: str) -> float:
-        """The part of ``state`` (one of :data:`STATES`) one rank holds: ``1 / shard`` when
-        sharded, else 1 (before the padding of each bucket to a multiple of ``shard``:
-        :func:`parcompile.core.buckets.shard_elements`)."""
-        return 1.0 / self.shard if self.shards(state) else 1.0
 
     @property
     def sharded(self) -> bool:
@@ -133,20 +116,6 @@ class DataParallelSharding:
         None (stage 0)."""
         return None if not self.shards_optimizer_states else "before_use" if self.shards_parameters else "after_step"
 
-    def collectives(self) -> tuple[tuple[str, str], ...]:
-        """The data-parallel collectives of a step, ``(op, group)`` in the order they run:
-        gradients reduced over the shard group (:attr:`gradient_reduction`), then
-        all-reduced over the replicate group when ``replicate > 1`` (HSDP), and, from stage
-        1, parameters all-gathered over the shard group (before use at stage 3, so listed
-        first). Empty when ``size`` is 1."""
-        if self.size == 1:
-            return ()
-        grads = [(self.gradient_reduction, self.shard_group)] if self.shard > 1 else []
-        if self.replicate > 1:
-            grads.append(("all_reduce", self.replicate_group))
-        gather = [("all_gather", self.shard_group)] if self.parameter_gather and self.shard > 1 else []
-        return tuple(gather + grads if self.shards_parameters else grads + gather)
-
     def experts(self, expert_dp: int) -> "DataParallelSharding":
         """The same stage for expert weights, sharded over ``expert_dp`` (module docstring)."""
         return replace(self, shard=max(1, expert_dp), shard_group="expert_dp", replicate=1, replicate_group=None)
@@ -169,4 +138,4 @@ def data_parallel_sharding(par, stage: int | None = None) -> DataParallelShardin
                                 per_microbatch=z >= 2 and not as_schedule(par.schedule).split_backward)
 
 
-__all__ = ["STATES", "DataParallelSharding", "data_parallel_sharding"]
+__all__ = ["DataParallelSharding", "data_parallel_sharding"]

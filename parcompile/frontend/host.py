@@ -201,6 +201,8 @@ def _pins(text: str) -> dict[str, float]:
         if si is None or not (_usable(si) or zero_ok and si == 0):   # 1e400 parses as inf
             raise HostError(f"{ENV}: `{part}`: give a {'non-negative' if zero_ok else 'positive'}, finite number "
                             f"and a unit of {', '.join(units_of(kinds[name]))}")
+        if name in out:   # two values for one figure: neither is silently the one planned with
+            raise HostError(f"{ENV}: `{name}` is given twice; give each figure once")
         out[name] = si
     return out
 

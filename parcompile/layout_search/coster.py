@@ -40,7 +40,7 @@ class ChunkCosts:
     where each axis's groups of a layout sit and the links that gives (:meth:`_inside`,
     :meth:`_inside_links`), the probe's chunk times under those links (:meth:`_chunk_times3`)
     and the closed-form pipeline of a split (:meth:`_pipeline`). Fills the coster's
-    ``probes``, ``inside``, ``comm_axes`` (with :class:`~parcompile.search.bounds.FamilyFloors`)
+    ``probes``, ``inside``, ``comm_axes`` (with :class:`~parcompile.layout_search.bounds.FamilyFloors`)
     and ``pipes`` caches, and each probe's ``times``."""
 
     def probe(self, par: ParallelConfig | RowLayout) -> Probe:
@@ -206,7 +206,7 @@ class SplitChoice:
     splits it may get (:meth:`splits`) and, when the layers do not divide into the chunks,
     the default uneven one, timed in the order of the splits' lower bounds
     (:meth:`choose_split`, :meth:`_choose_split`, :func:`_pick_split`). Reads the coster's
-    floors (:class:`~parcompile.search.bounds.StepFloors`) and :meth:`Coster.cost`; fills no
+    floors (:class:`~parcompile.layout_search.bounds.StepFloors`) and :meth:`Coster.cost`; fills no
     cache of its own."""
 
     def splits(self, cfg: SpecConfig) -> list[tuple[int, ...]]:
@@ -311,7 +311,7 @@ class SplitChoice:
 class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
     """Costs layouts of one spec from cached probes (module docstring): holds the caches its
     parts fill (:class:`ChunkCosts`, :class:`MemoryCosts`, :class:`SplitChoice` and the lower
-    bounds of :class:`~parcompile.search.bounds.Floors`) and owns the step time
+    bounds of :class:`~parcompile.layout_search.bounds.Floors`) and owns the step time
     (:meth:`cost`: the pipeline, simulated or closed form, the exposed data-parallel time and
     the optimizer step, :meth:`_data_parallel`, :meth:`_steps`)."""
 

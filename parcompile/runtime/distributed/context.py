@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parcompile.core.axes import GROUP_AXES as AXES  # every group of a plan, in creation order
 from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S, die_with_parent
-from parcompile.core.schedule import LOOP, SCHEDULES, Placement
+from parcompile.core.schedule import LOOP, Placement, lookup
 from parcompile.runtime.machine.device import choose_backend  # the device type's backend and device (runtime/machine/device.py)
 
 
@@ -101,9 +101,13 @@ class ParallelContext:
 
 def plan_placement(plan: dict) -> Placement:
     """The placement of ``plan``'s pipeline schedule (plan.json ``schedule.name``,
-    :data:`parcompile.core.schedule.SCHEDULES`); ``loop`` for a plan without one (serving)."""
+    :func:`parcompile.core.schedule.lookup`); ``loop`` for a plan without one (serving).
+
+    Raises:
+        ValueError: a schedule name this version does not know (a plan from another
+            version: its ranks would otherwise talk to the wrong peers)."""
     name = (plan.get("schedule") or {}).get("name")
-    return SCHEDULES[name].placement if name in SCHEDULES else LOOP
+    return LOOP if name is None else lookup(name).placement
 
 
 def _find(groups: list[list[int]], rank: int) -> list[int]:

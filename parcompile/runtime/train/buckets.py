@@ -207,13 +207,13 @@ class MicrobatchReduction:
     first (:meth:`prepare`), each bucket reduce-scattered in bucket order
     (:meth:`_launch_round`, :meth:`_launch_chunk_ready`) and the outputs added into the fp32
     shards ``acc`` as they complete (:meth:`drain`). Keeps the reduce-scatters in flight
-    (``flight``) and each chunk's next bucket (``pos``); reads the buckets' ``stream``,
+    (``flight``) and each chunk's next bucket (``pos``); reads the buckets' ``per_microbatch``,
     ``armed`` and ``chunk_buckets`` and launches through :meth:`GradBuckets._launch`."""
 
     def prepare(self, p: nn.Parameter) -> None:
         """A gradient of ``p`` is about to be added (:mod:`parcompile.runtime.train.grads`): give
         its bucket a buffer if it has none in this micro-batch (module docstring)."""
-        if not self.stream:
+        if not self.per_microbatch:
             return
         b = self.bucket_of.get(id(p))
         if b is None or b.flat is not None:
@@ -272,8 +272,10 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         bucket_size: fp32 bytes at which a bucket closes (0: one bucket per chunk, no overlap).
         sharded: ZeRO (reduce-scatter into padded shards) instead of an all-reduce.
         scale: what the sums are multiplied by (``1 / d``: the mean over data-parallel ranks).
-        per_microbatch: ZeRO 2, 3 (sharded only): reduce-scatter every bucket in each
-            micro-batch's backward into the fp32 shard ``acc`` (module docstring).
+        per_microbatch: reduce-scatter every bucket in each micro-batch's backward into the
+            fp32 shard ``acc`` (module docstring; sharded only): the plan's
+            :attr:`~parcompile.core.data_parallel.DataParallelSharding.per_microbatch`, ZeRO 2
+            and 3 but under a zero-bubble schedule, whose action lists :class:`GradSync` then refuses.
         reduce_dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype of the per-micro-batch
             buffers and their reduce-scatters (module docstring, "Reduce dtype").
     """
@@ -289,8 +291,6 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
                 any(p.dtype != self.reduce_dtype for p in params):
             raise ValueError(f"reduce_dtype {reduce_dtype} needs {reduce_dtype} parameters (their gradients "
                              "fill the buckets); frontend/checks.py refuses other specs")
-        #: this step reduces per micro-batch (False for a zero-bubble action list: GradSync.start)
-        self.stream = self.per_microbatch
         #: bytes of full gradient buffers held now, and at most since the step began
         self.held = 0
         self.peak_bytes = 0
@@ -343,8 +343,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         self.next = 0
         self.drain()
         self.pos.clear()
-        self.stream = self.per_microbatch
-        if self.stream:   # buffers per micro-batch, on demand; the shards accumulate the step
+        if self.per_microbatch:   # buffers per micro-batch, on demand; the shards accumulate the step
             self.release()
             for b in self.buckets:
                 if b.acc is None:
@@ -359,18 +358,11 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
             b.out = b.work = None
             b.launched = b.early = False
 
-    def start_step(self, split_backward: bool) -> None:
-        """The step's action list is known (:meth:`GradSync.start`): a zero-bubble list
-        (``split_backward``) reduces once per step (module docstring): full buffers now."""
-        if self.stream and split_backward:
-            self.stream = False
-            self.allocate()
-
     def begin(self, chunk: int, phase: str, last: bool = True) -> None:
         """A backward action of ``chunk`` that completes gradients starts: the chunk's last
         of the step (``last``), or, per micro-batch, any; ``phase`` is ``full`` (a whole
         backward), ``input`` (zero-bubble B) or ``weight`` (zero-bubble W)."""
-        if self.stream:
+        if self.per_microbatch:
             self.drain()
             self.final = last
         self.armed[chunk] = phase
@@ -380,7 +372,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         gradient still filed); per micro-batch, every bucket of the chunk not launched in
         this micro-batch is launched (in order), and the next micro-batch starts afresh."""
         self.armed.pop(chunk, None)
-        if self.stream:
+        if self.per_microbatch:
             order = self.chunk_buckets.get(chunk, [])
             while self.pos.get(chunk, 0) < len(order):
                 self._launch_round(order[self.pos.get(chunk, 0)])
@@ -409,7 +401,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         b = self.bucket_of[id(p)]
         b.waiting -= 1
         if b.waiting == 0 and self.overlap:
-            if self.stream:
+            if self.per_microbatch:
                 self._launch_chunk_ready(b.chunk)
             else:
                 self._launch_ready()
@@ -422,7 +414,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
     def _launch(self, b: BucketLayout) -> None:
         b.launched = True
         b.early = self.sync is not None and self.sync.in_backward()
-        if self.on_launch is not None and (not self.stream or self.final):
+        if self.on_launch is not None and (not self.per_microbatch or self.final):
             self.on_launch(b)
         if not self.active:
             return
@@ -441,7 +433,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         owned slice of the reduced gradient (``shard`` elements); the full gradients are
         left as they are. Per micro-batch: waits for the reduce-scatters in flight and
         returns the scaled shards ``acc``."""
-        if self.stream:
+        if self.per_microbatch:
             for b in self.buckets:   # without a GradSync: reduce what is held, once
                 if b.flat is not None:
                     self._launch_round(b)
@@ -503,9 +495,10 @@ class GradSync:
     def start(self, actions: list[dict]) -> None:
         """Find the last backward (and W) action of each local chunk in this rank's list,
         and, for the parts that reduce per micro-batch, every whole backward action."""
-        split = any(a["op"] == "backward_input" for a in actions)
-        for p in self.parts:
-            p.start_step(split)
+        if any(p.per_microbatch for p in self.parts) and any(a["op"] == "backward_input" for a in actions):
+            raise RuntimeError("the data-parallel sharding reduces gradients in every micro-batch, which an "
+                               "action list with a split backward (zero-bubble) cannot: the plan's "
+                               "DataParallelSharding has per_microbatch=False for such a schedule")
         last: dict[tuple[int, str], int] = {}
         for i, a in enumerate(actions):
             phase = self.OPS.get(a["op"])
@@ -522,7 +515,7 @@ class GradSync:
 
     def _tell(self, i: int, what: str) -> None:
         for p in self.parts:
-            f = (self.every if p.stream else self.final).get(i)
+            f = (self.every if p.per_microbatch else self.final).get(i)
             if f is not None:
                 getattr(p, what)(*f, last=i in self.final)
 

@@ -106,16 +106,13 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]
     return list(groups.values())
 
 
-def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
-    """The global L2 norm of all gradients, each parameter counted once over tp and pp.
-
-    Replicated-over-tp parameters count on tp rank 0 only; a tied LM head copy is skipped.
-    The local sum of squares comes from ``torch._foreach_norm`` (one fused pass over every
-    gradient of a device and dtype, as ``torch.nn.utils.clip_grad_norm_``), in fp32; it is
-    then all-reduced over tp and pp.
-    """
+def local_grad_squares(params, ctx: ParallelContext) -> torch.Tensor:
+    """The sum of squares (a (1,) fp32 tensor) of this rank's gradients of ``params`` that
+    the global norm counts here: replicated-over-tp parameters on tp rank 0 only, a tied LM
+    head copy never. From ``torch._foreach_norm`` (one fused pass over every gradient of a
+    device and dtype, as ``torch.nn.utils.clip_grad_norm_``), in fp32."""
     grads = []
-    for p in model.parameters():
+    for p in params:
         g = main_grad(p)
         if g is None or getattr(p, "tied_copy", False):
             continue
@@ -126,6 +123,13 @@ def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
     for group in _by_device_and_dtype(grads):
         norms = torch._foreach_norm(group, 2.0)
         sq += torch.stack(norms).to(device=ctx.device, dtype=torch.float32).pow(2).sum()
+    return sq
+
+
+def grad_norm(model: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+    """The global L2 norm of all gradients, each parameter counted once over tp and pp:
+    :func:`local_grad_squares` all-reduced over tp and pp."""
+    sq = local_grad_squares(model.parameters(), ctx)
     all_reduce(sq, ctx.tp)
     all_reduce(sq, ctx.pp)
     return sq.sqrt()[0]
@@ -352,5 +356,5 @@ def shards(model: nn.Module, ctx: ParallelContext, grads: bool) -> dict:
 
 __all__ = [
     "sync_gradients", "sp_replicated", "tp_partial_grads", "grad_norm", "clip_gradients", "make_optimizer", "build_optimizer",
-    "ReplicatedOptimizer", "scaler_for", "unscale_gradients", "fp8_weight_ids", "set_lr", "shards",
+    "ReplicatedOptimizer", "local_grad_squares", "scaler_for", "unscale_gradients", "fp8_weight_ids", "set_lr", "shards",
 ]

@@ -13,8 +13,6 @@ expert shard once: squares summed over expert_dp (when sharded), ep and expert_t
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 
@@ -23,7 +21,7 @@ from parcompile.runtime.train.buckets import GradSync
 from parcompile.runtime.distributed.comm import all_reduce
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.grads import main_grad, set_main_grad
-from parcompile.runtime.train.optim import ReplicatedOptimizer, make_optimizer, shards
+from parcompile.runtime.train.optim import ReplicatedOptimizer, local_grad_squares, make_optimizer, shards
 from parcompile.runtime.train.zero import ShardedOptimizer
 
 
@@ -73,10 +71,8 @@ class MoEOptimizer:
         expert_sharding = sharding.experts(ctx.axes["expert_dp"].size)
         self.expert_sharded = expert_sharding.sharded
         expert_scale = 1.0 / ctx.axes["dp_cp"].size   # summed over expert_dp, averaged over dp * cp
-        if self.expert_sharded:
-            # the sharded optimizer reduces over its context's dp_cp axis: give it expert_dp
-            ectx = dataclasses.replace(ctx, axes={**ctx.axes, "dp_cp": ctx.axes["expert_dp"]})
-            self.experts = ShardedOptimizer(experts, ectx, expert_sharding, wd, mk, bucket_size, False, chunks, expert_scale,
+        if self.expert_sharded:   # over expert_sharding.shard_group, expert_dp
+            self.experts = ShardedOptimizer(experts, ctx, expert_sharding, wd, mk, bucket_size, False, chunks, expert_scale,
                                             reduce_dtype=reduce_dtype)
         else:
             self.experts = ReplicatedOptimizer(experts, ctx, train, bucket_size, False, chunks,
@@ -150,29 +146,23 @@ class MoEOptimizer:
         self.experts.import_states(states, step)
 
     def grad_norm(self) -> torch.Tensor:
-        """Dense squares over [dp_cp with ZeRO] and tp, expert squares over [expert_dp with
-        ZeRO], ep and expert_tp; their sum over pp."""
+        """Dense squares over [the dense part's shard group with ZeRO] and tp, expert squares
+        over [expert_dp with ZeRO], ep and expert_tp; their sum over pp."""
         ctx = self.ctx
         dense = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         if hasattr(self.dense, "segments"):
             for *_, seg in self.dense.segments:
                 if seg.counts_in_norm:
                     dense += seg.grad.float().pow(2).sum()
-            all_reduce(dense, ctx.axes["dp_cp"])
+            all_reduce(dense, self.dense.axis)   # the shard group: dp_cp, or HSDP's dp_shard
         else:
-            for p in self.dense_params:
-                g = main_grad(p)
-                if g is None or getattr(p, "tied_copy", False):
-                    continue
-                if getattr(p, "shard_dim", None) is None and ctx.tp.index != 0:
-                    continue
-                dense += g.float().pow(2).sum()
+            dense = local_grad_squares(self.dense_params, ctx)
         all_reduce(dense, ctx.tp)
         expert = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         if self.expert_sharded:
             for *_, seg in self.experts.segments:
                 expert += seg.grad.float().pow(2).sum()
-            all_reduce(expert, ctx.axes["expert_dp"])
+            all_reduce(expert, self.experts.axis)
         else:
             for p in self.expert_params:
                 if main_grad(p) is not None:

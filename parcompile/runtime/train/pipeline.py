@@ -204,28 +204,23 @@ def run_forward(ctx: ParallelContext, forward_chunk: Callable[[int, torch.Tensor
     earlier in model order, so no rank waits on a later one). Returns the sum of
     ``loss_fn`` over the micro-batches on the rank holding the last model chunk, else None.
     """
-    pp, place = ctx.pp, ctx.placement
-    p, r = pp.size, pp.index
-    last = p * num_chunks - 1
-    total, pending = None, []
+    st = _Step(ctx, num_chunks, activation_shape, activation_dtype)   # its peers and tags: the training step's
+    total = None
     for mb, (x_ids, targets) in enumerate(microbatches):
         for c in range(num_chunks):
-            k = place.chunk(r, c, p)
+            k = st.model_chunk(c)
             if k == 0:
                 x = x_ids.to(ctx.device)
             else:
-                x = recv(activation_shape, activation_dtype, ctx.device, pp, place.rank(k - 1, p),
-                         _tag(mb, c, FORWARD, num_chunks))
+                st.recv(mb, c, FORWARD)
+                x = st.received.pop((mb, c, FORWARD))
             y = forward_chunk(c, x)
-            if k == last:
+            if k == st.last:
                 loss = loss_fn(y, targets.to(ctx.device)).detach()
                 total = loss if total is None else total + loss
             else:
-                y = y.contiguous()
-                pending.append((y, isend(y, pp, place.rank(k + 1, p), _tag(mb, place.local(k + 1, p), FORWARD,
-                                                                            num_chunks))))
-    for _, w in pending:
-        w.wait()
+                st.send(y, mb, c, FORWARD)
+    st.finish()
     return total
 
 

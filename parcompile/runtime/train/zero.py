@@ -72,7 +72,7 @@ from parcompile.runtime.train.buckets import BucketedReduction, BucketLayout, Gr
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.grads import enable_main_grads, set_main_grad
-from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, tp_partial_grads, unscale_gradients
+from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, set_lr, tp_partial_grads, unscale_gradients
 from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
 from parcompile.runtime.train.zero_states import ShardStates
 
@@ -113,7 +113,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         self.buckets = GradBuckets(self.params, chunks if chunks is not None else getattr(model, "chunks", None),
                                    self.axis, bucket_size, sharded=True,
                                    scale=grad_scale if grad_scale is not None else 1.0 / (d * sharding.replicate),
-                                   per_microbatch=sharding.shards_gradients, reduce_dtype=reduce_dtype)
+                                   per_microbatch=sharding.per_microbatch, reduce_dtype=reduce_dtype)
         # (bucket, param, lo, hi, segment): the owned elements [lo, hi) of the bucket, in param p
         self.segments: list[tuple[BucketLayout, nn.Parameter, int, int, nn.Parameter]] = []
         decay, no_decay = [], []
@@ -294,8 +294,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             self._all_gather_params()
 
     def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     # -- the flat buffers -------------------------------------------------------------------
     def _segments_of(self, b: BucketLayout):
