@@ -449,9 +449,12 @@ def _context(plan: dict, stage: int) -> rt.ParallelContext:
 
 
 def _key(e: dict) -> tuple:
-    """(op, axis, bytes); MoE token traffic (whose size the router decides) without bytes."""
+    """(op, axis, bytes); MoE token traffic (whose size the router decides) without bytes; a
+    planned collective at the size the generated program moves (``program_bytes``: FP8 tp
+    all-gathers the program runs in 16 bits, as :func:`parcompile.verification.predicted_collectives`
+    reads them)."""
     routed = e.get("routed") or e.get("rows", -1) >= 0
-    return e["op"], e["axis"], None if routed else e["bytes"]
+    return e["op"], e["axis"], None if routed else int(e.get("program_bytes") or e["bytes"])
 
 
 def _counts() -> Counter:
