@@ -260,3 +260,23 @@ def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
                               moved=("experts.gate_up_proj", "experts.down_proj", "shared_expert", "router"))
     assert (back.config.no_rope_layers, back.config.moe_layers) == (case["hf"].config.no_rope_layers,
                                                                      case["hf"].config.moe_layers)
+
+
+@pytest.mark.parametrize("key", ["attention_chunk_size", "sliding_window"])
+def test_a_chunk_or_window_beyond_any_position_masks_as_none(key):
+    """A spec may write ``attention_chunk_size`` or ``sliding_window`` = 10**30 (a warning, not
+    an error): the unfused core's mask (core_attention.causal_mask) equals plain causal
+    attention's, as transformers' chunked / sliding mask of a chunk longer than the sequence
+    is; was an OverflowError in the rank (torch cannot convert 10**30 to int64)."""
+    from parcompile.runtime.model.core_attention import attention_core, causal_mask
+
+    pos = torch.arange(8)
+    plain = causal_mask(pos, pos, 0)
+    assert torch.equal(plain, torch.ones(8, 8, dtype=torch.bool).tril())
+    big = dict(window=10**30) if key == "sliding_window" else dict(window=0, chunk=10**30)
+    assert torch.equal(causal_mask(pos, pos, **big), plain)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attention_core(q, k, v, False, 0.0, False, q_pos=pos + 5, k_pos=pos + 5, **big)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
