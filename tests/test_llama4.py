@@ -196,6 +196,40 @@ def test_a_placement_parcompile_cannot_express_is_refused():
         from_hf_dict(cfg)
 
 
+@pytest.mark.parametrize("field, value, why", [
+    ("no_rope_layers", [1, 1, 1, 0, 1], "5 entries for num_hidden_layers = 4"),
+    ("no_rope_layers", [1, 1], "2 entries"),
+    ("no_rope_layers", ["a", 1, 1, 1], "0 \\(NoPE\\) or 1"),
+    ("no_rope_layers", [1, 1, 2, 1], "0 \\(NoPE\\) or 1"),
+    ("no_rope_layer_interval", 0, "divides by it"),
+    ("attention_chunk_size", 0, "divides positions by it"),
+    ("num_local_experts", 0, "num_local_experts"),
+])
+def test_a_config_json_field_out_of_range_is_refused(tmp_path, field, value, why):
+    """Worst values of Llama 4's config.json fields are an HFConfigError, and a spec importing
+    the file reports it at the `from` clause (file:line:col), never a model transformers would
+    not build: ``no_rope_layers`` of the wrong length or entries (transformers indexes it by
+    layer and reads its truthiness; was: extra entries ignored, "a" read as RoPE),
+    ``no_rope_layer_interval`` 0 (Llama4TextConfig's ``(i + 1) % 0``; was: read as no NoPE
+    layer), ``attention_chunk_size`` 0 (transformers' chunked mask divides by it; was: read as
+    no chunks), ``num_local_experts`` 0 with MoE layers (was: read as dense layers)."""
+    from parcompile.core.hf import HFConfigError
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    cfg = json.loads(_hf_config().to_json_string())
+    cfg[field] = value
+    if field == "no_rope_layer_interval":
+        del cfg["no_rope_layers"]
+    with pytest.raises(HFConfigError, match=why):
+        from_hf_dict(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = tmp_path / "s.par"
+    spec.write_text('model s from "config.json" { }\ncluster c from "cpu" { gpus_per_node = 1 }\nparallel { }\n')
+    with pytest.raises(SpecError, match=r"s\.par:1:\d+: error: .*" + why):
+        load_spec(spec)
+
+
 def test_serving_is_refused_with_a_diagnostic(case):
     """The serve program has no chunked or temperature-tuned cached attention yet: a serve spec
     of the checkpoint is refused at the model, naming Llama 4's layers and what to use instead."""

@@ -39,7 +39,14 @@ LLAMA4_DEFAULTS = {"intermediate_size": 8192, "intermediate_size_mlp": 16384, "h
 
 
 def _interval(rope: list, layers: int) -> int:
-    """``nope_layer_interval`` of a ``no_rope_layers`` list (1: RoPE, 0: NoPE per layer)."""
+    """``nope_layer_interval`` of a ``no_rope_layers`` list (1: RoPE, 0: NoPE per layer; one
+    entry per layer, which transformers' Llama4TextAttention indexes by layer). Raises
+    HFConfigError for another entry, another length or a pattern not every Nth layer."""
+    if not all(x in (0, 1) and not isinstance(x, float) for x in rope):
+        raise HFConfigError(f"`no_rope_layers` should hold 0 (NoPE) or 1 (RoPE) per layer, got {json.dumps(rope)}")
+    if len(rope) != layers:
+        raise HFConfigError(f"`no_rope_layers` has {len(rope)} entries for num_hidden_layers = {layers}",
+                            help="write one entry per layer, or leave it out for `no_rope_layer_interval`'s")
     for n in [0] + list(range(1, layers + 1)):
         if [int(not (n and (i + 1) % n == 0)) for i in range(layers)] == [int(bool(x)) for x in rope[:layers]]:
             return n
@@ -84,10 +91,16 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
                             "on o_proj too, and parcompile's `bias` puts one on every linear layer")
     rope = read_list(cfg, "no_rope_layers")
     interval = read_int(cfg, "no_rope_layer_interval", d["no_rope_layer_interval"])
+    if interval == 0:   # Llama4TextConfig builds its default list with (i + 1) % interval, listed or not
+        raise HFConfigError("`no_rope_layer_interval` = 0: transformers divides by it and cannot load this config",
+                            help="a NoPE layer every N layers (Llama 4: 4); for none, a `no_rope_layers` of 1s")
     if rope and layers is not None:
         interval = _interval(rope, layers)
     chunk = cfg.get("attention_chunk_size", d["attention_chunk_size"])
     chunk = read_int(cfg, "attention_chunk_size") if chunk is not None else 0
+    if chunk == 0 and "attention_chunk_size" in cfg:   # transformers' chunked mask divides positions by it
+        raise HFConfigError("`attention_chunk_size` = 0: transformers divides positions by it",
+                            help="write null for no chunked attention (our 0), or the chunk in tokens (Llama 4: 8192)")
     tuning = cfg.get("attn_temperature_tuning", d["attn_temperature_tuning"])   # Scout's config.json writes 4
     if not isinstance(tuning, (bool, int)):
         raise HFConfigError(f"`attn_temperature_tuning` should be true or false, got {json.dumps(tuning)}")
@@ -95,6 +108,9 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     dense, step = (_moe_placement(cfg, layers, read_int(cfg, "interleave_moe_layer_step",
                                                            d["interleave_moe_layer_step"]))
                    if layers is not None else (None, None))
+    if experts == 0 and dense != layers:
+        raise HFConfigError("`num_local_experts` = 0 with MoE layers (`moe_layers` / `interleave_moe_layer_step`)",
+                            help="the experts each MoE layer holds (Scout: 16), or `moe_layers` = [] for dense layers")
     params = rope_dict(cfg)
     return drop_none({
         **base,
