@@ -204,6 +204,8 @@ def test_a_placement_parcompile_cannot_express_is_refused():
     ("no_rope_layer_interval", 0, "divides by it"),
     ("attention_chunk_size", 0, "divides positions by it"),
     ("num_local_experts", 0, "num_local_experts"),
+    ("layer_types", ["full_attention"] * LAYERS, "layer_types"),
+    ("layer_types", ["sliding_attention"] * LAYERS, "layer_types"),
 ])
 def test_a_config_json_field_out_of_range_is_refused(tmp_path, field, value, why):
     """Worst values of Llama 4's config.json fields are an HFConfigError, and a spec importing
@@ -212,7 +214,8 @@ def test_a_config_json_field_out_of_range_is_refused(tmp_path, field, value, why
     layer and reads its truthiness; was: extra entries ignored, "a" read as RoPE),
     ``no_rope_layer_interval`` 0 (Llama4TextConfig's ``(i + 1) % 0``; was: read as no NoPE
     layer), ``attention_chunk_size`` 0 (transformers' chunked mask divides by it; was: read as
-    no chunks), ``num_local_experts`` 0 with MoE layers (was: read as dense layers)."""
+    no chunks), ``num_local_experts`` 0 with MoE layers (was: read as dense layers), a
+    ``layer_types`` other than the one derived (transformers masks by it; was: ignored)."""
     from parcompile.core.hf import HFConfigError
     from parcompile.diagnostics import SpecError
     from parcompile.frontend import load_spec

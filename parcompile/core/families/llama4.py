@@ -20,6 +20,7 @@ up ``[f, 2f)``, and ``feed_forward.experts.down_proj`` (E, f, h).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from parcompile.core.families.base import (Family, HFConfigError, Source, decoder_keys, drop_none, llama_config,
@@ -53,6 +54,25 @@ def _interval(rope: list, layers: int) -> int:
     raise HFConfigError(f"`no_rope_layers` = {json.dumps(rope)}: parcompile places a NoPE layer every Nth layer",
                         help="write the list transformers makes from `no_rope_layer_interval` (0 at every "
                              "(i + 1) % N == 0), or leave it out")
+
+
+def _check_layer_types(cfg: dict, layers: int, interval: int, chunk: int) -> None:
+    """A config.json's ``layer_types`` (transformers 5 writes it; its Llama4TextModel picks each
+    layer's mask by it, not by ``attention_chunk_size``) must be the one Llama4TextConfig
+    derives: ``chunked_attention`` on the RoPE layers when there is a chunk, else
+    ``full_attention``. Raises HFConfigError otherwise (a model parcompile would chunk
+    differently)."""
+    kinds = read_list(cfg, "layer_types")
+    if kinds is None:
+        return
+    keys = SimpleNamespace(position="rope", nope_layer_interval=interval)
+    want = ["chunked_attention" if chunk and rope_layer(keys, i) else "full_attention" for i in range(layers)]
+    if kinds != want:
+        raise HFConfigError(f"`layer_types` = {json.dumps(kinds)[:200]} is not the one `no_rope_layers` and "
+                            f"`attention_chunk_size` give ({json.dumps(want)[:200]}): parcompile chunks the RoPE "
+                            "layers' attention exactly when `attention_chunk_size` is set",
+                            help="remove `layer_types`, or make it match (attention_chunk_size = null: every "
+                                 "layer full_attention)")
 
 
 def _moe_placement(cfg: dict, layers: int, step: int) -> tuple[int, int]:
@@ -101,6 +121,8 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     if chunk == 0 and "attention_chunk_size" in cfg:   # transformers' chunked mask divides positions by it
         raise HFConfigError("`attention_chunk_size` = 0: transformers divides positions by it",
                             help="write null for no chunked attention (our 0), or the chunk in tokens (Llama 4: 8192)")
+    if layers is not None:
+        _check_layer_types(cfg, layers, interval, chunk)
     tuning = cfg.get("attn_temperature_tuning", d["attn_temperature_tuning"])   # Scout's config.json writes 4
     if not isinstance(tuning, (bool, int)):
         raise HFConfigError(f"`attn_temperature_tuning` should be true or false, got {json.dumps(tuning)}")
