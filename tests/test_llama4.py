@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,31 @@ def test_a_chunk_or_window_beyond_any_position_masks_as_none(key):
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     got = attention_core(q, k, v, False, 0.0, False, q_pos=pos + 5, k_pos=pos + 5, **big)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("keys, said", [
+    ("nope_layer_interval = 2, position = learned", "2:.*error: nope_layer_interval describes Llama 4's RoPE"),
+    ("qk_l2_norm = true, position = none", "2:.*error: qk_l2_norm describes Llama 4's RoPE"),
+    ("attention_chunk_size = 4, position = learned", "2:.*error: attention_chunk_size describes"),
+    ("attention_chunk_size = 1000000000000000000000000000000", "2:.*warning: attention_chunk_size has no effect"),
+    ("attn_temperature_tuning = true, nope_layer_interval = 99", "2:.*warning: attn_temperature_tuning has no effect"),
+    ("interleave_moe_layer_step = 99, experts = 4", "2:.*warning: interleave_moe_layer_step has no effect"),
+    ("moe_apply_probs_on_input = true", "2:.*warning: moe_apply_probs_on_input has no effect"),
+])
+def test_llama4_keys_with_nothing_to_act_on_are_reported(tmp_path, keys, said):
+    """Worst values of Llama 4's spec keys (frontend/checks_model.py check_llama4): its RoPE /
+    NoPE keys without RoPE are a spanned error (was: accepted, the temperature then scaling every
+    layer, the chunk and the L2 norm acting on none); a chunk past seq_len, a temperature without
+    a NoPE layer and MoE keys without a MoE layer are spanned warnings (was: silent)."""
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    spec = tmp_path / "m.par"
+    spec.write_text(f'model m {{\n    layers = 4, hidden = 64, heads = 4, vocab = 256, seq_len = 32, {keys}\n}}\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nparallel { }\n')
+    if "error" in said:
+        with pytest.raises(SpecError, match=r"m\.par:" + said):
+            load_spec(spec)
+        return
+    _, bag = load_spec(spec)
+    assert any(re.search(said, f"{d.span.line}:{d.severity}: {d.message}") for d in bag), [str(d) for d in bag]
