@@ -346,3 +346,17 @@ def test_llama4_keys_with_nothing_to_act_on_are_reported(tmp_path, keys, said):
         return
     _, bag = load_spec(spec)
     assert any(re.search(said, f"{d.span.line}:{d.severity}: {d.message}") for d in bag), [str(d) for d in bag]
+
+
+def test_a_single_trailing_moe_layer_is_the_only_one_in_the_program(tmp_path):
+    """2 layers, ``interleave_moe_layer_step`` 2: transformers' ``moe_layers`` is [1], one MoE
+    layer after a dense one and none after it. The program's Block builds MoE exactly there
+    (codegen/emit.py ``_block_methods``: was MoE on every layer whenever no dense layer followed
+    the first MoE one, so the checkpoint did not load) and its logits equal transformers'."""
+    hf = _save(tmp_path / "hf", num_hidden_layers=2, no_rope_layer_interval=2)
+    assert hf.config.moe_layers == [1]
+    cfg = tiny_config(model=import_keys(tmp_path / "hf"), name="llama4_2")
+    stage, _ = stage_from_hf(cfg, tmp_path / "hf", tmp_path / "prog")
+    assert [any(n.startswith(f"layers.{i}.mlp.experts") for n, _ in stage.named_parameters())
+            for i in range(2)] == [False, True]
+    assert_logits_equal(stage, hf, cfg.model.vocab)
