@@ -214,8 +214,6 @@ def _problems(m: ModelKeys) -> list[str]:
         out.append("biases")
     if not m.rope_interleave:
         out.append("rope_interleave = false (Llama 4 rotates interleaved pairs)")
-    if m.kv_lora_rank:
-        out.append(f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)")
     if m.experts:
         want = {"shared_experts": 1, "scoring_func": "sigmoid", "topk_method": "greedy", "norm_topk_prob": False,
                 "moe_apply_probs_on_input": True, "routed_scaling_factor": 1.0}
@@ -229,7 +227,7 @@ def _owned(m: ModelKeys, family: Family) -> list[str]:
 
 FAMILIES = (Family("llama4_text", "Llama4ForCausalLM", keys=_keys, config=_config, sources=_sources,
                    problems=_problems, rank=12, matches=lambda m: any(getattr(m, k) != v for k, v in LLAMA4_KEYS.items()),
-                   features=frozenset({"mla"}), title="Llama 4", owns={"llama4": (_owned, False)}),)
+                   features=frozenset({"rope_pairs", "router"}), title="Llama 4", owns={"llama4": (_owned, False)}),)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-4-Scout-17B-16E config.json, its text_config (llama4_text): 48 layers, every
