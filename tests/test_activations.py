@@ -50,6 +50,10 @@ CASES.update({
     "moe_fp32": (dict(MOE), {}),
     "moe_shared_bf16": (dict(MOE, shared_experts=1, dtype="bf16"), {}),
     "moe_gpt_bf16_selective": (dict(MOE, **GPT, dtype="bf16"), dict(recompute="selective")),
+    # Llama 4's router weights on the experts' inputs (the dispatch keeps the unweighted rows and
+    # the weights, the combine's plain sum nothing): the layer's total as the plan counts it
+    "moe_probs_on_input_bf16": (dict(MOE, moe_apply_probs_on_input=True, scoring_func="sigmoid",
+                                     norm_topk_prob=False, shared_experts=1, dtype="bf16"), {}),
     "relu_parallel_residual_window": (dict(activation="relu", parallel_residual=True, sliding_window=8), {}),
 })
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,43 @@ def test_a_placement_parcompile_cannot_express_is_refused():
         from_hf_dict(cfg)
 
 
+@pytest.mark.parametrize("field, value, why", [
+    ("no_rope_layers", [1, 1, 1, 0, 1], "5 entries for num_hidden_layers = 4"),
+    ("no_rope_layers", [1, 1], "2 entries"),
+    ("no_rope_layers", ["a", 1, 1, 1], "0 \\(NoPE\\) or 1"),
+    ("no_rope_layers", [1, 1, 2, 1], "0 \\(NoPE\\) or 1"),
+    ("no_rope_layer_interval", 0, "divides by it"),
+    ("attention_chunk_size", 0, "divides positions by it"),
+    ("num_local_experts", 0, "num_local_experts"),
+    ("layer_types", ["full_attention"] * LAYERS, "layer_types"),
+    ("layer_types", ["sliding_attention"] * LAYERS, "layer_types"),
+])
+def test_a_config_json_field_out_of_range_is_refused(tmp_path, field, value, why):
+    """Worst values of Llama 4's config.json fields are an HFConfigError, and a spec importing
+    the file reports it at the `from` clause (file:line:col), never a model transformers would
+    not build: ``no_rope_layers`` of the wrong length or entries (transformers indexes it by
+    layer and reads its truthiness; was: extra entries ignored, "a" read as RoPE),
+    ``no_rope_layer_interval`` 0 (Llama4TextConfig's ``(i + 1) % 0``; was: read as no NoPE
+    layer), ``attention_chunk_size`` 0 (transformers' chunked mask divides by it; was: read as
+    no chunks), ``num_local_experts`` 0 with MoE layers (was: read as dense layers), a
+    ``layer_types`` other than the one derived (transformers masks by it; was: ignored)."""
+    from parcompile.core.hf import HFConfigError
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    cfg = json.loads(_hf_config().to_json_string())
+    cfg[field] = value
+    if field == "no_rope_layer_interval":
+        del cfg["no_rope_layers"]
+    with pytest.raises(HFConfigError, match=why):
+        from_hf_dict(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = tmp_path / "s.par"
+    spec.write_text('model s from "config.json" { }\ncluster c from "cpu" { gpus_per_node = 1 }\nparallel { }\n')
+    with pytest.raises(SpecError, match=r"s\.par:1:\d+: error: .*" + why):
+        load_spec(spec)
+
+
 def test_serving_is_refused_with_a_diagnostic(case):
     """The serve program has no chunked or temperature-tuned cached attention yet: a serve spec
     of the checkpoint is refused at the model, naming Llama 4's layers and what to use instead."""
@@ -260,3 +298,65 @@ def test_hf_output_of_a_fine_tune_loads_back_in_transformers(case, tmp_path):
                               moved=("experts.gate_up_proj", "experts.down_proj", "shared_expert", "router"))
     assert (back.config.no_rope_layers, back.config.moe_layers) == (case["hf"].config.no_rope_layers,
                                                                      case["hf"].config.moe_layers)
+
+
+@pytest.mark.parametrize("key", ["attention_chunk_size", "sliding_window"])
+def test_a_chunk_or_window_beyond_any_position_masks_as_none(key):
+    """A spec may write ``attention_chunk_size`` or ``sliding_window`` = 10**30 (a warning, not
+    an error): the unfused core's mask (core_attention.causal_mask) equals plain causal
+    attention's, as transformers' chunked / sliding mask of a chunk longer than the sequence
+    is; was an OverflowError in the rank (torch cannot convert 10**30 to int64)."""
+    from parcompile.runtime.model.core_attention import attention_core, causal_mask
+
+    pos = torch.arange(8)
+    plain = causal_mask(pos, pos, 0)
+    assert torch.equal(plain, torch.ones(8, 8, dtype=torch.bool).tril())
+    big = dict(window=10**30) if key == "sliding_window" else dict(window=0, chunk=10**30)
+    assert torch.equal(causal_mask(pos, pos, **big), plain)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attention_core(q, k, v, False, 0.0, False, q_pos=pos + 5, k_pos=pos + 5, **big)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("keys, said", [
+    ("nope_layer_interval = 2, position = learned", "2:.*error: nope_layer_interval describes Llama 4's RoPE"),
+    ("qk_l2_norm = true, position = none", "2:.*error: qk_l2_norm describes Llama 4's RoPE"),
+    ("attention_chunk_size = 4, position = learned", "2:.*error: attention_chunk_size describes"),
+    ("attention_chunk_size = 1000000000000000000000000000000", "2:.*warning: attention_chunk_size has no effect"),
+    ("attn_temperature_tuning = true, nope_layer_interval = 99", "2:.*warning: attn_temperature_tuning has no effect"),
+    ("interleave_moe_layer_step = 99, experts = 4", "2:.*warning: interleave_moe_layer_step has no effect"),
+    ("moe_apply_probs_on_input = true", "2:.*warning: moe_apply_probs_on_input has no effect"),
+])
+def test_llama4_keys_with_nothing_to_act_on_are_reported(tmp_path, keys, said):
+    """Worst values of Llama 4's spec keys (frontend/checks_model.py check_llama4): its RoPE /
+    NoPE keys without RoPE are a spanned error (was: accepted, the temperature then scaling every
+    layer, the chunk and the L2 norm acting on none); a chunk past seq_len, a temperature without
+    a NoPE layer and MoE keys without a MoE layer are spanned warnings (was: silent)."""
+    from parcompile.diagnostics import SpecError
+    from parcompile.frontend import load_spec
+
+    spec = tmp_path / "m.par"
+    spec.write_text(f'model m {{\n    layers = 4, hidden = 64, heads = 4, vocab = 256, seq_len = 32, {keys}\n}}\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\nparallel { }\n')
+    if "error" in said:
+        with pytest.raises(SpecError, match=r"m\.par:" + said):
+            load_spec(spec)
+        return
+    _, bag = load_spec(spec)
+    assert any(re.search(said, f"{d.span.line}:{d.severity}: {d.message}") for d in bag), [str(d) for d in bag]
+
+
+def test_a_single_trailing_moe_layer_is_the_only_one_in_the_program(tmp_path):
+    """2 layers, ``interleave_moe_layer_step`` 2: transformers' ``moe_layers`` is [1], one MoE
+    layer after a dense one and none after it. The program's Block builds MoE exactly there
+    (codegen/emit.py ``_block_methods``: was MoE on every layer whenever no dense layer followed
+    the first MoE one, so the checkpoint did not load) and its logits equal transformers'."""
+    hf = _save(tmp_path / "hf", num_hidden_layers=2, no_rope_layer_interval=2)
+    assert hf.config.moe_layers == [1]
+    cfg = tiny_config(model=import_keys(tmp_path / "hf"), name="llama4_2")
+    stage, _ = stage_from_hf(cfg, tmp_path / "hf", tmp_path / "prog")
+    assert [any(n.startswith(f"layers.{i}.mlp.experts") for n, _ in stage.named_parameters())
+            for i in range(2)] == [False, True]
+    assert_logits_equal(stage, hf, cfg.model.vocab)

@@ -222,7 +222,7 @@ def _train_model(cfg: SpecConfig, pd: ProgramData, padded: int) -> dict:
     seq_ranks = z.t_attn // z.t_residual
     aux = m.router_aux_loss / (p.num_microbatches * seq_ranks) if moe else 0.0
     layer = pd.dense_layer or pd.moe_layer
-    c = _classes(pd)
+    c = _classes(pd, m.interleave_moe_layer_step)
     kinds = _layer_kinds(pd, c)
     sizes = {"heads_local": z.heads, "kv_local": z.kv_heads, "experts_local": z.experts or 0,
              "expert_ffn_local": z.expert_ffn or 0, "mla_grads": _mla_grads(pd, layer) or "none (tp = 1)",
@@ -348,10 +348,11 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
                    per_layer=pd.layer_tables).text("i: int, tp: rt.Axis" + ("" if whole else ", experts: rt.ExpertAxes"))
 
 
-def _classes(pd: ProgramData) -> dict:
+def _classes(pd: ProgramData, moe_step: int) -> dict:
     """The decoder-layer classes written op by op from the graph (:mod:`parcompile.codegen.blocks`):
     the dense MLP, a MoE layer's shared experts, and Block's ``__init__`` and ``forward``
-    (one Block for both layer kinds: only its ``mlp`` module differs)."""
+    (one Block for both layer kinds: only its ``mlp`` module differs; ``moe_step``: the
+    model's ``interleave_moe_layer_step``, :func:`_block_methods`)."""
     out = _mlp_classes(pd)
     layer = pd.dense_layer or pd.moe_layer
     constants = MLA_CONSTANTS if layer.op("attn.wkv_a") is not None else DIM_CONSTANTS
@@ -361,16 +362,18 @@ def _classes(pd: ProgramData) -> dict:
     # the routed rows are all-gathered over expert_tp where the dispatch's collectives say so
     out["moe_expert_tp"] = pd.moe_layer is not None and any(
         c.axis == "expert_tp" for c in pd.moe_layer.op("mlp.dispatch").collectives)
-    block = _block_methods(pd, "Attention(i, tp, cp)", "MoE(i, tp, experts)")
+    block = _block_methods(pd, "Attention(i, tp, cp)", "MoE(i, tp, experts)", moe_step=moe_step)
     sig = "i: int, tp: rt.Axis, cp: rt.Axis" + (", experts: rt.ExpertAxes" if pd.moe_layer is not None else "")
     out["block_methods"] = block.text(sig)
     return out
 
 
-def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) -> Methods:
+def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False, moe_step: int = 1) -> Methods:
     """Block's ``__init__`` and ``forward`` written from the graph's layers (one class for
     both layer kinds: only its ``mlp`` module differs, ``MLP(i, tp)`` or ``moe``); ``attn``
-    builds the attention module; ``serve``: the serving program's (:func:`methods`).
+    builds the attention module; ``serve``: the serving program's (:func:`methods`). Layer i
+    is MoE by :func:`parcompile.core.model.moe_layer` spelt with the program's constants
+    (``MOE_LAYER_STEP``, written when ``moe_step`` > 1: codegen/stage.py).
 
     Raises:
         ValueError: a dense and a MoE layer that differ outside their MLP."""
@@ -389,8 +392,7 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False) ->
             raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
                              "the program writes one Block class")
         # Llama 4: dense layers between MoE ones, every MOE_LAYER_STEP-th layer MoE (core/model.py moe_layer)
-        every = any(not x.moe and x.index > pd.moe_layer.index for st in pd.stages for x in st.layers)
-        when = "i >= DENSE_LAYERS" + (" and (i + 1) % MOE_LAYER_STEP == 0" if every else "")
+        when = "i >= DENSE_LAYERS" + (" and (i + 1) % MOE_LAYER_STEP == 0" if moe_step > 1 else "")
         block = dataclasses.replace(moe_kind, init=tuple(
             f"self.mlp = {moe} if {when} else MLP(i, tp)" if ln == mlp_line else ln for ln in dense.init))
     return block

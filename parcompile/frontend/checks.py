@@ -23,7 +23,8 @@ from parcompile.core.schedule import group_error
 # the context and the checks of each concern live in their own modules (names re-exported)
 from parcompile.frontend.check_context import AUTO, CheckContext, nearest_multiples  # noqa: F401
 from parcompile.frontend.checks_fp8 import check_fp8, check_fp8_bf16_layers
-from parcompile.frontend.checks_model import check_attention_kinds, check_heads, check_mla, check_widths
+from parcompile.frontend.checks_model import (check_attention_kinds, check_heads, check_llama4, check_mla,
+                                              check_widths)
 from parcompile.frontend.checks_moe import ROUTER_KEYS, check_experts, check_router, value_words
 from parcompile.frontend.checks_serve import check_serve
 
@@ -665,6 +666,7 @@ CHECKS = (
     check_widths,
     check_attention_kinds,
     check_mla,
+    check_llama4,
     _check_layers,
     _check_batches,
     _check_schedule,
@@ -693,6 +695,7 @@ LAYOUT_READS = {
     check_widths: ("expert_tp",),
     check_attention_kinds: (),
     check_mla: ("cp",),
+    check_llama4: (),
     _check_layers: ("pp", "stage_layers", "virtual_stages"),
     _check_batches: ("dp", "global_batch", "micro_batch", "microbatch_group_size", "pp", "schedule"),
     _check_schedule: ("auto", "microbatch_group_size", "schedule", "virtual_stages"),

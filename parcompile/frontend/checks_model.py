@@ -1,7 +1,7 @@
 """The model's shape checks of a spec (SPEC 1 `model`, `parallel.tp`): heads and kv heads
 against tp (:func:`check_heads`), the widths tp and expert_tp split (:func:`check_widths`),
-the attention kinds' keys (:func:`check_attention_kinds`) and multi-head latent attention's
-(:func:`check_mla`). Run by :func:`parcompile.frontend.checks.check_config` (its
+the attention kinds' keys (:func:`check_attention_kinds`), multi-head latent attention's
+(:func:`check_mla`) and Llama 4's layer keys (:func:`check_llama4`). Run by :func:`parcompile.frontend.checks.check_config` (its
 :data:`~parcompile.frontend.checks.CHECKS`).
 """
 
@@ -11,6 +11,7 @@ import math
 
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import and_list, divisors
+from parcompile.core.model import LLAMA4_KEYS, moe_layer, rope_layer
 from parcompile.frontend.check_context import CheckContext, may_be
 
 
@@ -240,3 +241,37 @@ def check_mla(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.error(f"context parallelism (cp = {p.cp}) with multi-head latent attention is not built",
                       ctx.span("parallel.cp"), note=f"the model uses MLA (kv_lora_rank = {m.kv_lora_rank})",
                       help="use cp = 1 (split the sequence with sequence_parallel = true inside tp instead)")
+
+
+#: Llama 4's attention keys, which act on its RoPE layers (chunk, L2 norm) and NoPE layers
+#: (temperature): core/model.py ``rope_layer``
+_ROPE_LAYER_KEYS = ("nope_layer_interval", "attention_chunk_size", "qk_l2_norm", "attn_temperature_tuning")
+
+
+def check_llama4(cfg: SpecConfig, ctx: CheckContext) -> None:
+    """Llama 4's layer keys written where the rest of the model gives them nothing to act on:
+    an error without RoPE (its NoPE and RoPE layers are ``position = rope`` ones), warnings for
+    a chunk no sequence fills, a temperature without NoPE layers, MoE keys without a MoE layer."""
+    m = cfg.model
+    written = [k for k in _ROPE_LAYER_KEYS if ctx.given(f"model.{k}") and ctx.ok(f"model.{k}")
+               and getattr(m, k) != LLAMA4_KEYS[k]]
+    if written and m.position != "rope" and ctx.ok("model.position"):
+        ctx.bag.error(f"{written[0]} describes Llama 4's RoPE and NoPE layers; position = {m.position}",
+                      ctx.span(f"model.{written[0]}", "model.position"),
+                      help=f"set position = rope, or remove {and_list(written)}")
+        return
+    no_effect = []
+    if "attention_chunk_size" in written and ctx.ok("model.seq_len") and m.attention_chunk_size >= m.seq_len:
+        no_effect.append(("attention_chunk_size", f"no sequence is longer than a chunk (seq_len = {m.seq_len})",
+                          f"a chunk below {m.seq_len} tokens, or 0 for none"))
+    nope = [i for i in range(m.layers) if not rope_layer(m, i)]
+    if m.attn_temperature_tuning and "attn_temperature_tuning" in written and not nope:
+        no_effect.append(("attn_temperature_tuning", "it scales the queries of the NoPE layers and there is none",
+                          f"set nope_layer_interval (Llama 4: 4) to at most layers = {m.layers}"))
+    moe_keys = [k for k in ("interleave_moe_layer_step", "moe_apply_probs_on_input") if ctx.given(f"model.{k}")]
+    if moe_keys and ctx.ok("model.experts", "model.dense_layers", *(f"model.{k}" for k in moe_keys)) \
+            and not any(moe_layer(m, i) for i in range(m.layers)):
+        no_effect += [(k, "no layer is a MoE layer", "set experts, and interleave_moe_layer_step to at most "
+                       f"layers - dense_layers = {m.layers - m.dense_layers}") for k in moe_keys]
+    for key, why, fix in no_effect:
+        ctx.bag.warning(f"{key} has no effect: {why}", ctx.span(f"model.{key}"), help=f"{fix}, or remove {key}")

@@ -397,13 +397,16 @@ def _oss(m: ModelKeys, family: Family) -> list[str]:
 
 
 def _mla(m: ModelKeys, family: Family) -> list[str]:
-    out = []
-    if m.kv_lora_rank > 0:
-        out.append(f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)")
-    if m.rope_interleave:
-        out.append("rope_interleave = true")
-    return out + [f"{k} = {router(m, k)} (DeepSeek's router: deepseek_v3)" for k, v in ROUTER_DEFAULTS.items()
-                  if m.experts and router(m, k) != v]
+    return [f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)"] if m.kv_lora_rank > 0 else []
+
+
+def _rope_pairs(m: ModelKeys, family: Family) -> list[str]:
+    return ["rope_interleave = true"] if m.rope_interleave else []
+
+
+def _router(m: ModelKeys, family: Family) -> list[str]:
+    return [f"{k} = {router(m, k)} (DeepSeek's router: deepseek_v3)" for k, v in ROUTER_DEFAULTS.items()
+            if m.experts and router(m, k) != v]
 
 
 #: the keys only a few families have, by feature: (what a family without the feature says
@@ -417,7 +420,9 @@ FEATURES: dict[str, tuple[Callable[[ModelKeys, Family], list[str]], bool]] = {
     "local_rope": (_local_rope, False),       # a RoPE base of the local layers (rope_local_base_freq)
     "qk_norm": (_qk_norm, True),              # RMSNorm of q and k per head
     "oss": (_oss, False),                     # attention sinks, a biased router, the clamped SwiGLU
-    "mla": (_mla, False),                     # multi-head latent attention, DeepSeek's router
+    "mla": (_mla, False),                     # multi-head latent attention (kv_lora_rank)
+    "rope_pairs": (_rope_pairs, False),       # RoPE on interleaved pairs (DeepSeek-V3, Llama 4)
+    "router": (_router, False),               # DeepSeek's router keys (sigmoid scores: also Llama 4's)
 }
 
 

@@ -223,8 +223,8 @@ def _problems(m: ModelKeys) -> list[str]:
 
 
 FAMILIES = (Family("deepseek_v3", "DeepseekV3ForCausalLM", keys=_keys, config=_config, sources=_sources,
-                   problems=_problems, matches=lambda m: m.kv_lora_rank > 0, rank=10, features=frozenset({"mla"}),
-                   title="DeepSeek-V3"),)
+                   problems=_problems, matches=lambda m: m.kv_lora_rank > 0, rank=10,
+                   features=frozenset({"mla", "rope_pairs", "router"}), title="DeepSeek-V3"),)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V3 config.json (deepseek_v3): multi-head latent attention (q_lora

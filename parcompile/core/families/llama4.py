@@ -20,6 +20,7 @@ up ``[f, 2f)``, and ``feed_forward.experts.down_proj`` (E, f, h).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from parcompile.core.families.base import (Family, HFConfigError, Source, decoder_keys, drop_none, llama_config,
@@ -39,13 +40,39 @@ LLAMA4_DEFAULTS = {"intermediate_size": 8192, "intermediate_size_mlp": 16384, "h
 
 
 def _interval(rope: list, layers: int) -> int:
-    """``nope_layer_interval`` of a ``no_rope_layers`` list (1: RoPE, 0: NoPE per layer)."""
+    """``nope_layer_interval`` of a ``no_rope_layers`` list (1: RoPE, 0: NoPE per layer; one
+    entry per layer, which transformers' Llama4TextAttention indexes by layer). Raises
+    HFConfigError for another entry, another length or a pattern not every Nth layer."""
+    if not all(x in (0, 1) and not isinstance(x, float) for x in rope):
+        raise HFConfigError(f"`no_rope_layers` should hold 0 (NoPE) or 1 (RoPE) per layer, got {json.dumps(rope)}")
+    if len(rope) != layers:
+        raise HFConfigError(f"`no_rope_layers` has {len(rope)} entries for num_hidden_layers = {layers}",
+                            help="write one entry per layer, or leave it out for `no_rope_layer_interval`'s")
     for n in [0] + list(range(1, layers + 1)):
         if [int(not (n and (i + 1) % n == 0)) for i in range(layers)] == [int(bool(x)) for x in rope[:layers]]:
             return n
     raise HFConfigError(f"`no_rope_layers` = {json.dumps(rope)}: parcompile places a NoPE layer every Nth layer",
                         help="write the list transformers makes from `no_rope_layer_interval` (0 at every "
                              "(i + 1) % N == 0), or leave it out")
+
+
+def _check_layer_types(cfg: dict, layers: int, interval: int, chunk: int) -> None:
+    """A config.json's ``layer_types`` (transformers 5 writes it; its Llama4TextModel picks each
+    layer's mask by it, not by ``attention_chunk_size``) must be the one Llama4TextConfig
+    derives: ``chunked_attention`` on the RoPE layers when there is a chunk, else
+    ``full_attention``. Raises HFConfigError otherwise (a model parcompile would chunk
+    differently)."""
+    kinds = read_list(cfg, "layer_types")
+    if kinds is None:
+        return
+    keys = SimpleNamespace(position="rope", nope_layer_interval=interval)
+    want = ["chunked_attention" if chunk and rope_layer(keys, i) else "full_attention" for i in range(layers)]
+    if kinds != want:
+        raise HFConfigError(f"`layer_types` = {json.dumps(kinds)[:200]} is not the one `no_rope_layers` and "
+                            f"`attention_chunk_size` give ({json.dumps(want)[:200]}): parcompile chunks the RoPE "
+                            "layers' attention exactly when `attention_chunk_size` is set",
+                            help="remove `layer_types`, or make it match (attention_chunk_size = null: every "
+                                 "layer full_attention)")
 
 
 def _moe_placement(cfg: dict, layers: int, step: int) -> tuple[int, int]:
@@ -84,10 +111,18 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
                             "on o_proj too, and parcompile's `bias` puts one on every linear layer")
     rope = read_list(cfg, "no_rope_layers")
     interval = read_int(cfg, "no_rope_layer_interval", d["no_rope_layer_interval"])
+    if interval == 0:   # Llama4TextConfig builds its default list with (i + 1) % interval, listed or not
+        raise HFConfigError("`no_rope_layer_interval` = 0: transformers divides by it and cannot load this config",
+                            help="a NoPE layer every N layers (Llama 4: 4); for none, a `no_rope_layers` of 1s")
     if rope and layers is not None:
         interval = _interval(rope, layers)
     chunk = cfg.get("attention_chunk_size", d["attention_chunk_size"])
     chunk = read_int(cfg, "attention_chunk_size") if chunk is not None else 0
+    if chunk == 0 and "attention_chunk_size" in cfg:   # transformers' chunked mask divides positions by it
+        raise HFConfigError("`attention_chunk_size` = 0: transformers divides positions by it",
+                            help="write null for no chunked attention (our 0), or the chunk in tokens (Llama 4: 8192)")
+    if layers is not None:
+        _check_layer_types(cfg, layers, interval, chunk)
     tuning = cfg.get("attn_temperature_tuning", d["attn_temperature_tuning"])   # Scout's config.json writes 4
     if not isinstance(tuning, (bool, int)):
         raise HFConfigError(f"`attn_temperature_tuning` should be true or false, got {json.dumps(tuning)}")
@@ -95,6 +130,9 @@ def _keys(cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     dense, step = (_moe_placement(cfg, layers, read_int(cfg, "interleave_moe_layer_step",
                                                            d["interleave_moe_layer_step"]))
                    if layers is not None else (None, None))
+    if experts == 0 and dense != layers:
+        raise HFConfigError("`num_local_experts` = 0 with MoE layers (`moe_layers` / `interleave_moe_layer_step`)",
+                            help="the experts each MoE layer holds (Scout: 16), or `moe_layers` = [] for dense layers")
     params = rope_dict(cfg)
     return drop_none({
         **base,
@@ -176,8 +214,6 @@ def _problems(m: ModelKeys) -> list[str]:
         out.append("biases")
     if not m.rope_interleave:
         out.append("rope_interleave = false (Llama 4 rotates interleaved pairs)")
-    if m.kv_lora_rank:
-        out.append(f"kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention: deepseek_v3)")
     if m.experts:
         want = {"shared_experts": 1, "scoring_func": "sigmoid", "topk_method": "greedy", "norm_topk_prob": False,
                 "moe_apply_probs_on_input": True, "routed_scaling_factor": 1.0}
@@ -191,7 +227,7 @@ def _owned(m: ModelKeys, family: Family) -> list[str]:
 
 FAMILIES = (Family("llama4_text", "Llama4ForCausalLM", keys=_keys, config=_config, sources=_sources,
                    problems=_problems, rank=12, matches=lambda m: any(getattr(m, k) != v for k, v in LLAMA4_KEYS.items()),
-                   features=frozenset({"mla"}), title="Llama 4", owns={"llama4": (_owned, False)}),)
+                   features=frozenset({"rope_pairs", "router"}), title="Llama 4", owns={"llama4": (_owned, False)}),)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-4-Scout-17B-16E config.json, its text_config (llama4_text): 48 layers, every

@@ -17,11 +17,18 @@ from parcompile.runtime.model.layers import wide
 from parcompile.runtime.model.layers import recompute as _recompute   # attention()'s flag of the same name shadows it
 
 
+#: a window or chunk at least this long (2^62 tokens) spans every position an int64 holds: the
+#: masks compare with it instead of a longer one, which torch cannot convert (OverflowError)
+_UNBOUNDED = 2 ** 62
+
+
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, chunk: int = 0) -> torch.Tensor:
     """Boolean (Tq, Tk) mask, True where a query at position i may attend a key at j: j <= i,
     i - j < window with a sliding window, i // chunk == j // chunk with ``chunk`` (Llama 4's
-    chunked attention, transformers' ``chunked_causal_mask``)."""
+    chunked attention, transformers' ``chunked_causal_mask``). A window or chunk longer than
+    any position (a spec may write 10**30) masks as :data:`_UNBOUNDED`: the same mask."""
     i, j = q_pos[:, None], k_pos[None, :]
+    window, chunk = min(window or 0, _UNBOUNDED), min(chunk or 0, _UNBOUNDED)
     keep = j <= i
     if window:
         keep &= (i - j) < window
