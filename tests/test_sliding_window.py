@@ -113,3 +113,16 @@ def test_a_decode_step_reads_at_most_the_window_of_a_local_layer(tmp_path):
     full = decode_kv("")
     local = decode_kv(", sliding_window = 128, sliding_window_pattern = 2")
     assert local / full == pytest.approx((2 * 1099 + 2 * 128) / (4 * 1099), rel=1e-12)
+
+
+def test_serving_mask_takes_a_window_longer_than_any_tensor_compares_with():
+    """A spec may write ``sliding_window = 10**30`` (the checks warn, no more): the serving
+    mask (runtime/serve/generate.py Requests.step) is the full causal one, not an
+    OverflowError in every rank (the training mask: core_attention.causal_mask)."""
+    import torch
+
+    from parcompile.runtime.serve.generate import Requests
+
+    for step in ((0, 5), (5, 6)):
+        huge = Requests([[1, 2, 3], [4, 5, 6, 7, 8]], 4, (10**30, 0), torch.device("cpu")).step(*step)
+        assert torch.equal(huge.masks[10**30], huge.masks[0])

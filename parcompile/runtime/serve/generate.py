@@ -295,7 +295,9 @@ class Requests:
             keep = causal.clone()
             if window:
                 qp, kp = self.positions[:, start:end], self.positions[:, :end]
-                keep &= (qp[:, :, None] - kp[:, None, :]) < window
+                # positions differ by less than ``end``: a longer window (a spec may write 10**30,
+                # past what a tensor compares with) keeps the same tokens
+                keep &= (qp[:, :, None] - kp[:, None, :]) < min(window, end)
             # a padding query sees itself only: finite values that no real token attends
             keep |= k_idx[None, None, :] == q_idx[None, :, None]
             masks[window] = keep.unsqueeze(1).to(self.device)
