@@ -64,6 +64,26 @@ def test_rowwise_tp_all_gathers_stay_16_bit():
             } == {2 * m["seq_len"] * m["hidden"]}
 
 
+def test_layers_kept_in_16_bits_gather_16_bits():
+    """train.fp8_bf16_layers_start = 2 (Megatron's --first-last-layers-bf16): layers 0 and 1 run
+    their GEMMs in 16 bits, so their tp all-gathers move 2 bytes per element (and the program's
+    size is the listed one: no program_bytes); layers 2.. gather at 1 byte, the program's 2 bytes
+    as program_bytes. Elements: micro_batch x seq_len x hidden, from the spec's keys."""
+    path = EXAMPLES / "llama3_8b_2x8_h100.par"
+    compiled = parcompile.compile(path.read_text(), filename=str(path), overrides={
+        "parallel.sequence_parallel": True, "train.precision": "fp8", "train.fp8_bf16_layers_start": 2})
+    plan, micro = json.loads(compiled.to_json()), compiled.config.parallel.micro_batch
+    m = plan["model"]
+    elements = micro * m["seq_len"] * m["hidden"]
+    by_layer: dict[int, set] = {}
+    for c in plan["comm"]["collectives"]:
+        if c["op"] == "all_gather" and c["axis"] == "tp" and c["where"].startswith("layers."):
+            by_layer.setdefault(int(c["where"].split(".")[1]), set()).add((c["bytes"], c.get("program_bytes")))
+    assert by_layer.keys() == set(range(m["layers"]))
+    assert by_layer[0] == by_layer[1] == {(2 * elements, None)}
+    assert all(by_layer[i] == {(elements, 2 * elements)} for i in range(2, m["layers"]))
+
+
 PLANS = {
     "70b_fp8": ("llama3_70b_8x8_h100.par", {"train.precision": "fp8"}),
     "70b_bf16": ("llama3_70b_8x8_h100.par", {}),

@@ -743,6 +743,28 @@ def test_megatron_flags_are_core_v0_19_flags(plans):
         assert set(f) <= known, (name, set(f) - known)
 
 
+# --attention-backend's values: Megatron-Core's AttnBackend members (megatron/core/transformer/enums.py
+# lines 51-58 at core_v0.19.0, 5be9626709af2722333bf54797c954c09edeada3); the flag is a TransformerConfig
+# field whose value ArgumentGroupFactory looks up by member name (megatron/training/argument_utils.py
+# _get_enum_kwargs there: AttnBackend[cli_arg], any other word an argparse error). check_engine_parsers.py
+# megatron on that tree parsed these exports' `fused` and `unfused` as AttnBackend.fused / .unfused.
+MEGATRON_CORE_V0_19_0_ATTN_BACKENDS = frozenset({"flash", "fused", "unfused", "local", "auto"})
+
+
+def test_megatron_attention_backends_are_attn_backend_members(plans):
+    """Every kernel the plan can price for Megatron-LM maps to an AttnBackend member, and every
+    example's export names one (a kernel name such as `cudnn` would stop Megatron's parser)."""
+    from parcompile.core.attention import ATTENTION_KERNELS
+    from parcompile.exporters.megatron import MEGATRON_ATTN_BACKENDS
+
+    priced = {choice.kernel for (engine, _), choice in ATTENTION_KERNELS.items() if engine == "megatron"}
+    assert priced | {"unfused"} <= MEGATRON_ATTN_BACKENDS.keys()   # attention = unfused: the spelled-out core
+    assert set(MEGATRON_ATTN_BACKENDS.values()) <= MEGATRON_CORE_V0_19_0_ATTN_BACKENDS
+    for name, plan in plans:
+        words = export(plan, "megatron").text.split()
+        assert words[words.index("--attention-backend") + 1] in MEGATRON_CORE_V0_19_0_ATTN_BACKENDS, name
+
+
 def test_megatron_exports_write_the_overlaps(monkeypatch):
     """cluster.tp_comm_overlap -> --tp-comm-overlap (with sequence parallelism; without it a note:
     Megatron-LM asserts it); with virtual stages and pp > 2 the blocking transfers the estimate

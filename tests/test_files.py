@@ -194,6 +194,72 @@ def test_hf_writer_replaces_only_its_own_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]   # no temporary left
 
 
+def _marker_dir(out: Path) -> None:
+    (out / HF_MARKER).mkdir()
+    (out / HF_MARKER / "notes.txt").write_text("mine")
+
+
+def _marker_link(out: Path) -> None:   # to the marker of another directory, which lists config.json
+    other = out.parent / "other"
+    other.mkdir()
+    (other / HF_MARKER).write_text(json.dumps({"written_by": "parcompile", "files": ["config.json"]}))
+    (out / HF_MARKER).symlink_to(other / HF_MARKER)
+
+
+def _marker(text: str):
+    return lambda out: (out / HF_MARKER).write_text(text)
+
+
+RUN = {"plan": "a", "plan_digest": "0123456789abcdef", "checkpoint_dir": None, "step": 2}
+
+
+@pytest.mark.parametrize("marker, says", [
+    (_marker("{not json"), "holding .parcompile-output.json, config.json, which parcompile did not write"),
+    (_marker("[1, 2]"), "holding .parcompile-output.json, config.json, which parcompile did not write"),
+    (_marker('{"written_by": "parcompile", "files": "config.json"}'), "which parcompile did not write"),
+    (_marker(json.dumps({"written_by": "parcompile", "files": ["config.json"], "pad": "x" * 2**21})),
+     "which parcompile did not write"),   # over MAX_MARKER_BYTES: not read
+    (_marker_dir, "holding .parcompile-output.json, config.json, which parcompile did not write"),
+    (_marker_link, "holding .parcompile-output.json, config.json, which parcompile did not write"),
+    (lambda out: os.mkfifo(out / HF_MARKER), "holding .parcompile-output.json, config.json"),
+    (lambda out: (out / HF_MARKER).symlink_to("/dev/zero"), "holding .parcompile-output.json, config.json"),
+    (_marker(json.dumps({"written_by": "parcompile", "files": ["config.json"],
+                         "run": {**RUN, "plan_digest": 5, "step": "2"}})),
+     "another run (a run its .parcompile-output.json does not record readably); pass --force"),
+    (_marker(json.dumps({"written_by": "parcompile", "files": ["config.json"],
+                         "run": {**RUN, "plan": "x\nerror: forged\u001b[31m" + "A" * 10**5}})),
+     "another run (plan `x?error: forged?[31mAAA"),
+], ids=["not_json", "a_list", "files_a_string", "over_1_MiB", "a_directory", "a_link_to_another", "a_fifo",
+        "dev_zero", "run_of_other_types", "run_name_of_lines"])
+def test_a_hostile_or_corrupt_marker_is_refused_in_one_line(tmp_path, marker, says):
+    """Issue 47 review: before, a marker that was a directory (of the user's files), a
+    symbolic link to another directory's marker, or a bad marker alone let the output be
+    replaced (deleting them); a FIFO marker blocked the writer forever, /dev/zero read until
+    memory ran out; a run with a digest of another type was replaced without --force; a plan
+    name with line breaks or 100,000 characters made the error that many lines or characters.
+    Now the marker counts only as a regular file of at most MAX_MARKER_BYTES that parcompile
+    wrote, a run of other types is another run's, and the error is one line of < 400 chars;
+    the writer refuses before anything is written, removing nothing."""
+    from parcompile.core.outputs import hf_output_problem
+    from parcompile.runtime.state.hf_export import write_hf_checkpoint
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    marker(out)
+    before = sorted(p.name for p in out.iterdir())
+    said = hf_output_problem(out, run={**RUN, "plan_digest": "fedcba9876543210"})
+    assert said is not None and says in said and "\n" not in said and len(said) < 400, said
+    (out / "config.json").unlink()   # the marker alone (no other file) is still refused
+    assert hf_output_problem(out, run={**RUN, "plan_digest": "fedcba9876543210"}) is not None
+    m = _tiny_model()
+    with pytest.raises(WeightsError):
+        write_hf_checkpoint(_zeros(m), m, out, run={**RUN, "plan_digest": "fedcba9876543210"})
+    assert sorted(p.name for p in out.iterdir()) == [n for n in before if n != "config.json"]
+    if (out / HF_MARKER).is_dir():
+        assert (out / HF_MARKER / "notes.txt").read_text() == "mine"
+
+
 def test_export_weights_into_a_directory_of_other_files_is_refused(workdir, capsys):
     """Before: `export-weights -o data` deleted the data directory, exit 0."""
     spec = _spec(workdir)

@@ -5,8 +5,9 @@
   a temporary sibling and renamed into place, replacing what was there. It may be absent,
   an empty directory, or a directory that holds only what an earlier output of parcompile
   wrote: :data:`HF_MARKER` lists those files (:func:`hf_output_problem`). Anything else
-  (a file, a directory holding the training data, the spec's own directory) is refused
-  before anything is written. The marker also records which run wrote the output
+  (a file, a directory holding the training data, the spec's own directory, a marker that
+  is no small regular file of parcompile's: :func:`_marker`) is refused before anything is
+  written. The marker also records which run wrote the output
   (:func:`run_identity`: the plan's name and digest, the checkpoint directory and step); an
   output of another run is refused unless the user forces it (``export-weights --force``,
   ``parcompile run --force``), naming that run (:func:`hf_output_problem`).
@@ -26,16 +27,21 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 from parcompile.core.dtypes import DTYPE_BYTES, OPTIMIZER_STATES
-from parcompile.core.files import json_loads
+from parcompile.core.files import json_loads, read_bytes
 from parcompile.core.units import bytes_text
 
 #: the file a Hugging Face output of parcompile holds beside its tensors: JSON
 #: ``{"written_by": "parcompile", "files": [the names written], "run": run_identity(...)}``
 HF_MARKER = ".parcompile-output.json"
+#: the largest marker read (a few file names and a run: well under a kilobyte as written)
+MAX_MARKER_BYTES = 2**20
+#: the most characters of a name from a marker or a directory listing an error shows
+SHOWN_CHARS = 200
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -107,14 +113,27 @@ def checkpoint_bytes(params: int, dtype: str, optimizer: str) -> int:
     return params * (width + 4 * OPTIMIZER_STATES[optimizer] + master)
 
 
+def _marker(directory: str | os.PathLike) -> dict | None:
+    """The JSON object of ``directory``'s :data:`HF_MARKER` when parcompile wrote it, else
+    None: the marker must be a regular file itself (not a symbolic link, whose target another
+    directory's marker may be, nor a directory, FIFO or device), of at most
+    :data:`MAX_MARKER_BYTES` (:func:`parcompile.core.files.read_bytes`: never blocks on a FIFO
+    or reads ``/dev/zero``), JSON (:func:`parcompile.core.files.json_loads`) and an object
+    with ``"written_by": "parcompile"``."""
+    path = Path(directory) / HF_MARKER
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        data = json_loads(read_bytes(path, MAX_MARKER_BYTES))
+    except (OSError, ValueError):   # FileReadError is an OSError, UnicodeDecodeError a ValueError
+        return None
+    return data if isinstance(data, dict) and data.get("written_by") == "parcompile" else None
+
+
 def written_files(directory: str | os.PathLike) -> set[str] | None:
     """The names an earlier Hugging Face output of parcompile wrote in ``directory`` (its
-    :data:`HF_MARKER`), or None when it has no readable marker."""
-    try:
-        data = json_loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
-        files = data["files"] if isinstance(data, dict) and data.get("written_by") == "parcompile" else None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return None
+    :data:`HF_MARKER`, :func:`_marker`), or None when it has no readable marker."""
+    files = (_marker(directory) or {}).get("files")
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
     return set(files)
@@ -136,14 +155,29 @@ def run_identity(plan: dict, checkpoint_dir: str | os.PathLike | None = None, st
 
 def written_run(directory: str | os.PathLike) -> dict | None:
     """The ``run`` an earlier Hugging Face output of parcompile in ``directory`` recorded in
-    its :data:`HF_MARKER` (:func:`run_identity`), or None (no marker, or one written before
-    outputs recorded their run: such an output is replaced as before)."""
-    try:
-        data = json_loads((Path(directory) / HF_MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    its :data:`HF_MARKER` (:func:`run_identity`), or None (no readable marker, or one written
+    before outputs recorded their run: such an output is replaced as before). A ``run`` whose
+    fields are not of :func:`run_identity`'s types is ``{}``: no run's, so the output is
+    refused as another run's (:func:`run_text` says its record cannot be read)."""
+    data = _marker(directory)
+    run = None if data is None else data.get("run")
+    if run is None:
         return None
-    run = data.get("run") if isinstance(data, dict) else None
-    return run if isinstance(run, dict) and isinstance(run.get("plan_digest"), str) else None
+    return run if _is_run(run) else {}
+
+
+def _is_run(run) -> bool:
+    """Whether ``run`` has :func:`run_identity`'s fields and types."""
+    return (isinstance(run, dict) and isinstance(run.get("plan"), str) and isinstance(run.get("plan_digest"), str)
+            and isinstance(run.get("checkpoint_dir"), (str, type(None)))
+            and (run.get("step") is None or type(run.get("step")) is int))
+
+
+def _shown(text: str) -> str:
+    """``text`` for a one-line error: non-printable characters (line breaks, terminal
+    escapes) as ``?``, at most :data:`SHOWN_CHARS` characters (then ``...``)."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in text[:SHOWN_CHARS + 1])
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def same_run(a: dict, b: dict) -> bool:
@@ -154,12 +188,16 @@ def same_run(a: dict, b: dict) -> bool:
 
 
 def run_text(run: dict) -> str:
-    """A run identity in words: ``plan `tiny` (a1b2c3d4e5f60718), checkpoint_dir `/x/ckpt` step 40``."""
-    out = f"plan `{run.get('plan', '')}` ({run.get('plan_digest')})"
+    """A run identity in words, on one line (:func:`_shown`): ``plan `tiny` (a1b2c3d4e5f60718),
+    checkpoint_dir `/x/ckpt` step 40``; a record that is not one (:func:`written_run`'s ``{}``):
+    ``a run its .parcompile-output.json does not record readably``."""
+    if not _is_run(run):
+        return f"a run its {HF_MARKER} does not record readably"
+    out = f"plan `{_shown(run['plan'])}` ({_shown(run['plan_digest'])})"
     if run.get("checkpoint_dir"):
-        out += f", checkpoint_dir `{run['checkpoint_dir']}`"
+        out += f", checkpoint_dir `{_shown(run['checkpoint_dir'])}`"
     if run.get("step") is not None:
-        out += f" step {run['step']}"
+        out += f" step {_shown(str(run['step']))}"
     return out
 
 
@@ -195,11 +233,12 @@ def _hf_output_problem(path: str | os.PathLike) -> str | None:
                        "would replace it"
             entries = sorted(os.listdir(p))
             if entries:
-                written = written_files(p)
-                foreign = [e for e in entries if e != HF_MARKER and (
-                    written is None or e not in written or not (p / e).is_file() or (p / e).is_symlink())]
+                written = written_files(p)   # None: no marker parcompile wrote (the marker itself is foreign)
+                foreign = [e for e in entries if written is None or (e != HF_MARKER and (
+                    e not in written or not (p / e).is_file() or (p / e).is_symlink()))]
                 if foreign:
-                    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+                    shown = ", ".join(map(_shown, foreign[:4])) + (f" and {len(foreign) - 4} more"
+                                                                    if len(foreign) > 4 else "")
                     return (f"`{path}` is a directory holding {shown}, which parcompile did not write; "
                             "writing the output would replace it")
         return write_problem(p.parent)

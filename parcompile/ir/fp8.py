@@ -260,7 +260,10 @@ def moved_bytes(graph: Graph, nd: Node, c: Collective) -> int:
     Under a recipe that gathers FP8 over tensor parallelism (:attr:`Recipe.tp_gather_fp8`,
     tensorwise: torchao's Float8ColwiseParallel / Float8RowwiseParallel /
     PrepareFloat8ModuleInput cast before they redistribute,
-    ``torchao/float8/float8_tensor_parallel.py`` at pytorch/ao 6243040), a decoder layer's
+    ``torchao/float8/float8_tensor_parallel.py`` at pytorch/ao 6243040; Transformer Engine's
+    ``_Linear.forward`` likewise casts the input (``cast_to_fp8``) before
+    ``gather_along_first_dim`` under sequence parallelism,
+    ``transformer_engine/pytorch/module/linear.py`` at NVIDIA/TransformerEngine 3ec8787), a decoder layer's
     all-gather over ``tp`` (sequence parallelism: a column-parallel GEMM's input forward and
     regathered in backward, a row-parallel GEMM's output gradient in backward) of a layer whose
     GEMMs run in FP8 (not :func:`bf16_layers`) moves 1 byte per element plus the recipe's
