@@ -20,7 +20,7 @@ from dataclasses import replace
 from parcompile import api
 from parcompile.api import prepare_data
 from parcompile.diagnostics import SHOWN, Diagnostic, SpecError, render_all
-from parcompile.frontend.parser import strip_bom
+from parcompile.frontend.parser import source_text
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
 
@@ -38,8 +38,8 @@ def _read(path: str) -> tuple[Path, str]:
 
     p = Path(path)
     try:
-        # a byte order mark is dropped as the front end drops it, so excerpts line up
-        return p, strip_bom(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
+        # a byte order mark and lone CRs are read as the front end reads them, so excerpts line up
+        return p, source_text(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
     except FileNotFoundError:
         raise _Usage(f"cannot read {path}: no such file") from None
     except IsADirectoryError:
@@ -204,11 +204,30 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     _print_diags(plan.warnings + gaps, source)
     name = plan.config.name if plan.config.name not in ("", ".", "..") else "spec"
     out = output if output is not None else Path("build") / name
+    _refuse_output_over_build(plan.config, out, source)
     try:
         written = plan.write(out)
     except OSError as e:
         raise _Usage(f"cannot write {out}/: {e.strerror or e}") from None
     return plan, out, written
+
+
+def _refuse_output_over_build(cfg, out: Path, source: str | None) -> None:
+    """A training spec's ``hf_output`` that is the build directory ``out`` or holds it, as
+    written or once links are followed: the end of the run replaces that directory with the
+    Hugging Face checkpoint, so the program, plan.json and the metrics would go with it (the
+    ranks' preflight refused it only after the launch). Raises :class:`SpecError` at the value."""
+    hf = cfg.train.hf_output if cfg.workload == "train" else None
+    if not hf:
+        return
+    for resolve in (os.path.abspath, os.path.realpath):
+        build = Path(resolve(out))
+        if Path(resolve(hf)) in (build, *build.parents):
+            raise SpecError([Diagnostic(
+                "error", f"hf_output `{hf}` holds the build directory `{out}/` (the program, plan.json, "
+                "metrics), which writing the output would replace", cfg.span("train.hf_output"),
+                help=f'write the output beside the build, e.g. `hf_output = "{build.name}-hf"`, or compile '
+                     "elsewhere with -o")], source)
 
 
 def cmd_compile(args) -> int:

@@ -26,6 +26,26 @@ Severity = Literal["error", "warning", "note"]
 Sources = Union[str, Mapping[str, str], None]
 
 
+#: The longest source line an excerpt shows whole (characters); a longer one (a 15 MB string
+#: on one line) is cut to a window around the caret, marked with `...`.
+MAX_EXCERPT = 160
+
+
+def _excerpt(text: str, column: int, width: int) -> tuple[str, int, int]:
+    """The excerpt of source line ``text`` shown for a caret at 1-based ``column`` spanning
+    ``width`` characters: the line itself when at most :data:`MAX_EXCERPT` long, else a window
+    of that many characters starting a little before the caret, cut ends marked ``...``;
+    returns (excerpt, the caret's column in it, the caret's width in it)."""
+    if len(text) <= MAX_EXCERPT:
+        return text, column, width
+    start = max(0, min(column - 1 - 40, len(text) - MAX_EXCERPT))
+    end = start + MAX_EXCERPT
+    head = "..." if start > 0 else ""
+    shown = head + text[start:end] + ("..." if end < len(text) else "")
+    caret = column - start + len(head)
+    return shown, caret, max(1, min(width, end - (column - 1)))
+
+
 @dataclass(frozen=True, order=True)
 class Span:
     """A region of a spec file. ``line``/``column`` are 1-based; ``end_column`` is exclusive.
@@ -73,12 +93,13 @@ class Diagnostic:
         if text is not None:
             # control bytes (terminal escapes in a pasted or binary file) shown as `?`, one
             # column each, so the excerpt cannot drive the terminal and the caret stays put
-            text = "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
-            out.append(text)
             width = 1
             if s.end_line == s.line and s.end_column and s.end_column > s.column:
                 width = s.end_column - s.column
-            out.append(" " * (s.column - 1) + "^" * width)
+            text, column, width = _excerpt(text, s.column, width)
+            text = "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
+            out.append(text)
+            out.append(" " * (column - 1) + "^" * width)
         if self.help:
             out.append(f"  help: {self.help}")
         if self.note:

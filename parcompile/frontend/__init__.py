@@ -22,7 +22,7 @@ from parcompile.core.files import MAX_SPEC_BYTES, read_text
 from parcompile.config.schema import SpecConfig
 from parcompile.diagnostics import Diagnostic, DiagnosticBag, Sources, Span, SpecError
 from parcompile.frontend import ast
-from parcompile.frontend.parser import parse, strip_bom
+from parcompile.frontend.parser import parse, source_text
 
 __all__ = ["ParsedSpec", "check_source", "check_spec", "load_spec", "parse", "parse_spec"]
 
@@ -89,7 +89,7 @@ def parse_spec(source: str | Path, filename: str | None = None,
     else:
         text, shown = source, filename or "<spec>"
         path = Path(filename) if filename else None
-    text = strip_bom(text)
+    text = source_text(text)
     name = path.stem if path is not None else "spec"
     source_dir = str(path.parent) if path is not None else None
     spec = parse(text, shown)

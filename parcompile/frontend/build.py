@@ -696,6 +696,7 @@ class _Builder:
             values[k] = SERVE_AUTO_PLACEHOLDERS[k]
             self.ctx.bad.add(f"serve.{k}")   # checks that read it skip until the search fills it
         serve_defaults(values, model.dtype, cluster.preset)
+        self.paths.refuse_empty(values, "serve", "weights")
         weights = values.get("weights")
         if weights is not None:
             values["weights"] = self.paths.resolve(weights)

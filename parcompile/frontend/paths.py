@@ -13,6 +13,12 @@ from parcompile.diagnostics import DiagnosticBag
 from parcompile.frontend.check_context import CheckContext
 
 
+#: The example each empty-path diagnostic suggests.
+_EXAMPLE_PATHS = {"data": "train.jsonl", "eval_data": "eval.jsonl", "init_from": "Llama-3.2-1B",
+                  "hf_output": "finetuned", "checkpoint_dir": "checkpoints", "tokenizer": "tokenizer.json",
+                  "weights": "Llama-3.2-1B"}
+
+
 class SpecPaths:
     """The paths of one spec: resolved against ``source_dir`` (the spec's directory; None:
     the working directory, paths as written) by :meth:`resolve`; the `train` block's
@@ -35,6 +41,8 @@ class SpecPaths:
         ``hf_output`` and ``checkpoint_dir`` relative to the spec, as ``data``; the tokenizer
         a path, "bytes", or (not given) the ``init_from`` directory's if it has one (SPEC),
         else "bytes"."""
+        for key in ("data", "eval_data", "init_from", "hf_output", "checkpoint_dir", "tokenizer"):
+            self.refuse_empty(values, "train", key)
         for key in ("data", "eval_data"):
             self.data_source(values, key)
         given = values.get("init_from")
@@ -56,6 +64,17 @@ class SpecPaths:
             values["tokenizer"] = self.resolve(tok)
         elif tok is None:   # SPEC: the init_from directory's tokenizer if it has one
             values["tokenizer"] = tokenizer_beside(init_from) or "bytes"
+
+    def refuse_empty(self, values: dict, block: str, key: str) -> None:
+        """An empty path (``checkpoint_dir = ""``) is an error in ``bag`` and dropped: joined
+        to the spec's directory it would name that directory itself, where a run would write
+        (or an export replace) files beside the user's spec."""
+        value = values.get(key)
+        if isinstance(value, str) and not value.strip():
+            self.bag.error(f"`{key}` is an empty path", self.ctx.span(f"{block}.{key}"),
+                           help=f'name a path, e.g. `{key} = "{_EXAMPLE_PATHS.get(key, "out")}"`, or leave the key out')
+            self.ctx.bad.add(f"{block}.{key}")
+            values.pop(key)
 
     def data_source(self, values: dict, key: str) -> None:
         """Resolve the `data`/`eval_data` value ``values[key]`` in place: a built-in name, or

@@ -23,6 +23,13 @@ from parcompile.core.files import json_loads
 FAIL_GRACE_S = 3.0
 
 
+
+def base_url(host: str, port: int) -> str:
+    """The OpenAI base URL a client uses for ``host``:``port``: an IPv6 address in brackets
+    (RFC 3986 section 3.2.2: ``http://[::1]:8000/v1``), a name or IPv4 address as it is."""
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{port}/v1"
+
 def _chat_template(weights: str | None) -> tuple[str | None, dict]:
     """The weights' chat template (``tokenizer_config.json``: ``chat_template``, a string or
     a list of named ones, "default" first) and its special tokens (bos_token, eos_token)."""
@@ -157,7 +164,7 @@ def run_server(plan, program: Path, host: str = "127.0.0.1", port: int = 8000, l
             engines.on_fail = on_fail
             if engines.failed:
                 on_fail(engines.failed)
-            log(f"serving `{info.name}` on http://{host}:{port}/v1 (OpenAI API; "
+            log(f"serving `{info.name}` on {base_url(host, port)} (OpenAI API; "
                 f"{'API key required' if api_key else 'no API key'}; bodies up to {max_body:,} bytes; Ctrl-C stops)",
                 flush=True)
             server.run()
