@@ -100,3 +100,56 @@ def test_a_huge_list_stops_the_parser_and_the_excerpt_is_cut(capsys, tmp_path):
                                        ("localhost", "http://localhost:8000/v1")])
 def test_the_served_url_brackets_an_ipv6_address(host, url):
     assert base_url(host, 8000) == url
+
+
+# -------------------------------------------------------------------- safetensors headers
+
+def _safetensors(path: Path, header: dict, data: bytes = b"", claimed: int | None = None) -> Path:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if claimed is None else claimed) + raw + data)
+    return path
+
+
+def test_a_header_claiming_gigabytes_is_not_read(tmp_path):
+    # a 4 KB sparse file whose header length says 30 GiB: was a MemoryError traceback in `check`
+    from parcompile.core.hf_weights import read_header
+
+    f = _safetensors(tmp_path / "model.safetensors", {}, claimed=30 * 2**30)
+    with open(f, "r+b") as fh:
+        fh.truncate(30 * 2**30 + 64)            # sparse: no disk used
+    tracemalloc.start()
+    try:
+        tensors, problems = read_header(f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tensors == {} and "over safetensors' limit" in problems[0].message
+    assert peak < 10_000_000
+
+
+@pytest.mark.parametrize("shape, offsets", [([2, 2.5], [0, 16]), ([2, -2], [0, 16]), (["2", 2], [0, 16]),
+                                            ([2, 2], [0.0, 16]), ([2, 2], [True, 16])])
+def test_a_shape_or_offset_that_is_not_a_json_count_is_malformed(tmp_path, shape, offsets):
+    # `int(64.5)` is 64: a shape of 64.5 passed `check` and died in the ranks
+    from parcompile.core.hf_weights import read_header
+
+    f = _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}},
+                     b"\0" * 16)
+    tensors, problems = read_header(f)
+    assert problems and "malformed header entry for `w`" in problems[0].message, problems
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../x.safetensors", "sub/model.safetensors", "..", "model.bin"])
+def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, shard):
+    import json
+
+    from parcompile.core.hf_weights import scan_checkpoint
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    names, headers, problems, complete = scan_checkpoint(tmp_path / "ck")
+    assert not complete and names == {} and "not a *.safetensors file name" in problems[0].message, problems

@@ -323,6 +323,32 @@ def init_from_kind(directory: str | os.PathLike) -> str:
         "give a Hugging Face checkpoint directory or a training program's checkpoint_dir")
 
 
+#: The largest safetensors header read (bytes): safetensors' own ``MAX_HEADER_SIZE``
+#: (huggingface/safetensors, safetensors/src/tensor.rs, 100_000_000 since v0.3).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _count(x) -> int:
+    """A shape entry or byte offset of a safetensors header: a JSON integer >= 0 (not a
+    float such as 64.5, a bool or a string), else ValueError."""
+    if type(x) is not int or x < 0:
+        raise ValueError(f"{x!r} is not a count")
+    return x
+
+
+def shard_name_problem(index: str | os.PathLike, name: str) -> Problem | None:
+    """Why ``name``, a file a ``model.safetensors.index.json`` lists in its ``weight_map``,
+    may not be read: it must be a plain file name in the checkpoint's directory (no
+    directory part, not ``..``: an index naming ``/etc/passwd`` or ``../x`` would read
+    outside it) ending in ``.safetensors``."""
+    if not name or name != os.path.basename(name) or name in (".", "..") or "\\" in name or "\x00" in name \
+            or not name.endswith(".safetensors"):
+        return Problem(f"`{index}` names the shard {name[:200]!r}, which is not a *.safetensors file name in the "
+                       "checkpoint's directory", "an index lists its shards by file name, e.g. "
+                       "model-00001-of-00002.safetensors; download the checkpoint again")
+    return None
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[Problem]]:
     """The tensors of one safetensors file, name -> (dtype, shape), from its header alone,
     and the problems found (a truncated header or data, a header that is not JSON)."""
@@ -335,6 +361,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
                 return {}, [Problem(f"`{p}` is truncated: {size} bytes, not even the 8-byte header length",
                                     "download or copy the file again")]
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:   # a sparse file may claim gigabytes it does not hold
+                return {}, [Problem(f"`{p}` is not a safetensors file: its header claims {n:,} bytes, over "
+                                    f"safetensors' limit of {MAX_HEADER_BYTES:,}", "download or copy the file again")]
             if 8 + n > size:
                 return {}, [Problem(f"`{p}` is truncated: its header needs {8 + n} bytes but the file has {size}",
                                     "download or copy the file again")]
@@ -353,10 +382,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
         if name == "__metadata__" or not isinstance(info, dict):
             continue
         try:
-            shape = tuple(int(x) for x in info["shape"])
-            start, stop = (int(x) for x in info["data_offsets"])
+            shape = tuple(_count(x) for x in info["shape"])
+            start, stop = (_count(x) for x in info["data_offsets"])
             dtype = str(info["dtype"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):   # also a shape of 64.5, -1 or "8", which int() would take
             return tensors, [Problem(f"`{p}` has a malformed header entry for `{name}`")]
         width = SAFETENSORS_BYTES.get(dtype)
         if dtype not in SAFETENSORS_DTYPES:
@@ -373,7 +402,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int
     if 8 + n + end > size:
         return tensors, [Problem(f"`{p}` is truncated: its tensors need {8 + n + end} bytes but the file has {size}",
                                  "download or copy the file again")]
-    spans = sorted((int(info["data_offsets"][0]), int(info["data_offsets"][1])) for k, info in header.items()
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1]) for k, info in header.items()
                    if k != "__metadata__" and isinstance(info, dict))
     at = 0
     for start, stop in spans:   # safetensors' own rule: the tensors tile the data, no gap, no overlap
@@ -405,6 +434,9 @@ def scan_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, str], dict[
             return {}, {}, [Problem(f"cannot read `{index}`: {e}")], False
         names = {str(k): str(v) for k, v in wm.items()}
         files = sorted(set(names.values()))
+        bad = [pr for pr in (shard_name_problem(index, f) for f in files) if pr is not None]
+        if bad:
+            return {}, {}, bad[:1], False
         for f in files:
             if not (d / f).is_file():
                 problems.append(Problem(f"`{index}` names `{f}`, which is not in `{d}`",
