@@ -153,3 +153,56 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, sha
     (tmp_path / "ck" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
     names, headers, problems, complete = scan_checkpoint(tmp_path / "ck")
     assert not complete and names == {} and "not a *.safetensors file name" in problems[0].message, problems
+
+
+# -------------------------------------------------------------------- HF config fields
+
+def _tiny_hf(model_type: str, **extra) -> dict:
+    cfg = {"model_type": model_type, "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "max_position_embeddings": 128, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if model_type == "mixtral":
+        cfg.update(num_local_experts=2, num_experts_per_tok=1)
+    return {**cfg, **extra}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("attention_bias, mlp_bias", [(False, True), (True, False), (True, True)])
+def test_bias_fields_are_carried_as_transformers_reads_them_or_refused(model_type, attention_bias, mlp_bias,
+                                                                      tmp_path):
+    # a Llama config with `mlp_bias: true` imported without the biases (213,568 parameters
+    # where transformers counts 214,848); now each bias field is carried or refused, judged
+    # against transformers' own class
+    import json
+
+    import torch
+    import transformers
+
+    from parcompile.core.hf import HFConfigError, from_hf_dict
+
+    cfg = _tiny_hf(model_type, attention_bias=attention_bias, mlp_bias=mlp_bias)
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    expected = sum(p.numel() for p in reference.parameters())
+    try:
+        from_hf_dict(cfg)
+    except HFConfigError as e:
+        assert "cannot be mapped" in str(e)
+        plain = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if not k.endswith("_bias")})
+        with torch.device("meta"):
+            without = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(plain).parameters())
+        assert without != expected, "refused a field that transformers ignores"
+        return
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "s.par").write_text(f'model m from "{tmp_path / "config.json"}" {{ }}\n'
+                                    'cluster c from "cpu" { gpus_per_node = 1 }\n')
+    plan = parcompile.compile(tmp_path / "s.par")
+    assert plan.data["model"]["params"] == expected
+
+
+def test_attention_dropout_is_refused_not_dropped():
+    from parcompile.core.hf import HFConfigError, from_hf_dict
+
+    assert from_hf_dict(_tiny_hf("llama", attention_dropout=0.0))["layers"] == 2
+    with pytest.raises(HFConfigError, match="`attention_dropout` = 0.1 cannot be mapped"):
+        from_hf_dict(_tiny_hf("llama", attention_dropout=0.1))

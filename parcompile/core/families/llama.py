@@ -122,6 +122,10 @@ def _qwen_window(cfg: dict, layers: int | None, sliding: int | None) -> int | No
     return sliding
 
 
+#: The model types whose transformers class reads `attention_bias`.
+_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
+
+
 def _keys(model_type: str, cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
     """`model` keys of a Llama-family config.json of ``model_type``."""
     base = decoder_keys(cfg, common)
@@ -130,14 +134,27 @@ def _keys(model_type: str, cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
         sliding = None   # Qwen3MoeConfig: the window (on every layer) only with `use_sliding_window`
     if model_type in ("qwen2", "qwen3"):
         sliding = _qwen_window(cfg, base["layers"], sliding)
-    attention_bias = read_bool(cfg, "attention_bias", False)
-    mlp_bias = read_bool(cfg, "mlp_bias", False)
-    if model_type != "qwen2" and attention_bias and not mlp_bias:
+    # which bias fields the model_type's transformers class reads (transformers 5.25
+    # models/*/modeling_*.py): llama `attention_bias` (q, k, v, o) and `mlp_bias` (gate, up,
+    # down); qwen3 and qwen3_moe `attention_bias` (q, k, v, o); qwen2 always q, k, v;
+    # mistral and mixtral none, whatever their config.json says
+    attention_bias = bool(read_bool(cfg, "attention_bias", False)) if model_type in _ATTENTION_BIAS else False
+    mlp_bias = bool(read_bool(cfg, "mlp_bias", False)) if model_type == "llama" else False
+    if model_type != "qwen2" and attention_bias != mlp_bias:
+        where = ("the q, k, v and output projections but not the MLP" if attention_bias
+                 else "the MLP's gate, up and down projections but not attention")
         raise HFConfigError(
-            "`attention_bias` = true with `mlp_bias` = false cannot be mapped: it puts biases on the "
-            "q, k, v and output projections",
+            f"`attention_bias` = {str(attention_bias).lower()} with `mlp_bias` = {str(mlp_bias).lower()} "
+            f"cannot be mapped: it puts biases on {where}",
             help="parcompile models biases on the QKV projection only (`qkv_bias = true`) or on every "
                  "linear layer (`bias = true`)")
+    attention_dropout = read_float(cfg, "attention_dropout") or 0.0
+    if attention_dropout > 0:   # every class of this family drops attention probabilities only
+        raise HFConfigError(
+            f"`attention_dropout` = {attention_dropout:g} cannot be mapped: parcompile's `dropout` drops the "
+            "hidden states and the attention probabilities together",
+            help="set `dropout` in the model block after importing a copy of the config.json with "
+                 "`attention_dropout` = 0 (it changes training only, not inference)")
     moe = qwen3_moe_keys(cfg, base["layers"]) if model_type == "qwen3_moe" else {
         "experts": read_int(cfg, "num_local_experts"), "top_k": read_int(cfg, "num_experts_per_tok")}
     return drop_none({
@@ -150,8 +167,8 @@ def _keys(model_type: str, cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
         "position": "rope",
         "rope_theta": rope_theta(cfg),
         **rope_scaling_keys(rope_dict(cfg)),
-        "bias": bool(read_bool(cfg, "attention_bias", False) and read_bool(cfg, "mlp_bias", False)),
-        "qkv_bias": True if model_type == "qwen2" else read_bool(cfg, "attention_bias"),
+        "bias": attention_bias and mlp_bias,
+        "qkv_bias": True if model_type == "qwen2" else attention_bias,
         "sliding_window": sliding,
         "qk_norm": True if model_type in ("qwen3", "qwen3_moe") else None,
         **moe,
