@@ -216,6 +216,14 @@ def prepare_data(cfg: "SpecConfig") -> list[Diagnostic]:
                                   help=f"set `vocab = {cache.max_token_id + 1}` or more"))
         for w in cache.sample_warnings(m.seq_len):
             out.append(Diagnostic("warning", w, where, note=note))
+        lossless = cache.without_loss(m.seq_len)
+        if lossless:
+            every = lossless == cache.num_examples
+            out.append(Diagnostic(
+                "error" if every else "warning",
+                f"{'all ' if every else ''}{lossless:,} of {cache.num_examples:,} examples have no loss token within "
+                f"seq_len = {m.seq_len} tokens (the prompt fills the sample){'; nothing would be learned' if every else ''}",
+                where, note=note, help=f"raise `seq_len` or shorten the prompts; {'the run would train on loss 0' if every else 'those examples train nothing'}"))
     return out
 
 

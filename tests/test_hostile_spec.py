@@ -206,3 +206,45 @@ def test_attention_dropout_is_refused_not_dropped():
     assert from_hf_dict(_tiny_hf("llama", attention_dropout=0.0))["layers"] == 2
     with pytest.raises(HFConfigError, match="`attention_dropout` = 0.1 cannot be mapped"):
         from_hf_dict(_tiny_hf("llama", attention_dropout=0.1))
+
+
+# -------------------------------------------------------------------- data with nothing to learn
+
+def test_examples_whose_prompt_fills_the_sample_are_counted_exactly(tmp_path, monkeypatch):
+    import json
+    import random
+
+    from parcompile.runtime.data import dataset
+
+    monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(5)
+    rows = [{"prompt": "p" * rng.randint(0, 40), "completion": "c" * rng.randint(1, 6)} for _ in range(200)]
+    f = tmp_path / "pc.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = dataset.prepare(str(f), tokenizer="bytes", data_format="prompt_completion")
+    for seq_len in (1, 5, 17, 30, 64):
+        brute = sum(bool((cache.sample(i, seq_len)[1] == -100).all()) for i in range(cache.num_examples))
+        assert cache.without_loss(seq_len) == brute, seq_len
+        assert cache.without_loss(seq_len, chunk=7) == brute
+
+
+def test_prompt_completion_data_with_no_loss_token_within_seq_len_is_an_error(tmp_path, monkeypatch):
+    # every prompt longer than seq_len: the run trained at loss 0.0000 and exited 0
+    import json
+
+    from parcompile.api import prepare_data
+
+    monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "x" * 100, "completion": "y"}) + "\n" for _ in range(40)))
+    spec = tmp_path / "t.par"
+    spec.write_text(TINY.replace('data      = "builtin:pydoc"', 'data = "pc.jsonl"\n    data_format = prompt_completion'))
+    diags = prepare_data(parcompile.compile(spec).config)
+    errors = [d for d in diags if d.severity == "error"]
+    assert len(errors) == 1 and "all 40 of 40 examples have no loss token within seq_len = 64" in errors[0].message
+    # some: a warning naming how many
+    with data.open("a") as fh:
+        fh.write("".join(json.dumps({"prompt": "x", "completion": "y"}) + "\n" for _ in range(40)))
+    diags = prepare_data(parcompile.compile(spec).config)
+    assert [d.severity for d in diags if "no loss token" in d.message] == ["warning"]
+    assert any("40 of 80 examples" in d.message for d in diags)

@@ -101,6 +101,29 @@ class TokenCache:
             return 0
         return int((np.diff(self.offsets) > seq_len + 1).sum())
 
+    def without_loss(self, seq_len: int, chunk: int = 1 << 20) -> int:
+        """How many examples have no loss token among the ``seq_len`` targets of their
+        sample (:meth:`sample` cuts each to ``seq_len + 1`` tokens: a prompt of ``seq_len``
+        tokens or more leaves nothing to learn); 0 for text. Reads the loss mask once, in
+        chunks of ``chunk`` examples (no per-token index array)."""
+        if not self.masked or self.num_examples == 0:
+            return 0
+        self._open()
+        total = 0
+        for lo in range(0, self.num_examples, chunk):
+            starts = np.asarray(self._offsets[lo:min(lo + chunk, self.num_examples) + 1], dtype=np.int64)
+            a, b = starts[:-1] + 1, np.minimum(starts[1:], starts[:-1] + seq_len + 1)   # target positions
+            nonempty = b > a
+            if not nonempty.any():
+                total += int(a.size)
+                continue
+            first, last = int(a[nonempty][0]), int(b[nonempty].max())
+            window = np.asarray(self._mask[first:last], dtype=np.int64)
+            bounds = np.stack([a[nonempty] - first, b[nonempty] - first], axis=1).ravel()
+            sums = np.add.reduceat(np.append(window, 0), bounds)[0::2]   # loss tokens in [a, b)
+            total += int((~nonempty).sum()) + int((sums == 0).sum())
+        return total
+
     def sample_warnings(self, seq_len: int) -> list[str]:
         """Prepare-time warnings plus the truncation count for this ``seq_len``."""
         out = list(self.warnings)
