@@ -212,6 +212,12 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     return plan, out, written
 
 
+#: Warning codes that `check`, `plan` and `compile` report and `run` and `serve` refuse to start
+#: with (SPEC: a plan that does not fit is a warning for compile, an error for run): the
+#: memory, and serve weights that hold no tensors yet.
+STARTS_ONLY_WITHOUT = ("does-not-fit", "no-weights")
+
+
 def _refuse_output_over_build(cfg, out: Path, source: str | None) -> None:
     """A training spec's ``hf_output`` that is the build directory ``out`` or holds it, as
     written or once links are followed: the end of the run replaces that directory with the
@@ -276,7 +282,7 @@ def cmd_run(args) -> int:
         return EXIT_SPEC
     cfg = plan.config
     # a plan that does not fit memory is a warning for compile, an error for run (SPEC)
-    problems = [replace(d, severity="error") for d in plan.warnings if d.code == "does-not-fit"]
+    problems = [replace(d, severity="error") for d in plan.warnings if d.code in STARTS_ONLY_WITHOUT]
     if cfg.cluster.nodes > 1:
         problems.append(Diagnostic(
             "error", f"`run` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",
@@ -328,7 +334,7 @@ def cmd_serve(args) -> int:
         cfg = plan.config
         if cfg.workload != "serve":
             raise _Usage("`serve` takes a spec with a `serve` block; this spec trains (use `parcompile run`)")
-        problems = [replace(d, severity="error") for d in plan.warnings if d.code == "does-not-fit"]
+        problems = [replace(d, severity="error") for d in plan.warnings if d.code in STARTS_ONLY_WITHOUT]
         if cfg.cluster.nodes > 1:
             problems.append(Diagnostic(
                 "error", f"`serve` launches on this machine only; the cluster has {cfg.cluster.nodes} nodes",

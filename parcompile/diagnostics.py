@@ -134,8 +134,9 @@ class DiagnosticBag:
     def error(self, message: str, span: Span, help: str | None = None, note: str | None = None) -> None:
         self.items.append(Diagnostic("error", message, span, help, note))
 
-    def warning(self, message: str, span: Span, help: str | None = None, note: str | None = None) -> None:
-        self.items.append(Diagnostic("warning", message, span, help, note))
+    def warning(self, message: str, span: Span, help: str | None = None, note: str | None = None,
+                code: str | None = None) -> None:
+        self.items.append(Diagnostic("warning", message, span, help, note, code))
 
     def extend(self, diags: Iterable[Diagnostic]) -> None:
         self.items.extend(diags)

@@ -304,6 +304,12 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
     sharded ``graph`` on its mesh ``degrees``), a ``does-not-fit`` warning when the whole
     batch does not."""
     worst = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_cache)
+    sv = cfg.serve
+    if not rep.one_sequence_fits and all(s.free_for_kv >= s.kv_per_sequence for s in rep.stages):
+        raise SpecError([Diagnostic(   # the bytes fit; whole blocks do not
+            "error", f"the KV cache holds {rep.kv_cache_tokens:,} tokens in blocks of {sv.block_size:,}, fewer than "
+                     f"one request of {rep.context:,} tokens takes ({rep.request_tokens:,} in whole blocks)",
+            cfg.span("serve.block_size"), help="use a smaller block_size (vLLM's default is 16)", code="does-not-fit")])
     if not rep.one_sequence_fits:
         one = max(rep.stages, key=lambda s: s.weights + s.workspace + s.kv_per_sequence)
         need = one.weights + one.workspace + one.kv_per_sequence
@@ -326,7 +332,13 @@ def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnost
             help=f"nearest feasible: request_rate = {cap * 0.9:.3g} (90% of it); or more replicas (dp), a larger "
                  "batch, or `parcompile search` with dp = auto to size the deployment",
             code="overloaded")])
-    sv = cfg.serve
+    if sv.kv_cache_tokens is not None and sv.kv_cache_tokens > rep.max_concurrent_tokens:
+        warnings.append(Diagnostic(
+            "warning", f"kv_cache_tokens = {sv.kv_cache_tokens:,} does not fit: the memory left beside the weights "
+                       f"and workspace holds {rep.max_concurrent_tokens:,} tokens of KV cache, which is what the "
+                       f"server would allocate ({rep.kv_cache_tokens:,} in whole blocks)",
+            cfg.span("serve.kv_cache_tokens"), help=f"set kv_cache_tokens <= {rep.kv_cache_tokens:,}, or leave it "
+                                                    "out for what the running sequences use", code="does-not-fit"))
     for key, target, got, what in (("ttft_target", sv.ttft_target, rep.ttft, "time to first token"),
                                    ("tpot_target", sv.tpot_target, rep.tpot, "time per output token")):
         if target is not None and rep.times is not None and got > target:

@@ -248,3 +248,76 @@ def test_prompt_completion_data_with_no_loss_token_within_seq_len_is_an_error(tm
     diags = prepare_data(parcompile.compile(spec).config)
     assert [d.severity for d in diags if "no loss token" in d.message] == ["warning"]
     assert any("40 of 80 examples" in d.message for d in diags)
+
+
+# -------------------------------------------------------------------- serve checks before start
+
+SERVE = (Path(__file__).resolve().parent.parent / "examples" / "tiny_serve.par").read_text()
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("block_size     = 16 ", "block_size     = 1000000000000000000000000000000000000000 ", "block_size must be in"),
+    ("seq_len    = 64", "seq_len    = 1000000000000", "seq_len must be in"),
+    ("kv_cache_tokens = 2048", "kv_cache_tokens = 9223372036854775808", "kv_cache_tokens must be in"),
+])
+def test_serve_sizes_beyond_reason_are_errors_at_the_key(old, new, message):
+    # were: a ValueError traceback (block_size), ranks dying (seq_len), a silent clamp (2**63)
+    assert old in SERVE
+    errors = _errors(SERVE.replace(old, new).replace('weights        = "../build/tiny_ckpt"', ""))
+    assert any(message in e for e in errors), errors
+
+
+def test_blocks_larger_than_the_cache_are_an_error_not_a_traceback():
+    text = SERVE.replace('weights        = "../build/tiny_ckpt"', "").replace("kv_cache_tokens = 2048", "") \
+        .replace("block_size     = 16 ", "block_size     = 65536 ").replace("gpus_per_node = 4", "gpus_per_node = 4\n"
+                                                                             "    memory = 4 MiB")
+    errors = _errors(text)
+    assert any("fewer than one request" in e or "does not fit" in e for e in errors), errors
+
+
+def test_kv_cache_tokens_above_memory_is_a_does_not_fit_warning():
+    text = SERVE.replace('weights        = "../build/tiny_ckpt"', "").replace("kv_cache_tokens = 2048",
+                                                                          "kv_cache_tokens = 1000000000000")
+    plan = parcompile.compile(text, filename="h.par")
+    hit = [d for d in plan.warnings if "kv_cache_tokens = 1,000,000,000,000 does not fit" in d.message]
+    assert hit and hit[0].code == "does-not-fit"
+
+
+def _dcp(path: Path, shapes: dict) -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({k: torch.zeros(v) for k, v in shapes.items()}, checkpoint_id=str(path))
+    return path
+
+
+def test_serve_weights_from_a_training_checkpoint_are_checked_before_start(tmp_path):
+    # a DCP checkpoint without lm_head or with another shape passed `check` and died in the ranks
+    from parcompile.frontend.checks import expected_shapes
+
+    plan = parcompile.compile(SERVE.replace('weights        = "../build/tiny_ckpt"', ""), filename="h.par")
+    shapes = expected_shapes(plan.config.model)
+    assert "lm_head.weight" in shapes
+
+    def serve_errors(directory: Path) -> list[str]:
+        text = SERVE.replace('"../build/tiny_ckpt"', f'"{directory}"')
+        try:
+            parcompile.compile(text, filename="h.par")
+        except SpecError as e:
+            return [d.message for d in e.diagnostics if d.severity == "error"]
+        return []
+
+    assert serve_errors(_dcp(tmp_path / "good", shapes)) == []
+    no_head = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+    assert any("has no `lm_head.weight`" in e for e in serve_errors(_dcp(tmp_path / "nohead", no_head)))
+    wrong = {**shapes, "layers.0.attn.wo.weight": (3, 3)} if "layers.0.attn.wo.weight" in shapes else \
+        {**shapes, next(iter(shapes)): (3, 3)}
+    assert any("has shape (3, 3)" in e for e in serve_errors(_dcp(tmp_path / "wrong", wrong)))
+    # a directory without tensors (a config.json before the download) plans, warned; `run` refuses it
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    text = SERVE.replace('"../build/tiny_ckpt"', f'"{tmp_path / "junk"}"')
+    plan = parcompile.compile(text, filename="h.par")
+    assert [d.code for d in plan.warnings if "holds neither" in d.message] == ["no-weights"]
+    (tmp_path / "s.par").write_text(text)
+    assert main(["run", str(tmp_path / "s.par"), "-o", str(tmp_path / "build")]) == 1

@@ -218,8 +218,17 @@ class ServeReport:
                    for s in self.stages)
 
     @property
+    def request_tokens(self) -> int:
+        """Tokens of paged cache one request takes at its longest: ``prompt_len +
+        max_new_tokens`` in whole ``block_size`` blocks."""
+        return -(-self.context // self.block_size) * self.block_size
+
+    @property
     def one_sequence_fits(self) -> bool:
-        return all(s.free_for_kv >= s.kv_per_sequence for s in self.stages)
+        """Whether one request of ``prompt_len + max_new_tokens`` tokens fits beside the
+        weights and workspace on every stage, and in the paged cache's whole blocks."""
+        return all(s.free_for_kv >= s.kv_per_sequence for s in self.stages) and \
+            self.kv_cache_tokens >= self.request_tokens
 
     @property
     def batch_fits(self) -> bool:

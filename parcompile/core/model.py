@@ -168,6 +168,10 @@ class KeyCheck:
 
 
 COUNT = KeyCheck("int", low=1)
+#: A context length in tokens: at most 2**24 (16,777,216; the longest published context,
+#: Llama 4 Scout's, is 10,485,760), so that a typo such as 10**12 is an error at the key
+#: and not a rank that dies allocating its position tables.
+CONTEXT = KeyCheck("int", low=1, high=2**24)
 NONNEG_INT = KeyCheck("int", low=0)
 POSITIVE = KeyCheck("float", low=0, low_open=True)
 NONNEG = KeyCheck("float", low=0)
@@ -208,8 +212,8 @@ class ModelKeys:
     head_dim: Optional[int] = key(None, COUNT)
     ffn_hidden: Optional[int] = key(None, COUNT)
     vocab: int = key(check=COUNT)
-    seq_len: int = key(check=COUNT)
-    max_positions: Optional[int] = key(None, COUNT)
+    seq_len: int = key(check=CONTEXT)
+    max_positions: Optional[int] = key(None, CONTEXT)
     norm: str = key("rmsnorm", enum("layernorm", "rmsnorm"))
     activation: str = key("swiglu", enum("gelu", "relu", "swiglu", "geglu"))
     position: str = key("rope", enum("rope", "learned", "none"))
@@ -233,7 +237,7 @@ class ModelKeys:
     rope_type: str = key("default", enum("default", "linear", "yarn", "llama3"))
     rope_scaling_factor: float = key(1.0, KeyCheck("float", low=1))
     #: the context the model was pretrained with (HF `original_max_position_embeddings`): yarn, llama3
-    rope_original_max_positions: Optional[int] = key(None, COUNT)
+    rope_original_max_positions: Optional[int] = key(None, CONTEXT)
     rope_beta_fast: float = key(32.0, POSITIVE)
     rope_beta_slow: float = key(1.0, POSITIVE)
     rope_truncate: bool = key(True, BOOL)

@@ -169,7 +169,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "kv_dtype": _enum(ServeConfig, "kv_dtype"),
         "weights": _STR, "seed": _SEED,
         "temperature": _NONNEG, "top_k": _NONNEG_INT, "prompt": _STR,
-        "block_size": _COUNT, "kv_cache_tokens": _COUNT, "prefix_caching": _BOOL,
+        "block_size": KeyType("int", low=1, high=2**16), "kv_cache_tokens": KeyType("int", low=1, high=2**40), "prefix_caching": _BOOL,
         "max_prefill_tokens": _COUNT, "compile": _BOOL, "stream_interval": _COUNT,
         "waiting_served_ratio": _NONNEG, "max_waiting_steps": _NONNEG_INT,
         "engine": _enum(ServeConfig, "engine"),

@@ -13,6 +13,7 @@ that one mistake gives one error.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from parcompile.config.schema import ClusterConfig, ParallelConfig, SpecConfig
@@ -591,23 +592,40 @@ def _check_positions(cfg: SpecConfig, ctx: CheckContext) -> None:
                                               "(n_positions / max_position_embeddings)")
 
 
+def _has_entries(directory: str) -> bool:
+    """Whether ``directory`` holds anything (False when it cannot be listed)."""
+    try:
+        with os.scandir(directory) as it:
+            return next(it, None) is not None
+    except OSError:
+        return False
+
+
 def _check_serve_weights(cfg: SpecConfig, ctx: CheckContext) -> None:
     """A serve spec's Hugging Face ``weights`` hold this model's tensors, each of this model's
     shape; a quantized one (its config.json's quantization_config) with every scale its format
     stores, of the dtype and shape the format gives (:func:`parcompile.core.hf_weights.
-    check_checkpoint`, headers only). A directory that does not exist yet (the builder warns)
-    or holds a training program's checkpoint is not read here."""
+    check_checkpoint`, headers only); a training program's checkpoint (DCP) by its metadata
+    (:func:`_dcp_problems`, as ``init_from``). A directory that does not exist yet (the builder
+    warns) or is empty is not read here."""
     s = cfg.serve
     if s is None or s.weights is None or not ctx.ok("serve.weights", "model.layers", "model.hidden", "model.vocab"):
         return
     from parcompile.core.hf_weights import HFWeightsError, check_checkpoint, init_from_kind
 
     try:
-        if init_from_kind(s.weights) != "hf":
-            return
-    except HFWeightsError:
+        kind = init_from_kind(s.weights)
+    except HFWeightsError as e:
+        if _has_entries(s.weights):   # an empty directory is one a training run will fill
+            # a config.json alone plans a deployment before the download; `run` and `serve`
+            # make this an error (cli.STARTS_ONLY_WITHOUT)
+            ctx.bag.warning(f"weights: {e.problem.message}", ctx.span("serve.weights"),
+                            help=e.problem.help + "; `serve` and `run` need them", code="no-weights")
         return
-    for problem in check_checkpoint(s.weights, expected_shapes(cfg.model), cfg.model):
+    expected = expected_shapes(cfg.model)
+    problems = _dcp_problems(s.weights, expected) if kind == "dcp" else \
+        check_checkpoint(s.weights, expected, cfg.model)
+    for problem in problems:
         ctx.bag.error(f"weights: {problem.message}", ctx.span("serve.weights"), help=problem.help)
 
 
