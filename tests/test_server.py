@@ -1608,3 +1608,37 @@ def test_union_fields_say_what_they_take_and_chat_roles_are_openais():
             t.cancel()
 
     asyncio.run(main())
+
+
+def test_a_chat_template_that_never_ends_is_a_500_and_the_server_keeps_serving(monkeypatch):
+    """Issue 51: a tokenizer_config.json template that loops for hours pinned every worker
+    thread; every request hung and the server ignored SIGINT and SIGTERM. It renders in a
+    child process now, killed at the time limit: a 500 naming the template, and completions
+    answered while chats time out."""
+    import parcompile.server.chat_template as ct
+
+    monkeypatch.setattr(ct, "TEMPLATE_TIMEOUT_S", 1.0)
+    slow = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}x"
+
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, slow)
+        chat = json.dumps({"messages": [{"role": "user", "content": "y" * 100_000}], "max_tokens": 1}).encode()
+        chats = [asyncio.ensure_future(_asgi(app, "POST", "/v1/chat/completions", chat, timeout_s=30))
+                 for _ in range(3)]
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        code, raw = await _asgi(app, "POST", "/v1/completions",
+                                json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+        assert code == 200 and time.monotonic() - t0 < 5, raw
+        for code, raw in await asyncio.gather(*chats):
+            err = json.loads(raw)["error"]
+            assert code == 500 and "did not finish rendering in 1 s" in err["message"], raw
+            assert err["code"] == "chat_template_timeout"
+        fast = json.dumps({"messages": [{"role": "user", "content": "y"}], "max_tokens": 1}).encode()
+        code, raw = await _asgi(app, "POST", "/v1/chat/completions", fast, timeout_s=30)
+        assert code == 200, raw             # a short content renders: a new child, the same template
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())

@@ -6,28 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
+from parcompile.server.chat_template import TemplateRenderer, TemplateTimeout
 from parcompile.server.generation import Generation
 from parcompile.server.protocol import ApiError, ChatRequest, ModelInfo
 from parcompile.server.serving import Reply, Serving
 from parcompile.server.sse import json_str
-
-
-def chat_environment():
-    """The jinja2 sandbox chat templates render in, with the globals transformers'
-    ``apply_chat_template`` gives them (chat_template_utils.py): ``raise_exception`` (what a
-    template calls on messages it refuses) and ``strftime_now``."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: time.strftime(fmt, time.localtime()))
-    return env
 
 
 class ServingChat(Serving):
@@ -41,7 +25,7 @@ class ServingChat(Serving):
 
     def __init__(self, info: ModelInfo, generation: Generation, max_body: int):
         super().__init__(info, generation, max_body)
-        self.chat_template = chat_environment().from_string(info.chat_template)
+        self.chat_template = TemplateRenderer(info.chat_template)   # in a child process, time-limited
 
     async def prompts(self, req: ChatRequest) -> list[list[int]]:
         # the template and the tokenizer run off the event loop
@@ -101,7 +85,10 @@ class ServingChat(Serving):
                 content = "".join(texts)
             messages.append({"role": m.role, "content": content or ""})
         try:
-            text = self.chat_template.render(messages=messages, add_generation_prompt=True, **self.info.special)
-        except Exception as e:   # a template that rejects these messages (roles out of order)
+            text = self.chat_template.render(messages, add_generation_prompt=True, **self.info.special)
+        except TemplateTimeout as e:   # the weights' template loops too long: the server's fault, not the request's
+            raise ApiError(500, f"{e}; the model's tokenizer_config.json `chat_template` is at fault",
+                           code="chat_template_timeout", kind="server_error") from None
+        except ValueError as e:   # a template that rejects these messages (roles out of order)
             raise ApiError(400, f"the chat template rejects these messages: {e}", param="messages") from None
         return self.encode_sync(text, "messages")
