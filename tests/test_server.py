@@ -816,7 +816,7 @@ class _LiveFront:
     """The HTTP front over fake engines, served by `serve`'s own uvicorn configuration
     (server/http.py) in a thread on 127.0.0.1: real HTTP over loopback, no ranks."""
 
-    def __init__(self, engines=None, headers_timeout_s=10.0, http="auto", loop="auto", **kw):
+    def __init__(self, engines=None, headers_timeout_s=10.0, http="auto", loop="auto", limits=None, **kw):
         import uvicorn
 
         from parcompile.server.http import uvicorn_config
@@ -825,7 +825,7 @@ class _LiveFront:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = uvicorn_config(_front(self.engines, **kw), "127.0.0.1", self.port,
-                                     headers_timeout_s=headers_timeout_s, http=http, loop=loop)
+                                     headers_timeout_s=headers_timeout_s, http=http, loop=loop, **(limits or {}))
         self.server = uvicorn.Server(self.config)
         self.server.install_signal_handlers = lambda: None      # uvicorn < 0.29
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -1331,6 +1331,61 @@ def test_a_connection_that_never_finishes_its_headers_is_dropped(stack):
             c.sendall(b"GET /health HTTP/1.1\r\n")
             t0 = time.monotonic()
             assert c.recv(4096) == b"" and time.monotonic() - t0 < 3     # closed, no second answer
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_stalled_bodies_are_dropped_and_health_answers_under_200_of_them(stack):
+    """Issue 51: requests that send headers and `{` and then nothing were held forever (40
+    clients x 500 filled the front's file descriptors and /health stopped). 200 such
+    connections: /health answers while they stall; each is closed at the body deadline; a
+    body that arrives in time is served; on both HTTP stacks."""
+    import socket as socket_
+
+    with _LiveFront(http=stack[0], loop=stack[1], limits={"body_timeout_s": 1.5}) as f:
+        stalled = []
+        for _ in range(200):
+            c = socket_.create_connection(("127.0.0.1", f.port), timeout=10)
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{")
+            stalled.append(c)
+        t0 = time.monotonic()
+        assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+        assert time.monotonic() - t0 < 1.0
+        ok = f.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        time.sleep(2.0)
+        closed = 0
+        for c in stalled:
+            c.settimeout(5)
+            try:
+                closed += c.recv(4096) == b""
+            except ConnectionResetError:
+                closed += 1
+            c.close()
+        assert closed == 200, closed
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_one_client_holds_at_most_its_share_of_connections(stack):
+    """Connections past MAX_CONNECTIONS_PER_CLIENT from one address are closed as they arrive
+    (nginx's limit_conn); closing some admits the client again."""
+    import socket as socket_
+
+    with _LiveFront(http=stack[0], loop=stack[1], limits={"max_connections_per_client": 20}) as f:
+        held = [socket_.create_connection(("127.0.0.1", f.port), timeout=10) for _ in range(20)]
+        time.sleep(0.3)
+        extra = socket_.create_connection(("127.0.0.1", f.port), timeout=5)
+        try:
+            assert extra.recv(4096) == b""
+        except ConnectionResetError:
+            pass
+        extra.close()
+        for c in held[:5]:
+            c.close()
+        time.sleep(0.3)
+        assert httpx.get(f.base + "/health", timeout=5).text == "ok"
+        for c in held[5:]:
+            c.close()
 
 
 @pytest.mark.parametrize("stack", STACKS)

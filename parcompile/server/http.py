@@ -28,29 +28,69 @@ HEADERS_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 16 * 1024
 #: seconds an idle kept-alive connection stays open (uvicorn's default)
 KEEP_ALIVE_S = 5
+#: seconds a request's body has to arrive once its headers are complete: a client that sends
+#: headers and `{` and then nothing was held forever (issue 51); Apache's mod_reqtimeout
+#: gives bodies 20 s by default (``RequestReadTimeout body=20``), Node 300 s for the whole
+#: request (``server.requestTimeout``)
+BODY_TIMEOUT_S = 30.0
+#: connections one client address may hold open at once; more are closed as they arrive
+#: (nginx's ``limit_conn``), so one client cannot take the file descriptors /health needs
+MAX_CONNECTIONS_PER_CLIENT = 1024
 
 
 class _HeaderDeadline:
-    """The headers deadline both protocols share: armed when a connection opens and after
-    each response, disarmed once a request's headers are complete; at the deadline a
-    connection still waiting for headers (:meth:`_waiting_for_headers`, per protocol) is
-    closed. Needs the protocol's ``loop`` and ``transport``."""
+    """The request deadlines both protocols share: the headers deadline, armed when a
+    connection opens and after each response; once a request's headers are complete, the
+    body deadline (:data:`BODY_TIMEOUT_S`), disarmed when its body is complete; at either
+    deadline a connection still in that phase (:meth:`_waiting_for_headers`,
+    :meth:`_waiting_for_body`, per protocol) is closed. And a cap of
+    :data:`MAX_CONNECTIONS_PER_CLIENT` open connections per client address. Needs the
+    protocol's ``loop`` and ``transport``."""
 
     headers_timeout_s: float = HEADERS_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
     _headers_deadline = None
+    _client = None
+    #: open connections per client address, over every connection of the process
+    _open: dict = {}
 
-    def _arm(self) -> None:
+    def _admit(self, transport) -> bool:
+        """Count the connection against its client address; False (and the connection
+        aborted: uvicorn's connection_lost follows) past the cap."""
+        peer = transport.get_extra_info("peername")
+        client = peer[0] if isinstance(peer, (tuple, list)) and peer else None
+        if client is not None and self._open.get(client, 0) >= self.max_connections_per_client:
+            transport.abort()
+            return False
+        if client is not None:
+            self._open[client] = self._open.get(client, 0) + 1
+            self._client = client
+        return True
+
+    def _release(self) -> None:
+        if self._client is not None:
+            left = self._open.get(self._client, 1) - 1
+            if left > 0:
+                self._open[self._client] = left
+            else:
+                self._open.pop(self._client, None)
+            self._client = None
+
+    def _arm(self, body: bool = False) -> None:
         self._disarm()
-        self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_timed_out)
+        seconds, check = (self.body_timeout_s, self._waiting_for_body) if body else \
+            (self.headers_timeout_s, self._waiting_for_headers)
+        self._headers_deadline = self.loop.call_later(seconds, self._timed_out, check)
 
     def _disarm(self) -> None:
         if self._headers_deadline is not None:
             self._headers_deadline.cancel()
             self._headers_deadline = None
 
-    def _headers_timed_out(self) -> None:
+    def _timed_out(self, still_waiting) -> None:
         self._headers_deadline = None
-        if self._waiting_for_headers() and not self.transport.is_closing():
+        if still_waiting() and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -60,23 +100,36 @@ class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        if self._admit(transport):
+            self._arm()
 
     def _waiting_for_headers(self) -> bool:
         return self.conn.their_state in (h11.IDLE, h11.DONE) and (self.cycle is None or self.cycle.response_complete)
 
+    def _waiting_for_body(self) -> bool:
+        return self.conn.their_state == h11.SEND_BODY
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if not self._waiting_for_headers():        # a request's headers arrived
+        if self._waiting_for_body():               # headers complete, the body on its way
+            if self._phase != "body":
+                self._phase = "body"
+                self._arm(body=True)
+        elif not self._waiting_for_headers() and self._phase != "done":   # the whole request arrived
+            self._phase = "done"
             self._disarm()
+
+    _phase = "head"
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing():
+            self._phase = "head"
             self._arm()                            # the next request's headers get the same deadline
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._release()
         super().connection_lost(exc)
 
 
@@ -97,12 +150,18 @@ def _httptools_protocol():
         _in_head = True          # the bytes arriving belong to a request's head (line and headers)
         _head_bytes = 0
 
+        _in_body = False         # headers complete, the body not yet
+
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm()
+            if self._admit(transport):
+                self._arm()
 
         def _waiting_for_headers(self) -> bool:
             return self._in_head and (self.cycle is None or self.cycle.response_complete)
+
+        def _waiting_for_body(self) -> bool:
+            return self._in_body
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
@@ -112,12 +171,13 @@ def _httptools_protocol():
                 self.send_400_response("Request headers too large.")
 
         def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
-            self._disarm()
+            self._in_head, self._head_bytes, self._in_body = False, 0, True
+            self._arm(body=True)
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self._in_head = True                   # what follows is the next request's head
+            self._in_head, self._in_body = True, False   # what follows is the next request's head
+            self._disarm()
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
@@ -127,6 +187,7 @@ def _httptools_protocol():
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            self._release()
             super().connection_lost(exc)
 
     _Protocol.__name__ = _Protocol.__qualname__ = "HttpToolsHeaderTimeoutProtocol"
@@ -151,7 +212,8 @@ def fast_http_available() -> tuple[bool, bool]:
 
 
 def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS_TIMEOUT_S, http: str = "auto",
-                   loop: str = "auto"):
+                   loop: str = "auto", body_timeout_s: float = BODY_TIMEOUT_S,
+                   max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
     """The uvicorn ``Config`` `serve` runs ``app`` with: :data:`MAX_HEADER_BYTES`,
     :data:`KEEP_ALIVE_S`, warnings only, no lifespan, and the headers deadline
     ``headers_timeout_s`` (seconds) on the HTTP protocol ``http``: "httptools"
@@ -176,10 +238,11 @@ def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS
         raise ValueError(f"{http if http == 'httptools' and not has_httptools else loop} is not installed "
                          f"(pip install 'uvicorn[standard]')")
     base = _httptools_protocol() if http == "httptools" else HeaderTimeoutProtocol
-    protocol = type(base.__name__, (base,), {"headers_timeout_s": headers_timeout_s})
+    protocol = type(base.__name__, (base,), {"headers_timeout_s": headers_timeout_s, "body_timeout_s": body_timeout_s,
+                                             "max_connections_per_client": max_connections_per_client, "_open": {}})
     return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http=protocol, loop=loop,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 __all__ = ["HeaderTimeoutProtocol", "HttpToolsHeaderTimeoutProtocol", "uvicorn_config", "fast_http_available",
-           "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S"]
+           "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S", "BODY_TIMEOUT_S", "MAX_CONNECTIONS_PER_CLIENT"]
