@@ -301,6 +301,10 @@ def hf_checkpoint(spec: Path, root: Path, streams: int, tp: int | None = None, p
     when given, and ``compile = true`` when ``compile_`` (the engine's torch.compile).
     Returns the new spec."""
     import torch
+
+    from parcompile.runtime.machine.device import quiet_deepspeed_on_cpu
+
+    quiet_deepspeed_on_cpu()   # before transformers imports DeepSpeed (and for `transformers serve`): no warning
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -78,6 +78,10 @@ def make_model(out: Path, family: str, vocab: int, layers: int = 4, hidden: int 
     """A random transformers model of ``family`` (``llama``, ``qwen2``, ``gpt2``), written to
     ``out`` with ``save_pretrained`` (safetensors); returns the model."""
     import torch
+
+    from parcompile.runtime.machine.device import quiet_deepspeed_on_cpu
+
+    quiet_deepspeed_on_cpu()   # before transformers imports DeepSpeed: no "Setting accelerator to CPU" warning
     import transformers
 
     torch.manual_seed(seed)

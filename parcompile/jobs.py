@@ -34,8 +34,13 @@ from parcompile.core.process import LIBC as _LIBC, die_with_parent
 
 def start(cmd: Sequence[str], env: dict | None = None) -> subprocess.Popen:
     """Start ``cmd`` (torchrun) in a new session, killed by the kernel when this process
-    dies (see the module docstring). ``env``: its environment (default this one's)."""
+    dies (see the module docstring). ``env``: its environment (default this one's), with
+    ``PYTHONUNBUFFERED=1`` unless it sets it: torchrun and its ranks write to this process's
+    stdout, and a rank's start-up progress (:mod:`parcompile.runtime.progress`) or a print
+    without ``flush`` must reach a pipe (a CI log, a test) as it happens, not at the rank's end."""
     me = os.getpid()
+    env = dict(os.environ if env is None else env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
 
     def in_child() -> None:   # between fork and exec: only the prctl system call
         die_with_parent(signal.SIGKILL, parent=me)

@@ -13,6 +13,13 @@ import os
 # PARCOMPILE_CPU_PROBE themselves.
 os.environ["PARCOMPILE_CPU_PROBE"] = "fixed"
 
+# DeepSpeed (the test extra installs it) warns "Setting accelerator to CPU" on every import by
+# transformers, here and in the subprocesses (lm-eval): DS_ACCELERATOR=cpu where there is no
+# accelerator (parcompile/runtime/machine/device.py quiet_deepspeed_on_cpu)
+from parcompile.runtime.machine.device import quiet_deepspeed_on_cpu  # noqa: E402
+
+quiet_deepspeed_on_cpu()
+
 import signal
 
 import pytest

@@ -26,6 +26,7 @@ from parcompile.runtime.model.mla import *  # noqa: F403
 from parcompile.runtime.model.llama4 import *  # noqa: F403
 from parcompile.runtime.model.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
 from parcompile.runtime.train.metrics import RunLog, allocator_peaks, peak_memory
+from parcompile.runtime.progress import Startup, group_text
 from parcompile.runtime.train.pipeline import evaluate, loss_normaliser, run_schedule
 from parcompile.runtime.state.weights import load_weights
 from parcompile.runtime.train.wgrad import STORE as WEIGHT_GRADS

@@ -178,6 +178,33 @@ def missing_plugin(device: str) -> str | None:
     return plugin if plugin is not None and importlib.util.find_spec(plugin) is None else None
 
 
+#: the packages through which DeepSpeed's accelerator detection finds a device that torch
+#: itself does not report (Ascend, Tecorigin SDAA, Habana, Cambricon, Biren, Kunlunxin), in
+#: DeepSpeed 0.19.8 deepspeed/accelerator/real_accelerator.py ``get_accelerator``; its
+#: other probes are torch's own (``torch.xpu``, ``torch.mps``, ``torch.cuda``)
+DEEPSPEED_DEVICE_PACKAGES: tuple[str, ...] = ("torch_npu", "torch_sdaa", "habana_frameworks", "torch_mlu",
+                                              "torch_supa", "torch_xmlir")
+
+
+def quiet_deepspeed_on_cpu() -> bool:
+    """Set ``DS_ACCELERATOR=cpu`` where this machine has no accelerator DeepSpeed would find,
+    before anything imports DeepSpeed; returns whether it was set.
+
+    transformers imports DeepSpeed where it is installed (the test extra installs it), and
+    DeepSpeed's auto-detection then logs "Setting accelerator to CPU. If you have GPU or other
+    accelerator, we were unable to detect it." as a WARNING on every such import
+    (real_accelerator.py ``get_accelerator``, DeepSpeed 0.19.8); its documented override
+    ``DS_ACCELERATOR`` chooses the same CPU accelerator without the warning. Left alone: a
+    ``DS_ACCELERATOR`` already set, a device torch sees (``cuda``, ``xpu``, ``mps``), or an
+    installed package of :data:`DEEPSPEED_DEVICE_PACKAGES`."""
+    if "DS_ACCELERATOR" in os.environ or any(is_available(t) for t in ("cuda", "xpu", "mps")):
+        return False
+    if any(importlib.util.find_spec(name) is not None for name in DEEPSPEED_DEVICE_PACKAGES):
+        return False
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    return True
+
+
 def choose_backend(force_cpu: bool = False, device: str = "cuda") -> tuple[str, torch.device]:
     """The process-group backend and this rank's device, chosen at run time from the plan's
     device type ``device``, and that device selected (before the process group exists, as

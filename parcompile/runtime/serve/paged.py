@@ -579,12 +579,14 @@ def _connect(address: str):
 
 
 def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab: int, hidden: int,
-                   dtype: torch.dtype, windows) -> None:
+                   dtype: torch.dtype, windows, startup=None) -> None:
     """Run the engine of this rank's replica until the front says stop (module docstring).
 
     ``model`` is the program's ``Stage`` (with ``new_paged_cache`` and ``forward``), ``plan``
     its plan.json (``serve.kv_blocks``, ``block_size``, ``batch``), ``address`` the front's
-    ``host:port``, ``windows`` the program's attention window(s).
+    ``host:port``, ``windows`` the program's attention window(s), ``startup`` the program's
+    :class:`parcompile.runtime.progress.Startup` (told of the cache, the compile and the
+    connection to the front).
 
     Raises:
         ServeError: the front cannot be reached.
@@ -592,6 +594,8 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
     sv = plan["serve"]
     block_size, blocks, max_seqs = sv["block_size"], sv["kv_blocks"], sv["batch_per_replica"]
     cache = model.new_paged_cache(blocks, block_size, ctx.device)
+    say = startup.done if startup is not None else (lambda text: None)
+    say(f"KV cache allocated: {blocks:,} blocks of {block_size} tokens ({cache.nbytes / 2**20:,.1f} MiB on rank 0)")
     if sv.get("compile"):
         took = compile_engine(model, ctx, cache, vocab, hidden, dtype, windows)
         print(f"[rank {ctx.rank}] engine compiled (torch.compile, {len(WARMUP_LAYOUTS)} warm-up steps) "
@@ -615,6 +619,9 @@ def serve_requests(model, ctx: ParallelContext, plan: dict, address: str, vocab:
                           max_waiting_steps=sv.get("max_waiting_steps", 0))
         conn.send(("ready", {"replica": ctx.dp.index, "kv_blocks": blocks, "block_size": block_size,
                              "max_seqs": max_seqs, "cache_bytes": cache.nbytes}))
+    say("engine ready: connected to the front")
+    if startup is not None:
+        startup.close()
     generators: dict[str, torch.Generator] = {}
     params: dict[str, dict] = {}
     step_no = 0

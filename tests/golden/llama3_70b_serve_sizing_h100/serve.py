@@ -239,6 +239,7 @@ def main(argv=None) -> dict:
         raise gen.ServeError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
     weights = None if args.weights in (None, "", "seed") else args.weights
 
+    startup = rt.Startup(4 if args.engine else 3)              # rank 0 says each start-up stage as it ends
     plan = json.loads(Path(args.plan).read_text())
     tokenizer = gen.load_tokenizer(args.tokenizer, weights, VOCAB)
     prompts = [tokenizer.encode(t) for t in args.prompt] + [gen.IdTokenizer().encode(t) for t in args.prompt_ids]
@@ -252,6 +253,7 @@ def main(argv=None) -> dict:
     eos = args.eos if args.eos is not None else gen.end_tokens(weights)
 
     ctx = rt.init_parallel(plan, device=DEVICE)
+    startup.done(rt.group_text(ctx))
     mine = gen.replica_slice(prompts, ctx.dp.index, ctx.dp.size)     # this replica's sequences
     first = sum(len(gen.replica_slice(prompts, r, ctx.dp.size)) for r in range(ctx.dp.index))
     with rt.no_init() if weights else nullcontext():                 # loaded weights need no initial values
@@ -260,8 +262,10 @@ def main(argv=None) -> dict:
     for p in model.parameters():
         p.data = p.data.to(ctx.device, DTYPE)
     model.eval()
+    startup.done(f"model built: {sum(p.numel() for p in model.parameters()):,} parameters on rank 0, weights "
+                 + (f"loaded from {weights} ({kind})" if weights else f"drawn from seed {SEED}"))
     if args.engine:   # `parcompile serve`: continuous batching over a paged KV cache until the front stops it
-        paged.serve_requests(model, ctx, plan, args.engine, VOCAB, HIDDEN, DTYPE, WINDOW)
+        paged.serve_requests(model, ctx, plan, args.engine, VOCAB, HIDDEN, DTYPE, WINDOW, startup)
         del model
         rt.shutdown(ctx)
         return {"rank": ctx.rank, "engine": args.engine}
@@ -269,6 +273,8 @@ def main(argv=None) -> dict:
     rt.COUNTER.reset()
     record = {"rank": ctx.rank, "stage": ctx.stage, "tp_index": ctx.tp.index, "dp_index": ctx.dp.index,
               "params": sum(p.numel() for p in model.parameters()), "weights": kind, "tokens": [], "cache_bytes": 0}
+    startup.done(f"generating: {len(prompts)} sequence(s), up to {args.max_new_tokens} new tokens each")
+    startup.close()
     if mine:
         with torch.no_grad():
             result = generate(model, ctx, mine, args.max_new_tokens, args.temperature, args.top_k, args.seed, eos,

@@ -233,18 +233,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-resume", action="store_true", help="start at step 0 even if a checkpoint exists")
     args = ap.parse_args(argv)
 
+    startup = rt.Startup(4)                                     # rank 0 says each start-up stage as it ends
     plan = json.loads(Path(args.plan).read_text())
     ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=DP_SHARDING.shards_parameters)  # ZeRO-3 gathers parameters on groups of their own
+    startup.done(rt.group_text(ctx))
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
     evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
+    startup.done(f"data ready: {args.data}" + (f", evaluation {args.eval_data}" if evals is not None else ""))
     with rt.no_init() if INIT_FROM else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     if INIT_FROM:                                               # each rank reads only its slices
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE)  # ZeRO-1: optimizer states sharded over dp
+    startup.done(f"model built: {num_params:,} parameters on rank 0" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
@@ -271,6 +275,8 @@ def main(argv=None) -> dict:
                 print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)
     if start < args.steps:
         evaluate(start)                                         # before the first step
+        startup.done(f"training steps {start + 1}..{args.steps} (the first warms up)")
+    startup.close()
     for step in range(start, args.steps):
         rt.checkpoint.maybe_fail(ctx, step)                     # testing hook: PARCOMPILE_FAIL_AT=RANK:STEP
         t0 = time.perf_counter()
