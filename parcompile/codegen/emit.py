@@ -74,6 +74,11 @@ _NOT_IN_PROGRAM: tuple = (
      "Llama 4's layers while serving (NoPE layers, chunked attention, temperature tuning, the L2 qk-norm, "
      "interleaved MoE layers)", "the serve program's cached attention has none of them yet: `parcompile plan`, "
      "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
+    # LoRA (issue 49) is checked and planned (core/lora.py, analysis/lora.py); the training
+    # program does not freeze the weights nor train adapters yet: refused, never run as full
+    ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora",
+     "LoRA adapters (method = lora)", "`parcompile check`, `plan` and `search` work on this spec; to generate a "
+     "program now, use method = full", 49, True),
 )
 
 
