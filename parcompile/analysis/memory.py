@@ -137,6 +137,7 @@ from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
+from parcompile.analysis.lora import frozen_param_bytes, is_lora, trainable, with_adapter_activations
 from parcompile.core.schedule import Schedule, as_schedule, build_actions, in_flight
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Trait, spec
@@ -227,14 +228,17 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     (:func:`parcompile.core.buckets.stage_buckets`), so a sharded state rounds up per
     bucket (``sum ceil(n_b / d)``)."""
     par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
+    dps = data_parallel_sharding(par)
+    # LoRA (analysis/lora.py): frozen weights hold only themselves, the adapters the states
+    frozen = frozen_param_bytes(cfg, degrees, sp, dps.shards_parameters) if is_lora(cfg) else 0
+    sp = trainable(cfg, degrees, sp)
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
-    dps = data_parallel_sharding(par)
     pd = state_bytes(sp.dense, e, dps, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
     pe = state_bytes(sp.expert, e, dps.experts(ed), opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
-    return tuple(x + y for x, y in zip(pd, pe))
+    return (pd[0] + pe[0] + frozen, pd[1] + pe[1], pd[2] + pe[2])
 
 
 def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:
@@ -458,6 +462,8 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     pp, v = par.pp, par.virtual_stages
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine,
                         attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+    rows = frozenset(nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.op.attr("tp") == "row")
+    saved = with_adapter_activations(cfg, degrees, saved, rows)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 
@@ -679,7 +685,7 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     dps = data_parallel_sharding(par)
     if cfg.workload == "serve" or not dps.shards_gradients:
         return 0
-    dense, expert = stage_buckets(sp, par.bucket_size)
+    dense, expert = stage_buckets(trainable(cfg, degrees, sp), par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     if dps.per_microbatch:
         return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
