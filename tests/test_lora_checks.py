@@ -75,13 +75,15 @@ def test_method_word_checked():
     assert msg == "unknown method `qlora`" and "`full` or `lora`" in help
 
 
-def test_program_refuses_lora_until_it_runs_it(tmp_path):
-    """`compile` writes no program for method = lora (it would train every weight)."""
+def test_program_refuses_what_lora_does_not_run_yet(tmp_path):
+    """`compile` writes no program for LoRA with FP8 (its adapters run 16-bit GEMMs); a plain
+    LoRA spec compiles."""
     import parcompile
     from parcompile.diagnostics import SpecError
 
-    plan = parcompile.compile(lora())   # planned
-    assert plan.config.train.method == "lora"
+    parcompile.compile(lora()).write(tmp_path / "ok")
+    assert (tmp_path / "ok" / "program.py").is_file()
+    plan = parcompile.compile(lora(precision="fp8"))
     with pytest.raises(SpecError) as e:
         plan.write(tmp_path / "out")
-    assert any("LoRA adapters" in d.message for d in e.value.diagnostics)
+    assert any("LoRA adapters with FP8" in d.message for d in e.value.diagnostics)

@@ -30,6 +30,7 @@ import math
 from dataclasses import replace
 from typing import Mapping, Sequence
 
+from parcompile.analysis.comm import CollectiveEntry, per_step_sent
 from parcompile.analysis.compute import op_fwd_flops
 from parcompile.analysis.params import StageParams
 from parcompile.core.buckets import GradUnit
@@ -137,6 +138,21 @@ def lora_chunk_times(cfg, degrees: Mapping[str, int], matmul: Sequence[float], w
     return tuple(m + x for m, x in zip(matmul, extra)), extra, tuple(weighted)
 
 
+def frozen_prefix(cfg) -> list[str]:
+    """The modules (``layers.0.attn``, ``layers.0.mlp``...) of the model's start that no
+    gradient reaches: those before the first module with an adapter, and that one's input
+    (the embedding and every weight before it are frozen, so autograd records nothing
+    there): their backward collectives do not run. The first adapted module is listed too
+    (its input gradient is not needed)."""
+    adapted = sorted({(int(lin.module.split(".")[1]), lin.module.split(".")[2]) for lins in adapters_by_layer(cfg).values()
+                      for lin in lins}, key=lambda x: (x[0], x[1] != "attn"))
+    if not adapted:
+        return []
+    layer, part = adapted[0]
+    out = [f"layers.{i}.{m}" for i in range(layer) for m in ("attn", "mlp")]
+    return out + [f"layers.{layer}.attn"] + ([f"layers.{layer}.mlp"] if part == "mlp" else [])
+
+
 def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, row_parallel: frozenset[str] = frozenset()):
     """``saved`` (:class:`parcompile.analysis.memory.SavedBytes`) with the adapters' kept
     bytes (:func:`adapter_saved_bytes`) added to each layer and its chunk (after
@@ -147,6 +163,11 @@ def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, row_paralle
     extra = adapter_saved_bytes(cfg, degrees, row_parallel)
     per_chunk = list(saved.per_chunk)
     full = cfg.parallel.recompute == "full"
+    if "layers.0.attn" in frozen_prefix(cfg) and not full and 0 in extra:
+        # the first layer's input norm: nothing requires its gradient, so it keeps nothing
+        # (its input, the layer input, is what it would keep: tokens x hidden, split by sp)
+        sp = degrees.get("tp", 1) if cfg.parallel.sequence_parallel else 1
+        extra[0] -= _tokens(cfg) // sp * cfg.model.hidden * cfg.model.dtype_bytes
     for layer, b in extra.items():
         if layer in saved.chunk_of_layer and not full:
             per_chunk[saved.chunk_of_layer[layer]] += b
@@ -174,3 +195,62 @@ def lora_step_flops(cfg, graph, compute, num_microbatches: int):
     adapters = 3 * 2 * tokens * sum(layer_adapter_elements(cfg, 1).values())
     return replace(compute, model_flops_per_step=compute.model_flops_per_step - frozen * num_microbatches + adapters,
                    hardware_flops_per_step=compute.hardware_flops_per_step - hw_frozen * num_microbatches + adapters)
+
+
+def adapter_collectives(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str]) -> list[tuple]:
+    """The tensor-parallel collectives the adapters of one micro-batch run, per decoder
+    layer, as the program runs them (:mod:`parcompile.runtime.model.lora`, Megatron-Bridge's
+    split): ``(layer, op, bytes, phase)``, bytes the collective's output. Column-parallel
+    base: A's r-wide output all-gathered (forward), its gradient reduce-scattered
+    (backward). Row-parallel base: A's r-wide partial sums all-reduced (forward), B's output
+    all-gathered along ``out`` (forward), the r-wide gradient all-reduced (backward); with
+    sequence parallelism the gradient of this rank's tokens all-gathered along the
+    sequence (backward). None with tp = 1."""
+    tp = degrees.get("tp", 1)
+    if tp == 1:
+        return []
+    t, e, r = _tokens(cfg), cfg.model.dtype_bytes, cfg.train.lora_rank
+    sp = cfg.parallel.sequence_parallel
+    out = []
+    for layer, lins in adapters_by_layer(cfg).items():
+        for lin in lins:
+            if lin.module in row_parallel:
+                out += [(layer, "all_reduce", t * r * e, "forward"), (layer, "all_gather", t * lin.out_features * e, "forward"),
+                        (layer, "all_reduce", t * r * e, "backward")]
+                if sp:
+                    out.append((layer, "all_gather", t * lin.out_features * e, "backward"))
+            else:
+                out += [(layer, "all_gather", t * r * e, "forward"), (layer, "reduce_scatter", t * r // tp * e, "backward")]
+    return out
+
+
+def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbatches: int, row_parallel: frozenset[str]):
+    """``comm`` (:class:`parcompile.analysis.comm.CommReport`) with the adapters'
+    collectives (:func:`adapter_collectives`) as rows of ``comm.collectives`` (``where``
+    ``lora``), ``num_microbatches`` per step each (a fully recomputed forward runs the
+    forward ones again), on the stage holding the layer; ``per_step`` recounted."""
+    if not is_lora(cfg):
+        return comm
+    par = cfg.parallel
+    stage_of = {}
+    for s in range(par.pp):
+        for k in par.rank_chunks(s):
+            for layer in chunk_layers(cfg)[k]:
+                stage_of[layer] = s
+    counts: dict[tuple, int] = {}
+    for layer, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel):
+        phases = [phase] + (["recompute"] if phase == "forward" and par.recompute == "full" else [])
+        for ph in phases:
+            key = (op, nbytes, stage_of[layer], ph)
+            counts[key] = counts.get(key, 0) + num_microbatches
+    rows = tuple(CollectiveEntry(op, "tp", b, n, "lora", s, ph) for (op, b, s, ph), n in counts.items())
+    frozen = set(frozen_prefix(cfg))
+    kept = tuple(c for c in comm.collectives if not (c.phase == "backward" and c.where in frozen))
+    colls = tuple(sorted(kept + rows, key=lambda c: c.stage))
+    return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp))
+
+
+def row_parallel(graph) -> frozenset[str]:
+    """The linear layers of ``graph`` whose base is row-parallel (split over ``in``), by
+    module name (``layers.0.attn.wo``)."""
+    return frozenset(nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.op.attr("tp") == "row")

@@ -26,6 +26,7 @@ from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.lora import lora_settings
 from parcompile.core.model import LLAMA4_KEYS, rotary_dim
 from parcompile.core.quant import quantized_param, weight_format, weight_key
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
@@ -74,11 +75,14 @@ _NOT_IN_PROGRAM: tuple = (
      "Llama 4's layers while serving (NoPE layers, chunked attention, temperature tuning, the L2 qk-norm, "
      "interleaved MoE layers)", "the serve program's cached attention has none of them yet: `parcompile plan`, "
      "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
-    # LoRA (issue 49) is checked and planned (core/lora.py, analysis/lora.py); the training
-    # program does not freeze the weights nor train adapters yet: refused, never run as full
-    ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora",
-     "LoRA adapters (method = lora)", "`parcompile check`, `plan` and `search` work on this spec; to generate a "
-     "program now, use method = full", 49, True),
+    # LoRA (issue 49) runs in the program (runtime/model/lora.py) but for what is refused here
+    ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora" and (
+        fp8_enabled(cfg) or cfg.parallel.schedule == "zero_bubble" or cfg.model.kv_lora_rank > 0
+        or cfg.train.hf_output is not None),
+     "LoRA adapters with FP8, the zero-bubble schedule, multi-head latent attention or hf_output",
+     "LoRA's adapters run on 16-bit GEMMs whose weight gradients are not deferred, on the attention and MLP "
+     "projections of Llama-like layers, and are not written as a PEFT adapter yet: `parcompile plan`, `search` "
+     "and `check` work on this spec", 49, True),
 )
 
 
@@ -288,6 +292,7 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
         "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
         "model_keys_repr": repr(_model_keys(m)),
         "peak_flops_repr": repr(cfg.cluster.peak_flops),
+        "lora_repr": repr(lora_settings(cfg)) if t.method == "lora" else "",
     }
 
 

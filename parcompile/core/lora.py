@@ -121,3 +121,12 @@ def targeted(model, targets: tuple[str, ...]) -> tuple[LoraLinear, ...]:
 def scaling(rank: int, alpha: float) -> float:
     """The adapter's output scale ``alpha / r`` (PEFT's ``LoraLayer.scaling`` without rsLoRA)."""
     return alpha / rank
+
+
+def lora_settings(cfg) -> dict:
+    """What a generated training program holds as its ``LORA`` constant for ``cfg`` (a
+    SpecConfig with ``train.method = lora``): ``rank``, ``alpha``, ``dropout`` and the
+    targeted linears' leaf names (ours: ``wq``...), sorted."""
+    t = cfg.train
+    return {"rank": t.lora_rank, "alpha": float(t.lora_alpha), "dropout": float(t.lora_dropout),
+            "modules": sorted({lin.leaf for lin in targeted(cfg.model, t.lora_targets)})}
