@@ -62,6 +62,12 @@ def test_hostile_values(entry, message, help_has):
         assert help_has in help
 
 
+def test_lora_merge_needs_method_lora():
+    text = spec(train={"lora_merge": "true"})
+    msg, _, _ = one(text, "lora_merge = true")
+    assert msg == "lora_merge needs method = lora; this spec has method = full"
+
+
 def test_lora_keys_need_method_lora():
     text = spec(train={"lora_rank": "8"})
     msg, help, _ = one(text, "lora_rank = 8")

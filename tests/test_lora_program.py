@@ -56,7 +56,8 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
         return path
 
     whole = _compiled(tmp_path, spec_file("whole", tmp_path / "whole_ckpt", 4))
-    part = _compiled(tmp_path, spec_file("part", tmp_path / "ckpt", 4))
+    part_spec = spec_file("part", tmp_path / "ckpt", 4)
+    part = _compiled(tmp_path, part_spec)
     m = tmp_path / "metrics"
     log = run_in_one_launch(4, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
                                 (part, ["--steps", 2, "--metrics-dir", m / "first"]),
@@ -71,3 +72,19 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
     tensors = {k for k in meta if not k.startswith("train/")}
     assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors), sorted(tensors)[:5]
     assert any(k.startswith("optim/exp_avg/") for k in tensors)
+    # export-weights: the adapters-only checkpoint as a PEFT adapter (PEFT's key names)
+    from safetensors.torch import load_file
+
+    from parcompile.cli import main
+    from parcompile.runtime.state.hf_export import read_dcp_global
+
+    assert main(["export-weights", str(part_spec), str(tmp_path / "ckpt"), "-o", str(tmp_path / "adapter")]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 32.0)
+    got = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    ours = read_dcp_global(tmp_path / "ckpt")
+    assert len(got) == len(ours) == 4 * 7 * 2
+    for i, (mine, hf) in enumerate([("attn.wq", "self_attn.q_proj"), ("mlp.w2", "mlp.down_proj")]):
+        for part in ("lora_A", "lora_B"):
+            assert torch.equal(got[f"base_model.model.model.layers.{i}.{hf}.{part}.weight"],
+                               ours[f"layers.{i}.{mine}.{part}.weight"])

@@ -77,12 +77,10 @@ _NOT_IN_PROGRAM: tuple = (
      "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
     # LoRA (issue 49) runs in the program (runtime/model/lora.py) but for what is refused here
     ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora" and (
-        fp8_enabled(cfg) or cfg.parallel.schedule == "zero_bubble" or cfg.model.kv_lora_rank > 0
-        or cfg.train.hf_output is not None),
-     "LoRA adapters with FP8, the zero-bubble schedule, multi-head latent attention or hf_output",
+        fp8_enabled(cfg) or cfg.parallel.schedule == "zero_bubble" or cfg.model.kv_lora_rank > 0),
+     "LoRA adapters with FP8, the zero-bubble schedule or multi-head latent attention",
      "LoRA's adapters run on 16-bit GEMMs whose weight gradients are not deferred, on the attention and MLP "
-     "projections of Llama-like layers, and are not written as a PEFT adapter yet: `parcompile plan`, `search` "
-     "and `check` work on this spec", 49, True),
+     "projections of Llama-like layers: `parcompile plan`, `search` and `check` work on this spec", 49, True),
 )
 
 

@@ -295,6 +295,8 @@ class TrainConfig(_Frozen):
     lora_dropout: float = 0.0
     #: module names (ours such as `wq`, Hugging Face's such as `q_proj`) or `all-linear`
     lora_targets: tuple[str, ...] = ("all-linear",)
+    #: hf_output holds the merged weights (and the PEFT adapter in `adapter/`), not the adapter alone
+    lora_merge: bool = False
 
 
 class ServeConfig(_Frozen):

@@ -125,8 +125,9 @@ def scaling(rank: int, alpha: float) -> float:
 
 def lora_settings(cfg) -> dict:
     """What a generated training program holds as its ``LORA`` constant for ``cfg`` (a
-    SpecConfig with ``train.method = lora``): ``rank``, ``alpha``, ``dropout`` and the
-    targeted linears' leaf names (ours: ``wq``...), sorted."""
+    SpecConfig with ``train.method = lora``): ``rank``, ``alpha``, ``dropout``, the
+    targeted linears' leaf names (ours: ``wq``...) sorted, and ``merge`` (``lora_merge``:
+    what ``hf_output`` holds)."""
     t = cfg.train
     return {"rank": t.lora_rank, "alpha": float(t.lora_alpha), "dropout": float(t.lora_dropout),
-            "modules": sorted({lin.leaf for lin in targeted(cfg.model, t.lora_targets)})}
+            "modules": sorted({lin.leaf for lin in targeted(cfg.model, t.lora_targets)}), "merge": t.lora_merge}

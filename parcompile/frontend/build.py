@@ -165,6 +165,7 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "eval_batches": KeyType("int", low=1, words=("all",)), "hf_output": _STR,
         "method": _enum(TrainConfig, "method"), "lora_rank": _COUNT, "lora_alpha": _POSITIVE,
         "lora_dropout": KeyType("fraction", low=0, high=1, high_open=True), "lora_targets": KeyType("names"),
+        "lora_merge": _BOOL,
     },
     "serve": {
         "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,

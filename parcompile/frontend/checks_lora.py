@@ -11,7 +11,7 @@ from parcompile.core.lora import ALL_LINEAR, lora_linears, target_names, targete
 from parcompile.frontend.check_context import CheckContext
 
 #: the keys that mean something only with ``method = lora``
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_merge")
 
 
 def check_lora(cfg: SpecConfig, ctx: CheckContext) -> None:
