@@ -93,3 +93,13 @@ def test_program_refuses_what_lora_does_not_run_yet(tmp_path):
     with pytest.raises(SpecError) as e:
         plan.write(tmp_path / "out")
     assert any("LoRA adapters with FP8" in d.message for d in e.value.diagnostics)
+
+
+@pytest.mark.parametrize("target", ["megatron", "megatron-bridge", "torchtitan", "deepspeed"])
+def test_exports_refuse_lora_they_do_not_carry(target):
+    """An export of a LoRA spec would train every weight: refused, naming why."""
+    import parcompile
+
+    out = parcompile.export(parcompile.compile(lora()), target)
+    assert any(e.startswith("method = lora:") for e in out.errors), out.errors
+    assert not any(e.startswith("method = lora:") for e in parcompile.export(parcompile.compile(spec()), target).errors)
