@@ -39,6 +39,8 @@ def test_tiny_memory_by_hand():
         added = in_flight[s] * layers * len(linears) * tokens * r * e
         if s == 0:   # layer 0's input norm keeps nothing: no gradient reaches it (all weights before are frozen)
             added -= in_flight[s] * tokens * h * e
+        else:        # the frozen LM head keeps no input (its weight has no gradient): one micro-batch of it
+            added -= tokens * h * e
         assert st.activations - full.memory.per_stage[s].activations == added
         assert full.memory.per_stage[s].params == e * frozen[s]
 

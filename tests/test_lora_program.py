@@ -88,3 +88,23 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
         for part in ("lora_A", "lora_B"):
             assert torch.equal(got[f"base_model.model.model.layers.{i}.{hf}.{part}.weight"],
                                ours[f"layers.{i}.{mine}.{part}.weight"])
+
+
+@pytest.mark.torchrun
+def test_verify_lora_variants():
+    """LoRA miniatures (dp 2 x tp 2 x pp 2) with ZeRO 1 and 2, full recomputation and partial
+    targets (the MLP only; v only: frozen linears without an adapter keep no input) against
+    the single process, in one launch."""
+    from parcompile.frontend import load_spec
+    from parcompile.verification import verify_many
+
+    base = {"method": "lora", "lora_rank": "8"}
+    cases = {
+        "zero1": spec(parallel={"zero": "1"}, train=base),
+        "zero2_full_recompute": spec(parallel={"zero": "2", "recompute": "full"}, train=base),
+        "mlp_only": spec(train={**base, "lora_targets": '["gate_proj", "up_proj", "down_proj"]'}),
+        "v_only": spec(train={**base, "lora_targets": '["v_proj"]'}),
+    }
+    results = verify_many({k: load_spec(v)[0] for k, v in cases.items()}, steps=3)
+    for name, r in results.items():
+        assert not isinstance(r, Exception) and r.ok, (name, r if isinstance(r, Exception) else r.table())

@@ -138,6 +138,15 @@ def lora_chunk_times(cfg, degrees: Mapping[str, int], matmul: Sequence[float], w
     return tuple(m + x for m, x in zip(matmul, extra)), extra, tuple(weighted)
 
 
+def _frozen_backward(cfg, c, row_parallel: frozenset[str]) -> bool:
+    """Whether collective row ``c`` is a backward one that LoRA's frozen start does not run:
+    in a module before the first adapted one, or that module's input gradient. (With
+    sequence parallelism the first adapted module's row-parallel output still all-gathers its
+    gradient in backward: counted out too, one all-gather per micro-batch short of the
+    program's; issue 49.)"""
+    return c.phase == "backward" and c.where in frozen_prefix(cfg)
+
+
 def frozen_prefix(cfg) -> list[str]:
     """The modules (``layers.0.attn``, ``layers.0.mlp``...) of the model's start that no
     gradient reaches: those before the first module with an adapter, and that one's input
@@ -163,11 +172,6 @@ def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, row_paralle
     extra = adapter_saved_bytes(cfg, degrees, row_parallel)
     per_chunk = list(saved.per_chunk)
     full = cfg.parallel.recompute == "full"
-    if "layers.0.attn" in frozen_prefix(cfg) and not full and 0 in extra:
-        # the first layer's input norm: nothing requires its gradient, so it keeps nothing
-        # (its input, the layer input, is what it would keep: tokens x hidden, split by sp)
-        sp = degrees.get("tp", 1) if cfg.parallel.sequence_parallel else 1
-        extra[0] -= _tokens(cfg) // sp * cfg.model.hidden * cfg.model.dtype_bytes
     for layer, b in extra.items():
         if layer in saved.chunk_of_layer and not full:
             per_chunk[saved.chunk_of_layer[layer]] += b
@@ -244,8 +248,7 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
             key = (op, nbytes, stage_of[layer], ph)
             counts[key] = counts.get(key, 0) + num_microbatches
     rows = tuple(CollectiveEntry(op, "tp", b, n, "lora", s, ph) for (op, b, s, ph), n in counts.items())
-    frozen = set(frozen_prefix(cfg))
-    kept = tuple(c for c in comm.collectives if not (c.phase == "backward" and c.where in frozen))
+    kept = tuple(c for c in comm.collectives if not _frozen_backward(cfg, c, row_parallel))
     colls = tuple(sorted(kept + rows, key=lambda c: c.stage))
     return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp))
 
@@ -254,3 +257,18 @@ def row_parallel(graph) -> frozenset[str]:
     """The linear layers of ``graph`` whose base is row-parallel (split over ``in``), by
     module name (``layers.0.attn.wo``)."""
     return frozenset(nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.op.attr("tp") == "row")
+
+
+def frozen_saves(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
+    """What LoRA's frozen weights change in what the ops save for backward
+    (:func:`parcompile.analysis.memory.saved_bytes`): ``(modules, linears)``, the modules no
+    gradient reaches (:func:`frozen_prefix` but the first adapted module, and the norm before
+    that module: autograd records nothing there), and the frozen linears without an adapter,
+    which keep no input. Empty without LoRA."""
+    if not is_lora(cfg):
+        return frozenset(), frozenset()
+    prefix = frozen_prefix(cfg)
+    modules = set(prefix[:-1]) | {f"{m}_norm" for m in prefix}
+    adapted = {lin.module for lins in adapters_by_layer(cfg).values() for lin in lins}
+    linears = {nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.name not in adapted}
+    return frozenset(modules), frozenset(linears)
