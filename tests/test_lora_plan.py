@@ -69,7 +69,11 @@ def test_frozen_weights_skip_the_weight_gradient():
     training of the same model, and its model FLOPs are the full ones less one forward of the
     frozen GEMMs plus three of the adapters'."""
     full, lora = _plans()
-    assert lora.estimate.step_time < full.estimate.step_time
+    compute = [p.data["estimate"]["breakdown"]["compute"] for p in (full, lora)]
+    assert compute[1] < compute[0]
+    # the adapters' tp collectives are priced (rows `lora`) and timed (tp_comm grows)
+    assert any(c["where"] == "lora" for c in lora.data["comm"]["collectives"])
+    assert lora.data["estimate"]["breakdown"]["tp_comm"] > full.data["estimate"]["breakdown"]["tp_comm"]
     fm, lm = full.data["compute"]["model_flops_per_step"], lora.data["compute"]["model_flops_per_step"]
     h, kv, f, v, r = 64, 32, 128, 256, 16
     linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]

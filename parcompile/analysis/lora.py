@@ -35,6 +35,7 @@ from parcompile.analysis.compute import op_fwd_flops
 from parcompile.analysis.params import StageParams
 from parcompile.core.buckets import GradUnit
 from parcompile.core.lora import LoraLinear, targeted
+from parcompile.ir.ops import Collective
 
 
 def is_lora(cfg) -> bool:
@@ -232,17 +233,22 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
     """``comm`` (:class:`parcompile.analysis.comm.CommReport`) with the adapters'
     collectives (:func:`adapter_collectives`) as rows of ``comm.collectives`` (``where``
     ``lora``), ``num_microbatches`` per step each (a fully recomputed forward runs the
-    forward ones again), on the stage holding the layer; ``per_step`` recounted."""
-    if not is_lora(cfg):
+    forward ones again), on the stage holding the layer, and as per-micro-batch collectives of
+    the layer's model chunk in ``raw`` (the time model's); the frozen start's backward
+    collectives (:func:`_frozen_backward`) left out of both; ``per_step`` recounted. A
+    ``comm`` that has them already is returned as it is."""
+    if not is_lora(cfg) or any(c.where == "lora" for c in comm.collectives):
         return comm
     par = cfg.parallel
-    stage_of = {}
+    stage_of, chunk_of = {}, {}
     for s in range(par.pp):
         for k in par.rank_chunks(s):
             for layer in chunk_layers(cfg)[k]:
-                stage_of[layer] = s
+                stage_of[layer], chunk_of[layer] = s, k
     counts: dict[tuple, int] = {}
+    raw = [r for r in comm.raw if not _frozen_backward(cfg, r[2], row_parallel)]
     for layer, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel):
+        raw.append((stage_of[layer], chunk_of[layer], Collective(op, "tp", nbytes, phase, "lora")))
         phases = [phase] + (["recompute"] if phase == "forward" and par.recompute == "full" else [])
         for ph in phases:
             key = (op, nbytes, stage_of[layer], ph)
@@ -250,7 +256,7 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
     rows = tuple(CollectiveEntry(op, "tp", b, n, "lora", s, ph) for (op, b, s, ph), n in counts.items())
     kept = tuple(c for c in comm.collectives if not _frozen_backward(cfg, c, row_parallel))
     colls = tuple(sorted(kept + rows, key=lambda c: c.stage))
-    return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp))
+    return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp), raw=tuple(raw))
 
 
 def row_parallel(graph) -> frozenset[str]:
