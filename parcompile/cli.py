@@ -474,10 +474,12 @@ def cmd_export_weights(args) -> int:
     program of SPEC wrote in CKPT_DIR (or a `step_N` directory) as a Hugging Face
     checkpoint in DIR (config.json of the family, safetensors shards with an index, the
     spec's tokenizer files), written atomically. Any layout's checkpoint: DCP holds
-    global tensors."""
+    global tensors. A LoRA spec's checkpoint (adapters only) is written as a PEFT adapter."""
     from parcompile.runtime.data.dataset import DataError
+    from parcompile.core.lora import lora_settings
     from parcompile.core.outputs import run_identity
-    from parcompile.runtime.state.hf_export import checkpoint_step, export_weights, tokenizer_outputs
+    from parcompile.runtime.state.hf_export import checkpoint_step, export_weights, read_dcp_global, tokenizer_outputs
+    from parcompile.runtime.state.peft_export import write_lora_output
     from parcompile.runtime.state.weights import WeightsError
 
     if not args.output.strip():
@@ -500,12 +502,21 @@ def cmd_export_weights(args) -> int:
     try:
         root, step = checkpoint_step(args.ckpt_dir)
         run = run_identity(json.loads(plan.to_json()), root, step)
-        export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation, run=run,
-                       force=args.force)
+        if cfg.train.method == "lora":   # the checkpoint holds the adapters: a PEFT adapter
+            write_lora_output(read_dcp_global(args.ckpt_dir), cfg.model, args.output,
+                              {**lora_settings(cfg), "merge": False}, files, generation_config=generation, run=run,
+                              force=args.force)
+        else:
+            export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation, run=run,
+                           force=args.force)
     except (WeightsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SPEC
-    print(f"wrote {args.output}/ (Hugging Face checkpoint of {args.ckpt_dir})")
+    what = "PEFT adapter" if cfg.train.method == "lora" else "Hugging Face checkpoint"
+    print(f"wrote {args.output}/ ({what} of {args.ckpt_dir})")
+    if cfg.train.method == "lora" and cfg.train.lora_merge:
+        print("note: a LoRA checkpoint holds the adapters only: merged weights come from the run's hf_output "
+              "(lora_merge = true), or from peft's merge_and_unload on this adapter", file=sys.stderr)
     return EXIT_OK
 
 

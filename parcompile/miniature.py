@@ -92,11 +92,22 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         steps=steps, seed=t.seed, data=(t.data if text else "synthetic"), log_every=1, eps=VERIFY_ADAM_EPS,
         betas=t.betas, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field,
         precision=t.precision, fp8_recipe=t.fp8_recipe, fp8_all_gather=t.fp8_all_gather,
-        **_mini_bf16_layers(t, layers),
+        **_mini_bf16_layers(t, layers), **_mini_lora(t, tp),
     )   # the miniature's own random weights (not init_from: other shapes), no eval, no hf_output
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=p.world_size)
     return cfg.model_copy(update=dict(name=cfg.name + "_mini", model=model, parallel=par, train=train,
                                       cluster=cluster, workload="train", serve=None))
+
+
+def _mini_lora(t: TrainConfig, tp: int) -> dict:
+    """LoRA's keys in the miniature (``method = lora``): the spec's targets, alpha and a rank of
+    at most 8 (the miniature's narrowest projection is 8 wide), a multiple of tp; no dropout
+    (the reference draws other masks), as the model's."""
+    if t.method != "lora":
+        return {}
+    r = min(t.lora_rank, 8)
+    return dict(method="lora", lora_rank=max(tp, r - r % tp), lora_alpha=t.lora_alpha, lora_dropout=0.0,
+                lora_targets=t.lora_targets)
 
 
 def _mini_bf16_layers(t: TrainConfig, layers: int) -> dict[str, int]:

@@ -195,9 +195,14 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
     colls = tuple(CollectiveEntry(op, axis, b, counts[(op, axis, b, w, s, ph, r)], w, s, ph, r,
                                   program.get((op, axis, b, w), 0))
                   for (op, axis, b, w, s, ph, r) in entries)
+    return CommReport(colls, per_step_sent(colls, degrees, pp), tuple(raw))
+
+
+def per_step_sent(colls, degrees: Mapping[str, int], pp: int) -> dict[str, int]:
+    """``comm.per_step``: per SPEC axis, the bytes the busiest stage's rank sends in a step
+    for the collectives ``colls`` (:class:`CollectiveEntry` rows, ring algorithms)."""
     per_stage = [{a: Fraction(0) for a in DEGREE_AXES} for _ in range(pp)]
     for e in colls:
         fam = AXIS_FAMILY.get(e.axis, e.axis)
         per_stage[e.stage][fam] += sent_bytes(e.op, e.bytes, degrees.get(e.axis, 1)) * e.count
-    per_step = {a: int(round(max(st[a] for st in per_stage))) for a in DEGREE_AXES}
-    return CommReport(colls, per_step, tuple(raw))
+    return {a: int(round(max(st[a] for st in per_stage))) for a in DEGREE_AXES}

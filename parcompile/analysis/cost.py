@@ -21,6 +21,7 @@ from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
+from parcompile.analysis.lora import lora_step_flops, row_parallel, trainable, with_adapter_collectives
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
@@ -58,12 +59,15 @@ def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=N
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
                                  attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+    compute = lora_step_flops(cfg, graph, compute, m)   # LoRA: frozen weights have no weight-gradient GEMM
     if comm is None or sched is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)
+    comm = with_adapter_collectives(cfg, degrees, comm, m, row_parallel(graph))   # LoRA's tp collectives
     kv_tok = kv.kv_bytes_per_token(cfg, chunks)
     in_flight = sched.sim.in_flight if sched is not None else None
     kv_seq = (kv.kv_bytes_per_sequence(cfg, chunks, cfg.serve.prompt_len + cfg.serve.max_new_tokens)
               if cfg.serve is not None else None)
     memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_seq)
-    time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, params.per_stage)
+    trained = tuple(trainable(cfg, degrees, sp) for sp in params.per_stage)   # LoRA: the adapters
+    time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, trained)
     return CostReport(groups, params, compute, comm, memory, time, kv_tok)

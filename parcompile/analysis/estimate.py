@@ -111,6 +111,7 @@ from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, 
                                             fp8_efficiency)
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
+from parcompile.analysis.lora import lora_chunk_times
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
                                          Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
                                          collective_algorithms, collective_time, links_of, make_link, nic_share)
@@ -201,6 +202,7 @@ class ChunkTimes:
     #: per chunk, the host's fixed cost of the forward's ops (``ops * cluster.op_overhead``;
     #: the backward twice); empty: none
     overhead_f: tuple[float, ...] = ()
+    frozen_f: tuple[float, ...] = ()   # per chunk, frozen weights' GEMMs: no weight gradient (LoRA)
 
     def _overhead(self, k: int) -> float:
         return self.overhead_f[k] if self.overhead_f else 0.0
@@ -210,7 +212,7 @@ class ChunkTimes:
 
     def bwd(self, k: int) -> float:
         return (2 * self.matmul_f[k] + BACKWARD_TRAFFIC * self.memory_f[k] + 2 * self._overhead(k)
-                + self.recompute[k] + sum(c[k] for c in self.comm_b.values()))
+                + self.recompute[k] + sum(c[k] for c in self.comm_b.values()) - sum(self.frozen_f[k:k + 1]))
 
     def wgrad(self, k: int) -> float:
         """The weight-gradient part of a backward: the weighted matmuls' forward again."""
@@ -288,7 +290,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     arate = attention_efficiency(cl) * cl.peak_flops * (1 + eff.softmax_dim / 128)
     bw = eff.memory * cl.hbm_bw
     ebw = bw / eng.elementwise
-    z = (0,) * nchunks
+    z = (0,) * max(nchunks, len(compute.chunk_fwd_flops))
     traffic = compute.chunk_fwd_traffic or z
     rec_traffic = compute.chunk_recompute_traffic or z
 
@@ -315,26 +317,25 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     again = zip(compute.chunk_recompute_flops, compute.chunk_recompute_attn_flops or z,
                 compute.chunk_recompute_attn_work or z, compute.chunk_recompute_gemm_traffic or z,
                 compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z)
-    n = len(fwd)
-    z8 = (0,) * n
     if f8 is not None:
         # the casts of a forward and backward, spread over them as the GEMMs are (1 : 2):
         # a third of them in the forward's time (analysis/fp8.py), the recomputed forward's own
         sharded = f8.sharded_casts
-        ins = (compute.chunk_fp8_in_tp if sharded else compute.chunk_fp8_in) or z8
-        outs = (compute.chunk_fp8_out_tp if sharded else compute.chunk_fp8_out) or z8
-        rins = (compute.chunk_recompute_fp8_in_tp if sharded else compute.chunk_recompute_fp8_in) or z8
+        ins = (compute.chunk_fp8_in_tp if sharded else compute.chunk_fp8_in) or z
+        outs = (compute.chunk_fp8_out_tp if sharded else compute.chunk_fp8_out) or z
+        rins = (compute.chunk_recompute_fp8_in_tp if sharded else compute.chunk_recompute_fp8_in) or z
         cast_f = tuple((f8.per_in * i + f8.per_out * o + f8.per_weight * w) / 3
-                       for i, o, w in zip(ins, outs, compute.chunk_fp8_weight or z8))
+                       for i, o, w in zip(ins, outs, compute.chunk_fp8_weight or z))
         cast_r = tuple(f8.rec_in * i + f8.rec_weight * w
-                       for i, w in zip(rins, compute.chunk_recompute_fp8_weight or z8))
-        fop = tuple(x + w for x, w in zip(compute.chunk_fp8_operands or z8, compute.chunk_fp8_weight or z8))
-        rop = tuple(x + w for x, w in zip(compute.chunk_recompute_fp8_operands or z8,
-                                          compute.chunk_recompute_fp8_weight or z8))
-        fwd = [t + (f, c, o) for t, f, c, o in zip(fwd, compute.chunk_fp8_flops or z8, cast_f, fop)]
-        again = [t + (f, c, o) for t, f, c, o in zip(again, compute.chunk_recompute_fp8_flops or z8, cast_r, rop)]
+                       for i, w in zip(rins, compute.chunk_recompute_fp8_weight or z))
+        fop = tuple(x + w for x, w in zip(compute.chunk_fp8_operands or z, compute.chunk_fp8_weight or z))
+        rop = tuple(x + w for x, w in zip(compute.chunk_recompute_fp8_operands or z,
+                                          compute.chunk_recompute_fp8_weight or z))
+        fwd = [t + (f, c, o) for t, f, c, o in zip(fwd, compute.chunk_fp8_flops or z, cast_f, fop)]
+        again = [t + (f, c, o) for t, f, c, o in zip(again, compute.chunk_recompute_fp8_flops or z, cast_r, rop)]
     weighted = tuple(gemms(*t) for t in fwd)
     mm = tuple(w + attention(t[2], sc) for w, t, sc in zip(weighted, fwd, scores))
+    mm, weighted, frozen = lora_chunk_times(cfg, degrees, mm, weighted, rate)   # LoRA's adapters, frozen weights
     mem = tuple(x / ebw for x in traffic)
     # the host's fixed cost per op (cluster.op_overhead; 0 but on the cpu preset)
     per_op = getattr(cl, "op_overhead", 0.0)
@@ -344,7 +345,7 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
                                        compute.chunk_recompute_ops or z))
     cf, cb, p2p = _chunk_comm(cfg, degrees, groups, compute, comm, links, f8, rate)
     return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
-                      weighted, ovh)
+                      weighted, ovh, frozen)
 
 
 def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int]]] | None,
@@ -362,7 +363,7 @@ def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
     par, cl = cfg.parallel, cfg.cluster
     eff = efficiency(cl)
     nchunks = par.pp * par.virtual_stages
-    z8 = (0,) * len(compute.chunk_fwd_flops)
+    z = (0,) * len(compute.chunk_fwd_flops)
     if links is None:
         links = {a: axis_link(cl, groups, a, eff) for a in AXIS_FAMILY}
     fams = ("tp", "cp", "ep")
@@ -399,8 +400,8 @@ def _chunk_comm(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
         # tensorwise scales of tp-sharded operands: one scalar all-reduce over tp per cast
         # (analysis/fp8.py), on the critical path as the other tp collectives
         one = collective_time("all_reduce", 4, degrees.get("tp", 1), links.get("tp") or make_link(cl, 1, 1, eff))
-        for k, (n, g, sc) in enumerate(zip(compute.chunk_fp8_gemms or z8, compute.chunk_fp8_gathered or z8,
-                                           compute.chunk_fp8_scattered or z8)):
+        for k, (n, g, sc) in enumerate(zip(compute.chunk_fp8_gemms or z, compute.chunk_fp8_gathered or z,
+                                           compute.chunk_fp8_scattered or z)):
             w = n if f8.amax_weights else 0
             cf["tp"][k] += (g + w) * one
             cb["tp"][k] += (sc + w + ((g + w) if par.recompute == "full" else 0)) * one
@@ -784,7 +785,7 @@ def pipeline_parts(cfg, ct: ChunkTimes, m: int, actions=None) -> tuple[float, di
     r = max(range(pp), key=lambda i: (busy0[i], -i))
     mine = par.rank_chunks(r)
     parts = {
-        "compute": m * sum(3 * ct.matmul_f[k] for k in mine),
+        "compute": m * sum(3 * ct.matmul_f[k] - sum(ct.frozen_f[k:k + 1]) for k in mine),   # LoRA: frozen_f
         "memory_bound": m * sum((1 + BACKWARD_TRAFFIC) * ct.memory_f[k] for k in mine),
         "recompute": m * sum(ct.recompute[k] for k in mine),
     }

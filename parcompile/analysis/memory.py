@@ -137,6 +137,8 @@ from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
+from parcompile.analysis.lora import (frozen_param_bytes, frozen_saves, is_lora, row_parallel, trainable,
+                                     with_adapter_activations)
 from parcompile.core.schedule import Schedule, as_schedule, build_actions, in_flight
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Trait, spec
@@ -227,14 +229,17 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     (:func:`parcompile.core.buckets.stage_buckets`), so a sharded state rounds up per
     bucket (``sum ceil(n_b / d)``)."""
     par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
+    dps = data_parallel_sharding(par)
+    # LoRA (analysis/lora.py): frozen weights hold only themselves, the adapters the states
+    frozen = frozen_param_bytes(cfg, degrees, sp, dps.shards_parameters) if is_lora(cfg) else 0
+    sp = trainable(cfg, degrees, sp)
     dense, expert = stage_buckets(sp, par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
-    dps = data_parallel_sharding(par)
     pd = state_bytes(sp.dense, e, dps, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
     pe = state_bytes(sp.expert, e, dps.experts(ed), opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
-    return tuple(x + y for x, y in zip(pd, pe))
+    return (pd[0] + pe[0] + frozen, pd[1] + pe[1], pd[2] + pe[2])
 
 
 def _alias(graph: Graph, name: str, gathered_ok: bool = False) -> str:
@@ -285,14 +290,20 @@ class SavedBytes:
     chunk_of_layer: dict[int, int] = field(default_factory=dict)
 
 
-def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool) -> tuple[list[str], int, int]:
+def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
+                lora: tuple = (frozenset(), frozenset())) -> tuple[list[str], int, int]:
     """What node ``nd`` (attributes ``a``, its kernel resolved) saves for its backward when
     nothing is recomputed (:func:`saved_bytes`): ``(keep, extra, gathered)``, ``keep`` the
     names of the saved tensors (views resolved to their source; an FP8 linear's input
     as its FP8 cast under Transformer Engine, ``te_fp8``), ``extra`` the bytes of its
     op extras (masks, log-sum-exp, gathered operands: ``OpSpec.saved_extra`` plus
     ``gathered``), ``gathered`` the bytes of its operands gathered for it
-    (``OpSpec.saved_gathered``), on one rank under ``degrees``."""
+    (``OpSpec.saved_gathered``), on one rank under ``degrees``. ``lora`` (LoRA:
+    :func:`parcompile.analysis.lora.frozen_saves`): the modules no gradient reaches, whose
+    ops save nothing, and the frozen linears without an adapter, which keep no input (autograd
+    saves a matmul's input only for its weight's gradient)."""
+    if nd.op.module in lora[0]:
+        return [], 0, 0
     s = spec(nd.kind)
     ins = graph.inputs(nd.name)
     keep = [_alias(graph, ins[i], gathered_ok=nd.kind == "linear") for i in s.saves(a)]
@@ -302,6 +313,8 @@ def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool) -
         keep.append(nd.name)
     local_in = [r.local_type(graph.node(u).type, degrees) for r, u in zip(nd.requires, ins)]
     gathered = s.saved_gathered(a, local_in, degrees)
+    if nd.name in lora[1]:
+        keep = [t for t in keep if t == nd.name]   # a frozen weight: no weight gradient, no input kept
     return keep, s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered, gathered
 
 
@@ -332,8 +345,8 @@ def _kept_when_recomputing(nd, keep: list[str], x: int, gathered: int, recompute
 
 def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recompute: str,
                 embedding_dropout: bool = False, engine: str = "megatron", kernels: str | None = None,
-                fp8: bool = False) -> SavedBytes:
-    """The activation accounting of the module docstring. ``embedding_dropout``: the
+                fp8: bool = False, lora: tuple = (frozenset(), frozenset())) -> SavedBytes:
+    """The activation accounting of the module docstring (``lora``: :func:`_node_saves`). ``embedding_dropout``: the
     embedding output goes through dropout (Megatron-LM's GPT), whose 1-byte mask, the
     size of the first layer's input, the first chunk keeps. ``engine``
     (``cluster.engine``): where its ``Engine.sac`` is ``"op"``, ``selective`` is torchtitan's op-level policy
@@ -360,7 +373,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if nd.has_trait(Trait.ATTENTION):
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
-        keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8)
+        keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8, lora)
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})
@@ -457,7 +470,8 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     par, model = cfg.parallel, cfg.model
     pp, v = par.pp, par.virtual_stages
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine,
-                        attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+                        attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), lora=frozen_saves(cfg, graph))
+    saved = with_adapter_activations(cfg, degrees, saved, row_parallel(graph))
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 
@@ -679,7 +693,7 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     dps = data_parallel_sharding(par)
     if cfg.workload == "serve" or not dps.shards_gradients:
         return 0
-    dense, expert = stage_buckets(sp, par.bucket_size)
+    dense, expert = stage_buckets(trainable(cfg, degrees, sp), par.bucket_size)
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     if dps.per_microbatch:
         return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))

@@ -26,6 +26,7 @@ from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8
 from parcompile.config.schema import SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.dtypes import TORCH_NAMES
+from parcompile.core.lora import lora_settings
 from parcompile.core.model import LLAMA4_KEYS, rotary_dim
 from parcompile.core.quant import quantized_param, weight_format, weight_key
 from parcompile.codegen.blocks import DIM_CONSTANTS, MLA_CONSTANTS, Methods, Submodule, calls_comment, describe, methods, mlp_doc, module_methods
@@ -74,6 +75,12 @@ _NOT_IN_PROGRAM: tuple = (
      "Llama 4's layers while serving (NoPE layers, chunked attention, temperature tuning, the L2 qk-norm, "
      "interleaved MoE layers)", "the serve program's cached attention has none of them yet: `parcompile plan`, "
      "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
+    # LoRA (issue 49) runs in the program (runtime/model/lora.py) but for what is refused here
+    ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora" and (
+        fp8_enabled(cfg) or cfg.parallel.schedule == "zero_bubble" or cfg.model.kv_lora_rank > 0),
+     "LoRA adapters with FP8, the zero-bubble schedule or multi-head latent attention",
+     "LoRA's adapters run on 16-bit GEMMs whose weight gradients are not deferred, on the attention and MLP "
+     "projections of Llama-like layers: `parcompile plan`, `search` and `check` work on this spec", 49, True),
 )
 
 
@@ -283,6 +290,7 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
         "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
         "model_keys_repr": repr(_model_keys(m)),
         "peak_flops_repr": repr(cfg.cluster.peak_flops),
+        "lora_repr": repr(lora_settings(cfg)) if t.method == "lora" else "",
     }
 
 

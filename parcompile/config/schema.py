@@ -287,6 +287,16 @@ class TrainConfig(_Frozen):
     #: global batches of eval samples per evaluation; None: all of them
     eval_batches: Optional[int] = None
     hf_output: Optional[str] = None
+    # LoRA (SPEC "New names"; parcompile/core/lora.py: targets, adapter shapes, tp split)
+    #: `full`: every weight trains; `lora`: the weights are frozen and low-rank adapters train
+    method: Literal["full", "lora"] = "full"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    #: module names (ours such as `wq`, Hugging Face's such as `q_proj`) or `all-linear`
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    #: hf_output holds the merged weights (and the PEFT adapter in `adapter/`), not the adapter alone
+    lora_merge: bool = False
 
 
 class ServeConfig(_Frozen):

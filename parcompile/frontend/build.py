@@ -54,7 +54,7 @@ from parcompile.frontend import ast
 # --------------------------------------------------------------------------------------
 # What each block accepts
 
-Kind = Literal["int", "float", "bool", "enum", "str", "quantity", "fraction", "int_list", "float_list"]
+Kind = Literal["int", "float", "bool", "enum", "str", "quantity", "fraction", "int_list", "float_list", "names"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,9 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "data_format": _enum(TrainConfig, "data_format"),
         "init_from": _STR, "eval_every": _NONNEG_INT,
         "eval_batches": KeyType("int", low=1, words=("all",)), "hf_output": _STR,
+        "method": _enum(TrainConfig, "method"), "lora_rank": _COUNT, "lora_alpha": _POSITIVE,
+        "lora_dropout": KeyType("fraction", low=0, high=1, high_open=True), "lora_targets": KeyType("names"),
+        "lora_merge": _BOOL,
     },
     "serve": {
         "batch": _COUNT, "prompt_len": _COUNT, "max_new_tokens": _COUNT,
@@ -382,6 +385,12 @@ class _Values:
     def _float_list(self, key: str, t: KeyType, v: ast.Value) -> Any:
         item = KeyType("float", low=t.low, low_open=t.low_open, high=t.high, high_open=t.high_open)
         return self._list(key, t, v, item, "[0.9, 0.95]")
+
+    def _names(self, key: str, t: KeyType, v: ast.Value) -> Any:
+        """A name or a list of names (strings or bare words), as a tuple (``lora_targets``)."""
+        if isinstance(v, (ast.String, ast.Word)):
+            return (v.value,)
+        return self._list(key, t, v, KeyType("str"), '["q_proj", "v_proj"]')
 
 
 # --------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from parcompile.core.model import MAX_LAYERS as _MAX_LAYERS
 from parcompile.core.schedule import group_error
 # the context and the checks of each concern live in their own modules (names re-exported)
 from parcompile.frontend.check_context import AUTO, CheckContext, nearest_multiples  # noqa: F401
+from parcompile.frontend.checks_lora import check_lora
 from parcompile.frontend.checks_fp8 import check_fp8, check_fp8_bf16_layers
 from parcompile.frontend.checks_model import (check_attention_kinds, check_heads, check_llama4, check_mla,
                                               check_widths)
@@ -411,6 +412,7 @@ def _check_train(cfg: SpecConfig, ctx: CheckContext) -> None:
                            '(random tokens below vocab)')
     check_fp8(cfg, ctx)
     check_fp8_bf16_layers(cfg, ctx)
+    check_lora(cfg, ctx)
     _check_tokenizer(cfg, ctx)
     _check_init_from(cfg, ctx)
     _check_outputs(cfg, ctx)
@@ -724,7 +726,7 @@ LAYOUT_READS = {
     _check_overlaps: ("auto", "pp", "schedule", "sequence_parallel", "tp", "virtual_stages"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
     _check_order: ("order",),
-    _check_train: ("auto", "zero"),
+    _check_train: ("auto", "tp", "zero"),
     _check_positions: (),
     _check_serve_weights: (),
     check_serve: ("cp", "ep", "expert_tp", "pp", "tp", "virtual_stages"),

@@ -43,6 +43,7 @@ from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
 from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.estimate import grad_element_bytes
 from parcompile.ir.fp8 import gathers_fp8
+from parcompile.analysis.lora import trainable
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.buckets import fp8_gather_elements
@@ -246,7 +247,8 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
     were sized from."""
     cfg = ctx.cfg
     stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
-    for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, stages):
+    trained = [trainable(cfg, ctx.degrees, sp) for sp in stages]   # LoRA: the adapters' gradients only
+    for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, trained):
         name = graph.unique_name(f"step.stage{stage}.{key}")
         attrs = {"op": op, "axis": axis, "bytes": int(nbytes), "where": where}
         if count != 1:

@@ -24,6 +24,7 @@ from parcompile.runtime.machine.device import device_count, synchronize
 from parcompile.runtime.machine.memory import METER
 from parcompile.runtime.model.mla import *  # noqa: F403
 from parcompile.runtime.model.llama4 import *  # noqa: F403
+from parcompile.runtime.model.lora import Adapters, add_lora, lora_state_bytes
 from parcompile.runtime.model.moe import ExpertAxes, GroupedExperts, Router, combine, dispatch
 from parcompile.runtime.train.metrics import RunLog, allocator_peaks, peak_memory
 from parcompile.runtime.progress import Startup, group_text

@@ -152,7 +152,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.bias, self.fp8, self.tp, "column")
-        return linear(x, self.weight, self.bias)
+        lora = getattr(self, "lora", None)   # a LoRA adapter (runtime/model/lora.py add_lora)
+        y = linear(x, self.weight, self.bias)
+        return y if lora is None else y + lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -195,6 +197,8 @@ class RowParallelLinear(nn.Module):
             y = leave_tp(y, self.tp, self.sequence_parallel)
         elif self.tp.index != 0:   # a partial sum: the bias once, on rank 0
             return y
+        lora = getattr(self, "lora", None)   # a LoRA adapter, added after the reduction (runtime/model/lora.py)
+        y = y if lora is None else y + lora(x)
         return y + self.bias if self.bias is not None else y
 
 

@@ -36,7 +36,8 @@ import torch.nn as nn
 from parcompile.core.model import ModelKeys
 from parcompile.core.outputs import (HF_OUTPUT_HELP, checkpoint_bytes, hf_output_problem, run_identity, space_problem,
                                      write_problem)
-from parcompile.runtime.state.hf_export import export_weights, tokenizer_outputs
+from parcompile.runtime.state.hf_export import export_weights, read_dcp_global, tokenizer_outputs
+from parcompile.runtime.state.peft_export import write_lora_output
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.data.dataset import load_tokenizer
 from parcompile.runtime.state.dcp_safe import failure_reason
@@ -266,7 +267,8 @@ def _writer(path: str, ctx: ParallelContext, step: int):
 
 def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx: ParallelContext,
                     model_keys: dict, tokenizer: str | None, plan: dict | None = None,
-                    checkpoint_dir: str | os.PathLike | None = None, force: bool = False) -> None:
+                    checkpoint_dir: str | os.PathLike | None = None, force: bool = False,
+                    lora: dict | None = None) -> None:
     """Write a Hugging Face checkpoint of the trained weights to ``out_dir`` (``hf_output``):
     every rank saves its shards as a parameters-only DCP checkpoint in a temporary
     sibling directory, then rank 0 reads the global tensors back and writes config.json,
@@ -276,6 +278,8 @@ def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx
     ZeRO-3 parameters must be gathered first (``opt.gather_for_export()``). With ``plan``
     (plan.json) the output records its run (:func:`parcompile.core.outputs.run_identity` of
     ``plan``, ``checkpoint_dir`` and ``step``) and replaces another run's only with ``force``.
+    ``lora`` (the program's ``LORA``, ``method = lora``): the PEFT adapter, or the merged
+    weights and the adapter (:func:`parcompile.runtime.state.peft_export.write_lora_output`).
     """
     out = Path(out_dir)
     tmp = out.parent / f".{out.name}.dcp"
@@ -287,8 +291,12 @@ def write_hf_output(out_dir: str | os.PathLike, step: int, model: nn.Module, ctx
         try:
             files, generation = tokenizer_outputs(tokenizer)
             run = run_identity(plan, checkpoint_dir or None, step) if plan is not None else None
-            export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation, run=run,
-                           force=force)
+            if lora is not None:
+                write_lora_output(read_dcp_global(final), ModelKeys(**model_keys), out, lora, files,
+                                  generation_config=generation, run=run, force=force)
+            else:
+                export_weights(final, ModelKeys(**model_keys), out, files, generation_config=generation, run=run,
+                               force=force)
         except (WeightsError, OSError) as e:   # e.g. hf_output became a directory of other files
             problem = f"hf_output: {failure_reason(e) if isinstance(e, OSError) else e.message}"
         finally:

@@ -1,0 +1,280 @@
+"""What LoRA (``train.method = lora``; :mod:`parcompile.core.lora`) changes in the plan's
+memory and time.
+
+Memory, per rank (SPEC 1 `train`'s per-parameter rule, :func:`parcompile.analysis.memory.state_bytes`,
+applied to the adapters only):
+
+* the frozen weights: the model dtype's bytes per element (16-bit weights of a bf16 model),
+  no gradient, no master copy, no optimizer state;
+* the adapters, A (r, in) and B (out, r) of each targeted linear, ``r (in + out) / tp``
+  elements per rank (Megatron-Bridge's split, :mod:`parcompile.core.lora`): parameters,
+  gradients and optimizer states as any trained parameter (16-bit weights, fp32 gradients,
+  fp32 master and Adam moments; sharded by ZeRO 1 and 2 like the model's);
+* activations, per adapter and micro-batch: the input of A is the base layer's input, which
+  the base keeps already (counted once); the r-wide intermediate ``A x`` (the input of B's
+  weight gradient) is new: ``tokens * r`` elements in the model dtype, whole on every tp rank
+  (A's output is all-gathered on a column-parallel base, all-reduced on a row-parallel one);
+  with ``lora_dropout > 0`` also the dropped input and its 1-byte mask.
+
+Time: the adapters' GEMMs run forward (``2 T r (in + out) / tp`` FLOPs per adapter for T
+tokens) and backward (twice that: input and weight gradients); a frozen weight's backward
+runs only the input-gradient GEMM, not the weight-gradient one, so the backward of a chunk is
+its forward's matmuls twice less the frozen weights' GEMMs once (:func:`lora_chunk_times`).
+The data-parallel reductions, the gradient buckets, the optimizer step and the gradient norm
+cover the adapters only (:func:`trainable`), as only they have gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+from parcompile.analysis.comm import CollectiveEntry, per_step_sent
+from parcompile.analysis.compute import op_fwd_flops
+from parcompile.analysis.params import StageParams
+from parcompile.core.buckets import GradUnit
+from parcompile.core.lora import LoraLinear, targeted
+from parcompile.ir.ops import Collective
+
+
+def is_lora(cfg) -> bool:
+    """Whether ``cfg`` (a SpecConfig) trains LoRA adapters."""
+    return cfg.workload == "train" and cfg.train is not None and cfg.train.method == "lora"
+
+
+def adapters_by_layer(cfg) -> dict[int, tuple[LoraLinear, ...]]:
+    """The targeted linears of each decoder layer (layer id -> linears)."""
+    out: dict[int, list[LoraLinear]] = {}
+    for lin in targeted(cfg.model, cfg.train.lora_targets):
+        out.setdefault(int(lin.module.split(".")[1]), []).append(lin)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def layer_adapter_elements(cfg, tp: int) -> dict[int, int]:
+    """Adapter elements of each decoder layer on one tp rank (layer id -> elements)."""
+    r = cfg.train.lora_rank
+    return {layer: sum(lin.adapter_elements(r, tp) for lin in lins) for layer, lins in adapters_by_layer(cfg).items()}
+
+
+def trainable(cfg, degrees: Mapping[str, int], sp: StageParams) -> StageParams:
+    """The parameters of one rank of a stage that have gradients: ``sp`` itself without
+    LoRA; with it the adapters only, one gradient unit per decoder layer (what the
+    gradient buckets, the data-parallel reductions and the optimizer cover), every adapter
+    element split over tp (no norm or tp-partial gradient to all-reduce over tp, no tied
+    embedding to reduce)."""
+    if not is_lora(cfg):
+        return sp
+    per_layer = layer_adapter_elements(cfg, degrees.get("tp", 1))
+    units = tuple(GradUnit(u.chunk, u.name, per_layer.get(int(u.name.split(".")[1]), 0))
+                  for u in sp.units if u.name.startswith("layers."))
+    dense = sum(u.dense for u in units)
+    return StageParams(sp.stage, dense, 0, 0, 0, tuple(u for u in units if u.dense))
+
+
+def frozen_param_bytes(cfg, degrees: Mapping[str, int], sp: StageParams, sharded: bool) -> int:
+    """Bytes of the frozen weights on one rank of a stage (module docstring): every
+    parameter of ``sp`` in the model dtype, each kind split over its data-parallel group
+    when ``sharded`` (ZeRO-3 shards parameters)."""
+    e = cfg.model.dtype_bytes
+    if not sharded:
+        return e * sp.total
+    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    return e * (math.ceil(sp.dense / d) + math.ceil(sp.expert / ed))
+
+
+def _tokens(cfg) -> int:
+    """Tokens of one micro-batch on one rank (a cp rank holds ``seq_len / cp``)."""
+    par = cfg.parallel
+    return par.micro_batch * cfg.model.seq_len // par.cp
+
+
+def adapter_saved_bytes(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str] = frozenset()) -> dict[int, int]:
+    """Bytes one micro-batch of each decoder layer's adapters keeps for backward on one
+    rank (module docstring): ``tokens * r`` in the model dtype per adapter, plus with
+    ``lora_dropout > 0`` the dropped input and its mask (``dtype + 1`` bytes per input
+    element the adapter reads: the whole ``in`` on a column-parallel base, ``in / tp`` on
+    a row-parallel one, whose modules ``row_parallel`` names)."""
+    t, e, tp = _tokens(cfg), cfg.model.dtype_bytes, degrees.get("tp", 1)
+    r, dropout = cfg.train.lora_rank, cfg.train.lora_dropout > 0
+    out = {}
+    for layer, lins in adapters_by_layer(cfg).items():
+        b = 0
+        for lin in lins:
+            b += t * r * e
+            if dropout:
+                b += t * (lin.in_features // (tp if lin.module in row_parallel else 1)) * (e + 1)
+        out[layer] = b
+    return out
+
+
+def chunk_layers(cfg) -> list[range]:
+    """The decoder layers of each model chunk, in model order."""
+    out, start = [], 0
+    for n in cfg.parallel.layers_per_chunk(cfg.model.layers):
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def adapter_chunk_flops(cfg, degrees: Mapping[str, int]) -> tuple[int, ...]:
+    """Forward FLOPs of the adapters' GEMMs per model chunk, one micro-batch, one rank:
+    ``2 T r (in + out) / tp`` per adapter (module docstring)."""
+    per_layer = layer_adapter_elements(cfg, degrees.get("tp", 1))
+    t = _tokens(cfg)
+    return tuple(sum(2 * t * per_layer.get(i, 0) for i in layers) for layers in chunk_layers(cfg))
+
+
+def lora_chunk_times(cfg, degrees: Mapping[str, int], matmul: Sequence[float], weighted: Sequence[float],
+                     rate: float) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """LoRA's share of :func:`parcompile.analysis.estimate.chunk_times`: ``(matmul,
+    weighted, frozen)`` per chunk, seconds of one micro-batch's forward. ``matmul`` gains
+    the adapters' GEMMs (at ``rate``, FLOP/s); ``weighted`` (the matmuls whose weights get a
+    gradient: the backward's weight-gradient part) becomes the adapters' alone; ``frozen``
+    is the frozen weights' GEMMs, which the backward does not run again for a weight
+    gradient. Without LoRA the inputs, and no frozen time."""
+    if not is_lora(cfg):
+        return tuple(matmul), tuple(weighted), ()
+    extra = tuple(f / rate for f in adapter_chunk_flops(cfg, degrees))
+    return tuple(m + x for m, x in zip(matmul, extra)), extra, tuple(weighted)
+
+
+def _frozen_backward(cfg, c, row_parallel: frozenset[str]) -> bool:
+    """Whether collective row ``c`` is a backward one that LoRA's frozen start does not run:
+    in a module before the first adapted one, or that module's input gradient. (With
+    sequence parallelism the first adapted module's row-parallel output still all-gathers its
+    gradient in backward: counted out too, one all-gather per micro-batch short of the
+    program's; issue 49.)"""
+    return c.phase == "backward" and c.where in frozen_prefix(cfg)
+
+
+def frozen_prefix(cfg) -> list[str]:
+    """The modules (``layers.0.attn``, ``layers.0.mlp``...) of the model's start that no
+    gradient reaches: those before the first module with an adapter, and that one's input
+    (the embedding and every weight before it are frozen, so autograd records nothing
+    there): their backward collectives do not run. The first adapted module is listed too
+    (its input gradient is not needed)."""
+    adapted = sorted({(int(lin.module.split(".")[1]), lin.module.split(".")[2]) for lins in adapters_by_layer(cfg).values()
+                      for lin in lins}, key=lambda x: (x[0], x[1] != "attn"))
+    if not adapted:
+        return []
+    layer, part = adapted[0]
+    out = [f"layers.{i}.{m}" for i in range(layer) for m in ("attn", "mlp")]
+    return out + [f"layers.{layer}.attn"] + ([f"layers.{layer}.mlp"] if part == "mlp" else [])
+
+
+def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, row_parallel: frozenset[str] = frozenset()):
+    """``saved`` (:class:`parcompile.analysis.memory.SavedBytes`) with the adapters' kept
+    bytes (:func:`adapter_saved_bytes`) added to each layer and its chunk (after
+    recomputation too: ``recompute = full`` keeps only the layer input, so nothing is
+    added to what it keeps)."""
+    if not is_lora(cfg):
+        return saved
+    extra = adapter_saved_bytes(cfg, degrees, row_parallel)
+    per_chunk = list(saved.per_chunk)
+    full = cfg.parallel.recompute == "full"
+    for layer, b in extra.items():
+        if layer in saved.chunk_of_layer and not full:
+            per_chunk[saved.chunk_of_layer[layer]] += b
+    kept = {k: v + (0 if full else extra.get(k, 0)) for k, v in saved.kept_per_layer.items()}
+    per_layer = {k: v + extra.get(k, 0) for k, v in saved.per_layer.items()}
+    return replace(saved, per_chunk=tuple(per_chunk), per_layer=per_layer, kept_per_layer=kept)
+
+
+def lora_step_flops(cfg, graph, compute, num_microbatches: int):
+    """``compute`` (:class:`parcompile.analysis.compute.ComputeReport`) with LoRA's FLOPs per
+    step: the frozen weights' GEMMs run forward and input-gradient (2x forward, not 3x), the
+    adapters' forward, input and weight gradients (3x their forward, ``2 T r (in + out)``
+    each for the global batch's T tokens). The per-chunk fields stay the frozen model's
+    (:func:`lora_chunk_times` adds the adapters). Without LoRA, ``compute`` itself."""
+    if not is_lora(cfg):
+        return compute
+    model, padded = cfg.model.vocab, cfg.model.padded_vocab(cfg.parallel.tp)
+    frozen = hw_frozen = 0
+    for nd in graph.nodes():
+        if nd.params and nd.kind != "embedding":
+            g = op_fwd_flops(graph, nd)
+            hw_frozen += g
+            frozen += g * model // padded if nd.type.has_dim("vocab") else g
+    tokens = cfg.parallel.global_batch * cfg.model.seq_len
+    adapters = 3 * 2 * tokens * sum(layer_adapter_elements(cfg, 1).values())
+    return replace(compute, model_flops_per_step=compute.model_flops_per_step - frozen * num_microbatches + adapters,
+                   hardware_flops_per_step=compute.hardware_flops_per_step - hw_frozen * num_microbatches + adapters)
+
+
+def adapter_collectives(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str]) -> list[tuple]:
+    """The tensor-parallel collectives the adapters of one micro-batch run, per decoder
+    layer, as the program runs them (:mod:`parcompile.runtime.model.lora`, Megatron-Bridge's
+    split): ``(layer, op, bytes, phase)``, bytes the collective's output. Column-parallel
+    base: A's r-wide output all-gathered (forward), its gradient reduce-scattered
+    (backward). Row-parallel base: A's r-wide partial sums all-reduced (forward), B's output
+    all-gathered along ``out`` (forward), the r-wide gradient all-reduced (backward); with
+    sequence parallelism the gradient of this rank's tokens all-gathered along the
+    sequence (backward). None with tp = 1."""
+    tp = degrees.get("tp", 1)
+    if tp == 1:
+        return []
+    t, e, r = _tokens(cfg), cfg.model.dtype_bytes, cfg.train.lora_rank
+    sp = cfg.parallel.sequence_parallel
+    out = []
+    for layer, lins in adapters_by_layer(cfg).items():
+        for lin in lins:
+            if lin.module in row_parallel:
+                out += [(layer, "all_reduce", t * r * e, "forward"), (layer, "all_gather", t * lin.out_features * e, "forward"),
+                        (layer, "all_reduce", t * r * e, "backward")]
+                if sp:
+                    out.append((layer, "all_gather", t * lin.out_features * e, "backward"))
+            else:
+                out += [(layer, "all_gather", t * r * e, "forward"), (layer, "reduce_scatter", t * r // tp * e, "backward")]
+    return out
+
+
+def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbatches: int, row_parallel: frozenset[str]):
+    """``comm`` (:class:`parcompile.analysis.comm.CommReport`) with the adapters'
+    collectives (:func:`adapter_collectives`) as rows of ``comm.collectives`` (``where``
+    ``lora``), ``num_microbatches`` per step each (a fully recomputed forward runs the
+    forward ones again), on the stage holding the layer, and as per-micro-batch collectives of
+    the layer's model chunk in ``raw`` (the time model's); the frozen start's backward
+    collectives (:func:`_frozen_backward`) left out of both; ``per_step`` recounted. A
+    ``comm`` that has them already is returned as it is."""
+    if not is_lora(cfg) or any(c.where == "lora" for c in comm.collectives):
+        return comm
+    par = cfg.parallel
+    stage_of, chunk_of = {}, {}
+    for s in range(par.pp):
+        for k in par.rank_chunks(s):
+            for layer in chunk_layers(cfg)[k]:
+                stage_of[layer], chunk_of[layer] = s, k
+    counts: dict[tuple, int] = {}
+    raw = [r for r in comm.raw if not _frozen_backward(cfg, r[2], row_parallel)]
+    for layer, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel):
+        raw.append((stage_of[layer], chunk_of[layer], Collective(op, "tp", nbytes, phase, "lora")))
+        phases = [phase] + (["recompute"] if phase == "forward" and par.recompute == "full" else [])
+        for ph in phases:
+            key = (op, nbytes, stage_of[layer], ph)
+            counts[key] = counts.get(key, 0) + num_microbatches
+    rows = tuple(CollectiveEntry(op, "tp", b, n, "lora", s, ph) for (op, b, s, ph), n in counts.items())
+    kept = tuple(c for c in comm.collectives if not _frozen_backward(cfg, c, row_parallel))
+    colls = tuple(sorted(kept + rows, key=lambda c: c.stage))
+    return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp), raw=tuple(raw))
+
+
+def row_parallel(graph) -> frozenset[str]:
+    """The linear layers of ``graph`` whose base is row-parallel (split over ``in``), by
+    module name (``layers.0.attn.wo``)."""
+    return frozenset(nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.op.attr("tp") == "row")
+
+
+def frozen_saves(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
+    """What LoRA's frozen weights change in what the ops save for backward
+    (:func:`parcompile.analysis.memory.saved_bytes`): ``(modules, linears)``, the modules no
+    gradient reaches (:func:`frozen_prefix` but the first adapted module, and the norm before
+    that module: autograd records nothing there), and the frozen linears without an adapter,
+    which keep no input. Empty without LoRA."""
+    if not is_lora(cfg):
+        return frozenset(), frozenset()
+    prefix = frozen_prefix(cfg)
+    modules = set(prefix[:-1]) | {f"{m}_norm" for m in prefix}
+    adapted = {lin.module for lins in adapters_by_layer(cfg).values() for lin in lins}
+    linears = {nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.name not in adapted}
+    return frozenset(modules), frozenset(linears)

@@ -1,0 +1,100 @@
+"""LoRA's plan (parcompile/analysis/lora.py): memory per rank held against sums computed by
+hand from the model's shapes, and the time model's frozen weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import parcompile
+
+from tests.test_checks import spec
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "lora" / "llama3.1_70b_lora_1x8_h100.par"
+
+
+def _plans(**train):
+    full = parcompile.compile(spec())
+    lora = parcompile.compile(spec(train={"method": "lora", **train}))
+    return full, lora
+
+
+def test_tiny_memory_by_hand():
+    """examples/tiny's model (fp32: 4 bytes, no master copy; Adam: 2 states), tp 2, pp 2, dp 2,
+    zero 0, micro_batch 2 of 64 tokens, m = 4, rank 16 on every linear of the layers."""
+    full, lora = _plans()
+    h, kv, f, v, layers, r, tp, e = 64, 32, 128, 256, 2, 16, 2, 4   # 2 layers per stage
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]   # (out, in): wq wk wv wo w1 w3 w2
+    base_layer = sum(o * i for o, i in linears) // tp + 2 * h              # + two norms, replicated
+    adapters = layers * sum(r * (o + i) for o, i in linears) // tp          # A and B, both split over tp
+    frozen = [layers * base_layer + v * h // tp,                            # stage 0: + embedding
+              layers * base_layer + v * h // tp + h]                        # stage 1: + head, final norm
+    tokens = 2 * 64
+    in_flight = [2, 1]                                                      # 1F1B: min(p - s, m)
+    for s, st in enumerate(lora.memory.per_stage):
+        assert st.params == e * frozen[s] + e * adapters
+        assert st.grads == 4 * adapters                                      # fp32 gradients, adapters only
+        assert st.optimizer == 8 * adapters                                  # two fp32 Adam moments
+        # the adapters keep their r-wide intermediate (tokens x r, model dtype) per micro-batch in flight
+        added = in_flight[s] * layers * len(linears) * tokens * r * e
+        if s == 0:   # layer 0's input norm keeps nothing: no gradient reaches it (all weights before are frozen)
+            added -= in_flight[s] * tokens * h * e
+        else:        # the frozen LM head keeps no input (its weight has no gradient): one micro-batch of it
+            added -= tokens * h * e
+        assert st.activations - full.memory.per_stage[s].activations == added
+        assert full.memory.per_stage[s].params == e * frozen[s]
+
+
+def test_zero1_shards_adapter_states_only():
+    full, lora = _plans()
+    lora1 = parcompile.compile(spec(parallel={"zero": "1"}, train={"method": "lora"}))
+    a = lora.memory.per_stage[0].grads // 4
+    st = lora1.memory.per_stage[0]
+    assert st.params == lora.memory.per_stage[0].params      # frozen weights are not sharded by zero 1
+    assert st.optimizer == 8 * -(-a // 2)                     # the adapters' states over dp = 2
+
+
+def test_dp_reduces_adapters_only():
+    """The step's data-parallel gradient all-reduce moves the adapters' fp32 gradients, not the model's."""
+    full, lora = _plans()
+    def dp_bytes(plan):
+        return sum(c["bytes"] * c["count"] for c in plan.data["comm"]["collectives"] if c["axis"] == "dp_cp"
+                   and c["where"].startswith("grad"))
+    assert dp_bytes(lora) == 4 * sum(st.grads // 4 for st in lora.memory.per_stage)
+    assert dp_bytes(full) == 4 * sum(st["params_per_rank"] for st in full.data["stages"])
+
+
+def test_frozen_weights_skip_the_weight_gradient():
+    """A frozen weight's backward is the input gradient only: LoRA's step computes less than full
+    training of the same model, and its model FLOPs are the full ones less one forward of the
+    frozen GEMMs plus three of the adapters'."""
+    full, lora = _plans()
+    compute = [p.data["estimate"]["breakdown"]["compute"] for p in (full, lora)]
+    assert compute[1] < compute[0]
+    # the adapters' tp collectives are priced (rows `lora`) and timed (tp_comm grows)
+    assert any(c["where"] == "lora" for c in lora.data["comm"]["collectives"])
+    assert lora.data["estimate"]["breakdown"]["tp_comm"] > full.data["estimate"]["breakdown"]["tp_comm"]
+    fm, lm = full.data["compute"]["model_flops_per_step"], lora.data["compute"]["model_flops_per_step"]
+    h, kv, f, v, r = 64, 32, 128, 256, 16
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    tokens = 16 * 64                                                          # global batch
+    frozen_fwd = tokens * 2 * (4 * sum(o * i for o, i in linears) + v * h)    # 4 layers + the LM head
+    adapters = 3 * tokens * 2 * 4 * sum(r * (o + i) for o, i in linears)
+    assert lm == fm - frozen_fwd + adapters
+
+
+def test_llama31_70b_lora_fits_one_node():
+    plan = parcompile.compile(EXAMPLE)
+    mem = plan.memory
+    assert mem.fits and plan.config.parallel.tp == 8 and plan.config.cluster.nodes == 1
+    h, f, kv, r, layers = 8192, 28672, 1024, 16, 80
+    adapters = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 3 * (h + f)) // 8
+    st = mem.per_stage[0]
+    assert st.grads == 4 * adapters and st.optimizer == 12 * adapters      # fp32 grads; master + 2 moments
+    assert st.params == 2 * plan.data["stages"][0]["params_per_rank"] + 2 * adapters
+    text = plan.report_md()
+    assert "## Memory (per rank)" in text and "fits" in text
+    full = parcompile.compile(EXAMPLE.read_text().replace("method       = lora", "method = full").replace(
+        "    lora_rank    = 16\n    lora_alpha   = 32\n", "").replace(
+        '    lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]\n', ""))
+    assert not full.memory.fits
