@@ -125,9 +125,12 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
         i += len(block)
     keep = max(RETIME, top)
     bounds = BOUNDS and cfg.workload == "train"
+    coster.exact_peaks = not bounds   # the layouts that do not fit are dropped: their peaks need not be exact
     ranked = rank_rows(cfg, coster, rows, families, keep, bounds, progress, total)
-    if not ranked.scored and ranked.unfit:
-        # none fits: the closest layout may be one the state bound dropped; rank them all
+    coster.exact_peaks = True
+    if not ranked.scored and bounds:
+        # none fits: the closest layout may be one the state bound dropped, and its peak is
+        # wanted exact; rank them all
         ranked = rank_rows(cfg, coster, rows, families, keep, False, progress, total)
     if progress is not None:
         progress(total, total)

@@ -132,14 +132,18 @@ class MemoryCosts:
     parameters are sharded alike (:meth:`_params_key`, :meth:`_stage_params`). Fills the
     coster's ``memories``, ``params_keys``, ``param_owner`` and ``stage_param_sets`` caches."""
 
-    def memory(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...]):
+    def memory(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...], exact: bool = True):
         """The memory report of a layout from its probe: the analysis's own
         :func:`memory_from_parts` on the stage parameters, saved activations and buffers that
         :meth:`cost` composes (one rule: no copy of the memory analysis here). Cached per
-        layout (``cfg`` is the spec's with a layout)."""
+        layout (``cfg`` is the spec's with a layout). Not ``exact`` (the search's costing,
+        which drops a layout that does not fit): the stages after the first above the
+        capacity are not added up (``memory_from_parts``' ``stop_above``), so the report of a
+        layout that does not fit may hold fewer stages and a peak that is only a lower bound;
+        an exact report replaces such a one when asked for."""
         mkey = (cfg.parallel, id(pr), counts)
         got = self.memories.get(mkey)
-        if got is not None:
+        if got is not None and (not exact or len(got[0].per_stage) == cfg.parallel.pp):
             return got
         pp, rc = cfg.parallel.pp, cfg.parallel.recompute
         sps = self._stage_params(pr, counts, cfg.parallel)
@@ -153,7 +157,8 @@ class MemoryCosts:
             ks = range(s, len(counts), pp)
             bufs.append(stage_bufs(pq, any(dcounts[k] for k in ks), any(counts[k] > dcounts[k] for k in ks),
                                     s == 0, s == pp - 1, pp == 1))
-        got = self.memories[mkey] = (memory_from_parts(cfg, parallel_degrees(cfg.parallel), sps, saved, bufs), sps)
+        got = self.memories[mkey] = (memory_from_parts(cfg, parallel_degrees(cfg.parallel), sps, saved, bufs,
+                                                       stop_above=None if exact else usable_memory(cfg.cluster)), sps)
         return got
 
     def peak(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...]) -> tuple[int, int]:
@@ -345,6 +350,9 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
         self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
         self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
+        #: the peaks of layouts that do not fit exact (:meth:`memory`); the search's bounded
+        #: ranking, which drops them, turns it off
+        self.exact_peaks = True
         #: the model's leading layers probed apart: dense ones before MoE ones, or those FP8
         #: training keeps in 16 bits (:func:`leading_layers`)
         self.dense = leading_layers(cfg)
@@ -411,7 +419,7 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
                 return None   # slower than the bound whatever its data-parallel time
             if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
                 return None
-        mem, sps = self.memory(cfg, pr, counts)
+        mem, sps = self.memory(cfg, pr, counts, exact=with_memory or self.exact_peaks)
         peak, cap = mem.peak, mem.capacity
         if not mem.fits and not with_memory:   # not timed: it will be dropped
             return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
