@@ -83,3 +83,59 @@ def test_virtual_stage_counts_add_the_end_chunk_counts():
         for v in virtual_stage_counts(126, pp):
             assert candidate_splits(126, pp * v), (pp, v)
 
+
+def test_search_schedules_come_from_the_schedule_table():
+    """The schedules the search tries and its tie order are read off core/schedule.py's
+    Schedule values (issue 46): every schedule once, 1F1B first (the plain one), the
+    interleaved one the only one with rounds (several chunks per rank)."""
+    from parcompile.core.schedule import SCHEDULES
+    from parcompile.layout_search.candidate import _SCHEDULE_RANK
+    from parcompile.layout_search.space import SCHEDULE_ORDER
+
+    assert sorted(s.name for s in SCHEDULE_ORDER) == sorted(SCHEDULES)
+    assert SCHEDULE_ORDER[0] is SCHEDULES["1f1b"] and [s.name for s in SCHEDULE_ORDER if s.rounds] == ["interleaved_1f1b"]
+    # the tie order the search kept before (simpler first)
+    assert _SCHEDULE_RANK == {"1f1b": 0, "interleaved_1f1b": 1, "zero_bubble": 2, "gpipe": 3}
+
+
+def test_group_sizes_are_the_ones_megatron_runs():
+    from parcompile.core.schedule import group_error
+    from parcompile.layout_search.coster import group_sizes, searched_group_sizes
+
+    for pp, m in ((4, 16), (16, 16), (4, 10), (8, 64)):
+        got = group_sizes(pp, m)
+        assert all(group_error(pp, m, n) is None and n > pp for n in got)
+        assert sorted(set(got)) == got and len(got) == sum(group_error(pp, m, n) is None for n in range(pp + 1, m + 1))
+    assert group_sizes(4, 16) == [6, 8, 9, 10, 11, 12, 16] and group_sizes(16, 16) == []
+    assert searched_group_sizes(4, 16) == [8, 16] and searched_group_sizes(4, 24) == [8, 12, 24]
+
+
+def test_search_chooses_the_group_size_and_its_layout_passes_the_checker():
+    """microbatch_group_size is searched where it matters (interleaved 1F1B, m > pp): each
+    candidate keeps the default unless another size is strictly faster, simulated, and
+    fits; a chosen size passes the checker with the spec's `auto` keys (the search's last
+    filter), and the candidate's figures are those of costing its layout directly."""
+    from parcompile.layout_search import Coster, check_layout, with_parallel
+
+    cfg, _ = load_spec(META_DEGREES.replace("global_batch = 2048", "global_batch = 8192"))
+    res = search(cfg, top=24)
+    coster = Coster(cfg)
+    inter = [c for c in res.candidates[:24] if c.parallel.schedule == "interleaved_1f1b"]
+    assert inter
+    for c in inter:
+        par = c.parallel
+        default = coster.cost(with_parallel(cfg, par.model_copy(update={"microbatch_group_size": None})),
+                              simulate=True, with_memory=True)
+        assert c.fits and round(c.step_time, 9) <= round(default.step_time, 9)
+        if par.microbatch_group_size is not None:
+            assert round(c.step_time, 9) < round(default.step_time, 9)
+            assert not [d for d in check_layout(with_parallel(cfg, par)) if d.severity == "error"]
+    # a spec that writes the group size with `auto` keys is still refused
+    bad = META_DEGREES.replace("global_batch = 2048", "global_batch = 2048\n    microbatch_group_size = 16") \
+        .replace("virtual_stages = auto", "virtual_stages = 4").replace("schedule = auto", "schedule = interleaved_1f1b")
+    try:
+        errors = [d.message for d in check_layout(load_spec(bad)[0]) if d.severity == "error"]
+    except parcompile.SpecError as e:
+        errors = [d.message for d in e.diagnostics if d.severity == "error"]
+    assert errors == [e for e in errors if "microbatch_group_size = 16 with `auto`" in e and "the search chooses it" in e]
+    assert errors

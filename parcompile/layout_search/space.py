@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors
+from parcompile.core.schedule import SCHEDULES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag
 from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
 from parcompile.passes.split_pipeline_stages import candidate_splits
@@ -21,6 +22,13 @@ SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "z
 #: largest micro-batch the search tries
 MAX_MICRO_BATCH = 16
 
+
+#: the pipeline schedules (:data:`parcompile.core.schedule.SCHEDULES`), simpler first: the fewest
+#: departures from 1F1B (interleaved rounds, then a split backward, then every forward first).
+#: The search tries those with rounds for several chunks per rank, the others for one
+#: (1F1B alone on one pipeline rank, where they all run alike); ties rank in this order
+#: (:meth:`~parcompile.layout_search.candidate.Candidate.key`)
+SCHEDULE_ORDER = tuple(sorted(SCHEDULES.values(), key=lambda s: (s.forwards_first, s.split_backward, s.rounds)))
 
 
 def needs_search(cfg: SpecConfig) -> bool:
@@ -128,8 +136,8 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
                 etp = p.expert_tp if etp_given else tp
                 for v in vs:
                     if "schedule" in auto:
-                        scheds = ["interleaved_1f1b"] if v > 1 else (
-                            ["1f1b"] if pp == 1 else ["1f1b", "zero_bubble", "gpipe"])
+                        scheds = [s.name for s in SCHEDULE_ORDER if s.rounds] if v > 1 else (
+                            [SCHEDULE_ORDER[0].name] if pp == 1 else [s.name for s in SCHEDULE_ORDER if not s.rounds])
                     else:
                         scheds = [p.schedule]
                     for sched in scheds:
