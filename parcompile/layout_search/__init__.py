@@ -24,8 +24,8 @@ how an axis's groups fall on nodes (the network model's ``k`` ranks per node ove
 ``domains`` nodes) comes from :func:`~parcompile.core.groups.axis_placement`. Nothing per candidate grows with the
 world size; probes are cached, and each of their analyses runs when a layout first needs
 it. The best few candidates are then re-timed with their simulated schedules (action
-lists), which is what separates zero-bubble from 1F1B, and an interleaved one with more
-micro-batches than pipeline ranks tries larger micro-batch groups
+lists), which is what separates zero-bubble from 1F1B, and the best ``top`` of them, when
+interleaved with more micro-batches than pipeline ranks, try larger micro-batch groups
 (``microbatch_group_size``, :meth:`Coster.choose_group`). Layers that do not divide into a
 layout's chunks are split by :meth:`Coster.choose_split` among
 :func:`~parcompile.passes.split_pipeline_stages.candidate_splits`, Megatron-Core's embedding-
@@ -47,10 +47,10 @@ does not fit is dropped, so its memory is added up only until a stage exceeds th
 figures and their order are those of costing every layout; the ranking past them holds
 the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
 them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
-about 70 of 118,000 valid layouts are costed and 33 probes built; on Llama-3 70B on 1,024
-H100s, 290 of 90,000 and 28 probes (52 before :meth:`Coster.memory_floor` bounded the
+about 220 of 133,000 valid layouts are costed and 52 probes built; on Llama-3 70B on 1,024
+H100s, 390 of 93,000 and 38 probes (52 before :meth:`Coster.memory_floor` bounded the
 larger micro-batches from the probes of micro-batch 1 and 2); on DeepSeek-V3 (3 dense then 58
-MoE layers) on 2,048 H100s, 446 of 34,000 and 60 probes (each with its dense probe).
+MoE layers) on 2,048 H100s, 615 of 35,000 and 64 probes (each with its dense probe).
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -144,9 +144,11 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
         progress(total, total)
     scored = [c for c, _i in sorted(ranked.scored, key=lambda x: (x[0].key(), x[1]))]
     # re-time the best with their simulated schedules, then confirm each with the full checker
-    head = [coster.choose_group(cfg, coster.cost(with_parallel(cfg, _own_split(cfg, c.parallel)), simulate=True,
-                                                 with_memory=True))
+    head = [coster.cost(with_parallel(cfg, _own_split(cfg, c.parallel)), simulate=True, with_memory=True)
             for c in scored[:keep]]
+    head.sort(key=Candidate.key)
+    # the micro-batch group size, for the best `top` (each a simulation per size tried)
+    head[:top] = [coster.choose_group(cfg, c) for c in head[:top]]
     head.sort(key=Candidate.key)
     final = [c for c in head if not any(d.severity == "error" for d in check_layout(with_parallel(cfg, c.parallel)))]
     rest = scored[keep:]
