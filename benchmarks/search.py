@@ -13,7 +13,9 @@ the whole ``parcompile search`` command under 5 s).
 Prints the search's counts (layouts enumerated, valid, costed, skipped by each rule; probe
 graphs built), its wall and CPU seconds (best of ``--repeat``; wall includes whatever else
 the machine runs, CPU is this process's own work), the best layout and its estimate, and
-the hand layout's. The issue's goal is a search under 5 s on the 2-core CI machine.
+the hand layout's. The goals (issue 48) are in CPU seconds (``time.process_time``: this
+process's own work, whatever else the shared machine runs): 405B all-auto under 5 s, 70B under
+2 s, DeepSeek-V3 under 30 s.
 ``--only 405b``, ``--only 70b``, ``--only dsv3`` or ``--only serve`` runs one of them.
 
 Exits 1 when the best layout found is estimated slower than the hand layout or Meta's (or
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         res, wall, cpu = timed(DSV3, args.repeat)
         print(f"search DeepSeek-V3 on 2,048 H100s, every layout key auto: {wall:.2f} s wall, {cpu:.2f} s CPU "
               f"(best of {max(1, args.repeat)}; goal {GOAL_DSV3_SECONDS:.0f} s: "
-              f"{'met' if wall < GOAL_DSV3_SECONDS else 'not met'})")
+              f"{'met' if cpu < GOAL_DSV3_SECONDS else 'not met'}, in CPU seconds)")
         print(counts(res))
         if res.candidates:
             best = res.best
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         res, wall, cpu = timed(LLAMA70B, args.repeat)
         print(f"search Llama-3 70B on 1,024 H100s, every layout key auto: {wall:.2f} s wall, {cpu:.2f} s CPU "
               f"(best of {max(1, args.repeat)}; goal {GOAL_70B_SECONDS:.0f} s: "
-              f"{'met' if wall < GOAL_70B_SECONDS else 'not met'})")
+              f"{'met' if cpu < GOAL_70B_SECONDS else 'not met'}, in CPU seconds)")
         print(counts(res))
         if res.candidates:
             best = res.best
@@ -230,7 +232,8 @@ def bench_405b(repeat: int) -> int:
               f"peak {c.peak / 2**30:.1f} of {c.capacity / 2**30:.1f} GiB")
     res, wall, cpu = timed(AUTO, repeat)
     print(f"search Llama 3.1 405B on 16,384 H100s, every layout key auto: {wall:.2f} s wall, {cpu:.2f} s CPU"
-          f" (best of {max(1, repeat)}; goal {GOAL_SECONDS:.0f} s: {'met' if wall < GOAL_SECONDS else 'not met'})")
+          f" (best of {max(1, repeat)}; goal {GOAL_SECONDS:.0f} s: {'met' if cpu < GOAL_SECONDS else 'not met'}, in CPU "
+          f"seconds)")
     print(counts(res))
     if not res.candidates:
         print("  no layout fits memory")

@@ -27,7 +27,7 @@ from parcompile.config.schema import ParallelConfig
 from parcompile.frontend import checks as C
 from parcompile.frontend import load_spec
 from parcompile.layout_search import check_layout, with_parallel
-from parcompile.layout_search.space import LayoutChecker, layout_blocks, row_parallel
+from parcompile.layout_search.space import LayoutChecker, checked_parallel, layout_blocks
 
 #: the module-level functions of the checks' modules (checks.py and the frontend modules
 #: whose functions it imports: the checks and the helpers they call), by name
@@ -248,7 +248,7 @@ def test_layout_checker_is_the_checker(name):
     verdicts = []
     for block in layout_blocks(cfg):
         r = block[0]
-        want = not any(d.severity == "error" for d in check_layout(with_parallel(cfg, row_parallel(cfg, r))))
+        want = not any(d.severity == "error" for d in check_layout(with_parallel(cfg, checked_parallel(cfg, r))))
         assert checker.ok(r) == want, r
         verdicts.append(want)
     assert any(verdicts) and not all(verdicts)   # both verdicts occur

@@ -459,7 +459,14 @@ def _weighted_in_flight(schedule: Schedule, pp: int, v: int, m: int, chunk_bytes
     """:func:`parcompile.core.schedule.in_flight` of ``schedule``'s own action lists (their
     order does not depend on the chunk times: only zero-bubble's does, and it runs no
     virtual stages, so its chunks are never unlike on a rank)."""
-    return in_flight(build_actions(schedule, pp, m, v, group=group), pp, v, chunk_bytes, schedule.placement)
+    return in_flight(_actions(schedule, pp, m, v, group), pp, v, chunk_bytes, schedule.placement)
+
+
+@lru_cache(maxsize=256)
+def _actions(schedule: Schedule, pp: int, m: int, v: int, group: int | None) -> list:
+    """``schedule``'s action lists (:func:`parcompile.core.schedule.build_actions`), shared by
+    the layouts of one pipeline whose chunks weigh differently (:func:`_weighted_in_flight`)."""
+    return build_actions(schedule, pp, m, v, group=group)
 
 
 def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams],
@@ -478,11 +485,15 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
 
 def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[StageParams], saved: SavedBytes,
                       bufs: Sequence[Mapping[str, int]], in_flight: Sequence | None = None,
-                      kv_bytes_per_sequence: Sequence[int] | None = None) -> MemoryReport:
+                      kv_bytes_per_sequence: Sequence[int] | None = None,
+                      stop_above: int | None = None) -> MemoryReport:
     """The :class:`MemoryReport` from its parts: parameters per stage, the bytes one
     micro-batch saves per chunk, the buffers per stage and the micro-batches in flight
     (None: :func:`closed_form_in_flight`). :func:`memory_report` reads the parts off a
-    graph; the layout search (:mod:`parcompile.layout_search`) builds them from one costed layer."""
+    graph; the layout search (:mod:`parcompile.layout_search`) builds them from one costed layer.
+    ``stop_above`` (the search, which only asks whether a layout fits): the stages after the
+    first whose total exceeds it are left out, so the report's ``peak`` is then a lower
+    bound (above ``stop_above``) and ``per_stage`` shorter."""
     par, model = cfg.parallel, cfg.model
     pp, v, sched = par.pp, par.virtual_stages, par.pipeline_schedule
     e = model.dtype_bytes
@@ -524,6 +535,8 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes({k: v for k, v in parts.items() if k not in PERSISTENT_BUFFERS},
                                                   getattr(cfg.cluster, "expandable_segments", True))))
+        if stop_above is not None and stages[-1].total > stop_above:
+            break
     peak = max(x.total for x in stages)
     cap = usable_memory(cfg.cluster)
     return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))

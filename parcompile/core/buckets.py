@@ -218,12 +218,32 @@ def partition(units: Sequence[GradUnit], bucket_size: int, kind: str = "dense") 
     return out
 
 
+#: :func:`stage_buckets`' partitions by the identity of the units tuple they were cut from
+#: (kept alive beside them, so an id is not reused while its entry stands): a stage's state,
+#: ZeRO-3 gathers, gradient buffers and step collectives each read its buckets, and the
+#: layout search composes a stage's units once for many layouts. Cleared when full.
+_PARTITIONS: dict[tuple[int, int], tuple] = {}
+_PARTITIONS_MAX = 4096
+
+
 def stage_buckets(sp, bucket_size: int) -> tuple[list[Bucket], list[Bucket]]:
     """(dense buckets, expert buckets) of one rank of a stage, from its
     :class:`~parcompile.analysis.params.StageParams` (``units`` in ready order; a
-    StageParams without units counts as one unit per kind)."""
-    units = getattr(sp, "units", ()) or (GradUnit(0, "stage", sp.dense, sp.expert),)
-    return partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+    StageParams without units counts as one unit per kind). The lists are shared between
+    calls with the same units (:data:`_PARTITIONS`): read them, do not change them."""
+    units = getattr(sp, "units", ())
+    if not units:
+        units = (GradUnit(0, "stage", sp.dense, sp.expert),)
+        return partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+    key = (id(units), bucket_size)
+    got = _PARTITIONS.get(key)
+    if got is not None and got[0] is units:
+        return got[1], got[2]
+    dense, expert = partition(units, bucket_size, "dense"), partition(units, bucket_size, "expert")
+    if len(_PARTITIONS) >= _PARTITIONS_MAX:
+        _PARTITIONS.clear()
+    _PARTITIONS[key] = (units, dense, expert)
+    return dense, expert
 
 
 def fp8_gather_elements(elements: int, fp8: int, d: int) -> tuple[int, int]:

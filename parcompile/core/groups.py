@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+import numpy as np
+
 
 class Layout(Protocol):
     """What the groups read of a layout (a ``parcompile.config.schema.ParallelConfig``, or
@@ -159,7 +161,20 @@ def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
         period = domain // math.gcd(st, domain)
         steps = [(c * st) % domain for c in range(min(size, period))]
         residues = {(r + x) % domain for r in residues for x in steps}
-    return groups_placement([[r + o for o in offsets] for r in sorted(residues)], domain)
+    return _placement_of(sorted(residues), offsets, domain)
+
+
+def _placement_of(bases: list[int], offsets: list[int], domain: int) -> tuple[int, int]:
+    """:func:`groups_placement` of the groups ``base + offsets`` (one per base), in array
+    arithmetic: a layout search asks it of groups of thousands of ranks. Per group, its
+    members' domains sorted; a run of equal domains is the group's ranks on one domain."""
+    dom = (np.asarray(bases, dtype=np.int64)[:, None] + np.asarray(offsets, dtype=np.int64)[None, :]) // domain
+    dom.sort(axis=1)
+    start = np.ones(dom.shape, dtype=bool)
+    start[:, 1:] = dom[:, 1:] != dom[:, :-1]
+    nodes = int(start.sum(axis=1).max())
+    runs = np.diff(np.append(np.flatnonzero(start.ravel()), dom.size))
+    return int(runs.min()), max(nodes, 1)
 
 
 def stage_ranks(pp_groups: list[list[int]], stage: int) -> list[int]:

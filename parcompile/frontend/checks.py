@@ -195,10 +195,12 @@ def _check_schedule(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help="set `schedule = interleaved_1f1b` and `virtual_stages` > 1, or remove "
                            "`microbatch_group_size`",
                       note="only the interleaved schedule runs micro-batches in rounds per virtual stage")
-    elif p.microbatch_group_size is not None and (searched := [k for k in p.auto if k != "dp"]):
-        # the keys parcompile.layout_search.needs_search searches (dp = auto alone fills the world)
+    elif p.microbatch_group_size is not None and "parallel.microbatch_group_size" in ctx.provided \
+            and (searched := [k for k in p.auto if k != "dp"]):
+        # the keys parcompile.layout_search.needs_search searches (dp = auto alone fills the
+        # world); the search chooses the group size itself (its candidates carry it, unwritten)
         ctx.bag.error(f"microbatch_group_size = {p.microbatch_group_size} with `auto` "
-                      f"{or_list(searched)}: the search keeps Megatron-Core's default (pp)",
+                      f"{or_list(searched)}: the search chooses it for each layout it ranks",
                       ctx.span("parallel.microbatch_group_size"),
                       help="fix the layout (no `auto`) to set microbatch_group_size, or remove it")
     if ctx.ok("parallel.virtual_stages", "parallel.schedule") and p.virtual_stages > 1 \

@@ -24,7 +24,13 @@ how an axis's groups fall on nodes (the network model's ``k`` ranks per node ove
 ``domains`` nodes) comes from :func:`~parcompile.core.groups.axis_placement`. Nothing per candidate grows with the
 world size; probes are cached, and each of their analyses runs when a layout first needs
 it. The best few candidates are then re-timed with their simulated schedules (action
-lists), which is what separates zero-bubble from 1F1B.
+lists), which is what separates zero-bubble from 1F1B, and the best ``top`` of them, when
+interleaved with more micro-batches than pipeline ranks, try larger micro-batch groups
+(``microbatch_group_size``, :meth:`Coster.choose_group`). Layers that do not divide into a
+layout's chunks are split by :meth:`Coster.choose_split` among
+:func:`~parcompile.passes.split_pipeline_stages.candidate_splits`, Megatron-Core's embedding-
+and loss-accounted splits among them: with ``layers + 1`` or ``+ 2`` one-layer chunks a
+layer-less first or last chunk (Meta's Llama 3.1 405B layout).
 
 Only those best few (``max(RETIME, top)``) must be exact, so the layouts are costed best
 first by branch and bound (:func:`_rank`): lower bounds on a layout's step time and memory
@@ -35,14 +41,16 @@ the layout's own probe, :meth:`Coster.step_floor` and :meth:`Coster._dp_floor` f
 step adds to the pipeline (the data-parallel time, the optimizer), :meth:`Coster.state_floor`
 and :meth:`Coster.memory_floor` for memory) skip the layouts that cannot fit or
 cannot be among the best (``tests/test_search.py`` holds each bound against what it bounds,
-and the search against costing every layout, :data:`BOUNDS` off). The best few, their
+and the search against costing every layout, :data:`BOUNDS` off). A layout costed there that
+does not fit is dropped, so its memory is added up only until a stage exceeds the capacity
+(:attr:`Coster.exact_peaks` off; exact again when nothing fits, for the closest layout). The best few, their
 figures and their order are those of costing every layout; the ranking past them holds
 the layouts costed, and :class:`SearchResult` counts the rest by the rule that skipped
 them. On Llama 3.1 405B on 16,384 H100s with every key ``auto`` (``benchmarks/search.py``)
-about 70 of 118,000 valid layouts are costed and 33 probes built; on Llama-3 70B on 1,024
-H100s, 290 of 90,000 and 28 probes (52 before :meth:`Coster.memory_floor` bounded the
+about 220 of 133,000 valid layouts are costed and 52 probes built; on Llama-3 70B on 1,024
+H100s, 390 of 93,000 and 38 probes (52 before :meth:`Coster.memory_floor` bounded the
 larger micro-batches from the probes of micro-batch 1 and 2); on DeepSeek-V3 (3 dense then 58
-MoE layers) on 2,048 H100s, 446 of 34,000 and 60 probes (each with its dense probe).
+MoE layers) on 2,048 H100s, 615 of 35,000 and 64 probes (each with its dense probe).
 
 ``parcompile.compile`` uses :func:`resolve` on a spec with ``auto`` keys: the best
 candidate's layout, compiled as if the user had written it.
@@ -125,9 +133,12 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
         i += len(block)
     keep = max(RETIME, top)
     bounds = BOUNDS and cfg.workload == "train"
+    coster.exact_peaks = not bounds   # the layouts that do not fit are dropped: their peaks need not be exact
     ranked = rank_rows(cfg, coster, rows, families, keep, bounds, progress, total)
-    if not ranked.scored and ranked.unfit:
-        # none fits: the closest layout may be one the state bound dropped; rank them all
+    coster.exact_peaks = True
+    if not ranked.scored and bounds:
+        # none fits: the closest layout may be one the state bound dropped, and its peak is
+        # wanted exact; rank them all
         ranked = rank_rows(cfg, coster, rows, families, keep, False, progress, total)
     if progress is not None:
         progress(total, total)
@@ -135,6 +146,9 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
     # re-time the best with their simulated schedules, then confirm each with the full checker
     head = [coster.cost(with_parallel(cfg, _own_split(cfg, c.parallel)), simulate=True, with_memory=True)
             for c in scored[:keep]]
+    head.sort(key=Candidate.key)
+    # the micro-batch group size, for the best `top` (each a simulation per size tried)
+    head[:top] = [coster.choose_group(cfg, c) for c in head[:top]]
     head.sort(key=Candidate.key)
     final = [c for c in head if not any(d.severity == "error" for d in check_layout(with_parallel(cfg, c.parallel)))]
     rest = scored[keep:]

@@ -18,7 +18,7 @@ from parcompile.analysis.memory import buffer_total, closed_form_in_flight, stat
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
-from parcompile.core.schedule import Schedule as PipelineSchedule
+from parcompile.core.schedule import Schedule as PipelineSchedule, build_actions
 from parcompile.ir.ops import COUNTS_BYTES
 from parcompile.passes.base import parallel_degrees
 from parcompile.passes.insert_collectives import STEP_AXES, step_entries
@@ -568,7 +568,7 @@ class MemoryFloors:
             body2, bufs2 = self._first_rank_bytes(self.probe_of(key2), rc, pp, n)
             k = par.micro_batch - 1
             body, bufs = body + k * (body2 - body), bufs + k * (bufs2 - bufs)
-        inf = self._in_flight_first(par.pipeline_schedule, pp, v, m)
+        inf = self._in_flight_first(par.pipeline_schedule, pp, v, m, self._unlike_chunks(par))
         acts = max(0.0, inf.numerator * body * scale / inf.denominator - 1)
         return (states + acts + bufs * scale) * (1 - 1e-12)
 
@@ -643,13 +643,43 @@ class MemoryFloors:
             body += (pc - oc) - (pb - ob)
         return body, self._buffer_sums(pr, rc, pp)[0]
 
-    def _in_flight_first(self, schedule: PipelineSchedule, pp: int, v: int, m: int) -> Fraction:
+    def _unlike_chunks(self, par: ParallelConfig | RowLayout) -> bool:
+        """Whether the memory of layout ``par`` may count its micro-batches in flight by
+        their chunks' bytes (:func:`~parcompile.analysis.memory.unlike_chunk_bytes`: some
+        rank's chunks hold unlike numbers of layers): with ``virtual_stages > 1``, its split
+        (``stage_layers``) is uneven on a rank, or it has none and the layers do not divide
+        into the chunks (some candidate split is uneven)."""
+        pp, v = par.pp, par.virtual_stages
+        if v == 1:
+            return False
+        counts = getattr(par, "stage_layers", None)
+        if counts is None:
+            return self.cfg.model.layers % (pp * v) != 0
+        return any(len({counts[k] for k in par.rank_chunks(r)}) > 1 for r in range(pp))
+
+    def _in_flight_first(self, schedule: PipelineSchedule, pp: int, v: int, m: int, unlike: bool = False) -> Fraction:
         """The first stage's micro-batches in flight,
-        :func:`~parcompile.analysis.memory.closed_form_in_flight`'s, cached."""
-        key = (schedule, pp, v, m)
+        :func:`~parcompile.analysis.memory.closed_form_in_flight`'s, cached. ``unlike``
+        (chunks of unlike bytes, :meth:`_unlike_chunks`): a lower bound on the weighted count
+        instead, the fewest forwards of one of its chunks in flight at its first backward.
+        The weighted peak (:func:`~parcompile.core.schedule.in_flight`) is at least what the
+        forwards then in flight keep, ``sum_c f_c b_c >= min_c f_c * sum_c b_c``; the
+        closed form, their mean ``sum_c f_c / v``, is not a bound when the chunks with the
+        most in flight (the first ones) are the lighter (a layer-less first chunk)."""
+        key = (schedule, pp, v, m, unlike)
         got = self.in_flight_firsts.get(key)
         if got is None:
-            got = self.in_flight_firsts[key] = closed_form_in_flight(schedule, pp, v, m)[0]
+            if unlike:
+                counts = [0] * v
+                for a in build_actions(schedule, pp, m, v)[0]:
+                    if a["op"] in ("backward", "backward_input"):
+                        break
+                    if a["op"] == "forward":
+                        counts[a["chunk"]] += 1
+                got = Fraction(min(counts))
+            else:
+                got = closed_form_in_flight(schedule, pp, v, m)[0]
+            self.in_flight_firsts[key] = got
         return got
 
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from parcompile.analysis.memory import MemoryReport
 from parcompile.config.schema import ParallelConfig
+from parcompile.layout_search.space import SCHEDULE_ORDER
 
 
-#: the order ties are broken in (simpler first)
-_SCHEDULE_RANK = {"1f1b": 0, "interleaved_1f1b": 1, "zero_bubble": 2, "gpipe": 3}
+#: the order ties are broken in (simpler first: :data:`~parcompile.layout_search.space.SCHEDULE_ORDER`)
+_SCHEDULE_RANK = {s.name: i for i, s in enumerate(SCHEDULE_ORDER)}
 
 
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
@@ -48,6 +49,8 @@ class Candidate:
         parts += [f"mb={p.micro_batch}", f"zero={p.zero}", f"recompute={p.recompute}"]
         if p.pp > 1:
             parts.append(f"schedule={p.schedule}")
+        if p.microbatch_group_size is not None:
+            parts.append(f"group={p.microbatch_group_size}")
         if p.sequence_parallel:
             parts.append("sp")
         elif p.tp > 1:   # said either way where it applies: the search may have chosen it

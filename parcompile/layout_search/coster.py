@@ -17,7 +17,7 @@ from parcompile.analysis.memory import MemoryReport, SavedBytes, memory_from_par
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.axes import GROUP_AXES
-from parcompile.core.schedule import build_actions
+from parcompile.core.schedule import build_actions, group_error
 from parcompile.passes.base import parallel_degrees
 from parcompile.core.groups import axis_placement
 from parcompile.passes.insert_collectives import step_entries
@@ -132,14 +132,18 @@ class MemoryCosts:
     parameters are sharded alike (:meth:`_params_key`, :meth:`_stage_params`). Fills the
     coster's ``memories``, ``params_keys``, ``param_owner`` and ``stage_param_sets`` caches."""
 
-    def memory(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...]):
+    def memory(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...], exact: bool = True):
         """The memory report of a layout from its probe: the analysis's own
         :func:`memory_from_parts` on the stage parameters, saved activations and buffers that
         :meth:`cost` composes (one rule: no copy of the memory analysis here). Cached per
-        layout (``cfg`` is the spec's with a layout)."""
+        layout (``cfg`` is the spec's with a layout). Not ``exact`` (the search's costing,
+        which drops a layout that does not fit): the stages after the first above the
+        capacity are not added up (``memory_from_parts``' ``stop_above``), so the report of a
+        layout that does not fit may hold fewer stages and a peak that is only a lower bound;
+        an exact report replaces such a one when asked for."""
         mkey = (cfg.parallel, id(pr), counts)
         got = self.memories.get(mkey)
-        if got is not None:
+        if got is not None and (not exact or len(got[0].per_stage) == cfg.parallel.pp):
             return got
         pp, rc = cfg.parallel.pp, cfg.parallel.recompute
         sps = self._stage_params(pr, counts, cfg.parallel)
@@ -153,7 +157,8 @@ class MemoryCosts:
             ks = range(s, len(counts), pp)
             bufs.append(stage_bufs(pq, any(dcounts[k] for k in ks), any(counts[k] > dcounts[k] for k in ks),
                                     s == 0, s == pp - 1, pp == 1))
-        got = self.memories[mkey] = (memory_from_parts(cfg, parallel_degrees(cfg.parallel), sps, saved, bufs), sps)
+        got = self.memories[mkey] = (memory_from_parts(cfg, parallel_degrees(cfg.parallel), sps, saved, bufs,
+                                                       stop_above=None if exact else usable_memory(cfg.cluster)), sps)
         return got
 
     def peak(self, cfg: SpecConfig, pr: Probe, counts: tuple[int, ...]) -> tuple[int, int]:
@@ -345,9 +350,44 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
         self.direct_works = False
         self.params_keys: dict[int, tuple] = {}
         self.memories: dict[tuple, tuple[MemoryReport, list[StageParams]]] = {}
+        #: the peaks of layouts that do not fit exact (:meth:`memory`); the search's bounded
+        #: ranking, which drops them, turns it off
+        self.exact_peaks = True
         #: the model's leading layers probed apart: dense ones before MoE ones, or those FP8
         #: training keeps in 16 bits (:func:`leading_layers`)
         self.dense = leading_layers(cfg)
+
+    def choose_group(self, cfg: SpecConfig, c: Candidate) -> Candidate:
+        """``c`` (a simulated candidate of a spec that leaves ``microbatch_group_size`` unset),
+        or the same layout with another micro-batch group size (:func:`group_sizes`) when
+        that is strictly faster, simulated, and fits: the search's axis where it matters,
+        interleaved 1F1B with more micro-batches than pipeline ranks. The sizes are
+        :func:`searched_group_sizes`, timed smallest first until one is not faster (a larger
+        group keeps more micro-batches in flight and blocks on more warm-up transfers: what
+        it can gain, filling the bubbles of unlike chunks, shows at the smallest first). A
+        group's step time is at least the split's simulated floor plus the data-parallel
+        time and the optimizer (:meth:`_split_floors`, :meth:`_sim_floor`: whatever the
+        order of the actions), so none is timed once that floor is not below the best time
+        found; Megatron-Core's depth-first default (``pp``) wins ties."""
+        par = c.parallel
+        if cfg.parallel.microbatch_group_size is not None or not c.fits or not c.simulated \
+                or not par.pipeline_schedule.rounds or par.virtual_stages == 1:
+            return c
+        sizes = searched_group_sizes(par.pp, par.num_microbatches)
+        if not sizes:
+            return c
+        sub = with_parallel(cfg, par)
+        floor = self._sim_floor(sub, self._split_floors(par, [par.layers_per_chunk(cfg.model.layers)], True)[0])
+        best = c
+        for n in sizes:
+            if floor >= round(best.step_time, 9):
+                break
+            got = self.cost(with_parallel(cfg, par.model_copy(update={"microbatch_group_size": n})), simulate=True,
+                            with_memory=True)
+            if not (got.fits and round(got.step_time, 9) < round(best.step_time, 9)):
+                break
+            best = got
+        return best
 
     def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
         """:func:`~parcompile.passes.insert_collectives.step_entries`, cached by what
@@ -411,7 +451,7 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
                 return None   # slower than the bound whatever its data-parallel time
             if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
                 return None
-        mem, sps = self.memory(cfg, pr, counts)
+        mem, sps = self.memory(cfg, pr, counts, exact=with_memory or self.exact_peaks)
         peak, cap = mem.peak, mem.capacity
         if not mem.fits and not with_memory:   # not timed: it will be dropped
             return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
@@ -452,6 +492,20 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
         tflops = flops / (step * par.world_size) / 1e12 if step > 0 else 0.0
         return Candidate(par, step, tflops * 1e12 / cl.peak_flops, tflops, peak, cap,
                          parts.pop("bubble_fraction"), parts, mem if with_memory else None, simulated)
+
+
+def group_sizes(pp: int, m: int) -> list[int]:
+    """The micro-batch group sizes (``microbatch_group_size``) other than the default ``pp``
+    that Megatron-Core runs interleaved 1F1B with on ``pp`` ranks and ``m`` micro-batches
+    (:func:`~parcompile.core.schedule.group_error`), smallest first."""
+    return [n for n in range(pp + 1, m + 1) if group_error(pp, m, n) is None]
+
+
+def searched_group_sizes(pp: int, m: int) -> list[int]:
+    """The group sizes the search times (:meth:`Coster.choose_group`): those of
+    :func:`group_sizes` made of whole rounds of ``pp`` that divide the micro-batches
+    (``2 pp``, ``4 pp``, ... up to ``m``), smallest first."""
+    return [n for n in group_sizes(pp, m) if n % pp == 0 and m % n == 0]
 
 
 def _pick_split(costed: list[tuple[Candidate, int, tuple[int, ...]]], cands: list[tuple[int, ...]], complete: bool,

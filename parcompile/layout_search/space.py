@@ -8,8 +8,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors
+from parcompile.core.schedule import SCHEDULES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag
 from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
+from parcompile.passes.split_pipeline_stages import candidate_splits
 
 
 #: keys `auto` may stand for (SPEC 1 `parallel`, extended)
@@ -19,6 +21,14 @@ SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "z
 
 #: largest micro-batch the search tries
 MAX_MICRO_BATCH = 16
+
+
+#: the pipeline schedules (:data:`parcompile.core.schedule.SCHEDULES`), simpler first: the fewest
+#: departures from 1F1B (interleaved rounds, then a split backward, then every forward first).
+#: The search tries those with rounds for several chunks per rank, the others for one
+#: (1F1B alone on one pipeline rank, where they all run alike); ties rank in this order
+#: (:meth:`~parcompile.layout_search.candidate.Candidate.key`)
+SCHEDULE_ORDER = tuple(sorted(SCHEDULES.values(), key=lambda s: (s.forwards_first, s.split_backward, s.rounds)))
 
 
 def needs_search(cfg: SpecConfig) -> bool:
@@ -119,17 +129,15 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
                 else:
                     mbs = [p.micro_batch] if "micro_batch" not in auto else [1]
                 if "virtual_stages" in auto:
-                    # chunks per rank: divisors of the layers per rank (rounded up when they
-                    # do not divide: an uneven split, Coster.choose_split), each chunk a layer at least
-                    vs = [x for x in divisors(-(-m.layers // pp)) if (pp > 1 or x == 1) and pp * x <= m.layers]
+                    vs = virtual_stage_counts(m.layers, pp)
                 else:
                     vs = [p.virtual_stages]
                 zs = zeros if dp * cp > 1 else zeros[:1] if "zero" in auto else zeros
                 etp = p.expert_tp if etp_given else tp
                 for v in vs:
                     if "schedule" in auto:
-                        scheds = ["interleaved_1f1b"] if v > 1 else (
-                            ["1f1b"] if pp == 1 else ["1f1b", "zero_bubble", "gpipe"])
+                        scheds = [s.name for s in SCHEDULE_ORDER if s.rounds] if v > 1 else (
+                            [SCHEDULE_ORDER[0].name] if pp == 1 else [s.name for s in SCHEDULE_ORDER if not s.rounds])
                     else:
                         scheds = [p.schedule]
                     for sched in scheds:
@@ -141,6 +149,42 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
                                         continue
                                     yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
                                            for z in zs for rc in recs]
+
+
+def virtual_stage_counts(layers: int, pp: int) -> list[int]:
+    """The model chunks per pipeline rank the search tries on ``pp`` ranks: the divisors of
+    the layers per rank (rounded up when they do not divide: an uneven split,
+    :meth:`~parcompile.layout_search.coster.Coster.choose_split`), each chunk a layer at least,
+    and with ``pp > 1`` the counts whose chunks the layers fill only with a layer-less first
+    chunk, last chunk or both (``pp * v = layers + 1`` or ``layers + 2``: Megatron-Core's
+    embedding and loss accounted in the split, one layer per chunk; Meta's Llama 3.1 405B,
+    126 layers on 16 ranks of 8 chunks, :func:`~parcompile.passes.split_pipeline_stages.
+    candidate_splits`). One chunk per rank with ``pp = 1``."""
+    if pp == 1:
+        return [1]
+    ends = {(layers + e) // pp for e in (1, 2) if (layers + e) % pp == 0}
+    return sorted({x for x in divisors(-(-layers // pp)) if pp * x <= layers + 2} | ends)
+
+
+def fills_with_end_chunks(layers: int, chunks: int) -> bool:
+    """Whether ``layers`` fill ``chunks`` model chunks only with a layer-less first or last
+    chunk (``chunks - 2 <= layers < chunks``): the checker refuses such a layout without a
+    ``stage_layers``, the search costs it with its splits
+    (:func:`~parcompile.passes.split_pipeline_stages.candidate_splits`)."""
+    return chunks > 1 and chunks - 2 <= layers < chunks
+
+
+def checked_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
+    """The layout the checker judges row ``r`` of :func:`layout_rows` by: :func:`row_parallel`,
+    and where its layers fill its chunks only with a layer-less end chunk
+    (:func:`fills_with_end_chunks`) and the spec gives no split, with the first such split
+    (the checker refuses the layout without one; the coster chooses among them, and the
+    search checks the chosen one again)."""
+    par = row_parallel(cfg, r)
+    layers, chunks = cfg.model.layers, par.pp * par.virtual_stages
+    if par.stage_layers is None and fills_with_end_chunks(layers, chunks):
+        par = par.model_copy(update={"stage_layers": candidate_splits(layers, chunks)[0]})
+    return par
 
 
 def searches_sequence_parallel(cfg: SpecConfig) -> bool:
@@ -217,7 +261,7 @@ class LayoutChecker:
                 return False
         if not todo:
             return True
-        rcfg = with_parallel(self.cfg, row_parallel(self.cfg, r))
+        rcfg = with_parallel(self.cfg, checked_parallel(self.cfg, r))
         ok = True
         for key, check in todo:
             ctx = _check_context(rcfg)

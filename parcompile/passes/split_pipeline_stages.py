@@ -67,41 +67,62 @@ SPLIT_REACH = 2
 
 def candidate_splits(layers: int, chunks: int) -> list[tuple[int, ...]]:
     """The uneven splits the compiler considers when ``layers`` does not divide into
-    ``chunks`` model chunks (issue 16), in model order, each chunk holding at least one
-    layer.
+    ``chunks`` model chunks (issue 16), in model order, every chunk but the first and the
+    last holding at least one layer.
 
     The first chunk also holds the embedding and the last one the output layer and the
     loss, so the candidates vary those two: each holds ``q - SPLIT_REACH .. q + 1`` layers
-    (``q = layers // chunks``) and the chunks between share the rest as evenly as possible,
-    larger ones first (:func:`parcompile.config.text.even_split`). The first candidate is
-    the plain even split of all chunks, so a tie keeps it. Meta's Llama 3.1 405B split,
-    126 layers on 16 stages with one layer fewer on the first and the last (Llama 3 paper,
-    section 3.3.2), is ``(7, 8, ..., 8, 7)``, one of them.
+    (``q = layers // chunks``), at least one, and the chunks between share the rest as evenly
+    as possible, larger ones first (:func:`parcompile.config.text.even_split`). The first
+    candidate is the plain even split of all chunks, so a tie keeps it. Meta's Llama 3.1
+    405B split, 126 layers on 16 stages with one layer fewer on the first and the last
+    (Llama 3 paper, section 3.3.2), is ``(7, 8, ..., 8, 7)``, one of them.
+
+    Then Megatron-Core's splits that count the embedding, the loss or both as a layer
+    (``--account-for-embedding-in-pipeline-split``, ``--account-for-loss-in-pipeline-split``:
+    ``layers`` plus those a multiple of the chunks, ``q'`` each, the first chunk ``q' - 1``
+    layers beside the embedding, the last ``q' - 1`` beside the loss; Megatron-LM
+    ``megatron/core/transformer/transformer_layer.py`` ``get_transformer_layer_offset``:
+    the layer count plus one for each, divided over the pipeline and virtual ranks). Those
+    with ``q' >= 2`` are among the above; ``q' = 1`` gives a first chunk of the embedding
+    only and a last of the output layer and the loss only, Meta's 405B split on 16 ranks of
+    8 model chunks (126 layers in 128 chunks, section 3.3.2), possible with
+    ``layers = chunks - 2`` or ``chunks - 1``.
 
     Returns:
-        Distinct tuples of ``chunks`` positive counts summing to ``layers``; ``[]`` when
-        ``layers < chunks``.
+        Distinct tuples of ``chunks`` counts summing to ``layers``; ``[]`` when ``layers <
+        chunks - 2`` (or ``layers < chunks`` with one chunk).
     """
-    if layers < chunks:
-        return []
-    out = [tuple(even_split(layers, chunks))]
+    out = [tuple(even_split(layers, chunks))] if layers >= chunks else []
     if chunks == 1:
         return out
     q = layers // chunks
     reach = range(max(1, q - SPLIT_REACH), q + 2)
     for first in reach:
         for last in reach:
-            rest = layers - first - last
-            if chunks == 2:
-                mid = [] if rest == 0 else None
-            else:
-                mid = even_split(rest, chunks - 2) if rest >= chunks - 2 else None
-            if mid is None:
-                continue
-            cand = (first, *mid, last)
-            if cand not in out:
+            cand = _ends_split(layers, chunks, first, last)
+            if cand is not None and cand not in out:
+                out.append(cand)
+    for emb, loss in ((1, 1), (1, 0), (0, 1)):   # Megatron-Core's accounted splits
+        n = layers + emb + loss
+        if n % chunks == 0:
+            cand = _ends_split(layers, chunks, n // chunks - emb, n // chunks - loss)
+            if cand is not None and cand not in out:
                 out.append(cand)
     return out
+
+
+def _ends_split(layers: int, chunks: int, first: int, last: int) -> tuple[int, ...] | None:
+    """``(first, middle..., last)`` with the middle chunks sharing the rest as evenly as
+    possible (larger first), each at least one layer; None when they cannot."""
+    rest = layers - first - last
+    if first < 0 or last < 0:
+        return None
+    if chunks == 2:
+        return (first, last) if rest == 0 else None
+    if rest < chunks - 2:
+        return None
+    return (first, *even_split(rest, chunks - 2), last)
 
 
 @dataclass(frozen=True)
