@@ -170,13 +170,14 @@ class Plan:
         if refused:
             raise SpecError(refused)
         out_dir = Path(directory)
+        timeline = self.timeline_svg()
         files = {
             "plan.json": self.to_json(),
             "report.md": self.report_md() + TIMELINE_SECTION,
             "graph.txt": self.graph_dump(),
             "trace.json": self.trace_json(),
-            "timeline.svg": self.timeline_svg(),
-            "report.html": self.report_html(),
+            "timeline.svg": timeline,
+            "report.html": self.report_html(timeline),
         }
         if self.config.workload == "train":
             files["program.py"] = render_program(self.config, self, out_dir)
@@ -223,12 +224,13 @@ class Plan:
 
         return timeline_svg(self)
 
-    def report_html(self) -> str:
+    def report_html(self, timeline: str | None = None) -> str:
         """``report.html``: the plan as one self-contained HTML page, with the search that
-        chose its layout when it had one (:func:`parcompile.report.render_html`)."""
+        chose its layout when it had one (:func:`parcompile.report.render_html`;
+        ``timeline``: :meth:`timeline_svg`'s text, when the caller has it already)."""
         from parcompile.report import render_html
 
-        return render_html(self)
+        return render_html(self, timeline=timeline)
 
     def graph_dot(self) -> str:
         """The graph in Graphviz DOT (``parcompile plan --format dot``)."""

@@ -323,3 +323,13 @@ def test_report_without_matplotlib_keeps_its_tables(monkeypatch):
     assert dom.figures["timeline"]["svgs"] == 1 and "parcompile[report]" in page
     _check_numbers(dom, plan.data)
     _check_layer(dom, plan.data)
+
+
+def test_hostile_names_are_text_not_markup():
+    """A spec named like markup shows as text: no element of its own in the page."""
+    name = '<img src=x onerror="alert(2)"><svg onload=alert(1)>'
+    plan = parcompile.compile((REPO / "examples" / "tiny.par").read_text(), filename=f"{name}.par")
+    assert plan.data["name"] == name
+    page = plan.report_html()
+    assert "<img" not in page and "<svg onload" not in page
+    assert "&lt;img src=x" in page

@@ -52,10 +52,12 @@ def _layer_context(plan) -> dict | None:
             "groups": layer.first_groups(plan.data)}
 
 
-def render_html(plan, search_result=None) -> str:
+def render_html(plan, search_result=None, timeline: str | None = None) -> str:
     """The report of ``plan`` (a :class:`parcompile.plan.Plan`) as HTML text (module
     docstring); ``search_result`` the search whose candidates it plots (default: the one
-    that chose the plan's layout, ``plan.search``; None: no search section)."""
+    that chose the plan's layout, ``plan.search``; None: no search section); ``timeline``
+    the plan's timeline.svg text when the caller has it (default: drawn here,
+    :func:`parcompile.analysis.trace.timeline_svg`)."""
     from parcompile.analysis.trace import timeline_svg
 
     data = plan.data
@@ -71,7 +73,7 @@ def render_html(plan, search_result=None) -> str:
         "breakdown_svg": None if serve else figures.breakdown_svg("breakdown",
                                                                   [(c.text, c.value) for c in breakdown]),
         "network": tables.network_rows(data), "per_step": tables.per_step_rows(data),
-        "timeline_svg": timeline_svg(plan), "layer": _layer_context(plan),
+        "timeline_svg": timeline if timeline is not None else timeline_svg(plan), "layer": _layer_context(plan),
         "serve": None, "search": _search_context(result, data), "plots": figures.available(),
     }
     if serve:
