@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from parcompile.report.search import Point
 from parcompile.report.tables import memory_terms
 
-GIB = 2**30
 #: matplotlib's tab10, the order terms are coloured in
 PALETTE = ("#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",
            "#bab0ac")
@@ -134,14 +133,18 @@ def search_svg(pts: list[Point], serve: bool, capacity: int | None = None) -> st
             ax.set_xlabel("output tokens/s per user (1 / TPOT)")
             ax.set_ylabel("output tokens/s per GPU")
         else:
-            ax.scatter([p.x for p in pts], [p.y / GIB for p in pts], s=12, color=PALETTE[0], label="candidates")
-            if capacity:
-                ax.axhline(capacity / GIB, color="black", linestyle="--", linewidth=1, label="capacity")
+            largest = max((p.y for p in pts), default=1)
+            unit, size = _unit(max(largest, 1))
+            ax.scatter([p.x for p in pts], [p.y / size for p in pts], s=12, color=PALETTE[0], label="candidates")
+            if capacity and capacity <= 4 * largest:
+                ax.axhline(capacity / size, color="black", linestyle="--", linewidth=1, label="capacity")
+            elif capacity:   # off the scale of the points: named, not drawn
+                ax.plot([], [], " ", label=f"capacity {capacity / 2**30:.2f} GiB (off the axis)")
             ax.set_xlabel("estimated step time (s)")
-            ax.set_ylabel("memory peak per rank (GiB)")
+            ax.set_ylabel(f"memory peak per rank ({unit})")
         for p in pts:
             if p.chosen:
-                ax.scatter([p.x], [p.y if serve else p.y / GIB], s=160, marker="*", color=PALETTE[2], zorder=3,
+                ax.scatter([p.x], [p.y if serve else p.y / size], s=160, marker="*", color=PALETTE[2], zorder=3,
                            label=f"chosen: {p.label}")
         ax.legend(loc="best", fontsize=8)
     return out[0]

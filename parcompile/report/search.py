@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parcompile.core.units import bytes_text, seconds_text
+
 #: at most this many candidates in the figure and its table (the best first)
 MAX_POINTS = 2000
 
@@ -17,14 +19,16 @@ class Point:
     """One candidate of a search: ``label`` (its layout, as ``parcompile search`` prints
     it), ``x`` and ``y`` (the figure's axes: seconds and bytes for a layout search, tokens/s
     per user and per GPU for a sizing search), ``chosen`` (the one the plan is of),
-    ``front`` (on the Pareto front; sizing searches), ``extra`` (further columns)."""
+    ``front`` (on the Pareto front; sizing searches), ``texts`` (x and y as they read),
+    ``extra`` (further columns: name, text)."""
 
     label: str
     x: float
     y: float
     chosen: bool
     front: bool = False
-    extra: tuple[tuple[str, float], ...] = ()
+    texts: tuple[str, str] = ("", "")
+    extra: tuple[tuple[str, str], ...] = ()
 
 
 def is_serve_search(result) -> bool:
@@ -38,7 +42,8 @@ def train_points(result) -> list[Point]:
     out = []
     for i, c in enumerate(result.candidates[:MAX_POINTS]):
         out.append(Point(c.degrees_text(), c.step_time, c.peak, i == 0,
-                         extra=(("mfu", c.mfu), ("capacity", c.capacity))))
+                         texts=(seconds_text(c.step_time), bytes_text(c.peak)),
+                         extra=(("MFU", f"{c.mfu:.1%}"), ("capacity", bytes_text(c.capacity)))))
     return out
 
 
@@ -50,7 +55,9 @@ def serve_points(result) -> list[Point]:
     best = result.candidates[0] if result.candidates else None   # the deployment resolve_serve plans
     pts = sorted(result.fitting_all, key=lambda d: (d != best, d not in front, not d.meets, -d.per_gpu))[:MAX_POINTS]
     return [Point(d.text(), d.per_user, d.per_gpu, d == best, d in front,
-                  extra=(("gpus", d.gpus), ("ttft", d.ttft), ("tpot", d.tpot), ("meets", d.meets)))
+                  texts=(f"{d.per_user:,.1f}", f"{d.per_gpu:,.1f}"),
+                  extra=(("GPUs", str(d.gpus)), ("TTFT", seconds_text(d.ttft)), ("TPOT", seconds_text(d.tpot)),
+                         ("meets the targets", "yes" if d.meets else "no")))
             for d in pts]
 
 
