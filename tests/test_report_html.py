@@ -333,3 +333,17 @@ def test_hostile_names_are_text_not_markup():
     page = plan.report_html()
     assert "<img" not in page and "<svg onload" not in page
     assert "&lt;img src=x" in page
+
+
+@pytest.mark.parametrize("spec", ["mixtral_8x7b_8x8_h100.par", "tiny_serve.par", "gpt3_175b_megatron.par"])
+def test_other_layouts_render_with_their_numbers(spec):
+    """Experts (ep), a pipelined serve plan and interleaved stages: every figure there,
+    every number plan.json's (read from the page as written; the browser tests above read
+    the DOM Chromium builds)."""
+    pytest.importorskip("matplotlib", reason="the report's plots need matplotlib: pip install 'parcompile[report]'")
+    plan = parcompile.compile(REPO / "examples" / spec)
+    dom = _Dom()
+    dom.feed(plan.report_html())
+    _check_figures(dom, plan.data, search=False)
+    _check_numbers(dom, plan.data)
+    assert dom.figures["layer"]["attrs"]["data-layer"] == str(plan.data["stages"][0]["layers"][0])
