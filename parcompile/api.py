@@ -132,6 +132,24 @@ class SearchReport:
             return f"best: {best.text()} on {best.gpus} GPUs; written out: {keys}"
         return explain(self.result)
 
+    def plan(self, i: int = 0) -> Plan:
+        """Candidate ``i``'s plan (``parcompile search --html`` reports the best's): the spec
+        with its ``auto`` keys filled by that candidate, its split settled
+        (:func:`parcompile.layout_search.settle_split`) and compiled
+        (:func:`parcompile.driver.compile_config`) as :func:`compile` does after its own
+        search, with this search as the plan's ``search``.
+
+        Raises:
+            SpecError: as :func:`compile` (what only the analyses show).
+        """
+        from parcompile.driver import compile_config
+        from parcompile.layout_search import settle_split
+
+        cfg, note = settle_split(self.config(i))
+        plan = compile_config(cfg, list(self.warnings) + ([note] if note is not None else []), search=self.result)
+        plan.source = self.source
+        return plan
+
 
 def search(source: str | Path, top: int = 10, *, filename: str | None = None,
            overrides: Mapping[str, Any] | None = None, cross_node_tp: bool = False,

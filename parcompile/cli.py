@@ -95,7 +95,25 @@ def cmd_search(args) -> int:
     if args.explain:
         print()
         print(report.explain())
+    if args.html is not None:
+        try:
+            plan = report.plan(0)
+        except SpecError as e:
+            _print_diags(e.diagnostics, e.source or source)
+            return EXIT_SPEC
+        _write_html(args, plan, p, report.result)
     return EXIT_OK
+
+
+def _write_html(args, plan, spec: Path, search=None) -> None:
+    """``--html FILE``: the plan's HTML report (:func:`parcompile.report.render_html`),
+    written atomically (:func:`_write_atomic`; FILE may not be the spec)."""
+    from parcompile.report import render_html
+
+    if not args.html.strip():
+        raise _Usage("--html needs a file name, got an empty string")
+    _write_atomic(Path(args.html), render_html(plan, search), inputs=(spec,), flag="--html", what="report")
+    print(f"wrote {args.html}", file=sys.stderr)
 
 
 def _summary(plan) -> str:
@@ -177,6 +195,8 @@ def cmd_plan(args) -> int:
         sys.stdout.write(plan.graph_dot())
     else:
         sys.stdout.write(plan.report_md())
+    if args.html is not None:
+        _write_html(args, plan, Path(args.spec))
     return EXIT_OK
 
 
@@ -373,13 +393,14 @@ def cmd_verify(args) -> int:
 
 
 
-def _write_atomic(path: Path, text: str, inputs=()) -> None:
+def _write_atomic(path: Path, text: str, inputs=(), flag: str = "-o", what: str = "export") -> None:
     """Write ``text`` to ``path`` through a temporary file in its directory and ``os.replace``:
     an interrupted write leaves the old file or none. A path that exists and is no regular
     file (``/dev/stdout``, a FIFO, bash's ``>(cmd)``) is written through, as a shell
     redirection would, never replaced. ``path`` may not be one of the files ``inputs`` names
     (the spec, its data: as gcc refuses "input file is the same as output file"), whatever
-    the spelling or symbolic link. Raises ``_Usage`` naming the path."""
+    the spelling or symbolic link; the refusal names ``flag`` and ``what`` ("-o", "export").
+    Raises ``_Usage`` naming the path."""
     import os
     import stat
     import tempfile
@@ -390,7 +411,8 @@ def _write_atomic(path: Path, text: str, inputs=()) -> None:
         except (OSError, ValueError):   # either absent, a NUL byte
             same = False
         if same:
-            raise _Usage(f"-o {path} is an input of this export ({source}); nothing written: give another file name")
+            raise _Usage(f"{flag} {path} is an input of this {what} ({source}); nothing written: "
+                         "give another file name")
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
@@ -624,6 +646,7 @@ def _add_plan_commands(sub) -> None:
     p.add_argument("--format", choices=["text", "json", "dot"], default=None,
                    help="text (the report, default), json (plan.json) or dot (the graph, Graphviz)")
     p.add_argument("--json", action="store_true", help="short for --format json")
+    p.add_argument("--html", metavar="FILE", help="also write the plan's report as one self-contained HTML file")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("compile", help="write plan.json, report.md, program.py and launch.sh")
@@ -670,6 +693,8 @@ def _add_search_commands(sub) -> None:
     p.add_argument("--explain", action="store_true",
                    help="why the best beats the runner-up, and how far the spec's own layout is from it")
     p.add_argument("--cross-node-tp", action="store_true", help="also try tensor parallelism across nodes")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the best candidate's report, with every candidate plotted, as one HTML file")
     p.set_defaults(fn=cmd_search)
 
     p = sub.add_parser("verify", help="run a miniature on CPU and compare with a single-process reference")

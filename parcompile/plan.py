@@ -31,8 +31,8 @@ FORMAT = "parcompile.plan/1"
 
 #: every file ``compile`` may write (:meth:`Plan.write`); ones a new plan does not produce
 #: are removed from the directory
-GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
-             "launch.sh", "slurm.sbatch")
+GENERATED = ("plan.json", "report.md", "report.html", "graph.txt", "trace.json", "timeline.svg", "program.py",
+             "serve.py", "launch.sh", "slurm.sbatch")
 #: the files :meth:`Plan.write` marks executable
 EXECUTABLE = ("launch.sh", "slurm.sbatch")
 TIMELINE_SECTION = """
@@ -156,7 +156,7 @@ class Plan:
 
     def outputs(self, directory: str | Path) -> dict[str, str]:
         """Every file :meth:`write` writes into ``directory``, name -> text: plan.json,
-        report.md, graph.txt, trace.json, timeline.svg, the program (program.py or
+        report.md, report.html, graph.txt, trace.json, timeline.svg, the program (program.py or
         serve.py), launch.sh and slurm.sbatch. ``directory`` matters to the program
         (it names the spec's data files relative to it).
 
@@ -170,12 +170,14 @@ class Plan:
         if refused:
             raise SpecError(refused)
         out_dir = Path(directory)
+        timeline = self.timeline_svg()
         files = {
             "plan.json": self.to_json(),
             "report.md": self.report_md() + TIMELINE_SECTION,
             "graph.txt": self.graph_dump(),
             "trace.json": self.trace_json(),
-            "timeline.svg": self.timeline_svg(),
+            "timeline.svg": timeline,
+            "report.html": self.report_html(timeline),
         }
         if self.config.workload == "train":
             files["program.py"] = render_program(self.config, self, out_dir)
@@ -221,6 +223,14 @@ class Plan:
         from parcompile.analysis.trace import timeline_svg
 
         return timeline_svg(self)
+
+    def report_html(self, timeline: str | None = None) -> str:
+        """``report.html``: the plan as one self-contained HTML page, with the search that
+        chose its layout when it had one (:func:`parcompile.report.render_html`;
+        ``timeline``: :meth:`timeline_svg`'s text, when the caller has it already)."""
+        from parcompile.report import render_html
+
+        return render_html(self, timeline=timeline)
 
     def graph_dot(self) -> str:
         """The graph in Graphviz DOT (``parcompile plan --format dot``)."""

@@ -104,7 +104,7 @@ def test_compile_writes_every_file_identically(tmp_path, monkeypatch, capsys):
     for out in (tmp_path / "a", tmp_path / "b"):
         assert main(["compile", "examples/tiny.par", "-o", str(out)]) == 0
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.md", "slurm.sbatch",
+    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.html", "report.md", "slurm.sbatch",
                      "timeline.svg", "trace.json"]
     for n in names:
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
