@@ -31,9 +31,8 @@ The kernel facts per GPU generation (:data:`KERNELS`) are calibrated on publishe
 GEMM measurements (each cited in :attr:`GemmKernels.source`; ``tests/test_gemm_rate.py`` holds
 the model to their rows); the SM counts and peaks are the datasheets'
 (:mod:`parcompile.config.presets`). A cluster preset without kernel facts (``mi300x``,
-``ascend-910b``, ``cpu``, a cluster without a preset) keeps the flat rule: the arithmetic at
-:attr:`~parcompile.analysis.efficiency.Efficiency.matmul` of the peak plus the bytes at the
-memory rate.
+``ascend-910b``, ``cpu``, a cluster without a preset) keeps the estimate's flat rule
+(:func:`parcompile.analysis.estimate.chunk_times`).
 """
 
 from __future__ import annotations
@@ -41,6 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
+
+from parcompile.analysis.efficiency import efficiency
+from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
+from parcompile.ir.fp8 import enabled
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,25 @@ class GemmKernels:
 
 
 _HOPPER_SRC = (
-    "fitted to two tables of measured GEMMs on the GH100 (132 SMs): bf16, OpenXLA's H100 matmul table "
+    "mainloop 16 and blockwise, feed, memory, launch, tile_fixed: fitted to two tables of measured GEMMs on "
+    "the GH100 (132 SMs): bf16, OpenXLA's H100 matmul table "
     "(tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at 372d578, "
     "key sm_90, cuBLAS via XLA, b x m x n x k from 256 to 4096) and FP8 with 1x128 / 128x128 block scales, "
     "DeepGEMM's README tables on the H800 SXM5 (deepseek-ai/DeepGEMM README.md at 55ab91f: normal and "
     "grouped GEMMs by M, N, K, TFLOPS); tiles: the Hopper warp-specialised kernels' 64-256 x 64-256 "
     "output tiles (CUTLASS sm90 collective builders, DeepGEMM's BLOCK_M 64/128/256 and BLOCK_N up to 256); "
-    "tensorwise and mxfp8: the best large FP8 GEMM of stas00/ml-engineering's MAMF table (H100 SXM, "
-    "1,402.6 of 1,979 TFLOPS at 1024x9216x14336, compute/accelerator/README.md); rowwise: torchao's "
-    "rowwise-scaled GEMM fitted on the torchtitan float8 rowwise rows (analysis/calibration.py FP8_ROWS)")
+    "tensorwise (and mxfp8, not on Hopper): 0.87, where the FP8 rows of analysis/calibration.py put it with "
+    "efficiency.py's fp8_clock (stas00/ml-engineering's MAMF table, compute/accelerator/README.md: 1,402.6 of "
+    "1,979 TFLOP/s at 1024x9216x14336 on the H100 SXM, which the model puts 14% higher); rowwise: 0.55, "
+    "torchao's rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; "
+    "memory: the fit's 1.0 of the HBM bandwidth (DeepGEMM's small-M rows reach 2.4-2.7 of 3.35 TB/s with "
+    "their launch counted in the fixed time)")
 _AMPERE_SRC = (
     "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md: A100 SXM bf16 271.2 of "
-    "312 TFLOPS at 1024x10240x5120, torch 2.6) over the model's own tile overheads; feed, memory, "
-    "launch: as hopper's per SM and clock (the A100's L2 feeds 108 SMs at 1.41 GHz); tiles: CUTLASS "
-    "sm80's 64-256 x 64-256 threadblock tiles")
+    "312 TFLOPS at 1024x10240x5120, torch 2.6; the model 268) over the model's own tile overheads; launch, "
+    "tile_fixed: hopper's (assumed); feed: 120 GB/s per SM, chosen with efficiency.py's gemm_clock on the "
+    "A100 rows of analysis/calibration.py (60-400 GB/s move their mean error by 0.8%); memory: STREAM-like "
+    "0.80; tiles: CUTLASS sm80's 64-256 x 64-256 threadblock tiles")
 _BLACKWELL_SRC = (
     "mainloop: stas00/ml-engineering's note of a B200 SXM's bf16 MAMF (1,745 of 2,250 TFLOPS, 77.6%) "
     "over the model's tile overheads; FP8 / MXFP8 the same fraction of their peak (assumed); tiles: "
@@ -87,11 +95,14 @@ KERNELS: dict[str, GemmKernels] = {
                           {"16": 0.89}, 120e9, 0.80, 3.5e-6, _AMPERE_SRC, 1.8e-6),
     "hopper": GemmKernels(((64, 32), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256), (256, 128)),
                           {"16": 0.83, "tensorwise": 0.87, "blockwise": 0.66, "rowwise": 0.55,
-                           "mxfp8": 0.78}, 109e9, 1.0, 3.5e-6, _HOPPER_SRC, 1.8e-6),
+                           "mxfp8": 0.87}, 109e9, 1.0, 3.5e-6, _HOPPER_SRC, 1.8e-6),
     "blackwell": GemmKernels(((128, 64), (128, 128), (128, 256), (256, 128), (256, 256)),
                              {"16": 0.84, "tensorwise": 0.78, "blockwise": 0.80, "rowwise": 0.55,
                               "mxfp8": 0.78}, 150e9, 0.80, 4e-6, _BLACKWELL_SRC),
 }
+#: from this many waves of tiles on, the last partial wave is split over all SMs (stream-K)
+STREAM_K_WAVES = 4
+
 #: cluster preset -> GPU generation (:data:`KERNELS`)
 GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper", "h200": "hopper",
               "b200": "blackwell", "gb200-nvl72": "blackwell"}
@@ -99,22 +110,27 @@ GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper"
 
 @lru_cache(maxsize=1 << 16)
 def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_bw: float, kernels: str,
-                 fmt: str = "16", in_bytes: int = 2, out_bytes: int = 2) -> float:
+                 fmt: str = "16", in_bytes: int = 2, out_bytes: int = 2, clock: float = 1.0) -> float:
     """Seconds of ``batch`` GEMMs ``[m, k] x [k, n]`` (module docstring's formula) on a GPU of
     ``sms`` SMs, dense peak ``peak`` FLOP/s for the format (16-bit, or the FP8 / MXFP8 peak)
     and ``hbm_bw`` bytes/s, with :data:`KERNELS` ``[kernels]`` at format ``fmt``; operands of
-    ``in_bytes``, output of ``out_bytes`` per element. 0 for an empty GEMM. Cached by shape.
+    ``in_bytes``, output of ``out_bytes`` per element; ``clock``: the SMs' clock over the one
+    the kernel facts were measured at (a power-limited or throttled part: the arithmetic, the
+    operand feed and the per-tile time scale with it, the HBM does not). 0 for an empty GEMM.
+    Cached by shape.
 
     Raises:
         KeyError: ``kernels`` or ``fmt`` is not in :data:`KERNELS`."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     kn = KERNELS[kernels]
-    per_sm = kn.mainloop[fmt] * peak / sms
+    per_sm = kn.mainloop[fmt] * peak * clock / sms
+    feed, fixed = kn.feed * clock, kn.tile_fixed / clock
     best = float("inf")
     for tm, tn in kn.tiles:
-        tile = max(2 * tm * tn * k / per_sm, (tm + tn) * k * in_bytes / kn.feed) + kn.tile_fixed
-        waves = ceil(batch * ceil(m / tm) * ceil(n / tn) / sms)
+        tile = max(2 * tm * tn * k / per_sm, (tm + tn) * k * in_bytes / feed) + fixed
+        tiles = batch * ceil(m / tm) * ceil(n / tn)
+        waves = ceil(tiles / sms) if tiles < STREAM_K_WAVES * sms else tiles / sms
         best = min(best, waves * tile)
     moved = batch * ((m * k + k * n) * in_bytes + m * n * out_bytes)
     return max(best, moved / (kn.memory * hbm_bw)) + kn.launch
@@ -122,31 +138,30 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
 
 @dataclass(frozen=True)
 class GemmPricer:
-    """The GEMM rates of one cluster and training precision (:func:`gemm_pricer`): the 16-bit
-    ``peak`` and ``fp8_peak`` (FLOP/s; 0: no FP8 GEMMs), ``sms``, ``hbm_bw``, the generation
-    ``kernels`` (None: the flat rule at ``matmul`` of the peak and ``memory`` of the
-    bandwidth), the FP8 format ``fp8_fmt`` and the model's bytes per element ``dtype_bytes``."""
+    """The GEMM rates of one cluster and training precision (:func:`gemm_pricer`): the
+    datasheet's 16-bit ``peak`` and ``fp8_peak`` (FLOP/s; 0: no FP8 GEMMs), ``hbm_bw``, ``sms``,
+    the generation ``kernels`` (:data:`KERNELS`), the FP8 format ``fp8_fmt``, the model's bytes
+    per element ``dtype_bytes``, and the ``clock`` (``fp8_clock``) the 16-bit (FP8) GEMMs run
+    at in a training step over the isolated measurements' (:func:`gemm_seconds`)."""
 
     peak: float
     hbm_bw: float
-    sms: int = 0
-    kernels: str | None = None
+    sms: int
+    kernels: str
     fp8_peak: float = 0.0
     fp8_fmt: str = "tensorwise"
     dtype_bytes: int = 2
-    matmul: float = 1.0
-    memory: float = 1.0
+    clock: float = 1.0
+    fp8_clock: float = 1.0
 
     def seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
         """Seconds of ``batch`` GEMMs ``[m, k] x [k, n]``; ``fp8``: an FP8 GEMM (operands of
-        1 byte at the FP8 peak)."""
-        b = 1 if fp8 else self.dtype_bytes
-        peak = self.fp8_peak if fp8 else self.peak
-        if self.kernels is None:
-            moved = batch * ((m * k + k * n) * b + m * n * self.dtype_bytes)
-            return 2 * batch * m * n * k / (self.matmul * peak) + moved / (self.memory * self.hbm_bw)
-        return gemm_seconds(m, n, k, batch, peak, self.sms, self.hbm_bw, self.kernels,
-                            self.fp8_fmt if fp8 else "16", b, self.dtype_bytes)
+        1 byte at the FP8 peak and clock)."""
+        if fp8:
+            return gemm_seconds(m, n, k, batch, self.fp8_peak, self.sms, self.hbm_bw, self.kernels, self.fp8_fmt,
+                                1, self.dtype_bytes, self.fp8_clock)
+        return gemm_seconds(m, n, k, batch, self.peak, self.sms, self.hbm_bw, self.kernels, "16",
+                            self.dtype_bytes, self.dtype_bytes, self.clock)
 
     def train_seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
         """The mean of a training GEMM's three (module docstring): forward ``(m, n, k)``, input
@@ -159,26 +174,23 @@ class GemmPricer:
         return 2 * batch * m * n * k / self.seconds(m, n, k, batch, fp8)
 
 
-def gemm_pricer(cfg) -> GemmPricer:
-    """The :class:`GemmPricer` of ``cfg`` (a SpecConfig): its cluster's peak (``cluster.peak_flops``,
-    which a spec may lower: a power-limited part), the preset's SM count and generation, the FP8
-    peak and format of ``train.fp8_recipe`` where it trains in FP8 (scaled as the 16-bit peak,
-    :func:`parcompile.analysis.fp8.fp8_rate`)."""
-    from parcompile.analysis.efficiency import efficiency, fp8_efficiency
-    from parcompile.analysis.fp8 import fp8_rate
-    from parcompile.config.presets import CLUSTER_PRESETS
-    from parcompile.ir.fp8 import enabled
+def gemm_pricer(cfg) -> GemmPricer | None:
+    """The :class:`GemmPricer` of ``cfg`` (a SpecConfig): its preset's datasheet peaks (16-bit,
+    and the FP8 / MXFP8 peak of ``train.fp8_recipe`` where it trains in FP8) and SM count, at
+    the clock a training step sustains (:attr:`~parcompile.analysis.efficiency.Efficiency.gemm_clock`,
+    ``fp8_clock``, ``fp8_rowwise_clock``) times ``cluster.peak_flops`` over the datasheet's (a
+    spec that lowers the peak, a power-limited part, lowers the clock). None for a cluster
+    whose preset has no kernel facts (:data:`GENERATION`): the estimate's flat rule."""
     cl = cfg.cluster
-    preset = CLUSTER_PRESETS.get(cl.preset or "")
     gen = GENERATION.get(cl.preset or "")
+    if gen is None:
+        return None
     eff = efficiency(cl)
-    fp8_peak, fmt = 0.0, "tensorwise"
-    if enabled(cfg):
-        fp8_peak, fmt = fp8_rate(cfg, 1.0), cfg.train.fp8_recipe
-    if gen is None:   # the flat rule: eff.matmul of the peak, the FP8 recipe's share of its peak
-        return GemmPricer(cl.peak_flops, cl.hbm_bw, 0, None, fp8_peak * fp8_efficiency(cfg) / eff.matmul, fmt,
-                          cfg.model.dtype_bytes, eff.matmul, eff.memory)
-    # a training step sustains eff.matmul of the isolated 16-bit GEMMs' rate, eff.fp8 (fp8_rowwise) of
-    # the FP8 ones' (analysis/efficiency.py)
-    return GemmPricer(cl.peak_flops * eff.matmul, cl.hbm_bw, preset.sms, gen, fp8_peak * fp8_efficiency(cfg), fmt,
-                      cfg.model.dtype_bytes)
+    f8 = enabled(cfg)
+    fmt = cfg.train.fp8_recipe if f8 else "tensorwise"
+    preset = CLUSTER_PRESETS[cl.preset]
+    peak = preset.peak_flops[cfg.model.dtype]
+    power = cl.peak_flops / peak
+    clock8 = eff.fp8_rowwise_clock if fmt == "rowwise" else eff.fp8_clock
+    return GemmPricer(peak, cl.hbm_bw, preset.sms, gen, (fp8_peak(cl.preset, fmt) or 0.0) if f8 else 0.0, fmt,
+                      cfg.model.dtype_bytes, eff.gemm_clock * power, clock8 * power)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parcompile.analysis.comm import comm_report
+from parcompile.analysis.gemm import gemm_pricer
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
 from parcompile.ir.fp8 import enabled as fp8_enabled
@@ -47,7 +48,7 @@ class SchedulePipeline:
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
                               cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                              attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+                              attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), gemm=gemm_pricer(cfg))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
         # zero-bubble orders by F, the input-gradient part of B, and W
