@@ -22,7 +22,8 @@ were tuned to; ``held_out`` rows were not looked at while tuning.
 H100-era rows (:data:`H100_ROWS`, bf16, :func:`h100_config`), what the H100 numbers and the
 engines of :mod:`parcompile.analysis.estimate` were calibrated on (:data:`FITTED` names each
 fitted number and its rows: the torchtitan rows none, the Megatron-Bridge row
-``ENGINES["megatron"].expert_rows``, the Llama 3 row the H100's ``matmul``, the two NeMo
+``ENGINES["megatron"].expert_rows``, the Llama 3 row the H100's ``matmul`` (the flat rule's),
+all of them its ``gemm_clock`` (the GEMM-rate model's, :mod:`parcompile.analysis.gemm`), the two NeMo
 AutoModel rows ``ENGINES["automodel"].elementwise``):
 
 1. torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (commit 31a17bf), Table 1,
@@ -488,5 +489,12 @@ FITTED: tuple[Fitted, ...] = (
     Fitted("EFFICIENCY", "h100-sxm", "fp8", tuple(r.name for r in FP8_ROWS if r.bf16_row and
                                                    dict(r.train)["fp8_recipe"] == "tensorwise")),
     Fitted("EFFICIENCY", "h100-sxm", "fp8_rowwise",
+           tuple(r.name for r in FP8_ROWS if dict(r.train)["fp8_recipe"] == "rowwise")),
+    # the clocks of the GEMM-rate model (analysis/gemm.py) the step estimate's GEMMs run at
+    Fitted("EFFICIENCY", "a100-80gb", "gemm_clock", tuple(r.name for r in ROWS if not r.held_out)),
+    Fitted("EFFICIENCY", "h100-sxm", "gemm_clock", tuple(r.name for r in H100_ROWS)),
+    Fitted("EFFICIENCY", "h100-sxm", "fp8_clock", tuple(r.name for r in FP8_ROWS
+                                                        if dict(r.train)["fp8_recipe"] == "tensorwise")),
+    Fitted("EFFICIENCY", "h100-sxm", "fp8_rowwise_clock",
            tuple(r.name for r in FP8_ROWS if dict(r.train)["fp8_recipe"] == "rowwise")),
 )

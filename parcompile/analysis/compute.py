@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Mapping
 
 from parcompile.ir.fp8 import is_fp8_gemm
@@ -131,6 +132,73 @@ def expert_row_flops(nd: Node, degrees: Mapping[str, int]) -> int:
     return 2 * sum(p.sharding.local_type(p.type, degrees).numel for p in nd.params if p.name.endswith(".weight"))
 
 
+def gemm_shapes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[int, int, int, int]]:
+    """The GEMMs one forward of op ``nd`` runs on one rank, as ``(m, n, k, batch)``
+    (:mod:`parcompile.analysis.gemm`; ``m`` the rows, which grow with the tokens): a ``linear``
+    or ``router``, its rows by its local ``(in, out)`` widths; an ``experts`` op, each weight
+    matrix as a grouped GEMM over the local experts with the rows each receives under
+    balanced routing (its local routed rows over the local experts: ``tokens * top_k /
+    experts`` of the tokens its ep group dispatches; dropless, no capacity factor: the
+    routing runtime/model/moe.py runs); SwiGLU's gate and up as one ``2 ffn`` wide GEMM
+    (Megatron-Core's and Transformer Engine's fused fc1); an unfused attention core, its
+    ``Q K^T`` and ``A V`` batched over the local heads; any other op with matmul FLOPs, one
+    cube of its FLOPs (``m = n = k``). Empty for ops without
+    matmuls and for fused attention cores (timed as their kernel)."""
+    flops = op_fwd_flops(graph, nd, degrees)
+    if not flops:
+        return []
+    local_in = [r.local_type(t, degrees) for r, t in zip(nd.requires, graph.input_types(nd.name))]
+    x = local_in[0]
+    a = nd.op.attr_map
+    if nd.kind in ("linear", "router"):
+        k = x.dims[-1].size
+        out = nd.sharding.local_type(nd.type, degrees)
+        n = out.dims[-1].size
+        return [(out.numel // n, n, k, 1)]
+    if nd.kind == "experts":
+        weights = [p.sharding.local_type(p.type, degrees) for p in nd.params if p.name.endswith(".weight")]
+        local = weights[0].dims[0].size if weights and len(weights[0].dims) == 3 else 1
+        h = x.dims[-1].size
+        rows = -(-(x.numel // h) // local)
+        ffn = flops // (2 * (x.numel // h) * h * (3 if a["activation"] in GATED_ACTIVATIONS else 2))
+        first = 2 * ffn if a["activation"] in GATED_ACTIVATIONS else ffn
+        return [(rows, first, h, local), (rows, h, ffn, local)]
+    if nd.has_trait(Trait.ATTENTION):
+        b, s = x.shape[0], x.shape[1]
+        d = a["head_dim"]
+        heads = x.dims[-1].size // d
+        s_kv = min(a["seq_len"], a["window"]) if a.get("window") else a["seq_len"]
+        dv = a.get("v_head_dim", d)
+        return [(s, s_kv, d, b * heads), (s, dv, s_kv, b * heads)]
+    side = max(1, round((flops / 2) ** (1 / 3)))
+    return [(side, side, side, 1)]
+
+
+def gemm_seconds(graph: Graph, nd: Node, degrees: Mapping[str, int], gemm, fp8: bool) -> tuple[float, float, float]:
+    """``(t, base, slope)``: seconds ``t`` of op ``nd``'s GEMMs (:func:`gemm_shapes`) on one rank
+    by ``gemm`` (a :class:`~parcompile.analysis.gemm.GemmPricer`, its training mean of each
+    GEMM's three), FP8 where ``fp8`` and the op runs FP8 GEMMs (:func:`parcompile.ir.fp8.is_fp8_gemm`);
+    and a line below ``t(r)``, the seconds at ``r`` times the tokens (rows, or attention's
+    batch), which tiles, waves and fixed times keep from being affine: ``slope`` the least of
+    the chords ``(t(2r) - t(r)) / r`` over ``r = 1 .. 32``, ``base`` the least of ``t(r) - r
+    slope`` over ``r = 1/8 .. 64`` (the search scales the line, :meth:`ComputeReport.scaled`)."""
+    shapes = gemm_shapes(graph, nd, degrees)
+    if not shapes:
+        return 0.0, 0.0, 0.0
+    return _gemm_line(gemm, tuple(shapes), fp8 and is_fp8_gemm(nd, graph), nd.has_trait(Trait.ATTENTION))
+
+
+@lru_cache(maxsize=1 << 14)
+def _gemm_line(gemm, shapes: tuple, f8: bool, attn: bool) -> tuple[float, float, float]:
+    """:func:`gemm_seconds` of ``shapes``, cached."""
+    def t(r: float) -> float:
+        return sum(gemm.train_seconds(m, n, k, max(1, round(b * r)), f8) if attn
+                   else gemm.train_seconds(max(1, round(m * r)), n, k, b, f8) for m, n, k, b in shapes)
+    slope = min((t(2.0 ** (j + 1)) - t(2.0 ** j)) / 2.0 ** j for j in range(6))
+    base = min(t(2.0 ** j) - 2.0 ** j * slope for j in range(-3, 7))
+    return t(1), base, slope
+
+
 def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> bool:
     """Whether ``recompute`` re-runs this op's forward during backward; ``sac``: the
     recomputed linears of torchtitan's op-level policy (:func:`op_sac`), which recomputes
@@ -214,6 +282,27 @@ class ComputeReport:
     chunk_recompute_fp8_in: tuple[int, ...] = ()
     chunk_recompute_fp8_in_tp: tuple[int, ...] = ()
     chunk_recompute_fp8_weight: tuple[int, ...] = ()
+    #: per model chunk, one rank, one micro-batch: seconds of its GEMMs by the GEMM-rate model
+    #: (:func:`gemm_seconds`: each the mean of its forward, input- and weight-gradient GEMMs),
+    #: and below them, for the search's floors (:meth:`scaled`), a line in the tokens' scale
+    #: ``r``: ``chunk_gemm_base + r chunk_gemm_slope``; and the recomputed parts. Empty: not timed
+    chunk_gemm_seconds: tuple[float, ...] = ()
+    chunk_gemm_base: tuple[float, ...] = ()
+    chunk_gemm_slope: tuple[float, ...] = ()
+    chunk_recompute_gemm_seconds: tuple[float, ...] = ()
+    chunk_recompute_gemm_base: tuple[float, ...] = ()
+    chunk_recompute_gemm_slope: tuple[float, ...] = ()
+
+    def scaled(self, r: float) -> "ComputeReport":
+        """This report at ``r`` times the tokens of a micro-batch, for the search's floors
+        (``layout_search/bounds.py``): the fields of :attr:`PER_TOKEN` times ``r``, the weights
+        read as they are, the GEMMs' seconds at their line below (:func:`gemm_seconds`), affine
+        in ``r`` as the floors' line through micro-batches 1 and 2 needs."""
+        out = {k: tuple(x * r for x in getattr(self, k)) for k in self.PER_TOKEN}
+        for pre in ("chunk_", "chunk_recompute_"):
+            base, slope = getattr(self, pre + "gemm_base"), getattr(self, pre + "gemm_slope")
+            out[pre + "gemm_seconds"] = tuple(b + r * a for b, a in zip(base, slope))
+        return replace(self, **out)
 
     #: the fields that grow with the tokens of a micro-batch (the search scales them)
     PER_TOKEN = ("chunk_fwd_flops", "chunk_recompute_flops", "chunk_fwd_traffic", "chunk_recompute_traffic",
@@ -268,7 +357,7 @@ def _count_fp8_casts(graph: Graph, nd: Node, degrees: Mapping[str, int], f8: dic
 
 def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vocab: int, padded_vocab: int,
                    num_microbatches: int, recompute: str, engine: str = "megatron",
-                   kernels: str | None = None, fp8: bool = False) -> ComputeReport:
+                   kernels: str | None = None, fp8: bool = False, gemm=None) -> ComputeReport:
     """Build the :class:`ComputeReport`. The graph's batch dim is one micro-batch over all
     data-parallel ranks, so a step is ``num_microbatches`` graphs. ``engine``:
     ``cluster.engine`` (torchtitan's selective recomputation under ``eager``); ``kernels``:
@@ -276,13 +365,15 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     (:func:`parcompile.core.attention.attention_engine`; None: ``engine``). A fused core's
     work is the FLOPs its kernel runs (causal blocks; a sliding window's only where the
     kernel skips the masked blocks) over the kernel's relative ``speed``. ``fp8``: the spec
-    trains in FP8 (:func:`op_sac`'s policy recomputes the FP8 linears)."""
+    trains in FP8 (:func:`op_sac`'s policy recomputes the FP8 linears). ``gemm``: the cluster's
+    :class:`~parcompile.analysis.gemm.GemmPricer`, which times every GEMM of
+    :func:`gemm_shapes` (``chunk_gemm_seconds``; None: not timed)."""
     model = hw = 0
     fwd = [0] * num_chunks
     rec = [0] * num_chunks
     traffic = [0] * num_chunks
     rec_traffic = [0] * num_chunks
-    parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "ef")}
+    parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "ef", "gs", "gb", "ga")}
     rparts = {k: [0] * num_chunks for k in parts}
     ops = [0] * num_chunks
     rec_ops = [0] * num_chunks
@@ -307,7 +398,8 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
         else:
             gt, wt = gemm_bytes(graph, nd, degrees)
             ef = expert_row_flops(nd, degrees) if nd.kind == "experts" else 0
-            for k, v in (("gt", gt), ("wt", wt), ("ef", ef)):
+            gs, gb, ga = gemm_seconds(graph, nd, degrees, gemm, fp8) if gemm is not None else (0.0, 0.0, 0.0)
+            for k, v in (("gt", gt), ("wt", wt), ("ef", ef), ("gs", gs), ("gb", gb), ("ga", ga)):
                 parts[k][c] += v
                 if again:
                     rparts[k][c] += v
@@ -332,7 +424,8 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
                          *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
                          *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
                          tuple(ops), tuple(rec_ops),
-                         *(tuple(f8[k]) for k in F8_KEYS))
+                         *(tuple(f8[k]) for k in F8_KEYS),
+                         *(tuple(d[k]) if gemm is not None else () for d in (parts, rparts) for k in ("gs", "gb", "ga")))
 
 
 #: the FP8 counters of :func:`compute_report`, in the order of ComputeReport's ``chunk_fp8_*`` fields

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from parcompile.analysis import kv
 from parcompile.analysis.comm import CommReport, comm_report
+from parcompile.analysis.gemm import gemm_pricer
 from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.ir.fp8 import enabled as fp8_enabled
@@ -58,7 +59,7 @@ def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=N
     if compute is None or not compute.chunk_fwd_traffic:
         compute = compute_report(graph, degrees, par.pp * par.virtual_stages, model.vocab,
                                  model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                                 attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+                                 attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), gemm=gemm_pricer(cfg))
     compute = lora_step_flops(cfg, graph, compute, m)   # LoRA: frozen weights have no weight-gradient GEMM
     if comm is None or sched is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp)

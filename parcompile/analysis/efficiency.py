@@ -52,6 +52,23 @@ class Efficiency:
     #: FP8 rows of its own are handed
     fp8: float = 0.51
     fp8_rowwise: float = 0.32
+    #: presets with GEMM kernel facts (:data:`parcompile.analysis.gemm.GENERATION`): the clock a
+    #: training step's GEMMs sustain over the isolated measurements the GEMM-rate model is
+    #: calibrated on (:func:`parcompile.analysis.gemm.gemm_pricer`: the power and thermal limits
+    #: under a whole step's load, the other kernels' and the collectives' share of the SMs and
+    #: L2), 16-bit (``gemm_clock``) and FP8 (``fp8_clock``, ``fp8_rowwise_clock``); the step
+    #: estimate's GEMMs, where ``matmul``, ``fp8`` and ``fp8_rowwise`` stay the flat rule's
+    #: fractions of the peak (presets without kernel facts, the serving model, the tp overlap)
+    gemm_clock: float = 0.68
+    fp8_clock: float = 0.56
+    fp8_rowwise_clock: float = 0.525
+    gemm_source: str = (
+        "gemm_clock: fitted to the handed H100 rows of analysis/calibration.py H100_ROWS over the GEMM-rate "
+        "model of analysis/gemm.py (hopper: 767 of 989 TFLOP/s for MAMF's best bf16 shape): 0.68, the value "
+        "that holds every row within 8% (the torchtitan 8B FSDP+TP row at -7.7%, the 405B at +3.1%); "
+        "fp8_clock, fp8_rowwise_clock: fitted to the FP8 rows (FP8_ROWS; tensorwise at 0.87 of the FP8 peak "
+        "isolated, rowwise at 0.55: torchao's rowwise-scaled CUTLASS GEMM): 0.56 and 0.525; presets other than "
+        "the h100-sxm take its values (no rows of their own)")
     fp8_source: str = (
         "fp8, fp8_rowwise: fitted on the h100-sxm to the torchtitan float8 rows (asyncTP_llama3_h100_2025-06 at "
         "2887250, Llama 3.1 70B and 8B, vanilla TP; analysis/calibration.py FP8_ROWS): 0.51 (tensorwise) and 0.32 "
@@ -222,11 +239,15 @@ _H100_SRC = (
     "128, causal, 8k), attention_fa2: FlashAttention-2 on the same plots (about 350 forward, 300 backward); "
     "softmax_dim: 989 TFLOP/s / (4 x 3.9 T exponentials/s, the multi-function units' rate FlashAttention-3 "
     "quotes); overlap: NCCL's up to 32 channels of 132 SMs")
+_A100_GEMM = (
+    "gemm_clock: fitted to the Megatron-LM and Korthikanti rows (ROWS) over the GEMM-rate model of "
+    "analysis/gemm.py (ampere: 268 of 312 TFLOP/s for MAMF's best bf16 shape): 0.89")
 EFFICIENCY: dict[str, Efficiency] = {
     "a100-80gb": Efficiency(0.83, 0.80, 0.77, _A100_SRC, attention=0.45, attention_fa2=0.45, softmax_dim=32.0,
-                            overlap=0.60, net=0.96),
+                            overlap=0.60, net=0.96, gemm_clock=0.89, gemm_source=_A100_GEMM),
     "a100-40gb": Efficiency(0.83, 0.80, 0.77, "as a100-80gb (same SXM4 part, HBM2)", attention=0.45,
-                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.60, net=0.96),
+                            attention_fa2=0.45, softmax_dim=32.0, overlap=0.60, net=0.96, gemm_clock=0.89,
+                            gemm_source=_A100_GEMM),
     "h100-sxm": Efficiency(0.67, 0.80, 0.82, _H100_SRC, attention=0.46, attention_fa2=0.27, softmax_dim=63.0,
                            overlap=0.24, net=0.94, nvls=0.61),
     "h200": Efficiency(0.67, 0.80, 0.82, "as h100-sxm (the same GH100 compute, SM count and NVLink)",

@@ -6,24 +6,23 @@ written into plan.json (``estimate.assumptions``).
 ``schedule-pipeline`` pass orders and simulates its schedule with the same times). With
 ``P = peak_flops``, ``BW = eff.memory * hbm_bw``:
 
-* GEMMs (linear, router, experts): ``(flops + expert_rows * expert_row_flops) / (eff.matmul
-  * P) + (operand bytes + weight bytes) / BW``: the arithmetic at an achievable fraction of
-  the peak, plus the bytes each GEMM's inputs, outputs and weights move (a roofline summed,
-  so the rate depends on the shape: skinny GEMMs run well below ``eff.matmul``), plus, for
-  grouped expert GEMMs, a fixed cost per local expert of ``Engine.expert_rows`` rows;
+* GEMMs (linear, router, LM head, grouped experts, unfused attention's): each timed from its
+  shape by the GEMM-rate model (:mod:`parcompile.analysis.gemm`, shapes from
+  :func:`parcompile.analysis.compute.gemm_shapes`) at the clock a step sustains (``eff.gemm_clock``,
+  FP8 ``eff.fp8_clock``); plus a grouped GEMM's fixed cost per local expert of
+  ``Engine.expert_rows`` rows at ``eff.matmul * P`` (without GEMM kernel facts: ``(flops +
+  expert_rows * expert_row_flops) / (eff.matmul * P) + (operand + weight bytes) / BW``);
 * fused attention cores: the FLOPs the causal kernel runs (:func:`~parcompile.analysis.
   compute.causal_share`) plus ``softmax_dim`` FLOPs per score for its exponentials, at
   ``attention * P * (1 + softmax_dim / 128)`` (the kernel's measured fraction at head dim
   128; :func:`attention_efficiency` picks the engine's kernel); an unfused core is its
   matmuls at the GEMM rate and its scores' traffic;
-* with ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`) the layers' linear GEMMs'
-  arithmetic at the FP8 rate (``eff.fp8`` or ``fp8_rowwise`` of the preset's FP8 peak), their
-  inputs and weights read at 1 byte, plus the recipe's casts at ``BW`` and its amax
-  all-reduces over tp;
+* with ``train.precision = fp8`` (:mod:`parcompile.analysis.fp8`) the layers' linear GEMMs
+  at the FP8 rate (the GEMM-rate model at the FP8 / MXFP8 peak, inputs and weights of 1 byte),
+  plus the recipe's casts at ``BW`` and its amax all-reduces over tp;
 * the non-matmul kernels (norms, activations, RoPE, dropout, residual adds, the loss) are
   memory-bound and move ``traffic * Engine.elementwise`` bytes (``OpSpec.traffic`` is the
-  fused count) at ``BW``.
-
+  fused count) at ``BW``;
 * the host's fixed cost per op (``cluster.op_overhead``: the eager program's Python,
   dispatcher and autograd work per graph op, what dominates a CPU run of a small model;
   0 on the GPU presets, whose host work runs ahead of the GPU's queue): ``ops *
@@ -296,11 +295,12 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 
     f8 = fp8_costs(cfg, fp8_efficiency(cfg), bw, degrees, cached_weights=eng.name == "megatron")
 
-    def gemms(flops, attn, work, operands, weights, expert_row, fp8_flops=0, cast=0.0, fp8_operands=0):
-        # GEMM arithmetic at the GEMM rate, plus the grouped GEMMs' fixed cost per expert
-        # (Engine.expert_rows rows each), plus the operands' and weights' traffic (a
-        # roofline summed, not maxed: neither hides the other fully at these shapes); with
-        # FP8 (analysis/fp8.py) the FP8 GEMMs' arithmetic at the FP8 rate, plus their casts
+    timed = bool(compute.chunk_gemm_seconds)
+
+    def gemms(flops, attn, work, operands, weights, expert_row, gemm_s, fp8_flops=0, cast=0.0, fp8_operands=0):
+        # GEMMs by their shapes (analysis/gemm.py) + per local expert + FP8 casts; else the flat rule
+        if timed:
+            return gemm_s + eng.expert_rows * expert_row / rate + cast
         t = (flops - attn + eng.expert_rows * expert_row) / rate + (operands + weights) / bw
         if f8 is not None:
             # FP8 operands (inputs and weights) are read at 1 byte, not the dtype's
@@ -312,11 +312,12 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 
     fwd = list(zip(compute.chunk_fwd_flops, compute.chunk_attn_flops or z, compute.chunk_attn_work or z,
                    compute.chunk_gemm_traffic or z, compute.chunk_weight_traffic or z,
-                   compute.chunk_expert_row_flops or z))
+                   compute.chunk_expert_row_flops or z, compute.chunk_gemm_seconds or z))
     scores = compute.chunk_attn_scores or z
     again = zip(compute.chunk_recompute_flops, compute.chunk_recompute_attn_flops or z,
                 compute.chunk_recompute_attn_work or z, compute.chunk_recompute_gemm_traffic or z,
-                compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z)
+                compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z,
+                compute.chunk_recompute_gemm_seconds or z)
     if f8 is not None:
         # the casts of a forward and backward, spread over them as the GEMMs are (1 : 2):
         # a third of them in the forward's time (analysis/fp8.py), the recomputed forward's own

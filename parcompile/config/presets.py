@@ -70,6 +70,10 @@ class ClusterPreset:
     #: software where it has no FP8 GEMM: vLLM keeps an FP8 KV cache so on Ampere); False
     #: where it has no FP8 type at all (:func:`fp8_storage`; a part with ``fp8_flops`` has one)
     fp8_storage: bool = True
+    #: streaming multiprocessors (compute units) per GPU, the datasheets' and whitepapers' count:
+    #: what the GEMM-rate model spreads a GEMM's output tiles over (:mod:`parcompile.analysis.gemm`);
+    #: 0 where unknown or not a GPU
+    sms: int = 0
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -190,27 +194,29 @@ _IB_LATENCY = q("10 us")
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOPS bf16, 156 TFLOPS TF32,
     # 1,555 GB/s HBM2; NVLink 3 600 GB/s bidirectional; DGX A100: 8 x 200 Gb/s HDR per node.
-    # No FP8 (Ampere's tensor cores stop at bf16 / int8).
+    # No FP8 (Ampere's tensor cores stop at bf16 / int8). 108 SMs (NVIDIA A100 Tensor Core GPU
+    # Architecture whitepaper, Table 1: A100 SXM4, 1,410 MHz boost).
     "a100-40gb": ClusterPreset(
         gpus_per_node=8, memory=int(q("40 GiB")), peak_flops=_peaks("312 TFLOPS", "156 TFLOPS"),
         hbm_bw=q("1555 GB/s"), intra_node_bw=q("300 GB/s"), inter_node_bw=q("200 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, sms=108,
     ),
     # NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s HBM2e; DGX A100 80GB: 8 x 200 Gb/s HDR.
     "a100-80gb": ClusterPreset(
         gpus_per_node=8, memory=int(q("80 GiB")), peak_flops=_peaks("312 TFLOPS", "156 TFLOPS"),
         hbm_bw=q("2039 GB/s"), intra_node_bw=q("300 GB/s"), inter_node_bw=q("200 Gb/s"),
-        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY,
+        intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, sms=108,
     ),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 494.7 TFLOPS TF32 dense, 1,979
     # TFLOPS FP8 dense (3,958 with sparsity), 3.35 TB/s HBM3; NVLink 4 900 GB/s bidirectional;
     # DGX H100: 8 x 400 Gb/s NDR (ConnectX-7), one per GPU on a rail-optimised fabric; four
-    # third-generation NVSwitches with NVLink SHARP.
+    # third-generation NVSwitches with NVLink SHARP. 132 SMs (NVIDIA H100 Tensor Core GPU Architecture
+    # whitepaper, Table 3: H100 SXM5).
     "h100-sxm": ClusterPreset(
         gpus_per_node=8, memory=int(q("80 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("3.35 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
-        fp8_flops=q("1979 TFLOPS"),
+        fp8_flops=q("1979 TFLOPS"), sms=132,
     ),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s; the H100's GH100 compute (989
     # TFLOPS bf16, 494.7 TF32, 1,979 FP8 dense: the sheet prints 1,979 / 3,958 with sparsity)
@@ -219,19 +225,20 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         gpus_per_node=8, memory=int(q("141 GiB")), peak_flops=_peaks("989 TFLOPS", "494.7 TFLOPS"),
         hbm_bw=q("4.8 TB/s"), intra_node_bw=q("450 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
-        fp8_flops=q("1979 TFLOPS"),
+        fp8_flops=q("1979 TFLOPS"), sms=132,
     ),
     # NVIDIA DGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs (180 GB each) at 64 TB/s (8 TB/s
     # each; NVIDIA's HGX B200 page now prints 62 TB/s, 7.7 each), 72 PFLOPS FP8 training per 8
     # GPUs with sparsity; HGX B200 per GPU: 2.25 PFLOPS bf16 / fp16 dense, 1.1 PFLOPS TF32
     # dense (2.2 sparse), 4.5 PFLOPS FP8 dense (9 sparse; MXFP8 the same: Blackwell's tensor
     # cores scale 32-element blocks in hardware at the FP8 rate); NVLink 5 1.8 TB/s
-    # bidirectional; 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with SHARP.
+    # bidirectional; 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with SHARP. 148 SMs
+    # (cudaDeviceProp.multiProcessorCount of a B200, as analysis/efficiency.py's softmax_dim uses).
     "b200": ClusterPreset(
         gpus_per_node=8, memory=int(q("180 GiB")), peak_flops=_peaks("2250 TFLOPS", "1100 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
-        fp8_flops=q("4500 TFLOPS"), mxfp8_flops=q("4500 TFLOPS"),
+        fp8_flops=q("4500 TFLOPS"), mxfp8_flops=q("4500 TFLOPS"), sms=148,
     ),
     # NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs and 36 Grace CPUs in one NVLink domain
     # (130 TB/s of NVLink: 1.8 TB/s per GPU both ways, through nine NVLink switch trays with
@@ -243,18 +250,18 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         gpus_per_node=4, memory=int(q("186 GiB")), peak_flops=_peaks("2500 TFLOPS", "1250 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
-        nics_per_node=4, nvlink_domain=72, fp8_flops=q("5000 TFLOPS"), mxfp8_flops=q("5000 TFLOPS"),
+        nics_per_node=4, nvlink_domain=72, fp8_flops=q("5000 TFLOPS"), mxfp8_flops=q("5000 TFLOPS"), sms=148,
     ),
     # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1,307.4 TFLOPS bf16 / fp16
     # dense, 653.7 TFLOPS TF32, 2,614.9 TFLOPS FP8 dense (5,229.8 with sparsity; OCP FP8,
     # no MX formats: those came with CDNA 4's MI350); Infinity Fabric 7 x 128 GB/s (896 GB/s
     # peak aggregate), 64 GB/s per direction to each of the 7 peers; typical platforms: one
-    # 400 Gb/s NIC per GPU; no in-switch reduction.
+    # 400 Gb/s NIC per GPU; no in-switch reduction. 304 compute units (the datasheet).
     "mi300x": ClusterPreset(
         gpus_per_node=8, memory=int(q("192 GiB")), peak_flops=_peaks("1307.4 TFLOPS", "653.7 TFLOPS"),
         hbm_bw=q("5.3 TB/s"), intra_node_bw=q("448 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, stack="rocm",
-        fp8_flops=q("2614.9 TFLOPS"),
+        fp8_flops=q("2614.9 TFLOPS"), sms=304,
     ),
     # Huawei Ascend 910B (Atlas 800T A2 server, 8 NPUs): 64 GB HBM2e at about 1.6 TB/s,
     # about 313 TFLOPS fp16/bf16 dense (figures vary by SKU); HCCS about 196 GB/s per

@@ -414,7 +414,7 @@ class FamilyFloors:
             r = mb * min(cp, 2) / cp
             comp = base.compute[rc]
             # what grows with the tokens (ComputeReport.PER_TOKEN); the weights read are the same
-            scaled = replace(comp, **{k: tuple(x * r for x in getattr(comp, k)) for k in comp.PER_TOKEN})
+            scaled = comp.scaled(r)
             tcfg = base.pcfg.model_copy(update={"parallel": probe_parallel(
                 par.tp, cp, par.sequence_parallel, mb, par.ep, par.expert_tp, recompute=rc)})
             got = self.scaled_bases[skey] = (scaled, tcfg, dict(base.degrees, cp=cp))

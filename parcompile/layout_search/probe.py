@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from parcompile.analysis.buckets import GradUnit
 from parcompile.analysis.comm import comm_report
+from parcompile.analysis.gemm import gemm_pricer
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import ChunkTimes
 from parcompile.ir.fp8 import GraphFp8, bf16_layers, graph_fp8
@@ -77,7 +78,8 @@ class Probe:
     def _compute(self, rc: str):
         m, tp = self.pcfg.model, self.pcfg.parallel.tp
         return compute_report(self.graph, self.degrees, 3, m.vocab, m.padded_vocab(tp), 1, rc, self.pcfg.cluster.engine,
-                              attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
+                              attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg),
+                              gemm=gemm_pricer(self.pcfg))
 
     def _comm(self, rc: str):
         if rc == "selective":   # the same collectives as without recomputation

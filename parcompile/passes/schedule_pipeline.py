@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parcompile.analysis.comm import comm_report
+from parcompile.analysis.gemm import gemm_pricer
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
 from parcompile.analysis.lora import row_parallel, with_adapter_collectives
@@ -48,7 +49,7 @@ class SchedulePipeline:
         m = par.num_microbatches
         comp = compute_report(graph, ctx.degrees, par.pp * par.virtual_stages, cfg.model.vocab,
                               cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
-                              attention_engine(cfg.cluster), fp8=fp8_enabled(cfg))
+                              attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), gemm=gemm_pricer(cfg))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp)
         comm = with_adapter_collectives(cfg, ctx.degrees, comm, m, row_parallel(graph))   # LoRA's tp collectives
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()

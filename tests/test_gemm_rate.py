@@ -1,0 +1,128 @@
+"""The GEMM-rate model (parcompile/analysis/gemm.py) against published per-shape GEMM
+measurements, one test per source: each row typed from its table (TFLOP/s), the model's rate
+for the same shape, dtype and GPU within 10%. The rows a source has that the model misses by
+more are listed apart (``*_MISSED``) with why, and held to a looser bound so that a change
+that makes them worse still fails."""
+
+import pytest
+
+from parcompile.analysis.gemm import KERNELS, STREAM_K_WAVES, GemmKernels, gemm_seconds
+
+H100 = dict(peak=989e12, sms=132, hbm_bw=3.35e12, kernels="hopper")     # config/presets.py h100-sxm
+H100_FP8 = dict(H100, peak=1979e12)
+A100 = dict(peak=312e12, sms=108, hbm_bw=2.039e12, kernels="ampere")    # config/presets.py a100-80gb
+
+
+def rate(m, n, k, batch=1, fmt="16", in_bytes=2, **gpu) -> float:
+    """TFLOP/s of the model for ``batch`` GEMMs [m, k] x [k, n]."""
+    return 2 * batch * m * n * k / gemm_seconds(m, n, k, batch, gpu["peak"], gpu["sms"], gpu["hbm_bw"],
+                                                gpu["kernels"], fmt, in_bytes, 2) / 1e12
+
+
+# OpenXLA's measured matmul table, H100 (key "sm_90"), bf16 x bf16 -> bf16, cuBLAS through XLA:
+# tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at
+# 372d578bb861cc5804e56d37d93aec931a59762c (flops in FLOP/s; here TFLOP/s). (b, m, n, k, TFLOP/s)
+XLA_H100_BF16 = [
+    (2, 256, 2048, 2048, 332.2), (4, 4096, 256, 2048, 588.7), (2, 1024, 2048, 1024, 493.4),
+    (1, 256, 2048, 4096, 285.9), (2, 512, 2048, 2048, 525.3), (4, 1024, 2048, 2048, 712.7),
+    (1, 2048, 2048, 2048, 632.0), (1, 4096, 4096, 256, 392.2), (2, 2048, 4096, 1024, 678.7),
+    (2, 4096, 4096, 2048, 763.0), (1, 4096, 4096, 4096, 783.3), (1, 512, 4096, 1024, 373.3),
+    (1, 256, 1024, 4096, 172.3), (1, 4096, 2048, 512, 447.0), (4, 4096, 1024, 1024, 673.8),
+    (2, 4096, 1024, 4096, 750.6), (1, 2048, 1024, 2048, 523.3), (2, 4096, 2048, 4096, 783.2),
+    (1, 1024, 2048, 2048, 524.3), (1, 1024, 4096, 4096, 738.5), (1, 512, 1024, 4096, 309.6),
+    (4, 4096, 2048, 2048, 759.3), (1, 2048, 4096, 4096, 753.6), (1, 4096, 512, 2048, 521.7),
+    (1, 256, 4096, 1024, 225.2), (2, 4096, 4096, 1024, 693.0), (1, 512, 4096, 2048, 522.2),
+    (1, 1024, 1024, 1024, 236.3), (1, 4096, 1024, 2048, 632.0), (4, 1024, 4096, 4096, 773.5),
+    (1, 256, 512, 4096, 91.7), (1, 256, 256, 256, 6.45), (1, 512, 256, 512, 21.8),
+    (1, 2048, 256, 2048, 216.1),
+]
+#: short-k (256-512) and thin-n shapes the model prices 11-17% fast: its tile prologue and
+#: epilogue are one fixed time per tile, where cuBLAS's grow with the tile's output
+XLA_H100_BF16_MISSED = [
+    (1, 1024, 2048, 256, 139.5), (1, 4096, 512, 512, 238.8), (1, 4096, 1024, 512, 343.7),
+    (2, 2048, 256, 4096, 378.6), (1, 2048, 2048, 512, 345.5), (1, 1024, 256, 1024, 68.3),
+]
+
+# DeepGEMM's README tables, FP8 (E4M3, 1x128 activation and 128x128 weight scales) on the
+# H800 SXM5 (the H100 SXM5's GH100 compute and HBM3), NVCC 12.8: deepseek-ai/DeepGEMM README.md
+# at 55ab91f72f76e8a6db0e86282c3169a88d93df1b, "Normal GEMMs for dense models" (groups 1) and
+# "Grouped GEMMs for MoE models" (contiguous and masked). (groups, m per group, n, k, TFLOP/s)
+DEEPGEMM_H800_FP8 = [
+    (1, 64, 24576, 1536, 289), (1, 64, 32768, 512, 219), (1, 64, 4096, 7168, 287),
+    (1, 128, 24576, 1536, 535), (1, 128, 32768, 512, 358), (1, 128, 4096, 7168, 533),
+    (1, 4096, 24576, 1536, 1125), (1, 4096, 4096, 7168, 1265), (1, 4096, 7168, 2048, 1168),
+    (4, 8192, 4096, 7168, 1346), (4, 8192, 7168, 2048, 1214), (8, 4096, 4096, 7168, 1346),
+    (8, 4096, 7168, 2048, 1214), (1, 1024, 4096, 7168, 1233), (1, 1024, 7168, 2048, 925),
+    (2, 512, 4096, 7168, 1040), (2, 512, 7168, 2048, 916), (4, 256, 7168, 2048, 815),
+    (1, 128, 2112, 7168, 352),
+]
+#: the model misses by 10-22%: at 64-128 rows DeepGEMM's BLOCK_N below 32 (more SMs pulling
+#: the weights, the model's smallest tile is 64 x 32) and its k = 16384 pipelining; the masked
+#: layout's 256-row groups (its per-group scheduling the model does not have); at 4096 rows the
+#: model's stream-K split of the last wave (``STREAM_K_WAVES``), which DeepGEMM does not run
+DEEPGEMM_H800_FP8_MISSED = [
+    (1, 64, 2112, 7168, 206), (1, 64, 7168, 16384, 336), (1, 64, 7168, 2048, 295),
+    (1, 128, 7168, 16384, 645), (1, 128, 7168, 2048, 510), (1, 4096, 7168, 16384, 1426),
+    (4, 256, 4096, 7168, 932), (1, 4096, 2112, 7168, 1009), (1, 4096, 32768, 512, 751),
+]
+
+# stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table" (v2: the cache reset between runs; mean of 100 iterations): the best
+# shape found per accelerator and dtype. (gpu, fmt, operand bytes, m, n, k, TFLOP/s)
+MAMF = [
+    (A100, "16", 2, 1024, 10240, 5120, 271.2),          # A100 SXM, bf16, torch 2.6.0+cu126
+    (H100, "16", 2, 2048, 2048, 13312, 794.5),          # H100 SXM, bf16, torch 2.7.0+cu126
+]
+#: H100 SXM, float8_e4m3fn, torch 2.7.0+cu126: the model is 14% fast, its 128 x 128 tiles in 4.4
+#: waves split by stream-K at the full mainloop share (tensorwise's share is the one the FP8 step
+#: rows of analysis/calibration.py need with their clock, analysis/efficiency.py ``fp8_clock``)
+MAMF_MISSED = [(H100_FP8, "tensorwise", 1, 1024, 9216, 14336, 1402.6)]
+
+
+@pytest.mark.parametrize("b,m,n,k,tflops", XLA_H100_BF16)
+def test_xla_h100_bf16(b, m, n, k, tflops):
+    assert rate(m, n, k, b, **H100) == pytest.approx(tflops, rel=0.10)
+
+
+@pytest.mark.parametrize("g,m,n,k,tflops", DEEPGEMM_H800_FP8)
+def test_deepgemm_h800_fp8(g, m, n, k, tflops):
+    assert rate(m, n, k, g, "blockwise", 1, **H100_FP8) == pytest.approx(tflops, rel=0.10)
+
+
+@pytest.mark.parametrize("gpu,fmt,nbytes,m,n,k,tflops", MAMF)
+def test_mamf(gpu, fmt, nbytes, m, n, k, tflops):
+    assert rate(m, n, k, 1, fmt, nbytes, **gpu) == pytest.approx(tflops, rel=0.10)
+
+
+def test_missed_rows_stay_bounded():
+    """The rows each source has that the model misses by more than 10% (listed with why)
+    stay within 25%."""
+    for b, m, n, k, tflops in XLA_H100_BF16_MISSED:
+        assert rate(m, n, k, b, **H100) == pytest.approx(tflops, rel=0.25)
+    for g, m, n, k, tflops in DEEPGEMM_H800_FP8_MISSED:
+        assert rate(m, n, k, g, "blockwise", 1, **H100_FP8) == pytest.approx(tflops, rel=0.25)
+    for gpu, fmt, nbytes, m, n, k, tflops in MAMF_MISSED:
+        assert rate(m, n, k, 1, fmt, nbytes, **gpu) == pytest.approx(tflops, rel=0.25)
+
+
+def test_small_m_is_memory_bound():
+    """Few rows: the time is at least the weights' bytes at the HBM rate, far above the
+    arithmetic at the peak."""
+    t = gemm_seconds(8, 8192, 8192, 1, 989e12, 132, 3.35e12, "hopper")
+    assert t >= 8192 * 8192 * 2 / 3.35e12 > 10 * 2 * 8 * 8192 * 8192 / 989e12
+
+
+def test_tiles_and_waves_quantise(monkeypatch):
+    """With one tile shape (128 x 128): a row past a full wave of tiles costs a second wave
+    (tile quantisation, then wave quantisation), and from STREAM_K_WAVES waves on the last
+    partial wave is split over the SMs (the time grows with the tiles, not a wave at a time).
+    The HBM taken as unbounded: the tiles' arithmetic alone."""
+    monkeypatch.setitem(KERNELS, "one", GemmKernels(((128, 128),), {"16": 0.8}, 1e15, 1.0, 0.0, "test"))
+    gemm_seconds.cache_clear()
+    full = 132 * 128
+    one = gemm_seconds(full, 128, 8192, 1, 989e12, 132, 1e18, "one")
+    assert gemm_seconds(full + 1, 128, 8192, 1, 989e12, 132, 1e18, "one") == pytest.approx(2 * one)
+    many = STREAM_K_WAVES * full
+    t = gemm_seconds(many + 128, 128, 8192, 1, 989e12, 132, 1e18, "one")
+    assert t == pytest.approx(one * (STREAM_K_WAVES + 1 / 132))
+    gemm_seconds.cache_clear()
