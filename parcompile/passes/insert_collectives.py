@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parcompile.core.recompute import is_module_list
 from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
                                         reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
@@ -263,6 +264,8 @@ def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
     conversions: they are the layer's inputs and outputs), ``"full"``. The program reads
     the marks (codegen); the collectives inside repeat in backward as planned."""
     mode = ctx.cfg.parallel.recompute
+    if is_module_list(mode) and "core_attn" in mode:
+        mode = "selective"   # Megatron-Core's core_attn (core/recompute.py): the program checkpoints the core
     if ctx.cfg.workload != "train" or mode not in ("selective", "full"):
         return
     for nd in graph.nodes():
