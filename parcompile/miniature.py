@@ -86,6 +86,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
         # a 16-bit reduce dtype is the model's: the miniature's 16-bit dtype, fp32 in an fp32 miniature
         reduce_dtype="fp32" if p.reduce_dtype == "fp32" or dtype == "fp32" else dtype,
+        grad_dtype="fp32" if dtype == "fp32" else p.grad_dtype,   # bf16 gradients need a bf16 miniature
     ))
     train = TrainConfig(
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,

@@ -130,3 +130,23 @@ def test_other_exports_refuse_a_module_list(target):
     plan = parcompile.compile(spec("[layernorm, moe_act]"))
     out = parcompile.export(plan, target)
     assert any("module list is not expressible" in e for e in out.errors)
+
+
+def test_the_program_checkpoints_the_modules_it_runs_again(tmp_path):
+    # the training program wraps the recomputed modules whole (rt.checkpointed, the same
+    # boundaries as Megatron-Core's); tests/test_verify.py runs them against one process
+    src = spec("[mlp, shared_experts, core_attn]", cluster="cpu", extra_model="shared_experts = 1\n dense_layers = 1")
+    parcompile.compile(src).write(tmp_path)
+    text = (tmp_path / "program.py").read_text()
+    assert "self.mlp = MoE(i, tp, experts) if i >= DENSE_LAYERS else rt.checkpointed(MLP(i, tp))" in text
+    assert "self.shared = rt.checkpointed(SharedMLP(i, tp))" in text
+    assert "recompute=True" in text   # the attention core
+    moe = parcompile.compile(spec("[moe]", cluster="cpu")).write(tmp_path / "moe")
+    assert "self.mlp = rt.checkpointed(MoE(i, tp, experts))" in (tmp_path / "moe" / "program.py").read_text()
+
+
+def test_the_cpu_plan_prices_what_the_program_frees():
+    # the program frees no module's output yet: on the cpu preset layernorm keeps the norms' outputs
+    src = spec("[layernorm]", cluster="cpu")
+    assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu"))
+    assert any("does not recompute `layernorm` yet" in w.message for w in parcompile.compile(src).warnings)

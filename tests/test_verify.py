@@ -212,6 +212,13 @@ CASES = {
     "fp8_moe_tp2_ep2_sequence_parallel": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1),
                                               parallel=dict(ep=2, expert_tp=1, sequence_parallel=True),
                                               train=dict(precision="fp8")),
+    # issue 48: Megatron-Core's module recomputation (rt.checkpointed around the MoE layer's MLP,
+    # the dense MLP, the shared experts; the attention core), dispatch all-to-alls rerun in backward
+    "moe_dp2_ep2_recompute_moe_core_attn": dict(dp=2, model=dict(experts=4, top_k=2, shared_experts=1),
+                                                parallel=dict(ep=2, recompute=("moe", "core_attn"))),
+    "moe_dp2_pp2_recompute_mlp_shared_experts": dict(dp=2, pp=2, model=dict(
+        layers=4, experts=4, top_k=2, shared_experts=1, dense_layers=1),
+        parallel=dict(ep=2, recompute=("mlp", "shared_experts"))),
 }
 
 

@@ -352,7 +352,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     input, 1 byte per element, :func:`parcompile.analysis.fp8.saves_fp8_inputs`)."""
     sac = op_sac(graph, recompute, engine, fp8)
     te_fp8 = saves_fp8_inputs(fp8, kernels or engine)
-    regions = module_regions(graph, recompute)
+    regions = module_regions(graph, recompute, program=kernels == "program")
     mcore_moe = (kernels or engine) == "megatron"
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks

@@ -15,7 +15,7 @@ from typing import Any
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import did_you_mean, or_list
 from parcompile.core.model import moe_layer
-from parcompile.core.recompute import is_module_list
+from parcompile.core.recompute import OUTPUT_DISCARDING, is_module_list
 from parcompile.diagnostics import DiagnosticBag
 from parcompile.frontend.check_context import CheckContext
 
@@ -98,6 +98,12 @@ def check_recompute(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload == "serve":
         ctx.bag.warning("a `serve` spec computes no backward: recompute does nothing", ctx.span("parallel.recompute"),
                         help="remove `recompute`")
+    elif getattr(cfg.cluster, "preset", None) == "cpu":
+        for i, module in enumerate(rc):
+            if module in OUTPUT_DISCARDING:
+                ctx.bag.warning(f"the generated program does not recompute `{module}` yet: the plan for the `cpu` "
+                                "preset (the program itself) keeps its output", ctx.span(f"parallel.recompute[{i}]"),
+                                note="GPU presets price it as Megatron-Core runs it (its output freed)")
 
 
 def check_grad_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
