@@ -145,11 +145,11 @@ def main() -> int:
 def memory_fit_rows() -> None:
     """The memory-fit rows (parcompile/analysis/memory_rows.py): each published layout's peak
     against what its GPU may use, with its source and what was assumed."""
-    print(f"{'memory-fit row':30s} {'layout':44s} {'peak GiB':>8s} {'usable':>7s} fits")
+    print(f"{'memory-fit row':30s} {'layout':62s} {'peak GiB':>8s} {'usable':>7s} fits")
     for row in MEMORY_ROWS:
         cfg = memory_row_config(row)
         mem = cost_without_schedule(cfg).memory
-        print(f"{row.name:30s} {_layout(cfg.parallel) + ' ' + cfg.parallel.grad_dtype + ' grads':44s} "
+        print(f"{row.name:30s} {_layout(cfg.parallel) + ' ' + cfg.parallel.grad_dtype + ' grads':62s} "
               f"{mem.peak / GIB:8.1f} {mem.capacity / GIB:7.1f} {'yes' if mem.fits else 'NO'}")
     for row in MEMORY_ROWS:
         print(f"{row.name:30s} {row.source}, {row.container} NeMo Container; assumed: {row.assumed}")

@@ -213,9 +213,11 @@ def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -
 
 
 def reference(mini: SpecConfig) -> SpecConfig:
-    """The miniature with every degree 1 on one process (same global batch and data)."""
+    """The miniature with every degree 1 on one process (same global batch and data), its
+    gradients accumulated in the same dtype (``grad_dtype``: bf16 sums over the micro-batches)."""
     p = mini.parallel
-    par = ParallelConfig(micro_batch=p.micro_batch, global_batch=p.global_batch, schedule="1f1b")
+    par = ParallelConfig(micro_batch=p.micro_batch, global_batch=p.global_batch, schedule="1f1b",
+                         grad_dtype=p.grad_dtype)
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=1)
     return mini.model_copy(update=dict(name=mini.name + "_reference", parallel=par, cluster=cluster))
 

@@ -150,3 +150,23 @@ def test_the_cpu_plan_prices_what_the_program_frees():
     src = spec("[layernorm]", cluster="cpu")
     assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu"))
     assert any("does not recompute `layernorm` yet" in w.message for w in parcompile.compile(src).warnings)
+
+
+def test_megatron_bridge_export_sets_the_recipe_fields():
+    # Megatron-Bridge's gpt-oss recipes set model.recompute_modules and ddp.grad_reduce_in_fp32 = False
+    from parcompile.exporters import megatron_bridge_config
+
+    sections, _notes, errors = megatron_bridge_config(parcompile.compile(spec("[layernorm, moe_act]",
+                                                                              grad="grad_dtype = bf16")))
+    assert sections["model"]["recompute_granularity"] == "selective"
+    assert sections["model"]["recompute_modules"] == ["layernorm", "moe_act"]
+    assert sections["ddp"]["grad_reduce_in_fp32"] is False
+    assert not [e for e in errors if "recompute" in e or "grad" in e]
+
+
+def test_selective_is_megatrons_default_list():
+    # Megatron-Core's recompute_modules default is [core_attn]: an MoE layer's selective
+    # recomputation drops the attention core's own tensors only (the fused kernel's
+    # log-sum-exp), none of the experts'
+    assert _layer_saves(spec("selective")) == _layer_saves(spec("[core_attn]"))
+    assert 0 < _layer_saves(spec("none")) - _layer_saves(spec("selective")) < B * S * H

@@ -241,6 +241,12 @@ MIXED_CASES = {
         ep=2, zero=1), train=dict(precision="fp8", fp8_recipe="rowwise")),
     "bf16_fp8_dp2_pp2_zero_bubble_zero1": dict(dtype="bf16", dp=2, pp=2, parallel=dict(
         schedule="zero_bubble", zero=1, bucket_size=16 * 1024), train=dict(precision="fp8")),
+    # issue 48: bf16 gradient buffers (Megatron-Core --grad-reduce-in-bf16), accumulated over 2
+    # micro-batches and reduced in bf16, against the single process accumulating in bf16 too
+    "bf16_grads_dp2_tp2_zero1": dict(dtype="bf16", dp=2, tp=2, parallel=dict(
+        zero=1, grad_dtype="bf16", global_batch=8)),
+    "bf16_grads_dp2_pp2_zero0_moe": dict(dtype="bf16", dp=2, pp=2, model=dict(experts=4, top_k=2), parallel=dict(
+        ep=2, grad_dtype="bf16")),
 }
 
 
