@@ -118,7 +118,6 @@ from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import GradUnit, bucket_element_bytes, partition, reshard_after_forward
 from parcompile.core.data_parallel import data_parallel_sharding
-from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.schedule import LOOP, Placement, interleaved_warmup, simulate
 
 
@@ -142,14 +141,9 @@ def grad_element_bytes(cfg, sharding=None) -> int:
     zero 0 and 1 buffers accumulate in fp32. Used by the memory (the zero 0 and 1 gradient
     state), the step's collectives and the gradient-reduction time alike."""
     par = cfg.parallel
-    if par.grad_dtype == "bf16":
-        # parallel.grad_dtype: every gradient buffer in bf16, reduced in bf16 (Megatron-Core
-        # --grad-reduce-in-bf16; NVIDIA/Megatron-LM d98e8a6 param_and_grad_buffer.py: grad_dtype =
-        # param.dtype unless grad_reduce_in_fp32), the program's too (runtime/train/grads.py)
-        return DTYPE_BYTES["bf16"]
     step = engine(cfg.cluster).step_grads_in_reduce_dtype and attention_engine(cfg.cluster) != "program"
     dps = data_parallel_sharding(par) if sharding is None else sharding
-    return bucket_element_bytes(dps, par.reduce_dtype, step_buffers=step)
+    return bucket_element_bytes(dps, par.reduce_dtype, step_buffers=step, grad_dtype=par.grad_dtype)
 
 
 def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:

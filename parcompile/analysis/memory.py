@@ -313,6 +313,15 @@ def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool) -
     return keep, s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered, gathered
 
 
+def _engine_node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
+                       mcore_moe: bool) -> tuple[list[str], int, int]:
+    """:func:`_node_saves` under the engine's MoE kernels: with Megatron-Core's (``mcore_moe``)
+    the router keeps its 16-bit input and the combine no expert outputs, the router's weights
+    being applied in the experts' activation (:mod:`parcompile.analysis.module_saves`)."""
+    keep, x, gathered = _node_saves(graph, nd, megatron_router_attrs(a) if mcore_moe else a, degrees, te_fp8)
+    return ([] if mcore_moe and nd.kind == "moe_combine" else keep), x, gathered
+
+
 def _kept_when_recomputing(nd, keep: list[str], x: int, gathered: int, recompute: str,
                            sac: frozenset[str] | None) -> tuple[list[str], int]:
     """What a layer's node keeps through the forward under ``recompute = selective``
@@ -370,11 +379,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if nd.has_trait(Trait.ATTENTION):
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
-        if mcore_moe and nd.kind == "router":
-            a = megatron_router_attrs(a)
-        keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8)
-        if mcore_moe and nd.kind == "moe_combine":
-            keep = []   # the router's weights are applied in the experts' activation (module_saves.py)
+        keep, x, gathered = _engine_node_saves(graph, nd, a, degrees, te_fp8, mcore_moe)
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})
@@ -388,10 +393,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            if regions is not None:
-                keep, x = kept_with_modules(graph, nd, a, keep, x, gathered, regions)
-            else:
-                keep, x = _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
+            keep, x = kept_with_modules(graph, nd, a, keep, x, gathered, regions) if regions is not None else \
+                _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
             kown = kept_own.setdefault(layer, {})
             for t in keep:
                 kown.setdefault(t, _local_bytes(graph, t, degrees))
