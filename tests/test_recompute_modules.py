@@ -143,13 +143,18 @@ def test_the_program_checkpoints_the_modules_it_runs_again(tmp_path):
     assert "recompute=True" in text   # the attention core
     moe = parcompile.compile(spec("[moe]", cluster="cpu")).write(tmp_path / "moe")
     assert "self.mlp = rt.checkpointed(MoE(i, tp, experts))" in (tmp_path / "moe" / "program.py").read_text()
+    parcompile.compile(spec("[moe_act]", cluster="cpu")).write(tmp_path / "act")
+    assert "recompute_act=True" in (tmp_path / "act" / "program.py").read_text()   # GroupedExperts
 
 
 def test_the_cpu_plan_prices_what_the_program_frees():
-    # the program frees no module's output yet: on the cpu preset layernorm keeps the norms' outputs
+    # the program frees moe_act's output (tests/test_verify.py measures it) but not yet the
+    # norms': on the cpu preset layernorm keeps them
     src = spec("[layernorm]", cluster="cpu")
     assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu"))
     assert any("does not recompute `layernorm` yet" in w.message for w in parcompile.compile(src).warnings)
+    cpu_none = _layer_saves(spec("none", cluster="cpu"))
+    assert cpu_none - _layer_saves(spec("[moe_act]", cluster="cpu")) == B * S * K * F * 2   # the bf16 product
 
 
 def test_megatron_bridge_export_sets_the_recipe_fields():

@@ -216,6 +216,9 @@ CASES = {
     # the dense MLP, the shared experts; the attention core), dispatch all-to-alls rerun in backward
     "moe_dp2_ep2_recompute_moe_core_attn": dict(dp=2, model=dict(experts=4, top_k=2, shared_experts=1),
                                                 parallel=dict(ep=2, recompute=("moe", "core_attn"))),
+    # moe_act: the experts' activation output freed after w2 saved it, rebuilt before w2's backward
+    # (runtime/model/discard.py); the saved bytes per layer are measured against the plan's
+    "moe_dp2_recompute_moe_act": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(recompute=("moe_act",))),
     "moe_dp2_pp2_recompute_mlp_shared_experts": dict(dp=2, pp=2, model=dict(
         layers=4, experts=4, top_k=2, shared_experts=1, dense_layers=1),
         parallel=dict(ep=2, recompute=("mlp", "shared_experts"))),

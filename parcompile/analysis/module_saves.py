@@ -39,17 +39,23 @@ from parcompile.ir.recompute import node_modules
 _FP8_SUFFIX = "#fp8"
 
 
+#: the output-discarding modules the generated program does not run yet (it frees ``moe_act``'s
+#: output: runtime/model/discard.py)
+PROGRAM_KEEPS = OUTPUT_DISCARDING - {"moe_act"}
+
+
 def module_regions(graph: Graph, recompute: Recompute, program: bool = False
                    ) -> dict[str, tuple[int, frozenset[str]]] | None:
     """Per op of a decoder layer, ``(layer, modules)``: the recomputed modules (of
     ``recompute``'s list) whose region holds it (:func:`parcompile.ir.recompute.node_modules`);
     None when ``recompute`` is not a list of modules. ``program``: the plan is for the
     generated program itself (the ``cpu`` preset), which checkpoints ``core_attn``, ``mlp``,
-    ``moe`` and ``shared_experts`` and frees no module's output: the output-discarding
-    modules are left out (priced as kept; frontend/checks_recompute.py warns)."""
+    ``moe`` and ``shared_experts`` and frees ``moe_act``'s output but not yet ``layernorm``'s
+    or ``mla_up_proj``'s: those are left out (:data:`PROGRAM_KEEPS`, priced as kept;
+    frontend/checks_recompute.py warns)."""
     if not is_module_list(recompute):
         return None
-    mods = modules_of(recompute) - (OUTPUT_DISCARDING if program else frozenset())
+    mods = modules_of(recompute) - (PROGRAM_KEEPS if program else frozenset())
     return {nd.name: (nd.op.layer, node_modules(nd) & mods) for nd in graph.nodes() if nd.op.layer is not None}
 
 
