@@ -143,18 +143,24 @@ def test_the_program_checkpoints_the_modules_it_runs_again(tmp_path):
     assert "recompute=True" in text   # the attention core
     moe = parcompile.compile(spec("[moe]", cluster="cpu")).write(tmp_path / "moe")
     assert "self.mlp = rt.checkpointed(MoE(i, tp, experts))" in (tmp_path / "moe" / "program.py").read_text()
-    parcompile.compile(spec("[moe_act]", cluster="cpu")).write(tmp_path / "act")
-    assert "recompute_act=True" in (tmp_path / "act" / "program.py").read_text()   # GroupedExperts
+    parcompile.compile(spec("[moe_act, layernorm]", cluster="cpu")).write(tmp_path / "act")
+    text = (tmp_path / "act" / "program.py").read_text()
+    assert "recompute_act=True" in text   # GroupedExperts
+    assert "rt.discard_between(self.attn_norm, self.attn)" in text and "rt.discard_between(self.mlp_norm, self.mlp)" in text
 
 
 def test_the_cpu_plan_prices_what_the_program_frees():
-    # the program frees moe_act's output (tests/test_verify.py measures it) but not yet the
-    # norms': on the cpu preset layernorm keeps them
-    src = spec("[layernorm]", cluster="cpu")
-    assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu"))
-    assert any("does not recompute `layernorm` yet" in w.message for w in parcompile.compile(src).warnings)
+    # the program frees moe_act's and layernorm's outputs (tests/test_verify.py measures them) but
+    # not yet mla_up_proj's: on the cpu preset it stays kept, with a warning at the module
     cpu_none = _layer_saves(spec("none", cluster="cpu"))
     assert cpu_none - _layer_saves(spec("[moe_act]", cluster="cpu")) == B * S * K * F * 2   # the bf16 product
+    # the program's router keeps an fp32 copy of its input, not mlp_norm's output: only attn_norm's is freed
+    assert cpu_none - _layer_saves(spec("[layernorm]", cluster="cpu")) == B * S * H * 2
+    mla = "kv_lora_rank = 16\n q_lora_rank = 16\n qk_rope_head_dim = 8\n qk_nope_head_dim = 8\n v_head_dim = 16"
+    src = spec("[mla_up_proj]", cluster="cpu", extra_model=mla)
+    assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu", extra_model=mla))
+    assert any("does not recompute `mla_up_proj` yet" in w.message for w in parcompile.compile(src).warnings)
+    assert _layer_saves(spec("[mla_up_proj]", extra_model=mla)) < _layer_saves(spec("none", extra_model=mla))
 
 
 def test_megatron_bridge_export_sets_the_recipe_fields():

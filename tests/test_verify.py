@@ -219,6 +219,10 @@ CASES = {
     # moe_act: the experts' activation output freed after w2 saved it, rebuilt before w2's backward
     # (runtime/model/discard.py); the saved bytes per layer are measured against the plan's
     "moe_dp2_recompute_moe_act": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(recompute=("moe_act",))),
+    # layernorm: the norms' outputs freed once attention / the MLP ran (with sequence parallelism
+    # the split output the column-parallel linears keep), rebuilt before their backward
+    "tp2_sequence_parallel_pp2_recompute_layernorm": dict(tp=2, pp=2, parallel=dict(
+        sequence_parallel=True, recompute=("layernorm", "core_attn"))),
     "moe_dp2_pp2_recompute_mlp_shared_experts": dict(dp=2, pp=2, model=dict(
         layers=4, experts=4, top_k=2, shared_experts=1, dense_layers=1),
         parallel=dict(ep=2, recompute=("mlp", "shared_experts"))),

@@ -40,8 +40,8 @@ _FP8_SUFFIX = "#fp8"
 
 
 #: the output-discarding modules the generated program does not run yet (it frees ``moe_act``'s
-#: output: runtime/model/discard.py)
-PROGRAM_KEEPS = OUTPUT_DISCARDING - {"moe_act"}
+#: and ``layernorm``'s outputs: runtime/model/discard.py)
+PROGRAM_KEEPS = frozenset({"mla_up_proj"})
 
 
 def module_regions(graph: Graph, recompute: Recompute, program: bool = False
@@ -50,8 +50,8 @@ def module_regions(graph: Graph, recompute: Recompute, program: bool = False
     ``recompute``'s list) whose region holds it (:func:`parcompile.ir.recompute.node_modules`);
     None when ``recompute`` is not a list of modules. ``program``: the plan is for the
     generated program itself (the ``cpu`` preset), which checkpoints ``core_attn``, ``mlp``,
-    ``moe`` and ``shared_experts`` and frees ``moe_act``'s output but not yet ``layernorm``'s
-    or ``mla_up_proj``'s: those are left out (:data:`PROGRAM_KEEPS`, priced as kept;
+    ``moe`` and ``shared_experts`` and frees ``moe_act``'s and ``layernorm``'s outputs but not
+    yet ``mla_up_proj``'s: it is left out (:data:`PROGRAM_KEEPS`, priced as kept;
     frontend/checks_recompute.py warns)."""
     if not is_module_list(recompute):
         return None

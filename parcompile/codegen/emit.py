@@ -402,6 +402,11 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False, mo
         when = "i >= DENSE_LAYERS" + (" and (i + 1) % MOE_LAYER_STEP == 0" if moe_step > 1 else "")
         block = dataclasses.replace(moe_kind, init=tuple(
             f"self.mlp = {moe} if {when} else {dense_mlp}" if ln == mlp_line else ln for ln in dense.init))
+    norm = (pd.dense_layer or pd.moe_layer).op("attn_norm")
+    if not serve and norm is not None and dict(norm.attrs).get("recompute") == "layernorm":
+        # recompute = [layernorm]: the norms' outputs freed once attention / the MLP ran (runtime/model/discard.py)
+        block = dataclasses.replace(block, init=block.init + (
+            "rt.discard_between(self.attn_norm, self.attn)", "rt.discard_between(self.mlp_norm, self.mlp)"))
     return block
 
 

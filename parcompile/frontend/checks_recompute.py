@@ -15,7 +15,7 @@ from typing import Any
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import did_you_mean, or_list
 from parcompile.core.model import moe_layer
-from parcompile.core.recompute import OUTPUT_DISCARDING, is_module_list
+from parcompile.core.recompute import is_module_list
 from parcompile.diagnostics import DiagnosticBag
 from parcompile.frontend.check_context import CheckContext
 
@@ -100,7 +100,7 @@ def check_recompute(cfg: SpecConfig, ctx: CheckContext) -> None:
                         help="remove `recompute`")
     elif getattr(cfg.cluster, "preset", None) == "cpu":
         for i, module in enumerate(rc):
-            if module in OUTPUT_DISCARDING - {"moe_act"}:   # analysis/module_saves.py PROGRAM_KEEPS
+            if module == "mla_up_proj":   # analysis/module_saves.py PROGRAM_KEEPS
                 ctx.bag.warning(f"the generated program does not recompute `{module}` yet: the plan for the `cpu` "
                                 "preset (the program itself) keeps its output", ctx.span(f"parallel.recompute[{i}]"),
                                 note="GPU presets price it as Megatron-Core runs it (its output freed)")

@@ -76,10 +76,34 @@ class Discarded:
         return grad
 
 
+def discard_between(norm: torch.nn.Module, consumer: torch.nn.Module) -> None:
+    """Run ``norm``'s forward output-discarding, its output freed once ``consumer`` (the module
+    its output feeds, called with it as its first argument) has run: Megatron-Core's
+    ``layernorm`` recompute module (``transformer_layer.py`` ``recompute_input_layernorm``: the
+    norm's output rebuilt before the attention's or the MLP's backward). Both modules are
+    unchanged but for their ``forward``."""
+    norm_forward, consumer_forward = norm.forward, consumer.forward
+
+    def run_norm(x, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return norm_forward(x, *args, **kwargs)
+        norm._discarded = discarding(lambda t: norm_forward(t, *args, **kwargs), x)
+        return norm._discarded.out
+
+    def run_consumer(h, *args, **kwargs):
+        pending, norm._discarded = getattr(norm, "_discarded", None), None
+        out = consumer_forward(h, *args, **kwargs)
+        if pending is not None and h is pending.out:
+            pending.discard(out)
+        return out
+
+    norm.forward, consumer.forward = run_norm, run_consumer
+
+
 def discarding(fn: Callable, *args) -> Discarded:
     """``fn(*args)`` as an output-discarding call (module docstring): its output is
     ``.out``; call ``.discard(consumer_out)`` after the consumer's forward."""
     return Discarded(fn, args)
 
 
-__all__ = ["Discarded", "discarding"]
+__all__ = ["Discarded", "discarding", "discard_between"]
