@@ -145,12 +145,15 @@ def main() -> int:
 def memory_fit_rows() -> None:
     """The memory-fit rows (parcompile/analysis/memory_rows.py): each published layout's peak
     against what its GPU may use, with its source and what was assumed."""
-    print(f"{'memory-fit row':30s} {'layout':62s} {'peak GiB':>8s} {'usable':>7s} fits")
+    print(f"{'memory-fit row':30s} {'layout':62s} {'peak GiB':>8s} {'usable':>7s} fits "
+          f"{'without recompute list, fp32 grads':>34s}")
     for row in MEMORY_ROWS:
         cfg = memory_row_config(row)
         mem = cost_without_schedule(cfg).memory
+        plain = cost_without_schedule(memory_row_config(row, recompute="none", grad_dtype="fp32")).memory
         print(f"{row.name:30s} {_layout(cfg.parallel) + ' ' + cfg.parallel.grad_dtype + ' grads':62s} "
-              f"{mem.peak / GIB:8.1f} {mem.capacity / GIB:7.1f} {'yes' if mem.fits else 'NO'}")
+              f"{mem.peak / GIB:8.1f} {mem.capacity / GIB:7.1f} {'yes' if mem.fits else 'NO ':4s} "
+              f"{plain.peak / GIB:30.1f} GiB")
     for row in MEMORY_ROWS:
         print(f"{row.name:30s} {row.source}, {row.container} NeMo Container; assumed: {row.assumed}")
 
