@@ -181,3 +181,10 @@ def test_selective_is_megatrons_default_list():
     # log-sum-exp), none of the experts'
     assert _layer_saves(spec("selective")) == _layer_saves(spec("[core_attn]"))
     assert 0 < _layer_saves(spec("none")) - _layer_saves(spec("selective")) < B * S * H
+
+
+def test_search_keeps_a_module_list():
+    src = spec("[layernorm, moe_act]").replace("dp = 2", "dp = auto\n    global_batch = 4")
+    ranked = parcompile.search(src, top=3)
+    text = ranked.text()
+    assert "recompute=[layernorm, moe_act]" in text
