@@ -10,7 +10,9 @@ gives every source, configuration and assumption; the last lines print each row'
 commit and what was assumed). ``C`` rows were used to fit the efficiencies of parcompile/analysis/estimate.py;
 ``H`` rows are held out. Also prints the first stage's activation memory beside
 Korthikanti's whole-stage formula (A100) and, per H100 row, the peak memory against what the
-cluster may use (fits or not) and beside the published one where there is one.
+cluster may use (fits or not) and beside the published one where there is one. Last, the
+memory-fit rows (Megatron-Bridge's GPT-OSS 120B BF16 layouts, parcompile/analysis/memory_rows.py):
+each layout's peak against what its GPU may use, with its source.
 
     python benchmarks/cost_model.py
 """
@@ -27,6 +29,8 @@ from parcompile.analysis.calibration import (FITTED, FP8_ROWS, H100_ROWS, ROWS, 
 from parcompile.analysis.estimate import engine  # noqa: E402
 from parcompile.passes.manager import cost_without_schedule  # noqa: E402
 from parcompile.analysis.memory import closed_form_in_flight  # noqa: E402
+from parcompile.analysis.memory_rows import MEMORY_ROWS, memory_row_config  # noqa: E402
+from parcompile.core.recompute import is_module_list, recompute_words  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -42,7 +46,8 @@ def _layout(par) -> str:
     parts += [f"mb{par.micro_batch}", f"gbs{par.global_batch}"]
     if par.zero:
         parts.append(f"zero{par.zero}")
-    parts.append({"none": "", "selective": "sel", "full": "full"}[par.recompute])
+    parts.append(recompute_words(par.recompute) if is_module_list(par.recompute) else
+                 {"none": "", "selective": "sel", "full": "full"}[par.recompute])
     if par.sequence_parallel:
         parts.append("sp")
     return " ".join(p for p in parts if p)
@@ -132,7 +137,25 @@ def main() -> int:
     print()
     for f in FITTED:
         print(f"fitted: {f.label()} = {f.value():g} to {', '.join(f.rows)}")
+    print()
+    memory_fit_rows()
     return 0
+
+
+def memory_fit_rows() -> None:
+    """The memory-fit rows (parcompile/analysis/memory_rows.py): each published layout's peak
+    against what its GPU may use, with its source and what was assumed."""
+    print(f"{'memory-fit row':30s} {'layout':62s} {'peak GiB':>8s} {'usable':>7s} fits "
+          f"{'without recompute list, fp32 grads':>34s}")
+    for row in MEMORY_ROWS:
+        cfg = memory_row_config(row)
+        mem = cost_without_schedule(cfg).memory
+        plain = cost_without_schedule(memory_row_config(row, recompute="none", grad_dtype="fp32")).memory
+        print(f"{row.name:30s} {_layout(cfg.parallel) + ' ' + cfg.parallel.grad_dtype + ' grads':62s} "
+              f"{mem.peak / GIB:8.1f} {mem.capacity / GIB:7.1f} {'yes' if mem.fits else 'NO ':4s} "
+              f"{plain.peak / GIB:30.1f} GiB")
+    for row in MEMORY_ROWS:
+        print(f"{row.name:30s} {row.source}, {row.container} NeMo Container; assumed: {row.assumed}")
 
 
 if __name__ == "__main__":

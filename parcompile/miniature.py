@@ -86,6 +86,7 @@ def miniature(cfg: SpecConfig, steps: int = 3, dtype: str = "fp32") -> SpecConfi
         bucket_size=min(p.bucket_size, MINI_BUCKET_SIZE),
         # a 16-bit reduce dtype is the model's: the miniature's 16-bit dtype, fp32 in an fp32 miniature
         reduce_dtype="fp32" if p.reduce_dtype == "fp32" or dtype == "fp32" else dtype,
+        grad_dtype="fp32" if dtype == "fp32" else p.grad_dtype,   # bf16 gradients need a bf16 miniature
     ))
     train = TrainConfig(
         optimizer=t.optimizer, lr=min(t.lr, 1e-2), weight_decay=t.weight_decay, grad_clip=t.grad_clip,
@@ -223,9 +224,11 @@ def _mini_experts(m: ModelConfig, p: ParallelConfig, hidden: int, layers: int) -
 
 
 def reference(mini: SpecConfig) -> SpecConfig:
-    """The miniature with every degree 1 on one process (same global batch and data)."""
+    """The miniature with every degree 1 on one process (same global batch and data), its
+    gradients accumulated in the same dtype (``grad_dtype``: bf16 sums over the micro-batches)."""
     p = mini.parallel
-    par = ParallelConfig(micro_batch=p.micro_batch, global_batch=p.global_batch, schedule="1f1b")
+    par = ParallelConfig(micro_batch=p.micro_batch, global_batch=p.global_batch, schedule="1f1b",
+                         grad_dtype=p.grad_dtype)
     cluster = ClusterConfig(name="cpu", preset="cpu", nodes=1, gpus_per_node=1)
     return mini.model_copy(update=dict(name=mini.name + "_reference", parallel=par, cluster=cluster))
 

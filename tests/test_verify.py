@@ -212,6 +212,20 @@ CASES = {
     "fp8_moe_tp2_ep2_sequence_parallel": dict(tp=2, model=dict(experts=4, top_k=2, shared_experts=1),
                                               parallel=dict(ep=2, expert_tp=1, sequence_parallel=True),
                                               train=dict(precision="fp8")),
+    # issue 48: Megatron-Core's module recomputation (rt.checkpointed around the MoE layer's MLP,
+    # the dense MLP, the shared experts; the attention core), dispatch all-to-alls rerun in backward
+    "moe_dp2_ep2_recompute_moe_core_attn": dict(dp=2, model=dict(experts=4, top_k=2, shared_experts=1),
+                                                parallel=dict(ep=2, recompute=("moe", "core_attn"))),
+    # moe_act: the experts' activation output freed after w2 saved it, rebuilt before w2's backward
+    # (runtime/model/discard.py); the saved bytes per layer are measured against the plan's
+    "moe_dp2_recompute_moe_act": dict(dp=2, model=dict(experts=4, top_k=2), parallel=dict(recompute=("moe_act",))),
+    # layernorm: the norms' outputs freed once attention / the MLP ran (with sequence parallelism
+    # the split output the column-parallel linears keep), rebuilt before their backward
+    "tp2_sequence_parallel_pp2_recompute_layernorm": dict(tp=2, pp=2, parallel=dict(
+        sequence_parallel=True, recompute=("layernorm", "core_attn"))),
+    "moe_dp2_pp2_recompute_mlp_shared_experts": dict(dp=2, pp=2, model=dict(
+        layers=4, experts=4, top_k=2, shared_experts=1, dense_layers=1),
+        parallel=dict(ep=2, recompute=("mlp", "shared_experts"))),
 }
 
 
@@ -234,6 +248,12 @@ MIXED_CASES = {
         ep=2, zero=1), train=dict(precision="fp8", fp8_recipe="rowwise")),
     "bf16_fp8_dp2_pp2_zero_bubble_zero1": dict(dtype="bf16", dp=2, pp=2, parallel=dict(
         schedule="zero_bubble", zero=1, bucket_size=16 * 1024), train=dict(precision="fp8")),
+    # issue 48: bf16 gradient buffers (Megatron-Core --grad-reduce-in-bf16), accumulated over 2
+    # micro-batches and reduced in bf16, against the single process accumulating in bf16 too
+    "bf16_grads_dp2_tp2_zero1": dict(dtype="bf16", dp=2, tp=2, parallel=dict(
+        zero=1, grad_dtype="bf16", global_batch=8)),
+    "bf16_grads_dp2_pp2_zero0_moe": dict(dtype="bf16", dp=2, pp=2, model=dict(experts=4, top_k=2), parallel=dict(
+        ep=2, grad_dtype="bf16")),
 }
 
 

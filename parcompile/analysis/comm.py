@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping, NamedTuple
 
+from parcompile.analysis.compute import recomputed as recomputed_op
+from parcompile.core.recompute import is_module_list
 from parcompile.analysis.compute import op_fwd_flops
 from parcompile.ir.fp8 import amax_collectives, is_fp8_gemm, moved_bytes
 from parcompile.core.axes import AXIS_FAMILY, DEGREE_AXES
@@ -179,7 +181,8 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                 raw.append((stage, nd.chunk or 0, c))
             n = m if c.per == "microbatch" else c.count
             phases = [(c.phase, n)]
-            recomputed = recompute == "full" and not nd.has_trait(Trait.STAGE_TRANSFER) and _in_layer(graph, nd.name)
+            recomputed = (recompute == "full" and not nd.has_trait(Trait.STAGE_TRANSFER) and _in_layer(graph, nd.name)
+                          or is_module_list(recompute) and recomputed_op(nd, recompute))
             if recomputed and c.phase == "forward":
                 phases.append(("recompute", n))
             if nd.op.attr("regather") and c.phase == "forward" and not recomputed:

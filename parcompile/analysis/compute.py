@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Mapping
 
+from parcompile.core.recompute import is_module_list, modules_of
+from parcompile.ir.recompute import node_modules
 from parcompile.ir.fp8 import is_fp8_gemm
 from parcompile.analysis.fp8 import cast_elements, cast_input
 from parcompile.core.attention import with_kernel
@@ -200,11 +202,15 @@ def _gemm_line(gemm, shapes: tuple, f8: bool, attn: bool) -> tuple[float, float,
 
 
 def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> bool:
-    """Whether ``recompute`` re-runs this op's forward during backward; ``sac``: the
+    """Whether ``recompute`` (a mode or a list of modules) re-runs this op's forward during backward; ``sac``: the
     recomputed linears of torchtitan's op-level policy (:func:`op_sac`), which recomputes
     every op of a layer but the other matmuls and the attention core."""
     if recompute == "full":
         return nd.op.layer is not None and not nd.has_trait(Trait.NOT_AN_OP)
+    if is_module_list(recompute):
+        # Megatron-Core's modules (core/recompute.py): their ops' forward runs again; moe_act
+        # reruns only the experts' activation (elementwise, inside the experts op: not counted)
+        return bool(node_modules(nd) & (modules_of(recompute) - {"moe_act"})) and not nd.has_trait(Trait.NOT_AN_OP)
     if recompute == "selective":
         if sac is not None:
             if nd.op.layer is None or nd.has_trait(Trait.NOT_AN_OP):

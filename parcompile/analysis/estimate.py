@@ -143,7 +143,7 @@ def grad_element_bytes(cfg, sharding=None) -> int:
     par = cfg.parallel
     step = engine(cfg.cluster).step_grads_in_reduce_dtype and attention_engine(cfg.cluster) != "program"
     dps = data_parallel_sharding(par) if sharding is None else sharding
-    return bucket_element_bytes(dps, par.reduce_dtype, step_buffers=step)
+    return bucket_element_bytes(dps, par.reduce_dtype, step_buffers=step, grad_dtype=par.grad_dtype)
 
 
 def closed_form_bubble(pp: int, virtual_stages: int, num_microbatches: int) -> float:

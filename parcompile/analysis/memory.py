@@ -127,6 +127,7 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
                                     reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
@@ -139,6 +140,8 @@ from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
 from parcompile.analysis.lora import (frozen_param_bytes, frozen_saves, is_lora, row_parallel, trainable,
                                      with_adapter_activations)
+from parcompile.analysis.module_saves import kept_with_modules, megatron_router_attrs, module_regions
+from parcompile.core.recompute import is_module_list
 from parcompile.core.schedule import Schedule, as_schedule, build_actions, in_flight
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Trait, spec
@@ -194,7 +197,8 @@ class MemoryReport:
 
 
 def state_bytes(n: int, dtype_bytes: int, sharding: DataParallelSharding, optimizer: str = "adamw",
-                shard: int | None = None, fsdp2: int = 0, grad_bytes: int = GRAD_BYTES) -> tuple[int, int, int]:
+                shard: int | None = None, fsdp2: int = 0, grad_bytes: int = GRAD_BYTES,
+                shard_grad_bytes: int = GRAD_BYTES) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for ``n`` parameters on one rank (module table),
     sharded as ``sharding`` says over its ``d = sharding.shard`` ranks. ``shard``: the elements of sharded state per rank when the parameters form several
     sharded buffers (the gradient buckets, ``sum ceil(n_b / d)``:
@@ -208,7 +212,8 @@ def state_bytes(n: int, dtype_bytes: int, sharding: DataParallelSharding, optimi
     ``8/d``. ``grad_bytes``: bytes per element of the full gradient buffers zero 0 and 1
     keep across the step (:func:`parcompile.analysis.estimate.grad_element_bytes`: 4, or 2
     for Megatron-Core with ``reduce_dtype`` bf16, its ``--grad-reduce-in-bf16``); the
-    sharded gradients of zero 2 and 3 stay fp32."""
+    sharded gradients of zero 2 and 3 stay fp32 unless ``shard_grad_bytes`` (2 with
+    ``grad_dtype = bf16``: Megatron-Core's bf16 main gradients)."""
     k, d = OPTIMIZER_STATES[optimizer], sharding.shard
     if shard is None:
         shard = math.ceil(n / d) if d > 1 else n
@@ -217,7 +222,7 @@ def state_bytes(n: int, dtype_bytes: int, sharding: DataParallelSharding, optimi
     opt_per = 4 * k + (4 if dtype_bytes < 4 else 0)
     params = dtype_bytes * (shard if sharding.shards_parameters else n)
     # ZeRO-1 keeps full gradient buffers, padded to shard * d as the buckets are
-    grads = 4 * shard if sharding.shards_gradients else grad_bytes * (
+    grads = shard_grad_bytes * shard if sharding.shards_gradients else grad_bytes * (
         shard * d if sharding.shards_optimizer_states and d > 1 else n)
     opt = opt_per * (shard if sharding.shards_optimizer_states else n)
     return params, grads, opt
@@ -237,8 +242,11 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     d, ed = degrees["dp_cp"], degrees["expert_dp"]
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
-    pd = state_bytes(sp.dense, e, dps, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb)
-    pe = state_bytes(sp.expert, e, dps.experts(ed), opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb)
+    sgb = DTYPE_BYTES[par.grad_dtype]   # parallel.grad_dtype: the zero 2 and 3 gradient shards too
+    pd = state_bytes(sp.dense, e, dps, opt, shard=shard_elements(dense, d), fsdp2=f2, grad_bytes=gb,
+                     shard_grad_bytes=sgb)
+    pe = state_bytes(sp.expert, e, dps.experts(ed), opt, shard=shard_elements(expert, ed), fsdp2=f2, grad_bytes=gb,
+                     shard_grad_bytes=sgb)
     return (pd[0] + pe[0] + frozen, pd[1] + pe[1], pd[2] + pe[2])
 
 
@@ -318,6 +326,15 @@ def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
     return keep, s.saved_extra(a, local_in, nd.sharding.local_type(nd.type, degrees)) + gathered, gathered
 
 
+def _engine_node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
+                       mcore_moe: bool, lora: tuple = (frozenset(), frozenset())) -> tuple[list[str], int, int]:
+    """:func:`_node_saves` under the engine's MoE kernels: with Megatron-Core's (``mcore_moe``)
+    the router keeps its 16-bit input and the combine no expert outputs, the router's weights
+    being applied in the experts' activation (:mod:`parcompile.analysis.module_saves`)."""
+    keep, x, gathered = _node_saves(graph, nd, megatron_router_attrs(a) if mcore_moe else a, degrees, te_fp8, lora)
+    return ([] if mcore_moe and nd.kind == "moe_combine" else keep), x, gathered
+
+
 def _kept_when_recomputing(nd, keep: list[str], x: int, gathered: int, recompute: str,
                            sac: frozenset[str] | None) -> tuple[list[str], int]:
     """What a layer's node keeps through the forward under ``recompute = selective``
@@ -357,6 +374,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     input, 1 byte per element, :func:`parcompile.analysis.fp8.saves_fp8_inputs`)."""
     sac = op_sac(graph, recompute, engine, fp8)
     te_fp8 = saves_fp8_inputs(fp8, kernels or engine)
+    regions = module_regions(graph, recompute, program=kernels == "program")
+    mcore_moe = (kernels or engine) == "megatron"
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
     head = [0] * num_chunks
@@ -373,7 +392,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
         if nd.has_trait(Trait.ATTENTION):
             a = with_kernel(a, kernels or engine)
         ins = graph.inputs(nd.name)
-        keep, x, gathered = _node_saves(graph, nd, a, degrees, te_fp8, lora)
+        keep, x, gathered = _engine_node_saves(graph, nd, a, degrees, te_fp8, mcore_moe, lora)
         layer = nd.op.layer
         if layer is not None:
             own = layer_own.setdefault(layer, {})
@@ -387,7 +406,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            keep, x = _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
+            keep, x = kept_with_modules(graph, nd, a, keep, x, gathered, regions) if regions is not None else \
+                _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
             kown = kept_own.setdefault(layer, {})
             for t in keep:
                 kown.setdefault(t, _local_bytes(graph, t, degrees))
@@ -663,6 +683,9 @@ def buffer_bytes(graph: Graph, cfg, degrees: Mapping[str, int], saved: SavedByte
                     0 if par.recompute == "full" else saved.kept_per_layer.get(layer, 0)))
             elif par.recompute == "selective":
                 bump(s, "recompute", saved.per_layer_attention.get(layer, 0))
+            elif is_module_list(par.recompute):
+                # the modules' dropped tensors, rebuilt during the layer's backward (at most all of them)
+                bump(s, "recompute", saved.per_layer.get(layer, 0) - saved.kept_per_layer.get(layer, 0))
     return out
 
 

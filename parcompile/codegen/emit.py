@@ -348,7 +348,9 @@ def _moe_methods(pd: ProgramData, serve: bool = False) -> str:
     decode-sized: top-k is its ``EXPERTS_PER_TOKEN``, no auxiliary loss)."""
     layer = pd.moe_layer
     full = f"layers.{layer.index}.mlp."
-    subs = {"shared": Submodule("shared", "SharedMLP(i, tp)")} if layer.op("mlp.shared.w1") is not None else {}
+    shared = layer.op("mlp.shared.w1")
+    subs = {"shared": Submodule("shared", _checkpointed("SharedMLP(i, tp)", shared, "shared_experts"))} \
+        if shared is not None else {}
     ops = tuple(o for o in layer.ops if o.name.startswith(full))
     constants = {**DIM_CONSTANTS, "topk": "EXPERTS_PER_TOKEN"} if serve else DIM_CONSTANTS
     whole = _experts_on_tp(pd)   # every expert on every tp rank: no expert axes
@@ -386,15 +388,20 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False, mo
     Raises:
         ValueError: a dense and a MoE layer that differ outside their MLP."""
     kinds = []
+    if pd.dense_layer is not None:
+        dense_mlp = _checkpointed("MLP(i, tp)", pd.dense_layer.op("mlp.w1"), "mlp")
+    if pd.moe_layer is not None:
+        moe = _checkpointed(moe, pd.moe_layer.op("mlp.router"), "moe")
     for layer, mlp in ((pd.dense_layer, "MLP(i, tp)"), (pd.moe_layer, moe)):
         if layer is not None:
+            mlp = dense_mlp if mlp == "MLP(i, tp)" else mlp
             subs = {"attn": Submodule("attn", attn, ", pos"), "mlp": Submodule("mlp", mlp)}
             kinds.append(methods(layer.ops, layer.index, f"layers.{layer.index}.", pd.ops, subs, serve=serve,
                                  per_layer=pd.layer_tables))
     block = kinds[0]
     if len(kinds) == 2:
         dense, moe_kind = kinds
-        mlp_line, moe_line = "self.mlp = MLP(i, tp)", f"self.mlp = {moe}"
+        mlp_line, moe_line = f"self.mlp = {dense_mlp}", f"self.mlp = {moe}"
         if [ln for ln in dense.init if ln != mlp_line] != [ln for ln in moe_kind.init if ln != moe_line] \
                 or dense.forward != moe_kind.forward:
             raise ValueError(f"layers {pd.dense_layer.index} and {pd.moe_layer.index} differ outside their MLP; "
@@ -402,8 +409,20 @@ def _block_methods(pd: ProgramData, attn: str, moe: str, serve: bool = False, mo
         # Llama 4: dense layers between MoE ones, every MOE_LAYER_STEP-th layer MoE (core/model.py moe_layer)
         when = "i >= DENSE_LAYERS" + (" and (i + 1) % MOE_LAYER_STEP == 0" if moe_step > 1 else "")
         block = dataclasses.replace(moe_kind, init=tuple(
-            f"self.mlp = {moe} if {when} else MLP(i, tp)" if ln == mlp_line else ln for ln in dense.init))
+            f"self.mlp = {moe} if {when} else {dense_mlp}" if ln == mlp_line else ln for ln in dense.init))
+    norm = (pd.dense_layer or pd.moe_layer).op("attn_norm")
+    if not serve and norm is not None and dict(norm.attrs).get("recompute") == "layernorm":
+        # recompute = [layernorm]: the norms' outputs freed once attention / the MLP ran (runtime/model/discard.py)
+        block = dataclasses.replace(block, init=block.init + (
+            "rt.discard_between(self.attn_norm, self.attn)", "rt.discard_between(self.mlp_norm, self.mlp)"))
     return block
+
+
+def _checkpointed(build: str, op, module: str) -> str:
+    """``build`` wrapped in ``rt.checkpointed`` where the graph marks ``op`` (one of the
+    module's ops) recomputed as ``module`` (``recompute = [mlp]``, ``[moe]``,
+    ``[shared_experts]``: passes/insert_collectives.py ``_mark_modules``)."""
+    return f"rt.checkpointed({build})" if op is not None and dict(op.attrs).get("recompute") == module else build
 
 
 def _serve_classes(pd: ProgramData) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -183,7 +183,9 @@ class ParallelConfig(_Frozen):
     #: (:mod:`parcompile.core.schedule`)
     microbatch_group_size: Optional[int] = None
     stage_layers: Optional[tuple[int, ...]] = None
-    recompute: Literal["none", "selective", "full"] = "none"
+    #: a mode, or a tuple of Megatron-Core's ``--recompute-modules`` names
+    #: (:mod:`parcompile.core.recompute`)
+    recompute: Union[Literal["none", "selective", "full"], tuple[str, ...]] = "none"
     order: str = "tp-cp-ep-dp-pp"
     #: fp32 gradient bytes per data-parallel reduction bucket (``parallel.bucket_size``):
     #: a bucket closes once it holds at least this many; 0 means one bucket per model
@@ -195,6 +197,11 @@ class ParallelConfig(_Frozen):
     #: or the model's 16-bit dtype, added into the fp32 gradient shard
     #: (:func:`parcompile.analysis.buckets.bucket_element_bytes`)
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: dtype of the gradient buffers (``parallel.grad_dtype``): fp32, or bf16 as Megatron-Core's
+    #: ``--grad-reduce-in-bf16`` (``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``):
+    #: gradients accumulated and reduced in bf16, cast to fp32 for the optimizer
+    #: (:func:`parcompile.analysis.estimate.grad_element_bytes`)
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
     auto: tuple[str, ...] = ()
 
     @model_validator(mode="after")

@@ -418,12 +418,17 @@ def zero3_gather_counts(buckets: Sequence[Bucket], microbatches: int, per_microb
 
 
 def bucket_element_bytes(sharding: DataParallelSharding, reduce_dtype: str = "fp32",
-                         step_buffers: bool = False) -> int:
+                         step_buffers: bool = False, grad_dtype: str = "fp32") -> int:
     """Bytes per element of a full gradient bucket and of its reduction (module docstring,
     "Reduce dtype"): the reduce dtype's when buckets are reduce-scattered per micro-batch
     (``sharding.per_microbatch``) or when ``step_buffers`` (Megatron-Core: the buffers
     that accumulate the step are held in the reduce dtype too), else 4 (fp32: the program's
-    buffers accumulate the step in fp32)."""
+    buffers accumulate the step in fp32). ``grad_dtype`` (``parallel.grad_dtype``) bf16: every
+    gradient buffer is bf16 and reduced as it is, the program's too (Megatron-Core's
+    ``--grad-reduce-in-bf16``: NVIDIA/Megatron-LM d98e8a6 ``param_and_grad_buffer.py``, ``grad_dtype =
+    param.dtype`` unless ``grad_reduce_in_fp32``)."""
+    if grad_dtype != "fp32":
+        return DTYPE_BYTES[grad_dtype]
     return DTYPE_BYTES[reduce_dtype] if step_buffers or sharding.per_microbatch else GRAD_BYTES
 
 

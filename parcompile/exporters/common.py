@@ -90,6 +90,8 @@ def grad_reduce_dtype(plan: Plan) -> str:
     from parcompile.analysis.buckets import bucket_element_bytes
 
     par = plan.config.parallel
+    if par.grad_dtype == "bf16":   # bf16 gradient buffers, reduced as they are
+        return "bf16"
     return "fp32" if bucket_element_bytes(dp_sharding(plan), par.reduce_dtype) == GRAD_BYTES else par.reduce_dtype
 
 def stage_split(plan: Plan) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from parcompile.core.recompute import is_module_list, recompute_words
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, placement_errors,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.model_keys import model_key_errors, set_model_keys, show
@@ -150,7 +151,11 @@ def _deepspeed_features(plan: Plan, c: dict, notes: list[str], errors: list[str]
     scaling and the rank order."""
     par, m = plan.config.parallel, plan.config.model
     deg = degrees(plan)
-    if par.recompute != "none":
+    if is_module_list(par.recompute):
+        errors.append(f"recompute {recompute_words(par.recompute)}: DeepSpeed checkpoints whole layers "
+                      "(deepspeed.checkpointing.checkpoint); Megatron-Core's module list is not expressible: use "
+                      "recompute = full, or export --to megatron")
+    elif par.recompute != "none":
         c["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
                                          "cpu_checkpointing": False}
         notes.append("recompute: the model code checkpoints each layer with deepspeed.checkpointing.checkpoint"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 from typing import Callable
 
+from parcompile.core.recompute import is_module_list
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       placement_errors,
@@ -70,7 +71,8 @@ def megatron_args(plan: Plan) -> tuple[list[tuple[str, str | None]], list[str]]:
     notes = common_notes(plan, "Megatron-LM")
 
     def add(flag: str, value=None) -> None:
-        a.append((flag, None if value is None else str(value)))
+        # a tuple: an argument of several values (``nargs``), written as separate words
+        a.append((flag, None if value is None else tuple(map(str, value)) if isinstance(value, tuple) else str(value)))
 
     _megatron_parallel_flags(plan, add, notes)
     _megatron_pipeline_flags(plan, add, notes)
@@ -201,6 +203,10 @@ def _megatron_memory_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         add("--recompute-num-layers", 1)
     elif par.recompute == "selective":
         add("--recompute-granularity", "selective")
+    elif is_module_list(par.recompute):
+        # Megatron-Core's module list (transformer_config.py recompute_modules, read with granularity selective)
+        add("--recompute-granularity", "selective")
+        add("--recompute-modules", tuple(par.recompute))
 
 
 #: the kernels of the plan's attention choice (parcompile.core.attention ATTENTION_KERNELS, engine
@@ -376,7 +382,10 @@ def _megatron_precision_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
         kept = _megatron_bf16_layer_flags(plan, add)
         notes.append("precision fp8: E4M3 for weights, activations and gradients (torchao's recipes; "
                      "--fp8-format hybrid would take E5M2 gradients); " + kept)
-    if plan.config.parallel.reduce_dtype == "bf16":
+    if plan.config.parallel.grad_dtype == "bf16":
+        # parallel.grad_dtype: Megatron-Core's grad buffer in bf16 (param_and_grad_buffer.py grad_dtype)
+        add("--grad-reduce-in-bf16")
+    elif plan.config.parallel.reduce_dtype == "bf16":
         # Megatron-Core's grad buffer is in the parameters' dtype without grad_reduce_in_fp32, at
         # every ZeRO level (param_and_grad_buffer.py group_params_for_buffers, analysis/estimate.py
         # grad_element_bytes): the plan of engine megatron counts it so
@@ -446,7 +455,8 @@ def megatron_export(plan: Plan) -> Export:
     lines += [f"# error: {e}" for e in errors]
     lines += [f"# note: {n}" for n in notes]
     lines.append(launch + " \\")
-    body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
+    body = [f"    {flag}" + ("" if v is None else " " + " ".join(map(shlex.quote, v)) if isinstance(v, tuple)
+                              else f" {shlex.quote(v)}") for flag, v in args]
     lines += [b + " \\" for b in body[:-1]] + [body[-1]]
     return Export("megatron", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_megatron.sh", errors)
 

@@ -50,6 +50,7 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--recompute-granularity": [("model", "recompute_granularity", str)],
     "--recompute-method": [("model", "recompute_method", str)],
     "--recompute-num-layers": [("model", "recompute_num_layers", int)],
+    "--recompute-modules": [("model", "recompute_modules", list)],
     "--micro-batch-size": [("train", "micro_batch_size", int)],
     "--global-batch-size": [("train", "global_batch_size", int)],
     "--num-layers": [("model", "num_layers", int)],
@@ -153,6 +154,8 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
         for section, name, kind in MEGATRON_BRIDGE_FIELDS[flag] or ():
             if kind in (int, float, str):
                 v = kind(value)
+            elif kind is list:   # an argument of several values (megatron.py's tuples)
+                v = list(value)
             elif kind == "AttnBackend":
                 v = _Code(f"AttnBackend.{value}")
             elif kind == "layer-list":   # "([0]*3+[1]*25)": which layers are MoE

@@ -6,6 +6,7 @@ ZeRO stage, the pipeline schedule and the model parts of uneven stages."""
 
 from __future__ import annotations
 
+from parcompile.core.recompute import is_module_list, recompute_words
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.schedule import Schedule as PipelineSchedule
@@ -42,6 +43,10 @@ def torchtitan_errors(plan: Plan) -> list[str]:
         errors.append("dtype fp16: torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param, "
                       "training.dtype); use dtype bf16 or fp32 in the spec")
     par = plan.config.parallel
+    if is_module_list(par.recompute):
+        errors.append(f"recompute {recompute_words(par.recompute)}: torchtitan's activation checkpointing is "
+                      "per layer (full), per other layer or per op (selective); Megatron-Core's module list is not "
+                      "expressible: use recompute = selective or full, or export --to megatron")
     sched = par.pipeline_schedule
     name = TORCHTITAN_SCHEDULE[(sched.name, par.virtual_stages > 1)]
     style = "v" if name in TORCHTITAN_V_SCHEDULES else "loop"   # torchtitan's own rule
@@ -126,7 +131,7 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
           "decay_type": "cosine" if tr.lr_schedule == "cosine" else "linear",
           "min_lr_factor": tr.min_lr / tr.lr if tr.lr else 0.0}
     config = {"model": model, "training": training, "parallelism": parallelism,
-              "activation_checkpoint": {"none": None, "full": "FullAC", "selective": "SelectiveAC"}[par.recompute],
+              "activation_checkpoint": {"none": None, "full": "FullAC", "selective": "SelectiveAC"}.get(par.recompute),
               "optimizer": opt, "lr_scheduler": lr, "log_freq": tr.log_every, "seed": tr.seed}
     if tr.checkpoint_dir and tr.checkpoint_every:
         config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}

@@ -79,7 +79,7 @@ def torchtitan_config(plan: Plan) -> tuple[dict, list[str]]:
     par_t = _torchtitan02_parallelism(plan, notes)
     training = _torchtitan02_training(plan, notes, par_t["data_parallel_shard_degree"])
 
-    ac = {"mode": par.recompute}
+    ac = {"mode": par.recompute if isinstance(par.recompute, str) else "none"}   # a module list: refused (torchtitan.py)
     if par.recompute == "selective":
         ac["selective_ac_option"] = "op"
         notes.append("recompute selective: torchtitan's op-level selective checkpointing saves matmul outputs "

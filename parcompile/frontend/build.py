@@ -45,6 +45,8 @@ from parcompile.config.schema import (
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
 from parcompile.frontend.paths import SpecPaths
+from parcompile.frontend.checks_recompute import convert_module_list
+from parcompile.core.recompute import RECOMPUTE_MODULES
 from parcompile.frontend.serve_values import (SERVE_AUTO_PLACEHOLDERS, checkpoint_quantization, prefill_gpus,
                                               serve_defaults)
 from parcompile.core.model import MODEL_KEY_CHECKS, REQUIRED_MODEL_KEYS
@@ -79,6 +81,9 @@ class KeyType:
     zero_ok: bool = False
     #: bare words also accepted, returned as themselves (``eval_batches = all``)
     words: tuple[str, ...] = ()
+    #: an enum that also takes a list of these names (``recompute = [moe_act, layernorm]``),
+    #: returned as a tuple (:func:`parcompile.frontend.checks_recompute.convert_module_list`)
+    list_choices: tuple[str, ...] = ()
 
 
 def _choices(model: type[BaseModel], field: str) -> tuple:
@@ -143,10 +148,11 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "virtual_stages": _COUNT_OR_AUTO,
         "microbatch_group_size": _COUNT,
         "stage_layers": KeyType("int_list", low=0),   # 0: first/last chunk only (checks.py)
-        "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True),
+        "recompute": replace(_enum(ParallelConfig, "recompute"), auto=True, list_choices=RECOMPUTE_MODULES),
         "order": _STR,
         "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
         "reduce_dtype": _enum(ParallelConfig, "reduce_dtype"),
+        "grad_dtype": _enum(ParallelConfig, "grad_dtype"),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
@@ -294,6 +300,9 @@ class _Values:
 
     def _enum(self, key: str, t: KeyType, v: ast.Value) -> Any:
         allowed = or_list(t.choices, quote=True)
+        if t.list_choices and isinstance(v, ast.List):
+            out = convert_module_list(self.bag, key, t.choices, t.list_choices, v)
+            return _INVALID if out is None else out
         if isinstance(t.choices[0], int):  # zero = 0..3
             if isinstance(v, ast.Int) and v.value in t.choices:
                 return v.value
@@ -304,7 +313,9 @@ class _Values:
             return v.value
         word = v.value if isinstance(v, (ast.Word, ast.String)) else v.text
         self.bag.error(f"unknown {key} `{word}`", v.span,
-                       help=f"{did_you_mean(str(word), t.choices, case_note='values are case-sensitive')}{key} may be {allowed}")
+                       help=f"{did_you_mean(str(word), t.choices + t.list_choices, case_note='values are case-sensitive')}"
+                            f"{key} may be {allowed}" + (", or a list of " + or_list(t.list_choices, quote=True)
+                                                         if t.list_choices else ""))
         return _INVALID
 
     def _unit_ok(self, q: ast.Quantity) -> bool:
@@ -474,6 +485,8 @@ class _Reader:
                 continue
             path = f"{block.kind}.{key}"
             self.ctx.spans[path] = entry.value_span
+            if isinstance(entry.value, ast.List):   # each entry's own span: "parallel.recompute[1]"
+                self.ctx.spans.update((f"{path}[{i}]", x.span) for i, x in enumerate(entry.value.items))
             value = self.values_of.convert(key, keys[key], entry.value)
             if value is _INVALID:
                 self.ctx.bad.add(path)

@@ -28,6 +28,7 @@ from parcompile.frontend.checks_fp8 import check_fp8, check_fp8_bf16_layers
 from parcompile.frontend.checks_model import (check_attention_kinds, check_heads, check_llama4, check_mla,
                                               check_widths)
 from parcompile.frontend.checks_moe import ROUTER_KEYS, check_experts, check_router, value_words
+from parcompile.frontend.checks_recompute import check_grad_dtype, check_recompute
 from parcompile.frontend.checks_serve import check_serve
 
 
@@ -698,6 +699,8 @@ CHECKS = (
     _check_no_effect,
     _check_overlaps,
     _check_reduce_dtype,
+    check_recompute,
+    check_grad_dtype,
     _check_order,
     _check_train,
     _check_positions,
@@ -727,6 +730,8 @@ LAYOUT_READS = {
     _check_no_effect: ("auto", "cp", "dp", "ep", "expert_tp", "tp", "zero"),
     _check_overlaps: ("auto", "pp", "schedule", "sequence_parallel", "tp", "virtual_stages"),
     _check_reduce_dtype: ("auto", "cp", "dp", "ep", "expert_tp", "reduce_dtype", "schedule", "tp", "zero"),
+    check_recompute: ("recompute",),
+    check_grad_dtype: ("grad_dtype", "reduce_dtype"),
     _check_order: ("order",),
     _check_train: ("auto", "tp", "zero"),
     _check_positions: (),

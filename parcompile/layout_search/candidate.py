@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parcompile.core.recompute import recompute_words
 from parcompile.analysis.memory import MemoryReport
 from parcompile.config.schema import ParallelConfig
 from parcompile.layout_search.space import SCHEDULE_ORDER
@@ -13,7 +14,7 @@ from parcompile.layout_search.space import SCHEDULE_ORDER
 _SCHEDULE_RANK = {s.name: i for i, s in enumerate(SCHEDULE_ORDER)}
 
 
-_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}   # a module list (core/recompute.py) ranks as selective
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Candidate:
             parts.append(f"ep={p.ep}")
         if p.virtual_stages > 1:
             parts.append(f"v={p.virtual_stages}")
-        parts += [f"mb={p.micro_batch}", f"zero={p.zero}", f"recompute={p.recompute}"]
+        parts += [f"mb={p.micro_batch}", f"zero={p.zero}", f"recompute={recompute_words(p.recompute)}"]
         if p.pp > 1:
             parts.append(f"schedule={p.schedule}")
         if p.microbatch_group_size is not None:
@@ -63,7 +64,7 @@ class Candidate:
         """Ranking key: step time, then the simpler layout."""
         p = self.parallel
         return (round(self.step_time, 9), _SCHEDULE_RANK[p.schedule], p.virtual_stages, p.zero,
-                _RECOMPUTE_RANK[p.recompute], p.tp, p.pp, p.cp, -p.micro_batch, int(p.sequence_parallel))
+                _RECOMPUTE_RANK.get(p.recompute, 1), p.tp, p.pp, p.cp, -p.micro_batch, int(p.sequence_parallel))
 
 
 def split_text(counts, compact: bool = False) -> str:

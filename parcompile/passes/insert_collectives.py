@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parcompile.core.recompute import is_module_list
+from parcompile.ir.recompute import node_modules
 from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
                                         reshard_after_forward, stage_buckets,
                                         zero3_gather_counts)
@@ -265,6 +267,9 @@ def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
     conversions: they are the layer's inputs and outputs), ``"full"``. The program reads
     the marks (codegen); the collectives inside repeat in backward as planned."""
     mode = ctx.cfg.parallel.recompute
+    if is_module_list(mode) and ctx.cfg.workload == "train":
+        _mark_modules(graph, mode)
+        mode = "selective" if "core_attn" in mode else "none"
     if ctx.cfg.workload != "train" or mode not in ("selective", "full"):
         return
     for nd in graph.nodes():
@@ -272,6 +277,19 @@ def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
             graph.set_attrs(nd.name, recompute="selective")
         elif mode == "full" and nd.op.layer is not None and not (nd.has_trait(Trait.CONVERSION) or nd.has_trait(Trait.STAGE_TRANSFER)):
             graph.set_attrs(nd.name, recompute="full")
+
+
+def _mark_modules(graph: Graph, modules: tuple[str, ...]) -> None:
+    """``recompute = [...]``: mark the ops of the checkpointed modules the program wraps whole
+    (``mlp``, ``moe``, ``shared_experts``: ``rt.checkpointed``, codegen/emit.py) and the experts
+    whose activation it recomputes (``moe_act``: ``GroupedExperts(recompute_act=True)``) and the
+    norms whose output it frees (``layernorm``: ``rt.discard_between``, codegen/emit.py) with
+    ``recompute`` = the module's name (``moe`` over the others: they run inside it). The core
+    is marked ``selective`` by the caller (``core_attn``)."""
+    for nd in graph.nodes():
+        mine = node_modules(nd) & set(modules) & {"mlp", "moe", "shared_experts", "moe_act", "layernorm"}
+        if mine and not nd.has_trait(Trait.CONVERSION):
+            graph.set_attrs(nd.name, recompute="moe" if "moe" in mine else min(mine))
 
 
 @dataclass(frozen=True)

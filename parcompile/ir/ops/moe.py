@@ -159,6 +159,8 @@ def experts_keywords(a, bias: bool) -> str:
     kw = ", bias=True" if bias else ""
     if a.get("swiglu_limit") is not None:   # gpt-oss's clamped SwiGLU
         kw += f", swiglu_clamp=({a['swiglu_alpha']!r}, {a['swiglu_limit']!r})"
+    if a.get("recompute") == "moe_act":   # recompute = [moe_act] (passes/insert_collectives.py)
+        kw += ", recompute_act=True"
     return kw
 
 

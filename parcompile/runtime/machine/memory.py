@@ -95,6 +95,16 @@ class SavedTensorMeter:
         self._seen[self._layer].add(ptr)
         self.per_layer[self._layer] += nbytes
 
+    def release(self, t: torch.Tensor) -> None:
+        """Uncount ``t``'s storage, saved in the current layer and freed before its backward
+        (an output-discarding recomputation: :mod:`parcompile.runtime.model.discard`)."""
+        if self._layer is None:
+            return
+        ptr, nbytes = _storage(t)
+        if ptr in self._seen[self._layer]:
+            self._seen[self._layer].discard(ptr)
+            self.per_layer[self._layer] -= nbytes
+
     def saved(self, t: torch.Tensor) -> None:
         """Count ``t`` as saved for backward (for saved-tensor hooks nested inside the
         meter's, which take over; :func:`parcompile.runtime.distributed.comm.keep_split_input`)."""

@@ -667,10 +667,23 @@ def recompute(fn, *args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
+def checkpointed(module: nn.Module) -> nn.Module:
+    """``module`` with its forward run under :func:`recompute` (it keeps its inputs only;
+    the backward runs it again): Megatron-Core's ``mlp``, ``moe`` and ``shared_experts``
+    recompute modules (``parallel.recompute = [moe]``, NVIDIA/Megatron-LM d98e8a6
+    ``transformer_layer.py`` ``recompute_mlp``, ``moe/moe_layer.py`` ``moe_layer_recompute``,
+    ``moe/shared_experts.py``). The module itself is unchanged (its parameters' names too).
+    Returns ``module``."""
+    forward = module.forward
+    module.forward = lambda *args, **kwargs: recompute(forward, *args, **kwargs)
+    return module
+
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "QKNorm", "LayerNorm",
     "vocab_parallel_cross_entropy", "rope_tables", "rope_inv_freq", "apply_rope", "deinterleave", "rope_tail", "rope_key", "mla_key", "whole_grad", "swiglu", "geglu", "clamped_swiglu", "GATED", "copy_to_tp",
-    "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "recompute", "ACTIVATIONS",
+    "reduce_from_tp", "global_init", "make_param", "shard", "shard_part", "no_init", "recompute", "checkpointed",
+    "ACTIVATIONS",
 ]

@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parcompile.runtime.model.discard import discarding
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, nbytes
 from parcompile.runtime.distributed.context import Axis, ParallelContext
 from parcompile.runtime.model.fp8 import fp8_linear
@@ -477,9 +478,11 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, name: str, num_experts: int, hidden: int, ffn: int, activation: str, axes: ExpertAxes,
                  seed: int, out_std: float, local: tuple[int, int, int], bias: bool = False,
-                 swiglu_clamp: tuple[float, float] | None = None, fp8: str | None = None):
+                 swiglu_clamp: tuple[float, float] | None = None, fp8: str | None = None,
+                 recompute_act: bool = False):
         super().__init__()
         self.activation, self.swiglu_clamp = activation, swiglu_clamp
+        self.recompute_act = recompute_act   # parallel.recompute's moe_act (_expert)
         self.axes, self.fp8 = axes, fp8
         ep, etp = axes.ep, axes.expert_tp
         self.local = local[0]
@@ -513,14 +516,24 @@ class GroupedExperts(nn.Module):
         def up(w: str) -> torch.Tensor:   # w1 / w3: column-parallel over expert_tp
             return expert_linear(x, getattr(mod, w), getattr(mod, f"{w}_bias"), f8, etp, "column")
 
-        if self.activation == "swiglu" and self.swiglu_clamp is not None:
-            h = clamped_swiglu(up("w1"), up("w3"), *self.swiglu_clamp)
-        elif self.activation in GATED:   # w1 the gate, w3 the up projection
-            h = GATED[self.activation](up("w1"), up("w3"))
-        else:
-            h = ACTIVATIONS[self.activation](up("w1"))
+        ups = (up("w1"), up("w3")) if self.activation in GATED else (up("w1"),)
+        # moe_act (recompute_act): the activation's output freed once w2 has saved it, rebuilt
+        # before w2's backward (runtime/model/discard.py, Megatron-Core's CheckpointWithoutOutput)
+        act = discarding(self._act, *ups) if self.recompute_act else None
+        h = act.out if act is not None else self._act(*ups)
         # partial sums over expert_tp
-        return expert_linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None, f8, etp, "row")
+        y = expert_linear(h, mod.w2, mod.w2_bias if self.w2_bias_here else None, f8, etp, "row")
+        if act is not None:
+            act.discard(y)
+        return y
+
+    def _act(self, *ups: torch.Tensor) -> torch.Tensor:
+        """The experts' activation of w1's (and w3's) outputs."""
+        if self.activation == "swiglu" and self.swiglu_clamp is not None:
+            return clamped_swiglu(*ups, *self.swiglu_clamp)
+        if self.activation in GATED:   # w1 the gate, w3 the up projection
+            return GATED[self.activation](*ups)
+        return ACTIVATIONS[self.activation](*ups)
 
     def forward(self, routed: Routed) -> Routed:
         if len(routed.per_expert) != self.local:

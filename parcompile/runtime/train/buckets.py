@@ -85,7 +85,7 @@ from parcompile.core.buckets import GradUnit, partition, unit_order_key
 from parcompile.runtime.distributed.comm import all_reduce_async, reduce_scatter_async
 from parcompile.runtime.distributed.context import Axis
 from parcompile.runtime.machine.dtypes import TORCH_DTYPES
-from parcompile.runtime.train.grads import is_mixed, main_grad, set_main_grad
+from parcompile.runtime.train.grads import grad_dtype, is_mixed, main_grad, set_main_grad
 from parcompile.runtime.train.wgrad import STORE
 
 
@@ -163,7 +163,7 @@ class GradBuffers:
         DDP's ``gradient_as_bucket_view``)."""
         for b in self.buckets:
             if b.flat is None:
-                self._new_buffer(b)
+                self._new_buffer(b, grad_dtype() if any(is_mixed(p) for p in b.params) else torch.float32)
             else:
                 b.flat.zero_()
             self.attach(b)
@@ -347,7 +347,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
             self.release()
             for b in self.buckets:
                 if b.acc is None:
-                    b.acc = torch.zeros(b.shard, dtype=torch.float32, device=b.params[0].device)
+                    b.acc = torch.zeros(b.shard, dtype=grad_dtype(), device=b.params[0].device)
                 else:
                     b.acc.zero_()
         else:

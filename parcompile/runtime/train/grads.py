@@ -35,6 +35,32 @@ import torch
 import torch.nn as nn
 
 
+#: the dtype of a 16-bit parameter's accumulated gradient (``parallel.grad_dtype``): fp32, or bf16 as
+#: Megatron-Core's ``--grad-reduce-in-bf16`` (its grad buffer in the parameters' dtype; the optimizer
+#: reads an fp32 copy: :func:`optimizer_grad`); the program sets it once (:func:`set_grad_dtype`)
+_GRAD_DTYPE = [torch.float32]
+
+
+def set_grad_dtype(dtype: str) -> None:
+    """Accumulate 16-bit parameters' gradients in ``dtype`` (``parallel.grad_dtype``: ``"fp32"``
+    or ``"bf16"``); each program's ``main`` sets it (several programs may run in one process)."""
+    from parcompile.runtime.machine.dtypes import TORCH_DTYPES
+
+    _GRAD_DTYPE[0] = TORCH_DTYPES[dtype]
+
+
+def grad_dtype() -> torch.dtype:
+    """The dtype 16-bit parameters' gradients accumulate in (:func:`set_grad_dtype`)."""
+    return _GRAD_DTYPE[0]
+
+
+def optimizer_grad(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as the fp32 master weights take it: fp32 as it is, a bf16 one (``grad_dtype =
+    bf16``) cast (Megatron-Core's distributed optimizer copies its bf16 grad shard to fp32
+    ``main_grad`` before the step)."""
+    return g if g.dtype == torch.float32 else g.float()
+
+
 def is_mixed(p: torch.Tensor) -> bool:
     """True for a 16-bit parameter whose gradient is kept in fp32."""
     return p.dtype in (torch.bfloat16, torch.float16)
@@ -61,7 +87,7 @@ def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     _prepare(p)
     cur = main_grad(p)
     if cur is None:
-        set_main_grad(p, g.float() if is_mixed(p) else g.to(p.dtype))
+        set_main_grad(p, g.to(grad_dtype()) if is_mixed(p) else g.to(p.dtype))
     else:
         cur.add_(g.to(cur.dtype))
     _announce(p)

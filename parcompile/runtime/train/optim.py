@@ -27,7 +27,8 @@ from parcompile.runtime.train.buckets import BucketedReduction, GradBuckets
 from parcompile.runtime.distributed.comm import all_reduce
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.machine.device import FUSED_OPTIMIZER_DEVICES
-from parcompile.runtime.train.grads import enable_main_grads, main_grad, set_main_grad
+from parcompile.runtime.train.grads import (enable_main_grads, grad_dtype, is_mixed, main_grad, optimizer_grad,
+                                            set_main_grad)
 from parcompile.runtime.train.loss_scale import DynamicLossScaler
 
 
@@ -53,7 +54,8 @@ def sync_gradients(model: nn.Module, ctx: ParallelContext, sequence_parallel: bo
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if main_grad(p) is None:
-            set_main_grad(p, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+            set_main_grad(p, torch.zeros(p.shape, dtype=grad_dtype() if is_mixed(p) else torch.float32,
+                                         device=p.device))
     if ctx.tp.size > 1:
         _all_reduce_flat(tp_partial_grads(params, sequence_parallel), ctx.tp)
     emb = ctx.axes["embedding"]
@@ -253,7 +255,7 @@ class ReplicatedOptimizer(BucketedReduction):
     def step(self) -> None:
         for p, m in zip(self.params, self.masters):
             if m is not p:
-                m.grad = main_grad(p)
+                m.grad = optimizer_grad(main_grad(p))   # fp32 (grad_dtype bf16: a copy)
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):

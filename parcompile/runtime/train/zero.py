@@ -71,7 +71,7 @@ from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime.train.buckets import BucketedReduction, BucketLayout, GradBuckets, local_numel
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.distributed.context import ParallelContext
-from parcompile.runtime.train.grads import enable_main_grads, set_main_grad
+from parcompile.runtime.train.grads import enable_main_grads, optimizer_grad, set_main_grad
 from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, set_lr, tp_partial_grads, unscale_gradients
 from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
 from parcompile.runtime.train.zero_states import ShardStates
@@ -209,9 +209,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                 all_reduce(g, self.replicas)
         for b, p, lo, hi, seg in self.segments:
             lo_own = self._own_lo(b)
-            seg.grad = self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg)
+            seg.grad = optimizer_grad(self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg))
         for b, lo, pad in self.padding:
-            pad.grad = self._grad_shards[b.index][lo - self._own_lo(b):]
+            pad.grad = optimizer_grad(self._grad_shards[b.index][lo - self._own_lo(b):])
         self._sync_model_parallel()
         if self.sharding.shards_gradients:   # the full gradients are reduced: only the owned slices stay
             self.full_grad_bytes = self.buckets.peak_bytes

@@ -53,6 +53,7 @@ VIRTUAL_STAGES = 1
 DP_SHARDING = rt.DataParallelSharding(stage=0, shard=2, per_microbatch=False)  # parallel.zero = 0: what is sharded over the data-parallel group
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
+GRAD_DTYPE = "fp32"  # dtype 16-bit parameters' gradients accumulate and are reduced in (bf16: Megatron's --grad-reduce-in-bf16)
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 MICRO_BATCH = 2
 GLOBAL_BATCH = 16
@@ -226,6 +227,7 @@ def main(argv=None) -> dict:
     startup = rt.Startup(4)                                     # rank 0 says each start-up stage as it ends
     plan = json.loads(Path(args.plan).read_text())
     ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=DP_SHARDING.shards_parameters)  # ZeRO-3 gathers parameters on groups of their own
+    rt.set_grad_dtype(GRAD_DTYPE)
     startup.done(rt.group_text(ctx))
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
