@@ -309,6 +309,8 @@ def test_configmap_copy_script_rebuilds_the_files_and_splits_over_1_mib(tmp_path
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "files")
     assert [s["configMap"]["name"] for s in volume["projected"]["sources"]] == [m["metadata"]["name"] for m in maps]
+    if SHARED_K8S is not None:
+        _validate_crd(jobset, "jobset.x-k8s.io_jobsets.yaml")
     mount, work = tmp_path / "mount", tmp_path / "work"
     mount.mkdir()
     work.mkdir()
@@ -320,6 +322,32 @@ def test_configmap_copy_script_rebuilds_the_files_and_splits_over_1_mib(tmp_path
     subprocess.run(["sh", "-c", script], check=True, timeout=60)
     for name in ("plan.json", "program.py"):
         assert (work / name).read_bytes() == (out / name).read_bytes()
+
+
+@pytest.mark.parametrize("preset, resource, env", [
+    ("h100-sxm", "nvidia.com/gpu", {"PYTORCH_CUDA_ALLOC_CONF"}),
+    ("mi300x", "amd.com/gpu", {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"}),
+    ("ascend-910b", "huawei.com/Ascend910", {"PYTORCH_NPU_ALLOC_CONF", "HCCL_CONNECT_TIMEOUT"}),
+    ("cpu", None, {"PYTORCH_CUDA_ALLOC_CONF"}),
+])
+def test_each_accelerator_requests_its_device_plugins_resource(tmp_path, preset, resource, env):
+    """The pods request the devices by the name the vendor's device plugin advertises, and carry
+    what the launchers set for the stack (launch.sh's exports; the allocator mode program.py sets)."""
+    from parcompile.core.process import PROCESS_GROUP_TIMEOUT_S
+
+    spec = (EXAMPLES / "llama3_8b_2x8_h100.par").read_text().replace('"h100-sxm"', f'"{preset}"')
+    out = _outputs(tmp_path, spec, "acc")
+    (jobset,) = _docs(out, "jobset.yaml")
+    (c,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    assert c.get("resources", {}).get("limits", {}) == ({resource: "8"} if resource else {})
+    names = {e["name"] for e in c["env"]} - {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED"}
+    assert names == env
+    launch = (out / "launch.sh").read_text()
+    for e in c["env"]:
+        if e["name"] == "HCCL_CONNECT_TIMEOUT":
+            assert e["value"] == str(PROCESS_GROUP_TIMEOUT_S) and 'export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-' in launch
+        if e["name"].endswith("_ALLOC_CONF"):
+            assert f'os.environ.setdefault("{e["name"]}", "{e["value"]}")' in (out / "program.py").read_text()
 
 
 def test_manifests_are_deterministic(tmp_path):
