@@ -224,7 +224,7 @@ def _k8s_options(args):
     for the commands that have none)."""
     from parcompile.codegen.k8s import K8sOptions
 
-    return K8sOptions(image=getattr(args, "image", None), namespace=getattr(args, "namespace", None) or "default",
+    return K8sOptions(image=getattr(args, "image", None), namespace=getattr(args, "namespace", None),
                       storage=getattr(args, "storage", None))
 
 

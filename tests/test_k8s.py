@@ -360,7 +360,7 @@ def test_manifests_are_deterministic(tmp_path):
 @pytest.mark.parametrize("flag, value", [
     ("--namespace", "my team"), ("--namespace", 'ns"x'), ("--namespace", "a" * 64), ("--namespace", "Prod"),
     ("--image", "my image:1"), ("--image", "img'; rm -rf /"), ("--image", ""), ("--storage", "a b"),
-    ("--namespace", "x\ny"),
+    ("--namespace", "x\ny"), ("--namespace", ""),
 ])
 def test_hostile_options_are_one_line_usage_errors_and_nothing_is_written(tmp_path, capsys, flag, value):
     out = tmp_path / "out"
@@ -395,3 +395,18 @@ def test_an_output_of_another_workload_loses_the_earlier_manifests(tmp_path):
     assert (out / "k8s" / "jobset.yaml").is_file()
     assert main(["compile", str(EXAMPLES / "tiny_serve.par"), "-o", str(out)]) == 0
     assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
+
+
+def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_path):
+    """The Deployment's spec under a ConfigMap key the API server accepts: ``spec.par`` when the
+    file's name has characters a key may not hold."""
+    spec = tmp_path / "my serve (1).par"
+    spec.write_text((EXAMPLES / "llama3_70b_serve_8x_h100.par").read_text())
+    out = tmp_path / "out"
+    assert main(["compile", str(spec), "-o", str(out)]) == 0
+    (cm,) = _docs(out, "configmap.yaml")
+    (dep,) = _docs(out, "deployment.yaml")
+    assert cm["data"]["spec.par"] == spec.read_text()
+    assert dep["spec"]["template"]["spec"]["containers"][0]["command"][2] == "/workspace/spec.par"
+    _validate_core(cm, "V1ConfigMap")
+    assert dep["metadata"]["name"] == "my-serve-1"

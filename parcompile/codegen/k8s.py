@@ -89,13 +89,13 @@ class K8sOptions:
     Attributes:
         image: the container image every pod runs: it must hold torch and this parcompile
             (default ``parcompile:<version>``, an image you build and push).
-        namespace: the namespace of every object (an RFC 1123 label; default ``default``).
+        namespace: the namespace of every object (an RFC 1123 label; None: ``default``).
         storage: a PersistentVolumeClaim mounted as the pods' workspace (checkpoints, metrics and
             the spec's data live there); None: an ``emptyDir``, gone with the pod.
     """
 
     image: str | None = None
-    namespace: str = "default"
+    namespace: str | None = "default"
     storage: str | None = None
 
     def checked(self) -> "K8sOptions":
@@ -108,7 +108,7 @@ class K8sOptions:
         if len(image) > 255 or not _IMAGE.match(image):
             raise K8sError(f"--image {_shown(image)} is not an image reference "
                            "([registry/]name[:tag][@digest], lowercase name, no spaces or quotes)")
-        ns = self.namespace
+        ns = self.namespace if self.namespace is not None else "default"
         if len(ns) > 63 or not _DNS1123_LABEL.match(ns):
             raise K8sError(f"--namespace {_shown(ns)} is not a Kubernetes namespace name (at most 63 characters: "
                            "lowercase letters, digits and '-', starting and ending with a letter or digit)")
