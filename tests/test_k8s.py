@@ -410,3 +410,18 @@ def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_pa
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"][2] == "/workspace/spec.par"
     _validate_core(cm, "V1ConfigMap")
     assert dep["metadata"]["name"] == "my-serve-1"
+
+
+def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
+    """`parcompile serve` refuses a disaggregated spec (the serve program has no separate pools
+    yet): compile writes no Deployment that could not start, and no DisaggregatedSet."""
+    spec = tmp_path / "dis.par"
+    spec.write_text("""model llama from "llama3-70b" { }
+cluster dgx from "h100-sxm" { nodes = 1, gpus_per_node = 8 }
+parallel { tp = 4 }
+serve { batch = 8, prompt_len = 1024, max_new_tokens = 256, disaggregated = true }
+""")
+    out = tmp_path / "out"
+    assert main(["compile", str(spec), "-o", str(out)]) == 0
+    assert "does not run disaggregated prefill and decode pools" in capsys.readouterr().err
+    assert (out / "serve.py").is_file() and not (out / "k8s").exists()
