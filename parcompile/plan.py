@@ -16,7 +16,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from parcompile.codegen.k8s import K8S_FILES
 from parcompile.config.schema import SpecConfig
 from parcompile.config.text import plural
 from parcompile.core.units import bytes_text, seconds_text
@@ -31,10 +30,11 @@ from parcompile.plan_schema import (Comm, Compute, Estimate, Groups, Memory, Mod
 
 FORMAT = "parcompile.plan/1"
 
-#: every file ``compile`` may write (:meth:`Plan.write`); ones a new plan does not produce
-#: are removed from the directory
+#: every file ``compile`` may write (:meth:`Plan.write`) beside the Kubernetes manifests
+#: (:data:`parcompile.codegen.k8s.K8S_FILES`); ones a new plan does not produce are removed
+#: from the directory
 GENERATED = ("plan.json", "report.md", "graph.txt", "trace.json", "timeline.svg", "program.py", "serve.py",
-             "launch.sh", "slurm.sbatch", *K8S_FILES)
+             "launch.sh", "slurm.sbatch")
 #: the files :meth:`Plan.write` marks executable
 EXECUTABLE = ("launch.sh", "slurm.sbatch")
 TIMELINE_SECTION = """
@@ -213,10 +213,11 @@ class Plan:
             SpecError, K8sError: as :meth:`outputs` (nothing is written).
         """
         from parcompile.codegen.emit import write_files
+        from parcompile.codegen.k8s import K8S_FILES
 
         files = self.outputs(directory, k8s)
         ours = _holds_a_plan(Path(directory) / "plan.json")
-        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED if ours else ())
+        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED + K8S_FILES if ours else ())
         return sorted(files)
 
     def graph_dump(self) -> str:
