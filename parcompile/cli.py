@@ -214,8 +214,14 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     """Compile ``args.spec`` (or take ``plan``, already compiled) and write its files
     (:meth:`parcompile.plan.Plan.write`); returns the plan, the directory, the names written."""
     from parcompile.codegen.emit import program_gaps
+    from parcompile.codegen.k8s import K8sError
 
     output = _output_dir(args)  # before compiling: a usage error comes first
+    k8s = _k8s_options(args)
+    try:
+        k8s.checked()
+    except K8sError as e:
+        raise _Usage(str(e)) from None
     if plan is None:
         plan, source = _compile(args.spec)
     gaps = program_gaps(plan.config, "error" if args.command == "run" else "warning")
@@ -226,7 +232,9 @@ def _compile_to(args, plan=None, source: str | None = None) -> tuple[object, Pat
     out = output if output is not None else Path("build") / name
     _refuse_output_over_build(plan.config, out, source)
     try:
-        written = plan.write(out)
+        written = plan.write(out, k8s)
+    except K8sError as e:   # the spec's side (a serve spec without its text)
+        raise _Usage(str(e)) from None
     except OSError as e:
         raise _Usage(f"cannot write {out}/: {e.strerror or e}") from None
     return plan, out, written
@@ -254,6 +262,15 @@ def _refuse_output_over_build(cfg, out: Path, source: str | None) -> None:
                 "metrics), which writing the output would replace", cfg.span("train.hf_output"),
                 help=f'write the output beside the build, e.g. `hf_output = "{build.name}-hf"`, or compile '
                      "elsewhere with -o")], source)
+
+
+def _k8s_options(args):
+    """``compile``'s ``--image``, ``--namespace`` and ``--storage`` (the Kubernetes manifests'; defaults
+    for the commands that have none)."""
+    from parcompile.codegen.k8s import K8sOptions
+
+    return K8sOptions(image=getattr(args, "image", None), namespace=getattr(args, "namespace", None),
+                      storage=getattr(args, "storage", None))
 
 
 def cmd_compile(args) -> int:
@@ -652,6 +669,10 @@ def _add_plan_commands(sub) -> None:
     p = sub.add_parser("compile", help="write plan.json, report.md, program.py and launch.sh")
     p.add_argument("spec")
     p.add_argument("-o", "--output", help="output directory (default build/<spec name>/)")
+    p.add_argument("--image", help="k8s/: the container image (torch and parcompile; default parcompile:<version>)")
+    p.add_argument("--namespace", default="default", help="k8s/: the namespace of every object (default default)")
+    p.add_argument("--storage", metavar="CLAIM",
+                   help="k8s/: a PersistentVolumeClaim mounted as the pods' workspace (default an emptyDir)")
     p.set_defaults(fn=cmd_compile)
 
 

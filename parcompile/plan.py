@@ -23,14 +23,16 @@ from parcompile.diagnostics import Diagnostic, Sources, SpecError
 from parcompile.ir.graph import Graph
 from parcompile.ir.printer import dot, dump
 if TYPE_CHECKING:
+    from parcompile.codegen.k8s import K8sOptions
     from parcompile.passes.results import PassResults
 from parcompile.plan_schema import (Comm, Compute, Estimate, Groups, Memory, Model, PlanJSON, Schedule, Serve,
                                     Stage, validate_plan)
 
 FORMAT = "parcompile.plan/1"
 
-#: every file ``compile`` may write (:meth:`Plan.write`); ones a new plan does not produce
-#: are removed from the directory
+#: every file ``compile`` may write (:meth:`Plan.write`) beside the Kubernetes manifests
+#: (:data:`parcompile.codegen.k8s.K8S_FILES`); ones a new plan does not produce are removed
+#: from the directory
 GENERATED = ("plan.json", "report.md", "report.html", "graph.txt", "trace.json", "timeline.svg", "program.py",
              "serve.py", "launch.sh", "slurm.sbatch")
 #: the files :meth:`Plan.write` marks executable
@@ -154,17 +156,21 @@ class Plan:
 
     # -- the files compile writes --------------------------------------------------------
 
-    def outputs(self, directory: str | Path) -> dict[str, str]:
+    def outputs(self, directory: str | Path, k8s: "K8sOptions | None" = None) -> dict[str, str]:
         """Every file :meth:`write` writes into ``directory``, name -> text: plan.json,
         report.md, report.html, graph.txt, trace.json, timeline.svg, the program (program.py or
-        serve.py), launch.sh and slurm.sbatch. ``directory`` matters to the program
-        (it names the spec's data files relative to it).
+        serve.py), launch.sh, slurm.sbatch and the Kubernetes manifests ``k8s/*.yaml``
+        (:mod:`parcompile.codegen.k8s`; ``k8s``: their image, namespace and storage, defaults
+        where None). ``directory`` matters to the program (it names the spec's data files
+        relative to it).
 
         Raises:
+            K8sError: a ``k8s`` option the API server would refuse (nothing is written).
             SpecError: the spec asks for what the generated program cannot run and does not
                 stand in for (FP8 training: :func:`parcompile.codegen.emit.program_gaps`, the
                 refusal of ``compile``)."""
         from parcompile.codegen.emit import program_gaps, render_launch, render_program, render_serve, render_slurm
+        from parcompile.codegen.k8s import k8s_files
 
         refused = [g for g in program_gaps(self.config) if g.severity == "error"]
         if refused:
@@ -185,9 +191,16 @@ class Plan:
             files["serve.py"] = render_serve(self.config, self, out_dir)
         files["launch.sh"] = render_launch(self.config)
         files["slurm.sbatch"] = render_slurm(self.config)
+        files.update(k8s_files(self.config, files, k8s, self._spec_text()))
         return files
 
-    def write(self, directory: str | Path) -> list[str]:
+    def _spec_text(self) -> str | None:
+        """The spec's text as compiled (None where not known)."""
+        if isinstance(self.source, str):
+            return self.source
+        return self.source.get(self.config.filename) if self.source else None
+
+    def write(self, directory: str | Path, k8s: "K8sOptions | None" = None) -> list[str]:
         """Write the plan's files into ``directory`` (created if needed), exactly what
         ``parcompile compile SPEC -o DIRECTORY`` writes, byte for byte (:meth:`outputs`):
         atomically (each file old or new, never half-written; a new directory appears
@@ -199,13 +212,14 @@ class Plan:
 
         Raises:
             OSError: the directory cannot be created or written (nothing is left half-written).
-            SpecError: as :meth:`outputs` (nothing is written).
+            SpecError, K8sError: as :meth:`outputs` (nothing is written).
         """
         from parcompile.codegen.emit import write_files
+        from parcompile.codegen.k8s import K8S_FILES
 
-        files = self.outputs(directory)
+        files = self.outputs(directory, k8s)
         ours = _holds_a_plan(Path(directory) / "plan.json")
-        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED if ours else ())
+        write_files(Path(directory), files, executable=EXECUTABLE, stale=GENERATED + K8S_FILES if ours else ())
         return sorted(files)
 
     def graph_dump(self) -> str:

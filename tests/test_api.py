@@ -88,7 +88,7 @@ def test_plan_write_is_compile_o_byte_for_byte(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     assert main(["compile", "examples/tiny.par", "-o", str(tmp_path / "cli")]) == 0
     written = parcompile.compile(Path("examples/tiny.par")).write(tmp_path / "api")
-    names = sorted(os.listdir(tmp_path / "cli"))
+    names = sorted(p.relative_to(tmp_path / "cli").as_posix() for p in (tmp_path / "cli").rglob("*") if p.is_file())
     assert written == names and "program.py" in names and "plan.json" in names
     for name in names:
         a, b = tmp_path / "cli" / name, tmp_path / "api" / name

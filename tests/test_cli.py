@@ -103,9 +103,9 @@ def test_compile_writes_every_file_identically(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     for out in (tmp_path / "a", tmp_path / "b"):
         assert main(["compile", "examples/tiny.par", "-o", str(out)]) == 0
-    names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == ["graph.txt", "launch.sh", "plan.json", "program.py", "report.html", "report.md", "slurm.sbatch",
-                     "timeline.svg", "trace.json"]
+    names = sorted(p.relative_to(tmp_path / "a").as_posix() for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert names == ["graph.txt", "k8s/configmap.yaml", "k8s/jobset.yaml", "launch.sh", "plan.json", "program.py",
+                     "report.html", "report.md", "slurm.sbatch", "timeline.svg", "trace.json"]
     for n in names:
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
     py_compile.compile(str(tmp_path / "a" / "program.py"), doraise=True)

@@ -130,6 +130,18 @@ def torchrun_command(cfg: SpecConfig, script: str = "program.py") -> str:
             f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT {script}")
 
 
+def allocator_env(cfg: SpecConfig) -> list[tuple[str, str]]:
+    """``(variable, value)``: the caching allocator's mode a training program runs with, one
+    entry per settings variable of the cluster's stack (``Accelerator.alloc_conf``), each
+    ``expandable_segments:True`` or ``:False`` as ``cluster.expandable_segments`` says (PyTorch
+    docs, CUDA semantics, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). program.py
+    sets them before torch starts the device (a value the caller set kept); the Kubernetes
+    manifests carry them in the pod's environment (:mod:`parcompile.codegen.k8s`). Serving
+    programs set none."""
+    value = f"expandable_segments:{cfg.cluster.expandable_segments}"
+    return [(var, value) for var in cfg.cluster.accelerator.alloc_conf]
+
+
 def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     """A data source, tokenizer or checkpoint path as the program should open it: relative
     to the program's directory when that is known (so generated files hold no absolute
@@ -209,7 +221,7 @@ def program_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = 
         "expandable_segments": cfg.cluster.expandable_segments,
         "device": cfg.cluster.device_kind,
         "device_comment": _device_comment(cfg.cluster.accelerator),
-        "alloc_conf": cfg.cluster.accelerator.alloc_conf,
+        "alloc_env": allocator_env(cfg),
         # precision, not the model: fp16 skips a step whose gradients overflowed (loss scaling)
         "loss_scaled": m.dtype == "fp16",
         "weights_note": "16-bit weights; fp32 gradients and master weights live with the optimizer"
@@ -709,10 +721,13 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for name, text in files.items():
-            path = tmp / name
+            path = tmp / name   # a name may hold a directory (k8s/jobset.yaml)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
             path.chmod(0o755 if name in executable else 0o644)
         if not out_dir.exists():
+            for sub in {(tmp / name).parent for name in files} - {tmp}:
+                sub.chmod(0o755)
             tmp.chmod(0o755)
             try:
                 os.rename(tmp, out_dir)
@@ -720,6 +735,8 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
             except OSError:  # created meanwhile by someone else: fall back to file by file
                 pass
         out_dir.mkdir(exist_ok=True)
+        for sub in sorted({(out_dir / name).parent for name in files}):   # before any file is replaced
+            sub.mkdir(exist_ok=True)
         for name in files:
             os.replace(tmp / name, out_dir / name)
         for name in stale:

@@ -123,6 +123,10 @@ class Accelerator:
         slurm_gpus: SLURM allocates these devices as ``--gpus-per-node`` (gres ``gpu``).
         setup: the shell line that loads the stack's environment, or None.
         sources: where the variables are documented.
+        k8s_resource: the extended resource a Kubernetes pod requests the devices by (its vendor's
+            device plugin advertises it: NVIDIA/k8s-device-plugin ``nvidia.com/gpu``,
+            ROCm/k8s-device-plugin ``amd.com/gpu``, Ascend/ascend-device-plugin
+            ``huawei.com/Ascend910``); None on the CPU (:mod:`parcompile.codegen.k8s`).
     """
 
     device: str
@@ -135,6 +139,7 @@ class Accelerator:
     slurm_gpus: bool = False
     setup: str | None = None
     sources: str = ""
+    k8s_resource: str | None = None
 
     def visible_devices_text(self) -> str:
         """:attr:`visible_devices` in words, a line of the launchers' headers ("" on the CPU)."""
@@ -154,6 +159,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     "cuda": Accelerator(
         device="cuda", name="NVIDIA GPUs", collectives="NCCL", visible_devices=(("CUDA_VISIBLE_DEVICES",),),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF",), comm_env=_NCCL_ENV, slurm_gpus=True,
+        k8s_resource="nvidia.com/gpu",
         sources="NCCL docs, Environment Variables; PyTorch docs, CUDA semantics (PYTORCH_CUDA_ALLOC_CONF)",
     ),
     "rocm": Accelerator(
@@ -161,6 +167,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         visible_devices=(("ROCR_VISIBLE_DEVICES",), ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")),
         alloc_conf=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
         comm_env=tuple((v, w + " (RCCL reads NCCL's names)") for v, w in _NCCL_ENV), slurm_gpus=True,
+        k8s_resource="amd.com/gpu",
         sources="ROCm docs, RCCL environment variables; ROCm docs, GPU isolation techniques (ROCR_, HIP_, "
                 "CUDA_VISIBLE_DEVICES; torch.cuda._parse_visible_devices reads them so); torch's c10 reads "
                 "PYTORCH_HIP_ALLOC_CONF on ROCm builds",
@@ -176,6 +183,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         launch_env=(("HCCL_CONNECT_TIMEOUT", str(PROCESS_GROUP_TIMEOUT_S),
                      f"s HCCL waits for every rank when it links a communicator (its default 120, range "
                      f"120-7200): the {PROCESS_GROUP_TIMEOUT_S} s the program's process groups wait"),),
+        k8s_resource="huawei.com/Ascend910",
         setup="source /usr/local/Ascend/ascend-toolkit/set_env.sh   # CANN's libraries and HCCL, before torch_npu",
         sources="CANN environment variable reference (HCCL_CONNECT_TIMEOUT, HCCL_IF_IP, HCCL_SOCKET_IFNAME); "
                 "Ascend/pytorch docs/zh/environment_variable_reference/PYTORCH_NPU_ALLOC_CONF.md",
