@@ -60,6 +60,11 @@ class Groups(_Strict):
     expert_tp: RankGroups
     expert_dp: RankGroups
     embedding: RankGroups = Field(description="first and last pipeline rank of each pipeline (tied embeddings)")
+    dp_shard: Optional[RankGroups] = Field(
+        default=None, description="HSDP (parallel.dp_replicate > 1) only: the groups states are sharded over, "
+                                  "dp_shard * cp consecutive members of a dp_cp group (extension)")
+    dp_replicate: Optional[RankGroups] = Field(
+        default=None, description="HSDP only: the groups the shards are replicated over (extension)")
 
 
 class Model(_Strict):

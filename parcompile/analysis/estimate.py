@@ -113,11 +113,12 @@ from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
                                          Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
-                                         collective_algorithms, collective_time, links_of, make_link, nic_share)
+                                         collective_algorithms, collective_time, links_of, make_link, nic_share,
+                                         replica_all_reduce_time)
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import GradUnit, bucket_element_bytes, partition, reshard_after_forward
-from parcompile.core.data_parallel import data_parallel_sharding
+from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.schedule import LOOP, Placement, interleaved_warmup, simulate
 
 
@@ -518,24 +519,25 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     dps = data_parallel_sharding(par)
     op = dps.gradient_reduction
     events = []
-    for kind, axis in (("dense", "dp_cp"), ("expert", "expert_dp")):
-        n = degrees.get(axis, 1)
-        if n <= 1:
+    once, hsdp = 0.0, dps.replicate > 1 and dps.shards_optimizer_states   # HSDP: all-reduces over replicas, once
+    for kind, axis in (("dense", dps.shard_group if hsdp else "dp_cp"), ("expert", "expert_dp")):
+        if (n := dps.shard if hsdp and kind == "dense" else degrees.get(axis, 1)) <= 1:
             continue
         link = links.get(axis) or make_link(cl, 1, 1)
         for b in partition(units, par.bucket_size, kind):
             nbytes = grad_element_bytes(cfg) * (
                 -(-b.elements // n) if dps.shards_optimizer_states else b.elements)   # reduce dtype (grad_element_bytes)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
-            events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
+            once += (ar := replica_all_reduce_time(dps, b.elements, links, cl) if hsdp and kind == "dense" else 0.0)
+            events.append((r, kind != "dense", collective_time(op, nbytes, n, link) + ar))
     # times relative to the end of the backward (buckets all ready then: exposed == busy exactly)
     end, busy = None, 0.0
     for r, _, dur in sorted(events):
         end = (r - bwd_end if end is None else max(end, r - bwd_end)) + dur
         busy += dur
     exposed = min(busy, max(0.0, end)) if events else 0.0
-    if dps.per_microbatch:
-        busy *= par.num_microbatches   # m rounds; all but the last micro-batch's hide (docstring)
+    if dps.per_microbatch:   # m rounds; all but the last micro-batch's hide (docstring); HSDP's all-reduces once
+        busy = (busy - once) * par.num_microbatches + once
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
 
@@ -638,7 +640,7 @@ def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
     eng = engine(cl).name
     dps = data_parallel_sharding(par)
     for sp in stage_params:
-        d, de = degrees.get("dp_cp", 1), degrees.get("expert_dp", 1)
+        d, de = shard_degree(degrees) if "dp_cp" in degrees else 1, degrees.get("expert_dp", 1)
         upd = -(-sp.dense // d) if dps.shards_optimizer_states else sp.dense
         upd += -(-sp.expert // de) if dps.shards_optimizer_states else sp.expert
         grads = (-(-sp.dense // d) + -(-sp.expert // de)) if dps.shards_gradients else sp.total
@@ -688,7 +690,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
                            "p2p) from its ranks per node and nodes, bus bandwidth from nccl-tests (docs/clusters.md)",
             "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
-                      for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
+                      for a in ("tp", "cp", "ep", "dp_cp", "pp", "dp_shard", "dp_replicate") if degrees.get(a, 1) > 1 and a in groups},
             "network": network_assumptions(degrees, links, comm),
             **engine_assumptions(cfg),
         },

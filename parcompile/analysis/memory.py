@@ -130,7 +130,7 @@ from typing import Mapping, Sequence
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
                                     reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
-from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
+from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding, shard_degree
 from parcompile.analysis.compute import op_sac
 from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8, is_fp8_gemm
 from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
@@ -228,7 +228,7 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     bucket (``sum ceil(n_b / d)``)."""
     par, e, opt = cfg.parallel, cfg.model.dtype_bytes, cfg.train.optimizer
     dense, expert = stage_buckets(sp, par.bucket_size)
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    d, ed = shard_degree(degrees), degrees["expert_dp"]   # HSDP: sharded over dp_shard only
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
     dps = data_parallel_sharding(par)
@@ -536,7 +536,7 @@ def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: Save
     over the chunk's decoder layers, the same for the plan and the search's probes. 0 when
     the buckets are reduced once per step, or nothing is in flight."""
     full = parts.get("grad_buckets_in_flight", 0)
-    d = degrees["dp_cp"]
+    d = shard_degree(degrees)
     if not full or d <= 1:
         return 0
     dense, _ = stage_buckets(sp, cfg.parallel.bucket_size)
@@ -660,7 +660,7 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers
     size = (lambda b, d: e * math.ceil(b.elements / d) * d + b.fp8) if gathers_fp8(cfg) else \
         (lambda b, d: e * math.ceil(b.elements / d) * d)
-    step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
+    step_long, jit = zero3_gathered([(dense, shard_degree(degrees)), (expert, degrees["expert_dp"])],
                                     reshard_after_forward(par.pp), head_reads_embedding(cfg), size)
     return int(step_long + jit)
 
@@ -680,7 +680,7 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     if cfg.workload == "serve" or not dps.shards_gradients:
         return 0
     dense, expert = stage_buckets(sp, par.bucket_size)
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    d, ed = shard_degree(degrees), degrees["expert_dp"]
     if dps.per_microbatch:
         return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
     return grad_element_bytes(cfg) * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

@@ -294,9 +294,12 @@ def _step_notes(p, dps: DataParallelSharding, sp: bool) -> dict:
                                     ("gradients", dps.shards_gradients), ("parameters", dps.shards_parameters)) if on]
     return {
         "dp_sharding": f"rt.DataParallelSharding(stage={dps.stage}, shard={dps.shard}, "
-                       f"per_microbatch={dps.per_microbatch})",
+                       f"per_microbatch={dps.per_microbatch}"
+                       + (f", replicate={dps.replicate}, shard_group={dps.shard_group!r}, "
+                          f"replicate_group={dps.replicate_group!r}" if dps.replicate > 1 else "") + ")",
         "zero_comment": f"ZeRO-{dps.stage}: {', '.join(states[:-1])}{' and ' if len(states) > 1 else ''}"
-                        f"{states[-1]} sharded over dp" if states else "replicated over dp: all-reduce of gradients",
+                        f"{states[-1]} sharded over " + ("dp_shard, replicated over dp_replicate (HSDP)"
+                                                         if dps.replicate > 1 else "dp") if states else "replicated over dp: all-reduce of gradients",
         "begin_step_note": "" if dps.parameter_gather != "before_use" else " " * 40 + "# ZeRO-3: " + (
             "every bucket gathered just in time" if p.pp == 1 else
             "gather the embedding/output buckets; layer buckets just in time"),

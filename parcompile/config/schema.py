@@ -195,6 +195,16 @@ class ParallelConfig(_Frozen):
     #: or the model's 16-bit dtype, added into the fp32 gradient shard
     #: (:func:`parcompile.analysis.buckets.bucket_element_bytes`)
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: HSDP (``parallel.dp_replicate``): the data-parallel ranks form ``dp_replicate`` x
+    #: ``dp_shard`` (:attr:`dp_shard`), states sharded over the shard group only and
+    #: replicated over the replicate group (torchtitan's ``data_parallel_replicate_degree``;
+    #: :mod:`parcompile.core.data_parallel`); 1: plain ZeRO over all of dp
+    dp_replicate: int = 1
+    #: CPU offload (``parallel.offload``): ``optimizer`` keeps the optimizer states (and fp32
+    #: masters) in host memory and steps them on the CPU (DeepSpeed's ``offload_optimizer``,
+    #: ZeRO-Offload); ``params`` also the parameters' shards (``offload_param``, FSDP2's
+    #: ``CPUOffloadPolicy``); :mod:`parcompile.analysis.offload`
+    offload: Literal["none", "optimizer", "params"] = "none"
     auto: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -208,6 +218,12 @@ class ParallelConfig(_Frozen):
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def dp_shard(self) -> int:
+        """HSDP's shard degree, ``dp / dp_replicate`` (``parallel.dp_shard``; dp when there is
+        no replication); the checker guarantees it is whole."""
+        return self.dp // self.dp_replicate
 
     @property
     def num_microbatches(self) -> int:

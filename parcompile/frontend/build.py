@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from parcompile.frontend import checks
 from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
+from parcompile.frontend.checks_offload import resolve_dp_shard
 from parcompile.core.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
@@ -147,6 +148,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "order": _STR,
         "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
         "reduce_dtype": _enum(ParallelConfig, "reduce_dtype"),
+        "dp_replicate": _COUNT, "dp_shard": _COUNT,
+        "offload": _enum(ParallelConfig, "offload"),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
@@ -678,6 +681,7 @@ class _Builder:
                 self.ctx.bad.add(f"parallel.{k}")
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
+        resolve_dp_shard(values, self.ctx, searched=any(k != "dp" for k in auto))
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
 
     def train(self) -> TrainConfig:

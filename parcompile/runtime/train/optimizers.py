@@ -30,7 +30,8 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
 
     HSDP (``sharding.replicate > 1``): states sharded over ``ctx.axes[sharding.shard_group]``
     and replicated over ``ctx.axes[sharding.replicate_group]``, two groups that split
-    ``dp_cp``; the caller builds them (generated programs do not yet: issue 49).
+    ``dp_cp`` (the plan's ``dp_shard`` and ``dp_replicate`` groups, which
+    :func:`~parcompile.runtime.distributed.context.init_parallel` creates).
 
     Raises:
         ValueError: ``sharding`` is for another data-parallel group size than this run's
