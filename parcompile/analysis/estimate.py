@@ -111,6 +111,7 @@ from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, 
                                             fp8_efficiency)
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
+from parcompile.analysis.offload import OPTIMIZER_BYTES, offload_assumptions, offload_step_time, optimizer_step_bytes  # noqa: F401
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
                                          Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
                                          collective_algorithms, collective_time, links_of, make_link, nic_share,
@@ -125,10 +126,6 @@ from parcompile.core.schedule import LOOP, Placement, interleaved_warmup, simula
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
 #: input and the output gradient and writes the input gradient (3 tensors, forward 2)
 BACKWARD_TRAFFIC = 1.5
-
-#: optimizer-step bytes read + written per parameter held (fp32 gradient, master weight,
-#: two moments, 16-bit weight; see :func:`optimizer_time`)
-OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 + 8)}
 
 
 def grad_element_bytes(cfg, sharding=None) -> int:
@@ -628,17 +625,14 @@ def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
     """Seconds of the optimizer step on the busiest rank: memory-bound, it moves
     ``OPTIMIZER_BYTES`` per parameter it updates (a ``1/d`` shard with ``zero >= 1``),
     plus reading the fp32 gradients for the norm and zeroing them (8 bytes per gradient
-    held); at ``eff.memory * hbm_bw``."""
+    held); at ``eff.memory * hbm_bw``. Offloaded: :func:`parcompile.analysis.offload.offload_step_time`."""
     if not stage_params or cfg.workload != "train":
         return 0.0
-    par, cl = cfg.parallel, cfg.cluster
-    eff = efficiency(cl)
-    per = OPTIMIZER_BYTES.get(cfg.train.optimizer, OPTIMIZER_BYTES["adam"])
-    if cfg.model.dtype_bytes < 4:
-        per += 2   # write the 16-bit weights from the fp32 master
-    worst = 0.0
-    eng = engine(cl).name
-    dps = data_parallel_sharding(par)
+    par, cl, eff = cfg.parallel, cfg.cluster, efficiency(cfg.cluster)
+    per = optimizer_step_bytes(cfg)
+    if par.offload != "none":   # stepped on the CPU, the parameters copied back (analysis/offload.py)
+        return offload_step_time(cfg, degrees, stage_params, per).exposed
+    worst, eng, dps = 0.0, engine(cl).name, data_parallel_sharding(par)
     for sp in stage_params:
         d, de = shard_degree(degrees) if "dp_cp" in degrees else 1, degrees.get("expert_dp", 1)
         upd = -(-sp.dense // d) if dps.shards_optimizer_states else sp.dense
@@ -692,7 +686,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
                       for a in ("tp", "cp", "ep", "dp_cp", "pp", "dp_shard", "dp_replicate") if degrees.get(a, 1) > 1 and a in groups},
             "network": network_assumptions(degrees, links, comm),
-            **engine_assumptions(cfg),
+            **engine_assumptions(cfg), **offload_assumptions(cfg, degrees, stage_params),
         },
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,

@@ -130,6 +130,7 @@ from typing import Mapping, Sequence
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
                                     reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
+from parcompile.analysis.offload import offload_states
 from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding, shard_degree
 from parcompile.analysis.compute import op_sac
 from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8, is_fp8_gemm
@@ -167,6 +168,9 @@ class StageMemory:
     #: what PyTorch's caching allocator holds beyond the live tensors at this stage's peak
     #: (:func:`allocator_bytes`): not part of ``total``, part of :attr:`reserved`
     allocator: int = 0
+    #: bytes this rank keeps in host memory (``parallel.offload``, :mod:`parcompile.analysis.offload`):
+    #: not part of ``total``
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -481,14 +485,15 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             in_flight = _weighted_in_flight(sched, pp, v, par.num_microbatches, unlike, group)
     stages = []
     for s, sp in enumerate(stage_params):
-        kv = 0
+        kv = host = 0
         if serve:
             params, grads, opt = e * sp.total, 0, 0
             acts = 0
             if kv_bytes_per_sequence is not None and cfg.serve is not None:
                 kv = cfg.serve.batch * kv_bytes_per_sequence[s]   # one sequence's cache (analysis/kv.py)
         else:
-            params, grads, opt = stage_state_bytes(cfg, degrees, sp)   # ZeRO: sharded per gradient bucket
+            # ZeRO: sharded per gradient bucket; offload: some of it in host memory
+            params, grads, opt, host = offload_states(cfg, degrees, sp, stage_state_bytes(cfg, degrees, sp))
             ks = par.rank_chunks(s)
             body = sum(saved.per_chunk[k] - saved.output_layer[k] for k in ks)
             out_layer = sum(saved.output_layer[k] for k in ks)
@@ -509,7 +514,7 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         buffers = buffer_total(parts) - (0 if serve else backward_freed(cfg, degrees, sp, saved, s, parts))
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes({k: v for k, v in parts.items() if k not in PERSISTENT_BUFFERS},
-                                                  getattr(cfg.cluster, "expandable_segments", True))))
+                                                  getattr(cfg.cluster, "expandable_segments", True)), host))
     peak = max(x.total for x in stages)
     cap = usable_memory(cfg.cluster)
     return MemoryReport(tuple(stages), peak, cap, peak <= cap, max(x.reserved for x in stages))

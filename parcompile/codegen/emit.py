@@ -67,6 +67,12 @@ _NOT_IN_PROGRAM: tuple = (
      "disaggregated prefill and decode pools", "the serve program prefills and decodes on the decode pool's "
      "layout; `parcompile plan`, `search` and `export --to vllm|sglang` (a prefill and a decode server) describe "
      "the pools", 45, False),
+    # CPU offload (issue 49): the program steps the optimizer on the host (runtime/train/offload.py),
+    # but keeps the parameter shards on the device
+    ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload == "params",
+     "parameter offload (offload = params)", "the program offloads the optimizer states only: `parcompile plan`, "
+     "`search` and `export --to deepspeed|torchtitan` work on this spec; to generate a program now, use "
+     "offload = optimizer", 49, True),
     # Llama 4's layers (issue 46) are trained, not served: the serving attention over the KV
     # cache has no chunked mask, NoPE layers, temperature tuning or L2 qk-norm yet
     ("model.nope_layer_interval", lambda cfg: cfg.serve is not None and any(

@@ -97,6 +97,13 @@ class ClusterConfig(_Frozen):
     #: `cpu` preset's (frontend/host.py); 0 elsewhere (analysis/estimate.py)
     op_overhead: float = 0.0
     memory_reserve: float = 0.10      # fraction of memory
+    #: CPU offload (``parallel.offload``, analysis/offload.py): each GPU's link to host memory
+    #: (bytes/s, one direction: PCIe Gen5 x16, 64 GB/s), the node's host memory bandwidth
+    #: (bytes/s, shared by its GPUs) and host memory (bytes per node); defaults: DGX H100's
+    #: (config/presets.py)
+    host_link_bw: float = 64e9
+    host_memory_bw: float = 614.4e9
+    host_memory: int = 2 * 10**12
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
     #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)

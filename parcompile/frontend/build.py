@@ -131,6 +131,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "engine": _enum(ClusterConfig, "engine"),
         "nvlink_domain": _COUNT, "nics_per_node": _COUNT, "nvls": _BOOL,
         "expandable_segments": _BOOL, "tp_comm_overlap": _BOOL, "overlap_p2p_comm": _BOOL,
+        "host_link_bw": _quantity("bandwidth"), "host_memory_bw": _quantity("bandwidth"),
+        "host_memory": _quantity("memory"),
     },
     "parallel": {
         "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,
