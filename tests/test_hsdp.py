@@ -15,6 +15,7 @@ from parcompile.driver import compile_config
 from parcompile.frontend import load_spec
 from tests.program_utils import tiny_config
 from tests.test_checks import diags, one, spec
+from tests.test_export_engines import torchtitan  # noqa: F401  (the fixture: torchtitan 0.3.0's config parser)
 
 
 def test_dp_shard_is_the_other_way_to_write_dp_replicate():
@@ -109,3 +110,45 @@ def test_verify_passes_replicate_2_by_shard_2(tmp_path):
     cfg = tiny_config(4, parallel=dict(zero=3, dp_replicate=2, bucket_size=16 * 1024))
     result = verify(cfg, steps=3, workdir=tmp_path)
     assert result.ok, result.table()
+
+
+def test_exports_carry_hsdp_where_the_engine_has_it():
+    """torchtitan: data_parallel_replicate_degree x data_parallel_shard_degree; DeepSpeed:
+    refused (0.19 removed MiCS; hpZ copies parameters only); Megatron-LM:
+    --num-distributed-optimizer-instances for the distributed optimizer, refused with FSDP2."""
+    from parcompile.exporters import export
+    from tests.test_export import MEGATRON_CORE_V0_19_0_FLAGS, parse_command
+    from tests.test_offload import MEGATRON_OFFLOAD_HSDP_FLAGS
+
+    z3 = compile_config(tiny_config(4, parallel=dict(zero=3, dp_replicate=2)))
+    tt = export(z3, "torchtitan")
+    assert not tt.errors
+    assert "data_parallel_replicate_degree=2" in tt.text and "data_parallel_shard_degree=2" in tt.text
+    assert any("removed MiCS" in e for e in export(z3, "deepspeed").errors)
+    assert any("zero 3" in e for e in export(z3, "megatron").errors)
+    z1 = compile_config(tiny_config(4, parallel=dict(zero=1, dp_replicate=2)))
+    assert export(z1, "deepspeed").errors
+    mg = export(z1, "megatron")
+    _, _, flags = parse_command(mg.text, "pretrain_gpt.py")
+    assert not mg.errors and flags["--num-distributed-optimizer-instances"] == "2"
+    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_OFFLOAD_HSDP_FLAGS
+
+
+def test_torchtitan_parses_hsdp_with_parameter_offload(torchtitan, tmp_path, monkeypatch):
+    """torchtitan 0.3.0's own config parser and ParallelDims read the export of replicate 2 x
+    shard 2 with offload = params as a 2 x 2 HSDP mesh with CPU offload."""
+    import shlex
+
+    pytest.importorskip("torchtitan")
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from parcompile.exporters import export
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ex = export(compile_config(tiny_config(4, parallel=dict(zero=3, dp_replicate=2, offload="params"))), "torchtitan")
+    assert not ex.errors
+    (tmp_path / ex.filename).write_text(ex.text)
+    words = shlex.split(ex.launch)
+    cfg = torchtitan().parse_args(words[words.index("--module"):])
+    dims = ParallelDims.from_config(cfg.parallelism, 4)
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 2) and cfg.training.enable_cpu_offload

@@ -135,3 +135,45 @@ def test_verify_passes_offload_zero3_dp4(tmp_path):
     assert result.ok, result.table()
     assert any("host" in c.what and c.ok for c in result.checks)
     assert all("host" in s for s in result.plan["memory"]["per_stage"])   # the miniature offloads too
+
+
+# Megatron-LM core_v0.19.0 (5be9626709af2722333bf54797c954c09edeada3) megatron/training/arguments.py:
+# --optimizer-cpu-offload line 2781, --use-precision-aware-optimizer line 3500 (validate_args asserts
+# it with the offload, lines 1803-1807), --num-distributed-optimizer-instances line 3049; read in the
+# tree, not run through check_engine_parsers.py
+MEGATRON_OFFLOAD_HSDP_FLAGS = {"--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                               "--num-distributed-optimizer-instances"}
+
+
+def _export(cfg, target, **kw):
+    from parcompile.exporters import export
+    from parcompile.plan import Plan   # noqa: F401  (compile_config returns one)
+
+    return export(compile_config(cfg), target, **kw)
+
+
+def test_exports_carry_offload_where_the_engine_has_it():
+    """DeepSpeed: offload_optimizer (and offload_param) with device cpu; torchtitan: only the
+    whole-state CPUOffloadPolicy (enable_cpu_offload) for offload = params, a refusal for
+    the optimizer alone; Megatron-LM: --optimizer-cpu-offload with the distributed optimizer
+    (zero 1, 2), a refusal with FSDP2 or for parameters."""
+    from tests.test_export import MEGATRON_CORE_V0_19_0_FLAGS, parse_command
+
+    ds = json.loads(_export(tiny_config(4, parallel=dict(zero=3, offload="params")), "deepspeed").text)
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3
+    assert z["offload_optimizer"] == z["offload_param"] == {"device": "cpu", "pin_memory": True}
+    ds = json.loads(_export(tiny_config(4, parallel=dict(zero=2, offload="optimizer")), "deepspeed").text)
+    assert "offload_optimizer" in ds["zero_optimization"] and "offload_param" not in ds["zero_optimization"]
+    tt = _export(tiny_config(4, parallel=dict(zero=3, offload="params")), "torchtitan")
+    assert not tt.errors and "enable_cpu_offload=True" in tt.text
+    tt = _export(tiny_config(4, parallel=dict(zero=3, offload="params")), "torchtitan", torchtitan_version="0.2")
+    assert "enable_cpu_offload = true" in tt.text   # (0.2 refuses the tiny shape: no registered flavor)
+    assert _export(tiny_config(4, parallel=dict(zero=3, offload="optimizer")), "torchtitan").errors
+    mg = _export(tiny_config(4, parallel=dict(zero=1, offload="optimizer")), "megatron")
+    _, _, flags = parse_command(mg.text, "pretrain_gpt.py")
+    assert not mg.errors and {"--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                              "--use-distributed-optimizer"} <= set(flags)
+    assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_OFFLOAD_HSDP_FLAGS
+    assert any("zero 3" in e for e in _export(tiny_config(4, parallel=dict(zero=3, offload="optimizer")),
+                                              "megatron").errors)
