@@ -152,3 +152,23 @@ def test_torchtitan_parses_hsdp_with_parameter_offload(torchtitan, tmp_path, mon
     cfg = torchtitan().parse_args(words[words.index("--module"):])
     dims = ParallelDims.from_config(cfg.parallelism, 4)
     assert (dims.dp_replicate, dims.dp_shard) == (2, 2) and cfg.training.enable_cpu_offload
+
+
+@pytest.mark.parametrize("keys", ["dp_replicate = 2\n    zero = 3", "zero = 3\n    offload = optimizer",
+                                  "dp_replicate = 2\n    zero = 1\n    offload = optimizer"])
+def test_the_search_costs_hsdp_and_offload_as_the_compiler(keys):
+    """The search's fast cost (one probe layer, multiplied; the layout's groups placed without
+    building them) gives the compiler's memory peak and step time for HSDP and offload, and
+    the search's candidates keep both keys (tp = auto: each candidate's dp fills the world)."""
+    from parcompile.layout_search import Coster, search
+    from parcompile.passes.manager import cost_without_schedule
+
+    text = ('model m from "llama3-8b" { layers = 4 }\ncluster c from "h100-sxm" { nodes = 2 }\n'
+            f"parallel {{\n    dp = 16\n    {keys}\n    global_batch = 64\n}}\n")
+    cfg, _ = load_spec(text)
+    fast, full = Coster(cfg).cost(cfg, with_memory=True), cost_without_schedule(cfg)
+    assert fast.peak == full.memory.peak
+    assert fast.step_time == pytest.approx(full.time.step_time, rel=1e-9)
+    auto, _ = load_spec(text.replace("dp = 16", "tp = auto"))
+    best = search(auto, top=1).best.parallel
+    assert (best.dp_replicate, best.offload) == (cfg.parallel.dp_replicate, cfg.parallel.offload)
