@@ -91,12 +91,16 @@ def test_the_70b_full_fine_tune_fits_one_node_with_offload():
     assert not base.data["memory"]["fits"]
 
 
-def test_parameter_offload_is_planned_but_not_generated():
+def test_what_the_program_does_not_offload_is_refused_not_run():
     cfg = tiny_config(4, parallel=dict(zero=3, offload="params"))
     _, st = _stage(cfg)
     assert st["params"] == 0 and st["host"] > 0
     gaps = program_gaps(cfg)
     assert len(gaps) == 1 and gaps[0].severity == "error" and "offload = params" in gaps[0].message
+    # one rank: the program's optimizer is not sharded, so nothing would be offloaded
+    gaps = program_gaps(tiny_config(1, parallel=dict(zero=1, offload="optimizer")))
+    assert len(gaps) == 1 and gaps[0].severity == "error" and "dp * cp = 1" in gaps[0].message
+    assert not program_gaps(tiny_config(2, parallel=dict(zero=1, offload="optimizer")))
 
 
 def _metric_losses(path: Path) -> list[float]:

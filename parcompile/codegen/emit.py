@@ -73,6 +73,11 @@ _NOT_IN_PROGRAM: tuple = (
      "parameter offload (offload = params)", "the program offloads the optimizer states only: `parcompile plan`, "
      "`search` and `export --to deepspeed|torchtitan` work on this spec; to generate a program now, use "
      "offload = optimizer", 49, True),
+    ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload != "none"
+     and cfg.parallel.dp * cfg.parallel.cp == 1,
+     "offload without a data-parallel group (dp * cp = 1)", "the program offloads its sharded (ZeRO) optimizer, "
+     "which needs dp * cp > 1: `parcompile plan`, `search` and `export --to deepspeed` work on this spec; to "
+     "generate a program now, give dp (or cp) more than one rank, or remove `offload`", 49, True),
     # Llama 4's layers (issue 46) are trained, not served: the serving attention over the KV
     # cache has no chunked mask, NoPE layers, temperature tuning or L2 qk-norm yet
     ("model.nope_layer_interval", lambda cfg: cfg.serve is not None and any(
