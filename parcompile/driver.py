@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
+from parcompile.analysis.offload import host_per_node
 from parcompile.analysis.serve import (ServeReport, fit_advice, prefill_config, running_limit, running_tokens,
                                       serve_report)
 from parcompile.frontend.checks import does_not_fit_help
@@ -163,6 +164,12 @@ def compile_config(cfg: SpecConfig, warnings: list[Diagnostic] | tuple = (), sea
 
     if cfg.workload == "train":
         _check_checkpoint_space(cfg, cost.params.params)
+        host = host_per_node(cfg, [x.host for x in cost.memory.per_stage]) if par.offload != "none" else 0
+        if host > cfg.cluster.host_memory:   # offload: host memory per node (analysis/offload.py)
+            warnings.append(Diagnostic(
+                "warning", f"offload = {par.offload} keeps {bytes_text(host)} in host memory per node, more than "
+                f"its {bytes_text(cfg.cluster.host_memory)}", cfg.span("parallel.offload"),
+                help="shard over more ranks (zero, dp), or offload less (offload = optimizer)", code="host-memory"))
 
     # 8. plan.json
     data = plan_data(cfg, results.chunks, sched, cost, serve, search)
@@ -291,11 +298,14 @@ def _memory_section(cfg: SpecConfig, memory) -> Memory:
                                activations=x.activations, kv_cache=x.kv_cache, buffers=x.buffers,
                                buffer_parts=dict(x.buffer_parts), total=x.total,
                                **({"allocator": x.allocator} if train else {}),
+                               **({"host": x.host} if train and cfg.parallel.offload != "none" else {}),
                                activations_per_layer=[[layer, b] for layer, b in x.layer_activations])
                    for x in memory.per_stage],
         peak=memory.peak, capacity=memory.capacity, fits=memory.fits,
         **(dict(reserved_peak=memory.reserved_peak, device_memory=cfg.cluster.memory,
-                expandable_segments=cfg.cluster.expandable_segments) if train else {}))
+                expandable_segments=cfg.cluster.expandable_segments) if train else {}),
+        **(dict(host_per_node=host_per_node(cfg, [x.host for x in memory.per_stage]),
+                host_memory=cfg.cluster.host_memory) if train and cfg.parallel.offload != "none" else {}))
 
 
 def _check_serve_fits(cfg: SpecConfig, rep: ServeReport, warnings: list[Diagnostic], graph, degrees) -> None:

@@ -446,6 +446,20 @@ def _layout_report(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def _host_memory_report(d: dict[str, Any]) -> list[str]:
+    """CPU offload (``parallel.offload``): host memory per rank and node, the PCIe traffic and
+    the CPU step (``memory.host_per_node``, ``estimate.assumptions.offload``); empty without."""
+    mem, off = d["memory"], d["estimate"]["assumptions"].get("offload")
+    if "host_per_node" not in mem or not off:
+        return []
+    ranks = ", ".join(f"stage {s['stage']}: {bytes_text(s.get('host', 0))}" for s in mem["per_stage"])
+    return [f"Host memory (offload = {off['mode']}): per rank {ranks}; per node {bytes_text(mem['host_per_node'])} "
+            f"of {bytes_text(mem['host_memory'])}. PCIe per step and rank: {bytes_text(off['pcie_down_bytes'])} "
+            f"down ({seconds_text(off['pcie_down'])}, hidden under the backward), "
+            f"{bytes_text(off['pcie_up_bytes'])} up ({seconds_text(off['pcie_up'])}); the CPU optimizer step "
+            f"{seconds_text(off['cpu_step'])}; the step waits {seconds_text(off['exposed'])} for them.", ""]
+
+
 def _memory_report(d: dict[str, Any]) -> list[str]:
     """Memory per rank: the per-stage table, the peak, the caching allocator, what each decoder
     layer saves for backward, and ZeRO-3's gathered parameters."""
@@ -476,7 +490,7 @@ def _memory_report(d: dict[str, Any]) -> list[str]:
                    "every temporary buffer again (each cached in its own segment)")
                 + (f"; more than the GPU's {bytes_text(mem['device_memory'])}."
                    if mem.get("device_memory") and mem["reserved_peak"] > mem["device_memory"] else ".")]
-    out += [""]
+    out += [""] + _host_memory_report(d)
     per_layer = [(s["stage"], s.get("activations_per_layer", [])) for s in mem["per_stage"]]
     if any(layers for _, layers in per_layer):
         parts = []

@@ -60,6 +60,11 @@ class Groups(_Strict):
     expert_tp: RankGroups
     expert_dp: RankGroups
     embedding: RankGroups = Field(description="first and last pipeline rank of each pipeline (tied embeddings)")
+    dp_shard: Optional[RankGroups] = Field(
+        default=None, description="HSDP (parallel.dp_replicate > 1) only: the groups states are sharded over, "
+                                  "dp_shard * cp consecutive members of a dp_cp group (extension)")
+    dp_replicate: Optional[RankGroups] = Field(
+        default=None, description="HSDP only: the groups the shards are replicated over (extension)")
 
 
 class Model(_Strict):
@@ -138,6 +143,10 @@ class StageMemory(_Strict):
         description="what PyTorch's caching allocator holds beyond the live tensors at the stage's peak "
                     "(extension; not part of total): with expandable segments the largest buffer part, "
                     "without them the sum of the buffer parts")
+    host: Optional[int] = Field(
+        default=None, ge=0, description="bytes this rank keeps in host memory: parallel.offload's optimizer "
+                                        "states, fp32 gradient shard and (offload = params) parameter shard; not part "
+                                        "of total (extension; offloading plans only)")
     activations_per_layer: list[list[int]] = Field(
         default_factory=list,
         description="[layer, bytes] per decoder layer of the stage: what one micro-batch keeps for backward "
@@ -157,6 +166,11 @@ class Memory(_Strict):
         description="the largest total + allocator over the stages: what torch.cuda.max_memory_reserved would "
                     "show (extension; training plans)")
     device_memory: Optional[int] = Field(default=None, ge=0, description="cluster.memory, bytes (extension)")
+    host_per_node: Optional[int] = Field(
+        default=None, ge=0, description="parallel.offload: the most host memory one node's ranks keep, bytes "
+                                        "(the sum of their stages' host; extension; offloading plans only)")
+    host_memory: Optional[int] = Field(default=None, ge=0, description="cluster.host_memory: host memory per node, "
+                                                                       "bytes (extension; offloading plans only)")
     expandable_segments: Optional[bool] = Field(
         default=None, description="cluster.expandable_segments: the allocator mode the allocator term assumes "
                                   "(extension)")
@@ -288,6 +302,25 @@ class Fp8Assumptions(_Strict):
     weight_copies: str
 
 
+class OffloadAssumptions(_Strict):
+    """``parallel.offload``: what the estimate assumed of CPU offload (parcompile/analysis/offload.py)."""
+
+    mode: Literal["optimizer", "params"]
+    pcie_down_bytes: int = Field(ge=0, description="bytes the busiest rank sends to host memory per step "
+                                                   "(its gradient shard)")
+    pcie_up_bytes: int = Field(ge=0, description="bytes it receives per step (its updated parameter shard; "
+                                                 "offload = params: also before each all-gather)")
+    pcie_down: float = Field(ge=0, description="seconds of pcie_down_bytes at host_link_bw")
+    pcie_up: float = Field(ge=0, description="seconds of pcie_up_bytes at host_link_bw")
+    cpu_step: float = Field(ge=0, description="seconds of the optimizer step on the CPU (memory bound, the node's "
+                                              "host_memory_bw shared by its GPUs)")
+    exposed: float = Field(ge=0, description="seconds the step waits for: the CPU step and the parameters' copy "
+                                             "back (the breakdown's optimizer)")
+    host_link_bw: float = Field(gt=0, description="cluster.host_link_bw, bytes/s per GPU and direction")
+    host_memory_bw: float = Field(gt=0, description="cluster.host_memory_bw, bytes/s per node")
+    overlap: str
+
+
 class Assumptions(_Strict):
     """What the time estimate assumed (extension)."""
 
@@ -303,6 +336,7 @@ class Assumptions(_Strict):
     network: Optional[dict[str, NetworkAxis]] = Field(
         default=None, description="the network model per axis: ranks per node, nodes spanned, and each collective's "
                                   "algorithm and bus bandwidth (docs/clusters.md)")
+    offload: Optional[OffloadAssumptions] = Field(default=None, description="parallel.offload plans only")
     moe_routing: Optional[str] = Field(
         default=None, description="mixture-of-experts models only: how token routing was costed")
     engine: Optional[Literal["megatron", "eager", "compile", "automodel"]] = Field(

@@ -566,7 +566,8 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
     for r in records:
         want = plan["memory"]["per_stage"][r["stage"]]
         got = r.get("state_bytes") or {}
-        diff = [f"{k} {got.get(k)} != plan {want[k]}" for k in ("params", "grads", "optimizer") if got.get(k) != want[k]]
+        diff = [f"{k} {got.get(k)} != plan {want[k]}" for k in ("params", "grads", "optimizer", "host")
+                if k in want and got.get(k) != want[k]]   # host: parallel.offload
         if diff:
             bad_bytes.append(f"rank {r['rank']}: " + ", ".join(diff))
     bad_order = []
@@ -589,7 +590,7 @@ def compare_with_plan(records: list[dict], plan: dict) -> list[Check]:
         params_check(records, plan),
         Check(f"collectives per step ({total_calls} calls)", 0.0 if not bad_comm else math.inf, 0.0,
               not bad_comm, "; ".join(bad_comm[:2])),
-        Check("parameter, gradient, optimizer bytes per rank", 0.0 if not bad_bytes else math.inf, 0.0,
+        Check("parameter, gradient, optimizer (and host) bytes per rank", 0.0 if not bad_bytes else math.inf, 0.0,
               not bad_bytes, "; ".join(bad_bytes[:2])),
         Check(f"pipeline actions as planned ({sum(len(r.get('actions', [])) for r in records)})",
               0.0 if not bad_order else math.inf, 0.0, not bad_order, "; ".join(bad_order[:2])),

@@ -111,23 +111,21 @@ from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, 
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
 from parcompile.analysis.lora import lora_chunk_times
+from parcompile.analysis.offload import OPTIMIZER_BYTES, offload_assumptions, offload_step_time, optimizer_step_bytes  # noqa: F401
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
                                          Algorithm, Link, axis_crosses_nodes, axis_link, collective_algorithm,
-                                         collective_algorithms, collective_time, links_of, make_link, nic_share)
+                                         collective_algorithms, collective_time, links_of, make_link, nic_share,
+                                         replica_all_reduce_time)
 from parcompile.core.axes import AXIS_FAMILY
 from parcompile.core.attention import attention_engine
 from parcompile.core.buckets import GradUnit, bucket_element_bytes, partition, reshard_after_forward
-from parcompile.core.data_parallel import data_parallel_sharding
+from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.schedule import LOOP, Placement, interleaved_warmup, simulate
 
 
 #: backward traffic of a memory-bound kernel over its forward traffic: it reads the saved
 #: input and the output gradient and writes the input gradient (3 tensors, forward 2)
 BACKWARD_TRAFFIC = 1.5
-
-#: optimizer-step bytes read + written per parameter held (fp32 gradient, master weight,
-#: two moments, 16-bit weight; see :func:`optimizer_time`)
-OPTIMIZER_BYTES = {"adamw": (4 + 8 + 8 + 8), "adam": (4 + 8 + 8 + 8), "sgd": (4 + 8)}
 
 
 def grad_element_bytes(cfg, sharding=None) -> int:
@@ -520,24 +518,25 @@ def grad_overlap(cfg, degrees: Mapping[str, int], links, ct: ChunkTimes, sp) -> 
     dps = data_parallel_sharding(par)
     op = dps.gradient_reduction
     events = []
-    for kind, axis in (("dense", "dp_cp"), ("expert", "expert_dp")):
-        n = degrees.get(axis, 1)
-        if n <= 1:
+    once, hsdp = 0.0, dps.replicate > 1 and dps.shards_optimizer_states   # HSDP: all-reduces over replicas, once
+    for kind, axis in (("dense", dps.shard_group if hsdp else "dp_cp"), ("expert", "expert_dp")):
+        if (n := dps.shard if hsdp and kind == "dense" else degrees.get(axis, 1)) <= 1:
             continue
         link = links.get(axis) or make_link(cl, 1, 1)
         for b in partition(units, par.bucket_size, kind):
             nbytes = grad_element_bytes(cfg) * (
                 -(-b.elements // n) if dps.shards_optimizer_states else b.elements)   # reduce dtype (grad_element_bytes)
             r = bwd_end if par.bucket_size == 0 else max(ready[(b.chunk, name)] for name in b.units)
-            events.append((r, kind != "dense", collective_time(op, nbytes, n, link)))
+            once += (ar := replica_all_reduce_time(dps, b.elements, links, cl) if hsdp and kind == "dense" else 0.0)
+            events.append((r, kind != "dense", collective_time(op, nbytes, n, link) + ar))
     # times relative to the end of the backward (buckets all ready then: exposed == busy exactly)
     end, busy = None, 0.0
     for r, _, dur in sorted(events):
         end = (r - bwd_end if end is None else max(end, r - bwd_end)) + dur
         busy += dur
     exposed = min(busy, max(0.0, end)) if events else 0.0
-    if dps.per_microbatch:
-        busy *= par.num_microbatches   # m rounds; all but the last micro-batch's hide (docstring)
+    if dps.per_microbatch:   # m rounds; all but the last micro-batch's hide (docstring); HSDP's all-reduces once
+        busy = (busy - once) * par.num_microbatches + once
     return GradOverlap(s, len(events), busy, max(0.0, busy - exposed), exposed)
 
 
@@ -628,19 +627,16 @@ def optimizer_time(cfg, degrees: Mapping[str, int], stage_params) -> float:
     """Seconds of the optimizer step on the busiest rank: memory-bound, it moves
     ``OPTIMIZER_BYTES`` per parameter it updates (a ``1/d`` shard with ``zero >= 1``),
     plus reading the fp32 gradients for the norm and zeroing them (8 bytes per gradient
-    held); at ``eff.memory * hbm_bw``."""
+    held); at ``eff.memory * hbm_bw``. Offloaded: :func:`parcompile.analysis.offload.offload_step_time`."""
     if not stage_params or cfg.workload != "train":
         return 0.0
-    par, cl = cfg.parallel, cfg.cluster
-    eff = efficiency(cl)
-    per = OPTIMIZER_BYTES.get(cfg.train.optimizer, OPTIMIZER_BYTES["adam"])
-    if cfg.model.dtype_bytes < 4:
-        per += 2   # write the 16-bit weights from the fp32 master
-    worst = 0.0
-    eng = engine(cl).name
-    dps = data_parallel_sharding(par)
+    par, cl, eff = cfg.parallel, cfg.cluster, efficiency(cfg.cluster)
+    per = optimizer_step_bytes(cfg)
+    if par.offload != "none":   # stepped on the CPU, the parameters copied back (analysis/offload.py)
+        return offload_step_time(cfg, degrees, stage_params, per).exposed
+    worst, eng, dps = 0.0, engine(cl).name, data_parallel_sharding(par)
     for sp in stage_params:
-        d, de = degrees.get("dp_cp", 1), degrees.get("expert_dp", 1)
+        d, de = shard_degree(degrees) if "dp_cp" in degrees else 1, degrees.get("expert_dp", 1)
         upd = -(-sp.dense // d) if dps.shards_optimizer_states else sp.dense
         upd += -(-sp.expert // de) if dps.shards_optimizer_states else sp.expert
         grads = (-(-sp.dense // d) + -(-sp.expert // de)) if dps.shards_gradients else sp.total
@@ -690,9 +686,9 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
                            "p2p) from its ranks per node and nodes, bus bandwidth from nccl-tests (docs/clusters.md)",
             "pipeline": "simulated action lists" if actions is not None else "closed form (p-1)/(v m)",
             "links": {a: ("inter-node" if axis_crosses_nodes(cl, groups, a) else "intra-node")
-                      for a in ("tp", "cp", "ep", "dp_cp", "pp") if degrees.get(a, 1) > 1},
+                      for a in ("tp", "cp", "ep", "dp_cp", "pp", "dp_shard", "dp_replicate") if degrees.get(a, 1) > 1 and a in groups},
             "network": network_assumptions(degrees, links, comm),
-            **engine_assumptions(cfg),
+            **engine_assumptions(cfg), **offload_assumptions(cfg, degrees, stage_params),
         },
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,

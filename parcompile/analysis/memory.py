@@ -131,7 +131,8 @@ from parcompile.core.dtypes import DTYPE_BYTES
 from parcompile.core.dtypes import OPTIMIZER_STATES  # noqa: F401  (re-exported: fp32 states per parameter)
 from parcompile.core.buckets import (GRAD_BYTES, buckets_in_flight, head_reads_embedding,
                                     reshard_after_forward, shard_elements, stage_buckets, zero3_gathered)
-from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
+from parcompile.analysis.offload import offload_states
+from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding, shard_degree
 from parcompile.analysis.compute import op_sac
 from parcompile.ir.fp8 import enabled as fp8_enabled, gathers_fp8, is_fp8_gemm
 from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
@@ -172,6 +173,9 @@ class StageMemory:
     #: what PyTorch's caching allocator holds beyond the live tensors at this stage's peak
     #: (:func:`allocator_bytes`): not part of ``total``, part of :attr:`reserved`
     allocator: int = 0
+    #: bytes this rank keeps in host memory (``parallel.offload``, :mod:`parcompile.analysis.offload`):
+    #: not part of ``total``
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -239,7 +243,7 @@ def stage_state_bytes(cfg, degrees, sp) -> tuple[int, int, int]:
     frozen = frozen_param_bytes(cfg, degrees, sp, dps.shards_parameters) if is_lora(cfg) else 0
     sp = trainable(cfg, degrees, sp)
     dense, expert = stage_buckets(sp, par.bucket_size)
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    d, ed = shard_degree(degrees), degrees["expert_dp"]   # HSDP: sharded over dp_shard only
     f2 = engine_of(cfg.cluster).fsdp2_state_bytes
     gb = grad_element_bytes(cfg)
     sgb = DTYPE_BYTES[par.grad_dtype]   # parallel.grad_dtype: the zero 2 and 3 gradient shards too
@@ -526,14 +530,15 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
             in_flight = _weighted_in_flight(sched, pp, v, par.num_microbatches, unlike, group)
     stages = []
     for s, sp in enumerate(stage_params):
-        kv = 0
+        kv = host = 0
         if serve:
             params, grads, opt = e * sp.total, 0, 0
             acts = 0
             if kv_bytes_per_sequence is not None and cfg.serve is not None:
                 kv = cfg.serve.batch * kv_bytes_per_sequence[s]   # one sequence's cache (analysis/kv.py)
         else:
-            params, grads, opt = stage_state_bytes(cfg, degrees, sp)   # ZeRO: sharded per gradient bucket
+            # ZeRO: sharded per gradient bucket; offload: some of it in host memory
+            params, grads, opt, host = offload_states(cfg, degrees, sp, stage_state_bytes(cfg, degrees, sp))
             ks = par.rank_chunks(s)
             body = sum(saved.per_chunk[k] - saved.output_layer[k] for k in ks)
             out_layer = sum(saved.output_layer[k] for k in ks)
@@ -554,7 +559,7 @@ def memory_from_parts(cfg, degrees: Mapping[str, int], stage_params: Sequence[St
         buffers = buffer_total(parts) - (0 if serve else backward_freed(cfg, degrees, sp, saved, s, parts))
         stages.append(StageMemory(s, params, grads, opt, acts, kv, buffers, parts, layers,
                                   allocator_bytes({k: v for k, v in parts.items() if k not in PERSISTENT_BUFFERS},
-                                                  getattr(cfg.cluster, "expandable_segments", True))))
+                                                  getattr(cfg.cluster, "expandable_segments", True)), host))
         if stop_above is not None and stages[-1].total > stop_above:
             break
     peak = max(x.total for x in stages)
@@ -583,7 +588,7 @@ def backward_freed(cfg, degrees: Mapping[str, int], sp: StageParams, saved: Save
     over the chunk's decoder layers, the same for the plan and the search's probes. 0 when
     the buckets are reduced once per step, or nothing is in flight."""
     full = parts.get("grad_buckets_in_flight", 0)
-    d = degrees["dp_cp"]
+    d = shard_degree(degrees)
     if not full or d <= 1:
         return 0
     dense, _ = stage_buckets(sp, cfg.parallel.bucket_size)
@@ -710,7 +715,7 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers
     size = (lambda b, d: e * math.ceil(b.elements / d) * d + b.fp8) if gathers_fp8(cfg) else \
         (lambda b, d: e * math.ceil(b.elements / d) * d)
-    step_long, jit = zero3_gathered([(dense, degrees["dp_cp"]), (expert, degrees["expert_dp"])],
+    step_long, jit = zero3_gathered([(dense, shard_degree(degrees)), (expert, degrees["expert_dp"])],
                                     reshard_after_forward(par.pp), head_reads_embedding(cfg), size)
     return int(step_long + jit)
 
@@ -730,7 +735,7 @@ def full_grad_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> int:
     if cfg.workload == "serve" or not dps.shards_gradients:
         return 0
     dense, expert = stage_buckets(trainable(cfg, degrees, sp), par.bucket_size)
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
+    d, ed = shard_degree(degrees), degrees["expert_dp"]
     if dps.per_microbatch:
         return grad_element_bytes(cfg) * (buckets_in_flight(dense, d) + buckets_in_flight(expert, ed))
     return grad_element_bytes(cfg) * ((shard_elements(dense, d) * d if d > 1 else 0) + (shard_elements(expert, ed) * ed if ed > 1 else 0))

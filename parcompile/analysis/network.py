@@ -301,3 +301,15 @@ def serve_allreduce(nbytes: float, n: int, link: Link, engine, nccl: bool = True
     # engine's own small all-reduce takes (its fitted latency), whichever library runs it
     floor = engine.allreduce_latency if engine is not None else 0.0
     return best[0], max(best[1], floor)
+
+
+def replica_all_reduce_time(sharding, elements: int, links: Mapping[str, Link], cluster) -> float:
+    """Seconds of HSDP's all-reduce of one gradient bucket's fp32 shard (``ceil(elements /
+    shard)`` elements) over the replicate group (``sharding``: a
+    :class:`~parcompile.core.data_parallel.DataParallelSharding` with ``replicate > 1``), on
+    that group's link: FSDP2's 2-D mesh reduce-scatters over the shard group, then all-reduces
+    the shard over the replicas (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``
+    ``foreach_reduce``), once per step in the generated program."""
+    link = links.get(sharding.replicate_group) or make_link(cluster, 1, 1)
+    return collective_time("all_reduce", 4 * -(-elements // sharding.shard), sharding.replicate, link)
+

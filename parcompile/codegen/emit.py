@@ -68,6 +68,17 @@ _NOT_IN_PROGRAM: tuple = (
      "disaggregated prefill and decode pools", "the serve program prefills and decodes on the decode pool's "
      "layout; `parcompile plan`, `search` and `export --to vllm|sglang` (a prefill and a decode server) describe "
      "the pools", 45, False),
+    # CPU offload (issue 49): the program steps the optimizer on the host (runtime/train/offload.py),
+    # but keeps the parameter shards on the device
+    ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload == "params",
+     "parameter offload (offload = params)", "the program offloads the optimizer states only: `parcompile plan`, "
+     "`search` and `export --to deepspeed|torchtitan` work on this spec; to generate a program now, use "
+     "offload = optimizer", 49, True),
+    ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload != "none"
+     and cfg.parallel.dp * cfg.parallel.cp == 1,
+     "offload without a data-parallel group (dp * cp = 1)", "the program offloads its sharded (ZeRO) optimizer, "
+     "which needs dp * cp > 1: `parcompile plan`, `search` and `export --to deepspeed` work on this spec; to "
+     "generate a program now, give dp (or cp) more than one rank, or remove `offload`", 49, True),
     # Llama 4's layers (issue 46) are trained, not served: the serving attention over the KV
     # cache has no chunked mask, NoPE layers, temperature tuning or L2 qk-norm yet
     ("model.nope_layer_interval", lambda cfg: cfg.serve is not None and any(
@@ -314,9 +325,12 @@ def _step_notes(p, dps: DataParallelSharding, sp: bool) -> dict:
                                     ("gradients", dps.shards_gradients), ("parameters", dps.shards_parameters)) if on]
     return {
         "dp_sharding": f"rt.DataParallelSharding(stage={dps.stage}, shard={dps.shard}, "
-                       f"per_microbatch={dps.per_microbatch})",
+                       f"per_microbatch={dps.per_microbatch}"
+                       + (f", replicate={dps.replicate}, shard_group={dps.shard_group!r}, "
+                          f"replicate_group={dps.replicate_group!r}" if dps.replicate > 1 else "") + ")",
         "zero_comment": f"ZeRO-{dps.stage}: {', '.join(states[:-1])}{' and ' if len(states) > 1 else ''}"
-                        f"{states[-1]} sharded over dp" if states else "replicated over dp: all-reduce of gradients",
+                        f"{states[-1]} sharded over " + ("dp_shard, replicated over dp_replicate (HSDP)"
+                                                         if dps.replicate > 1 else "dp") if states else "replicated over dp: all-reduce of gradients",
         "begin_step_note": "" if dps.parameter_gather != "before_use" else " " * 40 + "# ZeRO-3: " + (
             "every bucket gathered just in time" if p.pp == 1 else
             "gather the embedding/output buckets; layer buckets just in time"),

@@ -74,6 +74,14 @@ class ClusterPreset:
     #: what the GEMM-rate model spreads a GEMM's output tiles over (:mod:`parcompile.analysis.gemm`);
     #: 0 where unknown or not a GPU
     sms: int = 0
+    #: CPU offload (analysis/offload.py): each GPU's link to host memory (bytes/s, one
+    #: direction), the node's host memory bandwidth (bytes/s) and size (bytes); defaults DGX
+    #: H100's: H100 SXM datasheet "PCIe Gen5: 128 GB/s" (both ways: 64 GB/s each), DGX H100
+    #: datasheet "2TB" system memory on two Xeon Platinum 8480C, eight DDR5-4800 channels
+    #: each (2 x 8 x 38.4 GB/s = 614.4 GB/s)
+    host_link_bw: float = 64e9
+    host_memory_bw: float = 614.4e9
+    host_memory: int = 2 * 10**12
 
     def values(self, dtype: str) -> dict[str, Any]:
         """The `cluster` keys this preset sets, with the peak for a model of ``dtype``."""
@@ -90,6 +98,7 @@ class ClusterPreset:
             "nvls": self.nvls,
             "op_overhead": self.op_overhead,
             **({"nvlink_domain": self.nvlink_domain} if self.nvlink_domain else {}),
+            "host_link_bw": self.host_link_bw, "host_memory_bw": self.host_memory_bw, "host_memory": self.host_memory,
         }
 
 
@@ -247,6 +256,8 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
         fp8_flops=q("4500 TFLOPS"), mxfp8_flops=q("4500 TFLOPS"), sms=148,
+        # DGX B200: two Xeon Platinum 8570 (eight DDR5-5600 channels each: 716.8 GB/s), 4 TB
+        host_memory_bw=q("716.8 GB/s"), host_memory=4 * 10**12,
     ),
     # NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs and 36 Grace CPUs in one NVLink domain
     # (130 TB/s of NVLink: 1.8 TB/s per GPU both ways, through nine NVLink switch trays with
@@ -259,6 +270,9 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, nvls=True,
         nics_per_node=4, nvlink_domain=72, fp8_flops=q("5000 TFLOPS"), mxfp8_flops=q("5000 TFLOPS"), sms=148,
+        # GB200 datasheet: each Grace's LPDDR5X, up to 480 GB at up to 512 GB/s, reached by its
+        # two GPUs over NVLink-C2C (900 GB/s both ways: 225 GB/s per GPU each way); two per tray
+        host_link_bw=q("225 GB/s"), host_memory_bw=q("1024 GB/s"), host_memory=960 * 10**9,
     ),
     # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1,307.4 TFLOPS bf16 / fp16
     # dense, 653.7 TFLOPS TF32, 2,614.9 TFLOPS FP8 dense (5,229.8 with sparsity; OCP FP8,
@@ -270,6 +284,8 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         hbm_bw=q("5.3 TB/s"), intra_node_bw=q("448 GB/s"), inter_node_bw=q("400 Gb/s"),
         intra_node_latency=_NVLINK_LATENCY, inter_node_latency=_IB_LATENCY, stack="rocm",
         fp8_flops=q("2614.9 TFLOPS"), sms=304,
+        # typical platform: two EPYC 9004 (twelve DDR5-4800 channels each: 921.6 GB/s), PCIe Gen5
+        host_memory_bw=q("921.6 GB/s"),
     ),
     # Huawei Ascend 910B (Atlas 800T A2 server, 8 NPUs): 64 GB HBM2e at about 1.6 TB/s,
     # about 313 TFLOPS fp16/bf16 dense (figures vary by SKU); HCCS about 196 GB/s per
@@ -280,6 +296,7 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         gpus_per_node=8, memory=int(q("64 GiB")), peak_flops=_peaks("313 TFLOPS", "78 TFLOPS"),
         hbm_bw=q("1.6 TB/s"), intra_node_bw=q("196 GB/s"), inter_node_bw=q("200 Gb/s"),
         intra_node_latency=q("10 us"), inter_node_latency=q("20 us"), stack="cann", fp8_storage=False,
+        host_link_bw=q("32 GB/s"),   # PCIe Gen4 x16 (host memory: DGX H100's, assumed)
     ),
     # This machine: 8 processes on the CPU with gloo (SPEC 1). Rough, dtype-independent
     # numbers that only need to be in proportion: about 1 TFLOPS, 20 GB/s memory, gloo over
@@ -298,6 +315,7 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         mxfp8_flops=q("1 TFLOPS"),
         hbm_bw=q("20 GB/s"), intra_node_bw=q("2 GB/s"), inter_node_bw=q("1 GB/s"),
         intra_node_latency=q("50 us"), inter_node_latency=q("100 us"), op_overhead=q("20 us"), stack="cpu",
+        host_link_bw=q("20 GB/s"), host_memory_bw=q("20 GB/s"), host_memory=int(q("128 GiB")),   # the same memory
     ),
 }
 

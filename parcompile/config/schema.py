@@ -97,6 +97,13 @@ class ClusterConfig(_Frozen):
     #: `cpu` preset's (frontend/host.py); 0 elsewhere (analysis/estimate.py)
     op_overhead: float = 0.0
     memory_reserve: float = 0.10      # fraction of memory
+    #: CPU offload (``parallel.offload``, analysis/offload.py): each GPU's link to host memory
+    #: (bytes/s, one direction: PCIe Gen5 x16, 64 GB/s), the node's host memory bandwidth
+    #: (bytes/s, shared by its GPUs) and host memory (bytes per node); defaults: DGX H100's
+    #: (config/presets.py)
+    host_link_bw: float = 64e9
+    host_memory_bw: float = 614.4e9
+    host_memory: int = 2 * 10**12
     #: the training engine the time estimate assumes (analysis/estimate.py ENGINES):
     #: Megatron-Core with Transformer Engine, eager PyTorch with FSDP2 (torchtitan), torchtitan
     #: with torch.compile, or NeMo AutoModel (Transformer Engine kernels with FSDP2)
@@ -202,6 +209,16 @@ class ParallelConfig(_Frozen):
     #: gradients accumulated and reduced in bf16, cast to fp32 for the optimizer
     #: (:func:`parcompile.analysis.estimate.grad_element_bytes`)
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    #: HSDP (``parallel.dp_replicate``): the data-parallel ranks form ``dp_replicate`` x
+    #: ``dp_shard`` (:attr:`dp_shard`), states sharded over the shard group only and
+    #: replicated over the replicate group (torchtitan's ``data_parallel_replicate_degree``;
+    #: :mod:`parcompile.core.data_parallel`); 1: plain ZeRO over all of dp
+    dp_replicate: int = 1
+    #: CPU offload (``parallel.offload``): ``optimizer`` keeps the optimizer states (and fp32
+    #: masters) in host memory and steps them on the CPU (DeepSpeed's ``offload_optimizer``,
+    #: ZeRO-Offload); ``params`` also the parameters' shards (``offload_param``, FSDP2's
+    #: ``CPUOffloadPolicy``); :mod:`parcompile.analysis.offload`
+    offload: Literal["none", "optimizer", "params"] = "none"
     auto: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -215,6 +232,12 @@ class ParallelConfig(_Frozen):
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def dp_shard(self) -> int:
+        """HSDP's shard degree, ``dp / dp_replicate`` (``parallel.dp_shard``; dp when there is
+        no replication); the checker guarantees it is whole."""
+        return self.dp // self.dp_replicate
 
     @property
     def num_microbatches(self) -> int:

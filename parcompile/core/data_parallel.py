@@ -12,7 +12,7 @@ also the gradients, stage 3 also the parameters (FSDP's ``FULL_SHARD``, FSDP2's
 
 **Replicate x shard** (HSDP): the data-parallel ranks form a 2-D mesh of ``replicate`` x
 ``shard`` ranks; states are sharded over the shard group and replicated over the replicate
-group. torchtitan names the two degrees ``data_parallel_replicate_degree`` and
+group (the spec's ``parallel.dp_replicate`` / ``dp_shard``). torchtitan names the two degrees ``data_parallel_replicate_degree`` and
 ``data_parallel_shard_degree`` with ``dp_replicate * dp_shard * cp * tp * pp ==
 world_size`` (torchtitan 0.3.0, ``torchtitan/distributed/parallel_dims.py``
 ``ParallelDims._validate`` and ``build_mesh``'s ``dp_replicate`` / ``fsdp`` dims, the
@@ -21,9 +21,11 @@ FSDP2's ``fully_shard`` takes a 2-D mesh for HSDP, sharding over the 2nd dim and
 replicating over the 1st (placements ``(Replicate(), Shard(0))``; PyTorch 2.13,
 ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``, commit
 cf30153c4c131c8164ee7798e5022d810682e2cb). Its gradient step is a reduce-scatter over the
-shard group followed by an all-reduce of the shards over the replicate group. parcompile
-plans ``replicate = 1`` today (the shard group is all of ``dp_cp``); issue 49 adds the
-spec keys and the program's replicate groups.
+shard group followed by an all-reduce of the shards over the replicate group. With
+``dp_replicate = 1`` the shard group is all of ``dp_cp``; otherwise the plan has the groups
+``dp_shard`` (``dp_shard * cp`` consecutive members of a ``dp_cp`` group: inside a node when
+it fits) and ``dp_replicate`` (every ``dp_shard * cp``-th member: across nodes)
+(:func:`parcompile.core.groups.rank_groups`).
 
 Expert weights (MoE) are replicated over ``expert_dp`` only, so they are sharded over
 that group (:meth:`DataParallelSharding.experts`).
@@ -47,8 +49,8 @@ class DataParallelSharding:
         per_microbatch: gradient buckets are reduce-scattered in every micro-batch's
             backward (stage >= 2, except the zero-bubble schedule, which reduces once per
             step; :func:`data_parallel_sharding`).
-        shard_group: the process group the states are sharded over (``dp_cp`` or
-            ``expert_dp``; :mod:`parcompile.core.axes`).
+        shard_group: the process group the states are sharded over (``dp_cp``, HSDP's
+            ``dp_shard``, or ``expert_dp``; :mod:`parcompile.core.axes`).
         replicate_group: the group they are replicated over (None while ``replicate`` is 1).
 
     Raises:
@@ -123,7 +125,8 @@ class DataParallelSharding:
 
 def data_parallel_sharding(par, stage: int | None = None) -> DataParallelSharding:
     """The :class:`DataParallelSharding` of a layout ``par`` (a ``ParallelConfig``: reads
-    ``zero``, ``dp``, ``cp`` and ``schedule``), for the dense weights over ``dp_cp``; the one
+    ``zero``, ``dp``, ``cp``, ``dp_replicate`` and ``schedule``), for the dense weights over ``dp_cp``
+    (HSDP: sharded over ``dp_shard``, replicated over ``dp_replicate``); the one
     rule the pass sets on the plan and the search applies to layouts it has no graph of.
     ``stage``: this ZeRO stage instead of ``par.zero`` (the search's bounds price a probe's
     layout at other stages).
@@ -134,8 +137,18 @@ def data_parallel_sharding(par, stage: int | None = None) -> DataParallelShardin
     before its W actions complete them (:mod:`parcompile.core.buckets`, "When gradients are
     reduced")."""
     z = par.zero if stage is None else stage
-    return DataParallelSharding(stage=z, shard=par.dp * par.cp,
-                                per_microbatch=z >= 2 and not as_schedule(par.schedule).split_backward)
+    replicate = getattr(par, "dp_replicate", 1)
+    hsdp = dict(replicate=replicate, shard_group="dp_shard", replicate_group="dp_replicate") if replicate > 1 else {}
+    return DataParallelSharding(stage=z, shard=par.dp * par.cp // replicate,
+                                per_microbatch=z >= 2 and not as_schedule(par.schedule).split_backward, **hsdp)
 
 
-__all__ = ["DataParallelSharding", "data_parallel_sharding"]
+def shard_degree(degrees) -> int:
+    """Ranks the dense states are sharded over, from a degrees map (``parallel_degrees``:
+    ``dp_cp`` and, with HSDP, ``dp_replicate``): ``dp_cp / dp_replicate``, the ``dp_shard``
+    group's size (all of ``dp_cp`` without HSDP). What the analyses read instead of
+    ``dp_cp`` wherever a size is a shard count."""
+    return degrees["dp_cp"] // degrees.get("dp_replicate", 1)
+
+
+__all__ = ["DataParallelSharding", "data_parallel_sharding", "shard_degree"]

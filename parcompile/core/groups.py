@@ -98,7 +98,8 @@ class RankGenerator:
 
 def rank_groups(par: Layout) -> dict[str, list[list[int]]]:
     """Every group of every axis of ``par`` (SPEC 3 ``groups``): ``tp``, ``cp``, ``dp``,
-    ``pp``, ``dp_cp``, ``ep``, ``expert_tp``, ``expert_dp``, ``embedding``. Each group is a
+    ``pp``, ``dp_cp``, ``ep``, ``expert_tp``, ``expert_dp``, ``embedding``, and with HSDP
+    ``dp_shard`` and ``dp_replicate`` (:func:`hsdp_groups`). Each group is a
     sorted rank list; groups of an axis come in Megatron-Core's order."""
     dense = RankGenerator(par.tp, 1, par.dp, par.pp, par.cp, par.order)
     expert = RankGenerator(par.expert_tp, par.ep, par.expert_dp, par.pp, 1, par.order)
@@ -113,7 +114,23 @@ def rank_groups(par: Layout) -> dict[str, list[list[int]]]:
         "expert_dp": expert.get_ranks("dp"),
     }
     out["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in out["pp"]]
+    out.update(hsdp_groups(out["dp_cp"], getattr(par, "dp_replicate", 1)))
     return out   # each group is already sorted (masked_groups)
+
+
+def hsdp_groups(dp_cp: list[list[int]], replicate: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups (``parallel.dp_replicate > 1``; empty otherwise): each ``dp_cp`` group of
+    ``n`` ranks split into ``replicate`` shard groups of ``s = n / replicate`` consecutive
+    members (``dp_shard``) and ``s`` replicate groups of every ``s``-th member
+    (``dp_replicate``): torchtitan's ``dp_replicate`` x ``fsdp`` mesh, the shard dim fastest
+    (torchtitan 0.3.0 ``torchtitan/distributed/parallel_dims.py`` ``build_mesh``), so with
+    Megatron-Core's order (tp fastest, then cp, then dp) a shard group stays inside a node
+    when ``tp * cp * dp_shard`` fits one."""
+    if replicate <= 1:
+        return {}
+    shard = [g[i * (len(g) // replicate):(i + 1) * (len(g) // replicate)] for g in dp_cp for i in range(replicate)]
+    rep = [g[j::len(g) // replicate] for g in dp_cp for j in range(len(g) // replicate)]
+    return {"dp_shard": sorted(shard), "dp_replicate": sorted(rep)}
 
 
 def groups_placement(groups: list[list[int]], domain: int) -> tuple[int, int]:
@@ -138,6 +155,8 @@ def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
     falls on domains of ``domain`` ranks depends only on its base modulo ``domain``; the
     bases' residues are built axis by axis. Exact; the work
     is the group size times at most ``domain`` residues."""
+    if axis in ("dp_shard", "dp_replicate"):   # HSDP's: split from dp_cp's (hsdp_groups)
+        return groups_placement(rank_groups(par).get(axis, []), domain)
     pp_ends = axis == "embedding"
     if pp_ends:
         axis = "pp"

@@ -13,6 +13,7 @@ from parcompile.exporters.common import (Export, common_notes, degrees, dp_shard
                                       placement_errors,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.model_keys import model_key_errors
+from parcompile.exporters.offload_hsdp import megatron_offload_hsdp, megatron_offload_hsdp_errors
 from parcompile.ir.fp8 import gathers_fp8
 from parcompile.ir.ops import Trait
 from parcompile.ir.ops.attention import attention_kernel_for
@@ -184,6 +185,7 @@ def _megatron_memory_flags(plan: Plan, add: _Add, notes: list[str]) -> None:
             notes.append("zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states "
                          "sharded); it does not work with pipeline parallelism" if deg["pp"] > 1 else
                          "zero 3: exported as --use-torch-fsdp2 (parameters, gradients and optimizer states sharded)")
+    megatron_offload_hsdp(plan, add)   # HSDP's optimizer instances, optimizer offload (exporters/offload_hsdp.py)
     # gradient buckets: Megatron's DDP counts --ddp-bucket-size in elements and overlaps the
     # reduction with the backward only with --overlap-grad-reduce
     if reduces_over_dp(plan) and not dps.shards_parameters:
@@ -524,7 +526,7 @@ def megatron_errors(plan: Plan) -> list[str]:
     :data:`parcompile.exporters.model_keys.MEGATRON`'s."""
     cfg = plan.config
     deg = degrees(plan)
-    errors = megatron_model_errors(cfg.model) + placement_errors(plan, "Megatron-LM")
+    errors = megatron_model_errors(cfg.model) + placement_errors(plan, "Megatron-LM") + megatron_offload_hsdp_errors(plan)
     if dp_sharding(plan).shards_parameters:
         if deg["pp"] > 1:
             errors.append(f"zero 3 with pp {deg['pp']}: Megatron-LM's --use-torch-fsdp2 is not supported with "

@@ -13,6 +13,7 @@ from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.model_keys import model_key_errors
+from parcompile.exporters.offload_hsdp import torchtitan_offload, torchtitan_offload_errors
 from parcompile.plan import Plan
 
 #: parcompile schedule -> torch.distributed.pipelining schedule name (torchtitan), for one
@@ -53,7 +54,7 @@ def torchtitan_errors(plan: Plan) -> list[str]:
     if par.pp > 1 and style != sched.placement.name:
         errors.append(f"schedule {sched.name}: torchtitan's {name} places the model chunks on the pipeline ranks "
                       f"the {style} way, the plan the {sched.placement.name} way")
-    return errors
+    return errors + torchtitan_offload_errors(plan)
 
 
 def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
@@ -67,7 +68,8 @@ def torchtitan_fsdp(sharding: DataParallelSharding, deg: dict, notes: list[str],
                     version: str) -> tuple[int, int, str]:
     """torchtitan's FSDP2 settings for the plan's data-parallel ``sharding`` (ZeRO stage
     ``zero``): (data_parallel_replicate_degree, data_parallel_shard_degree,
-    fsdp_reshard_after_forward); appends the notes.
+    fsdp_reshard_after_forward); appends the notes. HSDP (``sharding.replicate > 1``):
+    ``dp_replicate`` x ``dp / dp_replicate``, resharded as the stage says.
 
     zero 0 replicates the states over dp (0.3's llama3 applies fully_shard over
     dp_replicate x dp_shard, so dp_shard = 1 is DDP's memory and reduction); torchtitan 0.2
@@ -77,6 +79,8 @@ def torchtitan_fsdp(sharding: DataParallelSharding, deg: dict, notes: list[str],
     own policy (parcompile.core.buckets.reshard_after_forward: resharded after forward
     without pp, kept across micro-batches with pp)."""
     zero = sharding.stage   # for the notes, which name the spec's key
+    if sharding.replicate > 1:   # HSDP (parallel.dp_replicate): FSDP2's 2-D mesh, sharded over dp_shard
+        return sharding.replicate, deg["dp"] // sharding.replicate, "default" if sharding.shards_parameters else "never"
     if not sharding.shards_optimizer_states:
         if version == "0.2" and (deg["tp"] > 1 or deg["pp"] > 1 or deg["cp"] > 1):
             notes.append("zero 0 with tp, pp or cp: torchtitan 0.2 replicates (DDP) only without other "
@@ -194,6 +198,7 @@ def _torchtitan3_training(plan: Plan, notes: list[str]) -> dict:
         "dtype": "float32",
         "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
         "mixed_precision_reduce": "float32",
+        **torchtitan_offload(plan),
     }
     if deg["pp"] > 1:   # Trainer.Config: "CUDA graphs do not support pipeline parallelism yet"
         training["disable_cuda_graphs"] = True

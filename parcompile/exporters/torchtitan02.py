@@ -10,6 +10,7 @@ from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
+from parcompile.exporters.offload_hsdp import torchtitan_offload
 from parcompile.exporters.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
                                           torchtitan_schedule)
 from parcompile.plan import Plan
@@ -226,6 +227,7 @@ def _torchtitan02_training(plan: Plan, notes: list[str], shard: int) -> dict:
         # torchtitan 0.2.2 job_config.py: mixed_precision_reduce is Literal["float32"]
         "mixed_precision_reduce": "float32",
         "dataset": "c4_test",
+        **torchtitan_offload(plan),   # job_config.py Training.enable_cpu_offload (exporters/offload_hsdp.py)
     }
     if grad_reduce_dtype(plan) != "fp32":
         notes.append(f"reduce_dtype {grad_reduce_dtype(plan)}: torchtitan 0.2 reduces gradients in float32 only "

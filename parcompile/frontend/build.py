@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from parcompile.frontend import checks
 from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
+from parcompile.frontend.checks_offload import resolve_dp_shard
 from parcompile.core.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
@@ -135,6 +136,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "engine": _enum(ClusterConfig, "engine"),
         "nvlink_domain": _COUNT, "nics_per_node": _COUNT, "nvls": _BOOL,
         "expandable_segments": _BOOL, "tp_comm_overlap": _BOOL, "overlap_p2p_comm": _BOOL,
+        "host_link_bw": _quantity("bandwidth"), "host_memory_bw": _quantity("bandwidth"),
+        "host_memory": _quantity("memory"),
     },
     "parallel": {
         "dp": _COUNT_OR_AUTO, "tp": _COUNT_OR_AUTO, "pp": _COUNT_OR_AUTO,
@@ -153,6 +156,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
         "reduce_dtype": _enum(ParallelConfig, "reduce_dtype"),
         "grad_dtype": _enum(ParallelConfig, "grad_dtype"),
+        "dp_replicate": _COUNT, "dp_shard": _COUNT,
+        "offload": _enum(ParallelConfig, "offload"),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
@@ -700,6 +705,7 @@ class _Builder:
                 self.ctx.bad.add(f"parallel.{k}")
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
+        resolve_dp_shard(values, self.ctx, searched=any(k != "dp" for k in auto))
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
 
     def train(self) -> TrainConfig:

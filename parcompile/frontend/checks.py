@@ -25,6 +25,7 @@ from parcompile.core.schedule import group_error
 from parcompile.frontend.check_context import AUTO, CheckContext, nearest_multiples  # noqa: F401
 from parcompile.frontend.checks_lora import check_lora
 from parcompile.frontend.checks_fp8 import check_fp8, check_fp8_bf16_layers
+from parcompile.frontend.checks_offload import check_data_parallel_mesh, check_offload
 from parcompile.frontend.checks_model import (check_attention_kinds, check_heads, check_llama4, check_mla,
                                               check_widths)
 from parcompile.frontend.checks_moe import ROUTER_KEYS, check_experts, check_router, value_words
@@ -707,6 +708,8 @@ CHECKS = (
     _check_serve_weights,
     check_serve,
     _check_cluster,
+    check_data_parallel_mesh,
+    check_offload,
 )
 
 #: The layout fields (:class:`ParallelConfig`'s, its properties spelled out) each check of
@@ -738,6 +741,8 @@ LAYOUT_READS = {
     _check_serve_weights: (),
     check_serve: ("cp", "ep", "expert_tp", "pp", "tp", "virtual_stages"),
     _check_cluster: (),
+    check_data_parallel_mesh: ("auto", "dp", "dp_replicate", "zero"),
+    check_offload: ("auto", "offload", "zero"),
 }
 
 

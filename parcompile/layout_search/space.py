@@ -85,7 +85,8 @@ def row_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
     return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero=z,
                           micro_batch=mb, global_batch=gb, schedule=sched, virtual_stages=v,
                           stage_layers=p.stage_layers, recompute=rc, order=p.order, bucket_size=p.bucket_size,
-                          reduce_dtype=p.reduce_dtype, microbatch_group_size=p.microbatch_group_size, auto=p.auto)
+                          reduce_dtype=p.reduce_dtype, microbatch_group_size=p.microbatch_group_size, auto=p.auto,
+                          dp_replicate=p.dp_replicate, offload=p.offload)
 
 
 def layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]:

@@ -21,10 +21,12 @@ from parcompile.passes.results import PassResults
 def parallel_degrees(p: ParallelConfig) -> dict[str, int]:
     """Mesh axis -> group size of layout ``p`` (``dp tp pp cp ep expert_tp expert_dp``, and
     the derived groups ``dp_cp`` and ``embedding``: the two ranks holding the embedding and
-    a tied head's copy when ``pp > 1``)."""
+    a tied head's copy when ``pp > 1``; HSDP's ``dp_shard`` (``dp_shard * cp``, the ranks
+    states are sharded over) and ``dp_replicate``)."""
     return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
             "expert_tp": p.expert_tp, "expert_dp": p.expert_dp,
-            "dp_cp": p.dp * p.cp, "embedding": 2 if p.pp > 1 else 1}
+            "dp_cp": p.dp * p.cp, "embedding": 2 if p.pp > 1 else 1,
+            "dp_shard": p.dp_shard * p.cp, "dp_replicate": p.dp_replicate}
 
 
 def degrees_of(cfg: SpecConfig) -> dict[str, int]:

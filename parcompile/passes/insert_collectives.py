@@ -49,7 +49,7 @@ from parcompile.analysis.lora import trainable
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.buckets import fp8_gather_elements
-from parcompile.core.data_parallel import data_parallel_sharding
+from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.dtypes import GRAD_BYTES
 from parcompile.ir.graph import Graph
 from parcompile.ir.ops import COMM_KINDS, Trait, convert, dual, spec
@@ -139,13 +139,17 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
     weights gathered as E4M3 bytes (core/buckets.py ``fp8_gather_elements``), the rest in
     the dtype."""
     par = cfg.parallel
-    pp, e, d, ed = par.pp, cfg.model.dtype_bytes, deg["dp_cp"], deg["expert_dp"]
+    pp, e, d, ed = par.pp, cfg.model.dtype_bytes, shard_degree(deg), deg["expert_dp"]
     # dense weights are replicated over dp_cp, expert weights over expert_dp only (runtime/model/moe.py):
     # per gradient bucket (analysis/buckets.py) one all-reduce of its fp32 gradients, or
     # with ZeRO a reduce-scatter and an all-gather of the bucket's (padded) shards
     dense, expert = stage_buckets(sp, par.bucket_size)
     dps = data_parallel_sharding(par)
-    for prefix, buckets, axis, size in (("", dense, "dp_cp", d), ("expert_", expert, "expert_dp", ed)):
+    # HSDP: dense buckets are sharded over dp_shard, their shards all-reduced over dp_replicate
+    # once per step (runtime/train/zero.py ShardedOptimizer.reduce_gradients), in fp32
+    dense_axis = dps.shard_group if dps.shards_optimizer_states else "dp_cp"
+    for prefix, buckets, axis, size in (("", dense, dense_axis, d if dps.shards_optimizer_states else deg["dp_cp"]),
+                                        ("expert_", expert, "expert_dp", ed)):
         if size <= 1:
             continue
         gathers = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(pp),
@@ -159,6 +163,8 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
                 continue
             shard = math.ceil(b.elements / size)
             add(s, f"{prefix}grads.bucket{i}", op, axis, grad_bytes * shard, f"{prefix}grads", reduces[i])
+            if dps.replicate > 1 and not prefix:
+                add(s, f"grads_replicate.bucket{i}", "all_reduce", dps.replicate_group, GRAD_BYTES * shard, "grads")
             if fp8_gather and b.fp8:
                 n8, n16 = fp8_gather_elements(b.elements, b.fp8, size)
                 add(s, f"{prefix}params_fp8.bucket{i}", "all_gather", axis, n8 * size, f"{prefix}params",
@@ -209,8 +215,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
             add(s, "sp_norm_grads", "all_reduce", "tp", GRAD_BYTES * sp.norm, "sp_norm_grads")
         elif deg["tp"] > 1 and sp.tp_partial:   # qk-norm weights (sequence parallelism: in sp_norm_grads)
             add(s, "tp_partial_grads", "all_reduce", "tp", GRAD_BYTES * sp.tp_partial, "tp_partial_grads")
-        if dps.shards_optimizer_states and d > 1:   # sharded gradients: the norm's squares are summed over dp too
-            add(s, "grad_norm_dp", "all_reduce", "dp_cp", 4, "grad_norm")
+        if dps.shards_optimizer_states and dps.shard > 1:   # sharded gradients: the norm's squares are summed over dp too
+            add(s, "grad_norm_dp", "all_reduce", dps.shard_group, 4, "grad_norm")
         if deg["tp"] > 1:
             add(s, "grad_norm_tp", "all_reduce", "tp", 4, "grad_norm")
         if sp.expert:   # expert squares: summed over their shards (expert_dp with ZeRO, ep, expert_tp)
@@ -232,7 +238,7 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
 
 
 #: the axes :func:`step_collectives` runs collectives over
-STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp")
+STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp", "dp_shard", "dp_replicate")
 
 
 def step_entries(cfg, deg, stages) -> list[CollectiveEntry]:

@@ -118,7 +118,7 @@ def _find(groups: list[list[int]], rank: int) -> list[int]:
 
 
 #: the axes ZeRO-3 all-gathers parameters over, which get a second group (Axis.gather_group)
-GATHER_AXES = ("dp_cp", "expert_dp")
+GATHER_AXES = ("dp_cp", "expert_dp", "dp_shard")   # dp_shard: HSDP's shard groups
 
 
 def init_parallel(plan: dict, force_cpu: bool = False, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,

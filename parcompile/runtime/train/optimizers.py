@@ -12,13 +12,15 @@ from parcompile.core.buckets import reshard_after_forward
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.optim import ReplicatedOptimizer, make_optimizer
+from parcompile.runtime.train.offload import offload_optimizer
 from parcompile.runtime.train.optim_moe import moe_optimizer
 from parcompile.runtime.train.zero import ShardedOptimizer
 from parcompile.runtime.train.zero_gather import LayerGather
 
 
 def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding: DataParallelSharding,
-                   bucket_size: int = 0, sequence_parallel: bool = False, reduce_dtype: str = "fp32"):
+                   bucket_size: int = 0, sequence_parallel: bool = False, reduce_dtype: str = "fp32",
+                   offload: str = "none"):
     """The optimizer of a stage as the plan's data-parallel ``sharding`` says (a
     :class:`~parcompile.core.data_parallel.DataParallelSharding`): replicated, or sharded
     over dp_cp (:attr:`~parcompile.core.data_parallel.DataParallelSharding.sharded`),
@@ -30,7 +32,11 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
 
     HSDP (``sharding.replicate > 1``): states sharded over ``ctx.axes[sharding.shard_group]``
     and replicated over ``ctx.axes[sharding.replicate_group]``, two groups that split
-    ``dp_cp``; the caller builds them (generated programs do not yet: issue 49).
+    ``dp_cp`` (the plan's ``dp_shard`` and ``dp_replicate`` groups, which
+    :func:`~parcompile.runtime.distributed.context.init_parallel` creates).
+
+    ``offload`` (``parallel.offload``; the checks require ZeRO): ``optimizer`` steps the
+    sharded optimizer's states on the host (:func:`~parcompile.runtime.train.offload.offload_optimizer`).
 
     Raises:
         ValueError: ``sharding`` is for another data-parallel group size than this run's
@@ -51,6 +57,10 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
         opt = ShardedOptimizer(model, ctx, sharding, train["weight_decay"], lambda groups: make_optimizer(groups, train),
                                bucket_size, sequence_parallel, reduce_dtype=reduce_dtype,
                                fp8_all_gather=bool(train.get("fp8_all_gather")))
+    if offload != "none":   # parallel.offload: states stepped on the host (runtime/train/offload.py)
+        for part in getattr(opt, "parts", (opt,)):
+            if isinstance(part, ShardedOptimizer):
+                offload_optimizer(part, lambda groups: make_optimizer(groups, train))
     parts = [o for o in getattr(opt, "parts", (opt,))
              if isinstance(o, ShardedOptimizer) and o.sharding.shards_parameters]
     if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from parcompile.runtime.train.buckets import BucketLayout, local_numel
 from parcompile.runtime.train.grads import main_grad, set_main_grad
+from parcompile.runtime.train.offload import split_host_bytes
 from parcompile.runtime.train.optim import shards
 
 
@@ -85,6 +86,7 @@ class ShardStates:
                 rest = {k: v.reshape(-1)[part].clone() for k, v in st.items() if k != "master"}
                 if rest:
                     self.optimizer.state[seg] = {"step": torch.tensor(float(step)), **rest}
+        getattr(self.optimizer, "reload", lambda: None)()   # offloaded: the host copies too
         if self.sharding.shards_parameters:
             self._keep_low_shards()
             self._free_params()
@@ -105,7 +107,7 @@ class ShardStates:
         grads += sum(g.numel() * g.element_size() for g in self._grad_shards or [])
         optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"params": params, "grads": grads, "optimizer": optimizer}
+        return split_host_bytes(self.optimizer, {"params": params, "grads": grads, "optimizer": optimizer})
 
 
 __all__ = ["ShardStates"]
