@@ -53,6 +53,7 @@ VIRTUAL_STAGES = 1
 DP_SHARDING = rt.DataParallelSharding(stage=3, shard=8, per_microbatch=True)  # parallel.zero = 3: what is sharded over the data-parallel group
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
+GRAD_DTYPE = "fp32"  # dtype 16-bit parameters' gradients accumulate and are reduced in (bf16: Megatron's --grad-reduce-in-bf16)
 OFFLOAD = "optimizer"  # parallel.offload: optimizer states in host memory, stepped on the CPU
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 MICRO_BATCH = 1
@@ -214,18 +215,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-resume", action="store_true", help="start at step 0 even if a checkpoint exists")
     args = ap.parse_args(argv)
 
+    startup = rt.Startup(4)                                     # rank 0 says each start-up stage as it ends
     plan = json.loads(Path(args.plan).read_text())
     ctx = rt.init_parallel(plan, device=DEVICE, gather_groups=DP_SHARDING.shards_parameters)  # ZeRO-3 gathers parameters on groups of their own
+    rt.set_grad_dtype(GRAD_DTYPE)
+    startup.done(rt.group_text(ctx))
     torch.manual_seed(SEED + 1000 * ctx.stage + ctx.dp.index)   # dropout streams: equal over tp
     data_format = {**DATA_FORMAT, "tokenizer": rt.resolve_source(DATA_FORMAT["tokenizer"], HERE)}
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
     evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
+    startup.done(f"data ready: {args.data}" + (f", evaluation {args.eval_data}" if evals is not None else ""))
     with rt.no_init() if INIT_FROM else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     if INIT_FROM:                                               # each rank reads only its slices
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE, OFFLOAD)  # ZeRO-3: optimizer states, gradients and parameters sharded over dp
+    startup.done(f"model built: {num_params:,} parameters on rank 0" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
@@ -252,6 +258,8 @@ def main(argv=None) -> dict:
                 print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)
     if start < args.steps:
         evaluate(start)                                         # before the first step
+        startup.done(f"training steps {start + 1}..{args.steps} (the first warms up)")
+    startup.close()
     for step in range(start, args.steps):
         rt.checkpoint.maybe_fail(ctx, step)                     # testing hook: PARCOMPILE_FAIL_AT=RANK:STEP
         t0 = time.perf_counter()
