@@ -47,3 +47,12 @@ def _signals_left_as_found():
             signal.pthread_sigmask(signal.SIG_SETMASK, before[2])
         pytest.fail(f"the test changed the process's signal state: (SIGINT handler, SIGTERM handler, blocked) "
                     f"{before} -> {after}", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test marked ``torchrun`` (a torchrun job or a real server: about 10 s a launch) is
+    also ``slow``: ``pytest -m "not slow"`` is the quick loop (README), the rest marked by hand."""
+    for item in items:
+        if item.get_closest_marker("torchrun") is not None:
+            item.add_marker(pytest.mark.slow)
+

@@ -83,7 +83,8 @@ def _run(name: str, args: list[str], capsys, monkeypatch) -> str:
     return out.out
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "cost_model" else n   # ~50 s
+                                  for n in sorted(SMOKE)])
 def test_benchmark_smoke(name, capsys, monkeypatch):
     args, expected = SMOKE[name]
     assert expected in _run(name, args, capsys, monkeypatch)

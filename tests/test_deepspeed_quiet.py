@@ -41,6 +41,7 @@ def test_deepspeed_would_warn_without_the_override():
     assert WARNING in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @needs_deepspeed_on_cpu
 def test_make_tiny_hf_prints_no_deepspeed_warning(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_hf.py"), str(tmp_path / "hf")],
@@ -50,6 +51,7 @@ def test_make_tiny_hf_prints_no_deepspeed_warning(tmp_path):
     assert WARNING not in r.stdout + r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 @needs_deepspeed_on_cpu
 def test_serve_load_checkpoint_prints_no_deepspeed_warning(tmp_path):
     spec = tmp_path / "s.par"

@@ -66,3 +66,24 @@ def test_the_warnings_fix_is_the_default_rule_under_open_loop_arrivals():
     plan = parcompile.compile(tiny_serve_spec(**serve, kv_cache_tokens=20000000), filename="s.par")
     (w,) = [w for w in plan.warnings if w.code == "host-memory"]
     assert f"set kv_cache_tokens = {default:,} (what {OPEN_LOOP_SEQS} running sequences" in w.help, w.help
+
+
+def test_an_open_loop_spec_decodes_the_running_limit_it_is_planned_for():
+    """With ``request_rate`` and no ``batch`` the plan estimates (and sizes the default cache
+    for) the engine's default running sequences, vLLM's ``max_num_seqs`` (OPEN_LOOP_SEQS on the
+    `cpu` preset); the program's engine and the front decode ``serve.batch_per_replica`` at
+    once, which was ``ceil(batch / dp)`` of the default batch, 1: a 256-sequence cache
+    decoded one sequence at a time. Now it is the same limit, and the plan's KV memory row is
+    that many sequences' cache."""
+    from parcompile.analysis.serve import OPEN_LOOP_SEQS
+    from parcompile.server import model_info
+
+    serve = dict(prompt_len=16, max_new_tokens=40, request_rate=5)
+    plan = parcompile.compile(tiny_serve_spec(**serve), filename="s.par")
+    sv = plan.data["serve"]
+    assert sv["batch_per_replica"] == OPEN_LOOP_SEQS == sv["running_limit"]    # decoded as estimated
+    assert model_info(plan).max_seqs == OPEN_LOOP_SEQS                        # the front's limit (n, best_of)
+    assert sv["kv_cache_bytes_per_rank"] == OPEN_LOOP_SEQS * (16 + 40) * sv["kv_bytes_per_token"]
+    # a given batch stays the limit, open loop or not
+    sv = parcompile.compile(tiny_serve_spec(batch=3, **serve), filename="s.par").data["serve"]
+    assert sv["batch_per_replica"] == 3 and sv["kv_cache_tokens"] == _expected(3, 16, 40, 16)

@@ -677,6 +677,7 @@ def test_the_fused_greedy_graph_needs_the_program_module_importable(tmp_path):
         del sys.modules[spec.name]
 
 
+@pytest.mark.slow   # torch.compile of the engine: tens of seconds
 def test_compiled_engine_equals_the_eager_engine(tmp_path, one_thread):
     """serve.compile: the engine after :func:`paged.compile_engine` (torch.compile, warmed up
     on a few layouts) gives the eager engine's greedy tokens and logprobs (1e-4) for the same

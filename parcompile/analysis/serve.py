@@ -5,7 +5,9 @@ Layout. Attention heads and the KV cache split by kv head over tp (``kv_heads / 
 rank, or one kv head replicated on ``tp / kv_heads`` ranks when tp is a multiple of
 kv_heads, as vLLM does); layers and their cache split over pp; dp makes independent
 replicas, each running at most ``ceil(batch / dp)`` sequences at once
-(``batch_per_replica``) and serving ``1 / dp`` of the workload.
+(``batch_per_replica``: :func:`running_limit`, with open-loop arrivals and no ``batch`` the
+engine's default; the serve program and the front decode as many) and serving ``1 / dp`` of
+the workload.
 
 Memory per rank of pipeline stage ``s`` (bytes):
 
@@ -527,7 +529,7 @@ def serve_report(cfg, chunks: Sequence[Sequence[int]], groups: Mapping,
     kv_tokens = kv_bytes_per_token(cfg, chunks)
     kv_seqs = kv_bytes_per_sequence(cfg, chunks, sv.prompt_len + sv.max_new_tokens)
     kv_local, replicas_kv = cache_heads(m, tp)
-    b = -(-sv.batch // dp)
+    b = running_limit(cfg, dp)   # the sequences a step holds: the program and the front decode as many
     capacity = int(cl.memory * (1 - cl.memory_reserve))
     fmt, fp8_gemm = quant_of(cfg)
     steps = stage_steps(cfg, graph, degrees, fmt, fp8_gemm)
