@@ -189,9 +189,11 @@ def test_times_are_affine_in_bytes_and_grow_with_the_group():
 @pytest.mark.parametrize("domain", [4, 8, 72])
 def test_placement_without_groups_equals_the_groups(domain):
     for par in (ParallelConfig(tp=2, dp=16, pp=2), ParallelConfig(tp=4, cp=2, dp=6, pp=3),
-                ParallelConfig(tp=1, dp=8, ep=4, pp=2), ParallelConfig(tp=2, dp=9, order="tp-cp-ep-pp-dp", pp=4)):
+                ParallelConfig(tp=1, dp=8, ep=4, pp=2), ParallelConfig(tp=2, dp=9, order="tp-cp-ep-pp-dp", pp=4),
+                ParallelConfig(tp=2, dp=8, pp=2, zero=3, dp_replicate=2)):
         groups = rank_groups(par)
-        for axis, gs in groups.items():
+        for axis in sorted({*groups, "dp_shard", "dp_replicate"}):   # HSDP's axes: none without dp_replicate
+            gs = groups.get(axis, [])
             assert axis_placement(par, axis, domain) == groups_placement(gs, domain), (par, axis)
 
 

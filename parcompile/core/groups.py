@@ -156,6 +156,8 @@ def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
     bases' residues are built axis by axis. Exact; the work
     is the group size times at most ``domain`` residues."""
     if axis in ("dp_shard", "dp_replicate"):   # HSDP's: split from dp_cp's (hsdp_groups)
+        if getattr(par, "dp_replicate", 1) <= 1:
+            return 1, 1                        # no HSDP: no such groups (what the groups give), none built
         return groups_placement(rank_groups(par).get(axis, []), domain)
     pp_ends = axis == "embedding"
     if pp_ends:
