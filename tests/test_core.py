@@ -25,7 +25,7 @@ def test_kv_heads_follow_vllm(kv, tp):
 
 
 def test_axes_are_one_set():
-    assert len(set(GROUP_AXES)) == len(GROUP_AXES) == 9
+    assert len(set(GROUP_AXES)) == len(GROUP_AXES) == 11   # with HSDP's dp_shard and dp_replicate
     assert set(DEGREE_AXES) | set(AXIS_FAMILY) | set(FOUND_INF_AXES) <= set(GROUP_AXES)
     assert set(AXIS_FAMILY) == set(GROUP_AXES) and set(AXIS_FAMILY.values()) == set(DEGREE_AXES)
 
