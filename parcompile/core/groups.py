@@ -17,9 +17,9 @@ the remaining coordinates fastest-first.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Protocol
 
-import numpy as np
 
 
 class Layout(Protocol):
@@ -186,16 +186,17 @@ def axis_placement(par: Layout, axis: str, domain: int) -> tuple[int, int]:
 
 
 def _placement_of(bases: list[int], offsets: list[int], domain: int) -> tuple[int, int]:
-    """:func:`groups_placement` of the groups ``base + offsets`` (one per base), in array
-    arithmetic: a layout search asks it of groups of thousands of ranks. Per group, its
-    members' domains sorted; a run of equal domains is the group's ranks on one domain."""
-    dom = (np.asarray(bases, dtype=np.int64)[:, None] + np.asarray(offsets, dtype=np.int64)[None, :]) // domain
-    dom.sort(axis=1)
-    start = np.ones(dom.shape, dtype=bool)
-    start[:, 1:] = dom[:, 1:] != dom[:, :-1]
-    nodes = int(start.sum(axis=1).max())
-    runs = np.diff(np.append(np.flatnonzero(start.ravel()), dom.size))
-    return int(runs.min()), max(nodes, 1)
+    """:func:`groups_placement` of the groups ``base + offsets`` (one per base): a layout
+    search asks it of groups of thousands of ranks, so each group's domains are counted by
+    :class:`collections.Counter` (its counting loop is in C) and no group is built."""
+    k, nodes = None, 1
+    for b in bases:
+        counts = Counter([(b + o) // domain for o in offsets]).values()
+        if counts:
+            least = min(counts)
+            k = least if k is None else min(k, least)
+            nodes = max(nodes, len(counts))
+    return (k or 1), nodes
 
 
 def stage_ranks(pp_groups: list[list[int]], stage: int) -> list[int]:
