@@ -53,6 +53,7 @@ DP_SHARDING = rt.DataParallelSharding(stage=0, shard=24, per_microbatch=False)  
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
 GRAD_DTYPE = "fp32"  # dtype 16-bit parameters' gradients accumulate and are reduced in (bf16: Megatron's --grad-reduce-in-bf16)
+OFFLOAD = "none"  # parallel.offload: none, or optimizer states (and parameters) in host memory, stepped on the CPU
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 MICRO_BATCH = 1
 GLOBAL_BATCH = 1536
@@ -236,7 +237,7 @@ def main(argv=None) -> dict:
     if INIT_FROM:                                               # each rank reads only its slices
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
-    opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE)  # replicated over dp: all-reduce of gradients
+    opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE, OFFLOAD)  # replicated over dp: all-reduce of gradients
     startup.done(f"model built: {num_params:,} parameters on rank 0" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0

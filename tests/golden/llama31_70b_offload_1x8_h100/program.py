@@ -54,7 +54,7 @@ DP_SHARDING = rt.DataParallelSharding(stage=3, shard=8, per_microbatch=True)  # 
 BUCKET_SIZE = 160000000  # fp32 gradient bytes per data-parallel reduction bucket, launched during the backward
 REDUCE_DTYPE = "fp32"  # dtype of the gradient buckets reduce-scattered per micro-batch (zero 2, 3), added into the fp32 shards
 GRAD_DTYPE = "fp32"  # dtype 16-bit parameters' gradients accumulate and are reduced in (bf16: Megatron's --grad-reduce-in-bf16)
-OFFLOAD = "optimizer"  # parallel.offload: optimizer states in host memory, stepped on the CPU
+OFFLOAD = "optimizer"  # parallel.offload: none, or optimizer states (and parameters) in host memory, stepped on the CPU
 SP = False  # sequence parallelism: outside tp regions activations are split along the sequence
 MICRO_BATCH = 1
 GLOBAL_BATCH = 64
