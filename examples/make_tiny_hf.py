@@ -13,7 +13,8 @@ from a hub:
 - ``train.jsonl`` / ``eval.jsonl`` (one ``{"text": ...}`` document per line),
   ``sft.jsonl`` (``prompt`` / ``completion``) and ``chat.jsonl`` (``messages``);
 - ``finetune.par``: a spec that fine-tunes the model on them under dp 2 x tp 2 x pp 2 on
-  this machine's CPU and writes the result as a Hugging Face checkpoint.
+  this machine's CPU and writes the result as a Hugging Face checkpoint;
+- ``serve.par``: a spec that serves that checkpoint (tp 2) for ``parcompile serve``.
 
 Usage::
 
@@ -167,6 +168,32 @@ train {{
 }}
 """
 
+SERVE_SPEC = """\
+# Serve the fine-tuned model (finetune.par's hf_output) behind an OpenAI-compatible API on
+# 2 CPU processes (tp 2): `parcompile serve serve.par`; lm-eval reads its tokenizer from
+# finetuned/ (README: "Evaluate a served Hugging Face checkpoint").
+model tiny from "config.json" {{
+    seq_len = 64
+    dtype   = fp32
+}}
+
+cluster local from "cpu" {{
+    nodes         = 1
+    gpus_per_node = 2
+}}
+
+parallel {{
+    tp = 2
+}}
+
+serve {{
+    batch          = 8
+    prompt_len     = 32
+    max_new_tokens = 32
+    weights        = "finetuned"      # written by `parcompile run finetune.par`
+}}
+"""
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,8 +206,9 @@ def main(argv=None) -> None:
     make_model(args.out, args.family, vocab)
     write_data(args.out, texts)
     (args.out / "finetune.par").write_text(SPEC.format(family=args.family))
+    (args.out / "serve.par").write_text(SERVE_SPEC.format())
     print(f"wrote {args.out}/: a {args.family} model (vocab {vocab}), tokenizer, train/eval/sft/chat jsonl, "
-          f"finetune.par\nnext: parcompile run {args.out}/finetune.par")
+          f"finetune.par, serve.par\nnext: parcompile run {args.out}/finetune.par")
 
 
 if __name__ == "__main__":

@@ -454,6 +454,10 @@ def test_readme_fine_tuning_workflow(tmp_path, monkeypatch):
     tok = transformers.AutoTokenizer.from_pretrained(str(out / "finetuned"))
     ids = tok("The for statement", return_tensors="pt").input_ids
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size == len(tok)
+    # README's next step: `parcompile serve DIR/serve.par` on the fine-tuned weights; its
+    # checks read the checkpoint's tensors against the model (the server itself: test_lm_eval)
+    plan = parcompile.compile(out / "serve.par")
+    assert plan.config.serve.weights == str(out / "finetuned") and not plan.warnings
 
 
 def test_dcp_checkpoint_of_another_model_at_init_from(assets, tmp_path, capsys):

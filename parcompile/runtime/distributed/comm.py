@@ -207,6 +207,12 @@ class _GatherSplitBack(torch.autograd.Function):
         return g.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.index].contiguous(), None, None
 
 
+def gather_keep_slice(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """All-gather ``x`` along ``dim`` over ``axis``; the backward keeps this rank's slice of
+    the whole gradient (Megatron-Core's ``gather_from_tensor_model_parallel_region``)."""
+    return _GatherSplitBack.apply(x, axis, dim)
+
+
 def gather_replicated(x: torch.Tensor, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
     """Enter a replicated computation (MLA's down projections): with sequence parallelism
     ``x`` (B, T/tp, h) is all-gathered along the sequence and, its gradient being whole on

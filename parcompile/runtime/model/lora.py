@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parcompile.runtime.distributed.comm import all_gather_dim, copy_to_tp, gather_along, reduce_from_tp
+from parcompile.runtime.distributed.comm import all_gather_dim, copy_to_tp, gather_along, gather_keep_slice, reduce_from_tp
 from parcompile.runtime.distributed.context import Axis
 from parcompile.runtime.model.layers import ColumnParallelLinear, RowParallelLinear, shard_part
 
@@ -94,24 +94,10 @@ class LoraAdapter(nn.Module):
         h = copy_to_tp(reduce_from_tp(F.linear(x, self.lora_A), self.tp), self.tp)   # (.., r), whole
         y = F.linear(h, self.lora_B) * self.scaling                          # (.., out/tp)
         if self.tp.size > 1:
-            y = _GatherKeepSlice.apply(y, self.tp, y.dim() - 1)              # (.., out), whole
+            y = gather_keep_slice(y, self.tp, y.dim() - 1)              # (.., out), whole
         if self.sp and self.tp.size > 1:
             y = _SplitSequence.apply(y, self.tp)
         return y
-
-
-class _GatherKeepSlice(torch.autograd.Function):
-    """Forward: all-gather along ``dim``. Backward: this rank's slice of the gradient, whole
-    on every rank (Megatron-Core's ``gather_from_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return all_gather_dim(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.index].contiguous(), None, None
 
 
 class _SplitSequence(torch.autograd.Function):
