@@ -64,6 +64,26 @@ def test_dp_reduces_adapters_only():
     assert dp_bytes(full) == 4 * sum(st["params_per_rank"] for st in full.data["stages"])
 
 
+def test_backward_collectives_run_where_a_gradient_reaches():
+    """Sequence parallelism (tp 2): the frozen embedding's reduce-scatter has no backward
+    all-gather; the first adapted module's output reduce-scatter has one (its gradient reaches
+    the adapters inside), its input all-gather no reduce-scatter (no input gradient); the input
+    all-gather is regathered in backward only where an adapter's A reads it (``o_proj`` alone:
+    the frozen q, k, v keep no input). Counted by hand per micro-batch; the program's own counts
+    are test_lora_program.py's verify."""
+    def backward(train):
+        plan = parcompile.compile(spec(parallel={"sequence_parallel": "true"}, train={"method": "lora", **train}))
+        m = plan.data["schedule"]["num_microbatches"]
+        return {(c["where"], c["op"]): c["count"] // m for c in plan.data["comm"]["collectives"]
+                if c["phase"] == "backward" and c["axis"] == "tp" and c["where"] in ("embedding", "layers.0.attn")}
+
+    assert backward({}) == {("layers.0.attn", "all_gather"): 2}   # output gradient + regather for the adapters' A
+    # o_proj only: wo's adapter is added after wo's reduce-scatter, so no gradient reaches that
+    # reduce-scatter or anything before it in layer 0
+    assert backward({"lora_targets": '["o_proj"]'}) == {}
+    assert backward({"lora_targets": '["v_proj"]'}) == {("layers.0.attn", "all_gather"): 2}
+
+
 def test_frozen_weights_skip_the_weight_gradient():
     """A frozen weight's backward is the input gradient only: LoRA's step computes less than full
     training of the same model, and its model FLOPs are the full ones less one forward of the

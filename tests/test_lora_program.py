@@ -92,8 +92,9 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
 
 @pytest.mark.torchrun
 def test_verify_lora_variants():
-    """LoRA miniatures (dp 2 x tp 2 x pp 2) with ZeRO 1 and 2, full recomputation and partial
-    targets (the MLP only; v only: frozen linears without an adapter keep no input) against
+    """LoRA miniatures (dp 2 x tp 2 x pp 2) with ZeRO 1 and 2, full recomputation, partial
+    targets (the MLP only; v only: frozen linears without an adapter keep no input) and sequence
+    parallelism against
     the single process, in one launch."""
     from parcompile.frontend import load_spec
     from parcompile.verification import verify_many
@@ -104,6 +105,9 @@ def test_verify_lora_variants():
         "zero2_full_recompute": spec(parallel={"zero": "2", "recompute": "full"}, train=base),
         "mlp_only": spec(train={**base, "lora_targets": '["gate_proj", "up_proj", "down_proj"]'}),
         "v_only": spec(train={**base, "lora_targets": '["v_proj"]'}),
+        # the collectives a gradient reaches (analysis/lora.py frozen_backward): the sequence-parallel
+        # all-gathers of the frozen start's backward
+        "sequence_parallel": spec(parallel={"sequence_parallel": "true"}, train=base),
     }
     results = verify_many({k: load_spec(v)[0] for k, v in cases.items()}, steps=3)
     for name, r in results.items():

@@ -153,12 +153,16 @@ def _add_fp8_amax(graph: Graph, nd, degrees: Mapping[str, int], m: int, recomput
 
 
 def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int, recompute: str,
-                pp: int) -> CommReport:
+                pp: int, no_backward: frozenset[str] = frozenset(),
+                no_regather: frozenset[str] = frozenset()) -> CommReport:
     """Collect every op's collectives (:func:`parcompile.ir.ops.op_collectives`) at the bytes
     they move (:func:`parcompile.ir.fp8.moved_bytes`: FP8 tp all-gathers at 1 byte per element
     plus scales), read alike by ``comm.collectives``, ``per_step`` and the time model (``raw``); a
     tensor-parallel all-gather's or reduce-scatter's carry the FLOPs of the GEMMs they
-    overlap under ``cluster.tp_comm_overlap`` (:func:`overlapped_gemm_flops`)."""
+    overlap under ``cluster.tp_comm_overlap`` (:func:`overlapped_gemm_flops`). ``no_backward``:
+    the ops no gradient reaches, whose backward collectives do not run; ``no_regather``: the
+    sequence-parallel conversions marked ``regather`` whose input no layer keeps for a weight
+    gradient (both LoRA's frozen weights: :func:`parcompile.analysis.lora.frozen_backward`)."""
     m = num_microbatches
     counts: dict[tuple, int] = {}
     program: dict[tuple, int] = {}   # (op, axis, bytes, where): the program's own size where it differs
@@ -170,6 +174,8 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
         local_out = nd.sharding.local_type(nd.type, degrees)
         pair = overlapped_gemm_flops(graph, nd, degrees) if nd.has_trait(Trait.CONVERSION) else (0, 0)
         for c in op_collectives(nd, degrees, local_in, local_out):
+            if c.phase == "backward" and nd.name in no_backward:
+                continue
             nbytes = moved_bytes(graph, nd, c)
             if nbytes != c.bytes:
                 program[(c.op, c.axis, nbytes, c.where)] = c.bytes
@@ -185,7 +191,7 @@ def comm_report(graph: Graph, degrees: Mapping[str, int], num_microbatches: int,
                           or is_module_list(recompute) and recomputed_op(nd, recompute))
             if recomputed and c.phase == "forward":
                 phases.append(("recompute", n))
-            if nd.op.attr("regather") and c.phase == "forward" and not recomputed:
+            if nd.op.attr("regather") and c.phase == "forward" and not recomputed and nd.name not in no_regather:
                 # sequence parallelism: the kept split input is all-gathered again in backward
                 phases.append(("backward", n))
                 raw.append((stage, nd.chunk or 0, dataclasses.replace(c, phase="backward")))

@@ -139,13 +139,33 @@ def lora_chunk_times(cfg, degrees: Mapping[str, int], matmul: Sequence[float], w
     return tuple(m + x for m, x in zip(matmul, extra)), extra, tuple(weighted)
 
 
-def _frozen_backward(cfg, c, row_parallel: frozenset[str]) -> bool:
-    """Whether collective row ``c`` is a backward one that LoRA's frozen start does not run:
-    in a module before the first adapted one, or that module's input gradient. (With
-    sequence parallelism the first adapted module's row-parallel output still all-gathers its
-    gradient in backward: counted out too, one all-gather per micro-batch short of the
-    program's; issue 49.)"""
-    return c.phase == "backward" and c.where in frozen_prefix(cfg)
+def frozen_backward(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
+    """What LoRA's frozen weights leave out of the backward collectives
+    (:func:`parcompile.analysis.comm.comm_report`'s ``no_backward``, ``no_regather``), as
+    autograd decides it in the program: an op's backward runs only when one of its inputs
+    requires a gradient, i.e. an adapter lies upstream of it (a column-parallel adapter's
+    output is its linear's; a row-parallel one's is added after its linear's reduction:
+    :mod:`parcompile.runtime.model.lora`), so the embedding and the model's start up to the
+    first adapter run none (the input gradient of the first adapted module neither); a
+    sequence-parallel conversion is all-gathered again in backward only when an adapted
+    linear reads it (the adapter's A keeps its input for A's weight gradient; a frozen
+    linear keeps none). Empty sets without LoRA."""
+    if not is_lora(cfg):
+        return frozenset(), frozenset()
+    adapted = {lin.module for lins in adapters_by_layer(cfg).values() for lin in lins}
+    rows = row_parallel(graph)
+    grad: dict[str, bool] = {}   # op -> whether its output requires a gradient
+    no_backward, no_regather = set(), set()
+    for nd in graph.nodes():
+        ins = graph.inputs(nd.name)
+        reached = any(grad.get(u, False) for u in ins)
+        if not reached:
+            no_backward.add(nd.name)
+        grad[nd.name] = (reached or (nd.name in adapted and nd.name not in rows)
+                         or any(u in adapted and u in rows for u in ins))
+        if nd.op.attr("regather") and not any(v in adapted for v, _ in graph.users(nd.name)):
+            no_regather.add(nd.name)
+    return frozenset(no_backward), frozenset(no_regather)
 
 
 def frozen_prefix(cfg) -> list[str]:
@@ -234,9 +254,9 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
     collectives (:func:`adapter_collectives`) as rows of ``comm.collectives`` (``where``
     ``lora``), ``num_microbatches`` per step each (a fully recomputed forward runs the
     forward ones again), on the stage holding the layer, and as per-micro-batch collectives of
-    the layer's model chunk in ``raw`` (the time model's); the frozen start's backward
-    collectives (:func:`_frozen_backward`) left out of both; ``per_step`` recounted. A
-    ``comm`` that has them already is returned as it is."""
+    the layer's model chunk in ``raw`` (the time model's); ``per_step`` recounted. (The
+    frozen start's backward collectives are left out by ``comm_report`` itself:
+    :func:`frozen_backward`.) A ``comm`` that has them already is returned as it is."""
     if not is_lora(cfg) or any(c.where == "lora" for c in comm.collectives):
         return comm
     par = cfg.parallel
@@ -246,7 +266,7 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
             for layer in chunk_layers(cfg)[k]:
                 stage_of[layer], chunk_of[layer] = s, k
     counts: dict[tuple, int] = {}
-    raw = [r for r in comm.raw if not _frozen_backward(cfg, r[2], row_parallel)]
+    raw = list(comm.raw)
     for layer, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel):
         raw.append((stage_of[layer], chunk_of[layer], Collective(op, "tp", nbytes, phase, "lora")))
         phases = [phase] + (["recompute"] if phase == "forward" and par.recompute == "full" else [])
@@ -254,8 +274,7 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
             key = (op, nbytes, stage_of[layer], ph)
             counts[key] = counts.get(key, 0) + num_microbatches
     rows = tuple(CollectiveEntry(op, "tp", b, n, "lora", s, ph) for (op, b, s, ph), n in counts.items())
-    kept = tuple(c for c in comm.collectives if not _frozen_backward(cfg, c, row_parallel))
-    colls = tuple(sorted(kept + rows, key=lambda c: c.stage))
+    colls = tuple(sorted(comm.collectives + rows, key=lambda c: c.stage))
     return replace(comm, collectives=colls, per_step=per_step_sent(colls, degrees, par.pp), raw=tuple(raw))
 
 
