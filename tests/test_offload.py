@@ -181,3 +181,19 @@ def test_exports_carry_offload_where_the_engine_has_it():
     assert set(flags) <= MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_OFFLOAD_HSDP_FLAGS
     assert any("zero 3" in e for e in _export(tiny_config(4, parallel=dict(zero=3, offload="optimizer")),
                                               "megatron").errors)
+
+
+@pytest.mark.parametrize("zero, offload", [(3, "params"), (2, "optimizer")])
+def test_deepspeed_config_class_reads_the_offload(zero, offload, monkeypatch):
+    """DeepSpeed's own DeepSpeedConfig (deepspeed/runtime/config.py, DeepSpeedZeroConfig) reads
+    the exported offload_optimizer / offload_param as CPU offload with pinned memory; the
+    examples hold offload = optimizer only, so offload = params is read here."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    c = json.loads(_export(tiny_config(4, parallel=dict(zero=zero, offload=offload)), "deepspeed").text)
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)   # (test_export_engines.py's setup)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: 4)   # no mpu: every rank is dp
+    ds = ds_config.DeepSpeedConfig(c)
+    z = ds.zero_config
+    assert ds.zero_optimization_stage == zero and ds.world_size == 4
+    assert z.offload_optimizer.device == "cpu" and z.offload_optimizer.pin_memory
+    assert (z.offload_param is not None and z.offload_param.device == "cpu") == (offload == "params")
