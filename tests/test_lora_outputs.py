@@ -6,34 +6,15 @@ final eval loss."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.test_training_jobs import _job, _metrics, _spec, assets  # noqa: F401  (assets: the fixture)
+from tests.test_training_jobs import model_eval_loss as _eval_loss
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-
-def _eval_loss(hf, cfg) -> float:
-    """transformers' cross-entropy of ``hf`` over the spec's eval samples (the same cut)."""
-    from parcompile.runtime.data import dataset
-
-    t = cfg.train
-    cache = dataset.prepare(t.eval_data, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field)
-    batches = dataset.EvalBatches(cache, cfg.model.seq_len, cfg.parallel.global_batch, t.eval_batches)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in range(len(batches)):
-            x, y = batches.batch(b)
-            logits = hf(input_ids=x[:, :-1]).logits
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), y.reshape(-1),
-                                     ignore_index=-100, reduction="sum").item()
-            count += int((y != -100).sum())
-    return total / count
 
 
 def _base(assets):  # noqa: F811

@@ -170,13 +170,20 @@ def _metrics(prog: Path) -> list[dict]:
 
 
 def _hf_eval_loss(model_dir: Path, cfg) -> float:
-    """transformers' own cross-entropy over the spec's eval samples (the same cut)."""
+    """transformers' own cross-entropy over the spec's eval samples (the same cut) of the
+    checkpoint in ``model_dir``."""
+    return model_eval_loss(transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
+                           cfg)
+
+
+def model_eval_loss(hf, cfg) -> float:
+    """The cross-entropy of ``hf`` (a transformers causal LM, or peft's model over one) over
+    the spec's eval samples (the same cut)."""
     from parcompile.runtime.data import dataset
 
     t = cfg.train
     cache = dataset.prepare(t.eval_data, tokenizer=t.tokenizer, data_format=t.data_format, text_field=t.text_field)
     batches = dataset.EvalBatches(cache, cfg.model.seq_len, cfg.parallel.global_batch, t.eval_batches)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for b in range(len(batches)):
