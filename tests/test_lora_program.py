@@ -93,8 +93,8 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
 @pytest.mark.torchrun
 def test_verify_lora_variants():
     """LoRA miniatures (dp 2 x tp 2 x pp 2) with ZeRO 1 and 2, full recomputation, partial
-    targets (the MLP only; v only: frozen linears without an adapter keep no input) and sequence
-    parallelism against
+    targets (the MLP only; v only: frozen linears without an adapter keep no input), sequence
+    parallelism and recompute = ["mlp"] against
     the single process, in one launch."""
     from parcompile.frontend import load_spec
     from parcompile.verification import verify_many
@@ -108,6 +108,9 @@ def test_verify_lora_variants():
         # the collectives a gradient reaches (analysis/lora.py frozen_backward): the sequence-parallel
         # all-gathers of the frozen start's backward
         "sequence_parallel": spec(parallel={"sequence_parallel": "true"}, train=base),
+        # Megatron-Core's module list: the MLP adapters' forward collectives run again, their
+        # r-wide outputs are not kept (analysis/compute.py recomputed, as for the graph's ops)
+        "recompute_mlp": spec(parallel={"recompute": '["mlp"]'}, train=base),
     }
     results = verify_many({k: load_spec(v)[0] for k, v in cases.items()}, steps=3)
     for name, r in results.items():

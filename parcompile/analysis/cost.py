@@ -22,7 +22,7 @@ from parcompile.analysis.compute import ComputeReport, compute_report
 from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
-from parcompile.analysis.lora import frozen_backward, lora_step_flops, row_parallel, trainable, with_adapter_collectives
+from parcompile.analysis.lora import frozen_backward, lora_step_flops, trainable, with_adapter_collectives
 from parcompile.analysis.params import ParamReport, param_report
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
@@ -63,7 +63,7 @@ def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=N
     compute = lora_step_flops(cfg, graph, compute, m)   # LoRA: frozen weights have no weight-gradient GEMM
     if comm is None or sched is None:
         comm = comm_report(graph, degrees, m, par.recompute, par.pp, *frozen_backward(cfg, graph))
-    comm = with_adapter_collectives(cfg, degrees, comm, m, row_parallel(graph))   # LoRA's tp collectives
+    comm = with_adapter_collectives(cfg, degrees, comm, m, graph)   # LoRA's tp collectives
     kv_tok = kv.kv_bytes_per_token(cfg, chunks)
     in_flight = sched.sim.in_flight if sched is not None else None
     kv_seq = (kv.kv_bytes_per_sequence(cfg, chunks, cfg.serve.prompt_len + cfg.serve.max_new_tokens)

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from parcompile.analysis.comm import CollectiveEntry, per_step_sent
-from parcompile.analysis.compute import op_fwd_flops
+from parcompile.analysis.compute import op_fwd_flops, recomputed
 from parcompile.analysis.params import StageParams
 from parcompile.core.buckets import GradUnit
 from parcompile.core.lora import LoraLinear, targeted
@@ -89,18 +89,20 @@ def _tokens(cfg) -> int:
     return par.micro_batch * cfg.model.seq_len // par.cp
 
 
-def adapter_saved_bytes(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str] = frozenset()) -> dict[int, int]:
+def adapter_saved_bytes(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str] = frozenset(),
+                        skip: frozenset[str] = frozenset()) -> dict[int, int]:
     """Bytes one micro-batch of each decoder layer's adapters keeps for backward on one
     rank (module docstring): ``tokens * r`` in the model dtype per adapter, plus with
     ``lora_dropout > 0`` the dropped input and its mask (``dtype + 1`` bytes per input
     element the adapter reads: the whole ``in`` on a column-parallel base, ``in / tp`` on
-    a row-parallel one, whose modules ``row_parallel`` names)."""
+    a row-parallel one, whose modules ``row_parallel`` names); the adapters of the linears
+    ``skip`` names (recomputed ones) keep nothing."""
     t, e, tp = _tokens(cfg), cfg.model.dtype_bytes, degrees.get("tp", 1)
     r, dropout = cfg.train.lora_rank, cfg.train.lora_dropout > 0
     out = {}
     for layer, lins in adapters_by_layer(cfg).items():
         b = 0
-        for lin in lins:
+        for lin in (lin for lin in lins if lin.module not in skip):
             b += t * r * e
             if dropout:
                 b += t * (lin.in_features // (tp if lin.module in row_parallel else 1)) * (e + 1)
@@ -183,20 +185,24 @@ def frozen_prefix(cfg) -> list[str]:
     return out + [f"layers.{layer}.attn"] + ([f"layers.{layer}.mlp"] if part == "mlp" else [])
 
 
-def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, row_parallel: frozenset[str] = frozenset()):
-    """``saved`` (:class:`parcompile.analysis.memory.SavedBytes`) with the adapters' kept
-    bytes (:func:`adapter_saved_bytes`) added to each layer and its chunk (after
-    recomputation too: ``recompute = full`` keeps only the layer input, so nothing is
-    added to what it keeps)."""
+def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, graph):
+    """``saved`` (:class:`parcompile.analysis.memory.SavedBytes`) with the adapters' saved
+    bytes (:func:`adapter_saved_bytes`) added to each layer, and to what the layer and its
+    chunk keep after recomputation those of the linears of ``graph`` that ``recompute`` does
+    not re-run (:func:`parcompile.analysis.compute.recomputed`, as for the graph's own ops:
+    ``recompute = full`` keeps only the layer input, a module list drops its modules')."""
     if not is_lora(cfg):
         return saved
-    extra = adapter_saved_bytes(cfg, degrees, row_parallel)
+    rows = row_parallel(graph)
+    again = frozenset(lin.module for lins in adapters_by_layer(cfg).values() for lin in lins
+                      if recomputed(graph.node(lin.module), cfg.parallel.recompute))
+    extra = adapter_saved_bytes(cfg, degrees, rows)
+    extra_kept = adapter_saved_bytes(cfg, degrees, rows, skip=again)
     per_chunk = list(saved.per_chunk)
-    full = cfg.parallel.recompute == "full"
-    for layer, b in extra.items():
-        if layer in saved.chunk_of_layer and not full:
+    for layer, b in extra_kept.items():
+        if layer in saved.chunk_of_layer:
             per_chunk[saved.chunk_of_layer[layer]] += b
-    kept = {k: v + (0 if full else extra.get(k, 0)) for k, v in saved.kept_per_layer.items()}
+    kept = {k: v + extra_kept.get(k, 0) for k, v in saved.kept_per_layer.items()}
     per_layer = {k: v + extra.get(k, 0) for k, v in saved.per_layer.items()}
     return replace(saved, per_chunk=tuple(per_chunk), per_layer=per_layer, kept_per_layer=kept)
 
@@ -225,7 +231,8 @@ def lora_step_flops(cfg, graph, compute, num_microbatches: int):
 def adapter_collectives(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str]) -> list[tuple]:
     """The tensor-parallel collectives the adapters of one micro-batch run, per decoder
     layer, as the program runs them (:mod:`parcompile.runtime.model.lora`, Megatron-Bridge's
-    split): ``(layer, op, bytes, phase)``, bytes the collective's output. Column-parallel
+    split): ``(layer, module, op, bytes, phase)``, bytes the collective's output, ``module``
+    the adapted linear (``layers.0.attn.wq``). Column-parallel
     base: A's r-wide output all-gathered (forward), its gradient reduce-scattered
     (backward). Row-parallel base: A's r-wide partial sums all-reduced (forward), B's output
     all-gathered along ``out`` (forward), the r-wide gradient all-reduced (backward); with
@@ -240,20 +247,22 @@ def adapter_collectives(cfg, degrees: Mapping[str, int], row_parallel: frozenset
     for layer, lins in adapters_by_layer(cfg).items():
         for lin in lins:
             if lin.module in row_parallel:
-                out += [(layer, "all_reduce", t * r * e, "forward"), (layer, "all_gather", t * lin.out_features * e, "forward"),
-                        (layer, "all_reduce", t * r * e, "backward")]
+                rows = [("all_reduce", t * r * e, "forward"), ("all_gather", t * lin.out_features * e, "forward"),
+                        ("all_reduce", t * r * e, "backward")]
                 if sp:
-                    out.append((layer, "all_gather", t * lin.out_features * e, "backward"))
+                    rows.append(("all_gather", t * lin.out_features * e, "backward"))
             else:
-                out += [(layer, "all_gather", t * r * e, "forward"), (layer, "reduce_scatter", t * r // tp * e, "backward")]
+                rows = [("all_gather", t * r * e, "forward"), ("reduce_scatter", t * r // tp * e, "backward")]
+            out += [(layer, lin.module, *row) for row in rows]
     return out
 
 
-def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbatches: int, row_parallel: frozenset[str]):
+def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbatches: int, graph):
     """``comm`` (:class:`parcompile.analysis.comm.CommReport`) with the adapters'
     collectives (:func:`adapter_collectives`) as rows of ``comm.collectives`` (``where``
-    ``lora``), ``num_microbatches`` per step each (a fully recomputed forward runs the
-    forward ones again), on the stage holding the layer, and as per-micro-batch collectives of
+    ``lora``), ``num_microbatches`` per step each (the forward ones again where ``recompute``
+    re-runs the adapted linear of ``graph``: :func:`parcompile.analysis.compute.recomputed`,
+    as for the graph's own ops), on the stage holding the layer, and as per-micro-batch collectives of
     the layer's model chunk in ``raw`` (the time model's); ``per_step`` recounted. (The
     frozen start's backward collectives are left out by ``comm_report`` itself:
     :func:`frozen_backward`.) A ``comm`` that has them already is returned as it is."""
@@ -267,9 +276,10 @@ def with_adapter_collectives(cfg, degrees: Mapping[str, int], comm, num_microbat
                 stage_of[layer], chunk_of[layer] = s, k
     counts: dict[tuple, int] = {}
     raw = list(comm.raw)
-    for layer, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel):
+    for layer, module, op, nbytes, phase in adapter_collectives(cfg, degrees, row_parallel(graph)):
         raw.append((stage_of[layer], chunk_of[layer], Collective(op, "tp", nbytes, phase, "lora")))
-        phases = [phase] + (["recompute"] if phase == "forward" and par.recompute == "full" else [])
+        again = phase == "forward" and recomputed(graph.node(module), par.recompute)
+        phases = [phase] + (["recompute"] if again else [])
         for ph in phases:
             key = (op, nbytes, stage_of[layer], ph)
             counts[key] = counts.get(key, 0) + num_microbatches

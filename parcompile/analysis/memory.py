@@ -139,7 +139,7 @@ from parcompile.analysis.fp8 import saves_fp8_inputs, weight_copy_bytes
 from parcompile.analysis.estimate import engine as engine_of, grad_element_bytes
 from parcompile.core.attention import attention_engine, with_kernel
 from parcompile.analysis.params import StageParams
-from parcompile.analysis.lora import (frozen_param_bytes, frozen_saves, is_lora, row_parallel, trainable,
+from parcompile.analysis.lora import (frozen_param_bytes, frozen_saves, is_lora, trainable,
                                      with_adapter_activations)
 from parcompile.analysis.module_saves import kept_with_modules, megatron_router_attrs, module_regions
 from parcompile.core.recompute import is_module_list
@@ -502,7 +502,7 @@ def memory_report(graph: Graph, cfg, degrees: Mapping[str, int], stage_params: S
     pp, v = par.pp, par.virtual_stages
     saved = saved_bytes(graph, degrees, pp * v, par.recompute, model.dropout > 0, cfg.cluster.engine,
                         attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), lora=frozen_saves(cfg, graph))
-    saved = with_adapter_activations(cfg, degrees, saved, row_parallel(graph))
+    saved = with_adapter_activations(cfg, degrees, saved, graph)
     bufs = buffer_bytes(graph, cfg, degrees, saved)
     return memory_from_parts(cfg, degrees, stage_params, saved, bufs, in_flight, kv_bytes_per_sequence)
 

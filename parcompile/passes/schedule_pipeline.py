@@ -15,7 +15,7 @@ from parcompile.analysis.comm import comm_report
 from parcompile.analysis.gemm import gemm_pricer
 from parcompile.analysis.compute import compute_report
 from parcompile.analysis.estimate import chunk_times
-from parcompile.analysis.lora import frozen_backward, row_parallel, with_adapter_collectives
+from parcompile.analysis.lora import frozen_backward, with_adapter_collectives
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import saved_bytes, unlike_chunk_bytes
 from parcompile.core.attention import attention_engine
@@ -51,7 +51,7 @@ class SchedulePipeline:
                               cfg.model.padded_vocab(par.tp), m, par.recompute, cfg.cluster.engine,
                               attention_engine(cfg.cluster), fp8=fp8_enabled(cfg), gemm=gemm_pricer(cfg))
         comm = comm_report(graph, ctx.degrees, m, par.recompute, par.pp, *frozen_backward(cfg, graph))
-        comm = with_adapter_collectives(cfg, ctx.degrees, comm, m, row_parallel(graph))   # LoRA's tp collectives
+        comm = with_adapter_collectives(cfg, ctx.degrees, comm, m, graph)   # LoRA's tp collectives
         f, b, w = chunk_times(cfg, ctx.degrees, rank_groups(par), comp, comm).per_chunk()
         # zero-bubble orders by F, the input-gradient part of B, and W
         sched = par.pipeline_schedule
