@@ -118,11 +118,18 @@ def test_grad_dtype_bf16_halves_the_gradient_buffers_and_the_dp_reduction():
 
 
 def test_megatron_export_carries_the_modules_and_the_grad_dtype():
+    # every flag one Megatron-LM core_v0.19.0's parser took for this plan (tests/check_engine_parsers.py
+    # megatron, its _megatron_module_plans: the sets' provenance is in tests/test_export.py)
+    from tests.test_export import (MEGATRON_CORE_V0_19_0_FLAGS, MEGATRON_CORE_V0_19_0_PRECISION_FLAGS,
+                                   MEGATRON_CORE_V0_19_0_RECOMPUTE_FLAGS, parse_megatron)
+
     plan = parcompile.compile(spec("[layernorm, moe_act]", grad="grad_dtype = bf16"))
-    text = parcompile.export(plan, "megatron").text
-    assert "--recompute-granularity selective" in text
-    assert "--recompute-modules layernorm moe_act" in text
-    assert "--grad-reduce-in-bf16" in text
+    _launcher, flags = parse_megatron(parcompile.export(plan, "megatron").text)
+    assert flags["--recompute-granularity"] == "selective"
+    assert flags["--recompute-modules"] == "layernorm moe_act"
+    assert flags["--grad-reduce-in-bf16"] is True
+    assert set(flags) <= (MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_PRECISION_FLAGS
+                          | MEGATRON_CORE_V0_19_0_RECOMPUTE_FLAGS)
 
 
 @pytest.mark.parametrize("target", ["deepspeed", "torchtitan"])
