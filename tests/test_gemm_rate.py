@@ -89,17 +89,29 @@ DEEPGEMM_H800_FP8_MISSED = [
     (4, 256, 4096, 7168, 932), (1, 4096, 2112, 7168, 1009), (1, 4096, 32768, 512, 751),
 ]
 
-# stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-# comparison table" (v2: the cache reset between runs; mean of 100 iterations): the best
-# shape found per accelerator and dtype. (gpu, fmt, operand bytes, m, n, k, TFLOP/s)
+# stas00/ml-engineering compute/accelerator/README.md at 744d01e18b79512572f64a6bbd8b5f4a725203a7,
+# "Maximum Achievable Matmul FLOPS comparison table" (v2: the cache reset between runs; mean of 100
+# iterations): the best shape found per accelerator and dtype. (gpu, fmt, operand bytes, m, n, k,
+# TFLOP/s). The A100, H100 and B200 bf16 rows set their generation's ``mainloop`` (gemm.py); the
+# B200 FP8 and both GB200 rows were read after it (review, issue 48): Blackwell's FP8 mainloop share
+# is assumed equal to the bf16 one, and the GB200 differs from the B200 only in its preset's peak
+B200 = dict(peak=2250e12, sms=148, hbm_bw=8e12, kernels="blackwell")      # config/presets.py b200
+GB200 = dict(B200, peak=2500e12)                                          # config/presets.py gb200-nvl72
 MAMF = [
     (A100, "16", 2, 1024, 10240, 5120, 271.2),          # A100 SXM, bf16, torch 2.6.0+cu126
     (H100, "16", 2, 2048, 2048, 13312, 794.5),          # H100 SXM, bf16, torch 2.7.0+cu126
+    (B200, "16", 2, 1792, 16128, 3072, 1745.0),         # B200 SXM, bf16, torch 2.7.1+cu128
+    (dict(B200, peak=4500e12), "tensorwise", 1, 15360, 4096, 3072, 3432.5),   # B200, float8_e4m3fn
+    (GB200, "16", 2, 4096, 9728, 2048, 1822.0),         # GB200, bf16, torch 2.10.0.dev20250916+cu130
+    (dict(GB200, peak=5000e12), "tensorwise", 1, 19456, 5120, 1536, 3615.6),  # GB200, float8_e4m3fn
 ]
 #: H100 SXM, float8_e4m3fn, torch 2.7.0+cu126: the model is 14% fast, its 128 x 128 tiles in 4.4
 #: waves split by stream-K at the full mainloop share (tensorwise's share is the one the FP8 step
 #: rows of analysis/calibration.py need with their clock, analysis/efficiency.py ``fp8_clock``)
-MAMF_MISSED = [(H100_FP8, "tensorwise", 1, 1024, 9216, 14336, 1402.6)]
+#: H200 SXM, float8_e4m3fn, torch 2.7.1+cu128 (the H100's GH100 compute, HBM 4.8 TB/s): the model
+#: is 13% slow at the same tensorwise share, which sits between the two GH100 FP8 rows
+MAMF_MISSED = [(H100_FP8, "tensorwise", 1, 1024, 9216, 14336, 1402.6),
+               (dict(H100_FP8, hbm_bw=4.8e12), "tensorwise", 1, 1280, 4096, 12032, 1453.4)]
 
 
 @pytest.mark.parametrize("b,m,n,k,tflops", XLA_H100_BF16 + XLA_H100_BF16_LATER)
