@@ -58,6 +58,15 @@ def test_list_entries_are_checked_each_at_its_column():
     assert errors(spec("[]"))[0].endswith("recompute = [] names no module")
 
 
+@pytest.mark.parametrize("word, hint", [("layernorm", "`[layernorm]`"), ("moe_ac", "`[moe_act]`"),
+                                        ("Full", "`full` (values are case-sensitive)")])
+def test_a_bare_module_name_is_pointed_at_the_list(word, hint):
+    # was: recompute = layernorm got "did you mean `layernorm` (values are case-sensitive)?"
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(spec(word), filename="m.par")
+    assert e.value.diagnostics[0].help.startswith(f"did you mean {hint}? ")
+
+
 @pytest.mark.parametrize("module, words", [("mla_up_proj", "needs multi-latent attention"),
                                            ("shared_experts", "needs shared experts"),
                                            ("mlp", "every layer of this model is a mixture-of-experts layer")])
