@@ -163,3 +163,20 @@ def test_tiles_and_waves_quantise(monkeypatch):
     t = gemm_seconds(many + 128, 128, 8192, 1, 989e12, 132, 1e18, "one")
     assert t == pytest.approx(one * (STREAM_K_WAVES + 1 / 132))
     gemm_seconds.cache_clear()
+
+
+def test_plan_names_the_gemm_rate_model():
+    """A plan whose GEMMs the model timed says so in estimate.assumptions.gemm_rate (its
+    generation, SMs, clock and sources); a cluster without kernel facts (cpu) has no such key.
+    Was: only the flat rule's matmul_efficiency was reported, which priced none of the GEMMs."""
+    from pathlib import Path
+
+    import parcompile
+    from parcompile.analysis.efficiency import EFFICIENCY
+
+    plan = parcompile.compile(Path(__file__).resolve().parent.parent / "examples" / "llama3_8b_2x8_h100.par")
+    got = plan.data["estimate"]["assumptions"]["gemm_rate"]
+    assert (got["kernels"], got["sms"], got["clock"]) == ("hopper", 132, EFFICIENCY["h100-sxm"].gemm_clock)
+    assert "matmul_interpolator_data.h at 372d578" in got["source"] and "gemm_clock" in got["source"]
+    tiny = parcompile.compile(Path(__file__).resolve().parent.parent / "examples" / "tiny.par")
+    assert "gemm_rate" not in tiny.data["estimate"]["assumptions"]

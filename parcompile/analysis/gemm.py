@@ -198,3 +198,17 @@ def gemm_pricer(cfg) -> GemmPricer | None:
     clock8 = eff.fp8_rowwise_clock if fmt == "rowwise" else eff.fp8_clock
     return GemmPricer(peak, cl.hbm_bw, preset.sms, gen, (fp8_peak(cl.preset, fmt) or 0.0) if f8 else 0.0, fmt,
                       cfg.model.dtype_bytes, eff.gemm_clock * power, clock8 * power)
+
+
+def gemm_assumptions(cfg) -> dict:
+    """plan.json ``estimate.assumptions.gemm_rate`` for ``cfg`` (a SpecConfig whose GEMMs the
+    GEMM-rate model timed, :func:`gemm_pricer` not None): the generation's ``kernels``
+    (:data:`KERNELS`), the ``sms``, the ``clock`` the 16-bit GEMMs run at (and ``fp8_clock``,
+    ``fp8_format`` where it trains in FP8), and the ``source`` of the kernel facts and of the
+    clocks. Raises TypeError where :func:`gemm_pricer` is None."""
+    g = gemm_pricer(cfg)
+    out = {"kernels": g.kernels, "sms": g.sms, "clock": g.clock}
+    if g.fp8_peak:
+        out.update(fp8_clock=g.fp8_clock, fp8_format=g.fp8_fmt)
+    out["source"] = f"{KERNELS[g.kernels].source}; {efficiency(cfg.cluster).gemm_source}"
+    return out
