@@ -321,6 +321,20 @@ class OffloadAssumptions(_Strict):
     overlap: str
 
 
+class GemmRateAssumptions(_Strict):
+    """``estimate.assumptions.gemm_rate``: the GEMM-rate model that timed the GEMMs
+    (parcompile/analysis/gemm.py); where present, ``matmul_efficiency`` prices only the rest
+    (a grouped GEMM's ``expert_rows``, the tp overlap)."""
+
+    kernels: Literal["ampere", "hopper", "blackwell"] = Field(description="the GPU generation's kernel facts")
+    sms: int = Field(gt=0, description="streaming multiprocessors the output tiles spread over")
+    clock: float = Field(gt=0, description="the 16-bit GEMMs' clock in a training step over the isolated "
+                                           "measurements' (eff.gemm_clock times the spec's peak over the datasheet's)")
+    fp8_clock: Optional[float] = Field(default=None, gt=0, description="FP8 training only: the FP8 GEMMs' clock")
+    fp8_format: Optional[str] = Field(default=None, description="FP8 training only: the FP8 GEMMs' scaling")
+    source: str
+
+
 class Assumptions(_Strict):
     """What the time estimate assumed (extension)."""
 
@@ -337,6 +351,8 @@ class Assumptions(_Strict):
         default=None, description="the network model per axis: ranks per node, nodes spanned, and each collective's "
                                   "algorithm and bus bandwidth (docs/clusters.md)")
     offload: Optional[OffloadAssumptions] = Field(default=None, description="parallel.offload plans only")
+    gemm_rate: Optional[GemmRateAssumptions] = Field(
+        default=None, description="clusters with GEMM kernel facts only: how the GEMMs were timed")
     moe_routing: Optional[str] = Field(
         default=None, description="mixture-of-experts models only: how token routing was costed")
     engine: Optional[Literal["megatron", "eager", "compile", "automodel"]] = Field(

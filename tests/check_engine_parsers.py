@@ -77,7 +77,7 @@ def megatron(checkout: str) -> int:
 
     arguments.get_device_arch_version = lambda: 9   # H100 (Hopper), as the examples
     bad = 0
-    for name, plan in _plans():
+    for name, plan in _plans() + _megatron_module_plans():
         ex = export(plan, "megatron")
         words = _words(ex.text)
         saved = dict(os.environ)
@@ -112,6 +112,13 @@ def megatron(checkout: str) -> int:
                      "fp32": "torch.float32"}[plan.config.model.dtype],
                     plan.data["model"]["padded_vocab"])
             ok = got == want and not ex.errors
+            if isinstance(par.recompute, tuple) or par.grad_dtype != "fp32":
+                # a module list and bf16 gradients: the fields Megatron-Core reads them into
+                mods = (a.recompute_granularity, a.recompute_modules, a.accumulate_allreduce_grads_in_fp32)
+                want_mods = ("selective", list(par.recompute), par.grad_dtype == "fp32")
+                print(f"{name}: recompute_granularity, recompute_modules, accumulate_allreduce_grads_in_fp32 "
+                      f"{mods} (the plan's {want_mods})")
+                ok = ok and mods == want_mods
             print(f"{name}: {'accepted, the plan' if ok else f'DIFFERS {got} != {want}'}")
             bad += not ok
         except BaseException as e:   # validate_args asserts
@@ -122,6 +129,18 @@ def megatron(checkout: str) -> int:
             os.environ.clear()
             os.environ.update(saved)
     return bad
+
+
+def _megatron_module_plans():
+    """The Megatron-Bridge GPT-OSS recipe's settings on tests/test_recompute_modules.py's MoE
+    spec: recompute = [layernorm, moe_act] and grad_dtype = bf16 (--recompute-modules,
+    --grad-reduce-in-bf16), on the H100 and at ZeRO 1."""
+    import parcompile
+    from tests.test_recompute_modules import spec
+
+    return tuple((f"recompute_{'_'.join(m)}_bf16_grads", parcompile.compile(spec(f"[{', '.join(m)}]",
+                                                                                   grad="grad_dtype = bf16")))
+                 for m in (("layernorm", "moe_act"), ("core_attn", "moe")))
 
 
 def _serve_plans():

@@ -100,8 +100,8 @@ def plans(request):
 
 
 def parse_command(text: str, program: str) -> tuple[dict[str, str], list[str], dict[str, object]]:
-    """(environment, launcher words, {flag: value or True}) from an exported shell command
-    whose arguments follow the word ``program``."""
+    """(environment, launcher words, {flag: value (several joined by a space) or True}) from an
+    exported shell command whose arguments follow the word ``program``."""
     body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     words = shlex.split(body.replace("\\\n", " "))
     env = {}
@@ -116,12 +116,12 @@ def parse_command(text: str, program: str) -> tuple[dict[str, str], list[str], d
         flag = rest[k]
         assert flag.startswith("--"), f"expected a flag, got {flag!r}"
         assert flag not in flags, f"{flag} given twice"
-        if k + 1 < len(rest) and not rest[k + 1].startswith("--"):
-            flags[flag] = rest[k + 1]
-            k += 2
-        else:
-            flags[flag] = True
+        values = []
+        k += 1
+        while k < len(rest) and not rest[k].startswith("--"):   # nargs='+' (--recompute-modules)
+            values.append(rest[k])
             k += 1
+        flags[flag] = " ".join(values) if values else True
     return env, launcher, flags
 
 
@@ -546,9 +546,17 @@ MEGATRON_CORE_V0_19_0_OVERLAP_FLAGS = frozenset({"--tp-comm-overlap", "--no-over
 # validate_args line 1190 turns accumulate_allreduce_grads_in_fp32 off); --first-last-layers-bf16,
 # --num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 are TransformerConfig fields
 # (transformer_config.py lines 628, 631 and 635 there, not in the exclude list of arguments.py line 2196,
-# made flags by ArgumentGroupFactory, line 2290); not run through check_engine_parsers.py
+# made flags by ArgumentGroupFactory, line 2290); not run through check_engine_parsers.py, but
+# --grad-reduce-in-bf16 is, with the recompute module list (below)
 MEGATRON_CORE_V0_19_0_PRECISION_FLAGS = frozenset({"--grad-reduce-in-bf16", "--first-last-layers-bf16",
                                                    "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"})
+# The recompute module list (parallel.recompute = [...]): --recompute-modules is TransformerConfig's
+# recompute_modules (transformer_config.py line 546 at core_v0.19.0, 5be9626; made a flag by
+# ArgumentGroupFactory, arguments.py line 2290). Run through `python tests/check_engine_parsers.py
+# megatron CHECKOUT` on that tree (its _megatron_module_plans: [layernorm, moe_act] and [core_attn, moe],
+# both with grad_dtype = bf16): accepted with the plan's layout, recompute_granularity 'selective',
+# recompute_modules the list and accumulate_allreduce_grads_in_fp32 False
+MEGATRON_CORE_V0_19_0_RECOMPUTE_FLAGS = frozenset({"--recompute-modules"})
 MEGATRON_CORE_V0_19_0_FLAGS = frozenset("""
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --adam-beta1 --adam-beta2 --adam-eps --attention-backend --attention-dropout --bf16 --clip-grad --context-parallel-size
 --ddp-bucket-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear

@@ -58,6 +58,15 @@ def test_list_entries_are_checked_each_at_its_column():
     assert errors(spec("[]"))[0].endswith("recompute = [] names no module")
 
 
+@pytest.mark.parametrize("word, hint", [("layernorm", "`[layernorm]`"), ("moe_ac", "`[moe_act]`"),
+                                        ("Full", "`full` (values are case-sensitive)")])
+def test_a_bare_module_name_is_pointed_at_the_list(word, hint):
+    # was: recompute = layernorm got "did you mean `layernorm` (values are case-sensitive)?"
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(spec(word), filename="m.par")
+    assert e.value.diagnostics[0].help.startswith(f"did you mean {hint}? ")
+
+
 @pytest.mark.parametrize("module, words", [("mla_up_proj", "needs multi-latent attention"),
                                            ("shared_experts", "needs shared experts"),
                                            ("mlp", "every layer of this model is a mixture-of-experts layer")])
@@ -118,11 +127,18 @@ def test_grad_dtype_bf16_halves_the_gradient_buffers_and_the_dp_reduction():
 
 
 def test_megatron_export_carries_the_modules_and_the_grad_dtype():
+    # every flag one Megatron-LM core_v0.19.0's parser took for this plan (tests/check_engine_parsers.py
+    # megatron, its _megatron_module_plans: the sets' provenance is in tests/test_export.py)
+    from tests.test_export import (MEGATRON_CORE_V0_19_0_FLAGS, MEGATRON_CORE_V0_19_0_PRECISION_FLAGS,
+                                   MEGATRON_CORE_V0_19_0_RECOMPUTE_FLAGS, parse_megatron)
+
     plan = parcompile.compile(spec("[layernorm, moe_act]", grad="grad_dtype = bf16"))
-    text = parcompile.export(plan, "megatron").text
-    assert "--recompute-granularity selective" in text
-    assert "--recompute-modules layernorm moe_act" in text
-    assert "--grad-reduce-in-bf16" in text
+    _launcher, flags = parse_megatron(parcompile.export(plan, "megatron").text)
+    assert flags["--recompute-granularity"] == "selective"
+    assert flags["--recompute-modules"] == "layernorm moe_act"
+    assert flags["--grad-reduce-in-bf16"] is True
+    assert set(flags) <= (MEGATRON_CORE_V0_19_0_FLAGS | MEGATRON_CORE_V0_19_0_PRECISION_FLAGS
+                          | MEGATRON_CORE_V0_19_0_RECOMPUTE_FLAGS)
 
 
 @pytest.mark.parametrize("target", ["deepspeed", "torchtitan"])

@@ -89,7 +89,12 @@ class Engine:
     * ``expert_rows``: a grouped GEMM's fixed cost per local expert, in rows of that
       expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
       per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
-      run at ``M / (M + expert_rows)`` of the dense GEMM rate;
+      run at ``M / (M + expert_rows)`` of the dense GEMM rate. On a preset with GEMM kernel
+      facts (:mod:`parcompile.analysis.gemm`), which prices the launch, the tiles and the
+      waves of each group itself, it is added to that model's seconds at ``matmul * P``
+      (:func:`parcompile.analysis.estimate.chunk_times`): the value is still the flat rule's
+      fit, not refitted over the GEMM-rate model, so those parts count twice there (the
+      GPT-OSS 120B row it was fitted to stays at +1.1% with ``gemm_clock`` fitted beside it);
     * ``sac``: what ``recompute = selective`` recomputes: ``"core"`` (Megatron-LM's: the
       attention core, Korthikanti et al. 2022) or ``"op"`` (torchtitan's op-level policy,
       :func:`parcompile.analysis.compute.op_sac`);

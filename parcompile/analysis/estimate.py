@@ -110,6 +110,7 @@ from parcompile.analysis.efficiency import (DEFAULT_EFFICIENCY, DEFAULT_ENGINE, 
                                             fp8_efficiency)
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.fp8 import assumptions as fp8_assumptions, fp8_costs, weight_cast_bytes
+from parcompile.analysis.gemm import gemm_assumptions
 from parcompile.analysis.lora import lora_chunk_times
 from parcompile.analysis.offload import OPTIMIZER_BYTES, offload_assumptions, offload_step_time, optimizer_step_bytes  # noqa: F401
 from parcompile.analysis.network import (NVLS_LATENCY_STEPS, REFERENCE_BYTES, TREE_BANDWIDTH,  # noqa: F401
@@ -689,6 +690,7 @@ def estimate(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[int
                       for a in ("tp", "cp", "ep", "dp_cp", "pp", "dp_shard", "dp_replicate") if degrees.get(a, 1) > 1 and a in groups},
             "network": network_assumptions(degrees, links, comm),
             **engine_assumptions(cfg), **offload_assumptions(cfg, degrees, stage_params),
+            **({"gemm_rate": gemm_assumptions(cfg)} if compute.chunk_gemm_seconds else {}),
         },
         bubble_fraction=parts["bubble_fraction"],
         grad_reduction=overlap,

@@ -73,20 +73,24 @@ _HOPPER_SRC = (
     "grouped GEMMs by M, N, K, TFLOPS); tiles: the Hopper warp-specialised kernels' 64-256 x 64-256 "
     "output tiles (CUTLASS sm90 collective builders, DeepGEMM's BLOCK_M 64/128/256 and BLOCK_N up to 256); "
     "tensorwise (and mxfp8, not on Hopper): 0.87, where the FP8 rows of analysis/calibration.py put it with "
-    "efficiency.py's fp8_clock (stas00/ml-engineering's MAMF table, compute/accelerator/README.md: 1,402.6 of "
-    "1,979 TFLOP/s at 1024x9216x14336 on the H100 SXM, which the model puts 14% higher); rowwise: 0.55, "
+    "efficiency.py's fp8_clock (stas00/ml-engineering's MAMF table, compute/accelerator/README.md at "
+    "744d01e: 1,402.6 of 1,979 TFLOP/s at 1024x9216x14336 on the H100 SXM, which the model puts 14% higher, "
+    "and the H200's 1,453.4 at 1280x4096x12032, 13% lower); rowwise: 0.55, "
     "torchao's rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; "
     "memory: the fit's 1.0 of the HBM bandwidth (DeepGEMM's small-M rows reach 2.4-2.7 of 3.35 TB/s with "
     "their launch counted in the fixed time)")
 _AMPERE_SRC = (
-    "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md: A100 SXM bf16 271.2 of "
+    "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md at 744d01e: A100 SXM "
+    "bf16 271.2 of "
     "312 TFLOPS at 1024x10240x5120, torch 2.6; the model 268) over the model's own tile overheads; launch, "
     "tile_fixed: hopper's (assumed); feed: 120 GB/s per SM, chosen with efficiency.py's gemm_clock on the "
     "A100 rows of analysis/calibration.py (60-400 GB/s move their mean error by 0.8%); memory: STREAM-like "
     "0.80; tiles: CUTLASS sm80's 64-256 x 64-256 threadblock tiles")
 _BLACKWELL_SRC = (
-    "mainloop: stas00/ml-engineering's note of a B200 SXM's bf16 MAMF (1,745 of 2,250 TFLOPS, 77.6%) "
-    "over the model's tile overheads; FP8 / MXFP8 the same fraction of their peak (assumed); tiles: "
+    "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md at 744d01e: B200 SXM "
+    "bf16 1,745 of 2,250 TFLOPS, 77.6%, at 1792x16128x3072) over the model's tile overheads; FP8 / MXFP8 "
+    "the same fraction of their peak (assumed; the table's B200 FP8 row, 3,432.5 TFLOPS at "
+    "15360x4096x3072, is within 2% of it: tests/test_gemm_rate.py); tiles: "
     "tcgen05's 128-256 x 64-256 (two-SM) tiles; feed, memory, launch as hopper's (assumed)")
 
 #: kernel facts per GPU generation (:class:`GemmKernels`); :data:`GENERATION` maps the presets
@@ -194,3 +198,17 @@ def gemm_pricer(cfg) -> GemmPricer | None:
     clock8 = eff.fp8_rowwise_clock if fmt == "rowwise" else eff.fp8_clock
     return GemmPricer(peak, cl.hbm_bw, preset.sms, gen, (fp8_peak(cl.preset, fmt) or 0.0) if f8 else 0.0, fmt,
                       cfg.model.dtype_bytes, eff.gemm_clock * power, clock8 * power)
+
+
+def gemm_assumptions(cfg) -> dict:
+    """plan.json ``estimate.assumptions.gemm_rate`` for ``cfg`` (a SpecConfig whose GEMMs the
+    GEMM-rate model timed, :func:`gemm_pricer` not None): the generation's ``kernels``
+    (:data:`KERNELS`), the ``sms``, the ``clock`` the 16-bit GEMMs run at (and ``fp8_clock``,
+    ``fp8_format`` where it trains in FP8), and the ``source`` of the kernel facts and of the
+    clocks. Raises TypeError where :func:`gemm_pricer` is None."""
+    g = gemm_pricer(cfg)
+    out = {"kernels": g.kernels, "sms": g.sms, "clock": g.clock}
+    if g.fp8_peak:
+        out.update(fp8_clock=g.fp8_clock, fp8_format=g.fp8_fmt)
+    out["source"] = f"{KERNELS[g.kernels].source}; {efficiency(cfg.cluster).gemm_source}"
+    return out

@@ -214,6 +214,7 @@ DERIVED_MODEL_KEYS = {
 
 _INVALID = object()  # what a wrong value converts to
 _PRESET_CASE = "preset names are case-sensitive"
+_CASE = "values are case-sensitive"
 ZERO_HELP = "0 none, 1 shards optimizer states, 2 also gradients, 3 also parameters"
 #: what a bare number given to a quantity key most likely meant, by key
 QUANTITY_NOTES = {
@@ -318,7 +319,7 @@ class _Values:
             return v.value
         word = v.value if isinstance(v, (ast.Word, ast.String)) else v.text
         self.bag.error(f"unknown {key} `{word}`", v.span,
-                       help=f"{did_you_mean(str(word), t.choices + t.list_choices, case_note='values are case-sensitive')}"
+                       help=f"{did_you_mean(str(word), t.choices + tuple(f'[{m}]' for m in t.list_choices), case_note=_CASE)}"
                             f"{key} may be {allowed}" + (", or a list of " + or_list(t.list_choices, quote=True)
                                                          if t.list_choices else ""))
         return _INVALID
