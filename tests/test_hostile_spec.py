@@ -206,6 +206,9 @@ def test_attention_dropout_is_refused_not_dropped():
     assert from_hf_dict(_tiny_hf("llama", attention_dropout=0.0))["layers"] == 2
     with pytest.raises(HFConfigError, match="`attention_dropout` = 0.1 cannot be mapped"):
         from_hf_dict(_tiny_hf("llama", attention_dropout=0.1))
+    for bad in (-1, float("nan")):   # no probability: was read as 0 (`> 0` false) and dropped silently
+        with pytest.raises(HFConfigError, match="`attention_dropout` = (-1|nan) cannot be mapped"):
+            from_hf_dict(_tiny_hf("mistral", attention_dropout=bad))
 
 
 # -------------------------------------------------------------------- data with nothing to learn
