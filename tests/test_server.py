@@ -1697,3 +1697,34 @@ def test_a_chat_template_that_never_ends_is_a_500_and_the_server_keeps_serving(m
             t.cancel()
 
     asyncio.run(main())
+
+
+def test_the_chat_template_child_runs_no_unguarded_script_again_and_outlives_a_kill(tmp_path):
+    """The renderer's child loads chat_template.py alone: multiprocessing's ``spawn`` re-ran
+    the parent's ``__main__``, so a script that builds the server without an ``if __name__``
+    guard ran again in the child (a second server) and every chat answered 500. A child
+    killed from outside mid-render is a TemplateTimeout and the next render starts a new one."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from parcompile.server.chat_template import TemplateRenderer\n"
+                      "print('top level ran')\n"
+                      "r = TemplateRenderer('{{ messages[0].content }}!')\n"
+                      "print(r.render([{'role': 'user', 'content': 'hi'}]))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert (run.returncode, run.stdout) == (0, "top level ran\nhi!\n"), run.stderr
+
+    from parcompile.server.chat_template import TemplateRenderer, TemplateTimeout
+
+    slow = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}x"
+    r = TemplateRenderer("{% if messages[0].role == 'slow' %}" + slow + "{% else %}ok{% endif %}", timeout_s=30)
+    try:
+        assert r.render([{"role": "user", "content": ""}]) == "ok"
+        first = r._proc.pid
+        threading.Timer(0.5, os.kill, (first, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(TemplateTimeout, match="renderer stopped"):
+            r.render([{"role": "slow", "content": "y" * 100_000}])
+        assert time.monotonic() - t0 < 10
+        assert r.render([{"role": "user", "content": ""}]) == "ok" and r._proc.pid != first
+    finally:
+        r.close()
