@@ -1366,6 +1366,38 @@ def test_stalled_bodies_are_dropped_and_health_answers_under_200_of_them(stack):
 
 
 @pytest.mark.parametrize("stack", STACKS)
+def test_a_slow_but_steady_body_outlives_the_body_deadline(stack):
+    """The body deadline grows a second per BODY_MIN_RATE bytes received (Apache's
+    ``MinRate``): a body at the server's size limit on a slow link is served (was: closed at
+    30 s whatever arrived, so 64 MB needed 2.2 MB/s), one that stops is still closed.
+    Scaled down: a 1 s deadline, 1,000 bytes/s; 6 kB sent at 2,000 bytes/s over 3 s."""
+    import socket as socket_
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode().ljust(6000)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    with _LiveFront(http=stack[0], loop=stack[1], limits={"body_timeout_s": 1.0, "body_min_rate": 1000}) as f:
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(head)
+            t0 = time.monotonic()
+            for i in range(0, len(body), 500):
+                c.sendall(body[i:i + 500])
+                time.sleep(0.25)
+            assert time.monotonic() - t0 > 2.5
+            assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(head)
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            c.sendall(body[:2000])               # 2 s earned, then nothing: closed at about 1 + 2 s
+            try:
+                assert c.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+            assert 2.0 < time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("stack", STACKS)
 def test_one_client_holds_at_most_its_share_of_connections(stack):
     """Connections past MAX_CONNECTIONS_PER_CLIENT from one address are closed as they arrive
     (nginx's limit_conn); closing some admits the client again."""
