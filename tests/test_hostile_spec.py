@@ -3,6 +3,7 @@ read differently, a traceback, minutes of CPU or a deleted build)."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -59,6 +60,21 @@ def test_empty_serve_weights_is_an_error():
     assert "serve {" in serve
     errors = _errors(serve.replace("serve {", 'serve {\n    weights = "  "', 1))
     assert any("`weights` is an empty path" in e for e in errors), errors
+
+
+def test_serve_weights_that_name_a_file_are_an_error_not_a_directory_to_come(tmp_path):
+    # the checkpoint's model.safetensors itself, a FIFO, a device: was the warning "weights
+    # directory ... does not exist yet", and `serve` said "does not exist"
+    def serve(weights):
+        return SERVE.replace('weights        = "../build/tiny_ckpt"', f'weights = "{weights}"')
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 100)
+    os.mkfifo(tmp_path / "fifo")
+    for path in (tmp_path / "model.safetensors", tmp_path / "fifo", Path("/dev/zero")):
+        errors = _errors(serve(path))
+        assert len(errors) == 1 and f"weights `{path}` is not a directory" in errors[0], errors
+    plan = parcompile.compile(serve(tmp_path / "later"), filename="h.par")   # a directory a training run will write: a warning
+    assert any("does not exist yet" in d.message for d in plan.warnings)
 
 
 def test_hf_output_holding_the_build_directory_is_refused_before_anything_is_written(tmp_path, capsys):
