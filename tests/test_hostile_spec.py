@@ -171,6 +171,18 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, sha
     assert not complete and names == {} and "not a *.safetensors file name" in problems[0].message, problems
 
 
+
+@pytest.mark.parametrize("text", ["[]", "1e999", "{}", '{"weight_map": null}', '{"weight_map": []}'])
+def test_an_index_without_a_weight_map_object_says_so(tmp_path, text):
+    # was Python's own words: "list indices must be integers or slices, not str", "'weight_map'"
+    from parcompile.core.hf_weights import scan_checkpoint
+
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    names, headers, problems, complete = scan_checkpoint(tmp_path)
+    assert not complete and [p.message for p in problems] == [
+        f"cannot read `{tmp_path / 'model.safetensors.index.json'}`: it holds no `weight_map` object (tensor name "
+        "-> shard file)"]
+
 # -------------------------------------------------------------------- HF config fields
 
 def _tiny_hf(model_type: str, **extra) -> dict:
