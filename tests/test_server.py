@@ -1731,6 +1731,30 @@ def test_a_chat_template_that_never_ends_is_a_500_and_the_server_keeps_serving(m
     asyncio.run(main())
 
 
+def test_a_chat_template_that_renders_a_huge_prompt_is_refused_in_its_child():
+    """A template can render hundreds of megabytes within its time (``{{ "x" * 3 * 10**8 }}``:
+    300 MB sent to the server, 900 MB at its peak, then tokenized); a rendered prompt over the
+    body limit (max_body, a whole context with room) is a 400 from the child, and the next
+    request is served."""
+    big = '{% if messages[0].content == "big" %}{{ "x" * 5000000 }}{% else %}{{ messages[0].content }}{% endif %}'
+
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, big, max_body=1 << 20)
+        answers = {}
+        for content in ("big", "y"):
+            body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
+            answers[content] = await _asgi(app, "POST", "/v1/chat/completions", body, timeout_s=30)
+        code, raw = answers["big"]
+        assert code == 400 and "the rendered prompt has 5,000,000 characters, over the 1,048,576" in \
+            json.loads(raw)["error"]["message"], raw
+        assert answers["y"][0] == 200, answers["y"]
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
 def test_the_chat_template_child_runs_no_unguarded_script_again_and_outlives_a_kill(tmp_path):
     """The renderer's child loads chat_template.py alone: multiprocessing's ``spawn`` re-ran
     the parent's ``__main__``, so a script that builds the server without an ``if __name__``

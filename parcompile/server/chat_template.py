@@ -47,16 +47,21 @@ def chat_environment():
 
 
 def _child_main() -> None:
-    """The child: the template's source is the first line of stdin (JSON); it is compiled
-    once, then each further line ``[messages, variables]`` is rendered and answered on stdout
-    as ``["ok", text]`` or ``["error", message]``; ends at the end of stdin (the parent
+    """The child: the first line of stdin is ``[source, max_chars]`` (JSON); the template is
+    compiled once, then each further line ``[messages, variables]`` is rendered and answered
+    on stdout as ``["ok", text]`` or ``["error", message]`` (also for a text over
+    ``max_chars``, which never reaches the server); ends at the end of stdin (the parent
     closed the pipe or died). Ctrl-C is the parent's to handle (it kills the child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    template = chat_environment().from_string(json.loads(sys.stdin.readline()))
+    source, max_chars = json.loads(sys.stdin.readline())
+    template = chat_environment().from_string(source)
     for line in sys.stdin:
         messages, variables = json.loads(line)
         try:
-            reply = ["ok", template.render(messages=messages, **variables)]
+            text = template.render(messages=messages, **variables)
+            reply = ["ok", text] if max_chars is None or len(text) <= max_chars else \
+                ["error", f"the rendered prompt has {len(text):,} characters, over the {max_chars:,} a request may "
+                          "send"]
         except Exception as e:   # a template that rejects these messages (roles out of order)
             reply = ["error", f"{type(e).__name__}: {e}" if not str(e) else str(e)]
         sys.stdout.write(json.dumps(reply) + "\n")
@@ -80,12 +85,14 @@ class TemplateRenderer:
 
     :meth:`render` raises :class:`TemplateTimeout` after ``timeout_s`` (the child is
     killed), :class:`ValueError` with the template's own message when it refuses the
-    messages. The template's syntax is checked when the renderer is made (``jinja2``'s
+    messages, or when its text is over ``max_chars`` characters (None: no bound; a template
+    can render gigabytes in its time, ``{{ "x" * 10**9 }}``). The template's syntax is checked when the renderer is made (``jinja2``'s
     ``TemplateSyntaxError``), so a broken one stops the server at start, not per request."""
 
-    def __init__(self, source: str, timeout_s: float | None = None):
+    def __init__(self, source: str, timeout_s: float | None = None, max_chars: int | None = None):
         chat_environment().parse(source)   # syntax errors at start
         self.source, self.timeout_s = source, TEMPLATE_TIMEOUT_S if timeout_s is None else timeout_s
+        self.max_chars = max_chars
         self._lock = threading.Lock()
         self._proc = None
 
@@ -93,7 +100,7 @@ class TemplateRenderer:
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, os.path.abspath(__file__)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self._stop = weakref.finalize(self, self._proc.kill)   # also when the server exits
-        self._send(self.source)
+        self._send([self.source, self.max_chars])
 
     def _send(self, value) -> None:
         self._proc.stdin.write(json.dumps(value).encode() + b"\n")
