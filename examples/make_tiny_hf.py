@@ -132,10 +132,8 @@ def write_data(out: Path, texts: list[str] | None = None) -> None:
                                       {"role": "assistant", "content": b.strip()}]} for a, b in pairs])
 
 
-SPEC = """\
-# Fine-tune the tiny {family} model in this directory on train.jsonl (made by
-# examples/make_tiny_hf.py): dp 2 x tp 2 x pp 2 on 8 CPU processes. The tokenizer is the
-# model directory's own (init_from's); the result is a Hugging Face checkpoint.
+#: The model and cluster blocks both specs share; ``{gpus}``: the processes they run on.
+MODEL_AND_CLUSTER = """\
 model tiny from "config.json" {{
     seq_len = 64
     dtype   = fp32
@@ -143,9 +141,15 @@ model tiny from "config.json" {{
 
 cluster local from "cpu" {{
     nodes         = 1
-    gpus_per_node = 8
+    gpus_per_node = {gpus}
 }}
+"""
 
+SPEC = """\
+# Fine-tune the tiny {family} model in this directory on train.jsonl (made by
+# examples/make_tiny_hf.py): dp 2 x tp 2 x pp 2 on 8 CPU processes. The tokenizer is the
+# model directory's own (init_from's); the result is a Hugging Face checkpoint.
+""" + MODEL_AND_CLUSTER + """
 parallel {{
     dp = 2
     tp = 2
@@ -172,16 +176,7 @@ SERVE_SPEC = """\
 # Serve the fine-tuned model (finetune.par's hf_output) behind an OpenAI-compatible API on
 # 2 CPU processes (tp 2): `parcompile serve serve.par`; lm-eval reads its tokenizer from
 # finetuned/ (README: "Evaluate a served Hugging Face checkpoint").
-model tiny from "config.json" {{
-    seq_len = 64
-    dtype   = fp32
-}}
-
-cluster local from "cpu" {{
-    nodes         = 1
-    gpus_per_node = 2
-}}
-
+""" + MODEL_AND_CLUSTER + """
 parallel {{
     tp = 2
 }}
@@ -205,8 +200,8 @@ def main(argv=None) -> None:
     vocab = make_tokenizer(args.out, args.vocab_size, texts)
     make_model(args.out, args.family, vocab)
     write_data(args.out, texts)
-    (args.out / "finetune.par").write_text(SPEC.format(family=args.family))
-    (args.out / "serve.par").write_text(SERVE_SPEC.format())
+    (args.out / "finetune.par").write_text(SPEC.format(family=args.family, gpus=8))
+    (args.out / "serve.par").write_text(SERVE_SPEC.format(gpus=2))
     print(f"wrote {args.out}/: a {args.family} model (vocab {vocab}), tokenizer, train/eval/sft/chat jsonl, "
           f"finetune.par, serve.par\nnext: parcompile run {args.out}/finetune.par")
 

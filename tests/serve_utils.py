@@ -228,13 +228,18 @@ def serving(spec: Path, out: Path, env: dict, timeout_s: float = 300):
             time.sleep(0.3)
         yield proc, base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C a `parcompile serve` process still running, and kill it after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 #: the end-of-text token of :func:`write_byte_llama`'s tokenizer

@@ -3,6 +3,7 @@ read differently, a traceback, minutes of CPU or a deleted build)."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -59,6 +60,21 @@ def test_empty_serve_weights_is_an_error():
     assert "serve {" in serve
     errors = _errors(serve.replace("serve {", 'serve {\n    weights = "  "', 1))
     assert any("`weights` is an empty path" in e for e in errors), errors
+
+
+def test_serve_weights_that_name_a_file_are_an_error_not_a_directory_to_come(tmp_path):
+    # the checkpoint's model.safetensors itself, a FIFO, a device: was the warning "weights
+    # directory ... does not exist yet", and `serve` said "does not exist"
+    def serve(weights):
+        return SERVE.replace('weights        = "../build/tiny_ckpt"', f'weights = "{weights}"')
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 100)
+    os.mkfifo(tmp_path / "fifo")
+    for path in (tmp_path / "model.safetensors", tmp_path / "fifo", Path("/dev/zero")):
+        errors = _errors(serve(path))
+        assert len(errors) == 1 and f"weights `{path}` is not a directory" in errors[0], errors
+    plan = parcompile.compile(serve(tmp_path / "later"), filename="h.par")   # a directory a training run will write: a warning
+    assert any("does not exist yet" in d.message for d in plan.warnings)
 
 
 def test_hf_output_holding_the_build_directory_is_refused_before_anything_is_written(tmp_path, capsys):
@@ -155,6 +171,18 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, sha
     assert not complete and names == {} and "not a *.safetensors file name" in problems[0].message, problems
 
 
+
+@pytest.mark.parametrize("text", ["[]", "1e999", "{}", '{"weight_map": null}', '{"weight_map": []}'])
+def test_an_index_without_a_weight_map_object_says_so(tmp_path, text):
+    # was Python's own words: "list indices must be integers or slices, not str", "'weight_map'"
+    from parcompile.core.hf_weights import scan_checkpoint
+
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    names, headers, problems, complete = scan_checkpoint(tmp_path)
+    assert not complete and [p.message for p in problems] == [
+        f"cannot read `{tmp_path / 'model.safetensors.index.json'}`: it holds no `weight_map` object (tensor name "
+        "-> shard file)"]
+
 # -------------------------------------------------------------------- HF config fields
 
 def _tiny_hf(model_type: str, **extra) -> dict:
@@ -206,6 +234,9 @@ def test_attention_dropout_is_refused_not_dropped():
     assert from_hf_dict(_tiny_hf("llama", attention_dropout=0.0))["layers"] == 2
     with pytest.raises(HFConfigError, match="`attention_dropout` = 0.1 cannot be mapped"):
         from_hf_dict(_tiny_hf("llama", attention_dropout=0.1))
+    for bad in (-1, float("nan")):   # no probability: was read as 0 (`> 0` false) and dropped silently
+        with pytest.raises(HFConfigError, match="`attention_dropout` = (-1|nan) cannot be mapped"):
+            from_hf_dict(_tiny_hf("mistral", attention_dropout=bad))
 
 
 # -------------------------------------------------------------------- data with nothing to learn

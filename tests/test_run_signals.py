@@ -73,6 +73,15 @@ def _job(tag: str) -> list[int]:
     return pids
 
 
+def kill_job(tag: str) -> None:
+    """SIGKILL every process of the job tagged ``tag`` (:func:`_job`): what a failing test left."""
+    for pid in _job(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def test_signals_to_run_leave_no_process_and_ctrl_c_prints_one_line(tmp_path):
     """Three jobs at once (one launch each, side by side): SIGINT, SIGTERM, SIGKILL."""
     spec = tmp_path / "small.par"
@@ -115,8 +124,4 @@ def test_signals_to_run_leave_no_process_and_ctrl_c_prints_one_line(tmp_path):
             assert after == [f"interrupted ({sig.name}): stopped torchrun and its 1 rank(s)"], after
     finally:
         for run, log, tag in jobs.values():   # what a failing run left
-            for pid in _job(tag):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            kill_job(tag)

@@ -6,6 +6,7 @@ layout at least as fast as Meta's own (examples/llama3_405b_meta_16k_h100.par) f
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import pytest
@@ -18,24 +19,16 @@ from parcompile.passes.split_pipeline_stages import candidate_splits
 
 META = pathlib.Path(__file__).parent.parent / "examples" / "llama3_405b_meta_16k_h100.par"
 
-#: Meta's degrees (Llama 3 paper, Table 4: tp 8, pp 16, cp 1, dp 128 on 16,384 H100s), the rest `auto`
-META_DEGREES = """model m from "llama3.1-405b" { seq_len = 8192 }
-cluster c from "h100-sxm" { nodes = 2048 }
-parallel {
-    tp = 8
-    pp = 16
-    cp = 1
-    dp = 128
-    virtual_stages = auto
-    micro_batch = auto
-    zero = auto
-    recompute = auto
-    schedule = auto
-    sequence_parallel = auto
-    global_batch = 2048
-}
-train { optimizer = adamw }
-"""
+#: Meta's degrees (Llama 3 paper, Table 4: tp 8, pp 16, cp 1, dp 128 on 16,384 H100s) set on
+#: benchmarks/search.py's all-auto 405B spec (one copy of it; the rest stays `auto`)
+META_DEGREES = {"parallel.tp": 8, "parallel.pp": 16, "parallel.cp": 1, "parallel.dp": 128}
+
+
+def _bench_auto() -> str:
+    spec = importlib.util.spec_from_file_location("bench_search", META.parents[1] / "benchmarks" / "search.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.AUTO
 
 
 def test_search_with_metas_degrees_ranks_first_a_layout_as_fast_as_metas():
@@ -45,7 +38,7 @@ def test_search_with_metas_degrees_ranks_first_a_layout_as_fast_as_metas():
     plan = parcompile.compile(META.read_text())
     assert plan.data["memory"]["fits"]
     meta = plan.data["estimate"]["step_time"]
-    cfg, _ = load_spec(META_DEGREES)
+    cfg, _ = load_spec(_bench_auto(), overrides=META_DEGREES)
     res = search(cfg)
     best = res.best
     assert best.fits and best.simulated
@@ -117,7 +110,7 @@ def test_search_chooses_the_group_size_and_its_layout_passes_the_checker():
     filter), and the candidate's figures are those of costing its layout directly."""
     from parcompile.layout_search import Coster, check_layout, with_parallel
 
-    cfg, _ = load_spec(META_DEGREES.replace("global_batch = 2048", "global_batch = 8192"))
+    cfg, _ = load_spec(_bench_auto(), overrides={**META_DEGREES, "parallel.global_batch": 8192})
     res = search(cfg, top=24)
     coster = Coster(cfg)
     inter = [c for c in res.candidates[:24] if c.parallel.schedule == "interleaved_1f1b"]
@@ -131,10 +124,11 @@ def test_search_chooses_the_group_size_and_its_layout_passes_the_checker():
             assert round(c.step_time, 9) < round(default.step_time, 9)
             assert not [d for d in check_layout(with_parallel(cfg, par)) if d.severity == "error"]
     # a spec that writes the group size with `auto` keys is still refused
-    bad = META_DEGREES.replace("global_batch = 2048", "global_batch = 2048\n    microbatch_group_size = 16") \
-        .replace("virtual_stages = auto", "virtual_stages = 4").replace("schedule = auto", "schedule = interleaved_1f1b")
+    bad = {**META_DEGREES, "parallel.microbatch_group_size": 16, "parallel.virtual_stages": 4,
+           "parallel.schedule": "interleaved_1f1b"}
     try:
-        errors = [d.message for d in check_layout(load_spec(bad)[0]) if d.severity == "error"]
+        errors = [d.message for d in check_layout(load_spec(_bench_auto(), overrides=bad)[0])
+                  if d.severity == "error"]
     except parcompile.SpecError as e:
         errors = [d.message for d in e.diagnostics if d.severity == "error"]
     assert errors == [e for e in errors if "microbatch_group_size = 16 with `auto`" in e and "the search chooses it" in e]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.serve_utils import free_port, tiny_serve_spec
-from tests.test_run_signals import AS_A_TERMINAL_JOB, _job
+from tests.test_run_signals import AS_A_TERMINAL_JOB, _job, kill_job
 
 pytestmark = [pytest.mark.torchrun,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux's")]
@@ -86,8 +86,4 @@ def test_sigint_and_sigterm_while_the_ranks_start_stop_serve_at_once_and_leave_n
         assert all(t < 6.0 for t in took.values()), took     # seconds, on a loaded 2-core machine
     finally:
         for front, log, tag in jobs.values():   # what a failing run left
-            for pid in _job(tag):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            kill_job(tag)

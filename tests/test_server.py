@@ -1366,6 +1366,38 @@ def test_stalled_bodies_are_dropped_and_health_answers_under_200_of_them(stack):
 
 
 @pytest.mark.parametrize("stack", STACKS)
+def test_a_slow_but_steady_body_outlives_the_body_deadline(stack):
+    """The body deadline grows a second per BODY_MIN_RATE bytes received (Apache's
+    ``MinRate``): a body at the server's size limit on a slow link is served (was: closed at
+    30 s whatever arrived, so 64 MB needed 2.2 MB/s), one that stops is still closed.
+    Scaled down: a 1 s deadline, 1,000 bytes/s; 6 kB sent at 2,000 bytes/s over 3 s."""
+    import socket as socket_
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode().ljust(6000)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    with _LiveFront(http=stack[0], loop=stack[1], limits={"body_timeout_s": 1.0, "body_min_rate": 1000}) as f:
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(head)
+            t0 = time.monotonic()
+            for i in range(0, len(body), 500):
+                c.sendall(body[i:i + 500])
+                time.sleep(0.25)
+            assert time.monotonic() - t0 > 2.5
+            assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        with socket_.create_connection(("127.0.0.1", f.port), timeout=10) as c:
+            c.sendall(head)
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            c.sendall(body[:2000])               # 2 s earned, then nothing: closed at about 1 + 2 s
+            try:
+                assert c.recv(4096) == b""
+            except ConnectionResetError:
+                pass
+            assert 2.0 < time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("stack", STACKS)
 def test_one_client_holds_at_most_its_share_of_connections(stack):
     """Connections past MAX_CONNECTIONS_PER_CLIENT from one address are closed as they arrive
     (nginx's limit_conn); closing some admits the client again."""
@@ -1697,3 +1729,58 @@ def test_a_chat_template_that_never_ends_is_a_500_and_the_server_keeps_serving(m
             t.cancel()
 
     asyncio.run(main())
+
+
+def test_a_chat_template_that_renders_a_huge_prompt_is_refused_in_its_child():
+    """A template can render hundreds of megabytes within its time (``{{ "x" * 3 * 10**8 }}``:
+    300 MB sent to the server, 900 MB at its peak, then tokenized); a rendered prompt over the
+    body limit (max_body, a whole context with room) is a 400 from the child, and the next
+    request is served."""
+    big = '{% if messages[0].content == "big" %}{{ "x" * 5000000 }}{% else %}{{ messages[0].content }}{% endif %}'
+
+    async def main():
+        engines = _FakeEngines(every_s=0)
+        app = _front(engines, big, max_body=1 << 20)
+        answers = {}
+        for content in ("big", "y"):
+            body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
+            answers[content] = await _asgi(app, "POST", "/v1/chat/completions", body, timeout_s=30)
+        code, raw = answers["big"]
+        assert code == 400 and "the rendered prompt has 5,000,000 characters, over the 1,048,576" in \
+            json.loads(raw)["error"]["message"], raw
+        assert answers["y"][0] == 200, answers["y"]
+        for t in engines.tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_the_chat_template_child_runs_no_unguarded_script_again_and_outlives_a_kill(tmp_path):
+    """The renderer's child loads chat_template.py alone: multiprocessing's ``spawn`` re-ran
+    the parent's ``__main__``, so a script that builds the server without an ``if __name__``
+    guard ran again in the child (a second server) and every chat answered 500. A child
+    killed from outside mid-render is a TemplateTimeout and the next render starts a new one."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from parcompile.server.chat_template import TemplateRenderer\n"
+                      "print('top level ran')\n"
+                      "r = TemplateRenderer('{{ messages[0].content }}!')\n"
+                      "print(r.render([{'role': 'user', 'content': 'hi'}]))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert (run.returncode, run.stdout) == (0, "top level ran\nhi!\n"), run.stderr
+
+    from parcompile.server.chat_template import TemplateRenderer, TemplateTimeout
+
+    slow = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}x"
+    r = TemplateRenderer("{% if messages[0].role == 'slow' %}" + slow + "{% else %}ok{% endif %}", timeout_s=30)
+    try:
+        assert r.render([{"role": "user", "content": ""}]) == "ok"
+        first = r._proc.pid
+        threading.Timer(0.5, os.kill, (first, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(TemplateTimeout, match="renderer stopped"):
+            r.render([{"role": "slow", "content": "y" * 100_000}])
+        assert time.monotonic() - t0 < 10
+        assert r.render([{"role": "user", "content": ""}]) == "ok" and r._proc.pid != first
+    finally:
+        r.close()

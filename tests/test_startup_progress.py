@@ -10,7 +10,6 @@ server answers /health, not all at once at the end."""
 from __future__ import annotations
 
 import io
-import signal
 import subprocess
 import sys
 import threading
@@ -18,8 +17,8 @@ import time
 
 import pytest
 
-from parcompile.runtime.progress import Startup, process_age_s
-from tests.serve_utils import free_port, tiny_serve_spec
+from parcompile.runtime.progress import Startup
+from tests.serve_utils import free_port, stop_server, tiny_serve_spec
 
 SPEC = """
 model small {
@@ -120,12 +119,7 @@ def test_serve_prints_each_start_up_stage_before_it_answers(tmp_path):
                                   "KV cache allocated: 16 blocks of 16 tokens", "engine ready", "serving `tiny` on"])
         assert all(t < healthy for t in times[:-1]), lines.text()   # each stage arrived before /health answered
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def test_plain_lines_in_a_pipe_and_a_bar_on_a_terminal():

@@ -427,10 +427,11 @@ def scan_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, str], dict[
     names: dict[str, str] = {}
     if index.is_file():
         try:
-            wm = json_loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(wm, dict):
-                raise ValueError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            data = json_loads(index.read_text(encoding="utf-8"))
+            wm = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(wm, dict):   # also `[]` or a number: was "list indices must be integers..."
+                raise ValueError("it holds no `weight_map` object (tensor name -> shard file)")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
             return {}, {}, [Problem(f"cannot read `{index}`: {e}")], False
         names = {str(k): str(v) for k, v in wm.items()}
         files = sorted(set(names.values()))

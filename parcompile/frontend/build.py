@@ -729,7 +729,13 @@ class _Builder:
         weights = values.get("weights")
         if weights is not None:
             values["weights"] = self.paths.resolve(weights)
-            if not os.path.isdir(values["weights"]):
+            if os.path.exists(values["weights"]) and not os.path.isdir(values["weights"]):
+                # a file (model.safetensors itself), a FIFO, a device: was "does not exist yet"
+                self.bag.error(f"weights `{weights}` is not a directory: a checkpoint is a directory (config.json "
+                               "and *.safetensors, or a training run's checkpoint_dir)", self.ctx.span("serve.weights"),
+                               help="give the directory that holds the checkpoint's files")
+                self.ctx.bad.add("serve.weights")
+            elif not os.path.isdir(values["weights"]):
                 self.bag.warning(f"weights directory `{weights}` does not exist yet",
                                  self.ctx.span("serve.weights"),
                                  help="it must hold a Hugging Face checkpoint or one written by a training run")

@@ -4,18 +4,26 @@ A chat template comes with the weights (``tokenizer_config.json``), so it is inp
 whoever published the checkpoint. The jinja2 sandbox keeps it from touching Python objects,
 but not from looping for hours (``{% for a in x %}{% for b in x %}...``): rendered on the
 server's threads, one such template pinned every worker, every request hung and the server
-ignored SIGINT and SIGTERM (issue 51). Here the template renders in a child process started
-with ``spawn`` (it imports jinja2 alone, not torch); a render that takes longer than
-``timeout_s`` kills the child, answers an error and the next render starts a new one. This
-module imports nothing of the server, so the child starts in about a tenth of a second.
+ignored SIGINT and SIGTERM (issue 51). Here the template renders in a child Python that
+runs this file alone (``python -c``, loading it by path: jinja2 and the standard library,
+not torch, not the server, and not the parent's ``__main__``, which multiprocessing's
+``spawn`` re-runs: a script that starts the server without an ``if __name__ ==
+"__main__"`` guard started a second server in the child); requests and replies are JSON
+lines on its stdin and stdout. A render that takes longer than ``timeout_s`` kills the
+child, answers an error and the next render starts a new one (about a tenth of a second).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
+import weakref
 
 #: The longest a chat template may take to render one request (seconds); real templates
 #: take milliseconds.
@@ -38,21 +46,33 @@ def chat_environment():
     return env
 
 
-def _worker(conn, source: str) -> None:
-    """The child: compile ``source`` once, then render each ``(messages, variables)``
-    received, answering ``("ok", text)`` or ``("error", message)``; ends when the parent
-    closes the pipe. Ctrl-C is the parent's to handle (it kills the child)."""
+def _child_main() -> None:
+    """The child: the first line of stdin is ``[source, max_chars]`` (JSON); the template is
+    compiled once, then each further line ``[messages, variables]`` is rendered and answered
+    on stdout as ``["ok", text]`` or ``["error", message]`` (also for a text over
+    ``max_chars``, which never reaches the server); ends at the end of stdin (the parent
+    closed the pipe or died). Ctrl-C is the parent's to handle (it kills the child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    source, max_chars = json.loads(sys.stdin.readline())
     template = chat_environment().from_string(source)
-    while True:
+    for line in sys.stdin:
+        messages, variables = json.loads(line)
         try:
-            messages, variables = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send(("ok", template.render(messages=messages, **variables)))
+            text = template.render(messages=messages, **variables)
+            reply = ["ok", text] if max_chars is None or len(text) <= max_chars else \
+                ["error", f"the rendered prompt has {len(text):,} characters, over the {max_chars:,} a request may "
+                          "send"]
         except Exception as e:   # a template that rejects these messages (roles out of order)
-            conn.send(("error", f"{type(e).__name__}: {e}" if not str(e) else str(e)))
+            reply = ["error", f"{type(e).__name__}: {e}" if not str(e) else str(e)]
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+#: What the child runs: this file loaded by path (no package import), without the current
+#: directory on sys.path (``-c`` puts it first).
+_CHILD = ("import sys; del sys.path[0]; import importlib.util as u; "
+          "s = u.spec_from_file_location('parcompile_chat_template_child', sys.argv[1]); "
+          "m = u.module_from_spec(s); s.loader.exec_module(m); m._child_main()")
 
 
 class TemplateTimeout(Exception):
@@ -65,46 +85,64 @@ class TemplateRenderer:
 
     :meth:`render` raises :class:`TemplateTimeout` after ``timeout_s`` (the child is
     killed), :class:`ValueError` with the template's own message when it refuses the
-    messages. The template's syntax is checked when the renderer is made (``jinja2``'s
+    messages, or when its text is over ``max_chars`` characters (None: no bound; a template
+    can render gigabytes in its time, ``{{ "x" * 10**9 }}``). The template's syntax is checked when the renderer is made (``jinja2``'s
     ``TemplateSyntaxError``), so a broken one stops the server at start, not per request."""
 
-    def __init__(self, source: str, timeout_s: float | None = None):
+    def __init__(self, source: str, timeout_s: float | None = None, max_chars: int | None = None):
         chat_environment().parse(source)   # syntax errors at start
         self.source, self.timeout_s = source, TEMPLATE_TIMEOUT_S if timeout_s is None else timeout_s
+        self.max_chars = max_chars
         self._lock = threading.Lock()
-        self._proc = self._conn = None
+        self._proc = None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child, self.source), daemon=True,
-                                 name="parcompile-chat-template")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, os.path.abspath(__file__)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self._stop = weakref.finalize(self, self._proc.kill)   # also when the server exits
+        self._send([self.source, self.max_chars])
+
+    def _send(self, value) -> None:
+        self._proc.stdin.write(json.dumps(value).encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def _reply(self, deadline: float) -> list:
+        """The child's next line, read before ``deadline`` (time.monotonic()). Raises
+        TemplateTimeout past it, EOFError when the child ended."""
+        fd, parts = self._proc.stdout.fileno(), []
+        while not parts or not parts[-1].endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TemplateTimeout(f"the chat template did not finish rendering in {self.timeout_s:g} s")
+            part = os.read(fd, 1 << 20)
+            if not part:
+                raise EOFError
+            parts.append(part)
+        return json.loads(b"".join(parts))
 
     def _kill(self) -> None:
         if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-            self._conn.close()
-        self._proc = self._conn = None
+            self._stop()                          # kills the child
+            self._proc.wait(5)
+            self._proc.stdin.close()
+            self._proc.stdout.close()
+        self._proc = None
 
     def render(self, messages: list[dict], **variables) -> str:
         """The template rendered on ``messages`` (``[{"role", "content"}]``) and
-        ``variables`` (``add_generation_prompt``, special tokens), as text."""
+        ``variables`` (``add_generation_prompt``, special tokens), as text; both must be
+        JSON (they come from a request and tokenizer_config.json)."""
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._kill()
-                self._start()
-            deadline = time.monotonic() + self.timeout_s
             try:
-                self._conn.send((messages, variables))
-                if not self._conn.poll(max(deadline - time.monotonic(), 0)):
+                if self._proc is None or self._proc.poll() is not None:
                     self._kill()
-                    raise TemplateTimeout(f"the chat template did not finish rendering in {self.timeout_s:g} s")
-                status, value = self._conn.recv()
-            except (EOFError, OSError, BrokenPipeError):   # the child died (killed from outside, out of memory)
+                    self._start()
+                self._send([messages, variables])
+                status, value = self._reply(time.monotonic() + self.timeout_s)
+            except TemplateTimeout:
+                self._kill()
+                raise
+            except (EOFError, OSError, ValueError):   # the child died (killed from outside, out of memory)
                 self._kill()
                 raise TemplateTimeout("the chat template's renderer stopped") from None
         if status == "error":
@@ -112,6 +150,6 @@ class TemplateRenderer:
         return value
 
     def close(self) -> None:
-        """Stop the child (it also ends with the server: a daemon process)."""
+        """Stop the child (it is also killed when the server exits)."""
         with self._lock:
             self._kill()

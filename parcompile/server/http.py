@@ -28,11 +28,14 @@ HEADERS_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 16 * 1024
 #: seconds an idle kept-alive connection stays open (uvicorn's default)
 KEEP_ALIVE_S = 5
-#: seconds a request's body has to arrive once its headers are complete: a client that sends
-#: headers and `{` and then nothing was held forever (issue 51); Apache's mod_reqtimeout
-#: gives bodies 20 s by default (``RequestReadTimeout body=20``), Node 300 s for the whole
-#: request (``server.requestTimeout``)
+#: seconds a request's body has to arrive once its headers are complete, plus a second per
+#: :data:`BODY_MIN_RATE` bytes received: a client that sends headers and `{` and then nothing
+#: was held forever (issue 51), while a legitimate body of the 64 MB a 1M-token context allows
+#: on a 10 Mbit/s link takes 54 s. Apache's mod_reqtimeout by default: ``RequestReadTimeout
+#: body=20,MinRate=500`` (httpd.apache.org/docs/2.4/mod/mod_reqtimeout.html)
 BODY_TIMEOUT_S = 30.0
+#: bytes per second a body must keep arriving at to extend its deadline (Apache's MinRate)
+BODY_MIN_RATE = 500
 #: connections one client address may hold open at once; more are closed as they arrive
 #: (nginx's ``limit_conn``), so one client cannot take the file descriptors /health needs
 MAX_CONNECTIONS_PER_CLIENT = 1024
@@ -50,7 +53,9 @@ class _HeaderDeadline:
     headers_timeout_s: float = HEADERS_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
+    body_min_rate: float = BODY_MIN_RATE
     _headers_deadline = None
+    _body_bytes = 0          # body bytes received since the body deadline was last (re)armed
     _client = None
     #: open connections per client address, over every connection of the process
     _open: dict = {}
@@ -81,6 +86,7 @@ class _HeaderDeadline:
         self._disarm()
         seconds, check = (self.body_timeout_s, self._waiting_for_body) if body else \
             (self.headers_timeout_s, self._waiting_for_headers)
+        self._body_bytes = 0
         self._headers_deadline = self.loop.call_later(seconds, self._timed_out, check)
 
     def _disarm(self) -> None:
@@ -90,7 +96,11 @@ class _HeaderDeadline:
 
     def _timed_out(self, still_waiting) -> None:
         self._headers_deadline = None
-        if still_waiting() and not self.transport.is_closing():
+        earned, self._body_bytes = self._body_bytes / self.body_min_rate, 0
+        if earned > 0 and still_waiting == self._waiting_for_body and still_waiting():
+            # a second per BODY_MIN_RATE bytes that arrived since: the deadline moves on
+            self._headers_deadline = self.loop.call_later(earned, self._timed_out, still_waiting)
+        elif still_waiting() and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -112,6 +122,7 @@ class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._waiting_for_body():               # headers complete, the body on its way
+            self._body_bytes += len(data)
             if self._phase != "body":
                 self._phase = "body"
                 self._arm(body=True)
@@ -164,6 +175,8 @@ def _httptools_protocol():
             return self._in_body
 
         def data_received(self, data: bytes) -> None:
+            if self._in_body:
+                self._body_bytes += len(data)
             if self._in_head:
                 self._head_bytes += len(data)
             super().data_received(data)
@@ -213,10 +226,13 @@ def fast_http_available() -> tuple[bool, bool]:
 
 def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS_TIMEOUT_S, http: str = "auto",
                    loop: str = "auto", body_timeout_s: float = BODY_TIMEOUT_S,
-                   max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
+                   max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+                   body_min_rate: float = BODY_MIN_RATE):
     """The uvicorn ``Config`` `serve` runs ``app`` with: :data:`MAX_HEADER_BYTES`,
-    :data:`KEEP_ALIVE_S`, warnings only, no lifespan, and the headers deadline
-    ``headers_timeout_s`` (seconds) on the HTTP protocol ``http``: "httptools"
+    :data:`KEEP_ALIVE_S`, warnings only, no lifespan, the headers deadline
+    ``headers_timeout_s`` (seconds), the body deadline ``body_timeout_s`` plus a second per
+    ``body_min_rate`` bytes received, at most ``max_connections_per_client`` connections per
+    client address (none counted for a Unix socket's peers), on the HTTP protocol ``http``: "httptools"
     (:class:`HttpToolsHeaderTimeoutProtocol`), "h11" (:class:`HeaderTimeoutProtocol`) or
     "auto" (httptools when installed); the event loop ``loop``: "uvloop", "asyncio" or "auto"
     (uvloop when installed).
@@ -239,10 +255,12 @@ def uvicorn_config(app, host: str, port: int, headers_timeout_s: float = HEADERS
                          f"(pip install 'uvicorn[standard]')")
     base = _httptools_protocol() if http == "httptools" else HeaderTimeoutProtocol
     protocol = type(base.__name__, (base,), {"headers_timeout_s": headers_timeout_s, "body_timeout_s": body_timeout_s,
+                                             "body_min_rate": body_min_rate,
                                              "max_connections_per_client": max_connections_per_client, "_open": {}})
     return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http=protocol, loop=loop,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 __all__ = ["HeaderTimeoutProtocol", "HttpToolsHeaderTimeoutProtocol", "uvicorn_config", "fast_http_available",
-           "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S", "BODY_TIMEOUT_S", "MAX_CONNECTIONS_PER_CLIENT"]
+           "HEADERS_TIMEOUT_S", "MAX_HEADER_BYTES", "KEEP_ALIVE_S", "BODY_TIMEOUT_S", "BODY_MIN_RATE",
+           "MAX_CONNECTIONS_PER_CLIENT"]

@@ -25,7 +25,9 @@ class ServingChat(Serving):
 
     def __init__(self, info: ModelInfo, generation: Generation, max_body: int):
         super().__init__(info, generation, max_body)
-        self.chat_template = TemplateRenderer(info.chat_template)   # in a child process, time-limited
+        # in a child process, time-limited; a rendered prompt is at most what a body may send
+        # (max_body: protocol.BODY_BYTES_PER_TOKEN per context token, a whole context with room)
+        self.chat_template = TemplateRenderer(info.chat_template, max_chars=max_body)
 
     async def prompts(self, req: ChatRequest) -> list[list[int]]:
         # the template and the tokenizer run off the event loop

@@ -149,7 +149,7 @@ def _keys(model_type: str, cfg: dict, common: dict[str, Any]) -> dict[str, Any]:
             help="parcompile models biases on the QKV projection only (`qkv_bias = true`) or on every "
                  "linear layer (`bias = true`)")
     attention_dropout = read_float(cfg, "attention_dropout") or 0.0
-    if attention_dropout > 0:   # every class of this family drops attention probabilities only
+    if attention_dropout != 0:  # every class of this family drops attention probabilities only (also -1, NaN)
         raise HFConfigError(
             f"`attention_dropout` = {attention_dropout:g} cannot be mapped: parcompile's `dropout` drops the "
             "hidden states and the attention probabilities together",
