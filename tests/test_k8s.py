@@ -304,7 +304,7 @@ def test_configmap_copy_script_rebuilds_the_files_and_splits_over_1_mib(tmp_path
     out = _outputs(tmp_path, EXAMPLES / "tiny.par")
     maps = _docs(out, "configmap.yaml")
     assert len(maps) > 1 and any(".part-" in key for m in maps for key in m["data"])
-    assert all(sum(len(v.encode()) for v in m["data"].values()) <= 40_000 for m in maps)
+    assert all(sum(len(v.encode()) for v in m["data"].values()) <= k8s.CONFIGMAP_MAX_BYTES for m in maps)
     (jobset,) = _docs(out, "jobset.yaml")
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "files")
