@@ -359,7 +359,8 @@ def test_manifests_are_deterministic(tmp_path):
 
 @pytest.mark.parametrize("flag, value", [
     ("--namespace", "my team"), ("--namespace", 'ns"x'), ("--namespace", "a" * 64), ("--namespace", "Prod"),
-    ("--image", "my image:1"), ("--image", "img'; rm -rf /"), ("--image", ""), ("--storage", "a b"),
+    ("--image", "my image:1"), ("--image", "img'; rm -rf /"), ("--image", ""), ("--image", "pc:v\u00e9"),
+    ("--storage", "a b"),
     ("--namespace", "x\ny"), ("--namespace", ""),
 ])
 def test_hostile_options_are_one_line_usage_errors_and_nothing_is_written(tmp_path, capsys, flag, value):
@@ -397,10 +398,12 @@ def test_an_output_of_another_workload_loses_the_earlier_manifests(tmp_path):
     assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
 
 
-def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_path):
+@pytest.mark.parametrize("fname", ["my serve (1).par", "..serve.par", "s" * 250 + ".par"])
+def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_path, fname):
     """The Deployment's spec under a ConfigMap key the API server accepts: ``spec.par`` when the
-    file's name has characters a key may not hold."""
-    spec = tmp_path / "my serve (1).par"
+    file's name is none (k8s.io/apimachinery validation.IsConfigMapKey: characters a key may not
+    hold, a leading '..', over 253 characters)."""
+    spec = tmp_path / fname
     spec.write_text((EXAMPLES / "llama3_70b_serve_8x_h100.par").read_text())
     out = tmp_path / "out"
     assert main(["compile", str(spec), "-o", str(out)]) == 0
@@ -409,7 +412,8 @@ def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_pa
     assert cm["data"]["spec.par"] == spec.read_text()
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"][2] == "/workspace/spec.par"
     _validate_core(cm, "V1ConfigMap")
-    assert dep["metadata"]["name"] == "my-serve-1"
+    assert DNS1035.match(dep["metadata"]["name"]) and len(dep["metadata"]["name"]) <= 40
+    assert fname != "my serve (1).par" or dep["metadata"]["name"] == "my-serve-1"
 
 
 def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
