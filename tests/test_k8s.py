@@ -43,6 +43,11 @@ cluster dgx from "h100-sxm" { nodes = 2, gpus_per_node = 8 }
 parallel { tp = 8, pp = 2 }
 serve { batch = 8, prompt_len = 1024, max_new_tokens = 256 }
 """
+DISAGGREGATED = """model llama from "llama3-70b" { }
+cluster dgx from "h100-sxm" { nodes = 1, gpus_per_node = 8 }
+parallel { tp = 4 }
+serve { batch = 8, prompt_len = 1024, max_new_tokens = 256, disaggregated = true }
+"""
 DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")   # k8s.io/apimachinery validation.IsDNS1035Label
 
 
@@ -391,11 +396,23 @@ def test_a_spec_name_that_is_no_dns_label_gets_a_valid_derived_name(tmp_path, st
 
 
 def test_an_output_of_another_workload_loses_the_earlier_manifests(tmp_path):
+    """A rerun removes the manifests the new plan does not have, never a file the user put in
+    k8s/; a k8s/ left empty goes too."""
     out = tmp_path / "out"
     assert main(["compile", str(EXAMPLES / "tiny.par"), "-o", str(out)]) == 0
     assert (out / "k8s" / "jobset.yaml").is_file()
+    (out / "k8s" / "kustomization.yaml").write_text("resources: [jobset.yaml]\n")
     assert main(["compile", str(EXAMPLES / "tiny_serve.par"), "-o", str(out)]) == 0
-    assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
+    assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml",
+                                                               "kustomization.yaml", "service.yaml"]
+    disaggregated = tmp_path / "dis.par"
+    disaggregated.write_text(DISAGGREGATED)
+    assert main(["compile", str(disaggregated), "-o", str(out)]) == 0
+    assert [p.name for p in (out / "k8s").iterdir()] == ["kustomization.yaml"]
+    (out / "k8s" / "kustomization.yaml").unlink()
+    assert main(["compile", str(EXAMPLES / "tiny.par"), "-o", str(out)]) == 0
+    assert main(["compile", str(disaggregated), "-o", str(out)]) == 0
+    assert not (out / "k8s").exists()
 
 
 @pytest.mark.parametrize("fname", ["my serve (1).par", "..serve.par", "s" * 250 + ".par"])
@@ -420,11 +437,7 @@ def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
     """`parcompile serve` refuses a disaggregated spec (the serve program has no separate pools
     yet): compile writes no Deployment that could not start, and no DisaggregatedSet."""
     spec = tmp_path / "dis.par"
-    spec.write_text("""model llama from "llama3-70b" { }
-cluster dgx from "h100-sxm" { nodes = 1, gpus_per_node = 8 }
-parallel { tp = 4 }
-serve { batch = 8, prompt_len = 1024, max_new_tokens = 256, disaggregated = true }
-""")
+    spec.write_text(DISAGGREGATED)
     out = tmp_path / "out"
     assert main(["compile", str(spec), "-o", str(out)]) == 0
     assert "does not run disaggregated prefill and decode pools" in capsys.readouterr().err
