@@ -433,6 +433,18 @@ def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_pa
     assert fname != "my serve (1).par" or dep["metadata"]["name"] == "my-serve-1"
 
 
+@pytest.mark.parametrize("brk", ["\x85", "\u2028", "\u2029", "\t"])
+def test_a_spec_with_yaml_s_other_line_breaks_is_carried_byte_for_byte(tmp_path, brk):
+    """The ConfigMap holds the spec the pod compiles exactly: a comment holding a NEL (U+0085, a
+    line break to YAML), U+2028, U+2029 or a tab does not come back as a new line of spec (a CR is
+    read as a line end by the frontend already)."""
+    text = f"# r\u00e9sum\u00e9{brk}# tp = 2\n" + (EXAMPLES / "tiny_serve.par").read_text()
+    out = _outputs(tmp_path, text, "lines")
+    (cm,) = _docs(out, "configmap.yaml")
+    assert cm["data"]["lines.par"] == text
+    assert cm["data"]["plan.json"] == (out / "plan.json").read_text()
+
+
 def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
     """`parcompile serve` refuses a disaggregated spec (the serve program has no separate pools
     yet): compile writes no Deployment that could not start, and no DisaggregatedSet."""

@@ -352,7 +352,10 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _str(dumper: yaml.SafeDumper, value: str):
-    style = "|" if "\n" in value and not any(ch in value for ch in "\r\t") and value == value.rstrip(" ") else None
+    # a literal block only where "\n" is the one line break: YAML also breaks lines at \r, NEL
+    # (U+0085), U+2028 and U+2029, which a block would turn into "\n" (quoted, they are escaped)
+    style = "|" if "\n" in value and not any(ch in value for ch in "\r\t\x85\u2028\u2029") \
+        and value == value.rstrip(" ") else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
