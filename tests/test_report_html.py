@@ -300,6 +300,20 @@ def test_search_html_in_chromium(tmp_path, monkeypatch):
     assert chosen[0] is rows[0]   # the best, the one compile chose
 
 
+def test_a_runner_up_s_plan_claims_no_search(tmp_path):
+    """SearchReport.plan(i): the best's plan carries the search that chose it; a runner-up's
+    carries none, so neither its plan.json nor its report names the best as its layout."""
+    spec = tmp_path / "tiny_search.par"
+    spec.write_text(SEARCH_SPEC)
+    report = parcompile.search(spec, top=2)
+    best, second = report.plan(0), report.plan(1)
+    assert best.data["search"]["chosen"] == report.candidates[0].degrees_text()
+    assert "search" not in second.data
+    dom = _Dom()
+    dom.feed(second.report_html())
+    assert "search" not in dom.figures
+
+
 def test_serve_sizing_report_html_in_chromium(tmp_path, monkeypatch):
     """`compile -o`'s report.html of a serve sizing spec: weights / KV / workspace per GPU,
     TTFT and TPOT, and the Pareto front of the deployments with the chosen one."""
