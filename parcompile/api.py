@@ -137,7 +137,9 @@ class SearchReport:
         with its ``auto`` keys filled by that candidate, its split settled
         (:func:`parcompile.layout_search.settle_split`) and compiled
         (:func:`parcompile.driver.compile_config`) as :func:`compile` does after its own
-        search, with this search as the plan's ``search``.
+        search, with this search as the plan's ``search`` for the best (``i`` = 0) only:
+        plan.json's ``search.chosen`` and the report's star name the best, which another
+        candidate's plan is not of.
 
         Raises:
             SpecError: as :func:`compile` (what only the analyses show).
@@ -146,7 +148,8 @@ class SearchReport:
         from parcompile.layout_search import settle_split
 
         cfg, note = settle_split(self.config(i))
-        plan = compile_config(cfg, list(self.warnings) + ([note] if note is not None else []), search=self.result)
+        plan = compile_config(cfg, list(self.warnings) + ([note] if note is not None else []),
+                              search=self.result if i == 0 else None)
         plan.source = self.source
         return plan
 

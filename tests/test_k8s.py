@@ -43,6 +43,11 @@ cluster dgx from "h100-sxm" { nodes = 2, gpus_per_node = 8 }
 parallel { tp = 8, pp = 2 }
 serve { batch = 8, prompt_len = 1024, max_new_tokens = 256 }
 """
+DISAGGREGATED = """model llama from "llama3-70b" { }
+cluster dgx from "h100-sxm" { nodes = 1, gpus_per_node = 8 }
+parallel { tp = 4 }
+serve { batch = 8, prompt_len = 1024, max_new_tokens = 256, disaggregated = true }
+"""
 DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")   # k8s.io/apimachinery validation.IsDNS1035Label
 
 
@@ -304,7 +309,7 @@ def test_configmap_copy_script_rebuilds_the_files_and_splits_over_1_mib(tmp_path
     out = _outputs(tmp_path, EXAMPLES / "tiny.par")
     maps = _docs(out, "configmap.yaml")
     assert len(maps) > 1 and any(".part-" in key for m in maps for key in m["data"])
-    assert all(sum(len(v.encode()) for v in m["data"].values()) <= 40_000 for m in maps)
+    assert all(sum(len(v.encode()) for v in m["data"].values()) <= k8s.CONFIGMAP_MAX_BYTES for m in maps)
     (jobset,) = _docs(out, "jobset.yaml")
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "files")
@@ -359,7 +364,8 @@ def test_manifests_are_deterministic(tmp_path):
 
 @pytest.mark.parametrize("flag, value", [
     ("--namespace", "my team"), ("--namespace", 'ns"x'), ("--namespace", "a" * 64), ("--namespace", "Prod"),
-    ("--image", "my image:1"), ("--image", "img'; rm -rf /"), ("--image", ""), ("--storage", "a b"),
+    ("--image", "my image:1"), ("--image", "img'; rm -rf /"), ("--image", ""), ("--image", "pc:v\u00e9"),
+    ("--storage", "a b"),
     ("--namespace", "x\ny"), ("--namespace", ""),
 ])
 def test_hostile_options_are_one_line_usage_errors_and_nothing_is_written(tmp_path, capsys, flag, value):
@@ -390,17 +396,31 @@ def test_a_spec_name_that_is_no_dns_label_gets_a_valid_derived_name(tmp_path, st
 
 
 def test_an_output_of_another_workload_loses_the_earlier_manifests(tmp_path):
+    """A rerun removes the manifests the new plan does not have, never a file the user put in
+    k8s/; a k8s/ left empty goes too."""
     out = tmp_path / "out"
     assert main(["compile", str(EXAMPLES / "tiny.par"), "-o", str(out)]) == 0
     assert (out / "k8s" / "jobset.yaml").is_file()
+    (out / "k8s" / "kustomization.yaml").write_text("resources: [jobset.yaml]\n")
     assert main(["compile", str(EXAMPLES / "tiny_serve.par"), "-o", str(out)]) == 0
-    assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
+    assert sorted(p.name for p in (out / "k8s").iterdir()) == ["configmap.yaml", "deployment.yaml",
+                                                               "kustomization.yaml", "service.yaml"]
+    disaggregated = tmp_path / "dis.par"
+    disaggregated.write_text(DISAGGREGATED)
+    assert main(["compile", str(disaggregated), "-o", str(out)]) == 0
+    assert [p.name for p in (out / "k8s").iterdir()] == ["kustomization.yaml"]
+    (out / "k8s" / "kustomization.yaml").unlink()
+    assert main(["compile", str(EXAMPLES / "tiny.par"), "-o", str(out)]) == 0
+    assert main(["compile", str(disaggregated), "-o", str(out)]) == 0
+    assert not (out / "k8s").exists()
 
 
-def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_path):
+@pytest.mark.parametrize("fname", ["my serve (1).par", "..serve.par", "s" * 250 + ".par"])
+def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_path, fname):
     """The Deployment's spec under a ConfigMap key the API server accepts: ``spec.par`` when the
-    file's name has characters a key may not hold."""
-    spec = tmp_path / "my serve (1).par"
+    file's name is none (k8s.io/apimachinery validation.IsConfigMapKey: characters a key may not
+    hold, a leading '..', over 253 characters)."""
+    spec = tmp_path / fname
     spec.write_text((EXAMPLES / "llama3_70b_serve_8x_h100.par").read_text())
     out = tmp_path / "out"
     assert main(["compile", str(spec), "-o", str(out)]) == 0
@@ -409,18 +429,27 @@ def test_a_spec_file_name_that_is_no_configmap_key_is_carried_as_spec_par(tmp_pa
     assert cm["data"]["spec.par"] == spec.read_text()
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"][2] == "/workspace/spec.par"
     _validate_core(cm, "V1ConfigMap")
-    assert dep["metadata"]["name"] == "my-serve-1"
+    assert DNS1035.match(dep["metadata"]["name"]) and len(dep["metadata"]["name"]) <= 40
+    assert fname != "my serve (1).par" or dep["metadata"]["name"] == "my-serve-1"
+
+
+@pytest.mark.parametrize("brk", ["\x85", "\u2028", "\u2029", "\t"])
+def test_a_spec_with_yaml_s_other_line_breaks_is_carried_byte_for_byte(tmp_path, brk):
+    """The ConfigMap holds the spec the pod compiles exactly: a comment holding a NEL (U+0085, a
+    line break to YAML), U+2028, U+2029 or a tab does not come back as a new line of spec (a CR is
+    read as a line end by the frontend already)."""
+    text = f"# r\u00e9sum\u00e9{brk}# tp = 2\n" + (EXAMPLES / "tiny_serve.par").read_text()
+    out = _outputs(tmp_path, text, "lines")
+    (cm,) = _docs(out, "configmap.yaml")
+    assert cm["data"]["lines.par"] == text
+    assert cm["data"]["plan.json"] == (out / "plan.json").read_text()
 
 
 def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
     """`parcompile serve` refuses a disaggregated spec (the serve program has no separate pools
     yet): compile writes no Deployment that could not start, and no DisaggregatedSet."""
     spec = tmp_path / "dis.par"
-    spec.write_text("""model llama from "llama3-70b" { }
-cluster dgx from "h100-sxm" { nodes = 1, gpus_per_node = 8 }
-parallel { tp = 4 }
-serve { batch = 8, prompt_len = 1024, max_new_tokens = 256, disaggregated = true }
-""")
+    spec.write_text(DISAGGREGATED)
     out = tmp_path / "out"
     assert main(["compile", str(spec), "-o", str(out)]) == 0
     assert "does not run disaggregated prefill and decode pools" in capsys.readouterr().err

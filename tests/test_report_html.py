@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -46,6 +47,8 @@ class _Dom(HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.values: dict[str, list] = {}
+        self.texts: list[tuple[str, object, str]] = []   # (data-key, data-value, the element's text)
+        self._keyed: tuple[str, object, list[str]] | None = None
         self.figures: dict[str, dict] = {}
         self.tables: dict[str, list[dict]] = {}
         self._figure: str | None = None
@@ -59,6 +62,7 @@ class _Dom(HTMLParser):
         a = dict(attrs)
         if "data-key" in a:
             self.values.setdefault(a["data-key"], []).append(json.loads(a["data-value"]))
+            self._keyed = (a["data-key"], json.loads(a["data-value"]), [])
         if tag == "figure":
             self._figure = a.get("data-figure")
             self.figures[self._figure] = {"plots": [], "svgs": 0, "attrs": a, "texts": []}
@@ -77,6 +81,10 @@ class _Dom(HTMLParser):
             self._row["cell_attrs"].append(a)
 
     def handle_endtag(self, tag):
+        if self._keyed is not None and tag in ("td", "span"):
+            key, value, text = self._keyed
+            self.texts.append((key, value, "".join(text).strip()))
+            self._keyed = None
         if tag == "figure":
             self._figure = None
         elif tag == "table":
@@ -86,6 +94,8 @@ class _Dom(HTMLParser):
             self._cell = None
 
     def handle_data(self, data):
+        if self._keyed is not None:
+            self._keyed[2].append(data)
         if self._cell is not None:
             self._cell.append(data)
         if self._figure:
@@ -132,12 +142,40 @@ def _at(data, key: str):
     return node
 
 
+#: the units the page's numbers are read in (binary bytes, seconds, bus bandwidth), written out
+#: here rather than taken from parcompile.core.units, whose texts are under test
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "us": 1e-6, "ms": 1e-3, "s": 1, "min": 60, "h": 3600,
+         "days": 86400, "GB/s": 1e9, "%": 0.01}
+NUMBER = re.compile(r"(-?[\d,]*\.?\d+)(?:e([+-]\d+))?\s*(\S+)?")
+
+
+def _reads_as(text: str, value) -> bool:
+    """Whether a cell's ``text`` is ``value`` as a person reads it: the same string, yes / no
+    for a boolean, or the number in its unit within half a unit of its last printed digit."""
+    if isinstance(value, bool):
+        return text.lower() == ("yes" if value else "no")
+    if isinstance(value, str):
+        return text == value
+    if text == "-":
+        return value != value or value == float("inf")
+    m = NUMBER.fullmatch(text)
+    if m is None or (m[3] is not None and m[3] not in UNITS):
+        return False
+    mantissa, exp, scale = m[1].replace(",", ""), int(m[2] or 0), UNITS.get(m[3], 1)
+    digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return abs(float(mantissa) * 10**exp * scale - value) <= 0.5 * 10**(exp - digits) * scale * (1 + 1e-9)
+
+
 def _check_numbers(dom: _Dom, data: dict) -> None:
-    """Every number on the page equals plan.json's at its key; the sections' keys are all there."""
+    """Every number on the page equals plan.json's at its key and reads as it; the sections'
+    keys are all there."""
     assert dom.values
     for key, values in dom.values.items():
         for v in values:
             assert v == _at(data, key), key
+    assert len(dom.texts) == sum(map(len, dom.values.values()))
+    for key, value, text in dom.texts:
+        assert _reads_as(text, value), (key, value, text)
     for s in data["memory"]["per_stage"]:
         assert f"memory.per_stage.{s['stage']}.total" in dom.values
         assert data["memory"]["per_stage"][s["stage"]]["stage"] == s["stage"]
@@ -260,6 +298,20 @@ def test_search_html_in_chromium(tmp_path, monkeypatch):
         assert json.loads(r["cell_attrs"][1]["data-x"]) == c.step_time
         assert json.loads(r["cell_attrs"][2]["data-y"]) == c.peak
     assert chosen[0] is rows[0]   # the best, the one compile chose
+
+
+def test_a_runner_up_s_plan_claims_no_search(tmp_path):
+    """SearchReport.plan(i): the best's plan carries the search that chose it; a runner-up's
+    carries none, so neither its plan.json nor its report names the best as its layout."""
+    spec = tmp_path / "tiny_search.par"
+    spec.write_text(SEARCH_SPEC)
+    report = parcompile.search(spec, top=2)
+    best, second = report.plan(0), report.plan(1)
+    assert best.data["search"]["chosen"] == report.candidates[0].degrees_text()
+    assert "search" not in second.data
+    dom = _Dom()
+    dom.feed(second.report_html())
+    assert "search" not in dom.figures
 
 
 def test_serve_sizing_report_html_in_chromium(tmp_path, monkeypatch):

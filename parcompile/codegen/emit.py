@@ -11,6 +11,7 @@ config or the graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -725,7 +726,7 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
     failure the temporary directory is removed and ``out_dir`` is left as it was (a
     directory this call would have created does not appear). Names in ``stale`` that
     ``files`` lacks are removed from an existing ``out_dir`` (outputs of an earlier plan
-    that this one does not produce).
+    that this one does not produce), and a directory of theirs that this leaves empty.
 
     Raises:
         OSError: the directory cannot be created or written.
@@ -756,5 +757,8 @@ def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...
         for name in stale:
             if name not in files and (out_dir / name).is_file():
                 (out_dir / name).unlink()
+        for sub in sorted({(out_dir / name).parent for name in stale} - {out_dir}):
+            with contextlib.suppress(OSError):   # a directory the stale files left empty (k8s/); kept if not
+                sub.rmdir()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

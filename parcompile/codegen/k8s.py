@@ -71,10 +71,12 @@ _ALNUM = r"[a-z0-9]+"
 _PATH_COMPONENT = rf"{_ALNUM}(?:(?:[._]|__|-+){_ALNUM})*"
 _DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _DOMAIN = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+#: the whole reference, ASCII only (Go's ``\w`` is ``[0-9A-Za-z_]``; Python's takes any letter)
 _IMAGE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
-                    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?\Z")
-#: ConfigMap keys (k8s.io/apimachinery validation.IsConfigMapKey)
-_CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+\Z")
+                    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?\Z", re.ASCII)
+#: ConfigMap keys (k8s.io/apimachinery validation.IsConfigMapKey: this, at most 253 characters,
+#: not starting with "..")
+_CONFIGMAP_KEY = re.compile(r"(?!\.\.)[-._a-zA-Z0-9]{1,253}\Z")
 
 
 class K8sError(ValueError):
@@ -265,7 +267,7 @@ def _train_container(cfg: SpecConfig, name: str) -> dict:
 def _spec_key(cfg: SpecConfig) -> str:
     """The spec's file name as a ConfigMap key (``spec.par`` where the name is not a valid key)."""
     fname = Path(cfg.filename).name
-    return fname if _CONFIGMAP_KEY.match(fname) and fname not in ("plan.json", "serve.py") else "spec.par"
+    return fname if _CONFIGMAP_KEY.match(fname) and fname not in (".", "plan.json", "serve.py") else "spec.par"
 
 
 def _serve_single(cfg: SpecConfig, name: str, meta: dict, pod: dict) -> dict[str, dict]:
@@ -350,7 +352,10 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _str(dumper: yaml.SafeDumper, value: str):
-    style = "|" if "\n" in value and not any(ch in value for ch in "\r\t") and value == value.rstrip(" ") else None
+    # a literal block only where "\n" is the one line break: YAML also breaks lines at \r, NEL
+    # (U+0085), U+2028 and U+2029, which a block would turn into "\n" (quoted, they are escaped)
+    style = "|" if "\n" in value and not any(ch in value for ch in "\r\t\x85\u2028\u2029") \
+        and value == value.rstrip(" ") else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

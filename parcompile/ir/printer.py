@@ -16,20 +16,28 @@ from parcompile.ir.graph import Graph
 from parcompile.ir.ops import Trait
 
 
+def local_shape_text(nd, degrees: Mapping[str, int] | None = None) -> str:
+    """Op ``nd``'s output shape on one rank under ``degrees``, as ``[2, 64, 32]``."""
+    return "[" + ", ".join(str(s) for s in nd.sharding.local_type(nd.type, dict(degrees or {})).shape) + "]"
+
+
+def conversion_text(nd) -> tuple[str, str]:
+    """The collectives a redistribution op (``Trait.CONVERSION``) runs in its forward and its
+    backward, each as ``all_gather(tp)+reduce_scatter(cp)`` (``-``: none)."""
+    a = nd.op.attr_map
+    return tuple("+".join(f"{k}({ax})" for k, ax in a[phase]) or "-" for phase in ("fwd", "bwd"))
+
+
 def format_op(graph: Graph, name: str, degrees: Mapping[str, int] | None = None) -> str:
     """One op as one line (see module docstring)."""
     nd = graph.node(name)
-    deg = dict(degrees or {})
-    local = nd.sharding.local_type(nd.type, deg)
-    shape = "[" + ", ".join(str(s) for s in local.shape) + "]"
+    shape = local_shape_text(nd, degrees)
     where = ""
     if nd.stage is not None:
         where = f" @stage {nd.stage}" + (f".{nd.chunk}" if nd.chunk is not None and nd.chunk != nd.stage else "")
     extra = ""
     if nd.has_trait(Trait.CONVERSION):
-        a = nd.op.attr_map
-        f = "+".join(f"{k}({ax})" for k, ax in a["fwd"]) or "-"
-        b = "+".join(f"{k}({ax})" for k, ax in a["bwd"]) or "-"
+        f, b = conversion_text(nd)
         extra = f" fwd={f} bwd={b}"
     elif nd.has_trait(Trait.STEP_COLLECTIVE):
         a = nd.op.attr_map

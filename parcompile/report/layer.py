@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from parcompile.core.units import bytes_text
 from parcompile.ir.ops import Trait
+from parcompile.ir.printer import conversion_text, local_shape_text
 from parcompile.ir.types import split_axes
 
 
@@ -40,24 +41,20 @@ def first_layer(plan) -> int | None:
 
 def tensor_rows(plan, layer: int) -> list[TensorRow]:
     """The ops of decoder layer ``layer`` in the graph's order (:class:`TensorRow`)."""
-    graph, deg = plan.graph, dict(plan.degrees)
+    graph = plan.graph
     prefix = f"layers.{layer}."
     rows = []
     for name in graph.topological():
         if not name.startswith(prefix):
             continue
         nd = graph.node(name)
-        local = nd.sharding.local_type(nd.type, deg).shape
         coll = ""
         if nd.has_trait(Trait.CONVERSION):
-            a = nd.op.attr_map
-            fwd = " + ".join(f"{k}({ax})" for k, ax in a["fwd"]) or "none"
-            bwd = " + ".join(f"{k}({ax})" for k, ax in a["bwd"]) or "none"
-            coll = f"forward {fwd}; backward {bwd}"
+            coll = "forward {}; backward {}".format(*conversion_text(nd))
         params = "; ".join(f"{p.name[len(prefix):]} [{', '.join(map(str, p.type.dims))}] {_split_text(p.sharding)}"
                            for p in nd.params)
         rows.append(TensorRow(name[len(prefix):], nd.kind, ", ".join(map(str, nd.type.dims)),
-                              "[" + ", ".join(map(str, local)) + "]", _split_text(nd.sharding),
+                              local_shape_text(nd, plan.degrees), _split_text(nd.sharding),
                               ", ".join(sorted(nd.sharding.partial)), params, coll))
     return rows
 
