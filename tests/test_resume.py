@@ -157,22 +157,39 @@ def _whole_and_resumed(tmp_path: Path, edit, steps: int) -> tuple[str, dict[int,
     uninterrupted, and again stopped after step 2 and resumed to ``steps`` (the three runs
     in one torchrun launch, in order). Returns the launch's output, the uninterrupted
     run's losses, and the resumed run's losses (steps 3..)."""
-    def spec(name: str, ckpt: Path, n: int) -> Path:
-        path = tmp_path / f"{name}.par"
+    log, curves = _whole_and_resumed_many(tmp_path, {"": edit}, steps)
+    return log, *curves[""]
+
+
+def _whole_and_resumed_many(tmp_path: Path, edits: dict, steps: int) -> tuple[str, dict]:
+    """:func:`_whole_and_resumed` for several edits (name -> ``edit(text)``), all their runs
+    in one torchrun launch; returns the launch's output and name -> (uninterrupted losses,
+    resumed losses)."""
+    def spec(d: Path, name: str, ckpt: Path, n: int, edit) -> Path:
+        path = d / f"{name}.par"
         path.write_text(edit(SPEC.format(world=2, dp=2, tp=1, pp=1, steps=n, ckpt=ckpt)))
         return path
 
-    whole = _compiled(tmp_path, spec("whole", tmp_path / "whole_ckpt", steps))
-    part = _compiled(tmp_path, spec("part", tmp_path / "ckpt", steps))
-    m = tmp_path / "metrics"
-    log = run_in_one_launch(2, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
-                                (part, ["--steps", 2, "--metrics-dir", m / "first"]),     # stops after step 2
-                                (part, ["--metrics-dir", m / "resumed"])], tmp_path / "jobs.json")
-    assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
-    want = dict(enumerate(_metric_losses(m / "whole"), start=1))
-    got = dict(enumerate(_metric_losses(m / "resumed"), start=3))
-    assert sorted(want) == list(range(1, steps + 1)) and sorted(got) == list(range(3, steps + 1))
-    return log, want, got
+    jobs = []
+    for key, edit in edits.items():
+        d = tmp_path / key
+        d.mkdir(exist_ok=True)
+        whole = _compiled(d, spec(d, "whole", d / "whole_ckpt", steps, edit))
+        part = _compiled(d, spec(d, "part", d / "ckpt", steps, edit))
+        m = d / "metrics"
+        jobs += [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
+                 (part, ["--steps", 2, "--metrics-dir", m / "first"]),     # stops after step 2
+                 (part, ["--metrics-dir", m / "resumed"])]
+    log = run_in_one_launch(2, jobs, tmp_path / "jobs.json")
+    curves = {}
+    for key in edits:
+        d = tmp_path / key
+        assert re.search(rf"^resumed from {re.escape(str(d))}/\S+/ckpt after step 2$", log, re.M), log
+        want = dict(enumerate(_metric_losses(d / "metrics" / "whole"), start=1))
+        got = dict(enumerate(_metric_losses(d / "metrics" / "resumed"), start=3))
+        assert sorted(want) == list(range(1, steps + 1)) and sorted(got) == list(range(3, steps + 1))
+        curves[key] = (want, got)
+    return log, curves
 
 
 @pytest.mark.torchrun
