@@ -1,7 +1,8 @@
 """CPU offload (issue 49, SPEC `parallel.offload`): the checks, the plan's GPU and host memory
 (held against the same plan without offload), the PCIe traffic and CPU step, the 70B example
-on one node of 8 H100s, and the program: bit-for-bit the run without offload on the CPU,
-`parcompile verify` of a zero 3 x dp 4 miniature, resumed from its checkpoints."""
+on one node of 8 H100s, and the program (offload = optimizer and params, fp32 and bf16):
+bit-for-bit the run without offload on the CPU, `parcompile verify` of zero 3 x dp 4 miniatures
+with their host bytes as planned, resumed from its checkpoints."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from parcompile.codegen.emit import program_gaps
 from parcompile.config.presets import cluster_preset
@@ -91,54 +93,84 @@ def test_the_70b_full_fine_tune_fits_one_node_with_offload():
     assert not base.data["memory"]["fits"]
 
 
-def test_what_the_program_does_not_offload_is_refused_not_run():
+def test_the_program_offloads_params_and_refuses_offload_without_a_data_parallel_group():
+    """offload = params (zero 3) is generated: the plan keeps no parameter on the GPU and
+    the program keeps the shard in host memory; one rank has no sharded optimizer, so
+    nothing would be offloaded: refused."""
     cfg = tiny_config(4, parallel=dict(zero=3, offload="params"))
     _, st = _stage(cfg)
     assert st["params"] == 0 and st["host"] > 0
-    gaps = program_gaps(cfg)
-    assert len(gaps) == 1 and gaps[0].severity == "error" and "offload = params" in gaps[0].message
-    # one rank: the program's optimizer is not sharded, so nothing would be offloaded
+    assert not program_gaps(cfg)
     gaps = program_gaps(tiny_config(1, parallel=dict(zero=1, offload="optimizer")))
     assert len(gaps) == 1 and gaps[0].severity == "error" and "dp * cp = 1" in gaps[0].message
     assert not program_gaps(tiny_config(2, parallel=dict(zero=1, offload="optimizer")))
 
 
-def _metric_losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for f in sorted(path.glob("*.jsonl"))
-            for line in f.read_text().splitlines() if '"loss"' in line]
-
-
 @pytest.mark.torchrun
 def test_offload_trains_bit_for_bit_as_no_offload_and_resumes(tmp_path):
     """On the CPU the host optimizer steps the same fp32 values with the same kernel: zero 3
-    over 2 ranks with offload gives the run without offload's losses exactly; and stopped
-    after step 2, resumed from its checkpoint (Adam states restored into the host
-    optimizer), it continues the uninterrupted curve exactly."""
-    from tests.test_resume import _whole_and_resumed
+    over 2 ranks with offload = optimizer or params (fp32, and bf16 with its fp32 masters
+    in host memory) gives the run without offload's losses exactly; and stopped after step
+    2, resumed from its checkpoint (Adam states and masters restored into the host
+    optimizer, the parameter shard into host memory), it continues the uninterrupted curve
+    exactly. One torchrun launch for the five variants."""
+    from tests.test_resume import _whole_and_resumed_many
 
-    def edit(offload):
-        return lambda text: text.replace("global_batch = 8 }", f"global_batch = 8, zero = 3, offload = {offload} }}")
+    def edit(offload, dtype="fp32"):
+        return lambda text: text.replace("dtype = fp32", f"dtype = {dtype}").replace(
+            "global_batch = 8 }", f"global_batch = 8, zero = 3, offload = {offload} }}")
 
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "off").mkdir()
-    _, plain, _ = _whole_and_resumed(tmp_path / "plain", edit("none"), 4)
-    _, want, got = _whole_and_resumed(tmp_path / "off", edit("optimizer"), 4)
-    assert want == plain   # to the bit: the same floats
-    for step, loss in got.items():
-        assert loss == want[step], (step, loss, want[step])
+    _, curves = _whole_and_resumed_many(tmp_path, {
+        "plain": edit("none"), "optimizer": edit("optimizer"), "params": edit("params"),
+        "plain_bf16": edit("none", "bf16"), "params_bf16": edit("params", "bf16")}, 4)
+    for name, plain in (("optimizer", "plain"), ("params", "plain"), ("params_bf16", "plain_bf16")):
+        want, got = curves[name]
+        assert want == curves[plain][0], name   # to the bit: the same floats
+        for step, loss in got.items():
+            assert loss == want[step], (name, step, loss, want[step])
 
 
 @pytest.mark.torchrun
-def test_verify_passes_offload_zero3_dp4(tmp_path):
-    """Issue 49's done-when: verify of an offload (zero 3, dp 4) miniature against the single
-    process, its host bytes per rank equal to the plan's."""
-    from parcompile.verification import verify
+def test_verify_passes_offload_zero3_dp4_bit_for_bit_with_host_bytes_as_planned(tmp_path, monkeypatch):
+    """Issue 49's done-when: verify of offload (zero 3, dp 4) miniatures against the single
+    process, in one launch: fp32 with offload = optimizer and = params, and bf16 (whose fp32
+    master weights the plan keeps in host memory with the optimizer, as ZeRO-Offload does)
+    with both, and bf16 at zero 1 with offload = optimizer. Each passes, its measured per-rank parameter, gradient, optimizer and host
+    bytes equal to the plan's (bf16: no optimizer byte on the device, the masters counted
+    in host memory because they are the host optimizer's copies); and its first-step
+    gradients, updated parameters and losses equal the same miniature's without offload
+    to the bit."""
+    import parcompile.verification as verification
 
-    cfg = tiny_config(4, parallel=dict(zero=3, offload="optimizer", bucket_size=16 * 1024))
-    result = verify(cfg, steps=3, workdir=tmp_path)
-    assert result.ok, result.table()
-    assert any("host" in c.what and c.ok for c in result.checks)
-    assert all("host" in s for s in result.plan["memory"]["per_stage"])   # the miniature offloads too
+    runs, compare = {}, verification.compare
+
+    def keep(ref_dir, run_dir, plan, mini, tol):   # the run's tensors, before its directory goes
+        res = compare(ref_dir, run_dir, plan, mini, tol)
+        runs[id(res)] = (verification.load_global(run_dir, "grads"), verification.load_global(run_dir, "params"))
+        return res
+
+    monkeypatch.setattr(verification, "compare", keep)
+    cases = [(dtype, off, 3) for dtype in ("fp32", "bf16") for off in ("none", "optimizer", "params")]
+    cfgs = {(dtype, off, zero): tiny_config(4, parallel=dict(zero=zero, offload=off, bucket_size=16 * 1024))
+            for dtype, off, zero in cases + [("bf16", "none", 1), ("bf16", "optimizer", 1)]}
+    results = verification.verify_many(cfgs, steps=3, workdir=tmp_path, dtypes={k: k[0] for k in cfgs})
+    for (dtype, off, zero), res in results.items():
+        assert not isinstance(res, Exception) and res.ok, (dtype, off, zero, res if isinstance(res, Exception) else
+                                                           res.table())
+        plan = res.plan["memory"]["per_stage"][0]
+        if off == "none":
+            assert "host" not in plan
+            continue
+        assert any("host" in c.what and c.ok for c in res.checks)
+        assert plan["optimizer"] == 0 and plan["host"] > 0 and (plan["params"] == 0) == (off == "params")
+        for rec in res.records:
+            assert rec["state_bytes"] == {k: plan[k] for k in ("params", "grads", "optimizer", "host")}, (dtype, off)
+        base = results[(dtype, "none", zero)]
+        assert res.losses == base.losses, (dtype, off)
+        for got, want in zip(runs[id(res)], runs[id(base)]):
+            assert got.keys() == want.keys()
+            for name in want:
+                assert all(torch.equal(a, b) for a, b in zip(got[name], want[name])), (dtype, off, name)
 
 
 # Megatron-LM core_v0.19.0 (5be9626709af2722333bf54797c954c09edeada3) megatron/training/arguments.py:

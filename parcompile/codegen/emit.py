@@ -69,12 +69,7 @@ _NOT_IN_PROGRAM: tuple = (
      "disaggregated prefill and decode pools", "the serve program prefills and decodes on the decode pool's "
      "layout; `parcompile plan`, `search` and `export --to vllm|sglang` (a prefill and a decode server) describe "
      "the pools", 45, False),
-    # CPU offload (issue 49): the program steps the optimizer on the host (runtime/train/offload.py),
-    # but keeps the parameter shards on the device
-    ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload == "params",
-     "parameter offload (offload = params)", "the program offloads the optimizer states only: `parcompile plan`, "
-     "`search` and `export --to deepspeed|torchtitan` work on this spec; to generate a program now, use "
-     "offload = optimizer", 49, True),
+    # CPU offload (issue 49): the program offloads its sharded optimizer (runtime/train/offload.py)
     ("parallel.offload", lambda cfg: cfg.serve is None and cfg.parallel.offload != "none"
      and cfg.parallel.dp * cfg.parallel.cp == 1,
      "offload without a data-parallel group (dp * cp = 1)", "the program offloads its sharded (ZeRO) optimizer, "

@@ -81,6 +81,23 @@ def set_main_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
         p.grad = g
 
 
+def set_segment_grad(seg: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Give an optimizer segment (a ZeRO slice the optimizer steps) its fp32 gradient ``g``
+    (a view of the device's reduce-scattered shard), or none. A segment whose values live in
+    host memory (``parallel.offload``: :mod:`parcompile.runtime.train.offload`) keeps a
+    device gradient beside ``.grad`` (torch requires ``.grad`` on the tensor's device); the
+    host optimizer copies it down after the clipping. On the CPU both are ``.grad``."""
+    if g is not None and g.device != seg.device:
+        seg.grad, seg.device_grad = None, g
+    else:
+        seg.grad, seg.device_grad = g, None
+
+
+def segment_grad(seg: torch.Tensor) -> torch.Tensor | None:
+    """The gradient :func:`set_segment_grad` gave ``seg`` (None before any)."""
+    return seg.grad if seg.grad is not None else getattr(seg, "device_grad", None)
+
+
 def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``g`` to the gradient of ``p`` (in fp32 for 16-bit parameters), and tell the
     parameter's listener (module docstring)."""

@@ -20,7 +20,7 @@ from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime.train.buckets import GradSync
 from parcompile.runtime.distributed.comm import all_reduce
 from parcompile.runtime.distributed.context import ParallelContext
-from parcompile.runtime.train.grads import main_grad, set_main_grad
+from parcompile.runtime.train.grads import main_grad, segment_grad, set_main_grad
 from parcompile.runtime.train.optim import ReplicatedOptimizer, local_grad_squares, make_optimizer, shards
 from parcompile.runtime.train.zero import ShardedOptimizer
 
@@ -131,7 +131,7 @@ class MoEOptimizer:
         an overflow is detected on the dense gradients only)."""
         scale = self.dense.loss_scale
         if scale != 1.0:
-            grads = [seg.grad for *_, seg in self.experts.segments] if self.expert_sharded else \
+            grads = [segment_grad(seg) for *_, seg in self.experts.segments] if self.expert_sharded else \
                 [main_grad(p) for p in self.expert_params]
             for g in grads:
                 if g is not None:
@@ -153,7 +153,7 @@ class MoEOptimizer:
         if hasattr(self.dense, "segments"):
             for *_, seg in self.dense.segments:
                 if seg.counts_in_norm:
-                    dense += seg.grad.float().pow(2).sum()
+                    dense += segment_grad(seg).float().pow(2).sum()
             all_reduce(dense, self.dense.axis)   # the shard group: dp_cp, or HSDP's dp_shard
         else:
             dense = local_grad_squares(self.dense_params, ctx)
@@ -161,7 +161,7 @@ class MoEOptimizer:
         expert = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         if self.expert_sharded:
             for *_, seg in self.experts.segments:
-                expert += seg.grad.float().pow(2).sum()
+                expert += segment_grad(seg).float().pow(2).sum()
             all_reduce(expert, self.experts.axis)
         else:
             for p in self.expert_params:

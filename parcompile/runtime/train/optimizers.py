@@ -36,7 +36,8 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
     :func:`~parcompile.runtime.distributed.context.init_parallel` creates).
 
     ``offload`` (``parallel.offload``; the checks require ZeRO): ``optimizer`` steps the
-    sharded optimizer's states on the host (:func:`~parcompile.runtime.train.offload.offload_optimizer`).
+    sharded optimizer's states on the host, ``params`` (zero 3) keeps its parameter shard
+    there too (:func:`~parcompile.runtime.train.offload.offload_optimizer`).
 
     Raises:
         ValueError: ``sharding`` is for another data-parallel group size than this run's
@@ -60,7 +61,7 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
     if offload != "none":   # parallel.offload: states stepped on the host (runtime/train/offload.py)
         for part in getattr(opt, "parts", (opt,)):
             if isinstance(part, ShardedOptimizer):
-                offload_optimizer(part, lambda groups: make_optimizer(groups, train))
+                offload_optimizer(part, lambda groups: make_optimizer(groups, train), offload)
     parts = [o for o in getattr(opt, "parts", (opt,))
              if isinstance(o, ShardedOptimizer) and o.sharding.shards_parameters]
     if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time

@@ -71,7 +71,8 @@ from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime.train.buckets import BucketedReduction, BucketLayout, GradBuckets, local_numel
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, all_reduce, nbytes
 from parcompile.runtime.distributed.context import ParallelContext
-from parcompile.runtime.train.grads import enable_main_grads, optimizer_grad, set_main_grad
+from parcompile.runtime.train.grads import (enable_main_grads, optimizer_grad, segment_grad, set_main_grad,
+                                            set_segment_grad)
 from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, set_lr, tp_partial_grads, unscale_gradients
 from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
 from parcompile.runtime.train.zero_states import ShardStates
@@ -146,6 +147,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         # zero 3 with 16-bit weights: the rank keeps its 16-bit slice of every bucket, which the
         # next step's all-gather sends (SPEC: 2/d bytes of parameters per element)
         self.low_shards: list[torch.Tensor] | None = None
+        self.offload = "none"   # parallel.offload, set by runtime/train/offload.py's offload_optimizer
         # zero 3: the gathered buffer of each bucket (by index), the buckets LayerGather
         # gathers just in time, and the bytes of gathered buffers held (shared by a stage's parts)
         self._full: dict[int, torch.Tensor] = {}
@@ -183,7 +185,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             p.grad = None
             set_main_grad(p, None)
         for *_, seg in self.segments:
-            seg.grad = None
+            set_segment_grad(seg, None)
         self._grad_shards = None
         self.buckets.reset()
 
@@ -209,9 +211,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                 all_reduce(g, self.replicas)
         for b, p, lo, hi, seg in self.segments:
             lo_own = self._own_lo(b)
-            seg.grad = optimizer_grad(self._grad_shards[b.index][lo - lo_own:hi - lo_own].view_as(seg))
+            set_segment_grad(seg, optimizer_grad(self._grad_shards[b.index][lo - lo_own:hi - lo_own].view(seg.shape)))
         for b, lo, pad in self.padding:
-            pad.grad = optimizer_grad(self._grad_shards[b.index][lo - self._own_lo(b):])
+            set_segment_grad(pad, optimizer_grad(self._grad_shards[b.index][lo - self._own_lo(b):]))
         self._sync_model_parallel()
         if self.sharding.shards_gradients:   # the full gradients are reduced: only the owned slices stay
             self.full_grad_bytes = self.buckets.peak_bytes
@@ -234,11 +236,11 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             mine = [(b, p, lo, hi, seg) for b, p, lo, hi, seg in self.segments if id(p) in start]
             for b, p, lo, hi, seg in mine:
                 at = start[id(p)] + lo - self.buckets.offset_of[id(p)]
-                flat[at:at + hi - lo] = seg.grad.reshape(-1)
+                flat[at:at + hi - lo] = segment_grad(seg).reshape(-1)
             all_reduce(flat, axis)
             for b, p, lo, hi, seg in mine:
                 at = start[id(p)] + lo - self.buckets.offset_of[id(p)]
-                seg.grad.reshape(-1).copy_(flat[at:at + hi - lo])
+                segment_grad(seg).reshape(-1).copy_(flat[at:at + hi - lo])
 
         if self.ctx.tp.size > 1:
             reduce(tp_partial_grads(self.params, self.sequence_parallel), self.ctx.tp)
@@ -263,7 +265,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         sq = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
         for *_, seg in self.segments:
             if seg.counts_in_norm:
-                sq += seg.grad.float().pow(2).sum()
+                sq += segment_grad(seg).float().pow(2).sum()
         all_reduce(sq, self.axis)
         all_reduce(sq, self.ctx.tp)
         all_reduce(sq, self.ctx.pp)
@@ -280,9 +282,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         """Update the owned slices, then rebuild the parameters (zero 1, 2) or free them (3)."""
         self.optimizer.step()
         for *_, seg in self.segments:
-            seg.grad = None
+            set_segment_grad(seg, None)
         for *_, pad in self.padding:
-            pad.grad = None
+            set_segment_grad(pad, None)
         if self.sharding.shards_parameters:
             self._keep_low_shards()
             self._fp8_amax = None   # the weights changed: the next step takes new scales

@@ -20,6 +20,7 @@ from parcompile.core.buckets import (bucket_positions, fp8_gather_elements, need
 from parcompile.runtime.train.buckets import BucketLayout, local_numel
 from parcompile.runtime.distributed.comm import COUNTER, all_gather_single, nbytes
 from parcompile.runtime.model.fp8 import E4M3, cast_with_amax
+from parcompile.runtime.train.offload import HOST
 
 
 class ParamGather:
@@ -29,13 +30,16 @@ class ParamGather:
     16-bit slices, the FP8 scales) is set in ``ShardedOptimizer.__init__``."""
 
     def _keep_low_shards(self) -> None:
-        """zero 3, 16-bit weights: refresh this rank's 16-bit slices from the fp32 masters."""
+        """zero 3, 16-bit weights: refresh this rank's 16-bit slices from the fp32 masters,
+        kept on the device, or in host memory with ``offload = params``
+        (:func:`parcompile.runtime.train.offload.offload_optimizer`)."""
         if not self.mixed:
             return
         dtype = self.params[0].dtype
+        where = HOST if self.offload == "params" else self.ctx.device
         self.low_shards = []
         for b in self.buckets.buckets:
-            mine = torch.zeros(b.shard, dtype=dtype, device=self.ctx.device)
+            mine = torch.zeros(b.shard, dtype=dtype, device=where)
             lo_own = self._own_lo(b)
             for p, lo, hi, seg in self._segments_of(b):
                 mine[lo - lo_own:hi - lo_own] = seg.data.view(-1).to(dtype)
@@ -63,9 +67,10 @@ class ParamGather:
                 p.data.view(-1).copy_(full[off:off + n])
 
     def _fill_shard(self, b: BucketLayout) -> torch.Tensor:
-        """This rank's slice of bucket ``b`` in the parameters' dtype (``shard`` elements)."""
+        """This rank's slice of bucket ``b`` in the parameters' dtype (``shard`` elements), on
+        the device (with ``offload = params`` copied there from host memory)."""
         if self.low_shards is not None:
-            return self.low_shards[b.index]
+            return self.low_shards[b.index].to(self.ctx.device)
         mine = torch.zeros(b.shard, dtype=self.params[0].dtype, device=self.ctx.device)
         lo_own = self._own_lo(b)
         for p, lo, hi, seg in self._segments_of(b):

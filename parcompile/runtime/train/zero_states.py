@@ -93,21 +93,23 @@ class ShardStates:
 
     # -- measurement ----------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds between steps: parameters, gradients, optimizer states."""
+        """Bytes this rank holds between steps: parameters, gradients, optimizer states, and
+        with ``parallel.offload`` what it keeps in host memory (``host``,
+        :func:`~parcompile.runtime.train.offload.split_host_bytes`)."""
         params = sum(p.data.numel() * p.element_size() for p in self.params)
         segs = sum(seg.numel() * seg.element_size() for *_, seg in self.segments)
         segs += sum(pad.numel() * pad.element_size() for *_, pad in self.padding)
         if self.low_shards is not None:         # zero 3, 16-bit: the kept 16-bit slices
-            params += sum(t.numel() * t.element_size() for t in self.low_shards)
-        if self.mixed:
-            masters = segs                      # fp32 master slices: an optimizer state
-        else:
-            masters, params = 0, params + (segs if self.sharding.shards_parameters else 0)
+            shard = sum(t.numel() * t.element_size() for t in self.low_shards)
+        else:                                   # zero 3, fp32: the segments are the shard
+            shard = segs if self.sharding.shards_parameters and not self.mixed else 0
+        masters = segs if self.mixed else 0     # fp32 master slices: an optimizer state
         grads = self.buckets.buffer_bytes()   # zero 1: the full (padded) buffers; 2, 3: none
         grads += sum(g.numel() * g.element_size() for g in self._grad_shards or [])
         optimizer = masters + sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-        return split_host_bytes(self.optimizer, {"params": params, "grads": grads, "optimizer": optimizer})
+        return split_host_bytes(self.optimizer, {"params": params + shard, "grads": grads, "optimizer": optimizer},
+                                shard=shard)
 
 
 __all__ = ["ShardStates"]
