@@ -43,6 +43,12 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--use-distributed-optimizer": [("ddp", "use_distributed_optimizer", True),
                                     ("optimizer", "use_distributed_optimizer", True)],
     "--use-torch-fsdp2": [("dist", "use_torch_fsdp2", True)],
+    # offload and HSDP (exporters/offload_hsdp.py): megatron-core 0.16.1's OptimizerConfig
+    # (megatron/core/optimizer/optimizer_config.py lines 304 and 187) and
+    # DistributedDataParallelConfig (megatron/core/distributed/distributed_data_parallel_config.py line 30)
+    "--optimizer-cpu-offload": [("optimizer", "optimizer_cpu_offload", True)],
+    "--use-precision-aware-optimizer": [("optimizer", "use_precision_aware_optimizer", True)],
+    "--num-distributed-optimizer-instances": [("ddp", "num_distributed_optimizer_instances", int)],
     "--no-gradient-accumulation-fusion": [("model", "gradient_accumulation_fusion", False)],
     "--overlap-grad-reduce": [("ddp", "overlap_grad_reduce", True)],
     "--ddp-bucket-size": [("ddp", "bucket_size", int)],
