@@ -688,6 +688,8 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
     "checkpoint": frozenset({"save", "save_interval"}),
     "rng": frozenset({"seed"}),
     "mixed_precision": frozenset(),
+    # LoRA (issue 49): CanonicalLoRA's keywords, checked in tests/test_export_lora.py
+    "peft": frozenset({"target_modules", "dim", "alpha", "dropout", "dropout_position"}),
 }
 
 
