@@ -23,6 +23,10 @@
   sdist: ``pip download --no-binary :all: vllm==0.33.0`` refuses it (its metadata built here
   says 0.33.0+cpu); ``pip download --no-deps --no-build-isolation`` of its PyPI file's URL
   with VLLM_TARGET_DEVICE=cpu and setuptools-rust, setuptools-scm on PYTHONPATH saves it.
+- LoRA (issue 49): tests/test_export_lora.py's LORA_SPECS, their ``--to vllm`` through the
+  same ``vllm serve`` parser and vLLM's ``LoRAConfig`` (``--max-lora-rank`` one of its
+  MaxLoRARanks), their ``--to megatron-bridge`` built by Megatron-Bridge (``cfg.peft`` a
+  ``CanonicalLoRA`` whose ``canonical_mapping`` names the projections parcompile adapts).
 - SGLang: ``ServerArgs.add_cli_args``; DEPS are pybase64, msgspec, pyzmq and triton.
 - Both: every serve example and tests/test_export.py's SERVE_VARIANTS (a budget, FP8 weights
   quantized on load with and without an FP8 KV cache, a disaggregated plan's two servers,
@@ -233,6 +237,38 @@ def vllm() -> int:
                      if method else "")
                   + (f"; export errors: {ex.errors}" if ex.errors else ""))
             bad += not ok
+    return bad + _vllm_lora(parser, validate_parsed_serve_args)
+
+
+def _vllm_lora(parser, validate) -> int:
+    """Each LoRA training spec's ``--to vllm`` (the fine-tune's adapter on its base model,
+    issue 49) through the same parser, then ``--max-lora-rank`` through vLLM's LoRAConfig
+    (vllm/config/lora.py: MaxLoRARanks): the adapter named as the spec, at hf_output, a rank
+    allowed and at least the plan's."""
+    from vllm.config.lora import LoRAConfig
+
+    from parcompile.exporters import export
+    from tests.test_export import serve_commands
+
+    bad = 0
+    for name, plan in _lora_plans():
+        ex = export(plan, "vllm")
+        (command,) = serve_commands(ex.text)
+        words = shlex.split(command)
+        try:
+            ns = parser.parse_args(words[2:])
+            validate(ns)
+            lora = LoRAConfig(max_lora_rank=ns.max_lora_rank, max_loras=ns.max_loras)
+        except BaseException as e:
+            print(f"{name} lora: rejected ({type(e).__name__}: {e}); export errors: {ex.errors}")
+            bad += not ex.errors
+            continue
+        (module,) = ns.lora_modules
+        got = (ns.enable_lora, module.name, module.path, lora.max_lora_rank >= plan.config.train.lora_rank)
+        want = (True, name, "HF_OUTPUT", True)
+        print(f"{name} lora: {got} {'the plan' if got == want else f'DIFFERS from {want}'}; max_lora_rank "
+              f"{lora.max_lora_rank} for lora_rank {plan.config.train.lora_rank}")
+        bad += got != want
     return bad
 
 
@@ -407,7 +443,7 @@ def megatron_bridge() -> int:
     from tests.test_export import _plans
 
     bad, out = 0, tempfile.mkdtemp()
-    for name, plan in _plans():
+    for name, plan in _plans() + _lora_plans() + _offload_hsdp_plans():
         ex = export(plan, "megatron-bridge")
         if ex.errors:
             print(f"{name}: refused: {ex.errors}")
@@ -445,7 +481,49 @@ def megatron_bridge() -> int:
                 plan.data["model"]["padded_vocab"])
         print(f"{name}: {'accepted, the plan' if got == want else f'DIFFERS {got} != {want}'}")
         bad += got != want
+        if plan.config.train.method == "lora":
+            bad += _bridge_lora(name, plan, cfg)
+        if plan.config.parallel.offload != "none":   # megatron-core's own OptimizerConfig / DDP config
+            dps = plan.passes.data_parallel
+            got = (cfg.optimizer.optimizer_cpu_offload, cfg.optimizer.use_precision_aware_optimizer,
+                   cfg.ddp.num_distributed_optimizer_instances)
+            print(f"{name} offload, HSDP: {got} {'the plan' if got == (True, True, dps.replicate) else 'DIFFERS'}")
+            bad += got != (True, True, dps.replicate)
     return bad
+
+
+def _offload_hsdp_plans() -> tuple:
+    """tests/test_offload.py's OFFLOAD_HSDP (optimizer offload, dp_replicate 2, zero 1)."""
+    import parcompile
+    from tests.test_offload import OFFLOAD_HSDP
+
+    return (("offload_hsdp_zero1", parcompile.compile(OFFLOAD_HSDP, "offload_hsdp.par")),)
+
+
+def _lora_plans() -> tuple:
+    """tests/test_export_lora.py's LoRA specs (issue 49)."""
+    from tests.test_export_lora import LORA_SPECS, lora_plan
+
+    return tuple((name, lora_plan(name)) for name in LORA_SPECS)
+
+
+def _bridge_lora(name, plan, cfg) -> int:
+    """A LoRA export's ``peft`` as Megatron-Bridge built it: a CanonicalLoRA whose own
+    ``canonical_mapping`` (its __post_init__: fused module -> the projections adapted) names the
+    Hugging Face projections parcompile adapts, with the plan's rank, alpha and dropout."""
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
+    from parcompile.core.lora import targeted
+
+    hf = {"linear_q": "q_proj", "linear_k": "k_proj", "linear_v": "v_proj", "linear_proj": "o_proj",
+          "linear_fc1_up": "up_proj", "linear_fc1_gate": "gate_proj", "linear_fc2": "down_proj"}
+    p, t = cfg.peft, plan.config.train
+    got = (type(p) is CanonicalLoRA, {hf[s] for subs in p.canonical_mapping.values() for s in subs},
+           p.dim, p.alpha, p.dropout, p.dropout_position, cfg.checkpoint.pretrained_checkpoint is not None)
+    want = (True, {lin.hf_leaf for lin in targeted(plan.config.model, t.lora_targets)}, t.lora_rank, t.lora_alpha,
+            t.lora_dropout, "pre", True)
+    print(f"{name} peft: {'CanonicalLoRA ' + str(dict(p.canonical_mapping)) if got == want else f'DIFFERS {got} != {want}'}")
+    return got != want
 
 
 if __name__ == "__main__":

@@ -670,10 +670,16 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
         tp_comm_overlap overlap_p2p_comm batch_p2p_comm
         vocab_size""".split()),
     "train": frozenset({"global_batch_size", "micro_batch_size", "train_iters"}),
+    # optimizer_cpu_offload, use_precision_aware_optimizer (OptimizerConfig, megatron-core 0.16.1
+    # optimizer_config.py lines 304, 187) and num_distributed_optimizer_instances
+    # (distributed_data_parallel_config.py line 30): offload and HSDP (issue 49), run through
+    # `check_engine_parsers.py megatron-bridge` (tests/test_offload.py's OFFLOAD_HSDP)
     "optimizer": frozenset({"adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr", "min_lr", "optimizer",
-                            "use_distributed_optimizer", "weight_decay"}),
+                            "use_distributed_optimizer", "weight_decay", "optimizer_cpu_offload",
+                            "use_precision_aware_optimizer"}),
     "scheduler": frozenset({"lr_decay_iters", "lr_decay_style", "lr_warmup_iters"}),
-    "ddp": frozenset({"bucket_size", "overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32"}),
+    "ddp": frozenset({"bucket_size", "overlap_grad_reduce", "use_distributed_optimizer", "grad_reduce_in_fp32",
+                      "num_distributed_optimizer_instances"}),
     "dist": frozenset({"use_torch_fsdp2"}),
     "dataset": frozenset({"eod_mask_loss", "random_seed", "reset_attention_mask", "reset_position_ids",
                           "seq_length"}),
@@ -682,6 +688,8 @@ MEGATRON_BRIDGE_0_3_1_FIELDS = {
     "checkpoint": frozenset({"save", "save_interval"}),
     "rng": frozenset({"seed"}),
     "mixed_precision": frozenset(),
+    # LoRA (issue 49): CanonicalLoRA's keywords, checked in tests/test_export_lora.py
+    "peft": frozenset({"target_modules", "dim", "alpha", "dropout", "dropout_position"}),
 }
 
 

@@ -215,6 +215,32 @@ def test_exports_carry_offload_where_the_engine_has_it():
                                               "megatron").errors)
 
 
+#: full training with optimizer offload and HSDP at zero 1: Megatron-Bridge's offload and
+#: distributed-optimizer instances (`check_engine_parsers.py megatron-bridge` builds it too)
+OFFLOAD_HSDP = spec(parallel={"dp": "8", "tp": "1", "pp": "1", "zero": "1", "offload": "optimizer",
+                              "dp_replicate": "2"})
+
+
+def test_megatron_bridge_carries_optimizer_offload_and_hsdp():
+    """Megatron-LM's --optimizer-cpu-offload --use-precision-aware-optimizer and
+    --num-distributed-optimizer-instances as megatron-core 0.16.1's OptimizerConfig and
+    DistributedDataParallelConfig fields (test_export.py's MEGATRON_BRIDGE_0_3_1_FIELDS), at the
+    values the Megatron-LM export gives them."""
+    import parcompile
+    from parcompile.exporters import export
+    from tests.test_export import _bridge_container, parse_megatron
+
+    plan = parcompile.compile(OFFLOAD_HSDP, "offload_hsdp.par")
+    ex = export(plan, "megatron-bridge")
+    assert ex.errors == [], ex.errors
+    _, flags = parse_megatron(export(plan, "megatron").text)
+    c = _bridge_container(ex.text)
+    assert (c["optimizer"]["optimizer_cpu_offload"], c["optimizer"]["use_precision_aware_optimizer"]) == \
+        (flags["--optimizer-cpu-offload"], flags["--use-precision-aware-optimizer"]) == (True, True)
+    assert c["ddp"]["num_distributed_optimizer_instances"] == int(flags["--num-distributed-optimizer-instances"]) \
+        == plan.passes.data_parallel.replicate == 2
+
+
 @pytest.mark.parametrize("zero, offload", [(3, "params"), (2, "optimizer")])
 def test_deepspeed_config_class_reads_the_offload(zero, offload, monkeypatch):
     """DeepSpeed's own DeepSpeedConfig (deepspeed/runtime/config.py, DeepSpeedZeroConfig) reads

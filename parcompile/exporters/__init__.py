@@ -31,7 +31,10 @@ One module per engine, each the target's rules and nothing else: :mod:`.megatron
 (Megatron-LM: :func:`megatron_args` builds the arguments in named steps, parallel, pipeline,
 memory, model, MLA, MoE, vocabulary, precision, optimizer, run), :mod:`.megatron_bridge`,
 :mod:`.torchtitan` (0.3, and what 0.2 shares), :mod:`.torchtitan02` (0.2's TOML),
-:mod:`.deepspeed`, :mod:`.serve` (vLLM, SGLang); :mod:`.common` holds what they share
+:mod:`.deepspeed`, :mod:`.serve` (vLLM, SGLang); :mod:`.offload_hsdp` and :mod:`.lora` say what
+each engine's config writes for offload, HSDP and LoRA (``train.method = lora``: Megatron-Bridge's
+CanonicalLoRA, torchtitan's LoRAConverter, a PEFT note for DeepSpeed, and ``--to vllm`` of a LoRA
+training spec serves its adapter); :mod:`.common` holds what they share
 (:class:`Export`, the target names, the plan's degrees and common notes); :mod:`.model_keys`
 declares the model keys each target carries (an allowlist per engine: every exporter refuses a
 set model key its target does not carry, naming it, before its own checks). This module
@@ -42,9 +45,10 @@ and the rest keep working.
 
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.exporters.common import (SERVE_TARGETS, TARGETS, TORCHTITAN_VERSIONS, TRAIN_TARGETS, Export,
-                                      common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line, lora_errors,
-                                      py_name, reduces_over_dp, stage_split)
+                                      common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line, py_name,
+                                      reduces_over_dp, stage_split)
 from parcompile.exporters.deepspeed import deepspeed_config, deepspeed_export
+from parcompile.exporters.lora import lora_errors, vllm_lora_export
 from parcompile.exporters.megatron import (megatron_accounted_split, megatron_args, megatron_env, megatron_errors,
                                         megatron_export, megatron_layout)
 from parcompile.exporters.megatron_bridge import (MEGATRON_BRIDGE_FIELDS, MEGATRON_BRIDGE_SECTIONS, megatron_bridge_config,
@@ -88,6 +92,8 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
                          f"{', '.join(TORCHTITAN_VERSIONS)}")
     cfg = plan.config
     if target in SERVE_TARGETS:
+        if target == "vllm" and cfg.workload == "train" and cfg.train.method == "lora":
+            return vllm_lora_export(plan)   # the fine-tune's adapter on its base model (exporters/lora.py)
         if cfg.workload != "serve":
             raise SpecError([Diagnostic(
                 "error", f"`export --to {target}` needs a serve spec; this spec has a `train` block",
@@ -113,5 +119,5 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
         engines = {"megatron": megatron_export, "megatron-bridge": megatron_bridge_export,
                    "deepspeed": deepspeed_export}
         out = engines[target](plan)
-    out.errors.extend(lora_errors(plan, target))   # LoRA (issue 49): not carried yet
+    out.errors.extend(lora_errors(plan, target))   # LoRA (issue 49): refused where the engine has none
     return out

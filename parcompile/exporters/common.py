@@ -123,23 +123,3 @@ def py_name(name: str) -> str:
     """A Python identifier from a spec name (``llama3-8b`` -> ``llama3_8b``)."""
     out = "".join(c if c.isalnum() else "_" for c in name)
     return out if out and not out[0].isdigit() else f"spec_{out}"
-
-
-#: why each training target does not carry ``train.method = lora`` yet (issue 49): the export
-#: would run full training of every weight
-LORA_REFUSED = {
-    "megatron": "Megatron-LM's pretrain_gpt.py has no LoRA (NVIDIA's LoRA is Megatron-Bridge's `peft`)",
-    "megatron-bridge": "parcompile does not write Megatron-Bridge's `peft=LoRA(...)` and finetune() entry yet",
-    "torchtitan": "parcompile does not write torchtitan's LoRA converter yet",
-    "deepspeed": "a DeepSpeed config holds no LoRA: the adapters are the training script's (Hugging Face PEFT)",
-}
-
-
-def lora_errors(plan: Plan, target: str) -> list[str]:
-    """The export errors of a LoRA spec (``train.method = lora``) for a training ``target``
-    (:data:`LORA_REFUSED`); none for full training."""
-    t = plan.config.train
-    if plan.config.workload != "train" or t is None or t.method != "lora" or target not in LORA_REFUSED:
-        return []
-    return [f"method = lora: {LORA_REFUSED[target]}; the export would train every weight. Train with "
-            f"`parcompile run` (its hf_output is a PEFT adapter), or export with method = full"]

@@ -9,6 +9,7 @@ import json
 from parcompile.core.recompute import is_module_list, recompute_words
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, placement_errors,
                                       reduces_over_dp, stage_split)
+from parcompile.exporters.lora import deepspeed_lora_note
 from parcompile.exporters.model_keys import model_key_errors, set_model_keys, show
 from parcompile.exporters.offload_hsdp import deepspeed_offload_hsdp
 from parcompile.plan import Plan
@@ -29,6 +30,7 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str], list[str]]:
     _deepspeed_tensor_parallel(plan, c, notes, errors)
     _deepspeed_features(plan, c, notes, errors)
     deepspeed_offload_hsdp(plan, c, notes, errors)
+    notes += deepspeed_lora_note(plan)   # LoRA: PEFT wraps train.py's model (exporters/lora.py)
     return c, notes, errors
 
 

@@ -5,6 +5,7 @@ returns the ``ConfigContainer``, the Megatron-LM arguments of
 from __future__ import annotations
 
 from parcompile.exporters.common import Export, layout_line, py_name
+from parcompile.exporters.lora import megatron_bridge_peft, megatron_bridge_pretrained
 from parcompile.exporters.megatron import megatron_args, megatron_env, megatron_errors
 from parcompile.exporters.model_keys import model_key_errors
 from parcompile.plan import Plan
@@ -43,6 +44,12 @@ MEGATRON_BRIDGE_FIELDS: dict[str, list[tuple[str, str, object]] | None] = {
     "--use-distributed-optimizer": [("ddp", "use_distributed_optimizer", True),
                                     ("optimizer", "use_distributed_optimizer", True)],
     "--use-torch-fsdp2": [("dist", "use_torch_fsdp2", True)],
+    # offload and HSDP (exporters/offload_hsdp.py): megatron-core 0.16.1's OptimizerConfig
+    # (megatron/core/optimizer/optimizer_config.py lines 304 and 187) and
+    # DistributedDataParallelConfig (megatron/core/distributed/distributed_data_parallel_config.py line 30)
+    "--optimizer-cpu-offload": [("optimizer", "optimizer_cpu_offload", True)],
+    "--use-precision-aware-optimizer": [("optimizer", "use_precision_aware_optimizer", True)],
+    "--num-distributed-optimizer-instances": [("ddp", "num_distributed_optimizer_instances", int)],
     "--no-gradient-accumulation-fusion": [("model", "gradient_accumulation_fusion", False)],
     "--overlap-grad-reduce": [("ddp", "overlap_grad_reduce", True)],
     "--ddp-bucket-size": [("ddp", "bucket_size", int)],
@@ -124,7 +131,8 @@ MEGATRON_BRIDGE_SECTIONS = {
 def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], list[str], list[str]]:
     """The Megatron-Bridge 0.3.1 ``ConfigContainer`` for ``plan`` as ``{section: {field:
     value}}`` (the sections of :data:`MEGATRON_BRIDGE_SECTIONS`, plus ``"container"`` for the
-    container's own ``mixed_precision``), the notes and the errors. It is the Megatron-LM
+    container's own ``mixed_precision`` and, for LoRA, ``peft``: :func:`megatron_bridge_peft`),
+    the notes and the errors. It is the Megatron-LM
     arguments of :func:`megatron_args` (one rule for what Megatron runs) renamed through
     :data:`MEGATRON_BRIDGE_FIELDS`, and ``softmax_scale`` for ``query_pre_attn_scalar`` (which
     pretrain_gpt.py cannot state); the model keys Bridge does not carry
@@ -178,14 +186,19 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
                          else "") + "; export --to megatron")
     if m.dtype == "fp32":
         notes.append("dtype fp32: no mixed-precision recipe (mixed_precision=None)")
-    return out, notes, errors
+    peft, lora_notes, lora_errors = megatron_bridge_peft(plan)   # LoRA: exporters/lora.py
+    if peft is not None:
+        out["container"]["peft"] = _Code("CanonicalLoRA(" + ", ".join(f"{k}={v!r}" for k, v in peft.items()) + ")")
+        out["checkpoint"]["pretrained_checkpoint"] = megatron_bridge_pretrained(plan)
+    return out, notes + lora_notes, errors + lora_errors
 
 
 def megatron_bridge_export(plan: Plan) -> Export:
     """``--to megatron-bridge``: a module whose ``config()`` builds :func:`megatron_bridge_config`'s
-    ``ConfigContainer`` and runs ``pretrain`` when executed."""
+    ``ConfigContainer`` and runs ``pretrain`` when executed (``finetune`` for LoRA)."""
     cfg = plan.config
     sections, notes, errors = megatron_bridge_config(plan)
+    entry = "finetune" if "peft" in sections["container"] else "pretrain"   # finetune: from a checkpoint
     cl = cfg.cluster
     module = f"{py_name(cfg.name)}_megatron_bridge"
     launch = "".join(f"{k}={v} " for k, v in megatron_env(plan).items())
@@ -206,13 +219,14 @@ def megatron_bridge_export(plan: Plan) -> Export:
     lines += [""] + [f"note: {n}" for n in notes] if notes else []
     lines += ['"""', "", "import torch.nn.functional as F", "",
               "from megatron.bridge.models import GPTModelProvider",
+              *(["from megatron.bridge.peft.canonical_lora import CanonicalLoRA"] if entry == "finetune" else []),
               "from megatron.bridge.training.config import (",
               "    CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig,",
               "    LoggerConfig, MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,",
               "    TrainingConfig,",
               ")",
               "from megatron.bridge.training.gpt_step import forward_step",
-              "from megatron.bridge.training.pretrain import pretrain",
+              f"from megatron.bridge.training.{entry} import {entry}",
               "from megatron.core.transformer.enums import AttnBackend",
               "", "",
               "def config() -> ConfigContainer:",
@@ -229,5 +243,5 @@ def megatron_bridge_export(plan: Plan) -> Export:
     lines += [f"        {k}={value(v)}," for k, v in sections["container"].items()]
     lines += ["    )", "", "",
               'if __name__ == "__main__":',
-              "    pretrain(config(), forward_step)"]
+              f"    {entry}(config(), forward_step)"]
     return Export("megatron-bridge", "\n".join(lines) + "\n", notes, launch, f"{module}.py", errors)

@@ -12,6 +12,7 @@ from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
+from parcompile.exporters.lora import torchtitan_lora
 from parcompile.exporters.model_keys import model_key_errors
 from parcompile.exporters.offload_hsdp import torchtitan_offload, torchtitan_offload_errors
 from parcompile.plan import Plan
@@ -60,8 +61,9 @@ def torchtitan_errors(plan: Plan) -> list[str]:
 def torchtitan_model_errors(plan: Plan, version: str) -> list[str]:
     """The model's errors for torchtitan ``version`` (``"0.3"``, ``"0.2"``): the keys it does
     not carry (:func:`parcompile.exporters.model_keys.model_key_errors`), then
-    :func:`torchtitan_errors`."""
-    return model_key_errors(plan, "torchtitan" if version == "0.3" else "torchtitan-0.2") + torchtitan_errors(plan)
+    :func:`torchtitan_errors`, then LoRA's (:func:`parcompile.exporters.lora.torchtitan_lora`)."""
+    return (model_key_errors(plan, "torchtitan" if version == "0.3" else "torchtitan-0.2") + torchtitan_errors(plan)
+            + torchtitan_lora(plan, version)[2])
 
 
 def torchtitan_fsdp(sharding: DataParallelSharding, deg: dict, notes: list[str],
@@ -139,7 +141,9 @@ def torchtitan_registry(plan: Plan) -> tuple[dict, list[str]]:
               "optimizer": opt, "lr_scheduler": lr, "log_freq": tr.log_every, "seed": tr.seed}
     if tr.checkpoint_dir and tr.checkpoint_every:
         config["checkpoint"] = {"enable": True, "folder": tr.checkpoint_dir, "interval": tr.checkpoint_every}
-    return config, notes
+    config["lora"], lora_notes, _ = torchtitan_lora(plan, "0.3")   # LoRAConverter's settings, or None
+    model["fuse_qkv"] = config["lora"] is None   # one adapter per projection: q, k, v unfused (exporters/lora.py)
+    return config, notes + lora_notes
 
 
 def _torchtitan3_parallelism(plan: Plan, notes: list[str]) -> dict:
@@ -274,6 +278,7 @@ def torchtitan3_export(plan: Plan) -> Export:
         '"""',
         "",
         "from torchtitan.components.checkpoint import CheckpointManager",
+        *(["from torchtitan.components.lora import LoRAConverter"] if config["lora"] is not None else []),
         "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
         "from torchtitan.components.metrics import MetricsProcessor",
         "from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer",
@@ -304,7 +309,7 @@ def _torchtitan3_model_lines(name: str, md: dict) -> list[str]:
         f'    """The model of `{name}`: torchtitan\'s llama3 with this spec\'s shape."""',
         f"    dim, vocab_size = {md['dim']}, {md['vocab_size']}",
         "    layers = llama3._build_llama3_layers(",
-        f"        fuse_qkv=True, n_layers={md['n_layers']}, dim=dim, n_heads={md['n_heads']}, "
+        f"        fuse_qkv={md['fuse_qkv']}, n_layers={md['n_layers']}, dim=dim, n_heads={md['n_heads']}, "
         f"n_kv_heads={md['n_kv_heads']}, hidden_dim={md['hidden_dim']},",
         f"        rope=ComplexRoPE.Config(dim=dim // {md['n_heads']}, max_seq_len={r['max_seq_len']}, "
         f"theta={r['theta']!r}, scaling={r['scaling']!r}"
@@ -324,6 +329,11 @@ def _torchtitan3_model_lines(name: str, md: dict) -> list[str]:
     ]
 
 
+def _kwargs(kw: dict) -> str:
+    """Keyword arguments as Python source (``rank=8, alpha=16.0``)."""
+    return ", ".join(f"{k}={v!r}" for k, v in kw.items())
+
+
 def _torchtitan3_trainer_lines(name: str, fn: str, module: str, config: dict) -> list[str]:
     """The exported module's ``Trainer.Config`` function ``fn`` (module ``module``) from
     :func:`torchtitan_registry`'s ``config`` for spec ``name``."""
@@ -333,7 +343,8 @@ def _torchtitan3_trainer_lines(name: str, fn: str, module: str, config: dict) ->
     lines = [
         f"def {fn}() -> Trainer.Config:",
         f'    """`{name}` for torchtitan.train (--module {module} --config {fn})."""',
-        "    model_spec = llama3.model_registry(FLAVOR)",
+        "    model_spec = llama3.model_registry(FLAVOR" + ("" if config["lora"] is None else ", converters=["
+                                                      f"LoRAConverter.Config({_kwargs(config['lora'])})]") + ")",
         "    return Trainer.Config(",
         "        model_spec=model_spec,",
         "        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size="
