@@ -12,7 +12,8 @@ commit and what was assumed). ``C`` rows were used to fit the efficiencies of pa
 Korthikanti's whole-stage formula (A100) and, per H100 row, the peak memory against what the
 cluster may use (fits or not) and beside the published one where there is one. Last, the
 memory-fit rows (Megatron-Bridge's GPT-OSS 120B BF16 layouts, parcompile/analysis/memory_rows.py):
-each layout's peak against what its GPU may use, with its source.
+each layout's peak against what its GPU may use, and its published tokens per second per GPU
+(held out: no number of the estimate is fitted to them) beside the plan's, with its source.
 
     python benchmarks/cost_model.py
 """
@@ -146,14 +147,18 @@ def memory_fit_rows() -> None:
     """The memory-fit rows (parcompile/analysis/memory_rows.py): each published layout's peak
     against what its GPU may use, with its source and what was assumed."""
     print(f"{'memory-fit row':30s} {'layout':62s} {'peak GiB':>8s} {'usable':>7s} fits "
-          f"{'without recompute list, fp32 grads':>34s}")
+          f"{'without recompute list, fp32 grads':>34s} {'H tok/s/GPU published':>21s} {'plan':>6s} {'step error':>10s}")
     for row in MEMORY_ROWS:
         cfg = memory_row_config(row)
-        mem = cost_without_schedule(cfg).memory
+        cost = cost_without_schedule(cfg)
+        mem = cost.memory
         plain = cost_without_schedule(memory_row_config(row, recompute="none", grad_dtype="fp32")).memory
+        rate = cost.time.tokens_per_s / cfg.parallel.world_size
+        held = (f" {row.tokens_per_s_per_gpu:21,.0f} {rate:6,.0f} {100 * (row.tokens_per_s_per_gpu / rate - 1):+9.1f}%"
+                if row.tokens_per_s_per_gpu else "")
         print(f"{row.name:30s} {_layout(cfg.parallel) + ' ' + cfg.parallel.grad_dtype + ' grads':62s} "
               f"{mem.peak / GIB:8.1f} {mem.capacity / GIB:7.1f} {'yes' if mem.fits else 'NO ':4s} "
-              f"{plain.peak / GIB:30.1f} GiB")
+              f"{plain.peak / GIB:30.1f} GiB{held}")
     for row in MEMORY_ROWS:
         print(f"{row.name:30s} {row.source}, {row.container} NeMo Container; assumed: {row.assumed}")
 

@@ -324,7 +324,7 @@ class OffloadAssumptions(_Strict):
 class GemmRateAssumptions(_Strict):
     """``estimate.assumptions.gemm_rate``: the GEMM-rate model that timed the GEMMs
     (parcompile/analysis/gemm.py); where present, ``matmul_efficiency`` prices only the rest
-    (a grouped GEMM's ``expert_rows``, the tp overlap)."""
+    (the tp overlap)."""
 
     kernels: Literal["ampere", "hopper", "blackwell"] = Field(description="the GPU generation's kernel facts")
     sms: int = Field(gt=0, description="streaming multiprocessors the output tiles spread over")
@@ -369,9 +369,14 @@ class Assumptions(_Strict):
     overlap_slowdown: Optional[float] = Field(
         default=None, description="share of an overlapped data-parallel collective's time the compute beneath "
                                   "it loses (NCCL's kernels take streaming multiprocessors)")
-    expert_rows: Optional[float] = Field(
-        default=None, description="mixture-of-experts models only: a grouped GEMM's fixed cost per local expert, "
-                                  "in rows of that expert's GEMMs")
+    expert_gemm_streams: Optional[int] = Field(
+        default=None, ge=0, description="mixture-of-experts models only: how the grouped expert GEMMs run: 0, one "
+                                        "grouped kernel over every local expert; s > 0, one GEMM kernel per expert "
+                                        "on s streams (Transformer Engine's GroupedLinear)")
+    expert_host: Optional[float] = Field(
+        default=None, ge=0, description="mixture-of-experts models only: seconds the GPU waits on the host per "
+                                        "local expert in each MoE layer's forward (the token dispatcher's "
+                                        "device-to-host synchronisation precedes the experts' per-expert work)")
     cluster_figures: Optional[str] = Field(
         default=None, description="`cpu` preset only: where its memory, compute and bandwidth came from (this "
                                   "machine's probe, pinned by PARCOMPILE_CPU_PROBE, or the fixed figures)")

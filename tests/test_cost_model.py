@@ -347,7 +347,7 @@ def test_gemm_operands_scale_with_tokens_and_weights_do_not():
 
 def test_small_gemms_and_few_tokens_per_expert_run_below_the_gemm_rate():
     # seconds per FLOP of the matmuls falls with the micro-batch (operands amortise the
-    # weights); experts pay Engine.expert_rows rows each
+    # weights and the experts' GEMMs their weights, read once per micro-batch)
     moe = _llama(experts=8, top_k=2, expert_ffn_hidden=256)
     rates = []
     for mb in (1, 8):
@@ -426,8 +426,16 @@ def test_deepep_sends_a_token_once_per_rank_holding_its_experts():
     assert routed_share(cfg, {"ep": 8}) == 2 / 4           # 2 experts per rank: two ranks
     # the estimate's expert all-to-all time follows: a quarter of Megatron's bytes for GPT-OSS
     # 20B, the messages' latency unchanged
-    meg = cost_without_schedule(oss.model_copy(update={"cluster": oss.cluster.model_copy(
-        update={"engine": "megatron"})})).time.breakdown["ep_comm"]
+    # (Megatron's experts without their host wait, Engine.expert_host: the all-to-alls alone)
+    import dataclasses
+    from parcompile.analysis import efficiency as eff_mod
+    saved = eff_mod.ENGINES["megatron"]
+    eff_mod.ENGINES["megatron"] = dataclasses.replace(saved, expert_host=0.0)
+    try:
+        meg = cost_without_schedule(oss.model_copy(update={"cluster": oss.cluster.model_copy(
+            update={"engine": "megatron"})})).time.breakdown["ep_comm"]
+    finally:
+        eff_mod.ENGINES["megatron"] = saved
     deepep = _h100_cost(next(r for r in H100_ROWS if r.name == "GPT-OSS 20B FSDP+EP")).time.breakdown["ep_comm"]
     assert meg / 4 < deepep < meg / 3
 
@@ -795,3 +803,49 @@ def test_transformer_engine_keeps_fp8_linear_inputs():
     m, t, s = cfg.model, 4, 8192
     assert plain - te == s * m.hidden // t + s * m.ffn_hidden // t
     assert prog == plain   # the generated program (torchao-style FP8) keeps its 16-bit inputs
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("ep", [1, 4])
+def test_expert_host_is_paid_per_local_expert_in_each_moe_layer_forward(monkeypatch, recompute, ep):
+    # after Megatron-Core's dispatcher syncs with the host, the host issues the experts' work expert
+    # by expert (Engine.expert_host per local expert per MoE layer forward), in the ep time of the
+    # forward; a fully recomputed layer pays it again in the backward. 2 MoE layers of 8 experts,
+    # 8 / ep on a rank; no collectives: the ep time is the wait alone
+    import dataclasses
+    from parcompile.analysis import efficiency as eff_mod
+    wait = 1e-3
+    monkeypatch.setitem(eff_mod.ENGINES, "megatron", dataclasses.replace(eff_mod.ENGINES["megatron"],
+                                                                         expert_host=wait))
+    cfg = spec(_llama(experts=8, top_k=2, expert_ffn_hidden=256), micro_batch=2, global_batch=2 * ep, dp=ep, ep=ep,
+               recompute=recompute)
+    comp, _ = _report(cfg)
+    assert comp.chunk_moe_experts == (2 * 8 // ep,)
+    ct = chunk_times(cfg, {"tp": 1, "ep": ep}, None, comp, type("C", (), {"raw": ()})(),
+                     links={a: (0.0, 1.0) for a in ("tp", "cp", "ep", "dp", "dp_cp", "pp")})
+    assert ct.comm_f["ep"] == (pytest.approx(2 * 8 / ep * wait),)
+    assert ct.comm_b["ep"] == (pytest.approx(2 * 8 / ep * wait if recompute == "full" else 0.0),)
+    # a dense model has no experts and waits nothing
+    dense, _ = _report(spec(_llama(), micro_batch=2, global_batch=2))
+    assert dense.chunk_moe_experts == (0,)
+
+
+def test_dispatch_and_combine_move_the_routed_rows_through_two_permutations():
+    # Megatron-Core's all-to-all dispatcher: permute (N token rows -> N k rows sorted by expert)
+    # and, with several local experts, sort_chunks_by_idxs (N k rows again); the combine undoes
+    # both. DeepEP's (engine automodel) one each way. Rows of h = 256 bf16, N = 2 x 256 tokens, k = 2
+    from parcompile.analysis.compute import op_fwd_traffic
+    N, k, h, b = 2 * 256, 2, 256, 2
+    for ep, local in ((1, 8), (8, 1)):
+        cfg = spec(_llama(experts=8, top_k=k, expert_ffn_hidden=256), micro_batch=2, global_batch=16, dp=8, ep=ep)
+        g, ctx = run_until(cfg, "insert-collectives")
+        disp = next(nd for nd in g.nodes() if nd.kind == "moe_dispatch")
+        comb = next(nd for nd in g.nodes() if nd.kind == "moe_combine")
+        again = 2 * N * k * h * b if local > 1 else 0
+        assert op_fwd_traffic(g, disp, ctx.degrees) == N * h * b + N * k * h * b + again
+        assert op_fwd_traffic(g, comb, ctx.degrees) == N * k * h * b + N * h * b + again
+    cfg = spec(_llama(experts=8, top_k=k, expert_ffn_hidden=256), micro_batch=2, global_batch=2)
+    meg, _ = _report(cfg, "megatron")
+    auto, _ = _report(cfg, "automodel")
+    # two MoE layers, 8 local experts: DeepEP skips the regrouping's 2 x 2 passes over the N k rows
+    assert meg.chunk_fwd_traffic[0] - auto.chunk_fwd_traffic[0] == 2 * 2 * 2 * N * k * h * b

@@ -180,3 +180,25 @@ def test_plan_names_the_gemm_rate_model():
     assert "matmul_interpolator_data.h at 372d578" in got["source"] and "gemm_clock" in got["source"]
     tiny = parcompile.compile(Path(__file__).resolve().parent.parent / "examples" / "tiny.par")
     assert "gemm_rate" not in tiny.data["estimate"]["assumptions"]
+
+
+def test_grouped_gemm_as_its_library_schedules_the_experts():
+    # one grouped kernel (streams 0: torch._grouped_mm, CUTLASS, DeepGEMM) schedules every
+    # expert's tiles together; Transformer Engine's GroupedLinear runs one cuBLAS GEMM per expert,
+    # expert i on stream i % 4 (multi_stream_cublas_gemm): rounds of 4 concurrent GEMMs
+    from parcompile.analysis.gemm import gemm_seconds, grouped_gemm_seconds
+    h100 = (989e12, 132, 3.35e12, "hopper")
+    for m in (128, 1024, 4096):
+        one = [gemm_seconds(m, 5760, 2880, b, *h100) for b in range(17)]
+        assert grouped_gemm_seconds(m, 5760, 2880, 16, 0, *h100) == one[16]
+        assert grouped_gemm_seconds(m, 5760, 2880, 16, 4, *h100) == pytest.approx(4 * one[4])
+        assert grouped_gemm_seconds(m, 5760, 2880, 6, 4, *h100) == pytest.approx(one[4] + one[2])
+        assert grouped_gemm_seconds(m, 5760, 2880, 3, 4, *h100) == one[3]
+    # each of the 4 rounds pays its own launch, and where the GEMMs are compute-bound (256 rows per
+    # expert and up) its 4 kernels' tiles fill the SMs less well than 16 experts' together: the
+    # per-expert GEMMs run slower than one grouped kernel by 3 launches (memory-bound, 128 rows),
+    # more where the tiles count
+    launch = KERNELS["hopper"].launch
+    t = {(m, s): grouped_gemm_seconds(m, 2880, 2880, 16, s, *h100) for m in (128, 256, 1024) for s in (0, 4)}
+    assert t[128, 4] == pytest.approx(t[128, 0] + 3 * launch)
+    assert t[256, 4] > t[256, 0] + 3 * launch and t[1024, 4] > t[1024, 0] + 3 * launch

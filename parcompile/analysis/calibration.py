@@ -22,7 +22,7 @@ were tuned to; ``held_out`` rows were not looked at while tuning.
 H100-era rows (:data:`H100_ROWS`, bf16, :func:`h100_config`), what the H100 numbers and the
 engines of :mod:`parcompile.analysis.estimate` were calibrated on (:data:`FITTED` names each
 fitted number and its rows: the torchtitan rows none, the Megatron-Bridge row
-``ENGINES["megatron"].expert_rows``, the Llama 3 row the H100's ``matmul`` (the flat rule's),
+``ENGINES["megatron"].expert_host``, the Llama 3 row the H100's ``matmul`` (the flat rule's),
 all of them its ``gemm_clock`` (the GEMM-rate model's, :mod:`parcompile.analysis.gemm`), the two NeMo
 AutoModel rows ``ENGINES["automodel"].elementwise``):
 
@@ -484,7 +484,7 @@ FITTED: tuple[Fitted, ...] = (
     Fitted("EFFICIENCY", "a100-80gb", "matmul", tuple(r.name for r in ROWS if not r.held_out)),
     Fitted("EFFICIENCY", "a100-80gb", "overlap", tuple(r.name for r in ROWS if not r.held_out)),
     Fitted("EFFICIENCY", "h100-sxm", "matmul", ("Llama 3.1 405B",)),
-    Fitted("ENGINES", "megatron", "expert_rows", ("GPT-OSS 120B",)),
+    Fitted("ENGINES", "megatron", "expert_host", ("GPT-OSS 120B",)),
     Fitted("ENGINES", "automodel", "elementwise", ("GPT-OSS 20B FSDP+EP", "Qwen3-30B-A3B FSDP+EP")),
     Fitted("EFFICIENCY", "h100-sxm", "fp8", tuple(r.name for r in FP8_ROWS if r.bf16_row and
                                                    dict(r.train)["fp8_recipe"] == "tensorwise")),

@@ -30,6 +30,7 @@ from typing import Mapping
 from parcompile.core.recompute import is_module_list, modules_of
 from parcompile.ir.recompute import node_modules
 from parcompile.ir.fp8 import is_fp8_gemm
+from parcompile.analysis.efficiency import DEFAULT_ENGINE, ENGINES
 from parcompile.analysis.fp8 import cast_elements, cast_input
 from parcompile.core.attention import with_kernel
 from parcompile.core.model import GATED_ACTIVATIONS
@@ -128,12 +129,6 @@ def op_sac(graph: Graph, recompute: str, engine: str = "megatron", fp8: bool = F
     return frozenset(out)
 
 
-def expert_row_flops(nd: Node, degrees: Mapping[str, int]) -> int:
-    """FLOPs of one row through every local expert's weight matrices of an ``experts`` op:
-    2 x the local expert weight elements (biases left out)."""
-    return 2 * sum(p.sharding.local_type(p.type, degrees).numel for p in nd.params if p.name.endswith(".weight"))
-
-
 def gemm_shapes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tuple[int, int, int, int]]:
     """The GEMMs one forward of op ``nd`` runs on one rank, as ``(m, n, k, batch)``
     (:mod:`parcompile.analysis.gemm`; ``m`` the rows, which grow with the tokens): a ``linear``
@@ -179,23 +174,26 @@ def gemm_shapes(graph: Graph, nd: Node, degrees: Mapping[str, int]) -> list[tupl
 def gemm_seconds(graph: Graph, nd: Node, degrees: Mapping[str, int], gemm, fp8: bool) -> tuple[float, float, float]:
     """``(t, base, slope)``: seconds ``t`` of op ``nd``'s GEMMs (:func:`gemm_shapes`) on one rank
     by ``gemm`` (a :class:`~parcompile.analysis.gemm.GemmPricer`, its training mean of each
-    GEMM's three), FP8 where ``fp8`` and the op runs FP8 GEMMs (:func:`parcompile.ir.fp8.is_fp8_gemm`);
-    and a line below ``t(r)``, the seconds at ``r`` times the tokens (rows, or attention's
+    GEMM's three; an ``experts`` op's as the engine's grouped GEMM schedules its local experts,
+    :func:`parcompile.analysis.gemm.grouped_gemm_seconds`), FP8 where ``fp8`` and the op runs FP8
+    GEMMs (:func:`parcompile.ir.fp8.is_fp8_gemm`); and a line below ``t(r)``, the seconds at ``r`` times the tokens (rows, or attention's
     batch), which tiles, waves and fixed times keep from being affine: ``slope`` the least of
     the chords ``(t(2r) - t(r)) / r`` over ``r = 1 .. 32``, ``base`` the least of ``t(r) - r
     slope`` over ``r = 1/8 .. 64`` (the search scales the line, :meth:`ComputeReport.scaled`)."""
     shapes = gemm_shapes(graph, nd, degrees)
     if not shapes:
         return 0.0, 0.0, 0.0
-    return _gemm_line(gemm, tuple(shapes), fp8 and is_fp8_gemm(nd, graph), nd.has_trait(Trait.ATTENTION))
+    return _gemm_line(gemm, tuple(shapes), fp8 and is_fp8_gemm(nd, graph), nd.has_trait(Trait.ATTENTION),
+                      nd.kind == "experts")
 
 
 @lru_cache(maxsize=1 << 14)
-def _gemm_line(gemm, shapes: tuple, f8: bool, attn: bool) -> tuple[float, float, float]:
-    """:func:`gemm_seconds` of ``shapes``, cached."""
+def _gemm_line(gemm, shapes: tuple, f8: bool, attn: bool, grouped: bool = False) -> tuple[float, float, float]:
+    """:func:`gemm_seconds` of ``shapes``, cached; ``grouped``: an ``experts`` op's grouped GEMMs
+    (:func:`parcompile.analysis.gemm.grouped_gemm_seconds`)."""
     def t(r: float) -> float:
         return sum(gemm.train_seconds(m, n, k, max(1, round(b * r)), f8) if attn
-                   else gemm.train_seconds(max(1, round(m * r)), n, k, b, f8) for m, n, k, b in shapes)
+                   else gemm.train_seconds(max(1, round(m * r)), n, k, b, f8, grouped) for m, n, k, b in shapes)
     slope = min((t(2.0 ** (j + 1)) - t(2.0 ** j)) / 2.0 ** j for j in range(6))
     base = min(t(2.0 ** j) - 2.0 ** j * slope for j in range(-3, 7))
     return t(1), base, slope
@@ -244,16 +242,16 @@ class ComputeReport:
     chunk_attn_scores: tuple[float, ...] = ()
     chunk_gemm_traffic: tuple[int, ...] = ()
     chunk_weight_traffic: tuple[int, ...] = ()
-    #: per model chunk: the FLOPs of one row through every local expert's matrices (2 x the
-    #: local expert weights): a grouped GEMM's fixed cost per expert is a number of such rows
-    #: (:attr:`parcompile.analysis.estimate.Engine.expert_rows`), whatever the tokens
-    chunk_expert_row_flops: tuple[int, ...] = ()
+    #: per model chunk: the local experts of its MoE layers, summed over the layers (each token
+    #: dispatch's ``local_experts``): the experts' per-expert host work in one forward
+    #: (:attr:`parcompile.analysis.efficiency.Engine.expert_host`), whatever the tokens
+    chunk_moe_experts: tuple[int, ...] = ()
     chunk_recompute_attn_flops: tuple[float, ...] = ()
     chunk_recompute_attn_work: tuple[float, ...] = ()
     chunk_recompute_attn_scores: tuple[float, ...] = ()
     chunk_recompute_gemm_traffic: tuple[int, ...] = ()
     chunk_recompute_weight_traffic: tuple[int, ...] = ()
-    chunk_recompute_expert_row_flops: tuple[int, ...] = ()
+    chunk_recompute_moe_experts: tuple[int, ...] = ()
     #: per model chunk, one rank, one micro-batch: the graph ops the program runs in the
     #: forward (every node but inputs, pipeline transfers and step collectives: a
     #: ``redistribute`` is one op too, its collective timed apart), and those recomputation
@@ -379,13 +377,16 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
     rec = [0] * num_chunks
     traffic = [0] * num_chunks
     rec_traffic = [0] * num_chunks
-    parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "ef", "gs", "gb", "ga")}
+    parts = {k: [0] * num_chunks for k in ("af", "aw", "as", "gt", "wt", "md", "gs", "gb", "ga")}
     rparts = {k: [0] * num_chunks for k in parts}
     ops = [0] * num_chunks
     rec_ops = [0] * num_chunks
     f8 = {k: [0] * num_chunks for k in F8_KEYS}
     cast_seen: set[str] = set()
     sac = op_sac(graph, recompute, engine, fp8)
+    # a dispatcher that sends each token once per rank (DeepEP, Engine.dedup_dispatch) permutes the rows
+    # once each way, not twice (ir/ops/moe.py)
+    one_permutation = getattr(ENGINES.get(engine or DEFAULT_ENGINE), "dedup_dispatch", False)
     for nd in graph.nodes():
         c = nd.chunk or 0
         again = recomputed(nd, recompute, sac)
@@ -403,12 +404,15 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
                     rparts[k][c] += v
         else:
             gt, wt = gemm_bytes(graph, nd, degrees)
-            ef = expert_row_flops(nd, degrees) if nd.kind == "experts" else 0
+            md = nd.op.attr_map.get("local_experts", 1) if nd.kind == "moe_dispatch" else 0
             gs, gb, ga = gemm_seconds(graph, nd, degrees, gemm, fp8) if gemm is not None else (0.0, 0.0, 0.0)
-            for k, v in (("gt", gt), ("wt", wt), ("ef", ef), ("gs", gs), ("gb", gb), ("ga", ga)):
+            for k, v in (("gt", gt), ("wt", wt), ("md", md), ("gs", gs), ("gb", gb), ("ga", ga)):
                 parts[k][c] += v
                 if again:
                     rparts[k][c] += v
+        if one_permutation and nd.kind in ("moe_dispatch", "moe_combine"):
+            # DeepEP sends token rows and regroups them once on arrival (ir/ops/moe.py's traffic with one local expert)
+            nd = replace(nd, op=replace(nd.op, attrs=tuple({**nd.op.attr_map, "local_experts": 1}.items())))
         moved = op_fwd_traffic(graph, nd, degrees)
         if moved:
             traffic[c] += moved
@@ -427,8 +431,8 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
             rec[c] += local
     return ComputeReport(model * num_microbatches, hw * num_microbatches, tuple(fwd), tuple(rec),
                          tuple(traffic), tuple(rec_traffic),
-                         *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
-                         *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "ef")),
+                         *(tuple(parts[k]) for k in ("af", "aw", "as", "gt", "wt", "md")),
+                         *(tuple(rparts[k]) for k in ("af", "aw", "as", "gt", "wt", "md")),
                          tuple(ops), tuple(rec_ops),
                          *(tuple(f8[k]) for k in F8_KEYS),
                          *(tuple(d[k]) if gemm is not None else () for d in (parts, rparts) for k in ("gs", "gb", "ga")))

@@ -86,15 +86,16 @@ class Engine:
     * ``attention``: the rate class of its attention kernels (``"fused"``: :attr:`Efficiency.attention`,
       ``"fa2"``: :attr:`Efficiency.attention_fa2`); which kernel each attention variant runs, and
       its speed relative to this rate, is :data:`parcompile.core.attention.ATTENTION_KERNELS`;
-    * ``expert_rows``: a grouped GEMM's fixed cost per local expert, in rows of that
-      expert's GEMMs (launch, the last partial wave of tiles, prologue and epilogue, the
-      per-expert bookkeeping of the token dispatch): at ``M`` rows per expert the experts
-      run at ``M / (M + expert_rows)`` of the dense GEMM rate. On a preset with GEMM kernel
-      facts (:mod:`parcompile.analysis.gemm`), which prices the launch, the tiles and the
-      waves of each group itself, it is added to that model's seconds at ``matmul * P``
-      (:func:`parcompile.analysis.estimate.chunk_times`): the value is still the flat rule's
-      fit, not refitted over the GEMM-rate model, so those parts count twice there (the
-      GPT-OSS 120B row it was fitted to stays at +1.1% with ``gemm_clock`` fitted beside it);
+    * ``expert_gemm_streams``: how its grouped expert GEMMs run
+      (:func:`parcompile.analysis.gemm.grouped_gemm_seconds`): 0, one grouped kernel schedules
+      every local expert's tiles together; ``s > 0``, one GEMM kernel per local expert, round-robin
+      on ``s`` streams (Transformer Engine's ``GroupedLinear`` in 16-bit);
+    * ``expert_host``: seconds the GPU waits on the host per local expert in each MoE layer's
+      forward: the token dispatcher's device-to-host synchronisation (the row counts the
+      all-to-all's split sizes and the per-expert GEMMs need) empties the queue before the
+      experts, whose per-expert work the host then launches while the GPU waits
+      (:func:`~parcompile.analysis.estimate.chunk_times`, in ``ep_comm``); in seconds, so
+      it neither shrinks on a faster GPU nor with more tokens;
     * ``sac``: what ``recompute = selective`` recomputes: ``"core"`` (Megatron-LM's: the
       attention core, Korthikanti et al. 2022) or ``"op"`` (torchtitan's op-level policy,
       :func:`parcompile.analysis.compute.op_sac`);
@@ -114,7 +115,8 @@ class Engine:
     name: str
     elementwise: float
     attention: str
-    expert_rows: float
+    expert_gemm_streams: int
+    expert_host: float
     description: str
     source: str
     sac: str = "core"
@@ -138,25 +140,47 @@ class Engine:
         return self.fsdp2_shard_bytes if self.fsdp2 else 0
 
 
+#: Transformer Engine's 16-bit ``GroupedLinear`` runs one cuBLAS GEMM per expert, GEMM ``i`` on
+#: compute stream ``i % nvte_get_num_compute_streams()`` (NVIDIA/TransformerEngine d0067d0,
+#: transformer_engine/common/gemm/cublaslt_gemm.cu ``multi_stream_cublas_gemm``, the default of
+#: ``nvte_multi_tensor_gemm`` unless NVTE_USE_CUTLASS_GROUPED_GEMM; common/util/multi_stream.cpp:
+#: 4 streams)
+TE_GEMM_STREAMS = 4
+#: :attr:`Engine.expert_host` of the ``megatron`` engine, seconds per local expert per MoE layer
+#: forward. The mechanism: Megatron-Core's all-to-all token dispatcher copies the row counts to
+#: the host and synchronises in every MoE layer's forward (NVIDIA/Megatron-LM d98e8a6,
+#: megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher.preprocess:
+#: ``cuda_sync_point = "before_ep_alltoall"`` with ep or tp > 1, else ``"before_finish"``;
+#: ``_maybe_dtoh_and_synchronize``), before the experts, whose work the host issues expert by
+#: expert: Transformer Engine's GroupedLinear splits its input by the host list ``m_splits`` and
+#: launches one cuBLAS GEMM per expert per matrix (TE_GEMM_STREAMS), and Megatron's
+#: ``TEGroupedMLP._apply_bias`` adds a biased model's fc2 bias expert by expert (torch.split, a
+#: multiply and an add per expert, torch.cat: megatron/core/transformer/moe/experts.py at
+#: d98e8a6); the Megatron-Bridge recipes run without CUDA graphs. The value is fitted to the
+#: Megatron-Bridge GPT-OSS 120B H100 row (analysis/calibration.py, the one handed Megatron MoE
+#: row: 16 local experts), not measured: it stands for the whole host-bound part of the MoE
+#: layer that the row shows beyond its GEMMs, permutations and all-to-alls
+MEGATRON_EXPERT_HOST = 0.34e-3
+
 #: ``cluster.engine`` -> :class:`Engine`
 ENGINES: dict[str, Engine] = {
     "megatron": Engine(
-        "megatron", 1.0, "fused", 1700.0,
+        "megatron", 1.0, "fused", TE_GEMM_STREAMS, MEGATRON_EXPERT_HOST,
         "Megatron-Core with Transformer Engine: fused norms, RoPE, SwiGLU / GeLU and cross-entropy, "
         "cuDNN fused attention (sinks too), grouped GEMMs for experts, the distributed optimizer "
         "overlapping its gradient reduce-scatters and parameter all-gathers",
         "elementwise: TE / Megatron fused kernels read their inputs and write their outputs once "
-        "(the fused count of OpSpec.traffic); expert_rows: fitted to the Megatron-Bridge GPT-OSS 120B row "
-        "(the only mixture-of-experts row of analysis/calibration.py): TE's grouped GEMM on Hopper with "
-        "Megatron's all-to-all dispatcher costs about 1,700 rows of each local expert's GEMMs beyond its "
-        "arithmetic (at 1,024 rows per expert the experts run at 38% of the dense GEMM rate); gradient "
+        "(the fused count of OpSpec.traffic); expert_gemm_streams: TE's GroupedLinear, one cuBLAS GEMM per "
+        "expert on 4 streams (TE_GEMM_STREAMS); expert_host: fitted to the Megatron-Bridge GPT-OSS 120B "
+        "row (the only Megatron mixture-of-experts row of analysis/calibration.py; MEGATRON_EXPERT_HOST); "
+        "gradient "
         "buffers: one per (param dtype, grad dtype), grad dtype torch.float if grad_reduce_in_fp32 else "
         "param.dtype, for DDP and the distributed optimizer alike (group_params_for_buffers, "
         "megatron/core/distributed/param_and_grad_buffer.py at NVIDIA/Megatron-LM d98e8a6): with "
         "reduce_dtype bf16 (--grad-reduce-in-bf16) the step accumulates and is reduced in bf16",
         step_grads_in_reduce_dtype=True),
     "eager": Engine(
-        "eager", 2.8, "fa2", 1700.0,
+        "eager", 2.8, "fa2", 0, 0.0,
         "eager PyTorch with FSDP2 (torchtitan without torch.compile): one kernel per elementwise op "
         "with fp32 upcasts in the norms, RoPE and the loss, SDPA's FlashAttention-2 (FlexAttention for "
         "sliding windows and sinks: core/attention.py), FSDP2 all-gathers "
@@ -168,11 +192,12 @@ ENGINES: dict[str, Engine] = {
         "adds 49, attention 20, loss 40) about 2.8x; FSDP2 copies each all-gather's output and "
         "reduce-scatter's input through its flat buffer (step_sums); "
         "attention: FlashAttention-2 on Hopper (Shah et al. 2024, FlashAttention-3, Fig. 5-7); "
-        "expert_rows: as megatron (no eager MoE row was measured); selective recomputation is "
+        "expert_gemm_streams: torchtitan's experts run torch._grouped_mm, one grouped kernel (0); "
+        "expert_host: not modelled (0: no eager MoE row was measured); selective recomputation is "
         "torchtitan's op-level policy (analysis/compute.py op_sac)",
         sac="op", fsdp2=True, fp32_loss=True),
     "compile": Engine(
-        "compile", 1.0, "fa2", 1700.0,
+        "compile", 1.0, "fa2", 0, 0.0,
         "torchtitan with torch.compile and FSDP2: each transformer block and the loss compiled "
         "(Inductor fuses their elementwise ops), SDPA's FlashAttention-2, FSDP2 all-gathers and "
         "reduce-scatters overlapped with compute",
@@ -182,11 +207,12 @@ ENGINES: dict[str, Engine] = {
         "matmuls into kernels that read their inputs and write their outputs once, the fused count "
         "of OpSpec.traffic; the loss still upcasts to fp32 (an fp32 copy of the logits in memory); "
         "FSDP2's flat-buffer copies stay eager (step_sums); attention: SDPA's flash backend, "
-        "FlashAttention-2, as eager; expert_rows: as megatron (no compiled MoE row); selective "
+        "FlashAttention-2, as eager; expert_gemm_streams, expert_host: as eager (no compiled MoE row); "
+        "selective "
         "recomputation: torchtitan's op-level policy, as eager",
         sac="op", fsdp2=True, fp32_loss=True),
     "automodel": Engine(
-        "automodel", 1.0, "fused", 1700.0,
+        "automodel", 1.0, "fused", TE_GEMM_STREAMS, 0.0,
         "NeMo AutoModel with FSDP2: Transformer Engine linears and RMSNorm, TE's cuDNN fused "
         "attention (FlexAttention for sinks), grouped GEMMs for experts with DeepEP's dispatch",
         "elementwise: fitted to the two NeMo AutoModel rows of analysis/calibration.py (GPT-OSS 20B and "
@@ -194,7 +220,10 @@ ENGINES: dict[str, Engine] = {
         "fused count, 1.0 (an estimate from the recipes, examples/benchmark/configs/*_te_deepep.yaml@8d9bfb9: "
         "TE norms, eager SwiGLU, router and bf16 loss, weighted as the eager engine's, gave about 1.4 and "
         "+12% on Qwen3); attention: TE's fused attention (cuDNN) as megatron, FlexAttention for sinks "
-        "(core/attention.py); expert_rows: as megatron; selective recomputation: torchtitan's op-level "
+        "(core/attention.py); expert_gemm_streams: TE's GroupedLinear as megatron (its recipes' te experts "
+        "backend); expert_host: 0, not fitted (DeepEP's normal dispatch waits on the host for the "
+        "received counts too, but both rows plan within 6% without it); selective recomputation: "
+        "torchtitan's op-level "
         "policy (Automodel's apply_ac selective reuses it); FSDP2 copies as eager; dispatch: DeepEP "
         "(deepseek-ai/DeepEP, normal kernels) sends each token once to every rank holding some of its "
         "experts and combines their outputs there (routed_share); fsdp2_shard_bytes: its MoE models are "

@@ -9,9 +9,8 @@ written into plan.json (``estimate.assumptions``).
 * GEMMs (linear, router, LM head, grouped experts, unfused attention's): each timed from its
   shape by the GEMM-rate model (:mod:`parcompile.analysis.gemm`, shapes from
   :func:`parcompile.analysis.compute.gemm_shapes`) at the clock a step sustains (``eff.gemm_clock``,
-  FP8 ``eff.fp8_clock``); plus a grouped GEMM's fixed cost per local expert of
-  ``Engine.expert_rows`` rows at ``eff.matmul * P`` (without GEMM kernel facts: ``(flops +
-  expert_rows * expert_row_flops) / (eff.matmul * P) + (operand + weight bytes) / BW``);
+  FP8 ``eff.fp8_clock``; grouped expert GEMMs as the engine schedules them: :func:`parcompile.analysis.gemm.
+  grouped_gemm_seconds`); without GEMM kernel facts ``flops / (eff.matmul * P) + (operand + weight bytes) / BW``;
 * fused attention cores: the FLOPs the causal kernel runs (:func:`~parcompile.analysis.
   compute.causal_share`) plus ``softmax_dim`` FLOPs per score for its exponentials, at
   ``attention * P * (1 + softmax_dim / 128)`` (the kernel's measured fraction at head dim
@@ -296,11 +295,11 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 
     timed = bool(compute.chunk_gemm_seconds)
 
-    def gemms(flops, attn, work, operands, weights, expert_row, gemm_s, fp8_flops=0, cast=0.0, fp8_operands=0):
-        # GEMMs by their shapes (analysis/gemm.py) + per local expert + FP8 casts; else the flat rule
+    def gemms(flops, attn, work, operands, weights, gemm_s, fp8_flops=0, cast=0.0, fp8_operands=0):
+        # GEMMs by their shapes (analysis/gemm.py) + FP8 casts; else the flat rule
         if timed:
-            return gemm_s + eng.expert_rows * expert_row / rate + cast
-        t = (flops - attn + eng.expert_rows * expert_row) / rate + (operands + weights) / bw
+            return gemm_s + cast
+        t = (flops - attn) / rate + (operands + weights) / bw
         if f8 is not None:
             # FP8 operands (inputs and weights) are read at 1 byte, not the dtype's
             t += fp8_flops / f8.rate - fp8_flops / rate + cast - fp8_operands * (cfg.model.dtype_bytes - 1) / bw
@@ -311,12 +310,11 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
 
     fwd = list(zip(compute.chunk_fwd_flops, compute.chunk_attn_flops or z, compute.chunk_attn_work or z,
                    compute.chunk_gemm_traffic or z, compute.chunk_weight_traffic or z,
-                   compute.chunk_expert_row_flops or z, compute.chunk_gemm_seconds or z))
+                   compute.chunk_gemm_seconds or z))
     scores = compute.chunk_attn_scores or z
     again = zip(compute.chunk_recompute_flops, compute.chunk_recompute_attn_flops or z,
                 compute.chunk_recompute_attn_work or z, compute.chunk_recompute_gemm_traffic or z,
-                compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_expert_row_flops or z,
-                compute.chunk_recompute_gemm_seconds or z)
+                compute.chunk_recompute_weight_traffic or z, compute.chunk_recompute_gemm_seconds or z)
     if f8 is not None:
         # the casts of a forward and backward, spread over them as the GEMMs are (1 : 2):
         # a third of them in the forward's time (analysis/fp8.py), the recomputed forward's own
@@ -344,6 +342,9 @@ def chunk_times(cfg, degrees: Mapping[str, int], groups: Mapping[str, list[list[
                 for t, sc, y, n in zip(again, compute.chunk_recompute_attn_scores or z, rec_traffic,
                                        compute.chunk_recompute_ops or z))
     cf, cb, p2p = _chunk_comm(cfg, degrees, groups, compute, comm, links, f8, rate)
+    for k, (n, r) in enumerate(zip(compute.chunk_moe_experts or z, compute.chunk_recompute_moe_experts or z)):
+        # Engine.expert_host: the experts' host wait in the ep time; a recomputed MoE layer's again
+        cf["ep"][k], cb["ep"][k] = cf["ep"][k] + n * eng.expert_host, cb["ep"][k] + r * eng.expert_host
     return ChunkTimes(mm, mem, rec, {f: tuple(v) for f, v in cf.items()}, {f: tuple(v) for f, v in cb.items()}, p2p,
                       weighted, ovh, frozen)
 
@@ -740,7 +741,7 @@ def network_assumptions(degrees: Mapping[str, int], links: Mapping[str, Link], c
 def engine_assumptions(cfg) -> dict[str, object]:
     """plan.json ``estimate.assumptions``' engine keys for ``cfg`` (a SpecConfig): the engine
     (``cluster.engine``), what it runs, its attention efficiency, elementwise traffic and
-    the overlap slowdown of the cluster; ``expert_rows`` for mixture-of-experts models."""
+    the overlap slowdown of the cluster; ``expert_gemm_streams`` and ``expert_host`` for MoE models."""
     cl = cfg.cluster
     eng = engine(cl)
     out: dict[str, object] = {
@@ -750,7 +751,8 @@ def engine_assumptions(cfg) -> dict[str, object]:
     if getattr(cl, "figures", None):
         out["cluster_figures"] = cl.figures
     if cfg.model.experts:
-        out["expert_rows"] = eng.expert_rows
+        out["expert_gemm_streams"] = eng.expert_gemm_streams
+        out["expert_host"] = eng.expert_host
     if fp8_enabled(cfg):
         out["fp8"] = fp8_assumptions(cfg, fp8_efficiency(cfg), efficiency(cl).fp8_source)
     return out

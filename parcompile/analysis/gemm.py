@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
 
-from parcompile.analysis.efficiency import efficiency
+from parcompile.analysis.efficiency import efficiency, engine
 from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
 from parcompile.ir.fp8 import enabled
 
@@ -140,6 +140,34 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
     return max(best, moved / (kn.memory * hbm_bw)) + kn.launch
 
 
+def grouped_gemm_seconds(m: int, n: int, k: int, groups: int, streams: int, peak: float, sms: int, hbm_bw: float,
+                         kernels: str, fmt: str = "16", in_bytes: int = 2, out_bytes: int = 2,
+                         clock: float = 1.0) -> float:
+    """Seconds of a grouped GEMM: ``groups`` GEMMs ``[m, k] x [k, n]`` (a mixture-of-experts
+    layer's local experts, ``m`` the rows each receives), as its library schedules them
+    (arguments as :func:`gemm_seconds`):
+
+    * ``streams = 0``: one grouped kernel (torch ``_grouped_mm``, CUTLASS's grouped GEMM,
+      DeepGEMM's) spreads every group's tiles over the SMs: :func:`gemm_seconds` with
+      ``batch = groups``, one launch;
+    * ``streams = s > 0``: one GEMM kernel per group, group ``i`` on stream ``i % s``
+      (Transformer Engine's ``multi_stream_cublas_gemm``,
+      :data:`parcompile.analysis.efficiency.TE_GEMM_STREAMS`): the groups run in rounds of ``s``
+      concurrent kernels whose tiles share the SMs, each kernel quantised to its own tiles
+      (``ceil(m / tm)`` row tiles per group), a launch per round:
+      ``floor(groups / s) * t(batch = s) + t(batch = groups mod s)``.
+
+    0 for an empty GEMM.
+
+    Raises:
+        KeyError: ``kernels`` or ``fmt`` is not in :data:`KERNELS`."""
+    args = (peak, sms, hbm_bw, kernels, fmt, in_bytes, out_bytes, clock)
+    if streams <= 0 or groups <= streams:
+        return gemm_seconds(m, n, k, groups, *args)
+    full, rest = divmod(groups, streams)
+    return full * gemm_seconds(m, n, k, streams, *args) + gemm_seconds(m, n, k, rest, *args)
+
+
 @dataclass(frozen=True)
 class GemmPricer:
     """The GEMM rates of one cluster and training precision (:func:`gemm_pricer`): the
@@ -157,21 +185,30 @@ class GemmPricer:
     dtype_bytes: int = 2
     clock: float = 1.0
     fp8_clock: float = 1.0
+    #: how the engine's grouped expert GEMMs run (:func:`grouped_gemm_seconds`' ``streams``:
+    #: :attr:`~parcompile.analysis.efficiency.Engine.expert_gemm_streams`)
+    expert_streams: int = 0
 
-    def seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
+    def seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False, grouped: bool = False) -> float:
         """Seconds of ``batch`` GEMMs ``[m, k] x [k, n]``; ``fp8``: an FP8 GEMM (operands of
-        1 byte at the FP8 peak and clock)."""
+        1 byte at the FP8 peak and clock); ``grouped``: the ``batch`` GEMMs are a grouped
+        expert GEMM, scheduled as the engine runs it (:func:`grouped_gemm_seconds`)."""
         if fp8:
-            return gemm_seconds(m, n, k, batch, self.fp8_peak, self.sms, self.hbm_bw, self.kernels, self.fp8_fmt,
-                                1, self.dtype_bytes, self.fp8_clock)
-        return gemm_seconds(m, n, k, batch, self.peak, self.sms, self.hbm_bw, self.kernels, "16",
-                            self.dtype_bytes, self.dtype_bytes, self.clock)
+            args = (self.fp8_peak, self.sms, self.hbm_bw, self.kernels, self.fp8_fmt, 1, self.dtype_bytes,
+                    self.fp8_clock)
+        else:
+            args = (self.peak, self.sms, self.hbm_bw, self.kernels, "16", self.dtype_bytes, self.dtype_bytes,
+                    self.clock)
+        if grouped:
+            return grouped_gemm_seconds(m, n, k, batch, self.expert_streams, *args)
+        return gemm_seconds(m, n, k, batch, *args)
 
-    def train_seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
+    def train_seconds(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False, grouped: bool = False) -> float:
         """The mean of a training GEMM's three (module docstring): forward ``(m, n, k)``, input
-        gradient ``(m, k, n)``, weight gradient ``(k, n, m)``, seconds."""
-        return (self.seconds(m, n, k, batch, fp8) + self.seconds(m, k, n, batch, fp8)
-                + self.seconds(k, n, m, batch, fp8)) / 3
+        gradient ``(m, k, n)``, weight gradient ``(k, n, m)``, seconds (``grouped``:
+        :meth:`seconds`)."""
+        return (self.seconds(m, n, k, batch, fp8, grouped) + self.seconds(m, k, n, batch, fp8, grouped)
+                + self.seconds(k, n, m, batch, fp8, grouped)) / 3
 
     def rate(self, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
         """FLOP/s of ``batch`` GEMMs ``[m, k] x [k, n]`` (:meth:`seconds`)."""
@@ -183,7 +220,8 @@ def gemm_pricer(cfg) -> GemmPricer | None:
     and the FP8 / MXFP8 peak of ``train.fp8_recipe`` where it trains in FP8) and SM count, at
     the clock a training step sustains (:attr:`~parcompile.analysis.efficiency.Efficiency.gemm_clock`,
     ``fp8_clock``, ``fp8_rowwise_clock``) times ``cluster.peak_flops`` over the datasheet's (a
-    spec that lowers the peak, a power-limited part, lowers the clock). None for a cluster
+    spec that lowers the peak, a power-limited part, lowers the clock), its engine's grouped
+    GEMM schedule (:attr:`~parcompile.analysis.efficiency.Engine.expert_gemm_streams`). None for a cluster
     whose preset has no kernel facts (:data:`GENERATION`): the estimate's flat rule."""
     cl = cfg.cluster
     gen = GENERATION.get(cl.preset or "")
@@ -197,7 +235,8 @@ def gemm_pricer(cfg) -> GemmPricer | None:
     power = cl.peak_flops / peak
     clock8 = eff.fp8_rowwise_clock if fmt == "rowwise" else eff.fp8_clock
     return GemmPricer(peak, cl.hbm_bw, preset.sms, gen, (fp8_peak(cl.preset, fmt) or 0.0) if f8 else 0.0, fmt,
-                      cfg.model.dtype_bytes, eff.gemm_clock * power, clock8 * power)
+                      cfg.model.dtype_bytes, eff.gemm_clock * power, clock8 * power,
+                      engine(cl).expert_gemm_streams)
 
 
 def gemm_assumptions(cfg) -> dict:

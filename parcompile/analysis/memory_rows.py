@@ -1,6 +1,7 @@
 """Published layouts that ran, held as memory-fit rows: the plan must fit each of them
 (``python benchmarks/cost_model.py`` prints them with their source; ``tests/test_memory_rows.py``
-holds each). No step time is calibrated on them.
+holds each). No step time is calibrated on them: their published tokens per second per GPU
+(``tokens_per_s_per_gpu``, the same tables) are held out, printed beside the plan's.
 
 Megatron-Bridge's GPT-OSS 120B BF16 pre-training rows on DGX-H100 and DGX-B200, every
 container of its performance tables (NVIDIA-NeMo/Megatron-Bridge 067f987,
@@ -55,30 +56,33 @@ class MemoryRow:
     parallel: tuple[tuple[str, object], ...]
     #: what was taken where the table and its recipe disagree or are silent
     assumed: str = MB_RECIPE
+    #: the table's tokens / sec / GPU (held out: no number of the estimate is fitted to it)
+    tokens_per_s_per_gpu: float | None = None
 
 
-def _gpt_oss(gpu: str, container: str, pp: int, ep: int, mb: int, gbs: int, assumed: str = MB_RECIPE) -> MemoryRow:
+def _gpt_oss(gpu: str, container: str, pp: int, ep: int, mb: int, gbs: int, assumed: str = MB_RECIPE,
+             tokens: float | None = None) -> MemoryRow:
     par = (("tp", 1), ("pp", pp), ("ep", ep), ("dp", 64 // pp), ("zero", 1), ("micro_batch", mb),
            ("global_batch", gbs), ("recompute", ("layernorm", "moe_act")), ("grad_dtype", "bf16"))
     preset = {"H100": "h100-sxm", "B200": "b200"}[gpu]
     return MemoryRow(f"GPT-OSS 120B {gpu} {container}", MB_TABLES, container, preset, 8, "gpt-oss-120b", 4096,
-                     par, assumed)
+                     par, assumed, tokens)
 
 
 _H100_2511 = MB_RECIPE + "; micro-batch 1 from its v0.2.0 recipe (the table prints MBS 4: module docstring)"
 _B200_2511 = MB_RECIPE + "; EP 8 as the table prints it (its v0.2.0 recipe: EP 64)"
 
 MEMORY_ROWS: tuple[MemoryRow, ...] = (
-    _gpt_oss("H100", "25.11", pp=4, ep=8, mb=1, gbs=512, assumed=_H100_2511),
-    _gpt_oss("H100", "26.02", pp=4, ep=8, mb=1, gbs=1280),
-    _gpt_oss("H100", "26.02.01", pp=4, ep=8, mb=1, gbs=1280),
-    _gpt_oss("H100", "26.04", pp=4, ep=8, mb=1, gbs=1280),
-    _gpt_oss("H100", "26.04.01", pp=4, ep=8, mb=1, gbs=1280),
-    _gpt_oss("B200", "25.11", pp=1, ep=8, mb=4, gbs=512, assumed=_B200_2511),
-    _gpt_oss("B200", "26.02", pp=1, ep=64, mb=4, gbs=1280),
-    _gpt_oss("B200", "26.02.01", pp=1, ep=8, mb=4, gbs=1280),
-    _gpt_oss("B200", "26.04", pp=1, ep=8, mb=4, gbs=1280),
-    _gpt_oss("B200", "26.04.01", pp=1, ep=8, mb=4, gbs=1280),
+    _gpt_oss("H100", "25.11", pp=4, ep=8, mb=1, gbs=512, assumed=_H100_2511, tokens=5630),
+    _gpt_oss("H100", "26.02", pp=4, ep=8, mb=1, gbs=1280, tokens=5993),
+    _gpt_oss("H100", "26.02.01", pp=4, ep=8, mb=1, gbs=1280, tokens=5984),
+    _gpt_oss("H100", "26.04", pp=4, ep=8, mb=1, gbs=1280, tokens=5810),
+    _gpt_oss("H100", "26.04.01", pp=4, ep=8, mb=1, gbs=1280, tokens=5824),
+    _gpt_oss("B200", "25.11", pp=1, ep=8, mb=4, gbs=512, assumed=_B200_2511, tokens=8213),
+    _gpt_oss("B200", "26.02", pp=1, ep=64, mb=4, gbs=1280, tokens=8047),
+    _gpt_oss("B200", "26.02.01", pp=1, ep=8, mb=4, gbs=1280, tokens=13722),
+    _gpt_oss("B200", "26.04", pp=1, ep=8, mb=4, gbs=1280, tokens=13045),
+    _gpt_oss("B200", "26.04.01", pp=1, ep=8, mb=4, gbs=1280, tokens=13568),
 )
 
 

@@ -369,8 +369,8 @@ class FamilyFloors:
           ``dp = 1``) appears once in every term, and ``seq`` split over cp (local size
           ``seq / cp``) at most once; so each is ``micro_batch`` times its value at
           micro-batch 1, and at least ``cp0 / cp`` times its value at ``cp0``.
-        * the weights the GEMMs read and the grouped GEMMs' per-expert rows
-          (``ComputeReport.chunk_weight_traffic``, ``chunk_expert_row_flops``) do not
+        * the weights the GEMMs read and the MoE layers' local experts
+          (``ComputeReport.chunk_weight_traffic``, ``chunk_moe_experts``) do not
           depend on the tokens at all: they are the probe's, unscaled (the fields that grow
           with the tokens are ``ComputeReport.PER_TOKEN``).
 

@@ -94,7 +94,8 @@ class ShardExperts:
     def _mark_dispatch(graph: Graph, experts: str, ctx: PassContext) -> None:
         """The dispatch feeding the experts op ``experts`` gets ``local_experts``: the experts
         each ep rank holds (the local size of the stacked weights' ``experts`` dim), the
-        rows' destination rule the program's dispatch follows; the experts op gets
+        rows' destination rule the program's dispatch follows, and the combine it feeds the
+        same (both regroup the rows by local expert where there are several: their traffic); the experts op gets
         ``local_ffn``, the inner units of each expert one rank holds (its serving scratch)."""
         p = next(p for p in graph.node(experts).params if p.expert)
         local = p.sharding.local_type(p.type, ctx.degrees)
@@ -103,3 +104,6 @@ class ShardExperts:
         for src in graph.inputs(experts):
             if graph.node(src).kind == "moe_dispatch":
                 graph.set_attrs(src, local_experts=held)
+        for dst, _ in graph.users(experts):   # the combine undoes the dispatch's regrouping (its traffic)
+            if graph.node(dst).kind == "moe_combine":
+                graph.set_attrs(dst, local_experts=held)

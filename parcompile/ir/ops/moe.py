@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from parcompile.core.model import GATED_ACTIVATIONS
-from parcompile.ir.ops.base import (INDEX_BYTES, Code, Collective, OpSpec, Trait, copy_traffic, linear_flops,
+from parcompile.ir.ops.base import (INDEX_BYTES, Code, Collective, OpSpec, Trait, linear_flops,
                                     same_type)
 from parcompile.ir.types import TensorType
 
@@ -46,6 +46,29 @@ def _router_traffic(a, ins, out):
     # the fp32 logits written and read, the scores written; noaux_tc also writes and reads
     # the corrected scores and their group-masked copy (runtime/model/moe.py: route)
     return (7 if a.get("topk_method") == "noaux_tc" else 3) * out.nbytes
+
+
+#: Megatron-Core's all-to-all token dispatcher moves the routed rows through two permutations
+#: each way (NVIDIA/Megatron-LM d98e8a6, megatron/core/transformer/moe/token_dispatcher.py,
+#: MoEAlltoAllTokenDispatcher): ``dispatch_preprocess`` "Permutation 1" (moe_utils.permute: the
+#: N tokens' rows gathered into N k rows sorted by expert) and, with more than one local expert,
+#: ``dispatch_postprocess`` "Permutation 2" (sort_chunks_by_idxs: the arrivals regrouped by
+#: local expert); ``combine_preprocess`` "Unpermutation 2" and ``combine_postprocess``
+#: "Unpermutation 1" (moe_utils.unpermute: the N k rows summed back into N) undo them. Fused
+#: (``moe_permute_fusion``) or not, each reads and writes its rows once; runtime/model/moe.py's
+#: dispatch and combine run the same two row gathers each.
+
+
+def _dispatch_traffic(a, ins, out):
+    """Bytes of a dispatch (the module's two permutations): read the N token rows and write the
+    N k sorted rows; with more than one local expert, read and write the N k rows again."""
+    return ins[0].nbytes + out.nbytes + (2 * out.nbytes if a.get("local_experts", 1) > 1 else 0)
+
+
+def _combine_traffic(a, ins, out):
+    """Bytes of a combine: with more than one local expert, read and write the N k rows
+    (unsort); then read them and write the N token rows (each token's sum over its k)."""
+    return ins[0].nbytes + out.nbytes + (2 * ins[0].nbytes if a.get("local_experts", 1) > 1 else 0)
 
 
 def _dispatch_extra(a, ins, out):
@@ -265,7 +288,7 @@ DEFINITIONS = [
                            "local={local})",
                      facts=_router_facts, inline=False, var="route",
                      comment="fp32 scores; each token's top-k experts and their weights")),
-    OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=copy_traffic,
+    OpSpec("moe_dispatch", _dispatch_type, saved_extra=_dispatch_extra, arity=2, traffic=_dispatch_traffic,
            scratch=dispatch_scratch, collectives=_routed_collectives,
            code=Code(call="rt.dispatch({0}, {1}, local_experts={a[local_experts]}{kw})", facts=_moe_axes_facts,
                      inline=False, operands=("x", "route"), var="rows",
@@ -279,7 +302,7 @@ DEFINITIONS = [
                      facts=_experts_facts, inline=False, var="",
                      comment="each local expert's MLP on its rows (a grouped GEMM)")),
     OpSpec("moe_combine", _combine_type, saves=lambda a: (0,), saved_extra=_combine_extra, arity=2,
-           traffic=copy_traffic, scratch=combine_scratch, collectives=_routed_collectives,
+           traffic=_combine_traffic, scratch=combine_scratch, collectives=_routed_collectives,
            code=Code(call="rt.combine({0}, {1}, AUX_LOSS_SCALE if self.training else 0.0{kw})",
                      serve_call="rt.combine({0}, {1}{kw})", inline=False, operands=("rows", "route"), var="y",
                      facts=lambda a: {"kw": _on_input(a)},
