@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import parcompile
+from parcompile.miniature import miniature
 from parcompile.runtime.model.lora import lora_a_init
 
 from tests.program_utils import run_in_one_launch
@@ -94,8 +95,8 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
 def test_verify_lora_variants():
     """LoRA miniatures (dp 2 x tp 2 x pp 2) with ZeRO 1 and 2, full recomputation, partial
     targets (the MLP only; v only: frozen linears without an adapter keep no input), sequence
-    parallelism and recompute = ["mlp"] against
-    the single process, in one launch."""
+    parallelism (all targets; o_proj only, down_proj only: saved bytes per layer as planned
+    but for the norms' statistics) and recompute = ["mlp"] against the single process, in one launch."""
     from parcompile.frontend import load_spec
     from parcompile.verification import verify_many
 
@@ -111,7 +112,29 @@ def test_verify_lora_variants():
         # Megatron-Core's module list: the MLP adapters' forward collectives run again, their
         # r-wide outputs are not kept (analysis/compute.py recomputed, as for the graph's ops)
         "recompute_mlp": spec(parallel={"recompute": '["mlp"]'}, train=base),
+        # sequence parallelism with some modules targeted: no op before the first adapter saves
+        # anything (analysis/lora.py frozen_saves, op by op), and a sequence-split input is kept
+        # only where an adapted linear reads it (runtime/distributed/comm.py keep_split_input)
+        "sp_o_proj": spec(parallel={"sequence_parallel": "true"}, train={**base, "lora_targets": '["o_proj"]'}),
+        "sp_down_proj": spec(parallel={"sequence_parallel": "true"},
+                             train={**base, "lora_targets": '["down_proj"]'}),
     }
-    results = verify_many({k: load_spec(v)[0] for k, v in cases.items()}, steps=3)
+    cfgs = {k: load_spec(v)[0] for k, v in cases.items()}
+    results = verify_many(cfgs, steps=3)
     for name, r in results.items():
         assert not isinstance(r, Exception) and r.ok, (name, r if isinstance(r, Exception) else r.table())
+    for name in ("sp_o_proj", "sp_down_proj", "sequence_parallel", "v_only"):
+        _saved_bytes_exact(results[name], miniature(cfgs[name], steps=3))
+
+
+def _saved_bytes_exact(result, mini) -> None:
+    """Each rank's measured bytes saved per layer equal the plan's but for the norms' fp32
+    statistics the plan leaves out (verification.py ACTIVATION_RTOL): at most two norms of
+    ``tokens * 4`` bytes per layer, ``tokens`` this rank's (split over tp by sequence
+    parallelism)."""
+    par = mini.parallel
+    stats = 2 * 4 * par.micro_batch * mini.model.seq_len // (par.tp if par.sequence_parallel else 1)
+    for r in result.records:
+        got = r["saved_per_layer"]
+        for layer, want in result.plan["memory"]["per_stage"][r["stage"]]["activations_per_layer"]:
+            assert 0 <= got[str(layer)] - want <= stats, (r["rank"], layer, got[str(layer)], want)

@@ -170,21 +170,6 @@ def frozen_backward(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(no_backward), frozenset(no_regather)
 
 
-def frozen_prefix(cfg) -> list[str]:
-    """The modules (``layers.0.attn``, ``layers.0.mlp``...) of the model's start that no
-    gradient reaches: those before the first module with an adapter, and that one's input
-    (the embedding and every weight before it are frozen, so autograd records nothing
-    there): their backward collectives do not run. The first adapted module is listed too
-    (its input gradient is not needed)."""
-    adapted = sorted({(int(lin.module.split(".")[1]), lin.module.split(".")[2]) for lins in adapters_by_layer(cfg).values()
-                      for lin in lins}, key=lambda x: (x[0], x[1] != "attn"))
-    if not adapted:
-        return []
-    layer, part = adapted[0]
-    out = [f"layers.{i}.{m}" for i in range(layer) for m in ("attn", "mlp")]
-    return out + [f"layers.{layer}.attn"] + ([f"layers.{layer}.mlp"] if part == "mlp" else [])
-
-
 def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, graph):
     """``saved`` (:class:`parcompile.analysis.memory.SavedBytes`) with the adapters' saved
     bytes (:func:`adapter_saved_bytes`) added to each layer, and to what the layer and its
@@ -296,14 +281,15 @@ def row_parallel(graph) -> frozenset[str]:
 
 def frozen_saves(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
     """What LoRA's frozen weights change in what the ops save for backward
-    (:func:`parcompile.analysis.memory.saved_bytes`): ``(modules, linears)``, the modules no
-    gradient reaches (:func:`frozen_prefix` but the first adapted module, and the norm before
-    that module: autograd records nothing there), and the frozen linears without an adapter,
-    which keep no input. Empty without LoRA."""
+    (:func:`parcompile.analysis.memory.saved_bytes`): ``(ops, linears)``, the ops of
+    ``graph`` no gradient reaches (:func:`frozen_backward`'s ``no_backward``: none of their
+    inputs requires a gradient, so autograd records nothing there; op by op, so the ops
+    of the first adapted module before its adapter save nothing either), but the adapted
+    linears, whose adapter's A keeps its input for A's weight gradient; and the frozen
+    linears without an adapter, which keep no input. Empty without LoRA."""
     if not is_lora(cfg):
         return frozenset(), frozenset()
-    prefix = frozen_prefix(cfg)
-    modules = set(prefix[:-1]) | {f"{m}_norm" for m in prefix}
     adapted = {lin.module for lins in adapters_by_layer(cfg).values() for lin in lins}
+    ops = frozen_backward(cfg, graph)[0] - adapted
     linears = {nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.name not in adapted}
-    return frozenset(modules), frozenset(linears)
+    return frozenset(ops), frozenset(linears)

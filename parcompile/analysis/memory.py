@@ -311,10 +311,10 @@ def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
     op extras (masks, log-sum-exp, gathered operands: ``OpSpec.saved_extra`` plus
     ``gathered``), ``gathered`` the bytes of its operands gathered for it
     (``OpSpec.saved_gathered``), on one rank under ``degrees``. ``lora`` (LoRA:
-    :func:`parcompile.analysis.lora.frozen_saves`): the modules no gradient reaches, whose
-    ops save nothing, and the frozen linears without an adapter, which keep no input (autograd
+    :func:`parcompile.analysis.lora.frozen_saves`): the ops no gradient reaches, which
+    save nothing, and the frozen linears without an adapter, which keep no input (autograd
     saves a matmul's input only for its weight's gradient)."""
-    if nd.op.module in lora[0]:
+    if nd.name in lora[0]:
         return [], 0, 0
     s = spec(nd.kind)
     ins = graph.inputs(nd.name)
