@@ -33,7 +33,9 @@ from typing import Mapping, Sequence
 from parcompile.analysis.comm import CollectiveEntry, per_step_sent
 from parcompile.analysis.compute import op_fwd_flops, recomputed
 from parcompile.analysis.params import StageParams
-from parcompile.core.buckets import GradUnit
+from parcompile.core.buckets import (GradUnit, head_reads_embedding, reshard_after_forward, shard_elements,
+                                     stage_buckets, zero3_gather_counts)
+from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.lora import LoraLinear, targeted
 from parcompile.ir.ops import Collective
 
@@ -74,13 +76,42 @@ def trainable(cfg, degrees: Mapping[str, int], sp: StageParams) -> StageParams:
 
 def frozen_param_bytes(cfg, degrees: Mapping[str, int], sp: StageParams, sharded: bool) -> int:
     """Bytes of the frozen weights on one rank of a stage (module docstring): every
-    parameter of ``sp`` in the model dtype, each kind split over its data-parallel group
-    when ``sharded`` (ZeRO-3 shards parameters)."""
+    parameter of ``sp`` in the model dtype; when ``sharded`` (ZeRO-3) this rank's slice of
+    each of the base model's buckets (:func:`frozen_gathers`), ``sum ceil(n_b / d)`` per kind
+    over its group (HSDP: ``dp_shard``), as the program keeps them
+    (:class:`parcompile.runtime.train.zero_frozen.FrozenShards`)."""
     e = cfg.model.dtype_bytes
     if not sharded:
         return e * sp.total
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
-    return e * (math.ceil(sp.dense / d) + math.ceil(sp.expert / ed))
+    dense, expert = stage_buckets(sp, cfg.parallel.bucket_size)
+    return e * (shard_elements(dense, shard_degree(degrees)) + shard_elements(expert, degrees["expert_dp"]))
+
+
+def frozen_gathers(cfg, degrees: Mapping[str, int], sp: StageParams) -> list[tuple[str, str, str, int, int]]:
+    """ZeRO-3's all-gathers of LoRA's frozen weights on one rank of a stage whose
+    parameters ``sp`` counts: ``(key, op, axis, bytes, count per step)`` per bucket of the
+    base model (:func:`parcompile.core.buckets.stage_buckets`, as ZeRO-3 of full training
+    buckets it; the program's :class:`parcompile.runtime.train.zero_frozen.FrozenShards`),
+    each sending ``ceil(n / d)`` elements of the model dtype from each rank of its group,
+    as often as :func:`parcompile.core.buckets.zero3_gather_counts` says (every layer has
+    the same adapters, so a gradient runs through every layer's backward, which reads its
+    frozen weights); no reduce-scatter (no gradient). Empty without LoRA or without ZeRO-3."""
+    par = cfg.parallel
+    dps = data_parallel_sharding(par)
+    if not is_lora(cfg) or not dps.shards_parameters:
+        return []
+    e = cfg.model.dtype_bytes
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    out = []
+    for prefix, buckets, axis, size in (("", dense, dps.shard_group, shard_degree(degrees)),
+                                        ("expert_", expert, "expert_dp", degrees["expert_dp"])):
+        if size <= 1:
+            continue
+        counts = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(par.pp),
+                                     head_reads_embedding(cfg))
+        out += [(f"{prefix}frozen_params.bucket{i}", "all_gather", axis, e * math.ceil(b.elements / size) * size,
+                 counts[i]) for i, b in enumerate(buckets)]
+    return out
 
 
 def _tokens(cfg) -> int:
