@@ -8,7 +8,7 @@ import pytest
 from parcompile.core.lora import lora_linears, targeted
 from parcompile.frontend import load_spec
 
-from tests.test_checks import one, spec
+from tests.test_checks import one, spec, where
 
 LORA = {"method": "lora"}
 
@@ -104,3 +104,26 @@ def test_exports_refuse_lora_they_do_not_carry(target):
     out = parcompile.export(parcompile.compile(lora()), target)
     assert any(e.startswith("method = lora:") for e in out.errors), out.errors
     assert not any(e.startswith("method = lora:") for e in parcompile.export(parcompile.compile(spec()), target).errors)
+
+
+@pytest.mark.parametrize("blocks, entry, what", [
+    (dict(train={**LORA, "precision": "fp8"}), "precision = fp8", "LoRA adapters with FP8"),
+    (dict(parallel={"schedule": "zero_bubble"}, train=LORA), "schedule = zero_bubble",
+     "LoRA adapters with the zero-bubble schedule"),
+    (dict(model={"experts": "4", "top_k": "2"}, parallel={"zero": "3", "sequence_parallel": "true"}, train=LORA),
+     "zero = 3",
+     "LoRA with zero = 3 on an MoE model"),
+])
+def test_program_refusals_are_one_line_at_their_key(tmp_path, blocks, entry, what):
+    """Each LoRA feature the program does not run is its own one-line error at the key that
+    asks for it, with the reason in its help (was: one error for three features at
+    `method`)."""
+    import parcompile
+    from parcompile.diagnostics import SpecError
+
+    text = spec(**blocks)
+    with pytest.raises(SpecError) as e:
+        parcompile.compile(text).write(tmp_path / "out")
+    got = [d for d in e.value.diagnostics if what in d.message]
+    assert len(got) == 1 and "\n" not in got[0].message and got[0].help, e.value.diagnostics
+    assert (got[0].span.line, got[0].span.column) == where(text, entry)

@@ -118,3 +118,27 @@ def test_llama31_70b_lora_fits_one_node():
         "    lora_rank    = 16\n    lora_alpha   = 32\n", "").replace(
         '    lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]\n', ""))
     assert not full.memory.fits
+
+
+def test_zero3_shards_frozen_weights_by_hand():
+    """zero 3 (dp 2, tp 2, pp 2, one bucket per stage at the default bucket size): each rank
+    keeps half of its stage's frozen weights (no gradient, no optimizer state) and half of the
+    adapters with their states; the step all-gathers the frozen bucket (in the model dtype,
+    4 bytes here) and the adapters' bucket once each (pp > 1: kept across the micro-batches)
+    and reduce-scatters the adapters' gradients only. Fails where LoRA with zero 3 is refused."""
+    lora3 = parcompile.compile(spec(parallel={"zero": "3"}, train={"method": "lora"}))
+    h, kv, f, v, layers, r, tp, e, d = 64, 32, 128, 256, 2, 16, 2, 4, 2
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    base_layer = sum(o * i for o, i in linears) // tp + 2 * h
+    adapters = layers * sum(r * (o + i) for o, i in linears) // tp
+    frozen = [layers * base_layer + v * h // tp, layers * base_layer + v * h // tp + h]
+    half = -(-adapters // d)
+    for s, st in enumerate(lora3.memory.per_stage):
+        assert st.params == e * -(-frozen[s] // d) + e * half    # fp32: the adapters' slices are the weights
+        assert st.optimizer == 8 * half and st.grads == 4 * half
+        got = sorted((c["bytes"], c["count"]) for c in lora3.data["comm"]["collectives"]
+                     if c["stage"] == s and c["where"] == "params")
+        assert got == sorted([(e * -(-frozen[s] // d) * d, 1), (e * half * d, 1)])
+        rs = [c for c in lora3.data["comm"]["collectives"] if c["stage"] == s and c["op"] == "reduce_scatter"
+              and c["axis"] == "dp_cp"]
+        assert [c["bytes"] for c in rs] == [4 * half]

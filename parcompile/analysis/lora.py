@@ -33,7 +33,9 @@ from typing import Mapping, Sequence
 from parcompile.analysis.comm import CollectiveEntry, per_step_sent
 from parcompile.analysis.compute import op_fwd_flops, recomputed
 from parcompile.analysis.params import StageParams
-from parcompile.core.buckets import GradUnit
+from parcompile.core.buckets import (GradUnit, head_reads_embedding, reshard_after_forward, shard_elements,
+                                     stage_buckets, zero3_gather_counts)
+from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.lora import LoraLinear, targeted
 from parcompile.ir.ops import Collective
 
@@ -74,13 +76,42 @@ def trainable(cfg, degrees: Mapping[str, int], sp: StageParams) -> StageParams:
 
 def frozen_param_bytes(cfg, degrees: Mapping[str, int], sp: StageParams, sharded: bool) -> int:
     """Bytes of the frozen weights on one rank of a stage (module docstring): every
-    parameter of ``sp`` in the model dtype, each kind split over its data-parallel group
-    when ``sharded`` (ZeRO-3 shards parameters)."""
+    parameter of ``sp`` in the model dtype; when ``sharded`` (ZeRO-3) this rank's slice of
+    each of the base model's buckets (:func:`frozen_gathers`), ``sum ceil(n_b / d)`` per kind
+    over its group (HSDP: ``dp_shard``), as the program keeps them
+    (:class:`parcompile.runtime.train.zero_frozen.FrozenShards`)."""
     e = cfg.model.dtype_bytes
     if not sharded:
         return e * sp.total
-    d, ed = degrees["dp_cp"], degrees["expert_dp"]
-    return e * (math.ceil(sp.dense / d) + math.ceil(sp.expert / ed))
+    dense, expert = stage_buckets(sp, cfg.parallel.bucket_size)
+    return e * (shard_elements(dense, shard_degree(degrees)) + shard_elements(expert, degrees["expert_dp"]))
+
+
+def frozen_gathers(cfg, degrees: Mapping[str, int], sp: StageParams) -> list[tuple[str, str, str, int, int]]:
+    """ZeRO-3's all-gathers of LoRA's frozen weights on one rank of a stage whose
+    parameters ``sp`` counts: ``(key, op, axis, bytes, count per step)`` per bucket of the
+    base model (:func:`parcompile.core.buckets.stage_buckets`, as ZeRO-3 of full training
+    buckets it; the program's :class:`parcompile.runtime.train.zero_frozen.FrozenShards`),
+    each sending ``ceil(n / d)`` elements of the model dtype from each rank of its group,
+    as often as :func:`parcompile.core.buckets.zero3_gather_counts` says (every layer has
+    the same adapters, so a gradient runs through every layer's backward, which reads its
+    frozen weights); no reduce-scatter (no gradient). Empty without LoRA or without ZeRO-3."""
+    par = cfg.parallel
+    dps = data_parallel_sharding(par)
+    if not is_lora(cfg) or not dps.shards_parameters:
+        return []
+    e = cfg.model.dtype_bytes
+    dense, expert = stage_buckets(sp, par.bucket_size)
+    out = []
+    for prefix, buckets, axis, size in (("", dense, dps.shard_group, shard_degree(degrees)),
+                                        ("expert_", expert, "expert_dp", degrees["expert_dp"])):
+        if size <= 1:
+            continue
+        counts = zero3_gather_counts(buckets, par.num_microbatches, reshard_after_forward(par.pp),
+                                     head_reads_embedding(cfg))
+        out += [(f"{prefix}frozen_params.bucket{i}", "all_gather", axis, e * math.ceil(b.elements / size) * size,
+                 counts[i]) for i, b in enumerate(buckets)]
+    return out
 
 
 def _tokens(cfg) -> int:
@@ -168,21 +199,6 @@ def frozen_backward(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
         if nd.op.attr("regather") and not any(v in adapted for v, _ in graph.users(nd.name)):
             no_regather.add(nd.name)
     return frozenset(no_backward), frozenset(no_regather)
-
-
-def frozen_prefix(cfg) -> list[str]:
-    """The modules (``layers.0.attn``, ``layers.0.mlp``...) of the model's start that no
-    gradient reaches: those before the first module with an adapter, and that one's input
-    (the embedding and every weight before it are frozen, so autograd records nothing
-    there): their backward collectives do not run. The first adapted module is listed too
-    (its input gradient is not needed)."""
-    adapted = sorted({(int(lin.module.split(".")[1]), lin.module.split(".")[2]) for lins in adapters_by_layer(cfg).values()
-                      for lin in lins}, key=lambda x: (x[0], x[1] != "attn"))
-    if not adapted:
-        return []
-    layer, part = adapted[0]
-    out = [f"layers.{i}.{m}" for i in range(layer) for m in ("attn", "mlp")]
-    return out + [f"layers.{layer}.attn"] + ([f"layers.{layer}.mlp"] if part == "mlp" else [])
 
 
 def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, graph):
@@ -296,14 +312,15 @@ def row_parallel(graph) -> frozenset[str]:
 
 def frozen_saves(cfg, graph) -> tuple[frozenset[str], frozenset[str]]:
     """What LoRA's frozen weights change in what the ops save for backward
-    (:func:`parcompile.analysis.memory.saved_bytes`): ``(modules, linears)``, the modules no
-    gradient reaches (:func:`frozen_prefix` but the first adapted module, and the norm before
-    that module: autograd records nothing there), and the frozen linears without an adapter,
-    which keep no input. Empty without LoRA."""
+    (:func:`parcompile.analysis.memory.saved_bytes`): ``(ops, linears)``, the ops of
+    ``graph`` no gradient reaches (:func:`frozen_backward`'s ``no_backward``: none of their
+    inputs requires a gradient, so autograd records nothing there; op by op, so the ops
+    of the first adapted module before its adapter save nothing either), but the adapted
+    linears, whose adapter's A keeps its input for A's weight gradient; and the frozen
+    linears without an adapter, which keep no input. Empty without LoRA."""
     if not is_lora(cfg):
         return frozenset(), frozenset()
-    prefix = frozen_prefix(cfg)
-    modules = set(prefix[:-1]) | {f"{m}_norm" for m in prefix}
     adapted = {lin.module for lins in adapters_by_layer(cfg).values() for lin in lins}
+    ops = frozen_backward(cfg, graph)[0] - adapted
     linears = {nd.name for nd in graph.nodes() if nd.kind == "linear" and nd.name not in adapted}
-    return frozenset(modules), frozenset(linears)
+    return frozenset(ops), frozenset(linears)

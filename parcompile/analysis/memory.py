@@ -311,10 +311,10 @@ def _node_saves(graph: Graph, nd, a, degrees: Mapping[str, int], te_fp8: bool,
     op extras (masks, log-sum-exp, gathered operands: ``OpSpec.saved_extra`` plus
     ``gathered``), ``gathered`` the bytes of its operands gathered for it
     (``OpSpec.saved_gathered``), on one rank under ``degrees``. ``lora`` (LoRA:
-    :func:`parcompile.analysis.lora.frozen_saves`): the modules no gradient reaches, whose
-    ops save nothing, and the frozen linears without an adapter, which keep no input (autograd
+    :func:`parcompile.analysis.lora.frozen_saves`): the ops no gradient reaches, which
+    save nothing, and the frozen linears without an adapter, which keep no input (autograd
     saves a matmul's input only for its weight's gradient)."""
-    if nd.op.module in lora[0]:
+    if nd.name in lora[0]:
         return [], 0, 0
     s = spec(nd.kind)
     ins = graph.inputs(nd.name)
@@ -698,7 +698,8 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     """Most bytes of full (tp-local) parameters a ZeRO-3 rank holds at once during a step,
     beside its own slice: :func:`parcompile.analysis.buckets.zero3_gathered` over the
     stage's gradient buckets (each gathered into a buffer padded to ``ceil(n / d) * d``
-    elements). With ``pp = 1`` that is the buckets of two units adjacent in forward order
+    elements; LoRA: the base model's buckets, its frozen weights', and the adapters'). With
+    ``pp = 1`` that is the buckets of two units adjacent in forward order
     (embedding, layers, output layer: one runs while the next is prefetched), plus a tied
     embedding's bucket, kept for the step; with ``pp > 1`` every bucket (all are gathered
     before the first backward and kept across the micro-batches). 0 without ZeRO-3 or when
@@ -715,8 +716,10 @@ def zero3_gathered_bytes(cfg, degrees: Mapping[str, int], sp: StageParams) -> in
     # FP8 weights at 1 byte only (no 16-bit copy): this plan prices the program's buffers
     size = (lambda b, d: e * math.ceil(b.elements / d) * d + b.fp8) if gathers_fp8(cfg) else \
         (lambda b, d: e * math.ceil(b.elements / d) * d)
-    step_long, jit = zero3_gathered([(dense, shard_degree(degrees)), (expert, degrees["expert_dp"])],
-                                    reshard_after_forward(par.pp), head_reads_embedding(cfg), size)
+    kinds = [(dense, shard_degree(degrees)), (expert, degrees["expert_dp"])]
+    if is_lora(cfg):   # the frozen weights (``sp``'s buckets: analysis/lora.py frozen_gathers) and the adapters'
+        kinds += list(zip(stage_buckets(trainable(cfg, degrees, sp), par.bucket_size), [k[1] for k in kinds]))
+    step_long, jit = zero3_gathered(kinds, reshard_after_forward(par.pp), head_reads_embedding(cfg), size)
     return int(step_long + jit)
 
 

@@ -82,13 +82,28 @@ _NOT_IN_PROGRAM: tuple = (
      "Llama 4's layers while serving (NoPE layers, chunked attention, temperature tuning, the L2 qk-norm, "
      "interleaved MoE layers)", "the serve program's cached attention has none of them yet: `parcompile plan`, "
      "`search` and `export --to vllm|sglang` work on this spec; train it, or serve it with vLLM or SGLang", 46, True),
-    # LoRA (issue 49) runs in the program (runtime/model/lora.py) but for what is refused here
-    ("train.method", lambda cfg: cfg.workload == "train" and cfg.train.method == "lora" and (
-        fp8_enabled(cfg) or cfg.parallel.schedule == "zero_bubble" or cfg.model.kv_lora_rank > 0),
-     "LoRA adapters with FP8, the zero-bubble schedule or multi-head latent attention",
-     "LoRA's adapters run on 16-bit GEMMs whose weight gradients are not deferred, on the attention and MLP "
-     "projections of Llama-like layers: `parcompile plan`, `search` and `check` work on this spec", 49, True),
+    # LoRA (issue 49) runs in the program (runtime/model/lora.py) but for what is refused here,
+    # each at the key that asks for it
+    ("train.precision", lambda cfg: _lora(cfg) and fp8_enabled(cfg), "LoRA adapters with FP8",
+     "the adapters and their frozen bases run 16-bit GEMMs (runtime/model/lora.py): `parcompile plan`, `search` "
+     "and `check` work on this spec; to generate a program, remove `precision = fp8`", 49, True),
+    ("parallel.schedule", lambda cfg: _lora(cfg) and cfg.parallel.schedule == "zero_bubble",
+     "LoRA adapters with the zero-bubble schedule", "the adapters' weight gradients are computed in the "
+     "backward, not deferred to the schedule's W passes: `parcompile plan`, `search` and `check` work on this "
+     "spec; to generate a program, use schedule = 1f1b or interleaved_1f1b", 49, True),
+    ("parallel.zero", lambda cfg: _lora(cfg) and cfg.parallel.zero == 3 and cfg.model.experts > 0,
+     "LoRA with zero = 3 on an MoE model", "the program shards the frozen weights over the dense "
+     "data-parallel group only (runtime/train/zero_frozen.py), not the experts' over expert_dp: `parcompile "
+     "plan`, `search` and `check` work on this spec; to generate a program, use zero = 1 or 2", 49, True),
+    ("model.kv_lora_rank", lambda cfg: _lora(cfg) and cfg.model.kv_lora_rank > 0,
+     "LoRA adapters with multi-head latent attention", "the adapters take the attention and MLP projections "
+     "of Llama-like layers, not MLA's down and up projections: `parcompile plan`, `search` and `check` work "
+     "on this spec", 49, True),
 )
+
+
+def _lora(cfg: SpecConfig) -> bool:
+    return cfg.workload == "train" and cfg.train.method == "lora"
 
 
 def _fp8(cfg: SpecConfig) -> bool:

@@ -31,10 +31,6 @@ def check_lora(cfg: SpecConfig, ctx: CheckContext) -> None:
                               ctx.span(f"train.{key}"),
                               help=f"add `method = lora` to `train` to train adapters, or remove `{key}`")
         return
-    if cfg.parallel.zero == 3 and "zero" not in cfg.parallel.auto and ctx.ok("parallel.zero"):
-        ctx.bag.error("method = lora with zero = 3 is not planned yet: the frozen weights' gathers are not priced",
-                      ctx.span("train.method"), help="use zero = 0, 1 or 2 (they shard the adapters' states)",
-                      note="issue 49")
     if not ctx.ok("train.lora_targets") or not ctx.ok("model.hidden", "model.layers", "model.heads"):
         return
     model = cfg.model

@@ -45,7 +45,7 @@ from parcompile.analysis.buckets import (head_reads_embedding, reduce_counts,
 from parcompile.analysis.comm import CollectiveEntry
 from parcompile.analysis.estimate import grad_element_bytes
 from parcompile.ir.fp8 import gathers_fp8
-from parcompile.analysis.lora import trainable
+from parcompile.analysis.lora import frozen_gathers, trainable
 from parcompile.analysis.params import stage_params
 from parcompile.core.axes import FOUND_INF_AXES
 from parcompile.core.buckets import fp8_gather_elements
@@ -177,7 +177,7 @@ def _bucket_collectives(cfg, deg, s: int, sp, fp8_gather: bool, add) -> None:
                     gathers[i])
 
 
-def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, str, int]]:
+def step_collectives(cfg, deg, stages, frozen=None) -> list[tuple[int, str, str, str, int, str, int]]:
     """The step collectives of the module docstring (3.), as ``(stage, key, op, axis,
     bytes, where, count)`` for ``stages`` (:class:`~parcompile.analysis.params.StageParams`
     per pipeline rank); ``count`` is runs per step (1, but with ``pp = 1`` ``2 m`` for the
@@ -187,7 +187,9 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
     reduce-scatters of ZeRO 2 and 3, which run in every micro-batch's backward, in the
     reduce dtype: :func:`parcompile.analysis.buckets.reduce_counts`; the gradient
     reductions' bytes per element are :func:`parcompile.analysis.estimate.grad_element_bytes`). Shared by the pass and by
-    :mod:`parcompile.layout_search`, which costs layouts without building their graphs."""
+    :mod:`parcompile.layout_search`, which costs layouts without building their graphs.
+    ``frozen``: LoRA, the stages' whole parameters, whose frozen weights ZeRO-3 gathers too
+    (:func:`parcompile.analysis.lora.frozen_gathers`, ``where`` ``params``)."""
     par = cfg.parallel
     pp = par.pp
     d = deg["dp_cp"]
@@ -201,6 +203,8 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
         ed = deg["expert_dp"]
         fp8_gather = gathers_fp8(cfg)
         _bucket_collectives(cfg, deg, s, sp, fp8_gather, add)
+        for key, op, axis, nbytes, count in frozen_gathers(cfg, deg, frozen[s]) if frozen else ():
+            add(s, key, op, axis, nbytes, "params", count)
         if fp8_gather and d > 1 and sp.fp8:
             # the FP8 weights' tensorwise scales: the amaxes of their shards all-reduced (max)
             # over dp once per step, one fp32 per weight (torchtitan's
@@ -241,13 +245,13 @@ def step_collectives(cfg, deg, stages) -> list[tuple[int, str, str, str, int, st
 STEP_AXES = ("dp_cp", "expert_dp", "embedding", "tp", "pp", "ep", "expert_tp", "dp_shard", "dp_replicate")
 
 
-def step_entries(cfg, deg, stages) -> list[CollectiveEntry]:
+def step_entries(cfg, deg, stages, frozen=None) -> list[CollectiveEntry]:
     """:func:`step_collectives` as the rows of the communication report
     (:class:`~parcompile.analysis.comm.CollectiveEntry`, phase ``step``): what
     :func:`parcompile.analysis.comm.comm_report` reads from the graph's ``step_collective``
     ops, for :mod:`parcompile.layout_search`, which costs layouts without building their graphs."""
     return [CollectiveEntry(op, axis, nb, count, where, s, "step")
-            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, stages)]
+            for s, _key, op, axis, nb, where, count in step_collectives(cfg, deg, stages, frozen)]
 
 
 def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
@@ -256,7 +260,7 @@ def _insert_step_collectives(graph: Graph, ctx: PassContext) -> list:
     cfg = ctx.cfg
     stages = stage_params(graph, ctx.degrees, cfg.parallel.pp, cfg.model.tie_embeddings)
     trained = [trainable(cfg, ctx.degrees, sp) for sp in stages]   # LoRA: the adapters' gradients only
-    for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, trained):
+    for stage, key, op, axis, nbytes, where, count in step_collectives(cfg, ctx.degrees, trained, stages):
         name = graph.unique_name(f"step.stage{stage}.{key}")
         attrs = {"op": op, "axis": axis, "bytes": int(nbytes), "where": where}
         if count != 1:

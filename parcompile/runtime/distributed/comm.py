@@ -237,11 +237,11 @@ def keep_split_input(split: torch.Tensor, full: torch.Tensor, axis: Axis, dim: i
         return contextlib.nullcontext()
     ptr = full.untyped_storage().data_ptr()
     state = {"full": None, "left": 0}
-    if METER.active:
-        METER.hold(split)
 
     def pack(t):
         if t.untyped_storage().data_ptr() == ptr:
+            if METER.active and not state["left"]:
+                METER.hold(split)   # kept (by this closure) only if a layer saves ``full``
             state["left"] += 1
             return ("regather", tuple(t.shape), t.stride(), t.storage_offset())
         if METER.active:

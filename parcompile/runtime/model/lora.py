@@ -153,6 +153,7 @@ class Adapters(nn.Module):
         super().__init__()
         self.held = nn.ParameterList([p for p in model.parameters() if getattr(p, "lora", False)])
         self.chunks = getattr(model, "chunks", None)
+        self.__dict__["base"] = model   # the stage (not a submodule: its parameters are not the adapters')
 
 
 def frozen_bytes(model: nn.Module) -> int:
@@ -161,8 +162,10 @@ def frozen_bytes(model: nn.Module) -> int:
 
 
 def lora_state_bytes(model: nn.Module, opt) -> dict[str, int]:
-    """``opt.state_bytes()`` (the adapters') with the frozen weights added to ``params``:
-    what the plan's memory counts per rank (:mod:`parcompile.analysis.lora`)."""
+    """``opt.state_bytes()`` (the adapters') with the frozen weights added to ``params``
+    (zero 3: this rank's shards of them, ``opt.frozen_shards``): what the plan's memory
+    counts per rank (:mod:`parcompile.analysis.lora`)."""
     out = dict(opt.state_bytes())
-    out["params"] = out.get("params", 0) + frozen_bytes(model)
+    shards = getattr(opt, "frozen_shards", None)
+    out["params"] = out.get("params", 0) + (shards.shard_bytes() if shards is not None else frozen_bytes(model))
     return out

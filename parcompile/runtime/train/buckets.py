@@ -142,6 +142,26 @@ class BucketLayout:
     acc: torch.Tensor | None = None
 
 
+def bucket_layouts(params: list[nn.Parameter], chunks: list[list[int]] | None, d: int,
+                   bucket_size: int) -> list[BucketLayout]:
+    """The buckets of ``params`` (in module order; ``chunks``: layer ids per local chunk, for
+    the units), as :func:`parcompile.core.buckets.partition` groups their units at
+    ``bucket_size`` fp32 bytes (0: one per chunk), each with ``shard = ceil(elements / d)``
+    elements per rank of a group of ``d`` (1: not sharded)."""
+    units = param_units(params, chunks)
+    by_name = {(u.chunk, u.name): ps for u, ps in units}
+    out = []
+    for i, b in enumerate(partition([u for u, _ in units], bucket_size, "dense")):
+        ps = [p for name in b.units for p in by_name[(b.chunk, name)]]
+        offsets, off = [], 0
+        for p in ps:
+            offsets.append(off)
+            off += local_numel(p)
+        assert off == b.elements, (off, b)
+        out.append(BucketLayout(i, b.chunk, b.units, ps, offsets, off, math.ceil(off / d)))
+    return out
+
+
 def local_numel(p: nn.Parameter) -> int:
     """Elements of ``p``, also while ZeRO-3 has freed its storage."""
     return math.prod(getattr(p, "global_local_shape", tuple(p.shape))) if p.data.numel() == 0 else p.numel()
@@ -298,19 +318,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
         self.flight: list[tuple] = []
         self.final = True   # the armed action is its chunk's last of the step (ZeRO-3 frees at launch)
         self.overlap = bucket_size > 0
-        units = param_units(params, chunks)
-        by_name = {(u.chunk, u.name): ps for u, ps in units}
-        d = axis.size
-        self.buckets: list[BucketLayout] = []
-        for i, b in enumerate(partition([u for u, _ in units], bucket_size, "dense")):
-            ps = [p for name in b.units for p in by_name[(b.chunk, name)]]
-            offsets, off = [], 0
-            for p in ps:
-                offsets.append(off)
-                off += local_numel(p)
-            assert off == b.elements, (off, b)
-            shard = math.ceil(off / d) if sharded else off
-            self.buckets.append(BucketLayout(i, b.chunk, b.units, ps, offsets, off, shard))
+        self.buckets: list[BucketLayout] = bucket_layouts(params, chunks, axis.size if sharded else 1, bucket_size)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         #: each parameter's offset in its bucket's flat buffer
         self.offset_of = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
@@ -321,7 +329,7 @@ class GradBuckets(GradBuffers, MicrobatchReduction):
             self.chunk_buckets.setdefault(b.chunk, []).append(b)
         #: per micro-batch: per chunk, the position of its next bucket to launch
         self.pos: dict[int, int] = {}
-        self.active = d > 1
+        self.active = axis.size > 1
         self.sync: GradSync | None = None
         #: called with each bucket as it launches (its gradients are final; ZeRO-3 frees
         #: the bucket's gathered parameters)
@@ -555,4 +563,4 @@ class BucketedReduction:
     full_grad_bytes = 0
 
 
-__all__ = ["GradBuckets", "GradSync", "BucketLayout", "BucketedReduction", "param_units", "unit_of", "local_numel"]
+__all__ = ["GradBuckets", "GradSync", "BucketLayout", "BucketedReduction", "bucket_layouts", "param_units", "unit_of", "local_numel"]

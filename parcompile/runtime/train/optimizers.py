@@ -15,6 +15,7 @@ from parcompile.runtime.train.optim import ReplicatedOptimizer, make_optimizer
 from parcompile.runtime.train.offload import offload_optimizer
 from parcompile.runtime.train.optim_moe import moe_optimizer
 from parcompile.runtime.train.zero import ShardedOptimizer
+from parcompile.runtime.train.zero_frozen import FrozenShards
 from parcompile.runtime.train.zero_gather import LayerGather
 
 
@@ -64,6 +65,11 @@ def step_optimizer(model: nn.Module, ctx: ParallelContext, train: dict, sharding
                 offload_optimizer(part, lambda groups: make_optimizer(groups, train), offload)
     parts = [o for o in getattr(opt, "parts", (opt,))
              if isinstance(o, ShardedOptimizer) and o.sharding.shards_parameters]
+    base = getattr(model, "base", None)   # LoRA: ``model`` holds the adapters of the stage ``base``
+    if parts and base is not None and isinstance(opt, ShardedOptimizer):   # ZeRO-3: the frozen weights sharded too (runtime/train/zero_frozen.py)
+        opt.frozen_shards = FrozenShards(base, ctx, sharding, bucket_size)
+        parts.append(opt.frozen_shards)
+        model = base
     if parts and hasattr(model, "layers"):   # ZeRO-3: buckets gathered just in time
         LayerGather(model, parts, reshard_after_forward(ctx.num_stages))
     return opt

@@ -173,6 +173,7 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         self._fp8_sinv: list[torch.Tensor] = []
         self._fp8_held: dict[int, int] = {}   # bucket index -> bytes of its E4M3 copies held
         self._exporting = False
+        self.frozen_shards = None   # LoRA, zero 3: the frozen weights' (runtime/train/zero_frozen.py)
         if zero3:
             self._keep_low_shards()
             self._free_params()
@@ -194,6 +195,8 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         the buckets not gathered just in time (:class:`LayerGather`: with ``pp > 1`` the
         embedding's and the output layer's, with ``pp = 1`` a tied embedding's)."""
         if self.sharding.shards_parameters:
+            if self.frozen_shards is not None:   # LoRA: the frozen weights' shards (runtime/train/zero_frozen.py)
+                self.frozen_shards.free()
             self._free_params()
             self.gathered.reset()
             if self.fp8_params:
@@ -201,6 +204,8 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             for b in self.buckets.buckets:
                 if b.index not in self.just_in_time:
                     self._gather_bucket(b)
+            if self.frozen_shards is not None:
+                self.frozen_shards.begin_step()
 
     def reduce_gradients(self) -> None:
         """Finish the buckets' reduce-scatters, attach the owned slices to the segments,
@@ -292,6 +297,8 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
             self._grad_shards = None   # zero 1 keeps full gradients; the slices were scratch copies
         if self.sharding.shards_parameters:
             self._free_params()
+            if self.frozen_shards is not None:
+                self.frozen_shards.free()
         else:
             self._all_gather_params()
 

@@ -227,6 +227,13 @@ class ParamGather:
                 p.fp8_gathered = None
         self.gathered.add(-self._fp8_held.pop(b.index, 0))
 
+    def release_all(self) -> None:
+        """zero 3: free every bucket gathered just in time (LoRA: a micro-batch's backward
+        ended, :class:`LayerGather`)."""
+        for b in self.buckets.buckets:
+            if b.index in self.just_in_time:
+                self._release_bucket(b)
+
     def _free_params(self) -> None:
         for works, _, _ in self._inflight.values():
             for work in works:
@@ -261,6 +268,8 @@ class ParamGather:
             finally:
                 COUNTER.enabled = enabled
                 self._exporting = False
+            if getattr(self, "frozen_shards", None) is not None:   # LoRA: the frozen weights too
+                self.frozen_shards.gather_for_export()
 
 
 class GatherMeter:
@@ -335,6 +344,12 @@ class LayerGather:
         self.ends: dict[tuple, list] = {}         # unit -> buckets whose last unit it is
         self.bwd_starts: dict[tuple, list] = {}   # unit -> buckets whose first unit read by the backward it is
         meter = GatherMeter()
+        #: LoRA's frozen weights (:class:`parcompile.runtime.train.zero_frozen.FrozenShards`): the
+        #: first adapted layer's input needs no gradient, so no hook frees its buckets (frozen
+        #: and adapters) after its backward; they are freed when the micro-batch's backward ends
+        #: (FSDP2's post-backward final callback)
+        self.frozen = [part for part in parts if getattr(part, "frozen", False)]
+        self.parts = parts
         for part in parts:
             part.gathered = meter
             for b in part.buckets.buckets:
@@ -414,6 +429,12 @@ class LayerGather:
     def _before_backward(self, at: tuple, grad: torch.Tensor) -> None:
         self._gather(at, backward=True)
         self._gather(self.prev.get(at), prefetch=True, backward=True)
+        if self.frozen:   # LoRA: free what no hook freed once the backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._release_all)
+
+    def _release_all(self) -> None:
+        for part in self.parts:
+            part.release_all()
 
     def _after_backward(self, at: tuple, grad: torch.Tensor) -> None:
         self._release(self.bwd_starts.get(at, ()))
