@@ -186,3 +186,53 @@ def test_nan_loss_is_the_programs_line_and_nothing_after(tmp_path):
     [line] = _after_start_up(run.stdout)
     assert re.fullmatch(r"error: step \d+: the (loss|gradient norm) is (nan|inf); training stopped before saving "
                         r"anything of this step \(no checkpoint was saved\) \(lower lr, .*\)", line), run.stdout
+
+
+@pytest.mark.torchrun
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_a_serve_rank_is_one_line_and_the_server_exits(tmp_path):
+    """`parcompile serve` launches its ranks the same way: before, 42 lines and a traceback
+    after the kill; now the server's own line (503, then exiting) and the rank's line."""
+    import threading
+
+    import httpx
+
+    from tests.serve_utils import free_port, stop_server, tiny_serve_spec
+
+    spec = tmp_path / "s.par"
+    spec.write_text(tiny_serve_spec(batch=2, prompt_len=8, max_new_tokens=8, kv_cache_tokens=256)
+                    .replace("gpus_per_node = 1", "gpus_per_node = 2"))
+    tag = f"PARCOMPILE_TEST_JOB={uuid.uuid4().hex}"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "parcompile", "serve", str(spec), "-o", str(tmp_path / "out"),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PARCOMPILE_TEST_JOB=tag.split("=")[1]))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        ranks = _job_ranks(tag)
+        assert sorted(ranks) == [0, 1], "".join(lines)
+        time.sleep(0.5)                     # the "serving" line is printed just before uvicorn answers
+        before = len(lines)
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(120) == 1, "".join(lines)
+        reader.join(10)
+    finally:
+        stop_server(proc)
+    out = "".join(lines)
+    assert "Traceback" not in out, out
+    after = sorted(lines[before:])          # the server's line and the launcher's, in either order
+    assert len(after) == 2, out
+    assert after[0].startswith("error: rank 1 (pid %d) was killed by SIGKILL" % ranks[1]), out
+    assert re.match(r"error: (replica 1 disconnected \(a rank died\)|the serve program exited with status 1); "
+                    r"answering 503", after[1]), out
