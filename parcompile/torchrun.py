@@ -58,10 +58,20 @@ def first_failure(failures: dict) -> tuple[int, object]:
     the same second or the next. Here: the ranks torchrun did not stop itself (exit code
     other than -SIGTERM, the signal it stops the others with; all, if it stopped every
     one), of those the ones killed by a signal (a peer's death makes a rank raise, never
-    die by a signal), of those the earliest (the first seen on a tie)."""
+    die by a signal), of those the earliest: by its error file's modification time where it
+    wrote one (sub-second, where a peer's error written a few milliseconds later has the
+    same whole second), else torch's timestamp; the first seen on a tie."""
     own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     pool = {r: f for r, f in own.items() if f.exitcode < 0} or own
-    return min(pool.items(), key=lambda item: item[1].timestamp)
+    return min(pool.items(), key=lambda item: _written(item[1]))
+
+
+def _written(failure) -> float:
+    """When ``failure``'s rank wrote its error file (seconds since the epoch), else torch's timestamp."""
+    try:
+        return os.stat(failure.error_file).st_mtime
+    except (OSError, TypeError, ValueError):
+        return float(failure.timestamp)
 
 
 def summary(rank: int, failure, nproc: int, log: Path) -> list[str]:
@@ -120,7 +130,10 @@ def main(argv: Sequence[str]) -> int:
     docstring); returns the exit status (0; 1 when a rank failed or torchrun could not
     start the job; 128 + N when this process was stopped by signal N)."""
     logs, rest = Path(argv[0]), list(argv[1:])
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError:                                  # not a directory, not writable: the system's temporary one
+        logs = Path(tempfile.gettempdir())
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=logs))
     log_path = run_dir / "torchrun.log"
     with open(log_path, "x", buffering=1) as log:

@@ -92,6 +92,16 @@ def test_the_killed_rank_is_the_cause_not_the_survivor_whose_collective_failed(t
     failures = {0: _failure(tmp_path, 0, -signal.SIGTERM), 1: _failure(tmp_path, 1, 3)}
     assert first_failure(failures)[0] == 1
     assert summary(1, failures[1], 2, tmp_path / "l")[-1].startswith("error: rank 1 (pid 1001) exited with status 3;")
+    # two recorded exceptions in the same whole second: the error file written first (the
+    # bug on rank 1; rank 0's gloo error followed when rank 1's sockets closed)
+    now = int(time.time())
+    errors = {r: {"message": {"message": m, "extraInfo": {"py_callstack": "Traceback ...", "timestamp": str(now)}}}
+              for r, m in ((0, "RuntimeError: Connection closed by peer"), (1, "ValueError: a bad row"))}
+    failures = {r: _failure(tmp_path, r, 1, errors[r]) for r in (0, 1)}
+    os.utime(tmp_path / "error1.json", (now + 0.2, now + 0.2))
+    os.utime(tmp_path / "error0.json", (now + 0.25, now + 0.25))
+    assert failures[0].timestamp == failures[1].timestamp
+    assert first_failure(failures)[0] == 1
 
 
 def test_a_rank_records_its_error_and_prints_nothing_under_the_launcher(tmp_path, monkeypatch, capfd):
