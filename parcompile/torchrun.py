@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-#: set in each rank's environment (the agent's, inherited): a rank's error is reported by
-#: this launcher, from its error file, not by the rank itself
-LAUNCHER_ENV = "PARCOMPILE_TORCHRUN_LOG"
+from parcompile.core.process import LAUNCHER_ENV
+
 
 
 def command(nproc: int, program: str | os.PathLike, args: Sequence[str] = (),
@@ -182,4 +181,4 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["LAUNCHER_ENV", "command", "first_failure", "main", "summary"]
+__all__ = ["command", "first_failure", "main", "summary"]

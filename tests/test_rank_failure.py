@@ -23,7 +23,8 @@ import uuid
 
 import pytest
 
-from parcompile.torchrun import LAUNCHER_ENV, first_failure, summary
+from parcompile.core.process import LAUNCHER_ENV
+from parcompile.torchrun import first_failure, summary
 
 SPEC = """
 model small {

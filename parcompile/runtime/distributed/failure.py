@@ -6,7 +6,7 @@ a traceback of its own, before torchrun stops them. torchrun gives each rank an 
 (torch/distributed/elastic/multiprocessing/errors/__init__.py, torch 2.13) writes the
 exception there, and torchrun names the rank whose failure came first. :func:`run_main`
 writes it the same way; under `parcompile run` / `parcompile serve`
-(:data:`parcompile.torchrun.LAUNCHER_ENV` set) the rank prints nothing and the launcher
+(:data:`parcompile.core.process.LAUNCHER_ENV` set) the rank prints nothing and the launcher
 prints the first failure once; elsewhere (a plain torchrun, ``launch.sh``, one process)
 the program prints as it did.
 """
@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Callable
 
-from parcompile.torchrun import LAUNCHER_ENV
+from parcompile.core.process import LAUNCHER_ENV
 
 
 def _error_file() -> str | None:
@@ -32,7 +32,7 @@ def run_main(main: Callable[[], object], explained: tuple[type[BaseException], .
     """Run ``main()``. An error of ``explained`` (the program's own errors, whose message
     says what went wrong and how to fix it, as ``TrainError``) is written to this rank's
     error file as a plain message (torch's string form: ``{"message": str, "timestamp":
-    int}``) and, unless :data:`~parcompile.torchrun.LAUNCHER_ENV` says the launcher
+    int}``) and, unless :data:`~parcompile.core.process.LAUNCHER_ENV` says the launcher
     reports it, printed as ``error: MESSAGE`` where ``speaks(e)``; any other exception is
     recorded with its traceback (torch's ``ErrorHandler.record_exception``, what
     ``@record`` does) and raised again, or, under the launcher, only recorded. Either way
