@@ -355,9 +355,11 @@ def cmd_run(args) -> int:
     print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
     from parcompile import jobs, torchrun
 
-    cmd = torchrun.command(cfg.cluster.gpus_per_node, script, argv)   # a failed rank: one line (issue 51)
+    log_dir = torchrun.run_dir(script)
+    cmd = torchrun.command(cfg.cluster.gpus_per_node, script, argv, log_dir)   # a failed rank: one line (issue 51)
 
     def interrupted(name: str) -> None:   # one line, as `serve` says it
+        torchrun.remove(log_dir)          # torchrun was killed: nothing of it to keep
         print(f"interrupted ({name}): stopped torchrun and its {cfg.cluster.gpus_per_node} rank(s)", file=sys.stderr,
               flush=True)
 

@@ -7,12 +7,12 @@ torchrun ends the job when one rank fails, stopping the others (SIGTERM), and ra
 ``python -m torch.distributed.run`` it prints that as a traceback and a 30-line summary,
 after the agent's log lines and the other ranks' tracebacks: 96 lines and 3 tracebacks
 for a kill -9 of one rank, which never said which rank died. Here, run as
-``python -m parcompile.torchrun LOGS TORCHRUN_ARGS...`` (:func:`command`):
+``python -m parcompile.torchrun LOG_DIR TORCHRUN_ARGS...`` (:func:`command`):
 
-* a new directory under ``LOGS`` (``tempfile.mkdtemp``: never over a file) is torchrun's
-  ``--log-dir`` (each rank's ``error.json``) and holds ``torchrun.log``: the agent's log
-  (torch's loggers, as ``OMP_NUM_THREADS`` notes and ``Sending process ... closing
-  signal``) and, on a failure, torchrun's whole summary;
+* ``LOG_DIR``, made new (:func:`run_dir`: ``logs/run-TIME-RANDOM`` in the build directory;
+  never over anything), is torchrun's ``--log-dir`` (each rank's ``error.json``) and holds
+  ``torchrun.log``: the agent's log (torch's loggers, as ``OMP_NUM_THREADS`` notes and
+  ``Sending process ... closing signal``) and, on a failure, torchrun's whole summary;
 * the ranks write to the terminal as before; a rank's error is recorded in its error file
   instead of printed (:func:`parcompile.runtime.distributed.failure.run_main`, under
   :data:`LAUNCHER_ENV`), and printed here once: the program's own one-line error
@@ -20,12 +20,14 @@ for a kill -9 of one rank, which never said which rank died. Here, run as
   by one line; a rank killed by a signal or exiting with a status as one line
   (:func:`summary`): which rank, its pid, the signal or status, that the others were
   stopped, the log's path. Exit status 1, as torchrun's;
-* a job that succeeds leaves no directory.
+* a job that succeeds, or is stopped, leaves no directory (:func:`remove`; the front
+  removes it after Ctrl-C, when it kills this process).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -37,13 +39,18 @@ from parcompile.core.process import LAUNCHER_ENV
 
 
 
-def command(nproc: int, program: str | os.PathLike, args: Sequence[str] = (),
-            logs: str | os.PathLike | None = None) -> list[str]:
+def run_dir(program: str | os.PathLike) -> Path:
+    """The path of a new log directory for one launch of ``program``:
+    ``logs/run-TIME-RANDOM`` beside it (the build directory). :func:`main` makes it (never
+    over anything: where it cannot, a new temporary directory instead); :func:`remove`
+    removes it when the job succeeded or was interrupted."""
+    return Path(program).parent / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+
+
+def command(nproc: int, program: str | os.PathLike, args: Sequence[str], log_dir: str | os.PathLike) -> list[str]:
     """The command that launches ``program`` (with ``args``) on ``nproc`` local ranks under
-    torchrun (``--standalone``) through this module; ``logs``: the directory its log
-    directories go in (default ``logs/`` beside ``program``, the build directory)."""
-    logs = Path(program).parent / "logs" if logs is None else Path(logs)
-    return [sys.executable, "-m", "parcompile.torchrun", str(logs), "--standalone",
+    torchrun (``--standalone``) through this module, its logs in ``log_dir`` (:func:`run_dir`)."""
+    return [sys.executable, "-m", "parcompile.torchrun", str(log_dir), "--standalone",
             f"--nproc-per-node={nproc}", str(program), *map(str, args)]
 
 
@@ -125,16 +132,16 @@ def _nproc(args) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``LOGS TORCHRUN_ARGS...``: run torchrun with ``TORCHRUN_ARGS`` (see the module
+    """``LOG_DIR TORCHRUN_ARGS...``: run torchrun with ``TORCHRUN_ARGS`` (see the module
     docstring); returns the exit status (0; 1 when a rank failed or torchrun could not
     start the job; 128 + N when this process was stopped by signal N)."""
-    logs, rest = Path(argv[0]), list(argv[1:])
+    log_dir, rest = Path(argv[0]), list(argv[1:])
     try:
-        logs.mkdir(parents=True, exist_ok=True)
-    except OSError:                                  # not a directory, not writable: the system's temporary one
-        logs = Path(tempfile.gettempdir())
-    run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=logs))
-    log_path = run_dir / "torchrun.log"
+        log_dir.parent.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir()                              # new: never over a file
+    except OSError:                                  # there already, or logs/ is not a writable directory
+        log_dir = Path(tempfile.mkdtemp(prefix="parcompile-run-"))
+    log_path = log_dir / "torchrun.log"
     with open(log_path, "x", buffering=1) as log:
         log.write(f"torchrun {' '.join(rest)}\n")
         os.environ[LAUNCHER_ENV] = str(log_path)      # the ranks inherit it (run_main)
@@ -143,7 +150,7 @@ def main(argv: Sequence[str]) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         _log_to(log)
-        args = torchrun.parse_args(["--log-dir", str(run_dir)] + rest)
+        args = torchrun.parse_args(["--log-dir", str(log_dir)] + rest)
         try:
             torchrun.run(args)
         except ChildFailedError as e:
@@ -153,7 +160,7 @@ def main(argv: Sequence[str]) -> int:
                   file=sys.stderr, flush=True)
             return 1
         except SignalException as e:                 # stopped (the front's SIGTERM): the agent ended the ranks
-            log.write(f"stopped by {e.sigval.name}\n")
+            remove(log_dir)
             return 128 + int(e.sigval)
         except Exception as e:                       # torchrun could not run the job (rendezvous, a port)
             import traceback
@@ -162,23 +169,25 @@ def main(argv: Sequence[str]) -> int:
             print(f"error: torchrun failed: {type(e).__name__}: {e}; torchrun's log: {log_path}", file=sys.stderr,
                   flush=True)
             return 1
-    _remove(run_dir)
+    remove(log_dir)
     return 0
 
 
-def _remove(run_dir: Path) -> None:
-    """Remove a successful job's log directory (and ``logs/`` if it is then empty)."""
+def remove(log_dir: str | os.PathLike) -> None:
+    """Remove the log directory of a job that succeeded or was stopped (and ``logs/`` if it
+    is then empty): only a failure's log is worth keeping."""
     import shutil
 
-    shutil.rmtree(run_dir, ignore_errors=True)
-    try:
-        run_dir.parent.rmdir()
-    except OSError:
-        pass
+    shutil.rmtree(log_dir, ignore_errors=True)
+    if Path(log_dir).parent.name == "logs":         # run_dir's, not the temporary directory
+        try:
+            Path(log_dir).parent.rmdir()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["command", "first_failure", "main", "summary"]
+__all__ = ["command", "first_failure", "main", "remove", "run_dir", "summary"]
