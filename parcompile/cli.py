@@ -343,20 +343,23 @@ def cmd_run(args) -> int:
         _print_diags(problems, _read(args.spec)[1])
         return EXIT_SPEC
     script = out / ("serve.py" if serve else "program.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cfg.cluster.gpus_per_node}", str(script)]
+    argv = []
     if args.steps:
-        cmd += ["--steps", str(args.steps)]
+        argv += ["--steps", str(args.steps)]
     if args.checkpoint_dir:   # relative to where `parcompile run` runs, not to the program
-        cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).absolute())]
+        argv += ["--checkpoint-dir", str(Path(args.checkpoint_dir).absolute())]
     for p in args.prompt or []:
-        cmd += ["--prompt", p]
+        argv += ["--prompt", p]
     if getattr(args, "force", False):
-        cmd += ["--force"]
+        argv += ["--force"]
     print(f"running: torchrun --standalone --nproc-per-node {cfg.cluster.gpus_per_node} {script}", flush=True)
-    from parcompile import jobs
+    from parcompile import jobs, torchrun
+
+    log_dir = torchrun.run_dir(script)
+    cmd = torchrun.command(cfg.cluster.gpus_per_node, script, argv, log_dir)   # a failed rank: one line (issue 51)
 
     def interrupted(name: str) -> None:   # one line, as `serve` says it
+        torchrun.remove(log_dir)          # torchrun was killed: nothing of it to keep
         print(f"interrupted ({name}): stopped torchrun and its {cfg.cluster.gpus_per_node} rank(s)", file=sys.stderr,
               flush=True)
 

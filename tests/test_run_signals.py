@@ -122,6 +122,7 @@ def test_signals_to_run_leave_no_process_and_ctrl_c_prints_one_line(tmp_path):
             log = jobs[sig][1]
             after = [line for line in log.read_text()[before[sig]:].splitlines() if not line.startswith("step ")]
             assert after == [f"interrupted ({sig.name}): stopped torchrun and its 1 rank(s)"], after
+            assert not (tmp_path / sig.name / "logs").exists()   # an interrupted launch's log is removed (issue 51)
     finally:
         for run, log, tag in jobs.values():   # what a failing run left
             kill_job(tag)

@@ -16,6 +16,12 @@ _PR_SET_PDEATHSIG = 1
 #: timeout the same (``HCCL_CONNECT_TIMEOUT``, config/presets.py ``ACCELERATORS``)
 PROCESS_GROUP_TIMEOUT_S = 600
 
+#: set by `parcompile run` / `parcompile serve`'s launcher (:mod:`parcompile.torchrun`, to its
+#: log's path) in the environment every rank inherits: a rank's error is then reported by
+#: the launcher, from the rank's error file, not printed by the rank
+#: (:func:`parcompile.runtime.distributed.failure.run_main`)
+LAUNCHER_ENV = "PARCOMPILE_TORCHRUN_LOG"
+
 
 def _libc():
     """libc with errno, loaded before any fork (a child between fork and exec must not
@@ -48,4 +54,4 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     return True
 
 
-__all__ = ["LIBC", "die_with_parent"]
+__all__ = ["LAUNCHER_ENV", "LIBC", "die_with_parent"]

@@ -14,6 +14,7 @@ from parcompile.runtime.state import checkpoint
 from parcompile.runtime.distributed.comm import (COUNTER, all_reduce, copy_to_tp, enter_tp, gather_replicated, keep_split_input,
                                      leave_tp, reduce_from_tp)
 from parcompile.runtime.distributed.context import Axis, ParallelContext, init_parallel, shutdown
+from parcompile.runtime.distributed.failure import run_main
 from parcompile.runtime.distributed.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
 from parcompile.runtime.data.loader import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
 # the layers and MLA's functions the op table's program rows call (parcompile/ir/ops/):

@@ -14,7 +14,6 @@ import asyncio
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-from parcompile import jobs
+from parcompile import jobs, torchrun
 from parcompile.runtime.machine.host import engine_threads
 from parcompile.runtime.serve.paged import IDLE_HEARTBEAT_S, KEY_ENV, tcp_nodelay
 
@@ -121,8 +120,8 @@ class Engines:
         env = dict(os.environ, **(extra_env or {}))
         env[KEY_ENV] = self.key.hex()
         env.setdefault("OMP_NUM_THREADS", str(engine_threads(world)))   # the front keeps a core (unless set)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(program), "--engine", f"{host}:{port}"]
+        log_dir = torchrun.run_dir(program)
+        cmd = torchrun.command(world, program, ["--engine", f"{host}:{port}"], log_dir)   # a failed rank: one line
         self.proc = jobs.start(cmd, env)   # its own session; it and its ranks die with this process
         try:
             self._accept(startup_timeout_s)
@@ -131,6 +130,7 @@ class Engines:
             # rank allocating its cache or loading weights would take seconds to reach a handler (issue 47)
             self.stopping = True
             jobs.end(self.proc, 0.0, ((signal.SIGKILL, None),))
+            torchrun.remove(log_dir)
             self.listener.close()
             raise
         threading.Thread(target=self._watch, daemon=True).start()

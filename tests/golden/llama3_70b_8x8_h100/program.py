@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 
 # PyTorch's caching allocator with expandable segments fragments less (set before the device starts)
@@ -341,9 +340,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except rt.TrainError as e:                                  # every rank stops together; rank 0 says why
-        if e.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    # a TrainError stops every rank together and rank 0 says why; an error is said once (issue 51)
+    rt.run_main(main, (rt.TrainError,), speaks=lambda e: e.rank == 0)

@@ -16,7 +16,6 @@ this replica, T tokens of the step (the prompt, then 1), L tokens in the cache.
 
 import argparse
 import json
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -296,8 +295,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except gen.ServeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    rt.run_main(main, (gen.ServeError,))                        # an error is said once (issue 51)
