@@ -69,9 +69,9 @@ XLA_H100_BF16_LATER = [
 #: (80 MB), measured at 0.93 of the HBM bandwidth where DeepGEMM's cold-L2 rows reach 0.74-0.80
 #: (the table's loop keeps part of it in the 50 MB L2, which the model does not hold: -19%); the
 #: one-wave long-k shape cuBLAS splits over k (split-K, priced since issue 48: was at half the
-#: measured rate, now -11%); two 64-row-tile shapes at +11.5% and -10%; 4096^3 in 4 batches at
-#: 3.9 waves of 128 x 256 tiles (+11.5%: priced as 4 whole waves it would be within 10%... the
-#: model splits the tail from STREAM_K_WAVES on)
+#: measured rate, now -11%); two 64-row-tile shapes at +11.5% and -10%; 4096^3 in 4 batches
+#: (+11.5%: 31 waves of 128 x 128 tiles whose tail the model spreads over the SMs from
+#: STREAM_K_WAVES on; in whole waves it would be at +8%)
 XLA_H100_BF16_MISSED = [
     (4, 4096, 256, 2048, 588.7), (1, 256, 256, 4096, 84.3), (1, 1024, 256, 1024, 68.3),
     (1, 512, 1024, 4096, 309.6), (4, 4096, 4096, 4096, 793.13),
