@@ -1,11 +1,16 @@
 """The GEMM-rate model (parcompile/analysis/gemm.py) against published per-shape GEMM
 measurements, one test per source: each row typed from its table (TFLOP/s), the model's rate
-for the same shape, dtype and GPU within 10%. The rows the model misses by more are listed apart
-(``*_MISSED``) with why, and held to a looser bound so that a change that makes them worse still
+for the same shape, dtype and GPU within 10%. The rows the model still misses by more are listed
+apart (``*_MISSED``) with why, and held within 20% so that a change that makes them worse still
 fails. DeepGEMM's tables are here whole (28 rows); OpenXLA's H100 table has 375 bf16 rows (b 1, 2,
-4; m, n, k 256 to 4096), of which 78 are here: the first 40 typed for the fit, 38 more read after
-it (review, issue 48) to see whether the sample hid misses: two did (one short-k row, now in
-``XLA_H100_BF16_MISSED``, and a split-K shape, ``XLA_H100_BF16_SPLIT_K``)."""
+4; m, n, k 256 to 4096), of which 78 are here: the first 40 typed for the first fit, 38 more read
+after it (review, issue 48) to see whether the sample hid misses. Issue 48's second fit (a tile's
+prologue / epilogue and the output drain, CUTLASS's stream-K and split-K with their partial sums,
+DeepGEMM's own tiles and pipeline) brought 15 of the 19 rows missed before within 10% (was: 7 XLA
+rows 11-17% fast, the split-K row at half its rate, 9 DeepGEMM rows 10-22%, both GH100 FP8 MAMF
+rows 13-15%); 9 of 114 rows are missed now, by 10-19% (5 of them within 10% before)."""
+
+from math import ceil
 
 import pytest
 
@@ -16,112 +21,140 @@ H100_FP8 = dict(H100, peak=1979e12)
 A100 = dict(peak=312e12, sms=108, hbm_bw=2.039e12, kernels="ampere")    # config/presets.py a100-80gb
 
 
-def rate(m, n, k, batch=1, fmt="16", in_bytes=2, **gpu) -> float:
-    """TFLOP/s of the model for ``batch`` GEMMs [m, k] x [k, n]."""
-    return 2 * batch * m * n * k / gemm_seconds(m, n, k, batch, gpu["peak"], gpu["sms"], gpu["hbm_bw"],
-                                                gpu["kernels"], fmt, in_bytes, 2) / 1e12
+def rate(m, n, k, batch=1, fmt="16", in_bytes=2, launch=True, **gpu) -> float:
+    """TFLOP/s of the model for ``batch`` GEMMs [m, k] x [k, n]; ``launch`` False: the kernel
+    alone (a profiler's kernel time, without the launch)."""
+    t = gemm_seconds(m, n, k, batch, gpu["peak"], gpu["sms"], gpu["hbm_bw"], gpu["kernels"], fmt, in_bytes, 2)
+    return 2 * batch * m * n * k / (t - (0.0 if launch else KERNELS[gpu["kernels"]].launch)) / 1e12
 
 
 # OpenXLA's measured matmul table, H100 (key "sm_90"), bf16 x bf16 -> bf16, cuBLAS through XLA:
 # tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at
 # 372d578bb861cc5804e56d37d93aec931a59762c (flops in FLOP/s; here TFLOP/s). (b, m, n, k, TFLOP/s)
 XLA_H100_BF16 = [
-    (2, 256, 2048, 2048, 332.2), (4, 4096, 256, 2048, 588.7), (2, 1024, 2048, 1024, 493.4),
-    (1, 256, 2048, 4096, 285.9), (2, 512, 2048, 2048, 525.3), (4, 1024, 2048, 2048, 712.7),
-    (1, 2048, 2048, 2048, 632.0), (1, 4096, 4096, 256, 392.2), (2, 2048, 4096, 1024, 678.7),
-    (2, 4096, 4096, 2048, 763.0), (1, 4096, 4096, 4096, 783.3), (1, 512, 4096, 1024, 373.3),
-    (1, 256, 1024, 4096, 172.3), (1, 4096, 2048, 512, 447.0), (4, 4096, 1024, 1024, 673.8),
-    (2, 4096, 1024, 4096, 750.6), (1, 2048, 1024, 2048, 523.3), (2, 4096, 2048, 4096, 783.2),
-    (1, 1024, 2048, 2048, 524.3), (1, 1024, 4096, 4096, 738.5), (1, 512, 1024, 4096, 309.6),
-    (4, 4096, 2048, 2048, 759.3), (1, 2048, 4096, 4096, 753.6), (1, 4096, 512, 2048, 521.7),
-    (1, 256, 4096, 1024, 225.2), (2, 4096, 4096, 1024, 693.0), (1, 512, 4096, 2048, 522.2),
-    (1, 1024, 1024, 1024, 236.3), (1, 4096, 1024, 2048, 632.0), (4, 1024, 4096, 4096, 773.5),
-    (1, 256, 512, 4096, 91.7), (1, 256, 256, 256, 6.45), (1, 512, 256, 512, 21.8),
-    (1, 2048, 256, 2048, 216.1),
+    (2, 256, 2048, 2048, 332.2), (2, 1024, 2048, 1024, 493.4), (1, 256, 2048, 4096, 285.9),
+    (2, 512, 2048, 2048, 525.3), (4, 1024, 2048, 2048, 712.7), (1, 2048, 2048, 2048, 632.0),
+    (1, 4096, 4096, 256, 392.2), (2, 2048, 4096, 1024, 678.7), (2, 4096, 4096, 2048, 763.0),
+    (1, 4096, 4096, 4096, 783.3), (1, 512, 4096, 1024, 373.3), (1, 256, 1024, 4096, 172.3),
+    (1, 4096, 2048, 512, 447.0), (4, 4096, 1024, 1024, 673.8), (2, 4096, 1024, 4096, 750.6),
+    (1, 2048, 1024, 2048, 523.3), (2, 4096, 2048, 4096, 783.2), (1, 1024, 2048, 2048, 524.3),
+    (1, 1024, 4096, 4096, 738.5), (4, 4096, 2048, 2048, 759.3), (1, 2048, 4096, 4096, 753.6),
+    (1, 4096, 512, 2048, 521.7), (1, 256, 4096, 1024, 225.2), (2, 4096, 4096, 1024, 693.0),
+    (1, 512, 4096, 2048, 522.2), (1, 1024, 1024, 1024, 236.3), (1, 4096, 1024, 2048, 632.0),
+    (4, 1024, 4096, 4096, 773.5), (1, 256, 512, 4096, 91.7), (1, 256, 256, 256, 6.45),
+    (1, 512, 256, 512, 21.8), (1, 2048, 256, 2048, 216.1),
 ]
-#: short-k (256-512) and thin-n shapes the model prices 11-17% fast: its tile prologue and
-#: epilogue are one fixed time per tile, where cuBLAS's grow with the tile's output
-XLA_H100_BF16_MISSED = [
+#: short-k (256-512) and thin-n shapes the first fit priced 11-17% fast (its tile prologue and
+#: epilogue were one fixed time per tile), within 10% since the output drain (issue 48)
+XLA_H100_BF16_SHORT_K = [
     (1, 1024, 2048, 256, 139.5), (1, 4096, 512, 512, 238.8), (1, 4096, 1024, 512, 343.7),
-    (2, 2048, 256, 4096, 378.6), (1, 2048, 2048, 512, 345.5), (1, 1024, 256, 1024, 68.3),
-    (2, 4096, 1024, 256, 301.6),
+    (2, 2048, 256, 4096, 378.6), (1, 2048, 2048, 512, 345.5), (2, 4096, 1024, 256, 301.6),
 ]
-#: rows of the same table read after the fit (see the module docstring), within 10%
+#: rows of the same table read after the first fit (see the module docstring)
 XLA_H100_BF16_LATER = [
     (4, 512, 256, 256, 42.37), (1, 256, 2048, 256, 41.84), (2, 2048, 256, 512, 139.23),
-    (4, 4096, 4096, 4096, 793.13), (4, 2048, 1024, 2048, 710.6), (1, 4096, 1024, 1024, 488.06),
+    (4, 2048, 1024, 2048, 710.6), (1, 4096, 1024, 1024, 488.06),
     (1, 4096, 4096, 512, 543.1), (1, 256, 4096, 4096, 412.0), (1, 512, 512, 512, 40.7),
     (1, 1024, 1024, 512, 145.6), (4, 256, 256, 4096, 171.6), (2, 1024, 1024, 4096, 649.6),
     (1, 2048, 512, 4096, 451.2), (1, 512, 1024, 512, 80.5), (2, 512, 512, 256, 43.35),
     (1, 1024, 512, 4096, 298.9), (4, 256, 256, 2048, 117.7), (1, 256, 256, 1024, 19.46),
-    (1, 256, 512, 256, 11.46), (2, 256, 256, 256, 11.55), (2, 256, 256, 4096, 91.30),
+    (1, 256, 512, 256, 11.46), (2, 256, 256, 256, 11.55), (2, 256, 256, 4096, 91.3),
     (1, 512, 256, 4096, 91.06), (1, 256, 256, 2048, 31.13), (2, 256, 256, 2048, 60.35),
     (1, 512, 512, 4096, 174.5), (2, 512, 256, 4096, 168.6), (1, 256, 512, 2048, 62.37),
     (1, 512, 256, 2048, 60.13), (4, 512, 256, 4096, 293.05), (2, 256, 512, 4096, 175.2),
     (1, 1024, 256, 4096, 169.7), (1, 256, 256, 512, 11.46), (1, 512, 512, 2048, 114.7),
     (1, 512, 512, 1024, 71.2), (1, 256, 512, 1024, 39.1), (1, 1024, 256, 2048, 113.2),
 ]
-#: one output tile's worth of work over a long k (4 tiles of 128 x 128 for 132 SMs): cuBLAS
-#: splits k over SMs (split-K), which the model does not; it prices the row at half the measured
-#: rate (slow, so an estimate with such GEMMs errs long). Held between 40% and 60% of it
-XLA_H100_BF16_SPLIT_K = [(1, 256, 256, 4096, 84.3)]
+#: rows the model misses by 10-19%: 4096 x 256 x 2048 in 4 batches is memory-bound on paper
+#: (80 MB), measured at 0.93 of the HBM bandwidth where DeepGEMM's cold-L2 rows reach 0.74-0.80
+#: (the table's loop keeps part of it in the 50 MB L2, which the model does not hold: -19%); the
+#: one-wave long-k shape cuBLAS splits over k (split-K, priced since issue 48: was at half the
+#: measured rate, now -11%); two 64-row-tile shapes at +11.5% and -10%; 4096^3 in 4 batches
+#: (+11.5%: 31 waves of 128 x 128 tiles whose tail the model spreads over the SMs from
+#: STREAM_K_WAVES on; in whole waves it would be at +8%)
+XLA_H100_BF16_MISSED = [
+    (4, 4096, 256, 2048, 588.7), (1, 256, 256, 4096, 84.3), (1, 1024, 256, 1024, 68.3),
+    (1, 512, 1024, 4096, 309.6), (4, 4096, 4096, 4096, 793.13),
+]
 
 # DeepGEMM's README tables, FP8 (E4M3, 1x128 activation and 128x128 weight scales) on the
 # H800 SXM5 (the H100 SXM5's GH100 compute and HBM3), NVCC 12.8: deepseek-ai/DeepGEMM README.md
-# at 55ab91f72f76e8a6db0e86282c3169a88d93df1b, "Normal GEMMs for dense models" (groups 1) and
-# "Grouped GEMMs for MoE models" (contiguous and masked). (groups, m per group, n, k, TFLOP/s)
+# at 55ab91f72f76e8a6db0e86282c3169a88d93df1b, "Normal GEMMs for dense models" (groups 1),
+# "Grouped GEMMs for MoE models" (contiguous layout) and (masked layout). Timed per kernel
+# (tests/test_core.py: bench_kineto, the profiler's kernel time), so without the launch.
+# (layout, groups, m per group, n, k, TFLOP/s)
 DEEPGEMM_H800_FP8 = [
-    (1, 64, 24576, 1536, 289), (1, 64, 32768, 512, 219), (1, 64, 4096, 7168, 287),
-    (1, 128, 24576, 1536, 535), (1, 128, 32768, 512, 358), (1, 128, 4096, 7168, 533),
-    (1, 4096, 24576, 1536, 1125), (1, 4096, 4096, 7168, 1265), (1, 4096, 7168, 2048, 1168),
-    (4, 8192, 4096, 7168, 1346), (4, 8192, 7168, 2048, 1214), (8, 4096, 4096, 7168, 1346),
-    (8, 4096, 7168, 2048, 1214), (1, 1024, 4096, 7168, 1233), (1, 1024, 7168, 2048, 925),
-    (2, 512, 4096, 7168, 1040), (2, 512, 7168, 2048, 916), (4, 256, 7168, 2048, 815),
-    (1, 128, 2112, 7168, 352),
+    ('normal', 1, 64, 24576, 1536, 289), ('normal', 1, 64, 4096, 7168, 287),
+    ('normal', 1, 128, 24576, 1536, 535), ('normal', 1, 128, 32768, 512, 358),
+    ('normal', 1, 128, 4096, 7168, 533), ('normal', 1, 4096, 24576, 1536, 1125),
+    ('normal', 1, 4096, 4096, 7168, 1265), ('normal', 1, 4096, 7168, 2048, 1168),
+    ('contiguous', 4, 8192, 4096, 7168, 1346), ('contiguous', 4, 8192, 7168, 2048, 1214),
+    ('contiguous', 8, 4096, 4096, 7168, 1346), ('contiguous', 8, 4096, 7168, 2048, 1214),
+    ('masked', 1, 1024, 7168, 2048, 925), ('masked', 2, 512, 4096, 7168, 1040),
+    ('masked', 2, 512, 7168, 2048, 916), ('masked', 4, 256, 7168, 2048, 815),
+    ('normal', 1, 128, 2112, 7168, 352), ('normal', 1, 64, 2112, 7168, 206),
+    ('normal', 1, 64, 7168, 16384, 336), ('normal', 1, 64, 7168, 2048, 295),
+    ('normal', 1, 128, 7168, 16384, 645), ('normal', 1, 128, 7168, 2048, 510),
+    ('normal', 1, 4096, 7168, 16384, 1426), ('masked', 4, 256, 4096, 7168, 932),
+    ('normal', 1, 4096, 32768, 512, 751),
 ]
-#: the model misses by 10-22%: at 64-128 rows DeepGEMM's BLOCK_N below 32 (more SMs pulling
-#: the weights, the model's smallest tile is 64 x 32) and its k = 16384 pipelining; the masked
-#: layout's 256-row groups (its per-group scheduling the model does not have); at 4096 rows the
-#: model's stream-K split of the last wave (``STREAM_K_WAVES``), which DeepGEMM does not run
+#: the model misses by 11-14%: 4096 x 2112 at 4.6 waves of DeepGEMM's 128 x 112 tiles (+14%: the
+#: README calls some shapes poorly served); the masked 1024-row group, one random draw of
+#: 716-1331 rows (-14%: the model prices the draws' mean); 64 x 32768 x 512 (+11%: its 4 MB
+#: output written back in two waves)
 DEEPGEMM_H800_FP8_MISSED = [
-    (1, 64, 2112, 7168, 206), (1, 64, 7168, 16384, 336), (1, 64, 7168, 2048, 295),
-    (1, 128, 7168, 16384, 645), (1, 128, 7168, 2048, 510), (1, 4096, 7168, 16384, 1426),
-    (4, 256, 4096, 7168, 932), (1, 4096, 2112, 7168, 1009), (1, 4096, 32768, 512, 751),
+    ('normal', 1, 4096, 2112, 7168, 1009), ('masked', 1, 1024, 4096, 7168, 1233),
+    ('normal', 1, 64, 32768, 512, 219),
 ]
+
+
+def deepgemm_rate(layout, g, m, n, k) -> float:
+    """The model's TFLOP/s for a DeepGEMM row, its kernel alone. A masked row's groups hold
+    ``int(m * uniform(0.7, 1.3))`` rows each (DeepGEMM tests/test_core.py at 55ab91f: masked_m;
+    TFLOP/s over the valid rows): priced as the BLOCK_M-128 row blocks the groups run, their mean
+    count over that draw, stacked as one GEMM (its operand bytes are the A rows and one B)."""
+    if layout != "masked":
+        return rate(m, n, k, g, "blockwise", 1, False, **H100_FP8)
+    draws = 600
+    blocks = g * sum(ceil((0.7 + 0.6 * (i + 0.5) / draws) * m / 128) for i in range(draws)) / draws
+    rows = round(128 * blocks)
+    return 2 * g * m * n * k / (2 * rows * n * k / rate(rows, n, k, 1, "blockwise", 1, False, **H100_FP8))
+
 
 # stas00/ml-engineering compute/accelerator/README.md at 744d01e18b79512572f64a6bbd8b5f4a725203a7,
 # "Maximum Achievable Matmul FLOPS comparison table" (v2: the cache reset between runs; mean of 100
 # iterations): the best shape found per accelerator and dtype. (gpu, fmt, operand bytes, m, n, k,
-# TFLOP/s). The A100, H100 and B200 bf16 rows set their generation's ``mainloop`` (gemm.py); the
-# B200 FP8 and both GB200 rows were read after it (review, issue 48): Blackwell's FP8 mainloop share
-# is assumed equal to the bf16 one, and the GB200 differs from the B200 only in its preset's peak
+# TFLOP/s). The A100 and B200 bf16 rows set their generation's ``mainloop`` (gemm.py), the GH100's
+# are fitted with the other Hopper sources; the B200 FP8 and both GB200 rows were read after it
+# (review, issue 48): Blackwell's FP8 mainloop share is assumed equal to the bf16 one, and the
+# GB200 differs from the B200 only in its preset's peak
 B200 = dict(peak=2250e12, sms=148, hbm_bw=8e12, kernels="blackwell")      # config/presets.py b200
 GB200 = dict(B200, peak=2500e12)                                          # config/presets.py gb200-nvl72
 MAMF = [
     (A100, "16", 2, 1024, 10240, 5120, 271.2),          # A100 SXM, bf16, torch 2.6.0+cu126
     (H100, "16", 2, 2048, 2048, 13312, 794.5),          # H100 SXM, bf16, torch 2.7.0+cu126
+    (H100_FP8, "tensorwise", 1, 1024, 9216, 14336, 1402.6),   # H100 SXM, float8_e4m3fn, torch 2.7.0+cu126
     (B200, "16", 2, 1792, 16128, 3072, 1745.0),         # B200 SXM, bf16, torch 2.7.1+cu128
     (dict(B200, peak=4500e12), "tensorwise", 1, 15360, 4096, 3072, 3432.5),   # B200, float8_e4m3fn
     (GB200, "16", 2, 4096, 9728, 2048, 1822.0),         # GB200, bf16, torch 2.10.0.dev20250916+cu130
     (dict(GB200, peak=5000e12), "tensorwise", 1, 19456, 5120, 1536, 3615.6),  # GB200, float8_e4m3fn
 ]
-#: H100 SXM, float8_e4m3fn, torch 2.7.0+cu126: the model is 14% fast, its 128 x 128 tiles in 4.4
-#: waves split by stream-K at the full mainloop share (tensorwise's share is the one the FP8 step
-#: rows of analysis/calibration.py need with their clock, analysis/efficiency.py ``fp8_clock``)
-#: H200 SXM, float8_e4m3fn, torch 2.7.1+cu128 (the H100's GH100 compute, HBM 4.8 TB/s): the model
-#: is 13% slow at the same tensorwise share, which sits between the two GH100 FP8 rows
-MAMF_MISSED = [(H100_FP8, "tensorwise", 1, 1024, 9216, 14336, 1402.6),
-               (dict(H100_FP8, hbm_bw=4.8e12), "tensorwise", 1, 1280, 4096, 12032, 1453.4)]
+#: H200 SXM, float8_e4m3fn, torch 2.7.1+cu128 (the H100's GH100 compute, HBM 4.8 TB/s): -18% at
+#: the H100's kernel facts (tensorwise 0.82, between it and the H100 FP8 row at +8%): its 320 tiles
+#: of 128 x 128 (2.4 waves) priced as 3 whole waves; CUTLASS's own stream-K heuristic (any tail
+#: under half a wave split) prices it at -3%, but the torchtitan 8B FSDP+TP rows 11% fast
+#: (gemm.py STREAM_K_WAVES)
+MAMF_MISSED = [(dict(H100_FP8, hbm_bw=4.8e12), "tensorwise", 1, 1280, 4096, 12032, 1453.4)]
 
 
-@pytest.mark.parametrize("b,m,n,k,tflops", XLA_H100_BF16 + XLA_H100_BF16_LATER)
+@pytest.mark.parametrize("b,m,n,k,tflops", XLA_H100_BF16 + XLA_H100_BF16_SHORT_K + XLA_H100_BF16_LATER)
 def test_xla_h100_bf16(b, m, n, k, tflops):
     assert rate(m, n, k, b, **H100) == pytest.approx(tflops, rel=0.10)
 
 
-@pytest.mark.parametrize("g,m,n,k,tflops", DEEPGEMM_H800_FP8)
-def test_deepgemm_h800_fp8(g, m, n, k, tflops):
-    assert rate(m, n, k, g, "blockwise", 1, **H100_FP8) == pytest.approx(tflops, rel=0.10)
+@pytest.mark.parametrize("layout,g,m,n,k,tflops", DEEPGEMM_H800_FP8)
+def test_deepgemm_h800_fp8(layout, g, m, n, k, tflops):
+    assert deepgemm_rate(layout, g, m, n, k) == pytest.approx(tflops, rel=0.10)
 
 
 @pytest.mark.parametrize("gpu,fmt,nbytes,m,n,k,tflops", MAMF)
@@ -131,15 +164,13 @@ def test_mamf(gpu, fmt, nbytes, m, n, k, tflops):
 
 def test_missed_rows_stay_bounded():
     """The rows each source has that the model misses by more than 10% (listed with why)
-    stay within 25%."""
+    stay within 20%."""
     for b, m, n, k, tflops in XLA_H100_BF16_MISSED:
-        assert rate(m, n, k, b, **H100) == pytest.approx(tflops, rel=0.25)
-    for g, m, n, k, tflops in DEEPGEMM_H800_FP8_MISSED:
-        assert rate(m, n, k, g, "blockwise", 1, **H100_FP8) == pytest.approx(tflops, rel=0.25)
+        assert rate(m, n, k, b, **H100) == pytest.approx(tflops, rel=0.20)
+    for row in DEEPGEMM_H800_FP8_MISSED:
+        assert deepgemm_rate(*row[:5]) == pytest.approx(row[5], rel=0.20)
     for gpu, fmt, nbytes, m, n, k, tflops in MAMF_MISSED:
-        assert rate(m, n, k, 1, fmt, nbytes, **gpu) == pytest.approx(tflops, rel=0.25)
-    for b, m, n, k, tflops in XLA_H100_BF16_SPLIT_K:
-        assert 0.4 * tflops < rate(m, n, k, b, **H100) < 0.6 * tflops
+        assert rate(m, n, k, 1, fmt, nbytes, **gpu) == pytest.approx(tflops, rel=0.20)
 
 
 def test_small_m_is_memory_bound():
@@ -149,19 +180,28 @@ def test_small_m_is_memory_bound():
     assert t >= 8192 * 8192 * 2 / 3.35e12 > 10 * 2 * 8 * 8192 * 8192 / 989e12
 
 
-def test_tiles_and_waves_quantise(monkeypatch):
-    """With one tile shape (128 x 128): a row past a full wave of tiles costs a second wave
-    (tile quantisation, then wave quantisation), and from STREAM_K_WAVES waves on the last
-    partial wave is split over the SMs (the time grows with the tiles, not a wave at a time).
-    The HBM taken as unbounded: the tiles' arithmetic alone."""
+def test_waves_stream_k_and_split_k(monkeypatch):
+    """With one tile shape (128 x 128) and unbounded feed and HBM (the tiles' arithmetic alone):
+    a row past a full wave of tiles costs a second wave (tile, then wave quantisation); from
+    STREAM_K_WAVES waves on the last partial wave is spread with the one before it over the SMs
+    (stream-K: the time grows with the tiles); a short k (8 k-blocks or fewer) is never split; a
+    single partial wave with a deep k is split over k (split-K) only where the kernels split it
+    (``split_k_depth``)."""
+    def t(kernels, m, n, k):
+        return gemm_seconds(m, n, k, 1, 989e12, 132, 1e18, kernels)
     monkeypatch.setitem(KERNELS, "one", GemmKernels(((128, 128),), {"16": 0.8}, 1e15, 1.0, 0.0, "test"))
+    monkeypatch.setitem(KERNELS, "split", GemmKernels(((128, 128),), {"16": 0.8}, 1e15, 1.0, 0.0, "test",
+                                                      split_k_depth=12.0))
     gemm_seconds.cache_clear()
     full = 132 * 128
-    one = gemm_seconds(full, 128, 8192, 1, 989e12, 132, 1e18, "one")
-    assert gemm_seconds(full + 1, 128, 8192, 1, 989e12, 132, 1e18, "one") == pytest.approx(2 * one)
+    one = t("one", full, 128, 8192)
+    assert t("one", full + 1, 128, 8192) == pytest.approx(2 * one)
     many = STREAM_K_WAVES * full
-    t = gemm_seconds(many + 128, 128, 8192, 1, 989e12, 132, 1e18, "one")
-    assert t == pytest.approx(one * (STREAM_K_WAVES + 1 / 132))
+    assert t("one", many + 128, 128, 8192) == pytest.approx(one * (STREAM_K_WAVES + 1 / 132), rel=1e-4)
+    assert t("one", many + 128, 128, 512) == pytest.approx((STREAM_K_WAVES + 1) * t("one", full, 128, 512), rel=1e-4)
+    assert t("one", 256, 256, 8192) == pytest.approx(one)
+    # 4 tiles of 128 k-blocks: 64 units of 8 k-blocks, 16 splits per tile
+    assert t("split", 256, 256, 8192) == pytest.approx(one / 16, rel=1e-3)
     gemm_seconds.cache_clear()
 
 
@@ -194,11 +234,13 @@ def test_grouped_gemm_as_its_library_schedules_the_experts():
         assert grouped_gemm_seconds(m, 5760, 2880, 16, 4, *h100) == pytest.approx(4 * one[4])
         assert grouped_gemm_seconds(m, 5760, 2880, 6, 4, *h100) == pytest.approx(one[4] + one[2])
         assert grouped_gemm_seconds(m, 5760, 2880, 3, 4, *h100) == one[3]
-    # each of the 4 rounds pays its own launch, and where the GEMMs are compute-bound (256 rows per
-    # expert and up) its 4 kernels' tiles fill the SMs less well than 16 experts' together: the
-    # per-expert GEMMs run slower than one grouped kernel by 3 launches (memory-bound, 128 rows),
-    # more where the tiles count
+    # each of the 4 rounds pays its own launch, and where the GEMMs are compute-bound (512 rows per
+    # expert and up: below, reading an expert's 16.6 MB of weights at HBM speed takes longer than its
+    # 2 * 256 * 2880^2 FLOP at peak) its 4 kernels' tiles fill the SMs less well than 16 experts'
+    # together: the per-expert GEMMs run slower than one grouped kernel by 3 launches
+    # (memory-bound, 128 and 256 rows), more where the tiles count
     launch = KERNELS["hopper"].launch
-    t = {(m, s): grouped_gemm_seconds(m, 2880, 2880, 16, s, *h100) for m in (128, 256, 1024) for s in (0, 4)}
+    t = {(m, s): grouped_gemm_seconds(m, 2880, 2880, 16, s, *h100) for m in (128, 256, 512, 1024) for s in (0, 4)}
     assert t[128, 4] == pytest.approx(t[128, 0] + 3 * launch)
-    assert t[256, 4] > t[256, 0] + 3 * launch and t[1024, 4] > t[1024, 0] + 3 * launch
+    assert t[256, 4] == pytest.approx(t[256, 0] + 3 * launch)
+    assert t[512, 4] > t[512, 0] + 3 * launch and t[1024, 4] > t[1024, 0] + 3 * launch

@@ -7,20 +7,32 @@ MXFP8) is timed here (:func:`gemm_seconds`), not at one efficiency per dtype. A 
 heads), runs as output tiles of ``tm x tn`` spread over the GPU's ``S`` streaming
 multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a time:
 
-* a tile's time is its arithmetic at the SM's share of the achievable peak plus its
-  operands' feed (``tm + tn`` rows of ``k`` elements from L2 into shared memory):
-  ``t_tile = 2 tm tn k / (e P / S) + (tm + tn) k b / F`` (``P`` the datasheet peak of the
-  dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per operand element, ``F``
-  :attr:`GemmKernels.feed` bytes/s per SM): large tiles amortise the feed, small ones fill
-  the SMs;
+* a tile's main loop over ``kk`` of k is its arithmetic at the SM's share of the achievable
+  peak or its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory),
+  whichever is longer: ``main(kk) = max(2 tm tn kk / (e P / S), (tm + tn) kk b / F)`` (``P``
+  the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
+  operand element, ``F`` the SM's operand rate: :attr:`GemmKernels.feed`, and for a
+  DeepGEMM kernel at most its pipeline's bytes in flight over the HBM latency,
+  :func:`operand_rate`); a tile costs ``main(k)`` plus its fixed prologue / epilogue
+  :attr:`GemmKernels.tile_fixed`;
 * tile and wave quantisation: ``tiles = batch ceil(m / tm) ceil(n / tn)`` run in
-  ``ceil(tiles / S)`` waves; the compute time is ``waves * t_tile`` for the best tile of
-  the generation's list (:attr:`GemmKernels.tiles`, what the libraries' heuristics pick
-  from);
+  ``ceil(tiles / S)`` waves, for the best tile of the generation's list
+  (:attr:`GemmKernels.tiles`, what cuBLAS's heuristics pick from; DeepGEMM's own choice for
+  its formats, :func:`deepgemm_tile`);
+* the kernel's epilogue grows with its output: the last wave's C tiles are written after
+  their main loops at :attr:`GemmKernels.write` of the HBM bandwidth (``min(tiles, S) tm tn
+  b_out / (w W)``, the drain no later tile hides);
+* stream-K and split-K (:func:`schedule_seconds`, CUTLASS's sm90 stream-K decomposition): from
+  :data:`STREAM_K_WAVES` full waves on, the last partial wave's and the previous wave's tiles'
+  k-iterations are spread over all SMs; a single partial wave whose k is deep
+  (``k >= split_k_depth sqrt(batch m n)``, :attr:`GemmKernels.split_k_depth`) is split over
+  k; either way each unit covers at least 8 k-blocks, and the fp32 partial sums of a split
+  tile are written and read back (``tm tn 4`` bytes per piece at the operand rate);
 * memory-bound GEMMs (few rows: decode, an expert receiving few tokens) are priced by their
-  bytes: ``(m k + k n) b + m n b_out`` per batch at ``memory`` of the HBM bandwidth;
-* ``t = max(compute, memory) + launch`` (a roofline per GEMM, plus the kernel's fixed
-  prologue / epilogue and launch gap, :attr:`GemmKernels.launch`).
+  bytes: the operands ``(m k + k n) b`` per batch at :attr:`GemmKernels.memory` of the HBM
+  bandwidth and the output ``m n b_out`` at :attr:`GemmKernels.write` of it;
+* ``t = max(compute, memory) + launch`` (a roofline per GEMM plus the kernel's launch,
+  :attr:`GemmKernels.launch`).
 
 A training GEMM runs three times per step (forward ``m x k . k x n``, input gradient
 ``m x n . n x k``, weight gradient ``k x m . m x n``: the tokens become the reduction dim);
@@ -39,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import ceil
+from math import ceil, sqrt
 
 from parcompile.analysis.efficiency import efficiency, engine
 from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
@@ -52,8 +64,12 @@ class GemmKernels:
     (rows, cols), the fraction ``mainloop`` of the datasheet peak a tile's arithmetic runs at
     per format (``"16"``: bf16 / fp16; ``"tensorwise"``, ``"rowwise"``, ``"blockwise"``,
     ``"mxfp8"``: FP8 GEMMs by scaling, of the FP8 / MXFP8 peak), the operand ``feed`` into an
-    SM (bytes/s per SM), the ``memory`` fraction of the HBM bandwidth a streaming GEMM reaches,
-    the fixed seconds per kernel ``launch``, and the ``source`` of each number."""
+    SM (bytes/s per SM), the ``memory`` fraction of the HBM bandwidth a streaming GEMM's
+    operands reach, the fixed seconds per kernel ``launch``, the ``source`` of each number,
+    the fixed seconds per tile ``tile_fixed`` (its prologue and epilogue), the fraction
+    ``write`` of the HBM bandwidth the output is written at, the ``split_k_depth`` from which
+    a one-wave GEMM is split over k (0: never), the formats ``deepgemm`` runs (DeepGEMM's
+    tiles, no stream-K) and the HBM ``latency`` its pipeline hides (seconds)."""
 
     tiles: tuple[tuple[int, int], ...]
     mainloop: dict
@@ -62,54 +78,129 @@ class GemmKernels:
     launch: float
     source: str
     tile_fixed: float = 0.0
+    write: float = 1.0
+    split_k_depth: float = 0.0
+    deepgemm: tuple[str, ...] = ()
+    latency: float = 0.0
 
 
 _HOPPER_SRC = (
-    "mainloop 16 and blockwise, feed, memory, launch, tile_fixed: fitted to two tables of measured GEMMs on "
-    "the GH100 (132 SMs): bf16, OpenXLA's H100 matmul table "
-    "(tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at 372d578, "
-    "key sm_90, cuBLAS via XLA, b x m x n x k from 256 to 4096) and FP8 with 1x128 / 128x128 block scales, "
-    "DeepGEMM's README tables on the H800 SXM5 (deepseek-ai/DeepGEMM README.md at 55ab91f: normal and "
-    "grouped GEMMs by M, N, K, TFLOPS); tiles: the Hopper warp-specialised kernels' 64-256 x 64-256 "
-    "output tiles (CUTLASS sm90 collective builders, DeepGEMM's BLOCK_M 64/128/256 and BLOCK_N up to 256); "
-    "tensorwise (and mxfp8, not on Hopper): 0.87, where the FP8 rows of analysis/calibration.py put it with "
-    "efficiency.py's fp8_clock (stas00/ml-engineering's MAMF table, compute/accelerator/README.md at "
-    "744d01e: 1,402.6 of 1,979 TFLOP/s at 1024x9216x14336 on the H100 SXM, which the model puts 14% higher, "
-    "and the H200's 1,453.4 at 1280x4096x12032, 13% lower); rowwise: 0.55, "
-    "torchao's rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; "
-    "memory: the fit's 1.0 of the HBM bandwidth (DeepGEMM's small-M rows reach 2.4-2.7 of 3.35 TB/s with "
-    "their launch counted in the fixed time)")
+    "mainloop 16, tensorwise and blockwise, feed, memory, write, launch, tile_fixed, latency: fitted together "
+    "(one set, no row apart) to three sources of measured GEMMs on the GH100 (132 SMs): bf16, OpenXLA's H100 "
+    "matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at "
+    "372d578, key sm_90, cuBLAS via XLA, b x m x n x k from 256 to 4096); FP8 with 1x128 / 128x128 block "
+    "scales, DeepGEMM's README tables on the H800 SXM5 (deepseek-ai/DeepGEMM README.md at 55ab91f: normal and "
+    "grouped GEMMs by M, N, K, TFLOPS; timed per kernel by its bench_kineto, so without the launch); "
+    "tensorwise FP8 0.82 between stas00/ml-engineering's MAMF rows (compute/accelerator/README.md at "
+    "744d01e: H100 SXM 1,402.6 TFLOP/s at 1024x9216x14336, the model 8% higher; H200 SXM 1,453.4 at "
+    "1280x4096x12032, 18% lower, its 2.4 waves priced as 3; bf16 H100 794.5 at 2048x2048x13312); tiles: "
+    "the Hopper warp-specialised kernels' 64-256 x 32-256 output tiles (CUTLASS "
+    "sm90 collective builders); stream-K: CUTLASS's sm90 decomposition (include/cutlass/gemm/kernel/"
+    "tile_scheduler_params.h at 0046e36: the tail and one full wave, min_iters_per_sk_unit_ = 8) from 4 "
+    "waves on (STREAM_K_WAVES); split_k_depth 12: "
+    "where the XLA table shows cuBLAS splitting k (256x256x4096 split, 512x256x4096 and 256x256x2048 not); "
+    "deepgemm (blockwise): DeepGEMM's get_best_configs (deep_gemm/jit_kernels/gemm.py: BLOCK_M 64 for m <= 64 "
+    "else 128, BLOCK_N 16-128 by 8, fewest waves then the fullest last wave; up to 8 pipeline stages); "
+    "rowwise: 0.55, torchao's rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan "
+    "float8 rowwise rows; mxfp8 (not on Hopper) as tensorwise")
 _AMPERE_SRC = (
     "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md at 744d01e: A100 SXM "
     "bf16 271.2 of "
     "312 TFLOPS at 1024x10240x5120, torch 2.6; the model 268) over the model's own tile overheads; launch, "
-    "tile_fixed: hopper's (assumed); feed: 120 GB/s per SM, chosen with efficiency.py's gemm_clock on the "
-    "A100 rows of analysis/calibration.py (60-400 GB/s move their mean error by 0.8%); memory: STREAM-like "
-    "0.80; tiles: CUTLASS sm80's 64-256 x 64-256 threadblock tiles")
+    "tile_fixed: hopper's first fit (assumed); feed: 120 GB/s per SM, chosen with efficiency.py's gemm_clock "
+    "on the A100 rows of analysis/calibration.py (60-400 GB/s move their mean error by 0.8%); memory: "
+    "STREAM-like 0.80; write: as memory (assumed); no split-K (no calibration rows); tiles: CUTLASS sm80's "
+    "64-256 x 64-256 threadblock tiles")
 _BLACKWELL_SRC = (
     "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md at 744d01e: B200 SXM "
     "bf16 1,745 of 2,250 TFLOPS, 77.6%, at 1792x16128x3072) over the model's tile overheads; FP8 / MXFP8 "
     "the same fraction of their peak (assumed; the table's B200 FP8 row, 3,432.5 TFLOPS at "
     "15360x4096x3072, is within 2% of it: tests/test_gemm_rate.py); tiles: "
-    "tcgen05's 128-256 x 64-256 (two-SM) tiles; feed, memory, launch as hopper's (assumed)")
+    "tcgen05's 128-256 x 64-256 (two-SM) tiles; feed, memory, launch as the first hopper fit's, write as "
+    "memory (assumed)")
 
 #: kernel facts per GPU generation (:class:`GemmKernels`); :data:`GENERATION` maps the presets
 KERNELS: dict[str, GemmKernels] = {
     "ampere": GemmKernels(((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128)),
-                          {"16": 0.89}, 120e9, 0.80, 3.5e-6, _AMPERE_SRC, 1.8e-6),
+                          {"16": 0.89}, 120e9, 0.80, 3.5e-6, _AMPERE_SRC, 1.8e-6, 0.80),
     "hopper": GemmKernels(((64, 32), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256), (256, 128)),
-                          {"16": 0.83, "tensorwise": 0.87, "blockwise": 0.66, "rowwise": 0.55,
-                           "mxfp8": 0.87}, 109e9, 1.0, 3.5e-6, _HOPPER_SRC, 1.8e-6),
+                          {"16": 0.94, "tensorwise": 0.82, "blockwise": 0.70, "rowwise": 0.55,
+                           "mxfp8": 0.82}, 105e9, 0.76, 3.4e-6, _HOPPER_SRC, 1.5e-6, 0.56, 12.0,
+                          ("blockwise",), 1.1e-6),
     "blackwell": GemmKernels(((128, 64), (128, 128), (128, 256), (256, 128), (256, 256)),
                              {"16": 0.84, "tensorwise": 0.78, "blockwise": 0.80, "rowwise": 0.55,
-                              "mxfp8": 0.78}, 150e9, 0.80, 4e-6, _BLACKWELL_SRC),
+                              "mxfp8": 0.78}, 150e9, 0.80, 4e-6, _BLACKWELL_SRC, 0.0, 0.80),
 }
-#: from this many waves of tiles on, the last partial wave is split over all SMs (stream-K)
+#: from this many full waves of tiles on, the last partial wave and the one before it are spread
+#: over all SMs (stream-K); below it the tiles run in whole waves. CUTLASS's own heuristic splits
+#: any tail under half a wave (tile_scheduler_params.h get_num_sk_tiles), which prices the H200
+#: MAMF row within 10% but the torchtitan 8B FSDP+TP rows 11% fast (review, issue 48): cuBLAS's
+#: choice lies between the two
 STREAM_K_WAVES = 4
+#: CUTLASS's stream-K scheduler: the fewest k-blocks one stream-K (or split-K) unit computes
+#: (tile_scheduler_params.h ``min_iters_per_sk_unit_``)
+MIN_ITERS_PER_SK_UNIT = 8
+#: bytes of one k-block of an operand row (CUTLASS sm90 / DeepGEMM: 64 bf16 or 128 FP8 elements)
+K_BLOCK_BYTES = 128
+#: bytes per element of a split tile's partial sums (fp32 accumulators)
+PARTIAL_BYTES = 4
+#: DeepGEMM's deepest TMA pipeline (get_best_configs: 8 stages where BLOCK_N divides 128)
+DEEPGEMM_STAGES = 8
+#: DeepGEMM's BLOCK_N candidates (get_best_configs at 55ab91f: 16 to 128 by 8)
+DEEPGEMM_BLOCK_N = tuple(range(16, 129, 8))
 
 #: cluster preset -> GPU generation (:data:`KERNELS`)
 GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper", "h200": "hopper",
               "b200": "blackwell", "gb200-nvl72": "blackwell"}
+
+
+def deepgemm_tile(m: int, n: int, batch: int, sms: int) -> tuple[int, int]:
+    """DeepGEMM's output tile (BLOCK_M, BLOCK_N) for ``batch`` GEMMs of ``m x n`` on ``sms``
+    SMs (deep_gemm/jit_kernels/gemm.py get_best_configs at 55ab91f): BLOCK_M 64 for
+    ``m <= 64`` else 128; BLOCK_N the one with the fewest waves of tiles, then the fullest
+    last wave, then the largest."""
+    bm = 64 if m <= 64 else 128
+
+    def rank(bn: int) -> tuple[int, int, int]:
+        tiles = batch * ceil(m / bm) * ceil(n / bn)
+        return ceil(tiles / sms), -(tiles % sms or sms), -bn
+    return bm, min(DEEPGEMM_BLOCK_N, key=rank)
+
+
+def operand_rate(kn: GemmKernels, fmt: str, tm: int, tn: int, clock: float) -> float:
+    """Bytes/s of operands one SM takes in for a ``tm x tn`` tile: :attr:`GemmKernels.feed`;
+    for a DeepGEMM format at most its pipeline's bytes in flight over the HBM latency
+    (Little's law: :data:`DEEPGEMM_STAGES` k-blocks of ``tm + tn`` rows per
+    :attr:`GemmKernels.latency`), which bounds the small-M tiles (64 x 16-48)."""
+    feed = kn.feed * clock
+    if fmt in kn.deepgemm and kn.latency:
+        return min(feed, DEEPGEMM_STAGES * (tm + tn) * K_BLOCK_BYTES * clock / kn.latency)
+    return feed
+
+
+def schedule_seconds(tiles: int, k: int, sms: int, tile, partial: float, k_blocks: int, split_k: bool,
+                     stream_k: bool = True) -> float:
+    """Seconds of ``tiles`` output tiles over ``sms`` SMs, ``tile(kk)`` the seconds of one
+    tile over ``kk`` of k and ``partial`` those of one fp32 partial tile written or read:
+    data-parallel waves, or (CUTLASS's sm90 stream-K heuristic, tile_scheduler_params.h
+    get_num_sk_tiles / get_num_sk_units at 0046e36) from :data:`STREAM_K_WAVES` full waves on
+    the last partial wave spread with the wave before it over all SMs (``stream_k``), or a single partial
+    wave split over k (``split_k``), each unit at least :data:`MIN_ITERS_PER_SK_UNIT` of the
+    ``k_blocks``, each split tile's partial sums written and read back."""
+    full, tail = divmod(tiles, sms)
+    best = (full + (tail > 0)) * tile(k)
+    if not tail or k_blocks <= MIN_ITERS_PER_SK_UNIT:
+        return best
+    if stream_k and full >= STREAM_K_WAVES:
+        sk = tiles - (full - 1) * sms
+        units = min(sms, sk * k_blocks // MIN_ITERS_PER_SK_UNIT)
+        pieces = units / sk
+        best = min(best, (full - 1) * tile(k) + tile(sk * k / units) + (pieces * partial if pieces > 1 else 0.0))
+    if split_k and not full:
+        splits = min(sms, tiles * k_blocks // MIN_ITERS_PER_SK_UNIT) // tiles
+        if splits > 1:
+            best = min(best, tile(k / splits) + splits * partial)
+    return best
 
 
 @lru_cache(maxsize=1 << 16)
@@ -129,15 +220,22 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
         return 0.0
     kn = KERNELS[kernels]
     per_sm = kn.mainloop[fmt] * peak * clock / sms
-    feed, fixed = kn.feed * clock, kn.tile_fixed / clock
+    fixed, drain_bw = kn.tile_fixed / clock, kn.write * hbm_bw
+    dg = fmt in kn.deepgemm
+    split_k = not dg and kn.split_k_depth > 0 and k >= kn.split_k_depth * sqrt(batch * m * n)
+    k_blocks = ceil(k * in_bytes / K_BLOCK_BYTES)
     best = float("inf")
-    for tm, tn in kn.tiles:
-        tile = max(2 * tm * tn * k / per_sm, (tm + tn) * k * in_bytes / feed) + fixed
+    for tm, tn in (deepgemm_tile(m, n, batch, sms),) if dg else kn.tiles:
+        rate = operand_rate(kn, fmt, tm, tn, clock)
+
+        def tile(kk: float, tm=tm, tn=tn, rate=rate) -> float:
+            return max(2 * tm * tn * kk / per_sm, (tm + tn) * kk * in_bytes / rate) + fixed
         tiles = batch * ceil(m / tm) * ceil(n / tn)
-        waves = ceil(tiles / sms) if tiles < STREAM_K_WAVES * sms else tiles / sms
-        best = min(best, waves * tile)
-    moved = batch * ((m * k + k * n) * in_bytes + m * n * out_bytes)
-    return max(best, moved / (kn.memory * hbm_bw)) + kn.launch
+        drain = min(tiles, sms) * tm * tn * out_bytes / drain_bw
+        best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / rate, k_blocks,
+                                                  split_k, not dg))
+    memory = batch * ((m * k + k * n) * in_bytes / (kn.memory * hbm_bw) + m * n * out_bytes / drain_bw)
+    return max(best, memory) + kn.launch
 
 
 def grouped_gemm_seconds(m: int, n: int, k: int, groups: int, streams: int, peak: float, sms: int, hbm_bw: float,

@@ -249,8 +249,11 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # GPUs with sparsity; HGX B200 per GPU: 2.25 PFLOPS bf16 / fp16 dense, 1.1 PFLOPS TF32
     # dense (2.2 sparse), 4.5 PFLOPS FP8 dense (9 sparse; MXFP8 the same: Blackwell's tensor
     # cores scale 32-element blocks in hardware at the FP8 rate); NVLink 5 1.8 TB/s
-    # bidirectional; 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with SHARP. 148 SMs
-    # (cudaDeviceProp.multiProcessorCount of a B200, as analysis/efficiency.py's softmax_dim uses).
+    # bidirectional; 8 x 400 Gb/s ConnectX-7; fifth-generation NVLink switches with SHARP. 148 SMs:
+    # two dies of 80 SMs each with 74 enabled (Chips and Cheese, "Nvidia's B200: Keeping the CUDA
+    # Juggernaut Rolling", 2025-12, chipsandcheese.com/p/nvidias-b200-keeping-the-cuda-juggernaut;
+    # cudaDeviceProp.multiProcessorCount 148 on B200s in published profiles, e.g. Nsight Compute's
+    # "NVIDIA B200, 148 SMs"), as analysis/efficiency.py's softmax_dim uses.
     "b200": ClusterPreset(
         gpus_per_node=8, memory=int(q("180 GiB")), peak_flops=_peaks("2250 TFLOPS", "1100 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
@@ -265,6 +268,7 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # MXFP8 dense (720 PFLOPS per rack with sparsity), 2.5 PFLOPS bf16 / fp16 dense, 1.25
     # PFLOPS TF32 dense (1,200 W against HGX B200's 1,000 W). A node is one compute tray: two
     # Grace CPUs, four GPUs, four 400 Gb/s ConnectX-7 (one per GPU) to the scale-out network.
+    # 148 SMs: the B200's two-die configuration (assumed; no GB200-specific SM count was found).
     "gb200-nvl72": ClusterPreset(
         gpus_per_node=4, memory=int(q("186 GiB")), peak_flops=_peaks("2500 TFLOPS", "1250 TFLOPS"),
         hbm_bw=q("8 TB/s"), intra_node_bw=q("900 GB/s"), inter_node_bw=q("400 Gb/s"),
