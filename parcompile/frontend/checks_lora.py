@@ -31,7 +31,8 @@ def check_lora(cfg: SpecConfig, ctx: CheckContext) -> None:
                               ctx.span(f"train.{key}"),
                               help=f"add `method = lora` to `train` to train adapters, or remove `{key}`")
         return
-    if cfg.parallel.zero == 3 and "zero" not in cfg.parallel.auto and ctx.ok("parallel.zero"):
+    # an `auto` key is bad while the spec is built (its placeholder), good in each layout the search checks
+    if cfg.parallel.zero == 3 and ctx.ok("parallel.zero"):
         ctx.bag.error("method = lora with zero = 3 is not planned yet: the frozen weights' gathers are not priced",
                       ctx.span("train.method"), help="use zero = 0, 1 or 2 (they shard the adapters' states)",
                       note="issue 49")
@@ -66,7 +67,7 @@ def _check_rank(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"({smallest.out_features} x {smallest.in_features})", ctx.span("train.lora_rank"),
                       help=f"use a rank of at most {side} (LoRA's rank is far below the hidden size: 8 to 64 is usual)")
         return
-    if isinstance(tp, int) and "tp" not in cfg.parallel.auto and t.lora_rank % tp:
+    if isinstance(tp, int) and ctx.ok("parallel.tp") and t.lora_rank % tp:
         ctx.bag.error(f"lora_rank = {t.lora_rank} is not a multiple of tp = {tp}", ctx.span("train.lora_rank"),
                       help=f"use a multiple of {tp}",
                       note="the adapters' A and B split over tp along the rank as Megatron-Bridge's "

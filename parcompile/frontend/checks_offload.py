@@ -74,7 +74,7 @@ def check_data_parallel_mesh(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.error(f"dp_replicate = {p.dp_replicate} does not divide dp = {p.dp}", ctx.span(key),
                       help=f"dp_replicate may be {may_be(divisors(p.dp))}",
                       note="HSDP splits the dp ranks into dp_replicate groups of dp_shard = dp / dp_replicate")
-    elif p.zero == 0 and "zero" not in p.auto and ctx.ok("parallel.zero"):
+    elif p.zero == 0 and ctx.ok("parallel.zero"):   # an `auto` zero: bad while built, good in the search
         ctx.bag.error(f"dp_replicate = {p.dp_replicate} needs zero = 1, 2 or 3: with zero = 0 nothing is sharded",
                       ctx.span(key, "parallel.dp_shard"),
                       help="set `zero = 3` (FSDP2's HSDP), or remove `dp_replicate`",
@@ -96,7 +96,7 @@ def check_offload(cfg: SpecConfig, ctx: CheckContext) -> None:
                         ctx.span("parallel.offload"), help="remove `offload`")
         return
     need, rule = OFFLOAD_MIN_ZERO[p.offload]
-    if p.zero < need and "zero" not in p.auto and ctx.ok("parallel.zero"):
+    if p.zero < need and ctx.ok("parallel.zero"):   # an `auto` zero: bad while built, good in the search
         ctx.bag.error(f"offload = {p.offload} needs zero >= {need}, not zero = {p.zero}: {rule}",
                       ctx.span("parallel.offload"),
                       help=f"set `zero = {3 if need == 3 else '1, 2 or 3'}`, or remove `offload`")
