@@ -198,3 +198,13 @@ def test_each_bound_holds(text, every, unfit):
         cfg, _ = load_spec(text)
         assert any(r[13] > 1 for r in searched._valid_rows(cfg, every))
     searched.test_each_bound_is_below_what_it_bounds(text, every, unfit)
+
+
+def test_dp_shard_auto_beside_a_numeric_dp_replicate_is_one_diagnostic():
+    from parcompile.diagnostics import SpecError
+
+    with pytest.raises(SpecError) as e:
+        load_spec((HSDP_AUTO % "dp_replicate = 4\n    dp_shard = auto"))
+    [d] = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert d.message.startswith("dp_shard = auto with dp_replicate = 4") and "dp_replicate = auto" in d.help
+    assert (d.span.line, d.span.column) == (10, 16)

@@ -676,6 +676,11 @@ class _Builder:
         values = dict(self.values["parallel"])
         if values.get("dp_shard") is AUTO:   # HSDP's other name: the search chooses dp_replicate
             del values["dp_shard"]
+            if values.get("dp_replicate", AUTO) is not AUTO:
+                self.bag.error(f"dp_shard = auto with dp_replicate = {values['dp_replicate']}: the shard degree is "
+                               "dp / dp_replicate already", self.ctx.span("parallel.dp_shard"),
+                               help="remove `dp_shard`, or write `dp_replicate = auto`")
+                self.ctx.bad.add("parallel.dp_shard")
             values.setdefault("dp_replicate", AUTO)
             if "parallel.dp_replicate" not in self.ctx.spans:
                 self.ctx.spans["parallel.dp_replicate"] = self.ctx.span("parallel.dp_shard")
