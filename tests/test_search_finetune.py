@@ -208,3 +208,19 @@ def test_dp_shard_auto_beside_a_numeric_dp_replicate_is_one_diagnostic():
     [d] = [d for d in e.value.diagnostics if d.severity == "error"]
     assert d.message.startswith("dp_shard = auto with dp_replicate = 4") and "dp_replicate = auto" in d.help
     assert (d.span.line, d.span.column) == (10, 16)
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "cp-tp-dp-pp", "tp-dp-pp-cp"])
+def test_shard_domains_without_the_groups_equals_the_groups_placement(order):
+    """hsdp_replicas' placement of the shard groups (folded into a layout of dp = dp_shard where
+    pp follows dp) is axis_placement of the HSDP layout's own dp_shard groups."""
+    from parcompile.config.schema import ParallelConfig
+    from parcompile.core.groups import axis_placement
+    from parcompile.layout_search.space import shard_domains
+
+    for tp, cp, dp, pp in [(1, 1, 32, 1), (2, 1, 16, 2), (1, 2, 8, 4), (4, 2, 8, 1), (1, 1, 24, 2)]:
+        for shard in (s for s in range(2, dp) if dp % s == 0):
+            par = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, order=order, zero=3, micro_batch=1, global_batch=dp)
+            for domain in (4, 8, 16):
+                exact = axis_placement(par.model_copy(update={"dp_replicate": dp // shard}), "dp_shard", domain)[1]
+                assert shard_domains(par, shard, domain) == exact, (tp, cp, dp, pp, shard, domain)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from parcompile.frontend import checks
 from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
-from parcompile.frontend.checks_offload import resolve_dp_shard
+from parcompile.frontend.checks_offload import auto_dp_shard, resolve_dp_shard
 from parcompile.core.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
@@ -674,16 +674,7 @@ class _Builder:
 
     def parallel(self, cluster: ClusterConfig) -> ParallelConfig:
         values = dict(self.values["parallel"])
-        if values.get("dp_shard") is AUTO:   # HSDP's other name: the search chooses dp_replicate
-            del values["dp_shard"]
-            if values.get("dp_replicate", AUTO) is not AUTO:
-                self.bag.error(f"dp_shard = auto with dp_replicate = {values['dp_replicate']}: the shard degree is "
-                               "dp / dp_replicate already", self.ctx.span("parallel.dp_shard"),
-                               help="remove `dp_shard`, or write `dp_replicate = auto`")
-                self.ctx.bad.add("parallel.dp_shard")
-            values.setdefault("dp_replicate", AUTO)
-            if "parallel.dp_replicate" not in self.ctx.spans:
-                self.ctx.spans["parallel.dp_replicate"] = self.ctx.span("parallel.dp_shard")
+        auto_dp_shard(values, self.ctx)
         auto = [k for k, v in values.items() if v is AUTO]
         for k in auto:
             if k != "dp":

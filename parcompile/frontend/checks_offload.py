@@ -30,6 +30,24 @@ OFFLOAD_MIN_ZERO = {"optimizer": (1, "DeepSpeed's offload_optimizer is valid for
                                   "CPUOffloadPolicy offloads fully_shard's sharded parameters")}
 
 
+def auto_dp_shard(values: dict, ctx: CheckContext) -> None:
+    """``dp_shard = auto`` in the `parallel` ``values`` (as written) is ``dp_replicate = auto``
+    (the search chooses HSDP's degrees, ``parcompile.layout_search.space.hsdp_replicas``);
+    beside a numeric ``dp_replicate`` it is an error at ``dp_shard`` (that fixes the shard
+    degree already). Changes ``values`` in place."""
+    if values.get("dp_shard") is not AUTO:
+        return
+    del values["dp_shard"]
+    if values.get("dp_replicate", AUTO) is not AUTO:
+        ctx.bag.error(f"dp_shard = auto with dp_replicate = {values['dp_replicate']}: the shard degree is "
+                      "dp / dp_replicate already", ctx.span("parallel.dp_shard"),
+                      help="remove `dp_shard`, or write `dp_replicate = auto`")
+        ctx.bad.add("parallel.dp_shard")
+    values.setdefault("dp_replicate", AUTO)
+    if "parallel.dp_replicate" not in ctx.spans:
+        ctx.spans["parallel.dp_replicate"] = ctx.span("parallel.dp_shard")
+
+
 def resolve_dp_shard(values: dict, ctx: CheckContext, searched: bool = False) -> None:
     """Replace ``dp_shard`` in the `parallel` ``values`` (as written, ``dp`` resolved or
     ``AUTO``) by the ``dp_replicate`` it implies, ``dp / dp_shard``; report a ``dp_shard``
@@ -102,4 +120,4 @@ def check_offload(cfg: SpecConfig, ctx: CheckContext) -> None:
                       help=f"set `zero = {3 if need == 3 else '1, 2 or 3'}`, or remove `offload`")
 
 
-__all__ = ["OFFLOAD_MIN_ZERO", "resolve_dp_shard", "check_data_parallel_mesh", "check_offload"]
+__all__ = ["OFFLOAD_MIN_ZERO", "auto_dp_shard", "resolve_dp_shard", "check_data_parallel_mesh", "check_offload"]

@@ -178,11 +178,27 @@ def hsdp_replicas(cfg: SpecConfig, tp: int, cp: int, dp: int, pp: int) -> list[i
         return []
     out = []
     for shard in sorted(divisors(dp), reverse=True):
-        if 1 < shard < dp and shard * cp <= domain:
-            par = base.model_copy(update={"dp_replicate": dp // shard})
-            if axis_placement(par, "dp_shard", domain)[1] == 1:
-                out.append(dp // shard)
+        if 1 < shard < dp and shard * cp <= domain and shard_domains(base, shard, domain) == 1:
+            out.append(dp // shard)
     return out
+
+
+def shard_domains(par: ParallelConfig, shard: int, domain: int) -> int:
+    """How many domains of ``domain`` ranks an HSDP shard group of layout ``par`` with
+    ``dp_shard = shard`` spans (:func:`~parcompile.core.groups.axis_placement` of ``dp_shard``).
+    Where ``cp`` comes before ``dp`` and ``pp`` right after it in the mesh order (the default,
+    ``tp-cp-ep-dp-pp``) without building the groups: a shard group is ``shard * cp`` consecutive
+    members of a ``dp_cp`` group, the shard index the fastest part of dp (torchtitan's mesh,
+    :func:`~parcompile.core.groups.hsdp_groups`), so the ranks map as in the layout of ``dp =
+    shard`` and ``pp * dp_replicate`` pipeline ranks, whose ``dp_cp`` groups are the shard
+    groups (``tests/test_search_finetune.py`` holds the two ways equal)."""
+    axes = [a for a in par.order.split("-") if a != "ep"]   # ep folds onto the dense ranks
+    rep = par.dp // shard
+    d = axes.index("dp")
+    if axes.index("cp") < d and d + 1 < len(axes) and axes[d + 1] == "pp":
+        folded = par.model_copy(update={"dp": shard, "pp": par.pp * rep, "global_batch": shard})
+        return axis_placement(folded, "dp_cp", domain)[1]
+    return axis_placement(par.model_copy(update={"dp_replicate": rep}), "dp_shard", domain)[1]
 
 
 def virtual_stage_counts(layers: int, pp: int) -> list[int]:
