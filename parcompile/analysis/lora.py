@@ -225,23 +225,40 @@ def with_adapter_activations(cfg, degrees: Mapping[str, int], saved, graph):
 
 def lora_step_flops(cfg, graph, compute, num_microbatches: int):
     """``compute`` (:class:`parcompile.analysis.compute.ComputeReport`) with LoRA's FLOPs per
-    step: the frozen weights' GEMMs run forward and input-gradient (2x forward, not 3x), the
-    adapters' forward, input and weight gradients (3x their forward, ``2 T r (in + out)``
-    each for the global batch's T tokens). The per-chunk fields stay the frozen model's
-    (:func:`lora_chunk_times` adds the adapters). Without LoRA, ``compute`` itself."""
+    step (:func:`lora_chunk_flops` of each micro-batch). The per-chunk fields stay the frozen
+    model's (:func:`lora_chunk_times` adds the adapters). Without LoRA, ``compute`` itself."""
     if not is_lora(cfg):
         return compute
-    model, padded = cfg.model.vocab, cfg.model.padded_vocab(cfg.parallel.tp)
-    frozen = hw_frozen = 0
+    model, hw = lora_chunk_flops(cfg, graph)
+    return replace(compute, model_flops_per_step=compute.model_flops_per_step + sum(model) * num_microbatches,
+                   hardware_flops_per_step=compute.hardware_flops_per_step + sum(hw) * num_microbatches)
+
+
+def lora_chunk_flops(cfg, graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What LoRA changes in one micro-batch's model and hardware FLOPs (of the whole data-
+    parallel batch: ``global_batch / num_microbatches`` sequences), per model chunk of
+    ``graph``: the frozen weights' GEMMs run forward and input-gradient (2x forward, not 3x:
+    their forward once less, the model FLOPs with the unpadded vocabulary), the adapters'
+    forward, input and weight gradients (3x their forward, ``2 T r (in + out)`` each for the
+    micro-batch's T tokens) added. Zeros without LoRA."""
+    par, m = cfg.parallel, cfg.model
+    chunks = chunk_layers(cfg)
+    model, hw = [0] * len(chunks), [0] * len(chunks)
+    if not is_lora(cfg):
+        return tuple(model), tuple(hw)
     for nd in graph.nodes():
         if nd.params and nd.kind != "embedding":
             g = op_fwd_flops(graph, nd)
-            hw_frozen += g
-            frozen += g * model // padded if nd.type.has_dim("vocab") else g
-    tokens = cfg.parallel.global_batch * cfg.model.seq_len
-    adapters = 3 * 2 * tokens * sum(layer_adapter_elements(cfg, 1).values())
-    return replace(compute, model_flops_per_step=compute.model_flops_per_step - frozen * num_microbatches + adapters,
-                   hardware_flops_per_step=compute.hardware_flops_per_step - hw_frozen * num_microbatches + adapters)
+            k = nd.chunk or 0
+            hw[k] -= g
+            model[k] -= g * m.vocab // m.padded_vocab(par.tp) if nd.type.has_dim("vocab") else g
+    tokens = par.global_batch // par.num_microbatches * m.seq_len
+    per_layer = layer_adapter_elements(cfg, 1)
+    for k, layers in enumerate(chunks):
+        adapters = 3 * 2 * tokens * sum(per_layer.get(i, 0) for i in layers)
+        model[k] += adapters
+        hw[k] += adapters
+    return tuple(model), tuple(hw)
 
 
 def adapter_collectives(cfg, degrees: Mapping[str, int], row_parallel: frozenset[str]) -> list[tuple]:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from parcompile.frontend import checks
 from parcompile.frontend.parser import MAX_INT_DIGITS
 from parcompile.frontend.checks import AUTO, CheckContext
-from parcompile.frontend.checks_offload import resolve_dp_shard
+from parcompile.frontend.checks_offload import auto_dp_shard, resolve_dp_shard
 from parcompile.core.hf import HFConfigError, load_hf_config
 from parcompile.config.presets import (
     CLUSTER_PRESET_NAMES,
@@ -101,7 +101,7 @@ def _enum(model: type[BaseModel], field: str) -> KeyType:
 
 
 #: what an `auto` key holds until the search resolves it (``ParallelConfig.auto`` names it)
-AUTO_PLACEHOLDERS = {"zero": 0, "recompute": "none", "schedule": "1f1b", "sequence_parallel": False}
+AUTO_PLACEHOLDERS = {"zero": 0, "recompute": "none", "schedule": "1f1b", "sequence_parallel": False, "offload": "none"}
 
 _COUNT = KeyType("int", low=1)
 _COUNT_OR_AUTO = KeyType("int", low=1, auto=True)
@@ -156,8 +156,8 @@ KEYS: dict[str, dict[str, KeyType]] = {
         "bucket_size": KeyType("quantity", low=0, dimension="memory", zero_ok=True),
         "reduce_dtype": _enum(ParallelConfig, "reduce_dtype"),
         "grad_dtype": _enum(ParallelConfig, "grad_dtype"),
-        "dp_replicate": _COUNT, "dp_shard": _COUNT,
-        "offload": _enum(ParallelConfig, "offload"),
+        "dp_replicate": _COUNT_OR_AUTO, "dp_shard": _COUNT_OR_AUTO,
+        "offload": replace(_enum(ParallelConfig, "offload"), auto=True),
     },
     "train": {
         "optimizer": _enum(TrainConfig, "optimizer"),
@@ -674,6 +674,7 @@ class _Builder:
 
     def parallel(self, cluster: ClusterConfig) -> ParallelConfig:
         values = dict(self.values["parallel"])
+        auto_dp_shard(values, self.ctx)
         auto = [k for k, v in values.items() if v is AUTO]
         for k in auto:
             if k != "dp":

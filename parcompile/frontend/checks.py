@@ -741,8 +741,8 @@ LAYOUT_READS = {
     _check_serve_weights: (),
     check_serve: ("cp", "ep", "expert_tp", "pp", "tp", "virtual_stages"),
     _check_cluster: (),
-    check_data_parallel_mesh: ("auto", "dp", "dp_replicate", "zero"),
-    check_offload: ("auto", "offload", "zero"),
+    check_data_parallel_mesh: ("dp", "dp_replicate", "zero"),
+    check_offload: ("offload", "zero"),
 }
 
 

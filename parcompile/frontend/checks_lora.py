@@ -62,7 +62,7 @@ def _check_rank(cfg: SpecConfig, ctx: CheckContext) -> None:
                       f"({smallest.out_features} x {smallest.in_features})", ctx.span("train.lora_rank"),
                       help=f"use a rank of at most {side} (LoRA's rank is far below the hidden size: 8 to 64 is usual)")
         return
-    if isinstance(tp, int) and "tp" not in cfg.parallel.auto and t.lora_rank % tp:
+    if isinstance(tp, int) and ctx.ok("parallel.tp") and t.lora_rank % tp:
         ctx.bag.error(f"lora_rank = {t.lora_rank} is not a multiple of tp = {tp}", ctx.span("train.lora_rank"),
                       help=f"use a multiple of {tp}",
                       note="the adapters' A and B split over tp along the rank as Megatron-Bridge's "

@@ -30,6 +30,24 @@ OFFLOAD_MIN_ZERO = {"optimizer": (1, "DeepSpeed's offload_optimizer is valid for
                                   "CPUOffloadPolicy offloads fully_shard's sharded parameters")}
 
 
+def auto_dp_shard(values: dict, ctx: CheckContext) -> None:
+    """``dp_shard = auto`` in the `parallel` ``values`` (as written) is ``dp_replicate = auto``
+    (the search chooses HSDP's degrees, ``parcompile.layout_search.space.hsdp_replicas``);
+    beside a numeric ``dp_replicate`` it is an error at ``dp_shard`` (that fixes the shard
+    degree already). Changes ``values`` in place."""
+    if values.get("dp_shard") is not AUTO:
+        return
+    del values["dp_shard"]
+    if values.get("dp_replicate", AUTO) is not AUTO:
+        ctx.bag.error(f"dp_shard = auto with dp_replicate = {values['dp_replicate']}: the shard degree is "
+                      "dp / dp_replicate already", ctx.span("parallel.dp_shard"),
+                      help="remove `dp_shard`, or write `dp_replicate = auto`")
+        ctx.bad.add("parallel.dp_shard")
+    values.setdefault("dp_replicate", AUTO)
+    if "parallel.dp_replicate" not in ctx.spans:
+        ctx.spans["parallel.dp_replicate"] = ctx.span("parallel.dp_shard")
+
+
 def resolve_dp_shard(values: dict, ctx: CheckContext, searched: bool = False) -> None:
     """Replace ``dp_shard`` in the `parallel` ``values`` (as written, ``dp`` resolved or
     ``AUTO``) by the ``dp_replicate`` it implies, ``dp / dp_shard``; report a ``dp_shard``
@@ -74,7 +92,7 @@ def check_data_parallel_mesh(cfg: SpecConfig, ctx: CheckContext) -> None:
         ctx.bag.error(f"dp_replicate = {p.dp_replicate} does not divide dp = {p.dp}", ctx.span(key),
                       help=f"dp_replicate may be {may_be(divisors(p.dp))}",
                       note="HSDP splits the dp ranks into dp_replicate groups of dp_shard = dp / dp_replicate")
-    elif p.zero == 0 and "zero" not in p.auto and ctx.ok("parallel.zero"):
+    elif p.zero == 0 and ctx.ok("parallel.zero"):   # an `auto` zero: bad while built, good in the search
         ctx.bag.error(f"dp_replicate = {p.dp_replicate} needs zero = 1, 2 or 3: with zero = 0 nothing is sharded",
                       ctx.span(key, "parallel.dp_shard"),
                       help="set `zero = 3` (FSDP2's HSDP), or remove `dp_replicate`",
@@ -96,10 +114,10 @@ def check_offload(cfg: SpecConfig, ctx: CheckContext) -> None:
                         ctx.span("parallel.offload"), help="remove `offload`")
         return
     need, rule = OFFLOAD_MIN_ZERO[p.offload]
-    if p.zero < need and "zero" not in p.auto and ctx.ok("parallel.zero"):
+    if p.zero < need and ctx.ok("parallel.zero"):   # an `auto` zero: bad while built, good in the search
         ctx.bag.error(f"offload = {p.offload} needs zero >= {need}, not zero = {p.zero}: {rule}",
                       ctx.span("parallel.offload"),
                       help=f"set `zero = {3 if need == 3 else '1, 2 or 3'}`, or remove `offload`")
 
 
-__all__ = ["OFFLOAD_MIN_ZERO", "resolve_dp_shard", "check_data_parallel_mesh", "check_offload"]
+__all__ = ["OFFLOAD_MIN_ZERO", "auto_dp_shard", "resolve_dp_shard", "check_data_parallel_mesh", "check_offload"]

@@ -1,7 +1,10 @@
 """Automatic planning: fill every ``auto`` of a spec by searching the layouts.
 
 :func:`search` enumerates the layouts the spec leaves open (``dp tp pp cp ep
-virtual_stages micro_batch zero recompute schedule sequence_parallel``), keeps those the
+virtual_stages micro_batch zero recompute schedule sequence_parallel``, and HSDP's
+``dp_replicate`` for ZeRO-3 layouts whose data-parallel groups span nodes,
+:func:`~parcompile.layout_search.space.hsdp_replicas`; ``offload = auto`` searches again with
+offload only when nothing fits, :func:`offload_tries`), keeps those the
 checker accepts (:func:`parcompile.frontend.checks.check_config`, the same rules as for a
 hand-written spec), drops those that do not fit memory and ranks the rest by estimated
 step time.
@@ -69,6 +72,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from parcompile.analysis.lora import is_lora
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.passes.manager import paused_gc
@@ -81,7 +85,8 @@ from parcompile.layout_search.report import explain, stderr_progress, table
 from parcompile.layout_search.space import MAX_MICRO_BATCH, SEARCH_KEYS, layouts, searches_sequence_parallel
 
 #: the package's names (``parcompile.layout_search.*``: the CLI's, the API's, the driver's)
-__all__ = ["BOUNDS", "Candidate", "Coster", "MAX_MICRO_BATCH", "RETIME", "SEARCH_KEYS", "SPLIT_TIME_TIE", "SearchResult",
+__all__ = ["BOUNDS", "Candidate", "Coster", "MAX_MICRO_BATCH", "OFFLOAD_ORDER", "RETIME", "SEARCH_KEYS",
+           "SPLIT_TIME_TIE", "SearchResult",
            "check_layout", "explain", "layouts", "needs_search", "no_fit_diagnostic", "resolve", "search",
            "searches_sequence_parallel", "settle_split", "split_text", "stderr_progress", "table", "with_parallel"]
 
@@ -95,12 +100,33 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
            progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Enumerate, check, cost and rank the layouts of ``cfg`` (module docstring).
 
-    ``progress(done, total)`` is called now and then. Raises :class:`SpecError` for a
+    ``progress(done, total)`` is called now and then. With ``offload = auto`` the layouts
+    are searched without offload first, then with each offload of :data:`OFFLOAD_ORDER`
+    only while none fits (:func:`offload_tries`). Raises :class:`SpecError` for a
     model the compiler cannot lower (MoE, for now).
     """
 
     with paused_gc():
-        return _search(cfg, top, cross_node_tp, progress)
+        for tried in offload_tries(cfg):
+            res = _search(tried, top, cross_node_tp, progress)
+            if res.candidates:
+                break
+        return res
+
+
+#: what ``offload = auto`` tries, in order (SPEC `parallel.offload`): each only when no layout
+#: fits with the one before, since moving states to host memory adds PCIe traffic and a CPU
+#: optimizer step (:mod:`parcompile.analysis.offload`) to a layout that would fit without it
+OFFLOAD_ORDER = ("none", "optimizer", "params")
+
+
+def offload_tries(cfg: SpecConfig) -> list[SpecConfig]:
+    """The specs :func:`search` searches in turn: ``cfg`` itself, or with ``offload = auto``
+    ``cfg`` with each of :data:`OFFLOAD_ORDER` (the layouts that need ``zero`` 1 or 3 for it
+    are the checker's to keep)."""
+    if "offload" not in cfg.parallel.auto or cfg.workload != "train":
+        return [cfg]
+    return [with_parallel(cfg, cfg.parallel.model_copy(update={"offload": o})) for o in OFFLOAD_ORDER]
 
 
 def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
@@ -110,27 +136,7 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
     blocks = list(layout_blocks(cfg, cross_node_tp))
     rows = [r for block in blocks for r in block]
     total = len(rows)
-    # the checker, once per layout up to zero and recompute (they have no cross-field rules):
-    # once per block of rows (layout_blocks), each check once per value of what it reads
-    checker = LayoutChecker(cfg)
-    checked: dict[tuple, bool] = {}
-    families: dict[tuple, list[int]] = {}
-    valid = i = 0
-    for block in blocks:
-        if progress is not None and i % 4096 < len(block):
-            progress(i // 2, total)
-        r = block[0]
-        ck = check_key(r)
-        ok = checked.get(ck)
-        if ok is None:
-            ok = checked[ck] = checker.ok(r)
-        if ok:
-            valid += len(block)
-            fam = families.get(family_key(r))
-            if fam is None:
-                fam = families[family_key(r)] = []
-            fam.extend(range(i, i + len(block)))
-        i += len(block)
+    valid, families = _valid_families(cfg, blocks, progress, total)
     keep = max(RETIME, top)
     bounds = BOUNDS and cfg.workload == "train"
     coster.exact_peaks = not bounds   # the layouts that do not fit are dropped: their peaks need not be exact
@@ -162,6 +168,38 @@ def _search(cfg: SpecConfig, top: int, cross_node_tp: bool,
         except SpecError:
             pass
     return result
+
+
+def _valid_families(cfg: SpecConfig, blocks: list[list[tuple]], progress: Callable[[int, int], None] | None,
+                    total: int) -> tuple[int, dict[tuple, list[int]]]:
+    """The rows of ``blocks`` (:func:`layout_blocks`) the checker accepts: how many, and their
+    indices per family (:func:`family_key`). The checker runs once per layout up to zero and
+    recompute, once per block of rows, each check once per value of what it reads: those keys
+    have no cross-field rules but with ``offload`` or HSDP (``dp_replicate > 1``), which need
+    ``zero`` >= 1, and LoRA, which refuses ``zero = 3`` (then once per zero stage of a block)."""
+    checker = LayoutChecker(cfg)
+    per_zero = cfg.parallel.offload != "none" or cfg.parallel.dp_replicate > 1 or is_lora(cfg)
+    checked: dict[tuple, bool] = {}
+    families: dict[tuple, list[int]] = {}
+    valid = i = 0
+    for block in blocks:
+        if progress is not None and i % 4096 < len(block):
+            progress(i // 2, total)
+        r = block[0]
+        fam = families.get(family_key(r))
+        if fam is None:
+            fam = families[family_key(r)] = []
+        for j, r in enumerate(block if per_zero else block[:1]):
+            ck = check_key(r) + ((r[7],) if per_zero else ())
+            ok = checked.get(ck)
+            if ok is None:
+                ok = checked[ck] = checker.ok(r)
+            if ok:
+                got = [i + j] if per_zero else range(i, i + len(block))
+                valid += len(got)
+                fam.extend(got)
+        i += len(block)
+    return valid, {k: v for k, v in families.items() if v}
 
 
 def _own_split(cfg: SpecConfig, par: ParallelConfig) -> ParallelConfig:

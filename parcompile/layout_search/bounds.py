@@ -14,6 +14,7 @@ from parcompile.analysis.buckets import reshard_after_forward
 from parcompile.analysis.comm import CommReport
 from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_exposed, chunk_times, engine,
                                           grad_element_bytes, optimizer_time, step_sums)
+from parcompile.analysis.lora import is_lora
 from parcompile.analysis.memory import buffer_total, closed_form_in_flight, state_bytes
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
@@ -42,7 +43,7 @@ def first_rank_layers(splits: list[tuple[int, ...]], pp: int) -> int:
 
 def step_degrees(deg: dict) -> tuple:
     """The degrees :func:`~parcompile.passes.insert_collectives.step_collectives` reads."""
-    return tuple(deg[a] for a in ("dp_cp", "expert_dp", "tp", "ep", "expert_tp", "pp"))
+    return tuple(deg[a] for a in ("dp_cp", "expert_dp", "tp", "ep", "expert_tp", "pp", "dp_shard", "dp_replicate"))
 
 
 def scaled_comm(comm: CommReport, r: float, pp: bool, experts: int = 0, fixed_r: float = 1.0) -> CommReport:
@@ -146,8 +147,8 @@ class StepFloors:
         divided out again; ZeRO-3's per micro-batch gathers are counted as none), the bound
         by those and ``fwd``, ``bwd``. Reduced by a relative 1e-9 for rounding."""
         pp = par.pp
-        key = (self._params_key(pr), pp, par.zero, par.schedule, par.dp * par.cp, par.expert_dp, par.tp, par.ep,
-               par.expert_tp, par.sequence_parallel, par.bucket_size, par.reduce_dtype,
+        key = (self._params_key(pr), pp, par.zero, par.schedule, par.dp * par.cp, par.dp_replicate, par.expert_dp,
+               par.tp, par.ep, par.expert_tp, par.sequence_parallel, par.bucket_size, par.reduce_dtype,
                tuple(links.get(a) for a in STEP_AXES))
         got = self.step_floor_parts.get(key)
         if got is None:
@@ -172,6 +173,8 @@ class StepFloors:
         model = self.cfg.model
         deg = parallel_degrees(par)
         cfg = with_parallel(self.cfg, par.model_copy(update={"virtual_stages": 1}))
+        if is_lora(cfg):   # the adapters' step: not bounded (0 is a lower bound; it is small)
+            return cfg, deg, (), 0.0
         ps = pr.qparams
         first, dmid, mid, last = ps
         tied, pp1 = model.tie_embeddings, pp == 1
@@ -278,7 +281,7 @@ class StepFloors:
                par.reduce_dtype, par.sequence_parallel)
         got = self.dp_groups.get(key)
         if got is None:
-            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._stage_params(pr, counts, par)), {})
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._trained_params(pr, counts, par)), {})
         cfg0, steps, sums = got
         lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
         got = sums.get(lkey)
@@ -299,7 +302,7 @@ class StepFloors:
         ct, _span, _parts = self._pipeline(cfg, pr, ct3, tkey, counts)
         deg = parallel_degrees(par)
         dp_comm, opt = self._data_parallel(cfg, pr, ct, links, deg,
-                                           self._stage_params(pr, counts, par))
+                                           self._trained_params(pr, counts, par))
         return floor + dp_comm + opt
 
 
@@ -482,7 +485,7 @@ class MemoryFloors:
         model's elements with exact division. Needs only the parameters of a probe with
         the same ``tp, ep, expert_tp`` (they depend on nothing else). Cached."""
         model = self.cfg.model
-        d, ed, z, pp = par.dp * par.cp, par.expert_dp, par.zero, par.pp
+        d, ed, z, pp = par.dp_shard * par.cp, par.expert_dp, par.zero, par.pp   # HSDP: over dp_shard only
         key = (par.tp, par.ep, par.expert_tp, pp, d, ed, z)
         got = self.state_floors.get(key)
         if got is None:
@@ -500,9 +503,7 @@ class MemoryFloors:
                 if kind == "dense" and model.tie_embeddings and pp == 1:
                     n -= last.embedding
                 # the memory table with exact division: each rank shards at least n / d
-                total += sum(state_bytes(n, model.dtype_bytes, dps, self.cfg.train.optimizer, shard=Fraction(n, dd),
-                                         fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
-                                         grad_bytes=grad_element_bytes(self.cfg, dps)))
+                total += self._states(n, dps, dd, Fraction(n, dd))
             got = self.state_floors[key] = math.ceil(total / pp)
         return got
 
@@ -552,7 +553,7 @@ class MemoryFloors:
         micro-batch and the bound against :meth:`peak`. In floating point, reduced by a
         relative 1e-12."""
         pp, v, m, z, rc = par.pp, par.virtual_stages, par.num_microbatches, par.zero, par.recompute
-        d, ed, n = par.dp * par.cp, par.expert_dp, first_layers
+        d, ed, n = par.dp_shard * par.cp, par.expert_dp, first_layers   # HSDP: over dp_shard only
         if base:
             cp0 = min(par.cp, 2)
             key = (par.tp, cp0, par.sequence_parallel, 1, par.ep, par.expert_tp)
@@ -602,6 +603,24 @@ class MemoryFloors:
         buffers' bytes read)."""
         return replace(data_parallel_sharding(self.cfg.parallel, stage=z), shard=max(1, d))
 
+    def _states(self, n, dps: DataParallelSharding, dd: int, shard) -> float:
+        """A lower bound on the GPU's bytes of model states for ``n`` parameter elements
+        sharded ``shard`` per rank over ``dd`` ranks: the table of
+        :func:`~parcompile.analysis.memory.stage_state_bytes` (:func:`state_bytes`) with exact
+        division. With LoRA (:func:`~parcompile.analysis.lora.frozen_param_bytes`) the frozen
+        weights alone (the adapters' states are not negative); with ``offload``
+        (:func:`~parcompile.analysis.offload.offload_states`) without what goes to host memory
+        (the optimizer states; with ``params`` the parameters too)."""
+        cfg = self.cfg
+        if is_lora(cfg):
+            params, grads, opt = cfg.model.dtype_bytes * (shard if dps.shards_parameters else n), 0, 0
+        else:
+            params, grads, opt = state_bytes(n, cfg.model.dtype_bytes, dps, cfg.train.optimizer, shard=shard,
+                                             fsdp2=engine(cfg.cluster).fsdp2_state_bytes,
+                                             grad_bytes=grad_element_bytes(cfg, dps))
+        offload = cfg.parallel.offload
+        return (0 if offload == "params" else params) + grads + (0 if offload != "none" else opt)
+
     def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
         """The model states (bytes) of the first pipeline rank holding ``n`` layers, of
         :meth:`memory_floor`: its dense and expert parameters from the probe's per-stage
@@ -623,9 +642,7 @@ class MemoryFloors:
                     x += getattr(last, kind) - getattr(mid, kind)
                     if kind == "dense" and model.tie_embeddings:
                         x -= last.embedding
-                states += sum(state_bytes(x, model.dtype_bytes, dps, self.cfg.train.optimizer, shard=x / dd,
-                                          fsdp2=engine(self.cfg.cluster).fsdp2_state_bytes,
-                                          grad_bytes=grad_element_bytes(self.cfg, dps)))
+                states += self._states(x, dps, dd, x / dd)
             self.state_parts[skey] = states
         return states
 

@@ -56,6 +56,10 @@ class Candidate:
             parts.append("sp")
         elif p.tp > 1:   # said either way where it applies: the search may have chosen it
             parts.append("no-sp")
+        if p.dp_replicate > 1:   # HSDP
+            parts.append(f"dp_replicate={p.dp_replicate}")
+        if p.offload != "none":
+            parts.append(f"offload={p.offload}")
         if p.stage_layers is not None and len(set(p.stage_layers)) > 1:
             parts.append("split=" + split_text(p.stage_layers, compact=True))
         return " ".join(parts)
@@ -64,7 +68,8 @@ class Candidate:
         """Ranking key: step time, then the simpler layout."""
         p = self.parallel
         return (round(self.step_time, 9), _SCHEDULE_RANK[p.schedule], p.virtual_stages, p.zero,
-                _RECOMPUTE_RANK.get(p.recompute, 1), p.tp, p.pp, p.cp, -p.micro_batch, int(p.sequence_parallel))
+                _RECOMPUTE_RANK.get(p.recompute, 1), p.tp, p.pp, p.cp, -p.micro_batch, int(p.sequence_parallel),
+                p.dp_replicate)
 
 
 def split_text(counts, compact: bool = False) -> str:

@@ -10,6 +10,7 @@ import math
 from fractions import Fraction
 
 from parcompile.analysis.comm import CollectiveEntry, CommReport
+from parcompile.analysis.lora import is_lora, trainable
 from parcompile.analysis.estimate import (ChunkTimes, dp_exposed, chunk_times, efficiency, links_of, optimizer_time,
                                           pipeline_parts)
 from parcompile.ir.fp8 import gathers_fp8
@@ -60,7 +61,7 @@ class ChunkCosts:
 
     def _inside_links(self, par: ParallelConfig) -> tuple[dict[str, tuple[int, int]], dict]:
         """:meth:`_inside` and the links it gives (:func:`~parcompile.analysis.estimate.links_of`), cached."""
-        key = (par.tp, par.cp, par.dp, par.pp, par.ep, par.expert_tp, par.order)
+        key = (par.tp, par.cp, par.dp, par.pp, par.ep, par.expert_tp, par.order, par.dp_replicate)
         got = self.inside.get(key)
         if got is None:
             domain = self.cfg.cluster.domain_size
@@ -118,7 +119,8 @@ class ChunkCosts:
                             {f: compose(ct3.comm_f[f], counts, d) for f in fams},
                             {f: compose(ct3.comm_b[f], counts, d) for f in fams}, ct3.p2p,
                             compose(ct3.weighted_f, counts, d) if ct3.weighted_f else (),
-                            compose(ct3.overhead_f, counts, d) if ct3.overhead_f else ())
+                            compose(ct3.overhead_f, counts, d) if ct3.overhead_f else (),
+                            compose(ct3.frozen_f, counts, d) if ct3.frozen_f else ())
             span, parts = pipeline_parts(cfg, ct, m)
             got = self.pipes[key] = (ct, span, parts)
         return got
@@ -203,6 +205,20 @@ class MemoryCosts:
         if got is None:
             got = self.stage_param_sets[key] = compose_params(pr.qparams, counts, par.pp, self.cfg.model.tie_embeddings,
                                                                self.dense, place)
+        return got
+
+
+    def _trained_params(self, pr: Probe, counts: tuple[int, ...], par: ParallelConfig) -> list[StageParams]:
+        """:meth:`_stage_params` as the step's collectives, gradient buckets and optimizer see
+        them (:func:`~parcompile.analysis.lora.trainable`: with LoRA the adapters only, as
+        :func:`~parcompile.analysis.cost.analyze` passes them to the estimate), cached."""
+        sps = self._stage_params(pr, counts, par)
+        if not is_lora(self.cfg):
+            return sps
+        key = ("trained", id(sps), par.tp)
+        got = self.stage_param_sets.get(key)
+        if got is None:
+            got = self.stage_param_sets[key] = [trainable(self.cfg, {"tp": par.tp}, sp) for sp in sps]
         return got
 
 
@@ -445,13 +461,14 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
             ct, span, parts = self._pipeline(cfg, pr, ct3, tkey, counts)
             if span > bound:
                 return None   # slower than the bound whatever its data-parallel time
-            sps = self._stage_params(pr, counts, par)
+            sps = self._trained_params(pr, counts, par)
             opt = optimizer_time(cfg, deg, sps)
             if span + opt > bound:
                 return None   # slower than the bound whatever its data-parallel time
             if span + self._dp_floor(cfg, pr, counts, ct, links, deg) + opt > bound:
                 return None
-        mem, sps = self.memory(cfg, pr, counts, exact=with_memory or self.exact_peaks)
+        mem, _ = self.memory(cfg, pr, counts, exact=with_memory or self.exact_peaks)
+        sps = self._trained_params(pr, counts, par)
         peak, cap = mem.peak, mem.capacity
         if not mem.fits and not with_memory:   # not timed: it will be dropped
             return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})

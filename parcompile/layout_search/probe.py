@@ -9,6 +9,8 @@ from typing import Any, Callable
 from parcompile.analysis.buckets import GradUnit
 from parcompile.analysis.comm import comm_report
 from parcompile.analysis.gemm import gemm_pricer
+from parcompile.analysis.lora import (frozen_backward, frozen_saves, is_lora, lora_chunk_flops,
+                                     with_adapter_activations, with_adapter_collectives)
 from parcompile.analysis.compute import BACKWARD_FACTOR, compute_report, op_fwd_flops
 from parcompile.analysis.estimate import ChunkTimes
 from parcompile.ir.fp8 import GraphFp8, bf16_layers, graph_fp8
@@ -82,18 +84,32 @@ class Probe:
                               gemm=gemm_pricer(self.pcfg))
 
     def _comm(self, rc: str):
-        if rc == "selective":   # the same collectives as without recomputation
+        """The probe's collectives of one micro-batch in recompute mode ``rc``, with LoRA's as the
+        compiler has them (:func:`parcompile.analysis.cost.analyze`: the frozen start's backward
+        collectives left out, :func:`~parcompile.analysis.lora.frozen_backward`; the adapters'
+        added, :func:`~parcompile.analysis.lora.with_adapter_collectives`)."""
+        if rc == "selective" and not is_lora(self.pcfg):   # the same collectives as without recomputation
             return self.comm["none"]
-        return comm_report(self.graph, self.degrees, 1, rc, 3)
+        comm = comm_report(self.graph, self.degrees, 1, rc, 3, *frozen_backward(self.pcfg, self.graph))
+        return with_adapter_collectives(self._in_mode(rc), self.degrees, comm, 1, self.graph)
 
     def _saved(self, rc: str) -> SavedBytes:
-        return saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine,
-                           attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg))
+        """What one micro-batch saves per probe chunk in mode ``rc``, LoRA's as the compiler counts
+        it (:func:`parcompile.analysis.memory.memory_report`: the frozen weights' saves,
+        :func:`~parcompile.analysis.lora.frozen_saves`, and the adapters',
+        :func:`~parcompile.analysis.lora.with_adapter_activations`)."""
+        saved = saved_bytes(self.graph, self.degrees, 3, rc, self.pcfg.model.dropout > 0, self.pcfg.cluster.engine,
+                            attention_engine(self.pcfg.cluster), fp8=fp8_enabled(self.pcfg),
+                            lora=frozen_saves(self.pcfg, self.graph))
+        return with_adapter_activations(self._in_mode(rc), self.degrees, saved, self.graph)
+
+    def _in_mode(self, rc: str) -> SpecConfig:
+        """The probe's spec in recompute mode ``rc``."""
+        pcfg = self.pcfg
+        return pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
 
     def _bufs(self, rc: str) -> list[dict[str, int]]:
-        pcfg = self.pcfg
-        rcfg = pcfg.model_copy(update={"parallel": pcfg.parallel.model_copy(update={"recompute": rc})})
-        return buffer_bytes(self.graph, rcfg, self.degrees, self.saved[rc])
+        return buffer_bytes(self.graph, self._in_mode(rc), self.degrees, self.saved[rc])
 
     def quad(self, get: Callable[["Probe"], Any]) -> tuple:
         """``(first, dense middle, middle, last)`` of a per-chunk value ``get(probe)`` (three
@@ -133,7 +149,8 @@ class Probe:
                     fl = fl * m.vocab // m.padded_vocab(tp) if nd.type.has_dim("vocab") else fl
                     chunk[nd.chunk or 0] += fl * (1 + BACKWARD_FACTOR)
             assert sum(chunk) == self.compute["none"].model_flops_per_step
-            self._model_flops = tuple(chunk)
+            lora = lora_chunk_flops(self.pcfg, g)[0]   # LoRA's, as analysis/cost.py's lora_step_flops
+            self._model_flops = tuple(c + x for c, x in zip(chunk, lora))
         return self._model_flops
 
 
@@ -258,7 +275,8 @@ def quad_times(ct: ChunkTimes, dct: ChunkTimes | None) -> ChunkTimes:
                       {f: q(v, d and d.comm_f[f]) for f, v in ct.comm_f.items()},
                       {f: q(v, d and d.comm_b[f]) for f, v in ct.comm_b.items()}, ct.p2p,
                       q(ct.weighted_f, d and d.weighted_f) if ct.weighted_f else (),
-                      q(ct.overhead_f, d and d.overhead_f) if ct.overhead_f else ())
+                      q(ct.overhead_f, d and d.overhead_f) if ct.overhead_f else (),
+                      q(ct.frozen_f, d and d.frozen_f) if ct.frozen_f else ())
 
 
 def stage_bufs(pq: tuple, dense: bool, moe: bool, first: bool, last: bool, pp1: bool) -> dict[str, int]:

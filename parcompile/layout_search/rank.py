@@ -57,7 +57,7 @@ class SearchResult:
 
 def family_key(r: Row) -> tuple:
     """The probe a row is costed from (:meth:`Coster.probe`'s key)."""
-    _dp, tp, _pp, cp, ep, etp, sp, _z, mb, _gb, _sched, _v, _rc = r
+    _dp, tp, _pp, cp, ep, etp, sp, _z, mb, _gb, _sched, _v, _rc, _dpr = r
     return (tp, cp, sp, mb, ep, etp)
 
 
@@ -151,7 +151,7 @@ class _BranchAndBound:
         if not self.bounds:
             return 0
         r = self.rows[i]
-        skey = (fam, r[2], r[7])   # pp, zero
+        skey = (fam, r[2], r[7], r[13])   # pp, zero, dp_replicate
         sf = self.states.get(skey)
         if sf is None:
             sf = self.states[skey] = self.coster.state_floor(RowLayout._make(r))
@@ -187,10 +187,10 @@ class _BranchAndBound:
             if self.bounds:
                 groups, reps, fam_states = set(), {}, {}
                 for i in idxs:
-                    dp, _tp, pp, _cp, _ep, _etp, _sp, z, mb, gb, _sched, v, rc = rows[i]
-                    sf = fam_states.get((pp, z))
+                    dp, _tp, pp, _cp, _ep, _etp, _sp, z, mb, gb, _sched, v, rc, _dpr = rows[i]
+                    sf = fam_states.get((pp, z, _dpr))
                     if sf is None:
-                        sf = fam_states[(pp, z)] = self.state_floor(fam, i)
+                        sf = fam_states[(pp, z, _dpr)] = self.state_floor(fam, i)
                     if sf > cap:
                         self.unfit_rows.add(i)
                         continue
@@ -208,7 +208,7 @@ class _BranchAndBound:
         group = self.group_floors.get(fam) if self.bounds else None
         for j in self.families[fam]:
             r = rows[j]
-            dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
+            dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc, _dpr = r
             same.setdefault((check_key(r), z), []).append(j)
             if j in unfit_rows:
                 self.fit_row[j] = False
@@ -230,7 +230,8 @@ class _BranchAndBound:
             self.out.unfit += 1
             self.done += 1
             return
-        fkey = (kind, fam, r[2], r[11], r[9], r[12], r[7], r[10])   # pp, v, global_batch, recompute, zero, schedule
+        # pp, v, global_batch, recompute, zero, schedule, dp_replicate
+        fkey = (kind, fam, r[2], r[11], r[9], r[12], r[7], r[10], r[13])
         lb = self.floors.get(fkey)
         if lb is None:
             par = row_parallel(self.cfg, r)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.config.text import divisors
+from parcompile.core.groups import axis_placement
 from parcompile.core.schedule import SCHEDULES
 from parcompile.diagnostics import Diagnostic, DiagnosticBag
 from parcompile.frontend.checks import CHECKS, LAYOUT_READS, CheckContext, check_config
@@ -16,7 +17,7 @@ from parcompile.passes.split_pipeline_stages import candidate_splits
 
 #: keys `auto` may stand for (SPEC 1 `parallel`, extended)
 SEARCH_KEYS = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "zero", "recompute",
-               "schedule", "sequence_parallel")
+               "schedule", "sequence_parallel", "dp_replicate", "offload")
 
 
 #: largest micro-batch the search tries
@@ -57,10 +58,12 @@ class RowLayout(NamedTuple):
     schedule: str
     virtual_stages: int
     recompute: str
+    dp_replicate: int
 
     num_microbatches = property(ParallelConfig.num_microbatches.fget)
     expert_dp = property(ParallelConfig.expert_dp.fget)
     pipeline_schedule = property(ParallelConfig.pipeline_schedule.fget)
+    dp_shard = property(ParallelConfig.dp_shard.fget)
     rank_chunks = ParallelConfig.rank_chunks
 
 
@@ -81,17 +84,17 @@ def row_parallel(cfg: SpecConfig, r: tuple) -> ParallelConfig:
     """The :class:`ParallelConfig` of a row of :func:`layout_rows` (the spec's own values
     for every key the search does not vary)."""
     p = cfg.parallel
-    dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc = r
+    dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc, dpr = r
     return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero=z,
                           micro_batch=mb, global_batch=gb, schedule=sched, virtual_stages=v,
                           stage_layers=p.stage_layers, recompute=rc, order=p.order, bucket_size=p.bucket_size,
                           reduce_dtype=p.reduce_dtype, microbatch_group_size=p.microbatch_group_size, auto=p.auto,
-                          dp_replicate=p.dp_replicate, offload=p.offload)
+                          dp_replicate=dpr, offload=p.offload)
 
 
 def layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]:
     """:func:`layouts` as plain tuples ``(dp, tp, pp, cp, ep, expert_tp, sequence_parallel,
-    zero, micro_batch, global_batch, schedule, virtual_stages, recompute)``, in the same
+    zero, micro_batch, global_batch, schedule, virtual_stages, recompute, dp_replicate)``, in the same
     order (the search builds a :class:`ParallelConfig` only for the rows it costs)."""
     for block in layout_blocks(cfg, cross_node_tp):
         yield from block
@@ -100,7 +103,8 @@ def layout_rows(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[tuple]
 def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list[tuple]]:
     """:func:`layout_rows` in blocks of consecutive rows that differ in ZeRO stage and
     recomputation only, so share their :func:`check_key` and :func:`family_key` (the search
-    checks a block once)."""
+    checks a block once). With ``dp_replicate = auto`` each layout's ZeRO-3 rows come again
+    as HSDP, once per replicate degree of :func:`hsdp_replicas`, in blocks of their own."""
     p, m, cl = cfg.parallel, cfg.model, cfg.cluster
     auto = set(p.auto)
     world = cl.world_size
@@ -114,6 +118,8 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
     sp_open = searches_sequence_parallel(cfg)
     sps = [False, True] if sp_open else [p.sequence_parallel]
     etp_given = "parallel.expert_tp" in cfg.spans
+    hsdp = "dp_replicate" in auto and 3 in zeros
+    dpr = 1 if "dp_replicate" in auto else p.dp_replicate
     for tp in tps:
         for cp in cps:
             if world % (tp * cp):
@@ -134,6 +140,7 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
                 else:
                     vs = [p.virtual_stages]
                 zs = zeros if dp * cp > 1 else zeros[:1] if "zero" in auto else zeros
+                reps = hsdp_replicas(cfg, tp, cp, dp, pp) if hsdp and 3 in zs else ()
                 etp = p.expert_tp if etp_given else tp
                 for v in vs:
                     if "schedule" in auto:
@@ -148,8 +155,50 @@ def layout_blocks(cfg: SpecConfig, cross_node_tp: bool = False) -> Iterator[list
                                 for sp in sps:
                                     if sp and tp == 1 and sp_open:
                                         continue
-                                    yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc)
+                                    yield [(dp, tp, pp, cp, ep, etp, sp, z, mb, gb, sched, v, rc, dpr)
                                            for z in zs for rc in recs]
+                                    for n in reps:
+                                        yield [(dp, tp, pp, cp, ep, etp, sp, 3, mb, gb, sched, v, rc, n)
+                                               for rc in recs]
+
+
+def hsdp_replicas(cfg: SpecConfig, tp: int, cp: int, dp: int, pp: int) -> list[int]:
+    """The HSDP replicate degrees (``dp_replicate``, issue 49) the search tries for a ZeRO-3
+    layout of these degrees: none when the data-parallel groups (``dp_cp``) lie inside one
+    NVLink domain (``cluster.domain_size``: a node, or the preset's NVLink domain), where
+    sharding over all of them already gathers on NVLink; else ``dp / dp_shard`` for each
+    shard degree ``1 < dp_shard < dp`` dividing dp whose shard groups stay inside a domain
+    (:func:`~parcompile.core.groups.axis_placement` of ``dp_shard``), so that ZeRO-3's
+    gathers and reduce-scatters run on NVLink and only the replicas' all-reduce crosses
+    nodes (torchtitan's ``data_parallel_shard_degree`` = GPUs per node,
+    ``data_parallel_replicate_degree`` = nodes). Largest shard first."""
+    domain, order = cfg.cluster.domain_size, cfg.parallel.order
+    base = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, order=order, zero=3, micro_batch=1, global_batch=dp)
+    if axis_placement(base, "dp_cp", domain)[1] <= 1:
+        return []
+    out = []
+    for shard in sorted(divisors(dp), reverse=True):
+        if 1 < shard < dp and shard * cp <= domain and shard_domains(base, shard, domain) == 1:
+            out.append(dp // shard)
+    return out
+
+
+def shard_domains(par: ParallelConfig, shard: int, domain: int) -> int:
+    """How many domains of ``domain`` ranks an HSDP shard group of layout ``par`` with
+    ``dp_shard = shard`` spans (:func:`~parcompile.core.groups.axis_placement` of ``dp_shard``).
+    Where ``cp`` comes before ``dp`` and ``pp`` right after it in the mesh order (the default,
+    ``tp-cp-ep-dp-pp``) without building the groups: a shard group is ``shard * cp`` consecutive
+    members of a ``dp_cp`` group, the shard index the fastest part of dp (torchtitan's mesh,
+    :func:`~parcompile.core.groups.hsdp_groups`), so the ranks map as in the layout of ``dp =
+    shard`` and ``pp * dp_replicate`` pipeline ranks, whose ``dp_cp`` groups are the shard
+    groups (``tests/test_search_finetune.py`` holds the two ways equal)."""
+    axes = [a for a in par.order.split("-") if a != "ep"]   # ep folds onto the dense ranks
+    rep = par.dp // shard
+    d = axes.index("dp")
+    if axes.index("cp") < d and d + 1 < len(axes) and axes[d + 1] == "pp":
+        folded = par.model_copy(update={"dp": shard, "pp": par.pp * rep, "global_batch": shard})
+        return axis_placement(folded, "dp_cp", domain)[1]
+    return axis_placement(par.model_copy(update={"dp_replicate": rep}), "dp_shard", domain)[1]
 
 
 def virtual_stage_counts(layers: int, pp: int) -> list[int]:
@@ -223,7 +272,7 @@ def _check_context(cfg: SpecConfig) -> CheckContext:
 
 #: the fields of a layout row (:func:`layout_rows`), in order
 _ROW_FIELDS = ("dp", "tp", "pp", "cp", "ep", "expert_tp", "sequence_parallel", "zero", "micro_batch",
-               "global_batch", "schedule", "virtual_stages", "recompute")
+               "global_batch", "schedule", "virtual_stages", "recompute", "dp_replicate")
 
 
 class LayoutChecker:
@@ -275,8 +324,9 @@ class LayoutChecker:
 
 #: a layout row of :func:`layout_rows`: the fields of :class:`ParallelConfig` the search varies
 Row = tuple   # (dp, tp, pp, cp, ep, expert_tp, sequence_parallel, zero, micro_batch, global_batch,
+#               schedule, virtual_stages, recompute, dp_replicate)
 
 
 def check_key(r: Row) -> tuple:
-    dp, tp, pp, cp, ep, _etp, sp, _z, mb, gb, sched, v, _rc = r
-    return (tp, pp, dp, cp, ep, mb, v, sched, sp, gb)
+    dp, tp, pp, cp, ep, _etp, sp, _z, mb, gb, sched, v, _rc, dpr = r
+    return (tp, pp, dp, cp, ep, mb, v, sched, sp, gb, dpr)
