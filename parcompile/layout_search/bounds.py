@@ -281,7 +281,8 @@ class StepFloors:
                par.reduce_dtype, par.sequence_parallel)
         got = self.dp_groups.get(key)
         if got is None:
-            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._trained_params(pr, counts, par)), {})
+            got = self.dp_groups[key] = (cfg, self._steps(cfg, deg, self._trained_params(pr, counts, par),
+                                                          self._frozen_params(pr, counts, par)), {})
         cfg0, steps, sums = got
         lkey = (tuple(links.get(a) for a in STEP_AXES), deg["embedding"])
         got = sums.get(lkey)

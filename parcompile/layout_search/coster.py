@@ -405,18 +405,26 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
             best = got
         return best
 
-    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams]) -> list[CollectiveEntry]:
+    def _steps(self, cfg: SpecConfig, deg: dict, sps: list[StageParams],
+               frozen: list[StageParams] | None = None) -> list[CollectiveEntry]:
         """:func:`~parcompile.passes.insert_collectives.step_entries`, cached by what
         :func:`~parcompile.passes.insert_collectives.step_collectives` reads: the stage
-        parameters, the degrees and the layout's ZeRO stage, schedule, micro-batches,
-        bucket size, reduce dtype and sequence parallelism (the model is the spec's)."""
+        parameters (``sps`` trained; ``frozen``, LoRA's whole ones, :meth:`_frozen_params`),
+        the degrees and the layout's ZeRO stage, schedule, micro-batches, bucket size,
+        reduce dtype and sequence parallelism (the model is the spec's)."""
         par = cfg.parallel
-        key = (id(sps), step_degrees(deg), par.zero, par.schedule, par.num_microbatches, par.pp,
+        key = (id(sps), id(frozen), step_degrees(deg), par.zero, par.schedule, par.num_microbatches, par.pp,
                par.bucket_size, par.reduce_dtype, par.sequence_parallel)
         got = self.step_sets.get(key)
         if got is None:
-            got = self.step_sets[key] = step_entries(cfg, deg, sps)
+            got = self.step_sets[key] = step_entries(cfg, deg, sps, frozen)
         return got
+
+    def _frozen_params(self, pr: Probe, counts: tuple[int, ...], par: ParallelConfig) -> list[StageParams] | None:
+        """With LoRA the stages' whole parameters, whose frozen weights ZeRO-3 gathers
+        (:func:`~parcompile.analysis.lora.frozen_gathers`, as the pass passes them to
+        :func:`~parcompile.passes.insert_collectives.step_collectives`); None without."""
+        return self._stage_params(pr, counts, par) if is_lora(self.cfg) else None
 
     def _data_parallel(self, cfg: SpecConfig, pr: Probe, ct: ChunkTimes, links: dict, deg: dict,
                        sps: list[StageParams]) -> tuple[float, float]:
@@ -427,7 +435,8 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
         key = cfg.parallel
         got = self.exposed.get(key)
         if got is None:
-            got = self.exposed[key] = (dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps),
+            frozen = self._frozen_params(pr, cfg.parallel.layers_per_chunk(cfg.model.layers), cfg.parallel)
+            got = self.exposed[key] = (dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps, frozen), ct, sps),
                                        optimizer_time(cfg, deg, sps))
         return got
 
@@ -473,7 +482,8 @@ class Coster(ChunkCosts, MemoryCosts, SplitChoice, Floors):
         if not mem.fits and not with_memory:   # not timed: it will be dropped
             return Candidate(par, math.inf, 0.0, 0.0, peak, cap, 0.0, {})
         if bounded:   # what _data_parallel gives (and keeps, for the re-timing)
-            dp_comm = dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps), ct, sps)
+            dp_comm = dp_exposed(cfg, deg, links, self._steps(cfg, deg, sps, self._frozen_params(pr, counts, par)),
+                                 ct, sps)
             self.exposed.setdefault(par, (dp_comm, opt))
         else:
             ct3, links, tkey = self._chunk_times3(pr, par)
