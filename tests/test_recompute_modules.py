@@ -117,6 +117,47 @@ def test_recomputed_modules_add_their_forward_time():
     assert t["none"] == 0 < t["[layernorm]"] < t["[moe]"]
 
 
+def _one_gpu(src: str) -> str:
+    """``src`` on one GPU (dp 1): the step is the micro-batches' chunk times and the optimizer."""
+    return src.replace("gpus_per_node = 2", "gpus_per_node = 1").replace("dp = 2", "dp = 1")
+
+
+def test_each_module_adds_its_forward_once_more_to_the_step():
+    # was: moe_act added nothing (its activation, part of the experts op, was left out).
+    # Expected from the tensors' shapes and the GPU's figures: an elementwise kernel moves its
+    # bytes at the memory bandwidth (efficiency x hbm_bw, over the engine's elementwise factor);
+    # a GEMM takes the GEMM-rate model's time for its shape (analysis/gemm.py, held to its own
+    # sources in tests/test_gemm_rate.py); one micro-batch, two layers, bf16
+    from parcompile.analysis.gemm import gemm_pricer
+
+    def step(src):
+        return parcompile.compile(_one_gpu(src))
+
+    def bandwidth(plan):
+        e = plan.data["estimate"]["assumptions"]
+        return e["memory_efficiency"] * plan.config.cluster.hbm_bw / e["elementwise_traffic"]
+
+    none, act = step(spec("none")), step(spec("[moe_act]"))
+    assert none.config.parallel.num_microbatches == 1
+    # SwiGLU over the (token, choice) rows: gate and up read, their product written
+    act_bytes = 3 * B * S * K * F * 2
+    got = act.data["estimate"]["step_time"] - none.data["estimate"]["step_time"]
+    assert got == pytest.approx(2 * act_bytes / bandwidth(act), rel=1e-9)
+
+    n, r, v, c, cq, heads = 8, 8, 16, 16, 16, 4   # qk_nope, qk_rope, v, kv_lora, q_lora head dims
+    mla = (f"kv_lora_rank = {c}\n q_lora_rank = {cq}\n qk_rope_head_dim = {r}\n qk_nope_head_dim = {n}\n "
+           f"v_head_dim = {v}")
+    none, up = step(spec("none", extra_model=mla)), step(spec("[mla_up_proj]", extra_model=mla))
+    rows, g = B * S, gemm_pricer(up.config)
+    gemms = g.train_seconds(rows, heads * (n + r), cq) + g.train_seconds(rows, heads * (n + v), c)   # wq_b, wkv_b
+    moved = 2 * rows * (2 * heads * (n + r)          # RoPE on q: read, write
+                        + (c + r) + r                 # RoPE on the shared key: wkv_a's output read, the key written
+                        + heads * (n + v) + heads * v  # the values: wkv_b's output read, copied out
+                        + 2 * heads * (n + r))        # the keys [k_nope, rope key] per head: read, written
+    got = up.data["estimate"]["step_time"] - none.data["estimate"]["step_time"]
+    assert got == pytest.approx(2 * (gemms + moved / bandwidth(up)), rel=1e-9)
+
+
 def test_grad_dtype_bf16_halves_the_gradient_buffers_and_the_dp_reduction():
     f32, b16 = (parcompile.compile(spec(grad=g)) for g in ("", "grad_dtype = bf16"))
     assert 2 * b16.data["memory"]["per_stage"][0]["grads"] == f32.data["memory"]["per_stage"][0]["grads"]
