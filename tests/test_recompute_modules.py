@@ -5,6 +5,8 @@ exports."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import parcompile
@@ -207,17 +209,48 @@ def test_the_program_checkpoints_the_modules_it_runs_again(tmp_path):
 
 
 def test_the_cpu_plan_prices_what_the_program_frees():
-    # the program frees moe_act's and layernorm's outputs (tests/test_verify.py measures them) but
-    # not yet mla_up_proj's: on the cpu preset it stays kept, with a warning at the module
+    # the program frees moe_act's, layernorm's and mla_up_proj's outputs (tests/test_verify.py
+    # measures them; was: mla_up_proj's kept on the cpu preset, with a warning at the module)
     cpu_none = _layer_saves(spec("none", cluster="cpu"))
     assert cpu_none - _layer_saves(spec("[moe_act]", cluster="cpu")) == B * S * K * F * 2   # the bf16 product
     # the program's router keeps an fp32 copy of its input, not mlp_norm's output: only attn_norm's is freed
     assert cpu_none - _layer_saves(spec("[layernorm]", cluster="cpu")) == B * S * H * 2
     mla = "kv_lora_rank = 16\n q_lora_rank = 16\n qk_rope_head_dim = 8\n qk_nope_head_dim = 8\n v_head_dim = 16"
     src = spec("[mla_up_proj]", cluster="cpu", extra_model=mla)
-    assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu", extra_model=mla))
-    assert any("does not recompute `mla_up_proj` yet" in w.message for w in parcompile.compile(src).warnings)
+    assert _layer_saves(src) < _layer_saves(spec("none", cluster="cpu", extra_model=mla))
+    assert not parcompile.compile(src).warnings
     assert _layer_saves(spec("[mla_up_proj]", extra_model=mla)) < _layer_saves(spec("none", extra_model=mla))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora", [16, 0])
+def test_the_program_frees_mla_up_projections_as_planned(tmp_path, q_lora):
+    """The generated program's meter (saved-tensor hooks, one process, one step;
+    runtime/machine/memory.py) against the plan, per layer: what mla_up_proj frees is the
+    query and key the core would keep (its padded copy of the value stays: the program's
+    fused core pads MLA's value), and with core_attn the checkpoint's q, k and v; each to the
+    byte of the plan's difference. (The plan leaves out the norms' fp32 statistics, the same
+    bytes under each value: measured minus planned is one constant.) Was: the program
+    kept them all (fails: a saving of 0)."""
+    from parcompile.verification import _emit, _run_reference
+    from tests.program_utils import tiny_config
+
+    mk = dict(kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4)
+    b, s, heads, e = 2, 16, 4, 4    # tiny_config: micro-batch, seq_len, heads, fp32
+
+    def saves(rc):
+        plan = _emit(tiny_config(1, 1, 1, model=mk, parallel=dict(recompute=rc)), tmp_path / str(rc))
+        _run_reference(tmp_path / str(rc), tmp_path / str(rc) / "metrics", 1)
+        got = json.loads((tmp_path / str(rc) / "metrics" / "rank0.json").read_text())["saved_per_layer"]
+        return got["1"], dict(plan["memory"]["per_stage"][0]["activations_per_layer"])[1]
+
+    (m_none, p_none), (m_up, p_up) = saves("none"), saves(("mla_up_proj",))
+    (m_core, p_core), (m_both, p_both) = saves(("core_attn",)), saves(("mla_up_proj", "core_attn"))
+    q = k = b * s * heads * (8 + 4) * e
+    v = b * s * heads * 8 * e
+    assert m_none - m_up == q + k == p_none - p_up
+    assert m_core - m_both == q + k + v == p_core - p_both
+    assert m_none - p_none == m_up - p_up == m_both - p_both
 
 
 def test_megatron_bridge_export_sets_the_recipe_fields():
