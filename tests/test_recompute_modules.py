@@ -5,6 +5,8 @@ exports."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import parcompile
@@ -117,6 +119,47 @@ def test_recomputed_modules_add_their_forward_time():
     assert t["none"] == 0 < t["[layernorm]"] < t["[moe]"]
 
 
+def _one_gpu(src: str) -> str:
+    """``src`` on one GPU (dp 1): the step is the micro-batches' chunk times and the optimizer."""
+    return src.replace("gpus_per_node = 2", "gpus_per_node = 1").replace("dp = 2", "dp = 1")
+
+
+def test_each_module_adds_its_forward_once_more_to_the_step():
+    # was: moe_act added nothing (its activation, part of the experts op, was left out).
+    # Expected from the tensors' shapes and the GPU's figures: an elementwise kernel moves its
+    # bytes at the memory bandwidth (efficiency x hbm_bw, over the engine's elementwise factor);
+    # a GEMM takes the GEMM-rate model's time for its shape (analysis/gemm.py, held to its own
+    # sources in tests/test_gemm_rate.py); one micro-batch, two layers, bf16
+    from parcompile.analysis.gemm import gemm_pricer
+
+    def step(src):
+        return parcompile.compile(_one_gpu(src))
+
+    def bandwidth(plan):
+        e = plan.data["estimate"]["assumptions"]
+        return e["memory_efficiency"] * plan.config.cluster.hbm_bw / e["elementwise_traffic"]
+
+    none, act = step(spec("none")), step(spec("[moe_act]"))
+    assert none.config.parallel.num_microbatches == 1
+    # SwiGLU over the (token, choice) rows: gate and up read, their product written
+    act_bytes = 3 * B * S * K * F * 2
+    got = act.data["estimate"]["step_time"] - none.data["estimate"]["step_time"]
+    assert got == pytest.approx(2 * act_bytes / bandwidth(act), rel=1e-9)
+
+    n, r, v, c, cq, heads = 8, 8, 16, 16, 16, 4   # qk_nope, qk_rope, v, kv_lora, q_lora head dims
+    mla = (f"kv_lora_rank = {c}\n q_lora_rank = {cq}\n qk_rope_head_dim = {r}\n qk_nope_head_dim = {n}\n "
+           f"v_head_dim = {v}")
+    none, up = step(spec("none", extra_model=mla)), step(spec("[mla_up_proj]", extra_model=mla))
+    rows, g = B * S, gemm_pricer(up.config)
+    gemms = g.train_seconds(rows, heads * (n + r), cq) + g.train_seconds(rows, heads * (n + v), c)   # wq_b, wkv_b
+    moved = 2 * rows * (2 * heads * (n + r)          # RoPE on q: read, write
+                        + (c + r) + r                 # RoPE on the shared key: wkv_a's output read, the key written
+                        + heads * (n + v) + heads * v  # the values: wkv_b's output read, copied out
+                        + 2 * heads * (n + r))        # the keys [k_nope, rope key] per head: read, written
+    got = up.data["estimate"]["step_time"] - none.data["estimate"]["step_time"]
+    assert got == pytest.approx(2 * (gemms + moved / bandwidth(up)), rel=1e-9)
+
+
 def test_grad_dtype_bf16_halves_the_gradient_buffers_and_the_dp_reduction():
     f32, b16 = (parcompile.compile(spec(grad=g)) for g in ("", "grad_dtype = bf16"))
     assert 2 * b16.data["memory"]["per_stage"][0]["grads"] == f32.data["memory"]["per_stage"][0]["grads"]
@@ -166,17 +209,48 @@ def test_the_program_checkpoints_the_modules_it_runs_again(tmp_path):
 
 
 def test_the_cpu_plan_prices_what_the_program_frees():
-    # the program frees moe_act's and layernorm's outputs (tests/test_verify.py measures them) but
-    # not yet mla_up_proj's: on the cpu preset it stays kept, with a warning at the module
+    # the program frees moe_act's, layernorm's and mla_up_proj's outputs (tests/test_verify.py
+    # measures them; was: mla_up_proj's kept on the cpu preset, with a warning at the module)
     cpu_none = _layer_saves(spec("none", cluster="cpu"))
     assert cpu_none - _layer_saves(spec("[moe_act]", cluster="cpu")) == B * S * K * F * 2   # the bf16 product
     # the program's router keeps an fp32 copy of its input, not mlp_norm's output: only attn_norm's is freed
     assert cpu_none - _layer_saves(spec("[layernorm]", cluster="cpu")) == B * S * H * 2
     mla = "kv_lora_rank = 16\n q_lora_rank = 16\n qk_rope_head_dim = 8\n qk_nope_head_dim = 8\n v_head_dim = 16"
     src = spec("[mla_up_proj]", cluster="cpu", extra_model=mla)
-    assert _layer_saves(src) == _layer_saves(spec("none", cluster="cpu", extra_model=mla))
-    assert any("does not recompute `mla_up_proj` yet" in w.message for w in parcompile.compile(src).warnings)
+    assert _layer_saves(src) < _layer_saves(spec("none", cluster="cpu", extra_model=mla))
+    assert not parcompile.compile(src).warnings
     assert _layer_saves(spec("[mla_up_proj]", extra_model=mla)) < _layer_saves(spec("none", extra_model=mla))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora", [16, 0])
+def test_the_program_frees_mla_up_projections_as_planned(tmp_path, q_lora):
+    """The generated program's meter (saved-tensor hooks, one process, one step;
+    runtime/machine/memory.py) against the plan, per layer: what mla_up_proj frees is the
+    query and key the core would keep (its padded copy of the value stays: the program's
+    fused core pads MLA's value), and with core_attn the checkpoint's q, k and v; each to the
+    byte of the plan's difference. (The plan leaves out the norms' fp32 statistics, the same
+    bytes under each value: measured minus planned is one constant.) Was: the program
+    kept them all (fails: a saving of 0)."""
+    from parcompile.verification import _emit, _run_reference
+    from tests.program_utils import tiny_config
+
+    mk = dict(kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4)
+    b, s, heads, e = 2, 16, 4, 4    # tiny_config: micro-batch, seq_len, heads, fp32
+
+    def saves(rc):
+        plan = _emit(tiny_config(1, 1, 1, model=mk, parallel=dict(recompute=rc)), tmp_path / str(rc))
+        _run_reference(tmp_path / str(rc), tmp_path / str(rc) / "metrics", 1)
+        got = json.loads((tmp_path / str(rc) / "metrics" / "rank0.json").read_text())["saved_per_layer"]
+        return got["1"], dict(plan["memory"]["per_stage"][0]["activations_per_layer"])[1]
+
+    (m_none, p_none), (m_up, p_up) = saves("none"), saves(("mla_up_proj",))
+    (m_core, p_core), (m_both, p_both) = saves(("core_attn",)), saves(("mla_up_proj", "core_attn"))
+    q = k = b * s * heads * (8 + 4) * e
+    v = b * s * heads * 8 * e
+    assert m_none - m_up == q + k == p_none - p_up
+    assert m_core - m_both == q + k + v == p_core - p_both
+    assert m_none - p_none == m_up - p_up == m_both - p_both
 
 
 def test_megatron_bridge_export_sets_the_recipe_fields():

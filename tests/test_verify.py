@@ -223,6 +223,21 @@ CASES = {
     # the split output the column-parallel linears keep), rebuilt before their backward
     "tp2_sequence_parallel_pp2_recompute_layernorm": dict(tp=2, pp=2, parallel=dict(
         sequence_parallel=True, recompute=("layernorm", "core_attn"))),
+    # mla_up_proj: MLA's up projections and RoPE run without a graph (rt.discarding), the query,
+    # key and value freed once the attention core ran and rebuilt before its backward; the saved
+    # bytes per layer are measured against the plan's (Megatron-Core's pricing); DeepSeek-V3's
+    # attention with the query latent, and without it (wq inside the region) beside core_attn
+    "mla_dp2_tp2_recompute_mla_up_proj": dict(dp=2, tp=2, model=dict(
+        kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4,
+        rope_interleave=True, rope_type="yarn", rope_scaling_factor=4.0, rope_original_max_positions=8,
+        rope_mscale=0.707, rope_mscale_all_dim=1.0), parallel=dict(recompute=("mla_up_proj",))),
+    "mla_tp2_pp2_no_q_lora_recompute_mla_up_proj_core_attn": dict(tp=2, pp=2, model=dict(
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4),
+        parallel=dict(recompute=("mla_up_proj", "core_attn"))),
+    # with the split sequence regathered before the down projections and k, v gathered over cp in the core
+    "mla_tp2_cp2_sequence_parallel_recompute_mla_up_proj": dict(tp=2, model=dict(
+        kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_heads=4),
+        parallel=dict(cp=2, sequence_parallel=True, recompute=("mla_up_proj",))),
     "moe_dp2_pp2_recompute_mlp_shared_experts": dict(dp=2, pp=2, model=dict(
         layers=4, experts=4, top_k=2, shared_experts=1, dense_layers=1),
         parallel=dict(ep=2, recompute=("mlp", "shared_experts"))),

@@ -207,7 +207,7 @@ def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> b
         return nd.op.layer is not None and not nd.has_trait(Trait.NOT_AN_OP)
     if is_module_list(recompute):
         # Megatron-Core's modules (core/recompute.py): their ops' forward runs again; moe_act
-        # reruns only the experts' activation (elementwise, inside the experts op: not counted)
+        # reruns only the experts' activation, part of the experts op (:func:`reruns_activation`)
         return bool(node_modules(nd) & (modules_of(recompute) - {"moe_act"})) and not nd.has_trait(Trait.NOT_AN_OP)
     if recompute == "selective":
         if sac is not None:
@@ -218,6 +218,19 @@ def recomputed(nd: Node, recompute: str, sac: frozenset[str] | None = None) -> b
             return not (spec(nd.kind).selective_recompute or nd.has_trait(Trait.GEMM))
         return spec(nd.kind).selective_recompute
     return False
+
+
+def reruns_activation(nd: Node, recompute: str) -> bool:
+    """Whether ``recompute`` re-runs only the activation of the ``experts`` op ``nd`` in
+    backward (``moe_act`` without ``moe``): Megatron-Core's ``TEGroupedMLP`` runs
+    ``bias_act_func`` again under ``CheckpointWithoutOutput`` (NVIDIA/Megatron-LM d98e8a6
+    ``megatron/core/transformer/moe/experts.py``), not the grouped GEMMs. The activation is
+    the experts op's non-matmul kernel: its forward's bytes are the op's ``OpSpec.traffic``
+    (``ir/ops/moe.py``: gate and up read, their product written), which
+    :func:`compute_report` counts again as it counts a recomputed op's (the same rule as its
+    forward: bytes at the elementwise bandwidth, :func:`parcompile.analysis.estimate.chunk_times`)."""
+    return (is_module_list(recompute) and nd.kind == "experts" and not recomputed(nd, recompute)
+            and "moe_act" in node_modules(nd) & modules_of(recompute))
 
 
 @dataclass(frozen=True)
@@ -416,7 +429,7 @@ def compute_report(graph: Graph, degrees: Mapping[str, int], num_chunks: int, vo
         moved = op_fwd_traffic(graph, nd, degrees)
         if moved:
             traffic[c] += moved
-            if again:
+            if again or reruns_activation(nd, recompute):
                 rec_traffic[c] += moved
         _count_fp8_casts(graph, nd, degrees, f8, c, again, cast_seen)
         g = op_fwd_flops(graph, nd)

@@ -378,7 +378,7 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
     input, 1 byte per element, :func:`parcompile.analysis.fp8.saves_fp8_inputs`)."""
     sac = op_sac(graph, recompute, engine, fp8)
     te_fp8 = saves_fp8_inputs(fp8, kernels or engine)
-    regions = module_regions(graph, recompute, program=kernels == "program")
+    regions = module_regions(graph, recompute)
     mcore_moe = (kernels or engine) == "megatron"
     tensors: list[dict[str, int]] = [{} for _ in range(num_chunks)]   # chunk -> tensor -> bytes
     extra = [0] * num_chunks
@@ -410,8 +410,8 @@ def saved_bytes(graph: Graph, degrees: Mapping[str, int], num_chunks: int, recom
                 layer_input[layer] = (t, _local_bytes(graph, t, degrees))
             if recompute == "full":
                 continue   # only the layer input is kept (added below)
-            keep, x = kept_with_modules(graph, nd, a, keep, x, gathered, regions) if regions is not None else \
-                _kept_when_recomputing(nd, keep, x, gathered, recompute, sac)
+            keep, x = (kept_with_modules(graph, nd, a, keep, x, gathered, regions, own.__getitem__) if regions
+                       else _kept_when_recomputing(nd, keep, x, gathered, recompute, sac))
             kown = kept_own.setdefault(layer, {})
             for t in keep:
                 kown.setdefault(t, _local_bytes(graph, t, degrees))

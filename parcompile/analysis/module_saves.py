@@ -11,7 +11,9 @@ Module recomputation (NVIDIA/Megatron-LM d98e8a6, :mod:`parcompile.core.recomput
   of each other and their extras (masks, log-sum-exp, the experts' activations) are rebuilt;
 * a module under ``CheckpointWithoutOutput`` (``layernorm``, ``mla_up_proj``) does the same
   and its output is freed too: no consumer keeps it (the linear after ``input_layernorm``
-  keeps no input; the attention core keeps no q, k, v after MLA's up projections);
+  keeps no input; the attention core keeps no q, k, v after MLA's up projections, but for
+  the copies it makes of them: k and v gathered over cp, the padded v of the generated
+  program's core; :func:`kept_with_modules`);
 * ``moe_act`` frees the experts' activation output (``linear_fc2``'s input): of the
   ``experts`` op's activations (gate, up and their product for a gated MLP; pre- and
   post-activation otherwise) the last one.
@@ -28,44 +30,42 @@ Megatron-Core's MoE kernels (the same commit), whatever is recomputed:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from parcompile.core.model import GATED_ACTIVATIONS
 from parcompile.core.recompute import OUTPUT_DISCARDING, Recompute, is_module_list, modules_of
 from parcompile.ir.graph import Graph
+from parcompile.ir.ops import Trait, spec
 from parcompile.ir.recompute import node_modules
 
 #: the suffix of a saved FP8 cast (memory.py ``FP8_COPY``)
 _FP8_SUFFIX = "#fp8"
 
 
-#: the output-discarding modules the generated program does not run yet (it frees ``moe_act``'s
-#: and ``layernorm``'s outputs: runtime/model/discard.py)
-PROGRAM_KEEPS = frozenset({"mla_up_proj"})
-
-
-def module_regions(graph: Graph, recompute: Recompute, program: bool = False
-                   ) -> dict[str, tuple[int, frozenset[str]]] | None:
+def module_regions(graph: Graph, recompute: Recompute) -> dict[str, tuple[int, frozenset[str]]] | None:
     """Per op of a decoder layer, ``(layer, modules)``: the recomputed modules (of
     ``recompute``'s list) whose region holds it (:func:`parcompile.ir.recompute.node_modules`);
-    None when ``recompute`` is not a list of modules. ``program``: the plan is for the
-    generated program itself (the ``cpu`` preset), which checkpoints ``core_attn``, ``mlp``,
-    ``moe`` and ``shared_experts`` and frees ``moe_act``'s and ``layernorm``'s outputs but not
-    yet ``mla_up_proj``'s: it is left out (:data:`PROGRAM_KEEPS`, priced as kept;
-    frontend/checks_recompute.py warns)."""
+    None when ``recompute`` is not a list of modules. The generated program runs each module
+    as Megatron-Core does (``core_attn``, ``mlp``, ``moe``, ``shared_experts`` checkpointed;
+    ``moe_act``'s, ``layernorm``'s and ``mla_up_proj``'s outputs freed:
+    runtime/model/discard.py), so one rule prices both."""
     if not is_module_list(recompute):
         return None
-    mods = modules_of(recompute) - (PROGRAM_KEEPS if program else frozenset())
+    mods = modules_of(recompute)
     return {nd.name: (nd.op.layer, node_modules(nd) & mods) for nd in graph.nodes() if nd.op.layer is not None}
 
 
 def kept_with_modules(graph: Graph, nd, a: Mapping[str, Any], keep: list[str], x: int, gathered: int,
-                      regions: Mapping[str, tuple[int, frozenset[str]]]) -> tuple[list[str], int]:
+                      regions: Mapping[str, tuple[int, frozenset[str]]], nbytes: Callable[[str], int]
+                      ) -> tuple[list[str], int]:
     """What the layer op ``nd`` (attributes ``a``) keeps through the forward under module
     recomputation (module docstring): ``(keep, extra)`` from what it saves when nothing is
     recomputed (``keep`` tensor names, ``x`` bytes of extras, ``gathered`` bytes of gathered
     operands: :func:`parcompile.analysis.memory._node_saves`) and ``regions``
-    (:func:`module_regions`)."""
+    (:func:`module_regions`); ``nbytes``: a kept tensor's bytes on one rank.
+
+    A freed output (``mla_up_proj``'s key or value) an attention core holds in a copy of its
+    own still costs its bytes there (:func:`_core_copies`)."""
     layer, mine = regions.get(nd.name, (None, frozenset()))
     wrapped = mine - {"moe_act"}
     if wrapped:
@@ -77,8 +77,25 @@ def kept_with_modules(graph: Graph, nd, a: Mapping[str, Any], keep: list[str], x
         mats = 3 if a["activation"] in GATED_ACTIVATIONS else 2
         x -= (x - gathered) // mats   # the activation's output, linear_fc2's input
     dropped = OUTPUT_DISCARDING - {"moe_act"}
-    keep = [t for t in keep if not (regions.get(_producer(t), (None, frozenset()))[1] & dropped)]
-    return keep, x
+    gone = [t for t in keep if regions.get(_producer(t), (None, frozenset()))[1] & dropped]
+    if gone and nd.has_trait(Trait.ATTENTION):
+        copies = _core_copies(graph, nd, a, bool(wrapped), gathered)
+        x += sum(nbytes(t) for t in gone if _producer(t) in copies)
+    return [t for t in keep if t not in gone], x
+
+
+def _core_copies(graph: Graph, nd, a: Mapping[str, Any], wrapped: bool, gathered: int) -> set[str]:
+    """The inputs of the attention core ``nd`` whose values it keeps in copies of its own,
+    which freeing the inputs leaves: k and v all-gathered over cp (``gathered`` > 0: the
+    core keeps the gathered tensors, checkpointed or not: runtime/model/core_attention.py
+    ``attention``), else v padded to the head dim by a kernel that pads it (``pads_v``: the
+    generated program's fused core, ``_padded_core``), the core not checkpointed."""
+    ins = graph.inputs(nd.name)
+    if gathered:
+        return {ins[1], ins[2]}
+    if not wrapped and spec(nd.kind).kernel(a).pads_v and a.get("v_head_dim", a["head_dim"]) < a["head_dim"]:
+        return {ins[2]}
+    return set()
 
 
 def _producer(tensor: str) -> str:

@@ -416,6 +416,42 @@ class _Dataflow:
         return base
 
 
+class _Region:
+    """The ops of ``recompute = [mla_up_proj]`` in a class (marked ``recompute =
+    "mla_up_proj"`` by passes/insert_collectives.py; with the conversions between them):
+    MLA's up projections and the RoPE on their outputs, written as a nested function the
+    forward runs output-discarding (``rt.discarding``: its inputs kept, no graph, the query,
+    key and value it returns freed once the attention core ``consumer`` ran and rebuilt
+    before its backward), as Megatron-Core runs ``qkv_up_proj_and_rope_apply`` under
+    ``CheckpointWithoutOutput`` (NVIDIA/Megatron-LM 003b4ce
+    ``megatron/core/transformer/multi_latent_attention.py``). ``inputs``: the values from
+    outside it its ops read (value -> variable), kept live until the function is written;
+    ``outputs``: its values read outside it; ``body``: its ops' lines."""
+
+    MODULE = "mla_up_proj"
+
+    def __init__(self, units, consumers):
+        marked = {n for n, op, _, _ in units if isinstance(op, OpData) and op.attr("recompute", None) == self.MODULE}
+        for n, op, ins, _ in units:
+            if marked and isinstance(op, OpData) and has_trait(op.kind, Trait.CONVERSION) and ins and ins[0] in marked \
+                    and consumers.get(n) and all(c in marked for c in consumers[n]):
+                marked.add(n)
+        self.members = marked
+        self.outputs = [n for n, _, _, _ in units if n in marked and any(c not in marked for c in consumers.get(n, ()))]
+        self.consumer = next((n for n, op, _, _ in units if marked and isinstance(op, OpData)
+                              and has_trait(op.kind, Trait.ATTENTION)), None)
+        self.inputs: dict[str, str] = {}
+        self.body: list[str] = []
+        self.handle: str | None = None   # the rt.discarding call's variable, once written
+
+    def pinned(self, name: str, users: list[str]) -> bool:
+        """Whether value ``name`` must be a variable: it leaves the region, enters it, or is
+        the attention core's output (the discard's trigger)."""
+        inside = name in self.members
+        return (inside and any(u not in self.members for u in users)) or name == self.consumer \
+            or (not inside and any(u in self.members for u in users))
+
+
 class _Writer:
     """One class's methods being written (:func:`methods`) from its ops' dataflow
     (:class:`_Dataflow`): each unit's value placed, pending inside its reader's
@@ -442,6 +478,7 @@ class _Writer:
         self.indent = ""
         self.needs_pos = False
         self.method, self.pos_type = "forward", None
+        self.region = _Region(self.units, self.consumers) if not serve else _Region((), {})
 
     def shape(self, op: OpData) -> str:
         """``op``'s per-rank shape for a comment; serving: ``T`` the step's tokens (the
@@ -576,7 +613,13 @@ class _Writer:
         a statement."""
         users = self.consumers.get(name, [])
         in_with = name in self.with_ops
+        region = name in self.region.members
+        if region and (in_with or (isinstance(op, OpData) and op.regather) or name in self.outputs):
+            raise ValueError(f"{op.name}: recompute = [{_Region.MODULE}] with a kept split input or as the "
+                             "class's output: the program writes its ops as one function")
+        body, pad = (self.region.body, "    ") if region else (self.body, "")
         if (code.inline and len(users) == 1 and name not in self.outputs and not in_with
+                and not self.region.pinned(name, users)
                 and users[0] not in self.with_ops and not (users[0] in self.codes and self.codes[users[0]].heads_in)
                 and not (users[0] in self.by_name and self.by_name[users[0]].regather)):   # kept split: a variable
             self.values[name] = _Value(text, True, notes, frozenset(refs))
@@ -589,7 +632,7 @@ class _Writer:
             return
         base = code.var or (texts[0] if texts and texts[0].isidentifier() else "h")
         var = self.fresh(self.flow.preferred(name, base))
-        self.body.append(_comment(f"{self.indent}{var} = {text}", self.shape(show), notes))
+        body.append(_comment(f"{pad}{self.indent}{var} = {text}", self.shape(show), notes))
         self.values[name] = _Value(var, False)
         self.bound[var] = name
         if in_with:
@@ -597,17 +640,47 @@ class _Writer:
             if not self.with_ops:
                 self.indent = ""
 
+    def _hold_region_inputs(self, ins) -> None:
+        """A region op's operands from outside the region stay live (their variables the
+        nested function's parameters) until it is written (:meth:`_write_region`)."""
+        for u in ins:
+            src = self.alias.get(u, u)
+            if src not in self.region.members and src not in self.region.inputs:
+                self.remaining[src] = self.remaining.get(src, 0) + 1
+                self.region.inputs[src] = self.values[src].text
+
+    def _write_region(self) -> None:
+        """The region's nested function and its ``rt.discarding`` call (:class:`_Region`),
+        before the first op outside it reading its outputs."""
+        r = self.region
+        fn, r.handle = self.fresh("up_proj"), self.fresh("qkv_up")
+        params = ", ".join(r.inputs.values())
+        outs = ", ".join(self.values[n].text for n in r.outputs)
+        self.body.append(_comment(f"def {fn}({params}):", "recompute = [mla_up_proj]",
+                                  ["run without a graph, outputs freed after the core, rebuilt before its backward"]))
+        self.body += r.body + [f"    return {outs}", f"{r.handle} = rt.discarding({fn}, {params})",
+                               f"{outs} = {r.handle}.out"]
+        for src in r.inputs:
+            self.remaining[src] -= 1
+
     def write(self) -> Methods:
         for name, op, ins, out_op in self.units:
             if name in self.alias:
                 continue
+            r = self.region
+            if r.handle is None and name not in r.members and any(self.alias.get(u, u) in r.members for u in ins):
+                self._write_region()
             texts, notes, refs = self._operands(ins)
+            if name in r.members:
+                self._hold_region_inputs(ins)
             show = self.shown.get(name, out_op)
             if isinstance(op, Submodule):
                 code, text = self._submodule(name, op, texts, notes)
             else:
                 code, text = self._op(name, op, texts, notes, show)
             self._place(name, op, code, text, texts, notes, refs, show)
+            if name == r.consumer and r.handle is not None:
+                self.body.append(f"{r.handle}.discard({self.values[name].text})")
         init = list(self.init)
         axes = [a for a in AXIS_SOURCES if any(re.search(rf"\bself\.{a}\b", ln) for ln in self.body + init + self.once)]
         if axes:

@@ -98,12 +98,6 @@ def check_recompute(cfg: SpecConfig, ctx: CheckContext) -> None:
     if cfg.workload == "serve":
         ctx.bag.warning("a `serve` spec computes no backward: recompute does nothing", ctx.span("parallel.recompute"),
                         help="remove `recompute`")
-    elif getattr(cfg.cluster, "preset", None) == "cpu":
-        for i, module in enumerate(rc):
-            if module == "mla_up_proj":   # analysis/module_saves.py PROGRAM_KEEPS
-                ctx.bag.warning(f"the generated program does not recompute `{module}` yet: the plan for the `cpu` "
-                                "preset (the program itself) keeps its output", ctx.span(f"parallel.recompute[{i}]"),
-                                note="GPU presets price it as Megatron-Core runs it (its output freed)")
 
 
 def check_grad_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:

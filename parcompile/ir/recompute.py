@@ -6,7 +6,7 @@ memory model (:func:`parcompile.analysis.memory.saved_bytes`), the time model
 Megatron-Core (NVIDIA/Megatron-LM d98e8a6) wraps, per layer: ``core_attn`` the attention
 core; ``layernorm`` ``input_layernorm`` and ``pre_mlp_layernorm`` (parcompile's
 ``attn_norm`` and ``mlp_norm``); ``mla_up_proj`` the MLA up projections of q and kv and the
-RoPE applied to them (``wq_b``, ``wkv_b``, ``rope_q``, ``rope_k``, ``key``, ``value``);
+RoPE applied to them (``wq_b`` or ``wq``, ``wkv_b``, ``rope_q``, ``rope_k``, ``key``, ``value``);
 ``mlp`` a dense layer's MLP; ``moe`` an MoE layer's MLP (router, dispatch, experts, combine,
 shared experts); ``shared_experts`` the shared experts; ``moe_act`` the experts' activation,
 inside the ``experts`` op (part of it: :func:`parcompile.analysis.memory.saved_bytes` drops
@@ -20,8 +20,12 @@ from parcompile.ir.ops import Trait
 #: the parts of an MoE layer's ``mlp`` module (``layers.3.mlp.router``, ...)
 MOE_PARTS = frozenset({"router", "dispatch", "experts", "combine", "shared", "shared_add"})
 
-#: MLA's up projections and the RoPE applied to their outputs (``mla_up_proj``)
-MLA_UP_PARTS = frozenset({"wq_b", "wkv_b", "rope_q", "rope_k", "key", "value"})
+#: MLA's up projections and the RoPE applied to their outputs (``mla_up_proj``): Megatron-Core's
+#: ``qkv_up_proj_and_rope_apply`` (NVIDIA/Megatron-LM 003b4ce ``megatron/core/transformer/
+#: multi_latent_attention.py``) runs ``linear_q_up_proj``, or ``linear_q_proj`` without the
+#: query latent (parcompile's ``wq``), ``linear_kv_up_proj``, the RoPE of q and of the shared key
+#: and the per-head key and value
+MLA_UP_PARTS = frozenset({"wq_b", "wq", "wkv_b", "rope_q", "rope_k", "key", "value"})
 
 #: the norms ``layernorm`` recomputes (Megatron-Core's ``input_layernorm``, ``pre_mlp_layernorm``)
 LAYER_NORMS = frozenset({"attn_norm", "mlp_norm"})

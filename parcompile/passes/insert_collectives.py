@@ -292,12 +292,14 @@ def _mark_recomputation(graph: Graph, ctx: PassContext) -> None:
 def _mark_modules(graph: Graph, modules: tuple[str, ...]) -> None:
     """``recompute = [...]``: mark the ops of the checkpointed modules the program wraps whole
     (``mlp``, ``moe``, ``shared_experts``: ``rt.checkpointed``, codegen/emit.py) and the experts
-    whose activation it recomputes (``moe_act``: ``GroupedExperts(recompute_act=True)``) and the
-    norms whose output it frees (``layernorm``: ``rt.discard_between``, codegen/emit.py) with
+    whose activation it recomputes (``moe_act``: ``GroupedExperts(recompute_act=True)``), the
+    norms whose output it frees (``layernorm``: ``rt.discard_between``, codegen/emit.py) and
+    MLA's up projections and RoPE (``mla_up_proj``: one ``rt.discarding`` function,
+    codegen/blocks.py ``_Region``) with
     ``recompute`` = the module's name (``moe`` over the others: they run inside it). The core
     is marked ``selective`` by the caller (``core_attn``)."""
     for nd in graph.nodes():
-        mine = node_modules(nd) & set(modules) & {"mlp", "moe", "shared_experts", "moe_act", "layernorm"}
+        mine = node_modules(nd) & set(modules) & {"mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj"}
         if mine and not nd.has_trait(Trait.CONVERSION):
             graph.set_attrs(nd.name, recompute="moe" if "moe" in mine else min(mine))
 

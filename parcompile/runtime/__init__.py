@@ -35,7 +35,7 @@ from parcompile.runtime.train.wgrad import STORE as WEIGHT_GRADS
 from parcompile.runtime.train.wgrad import linear
 from parcompile.runtime.train.optimizers import step_optimizer, zero_records
 from parcompile.runtime.train.grads import set_grad_dtype
-from parcompile.runtime.model.discard import discard_between
+from parcompile.runtime.model.discard import discard_between, discarding
 from parcompile.runtime.train.optim import (
     ReplicatedOptimizer,
     build_optimizer,

@@ -9,7 +9,8 @@ consumer's saved reference to it then holds no bytes) and registers a hook on th
 output: when its gradient arrives, ``fn`` runs again with a graph, its result is copied into the
 freed storage (the consumer's backward reads it there), and the backward of the output goes
 through that recomputed graph. A storage-level resize and copy do not bump the tensor's version,
-so autograd accepts the refilled tensor (as Megatron-Core's does).
+so autograd accepts the refilled tensor (as Megatron-Core's does). ``fn`` may return a tuple
+of tensors (MLA's query, key and value: :func:`discarding`), each freed and refilled alike.
 """
 
 from __future__ import annotations
@@ -30,16 +31,19 @@ class _Discarding(torch.autograd.Function):
             return holder.fn(*args)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         holder = ctx.holder
         args, out = holder.rebuilt
         holder.rebuilt = None
-        torch.autograd.backward(out, grad)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None,) + tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
 
 
 class Discarded:
-    """One output-discarding call (module docstring): ``fn`` and its inputs, its output ``out``."""
+    """One output-discarding call (module docstring): ``fn`` and its inputs, its output ``out``
+    (a tensor, or a tuple of tensors of their own storages)."""
 
     def __init__(self, fn: Callable, args: tuple):
         from parcompile.runtime.machine.memory import METER
@@ -60,18 +64,24 @@ class Discarded:
             return
         from parcompile.runtime.machine.memory import METER
 
-        if METER.active:
-            METER.release(self.out)
-        self.out.untyped_storage().resize_(0)
+        for out in self._outs(self.out):
+            if METER.active:
+                METER.release(out)
+            out.untyped_storage().resize_(0)
         consumer_out.register_hook(self._rebuild)
+
+    @staticmethod
+    def _outs(out) -> tuple:
+        return out if isinstance(out, tuple) else (out,)
 
     def _rebuild(self, grad):
         args = tuple(a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in self.args)
         with torch.enable_grad():
             out = self.fn(*args)
-        storage = self.out.untyped_storage()
-        storage.resize_(out.untyped_storage().nbytes())
-        storage.copy_(out.untyped_storage())
+        for kept, again in zip(self._outs(self.out), self._outs(out)):
+            storage = kept.untyped_storage()
+            storage.resize_(again.untyped_storage().nbytes())
+            storage.copy_(again.untyped_storage())
         self.rebuilt = (args, out)
         return grad
 
@@ -102,7 +112,12 @@ def discard_between(norm: torch.nn.Module, consumer: torch.nn.Module) -> None:
 
 def discarding(fn: Callable, *args) -> Discarded:
     """``fn(*args)`` as an output-discarding call (module docstring): its output is
-    ``.out``; call ``.discard(consumer_out)`` after the consumer's forward."""
+    ``.out`` (a tensor or a tuple of them, as ``fn`` returns); call
+    ``.discard(consumer_out)`` after the consumer's forward. Megatron-Core's ``mla_up_proj``
+    (NVIDIA/Megatron-LM 003b4ce ``megatron/core/transformer/multi_latent_attention.py``:
+    ``qkv_up_proj_and_rope_apply`` under ``CheckpointWithoutOutput``, its query, key and value
+    discarded once the attention core ran, ``discard_output_and_register_recompute``) is one
+    such call in the generated program (codegen/blocks.py writes it)."""
     return Discarded(fn, args)
 
 
