@@ -132,18 +132,8 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                     getattr(p, "shard_dim", None) is not None or ctx.tp.index == 0)
                 self.segments.append((b, p, lo, hi, seg))
                 (decay if p.ndim >= 2 else no_decay).append(seg)
-        # the owned slice of a bucket past its last element (padding to ceil(n / d) * d) is a
-        # zero segment with optimizer states of its own, so that every rank holds ceil(n / d)
-        # elements of sharded state, as DeepSpeed's padded partitions do and the plan counts;
-        # its gradient is the (zero) padding of the reduce-scatter output
-        self.padding: list[tuple[BucketLayout, int, nn.Parameter]] = []
-        for b in self.buckets.buckets:
-            lo_own, hi_own = self.axis.index * b.shard, (self.axis.index + 1) * b.shard
-            lo = max(b.elements, lo_own)
-            if lo < hi_own:
-                pad = nn.Parameter(torch.zeros(hi_own - lo, dtype=torch.float32, device=ctx.device))
-                self.padding.append((b, lo, pad))
-                no_decay.append(pad)
+        self.padding = self._padding_segments()
+        no_decay += [pad for _b, _lo, pad in self.padding]
         # zero 3 with 16-bit weights: the rank keeps its 16-bit slice of every bucket, which the
         # next step's all-gather sends (SPEC: 2/d bytes of parameters per element)
         self.low_shards: list[torch.Tensor] | None = None
@@ -177,6 +167,21 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         if zero3:
             self._keep_low_shards()
             self._free_params()
+
+    def _padding_segments(self) -> list[tuple[BucketLayout, int, nn.Parameter]]:
+        """The owned slice of each bucket past its last element (padding to ``ceil(n / d) * d``):
+        ``(bucket, first element, zero fp32 segment)``, a segment with optimizer states of its
+        own, so that every rank holds ``ceil(n / d)`` elements of sharded state, as DeepSpeed's
+        padded partitions do and the plan counts; its gradient is the (zero) padding of the
+        reduce-scatter output."""
+        out = []
+        for b in self.buckets.buckets:
+            lo_own, hi_own = self.axis.index * b.shard, (self.axis.index + 1) * b.shard
+            lo = max(b.elements, lo_own)
+            if lo < hi_own:
+                out.append((b, lo, nn.Parameter(torch.zeros(hi_own - lo, dtype=torch.float32, device=self.ctx.device))))
+        return out
+
     def _own_lo(self, b: BucketLayout) -> int:
         return self.axis.index * b.shard
 
