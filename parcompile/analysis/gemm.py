@@ -133,9 +133,12 @@ KERNELS: dict[str, GemmKernels] = {
 }
 #: from this many full waves of tiles on, the last partial wave and the one before it are spread
 #: over all SMs (stream-K); below it the tiles run in whole waves. CUTLASS's own heuristic splits
-#: any tail under half a wave (tile_scheduler_params.h get_num_sk_tiles), which prices the H200
-#: MAMF row within 10% but the torchtitan 8B FSDP+TP rows 11% fast (review, issue 48): cuBLAS's
-#: choice lies between the two
+#: any tail under half a wave (tile_scheduler_params.h get_num_sk_tiles at NVIDIA/cutlass
+#: 7107b05), one partial wave included: that puts 37 of test_gemm_rate's 78 XLA bf16 rows over
+#: 10% fast; from one full wave on, it prices the H200 FP8 MAMF row within 10% but the H100 FP8
+#: MAMF row at +10.0% and the torchtitan 8B FSDP+TP rows fast (benchmarks/cost_model.py: bf16
+#: -9.0%, FP8 tensorwise +11.4%), all of them cuBLAS(Lt) GEMMs (issue 48): cuBLAS's choice lies
+#: between the two
 STREAM_K_WAVES = 4
 #: CUTLASS's stream-K scheduler: the fewest k-blocks one stream-K (or split-K) unit computes
 #: (tile_scheduler_params.h ``min_iters_per_sk_unit_``)
