@@ -18,9 +18,11 @@ stas00/ml-engineering compute/accelerator/benchmarks/mamf-finder.py benchmark_mm
 a 256 MiB ``l2_cache.zero_()``); OpenXLA's generator does not, but alternates two argument
 sets "to prevent caching" and copies each run's arguments to the device before it
 (tensorflow/tensorflow third_party/xla/xla/tools/matmul_perf_table_gen.cc at 02e4039
-MatmulPerfTableGen::Profile and Measure: args_small / args_large, the median CUPTI kernel
-time of 5 runs; openxla/xla xla/service/hlo_runner.cc at f52c7af
-HloRunner::ExecuteWithExecutable: TransferLiteralsToDevice per call)."""
+MatmulPerfTableGen::Profile and Measure: args_small / args_large, the profiler's median kernel
+time over 5 rounds of the two; a later version of the generator than the table at 372d578;
+openxla/xla xla/service/hlo_runner.cc at f52c7af HloRunner::ExecuteWithExecutable:
+TransferLiteralsToDevice per call). The H100's L2 is 50 MiB (stas00/ml-engineering
+compute/accelerator/README.md at 744d01e, "Caches")."""
 
 from math import ceil
 
@@ -83,7 +85,7 @@ XLA_H100_BF16_LATER = [
 #: of the datasheet's 3.35 over all its bytes; the model prices the reads at ``memory`` 0.76,
 #: then the output at ``write`` 0.56, plus the launch (35.9 us: -19%). No reuse of the L2 between
 #: repeated runs: the table's generator alternates two argument sets of 71 MB each (module
-#: docstring), together three times the 50 MB L2 (the copy of a run's arguments just before it
+#: docstring), together 2.7 times the 50 MiB L2 (the copy of a run's arguments just before it
 #: may leave part of them there, which no source quantifies and the model does not hold); the
 #: one-wave long-k shape cuBLAS splits over k (split-K, priced since issue 48: was at half the
 #: measured rate, now -11%); two 64-row-tile shapes at +11.5% and -10%; 4096^3 in 4 batches
