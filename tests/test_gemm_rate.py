@@ -86,7 +86,10 @@ XLA_H100_BF16_LATER = [
 #: then the output at ``write`` 0.56, plus the launch (35.9 us: -19%). No reuse of the L2 between
 #: repeated runs: the table's generator alternates two argument sets of 71 MB each (module
 #: docstring), together 2.7 times the 50 MiB L2 (the copy of a run's arguments just before it
-#: may leave part of them there, which no source quantifies and the model does not hold); the
+#: may leave part of them there, which no source quantifies and the model does not hold). Its
+#: memory fraction is the one DeepGEMM's L2-flushed small-M rows need: at 0.85 this row is at
+#: -11% and 5 more of them over 10% fast, up to +22% (0.90: this row within 10%, 8 more of them
+#: out, up to +29%); the
 #: one-wave long-k shape cuBLAS splits over k (split-K, priced since issue 48: was at half the
 #: measured rate, now -11%); two 64-row-tile shapes at +11.5% and -10%; 4096^3 in 4 batches
 #: (+11.5%: 31 waves of 128 x 128 tiles whose tail the model spreads over the SMs from
