@@ -56,7 +56,7 @@ def _stop(what: str, value: float, step: int, ctx: ParallelContext, last_checkpo
               else "set checkpoint_dir and checkpoint_every to keep checkpoints a run can resume from")
     return TrainError(f"step {step}: the {what} is {value}; training stopped before saving anything of this "
                       f"step ({kept})",
-                      f"lower lr or grad_clip, or use bf16 instead of fp16; {resume}", ctx.rank)
+                      f"lower lr, lower grad_clip or use bf16 instead of fp16; {resume}", ctx.rank)
 
 
 def check_grad_norm(norm: float, step: int, ctx: ParallelContext, last_checkpoint=None) -> None:
