@@ -534,6 +534,23 @@ def test_nan_loss_stops_the_run_naming_the_step(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_nan_help_names_a_checkpoint_only_when_one_was_kept():
+    """Before: with no checkpoint saved the help still said "resume from the kept
+    checkpoint" beside "(no checkpoint was saved)"."""
+    from types import SimpleNamespace
+
+    from parcompile.runtime.train.step import check_grad_norm
+
+    ctx = SimpleNamespace(rank=0)
+    with pytest.raises(TrainError) as e:
+        check_grad_norm(float("nan"), 2, ctx, None)
+    assert "no checkpoint was saved" in e.value.message and "kept checkpoint" not in e.value.help
+    assert "checkpoint_dir" in e.value.help
+    with pytest.raises(TrainError) as e:
+        check_grad_norm(float("inf"), 3, ctx, "ck/step_00000002")
+    assert "ck/step_00000002, is kept" in e.value.message and "resume from the kept checkpoint" in e.value.help
+
+
 @pytest.mark.parametrize("value", ["9223372036854775808", "-1"])
 def test_seed_outside_63_bits_is_a_spec_error(tmp_path, capsys, value):
     spec = _spec(tmp_path)

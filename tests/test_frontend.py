@@ -257,6 +257,14 @@ def test_auto_only_where_allowed():
         "expected an integer, got `auto`", 3, 35, "global_batch takes a whole number")
 
 
+def test_unknown_word_for_an_auto_key_lists_auto():
+    """Before: `offload = yes` answered "offload may be `none`, `optimizer` or `params`",
+    leaving out the `auto` the docs give it (the search's keys)."""
+    found = errors(MODEL + CLUSTER + "parallel {\n  zero = 1\n  offload = yes\n  schedule = fast\n}\n")
+    assert [f[3] for f in found] == ["offload may be `none`, `optimizer`, `params` or `auto`",
+                                     "schedule may be `gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble` or `auto`"]
+
+
 def test_data_path_is_resolved_against_the_spec_dir(tmp_path):
     (tmp_path / "corpus.txt").write_text("hello")
     spec = tmp_path / "s.par"

@@ -144,6 +144,26 @@ def test_search_cli_table_and_no_fit(tmp_path, capsys):
 
 
 
+def test_no_valid_layout_names_the_checkers_error_at_its_key(tmp_path):
+    """Before: a fixed key no layout can meet (dp_replicate = 3 of dp 8) beside `auto` keys
+    said "no layout fits: 0 valid of 6 enumerated, none fits memory" at `parallel`. Now the
+    error is the checker's own for the layout written out, at its key."""
+    spec = tmp_path / "s.par"
+    head = 'model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1 }\n'
+    spec.write_text(head + "parallel {\n    zero = 3\n    dp_replicate = 3\n    micro_batch = auto\n"
+                           "    global_batch = 64\n}\n")
+    with pytest.raises(parcompile.SpecError) as e:
+        parcompile.search(spec)
+    [d] = [d for d in e.value.diagnostics if d.severity == "error"]
+    spec.write_text(head + "parallel {\n    zero = 3\n    dp_replicate = 3\n    micro_batch = 1\n"
+                           "    global_batch = 64\n}\n")
+    with pytest.raises(parcompile.SpecError) as ref:
+        parcompile.compile(spec)
+    [want] = [d for d in ref.value.diagnostics if d.severity == "error"]
+    assert d.message.startswith("no layout passes the checks") and d.message.endswith(want.message)
+    assert (d.span.line, d.span.column, d.help) == (want.span.line, want.span.column, want.help)
+
+
 @pytest.mark.parametrize("auto", ["tp", "pp", "cp"])
 def test_a_search_that_varies_dp_needs_global_batch(tmp_path, auto):
     """With dp left out, each layout's dp fills the world, so the default global batch

@@ -130,6 +130,8 @@ FOUR_RANK = {
               dict(family="qwen2", dp=2, tp=2, pp=1, parallel="zero = 1", steps=3)),
     "gpt2": ("test_gpt2_bias_tied_learned_positions_zero3",
              dict(family="gpt2", dp=2, tp=1, pp=2, parallel="zero = 3", steps=3)),
+    "zero3_pp1": ("test_llama_zero3_pp1_evaluates",   # the output layer gathered per micro-batch
+                  dict(family="llama", dp=4, tp=1, pp=1, parallel="zero = 3", steps=3)),
     "llama_bf16": ("test_llama_bf16", dict(family="llama", dp=2, tp=2, pp=1, dtype="bf16", steps=3)),
     "sft": ("test_prompt_completion_loss_and_gradients_dp2_pp2_four_microbatches",
             dict(family="llama", dp=2, tp=1, pp=2, data="sft.jsonl", eval_data=None, steps=3,
@@ -272,6 +274,13 @@ def test_qwen2_qkv_bias_tied_zero1(assets, four_rank):
 @pytest.mark.torchrun
 def test_gpt2_bias_tied_learned_positions_zero3(assets, four_rank):
     _check_job(assets, "gpt2", four_rank=four_rank)
+
+
+@pytest.mark.torchrun
+def test_llama_zero3_pp1_evaluates(assets, four_rank):
+    # zero 3 with pp = 1 gathers the output layer per micro-batch; evaluation (no backward)
+    # used to free it after final_norm's forward, before the LM head read its weight
+    _check_job(assets, "zero3_pp1", four_rank=four_rank)
 
 
 @pytest.mark.torchrun

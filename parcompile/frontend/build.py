@@ -305,7 +305,7 @@ class _Values:
         return v.value
 
     def _enum(self, key: str, t: KeyType, v: ast.Value) -> Any:
-        allowed = or_list(t.choices, quote=True)
+        allowed = or_list(t.choices + (("auto",) if t.auto else ()), quote=True)   # `auto` for the search
         if t.list_choices and isinstance(v, ast.List):
             out = convert_module_list(self.bag, key, t.choices, t.list_choices, v)
             return _INVALID if out is None else out

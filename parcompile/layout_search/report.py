@@ -12,12 +12,20 @@ from parcompile.core.units import bytes_text
 from parcompile.diagnostics import Diagnostic
 from parcompile.layout_search.candidate import Candidate
 from parcompile.layout_search.rank import RETIME, SearchResult
+from parcompile.layout_search.space import check_layout, layouts, with_parallel
 
 
 def no_fit_diagnostic(res: SearchResult) -> Diagnostic:
     """The error when no candidate fits (SPEC: ``search`` exits 1)."""
 
     cfg = res.cfg
+    if res.valid == 0:   # every layout refused by a rule: say the first enumerated layout's first error
+        first = next(layouts(cfg), None)
+        errors = [d for d in check_layout(with_parallel(cfg, first)) if d.severity == "error"] if first else []
+        if errors:
+            e = errors[0]
+            return Diagnostic("error", f"no layout passes the checks ({res.enumerated} enumerated); the first: "
+                              f"{e.message}", e.span, help=e.help, note=e.note, code="does-not-fit")
     if res.closest is not None:
         c = res.closest
         help = (f"the smallest peak, {bytes_text(c.peak)} per GPU ({c.degrees_text()}), exceeds the "

@@ -52,10 +52,11 @@ def fail_together(ctx: ParallelContext, message: str | None, help: str | None = 
 def _stop(what: str, value: float, step: int, ctx: ParallelContext, last_checkpoint) -> TrainError:
     kept = (f"the newest checkpoint, {os.path.normpath(last_checkpoint)}, is kept" if last_checkpoint
             else "no checkpoint was saved")
+    resume = ("resume from the kept checkpoint: run again with the same checkpoint_dir" if last_checkpoint
+              else "set checkpoint_dir and checkpoint_every to keep checkpoints a run can resume from")
     return TrainError(f"step {step}: the {what} is {value}; training stopped before saving anything of this "
                       f"step ({kept})",
-                      "lower lr, set grad_clip, or use bf16 instead of fp16; resume from the kept checkpoint",
-                      ctx.rank)
+                      f"lower lr, lower grad_clip or use bf16 instead of fp16; {resume}", ctx.rank)
 
 
 def check_grad_norm(norm: float, step: int, ctx: ParallelContext, last_checkpoint=None) -> None:

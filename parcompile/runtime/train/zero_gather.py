@@ -365,7 +365,11 @@ class LayerGather:
                     for at in back:
                         self.of_pos_bwd.setdefault(at, []).append((part, b))
                     self.bwd_starts.setdefault(back[0], []).append((part, b))
-        self.emb = emb
+        self.emb, self.out = emb, out
+        #: the output layer's buckets kept after its forward without a backward (evaluation
+        #: under no_grad): the LM head reads its weight after ``final_norm``'s forward hook,
+        #: so they are freed at the next unit's forward instead
+        self.out_held = False
         self.prev: dict[tuple, tuple] = {}
         self.next: dict[tuple, tuple] = {}
         self.chunk_last: set[tuple] = set()
@@ -409,6 +413,9 @@ class LayerGather:
         if self._in_backward():   # recomputation: the unit's buckets are gathered for its backward
             self._gather(at, backward=True)
             return
+        if self.out_held:
+            self._release(self.ends.get(self.out, ()))
+            self.out_held = False
         if self.per_microbatch and self.prev.get(at) == self.emb:
             self._release(self.ends.get(self.emb, ()))
         self._gather(at)
@@ -423,6 +430,8 @@ class LayerGather:
         backward_follows = torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled()
         if at in self.chunk_last and backward_follows:   # kept for its backward, which follows at once
             out.register_hook(functools.partial(self._before_backward, at))
+        elif at == self.out:   # the head's matmul follows this hook: freed at the next forward
+            self.out_held = True
         else:
             self._release(self.ends.get(at, ()))
 
