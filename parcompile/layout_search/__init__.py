@@ -102,16 +102,21 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
 
     ``progress(done, total)`` is called now and then. With ``offload = auto`` the layouts
     are searched without offload first, then with each offload of :data:`OFFLOAD_ORDER`
-    only while none fits (:func:`offload_tries`). Raises :class:`SpecError` for a
-    model the compiler cannot lower (MoE, for now).
+    only while none fits (:func:`offload_tries`); when none fits with any, the result is
+    the last try the checker let any layout through (its ``closest`` names the smallest
+    peak), not an offload the spec's own keys refuse (as ``params`` beside ``zero = 0``).
+    Raises :class:`SpecError` for a model the compiler cannot lower (MoE, for now).
     """
 
     with paused_gc():
+        shown = None
         for tried in offload_tries(cfg):
             res = _search(tried, top, cross_node_tp, progress)
             if res.candidates:
-                break
-        return res
+                return res
+            if res.valid or shown is None:
+                shown = res
+        return shown
 
 
 #: what ``offload = auto`` tries, in order (SPEC `parallel.offload`): each only when no layout
