@@ -72,7 +72,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from parcompile.analysis.lora import is_lora
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.passes.manager import paused_gc
@@ -181,9 +180,9 @@ def _valid_families(cfg: SpecConfig, blocks: list[list[tuple]], progress: Callab
     indices per family (:func:`family_key`). The checker runs once per layout up to zero and
     recompute, once per block of rows, each check once per value of what it reads: those keys
     have no cross-field rules but with ``offload`` or HSDP (``dp_replicate > 1``), which need
-    ``zero`` >= 1, and LoRA, which refuses ``zero = 3`` (then once per zero stage of a block)."""
+    ``zero`` >= 1 (then once per zero stage of a block)."""
     checker = LayoutChecker(cfg)
-    per_zero = cfg.parallel.offload != "none" or cfg.parallel.dp_replicate > 1 or is_lora(cfg)
+    per_zero = cfg.parallel.offload != "none" or cfg.parallel.dp_replicate > 1
     checked: dict[tuple, bool] = {}
     families: dict[tuple, list[int]] = {}
     valid = i = 0
