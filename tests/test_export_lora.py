@@ -28,6 +28,7 @@ pinned from its source:
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 import sys
@@ -169,6 +170,28 @@ def test_vllm_serves_the_adapter(name, rank, tmp_path):
     assert all(x < plan.config.train.lora_rank for x in VLLM_0_33_0_MAX_LORA_RANKS if x < r)   # the smallest
     assert flags["--lora-modules"] == f"{name}={tmp_path}/out"   # cli_args.py: name=path
     assert int(flags["--max-model-len"]) == plan.config.model.seq_len
+
+
+def _vllm_lora_modules(item: str) -> tuple[str, str]:
+    """(name, path) as vLLM 0.33.0 reads one --lora-modules value (vllm/entrypoints/common/
+    cli_args.py LoRAParserAction: `name, path = item.split("=")` when the item has `=` and no
+    `,`, else json.loads into LoRAModulePath(name, path))."""
+    if "=" in item and "," not in item:
+        name, path = item.split("=")
+        return name, path
+    d = json.loads(item)
+    return d["name"], d["path"]
+
+
+@pytest.mark.parametrize("out", ["run=1/adapter", "a,b", 'q"uote $(x) =,'])
+def test_vllm_reads_back_an_adapter_path_with_its_separators(out, tmp_path):
+    """vLLM splits `name=path` at every `=`: a path holding `=` (or `,`) goes as the JSON
+    object; was `NAME=run=1/adapter`, which vLLM's parser fails on (ValueError)."""
+    hf_output = f"hf_output = {json.dumps(out)}"   # a spec string escapes as JSON's
+    text = LORA_SPECS["lora_attention"].replace("method = lora", f"method = lora\n    {hf_output}")
+    plan = parcompile.compile(text, "lora_attention.par")
+    _, flags, _ = _vllm(plan)
+    assert _vllm_lora_modules(flags["--lora-modules"]) == ("lora_attention", out)
 
 
 def test_vllm_serves_merged_weights_and_refuses_a_rank_it_cannot(tmp_path):

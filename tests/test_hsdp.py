@@ -172,3 +172,30 @@ def test_the_search_costs_hsdp_and_offload_as_the_compiler(keys):
     auto, _ = load_spec(text.replace("dp = 16", "tp = auto"))
     best = search(auto, top=1).best.parallel
     assert (best.dp_replicate, best.offload) == (cfg.parallel.dp_replicate, cfg.parallel.offload)
+
+
+
+@pytest.mark.parametrize("dp, key", [(1, "dp_replicate = 2"), (2, "dp_shard = 1")])
+def test_hsdp_in_a_serve_spec_is_one_warning_and_the_plan_is_built(dp, key):
+    """A serve spec has no states to shard: HSDP's keys are dropped with a warning at the
+    key written. Was: the warning, then dp_replicate kept beside the replica count, and for
+    dp_replicate = 2 of dp = 1 the shard-data-parallel pass's traceback (shard 0, replicate 2)."""
+    import parcompile
+
+    text = f"""model m from "llama3-8b" {{ seq_len = 4096 }}
+cluster c from "h100-sxm" {{ nodes = 1 }}
+parallel {{
+    tp = {8 // dp}
+    dp = {dp}
+    {key}
+}}
+serve {{
+    batch = 4
+    prompt_len = 128
+    max_new_tokens = 16
+}}
+"""
+    message, help, _ = one(text, key)
+    assert message.startswith("HSDP (dp_replicate, dp_shard) has no effect") and "remove" in help
+    plan = parcompile.compile(text)
+    assert plan.config.parallel.dp_replicate == 1 and plan.data["degrees"]["dp"] == dp

@@ -131,6 +131,24 @@ def test_a_rank_records_its_error_and_prints_nothing_under_the_launcher(tmp_path
     assert out == err == ""
 
 
+def test_an_error_file_that_cannot_be_written_leaves_the_ranks_line(tmp_path, monkeypatch, capfd):
+    """A rank whose error file cannot be written (its directory gone) says its own error
+    itself, under the launcher too, and exits 1: no traceback of the failed write (torch's
+    ErrorHandler also carries on after such a write)."""
+    from parcompile.runtime.distributed.failure import run_main
+    from parcompile.runtime.train.step import TrainError
+
+    def nan():
+        raise TrainError("step 2: the loss is nan; training stopped", "lower lr")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "gone" / "error.json"))
+    monkeypatch.setenv(LAUNCHER_ENV, str(tmp_path / "torchrun.log"))
+    with pytest.raises(SystemExit) as e:
+        run_main(nan, (TrainError,))
+    out, err = capfd.readouterr()
+    assert e.value.code == 1 and out == "" and err == "error: step 2: the loss is nan; training stopped (lower lr)\n"
+
+
 def _job_ranks(tag: str) -> dict[int, int]:
     """{global rank: pid} of the ranks whose environment holds ``tag`` (torch starts each
     rank in a session of its own; torchrun sets RANK and TORCHELASTIC_RUN_ID for it)."""

@@ -151,6 +151,20 @@ def test_offload_auto_offloads_the_optimizer_only_where_nothing_fits_without():
     assert search(small, top=3).best.parallel.offload == "none"
 
 
+def test_offload_auto_that_fits_nowhere_names_the_smallest_peak_not_a_refused_offload():
+    """`offload = auto` beside `zero = 0` where nothing fits: the checker refuses both
+    offloads (they need zero >= 1), so the no-fit error is the one without offload (its
+    smallest peak), as without `offload = auto`; was: the last try's (params, 0 valid),
+    "no layout passes the checks"."""
+    from parcompile.layout_search import no_fit_diagnostic
+
+    text = FULL_AUTO.replace("zero = auto", "zero = 0") % "    offload = auto\n"
+    without = no_fit_diagnostic(search(load_spec(text.replace("    offload = auto\n", ""))[0], top=3))
+    res = search(load_spec(text)[0], top=3)
+    assert not res.candidates and res.valid and res.closest is not None
+    assert no_fit_diagnostic(res).help == without.help and "smallest peak" in without.help
+
+
 @pytest.mark.parametrize("key", ["dp_replicate = auto", "dp_shard = auto"])
 def test_hsdp_auto_shards_inside_a_node_and_replicates_across(key):
     """ZeRO-3 over 4 nodes with `dp_replicate = auto` (or `dp_shard = auto`): the layouts

@@ -74,9 +74,17 @@ def offload_states(cfg, degrees: Mapping[str, int], sp, state: tuple[int, int, i
         return params, grads, opt, 0
     n = owned_elements(cfg, degrees, sp)   # fp32 gradient shard; an fp32 model's parameter copy too
     host = opt + 4 * n + (4 * n if cfg.model.dtype_bytes == 4 else 0)
-    if mode == "params":
-        return 0, grads, 0, host + params
-    return params, grads, 0, host
+    return (*kept_on_gpu(mode, state), host + (params if mode == "params" else 0))
+
+
+def kept_on_gpu(mode: str, state):
+    """``(params, grads, optimizer)`` of ``state`` (the GPU's states without offload) that stay
+    on the GPU under ``parallel.offload = mode``: the optimizer states go to host memory with
+    ``optimizer`` and ``params``, the parameter shards too with ``params``; the gradients stay.
+    The rule :func:`offload_states` and the search's memory bounds
+    (:mod:`parcompile.layout_search.bounds`) share."""
+    params, grads, opt = state
+    return (0 if mode == "params" else params), grads, (opt if mode == "none" else 0)
 
 
 @dataclass(frozen=True)
@@ -141,5 +149,5 @@ def offload_assumptions(cfg, degrees: Mapping[str, int], stage_params) -> dict:
                    "DeepSpeed ZeRO-Offload (Ren et al. 2021)"}}
 
 
-__all__ = ["OPTIMIZER_BYTES", "optimizer_step_bytes", "owned_elements", "offload_states", "OffloadTime",
+__all__ = ["OPTIMIZER_BYTES", "optimizer_step_bytes", "owned_elements", "offload_states", "kept_on_gpu", "OffloadTime",
            "offload_step_time", "host_per_node", "offload_assumptions"]

@@ -123,3 +123,9 @@ def py_name(name: str) -> str:
     """A Python identifier from a spec name (``llama3-8b`` -> ``llama3_8b``)."""
     out = "".join(c if c.isalnum() else "_" for c in name)
     return out if out and not out[0].isdigit() else f"spec_{out}"
+
+
+def py_kwargs(kw: dict) -> str:
+    """Keyword arguments as Python source, in ``kw``'s order (``rank=8, alpha=16.0``): what
+    the exported modules write inside a config class's call."""
+    return ", ".join(f"{k}={v!r}" for k, v in kw.items())

@@ -41,8 +41,8 @@ settings are their exporters'.
 - vLLM 0.33.0 serves the adapter on the frozen base model: ``--enable-lora``,
   ``--max-lora-rank`` (``vllm/config/lora.py`` ``MaxLoRARanks``: :data:`VLLM_MAX_LORA_RANKS`;
   the adapter's r rounded up to one of them) and ``--lora-modules name=path``
-  (``vllm/entrypoints/common/cli_args.py`` ``LoRAParserAction``: ``name=path`` without a
-  comma, else a JSON object); ``vllm/engine/arg_utils.py`` ``EngineArgs.add_cli_args``.
+  (``vllm/entrypoints/common/cli_args.py`` ``LoRAParserAction``: ``name=path`` split at its
+  ``=``, so only for a path without ``,`` or ``=``; else a JSON object); ``vllm/engine/arg_utils.py`` ``EngineArgs.add_cli_args``.
 - DeepSpeed 0.19's config has no LoRA: a DeepSpeed user wraps the model with Hugging Face
   PEFT (``peft.get_peft_model(model, LoraConfig(...))``) before ``deepspeed.initialize``, which
   then optimizes, offloads and shards only the adapters' states (its optimizer takes the
@@ -214,7 +214,9 @@ def vllm_lora_export(plan: Plan) -> Export:
                           f"{VLLM_MAX_LORA_RANKS[-1]} (--max-lora-rank)")
             rank = VLLM_MAX_LORA_RANKS[-1]
         name = re.sub(r"[^A-Za-z0-9._-]", "_", cfg.name)
-        module = f"{name}={out}" if "," not in out else json.dumps({"name": name, "path": out})
+        # LoRAParserAction: `name=path` is item.split("=") into two (a path with `=` or `,` would
+        # not be): the JSON object then
+        module = f"{name}={out}" if not {",", "="} & set(out) else json.dumps({"name": name, "path": out})
         lora = [("--enable-lora", None), ("--max-lora-rank", str(rank)), ("--lora-modules", module)]
         notes.append(f"LoRA: requests name the adapter as the model {name!r}; --max-lora-rank {rank} is the "
                      f"smallest vLLM allows at least lora_rank {t.lora_rank}")

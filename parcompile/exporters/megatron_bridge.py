@@ -4,7 +4,7 @@ returns the ``ConfigContainer``, the Megatron-LM arguments of
 
 from __future__ import annotations
 
-from parcompile.exporters.common import Export, layout_line, py_name
+from parcompile.exporters.common import Export, layout_line, py_kwargs, py_name
 from parcompile.exporters.lora import megatron_bridge_peft, megatron_bridge_pretrained
 from parcompile.exporters.megatron import megatron_args, megatron_env, megatron_errors
 from parcompile.exporters.model_keys import model_key_errors
@@ -188,7 +188,7 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
         notes.append("dtype fp32: no mixed-precision recipe (mixed_precision=None)")
     peft, lora_notes, lora_errors = megatron_bridge_peft(plan)   # LoRA: exporters/lora.py
     if peft is not None:
-        out["container"]["peft"] = _Code("CanonicalLoRA(" + ", ".join(f"{k}={v!r}" for k, v in peft.items()) + ")")
+        out["container"]["peft"] = _Code(f"CanonicalLoRA({py_kwargs(peft)})")
         out["checkpoint"]["pretrained_checkpoint"] = megatron_bridge_pretrained(plan)
     return out, notes + lora_notes, errors + lora_errors
 

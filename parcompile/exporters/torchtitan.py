@@ -11,7 +11,7 @@ from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.core.schedule import Schedule as PipelineSchedule
 from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, grad_reduce_dtype, layout_line, py_name,
-                                      reduces_over_dp, stage_split)
+                                      py_kwargs, reduces_over_dp, stage_split)
 from parcompile.exporters.lora import torchtitan_lora
 from parcompile.exporters.model_keys import model_key_errors
 from parcompile.exporters.offload_hsdp import torchtitan_offload, torchtitan_offload_errors
@@ -329,11 +329,6 @@ def _torchtitan3_model_lines(name: str, md: dict) -> list[str]:
     ]
 
 
-def _kwargs(kw: dict) -> str:
-    """Keyword arguments as Python source (``rank=8, alpha=16.0``)."""
-    return ", ".join(f"{k}={v!r}" for k, v in kw.items())
-
-
 def _torchtitan3_trainer_lines(name: str, fn: str, module: str, config: dict) -> list[str]:
     """The exported module's ``Trainer.Config`` function ``fn`` (module ``module``) from
     :func:`torchtitan_registry`'s ``config`` for spec ``name``."""
@@ -344,16 +339,15 @@ def _torchtitan3_trainer_lines(name: str, fn: str, module: str, config: dict) ->
         f"def {fn}() -> Trainer.Config:",
         f'    """`{name}` for torchtitan.train (--module {module} --config {fn})."""',
         "    model_spec = llama3.model_registry(FLAVOR" + ("" if config["lora"] is None else ", converters=["
-                                                      f"LoRAConverter.Config({_kwargs(config['lora'])})]") + ")",
+                                                      f"LoRAConverter.Config({py_kwargs(config['lora'])})]") + ")",
         "    return Trainer.Config(",
         "        model_spec=model_spec,",
         "        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size="
         f"{md['vocab_size']})),",
         "        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(",
         f"            pattern=r\".*\", optimizer_name={opt_name!r}, optimizer_kwargs={opt_kwargs!r})]),",
-        "        lr_scheduler=LRSchedulersContainer.Config(" + ", ".join(
-            f"{k}={v!r}" for k, v in config["lr_scheduler"].items()) + "),",
-        "        training=TrainingConfig(" + ", ".join(f"{k}={v!r}" for k, v in tr_.items()) + "),",
+        "        lr_scheduler=LRSchedulersContainer.Config(" + py_kwargs(config["lr_scheduler"]) + "),",
+        "        training=TrainingConfig(" + py_kwargs(tr_) + "),",
         "        parallelism=ParallelismConfig(",
     ]
     lines += [f"            {k}={v!r}," for k, v in pa.items()]

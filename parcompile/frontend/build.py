@@ -708,6 +708,11 @@ class _Builder:
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         resolve_dp_shard(values, self.ctx, searched=any(k != "dp" for k in auto))
+        if serve and values.get("dp_replicate", 1) != 1:   # dropped: HSDP's degrees of dp would not hold
+            del values["dp_replicate"]
+            self.bag.warning("HSDP (dp_replicate, dp_shard) has no effect: a `serve` spec has no states to shard",
+                             self.ctx.span("parallel.dp_replicate", "parallel.dp_shard"),
+                             help="remove `dp_replicate` and `dp_shard`")
         return self._make(ParallelConfig, "parallel", auto=tuple(sorted(auto)), **values) or ParallelConfig()
 
     def train(self) -> TrainConfig:

@@ -79,14 +79,10 @@ def resolve_dp_shard(values: dict, ctx: CheckContext, searched: bool = False) ->
 
 def check_data_parallel_mesh(cfg: SpecConfig, ctx: CheckContext) -> None:
     """``dp_replicate`` (HSDP, module docstring): divides ``dp``; needs ``zero`` >= 1 and a
-    model without experts; has no effect in a `serve` spec (a warning)."""
+    model without experts (a `serve` spec has none: the builder drops it with a warning)."""
     p = cfg.parallel
     key = "parallel.dp_replicate"
     if p.dp_replicate == 1 or not ctx.ok(key, "parallel.dp_shard", "parallel.dp"):
-        return
-    if cfg.workload == "serve":
-        ctx.bag.warning(f"dp_replicate = {p.dp_replicate} has no effect: a `serve` spec has no states to shard",
-                        ctx.span(key, "parallel.dp_shard"), help="remove `dp_replicate`")
         return
     if p.dp % p.dp_replicate:
         ctx.bag.error(f"dp_replicate = {p.dp_replicate} does not divide dp = {p.dp}", ctx.span(key),

@@ -72,7 +72,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from parcompile.analysis.lora import is_lora
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.passes.manager import paused_gc
@@ -102,16 +101,21 @@ def search(cfg: SpecConfig, top: int = 10, cross_node_tp: bool = False,
 
     ``progress(done, total)`` is called now and then. With ``offload = auto`` the layouts
     are searched without offload first, then with each offload of :data:`OFFLOAD_ORDER`
-    only while none fits (:func:`offload_tries`). Raises :class:`SpecError` for a
-    model the compiler cannot lower (MoE, for now).
+    only while none fits (:func:`offload_tries`); when none fits with any, the result is
+    the last try the checker let any layout through (its ``closest`` names the smallest
+    peak), not an offload the spec's own keys refuse (as ``params`` beside ``zero = 0``).
+    Raises :class:`SpecError` for a model the compiler cannot lower (MoE, for now).
     """
 
     with paused_gc():
+        shown = None
         for tried in offload_tries(cfg):
             res = _search(tried, top, cross_node_tp, progress)
             if res.candidates:
-                break
-        return res
+                return res
+            if res.valid or shown is None:
+                shown = res
+        return shown
 
 
 #: what ``offload = auto`` tries, in order (SPEC `parallel.offload`): each only when no layout
@@ -176,9 +180,9 @@ def _valid_families(cfg: SpecConfig, blocks: list[list[tuple]], progress: Callab
     indices per family (:func:`family_key`). The checker runs once per layout up to zero and
     recompute, once per block of rows, each check once per value of what it reads: those keys
     have no cross-field rules but with ``offload`` or HSDP (``dp_replicate > 1``), which need
-    ``zero`` >= 1, and LoRA, which refuses ``zero = 3`` (then once per zero stage of a block)."""
+    ``zero`` >= 1 (then once per zero stage of a block)."""
     checker = LayoutChecker(cfg)
-    per_zero = cfg.parallel.offload != "none" or cfg.parallel.dp_replicate > 1 or is_lora(cfg)
+    per_zero = cfg.parallel.offload != "none" or cfg.parallel.dp_replicate > 1
     checked: dict[tuple, bool] = {}
     families: dict[tuple, list[int]] = {}
     valid = i = 0

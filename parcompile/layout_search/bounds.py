@@ -16,6 +16,7 @@ from parcompile.analysis.estimate import (ChunkTimes, closed_form_span, dp_expos
                                           grad_element_bytes, optimizer_time, step_sums)
 from parcompile.analysis.lora import is_lora
 from parcompile.analysis.memory import buffer_total, closed_form_in_flight, state_bytes
+from parcompile.analysis.offload import kept_on_gpu
 from parcompile.analysis.params import StageParams
 from parcompile.config.schema import ParallelConfig, SpecConfig
 from parcompile.core.data_parallel import DataParallelSharding, data_parallel_sharding
@@ -610,7 +611,7 @@ class MemoryFloors:
         :func:`~parcompile.analysis.memory.stage_state_bytes` (:func:`state_bytes`) with exact
         division. With LoRA (:func:`~parcompile.analysis.lora.frozen_param_bytes`) the frozen
         weights alone (the adapters' states are not negative); with ``offload``
-        (:func:`~parcompile.analysis.offload.offload_states`) without what goes to host memory
+        (:func:`~parcompile.analysis.offload.kept_on_gpu`) without what goes to host memory
         (the optimizer states; with ``params`` the parameters too)."""
         cfg = self.cfg
         if is_lora(cfg):
@@ -619,8 +620,7 @@ class MemoryFloors:
             params, grads, opt = state_bytes(n, cfg.model.dtype_bytes, dps, cfg.train.optimizer, shard=shard,
                                              fsdp2=engine(cfg.cluster).fsdp2_state_bytes,
                                              grad_bytes=grad_element_bytes(cfg, dps))
-        offload = cfg.parallel.offload
-        return (0 if offload == "params" else params) + grads + (0 if offload != "none" else opt)
+        return sum(kept_on_gpu(cfg.parallel.offload, (params, grads, opt)))
 
     def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
         """The model states (bytes) of the first pipeline rank holding ``n`` layers, of

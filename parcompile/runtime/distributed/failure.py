@@ -33,18 +33,22 @@ def run_main(main: Callable[[], object], explained: tuple[type[BaseException], .
     says what went wrong and how to fix it, as ``TrainError``) is written to this rank's
     error file as a plain message (torch's string form: ``{"message": str, "timestamp":
     int}``) and, unless :data:`~parcompile.core.process.LAUNCHER_ENV` says the launcher
-    reports it, printed as ``error: MESSAGE`` where ``speaks(e)``; any other exception is
-    recorded with its traceback (torch's ``ErrorHandler.record_exception``, what
-    ``@record`` does) and raised again, or, under the launcher, only recorded. Either way
-    the process then exits with status 1 (the exception raised again: Python's 1)."""
+    reports it (and the file could be written), printed as ``error: MESSAGE`` where
+    ``speaks(e)``; any other exception is recorded with its traceback (torch's
+    ``ErrorHandler.record_exception``, what ``@record`` does) and raised again, or, under
+    the launcher, only recorded. Either way the process then exits with status 1 (the
+    exception raised again: Python's 1)."""
     quiet = bool(os.environ.get(LAUNCHER_ENV)) and _error_file() is not None
     try:
         main()
     except explained as e:
         path = _error_file()
-        if path:
-            with open(path, "w") as f:
-                json.dump({"message": str(e), "timestamp": int(time.time())}, f)
+        try:
+            if path:
+                with open(path, "w") as f:
+                    json.dump({"message": str(e), "timestamp": int(time.time())}, f)
+        except OSError:   # as torch's ErrorHandler: not recorded, so said here, launcher or not
+            quiet = False
         if not quiet and speaks(e):
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
