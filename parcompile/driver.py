@@ -216,12 +216,13 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
         "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
     }
     if cfg.workload == "train":
-        # the gradient buckets of each stage (analysis/buckets.py) and how much of their
-        # reduction the backward hides (analysis/estimate.py: grad_overlap)
+        # the gradient buckets of each stage's trained parameters (analysis/buckets.py; with
+        # LoRA the adapters', cost.trained) and how much of their reduction the backward
+        # hides (analysis/estimate.py: grad_overlap, timed on the same buckets)
         comm_section["grad_buckets"] = {
             "bucket_size": par.bucket_size,
             "reduce_dtype": par.reduce_dtype,
-            "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in params.per_stage],
+            "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in cost.trained],
         }
         estimate["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]
     extra: dict[str, Any] = {}

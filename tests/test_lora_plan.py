@@ -142,3 +142,21 @@ def test_zero3_shards_frozen_weights_by_hand():
         rs = [c for c in lora3.data["comm"]["collectives"] if c["stage"] == s and c["op"] == "reduce_scatter"
               and c["axis"] == "dp_cp"]
         assert [c["bytes"] for c in rs] == [4 * half]
+
+
+def test_grad_buckets_hold_the_adapters_only():
+    """plan.json's ``comm.grad_buckets`` and report.md's gradient-reduction table list the
+    buckets of the gradients that are reduced: the adapters' (by hand from the model's shapes,
+    as in test_tiny_memory_by_hand), not the frozen model's (issue 49: the table showed the
+    whole model's fp32 gradients). The estimate's reduction times them with the same count."""
+    full, lora = _plans()
+    h, kv, f, layers, r, tp = 64, 32, 128, 2, 16, 2
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    adapters = layers * sum(r * (o + i) for o, i in linears) // tp     # per rank of a stage
+    for row in lora.data["comm"]["grad_buckets"]["per_stage"]:
+        assert sum(b["elements"] for b in row["dense"]) == adapters and not row["expert"]
+        assert all(u.startswith("layers.") for b in row["dense"] for u in b["units"])
+    red = {g["stage"]: g["buckets"] for g in lora.data["estimate"]["grad_reduction"]}
+    assert red == {row["stage"]: len(row["dense"]) for row in lora.data["comm"]["grad_buckets"]["per_stage"]}
+    full_sizes = [sum(b["elements"] for b in row["dense"]) for row in full.data["comm"]["grad_buckets"]["per_stage"]]
+    assert full_sizes == [st["params_per_rank"] for st in full.data["stages"]]   # full training: the whole model
