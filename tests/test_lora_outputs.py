@@ -109,3 +109,28 @@ def test_adapter_names_its_base_model(assets):  # noqa: F811
     adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(out))
     torch.testing.assert_close(adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight,
                                state["layers.0.attn.wq.lora_A.weight"])
+
+
+@pytest.mark.torchrun
+def test_run_says_whole_model_counts_and_peft_adapter(assets):  # noqa: F811
+    """`parcompile run` of a LoRA spec: the start-up line gives the whole model's frozen and
+    trainable (adapter) parameters, the same under zero 3 (dp 4) and tp 2 x pp 2, equal to
+    transformers' and PEFT's own counts of the base and its adapters; the final lines name
+    hf_output a PEFT adapter (issue 49: per-rank counts that differed by layout, and
+    "Hugging Face" for an adapter)."""
+    import subprocess
+    import sys
+
+    base = _base(assets)
+    frozen = base.num_parameters()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    trainable, _ = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=targets)).get_nb_trainable_parameters()
+    want = f"model built: {frozen:,} frozen parameters and {trainable:,} trainable (the LoRA adapters) in the whole model"
+    for name, kw in (("lora_z3", dict(dp=4, tp=1, pp=1, parallel="zero = 3")), ("lora_tp2pp2", dict(dp=1, tp=2, pp=2))):
+        spec = _spec(assets, name, "llama", steps=1, eval_data=None, train="method = lora, lora_rank = 8", **kw)
+        run = subprocess.run([sys.executable, "-m", "parcompile", "run", str(spec)], capture_output=True, text=True,
+                             timeout=600, cwd=assets)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert want in run.stdout, (name, [ln for ln in run.stdout.splitlines() if "model built" in ln])
+        ends = run.stdout[run.stdout.index("done: "):]
+        assert f"PEFT adapter  {assets / f'out_{name}'}" in ends and "Hugging Face" not in ends, ends
