@@ -546,7 +546,7 @@ def cmd_export_weights(args) -> int:
         run = run_identity(json.loads(plan.to_json()), root, step)
         if cfg.train.method == "lora":   # the checkpoint holds the adapters: a PEFT adapter
             write_lora_output(read_dcp_global(args.ckpt_dir), cfg.model, args.output,
-                              {**lora_settings(cfg), "merge": False}, files, generation_config=generation, run=run,
+                              {**lora_settings(cfg), "merge": False, "base": cfg.train.init_from}, files, generation_config=generation, run=run,
                               force=args.force)
         else:
             export_weights(args.ckpt_dir, cfg.model, args.output, files, generation_config=generation, run=run,

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from parcompile.analysis.buckets import buckets_to_dict
 from parcompile.analysis.cost import CostReport
+from parcompile.analysis.lora import adapter_params, is_lora
 from parcompile.analysis.offload import host_per_node
 from parcompile.analysis.serve import (ServeReport, fit_advice, prefill_config, running_limit, running_tokens,
                                       serve_report)
@@ -51,11 +52,12 @@ from parcompile.core.version import version
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.frontend import check_source, check_spec, parse_spec
 from parcompile.core.groups import stage_ranks
+from parcompile.core.lora import targeted
 from parcompile.passes.manager import compile_graph, paused_gc
 from parcompile.passes.schedule_pipeline import ScheduleReport
 from parcompile.plan import FORMAT, Plan
-from parcompile.plan_schema import (Comm, Compute, Degrees, Estimate, Memory, Model, PlanJSON, Schedule, Search,
-                                    Serve, Stage, StageMemory, plan_dict)
+from parcompile.plan_schema import (Comm, Compute, Degrees, Estimate, Lora, Memory, Model, PlanJSON, Schedule,
+                                    Search, Serve, Stage, StageMemory, Train, plan_dict)
 from parcompile.layout_search import check_layout, needs_search, resolve, settle_split
 from parcompile.layout_search.serve import needs_serve_search, resolve_serve
 
@@ -216,15 +218,16 @@ def plan_data(cfg: SpecConfig, chunks: Sequence[Sequence[int]], sched: ScheduleR
         "assumptions": ({**time.assumptions, "moe_routing": MOE_ROUTING} if model.experts else time.assumptions),
     }
     if cfg.workload == "train":
-        # the gradient buckets of each stage (analysis/buckets.py) and how much of their
-        # reduction the backward hides (analysis/estimate.py: grad_overlap)
+        # the gradient buckets of each stage's trained parameters (analysis/buckets.py; with
+        # LoRA the adapters', cost.trained) and how much of their reduction the backward
+        # hides (analysis/estimate.py: grad_overlap, timed on the same buckets)
         comm_section["grad_buckets"] = {
             "bucket_size": par.bucket_size,
             "reduce_dtype": par.reduce_dtype,
-            "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in params.per_stage],
+            "per_stage": [buckets_to_dict(sp, par.bucket_size) for sp in cost.trained],
         }
         estimate["grad_reduction"] = [g.to_dict() for g in time.grad_reduction]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"train": _train_section(cfg, params)} if cfg.workload == "train" else {}
     if serve is not None:
         extra["serve"] = Serve(**serve.to_dict())
         assert extra["serve"].kv_bytes_per_token == max(cost.kv_bytes_per_token)
@@ -288,6 +291,19 @@ def _model_section(cfg: SpecConfig, params) -> Model:
         kv_heads=model.kv_heads, head_dim=model.head_dim, ffn_hidden=model.ffn_hidden,
         vocab=model.vocab, seq_len=model.seq_len, dtype=model.dtype,
         tie_embeddings=model.tie_embeddings)
+
+
+def _train_section(cfg: SpecConfig, params) -> Train:
+    """plan.json's ``train``: the method, and the whole model's trainable and frozen
+    parameters (LoRA: the adapters, :func:`parcompile.analysis.lora.adapter_params`, and the
+    base model's ``params``)."""
+    if not is_lora(cfg):
+        return Train(method="full", trainable_params=params.params, frozen_params=0)
+    t = cfg.train
+    lins = targeted(cfg.model, t.lora_targets)
+    return Train(method="lora", trainable_params=adapter_params(cfg), frozen_params=params.params,
+                 lora=Lora(rank=t.lora_rank, alpha=t.lora_alpha, dropout=t.lora_dropout, adapted_linears=len(lins),
+                           targets=list(dict.fromkeys(lin.hf_leaf for lin in lins))))
 
 
 def _memory_section(cfg: SpecConfig, memory) -> Memory:

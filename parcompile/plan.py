@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from parcompile.codegen.k8s import K8sOptions
     from parcompile.passes.results import PassResults
 from parcompile.plan_schema import (Comm, Compute, Estimate, Groups, Memory, Model, PlanJSON, Schedule, Serve,
-                                    Stage, validate_plan)
+                                    Stage, Train, validate_plan)
 
 FORMAT = "parcompile.plan/1"
 
@@ -148,6 +148,12 @@ class Plan:
     def estimate(self) -> Estimate:
         """plan.json ``estimate`` (``plan.estimate.step_time``: seconds; ``.mfu``)."""
         return self.typed.estimate
+
+    @property
+    def train(self) -> Optional[Train]:
+        """plan.json ``train`` (training specs; None for serving): ``plan.train.method``,
+        ``.trainable_params`` against ``.frozen_params`` (whole model), ``.lora`` (LoRA)."""
+        return self.typed.train
 
     @property
     def serve(self) -> Optional[Serve]:
@@ -437,13 +443,26 @@ def _layout_report(d: dict[str, Any]) -> list[str]:
             f"{mdl['params']:,} parameters ({mdl['active_params']:,} active), padded vocabulary "
             f"{mdl['padded_vocab']:,}, {mdl['kv_heads_per_rank']} kv heads per rank"
             + (f" (each kv head replicated on {mdl['kv_head_replicas']} ranks of its tp group)"
-               if mdl.get("kv_head_replicas", 1) > 1 else "") + ".", ""]
+               if mdl.get("kv_head_replicas", 1) > 1 else "") + ".", ""] + _train_report(d)
     out += ["## Stages", "", "| stage | layers | ranks | params/rank |", "|---|---|---|---|"]
     for s in d["stages"]:
         layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
         ranks = _groups_line([s["ranks"]], 1) if len(s["ranks"]) <= 8 else f"{len(s['ranks'])} ranks"
         out.append(f"| {s['index']} | {layers} | {ranks} | {s['params_per_rank']:,} |")
     return out
+
+
+def _train_report(d: dict[str, Any]) -> list[str]:
+    """What the run trains (plan.json ``train``): under LoRA the adapters' settings and the
+    trainable (adapter) against frozen parameters; empty for a full fine-tune or a serve plan."""
+    tr = d.get("train")
+    if not tr or tr["method"] != "lora":
+        return []
+    lo = tr["lora"]
+    return [f"LoRA: rank {lo['rank']}, alpha {lo['alpha']:g}, dropout {lo['dropout']:g}, adapters on "
+            f"{', '.join(lo['targets'])} ({lo['adapted_linears']:,} linears); {tr['trainable_params']:,} trainable "
+            f"parameters (the adapters, {tr['trainable_params'] / tr['frozen_params']:.2%} of the base), "
+            f"{tr['frozen_params']:,} frozen.", ""]
 
 
 def _host_memory_report(d: dict[str, Any]) -> list[str]:

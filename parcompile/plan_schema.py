@@ -508,6 +508,28 @@ class Serve(_Strict):
     breakdown: dict[str, float]
 
 
+class Lora(_Strict):
+    """``train.lora`` (extension, ``train.method = lora`` only): the adapters' settings."""
+
+    rank: int = Field(ge=1, description="lora_rank: r, the inner width of A (r, in) and B (out, r)")
+    alpha: float = Field(description="lora_alpha: the adapter's output is scaled by alpha / r")
+    dropout: float = Field(ge=0, lt=1, description="lora_dropout: on the adapter's input")
+    targets: list[str] = Field(description="the adapted linears' Hugging Face module names (PEFT's "
+                               "target_modules), in layer order")
+    adapted_linears: int = Field(ge=1, description="linear layers of the whole model that carry an adapter")
+
+
+class Train(_Strict):
+    """``train`` (extension, training plans only): what the run trains. Counts are of the
+    whole model (all ranks together, no padding), not per rank."""
+
+    method: Literal["full", "lora"] = Field(description="train.method")
+    trainable_params: int = Field(ge=0, description="parameters with gradients and optimizer states: the whole "
+                                  "model (full), the adapters' A and B (lora)")
+    frozen_params: int = Field(ge=0, description="parameters without gradients: the base model under lora, 0 full")
+    lora: Optional[Lora] = Field(default=None, description="method = lora only")
+
+
 class Search(_Strict):
     """``search`` (extension, specs with ``auto`` layout keys only): the search that chose
     the layout (:func:`parcompile.layout_search.resolve`)."""
@@ -540,6 +562,7 @@ class PlanJSON(_Strict):
     comm: Comm
     compute: Compute
     estimate: Estimate
+    train: Optional[Train] = Field(default=None, description="training specs only (extension)")
     serve: Optional[Serve] = Field(default=None, description="serve specs only")
     search: Optional[Search] = Field(default=None, description="specs with `auto` layout keys only (extension)")
 

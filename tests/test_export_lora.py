@@ -148,6 +148,34 @@ def test_torchtitan_refuses_what_its_lora_cannot_train():
                                                                      "0.2").errors)
 
 
+def test_megatron_bridge_recipe_speaks_bridge():
+    """The recipe's docstring says what it is built from without pointing at `export --to
+    megatron` for the arguments (that export refuses LoRA), and its notes name the
+    ConfigContainer fields the recipe sets, not pretrain_gpt.py flags (issue 49: 'exported
+    as --use-torch-fsdp2' in a Python recipe); the field named is one the recipe sets."""
+    import re
+
+    from parcompile.exporters.megatron_bridge import MEGATRON_BRIDGE_FIELDS
+
+    plan = parcompile.compile(spec(parallel={"dp": "8", "tp": "1", "pp": "1", "zero": "3"},
+                                   train={"method": "lora", "lora_targets": ALL}), "lora_zero3.par")
+    ex = export(plan, "megatron-bridge")
+    assert ex.errors == [], ex.errors
+    doc = ast.get_docstring(ast.parse(ex.text))
+    assert "from the arguments of" not in doc and "CanonicalLoRA" in doc
+    flags = {f for f in re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", doc) if MEGATRON_BRIDGE_FIELDS.get(f)}
+    assert not flags, flags
+    assert "zero 3: exported as dist.use_torch_fsdp2" in doc
+    assert _bridge_container(ex.text)["dist"]["use_torch_fsdp2"] is True
+
+
+def test_vllm_note_says_the_rank_rule():
+    text = LORA_SPECS["lora_attention_dropout"].replace("method = lora", 'method = lora\n    hf_output = "out"')
+    ex = export(parcompile.compile(text, "lora_attention_dropout.par"), "vllm")
+    assert any("--max-lora-rank 16: vLLM's smallest allowed max-lora-rank at or above lora_rank 12" in n
+               for n in ex.notes), ex.notes
+
+
 def _vllm(plan):
     ex = export(plan, "vllm")
     (command,) = serve_commands(ex.text)

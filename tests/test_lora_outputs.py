@@ -40,6 +40,10 @@ def test_lora_tp2_pp2_adapter_loads_in_peft_and_merged_in_transformers(assets): 
                                                        "up_proj", "down_proj"])
     adapted = peft.PeftModel.from_pretrained(_base(assets), str(out / "adapter")).eval()
     assert evals[1] == pytest.approx(_eval_loss(adapted, cfg), abs=1e-5)
+    # the adapter names its base (init_from): PEFT's AutoPeftModel loads the base from it alone
+    assert peft.PeftConfig.from_pretrained(str(out / "adapter")).base_model_name_or_path == str(assets / "llama")
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(out / "adapter"), dtype=torch.float32).eval()
+    assert evals[1] == pytest.approx(_eval_loss(auto, cfg), abs=1e-5)
     # the merged weights, as any Hugging Face checkpoint
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert evals[1] == pytest.approx(_eval_loss(merged, cfg), abs=1e-5)
@@ -81,3 +85,52 @@ def test_adapter_without_merge_is_peft_save_pretrained(tmp_path):
     delta = merged(state, lora)["layers.1.attn.wq.weight"] - state["layers.1.attn.wq.weight"]
     torch.testing.assert_close(lin(h) - lin.base_layer(h), h @ delta.T, atol=1e-5, rtol=1e-5)
     assert adapted(input_ids=x).logits.shape == (1, 8, 64)
+
+
+def test_adapter_names_its_base_model(assets):  # noqa: F811
+    """adapter_config.json's ``base_model_name_or_path`` is the spec's ``init_from``, the
+    directory the run loaded (what PEFT's save_pretrained writes: the path the base was
+    loaded from), so that PEFT's
+    own PeftConfig reads it and AutoPeftModelForCausalLM loads the base from it alone
+    (issue 49: it was null)."""
+    import parcompile
+    from parcompile.core.lora import lora_settings
+    from parcompile.runtime.state.peft_export import write_lora_output
+
+    plan = parcompile.compile(_spec(assets, "lora_base", "llama", dp=1, tp=1, pp=1, train="method = lora"))
+    lora = lora_settings(plan.config)
+    r, h = lora["rank"], plan.config.model.hidden
+    state = {"layers.0.attn.wq.weight": torch.zeros(h, h), "layers.0.attn.wq.lora_A.weight": torch.randn(r, h),
+             "layers.0.attn.wq.lora_B.weight": torch.randn(h, r)}
+    # as export-weights passes it (the program passes the directory its INIT_FROM resolves to)
+    out = write_lora_output(state, plan.config.model, assets / "out_lora_base",
+                            {**lora, "merge": False, "base": plan.config.train.init_from})
+    assert peft.PeftConfig.from_pretrained(str(out)).base_model_name_or_path == str(assets / "llama")
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight,
+                               state["layers.0.attn.wq.lora_A.weight"])
+
+
+@pytest.mark.torchrun
+def test_run_says_whole_model_counts_and_peft_adapter(assets):  # noqa: F811
+    """`parcompile run` of a LoRA spec: the start-up line gives the whole model's frozen and
+    trainable (adapter) parameters, the same under zero 3 (dp 4) and tp 2 x pp 2, equal to
+    transformers' and PEFT's own counts of the base and its adapters; the final lines name
+    hf_output a PEFT adapter (issue 49: per-rank counts that differed by layout, and
+    "Hugging Face" for an adapter)."""
+    import subprocess
+    import sys
+
+    base = _base(assets)
+    frozen = base.num_parameters()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    trainable, _ = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=targets)).get_nb_trainable_parameters()
+    want = f"model built: {frozen:,} frozen parameters and {trainable:,} trainable (the LoRA adapters) in the whole model"
+    for name, kw in (("lora_z3", dict(dp=4, tp=1, pp=1, parallel="zero = 3")), ("lora_tp2pp2", dict(dp=1, tp=2, pp=2))):
+        spec = _spec(assets, name, "llama", steps=1, eval_data=None, train="method = lora, lora_rank = 8", **kw)
+        run = subprocess.run([sys.executable, "-m", "parcompile", "run", str(spec)], capture_output=True, text=True,
+                             timeout=600, cwd=assets)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert want in run.stdout, (name, [ln for ln in run.stdout.splitlines() if "model built" in ln])
+        ends = run.stdout[run.stdout.index("done: "):]
+        assert f"PEFT adapter  {assets / f'out_{name}'}" in ends and "Hugging Face" not in ends, ends

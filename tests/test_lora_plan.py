@@ -142,3 +142,48 @@ def test_zero3_shards_frozen_weights_by_hand():
         rs = [c for c in lora3.data["comm"]["collectives"] if c["stage"] == s and c["op"] == "reduce_scatter"
               and c["axis"] == "dp_cp"]
         assert [c["bytes"] for c in rs] == [4 * half]
+
+
+def test_grad_buckets_hold_the_adapters_only():
+    """plan.json's ``comm.grad_buckets`` and report.md's gradient-reduction table list the
+    buckets of the gradients that are reduced: the adapters' (by hand from the model's shapes,
+    as in test_tiny_memory_by_hand), not the frozen model's (issue 49: the table showed the
+    whole model's fp32 gradients). The estimate's reduction times them with the same count."""
+    full, lora = _plans()
+    h, kv, f, layers, r, tp = 64, 32, 128, 2, 16, 2
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    adapters = layers * sum(r * (o + i) for o, i in linears) // tp     # per rank of a stage
+    for row in lora.data["comm"]["grad_buckets"]["per_stage"]:
+        assert sum(b["elements"] for b in row["dense"]) == adapters and not row["expert"]
+        assert all(u.startswith("layers.") for b in row["dense"] for u in b["units"])
+    red = {g["stage"]: g["buckets"] for g in lora.data["estimate"]["grad_reduction"]}
+    assert red == {row["stage"]: len(row["dense"]) for row in lora.data["comm"]["grad_buckets"]["per_stage"]}
+    full_sizes = [sum(b["elements"] for b in row["dense"]) for row in full.data["comm"]["grad_buckets"]["per_stage"]]
+    assert full_sizes == [st["params_per_rank"] for st in full.data["stages"]]   # full training: the whole model
+
+
+def test_plan_says_it_is_lora():
+    """plan.json's ``train``, report.md and the HTML report say the method, the adapters'
+    settings and the whole model's trainable (adapter) against frozen parameters, the
+    adapters counted by hand from the model's shapes (issue 49: the plan never said LoRA)."""
+    import html
+    import re
+
+    full, lora = _plans()
+    h, kv, f, layers, r = 64, 32, 128, 4, 16
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    adapters = layers * sum(r * (o + i) for o, i in linears)                # the whole model, unsplit
+    assert full.data["train"] == {"method": "full", "trainable_params": full.data["model"]["params"],
+                                  "frozen_params": 0}
+    tr = lora.data["train"]
+    assert (tr["method"], tr["trainable_params"], tr["frozen_params"]) == ("lora", adapters,
+                                                                           full.data["model"]["params"])
+    assert tr["lora"] == {"rank": 16, "alpha": 32.0, "dropout": 0.0, "adapted_linears": layers * len(linears),
+                          "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    text = lora.report_md()
+    assert (f"LoRA: rank 16, alpha 32, dropout 0, adapters on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+            f"down_proj ({layers * len(linears)} linears); {adapters:,} trainable parameters") in text
+    assert f"{full.data['model']['params']:,} frozen" in text and "LoRA" not in full.report_md()
+    cells = {k: v for k, v in re.findall(r'data-key="(train\.[a-z_.]+)" data-value="([^"]*)"', lora.report_html())}
+    assert int(cells["train.trainable_params"]) == adapters and html.unescape(cells["train.method"]) == '"lora"'
+    assert int(cells["train.frozen_params"]) == full.data["model"]["params"]

@@ -23,7 +23,7 @@ from parcompile.analysis.estimate import TimeReport, estimate
 from parcompile.ir.fp8 import enabled as fp8_enabled
 from parcompile.analysis.memory import MemoryReport, memory_report
 from parcompile.analysis.lora import frozen_backward, lora_step_flops, trainable, with_adapter_collectives
-from parcompile.analysis.params import ParamReport, param_report
+from parcompile.analysis.params import ParamReport, StageParams, param_report
 from parcompile.core.attention import attention_engine
 from parcompile.core.groups import rank_groups
 from parcompile.core.heads import kv_heads_replicated
@@ -41,6 +41,10 @@ class CostReport:
     memory: MemoryReport
     time: TimeReport
     kv_bytes_per_token: list[int]
+    #: the parameters of one rank of each stage that have gradients
+    #: (:func:`~parcompile.analysis.lora.trainable`: with LoRA the adapters only), what the
+    #: gradient buckets, their reduction and the optimizer cover
+    trained: tuple[StageParams, ...]
 
 
 def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=None,
@@ -71,4 +75,4 @@ def analyze(cfg, graph: Graph, degrees, chunks: Sequence[Sequence[int]], sched=N
     memory = memory_report(graph, cfg, degrees, params.per_stage, in_flight, kv_seq)
     trained = tuple(trainable(cfg, degrees, sp) for sp in params.per_stage)   # LoRA: the adapters
     time = estimate(cfg, degrees, groups, sched, comm, compute.model_flops_per_step, compute, trained)
-    return CostReport(groups, params, compute, comm, memory, time, kv_tok)
+    return CostReport(groups, params, compute, comm, memory, time, kv_tok, trained)

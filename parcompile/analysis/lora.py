@@ -59,6 +59,12 @@ def layer_adapter_elements(cfg, tp: int) -> dict[int, int]:
     return {layer: sum(lin.adapter_elements(r, tp) for lin in lins) for layer, lins in adapters_by_layer(cfg).items()}
 
 
+def adapter_params(cfg) -> int:
+    """Adapter elements (A and B of every targeted linear) of the whole model, all ranks
+    together: :func:`layer_adapter_elements` at tp 1; 0 without LoRA."""
+    return sum(layer_adapter_elements(cfg, 1).values()) if is_lora(cfg) else 0
+
+
 def trainable(cfg, degrees: Mapping[str, int], sp: StageParams) -> StageParams:
     """The parameters of one rank of a stage that have gradients: ``sp`` itself without
     LoRA; with it the adapters only, one gradient unit per decoder layer (what the

@@ -218,8 +218,8 @@ def vllm_lora_export(plan: Plan) -> Export:
         # not be): the JSON object then
         module = f"{name}={out}" if not {",", "="} & set(out) else json.dumps({"name": name, "path": out})
         lora = [("--enable-lora", None), ("--max-lora-rank", str(rank)), ("--lora-modules", module)]
-        notes.append(f"LoRA: requests name the adapter as the model {name!r}; --max-lora-rank {rank} is the "
-                     f"smallest vLLM allows at least lora_rank {t.lora_rank}")
+        notes.append(f"LoRA: requests name the adapter as the model {name!r}; --max-lora-rank {rank}: vLLM's "
+                     f"smallest allowed max-lora-rank at or above lora_rank {t.lora_rank}")
     notes.append("layout: a training spec plans no server; plan one with a serve spec (weights = the base model) "
                  "and add these flags to its export")
     args = lora + [("--max-model-len", str(m.seq_len)), ("--dtype", SERVE_DTYPE[m.dtype]), ("--seed", str(t.seed))]

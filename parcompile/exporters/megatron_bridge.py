@@ -4,6 +4,8 @@ returns the ``ConfigContainer``, the Megatron-LM arguments of
 
 from __future__ import annotations
 
+import re
+
 from parcompile.exporters.common import Export, layout_line, py_kwargs, py_name
 from parcompile.exporters.lora import megatron_bridge_peft, megatron_bridge_pretrained
 from parcompile.exporters.megatron import megatron_args, megatron_env, megatron_errors
@@ -190,7 +192,19 @@ def megatron_bridge_config(plan: Plan) -> tuple[dict[str, dict[str, object]], li
     if peft is not None:
         out["container"]["peft"] = _Code(f"CanonicalLoRA({py_kwargs(peft)})")
         out["checkpoint"]["pretrained_checkpoint"] = megatron_bridge_pretrained(plan)
-    return out, notes + lora_notes, errors + lora_errors
+    return out, [bridge_words(n) for n in notes] + lora_notes, errors + lora_errors
+
+
+def bridge_words(note: str) -> str:
+    """``note`` (one of :func:`megatron_args`' notes, which name pretrain_gpt.py flags) in the
+    recipe's words: each ``--flag`` that :data:`MEGATRON_BRIDGE_FIELDS` maps becomes the
+    ``ConfigContainer`` attribute(s) it sets (``--use-torch-fsdp2`` -> ``dist.use_torch_fsdp2``);
+    a flag with no field stays as written."""
+    def field(m: re.Match) -> str:
+        targets = MEGATRON_BRIDGE_FIELDS.get(m.group(0))
+        return " and ".join(f"{sec}.{name}" for sec, name, _ in targets) if targets else m.group(0)
+
+    return re.sub(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", field, note)
 
 
 def megatron_bridge_export(plan: Plan) -> Export:
@@ -212,8 +226,11 @@ def megatron_bridge_export(plan: Plan) -> Export:
 
     lines = [f'"""Megatron-Bridge 0.3.1 recipe for `{cfg.name}` (exported by parcompile): {layout_line(plan)}.',
              "",
-             "A ConfigContainer as NVIDIA's Megatron-Bridge recipes build them, from the arguments of",
-             "`parcompile export --to megatron` (mock data, a NullTokenizer of the spec's vocabulary).",
+             "A ConfigContainer as NVIDIA's Megatron-Bridge recipes build them (mock data, a NullTokenizer of",
+             "the spec's vocabulary): the plan's Megatron-LM settings, those `parcompile export --to megatron`",
+             "writes as pretrain_gpt.py flags, as Bridge fields" + (
+                 ";\nthe LoRA adapters as Bridge's CanonicalLoRA (`peft`), which pretrain_gpt.py lacks (so `--to "
+                 "megatron`\nrefuses LoRA)." if entry == "finetune" else "."),
              f"Launch: {launch}"]
     lines += [""] + [f"error: {e}" for e in errors] if errors else []
     lines += [""] + [f"note: {n}" for n in notes] if notes else []

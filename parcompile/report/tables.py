@@ -27,7 +27,7 @@ class Cell:
     holds it and ``text``, how it reads."""
 
     key: str
-    value: float | int | str | bool
+    value: float | int | str | bool | list[str]
     text: str
 
 
@@ -131,6 +131,24 @@ def summary_cells(data: dict) -> list[Cell]:
                 Cell("estimate.mfu", est["mfu"], f"{est['mfu']:.1%}"),
                 Cell("schedule.bubble_fraction", data["schedule"]["bubble_fraction"],
                      f"{data['schedule']['bubble_fraction']:.2%}")]
+        out += train_cells(data)
+    return out
+
+
+def train_cells(data: dict) -> list[Cell]:
+    """What a training plan trains (``train.*``): the method and, under LoRA, the adapters'
+    rank, alpha and targets and the trainable (adapter) against frozen parameters."""
+    tr = data.get("train")
+    if not tr:
+        return []
+    out = [Cell("train.method", tr["method"], "LoRA" if tr["method"] == "lora" else "full")]
+    if tr["method"] == "lora":
+        lo = tr["lora"]
+        out += [Cell("train.lora.rank", lo["rank"], str(lo["rank"])),
+                Cell("train.lora.alpha", lo["alpha"], f"{lo['alpha']:g}"),
+                Cell("train.lora.targets", lo["targets"], ", ".join(lo["targets"])),
+                Cell("train.trainable_params", tr["trainable_params"], f"{tr['trainable_params']:,}"),
+                Cell("train.frozen_params", tr["frozen_params"], f"{tr['frozen_params']:,}")]
     return out
 
 

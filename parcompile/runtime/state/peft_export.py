@@ -60,8 +60,10 @@ def peft_tensors(state: dict[str, torch.Tensor], model: ModelKeys, dtype: torch.
 
 def adapter_config(model: ModelKeys, state: dict[str, torch.Tensor], lora: dict, base: str | None) -> dict:
     """``adapter_config.json`` (module docstring): the keys PEFT's ``LoraConfig`` reads, the
-    rest left to its defaults; ``base``: ``base_model_name_or_path`` (the run's ``init_from``
-    as the spec gave it, or None)."""
+    rest left to its defaults; ``base``: ``base_model_name_or_path``, what PEFT writes there
+    (``PeftModel.save_pretrained`` fills it with the base model's ``name_or_path``, the name
+    or path it was loaded from, or None: peft 0.21.2 ``src/peft/peft_model.py``): the
+    directory the run's ``init_from`` loaded, or None for weights drawn from ``seed``."""
     tmap = tensor_map(model, hf_family(model))
     targets = sorted({_hf_module(model, n.rsplit(".", 2)[0], tmap).rsplit(".", 1)[1] for n in adapter_names(state)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],

@@ -300,7 +300,8 @@ def main(argv=None) -> dict:
         rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE, OFFLOAD)  # ZeRO-1: optimizer states sharded over dp
-    startup.done(f"model built: {num_params:,} parameters on rank 0" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
+    built = f"{plan['train']['trainable_params']:,} parameters in the whole model"
+    startup.done(f"model built: {built}" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
