@@ -59,14 +59,7 @@ def test_checkpoint_holds_adapters_and_resumes_bit_exact(tmp_path):
     whole = _compiled(tmp_path, spec_file("whole", tmp_path / "whole_ckpt", 4))
     part_spec = spec_file("part", tmp_path / "ckpt", 4)
     part = _compiled(tmp_path, part_spec)
-    m = tmp_path / "metrics"
-    log = run_in_one_launch(4, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
-                                (part, ["--steps", 2, "--metrics-dir", m / "first"]),
-                                (part, ["--metrics-dir", m / "resumed"])], tmp_path / "jobs.json")
-    assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
-    want = dict(enumerate(_metric_losses(m / "whole"), start=1))
-    got = dict(enumerate(_metric_losses(m / "resumed"), start=3))
-    assert got == {s: want[s] for s in (3, 4)}
+    _resumes_as_whole(tmp_path, 4, whole, part)
     from parcompile.runtime.state.weights import read_dcp_metadata
 
     meta = read_dcp_metadata(tmp_path / "ckpt" / "step_00000002").state_dict_metadata
@@ -184,10 +177,17 @@ def test_zero3_checkpoint_resumes_bit_exact(tmp_path):
 
     whole = _compiled(tmp_path, spec_file("whole", tmp_path / "whole_ckpt"))
     part = _compiled(tmp_path, spec_file("part", tmp_path / "ckpt"))
+    _resumes_as_whole(tmp_path, 2, whole, part)
+
+
+def _resumes_as_whole(tmp_path, ranks: int, whole, part) -> None:
+    """In one launch of ``ranks``: program ``whole`` for 4 steps, ``part`` stopped after step 2
+    and resumed from its checkpoint; the resumed steps 3 and 4 equal the whole run's losses
+    exactly."""
     m = tmp_path / "metrics"
-    log = run_in_one_launch(2, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
-                                (part, ["--steps", 2, "--metrics-dir", m / "first"]),
-                                (part, ["--metrics-dir", m / "resumed"])], tmp_path / "jobs.json")
+    log = run_in_one_launch(ranks, [(whole, ["--metrics-dir", m / "whole", "--checkpoint-dir", ""]),
+                                    (part, ["--steps", 2, "--metrics-dir", m / "first"]),
+                                    (part, ["--metrics-dir", m / "resumed"])], tmp_path / "jobs.json")
     assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
     want = dict(enumerate(_metric_losses(m / "whole"), start=1))
     got = dict(enumerate(_metric_losses(m / "resumed"), start=3))
