@@ -92,19 +92,21 @@ def test_adapter_names_its_base_model(assets):  # noqa: F811
     directory the run loaded (what PEFT's save_pretrained writes: the path the base was
     loaded from), so that PEFT's
     own PeftConfig reads it and AutoPeftModelForCausalLM loads the base from it alone
-    (issue 49: it was null)."""
+    (issue 49: it was null). Driven through `parcompile export-weights` on a DCP checkpoint
+    of the adapters, so that it fails where the command stops passing the base (before, the
+    test called the writer with the base itself and read back what it had passed)."""
     import parcompile
+    from parcompile.cli import main
     from parcompile.core.lora import lora_settings
-    from parcompile.runtime.state.peft_export import write_lora_output
+    from tests.test_files import _dcp_checkpoint
 
-    plan = parcompile.compile(_spec(assets, "lora_base", "llama", dp=1, tp=1, pp=1, train="method = lora"))
-    lora = lora_settings(plan.config)
-    r, h = lora["rank"], plan.config.model.hidden
-    state = {"layers.0.attn.wq.weight": torch.zeros(h, h), "layers.0.attn.wq.lora_A.weight": torch.randn(r, h),
-             "layers.0.attn.wq.lora_B.weight": torch.randn(h, r)}
-    # as export-weights passes it (the program passes the directory its INIT_FROM resolves to)
-    out = write_lora_output(state, plan.config.model, assets / "out_lora_base",
-                            {**lora, "merge": False, "base": plan.config.train.init_from})
+    spec = _spec(assets, "lora_base", "llama", dp=1, tp=1, pp=1, train="method = lora")
+    plan = parcompile.compile(spec)
+    r, h = lora_settings(plan.config)["rank"], plan.config.model.hidden
+    state = {"layers.0.attn.wq.lora_A.weight": torch.randn(r, h), "layers.0.attn.wq.lora_B.weight": torch.randn(h, r)}
+    ck = _dcp_checkpoint(assets / "ck_lora_base", state)
+    out = assets / "out_lora_base"
+    assert main(["export-weights", str(spec), str(ck), "-o", str(out)]) == 0
     assert peft.PeftConfig.from_pretrained(str(out)).base_model_name_or_path == str(assets / "llama")
     adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(out))
     torch.testing.assert_close(adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight,
