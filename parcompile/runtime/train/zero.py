@@ -182,9 +182,6 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                 out.append((b, lo, nn.Parameter(torch.zeros(hi_own - lo, dtype=torch.float32, device=self.ctx.device))))
         return out
 
-    def _own_lo(self, b: BucketLayout) -> int:
-        return self.axis.index * b.shard
-
     # -- the step -------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for p in self.params:

@@ -76,9 +76,6 @@ class FrozenShards(ParamGather):
             self.low_shards.append(mine)
         self._free_params()
 
-    def _own_lo(self, b: BucketLayout) -> int:
-        return self.axis.index * b.shard
-
     def free(self) -> None:
         """Keep the shards only (after the step, and before the next)."""
         self._free_params()

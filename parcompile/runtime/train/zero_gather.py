@@ -29,6 +29,11 @@ class ParamGather:
     its ``sharding``; the state it keeps (gathered buffers, prefetches in flight, ZeRO-3's
     16-bit slices, the FP8 scales) is set in ``ShardedOptimizer.__init__``."""
 
+    def _own_lo(self, b: BucketLayout) -> int:
+        """The first element of bucket ``b`` this rank owns (its slice: ``b.shard`` elements
+        from there, in the shard group's rank order)."""
+        return self.axis.index * b.shard
+
     def _keep_low_shards(self) -> None:
         """zero 3, 16-bit weights: refresh this rank's 16-bit slices from the fp32 masters,
         kept on the device, or in host memory with ``offload = params``
