@@ -276,3 +276,15 @@ def test_grouped_gemm_as_its_library_schedules_the_experts():
     assert t[128, 4] == pytest.approx(t[128, 0] + 3 * launch)
     assert t[256, 4] == pytest.approx(t[256, 0] + 3 * launch)
     assert t[512, 4] > t[512, 0] + 3 * launch and t[1024, 4] > t[1024, 0] + 3 * launch
+
+
+def test_blackwell_source_names_its_own_assumed_figures():
+    # The Blackwell kernel facts' source said "feed, memory, launch as the first hopper fit's",
+    # but hopper's first fit (analysis/gemm.py at b8717bb: 109e9, 1.0, 3.5e-6) never had
+    # Blackwell's 150e9, 0.80, 4e-6: the source must give the figures the model uses, as assumed
+    from parcompile.analysis.gemm import KERNELS
+    bw = KERNELS["blackwell"]
+    first_hopper = (109e9, 1.0, 3.5e-6)
+    assert (bw.feed, bw.memory, bw.launch) != first_hopper
+    said = f"feed {bw.feed / 1e9:g} GB/s per SM, memory {bw.memory:.2f}, launch {bw.launch * 1e6:g} us: assumed"
+    assert said in bw.source and "as the first hopper fit's" not in bw.source

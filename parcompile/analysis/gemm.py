@@ -116,8 +116,9 @@ _BLACKWELL_SRC = (
     "bf16 1,745 of 2,250 TFLOPS, 77.6%, at 1792x16128x3072) over the model's tile overheads; FP8 / MXFP8 "
     "the same fraction of their peak (assumed; the table's B200 FP8 row, 3,432.5 TFLOPS at "
     "15360x4096x3072, is within 2% of it: tests/test_gemm_rate.py); tiles: "
-    "tcgen05's 128-256 x 64-256 (two-SM) tiles; feed, memory, launch as the first hopper fit's, write as "
-    "memory (assumed)")
+    "tcgen05's 128-256 x 64-256 (two-SM) tiles; feed 150 GB/s per SM, memory 0.80, launch 4 us: assumed "
+    "(no Blackwell GEMM row fitted; not hopper's, whose first fit, b8717bb, had 109 GB/s, 1.0, 3.5 us); "
+    "write as memory (assumed)")
 
 #: kernel facts per GPU generation (:class:`GemmKernels`); :data:`GENERATION` maps the presets
 KERNELS: dict[str, GemmKernels] = {
