@@ -31,6 +31,7 @@ import ast
 import json
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -263,3 +264,22 @@ def test_deepspeed_offload_and_peft_note():
 def test_megatron_lm_still_refuses_lora():
     errors = export(lora_plan("lora_all_linear"), "megatron").errors
     assert any(e.startswith("method = lora: Megatron-LM's pretrain_gpt.py has no LoRA") for e in errors), errors
+
+
+def test_a_newline_in_hf_output_stays_in_the_scripts_comments(tmp_path):
+    """A spec string may hold a newline (``"\\n"``): the exported script's notes name
+    hf_output, and each of their lines is a comment, so bash runs only ``vllm serve``
+    (a stub here) with the path whole, never the line after the newline."""
+    marker = tmp_path / "ran"
+    out = f"{tmp_path}/out\ntouch {marker}\n#"
+    text = LORA_SPECS["lora_attention"].replace(
+        "method = lora", f"method = lora\n    lora_merge = true\n    hf_output = {json.dumps(out)}")
+    script = tmp_path / "serve.sh"
+    script.write_text(export(parcompile.compile(text, "nl.par"), "vllm").text)
+    stub = tmp_path / "bin" / "vllm"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\nprintf %s "$2" > {tmp_path}/model\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", str(script)], check=True, env={"PATH": f"{stub.parent}:/usr/bin:/bin"})
+    assert not marker.exists()
+    assert (tmp_path / "model").read_text() == out
