@@ -30,9 +30,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -43,6 +41,7 @@ from parcompile.exporters.lora import vllm_max_lora_rank
 from tests.test_checks import spec
 from tests.test_export import _bridge_container, serve_commands, serve_flags
 from tests.test_export_engines import torchtitan  # noqa: F401  (the fixture: torchtitan 0.3's ConfigManager)
+from tests.test_export_keys_torchtitan import _built
 
 ALL = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]'
 #: LoRA specs the exports carry (tests/check_engine_parsers.py runs them through the engines too)
@@ -108,15 +107,10 @@ def test_megatron_bridge_refuses_half_a_fused_projection():
 
 
 def _torchtitan_model(plan, cm, tmp_path, monkeypatch):
-    ex = export(plan, "torchtitan")
-    assert ex.errors == [], ex.errors
-    (tmp_path / ex.filename).write_text(ex.text)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop(ex.filename[:-3], None)
-    words = shlex.split(ex.launch)
-    cfg = cm().parse_args(words[words.index("--module"):])
-    sys.modules.pop(ex.filename[:-3], None)
-    return cfg.model_spec.model.build()
+    """torchtitan's build of ``plan``'s export (an export without errors)."""
+    errors = export(plan, "torchtitan").errors
+    assert errors == [], errors
+    return _built(plan, cm, tmp_path, monkeypatch)[1]
 
 
 @pytest.mark.parametrize("name", ["lora_all_linear", "lora_attention"])
