@@ -30,8 +30,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shlex
-import sys
+import subprocess
 
 import pytest
 
@@ -42,6 +41,7 @@ from parcompile.exporters.lora import vllm_max_lora_rank
 from tests.test_checks import spec
 from tests.test_export import _bridge_container, serve_commands, serve_flags
 from tests.test_export_engines import torchtitan  # noqa: F401  (the fixture: torchtitan 0.3's ConfigManager)
+from tests.test_export_keys_torchtitan import _built
 
 ALL = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]'
 #: LoRA specs the exports carry (tests/check_engine_parsers.py runs them through the engines too)
@@ -107,15 +107,10 @@ def test_megatron_bridge_refuses_half_a_fused_projection():
 
 
 def _torchtitan_model(plan, cm, tmp_path, monkeypatch):
-    ex = export(plan, "torchtitan")
-    assert ex.errors == [], ex.errors
-    (tmp_path / ex.filename).write_text(ex.text)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop(ex.filename[:-3], None)
-    words = shlex.split(ex.launch)
-    cfg = cm().parse_args(words[words.index("--module"):])
-    sys.modules.pop(ex.filename[:-3], None)
-    return cfg.model_spec.model.build()
+    """torchtitan's build of ``plan``'s export (an export without errors)."""
+    errors = export(plan, "torchtitan").errors
+    assert errors == [], errors
+    return _built(plan, cm, tmp_path, monkeypatch)[1]
 
 
 @pytest.mark.parametrize("name", ["lora_all_linear", "lora_attention"])
@@ -263,3 +258,22 @@ def test_deepspeed_offload_and_peft_note():
 def test_megatron_lm_still_refuses_lora():
     errors = export(lora_plan("lora_all_linear"), "megatron").errors
     assert any(e.startswith("method = lora: Megatron-LM's pretrain_gpt.py has no LoRA") for e in errors), errors
+
+
+def test_a_newline_in_hf_output_stays_in_the_scripts_comments(tmp_path):
+    """A spec string may hold a newline (``"\\n"``): the exported script's notes name
+    hf_output, and each of their lines is a comment, so bash runs only ``vllm serve``
+    (a stub here) with the path whole, never the line after the newline."""
+    marker = tmp_path / "ran"
+    out = f"{tmp_path}/out\ntouch {marker}\n#"
+    text = LORA_SPECS["lora_attention"].replace(
+        "method = lora", f"method = lora\n    lora_merge = true\n    hf_output = {json.dumps(out)}")
+    script = tmp_path / "serve.sh"
+    script.write_text(export(parcompile.compile(text, "nl.par"), "vllm").text)
+    stub = tmp_path / "bin" / "vllm"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\nprintf %s "$2" > {tmp_path}/model\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", str(script)], check=True, env={"PATH": f"{stub.parent}:/usr/bin:/bin"})
+    assert not marker.exists()
+    assert (tmp_path / "model").read_text() == out

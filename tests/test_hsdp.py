@@ -199,3 +199,24 @@ serve {{
     assert message.startswith("HSDP (dp_replicate, dp_shard) has no effect") and "remove" in help
     plan = parcompile.compile(text)
     assert plan.config.parallel.dp_replicate == 1 and plan.data["degrees"]["dp"] == dp
+
+
+@pytest.mark.parametrize("value", ["optimizer", "auto"])
+def test_offload_in_a_serve_spec_is_one_warning_at_the_key(value):
+    """A serve spec has no optimizer: ``offload`` is one warning at the key written, ``auto``
+    as any other value. Was: ``offload = auto`` passed in silence (``auto`` reads as none
+    until the search, and the check returned on none)."""
+    text = f"""model m from "llama3-8b" {{ seq_len = 4096 }}
+cluster c from "h100-sxm" {{ nodes = 1 }}
+parallel {{
+    tp = 8
+    offload = {value}
+}}
+serve {{
+    batch = 4
+    prompt_len = 128
+    max_new_tokens = 16
+}}
+"""
+    message, help, _ = one(text, f"offload = {value}")
+    assert message == f"offload = {value} has no effect: a `serve` spec has no optimizer" and help == "remove `offload`"

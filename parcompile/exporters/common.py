@@ -119,6 +119,14 @@ def layout_line(plan: Plan) -> str:
             f"{s['name']}, {s['num_microbatches']} micro-batches")
 
 
+def comments(kind: str, texts: list[str]) -> list[str]:
+    """The exported file's ``# KIND: TEXT`` lines (``kind`` ``error`` or ``note``), one per text,
+    every line of a text commented: a spec string holding a newline (``hf_output``,
+    ``weights``, a data path) stays inside the comment, never a line of its own that the
+    shell (or a TOML reader) would run (or parse)."""
+    return ["# " + f"{kind}: {t}".replace("\r", "").replace("\n", "\n# ") for t in texts]
+
+
 def py_name(name: str) -> str:
     """A Python identifier from a spec name (``llama3-8b`` -> ``llama3_8b``)."""
     out = "".join(c if c.isalnum() else "_" for c in name)

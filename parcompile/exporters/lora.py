@@ -58,7 +58,7 @@ import re
 import shlex
 
 from parcompile.core.lora import targeted
-from parcompile.exporters.common import Export, fmt_num
+from parcompile.exporters.common import Export, comments, fmt_num
 from parcompile.exporters.serve import SERVE_DTYPE
 from parcompile.plan import Plan
 
@@ -225,7 +225,7 @@ def vllm_lora_export(plan: Plan) -> Export:
     args = lora + [("--max-model-len", str(m.seq_len)), ("--dtype", SERVE_DTYPE[m.dtype]), ("--seed", str(t.seed))]
     launch = f"vllm serve {shlex.quote(model)}"
     lines = [f"# vLLM server for the LoRA fine-tune `{cfg.name}` (exported by parcompile)"]
-    lines += [f"# error: {e}" for e in errors] + [f"# note: {n}" for n in notes]
+    lines += comments("error", errors) + comments("note", notes)
     body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
     lines += [launch + " \\"] + [b + " \\" for b in body[:-1]] + [body[-1]]
     return Export("vllm", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_vllm.sh", errors)

@@ -9,7 +9,7 @@ from typing import Callable
 
 from parcompile.core.recompute import is_module_list
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
-from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.exporters.common import (Export, comments, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       placement_errors,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.model_keys import model_key_errors
@@ -454,8 +454,8 @@ def megatron_export(plan: Plan) -> Export:
     errors = model_key_errors(plan, "megatron") + megatron_errors(plan)
     lines = [f"# Megatron-LM (core_v0.19) arguments for `{cfg.name}`: {layout_line(plan)}",
              "# (exported by parcompile; run from a Megatron-LM checkout)"]
-    lines += [f"# error: {e}" for e in errors]
-    lines += [f"# note: {n}" for n in notes]
+    lines += comments("error", errors)
+    lines += comments("note", notes)
     lines.append(launch + " \\")
     body = [f"    {flag}" + ("" if v is None else " " + " ".join(map(shlex.quote, v)) if isinstance(v, tuple)
                               else f" {shlex.quote(v)}") for flag, v in args]

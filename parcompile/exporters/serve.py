@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 
 from parcompile.core.quant import DEFAULT_FORMAT
-from parcompile.exporters.common import SERVE_TARGETS, Export, degrees, layout_line
+from parcompile.exporters.common import SERVE_TARGETS, Export, comments, degrees, layout_line
 from parcompile.exporters.model_keys import checkpoint_key_errors, model_key_errors
 from parcompile.plan import Plan
 
@@ -173,7 +173,7 @@ def serve_export(plan: Plan, target: str) -> Export:
             ["python", "-m", "sglang.launch_server", "--model-path", weights])
     launch = " ".join(shlex.quote(w) for w in head)
     lines = [f"# {SERVE_TARGETS[target]} server for `{cfg.name}`: {layout_line(plan)} (exported by parcompile)"]
-    lines += [f"# error: {e}" for e in errors] + [f"# note: {n}" for n in notes]
+    lines += comments("error", errors) + comments("note", notes)
     lines.append(launch + " \\")
     body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}") for flag, v in args]
     lines += [b + " \\" for b in body[:-1]] + [body[-1]]
@@ -222,7 +222,7 @@ def _disaggregated(plan: Plan, target: str, decode: list, notes: list[str], erro
     launch = " ".join(shlex.quote(w) for w in head)
     lines = [f"# {SERVE_TARGETS[target]} disaggregated servers for `{cfg.name}`: prefill {p['replicas']} x tp "
              f"{p['tp']}, decode {layout_line(plan)} (exported by parcompile)"]
-    lines += [f"# error: {e}" for e in errors] + [f"# note: {n}" for n in notes]
+    lines += comments("error", errors) + comments("note", notes)
     for name, args, port in (("prefill", prefill, PREFILL_PORT), ("decode", decode, DECODE_PORT)):
         body = [f"    {flag}" + ("" if v is None else f" {shlex.quote(v)}")
                 for flag, v in args + role[name] + [("--port", str(port))]]

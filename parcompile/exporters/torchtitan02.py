@@ -8,7 +8,7 @@ import json
 from parcompile.ir.fp8 import bf16_layers, gathers_fp8
 from parcompile.config.schema import DEFAULT_BUCKET_SIZE
 from parcompile.config.text import plural
-from parcompile.exporters.common import (Export, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
+from parcompile.exporters.common import (Export, comments, common_notes, degrees, dp_sharding, fmt_num, grad_reduce_dtype, layout_line,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.offload_hsdp import torchtitan_offload
 from parcompile.exporters.torchtitan import (torchtitan_fsdp, torchtitan_model_errors, torchtitan_model_parts,
@@ -288,8 +288,8 @@ def torchtitan02_export(plan: Plan) -> Export:
               f"--job.config_file {cfg.name}_torchtitan.toml")
     lines = [f"# torchtitan 0.2 job config for `{cfg.name}` (exported by parcompile)",
              f"# launch: {launch}"]
-    lines += [f"# error: {e}" for e in errors]
-    lines += [f"# note: {n}" for n in notes]
+    lines += comments("error", errors)
+    lines += comments("note", notes)
     for table, keys in config.items():
         lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
     return Export("torchtitan", "\n".join(lines) + "\n", notes, launch, f"{cfg.name}_torchtitan.toml", errors)

@@ -103,11 +103,12 @@ def check_offload(cfg: SpecConfig, ctx: CheckContext) -> None:
     """``offload`` (module docstring): ``optimizer`` needs ``zero`` >= 1, ``params`` needs
     ``zero = 3`` (an error naming the engine's rule); no effect in a `serve` spec (a warning)."""
     p = cfg.parallel
-    if p.offload == "none" or not ctx.ok("parallel.offload"):
-        return
-    if cfg.workload == "serve":
-        ctx.bag.warning(f"offload = {p.offload} has no effect: a `serve` spec has no optimizer",
+    auto = "offload" in p.auto   # "none" until the search, and not ok (the builder marks `auto` keys)
+    if cfg.workload == "serve" and (auto or (p.offload != "none" and ctx.ok("parallel.offload"))):
+        ctx.bag.warning(f"offload = {'auto' if auto else p.offload} has no effect: a `serve` spec has no optimizer",
                         ctx.span("parallel.offload"), help="remove `offload`")
+        return
+    if p.offload == "none" or not ctx.ok("parallel.offload"):
         return
     need, rule = OFFLOAD_MIN_ZERO[p.offload]
     if p.zero < need and ctx.ok("parallel.zero"):   # an `auto` zero: bad while built, good in the search
