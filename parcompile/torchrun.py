@@ -20,8 +20,9 @@ for a kill -9 of one rank, which never said which rank died. Here, run as
   by one line; a rank killed by a signal or exiting with a status as one line
   (:func:`summary`): which rank, its pid, the signal or status, that the others were
   stopped, the log's path. Exit status 1, as torchrun's;
-* a job that succeeds, or is stopped, leaves no directory (:func:`remove`; the front
-  removes it after Ctrl-C, when it kills this process).
+* a job that succeeds, is stopped, or ends with the program's own error (whose line names
+  no log) leaves no directory (:func:`remove`; the front removes it after Ctrl-C, when it
+  kills this process).
 """
 
 from __future__ import annotations
@@ -80,12 +81,19 @@ def _written(failure) -> float:
         return float(failure.timestamp)
 
 
+def own_error(failure) -> bool:
+    """Whether torchrun's ``failure`` is the program's own error (a ``TrainError``, as a NaN
+    loss, recorded by :func:`parcompile.runtime.distributed.failure.run_main`): its one line
+    says everything, so :func:`main` keeps no log of it."""
+    return failure.exitcode > 0 and failure.error_file != "<N/A>" and isinstance(failure.message, str)
+
+
 def summary(rank: int, failure, nproc: int, log: Path) -> list[str]:
     """The lines that say why the job failed (see the module docstring): ``failure`` is
     torchrun's ``ProcessFailure`` of global rank ``rank``, ``nproc`` the ranks of the job,
     ``log`` the log's path."""
     message = failure.message
-    if failure.exitcode > 0 and failure.error_file != "<N/A>" and isinstance(message, str):
+    if own_error(failure):
         return [f"error: {message}"]    # the program's own error (run_main): as it says it
     who = f"rank {rank} (pid {failure.pid})"
     lines = []
@@ -158,6 +166,9 @@ def main(argv: Sequence[str]) -> int:
             rank, failure = first_failure(e.failures)
             print("\n".join(summary(rank, failure, _nproc(args) or len(e.failures), log_path)),
                   file=sys.stderr, flush=True)
+            if own_error(failure):                   # its line names no log: none is left behind
+                log.close()
+                remove(log_dir)
             return 1
         except SignalException as e:                 # stopped (the front's SIGTERM): the agent ended the ranks
             remove(log_dir)
@@ -190,4 +201,4 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["command", "first_failure", "main", "remove", "run_dir", "summary"]
+__all__ = ["command", "first_failure", "main", "own_error", "remove", "run_dir", "summary"]

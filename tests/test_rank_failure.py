@@ -215,6 +215,8 @@ def test_nan_loss_is_the_programs_line_and_nothing_after(tmp_path):
     [line] = _after_start_up(run.stdout)
     assert re.fullmatch(r"error: step \d+: the (loss|gradient norm) is (nan|inf); training stopped before saving "
                         r"anything of this step \(no checkpoint was saved\) \(lower lr, .*\)", line), run.stdout
+    # the line names no log, so none is left under the build directory (review: they piled up)
+    assert not (tmp_path / "out" / "logs").exists(), sorted((tmp_path / "out" / "logs").rglob("*"))
 
 
 @pytest.mark.torchrun
