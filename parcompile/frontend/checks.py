@@ -742,7 +742,7 @@ LAYOUT_READS = {
     check_serve: ("cp", "ep", "expert_tp", "pp", "tp", "virtual_stages"),
     _check_cluster: (),
     check_data_parallel_mesh: ("dp", "dp_replicate", "zero"),
-    check_offload: ("offload", "zero"),
+    check_offload: ("auto", "offload", "zero"),
 }
 
 
