@@ -8,17 +8,19 @@ heads), runs as output tiles of ``tm x tn`` spread over the GPU's ``S`` streamin
 multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a time:
 
 * a tile's main loop over ``kk`` of k is its arithmetic at the SM's share of the achievable
-  peak or its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory),
-  whichever is longer: ``main(kk) = max(2 tm tn kk / (e P / S), (tm + tn) kk b / F)`` (``P``
-  the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
-  operand element, ``F`` the SM's operand rate: :attr:`GemmKernels.feed`, and for a
-  DeepGEMM kernel at most its pipeline's bytes in flight over the HBM latency,
-  :func:`operand_rate`); a tile costs ``main(k)`` plus its fixed prologue / epilogue
-  :attr:`GemmKernels.tile_fixed`;
+  peak and its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory), which
+  overlap imperfectly: ``main(kk) = pnorm(2 tm tn kk / (e P / S), (tm / ca + tn / cb) kk b / F,
+  p_tile)`` (:func:`pnorm`: the longer of the two, stretched the more the closer they are;
+  ``P`` the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
+  operand element, ``F`` the SM's operand rate :attr:`GemmKernels.feed`, ``ca``, ``cb`` the
+  SMs a TMA multicast shares an A or B tile over (DeepGEMM's, :func:`deepgemm_multicast`), and
+  for a DeepGEMM kernel every row at most at its pipeline's bytes in flight over the HBM
+  latency, :func:`pipeline_rate`; ``p_tile`` :attr:`GemmKernels.tile_p`); a tile costs
+  ``main(k)`` plus its fixed prologue / epilogue :attr:`GemmKernels.tile_fixed`;
 * tile and wave quantisation: ``tiles = batch ceil(m / tm) ceil(n / tn)`` run in
   ``ceil(tiles / S)`` waves, for the best tile of the generation's list
   (:attr:`GemmKernels.tiles`, what cuBLAS's heuristics pick from; DeepGEMM's own choice for
-  its formats, :func:`deepgemm_tile`);
+  its formats, :func:`deepgemm_config`);
 * the kernel's epilogue grows with its output: the last wave's C tiles are written after
   their main loops at :attr:`GemmKernels.write` of the HBM bandwidth (``min(tiles, S) tm tn
   b_out / (w W)``, the drain no later tile hides);
@@ -30,8 +32,10 @@ multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a t
   tile are written and read back (``tm tn 4`` bytes per piece at the operand rate);
 * memory-bound GEMMs (few rows: decode, an expert receiving few tokens) are priced by their
   bytes: the operands ``(m k + k n) b`` per batch at :attr:`GemmKernels.memory` of the HBM
-  bandwidth and the output ``m n b_out`` at :attr:`GemmKernels.write` of it;
-* ``t = max(compute, memory) + launch`` (a roofline per GEMM plus the kernel's launch,
+  bandwidth (DeepGEMM's kernels at :attr:`GemmKernels.deepgemm_memory`) and the output
+  ``m n b_out`` at :attr:`GemmKernels.write` of it;
+* ``t = pnorm(compute, memory, p_roof) + launch`` (a roofline per GEMM whose two limits overlap
+  imperfectly, :attr:`GemmKernels.roofline_p`, plus the kernel's launch,
   :attr:`GemmKernels.launch`).
 
 A training GEMM runs three times per step (forward ``m x k . k x n``, input gradient
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import ceil, sqrt
+from math import ceil, gcd, sqrt
 
 from parcompile.analysis.efficiency import efficiency, engine
 from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak
@@ -69,7 +73,10 @@ class GemmKernels:
     the fixed seconds per tile ``tile_fixed`` (its prologue and epilogue), the fraction
     ``write`` of the HBM bandwidth the output is written at, the ``split_k_depth`` from which
     a one-wave GEMM is split over k (0: never), the formats ``deepgemm`` runs (DeepGEMM's
-    tiles, no stream-K) and the HBM ``latency`` its pipeline hides (seconds)."""
+    tiles, no stream-K), the HBM ``latency`` its pipeline hides (seconds), the fraction
+    ``deepgemm_memory`` of the HBM bandwidth its streaming reaches (0: ``memory``), and the
+    exponents of the :func:`pnorm` that joins a tile's arithmetic and operand feed (``tile_p``)
+    and a GEMM's compute and memory times (``roofline_p``; 0: their maximum)."""
 
     tiles: tuple[tuple[int, int], ...]
     mainloop: dict
@@ -82,27 +89,35 @@ class GemmKernels:
     split_k_depth: float = 0.0
     deepgemm: tuple[str, ...] = ()
     latency: float = 0.0
+    deepgemm_memory: float = 0.0
+    roofline_p: float = 0.0
+    tile_p: float = 0.0
 
 
 _HOPPER_SRC = (
-    "mainloop 16, tensorwise and blockwise, feed, memory, write, launch, tile_fixed, latency: fitted together "
-    "(one set, no row apart) to three sources of measured GEMMs on the GH100 (132 SMs): bf16, OpenXLA's H100 "
-    "matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at "
-    "372d578, key sm_90, cuBLAS via XLA, b x m x n x k from 256 to 4096); FP8 with 1x128 / 128x128 block "
-    "scales, DeepGEMM's README tables on the H800 SXM5 (deepseek-ai/DeepGEMM README.md at 55ab91f: normal and "
-    "grouped GEMMs by M, N, K, TFLOPS; timed per kernel by its bench_kineto, so without the launch); "
-    "tensorwise FP8 0.82 between stas00/ml-engineering's MAMF rows (compute/accelerator/README.md at "
-    "744d01e: H100 SXM 1,402.6 TFLOP/s at 1024x9216x14336, the model 8% higher; H200 SXM 1,453.4 at "
-    "1280x4096x12032, 18% lower, its 2.4 waves priced as 3; bf16 H100 794.5 at 2048x2048x13312); tiles: "
-    "the Hopper warp-specialised kernels' 64-256 x 32-256 output tiles (CUTLASS "
-    "sm90 collective builders); stream-K: CUTLASS's sm90 decomposition (include/cutlass/gemm/kernel/"
-    "tile_scheduler_params.h at 0046e36: the tail and one full wave, min_iters_per_sk_unit_ = 8) from 4 "
-    "waves on (STREAM_K_WAVES); split_k_depth 12: "
-    "where the XLA table shows cuBLAS splitting k (256x256x4096 split, 512x256x4096 and 256x256x2048 not); "
-    "deepgemm (blockwise): DeepGEMM's get_best_configs (deep_gemm/jit_kernels/gemm.py: BLOCK_M 64 for m <= 64 "
-    "else 128, BLOCK_N 16-128 by 8, fewest waves then the fullest last wave; up to 8 pipeline stages); "
-    "rowwise: 0.55, torchao's rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan "
-    "float8 rowwise rows; mxfp8 (not on Hopper) as tensorwise")
+    "mainloop 16, tensorwise and blockwise, feed, memory, deepgemm_memory, write, launch, tile_fixed, latency, "
+    "split_k_depth, roofline_p: fitted together (one set, no row apart; issue 48's third fit: the fewest rows "
+    "outside 10%, then the least squared error) to three sources of measured GEMMs on the GH100 (132 SMs): bf16, "
+    "OpenXLA's H100 matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/"
+    "matmul_interpolator_data.h at 372d578, key sm_90, cuBLAS via XLA, b x m x n x k from 256 to 4096); FP8 "
+    "with 1x128 / 128x128 block scales, DeepGEMM's README tables on the H800 SXM5 (deepseek-ai/DeepGEMM "
+    "README.md at 55ab91f: normal and grouped GEMMs by M, N, K, TFLOPS; timed per kernel by its bench_kineto, so "
+    "without the launch; its masked rows with every group m rows, tests/test_core.py at 55ab91f); tensorwise "
+    "FP8 between stas00/ml-engineering's MAMF rows (compute/accelerator/README.md at 744d01e: H100 SXM 1,402.6 "
+    "TFLOP/s at 1024x9216x14336, the model 10% higher; H200 SXM 1,453.4 at 1280x4096x12032, 16% lower, its 2.4 "
+    "waves priced as 3; bf16 H100 794.5 at 2048x2048x13312); memory 0.93 over a roofline p-norm of 5.7 (a "
+    "streaming GEMM alone reaches 0.93 of the HBM; where its compute time is close it is stretched: the "
+    "4x4096x256x2048 row, 2.73 TB/s over all its bytes), deepgemm_memory 0.72 (DeepGEMM's README GB/s "
+    "column: 0.67-0.80 of the 3.35 TB/s on its memory-bound small-M rows); tiles: the Hopper warp-specialised "
+    "kernels' 64-256 x 32-256 output tiles (CUTLASS sm90 collective builders); stream-K: CUTLASS's sm90 "
+    "decomposition (include/cutlass/gemm/kernel/tile_scheduler_params.h at 0046e36: the tail and one full wave, "
+    "min_iters_per_sk_unit_ = 8) from 4 waves on (STREAM_K_WAVES); split_k_depth 13: where the XLA table shows "
+    "cuBLAS splitting k (256x256x4096 split, 512x256x4096 and 256x256x2048 not); deepgemm (blockwise): "
+    "DeepGEMM's get_best_configs at 55ab91f (deep_gemm/jit_kernels/gemm.py: BLOCK_M 64 for m <= 64 else 128, "
+    "BLOCK_N 16-128 by 8, 144 and 160, fewest waves then the fullest last wave then the smaller BLOCK_N; 4-8 "
+    "pipeline stages by shared memory; TMA multicast of 2 for m >= 512 and one group); rowwise: 0.55, torchao's "
+    "rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; mxfp8 "
+    "(not on Hopper) as tensorwise")
 _AMPERE_SRC = (
     "mainloop: stas00/ml-engineering's MAMF table (compute/accelerator/README.md at 744d01e: A100 SXM "
     "bf16 271.2 of "
@@ -120,14 +135,20 @@ _BLACKWELL_SRC = (
     "(no Blackwell GEMM row fitted; not hopper's, whose first fit, b8717bb, had 109 GB/s, 1.0, 3.5 us); "
     "write as memory (assumed)")
 
+#: the Hopper GEMM kernels' output tiles (CUTLASS's sm90 warp-specialised kernels: M 64, 128 or 256,
+#: one, two or four 64-row WGMMAs; N 32 to 256), largest first (the bound in :func:`gemm_seconds`
+#: then skips more)
+_HOPPER_TILES = ((128, 256), (256, 128), (64, 256), (128, 128), (64, 128), (128, 64), (64, 64), (64, 32))
+
 #: kernel facts per GPU generation (:class:`GemmKernels`); :data:`GENERATION` maps the presets
 KERNELS: dict[str, GemmKernels] = {
     "ampere": GemmKernels(((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128)),
                           {"16": 0.89}, 120e9, 0.80, 3.5e-6, _AMPERE_SRC, 1.8e-6, 0.80),
-    "hopper": GemmKernels(((64, 32), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256), (256, 128)),
-                          {"16": 0.94, "tensorwise": 0.82, "blockwise": 0.70, "rowwise": 0.55,
-                           "mxfp8": 0.82}, 105e9, 0.76, 3.4e-6, _HOPPER_SRC, 1.5e-6, 0.56, 12.0,
-                          ("blockwise",), 1.1e-6),
+    "hopper": GemmKernels(_HOPPER_TILES,
+                          {"16": 0.9175, "tensorwise": 0.8289, "blockwise": 0.677, "rowwise": 0.55,
+                           "mxfp8": 0.8289}, 109.9e9, 0.93, 3.418e-6, _HOPPER_SRC, 1.509e-6,
+                          0.6694, 13.18, ("blockwise",), 1.08e-6, deepgemm_memory=0.7219,
+                          roofline_p=5.687),
     "blackwell": GemmKernels(((128, 64), (128, 128), (128, 256), (256, 128), (256, 256)),
                              {"16": 0.84, "tensorwise": 0.78, "blockwise": 0.80, "rowwise": 0.55,
                               "mxfp8": 0.78}, 150e9, 0.80, 4e-6, _BLACKWELL_SRC, 0.0, 0.80),
@@ -148,38 +169,79 @@ MIN_ITERS_PER_SK_UNIT = 8
 K_BLOCK_BYTES = 128
 #: bytes per element of a split tile's partial sums (fp32 accumulators)
 PARTIAL_BYTES = 4
-#: DeepGEMM's deepest TMA pipeline (get_best_configs: 8 stages where BLOCK_N divides 128)
-DEEPGEMM_STAGES = 8
-#: DeepGEMM's BLOCK_N candidates (get_best_configs at 55ab91f: 16 to 128 by 8)
-DEEPGEMM_BLOCK_N = tuple(range(16, 129, 8))
+#: DeepGEMM's pipeline depths, deepest first (get_best_configs at 55ab91f: the most stages whose
+#: shared memory fits, :func:`deepgemm_config`)
+DEEPGEMM_STAGES = (8, 7, 6, 5, 4)
+#: DeepGEMM's BLOCK_N candidates (get_best_configs at 55ab91f: 16 to 128 by 8, then 144 and 160)
+DEEPGEMM_BLOCK_N = tuple(range(16, 129, 8)) + (144, 160)
+#: shared memory one SM90 thread block may use, bytes (get_best_configs' ``sm90_capacity``)
+SM90_SMEM = 232448
 
 #: cluster preset -> GPU generation (:data:`KERNELS`)
 GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper", "h200": "hopper",
               "b200": "blackwell", "gb200-nvl72": "blackwell"}
 
 
-def deepgemm_tile(m: int, n: int, batch: int, sms: int) -> tuple[int, int]:
-    """DeepGEMM's output tile (BLOCK_M, BLOCK_N) for ``batch`` GEMMs of ``m x n`` on ``sms``
-    SMs (deep_gemm/jit_kernels/gemm.py get_best_configs at 55ab91f): BLOCK_M 64 for
-    ``m <= 64`` else 128; BLOCK_N the one with the fewest waves of tiles, then the fullest
-    last wave, then the largest."""
+def deepgemm_config(m: int, n: int, k: int, batch: int, sms: int) -> tuple[int, int, int]:
+    """DeepGEMM's output tile and pipeline depth (BLOCK_M, BLOCK_N, stages) for ``batch`` GEMMs
+    of ``m x n`` over ``k`` FP8 elements on ``sms`` SMs (deepseek-ai/DeepGEMM
+    deep_gemm/jit_kernels/gemm.py get_best_configs and get_smem_size at 55ab91f, the commit of
+    the README tables the model is held to): BLOCK_M 64 for ``m <= 64`` else 128; of
+    :data:`DEEPGEMM_BLOCK_N`, the fewest waves of tiles, then the fullest last wave, then the
+    smallest BLOCK_N; the most of :data:`DEEPGEMM_STAGES` whose shared memory (a bf16 output tile,
+    per stage an A and a B k-block of 128 and A's fp32 scales, B's scales over k, doubled where
+    BLOCK_N does not divide 128) fits :data:`SM90_SMEM`; 4 stages only where BLOCK_N does not
+    divide 128 and ``128 / gcd(128, BLOCK_N) <= 4`` (the code-size rule). A grouped GEMM of
+    ``batch`` groups is priced as its tiles together (the contiguous layout's one GEMM over the
+    groups' rows, each group's rows aligned to BLOCK_M 128)."""
     bm = 64 if m <= 64 else 128
 
     def rank(bn: int) -> tuple[int, int, int]:
         tiles = batch * ceil(m / bm) * ceil(n / bn)
-        return ceil(tiles / sms), -(tiles % sms or sms), -bn
-    return bm, min(DEEPGEMM_BLOCK_N, key=rank)
+        return ceil(tiles / sms), -(tiles % sms or sms), bn
+    bn = min(DEEPGEMM_BLOCK_N, key=rank)
+    stages = DEEPGEMM_STAGES
+    if 128 % bn and 128 // gcd(128, bn) <= 4:
+        stages = (4,)
+    b_scales = ceil(k / 128) * 4 * (1 if 128 % bn == 0 else 2)
+    for depth in stages:
+        smem = bm * bn * 2 + depth * (bm * 128 + bm * 4 + bn * 128) + ceil(b_scales / 8) * 8 + depth * 16
+        if smem <= SM90_SMEM:
+            return bm, bn, depth
+    return bm, bn, stages[-1]
 
 
-def operand_rate(kn: GemmKernels, fmt: str, tm: int, tn: int, clock: float) -> float:
-    """Bytes/s of operands one SM takes in for a ``tm x tn`` tile: :attr:`GemmKernels.feed`;
-    for a DeepGEMM format at most its pipeline's bytes in flight over the HBM latency
-    (Little's law: :data:`DEEPGEMM_STAGES` k-blocks of ``tm + tn`` rows per
-    :attr:`GemmKernels.latency`), which bounds the small-M tiles (64 x 16-48)."""
-    feed = kn.feed * clock
+def deepgemm_multicast(m: int, n: int, bm: int, bn: int, groups: int, sms: int) -> tuple[int, int]:
+    """How many SMs share each A and each B tile a DeepGEMM GEMM loads (get_best_configs at
+    55ab91f: TMA multicast over a cluster of 2, for ``m >= 512`` and one group, on the larger
+    block's side first where that side's dimension holds whole pairs of blocks): (A, B)."""
+    if m < 512 or groups != 1 or sms % 2:
+        return 1, 1
+    legal = {"A": n % (2 * bn) == 0, "B": m % (2 * bm) == 0}
+    for side in ("A", "B") if bm > bn else ("B", "A"):
+        if legal[side]:
+            return (2, 1) if side == "A" else (1, 2)
+    return 1, 1
+
+
+def pipeline_rate(kn: GemmKernels, fmt: str, tm: int, tn: int, clock: float, stages: int) -> float:
+    """Bytes/s of operands one SM's pipeline can have arrive for a ``tm x tn`` tile: for a
+    DeepGEMM format its ``stages`` k-blocks of ``tm + tn`` rows in flight over the HBM latency
+    (Little's law, :attr:`GemmKernels.latency`; :func:`deepgemm_config`), which bounds the
+    small-M tiles (64 x 16-48); unbounded for the other kernels (their ``feed`` bounds them)."""
     if fmt in kn.deepgemm and kn.latency:
-        return min(feed, DEEPGEMM_STAGES * (tm + tn) * K_BLOCK_BYTES * clock / kn.latency)
-    return feed
+        return stages * (tm + tn) * K_BLOCK_BYTES * clock / kn.latency
+    return float("inf")
+
+
+def pnorm(a: float, b: float, p: float) -> float:
+    """``max(a, b)`` where ``p`` is 0, else the p-norm ``(a^p + b^p)^(1/p)``: two limits that
+    overlap imperfectly (the closer they are, the more the slower one is exceeded: by
+    ``2^(1/p)`` where equal)."""
+    if not p:
+        return max(a, b)
+    hi = max(a, b)
+    return hi * (1 + (min(a, b) / hi) ** p) ** (1 / p) if hi > 0 else 0.0
 
 
 def schedule_seconds(tiles: int, k: int, sms: int, tile, partial: float, k_blocks: int, split_k: bool,
@@ -209,7 +271,8 @@ def schedule_seconds(tiles: int, k: int, sms: int, tile, partial: float, k_block
 
 @lru_cache(maxsize=1 << 16)
 def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_bw: float, kernels: str,
-                 fmt: str = "16", in_bytes: int = 2, out_bytes: int = 2, clock: float = 1.0) -> float:
+                 fmt: str = "16", in_bytes: int = 2, out_bytes: int = 2, clock: float = 1.0,
+                 masked: bool = False) -> float:
     """Seconds of ``batch`` GEMMs ``[m, k] x [k, n]`` (module docstring's formula) on a GPU of
     ``sms`` SMs, dense peak ``peak`` FLOP/s for the format (16-bit, or the FP8 / MXFP8 peak)
     and ``hbm_bw`` bytes/s, with :data:`KERNELS` ``[kernels]`` at format ``fmt``; operands of
@@ -224,22 +287,30 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
         return 0.0
     kn = KERNELS[kernels]
     per_sm = kn.mainloop[fmt] * peak * clock / sms
-    fixed, drain_bw = kn.tile_fixed / clock, kn.write * hbm_bw
+    fixed, drain_bw, feed = kn.tile_fixed / clock, kn.write * hbm_bw, kn.feed * clock
     dg = fmt in kn.deepgemm
     split_k = not dg and kn.split_k_depth > 0 and k >= kn.split_k_depth * sqrt(batch * m * n)
     k_blocks = ceil(k * in_bytes / K_BLOCK_BYTES)
     best = float("inf")
-    for tm, tn in (deepgemm_tile(m, n, batch, sms),) if dg else kn.tiles:
-        rate = operand_rate(kn, fmt, tm, tn, clock)
-
-        def tile(kk: float, tm=tm, tn=tn, rate=rate) -> float:
-            return max(2 * tm * tn * kk / per_sm, (tm + tn) * kk * in_bytes / rate) + fixed
+    for tm, tn, stages in (deepgemm_config(m, n, k, batch, sms),) if dg else ((tm, tn, 0) for tm, tn in kn.tiles):
         tiles = batch * ceil(m / tm) * ceil(n / tn)
         drain = min(tiles, sms) * tm * tn * out_bytes / drain_bw
-        best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / rate, k_blocks,
+        if drain + 2 * tm * tn * k * tiles / (per_sm * sms) >= best:
+            continue   # no schedule beats the tiles' arithmetic spread evenly over the SMs
+        ca, cb = deepgemm_multicast(m if masked else batch * m, n, tm, tn, batch if masked else 1, sms) \
+            if dg else (1, 1)
+        # seconds per element of k: the operands fetched into the SM (a multicast tile once per
+        # cluster) at its feed, and every row its pipeline holds within the latency bound
+        per_k = max((tm / ca + tn / cb) * in_bytes / feed,
+                    (tm + tn) * in_bytes / pipeline_rate(kn, fmt, tm, tn, clock, stages))
+
+        def tile(kk: float, tm=tm, tn=tn, per_k=per_k) -> float:
+            return pnorm(2 * tm * tn * kk / per_sm, per_k * kk, kn.tile_p) + fixed
+        best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / feed, k_blocks,
                                                   split_k, not dg))
-    memory = batch * ((m * k + k * n) * in_bytes / (kn.memory * hbm_bw) + m * n * out_bytes / drain_bw)
-    return max(best, memory) + kn.launch
+    stream = kn.deepgemm_memory if dg and kn.deepgemm_memory else kn.memory
+    memory = batch * ((m * k + k * n) * in_bytes / (stream * hbm_bw) + m * n * out_bytes / drain_bw)
+    return pnorm(best, memory, kn.roofline_p) + kn.launch
 
 
 def grouped_gemm_seconds(m: int, n: int, k: int, groups: int, streams: int, peak: float, sms: int, hbm_bw: float,
