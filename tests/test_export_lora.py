@@ -277,3 +277,19 @@ def test_a_newline_in_hf_output_stays_in_the_scripts_comments(tmp_path):
     subprocess.run(["bash", str(script)], check=True, env={"PATH": f"{stub.parent}:/usr/bin:/bin"})
     assert not marker.exists()
     assert (tmp_path / "model").read_text() == out
+
+
+def test_one_rule_says_a_plan_trains_lora():
+    """The exporters ask the analysis' ``is_lora`` (of the plan's config) whether a plan trains
+    LoRA: one definition in the package, not one per layer."""
+    import pathlib
+
+    import parcompile.analysis.lora
+    import parcompile.exporters.lora
+
+    package = pathlib.Path(parcompile.__file__).parent
+    defs = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py")) if "def is_lora(" in p.read_text()]
+    assert defs == ["analysis/lora.py"]
+    assert parcompile.exporters.lora.is_lora is parcompile.analysis.lora.is_lora
+    assert parcompile.exporters.lora.is_lora(lora_plan("lora_attention").config)
+    assert not parcompile.exporters.lora.is_lora(parcompile.compile(spec(), "full.par").config)

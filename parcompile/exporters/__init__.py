@@ -43,12 +43,13 @@ and the rest keep working.
 """
 
 
+from parcompile.analysis.lora import is_lora
 from parcompile.diagnostics import Diagnostic, SpecError
 from parcompile.exporters.common import (SERVE_TARGETS, TARGETS, TORCHTITAN_VERSIONS, TRAIN_TARGETS, Export,
                                       common_notes, degrees, fmt_num, grad_reduce_dtype, layout_line, py_name,
                                       reduces_over_dp, stage_split)
 from parcompile.exporters.deepspeed import deepspeed_config, deepspeed_export
-from parcompile.exporters.lora import is_lora, lora_errors, vllm_lora_export
+from parcompile.exporters.lora import lora_errors, vllm_lora_export
 from parcompile.exporters.megatron import (megatron_accounted_split, megatron_args, megatron_env, megatron_errors,
                                         megatron_export, megatron_layout)
 from parcompile.exporters.megatron_bridge import (MEGATRON_BRIDGE_FIELDS, MEGATRON_BRIDGE_SECTIONS, megatron_bridge_config,
@@ -92,7 +93,7 @@ def export(plan: Plan, target: str, torchtitan_version: str = "0.3") -> Export:
                          f"{', '.join(TORCHTITAN_VERSIONS)}")
     cfg = plan.config
     if target in SERVE_TARGETS:
-        if target == "vllm" and is_lora(plan):
+        if target == "vllm" and is_lora(plan.config):
             return vllm_lora_export(plan)   # the fine-tune's adapter on its base model (exporters/lora.py)
         if cfg.workload != "serve":
             raise SpecError([Diagnostic(

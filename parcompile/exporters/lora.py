@@ -57,6 +57,7 @@ import json
 import re
 import shlex
 
+from parcompile.analysis.lora import is_lora
 from parcompile.core.lora import targeted
 from parcompile.exporters.common import Export, comments, fmt_num
 from parcompile.exporters.serve import SERVE_DTYPE
@@ -75,12 +76,6 @@ TORCHTITAN_MODULES = {"wq": "wq", "wk": "wkv", "wv": "wkv", "wo": "wo", "w1": "w
 #: vLLM 0.33.0's --max-lora-rank values (vllm/config/lora.py MaxLoRARanks)
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _MLP = ("w1", "w2", "w3")
-
-
-def is_lora(plan: Plan) -> bool:
-    """Whether ``plan`` trains LoRA adapters (``train.method = lora``)."""
-    t = plan.config.train
-    return plan.config.workload == "train" and t is not None and t.method == "lora"
 
 
 def lora_leaves(plan: Plan) -> list[str]:
@@ -112,7 +107,7 @@ def _mapped(plan: Plan, names: dict[str, str], engine: str, errors: list[str]) -
 def megatron_bridge_peft(plan: Plan) -> tuple[dict[str, object] | None, list[str], list[str]]:
     """Megatron-Bridge's ``CanonicalLoRA`` keyword arguments for a LoRA ``plan`` (None for full
     training), the notes and the errors (module docstring)."""
-    if not is_lora(plan):
+    if not is_lora(plan.config):
         return None, [], []
     t, notes, errors = plan.config.train, [], []
     leaves = set(lora_leaves(plan))
@@ -140,7 +135,7 @@ def megatron_bridge_pretrained(plan: Plan) -> str:
 def torchtitan_lora(plan: Plan, version: str) -> tuple[dict[str, object] | None, list[str], list[str]]:
     """torchtitan's ``LoRAConverter.Config`` keyword arguments for a LoRA ``plan`` (None for full
     training), the notes and the errors; ``version`` ``"0.3"`` or ``"0.2"`` (no LoRA)."""
-    if not is_lora(plan):
+    if not is_lora(plan.config):
         return None, [], []
     if version != "0.3":
         return None, [], ["method = lora: torchtitan 0.2.2 has no LoRA (its LoRAConverter came with 0.3.0, "
@@ -175,7 +170,7 @@ def peft_lora_config(plan: Plan) -> str:
 
 def deepspeed_lora_note(plan: Plan) -> list[str]:
     """The note of a DeepSpeed export of a LoRA ``plan`` (module docstring); empty otherwise."""
-    if not is_lora(plan):
+    if not is_lora(plan.config):
         return []
     return [f"LoRA: DeepSpeed's config has no LoRA; train.py wraps the model with model = peft.get_peft_model(model, "
             f"{peft_lora_config(plan)}) before deepspeed.initialize(model=model, model_parameters=[p for p in "
@@ -234,12 +229,12 @@ def vllm_lora_export(plan: Plan) -> Export:
 def lora_errors(plan: Plan, target: str) -> list[str]:
     """The export errors of a LoRA ``plan`` for a training ``target`` that has no LoRA
     (:data:`LORA_REFUSED`); none for full training."""
-    if not is_lora(plan) or target not in LORA_REFUSED:
+    if not is_lora(plan.config) or target not in LORA_REFUSED:
         return []
     return [f"method = lora: {LORA_REFUSED[target]}; the export would train every weight. Train with "
             f"`parcompile run` (its hf_output is a PEFT adapter), or export with method = full"]
 
 
-__all__ = ["LORA_REFUSED", "MEGATRON_BRIDGE_MODULES", "TORCHTITAN_MODULES", "VLLM_MAX_LORA_RANKS", "is_lora",
+__all__ = ["LORA_REFUSED", "MEGATRON_BRIDGE_MODULES", "TORCHTITAN_MODULES", "VLLM_MAX_LORA_RANKS",
            "lora_leaves", "megatron_bridge_peft", "megatron_bridge_pretrained", "torchtitan_lora", "peft_lora_config",
            "deepspeed_lora_note", "vllm_max_lora_rank", "vllm_lora_export", "lora_errors"]
