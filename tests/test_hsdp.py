@@ -175,11 +175,14 @@ def test_the_search_costs_hsdp_and_offload_as_the_compiler(keys):
 
 
 
-@pytest.mark.parametrize("dp, key", [(1, "dp_replicate = 2"), (2, "dp_shard = 1")])
+@pytest.mark.parametrize("dp, key", [(1, "dp_replicate = 2"), (2, "dp_shard = 1"), (1, "dp_replicate = auto"),
+                                     (2, "dp_replicate = auto"), (2, "dp_shard = auto")])
 def test_hsdp_in_a_serve_spec_is_one_warning_and_the_plan_is_built(dp, key):
     """A serve spec has no states to shard: HSDP's keys are dropped with a warning at the
-    key written. Was: the warning, then dp_replicate kept beside the replica count, and for
-    dp_replicate = 2 of dp = 1 the shard-data-parallel pass's traceback (shard 0, replicate 2)."""
+    key written, ``auto`` as any other value. Was: the warning, then dp_replicate kept beside
+    the replica count, and for dp_replicate = 2 of dp = 1 the shard-data-parallel pass's
+    traceback (shard 0, replicate 2); ``auto`` passed in silence (its placeholder 1 read as
+    no HSDP) and left dp to the search."""
     import parcompile
 
     text = f"""model m from "llama3-8b" {{ seq_len = 4096 }}
@@ -199,6 +202,7 @@ serve {{
     assert message.startswith("HSDP (dp_replicate, dp_shard) has no effect") and "remove" in help
     plan = parcompile.compile(text)
     assert plan.config.parallel.dp_replicate == 1 and plan.data["degrees"]["dp"] == dp
+    assert "dp_replicate" not in load_spec(text)[0].parallel.auto
 
 
 @pytest.mark.parametrize("value", ["optimizer", "auto"])
@@ -220,3 +224,26 @@ serve {{
 """
     message, help, _ = one(text, f"offload = {value}")
     assert message == f"offload = {value} has no effect: a `serve` spec has no optimizer" and help == "remove `offload`"
+
+
+def test_dp_replicate_auto_beside_dp_shard_in_a_serve_spec_is_the_one_warning():
+    """``dp_replicate = auto`` with a numeric ``dp_shard`` in a serve spec: the one warning,
+    at ``dp_replicate`` (the builder keeps the ``auto`` to drop it). Was: the error
+    "dp_shard = 2 needs a numeric dp" at ``dp_shard`` beside ``dp = 2`` (the placeholder
+    made dp the search's)."""
+    text = """model m from "llama3-8b" { seq_len = 4096 }
+cluster c from "h100-sxm" { nodes = 1 }
+parallel {
+    tp = 4
+    dp = 2
+    dp_replicate = auto
+    dp_shard = 2
+}
+serve {
+    batch = 4
+    prompt_len = 128
+    max_new_tokens = 16
+}
+"""
+    message, help, _ = one(text, "dp_replicate = auto")
+    assert message.startswith("HSDP (dp_replicate, dp_shard) has no effect") and "remove" in help

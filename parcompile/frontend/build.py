@@ -675,13 +675,13 @@ class _Builder:
     def parallel(self, cluster: ClusterConfig) -> ParallelConfig:
         values = dict(self.values["parallel"])
         auto_dp_shard(values, self.ctx)
-        auto = [k for k, v in values.items() if v is AUTO]
+        serve = "serve" in self.blocks   # a serve spec has no global batch: the sizing search sets dp (replicas)
+        auto = [k for k, v in values.items() if v is AUTO and not (serve and k == "dp_replicate")]   # dropped below
         for k in auto:
             if k != "dp":
                 # a placeholder: `parcompile search` (and compile, plan, check) choose the
                 # value; checks that read an `auto` key skip until the search fills it
                 values[k] = AUTO_PLACEHOLDERS.get(k, 1)
-        serve = "serve" in self.blocks   # a serve spec has no global batch: the sizing search sets dp (replicas)
         if "global_batch" not in values and "global_batch" not in self.ctx.bad and not serve:
             for k in ("dp", "micro_batch"):
                 if k in auto:
@@ -708,7 +708,7 @@ class _Builder:
         if any(k != "dp" for k in auto):
             self.ctx.bad.add("parallel.dp")   # resolved per candidate by the search
         resolve_dp_shard(values, self.ctx, searched=any(k != "dp" for k in auto))
-        if serve and values.get("dp_replicate", 1) != 1:   # dropped: HSDP's degrees of dp would not hold
+        if serve and values.get("dp_replicate", 1) != 1:   # dropped (`auto` too): HSDP's degrees of dp would not hold
             del values["dp_replicate"]
             self.bag.warning("HSDP (dp_replicate, dp_shard) has no effect: a `serve` spec has no states to shard",
                              self.ctx.span("parallel.dp_replicate", "parallel.dp_shard"),

@@ -53,7 +53,8 @@ def resolve_dp_shard(values: dict, ctx: CheckContext, searched: bool = False) ->
     ``AUTO``) by the ``dp_replicate`` it implies, ``dp / dp_shard``; report a ``dp_shard``
     that does not divide ``dp``, disagrees with a written ``dp_replicate``, or comes with a
     ``dp`` the search chooses (``searched``: some other degree is ``auto``), marking
-    ``parallel.dp_shard`` bad. Changes ``values`` in place."""
+    ``parallel.dp_shard`` bad; keeps a serve spec's ``dp_replicate = auto`` (``AUTO``, which the
+    builder drops with a warning). Changes ``values`` in place."""
     if "dp_shard" not in values:
         return
     shard, dp = values.pop("dp_shard"), values.get("dp", 1)
@@ -68,13 +69,13 @@ def resolve_dp_shard(values: dict, ctx: CheckContext, searched: bool = False) ->
         ctx.bag.error(f"dp_shard = {shard} does not divide dp = {dp}", ctx.span(key),
                       help=f"dp_shard may be {may_be(divisors(dp))}")
         ctx.bad.add(key)
-    elif "dp_replicate" in values and values["dp_replicate"] * shard != dp:
+    elif values.get("dp_replicate", AUTO) is not AUTO and values["dp_replicate"] * shard != dp:
         ctx.bag.error(f"dp_replicate * dp_shard = {values['dp_replicate']} * {shard} is not dp = {dp}",
                       ctx.span(key), help=f"use dp_shard = {dp // values['dp_replicate']}, or remove one of them"
                       if dp % values["dp_replicate"] == 0 else "remove `dp_replicate` or `dp_shard`")
         ctx.bad.add(key)
     else:
-        values["dp_replicate"] = dp // shard
+        values.setdefault("dp_replicate", dp // shard)   # equal to a written one
 
 
 def check_data_parallel_mesh(cfg: SpecConfig, ctx: CheckContext) -> None:
