@@ -159,3 +159,24 @@ def test_only_rank_0_speaks_and_the_time_counts_from_the_process_start(monkeypat
                               "from parcompile.runtime.progress import process_age_s; print(process_age_s())"],
                              capture_output=True, text=True, check=True).stdout
         assert 1.0 <= float(out) < 60
+
+
+@pytest.mark.torchrun
+def test_run_says_the_weights_path_as_the_spec_names_it(tmp_path, monkeypatch):
+    """`init_from = "."` in a spec beside its model, the program written elsewhere (``-o``):
+    the start-up line names the model directory absolute (was ``../tiny_hf``, the path as the
+    generated program opens it, relative to the program's folder)."""
+    from tests.test_training_jobs import _load_make_tiny
+
+    monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "tiny_hf"
+    _load_make_tiny().main([str(model)])
+    text = (model / "finetune.par").read_text().replace("gpus_per_node = 8", "gpus_per_node = 1")
+    for old, new in (("dp = 2", "dp = 1"), ("tp = 2", "tp = 1"), ("pp = 2", "pp = 1"), ("global_batch = 16", "global_batch = 2")):
+        text = text.replace(old, new)
+    (model / "one.par").write_text(text)
+    run = subprocess.run([sys.executable, "-m", "parcompile", "run", str(model / "one.par"), "-o", str(tmp_path / "prog"),
+                          "--steps", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    built = [line for line in run.stdout.splitlines() if "model built: " in line]
+    assert len(built) == 1 and built[0].endswith(f", weights loaded from {model.resolve()}"), built

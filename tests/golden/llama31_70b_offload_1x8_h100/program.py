@@ -224,14 +224,15 @@ def main(argv=None) -> dict:
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
     evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
     startup.done(f"data ready: {args.data}" + (f", evaluation {args.eval_data}" if evals is not None else ""))
-    with rt.no_init() if INIT_FROM else contextlib.nullcontext():   # weights about to be loaded: not drawn
+    init_from = INIT_FROM and os.path.normpath(rt.resolve_source(INIT_FROM, HERE))   # absolute, as the start-up line says it
+    with rt.no_init() if init_from else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
-    if INIT_FROM:                                               # each rank reads only its slices
-        rt.load_weights(model, rt.resolve_source(INIT_FROM, HERE), ctx)
+    if init_from:                                               # each rank reads only its slices
+        rt.load_weights(model, init_from, ctx)
     num_params = rt.local_param_count(model)
     opt = rt.step_optimizer(model, ctx, TRAIN, DP_SHARDING, BUCKET_SIZE, SP, REDUCE_DTYPE, OFFLOAD)  # ZeRO-3: optimizer states, gradients and parameters sharded over dp
     built = f"{plan['train']['trainable_params']:,} parameters in the whole model"
-    startup.done(f"model built: {built}" + (f", weights loaded from {INIT_FROM}" if INIT_FROM else ", weights drawn"))
+    startup.done(f"model built: {built}" + (f", weights loaded from {init_from}" if init_from else ", weights drawn"))
     actions = plan["schedule"]["actions"][ctx.stage]
     speaker = ctx.is_last_stage() and ctx.dp.index == 0 and ctx.tp.index == 0 and ctx.axes["cp"].index == 0
     log = rt.RunLog(args.metrics or None, plan, PEAK_FLOPS, GLOBAL_BATCH * SEQ_LEN, speaker)
