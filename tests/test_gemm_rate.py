@@ -314,6 +314,28 @@ def test_deepgemm_config_as_its_source_chooses():
     assert deepgemm_multicast(4096, 4096, 128, 160, 1, 132) == (1, 2)
     assert deepgemm_multicast(1024, 4096, 128, 128, 2, 132) == (1, 1)
     assert deepgemm_multicast(256, 4096, 128, 128, 1, 132) == (1, 1)
+    # 8 groups of 32 rows: the contiguous layout asks as one GEMM of their rows aligned to 128
+    # (m_grouped_gemm.py: get_best_configs(1024, n, k, 1, is_grouped_contiguous=True)): BLOCK_M
+    # 128, BLOCK_N 128 (128 tiles, one wave), 5 stages (6 overflow by 320 bytes), multicast on B
+    # (BLOCK_M = BLOCK_N: B's side first; 1024 holds pairs of 128-row blocks); the masked layout
+    # asks with one group's 32 rows and 8 groups: BLOCK_M 64, no multicast (was 64 for both)
+    assert deepgemm_config(32, 2048, 7168, 8, 132) == (128, 128, 5)
+    assert deepgemm_multicast(1024, 2048, 128, 128, 1, 132) == (1, 2)
+    assert deepgemm_config(32, 2048, 7168, 8, 132, masked=True) == (64, 128, 8)
+
+
+def test_deepgemm_multicast_asked_as_each_layout_calls(monkeypatch):
+    """gemm_seconds asks for DeepGEMM's multicast as m_grouped_gemm.py at 55ab91f calls
+    get_best_configs: the contiguous layout with the groups' rows, each group's aligned to 128,
+    and one group; the masked layout with one group's rows and the groups."""
+    from parcompile.analysis import gemm
+    asked = []
+    monkeypatch.setattr(gemm, "deepgemm_multicast", lambda m, n, bm, bn, groups, sms: asked.append((m, groups)) or (1, 1))
+    gemm.gemm_seconds.cache_clear()
+    for masked in (False, True):
+        gemm.gemm_seconds(100, 4096, 7168, 8, 1979e12, 132, 3.35e12, "hopper", "blockwise", 1, masked=masked)
+    gemm.gemm_seconds.cache_clear()
+    assert asked == [(8 * 128, 1), (100, 8)]
 
 
 def test_pnorm_joins_two_limits():
