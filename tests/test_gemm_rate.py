@@ -339,8 +339,8 @@ def test_deepgemm_multicast_asked_as_each_layout_calls(monkeypatch):
 
 
 def test_pnorm_joins_two_limits():
-    """The roofline's and a tile's two limits: their maximum at p = 0; otherwise the longer one
-    alone where the other is 0, and 2^(1/p) times it where they are equal."""
+    """The roofline's two limits (compute and memory): their maximum at p = 0; otherwise the
+    longer one alone where the other is 0, and 2^(1/p) times it where they are equal."""
     from parcompile.analysis.gemm import pnorm
     assert pnorm(3.0, 5.0, 0) == 5.0
     assert pnorm(5.0, 0.0, 6.0) == 5.0

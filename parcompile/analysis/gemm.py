@@ -8,15 +8,14 @@ heads), runs as output tiles of ``tm x tn`` spread over the GPU's ``S`` streamin
 multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a time:
 
 * a tile's main loop over ``kk`` of k is its arithmetic at the SM's share of the achievable
-  peak and its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory), which
-  overlap imperfectly: ``main(kk) = pnorm(2 tm tn kk / (e P / S), (tm / ca + tn / cb) kk b / F,
-  p_tile)`` (:func:`pnorm`: the longer of the two, stretched the more the closer they are;
-  ``P`` the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
+  peak or its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory),
+  whichever is longer: ``main(kk) = max(2 tm tn kk / (e P / S), (tm / ca + tn / cb) kk b / F)``
+  (``P`` the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
   operand element, ``F`` the SM's operand rate :attr:`GemmKernels.feed`, ``ca``, ``cb`` the
   SMs a TMA multicast shares an A or B tile over (DeepGEMM's, :func:`deepgemm_multicast`), and
   for a DeepGEMM kernel every row at most at its pipeline's bytes in flight over the HBM
-  latency, :func:`pipeline_rate`; ``p_tile`` :attr:`GemmKernels.tile_p`); a tile costs
-  ``main(k)`` plus its fixed prologue / epilogue :attr:`GemmKernels.tile_fixed`;
+  latency, :func:`pipeline_rate`); a tile costs ``main(k)`` plus its fixed prologue /
+  epilogue :attr:`GemmKernels.tile_fixed`;
 * tile and wave quantisation: ``tiles = batch ceil(m / tm) ceil(n / tn)`` run in
   ``ceil(tiles / S)`` waves, for the best tile of the generation's list
   (:attr:`GemmKernels.tiles`, what cuBLAS's heuristics pick from; DeepGEMM's own choice for
@@ -75,8 +74,8 @@ class GemmKernels:
     a one-wave GEMM is split over k (0: never), the formats ``deepgemm`` runs (DeepGEMM's
     tiles, no stream-K), the HBM ``latency`` its pipeline hides (seconds), the fraction
     ``deepgemm_memory`` of the HBM bandwidth its streaming reaches (0: ``memory``), and the
-    exponents of the :func:`pnorm` that joins a tile's arithmetic and operand feed (``tile_p``)
-    and a GEMM's compute and memory times (``roofline_p``; 0: their maximum)."""
+    exponent ``roofline_p`` of the :func:`pnorm` that joins a GEMM's compute and memory times
+    (0: their maximum)."""
 
     tiles: tuple[tuple[int, int], ...]
     mainloop: dict
@@ -91,7 +90,6 @@ class GemmKernels:
     latency: float = 0.0
     deepgemm_memory: float = 0.0
     roofline_p: float = 0.0
-    tile_p: float = 0.0
 
 
 _HOPPER_SRC = (
@@ -311,7 +309,7 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
                     (tm + tn) * in_bytes / pipeline_rate(kn, fmt, tm, tn, clock, stages))
 
         def tile(kk: float, tm=tm, tn=tn, per_k=per_k) -> float:
-            return pnorm(2 * tm * tn * kk / per_sm, per_k * kk, kn.tile_p) + fixed
+            return max(2 * tm * tn * kk / per_sm, per_k * kk) + fixed
         best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / feed, k_blocks,
                                                   split_k, not dg))
     stream = kn.deepgemm_memory if dg and kn.deepgemm_memory else kn.memory
