@@ -106,7 +106,7 @@ _HOPPER_SRC = (
     "waves priced as 3; bf16 H100 794.5 at 2048x2048x13312); memory 0.93 over a roofline p-norm of 5.7 (a "
     "streaming GEMM alone reaches 0.93 of the HBM; where its compute time is close it is stretched: the "
     "4x4096x256x2048 row, 2.73 TB/s over all its bytes), deepgemm_memory 0.72 (DeepGEMM's README GB/s "
-    "column: 0.67-0.80 of the 3.35 TB/s on its memory-bound small-M rows); tiles: the Hopper warp-specialised "
+    "column: 0.63-0.80 of the 3.35 TB/s on its memory-bound small-M rows); tiles: the Hopper warp-specialised "
     "kernels' 64-256 x 32-256 output tiles (CUTLASS sm90 collective builders); stream-K: CUTLASS's sm90 "
     "decomposition (include/cutlass/gemm/kernel/tile_scheduler_params.h at 0046e36: the tail and one full wave, "
     "min_iters_per_sk_unit_ = 8) from 4 waves on (STREAM_K_WAVES); split_k_depth 13: where the XLA table shows "
