@@ -8,15 +8,14 @@ heads), runs as output tiles of ``tm x tn`` spread over the GPU's ``S`` streamin
 multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a time:
 
 * a tile's main loop over ``kk`` of k is its arithmetic at the SM's share of the achievable
-  peak and its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory), which
-  overlap imperfectly: ``main(kk) = pnorm(2 tm tn kk / (e P / S), (tm / ca + tn / cb) kk b / F,
-  p_tile)`` (:func:`pnorm`: the longer of the two, stretched the more the closer they are;
-  ``P`` the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
+  peak or its operands' feed (``tm + tn`` rows of ``kk`` elements into shared memory),
+  whichever is longer: ``main(kk) = max(2 tm tn kk / (e P / S), (tm / ca + tn / cb) kk b / F)``
+  (``P`` the datasheet peak of the dtype, ``e`` :attr:`GemmKernels.mainloop`, ``b`` bytes per
   operand element, ``F`` the SM's operand rate :attr:`GemmKernels.feed`, ``ca``, ``cb`` the
   SMs a TMA multicast shares an A or B tile over (DeepGEMM's, :func:`deepgemm_multicast`), and
   for a DeepGEMM kernel every row at most at its pipeline's bytes in flight over the HBM
-  latency, :func:`pipeline_rate`; ``p_tile`` :attr:`GemmKernels.tile_p`); a tile costs
-  ``main(k)`` plus its fixed prologue / epilogue :attr:`GemmKernels.tile_fixed`;
+  latency, :func:`pipeline_rate`); a tile costs ``main(k)`` plus its fixed prologue /
+  epilogue :attr:`GemmKernels.tile_fixed`;
 * tile and wave quantisation: ``tiles = batch ceil(m / tm) ceil(n / tn)`` run in
   ``ceil(tiles / S)`` waves, for the best tile of the generation's list
   (:attr:`GemmKernels.tiles`, what cuBLAS's heuristics pick from; DeepGEMM's own choice for
@@ -75,8 +74,8 @@ class GemmKernels:
     a one-wave GEMM is split over k (0: never), the formats ``deepgemm`` runs (DeepGEMM's
     tiles, no stream-K), the HBM ``latency`` its pipeline hides (seconds), the fraction
     ``deepgemm_memory`` of the HBM bandwidth its streaming reaches (0: ``memory``), and the
-    exponents of the :func:`pnorm` that joins a tile's arithmetic and operand feed (``tile_p``)
-    and a GEMM's compute and memory times (``roofline_p``; 0: their maximum)."""
+    exponent ``roofline_p`` of the :func:`pnorm` that joins a GEMM's compute and memory times
+    (0: their maximum)."""
 
     tiles: tuple[tuple[int, int], ...]
     mainloop: dict
@@ -91,7 +90,6 @@ class GemmKernels:
     latency: float = 0.0
     deepgemm_memory: float = 0.0
     roofline_p: float = 0.0
-    tile_p: float = 0.0
 
 
 _HOPPER_SRC = (
@@ -108,12 +106,13 @@ _HOPPER_SRC = (
     "waves priced as 3; bf16 H100 794.5 at 2048x2048x13312); memory 0.93 over a roofline p-norm of 5.7 (a "
     "streaming GEMM alone reaches 0.93 of the HBM; where its compute time is close it is stretched: the "
     "4x4096x256x2048 row, 2.73 TB/s over all its bytes), deepgemm_memory 0.72 (DeepGEMM's README GB/s "
-    "column: 0.67-0.80 of the 3.35 TB/s on its memory-bound small-M rows); tiles: the Hopper warp-specialised "
+    "column: 0.63-0.80 of the 3.35 TB/s on its memory-bound small-M rows); tiles: the Hopper warp-specialised "
     "kernels' 64-256 x 32-256 output tiles (CUTLASS sm90 collective builders); stream-K: CUTLASS's sm90 "
     "decomposition (include/cutlass/gemm/kernel/tile_scheduler_params.h at 0046e36: the tail and one full wave, "
     "min_iters_per_sk_unit_ = 8) from 4 waves on (STREAM_K_WAVES); split_k_depth 13: where the XLA table shows "
     "cuBLAS splitting k (256x256x4096 split, 512x256x4096 and 256x256x2048 not); deepgemm (blockwise): "
     "DeepGEMM's get_best_configs at 55ab91f (deep_gemm/jit_kernels/gemm.py: BLOCK_M 64 for m <= 64 else 128, "
+    "128 for a contiguous grouped GEMM, "
     "BLOCK_N 16-128 by 8, 144 and 160, fewest waves then the fullest last wave then the smaller BLOCK_N; 4-8 "
     "pipeline stages by shared memory; TMA multicast of 2 for m >= 512 and one group); rowwise: 0.55, torchao's "
     "rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; mxfp8 "
@@ -182,19 +181,21 @@ GENERATION = {"a100-40gb": "ampere", "a100-80gb": "ampere", "h100-sxm": "hopper"
               "b200": "blackwell", "gb200-nvl72": "blackwell"}
 
 
-def deepgemm_config(m: int, n: int, k: int, batch: int, sms: int) -> tuple[int, int, int]:
+def deepgemm_config(m: int, n: int, k: int, batch: int, sms: int, masked: bool = False) -> tuple[int, int, int]:
     """DeepGEMM's output tile and pipeline depth (BLOCK_M, BLOCK_N, stages) for ``batch`` GEMMs
     of ``m x n`` over ``k`` FP8 elements on ``sms`` SMs (deepseek-ai/DeepGEMM
     deep_gemm/jit_kernels/gemm.py get_best_configs and get_smem_size at 55ab91f, the commit of
-    the README tables the model is held to): BLOCK_M 64 for ``m <= 64`` else 128; of
+    the README tables the model is held to): BLOCK_M 64 for ``m <= 64`` else 128, but always
+    128 for several groups in the contiguous layout (``batch > 1``, not ``masked``: its
+    ``is_grouped_contiguous`` call, rows aligned to get_m_alignment_for_contiguous_layout's 128); of
     :data:`DEEPGEMM_BLOCK_N`, the fewest waves of tiles, then the fullest last wave, then the
     smallest BLOCK_N; the most of :data:`DEEPGEMM_STAGES` whose shared memory (a bf16 output tile,
     per stage an A and a B k-block of 128 and A's fp32 scales, B's scales over k, doubled where
     BLOCK_N does not divide 128) fits :data:`SM90_SMEM`; 4 stages only where BLOCK_N does not
-    divide 128 and ``128 / gcd(128, BLOCK_N) <= 4`` (the code-size rule). A grouped GEMM of
-    ``batch`` groups is priced as its tiles together (the contiguous layout's one GEMM over the
-    groups' rows, each group's rows aligned to BLOCK_M 128)."""
-    bm = 64 if m <= 64 else 128
+    divide 128 and ``128 / gcd(128, BLOCK_N) <= 4`` (the code-size rule). The groups' tiles are
+    ranked together: the masked kernel's ``num_groups`` times one group's, the contiguous one's
+    single GEMM over the groups' aligned rows (the same count)."""
+    bm = 64 if m <= 64 and (masked or batch == 1) else 128
 
     def rank(bn: int) -> tuple[int, int, int]:
         tiles = batch * ceil(m / bm) * ceil(n / bn)
@@ -278,8 +279,9 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
     and ``hbm_bw`` bytes/s, with :data:`KERNELS` ``[kernels]`` at format ``fmt``; operands of
     ``in_bytes``, output of ``out_bytes`` per element; ``clock``: the SMs' clock over the one
     the kernel facts were measured at (a power-limited or throttled part: the arithmetic, the
-    operand feed and the per-tile time scale with it, the HBM does not). 0 for an empty GEMM.
-    Cached by shape.
+    operand feed and the per-tile time scale with it, the HBM does not); ``masked``: DeepGEMM's
+    ``batch`` GEMMs in its masked grouped layout (else, ``batch > 1``, its contiguous one:
+    :func:`deepgemm_config`). 0 for an empty GEMM. Cached by shape.
 
     Raises:
         KeyError: ``kernels`` or ``fmt`` is not in :data:`KERNELS`."""
@@ -292,20 +294,22 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
     split_k = not dg and kn.split_k_depth > 0 and k >= kn.split_k_depth * sqrt(batch * m * n)
     k_blocks = ceil(k * in_bytes / K_BLOCK_BYTES)
     best = float("inf")
-    for tm, tn, stages in (deepgemm_config(m, n, k, batch, sms),) if dg else ((tm, tn, 0) for tm, tn in kn.tiles):
+    for tm, tn, stages in (deepgemm_config(m, n, k, batch, sms, masked),) if dg else ((tm, tn, 0) for tm, tn in kn.tiles):
         tiles = batch * ceil(m / tm) * ceil(n / tn)
         drain = min(tiles, sms) * tm * tn * out_bytes / drain_bw
         if drain + 2 * tm * tn * k * tiles / (per_sm * sms) >= best:
             continue   # no schedule beats the tiles' arithmetic spread evenly over the SMs
-        ca, cb = deepgemm_multicast(m if masked else batch * m, n, tm, tn, batch if masked else 1, sms) \
-            if dg else (1, 1)
+        # the masked kernel asks with one group's m and the groups, the contiguous one with the
+        # groups' rows aligned to BLOCK_M (128) as one GEMM (m_grouped_gemm.py at 55ab91f)
+        ca, cb = deepgemm_multicast(m if masked else batch * ceil(m / tm) * tm, n, tm, tn, batch if masked else 1,
+                                    sms) if dg else (1, 1)
         # seconds per element of k: the operands fetched into the SM (a multicast tile once per
         # cluster) at its feed, and every row its pipeline holds within the latency bound
         per_k = max((tm / ca + tn / cb) * in_bytes / feed,
                     (tm + tn) * in_bytes / pipeline_rate(kn, fmt, tm, tn, clock, stages))
 
         def tile(kk: float, tm=tm, tn=tn, per_k=per_k) -> float:
-            return pnorm(2 * tm * tn * kk / per_sm, per_k * kk, kn.tile_p) + fixed
+            return max(2 * tm * tn * kk / per_sm, per_k * kk) + fixed
         best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / feed, k_blocks,
                                                   split_k, not dg))
     stream = kn.deepgemm_memory if dg and kn.deepgemm_memory else kn.memory
