@@ -6,7 +6,8 @@ Each runs as ``python benchmarks/NAME.py ARGS`` does (``runpy`` in this process:
 start of torch), and must exit 0 and print its figures. The figures themselves are not
 checked: timings belong to the benchmarks. Those that launch torchrun (memory.py) or a
 server (serve_load.py) are marked ``torchrun``. gpu.py needs a GPU: here it runs its CPU
-path (``--device cpu --tiny``: the same compile, program import and timing loop).
+path (``--device cpu --tiny``: the same compile, program import and timing loop); so does
+gemm_gpu.py (``--device cpu``: its shapes scaled down, the same timing and model lines).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SMOKE = {
     "cpu_estimate": (["--smoke"], "op_overhead"),
     "data": (["--mb", "0.02", "--vocab", "300", "--global-batch", "2", "--seq-len", "16", "--steps", "2",
               "--repeats", "1"], "TrainBatches.batch"),
+    "gemm_gpu": (["--device", "cpu", "--repeats", "2", "--scale", "64"], "8B tp8 wgrad FP8"),
     "gpu": (["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1"], '"gpu": "cpu"'),
     "overhead": (["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "2", "--ffn", "64", "--vocab",
                   "256", "--seq", "16", "--batch", "1", "--steps", "3", "--warmup", "1", "--repeats", "1",
