@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parcompile.analysis.gemm import GENERATION, gemm_seconds  # noqa: E402
 from parcompile.config.presets import CLUSTER_PRESETS, fp8_peak  # noqa: E402
+from gpu import preset_for  # noqa: E402  (benchmarks/gpu.py: a GPU's cluster preset from its name)
 
 #: (name, batch, m, n, k, format): "16" bf16 torch.mm / bmm, "tensorwise" FP8 torch._scaled_mm
 SHAPES = [
@@ -53,14 +54,6 @@ SHAPES = [
     ("8B tp8 wgrad bf16", 1, 4096, 1792, 98304, "16"),
     ("8B tp8 wgrad FP8", 1, 4096, 1792, 98304, "tensorwise"),
 ]
-
-
-def preset_of(name: str) -> str | None:
-    """The cluster preset of a CUDA device name (H200, H100, A100, B200), None for another."""
-    for key, preset in (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200"), ("A100", "a100-80gb")):
-        if key in name:
-            return preset
-    return None
 
 
 def model_tflops(preset: str | None, b: int, m: int, n: int, k: int, fmt: str) -> float | None:
@@ -129,8 +122,9 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: not run")
         return 0
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    preset = preset_of(name) if args.device == "cuda" else None
+    props = torch.cuda.get_device_properties(0) if args.device == "cuda" else None
+    name = props.name if props else "cpu"
+    preset = preset_for(props.name, props.total_memory) if props else None
     print(f"device {name}; model preset {preset or 'none'}")
     print(f"{'row':20s} {'b x m x n x k':>24s} {'fmt':10s} {'TFLOP/s':>9s} {'model':>8s} {'error':>7s}  kernel")
     rows = []
