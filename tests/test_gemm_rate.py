@@ -344,3 +344,29 @@ def test_pnorm_joins_two_limits():
     assert pnorm(5.0, 0.0, 6.0) == 5.0
     assert pnorm(4.0, 4.0, 6.0) == pytest.approx(4.0 * 2 ** (1 / 6))
     assert pnorm(1.0, 5.0, 6.0) == pytest.approx((1 + 5.0 ** 6) ** (1 / 6))
+
+
+def test_tile_bound_skips_only_tiles_that_cannot_win(monkeypatch):
+    """gemm_seconds skips a tile whose arithmetic, spread evenly over the SMs, already takes longer
+    than the best tile priced so far (a shortcut for speed): every cuBLAS GEMM of a grid of shapes
+    (XLA's range, the torchtitan 8B tp-8 ones, deep k) costs what the slowest way gives, each tile
+    priced alone and the fastest taken."""
+    import dataclasses
+    hopper = KERNELS["hopper"]
+    shapes = [(m, n, k, b) for m in (64, 256, 1024, 4096) for n in (256, 1792, 4096) for k in (256, 4096, 98304)
+              for b in (1, 4)]
+    for fmt, peak, nbytes in (("16", 989e12, 2), ("tensorwise", 1979e12, 1)):
+        gemm_seconds.cache_clear()
+        whole = {s: gemm_seconds(s[0], s[1], s[2], s[3], peak, 132, 3.35e12, "hopper", fmt, nbytes, nbytes)
+                 for s in shapes}
+        alone = {s: float("inf") for s in shapes}
+        for t in hopper.tiles:
+            monkeypatch.setitem(KERNELS, "hopper", dataclasses.replace(hopper, tiles=(t,)))
+            gemm_seconds.cache_clear()
+            for s in shapes:
+                alone[s] = min(alone[s], gemm_seconds(s[0], s[1], s[2], s[3], peak, 132, 3.35e12, "hopper", fmt,
+                                                      nbytes, nbytes))
+        monkeypatch.setitem(KERNELS, "hopper", hopper)
+        for s in shapes:
+            assert whole[s] == pytest.approx(alone[s], rel=1e-12), (fmt, s)
+    gemm_seconds.cache_clear()

@@ -294,7 +294,8 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
     split_k = not dg and kn.split_k_depth > 0 and k >= kn.split_k_depth * sqrt(batch * m * n)
     k_blocks = ceil(k * in_bytes / K_BLOCK_BYTES)
     best = float("inf")
-    for tm, tn, stages in (deepgemm_config(m, n, k, batch, sms, masked),) if dg else ((tm, tn, 0) for tm, tn in kn.tiles):
+    configs = (deepgemm_config(m, n, k, batch, sms, masked),) if dg else ((tm, tn, 0) for tm, tn in kn.tiles)
+    for tm, tn, stages in configs:
         tiles = batch * ceil(m / tm) * ceil(n / tn)
         drain = min(tiles, sms) * tm * tn * out_bytes / drain_bw
         if drain + 2 * tm * tn * k * tiles / (per_sm * sms) >= best:
