@@ -15,7 +15,13 @@ tiles, pipeline depths and TMA multicast as its source at the README's commit ch
 ``m`` rows: the model had priced a random draw of a later test), a roofline whose compute and memory
 limits overlap imperfectly (a p-norm) and DeepGEMM's own streaming fraction of the HBM (its README's
 GB/s column: 0.67-0.80 of it on the memory-bound rows), then every Hopper number refitted together:
-4 of 114 rows are missed, by 12-16% (mean |error| 4.5%, was 5.2%).
+4 of 114 rows are missed, by 12-16% (mean |error| 4.5%, was 5.2%). The fourth (session 24): a
+DeepGEMM kernel's power budget (gemm.py power_seconds: under the power cap the clock falls as the
+operand bytes per FLOP grow, so a 128 x 160 tile or a multicast runs faster than the model's waves
+alone said), its two numbers and the blockwise mainloop refitted on DeepGEMM's 28 rows: 3 of 114
+are missed (DeepGEMM 1 of 28, was 2; mean |error| over them 4.6%, was 5.7%). Per-shape tables
+DeepGEMM's contributors published on the H800 with the tile they ran (pull requests 74 and 81)
+judge it, never fitted on (:data:`DEEPGEMM_PR_H800_FP8`).
 
 Each source is compared as it measured: DeepGEMM's rows without the launch (its bench_kineto
 times the kernel alone), MAMF's with the output in the operands' dtype (mamf-finder.py writes
@@ -119,19 +125,36 @@ DEEPGEMM_H800_FP8 = [
     ('normal', 1, 128, 7168, 16384, 645), ('normal', 1, 128, 7168, 2048, 510),
     ('normal', 1, 4096, 7168, 16384, 1426), ('masked', 4, 256, 4096, 7168, 932),
     ('normal', 1, 4096, 32768, 512, 751),
-    # missed before issue 48's third fit (+14%, -14%: priced as a random draw, +11%), within 10% since
-    ('normal', 1, 4096, 2112, 7168, 1009), ('masked', 1, 1024, 4096, 7168, 1233),
-    ('normal', 1, 64, 32768, 512, 219),
-]
-#: the model misses by 12%: 4096 x 4096 x 7168 (slow: -12%; DeepGEMM's 128 x 160 tiles in 7 waves,
-#: the last 30% full, at the 4 stages its code-size rule leaves BLOCK_N 160; the contiguous rows of
-#: the same tile in 51 waves are at -8%: the measured time is 6.6 waves of the model's tile, as if
-#: the last wave ran faster, which the model does not price) and the masked 2 x 512 x 4096 x 7168
-#: (fast: +12%; 1,040 TFLOP/s where one group of 1,024 rows of the same n, k runs at 1,233: the
-#: second group's own 29 MB of B and no TMA multicast across groups, which the model prices
-#: (1,162), cost more than it says)
-DEEPGEMM_H800_FP8_MISSED = [
+    # missed before issue 48's third fit (-14%: priced as a random draw, +11%), within 10% since
+    ('masked', 1, 1024, 4096, 7168, 1233), ('normal', 1, 64, 32768, 512, 219),
+    # missed before the fourth fit (-12%: 7 waves of 128 x 160 tiles, the last 30% full, measured as
+    # 6.6; +12%: two groups of 512 rows without multicast at 1,040 where one of 1,024 with it runs
+    # 1,233), within 10% since: the power bound prices the fetched bytes
     ('normal', 1, 4096, 4096, 7168, 1265), ('masked', 2, 512, 4096, 7168, 1040),
+]
+#: the model misses by 14%: 4096 x 2112 x 7168 (fast: 128 x 144 tiles, 5 stages, B multicast over
+#: 2 SMs, 480 tiles in 4 waves (the last 64% full): measured as if 4.95 waves of the model's tile
+#: ran, where the same model puts the 128 x 160 rows at -8 to +1%; it was +9.4% before the power
+#: bound, whose refit speeds the wide tiles. The only BLOCK_N 144 row in the tables; DeepGEMM's
+#: later kernels run this shape at 1,296 TFLOP/s on the H800 (pull request 168), so its rate at
+#: 55ab91f is a fact of that kernel's 144-wide tile the model does not have)
+DEEPGEMM_H800_FP8_MISSED = [('normal', 1, 4096, 2112, 7168, 1009)]
+
+# Held-out judges, never fitted on: per-shape tables DeepGEMM's contributors measured on the
+# H800 SXM with the tile they forced, in pull requests of deepseek-ai/DeepGEMM by sazczmh:
+# #74 (merged 2025-03-25, "Larger BlockTile optimizations": base 128 x 128, opti 128 x 160) and
+# #81 (2025-04-08, CUDA 12.8.1: its base column, 128 x 160; its 256 x 128 kernel is not in the
+# model). (layout, groups, m per group, n, k, BLOCK_N, TFLOP/s)
+DEEPGEMM_PR_H800_FP8 = [
+    ('normal', 1, 4096, 24576, 1536, 128, 999), ('normal', 1, 4096, 32768, 512, 128, 591),
+    ('normal', 1, 4096, 7168, 16384, 128, 1404), ('normal', 1, 4096, 7168, 2048, 128, 1031),
+    ('contiguous', 4, 8192, 4096, 7168, 128, 1317), ('contiguous', 4, 8192, 7168, 2048, 128, 1114),
+    ('normal', 1, 4096, 24576, 1536, 160, 1166), ('normal', 1, 4096, 32768, 512, 160, 748),
+    ('normal', 1, 4096, 7168, 16384, 160, 1470), ('normal', 1, 4096, 7168, 2048, 160, 1204),
+    ('contiguous', 4, 8192, 4096, 7168, 160, 1381), ('contiguous', 4, 8192, 7168, 2048, 160, 1262),
+    ('normal', 1, 4096, 24576, 1536, 160, 1162), ('normal', 1, 4096, 32768, 512, 160, 801),
+    ('normal', 1, 4096, 7168, 16384, 160, 1451), ('normal', 1, 4096, 4096, 7168, 160, 1304),
+    ('normal', 1, 4096, 7168, 2048, 160, 1185),
 ]
 
 
@@ -334,6 +357,49 @@ def test_deepgemm_multicast_asked_as_each_layout_calls(monkeypatch):
         gemm.gemm_seconds(100, 4096, 7168, 8, 1979e12, 132, 3.35e12, "hopper", "blockwise", 1, masked=masked)
     gemm.gemm_seconds.cache_clear()
     assert asked == [(8 * 128, 1), (100, 8)]
+
+
+def test_deepgemm_pull_request_tables_judge_the_fit(monkeypatch):
+    """DeepGEMM's contributors' own per-shape tables (:data:`DEEPGEMM_PR_H800_FP8`, the tile each
+    ran forced, its pipeline depth by the same shared-memory rule): held out of every fit, 15 of
+    their 17 rows within 10% and all within 20% (before the power bound: 9 of 17 within 10%; the
+    128 x 160 rows 8-14% slow, the model's 128 x 128 0-10% slower than its 128 x 160 where they
+    measured 5-27% apart)."""
+    import parcompile.analysis.gemm as gemm
+    chooser = gemm.deepgemm_config
+    errors = []
+    for layout, g, m, n, k, bn, tflops in DEEPGEMM_PR_H800_FP8:
+        bm, _, _ = chooser(m, n, k, g, 132, layout == "masked")
+        forced = (bm, bn, gemm.deepgemm_stages(bm, bn, k))
+        monkeypatch.setattr(gemm, "deepgemm_config", lambda *a, forced=forced: forced)
+        gemm_seconds.cache_clear()
+        errors.append(deepgemm_rate(layout, g, m, n, k) / tflops - 1)
+    monkeypatch.setattr(gemm, "deepgemm_config", chooser)
+    gemm_seconds.cache_clear()
+    assert sum(abs(e) <= 0.10 for e in errors) >= 15, errors
+    assert max(abs(e) for e in errors) <= 0.20, errors
+
+
+def test_power_bound_prices_the_fetched_bytes():
+    """A DeepGEMM kernel's power budget, worked by hand: the arithmetic at power_peak of the peak
+    plus the fetched operand bytes at power_byte, over the clock; a multicast of B over 2 SMs
+    fetches 128 + 64 rows of a 128 x 128 tile per k instead of 256, and the bound falls by their
+    bytes; a kernel without a budget (cuBLAS's formats, other generations) is not bound."""
+    import dataclasses
+    from parcompile.analysis.gemm import power_seconds
+    hopper = KERNELS["hopper"]
+    flops, peak = 2 * 128 * 128 * 7168 * 256, 1979e12
+    alone = flops / (hopper.power_peak * peak)
+    assert hopper.power_peak == pytest.approx(1980 / 1830)
+    assert power_seconds(hopper, flops, 256 * 7168 * 256, peak) == pytest.approx(
+        alone + 256 * 7168 * 256 / hopper.power_byte)
+    assert power_seconds(hopper, flops, 256 * 7168 * 256, peak) - power_seconds(
+        hopper, flops, 192 * 7168 * 256, peak) == pytest.approx(64 * 7168 * 256 / hopper.power_byte)
+    assert power_seconds(hopper, flops, 0.0, peak, clock=0.5) == pytest.approx(2 * alone)
+    assert power_seconds(dataclasses.replace(hopper, power_peak=0.0), flops, 1e12, peak) == 0.0
+    assert KERNELS["ampere"].power_peak == 0.0 and KERNELS["blackwell"].power_peak == 0.0
+    # the README's masked pair (module rows): with multicast (one group) faster than without
+    assert deepgemm_rate("masked", 1, 1024, 4096, 7168) > 1.1 * deepgemm_rate("masked", 2, 512, 4096, 7168)
 
 
 def test_pnorm_joins_two_limits():

@@ -16,6 +16,8 @@ multiprocessors (CUTLASS / cuBLAS / DeepGEMM), each SM computing one tile at a t
   for a DeepGEMM kernel every row at most at its pipeline's bytes in flight over the HBM
   latency, :func:`pipeline_rate`); a tile costs ``main(k)`` plus its fixed prologue /
   epilogue :attr:`GemmKernels.tile_fixed`;
+* a DeepGEMM kernel's whole arithmetic and operand traffic at most at its power budget
+  (:func:`power_seconds`: the clock falls as the bytes per FLOP grow);
 * tile and wave quantisation: ``tiles = batch ceil(m / tm) ceil(n / tn)`` run in
   ``ceil(tiles / S)`` waves, for the best tile of the generation's list
   (:attr:`GemmKernels.tiles`, what cuBLAS's heuristics pick from; DeepGEMM's own choice for
@@ -73,9 +75,12 @@ class GemmKernels:
     ``write`` of the HBM bandwidth the output is written at, the ``split_k_depth`` from which
     a one-wave GEMM is split over k (0: never), the formats ``deepgemm`` runs (DeepGEMM's
     tiles, no stream-K), the HBM ``latency`` its pipeline hides (seconds), the fraction
-    ``deepgemm_memory`` of the HBM bandwidth its streaming reaches (0: ``memory``), and the
+    ``deepgemm_memory`` of the HBM bandwidth its streaming reaches (0: ``memory``), the
     exponent ``roofline_p`` of the :func:`pnorm` that joins a GEMM's compute and memory times
-    (0: their maximum)."""
+    (0: their maximum), and the power budget of the ``deepgemm`` kernels (:func:`power_seconds`):
+    ``power_peak``, the fraction of the datasheet peak the SMs reach at their highest clock with
+    no operand traffic (0: no power bound), and ``power_byte``, the operand bytes/s the budget
+    sustains alone."""
 
     tiles: tuple[tuple[int, int], ...]
     mainloop: dict
@@ -90,6 +95,8 @@ class GemmKernels:
     latency: float = 0.0
     deepgemm_memory: float = 0.0
     roofline_p: float = 0.0
+    power_peak: float = 0.0
+    power_byte: float = 0.0
 
 
 _HOPPER_SRC = (
@@ -114,7 +121,12 @@ _HOPPER_SRC = (
     "DeepGEMM's get_best_configs at 55ab91f (deep_gemm/jit_kernels/gemm.py: BLOCK_M 64 for m <= 64 else 128, "
     "128 for a contiguous grouped GEMM, "
     "BLOCK_N 16-128 by 8, 144 and 160, fewest waves then the fullest last wave then the smaller BLOCK_N; 4-8 "
-    "pipeline stages by shared memory; TMA multicast of 2 for m >= 512 and one group); rowwise: 0.55, torchao's "
+    "pipeline stages by shared memory; TMA multicast of 2 for m >= 512 and one group); DeepGEMM's power budget "
+    "(power_seconds): power_peak 1980/1830, the SMs' highest clock over the one the tensor peaks count (67 TFLOPS "
+    "FP32 = 16,896 cores x 2 x 1.98 GHz; 989.4 TFLOPS bf16 = 528 tensor cores x 1,024 x 1.83 GHz), power_byte "
+    "18.75 TB/s of operands and blockwise 0.709 refitted on DeepGEMM's 28 rows (session 24: 1 outside 10%, was 2; "
+    "mean |error| 4.6%, was 5.7%), judged on the per-shape tables of DeepGEMM pull requests 74 and 81 (17 H800 "
+    "rows, 128 x 128 and 128 x 160 tiles; 2 outside 10%, was 8); rowwise: 0.55, torchao's "
     "rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; mxfp8 "
     "(not on Hopper) as tensorwise")
 _AMPERE_SRC = (
@@ -144,10 +156,10 @@ KERNELS: dict[str, GemmKernels] = {
     "ampere": GemmKernels(((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128)),
                           {"16": 0.89}, 120e9, 0.80, 3.5e-6, _AMPERE_SRC, 1.8e-6, 0.80),
     "hopper": GemmKernels(_HOPPER_TILES,
-                          {"16": 0.9175, "tensorwise": 0.8289, "blockwise": 0.677, "rowwise": 0.55,
+                          {"16": 0.9175, "tensorwise": 0.8289, "blockwise": 0.709, "rowwise": 0.55,
                            "mxfp8": 0.8289}, 109.9e9, 0.93, 3.418e-6, _HOPPER_SRC, 1.509e-6,
                           0.6694, 13.18, ("blockwise",), 1.08e-6, deepgemm_memory=0.7219,
-                          roofline_p=5.687),
+                          roofline_p=5.687, power_peak=1980 / 1830, power_byte=18.75e12),
     "blackwell": GemmKernels(((128, 64), (128, 128), (128, 256), (256, 128), (256, 256)),
                              {"16": 0.84, "tensorwise": 0.78, "blockwise": 0.80, "rowwise": 0.55,
                               "mxfp8": 0.78}, 150e9, 0.80, 4e-6, _BLACKWELL_SRC, 0.0, 0.80),
@@ -201,6 +213,14 @@ def deepgemm_config(m: int, n: int, k: int, batch: int, sms: int, masked: bool =
         tiles = batch * ceil(m / bm) * ceil(n / bn)
         return ceil(tiles / sms), -(tiles % sms or sms), bn
     bn = min(DEEPGEMM_BLOCK_N, key=rank)
+    return bm, bn, deepgemm_stages(bm, bn, k)
+
+
+def deepgemm_stages(bm: int, bn: int, k: int) -> int:
+    """DeepGEMM's pipeline depth for a ``bm x bn`` tile over ``k`` (get_best_configs and
+    get_smem_size at 55ab91f, :func:`deepgemm_config`): the most of :data:`DEEPGEMM_STAGES` whose
+    shared memory fits :data:`SM90_SMEM`, 4 only where ``bn`` does not divide 128 and
+    ``128 / gcd(128, bn) <= 4``."""
     stages = DEEPGEMM_STAGES
     if 128 % bn and 128 // gcd(128, bn) <= 4:
         stages = (4,)
@@ -208,8 +228,8 @@ def deepgemm_config(m: int, n: int, k: int, batch: int, sms: int, masked: bool =
     for depth in stages:
         smem = bm * bn * 2 + depth * (bm * 128 + bm * 4 + bn * 128) + ceil(b_scales / 8) * 8 + depth * 16
         if smem <= SM90_SMEM:
-            return bm, bn, depth
-    return bm, bn, stages[-1]
+            return depth
+    return stages[-1]
 
 
 def deepgemm_multicast(m: int, n: int, bm: int, bn: int, groups: int, sms: int) -> tuple[int, int]:
@@ -243,6 +263,28 @@ def pnorm(a: float, b: float, p: float) -> float:
         return max(a, b)
     hi = max(a, b)
     return hi * (1 + (min(a, b) / hi) ** p) ** (1 / p) if hi > 0 else 0.0
+
+
+def power_seconds(kn: GemmKernels, flops: float, fetched: float, peak: float, clock: float = 1.0) -> float:
+    """Seconds the power budget allows a DeepGEMM kernel (:attr:`GemmKernels.deepgemm`) for
+    ``flops`` of its tiles' arithmetic (padding included) and ``fetched`` bytes of operands its
+    SMs load (a multicast tile once per cluster), ``peak`` the format's datasheet FLOP/s and
+    ``clock`` as in :func:`gemm_seconds`: the energy of both against the budget,
+    ``(flops / (power_peak peak) + fetched / power_byte) / clock``
+    (:attr:`GemmKernels.power_peak`, :attr:`GemmKernels.power_byte`); 0 where the generation
+    sets no ``power_peak``.
+
+    Under the power cap the SMs' clock falls as the operand traffic grows, so a wider tile (fewer
+    bytes per FLOP) or a multicast runs faster than the same arithmetic fed with more bytes, and a
+    last partial wave on few SMs runs at a higher clock than a full one. Sources: DeepGEMM's
+    128 x 160 tiles against its 128 x 128, "to alleviate L2 cache pressure", 5-27% faster on the
+    H800 (deepseek-ai/DeepGEMM pull request 74, merged 2025-03-25), and its author's account of
+    the 256 x 128 tile (pull request 81: fewer L2 and HBM accesses "enhance the SM's
+    computational frequency"); in DeepGEMM's README rows at 55ab91f, one masked group of 1,024
+    rows (multicast) runs 1,233 TFLOP/s and two of 512 (no multicast) 1,040."""
+    if not kn.power_peak:
+        return 0.0
+    return (flops / (kn.power_peak * peak) + fetched / kn.power_byte) / clock
 
 
 def schedule_seconds(tiles: int, k: int, sms: int, tile, partial: float, k_blocks: int, split_k: bool,
@@ -311,8 +353,11 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
 
         def tile(kk: float, tm=tm, tn=tn, per_k=per_k) -> float:
             return max(2 * tm * tn * kk / per_sm, per_k * kk) + fixed
-        best = min(best, drain + schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / feed, k_blocks,
-                                                  split_k, not dg))
+        sched = schedule_seconds(tiles, k, sms, tile, tm * tn * PARTIAL_BYTES / feed, k_blocks, split_k, not dg)
+        if dg and kn.power_peak:
+            sched = max(sched, power_seconds(kn, 2 * tm * tn * k * tiles, (tm / ca + tn / cb) * in_bytes * k * tiles,
+                                             peak, clock))
+        best = min(best, drain + sched)
     stream = kn.deepgemm_memory if dg and kn.deepgemm_memory else kn.memory
     memory = batch * ((m * k + k * n) * in_bytes / (stream * hbm_bw) + m * n * out_bytes / drain_bw)
     return pnorm(best, memory, kn.roofline_p) + kn.launch
