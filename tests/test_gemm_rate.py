@@ -142,7 +142,7 @@ DEEPGEMM_H800_FP8_MISSED = [('normal', 1, 4096, 2112, 7168, 1009)]
 
 # Held-out judges, never fitted on: per-shape tables DeepGEMM's contributors measured on the
 # H800 SXM with the tile they forced, in pull requests of deepseek-ai/DeepGEMM by sazczmh:
-# #74 (merged 2025-03-25, "Larger BlockTile optimizations": base 128 x 128, opti 128 x 160) and
+# #74 (opened 2025-03-25, merged, "Larger BlockTile optimizations": base 128 x 128, opti 128 x 160) and
 # #81 (2025-04-08, CUDA 12.8.1: its base column, 128 x 160; its 256 x 128 kernel is not in the
 # model). (layout, groups, m per group, n, k, BLOCK_N, TFLOP/s)
 DEEPGEMM_PR_H800_FP8 = [
@@ -361,7 +361,7 @@ def test_deepgemm_multicast_asked_as_each_layout_calls(monkeypatch):
 
 def test_deepgemm_pull_request_tables_judge_the_fit(monkeypatch):
     """DeepGEMM's contributors' own per-shape tables (:data:`DEEPGEMM_PR_H800_FP8`, the tile each
-    ran forced, its pipeline depth by the same shared-memory rule): held out of every fit, 15 of
+    ran forced, its pipeline depth and multicast by the rules of 55ab91f): held out of every fit, 15 of
     their 17 rows within 10% and all within 20% (before the power bound: 9 of 17 within 10%; the
     128 x 160 rows 8-14% slow, the model's 128 x 128 0-10% slower than its 128 x 160 where they
     measured 5-27% apart)."""

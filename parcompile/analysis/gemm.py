@@ -278,7 +278,7 @@ def power_seconds(kn: GemmKernels, flops: float, fetched: float, peak: float, cl
     bytes per FLOP) or a multicast runs faster than the same arithmetic fed with more bytes, and a
     last partial wave on few SMs runs at a higher clock than a full one. Sources: DeepGEMM's
     128 x 160 tiles against its 128 x 128, "to alleviate L2 cache pressure", 5-27% faster on the
-    H800 (deepseek-ai/DeepGEMM pull request 74, merged 2025-03-25), and its author's account of
+    H800 (deepseek-ai/DeepGEMM pull request 74, opened 2025-03-25), and its author's account of
     the 256 x 128 tile (pull request 81: fewer L2 and HBM accesses "enhance the SM's
     computational frequency"); in DeepGEMM's README rows at 55ab91f, one masked group of 1,024
     rows (multicast) runs 1,233 TFLOP/s and two of 512 (no multicast) 1,040."""
