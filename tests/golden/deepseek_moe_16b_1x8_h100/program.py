@@ -294,7 +294,7 @@ def main(argv=None) -> dict:
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
     evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
     startup.done(f"data ready: {args.data}" + (f", evaluation {args.eval_data}" if evals is not None else ""))
-    init_from = INIT_FROM and os.path.normpath(rt.resolve_source(INIT_FROM, HERE))   # absolute, as the start-up line says it
+    init_from = INIT_FROM and rt.resolve_source(INIT_FROM, HERE)   # absolute, as the start-up line says it
     with rt.no_init() if init_from else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     if init_from:                                               # each rank reads only its slices
