@@ -253,7 +253,7 @@ def main(argv=None) -> dict:
     if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
         start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
         saved = rt.checkpoint.newest(args.checkpoint_dir)[0] if start else None
-        if start and speaker:
+        if start and ctx.rank == 0:                             # once, by global rank 0, as the start-up lines
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
             if start >= args.steps:
                 print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)
