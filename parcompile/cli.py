@@ -304,6 +304,13 @@ def _device_problems(cfg, command: str) -> list[Diagnostic]:
              f"PARCOMPILE_DEVICE=cpu parcompile {command} ...")]
 
 
+def _missing_weights(cfg) -> list[Diagnostic]:
+    """A serve spec's weights directory that does not exist: `run`'s and `serve`'s error, naming it absolute."""
+    return [] if cfg.workload != "serve" or not cfg.serve.weights or Path(cfg.serve.weights).is_dir() else [Diagnostic(
+        "error", f"weights directory `{os.path.abspath(cfg.serve.weights)}` does not exist", cfg.span("serve.weights"),
+        help="train with `checkpoint_dir` set to it first, or give a Hugging Face checkpoint directory")]
+
+
 def cmd_run(args) -> int:
     _output_dir(args)  # a usage error comes first
     try:
@@ -327,10 +334,7 @@ def cmd_run(args) -> int:
     else:
         problems += _device_problems(cfg, "run")
     serve = cfg.workload == "serve"
-    if serve and cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
-        problems.append(Diagnostic(
-            "error", f"weights directory `{cfg.serve.weights}` does not exist", cfg.span("serve.weights"),
-            help="train with `checkpoint_dir` set to it first, or give a Hugging Face checkpoint directory"))
+    problems += _missing_weights(cfg)
     if serve and args.steps:
         raise _Usage("--steps is for training specs; this spec has a `serve` block")
     if not serve and args.prompt:
@@ -381,10 +385,7 @@ def cmd_serve(args) -> int:
                 cfg.span("cluster.nodes"), help="serve from one node, or with vLLM: parcompile export --to vllm"))
         else:
             problems += _device_problems(cfg, "serve")
-        if cfg.serve.weights and not Path(cfg.serve.weights).is_dir():
-            problems.append(Diagnostic(
-                "error", f"weights directory `{cfg.serve.weights}` does not exist", cfg.span("serve.weights"),
-                help="train with `checkpoint_dir` set to it first, or give a Hugging Face checkpoint directory"))
+        problems += _missing_weights(cfg)
         if problems:
             raise SpecError(problems, source)
         args.command = "run"     # the program must be complete, as for `run`
@@ -410,7 +411,6 @@ def cmd_verify(args) -> int:
         return EXIT_SPEC
     sys.stdout.write(report.text())
     return EXIT_OK if report.passed else EXIT_SPEC
-
 
 
 def _write_atomic(path: Path, text: str, inputs=(), flag: str = "-o", what: str = "export") -> None:
@@ -612,7 +612,6 @@ def cmd_schema(args) -> int:
     else:
         sys.stdout.write(text)
     return EXIT_OK
-
 
 
 def _api_key(text: str) -> str:

@@ -49,20 +49,21 @@ def import_program(cfg: SpecConfig, plan, out: Path):
 
 
 def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file: Path,
-                      timeout_s: float = 600.0) -> str:
+                      timeout_s: float = 600.0, torchrun_args: tuple[str, ...] = ()) -> str:
     """Run generated programs one after another in ONE torchrun launch of ``world`` ranks
     (:mod:`parcompile.runtime.distributed.batch`: each ``program.py``'s ``main(argv)`` on one process
     group), in order, so a later job may read what an earlier one wrote (a checkpoint).
     Starting torchrun costs more than a tiny program's run on CI's 2 cores.
 
-    ``jobs``: ``(program.py path, argv)``. Returns the launch's stdout (every job's log).
+    ``jobs``: ``(program.py path, argv)``; ``torchrun_args``: torchrun's own options (``--tee 1``:
+    each rank's stdout lines prefixed ``[default<rank>]:``). Returns the launch's stdout (every job's log).
     Raises AssertionError naming the first job that did not complete, with the output."""
     import json
 
     from parcompile.verification import _torchrun   # verify's launch: gloo, one thread per rank
 
     jobs_file.write_text(json.dumps([{"program": str(p), "argv": [str(a) for a in argv]} for p, argv in jobs]))
-    proc = _torchrun(world, ["-m", "parcompile.runtime.distributed.batch", str(jobs_file)], timeout_s)
+    proc = _torchrun(world, [*torchrun_args, "-m", "parcompile.runtime.distributed.batch", str(jobs_file)], timeout_s)
     done_file = jobs_file.with_name(jobs_file.name + ".done")
     done = int(done_file.read_text()) if done_file.exists() else 0
     assert proc.returncode == 0 and done == len(jobs), (

@@ -59,14 +59,15 @@ def build_serve(cfg: SpecConfig, out: Path) -> dict:
     return plan.data
 
 
-def run_in_process(out: Path, argv: list[str]) -> dict:
-    """Run ``out/serve.py`` in this process (world of one); returns its record."""
+def run_in_process(out: Path, argv: list[str], stdout: io.StringIO | None = None) -> dict:
+    """Run ``out/serve.py`` in this process (world of one); returns its record. What it
+    prints goes to ``stdout`` (None: dropped)."""
     spec = importlib.util.spec_from_file_location(f"parcompile_serve_{next(_counter)}", out / "serve.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ}
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(stdout if stdout is not None else io.StringIO()):
             return module.main(["--plan", str(out / "plan.json")] + argv)
     finally:
         os.environ.update(saved)

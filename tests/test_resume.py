@@ -134,15 +134,26 @@ def test_killed_rank_ends_the_job_and_a_resumed_run_continues_the_curve(tmp_path
 def test_a_checkpoint_moves_between_plans(tmp_path, curve):
     """Train 2 steps under tp2 x pp2; take step 3 under dp2 x tp2 (another tp layout of
     each rank's slices, no pipeline) and in one process; both give the uninterrupted run's
-    step-3 loss (one process: the equivalence tests hold the layouts to it). Both 4-rank
-    runs share one torchrun launch, in order."""
+    step-3 loss (one process: the equivalence tests hold the layouts to it). The 4-rank
+    runs share one torchrun launch, in order; the last, tp2 x pp2 again to step 3, resumes
+    from the dp2 x tp2 run's step 3 with nothing left to train.
+
+    Each resume says so once, by global rank 0 (as the start-up lines; was the last
+    pipeline stage's first rank, rank 2 under pp 2), naming the checkpoint directory
+    absolute (was ``first/../ckpt``: the ``--checkpoint-dir`` default joined, not normalised)."""
     want = curve[3]
     ckpt = tmp_path / "ckpt"
     first = _compiled(tmp_path, _spec(tmp_path, "first", ckpt, steps=2))
     other = _compiled(tmp_path, _spec(tmp_path, "other", ckpt, dp=2, tp=2, pp=1, steps=3))
     log = run_in_one_launch(4, [(first, ["--metrics-dir", tmp_path / "m_first"]),
-                                (other, ["--metrics-dir", tmp_path / "m_other"])], tmp_path / "jobs.json")
-    assert re.search(r"^resumed from \S+/ckpt after step 2$", log, re.M), log
+                                (other, ["--metrics-dir", tmp_path / "m_other"]),
+                                (first, ["--steps", 3])], tmp_path / "jobs.json",
+                            torchrun_args=("--tee", "1"))     # each line prefixed [default<rank>]:
+    said = [(int(rank), text) for rank, text in re.findall(r"^\[default(\d+)\]:(.*)$", log, re.M)]
+    where = ckpt.resolve()
+    assert [(r, t) for r, t in said if t.startswith(("resumed from", "nothing left"))] == [
+        (0, f"resumed from {where} after step 2"), (0, f"resumed from {where} after step 3"),
+        (0, "nothing left to train: the checkpoint is at step 3 and steps = 3")], log
     assert _metric_losses(tmp_path / "m_other") == [pytest.approx(want, abs=1e-5, rel=1e-5)]
 
     # one process, in this process: the generated program imported and run, from the step-2
@@ -184,7 +195,7 @@ def _whole_and_resumed_many(tmp_path: Path, edits: dict, steps: int) -> tuple[st
     curves = {}
     for key in edits:
         d = tmp_path / key
-        assert re.search(rf"^resumed from {re.escape(str(d))}/\S+/ckpt after step 2$", log, re.M), log
+        assert re.search(rf"^resumed from {re.escape(str(d / 'ckpt'))} after step 2$", log, re.M), log
         want = dict(enumerate(_metric_losses(d / "metrics" / "whole"), start=1))
         got = dict(enumerate(_metric_losses(d / "metrics" / "resumed"), start=3))
         assert sorted(want) == list(range(1, steps + 1)) and sorted(got) == list(range(3, steps + 1))

@@ -7,6 +7,8 @@ The torchrun tests group several layouts of one world size per launch (about 10 
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 import pytest
@@ -204,7 +206,8 @@ def test_qwen3_checkpoint_serves_as_transformers_generates(tmp_path):
     """qk-norm through the whole Hugging Face path, one process: a tiny Qwen3 saved with
     save_pretrained, imported with `from "config.json"` (model_type qwen3: qk_norm, its own
     head_dim), its weights loaded by serve's `weights`; greedy tokens equal transformers'
-    `generate`."""
+    `generate`. The start-up line names the weights directory absolute (was
+    ``prog/../hf``: ``--weights``' default joined to the program's folder, not normalised)."""
     pytest.importorskip("transformers")
     from tests.family_utils import tiny_qwen3
 
@@ -217,8 +220,10 @@ def test_qwen3_checkpoint_serves_as_transformers_generates(tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False,
                            attention_mask=torch.ones(2, 6, dtype=torch.long))[:, 6:].tolist()
-    got = run_in_process(tmp_path / "prog", sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), []))
+    said = io.StringIO()
+    got = run_in_process(tmp_path / "prog", sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), []), said)
     assert got["weights"] == "hf"
+    assert f"weights loaded from {(tmp_path / 'hf').resolve()} (hf)" in said.getvalue(), said.getvalue()
     assert got["tokens"] == want
 
 
@@ -360,6 +365,11 @@ def test_cli_compile_and_run_serve_spec(tmp_path, monkeypatch, capsys):
     assert main(["run", str(spec), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "weights directory" in err and "does not exist" in err and "Traceback" not in err
+    # the spec named by a relative path: the error names the directory absolute (was `nowhere`)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "s.par", "-o", "out"]) == 1
+    err = capsys.readouterr().err
+    assert f"weights directory `{os.path.join(os.getcwd(), 'nowhere')}` does not exist" in err, err
 
 
 @pytest.mark.parametrize("batch, dp, words", [

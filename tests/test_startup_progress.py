@@ -165,7 +165,9 @@ def test_only_rank_0_speaks_and_the_time_counts_from_the_process_start(monkeypat
 def test_run_says_the_weights_path_as_the_spec_names_it(tmp_path, monkeypatch):
     """`init_from = "."` in a spec beside its model, the program written elsewhere (``-o``):
     the start-up line names the model directory absolute (was ``../tiny_hf``, the path as the
-    generated program opens it, relative to the program's folder)."""
+    generated program opens it, relative to the program's folder), and the data line the
+    data and evaluation files absolute (was ``<program's folder>/../tiny_hf/train.jsonl``:
+    the ``--data`` default joined, not normalised)."""
     from tests.test_training_jobs import _load_make_tiny
 
     monkeypatch.setenv("PARCOMPILE_CACHE", str(tmp_path / "cache"))
@@ -180,3 +182,6 @@ def test_run_says_the_weights_path_as_the_spec_names_it(tmp_path, monkeypatch):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     built = [line for line in run.stdout.splitlines() if "model built: " in line]
     assert len(built) == 1 and built[0].endswith(f", weights loaded from {model.resolve()}"), built
+    data = [line for line in run.stdout.splitlines() if "data ready: " in line]
+    want = f"data ready: {model.resolve() / 'train.jsonl'}, evaluation {model.resolve() / 'eval.jsonl'}"
+    assert len(data) == 1 and data[0].endswith(want), data

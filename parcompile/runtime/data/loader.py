@@ -16,6 +16,7 @@ Sources (the `train.data` key):
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
@@ -26,11 +27,17 @@ from parcompile.runtime.data.dataset import EvalBatches, TrainBatches, local_row
 
 
 def resolve_source(source: str, base: Path) -> str:
-    """A relative path (data, tokenizer, checkpoint) is taken relative to ``base`` (the
-    program's directory); names (``synthetic``, ``bytes``, built-in texts) stay."""
+    """A relative path (data, tokenizer, checkpoint, weights) is taken relative to ``base``
+    (the program's directory, absolute: ``Path(__file__).resolve().parent``) and normalised,
+    so that what the program prints names the file as the user finds it (``/abs/tiny_hf``,
+    not ``/abs/build/../tiny_hf``); names (``synthetic``, ``bytes``, built-in texts) stay.
+
+    The normalisation is lexical (``os.path.normpath``), the inverse of how
+    :func:`parcompile.codegen.emit._data_path` wrote the relative path (``os.path.relpath``
+    of two ``abspath``), and ``base`` holds no symbolic links: the path names the same file."""
     if source in ("synthetic", "bytes") or source in BUILTIN_SOURCES or Path(source).is_absolute():
         return source
-    return str(base / source)
+    return os.path.normpath(base / source)
 
 
 class SyntheticBatches:

@@ -241,7 +241,7 @@ def main(argv=None) -> dict:
     data = rt.training_data(args.data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED)  # batch(step): (tokens, targets)
     evals = rt.eval_data(args.eval_data, data_format, VOCAB, SEQ_LEN, GLOBAL_BATCH, TRAIN["eval_batches"])
     startup.done(f"data ready: {args.data}" + (f", evaluation {args.eval_data}" if evals is not None else ""))
-    init_from = INIT_FROM and os.path.normpath(rt.resolve_source(INIT_FROM, HERE))   # absolute, as the start-up line says it
+    init_from = INIT_FROM and rt.resolve_source(INIT_FROM, HERE)   # absolute, as the start-up line says it
     with rt.no_init() if init_from else contextlib.nullcontext():   # weights about to be loaded: not drawn
         model = Stage(plan, ctx).to(device=ctx.device, dtype=ACT_DTYPE)  # 16-bit weights; fp32 gradients and master weights live with the optimizer
     if init_from:                                               # each rank reads only its slices
@@ -270,7 +270,7 @@ def main(argv=None) -> dict:
     if args.checkpoint_dir and not args.no_resume:             # newest complete checkpoint, any plan
         start = rt.checkpoint.load(args.checkpoint_dir, model, opt, ctx)
         saved = rt.checkpoint.newest(args.checkpoint_dir)[0] if start else None
-        if start and speaker:
+        if start and ctx.rank == 0:                             # once, by global rank 0, as the start-up lines
             print(f"resumed from {args.checkpoint_dir} after step {start}", flush=True)
             if start >= args.steps:
                 print(f"nothing left to train: the checkpoint is at step {start} and steps = {args.steps}", flush=True)

@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
     """Serve the prompts; returns this rank's record (tokens, cache bytes, collectives)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default=str(HERE / "plan.json"), help="plan.json of this program")
-    ap.add_argument("--weights", default=None if WEIGHTS is None else str(HERE / WEIGHTS),
+    ap.add_argument("--weights", default=WEIGHTS and rt.resolve_source(WEIGHTS, HERE),   # absolute, as the start-up line says it
                     help="a DCP checkpoint or Hugging Face directory; 'seed' draws them from SEED")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     ap.add_argument("--prompt-ids", action="append", default=[], help="a prompt as token ids: 1,2,3")
