@@ -49,6 +49,8 @@ SHAPES = [
     ("XLA missed", 1, 1024, 256, 1024, "16"),
     ("XLA neighbour", 1, 1024, 256, 2048, "16"),
     ("XLA neighbour", 1, 1024, 256, 4096, "16"),
+    ("XLA transpose", 1, 256, 1024, 1024, "16"),    # 73.7 TFLOP/s in XLA's 9bebee8 run, the missed row 67.9
+    ("XLA transpose", 1, 512, 512, 1024, "16"),     # 72.5 there
     ("MAMF H100 FP8", 1, 1024, 9216, 14336, "tensorwise"),
     ("MAMF H200 FP8", 1, 1280, 4096, 12032, "tensorwise"),
     ("8B tp8 wgrad bf16", 1, 4096, 1792, 98304, "16"),
