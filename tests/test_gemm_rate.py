@@ -380,25 +380,37 @@ def test_deepgemm_pull_request_tables_judge_the_fit(monkeypatch):
     assert max(abs(e) for e in errors) <= 0.20, errors
 
 
-def test_power_bound_prices_the_fetched_bytes():
-    """A DeepGEMM kernel's power budget, worked by hand: the arithmetic at power_peak of the peak
-    plus the fetched operand bytes at power_byte, over the clock; a multicast of B over 2 SMs
-    fetches 128 + 64 rows of a 128 x 128 tile per k instead of 256, and the bound falls by their
-    bytes; a kernel without a budget (cuBLAS's formats, other generations) is not bound."""
+def test_power_bound_prices_the_fetched_bytes(monkeypatch):
+    """A DeepGEMM kernel's power budget, worked by hand with round numbers (not the fitted ones):
+    5e15 FLOP at power_peak 1.25 of a 2e15 FLOP/s peak take 2 s, 6e12 fetched bytes at power_byte
+    2e12 B/s 3 s, 5 s together, 10 s at half the clock; a kernel without a budget (cuBLAS's formats,
+    other generations) is not bound. gemm_seconds prices the bytes each tile fetches, a multicast
+    tile once per cluster: 4096 x 4096 x 7168 runs 32 x 26 = 832 tiles of 128 x 160 with B shared
+    over 2 SMs (test_deepgemm_config_as_its_source_chooses), 128 + 160 / 2 = 208 bytes per tile per
+    k; the masked 2 x 512 rows 2 x 4 x 32 = 256 tiles of 128 x 128 without multicast, 256 bytes."""
     import dataclasses
-    from parcompile.analysis.gemm import power_seconds
+
+    from parcompile.analysis import gemm
     hopper = KERNELS["hopper"]
-    flops, peak = 2 * 128 * 128 * 7168 * 256, 1979e12
-    alone = flops / (hopper.power_peak * peak)
     assert hopper.power_peak == pytest.approx(1980 / 1830)
-    assert power_seconds(hopper, flops, 256 * 7168 * 256, peak) == pytest.approx(
-        alone + 256 * 7168 * 256 / hopper.power_byte)
-    assert power_seconds(hopper, flops, 256 * 7168 * 256, peak) - power_seconds(
-        hopper, flops, 192 * 7168 * 256, peak) == pytest.approx(64 * 7168 * 256 / hopper.power_byte)
-    assert power_seconds(hopper, flops, 0.0, peak, clock=0.5) == pytest.approx(2 * alone)
-    assert power_seconds(dataclasses.replace(hopper, power_peak=0.0), flops, 1e12, peak) == 0.0
+    round_kn = dataclasses.replace(hopper, power_peak=1.25, power_byte=2e12)
+    assert gemm.power_seconds(round_kn, 5e15, 6e12, 2e15) == pytest.approx(5.0)
+    assert gemm.power_seconds(round_kn, 5e15, 6e12, 2e15, clock=0.5) == pytest.approx(10.0)
+    assert gemm.power_seconds(dataclasses.replace(hopper, power_peak=0.0), 5e15, 6e12, 2e15) == 0.0
     assert KERNELS["ampere"].power_peak == 0.0 and KERNELS["blackwell"].power_peak == 0.0
-    # the README's masked pair (module rows): with multicast (one group) faster than without
+    asked = []
+    monkeypatch.setattr(gemm, "power_seconds", lambda kn, flops, fetched, peak, clock=1.0:
+                        asked.append((flops, fetched, peak, clock)) or 0.0)
+    gemm.gemm_seconds.cache_clear()
+    deepgemm_rate("normal", 1, 4096, 4096, 7168)
+    deepgemm_rate("masked", 2, 512, 4096, 7168)
+    rate(4096, 4096, 7168, 1, "tensorwise", 1, **H100_FP8)      # cuBLAS: no power bound
+    monkeypatch.undo()
+    gemm.gemm_seconds.cache_clear()
+    assert asked == [(2 * 128 * 160 * 7168 * 832, 208 * 7168 * 832, 1979e12, 1.0),
+                     (2 * 128 * 128 * 7168 * 256, 256 * 7168 * 256, 1979e12, 1.0)]
+    # the README's masked pair (module rows): with multicast (one group) faster than without;
+    # 1.01 x without the power bound
     assert deepgemm_rate("masked", 1, 1024, 4096, 7168) > 1.1 * deepgemm_rate("masked", 2, 512, 4096, 7168)
 
 
