@@ -122,11 +122,14 @@ _HOPPER_SRC = (
     "128 for a contiguous grouped GEMM, "
     "BLOCK_N 16-128 by 8, 144 and 160, fewest waves then the fullest last wave then the smaller BLOCK_N; 4-8 "
     "pipeline stages by shared memory; TMA multicast of 2 for m >= 512 and one group); DeepGEMM's power budget "
-    "(power_seconds): power_peak 1980/1830, the SMs' highest clock over the one the tensor peaks count (67 TFLOPS "
-    "FP32 = 16,896 cores x 2 x 1.98 GHz; 989.4 TFLOPS bf16 = 528 tensor cores x 1,024 x 1.83 GHz), power_byte "
-    "18.75 TB/s of operands and blockwise 0.709 refitted on DeepGEMM's 28 rows (session 24: 1 outside 10%, was 2; "
-    "mean |error| 4.6%, was 5.7%), judged on the per-shape tables of DeepGEMM pull requests 74 and 81 (17 H800 "
-    "rows, 128 x 128 and 128 x 160 tiles; 2 outside 10%, was 8); rowwise: 0.55, torchao's "
+    "(power_seconds): power_peak 1980/1830, the SMs' highest clock over the one the tensor peaks count, not "
+    "fitted (NVIDIA's H100 SXM figures, datasheet 67 and 1,979 TFLOPS with sparsity, Hopper whitepaper 66.9 and "
+    "989.4: 66.9 TFLOPS FP32 = 16,896 cores x 2 x 1.98 GHz; 989.4 TFLOPS bf16 dense / (528 tensor cores x "
+    "1,024) = 1.83 GHz), power_byte 18.75 TB/s of operands and blockwise 0.709 refitted on DeepGEMM's 28 rows "
+    "(session 24: 1 outside 10%, was 2; mean |error| 4.6%, was 5.7%; the bound slows the masked groups without "
+    "multicast, which let the mainloop rise), judged on the per-shape tables of DeepGEMM pull requests 74 and 81 "
+    "(17 H800 rows, 128 x 128 and 128 x 160 tiles; 2 outside 10%, was 8, by the mainloop's rise); rowwise: "
+    "0.55, torchao's "
     "rowwise-scaled CUTLASS GEMM, fitted with fp8_rowwise_clock on the torchtitan float8 rowwise rows; mxfp8 "
     "(not on Hopper) as tensorwise")
 _AMPERE_SRC = (
@@ -275,8 +278,11 @@ def power_seconds(kn: GemmKernels, flops: float, fetched: float, peak: float, cl
     sets no ``power_peak``.
 
     Under the power cap the SMs' clock falls as the operand traffic grows, so a wider tile (fewer
-    bytes per FLOP) or a multicast runs faster than the same arithmetic fed with more bytes, and a
-    last partial wave on few SMs runs at a higher clock than a full one. Sources: DeepGEMM's
+    bytes per FLOP) or a multicast runs faster than the same arithmetic fed with more bytes. The
+    bound only adds time (:func:`gemm_seconds` takes the larger of it and the waves): a kernel
+    fetching many bytes per FLOP (the masked layout's groups, without multicast) runs slower than
+    its waves say; the bound counts the kernel's tiles, not its waves, so a last partial wave adds
+    only its own tiles to it. Sources: DeepGEMM's
     128 x 160 tiles against its 128 x 128, "to alleviate L2 cache pressure", 5-27% faster on the
     H800 (deepseek-ai/DeepGEMM pull request 74, opened 2025-03-25), and its author's account of
     the 256 x 128 tile (pull request 81: fewer L2 and HBM accesses "enhance the SM's
@@ -341,7 +347,7 @@ def gemm_seconds(m: int, n: int, k: int, batch: int, peak: float, sms: int, hbm_
         tiles = batch * ceil(m / tm) * ceil(n / tn)
         drain = min(tiles, sms) * tm * tn * out_bytes / drain_bw
         if drain + 2 * tm * tn * k * tiles / (per_sm * sms) >= best:
-            continue   # no schedule beats the tiles' arithmetic spread evenly over the SMs
+            continue   # no schedule beats the tiles' arithmetic spread evenly over the SMs (the power bound only adds)
         # the masked kernel asks with one group's m and the groups, the contiguous one with the
         # groups' rows aligned to BLOCK_M (128) as one GEMM (m_grouped_gemm.py at 55ab91f)
         ca, cb = deepgemm_multicast(m if masked else batch * ceil(m / tm) * tm, n, tm, tn, batch if masked else 1,
