@@ -74,7 +74,7 @@ from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.grads import (enable_main_grads, optimizer_grad, segment_grad, set_main_grad,
                                             set_segment_grad)
 from parcompile.runtime.train.optim import fp8_weight_ids, scaler_for, set_lr, tp_partial_grads, unscale_gradients
-from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
+from parcompile.runtime.train.zero_gather import ParamGather
 from parcompile.runtime.train.zero_states import ShardStates
 
 
@@ -134,16 +134,9 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
                 (decay if p.ndim >= 2 else no_decay).append(seg)
         self.padding = self._padding_segments()
         no_decay += [pad for _b, _lo, pad in self.padding]
-        # zero 3 with 16-bit weights: the rank keeps its 16-bit slice of every bucket, which the
-        # next step's all-gather sends (SPEC: 2/d bytes of parameters per element)
-        self.low_shards: list[torch.Tensor] | None = None
-        self.offload = "none"   # parallel.offload, set by runtime/train/offload.py's offload_optimizer
-        # zero 3: the gathered buffer of each bucket (by index), the buckets LayerGather
-        # gathers just in time, and the bytes of gathered buffers held (shared by a stage's parts)
-        self._full: dict[int, torch.Tensor] = {}
-        self._inflight: dict[int, tuple] = {}   # prefetched buckets: (works, inputs, finish)
-        self.just_in_time: set[int] = set()
-        self.gathered = GatherMeter()
+        # FP8 all-gather: the FP8 GEMMs' weights, gathered as E4M3 bytes
+        fp8w = fp8_weight_ids(fp8_model if fp8_model is not None else model) if fp8_all_gather and zero3 else set()
+        self._init_gather_state([p for p in self.params if id(p) in fp8w])
         #: zero 2, 3: the most bytes of full gradient buffers the step held at once (the
         #: plan's ``grad_buckets_in_flight``; ``full_grads`` when reduced once per step)
         self.full_grad_bytes = 0
@@ -152,17 +145,6 @@ class ShardedOptimizer(ParamGather, ShardStates, BucketedReduction):
         self.optimizer = make_optimizer([{"params": decay, "weight_decay": weight_decay},
                                          {"params": no_decay, "weight_decay": 0.0}])
         self._grad_shards: list[torch.Tensor] | None = None
-        # FP8 all-gather: the FP8 GEMMs' weights (index = their amax's place), the step's
-        # amaxes and inverse scales (None: not taken this step: gathers in 16 bits)
-        self.fp8_params: list[nn.Parameter] = []
-        if fp8_all_gather and zero3:
-            fp8w = fp8_weight_ids(fp8_model if fp8_model is not None else model)
-            self.fp8_params = [p for p in self.params if id(p) in fp8w]
-        self._fp8_index = {id(p): k for k, p in enumerate(self.fp8_params)}
-        self._fp8_amax: torch.Tensor | None = None
-        self._fp8_sinv: list[torch.Tensor] = []
-        self._fp8_held: dict[int, int] = {}   # bucket index -> bytes of its E4M3 copies held
-        self._exporting = False
         self.frozen_shards = None   # LoRA, zero 3: the frozen weights' (runtime/train/zero_frozen.py)
         if zero3:
             self._keep_low_shards()

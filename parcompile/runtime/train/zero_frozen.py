@@ -31,7 +31,7 @@ import torch.nn as nn
 from parcompile.core.data_parallel import DataParallelSharding
 from parcompile.runtime.distributed.context import ParallelContext
 from parcompile.runtime.train.buckets import BucketLayout, bucket_layouts
-from parcompile.runtime.train.zero_gather import GatherMeter, ParamGather
+from parcompile.runtime.train.zero_gather import ParamGather
 
 
 class _Layout:
@@ -59,12 +59,7 @@ class FrozenShards(ParamGather):
         self.buckets = _Layout(bucket_layouts(self.params, getattr(model, "chunks", None), self.axis.size,
                                               bucket_size))
         self.mixed = False
-        self._full: dict[int, torch.Tensor] = {}
-        self._inflight: dict[int, tuple] = {}
-        self.just_in_time: set[int] = set()
-        self.gathered = GatherMeter()
-        self.fp8_params, self._fp8_index, self._fp8_amax, self._fp8_held = [], {}, None, {}
-        self._exporting = False
+        self._init_gather_state()
         self.low_shards = []   # this rank's slice of each bucket, in the weights' dtype
         for b in self.buckets.buckets:
             mine = torch.zeros(b.shard, dtype=self.params[0].dtype, device=ctx.device)

@@ -27,7 +27,32 @@ class ParamGather:
     """The parameter all-gathers of :class:`parcompile.runtime.train.zero.ShardedOptimizer` (module
     docstring), a part of it that reads its layout (``buckets``, ``segments``, ``axis``) and
     its ``sharding``; the state it keeps (gathered buffers, prefetches in flight, ZeRO-3's
-    16-bit slices, the FP8 scales) is set in ``ShardedOptimizer.__init__``."""
+    16-bit slices, the FP8 weights and scales) is set by :meth:`_init_gather_state`, which
+    ``ShardedOptimizer.__init__`` and :class:`parcompile.runtime.train.zero_frozen.FrozenShards`
+    call."""
+
+    def _init_gather_state(self, fp8_params: list[nn.Parameter] | None = None) -> None:
+        """The all-gathers' state before the first step: no 16-bit slices kept
+        (``low_shards`` None), ``offload`` "none" (``parallel.offload``, set by
+        :func:`parcompile.runtime.train.offload.offload_optimizer`); zero 3: no bucket gathered
+        (``_full``: bucket index -> gathered buffer), none prefetched (``_inflight``: index ->
+        (works, inputs, finish)), none gathered just in time yet (``just_in_time``, set by
+        :class:`LayerGather`), the bytes of gathered buffers held (``gathered``); FP8
+        all-gather: the FP8 GEMMs' weights ``fp8_params`` (their index is their amax's place;
+        none: gathers in 16 bits), the step's amaxes and inverse scales (None / empty: not taken
+        this step), the bytes of E4M3 copies held per bucket, and no export in progress."""
+        self.low_shards: list[torch.Tensor] | None = None
+        self.offload = "none"
+        self._full: dict[int, torch.Tensor] = {}
+        self._inflight: dict[int, tuple] = {}
+        self.just_in_time: set[int] = set()
+        self.gathered = GatherMeter()
+        self.fp8_params: list[nn.Parameter] = list(fp8_params or [])
+        self._fp8_index = {id(p): k for k, p in enumerate(self.fp8_params)}
+        self._fp8_amax: torch.Tensor | None = None
+        self._fp8_sinv: list[torch.Tensor] = []
+        self._fp8_held: dict[int, int] = {}
+        self._exporting = False
 
     def _own_lo(self, b: BucketLayout) -> int:
         """The first element of bucket ``b`` this rank owns (its slice: ``b.shard`` elements
