@@ -148,3 +148,29 @@ def test_model_and_cluster_names_are_identifiers():
     for bad in ('model "x" {', "model a b {", "model a;b {"):
         with pytest.raises(parcompile.SpecError):
             parcompile.compile(TINY.replace("model tiny {", bad, 1))
+
+
+def test_an_output_directory_behind_a_symbolic_link_still_names_the_data(tmp_path, monkeypatch):
+    """The program finds its files from its own directory with symbolic links resolved
+    (``Path(__file__).resolve().parent``): an output directory reached through a link
+    (``proj/out -> scratch/out``, a common /home -> /data setup) must still lead its relative
+    paths to the spec's files. Was: the path was taken between the link's names, so the
+    program's ``..`` climbed the real directory's parents and ``parcompile run`` failed with
+    "scratch/data.txt: data file not found" (and a checkpoint or HF output would have gone to
+    the wrong place)."""
+    proj, scratch = tmp_path / "proj", tmp_path / "scratch" / "deep"
+    scratch.mkdir(parents=True)
+    proj.mkdir()
+    (proj / "out").symlink_to(scratch)
+    data = proj / "data.txt"
+    data.write_text("hello world\n" * 100)
+    spec = proj / "spec.par"
+    spec.write_text(_spec_text(data='"data.txt"', checkpoint_dir='"ckpt"'))
+    monkeypatch.chdir(proj)                      # a checkpoint_dir is relative to where one runs
+    plan = parcompile.compile(spec)
+    out = proj / "out" / "run1"                  # as the user names it: through the link
+    program = render_program(plan.config, plan, out)
+    here = out.resolve()                         # as the program finds itself
+    assert (here / _assigned(program, "DATA")).resolve() == data.resolve()
+    ckpt = _assigned(program, "TRAIN")["checkpoint_dir"]
+    assert Path(os.path.normpath(here / ckpt)) == proj.resolve() / "ckpt"

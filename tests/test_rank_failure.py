@@ -267,3 +267,27 @@ def test_kill_9_of_a_serve_rank_is_one_line_and_the_server_exits(tmp_path):
     assert after[0].startswith("error: rank 1 (pid %d) was killed by SIGKILL" % ranks[1]), out
     assert re.match(r"error: (replica 1 disconnected \(a rank died\)|the serve program exited with status 1); "
                     r"answering 503", after[1]), out
+
+
+def test_a_data_error_at_run_time_is_one_line(tmp_path):
+    """Data that went bad after `parcompile compile` (or a program started by its launch.sh or
+    a plain torchrun, without `parcompile run`'s check of the data): the program says the
+    data's path, line and what is wrong in one line, as `check` does, and exits 1. Was: the
+    DataError's 20-line traceback, from every rank."""
+    data = tmp_path / "corpus.jsonl"
+    data.write_text('{"text": "hello there, a fine line of text"}\n' * 50)
+    spec = tmp_path / "one.par"
+    spec.write_text(SPEC.replace("LR", "1e-3").replace("STEPS", "2").replace('"synthetic"', '"corpus.jsonl"')
+                    .replace("dp = 2", "dp = 1").replace("global_batch = 2", "global_batch = 1")
+                    .replace("gpus_per_node = 2", "gpus_per_node = 1"))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "parcompile", "compile", str(spec), "-o", str(out)], check=True,
+                   capture_output=True)
+    data.write_text('{"text": "hello there"}\n{"text": oops}\n')
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29500 + os.getpid() % 1000))
+    env.pop(LAUNCHER_ENV, None)
+    run = subprocess.run([sys.executable, str(out / "program.py")], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr + run.stdout, run.stderr
+    assert run.stderr.splitlines()[-1] == f"error: {data}:2: not valid JSON: Expecting value (column 10)", run.stderr

@@ -169,13 +169,19 @@ def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     to the program's directory when that is known (so generated files hold no absolute
     paths); names (``synthetic``, ``bytes``, ``builtin:...``) stay as they are.
 
-    The program resolves a relative path against its own directory
-    (:func:`parcompile.runtime.data.loader.resolve_source`); the front end resolved the spec's
-    paths against the spec's directory."""
+    The program resolves a relative path against its own directory, symbolic links resolved
+    (``HERE = Path(__file__).resolve().parent``, then
+    :func:`parcompile.runtime.data.loader.resolve_source`), so the path is taken between the
+    two directories as they lie on disk (``os.path.realpath``): an output or data directory
+    reached through a symbolic link (``build -> /scratch/build``) still names the same file
+    however the program is started (its ``..`` climb the real directories, not the link's
+    parents). The file's own name is kept (a data file that is itself a link stays one). The
+    front end resolved the spec's paths against the spec's directory."""
     if data is None or data in ("synthetic", "bytes") or data.startswith("builtin:") or out_dir is None:
         return data
-    # abspath, not resolve: symbolic links in the user's path stay as the user wrote them
-    return os.path.relpath(os.path.abspath(data), os.path.abspath(out_dir))
+    where = os.path.abspath(data)
+    real = os.path.join(os.path.realpath(os.path.dirname(where)), os.path.basename(where))
+    return os.path.relpath(real, os.path.realpath(out_dir))
 
 
 class CompiledPlan(Protocol):

@@ -16,6 +16,7 @@ from parcompile.runtime.distributed.comm import (COUNTER, all_reduce, copy_to_tp
 from parcompile.runtime.distributed.context import Axis, ParallelContext, init_parallel, shutdown
 from parcompile.runtime.distributed.failure import run_main
 from parcompile.runtime.distributed.context_parallel import Positions, chunk_positions, gather_kv, gathered_positions, split_microbatch
+from parcompile.runtime.data.files import DataError
 from parcompile.runtime.data.loader import SyntheticBatches, batch_digest, eval_data, local_rows, resolve_source, training_data
 # the layers and MLA's functions the op table's program rows call (parcompile/ir/ops/):
 # every name of each module's __all__, so a new runtime function is one module's edit

@@ -342,5 +342,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    # a TrainError stops every rank together and rank 0 says why; an error is said once (issue 51)
-    rt.run_main(main, (rt.TrainError,), speaks=lambda e: e.rank == 0)
+    # a TrainError stops every rank together and rank 0 says why; a DataError (the data or the
+    # tokenizer: path, line, what is wrong) is raised alike on every rank and rank 0 says it;
+    # an error is said once (issue 51)
+    rt.run_main(main, (rt.TrainError, rt.DataError),
+                speaks=lambda e: getattr(e, "rank", int(os.environ.get("RANK", "0"))) == 0)

@@ -297,4 +297,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    rt.run_main(main, (gen.ServeError,))                        # an error is said once (issue 51)
+    rt.run_main(main, (gen.ServeError, rt.DataError))           # an error is said once (issue 51)
