@@ -600,15 +600,15 @@ def cmd_diff(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json)."""
+    """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json),
+    on stdout or written atomically to FILE (:func:`_write_atomic`)."""
     from parcompile.plan_schema import json_schema_text
 
+    if args.output is not None and not args.output.strip():
+        raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
     text = json_schema_text()
-    if args.output:
-        try:
-            Path(args.output).write_text(text)
-        except OSError as e:
-            raise _Usage(f"cannot write {args.output}: {e.strerror or e}") from None
+    if args.output is not None:
+        _write_atomic(Path(args.output), text, what="schema")
     else:
         sys.stdout.write(text)
     return EXIT_OK
