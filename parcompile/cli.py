@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from parcompile import api
 from parcompile.api import prepare_data
+from parcompile.core import outputs
 from parcompile.diagnostics import SHOWN, Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import source_text
 
@@ -312,7 +313,10 @@ def _missing_weights(cfg) -> list[Diagnostic]:
 
 
 def cmd_run(args) -> int:
-    _output_dir(args)  # a usage error comes first
+    _output_dir(args)  # a usage error comes first; then --checkpoint-dir by the preflight's rule, before any launch
+    if args.checkpoint_dir is not None and (why := "an empty name" if not args.checkpoint_dir.strip()
+                                            else outputs.write_problem(args.checkpoint_dir)):
+        raise _Usage(f"--checkpoint-dir: {why}; give a directory that can be created and written")
     try:
         plan, source = _compile(args.spec)
         if plan.config.workload == "train":
@@ -600,17 +604,15 @@ def cmd_diff(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json),
-    on stdout or written atomically to FILE (:func:`_write_atomic`)."""
+    """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json)."""
     from parcompile.plan_schema import json_schema_text
 
-    if args.output is not None and not args.output.strip():
+    if args.output is None:
+        sys.stdout.write(json_schema_text())
+    elif not args.output.strip():
         raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
-    text = json_schema_text()
-    if args.output is not None:
-        _write_atomic(Path(args.output), text, what="schema")
     else:
-        sys.stdout.write(text)
+        _write_atomic(Path(args.output), json_schema_text(), what="schema")
     return EXIT_OK
 
 
