@@ -45,7 +45,7 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
-from parcompile.frontend.paths import SpecPaths
+from parcompile.frontend.paths import SpecPaths, model_source_on_disk
 from parcompile.frontend.checks_recompute import convert_module_list
 from parcompile.core.recompute import RECOMPUTE_MODULES
 from parcompile.frontend.serve_values import (SERVE_AUTO_PLACEHOLDERS, checkpoint_quantization, prefill_gpus,
@@ -532,10 +532,9 @@ class _Sources:
             self._source_error(block, f"`{src}` is a cluster preset, not a model preset",
                                help=f"model presets are {or_list(MODEL_PRESET_NAMES, quote=True)}")
             return None
-        self._source_error(block, f"unknown model preset `{src}`",
-                           help=f"{did_you_mean(src, MODEL_PRESET_NAMES, case_note=_PRESET_CASE)}model presets are "
-                                f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
-                                f"`config.json`")
+        self._source_error(block, *(model_source_on_disk(src, self.source_dir) or (
+            f"unknown model preset `{src}`", f"{did_you_mean(src, MODEL_PRESET_NAMES, case_note=_PRESET_CASE)}model "
+            f"presets are {or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face `config.json`")))
         return None
 
     def _imported_values(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:
