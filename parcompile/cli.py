@@ -43,10 +43,8 @@ def _read(path: str) -> tuple[Path, str]:
         return p, source_text(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
     except FileNotFoundError:
         raise _Usage(f"cannot read {path}: no such file") from None
-    except IsADirectoryError:
-        raise _Usage(f"cannot read {path}: it is a directory; give a .par file") from None
-    except OSError as e:   # a FIFO, a device, a file over the limit: never waited on nor read
-        fix = "give a .par file" if "regular" in (e.strerror or "") else "a spec is a few kilobytes"
+    except OSError as e:   # a directory, a FIFO, a device, a file over the limit: never waited on nor read
+        fix = "a spec is a few kilobytes" if "bytes" in (e.strerror or "") else "give a .par file"
         raise _Usage(f"cannot read {path}: it {e.strerror or e}; {fix}") from None
 
 
