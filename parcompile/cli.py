@@ -521,6 +521,7 @@ def cmd_export_weights(args) -> int:
     global tensors. A LoRA spec's checkpoint (adapters only) is written as a PEFT adapter."""
     from parcompile.runtime.data.dataset import DataError
     from parcompile.core.lora import lora_settings
+    from parcompile.core.files import what_is
     from parcompile.core.outputs import run_identity
     from parcompile.runtime.state.hf_export import checkpoint_step, export_weights, read_dcp_global, tokenizer_outputs
     from parcompile.runtime.state.peft_export import write_lora_output
@@ -528,8 +529,9 @@ def cmd_export_weights(args) -> int:
 
     if not args.output.strip():
         raise _Usage("-o needs a directory name, got an empty string")
-    if not Path(args.ckpt_dir).is_dir():
-        raise _Usage(f"cannot read {args.ckpt_dir}: no such directory (a `checkpoint_dir` a training run wrote)")
+    if not Path(args.ckpt_dir).is_dir():   # what it is instead (core.files.what_is: None, a regular file)
+        raise _Usage(f"cannot read {args.ckpt_dir}: it {(what_is(args.ckpt_dir) or 'is a file').split(', not a')[0]}; "
+                     "give a `checkpoint_dir` a training run wrote")
     try:
         plan, source = _compile(args.spec)
     except SpecError as e:
