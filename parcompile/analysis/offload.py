@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from parcompile.analysis.lora import trainable
 from parcompile.core.buckets import reshard_after_forward, shard_elements, stage_buckets
 from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.groups import rank_groups
@@ -53,7 +54,9 @@ def owned_elements(cfg, degrees: Mapping[str, int], sp) -> int:
     """Elements of optimizer state one rank of stage ``sp`` (a
     :class:`~parcompile.analysis.params.StageParams`) owns: its ZeRO shard of every gradient
     bucket (``sum ceil(n_b / d)``, :func:`parcompile.core.buckets.shard_elements`), or all of
-    its parameters without ZeRO."""
+    its parameters without ZeRO; of the parameters that train only (LoRA: the adapters,
+    :func:`parcompile.analysis.lora.trainable`; the frozen weights have no gradient or state)."""
+    sp = trainable(cfg, degrees, sp)
     dps = data_parallel_sharding(cfg.parallel)
     if not dps.shards_optimizer_states:
         return sp.dense + sp.expert
