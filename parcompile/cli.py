@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from parcompile import api
 from parcompile.api import prepare_data
+from parcompile.core import outputs
 from parcompile.diagnostics import SHOWN, Diagnostic, SpecError, render_all
 from parcompile.frontend.parser import source_text
 
@@ -42,10 +43,8 @@ def _read(path: str) -> tuple[Path, str]:
         return p, source_text(read_bytes(p, MAX_SPEC_BYTES).decode("utf-8", errors="replace"))
     except FileNotFoundError:
         raise _Usage(f"cannot read {path}: no such file") from None
-    except IsADirectoryError:
-        raise _Usage(f"cannot read {path}: it is a directory; give a .par file") from None
-    except OSError as e:   # a FIFO, a device, a file over the limit: never waited on nor read
-        fix = "give a .par file" if "regular" in (e.strerror or "") else "a spec is a few kilobytes"
+    except OSError as e:   # a directory, a FIFO, a device, a file over the limit: never waited on nor read
+        fix = "a spec is a few kilobytes" if "bytes" in (e.strerror or "") else "give a .par file"
         raise _Usage(f"cannot read {path}: it {e.strerror or e}; {fix}") from None
 
 
@@ -312,7 +311,10 @@ def _missing_weights(cfg) -> list[Diagnostic]:
 
 
 def cmd_run(args) -> int:
-    _output_dir(args)  # a usage error comes first
+    _output_dir(args)  # a usage error comes first; then --checkpoint-dir by the preflight's rule, before any launch
+    if args.checkpoint_dir is not None and (why := "an empty name" if not args.checkpoint_dir.strip()
+                                            else outputs.write_problem(args.checkpoint_dir)):
+        raise _Usage(f"--checkpoint-dir: {why}; give a directory that can be created and written")
     try:
         plan, source = _compile(args.spec)
         if plan.config.workload == "train":
@@ -519,6 +521,7 @@ def cmd_export_weights(args) -> int:
     global tensors. A LoRA spec's checkpoint (adapters only) is written as a PEFT adapter."""
     from parcompile.runtime.data.dataset import DataError
     from parcompile.core.lora import lora_settings
+    from parcompile.core.files import what_is
     from parcompile.core.outputs import run_identity
     from parcompile.runtime.state.hf_export import checkpoint_step, export_weights, read_dcp_global, tokenizer_outputs
     from parcompile.runtime.state.peft_export import write_lora_output
@@ -526,8 +529,9 @@ def cmd_export_weights(args) -> int:
 
     if not args.output.strip():
         raise _Usage("-o needs a directory name, got an empty string")
-    if not Path(args.ckpt_dir).is_dir():
-        raise _Usage(f"cannot read {args.ckpt_dir}: no such directory (a `checkpoint_dir` a training run wrote)")
+    if not Path(args.ckpt_dir).is_dir():   # what it is instead (core.files.what_is: None, a regular file)
+        raise _Usage(f"cannot read {args.ckpt_dir}: it {(what_is(args.ckpt_dir) or 'is a file').split(', not a')[0]}; "
+                     "give a `checkpoint_dir` a training run wrote")
     try:
         plan, source = _compile(args.spec)
     except SpecError as e:
@@ -603,14 +607,12 @@ def cmd_schema(args) -> int:
     """`parcompile schema [-o FILE]`: the JSON Schema of plan.json (docs/plan.schema.json)."""
     from parcompile.plan_schema import json_schema_text
 
-    text = json_schema_text()
-    if args.output:
-        try:
-            Path(args.output).write_text(text)
-        except OSError as e:
-            raise _Usage(f"cannot write {args.output}: {e.strerror or e}") from None
+    if args.output is None:
+        sys.stdout.write(json_schema_text())
+    elif not args.output.strip():
+        raise _Usage("-o needs a file name, got an empty string; omit -o to print to stdout")
     else:
-        sys.stdout.write(text)
+        _write_atomic(Path(args.output), json_schema_text(), what="schema")
     return EXIT_OK
 
 

@@ -259,3 +259,23 @@ def test_help_names_training_and_serving(capsys):
     assert main(["--help"]) == 0          # the CLI's main returns its exit status
     text = " ".join(capsys.readouterr().out.split())
     assert "parallel training and serving plans" in text and "serve" in text
+
+
+@pytest.mark.parametrize("given", ["", "  ", "a_file"])
+def test_run_refuses_a_checkpoint_dir_it_cannot_use_before_launching(given, tmp_path, monkeypatch, capsys):
+    """`run --checkpoint-dir ""` was dropped in silence (an empty string is falsy): the run
+    trained and saved no checkpoint, where the spec's `checkpoint_dir = ""` is an error. A
+    file in its place was found only by the program's preflight, after torchrun had started
+    every rank and built the model. Both are now usage errors before anything launches."""
+    from parcompile import jobs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("mine")
+    spec = tmp_path / "one.par"
+    spec.write_text('model m { layers = 2, hidden = 32, heads = 2, vocab = 256, seq_len = 16, dtype = fp32 }\n'
+                    'cluster c from "cpu" { gpus_per_node = 1 }\ntrain { steps = 1 }\n')
+    monkeypatch.setattr(jobs, "run", lambda *a, **k: pytest.fail("torchrun launched"))
+    assert main(["run", "one.par", "-o", "out", "--checkpoint-dir", given]) == 2
+    out, err = capsys.readouterr()
+    assert "running: torchrun" not in out and "--checkpoint-dir" in err
+    assert (tmp_path / "a_file").read_text() == "mine"

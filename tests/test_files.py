@@ -275,6 +275,18 @@ def test_export_weights_into_a_directory_of_other_files_is_refused(workdir, caps
     assert main(["export-weights", str(spec), str(workdir / "ck"), "-o", str(workdir / "hf")]) == 0  # its own
 
 
+@pytest.mark.parametrize("ckpt, says", [("missing", "does not exist"), ("tokenizer.json", "is a file"),
+                                         ("fifo", "is a FIFO (named pipe)")])
+def test_export_weights_says_what_its_checkpoint_path_is(workdir, capsys, ckpt, says):
+    """`export-weights SPEC FILE -o DIR` said "cannot read FILE: no such directory" of a file
+    that exists (and of a FIFO); now it says what the path is, as the spec's paths do."""
+    os.mkfifo(workdir / "fifo")
+    assert main(["export-weights", str(_spec(workdir)), str(workdir / ckpt), "-o", str(workdir / "hf")]) == 2
+    said = capsys.readouterr().err
+    assert f"cannot read {workdir / ckpt}: it {says}" in said and "no such directory" not in said, said
+    assert not (workdir / "hf").exists()
+
+
 def test_export_weights_refuses_the_output_of_another_run_unless_forced(workdir, capsys):
     """Issue 47: before, `export-weights ... -o hf` replaced the output another run (another
     spec, another checkpoint_dir) had written there, without a word. Now the marker records the

@@ -34,6 +34,20 @@ def test_a_non_ascii_digit_is_not_read_as_a_number(digits, ascii_):
     assert "is not an ASCII digit" in errors[0] and f"write `{ascii_}`" in errors[0], errors
 
 
+@pytest.mark.parametrize("value, bound", [("1e308 TB/s", "1.7e+296 TB/s"), ("1e300 PFLOPS", "1.7e+293 PFLOPS")])
+def test_a_quantity_that_overflows_in_base_units_says_the_bound_in_its_unit(value, bound):
+    """`host_memory_bw = 1e308 TB/s` overflows once in bytes/s: the help said "write a number
+    below 1.8e308", which 1e308 already is. Now the bound is given in the unit written; a
+    plain number's help is unchanged."""
+    key = "host_memory_bw" if value.endswith("TB/s") else "peak_flops"
+    spec = TINY.replace("    nodes         = 1", f"    nodes         = 1\n    {key} = {value}")
+    [error] = _errors(spec)
+    assert f"expected a finite number, got `{value}` | `{value}` overflows a float in" in error, error
+    assert f"write a number below {bound}" in error, error
+    [error] = _errors(TINY.replace("lr        = 3e-3", "lr        = 1e999"))
+    assert error.endswith("| `1e999` overflows a float: write a number below 1.8e308"), error
+
+
 def test_cr_only_line_ends_are_newlines_and_columns_stay():
     # classic Mac OS line ends: was "missing `model` block" at 1:1
     plan = parcompile.compile(TINY.replace("\n", "\r"), filename="h.par")

@@ -100,6 +100,14 @@ def test_a_spec_over_the_size_limit_is_not_read(tmp_path, capsys, monkeypatch):
     assert f"bytes, more than the 1,000 this file may have; a spec is a few kilobytes" in capsys.readouterr().err
 
 
+def test_a_directory_given_as_the_spec_is_told_to_give_a_par_file(tmp_path, capsys):
+    """`parcompile check DIR` said "cannot read DIR: it is a directory; a spec is a few
+    kilobytes", the size limit's fix: read_bytes raises its own FileReadError, not
+    IsADirectoryError, so the directory took the branch of a file over the limit."""
+    assert main(["check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"parcompile: error: cannot read {tmp_path}: it is a directory; give a .par file\n"
+
+
 @posix_only
 def test_a_fifo_or_dev_null_named_by_a_spec_says_what_it_is(tmp_path, capsys):
     # was: `data = "/dev/null"` or a FIFO passed `check` and `run` said "data file not found";

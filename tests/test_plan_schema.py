@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 
@@ -180,3 +181,29 @@ def test_schema_command(capsys, tmp_path):
     out = tmp_path / "s.json"
     assert main(["schema", "-o", str(out)]) == 0
     assert out.read_text() == SCHEMA_FILE.read_text()
+
+
+@pytest.mark.parametrize("output", ["", "  "])
+def test_schema_to_an_empty_output_is_a_usage_error(output, capsys):
+    """`schema -o ""` printed the schema to stdout as if -o were absent (`export -o ""` and
+    `compile -o ""` are usage errors)."""
+    assert main(["schema", "-o", output]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "-o needs a file name" in err
+
+
+def test_schema_output_is_written_atomically(tmp_path, monkeypatch, capsys):
+    """`schema -o FILE` wrote FILE in place (Path.write_text): a write that failed half-way
+    (a full disk) left a truncated schema where the old file was. Now through a temporary
+    file renamed into place, as every other -o: when that fails, the old file stays whole
+    and no temporary is left."""
+    out = tmp_path / "s.json"
+    out.write_text("old")
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", no_rename)
+    assert main(["schema", "-o", str(out)]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert out.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]

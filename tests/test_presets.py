@@ -299,3 +299,32 @@ def test_docs_clusters_lists_every_preset_with_its_datasheet_figures():
         assert f"{_tflops(preset.peak_flops['bf16'])} TFLOPS" in cells[3], name
         assert _tflops(preset.peak_flops["fp32"]) in cells[4], name
         assert (_tflops(preset.fp8_flops) in cells[5]) if preset.fp8_flops else cells[5].strip().startswith("none"), name
+
+
+def test_model_from_a_directory_names_its_config_json(tmp_path):
+    """`from "Llama-3.2-1B"` (the checkpoint directory, as `init_from` takes it) said "unknown
+    model preset" and listed the presets; now the error says what the path is, and for a
+    directory holding a config.json the fix is that file's path. A missing name is still an
+    unknown preset (with its did-you-mean)."""
+    ckpt = tmp_path / "Llama-3.2-1B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config").write_text("{}")
+    spec = tmp_path / "p.par"
+
+    def errors(source: str) -> list[tuple[str, int, int, str | None]]:
+        spec.write_text(f'model m from "{source}" {{ }}' + CLUSTER)
+        with pytest.raises(SpecError) as e:
+            load_spec(spec)
+        return [(d.message, d.span.line, d.span.column, d.help) for d in e.value.diagnostics]
+
+    said = ": a model's `from` takes a preset name or the path of a Hugging Face `config.json`"
+    assert errors("Llama-3.2-1B") == [("`Llama-3.2-1B` is a directory" + said, 1, 14,
+                                       'write `from "Llama-3.2-1B/config.json"`')]
+    assert errors("empty/") == [("`empty/` is a directory" + said, 1, 14,
+                                 "name the checkpoint's config.json file (a path ending in `.json`)")]
+    assert errors("config") == [("`config` is a file without the `.json` suffix" + said, 1, 14,
+                                 "name the checkpoint's config.json file (a path ending in `.json`)")]
+    [(message, _, _, help)] = errors("llama3-7b")
+    assert message == "unknown model preset `llama3-7b`" and help.startswith("did you mean `llama3-70b`?")

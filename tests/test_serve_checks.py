@@ -48,6 +48,29 @@ def test_mxfp4_on_a_dense_model_and_fp8_weights_without_an_fp8_type():
     assert "weight_dtype = fp8 needs FP8 tensors" in message and "int4" in help
 
 
+def test_a_4_bit_weight_dtype_without_weights_is_refused_by_run_before_launching(tmp_path, capsys, monkeypatch):
+    """`weight_dtype = int4` (or mxfp4) with no `weights`: the serve program draws random
+    weights and makes only fp8 on load, so `parcompile run` started torchrun and every rank
+    stopped on "weights of INT4 weight-only (AWQ) ... are not made on load", with no spec
+    location. Now `check` warns at weight_dtype (a deployment may be sized before the
+    download) and `run` / `serve` refuse it there (code no-weights) before anything launches."""
+    from parcompile import jobs
+
+    text = ('model m { layers = 2, hidden = 64, heads = 2, ffn_hidden = 128, vocab = 256, seq_len = 64, dtype = fp32 }\n'
+            'cluster c from "cpu" { gpus_per_node = 1 }\nserve { batch = 2, prompt_len = 8, max_new_tokens = 8,\n'
+            '    weight_dtype = int4 }\n')
+    plan = parcompile.compile(text, filename="s.par")
+    [w] = [d for d in plan.warnings if d.code == "no-weights"]
+    assert (w.span.line, w.span.column) == (4, 20) and "weight_dtype = int4" in w.message and "weights" in w.help
+    (tmp_path / "s.par").write_text(text)
+    monkeypatch.setattr(jobs, "run", lambda *a, **k: pytest.fail("torchrun launched"))
+    assert main(["run", str(tmp_path / "s.par"), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "s.par:4:20: error: weight_dtype = int4" in err, err
+    fp8 = parcompile.compile(text.replace("int4", "model"), filename="s.par")
+    assert not [d for d in fp8.warnings if d.code == "no-weights"]
+
+
 @pytest.mark.parametrize("config, words", [
     ("{not json", "its config.json cannot be read"),
     ("[1, 2, 3]", "its config.json is not a JSON object"),

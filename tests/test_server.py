@@ -744,11 +744,17 @@ def test_cli_serve_refuses_an_empty_api_key(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_serve_refuses_a_port_or_host_it_cannot_listen_on(tmp_path, capsys):
+    """An empty --host (`--host "$HOST"` unset) bound every interface, the address said
+    `http://:8000/v1`: now refused with the two usual addresses (checked first on port_free,
+    so that the test cannot start a server where that fails)."""
     from parcompile.cli import main
+    from parcompile.server import port_free
 
+    assert "0.0.0.0" in (port_free("", 8000) or "") and "0.0.0.0" in (port_free(" ", 8000) or "")
     (tmp_path / "s.par").write_text(_spec(1, 1))
     for flags, why in ((["--port", "99999"], "the port must be 1-65535, got 99999"), (["--port", "0"], "got 0"),
-                       (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000")):
+                       (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000"),
+                       (["--host", ""], "the host is empty: give an address")):
         assert main(["serve", str(tmp_path / "s.par"), "-o", str(tmp_path / "out")] + flags) == 1
         err = capsys.readouterr().err
         assert why in err and "Traceback" not in err

@@ -121,3 +121,20 @@ def test_fractions():
 
 def test_unit_on_a_plain_number_key():
     assert _one(cluster("nodes = 2 GB")) == ("expected an integer, got `2 GB`", 2, 9, "drop the unit `GB`")
+
+
+def test_a_huge_time_is_written_in_a_few_digits():
+    """`host_link_bw = 1e-300 GB/s` (offload) made report.md's host line say the PCIe copy
+    takes '599,229,629,...,368.0 days': 300 digits, ,.1f of any size. Now beyond a million
+    days the count is in three significant digits; below, as before."""
+    import re
+
+    import parcompile
+    from parcompile.core.units import seconds_text
+
+    assert seconds_text(5700.5 * 86400) == "5,700.5 days" and seconds_text(3 * 3600) == "3.0 h"
+    assert seconds_text(1e300) == f"{1e300 / 86400:.3g} days" == "1.16e+295 days"
+    spec = ('model m from "llama3-8b" { }\ncluster c from "h100-sxm" { nodes = 1, host_link_bw = 1e-300 GB/s }\n'
+            'parallel { tp = 8, zero = 1, offload = optimizer }\ntrain { steps = 1 }\n')
+    report = parcompile.compile(spec, filename="h.par").report_md()
+    assert "days" in report and max(len(m) for m in re.findall(r"[\d,.]+", report)) < 40

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from parcompile.analysis.lora import frozen_param_bytes, is_lora, trainable
 from parcompile.core.buckets import reshard_after_forward, shard_elements, stage_buckets
 from parcompile.core.data_parallel import data_parallel_sharding, shard_degree
 from parcompile.core.groups import rank_groups
@@ -53,7 +54,9 @@ def owned_elements(cfg, degrees: Mapping[str, int], sp) -> int:
     """Elements of optimizer state one rank of stage ``sp`` (a
     :class:`~parcompile.analysis.params.StageParams`) owns: its ZeRO shard of every gradient
     bucket (``sum ceil(n_b / d)``, :func:`parcompile.core.buckets.shard_elements`), or all of
-    its parameters without ZeRO."""
+    its parameters without ZeRO; of the parameters that train only (LoRA: the adapters,
+    :func:`parcompile.analysis.lora.trainable`; the frozen weights have no gradient or state)."""
+    sp = trainable(cfg, degrees, sp)
     dps = data_parallel_sharding(cfg.parallel)
     if not dps.shards_optimizer_states:
         return sp.dense + sp.expert
@@ -74,17 +77,20 @@ def offload_states(cfg, degrees: Mapping[str, int], sp, state: tuple[int, int, i
         return params, grads, opt, 0
     n = owned_elements(cfg, degrees, sp)   # fp32 gradient shard; an fp32 model's parameter copy too
     host = opt + 4 * n + (4 * n if cfg.model.dtype_bytes == 4 else 0)
-    return (*kept_on_gpu(mode, state), host + (params if mode == "params" else 0))
+    frozen = frozen_param_bytes(cfg, degrees, sp, True) if mode == "params" and is_lora(cfg) else 0
+    return (*kept_on_gpu(mode, state, frozen), host + (params - frozen if mode == "params" else 0))
 
 
-def kept_on_gpu(mode: str, state):
+def kept_on_gpu(mode: str, state, frozen: int = 0):
     """``(params, grads, optimizer)`` of ``state`` (the GPU's states without offload) that stay
     on the GPU under ``parallel.offload = mode``: the optimizer states go to host memory with
-    ``optimizer`` and ``params``, the parameter shards too with ``params``; the gradients stay.
-    The rule :func:`offload_states` and the search's memory bounds
+    ``optimizer`` and ``params``, the parameter shards too with ``params``, but for ``frozen``
+    bytes of them (LoRA's frozen weights' shards: the program offloads what the optimizer
+    steps, runtime/train/zero_frozen.py keeps the frozen ones on the device); the gradients
+    stay. The rule :func:`offload_states` and the search's memory bounds
     (:mod:`parcompile.layout_search.bounds`) share."""
     params, grads, opt = state
-    return (0 if mode == "params" else params), grads, (opt if mode == "none" else 0)
+    return (frozen if mode == "params" else params), grads, (opt if mode == "none" else 0)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ def bytes_text(n: float) -> str:
 
 def seconds_text(s: float) -> str:
     """A time in the unit that keeps it readable: ``850 us``, ``7.33 ms``, ``1.25 s``,
-    ``3.2 min``, ``5.1 h``, ``8.4 days`` (four significant digits below a second, three above).
+    ``3.2 min``, ``5.1 h``, ``8.4 days`` (four significant digits below a second, three
+    from one to two minutes, one decimal in minutes, hours and days; from a million days on,
+    three significant digits: ``1.16e+295 days``, not a count of 290 digits).
 
     Args:
         s: seconds (not negative; ``inf`` is ``-``).
@@ -30,5 +32,5 @@ def seconds_text(s: float) -> str:
         return f"{s * 1e3:.4g} ms"
     for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
         if s >= 2 * scale:
-            return f"{s / scale:,.1f} {unit}"
+            return f"{s / scale:,.1f} {unit}" if s < 1e6 * scale else f"{s / scale:.3g} {unit}"
     return f"{s:.3g} s"

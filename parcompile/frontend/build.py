@@ -45,7 +45,7 @@ from parcompile.config.schema import (
 )
 from parcompile.config.text import and_list, did_you_mean, or_list
 from parcompile.config.units import DIMENSION_WORDS, SUGGESTED_UNIT, UNITS, dimension_of, to_si, units_of
-from parcompile.frontend.paths import SpecPaths
+from parcompile.frontend.paths import SpecPaths, model_source_on_disk
 from parcompile.frontend.checks_recompute import convert_module_list
 from parcompile.core.recompute import RECOMPUTE_MODULES
 from parcompile.frontend.serve_values import (SERVE_AUTO_PLACEHOLDERS, checkpoint_quantization, prefill_gpus,
@@ -259,8 +259,10 @@ class _Values:
 
     def _in_range(self, key: str, t: KeyType, x: float, v: ast.Value) -> bool:
         if not math.isfinite(x):
-            self.bag.error(f"expected a finite number, got `{v.text}`", v.span,
-                           help=f"`{v.text}` overflows a float: write a number below 1.8e308")
+            scale = to_si(1.0, v.unit) if isinstance(v, ast.Quantity) else None   # a quantity overflows in SI units
+            self.bag.error(f"expected a finite number, got `{v.text}`", v.span, help=f"`{v.text}` overflows a float" + (
+                f" in base units ({scale:g} per {v.unit}): write a number below {1.7e308 / scale:.2g} {v.unit}"
+                if scale else ": write a number below 1.8e308"))
             return False
         too_low = t.low is not None and (x <= t.low if t.low_open else x < t.low)
         too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
@@ -532,10 +534,9 @@ class _Sources:
             self._source_error(block, f"`{src}` is a cluster preset, not a model preset",
                                help=f"model presets are {or_list(MODEL_PRESET_NAMES, quote=True)}")
             return None
-        self._source_error(block, f"unknown model preset `{src}`",
-                           help=f"{did_you_mean(src, MODEL_PRESET_NAMES, case_note=_PRESET_CASE)}model presets are "
-                                f"{or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face "
-                                f"`config.json`")
+        self._source_error(block, *(model_source_on_disk(src, self.source_dir) or (
+            f"unknown model preset `{src}`", f"{did_you_mean(src, MODEL_PRESET_NAMES, case_note=_PRESET_CASE)}model "
+            f"presets are {or_list(MODEL_PRESET_NAMES, quote=True)}, or a path to a Hugging Face `config.json`")))
         return None
 
     def _imported_values(self, block: ast.Block, base: dict[str, Any]) -> dict[str, Any]:

@@ -78,7 +78,9 @@ def check_serve(cfg: SpecConfig, ctx: CheckContext) -> None:
 
 def check_weight_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
     """``weight_dtype``: FP8 weights on a part that holds FP8 (as an FP8 cache); MXFP4 for a
-    mixture of experts only (the format quantizes the experts, gpt-oss's as published)."""
+    mixture of experts only (the format quantizes the experts, gpt-oss's as published); a
+    4-bit format without ``weights``, a warning (code ``no-weights``: `run` and `serve` refuse
+    it, cli.STARTS_ONLY_WITHOUT), since only fp8 is made on load."""
     s, m = cfg.serve, cfg.model
     if not ctx.ok("serve.weight_dtype"):
         return
@@ -87,6 +89,13 @@ def check_weight_dtype(cfg: SpecConfig, ctx: CheckContext) -> None:
                       ctx.span("serve.weight_dtype", "serve.weights"),
                       help=f"use a cluster `from` {or_list(fp8_storage_presets(), quote=True)}, or weight_dtype = "
                            "int4 (weight-only, dequantized to 16 bits) or model")
+    if s.weight_dtype in ("mxfp4", "int4") and s.weights is None and cfg.workload == "serve":
+        ctx.bag.warning(f"weight_dtype = {s.weight_dtype} needs a checkpoint quantized so, and the spec names no "
+                        "`weights`: the serve program would draw random weights, and it makes only fp8 on load",
+                        ctx.span("serve.weight_dtype"), code="no-weights",   # `run` and `serve`: an error
+                        help="set `weights` to the published " + ("MXFP4 (gpt-oss)" if s.weight_dtype == "mxfp4" else
+                                                                  "AWQ or GPTQ (4-bit, group 128)")
+                             + " checkpoint; `serve` and `run` need it (a plan may be sized before the download)")
     if s.weight_dtype == "mxfp4" and ctx.ok("model.experts") and not m.experts:
         ctx.bag.error("weight_dtype = mxfp4 quantizes a mixture of experts' experts (gpt-oss's format); this model "
                       "has none (experts = 0)", ctx.span("serve.weight_dtype", "serve.weights"),

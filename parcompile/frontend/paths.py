@@ -118,3 +118,19 @@ def tokenizer_beside(init_from: str | None) -> str | None:
         if not os.path.basename(os.path.normpath(init_from)).startswith("step_"):
             break
     return None
+
+
+def model_source_on_disk(source: str, source_dir: str | None) -> tuple[str, str] | None:
+    """The error (message, help) for a model's ``from "SOURCE"`` that is no preset and does
+    not end in ``.json`` (the two forms a model source takes) but names something on disk,
+    relative to the spec's directory: a Hugging Face checkpoint directory (help: its
+    ``config.json``), a file without the suffix, a FIFO. None when nothing is there (the
+    caller's "unknown model preset")."""
+    path = source if os.path.isabs(source) or not source_dir else os.path.join(source_dir, source)
+    if not source.strip() or not os.path.lexists(path):
+        return None
+    what = what_is(path) or "is a file without the `.json` suffix"
+    config = os.path.join(source.rstrip("/") or "/", "config.json")
+    return (f"`{source}` {what}: a model's `from` takes a preset name or the path of a Hugging Face `config.json`",
+            f'write `from "{config}"`' if os.path.isfile(os.path.join(path, "config.json")) else
+            "name the checkpoint's config.json file (a path ending in `.json`)")

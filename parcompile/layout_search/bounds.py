@@ -612,7 +612,7 @@ class MemoryFloors:
         division. With LoRA (:func:`~parcompile.analysis.lora.frozen_param_bytes`) the frozen
         weights alone (the adapters' states are not negative); with ``offload``
         (:func:`~parcompile.analysis.offload.kept_on_gpu`) without what goes to host memory
-        (the optimizer states; with ``params`` the parameters too)."""
+        (the optimizer states; with ``params`` the parameters too, LoRA's frozen ones kept)."""
         cfg = self.cfg
         if is_lora(cfg):
             params, grads, opt = cfg.model.dtype_bytes * (shard if dps.shards_parameters else n), 0, 0
@@ -620,7 +620,7 @@ class MemoryFloors:
             params, grads, opt = state_bytes(n, cfg.model.dtype_bytes, dps, cfg.train.optimizer, shard=shard,
                                              fsdp2=engine(cfg.cluster).fsdp2_state_bytes,
                                              grad_bytes=grad_element_bytes(cfg, dps))
-        return sum(kept_on_gpu(cfg.parallel.offload, (params, grads, opt)))
+        return sum(kept_on_gpu(cfg.parallel.offload, (params, grads, opt), params if is_lora(cfg) else 0))
 
     def _first_rank_states(self, pr: Probe, pp: int, n: int, z: int, d: int, ed: int) -> float:
         """The model states (bytes) of the first pipeline rank holding ``n`` layers, of

@@ -70,9 +70,11 @@ def model_info(plan) -> "api.ModelInfo":
 
 def port_free(host: str, port: int) -> str | None:
     """None when ``host:port`` can be bound, else why not (a port outside 1-65535, a host
-    that does not resolve, an address in use)."""
+    that does not resolve, an address in use, an empty host: the socket would bind every interface)."""
     if not 1 <= port <= 65535:
         return f"the port must be 1-65535, got {port}"
+    if not host.strip():
+        return "the host is empty: give an address, 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
