@@ -197,7 +197,7 @@ class Plan:
             files["serve.py"] = render_serve(self.config, self, out_dir)
         files["launch.sh"] = render_launch(self.config)
         files["slurm.sbatch"] = render_slurm(self.config)
-        files.update(k8s_files(self.config, files, k8s, self._spec_text()))
+        files.update(k8s_files(self.config, files, k8s, self._spec_text(), out_dir))
         return files
 
     def _spec_text(self) -> str | None:

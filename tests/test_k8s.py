@@ -454,3 +454,77 @@ def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
     assert main(["compile", str(spec), "-o", str(out)]) == 0
     assert "does not run disaggregated prefill and decode pools" in capsys.readouterr().err
     assert (out / "serve.py").is_file() and not (out / "k8s").exists()
+
+
+def _assigned(program: str, name: str) -> object:
+    """The literal value the program's module-level ``NAME = ...`` assigns."""
+    import ast
+    for node in ast.parse(program).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not assigned")
+
+
+def test_the_specs_relative_paths_land_in_the_workspace(tmp_path):
+    """The program's relative paths climb out of its directory (`-o build/run1`, data in
+    `../data`): the pods place the program as deep in the workspace as those paths climb, the
+    real directories' names kept (`/workspace/build/run1`), so that each path lands inside the
+    volume where it lies beside the project on this machine (`/workspace/data/train.jsonl`), and
+    the manifests' header lists them. Was: the program at `/workspace/program.py`, its
+    `../../data/train.jsonl` at `/data/train.jsonl`, outside the volume (and a checkpoint or
+    hf_output written there lost with the pod). Checked by running the init container's script on
+    a stand-in workspace and resolving the program's paths as it does."""
+    from parcompile.runtime.data.loader import resolve_source
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "specs").mkdir()
+    (proj / "data" / "train.jsonl").write_text('{"text": "hello there, a line of text"}\n' * 20)
+    text = (EXAMPLES / "tiny.par").read_text().replace('"builtin:pydoc"', '"../data/train.jsonl"')
+    text = text.replace("train {\n", 'train {\n    checkpoint_dir = "../ckpt"\n', 1)
+    (proj / "specs" / "ft.par").write_text(text)
+    out = proj / "build" / "run1"
+    parcompile.compile(proj / "specs" / "ft.par").write(out)
+    (jobset,) = _docs(out, "jobset.yaml")
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"][-1] == "/workspace/build/run1/program.py" and c["workingDir"] == "/workspace/build/run1"
+    header = (out / "k8s" / "jobset.yaml").read_text().split("---")[0]
+    assert "#   train.data = /workspace/data/train.jsonl\n" in header
+    assert "#   train.checkpoint_dir = /workspace/ckpt\n" in header
+    mount, work = tmp_path / "mount", tmp_path / "work"
+    mount.mkdir()
+    work.mkdir()
+    for m in _docs(out, "configmap.yaml"):
+        for key, value in m["data"].items():
+            (mount / key).write_text(value)
+    (init,) = pod["initContainers"]
+    script = init["command"][2].replace(k8s.FILES_MOUNT, str(mount)).replace(k8s.WORKSPACE, str(work))
+    subprocess.run(["sh", "-c", script], check=True, timeout=60)
+    program = work / "build" / "run1" / "program.py"
+    here = program.resolve().parent
+    source = program.read_text()
+    assert Path(resolve_source(_assigned(source, "DATA"), here)) == work.resolve() / "data" / "train.jsonl"
+    assert Path(resolve_source(_assigned(source, "TRAIN")["checkpoint_dir"], here)) == work.resolve() / "ckpt"
+
+
+def test_a_single_node_serving_pod_compiles_its_spec_where_its_weights_land(tmp_path):
+    """The Deployment's pod compiles the spec itself: the spec sits as deep in the workspace as its
+    own relative paths climb (examples/tiny_serve.par's `weights = "../build/tiny_ckpt"`:
+    `/workspace/examples/tiny_serve.par`, the weights `/workspace/build/tiny_ckpt`), and the pod
+    compiles into a directory of its own, not the user's `build/`. Was: the spec at
+    `/workspace/tiny_serve.par`, its weights outside the volume, `-o /workspace/build`."""
+    proj = tmp_path / "proj"
+    (proj / "examples").mkdir(parents=True)
+    spec = proj / "examples" / "tiny_serve.par"
+    spec.write_text((EXAMPLES / "tiny_serve.par").read_text())
+    out = proj / "out"
+    parcompile.compile(spec).write(out)
+    (dep,) = _docs(out, "deployment.yaml")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"][:5] == ["parcompile", "serve", "/workspace/examples/tiny_serve.par", "-o",
+                                "/workspace/parcompile-serve"]
+    assert c["workingDir"] == "/workspace/examples"
+    assert "#   serve.weights = /workspace/build/tiny_ckpt\n" in (out / "k8s" / "deployment.yaml").read_text()
+    (init,) = pod["initContainers"]
+    assert "cat /etc/parcompile/tiny_serve.par > /workspace/examples/tiny_serve.par" in init["command"][2]

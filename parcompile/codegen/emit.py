@@ -184,6 +184,24 @@ def _data_path(data: str | None, out_dir: Path | None) -> str | None:
     return os.path.relpath(real, os.path.realpath(out_dir))
 
 
+def program_paths(cfg: SpecConfig, out_dir: Path | None = None) -> dict[str, str]:
+    """The files and directories the generated program opens or writes, by the spec key that
+    names each (``train.data``, ``train.eval_data``, ``train.tokenizer``, ``train.init_from``,
+    ``train.checkpoint_dir``, ``train.hf_output``; a serve program's ``serve.weights``), as the
+    program holds them (:func:`_data_path`: relative to ``out_dir``, the program's directory),
+    unset keys and names (``synthetic``, ``bytes``, ``builtin:...``) left out: the one list the
+    program's constants and the Kubernetes workspace (``k8s.workspace_layout``) read."""
+    if cfg.workload == "serve":
+        keys = {"serve.weights": cfg.serve.weights}
+    else:
+        t = cfg.train
+        keys = {"train.data": t.data, "train.eval_data": t.eval_data, "train.tokenizer": t.tokenizer,
+                "train.init_from": t.init_from, "train.checkpoint_dir": t.checkpoint_dir,
+                "train.hf_output": t.hf_output}
+    return {k: _data_path(v, out_dir) for k, v in keys.items()
+            if v and v not in ("synthetic", "bytes") and not v.startswith("builtin:")}
+
+
 class CompiledPlan(Protocol):
     """What codegen reads of a compiled :class:`parcompile.plan.Plan` (not imported here:
     ``Plan.write`` renders its files through this module, so plan.py sits above codegen)."""
@@ -309,25 +327,26 @@ def _train_settings(cfg: SpecConfig, out_dir: Path | None) -> dict:
     """The training settings the program holds as constants (paths relative to the
     program's directory: :func:`_data_path`), each written with ``repr``."""
     m, t = cfg.model, cfg.train
+    paths = program_paths(cfg, out_dir)
     train = {
         "optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
         "steps": t.steps, "lr_schedule": t.lr_schedule, "warmup_steps": t.warmup_steps,
         "min_lr": t.min_lr, "betas": list(t.betas), "eps": t.eps, "log_every": max(t.log_every, 1),
-        "checkpoint_dir": _data_path(t.checkpoint_dir, out_dir), "checkpoint_every": t.checkpoint_every,
+        "checkpoint_dir": paths.get("train.checkpoint_dir", t.checkpoint_dir), "checkpoint_every": t.checkpoint_every,
         "eval_every": t.eval_every, "eval_batches": t.eval_batches,
         # ZeRO-3 FP8 all-gather (runtime/train/zero_gather.py ParamGather): only when on, so that
         # other programs read as before
         **({"fp8_all_gather": True} if gathers_fp8(cfg) else {}),
     }
-    data_format = {"tokenizer": _data_path(t.tokenizer, out_dir), "data_format": t.data_format,
+    data_format = {"tokenizer": paths.get("train.tokenizer", t.tokenizer), "data_format": t.data_format,
                    "text_field": t.text_field}
     return {
         "train_repr": repr(train),
-        "data_repr": repr(_data_path(cfg.train.data, out_dir)),
-        "eval_data_repr": repr(_data_path(t.eval_data, out_dir)),
+        "data_repr": repr(paths.get("train.data", cfg.train.data)),
+        "eval_data_repr": repr(paths.get("train.eval_data", t.eval_data)),
         "data_format_repr": repr(data_format),
-        "init_from_repr": repr(_data_path(t.init_from, out_dir)),
-        "hf_output_repr": repr(_data_path(t.hf_output, out_dir)),
+        "init_from_repr": repr(paths.get("train.init_from", t.init_from)),
+        "hf_output_repr": repr(paths.get("train.hf_output", t.hf_output)),
         "model_keys_repr": repr(_model_keys(m)),
         "peak_flops_repr": repr(cfg.cluster.peak_flops),
         "lora_repr": repr(lora_settings(cfg)) if t.method == "lora" else "",
@@ -621,7 +640,7 @@ def serve_context(cfg: SpecConfig, plan: CompiledPlan, out_dir: Path | None = No
     pd, plan = _graph_data(plan)
     layer = pd.dense_layer or pd.moe_layer
     sv = plan["serve"]
-    weights = _data_path(s.weights, out_dir)
+    weights = program_paths(cfg, out_dir).get("serve.weights", s.weights)
     kv_local, replicas = plan["model"]["kv_heads_per_rank"], plan["model"]["kv_head_replicas"]
     quant = _serve_quant(cfg, graph)
     model = _serve_model(cfg, pd, plan["model"]["padded_vocab"], kv_local)

@@ -28,7 +28,8 @@ block style, byte-stable). One file per object kind:
 Every pod copies the ConfigMap's files into its workspace (``/workspace``: an ``emptyDir``, or the
 PersistentVolumeClaim ``storage`` names) and runs there, so that the program's directory is writable
 (metrics.jsonl, checkpoints) and the spec's relative paths resolve inside the workspace as they did
-beside the compiled program. The pods' environment is the launchers' (the accelerator's
+beside the compiled program: the files are placed as deep in the workspace as those paths climb
+(:func:`workspace_layout`), and each manifest's header lists where the spec's files are in the pods. The pods' environment is the launchers' (the accelerator's
 ``launch_env``, :data:`parcompile.config.presets.ACCELERATORS`) and, for training, the caching
 allocator's mode (:func:`parcompile.codegen.emit.allocator_env`).
 """
@@ -36,6 +37,8 @@ allocator's mode (:func:`parcompile.codegen.emit.allocator_env`).
 from __future__ import annotations
 
 import hashlib
+import os
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass
@@ -44,13 +47,16 @@ from typing import Any
 
 import yaml
 
-from parcompile.codegen.emit import allocator_env, program_name
+from parcompile.codegen.emit import allocator_env, comment_text, program_name, program_paths
 from parcompile.config.schema import SpecConfig
 from parcompile.core.version import version
 
 #: where the ConfigMap's files are mounted (read-only) and where the pods run (writable)
 FILES_MOUNT = "/etc/parcompile"
 WORKSPACE = "/workspace"
+#: where a single-node serving pod compiles its spec (``parcompile serve -o``): a directory of its
+#: own, apart from the spec's files in the workspace (a ``weights = "build/ckpt"`` stays the user's)
+SERVE_BUILD = "/workspace/parcompile-serve"
 #: launch.sh's rendezvous port (``MASTER_PORT`` unless set) and ``parcompile serve``'s default port
 MASTER_PORT = 29500
 SERVE_PORT = 8000
@@ -145,6 +151,52 @@ def object_name(spec_name: str) -> str:
     return f"{base[:_NAME_BUDGET - 7].rstrip('-')}-{digest}"
 
 
+# -- the workspace ------------------------------------------------------------------------
+
+
+def _climb(path: str) -> int:
+    """How many directories a relative path climbs before it descends (its leading ``..``)."""
+    n = 0
+    for part in os.path.normpath(path).split(os.sep):
+        if part != "..":
+            break
+        n += 1
+    return n
+
+
+def _mirrored(directory: str | os.PathLike, paths: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Where ``directory`` sits in the pods' workspace so that ``paths`` (key -> a path relative
+    to it, or absolute) land inside :data:`WORKSPACE` as they lie beside it on this machine: the
+    last ``n`` of its real directories under the workspace, ``n`` the most any relative path
+    climbs (``out/run1`` with ``../../data/train.jsonl``: ``/workspace/out/run1`` and
+    ``/workspace/data/train.jsonl``). Returns (that directory, key -> the path in the pods;
+    an absolute path as it is)."""
+    rel = {k: v for k, v in paths.items() if not os.path.isabs(v)}
+    parts = [p for p in os.path.realpath(directory).split(os.sep) if p]
+    n = min(max(map(_climb, rel.values()), default=0), len(parts))
+    here = posixpath.join(WORKSPACE, *parts[len(parts) - n:])
+    return here, {k: (posixpath.normpath(posixpath.join(here, *v.split(os.sep))) if k in rel else v)
+                  for k, v in paths.items()}
+
+
+def workspace_layout(cfg: SpecConfig, out_dir: str | os.PathLike | None) -> tuple[str, str, dict[str, str]]:
+    """The pods' directories and files: (the program's directory, the spec's directory, key ->
+    the path in the pods of each file the program or the spec names), so that every relative
+    path resolves inside :data:`WORKSPACE` (the volume ``--storage`` names) as it did beside the
+    compiled program (:func:`_mirrored` of the program's paths,
+    :func:`parcompile.codegen.emit.program_paths`) and, for single-node serving, whose pod
+    compiles the spec, beside the spec (the spec's own paths, relative to its directory).
+    ``out_dir`` None (a plan not written to a directory): the workspace itself."""
+    if out_dir is None:
+        return WORKSPACE, WORKSPACE, {}
+    program_dir, where = _mirrored(out_dir, program_paths(cfg, out_dir))
+    spec_dir = WORKSPACE
+    if cfg.workload == "serve" and cfg.cluster.nodes == 1:
+        home = os.path.dirname(os.path.abspath(cfg.filename))
+        spec_dir, where = _mirrored(home, program_paths(cfg, home))
+    return program_dir, spec_dir, where
+
+
 # -- the ConfigMap ------------------------------------------------------------------------
 
 
@@ -164,12 +216,13 @@ def _parts(name: str, text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _configmaps(name: str, meta: dict, files: dict[str, str]) -> tuple[list[dict], list[str]]:
+def _configmaps(name: str, meta: dict, files: dict[str, str], dirs: dict[str, str]) -> tuple[list[dict], list[str]]:
     """The ConfigMaps holding ``files`` (name -> text), packed in order so that each holds at most
-    1 MiB of values, and the shell lines that rebuild the files in the workspace from the mount."""
+    1 MiB of values, and the shell lines that rebuild the files from the mount, each in its
+    directory of the workspace (``dirs``: name -> directory, :func:`workspace_layout`)."""
     packs: list[dict[str, str]] = [{}]
     size = 0
-    lines = []
+    lines = [f"mkdir -p {shlex.quote(d)}" for d in sorted(set(dirs.values())) if d != WORKSPACE]
     for fname, text in files.items():
         parts = _parts(fname, text)
         for key, value in parts:
@@ -180,7 +233,7 @@ def _configmaps(name: str, meta: dict, files: dict[str, str]) -> tuple[list[dict
             packs[-1][key] = value
             size += n
         sources = " ".join(shlex.quote(f"{FILES_MOUNT}/{k}") for k, _ in parts)
-        lines.append(f"cat {sources} > {shlex.quote(f'{WORKSPACE}/{fname}')}")
+        lines.append(f"cat {sources} > {shlex.quote(f'{dirs[fname]}/{fname}')}")
     maps = []
     for i, data in enumerate(packs):
         maps.append({"apiVersion": "v1", "kind": "ConfigMap",
@@ -200,10 +253,11 @@ def _env(pairs) -> list[dict]:
 
 
 def _pod_spec(cfg: SpecConfig, opts: K8sOptions, name: str, configmaps: list[dict], copy: list[str],
-              container: dict) -> dict:
+              container: dict, workdir: str = WORKSPACE) -> dict:
     """The pod: an init container that copies the ConfigMaps' files into the workspace, then
-    ``container`` (its name, command, ports, env, probes) with the image, the devices, the
-    workspace as its working directory and the accelerator's environment."""
+    ``container`` (its name, command, ports, env, probes) with the image, the devices, its
+    working directory ``workdir`` (in the workspace: the program's) and the accelerator's
+    environment."""
     acc = cfg.cluster.accelerator
     if len(configmaps) == 1:
         files = {"name": "files", "configMap": {"name": configmaps[0]["metadata"]["name"]}}
@@ -213,7 +267,7 @@ def _pod_spec(cfg: SpecConfig, opts: K8sOptions, name: str, configmaps: list[dic
     workspace = ({"name": "workspace", "persistentVolumeClaim": {"claimName": opts.storage}} if opts.storage
                  else {"name": "workspace", "emptyDir": {}})
     mounts = [{"name": "workspace", "mountPath": WORKSPACE}]
-    main = {"image": opts.image, "workingDir": WORKSPACE, "volumeMounts": mounts, **container}
+    main = {"image": opts.image, "workingDir": workdir, "volumeMounts": mounts, **container}
     env = [("PYTHONUNBUFFERED", "1")] + [(var, value) for var, value, _why in acc.launch_env]
     main["env"] = container.get("env", []) + _env(env)
     if acc.k8s_resource:
@@ -223,11 +277,12 @@ def _pod_spec(cfg: SpecConfig, opts: K8sOptions, name: str, configmaps: list[dic
     return {"initContainers": [init], "containers": [main], "volumes": [files, workspace]}
 
 
-def torchrun_args(cfg: SpecConfig, node_rank: str, master_addr: str) -> list[str]:
+def torchrun_args(cfg: SpecConfig, node_rank: str, master_addr: str, workdir: str = WORKSPACE) -> list[str]:
     """launch.sh's torchrun line as a container's argv, Kubernetes' ``$(VAR)`` references for the
-    node rank and the rendezvous host (one node: ``--standalone``, as launch.sh)."""
+    node rank and the rendezvous host (one node: ``--standalone``, as launch.sh), the program in
+    ``workdir`` (:func:`workspace_layout`)."""
     c = cfg.cluster
-    program = f"{WORKSPACE}/{program_name(cfg)}"
+    program = f"{workdir}/{program_name(cfg)}"
     if c.nodes == 1:
         return ["torchrun", "--standalone", "--nproc-per-node", str(c.gpus_per_node), program]
     return ["torchrun", "--nnodes", str(c.nodes), "--nproc-per-node", str(c.gpus_per_node),
@@ -251,7 +306,7 @@ def _jobset(cfg: SpecConfig, name: str, meta: dict, pod: dict) -> dict:
     }
 
 
-def _train_container(cfg: SpecConfig, name: str) -> dict:
+def _train_container(cfg: SpecConfig, name: str, workdir: str) -> dict:
     env = allocator_env(cfg)
     rank_env = []
     if cfg.cluster.nodes > 1:
@@ -259,7 +314,7 @@ def _train_container(cfg: SpecConfig, name: str) -> dict:
                         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
                     {"name": "MASTER_ADDR", "value": f"{name}-{REPLICATED_JOB}-0-0.{name}"},
                     {"name": "MASTER_PORT", "value": str(MASTER_PORT)}]
-    return {"name": "trainer", "command": torchrun_args(cfg, "$(NODE_RANK)", "$(MASTER_ADDR)"),
+    return {"name": "trainer", "command": torchrun_args(cfg, "$(NODE_RANK)", "$(MASTER_ADDR)", workdir),
             **({"ports": [{"containerPort": MASTER_PORT, "name": "rendezvous"}]} if cfg.cluster.nodes > 1 else {}),
             "env": rank_env + _env(env)}
 
@@ -286,14 +341,14 @@ def _serve_single(cfg: SpecConfig, name: str, meta: dict, pod: dict) -> dict[str
     return {"deployment.yaml": deployment, "service.yaml": service}
 
 
-def _serve_container(cfg: SpecConfig) -> dict:
+def _serve_container(cfg: SpecConfig, workdir: str, spec_dir: str) -> dict:
     if cfg.cluster.nodes == 1:
-        command = ["parcompile", "serve", f"{WORKSPACE}/{_spec_key(cfg)}", "-o", f"{WORKSPACE}/build",
+        command = ["parcompile", "serve", f"{spec_dir}/{_spec_key(cfg)}", "-o", SERVE_BUILD,
                    "--host", "0.0.0.0", "--port", str(SERVE_PORT)]
         probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10}
         return {"name": "server", "command": command, "ports": [{"containerPort": SERVE_PORT, "name": "http"}],
                 "readinessProbe": probe}
-    return {"name": "server", "command": torchrun_args(cfg, "$(LWS_WORKER_INDEX)", "$(LWS_LEADER_ADDRESS)"),
+    return {"name": "server", "command": torchrun_args(cfg, "$(LWS_WORKER_INDEX)", "$(LWS_LEADER_ADDRESS)", workdir),
             "ports": [{"containerPort": MASTER_PORT, "name": "rendezvous"}],
             "env": [{"name": "MASTER_PORT", "value": str(MASTER_PORT)}]}
 
@@ -309,11 +364,13 @@ def _leaderworkerset(cfg: SpecConfig, name: str, meta: dict, pod: dict) -> dict:
 
 
 def manifests(cfg: SpecConfig, files: dict[str, str], options: K8sOptions | None = None,
-              spec_text: str | None = None) -> dict[str, dict | list]:
+              spec_text: str | None = None, out_dir: str | os.PathLike | None = None) -> dict[str, dict | list]:
     """The plan's Kubernetes objects by file name (``jobset.yaml`` or ``deployment.yaml`` +
     ``service.yaml`` or ``leaderworkerset.yaml``, and ``configmap.yaml``: a list of ConfigMaps),
     as plain data. ``files`` are compile's outputs (name -> text): plan.json and the program are
-    taken from them; ``spec_text`` is the spec, which single-node serving compiles in the pod.
+    taken from them; ``spec_text`` is the spec, which single-node serving compiles in the pod;
+    ``out_dir`` the directory they are written to (where the pods place them:
+    :func:`workspace_layout`).
 
     Raises:
         K8sError: an option the API server would refuse (:meth:`K8sOptions.checked`); a serve
@@ -323,17 +380,21 @@ def manifests(cfg: SpecConfig, files: dict[str, str], options: K8sOptions | None
     meta = {"namespace": opts.namespace, "labels": {"app.kubernetes.io/name": name,
                                                     "app.kubernetes.io/managed-by": "parcompile"}}
     program = program_name(cfg)
+    workdir, spec_dir, _where = workspace_layout(cfg, out_dir)
     carried = {"plan.json": files["plan.json"], program: files[program]}
+    dirs = {"plan.json": workdir, program: workdir}
     if cfg.workload == "serve" and cfg.cluster.nodes == 1:
         if spec_text is None:
             raise K8sError("the Deployment runs `parcompile serve` on the spec: its text is needed (compile from text)")
         carried[_spec_key(cfg)] = spec_text
-    configmaps, copy = _configmaps(name, meta, carried)
+        dirs = {fname: spec_dir for fname in carried}   # the pod compiles the spec (SERVE_BUILD)
+    configmaps, copy = _configmaps(name, meta, carried, dirs)
     if cfg.workload == "train":
-        pod = _pod_spec(cfg, opts, name, configmaps, copy, _train_container(cfg, name))
+        pod = _pod_spec(cfg, opts, name, configmaps, copy, _train_container(cfg, name, workdir), workdir)
         out: dict[str, Any] = {"jobset.yaml": _jobset(cfg, name, meta, pod)}
     else:
-        pod = _pod_spec(cfg, opts, name, configmaps, copy, _serve_container(cfg))
+        pod = _pod_spec(cfg, opts, name, configmaps, copy, _serve_container(cfg, workdir, spec_dir),
+                        spec_dir if cfg.cluster.nodes == 1 else workdir)
         out = (_serve_single(cfg, name, meta, pod) if cfg.cluster.nodes == 1
                else {"leaderworkerset.yaml": _leaderworkerset(cfg, name, meta, pod)})
     out["configmap.yaml"] = configmaps
@@ -371,7 +432,7 @@ def render(objects: dict | list) -> str:
 
 
 def k8s_files(cfg: SpecConfig, files: dict[str, str], options: K8sOptions | None = None,
-              spec_text: str | None = None) -> dict[str, str]:
+              spec_text: str | None = None, out_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """``k8s/<file>`` -> YAML text for every manifest of :func:`manifests` (what ``compile``
     writes, with the other outputs, in one atomic step). None for a serve plan on one node whose
     spec text is unknown (a plan compiled from a config object, not a spec: the Deployment runs
@@ -386,8 +447,12 @@ def k8s_files(cfg: SpecConfig, files: dict[str, str], options: K8sOptions | None
         (options or K8sOptions()).checked()
         return {}
     header = f"# {object_name(cfg.name)}: Kubernetes manifests generated by parcompile {version()}\n"
+    _workdir, _spec_dir, where = workspace_layout(cfg, out_dir)
+    if where:   # what the pods open or write, for the volume --storage names to hold
+        header += "# the spec's files in the pods:\n" + "".join(
+            f"#   {key} = {comment_text(path)}\n" for key, path in sorted(where.items()))
     return {f"k8s/{fname}": header + render(objs)
-            for fname, objs in sorted(manifests(cfg, files, options, spec_text).items())}
+            for fname, objs in sorted(manifests(cfg, files, options, spec_text, out_dir).items())}
 
 
 #: every file :func:`k8s_files` may write (``Plan.write`` removes those a new plan does not produce)
