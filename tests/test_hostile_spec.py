@@ -46,6 +46,9 @@ def test_a_quantity_that_overflows_in_base_units_says_the_bound_in_its_unit(valu
     assert f"write a number below {bound}" in error, error
     [error] = _errors(TINY.replace("lr        = 3e-3", "lr        = 1e999"))
     assert error.endswith("| `1e999` overflows a float: write a number below 1.8e308"), error
+    # a unit below its base unit: the literal itself overflowed (was "write a number below inf us")
+    [error] = _errors(TINY.replace("    nodes         = 1", "    nodes         = 1\n    intra_node_latency = 1e999 us"))
+    assert error.endswith("| `1e999 us` overflows a float: write a number below 1.8e308"), error
 
 
 def test_cr_only_line_ends_are_newlines_and_columns_stay():

@@ -259,10 +259,10 @@ class _Values:
 
     def _in_range(self, key: str, t: KeyType, x: float, v: ast.Value) -> bool:
         if not math.isfinite(x):
-            scale = to_si(1.0, v.unit) if isinstance(v, ast.Quantity) else None   # a quantity overflows in SI units
+            scale = to_si(1.0, v.unit) if isinstance(v, ast.Quantity) else 0.0   # > 1: 1e308 TB/s overflows in SI
             self.bag.error(f"expected a finite number, got `{v.text}`", v.span, help=f"`{v.text}` overflows a float" + (
                 f" in base units ({scale:g} per {v.unit}): write a number below {1.7e308 / scale:.2g} {v.unit}"
-                if scale else ": write a number below 1.8e308"))
+                if scale > 1 else ": write a number below 1.8e308"))
             return False
         too_low = t.low is not None and (x <= t.low if t.low_open else x < t.low)
         too_high = t.high is not None and (x >= t.high if t.high_open else x > t.high)
