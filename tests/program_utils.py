@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 from pathlib import Path
@@ -70,3 +71,12 @@ def run_in_one_launch(world: int, jobs: list[tuple[Path, list[str]]], jobs_file:
         f"job {done} ({jobs[min(done, len(jobs) - 1)]}) did not complete:\n"
         f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc.stdout
+
+
+def assigned(program: str, name: str) -> object:
+    """The literal value a generated program's module-level ``NAME = ...`` assigns (read with
+    ``ast``, never executed)."""
+    for node in ast.parse(program).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not assigned in the program")

@@ -19,6 +19,7 @@ import pytest
 
 import parcompile
 from parcompile.codegen.emit import comment_text, render_launch, render_program
+from tests.program_utils import assigned
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = (REPO / "examples" / "tiny.par").read_text()
@@ -53,15 +54,6 @@ def _par_string(value: str) -> str:
     """``value`` as a .par string literal (backslash escapes for `\\`, `"`, newlines)."""
     esc = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
     return f'"{esc}"'
-
-
-def _assigned(program: str, name: str) -> object:
-    """The literal value the program's module-level ``NAME = ...`` assigns."""
-    tree = ast.parse(program)
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{name} not assigned in program.py")
 
 
 def _assert_no_injection(program: str) -> None:
@@ -101,7 +93,7 @@ def test_checkpoint_dir_is_kept_exactly_and_never_run(value, tmp_path, monkeypat
     program = render_program(plan.config, plan, tmp_path)
     _assert_no_injection(program)
     # relative to the program's directory (as every path is), naming the same place
-    got = _assigned(program, "TRAIN")["checkpoint_dir"]
+    got = assigned(program, "TRAIN")["checkpoint_dir"]
     assert os.path.normpath(os.path.join(os.path.abspath(tmp_path), got)) == os.path.abspath(value)
 
 
@@ -116,7 +108,7 @@ def test_data_paths_are_kept_exactly_and_never_run(value, tmp_path):
     out = tmp_path / "build"
     program = render_program(plan.config, plan, out)
     _assert_no_injection(program)
-    assert (out / _assigned(program, "DATA")).resolve() == data.resolve()
+    assert (out / assigned(program, "DATA")).resolve() == data.resolve()
 
 
 def test_path_tricks_in_data_resolve_as_paths(tmp_path):
@@ -128,7 +120,7 @@ def test_path_tricks_in_data_resolve_as_paths(tmp_path):
     assert Path(plan.config.train.data).resolve() == (tmp_path / "corpus.txt").resolve()
     program = render_program(plan.config, plan, tmp_path / "out")
     _assert_no_injection(program)
-    assert _assigned(program, "DATA") == "../corpus.txt"
+    assert assigned(program, "DATA") == "../corpus.txt"
 
 
 def test_compiled_files_are_utf8_and_a_hostile_name_runs_no_shell(tmp_path):
@@ -171,6 +163,6 @@ def test_an_output_directory_behind_a_symbolic_link_still_names_the_data(tmp_pat
     out = proj / "out" / "run1"                  # as the user names it: through the link
     program = render_program(plan.config, plan, out)
     here = out.resolve()                         # as the program finds itself
-    assert (here / _assigned(program, "DATA")).resolve() == data.resolve()
-    ckpt = _assigned(program, "TRAIN")["checkpoint_dir"]
+    assert (here / assigned(program, "DATA")).resolve() == data.resolve()
+    ckpt = assigned(program, "TRAIN")["checkpoint_dir"]
     assert Path(os.path.normpath(here / ckpt)) == proj.resolve() / "ckpt"

@@ -28,6 +28,7 @@ import parcompile
 from parcompile.cli import main
 from parcompile.codegen import k8s
 from parcompile.codegen.k8s import K8sError, K8sOptions
+from tests.program_utils import assigned
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -456,15 +457,6 @@ def test_a_disaggregated_serve_spec_gets_no_manifests(tmp_path, capsys):
     assert (out / "serve.py").is_file() and not (out / "k8s").exists()
 
 
-def _assigned(program: str, name: str) -> object:
-    """The literal value the program's module-level ``NAME = ...`` assigns."""
-    import ast
-    for node in ast.parse(program).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{name} not assigned")
-
-
 def test_the_specs_relative_paths_land_in_the_workspace(tmp_path):
     """The program's relative paths climb out of its directory (`-o build/run1`, data in
     `../data`): the pods place the program as deep in the workspace as those paths climb, the
@@ -503,8 +495,8 @@ def test_the_specs_relative_paths_land_in_the_workspace(tmp_path):
     program = work / "build" / "run1" / "program.py"
     here = program.resolve().parent
     source = program.read_text()
-    assert Path(resolve_source(_assigned(source, "DATA"), here)) == work.resolve() / "data" / "train.jsonl"
-    assert Path(resolve_source(_assigned(source, "TRAIN")["checkpoint_dir"], here)) == work.resolve() / "ckpt"
+    assert Path(resolve_source(assigned(source, "DATA"), here)) == work.resolve() / "data" / "train.jsonl"
+    assert Path(resolve_source(assigned(source, "TRAIN")["checkpoint_dir"], here)) == work.resolve() / "ckpt"
 
 
 def test_a_single_node_serving_pod_compiles_its_spec_where_its_weights_land(tmp_path):
